@@ -1,0 +1,714 @@
+//! The deterministic best-fit caching allocator.
+
+use super::align::{align_up, is_pow2};
+use super::config::CoreConfig;
+use super::error::AllocError;
+use super::stats::{BlockSnapshot, BlockState, CoreStats, SegmentSnapshot, Snapshot};
+use super::types::{
+    AllocRequest, BlockId, Fence, Growth, Placement, SegmentId, SizeClass, StreamId, Wait,
+};
+use slab::Slab;
+use smallvec::SmallVec;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Key of the ordered free index: best fit is the first key ≥ (size, 0, 0); ties are
+/// broken by (segment, offset). The slab slot rides along and never decides order,
+/// because (segment, offset) is unique.
+pub(super) type FreeKey = (u64, SegmentId, u64, u32);
+
+/// Fences kept on a free block: at most one per stream (the latest), sorted by stream.
+pub(super) type Fences = SmallVec<[Wait; 2]>;
+
+#[derive(Debug, Clone)]
+pub(super) enum BlockUse {
+    Allocated {
+        seq: u64,
+        requested_bytes: u64,
+        stream: StreamId,
+        others: SmallVec<[StreamId; 2]>,
+    },
+    Free {
+        fences: Fences,
+        /// Carries a fence above the completion watermark of its stream.
+        fenced: bool,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Block {
+    pub(super) segment: SegmentId,
+    pub(super) offset: u64,
+    pub(super) size: u64,
+    /// Slab slots of the address-order neighbours in the same segment.
+    pub(super) prev: Option<u32>,
+    pub(super) next: Option<u32>,
+    pub(super) usage: BlockUse,
+}
+
+impl Block {
+    pub(super) fn is_free(&self) -> bool {
+        matches!(self.usage, BlockUse::Free { .. })
+    }
+
+    fn key(&self, slot: u32) -> FreeKey {
+        (self.size, self.segment, self.offset, slot)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Segment {
+    pub(super) class: SizeClass,
+    pub(super) size: u64,
+    /// Slot of the block at offset 0.
+    pub(super) first: u32,
+}
+
+/// The deterministic caching allocator: carves blocks out of segments given to it.
+///
+/// It never allocates device memory. Every decision (which block, which offset, when
+/// to grow and by how much) is a pure function of the sequence of calls made on it:
+/// ordered containers only, ties broken by (segment, offset), no clocks, no hashing,
+/// and fence completion ([`complete_fences`](Self::complete_fences)) only updates the
+/// `active_bytes` statistic.
+///
+/// See the [module documentation](super) for the algorithm and the invariants that
+/// [`check_invariants`](Self::check_invariants) verifies.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    pub(super) config: CoreConfig,
+    pub(super) blocks: Slab<Block>,
+    pub(super) segments: BTreeMap<SegmentId, Segment>,
+    pub(super) free: [BTreeSet<FreeKey>; 2],
+    pub(super) next_segment: u32,
+    pub(super) next_seq: u64,
+    pub(super) stats: CoreStats,
+    /// Bytes of free blocks whose `fenced` flag is set.
+    pub(super) fenced_free_bytes: u64,
+    /// Largest fence reported complete, per stream.
+    pub(super) completed: BTreeMap<StreamId, Fence>,
+}
+
+impl Allocator {
+    /// An empty allocator (no segments).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidConfig`] if `config` fails [`CoreConfig::validate`].
+    pub fn new(config: CoreConfig) -> Result<Self, AllocError> {
+        config.validate()?;
+        Ok(Allocator {
+            config,
+            blocks: Slab::new(),
+            segments: BTreeMap::new(),
+            free: [BTreeSet::new(), BTreeSet::new()],
+            next_segment: 0,
+            next_seq: 1,
+            stats: CoreStats::default(),
+            fenced_free_bytes: 0,
+            completed: BTreeMap::new(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CoreConfig {
+        &self.config
+    }
+
+    /// Current statistics.
+    pub fn stats(&self) -> CoreStats {
+        self.stats
+    }
+
+    /// Reset every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        let s = &mut self.stats;
+        for stat in [
+            &mut s.allocated_bytes,
+            &mut s.requested_bytes,
+            &mut s.reserved_bytes,
+            &mut s.active_bytes,
+            &mut s.segments,
+            &mut s.allocated_blocks,
+        ] {
+            stat.reset_peak();
+        }
+    }
+
+    /// Effective alignment of a request, checked.
+    fn effective_align(&self, align_bytes: u64) -> Result<u64, AllocError> {
+        if !is_pow2(align_bytes) || align_bytes > self.config.granularity_bytes {
+            return Err(AllocError::BadAlignment {
+                align_bytes,
+                max_align_bytes: self.config.granularity_bytes,
+            });
+        }
+        Ok(align_bytes.max(self.config.min_block_bytes))
+    }
+
+    /// Place a request in a free block (best fit), or say how to grow.
+    ///
+    /// On success the returned [`Placement`] names the block and lists the device-side
+    /// waits the caller must enqueue on `req.stream` before using the memory: one per
+    /// other stream that used the memory before it was freed. Placement never depends
+    /// on the stream or on fence completion.
+    ///
+    /// # Errors
+    /// - [`AllocError::ZeroSize`], [`AllocError::TooLarge`], [`AllocError::BadAlignment`]
+    ///   for bad requests;
+    /// - [`AllocError::NeedsGrowth`] when no free block fits: add the segment it names
+    ///   with [`add_segment`](Self::add_segment) and call again;
+    /// - [`AllocError::OutOfMemory`] when that growth would exceed `max_reserved_bytes`;
+    /// - [`AllocError::Exhausted`] if sequence numbers or slots run out.
+    ///
+    /// The allocator is unchanged on error, except the `num_misses` counter.
+    pub fn alloc(&mut self, req: AllocRequest) -> Result<Placement, AllocError> {
+        let align = self.effective_align(req.align_bytes)?;
+        let size = self.config.round_request(req.size_bytes)?;
+        let class = self.config.class_of(size);
+        let Some((key, pad)) = self.find_fit(class, size, align) else {
+            self.stats.num_misses += 1;
+            let growth = self.config.growth_for(size, align)?;
+            let would = self
+                .stats
+                .reserved_bytes
+                .current
+                .checked_add(growth.segment_bytes);
+            return match would {
+                Some(w) if w <= self.config.max_reserved_bytes => {
+                    Err(AllocError::NeedsGrowth(growth))
+                }
+                _ => Err(AllocError::OutOfMemory {
+                    segment_bytes: growth.segment_bytes,
+                    would_reserve_bytes: would.unwrap_or(u64::MAX),
+                    max_reserved_bytes: self.config.max_reserved_bytes,
+                }),
+            };
+        };
+        let seq = self.next_seq;
+        let next_seq = seq.checked_add(1).ok_or(AllocError::Exhausted)?;
+        // Up to two new blocks (front padding, remainder): make sure slots can be made.
+        if self.blocks.len() > (u32::MAX - 3) as usize {
+            return Err(AllocError::Exhausted);
+        }
+        self.next_seq = next_seq;
+        Ok(self.carve(key, pad, size, class, seq, req))
+    }
+
+    /// First free block of `class` (in index order) that holds `size` bytes at an
+    /// offset aligned to `align`. Returns its key and the padding in front.
+    fn find_fit(&self, class: SizeClass, size: u64, align: u64) -> Option<(FreeKey, u64)> {
+        let start = (size, SegmentId(0), 0, 0);
+        let ratio = self.config.dedicated_reuse_ratio;
+        for &key in self.free[class.index()].range(start..) {
+            let (bsize, segment, offset, _) = key;
+            if ratio > 0 && bsize > self.config.large_segment_bytes {
+                let seg_size = self.segments[&segment].size;
+                if seg_size > self.config.large_segment_bytes
+                    && size.saturating_mul(ratio) < seg_size
+                {
+                    continue;
+                }
+            }
+            let Some(aligned) = align_up(offset, align) else {
+                continue;
+            };
+            let pad = aligned - offset;
+            if pad.checked_add(size).is_some_and(|need| need <= bsize) {
+                return Some((key, pad));
+            }
+        }
+        None
+    }
+
+    /// Split threshold for a size class: the smallest remainder worth keeping.
+    fn split_min(&self, class: SizeClass) -> u64 {
+        match class {
+            SizeClass::Small => self.config.min_block_bytes,
+            SizeClass::Large => self.config.large_split_min_bytes,
+        }
+    }
+
+    fn carve(
+        &mut self,
+        key: FreeKey,
+        pad: u64,
+        size: u64,
+        class: SizeClass,
+        seq: u64,
+        req: AllocRequest,
+    ) -> Placement {
+        let (bsize, segment, offset, slot) = key;
+        self.free[class.index()].remove(&key);
+        let (fences, fenced) = match &self.blocks[slot as usize].usage {
+            BlockUse::Free { fences, fenced } => (fences.clone(), *fenced),
+            BlockUse::Allocated { .. } => unreachable!("free index names an allocated block"),
+        };
+        if fenced {
+            self.fenced_free_bytes -= bsize;
+        }
+        let mut slot = slot;
+        let mut start = offset;
+        let mut len = bsize;
+        if pad > 0 {
+            // Keep the padding in front as its own free block; `slot` keeps it.
+            let new = self.split_off_tail(slot, pad, &fences, fenced, class);
+            self.insert_free(slot, class);
+            slot = new;
+            start += pad;
+            len -= pad;
+            self.stats.num_splits += 1;
+        }
+        let remainder = len - size;
+        let block_len = if remainder >= self.split_min(class) && remainder > 0 {
+            let tail = self.split_off_tail(slot, size, &fences, fenced, class);
+            self.insert_free(tail, class);
+            self.stats.num_splits += 1;
+            size
+        } else {
+            len
+        };
+        let waits: SmallVec<[Wait; 2]> = fences
+            .iter()
+            .filter(|w| w.stream != req.stream)
+            .copied()
+            .collect();
+        let block = &mut self.blocks[slot as usize];
+        block.usage = BlockUse::Allocated {
+            seq,
+            requested_bytes: req.size_bytes,
+            stream: req.stream,
+            others: SmallVec::new(),
+        };
+        let s = &mut self.stats;
+        s.allocated_bytes.add(block_len);
+        s.requested_bytes.add(req.size_bytes);
+        s.allocated_blocks.add(1);
+        s.free_blocks -= 1;
+        s.num_allocs += 1;
+        s.num_waits += waits.len() as u64;
+        self.refresh_active();
+        Placement {
+            block: BlockId { slot, seq },
+            segment,
+            offset_bytes: start,
+            size_bytes: block_len,
+            waits,
+        }
+    }
+
+    /// Cut block `slot` (free, not in the index) at `at` bytes; the tail becomes a new
+    /// free block with the given fences, linked after it. Returns the tail's slot.
+    fn split_off_tail(
+        &mut self,
+        slot: u32,
+        at: u64,
+        fences: &Fences,
+        fenced: bool,
+        _class: SizeClass,
+    ) -> u32 {
+        let (segment, offset, size, next) = {
+            let b = &self.blocks[slot as usize];
+            (b.segment, b.offset, b.size, b.next)
+        };
+        debug_assert!(at > 0 && at < size);
+        let tail = Block {
+            segment,
+            offset: offset + at,
+            size: size - at,
+            prev: Some(slot),
+            next,
+            usage: BlockUse::Free {
+                fences: fences.clone(),
+                fenced,
+            },
+        };
+        let tail_slot = self.blocks.insert(tail) as u32;
+        if let Some(n) = next {
+            self.blocks[n as usize].prev = Some(tail_slot);
+        }
+        let b = &mut self.blocks[slot as usize];
+        b.size = at;
+        b.next = Some(tail_slot);
+        self.stats.free_blocks += 1;
+        tail_slot
+    }
+
+    /// Put a free block into the free index and account for its fence state.
+    fn insert_free(&mut self, slot: u32, class: SizeClass) {
+        let b = &self.blocks[slot as usize];
+        if let BlockUse::Free { fenced: true, .. } = b.usage {
+            self.fenced_free_bytes += b.size;
+        }
+        self.free[class.index()].insert(b.key(slot));
+    }
+
+    /// Take a free block out of the free index, undoing its fence accounting.
+    fn remove_free(&mut self, slot: u32, class: SizeClass) {
+        let b = &self.blocks[slot as usize];
+        if let BlockUse::Free { fenced: true, .. } = b.usage {
+            self.fenced_free_bytes -= b.size;
+        }
+        let removed = self.free[class.index()].remove(&b.key(slot));
+        debug_assert!(removed, "free block missing from the index");
+    }
+
+    fn refresh_active(&mut self) {
+        let active = self.stats.allocated_bytes.current + self.fenced_free_bytes;
+        let a = &mut self.stats.active_bytes;
+        a.current = active;
+        a.peak = a.peak.max(active);
+    }
+
+    fn live(&self, id: BlockId) -> Result<&Block, AllocError> {
+        match self.blocks.get(id.slot as usize) {
+            Some(
+                b @ Block {
+                    usage: BlockUse::Allocated { seq, .. },
+                    ..
+                },
+            ) if *seq == id.seq => Ok(b),
+            _ => Err(AllocError::StaleBlock(id)),
+        }
+    }
+
+    /// The streams that used a live block: the allocating stream first, then the
+    /// streams recorded with [`record_stream`](Self::record_stream), in recording order.
+    /// The caller records one fence on each before [`free`](Self::free).
+    ///
+    /// # Errors
+    /// [`AllocError::StaleBlock`] if `id` is not a live block.
+    pub fn streams_of(&self, id: BlockId) -> Result<SmallVec<[StreamId; 3]>, AllocError> {
+        match &self.live(id)?.usage {
+            BlockUse::Allocated { stream, others, .. } => {
+                let mut v = SmallVec::new();
+                v.push(*stream);
+                v.extend(others.iter().copied());
+                Ok(v)
+            }
+            BlockUse::Free { .. } => Err(AllocError::StaleBlock(id)),
+        }
+    }
+
+    /// Note that a live block is also used on `stream` (like PyTorch's
+    /// `Tensor.record_stream`). Recording the allocating stream, or a stream already
+    /// recorded, changes nothing.
+    ///
+    /// # Errors
+    /// [`AllocError::StaleBlock`] if `id` is not a live block.
+    pub fn record_stream(&mut self, id: BlockId, stream: StreamId) -> Result<(), AllocError> {
+        self.live(id)?;
+        if let BlockUse::Allocated {
+            stream: own,
+            others,
+            ..
+        } = &mut self.blocks[id.slot as usize].usage
+            && *own != stream
+            && !others.contains(&stream)
+        {
+            others.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Free a live block. `fences` gives, for the streams that used it (see
+    /// [`streams_of`](Self::streams_of)), the point after which they no longer touch it;
+    /// they are returned as waits when the memory is handed out on another stream.
+    /// Duplicates keep the largest fence per stream. The block merges with free
+    /// neighbours in its segment.
+    ///
+    /// # Errors
+    /// [`AllocError::StaleBlock`] if `id` is not a live block (double free, stale or
+    /// foreign handle). Nothing changes then.
+    pub fn free(&mut self, id: BlockId, fences: &[Wait]) -> Result<(), AllocError> {
+        let block = self.live(id)?;
+        let (size, requested, segment) = match &block.usage {
+            BlockUse::Allocated {
+                requested_bytes, ..
+            } => (block.size, *requested_bytes, block.segment),
+            BlockUse::Free { .. } => return Err(AllocError::StaleBlock(id)),
+        };
+        let class = self.segments[&segment].class;
+        let mut own = Fences::new();
+        for w in fences {
+            merge_fence(&mut own, *w);
+        }
+        let fenced = self.is_fenced(&own);
+        let slot = id.slot;
+        self.blocks[slot as usize].usage = BlockUse::Free {
+            fences: own,
+            fenced,
+        };
+        let s = &mut self.stats;
+        s.allocated_bytes.sub(size);
+        s.requested_bytes.sub(requested);
+        s.allocated_blocks.sub(1);
+        s.free_blocks += 1;
+        s.num_frees += 1;
+        let mut slot = slot;
+        if let Some(p) = self.blocks[slot as usize].prev
+            && self.blocks[p as usize].is_free()
+        {
+            self.remove_free(p, class);
+            self.absorb_next(p);
+            slot = p;
+        }
+        if let Some(n) = self.blocks[slot as usize].next
+            && self.blocks[n as usize].is_free()
+        {
+            self.remove_free(n, class);
+            self.absorb_next(slot);
+        }
+        self.insert_free(slot, class);
+        self.refresh_active();
+        Ok(())
+    }
+
+    /// Merge the (free, unindexed) successor of `slot` into it. `slot` must be free
+    /// and unindexed too.
+    fn absorb_next(&mut self, slot: u32) {
+        let n = self.blocks[slot as usize]
+            .next
+            .expect("absorb_next needs a successor");
+        let next_block = self.blocks.remove(n as usize);
+        if let Some(nn) = next_block.next {
+            self.blocks[nn as usize].prev = Some(slot);
+        }
+        let BlockUse::Free {
+            fences: nf,
+            fenced: nfd,
+        } = next_block.usage
+        else {
+            unreachable!("absorbing an allocated block")
+        };
+        let b = &mut self.blocks[slot as usize];
+        b.size += next_block.size;
+        b.next = next_block.next;
+        if let BlockUse::Free { fences, fenced } = &mut b.usage {
+            for w in nf {
+                merge_fence(fences, w);
+            }
+            *fenced |= nfd;
+        }
+        self.stats.free_blocks -= 1;
+        self.stats.num_merges += 1;
+    }
+
+    fn is_fenced(&self, fences: &Fences) -> bool {
+        fences
+            .iter()
+            .any(|w| self.completed.get(&w.stream).is_none_or(|&c| w.fence > c))
+    }
+
+    /// Report that all work on `stream` up to `fence` has finished.
+    ///
+    /// This only updates the `active_bytes` statistic: placement and the waits returned
+    /// by [`alloc`](Self::alloc) never depend on it. It scans the free blocks (O(free)).
+    pub fn complete_fences(&mut self, stream: StreamId, fence: Fence) {
+        let w = self.completed.entry(stream).or_insert(fence);
+        *w = (*w).max(fence);
+        let mut fenced_bytes = 0;
+        let completed = &self.completed;
+        for (_, b) in self.blocks.iter_mut() {
+            if let BlockUse::Free { fences, fenced } = &mut b.usage {
+                if *fenced {
+                    *fenced = fences
+                        .iter()
+                        .any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c));
+                }
+                if *fenced {
+                    fenced_bytes += b.size;
+                }
+            }
+        }
+        self.fenced_free_bytes = fenced_bytes;
+        self.refresh_active();
+    }
+
+    /// Add a segment, as asked for by [`AllocError::NeedsGrowth`] (or to pre-grow).
+    /// Its id is the next in sequence; it starts as one free block.
+    ///
+    /// # Errors
+    /// [`AllocError::BadSegmentSize`] unless the size is a non-zero multiple of the
+    /// granularity (and, for a small segment, at least `small_request_max_bytes`);
+    /// [`AllocError::OutOfMemory`] past `max_reserved_bytes`; [`AllocError::Exhausted`]
+    /// after 2³² - 1 segments.
+    pub fn add_segment(&mut self, growth: Growth) -> Result<SegmentId, AllocError> {
+        let size = growth.segment_bytes;
+        if size == 0
+            || !size.is_multiple_of(self.config.granularity_bytes)
+            || (growth.class == SizeClass::Small && size < self.config.small_request_max_bytes)
+        {
+            return Err(AllocError::BadSegmentSize { size_bytes: size });
+        }
+        let reserved = self.stats.reserved_bytes.current;
+        match reserved.checked_add(size) {
+            Some(r) if r <= self.config.max_reserved_bytes => {}
+            would => {
+                return Err(AllocError::OutOfMemory {
+                    segment_bytes: size,
+                    would_reserve_bytes: would.unwrap_or(u64::MAX),
+                    max_reserved_bytes: self.config.max_reserved_bytes,
+                });
+            }
+        }
+        if self.next_segment == u32::MAX || self.blocks.len() >= u32::MAX as usize {
+            return Err(AllocError::Exhausted);
+        }
+        let id = SegmentId(self.next_segment);
+        self.next_segment += 1;
+        let slot = self.blocks.insert(Block {
+            segment: id,
+            offset: 0,
+            size,
+            prev: None,
+            next: None,
+            usage: BlockUse::Free {
+                fences: Fences::new(),
+                fenced: false,
+            },
+        }) as u32;
+        self.segments.insert(
+            id,
+            Segment {
+                class: growth.class,
+                size,
+                first: slot,
+            },
+        );
+        self.insert_free(slot, growth.class);
+        let s = &mut self.stats;
+        s.reserved_bytes.add(size);
+        s.segments.add(1);
+        s.free_blocks += 1;
+        s.num_growths += 1;
+        Ok(id)
+    }
+
+    /// Remove every segment that is entirely free, in ascending id order, and return
+    /// them with their sizes. The caller releases their memory.
+    pub fn release_free_segments(&mut self) -> Vec<(SegmentId, u64)> {
+        let empty: Vec<SegmentId> = self
+            .segments
+            .iter()
+            .filter(|(_, seg)| {
+                let b = &self.blocks[seg.first as usize];
+                b.is_free() && b.size == seg.size
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let mut out = Vec::with_capacity(empty.len());
+        for id in empty {
+            let seg = self.segments.remove(&id).expect("listed above");
+            self.remove_free(seg.first, seg.class);
+            self.blocks.remove(seg.first as usize);
+            let s = &mut self.stats;
+            s.reserved_bytes.sub(seg.size);
+            s.segments.sub(1);
+            s.free_blocks -= 1;
+            s.num_releases += 1;
+            out.push((id, seg.size));
+        }
+        self.refresh_active();
+        out
+    }
+
+    /// Remove one entirely free segment and return its size in bytes.
+    ///
+    /// # Errors
+    /// [`AllocError::UnknownSegment`] if the segment does not exist or is not entirely
+    /// free. Nothing changes then.
+    pub fn release_segment(&mut self, id: SegmentId) -> Result<u64, AllocError> {
+        let seg = self
+            .segments
+            .get(&id)
+            .ok_or(AllocError::UnknownSegment(id))?;
+        let b = &self.blocks[seg.first as usize];
+        if !(b.is_free() && b.size == seg.size) {
+            return Err(AllocError::UnknownSegment(id));
+        }
+        let seg = self.segments.remove(&id).expect("checked above");
+        self.remove_free(seg.first, seg.class);
+        self.blocks.remove(seg.first as usize);
+        let s = &mut self.stats;
+        s.reserved_bytes.sub(seg.size);
+        s.segments.sub(1);
+        s.free_blocks -= 1;
+        s.num_releases += 1;
+        self.refresh_active();
+        Ok(seg.size)
+    }
+
+    /// The segments in id order, with class and size in bytes.
+    pub fn segments(&self) -> impl Iterator<Item = (SegmentId, SizeClass, u64)> + '_ {
+        self.segments.iter().map(|(id, s)| (*id, s.class, s.size))
+    }
+
+    /// Where a live block is: (segment, offset in bytes, block size in bytes).
+    ///
+    /// # Errors
+    /// [`AllocError::StaleBlock`] if `id` is not a live block.
+    pub fn locate(&self, id: BlockId) -> Result<(SegmentId, u64, u64), AllocError> {
+        let b = self.live(id)?;
+        Ok((b.segment, b.offset, b.size))
+    }
+
+    /// A copy of every segment and block, in id and address order.
+    pub fn snapshot(&self) -> Snapshot {
+        let segments = self
+            .segments
+            .iter()
+            .map(|(id, seg)| {
+                let mut blocks = Vec::new();
+                let mut cur = Some(seg.first);
+                while let Some(slot) = cur {
+                    let b = &self.blocks[slot as usize];
+                    let (state, requested_bytes, stream, other_streams) = match &b.usage {
+                        BlockUse::Allocated {
+                            requested_bytes,
+                            stream,
+                            others,
+                            ..
+                        } => (
+                            BlockState::Allocated,
+                            *requested_bytes,
+                            Some(*stream),
+                            others.to_vec(),
+                        ),
+                        BlockUse::Free { fences, .. } => (
+                            BlockState::Free,
+                            0,
+                            fences.first().map(|w| w.stream),
+                            fences.iter().skip(1).map(|w| w.stream).collect(),
+                        ),
+                    };
+                    blocks.push(BlockSnapshot {
+                        offset_bytes: b.offset,
+                        size_bytes: b.size,
+                        requested_bytes,
+                        state,
+                        stream,
+                        other_streams,
+                    });
+                    cur = b.next;
+                }
+                SegmentSnapshot {
+                    id: *id,
+                    class: seg.class,
+                    size_bytes: seg.size,
+                    blocks,
+                }
+            })
+            .collect();
+        Snapshot {
+            segments,
+            stats: self.stats,
+        }
+    }
+}
+
+/// Insert `w` into a stream-sorted fence list, keeping the largest fence per stream.
+fn merge_fence(fences: &mut Fences, w: Wait) {
+    match fences.binary_search_by_key(&w.stream, |x| x.stream) {
+        Ok(i) => fences[i].fence = fences[i].fence.max(w.fence),
+        Err(i) => fences.insert(i, w),
+    }
+}

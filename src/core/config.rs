@@ -1,0 +1,235 @@
+//! The core's configuration and its growth policy.
+
+use super::align::{align_up, is_pow2};
+use super::error::AllocError;
+use super::types::{Growth, SizeClass};
+use serde::{Deserialize, Serialize};
+
+/// One mebibyte, for readable defaults.
+const MIB: u64 = 1 << 20;
+
+/// Sizes that steer rounding, splitting and growth.
+///
+/// Defaults follow PyTorch's caching allocator (`kMinBlockSize`, `kSmallSize`,
+/// `kSmallBuffer`, `kLargeBuffer`, `kMinLargeAlloc`, `kRoundLarge`) with the segment
+/// granularity of NCCL's `ncclMemAlloc` on H200 (2 MiB,
+/// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`).
+///
+/// # Growth policy
+///
+/// When no free block of the request's size class fits, the core asks for one new
+/// segment ([`Growth`]) whose size depends only on the request:
+///
+/// | request (rounded up to `min_block_bytes`)   | class | new segment                          |
+/// |---------------------------------------------|-------|--------------------------------------|
+/// | ≤ `small_request_max_bytes`                 | small | `small_segment_bytes`                |
+/// | ≤ `dedicated_min_bytes`                     | large | `large_segment_bytes`                |
+/// | larger                                      | large | a dedicated segment: the request rounded up to a multiple of `max(granularity_bytes, 2^⌊log2 request⌋ / dedicated_round_steps)` |
+///
+/// Rounding dedicated segments to 1/16 of their power of two (at most 6.25 % more than
+/// asked for) lets requests of nearby sizes (a 250 MiB embedding, 255 MiB MLP blocks)
+/// share segments. A dedicated segment serves only requests of at least
+/// 1/`dedicated_reuse_ratio` of its size, so small requests never fragment it.
+///
+/// Growth that would take reserved memory past `max_reserved_bytes` fails with
+/// [`AllocError::OutOfMemory`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct CoreConfig {
+    /// Every block size and offset is a multiple of this (default 512 B, a power of two).
+    /// It is also the default alignment.
+    pub min_block_bytes: u64,
+    /// Segment sizes are multiples of this, and it is the largest alignment a request
+    /// may ask for (default 2 MiB, a power of two).
+    pub granularity_bytes: u64,
+    /// Requests up to this size are small (default 1 MiB).
+    pub small_request_max_bytes: u64,
+    /// Size of each small segment (default 2 MiB).
+    pub small_segment_bytes: u64,
+    /// Size of a shared large segment (default 20 MiB).
+    pub large_segment_bytes: u64,
+    /// Large requests above this get a dedicated segment of their own size
+    /// (default 10 MiB).
+    pub dedicated_min_bytes: u64,
+    /// A large free block is split only if the remainder is at least this big
+    /// (default 1 MiB); otherwise the whole block is handed out. Small blocks split
+    /// whenever the remainder is at least `min_block_bytes`.
+    pub large_split_min_bytes: u64,
+    /// A request may use a dedicated segment (one larger than `large_segment_bytes`)
+    /// only if it is at least 1/`dedicated_reuse_ratio` of the segment's size
+    /// (default 4; 0 disables the rule).
+    pub dedicated_reuse_ratio: u64,
+    /// Dedicated segments are rounded up to 1/`dedicated_round_steps` of their power
+    /// of two (default 16; a power of two; 0 rounds to the granularity only).
+    pub dedicated_round_steps: u64,
+    /// Requests above this are refused with [`AllocError::TooLarge`] (default 1 TiB).
+    pub max_request_bytes: u64,
+    /// Growth beyond this many reserved bytes is refused with
+    /// [`AllocError::OutOfMemory`] (default `u64::MAX`, no limit).
+    pub max_reserved_bytes: u64,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig {
+            min_block_bytes: 512,
+            granularity_bytes: 2 * MIB,
+            small_request_max_bytes: MIB,
+            small_segment_bytes: 2 * MIB,
+            large_segment_bytes: 20 * MIB,
+            dedicated_min_bytes: 10 * MIB,
+            large_split_min_bytes: MIB,
+            dedicated_reuse_ratio: 4,
+            dedicated_round_steps: 16,
+            max_request_bytes: 1 << 40,
+            max_reserved_bytes: u64::MAX,
+        }
+    }
+}
+
+impl CoreConfig {
+    /// Set the segment granularity (and the largest alignment), in bytes.
+    pub fn with_granularity_bytes(mut self, bytes: u64) -> Self {
+        self.granularity_bytes = bytes;
+        self
+    }
+
+    /// Set the size of shared large segments, in bytes.
+    pub fn with_large_segment_bytes(mut self, bytes: u64) -> Self {
+        self.large_segment_bytes = bytes;
+        self
+    }
+
+    /// Set the threshold above which large requests get a dedicated segment, in bytes.
+    pub fn with_dedicated_min_bytes(mut self, bytes: u64) -> Self {
+        self.dedicated_min_bytes = bytes;
+        self
+    }
+
+    /// Set the largest small request and the small segment size, in bytes.
+    pub fn with_small(mut self, request_max_bytes: u64, segment_bytes: u64) -> Self {
+        self.small_request_max_bytes = request_max_bytes;
+        self.small_segment_bytes = segment_bytes;
+        self
+    }
+
+    /// Set the largest accepted request, in bytes.
+    pub fn with_max_request_bytes(mut self, bytes: u64) -> Self {
+        self.max_request_bytes = bytes;
+        self
+    }
+
+    /// Set the limit on reserved bytes (sum of segment sizes).
+    pub fn with_max_reserved_bytes(mut self, bytes: u64) -> Self {
+        self.max_reserved_bytes = bytes;
+        self
+    }
+
+    /// Check that the sizes are consistent.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidConfig`] naming the first rule broken: `min_block_bytes` and
+    /// `granularity_bytes` powers of two with `min_block_bytes ≤ granularity_bytes`;
+    /// segment sizes non-zero multiples of the granularity; a small request fits a
+    /// small segment; `dedicated_min_bytes ≤ large_segment_bytes`;
+    /// `small_request_max_bytes < max_request_bytes`.
+    pub fn validate(&self) -> Result<(), AllocError> {
+        let bad = |what: &'static str| Err(AllocError::InvalidConfig(what));
+        if !is_pow2(self.min_block_bytes) || !is_pow2(self.granularity_bytes) {
+            return bad("min_block_bytes and granularity_bytes must be powers of two");
+        }
+        if self.min_block_bytes > self.granularity_bytes {
+            return bad("min_block_bytes must not exceed granularity_bytes");
+        }
+        for seg in [self.small_segment_bytes, self.large_segment_bytes] {
+            if seg == 0 || !seg.is_multiple_of(self.granularity_bytes) {
+                return bad("segment sizes must be non-zero multiples of granularity_bytes");
+            }
+        }
+        if self.small_request_max_bytes == 0
+            || !self
+                .small_request_max_bytes
+                .is_multiple_of(self.min_block_bytes)
+            || self.small_request_max_bytes > self.small_segment_bytes
+        {
+            return bad(
+                "small_request_max_bytes must be a non-zero multiple of min_block_bytes that fits a small segment",
+            );
+        }
+        if self.dedicated_min_bytes > self.large_segment_bytes
+            || self.dedicated_min_bytes < self.small_request_max_bytes
+        {
+            return bad(
+                "dedicated_min_bytes must lie between small_request_max_bytes and large_segment_bytes",
+            );
+        }
+        if self.dedicated_round_steps != 0 && !is_pow2(self.dedicated_round_steps) {
+            return bad("dedicated_round_steps must be 0 or a power of two");
+        }
+        if self.max_request_bytes <= self.small_request_max_bytes {
+            return bad("max_request_bytes must exceed small_request_max_bytes");
+        }
+        Ok(())
+    }
+
+    /// The size class of a request already rounded to `min_block_bytes`.
+    pub fn class_of(&self, rounded_bytes: u64) -> SizeClass {
+        if rounded_bytes <= self.small_request_max_bytes {
+            SizeClass::Small
+        } else {
+            SizeClass::Large
+        }
+    }
+
+    /// Round a request up to the block size unit and check it against the limits.
+    ///
+    /// # Errors
+    /// [`AllocError::ZeroSize`] for 0; [`AllocError::TooLarge`] above
+    /// `max_request_bytes` (including sizes whose rounding would overflow `u64`).
+    pub fn round_request(&self, size_bytes: u64) -> Result<u64, AllocError> {
+        if size_bytes == 0 {
+            return Err(AllocError::ZeroSize);
+        }
+        let too_large = AllocError::TooLarge {
+            requested_bytes: size_bytes,
+            max_bytes: self.max_request_bytes,
+        };
+        if size_bytes > self.max_request_bytes {
+            return Err(too_large);
+        }
+        align_up(size_bytes, self.min_block_bytes).ok_or(too_large)
+    }
+
+    /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
+    /// with effective alignment `align_bytes` (see the table above).
+    ///
+    /// # Errors
+    /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
+    pub fn growth_for(&self, rounded_bytes: u64, align_bytes: u64) -> Result<Growth, AllocError> {
+        let class = self.class_of(rounded_bytes);
+        let segment_bytes = match class {
+            SizeClass::Small => self.small_segment_bytes,
+            SizeClass::Large if rounded_bytes <= self.dedicated_min_bytes => {
+                self.large_segment_bytes
+            }
+            SizeClass::Large => {
+                // Offset 0 of a segment satisfies every alignment up to the granularity,
+                // so the request alone decides the size.
+                let _ = align_bytes;
+                let octave = 1u64 << (63 - rounded_bytes.leading_zeros());
+                let step = match self.dedicated_round_steps {
+                    0 => self.granularity_bytes,
+                    n => (octave / n).max(self.granularity_bytes),
+                };
+                align_up(rounded_bytes, step).ok_or(AllocError::TooLarge {
+                    requested_bytes: rounded_bytes,
+                    max_bytes: self.max_request_bytes,
+                })?
+            }
+        };
+        Ok(Growth {
+            class,
+            segment_bytes,
+        })
+    }
+}

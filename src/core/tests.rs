@@ -1,0 +1,581 @@
+//! Unit tests of the core: rounding, exact fit, split, coalescing, alignment, stale
+//! handles, size limits, streams and growth.
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+const S0: StreamId = StreamId(0);
+const S1: StreamId = StreamId(1);
+
+fn core() -> Allocator {
+    Allocator::new(CoreConfig::default()).unwrap()
+}
+
+/// Allocate, growing as the core asks. Checks invariants after each step.
+fn alloc(c: &mut Allocator, req: AllocRequest) -> Placement {
+    let p = match c.alloc(req) {
+        Err(AllocError::NeedsGrowth(g)) => {
+            c.add_segment(g).unwrap();
+            c.check_invariants().unwrap();
+            c.alloc(req).unwrap()
+        }
+        other => other.unwrap(),
+    };
+    c.check_invariants().unwrap();
+    p
+}
+
+fn free(c: &mut Allocator, p: &Placement) {
+    c.free(p.block, &[]).unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn rounding_to_min_block() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(1, S0));
+    assert_eq!(a.size_bytes, 512);
+    let b = alloc(&mut c, AllocRequest::new(513, S0));
+    assert_eq!(b.size_bytes, 1024);
+    assert_eq!(b.offset_bytes, 512);
+    assert_eq!(c.stats().requested_bytes.current, 514);
+    assert_eq!(c.stats().allocated_bytes.current, 1536);
+}
+
+#[test]
+fn zero_size_is_refused_and_never_grows() {
+    let mut c = core();
+    assert_eq!(c.alloc(AllocRequest::new(0, S0)), Err(AllocError::ZeroSize));
+    assert_eq!(c.stats().num_growths, 0);
+    assert_eq!(c.stats().num_misses, 0);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn huge_sizes_are_errors_not_tiny_blocks() {
+    let mut c = core();
+    for size in [u64::MAX, u64::MAX - 1, u64::MAX - 511, (1 << 40) + 1] {
+        assert!(
+            matches!(
+                c.alloc(AllocRequest::new(size, S0)),
+                Err(AllocError::TooLarge { .. })
+            ),
+            "size {size}"
+        );
+    }
+    // Exactly at the limit is a valid request (that needs growth).
+    assert!(matches!(
+        c.alloc(AllocRequest::new(1 << 40, S0)),
+        Err(AllocError::NeedsGrowth(Growth {
+            class: SizeClass::Large,
+            segment_bytes
+        })) if segment_bytes == 1 << 40
+    ));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn reserved_limit_gives_out_of_memory() {
+    let mut c = Allocator::new(CoreConfig::default().with_max_reserved_bytes(24 * MIB)).unwrap();
+    let _a = alloc(&mut c, AllocRequest::new(3 * MIB, S0));
+    assert!(matches!(
+        c.alloc(AllocRequest::new(18 * MIB, S0)),
+        Err(AllocError::OutOfMemory { segment_bytes, would_reserve_bytes, max_reserved_bytes })
+            if segment_bytes == 18 * MIB && would_reserve_bytes == 38 * MIB && max_reserved_bytes == 24 * MIB
+    ));
+    assert!(matches!(
+        c.add_segment(Growth {
+            class: SizeClass::Large,
+            segment_bytes: 8 * MIB
+        }),
+        Err(AllocError::OutOfMemory { .. })
+    ));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn exact_fit_reuses_the_freed_block() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(4096, S0));
+    let _b = alloc(&mut c, AllocRequest::new(4096, S0));
+    free(&mut c, &a);
+    let a2 = alloc(&mut c, AllocRequest::new(4096, S0));
+    assert_eq!((a2.segment, a2.offset_bytes), (a.segment, a.offset_bytes));
+    assert_eq!(c.stats().num_growths, 1);
+}
+
+#[test]
+fn best_fit_prefers_the_smallest_block_then_lowest_address() {
+    let mut c = core();
+    let sizes = [8192, 512, 4096, 512, 2048, 512];
+    let ps: Vec<_> = sizes
+        .iter()
+        .map(|&s| alloc(&mut c, AllocRequest::new(s, S0)))
+        .collect();
+    // Free the 8192, 4096 and 2048 blocks; the 512 separators keep them apart.
+    for i in [0, 2, 4] {
+        free(&mut c, &ps[i]);
+    }
+    let p = alloc(&mut c, AllocRequest::new(2000, S0));
+    assert_eq!(p.offset_bytes, ps[4].offset_bytes, "smallest fitting block");
+    let q = alloc(&mut c, AllocRequest::new(4096, S0));
+    assert_eq!(q.offset_bytes, ps[2].offset_bytes);
+}
+
+#[test]
+fn split_keeps_the_remainder_free() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(1024, S0));
+    assert_eq!(a.offset_bytes, 0);
+    assert_eq!(c.stats().num_splits, 1);
+    assert_eq!(c.stats().free_blocks, 1);
+    let snap = c.snapshot();
+    assert_eq!(snap.segments[0].blocks.len(), 2);
+    assert_eq!(snap.segments[0].blocks[1].offset_bytes, 1024);
+    assert_eq!(snap.segments[0].blocks[1].size_bytes, 2 * MIB - 1024);
+}
+
+#[test]
+fn large_blocks_do_not_split_off_small_remainders() {
+    let mut c = core();
+    // 19.5 MiB in a 20 MiB segment: the 0.5 MiB remainder is not worth a block.
+    let a = alloc(&mut c, AllocRequest::new(19 * MIB + MIB / 2, S0));
+    assert_eq!(a.size_bytes, 20 * MIB);
+    assert_eq!(c.stats().free_blocks, 0);
+    // 18 MiB leaves 2 MiB: split.
+    free(&mut c, &a);
+    let b = alloc(&mut c, AllocRequest::new(18 * MIB, S0));
+    assert_eq!(b.size_bytes, 18 * MIB);
+    assert_eq!(c.stats().free_blocks, 1);
+}
+
+#[test]
+fn coalesces_with_both_neighbours() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(4096, S0));
+    let b = alloc(&mut c, AllocRequest::new(4096, S0));
+    let d = alloc(&mut c, AllocRequest::new(4096, S0));
+    let _e = alloc(&mut c, AllocRequest::new(4096, S0));
+    free(&mut c, &a);
+    free(&mut c, &d);
+    assert_eq!(c.stats().free_blocks, 3);
+    free(&mut c, &b); // merges with a (left) and d (right)
+    assert_eq!(c.stats().free_blocks, 2);
+    assert_eq!(c.stats().num_merges, 2);
+    let snap = c.snapshot();
+    assert_eq!(snap.segments[0].blocks[0].size_bytes, 3 * 4096);
+    assert_eq!(snap.segments[0].blocks[0].state, BlockState::Free);
+}
+
+#[test]
+fn coalescing_after_everything_frees_restores_one_block() {
+    let mut c = core();
+    let ps: Vec<_> = (1..20)
+        .map(|i| alloc(&mut c, AllocRequest::new(i * 1000, S0)))
+        .collect();
+    // Even indices from the top down, then odd ones from the bottom up.
+    for p in ps
+        .iter()
+        .rev()
+        .step_by(2)
+        .chain(ps.iter().skip(1).step_by(2))
+    {
+        free(&mut c, p);
+    }
+    let snap = c.snapshot();
+    assert_eq!(snap.segments.len(), 1);
+    assert_eq!(snap.segments[0].blocks.len(), 1);
+}
+
+#[test]
+fn never_coalesces_across_segments() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(MIB, S0));
+    let b = alloc(&mut c, AllocRequest::new(MIB, S0));
+    let d = alloc(&mut c, AllocRequest::new(MIB, S0)); // third MiB: new small segment
+    assert_eq!(a.segment, b.segment);
+    assert_ne!(a.segment, d.segment);
+    free(&mut c, &b);
+    free(&mut c, &d);
+    let snap = c.snapshot();
+    assert_eq!(snap.segments[0].blocks.len(), 2);
+    assert_eq!(snap.segments[1].blocks.len(), 1);
+}
+
+#[test]
+fn alignment_edges() {
+    let mut c = core();
+    let _pad = alloc(&mut c, AllocRequest::new(512, S0));
+    let a = alloc(&mut c, AllocRequest::new(512, S0).with_align(4096));
+    assert_eq!(a.offset_bytes % 4096, 0);
+    assert_eq!(a.offset_bytes, 4096);
+    // The 3.5 KiB of padding in front stays usable.
+    let b = alloc(&mut c, AllocRequest::new(3584, S0));
+    assert_eq!(b.offset_bytes, 512);
+    // Alignment 1 and 512 mean the default.
+    let d = alloc(&mut c, AllocRequest::new(100, S0).with_align(1));
+    assert_eq!(d.offset_bytes % 512, 0);
+    // Largest alignment: the granularity.
+    let e = alloc(&mut c, AllocRequest::new(512, S0).with_align(2 * MIB));
+    assert_eq!(e.offset_bytes % (2 * MIB), 0);
+    for bad in [0, 3, 1000, 4 * MIB, 1 << 63] {
+        assert!(
+            matches!(
+                c.alloc(AllocRequest::new(512, S0).with_align(bad)),
+                Err(AllocError::BadAlignment { .. })
+            ),
+            "alignment {bad}"
+        );
+    }
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn stale_and_double_free_are_errors() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(512, S0));
+    free(&mut c, &a);
+    assert_eq!(c.free(a.block, &[]), Err(AllocError::StaleBlock(a.block)));
+    // The slot is reused by the next allocation; the old handle stays stale.
+    let b = alloc(&mut c, AllocRequest::new(512, S0));
+    assert_eq!(b.block.slot, a.block.slot);
+    assert_eq!(c.free(a.block, &[]), Err(AllocError::StaleBlock(a.block)));
+    assert_eq!(c.streams_of(a.block), Err(AllocError::StaleBlock(a.block)));
+    assert_eq!(
+        c.record_stream(a.block, S1),
+        Err(AllocError::StaleBlock(a.block))
+    );
+    let foreign = BlockId { slot: 9999, seq: 1 };
+    assert_eq!(c.free(foreign, &[]), Err(AllocError::StaleBlock(foreign)));
+    c.check_invariants().unwrap();
+    assert_eq!(c.stats().allocated_blocks.current, 1);
+}
+
+#[test]
+fn small_requests_never_pin_a_large_segment() {
+    let mut c = core();
+    // alloc L, free, alloc small, alloc L: no new segment for the second L.
+    let big = alloc(&mut c, AllocRequest::new(64 * MIB, S0));
+    free(&mut c, &big);
+    let small = alloc(&mut c, AllocRequest::new(4096, S0));
+    let big2 = alloc(&mut c, AllocRequest::new(64 * MIB, S0));
+    assert_ne!(small.segment, big2.segment);
+    assert_eq!((big2.segment, big2.offset_bytes), (big.segment, 0));
+    let segs: Vec<_> = c.segments().collect();
+    assert_eq!(segs.len(), 2);
+    assert_eq!(segs[1].1, SizeClass::Small);
+}
+
+#[test]
+fn growth_policy_table() {
+    let c = CoreConfig::default();
+    let g = |size| c.growth_for(c.round_request(size).unwrap(), 512).unwrap();
+    assert_eq!(
+        g(1),
+        Growth {
+            class: SizeClass::Small,
+            segment_bytes: 2 * MIB
+        }
+    );
+    assert_eq!(
+        g(MIB),
+        Growth {
+            class: SizeClass::Small,
+            segment_bytes: 2 * MIB
+        }
+    );
+    assert_eq!(
+        g(MIB + 1),
+        Growth {
+            class: SizeClass::Large,
+            segment_bytes: 20 * MIB
+        }
+    );
+    assert_eq!(
+        g(10 * MIB),
+        Growth {
+            class: SizeClass::Large,
+            segment_bytes: 20 * MIB
+        }
+    );
+    assert_eq!(
+        g(10 * MIB + 1),
+        Growth {
+            class: SizeClass::Large,
+            segment_bytes: 12 * MIB
+        }
+    );
+    assert_eq!(
+        g(255 * MIB + 3),
+        Growth {
+            class: SizeClass::Large,
+            segment_bytes: 256 * MIB
+        }
+    );
+    // 1/16 of the power of two: 250 MiB and 255 MiB requests share a 256 MiB segment.
+    assert_eq!(
+        g(250 * MIB),
+        Growth {
+            class: SizeClass::Large,
+            segment_bytes: 256 * MIB
+        }
+    );
+    assert_eq!(
+        g(128 * MIB + 8192),
+        Growth {
+            class: SizeClass::Large,
+            segment_bytes: 136 * MIB
+        }
+    );
+    assert_eq!(
+        g(1 << 40),
+        Growth {
+            class: SizeClass::Large,
+            segment_bytes: 1 << 40
+        }
+    );
+}
+
+#[test]
+fn bad_segment_sizes_are_refused() {
+    let mut c = core();
+    for size in [0, 512, 3 * MIB, u64::MAX] {
+        assert!(matches!(
+            c.add_segment(Growth {
+                class: SizeClass::Large,
+                segment_bytes: size
+            }),
+            Err(AllocError::BadSegmentSize { .. })
+        ));
+    }
+    c.check_invariants().unwrap();
+    assert_eq!(c.stats().segments.current, 0);
+}
+
+#[test]
+fn invalid_configs_are_refused() {
+    let base = CoreConfig::default();
+    let mut bad = vec![
+        base.with_granularity_bytes(3 << 20),
+        base.with_large_segment_bytes(3 << 20),
+        base.with_small(4 << 20, 2 << 20),
+        base.with_dedicated_min_bytes(40 << 20),
+        base.with_max_request_bytes(1024),
+    ];
+    let mut c = base;
+    c.min_block_bytes = 1000;
+    bad.push(c);
+    for cfg in bad {
+        assert!(
+            matches!(Allocator::new(cfg), Err(AllocError::InvalidConfig(_))),
+            "{cfg:?}"
+        );
+    }
+}
+
+#[test]
+fn same_stream_reuse_needs_no_wait() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(4096, S0));
+    c.free(
+        a.block,
+        &[Wait {
+            stream: S0,
+            fence: Fence(1),
+        }],
+    )
+    .unwrap();
+    let b = alloc(&mut c, AllocRequest::new(4096, S0));
+    assert!(b.waits.is_empty());
+}
+
+#[test]
+fn cross_stream_reuse_returns_waits() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(4096, S0));
+    c.record_stream(a.block, S1).unwrap();
+    c.record_stream(a.block, S1).unwrap();
+    c.record_stream(a.block, S0).unwrap();
+    assert_eq!(c.streams_of(a.block).unwrap().as_slice(), &[S0, S1]);
+    c.free(
+        a.block,
+        &[
+            Wait {
+                stream: S0,
+                fence: Fence(7),
+            },
+            Wait {
+                stream: S1,
+                fence: Fence(3),
+            },
+        ],
+    )
+    .unwrap();
+    c.check_invariants().unwrap();
+    // Reused on stream 2: wait for both.
+    let b = alloc(&mut c, AllocRequest::new(4096, StreamId(2)));
+    assert_eq!(
+        b.waits.as_slice(),
+        &[
+            Wait {
+                stream: S0,
+                fence: Fence(7)
+            },
+            Wait {
+                stream: S1,
+                fence: Fence(3)
+            }
+        ]
+    );
+    assert_eq!(c.stats().num_waits, 2);
+    // Reused on stream 1: only stream 0's fence.
+    c.free(
+        b.block,
+        &[Wait {
+            stream: StreamId(2),
+            fence: Fence(1),
+        }],
+    )
+    .unwrap();
+    let d = alloc(&mut c, AllocRequest::new(4096, S1));
+    // The block merged back into the segment's free block, which keeps the fences
+    // of everything that was freed into it.
+    assert!(d.waits.contains(&Wait {
+        stream: StreamId(2),
+        fence: Fence(1)
+    }));
+    assert!(d.waits.iter().all(|w| w.stream != S1));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn merged_fences_keep_the_latest_per_stream() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(4096, S0));
+    let b = alloc(&mut c, AllocRequest::new(4096, S0));
+    let _guard = alloc(&mut c, AllocRequest::new(4096, S0));
+    c.free(
+        a.block,
+        &[Wait {
+            stream: S1,
+            fence: Fence(5),
+        }],
+    )
+    .unwrap();
+    c.free(
+        b.block,
+        &[
+            Wait {
+                stream: S1,
+                fence: Fence(9),
+            },
+            Wait {
+                stream: S1,
+                fence: Fence(2),
+            },
+        ],
+    )
+    .unwrap();
+    c.check_invariants().unwrap();
+    let d = alloc(&mut c, AllocRequest::new(8192, S0));
+    assert_eq!(
+        d.waits.as_slice(),
+        &[Wait {
+            stream: S1,
+            fence: Fence(9)
+        }]
+    );
+}
+
+#[test]
+fn fence_completion_only_moves_active_bytes() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(MIB, S0));
+    let _b = alloc(&mut c, AllocRequest::new(MIB, S0));
+    c.free(
+        a.block,
+        &[Wait {
+            stream: S1,
+            fence: Fence(4),
+        }],
+    )
+    .unwrap();
+    assert_eq!(c.stats().active_bytes.current, 2 * MIB);
+    c.complete_fences(S1, Fence(3));
+    assert_eq!(c.stats().active_bytes.current, 2 * MIB);
+    c.complete_fences(S1, Fence(4));
+    assert_eq!(c.stats().active_bytes.current, MIB);
+    c.check_invariants().unwrap();
+    // Waits are still reported: completion never changes what alloc returns.
+    let d = alloc(&mut c, AllocRequest::new(MIB, S0));
+    assert_eq!(
+        d.waits.as_slice(),
+        &[Wait {
+            stream: S1,
+            fence: Fence(4)
+        }]
+    );
+}
+
+#[test]
+fn release_free_segments_in_id_order() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(64 * MIB, S0));
+    let b = alloc(&mut c, AllocRequest::new(4096, S0));
+    let d = alloc(&mut c, AllocRequest::new(32 * MIB, S0));
+    free(&mut c, &a);
+    free(&mut c, &d);
+    let released = c.release_free_segments();
+    assert_eq!(released, vec![(a.segment, 64 * MIB), (d.segment, 32 * MIB)]);
+    c.check_invariants().unwrap();
+    assert_eq!(c.stats().segments.current, 1);
+    assert_eq!(c.stats().reserved_bytes.current, 2 * MIB);
+    free(&mut c, &b);
+    // A new segment gets a fresh id, never a released one.
+    let e = alloc(&mut c, AllocRequest::new(64 * MIB, S0));
+    assert_eq!(e.segment, SegmentId(3));
+}
+
+#[test]
+fn peaks_and_reset() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(MIB, S0));
+    free(&mut c, &a);
+    let s = c.stats();
+    assert_eq!(s.allocated_bytes.peak, MIB);
+    assert_eq!(s.allocated_bytes.current, 0);
+    c.reset_peak();
+    assert_eq!(c.stats().allocated_bytes.peak, 0);
+    assert_eq!(c.stats().reserved_bytes.peak, 2 * MIB);
+}
+
+#[test]
+fn snapshot_round_trips_through_serde() {
+    let mut c = core();
+    let a = alloc(&mut c, AllocRequest::new(5000, S0));
+    c.record_stream(a.block, S1).unwrap();
+    let _b = alloc(&mut c, AllocRequest::new(30 * MIB, S1));
+    let snap = c.snapshot();
+    let json = serde_json::to_string(&snap).unwrap();
+    let back: Snapshot = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, snap);
+    assert_eq!(snap.segments[0].blocks[0].other_streams, vec![S1]);
+    assert_eq!(snap.segments[0].blocks[0].requested_bytes, 5000);
+}
+
+#[test]
+fn invariant_checker_detects_corruption() {
+    let mut c = core();
+    let _a = alloc(&mut c, AllocRequest::new(4096, S0));
+    let mut broken = c.clone();
+    broken.stats.allocated_bytes.current += 512;
+    assert!(broken.check_invariants().is_err());
+    let mut broken = c.clone();
+    let key = *broken.free[0].iter().next().unwrap();
+    broken.free[0].remove(&key);
+    assert!(broken.check_invariants().is_err());
+    let mut broken = c.clone();
+    let slot = broken.segments[&SegmentId(0)].first;
+    broken.blocks[slot as usize].size -= 512;
+    assert!(broken.check_invariants().is_err());
+}

@@ -1,0 +1,3 @@
+//! symmpool: a deterministic symmetric-memory caching allocator for NCCL.
+
+pub mod core;

@@ -1,0 +1,3 @@
+//! Helpers shared by the integration tests and benchmarks.
+#![allow(dead_code)]
+pub mod fsdp_trace;
