@@ -1,3 +1,62 @@
-//! symmpool: a deterministic symmetric-memory caching allocator for NCCL.
+//! # symmpool
+//!
+//! A deterministic symmetric-memory caching allocator for NCCL, with a thin
+//! collectives module on top.
+//!
+//! Since NCCL 2.27 a collective can run on *symmetric memory*: buffers every rank has
+//! registered, in the same order, as an NCCL window. On such buffers NCCL runs faster
+//! kernels, and since 2.28 it runs all-gather on the GPU's copy engines, leaving every
+//! SM to the computation it overlaps. Registration costs milliseconds and is
+//! collective, so the memory must come from a pool that carves many buffers out of a
+//! few registered segments, registers each segment once per communicator, and makes
+//! exactly the same placement decision on every rank. That pool is this crate.
+//!
+//! | layer | module | what |
+//! |---|---|---|
+//! | core | [`core`] | deterministic best-fit caching allocator; pure data structures, no unsafe |
+//! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
+//! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
+//! | collectives | [`coll`] | all-gather / reduce-scatter on pool buffers, with the path reported |
+//!
+//! ```
+//! use symmpool::{PoolConfig, Stream, SymmPool};
+//!
+//! let pools = SymmPool::host_group(2, PoolConfig::default())?;
+//! std::thread::scope(|s| {
+//!     for pool in &pools {
+//!         s.spawn(move || {
+//!             let stream = Stream::host();
+//!             // Like `with torch.cuda.use_mem_pool(pool):`
+//!             let buf = pool.scope(|| symmpool::alloc(4 << 20, &stream)).unwrap();
+//!             assert_eq!(buf.offset_bytes(), 0); // the same on every rank
+//!         });
+//!     }
+//! });
+//! # Ok::<(), symmpool::Error>(())
+//! ```
+//!
+//! # Threads and safety
+//!
+//! A [`SymmPool`] is one rank's pool; it is `Send + Sync` and serialises its own
+//! calls. The ranks of a communicator each own one and make the same sequence of pool
+//! calls; when they do not, the next collective pool operation fails with
+//! [`Error::Divergence`] on every rank instead of hanging.
 
+pub mod backend;
+pub mod coll;
 pub mod core;
+mod dtype;
+mod error;
+mod exchange;
+mod pool;
+mod stream;
+
+pub use backend::{Backend, HostBackend, HostConfig};
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{Divergence, Error, NcclVersion, Result};
+pub use exchange::{Exchange, LocalExchange};
+pub use half::{bf16, f16};
+pub use pool::{
+    PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned, current,
+};
+pub use stream::Stream;

@@ -61,6 +61,9 @@ pub(super) struct Segment {
     pub(super) size: u64,
     /// Slot of the block at offset 0.
     pub(super) first: u32,
+    /// Made for one large request: serves only requests of at least
+    /// 1/`dedicated_reuse_ratio` of its size.
+    pub(super) dedicated: bool,
 }
 
 /// The deterministic caching allocator: carves blocks out of segments given to it.
@@ -200,11 +203,9 @@ impl Allocator {
         let ratio = self.config.dedicated_reuse_ratio;
         for &key in self.free[class.index()].range(start..) {
             let (bsize, segment, offset, _) = key;
-            if ratio > 0 && bsize > self.config.large_segment_bytes {
-                let seg_size = self.segments[&segment].size;
-                if seg_size > self.config.large_segment_bytes
-                    && size.saturating_mul(ratio) < seg_size
-                {
+            if ratio > 0 && class == SizeClass::Large {
+                let seg = &self.segments[&segment];
+                if seg.dedicated && size.saturating_mul(ratio) < seg.size {
                     continue;
                 }
             }
@@ -532,6 +533,33 @@ impl Allocator {
     /// [`AllocError::OutOfMemory`] past `max_reserved_bytes`; [`AllocError::Exhausted`]
     /// after 2³² - 1 segments.
     pub fn add_segment(&mut self, growth: Growth) -> Result<SegmentId, AllocError> {
+        let dedicated = growth.class == SizeClass::Large
+            && growth.segment_bytes > self.config.large_segment_bytes;
+        self.insert_segment(growth, dedicated)
+    }
+
+    /// Add a large segment of `size_bytes` that any large request may use (no
+    /// dedicated-segment rule): what [`SymmPool::reserve`](crate::SymmPool::reserve)
+    /// pre-grows.
+    ///
+    /// # Errors
+    /// As [`add_segment`](Self::add_segment).
+    pub fn add_shared_segment(&mut self, size_bytes: u64) -> Result<SegmentId, AllocError> {
+        self.insert_segment(
+            Growth {
+                class: SizeClass::Large,
+                segment_bytes: size_bytes,
+            },
+            false,
+        )
+    }
+
+    /// The id the next added segment will get.
+    pub fn next_segment_id(&self) -> SegmentId {
+        SegmentId(self.next_segment)
+    }
+
+    fn insert_segment(&mut self, growth: Growth, dedicated: bool) -> Result<SegmentId, AllocError> {
         let size = growth.segment_bytes;
         if size == 0
             || !size.is_multiple_of(self.config.granularity_bytes)
@@ -572,6 +600,7 @@ impl Allocator {
                 class: growth.class,
                 size,
                 first: slot,
+                dedicated,
             },
         );
         self.insert_free(slot, growth.class);

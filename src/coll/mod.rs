@@ -1,0 +1,310 @@
+//! Collectives on pool buffers: all-gather (copy engine or symmetric kernel) and
+//! reduce-scatter (symmetric kernel or ring), with a per-call path choice that is
+//! never slower than plain NCCL in the collectives benchmark.
+//!
+//! Each call checks its buffers first (same pool, open, sizes consistent), picks a
+//! communicator and path from the NCCL version, the communicators' CTA policies, the
+//! buffers' registrations and the size ([`PathPolicy`]), runs it, and returns a
+//! [`CollectiveReport`] naming the path. A call never falls back silently to something
+//! that could corrupt data: an inconsistent call is an error.
+//!
+//! # Collective
+//! Every function here is collective: every rank calls it in the same order, with
+//! buffers of the same sizes from the same pool call sequence (hence the same offsets).
+//!
+//! ```
+//! use symmpool::{coll, PoolConfig, Stream, SymmPool};
+//!
+//! let pools = SymmPool::host_group(2, PoolConfig::default())?;
+//! std::thread::scope(|s| {
+//!     for pool in &pools {
+//!         s.spawn(move || {
+//!             let stream = Stream::host();
+//!             let rank = pool.rank();
+//!             // FSDP style: each rank holds its shard inside the gathered buffer.
+//!             let params = pool.alloc(2 * 4 * 1024, &stream).unwrap();
+//!             let shard = params.view::<f32>().unwrap().slice(rank * 1024, 1024).unwrap();
+//!             shard.copy_from_host(&vec![rank as f32; 1024]).unwrap();
+//!             let report = coll::all_gather_in_place::<f32>(&params, &stream).unwrap();
+//!             assert_eq!(report.path, coll::Path::SymmetricKernel);
+//!             let all = params.read::<f32>().unwrap();
+//!             assert_eq!((all[0], all[1024]), (0.0, 1.0));
+//!         });
+//!     }
+//! });
+//! # Ok::<(), symmpool::Error>(())
+//! ```
+
+mod path;
+
+pub use path::{Choice, CollectiveReport, Path, PathPolicy};
+
+use crate::backend::{CollArgs, Region};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::pool::{SymmBuffer, SymmPool};
+use crate::stream::Stream;
+use path::{Coll, Inputs, select};
+
+/// Check that the buffers are this pool's, the pool is open, and note `stream` on
+/// buffers allocated elsewhere (so their reuse waits for this collective).
+fn prepare(op: &'static str, bufs: &[&SymmBuffer], stream: &Stream) -> Result<SymmPool> {
+    let pool = bufs[0].pool().clone();
+    for b in bufs {
+        if !b.pool().same_pool(&pool) {
+            return Err(Error::ForeignBuffer);
+        }
+    }
+    pool.check_open()?;
+    for b in bufs {
+        if b.stream().id() != stream.id() {
+            b.record_stream(stream)?;
+        }
+    }
+    let _ = op;
+    Ok(pool)
+}
+
+fn invalid(op: &'static str, detail: String) -> Error {
+    Error::InvalidCollective { op, detail }
+}
+
+/// Elements of `T` in `bytes`, or an error if `T` does not divide it.
+fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64> {
+    let size = std::mem::size_of::<T>() as u64;
+    if bytes == 0 || !bytes.is_multiple_of(size) {
+        return Err(invalid(
+            op,
+            format!("{what} of {bytes} bytes is not a positive number of {size}-byte elements"),
+        ));
+    }
+    Ok(bytes / size)
+}
+
+fn plan(
+    pool: &SymmPool,
+    coll: Coll,
+    send: Region,
+    recv: Region,
+    bytes_per_rank: u64,
+    dtype: DType,
+) -> (usize, Path) {
+    let backend = pool.backend();
+    let registered = |c: usize| {
+        let is =
+            |r: &Region| pool.window(r.segment, c) == Some(crate::backend::Registration::Symmetric);
+        (is(&send), is(&recv))
+    };
+    select(&Inputs {
+        coll,
+        bytes_per_rank,
+        dtype,
+        version: backend.nccl_version(),
+        world_size: backend.world_size(),
+        comms: backend.communicators(),
+        registered: &registered,
+        policy: &pool.config().paths,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    pool: &SymmPool,
+    coll: Coll,
+    send: Region,
+    recv: Region,
+    count: u64,
+    dtype: DType,
+    stream: &Stream,
+) -> Result<CollectiveReport> {
+    let bytes_per_rank = count * dtype.size_bytes();
+    let (comm, path) = plan(pool, coll, send, recv, bytes_per_rank, dtype);
+    let op = match coll {
+        Coll::AllGather => ReduceOp::Sum,
+        Coll::ReduceScatter(op) => op,
+    };
+    let args = CollArgs {
+        comm,
+        send,
+        recv,
+        count,
+        dtype,
+        op,
+        stream,
+        symmetric: path != Path::PlainKernel,
+    };
+    let backend = pool.backend();
+    match coll {
+        Coll::AllGather => backend.all_gather(&args)?,
+        Coll::ReduceScatter(_) => backend.reduce_scatter(&args)?,
+    }
+    Ok(CollectiveReport {
+        path,
+        comm,
+        role: backend.communicators()[comm].role,
+        bytes_per_rank,
+    })
+}
+
+/// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at
+/// `rank * N` in every rank's `output` (world × N elements), on `stream`.
+///
+/// # Collective
+/// Every rank, same order, same sizes.
+///
+/// # Errors
+/// [`Error::ForeignBuffer`] if the buffers come from different pools;
+/// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does not divide the input
+/// or `output` is not exactly world × `input` bytes; backend errors (on the host
+/// backend also [`Error::CollectiveMismatch`] and [`Error::Timeout`]).
+pub fn all_gather<T: Element>(
+    input: &SymmBuffer,
+    output: &SymmBuffer,
+    stream: &Stream,
+) -> Result<CollectiveReport> {
+    const OP: &str = "all_gather";
+    let pool = prepare(OP, &[input, output], stream)?;
+    let count = elements::<T>(OP, "input", input.len_bytes())?;
+    let world = pool.world_size() as u64;
+    if output.len_bytes() != input.len_bytes() * world {
+        return Err(invalid(
+            OP,
+            format!(
+                "output has {} bytes, expected {world} x {} bytes",
+                output.len_bytes(),
+                input.len_bytes()
+            ),
+        ));
+    }
+    run(
+        &pool,
+        Coll::AllGather,
+        input.region(),
+        output.region(),
+        count,
+        T::DTYPE,
+        stream,
+    )
+}
+
+/// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
+/// rank's N at `rank * N`; afterwards every rank has all of them.
+///
+/// # Collective
+/// Every rank, same order, same sizes.
+///
+/// # Errors
+/// [`Error::InvalidCollective`] unless the length is a positive multiple of
+/// world × `size_of::<T>()`; otherwise as [`all_gather`].
+pub fn all_gather_in_place<T: Element>(
+    buffer: &SymmBuffer,
+    stream: &Stream,
+) -> Result<CollectiveReport> {
+    const OP: &str = "all_gather_in_place";
+    let pool = prepare(OP, &[buffer], stream)?;
+    let (send, count) = own_chunk::<T>(OP, &pool, buffer)?;
+    run(
+        &pool,
+        Coll::AllGather,
+        send,
+        buffer.region(),
+        count,
+        T::DTYPE,
+        stream,
+    )
+}
+
+/// This rank's chunk of a buffer split into world equal parts, and its element count.
+fn own_chunk<T: Element>(
+    op: &'static str,
+    pool: &SymmPool,
+    buffer: &SymmBuffer,
+) -> Result<(Region, u64)> {
+    let world = pool.world_size() as u64;
+    let total = elements::<T>(op, "buffer", buffer.len_bytes())?;
+    if !total.is_multiple_of(world) {
+        return Err(invalid(
+            op,
+            format!("{total} elements do not split evenly over {world} ranks"),
+        ));
+    }
+    let count = total / world;
+    let chunk_bytes = count * std::mem::size_of::<T>() as u64;
+    let whole = buffer.region();
+    Ok((
+        Region {
+            segment: whole.segment,
+            offset_bytes: whole.offset_bytes + pool.rank() as u64 * chunk_bytes,
+            len_bytes: chunk_bytes,
+        },
+        count,
+    ))
+}
+
+/// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
+/// ranks of elements `[rank * N, (rank + 1) * N)` of every rank's `input`
+/// (world × N elements). `Sum` may run NCCL's symmetric kernel; other operations run
+/// NCCL's ordinary kernels.
+///
+/// # Collective
+/// Every rank, same order, same sizes and operation.
+///
+/// # Errors
+/// As [`all_gather`], with `input` exactly world × `output` bytes.
+pub fn reduce_scatter<T: Element>(
+    input: &SymmBuffer,
+    output: &SymmBuffer,
+    op: ReduceOp,
+    stream: &Stream,
+) -> Result<CollectiveReport> {
+    const OP: &str = "reduce_scatter";
+    let pool = prepare(OP, &[input, output], stream)?;
+    let count = elements::<T>(OP, "output", output.len_bytes())?;
+    let world = pool.world_size() as u64;
+    if input.len_bytes() != output.len_bytes() * world {
+        return Err(invalid(
+            OP,
+            format!(
+                "input has {} bytes, expected {world} x {} bytes",
+                input.len_bytes(),
+                output.len_bytes()
+            ),
+        ));
+    }
+    run(
+        &pool,
+        Coll::ReduceScatter(op),
+        input.region(),
+        output.region(),
+        count,
+        T::DTYPE,
+        stream,
+    )
+}
+
+/// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
+/// this rank's chunk `[rank * N, (rank + 1) * N)` holds the reduction over ranks.
+///
+/// # Collective
+/// Every rank, same order, same sizes and operation.
+///
+/// # Errors
+/// As [`all_gather_in_place`].
+pub fn reduce_scatter_in_place<T: Element>(
+    buffer: &SymmBuffer,
+    op: ReduceOp,
+    stream: &Stream,
+) -> Result<CollectiveReport> {
+    const OP: &str = "reduce_scatter_in_place";
+    let pool = prepare(OP, &[buffer], stream)?;
+    let (recv, count) = own_chunk::<T>(OP, &pool, buffer)?;
+    run(
+        &pool,
+        Coll::ReduceScatter(op),
+        buffer.region(),
+        recv,
+        count,
+        T::DTYPE,
+        stream,
+    )
+}

@@ -1,0 +1,422 @@
+//! Which path a collective takes, and the measured thresholds behind the choice.
+
+use crate::backend::{CommInfo, CommRole};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::NcclVersion;
+use serde::Serialize;
+
+/// How NCCL will run a collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Path {
+    /// Copy-engine all-gather: no SMs (`CTAPolicy = NCCL_CTA_POLICY_ZERO`, output in a
+    /// symmetric window; NCCL 2.28+). NCCL 2.28 logs `Init CE` once and no per-call
+    /// line; 2.29+ logs `[Copy Engine]`.
+    CopyEngine,
+    /// NCCL's symmetric kernels (both buffers in symmetric windows; NCCL 2.27+). Logged
+    /// as `<Coll> [Symmetric]: ... Kernel <name>`.
+    SymmetricKernel,
+    /// NCCL's ordinary ring/tree kernels through its internal buffers.
+    PlainKernel,
+}
+
+/// What a collective did: the path, the communicator, and the size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CollectiveReport {
+    /// The path NCCL takes, derived from the NCCL version, the communicator's CTA
+    /// policy and the buffers' registrations.
+    pub path: Path,
+    /// Index of the communicator used, in the backend's list.
+    pub comm: usize,
+    /// Its role.
+    pub role: CommRole,
+    /// Bytes per rank: the all-gather input, the reduce-scatter output.
+    pub bytes_per_rank: u64,
+}
+
+/// A request to use one path, or the automatic choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Choice {
+    /// The crate picks by size (see [`PathPolicy`]).
+    Auto,
+    /// Prefer this path; falls back (and reports the fallback) when it is not
+    /// available for the call.
+    Prefer(Path),
+}
+
+/// Thresholds of the automatic path choice, in bytes per rank.
+///
+/// Defaults come from the collectives benchmark on 2×H200 (NV18, NCCL 2.28.3, no
+/// NVLink multicast; BENCHMARKS.md), where the copy engine loses to the symmetric
+/// kernel for small all-gathers and NCCL's symmetric reduce-scatter kernel loses to
+/// ring for large ones (anchors: 0.75× ring at 256 MiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct PathPolicy {
+    /// All-gathers of at least this many bytes per rank use the copy engine; smaller
+    /// ones the symmetric kernel (default 4 MiB).
+    pub ce_all_gather_min_bytes: u64,
+    /// Reduce-scatters of at most this many output bytes per rank use the symmetric
+    /// kernel; larger ones NCCL's ring on the unregistered communicator (default 4 MiB).
+    pub symmetric_reduce_scatter_max_bytes: u64,
+    /// Override for all-gather.
+    pub all_gather: Choice,
+    /// Override for reduce-scatter.
+    pub reduce_scatter: Choice,
+}
+
+impl Default for PathPolicy {
+    fn default() -> Self {
+        PathPolicy {
+            ce_all_gather_min_bytes: 4 << 20,
+            symmetric_reduce_scatter_max_bytes: 4 << 20,
+            all_gather: Choice::Auto,
+            reduce_scatter: Choice::Auto,
+        }
+    }
+}
+
+impl PathPolicy {
+    /// Set the copy-engine all-gather threshold.
+    pub fn with_ce_all_gather_min_bytes(mut self, bytes: u64) -> Self {
+        self.ce_all_gather_min_bytes = bytes;
+        self
+    }
+
+    /// Set the symmetric reduce-scatter threshold.
+    pub fn with_symmetric_reduce_scatter_max_bytes(mut self, bytes: u64) -> Self {
+        self.symmetric_reduce_scatter_max_bytes = bytes;
+        self
+    }
+
+    /// Prefer paths for all-gather and reduce-scatter.
+    pub fn with_choices(mut self, all_gather: Choice, reduce_scatter: Choice) -> Self {
+        self.all_gather = all_gather;
+        self.reduce_scatter = reduce_scatter;
+        self
+    }
+}
+
+/// Which collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Coll {
+    AllGather,
+    ReduceScatter(ReduceOp),
+}
+
+/// Everything the choice depends on.
+pub(crate) struct Inputs<'a> {
+    pub(crate) coll: Coll,
+    pub(crate) bytes_per_rank: u64,
+    pub(crate) dtype: DType,
+    pub(crate) version: NcclVersion,
+    pub(crate) world_size: usize,
+    pub(crate) comms: &'a [CommInfo],
+    /// Whether (send, recv) are in symmetric windows on communicator `c`.
+    pub(crate) registered: &'a dyn Fn(usize) -> (bool, bool),
+    pub(crate) policy: &'a PathPolicy,
+}
+
+/// Pick the communicator and path. Rules (NCCL's, read from its source; see
+/// `shared/research/nccl_symm.md` §2–3):
+/// - copy engine: NCCL ≥ 2.28, a `CTAPolicy = ZERO` communicator, the output in a
+///   window (and, before 2.29, the input too), more than one rank;
+/// - symmetric kernel: NCCL ≥ 2.27, both buffers in windows on a default-policy
+///   communicator; for reduce-scatter also `Sum` (or `Avg` from 2.30) on
+///   fp32/fp16/bf16;
+/// - otherwise the plain communicator.
+pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
+    let find = |role: CommRole| i.comms.iter().position(|c| c.role == role);
+    let ce = find(CommRole::CopyEngine).filter(|&c| {
+        let (send, recv) = (i.registered)(c);
+        i.coll == Coll::AllGather
+            && i.version >= NcclVersion::COPY_ENGINE
+            && i.comms[c].cta_policy & 2 != 0
+            && i.world_size > 1
+            && recv
+            && (send || i.version >= NcclVersion::CE_RECV_ONLY)
+    });
+    let symm = find(CommRole::Symmetric).filter(|&c| {
+        let (send, recv) = (i.registered)(c);
+        let op_ok = match i.coll {
+            Coll::AllGather => true,
+            Coll::ReduceScatter(ReduceOp::Sum) => i.dtype.symmetric_reduce(),
+            Coll::ReduceScatter(ReduceOp::Avg) => {
+                i.dtype.symmetric_reduce() && i.version >= NcclVersion::SYMMETRIC_AVG
+            }
+            Coll::ReduceScatter(_) => false,
+        };
+        i.version >= NcclVersion::WINDOWS && send && recv && op_ok
+    });
+    let plain = find(CommRole::Plain);
+    let fallback = || match plain {
+        Some(c) => (c, Path::PlainKernel),
+        // No unregistered communicator: NCCL runs its ordinary kernels on the first one.
+        None => (0, Path::PlainKernel),
+    };
+    let (choice, auto) = match i.coll {
+        Coll::AllGather => (
+            i.policy.all_gather,
+            if i.bytes_per_rank >= i.policy.ce_all_gather_min_bytes {
+                [Path::CopyEngine, Path::SymmetricKernel]
+            } else {
+                [Path::SymmetricKernel, Path::CopyEngine]
+            },
+        ),
+        Coll::ReduceScatter(_) => (
+            i.policy.reduce_scatter,
+            if i.bytes_per_rank <= i.policy.symmetric_reduce_scatter_max_bytes {
+                [Path::SymmetricKernel, Path::PlainKernel]
+            } else {
+                [Path::PlainKernel, Path::PlainKernel]
+            },
+        ),
+    };
+    let order: Vec<Path> = match choice {
+        Choice::Auto => auto.to_vec(),
+        Choice::Prefer(p) => std::iter::once(p).chain(auto).collect(),
+    };
+    for p in order {
+        let hit = match p {
+            Path::CopyEngine => ce.map(|c| (c, p)),
+            Path::SymmetricKernel => symm.map(|c| (c, p)),
+            Path::PlainKernel => Some(fallback()),
+        };
+        if let Some(h) = hit {
+            return h;
+        }
+    }
+    fallback()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn comms() -> Vec<CommInfo> {
+        vec![
+            CommInfo {
+                role: CommRole::Symmetric,
+                cta_policy: 0,
+                registers: true,
+            },
+            CommInfo {
+                role: CommRole::CopyEngine,
+                cta_policy: 2,
+                registers: true,
+            },
+            CommInfo {
+                role: CommRole::Plain,
+                cta_policy: 0,
+                registers: false,
+            },
+        ]
+    }
+
+    fn pick(
+        coll: Coll,
+        bytes: u64,
+        dtype: DType,
+        version: NcclVersion,
+        reg: (bool, bool),
+        policy: PathPolicy,
+    ) -> (usize, Path) {
+        let c = comms();
+        let registered = move |comm: usize| {
+            if c[comm].registers {
+                reg
+            } else {
+                (false, false)
+            }
+        };
+        select(&Inputs {
+            coll,
+            bytes_per_rank: bytes,
+            dtype,
+            version,
+            world_size: 2,
+            comms: &comms(),
+            registered: &registered,
+            policy: &policy,
+        })
+    }
+
+    const V228: NcclVersion = NcclVersion::new(2, 28, 3);
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn all_gather_by_size() {
+        let p = PathPolicy::default();
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                64 << 10,
+                DType::BF16,
+                V228,
+                (true, true),
+                p
+            ),
+            (0, Path::SymmetricKernel)
+        );
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                256 * MIB,
+                DType::BF16,
+                V228,
+                (true, true),
+                p
+            ),
+            (1, Path::CopyEngine)
+        );
+        assert_eq!(
+            pick(Coll::AllGather, 4 * MIB, DType::U8, V228, (true, true), p),
+            (1, Path::CopyEngine)
+        );
+    }
+
+    #[test]
+    fn reduce_scatter_by_size_type_and_op() {
+        let p = PathPolicy::default();
+        let sum = Coll::ReduceScatter(ReduceOp::Sum);
+        assert_eq!(
+            pick(sum, MIB, DType::BF16, V228, (true, true), p),
+            (0, Path::SymmetricKernel)
+        );
+        assert_eq!(
+            pick(sum, 256 * MIB, DType::BF16, V228, (true, true), p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick(sum, MIB, DType::U8, V228, (true, true), p),
+            (2, Path::PlainKernel)
+        );
+        let max = Coll::ReduceScatter(ReduceOp::Max);
+        assert_eq!(
+            pick(max, MIB, DType::F32, V228, (true, true), p),
+            (2, Path::PlainKernel)
+        );
+        let avg = Coll::ReduceScatter(ReduceOp::Avg);
+        assert_eq!(
+            pick(avg, MIB, DType::F32, V228, (true, true), p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick(
+                avg,
+                MIB,
+                DType::F32,
+                NcclVersion::new(2, 30, 0),
+                (true, true),
+                p
+            ),
+            (0, Path::SymmetricKernel)
+        );
+    }
+
+    #[test]
+    fn versions_and_registration_gate_the_fast_paths() {
+        let p = PathPolicy::default();
+        let big = 256 * MIB;
+        // 2.27: windows but no copy engine.
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                big,
+                DType::F32,
+                NcclVersion::new(2, 27, 3),
+                (true, true),
+                p
+            ),
+            (0, Path::SymmetricKernel)
+        );
+        // 2.26: nothing symmetric.
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                big,
+                DType::F32,
+                NcclVersion::new(2, 26, 5),
+                (true, true),
+                p
+            ),
+            (2, Path::PlainKernel)
+        );
+        // Unregistered (NULL windows): plain.
+        assert_eq!(
+            pick(Coll::AllGather, big, DType::F32, V228, (false, false), p),
+            (2, Path::PlainKernel)
+        );
+        // Output only registered: 2.28 needs both for CE and the symmetric kernel.
+        assert_eq!(
+            pick(Coll::AllGather, big, DType::F32, V228, (false, true), p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                big,
+                DType::F32,
+                NcclVersion::new(2, 29, 7),
+                (false, true),
+                p
+            ),
+            (1, Path::CopyEngine)
+        );
+    }
+
+    #[test]
+    fn preferences_fall_back_when_unavailable() {
+        let ce = PathPolicy::default().with_choices(
+            Choice::Prefer(Path::CopyEngine),
+            Choice::Prefer(Path::SymmetricKernel),
+        );
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                64 << 10,
+                DType::F32,
+                V228,
+                (true, true),
+                ce
+            ),
+            (1, Path::CopyEngine)
+        );
+        assert_eq!(
+            pick(
+                Coll::ReduceScatter(ReduceOp::Sum),
+                256 * MIB,
+                DType::F32,
+                V228,
+                (true, true),
+                ce
+            ),
+            (0, Path::SymmetricKernel)
+        );
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                64 << 10,
+                DType::F32,
+                NcclVersion::new(2, 27, 0),
+                (true, true),
+                ce
+            ),
+            (0, Path::SymmetricKernel)
+        );
+        let plain = PathPolicy::default().with_choices(
+            Choice::Prefer(Path::PlainKernel),
+            Choice::Prefer(Path::PlainKernel),
+        );
+        assert_eq!(
+            pick(
+                Coll::AllGather,
+                256 * MIB,
+                DType::F32,
+                V228,
+                (true, true),
+                plain
+            ),
+            (2, Path::PlainKernel)
+        );
+    }
+}

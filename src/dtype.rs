@@ -1,0 +1,189 @@
+//! Element types and reduction operations of the collectives.
+
+use half::{bf16, f16};
+use serde::Serialize;
+
+/// Element type of a collective, named as NCCL names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum DType {
+    /// `ncclFloat32`.
+    F32,
+    /// `ncclFloat16`.
+    F16,
+    /// `ncclBfloat16`.
+    BF16,
+    /// `ncclUint8`.
+    U8,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub const fn size_bytes(self) -> u64 {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// Whether NCCL's symmetric reduce-scatter kernels support this type
+    /// (fp32/fp16/bf16/fp8; NCCL `ncclSymkImplemented`).
+    pub const fn symmetric_reduce(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+}
+
+/// Reduction operation of a reduce-scatter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum ReduceOp {
+    /// Sum (the only one NCCL's symmetric kernels run before 2.30).
+    Sum,
+    /// Product.
+    Prod,
+    /// Maximum.
+    Max,
+    /// Minimum.
+    Min,
+    /// Average (sum divided by the number of ranks).
+    Avg,
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for u8 {}
+}
+
+/// An element type the collectives and typed views accept: `f32`, [`struct@f16`], [`bf16`]
+/// and `u8`. Sealed.
+pub trait Element:
+    sealed::Sealed + bytemuck::Pod + Copy + Send + Sync + PartialEq + std::fmt::Debug + 'static
+{
+    /// The matching [`DType`].
+    const DTYPE: DType;
+    /// Convert to `f64` (for host reductions and checks).
+    fn to_f64(self) -> f64;
+    /// Convert from `f64`, rounding to nearest (and wrapping modulo 256 for `u8`, as
+    /// NCCL's `ncclUint8` sum does).
+    fn from_f64(x: f64) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(x: f64) -> Self {
+        f16::from_f64(x)
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(x: f64) -> Self {
+        bf16::from_f64(x)
+    }
+}
+
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(x: f64) -> Self {
+        (x as i64).rem_euclid(256) as u8
+    }
+}
+
+/// Reduce element `i` of each rank's chunk, in place into `acc`, in the element type's
+/// own arithmetic (as NCCL does: f16/bf16 round after each addition).
+pub(crate) fn reduce_into(dtype: DType, op: ReduceOp, acc: &mut [u8], other: &[u8]) {
+    fn go<T: Element>(op: ReduceOp, acc: &mut [u8], other: &[u8]) {
+        let n = acc.len() / std::mem::size_of::<T>();
+        for i in 0..n {
+            let r = i * std::mem::size_of::<T>()..(i + 1) * std::mem::size_of::<T>();
+            let a: T = bytemuck::pod_read_unaligned(&acc[r.clone()]);
+            let b: T = bytemuck::pod_read_unaligned(&other[r.clone()]);
+            let (x, y) = (a.to_f64(), b.to_f64());
+            let v = match op {
+                ReduceOp::Sum | ReduceOp::Avg => x + y,
+                ReduceOp::Prod => x * y,
+                ReduceOp::Max => x.max(y),
+                ReduceOp::Min => x.min(y),
+            };
+            acc[r].copy_from_slice(bytemuck::bytes_of(&T::from_f64(v)));
+        }
+    }
+    match dtype {
+        DType::F32 => go::<f32>(op, acc, other),
+        DType::F16 => go::<f16>(op, acc, other),
+        DType::BF16 => go::<bf16>(op, acc, other),
+        DType::U8 => go::<u8>(op, acc, other),
+    }
+}
+
+/// Divide every element by `n` (the last step of `Avg`).
+pub(crate) fn divide(dtype: DType, acc: &mut [u8], n: usize) {
+    fn go<T: Element>(acc: &mut [u8], n: usize) {
+        for c in acc.chunks_exact_mut(std::mem::size_of::<T>()) {
+            let a: T = bytemuck::pod_read_unaligned(c);
+            c.copy_from_slice(bytemuck::bytes_of(&T::from_f64(a.to_f64() / n as f64)));
+        }
+    }
+    match dtype {
+        DType::F32 => go::<f32>(acc, n),
+        DType::F16 => go::<f16>(acc, n),
+        DType::BF16 => go::<bf16>(acc, n),
+        DType::U8 => go::<u8>(acc, n),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_in_element_arithmetic() {
+        let mut a = bytemuck::cast_slice::<f32, u8>(&[1.0, 2.5]).to_vec();
+        reduce_into(
+            DType::F32,
+            ReduceOp::Sum,
+            &mut a,
+            bytemuck::cast_slice(&[0.5f32, -1.0]),
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&a), &[1.5, 1.5]);
+        let mut u = vec![200u8, 3];
+        reduce_into(DType::U8, ReduceOp::Sum, &mut u, &[100, 4]);
+        assert_eq!(u, vec![44, 7], "u8 sums wrap like ncclUint8");
+        let mut m = vec![5u8, 3];
+        reduce_into(DType::U8, ReduceOp::Max, &mut m, &[4, 9]);
+        assert_eq!(m, vec![5, 9]);
+        let mut h = bytemuck::cast_slice::<bf16, u8>(&[bf16::from_f32(256.0)]).to_vec();
+        reduce_into(
+            DType::BF16,
+            ReduceOp::Sum,
+            &mut h,
+            bytemuck::cast_slice(&[bf16::from_f32(1.0)]),
+        );
+        // 257 is not representable in bf16: rounds to nearest even (256).
+        assert_eq!(bytemuck::cast_slice::<u8, bf16>(&h)[0].to_f32(), 256.0);
+        let mut v = bytemuck::cast_slice::<f32, u8>(&[6.0]).to_vec();
+        divide(DType::F32, &mut v, 4);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&v), &[1.5]);
+    }
+}

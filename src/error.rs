@@ -1,0 +1,292 @@
+//! The crate's error type.
+
+use crate::core::{AllocError, SegmentId};
+use std::fmt;
+use std::time::Duration;
+
+/// Result with the crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the pool, its backends and its collectives.
+///
+/// Every error leaves the pool consistent: a failed call changes nothing unless its
+/// documentation says otherwise.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A zero-byte allocation. Zero-size requests are always refused; they never take
+    /// memory, never grow the pool and never run a collective.
+    #[error("zero-size allocation requested")]
+    ZeroSize,
+    /// A request above the pool's limit (or one whose rounding overflows `u64`).
+    #[error("requested {requested_bytes} bytes, more than the maximum of {max_bytes} bytes")]
+    TooLarge {
+        /// The size asked for.
+        requested_bytes: u64,
+        /// The limit.
+        max_bytes: u64,
+    },
+    /// An alignment that is not a power of two, or larger than the segment granularity.
+    #[error("alignment {align_bytes} is not a power of two no larger than {max_align_bytes}")]
+    BadAlignment {
+        /// The alignment asked for.
+        align_bytes: u64,
+        /// The largest alignment supported.
+        max_align_bytes: u64,
+    },
+    /// Growth would take the pool past its reserved-memory limit, or the backend could
+    /// not allocate the segment.
+    #[error("out of memory: a segment of {segment_bytes} bytes could not be reserved ({reason})")]
+    OutOfMemory {
+        /// Size of the segment that was needed.
+        segment_bytes: u64,
+        /// Why.
+        reason: String,
+    },
+    /// The buffer was made by another pool (or another rank's pool).
+    #[error("buffer belongs to another pool")]
+    ForeignBuffer,
+    /// The pool was closed with [`SymmPool::close`](crate::SymmPool::close).
+    #[error("the pool is closed")]
+    PoolClosed,
+    /// [`SymmPool::close`](crate::SymmPool::close) found live buffers on some rank;
+    /// nothing was released.
+    #[error("cannot close: live buffers per rank {live_per_rank:?}")]
+    BuffersAlive {
+        /// Live buffers on each rank, in rank order.
+        live_per_rank: Vec<u64>,
+    },
+    /// Ranks' pool call sequences differ. Reported on every rank that takes part in the
+    /// agreement, naming the first differing call.
+    #[error("{0}")]
+    Divergence(Box<Divergence>),
+    /// A wait on other ranks ran out of time.
+    #[error("timed out after {waited:?} in {op}: ranks {missing_ranks:?} did not arrive")]
+    Timeout {
+        /// What was being waited for.
+        op: &'static str,
+        /// How long.
+        waited: Duration,
+        /// The ranks that did not arrive in time.
+        missing_ranks: Vec<usize>,
+    },
+    /// Ranks disagree about a collective's arguments (sizes, offsets, operation).
+    #[error("collective {op} arguments differ across ranks: {detail}")]
+    CollectiveMismatch {
+        /// The collective.
+        op: &'static str,
+        /// What differs.
+        detail: String,
+    },
+    /// A collective's buffers are inconsistent (sizes, element type, placement).
+    #[error("invalid collective arguments for {op}: {detail}")]
+    InvalidCollective {
+        /// The collective.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A typed view whose element size does not divide the buffer or whose range is
+    /// out of bounds.
+    #[error("bad view: {0}")]
+    BadView(String),
+    /// Growth (registration) was attempted while the stream is capturing a CUDA graph.
+    /// Call [`SymmPool::reserve`](crate::SymmPool::reserve) before capturing.
+    #[error(
+        "cannot register memory while the stream is capturing a CUDA graph; reserve before capture"
+    )]
+    GraphCapture,
+    /// [`alloc`](crate::alloc) was called outside any [`SymmPool::scope`](crate::SymmPool::scope).
+    #[error("no symmetric pool is active on this thread (call inside SymmPool::scope)")]
+    NoActivePool,
+    /// A shared library (CUDA driver, NCCL, cuBLAS) could not be loaded.
+    #[error("library {library} not available: {hint}")]
+    LibraryUnavailable {
+        /// The library.
+        library: &'static str,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// The NCCL found at run time is too old for a feature.
+    #[error("NCCL {found} is too old for {feature}: needs {required} or newer")]
+    NcclTooOld {
+        /// Version found.
+        found: NcclVersion,
+        /// Version needed.
+        required: NcclVersion,
+        /// What needs it.
+        feature: &'static str,
+    },
+    /// The communicator cannot register symmetric windows (NCCL returned a NULL
+    /// window, or the host world was made without symmetric support) and the pool
+    /// requires them.
+    #[error("communicator {comm} has no symmetric-memory support")]
+    NoSymmetricSupport {
+        /// Index of the communicator in the backend's list.
+        comm: usize,
+    },
+    /// A segment's registration failed on some rank; the pool refuses further growth
+    /// because ranks may now disagree on window order.
+    #[error("registration of {segment} failed earlier; the pool cannot grow any more: {reason}")]
+    RegistrationBroken {
+        /// The segment whose registration failed.
+        segment: SegmentId,
+        /// The original failure.
+        reason: String,
+    },
+    /// Ranks registered segments of different sizes at the same position.
+    #[error("ranks registered different segment sizes at registration #{ordinal}: {sizes:?}")]
+    RegistrationMismatch {
+        /// Position of the registration on the communicator.
+        ordinal: u64,
+        /// Size in bytes per rank.
+        sizes: Vec<u64>,
+    },
+    /// An NCCL call failed.
+    #[error("{op} failed: NCCL error {code} ({message})")]
+    Nccl {
+        /// The NCCL function.
+        op: &'static str,
+        /// The `ncclResult_t` value.
+        code: i32,
+        /// `ncclGetErrorString` for it, or the last error message.
+        message: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("{op} failed: CUDA error {code} ({message})")]
+    Cuda {
+        /// The CUDA function.
+        op: &'static str,
+        /// The `CUresult` value.
+        code: i32,
+        /// Its name and description.
+        message: String,
+    },
+    /// A configuration value is invalid.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// An error of the allocator core that has no more specific variant above.
+    #[error(transparent)]
+    Core(AllocError),
+}
+
+impl From<AllocError> for Error {
+    fn from(e: AllocError) -> Self {
+        match e {
+            AllocError::ZeroSize => Error::ZeroSize,
+            AllocError::TooLarge {
+                requested_bytes,
+                max_bytes,
+            } => Error::TooLarge {
+                requested_bytes,
+                max_bytes,
+            },
+            AllocError::BadAlignment {
+                align_bytes,
+                max_align_bytes,
+            } => Error::BadAlignment {
+                align_bytes,
+                max_align_bytes,
+            },
+            AllocError::OutOfMemory {
+                segment_bytes,
+                would_reserve_bytes,
+                max_reserved_bytes,
+            } => Error::OutOfMemory {
+                segment_bytes,
+                reason: format!(
+                    "would reserve {would_reserve_bytes} bytes, limit {max_reserved_bytes}"
+                ),
+            },
+            AllocError::StaleBlock(_) => Error::ForeignBuffer,
+            AllocError::InvalidConfig(what) => Error::InvalidConfig(what.to_string()),
+            other => Error::Core(other),
+        }
+    }
+}
+
+/// An NCCL version, as `ncclGetVersion` reports it (`major * 10000 + minor * 100 +
+/// patch` for 2.9 and later).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+pub struct NcclVersion {
+    /// Major version.
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+    /// Patch level.
+    pub patch: u32,
+}
+
+impl NcclVersion {
+    /// A version from its parts.
+    pub const fn new(major: u32, minor: u32, patch: u32) -> Self {
+        NcclVersion {
+            major,
+            minor,
+            patch,
+        }
+    }
+
+    /// Decode `ncclGetVersion`'s integer (`NCCL_VERSION_CODE`).
+    pub fn from_code(code: i32) -> Self {
+        let code = code.max(0) as u32;
+        if code >= 10000 {
+            NcclVersion::new(code / 10000, (code % 10000) / 100, code % 100)
+        } else {
+            NcclVersion::new(code / 1000, (code % 1000) / 100, code % 100)
+        }
+    }
+
+    /// Windows (`ncclCommWindowRegister`, symmetric kernels): NCCL 2.27.
+    pub const WINDOWS: NcclVersion = NcclVersion::new(2, 27, 0);
+    /// Copy-engine all-gather (`CTAPolicy = NCCL_CTA_POLICY_ZERO`): NCCL 2.28.
+    pub const COPY_ENGINE: NcclVersion = NcclVersion::new(2, 28, 0);
+    /// Copy-engine all-gather with only the output registered: NCCL 2.29.
+    pub const CE_RECV_ONLY: NcclVersion = NcclVersion::new(2, 29, 0);
+    /// `ncclAvg` in symmetric reduce-scatter kernels: NCCL 2.30.
+    pub const SYMMETRIC_AVG: NcclVersion = NcclVersion::new(2, 30, 0);
+}
+
+impl fmt::Display for NcclVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+/// Details of a divergence between ranks, found when they agree before a collective
+/// pool operation (growth, `reserve`, `trim`, `close`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Divergence {
+    /// The operation being agreed on when the divergence was found.
+    pub during: &'static str,
+    /// Sequence number (1-based count of pool calls) of the first call that differs,
+    /// when the ranks' histories show it.
+    pub first_differing_call: Option<u64>,
+    /// For each rank, its description of that call (`None`: the rank had not made it),
+    /// or of its latest call when the first differing call is older than the history.
+    pub calls: Vec<(usize, Option<String>)>,
+}
+
+impl fmt::Display for Divergence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.first_differing_call {
+            Some(k) => write!(
+                f,
+                "ranks diverged (found during {}): first differing call is #{k}:",
+                self.during
+            )?,
+            None => write!(
+                f,
+                "ranks diverged (found during {}) before the recorded history:",
+                self.during
+            )?,
+        }
+        for (rank, call) in &self.calls {
+            match call {
+                Some(c) => write!(f, " rank {rank}: {c};")?,
+                None => write!(f, " rank {rank}: (no such call);")?,
+            }
+        }
+        Ok(())
+    }
+}

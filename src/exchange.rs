@@ -1,0 +1,223 @@
+//! Host-side exchange among ranks, used to agree before collective pool operations.
+//!
+//! NCCL cannot report divergence: if ranks' registration sequences differ they hang
+//! in bootstrap or silently pair the wrong buffers. So before every collective pool
+//! operation the ranks exchange a small record (call count, requested size, running
+//! hash of all pool calls, recent history) over an [`Exchange`], with a timeout. The
+//! crate provides [`LocalExchange`] for ranks that are threads of one process; a
+//! runtime with one rank per process plugs in its own (a TCP store, MPI, ...).
+
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// An all-gather of small host-side messages among the ranks of a pool.
+///
+/// # Collective
+/// Every rank calls [`all_gather`](Self::all_gather) the same number of times, in the
+/// same order. If a rank does not arrive within `timeout`, the call returns
+/// [`Error::Timeout`] naming the missing ranks instead of blocking forever.
+pub trait Exchange: Send + Sync + fmt::Debug {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Contribute `payload` and return every rank's payload, in rank order.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] if some rank does not contribute within `timeout`.
+    fn all_gather(&self, payload: Vec<u64>, timeout: Duration) -> Result<Vec<Vec<u64>>>;
+}
+
+/// Rounds of a gather among the threads of one process, matched by each rank's own
+/// round counter. A round is dropped once every rank has read it.
+pub(crate) struct Rendezvous<T> {
+    world: usize,
+    state: Mutex<BTreeMap<u64, Round<T>>>,
+    cv: Condvar,
+}
+
+struct Round<T> {
+    posted: Vec<Option<T>>,
+    read: usize,
+}
+
+impl<T: Clone> Rendezvous<T> {
+    pub(crate) fn new(world: usize) -> Self {
+        Rendezvous {
+            world,
+            state: Mutex::new(BTreeMap::new()),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Post `value` for `rank` in `round` and wait until every rank has posted in that
+    /// round (or `timeout` passes). A rank that timed out leaves its post behind, so
+    /// a late peer still sees what it contributed.
+    pub(crate) fn gather(
+        &self,
+        op: &'static str,
+        rank: usize,
+        round: u64,
+        value: T,
+        timeout: Duration,
+    ) -> Result<Vec<T>> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let world = self.world;
+        let entry = state.entry(round).or_insert_with(|| Round {
+            posted: vec![None; world],
+            read: 0,
+        });
+        entry.posted[rank] = Some(value);
+        self.cv.notify_all();
+        loop {
+            let r = state.get(&round).expect("round stays until all have read");
+            if r.posted.iter().all(Option::is_some) {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing = r
+                    .posted
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.is_none())
+                    .map(|(i, _)| i)
+                    .collect();
+                return Err(Error::Timeout {
+                    op,
+                    waited: timeout,
+                    missing_ranks: missing,
+                });
+            }
+            state = self
+                .cv
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        let r = state.get_mut(&round).expect("checked above");
+        let out: Vec<T> = r
+            .posted
+            .iter()
+            .map(|p| p.clone().expect("all posted"))
+            .collect();
+        r.read += 1;
+        if r.read == world {
+            state.remove(&round);
+        }
+        Ok(out)
+    }
+}
+
+/// An [`Exchange`] among ranks that are threads of one process.
+///
+/// Made for a whole group at once with [`LocalExchange::group`]; hand one to each
+/// rank's thread.
+pub struct LocalExchange {
+    rank: usize,
+    shared: Arc<Rendezvous<Vec<u64>>>,
+    round: Mutex<u64>,
+}
+
+impl LocalExchange {
+    /// One exchange per rank for `world_size` ranks.
+    ///
+    /// # Panics
+    /// If `world_size` is 0.
+    #[track_caller]
+    pub fn group(world_size: usize) -> Vec<LocalExchange> {
+        assert!(world_size > 0, "a group needs at least one rank");
+        let shared = Arc::new(Rendezvous::new(world_size));
+        (0..world_size)
+            .map(|rank| LocalExchange {
+                rank,
+                shared: shared.clone(),
+                round: Mutex::new(0),
+            })
+            .collect()
+    }
+}
+
+impl fmt::Debug for LocalExchange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalExchange")
+            .field("rank", &self.rank)
+            .field("world_size", &self.shared.world)
+            .finish()
+    }
+}
+
+impl Exchange for LocalExchange {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_gather(&self, payload: Vec<u64>, timeout: Duration) -> Result<Vec<Vec<u64>>> {
+        let mut round = self.round.lock().unwrap_or_else(|p| p.into_inner());
+        *round += 1;
+        self.shared
+            .gather("agreement exchange", self.rank, *round, payload, timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::thread;
+
+    #[test]
+    fn gathers_in_rank_order() {
+        let group = LocalExchange::group(3);
+        let out: Vec<_> = thread::scope(|s| {
+            let hs: Vec<_> = group
+                .iter()
+                .map(|x| {
+                    s.spawn(move || {
+                        x.all_gather(vec![x.rank() as u64 * 10], Duration::from_secs(5))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        for o in out {
+            assert_eq!(o, vec![vec![0], vec![10], vec![20]]);
+        }
+    }
+
+    #[test]
+    fn missing_rank_times_out_naming_it() {
+        let group = LocalExchange::group(3);
+        let err = thread::scope(|s| {
+            let a = s.spawn(|| group[0].all_gather(vec![1], Duration::from_millis(200)));
+            let b = s.spawn(|| group[1].all_gather(vec![1], Duration::from_millis(200)));
+            let _ = b.join().unwrap();
+            a.join().unwrap().unwrap_err()
+        });
+        match err {
+            Error::Timeout { missing_ranks, .. } => assert_eq!(missing_ranks, vec![2]),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_late_rank_sees_what_a_timed_out_rank_posted() {
+        let group = LocalExchange::group(2);
+        assert!(
+            group[0]
+                .all_gather(vec![7], Duration::from_millis(50))
+                .is_err()
+        );
+        let got = group[1]
+            .all_gather(vec![8], Duration::from_millis(50))
+            .unwrap();
+        assert_eq!(got, vec![vec![7], vec![8]]);
+    }
+}

@@ -1,0 +1,291 @@
+//! [`SymmBuffer`]: an RAII block of a pool, and typed views of it.
+
+use super::SymmPool;
+use crate::backend::Region;
+use crate::core::{BlockId, Placement, SegmentId};
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Mutex;
+
+/// A block of symmetric memory from a [`SymmPool`].
+///
+/// Dropping it returns the block to the pool's cache (never a collective, never a
+/// wait); it keeps its pool alive. The buffer is `len_bytes()` long; its block may be
+/// larger (rounded to 512 B). Its offset in its segment is the same on every rank
+/// that made the same pool calls.
+pub struct SymmBuffer {
+    pool: SymmPool,
+    pub(crate) block: BlockId,
+    segment: SegmentId,
+    offset_bytes: u64,
+    len_bytes: u64,
+    block_bytes: u64,
+    stream: Stream,
+    others: Mutex<Vec<Stream>>,
+}
+
+impl fmt::Debug for SymmBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SymmBuffer")
+            .field("segment", &self.segment.0)
+            .field("offset_bytes", &self.offset_bytes)
+            .field("len_bytes", &self.len_bytes)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+impl SymmBuffer {
+    pub(crate) fn new(pool: SymmPool, p: Placement, len_bytes: u64, stream: Stream) -> Self {
+        SymmBuffer {
+            pool,
+            block: p.block,
+            segment: p.segment,
+            offset_bytes: p.offset_bytes,
+            len_bytes,
+            block_bytes: p.size_bytes,
+            stream,
+            others: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The pool it came from.
+    pub fn pool(&self) -> &SymmPool {
+        &self.pool
+    }
+
+    /// Requested length in bytes.
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    /// Size of the underlying block in bytes (≥ `len_bytes`, a multiple of 512).
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    /// The segment holding it.
+    pub fn segment(&self) -> SegmentId {
+        self.segment
+    }
+
+    /// Offset from the segment's start, in bytes (identical across ranks).
+    pub fn offset_bytes(&self) -> u64 {
+        self.offset_bytes
+    }
+
+    /// The stream it was allocated on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The allocation's sequence number in its pool (same on every rank).
+    pub fn allocation_seq(&self) -> u64 {
+        self.block.seq
+    }
+
+    /// The whole buffer as a region.
+    pub(crate) fn region(&self) -> Region {
+        Region {
+            segment: self.segment,
+            offset_bytes: self.offset_bytes,
+            len_bytes: self.len_bytes,
+        }
+    }
+
+    /// Note that the buffer is also used on `stream` (like PyTorch's
+    /// `Tensor.record_stream`): when it is freed, a fence is recorded there too, and
+    /// the memory is handed to other streams only after a device-side wait for it.
+    ///
+    /// # Errors
+    /// [`Error::ForeignBuffer`] if the pool no longer knows the block (after `close`:
+    /// [`Error::PoolClosed`]).
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        self.pool.check_open()?;
+        self.pool
+            .lock()
+            .core
+            .record_stream(self.block, stream.id())?;
+        let mut others = self.others.lock().unwrap_or_else(|p| p.into_inner());
+        if stream.id() != self.stream.id() && !others.iter().any(|s| s.id() == stream.id()) {
+            others.push(stream.clone());
+        }
+        Ok(())
+    }
+
+    /// The allocating stream and the recorded ones.
+    pub(crate) fn streams(&self) -> Vec<Stream> {
+        let mut v = vec![self.stream.clone()];
+        v.extend(
+            self.others
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned(),
+        );
+        v
+    }
+
+    /// Device address of the first byte (NCCL backend); `None` on the host backend.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.pool.inner.backend.device_ptr(self.region())
+    }
+
+    /// A typed view of the whole buffer.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if `T`'s size does not divide `len_bytes()`.
+    pub fn view<T: Element>(&self) -> Result<TypedView<'_, T>> {
+        let size = std::mem::size_of::<T>() as u64;
+        if !self.len_bytes.is_multiple_of(size) {
+            return Err(Error::BadView(format!(
+                "{} bytes is not a whole number of {size}-byte elements",
+                self.len_bytes
+            )));
+        }
+        Ok(TypedView {
+            buf: self,
+            offset_bytes: 0,
+            len: (self.len_bytes / size) as usize,
+            _t: PhantomData,
+        })
+    }
+
+    /// Copy `data` into the buffer from its start, ordered on the buffer's stream.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if `data` is longer than the buffer; [`Error::PoolClosed`];
+    /// backend errors.
+    pub fn write<T: Element>(&self, data: &[T]) -> Result<()> {
+        self.view::<u8>()?
+            .write_bytes(0, bytemuck::cast_slice(data))
+    }
+
+    /// Copy the whole buffer to a host vector of `T`, waiting for the buffer's stream.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if `T` does not divide the length; [`Error::PoolClosed`];
+    /// backend errors.
+    pub fn read<T: Element>(&self) -> Result<Vec<T>> {
+        self.view::<T>()?.to_vec()
+    }
+}
+
+impl Drop for SymmBuffer {
+    fn drop(&mut self) {
+        self.pool.release_block(self);
+    }
+}
+
+/// A view of a [`SymmBuffer`] as `len()` elements of `T`.
+#[derive(Clone, Copy)]
+pub struct TypedView<'a, T: Element> {
+    buf: &'a SymmBuffer,
+    offset_bytes: u64,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T: Element> fmt::Debug for TypedView<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TypedView")
+            .field("dtype", &T::DTYPE)
+            .field("offset_bytes", &self.offset_bytes)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<'a, T: Element> TypedView<'a, T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffer it views.
+    pub fn buffer(&self) -> &'a SymmBuffer {
+        self.buf
+    }
+
+    /// Elements `[start, start + len)` of this view.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if the range is out of bounds.
+    pub fn slice(&self, start: usize, len: usize) -> Result<TypedView<'a, T>> {
+        let end = start
+            .checked_add(len)
+            .filter(|&e| e <= self.len)
+            .ok_or_else(|| Error::BadView(format!("{start}..{start}+{len} beyond {}", self.len)))?;
+        let _ = end;
+        Ok(TypedView {
+            buf: self.buf,
+            offset_bytes: self.offset_bytes + (start * std::mem::size_of::<T>()) as u64,
+            len,
+            _t: PhantomData,
+        })
+    }
+
+    /// Device address of the first element (NCCL backend).
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.buf.device_ptr().map(|p| p + self.offset_bytes)
+    }
+
+    fn region(&self) -> Region {
+        let r = self.buf.region();
+        Region {
+            segment: r.segment,
+            offset_bytes: r.offset_bytes + self.offset_bytes,
+            len_bytes: (self.len * std::mem::size_of::<T>()) as u64,
+        }
+    }
+
+    fn write_bytes(&self, at_bytes: u64, data: &[u8]) -> Result<()> {
+        self.buf.pool.check_open()?;
+        let mut region = self.region();
+        if at_bytes + data.len() as u64 > region.len_bytes {
+            return Err(Error::BadView(format!(
+                "writing {} bytes at {at_bytes} into a view of {} bytes",
+                data.len(),
+                region.len_bytes
+            )));
+        }
+        region.offset_bytes += at_bytes;
+        self.buf
+            .pool
+            .inner
+            .backend
+            .write(region, data, &self.buf.stream)
+    }
+
+    /// Copy `data` into the first `data.len()` elements, ordered on the buffer's stream.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if `data` is longer than the view; [`Error::PoolClosed`];
+    /// backend errors.
+    pub fn copy_from_host(&self, data: &[T]) -> Result<()> {
+        self.write_bytes(0, bytemuck::cast_slice(data))
+    }
+
+    /// Copy the view to a host vector, waiting for the buffer's stream.
+    ///
+    /// # Errors
+    /// [`Error::PoolClosed`]; backend errors.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        self.buf.pool.check_open()?;
+        let mut out = vec![T::zeroed(); self.len];
+        self.buf.pool.inner.backend.read(
+            self.region(),
+            bytemuck::cast_slice_mut(&mut out),
+            &self.buf.stream,
+        )?;
+        Ok(out)
+    }
+}

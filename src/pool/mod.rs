@@ -1,0 +1,713 @@
+//! [`SymmPool`]: the allocator core, a backend, and the registry of windows.
+//!
+//! # Life of a pool
+//!
+//! - **Allocation** ([`SymmPool::alloc`]) is served from the core's cache: a mutex, a
+//!   best-fit lookup, no NCCL call. When nothing fits, the pool *grows*: the ranks
+//!   agree (call count, requested size, running hash of all calls; see
+//!   [`Error::Divergence`]), each allocates the segment, they confirm every rank got
+//!   it, then each registers it as a symmetric window on every communicator that
+//!   registers, in the backend's order.
+//! - **Free** happens when a [`SymmBuffer`] is dropped: the block goes back to the
+//!   cache with one fence per stream that used it. Never a collective.
+//! - **Reuse across streams**: a block last used on other streams comes with device-side
+//!   waits that the pool enqueues on the allocating stream (`cuStreamWaitEvent`).
+//! - **Release** only through the collective calls [`SymmPool::trim`] and
+//!   [`SymmPool::close`]: drain, deregister, free (the order of DESIGN.md §2). Dropping
+//!   the last handle to a pool that was not closed releases its memory locally
+//!   (deregistration and free are local in NCCL) and logs a warning.
+
+mod agreement;
+mod buffer;
+mod scope;
+
+pub use buffer::{SymmBuffer, TypedView};
+pub use scope::{alloc, alloc_aligned, current};
+
+use crate::backend::{Backend, HostBackend, HostConfig, Registration};
+use crate::coll::PathPolicy;
+use crate::core::{
+    AllocError, AllocRequest, Allocator, CoreConfig, CoreStats, Fence, Growth, SegmentId, Snapshot,
+    StreamId, Wait,
+};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use agreement::{CallKind, History, agree, op};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Settings of a pool.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct PoolConfig {
+    /// The allocator core's sizes. Its granularity is replaced by the backend's.
+    pub core: CoreConfig,
+    /// How long an agreement waits for the other ranks (default 60 s).
+    pub timeout: Duration,
+    /// How many recent calls the agreement carries to name a divergence (default 64).
+    pub history_len: usize,
+    /// Whether segments are registered as windows (default `true`). A pool that does
+    /// not register hands out plain buffers: the baseline its collectives run on
+    /// NCCL's ring/tree kernels.
+    pub register: bool,
+    /// Fail growth with [`Error::NoSymmetricSupport`] when a communicator returns no
+    /// window, instead of carrying on with unregistered segments (default `false`).
+    pub require_symmetric: bool,
+    /// Size thresholds of the collectives' path selection.
+    pub paths: PathPolicy,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            core: CoreConfig::default(),
+            timeout: Duration::from_secs(60),
+            history_len: 64,
+            register: true,
+            require_symmetric: false,
+            paths: PathPolicy::default(),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Set the agreement timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Set whether segments are registered.
+    pub fn with_register(mut self, register: bool) -> Self {
+        self.register = register;
+        self
+    }
+
+    /// Set whether a missing symmetric window is an error.
+    pub fn with_require_symmetric(mut self, require: bool) -> Self {
+        self.require_symmetric = require;
+        self
+    }
+
+    /// Set the core's configuration.
+    pub fn with_core(mut self, core: CoreConfig) -> Self {
+        self.core = core;
+        self
+    }
+
+    /// Set the collectives' path thresholds.
+    pub fn with_paths(mut self, paths: PathPolicy) -> Self {
+        self.paths = paths;
+        self
+    }
+}
+
+/// Counters of a pool, beside the core's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PoolStats {
+    /// The allocator core's statistics.
+    pub core: CoreStats,
+    /// Window registrations made, per communicator (index into the backend's list).
+    pub registrations: Vec<u64>,
+    /// Windows currently registered (non-NULL), per communicator.
+    pub windows: Vec<u64>,
+    /// Deregistrations made, per communicator.
+    pub deregistrations: Vec<u64>,
+    /// Agreements among ranks (growth, reserve, trim, close).
+    pub agreements: u64,
+    /// Time spent allocating and registering segments, in seconds.
+    pub growth_seconds: f64,
+    /// Pool calls recorded in the history.
+    pub calls: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct SegmentEntry {
+    /// Per communicator: `Some` once registration was attempted.
+    pub(crate) windows: Vec<Option<Registration>>,
+}
+
+pub(crate) struct PoolState {
+    pub(crate) core: Allocator,
+    history: History,
+    pub(crate) segments: BTreeMap<SegmentId, SegmentEntry>,
+    closed: bool,
+    broken: Option<(SegmentId, String)>,
+    registrations: Vec<u64>,
+    deregistrations: Vec<u64>,
+    agreements: u64,
+    growth_time: Duration,
+}
+
+pub(crate) struct PoolInner {
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) config: PoolConfig,
+    state: Mutex<PoolState>,
+}
+
+/// A symmetric-memory caching pool for one rank.
+///
+/// Cheap to clone (a handle); buffers keep their pool alive. Every rank of a
+/// communicator owns one pool over its backend, and the ranks make the same sequence
+/// of pool calls; placement then agrees on every rank, which NCCL's symmetric kernels
+/// and copy engines require (they address peers at the local offset).
+///
+/// # Example
+///
+/// ```
+/// use symmpool::{PoolConfig, Stream, SymmPool};
+///
+/// // Two ranks as threads, on the host backend.
+/// let pools = SymmPool::host_group(2, PoolConfig::default())?;
+/// std::thread::scope(|s| {
+///     for pool in &pools {
+///         s.spawn(move || {
+///             let stream = Stream::host();
+///             let buf = pool.scope(|| symmpool::alloc(1 << 20, &stream)).unwrap();
+///             assert_eq!((buf.segment().0, buf.offset_bytes()), (0, 0)); // same on both ranks
+///         });
+///     }
+/// });
+/// # Ok::<(), symmpool::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct SymmPool {
+    pub(crate) inner: Arc<PoolInner>,
+}
+
+impl fmt::Debug for SymmPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SymmPool")
+            .field("backend", &self.inner.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SymmPool {
+    /// A pool over one rank's backend.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if the core configuration (with the backend's
+    /// granularity) is invalid.
+    pub fn new(backend: Arc<dyn Backend>, config: PoolConfig) -> Result<Self> {
+        let mut core_config = config
+            .core
+            .with_granularity_bytes(backend.granularity_bytes());
+        core_config.small_segment_bytes = core_config
+            .small_segment_bytes
+            .max(backend.granularity_bytes());
+        let core = Allocator::new(core_config)?;
+        let n = backend.communicators().len();
+        Ok(SymmPool {
+            inner: Arc::new(PoolInner {
+                state: Mutex::new(PoolState {
+                    core,
+                    history: History::new(config.history_len),
+                    segments: BTreeMap::new(),
+                    closed: false,
+                    broken: None,
+                    registrations: vec![0; n],
+                    deregistrations: vec![0; n],
+                    agreements: 0,
+                    growth_time: Duration::ZERO,
+                }),
+                backend,
+                config,
+            }),
+        })
+    }
+
+    /// One pool per rank of a new host world of `world_size` ranks (threads), in rank
+    /// order: the embedded default where there is no GPU.
+    ///
+    /// # Errors
+    /// As [`HostBackend::world`] and [`SymmPool::new`].
+    pub fn host_group(world_size: usize, config: PoolConfig) -> Result<Vec<SymmPool>> {
+        let host = HostConfig::new(world_size).with_timeout(config.timeout);
+        Self::host_group_with(host, config)
+    }
+
+    /// As [`host_group`](Self::host_group), with explicit host settings.
+    ///
+    /// # Errors
+    /// As [`HostBackend::world`] and [`SymmPool::new`].
+    pub fn host_group_with(host: HostConfig, config: PoolConfig) -> Result<Vec<SymmPool>> {
+        HostBackend::world(host)?
+            .into_iter()
+            .map(|b| SymmPool::new(Arc::new(b), config.clone()))
+            .collect()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.backend.rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.inner.backend.world_size()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.inner.config
+    }
+
+    /// A new stream on this rank's device.
+    ///
+    /// # Errors
+    /// A backend error.
+    pub fn new_stream(&self) -> Result<Stream> {
+        self.inner.backend.new_stream()
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether two handles are the same pool.
+    pub fn same_pool(&self, other: &SymmPool) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Allocate `size_bytes` on `stream`, with the default alignment (512 B).
+    ///
+    /// The block is at least `size_bytes` long, at an offset in its segment that every
+    /// rank gets for the same call sequence. If the memory was last used on other
+    /// streams, device-side waits for that work are enqueued on `stream` first.
+    ///
+    /// # Collective
+    /// Usually local (a cache hit). When it grows the pool it is collective: every rank
+    /// must make the same sequence of pool calls, so that all reach the same growth.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSize`]; [`Error::TooLarge`]; [`Error::PoolClosed`];
+    /// [`Error::OutOfMemory`]; on growth also [`Error::Divergence`], [`Error::Timeout`],
+    /// [`Error::GraphCapture`], [`Error::NoSymmetricSupport`],
+    /// [`Error::RegistrationBroken`] and backend errors. Nothing is allocated on error.
+    pub fn alloc(&self, size_bytes: u64, stream: &Stream) -> Result<SymmBuffer> {
+        self.alloc_aligned(size_bytes, 1, stream)
+    }
+
+    /// Allocate with an explicit alignment: a power of two up to the segment
+    /// granularity (2 MiB); values below 512 B mean 512 B.
+    ///
+    /// # Collective
+    /// As [`alloc`](Self::alloc).
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc), and [`Error::BadAlignment`].
+    pub fn alloc_aligned(
+        &self,
+        size_bytes: u64,
+        align_bytes: u64,
+        stream: &Stream,
+    ) -> Result<SymmBuffer> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err(Error::PoolClosed);
+        }
+        let req = AllocRequest::new(size_bytes, stream.id()).with_align(align_bytes);
+        let placement = match st.core.alloc(req) {
+            Ok(p) => {
+                st.history.record(CallKind::Alloc, size_bytes, align_bytes);
+                p
+            }
+            Err(AllocError::NeedsGrowth(growth)) => {
+                st.history.record(CallKind::Alloc, size_bytes, align_bytes);
+                self.grow(&mut st, growth, stream)?;
+                st.core.alloc(req)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        for w in &placement.waits {
+            self.inner.backend.wait_fence(stream, w.stream, w.fence)?;
+        }
+        Ok(SymmBuffer::new(
+            self.clone(),
+            placement,
+            size_bytes,
+            stream.clone(),
+        ))
+    }
+
+    /// Grow by one segment: agree, allocate, confirm, register, add to the core.
+    fn grow(&self, st: &mut PoolState, growth: Growth, stream: &Stream) -> Result<SegmentId> {
+        self.check_growable(st, stream)?;
+        self.agree(st, op::GROW, "growth", growth.segment_bytes, 0)?;
+        let id = st.core.next_segment_id();
+        self.provide_segment(st, id, growth.segment_bytes)?;
+        let added = st.core.add_segment(growth);
+        self.finish_segment(st, id, added)
+    }
+
+    fn check_growable(&self, st: &PoolState, stream: &Stream) -> Result<()> {
+        if let Some((segment, reason)) = &st.broken {
+            return Err(Error::RegistrationBroken {
+                segment: *segment,
+                reason: reason.clone(),
+            });
+        }
+        if self.inner.backend.is_capturing(stream)? {
+            return Err(Error::GraphCapture);
+        }
+        Ok(())
+    }
+
+    fn agree(
+        &self,
+        st: &mut PoolState,
+        op: u64,
+        during: &'static str,
+        size: u64,
+        extra: u64,
+    ) -> Result<Vec<u64>> {
+        st.agreements += 1;
+        agree(
+            self.inner.backend.exchange(),
+            &st.history,
+            op,
+            during,
+            size,
+            extra,
+            self.inner.config.timeout,
+        )
+    }
+
+    /// Allocate segment `id` on this rank, confirm every rank did, and register it.
+    fn provide_segment(&self, st: &mut PoolState, id: SegmentId, size: u64) -> Result<()> {
+        let backend = &self.inner.backend;
+        let started = Instant::now();
+        let local = backend.alloc_segment(id, size);
+        // Second round: nobody registers unless everybody has the memory, so one
+        // rank's failure is an error on all ranks instead of a hang in registration.
+        let ok = self.agree(
+            st,
+            op::GROW,
+            "growth confirmation",
+            size,
+            local.is_ok() as u64,
+        );
+        let all_ok = match &ok {
+            Ok(flags) => flags.iter().all(|&f| f == 1),
+            Err(_) => false,
+        };
+        if !all_ok {
+            if local.is_ok() {
+                let _ = backend.free_segment(id);
+            }
+            local?;
+            ok?;
+            return Err(Error::OutOfMemory {
+                segment_bytes: size,
+                reason: "another rank could not allocate the segment".into(),
+            });
+        }
+        let mut windows = vec![None; backend.communicators().len()];
+        if self.inner.config.register {
+            for (c, info) in backend.communicators().iter().enumerate() {
+                if !info.registers {
+                    continue;
+                }
+                match backend.register(id, c) {
+                    Ok(reg) => {
+                        st.registrations[c] += 1;
+                        windows[c] = Some(reg);
+                        if reg == Registration::Unsupported && self.inner.config.require_symmetric {
+                            self.undo_segment(st, id, &windows);
+                            return Err(Error::NoSymmetricSupport { comm: c });
+                        }
+                    }
+                    Err(e) => {
+                        self.undo_segment(st, id, &windows);
+                        st.broken = Some((id, e.to_string()));
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        st.segments.insert(id, SegmentEntry { windows });
+        st.growth_time += started.elapsed();
+        Ok(())
+    }
+
+    fn finish_segment(
+        &self,
+        st: &mut PoolState,
+        id: SegmentId,
+        added: std::result::Result<SegmentId, AllocError>,
+    ) -> Result<SegmentId> {
+        match added {
+            Ok(got) => {
+                debug_assert_eq!(got, id, "core and pool agree on segment ids");
+                Ok(got)
+            }
+            Err(e) => {
+                if let Some(entry) = st.segments.remove(&id) {
+                    self.undo_segment(st, id, &entry.windows);
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Deregister and free a segment that the core does not hold (failed growth).
+    fn undo_segment(&self, st: &mut PoolState, id: SegmentId, windows: &[Option<Registration>]) {
+        let backend = &self.inner.backend;
+        for (c, w) in windows.iter().enumerate() {
+            if w.is_some() {
+                let _ = backend.deregister(id, c);
+                st.deregistrations[c] += 1;
+            }
+        }
+        let _ = backend.free_segment(id);
+    }
+
+    /// Deregister and free segments the core has released; drains the device first.
+    fn release_segments(&self, st: &mut PoolState, released: &[(SegmentId, u64)]) -> Result<()> {
+        if released.is_empty() {
+            return Ok(());
+        }
+        let backend = &self.inner.backend;
+        backend.synchronize()?;
+        let mut first_err = None;
+        for (id, _) in released {
+            if let Some(entry) = st.segments.remove(id) {
+                for (c, w) in entry.windows.iter().enumerate() {
+                    if w.is_some() {
+                        if let Err(e) = backend.deregister(*id, c) {
+                            first_err.get_or_insert(e);
+                        }
+                        st.deregistrations[c] += 1;
+                    }
+                }
+            }
+            if let Err(e) = backend.free_segment(*id) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Pre-grow the pool by one segment of `size_bytes` (rounded up to the granularity)
+    /// that any large request (over 1 MiB) may use, so that later allocations hit the
+    /// cache and nothing registers on the hot path or during CUDA-graph capture.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence with the same size.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSize`], [`Error::TooLarge`], [`Error::PoolClosed`], and the growth
+    /// errors of [`alloc`](Self::alloc).
+    pub fn reserve(&self, size_bytes: u64) -> Result<SegmentId> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err(Error::PoolClosed);
+        }
+        let config = *st.core.config();
+        if size_bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        let size = crate::core::align_up(size_bytes, config.granularity_bytes)
+            .filter(|_| size_bytes <= config.max_request_bytes)
+            .ok_or(Error::TooLarge {
+                requested_bytes: size_bytes,
+                max_bytes: config.max_request_bytes,
+            })?;
+        st.history.record(CallKind::Reserve, size_bytes, 0);
+        if let Some((segment, reason)) = &st.broken {
+            return Err(Error::RegistrationBroken {
+                segment: *segment,
+                reason: reason.clone(),
+            });
+        }
+        self.agree(&mut st, op::RESERVE, "reserve", size, 0)?;
+        let id = st.core.next_segment_id();
+        self.provide_segment(&mut st, id, size)?;
+        let added = st.core.add_shared_segment(size);
+        self.finish_segment(&mut st, id, added)
+    }
+
+    /// Release every entirely free segment: drain the device, deregister its windows,
+    /// free it. Returns the bytes released.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence (the ranks agree
+    /// first, so they release the same segments).
+    ///
+    /// # Errors
+    /// [`Error::PoolClosed`], [`Error::Divergence`], [`Error::Timeout`], backend errors.
+    pub fn trim(&self) -> Result<u64> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err(Error::PoolClosed);
+        }
+        st.history.record(CallKind::Trim, 0, 0);
+        self.agree(&mut st, op::TRIM, "trim", 0, 0)?;
+        let released = st.core.release_free_segments();
+        self.release_segments(&mut st, &released)?;
+        Ok(released.iter().map(|(_, b)| b).sum())
+    }
+
+    /// Close the pool: drain the device, deregister every window, free every segment.
+    /// Later calls fail with [`Error::PoolClosed`]; closing again is a no-op.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence. If any rank still
+    /// has live buffers, every rank gets [`Error::BuffersAlive`] and nothing is
+    /// released (the pool stays usable).
+    ///
+    /// # Errors
+    /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
+    /// errors.
+    pub fn close(&self) -> Result<()> {
+        let mut st = self.lock();
+        if st.closed {
+            return Ok(());
+        }
+        st.history.record(CallKind::Close, 0, 0);
+        let live = st.core.stats().allocated_blocks.current;
+        let live_per_rank = self.agree(&mut st, op::CLOSE, "close", 0, live)?;
+        if live_per_rank.iter().any(|&l| l > 0) {
+            return Err(Error::BuffersAlive { live_per_rank });
+        }
+        let released = st.core.release_free_segments();
+        st.closed = true;
+        self.release_segments(&mut st, &released)
+    }
+
+    /// Whether [`close`](Self::close) has completed.
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// Statistics of the pool and its core.
+    pub fn stats(&self) -> PoolStats {
+        let st = self.lock();
+        let mut windows = vec![0; st.registrations.len()];
+        for entry in st.segments.values() {
+            for (c, w) in entry.windows.iter().enumerate() {
+                if *w == Some(Registration::Symmetric) {
+                    windows[c] += 1;
+                }
+            }
+        }
+        PoolStats {
+            core: st.core.stats(),
+            registrations: st.registrations.clone(),
+            windows,
+            deregistrations: st.deregistrations.clone(),
+            agreements: st.agreements,
+            growth_seconds: st.growth_time.as_secs_f64(),
+            calls: st.history.seq(),
+        }
+    }
+
+    /// Reset the peaks of the core's statistics.
+    pub fn reset_peak(&self) {
+        self.lock().core.reset_peak();
+    }
+
+    /// Every segment and block (serialisable with serde).
+    pub fn snapshot(&self) -> Snapshot {
+        self.lock().core.snapshot()
+    }
+
+    /// Run the core's invariant check (for tests and debugging).
+    ///
+    /// # Errors
+    /// The violation found.
+    pub fn check_invariants(&self) -> std::result::Result<(), crate::core::InvariantViolation> {
+        self.lock().core.check_invariants()
+    }
+
+    /// Return a block to the cache (from `SymmBuffer::drop`): record a fence on every
+    /// stream that used it. Never collective. Errors are logged: a drop cannot fail.
+    pub(crate) fn release_block(&self, buf: &SymmBuffer) {
+        let mut st = self.lock();
+        if st.closed {
+            return;
+        }
+        let streams = buf.streams();
+        let mut fences: smallvec::SmallVec<[Wait; 3]> = smallvec::SmallVec::new();
+        for s in &streams {
+            match self.inner.backend.record_fence(s) {
+                Ok(f) => fences.push(Wait {
+                    stream: s.id(),
+                    fence: f,
+                }),
+                Err(e) => {
+                    // Without a fence the memory cannot be handed to another stream
+                    // safely: drain the device instead, then free without fences.
+                    log::warn!("symmpool: recording a fence failed ({e}); synchronizing");
+                    if let Err(e) = self.inner.backend.synchronize() {
+                        log::error!("symmpool: synchronize failed ({e}); block leaked");
+                        return;
+                    }
+                    fences.clear();
+                    break;
+                }
+            }
+        }
+        match st.core.free(buf.block, &fences) {
+            Ok(()) => {
+                st.history.record(CallKind::Free, buf.block.seq, 0);
+            }
+            Err(e) => log::error!("symmpool: freeing a block failed: {e}"),
+        }
+    }
+
+    /// Registration state of a segment on communicator `comm`.
+    pub(crate) fn window(&self, segment: SegmentId, comm: usize) -> Option<Registration> {
+        self.lock()
+            .segments
+            .get(&segment)
+            .and_then(|e| e.windows.get(comm).copied().flatten())
+    }
+
+    /// Fail if the pool is closed.
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.lock().closed {
+            Err(Error::PoolClosed)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Note that `fence` on `stream` completed (only moves the `active_bytes` stat).
+    pub fn complete_fences(&self, stream: StreamId, fence: Fence) {
+        self.lock().core.complete_fences(stream, fence);
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if st.closed || st.segments.is_empty() {
+            return;
+        }
+        log::warn!(
+            "symmpool: pool dropped without close(); releasing {} segments locally",
+            st.segments.len()
+        );
+        if let Err(e) = self.backend.synchronize() {
+            log::error!("symmpool: synchronize failed while dropping the pool: {e}");
+        }
+        for (id, entry) in std::mem::take(&mut st.segments) {
+            for (c, w) in entry.windows.iter().enumerate() {
+                if w.is_some() {
+                    let _ = self.backend.deregister(id, c);
+                }
+            }
+            let _ = self.backend.free_segment(id);
+        }
+    }
+}

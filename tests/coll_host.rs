@@ -1,0 +1,285 @@
+//! Collectives on the host backend: real data movement and summation against a
+//! host-computed reference, for every element type, both placements, odd sizes, and
+//! the paths reported; plus the errors for inconsistent calls.
+
+use std::thread;
+use std::time::Duration;
+use symmpool::coll::{self, Path};
+use symmpool::{Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16};
+
+fn pools(world: usize) -> Vec<SymmPool> {
+    SymmPool::host_group(
+        world,
+        PoolConfig::default().with_timeout(Duration::from_secs(10)),
+    )
+    .unwrap()
+}
+
+fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let hs: Vec<_> = pools.iter().map(|p| s.spawn(|| f(p))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Element `i` of rank `r`'s data: small integers, exact in every type.
+fn value<T: Element>(r: usize, i: usize) -> T {
+    T::from_f64(((r * 31 + i * 7) % 23) as f64)
+}
+
+fn check_all_gather<T: Element>(world: usize, count: usize, in_place: bool) {
+    let pools = pools(world);
+    let results = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let r = pool.rank();
+        let size = std::mem::size_of::<T>();
+        let mine: Vec<T> = (0..count).map(|i| value(r, i)).collect();
+        let out = pool.alloc((world * count * size) as u64, &stream).unwrap();
+        // Poison the output so unwritten elements show.
+        out.write(&vec![T::from_f64(99.0); world * count]).unwrap();
+        let report = if in_place {
+            out.view::<T>()
+                .unwrap()
+                .slice(r * count, count)
+                .unwrap()
+                .copy_from_host(&mine)
+                .unwrap();
+            coll::all_gather_in_place::<T>(&out, &stream).unwrap()
+        } else {
+            let input = pool.alloc((count * size) as u64, &stream).unwrap();
+            input.write(&mine).unwrap();
+            coll::all_gather::<T>(&input, &out, &stream).unwrap()
+        };
+        (report, out.read::<T>().unwrap())
+    });
+    let want: Vec<T> = (0..world)
+        .flat_map(|r| (0..count).map(move |i| value::<T>(r, i)))
+        .collect();
+    for (report, got) in results {
+        assert_eq!(
+            got,
+            want,
+            "{:?} world {world} count {count} in_place {in_place}",
+            T::DTYPE
+        );
+        assert_eq!(
+            report.bytes_per_rank,
+            (count * std::mem::size_of::<T>()) as u64
+        );
+    }
+}
+
+fn check_reduce_scatter<T: Element>(world: usize, count: usize, in_place: bool, op: ReduceOp) {
+    let pools = pools(world);
+    let results = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let r = pool.rank();
+        let size = std::mem::size_of::<T>();
+        let data: Vec<T> = (0..world * count).map(|i| value(r, i)).collect();
+        let input = pool.alloc((world * count * size) as u64, &stream).unwrap();
+        input.write(&data).unwrap();
+        if in_place {
+            let report = coll::reduce_scatter_in_place::<T>(&input, op, &stream).unwrap();
+            let all = input.read::<T>().unwrap();
+            (report, all[r * count..(r + 1) * count].to_vec())
+        } else {
+            let out = pool.alloc((count * size) as u64, &stream).unwrap();
+            out.write(&vec![T::from_f64(99.0); count]).unwrap();
+            let report = coll::reduce_scatter::<T>(&input, &out, op, &stream).unwrap();
+            (report, out.read::<T>().unwrap())
+        }
+    });
+    for (rank, (_, got)) in results.iter().enumerate() {
+        let want: Vec<T> = (0..count)
+            .map(|i| {
+                let vals = (0..world).map(|r| value::<T>(r, rank * count + i).to_f64());
+                let x = match op {
+                    ReduceOp::Sum => vals.sum(),
+                    ReduceOp::Avg => vals.sum::<f64>() / world as f64,
+                    ReduceOp::Prod => vals.product(),
+                    ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+                    ReduceOp::Min => vals.fold(f64::MAX, f64::min),
+                };
+                T::from_f64(x)
+            })
+            .collect();
+        assert_eq!(
+            got,
+            &want,
+            "{:?} {op:?} rank {rank} world {world} count {count}",
+            T::DTYPE
+        );
+    }
+}
+
+#[test]
+fn all_gather_every_type_both_placements_odd_sizes() {
+    for world in [2, 3, 4] {
+        for count in [1, 127, 1000, 3 * 100_003] {
+            for in_place in [false, true] {
+                check_all_gather::<f32>(world, count, in_place);
+                check_all_gather::<f16>(world, count, in_place);
+                check_all_gather::<bf16>(world, count, in_place);
+                check_all_gather::<u8>(world, count, in_place);
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_every_type_both_placements_odd_sizes() {
+    for world in [2, 4] {
+        for count in [1, 333, 50_001] {
+            for in_place in [false, true] {
+                check_reduce_scatter::<f32>(world, count, in_place, ReduceOp::Sum);
+                check_reduce_scatter::<f16>(world, count, in_place, ReduceOp::Sum);
+                check_reduce_scatter::<bf16>(world, count, in_place, ReduceOp::Sum);
+                check_reduce_scatter::<u8>(world, count, in_place, ReduceOp::Sum);
+            }
+        }
+    }
+    for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod, ReduceOp::Avg] {
+        check_reduce_scatter::<f32>(3, 100, false, op);
+        check_reduce_scatter::<u8>(2, 100, true, op);
+    }
+}
+
+#[test]
+fn eight_ranks_gather_and_reduce() {
+    check_all_gather::<bf16>(8, 4099, true);
+    check_reduce_scatter::<f32>(8, 4099, false, ReduceOp::Sum);
+}
+
+#[test]
+fn paths_follow_size_type_and_operation() {
+    let pools = pools(2);
+    let paths = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let small = pool.alloc(2 * (64 << 10), &stream).unwrap();
+        let big = pool.alloc(2 * (64 << 20), &stream).unwrap();
+        let big_out = pool.alloc(64 << 20, &stream).unwrap();
+        let small_out = pool.alloc(64 << 10, &stream).unwrap();
+        vec![
+            coll::all_gather_in_place::<bf16>(&small, &stream)
+                .unwrap()
+                .path,
+            coll::all_gather_in_place::<bf16>(&big, &stream)
+                .unwrap()
+                .path,
+            coll::reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Sum, &stream)
+                .unwrap()
+                .path,
+            coll::reduce_scatter::<bf16>(&big, &big_out, ReduceOp::Sum, &stream)
+                .unwrap()
+                .path,
+            coll::reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Max, &stream)
+                .unwrap()
+                .path,
+            coll::reduce_scatter::<u8>(&small, &small_out, ReduceOp::Sum, &stream)
+                .unwrap()
+                .path,
+        ]
+    });
+    for p in paths {
+        assert_eq!(
+            p,
+            vec![
+                Path::SymmetricKernel,
+                Path::CopyEngine,
+                Path::SymmetricKernel,
+                Path::PlainKernel,
+                Path::PlainKernel,
+                Path::PlainKernel,
+            ]
+        );
+    }
+}
+
+#[test]
+fn a_pool_that_does_not_register_runs_plain() {
+    let pools = SymmPool::host_group(2, PoolConfig::default().with_register(false)).unwrap();
+    let paths = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let buf = pool.alloc(2 * (64 << 20), &stream).unwrap();
+        let p = coll::all_gather_in_place::<f32>(&buf, &stream)
+            .unwrap()
+            .path;
+        (p, pool.stats().registrations)
+    });
+    for (p, regs) in paths {
+        assert_eq!(p, Path::PlainKernel);
+        assert_eq!(regs, vec![0, 0, 0]);
+    }
+}
+
+#[test]
+fn inconsistent_sizes_are_refused_before_launch() {
+    let pools = pools(2);
+    on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let a = pool.alloc(4096, &stream).unwrap();
+        let b = pool.alloc(4096, &stream).unwrap();
+        let odd = pool.alloc(4097, &stream).unwrap();
+        for e in [
+            coll::all_gather::<f32>(&a, &b, &stream).unwrap_err(),
+            coll::reduce_scatter::<f32>(&a, &b, ReduceOp::Sum, &stream).unwrap_err(),
+            coll::all_gather_in_place::<f32>(&odd, &stream).unwrap_err(),
+            coll::all_gather::<f32>(&odd, &b, &stream).unwrap_err(),
+        ] {
+            assert!(matches!(e, Error::InvalidCollective { .. }), "{e:?}");
+        }
+        let three = pool.alloc(12, &stream).unwrap();
+        assert!(matches!(
+            coll::reduce_scatter_in_place::<f32>(&three, ReduceOp::Sum, &stream),
+            Err(Error::InvalidCollective { .. })
+        ));
+    });
+}
+
+#[test]
+fn diverged_offsets_are_caught_at_the_collective() {
+    // Rank 1 allocates one extra small buffer from the cache (no growth, so no
+    // agreement): its next buffer lands at another offset. NCCL would silently read
+    // the wrong bytes; the host backend reports it on every rank.
+    let pools = pools(2);
+    let errs = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let warm = pool.alloc(4096, &stream).unwrap();
+        drop(warm);
+        let _extra = (pool.rank() == 1).then(|| pool.alloc(512, &stream).unwrap());
+        let buf = pool.alloc(8192, &stream).unwrap();
+        coll::all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
+    });
+    for e in errs {
+        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e:?}");
+        assert!(e.to_string().contains("offset"), "{e}");
+    }
+}
+
+#[test]
+fn mismatched_counts_across_ranks_are_errors_not_hangs() {
+    let pools = pools(2);
+    let errs = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        drop(pool.alloc(1 << 20, &stream).unwrap()); // grow together first
+        let n = if pool.rank() == 0 { 1024 } else { 2048 };
+        let buf = pool.alloc(2 * n * 4, &stream).unwrap();
+        coll::all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
+    });
+    for e in errs {
+        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e:?}");
+    }
+}
+
+#[test]
+fn a_missing_rank_times_out() {
+    let pools = SymmPool::host_group(
+        2,
+        PoolConfig::default().with_timeout(Duration::from_millis(300)),
+    )
+    .unwrap();
+    let stream = Stream::host();
+    let buf = pools[0].alloc(4096, &stream);
+    // Growth needs both ranks: rank 0 alone times out.
+    assert!(matches!(buf, Err(Error::Timeout { .. })));
+}

@@ -1,0 +1,493 @@
+//! The pool on the host backend: determinism across 2, 4 and 8 ranks, registration
+//! counts, divergence, bad input, scopes, trim and close.
+
+use std::sync::Barrier;
+use std::thread;
+use std::time::Duration;
+use symmpool::core::SegmentId;
+use symmpool::{Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll};
+
+const MIB: u64 = 1 << 20;
+
+fn config() -> PoolConfig {
+    PoolConfig::default().with_timeout(Duration::from_secs(5))
+}
+
+/// Run `f(pool)` on one thread per rank and collect the results in rank order.
+fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let hs: Vec<_> = pools.iter().map(|p| s.spawn(|| f(p))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A deterministic pseudo-random sequence (SplitMix64).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Alloc(u64),
+    Free(usize),
+}
+
+fn random_ops(seed: u64, n: usize) -> Vec<Op> {
+    let mut rng = Rng(seed);
+    let mut live = 0usize;
+    (0..n)
+        .map(|_| {
+            if live > 0 && rng.next() % 5 < 2 {
+                live -= 1;
+                Op::Free((rng.next() % (live as u64 + 1)) as usize)
+            } else {
+                live += 1;
+                let size = match rng.next() % 4 {
+                    0 => 1 + rng.next() % 4096,
+                    1 => 1 + rng.next() % MIB,
+                    2 => MIB + rng.next() % (8 * MIB),
+                    _ => 8 * MIB + rng.next() % (40 * MIB),
+                };
+                Op::Alloc(size)
+            }
+        })
+        .collect()
+}
+
+/// Each rank runs the same calls; between calls it spins a rank- and call-dependent
+/// amount, so frees happen at different wall-clock moments on different ranks.
+fn placements(world: usize, seed: u64) {
+    let pools = SymmPool::host_group(world, config()).unwrap();
+    let ops = random_ops(seed, 300);
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let mut rng = Rng(seed ^ ((pool.rank() as u64 + 1) * 0x1234_5678));
+        let mut live: Vec<SymmBuffer> = Vec::new();
+        let mut seen = Vec::new();
+        for op in &ops {
+            for _ in 0..rng.next() % 2000 {
+                std::hint::spin_loop();
+            }
+            if rng.next().is_multiple_of(7) {
+                thread::yield_now();
+            }
+            match *op {
+                Op::Alloc(size) => {
+                    let b = pool.alloc(size, &stream).unwrap();
+                    seen.push((b.segment(), b.offset_bytes(), b.block_bytes()));
+                    live.push(b);
+                }
+                Op::Free(i) => {
+                    live.remove(i);
+                }
+            }
+            pool.check_invariants().unwrap();
+        }
+        drop(live);
+        let stats = pool.stats();
+        pool.close().unwrap();
+        (seen, stats.registrations, pool.snapshot())
+    });
+    for (rank, o) in out.iter().enumerate() {
+        assert_eq!(o.0, out[0].0, "rank {rank} placed differently from rank 0");
+        assert_eq!(o.1, out[0].1, "rank {rank} registered differently");
+    }
+    assert!(out[0].1[0] > 0, "the sequence grew the pool");
+}
+
+#[test]
+fn identical_placement_on_2_ranks() {
+    placements(2, 1);
+    placements(2, 2);
+}
+
+#[test]
+fn identical_placement_on_4_ranks() {
+    placements(4, 3);
+}
+
+#[test]
+fn identical_placement_on_8_ranks() {
+    placements(8, 4);
+}
+
+#[test]
+fn registers_once_per_segment_and_communicator() {
+    let pools = SymmPool::host_group(2, config()).unwrap();
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let step = || {
+            let bufs: Vec<_> = [3 * MIB, 64 * MIB, 4096, 100 * MIB, 3 * MIB]
+                .iter()
+                .map(|&b| pool.alloc(b, &stream).unwrap())
+                .collect();
+            drop(bufs);
+        };
+        step();
+        let first = pool.stats();
+        step();
+        step();
+        let later = pool.stats();
+        (first, later)
+    });
+    for (first, later) in out {
+        // Symmetric and copy-engine communicators register, the plain one never.
+        let segments = first.core.segments.current;
+        assert_eq!(first.registrations, vec![segments, segments, 0]);
+        assert_eq!(first.windows, vec![segments, segments, 0]);
+        assert_eq!(
+            later.registrations, first.registrations,
+            "no new registrations"
+        );
+        assert_eq!(later.core.num_growths, first.core.num_growths);
+        assert_eq!(later.agreements, first.agreements);
+    }
+}
+
+fn expect_divergence(e: &Error, call: u64) -> &symmpool::Divergence {
+    match e {
+        Error::Divergence(d) => {
+            assert_eq!(d.first_differing_call, Some(call), "{d}");
+            d
+        }
+        other => panic!("expected a divergence at call {call}, got {other:?}"),
+    }
+}
+
+#[test]
+fn different_size_at_call_k_is_a_divergence_on_every_rank() {
+    let pools = SymmPool::host_group(3, config()).unwrap();
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let a = pool.alloc(3 * MIB, &stream).unwrap(); // call 1: grows
+        let b = pool.alloc(4096, &stream).unwrap(); // call 2: grows (small)
+        drop(b); // call 3
+        // Call 4 grows with a different size on rank 1.
+        let size = if pool.rank() == 1 { 64 * MIB } else { 32 * MIB };
+        let err = pool.alloc(size, &stream).unwrap_err();
+        // The pool stays usable for cache hits.
+        let c = pool.alloc(4096, &stream).unwrap();
+        drop((a, c));
+        err
+    });
+    for (rank, e) in out.iter().enumerate() {
+        let d = expect_divergence(e, 4);
+        let want = if rank == 1 { 64 * MIB } else { 32 * MIB };
+        let mine = d.calls[rank].1.as_deref().unwrap();
+        assert!(mine.contains(&format!("alloc({want} B")), "{mine}");
+        assert!(e.to_string().contains("first differing call is #4"), "{e}");
+    }
+}
+
+#[test]
+fn an_extra_allocation_on_one_rank_is_an_error_on_every_rank() {
+    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_millis(500))).unwrap();
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let a = pool.alloc(3 * MIB, &stream).unwrap(); // call 1
+        let mut errors = Vec::new();
+        if pool.rank() == 0 {
+            // Call 2 on rank 0 only: needs growth.
+            errors.push(pool.alloc(64 * MIB, &stream).map(drop).unwrap_err());
+        }
+        // Both ranks then allocate something that needs growth.
+        errors.push(pool.alloc(128 * MIB, &stream).map(drop).unwrap_err());
+        drop(a);
+        errors
+    });
+    // Rank 0's extra call 2 meets rank 1's call 2 (a different size): both ranks see
+    // the divergence at call 2; rank 0's next growth then finds no partner in time.
+    let d0 = expect_divergence(&out[0][0], 2);
+    assert!(
+        d0.calls[0]
+            .1
+            .as_deref()
+            .unwrap()
+            .contains("alloc(67108864 B")
+    );
+    assert!(
+        d0.calls[1]
+            .1
+            .as_deref()
+            .unwrap()
+            .contains("alloc(134217728 B")
+    );
+    expect_divergence(&out[1][0], 2);
+    assert!(
+        matches!(out[0][1], Error::Timeout { .. } | Error::Divergence(_)),
+        "{:?}",
+        out[0][1]
+    );
+}
+
+#[test]
+fn one_rank_growing_alone_times_out_instead_of_hanging() {
+    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_millis(300))).unwrap();
+    let stream = Stream::host();
+    let started = std::time::Instant::now();
+    let err = pools[0].alloc(MIB, &stream).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(3));
+    match err {
+        Error::Timeout { missing_ranks, .. } => assert_eq!(missing_ranks, vec![1]),
+        other => panic!("{other:?}"),
+    }
+    // The late rank then sees a record it cannot match and reports a divergence.
+    let err = pools[1].trim().unwrap_err();
+    assert!(matches!(err, Error::Divergence(_)), "{err:?}");
+}
+
+#[test]
+fn bad_sizes_and_alignments_are_clear_errors_and_change_nothing() {
+    let pools = SymmPool::host_group(1, config()).unwrap();
+    let pool = &pools[0];
+    let stream = Stream::host();
+    assert!(matches!(pool.alloc(0, &stream), Err(Error::ZeroSize)));
+    assert!(matches!(
+        pool.alloc(u64::MAX, &stream),
+        Err(Error::TooLarge { .. })
+    ));
+    assert!(matches!(
+        pool.alloc(u64::MAX - 100, &stream),
+        Err(Error::TooLarge { .. })
+    ));
+    assert!(matches!(
+        pool.alloc_aligned(4096, 3, &stream),
+        Err(Error::BadAlignment { align_bytes: 3, .. })
+    ));
+    assert!(matches!(
+        pool.alloc_aligned(4096, 4 * MIB, &stream),
+        Err(Error::BadAlignment { .. })
+    ));
+    assert!(matches!(pool.reserve(0), Err(Error::ZeroSize)));
+    assert!(matches!(
+        pool.reserve(u64::MAX),
+        Err(Error::TooLarge { .. })
+    ));
+    let s = pool.stats();
+    assert_eq!(s.core.segments.current, 0);
+    assert_eq!(s.calls, 0, "refused calls are not recorded");
+    // Past the host backend's memory: an out-of-memory error, nothing lost.
+    let small = SymmPool::host_group_with(
+        HostConfig::new(1).with_max_reserved_bytes(64 * MIB),
+        config(),
+    )
+    .unwrap();
+    let keep = small[0].alloc(40 * MIB, &stream).unwrap();
+    keep.write(&[7u8; 16]).unwrap();
+    assert!(matches!(
+        small[0].alloc(40 * MIB, &stream),
+        Err(Error::OutOfMemory { .. })
+    ));
+    assert_eq!(keep.read::<u8>().unwrap()[..16], [7u8; 16]);
+    assert!(small[0].alloc(4096, &stream).is_ok());
+}
+
+#[test]
+fn buffers_of_another_pool_are_refused() {
+    let a = SymmPool::host_group(1, config()).unwrap();
+    let b = SymmPool::host_group(1, config()).unwrap();
+    let stream = Stream::host();
+    let x = a[0].alloc(4096, &stream).unwrap();
+    let y = b[0].alloc(4096, &stream).unwrap();
+    assert!(matches!(
+        coll::all_gather::<f32>(&x, &y, &stream),
+        Err(Error::ForeignBuffer)
+    ));
+    assert!(matches!(
+        coll::reduce_scatter::<f32>(&x, &y, symmpool::ReduceOp::Sum, &stream),
+        Err(Error::ForeignBuffer)
+    ));
+}
+
+#[test]
+fn use_after_close_is_an_error() {
+    let pools = SymmPool::host_group(2, config()).unwrap();
+    on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let buf = pool.alloc(4096, &stream).unwrap();
+        // Live buffers: close refuses on every rank, nothing released.
+        match pool.close() {
+            Err(Error::BuffersAlive { live_per_rank }) => assert_eq!(live_per_rank, vec![1, 1]),
+            other => panic!("{other:?}"),
+        }
+        buf.write(&[1.0f32; 4]).unwrap();
+        let kept = buf.allocation_seq();
+        drop(buf);
+        pool.close().unwrap();
+        assert!(pool.is_closed());
+        pool.close().unwrap(); // idempotent
+        assert!(matches!(pool.alloc(4096, &stream), Err(Error::PoolClosed)));
+        assert!(matches!(pool.reserve(MIB), Err(Error::PoolClosed)));
+        assert!(matches!(pool.trim(), Err(Error::PoolClosed)));
+        let s = pool.stats();
+        assert_eq!(s.core.segments.current, 0);
+        assert_eq!(s.deregistrations, s.registrations);
+        kept
+    });
+}
+
+#[test]
+fn buffers_kept_past_close_report_pool_closed() {
+    let pools = SymmPool::host_group(1, config()).unwrap();
+    let pool = &pools[0];
+    let stream = Stream::host();
+    let buf = pool.alloc(4096, &stream).unwrap();
+    assert!(pool.close().is_err());
+    drop(buf);
+    pool.close().unwrap();
+    // A second pool's buffer still works while this one is closed.
+    let other = SymmPool::host_group(1, config()).unwrap();
+    assert!(other[0].alloc(4096, &stream).is_ok());
+}
+
+#[test]
+fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
+    let host = HostConfig::new(2)
+        .with_symmetric(false)
+        .with_timeout(Duration::from_secs(5));
+    let pools = SymmPool::host_group_with(host.clone(), config()).unwrap();
+    let reports = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let buf = pool.alloc(8 * MIB, &stream).unwrap();
+        let r = coll::all_gather_in_place::<f32>(&buf, &stream).unwrap();
+        (r.path, pool.stats().windows)
+    });
+    for (path, windows) in reports {
+        assert_eq!(path, coll::Path::PlainKernel);
+        assert_eq!(windows, vec![0, 0, 0]);
+    }
+    let strict = SymmPool::host_group_with(host, config().with_require_symmetric(true)).unwrap();
+    let errs = on_ranks(&strict, |pool| {
+        pool.alloc(8 * MIB, &Stream::host()).unwrap_err()
+    });
+    for e in errs {
+        assert!(matches!(e, Error::NoSymmetricSupport { comm: 0 }), "{e:?}");
+    }
+}
+
+#[test]
+fn older_nccl_rules_pick_older_paths() {
+    let host = HostConfig::new(2)
+        .with_nccl_version(symmpool::NcclVersion::new(2, 27, 3))
+        .with_timeout(Duration::from_secs(5));
+    let pools = SymmPool::host_group_with(host, config()).unwrap();
+    let paths = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let buf = pool.alloc(64 * MIB, &stream).unwrap();
+        coll::all_gather_in_place::<u8>(&buf, &stream).unwrap().path
+    });
+    // 2.27 has windows but no copy engine.
+    assert_eq!(paths, vec![coll::Path::SymmetricKernel; 2]);
+}
+
+#[test]
+fn trim_releases_free_segments_collectively() {
+    let pools = SymmPool::host_group(2, config()).unwrap();
+    on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let keep = pool.alloc(4096, &stream).unwrap();
+        let big = pool.alloc(100 * MIB, &stream).unwrap();
+        drop(big);
+        let released = pool.trim().unwrap();
+        assert_eq!(released, 100 * MIB);
+        let s = pool.stats();
+        assert_eq!(s.core.segments.current, 1);
+        assert_eq!(s.deregistrations, vec![1, 1, 0]);
+        drop(keep);
+    });
+}
+
+#[test]
+fn reserve_pre_grows_so_later_allocations_do_not_register() {
+    let pools = SymmPool::host_group(2, config()).unwrap();
+    on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        assert_eq!(pool.reserve(300 * MIB).unwrap(), SegmentId(0));
+        let before = pool.stats().registrations;
+        // A reserved segment serves any large request, even small ones.
+        let bufs: Vec<_> = [2 * MIB, 50 * MIB, 200 * MIB]
+            .iter()
+            .map(|&b| pool.alloc(b, &stream).unwrap())
+            .collect();
+        assert!(bufs.iter().all(|b| b.segment() == SegmentId(0)));
+        assert_eq!(pool.stats().registrations, before);
+    });
+}
+
+#[test]
+fn scopes_nest_restore_on_panic_and_are_per_thread() {
+    let pools = SymmPool::host_group(1, config()).unwrap();
+    let others = SymmPool::host_group(1, config()).unwrap();
+    let (a, b) = (&pools[0], &others[0]);
+    let stream = Stream::host();
+    assert!(symmpool::current().is_none());
+    assert!(matches!(
+        symmpool::alloc(16, &stream),
+        Err(Error::NoActivePool)
+    ));
+    let outer = a.scope(|| {
+        assert!(symmpool::current().unwrap().same_pool(a));
+        let inner = b.scope(|| {
+            assert!(symmpool::current().unwrap().same_pool(b));
+            symmpool::alloc(16, &stream).unwrap()
+        });
+        assert!(inner.pool().same_pool(b));
+        assert!(symmpool::current().unwrap().same_pool(a));
+        let x = symmpool::alloc(16, &stream).unwrap();
+        assert!(x.pool().same_pool(a));
+        (x, inner)
+    });
+    assert!(symmpool::current().is_none());
+    // Buffers outlive their scope.
+    outer.0.write(&[1u8, 2, 3]).unwrap();
+    // A panic inside a scope restores the previous pool.
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        a.scope(|| {
+            b.scope(|| panic!("boom"));
+        })
+    }));
+    assert!(caught.is_err());
+    assert!(symmpool::current().is_none());
+    a.scope(|| {
+        let _ =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.scope(|| panic!("inner"))));
+        assert!(symmpool::current().unwrap().same_pool(a));
+    });
+    // Two threads, two scopes, at the same time.
+    let barrier = Barrier::new(2);
+    thread::scope(|s| {
+        for p in [a, b] {
+            let barrier = &barrier;
+            s.spawn(move || {
+                p.scope(|| {
+                    barrier.wait();
+                    let buf = symmpool::alloc(16, &Stream::host()).unwrap();
+                    assert!(buf.pool().same_pool(p));
+                    barrier.wait();
+                    assert!(symmpool::current().unwrap().same_pool(p));
+                });
+            });
+        }
+    });
+}
+
+#[test]
+fn dropping_a_pool_without_close_never_blocks() {
+    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_secs(30))).unwrap();
+    let stream = Stream::host();
+    let started = std::time::Instant::now();
+    // Rank 0 only: no growth, so nothing collective; drop everything.
+    let cached = on_ranks(&pools, |p| {
+        p.alloc(4096, &stream).map(|b| b.offset_bytes()).unwrap()
+    });
+    assert_eq!(cached, vec![0, 0]);
+    drop(pools);
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
