@@ -46,6 +46,9 @@ pub enum Error {
     /// The buffer was made by another pool (or another rank's pool).
     #[error("buffer belongs to another pool")]
     ForeignBuffer,
+    /// A host stream given to a GPU pool, or a CUDA stream to a host pool.
+    #[error("the stream does not belong to the pool's backend (host vs CUDA)")]
+    WrongStream,
     /// The pool was closed with [`SymmPool::close`](crate::SymmPool::close).
     #[error("the pool is closed")]
     PoolClosed,

@@ -7,8 +7,8 @@
 //! offsets), and end in a barrier. Host work is synchronous, so streams are tags and
 //! fences are counters.
 
-use super::{Backend, BackendKind, CollArgs, CommInfo, CommRole, Region, Registration};
-use crate::core::{Fence, SegmentId, StreamId};
+use super::{Backend, BackendKind, CollArgs, CommInfo, CommRole, Region, Registration, SegmentKey};
+use crate::core::{Fence, StreamId};
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
 use crate::exchange::{Exchange, LocalExchange, Rendezvous};
@@ -132,10 +132,10 @@ pub struct HostBackend {
     comms: Arc<Vec<HostComm>>,
     infos: Vec<CommInfo>,
     exchange: LocalExchange,
-    segments: Mutex<BTreeMap<SegmentId, Arc<HostSegment>>>,
+    segments: Mutex<BTreeMap<SegmentKey, Arc<HostSegment>>>,
     /// Per communicator: registration ordinal and collective round of this rank.
     counters: Mutex<Vec<(u64, u64)>>,
-    registered: Mutex<BTreeMap<(SegmentId, usize), Registration>>,
+    registered: Mutex<BTreeMap<(SegmentKey, usize), Registration>>,
     fences: Mutex<BTreeMap<StreamId, u64>>,
 }
 
@@ -213,7 +213,7 @@ impl HostBackend {
             .collect())
     }
 
-    fn segment(&self, id: SegmentId) -> Result<Arc<HostSegment>> {
+    fn segment(&self, id: SegmentKey) -> Result<Arc<HostSegment>> {
         self.segments
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -378,7 +378,7 @@ impl Backend for HostBackend {
         &self.exchange
     }
 
-    fn alloc_segment(&self, id: SegmentId, size_bytes: u64) -> Result<()> {
+    fn alloc_segment(&self, id: SegmentKey, size_bytes: u64) -> Result<()> {
         let reserved = self.reserved_bytes();
         let oom = |reason: String| Error::OutOfMemory {
             segment_bytes: size_bytes,
@@ -405,7 +405,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn free_segment(&self, id: SegmentId) -> Result<()> {
+    fn free_segment(&self, id: SegmentKey) -> Result<()> {
         self.segments
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -413,7 +413,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn register(&self, id: SegmentId, comm: usize) -> Result<Registration> {
+    fn register(&self, id: SegmentKey, comm: usize) -> Result<Registration> {
         let size = self.segment(id)?.lock().len() as u64;
         let ordinal = self.next_round(comm, true);
         let sizes = self.comm(comm)?.registrations.gather(
@@ -438,7 +438,7 @@ impl Backend for HostBackend {
         Ok(reg)
     }
 
-    fn deregister(&self, id: SegmentId, comm: usize) -> Result<()> {
+    fn deregister(&self, id: SegmentKey, comm: usize) -> Result<()> {
         self.registered
             .lock()
             .unwrap_or_else(|p| p.into_inner())

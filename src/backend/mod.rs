@@ -8,10 +8,32 @@
 //! segment on every communicator whose [`CommInfo::registers`] is set, in list order.
 
 pub mod host;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 pub use host::{HostBackend, HostConfig};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclBackend, NcclWorldConfig};
 
 use crate::core::{Fence, SegmentId, StreamId};
+
+/// A backend's name for a segment: unique among all pools on that backend (the pool's
+/// number in the high 32 bits, its [`SegmentId`] in the low 32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SegmentKey(pub u64);
+
+impl SegmentKey {
+    /// The key of segment `id` of pool number `pool`.
+    pub fn new(pool: u32, id: SegmentId) -> Self {
+        SegmentKey(((pool as u64) << 32) | id.0 as u64)
+    }
+
+    /// The pool-local segment id.
+    pub fn segment(self) -> SegmentId {
+        SegmentId(self.0 as u32)
+    }
+}
+
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{NcclVersion, Result};
 use crate::exchange::Exchange;
@@ -66,11 +88,14 @@ pub enum Registration {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Region {
     /// The segment.
-    pub segment: SegmentId,
+    pub segment: SegmentKey,
     /// Offset from the segment start, in bytes.
     pub offset_bytes: u64,
     /// Length in bytes.
     pub len_bytes: u64,
+    /// The device address of the first byte, when the caller knows it (the pool
+    /// caches it per buffer); a backend may use it instead of looking the segment up.
+    pub device_ptr: Option<u64>,
 }
 
 /// Arguments of one collective call on one rank.
@@ -126,12 +151,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Errors
     /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) if the memory is not there; a
     /// backend error otherwise. Nothing is allocated on error.
-    fn alloc_segment(&self, id: SegmentId, size_bytes: u64) -> Result<()>;
+    fn alloc_segment(&self, id: SegmentKey, size_bytes: u64) -> Result<()>;
     /// Free a segment. It must not be registered on any communicator.
     ///
     /// # Errors
     /// A backend error; the segment is forgotten either way.
-    fn free_segment(&self, id: SegmentId) -> Result<()>;
+    fn free_segment(&self, id: SegmentKey) -> Result<()>;
     /// Register a whole segment as a symmetric window on communicator `comm`.
     ///
     /// # Collective
@@ -141,13 +166,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Errors
     /// A backend error; [`Error::Timeout`](crate::Error::Timeout) on the host backend if
     /// peers do not register in time.
-    fn register(&self, id: SegmentId, comm: usize) -> Result<Registration>;
+    fn register(&self, id: SegmentKey, comm: usize) -> Result<Registration>;
     /// Deregister a segment's window on `comm` (local, not collective). No-op if not
     /// registered.
     ///
     /// # Errors
     /// A backend error.
-    fn deregister(&self, id: SegmentId, comm: usize) -> Result<()>;
+    fn deregister(&self, id: SegmentKey, comm: usize) -> Result<()>;
 
     /// A new stream on this rank's device.
     ///

@@ -56,6 +56,7 @@ fn prepare(op: &'static str, bufs: &[&SymmBuffer], stream: &Stream) -> Result<Sy
         }
     }
     pool.check_open()?;
+    pool.check_stream(stream)?;
     for b in bufs {
         if b.stream().id() != stream.id() {
             b.record_stream(stream)?;
@@ -84,17 +85,13 @@ fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64>
 fn plan(
     pool: &SymmPool,
     coll: Coll,
-    send: Region,
-    recv: Region,
+    send: &SymmBuffer,
+    recv: &SymmBuffer,
     bytes_per_rank: u64,
     dtype: DType,
 ) -> (usize, Path) {
     let backend = pool.backend();
-    let registered = |c: usize| {
-        let is =
-            |r: &Region| pool.window(r.segment, c) == Some(crate::backend::Registration::Symmetric);
-        (is(&send), is(&recv))
-    };
+    let registered = |c: usize| (send.in_window(c), recv.in_window(c));
     select(&Inputs {
         coll,
         bytes_per_rank,
@@ -111,14 +108,14 @@ fn plan(
 fn run(
     pool: &SymmPool,
     coll: Coll,
-    send: Region,
-    recv: Region,
+    (send_buf, send): (&SymmBuffer, Region),
+    (recv_buf, recv): (&SymmBuffer, Region),
     count: u64,
     dtype: DType,
     stream: &Stream,
 ) -> Result<CollectiveReport> {
     let bytes_per_rank = count * dtype.size_bytes();
-    let (comm, path) = plan(pool, coll, send, recv, bytes_per_rank, dtype);
+    let (comm, path) = plan(pool, coll, send_buf, recv_buf, bytes_per_rank, dtype);
     let op = match coll {
         Coll::AllGather => ReduceOp::Sum,
         Coll::ReduceScatter(op) => op,
@@ -179,8 +176,8 @@ pub fn all_gather<T: Element>(
     run(
         &pool,
         Coll::AllGather,
-        input.region(),
-        output.region(),
+        (input, input.region()),
+        (output, output.region()),
         count,
         T::DTYPE,
         stream,
@@ -206,8 +203,8 @@ pub fn all_gather_in_place<T: Element>(
     run(
         &pool,
         Coll::AllGather,
-        send,
-        buffer.region(),
+        (buffer, send),
+        (buffer, buffer.region()),
         count,
         T::DTYPE,
         stream,
@@ -231,11 +228,13 @@ fn own_chunk<T: Element>(
     let count = total / world;
     let chunk_bytes = count * std::mem::size_of::<T>() as u64;
     let whole = buffer.region();
+    let offset = pool.rank() as u64 * chunk_bytes;
     Ok((
         Region {
             segment: whole.segment,
-            offset_bytes: whole.offset_bytes + pool.rank() as u64 * chunk_bytes,
+            offset_bytes: whole.offset_bytes + offset,
             len_bytes: chunk_bytes,
+            device_ptr: whole.device_ptr.map(|p| p + offset),
         },
         count,
     ))
@@ -274,8 +273,8 @@ pub fn reduce_scatter<T: Element>(
     run(
         &pool,
         Coll::ReduceScatter(op),
-        input.region(),
-        output.region(),
+        (input, input.region()),
+        (output, output.region()),
         count,
         T::DTYPE,
         stream,
@@ -301,8 +300,8 @@ pub fn reduce_scatter_in_place<T: Element>(
     run(
         &pool,
         Coll::ReduceScatter(op),
-        buffer.region(),
-        recv,
+        (buffer, buffer.region()),
+        (buffer, recv),
         count,
         T::DTYPE,
         stream,

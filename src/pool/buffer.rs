@@ -25,6 +25,12 @@ pub struct SymmBuffer {
     block_bytes: u64,
     stream: Stream,
     others: Mutex<Vec<Stream>>,
+    /// Bit `c` set: the segment has a symmetric window on communicator `c` (fixed
+    /// while the buffer lives: segments are only released when all their blocks are
+    /// free).
+    windows: u64,
+    /// Device address of the first byte (NCCL backend).
+    device_ptr: Option<u64>,
 }
 
 impl fmt::Debug for SymmBuffer {
@@ -39,8 +45,17 @@ impl fmt::Debug for SymmBuffer {
 }
 
 impl SymmBuffer {
-    pub(crate) fn new(pool: SymmPool, p: Placement, len_bytes: u64, stream: Stream) -> Self {
+    pub(crate) fn new(
+        pool: SymmPool,
+        p: Placement,
+        len_bytes: u64,
+        stream: Stream,
+        windows: u64,
+        device_ptr: Option<u64>,
+    ) -> Self {
         SymmBuffer {
+            windows,
+            device_ptr,
             pool,
             block: p.block,
             segment: p.segment,
@@ -90,9 +105,10 @@ impl SymmBuffer {
     /// The whole buffer as a region.
     pub(crate) fn region(&self) -> Region {
         Region {
-            segment: self.segment,
+            segment: self.pool.key(self.segment),
             offset_bytes: self.offset_bytes,
             len_bytes: self.len_bytes,
+            device_ptr: self.device_ptr,
         }
     }
 
@@ -105,6 +121,7 @@ impl SymmBuffer {
     /// [`Error::PoolClosed`]).
     pub fn record_stream(&self, stream: &Stream) -> Result<()> {
         self.pool.check_open()?;
+        self.pool.check_stream(stream)?;
         self.pool
             .lock()
             .core
@@ -131,7 +148,12 @@ impl SymmBuffer {
 
     /// Device address of the first byte (NCCL backend); `None` on the host backend.
     pub fn device_ptr(&self) -> Option<u64> {
-        self.pool.inner.backend.device_ptr(self.region())
+        self.device_ptr
+    }
+
+    /// Whether the buffer's segment has a symmetric window on communicator `comm`.
+    pub fn in_window(&self, comm: usize) -> bool {
+        comm < 64 && self.windows & (1 << comm) != 0
     }
 
     /// A typed view of the whole buffer.
@@ -244,6 +266,7 @@ impl<'a, T: Element> TypedView<'a, T> {
             segment: r.segment,
             offset_bytes: r.offset_bytes + self.offset_bytes,
             len_bytes: (self.len * std::mem::size_of::<T>()) as u64,
+            device_ptr: r.device_ptr.map(|p| p + self.offset_bytes),
         }
     }
 

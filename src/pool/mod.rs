@@ -24,7 +24,7 @@ mod scope;
 pub use buffer::{SymmBuffer, TypedView};
 pub use scope::{alloc, alloc_aligned, current};
 
-use crate::backend::{Backend, HostBackend, HostConfig, Registration};
+use crate::backend::{Backend, HostBackend, HostConfig, Registration, SegmentKey};
 use crate::coll::PathPolicy;
 use crate::core::{
     AllocError, AllocRequest, Allocator, CoreConfig, CoreStats, Fence, Growth, SegmentId, Snapshot,
@@ -142,8 +142,14 @@ pub(crate) struct PoolState {
     growth_time: Duration,
 }
 
+static NEXT_POOL: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+
 pub(crate) struct PoolInner {
     pub(crate) backend: Arc<dyn Backend>,
+    /// Mirrors `PoolState::closed` for lock-free checks on the collectives' path.
+    closed: std::sync::atomic::AtomicBool,
+    /// This pool's number in its backend's segment keys.
+    number: u32,
     pub(crate) config: PoolConfig,
     state: Mutex<PoolState>,
 }
@@ -215,9 +221,16 @@ impl SymmPool {
                     growth_time: Duration::ZERO,
                 }),
                 backend,
+                closed: std::sync::atomic::AtomicBool::new(false),
+                number: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 config,
             }),
         })
+    }
+
+    /// The backend's key for one of this pool's segments.
+    pub(crate) fn key(&self, id: SegmentId) -> SegmentKey {
+        SegmentKey::new(self.inner.number, id)
     }
 
     /// One pool per rank of a new host world of `world_size` ranks (threads), in rank
@@ -290,7 +303,7 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::ZeroSize`]; [`Error::TooLarge`]; [`Error::PoolClosed`];
-    /// [`Error::OutOfMemory`]; on growth also [`Error::Divergence`], [`Error::Timeout`],
+    /// [`Error::WrongStream`]; [`Error::OutOfMemory`]; on growth also [`Error::Divergence`], [`Error::Timeout`],
     /// [`Error::GraphCapture`], [`Error::NoSymmetricSupport`],
     /// [`Error::RegistrationBroken`] and backend errors. Nothing is allocated on error.
     pub fn alloc(&self, size_bytes: u64, stream: &Stream) -> Result<SymmBuffer> {
@@ -311,6 +324,7 @@ impl SymmPool {
         align_bytes: u64,
         stream: &Stream,
     ) -> Result<SymmBuffer> {
+        self.check_stream(stream)?;
         let mut st = self.lock();
         if st.closed {
             return Err(Error::PoolClosed);
@@ -331,11 +345,27 @@ impl SymmPool {
         for w in &placement.waits {
             self.inner.backend.wait_fence(stream, w.stream, w.fence)?;
         }
+        let windows = st.segments.get(&placement.segment).map_or(0, |e| {
+            e.windows
+                .iter()
+                .enumerate()
+                .filter(|(c, w)| *c < 64 && **w == Some(Registration::Symmetric))
+                .fold(0u64, |m, (c, _)| m | (1 << c))
+        });
+        drop(st);
+        let device_ptr = self.inner.backend.device_ptr(crate::backend::Region {
+            segment: self.key(placement.segment),
+            offset_bytes: placement.offset_bytes,
+            len_bytes: size_bytes,
+            device_ptr: None,
+        });
         Ok(SymmBuffer::new(
             self.clone(),
             placement,
             size_bytes,
             stream.clone(),
+            windows,
+            device_ptr,
         ))
     }
 
@@ -386,7 +416,7 @@ impl SymmPool {
     fn provide_segment(&self, st: &mut PoolState, id: SegmentId, size: u64) -> Result<()> {
         let backend = &self.inner.backend;
         let started = Instant::now();
-        let local = backend.alloc_segment(id, size);
+        let local = backend.alloc_segment(self.key(id), size);
         // Second round: nobody registers unless everybody has the memory, so one
         // rank's failure is an error on all ranks instead of a hang in registration.
         let ok = self.agree(
@@ -402,7 +432,7 @@ impl SymmPool {
         };
         if !all_ok {
             if local.is_ok() {
-                let _ = backend.free_segment(id);
+                let _ = backend.free_segment(self.key(id));
             }
             local?;
             ok?;
@@ -417,7 +447,7 @@ impl SymmPool {
                 if !info.registers {
                     continue;
                 }
-                match backend.register(id, c) {
+                match backend.register(self.key(id), c) {
                     Ok(reg) => {
                         st.registrations[c] += 1;
                         windows[c] = Some(reg);
@@ -464,11 +494,11 @@ impl SymmPool {
         let backend = &self.inner.backend;
         for (c, w) in windows.iter().enumerate() {
             if w.is_some() {
-                let _ = backend.deregister(id, c);
+                let _ = backend.deregister(self.key(id), c);
                 st.deregistrations[c] += 1;
             }
         }
-        let _ = backend.free_segment(id);
+        let _ = backend.free_segment(self.key(id));
     }
 
     /// Deregister and free segments the core has released; drains the device first.
@@ -483,14 +513,14 @@ impl SymmPool {
             if let Some(entry) = st.segments.remove(id) {
                 for (c, w) in entry.windows.iter().enumerate() {
                     if w.is_some() {
-                        if let Err(e) = backend.deregister(*id, c) {
+                        if let Err(e) = backend.deregister(self.key(*id), c) {
                             first_err.get_or_insert(e);
                         }
                         st.deregistrations[c] += 1;
                     }
                 }
             }
-            if let Err(e) = backend.free_segment(*id) {
+            if let Err(e) = backend.free_segment(self.key(*id)) {
                 first_err.get_or_insert(e);
             }
         }
@@ -581,6 +611,9 @@ impl SymmPool {
         }
         let released = st.core.release_free_segments();
         st.closed = true;
+        self.inner
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
         self.release_segments(&mut st, &released)
     }
 
@@ -665,17 +698,18 @@ impl SymmPool {
         }
     }
 
-    /// Registration state of a segment on communicator `comm`.
-    pub(crate) fn window(&self, segment: SegmentId, comm: usize) -> Option<Registration> {
-        self.lock()
-            .segments
-            .get(&segment)
-            .and_then(|e| e.windows.get(comm).copied().flatten())
+    /// Fail if `stream` is not of the backend's kind.
+    pub(crate) fn check_stream(&self, stream: &Stream) -> Result<()> {
+        let host = self.inner.backend.kind() == crate::backend::BackendKind::Host;
+        if stream.is_host() != host {
+            return Err(Error::WrongStream);
+        }
+        Ok(())
     }
 
     /// Fail if the pool is closed.
     pub(crate) fn check_open(&self) -> Result<()> {
-        if self.lock().closed {
+        if self.inner.closed.load(std::sync::atomic::Ordering::Acquire) {
             Err(Error::PoolClosed)
         } else {
             Ok(())
@@ -702,12 +736,13 @@ impl Drop for PoolInner {
             log::error!("symmpool: synchronize failed while dropping the pool: {e}");
         }
         for (id, entry) in std::mem::take(&mut st.segments) {
+            let key = SegmentKey::new(self.number, id);
             for (c, w) in entry.windows.iter().enumerate() {
                 if w.is_some() {
-                    let _ = self.backend.deregister(id, c);
+                    let _ = self.backend.deregister(key, c);
                 }
             }
-            let _ = self.backend.free_segment(id);
+            let _ = self.backend.free_segment(key);
         }
     }
 }

@@ -1,3 +1,5 @@
 //! Helpers shared by the integration tests and benchmarks.
 #![allow(dead_code)]
 pub mod fsdp_trace;
+#[cfg(feature = "nccl")]
+pub mod gpu;

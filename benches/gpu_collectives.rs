@@ -1,0 +1,585 @@
+//! GPU benchmark on the two-GPU machine (prints `skipped: ..` elsewhere).
+//!
+//! Sections (default: all), each a table:
+//! - `alloc`: 10 000 FSDP-like alloc/free calls through the pool, against
+//!   `ncclMemAlloc` + window register + deregister + free per call; registrations and
+//!   time per call for both.
+//! - `regcost`: cost of growing the pool by one segment (ncclMemAlloc + one window per
+//!   registering communicator), per segment size.
+//! - `ag`: all-gather busbw per size (64 KiB..512 MiB per rank): raw NCCL ring on plain
+//!   (unregistered) buffers, raw symmetric kernel, raw copy engine, and the crate's
+//!   automatic path (with the path it reports).
+//! - `rs`: reduce-scatter (bf16, sum) busbw per size: raw ring, raw symmetric, crate.
+//! - `overlap`: 20 bf16 8192³ cuBLAS GEMMs alone and beside 20 all-gathers of
+//!   256 MiB/rank per mode.
+//!
+//! busbw follows nccl-tests: bytes per rank × (ranks − 1) / time. Every figure is the
+//! median of 5 repetitions; modes are interleaved within a repetition.
+//!
+//! Run: `cargo bench --bench gpu_collectives -- [alloc] [regcost] [ag] [rs] [overlap]`
+
+#[cfg(feature = "nccl")]
+#[path = "../tests/common/fsdp_trace.rs"]
+mod fsdp_trace;
+#[cfg(feature = "nccl")]
+#[path = "../examples/support/gpu_math.rs"]
+mod gpu_math;
+
+fn main() {
+    #[cfg(feature = "nccl")]
+    gpu::main();
+    #[cfg(not(feature = "nccl"))]
+    println!("skipped: built without the `nccl` feature");
+}
+
+#[cfg(feature = "nccl")]
+mod gpu {
+    use super::{fsdp_trace, gpu_math};
+    use cudarc::driver::CudaEvent;
+    use cudarc::nccl::sys as nccl;
+    use std::ffi::c_void;
+    use std::sync::{Arc, Barrier};
+    use std::time::Instant;
+    use symmpool::backend::{NcclBackend, NcclWorldConfig};
+    use symmpool::coll::{self, Choice, Path, PathPolicy};
+    use symmpool::{PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16};
+
+    const MIB: u64 = 1 << 20;
+    const REPS: usize = 7;
+    const SYMM: usize = 0;
+    const CE: usize = 1;
+    const PLAIN: usize = 2;
+
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    }
+
+    struct Rank {
+        backend: Arc<NcclBackend>,
+        reg: SymmPool,
+        plain: SymmPool,
+        stream: Stream,
+        barrier: Arc<Barrier>,
+    }
+
+    impl Rank {
+        fn cu(&self) -> nccl::cudaStream_t {
+            self.stream.cuda_stream().unwrap().cu_stream() as _
+        }
+        fn comm(&self, c: usize) -> nccl::ncclComm_t {
+            self.backend.raw_comm(c).unwrap()
+        }
+        fn sync(&self) {
+            self.stream.cuda_stream().unwrap().synchronize().unwrap();
+        }
+        /// Time `iters` calls of `f` on this rank's stream (after 3 warm-ups), in ms
+        /// per call. Every rank runs it; the ranks start together.
+        fn time(&self, iters: usize, mut f: impl FnMut()) -> f64 {
+            for _ in 0..3 {
+                f();
+            }
+            self.sync();
+            self.barrier.wait();
+            let ctx = self.backend.context();
+            let (a, b): (CudaEvent, CudaEvent) = (
+                ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .unwrap(),
+                ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .unwrap(),
+            );
+            let cs = self.stream.cuda_stream().unwrap();
+            a.record(cs).unwrap();
+            for _ in 0..iters {
+                f();
+            }
+            b.record(cs).unwrap();
+            b.synchronize().unwrap();
+            let ms = a.elapsed_ms(&b).unwrap() as f64;
+            self.barrier.wait();
+            ms / iters as f64
+        }
+    }
+
+    /// Raw in-place all-gather of `bytes` per rank in `buf` on communicator `c`.
+    fn raw_ag(r: &Rank, buf: &SymmBuffer, bytes: u64, c: usize) {
+        let base = buf.device_ptr().unwrap();
+        let send = base + r.backend_rank() as u64 * bytes;
+        // SAFETY: `buf` holds world × bytes; the stream is this rank's; calls on the
+        // communicator come only from this thread.
+        let res = unsafe {
+            nccl::ncclAllGather(
+                send as *const c_void,
+                base as *mut c_void,
+                bytes as usize,
+                nccl::ncclDataType_t::ncclUint8,
+                r.comm(c),
+                r.cu(),
+            )
+        };
+        assert_eq!(res, nccl::ncclResult_t::ncclSuccess);
+    }
+
+    fn raw_rs(r: &Rank, input: &SymmBuffer, output: &SymmBuffer, bytes: u64, c: usize) {
+        // SAFETY: input holds world × bytes, output bytes; see raw_ag.
+        let res = unsafe {
+            nccl::ncclReduceScatter(
+                input.device_ptr().unwrap() as *const c_void,
+                output.device_ptr().unwrap() as *mut c_void,
+                (bytes / 2) as usize,
+                nccl::ncclDataType_t::ncclBfloat16,
+                nccl::ncclRedOp_t::ncclSum,
+                r.comm(c),
+                r.cu(),
+            )
+        };
+        assert_eq!(res, nccl::ncclResult_t::ncclSuccess);
+    }
+
+    impl Rank {
+        fn backend_rank(&self) -> usize {
+            self.reg.rank()
+        }
+    }
+
+    fn sizes() -> Vec<u64> {
+        vec![
+            64 << 10,
+            256 << 10,
+            MIB,
+            2 * MIB,
+            4 * MIB,
+            8 * MIB,
+            16 * MIB,
+            64 * MIB,
+            256 * MIB,
+            512 * MIB,
+        ]
+    }
+
+    fn iters_for(bytes: u64) -> usize {
+        if bytes >= 64 * MIB {
+            10
+        } else if bytes >= 4 * MIB {
+            40
+        } else {
+            200
+        }
+    }
+
+    fn section_ag(r: &Rank) {
+        let lead = r.backend_rank() == 0;
+        if lead {
+            println!("\n[ag] all-gather in place, bytes per rank; busbw GB/s; median of {REPS}");
+            println!(
+                "{:<12} {:>9} {:>9} {:>9} {:>9} {:>16} {:>9}",
+                "bytes/rank", "ring", "symm", "ce", "crate", "crate path", "crate/best"
+            );
+        }
+        for bytes in sizes() {
+            let reg = r.reg.alloc(2 * bytes, &r.stream).unwrap();
+            let plain = r.plain.alloc(2 * bytes, &r.stream).unwrap();
+            let iters = iters_for(bytes);
+            let mut t = vec![Vec::new(); 4];
+            let mut path = Path::PlainKernel;
+            for _ in 0..REPS {
+                t[0].push(r.time(iters, || raw_ag(r, &plain, bytes, PLAIN)));
+                t[1].push(r.time(iters, || raw_ag(r, &reg, bytes, SYMM)));
+                t[2].push(r.time(iters, || raw_ag(r, &reg, bytes, CE)));
+                t[3].push(r.time(iters, || {
+                    path = coll::all_gather_in_place::<u8>(&reg, &r.stream)
+                        .unwrap()
+                        .path;
+                }));
+            }
+            let bw: Vec<f64> = t
+                .into_iter()
+                .map(|v| bytes as f64 / (median(v) * 1e-3) / 1e9)
+                .collect();
+            let best = bw[..3].iter().cloned().fold(0.0, f64::max);
+            if lead {
+                println!(
+                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3}",
+                    bytes,
+                    bw[0],
+                    bw[1],
+                    bw[2],
+                    bw[3],
+                    format!("{path:?}"),
+                    bw[3] / best
+                );
+            }
+        }
+    }
+
+    fn section_rs(r: &Rank) {
+        let lead = r.backend_rank() == 0;
+        if lead {
+            println!(
+                "\n[rs] reduce-scatter bf16 sum, output bytes per rank; busbw GB/s; median of {REPS}"
+            );
+            println!(
+                "{:<12} {:>9} {:>9} {:>9} {:>16} {:>9}",
+                "bytes/rank", "ring", "symm", "crate", "crate path", "crate/best"
+            );
+        }
+        for bytes in sizes() {
+            let (ri, ro) = (
+                r.reg.alloc(2 * bytes, &r.stream).unwrap(),
+                r.reg.alloc(bytes, &r.stream).unwrap(),
+            );
+            let (pi, po) = (
+                r.plain.alloc(2 * bytes, &r.stream).unwrap(),
+                r.plain.alloc(bytes, &r.stream).unwrap(),
+            );
+            let iters = iters_for(bytes);
+            let mut t = vec![Vec::new(); 3];
+            let mut path = Path::PlainKernel;
+            for _ in 0..REPS {
+                t[0].push(r.time(iters, || raw_rs(r, &pi, &po, bytes, PLAIN)));
+                t[1].push(r.time(iters, || raw_rs(r, &ri, &ro, bytes, SYMM)));
+                t[2].push(r.time(iters, || {
+                    path = coll::reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
+                        .unwrap()
+                        .path;
+                }));
+            }
+            let bw: Vec<f64> = t
+                .into_iter()
+                .map(|v| bytes as f64 / (median(v) * 1e-3) / 1e9)
+                .collect();
+            let best = bw[0].max(bw[1]);
+            if lead {
+                println!(
+                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3}",
+                    bytes,
+                    bw[0],
+                    bw[1],
+                    bw[2],
+                    format!("{path:?}"),
+                    bw[2] / best
+                );
+            }
+        }
+    }
+
+    fn section_overlap(r: &Rank) {
+        let lead = r.backend_rank() == 0;
+        let bytes = 256 * MIB;
+        let (gemms, ags, n) = (20usize, 20usize, 8192usize);
+        let compute = r.backend.cuda_stream().unwrap();
+        let blas = gpu_math::Blas::new(compute.clone()).unwrap();
+        let compute_s = Stream::cuda(compute.clone());
+        let mats = r.plain.alloc((3 * n * n * 2) as u64, &compute_s).unwrap();
+        let m = mats.device_ptr().unwrap();
+        let (a, b, c) = (m, m + (n * n * 2) as u64, m + (2 * n * n * 2) as u64);
+        fill(r, &mats);
+        let reg = r.reg.alloc(2 * bytes, &r.stream).unwrap();
+        let plain = r.plain.alloc(2 * bytes, &r.stream).unwrap();
+        let ctx = r.backend.context();
+        let ev = || {
+            ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .unwrap()
+        };
+        let modes = ["none", "ring", "symm", "ce", "crate"];
+        let mut gemm_ms = vec![Vec::new(); modes.len()];
+        let mut ag_bw = vec![Vec::new(); modes.len()];
+        for _ in 0..REPS {
+            for (mi, mode) in modes.iter().enumerate() {
+                // SAFETY: a, b, c are n×n bf16 matrices inside `mats`.
+                unsafe {
+                    blas.gemm_bf16(false, false, n, n, n, 1.0, a, n, b, n, 0.0, c, n)
+                        .unwrap()
+                };
+                compute.synchronize().unwrap();
+                r.sync();
+                r.barrier.wait();
+                let (g0, g1, a0, a1) = (ev(), ev(), ev(), ev());
+                g0.record(&compute).unwrap();
+                for _ in 0..gemms {
+                    // SAFETY: as above.
+                    unsafe {
+                        blas.gemm_bf16(false, false, n, n, n, 1.0, a, n, b, n, 0.0, c, n)
+                            .unwrap()
+                    };
+                }
+                g1.record(&compute).unwrap();
+                let cs = r.stream.cuda_stream().unwrap();
+                a0.record(cs).unwrap();
+                for _ in 0..ags {
+                    match *mode {
+                        "none" => {}
+                        "ring" => raw_ag(r, &plain, bytes, PLAIN),
+                        "symm" => raw_ag(r, &reg, bytes, SYMM),
+                        "ce" => raw_ag(r, &reg, bytes, CE),
+                        _ => {
+                            coll::all_gather_in_place::<u8>(&reg, &r.stream).unwrap();
+                        }
+                    }
+                }
+                a1.record(cs).unwrap();
+                compute.synchronize().unwrap();
+                r.sync();
+                gemm_ms[mi].push(g0.elapsed_ms(&g1).unwrap() as f64);
+                let am = a0.elapsed_ms(&a1).unwrap() as f64;
+                ag_bw[mi].push(if mi == 0 {
+                    0.0
+                } else {
+                    bytes as f64 * ags as f64 / (am * 1e-3) / 1e9
+                });
+                r.barrier.wait();
+            }
+        }
+        if lead {
+            println!(
+                "\n[overlap] {gemms} bf16 {n}^3 GEMMs beside {ags} all-gathers of {bytes} B/rank; median of {REPS} interleaved reps"
+            );
+            println!(
+                "{:<6} {:>10} {:>10} {:>12} {:>12}",
+                "mode", "gemm ms", "TFLOP/s", "gemm/alone", "ag busbw"
+            );
+            let alone = median(gemm_ms[0].clone());
+            for (mi, mode) in modes.iter().enumerate() {
+                let g = median(gemm_ms[mi].clone());
+                let tf = 2.0 * (n as f64).powi(3) * gemms as f64 / (g * 1e-3) / 1e12;
+                println!(
+                    "{:<6} {:>10.2} {:>10.0} {:>12.3} {:>12.1}",
+                    mode,
+                    g,
+                    tf,
+                    g / alone,
+                    median(ag_bw[mi].clone())
+                );
+            }
+        }
+    }
+
+    /// Random-ish bf16 data (not zeros: zeros run faster).
+    fn fill(r: &Rank, buf: &SymmBuffer) {
+        let n = (buf.len_bytes() / 2) as usize;
+        let mut x: u32 = 0x1234_5678 ^ r.backend_rank() as u32;
+        let host: Vec<bf16> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                bf16::from_f32((x & 0xffff) as f32 / 65536.0 - 0.5)
+            })
+            .collect();
+        buf.write(&host).unwrap();
+    }
+
+    fn section_regcost(r: &Rank, backend: &Arc<NcclBackend>) {
+        let lead = r.backend_rank() == 0;
+        if lead {
+            println!(
+                "\n[regcost] growth by one segment: ncclMemAlloc + {} window registrations; median of 5 (ms, this rank)",
+                backend
+                    .communicators()
+                    .iter()
+                    .filter(|c| c.registers)
+                    .count()
+            );
+            println!("{:<12} {:>12} {:>12}", "bytes", "reserve ms", "per window");
+        }
+        for bytes in [2 * MIB, 64 * MIB, 1024 * MIB] {
+            let mut t = Vec::new();
+            for _ in 0..5 {
+                let pool = SymmPool::new(backend.clone(), PoolConfig::default()).unwrap();
+                r.barrier.wait();
+                let start = Instant::now();
+                pool.reserve(bytes).unwrap();
+                t.push(start.elapsed().as_secs_f64() * 1e3);
+                pool.close().unwrap();
+            }
+            let m = median(t);
+            if lead {
+                println!("{:<12} {:>12.2} {:>12.2}", bytes, m, m / 2.0);
+            }
+        }
+    }
+
+    fn section_alloc(r: &Rank, backend: &Arc<NcclBackend>) {
+        let lead = r.backend_rank() == 0;
+        let ops = fsdp_trace::trace(1);
+        let steps = 10_000usize.div_ceil(ops.len());
+        let pool = SymmPool::new(backend.clone(), PoolConfig::default()).unwrap();
+        let mut live: Vec<Option<SymmBuffer>> = (0..fsdp_trace::buffers()).map(|_| None).collect();
+        let mut step_times = Vec::new();
+        let mut regs_after_first = 0;
+        let mut calls = 0usize;
+        for s in 0..steps {
+            r.barrier.wait();
+            let before = pool.stats().registrations.iter().sum::<u64>();
+            let start = Instant::now();
+            for op in &ops {
+                match *op {
+                    fsdp_trace::TraceOp::Alloc { id, bytes } => {
+                        live[id] = Some(pool.alloc(bytes, &r.stream).unwrap())
+                    }
+                    fsdp_trace::TraceOp::Free { id } => live[id] = None,
+                }
+                calls += 1;
+            }
+            step_times.push(start.elapsed().as_secs_f64());
+            let added = pool.stats().registrations.iter().sum::<u64>() - before;
+            if s > 0 {
+                regs_after_first += added;
+            }
+        }
+        let stats = pool.stats();
+        let first = step_times[0];
+        let rest: f64 = step_times[1..].iter().sum();
+        let rest_calls = (steps - 1) * ops.len();
+        // Raw: ncclMemAlloc + register on one communicator + deregister + free per
+        // allocation, for the first 40 allocations of the trace.
+        let comm = backend.raw_comm(SYMM).unwrap();
+        let mut raw_times = Vec::new();
+        for op in ops
+            .iter()
+            .filter_map(|o| match o {
+                fsdp_trace::TraceOp::Alloc { bytes, .. } => Some(*bytes),
+                _ => None,
+            })
+            .take(40)
+        {
+            r.barrier.wait();
+            let start = Instant::now();
+            backend.context().bind_to_thread().unwrap();
+            let mut p: *mut c_void = std::ptr::null_mut();
+            let mut w: nccl::ncclWindow_t = std::ptr::null_mut();
+            // SAFETY: plain NCCL calls with valid out-pointers on this rank's device;
+            // the window covers the whole fresh allocation and is released before it.
+            unsafe {
+                assert_eq!(
+                    nccl::ncclMemAlloc(&mut p, op as usize),
+                    nccl::ncclResult_t::ncclSuccess
+                );
+                assert_eq!(
+                    nccl::ncclCommWindowRegister(comm, p, op as usize, &mut w, 1),
+                    nccl::ncclResult_t::ncclSuccess
+                );
+                assert_eq!(
+                    nccl::ncclCommWindowDeregister(comm, w),
+                    nccl::ncclResult_t::ncclSuccess
+                );
+                assert_eq!(nccl::ncclMemFree(p), nccl::ncclResult_t::ncclSuccess);
+            }
+            raw_times.push(start.elapsed().as_secs_f64());
+        }
+        let raw_mean = raw_times.iter().sum::<f64>() / raw_times.len() as f64;
+        drop(live);
+        pool.close().unwrap();
+        if lead {
+            println!(
+                "\n[alloc] {calls} FSDP-like alloc/free calls ({steps} steps of {} calls, 32 layers, 1-256 MiB)",
+                ops.len()
+            );
+            println!(
+                "{:<34} {:>14} {:>14} {:>16}",
+                "", "registrations", "time/call", "total"
+            );
+            println!(
+                "{:<34} {:>14} {:>11.2} us {:>13.1} ms",
+                "pool, first step (warm-up)",
+                stats.registrations.iter().sum::<u64>() - regs_after_first,
+                first / ops.len() as f64 * 1e6,
+                first * 1e3
+            );
+            println!(
+                "{:<34} {:>14} {:>11.3} us {:>13.1} ms",
+                "pool, later steps",
+                regs_after_first,
+                rest / rest_calls as f64 * 1e6,
+                rest * 1e3
+            );
+            println!(
+                "{:<34} {:>14} {:>11.2} ms {:>13.1} s",
+                "ncclMemAlloc+register per alloc",
+                calls / 2,
+                raw_mean * 1e3,
+                raw_mean * (calls / 2) as f64
+            );
+            println!(
+                "(raw: mean of the first {} allocations of the trace, extrapolated to {} allocations)",
+                raw_times.len(),
+                calls / 2
+            );
+        }
+    }
+
+    pub fn main() {
+        let args: Vec<String> = std::env::args()
+            .skip(1)
+            .filter(|a| !a.starts_with("--"))
+            .collect();
+        let want = |s: &str| args.is_empty() || args.iter().any(|a| a == s);
+        let count = match symmpool::backend::nccl::device_count() {
+            Ok(n) => n,
+            Err(e) => {
+                println!("skipped: {e}");
+                return;
+            }
+        };
+        if count < 2 {
+            println!("skipped: needs 2 GPUs, found {count}");
+            return;
+        }
+        let version = symmpool::backend::nccl::nccl_version().unwrap();
+        let backends = match NcclBackend::local_world(&[0, 1], NcclWorldConfig::default()) {
+            Ok(b) => b,
+            Err(e) => {
+                println!("skipped: {e}");
+                return;
+            }
+        };
+        println!(
+            "gpu_collectives: 2 GPUs, NCCL {version}, communicators {:?}",
+            backends[0].communicators()
+        );
+        let barrier = Arc::new(Barrier::new(2));
+        let auto = PoolConfig::default()
+            .with_paths(PathPolicy::default().with_choices(Choice::Auto, Choice::Auto));
+        std::thread::scope(|s| {
+            for b in backends {
+                let barrier = barrier.clone();
+                let auto = auto.clone();
+                let want = &want;
+                s.spawn(move || {
+                    let backend = Arc::new(b);
+                    let r = Rank {
+                        reg: SymmPool::new(backend.clone(), auto).unwrap(),
+                        plain: SymmPool::new(
+                            backend.clone(),
+                            PoolConfig::default().with_register(false),
+                        )
+                        .unwrap(),
+                        stream: backend.new_stream().unwrap(),
+                        backend: backend.clone(),
+                        barrier,
+                    };
+                    if want("alloc") {
+                        section_alloc(&r, &backend);
+                    }
+                    if want("regcost") {
+                        section_regcost(&r, &backend);
+                    }
+                    if want("ag") {
+                        section_ag(&r);
+                    }
+                    if want("rs") {
+                        section_rs(&r);
+                    }
+                    if want("overlap") {
+                        section_overlap(&r);
+                    }
+                    r.reg.close().ok();
+                    r.plain.close().ok();
+                });
+            }
+        });
+        println!("\ndone");
+    }
+
+    use symmpool::Backend as _;
+}
