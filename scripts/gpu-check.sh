@@ -77,8 +77,10 @@ run() {
     cat "$out/bench.log"
   fi
   if has example; then
-    "$bin/fsdp_step" ${EXAMPLE_ARGS:---compare} > "$out/example.log" 2>&1 || status=1
-    tail -n 25 "$out/example.log"
+    # The default GPU configuration, then the balanced one the step-time floor uses.
+    { "$bin/fsdp_step" --compare && echo && "$bin/fsdp_step" --balanced --compare; } \
+      > "$out/example.log" 2>&1 || status=1
+    grep -A7 '^summary' "$out/example.log" || tail -n 20 "$out/example.log"
   fi
   if has anchor; then
     bash "$BUNDLE/anchors/run_anchor.sh" ${ANCHOR_SECTIONS:-} > "$out/anchor.log" 2>&1 || status=1

@@ -318,10 +318,7 @@ fn gpu_block_freed_under_a_long_kernel_is_not_overwritten_early() {
         cuda_a.synchronize().unwrap();
         let control = w.read::<u8>().unwrap();
         drop((x2, y, z, w, scratch));
-        (
-            got.iter().all(|&v| v == 7),
-            control.contains(&0xEE),
-        )
+        (got.iter().all(|&v| v == 7), control.contains(&0xEE))
     });
     for (safe, raced) in results {
         assert!(

@@ -134,6 +134,35 @@ impl Blas {
         check("cublasScalEx", s)
     }
 
+    /// Euclidean norm of `n` bf16 elements into the f32 at device address `out`,
+    /// without waiting for the stream.
+    ///
+    /// # Safety
+    /// `x` is live device memory of `n` bf16 elements; `out` a live device f32.
+    pub unsafe fn nrm2_bf16_device(&self, n: usize, x: u64, out: u64) -> Result<(), String> {
+        self.blas
+            .set_pointer_mode(sys::cublasPointerMode_t::CUBLAS_POINTER_MODE_DEVICE)
+            .map_err(|e| format!("cublasSetPointerMode: {e:?}"))?;
+        // SAFETY: as the caller guarantees; in device pointer mode `out` is written on
+        // the stream.
+        let s = unsafe {
+            sys::cublasNrm2Ex_64(
+                *self.blas.handle(),
+                n as i64,
+                x as *const c_void,
+                BF16,
+                1,
+                out as *mut c_void,
+                F32,
+                F32,
+            )
+        };
+        self.blas
+            .set_pointer_mode(sys::cublasPointerMode_t::CUBLAS_POINTER_MODE_HOST)
+            .map_err(|e| format!("cublasSetPointerMode: {e:?}"))?;
+        check("cublasNrm2Ex", s)
+    }
+
     /// Euclidean norm of `n` bf16 elements (waits for the stream).
     ///
     /// # Safety
