@@ -45,7 +45,7 @@ mod gpu {
     use symmpool::{PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16};
 
     const MIB: u64 = 1 << 20;
-    const REPS: usize = 7;
+    const REPS: usize = 11;
     const SYMM: usize = 0;
     const CE: usize = 1;
     const PLAIN: usize = 2;
@@ -145,12 +145,15 @@ mod gpu {
     fn sizes() -> Vec<u64> {
         vec![
             64 << 10,
+            128 << 10,
             256 << 10,
+            512 << 10,
             MIB,
             2 * MIB,
             4 * MIB,
             8 * MIB,
             16 * MIB,
+            32 * MIB,
             64 * MIB,
             256 * MIB,
             512 * MIB,
@@ -159,11 +162,13 @@ mod gpu {
 
     fn iters_for(bytes: u64) -> usize {
         if bytes >= 64 * MIB {
-            10
+            12
         } else if bytes >= 4 * MIB {
-            40
+            60
+        } else if bytes >= MIB {
+            500
         } else {
-            200
+            2000
         }
     }
 
@@ -182,15 +187,22 @@ mod gpu {
             let iters = iters_for(bytes);
             let mut t = vec![Vec::new(); 4];
             let mut path = Path::PlainKernel;
-            for _ in 0..REPS {
-                t[0].push(r.time(iters, || raw_ag(r, &plain, bytes, PLAIN)));
-                t[1].push(r.time(iters, || raw_ag(r, &reg, bytes, SYMM)));
-                t[2].push(r.time(iters, || raw_ag(r, &reg, bytes, CE)));
-                t[3].push(r.time(iters, || {
-                    path = coll::all_gather_in_place::<u8>(&reg, &r.stream)
-                        .unwrap()
-                        .path;
-                }));
+            for rep in 0..REPS {
+                // Rotate the order so that no mode always follows the same other one.
+                for i in 0..4 {
+                    let mode = (i + rep) % 4;
+                    let ms = match mode {
+                        0 => r.time(iters, || raw_ag(r, &plain, bytes, PLAIN)),
+                        1 => r.time(iters, || raw_ag(r, &reg, bytes, SYMM)),
+                        2 => r.time(iters, || raw_ag(r, &reg, bytes, CE)),
+                        _ => r.time(iters, || {
+                            path = coll::all_gather_in_place::<u8>(&reg, &r.stream)
+                                .unwrap()
+                                .path;
+                        }),
+                    };
+                    t[mode].push(ms);
+                }
             }
             let bw: Vec<f64> = t
                 .into_iter()
@@ -235,14 +247,20 @@ mod gpu {
             let iters = iters_for(bytes);
             let mut t = vec![Vec::new(); 3];
             let mut path = Path::PlainKernel;
-            for _ in 0..REPS {
-                t[0].push(r.time(iters, || raw_rs(r, &pi, &po, bytes, PLAIN)));
-                t[1].push(r.time(iters, || raw_rs(r, &ri, &ro, bytes, SYMM)));
-                t[2].push(r.time(iters, || {
-                    path = coll::reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
-                        .unwrap()
-                        .path;
-                }));
+            for rep in 0..REPS {
+                for i in 0..3 {
+                    let mode = (i + rep) % 3;
+                    let ms = match mode {
+                        0 => r.time(iters, || raw_rs(r, &pi, &po, bytes, PLAIN)),
+                        1 => r.time(iters, || raw_rs(r, &ri, &ro, bytes, SYMM)),
+                        _ => r.time(iters, || {
+                            path = coll::reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
+                                .unwrap()
+                                .path;
+                        }),
+                    };
+                    t[mode].push(ms);
+                }
             }
             let bw: Vec<f64> = t
                 .into_iter()

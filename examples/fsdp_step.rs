@@ -107,7 +107,7 @@ pub struct Args {
     pub batch: usize,
     /// Training steps.
     pub steps: usize,
-    /// Learning rate (scaled by the hidden size).
+    /// Learning rate, as a fraction of the inverse curvature (stable below ~1).
     pub lr: f32,
     /// Modes to run, interleaved step by step.
     pub modes: Vec<Mode>,
@@ -128,7 +128,7 @@ impl Args {
             hidden: 64,
             batch: 32,
             steps: 30,
-            lr: 0.2,
+            lr: 0.5,
             modes,
             json: false,
             backend: BackendChoice::Host,
@@ -222,7 +222,7 @@ fn parse_args() -> std::result::Result<(Args, bool), String> {
         hidden: hidden.unwrap_or(dh),
         batch: batch.unwrap_or(db),
         steps: steps.unwrap_or(ds),
-        lr: lr.unwrap_or(0.2),
+        lr: lr.unwrap_or(0.5),
         modes,
         json,
         backend,
@@ -285,14 +285,14 @@ trait Math {
     fn scal(&self, on: On, alpha: f32, x: &SymmBuffer) -> Result<()>;
     /// `dst = src`.
     fn copy(&self, on: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()>;
-    /// Start computing ‖x‖ into slot `slot` of `out` (read by `finish_norms`).
-    fn norm_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()>;
+    /// Start computing ‖x‖² into slot `slot` of `out` (read by `read_sums`).
+    fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()>;
     /// `to` waits for the work enqueued so far on `from`.
     fn wait(&self, to: On, from: On) -> Result<()>;
     /// Wait for everything on both streams.
     fn sync(&self) -> Result<()>;
-    /// Read back the norms written by `norm_into`.
-    fn read_norms(&self, out: &SymmBuffer) -> Result<Vec<f32>>;
+    /// Read back the sums written by `sumsq_into`.
+    fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>>;
 }
 
 /// Host math: f32 buffers, synchronous, naive loops (small sizes only).
@@ -362,12 +362,11 @@ impl Math for HostMath {
     fn copy(&self, _: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()> {
         dst.write(&Self::get(src)?)
     }
-    fn norm_into(&self, _: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
+    fn sumsq_into(&self, _: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
         let n = Self::get(x)?
             .iter()
             .map(|v| (*v as f64) * (*v as f64))
-            .sum::<f64>()
-            .sqrt() as f32;
+            .sum::<f64>() as f32;
         let mut o = Self::get(out)?;
         o[slot] = n;
         out.write(&o)
@@ -378,7 +377,7 @@ impl Math for HostMath {
     fn sync(&self) -> Result<()> {
         Ok(())
     }
-    fn read_norms(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
+    fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
         Self::get(out)
     }
 }
@@ -397,7 +396,7 @@ struct Trainer<'m, M: Math> {
     shards: Vec<SymmBuffer>,
     acts: Vec<SymmBuffer>,
     grads: [SymmBuffer; 2],
-    norms: SymmBuffer,
+    sums: SymmBuffer,
     data: Arc<Vec<(SymmBuffer, SymmBuffer)>>,
     ag_paths: Vec<Path>,
     rs_paths: Vec<Path>,
@@ -416,6 +415,15 @@ impl<'m, M: Math> Trainer<'m, M> {
         let r: CollectiveReport = coll::all_gather::<M::E>(&self.shards[l], &full, comm)?;
         self.ag_paths.push(r.path);
         Ok(full)
+    }
+
+    /// The SGD step: `lr` over an estimate of the loss curvature for one layer,
+    /// `2·(1 + √(h/b))²·σ²/h` with σ² = 1/3 (inputs uniform in [-1, 1]; the
+    /// Marchenko-Pastur edge of X·Xᵀ), so one `lr` works at every size.
+    fn step_size(&self) -> f32 {
+        let (h, b) = (self.h as f32, self.batch as f32);
+        let curvature = 2.0 * (1.0 + (h / b).sqrt()).powi(2) / (3.0 * h);
+        self.lr / curvature
     }
 
     /// One training step on batch `k`.
@@ -462,7 +470,7 @@ impl<'m, M: Math> Trainer<'m, M> {
         let g_top = &self.grads[layers % 2];
         m.copy(On::Compute, &self.acts[layers - 1], g_top)?;
         m.axpy(On::Compute, -1.0, t, g_top)?;
-        m.norm_into(On::Compute, g_top, &self.norms, 0)?;
+        m.sumsq_into(On::Compute, g_top, &self.sums, 0)?;
         m.scal(On::Compute, 2.0 / (h * b) as f32, g_top)?;
         // Backward: re-gather with prefetch; reduce-scatter weight gradients on the
         // comm stream while the layer below computes.
@@ -512,7 +520,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             // SGD on the shard (mean of the ranks' gradients), on the comm stream.
             m.axpy(
                 On::Comm,
-                -self.lr * h as f32 / world as f32,
+                -self.step_size() / world as f32,
                 &dw_shard,
                 &self.shards[l],
             )?;
@@ -528,9 +536,9 @@ impl<'m, M: Math> Trainer<'m, M> {
         }
         drop(prev_grad);
         m.sync()?;
-        let norm = m.read_norms(&self.norms)?[0] as f64;
+        let sumsq = m.read_sums(&self.sums)?[0] as f64;
         Ok(StepOut {
-            loss: (norm * norm / (h * b) as f64) as f32,
+            loss: (sumsq / (h * b) as f64) as f32,
             ms: start.elapsed().as_secs_f64() * 1e3,
         })
     }
@@ -658,8 +666,8 @@ fn run_rank<M: Math>(
             pool.alloc((h * b) as u64 * e, cs)?,
             pool.alloc((h * b) as u64 * e, cs)?,
         ];
-        let norms = pool.alloc(4 * 4, cs)?;
-        norms.write(
+        let sums = pool.alloc(4 * 4, cs)?;
+        sums.write(
             &to_e(&[0.0; 4])
                 .iter()
                 .map(|v| v.to_f64() as f32)
@@ -676,7 +684,7 @@ fn run_rank<M: Math>(
             shards,
             acts,
             grads,
-            norms,
+            sums,
             data: data.clone(),
             ag_paths: Vec::new(),
             rs_paths: Vec::new(),
@@ -1026,10 +1034,10 @@ mod gpu {
             }
             .map_err(|x| e(format!("cuMemcpyDtoDAsync: {x:?}")))
         }
-        fn norm_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
+        fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
             // SAFETY: x holds len/2 bf16 elements; out holds at least slot+1 f32.
             unsafe {
-                self.blas(on).nrm2_bf16_device(
+                self.blas(on).sumsq_bf16(
                     (x.len_bytes() / 2) as usize,
                     ptr(x)?,
                     ptr(out)? + 4 * slot as u64,
@@ -1050,7 +1058,7 @@ mod gpu {
                 .synchronize()
                 .map_err(|x| e(format!("{x:?}")))
         }
-        fn read_norms(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
+        fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
             out.read::<f32>()
         }
     }

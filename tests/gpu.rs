@@ -196,7 +196,7 @@ fn gpu_collectives_match_a_host_reference() {
     let seed = seed();
     // Element counts whose byte sizes are not multiples of 512, small (symmetric
     // kernel) and large (copy engine / ring) per rank.
-    for count in [1, 1000, 123_457, 5_000_001] {
+    for count in [1, 1000, 123_457, 10_000_001] {
         for in_place in [false, true] {
             let p = all_gather_case::<f32>(&pools, count, in_place, seed);
             eprintln!("all_gather f32 x{count} in_place={in_place}: {p:?}");
@@ -217,11 +217,11 @@ fn gpu_collectives_match_a_host_reference() {
         Path::SymmetricKernel
     );
     assert_eq!(
-        all_gather_case::<f32>(&pools, 5_000_001, true, seed),
+        all_gather_case::<f32>(&pools, 10_000_001, true, seed),
         Path::CopyEngine
     );
     assert_eq!(
-        reduce_scatter_case::<f32>(&pools, 5_000_001, false, ReduceOp::Sum, seed),
+        reduce_scatter_case::<f32>(&pools, 10_000_001, false, ReduceOp::Sum, seed),
         Path::PlainKernel
     );
     assert_eq!(

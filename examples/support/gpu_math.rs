@@ -1,5 +1,5 @@
 //! cuBLAS (through cudarc) for the GPU parts of the example, tests and benchmarks:
-//! bf16 GEMMs with fp32 accumulation, axpy, scal and nrm2 on raw device pointers.
+//! bf16 GEMMs with fp32 accumulation, axpy, scal and a sum of squares on raw device pointers.
 //! Column-major, as cuBLAS is.
 
 #![allow(dead_code)]
@@ -134,56 +134,39 @@ impl Blas {
         check("cublasScalEx", s)
     }
 
-    /// Euclidean norm of `n` bf16 elements into the f32 at device address `out`,
-    /// without waiting for the stream.
+    /// Sum of squares of `n` bf16 elements into the f32 at device address `out`, with
+    /// fp32 accumulation, without waiting for the stream: a 1×1 GEMM `xᵀ·x`
+    /// (`cublasNrm2Ex` has no bf16-in, fp32-out variant).
     ///
     /// # Safety
     /// `x` is live device memory of `n` bf16 elements; `out` a live device f32.
-    pub unsafe fn nrm2_bf16_device(&self, n: usize, x: u64, out: u64) -> Result<(), String> {
-        self.blas
-            .set_pointer_mode(sys::cublasPointerMode_t::CUBLAS_POINTER_MODE_DEVICE)
-            .map_err(|e| format!("cublasSetPointerMode: {e:?}"))?;
-        // SAFETY: as the caller guarantees; in device pointer mode `out` is written on
-        // the stream.
+    pub unsafe fn sumsq_bf16(&self, n: usize, x: u64, out: u64) -> Result<(), String> {
+        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: as the caller guarantees; alpha and beta are host scalars read during
+        // the call; C (one f32) is device memory written on the stream.
         let s = unsafe {
-            sys::cublasNrm2Ex_64(
+            sys::cublasGemmEx(
                 *self.blas.handle(),
-                n as i64,
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                1,
+                1,
+                n as i32,
+                &alpha as *const f32 as *const c_void,
                 x as *const c_void,
                 BF16,
-                1,
+                n as i32,
+                x as *const c_void,
+                BF16,
+                n as i32,
+                &beta as *const f32 as *const c_void,
                 out as *mut c_void,
                 F32,
-                F32,
-            )
-        };
-        self.blas
-            .set_pointer_mode(sys::cublasPointerMode_t::CUBLAS_POINTER_MODE_HOST)
-            .map_err(|e| format!("cublasSetPointerMode: {e:?}"))?;
-        check("cublasNrm2Ex", s)
-    }
-
-    /// Euclidean norm of `n` bf16 elements (waits for the stream).
-    ///
-    /// # Safety
-    /// `x` is live device memory of `n` bf16 elements.
-    pub unsafe fn nrm2_bf16(&self, n: usize, x: u64) -> Result<f32, String> {
-        let mut out = 0f32;
-        // SAFETY: as the caller guarantees; `out` is a host scalar (host pointer mode),
-        // written before the call returns.
-        let s = unsafe {
-            sys::cublasNrm2Ex_64(
-                *self.blas.handle(),
-                n as i64,
-                x as *const c_void,
-                BF16,
                 1,
-                &mut out as *mut f32 as *mut c_void,
-                F32,
-                F32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         };
-        check("cublasNrm2Ex", s)?;
-        Ok(out)
+        check("cublasGemmEx (sum of squares)", s)
     }
 }

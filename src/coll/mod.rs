@@ -48,10 +48,10 @@ use path::{Coll, Inputs, select};
 
 /// Check that the buffers are this pool's, the pool is open, and note `stream` on
 /// buffers allocated elsewhere (so their reuse waits for this collective).
-fn prepare(op: &'static str, bufs: &[&SymmBuffer], stream: &Stream) -> Result<SymmPool> {
-    let pool = bufs[0].pool().clone();
+fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
+    let pool = bufs[0].pool();
     for b in bufs {
-        if !b.pool().same_pool(&pool) {
+        if !b.pool().same_pool(pool) {
             return Err(Error::ForeignBuffer);
         }
     }
@@ -62,7 +62,6 @@ fn prepare(op: &'static str, bufs: &[&SymmBuffer], stream: &Stream) -> Result<Sy
             b.record_stream(stream)?;
         }
     }
-    let _ = op;
     Ok(pool)
 }
 
@@ -160,7 +159,7 @@ pub fn all_gather<T: Element>(
     stream: &Stream,
 ) -> Result<CollectiveReport> {
     const OP: &str = "all_gather";
-    let pool = prepare(OP, &[input, output], stream)?;
+    let pool = prepare(&[input, output], stream)?;
     let count = elements::<T>(OP, "input", input.len_bytes())?;
     let world = pool.world_size() as u64;
     if output.len_bytes() != input.len_bytes() * world {
@@ -174,7 +173,7 @@ pub fn all_gather<T: Element>(
         ));
     }
     run(
-        &pool,
+        pool,
         Coll::AllGather,
         (input, input.region()),
         (output, output.region()),
@@ -198,10 +197,10 @@ pub fn all_gather_in_place<T: Element>(
     stream: &Stream,
 ) -> Result<CollectiveReport> {
     const OP: &str = "all_gather_in_place";
-    let pool = prepare(OP, &[buffer], stream)?;
-    let (send, count) = own_chunk::<T>(OP, &pool, buffer)?;
+    let pool = prepare(&[buffer], stream)?;
+    let (send, count) = own_chunk::<T>(OP, pool, buffer)?;
     run(
-        &pool,
+        pool,
         Coll::AllGather,
         (buffer, send),
         (buffer, buffer.region()),
@@ -257,7 +256,7 @@ pub fn reduce_scatter<T: Element>(
     stream: &Stream,
 ) -> Result<CollectiveReport> {
     const OP: &str = "reduce_scatter";
-    let pool = prepare(OP, &[input, output], stream)?;
+    let pool = prepare(&[input, output], stream)?;
     let count = elements::<T>(OP, "output", output.len_bytes())?;
     let world = pool.world_size() as u64;
     if input.len_bytes() != output.len_bytes() * world {
@@ -271,7 +270,7 @@ pub fn reduce_scatter<T: Element>(
         ));
     }
     run(
-        &pool,
+        pool,
         Coll::ReduceScatter(op),
         (input, input.region()),
         (output, output.region()),
@@ -295,10 +294,10 @@ pub fn reduce_scatter_in_place<T: Element>(
     stream: &Stream,
 ) -> Result<CollectiveReport> {
     const OP: &str = "reduce_scatter_in_place";
-    let pool = prepare(OP, &[buffer], stream)?;
-    let (recv, count) = own_chunk::<T>(OP, &pool, buffer)?;
+    let pool = prepare(&[buffer], stream)?;
+    let (recv, count) = own_chunk::<T>(OP, pool, buffer)?;
     run(
-        &pool,
+        pool,
         Coll::ReduceScatter(op),
         (buffer, buffer.region()),
         (buffer, recv),

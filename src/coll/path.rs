@@ -46,20 +46,22 @@ pub enum Choice {
 /// Thresholds of the automatic path choice, in bytes per rank.
 ///
 /// Defaults come from the collectives benchmark on 2×H200 (NV18, NCCL 2.28.3, no
-/// NVLink multicast; BENCHMARKS.md), where the copy engine loses to the symmetric
-/// kernel for small all-gathers and NCCL's symmetric reduce-scatter kernel loses to
-/// ring for large ones (anchors: 0.75× ring at 256 MiB).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// NVLink multicast; BENCHMARKS.md, three runs on 2026-11-30):
+/// - all-gather: the symmetric kernel beats ring at every size and the copy engine up
+///   to 16 MiB per rank (they tie there); the copy engine wins from 64 MiB (+14 %).
+/// - reduce-scatter: the symmetric kernel wins up to 128 KiB (its LL kernel) and from
+///   1 MiB to 2 MiB (its LD kernel), ties at 4 MiB, and loses to ring at 256–512 KiB
+///   (0.90×) and from 8 MiB on (0.75× at 256 MiB).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct PathPolicy {
     /// All-gathers of at least this many bytes per rank use the copy engine; smaller
-    /// ones the symmetric kernel (default 16 MiB: on 2×H200 the symmetric kernel is
-    /// faster up to 8 MiB per rank and the two are level at 16 MiB).
+    /// ones the symmetric kernel (default 32 MiB).
     pub ce_all_gather_min_bytes: u64,
-    /// Reduce-scatters of at most this many output bytes per rank use the symmetric
-    /// kernel; larger ones NCCL's ring on the unregistered communicator (default 4 MiB:
-    /// on 2×H200 the two are level at 4 MiB and ring leads from 8 MiB).
-    pub symmetric_reduce_scatter_max_bytes: u64,
+    /// Inclusive ranges of output bytes per rank where reduce-scatter uses the
+    /// symmetric kernel; other sizes use NCCL's ring on the unregistered communicator
+    /// (default `[(0, 128 KiB), (1 MiB, 4 MiB)]`).
+    pub symmetric_reduce_scatter_bands: Vec<(u64, u64)>,
     /// Override for all-gather.
     pub all_gather: Choice,
     /// Override for reduce-scatter.
@@ -69,8 +71,8 @@ pub struct PathPolicy {
 impl Default for PathPolicy {
     fn default() -> Self {
         PathPolicy {
-            ce_all_gather_min_bytes: 16 << 20,
-            symmetric_reduce_scatter_max_bytes: 4 << 20,
+            ce_all_gather_min_bytes: 32 << 20,
+            symmetric_reduce_scatter_bands: vec![(0, 128 << 10), (1 << 20, 4 << 20)],
             all_gather: Choice::Auto,
             reduce_scatter: Choice::Auto,
         }
@@ -84,9 +86,9 @@ impl PathPolicy {
         self
     }
 
-    /// Set the symmetric reduce-scatter threshold.
-    pub fn with_symmetric_reduce_scatter_max_bytes(mut self, bytes: u64) -> Self {
-        self.symmetric_reduce_scatter_max_bytes = bytes;
+    /// Set the sizes where reduce-scatter uses the symmetric kernel.
+    pub fn with_symmetric_reduce_scatter_bands(mut self, bands: Vec<(u64, u64)>) -> Self {
+        self.symmetric_reduce_scatter_bands = bands;
         self
     }
 
@@ -164,20 +166,27 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
                 [Path::SymmetricKernel, Path::CopyEngine]
             },
         ),
-        Coll::ReduceScatter(_) => (
-            i.policy.reduce_scatter,
-            if i.bytes_per_rank <= i.policy.symmetric_reduce_scatter_max_bytes {
-                [Path::SymmetricKernel, Path::PlainKernel]
-            } else {
-                [Path::PlainKernel, Path::PlainKernel]
-            },
-        ),
+        Coll::ReduceScatter(_) => {
+            let symmetric = i
+                .policy
+                .symmetric_reduce_scatter_bands
+                .iter()
+                .any(|&(lo, hi)| (lo..=hi).contains(&i.bytes_per_rank));
+            (
+                i.policy.reduce_scatter,
+                if symmetric {
+                    [Path::SymmetricKernel, Path::PlainKernel]
+                } else {
+                    [Path::PlainKernel, Path::PlainKernel]
+                },
+            )
+        }
     };
-    let order: Vec<Path> = match choice {
-        Choice::Auto => auto.to_vec(),
-        Choice::Prefer(p) => std::iter::once(p).chain(auto).collect(),
+    let preferred = match choice {
+        Choice::Auto => None,
+        Choice::Prefer(p) => Some(p),
     };
-    for p in order {
+    for p in preferred.into_iter().chain(auto) {
         let hit = match p {
             Path::CopyEngine => ce.map(|c| (c, p)),
             Path::SymmetricKernel => symm.map(|c| (c, p)),
@@ -220,7 +229,7 @@ mod tests {
         dtype: DType,
         version: NcclVersion,
         reg: (bool, bool),
-        policy: PathPolicy,
+        policy: &PathPolicy,
     ) -> (usize, Path) {
         let c = comms();
         let registered = move |comm: usize| {
@@ -238,7 +247,7 @@ mod tests {
             world_size: 2,
             comms: &comms(),
             registered: &registered,
-            policy: &policy,
+            policy,
         })
     }
 
@@ -255,7 +264,7 @@ mod tests {
                 DType::BF16,
                 V228,
                 (true, true),
-                p
+                &p
             ),
             (0, Path::SymmetricKernel)
         );
@@ -266,16 +275,20 @@ mod tests {
                 DType::BF16,
                 V228,
                 (true, true),
-                p
+                &p
             ),
             (1, Path::CopyEngine)
         );
         assert_eq!(
-            pick(Coll::AllGather, 8 * MIB, DType::U8, V228, (true, true), p),
+            pick(Coll::AllGather, 8 * MIB, DType::U8, V228, (true, true), &p),
             (0, Path::SymmetricKernel)
         );
         assert_eq!(
-            pick(Coll::AllGather, 16 * MIB, DType::U8, V228, (true, true), p),
+            pick(Coll::AllGather, 16 * MIB, DType::U8, V228, (true, true), &p),
+            (0, Path::SymmetricKernel)
+        );
+        assert_eq!(
+            pick(Coll::AllGather, 32 * MIB, DType::U8, V228, (true, true), &p),
             (1, Path::CopyEngine)
         );
     }
@@ -285,25 +298,39 @@ mod tests {
         let p = PathPolicy::default();
         let sum = Coll::ReduceScatter(ReduceOp::Sum);
         assert_eq!(
-            pick(sum, MIB, DType::BF16, V228, (true, true), p),
+            pick(sum, MIB, DType::BF16, V228, (true, true), &p),
             (0, Path::SymmetricKernel)
         );
         assert_eq!(
-            pick(sum, 256 * MIB, DType::BF16, V228, (true, true), p),
+            pick(sum, 256 * MIB, DType::BF16, V228, (true, true), &p),
             (2, Path::PlainKernel)
         );
         assert_eq!(
-            pick(sum, MIB, DType::U8, V228, (true, true), p),
+            pick(sum, MIB, DType::U8, V228, (true, true), &p),
             (2, Path::PlainKernel)
         );
+        for (kib, want) in [
+            (128, Path::SymmetricKernel),
+            (256, Path::PlainKernel),
+            (512, Path::PlainKernel),
+            (1024, Path::SymmetricKernel),
+            (4096, Path::SymmetricKernel),
+            (8192, Path::PlainKernel),
+        ] {
+            assert_eq!(
+                pick(sum, kib << 10, DType::BF16, V228, (true, true), &p).1,
+                want,
+                "{kib} KiB"
+            );
+        }
         let max = Coll::ReduceScatter(ReduceOp::Max);
         assert_eq!(
-            pick(max, MIB, DType::F32, V228, (true, true), p),
+            pick(max, MIB, DType::F32, V228, (true, true), &p),
             (2, Path::PlainKernel)
         );
         let avg = Coll::ReduceScatter(ReduceOp::Avg);
         assert_eq!(
-            pick(avg, MIB, DType::F32, V228, (true, true), p),
+            pick(avg, MIB, DType::F32, V228, (true, true), &p),
             (2, Path::PlainKernel)
         );
         assert_eq!(
@@ -313,7 +340,7 @@ mod tests {
                 DType::F32,
                 NcclVersion::new(2, 30, 0),
                 (true, true),
-                p
+                &p
             ),
             (0, Path::SymmetricKernel)
         );
@@ -331,7 +358,7 @@ mod tests {
                 DType::F32,
                 NcclVersion::new(2, 27, 3),
                 (true, true),
-                p
+                &p
             ),
             (0, Path::SymmetricKernel)
         );
@@ -343,18 +370,18 @@ mod tests {
                 DType::F32,
                 NcclVersion::new(2, 26, 5),
                 (true, true),
-                p
+                &p
             ),
             (2, Path::PlainKernel)
         );
         // Unregistered (NULL windows): plain.
         assert_eq!(
-            pick(Coll::AllGather, big, DType::F32, V228, (false, false), p),
+            pick(Coll::AllGather, big, DType::F32, V228, (false, false), &p),
             (2, Path::PlainKernel)
         );
         // Output only registered: 2.28 needs both for CE and the symmetric kernel.
         assert_eq!(
-            pick(Coll::AllGather, big, DType::F32, V228, (false, true), p),
+            pick(Coll::AllGather, big, DType::F32, V228, (false, true), &p),
             (2, Path::PlainKernel)
         );
         assert_eq!(
@@ -364,7 +391,7 @@ mod tests {
                 DType::F32,
                 NcclVersion::new(2, 29, 7),
                 (false, true),
-                p
+                &p
             ),
             (1, Path::CopyEngine)
         );
@@ -383,7 +410,7 @@ mod tests {
                 DType::F32,
                 V228,
                 (true, true),
-                ce
+                &ce
             ),
             (1, Path::CopyEngine)
         );
@@ -394,7 +421,7 @@ mod tests {
                 DType::F32,
                 V228,
                 (true, true),
-                ce
+                &ce
             ),
             (0, Path::SymmetricKernel)
         );
@@ -405,7 +432,7 @@ mod tests {
                 DType::F32,
                 NcclVersion::new(2, 27, 0),
                 (true, true),
-                ce
+                &ce
             ),
             (0, Path::SymmetricKernel)
         );
@@ -420,7 +447,7 @@ mod tests {
                 DType::F32,
                 V228,
                 (true, true),
-                plain
+                &plain
             ),
             (2, Path::PlainKernel)
         );

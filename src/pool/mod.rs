@@ -665,11 +665,11 @@ impl SymmPool {
     /// Return a block to the cache (from `SymmBuffer::drop`): record a fence on every
     /// stream that used it. Never collective. Errors are logged: a drop cannot fail.
     pub(crate) fn release_block(&self, buf: &SymmBuffer) {
+        let streams = buf.streams();
         let mut st = self.lock();
         if st.closed {
             return;
         }
-        let streams = buf.streams();
         let mut fences: smallvec::SmallVec<[Wait; 3]> = smallvec::SmallVec::new();
         for s in &streams {
             match self.inner.backend.record_fence(s) {
