@@ -172,6 +172,39 @@ mod gpu {
         }
     }
 
+    /// The crate's documented start-up step: measure the paths on this machine and
+    /// use the thresholds derived from rank 0's figures on every rank.
+    fn section_calibrate(r: &Rank) {
+        let cfg = coll::CalibrateConfig::default().with_range(64 << 10, 512 * MIB);
+        let start = Instant::now();
+        let cal = coll::calibrate(&r.reg, &r.stream, &cfg).unwrap();
+        let secs = start.elapsed().as_secs_f64();
+        if r.backend_rank() == 0 {
+            println!("\n[calibrate] {:.2} s; busbw GB/s per path (rank 0)", secs);
+            println!(
+                "{:<12} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                "bytes/rank", "ag symm", "ag ce", "ag ring", "rs symm", "rs ring"
+            );
+            let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
+            for m in &cal.measurements {
+                println!(
+                    "{:<12} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                    m.bytes,
+                    f(m.all_gather[0]),
+                    f(m.all_gather[1]),
+                    f(m.all_gather[2]),
+                    f(m.reduce_scatter[0]),
+                    f(m.reduce_scatter[1])
+                );
+            }
+            println!(
+                "policy: copy-engine all-gather from {} B/rank; symmetric reduce-scatter bands {:?}",
+                cal.policy.ce_all_gather_min_bytes, cal.policy.symmetric_reduce_scatter_bands
+            );
+        }
+        r.reg.set_path_policy(cal.policy);
+    }
+
     fn section_ag(r: &Rank) {
         let lead = r.backend_rank() == 0;
         if lead {
@@ -581,6 +614,9 @@ mod gpu {
                     }
                     if want("regcost") {
                         section_regcost(&r, &backend);
+                    }
+                    if want("ag") || want("rs") {
+                        section_calibrate(&r);
                     }
                     if want("ag") {
                         section_ag(&r);

@@ -128,7 +128,7 @@ impl Args {
             hidden: 64,
             batch: 32,
             steps: 30,
-            lr: 0.5,
+            lr: 1.0,
             modes,
             json: false,
             backend: BackendChoice::Host,
@@ -222,7 +222,7 @@ fn parse_args() -> std::result::Result<(Args, bool), String> {
         hidden: hidden.unwrap_or(dh),
         batch: batch.unwrap_or(db),
         steps: steps.unwrap_or(ds),
-        lr: lr.unwrap_or(0.5),
+        lr: lr.unwrap_or(1.0),
         modes,
         json,
         backend,
@@ -287,8 +287,12 @@ trait Math {
     fn copy(&self, on: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()>;
     /// Start computing ‖x‖² into slot `slot` of `out` (read by `read_sums`).
     fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()>;
-    /// `to` waits for the work enqueued so far on `from`.
-    fn wait(&self, to: On, from: On) -> Result<()>;
+    /// A marker of the work enqueued so far on one stream.
+    type Ev;
+    /// Mark the work enqueued so far on `on`.
+    fn record(&self, on: On) -> Result<Self::Ev>;
+    /// `to` waits (device-side) for the work before `ev`.
+    fn wait_for(&self, to: On, ev: &Self::Ev) -> Result<()>;
     /// Wait for everything on both streams.
     fn sync(&self) -> Result<()>;
     /// Read back the sums written by `sumsq_into`.
@@ -371,7 +375,11 @@ impl Math for HostMath {
         o[slot] = n;
         out.write(&o)
     }
-    fn wait(&self, _: On, _: On) -> Result<()> {
+    type Ev = ();
+    fn record(&self, _: On) -> Result<()> {
+        Ok(())
+    }
+    fn wait_for(&self, _: On, _: &()) -> Result<()> {
         Ok(())
     }
     fn sync(&self) -> Result<()> {
@@ -408,22 +416,24 @@ struct StepOut {
 }
 
 impl<'m, M: Math> Trainer<'m, M> {
-    fn ag(&mut self, l: usize) -> Result<SymmBuffer> {
+    /// Gather layer `l`'s parameters on the comm stream; the event marks completion.
+    fn ag(&mut self, l: usize) -> Result<(SymmBuffer, M::Ev)> {
         let e = std::mem::size_of::<M::E>() as u64;
         let comm = self.math.stream(On::Comm);
         let full = self.pool.alloc((self.h * self.h) as u64 * e, comm)?;
         let r: CollectiveReport = coll::all_gather::<M::E>(&self.shards[l], &full, comm)?;
         self.ag_paths.push(r.path);
-        Ok(full)
+        Ok((full, self.math.record(On::Comm)?))
     }
 
-    /// The SGD step: `lr` over an estimate of the loss curvature for one layer,
+    /// The SGD step: `lr` over an estimate of the loss curvature, per layer
     /// `2·(1 + √(h/b))²·σ²/h` with σ² = 1/3 (inputs uniform in [-1, 1]; the
-    /// Marchenko-Pastur edge of X·Xᵀ), so one `lr` works at every size.
+    /// Marchenko-Pastur edge of X·Xᵀ), times the number of layers (all of them move
+    /// the output at once), so one `lr` works at every size and depth.
     fn step_size(&self) -> f32 {
         let (h, b) = (self.h as f32, self.batch as f32);
         let curvature = 2.0 * (1.0 + (h / b).sqrt()).powi(2) / (3.0 * h);
-        self.lr / curvature
+        self.lr / (curvature * self.layers as f32)
     }
 
     /// One training step on batch `k`.
@@ -437,9 +447,9 @@ impl<'m, M: Math> Trainer<'m, M> {
         self.ag_paths.clear();
         self.rs_paths.clear();
         // Forward: gather layer l+1 on the comm stream while layer l computes.
-        let mut cur = self.ag(0)?;
+        let (mut cur, mut arrived) = self.ag(0)?;
         for l in 0..layers {
-            m.wait(On::Compute, On::Comm)?;
+            m.wait_for(On::Compute, &arrived)?;
             let next = if l + 1 < layers {
                 Some(self.ag(l + 1)?)
             } else {
@@ -461,7 +471,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             )?;
             cur.record_stream(m.stream(On::Compute))?;
             drop(cur);
-            cur = match next {
+            (cur, arrived) = match next {
                 Some(n) => n,
                 None => break,
             };
@@ -476,10 +486,10 @@ impl<'m, M: Math> Trainer<'m, M> {
         // comm stream while the layer below computes.
         let world = self.pool.world_size();
         let shard_bytes = (h * h / world) as u64 * e;
-        let mut cur = self.ag(layers - 1)?;
+        let (mut cur, mut arrived) = self.ag(layers - 1)?;
         let mut prev_grad: Option<(SymmBuffer, SymmBuffer)> = None;
         for l in (0..layers).rev() {
-            m.wait(On::Compute, On::Comm)?;
+            m.wait_for(On::Compute, &arrived)?;
             let next = if l > 0 { Some(self.ag(l - 1)?) } else { None };
             let input = if l == 0 { x } else { &self.acts[l - 1] };
             let g_out = &self.grads[(l + 1) % 2];
@@ -497,6 +507,7 @@ impl<'m, M: Math> Trainer<'m, M> {
                 0.0,
                 &dw,
             )?;
+            let dw_ready = m.record(On::Compute)?;
             if l > 0 {
                 m.gemm(
                     On::Compute,
@@ -512,7 +523,7 @@ impl<'m, M: Math> Trainer<'m, M> {
                     &self.grads[l % 2],
                 )?;
             }
-            m.wait(On::Comm, On::Compute)?;
+            m.wait_for(On::Comm, &dw_ready)?;
             let dw_shard = self.pool.alloc(shard_bytes, m.stream(On::Comm))?;
             let r =
                 coll::reduce_scatter::<M::E>(&dw, &dw_shard, ReduceOp::Sum, m.stream(On::Comm))?;
@@ -529,7 +540,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             // Keep one gradient pair alive so the next layer's lands in other blocks
             // and its GEMM does not wait for this reduce-scatter.
             prev_grad = Some((dw, dw_shard));
-            cur = match next {
+            (cur, arrived) = match next {
                 Some(n) => n,
                 None => break,
             };
@@ -1045,10 +1056,16 @@ mod gpu {
             }
             .map_err(e)
         }
-        fn wait(&self, to: On, from: On) -> Result<()> {
+        type Ev = cudarc::driver::CudaEvent;
+        fn record(&self, on: On) -> Result<Self::Ev> {
+            self.cuda(on)
+                .record_event(None)
+                .map_err(|x| e(format!("cuEventRecord: {x:?}")))
+        }
+        fn wait_for(&self, to: On, ev: &Self::Ev) -> Result<()> {
             self.cuda(to)
-                .join(self.cuda(from))
-                .map_err(|x| e(format!("stream join: {x:?}")))
+                .wait(ev)
+                .map_err(|x| e(format!("cuStreamWaitEvent: {x:?}")))
         }
         fn sync(&self) -> Result<()> {
             self.cuda(On::Compute)

@@ -490,6 +490,12 @@ impl Backend for HostBackend {
         None
     }
 
+    fn time_ms(&self, _stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        let start = std::time::Instant::now();
+        f()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    }
+
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()> {
         let chunk = args.count * args.dtype.size_bytes();
         self.collective(args, "all_gather", |posts| {

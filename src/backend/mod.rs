@@ -213,6 +213,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn read(&self, region: Region, out: &mut [u8], stream: &Stream) -> Result<()>;
     /// The device address of a region's first byte (NCCL backend), for interop.
     fn device_ptr(&self, region: Region) -> Option<u64>;
+    /// Time the device work `f` enqueues on `stream`, in milliseconds (CUDA events on
+    /// the NCCL backend, the wall clock on the host backend). Waits for it.
+    ///
+    /// # Errors
+    /// A backend error, or the first error of `f`.
+    fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64>;
 
     /// All-gather `count` elements per rank from `send` into `recv`.
     ///

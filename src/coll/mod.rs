@@ -35,8 +35,10 @@
 //! # Ok::<(), symmpool::Error>(())
 //! ```
 
+mod calibrate;
 mod path;
 
+pub use calibrate::{CalibrateConfig, Calibration, Measurement, calibrate};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy};
 
 use crate::backend::{CollArgs, Region};
@@ -91,15 +93,17 @@ fn plan(
 ) -> (usize, Path) {
     let backend = pool.backend();
     let registered = |c: usize| (send.in_window(c), recv.in_window(c));
-    select(&Inputs {
-        coll,
-        bytes_per_rank,
-        dtype,
-        version: backend.nccl_version(),
-        world_size: backend.world_size(),
-        comms: backend.communicators(),
-        registered: &registered,
-        policy: &pool.config().paths,
+    pool.with_paths(|policy| {
+        select(&Inputs {
+            coll,
+            bytes_per_rank,
+            dtype,
+            version: backend.nccl_version(),
+            world_size: backend.world_size(),
+            comms: backend.communicators(),
+            registered: &registered,
+            policy,
+        })
     })
 }
 

@@ -148,6 +148,8 @@ pub(crate) struct PoolInner {
     pub(crate) backend: Arc<dyn Backend>,
     /// Mirrors `PoolState::closed` for lock-free checks on the collectives' path.
     closed: std::sync::atomic::AtomicBool,
+    /// The collectives' path thresholds (starts as `config.paths`).
+    paths: std::sync::RwLock<PathPolicy>,
     /// This pool's number in its backend's segment keys.
     number: u32,
     pub(crate) config: PoolConfig,
@@ -222,6 +224,7 @@ impl SymmPool {
                 }),
                 backend,
                 closed: std::sync::atomic::AtomicBool::new(false),
+                paths: std::sync::RwLock::new(config.paths.clone()),
                 number: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 config,
             }),
@@ -696,6 +699,29 @@ impl SymmPool {
             }
             Err(e) => log::error!("symmpool: freeing a block failed: {e}"),
         }
+    }
+
+    /// The path thresholds the collectives use now.
+    pub fn path_policy(&self) -> PathPolicy {
+        self.inner
+            .paths
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replace the path thresholds (for example with the result of
+    /// [`coll::calibrate`](crate::coll::calibrate)).
+    ///
+    /// # Collective
+    /// Every rank must use the same policy (a different choice of communicator on two
+    /// ranks hangs the collective); `calibrate` returns the same policy on every rank.
+    pub fn set_path_policy(&self, policy: PathPolicy) {
+        *self.inner.paths.write().unwrap_or_else(|p| p.into_inner()) = policy;
+    }
+
+    pub(crate) fn with_paths<R>(&self, f: impl FnOnce(&PathPolicy) -> R) -> R {
+        f(&self.inner.paths.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Fail if `stream` is not of the backend's kind.

@@ -564,6 +564,20 @@ impl Backend for NcclBackend {
         .ok()
     }
 
+    fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        let cs = self.cuda_of(stream)?;
+        self.bind()?;
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = cs.record_event(timed).map_err(ffi::cuda("cuEventRecord"))?;
+        f()?;
+        let end = cs.record_event(timed).map_err(ffi::cuda("cuEventRecord"))?;
+        end.synchronize().map_err(ffi::cuda("cuEventSynchronize"))?;
+        start
+            .elapsed_ms(&end)
+            .map(f64::from)
+            .map_err(ffi::cuda("cuEventElapsedTime"))
+    }
+
     fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
         let send = self.ptr(&a.send)?;
         let recv = self.ptr(&a.recv)?;

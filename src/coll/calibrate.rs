@@ -1,0 +1,355 @@
+//! Measure the paths on this machine and derive a [`PathPolicy`] from them.
+
+use super::path::{Path, PathPolicy};
+use crate::backend::{CollArgs, CommRole};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::pool::{PoolConfig, SymmPool};
+use crate::stream::Stream;
+use serde::Serialize;
+
+/// Settings of [`calibrate`]. Every rank must pass the same values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CalibrateConfig {
+    /// Smallest size measured, in bytes per rank (default 64 KiB).
+    pub min_bytes: u64,
+    /// Largest size measured, in bytes per rank (default 256 MiB). The calibration
+    /// allocates world × this many bytes in a temporary pool.
+    pub max_bytes: u64,
+    /// Repetitions per size and path, interleaved; the median counts (default 5).
+    pub reps: usize,
+    /// Bytes per rank moved per timed repetition, which sets the iteration count of
+    /// each size (default 512 MiB; at least 3 and at most 500 iterations).
+    pub bytes_per_rep: u64,
+}
+
+impl Default for CalibrateConfig {
+    fn default() -> Self {
+        CalibrateConfig {
+            min_bytes: 64 << 10,
+            max_bytes: 256 << 20,
+            reps: 5,
+            bytes_per_rep: 512 << 20,
+        }
+    }
+}
+
+impl CalibrateConfig {
+    /// Set the range of sizes measured (bytes per rank; powers of two in between).
+    pub fn with_range(mut self, min_bytes: u64, max_bytes: u64) -> Self {
+        self.min_bytes = min_bytes;
+        self.max_bytes = max_bytes;
+        self
+    }
+}
+
+/// One measured size: busbw in GB/s per path (`None`: path not available).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Measurement {
+    /// Bytes per rank (all-gather input, reduce-scatter output).
+    pub bytes: u64,
+    /// All-gather: symmetric kernel, copy engine, plain.
+    pub all_gather: [Option<f64>; 3],
+    /// Reduce-scatter (bf16, sum): symmetric kernel, plain.
+    pub reduce_scatter: [Option<f64>; 2],
+}
+
+/// The result of [`calibrate`]: the policy, and rank 0's measurements it came from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Calibration {
+    /// Thresholds derived from rank 0's measurements; identical on every rank.
+    pub policy: PathPolicy,
+    /// Rank 0's measurements.
+    pub measurements: Vec<Measurement>,
+}
+
+const AG_PATHS: [Path; 3] = [Path::SymmetricKernel, Path::CopyEngine, Path::PlainKernel];
+const RS_PATHS: [Path; 2] = [Path::SymmetricKernel, Path::PlainKernel];
+
+fn role_of(path: Path) -> CommRole {
+    match path {
+        Path::SymmetricKernel => CommRole::Symmetric,
+        Path::CopyEngine => CommRole::CopyEngine,
+        Path::PlainKernel => CommRole::Plain,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Measure all-gather and reduce-scatter on every available path for sizes from
+/// `min_bytes` to `max_bytes` per rank, and derive the thresholds of the automatic
+/// choice from rank 0's figures: the copy engine from the smallest size from which it
+/// beats the symmetric kernel at every larger size measured, and the symmetric
+/// reduce-scatter wherever it beats ring. Apply the result with
+/// [`SymmPool::set_path_policy`].
+///
+/// The measurements use a temporary pool on the same backend (its segments are
+/// registered and released again), so `pool`'s own segments are untouched.
+///
+/// # Collective
+/// Every rank calls it at the same point with the same `config`: it grows and closes a
+/// pool, runs collectives, and exchanges rank 0's result over the backend's exchange,
+/// so every rank returns the same policy.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for an empty or inverted range or zero repetitions;
+/// growth errors (out of memory for world × `max_bytes`); collective errors;
+/// [`Error::Timeout`] if ranks do not arrive.
+pub fn calibrate(
+    pool: &SymmPool,
+    stream: &Stream,
+    config: &CalibrateConfig,
+) -> Result<Calibration> {
+    if config.min_bytes == 0 || config.min_bytes > config.max_bytes || config.reps == 0 {
+        return Err(Error::InvalidConfig(
+            "calibration range or repetitions".into(),
+        ));
+    }
+    let backend = pool.backend().clone();
+    let world = backend.world_size() as u64;
+    let comm_of = |p: Path| {
+        backend
+            .communicators()
+            .iter()
+            .position(|c| c.role == role_of(p))
+    };
+    let tmp = SymmPool::new(
+        backend.clone(),
+        PoolConfig::default().with_timeout(pool.config().timeout),
+    )?;
+    let mut sizes = Vec::new();
+    let mut s = config.min_bytes.next_power_of_two();
+    while s <= config.max_bytes {
+        sizes.push(s);
+        s *= 2;
+    }
+    let mut measurements = Vec::new();
+    let result = (|| -> Result<()> {
+        for &bytes in &sizes {
+            let whole = tmp.alloc(world * bytes, stream)?;
+            let out = tmp.alloc(bytes, stream)?;
+            let iters = (config.bytes_per_rep / bytes).clamp(3, 500) as usize;
+            let mut ag = [Vec::new(), Vec::new(), Vec::new()];
+            let mut rs = [Vec::new(), Vec::new()];
+            for rep in 0..config.reps {
+                // Rotate so no path always runs right after the same other one.
+                for k in 0..AG_PATHS.len() + RS_PATHS.len() {
+                    let i = (k + rep) % (AG_PATHS.len() + RS_PATHS.len());
+                    let (is_ag, path) = if i < AG_PATHS.len() {
+                        (true, AG_PATHS[i])
+                    } else {
+                        (false, RS_PATHS[i - AG_PATHS.len()])
+                    };
+                    let Some(comm) = comm_of(path) else { continue };
+                    let registered = comm < 64 && whole.in_window(comm) && out.in_window(comm);
+                    if path != Path::PlainKernel && !registered {
+                        continue;
+                    }
+                    let whole_r = whole.region();
+                    let (send, recv, count, dtype) = if is_ag {
+                        let mut own = whole_r;
+                        own.offset_bytes += backend.rank() as u64 * bytes;
+                        own.device_ptr = own.device_ptr.map(|p| p + backend.rank() as u64 * bytes);
+                        own.len_bytes = bytes;
+                        (own, whole_r, bytes, DType::U8)
+                    } else {
+                        (whole_r, out.region(), bytes / 2, DType::BF16)
+                    };
+                    let args = CollArgs {
+                        comm,
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                        op: ReduceOp::Sum,
+                        stream,
+                        symmetric: path != Path::PlainKernel,
+                    };
+                    let run = |a: &CollArgs<'_>| {
+                        if is_ag {
+                            backend.all_gather(a)
+                        } else {
+                            backend.reduce_scatter(a)
+                        }
+                    };
+                    run(&args)?; // warm-up
+                    let ms = backend.time_ms(stream, &mut || {
+                        for _ in 0..iters {
+                            run(&args)?;
+                        }
+                        Ok(())
+                    })? / iters as f64;
+                    let busbw = bytes as f64 * (world - 1) as f64 / (ms * 1e-3) / 1e9;
+                    if is_ag {
+                        ag[i].push(busbw);
+                    } else {
+                        rs[i - AG_PATHS.len()].push(busbw);
+                    }
+                }
+            }
+            let fold = |v: &Vec<f64>| (!v.is_empty()).then(|| median(v.clone()));
+            measurements.push(Measurement {
+                bytes,
+                all_gather: [fold(&ag[0]), fold(&ag[1]), fold(&ag[2])],
+                reduce_scatter: [fold(&rs[0]), fold(&rs[1])],
+            });
+        }
+        Ok(())
+    })();
+    let closed = tmp.close();
+    result?;
+    closed?;
+    // Everyone adopts rank 0's figures (bit patterns of the f64s, NaN for "absent").
+    let enc: Vec<u64> = measurements
+        .iter()
+        .flat_map(|m| {
+            std::iter::once(m.bytes).chain(
+                m.all_gather
+                    .iter()
+                    .chain(&m.reduce_scatter)
+                    .map(|x| x.unwrap_or(f64::NAN).to_bits()),
+            )
+        })
+        .collect();
+    let all = backend.exchange().all_gather(enc, pool.config().timeout)?;
+    let dec = |x: u64| Some(f64::from_bits(x)).filter(|v| !v.is_nan());
+    let measurements: Vec<Measurement> = all[0]
+        .chunks_exact(6)
+        .map(|c| Measurement {
+            bytes: c[0],
+            all_gather: [dec(c[1]), dec(c[2]), dec(c[3])],
+            reduce_scatter: [dec(c[4]), dec(c[5])],
+        })
+        .collect();
+    Ok(Calibration {
+        policy: derive(&measurements, &pool.path_policy()),
+        measurements,
+    })
+}
+
+/// Thresholds from measurements (see [`calibrate`]).
+fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
+    let mut policy = base.clone();
+    // Copy engine from the smallest size where it wins at every larger size too.
+    let ce_wins = |m: &Measurement| match (m.all_gather[1], m.all_gather[0]) {
+        (Some(ce), Some(symm)) => ce >= symm,
+        (Some(_), None) => true,
+        _ => false,
+    };
+    let mut first = None;
+    for (i, m) in ms.iter().enumerate().rev() {
+        if ce_wins(m) {
+            first = Some(i);
+        } else {
+            break;
+        }
+    }
+    policy.ce_all_gather_min_bytes = match first {
+        Some(0) => 0,
+        Some(i) => ms[i].bytes,
+        None => u64::MAX,
+    };
+    // Symmetric reduce-scatter on every run of sizes where it beats ring.
+    let mut bands: Vec<(u64, u64)> = Vec::new();
+    for (i, m) in ms.iter().enumerate() {
+        let wins = matches!(m.reduce_scatter, [Some(s), Some(r)] if s > r)
+            || matches!(m.reduce_scatter, [Some(_), None]);
+        if !wins {
+            continue;
+        }
+        let lo = if i == 0 { 0 } else { m.bytes };
+        let hi = if i + 1 == ms.len() { u64::MAX } else { m.bytes };
+        match bands.last_mut() {
+            Some(last) if i > 0 && last.1 == ms[i - 1].bytes => last.1 = hi,
+            _ => bands.push((lo, hi)),
+        }
+    }
+    policy.symmetric_reduce_scatter_bands = bands;
+    policy
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(bytes: u64, ag: [f64; 3], rs: [f64; 2]) -> Measurement {
+        Measurement {
+            bytes,
+            all_gather: ag.map(Some),
+            reduce_scatter: rs.map(Some),
+        }
+    }
+
+    #[test]
+    fn derives_thresholds_and_bands() {
+        let k = 1u64 << 10;
+        let ms = vec![
+            m(64 * k, [6.0, 5.0, 5.5], [6.7, 6.0]),
+            m(128 * k, [12.0, 10.0, 11.0], [12.8, 11.6]),
+            m(256 * k, [25.0, 20.0, 23.0], [20.9, 23.3]),
+            m(512 * k, [50.0, 40.0, 46.0], [43.0, 47.0]),
+            m(1024 * k, [97.0, 70.0, 69.0], [85.0, 71.0]),
+            m(2048 * k, [176.0, 110.0, 85.0], [100.0, 91.0]),
+            m(16384 * k, [290.0, 284.0, 196.0], [172.0, 183.0]),
+            m(32768 * k, [300.0, 320.0, 220.0], [173.0, 205.0]),
+            m(65536 * k, [311.0, 355.0, 241.0], [179.0, 219.0]),
+        ];
+        let p = derive(&ms, &PathPolicy::default());
+        assert_eq!(p.ce_all_gather_min_bytes, 32 << 20);
+        assert_eq!(
+            p.symmetric_reduce_scatter_bands,
+            vec![(0, 128 << 10), (1 << 20, 2 << 20)]
+        );
+        // A copy engine that wins in the middle only does not count.
+        let mut odd = ms.clone();
+        odd[2].all_gather[1] = Some(99.0);
+        assert_eq!(
+            derive(&odd, &PathPolicy::default()).ce_all_gather_min_bytes,
+            32 << 20
+        );
+        // Symmetric reduce-scatter best at the top extends to every larger size.
+        let mut top = ms;
+        top[8].reduce_scatter = [Some(300.0), Some(219.0)];
+        let bands = derive(&top, &PathPolicy::default()).symmetric_reduce_scatter_bands;
+        assert_eq!(bands.last(), Some(&(64 << 20, u64::MAX)));
+    }
+
+    #[test]
+    fn calibrates_on_the_host_backend_and_agrees_across_ranks() {
+        let pools = SymmPool::host_group(2, PoolConfig::default()).unwrap();
+        let cfg = CalibrateConfig {
+            reps: 1,
+            bytes_per_rep: 1 << 20,
+            ..CalibrateConfig::default().with_range(64 << 10, 256 << 10)
+        };
+        let out: Vec<Calibration> = std::thread::scope(|s| {
+            let hs: Vec<_> = pools
+                .iter()
+                .map(|p| {
+                    let cfg = &cfg;
+                    s.spawn(move || calibrate(p, &Stream::host(), cfg).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(out[0], out[1], "every rank gets rank 0's result");
+        assert_eq!(out[0].measurements.len(), 3);
+        assert!(
+            out[0]
+                .measurements
+                .iter()
+                .all(|m| m.all_gather.iter().all(Option::is_some))
+        );
+        for p in &pools {
+            assert_eq!(
+                p.stats().core.segments.current,
+                0,
+                "the temporary pool is gone"
+            );
+        }
+    }
+}
