@@ -77,8 +77,10 @@ run() {
     cat "$out/bench.log"
   fi
   if has example; then
-    # The default GPU configuration, then the balanced one the step-time floor uses.
-    { "$bin/fsdp_step" --compare && echo && "$bin/fsdp_step" --balanced --compare; } \
+    # The default GPU configuration, the balanced one the step-time floor uses
+    # (communication about equal to computation), and a compute-heavier one.
+    { "$bin/fsdp_step" --compare && echo && "$bin/fsdp_step" --balanced --compare \
+        && echo && "$bin/fsdp_step" --balanced --batch 2048 --compare; } \
       > "$out/example.log" 2>&1 || status=1
     grep -A7 '^summary' "$out/example.log" || tail -n 20 "$out/example.log"
   fi

@@ -60,3 +60,8 @@ pub use pool::{
     PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned, current,
 };
 pub use stream::Stream;
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
