@@ -200,7 +200,9 @@ impl Allocator {
         let ratio = self.config.dedicated_reuse_ratio;
         for &key in self.free[class.index()].range(start..) {
             let (bsize, segment, offset, _) = key;
-            if ratio > 0 && bsize > self.config.large_segment_bytes {
+            // The dedicated-segment rule holds for every block of a large-class
+            // segment, whatever the block's size; small segments are never dedicated.
+            if ratio > 0 && class == SizeClass::Large {
                 let seg_size = self.segments[&segment].size;
                 if seg_size > self.config.large_segment_bytes
                     && size.saturating_mul(ratio) < seg_size
