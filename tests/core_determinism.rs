@@ -301,7 +301,10 @@ fn case(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { 2 } else { 128 },
+        .. ProptestConfig::default()
+    })]
 
     /// Small segments and a reserve limit: many splits, merges, growths and refusals.
     #[test]
