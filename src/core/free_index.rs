@@ -110,20 +110,29 @@ impl FreeIndex {
         found
     }
 
-    /// The keys as one ordered set, or what is wrong with the bins.
+    /// The keys of the bins the bitmap marks, as one ordered set, or what is wrong
+    /// with them. A non-empty bin the bitmap misses leaves its keys out of the set,
+    /// which the caller's comparison with the free blocks catches. O(bitmap + keys).
     pub(super) fn to_set(&self) -> Result<BTreeSet<FreeKey>, &'static str> {
         let mut all = BTreeSet::new();
-        for (b, bin) in self.bins.iter().enumerate() {
-            if bin.is_empty() == (self.nonempty[b / 64] & (1 << (b % 64)) != 0) {
-                return Err("free index bitmap differs from its bins");
+        let mut b = 0;
+        while b < BINS {
+            let word = self.nonempty[b / 64] >> (b % 64);
+            if word == 0 {
+                b = (b / 64 + 1) * 64;
+                continue;
             }
-            if bin.iter().any(|k| bin_of(k.0) != b) {
-                return Err("free index key in the wrong bin");
+            b += word.trailing_zeros() as usize;
+            match self.bins.get(b) {
+                Some(bin) if !bin.is_empty() => {
+                    if bin.iter().any(|k| bin_of(k.0) != b) {
+                        return Err("free index key in the wrong bin");
+                    }
+                    all.extend(bin.iter().copied());
+                }
+                _ => return Err("free index bitmap marks an empty bin"),
             }
-            all.extend(bin.iter().copied());
-        }
-        if (self.bins.len()..BINS).any(|b| self.nonempty[b / 64] & (1 << (b % 64)) != 0) {
-            return Err("free index bitmap marks a missing bin");
+            b += 1;
         }
         Ok(all)
     }
@@ -199,5 +208,27 @@ mod tests {
             }
         }
         check_against(&idx, &all);
+    }
+
+    #[test]
+    fn to_set_sees_a_broken_bitmap() {
+        use super::super::types::SegmentId;
+        let mut idx = FreeIndex::default();
+        let key = (4096, SegmentId(0), 0, 0);
+        idx.insert(key);
+        assert_eq!(idx.to_set().unwrap().len(), 1);
+        let b = bin_of(4096);
+        let mut broken = idx.clone();
+        broken.nonempty[b / 64] &= !(1 << (b % 64));
+        assert!(broken.to_set().unwrap().is_empty(), "unmarked bin left out");
+        let mut broken = idx.clone();
+        broken.nonempty[0] |= 1;
+        assert!(broken.to_set().is_err(), "marked empty bin");
+        let mut broken = idx;
+        broken.bins[b].remove(&key);
+        broken.bins.resize_with(b + 2, BTreeSet::new);
+        broken.bins[b + 1].insert(key);
+        broken.nonempty[(b + 1) / 64] |= 1 << ((b + 1) % 64);
+        assert!(broken.to_set().is_err(), "key in the wrong bin");
     }
 }
