@@ -3,13 +3,14 @@
 use super::align::{align_up, is_pow2};
 use super::config::CoreConfig;
 use super::error::AllocError;
+use super::free_index::FreeIndex;
 use super::stats::{BlockSnapshot, BlockState, CoreStats, SegmentSnapshot, Snapshot};
 use super::types::{
     AllocRequest, BlockId, Fence, Growth, Placement, SegmentId, SizeClass, StreamId, Wait,
 };
 use slab::Slab;
 use smallvec::SmallVec;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// Key of the ordered free index: best fit is the first key ≥ (size, 0, 0); ties are
 /// broken by (segment, offset). The slab slot rides along and never decides order,
@@ -37,6 +38,8 @@ pub(super) enum BlockUse {
 #[derive(Debug, Clone)]
 pub(super) struct Block {
     pub(super) segment: SegmentId,
+    /// The class of the segment (kept here so that `free` needs no segment lookup).
+    pub(super) class: SizeClass,
     pub(super) offset: u64,
     pub(super) size: u64,
     /// Slab slots of the address-order neighbours in the same segment.
@@ -81,7 +84,7 @@ pub struct Allocator {
     pub(super) config: CoreConfig,
     pub(super) blocks: Slab<Block>,
     pub(super) segments: BTreeMap<SegmentId, Segment>,
-    pub(super) free: [BTreeSet<FreeKey>; 2],
+    pub(super) free: [FreeIndex; 2],
     pub(super) next_segment: u32,
     pub(super) next_seq: u64,
     pub(super) stats: CoreStats,
@@ -102,7 +105,7 @@ impl Allocator {
             config,
             blocks: Slab::new(),
             segments: BTreeMap::new(),
-            free: [BTreeSet::new(), BTreeSet::new()],
+            free: [FreeIndex::default(), FreeIndex::default()],
             next_segment: 0,
             next_seq: 1,
             stats: CoreStats::default(),
@@ -201,23 +204,20 @@ impl Allocator {
     fn find_fit(&self, class: SizeClass, size: u64, align: u64) -> Option<(FreeKey, u64)> {
         let start = (size, SegmentId(0), 0, 0);
         let ratio = self.config.dedicated_reuse_ratio;
-        for &key in self.free[class.index()].range(start..) {
-            let (bsize, segment, offset, _) = key;
+        self.free[class.index()].find_first(start, |&(bsize, segment, offset, _)| {
+            // The dedicated-segment rule holds for every block of a dedicated segment,
+            // whatever the block's size; small and shared segments are never dedicated.
             if ratio > 0 && class == SizeClass::Large {
                 let seg = &self.segments[&segment];
                 if seg.dedicated && size.saturating_mul(ratio) < seg.size {
-                    continue;
+                    return None;
                 }
             }
-            let Some(aligned) = align_up(offset, align) else {
-                continue;
-            };
-            let pad = aligned - offset;
-            if pad.checked_add(size).is_some_and(|need| need <= bsize) {
-                return Some((key, pad));
-            }
-        }
-        None
+            let pad = align_up(offset, align)? - offset;
+            pad.checked_add(size)
+                .is_some_and(|need| need <= bsize)
+                .then_some(pad)
+        })
     }
 
     /// Split threshold for a size class: the smallest remainder worth keeping.
@@ -240,7 +240,7 @@ impl Allocator {
         let (bsize, segment, offset, slot) = key;
         self.free[class.index()].remove(&key);
         let (fences, fenced) = match &self.blocks[slot as usize].usage {
-            BlockUse::Free { fences, fenced } => (fences.clone(), *fenced),
+            BlockUse::Free { fences, fenced } => (Fences::from_slice(fences), *fenced),
             BlockUse::Allocated { .. } => unreachable!("free index names an allocated block"),
         };
         if fenced {
@@ -267,11 +267,15 @@ impl Allocator {
         } else {
             len
         };
-        let waits: SmallVec<[Wait; 2]> = fences
-            .iter()
-            .filter(|w| w.stream != req.stream)
-            .copied()
-            .collect();
+        let waits: SmallVec<[Wait; 2]> = if fences.is_empty() {
+            SmallVec::new()
+        } else {
+            fences
+                .iter()
+                .filter(|w| w.stream != req.stream)
+                .copied()
+                .collect()
+        };
         let block = &mut self.blocks[slot as usize];
         block.usage = BlockUse::Allocated {
             seq,
@@ -306,19 +310,20 @@ impl Allocator {
         fenced: bool,
         _class: SizeClass,
     ) -> u32 {
-        let (segment, offset, size, next) = {
+        let (segment, class, offset, size, next) = {
             let b = &self.blocks[slot as usize];
-            (b.segment, b.offset, b.size, b.next)
+            (b.segment, b.class, b.offset, b.size, b.next)
         };
         debug_assert!(at > 0 && at < size);
         let tail = Block {
             segment,
+            class,
             offset: offset + at,
             size: size - at,
             prev: Some(slot),
             next,
             usage: BlockUse::Free {
-                fences: fences.clone(),
+                fences: Fences::from_slice(fences),
                 fenced,
             },
         };
@@ -421,13 +426,12 @@ impl Allocator {
     /// foreign handle). Nothing changes then.
     pub fn free(&mut self, id: BlockId, fences: &[Wait]) -> Result<(), AllocError> {
         let block = self.live(id)?;
-        let (size, requested, segment) = match &block.usage {
+        let (size, requested, class) = match &block.usage {
             BlockUse::Allocated {
                 requested_bytes, ..
-            } => (block.size, *requested_bytes, block.segment),
+            } => (block.size, *requested_bytes, block.class),
             BlockUse::Free { .. } => return Err(AllocError::StaleBlock(id)),
         };
-        let class = self.segments[&segment].class;
         let mut own = Fences::new();
         for w in fences {
             merge_fence(&mut own, *w);
@@ -585,6 +589,7 @@ impl Allocator {
         self.next_segment += 1;
         let slot = self.blocks.insert(Block {
             segment: id,
+            class: growth.class,
             offset: 0,
             size,
             prev: None,

@@ -55,9 +55,12 @@ pub struct CoreConfig {
     /// (default 1 MiB); otherwise the whole block is handed out. Small blocks split
     /// whenever the remainder is at least `min_block_bytes`.
     pub large_split_min_bytes: u64,
-    /// A request may use a dedicated segment (one larger than `large_segment_bytes`)
+    /// A request may use a dedicated segment (a large-class segment larger than
+    /// `large_segment_bytes`), or any free block in it,
     /// only if it is at least 1/`dedicated_reuse_ratio` of the segment's size
-    /// (default 4; 0 disables the rule).
+    /// (default 4; 0 disables the rule; 1 is refused by [`validate`](Self::validate):
+    /// a dedicated segment is rounded up past the request that caused it, so with
+    /// ratio 1 that request could never use it).
     pub dedicated_reuse_ratio: u64,
     /// Dedicated segments are rounded up to 1/`dedicated_round_steps` of their power
     /// of two (default 16; a power of two; 0 rounds to the granularity only).
@@ -132,7 +135,8 @@ impl CoreConfig {
     /// `granularity_bytes` powers of two with `min_block_bytes ≤ granularity_bytes`;
     /// segment sizes non-zero multiples of the granularity; a small request fits a
     /// small segment; `dedicated_min_bytes ≤ large_segment_bytes`;
-    /// `small_request_max_bytes < max_request_bytes`.
+    /// `small_request_max_bytes < max_request_bytes`; `dedicated_reuse_ratio` 0 or at
+    /// least 2.
     pub fn validate(&self) -> Result<(), AllocError> {
         let bad = |what: &'static str| Err(AllocError::InvalidConfig(what));
         if !is_pow2(self.min_block_bytes) || !is_pow2(self.granularity_bytes) {
@@ -165,6 +169,9 @@ impl CoreConfig {
         }
         if self.dedicated_round_steps != 0 && !is_pow2(self.dedicated_round_steps) {
             return bad("dedicated_round_steps must be 0 or a power of two");
+        }
+        if self.dedicated_reuse_ratio == 1 {
+            return bad("dedicated_reuse_ratio must be 0 or at least 2");
         }
         if self.max_request_bytes <= self.small_request_max_bytes {
             return bad("max_request_bytes must exceed small_request_max_bytes");

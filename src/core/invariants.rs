@@ -59,8 +59,8 @@ impl Allocator {
                 if !seen_slots.insert(slot) {
                     return fail(format!("slot {slot} reached twice"), sid);
                 }
-                if b.segment != id {
-                    return fail(format!("slot {slot} names another segment"), sid);
+                if b.segment != id || b.class != seg.class {
+                    return fail(format!("slot {slot} names another segment or class"), sid);
                 }
                 if b.prev != prev {
                     return fail(format!("slot {slot} has a wrong prev link"), sid);
@@ -138,7 +138,11 @@ impl Allocator {
             );
         }
         for (class, expected) in expected_free.iter().enumerate() {
-            if *expected != self.free[class] {
+            let indexed = match self.free[class].to_set() {
+                Ok(set) => set,
+                Err(what) => return fail(what, None),
+            };
+            if *expected != indexed {
                 return fail(
                     format!("free index of class {class} differs from the free blocks"),
                     None,

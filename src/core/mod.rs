@@ -67,6 +67,7 @@ mod align;
 mod allocator;
 mod config;
 mod error;
+mod free_index;
 mod invariants;
 mod stats;
 mod types;

@@ -579,3 +579,70 @@ fn invariant_checker_detects_corruption() {
     broken.blocks[slot as usize].size -= 512;
     assert!(broken.check_invariants().is_err());
 }
+
+// Regressions found by the model-based test (tests/core_model.rs).
+
+#[test]
+fn small_segments_larger_than_large_segments_serve_small_requests() {
+    // A valid config whose small segments (32 MiB) exceed the shared large segment
+    // size (20 MiB): the dedicated-segment rule used to skip them, so the core asked
+    // for another small segment after every growth, forever.
+    let mut c = Allocator::new(CoreConfig::default().with_small(MIB, 32 * MIB)).unwrap();
+    let req = AllocRequest::new(4096, S0);
+    assert_eq!(
+        c.alloc(req),
+        Err(AllocError::NeedsGrowth(Growth {
+            class: SizeClass::Small,
+            segment_bytes: 32 * MIB
+        }))
+    );
+    let p = alloc(&mut c, req);
+    assert_eq!((p.segment, p.offset_bytes), (SegmentId(0), 0));
+    assert_eq!(c.stats().num_growths, 1);
+}
+
+#[test]
+fn reuse_ratio_one_is_refused() {
+    // With ratio 1 a dedicated segment, rounded up past its request, could never
+    // serve that request: growth would repeat forever.
+    let mut cfg = CoreConfig {
+        dedicated_reuse_ratio: 1,
+        ..CoreConfig::default()
+    };
+    assert!(matches!(
+        Allocator::new(cfg),
+        Err(AllocError::InvalidConfig(_))
+    ));
+    for ratio in [0, 2, 4] {
+        cfg.dedicated_reuse_ratio = ratio;
+        let mut c = Allocator::new(cfg).unwrap();
+        let p = alloc(&mut c, AllocRequest::new(30 * MIB + 1, S0));
+        assert_eq!(c.stats().num_growths, 1, "ratio {ratio}");
+        assert_eq!(p.offset_bytes, 0);
+    }
+}
+
+#[test]
+fn small_requests_do_not_use_the_tail_of_a_dedicated_segment() {
+    // 250 MiB gets a 256 MiB dedicated segment, leaving a 6 MiB free tail. A 4 MiB
+    // request is below 1/4 of the segment, so (as documented) it must not use the
+    // tail, which would pin the segment; it gets a shared large segment instead.
+    let mut c = core();
+    let big = alloc(&mut c, AllocRequest::new(250 * MIB, S0));
+    assert_eq!(
+        c.segments().next(),
+        Some((SegmentId(0), SizeClass::Large, 256 * MIB))
+    );
+    let small = alloc(&mut c, AllocRequest::new(4 * MIB, S0));
+    assert_ne!(small.segment, big.segment);
+    assert_eq!(
+        c.segments().nth(1),
+        Some((SegmentId(1), SizeClass::Large, 20 * MIB))
+    );
+    // A request of at least 1/4 of the segment may use it.
+    free(&mut c, &big);
+    let quarter = alloc(&mut c, AllocRequest::new(64 * MIB, S0));
+    assert_eq!((quarter.segment, quarter.offset_bytes), (big.segment, 0));
+    free(&mut c, &small);
+    assert_eq!(c.release_free_segments(), vec![(SegmentId(1), 20 * MIB)]);
+}

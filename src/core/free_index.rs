@@ -1,0 +1,234 @@
+//! The ordered free index of one size class, split into size bins.
+//!
+//! Logically it is the set of free blocks of the class ordered by
+//! (size, segment, offset), and [`find_first`](FreeIndex::find_first) returns the
+//! smallest key at or above a start key that a predicate accepts: exactly what one
+//! `BTreeSet` scanned from the start key gives. Physically the keys are spread over
+//! bins by size, TLSF-style (32 bins per power of two), each bin an ordered set, and a
+//! bitmap marks the non-empty bins. Bin numbers grow with sizes, so bin order followed
+//! by key order is the logical order, and every decision still depends only on the set
+//! of free blocks. Each bin holds a small part of the blocks, so the searches, inserts
+//! and removes of an alloc + free pair walk shallow trees (one leaf, usually).
+
+use super::allocator::FreeKey;
+use std::collections::BTreeSet;
+
+/// log2 of the bins per power of two.
+const SUB_BITS: u32 = 5;
+const SUB: u64 = 1 << SUB_BITS;
+/// Number of bins: sizes below 2·SUB get one bin each, then SUB bins per power of two.
+const BINS: usize = (SUB as usize) * (64 - SUB_BITS as usize + 1);
+const WORDS: usize = BINS.div_ceil(64);
+/// Bins with at most this many keys are scanned from their first key, which is
+/// cheaper than a range search.
+const LINEAR_SCAN: usize = 16;
+
+/// The bin of a size: non-decreasing in `size`.
+fn bin_of(size: u64) -> usize {
+    let log2 = 63 - size.max(1).leading_zeros();
+    if log2 < SUB_BITS {
+        size as usize
+    } else {
+        let sub = (size >> (log2 - SUB_BITS)) & (SUB - 1);
+        (SUB as usize) * (log2 - SUB_BITS + 1) as usize + sub as usize
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub(super) struct FreeIndex {
+    /// Bin `i` holds the keys whose size maps to `i`; grown on demand.
+    bins: Vec<BTreeSet<FreeKey>>,
+    /// Bit `i` is set when bin `i` is non-empty.
+    nonempty: [u64; WORDS],
+}
+
+impl FreeIndex {
+    /// Add a key that is not in the index.
+    pub(super) fn insert(&mut self, key: FreeKey) {
+        let b = bin_of(key.0);
+        if self.bins.len() <= b {
+            self.bins.resize_with(b + 1, BTreeSet::new);
+        }
+        self.bins[b].insert(key);
+        self.nonempty[b / 64] |= 1 << (b % 64);
+    }
+
+    /// Remove a key; `false` if it was not in the index.
+    pub(super) fn remove(&mut self, key: &FreeKey) -> bool {
+        let b = bin_of(key.0);
+        let Some(bin) = self.bins.get_mut(b) else {
+            return false;
+        };
+        let removed = bin.remove(key);
+        if bin.is_empty() {
+            self.nonempty[b / 64] &= !(1 << (b % 64));
+        }
+        removed
+    }
+
+    /// Every key, in order.
+    #[cfg(test)]
+    pub(super) fn iter(&self) -> impl Iterator<Item = &FreeKey> {
+        self.bins.iter().flatten()
+    }
+
+    /// The first non-empty bin after `b`.
+    fn next_bin(&self, b: usize) -> Option<usize> {
+        let mut b = b + 1;
+        while b < BINS {
+            let word = self.nonempty[b / 64] >> (b % 64);
+            if word != 0 {
+                return Some(b + word.trailing_zeros() as usize);
+            }
+            b = (b / 64 + 1) * 64;
+        }
+        None
+    }
+
+    /// The smallest key `k ≥ start` for which `fit(k)` is `Some`, with that value.
+    pub(super) fn find_first<T>(
+        &self,
+        start: FreeKey,
+        mut fit: impl FnMut(&FreeKey) -> Option<T>,
+    ) -> Option<(FreeKey, T)> {
+        let first = bin_of(start.0);
+        let mut found = self.bins.get(first).and_then(|bin| {
+            if bin.len() <= LINEAR_SCAN {
+                bin.iter()
+                    .filter(|k| **k >= start)
+                    .find_map(|k| fit(k).map(|t| (*k, t)))
+            } else {
+                bin.range(start..).find_map(|k| fit(k).map(|t| (*k, t)))
+            }
+        });
+        let mut b = first;
+        while found.is_none() {
+            b = self.next_bin(b)?;
+            // Every key of a later bin is larger than `start`.
+            found = self.bins[b].iter().find_map(|k| fit(k).map(|t| (*k, t)));
+        }
+        found
+    }
+
+    /// The keys of the bins the bitmap marks, as one ordered set, or what is wrong
+    /// with them. A non-empty bin the bitmap misses leaves its keys out of the set,
+    /// which the caller's comparison with the free blocks catches. O(bitmap + keys).
+    pub(super) fn to_set(&self) -> Result<BTreeSet<FreeKey>, &'static str> {
+        let mut all = BTreeSet::new();
+        let mut b = 0;
+        while b < BINS {
+            let word = self.nonempty[b / 64] >> (b % 64);
+            if word == 0 {
+                b = (b / 64 + 1) * 64;
+                continue;
+            }
+            b += word.trailing_zeros() as usize;
+            match self.bins.get(b) {
+                Some(bin) if !bin.is_empty() => {
+                    if bin.iter().any(|k| bin_of(k.0) != b) {
+                        return Err("free index key in the wrong bin");
+                    }
+                    all.extend(bin.iter().copied());
+                }
+                _ => return Err("free index bitmap marks an empty bin"),
+            }
+            b += 1;
+        }
+        Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bins_grow_with_sizes_and_cover_u64() {
+        let mut sizes: Vec<u64> = (0..64)
+            .flat_map(|l| {
+                let p = 1u64 << l;
+                [p - 1, p, p + 1, p + p / 3, p.saturating_mul(2) - 1]
+            })
+            .collect();
+        sizes.push(u64::MAX);
+        sizes.sort_unstable();
+        let bins: Vec<usize> = sizes.iter().map(|&s| bin_of(s)).collect();
+        assert!(bins.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(bin_of(u64::MAX), BINS - 1);
+        assert_eq!(bin_of(1), 1);
+        assert_eq!(bin_of(31), 31);
+        let width = 512 >> SUB_BITS;
+        assert_eq!(bin_of(512), bin_of(512 + width - 1));
+        assert_ne!(bin_of(512), bin_of(512 + width));
+    }
+
+    fn check_against(idx: &FreeIndex, all: &BTreeSet<FreeKey>) {
+        use super::super::types::SegmentId;
+        assert_eq!(idx.to_set().unwrap(), *all);
+        assert!(idx.iter().copied().eq(all.iter().copied()));
+        for size in (1..=512 * 4200).step_by(512 * 37 - 100) {
+            let start = (size, SegmentId(0), 0, 0);
+            for modulus in [1, 2, 5, 1000] {
+                let fit = |k: &FreeKey| k.3.is_multiple_of(modulus).then_some(k.2);
+                let expect = all.range(start..).find_map(|k| fit(k).map(|t| (*k, t)));
+                assert_eq!(idx.find_first(start, fit), expect);
+            }
+        }
+    }
+
+    #[test]
+    fn find_first_is_the_ordered_scan() {
+        use super::super::types::SegmentId;
+        let mut idx = FreeIndex::default();
+        let mut all = BTreeSet::new();
+        let mut x = 0x1234_5678_u64;
+        for i in 0..4000u32 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Half spread over many bins, half crowding two bins (which become trees).
+            let size = if i % 2 == 0 {
+                512 * (1 + (x >> 33) % 4096)
+            } else {
+                512 * (8 + (x >> 33) % 2)
+            };
+            let key = (size, SegmentId(i % 7), u64::from(i) * 512, i);
+            idx.insert(key);
+            all.insert(key);
+        }
+        assert!(idx.bins.iter().any(|b| b.len() > 1000));
+        check_against(&idx, &all);
+        // Remove most keys.
+        let keys: Vec<FreeKey> = all.iter().copied().collect();
+        for (i, key) in keys.into_iter().enumerate() {
+            if i % 50 != 0 {
+                assert!(idx.remove(&key));
+                assert!(!idx.remove(&key));
+                all.remove(&key);
+            }
+        }
+        check_against(&idx, &all);
+    }
+
+    #[test]
+    fn to_set_sees_a_broken_bitmap() {
+        use super::super::types::SegmentId;
+        let mut idx = FreeIndex::default();
+        let key = (4096, SegmentId(0), 0, 0);
+        idx.insert(key);
+        assert_eq!(idx.to_set().unwrap().len(), 1);
+        let b = bin_of(4096);
+        let mut broken = idx.clone();
+        broken.nonempty[b / 64] &= !(1 << (b % 64));
+        assert!(broken.to_set().unwrap().is_empty(), "unmarked bin left out");
+        let mut broken = idx.clone();
+        broken.nonempty[0] |= 1;
+        assert!(broken.to_set().is_err(), "marked empty bin");
+        let mut broken = idx;
+        broken.bins[b].remove(&key);
+        broken.bins.resize_with(b + 2, BTreeSet::new);
+        broken.bins[b + 1].insert(key);
+        broken.nonempty[(b + 1) / 64] |= 1 << ((b + 1) % 64);
+        assert!(broken.to_set().is_err(), "key in the wrong bin");
+    }
+}
