@@ -566,6 +566,7 @@ impl Allocator {
     fn insert_segment(&mut self, growth: Growth, dedicated: bool) -> Result<SegmentId, AllocError> {
         let size = growth.segment_bytes;
         if size == 0
+            || size > super::config::MAX_SEGMENT_BYTES
             || !size.is_multiple_of(self.config.granularity_bytes)
             || (growth.class == SizeClass::Small && size < self.config.small_request_max_bytes)
         {

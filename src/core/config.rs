@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 /// One mebibyte, for readable defaults.
 const MIB: u64 = 1 << 20;
 
+/// The largest segment (and request) the core handles: 16 TiB, so that sizes and
+/// offsets fit the free index's packed keys.
+pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
+
 /// Sizes that steer rounding, splitting and growth.
 ///
 /// Defaults follow PyTorch's caching allocator (`kMinBlockSize`, `kSmallSize`,
@@ -65,7 +69,8 @@ pub struct CoreConfig {
     /// Dedicated segments are rounded up to 1/`dedicated_round_steps` of their power
     /// of two (default 16; a power of two; 0 rounds to the granularity only).
     pub dedicated_round_steps: u64,
-    /// Requests above this are refused with [`AllocError::TooLarge`] (default 1 TiB).
+    /// Requests above this are refused with [`AllocError::TooLarge`] (default 1 TiB,
+    /// at most [`MAX_SEGMENT_BYTES`], 16 TiB).
     pub max_request_bytes: u64,
     /// Growth beyond this many reserved bytes is refused with
     /// [`AllocError::OutOfMemory`] (default `u64::MAX`, no limit).
@@ -172,6 +177,9 @@ impl CoreConfig {
         }
         if self.dedicated_reuse_ratio == 1 {
             return bad("dedicated_reuse_ratio must be 0 or at least 2");
+        }
+        if self.max_request_bytes > MAX_SEGMENT_BYTES {
+            return bad("max_request_bytes must not exceed 16 TiB");
         }
         if self.max_request_bytes <= self.small_request_max_bytes {
             return bad("max_request_bytes must exceed small_request_max_bytes");

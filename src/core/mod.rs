@@ -77,7 +77,7 @@ mod tests;
 
 pub use align::{align_up, is_pow2};
 pub use allocator::Allocator;
-pub use config::CoreConfig;
+pub use config::{CoreConfig, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
 pub use invariants::InvariantViolation;
 pub use stats::{BlockSnapshot, BlockState, CoreStats, SegmentSnapshot, Snapshot, Stat};

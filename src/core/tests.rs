@@ -571,7 +571,7 @@ fn invariant_checker_detects_corruption() {
     broken.stats.allocated_bytes.current += 512;
     assert!(broken.check_invariants().is_err());
     let mut broken = c.clone();
-    let key = *broken.free[0].iter().next().unwrap();
+    let key = broken.free[0].iter().next().unwrap();
     broken.free[0].remove(&key);
     assert!(broken.check_invariants().is_err());
     let mut broken = c.clone();
@@ -645,4 +645,26 @@ fn small_requests_do_not_use_the_tail_of_a_dedicated_segment() {
     assert_eq!((quarter.segment, quarter.offset_bytes), (big.segment, 0));
     free(&mut c, &small);
     assert_eq!(c.release_free_segments(), vec![(SegmentId(1), 20 * MIB)]);
+}
+
+#[test]
+fn sizes_beyond_16_tib_are_refused() {
+    let mut c = core();
+    assert!(matches!(
+        c.add_segment(Growth {
+            class: SizeClass::Large,
+            segment_bytes: MAX_SEGMENT_BYTES + (2 << 20)
+        }),
+        Err(AllocError::BadSegmentSize { .. })
+    ));
+    assert!(matches!(
+        c.add_shared_segment(MAX_SEGMENT_BYTES * 2),
+        Err(AllocError::BadSegmentSize { .. })
+    ));
+    let cfg = CoreConfig::default().with_max_request_bytes(MAX_SEGMENT_BYTES + 1);
+    assert!(matches!(
+        Allocator::new(cfg),
+        Err(AllocError::InvalidConfig(_))
+    ));
+    c.check_invariants().unwrap();
 }
