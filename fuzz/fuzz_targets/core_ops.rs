@@ -366,6 +366,7 @@ impl Harness {
             SizeClass::Large
         };
         let bad = size == 0
+            || size > symmpool::core::MAX_SEGMENT_BYTES
             || !size.is_multiple_of(self.cfg.granularity_bytes)
             || (small && size < self.cfg.small_request_max_bytes);
         let reserved = self.core.stats().reserved_bytes.current;

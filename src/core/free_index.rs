@@ -14,16 +14,17 @@ use super::allocator::FreeKey;
 use super::types::SegmentId;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Sizes and offsets fit in this many bits (16 TiB; `CoreConfig::validate` and
-/// `add_segment` keep them below), so a key packs into one `u128` whose integer order
-/// is the tuple's order: one wide comparison instead of three.
+/// Offsets fit in this many bits and sizes are at most `1 << SIZE_BITS` (16 TiB;
+/// `CoreConfig::validate` and `add_segment` keep them there), so a key packs into one
+/// `u128` whose integer order is the tuple's order: one wide comparison instead of
+/// three. The size takes the top 52 bits.
 pub(super) const SIZE_BITS: u32 = 44;
 
 /// (size, segment, offset) packed; the slot rides along as the map's value (it never
 /// decides order, since (segment, offset) is unique).
 fn pack(k: &FreeKey) -> u128 {
     debug_assert!(
-        k.0 >> SIZE_BITS == 0 && k.2 >> SIZE_BITS == 0,
+        k.0 >> (96 - SIZE_BITS) == 0 && k.2 >> SIZE_BITS == 0,
         "key out of range"
     );
     (u128::from(k.0) << (32 + SIZE_BITS)) | (u128::from(k.1.0) << SIZE_BITS) | u128::from(k.2)

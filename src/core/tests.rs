@@ -668,3 +668,18 @@ fn sizes_beyond_16_tib_are_refused() {
     ));
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn a_16_tib_segment_is_indexed() {
+    let mut c =
+        Allocator::new(CoreConfig::default().with_max_request_bytes(MAX_SEGMENT_BYTES)).unwrap();
+    let id = c.add_shared_segment(MAX_SEGMENT_BYTES).unwrap();
+    c.check_invariants().unwrap();
+    let p = c.alloc(AllocRequest::new(MAX_SEGMENT_BYTES, S0)).unwrap();
+    assert_eq!(
+        (p.segment, p.offset_bytes, p.size_bytes),
+        (id, 0, MAX_SEGMENT_BYTES)
+    );
+    c.free(p.block, &[]).unwrap();
+    c.check_invariants().unwrap();
+}
