@@ -45,7 +45,7 @@ mod gpu {
     use symmpool::{PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16};
 
     const MIB: u64 = 1 << 20;
-    const REPS: usize = 11;
+    const REPS: usize = 15;
     const SYMM: usize = 0;
     const CE: usize = 1;
     const PLAIN: usize = 2;
@@ -53,6 +53,14 @@ mod gpu {
     fn median(mut v: Vec<f64>) -> f64 {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
         v[v.len() / 2]
+    }
+
+    /// Interquartile range over the median, in percent: the noise of one column.
+    fn spread(v: &[f64]) -> f64 {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let q = |f: f64| v[((v.len() - 1) as f64 * f).round() as usize];
+        (q(0.75) - q(0.25)) / q(0.5) * 100.0
     }
 
     struct Rank {
@@ -208,10 +216,20 @@ mod gpu {
     fn section_ag(r: &Rank) {
         let lead = r.backend_rank() == 0;
         if lead {
-            println!("\n[ag] all-gather in place, bytes per rank; busbw GB/s; median of {REPS}");
             println!(
-                "{:<12} {:>9} {:>9} {:>9} {:>9} {:>16} {:>9}",
-                "bytes/rank", "ring", "symm", "ce", "crate", "crate path", "crate/best"
+                "\n[ag] all-gather in place, bytes per rank; busbw GB/s; median of {REPS}; IQR: interquartile range of the repetitions over the median"
+            );
+            println!(
+                "{:<12} {:>9} {:>9} {:>9} {:>9} {:>16} {:>9} {:>7} {:>7}",
+                "bytes/rank",
+                "ring",
+                "symm",
+                "ce",
+                "crate",
+                "crate path",
+                "crate/best",
+                "IQR best",
+                "IQR crate"
             );
         }
         for bytes in sizes() {
@@ -237,21 +255,25 @@ mod gpu {
                     t[mode].push(ms);
                 }
             }
+            let spreads: Vec<f64> = t.iter().map(|v| spread(v)).collect();
             let bw: Vec<f64> = t
                 .into_iter()
                 .map(|v| bytes as f64 / (median(v) * 1e-3) / 1e9)
                 .collect();
             let best = bw[..3].iter().cloned().fold(0.0, f64::max);
+            let best_i = (0..3).find(|&i| bw[i] == best).unwrap_or(0);
             if lead {
                 println!(
-                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3}",
+                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3} {:>6.1}% {:>6.1}%",
                     bytes,
                     bw[0],
                     bw[1],
                     bw[2],
                     bw[3],
                     format!("{path:?}"),
-                    bw[3] / best
+                    bw[3] / best,
+                    spreads[best_i],
+                    spreads[3]
                 );
             }
         }
@@ -264,8 +286,15 @@ mod gpu {
                 "\n[rs] reduce-scatter bf16 sum, output bytes per rank; busbw GB/s; median of {REPS}"
             );
             println!(
-                "{:<12} {:>9} {:>9} {:>9} {:>16} {:>9}",
-                "bytes/rank", "ring", "symm", "crate", "crate path", "crate/best"
+                "{:<12} {:>9} {:>9} {:>9} {:>16} {:>9} {:>7} {:>7}",
+                "bytes/rank",
+                "ring",
+                "symm",
+                "crate",
+                "crate path",
+                "crate/best",
+                "IQR best",
+                "IQR crate"
             );
         }
         for bytes in sizes() {
@@ -295,20 +324,24 @@ mod gpu {
                     t[mode].push(ms);
                 }
             }
+            let spreads: Vec<f64> = t.iter().map(|v| spread(v)).collect();
             let bw: Vec<f64> = t
                 .into_iter()
                 .map(|v| bytes as f64 / (median(v) * 1e-3) / 1e9)
                 .collect();
             let best = bw[0].max(bw[1]);
+            let best_i = if bw[0] >= bw[1] { 0 } else { 1 };
             if lead {
                 println!(
-                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3}",
+                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3} {:>6.1}% {:>6.1}%",
                     bytes,
                     bw[0],
                     bw[1],
                     bw[2],
                     format!("{path:?}"),
-                    bw[2] / best
+                    bw[2] / best,
+                    spreads[best_i],
+                    spreads[2]
                 );
             }
         }
