@@ -73,6 +73,18 @@ pub enum Error {
         /// The ranks that did not arrive in time.
         missing_ranks: Vec<usize>,
     },
+    /// An earlier wait timed out on `rank`, so the ranks are out of step: every later
+    /// collective pool operation or collective on the same group fails with this.
+    /// Drop the pool (its memory is released locally) and start again.
+    #[error(
+        "rank {rank} timed out in {op} earlier; the ranks are out of step (drop the pool and start again)"
+    )]
+    GroupBroken {
+        /// The rank whose wait timed out first.
+        rank: usize,
+        /// What it was waiting in.
+        op: &'static str,
+    },
     /// Ranks disagree about a collective's arguments (sizes, offsets, operation).
     #[error("collective {op} arguments differ across ranks: {detail}")]
     CollectiveMismatch {

@@ -33,10 +33,21 @@ pub trait Exchange: Send + Sync + fmt::Debug {
 
 /// Rounds of a gather among the threads of one process, matched by each rank's own
 /// round counter. A round is dropped once every rank has read it.
+///
+/// A timeout breaks the group for good: the rank that timed out withdraws its post
+/// (so no late peer pairs with it) and every later or still-waiting gather fails with
+/// [`Error::GroupBroken`]. After a timeout the ranks' round counters are out of step,
+/// and pairing later rounds would match different calls with each other.
 pub(crate) struct Rendezvous<T> {
     world: usize,
-    state: Mutex<BTreeMap<u64, Round<T>>>,
+    state: Mutex<RvState<T>>,
     cv: Condvar,
+}
+
+struct RvState<T> {
+    rounds: BTreeMap<u64, Round<T>>,
+    /// The rank that timed out first, and in what.
+    broken: Option<(usize, &'static str)>,
 }
 
 struct Round<T> {
@@ -44,18 +55,27 @@ struct Round<T> {
     read: usize,
 }
 
+/// Far enough to mean "no deadline" for a `Duration::MAX` timeout.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 impl<T: Clone> Rendezvous<T> {
     pub(crate) fn new(world: usize) -> Self {
         Rendezvous {
             world,
-            state: Mutex::new(BTreeMap::new()),
+            state: Mutex::new(RvState {
+                rounds: BTreeMap::new(),
+                broken: None,
+            }),
             cv: Condvar::new(),
         }
     }
 
     /// Post `value` for `rank` in `round` and wait until every rank has posted in that
-    /// round (or `timeout` passes). A rank that timed out leaves its post behind, so
-    /// a late peer still sees what it contributed.
+    /// round.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] after `timeout` (which breaks the group);
+    /// [`Error::GroupBroken`] if a rank timed out before or while waiting.
     pub(crate) fn gather(
         &self,
         op: &'static str,
@@ -64,29 +84,47 @@ impl<T: Clone> Rendezvous<T> {
         value: T,
         timeout: Duration,
     ) -> Result<Vec<T>> {
-        let deadline = Instant::now() + timeout;
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(timeout)
+            .or_else(|| now.checked_add(FOREVER))
+            .unwrap_or(now);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((by, what)) = state.broken {
+            return Err(Error::GroupBroken { rank: by, op: what });
+        }
         let world = self.world;
-        let entry = state.entry(round).or_insert_with(|| Round {
+        let entry = state.rounds.entry(round).or_insert_with(|| Round {
             posted: vec![None; world],
             read: 0,
         });
         entry.posted[rank] = Some(value);
         self.cv.notify_all();
         loop {
-            let r = state.get(&round).expect("round stays until all have read");
-            if r.posted.iter().all(Option::is_some) {
+            let complete = state
+                .rounds
+                .get(&round)
+                .is_some_and(|r| r.posted.iter().all(Option::is_some));
+            if complete {
                 break;
+            }
+            if let Some((by, what)) = state.broken {
+                Self::withdraw(&mut state, round, rank);
+                return Err(Error::GroupBroken { rank: by, op: what });
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing = r
-                    .posted
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| p.is_none())
-                    .map(|(i, _)| i)
-                    .collect();
+                let missing = state.rounds.get(&round).map_or_else(Vec::new, |r| {
+                    r.posted
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| p.is_none())
+                        .map(|(i, _)| i)
+                        .collect()
+                });
+                Self::withdraw(&mut state, round, rank);
+                state.broken = Some((rank, op));
+                self.cv.notify_all();
                 return Err(Error::Timeout {
                     op,
                     waited: timeout,
@@ -99,7 +137,7 @@ impl<T: Clone> Rendezvous<T> {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        let r = state.get_mut(&round).expect("checked above");
+        let r = state.rounds.get_mut(&round).expect("checked above");
         let out: Vec<T> = r
             .posted
             .iter()
@@ -107,9 +145,29 @@ impl<T: Clone> Rendezvous<T> {
             .collect();
         r.read += 1;
         if r.read == world {
-            state.remove(&round);
+            state.rounds.remove(&round);
         }
         Ok(out)
+    }
+
+    /// Take `rank`'s post out of `round` (dropping the round once empty).
+    fn withdraw(state: &mut RvState<T>, round: u64, rank: usize) {
+        if let Some(r) = state.rounds.get_mut(&round) {
+            r.posted[rank] = None;
+            if r.posted.iter().all(Option::is_none) {
+                state.rounds.remove(&round);
+            }
+        }
+    }
+
+    /// Rounds still held (for tests: nothing leaks after timeouts).
+    #[cfg(test)]
+    pub(crate) fn rounds_held(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .rounds
+            .len()
     }
 }
 
@@ -195,29 +253,65 @@ mod tests {
     #[test]
     fn missing_rank_times_out_naming_it() {
         let group = LocalExchange::group(3);
-        let err = thread::scope(|s| {
+        let (a, b) = thread::scope(|s| {
             let a = s.spawn(|| group[0].all_gather(vec![1], Duration::from_millis(200)));
-            let b = s.spawn(|| group[1].all_gather(vec![1], Duration::from_millis(200)));
-            let _ = b.join().unwrap();
-            a.join().unwrap().unwrap_err()
+            let b = s.spawn(|| group[1].all_gather(vec![1], Duration::from_secs(30)));
+            (a.join().unwrap(), b.join().unwrap())
         });
-        match err {
-            Error::Timeout { missing_ranks, .. } => assert_eq!(missing_ranks, vec![2]),
+        match a {
+            Err(Error::Timeout { missing_ranks, .. }) => assert_eq!(missing_ranks, vec![2]),
             other => panic!("unexpected {other:?}"),
         }
+        assert!(
+            matches!(b, Err(Error::GroupBroken { rank: 0, .. })),
+            "{b:?}"
+        );
     }
 
     #[test]
-    fn a_late_rank_sees_what_a_timed_out_rank_posted() {
+    fn a_timeout_breaks_the_group_for_every_rank() {
         let group = LocalExchange::group(2);
-        assert!(
-            group[0]
-                .all_gather(vec![7], Duration::from_millis(50))
-                .is_err()
+        assert!(matches!(
+            group[0].all_gather(vec![7], Duration::from_millis(50)),
+            Err(Error::Timeout { .. })
+        ));
+        // The late rank does not pair with the withdrawn post; it learns who broke it.
+        for _ in 0..2 {
+            match group[1].all_gather(vec![8], Duration::from_secs(5)) {
+                Err(Error::GroupBroken { rank: 0, .. }) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(
+            group[0].all_gather(vec![9], Duration::from_secs(5)),
+            Err(Error::GroupBroken { rank: 0, .. })
+        ));
+        assert_eq!(group[0].shared.rounds_held(), 0, "nothing left behind");
+    }
+
+    #[test]
+    fn waiting_ranks_fail_as_soon_as_a_peer_times_out() {
+        let group = LocalExchange::group(3);
+        let started = Instant::now();
+        let errs: Vec<Error> = thread::scope(|s| {
+            let a = s.spawn(|| group[0].all_gather(vec![1], Duration::from_millis(100)));
+            let b = s.spawn(|| group[1].all_gather(vec![1], Duration::from_secs(30)));
+            vec![
+                a.join().unwrap().unwrap_err(),
+                b.join().unwrap().unwrap_err(),
+            ]
+        });
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(matches!(errs[0], Error::Timeout { .. }));
+        assert!(matches!(errs[1], Error::GroupBroken { rank: 0, .. }));
+    }
+
+    #[test]
+    fn an_endless_timeout_does_not_overflow() {
+        let group = LocalExchange::group(1);
+        assert_eq!(
+            group[0].all_gather(vec![5], Duration::MAX).unwrap(),
+            vec![vec![5]]
         );
-        let got = group[1]
-            .all_gather(vec![8], Duration::from_millis(50))
-            .unwrap();
-        assert_eq!(got, vec![vec![7], vec![8]]);
     }
 }

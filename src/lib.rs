@@ -57,7 +57,8 @@ pub use error::{Divergence, Error, NcclVersion, Result};
 pub use exchange::{Exchange, LocalExchange};
 pub use half::{bf16, f16};
 pub use pool::{
-    PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned, current,
+    MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned,
+    current,
 };
 pub use stream::Stream;
 

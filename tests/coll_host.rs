@@ -95,7 +95,14 @@ fn check_reduce_scatter<T: Element>(world: usize, count: usize, in_place: bool, 
                 let vals = (0..world).map(|r| value::<T>(r, rank * count + i).to_f64());
                 let x = match op {
                     ReduceOp::Sum => vals.sum(),
-                    ReduceOp::Avg => vals.sum::<f64>() / world as f64,
+                    // Integers: sum, then divide. Floats: NCCL's pre-multiplied sum,
+                    // each term scaled by 1/ranks and rounded to T, summed in T.
+                    ReduceOp::Avg if T::DTYPE == symmpool::DType::U8 => {
+                        vals.sum::<f64>() / world as f64
+                    }
+                    ReduceOp::Avg => vals.fold(0.0, |acc, v| {
+                        T::from_f64(acc + T::from_f64(v / world as f64).to_f64()).to_f64()
+                    }),
                     ReduceOp::Prod => vals.product(),
                     ReduceOp::Max => vals.fold(f64::MIN, f64::max),
                     ReduceOp::Min => vals.fold(f64::MAX, f64::min),
@@ -141,6 +148,23 @@ fn reduce_scatter_every_type_both_placements_odd_sizes() {
     for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod, ReduceOp::Avg] {
         check_reduce_scatter::<f32>(3, 100, false, op);
         check_reduce_scatter::<u8>(2, 100, true, op);
+    }
+    check_reduce_scatter::<f16>(3, 100, false, ReduceOp::Avg);
+}
+
+#[test]
+fn f16_average_does_not_overflow_where_the_mean_fits() {
+    let pools = pools(2);
+    let got = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let input = pool.alloc(2 * 2, &stream).unwrap();
+        input.write(&[f16::from_f32(60000.0); 2]).unwrap();
+        let out = pool.alloc(2, &stream).unwrap();
+        coll::reduce_scatter::<f16>(&input, &out, ReduceOp::Avg, &stream).unwrap();
+        out.read::<f16>().unwrap()[0]
+    });
+    for g in got {
+        assert_eq!(g.to_f32(), 60000.0);
     }
 }
 
@@ -282,4 +306,57 @@ fn a_missing_rank_times_out() {
     let buf = pools[0].alloc(4096, &stream);
     // Growth needs both ranks: rank 0 alone times out.
     assert!(matches!(buf, Err(Error::Timeout { .. })));
+}
+
+#[test]
+fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
+    let pools = SymmPool::host_group(
+        2,
+        PoolConfig::default().with_timeout(Duration::from_millis(300)),
+    )
+    .unwrap();
+    let bufs = on_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
+    let stream = Stream::host();
+    // Rank 0 alone: times out.
+    assert!(matches!(
+        coll::all_gather_in_place::<f32>(&bufs[0], &stream),
+        Err(Error::Timeout { .. })
+    ));
+    // Then both ranks make the same call: an error on both, no panic, no stale pairing.
+    let errs = thread::scope(|s| {
+        let hs: Vec<_> = bufs
+            .iter()
+            .map(|b| s.spawn(|| coll::all_gather_in_place::<f32>(b, &Stream::host())))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for e in errs {
+        assert!(
+            matches!(e, Err(Error::GroupBroken { rank: 0, .. })),
+            "{e:?}"
+        );
+    }
+}
+
+#[test]
+fn same_offset_in_another_window_is_caught() {
+    // Two reserved segments; rank 1 takes an extra block from the cache (no agreement)
+    // so its next buffer sits at offset 0 of the *second* window. Same offset, different
+    // window: NCCL would pair the wrong memory; the host backend reports it.
+    let pools = pools(2);
+    let errs = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        pool.reserve(20 << 20).unwrap();
+        pool.reserve(20 << 20).unwrap();
+        let _extra = (pool.rank() == 1).then(|| pool.alloc(20 << 20, &stream).unwrap());
+        let b = pool.alloc(2 << 20, &stream).unwrap();
+        assert_eq!(b.offset_bytes(), 0);
+        coll::all_gather_in_place::<f32>(&b, &stream).unwrap_err()
+    });
+    for e in errs {
+        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e:?}");
+        assert!(e.to_string().contains("window"), "{e}");
+    }
 }

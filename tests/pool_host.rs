@@ -238,9 +238,14 @@ fn one_rank_growing_alone_times_out_instead_of_hanging() {
         Error::Timeout { missing_ranks, .. } => assert_eq!(missing_ranks, vec![1]),
         other => panic!("{other:?}"),
     }
-    // The late rank then sees a record it cannot match and reports a divergence.
+    // The ranks are now out of step: the late rank learns that rank 0 timed out
+    // instead of pairing with a stale record, and so does rank 0 from then on.
     let err = pools[1].trim().unwrap_err();
-    assert!(matches!(err, Error::Divergence(_)), "{err:?}");
+    assert!(matches!(err, Error::GroupBroken { rank: 0, .. }), "{err:?}");
+    let err = pools[0].trim().unwrap_err();
+    assert!(matches!(err, Error::GroupBroken { rank: 0, .. }), "{err:?}");
+    // Cache hits still work; dropping the pools releases their memory locally.
+    assert!(pools[1].alloc(MIB, &stream).is_err());
 }
 
 #[test]
@@ -490,4 +495,188 @@ fn dropping_a_pool_without_close_never_blocks() {
     assert_eq!(cached, vec![0, 0]);
     drop(pools);
     assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_close_that_times_out_on_one_rank_closes_no_rank() {
+    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_millis(200))).unwrap();
+    let stream = Stream::host();
+    on_ranks(&pools, |p| drop(p.alloc(4096, &stream).unwrap()));
+    assert!(matches!(pools[0].close(), Err(Error::Timeout { .. })));
+    assert!(matches!(
+        pools[1].close(),
+        Err(Error::GroupBroken { rank: 0, .. })
+    ));
+    assert!(!pools[0].is_closed() && !pools[1].is_closed());
+}
+
+/// A host rank whose exchange reports when an agreement starts, so a test can act
+/// while the pool is inside one (no sleeps).
+#[derive(Debug)]
+struct Announcing {
+    inner: symmpool::HostBackend,
+    entered: std::sync::mpsc::SyncSender<()>,
+}
+
+impl symmpool::Exchange for Announcing {
+    fn rank(&self) -> usize {
+        symmpool::Backend::exchange(&self.inner).rank()
+    }
+    fn world_size(&self) -> usize {
+        symmpool::Backend::exchange(&self.inner).world_size()
+    }
+    fn all_gather(&self, payload: Vec<u64>, timeout: Duration) -> symmpool::Result<Vec<Vec<u64>>> {
+        let _ = self.entered.try_send(());
+        symmpool::Backend::exchange(&self.inner).all_gather(payload, timeout)
+    }
+}
+
+mod delegate {
+    use super::Announcing;
+    use symmpool::backend::*;
+    use symmpool::core::{Fence, StreamId};
+    use symmpool::{Exchange, NcclVersion, Result, Stream};
+
+    impl Backend for Announcing {
+        fn kind(&self) -> BackendKind {
+            self.inner.kind()
+        }
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.inner.world_size()
+        }
+        fn nccl_version(&self) -> NcclVersion {
+            self.inner.nccl_version()
+        }
+        fn granularity_bytes(&self) -> u64 {
+            self.inner.granularity_bytes()
+        }
+        fn communicators(&self) -> &[CommInfo] {
+            self.inner.communicators()
+        }
+        fn exchange(&self) -> &dyn Exchange {
+            self
+        }
+        fn alloc_segment(&self, id: SegmentKey, b: u64) -> Result<()> {
+            self.inner.alloc_segment(id, b)
+        }
+        fn free_segment(&self, id: SegmentKey) -> Result<()> {
+            self.inner.free_segment(id)
+        }
+        fn register(&self, id: SegmentKey, c: usize) -> Result<Registration> {
+            self.inner.register(id, c)
+        }
+        fn deregister(&self, id: SegmentKey, c: usize) -> Result<()> {
+            self.inner.deregister(id, c)
+        }
+        fn new_stream(&self) -> Result<Stream> {
+            self.inner.new_stream()
+        }
+        fn record_fence(&self, s: &Stream) -> Result<Fence> {
+            self.inner.record_fence(s)
+        }
+        fn wait_fence(&self, s: &Stream, on: StreamId, f: Fence) -> Result<()> {
+            self.inner.wait_fence(s, on, f)
+        }
+        fn is_capturing(&self, s: &Stream) -> Result<bool> {
+            self.inner.is_capturing(s)
+        }
+        fn synchronize(&self) -> Result<()> {
+            self.inner.synchronize()
+        }
+        fn write(&self, r: Region, d: &[u8], s: &Stream) -> Result<()> {
+            self.inner.write(r, d, s)
+        }
+        fn read(&self, r: Region, o: &mut [u8], s: &Stream) -> Result<()> {
+            self.inner.read(r, o, s)
+        }
+        fn device_ptr(&self, r: Region) -> Option<u64> {
+            self.inner.device_ptr(r)
+        }
+        fn time_ms(&self, s: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+            self.inner.time_ms(s, f)
+        }
+        fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
+            self.inner.all_gather(a)
+        }
+        fn reduce_scatter(&self, a: &CollArgs<'_>) -> Result<()> {
+            self.inner.reduce_scatter(a)
+        }
+    }
+}
+
+#[test]
+fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
+    let timeout = Duration::from_secs(2);
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let b1 = world.pop().unwrap();
+    let (tx, rx) = std::sync::mpsc::sync_channel(16);
+    let b0 = Announcing {
+        inner: world.pop().unwrap(),
+        entered: tx,
+    };
+    let pool0 = SymmPool::new(std::sync::Arc::new(b0), config().with_timeout(timeout)).unwrap();
+    let pool1 = SymmPool::new(std::sync::Arc::new(b1), config().with_timeout(timeout)).unwrap();
+    let stream = Stream::host();
+    // Grow together once, so that rank 0 holds a buffer.
+    let (buf0, buf1) = thread::scope(|s| {
+        let a = s.spawn(|| pool0.alloc(4096, &stream).unwrap());
+        let b = s.spawn(|| pool1.alloc(4096, &stream).unwrap());
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    while rx.try_recv().is_ok() {}
+    thread::scope(|s| {
+        // Rank 0 grows alone: it holds its pool's state through a 2 s agreement.
+        let grower = s.spawn(|| pool0.alloc(8 * MIB, &stream));
+        rx.recv().unwrap(); // it is inside the agreement now
+        let started = std::time::Instant::now();
+        drop(buf0);
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "drop waited {:?}",
+            started.elapsed()
+        );
+        assert!(matches!(grower.join().unwrap(), Err(Error::Timeout { .. })));
+    });
+    // The deferred free is applied, in order, by the next call on the pool.
+    assert_eq!(pool0.stats().core.allocated_blocks.current, 0);
+    pool0.check_invariants().unwrap();
+    drop(buf1);
+}
+
+#[test]
+fn alloc_and_alloc_aligned_to_the_default_are_the_same_call() {
+    let pools = SymmPool::host_group(2, config()).unwrap();
+    let out = on_ranks(&pools, |p| {
+        let stream = Stream::host();
+        let a = if p.rank() == 0 {
+            p.alloc(4096, &stream)
+        } else {
+            p.alloc_aligned(4096, 512, &stream)
+        };
+        let b = p.alloc(8 * MIB, &stream); // growth: the ranks agree
+        (
+            a.map(|x| x.offset_bytes()).unwrap(),
+            b.map(|x| x.offset_bytes()),
+        )
+    });
+    for (_, b) in out {
+        assert!(b.is_ok(), "{b:?}");
+    }
+}
+
+#[test]
+fn absurd_settings_are_refused_or_handled() {
+    let mut cfg = config();
+    cfg.history_len = usize::MAX;
+    assert!(matches!(
+        SymmPool::host_group(1, cfg),
+        Err(Error::InvalidConfig(_))
+    ));
+    // A timeout of Duration::MAX means "wait as long as it takes", without overflow.
+    let pools = SymmPool::host_group(1, config().with_timeout(Duration::MAX)).unwrap();
+    let b = pools[0].alloc(4096, &Stream::host()).unwrap();
+    assert_eq!(b.offset_bytes(), 0);
 }

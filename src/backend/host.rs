@@ -113,6 +113,9 @@ struct Post {
     op: &'static str,
     send: (Arc<HostSegment>, u64, u64),
     recv: (Arc<HostSegment>, u64, u64),
+    /// Position of the send and receive segments' windows on the communicator.
+    send_window: Option<u64>,
+    recv_window: Option<u64>,
     count: u64,
     dtype: DType,
     reduce: ReduceOp,
@@ -135,7 +138,9 @@ pub struct HostBackend {
     segments: Mutex<BTreeMap<SegmentKey, Arc<HostSegment>>>,
     /// Per communicator: registration ordinal and collective round of this rank.
     counters: Mutex<Vec<(u64, u64)>>,
-    registered: Mutex<BTreeMap<(SegmentKey, usize), Registration>>,
+    /// (segment, communicator) -> registration and its position on the communicator
+    /// (windows pair across ranks by that position).
+    registered: Mutex<BTreeMap<(SegmentKey, usize), (Registration, u64)>>,
     fences: Mutex<BTreeMap<StreamId, u64>>,
 }
 
@@ -257,8 +262,17 @@ impl HostBackend {
         body: impl FnOnce(&[Post]) -> Result<()>,
     ) -> Result<()> {
         let comm = self.comm(args.comm)?;
+        let window = |key: SegmentKey| {
+            self.registered
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&(key, args.comm))
+                .map(|&(_, ordinal)| ordinal)
+        };
         let post = Post {
             op,
+            send_window: window(args.send.segment),
+            recv_window: window(args.recv.segment),
             send: (
                 self.segment(args.send.segment)?,
                 args.send.offset_bytes,
@@ -319,13 +333,23 @@ fn check_posts(posts: &[Post]) -> Result<()> {
         }
         // All-gather writes peers at the output offset, reduce-scatter reads them at the
         // input offset; the other side is local (so in-place calls are fine).
+        // The peer-accessed side must be the same window (by registration order) at
+        // the same offset on every rank.
         let (mine, theirs, what) = if first.op == "all_gather" {
-            (p.recv.1, first.recv.1, "symmetric output offset")
+            (
+                (p.recv_window, p.recv.1),
+                (first.recv_window, first.recv.1),
+                "symmetric output (window, offset)",
+            )
         } else {
-            (p.send.1, first.send.1, "symmetric input offset")
+            (
+                (p.send_window, p.send.1),
+                (first.send_window, first.send.1),
+                "symmetric input (window, offset)",
+            )
         };
         if first.symmetric && mine != theirs {
-            return Err(mismatch(what, theirs.to_string(), mine.to_string()));
+            return Err(mismatch(what, format!("{theirs:?}"), format!("{mine:?}")));
         }
     }
     Ok(())
@@ -434,7 +458,7 @@ impl Backend for HostBackend {
         self.registered
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert((id, comm), reg);
+            .insert((id, comm), (reg, ordinal));
         Ok(reg)
     }
 
@@ -516,16 +540,23 @@ impl Backend for HostBackend {
         let me = self.rank as u64;
         self.collective(args, "reduce_scatter", |posts| {
             // Pull: reduce this rank's chunk of every rank's input, in rank order.
+            // Floating-point averages scale each input by 1/ranks first and then sum
+            // (NCCL's pre-multiplied sum), so they do not overflow where the mean fits;
+            // integer averages sum and then divide, as NCCL does.
+            let premul = args.op == ReduceOp::Avg && args.dtype != DType::U8;
             let mut acc: Option<Vec<u8>> = None;
             for p in posts {
-                let data = read_region(&p.send.0, p.send.1 + me * chunk, chunk)?;
+                let mut data = read_region(&p.send.0, p.send.1 + me * chunk, chunk)?;
+                if premul {
+                    dtype::divide(args.dtype, &mut data, posts.len());
+                }
                 match &mut acc {
                     None => acc = Some(data),
                     Some(a) => dtype::reduce_into(args.dtype, args.op, a, &data),
                 }
             }
             let mut acc = acc.expect("at least one rank");
-            if args.op == ReduceOp::Avg {
+            if args.op == ReduceOp::Avg && !premul {
                 dtype::divide(args.dtype, &mut acc, posts.len());
             }
             let (recv, recv_off, _) = &posts[self.rank].recv;

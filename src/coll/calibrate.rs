@@ -64,6 +64,9 @@ pub struct Calibration {
     pub measurements: Vec<Measurement>,
 }
 
+/// The largest size [`calibrate`] measures, in bytes per rank (16 GiB).
+pub const MAX_CALIBRATE_BYTES: u64 = 16 << 30;
+
 const AG_PATHS: [Path; 3] = [Path::SymmetricKernel, Path::CopyEngine, Path::PlainKernel];
 const RS_PATHS: [Path; 2] = [Path::SymmetricKernel, Path::PlainKernel];
 
@@ -96,7 +99,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// so every rank returns the same policy.
 ///
 /// # Errors
-/// [`Error::InvalidConfig`] for an empty or inverted range or zero repetitions;
+/// [`Error::PoolClosed`]; [`Error::InvalidConfig`] for an empty or inverted range, a
+/// range above [`MAX_CALIBRATE_BYTES`], or no repetitions;
 /// growth errors (out of memory for world × `max_bytes`); collective errors;
 /// [`Error::Timeout`] if ranks do not arrive.
 pub fn calibrate(
@@ -104,10 +108,17 @@ pub fn calibrate(
     stream: &Stream,
     config: &CalibrateConfig,
 ) -> Result<Calibration> {
-    if config.min_bytes == 0 || config.min_bytes > config.max_bytes || config.reps == 0 {
-        return Err(Error::InvalidConfig(
-            "calibration range or repetitions".into(),
-        ));
+    pool.check_open()?;
+    if config.min_bytes == 0
+        || config.min_bytes > config.max_bytes
+        || config.max_bytes > MAX_CALIBRATE_BYTES
+        || config.reps == 0
+        || config.reps > 1000
+        || config.bytes_per_rep == 0
+    {
+        return Err(Error::InvalidConfig(format!(
+            "calibration needs 0 < min_bytes <= max_bytes <= {MAX_CALIBRATE_BYTES}, 1..=1000 repetitions and bytes_per_rep > 0 (got {config:?})"
+        )));
     }
     let backend = pool.backend().clone();
     let world = backend.world_size() as u64;
@@ -125,7 +136,7 @@ pub fn calibrate(
     let mut s = config.min_bytes.next_power_of_two();
     while s <= config.max_bytes {
         sizes.push(s);
-        s *= 2;
+        s *= 2; // no overflow: max_bytes <= MAX_CALIBRATE_BYTES
     }
     let mut measurements = Vec::new();
     let result = (|| -> Result<()> {
@@ -316,6 +327,32 @@ mod tests {
         top[8].reduce_scatter = [Some(300.0), Some(219.0)];
         let bands = derive(&top, &PathPolicy::default()).symmetric_reduce_scatter_bands;
         assert_eq!(bands.last(), Some(&(64 << 20, u64::MAX)));
+    }
+
+    #[test]
+    fn refuses_odd_configs_and_closed_pools() {
+        let pools = SymmPool::host_group(1, PoolConfig::default()).unwrap();
+        let s = Stream::host();
+        for cfg in [
+            CalibrateConfig::default().with_range(0, 1 << 20),
+            CalibrateConfig::default().with_range(1 << 20, 1 << 10),
+            CalibrateConfig::default().with_range(1 << 63, u64::MAX),
+            CalibrateConfig::default().with_range(u64::MAX, u64::MAX),
+            CalibrateConfig {
+                reps: 0,
+                ..CalibrateConfig::default()
+            },
+        ] {
+            assert!(
+                matches!(calibrate(&pools[0], &s, &cfg), Err(Error::InvalidConfig(_))),
+                "{cfg:?}"
+            );
+        }
+        pools[0].close().unwrap();
+        assert!(matches!(
+            calibrate(&pools[0], &s, &CalibrateConfig::default()),
+            Err(Error::PoolClosed)
+        ));
     }
 
     #[test]

@@ -38,7 +38,7 @@
 mod calibrate;
 mod path;
 
-pub use calibrate::{CalibrateConfig, Calibration, Measurement, calibrate};
+pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement, calibrate};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy};
 
 use crate::backend::{CollArgs, Region};

@@ -47,7 +47,8 @@ pub struct PoolConfig {
     pub core: CoreConfig,
     /// How long an agreement waits for the other ranks (default 60 s).
     pub timeout: Duration,
-    /// How many recent calls the agreement carries to name a divergence (default 64).
+    /// How many recent calls the agreement carries to name a divergence (default 64,
+    /// at most [`MAX_HISTORY`]).
     pub history_len: usize,
     /// Whether segments are registered as windows (default `true`). A pool that does
     /// not register hands out plain buffers: the baseline its collectives run on
@@ -142,6 +143,9 @@ pub(crate) struct PoolState {
     growth_time: Duration,
 }
 
+/// Largest accepted [`PoolConfig::history_len`].
+pub const MAX_HISTORY: usize = 1 << 16;
+
 static NEXT_POOL: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
 
 pub(crate) struct PoolInner {
@@ -150,6 +154,8 @@ pub(crate) struct PoolInner {
     closed: std::sync::atomic::AtomicBool,
     /// The collectives' path thresholds (starts as `config.paths`).
     paths: std::sync::RwLock<PathPolicy>,
+    /// Frees made by `Drop` while the state was busy; applied by the next call.
+    deferred: Mutex<Vec<(crate::core::BlockId, smallvec::SmallVec<[Wait; 3]>)>>,
     /// This pool's number in its backend's segment keys.
     number: u32,
     pub(crate) config: PoolConfig,
@@ -199,8 +205,14 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] if the core configuration (with the backend's
-    /// granularity) is invalid.
+    /// granularity) is invalid, or `history_len` exceeds [`MAX_HISTORY`].
     pub fn new(backend: Arc<dyn Backend>, config: PoolConfig) -> Result<Self> {
+        if config.history_len > MAX_HISTORY {
+            return Err(Error::InvalidConfig(format!(
+                "history_len {} exceeds {MAX_HISTORY}",
+                config.history_len
+            )));
+        }
         let mut core_config = config
             .core
             .with_granularity_bytes(backend.granularity_bytes());
@@ -225,6 +237,7 @@ impl SymmPool {
                 backend,
                 closed: std::sync::atomic::AtomicBool::new(false),
                 paths: std::sync::RwLock::new(config.paths.clone()),
+                deferred: Mutex::new(Vec::new()),
                 number: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 config,
             }),
@@ -285,8 +298,37 @@ impl SymmPool {
         self.inner.backend.new_stream()
     }
 
+    /// The pool's state, with the frees that `Drop` deferred applied first.
     pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
-        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+        let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.apply_deferred(&mut st);
+        st
+    }
+
+    /// Apply frees that found the state busy, in the order they were made.
+    fn apply_deferred(&self, st: &mut PoolState) {
+        let pending = std::mem::take(
+            &mut *self
+                .inner
+                .deferred
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        for (block, fences) in pending {
+            Self::apply_free(st, block, &fences);
+        }
+    }
+
+    fn apply_free(st: &mut PoolState, block: crate::core::BlockId, fences: &[Wait]) {
+        if st.closed {
+            return;
+        }
+        match st.core.free(block, fences) {
+            Ok(()) => {
+                st.history.record(CallKind::Free, block.seq, 0);
+            }
+            Err(e) => log::error!("symmpool: freeing a block failed: {e}"),
+        }
     }
 
     /// Whether two handles are the same pool.
@@ -333,13 +375,18 @@ impl SymmPool {
             return Err(Error::PoolClosed);
         }
         let req = AllocRequest::new(size_bytes, stream.id()).with_align(align_bytes);
+        // Record the alignment that takes effect, so that `alloc(n)` and
+        // `alloc_aligned(n, 512)` count as the same call on different ranks.
+        let effective_align = align_bytes.max(st.core.config().min_block_bytes);
         let placement = match st.core.alloc(req) {
             Ok(p) => {
-                st.history.record(CallKind::Alloc, size_bytes, align_bytes);
+                st.history
+                    .record(CallKind::Alloc, size_bytes, effective_align);
                 p
             }
             Err(AllocError::NeedsGrowth(growth)) => {
-                st.history.record(CallKind::Alloc, size_bytes, align_bytes);
+                st.history
+                    .record(CallKind::Alloc, size_bytes, effective_align);
                 self.grow(&mut st, growth, stream)?;
                 st.core.alloc(req)?
             }
@@ -668,13 +715,11 @@ impl SymmPool {
     /// Return a block to the cache (from `SymmBuffer::drop`): record a fence on every
     /// stream that used it. Never collective. Errors are logged: a drop cannot fail.
     pub(crate) fn release_block(&self, buf: &SymmBuffer) {
-        let streams = buf.streams();
-        let mut st = self.lock();
-        if st.closed {
+        if self.inner.closed.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
         let mut fences: smallvec::SmallVec<[Wait; 3]> = smallvec::SmallVec::new();
-        for s in &streams {
+        for s in &buf.streams() {
             match self.inner.backend.record_fence(s) {
                 Ok(f) => fences.push(Wait {
                     stream: s.id(),
@@ -693,11 +738,26 @@ impl SymmPool {
                 }
             }
         }
-        match st.core.free(buf.block, &fences) {
-            Ok(()) => {
-                st.history.record(CallKind::Free, buf.block.seq, 0);
+        // Never wait for the state: another thread may hold it through a whole
+        // agreement (up to the timeout). Then the free is queued and applied, in
+        // order, by the next pool call.
+        match self.inner.state.try_lock() {
+            Ok(mut st) => {
+                self.apply_deferred(&mut st);
+                Self::apply_free(&mut st, buf.block, &fences);
             }
-            Err(e) => log::error!("symmpool: freeing a block failed: {e}"),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                let mut st = p.into_inner();
+                self.apply_deferred(&mut st);
+                Self::apply_free(&mut st, buf.block, &fences);
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                self.inner
+                    .deferred
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((buf.block, fences));
+            }
         }
     }
 
