@@ -29,10 +29,74 @@
 #[path = "support/gpu_math.rs"]
 mod gpu_math;
 
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 use symmpool::coll::{self, Choice, CollectiveReport, Path, PathPolicy};
 use symmpool::{Element, PoolConfig, ReduceOp, Result, Stream, SymmBuffer, SymmPool};
+
+/// Print a line to stdout; a closed pipe (`| head`) is not an error worth a panic.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// A barrier that a failing rank breaks, so the other ranks stop instead of waiting
+/// for it forever.
+#[derive(Debug)]
+pub struct StepBarrier {
+    n: usize,
+    state: Mutex<(usize, u64, Option<usize>)>,
+    cv: Condvar,
+}
+
+impl StepBarrier {
+    /// A barrier for `n` ranks.
+    pub fn new(n: usize) -> Self {
+        StepBarrier {
+            n,
+            state: Mutex::new((0, 0, None)),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Wait for every rank; fails once a rank has given up.
+    pub fn wait(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(rank) = st.2 {
+            return Err(symmpool::Error::GroupBroken {
+                rank,
+                op: "fsdp_step",
+            });
+        }
+        let generation = st.1;
+        st.0 += 1;
+        if st.0 == self.n {
+            st.0 = 0;
+            st.1 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        while st.1 == generation && st.2.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        match st.2 {
+            Some(rank) if st.1 == generation => Err(symmpool::Error::GroupBroken {
+                rank,
+                op: "fsdp_step",
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Give up: every waiting and later `wait` fails.
+    pub fn abort(&self, rank: usize) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.2.get_or_insert(rank);
+        self.cv.notify_all();
+    }
+}
 
 // ---------------------------------------------------------------------------------
 // Options
@@ -165,13 +229,22 @@ fn parse_args() -> std::result::Result<(Args, bool), String> {
             "--layers" => layers = Some(num(it.next(), "--layers")?),
             "--hidden" => hidden = Some(num(it.next(), "--hidden")?),
             "--batch" => batch = Some(num(it.next(), "--batch")?),
-            "--steps" => steps = Some(num(it.next(), "--steps")?),
+            "--steps" => {
+                let n = num(it.next(), "--steps")?;
+                if n < 2 {
+                    return Err(
+                        "--steps must be at least 2 (the check compares the first and last loss)"
+                            .into(),
+                    );
+                }
+                steps = Some(n);
+            }
             "--lr" => {
                 lr = Some(
                     it.next()
                         .and_then(|s| s.parse::<f32>().ok())
-                        .filter(|x| *x > 0.0)
-                        .ok_or("--lr needs a positive number")?,
+                        .filter(|x| x.is_finite() && *x > 0.0)
+                        .ok_or("--lr needs a positive, finite number")?,
                 )
             }
             "--comm" => {
@@ -192,7 +265,8 @@ fn parse_args() -> std::result::Result<(Args, bool), String> {
                     Some("nccl") => BackendChoice::Nccl,
                     other => {
                         return Err(format!(
-                            "--backend must be auto, host or nccl, not {other:?}"
+                            "--backend must be auto, host or nccl, not {:?}",
+                            other.unwrap_or_default()
                         ));
                     }
                 }
@@ -578,14 +652,20 @@ fn run_rank<M: Math>(
     math: &M,
     pools: Vec<(Mode, SymmPool)>,
     args: &Args,
-    barrier: &Barrier,
+    barrier: &StepBarrier,
 ) -> Result<Vec<RankResult>> {
     let (h, b, layers) = (args.hidden, args.batch, args.layers);
     let e = std::mem::size_of::<M::E>() as u64;
     let rank = pools[0].1.rank();
     let world = pools[0].1.world_size();
-    // Data lives in the first pool (any pool would do).
-    let data_pool = &pools[0].1;
+    // Data lives in a pool of its own (unregistered) on the first mode's backend, so
+    // every mode's pool statistics count only the training's own buffers.
+    let data_pool = &SymmPool::new(
+        pools[0].1.backend().clone(),
+        PoolConfig::default()
+            .with_register(false)
+            .with_timeout(pools[0].1.config().timeout),
+    )?;
     let cs = math.stream(On::Compute);
     let to_e = |v: &[f32]| {
         v.iter()
@@ -719,7 +799,7 @@ fn run_rank<M: Math>(
     for step in 0..args.steps {
         // Interleave the modes step by step so they see the same machine conditions.
         for (i, tr) in trainers.iter_mut().enumerate() {
-            barrier.wait();
+            barrier.wait()?;
             let out = tr.step(step)?;
             let regs: u64 = tr.pool.stats().registrations.iter().sum();
             if step == 0 {
@@ -728,7 +808,7 @@ fn run_rank<M: Math>(
                 results[i].regs_after_first = regs - regs_first[i];
             }
             if rank == 0 && !args.quiet && !args.json {
-                println!(
+                out!(
                     "[{:>4}] step {:>3}  loss {:.6e}  {:>9.2} ms",
                     tr.mode.name(),
                     step,
@@ -805,7 +885,13 @@ pub fn json_summary(args: &Args, backend: &str, r: &RankResult) -> serde_json::V
         "median_step_ms": median(&r.ms[1.min(r.ms.len() - 1)..]),
         "first_loss": r.losses.first(),
         "last_loss": r.losses.last(),
-        "registrations": s.registrations,
+        "registrations": s.registrations.iter().sum::<u64>(),
+        "registrations_per_communicator": s
+            .roles
+            .iter()
+            .zip(&s.registrations)
+            .map(|(role, n)| (format!("{role:?}"), *n))
+            .collect::<std::collections::BTreeMap<_, _>>(),
         "registrations_after_first_step": r.regs_after_first,
         "segments": s.core.segments.current,
         "peak_reserved_bytes": s.core.reserved_bytes.peak,
@@ -822,15 +908,19 @@ fn report(args: &Args, backend: &str, results: &[RankResult]) {
         .map(|r| median(&r.ms[1..]));
     if args.json {
         for r in results {
-            println!("{}", json_summary(args, backend, r));
+            out!("{}", json_summary(args, backend, r));
         }
         return;
     }
-    println!(
+    out!(
         "\nsummary: backend {backend}, {} ranks, {} layers, hidden {}, batch {}, {} steps (median over steps 1..)",
-        args.ranks, args.layers, args.hidden, args.batch, args.steps
+        args.ranks,
+        args.layers,
+        args.hidden,
+        args.batch,
+        args.steps
     );
-    println!(
+    out!(
         "{:<5} {:>10} {:>8} {:>12} {:>12} {:>6} {:>8} {:>11} {:>11}  {:<28} {:<28}",
         "mode",
         "step ms",
@@ -847,7 +937,7 @@ fn report(args: &Args, backend: &str, results: &[RankResult]) {
     for r in results {
         let s = &r.stats;
         let med = median(&r.ms[1.min(r.ms.len() - 1)..]);
-        println!(
+        out!(
             "{:<5} {:>10.2} {:>8} {:>12.5e} {:>12.5e} {:>6} {:>8} {:>8} MiB {:>7} MiB  {:<28} {:<28}",
             r.mode.name(),
             med,
@@ -863,7 +953,9 @@ fn report(args: &Args, backend: &str, results: &[RankResult]) {
         );
     }
     // The trajectories must agree across modes (up to bf16 rounding on GPUs).
-    if let Some(first) = results.first() {
+    if results.len() > 1
+        && let Some(first) = results.first()
+    {
         let worst = results
             .iter()
             .flat_map(|r| {
@@ -873,7 +965,7 @@ fn report(args: &Args, backend: &str, results: &[RankResult]) {
                     .map(|(a, b)| ((a - b) / b.abs().max(1e-30)).abs())
             })
             .fold(0f32, f32::max);
-        println!("largest relative loss difference between modes: {worst:.2e}");
+        out!("largest relative loss difference between modes: {worst:.2e}");
     }
 }
 
@@ -900,7 +992,7 @@ pub fn check(results: &[RankResult]) -> std::result::Result<(), String> {
 
 /// Train on the host backend; returns rank 0's results per mode.
 pub fn run_host(args: &Args) -> Result<Vec<RankResult>> {
-    let barrier = Barrier::new(args.ranks);
+    let barrier = StepBarrier::new(args.ranks);
     let per_mode: Vec<Vec<SymmPool>> = args
         .modes
         .iter()
@@ -923,7 +1015,12 @@ pub fn run_host(args: &Args) -> Result<Vec<RankResult>> {
                         compute: Stream::host(),
                         comm: Stream::host(),
                     };
-                    run_rank(&math, pools, args, barrier)
+                    let rank = pools[0].1.rank();
+                    let out = run_rank(&math, pools, args, barrier);
+                    if out.is_err() {
+                        barrier.abort(rank);
+                    }
+                    out
                 })
             })
             .collect();
@@ -1085,7 +1182,7 @@ mod gpu {
     pub fn run(args: &Args) -> Result<Vec<RankResult>> {
         let devices: Vec<usize> = (0..args.ranks).collect();
         let backends = NcclBackend::local_world(&devices, NcclWorldConfig::default())?;
-        let barrier = Barrier::new(args.ranks);
+        let barrier = StepBarrier::new(args.ranks);
         let outs: Vec<Result<Vec<RankResult>>> = std::thread::scope(|s| {
             let hs: Vec<_> = backends
                 .into_iter()
@@ -1105,7 +1202,11 @@ mod gpu {
                             compute: Stream::cuda(compute),
                             comm: Stream::cuda(comm),
                         };
+                        let rank = symmpool::Backend::rank(b.as_ref());
                         let out = run_rank(&math, pools, args, barrier);
+                        if out.is_err() {
+                            barrier.abort(rank);
+                        }
                         math.sync()?;
                         out
                     })
@@ -1147,7 +1248,7 @@ fn main() {
         }
     } else {
         if args.backend == BackendChoice::Auto && !args.json && !args.quiet {
-            println!(
+            out!(
                 "no GPUs found (or fewer than {}): running on the host backend",
                 args.ranks.max(2)
             );

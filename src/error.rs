@@ -60,7 +60,9 @@ pub enum Error {
         live_per_rank: Vec<u64>,
     },
     /// Ranks' pool call sequences differ. Reported on every rank that takes part in the
-    /// agreement, naming the first differing call.
+    /// agreement, naming the first differing call. The ranks' allocators now differ:
+    /// cache hits still work, but every later agreement fails the same way. Drop the
+    /// pool (its memory is released locally) and build a new one.
     #[error("{0}")]
     Divergence(Box<Divergence>),
     /// A wait on other ranks ran out of time.

@@ -52,6 +52,9 @@ mod pool;
 mod stream;
 
 pub use backend::{Backend, HostBackend, HostConfig};
+#[cfg(feature = "nccl")]
+pub use backend::{NcclBackend, NcclWorldConfig};
+pub use core::{CoreStats, Snapshot};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Divergence, Error, NcclVersion, Result};
 pub use exchange::{Exchange, LocalExchange};

@@ -5,7 +5,9 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::NcclVersion;
 use serde::Serialize;
 
-/// How NCCL will run a collective.
+/// How NCCL will run a collective. On the host backend it is the path NCCL would take
+/// under the same version, communicators and registrations (the host moves the same
+/// data whatever the path), so path selection is tested without GPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum Path {
     /// Copy-engine all-gather: no SMs (`CTAPolicy = NCCL_CTA_POLICY_ZERO`, output in a

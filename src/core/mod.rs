@@ -31,7 +31,9 @@
 //!   it. When it is freed the caller gives one [`Fence`] per such stream; when the
 //!   memory is handed out again on a *different* stream, [`Placement::waits`] lists the
 //!   fences to wait for (device-side). Placement itself never looks at streams or at
-//!   fence completion.
+//!   fence completion. A merged free block keeps the latest fence per stream of all
+//!   its parts: conservative (a reuse may wait for work that touched a neighbouring
+//!   part), never unsafe.
 //!
 //! # Invariants ([`Allocator::check_invariants`])
 //!

@@ -43,7 +43,11 @@ pub struct CoreStats {
     /// Allocated bytes plus free bytes that may still be in use by device work: free
     /// blocks carrying a fence not yet reported complete through
     /// [`Allocator::complete_fences`](super::Allocator::complete_fences).
-    /// (PyTorch's "active" also counts blocks awaiting their events.)
+    /// (PyTorch's "active" also counts blocks awaiting their events.) A freed block
+    /// merges with its free neighbours and the merged block carries the union of their
+    /// fences, so this counts the whole merged block: an over-estimate, just as the
+    /// waits handed out for the merged block are a conservative superset of what each
+    /// of its bytes needs.
     pub active_bytes: Stat,
     /// Number of segments.
     pub segments: Stat,

@@ -111,6 +111,9 @@ impl PoolConfig {
 pub struct PoolStats {
     /// The allocator core's statistics.
     pub core: CoreStats,
+    /// The role of each communicator, in the backend's order: the index of the
+    /// per-communicator counts below.
+    pub roles: Vec<crate::backend::CommRole>,
     /// Window registrations made, per communicator (index into the backend's list).
     pub registrations: Vec<u64>,
     /// Windows currently registered (non-NULL), per communicator.
@@ -684,6 +687,13 @@ impl SymmPool {
             }
         }
         PoolStats {
+            roles: self
+                .inner
+                .backend
+                .communicators()
+                .iter()
+                .map(|c| c.role)
+                .collect(),
             core: st.core.stats(),
             registrations: st.registrations.clone(),
             windows,
