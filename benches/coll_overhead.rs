@@ -7,7 +7,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::sync::Arc;
 use symmpool::backend::{
-    Backend, BackendKind, CollArgs, CommInfo, CommRole, Region, Registration, SegmentKey,
+    Backend, BackendKind, CollArgs, CommInfo, Region, Registration, SegmentKey,
 };
 use symmpool::core::{Fence, SegmentId, StreamId};
 use symmpool::{Exchange, LocalExchange, NcclVersion, PoolConfig, Result, Stream, SymmPool, coll};
@@ -92,23 +92,7 @@ impl Backend for NullBackend {
 
 fn bench(c: &mut Criterion) {
     let backend = Arc::new(NullBackend {
-        comms: vec![
-            CommInfo {
-                role: CommRole::Symmetric,
-                cta_policy: 0,
-                registers: true,
-            },
-            CommInfo {
-                role: CommRole::CopyEngine,
-                cta_policy: 2,
-                registers: true,
-            },
-            CommInfo {
-                role: CommRole::Plain,
-                cta_policy: 0,
-                registers: false,
-            },
-        ],
+        comms: CommInfo::STANDARD.to_vec(),
         exchange: LocalExchange::group(1).pop().expect("one rank"),
     });
     let pool = SymmPool::new(backend.clone(), PoolConfig::default()).expect("pool");

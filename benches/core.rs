@@ -27,17 +27,15 @@ const LIVE: [usize; 3] = [1_000, 10_000, 100_000];
 const PAIR_SIZES: usize = 256;
 
 /// A deterministic generator (splitmix64).
-struct Rng(u64);
+#[path = "../tests/common/rng.rs"]
+mod rng;
+use rng::Rng;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+trait Sizes {
+    fn size(&mut self) -> u64;
+}
 
+impl Sizes for Rng {
     /// Log-uniform from 512 B to 64 KiB, not rounded.
     fn size(&mut self) -> u64 {
         let log2 = 9 + self.next() % 7; // 512 B .. 32 KiB octaves

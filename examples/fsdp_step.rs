@@ -1005,18 +1005,30 @@ pub fn run_host(args: &Args) -> Result<Vec<RankResult>> {
             per_rank[r].push((*m, p));
         }
     }
+    on_rank_threads(per_rank, &barrier, |pools| {
+        let math = HostMath {
+            compute: Stream::host(),
+            comm: Stream::host(),
+        };
+        run_rank(&math, pools, args, &barrier)
+    })
+}
+
+/// Run `f` for rank `r` on thread `r`, with `items[r]`. A rank that fails breaks the
+/// barrier so the others stop too. Returns rank 0's results or the first error.
+fn on_rank_threads<T: Send>(
+    items: Vec<T>,
+    barrier: &StepBarrier,
+    f: impl Fn(T) -> Result<Vec<RankResult>> + Sync,
+) -> Result<Vec<RankResult>> {
     let outs: Vec<Result<Vec<RankResult>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = per_rank
+        let hs: Vec<_> = items
             .into_iter()
-            .map(|pools| {
-                let (barrier, args) = (&barrier, args);
+            .enumerate()
+            .map(|(rank, item)| {
+                let f = &f;
                 s.spawn(move || {
-                    let math = HostMath {
-                        compute: Stream::host(),
-                        comm: Stream::host(),
-                    };
-                    let rank = pools[0].1.rank();
-                    let out = run_rank(&math, pools, args, barrier);
+                    let out = f(item);
                     if out.is_err() {
                         barrier.abort(rank);
                     }
@@ -1183,45 +1195,24 @@ mod gpu {
         let devices: Vec<usize> = (0..args.ranks).collect();
         let backends = NcclBackend::local_world(&devices, NcclWorldConfig::default())?;
         let barrier = StepBarrier::new(args.ranks);
-        let outs: Vec<Result<Vec<RankResult>>> = std::thread::scope(|s| {
-            let hs: Vec<_> = backends
-                .into_iter()
-                .map(|b| {
-                    let (barrier, args) = (&barrier, args);
-                    s.spawn(move || -> Result<Vec<RankResult>> {
-                        let b = Arc::new(b);
-                        let pools = args
-                            .modes
-                            .iter()
-                            .map(|m| Ok((*m, SymmPool::new(b.clone(), m.pool_config())?)))
-                            .collect::<Result<Vec<_>>>()?;
-                        let (compute, comm) = (b.cuda_stream()?, b.cuda_stream()?);
-                        let math = GpuMath {
-                            blas_compute: gpu_math::Blas::new(compute.clone()).map_err(e)?,
-                            blas_comm: gpu_math::Blas::new(comm.clone()).map_err(e)?,
-                            compute: Stream::cuda(compute),
-                            comm: Stream::cuda(comm),
-                        };
-                        let rank = symmpool::Backend::rank(b.as_ref());
-                        let out = run_rank(&math, pools, args, barrier);
-                        if out.is_err() {
-                            barrier.abort(rank);
-                        }
-                        math.sync()?;
-                        out
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("rank thread"))
-                .collect()
-        });
-        let mut outs = outs.into_iter();
-        let first = outs.next().expect("rank 0")?;
-        for o in outs {
-            o?;
-        }
-        Ok(first)
+        on_rank_threads(backends, &barrier, |b| {
+            let b = Arc::new(b);
+            let pools = args
+                .modes
+                .iter()
+                .map(|m| Ok((*m, SymmPool::new(b.clone(), m.pool_config())?)))
+                .collect::<Result<Vec<_>>>()?;
+            let (compute, comm) = (b.cuda_stream()?, b.cuda_stream()?);
+            let math = GpuMath {
+                blas_compute: gpu_math::Blas::new(compute.clone()).map_err(e)?,
+                blas_comm: gpu_math::Blas::new(comm.clone()).map_err(e)?,
+                compute: Stream::cuda(compute),
+                comm: Stream::cuda(comm),
+            };
+            let out = run_rank(&math, pools, args, &barrier);
+            math.sync()?;
+            out
+        })
     }
 }
 

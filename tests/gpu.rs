@@ -20,15 +20,13 @@ fn config() -> PoolConfig {
 }
 
 /// SplitMix64, seeded per run (printed) so every run checks fresh data.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+use common::rng::Rng;
+
+trait Values {
+    fn value<T: Element>(&mut self) -> T;
+}
+
+impl Values for Rng {
     /// A value in [-4, 4) with 7 significant bits: exact in bf16, so sums of two are
     /// exact in every type and NCCL's result must equal the host's bit for bit.
     fn value<T: Element>(&mut self) -> T {

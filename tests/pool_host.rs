@@ -1,6 +1,9 @@
 //! The pool on the host backend: determinism across 2, 4 and 8 ranks, registration
 //! counts, divergence, bad input, scopes, trim and close.
 
+mod common;
+
+use common::rng::Rng;
 use std::sync::Barrier;
 use std::thread;
 use std::time::Duration;
@@ -19,18 +22,6 @@ fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> V
         let hs: Vec<_> = pools.iter().map(|p| s.spawn(|| f(p))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
-}
-
-/// A deterministic pseudo-random sequence (SplitMix64).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -7,7 +7,7 @@
 //! offsets), and end in a barrier. Host work is synchronous, so streams are tags and
 //! fences are counters.
 
-use super::{Backend, BackendKind, CollArgs, CommInfo, CommRole, Region, Registration, SegmentKey};
+use super::{Backend, BackendKind, CollArgs, CommInfo, Region, Registration, SegmentKey};
 use crate::core::{Fence, StreamId};
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
@@ -174,23 +174,7 @@ impl HostBackend {
                 "granularity_bytes must be a power of two".into(),
             ));
         }
-        let infos = vec![
-            CommInfo {
-                role: CommRole::Symmetric,
-                cta_policy: 0,
-                registers: true,
-            },
-            CommInfo {
-                role: CommRole::CopyEngine,
-                cta_policy: 2,
-                registers: true,
-            },
-            CommInfo {
-                role: CommRole::Plain,
-                cta_policy: 0,
-                registers: false,
-            },
-        ];
+        let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;
         let comms = Arc::new(
             infos

@@ -74,6 +74,30 @@ pub struct CommInfo {
     pub registers: bool,
 }
 
+impl CommInfo {
+    /// A default-policy communicator whose segments are registered (symmetric kernels).
+    pub const SYMMETRIC: CommInfo = CommInfo {
+        role: CommRole::Symmetric,
+        cta_policy: 0,
+        registers: true,
+    };
+    /// A `CTAPolicy = NCCL_CTA_POLICY_ZERO` communicator whose segments are registered
+    /// (copy-engine all-gather).
+    pub const COPY_ENGINE: CommInfo = CommInfo {
+        role: CommRole::CopyEngine,
+        cta_policy: 2,
+        registers: true,
+    };
+    /// A default-policy communicator where nothing is registered (ring/tree kernels).
+    pub const PLAIN: CommInfo = CommInfo {
+        role: CommRole::Plain,
+        cta_policy: 0,
+        registers: false,
+    };
+    /// The three communicators the crate's backends create, in registration order.
+    pub const STANDARD: [CommInfo; 3] = [Self::SYMMETRIC, Self::COPY_ENGINE, Self::PLAIN];
+}
+
 /// Outcome of registering a segment on a communicator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Registration {

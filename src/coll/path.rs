@@ -206,23 +206,7 @@ mod tests {
     use super::*;
 
     fn comms() -> Vec<CommInfo> {
-        vec![
-            CommInfo {
-                role: CommRole::Symmetric,
-                cta_policy: 0,
-                registers: true,
-            },
-            CommInfo {
-                role: CommRole::CopyEngine,
-                cta_policy: 2,
-                registers: true,
-            },
-            CommInfo {
-                role: CommRole::Plain,
-                cta_policy: 0,
-                registers: false,
-            },
-        ]
+        CommInfo::STANDARD.to_vec()
     }
 
     fn pick(

@@ -630,20 +630,13 @@ impl Allocator {
             })
             .map(|(id, _)| *id)
             .collect();
-        let mut out = Vec::with_capacity(empty.len());
-        for id in empty {
-            let seg = self.segments.remove(&id).expect("listed above");
-            self.remove_free(seg.first, seg.class);
-            self.blocks.remove(seg.first as usize);
-            let s = &mut self.stats;
-            s.reserved_bytes.sub(seg.size);
-            s.segments.sub(1);
-            s.free_blocks -= 1;
-            s.num_releases += 1;
-            out.push((id, seg.size));
-        }
-        self.refresh_active();
-        out
+        empty
+            .into_iter()
+            .map(|id| {
+                let size = self.release_segment(id).expect("listed as entirely free");
+                (id, size)
+            })
+            .collect()
     }
 
     /// Remove one entirely free segment and return its size in bytes.

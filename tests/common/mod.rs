@@ -3,3 +3,4 @@
 pub mod fsdp_trace;
 #[cfg(feature = "nccl")]
 pub mod gpu;
+pub mod rng;

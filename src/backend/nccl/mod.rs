@@ -167,12 +167,12 @@ impl NcclBackend {
                 "device {d} not present ({count} visible)"
             )));
         }
-        let mut roles = vec![(CommRole::Symmetric, ffi::NCCL_CTA_POLICY_DEFAULT, true)];
+        let mut roles = vec![CommInfo::SYMMETRIC];
         if config.copy_engine && version >= NcclVersion::COPY_ENGINE {
-            roles.push((CommRole::CopyEngine, ffi::NCCL_CTA_POLICY_ZERO, true));
+            roles.push(CommInfo::COPY_ENGINE);
         }
         if config.plain {
-            roles.push((CommRole::Plain, ffi::NCCL_CTA_POLICY_DEFAULT, false));
+            roles.push(CommInfo::PLAIN);
         }
         let ids = roles
             .iter()
@@ -193,16 +193,15 @@ impl NcclBackend {
                         ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
                         let mut comms = Vec::new();
                         let mut infos = Vec::new();
-                        for (&(role, policy, registers), id) in roles.iter().zip(ids) {
-                            let raw = ffi::comm_init(n, *id, rank, policy)?;
+                        for (&info, id) in roles.iter().zip(ids) {
+                            let raw = ffi::comm_init(n, *id, rank, info.cta_policy)?;
                             comms.push(Comm {
                                 raw: Mutex::new(raw),
                                 owned: true,
                             });
                             infos.push(CommInfo {
-                                role,
-                                cta_policy: effective_policy(policy),
-                                registers,
+                                cta_policy: effective_policy(info.cta_policy),
+                                ..info
                             });
                         }
                         Ok(NcclBackend::assemble(
