@@ -1,6 +1,6 @@
 //! The crate's error type.
 
-use crate::core::{AllocError, SegmentId};
+use crate::core::AllocError;
 use std::fmt;
 use std::time::Duration;
 
@@ -142,13 +142,15 @@ pub enum Error {
         /// Index of the communicator in the backend's list.
         comm: usize,
     },
-    /// A segment's registration failed on some rank; the pool refuses further growth
-    /// because ranks may now disagree on window order.
-    #[error("registration of {segment} failed earlier; the pool cannot grow any more: {reason}")]
+    /// A segment's registration failed earlier on `rank`; the pool refuses further
+    /// growth on every rank, because the ranks may now disagree on window order.
+    #[error(
+        "a window registration failed earlier on rank {rank}; the pool cannot grow any more: {reason}"
+    )]
     RegistrationBroken {
-        /// The segment whose registration failed.
-        segment: SegmentId,
-        /// The original failure.
+        /// The rank whose registration failed.
+        rank: usize,
+        /// The original failure (as that rank saw it, or a summary on other ranks).
         reason: String,
     },
     /// Ranks registered segments of different sizes at the same position.

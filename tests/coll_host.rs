@@ -360,3 +360,36 @@ fn same_offset_in_another_window_is_caught() {
         assert!(e.to_string().contains("window"), "{e}");
     }
 }
+
+#[test]
+fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
+    // Rank 0 issues its two all-gathers from two threads (in either order); rank 1
+    // issues the matching two from one thread. The host backend serialises each rank's
+    // calls on a communicator, so calls pair whole: matched pairs succeed, crossed
+    // pairs (different offsets) fail on both sides; never a panic or a hang.
+    let pools = pools(2);
+    let bufs = on_ranks(&pools, |p| {
+        (0..2)
+            .map(|_| p.alloc(8192, &Stream::host()).unwrap())
+            .collect::<Vec<_>>()
+    });
+    let (b0, b1) = (&bufs[0], &bufs[1]);
+    for _ in 0..50 {
+        let (r0, r1) = thread::scope(|s| {
+            let a = s.spawn(|| coll::all_gather_in_place::<f32>(&b0[0], &Stream::host()).is_ok());
+            let b = s.spawn(|| coll::all_gather_in_place::<f32>(&b0[1], &Stream::host()).is_ok());
+            let c = s.spawn(|| {
+                b1.iter()
+                    .map(|b| coll::all_gather_in_place::<f32>(b, &Stream::host()).is_ok())
+                    .collect::<Vec<_>>()
+            });
+            (
+                vec![a.join().unwrap(), b.join().unwrap()],
+                c.join().unwrap(),
+            )
+        });
+        let ok0 = r0.iter().filter(|&&x| x).count();
+        let ok1 = r1.iter().filter(|&&x| x).count();
+        assert_eq!(ok0, ok1, "rank 0 {r0:?} rank 1 {r1:?}");
+    }
+}

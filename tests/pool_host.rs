@@ -163,9 +163,13 @@ fn different_size_at_call_k_is_a_divergence_on_every_rank() {
         // Call 4 grows with a different size on rank 1.
         let size = if pool.rank() == 1 { 64 * MIB } else { 32 * MIB };
         let err = pool.alloc(size, &stream).unwrap_err();
-        // The pool stays usable for cache hits.
-        let c = pool.alloc(4096, &stream).unwrap();
-        drop((a, c));
+        // The allocators now differ: even a cache hit is refused, since it would land
+        // at an offset the peers do not share.
+        assert!(matches!(
+            pool.alloc(4096, &stream),
+            Err(Error::Divergence(_))
+        ));
+        drop(a);
         err
     });
     for (rank, e) in out.iter().enumerate() {
@@ -507,6 +511,8 @@ fn a_close_that_times_out_on_one_rank_closes_no_rank() {
 struct Announcing {
     inner: symmpool::HostBackend,
     entered: std::sync::mpsc::SyncSender<()>,
+    /// Pretend every stream is capturing a CUDA graph.
+    capturing: bool,
 }
 
 impl symmpool::Exchange for Announcing {
@@ -572,7 +578,7 @@ mod delegate {
             self.inner.wait_fence(s, on, f)
         }
         fn is_capturing(&self, s: &Stream) -> Result<bool> {
-            self.inner.is_capturing(s)
+            Ok(self.capturing || self.inner.is_capturing(s)?)
         }
         fn synchronize(&self) -> Result<()> {
             self.inner.synchronize()
@@ -607,6 +613,7 @@ fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
     let b0 = Announcing {
         inner: world.pop().unwrap(),
         entered: tx,
+        capturing: false,
     };
     let pool0 = SymmPool::new(std::sync::Arc::new(b0), config().with_timeout(timeout)).unwrap();
     let pool1 = SymmPool::new(std::sync::Arc::new(b1), config().with_timeout(timeout)).unwrap();
@@ -670,4 +677,33 @@ fn absurd_settings_are_refused_or_handled() {
     let pools = SymmPool::host_group(1, config().with_timeout(Duration::MAX)).unwrap();
     let b = pools[0].alloc(4096, &Stream::host()).unwrap();
     assert_eq!(b.offset_bytes(), 0);
+}
+
+#[test]
+fn one_rank_capturing_fails_growth_on_every_rank_without_a_timeout() {
+    let timeout = Duration::from_secs(20);
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let (tx, _rx) = std::sync::mpsc::sync_channel(64);
+    let b1 = world.pop().unwrap();
+    let b0 = Announcing {
+        inner: world.pop().unwrap(),
+        entered: tx,
+        capturing: true,
+    };
+    let pools = [
+        SymmPool::new(std::sync::Arc::new(b0), config().with_timeout(timeout)).unwrap(),
+        SymmPool::new(std::sync::Arc::new(b1), config().with_timeout(timeout)).unwrap(),
+    ];
+    let started = std::time::Instant::now();
+    let errs = on_ranks(&pools, |p| p.alloc(MIB, &Stream::host()).unwrap_err());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "no rank waited for a timeout"
+    );
+    for e in errs {
+        assert!(matches!(e, Error::GraphCapture), "{e:?}");
+    }
+    // The ranks stayed in step: `reserve` (the way out of capture) works on both.
+    let ids = on_ranks(&pools, |p| p.reserve(MIB).unwrap());
+    assert_eq!(ids[0], ids[1]);
 }

@@ -7,7 +7,9 @@
 //! offsets), and end in a barrier. Host work is synchronous, so streams are tags and
 //! fences are counters.
 
-use super::{Backend, BackendKind, CollArgs, CommInfo, Region, Registration, SegmentKey};
+use super::{
+    Backend, BackendKind, CollArgs, CommInfo, Region, Registration, SegmentKey, check_counts,
+};
 use crate::core::{Fence, StreamId};
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
@@ -124,6 +126,9 @@ struct Post {
 
 /// State shared by the ranks of one host world, per communicator.
 struct HostComm {
+    /// Held by one rank's calls on this communicator for the whole of each call, so
+    /// that two threads of a rank cannot interleave their rounds.
+    serial: Vec<Mutex<()>>,
     registrations: Rendezvous<u64>,
     collectives: Rendezvous<Option<Post>>,
 }
@@ -158,7 +163,7 @@ impl HostBackend {
     /// The ranks of a new host world, in rank order: hand one to each thread.
     ///
     /// The world has the same three communicators as the NCCL backend (symmetric,
-    /// copy-engine, plain; see [`CommRole`]) so path selection behaves the same.
+    /// copy-engine, plain; see [`CommRole`](super::CommRole)) so path selection behaves the same.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for zero ranks or a granularity that is not a power of
@@ -180,6 +185,7 @@ impl HostBackend {
             infos
                 .iter()
                 .map(|_| HostComm {
+                    serial: (0..n).map(|_| Mutex::new(())).collect(),
                     registrations: Rendezvous::new(n),
                     collectives: Rendezvous::new(n),
                 })
@@ -272,14 +278,22 @@ impl HostBackend {
             reduce: args.op,
             symmetric: args.symmetric,
         };
+        let _serial = comm.serial[self.rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let round = self.next_round(args.comm, false);
-        let posts: Vec<Post> = comm
-            .collectives
-            .gather(op, self.rank, round, Some(post), self.config.timeout)?
-            .into_iter()
-            .map(|p| p.expect("every rank posts a collective"))
-            .collect();
-        let verdict = check_posts(&posts).and_then(|()| body(&posts));
+        let gathered =
+            comm.collectives
+                .gather(op, self.rank, round, Some(post), self.config.timeout)?;
+        // A `None` is a peer's closing round paired with this post: the ranks are not
+        // making the same calls on this communicator.
+        let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
+            Some(posts) => check_posts(&posts).and_then(|()| body(&posts)),
+            None => Err(Error::CollectiveMismatch {
+                op,
+                detail: "a peer is at another step of its calls on this communicator".into(),
+            }),
+        };
         // Second round: nobody returns (and reuses its input) before all are done.
         let round = self.next_round(args.comm, false);
         comm.collectives
@@ -423,6 +437,9 @@ impl Backend for HostBackend {
 
     fn register(&self, id: SegmentKey, comm: usize) -> Result<Registration> {
         let size = self.segment(id)?.lock().len() as u64;
+        let _serial = self.comm(comm)?.serial[self.rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let ordinal = self.next_round(comm, true);
         let sizes = self.comm(comm)?.registrations.gather(
             "window registration",
@@ -505,14 +522,15 @@ impl Backend for HostBackend {
     }
 
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()> {
-        let chunk = args.count * args.dtype.size_bytes();
+        check_counts("all_gather", args, self.config.world_size, false)?;
+        let chunk = args.count * args.dtype.size_bytes(); // checked above
         self.collective(args, "all_gather", |posts| {
             // Pull: read every rank's chunk, write it into this rank's output.
             let (recv, recv_off, _) = &posts[self.rank].recv;
             for (r, p) in posts.iter().enumerate() {
                 let data = read_region(&p.send.0, p.send.1, chunk)?;
                 let mut out = recv.lock();
-                let range = bounds(out.len(), recv_off + r as u64 * chunk, chunk)?;
+                let range = bounds(out.len(), recv_off.saturating_add(r as u64 * chunk), chunk)?;
                 out[range].copy_from_slice(&data);
             }
             Ok(())
@@ -520,7 +538,8 @@ impl Backend for HostBackend {
     }
 
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()> {
-        let chunk = args.count * args.dtype.size_bytes();
+        check_counts("reduce_scatter", args, self.config.world_size, true)?;
+        let chunk = args.count * args.dtype.size_bytes(); // checked above
         let me = self.rank as u64;
         self.collective(args, "reduce_scatter", |posts| {
             // Pull: reduce this rank's chunk of every rank's input, in rank order.
@@ -530,7 +549,7 @@ impl Backend for HostBackend {
             let premul = args.op == ReduceOp::Avg && args.dtype != DType::U8;
             let mut acc: Option<Vec<u8>> = None;
             for p in posts {
-                let mut data = read_region(&p.send.0, p.send.1 + me * chunk, chunk)?;
+                let mut data = read_region(&p.send.0, p.send.1.saturating_add(me * chunk), chunk)?;
                 if premul {
                     dtype::divide(args.dtype, &mut data, posts.len());
                 }

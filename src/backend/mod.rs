@@ -40,6 +40,7 @@ use crate::exchange::Exchange;
 use crate::stream::Stream;
 use serde::Serialize;
 use std::fmt;
+use std::time::Duration;
 
 /// Which implementation a backend is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -144,6 +145,37 @@ pub struct CollArgs<'a> {
     pub symmetric: bool,
 }
 
+/// The regions must hold what a collective will touch: `count` elements on one side and
+/// `world × count` on the other (the input for a reduce-scatter, the output for an
+/// all-gather).
+pub(crate) fn check_counts(
+    op: &'static str,
+    a: &CollArgs<'_>,
+    world: usize,
+    reduce: bool,
+) -> Result<()> {
+    let chunk = a.count.checked_mul(a.dtype.size_bytes());
+    let whole = chunk.and_then(|c| c.checked_mul(world as u64));
+    let (small, big) = if reduce {
+        (&a.recv, &a.send)
+    } else {
+        (&a.send, &a.recv)
+    };
+    match (chunk, whole) {
+        (Some(c), Some(w)) if c <= small.len_bytes && w <= big.len_bytes => Ok(()),
+        _ => Err(crate::Error::InvalidCollective {
+            op,
+            detail: format!(
+                "{} elements of {} bytes per rank do not fit regions of {} and {} bytes",
+                a.count,
+                a.dtype.size_bytes(),
+                a.send.len_bytes,
+                a.recv.len_bytes
+            ),
+        }),
+    }
+}
+
 /// Where segments come from and how they are registered; one rank's view.
 ///
 /// Implementations must be usable from several threads (`Send + Sync`) and must
@@ -224,6 +256,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Errors
     /// A backend error.
     fn synchronize(&self) -> Result<()>;
+
+    /// Wait on the host, at most `timeout`, for all work on this rank's device: `true`
+    /// if it drained. Used where blocking without bound is not allowed (drops).
+    ///
+    /// # Errors
+    /// A backend error.
+    fn synchronize_within(&self, timeout: Duration) -> Result<bool> {
+        let _ = timeout;
+        self.synchronize().map(|()| true)
+    }
 
     /// Copy `data` into a region, ordered on `stream`.
     ///

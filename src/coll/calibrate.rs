@@ -12,7 +12,7 @@ use serde::Serialize;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CalibrateConfig {
-    /// Smallest size measured, in bytes per rank (default 64 KiB).
+    /// Smallest size measured, in bytes per rank (default 64 KiB, at least 4).
     pub min_bytes: u64,
     /// Largest size measured, in bytes per rank (default 256 MiB). The calibration
     /// allocates world × this many bytes in a temporary pool.
@@ -109,7 +109,7 @@ pub fn calibrate(
     config: &CalibrateConfig,
 ) -> Result<Calibration> {
     pool.check_open()?;
-    if config.min_bytes == 0
+    if config.min_bytes < 4
         || config.min_bytes > config.max_bytes
         || config.max_bytes > MAX_CALIBRATE_BYTES
         || config.reps == 0
@@ -117,7 +117,7 @@ pub fn calibrate(
         || config.bytes_per_rep == 0
     {
         return Err(Error::InvalidConfig(format!(
-            "calibration needs 0 < min_bytes <= max_bytes <= {MAX_CALIBRATE_BYTES}, 1..=1000 repetitions and bytes_per_rep > 0 (got {config:?})"
+            "calibration needs 4 <= min_bytes <= max_bytes <= {MAX_CALIBRATE_BYTES}, 1..=1000 repetitions and bytes_per_rep > 0 (got {config:?})"
         )));
     }
     let backend = pool.backend().clone();
@@ -128,9 +128,13 @@ pub fn calibrate(
             .iter()
             .position(|c| c.role == role_of(p))
     };
+    // The caller's settings (core sizes, timeout, registration), default paths.
     let tmp = SymmPool::new(
         backend.clone(),
-        PoolConfig::default().with_timeout(pool.config().timeout),
+        PoolConfig {
+            paths: Default::default(),
+            ..pool.config().clone()
+        },
     )?;
     let mut sizes = Vec::new();
     let mut s = config.min_bytes.next_power_of_two();
@@ -227,8 +231,13 @@ pub fn calibrate(
         })
         .collect();
     let all = backend.exchange().all_gather(enc, pool.config().timeout)?;
+    let Some(first) = all.first().filter(|r| r.len() == 6 * sizes.len()) else {
+        return Err(Error::InvalidConfig(
+            "the exchange returned no or a malformed record for rank 0 (ranks calibrated different ranges?)".into(),
+        ));
+    };
     let dec = |x: u64| Some(f64::from_bits(x)).filter(|v| !v.is_nan());
-    let measurements: Vec<Measurement> = all[0]
+    let measurements: Vec<Measurement> = first
         .chunks_exact(6)
         .map(|c| Measurement {
             bytes: c[0],
@@ -335,6 +344,7 @@ mod tests {
         let s = Stream::host();
         for cfg in [
             CalibrateConfig::default().with_range(0, 1 << 20),
+            CalibrateConfig::default().with_range(1, 1 << 20),
             CalibrateConfig::default().with_range(1 << 20, 1 << 10),
             CalibrateConfig::default().with_range(1 << 63, u64::MAX),
             CalibrateConfig::default().with_range(u64::MAX, u64::MAX),

@@ -166,7 +166,7 @@ pub fn all_gather<T: Element>(
     let pool = prepare(&[input, output], stream)?;
     let count = elements::<T>(OP, "input", input.len_bytes())?;
     let world = pool.world_size() as u64;
-    if output.len_bytes() != input.len_bytes() * world {
+    if input.len_bytes().checked_mul(world) != Some(output.len_bytes()) {
         return Err(invalid(
             OP,
             format!(
@@ -263,7 +263,7 @@ pub fn reduce_scatter<T: Element>(
     let pool = prepare(&[input, output], stream)?;
     let count = elements::<T>(OP, "output", output.len_bytes())?;
     let world = pool.world_size() as u64;
-    if input.len_bytes() != output.len_bytes() * world {
+    if output.len_bytes().checked_mul(world) != Some(input.len_bytes()) {
         return Err(invalid(
             OP,
             format!(

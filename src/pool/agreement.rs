@@ -108,13 +108,14 @@ impl History {
     }
 
     /// Encode the agreement record for `during` (an operation code) with `size`.
-    fn encode(&self, op: u64, size: u64, extra: u64) -> Vec<u64> {
+    fn encode(&self, op: u64, size: u64, state: u64, extra: u64) -> Vec<u64> {
         let mut v = vec![
             MAGIC,
             op,
             self.seq,
             size,
             self.hash,
+            state,
             extra,
             self.recent.len() as u64,
         ];
@@ -134,19 +135,20 @@ pub(crate) struct Record {
     pub(crate) seq: u64,
     pub(crate) size: u64,
     pub(crate) hash: u64,
+    pub(crate) state: u64,
     pub(crate) extra: u64,
     pub(crate) recent: Vec<CallRecord>,
 }
 
 fn decode(v: &[u64]) -> Option<Record> {
-    if v.len() < 7 || v[0] != MAGIC {
+    if v.len() < 8 || v[0] != MAGIC {
         return None;
     }
-    let n = v[6] as usize;
-    if v.len() != 7 + 4 * n {
+    let n = usize::try_from(v[7]).ok()?;
+    if v.len() != n.checked_mul(4)?.checked_add(8)? {
         return None;
     }
-    let recent = v[7..]
+    let recent = v[8..]
         .chunks_exact(4)
         .map(|c| {
             Some(CallRecord {
@@ -162,7 +164,8 @@ fn decode(v: &[u64]) -> Option<Record> {
         seq: v[2],
         size: v[3],
         hash: v[4],
-        extra: v[5],
+        state: v[5],
+        extra: v[6],
         recent,
     })
 }
@@ -176,22 +179,36 @@ fn decode(v: &[u64]) -> Option<Record> {
 /// # Errors
 /// [`Error::Timeout`] if a rank does not arrive; [`Error::Divergence`] if records
 /// differ in operation, call count, size or hash.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn agree(
     exchange: &dyn Exchange,
     history: &History,
     op: u64,
     during: &'static str,
     size: u64,
+    state: u64,
     extra: u64,
     timeout: Duration,
 ) -> Result<Vec<u64>> {
-    let all = exchange.all_gather(history.encode(op, size, extra), timeout)?;
-    let records: Vec<Option<Record>> = all.iter().map(|v| decode(v)).collect();
+    let sent = history.encode(op, size, state, extra);
+    let all = exchange.all_gather(sent.clone(), timeout)?;
     let me = exchange.rank();
-    let mine = records[me].clone().expect("own record decodes");
+    if all.len() != exchange.world_size() || all.get(me) != Some(&sent) {
+        return Err(Error::InvalidConfig(format!(
+            "the exchange returned {} records for {} ranks, or not this rank's own record",
+            all.len(),
+            exchange.world_size()
+        )));
+    }
+    let records: Vec<Option<Record>> = all.iter().map(|v| decode(v)).collect();
+    let mine = decode(&sent).expect("own record decodes");
     let agrees = |r: &Option<Record>| {
         r.as_ref().is_some_and(|r| {
-            r.op == mine.op && r.seq == mine.seq && r.size == mine.size && r.hash == mine.hash
+            r.op == mine.op
+                && r.seq == mine.seq
+                && r.size == mine.size
+                && r.hash == mine.hash
+                && r.state == mine.state
         })
     };
     if records.iter().all(agrees) {
@@ -259,6 +276,27 @@ fn explain(records: &[Option<Record>], during: &'static str, _size: u64) -> Dive
     let same_history = decoded
         .windows(2)
         .all(|w| w[0].hash == w[1].hash && w[0].seq == w[1].seq);
+    let same_request = decoded
+        .windows(2)
+        .all(|w| w[0].op == w[1].op && w[0].size == w[1].size);
+    if same_history && same_request {
+        // Same calls, different allocator states: something outside the recorded
+        // calls changed one rank's allocator (a bug, or memory released on one rank).
+        return Divergence {
+            during,
+            first_differing_call: None,
+            calls: decoded
+                .iter()
+                .enumerate()
+                .map(|(rank, r)| {
+                    (
+                        rank,
+                        Some(format!("allocator state digest {:#018x}", r.state)),
+                    )
+                })
+                .collect(),
+        };
+    }
     Divergence {
         during,
         first_differing_call: if same_history { Some(hi + 1) } else { None },
@@ -277,6 +315,14 @@ fn explain(records: &[Option<Record>], during: &'static str, _size: u64) -> Dive
             })
             .collect(),
     }
+}
+
+/// A digest of an allocator's state (segment count, byte counts, call counts), compared
+/// in the agreement beside the call hash.
+pub(crate) fn state_digest(parts: &[u64]) -> u64 {
+    parts
+        .iter()
+        .fold(0x243f_6a88_85a3_08d3, |h, &p| mix(h ^ mix(p)))
 }
 
 /// Operation codes of the agreement.
@@ -302,7 +348,7 @@ mod tests {
     use super::*;
 
     fn rec(h: &History, op: u64, size: u64) -> Option<Record> {
-        decode(&h.encode(op, size, 0))
+        decode(&h.encode(op, size, 0, 0))
     }
 
     #[test]
@@ -354,6 +400,16 @@ mod tests {
         }
         let d = explain(&[rec(&a, op::GROW, 1), rec(&b, op::GROW, 1)], "growth", 1);
         assert_eq!(d.first_differing_call, None);
+    }
+
+    #[test]
+    fn same_calls_different_state_is_a_divergence_without_a_call() {
+        let a = History::new(4);
+        let x = decode(&a.encode(op::GROW, 1, 7, 0));
+        let y = decode(&a.encode(op::GROW, 1, 8, 0));
+        let d = explain(&[x, y], "growth", 1);
+        assert_eq!(d.first_differing_call, None);
+        assert!(d.to_string().contains("state digest"), "{d}");
     }
 
     #[test]

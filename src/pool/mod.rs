@@ -132,14 +132,36 @@ pub struct PoolStats {
 pub(crate) struct SegmentEntry {
     /// Per communicator: `Some` once registration was attempted.
     pub(crate) windows: Vec<Option<Registration>>,
+    /// Bit `c` set: a symmetric window on communicator `c` (what buffers cache).
+    pub(crate) mask: u64,
 }
+
+impl SegmentEntry {
+    fn new(windows: Vec<Option<Registration>>) -> Self {
+        let mask = windows
+            .iter()
+            .enumerate()
+            .filter(|(c, w)| *c < 64 && **w == Some(Registration::Symmetric))
+            .fold(0u64, |m, (c, _)| m | (1 << c));
+        SegmentEntry { windows, mask }
+    }
+}
+
+/// Readiness flags carried in the growth agreement.
+const READY: u64 = 1;
+const NOT_READY_CAPTURING: u64 = 2;
+const NOT_READY_BROKEN: u64 = 3;
 
 pub(crate) struct PoolState {
     pub(crate) core: Allocator,
     history: History,
+    /// Segments this rank holds memory (and windows) for. Usually the core's segments;
+    /// after a failed release also ones the core has dropped, until a retry succeeds.
     pub(crate) segments: BTreeMap<SegmentId, SegmentEntry>,
     closed: bool,
     broken: Option<(SegmentId, String)>,
+    /// Set once an agreement found the ranks diverged: later allocations fail.
+    diverged: Option<Box<crate::error::Divergence>>,
     registrations: Vec<u64>,
     deregistrations: Vec<u64>,
     agreements: u64,
@@ -232,6 +254,7 @@ impl SymmPool {
                     segments: BTreeMap::new(),
                     closed: false,
                     broken: None,
+                    diverged: None,
                     registrations: vec![0; n],
                     deregistrations: vec![0; n],
                     agreements: 0,
@@ -377,6 +400,11 @@ impl SymmPool {
         if st.closed {
             return Err(Error::PoolClosed);
         }
+        if let Some(d) = &st.diverged {
+            // The ranks' allocators differ: a cache hit would place this buffer at an
+            // offset the peers do not share, which NCCL would not notice.
+            return Err(Error::Divergence(d.clone()));
+        }
         let req = AllocRequest::new(size_bytes, stream.id()).with_align(align_bytes);
         // Record the alignment that takes effect, so that `alloc(n)` and
         // `alloc_aligned(n, 512)` count as the same call on different ranks.
@@ -395,16 +423,7 @@ impl SymmPool {
             }
             Err(e) => return Err(e.into()),
         };
-        for w in &placement.waits {
-            self.inner.backend.wait_fence(stream, w.stream, w.fence)?;
-        }
-        let windows = st.segments.get(&placement.segment).map_or(0, |e| {
-            e.windows
-                .iter()
-                .enumerate()
-                .filter(|(c, w)| *c < 64 && **w == Some(Registration::Symmetric))
-                .fold(0u64, |m, (c, _)| m | (1 << c))
-        });
+        let windows = st.segments.get(&placement.segment).map_or(0, |e| e.mask);
         drop(st);
         let device_ptr = self.inner.backend.device_ptr(crate::backend::Region {
             segment: self.key(placement.segment),
@@ -412,35 +431,59 @@ impl SymmPool {
             len_bytes: size_bytes,
             device_ptr: None,
         });
-        Ok(SymmBuffer::new(
+        let waits = placement.waits.clone();
+        // The buffer exists before the waits are enqueued: if enqueuing fails, dropping
+        // it returns the block through the normal path instead of leaking it.
+        let buffer = SymmBuffer::new(
             self.clone(),
             placement,
             size_bytes,
             stream.clone(),
             windows,
             device_ptr,
-        ))
+        );
+        for w in &waits {
+            self.inner.backend.wait_fence(stream, w.stream, w.fence)?;
+        }
+        Ok(buffer)
     }
 
     /// Grow by one segment: agree, allocate, confirm, register, add to the core.
     fn grow(&self, st: &mut PoolState, growth: Growth, stream: &Stream) -> Result<SegmentId> {
-        self.check_growable(st, stream)?;
-        self.agree(st, op::GROW, "growth", growth.segment_bytes, 0)?;
+        let ready = self.readiness(st, Some(stream))?;
+        let flags = self.agree(st, op::GROW, "growth", growth.segment_bytes, ready)?;
+        Self::all_ready(st, &flags)?;
         let id = st.core.next_segment_id();
         self.provide_segment(st, id, growth.segment_bytes)?;
         let added = st.core.add_segment(growth);
         self.finish_segment(st, id, added)
     }
 
-    fn check_growable(&self, st: &PoolState, stream: &Stream) -> Result<()> {
-        if let Some((segment, reason)) = &st.broken {
-            return Err(Error::RegistrationBroken {
-                segment: *segment,
-                reason: reason.clone(),
-            });
+    /// This rank's readiness to grow, carried in the agreement so that a rank-local
+    /// obstacle fails every rank the same way instead of leaving the others to time out.
+    fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<u64> {
+        if st.broken.is_some() {
+            return Ok(NOT_READY_BROKEN);
         }
-        if self.inner.backend.is_capturing(stream)? {
+        if let Some(s) = stream
+            && self.inner.backend.is_capturing(s)?
+        {
+            return Ok(NOT_READY_CAPTURING);
+        }
+        Ok(READY)
+    }
+
+    /// Turn the ranks' readiness flags into the same error on every rank.
+    fn all_ready(st: &PoolState, flags: &[u64]) -> Result<()> {
+        if flags.contains(&NOT_READY_CAPTURING) {
             return Err(Error::GraphCapture);
+        }
+        if let Some(rank) = flags.iter().position(|&f| f == NOT_READY_BROKEN) {
+            let reason = match &st.broken {
+                Some((_, why)) => why.clone(),
+                None => format!("a registration failed earlier on rank {rank}"),
+            };
+            return Err(Error::RegistrationBroken { rank, reason });
         }
         Ok(())
     }
@@ -454,15 +497,28 @@ impl SymmPool {
         extra: u64,
     ) -> Result<Vec<u64>> {
         st.agreements += 1;
-        agree(
+        let c = st.core.stats();
+        let state = agreement::state_digest(&[
+            u64::from(st.core.next_segment_id().0),
+            c.reserved_bytes.current,
+            c.allocated_bytes.current,
+            c.num_allocs,
+            c.num_frees,
+        ]);
+        let out = agree(
             self.inner.backend.exchange(),
             &st.history,
             op,
             during,
             size,
+            state,
             extra,
             self.inner.config.timeout,
-        )
+        );
+        if let Err(Error::Divergence(d)) = &out {
+            st.diverged = Some(d.clone());
+        }
+        out
     }
 
     /// Allocate segment `id` on this rank, confirm every rank did, and register it.
@@ -517,7 +573,7 @@ impl SymmPool {
                 }
             }
         }
-        st.segments.insert(id, SegmentEntry { windows });
+        st.segments.insert(id, SegmentEntry::new(windows));
         st.growth_time += started.elapsed();
         Ok(())
     }
@@ -555,26 +611,52 @@ impl SymmPool {
     }
 
     /// Deregister and free segments the core has released; drains the device first.
-    fn release_segments(&self, st: &mut PoolState, released: &[(SegmentId, u64)]) -> Result<()> {
-        if released.is_empty() {
+    /// Deregister and free the segments this rank still holds but the core no longer
+    /// does (released by `trim`/`close`, or left over from a failed release); drains
+    /// the device first. A segment whose release fails stays listed, and the next
+    /// `trim`, `close` or drop of the pool tries again.
+    fn release_segments(&self, st: &mut PoolState) -> Result<()> {
+        let held: std::collections::BTreeSet<SegmentId> =
+            st.core.segments().map(|(id, _, _)| id).collect();
+        let gone: Vec<SegmentId> = st
+            .segments
+            .keys()
+            .filter(|id| !held.contains(id))
+            .copied()
+            .collect();
+        if gone.is_empty() {
             return Ok(());
         }
         let backend = &self.inner.backend;
         backend.synchronize()?;
         let mut first_err = None;
-        for (id, _) in released {
-            if let Some(entry) = st.segments.remove(id) {
-                for (c, w) in entry.windows.iter().enumerate() {
-                    if w.is_some() {
-                        if let Err(e) = backend.deregister(self.key(*id), c) {
+        for id in gone {
+            let entry = st.segments.get_mut(&id).expect("listed above");
+            let mut failed = false;
+            for (c, w) in entry.windows.iter_mut().enumerate() {
+                if w.is_some() {
+                    match backend.deregister(self.key(id), c) {
+                        Ok(()) => {
+                            *w = None;
+                            st.deregistrations[c] += 1;
+                        }
+                        Err(e) => {
+                            failed = true;
                             first_err.get_or_insert(e);
                         }
-                        st.deregistrations[c] += 1;
                     }
                 }
             }
-            if let Err(e) = backend.free_segment(self.key(*id)) {
-                first_err.get_or_insert(e);
+            if failed {
+                continue;
+            }
+            match backend.free_segment(self.key(id)) {
+                Ok(()) => {
+                    st.segments.remove(&id);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
         first_err.map_or(Ok(()), Err)
@@ -605,14 +687,24 @@ impl SymmPool {
                 requested_bytes: size_bytes,
                 max_bytes: config.max_request_bytes,
             })?;
-        st.history.record(CallKind::Reserve, size_bytes, 0);
-        if let Some((segment, reason)) = &st.broken {
-            return Err(Error::RegistrationBroken {
-                segment: *segment,
-                reason: reason.clone(),
+        // The reserve limit is the same on every rank: check it before agreeing.
+        let reserved = st.core.stats().reserved_bytes.current;
+        if reserved
+            .checked_add(size)
+            .is_none_or(|r| r > config.max_reserved_bytes)
+        {
+            return Err(Error::OutOfMemory {
+                segment_bytes: size,
+                reason: format!(
+                    "would reserve more than the limit of {} bytes ({reserved} reserved)",
+                    config.max_reserved_bytes
+                ),
             });
         }
-        self.agree(&mut st, op::RESERVE, "reserve", size, 0)?;
+        st.history.record(CallKind::Reserve, size_bytes, 0);
+        let ready = self.readiness(&st, None)?;
+        let flags = self.agree(&mut st, op::RESERVE, "reserve", size, ready)?;
+        Self::all_ready(&st, &flags)?;
         let id = st.core.next_segment_id();
         self.provide_segment(&mut st, id, size)?;
         let added = st.core.add_shared_segment(size);
@@ -636,7 +728,7 @@ impl SymmPool {
         st.history.record(CallKind::Trim, 0, 0);
         self.agree(&mut st, op::TRIM, "trim", 0, 0)?;
         let released = st.core.release_free_segments();
-        self.release_segments(&mut st, &released)?;
+        self.release_segments(&mut st)?;
         Ok(released.iter().map(|(_, b)| b).sum())
     }
 
@@ -662,17 +754,18 @@ impl SymmPool {
         if live_per_rank.iter().any(|&l| l > 0) {
             return Err(Error::BuffersAlive { live_per_rank });
         }
-        let released = st.core.release_free_segments();
+        st.core.release_free_segments();
         st.closed = true;
         self.inner
             .closed
             .store(true, std::sync::atomic::Ordering::Release);
-        self.release_segments(&mut st, &released)
+        // If this fails, the segments stay listed and dropping the pool retries.
+        self.release_segments(&mut st)
     }
 
     /// Whether [`close`](Self::close) has completed.
     pub fn is_closed(&self) -> bool {
-        self.lock().closed
+        self.inner.closed.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Statistics of the pool and its core.
@@ -736,15 +829,10 @@ impl SymmPool {
                     fence: f,
                 }),
                 Err(e) => {
-                    // Without a fence the memory cannot be handed to another stream
-                    // safely: drain the device instead, then free without fences.
-                    log::warn!("symmpool: recording a fence failed ({e}); synchronizing");
-                    if let Err(e) = self.inner.backend.synchronize() {
-                        log::error!("symmpool: synchronize failed ({e}); block leaked");
-                        return;
-                    }
-                    fences.clear();
-                    break;
+                    // The device is failing (a fence is an event record). Free the block
+                    // anyway, so that this rank's calls stay in step with its peers';
+                    // never block in a drop.
+                    log::error!("symmpool: recording a fence failed ({e}); block freed without it");
                 }
             }
         }
@@ -821,15 +909,33 @@ impl SymmPool {
 impl Drop for PoolInner {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        if st.closed || st.segments.is_empty() {
+        if st.segments.is_empty() {
             return;
         }
-        log::warn!(
-            "symmpool: pool dropped without close(); releasing {} segments locally",
-            st.segments.len()
-        );
-        if let Err(e) = self.backend.synchronize() {
-            log::error!("symmpool: synchronize failed while dropping the pool: {e}");
+        if !st.closed {
+            log::warn!(
+                "symmpool: pool dropped without close(); releasing {} segments locally",
+                st.segments.len()
+            );
+        }
+        // Never wait without bound in a drop: if the device does not drain in time
+        // (a peer died in a collective, say), leave the memory to the backend.
+        match self.backend.synchronize_within(self.config.timeout) {
+            Ok(true) => {}
+            Ok(false) => {
+                log::error!(
+                    "symmpool: the device did not drain within {:?}; {} segments left to the backend",
+                    self.config.timeout,
+                    st.segments.len()
+                );
+                return;
+            }
+            Err(e) => {
+                log::error!(
+                    "symmpool: synchronize failed while dropping the pool ({e}); segments left to the backend"
+                );
+                return;
+            }
         }
         for (id, entry) in std::mem::take(&mut st.segments) {
             let key = SegmentKey::new(self.number, id);

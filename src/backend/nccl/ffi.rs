@@ -181,8 +181,12 @@ pub(crate) fn comm_rank_size(comm: &RawComm) -> Result<(usize, usize)> {
 }
 
 /// `ncclCommAbort`: local teardown that never waits for peers.
-pub(crate) fn comm_abort(comm: RawComm) -> Result<()> {
-    // SAFETY: `comm.0` is live and is not used again (consumed).
+///
+/// # Safety
+/// - `comm` is a live communicator created by this crate (not adopted);
+/// - nothing uses it again (it is consumed), and its windows are deregistered.
+pub(crate) unsafe fn comm_abort(comm: RawComm) -> Result<()> {
+    // SAFETY: the caller guarantees `comm.0` is live, owned and never used again.
     check("ncclCommAbort", unsafe { sys::ncclCommAbort(comm.0) })
 }
 
@@ -210,8 +214,13 @@ pub(crate) fn mem_alloc(size: u64) -> Result<u64> {
 }
 
 /// `ncclMemFree`.
-pub(crate) fn mem_free(ptr: u64) -> Result<()> {
-    // SAFETY: `ptr` came from `mem_alloc` and is freed once (the backend forgets it).
+///
+/// # Safety
+/// - `ptr` came from [`mem_alloc`] and is freed once;
+/// - no window covers it any more and no device work still uses it.
+pub(crate) unsafe fn mem_free(ptr: u64) -> Result<()> {
+    // SAFETY: the caller guarantees a single free of an `ncclMemAlloc` pointer that
+    // nothing uses any more.
     check("ncclMemFree", unsafe {
         sys::ncclMemFree(ptr as *mut c_void)
     })
@@ -230,10 +239,19 @@ unsafe impl Send for RawWindow {}
 ///
 /// # Collective
 /// Every rank of `comm`, same order.
-pub(crate) fn window_register(comm: &RawComm, ptr: u64, size: u64) -> Result<Option<RawWindow>> {
+///
+/// # Safety
+/// - `comm` is live and the caller holds its mutex;
+/// - `ptr..ptr + size` is one whole `ncclMemAlloc` allocation on `comm`'s device,
+///   not yet registered on `comm`.
+pub(crate) unsafe fn window_register(
+    comm: &RawComm,
+    ptr: u64,
+    size: u64,
+) -> Result<Option<RawWindow>> {
     let mut win: sys::ncclWindow_t = std::ptr::null_mut();
-    // SAFETY: `comm.0` is live and serialised by the caller's mutex; `ptr..ptr+size` is
-    // one whole ncclMemAlloc allocation; `win` is a valid out-pointer.
+    // SAFETY: the caller guarantees the communicator and the allocation; `win` is a
+    // valid out-pointer.
     let r = unsafe {
         sys::ncclCommWindowRegister(
             comm.0,
@@ -248,8 +266,13 @@ pub(crate) fn window_register(comm: &RawComm, ptr: u64, size: u64) -> Result<Opt
 }
 
 /// `ncclCommWindowDeregister` (local).
-pub(crate) fn window_deregister(comm: &RawComm, win: RawWindow) -> Result<()> {
-    // SAFETY: `win` came from `window_register` on this communicator and is consumed.
+///
+/// # Safety
+/// - `win` came from [`window_register`] on `comm` (consumed here);
+/// - `comm` is live, the caller holds its mutex, and no device work uses the window.
+pub(crate) unsafe fn window_deregister(comm: &RawComm, win: RawWindow) -> Result<()> {
+    // SAFETY: the caller guarantees the window belongs to this live communicator and is
+    // no longer in use.
     check("ncclCommWindowDeregister", unsafe {
         sys::ncclCommWindowDeregister(comm.0, win.0)
     })

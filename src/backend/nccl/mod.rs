@@ -10,7 +10,10 @@
 
 mod ffi;
 
-use super::{Backend, BackendKind, CollArgs, CommInfo, CommRole, Region, Registration, SegmentKey};
+use super::{
+    Backend, BackendKind, CollArgs, CommInfo, CommRole, Region, Registration, SegmentKey,
+    check_counts,
+};
 use crate::core::{Fence, StreamId};
 use crate::error::{Error, NcclVersion, Result};
 use crate::exchange::{Exchange, LocalExchange};
@@ -86,6 +89,48 @@ struct FenceTable {
     spare: Vec<CudaEvent>,
 }
 
+/// The segment granularity of a device: `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` for
+/// pinned device memory with POSIX-FD handles (what `ncclMemAlloc` rounds to), at least
+/// 2 MiB (NCCL 2.27's window rule), as a power of two. 2 MiB if the query fails.
+fn segment_granularity(ordinal: usize) -> u64 {
+    use cudarc::driver::sys;
+    const MIN: u64 = 2 << 20;
+    let prop = sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes:
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal as i32,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    };
+    let mut granularity = 0usize;
+    // SAFETY: `granularity` and `prop` are valid for the call, which only reads `prop`;
+    // the driver library is loaded (the caller created a context first).
+    let r = unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        )
+    };
+    if r != sys::cudaError_enum::CUDA_SUCCESS || granularity == 0 {
+        log::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
+        return MIN;
+    }
+    (granularity as u64).max(MIN).next_power_of_two()
+}
+
+/// How long dropping a backend waits for its device to drain.
+const DROP_DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Events kept per stream before completed ones are collected.
 const FENCES_PER_STREAM: usize = 64;
 
@@ -102,6 +147,8 @@ struct Comm {
 pub struct NcclBackend {
     rank: usize,
     world: usize,
+    /// Segment granularity in bytes (see `segment_granularity`).
+    granularity: u64,
     version: NcclVersion,
     ctx: Arc<CudaContext>,
     infos: Vec<CommInfo>,
@@ -180,16 +227,20 @@ impl NcclBackend {
             .collect::<Result<Vec<_>>>()?;
         let n = devices.len();
         let exchanges = LocalExchange::group(n);
+        // Every context first: a device that fails here fails the call before any rank
+        // blocks in ncclCommInitRankConfig waiting for it.
+        let contexts = devices
+            .iter()
+            .map(|&dev| CudaContext::new(dev).map_err(ffi::cuda("cuDevicePrimaryCtxRetain")))
+            .collect::<Result<Vec<_>>>()?;
         let results: Vec<Result<NcclBackend>> = std::thread::scope(|s| {
-            let handles: Vec<_> = devices
-                .iter()
+            let handles: Vec<_> = contexts
+                .into_iter()
                 .zip(exchanges)
                 .enumerate()
-                .map(|(rank, (&dev, exchange))| {
+                .map(|(rank, (ctx, exchange))| {
                     let (roles, ids) = (&roles, &ids);
                     s.spawn(move || -> Result<NcclBackend> {
-                        let ctx =
-                            CudaContext::new(dev).map_err(ffi::cuda("cuDevicePrimaryCtxRetain"))?;
                         ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
                         let mut comms = Vec::new();
                         let mut infos = Vec::new();
@@ -240,6 +291,7 @@ impl NcclBackend {
         NcclBackend {
             rank,
             world,
+            granularity: segment_granularity(ctx.ordinal()),
             version,
             ctx,
             infos,
@@ -349,10 +401,9 @@ impl NcclBackend {
         })
     }
 
+    /// The device address of a region, checked against its segment (a caller's
+    /// `device_ptr` is never trusted: the trait is public).
     fn ptr(&self, region: &Region) -> Result<u64> {
-        if let Some(p) = region.device_ptr {
-            return Ok(p);
-        }
         let segs = lock(&self.segments);
         let seg = segs.get(&region.segment).ok_or(Error::ForeignBuffer)?;
         match region.offset_bytes.checked_add(region.len_bytes) {
@@ -390,9 +441,9 @@ impl Backend for NcclBackend {
     }
 
     fn granularity_bytes(&self) -> u64 {
-        // NCCL rounds ncclMemAlloc to CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, 2 MiB on
-        // Hopper, and 2.27 requires 2 MiB-aligned window bases and sizes.
-        2 << 20
+        // NCCL rounds ncclMemAlloc to CU_MEM_ALLOC_GRANULARITY_RECOMMENDED (2 MiB on
+        // Hopper), and 2.27 requires 2 MiB-aligned window bases and sizes.
+        self.granularity
     }
 
     fn communicators(&self) -> &[CommInfo] {
@@ -417,11 +468,24 @@ impl Backend for NcclBackend {
     }
 
     fn free_segment(&self, id: SegmentKey) -> Result<()> {
+        // Windows still covering the segment go first (NCCL's teardown order).
+        let comms: Vec<usize> = lock(&self.windows)
+            .keys()
+            .filter(|(k, _)| *k == id)
+            .map(|&(_, c)| c)
+            .collect();
+        for c in comms {
+            self.deregister(id, c)?;
+        }
         let Some(seg) = lock(&self.segments).remove(&id) else {
             return Ok(());
         };
         self.bind()?;
-        ffi::mem_free(seg.ptr)
+        // SAFETY: no window covers the segment any more (deregistered above), it came
+        // from `mem_alloc` and is removed from the table, so it is freed once; the pool
+        // frees segments only after draining the device or when growth failed before
+        // any work used them.
+        unsafe { ffi::mem_free(seg.ptr) }
     }
 
     fn register(&self, id: SegmentKey, comm: usize) -> Result<Registration> {
@@ -430,9 +494,17 @@ impl Backend for NcclBackend {
             let s = segs.get(&id).ok_or(Error::ForeignBuffer)?;
             (s.ptr, s.size)
         };
+        if lock(&self.windows).contains_key(&(id, comm)) {
+            return Err(Error::InvalidConfig(
+                "segment already registered on this communicator (one window per segment)".into(),
+            ));
+        }
         self.bind()?;
         let raw = self.comm(comm)?;
-        match ffi::window_register(&raw, ptr, size)? {
+        // SAFETY: `raw` is this backend's live communicator, held locked; `ptr..ptr+size`
+        // is one whole ncclMemAlloc allocation of this device (from `alloc_segment`),
+        // not registered on this communicator (checked just above).
+        match unsafe { ffi::window_register(&raw, ptr, size) }? {
             Some(win) => {
                 lock(&self.windows).insert((id, comm), win);
                 Ok(Registration::Symmetric)
@@ -447,7 +519,10 @@ impl Backend for NcclBackend {
         };
         self.bind()?;
         let raw = self.comm(comm)?;
-        ffi::window_deregister(&raw, win)
+        // SAFETY: `win` was registered on this communicator (it was in the table under
+        // (id, comm)) and is removed from it; `raw` is live and held locked; the pool
+        // drains the device before it deregisters.
+        unsafe { ffi::window_deregister(&raw, win) }
     }
 
     fn new_stream(&self) -> Result<Stream> {
@@ -578,6 +653,7 @@ impl Backend for NcclBackend {
     }
 
     fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
+        check_counts("all_gather", a, self.world, false)?;
         let send = self.ptr(&a.send)?;
         let recv = self.ptr(&a.recv)?;
         let cs = self.cuda_of(a.stream)?;
@@ -599,6 +675,7 @@ impl Backend for NcclBackend {
     }
 
     fn reduce_scatter(&self, a: &CollArgs<'_>) -> Result<()> {
+        check_counts("reduce_scatter", a, self.world, true)?;
         let send = self.ptr(&a.send)?;
         let recv = self.ptr(&a.recv)?;
         let cs = self.cuda_of(a.stream)?;
@@ -623,20 +700,39 @@ impl Drop for NcclBackend {
     fn drop(&mut self) {
         // Teardown order (DESIGN.md §2): drain, deregister, free, then the
         // communicators. Everything here is local: abort, not the collective destroy.
-        if let Err(e) = self.bind().and_then(|()| self.synchronize()) {
-            log::error!("symmpool: draining rank {} failed: {e}", self.rank);
+        // A device that does not drain in time keeps its memory (freeing it under
+        // running work is worse than leaking it); the communicators are aborted anyway.
+        let drained = match self.synchronize_within(DROP_DRAIN_TIMEOUT) {
+            Ok(d) => d,
+            Err(e) => {
+                log::error!("symmpool: draining rank {} failed: {e}", self.rank);
+                false
+            }
+        };
+        if !drained {
+            log::error!(
+                "symmpool: rank {} did not drain; its segments are leaked",
+                self.rank
+            );
+            lock(&self.segments).clear();
+            lock(&self.windows).clear();
         }
+        let _ = self.bind();
         let windows = std::mem::take(&mut *lock(&self.windows));
         for ((_, c), win) in windows {
-            if let Ok(raw) = self.comm(c)
-                && let Err(e) = ffi::window_deregister(&raw, win)
-            {
+            let Ok(raw) = self.comm(c) else { continue };
+            // SAFETY: each window was registered on communicator `c`, which is still
+            // live (aborted below) and held locked; the device drained above.
+            let r = unsafe { ffi::window_deregister(&raw, win) };
+            if let Err(e) = r {
                 log::error!("symmpool: deregistering a window failed: {e}");
             }
         }
         let segments = std::mem::take(&mut *lock(&self.segments));
         for (_, seg) in segments {
-            if let Err(e) = ffi::mem_free(seg.ptr) {
+            // SAFETY: every window is deregistered above, the device drained, and each
+            // pointer came from `mem_alloc` and is freed once (the table is emptied).
+            if let Err(e) = unsafe { ffi::mem_free(seg.ptr) } {
                 log::error!("symmpool: ncclMemFree failed: {e}");
             }
         }
@@ -644,7 +740,9 @@ impl Drop for NcclBackend {
         for comm in self.comms.drain(..) {
             if comm.owned {
                 let raw = comm.raw.into_inner().unwrap_or_else(|p| p.into_inner());
-                if let Err(e) = ffi::comm_abort(raw) {
+                // SAFETY: the communicator was created by this backend (`owned`), its
+                // windows are deregistered, and it is consumed here.
+                if let Err(e) = unsafe { ffi::comm_abort(raw) } {
                     log::error!("symmpool: ncclCommAbort failed: {e}");
                 }
             }
