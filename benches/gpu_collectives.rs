@@ -148,6 +148,10 @@ mod gpu {
         fn backend_rank(&self) -> usize {
             self.reg.rank()
         }
+        /// Number of ranks, as u64 for byte arithmetic.
+        fn world(&self) -> u64 {
+            self.reg.world_size() as u64
+        }
     }
 
     fn sizes() -> Vec<u64> {
@@ -233,8 +237,8 @@ mod gpu {
             );
         }
         for bytes in sizes() {
-            let reg = r.reg.alloc(2 * bytes, &r.stream).unwrap();
-            let plain = r.plain.alloc(2 * bytes, &r.stream).unwrap();
+            let reg = r.reg.alloc(r.world() * bytes, &r.stream).unwrap();
+            let plain = r.plain.alloc(r.world() * bytes, &r.stream).unwrap();
             let iters = iters_for(bytes);
             let mut t = vec![Vec::new(); 4];
             let mut path = Path::PlainKernel;
@@ -258,7 +262,7 @@ mod gpu {
             let spreads: Vec<f64> = t.iter().map(|v| spread(v)).collect();
             let bw: Vec<f64> = t
                 .into_iter()
-                .map(|v| bytes as f64 / (median(v) * 1e-3) / 1e9)
+                .map(|v| bytes as f64 * (r.world() - 1) as f64 / (median(v) * 1e-3) / 1e9)
                 .collect();
             let best = bw[..3].iter().cloned().fold(0.0, f64::max);
             let best_i = (0..3).find(|&i| bw[i] == best).unwrap_or(0);
@@ -299,11 +303,11 @@ mod gpu {
         }
         for bytes in sizes() {
             let (ri, ro) = (
-                r.reg.alloc(2 * bytes, &r.stream).unwrap(),
+                r.reg.alloc(r.world() * bytes, &r.stream).unwrap(),
                 r.reg.alloc(bytes, &r.stream).unwrap(),
             );
             let (pi, po) = (
-                r.plain.alloc(2 * bytes, &r.stream).unwrap(),
+                r.plain.alloc(r.world() * bytes, &r.stream).unwrap(),
                 r.plain.alloc(bytes, &r.stream).unwrap(),
             );
             let iters = iters_for(bytes);
@@ -327,7 +331,7 @@ mod gpu {
             let spreads: Vec<f64> = t.iter().map(|v| spread(v)).collect();
             let bw: Vec<f64> = t
                 .into_iter()
-                .map(|v| bytes as f64 / (median(v) * 1e-3) / 1e9)
+                .map(|v| bytes as f64 * (r.world() - 1) as f64 / (median(v) * 1e-3) / 1e9)
                 .collect();
             let best = bw[0].max(bw[1]);
             let best_i = if bw[0] >= bw[1] { 0 } else { 1 };
@@ -358,8 +362,8 @@ mod gpu {
         let m = mats.device_ptr().unwrap();
         let (a, b, c) = (m, m + (n * n * 2) as u64, m + (2 * n * n * 2) as u64);
         fill(r, &mats);
-        let reg = r.reg.alloc(2 * bytes, &r.stream).unwrap();
-        let plain = r.plain.alloc(2 * bytes, &r.stream).unwrap();
+        let reg = r.reg.alloc(r.world() * bytes, &r.stream).unwrap();
+        let plain = r.plain.alloc(r.world() * bytes, &r.stream).unwrap();
         let ctx = r.backend.context();
         let ev = || {
             ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
@@ -409,7 +413,7 @@ mod gpu {
                 ag_bw[mi].push(if mi == 0 {
                     0.0
                 } else {
-                    bytes as f64 * ags as f64 / (am * 1e-3) / 1e9
+                    bytes as f64 * (r.world() - 1) as f64 * ags as f64 / (am * 1e-3) / 1e9
                 });
                 r.barrier.wait();
             }
@@ -606,11 +610,13 @@ mod gpu {
             }
         };
         if count < 2 {
-            println!("skipped: needs 2 GPUs, found {count}");
+            println!("skipped: needs at least 2 GPUs, found {count}");
             return;
         }
         let version = symmpool::backend::nccl::nccl_version().unwrap();
-        let backends = match NcclBackend::local_world(&[0, 1], NcclWorldConfig::default()) {
+        // Every visible GPU (2 on the project's machine; 4 or 8 for the scaling run).
+        let devices: Vec<usize> = (0..count).collect();
+        let backends = match NcclBackend::local_world(&devices, NcclWorldConfig::default()) {
             Ok(b) => b,
             Err(e) => {
                 println!("skipped: {e}");
@@ -618,10 +624,10 @@ mod gpu {
             }
         };
         println!(
-            "gpu_collectives: 2 GPUs, NCCL {version}, communicators {:?}",
+            "gpu_collectives: {count} GPUs, NCCL {version}, communicators {:?}",
             backends[0].communicators()
         );
-        let barrier = Arc::new(Barrier::new(2));
+        let barrier = Arc::new(Barrier::new(count));
         let auto = PoolConfig::default()
             .with_paths(PathPolicy::default().with_choices(Choice::Auto, Choice::Auto));
         std::thread::scope(|s| {
