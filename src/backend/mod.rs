@@ -123,6 +123,20 @@ pub struct Region {
     pub device_ptr: Option<u64>,
 }
 
+impl Region {
+    /// The `len_bytes` bytes that start `offset_bytes` into this region, with the device
+    /// address moved along when it is known. The caller keeps the range inside the
+    /// region (backends check every region against its segment).
+    pub(crate) fn sub(&self, offset_bytes: u64, len_bytes: u64) -> Region {
+        Region {
+            segment: self.segment,
+            offset_bytes: self.offset_bytes + offset_bytes,
+            len_bytes,
+            device_ptr: self.device_ptr.map(|p| p + offset_bytes),
+        }
+    }
+}
+
 /// Arguments of one collective call on one rank.
 #[derive(Debug, Clone)]
 pub struct CollArgs<'a> {

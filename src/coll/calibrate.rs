@@ -166,10 +166,7 @@ pub fn calibrate(
                     }
                     let whole_r = whole.region();
                     let (send, recv, count, dtype) = if is_ag {
-                        let mut own = whole_r;
-                        own.offset_bytes += backend.rank() as u64 * bytes;
-                        own.device_ptr = own.device_ptr.map(|p| p + backend.rank() as u64 * bytes);
-                        own.len_bytes = bytes;
+                        let own = whole_r.sub(backend.rank() as u64 * bytes, bytes);
                         (own, whole_r, bytes, DType::U8)
                     } else {
                         (whole_r, out.region(), bytes / 2, DType::BF16)

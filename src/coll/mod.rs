@@ -230,17 +230,10 @@ fn own_chunk<T: Element>(
     }
     let count = total / world;
     let chunk_bytes = count * std::mem::size_of::<T>() as u64;
-    let whole = buffer.region();
-    let offset = pool.rank() as u64 * chunk_bytes;
-    Ok((
-        Region {
-            segment: whole.segment,
-            offset_bytes: whole.offset_bytes + offset,
-            len_bytes: chunk_bytes,
-            device_ptr: whole.device_ptr.map(|p| p + offset),
-        },
-        count,
-    ))
+    let own = buffer
+        .region()
+        .sub(pool.rank() as u64 * chunk_bytes, chunk_bytes);
+    Ok((own, count))
 }
 
 /// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over

@@ -261,18 +261,15 @@ impl<'a, T: Element> TypedView<'a, T> {
     }
 
     fn region(&self) -> Region {
-        let r = self.buf.region();
-        Region {
-            segment: r.segment,
-            offset_bytes: r.offset_bytes + self.offset_bytes,
-            len_bytes: (self.len * std::mem::size_of::<T>()) as u64,
-            device_ptr: r.device_ptr.map(|p| p + self.offset_bytes),
-        }
+        self.buf.region().sub(
+            self.offset_bytes,
+            (self.len * std::mem::size_of::<T>()) as u64,
+        )
     }
 
     fn write_bytes(&self, at_bytes: u64, data: &[u8]) -> Result<()> {
         self.buf.pool.check_open()?;
-        let mut region = self.region();
+        let region = self.region();
         if at_bytes + data.len() as u64 > region.len_bytes {
             return Err(Error::BadView(format!(
                 "writing {} bytes at {at_bytes} into a view of {} bytes",
@@ -280,12 +277,11 @@ impl<'a, T: Element> TypedView<'a, T> {
                 region.len_bytes
             )));
         }
-        region.offset_bytes += at_bytes;
-        self.buf
-            .pool
-            .inner
-            .backend
-            .write(region, data, &self.buf.stream)
+        self.buf.pool.inner.backend.write(
+            region.sub(at_bytes, data.len() as u64),
+            data,
+            &self.buf.stream,
+        )
     }
 
     /// Copy `data` into the first `data.len()` elements, ordered on the buffer's stream.
