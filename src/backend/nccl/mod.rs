@@ -415,6 +415,23 @@ impl NcclBackend {
         }
     }
 
+    /// What both collectives start with: the counts checked against the regions (see
+    /// [`check_counts`]), the send and receive device addresses (checked by `ptr`), the
+    /// CUDA stream with this device's context bound, and the communicator, held locked.
+    fn collective_parts<'s>(
+        &self,
+        name: &'static str,
+        a: &CollArgs<'s>,
+        reduce: bool,
+    ) -> Result<(u64, u64, &'s Arc<CudaStream>, MutexGuard<'_, RawComm>)> {
+        check_counts(name, a, self.world, reduce)?;
+        let send = self.ptr(&a.send)?;
+        let recv = self.ptr(&a.recv)?;
+        let cs = self.cuda_of(a.stream)?;
+        self.bind()?;
+        Ok((send, recv, cs, self.comm(a.comm)?))
+    }
+
     fn comm(&self, c: usize) -> Result<MutexGuard<'_, RawComm>> {
         self.comms
             .get(c)
@@ -653,12 +670,7 @@ impl Backend for NcclBackend {
     }
 
     fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
-        check_counts("all_gather", a, self.world, false)?;
-        let send = self.ptr(&a.send)?;
-        let recv = self.ptr(&a.recv)?;
-        let cs = self.cuda_of(a.stream)?;
-        self.bind()?;
-        let raw = self.comm(a.comm)?;
+        let (send, recv, cs, raw) = self.collective_parts("all_gather", a, false)?;
         // SAFETY: both regions lie inside live segments of this device (checked by
         // `ptr`), with the sizes the pool validated; the pool keeps the segments until
         // the stream has passed (frees are fenced); `raw` is held locked.
@@ -675,12 +687,7 @@ impl Backend for NcclBackend {
     }
 
     fn reduce_scatter(&self, a: &CollArgs<'_>) -> Result<()> {
-        check_counts("reduce_scatter", a, self.world, true)?;
-        let send = self.ptr(&a.send)?;
-        let recv = self.ptr(&a.recv)?;
-        let cs = self.cuda_of(a.stream)?;
-        self.bind()?;
-        let raw = self.comm(a.comm)?;
+        let (send, recv, cs, raw) = self.collective_parts("reduce_scatter", a, true)?;
         // SAFETY: as in `all_gather`.
         unsafe {
             ffi::reduce_scatter(
