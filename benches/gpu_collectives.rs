@@ -217,6 +217,53 @@ mod gpu {
         r.reg.set_path_policy(cal.policy);
     }
 
+    /// Busbw (GB/s) and interquartile spread of each way (mode) of running one
+    /// collective size; the last mode is the crate's, the others raw NCCL paths.
+    struct Modes {
+        bw: Vec<f64>,
+        spreads: Vec<f64>,
+    }
+
+    /// Times `modes` modes `REPS` times each (`time_mode(mode)` returns milliseconds
+    /// per call), rotating the order so that no mode always follows the same other one.
+    fn measure_modes(
+        r: &Rank,
+        modes: usize,
+        bytes: u64,
+        mut time_mode: impl FnMut(usize) -> f64,
+    ) -> Modes {
+        let mut t = vec![Vec::new(); modes];
+        for rep in 0..REPS {
+            for i in 0..modes {
+                let mode = (i + rep) % modes;
+                t[mode].push(time_mode(mode));
+            }
+        }
+        let spreads = t.iter().map(|v| spread(v)).collect();
+        let bw = t
+            .into_iter()
+            .map(|v| bytes as f64 * (r.world() - 1) as f64 / (median(v) * 1e-3) / 1e9)
+            .collect();
+        Modes { bw, spreads }
+    }
+
+    impl Modes {
+        /// One table row: every mode's busbw, the crate's path, the crate over the best
+        /// raw path (the first of equals), and the spreads of those two.
+        fn print(&self, bytes: u64, path: Path) {
+            let own = self.bw.len() - 1;
+            let best_i = (0..own).fold(0, |b, i| if self.bw[i] > self.bw[b] { i } else { b });
+            let cells: String = self.bw.iter().map(|v| format!(" {v:>9.1}")).collect();
+            println!(
+                "{bytes:<12}{cells} {:>16} {:>9.3} {:>6.1}% {:>6.1}%",
+                format!("{path:?}"),
+                self.bw[own] / self.bw[best_i],
+                self.spreads[best_i],
+                self.spreads[own]
+            );
+        }
+    }
+
     fn section_ag(r: &Rank) {
         let lead = r.backend_rank() == 0;
         if lead {
@@ -240,45 +287,19 @@ mod gpu {
             let reg = r.reg.alloc(r.world() * bytes, &r.stream).unwrap();
             let plain = r.plain.alloc(r.world() * bytes, &r.stream).unwrap();
             let iters = iters_for(bytes);
-            let mut t = vec![Vec::new(); 4];
             let mut path = Path::PlainKernel;
-            for rep in 0..REPS {
-                // Rotate the order so that no mode always follows the same other one.
-                for i in 0..4 {
-                    let mode = (i + rep) % 4;
-                    let ms = match mode {
-                        0 => r.time(iters, || raw_ag(r, &plain, bytes, PLAIN)),
-                        1 => r.time(iters, || raw_ag(r, &reg, bytes, SYMM)),
-                        2 => r.time(iters, || raw_ag(r, &reg, bytes, CE)),
-                        _ => r.time(iters, || {
-                            path = coll::all_gather_in_place::<u8>(&reg, &r.stream)
-                                .unwrap()
-                                .path;
-                        }),
-                    };
-                    t[mode].push(ms);
-                }
-            }
-            let spreads: Vec<f64> = t.iter().map(|v| spread(v)).collect();
-            let bw: Vec<f64> = t
-                .into_iter()
-                .map(|v| bytes as f64 * (r.world() - 1) as f64 / (median(v) * 1e-3) / 1e9)
-                .collect();
-            let best = bw[..3].iter().cloned().fold(0.0, f64::max);
-            let best_i = (0..3).find(|&i| bw[i] == best).unwrap_or(0);
+            let m = measure_modes(r, 4, bytes, |mode| match mode {
+                0 => r.time(iters, || raw_ag(r, &plain, bytes, PLAIN)),
+                1 => r.time(iters, || raw_ag(r, &reg, bytes, SYMM)),
+                2 => r.time(iters, || raw_ag(r, &reg, bytes, CE)),
+                _ => r.time(iters, || {
+                    path = coll::all_gather_in_place::<u8>(&reg, &r.stream)
+                        .unwrap()
+                        .path;
+                }),
+            });
             if lead {
-                println!(
-                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3} {:>6.1}% {:>6.1}%",
-                    bytes,
-                    bw[0],
-                    bw[1],
-                    bw[2],
-                    bw[3],
-                    format!("{path:?}"),
-                    bw[3] / best,
-                    spreads[best_i],
-                    spreads[3]
-                );
+                m.print(bytes, path);
             }
         }
     }
@@ -311,42 +332,18 @@ mod gpu {
                 r.plain.alloc(bytes, &r.stream).unwrap(),
             );
             let iters = iters_for(bytes);
-            let mut t = vec![Vec::new(); 3];
             let mut path = Path::PlainKernel;
-            for rep in 0..REPS {
-                for i in 0..3 {
-                    let mode = (i + rep) % 3;
-                    let ms = match mode {
-                        0 => r.time(iters, || raw_rs(r, &pi, &po, bytes, PLAIN)),
-                        1 => r.time(iters, || raw_rs(r, &ri, &ro, bytes, SYMM)),
-                        _ => r.time(iters, || {
-                            path = coll::reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
-                                .unwrap()
-                                .path;
-                        }),
-                    };
-                    t[mode].push(ms);
-                }
-            }
-            let spreads: Vec<f64> = t.iter().map(|v| spread(v)).collect();
-            let bw: Vec<f64> = t
-                .into_iter()
-                .map(|v| bytes as f64 * (r.world() - 1) as f64 / (median(v) * 1e-3) / 1e9)
-                .collect();
-            let best = bw[0].max(bw[1]);
-            let best_i = if bw[0] >= bw[1] { 0 } else { 1 };
+            let m = measure_modes(r, 3, bytes, |mode| match mode {
+                0 => r.time(iters, || raw_rs(r, &pi, &po, bytes, PLAIN)),
+                1 => r.time(iters, || raw_rs(r, &ri, &ro, bytes, SYMM)),
+                _ => r.time(iters, || {
+                    path = coll::reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
+                        .unwrap()
+                        .path;
+                }),
+            });
             if lead {
-                println!(
-                    "{:<12} {:>9.1} {:>9.1} {:>9.1} {:>16} {:>9.3} {:>6.1}% {:>6.1}%",
-                    bytes,
-                    bw[0],
-                    bw[1],
-                    bw[2],
-                    format!("{path:?}"),
-                    bw[2] / best,
-                    spreads[best_i],
-                    spreads[2]
-                );
+                m.print(bytes, path);
             }
         }
     }
