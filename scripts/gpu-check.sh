@@ -14,31 +14,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle
 
+# Copies the executables of the named targets, read from cargo's JSON messages on
+# stdin, into the bundle.
+copy_executables() {
+  python3 -c '
+import json, sys
+names = sys.argv[1:]
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    exe = m.get("executable")
+    if exe and m.get("target", {}).get("name") in names:
+        print(m["target"]["name"], exe)
+' "$@" | while read -r name exe; do cp "$exe" "$BUNDLE/bin/$name"; done
+}
+
 build() {
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin"
   # Test executables: cargo lists them in the "executable" fields.
   cargo test --release --no-run --message-format=json --test gpu --test gpu_paths 2>/dev/null |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except ValueError: continue
-    exe = m.get("executable")
-    if exe and m.get("target", {}).get("name") in ("gpu", "gpu_paths"):
-        print(m["target"]["name"], exe)
-' | while read -r name exe; do cp "$exe" "$BUNDLE/bin/$name"; done
+    copy_executables gpu gpu_paths
   local example=()
   [ -f examples/fsdp_step.rs ] && example=(--example fsdp_step)
   cargo build --release --bench gpu_collectives "${example[@]}" --message-format=json 2>/dev/null |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except ValueError: continue
-    exe = m.get("executable")
-    if exe and m.get("target", {}).get("name") in ("gpu_collectives", "fsdp_step"):
-        print(m["target"]["name"], exe)
-' | while read -r name exe; do cp "$exe" "$BUNDLE/bin/$name"; done
+    copy_executables gpu_collectives fsdp_step
   strip "$BUNDLE"/bin/*
   local anchors="${ANCHORS:-../shared/anchors}"
   mkdir -p "$BUNDLE/anchors" && cp "$anchors"/* "$BUNDLE/anchors/"
