@@ -6,80 +6,14 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::sync::Arc;
-use symmpool::backend::{
-    Backend, BackendKind, CollArgs, CommInfo, Region, Registration, SegmentKey,
-};
-use symmpool::core::{Fence, SegmentId, StreamId};
-use symmpool::{Exchange, LocalExchange, NcclVersion, PoolConfig, Result, Stream, SymmPool, coll};
+use symmpool::backend::{CollArgs, Collectives};
+use symmpool::{HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
 
-/// Two "ranks" worth of bookkeeping and no work at all.
+/// Collectives that do nothing: what remains is the crate's own cost per call.
 #[derive(Debug)]
-struct NullBackend {
-    comms: Vec<CommInfo>,
-    exchange: LocalExchange,
-}
+struct NullCollectives;
 
-impl Backend for NullBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Host
-    }
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world_size(&self) -> usize {
-        2
-    }
-    fn nccl_version(&self) -> NcclVersion {
-        NcclVersion::new(2, 28, 3)
-    }
-    fn granularity_bytes(&self) -> u64 {
-        2 << 20
-    }
-    fn communicators(&self) -> &[CommInfo] {
-        &self.comms
-    }
-    fn exchange(&self) -> &dyn Exchange {
-        &self.exchange
-    }
-    fn alloc_segment(&self, _: SegmentKey, _: u64) -> Result<()> {
-        Ok(())
-    }
-    fn free_segment(&self, _: SegmentKey) -> Result<()> {
-        Ok(())
-    }
-    fn register(&self, _: SegmentKey, _: usize) -> Result<Registration> {
-        Ok(Registration::Symmetric)
-    }
-    fn deregister(&self, _: SegmentKey, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn new_stream(&self) -> Result<Stream> {
-        Ok(Stream::host())
-    }
-    fn record_fence(&self, _: &Stream) -> Result<Fence> {
-        Ok(Fence(1))
-    }
-    fn wait_fence(&self, _: &Stream, _: StreamId, _: Fence) -> Result<()> {
-        Ok(())
-    }
-    fn is_capturing(&self, _: &Stream) -> Result<bool> {
-        Ok(false)
-    }
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
-    }
-    fn write(&self, _: Region, _: &[u8], _: &Stream) -> Result<()> {
-        Ok(())
-    }
-    fn read(&self, _: Region, _: &mut [u8], _: &Stream) -> Result<()> {
-        Ok(())
-    }
-    fn device_ptr(&self, _: Region) -> Option<u64> {
-        None
-    }
-    fn time_ms(&self, _: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-        f().map(|()| 0.0)
-    }
+impl Collectives for NullCollectives {
     fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
         black_box(a);
         Ok(())
@@ -91,37 +25,51 @@ impl Backend for NullBackend {
 }
 
 fn bench(c: &mut Criterion) {
-    let backend = Arc::new(NullBackend {
-        comms: CommInfo::STANDARD.to_vec(),
-        exchange: LocalExchange::group(1).pop().expect("one rank"),
-    });
-    let pool = SymmPool::new(backend.clone(), PoolConfig::default()).expect("pool");
+    // Two host ranks (growth agrees between them); rank 0's collectives do nothing.
+    let mut world = HostBackend::world(HostConfig::new(2)).expect("world");
+    let b1 = world.pop().expect("rank 1");
+    let b0 = world
+        .pop()
+        .expect("rank 0")
+        .with_collectives(|_| Arc::new(NullCollectives));
+    let pools = [
+        SymmPool::new(b0, PoolConfig::default()).expect("pool"),
+        SymmPool::new(b1, PoolConfig::default()).expect("pool"),
+    ];
     let stream = Stream::host();
-    let buf = pool.alloc(2 << 20, &stream).expect("buffer");
-    let out = pool.alloc(1 << 20, &stream).expect("buffer");
+    let mut bufs = std::thread::scope(|s| {
+        let hs: Vec<_> = pools
+            .iter()
+            .map(|p| {
+                let stream = &stream;
+                s.spawn(move || {
+                    (
+                        p.alloc(2 << 20, stream).expect("buffer"),
+                        p.alloc(1 << 20, stream).expect("buffer"),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect::<Vec<_>>()
+    });
+    let (buf, out) = bufs.swap_remove(0);
+    let pool = &pools[0];
     let mut g = c.benchmark_group("collective_call");
     g.bench_function("backend_direct", |b| {
-        let args = CollArgs {
-            comm: 0,
-            send: Region {
-                segment: SegmentKey::new(1, SegmentId(0)),
-                offset_bytes: 0,
-                len_bytes: 1 << 20,
-                device_ptr: None,
-            },
-            recv: Region {
-                segment: SegmentKey::new(1, SegmentId(0)),
-                offset_bytes: 0,
-                len_bytes: 2 << 20,
-                device_ptr: None,
-            },
-            count: 1 << 20,
-            dtype: symmpool::DType::U8,
-            op: symmpool::ReduceOp::Sum,
-            stream: &stream,
-            symmetric: true,
-        };
-        b.iter(|| backend.all_gather(black_box(&args)))
+        let whole = buf.region().expect("region");
+        let args = CollArgs::new(
+            0,
+            whole.sub(0, 1 << 20).expect("chunk"),
+            whole,
+            1 << 20,
+            symmpool::DType::U8,
+            symmpool::ReduceOp::Sum,
+            &stream,
+            (buf.window(0), buf.window(0)),
+        );
+        b.iter(|| pool.backend().collectives().all_gather(black_box(&args)))
     });
     g.bench_function("all_gather_in_place", |b| {
         b.iter(|| coll::all_gather_in_place::<u8>(black_box(&buf), &stream).expect("call"))
@@ -138,6 +86,7 @@ fn bench(c: &mut Criterion) {
         })
     });
     g.finish();
+    drop((buf, out, bufs));
 }
 
 criterion_group!(benches, bench);

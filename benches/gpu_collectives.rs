@@ -41,7 +41,7 @@ mod gpu {
     use std::sync::{Arc, Barrier};
     use std::time::Instant;
     use symmpool::backend::{NcclBackend, NcclWorldConfig};
-    use symmpool::coll::{self, Choice, Path, PathPolicy};
+    use symmpool::coll::{self, Path};
     use symmpool::{PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16};
 
     const MIB: u64 = 1 << 20;
@@ -64,7 +64,7 @@ mod gpu {
     }
 
     struct Rank {
-        backend: Arc<NcclBackend>,
+        backend: symmpool::Backend,
         reg: SymmPool,
         plain: SymmPool,
         stream: Stream,
@@ -72,11 +72,14 @@ mod gpu {
     }
 
     impl Rank {
+        fn nccl(&self) -> &NcclBackend {
+            self.backend.downcast_ref::<NcclBackend>().unwrap()
+        }
         fn cu(&self) -> nccl::cudaStream_t {
             self.stream.cuda_stream().unwrap().cu_stream() as _
         }
         fn comm(&self, c: usize) -> nccl::ncclComm_t {
-            self.backend.raw_comm(c).unwrap()
+            self.nccl().raw_comm(c).unwrap()
         }
         fn sync(&self) {
             self.stream.cuda_stream().unwrap().synchronize().unwrap();
@@ -89,7 +92,7 @@ mod gpu {
             }
             self.sync();
             self.barrier.wait();
-            let ctx = self.backend.context();
+            let ctx = self.nccl().context();
             let (a, b): (CudaEvent, CudaEvent) = (
                 ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
                     .unwrap(),
@@ -214,7 +217,7 @@ mod gpu {
                 cal.policy.ce_all_gather_min_bytes, cal.policy.symmetric_reduce_scatter_bands
             );
         }
-        r.reg.set_path_policy(cal.policy);
+        symmpool::coll::set_path_policy(&r.reg, cal.policy).unwrap();
     }
 
     /// Busbw (GB/s) and interquartile spread of each way (mode) of running one
@@ -352,7 +355,7 @@ mod gpu {
         let lead = r.backend_rank() == 0;
         let bytes = 256 * MIB;
         let (gemms, ags, n) = (20usize, 20usize, 8192usize);
-        let compute = r.backend.cuda_stream().unwrap();
+        let compute = r.nccl().cuda_stream().unwrap();
         let blas = gpu_math::Blas::new(compute.clone()).unwrap();
         let compute_s = Stream::cuda(compute.clone());
         let mats = r.plain.alloc((3 * n * n * 2) as u64, &compute_s).unwrap();
@@ -361,7 +364,7 @@ mod gpu {
         fill(r, &mats);
         let reg = r.reg.alloc(r.world() * bytes, &r.stream).unwrap();
         let plain = r.plain.alloc(r.world() * bytes, &r.stream).unwrap();
-        let ctx = r.backend.context();
+        let ctx = r.nccl().context();
         let ev = || {
             ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .unwrap()
@@ -454,7 +457,7 @@ mod gpu {
         buf.write(&host).unwrap();
     }
 
-    fn section_regcost(r: &Rank, backend: &Arc<NcclBackend>) {
+    fn section_regcost(r: &Rank, backend: &symmpool::Backend) {
         let lead = r.backend_rank() == 0;
         if lead {
             println!(
@@ -484,7 +487,7 @@ mod gpu {
         }
     }
 
-    fn section_alloc(r: &Rank, backend: &Arc<NcclBackend>) {
+    fn section_alloc(r: &Rank, backend: &symmpool::Backend) {
         let lead = r.backend_rank() == 0;
         let ops = fsdp_trace::trace(1);
         let steps = 10_000usize.div_ceil(ops.len());
@@ -518,7 +521,7 @@ mod gpu {
         let rest_calls = (steps - 1) * ops.len();
         // Raw: ncclMemAlloc + register on one communicator + deregister + free per
         // allocation, for the first 40 allocations of the trace.
-        let comm = backend.raw_comm(SYMM).unwrap();
+        let comm = r.nccl().raw_comm(SYMM).unwrap();
         let mut raw_times = Vec::new();
         for op in ops
             .iter()
@@ -530,7 +533,7 @@ mod gpu {
         {
             r.barrier.wait();
             let start = Instant::now();
-            backend.context().bind_to_thread().unwrap();
+            r.nccl().context().bind_to_thread().unwrap();
             let mut p: *mut c_void = std::ptr::null_mut();
             let mut w: nccl::ncclWindow_t = std::ptr::null_mut();
             // SAFETY: plain NCCL calls with valid out-pointers on this rank's device;
@@ -625,15 +628,14 @@ mod gpu {
             backends[0].communicators()
         );
         let barrier = Arc::new(Barrier::new(count));
-        let auto = PoolConfig::default()
-            .with_paths(PathPolicy::default().with_choices(Choice::Auto, Choice::Auto));
+        let auto = PoolConfig::default();
         std::thread::scope(|s| {
             for b in backends {
                 let barrier = barrier.clone();
                 let auto = auto.clone();
                 let want = &want;
                 s.spawn(move || {
-                    let backend = Arc::new(b);
+                    let backend = b;
                     let r = Rank {
                         reg: SymmPool::new(backend.clone(), auto).unwrap(),
                         plain: SymmPool::new(
@@ -641,7 +643,7 @@ mod gpu {
                             PoolConfig::default().with_register(false),
                         )
                         .unwrap(),
-                        stream: backend.new_stream().unwrap(),
+                        stream: backend.streams().new_stream().unwrap(),
                         backend: backend.clone(),
                         barrier,
                     };
@@ -670,6 +672,4 @@ mod gpu {
         });
         println!("\ndone");
     }
-
-    use symmpool::Backend as _;
 }

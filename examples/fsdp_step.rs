@@ -133,17 +133,23 @@ impl Mode {
     }
 
     fn pool_config(self) -> PoolConfig {
+        PoolConfig::default().with_register(self != Mode::Ring)
+    }
+
+    fn path_policy(self) -> PathPolicy {
         let symm = Choice::Prefer(Path::SymmetricKernel);
         match self {
-            Mode::Ring => PoolConfig::default().with_register(false),
-            Mode::Symm => {
-                PoolConfig::default().with_paths(PathPolicy::default().with_choices(symm, symm))
-            }
-            Mode::Ce => PoolConfig::default().with_paths(
-                PathPolicy::default().with_choices(Choice::Prefer(Path::CopyEngine), symm),
-            ),
-            Mode::Auto => PoolConfig::default(),
+            Mode::Symm => PathPolicy::default().with_choices(symm, symm),
+            Mode::Ce => PathPolicy::default().with_choices(Choice::Prefer(Path::CopyEngine), symm),
+            Mode::Ring | Mode::Auto => PathPolicy::default(),
         }
+    }
+
+    /// A pool of this mode over `backend`.
+    fn pool(self, backend: symmpool::Backend) -> Result<SymmPool> {
+        let pool = SymmPool::new(backend, self.pool_config())?;
+        symmpool::coll::set_path_policy(&pool, self.path_policy())?;
+        Ok(pool)
     }
 }
 
@@ -996,7 +1002,13 @@ pub fn run_host(args: &Args) -> Result<Vec<RankResult>> {
     let per_mode: Vec<Vec<SymmPool>> = args
         .modes
         .iter()
-        .map(|m| SymmPool::host_group(args.ranks, m.pool_config()))
+        .map(|m| {
+            let pools = SymmPool::host_group(args.ranks, m.pool_config())?;
+            for p in &pools {
+                symmpool::coll::set_path_policy(p, m.path_policy())?;
+            }
+            Ok(pools)
+        })
         .collect::<Result<_>>()?;
     // Regroup: rank r gets the r-th pool of every mode.
     let mut per_rank: Vec<Vec<(Mode, SymmPool)>> = (0..args.ranks).map(|_| Vec::new()).collect();
@@ -1196,13 +1208,15 @@ mod gpu {
         let backends = NcclBackend::local_world(&devices, NcclWorldConfig::default())?;
         let barrier = StepBarrier::new(args.ranks);
         on_rank_threads(backends, &barrier, |b| {
-            let b = Arc::new(b);
+            let nccl = b
+                .downcast_ref::<NcclBackend>()
+                .ok_or_else(|| e("not an NCCL backend".into()))?;
             let pools = args
                 .modes
                 .iter()
-                .map(|m| Ok((*m, SymmPool::new(b.clone(), m.pool_config())?)))
+                .map(|m| Ok((*m, m.pool(b.clone())?)))
                 .collect::<Result<Vec<_>>>()?;
-            let (compute, comm) = (b.cuda_stream()?, b.cuda_stream()?);
+            let (compute, comm) = (nccl.cuda_stream()?, nccl.cuda_stream()?);
             let math = GpuMath {
                 blas_compute: gpu_math::Blas::new(compute.clone()).map_err(e)?,
                 blas_comm: gpu_math::Blas::new(comm.clone()).map_err(e)?,

@@ -34,18 +34,61 @@ pub enum Error {
         /// The largest alignment supported.
         max_align_bytes: u64,
     },
-    /// Growth would take the pool past its reserved-memory limit, or the backend could
-    /// not allocate the segment.
-    #[error("out of memory: a segment of {segment_bytes} bytes could not be reserved ({reason})")]
-    OutOfMemory {
+    /// Growth would take the pool past its own reserved-memory limit
+    /// ([`CoreConfig::max_reserved_bytes`](crate::core::CoreConfig::max_reserved_bytes), or
+    /// a host backend's per-rank limit). Nothing was allocated; free buffers, `trim`, or
+    /// raise the limit.
+    #[error(
+        "pool limit: a segment of {segment_bytes} bytes would take reserved memory to {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} bytes (free buffers, call trim(), or raise the limit)"
+    )]
+    PoolLimit {
         /// Size of the segment that was needed.
         segment_bytes: u64,
-        /// Why.
-        reason: String,
+        /// Reserved bytes had it been allocated.
+        would_reserve_bytes: u64,
+        /// The limit.
+        max_reserved_bytes: u64,
+    },
+    /// The device (or the host, on the host backend) could not allocate a segment.
+    /// Nothing was allocated on any rank.
+    #[error(
+        "device out of memory: {op} could not allocate a segment of {segment_bytes} bytes (code {code}: {message})"
+    )]
+    DeviceOutOfMemory {
+        /// Size of the segment that was needed.
+        segment_bytes: u64,
+        /// The call that failed (`ncclMemAlloc`, a host allocation).
+        op: &'static str,
+        /// The CUDA/NCCL result code (0 on the host backend).
+        code: i32,
+        /// What the library said.
+        message: String,
+    },
+    /// Other ranks could not allocate their copy of a segment, so this rank released its
+    /// own and the pool did not grow on any rank.
+    #[error(
+        "ranks {ranks:?} could not allocate a segment of {segment_bytes} bytes; the pool did not grow on any rank (see those ranks' errors)"
+    )]
+    PeerOutOfMemory {
+        /// Size of the segment that was needed.
+        segment_bytes: u64,
+        /// The ranks that failed.
+        ranks: Vec<usize>,
     },
     /// The buffer was made by another pool (or another rank's pool).
-    #[error("buffer belongs to another pool")]
-    ForeignBuffer,
+    #[error(
+        "buffer (allocation #{allocation_seq}) belongs to another pool than the call's other buffers or pool"
+    )]
+    ForeignBuffer {
+        /// The buffer's allocation number in its own pool.
+        allocation_seq: u64,
+    },
+    /// A block was freed twice, or a handle outlived its block (a stale handle).
+    #[error("allocation #{allocation_seq} was already freed (a double free or a stale handle)")]
+    DoubleFree {
+        /// The allocation number of the block.
+        allocation_seq: u64,
+    },
     /// A host stream given to a GPU pool, or a CUDA stream to a host pool.
     #[error("the stream does not belong to the pool's backend (host vs CUDA)")]
     WrongStream,
@@ -181,6 +224,33 @@ pub enum Error {
         /// Its name and description.
         message: String,
     },
+    /// One of the crate's own invariants does not hold: a bug in symmpool. The pool is
+    /// marked broken; drop it. Please report the message.
+    #[error("internal error (a bug in symmpool): {what}")]
+    Internal {
+        /// What was found.
+        what: String,
+    },
+    /// The pool is unusable: a thread panicked while it held the pool's state, an
+    /// internal invariant broke, or a peer reported its pool broken. Every later call
+    /// on every rank fails; drop the pool (its memory is released locally) and build a
+    /// new one.
+    #[error("the pool is broken ({reason}); drop it and build a new one")]
+    PoolBroken {
+        /// Why, as this rank knows it.
+        reason: String,
+    },
+    /// An operation that runs inside `Drop` (returning a buffer, releasing a segment)
+    /// failed earlier; it is reported by the next fallible call on the same pool, which
+    /// did nothing else.
+    #[error("an earlier {during} failed: {source}")]
+    Deferred {
+        /// What was being done.
+        during: String,
+        /// The failure.
+        #[source]
+        source: Box<Error>,
+    },
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
@@ -211,14 +281,20 @@ impl From<AllocError> for Error {
                 segment_bytes,
                 would_reserve_bytes,
                 max_reserved_bytes,
-            } => Error::OutOfMemory {
+            } => Error::PoolLimit {
                 segment_bytes,
-                reason: format!(
-                    "would reserve {would_reserve_bytes} bytes, limit {max_reserved_bytes}"
-                ),
+                would_reserve_bytes,
+                max_reserved_bytes,
             },
-            AllocError::StaleBlock(_) => Error::ForeignBuffer,
+            AllocError::StaleBlock(b) => Error::DoubleFree {
+                allocation_seq: b.seq,
+            },
             AllocError::InvalidConfig(what) => Error::InvalidConfig(what.to_string()),
+            // An expected outcome of the core that the pool handles itself: reaching
+            // the caller is a bug.
+            AllocError::NeedsGrowth(g) => Error::Internal {
+                what: format!("the core asked for growth ({g:?}) where the pool cannot grow"),
+            },
             other => Error::Core(other),
         }
     }

@@ -24,11 +24,17 @@ pub trait Exchange: Send + Sync + fmt::Debug {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// Contribute `payload` and return every rank's payload, in rank order.
+    /// Contribute `payload` and return every rank's payload, in rank order. `op` names
+    /// the operation waiting (`"close"`, `"growth"`), for errors.
     ///
     /// # Errors
     /// [`Error::Timeout`] if some rank does not contribute within `timeout`.
-    fn all_gather(&self, payload: Vec<u64>, timeout: Duration) -> Result<Vec<Vec<u64>>>;
+    fn all_gather(
+        &self,
+        op: &'static str,
+        payload: Vec<u64>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u64>>>;
 }
 
 /// Rounds of a gather among the threads of one process, matched by each rank's own
@@ -218,11 +224,15 @@ impl Exchange for LocalExchange {
         self.shared.world
     }
 
-    fn all_gather(&self, payload: Vec<u64>, timeout: Duration) -> Result<Vec<Vec<u64>>> {
+    fn all_gather(
+        &self,
+        op: &'static str,
+        payload: Vec<u64>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u64>>> {
         let mut round = self.round.lock().unwrap_or_else(|p| p.into_inner());
         *round += 1;
-        self.shared
-            .gather("agreement exchange", self.rank, *round, payload, timeout)
+        self.shared.gather(op, self.rank, *round, payload, timeout)
     }
 }
 
@@ -239,7 +249,7 @@ mod tests {
                 .iter()
                 .map(|x| {
                     s.spawn(move || {
-                        x.all_gather(vec![x.rank() as u64 * 10], Duration::from_secs(5))
+                        x.all_gather("test", vec![x.rank() as u64 * 10], Duration::from_secs(5))
                     })
                 })
                 .collect();
@@ -254,8 +264,8 @@ mod tests {
     fn missing_rank_times_out_naming_it() {
         let group = LocalExchange::group(3);
         let (a, b) = thread::scope(|s| {
-            let a = s.spawn(|| group[0].all_gather(vec![1], Duration::from_millis(200)));
-            let b = s.spawn(|| group[1].all_gather(vec![1], Duration::from_secs(30)));
+            let a = s.spawn(|| group[0].all_gather("test", vec![1], Duration::from_millis(200)));
+            let b = s.spawn(|| group[1].all_gather("test", vec![1], Duration::from_secs(30)));
             (a.join().unwrap(), b.join().unwrap())
         });
         match a {
@@ -272,18 +282,18 @@ mod tests {
     fn a_timeout_breaks_the_group_for_every_rank() {
         let group = LocalExchange::group(2);
         assert!(matches!(
-            group[0].all_gather(vec![7], Duration::from_millis(50)),
+            group[0].all_gather("test", vec![7], Duration::from_millis(50)),
             Err(Error::Timeout { .. })
         ));
         // The late rank does not pair with the withdrawn post; it learns who broke it.
         for _ in 0..2 {
-            match group[1].all_gather(vec![8], Duration::from_secs(5)) {
+            match group[1].all_gather("test", vec![8], Duration::from_secs(5)) {
                 Err(Error::GroupBroken { rank: 0, .. }) => {}
                 other => panic!("{other:?}"),
             }
         }
         assert!(matches!(
-            group[0].all_gather(vec![9], Duration::from_secs(5)),
+            group[0].all_gather("test", vec![9], Duration::from_secs(5)),
             Err(Error::GroupBroken { rank: 0, .. })
         ));
         assert_eq!(group[0].shared.rounds_held(), 0, "nothing left behind");
@@ -294,8 +304,8 @@ mod tests {
         let group = LocalExchange::group(3);
         let started = Instant::now();
         let errs: Vec<Error> = thread::scope(|s| {
-            let a = s.spawn(|| group[0].all_gather(vec![1], Duration::from_millis(100)));
-            let b = s.spawn(|| group[1].all_gather(vec![1], Duration::from_secs(30)));
+            let a = s.spawn(|| group[0].all_gather("test", vec![1], Duration::from_millis(100)));
+            let b = s.spawn(|| group[1].all_gather("test", vec![1], Duration::from_secs(30)));
             vec![
                 a.join().unwrap().unwrap_err(),
                 b.join().unwrap().unwrap_err(),
@@ -310,7 +320,7 @@ mod tests {
     fn an_endless_timeout_does_not_overflow() {
         let group = LocalExchange::group(1);
         assert_eq!(
-            group[0].all_gather(vec![5], Duration::MAX).unwrap(),
+            group[0].all_gather("test", vec![5], Duration::MAX).unwrap(),
             vec![vec![5]]
         );
     }

@@ -59,6 +59,8 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Divergence, Error, NcclVersion, Result};
 pub use exchange::{Exchange, LocalExchange};
 pub use half::{bf16, f16};
+#[cfg(feature = "nccl")]
+pub use pool::CudaView;
 pub use pool::{
     MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned,
     current,

@@ -283,7 +283,7 @@ fn bad_sizes_and_alignments_are_clear_errors_and_change_nothing() {
     keep.write(&[7u8; 16]).unwrap();
     assert!(matches!(
         small[0].alloc(40 * MIB, &stream),
-        Err(Error::OutOfMemory { .. })
+        Err(Error::PoolLimit { .. })
     ));
     assert_eq!(keep.read::<u8>().unwrap()[..16], [7u8; 16]);
     assert!(small[0].alloc(4096, &stream).is_ok());
@@ -298,11 +298,11 @@ fn buffers_of_another_pool_are_refused() {
     let y = b[0].alloc(4096, &stream).unwrap();
     assert!(matches!(
         coll::all_gather::<f32>(&x, &y, &stream),
-        Err(Error::ForeignBuffer)
+        Err(Error::ForeignBuffer { .. })
     ));
     assert!(matches!(
         coll::reduce_scatter::<f32>(&x, &y, symmpool::ReduceOp::Sum, &stream),
-        Err(Error::ForeignBuffer)
+        Err(Error::ForeignBuffer { .. })
     ));
 }
 
@@ -505,102 +505,62 @@ fn a_close_that_times_out_on_one_rank_closes_no_rank() {
     assert!(!pools[0].is_closed() && !pools[1].is_closed());
 }
 
-/// A host rank whose exchange reports when an agreement starts, so a test can act
-/// while the pool is inside one (no sleeps).
+/// An exchange that reports when an agreement starts, so a test can act while the
+/// pool is inside one (no sleeps).
 #[derive(Debug)]
 struct Announcing {
-    inner: symmpool::HostBackend,
+    inner: std::sync::Arc<dyn symmpool::Exchange>,
     entered: std::sync::mpsc::SyncSender<()>,
-    /// Pretend every stream is capturing a CUDA graph.
-    capturing: bool,
 }
 
 impl symmpool::Exchange for Announcing {
     fn rank(&self) -> usize {
-        symmpool::Backend::exchange(&self.inner).rank()
+        self.inner.rank()
     }
     fn world_size(&self) -> usize {
-        symmpool::Backend::exchange(&self.inner).world_size()
+        self.inner.world_size()
     }
-    fn all_gather(&self, payload: Vec<u64>, timeout: Duration) -> symmpool::Result<Vec<Vec<u64>>> {
+    fn all_gather(
+        &self,
+        op: &'static str,
+        payload: Vec<u64>,
+        timeout: Duration,
+    ) -> symmpool::Result<Vec<Vec<u64>>> {
         let _ = self.entered.try_send(());
-        symmpool::Backend::exchange(&self.inner).all_gather(payload, timeout)
+        self.inner.all_gather(op, payload, timeout)
     }
 }
 
-mod delegate {
-    use super::Announcing;
-    use symmpool::backend::*;
-    use symmpool::core::{Fence, StreamId};
-    use symmpool::{Exchange, NcclVersion, Result, Stream};
+/// A host rank whose streams all pretend to capture a CUDA graph.
+#[derive(Debug)]
+struct Capturing(std::sync::Arc<dyn symmpool::backend::StreamOps>);
 
-    impl Backend for Announcing {
-        fn kind(&self) -> BackendKind {
-            self.inner.kind()
-        }
-        fn rank(&self) -> usize {
-            self.inner.rank()
-        }
-        fn world_size(&self) -> usize {
-            self.inner.world_size()
-        }
-        fn nccl_version(&self) -> NcclVersion {
-            self.inner.nccl_version()
-        }
-        fn granularity_bytes(&self) -> u64 {
-            self.inner.granularity_bytes()
-        }
-        fn communicators(&self) -> &[CommInfo] {
-            self.inner.communicators()
-        }
-        fn exchange(&self) -> &dyn Exchange {
-            self
-        }
-        fn alloc_segment(&self, id: SegmentKey, b: u64) -> Result<()> {
-            self.inner.alloc_segment(id, b)
-        }
-        fn free_segment(&self, id: SegmentKey) -> Result<()> {
-            self.inner.free_segment(id)
-        }
-        fn register(&self, id: SegmentKey, c: usize) -> Result<Registration> {
-            self.inner.register(id, c)
-        }
-        fn deregister(&self, id: SegmentKey, c: usize) -> Result<()> {
-            self.inner.deregister(id, c)
-        }
-        fn new_stream(&self) -> Result<Stream> {
-            self.inner.new_stream()
-        }
-        fn record_fence(&self, s: &Stream) -> Result<Fence> {
-            self.inner.record_fence(s)
-        }
-        fn wait_fence(&self, s: &Stream, on: StreamId, f: Fence) -> Result<()> {
-            self.inner.wait_fence(s, on, f)
-        }
-        fn is_capturing(&self, s: &Stream) -> Result<bool> {
-            Ok(self.capturing || self.inner.is_capturing(s)?)
-        }
-        fn synchronize(&self) -> Result<()> {
-            self.inner.synchronize()
-        }
-        fn write(&self, r: Region, d: &[u8], s: &Stream) -> Result<()> {
-            self.inner.write(r, d, s)
-        }
-        fn read(&self, r: Region, o: &mut [u8], s: &Stream) -> Result<()> {
-            self.inner.read(r, o, s)
-        }
-        fn device_ptr(&self, r: Region) -> Option<u64> {
-            self.inner.device_ptr(r)
-        }
-        fn time_ms(&self, s: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-            self.inner.time_ms(s, f)
-        }
-        fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
-            self.inner.all_gather(a)
-        }
-        fn reduce_scatter(&self, a: &CollArgs<'_>) -> Result<()> {
-            self.inner.reduce_scatter(a)
-        }
+impl symmpool::backend::StreamOps for Capturing {
+    fn new_stream(&self) -> symmpool::Result<Stream> {
+        self.0.new_stream()
+    }
+    fn record_fence(&self, s: &Stream) -> symmpool::Result<symmpool::core::Fence> {
+        self.0.record_fence(s)
+    }
+    fn wait_fence(
+        &self,
+        s: &Stream,
+        on: symmpool::core::StreamId,
+        f: symmpool::core::Fence,
+    ) -> symmpool::Result<()> {
+        self.0.wait_fence(s, on, f)
+    }
+    fn completed_fence(
+        &self,
+        s: symmpool::core::StreamId,
+    ) -> symmpool::Result<Option<symmpool::core::Fence>> {
+        self.0.completed_fence(s)
+    }
+    fn is_capturing(&self, _: &Stream) -> symmpool::Result<bool> {
+        Ok(true)
+    }
+    fn drain(&self, deadline: std::time::Instant) -> symmpool::Result<bool> {
+        self.0.drain(deadline)
     }
 }
 
@@ -610,13 +570,13 @@ fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
     let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
     let b1 = world.pop().unwrap();
     let (tx, rx) = std::sync::mpsc::sync_channel(16);
-    let b0 = Announcing {
-        inner: world.pop().unwrap(),
-        entered: tx,
-        capturing: false,
-    };
-    let pool0 = SymmPool::new(std::sync::Arc::new(b0), config().with_timeout(timeout)).unwrap();
-    let pool1 = SymmPool::new(std::sync::Arc::new(b1), config().with_timeout(timeout)).unwrap();
+    let b0 = world
+        .pop()
+        .unwrap()
+        .with_exchange(|inner| std::sync::Arc::new(Announcing { inner, entered: tx }))
+        .unwrap();
+    let pool0 = SymmPool::new(b0, config().with_timeout(timeout)).unwrap();
+    let pool1 = SymmPool::new(b1, config().with_timeout(timeout)).unwrap();
     let stream = Stream::host();
     // Grow together once, so that rank 0 holds a buffer.
     let (buf0, buf1) = thread::scope(|s| {
@@ -683,16 +643,14 @@ fn absurd_settings_are_refused_or_handled() {
 fn one_rank_capturing_fails_growth_on_every_rank_without_a_timeout() {
     let timeout = Duration::from_secs(20);
     let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
-    let (tx, _rx) = std::sync::mpsc::sync_channel(64);
     let b1 = world.pop().unwrap();
-    let b0 = Announcing {
-        inner: world.pop().unwrap(),
-        entered: tx,
-        capturing: true,
-    };
+    let b0 = world
+        .pop()
+        .unwrap()
+        .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
     let pools = [
-        SymmPool::new(std::sync::Arc::new(b0), config().with_timeout(timeout)).unwrap(),
-        SymmPool::new(std::sync::Arc::new(b1), config().with_timeout(timeout)).unwrap(),
+        SymmPool::new(b0, config().with_timeout(timeout)).unwrap(),
+        SymmPool::new(b1, config().with_timeout(timeout)).unwrap(),
     ];
     let started = std::time::Instant::now();
     let errs = on_ranks(&pools, |p| p.alloc(MIB, &Stream::host()).unwrap_err());

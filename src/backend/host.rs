@@ -8,17 +8,19 @@
 //! fences are counters.
 
 use super::{
-    Backend, BackendKind, CollArgs, CommInfo, Region, Registration, SegmentKey, check_counts,
+    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
+    Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
 };
 use crate::core::{Fence, StreamId};
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
-use crate::exchange::{Exchange, LocalExchange, Rendezvous};
+use crate::exchange::{LocalExchange, Rendezvous};
 use crate::stream::Stream;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Settings of a host world.
 #[derive(Debug, Clone)]
@@ -28,7 +30,7 @@ pub struct HostConfig {
     pub world_size: usize,
     /// Whether registration yields symmetric windows. `false` behaves like an NCCL
     /// communicator without symmetric support: registration succeeds with a NULL
-    /// window ([`Registration::Unsupported`]).
+    /// window (no [`Window`]).
     pub symmetric: bool,
     /// How long registration and collectives wait for the other ranks.
     pub timeout: Duration,
@@ -81,14 +83,43 @@ impl HostConfig {
 }
 
 /// One segment's bytes, shared with peers during collectives.
-struct HostSegment {
-    data: Mutex<Box<[u8]>>,
+#[derive(Debug)]
+struct HostMemory {
+    data: Arc<Mutex<Box<[u8]>>>,
+    size_bytes: u64,
+    /// The rank's reserved-bytes counter, given back when the memory goes.
+    reserved: Arc<AtomicU64>,
 }
 
-impl HostSegment {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Box<[u8]>> {
-        self.data.lock().unwrap_or_else(|p| p.into_inner())
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        self.reserved.fetch_sub(self.size_bytes, Ordering::Relaxed);
     }
+}
+
+impl SegmentMemory for HostMemory {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn device_ptr(&self) -> Option<u64> {
+        None
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn lock_bytes(data: &Mutex<Box<[u8]>>) -> std::sync::MutexGuard<'_, Box<[u8]>> {
+    data.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The host memory of a segment, or an error naming a segment from another provider.
+fn memory_of(segment: &Segment) -> Result<&HostMemory> {
+    segment.memory::<HostMemory>().ok_or(Error::Internal {
+        what: "a segment of another backend reached the host backend".into(),
+    })
 }
 
 /// Allocate `n` zeroed bytes, or `None` if the allocator refuses. Large allocations
@@ -110,11 +141,13 @@ fn try_zeroed(n: usize) -> Option<Box<[u8]>> {
     Some(unsafe { Box::from_raw(slice) })
 }
 
+type Side = (Arc<Mutex<Box<[u8]>>>, u64, u64);
+
 #[derive(Clone)]
 struct Post {
     op: &'static str,
-    send: (Arc<HostSegment>, u64, u64),
-    recv: (Arc<HostSegment>, u64, u64),
+    send: Side,
+    recv: Side,
     /// Position of the send and receive segments' windows on the communicator.
     send_window: Option<u64>,
     recv_window: Option<u64>,
@@ -133,19 +166,16 @@ struct HostComm {
     collectives: Rendezvous<Option<Post>>,
 }
 
-/// One rank of a host world. Make a world with [`HostBackend::world`].
+/// One rank of a host world: ranks are threads of one process, segments host memory.
+/// Make a world with [`HostBackend::world`]; it returns [`Backend`]s.
 pub struct HostBackend {
     rank: usize,
     config: HostConfig,
     comms: Arc<Vec<HostComm>>,
-    infos: Vec<CommInfo>,
-    exchange: LocalExchange,
-    segments: Mutex<BTreeMap<SegmentKey, Arc<HostSegment>>>,
+    reserved: Arc<AtomicU64>,
     /// Per communicator: registration ordinal and collective round of this rank.
     counters: Mutex<Vec<(u64, u64)>>,
-    /// (segment, communicator) -> registration and its position on the communicator
-    /// (windows pair across ranks by that position).
-    registered: Mutex<BTreeMap<(SegmentKey, usize), (Registration, u64)>>,
+    /// Latest fence per stream (host work is synchronous: every fence is complete).
     fences: Mutex<BTreeMap<StreamId, u64>>,
 }
 
@@ -168,15 +198,10 @@ impl HostBackend {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero ranks or a granularity that is not a power of
     /// two.
-    pub fn world(config: HostConfig) -> Result<Vec<HostBackend>> {
+    pub fn world(config: HostConfig) -> Result<Vec<Backend>> {
         if config.world_size == 0 {
             return Err(Error::InvalidConfig(
                 "a world needs at least one rank".into(),
-            ));
-        }
-        if !crate::core::is_pow2(config.granularity_bytes) {
-            return Err(Error::InvalidConfig(
-                "granularity_bytes must be a power of two".into(),
             ));
         }
         let infos = CommInfo::STANDARD.to_vec();
@@ -191,36 +216,38 @@ impl HostBackend {
                 })
                 .collect::<Vec<_>>(),
         );
-        Ok(LocalExchange::group(n)
+        LocalExchange::group(n)
             .into_iter()
             .enumerate()
-            .map(|(rank, exchange)| HostBackend {
-                rank,
-                config: config.clone(),
-                comms: comms.clone(),
-                infos: infos.clone(),
-                exchange,
-                segments: Mutex::new(BTreeMap::new()),
-                counters: Mutex::new(vec![(0, 0); infos.len()]),
-                registered: Mutex::new(BTreeMap::new()),
-                fences: Mutex::new(BTreeMap::new()),
+            .map(|(rank, exchange)| {
+                let info = BackendInfo::new(
+                    BackendKind::Host,
+                    rank,
+                    n,
+                    config.nccl_version,
+                    config.granularity_bytes,
+                    infos.clone(),
+                )?;
+                let parts = Arc::new(HostBackend {
+                    rank,
+                    config: config.clone(),
+                    comms: comms.clone(),
+                    reserved: Arc::new(AtomicU64::new(0)),
+                    counters: Mutex::new(vec![(0, 0); infos.len()]),
+                    fences: Mutex::new(BTreeMap::new()),
+                });
+                Backend::new(info, Arc::new(exchange), parts)
             })
-            .collect())
-    }
-
-    fn segment(&self, id: SegmentKey) -> Result<Arc<HostSegment>> {
-        self.segments
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned()
-            .ok_or(Error::ForeignBuffer)
+            .collect()
     }
 
     fn comm(&self, comm: usize) -> Result<&HostComm> {
         self.comms
             .get(comm)
-            .ok_or_else(|| Error::InvalidConfig(format!("no communicator {comm}")))
+            .ok_or_else(|| Error::InvalidCollective {
+                op: "host collective",
+                detail: format!("no communicator {comm}"),
+            })
     }
 
     fn next_round(&self, comm: usize, registration: bool) -> u64 {
@@ -235,15 +262,6 @@ impl HostBackend {
         }
     }
 
-    fn reserved_bytes(&self) -> u64 {
-        self.segments
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .map(|s| s.lock().len() as u64)
-            .sum()
-    }
-
     /// Run one collective: post, check agreement, move data with `body`, barrier.
     fn collective(
         &self,
@@ -252,31 +270,23 @@ impl HostBackend {
         body: impl FnOnce(&[Post]) -> Result<()>,
     ) -> Result<()> {
         let comm = self.comm(args.comm)?;
-        let window = |key: SegmentKey| {
-            self.registered
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&(key, args.comm))
-                .map(|&(_, ordinal)| ordinal)
+        let side = |r: &super::Region<'_>| -> Result<Side> {
+            Ok((
+                memory_of(r.segment())?.data.clone(),
+                r.offset_bytes(),
+                r.len_bytes(),
+            ))
         };
         let post = Post {
             op,
-            send_window: window(args.send.segment),
-            recv_window: window(args.recv.segment),
-            send: (
-                self.segment(args.send.segment)?,
-                args.send.offset_bytes,
-                args.send.len_bytes,
-            ),
-            recv: (
-                self.segment(args.recv.segment)?,
-                args.recv.offset_bytes,
-                args.recv.len_bytes,
-            ),
+            send_window: args.windows.0.map(Window::ordinal),
+            recv_window: args.windows.1.map(Window::ordinal),
+            send: side(&args.send)?,
+            recv: side(&args.recv)?,
             count: args.count,
             dtype: args.dtype,
             reduce: args.op,
-            symmetric: args.symmetric,
+            symmetric: args.symmetric(),
         };
         let _serial = comm.serial[self.rank]
             .lock()
@@ -353,8 +363,8 @@ fn check_posts(posts: &[Post]) -> Result<()> {
     Ok(())
 }
 
-fn read_region(seg: &HostSegment, offset: u64, len: u64) -> Result<Vec<u8>> {
-    let data = seg.lock();
+fn read_region(seg: &Mutex<Box<[u8]>>, offset: u64, len: u64) -> Result<Vec<u8>> {
+    let data = lock_bytes(seg);
     let range = bounds(data.len(), offset, len)?;
     Ok(data[range].to_vec())
 }
@@ -371,72 +381,40 @@ fn bounds(seg_len: usize, offset: u64, len: u64) -> Result<std::ops::Range<usize
     Ok(offset as usize..end as usize)
 }
 
-impl Backend for HostBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Host
-    }
-
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.config.world_size
-    }
-
-    fn nccl_version(&self) -> NcclVersion {
-        self.config.nccl_version
-    }
-
-    fn granularity_bytes(&self) -> u64 {
-        self.config.granularity_bytes
-    }
-
-    fn communicators(&self) -> &[CommInfo] {
-        &self.infos
-    }
-
-    fn exchange(&self) -> &dyn Exchange {
-        &self.exchange
-    }
-
-    fn alloc_segment(&self, id: SegmentKey, size_bytes: u64) -> Result<()> {
-        let reserved = self.reserved_bytes();
-        let oom = |reason: String| Error::OutOfMemory {
+impl SegmentProvider for HostBackend {
+    fn allocate(&self, size_bytes: u64) -> Result<Segment> {
+        let limit = self.config.max_reserved_bytes;
+        let before = self
+            .reserved
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
+                r.checked_add(size_bytes).filter(|&t| t <= limit)
+            })
+            .map_err(|reserved| Error::PoolLimit {
+                segment_bytes: size_bytes,
+                would_reserve_bytes: reserved.saturating_add(size_bytes),
+                max_reserved_bytes: limit,
+            })?;
+        let _ = before;
+        // From here the counter includes the segment; `HostMemory`'s drop gives it back.
+        let oom = |message: &str| Error::DeviceOutOfMemory {
             segment_bytes: size_bytes,
-            reason,
+            op: "host allocation",
+            code: 0,
+            message: message.into(),
         };
-        if reserved.saturating_add(size_bytes) > self.config.max_reserved_bytes {
-            return Err(oom(format!(
-                "host backend limit of {} bytes per rank ({} reserved)",
-                self.config.max_reserved_bytes, reserved
-            )));
-        }
-        let n =
-            usize::try_from(size_bytes).map_err(|_| oom("larger than the address space".into()))?;
-        let data = try_zeroed(n).ok_or_else(|| oom("host allocation failed".into()))?;
-        self.segments
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                id,
-                Arc::new(HostSegment {
-                    data: Mutex::new(data),
-                }),
-            );
-        Ok(())
+        let Some(data) = usize::try_from(size_bytes).ok().and_then(try_zeroed) else {
+            self.reserved.fetch_sub(size_bytes, Ordering::Relaxed);
+            return Err(oom("the host allocator refused"));
+        };
+        Ok(Segment::new(Box::new(HostMemory {
+            data: Arc::new(Mutex::new(data)),
+            size_bytes,
+            reserved: self.reserved.clone(),
+        })))
     }
 
-    fn free_segment(&self, id: SegmentKey) -> Result<()> {
-        self.segments
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id);
-        Ok(())
-    }
-
-    fn register(&self, id: SegmentKey, comm: usize) -> Result<Registration> {
-        let size = self.segment(id)?.lock().len() as u64;
+    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+        let size = memory_of(segment)?.size_bytes;
         let _serial = self.comm(comm)?.serial[self.rank]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
@@ -451,85 +429,108 @@ impl Backend for HostBackend {
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
         }
-        let reg = if self.config.symmetric {
-            Registration::Symmetric
-        } else {
-            Registration::Unsupported
-        };
-        self.registered
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert((id, comm), (reg, ordinal));
-        Ok(reg)
+        Ok(self
+            .config
+            .symmetric
+            .then(|| Window::new(comm, ordinal, Box::new(()))))
     }
 
-    fn deregister(&self, id: SegmentKey, comm: usize) -> Result<()> {
-        self.registered
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&(id, comm));
+    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+        drop(window);
         Ok(())
     }
 
+    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
+        drop(segment);
+        Ok(())
+    }
+}
+
+impl StreamOps for HostBackend {
     fn new_stream(&self) -> Result<Stream> {
         Ok(Stream::host())
     }
 
     fn record_fence(&self, stream: &Stream) -> Result<Fence> {
+        if !stream.is_host() {
+            return Err(Error::WrongStream);
+        }
         let mut f = self.fences.lock().unwrap_or_else(|p| p.into_inner());
         let c = f.entry(stream.id()).or_insert(0);
         *c += 1;
         Ok(Fence(*c))
     }
 
-    fn wait_fence(&self, _stream: &Stream, _on: StreamId, _fence: Fence) -> Result<()> {
+    fn wait_fence(&self, stream: &Stream, _on: StreamId, _fence: Fence) -> Result<()> {
         // Host work is synchronous: every fence is complete when it is recorded.
+        if !stream.is_host() {
+            return Err(Error::WrongStream);
+        }
         Ok(())
     }
 
-    fn is_capturing(&self, _stream: &Stream) -> Result<bool> {
+    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
+        Ok(self
+            .fences
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&stream)
+            .map(|&f| Fence(f)))
+    }
+
+    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
+        if !stream.is_host() {
+            return Err(Error::WrongStream);
+        }
         Ok(false)
     }
 
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
+    fn drain(&self, _deadline: Instant) -> Result<bool> {
+        Ok(true)
     }
+}
 
-    fn write(&self, region: Region, data: &[u8], _stream: &Stream) -> Result<()> {
-        let seg = self.segment(region.segment)?;
-        let mut bytes = seg.lock();
-        let range = bounds(bytes.len(), region.offset_bytes, data.len() as u64)?;
+impl DataMover for HostBackend {
+    fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()> {
+        if !stream.is_host() {
+            return Err(Error::WrongStream);
+        }
+        let region = region.sub(0, data.len() as u64)?;
+        let mem = memory_of(region.segment())?;
+        let mut bytes = lock_bytes(&mem.data);
+        let range = bounds(bytes.len(), region.offset_bytes(), data.len() as u64)?;
         bytes[range].copy_from_slice(data);
         Ok(())
     }
 
-    fn read(&self, region: Region, out: &mut [u8], _stream: &Stream) -> Result<()> {
-        let seg = self.segment(region.segment)?;
-        let bytes = seg.lock();
-        let range = bounds(bytes.len(), region.offset_bytes, out.len() as u64)?;
+    fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()> {
+        if !stream.is_host() {
+            return Err(Error::WrongStream);
+        }
+        let region = region.sub(0, out.len() as u64)?;
+        let mem = memory_of(region.segment())?;
+        let bytes = lock_bytes(&mem.data);
+        let range = bounds(bytes.len(), region.offset_bytes(), out.len() as u64)?;
         out.copy_from_slice(&bytes[range]);
         Ok(())
     }
 
-    fn device_ptr(&self, _region: Region) -> Option<u64> {
-        None
-    }
-
     fn time_ms(&self, _stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         f()?;
         Ok(start.elapsed().as_secs_f64() * 1e3)
     }
+}
 
+impl Collectives for HostBackend {
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()> {
-        check_counts("all_gather", args, self.config.world_size, false)?;
-        let chunk = args.count * args.dtype.size_bytes(); // checked above
+        let chunk = args.check_counts("all_gather", self.config.world_size, false)?;
         self.collective(args, "all_gather", |posts| {
             // Pull: read every rank's chunk, write it into this rank's output.
             let (recv, recv_off, _) = &posts[self.rank].recv;
             for (r, p) in posts.iter().enumerate() {
                 let data = read_region(&p.send.0, p.send.1, chunk)?;
-                let mut out = recv.lock();
+                let mut out = lock_bytes(recv);
                 let range = bounds(out.len(), recv_off.saturating_add(r as u64 * chunk), chunk)?;
                 out[range].copy_from_slice(&data);
             }
@@ -538,8 +539,7 @@ impl Backend for HostBackend {
     }
 
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()> {
-        check_counts("reduce_scatter", args, self.config.world_size, true)?;
-        let chunk = args.count * args.dtype.size_bytes(); // checked above
+        let chunk = args.check_counts("reduce_scatter", self.config.world_size, true)?;
         let me = self.rank as u64;
         self.collective(args, "reduce_scatter", |posts| {
             // Pull: reduce this rank's chunk of every rank's input, in rank order.
@@ -563,7 +563,7 @@ impl Backend for HostBackend {
                 dtype::divide(args.dtype, &mut acc, posts.len());
             }
             let (recv, recv_off, _) = &posts[self.rank].recv;
-            let mut out = recv.lock();
+            let mut out = lock_bytes(recv);
             let range = bounds(out.len(), *recv_off, chunk)?;
             out[range].copy_from_slice(&acc);
             Ok(())

@@ -1,11 +1,25 @@
-//! Where segments come from and how they are registered: the [`Backend`] trait and
-//! its two implementations, [`HostBackend`] (ranks as threads, host memory, always
-//! available) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`, feature
-//! `nccl`).
+//! Where segments come from, how they are registered, and how device work is ordered:
+//! the provider seam, and its implementations [`HostBackend`] (ranks as threads, host
+//! memory, always available) and `NcclBackend` (`ncclMemAlloc` +
+//! `ncclCommWindowRegister`, feature `nccl`).
 //!
-//! A backend is one rank's view: its memory, its streams, and an ordered list of
-//! communicators ([`CommInfo`]) that is the same on every rank. The pool registers each
-//! segment on every communicator whose [`CommInfo::registers`] is set, in list order.
+//! A [`Backend`] is one rank's view, assembled from four small parts, one per job:
+//!
+//! | part | trait | job |
+//! |---|---|---|
+//! | segments | [`SegmentProvider`] | allocate a segment → an owned [`Segment`]; register it on a communicator → an owned [`Window`] (or "no symmetric support"); consuming deregister and free |
+//! | streams | [`StreamOps`] | streams, fences (events), device-side waits, capture status, draining with a deadline |
+//! | data | [`DataMover`] | host ↔ segment copies, timing of device work |
+//! | collectives | [`Collectives`] | all-gather and reduce-scatter on regions (dispatched by [`coll`](crate::coll)) |
+//!
+//! plus its identity ([`BackendInfo`]: rank, world size, NCCL version, granularity, the
+//! communicators) and the host-side [`Exchange`] the pool agrees over.
+//!
+//! Backends keep no tables of segments or windows: the pool's segment entries own the
+//! handles, and every operation on a segment receives it. The operations that can
+//! break the pool's invariants (register, deregister, free) are `unsafe fn`s with a
+//! `# Safety` list; the pool is their only caller in the crate. A test double replaces
+//! one part ([`Backend::with_streams`], …) and keeps the others.
 
 pub mod host;
 #[cfg(feature = "nccl")]
@@ -15,32 +29,16 @@ pub use host::{HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclBackend, NcclWorldConfig};
 
-use crate::core::{Fence, SegmentId, StreamId};
-
-/// A backend's name for a segment: unique among all pools on that backend (the pool's
-/// number in the high 32 bits, its [`SegmentId`] in the low 32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SegmentKey(pub u64);
-
-impl SegmentKey {
-    /// The key of segment `id` of pool number `pool`.
-    pub fn new(pool: u32, id: SegmentId) -> Self {
-        SegmentKey(((pool as u64) << 32) | id.0 as u64)
-    }
-
-    /// The pool-local segment id.
-    pub fn segment(self) -> SegmentId {
-        SegmentId(self.0 as u32)
-    }
-}
-
+use crate::core::{Fence, StreamId};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{NcclVersion, Result};
+use crate::error::{Error, NcclVersion, Result};
 use crate::exchange::Exchange;
 use crate::stream::Stream;
 use serde::Serialize;
+use std::any::Any;
 use std::fmt;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::Instant;
 
 /// Which implementation a backend is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -99,53 +97,380 @@ impl CommInfo {
     pub const STANDARD: [CommInfo; 3] = [Self::SYMMETRIC, Self::COPY_ENGINE, Self::PLAIN];
 }
 
-/// Outcome of registering a segment on a communicator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Registration {
-    /// A symmetric window (`NCCL_WIN_COLL_SYMMETRIC`) now covers the whole segment.
-    Symmetric,
-    /// The communicator cannot do symmetric memory (NCCL returned a NULL window): the
-    /// segment is not registered and collectives on it take the plain path.
-    Unsupported,
+/// Who a backend is: the same on every call, and (but for `rank`) on every rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct BackendInfo {
+    /// Which implementation.
+    pub kind: BackendKind,
+    /// This rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// The NCCL version in use (the host backend reports the version whose rules it
+    /// follows).
+    pub nccl_version: NcclVersion,
+    /// Segment size and alignment granularity in bytes, a power of two (2 MiB on H200:
+    /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`, which `ncclMemAlloc` rounds to).
+    pub granularity_bytes: u64,
+    /// The communicators, in the order segments are registered. Same on every rank.
+    pub communicators: Vec<CommInfo>,
 }
 
-/// A byte range of a segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Region {
+impl BackendInfo {
+    /// The identity of one rank of a backend.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for `rank >= world_size`, no communicators, more than
+    /// 64, or a granularity that is not a power of two.
+    pub fn new(
+        kind: BackendKind,
+        rank: usize,
+        world_size: usize,
+        nccl_version: NcclVersion,
+        granularity_bytes: u64,
+        communicators: Vec<CommInfo>,
+    ) -> Result<Self> {
+        if rank >= world_size {
+            return Err(Error::InvalidConfig(format!(
+                "rank {rank} is not below the world size {world_size}"
+            )));
+        }
+        if communicators.is_empty() || communicators.len() > 64 {
+            return Err(Error::InvalidConfig(format!(
+                "a backend has 1 to 64 communicators, not {}",
+                communicators.len()
+            )));
+        }
+        if !crate::core::is_pow2(granularity_bytes) {
+            return Err(Error::InvalidConfig(format!(
+                "granularity_bytes {granularity_bytes} is not a power of two"
+            )));
+        }
+        Ok(BackendInfo {
+            kind,
+            rank,
+            world_size,
+            nccl_version,
+            granularity_bytes,
+            communicators,
+        })
+    }
+}
+
+/// The memory behind a [`Segment`], as a provider made it.
+pub trait SegmentMemory: Send + Sync + fmt::Debug + Any {
+    /// Size in bytes: a non-zero multiple of the backend's granularity.
+    fn size_bytes(&self) -> u64;
+    /// The device address of the first byte (NCCL), `None` for host memory.
+    fn device_ptr(&self) -> Option<u64>;
+    /// For a provider to find its own type again.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// An owned segment: one whole allocation of a provider (one `ncclMemAlloc`), at
+/// least one granularity long.
+///
+/// The pool's segment entry is its single owner. Give it back with the provider's
+/// [`free`](SegmentProvider::free); dropping it instead leaks device memory on
+/// purpose (host memory is released), which is what a pool does when its device
+/// cannot drain in time.
+#[derive(Debug)]
+pub struct Segment {
+    memory: Box<dyn SegmentMemory>,
+}
+
+impl Segment {
+    /// Wrap a provider's memory.
+    pub fn new(memory: Box<dyn SegmentMemory>) -> Self {
+        Segment { memory }
+    }
+
+    /// Size in bytes.
+    pub fn size_bytes(&self) -> u64 {
+        self.memory.size_bytes()
+    }
+
+    /// The device address of the first byte, `None` for host memory.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.memory.device_ptr()
+    }
+
+    /// The provider's memory, as its own type.
+    pub fn memory<T: SegmentMemory>(&self) -> Option<&T> {
+        self.memory.as_any().downcast_ref::<T>()
+    }
+
+    /// The `len_bytes` bytes at `offset_bytes`, checked against the segment.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if the range leaves the segment.
+    pub fn region(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'_>> {
+        match offset_bytes.checked_add(len_bytes) {
+            Some(end) if end <= self.size_bytes() => Ok(Region {
+                segment: self,
+                offset_bytes,
+                len_bytes,
+            }),
+            _ => Err(Error::BadView(format!(
+                "range {offset_bytes}+{len_bytes} outside a segment of {} bytes",
+                self.size_bytes()
+            ))),
+        }
+    }
+}
+
+/// An owned window: one segment registered on one communicator
+/// (`ncclCommWindowRegister(.., NCCL_WIN_COLL_SYMMETRIC)`). The pool's segment entry
+/// owns it beside its segment; give it back with
+/// [`deregister`](SegmentProvider::deregister) before the segment is freed.
+pub struct Window {
+    comm: usize,
+    ordinal: u64,
+    handle: Box<dyn Any + Send + Sync>,
+}
+
+impl fmt::Debug for Window {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Window")
+            .field("comm", &self.comm)
+            .field("ordinal", &self.ordinal)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Window {
+    /// A provider's window on communicator `comm`, its `ordinal`-th registration there
+    /// (1-based), with the provider's own handle.
+    pub fn new(comm: usize, ordinal: u64, handle: Box<dyn Any + Send + Sync>) -> Self {
+        Window {
+            comm,
+            ordinal,
+            handle,
+        }
+    }
+
+    /// The communicator, an index into [`BackendInfo::communicators`].
+    pub fn comm(&self) -> usize {
+        self.comm
+    }
+
+    /// Its position among the registrations on its communicator (1-based): NCCL pairs
+    /// windows across ranks by this order.
+    pub fn ordinal(&self) -> u64 {
+        self.ordinal
+    }
+
+    /// The provider's handle, as its own type.
+    pub fn handle<T: Any>(&self) -> Option<&T> {
+        self.handle.downcast_ref::<T>()
+    }
+
+    /// Take the provider's handle out, as its own type (or the window back).
+    ///
+    /// # Errors
+    /// The window, unchanged, if the handle is of another type.
+    pub fn into_handle<T: Any>(self) -> std::result::Result<Box<T>, Window> {
+        let Window {
+            comm,
+            ordinal,
+            handle,
+        } = self;
+        handle.downcast::<T>().map_err(|handle| Window {
+            comm,
+            ordinal,
+            handle,
+        })
+    }
+}
+
+/// A release a provider could not do: the handle comes back with the reason, so the
+/// caller can try again later instead of losing track of the memory.
+#[derive(Debug)]
+pub struct Refused<T> {
+    /// The handle, still owned.
+    pub handle: T,
+    /// Why.
+    pub error: Error,
+}
+
+/// Where segments come from and how they become windows.
+///
+/// # Collective
+/// [`register`](Self::register) is collective on its communicator: every rank
+/// registers the same segments in the same order (NCCL pairs windows by call order).
+/// Everything else is local.
+pub trait SegmentProvider: Send + Sync + fmt::Debug {
+    /// Allocate a segment of `size_bytes` (a non-zero multiple of the granularity).
+    ///
+    /// # Errors
+    /// [`Error::DeviceOutOfMemory`] or [`Error::PoolLimit`] if the memory is not there;
+    /// [`Error::Cuda`] / [`Error::Nccl`] otherwise. Nothing is allocated on error.
+    fn allocate(&self, size_bytes: u64) -> Result<Segment>;
+
+    /// Register the whole segment as a symmetric window on communicator `comm`.
+    /// `Ok(None)`: the communicator cannot do symmetric memory (NCCL returned a NULL
+    /// window); the segment is not registered there.
+    ///
+    /// # Collective
+    /// Every rank registers the same segments on `comm` in the same order.
+    ///
+    /// # Safety
+    /// - every rank makes this call for its own segment of the same size at the same
+    ///   point of its sequence of registrations on `comm` (else NCCL pairs the wrong
+    ///   buffers, or hangs);
+    /// - `segment` is not registered on `comm` yet (one window per segment and
+    ///   communicator: NCCL ≥ 2.30.7 makes a second one undefined behaviour);
+    /// - no stream of this device is capturing a CUDA graph.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] if peers do not register in time; [`Error::Nccl`];
+    /// [`Error::RegistrationMismatch`] where the provider can see that ranks passed
+    /// different sizes.
+    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>>;
+
+    /// Deregister a window (local in NCCL).
+    ///
+    /// # Safety
+    /// `window` was made by this provider's [`register`](Self::register), and no work
+    /// that uses its segment through that communicator is pending on the device.
+    ///
+    /// # Errors
+    /// The window back, with [`Error::Nccl`].
+    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>>;
+
+    /// Free a segment.
+    ///
+    /// # Safety
+    /// `segment` was made by this provider's [`allocate`](Self::allocate), no window
+    /// covers it any more, and no pending device work uses it.
+    ///
+    /// # Errors
+    /// The segment back, with [`Error::Cuda`] / [`Error::Nccl`].
+    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>>;
+}
+
+/// Streams, fences and device-side ordering.
+pub trait StreamOps: Send + Sync + fmt::Debug {
+    /// A new stream on this rank's device.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    fn new_stream(&self) -> Result<Stream>;
+    /// Record a fence on `stream`: a point after all work enqueued so far. Fences on
+    /// one stream increase.
+    ///
+    /// # Errors
+    /// [`Error::WrongStream`] for a stream of another backend kind; [`Error::Cuda`].
+    fn record_fence(&self, stream: &Stream) -> Result<Fence>;
+    /// Make `stream` wait (device-side) for `fence` recorded on stream `on`.
+    ///
+    /// # Errors
+    /// As [`record_fence`](Self::record_fence).
+    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()>;
+    /// The latest fence on `stream` known to be complete, if any (a cheap query that
+    /// never waits). Only statistics use it: placement never depends on completion.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>>;
+    /// Whether `stream` is capturing a CUDA graph.
+    ///
+    /// # Errors
+    /// As [`record_fence`](Self::record_fence).
+    fn is_capturing(&self, stream: &Stream) -> Result<bool>;
+    /// Wait on the host until all work enqueued so far on every stream this device has
+    /// recorded fences on is done, or `deadline` passes: `Ok(true)` if it drained,
+    /// `Ok(false)` at the deadline. Never waits past the deadline (it polls; it does
+    /// not block in the driver).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] (a failed device: its work will never drain).
+    fn drain(&self, deadline: Instant) -> Result<bool>;
+}
+
+/// Copies between the host and segments, and timing of device work.
+pub trait DataMover: Send + Sync + fmt::Debug {
+    /// Copy `data` into `region` (its first `data.len()` bytes), ordered on `stream`;
+    /// returns once `data` may be reused.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if `data` is longer than the region; [`Error::WrongStream`];
+    /// [`Error::Cuda`].
+    fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()>;
+    /// Copy `region` (its first `out.len()` bytes) into `out`, ordered on `stream`, and
+    /// wait for it.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
+    fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()>;
+    /// Time the device work `f` enqueues on `stream`, in milliseconds (CUDA events on
+    /// the NCCL backend, the wall clock on the host backend). Waits for it.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`], or the first error of `f`.
+    fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64>;
+}
+
+/// A byte range of a segment. Made only through [`Segment::region`], so it always lies
+/// inside its segment.
+#[derive(Debug, Clone, Copy)]
+pub struct Region<'a> {
+    segment: &'a Segment,
+    offset_bytes: u64,
+    len_bytes: u64,
+}
+
+impl<'a> Region<'a> {
     /// The segment.
-    pub segment: SegmentKey,
-    /// Offset from the segment start, in bytes.
-    pub offset_bytes: u64,
-    /// Length in bytes.
-    pub len_bytes: u64,
-    /// The device address of the first byte, when the caller knows it (the pool
-    /// caches it per buffer); a backend may use it instead of looking the segment up.
-    pub device_ptr: Option<u64>,
-}
+    pub fn segment(&self) -> &'a Segment {
+        self.segment
+    }
 
-impl Region {
-    /// The `len_bytes` bytes that start `offset_bytes` into this region, with the device
-    /// address moved along when it is known. The caller keeps the range inside the
-    /// region (backends check every region against its segment).
-    pub(crate) fn sub(&self, offset_bytes: u64, len_bytes: u64) -> Region {
-        Region {
-            segment: self.segment,
-            offset_bytes: self.offset_bytes + offset_bytes,
-            len_bytes,
-            device_ptr: self.device_ptr.map(|p| p + offset_bytes),
+    /// Offset from the segment start, in bytes.
+    pub fn offset_bytes(&self) -> u64 {
+        self.offset_bytes
+    }
+
+    /// Length in bytes.
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    /// The device address of the first byte (NCCL), `None` for host memory.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.segment.device_ptr().map(|p| p + self.offset_bytes)
+    }
+
+    /// The `len_bytes` bytes that start `offset_bytes` into this region.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if they leave the region.
+    pub fn sub(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'a>> {
+        match offset_bytes.checked_add(len_bytes) {
+            Some(end) if end <= self.len_bytes => Ok(Region {
+                segment: self.segment,
+                offset_bytes: self.offset_bytes + offset_bytes,
+                len_bytes,
+            }),
+            _ => Err(Error::BadView(format!(
+                "range {offset_bytes}+{len_bytes} outside a region of {} bytes",
+                self.len_bytes
+            ))),
         }
     }
 }
 
 /// Arguments of one collective call on one rank.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct CollArgs<'a> {
-    /// Index of the communicator in [`Backend::communicators`].
+    /// Index of the communicator in [`BackendInfo::communicators`].
     pub comm: usize,
     /// The input: this rank's chunk (all-gather) or the whole input (reduce-scatter).
-    pub send: Region,
+    pub send: Region<'a>,
     /// The output: the whole output (all-gather) or this rank's chunk (reduce-scatter).
-    pub recv: Region,
+    pub recv: Region<'a>,
     /// Elements per rank: the all-gather input count, the reduce-scatter output count.
     pub count: u64,
     /// Element type.
@@ -154,158 +479,83 @@ pub struct CollArgs<'a> {
     pub op: ReduceOp,
     /// Stream to enqueue on.
     pub stream: &'a Stream,
-    /// Whether the pool expects the symmetric path: the host backend then also checks
-    /// that every rank passes the same offsets, as NCCL's kernels assume.
-    pub symmetric: bool,
+    /// The windows of the send and receive segments on `comm`, when the call expects
+    /// the symmetric path (both `None` on the plain path).
+    pub windows: (Option<&'a Window>, Option<&'a Window>),
 }
 
-/// The regions must hold what a collective will touch: `count` elements on one side and
-/// `world × count` on the other (the input for a reduce-scatter, the output for an
-/// all-gather).
-pub(crate) fn check_counts(
-    op: &'static str,
-    a: &CollArgs<'_>,
-    world: usize,
-    reduce: bool,
-) -> Result<()> {
-    let chunk = a.count.checked_mul(a.dtype.size_bytes());
-    let whole = chunk.and_then(|c| c.checked_mul(world as u64));
-    let (small, big) = if reduce {
-        (&a.recv, &a.send)
-    } else {
-        (&a.send, &a.recv)
-    };
-    match (chunk, whole) {
-        (Some(c), Some(w)) if c <= small.len_bytes && w <= big.len_bytes => Ok(()),
-        _ => Err(crate::Error::InvalidCollective {
+impl<'a> CollArgs<'a> {
+    /// Arguments for communicator `comm`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        comm: usize,
+        send: Region<'a>,
+        recv: Region<'a>,
+        count: u64,
+        dtype: DType,
+        op: ReduceOp,
+        stream: &'a Stream,
+        windows: (Option<&'a Window>, Option<&'a Window>),
+    ) -> Self {
+        CollArgs {
+            comm,
+            send,
+            recv,
+            count,
+            dtype,
             op,
-            detail: format!(
-                "{} elements of {} bytes per rank do not fit regions of {} and {} bytes",
-                a.count,
-                a.dtype.size_bytes(),
-                a.send.len_bytes,
-                a.recv.len_bytes
-            ),
-        }),
+            stream,
+            windows,
+        }
+    }
+
+    /// Whether the call expects NCCL's symmetric path (windows given).
+    pub fn symmetric(&self) -> bool {
+        self.windows.0.is_some() || self.windows.1.is_some()
+    }
+
+    /// The regions must hold what the collective will touch: `count` elements on one
+    /// side and `world × count` on the other (the input for a reduce-scatter, the
+    /// output for an all-gather). Returns the chunk size in bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidCollective`].
+    pub fn check_counts(&self, op: &'static str, world: usize, reduce: bool) -> Result<u64> {
+        let chunk = self.count.checked_mul(self.dtype.size_bytes());
+        let whole = chunk.and_then(|c| c.checked_mul(world as u64));
+        let (small, big) = if reduce {
+            (&self.recv, &self.send)
+        } else {
+            (&self.send, &self.recv)
+        };
+        match (chunk, whole) {
+            (Some(c), Some(w)) if c <= small.len_bytes && w <= big.len_bytes => Ok(c),
+            _ => Err(Error::InvalidCollective {
+                op,
+                detail: format!(
+                    "{} elements of {} bytes per rank do not fit regions of {} and {} bytes",
+                    self.count,
+                    self.dtype.size_bytes(),
+                    self.send.len_bytes,
+                    self.recv.len_bytes
+                ),
+            }),
+        }
     }
 }
 
-/// Where segments come from and how they are registered; one rank's view.
-///
-/// Implementations must be usable from several threads (`Send + Sync`) and must
-/// serialise calls on one communicator (NCCL's communicators are not thread-safe).
+/// The collectives a backend runs on regions. [`coll`](crate::coll) checks the
+/// buffers, picks the communicator and path, and calls these.
 ///
 /// # Collective
-/// [`register`](Self::register), [`all_gather`](Self::all_gather) and
-/// [`reduce_scatter`](Self::reduce_scatter) are collective on their communicator: every
-/// rank calls them in the same order with matching arguments. Everything else is local.
-pub trait Backend: Send + Sync + fmt::Debug {
-    /// Which implementation this is.
-    fn kind(&self) -> BackendKind;
-    /// This rank.
-    fn rank(&self) -> usize;
-    /// Number of ranks.
-    fn world_size(&self) -> usize;
-    /// The NCCL version in use (the host backend reports the version whose rules it
-    /// follows).
-    fn nccl_version(&self) -> NcclVersion;
-    /// Segment size and alignment granularity in bytes (2 MiB on H200).
-    fn granularity_bytes(&self) -> u64;
-    /// The communicators, in the order segments are registered. Same on every rank.
-    fn communicators(&self) -> &[CommInfo];
-    /// The host-side exchange the pool agrees over.
-    fn exchange(&self) -> &dyn Exchange;
-
-    /// Allocate a segment of `size_bytes` (a multiple of the granularity) under `id`.
-    ///
-    /// # Errors
-    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) if the memory is not there; a
-    /// backend error otherwise. Nothing is allocated on error.
-    fn alloc_segment(&self, id: SegmentKey, size_bytes: u64) -> Result<()>;
-    /// Free a segment. It must not be registered on any communicator.
-    ///
-    /// # Errors
-    /// A backend error; the segment is forgotten either way.
-    fn free_segment(&self, id: SegmentKey) -> Result<()>;
-    /// Register a whole segment as a symmetric window on communicator `comm`.
-    ///
-    /// # Collective
-    /// Every rank registers the same segments on `comm` in the same order (NCCL pairs
-    /// windows across ranks by call order).
-    ///
-    /// # Errors
-    /// A backend error; [`Error::Timeout`](crate::Error::Timeout) on the host backend if
-    /// peers do not register in time.
-    fn register(&self, id: SegmentKey, comm: usize) -> Result<Registration>;
-    /// Deregister a segment's window on `comm` (local, not collective). No-op if not
-    /// registered.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn deregister(&self, id: SegmentKey, comm: usize) -> Result<()>;
-
-    /// A new stream on this rank's device.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn new_stream(&self) -> Result<Stream>;
-    /// Record a fence on `stream`: a point after all work enqueued so far. Fences on one
-    /// stream increase.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn record_fence(&self, stream: &Stream) -> Result<Fence>;
-    /// Make `stream` wait (device-side) for `fence` recorded on stream `on`.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()>;
-    /// Whether `stream` is capturing a CUDA graph.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn is_capturing(&self, stream: &Stream) -> Result<bool>;
-    /// Wait on the host until all work on this rank's device is done.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn synchronize(&self) -> Result<()>;
-
-    /// Wait on the host, at most `timeout`, for all work on this rank's device: `true`
-    /// if it drained. Used where blocking without bound is not allowed (drops).
-    ///
-    /// # Errors
-    /// A backend error.
-    fn synchronize_within(&self, timeout: Duration) -> Result<bool> {
-        let _ = timeout;
-        self.synchronize().map(|()| true)
-    }
-
-    /// Copy `data` into a region, ordered on `stream`.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn write(&self, region: Region, data: &[u8], stream: &Stream) -> Result<()>;
-    /// Copy a region into `out`, ordered on `stream`, and wait for it.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn read(&self, region: Region, out: &mut [u8], stream: &Stream) -> Result<()>;
-    /// The device address of a region's first byte (NCCL backend), for interop.
-    fn device_ptr(&self, region: Region) -> Option<u64>;
-    /// Time the device work `f` enqueues on `stream`, in milliseconds (CUDA events on
-    /// the NCCL backend, the wall clock on the host backend). Waits for it.
-    ///
-    /// # Errors
-    /// A backend error, or the first error of `f`.
-    fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64>;
-
+/// Every rank calls them in the same order on the same communicator, with matching
+/// counts, types, operations and (on the symmetric path) offsets.
+pub trait Collectives: Send + Sync + fmt::Debug {
     /// All-gather `count` elements per rank from `send` into `recv`.
     ///
     /// # Errors
-    /// A backend error; on the host backend also
-    /// [`Error::CollectiveMismatch`](crate::Error::CollectiveMismatch) and
-    /// [`Error::Timeout`](crate::Error::Timeout).
+    /// [`Error::InvalidCollective`]; [`Error::Nccl`]; on the host backend also
+    /// [`Error::CollectiveMismatch`], [`Error::Timeout`] and [`Error::GroupBroken`].
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()>;
     /// Reduce-scatter: `recv` gets `count` elements, the reduction over ranks of this
     /// rank's chunk of `send`.
@@ -313,4 +563,186 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Errors
     /// As [`all_gather`](Self::all_gather).
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()>;
+}
+
+/// One rank's backend: its identity, its exchange, and the four parts. Cheap to
+/// clone (shared parts).
+#[derive(Clone)]
+pub struct Backend {
+    info: Arc<BackendInfo>,
+    exchange: Arc<dyn Exchange>,
+    segments: Arc<dyn SegmentProvider>,
+    streams: Arc<dyn StreamOps>,
+    data: Arc<dyn DataMover>,
+    collectives: Arc<dyn Collectives>,
+    origin: Arc<dyn Any + Send + Sync>,
+}
+
+impl fmt::Debug for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backend")
+            .field("info", &self.info)
+            .field("streams", &self.streams)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Backend {
+    /// A backend whose four parts are one value (as [`HostBackend`] and `NcclBackend`
+    /// are).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if `exchange` disagrees with `info` on rank or world size.
+    pub fn new<T>(info: BackendInfo, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Self>
+    where
+        T: SegmentProvider + StreamOps + DataMover + Collectives + 'static,
+    {
+        if exchange.rank() != info.rank || exchange.world_size() != info.world_size {
+            return Err(Error::InvalidConfig(format!(
+                "the exchange is rank {} of {}, the backend rank {} of {}",
+                exchange.rank(),
+                exchange.world_size(),
+                info.rank,
+                info.world_size
+            )));
+        }
+        Ok(Backend {
+            info: Arc::new(info),
+            exchange,
+            segments: parts.clone(),
+            streams: parts.clone(),
+            data: parts.clone(),
+            collectives: parts.clone(),
+            origin: parts,
+        })
+    }
+
+    /// The same backend with its segment provider replaced by `f(provider)` (a test
+    /// double gets the original to delegate to).
+    pub fn with_segments(
+        mut self,
+        f: impl FnOnce(Arc<dyn SegmentProvider>) -> Arc<dyn SegmentProvider>,
+    ) -> Self {
+        self.segments = f(self.segments);
+        self
+    }
+
+    /// The same backend with its stream operations replaced by `f(streams)`.
+    pub fn with_streams(
+        mut self,
+        f: impl FnOnce(Arc<dyn StreamOps>) -> Arc<dyn StreamOps>,
+    ) -> Self {
+        self.streams = f(self.streams);
+        self
+    }
+
+    /// The same backend with its data mover replaced by `f(data)`.
+    pub fn with_data(mut self, f: impl FnOnce(Arc<dyn DataMover>) -> Arc<dyn DataMover>) -> Self {
+        self.data = f(self.data);
+        self
+    }
+
+    /// The same backend with its collectives replaced by `f(collectives)`.
+    pub fn with_collectives(
+        mut self,
+        f: impl FnOnce(Arc<dyn Collectives>) -> Arc<dyn Collectives>,
+    ) -> Self {
+        self.collectives = f(self.collectives);
+        self
+    }
+
+    /// The same backend with its exchange replaced by `f(exchange)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if the new exchange disagrees on rank or world size.
+    pub fn with_exchange(
+        mut self,
+        f: impl FnOnce(Arc<dyn Exchange>) -> Arc<dyn Exchange>,
+    ) -> Result<Self> {
+        let exchange = f(self.exchange.clone());
+        if exchange.rank() != self.info.rank || exchange.world_size() != self.info.world_size {
+            return Err(Error::InvalidConfig(
+                "the new exchange disagrees with the backend on rank or world size".into(),
+            ));
+        }
+        self.exchange = exchange;
+        Ok(self)
+    }
+
+    /// Who this backend is.
+    pub fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    /// Which implementation.
+    pub fn kind(&self) -> BackendKind {
+        self.info.kind
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.info.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.info.world_size
+    }
+
+    /// The NCCL version whose rules apply.
+    pub fn nccl_version(&self) -> NcclVersion {
+        self.info.nccl_version
+    }
+
+    /// Segment granularity in bytes.
+    pub fn granularity_bytes(&self) -> u64 {
+        self.info.granularity_bytes
+    }
+
+    /// The communicators, in registration order.
+    pub fn communicators(&self) -> &[CommInfo] {
+        &self.info.communicators
+    }
+
+    /// The host-side exchange the pool agrees over.
+    pub fn exchange(&self) -> &dyn Exchange {
+        self.exchange.as_ref()
+    }
+
+    /// The segment provider.
+    pub fn segments(&self) -> &dyn SegmentProvider {
+        self.segments.as_ref()
+    }
+
+    /// Streams and fences.
+    pub fn streams(&self) -> &dyn StreamOps {
+        self.streams.as_ref()
+    }
+
+    /// Host ↔ segment copies and timing.
+    pub fn data(&self) -> &dyn DataMover {
+        self.data.as_ref()
+    }
+
+    /// The collectives on regions.
+    pub fn collectives(&self) -> &dyn Collectives {
+        self.collectives.as_ref()
+    }
+
+    /// The value the backend was made from (for example the `NcclBackend`, for its
+    /// device context and raw communicators).
+    pub fn downcast_ref<T: Any>(&self) -> Option<&T> {
+        self.origin.downcast_ref::<T>()
+    }
+
+    /// Fail unless `stream` is of this backend's kind.
+    ///
+    /// # Errors
+    /// [`Error::WrongStream`].
+    pub fn check_stream(&self, stream: &Stream) -> Result<()> {
+        if stream.is_host() != (self.info.kind == BackendKind::Host) {
+            return Err(Error::WrongStream);
+        }
+        Ok(())
+    }
 }

@@ -1,10 +1,11 @@
 //! Measure the paths on this machine and derive a [`PathPolicy`] from them.
 
-use super::path::{Path, PathPolicy};
-use crate::backend::{CollArgs, CommRole};
+use super::dispatch;
+use super::path::{Coll, CollectiveReport, Path, PathPolicy};
+use crate::backend::CommRole;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::pool::{PoolConfig, SymmPool};
+use crate::pool::SymmPool;
 use crate::stream::Stream;
 use serde::Serialize;
 
@@ -88,7 +89,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// choice from rank 0's figures: the copy engine from the smallest size from which it
 /// beats the symmetric kernel at every larger size measured, and the symmetric
 /// reduce-scatter wherever it beats ring. Apply the result with
-/// [`SymmPool::set_path_policy`].
+/// [`set_path_policy`](super::set_path_policy).
 ///
 /// The measurements use a temporary pool on the same backend (its segments are
 /// registered and released again), so `pool`'s own segments are untouched.
@@ -122,20 +123,9 @@ pub fn calibrate(
     }
     let backend = pool.backend().clone();
     let world = backend.world_size() as u64;
-    let comm_of = |p: Path| {
-        backend
-            .communicators()
-            .iter()
-            .position(|c| c.role == role_of(p))
-    };
-    // The caller's settings (core sizes, timeout, registration), default paths.
-    let tmp = SymmPool::new(
-        backend.clone(),
-        PoolConfig {
-            paths: Default::default(),
-            ..pool.config().clone()
-        },
-    )?;
+    let has_role = |p: Path| backend.communicators().iter().any(|c| c.role == role_of(p));
+    // The caller's settings (core sizes, timeout, registration); default paths.
+    let tmp = SymmPool::new(backend.clone(), pool.config().clone())?;
     let mut sizes = Vec::new();
     let mut s = config.min_bytes.next_power_of_two();
     while s <= config.max_bytes {
@@ -159,39 +149,45 @@ pub fn calibrate(
                     } else {
                         (false, RS_PATHS[i - AG_PATHS.len()])
                     };
-                    let Some(comm) = comm_of(path) else { continue };
-                    let registered = comm < 64 && whole.in_window(comm) && out.in_window(comm);
-                    if path != Path::PlainKernel && !registered {
+                    if !has_role(path) {
                         continue;
                     }
-                    let whole_r = whole.region();
-                    let (send, recv, count, dtype) = if is_ag {
-                        let own = whole_r.sub(backend.rank() as u64 * bytes, bytes);
-                        (own, whole_r, bytes, DType::U8)
-                    } else {
-                        (whole_r, out.region(), bytes / 2, DType::BF16)
-                    };
-                    let args = CollArgs {
-                        comm,
-                        send,
-                        recv,
-                        count,
-                        dtype,
-                        op: ReduceOp::Sum,
-                        stream,
-                        symmetric: path != Path::PlainKernel,
-                    };
-                    let run = |a: &CollArgs<'_>| {
+                    // The same dispatch as the public collectives, with the path forced.
+                    let run = || -> Result<CollectiveReport> {
+                        let whole_r = whole.region()?;
                         if is_ag {
-                            backend.all_gather(a)
+                            let own = whole_r.sub(backend.rank() as u64 * bytes, bytes)?;
+                            dispatch(
+                                &tmp,
+                                Coll::AllGather,
+                                (&whole, own),
+                                (&whole, whole_r),
+                                bytes,
+                                DType::U8,
+                                stream,
+                                Some(path),
+                            )
                         } else {
-                            backend.reduce_scatter(a)
+                            dispatch(
+                                &tmp,
+                                Coll::ReduceScatter(ReduceOp::Sum),
+                                (&whole, whole_r),
+                                (&out, out.region()?),
+                                bytes / 2,
+                                DType::BF16,
+                                stream,
+                                Some(path),
+                            )
                         }
                     };
-                    run(&args)?; // warm-up
-                    let ms = backend.time_ms(stream, &mut || {
+                    // Warm-up; a path that is not available for these buffers falls back
+                    // (the same on every rank) and is not measured.
+                    if run()?.path != path {
+                        continue;
+                    }
+                    let ms = backend.data().time_ms(stream, &mut || {
                         for _ in 0..iters {
-                            run(&args)?;
+                            run()?;
                         }
                         Ok(())
                     })? / iters as f64;
@@ -227,11 +223,14 @@ pub fn calibrate(
             )
         })
         .collect();
-    let all = backend.exchange().all_gather(enc, pool.config().timeout)?;
+    let all = backend
+        .exchange()
+        .all_gather("calibration", enc, pool.config().timeout)?;
     let Some(first) = all.first().filter(|r| r.len() == 6 * sizes.len()) else {
-        return Err(Error::InvalidConfig(
-            "the exchange returned no or a malformed record for rank 0 (ranks calibrated different ranges?)".into(),
-        ));
+        return Err(Error::CollectiveMismatch {
+            op: "calibrate",
+            detail: "rank 0's measurements do not match this rank's sizes (did the ranks calibrate different ranges?)".into(),
+        });
     };
     let dec = |x: u64| Some(f64::from_bits(x)).filter(|v| !v.is_nan());
     let measurements: Vec<Measurement> = first
@@ -243,7 +242,7 @@ pub fn calibrate(
         })
         .collect();
     Ok(Calibration {
-        policy: derive(&measurements, &pool.path_policy()),
+        policy: derive(&measurements, &super::path_policy(pool)),
         measurements,
     })
 }
@@ -292,6 +291,7 @@ fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::PoolConfig;
 
     fn m(bytes: u64, ag: [f64; 3], rs: [f64; 2]) -> Measurement {
         Measurement {

@@ -47,6 +47,42 @@ use crate::error::{Error, Result};
 use crate::pool::{SymmBuffer, SymmPool};
 use crate::stream::Stream;
 use path::{Coll, Inputs, select};
+use std::sync::{Arc, RwLock};
+
+/// The collectives' own state of one pool: its path policy.
+#[derive(Debug, Default)]
+struct PoolColl {
+    policy: RwLock<PathPolicy>,
+}
+
+fn state(pool: &SymmPool) -> Result<Arc<PoolColl>> {
+    pool.extension(PoolColl::default)
+}
+
+/// The path thresholds the collectives use on `pool` now ([`PathPolicy::default`]
+/// until [`set_path_policy`] replaces them).
+pub fn path_policy(pool: &SymmPool) -> PathPolicy {
+    state(pool)
+        .map(|s| s.policy.read().unwrap_or_else(|p| p.into_inner()).clone())
+        .unwrap_or_default()
+}
+
+/// Replace the path thresholds of `pool` (for example with the result of
+/// [`calibrate`]).
+///
+/// # Collective
+/// Every rank must use the same policy (a different choice of communicator on two
+/// ranks hangs the collective); [`calibrate`] returns the same policy on every rank.
+///
+/// # Errors
+/// [`Error::Internal`] if the pool's extension slot holds something else (a bug).
+pub fn set_path_policy(pool: &SymmPool, policy: PathPolicy) -> Result<()> {
+    *state(pool)?
+        .policy
+        .write()
+        .unwrap_or_else(|p| p.into_inner()) = policy;
+    Ok(())
+}
 
 /// Check that the buffers are this pool's, the pool is open, and note `stream` on
 /// buffers allocated elsewhere (so their reuse waits for this collective).
@@ -54,11 +90,13 @@ fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool>
     let pool = bufs[0].pool();
     for b in bufs {
         if !b.pool().same_pool(pool) {
-            return Err(Error::ForeignBuffer);
+            return Err(Error::ForeignBuffer {
+                allocation_seq: b.allocation_seq(),
+            });
         }
     }
     pool.check_open()?;
-    pool.check_stream(stream)?;
+    pool.backend().check_stream(stream)?;
     for b in bufs {
         if b.stream().id() != stream.id() {
             b.record_stream(stream)?;
@@ -83,60 +121,57 @@ fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64>
     Ok(bytes / size)
 }
 
-fn plan(
-    pool: &SymmPool,
-    coll: Coll,
-    send: &SymmBuffer,
-    recv: &SymmBuffer,
-    bytes_per_rank: u64,
-    dtype: DType,
-) -> (usize, Path) {
-    let backend = pool.backend();
-    let registered = |c: usize| (send.in_window(c), recv.in_window(c));
-    pool.with_paths(|policy| {
-        select(&Inputs {
-            coll,
-            bytes_per_rank,
-            dtype,
-            version: backend.nccl_version(),
-            world_size: backend.world_size(),
-            comms: backend.communicators(),
-            registered: &registered,
-            policy,
-        })
-    })
-}
+/// One side of a collective: the buffer and the bytes of it the call touches.
+type Side<'a> = (&'a SymmBuffer, Region<'a>);
 
+/// Pick the path and run one collective: the one dispatch of the public collectives
+/// and of [`calibrate`]. `force` replaces the policy's preference for this call.
 #[allow(clippy::too_many_arguments)]
-fn run(
+fn dispatch(
     pool: &SymmPool,
     coll: Coll,
-    (send_buf, send): (&SymmBuffer, Region),
-    (recv_buf, recv): (&SymmBuffer, Region),
+    (send_buf, send): Side<'_>,
+    (recv_buf, recv): Side<'_>,
     count: u64,
     dtype: DType,
     stream: &Stream,
+    force: Option<Path>,
 ) -> Result<CollectiveReport> {
-    let bytes_per_rank = count * dtype.size_bytes();
-    let (comm, path) = plan(pool, coll, send_buf, recv_buf, bytes_per_rank, dtype);
+    let backend = pool.backend();
+    let bytes_per_rank = count.checked_mul(dtype.size_bytes()).ok_or_else(|| {
+        invalid(
+            "collective",
+            format!("{count} elements overflow a byte count"),
+        )
+    })?;
+    let registered = |c: usize| (send_buf.in_window(c), recv_buf.in_window(c));
+    let mut policy = path_policy(pool);
+    if let Some(p) = force {
+        policy = policy.with_choices(Choice::Prefer(p), Choice::Prefer(p));
+    }
+    let (comm, path) = select(&Inputs {
+        coll,
+        bytes_per_rank,
+        dtype,
+        version: backend.nccl_version(),
+        world_size: backend.world_size(),
+        comms: backend.communicators(),
+        registered: &registered,
+        policy: &policy,
+    });
     let op = match coll {
         Coll::AllGather => ReduceOp::Sum,
         Coll::ReduceScatter(op) => op,
     };
-    let args = CollArgs {
-        comm,
-        send,
-        recv,
-        count,
-        dtype,
-        op,
-        stream,
-        symmetric: path != Path::PlainKernel,
+    let windows = if path == Path::PlainKernel {
+        (None, None)
+    } else {
+        (send_buf.window(comm), recv_buf.window(comm))
     };
-    let backend = pool.backend();
+    let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows);
     match coll {
-        Coll::AllGather => backend.all_gather(&args)?,
-        Coll::ReduceScatter(_) => backend.reduce_scatter(&args)?,
+        Coll::AllGather => backend.collectives().all_gather(&args)?,
+        Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args)?,
     }
     Ok(CollectiveReport {
         path,
@@ -176,14 +211,15 @@ pub fn all_gather<T: Element>(
             ),
         ));
     }
-    run(
+    dispatch(
         pool,
         Coll::AllGather,
-        (input, input.region()),
-        (output, output.region()),
+        (input, input.region()?),
+        (output, output.region()?),
         count,
         T::DTYPE,
         stream,
+        None,
     )
 }
 
@@ -203,23 +239,24 @@ pub fn all_gather_in_place<T: Element>(
     const OP: &str = "all_gather_in_place";
     let pool = prepare(&[buffer], stream)?;
     let (send, count) = own_chunk::<T>(OP, pool, buffer)?;
-    run(
+    dispatch(
         pool,
         Coll::AllGather,
         (buffer, send),
-        (buffer, buffer.region()),
+        (buffer, buffer.region()?),
         count,
         T::DTYPE,
         stream,
+        None,
     )
 }
 
 /// This rank's chunk of a buffer split into world equal parts, and its element count.
-fn own_chunk<T: Element>(
+fn own_chunk<'a, T: Element>(
     op: &'static str,
     pool: &SymmPool,
-    buffer: &SymmBuffer,
-) -> Result<(Region, u64)> {
+    buffer: &'a SymmBuffer,
+) -> Result<(Region<'a>, u64)> {
     let world = pool.world_size() as u64;
     let total = elements::<T>(op, "buffer", buffer.len_bytes())?;
     if !total.is_multiple_of(world) {
@@ -231,8 +268,8 @@ fn own_chunk<T: Element>(
     let count = total / world;
     let chunk_bytes = count * std::mem::size_of::<T>() as u64;
     let own = buffer
-        .region()
-        .sub(pool.rank() as u64 * chunk_bytes, chunk_bytes);
+        .region()?
+        .sub(pool.rank() as u64 * chunk_bytes, chunk_bytes)?;
     Ok((own, count))
 }
 
@@ -266,14 +303,15 @@ pub fn reduce_scatter<T: Element>(
             ),
         ));
     }
-    run(
+    dispatch(
         pool,
         Coll::ReduceScatter(op),
-        (input, input.region()),
-        (output, output.region()),
+        (input, input.region()?),
+        (output, output.region()?),
         count,
         T::DTYPE,
         stream,
+        None,
     )
 }
 
@@ -293,13 +331,14 @@ pub fn reduce_scatter_in_place<T: Element>(
     const OP: &str = "reduce_scatter_in_place";
     let pool = prepare(&[buffer], stream)?;
     let (recv, count) = own_chunk::<T>(OP, pool, buffer)?;
-    run(
+    dispatch(
         pool,
         Coll::ReduceScatter(op),
-        (buffer, buffer.region()),
+        (buffer, buffer.region()?),
         (buffer, recv),
         count,
         T::DTYPE,
         stream,
+        None,
     )
 }

@@ -47,13 +47,15 @@ pub enum Choice {
 
 /// Thresholds of the automatic path choice, in bytes per rank.
 ///
-/// Defaults come from the collectives benchmark on 2×H200 (NV18, NCCL 2.28.3, no
-/// NVLink multicast; BENCHMARKS.md, three runs on 2026-11-30):
+/// The defaults come from the collectives benchmark on two H200s linked by NVLink
+/// without NVLink multicast (figures and dates in the repository's `BENCHMARKS.md`):
 /// - all-gather: the symmetric kernel beats ring at every size and the copy engine up
-///   to 16 MiB per rank (they tie there); the copy engine wins from 64 MiB (+14 %).
-/// - reduce-scatter: the symmetric kernel wins up to 128 KiB (its LL kernel) and from
-///   1 MiB to 2 MiB (its LD kernel), ties at 4 MiB, and loses to ring at 256–512 KiB
-///   (0.90×) and from 8 MiB on (0.75× at 256 MiB).
+///   to about 16 MiB per rank; the copy engine wins from about 64 MiB.
+/// - reduce-scatter: the symmetric kernel wins for small outputs (its LL kernel) and
+///   around 1–2 MiB (its LD kernel), and loses to ring in between and for large
+///   outputs.
+///
+/// [`calibrate`](super::calibrate) measures them on the machine at hand.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct PathPolicy {
@@ -122,8 +124,8 @@ pub(crate) struct Inputs<'a> {
     pub(crate) policy: &'a PathPolicy,
 }
 
-/// Pick the communicator and path. Rules (NCCL's, read from its source; see
-/// `shared/research/nccl_symm.md` §2–3):
+/// Pick the communicator and path. Rules (NCCL's, read from its source: `enqueue.cc`
+/// and `symmetric/` of NCCL 2.27–2.29):
 /// - copy engine: NCCL ≥ 2.28, a `CTAPolicy = ZERO` communicator, the output in a
 ///   window (and, before 2.29, the input too), more than one rank;
 /// - symmetric kernel: NCCL ≥ 2.27, both buffers in windows on a default-policy

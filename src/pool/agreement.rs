@@ -191,17 +191,23 @@ pub(crate) fn agree(
     timeout: Duration,
 ) -> Result<Vec<u64>> {
     let sent = history.encode(op, size, state, extra);
-    let all = exchange.all_gather(sent.clone(), timeout)?;
+    let all = exchange.all_gather(during, sent.clone(), timeout)?;
     let me = exchange.rank();
     if all.len() != exchange.world_size() || all.get(me) != Some(&sent) {
-        return Err(Error::InvalidConfig(format!(
-            "the exchange returned {} records for {} ranks, or not this rank's own record",
-            all.len(),
-            exchange.world_size()
-        )));
+        return Err(Error::Internal {
+            what: format!(
+                "the exchange returned {} records for {} ranks, or not this rank's own record",
+                all.len(),
+                exchange.world_size()
+            ),
+        });
     }
     let records: Vec<Option<Record>> = all.iter().map(|v| decode(v)).collect();
-    let mine = decode(&sent).expect("own record decodes");
+    let Some(mine) = decode(&sent) else {
+        return Err(Error::Internal {
+            what: "this rank's own agreement record does not decode".into(),
+        });
+    };
     let agrees = |r: &Option<Record>| {
         r.as_ref().is_some_and(|r| {
             r.op == mine.op

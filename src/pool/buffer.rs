@@ -1,14 +1,14 @@
 //! [`SymmBuffer`]: an RAII block of a pool, and typed views of it.
 
-use super::SymmPool;
-use crate::backend::Region;
+use super::{SegmentEntry, SymmPool};
+use crate::backend::{Region, Window};
 use crate::core::{BlockId, Placement, SegmentId};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A block of symmetric memory from a [`SymmPool`].
 ///
@@ -25,12 +25,9 @@ pub struct SymmBuffer {
     block_bytes: u64,
     stream: Stream,
     others: Mutex<Vec<Stream>>,
-    /// Bit `c` set: the segment has a symmetric window on communicator `c` (fixed
-    /// while the buffer lives: segments are only released when all their blocks are
-    /// free).
-    windows: u64,
-    /// Device address of the first byte (NCCL backend).
-    device_ptr: Option<u64>,
+    /// The segment's entry: its memory and windows (fixed while the buffer lives:
+    /// segments are only released when all their blocks are free).
+    entry: Arc<SegmentEntry>,
 }
 
 impl fmt::Debug for SymmBuffer {
@@ -47,15 +44,13 @@ impl fmt::Debug for SymmBuffer {
 impl SymmBuffer {
     pub(crate) fn new(
         pool: SymmPool,
+        entry: Arc<SegmentEntry>,
         p: Placement,
         len_bytes: u64,
         stream: Stream,
-        windows: u64,
-        device_ptr: Option<u64>,
     ) -> Self {
         SymmBuffer {
-            windows,
-            device_ptr,
+            entry,
             pool,
             block: p.block,
             segment: p.segment,
@@ -102,14 +97,22 @@ impl SymmBuffer {
         self.block.seq
     }
 
-    /// The whole buffer as a region.
-    pub(crate) fn region(&self) -> Region {
-        Region {
-            segment: self.pool.key(self.segment),
-            offset_bytes: self.offset_bytes,
-            len_bytes: self.len_bytes,
-            device_ptr: self.device_ptr,
-        }
+    /// The whole buffer as a region of its segment.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the block does not lie inside its segment (a bug).
+    pub fn region(&self) -> Result<Region<'_>> {
+        self.entry
+            .segment
+            .region(self.offset_bytes, self.len_bytes)
+            .map_err(|e| Error::Internal {
+                what: format!("allocation #{}: {e}", self.block.seq),
+            })
+    }
+
+    /// The segment's window on communicator `comm`, if it is registered there.
+    pub fn window(&self, comm: usize) -> Option<&Window> {
+        self.entry.window(comm)
     }
 
     /// Note that the buffer is also used on `stream` (like PyTorch's
@@ -120,12 +123,11 @@ impl SymmBuffer {
     /// [`Error::ForeignBuffer`] if the pool no longer knows the block (after `close`:
     /// [`Error::PoolClosed`]).
     pub fn record_stream(&self, stream: &Stream) -> Result<()> {
-        self.pool.check_open()?;
-        self.pool.check_stream(stream)?;
-        self.pool
-            .lock()
-            .core
-            .record_stream(self.block, stream.id())?;
+        self.pool.backend().check_stream(stream)?;
+        let mut st = self.pool.state();
+        st.check_usable()?;
+        st.core.record_stream(self.block, stream.id())?;
+        drop(st);
         let mut others = self.others.lock().unwrap_or_else(|p| p.into_inner());
         if stream.id() != self.stream.id() && !others.iter().any(|s| s.id() == stream.id()) {
             others.push(stream.clone());
@@ -148,12 +150,15 @@ impl SymmBuffer {
 
     /// Device address of the first byte (NCCL backend); `None` on the host backend.
     pub fn device_ptr(&self) -> Option<u64> {
-        self.device_ptr
+        self.entry
+            .segment
+            .device_ptr()
+            .map(|p| p + self.offset_bytes)
     }
 
     /// Whether the buffer's segment has a symmetric window on communicator `comm`.
     pub fn in_window(&self, comm: usize) -> bool {
-        comm < 64 && self.windows & (1 << comm) != 0
+        self.entry.window(comm).is_some()
     }
 
     /// A typed view of the whole buffer.
@@ -260,28 +265,57 @@ impl<'a, T: Element> TypedView<'a, T> {
         self.buf.device_ptr().map(|p| p + self.offset_bytes)
     }
 
-    fn region(&self) -> Region {
-        self.buf.region().sub(
-            self.offset_bytes,
-            (self.len * std::mem::size_of::<T>()) as u64,
-        )
+    /// This view as a cudarc device slice ([`cudarc::driver::DevicePtr`] /
+    /// [`cudarc::driver::DevicePtrMut`]), for cuBLAS, kernels and cudarc's own calls,
+    /// with no raw address in the caller's code. Its stream is the buffer's
+    /// allocating stream; use it on that stream, or call
+    /// [`SymmBuffer::record_stream`] first for another one.
+    ///
+    /// # Errors
+    /// [`Error::WrongStream`] for a buffer of a host pool.
+    #[cfg(feature = "nccl")]
+    pub fn cuda(&self) -> Result<CudaView<'a, T>> {
+        let stream = self.buf.stream.cuda_stream().ok_or(Error::WrongStream)?;
+        let ptr = self.device_ptr().ok_or(Error::WrongStream)?;
+        Ok(CudaView {
+            ptr,
+            len: self.len,
+            stream,
+            _view: PhantomData,
+        })
+    }
+
+    /// The viewed bytes as a region of the buffer's segment.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the view leaves its segment (a bug).
+    pub fn region(&self) -> Result<Region<'a>> {
+        self.buf
+            .region()?
+            .sub(
+                self.offset_bytes,
+                (self.len * std::mem::size_of::<T>()) as u64,
+            )
+            .map_err(|e| Error::Internal {
+                what: format!("a view of allocation #{}: {e}", self.buf.block.seq),
+            })
     }
 
     fn write_bytes(&self, at_bytes: u64, data: &[u8]) -> Result<()> {
         self.buf.pool.check_open()?;
-        let region = self.region();
-        if at_bytes + data.len() as u64 > region.len_bytes {
-            return Err(Error::BadView(format!(
+        let region = self.region()?;
+        let target = region.sub(at_bytes, data.len() as u64).map_err(|_| {
+            Error::BadView(format!(
                 "writing {} bytes at {at_bytes} into a view of {} bytes",
                 data.len(),
-                region.len_bytes
-            )));
-        }
-        self.buf.pool.inner.backend.write(
-            region.sub(at_bytes, data.len() as u64),
-            data,
-            &self.buf.stream,
-        )
+                region.len_bytes()
+            ))
+        })?;
+        self.buf
+            .pool
+            .backend()
+            .data()
+            .write(target, data, &self.buf.stream)
     }
 
     /// Copy `data` into the first `data.len()` elements, ordered on the buffer's stream.
@@ -300,11 +334,61 @@ impl<'a, T: Element> TypedView<'a, T> {
     pub fn to_vec(&self) -> Result<Vec<T>> {
         self.buf.pool.check_open()?;
         let mut out = vec![T::zeroed(); self.len];
-        self.buf.pool.inner.backend.read(
-            self.region(),
+        self.buf.pool.backend().data().read(
+            self.region()?,
             bytemuck::cast_slice_mut(&mut out),
             &self.buf.stream,
         )?;
         Ok(out)
+    }
+}
+
+/// A typed view of a pool buffer as a cudarc device slice; made by
+/// [`TypedView::cuda`]. It borrows the buffer, so the memory outlives it.
+#[cfg(feature = "nccl")]
+#[derive(Debug)]
+pub struct CudaView<'a, T> {
+    ptr: u64,
+    len: usize,
+    stream: &'a std::sync::Arc<cudarc::driver::CudaStream>,
+    _view: PhantomData<&'a [T]>,
+}
+
+#[cfg(feature = "nccl")]
+impl<T> cudarc::driver::DeviceSlice<T> for CudaView<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        self.stream
+    }
+}
+
+/// The pool orders reuse itself (fences at free, device-side waits at reuse), so the
+/// pointer comes with no extra synchronisation.
+#[cfg(feature = "nccl")]
+impl<T> cudarc::driver::DevicePtr<T> for CudaView<'_, T> {
+    fn device_ptr<'b>(
+        &'b self,
+        _stream: &'b cudarc::driver::CudaStream,
+    ) -> (
+        cudarc::driver::sys::CUdeviceptr,
+        cudarc::driver::SyncOnDrop<'b>,
+    ) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl<T> cudarc::driver::DevicePtrMut<T> for CudaView<'_, T> {
+    fn device_ptr_mut<'b>(
+        &'b mut self,
+        _stream: &'b cudarc::driver::CudaStream,
+    ) -> (
+        cudarc::driver::sys::CUdeviceptr,
+        cudarc::driver::SyncOnDrop<'b>,
+    ) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
     }
 }

@@ -3,7 +3,6 @@
 
 #![cfg(feature = "nccl")]
 
-use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclWorldConfig};
 use symmpool::{PoolConfig, Stream, SymmPool};
 
@@ -24,7 +23,7 @@ pub fn world(config: PoolConfig) -> Option<Vec<SymmPool>> {
         Ok(backends) => Some(
             backends
                 .into_iter()
-                .map(|b| SymmPool::new(Arc::new(b), config.clone()).expect("pool"))
+                .map(|b| SymmPool::new(b, config.clone()).expect("pool"))
                 .collect(),
         ),
         Err(e) => {

@@ -1,8 +1,10 @@
-//! The NCCL calls the crate makes, through `cudarc::nccl::sys`, with checked results.
+//! The NCCL and raw CUDA driver calls the crate makes, through `cudarc::nccl::sys` and
+//! `cudarc::driver::{sys, result}`, with checked results.
 //!
-//! This is the only module that calls NCCL. cudarc binds the functions but has no
-//! safe wrapper for windows, `ncclMemAlloc` or communicator configs, so they are
-//! wrapped here. Every function returns the crate's [`Error`] instead of panicking.
+//! This is the only module that calls NCCL or the driver's raw API. cudarc binds the
+//! functions but has no safe wrapper for windows, `ncclMemAlloc`, communicator
+//! configs, allocation granularity or capture status, so they are wrapped here. Every
+//! function returns the crate's [`Error`] instead of panicking.
 
 use crate::error::{Error, NcclVersion, Result};
 use cudarc::driver::DriverError;
@@ -64,8 +66,7 @@ fn check(op: &'static str, r: sys::ncclResult_t) -> Result<()> {
 /// [`Error::LibraryUnavailable`] if either library cannot be loaded (cudarc would
 /// panic at first use; this checks first).
 pub(crate) fn load() -> Result<NcclVersion> {
-    // SAFETY: only tries to dlopen the candidate names; no symbol is called.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !driver_present() {
         return Err(Error::LibraryUnavailable {
             library: "libcuda (CUDA driver)",
             hint: "no NVIDIA driver on this machine; use the host backend",
@@ -192,25 +193,123 @@ pub(crate) unsafe fn comm_abort(comm: RawComm) -> Result<()> {
 
 /// `ncclMemAlloc` of `size` bytes on the current device: cuMem (VMM) memory that
 /// windows accept, rounded up to the recommended granularity.
+///
+/// # Errors
+/// [`Error::DeviceOutOfMemory`] with NCCL's code and message.
 pub(crate) fn mem_alloc(size: u64) -> Result<u64> {
     let mut ptr: *mut c_void = std::ptr::null_mut();
-    let n = usize::try_from(size).map_err(|_| Error::OutOfMemory {
+    let oom = |code: i32, message: String| Error::DeviceOutOfMemory {
         segment_bytes: size,
-        reason: "larger than the address space".into(),
-    })?;
+        op: "ncclMemAlloc",
+        code,
+        message,
+    };
+    let n = usize::try_from(size).map_err(|_| oom(0, "larger than the address space".into()))?;
     // SAFETY: `ptr` is a valid out-pointer; the caller made the device current.
     let r = unsafe { sys::ncclMemAlloc(&mut ptr, n) };
     match r {
         sys::ncclResult_t::ncclSuccess if !ptr.is_null() => Ok(ptr as u64),
-        sys::ncclResult_t::ncclSuccess => Err(Error::OutOfMemory {
-            segment_bytes: size,
-            reason: "ncclMemAlloc returned NULL".into(),
-        }),
-        other => Err(Error::OutOfMemory {
-            segment_bytes: size,
-            reason: nccl_err("ncclMemAlloc", other).to_string(),
-        }),
+        sys::ncclResult_t::ncclSuccess => Err(oom(0, "ncclMemAlloc returned NULL".into())),
+        other => match nccl_err("ncclMemAlloc", other) {
+            Error::Nccl { code, message, .. } => Err(oom(code, message)),
+            e => Err(e),
+        },
     }
+}
+
+/// Whether the CUDA driver library can be loaded (cudarc panics at first use if not).
+pub(crate) fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the candidate names; no symbol is called.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// The segment granularity of a device: `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` for
+/// pinned device memory with POSIX-FD handles (what `ncclMemAlloc` rounds to), at least
+/// 2 MiB (NCCL 2.27's window rule), as a power of two. 2 MiB if the query fails.
+pub(crate) fn segment_granularity(ordinal: usize) -> u64 {
+    use cudarc::driver::sys as cu;
+    const MIN: u64 = 2 << 20;
+    let prop = cu::CUmemAllocationProp {
+        type_: cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes:
+            cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        location: cu::CUmemLocation {
+            type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: c_int::try_from(ordinal).unwrap_or(0),
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: cu::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    };
+    let mut granularity = 0usize;
+    // SAFETY: `granularity` and `prop` are valid for the call, which only reads `prop`;
+    // the driver library is loaded (the caller created a context first).
+    let r = unsafe {
+        cu::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        )
+    };
+    if r != cu::cudaError_enum::CUDA_SUCCESS || granularity == 0 {
+        log::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
+        return MIN;
+    }
+    (granularity as u64).max(MIN).next_power_of_two()
+}
+
+/// Whether a stream is capturing a CUDA graph (`cuStreamIsCapturing`).
+///
+/// # Errors
+/// [`Error::Cuda`].
+pub(crate) fn is_capturing(stream: &cudarc::driver::CudaStream) -> Result<bool> {
+    use cudarc::driver::sys as cu;
+    // SAFETY: `stream` is a live cudarc stream (it owns the handle for this borrow).
+    let status = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
+        .map_err(cuda("cuStreamIsCapturing"))?;
+    Ok(status != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// Copy `data` to device address `dst` on `stream` and wait for the copy.
+///
+/// # Safety
+/// `dst..dst + data.len()` is live device memory of `stream`'s context.
+///
+/// # Errors
+/// [`Error::Cuda`].
+pub(crate) unsafe fn copy_to_device(
+    dst: u64,
+    data: &[u8],
+    stream: &cudarc::driver::CudaStream,
+) -> Result<()> {
+    // SAFETY: the caller guarantees the destination; `data` outlives the copy, which is
+    // synchronised before returning.
+    unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, stream.cu_stream()) }
+        .map_err(cuda("cuMemcpyHtoDAsync"))?;
+    stream.synchronize().map_err(cuda("cuStreamSynchronize"))
+}
+
+/// Copy device address `src` into `out` on `stream` and wait for the copy.
+///
+/// # Safety
+/// `src..src + out.len()` is live device memory of `stream`'s context.
+///
+/// # Errors
+/// [`Error::Cuda`].
+pub(crate) unsafe fn copy_to_host(
+    src: u64,
+    out: &mut [u8],
+    stream: &cudarc::driver::CudaStream,
+) -> Result<()> {
+    // SAFETY: the caller guarantees the source; `out` outlives the copy, which is
+    // synchronised before returning.
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src, stream.cu_stream()) }
+        .map_err(cuda("cuMemcpyDtoHAsync"))?;
+    stream.synchronize().map_err(cuda("cuStreamSynchronize"))
 }
 
 /// `ncclMemFree`.
@@ -233,6 +332,10 @@ pub(crate) struct RawWindow(pub(crate) sys::ncclWindow_t);
 // SAFETY: a window handle is an opaque heap pointer owned by its communicator; it is
 // only passed back to NCCL under that communicator's mutex.
 unsafe impl Send for RawWindow {}
+
+// SAFETY: a shared `&RawWindow` gives no access but reading the handle value; NCCL is
+// only handed the handle under its communicator's mutex.
+unsafe impl Sync for RawWindow {}
 
 /// `ncclCommWindowRegister(comm, ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC)`.
 /// `Ok(None)` is NCCL's "success with a NULL window": no symmetric support.

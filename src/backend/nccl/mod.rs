@@ -11,8 +11,8 @@
 mod ffi;
 
 use super::{
-    Backend, BackendKind, CollArgs, CommInfo, CommRole, Region, Registration, SegmentKey,
-    check_counts,
+    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, CommRole, DataMover,
+    Refused, Region, Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
 };
 use crate::core::{Fence, StreamId};
 use crate::error::{Error, NcclVersion, Result};
@@ -23,6 +23,7 @@ use ffi::{RawComm, RawWindow};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 pub use cudarc::nccl::sys::ncclComm_t;
 
@@ -62,8 +63,7 @@ pub fn nccl_version() -> Result<NcclVersion> {
 /// # Errors
 /// [`Error::LibraryUnavailable`], [`Error::Cuda`].
 pub fn device_count() -> Result<usize> {
-    // SAFETY: only tries to dlopen the driver.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !ffi::driver_present() {
         return Err(Error::LibraryUnavailable {
             library: "libcuda (CUDA driver)",
             hint: "no NVIDIA driver on this machine; use the host backend",
@@ -74,62 +74,43 @@ pub fn device_count() -> Result<usize> {
         .map_err(ffi::cuda("cuDeviceGetCount"))
 }
 
-struct SegmentMem {
+/// The memory of one `ncclMemAlloc` segment. Dropping it without
+/// [`SegmentProvider::free`] leaks the device memory on purpose (a pool does that when
+/// its device cannot drain in time).
+#[derive(Debug)]
+struct NcclMemory {
     ptr: u64,
-    size: u64,
+    size_bytes: u64,
 }
 
-/// Fences as CUDA events, garbage-collected once known complete.
+impl SegmentMemory for NcclMemory {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn device_ptr(&self) -> Option<u64> {
+        Some(self.ptr)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Fences as CUDA events, garbage-collected once known complete; and the streams
+/// that have recorded any, for draining.
 #[derive(Default)]
 struct FenceTable {
     next: BTreeMap<StreamId, u64>,
     events: BTreeMap<(StreamId, u64), CudaEvent>,
     /// Largest fence known complete, per stream: waits on it or earlier are skipped.
     done: BTreeMap<StreamId, u64>,
+    streams: BTreeMap<StreamId, Arc<CudaStream>>,
     spare: Vec<CudaEvent>,
 }
 
-/// The segment granularity of a device: `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` for
-/// pinned device memory with POSIX-FD handles (what `ncclMemAlloc` rounds to), at least
-/// 2 MiB (NCCL 2.27's window rule), as a power of two. 2 MiB if the query fails.
-fn segment_granularity(ordinal: usize) -> u64 {
-    use cudarc::driver::sys;
-    const MIN: u64 = 2 << 20;
-    let prop = sys::CUmemAllocationProp {
-        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes:
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal as i32,
-        },
-        win32HandleMetaData: std::ptr::null_mut(),
-        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
-            compressionType: 0,
-            gpuDirectRDMACapable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        },
-    };
-    let mut granularity = 0usize;
-    // SAFETY: `granularity` and `prop` are valid for the call, which only reads `prop`;
-    // the driver library is loaded (the caller created a context first).
-    let r = unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut granularity,
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-        )
-    };
-    if r != sys::cudaError_enum::CUDA_SUCCESS || granularity == 0 {
-        log::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
-        return MIN;
-    }
-    (granularity as u64).max(MIN).next_power_of_two()
-}
-
 /// How long dropping a backend waits for its device to drain.
-const DROP_DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+const DROP_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Events kept per stream before completed ones are collected.
 const FENCES_PER_STREAM: usize = 64;
@@ -139,23 +120,20 @@ struct Comm {
     owned: bool,
 }
 
-/// One rank of NCCL: a device context, communicators, segments and windows.
+/// One rank of NCCL: a device context and its communicators. Segments and windows
+/// belong to the pools (as owned handles); this type keeps no table of them.
 ///
 /// Make the ranks of a single process with [`NcclBackend::local_world`] (one per GPU,
 /// to be driven by one thread each), or adopt a host runtime's communicator with
-/// [`NcclBackend::from_raw`].
+/// [`NcclBackend::from_raw`]. Both return [`Backend`]s; reach this type again through
+/// [`Backend::downcast_ref`].
 pub struct NcclBackend {
     rank: usize,
     world: usize,
-    /// Segment granularity in bytes (see `segment_granularity`).
-    granularity: u64,
-    version: NcclVersion,
     ctx: Arc<CudaContext>,
-    infos: Vec<CommInfo>,
     comms: Vec<Comm>,
-    exchange: Arc<dyn Exchange>,
-    segments: Mutex<BTreeMap<SegmentKey, SegmentMem>>,
-    windows: Mutex<BTreeMap<(SegmentKey, usize), RawWindow>>,
+    /// Registrations made per communicator (window ordinals).
+    ordinals: Mutex<Vec<u64>>,
     fences: Mutex<FenceTable>,
 }
 
@@ -164,9 +142,8 @@ impl fmt::Debug for NcclBackend {
         f.debug_struct("NcclBackend")
             .field("rank", &self.rank)
             .field("world", &self.world)
-            .field("version", &self.version.to_string())
             .field("device", &self.ctx.ordinal())
-            .field("comms", &self.infos)
+            .field("comms", &self.comms.len())
             .finish()
     }
 }
@@ -194,9 +171,10 @@ impl NcclBackend {
     ///
     /// # Errors
     /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
-    /// before NCCL 2.27; [`Error::InvalidConfig`] for fewer than one device or a device
-    /// listed twice; [`Error::Cuda`] / [`Error::Nccl`] from initialisation.
-    pub fn local_world(devices: &[usize], config: NcclWorldConfig) -> Result<Vec<NcclBackend>> {
+    /// before NCCL 2.27; [`Error::InvalidConfig`] for no devices, a device listed twice
+    /// or one that is not present; [`Error::Cuda`] / [`Error::Nccl`] from
+    /// initialisation.
+    pub fn local_world(devices: &[usize], config: NcclWorldConfig) -> Result<Vec<Backend>> {
         let version = ffi::load()?;
         ffi::require(version, NcclVersion::WINDOWS, "symmetric windows")?;
         if devices.is_empty() {
@@ -233,14 +211,14 @@ impl NcclBackend {
             .iter()
             .map(|&dev| CudaContext::new(dev).map_err(ffi::cuda("cuDevicePrimaryCtxRetain")))
             .collect::<Result<Vec<_>>>()?;
-        let results: Vec<Result<NcclBackend>> = std::thread::scope(|s| {
+        let results: Vec<Result<Backend>> = std::thread::scope(|s| {
             let handles: Vec<_> = contexts
                 .into_iter()
                 .zip(exchanges)
                 .enumerate()
                 .map(|(rank, (ctx, exchange))| {
                     let (roles, ids) = (&roles, &ids);
-                    s.spawn(move || -> Result<NcclBackend> {
+                    s.spawn(move || -> Result<Backend> {
                         ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
                         let mut comms = Vec::new();
                         let mut infos = Vec::new();
@@ -255,7 +233,7 @@ impl NcclBackend {
                                 ..info
                             });
                         }
-                        Ok(NcclBackend::assemble(
+                        NcclBackend::assemble(
                             rank,
                             n,
                             version,
@@ -263,7 +241,7 @@ impl NcclBackend {
                             infos,
                             comms,
                             Arc::new(exchange),
-                        ))
+                        )
                     })
                 })
                 .collect();
@@ -271,7 +249,9 @@ impl NcclBackend {
                 .into_iter()
                 .map(|h| {
                     h.join().unwrap_or_else(|_| {
-                        Err(Error::InvalidConfig("rank init thread panicked".into()))
+                        Err(Error::Internal {
+                            what: "a rank's initialisation thread panicked".into(),
+                        })
                     })
                 })
                 .collect()
@@ -287,20 +267,25 @@ impl NcclBackend {
         infos: Vec<CommInfo>,
         comms: Vec<Comm>,
         exchange: Arc<dyn Exchange>,
-    ) -> NcclBackend {
-        NcclBackend {
+    ) -> Result<Backend> {
+        let info = BackendInfo::new(
+            BackendKind::Nccl,
             rank,
             world,
-            granularity: segment_granularity(ctx.ordinal()),
             version,
-            ctx,
+            ffi::segment_granularity(ctx.ordinal()),
             infos,
+        )?;
+        let n = comms.len();
+        let parts = Arc::new(NcclBackend {
+            rank,
+            world,
+            ctx,
             comms,
-            exchange,
-            segments: Mutex::new(BTreeMap::new()),
-            windows: Mutex::new(BTreeMap::new()),
+            ordinals: Mutex::new(vec![0; n]),
             fences: Mutex::new(FenceTable::default()),
-        }
+        });
+        Backend::new(info, exchange, parts)
     }
 
     /// Adopt communicators created by a host runtime (one rank per process is the
@@ -308,8 +293,7 @@ impl NcclBackend {
     ///
     /// `comms` lists each communicator with its role and the CTA policy it was
     /// created with, in the order segments are to be registered; every rank must pass
-    /// the same list. `exchange` carries the pool's agreement among the ranks (a TCP
-    /// store, MPI, ...).
+    /// the same list. `exchange` carries the pool's agreement among the ranks.
     ///
     /// # Safety
     /// - every handle is a live `ncclComm_t` on the device of `ctx`, and all have the
@@ -327,7 +311,7 @@ impl NcclBackend {
         ctx: Arc<CudaContext>,
         comms: Vec<(ncclComm_t, CommRole, i32)>,
         exchange: Arc<dyn Exchange>,
-    ) -> Result<NcclBackend> {
+    ) -> Result<Backend> {
         let version = ffi::load()?;
         ffi::require(version, NcclVersion::WINDOWS, "symmetric windows")?;
         if comms.is_empty() {
@@ -354,20 +338,15 @@ impl NcclBackend {
                 owned: false,
             });
         }
-        let (rank, world) = rank_size.expect("at least one communicator");
-        if exchange.rank() != rank || exchange.world_size() != world {
-            return Err(Error::InvalidConfig(
-                "exchange and communicators disagree on rank or size".into(),
-            ));
-        }
-        Ok(NcclBackend::assemble(
-            rank, world, version, ctx, infos, owned, exchange,
-        ))
+        let Some((rank, world)) = rank_size else {
+            return Err(Error::InvalidConfig("no communicators".into()));
+        };
+        NcclBackend::assemble(rank, world, version, ctx, infos, owned, exchange)
     }
 
     /// The raw handle of communicator `comm` (index into
-    /// [`communicators`](Backend::communicators)), for calling NCCL directly beside the
-    /// pool (benchmarks, interop).
+    /// [`BackendInfo::communicators`]), for calling NCCL directly beside the pool
+    /// (benchmarks, interop).
     ///
     /// Using the handle is `unsafe` on the caller's side: NCCL calls on it must not
     /// overlap with this backend's (it serialises its own calls only), and it must not
@@ -396,37 +375,28 @@ impl NcclBackend {
     }
 
     fn cuda_of<'s>(&self, stream: &'s Stream) -> Result<&'s Arc<CudaStream>> {
-        stream.cuda_stream().ok_or_else(|| {
-            Error::InvalidConfig("a host stream was passed to the NCCL backend".into())
+        stream.cuda_stream().ok_or(Error::WrongStream)
+    }
+
+    /// The device address of a region's first byte.
+    fn ptr(region: &Region<'_>) -> Result<u64> {
+        region.device_ptr().ok_or(Error::Internal {
+            what: "a host segment reached the NCCL backend".into(),
         })
     }
 
-    /// The device address of a region, checked against its segment (a caller's
-    /// `device_ptr` is never trusted: the trait is public).
-    fn ptr(&self, region: &Region) -> Result<u64> {
-        let segs = lock(&self.segments);
-        let seg = segs.get(&region.segment).ok_or(Error::ForeignBuffer)?;
-        match region.offset_bytes.checked_add(region.len_bytes) {
-            Some(end) if end <= seg.size => Ok(seg.ptr + region.offset_bytes),
-            _ => Err(Error::BadView(format!(
-                "range {}+{} outside segment of {} bytes",
-                region.offset_bytes, region.len_bytes, seg.size
-            ))),
-        }
-    }
-
-    /// What both collectives start with: the counts checked against the regions (see
-    /// [`check_counts`]), the send and receive device addresses (checked by `ptr`), the
-    /// CUDA stream with this device's context bound, and the communicator, held locked.
+    /// What both collectives start with: the counts checked against the regions, the
+    /// send and receive device addresses, the CUDA stream with this device's context
+    /// bound, and the communicator, held locked.
     fn collective_parts<'s>(
         &self,
         name: &'static str,
         a: &CollArgs<'s>,
         reduce: bool,
     ) -> Result<(u64, u64, &'s Arc<CudaStream>, MutexGuard<'_, RawComm>)> {
-        check_counts(name, a, self.world, reduce)?;
-        let send = self.ptr(&a.send)?;
-        let recv = self.ptr(&a.recv)?;
+        a.check_counts(name, self.world, reduce)?;
+        let send = Self::ptr(&a.send)?;
+        let recv = Self::ptr(&a.recv)?;
         let cs = self.cuda_of(a.stream)?;
         self.bind()?;
         Ok((send, recv, cs, self.comm(a.comm)?))
@@ -436,112 +406,90 @@ impl NcclBackend {
         self.comms
             .get(c)
             .map(|c| lock(&c.raw))
-            .ok_or_else(|| Error::InvalidConfig(format!("no communicator {c}")))
+            .ok_or_else(|| Error::InvalidCollective {
+                op: "NCCL call",
+                detail: format!("no communicator {c}"),
+            })
+    }
+
+    fn memory(segment: &Segment) -> Result<&NcclMemory> {
+        segment.memory::<NcclMemory>().ok_or(Error::Internal {
+            what: "a segment of another backend reached the NCCL backend".into(),
+        })
     }
 }
 
-impl Backend for NcclBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Nccl
-    }
-
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn nccl_version(&self) -> NcclVersion {
-        self.version
-    }
-
-    fn granularity_bytes(&self) -> u64 {
-        // NCCL rounds ncclMemAlloc to CU_MEM_ALLOC_GRANULARITY_RECOMMENDED (2 MiB on
-        // Hopper), and 2.27 requires 2 MiB-aligned window bases and sizes.
-        self.granularity
-    }
-
-    fn communicators(&self) -> &[CommInfo] {
-        &self.infos
-    }
-
-    fn exchange(&self) -> &dyn Exchange {
-        self.exchange.as_ref()
-    }
-
-    fn alloc_segment(&self, id: SegmentKey, size_bytes: u64) -> Result<()> {
+impl SegmentProvider for NcclBackend {
+    fn allocate(&self, size_bytes: u64) -> Result<Segment> {
         self.bind()?;
         let ptr = ffi::mem_alloc(size_bytes)?;
-        lock(&self.segments).insert(
-            id,
-            SegmentMem {
-                ptr,
-                size: size_bytes,
-            },
-        );
-        Ok(())
+        Ok(Segment::new(Box::new(NcclMemory { ptr, size_bytes })))
     }
 
-    fn free_segment(&self, id: SegmentKey) -> Result<()> {
-        // Windows still covering the segment go first (NCCL's teardown order).
-        let comms: Vec<usize> = lock(&self.windows)
-            .keys()
-            .filter(|(k, _)| *k == id)
-            .map(|&(_, c)| c)
-            .collect();
-        for c in comms {
-            self.deregister(id, c)?;
-        }
-        let Some(seg) = lock(&self.segments).remove(&id) else {
-            return Ok(());
-        };
-        self.bind()?;
-        // SAFETY: no window covers the segment any more (deregistered above), it came
-        // from `mem_alloc` and is removed from the table, so it is freed once; the pool
-        // frees segments only after draining the device or when growth failed before
-        // any work used them.
-        unsafe { ffi::mem_free(seg.ptr) }
-    }
-
-    fn register(&self, id: SegmentKey, comm: usize) -> Result<Registration> {
-        let (ptr, size) = {
-            let segs = lock(&self.segments);
-            let s = segs.get(&id).ok_or(Error::ForeignBuffer)?;
-            (s.ptr, s.size)
-        };
-        if lock(&self.windows).contains_key(&(id, comm)) {
-            return Err(Error::InvalidConfig(
-                "segment already registered on this communicator (one window per segment)".into(),
-            ));
-        }
+    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+        let mem = Self::memory(segment)?;
         self.bind()?;
         let raw = self.comm(comm)?;
-        // SAFETY: `raw` is this backend's live communicator, held locked; `ptr..ptr+size`
-        // is one whole ncclMemAlloc allocation of this device (from `alloc_segment`),
-        // not registered on this communicator (checked just above).
-        match unsafe { ffi::window_register(&raw, ptr, size) }? {
-            Some(win) => {
-                lock(&self.windows).insert((id, comm), win);
-                Ok(Registration::Symmetric)
+        // SAFETY: `raw` is this backend's live communicator, held locked; the segment
+        // is one whole ncclMemAlloc allocation of this device (from `allocate`), and
+        // the caller guarantees it is not registered on this communicator yet and that
+        // every rank registers in the same order.
+        let win = unsafe { ffi::window_register(&raw, mem.ptr, mem.size_bytes) }?;
+        let mut ordinals = lock(&self.ordinals);
+        ordinals[comm] += 1;
+        Ok(win.map(|w| Window::new(comm, ordinals[comm], Box::new(w))))
+    }
+
+    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+        let comm = window.comm();
+        let ordinal = window.ordinal();
+        let raw_window = match window.into_handle::<RawWindow>() {
+            Ok(w) => *w,
+            Err(window) => {
+                return Err(Refused {
+                    handle: window,
+                    error: Error::Internal {
+                        what: "a window of another backend reached the NCCL backend".into(),
+                    },
+                });
             }
-            None => Ok(Registration::Unsupported),
-        }
-    }
-
-    fn deregister(&self, id: SegmentKey, comm: usize) -> Result<()> {
-        let Some(win) = lock(&self.windows).remove(&(id, comm)) else {
-            return Ok(());
         };
-        self.bind()?;
-        let raw = self.comm(comm)?;
-        // SAFETY: `win` was registered on this communicator (it was in the table under
-        // (id, comm)) and is removed from it; `raw` is live and held locked; the pool
-        // drains the device before it deregisters.
-        unsafe { ffi::window_deregister(&raw, win) }
+        let result = self.bind().and_then(|()| self.comm(comm)).and_then(|raw| {
+            // SAFETY: the window was registered on this communicator by `register`
+            // (the caller's contract) and is consumed here; `raw` is live and held
+            // locked; the caller guarantees no work uses it.
+            unsafe { ffi::window_deregister(&raw, RawWindow(raw_window.0)) }
+        });
+        result.map_err(|error| Refused {
+            handle: Window::new(comm, ordinal, Box::new(raw_window)),
+            error,
+        })
     }
 
+    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
+        let ptr = match Self::memory(&segment) {
+            Ok(m) => m.ptr,
+            Err(error) => {
+                return Err(Refused {
+                    handle: segment,
+                    error,
+                });
+            }
+        };
+        let result = self.bind().and_then(|()| {
+            // SAFETY: the caller guarantees the segment came from `allocate` (so `ptr`
+            // is an ncclMemAlloc pointer), that no window covers it and no work uses
+            // it; it is consumed here, so freed once.
+            unsafe { ffi::mem_free(ptr) }
+        });
+        result.map_err(|error| Refused {
+            handle: segment,
+            error,
+        })
+    }
+}
+
+impl StreamOps for NcclBackend {
     fn new_stream(&self) -> Result<Stream> {
         Ok(Stream::cuda(self.cuda_stream()?))
     }
@@ -557,13 +505,14 @@ impl Backend for NcclBackend {
                 .map_err(ffi::cuda("cuEventCreate"))?,
         };
         event.record(cs).map_err(ffi::cuda("cuEventRecord"))?;
-        let next = t.next.entry(stream.id()).or_insert(0);
+        let sid = stream.id();
+        t.streams.entry(sid).or_insert_with(|| cs.clone());
+        let next = t.next.entry(sid).or_insert(0);
         *next += 1;
         let fence = *next;
-        t.events.insert((stream.id(), fence), event);
+        t.events.insert((sid, fence), event);
         // Collect this stream's completed events once there are many: completion of
         // fence k means every earlier fence on the stream is complete too.
-        let sid = stream.id();
         let range = (sid, 0)..=(sid, u64::MAX);
         if t.events.range(range.clone()).count() > FENCES_PER_STREAM {
             let done = t
@@ -602,57 +551,63 @@ impl Backend for NcclBackend {
         }
     }
 
+    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
+        let t = lock(&self.fences);
+        let range = (stream, 0)..=(stream, u64::MAX);
+        let newest = t
+            .events
+            .range(range)
+            .rev()
+            .find(|(_, e)| e.is_complete())
+            .map(|(k, _)| k.1);
+        let collected = t.done.get(&stream).copied();
+        Ok(newest.max(collected).map(Fence))
+    }
+
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
         let cs = self.cuda_of(stream)?;
         self.bind()?;
-        // SAFETY: `cs` is a live stream of this context.
-        let status = unsafe { cudarc::driver::result::stream::is_capturing(cs.cu_stream()) }
-            .map_err(ffi::cuda("cuStreamIsCapturing"))?;
-        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        ffi::is_capturing(cs)
     }
 
-    fn synchronize(&self) -> Result<()> {
-        self.ctx
-            .synchronize()
-            .map_err(ffi::cuda("cuCtxSynchronize"))
+    fn drain(&self, deadline: Instant) -> Result<bool> {
+        self.bind()?;
+        // One event after everything enqueued so far on every stream that fenced.
+        let streams: Vec<Arc<CudaStream>> = lock(&self.fences).streams.values().cloned().collect();
+        let events = streams
+            .iter()
+            .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))
+            .collect::<Result<Vec<CudaEvent>>>()?;
+        // Poll, never block in the driver: a peer stuck in a collective would hold a
+        // blocking synchronise forever.
+        loop {
+            if events.iter().all(CudaEvent::is_complete) {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
+}
 
-    fn write(&self, region: Region, data: &[u8], stream: &Stream) -> Result<()> {
-        let dst = self.ptr(&Region {
-            len_bytes: data.len() as u64,
-            device_ptr: None,
-            ..region
-        })?;
+impl DataMover for NcclBackend {
+    fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()> {
+        let dst = Self::ptr(&region.sub(0, data.len() as u64)?)?;
         let cs = self.cuda_of(stream)?;
         self.bind()?;
-        // SAFETY: `dst..dst+len` lies inside a live segment of this device (checked by
-        // `ptr`); the copy is synchronised before `data` can go away.
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, cs.cu_stream()) }
-            .map_err(ffi::cuda("cuMemcpyHtoDAsync"))?;
-        cs.synchronize().map_err(ffi::cuda("cuStreamSynchronize"))
+        // SAFETY: `dst..dst+len` lies inside a live segment of this device (the region
+        // is checked against its segment, which the caller's buffer keeps alive).
+        unsafe { ffi::copy_to_device(dst, data, cs) }
     }
 
-    fn read(&self, region: Region, out: &mut [u8], stream: &Stream) -> Result<()> {
-        let src = self.ptr(&Region {
-            len_bytes: out.len() as u64,
-            device_ptr: None,
-            ..region
-        })?;
+    fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()> {
+        let src = Self::ptr(&region.sub(0, out.len() as u64)?)?;
         let cs = self.cuda_of(stream)?;
         self.bind()?;
-        // SAFETY: `src..src+len` lies inside a live segment; `out` outlives the copy,
-        // which is synchronised before returning.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src, cs.cu_stream()) }
-            .map_err(ffi::cuda("cuMemcpyDtoHAsync"))?;
-        cs.synchronize().map_err(ffi::cuda("cuStreamSynchronize"))
-    }
-
-    fn device_ptr(&self, region: Region) -> Option<u64> {
-        self.ptr(&Region {
-            device_ptr: None,
-            ..region
-        })
-        .ok()
+        // SAFETY: as in `write`.
+        unsafe { ffi::copy_to_host(src, out, cs) }
     }
 
     fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
@@ -668,12 +623,15 @@ impl Backend for NcclBackend {
             .map(f64::from)
             .map_err(ffi::cuda("cuEventElapsedTime"))
     }
+}
 
+impl Collectives for NcclBackend {
     fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
         let (send, recv, cs, raw) = self.collective_parts("all_gather", a, false)?;
-        // SAFETY: both regions lie inside live segments of this device (checked by
-        // `ptr`), with the sizes the pool validated; the pool keeps the segments until
-        // the stream has passed (frees are fenced); `raw` is held locked.
+        // SAFETY: both regions lie inside live segments of this device (regions are
+        // checked against their segments, which the caller's buffers keep alive), with
+        // the sizes checked above; the pool keeps the segments until the stream has
+        // passed (frees are fenced); `raw` is held locked.
         unsafe {
             ffi::all_gather(
                 &raw,
@@ -705,50 +663,25 @@ impl Backend for NcclBackend {
 
 impl Drop for NcclBackend {
     fn drop(&mut self) {
-        // Teardown order (DESIGN.md §2): drain, deregister, free, then the
-        // communicators. Everything here is local: abort, not the collective destroy.
-        // A device that does not drain in time keeps its memory (freeing it under
-        // running work is worse than leaking it); the communicators are aborted anyway.
-        let drained = match self.synchronize_within(DROP_DRAIN_TIMEOUT) {
-            Ok(d) => d,
-            Err(e) => {
-                log::error!("symmpool: draining rank {} failed: {e}", self.rank);
-                false
-            }
-        };
-        if !drained {
-            log::error!(
-                "symmpool: rank {} did not drain; its segments are leaked",
+        // The pools released their segments and windows before this (they hold the
+        // backend). Everything here is local: abort, not the collective destroy. A
+        // device that does not drain in time is left running; the communicators are
+        // aborted anyway.
+        match self.drain(Instant::now() + DROP_DRAIN_TIMEOUT) {
+            Ok(true) => {}
+            Ok(false) => log::error!(
+                "symmpool: rank {} did not drain within {DROP_DRAIN_TIMEOUT:?}",
                 self.rank
-            );
-            lock(&self.segments).clear();
-            lock(&self.windows).clear();
+            ),
+            Err(e) => log::error!("symmpool: draining rank {} failed: {e}", self.rank),
         }
         let _ = self.bind();
-        let windows = std::mem::take(&mut *lock(&self.windows));
-        for ((_, c), win) in windows {
-            let Ok(raw) = self.comm(c) else { continue };
-            // SAFETY: each window was registered on communicator `c`, which is still
-            // live (aborted below) and held locked; the device drained above.
-            let r = unsafe { ffi::window_deregister(&raw, win) };
-            if let Err(e) = r {
-                log::error!("symmpool: deregistering a window failed: {e}");
-            }
-        }
-        let segments = std::mem::take(&mut *lock(&self.segments));
-        for (_, seg) in segments {
-            // SAFETY: every window is deregistered above, the device drained, and each
-            // pointer came from `mem_alloc` and is freed once (the table is emptied).
-            if let Err(e) = unsafe { ffi::mem_free(seg.ptr) } {
-                log::error!("symmpool: ncclMemFree failed: {e}");
-            }
-        }
         lock(&self.fences).events.clear();
         for comm in self.comms.drain(..) {
             if comm.owned {
                 let raw = comm.raw.into_inner().unwrap_or_else(|p| p.into_inner());
-                // SAFETY: the communicator was created by this backend (`owned`), its
-                // windows are deregistered, and it is consumed here.
+                // SAFETY: the communicator was created by this backend (`owned`), the
+                // pools deregistered their windows, and it is consumed here.
                 if let Err(e) = unsafe { ffi::comm_abort(raw) } {
                     log::error!("symmpool: ncclCommAbort failed: {e}");
                 }

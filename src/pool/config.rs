@@ -1,0 +1,77 @@
+//! [`PoolConfig`]: the settings of a pool.
+
+use crate::core::CoreConfig;
+use std::time::Duration;
+
+/// Largest accepted [`PoolConfig::history_len`].
+pub const MAX_HISTORY: usize = 1 << 16;
+
+/// Settings of a pool.
+///
+/// [`SymmPool::config`](crate::SymmPool::config) returns the configuration in effect:
+/// the core's granularity replaced by the backend's, and its small segments at least
+/// one granularity long.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct PoolConfig {
+    /// The allocator core's sizes. Its granularity is replaced by the backend's.
+    pub core: CoreConfig,
+    /// How long a wait on the other ranks (an agreement, a registration, a drain at
+    /// teardown) may take (default 60 s).
+    pub timeout: Duration,
+    /// How many recent calls the agreement carries to name a divergence (default 64,
+    /// at most [`MAX_HISTORY`]).
+    pub history_len: usize,
+    /// Whether segments are registered as windows (default `true`). A pool that does
+    /// not register hands out plain buffers: the baseline its collectives run on
+    /// NCCL's ring/tree kernels.
+    pub register: bool,
+    /// Fail growth with [`Error::NoSymmetricSupport`](crate::Error::NoSymmetricSupport)
+    /// when a communicator returns no window, instead of carrying on with unregistered
+    /// segments (default `false`).
+    pub require_symmetric: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            core: CoreConfig::default(),
+            timeout: Duration::from_secs(60),
+            history_len: 64,
+            register: true,
+            require_symmetric: false,
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Set the timeout of waits on other ranks.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Set whether segments are registered.
+    pub fn with_register(mut self, register: bool) -> Self {
+        self.register = register;
+        self
+    }
+
+    /// Set whether a missing symmetric window is an error.
+    pub fn with_require_symmetric(mut self, require: bool) -> Self {
+        self.require_symmetric = require;
+        self
+    }
+
+    /// Set the core's configuration.
+    pub fn with_core(mut self, core: CoreConfig) -> Self {
+        self.core = core;
+        self
+    }
+
+    /// Set how many recent calls a divergence report can name.
+    pub fn with_history_len(mut self, history_len: usize) -> Self {
+        self.history_len = history_len;
+        self
+    }
+}

@@ -1,0 +1,263 @@
+//! Growth: agree, allocate a segment on every rank, confirm, register it on every
+//! communicator that registers, add it to the core. Also `reserve`, which pre-grows.
+
+use super::SymmPool;
+use super::agreement::{self, CallKind, agree, op};
+use super::state::{PoolState, Readiness, SegmentEntry};
+use crate::backend::Segment;
+use crate::core::{Growth, SegmentId};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl SymmPool {
+    /// Grow by one segment: agree, allocate, confirm, register, add to the core.
+    pub(super) fn grow(
+        &self,
+        st: &mut PoolState,
+        growth: Growth,
+        stream: &Stream,
+    ) -> Result<SegmentId> {
+        let ready = self.readiness(st, Some(stream))?;
+        let flags = self.agree(st, op::GROW, "growth", growth.segment_bytes, ready)?;
+        st.all_ready(&flags)?;
+        let id = st.core.next_segment_id();
+        let entry = self.provide_segment(st, growth.segment_bytes)?;
+        match st.core.add_segment(growth) {
+            Ok(got) if got == id => {
+                st.segments.insert(id, Arc::new(entry));
+                Ok(id)
+            }
+            Ok(got) => {
+                let what = format!(
+                    "the core numbered a new segment {} instead of {}",
+                    got.0, id.0
+                );
+                st.broken = Some(what.clone());
+                Err(Error::Internal { what })
+            }
+            Err(e) => {
+                self.undo_segment(st, entry);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// This rank's readiness for a collective pool operation on `stream`.
+    fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<u64> {
+        let ready = st.readiness();
+        if ready != Readiness::Ready {
+            return Ok(ready as u64);
+        }
+        if let Some(s) = stream
+            && self.inner.backend.streams().is_capturing(s)?
+        {
+            return Ok(Readiness::Capturing as u64);
+        }
+        Ok(Readiness::Ready as u64)
+    }
+
+    /// One agreement round: the ranks' records must match (see `agreement.rs`).
+    pub(super) fn agree(
+        &self,
+        st: &mut PoolState,
+        op: u64,
+        during: &'static str,
+        size: u64,
+        extra: u64,
+    ) -> Result<Vec<u64>> {
+        st.counters.agreements += 1;
+        let c = st.core.stats();
+        let state = agreement::state_digest(&[
+            u64::from(st.core.next_segment_id().0),
+            c.reserved_bytes.current,
+            c.allocated_bytes.current,
+            c.num_allocs,
+            c.num_frees,
+        ]);
+        let out = agree(
+            self.inner.backend.exchange(),
+            &st.history,
+            op,
+            during,
+            size,
+            state,
+            extra,
+            self.inner.config.timeout,
+        );
+        if let Err(Error::Divergence(d)) = &out {
+            st.diverged = Some(d.clone());
+        }
+        out
+    }
+
+    /// Allocate a segment on this rank, confirm every rank did, and register it.
+    fn provide_segment(&self, st: &mut PoolState, size_bytes: u64) -> Result<SegmentEntry> {
+        let backend = &self.inner.backend;
+        let started = Instant::now();
+        let local = backend.segments().allocate(size_bytes);
+        // Second round: nobody registers unless everybody has the memory, so one
+        // rank's failure is an error on all ranks instead of a hang in registration.
+        let confirmed = self.agree(
+            st,
+            op::GROW,
+            "growth confirmation",
+            size_bytes,
+            u64::from(local.is_ok()),
+        );
+        let failed: Vec<usize> = match &confirmed {
+            Ok(flags) => (0..flags.len()).filter(|&r| flags[r] != 1).collect(),
+            Err(_) => Vec::new(),
+        };
+        let segment = match (local, confirmed) {
+            (Ok(segment), Ok(_)) if failed.is_empty() => segment,
+            (Ok(segment), confirmed) => {
+                self.free_unused(segment);
+                confirmed?;
+                return Err(Error::PeerOutOfMemory {
+                    segment_bytes: size_bytes,
+                    ranks: failed,
+                });
+            }
+            (Err(e), _) => return Err(e),
+        };
+        let mut entry = SegmentEntry {
+            segment,
+            windows: (0..backend.communicators().len()).map(|_| None).collect(),
+        };
+        if self.inner.config.register {
+            for (c, info) in backend.communicators().iter().enumerate() {
+                if !info.registers {
+                    continue;
+                }
+                // SAFETY: every rank reaches this point for the same growth (the two
+                // agreements above matched call sequences and confirmed the memory on
+                // every rank) and registers the same communicators in the backend's
+                // order, so the registration pairs the same segments; the segment is
+                // new, so not registered on `c`; `readiness` refused growth on every
+                // rank if the allocating stream was capturing.
+                match unsafe { backend.segments().register(&entry.segment, c) } {
+                    Ok(window) => {
+                        st.counters.registrations[c] += 1;
+                        let missing = window.is_none();
+                        entry.windows[c] = window;
+                        if missing && self.inner.config.require_symmetric {
+                            self.undo_segment(st, entry);
+                            return Err(Error::NoSymmetricSupport { comm: c });
+                        }
+                    }
+                    Err(e) => {
+                        self.undo_segment(st, entry);
+                        st.registration_broken = Some(e.to_string());
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        st.counters.growth_time += started.elapsed();
+        Ok(entry)
+    }
+
+    /// Free a segment no window covers and no work has used (a failed growth).
+    fn free_unused(&self, segment: Segment) {
+        // SAFETY: the segment was just allocated by this provider, never registered,
+        // and never handed out, so no work uses it.
+        if let Err(refused) = unsafe { self.inner.backend.segments().free(segment) } {
+            self.record_deferred_error(
+                "freeing a segment after a failed growth".into(),
+                refused.error,
+            );
+        }
+    }
+
+    /// Deregister and free a segment that the core does not hold (failed growth).
+    fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry) {
+        let SegmentEntry { segment, windows } = entry;
+        for (c, w) in windows.into_iter().enumerate() {
+            if let Some(w) = w {
+                // SAFETY: the window was made by this provider's `register` for this
+                // segment moments ago; no block of it was handed out, so no work uses it.
+                match unsafe { self.inner.backend.segments().deregister(w) } {
+                    Ok(()) => st.counters.deregistrations[c] += 1,
+                    Err(refused) => {
+                        // Freeing under a live window is not allowed: leak both.
+                        self.record_deferred_error(
+                            "deregistering a window after a failed growth".into(),
+                            refused.error,
+                        );
+                        std::mem::forget(refused.handle);
+                        log::error!("symmpool: a segment of a failed growth is leaked");
+                        std::mem::forget(segment);
+                        return;
+                    }
+                }
+            }
+        }
+        self.free_unused(segment);
+    }
+
+    /// Pre-grow the pool by one segment of `size_bytes` (rounded up to the granularity)
+    /// that any large request (over 1 MiB) may use, so that later allocations hit the
+    /// cache and nothing registers on the hot path or during CUDA-graph capture.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence with the same size.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSize`], [`Error::TooLarge`], [`Error::PoolClosed`],
+    /// [`Error::PoolLimit`], and the growth errors of [`alloc`](Self::alloc).
+    pub fn reserve(&self, size_bytes: u64) -> Result<SegmentId> {
+        self.take_deferred_error()?;
+        let mut st = self.state();
+        if st.closed {
+            return Err(Error::PoolClosed);
+        }
+        let config = *st.core.config();
+        if size_bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        let size = crate::core::align_up(size_bytes, config.granularity_bytes)
+            .filter(|_| size_bytes <= config.max_request_bytes)
+            .ok_or(Error::TooLarge {
+                requested_bytes: size_bytes,
+                max_bytes: config.max_request_bytes,
+            })?;
+        // The reserve limit is the same on every rank: check it before agreeing.
+        let reserved = st.core.stats().reserved_bytes.current;
+        match reserved.checked_add(size) {
+            Some(total) if total <= config.max_reserved_bytes => {}
+            total => {
+                return Err(Error::PoolLimit {
+                    segment_bytes: size,
+                    would_reserve_bytes: total.unwrap_or(u64::MAX),
+                    max_reserved_bytes: config.max_reserved_bytes,
+                });
+            }
+        }
+        st.history.record(CallKind::Reserve, size_bytes, 0);
+        let ready = self.readiness(&st, None)?;
+        let flags = self.agree(&mut st, op::RESERVE, "reserve", size, ready)?;
+        st.all_ready(&flags)?;
+        let id = st.core.next_segment_id();
+        let entry = self.provide_segment(&mut st, size)?;
+        match st.core.add_shared_segment(size) {
+            Ok(got) if got == id => {
+                st.segments.insert(id, Arc::new(entry));
+                Ok(id)
+            }
+            Ok(got) => {
+                let what = format!(
+                    "the core numbered a new segment {} instead of {}",
+                    got.0, id.0
+                );
+                st.broken = Some(what.clone());
+                Err(Error::Internal { what })
+            }
+            Err(e) => {
+                self.undo_segment(&mut st, entry);
+                Err(e.into())
+            }
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Release: `trim` and `close` (collective), and the bounded local teardown of a pool
+//! dropped without `close`. Order (NCCL's): drain the device, deregister every window,
+//! free the segment.
+
+use super::agreement::{CallKind, op};
+use super::state::{PoolState, SegmentEntry};
+use super::{PoolInner, SymmPool};
+use crate::backend::Backend;
+use crate::core::SegmentId;
+use crate::error::{Error, Result};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// `now + timeout`, or far in the future for an endless timeout.
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
+/// Deregister and free one entry. On failure the entry comes back with what is left
+/// of it (windows that would not deregister, the segment) for a later retry.
+fn release_entry(
+    backend: &Backend,
+    mut entry: SegmentEntry,
+    deregistrations: &mut [u64],
+) -> std::result::Result<(), (SegmentEntry, Error)> {
+    let mut first_err = None;
+    for (slot, count) in entry.windows.iter_mut().zip(deregistrations.iter_mut()) {
+        let Some(w) = slot.take() else {
+            continue;
+        };
+        // SAFETY: the window was made by this backend's provider for this entry's
+        // segment; the caller drained the device, and no buffer holds the entry
+        // (it was unwrapped from its `Arc`), so no work uses it.
+        match unsafe { backend.segments().deregister(w) } {
+            Ok(()) => *count += 1,
+            Err(refused) => {
+                *slot = Some(refused.handle);
+                first_err.get_or_insert(refused.error);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err((entry, e));
+    }
+    let SegmentEntry { segment, windows } = entry;
+    // SAFETY: every window of the segment is deregistered above, the device drained,
+    // and no buffer refers to the segment.
+    match unsafe { backend.segments().free(segment) } {
+        Ok(()) => Ok(()),
+        Err(refused) => Err((
+            SegmentEntry {
+                segment: refused.handle,
+                windows,
+            },
+            refused.error,
+        )),
+    }
+}
+
+impl SymmPool {
+    /// Deregister and free the segments this rank still holds but the core no longer
+    /// does (released by `trim`/`close`, or left over from a failed release); drains
+    /// the device first, for at most the pool's timeout. A segment whose release fails
+    /// stays listed, and the next `trim`, `close` or drop of the pool tries again.
+    fn release_segments(&self, st: &mut PoolState) -> Result<()> {
+        let held: std::collections::BTreeSet<SegmentId> =
+            st.core.segments().map(|(id, _, _)| id).collect();
+        let gone: Vec<SegmentId> = st
+            .segments
+            .keys()
+            .filter(|id| !held.contains(id))
+            .copied()
+            .collect();
+        if gone.is_empty() {
+            return Ok(());
+        }
+        let backend = &self.inner.backend;
+        let timeout = self.inner.config.timeout;
+        if !backend.streams().drain(deadline_after(timeout))? {
+            return Err(Error::Timeout {
+                op: "draining the device before releasing segments",
+                waited: timeout,
+                missing_ranks: Vec::new(),
+            });
+        }
+        let mut first_err = None;
+        for id in gone {
+            let Some(shared) = st.segments.remove(&id) else {
+                continue;
+            };
+            let entry = match Arc::try_unwrap(shared) {
+                Ok(entry) => entry,
+                Err(shared) => {
+                    // A buffer of it is still being dropped on another thread.
+                    st.segments.insert(id, shared);
+                    continue;
+                }
+            };
+            if let Err((entry, e)) = release_entry(backend, entry, &mut st.counters.deregistrations)
+            {
+                st.segments.insert(id, Arc::new(entry));
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Release every entirely free segment: drain the device, deregister its windows,
+    /// free it. Returns the bytes released.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence (the ranks agree
+    /// first, so they release the same segments).
+    ///
+    /// # Errors
+    /// [`Error::PoolClosed`], [`Error::PoolBroken`], [`Error::Divergence`],
+    /// [`Error::Timeout`], backend errors.
+    pub fn trim(&self) -> Result<u64> {
+        self.take_deferred_error()?;
+        let mut st = self.state();
+        if st.closed {
+            return Err(Error::PoolClosed);
+        }
+        st.history.record(CallKind::Trim, 0, 0);
+        let ready = st.readiness() as u64;
+        let flags = self.agree(&mut st, op::TRIM, "trim", 0, ready)?;
+        st.all_ready(&flags)?;
+        let released = st.core.release_free_segments();
+        self.release_segments(&mut st)?;
+        Ok(released.iter().map(|(_, b)| b).sum())
+    }
+
+    /// Close the pool: drain the device, deregister every window, free every segment.
+    /// Later calls fail with [`Error::PoolClosed`]; closing again is a no-op.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence. If any rank still
+    /// has live buffers, every rank gets [`Error::BuffersAlive`] and nothing is
+    /// released (the pool stays usable).
+    ///
+    /// # Errors
+    /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
+    /// errors. A broken pool still closes (its memory is released).
+    pub fn close(&self) -> Result<()> {
+        let mut st = self.state();
+        if st.closed {
+            return Ok(());
+        }
+        st.history.record(CallKind::Close, 0, 0);
+        let live = st.core.stats().allocated_blocks.current;
+        let live_per_rank = self.agree(&mut st, op::CLOSE, "close", 0, live)?;
+        if live_per_rank.iter().any(|&l| l > 0) {
+            return Err(Error::BuffersAlive { live_per_rank });
+        }
+        st.core.release_free_segments();
+        st.closed = true;
+        self.inner.closed.store(true, Ordering::Release);
+        // If this fails, the segments stay listed and dropping the pool retries.
+        self.release_segments(&mut st)?;
+        self.take_deferred_error()
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        let st = match self.state.get_mut() {
+            Ok(st) => st,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if st.segments.is_empty() {
+            return;
+        }
+        let bytes: u64 = st.segments.values().map(|e| e.segment.size_bytes()).sum();
+        if !st.closed {
+            log::warn!(
+                "symmpool: rank {}: pool dropped without close(); releasing {} segments ({bytes} bytes) locally",
+                self.backend.rank(),
+                st.segments.len()
+            );
+        }
+        // Never wait without bound in a drop: if the device does not drain in time
+        // (a peer died in a collective, say), leak the memory on purpose.
+        let drained = self
+            .backend
+            .streams()
+            .drain(deadline_after(self.config.timeout));
+        if !matches!(drained, Ok(true)) {
+            let why = match drained {
+                Err(e) => e.to_string(),
+                _ => format!("not drained within {:?}", self.config.timeout),
+            };
+            log::error!(
+                "symmpool: rank {}: the device did not drain ({why}); {} segments ({bytes} bytes) and their windows are leaked on purpose",
+                self.backend.rank(),
+                st.segments.len()
+            );
+            for (_, entry) in std::mem::take(&mut st.segments) {
+                // Device memory is not freed by dropping its handle: leaked, as said.
+                drop(entry);
+            }
+            return;
+        }
+        let mut deregistrations = st.counters.deregistrations.clone();
+        for (id, shared) in std::mem::take(&mut st.segments) {
+            // No buffer is alive (buffers keep the pool alive), so the entry is ours.
+            let Ok(entry) = Arc::try_unwrap(shared) else {
+                log::error!(
+                    "symmpool: segment {} still shared at teardown; leaked",
+                    id.0
+                );
+                continue;
+            };
+            if let Err((_, e)) = release_entry(&self.backend, entry, &mut deregistrations) {
+                log::error!(
+                    "symmpool: releasing segment {} at teardown failed ({e}); leaked",
+                    id.0
+                );
+            }
+        }
+    }
+}

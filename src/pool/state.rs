@@ -1,0 +1,163 @@
+//! What a pool holds under its lock: the core, the call history, and the segment
+//! entries that own the memory and windows.
+
+use super::agreement::History;
+use crate::backend::{Segment, Window};
+use crate::core::{Allocator, SegmentId, StreamId};
+use crate::error::{Divergence, Error, Result};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One segment of a pool: the single owner of its memory and of its windows.
+///
+/// Immutable while buffers use it (windows are made before the first block is handed
+/// out and released after the last is freed); buffers hold it through an `Arc`.
+#[derive(Debug)]
+pub(crate) struct SegmentEntry {
+    /// The memory.
+    pub(crate) segment: Segment,
+    /// Per communicator: the window, if the segment is registered there.
+    pub(crate) windows: Vec<Option<Window>>,
+}
+
+impl SegmentEntry {
+    /// The window on communicator `comm`, if any.
+    pub(crate) fn window(&self, comm: usize) -> Option<&Window> {
+        self.windows.get(comm).and_then(Option::as_ref)
+    }
+}
+
+/// A rank's readiness for a collective pool operation, carried in the agreement so
+/// that a rank-local obstacle fails every rank the same way instead of leaving the
+/// others to time out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub(crate) enum Readiness {
+    /// Nothing stands in the way.
+    Ready = 1,
+    /// A stream of the operation is capturing a CUDA graph: no registration now.
+    Capturing = 2,
+    /// A window registration failed on this rank earlier: window order may differ.
+    RegistrationBroken = 3,
+    /// This rank's pool is broken (a panic under its lock, an internal error).
+    PoolBroken = 4,
+}
+
+impl Readiness {
+    pub(crate) fn from_u64(x: u64) -> Option<Self> {
+        Some(match x {
+            1 => Readiness::Ready,
+            2 => Readiness::Capturing,
+            3 => Readiness::RegistrationBroken,
+            4 => Readiness::PoolBroken,
+            _ => return None,
+        })
+    }
+}
+
+/// Counters of what the pool did, beside the core's statistics.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) registrations: Vec<u64>,
+    pub(crate) deregistrations: Vec<u64>,
+    pub(crate) agreements: u64,
+    pub(crate) growth_time: Duration,
+}
+
+pub(crate) struct PoolState {
+    pub(crate) core: Allocator,
+    pub(crate) history: History,
+    /// Segments this rank holds memory (and windows) for. Usually the core's segments;
+    /// after a failed release also ones the core has dropped, until a retry succeeds.
+    pub(crate) segments: BTreeMap<SegmentId, Arc<SegmentEntry>>,
+    pub(crate) closed: bool,
+    /// A registration failed on this rank: the pool refuses to grow on every rank.
+    pub(crate) registration_broken: Option<String>,
+    /// The pool is unusable (see [`Error::PoolBroken`]).
+    pub(crate) broken: Option<String>,
+    /// Set once an agreement found the ranks diverged: later calls fail.
+    pub(crate) diverged: Option<Box<Divergence>>,
+    /// Streams with fences recorded at frees: polled for completion by `stats`.
+    pub(crate) fenced_streams: BTreeSet<StreamId>,
+    pub(crate) counters: Counters,
+}
+
+impl PoolState {
+    pub(crate) fn new(core: Allocator, history: History, comms: usize) -> Self {
+        PoolState {
+            core,
+            history,
+            segments: BTreeMap::new(),
+            closed: false,
+            registration_broken: None,
+            broken: None,
+            diverged: None,
+            fenced_streams: BTreeSet::new(),
+            counters: Counters {
+                registrations: vec![0; comms],
+                deregistrations: vec![0; comms],
+                ..Counters::default()
+            },
+        }
+    }
+
+    /// Fail unless the pool can serve a local call (allocation, free, collective).
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        if self.closed {
+            return Err(Error::PoolClosed);
+        }
+        if let Some(reason) = &self.broken {
+            return Err(Error::PoolBroken {
+                reason: reason.clone(),
+            });
+        }
+        if let Some(d) = &self.diverged {
+            // The ranks' allocators differ: a cache hit would place this buffer at an
+            // offset the peers do not share, which NCCL would not notice.
+            return Err(Error::Divergence(d.clone()));
+        }
+        Ok(())
+    }
+
+    /// This rank's readiness, before any stream is looked at.
+    pub(crate) fn readiness(&self) -> Readiness {
+        if self.broken.is_some() || self.diverged.is_some() {
+            Readiness::PoolBroken
+        } else if self.registration_broken.is_some() {
+            Readiness::RegistrationBroken
+        } else {
+            Readiness::Ready
+        }
+    }
+
+    /// Turn the ranks' readiness flags into the same error on every rank.
+    pub(crate) fn all_ready(&self, flags: &[u64]) -> Result<()> {
+        let flags: Vec<Option<Readiness>> = flags.iter().map(|&f| Readiness::from_u64(f)).collect();
+        if let Some(rank) = flags.iter().position(Option::is_none) {
+            return Err(Error::Internal {
+                what: format!("rank {rank} sent an unknown readiness flag"),
+            });
+        }
+        let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
+        if let Some(rank) = find(Readiness::PoolBroken) {
+            let reason = match (&self.broken, &self.diverged) {
+                (Some(why), _) => why.clone(),
+                (None, Some(d)) => d.to_string(),
+                (None, None) => format!("rank {rank}'s pool is broken"),
+            };
+            return Err(Error::PoolBroken { reason });
+        }
+        if find(Readiness::Capturing).is_some() {
+            return Err(Error::GraphCapture);
+        }
+        if let Some(rank) = find(Readiness::RegistrationBroken) {
+            let reason = match &self.registration_broken {
+                Some(why) => why.clone(),
+                None => format!("a registration failed earlier on rank {rank}"),
+            };
+            return Err(Error::RegistrationBroken { rank, reason });
+        }
+        Ok(())
+    }
+}
