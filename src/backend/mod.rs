@@ -20,6 +20,15 @@
 //! break the pool's invariants (register, deregister, free) are `unsafe fn`s with a
 //! `# Safety` list; the pool is their only caller in the crate. A test double replaces
 //! one part ([`Backend::with_streams`], …) and keeps the others.
+//!
+//! Safe code cannot free or deregister what a pool owns:
+//!
+//! ```compile_fail
+//! use symmpool::{HostBackend, HostConfig};
+//! let backend = HostBackend::world(HostConfig::new(1)).unwrap().remove(0);
+//! let segment = backend.segments().allocate(2 << 20).unwrap();
+//! backend.segments().free(segment); // error[E0133]: call to unsafe function
+//! ```
 
 pub mod host;
 #[cfg(feature = "nccl")]

@@ -131,8 +131,9 @@ impl PoolState {
         }
     }
 
-    /// Turn the ranks' readiness flags into the same error on every rank.
-    pub(crate) fn all_ready(&self, flags: &[u64]) -> Result<()> {
+    /// Turn the ranks' readiness flags into the same error on every rank. A peer's
+    /// broken pool breaks this rank's too: the ranks can no longer make the same calls.
+    pub(crate) fn all_ready(&mut self, flags: &[u64]) -> Result<()> {
         let flags: Vec<Option<Readiness>> = flags.iter().map(|&f| Readiness::from_u64(f)).collect();
         if let Some(rank) = flags.iter().position(Option::is_none) {
             return Err(Error::Internal {
@@ -146,6 +147,7 @@ impl PoolState {
                 (None, Some(d)) => d.to_string(),
                 (None, None) => format!("rank {rank}'s pool is broken"),
             };
+            self.broken.get_or_insert_with(|| reason.clone());
             return Err(Error::PoolBroken { reason });
         }
         if find(Readiness::Capturing).is_some() {
