@@ -109,9 +109,6 @@ struct FenceTable {
     spare: Vec<CudaEvent>,
 }
 
-/// How long dropping a backend waits for its device to drain.
-const DROP_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// Events kept per stream before completed ones are collected.
 const FENCES_PER_STREAM: usize = 64;
 
@@ -664,28 +661,47 @@ impl Collectives for NcclBackend {
 impl Drop for NcclBackend {
     fn drop(&mut self) {
         // The pools released their segments and windows before this (they hold the
-        // backend). Everything here is local: abort, not the collective destroy. A
-        // device that does not drain in time is left running; the communicators are
-        // aborted anyway.
-        match self.drain(Instant::now() + DROP_DRAIN_TIMEOUT) {
-            Ok(true) => {}
-            Ok(false) => log::error!(
-                "symmpool: rank {} did not drain within {DROP_DRAIN_TIMEOUT:?}",
-                self.rank
-            ),
-            Err(e) => log::error!("symmpool: draining rank {} failed: {e}", self.rank),
-        }
+        // backend), each after draining for at most its own timeout. Everything here is
+        // local: `ncclCommAbort` (not the collective destroy), which also ends NCCL
+        // operations still in flight, as is left when a peer died.
         let _ = self.bind();
         lock(&self.fences).events.clear();
-        for comm in self.comms.drain(..) {
-            if comm.owned {
-                let raw = comm.raw.into_inner().unwrap_or_else(|p| p.into_inner());
+        let owned: Vec<RawComm> = self
+            .comms
+            .drain(..)
+            .filter(|c| c.owned)
+            .map(|c| c.raw.into_inner().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        let abort = move |comms: Vec<RawComm>| {
+            for raw in comms {
                 // SAFETY: the communicator was created by this backend (`owned`), the
-                // pools deregistered their windows, and it is consumed here.
+                // pools deregistered their windows (or leaked them on purpose), and it
+                // is consumed here.
                 if let Err(e) = unsafe { ffi::comm_abort(raw) } {
                     log::error!("symmpool: ncclCommAbort failed: {e}");
                 }
             }
+        };
+        if matches!(self.drain(Instant::now()), Ok(true)) {
+            abort(owned);
+            return;
+        }
+        // Work is still running (a stuck collective, or a kernel that never ends). An
+        // abort waits for the device where it unmaps leaked windows, so it runs on a
+        // thread of its own and the drop returns now.
+        log::warn!(
+            "symmpool: rank {}: device work still in flight; aborting its communicators in the background",
+            self.rank
+        );
+        let ctx = self.ctx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("symmpool-abort".into())
+            .spawn(move || {
+                let _ = ctx.bind_to_thread();
+                abort(owned);
+            });
+        if let Err(e) = spawned {
+            log::error!("symmpool: could not start the abort thread ({e}); communicators leaked");
         }
     }
 }
