@@ -143,12 +143,15 @@ impl<T: Clone> Rendezvous<T> {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        let r = state.rounds.get_mut(&round).expect("checked above");
-        let out: Vec<T> = r
-            .posted
-            .iter()
-            .map(|p| p.clone().expect("all posted"))
-            .collect();
+        let complete = state
+            .rounds
+            .get_mut(&round)
+            .and_then(|r| Some((r.posted.iter().cloned().collect::<Option<Vec<T>>>()?, r)));
+        let Some((out, r)) = complete else {
+            return Err(Error::Internal {
+                what: format!("rendezvous round {round} vanished while complete"),
+            });
+        };
         r.read += 1;
         if r.read == world {
             state.rounds.remove(&round);

@@ -42,6 +42,9 @@
 //! calls; when they do not, the next collective pool operation fails with
 //! [`Error::Divergence`] on every rank instead of hanging.
 
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
+#![warn(unreachable_pub, clippy::multiple_unsafe_ops_per_block)]
+
 pub mod backend;
 pub mod coll;
 pub mod core;

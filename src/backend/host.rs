@@ -558,7 +558,11 @@ impl Collectives for HostBackend {
                     Some(a) => dtype::reduce_into(args.dtype, args.op, a, &data),
                 }
             }
-            let mut acc = acc.expect("at least one rank");
+            let Some(mut acc) = acc else {
+                return Err(Error::Internal {
+                    what: "a collective with no ranks".into(),
+                });
+            };
             if args.op == ReduceOp::Avg && !premul {
                 dtype::divide(args.dtype, &mut acc, posts.len());
             }

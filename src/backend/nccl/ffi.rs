@@ -6,6 +6,8 @@
 //! configs, allocation granularity or capture status, so they are wrapped here. Every
 //! function returns the crate's [`Error`] instead of panicking.
 
+#![deny(clippy::cast_possible_truncation)]
+
 use crate::error::{Error, NcclVersion, Result};
 use cudarc::driver::DriverError;
 use cudarc::nccl::sys;
@@ -51,6 +53,24 @@ fn nccl_err(op: &'static str, r: sys::ncclResult_t) -> Error {
         code: r as i32,
         message,
     }
+}
+
+/// `x` as a `usize` for NCCL, or an error naming the call (only on 32-bit targets).
+fn to_usize(op: &'static str, x: u64) -> Result<usize> {
+    usize::try_from(x).map_err(|_| Error::Nccl {
+        op,
+        code: sys::ncclResult_t::ncclInvalidArgument as i32,
+        message: format!("{x} does not fit the address space"),
+    })
+}
+
+/// `x` as a C `int` for NCCL, or an error naming the call.
+fn to_int(op: &'static str, x: usize) -> Result<c_int> {
+    c_int::try_from(x).map_err(|_| Error::Nccl {
+        op,
+        code: sys::ncclResult_t::ncclInvalidArgument as i32,
+        message: format!("{x} does not fit a C int"),
+    })
 }
 
 fn check(op: &'static str, r: sys::ncclResult_t) -> Result<()> {
@@ -158,11 +178,11 @@ pub(crate) fn comm_init(
 ) -> Result<RawComm> {
     let mut comm: sys::ncclComm_t = std::ptr::null_mut();
     let mut cfg = config(cta_policy);
+    let op = "ncclCommInitRankConfig";
+    let (nranks, rank) = (to_int(op, nranks)?, to_int(op, rank)?);
     // SAFETY: `comm` and `cfg` are valid for the call; `id` is passed by value; the
     // caller has made this rank's device current.
-    let r = unsafe {
-        sys::ncclCommInitRankConfig(&mut comm, nranks as c_int, id, rank as c_int, &mut cfg)
-    };
+    let r = unsafe { sys::ncclCommInitRankConfig(&mut comm, nranks, id, rank, &mut cfg) };
     check("ncclCommInitRankConfig", r)?;
     Ok(RawComm(comm))
 }
@@ -353,13 +373,14 @@ pub(crate) unsafe fn window_register(
     size: u64,
 ) -> Result<Option<RawWindow>> {
     let mut win: sys::ncclWindow_t = std::ptr::null_mut();
+    let size = to_usize("ncclCommWindowRegister", size)?;
     // SAFETY: the caller guarantees the communicator and the allocation; `win` is a
     // valid out-pointer.
     let r = unsafe {
         sys::ncclCommWindowRegister(
             comm.0,
             ptr as *mut c_void,
-            size as usize,
+            size,
             &mut win,
             NCCL_WIN_COLL_SYMMETRIC,
         )
@@ -417,12 +438,13 @@ pub(crate) unsafe fn all_gather(
     dt: sys::ncclDataType_t,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
+    let count = to_usize("ncclAllGather", count)?;
     // SAFETY: the caller upholds this function's contract.
     let r = unsafe {
         sys::ncclAllGather(
             send as *const c_void,
             recv as *mut c_void,
-            count as usize,
+            count,
             dt,
             comm.0,
             stream,
@@ -444,12 +466,13 @@ pub(crate) unsafe fn reduce_scatter(
     op: sys::ncclRedOp_t,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
+    let count = to_usize("ncclReduceScatter", count)?;
     // SAFETY: the caller upholds this function's contract.
     let r = unsafe {
         sys::ncclReduceScatter(
             send as *const c_void,
             recv as *mut c_void,
-            count as usize,
+            count,
             dt,
             op,
             comm.0,
