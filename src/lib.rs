@@ -44,6 +44,7 @@
 
 pub mod backend;
 pub mod coll;
+pub mod control;
 pub mod core;
 mod dtype;
 mod error;
@@ -54,6 +55,7 @@ mod stream;
 pub use backend::{Backend, HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use backend::{NcclBackend, NcclWorldConfig};
+pub use control::{ChannelId, Launch, StoreConfig, StoreExchange, StoreServer};
 pub use core::{CoreStats, Snapshot};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Divergence, Error, NcclVersion, Result};
