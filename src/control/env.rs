@@ -1,21 +1,5 @@
 //! [`Launch`]: who this rank is and where the store is, from the launcher's
 //! environment.
-//!
-//! | launcher | rank | world size | local rank | local world size | store address |
-//! |---|---|---|---|---|---|
-//! | torchrun | `RANK` | `WORLD_SIZE` | `LOCAL_RANK` | `LOCAL_WORLD_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
-//! | slurm (`srun`) | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` | `SLURM_NTASKS_PER_NODE` (only a plain number) | `MASTER_ADDR`, `MASTER_PORT` |
-//! | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` | `OMPI_COMM_WORLD_LOCAL_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
-//!
-//! The launchers are tried in that order: torchrun's when `RANK` is set, slurm's when
-//! `SLURM_PROCID` is, Open MPI's when `OMPI_COMM_WORLD_RANK` is. Under slurm and Open
-//! MPI the store address is **required** in `MASTER_ADDR` and `MASTER_PORT` (this crate
-//! does not expand `SLURM_JOB_NODELIST`); in an sbatch script, for example:
-//!
-//! ```text
-//! export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-//! export MASTER_PORT=29511
-//! ```
 
 use crate::error::{Error, Result};
 
@@ -33,6 +17,22 @@ pub enum LaunchSource {
 }
 
 /// Who this rank is, and where the rendezvous store listens.
+///
+/// | launcher | rank | world size | local rank | local world size | store address |
+/// |---|---|---|---|---|---|
+/// | torchrun | `RANK` | `WORLD_SIZE` | `LOCAL_RANK` | `LOCAL_WORLD_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
+/// | slurm (`srun`) | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` | `SLURM_NTASKS_PER_NODE` (only a plain number) | `MASTER_ADDR`, `MASTER_PORT` |
+/// | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` | `OMPI_COMM_WORLD_LOCAL_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
+///
+/// The launchers are tried in that order: torchrun's when `RANK` is set, slurm's when
+/// `SLURM_PROCID` is, Open MPI's when `OMPI_COMM_WORLD_RANK` is. Under slurm and Open
+/// MPI the store address is **required** in `MASTER_ADDR` and `MASTER_PORT` (this crate
+/// does not expand `SLURM_JOB_NODELIST`); in an sbatch script, for example:
+///
+/// ```text
+/// export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+/// export MASTER_PORT=29511
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Launch {
     /// This rank, in `0..world_size`.
@@ -98,7 +98,7 @@ impl Launch {
         Ok(l)
     }
 
-    /// From the process environment; see [the module](self) for the variables.
+    /// From the process environment; see [`Launch`] for the variables.
     ///
     /// # Errors
     /// As [`from_vars`](Self::from_vars).
