@@ -80,6 +80,7 @@ fn rank_order<E: Exchange>(group: Vec<E>) {
         assert_eq!(o, expected);
     }
     assert_eq!(group[1].world_size(), group.len());
+    drop_group(group);
 }
 
 fn channels_never_pair_across<E: Exchange>(group: Vec<E>) {
@@ -108,6 +109,7 @@ fn channels_never_pair_across<E: Exchange>(group: Vec<E>) {
             }
         });
     });
+    drop_group(group);
 }
 
 fn a_timeout_breaks_every_rank_and_channel<E: Exchange>(group: Vec<E>) {
@@ -147,6 +149,7 @@ fn a_timeout_breaks_every_rank_and_channel<E: Exchange>(group: Vec<E>) {
             "{r:?}"
         );
     }
+    drop_group(group);
 }
 
 fn an_endless_timeout_does_not_overflow<E: Exchange>(group: Vec<E>) {
@@ -155,6 +158,7 @@ fn an_endless_timeout_does_not_overflow<E: Exchange>(group: Vec<E>) {
             .unwrap()
     });
     assert!(out.iter().all(|o| o.iter().all(|p| p == &[5])));
+    drop_group(group);
 }
 
 fn open_channel_in_different_orders_fails_everywhere<E: Exchange>(group: Vec<E>) {
@@ -188,6 +192,15 @@ fn open_channel_in_different_orders_fails_everywhere<E: Exchange>(group: Vec<E>)
         x.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
             .unwrap()
     });
+    drop_group(group);
+}
+
+/// Drop the ranks last to first: the rank hosting the store lingers in its drop until
+/// the others have left.
+fn drop_group<E>(mut group: Vec<E>) {
+    while let Some(x) = group.pop() {
+        drop(x);
+    }
 }
 
 macro_rules! contract {
@@ -232,6 +245,7 @@ fn store_dropping_a_rank_mid_round_is_peer_lost_for_the_others() {
             other => panic!("{other:?}"),
         }
     }
+    drop_group(group);
 }
 
 #[test]
@@ -248,6 +262,7 @@ fn store_refuses_oversized_payloads_without_using_a_round() {
             .unwrap()
     });
     assert_eq!(out[1][0].len(), max);
+    drop_group(group);
 }
 
 #[test]
@@ -512,6 +527,7 @@ fn lose_a_rank(world: usize, victim: usize, stop: bool) -> (Duration, Vec<String
     let others: Vec<usize> = (0..world).filter(|r| *r != victim).collect();
     let codes = job.wait(&others, Duration::from_secs(60));
     let elapsed = t0.elapsed();
+    println!("rank {victim} of {world} lost (stop: {stop}): survivors exited after {elapsed:?}");
     assert_eq!(codes, vec![0; others.len()], "{:?}", job.seen);
     let lines = others
         .iter()

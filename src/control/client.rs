@@ -150,8 +150,13 @@ impl StoreConfig {
 /// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it as a client.
 /// A background thread per rank reads the server's frames, sends heartbeats and
 /// watches the server's; see [`control`](super) for the failure-detection bound.
-/// Dropping the exchange says goodbye to the server (the hosting rank then waits up to
-/// [`StoreConfig::linger`] for the others before stopping the server).
+/// Dropping the exchange says goodbye to the server. The hosting rank's drop then
+/// waits up to [`StoreConfig::linger`] for the other ranks to leave before stopping
+/// the server, so that they can read the last results; when several ranks live in one
+/// process (tests), drop the hosting rank's exchange last.
+///
+/// Later calls after any rank has left fail with [`Error::PeerLost`] naming it: leaving
+/// is final, like a crash, for the ranks still using the group.
 pub struct StoreExchange {
     rank: usize,
     world: usize,
