@@ -6,7 +6,8 @@
 //! round (from its call until its result arrives) and reports p50 / p99 / max.
 //!
 //! `cargo bench --bench store_round` (env `STORE_BENCH_ROUNDS`, default 5000, and
-//! `STORE_BENCH_WORLD`, default 8).
+//! `STORE_BENCH_WORLD`, default 8). Without `--bench` (as `cargo test --all-targets`
+//! runs it) it does a 100-round smoke run.
 
 #![allow(missing_docs)]
 
@@ -78,7 +79,9 @@ fn main() {
         return;
     }
     let world = env_or("STORE_BENCH_WORLD", 8);
-    let rounds = env_or("STORE_BENCH_ROUNDS", 5000);
+    // `cargo test --all-targets` runs this without `--bench`: a short smoke run then.
+    let measuring = std::env::args().any(|a| a == "--bench");
+    let rounds = env_or("STORE_BENCH_ROUNDS", if measuring { 5000 } else { 100 });
     let server = StoreServer::bind("127.0.0.1:0", &config(0, world, 0)).unwrap();
     let port = server.local_addr().port();
     let exe = std::env::current_exe().unwrap();
