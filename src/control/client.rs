@@ -148,8 +148,10 @@ impl StoreConfig {
 /// An [`Exchange`] among processes over the crate's TCP store.
 ///
 /// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it as a client.
-/// A background thread per rank reads the server's frames, sends heartbeats and
-/// watches the server's; see [`control`](super) for the failure-detection bound.
+/// A waiting caller reads the socket itself when no other thread is reading (so a round
+/// costs no extra thread wake-up); a background thread per rank sends heartbeats, and
+/// reads when nobody has for half a heartbeat interval, to watch the server's
+/// heartbeats. See [`control`](super) for the failure-detection bound.
 /// Dropping the exchange says goodbye to the server. The hosting rank's drop then
 /// waits up to [`StoreConfig::linger`] for the other ranks to leave before stopping
 /// the server, so that they can read the last results; when several ranks live in one
@@ -173,19 +175,71 @@ pub struct StoreExchange {
 struct ClientShared {
     server: String,
     writer: Mutex<TcpStream>,
+    /// The socket's read half; whoever sets `Inbox::reader_busy` reads from it.
+    reader: Mutex<FrameReader<TcpStream>>,
+    /// A handle on the socket for setting read timeouts.
+    sock: TcpStream,
     inbox: Mutex<Inbox>,
+    /// Signalled when the inbox changes (callers wait on it).
     cv: Condvar,
+    /// Signalled only on close (the background thread waits on it, so that it is not
+    /// woken by every frame).
+    bg_cv: Condvar,
     heartbeat_interval: Duration,
     heartbeat_timeout: Duration,
     closing: AtomicBool,
 }
 
-#[derive(Default)]
+/// What the socket has delivered, and who is reading it.
+///
+/// Reading is leader/follower: a thread that needs a frame (a caller waiting for its
+/// round, or the background thread when nobody has read for half a heartbeat
+/// interval) reads one frame itself when nobody else is reading, and dispatches it
+/// here; otherwise it waits on the condition variable. In a busy loop the callers read
+/// their results directly, without waking another thread.
 struct Inbox {
     results: HashMap<(u64, u64), Vec<Vec<u8>>>,
     broken: Option<Broken>,
     present: Vec<u32>,
     all_joined: bool,
+    reader_busy: bool,
+    /// The connection ended (or failed); nobody reads any more.
+    reader_done: bool,
+    last_heard: Instant,
+    last_read: Instant,
+    /// The socket's current read timeout (set only when it changes).
+    read_timeout: Duration,
+}
+
+impl Inbox {
+    fn new() -> Inbox {
+        let now = Instant::now();
+        Inbox {
+            results: HashMap::new(),
+            broken: None,
+            present: Vec::new(),
+            all_joined: false,
+            reader_busy: false,
+            reader_done: false,
+            last_heard: now,
+            last_read: now,
+            read_timeout: Duration::ZERO,
+        }
+    }
+
+    fn set_broken(&mut self, b: Broken) {
+        if self.broken.is_none() {
+            self.broken = Some(b);
+        }
+    }
+
+    fn server_lost(&mut self, detail: String) {
+        self.set_broken(Broken {
+            rank: 0,
+            op: String::new(),
+            cause: Cause::Lost { detail },
+        });
+    }
 }
 
 impl fmt::Debug for StoreExchange {
@@ -204,95 +258,136 @@ impl ClientShared {
         self.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set_broken(&self, b: Broken) {
-        let mut inbox = self.inbox();
-        if inbox.broken.is_none() {
-            inbox.broken = Some(b);
-        }
-        self.cv.notify_all();
-    }
-
     fn server_lost(&self, detail: String) {
-        self.set_broken(Broken {
-            rank: 0,
-            op: String::new(),
-            cause: Cause::Lost { detail },
-        });
+        self.inbox().server_lost(detail);
+        self.cv.notify_all();
     }
 
     fn send(&self, frame: &[u8]) -> std::io::Result<()> {
         let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         wire::send(&mut *w, frame)
     }
-}
 
-/// The background thread: read frames, send heartbeats, watch the server's.
-fn reader_loop(shared: &ClientShared, mut reader: FrameReader<TcpStream>) {
-    let heartbeat = wire::encode(&ToServer::Heartbeat);
-    let mut last_heard = Instant::now();
-    let mut last_sent = Instant::now();
-    loop {
-        match reader.frame() {
+    /// Read one frame (waiting at most `limit`) and dispatch it. The caller has
+    /// checked that nobody else is reading.
+    fn read_once<'a>(
+        &'a self,
+        mut inbox: MutexGuard<'a, Inbox>,
+        limit: Duration,
+    ) -> MutexGuard<'a, Inbox> {
+        inbox.reader_busy = true;
+        // Round to whole milliseconds so that the socket option rarely changes.
+        let limit = Duration::from_millis(limit.as_millis().max(1) as u64);
+        let set_timeout = (inbox.read_timeout != limit).then_some(limit);
+        inbox.read_timeout = limit;
+        drop(inbox);
+        let got = {
+            let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+            match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
+                Ok(()) => reader.frame(),
+                Err(e) => Err(ReadError::Io(e)),
+            }
+        };
+        let mut inbox = self.inbox();
+        inbox.reader_busy = false;
+        let now = Instant::now();
+        inbox.last_read = now;
+        match got {
             Ok(Some(body)) => {
-                last_heard = Instant::now();
+                inbox.last_heard = now;
                 match wire::decode::<ToClient>(&body) {
                     Ok(ToClient::Result {
                         channel,
                         round,
                         payloads,
                     }) => {
-                        shared.inbox().results.insert((channel, round), payloads);
-                        shared.cv.notify_all();
+                        inbox.results.insert((channel, round), payloads);
                     }
-                    Ok(ToClient::Broken(b)) => shared.set_broken(b),
-                    Ok(ToClient::Joined { present }) => {
-                        shared.inbox().present = present;
-                        shared.cv.notify_all();
-                    }
-                    Ok(ToClient::AllJoined) => {
-                        shared.inbox().all_joined = true;
-                        shared.cv.notify_all();
-                    }
+                    Ok(ToClient::Broken(b)) => inbox.set_broken(b),
+                    Ok(ToClient::Joined { present }) => inbox.present = present,
+                    Ok(ToClient::AllJoined) => inbox.all_joined = true,
                     Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
                     Ok(ToClient::Reject { reason }) => {
-                        shared.server_lost(format!("the store server dropped this rank: {reason}"));
-                        return;
+                        inbox.reader_done = true;
+                        inbox.server_lost(format!("the store server dropped this rank: {reason}"));
                     }
                     Err(why) => {
-                        shared.server_lost(format!("the store server sent garbage: {why}"));
-                        return;
+                        inbox.reader_done = true;
+                        inbox.server_lost(format!("the store server sent garbage: {why}"));
                     }
                 }
             }
-            Ok(None) => {
-                if shared.closing.load(Ordering::SeqCst) {
-                    return;
-                }
-            }
+            Ok(None) => {}
             Err(e) => {
-                if !shared.closing.load(Ordering::SeqCst) {
+                inbox.reader_done = true;
+                if !self.closing.load(Ordering::SeqCst) {
                     let why = match e {
                         ReadError::Eof { .. } => "closed".to_string(),
                         e => format!("failed: {e}"),
                     };
-                    shared.server_lost(format!(
+                    inbox.server_lost(format!(
                         "the connection to the store server at {} {why} (rank 0 exited, was killed or closed its exchange)",
-                        shared.server
+                        self.server
                     ));
                 }
-                return;
             }
         }
-        let now = Instant::now();
-        let silent = now.saturating_duration_since(last_heard);
-        if silent > shared.heartbeat_timeout {
-            shared.server_lost(format!(
+        let silent = now.saturating_duration_since(inbox.last_heard);
+        if silent > self.heartbeat_timeout {
+            inbox.server_lost(format!(
                 "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
-                shared.server
+                self.server
             ));
+        }
+        self.cv.notify_all();
+        inbox
+    }
+
+    /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
+    /// else is.
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        mut done: impl FnMut(&mut Inbox) -> bool,
+    ) -> MutexGuard<'_, Inbox> {
+        let mut inbox = self.inbox();
+        loop {
+            if done(&mut inbox) {
+                return inbox;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return inbox;
+            }
+            let left = deadline - now;
+            if !inbox.reader_busy && !inbox.reader_done {
+                inbox = self.read_once(inbox, left.min(self.heartbeat_interval));
+            } else {
+                inbox = self
+                    .cv
+                    .wait_timeout(inbox, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+        }
+    }
+}
+
+/// The background thread: send heartbeats, and read (so that server heartbeats and
+/// broken-group notices are seen, and the server's silence is noticed) whenever no
+/// caller has read for half a heartbeat interval.
+fn background_loop(shared: &ClientShared) {
+    let heartbeat = wire::encode(&ToServer::Heartbeat);
+    let interval = shared.heartbeat_interval;
+    let mut last_sent = Instant::now();
+    let mut inbox = shared.inbox();
+    loop {
+        if shared.closing.load(Ordering::SeqCst) || inbox.reader_done {
             return;
         }
-        if now.saturating_duration_since(last_sent) >= shared.heartbeat_interval {
+        let now = Instant::now();
+        if now.saturating_duration_since(last_sent) >= interval {
+            drop(inbox);
             last_sent = now;
             if let Err(e) = shared.send(&heartbeat) {
                 if !shared.closing.load(Ordering::SeqCst) {
@@ -303,6 +398,32 @@ fn reader_loop(shared: &ClientShared, mut reader: FrameReader<TcpStream>) {
                 }
                 return;
             }
+            inbox = shared.inbox();
+            continue;
+        }
+        let silent = now.saturating_duration_since(inbox.last_heard);
+        if silent > shared.heartbeat_timeout && inbox.broken.is_none() {
+            inbox.server_lost(format!(
+                "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
+                shared.server
+            ));
+            shared.cv.notify_all();
+        }
+        let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
+        let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
+        if !inbox.reader_busy && unattended {
+            inbox = shared.read_once(inbox, until_heartbeat);
+        } else {
+            inbox = shared
+                .bg_cv
+                .wait_timeout(
+                    inbox,
+                    until_heartbeat
+                        .min(interval / 2)
+                        .max(Duration::from_millis(1)),
+                )
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -424,13 +545,14 @@ impl StoreExchange {
             other => return Err(proto(format!("expected a welcome, got {other:?}"))),
         }
         reader.max_frame_bytes = config.max_frame_bytes;
-        sock.set_read_timeout(Some(config.heartbeat_interval))
-            .map_err(transport("store handshake", target.clone()))?;
         let shared = Arc::new(ClientShared {
             server: target,
             writer: Mutex::new(writer),
-            inbox: Mutex::new(Inbox::default()),
+            reader: Mutex::new(reader),
+            sock,
+            inbox: Mutex::new(Inbox::new()),
             cv: Condvar::new(),
+            bg_cv: Condvar::new(),
             heartbeat_interval: config.heartbeat_interval,
             heartbeat_timeout: config.heartbeat_timeout,
             closing: AtomicBool::new(false),
@@ -438,7 +560,7 @@ impl StoreExchange {
         let s = shared.clone();
         let handle = thread::Builder::new()
             .name(format!("symmpool-store-client-{}", launch.rank))
-            .spawn(move || reader_loop(&s, reader))
+            .spawn(move || background_loop(&s))
             .map_err(transport(
                 "store start-up",
                 "starting the reader thread".into(),
@@ -456,32 +578,22 @@ impl StoreExchange {
             linger: config.linger,
         };
         // Wait for every rank to join.
-        let mut inbox = ex.shared.inbox();
-        loop {
-            if inbox.all_joined {
-                break;
-            }
+        let inbox = ex
+            .shared
+            .wait_until(deadline, |ib| ib.all_joined || ib.broken.is_some());
+        if !inbox.all_joined {
             if let Some(b) = &inbox.broken {
                 return Err(ex.error_for(b, "store start-up"));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing = (0..ex.world)
-                    .filter(|r| !inbox.present.contains(&(*r as u32)))
-                    .collect();
-                drop(inbox);
-                return Err(Error::Timeout {
-                    op: "store start-up",
-                    waited: config.startup_timeout,
-                    missing_ranks: missing,
-                });
-            }
-            inbox = ex
-                .shared
-                .cv
-                .wait_timeout(inbox, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            let missing = (0..ex.world)
+                .filter(|r| !inbox.present.contains(&(*r as u32)))
+                .collect();
+            drop(inbox);
+            return Err(Error::Timeout {
+                op: "store start-up",
+                waited: config.startup_timeout,
+                missing_ranks: missing,
+            });
         }
         drop(inbox);
         log::debug!(
@@ -634,24 +746,14 @@ impl Exchange for StoreExchange {
                 self.shared.server
             ));
         }
-        let mut inbox = self.shared.inbox();
-        loop {
-            if let Some(r) = inbox.results.remove(&key) {
-                return Ok(r);
-            }
-            if let Some(b) = &inbox.broken {
-                return Err(self.error_for(b, op));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                break;
-            }
-            inbox = self
-                .shared
-                .cv
-                .wait_timeout(inbox, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        let mut inbox = self.shared.wait_until(deadline, |ib| {
+            ib.results.contains_key(&key) || ib.broken.is_some()
+        });
+        if let Some(r) = inbox.results.remove(&key) {
+            return Ok(r);
+        }
+        if let Some(b) = &inbox.broken {
+            return Err(self.error_for(b, op));
         }
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
@@ -663,42 +765,32 @@ impl Exchange for StoreExchange {
         }));
         let answer_by =
             Instant::now() + self.shared.heartbeat_timeout + self.shared.heartbeat_interval;
-        let mut inbox = self.shared.inbox();
+        let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
-        loop {
-            if let Some(b) = inbox.broken.clone() {
-                return Err(match b.cause {
-                    Cause::Timeout { missing } if b.rank as usize == self.rank => Error::Timeout {
-                        op,
-                        waited: timeout,
-                        missing_ranks: missing.into_iter().map(|r| r as usize).collect(),
-                    },
-                    _ => self.error_for(&b, op),
-                });
-            }
-            let now = Instant::now();
-            if now >= answer_by {
-                inbox.broken = Some(Broken {
-                    rank: self.rank as u32,
-                    op: op.to_string(),
-                    cause: Cause::Timeout {
-                        missing: Vec::new(),
-                    },
-                });
-                self.shared.cv.notify_all();
-                return Err(Error::Timeout {
+        if let Some(b) = inbox.broken.clone() {
+            return Err(match b.cause {
+                Cause::Timeout { missing } if b.rank as usize == self.rank => Error::Timeout {
                     op,
                     waited: timeout,
-                    missing_ranks: Vec::new(),
-                });
-            }
-            inbox = self
-                .shared
-                .cv
-                .wait_timeout(inbox, answer_by - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+                    missing_ranks: missing.into_iter().map(|r| r as usize).collect(),
+                },
+                _ => self.error_for(&b, op),
+            });
         }
+        // No answer from the server: break the group here.
+        inbox.set_broken(Broken {
+            rank: self.rank as u32,
+            op: op.to_string(),
+            cause: Cause::Timeout {
+                missing: Vec::new(),
+            },
+        });
+        self.shared.cv.notify_all();
+        Err(Error::Timeout {
+            op,
+            waited: timeout,
+            missing_ranks: Vec::new(),
+        })
     }
 
     fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
@@ -709,6 +801,8 @@ impl Exchange for StoreExchange {
 impl Drop for StoreExchange {
     fn drop(&mut self) {
         self.shared.closing.store(true, Ordering::SeqCst);
+        self.shared.cv.notify_all();
+        self.shared.bg_cv.notify_all();
         let _ = self.shared.send(&wire::encode(&ToServer::Bye));
         {
             let w = self.shared.writer.lock().unwrap_or_else(|p| p.into_inner());
