@@ -257,6 +257,89 @@ pub enum Error {
     /// An error of the allocator core that has no more specific variant above.
     #[error(transparent)]
     Core(AllocError),
+    // control plane
+    /// A peer rank of a control-plane exchange disconnected, died or stopped sending
+    /// heartbeats (for rank 0, the rank hosting the store server, the connection to the
+    /// server broke). Delivered to every surviving rank within the bound stated in
+    /// [`control`](crate::control); the group is broken for good afterwards.
+    #[error(
+        "rank {rank} was lost while this rank was in {op}: {detail}; the group is broken for good \
+         (look at rank {rank}'s log, the OOM killer or its host, then restart the job)"
+    )]
+    PeerLost {
+        /// The rank that was lost.
+        rank: usize,
+        /// The operation this rank was in (or the first one to notice).
+        op: &'static str,
+        /// How the loss was noticed.
+        detail: String,
+    },
+    /// A control-plane socket operation failed (resolving, connecting, reading or
+    /// writing) other than by a peer going away.
+    #[error(
+        "control-plane transport failed in {op} ({detail}); check MASTER_ADDR/MASTER_PORT and the network"
+    )]
+    Transport {
+        /// What was being done.
+        op: &'static str,
+        /// Where (address, rank).
+        detail: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The other end of a control-plane connection broke the protocol: a wrong magic
+    /// number or protocol version, a frame that is too large or does not decode.
+    #[error(
+        "control-plane protocol error in {op}: {detail} (is the address a symmpool store of the same version?)"
+    )]
+    Protocol {
+        /// What was being done.
+        op: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The store server refused this rank's handshake (wrong job token, rank out of
+    /// range, world size differs, rank already connected, group already broken).
+    #[error("the store refused this rank: {reason}")]
+    StoreRejected {
+        /// The server's reason.
+        reason: String,
+    },
+    /// Ranks opened different channels (a different ordinal or name) in the same
+    /// round; reported on every rank.
+    #[error("ranks opened different channels: {}", describe_channels(.opened))]
+    ChannelMismatch {
+        /// For each rank, in rank order: (rank, channel ordinal, channel name).
+        opened: Vec<(usize, u64, String)>,
+    },
+    /// A payload larger than the exchange accepts; nothing was sent.
+    #[error(
+        "control-plane payload of {payload_bytes} bytes exceeds the limit of {max_bytes} bytes"
+    )]
+    PayloadTooLarge {
+        /// Size of the payload.
+        payload_bytes: usize,
+        /// The largest payload accepted.
+        max_bytes: usize,
+    },
+    /// The launcher environment (torchrun, slurm, Open MPI variables) is missing or
+    /// invalid.
+    #[error("launcher environment: {variable}: {detail}")]
+    LaunchEnv {
+        /// The variable at fault.
+        variable: String,
+        /// What is wrong and what to do.
+        detail: String,
+    },
+}
+
+fn describe_channels(opened: &[(usize, u64, String)]) -> String {
+    opened
+        .iter()
+        .map(|(rank, ordinal, name)| format!("rank {rank} opened #{ordinal} {name:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl From<AllocError> for Error {

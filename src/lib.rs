@@ -47,6 +47,7 @@
 
 pub mod backend;
 pub mod coll;
+pub mod control;
 pub mod core;
 mod dtype;
 mod error;
@@ -57,6 +58,7 @@ mod stream;
 pub use backend::{Backend, HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use backend::{NcclBackend, NcclWorldConfig};
+pub use control::{ChannelId, Launch, StoreConfig, StoreExchange, StoreServer};
 pub use core::{CoreStats, Snapshot};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Divergence, Error, NcclVersion, Result};

@@ -1,0 +1,823 @@
+//! [`StoreExchange`]: an [`Exchange`] over the TCP store, one process per rank.
+
+use super::env::Launch;
+use super::store::StoreServer;
+use super::wire::{
+    self, Broken, Cause, FRAME_OVERHEAD_BYTES, FrameReader, MAX_HANDSHAKE_FRAME_BYTES,
+    PER_PAYLOAD_OVERHEAD_BYTES, PREFACE_BYTES, ReadError, ToClient, ToServer,
+};
+use super::{ChannelId, Exchange, deadline_after, open_channel_with};
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::fmt;
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// Settings of a [`StoreExchange`] (and of the [`StoreServer`] that rank 0 hosts).
+#[derive(Clone)]
+pub struct StoreConfig {
+    /// Who this rank is and where the store is.
+    pub launch: Launch,
+    /// Whether this rank hosts the server (default: rank 0 does).
+    pub host_server: bool,
+    /// Where the hosted server listens (default: every interface, on
+    /// `launch.master_port`).
+    pub bind_addr: Option<SocketAddr>,
+    /// Shared secret every rank must present (env `SYMMPOOL_TOKEN`); `None`: none.
+    pub token: Option<String>,
+    /// How long connecting, the handshake and the wait for every rank to join may take
+    /// (ranks of real jobs start minutes apart; default 10 min). Connecting is retried
+    /// until then. Env `SYMMPOOL_STARTUP_TIMEOUT_MS`.
+    pub startup_timeout: Duration,
+    /// How long the server waits for a new connection to complete its handshake
+    /// before closing it (default 30 s). Env `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
+    pub handshake_timeout: Duration,
+    /// How often clients and server send heartbeats (default 1 s). Env
+    /// `SYMMPOOL_HEARTBEAT_INTERVAL_MS`.
+    pub heartbeat_interval: Duration,
+    /// Silence after which a peer is declared lost (default 5 s). Env
+    /// `SYMMPOOL_HEARTBEAT_TIMEOUT_MS`.
+    pub heartbeat_timeout: Duration,
+    /// Largest frame accepted after the handshake (default 16 MiB); bounds payloads,
+    /// see [`max_payload_bytes`](Self::max_payload_bytes).
+    pub max_frame_bytes: usize,
+    /// How long the hosting rank's exchange, when dropped, waits for the other ranks
+    /// to disconnect before stopping the server, so they can read the last results
+    /// (default 10 s).
+    pub linger: Duration,
+}
+
+impl fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("launch", &self.launch)
+            .field("host_server", &self.host_server)
+            .field("bind_addr", &self.bind_addr)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("startup_timeout", &self.startup_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("heartbeat_timeout", &self.heartbeat_timeout)
+            .field("max_frame_bytes", &self.max_frame_bytes)
+            .field("linger", &self.linger)
+            .finish()
+    }
+}
+
+impl StoreConfig {
+    /// Defaults for `launch` (see the fields).
+    pub fn new(launch: Launch) -> StoreConfig {
+        StoreConfig {
+            host_server: launch.rank == 0,
+            launch,
+            bind_addr: None,
+            token: None,
+            startup_timeout: Duration::from_secs(600),
+            handshake_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(5),
+            max_frame_bytes: 16 << 20,
+            linger: Duration::from_secs(10),
+        }
+    }
+
+    /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN` and the
+    /// optional `SYMMPOOL_*_MS` settings named on the fields.
+    ///
+    /// # Errors
+    /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
+    pub fn from_env() -> Result<StoreConfig> {
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// As [`from_env`](Self::from_env), reading variables through `get`.
+    ///
+    /// # Errors
+    /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<StoreConfig> {
+        let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
+        cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
+        let ms = |name: &str, slot: &mut Duration| -> Result<()> {
+            if let Some(v) = get(name) {
+                let n: u64 = v.trim().parse().map_err(|_| Error::LaunchEnv {
+                    variable: name.to_string(),
+                    detail: format!("{v:?} is not a whole number of milliseconds"),
+                })?;
+                *slot = Duration::from_millis(n);
+            }
+            Ok(())
+        };
+        ms("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout)?;
+        ms("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout)?;
+        ms(
+            "SYMMPOOL_HEARTBEAT_INTERVAL_MS",
+            &mut cfg.heartbeat_interval,
+        )?;
+        ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
+        Ok(cfg)
+    }
+
+    /// The largest payload one rank may contribute to a round: a round's result, all
+    /// ranks' payloads, must fit in one frame.
+    pub fn max_payload_bytes(&self) -> usize {
+        (self.max_frame_bytes.saturating_sub(FRAME_OVERHEAD_BYTES) / self.launch.world_size.max(1))
+            .saturating_sub(PER_PAYLOAD_OVERHEAD_BYTES)
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::InvalidConfig(format!("store: {what}")));
+        if self.heartbeat_interval.is_zero() || self.heartbeat_timeout <= self.heartbeat_interval {
+            return bad("heartbeat_timeout must exceed a non-zero heartbeat_interval");
+        }
+        if self.max_frame_bytes < MAX_HANDSHAKE_FRAME_BYTES
+            || self.max_frame_bytes > u32::MAX as usize
+        {
+            return bad("max_frame_bytes must be between 4 KiB and 4 GiB");
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad("handshake_timeout must not be zero");
+        }
+        Ok(())
+    }
+}
+
+/// An [`Exchange`] among processes over the crate's TCP store.
+///
+/// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it as a client.
+/// A waiting caller reads the socket itself when no other thread is reading (so a round
+/// costs no extra thread wake-up); a background thread per rank sends heartbeats, and
+/// reads when nobody has for half a heartbeat interval, to watch the server's
+/// heartbeats. See [`control`](super) for the failure-detection bound.
+/// Dropping the exchange says goodbye to the server. The hosting rank's drop then
+/// waits up to [`StoreConfig::linger`] for the other ranks to leave before stopping
+/// the server, so that they can read the last results; when several ranks live in one
+/// process (tests), drop the hosting rank's exchange last.
+///
+/// Later calls after any rank has left fail with [`Error::PeerLost`] naming it: leaving
+/// is final, like a crash, for the ranks still using the group.
+pub struct StoreExchange {
+    rank: usize,
+    world: usize,
+    shared: Arc<ClientShared>,
+    reader: Option<JoinHandle<()>>,
+    server: Option<StoreServer>,
+    rounds: Mutex<HashMap<ChannelId, u64>>,
+    channels: Mutex<u64>,
+    ops: Mutex<Vec<&'static str>>,
+    max_payload_bytes: usize,
+    linger: Duration,
+}
+
+struct ClientShared {
+    server: String,
+    writer: Mutex<TcpStream>,
+    /// The socket's read half; whoever sets `Inbox::reader_busy` reads from it.
+    reader: Mutex<FrameReader<TcpStream>>,
+    /// A handle on the socket for setting read timeouts.
+    sock: TcpStream,
+    inbox: Mutex<Inbox>,
+    /// Signalled when the inbox changes (callers wait on it).
+    cv: Condvar,
+    /// Signalled only on close (the background thread waits on it, so that it is not
+    /// woken by every frame).
+    bg_cv: Condvar,
+    heartbeat_interval: Duration,
+    heartbeat_timeout: Duration,
+    closing: AtomicBool,
+}
+
+/// What the socket has delivered, and who is reading it.
+///
+/// Reading is leader/follower: a thread that needs a frame (a caller waiting for its
+/// round, or the background thread when nobody has read for half a heartbeat
+/// interval) reads one frame itself when nobody else is reading, and dispatches it
+/// here; otherwise it waits on the condition variable. In a busy loop the callers read
+/// their results directly, without waking another thread.
+struct Inbox {
+    results: HashMap<(u64, u64), Vec<Vec<u8>>>,
+    broken: Option<Broken>,
+    present: Vec<u32>,
+    all_joined: bool,
+    reader_busy: bool,
+    /// The connection ended (or failed); nobody reads any more.
+    reader_done: bool,
+    last_heard: Instant,
+    last_read: Instant,
+    /// The socket's current read timeout (set only when it changes).
+    read_timeout: Duration,
+}
+
+impl Inbox {
+    fn new() -> Inbox {
+        let now = Instant::now();
+        Inbox {
+            results: HashMap::new(),
+            broken: None,
+            present: Vec::new(),
+            all_joined: false,
+            reader_busy: false,
+            reader_done: false,
+            last_heard: now,
+            last_read: now,
+            read_timeout: Duration::ZERO,
+        }
+    }
+
+    fn set_broken(&mut self, b: Broken) {
+        if self.broken.is_none() {
+            self.broken = Some(b);
+        }
+    }
+
+    fn server_lost(&mut self, detail: String) {
+        self.set_broken(Broken {
+            rank: 0,
+            op: String::new(),
+            cause: Cause::Lost { detail },
+        });
+    }
+}
+
+impl fmt::Debug for StoreExchange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreExchange")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world)
+            .field("server", &self.shared.server)
+            .field("hosting", &self.server.is_some())
+            .finish()
+    }
+}
+
+impl ClientShared {
+    fn inbox(&self) -> MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn server_lost(&self, detail: String) {
+        self.inbox().server_lost(detail);
+        self.cv.notify_all();
+    }
+
+    fn send(&self, frame: &[u8]) -> std::io::Result<()> {
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        wire::send(&mut *w, frame)
+    }
+
+    /// Read one frame (waiting at most `limit`) and dispatch it. The caller has
+    /// checked that nobody else is reading.
+    fn read_once<'a>(
+        &'a self,
+        mut inbox: MutexGuard<'a, Inbox>,
+        limit: Duration,
+    ) -> MutexGuard<'a, Inbox> {
+        inbox.reader_busy = true;
+        // Round to whole milliseconds so that the socket option rarely changes.
+        let limit = Duration::from_millis(limit.as_millis().max(1) as u64);
+        let set_timeout = (inbox.read_timeout != limit).then_some(limit);
+        inbox.read_timeout = limit;
+        drop(inbox);
+        let got = {
+            let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+            match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
+                Ok(()) => reader.frame(),
+                Err(e) => Err(ReadError::Io(e)),
+            }
+        };
+        let mut inbox = self.inbox();
+        inbox.reader_busy = false;
+        let now = Instant::now();
+        inbox.last_read = now;
+        match got {
+            Ok(Some(body)) => {
+                inbox.last_heard = now;
+                match wire::decode::<ToClient>(&body) {
+                    Ok(ToClient::Result {
+                        channel,
+                        round,
+                        payloads,
+                    }) => {
+                        inbox.results.insert((channel, round), payloads);
+                    }
+                    Ok(ToClient::Broken(b)) => inbox.set_broken(b),
+                    Ok(ToClient::Joined { present }) => inbox.present = present,
+                    Ok(ToClient::AllJoined) => inbox.all_joined = true,
+                    Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
+                    Ok(ToClient::Reject { reason }) => {
+                        inbox.reader_done = true;
+                        inbox.server_lost(format!("the store server dropped this rank: {reason}"));
+                    }
+                    Err(why) => {
+                        inbox.reader_done = true;
+                        inbox.server_lost(format!("the store server sent garbage: {why}"));
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                inbox.reader_done = true;
+                if !self.closing.load(Ordering::SeqCst) {
+                    let why = match e {
+                        ReadError::Eof { .. } => "closed".to_string(),
+                        e => format!("failed: {e}"),
+                    };
+                    inbox.server_lost(format!(
+                        "the connection to the store server at {} {why} (rank 0 exited, was killed or closed its exchange)",
+                        self.server
+                    ));
+                }
+            }
+        }
+        let silent = now.saturating_duration_since(inbox.last_heard);
+        if silent > self.heartbeat_timeout {
+            inbox.server_lost(format!(
+                "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
+                self.server
+            ));
+        }
+        self.cv.notify_all();
+        inbox
+    }
+
+    /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
+    /// else is.
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        mut done: impl FnMut(&mut Inbox) -> bool,
+    ) -> MutexGuard<'_, Inbox> {
+        let mut inbox = self.inbox();
+        loop {
+            if done(&mut inbox) {
+                return inbox;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return inbox;
+            }
+            let left = deadline - now;
+            if !inbox.reader_busy && !inbox.reader_done {
+                inbox = self.read_once(inbox, left.min(self.heartbeat_interval));
+            } else {
+                inbox = self
+                    .cv
+                    .wait_timeout(inbox, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+        }
+    }
+}
+
+/// The background thread: send heartbeats, and read (so that server heartbeats and
+/// broken-group notices are seen, and the server's silence is noticed) whenever no
+/// caller has read for half a heartbeat interval.
+fn background_loop(shared: &ClientShared) {
+    let heartbeat = wire::encode(&ToServer::Heartbeat);
+    let interval = shared.heartbeat_interval;
+    let mut last_sent = Instant::now();
+    let mut inbox = shared.inbox();
+    loop {
+        if shared.closing.load(Ordering::SeqCst) || inbox.reader_done {
+            return;
+        }
+        let now = Instant::now();
+        if now.saturating_duration_since(last_sent) >= interval {
+            drop(inbox);
+            last_sent = now;
+            if let Err(e) = shared.send(&heartbeat) {
+                if !shared.closing.load(Ordering::SeqCst) {
+                    shared.server_lost(format!(
+                        "sending a heartbeat to the store server at {} failed: {e}",
+                        shared.server
+                    ));
+                }
+                return;
+            }
+            inbox = shared.inbox();
+            continue;
+        }
+        let silent = now.saturating_duration_since(inbox.last_heard);
+        if silent > shared.heartbeat_timeout && inbox.broken.is_none() {
+            inbox.server_lost(format!(
+                "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
+                shared.server
+            ));
+            shared.cv.notify_all();
+        }
+        let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
+        let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
+        if !inbox.reader_busy && unattended {
+            inbox = shared.read_once(inbox, until_heartbeat);
+        } else {
+            inbox = shared
+                .bg_cv
+                .wait_timeout(
+                    inbox,
+                    until_heartbeat
+                        .min(interval / 2)
+                        .max(Duration::from_millis(1)),
+                )
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+fn transport(op: &'static str, detail: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Transport { op, detail, source }
+}
+
+impl StoreExchange {
+    /// Connect to the store described by `config`, hosting the server first when
+    /// `config.host_server` (rank 0 by default), and wait until every rank has
+    /// joined, all within `config.startup_timeout`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for inconsistent settings; [`Error::Transport`] if the
+    /// server cannot be bound or reached in time; [`Error::Protocol`] or
+    /// [`Error::StoreRejected`] if the handshake fails; [`Error::Timeout`] (op
+    /// `"store start-up"`, naming the ranks that never joined) or
+    /// [`Error::PeerLost`] if the group does not assemble.
+    pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
+        config.check()?;
+        let server = if config.host_server {
+            let addr = config.bind_addr.unwrap_or(SocketAddr::new(
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                config.launch.master_port,
+            ));
+            Some(StoreServer::bind(addr, &config)?)
+        } else {
+            None
+        };
+        Self::start(config, server)
+    }
+
+    /// Connect to `server` (already bound, e.g. on port 0 to learn its port first),
+    /// which this exchange then owns; otherwise as [`connect`](Self::connect).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    pub fn connect_hosting(config: StoreConfig, server: StoreServer) -> Result<StoreExchange> {
+        config.check()?;
+        Self::start(config, Some(server))
+    }
+
+    /// [`StoreConfig::from_env`] then [`connect`](Self::connect).
+    ///
+    /// # Errors
+    /// As both.
+    pub fn from_env() -> Result<StoreExchange> {
+        Self::connect(StoreConfig::from_env()?)
+    }
+
+    /// The server this rank hosts, if any.
+    pub fn server(&self) -> Option<&StoreServer> {
+        self.server.as_ref()
+    }
+
+    fn start(config: StoreConfig, server: Option<StoreServer>) -> Result<StoreExchange> {
+        let started = Instant::now();
+        let deadline = deadline_after(started, config.startup_timeout);
+        let launch = &config.launch;
+        let targets: Vec<String> = match &server {
+            Some(s) => {
+                let mut a = s.local_addr();
+                if a.ip().is_unspecified() {
+                    a.set_ip(match a.ip() {
+                        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+                    });
+                }
+                vec![a.to_string()]
+            }
+            None => vec![format!("{}:{}", launch.master_addr, launch.master_port)],
+        };
+        let target = targets[0].clone();
+        let stream = connect_retrying(&target, deadline, config.startup_timeout)?;
+        let _ = stream.set_nodelay(true);
+        // Handshake: preface and hello in one write; the server's preface and verdict.
+        let mut hello = wire::preface().to_vec();
+        hello.extend(wire::encode(&ToServer::Hello {
+            token: config.token.clone().unwrap_or_default().into_bytes(),
+            rank: launch.rank as u32,
+            world_size: launch.world_size as u32,
+            pid: std::process::id(),
+        }));
+        let mut writer = stream;
+        writer
+            .write_all(&hello)
+            .map_err(transport("store handshake", format!("writing to {target}")))?;
+        let read_half = writer
+            .try_clone()
+            .map_err(transport("store handshake", target.clone()))?;
+        let sock = writer
+            .try_clone()
+            .map_err(transport("store handshake", target.clone()))?;
+        let mut reader = FrameReader::new(read_half, MAX_HANDSHAKE_FRAME_BYTES);
+        let hs_deadline = deadline.min(Instant::now() + config.handshake_timeout);
+        let proto = |detail: String| Error::Protocol {
+            op: "store handshake",
+            detail,
+        };
+        let preface = read_before(&sock, hs_deadline, || reader.raw(PREFACE_BYTES))
+            .map_err(|e| proto(format!("reading the server's preface from {target}: {e}")))?
+            .ok_or_else(|| {
+                proto(format!(
+                    "no reply from {target} within the handshake timeout"
+                ))
+            })?;
+        wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
+        let verdict = read_before(&sock, hs_deadline, || reader.frame())
+            .map_err(|e| proto(format!("reading the server's verdict from {target}: {e}")))?
+            .ok_or_else(|| {
+                proto(format!(
+                    "no verdict from {target} within the handshake timeout"
+                ))
+            })?;
+        match wire::decode::<ToClient>(&verdict).map_err(proto)? {
+            ToClient::Welcome => {}
+            ToClient::Reject { reason } => return Err(Error::StoreRejected { reason }),
+            other => return Err(proto(format!("expected a welcome, got {other:?}"))),
+        }
+        reader.max_frame_bytes = config.max_frame_bytes;
+        let shared = Arc::new(ClientShared {
+            server: target,
+            writer: Mutex::new(writer),
+            reader: Mutex::new(reader),
+            sock,
+            inbox: Mutex::new(Inbox::new()),
+            cv: Condvar::new(),
+            bg_cv: Condvar::new(),
+            heartbeat_interval: config.heartbeat_interval,
+            heartbeat_timeout: config.heartbeat_timeout,
+            closing: AtomicBool::new(false),
+        });
+        let s = shared.clone();
+        let handle = thread::Builder::new()
+            .name(format!("symmpool-store-client-{}", launch.rank))
+            .spawn(move || background_loop(&s))
+            .map_err(transport(
+                "store start-up",
+                "starting the reader thread".into(),
+            ))?;
+        let ex = StoreExchange {
+            rank: launch.rank,
+            world: launch.world_size,
+            shared,
+            reader: Some(handle),
+            server,
+            rounds: Mutex::new(HashMap::new()),
+            channels: Mutex::new(0),
+            ops: Mutex::new(vec!["store start-up", "open_channel"]),
+            max_payload_bytes: config.max_payload_bytes(),
+            linger: config.linger,
+        };
+        // Wait for every rank to join.
+        let inbox = ex
+            .shared
+            .wait_until(deadline, |ib| ib.all_joined || ib.broken.is_some());
+        if !inbox.all_joined {
+            if let Some(b) = &inbox.broken {
+                return Err(ex.error_for(b, "store start-up"));
+            }
+            let missing = (0..ex.world)
+                .filter(|r| !inbox.present.contains(&(*r as u32)))
+                .collect();
+            drop(inbox);
+            return Err(Error::Timeout {
+                op: "store start-up",
+                waited: config.startup_timeout,
+                missing_ranks: missing,
+            });
+        }
+        drop(inbox);
+        log::debug!(
+            "symmpool store: rank {} of {} joined after {:?}",
+            ex.rank,
+            ex.world,
+            started.elapsed()
+        );
+        Ok(ex)
+    }
+
+    /// A static name for a remote op name, when this rank has used the same one (all
+    /// ranks run the same program, so it almost always has).
+    fn intern(&self, op: &str) -> &'static str {
+        let ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        ops.iter()
+            .copied()
+            .find(|o| *o == op)
+            .unwrap_or("an operation on another rank")
+    }
+
+    fn remember(&self, op: &'static str) {
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        if !ops.contains(&op) {
+            ops.push(op);
+        }
+    }
+
+    fn error_for(&self, b: &Broken, op: &'static str) -> Error {
+        match &b.cause {
+            Cause::Lost { detail } => Error::PeerLost {
+                rank: b.rank as usize,
+                op,
+                detail: detail.clone(),
+            },
+            Cause::Timeout { .. } => Error::GroupBroken {
+                rank: b.rank as usize,
+                op: self.intern(&b.op),
+            },
+        }
+    }
+}
+
+/// Read with deadline `until`; `None` when it passes.
+fn read_before<T>(
+    sock: &TcpStream,
+    until: Instant,
+    mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
+) -> std::result::Result<Option<T>, ReadError> {
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(None);
+        }
+        sock.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
+        if let Some(v) = f()? {
+            return Ok(Some(v));
+        }
+    }
+}
+
+/// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`.
+fn connect_retrying(target: &str, deadline: Instant, startup: Duration) -> Result<TcpStream> {
+    let mut delay = Duration::from_millis(20);
+    loop {
+        let err = match target.to_socket_addrs() {
+            Ok(addrs) => {
+                let mut last = std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "the address resolved to nothing",
+                );
+                let mut got = None;
+                for a in addrs {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let limit = left.clamp(Duration::from_millis(1), Duration::from_secs(10));
+                    match TcpStream::connect_timeout(&a, limit) {
+                        Ok(s) => {
+                            got = Some(s);
+                            break;
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                match got {
+                    Some(s) => return Ok(s),
+                    None => last,
+                }
+            }
+            Err(e) => e,
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Transport {
+                op: "connecting to the store",
+                detail: format!(
+                    "{target} could not be reached within the start-up timeout of {startup:?}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
+                ),
+                source: err,
+            });
+        }
+        thread::sleep(delay.min(left));
+        delay = (delay * 2).min(Duration::from_secs(1));
+    }
+}
+
+impl Exchange for StoreExchange {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(
+        &self,
+        channel: ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        if payload.len() > self.max_payload_bytes {
+            return Err(Error::PayloadTooLarge {
+                payload_bytes: payload.len(),
+                max_bytes: self.max_payload_bytes,
+            });
+        }
+        self.remember(op);
+        let deadline = deadline_after(Instant::now(), timeout);
+        if let Some(b) = &self.shared.inbox().broken {
+            return Err(self.error_for(b, op));
+        }
+        let round = {
+            let mut rounds = self.rounds.lock().unwrap_or_else(|p| p.into_inner());
+            let r = rounds.entry(channel).or_insert(0);
+            *r += 1;
+            *r
+        };
+        let key = (channel.ordinal(), round);
+        let wire_op: String = op.chars().take(200).collect();
+        let frame = wire::encode(&ToServer::Contribute {
+            channel: key.0,
+            round,
+            op: wire_op.clone(),
+            payload: payload.to_vec(),
+        });
+        if let Err(e) = self.shared.send(&frame) {
+            self.shared.server_lost(format!(
+                "writing to the store server at {} failed: {e}",
+                self.shared.server
+            ));
+        }
+        let mut inbox = self.shared.wait_until(deadline, |ib| {
+            ib.results.contains_key(&key) || ib.broken.is_some()
+        });
+        if let Some(r) = inbox.results.remove(&key) {
+            return Ok(r);
+        }
+        if let Some(b) = &inbox.broken {
+            return Err(self.error_for(b, op));
+        }
+        // Timed out: tell the server, which breaks the group for every rank and
+        // names the ranks that had not contributed.
+        drop(inbox);
+        let _ = self.shared.send(&wire::encode(&ToServer::Abandon {
+            channel: key.0,
+            round,
+            op: wire_op,
+        }));
+        let answer_by =
+            Instant::now() + self.shared.heartbeat_timeout + self.shared.heartbeat_interval;
+        let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
+        inbox.results.remove(&key);
+        if let Some(b) = inbox.broken.clone() {
+            return Err(match b.cause {
+                Cause::Timeout { missing } if b.rank as usize == self.rank => Error::Timeout {
+                    op,
+                    waited: timeout,
+                    missing_ranks: missing.into_iter().map(|r| r as usize).collect(),
+                },
+                _ => self.error_for(&b, op),
+            });
+        }
+        // No answer from the server: break the group here.
+        inbox.set_broken(Broken {
+            rank: self.rank as u32,
+            op: op.to_string(),
+            cause: Cause::Timeout {
+                missing: Vec::new(),
+            },
+        });
+        self.shared.cv.notify_all();
+        Err(Error::Timeout {
+            op,
+            waited: timeout,
+            missing_ranks: Vec::new(),
+        })
+    }
+
+    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
+        open_channel_with(self, &self.channels, name, timeout)
+    }
+}
+
+impl Drop for StoreExchange {
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        self.shared.cv.notify_all();
+        self.shared.bg_cv.notify_all();
+        let _ = self.shared.send(&wire::encode(&ToServer::Bye));
+        {
+            let w = self.shared.writer.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = w.shutdown(Shutdown::Write);
+        }
+        if let Some(h) = self.reader.take() {
+            let _ = h.join();
+        }
+        if let Some(server) = self.server.take()
+            && !server.wait_until_empty(self.linger)
+        {
+            log::warn!(
+                "symmpool store: stopping the server with ranks still connected after {:?}",
+                self.linger
+            );
+        }
+    }
+}

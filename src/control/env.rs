@@ -1,0 +1,355 @@
+//! [`Launch`]: who this rank is and where the store is, from the launcher's
+//! environment.
+
+use crate::error::{Error, Result};
+
+/// Which launcher's variables a [`Launch`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaunchSource {
+    /// `torchrun` (or anything setting `RANK`/`WORLD_SIZE`).
+    Torchrun,
+    /// slurm's `srun`.
+    Slurm,
+    /// Open MPI's `mpirun`.
+    OpenMpi,
+    /// Given explicitly with [`Launch::explicit`].
+    Explicit,
+}
+
+/// Who this rank is, and where the rendezvous store listens.
+///
+/// | launcher | rank | world size | local rank | local world size | store address |
+/// |---|---|---|---|---|---|
+/// | torchrun | `RANK` | `WORLD_SIZE` | `LOCAL_RANK` | `LOCAL_WORLD_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
+/// | slurm (`srun`) | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` | `SLURM_NTASKS_PER_NODE` (only a plain number) | `MASTER_ADDR`, `MASTER_PORT` |
+/// | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` | `OMPI_COMM_WORLD_LOCAL_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
+///
+/// The launchers are tried in that order: torchrun's when `RANK` is set, slurm's when
+/// `SLURM_PROCID` is, Open MPI's when `OMPI_COMM_WORLD_RANK` is. Under slurm and Open
+/// MPI the store address is **required** in `MASTER_ADDR` and `MASTER_PORT` (this crate
+/// does not expand `SLURM_JOB_NODELIST`); in an sbatch script, for example:
+///
+/// ```text
+/// export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+/// export MASTER_PORT=29511
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    /// This rank, in `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// This rank's index on its node, when the launcher says.
+    pub local_rank: Option<usize>,
+    /// Ranks on this node, when the launcher says.
+    pub local_world_size: Option<usize>,
+    /// Host name or address of the store (rank 0's node).
+    pub master_addr: String,
+    /// Port of the store.
+    pub master_port: u16,
+    /// Where these values came from.
+    pub source: LaunchSource,
+}
+
+fn env_err(variable: &str, detail: impl Into<String>) -> Error {
+    Error::LaunchEnv {
+        variable: variable.to_string(),
+        detail: detail.into(),
+    }
+}
+
+fn parse_usize(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
+    match get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| env_err(name, format!("{v:?} is not a non-negative integer"))),
+    }
+}
+
+fn required(get: &dyn Fn(&str) -> Option<String>, name: &str, launcher: &str) -> Result<usize> {
+    parse_usize(get, name)?
+        .ok_or_else(|| env_err(name, format!("not set, but {launcher} variables are")))
+}
+
+impl Launch {
+    /// Explicit values (not from the environment).
+    ///
+    /// # Errors
+    /// [`Error::LaunchEnv`] if `rank >= world_size` or `world_size` is 0.
+    pub fn explicit(
+        rank: usize,
+        world_size: usize,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> Result<Launch> {
+        let l = Launch {
+            rank,
+            world_size,
+            local_rank: None,
+            local_world_size: None,
+            master_addr: master_addr.into(),
+            master_port,
+            source: LaunchSource::Explicit,
+        };
+        l.validate("rank")?;
+        Ok(l)
+    }
+
+    /// From the process environment; see [`Launch`] for the variables.
+    ///
+    /// # Errors
+    /// As [`from_vars`](Self::from_vars).
+    pub fn from_env() -> Result<Launch> {
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// From variables read through `get` (a pure function of it, for tests).
+    ///
+    /// # Errors
+    /// [`Error::LaunchEnv`] naming the variable: none of the launchers' variables set,
+    /// one missing or not a number, a rank not below the world size, `MASTER_ADDR`
+    /// or `MASTER_PORT` missing or invalid.
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<Launch> {
+        let (source, rank_var, launcher) = if get("RANK").is_some() {
+            (LaunchSource::Torchrun, "RANK", "torchrun's")
+        } else if get("SLURM_PROCID").is_some() {
+            (LaunchSource::Slurm, "SLURM_PROCID", "slurm's")
+        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+            (LaunchSource::OpenMpi, "OMPI_COMM_WORLD_RANK", "Open MPI's")
+        } else {
+            return Err(env_err(
+                "RANK",
+                "no launcher environment found: run under torchrun, srun or mpirun, or set \
+                 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT",
+            ));
+        };
+        let (size_var, local_var, local_size_var) = match source {
+            LaunchSource::Slurm => ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+            LaunchSource::OpenMpi => (
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ),
+            _ => ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        };
+        let rank = required(get, rank_var, launcher)?;
+        let world_size = required(get, size_var, launcher)?;
+        let local_rank = parse_usize(get, local_var)?;
+        let local_world_size = parse_usize(get, local_size_var)?;
+        let master_addr = get("MASTER_ADDR")
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| {
+                env_err(
+                    "MASTER_ADDR",
+                    "not set: set it to the host name or address of rank 0's node",
+                )
+            })?;
+        let port = get("MASTER_PORT").ok_or_else(|| {
+            env_err(
+                "MASTER_PORT",
+                "not set: set it to a free TCP port on rank 0's node, the same on every rank",
+            )
+        })?;
+        let master_port = port
+            .trim()
+            .parse::<u16>()
+            .map_err(|_| env_err("MASTER_PORT", format!("{port:?} is not a port number")))?;
+        let l = Launch {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            source,
+        };
+        l.validate(rank_var)?;
+        if let (Some(lr), Some(lws)) = (local_rank, local_world_size)
+            && lr >= lws
+        {
+            return Err(env_err(
+                local_var,
+                format!("local rank {lr} is not below {local_size_var}={lws}"),
+            ));
+        }
+        Ok(l)
+    }
+
+    fn validate(&self, rank_var: &str) -> Result<()> {
+        if self.world_size == 0 {
+            return Err(env_err(rank_var, "the world size is 0"));
+        }
+        if self.rank >= self.world_size {
+            return Err(env_err(
+                rank_var,
+                format!(
+                    "rank {} is not below the world size {}",
+                    self.rank, self.world_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn launch(vars: &[(&str, &str)]) -> Result<Launch> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Launch::from_vars(&|k| map.get(k).cloned())
+    }
+
+    fn variable(e: Error) -> String {
+        match e {
+            Error::LaunchEnv { variable, .. } => variable,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    const MASTER: [(&str, &str); 2] = [("MASTER_ADDR", "node0"), ("MASTER_PORT", "29511")];
+
+    #[test]
+    fn torchrun() {
+        let mut v = vec![
+            ("RANK", "5"),
+            ("WORLD_SIZE", "16"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ];
+        v.extend(MASTER);
+        let l = launch(&v).unwrap();
+        assert_eq!(
+            l,
+            Launch {
+                rank: 5,
+                world_size: 16,
+                local_rank: Some(1),
+                local_world_size: Some(4),
+                master_addr: "node0".into(),
+                master_port: 29511,
+                source: LaunchSource::Torchrun,
+            }
+        );
+    }
+
+    #[test]
+    fn slurm_and_open_mpi() {
+        let mut v = vec![
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "3"),
+        ];
+        v.extend(MASTER);
+        let l = launch(&v).unwrap();
+        assert_eq!((l.rank, l.world_size, l.local_rank), (3, 8, Some(3)));
+        assert_eq!((l.local_world_size, l.source), (None, LaunchSource::Slurm));
+        let mut v = vec![
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ];
+        v.extend(MASTER);
+        let l = launch(&v).unwrap();
+        assert_eq!(
+            (l.rank, l.world_size, l.source),
+            (0, 2, LaunchSource::OpenMpi)
+        );
+        // torchrun's variables win over slurm's.
+        let mut v = vec![("RANK", "1"), ("WORLD_SIZE", "2"), ("SLURM_PROCID", "0")];
+        v.extend(MASTER);
+        assert_eq!(launch(&v).unwrap().source, LaunchSource::Torchrun);
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        assert_eq!(variable(launch(&[]).unwrap_err()), "RANK");
+        assert_eq!(
+            variable(launch(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err()),
+            "RANK"
+        );
+        assert_eq!(
+            variable(launch(&[("RANK", "0")]).unwrap_err()),
+            "WORLD_SIZE"
+        );
+        assert_eq!(
+            variable(launch(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err()),
+            "MASTER_ADDR"
+        );
+        assert_eq!(
+            variable(
+                launch(&[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("MASTER_PORT", "70000")
+                ])
+                .unwrap_err()
+            ),
+            "MASTER_PORT"
+        );
+        let mut v = vec![("RANK", "2"), ("WORLD_SIZE", "2")];
+        v.extend(MASTER);
+        assert_eq!(variable(launch(&v).unwrap_err()), "RANK");
+        let mut v = vec![
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "-1"),
+        ];
+        v.extend(MASTER);
+        assert_eq!(variable(launch(&v).unwrap_err()), "SLURM_LOCALID");
+        let mut v = vec![
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ];
+        v.extend(MASTER);
+        assert_eq!(
+            variable(launch(&v).unwrap_err()),
+            "OMPI_COMM_WORLD_LOCAL_RANK"
+        );
+        assert!(Launch::explicit(0, 0, "h", 1).is_err());
+        assert!(Launch::explicit(1, 2, "h", 1).is_ok());
+    }
+
+    #[test]
+    fn store_config_reads_token_and_timeouts() {
+        use crate::control::StoreConfig;
+        use std::time::Duration;
+        let vars: HashMap<&str, &str> = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1234"),
+            ("SYMMPOOL_TOKEN", "s3cret"),
+            ("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", "2500"),
+        ]
+        .into_iter()
+        .collect();
+        let cfg = StoreConfig::from_vars(&|k| vars.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(cfg.token.as_deref(), Some("s3cret"));
+        assert!(!cfg.host_server);
+        assert_eq!(cfg.heartbeat_timeout, Duration::from_millis(2500));
+        assert!(
+            !format!("{cfg:?}").contains("s3cret"),
+            "the token is not logged"
+        );
+        let bad: HashMap<&str, &str> = [("SYMMPOOL_HEARTBEAT_INTERVAL_MS", "soon")]
+            .into_iter()
+            .chain(vars.iter().map(|(k, v)| (*k, *v)))
+            .collect();
+        let e = StoreConfig::from_vars(&|k| bad.get(k).map(|v| v.to_string())).unwrap_err();
+        assert_eq!(variable(e), "SYMMPOOL_HEARTBEAT_INTERVAL_MS");
+    }
+}

@@ -1,0 +1,383 @@
+//! The store's wire protocol.
+//!
+//! A connection starts with a 12-byte *preface* from each side: the magic
+//! `b"SYMMPOOL"`, the protocol version (`u16`, little-endian) and two reserved zero
+//! bytes. Then each side sends *frames*: a `u32` little-endian body length followed by
+//! the body, a [`postcard`]-encoded [`ToServer`] or [`ToClient`]. A length above the
+//! receiver's limit is refused before anything is allocated for it, and buffers only
+//! grow as bytes actually arrive. The client's first frame is [`ToServer::Hello`]
+//! (job token, rank, world size); the server answers [`ToClient::Welcome`] or
+//! [`ToClient::Reject`].
+
+use serde::{Deserialize, Serialize};
+use std::io::{self, Read, Write};
+
+/// The first bytes of every connection, both ways.
+pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
+/// The protocol version; a peer speaking another is refused.
+pub(crate) const VERSION: u16 = 1;
+/// Length of the preface.
+pub(crate) const PREFACE_BYTES: usize = 12;
+/// Largest frame accepted before the handshake completes.
+pub(crate) const MAX_HANDSHAKE_FRAME_BYTES: usize = 4096;
+/// Bytes of a result frame that are not payload, per rank and in all (a bound, with
+/// room to spare, on postcard's varints, tags and the op name).
+pub(crate) const FRAME_OVERHEAD_BYTES: usize = 1024;
+pub(crate) const PER_PAYLOAD_OVERHEAD_BYTES: usize = 16;
+
+/// The preface this build sends.
+pub(crate) fn preface() -> [u8; PREFACE_BYTES] {
+    let mut p = [0u8; PREFACE_BYTES];
+    p[..8].copy_from_slice(&MAGIC);
+    p[8..10].copy_from_slice(&VERSION.to_le_bytes());
+    p
+}
+
+/// Check a peer's preface; `Err` says what is wrong.
+pub(crate) fn check_preface(p: &[u8]) -> Result<(), String> {
+    if p.len() < PREFACE_BYTES || p[..8] != MAGIC {
+        let shown = String::from_utf8_lossy(&p[..p.len().min(8)]).into_owned();
+        return Err(format!(
+            "wrong magic number {shown:?} (not a symmpool store client or server)"
+        ));
+    }
+    let version = u16::from_le_bytes([p[8], p[9]]);
+    if version != VERSION {
+        return Err(format!(
+            "protocol version {version}, this build speaks {VERSION} (run the same symmpool on every rank)"
+        ));
+    }
+    Ok(())
+}
+
+/// Client to server.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum ToServer {
+    /// The first frame: who this is.
+    Hello {
+        token: Vec<u8>,
+        rank: u32,
+        world_size: u32,
+        pid: u32,
+    },
+    /// This rank's payload for a round.
+    Contribute {
+        channel: u64,
+        round: u64,
+        op: String,
+        payload: Vec<u8>,
+    },
+    /// This rank gave up waiting for a round: break the group.
+    Abandon {
+        channel: u64,
+        round: u64,
+        op: String,
+    },
+    /// Liveness.
+    Heartbeat,
+    /// Orderly goodbye.
+    Bye,
+}
+
+/// Why a group broke.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum Cause {
+    /// The rank timed out; these ranks had not contributed to its round.
+    Timeout { missing: Vec<u32> },
+    /// The rank was lost.
+    Lost { detail: String },
+}
+
+/// A broken group: who, in what, why.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Broken {
+    pub(crate) rank: u32,
+    pub(crate) op: String,
+    pub(crate) cause: Cause,
+}
+
+/// Server to client.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum ToClient {
+    /// Handshake accepted.
+    Welcome,
+    /// Handshake refused; the connection closes.
+    Reject { reason: String },
+    /// The ranks connected so far (sent while the group assembles).
+    Joined { present: Vec<u32> },
+    /// Every rank has connected.
+    AllJoined,
+    /// A round is complete.
+    Result {
+        channel: u64,
+        round: u64,
+        payloads: Vec<Vec<u8>>,
+    },
+    /// The group is broken for good.
+    Broken(Broken),
+    /// Liveness.
+    Heartbeat,
+}
+
+/// Encode `msg` as one frame (length prefix and body), ready for a single write.
+pub(crate) fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut out = vec![0u8; 4];
+    // Serialising plain enums of integers, strings and byte vectors cannot fail.
+    out = match postcard::to_extend(msg, out) {
+        Ok(v) => v,
+        Err(_) => vec![0u8; 4],
+    };
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
+/// Decode a frame body.
+pub(crate) fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, String> {
+    postcard::from_bytes(body)
+        .map_err(|e| format!("undecodable frame of {} bytes: {e}", body.len()))
+}
+
+/// Why reading a frame failed.
+#[derive(Debug)]
+pub(crate) enum ReadError {
+    /// The peer closed the connection (`partial`: in the middle of a frame).
+    Eof { partial: bool },
+    /// A length over the limit.
+    TooLarge { len_bytes: usize, max_bytes: usize },
+    /// Any other I/O error.
+    Io(io::Error),
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::Eof { partial: false } => write!(f, "connection closed"),
+            ReadError::Eof { partial: true } => {
+                write!(f, "connection closed in the middle of a frame")
+            }
+            ReadError::TooLarge {
+                len_bytes,
+                max_bytes,
+            } => write!(
+                f,
+                "frame length {len_bytes} bytes exceeds the limit of {max_bytes} bytes"
+            ),
+            ReadError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// Reads frames from a socket that has a read timeout, keeping partial frames across
+/// timeouts.
+pub(crate) struct FrameReader<R> {
+    inner: R,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// Largest frame body accepted.
+    pub(crate) max_frame_bytes: usize,
+}
+
+impl<R: Read> FrameReader<R> {
+    pub(crate) fn new(inner: R, max_frame_bytes: usize) -> Self {
+        FrameReader {
+            inner,
+            buf: vec![0u8; 4096],
+            start: 0,
+            end: 0,
+            max_frame_bytes,
+        }
+    }
+
+    /// Make room for `need` bytes from `start`, growing by at most doubling.
+    fn room(&mut self, need: usize) {
+        if self.start > 0 && self.buf.len() - self.start < need.max(self.buf.len() / 2) {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.end == self.buf.len() {
+            let grown = (self.buf.len() * 2).min(need.max(self.buf.len()));
+            if grown > self.buf.len() {
+                self.buf.resize(grown, 0);
+            }
+        }
+    }
+
+    /// Read more bytes. `Ok(false)`: the read timed out.
+    fn fill(&mut self) -> Result<bool, ReadError> {
+        loop {
+            match self.inner.read(&mut self.buf[self.end..]) {
+                Ok(0) => {
+                    return Err(ReadError::Eof {
+                        partial: self.end > self.start,
+                    });
+                }
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(false);
+                }
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+        }
+    }
+
+    /// The next `n` raw bytes (the preface), or `None` on a read timeout.
+    pub(crate) fn raw(&mut self, n: usize) -> Result<Option<Vec<u8>>, ReadError> {
+        loop {
+            if self.end - self.start >= n {
+                let out = self.buf[self.start..self.start + n].to_vec();
+                self.start += n;
+                return Ok(Some(out));
+            }
+            self.room(n);
+            if !self.fill()? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The next frame's body, or `None` on a read timeout (a partial frame is kept).
+    pub(crate) fn frame(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
+        loop {
+            let have = self.end - self.start;
+            if have >= 4 {
+                let mut len = [0u8; 4];
+                len.copy_from_slice(&self.buf[self.start..self.start + 4]);
+                let len = u32::from_le_bytes(len) as usize;
+                if len > self.max_frame_bytes {
+                    return Err(ReadError::TooLarge {
+                        len_bytes: len,
+                        max_bytes: self.max_frame_bytes,
+                    });
+                }
+                if have >= 4 + len {
+                    let body = self.buf[self.start + 4..self.start + 4 + len].to_vec();
+                    self.start += 4 + len;
+                    if self.start == self.end {
+                        self.start = 0;
+                        self.end = 0;
+                    }
+                    return Ok(Some(body));
+                }
+                self.room(4 + len);
+            } else {
+                self.room(4);
+            }
+            if !self.fill()? {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// Write one pre-encoded frame (or preface) in a single `write_all`.
+pub(crate) fn send(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
+    w.write_all(bytes)
+}
+
+/// Compare two secrets in time that depends only on their lengths.
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= x ^ y;
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_across_short_reads() {
+        let mut bytes = Vec::new();
+        for i in 0..50u64 {
+            bytes.extend(encode(&ToClient::Result {
+                channel: i,
+                round: i * 3,
+                payloads: vec![vec![i as u8; (i * 37) as usize]; 3],
+            }));
+        }
+        // A reader that returns at most 7 bytes at a time.
+        struct Trickle(Vec<u8>, usize);
+        impl Read for Trickle {
+            fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+                let n = out.len().min(7).min(self.0.len() - self.1);
+                out[..n].copy_from_slice(&self.0[self.1..self.1 + n]);
+                self.1 += n;
+                Ok(n)
+            }
+        }
+        let mut r = FrameReader::new(Trickle(bytes, 0), 1 << 20);
+        for i in 0..50u64 {
+            let body = r.frame().unwrap().unwrap();
+            match decode::<ToClient>(&body).unwrap() {
+                ToClient::Result {
+                    channel,
+                    round,
+                    payloads,
+                } => {
+                    assert_eq!((channel, round), (i, i * 3));
+                    assert_eq!(payloads, vec![vec![i as u8; (i * 37) as usize]; 3]);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(r.frame(), Err(ReadError::Eof { partial: false })));
+    }
+
+    #[test]
+    fn an_oversized_length_is_refused_before_allocating() {
+        let mut r = FrameReader::new(&[0xff, 0xff, 0xff, 0x7f, 1, 2][..], 4096);
+        assert!(matches!(
+            r.frame(),
+            Err(ReadError::TooLarge {
+                max_bytes: 4096,
+                ..
+            })
+        ));
+        assert!(r.buf.len() <= 4096);
+    }
+
+    #[test]
+    fn a_truncated_frame_is_a_partial_eof() {
+        let mut r = FrameReader::new(&[10, 0, 0, 0, 1, 2][..], 4096);
+        assert!(matches!(r.frame(), Err(ReadError::Eof { partial: true })));
+    }
+
+    #[test]
+    fn garbage_does_not_decode_and_prefaces_are_checked() {
+        assert!(decode::<ToServer>(&[0xff, 0xee, 0x01]).is_err());
+        assert!(check_preface(&preface()).is_ok());
+        assert!(
+            check_preface(b"GET / HTTP/1.1")
+                .unwrap_err()
+                .contains("magic")
+        );
+        let mut p = preface();
+        p[8] = 9;
+        assert!(check_preface(&p).unwrap_err().contains("version 9"));
+    }
+
+    #[test]
+    fn tokens_compare_by_content() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"", b"\0"));
+        assert!(constant_time_eq(b"", b""));
+    }
+}

@@ -1,0 +1,685 @@
+//! The control plane: the `Exchange` contract, run against `LocalExchange` and
+//! `StoreExchange`, and the store with real processes (this test binary re-executes
+//! itself as the ranks, selected by `SYMMPOOL_TEST_CHILD`).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+use symmpool::Error;
+use symmpool::control::{
+    ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
+};
+
+// ---------------------------------------------------------------------------------
+// The contract, one body per property, run against both implementations.
+
+fn store_config(rank: usize, world: usize, port: u16) -> StoreConfig {
+    let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
+    c.host_server = false;
+    c.token = Some("contract".into());
+    c.startup_timeout = Duration::from_secs(30);
+    c.heartbeat_interval = Duration::from_millis(200);
+    c.heartbeat_timeout = Duration::from_secs(2);
+    c.linger = Duration::from_secs(5);
+    c
+}
+
+fn store_group(world: usize) -> Vec<StoreExchange> {
+    let server = StoreServer::bind("127.0.0.1:0", &store_config(0, world, 0)).unwrap();
+    let port = server.local_addr().port();
+    let server = Mutex::new(Some(server));
+    thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let server = &server;
+                s.spawn(move || {
+                    let cfg = store_config(rank, world, port);
+                    if rank == 0 {
+                        let srv = server.lock().unwrap().take().unwrap();
+                        StoreExchange::connect_hosting(cfg, srv)
+                    } else {
+                        StoreExchange::connect(cfg)
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect()
+    })
+}
+
+fn local_group(world: usize) -> Vec<LocalExchange> {
+    LocalExchange::group(world)
+}
+
+/// Run `f` on every rank's thread; results in rank order.
+fn on_all<E: Exchange, R: Send>(group: &[E], f: impl Fn(&E) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let hs: Vec<_> = group.iter().map(|x| s.spawn(|| f(x))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn rank_order<E: Exchange>(group: Vec<E>) {
+    let out = on_all(&group, |x| {
+        let payload = vec![x.rank() as u8; x.rank() + 1];
+        x.all_gather(ChannelId::CONTROL, "rank order", &payload, LONG)
+            .unwrap()
+    });
+    let expected: Vec<Vec<u8>> = (0..group.len()).map(|r| vec![r as u8; r + 1]).collect();
+    for o in out {
+        assert_eq!(o, expected);
+    }
+    assert_eq!(group[1].world_size(), group.len());
+    drop_group(group);
+}
+
+fn channels_never_pair_across<E: Exchange>(group: Vec<E>) {
+    let chans = on_all(&group, |x| {
+        let a = x.open_channel("a", LONG).unwrap();
+        let b = x.open_channel("b", LONG).unwrap();
+        (a, b)
+    });
+    let (a, b) = chans[0];
+    assert!(chans.iter().all(|c| *c == (a, b)));
+    assert_eq!((a.ordinal(), b.ordinal()), (1, 2));
+    // On every rank, one thread per channel, each doing its own rounds at its own pace.
+    on_all(&group, |x| {
+        thread::scope(|s| {
+            for (tag, ch) in [(1u8, a), (2u8, b)] {
+                s.spawn(move || {
+                    for round in 0..25u8 {
+                        let out = x
+                            .all_gather(ch, "interleaved", &[tag, round, x.rank() as u8], LONG)
+                            .unwrap();
+                        for (r, p) in out.iter().enumerate() {
+                            assert_eq!(p, &vec![tag, round, r as u8]);
+                        }
+                    }
+                });
+            }
+        });
+    });
+    drop_group(group);
+}
+
+fn a_timeout_breaks_every_rank_and_channel<E: Exchange>(group: Vec<E>) {
+    assert_eq!(group.len(), 3);
+    let ch = on_all(&group, |x| x.open_channel("work", LONG).unwrap())[0];
+    let started = Instant::now();
+    // Rank 1 waits (long timeout) with rank 0 (short); rank 2 never comes.
+    let (a, b) = thread::scope(|s| {
+        let a = s.spawn(|| group[0].all_gather(ch, "lonely", &[0], Duration::from_millis(300)));
+        let b = s.spawn(|| group[1].all_gather(ch, "lonely", &[1], LONG));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    match a {
+        Err(Error::Timeout { missing_ranks, .. }) => assert_eq!(missing_ranks, vec![2]),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        matches!(b, Err(Error::GroupBroken { rank: 0, .. })),
+        "{b:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waiters fail promptly"
+    );
+    // Every later call, on every channel and rank, fails.
+    for x in &group {
+        for c in [ch, ChannelId::CONTROL] {
+            let r = x.all_gather(c, "lonely", &[9], LONG);
+            assert!(
+                matches!(r, Err(Error::GroupBroken { rank: 0, .. })),
+                "{r:?}"
+            );
+        }
+        let r = x.open_channel("later", LONG);
+        assert!(
+            matches!(r, Err(Error::GroupBroken { rank: 0, .. })),
+            "{r:?}"
+        );
+    }
+    drop_group(group);
+}
+
+fn an_endless_timeout_does_not_overflow<E: Exchange>(group: Vec<E>) {
+    let out = on_all(&group, |x| {
+        x.all_gather(ChannelId::CONTROL, "forever", &[5], Duration::MAX)
+            .unwrap()
+    });
+    assert!(out.iter().all(|o| o.iter().all(|p| p == &[5])));
+    drop_group(group);
+}
+
+fn open_channel_in_different_orders_fails_everywhere<E: Exchange>(group: Vec<E>) {
+    assert_eq!(group.len(), 2);
+    let out = on_all(&group, |x| {
+        let names = if x.rank() == 0 {
+            ["a", "b"]
+        } else {
+            ["b", "a"]
+        };
+        names.map(|n| x.open_channel(n, LONG))
+    });
+    for (rank, results) in out.into_iter().enumerate() {
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Err(Error::ChannelMismatch { opened }) => {
+                    let o = i as u64 + 1;
+                    let (n0, n1) = if i == 0 { ("a", "b") } else { ("b", "a") };
+                    assert_eq!(
+                        opened,
+                        vec![(0, o, n0.to_string()), (1, o, n1.to_string())],
+                        "rank {rank}"
+                    );
+                }
+                other => panic!("rank {rank}: {other:?}"),
+            }
+        }
+    }
+    // The mismatch is reported, not a break: the control channel still works.
+    on_all(&group, |x| {
+        x.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
+            .unwrap()
+    });
+    drop_group(group);
+}
+
+/// Drop the ranks last to first: the rank hosting the store lingers in its drop until
+/// the others have left.
+fn drop_group<E>(mut group: Vec<E>) {
+    while let Some(x) = group.pop() {
+        drop(x);
+    }
+}
+
+macro_rules! contract {
+    ($($name:ident($world:expr);)*) => {
+        mod local_contract {
+            use super::*;
+            $(#[test] fn $name() { super::$name(local_group($world)); })*
+        }
+        mod store_contract {
+            use super::*;
+            $(#[test] fn $name() { super::$name(store_group($world)); })*
+        }
+    };
+}
+
+contract! {
+    rank_order(3);
+    channels_never_pair_across(3);
+    a_timeout_breaks_every_rank_and_channel(3);
+    an_endless_timeout_does_not_overflow(2);
+    open_channel_in_different_orders_fails_everywhere(2);
+}
+
+#[test]
+fn store_dropping_a_rank_mid_round_is_peer_lost_for_the_others() {
+    let mut group = store_group(3);
+    let gone = group.remove(2);
+    let ch = ChannelId::CONTROL;
+    let out = thread::scope(|s| {
+        let hs: Vec<_> = group
+            .iter()
+            .map(|x| s.spawn(move || x.all_gather(ch, "waiting for 2", &[1], LONG)))
+            .collect();
+        drop(gone);
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for r in out {
+        match r {
+            Err(Error::PeerLost { rank: 2, op, .. }) => assert_eq!(op, "waiting for 2"),
+            other => panic!("{other:?}"),
+        }
+    }
+    drop_group(group);
+}
+
+#[test]
+fn store_refuses_oversized_payloads_without_using_a_round() {
+    let group = store_group(2);
+    let max = store_config(0, 2, 0).max_payload_bytes();
+    let big = vec![0u8; max + 1];
+    assert!(matches!(
+        group[0].all_gather(ChannelId::CONTROL, "big", &big, LONG),
+        Err(Error::PayloadTooLarge { .. })
+    ));
+    let out = on_all(&group, |x| {
+        x.all_gather(ChannelId::CONTROL, "ok", &vec![7u8; max], LONG)
+            .unwrap()
+    });
+    assert_eq!(out[1][0].len(), max);
+    drop_group(group);
+}
+
+#[test]
+fn store_start_up_times_out_naming_the_missing_ranks() {
+    let server = StoreServer::bind("127.0.0.1:0", &store_config(0, 3, 0)).unwrap();
+    let mut cfg = store_config(0, 3, 0);
+    cfg.startup_timeout = Duration::from_millis(500);
+    match StoreExchange::connect_hosting(cfg, server) {
+        Err(Error::Timeout {
+            op, missing_ranks, ..
+        }) => {
+            assert_eq!(op, "store start-up");
+            assert_eq!(missing_ranks, vec![1, 2]);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Processes. The child role: run when SYMMPOOL_TEST_CHILD is set, a no-op otherwise.
+
+const CHILD: &str = "SYMMPOOL_TEST_CHILD";
+
+#[test]
+fn child_process_entry() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let code = child_main();
+    std::process::exit(code);
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+fn child_main() -> i32 {
+    if let Some(ms) = var("CHILD_DELAY_MS") {
+        thread::sleep(Duration::from_millis(ms.parse().unwrap()));
+    }
+    let mut cfg = StoreConfig::from_env().unwrap();
+    let rank = cfg.launch.rank;
+    let ex = if rank == 0 {
+        let server = StoreServer::bind("127.0.0.1:0", &cfg).unwrap();
+        println!("@@port {}", server.local_addr().port());
+        cfg.host_server = true;
+        StoreExchange::connect_hosting(cfg, server)
+    } else {
+        cfg.host_server = false;
+        StoreExchange::connect(cfg)
+    };
+    let ex = match ex {
+        Ok(ex) => ex,
+        Err(e) => {
+            println!("@@error {e}");
+            return 2;
+        }
+    };
+    println!("@@joined");
+    if rank == 0 && var("CHILD_WAIT_STDIN").is_some() {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+    }
+    let rounds: usize = var("CHILD_ROUNDS").map_or(20, |r| r.parse().unwrap());
+    let victim: Option<usize> = var("CHILD_VICTIM").map(|v| v.parse().unwrap());
+    let ch = ex.open_channel("child", LONG).unwrap();
+    for i in 0..rounds {
+        let c = if i % 2 == 0 { ch } else { ChannelId::CONTROL };
+        let out = ex
+            .all_gather(c, "child round", &[i as u8, rank as u8], LONG)
+            .unwrap();
+        for (r, p) in out.iter().enumerate() {
+            assert_eq!(p, &vec![i as u8, r as u8]);
+        }
+    }
+    if let Some(v) = victim {
+        if v == rank {
+            println!("@@stalled");
+            thread::sleep(Duration::from_secs(300));
+            return 9;
+        }
+        let t = Duration::from_secs(120);
+        return match ex.all_gather(ch, "waiting for the victim", &[0], t) {
+            Err(Error::PeerLost { rank, op, detail }) => {
+                println!("@@lost rank={rank} op={op} detail={detail}");
+                0
+            }
+            other => {
+                println!("@@unexpected {other:?}");
+                3
+            }
+        };
+    }
+    if let Some(s) = ex.server() {
+        // Wait for the other ranks to leave, so the counters are final.
+        let stats = s.stats();
+        println!("@@stats rejected={}", stats.connections_rejected);
+    }
+    println!("@@ok");
+    0
+}
+
+/// A job of child processes, killed and reaped on every path.
+struct Job {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    tx: mpsc::Sender<(usize, String)>,
+    seen: Vec<(usize, String)>,
+    port: u16,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+const HEARTBEAT_MS: u64 = 200;
+const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
+
+impl Job {
+    /// Start rank 0 (which reports its port), then the others; `env(rank)` adds
+    /// variables.
+    fn start(world: usize, env: impl Fn(usize) -> Vec<(&'static str, String)>) -> Job {
+        let (tx, lines) = mpsc::channel();
+        let mut job = Job {
+            children: Vec::new(),
+            lines,
+            tx,
+            seen: Vec::new(),
+            port: 0,
+        };
+        job.spawn(0, world, &env(0));
+        let port = job.expect(0, "@@port ", Duration::from_secs(30));
+        job.port = port.trim().parse().unwrap();
+        for rank in 1..world {
+            job.spawn(rank, world, &env(rank));
+        }
+        job
+    }
+
+    fn spawn(&mut self, rank: usize, world: usize, extra: &[(&'static str, String)]) {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--exact",
+            "child_process_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", self.port.to_string())
+        .env("SYMMPOOL_TOKEN", "job-token")
+        .env("SYMMPOOL_HEARTBEAT_INTERVAL_MS", HEARTBEAT_MS.to_string())
+        .env(
+            "SYMMPOOL_HEARTBEAT_TIMEOUT_MS",
+            HEARTBEAT_TIMEOUT_MS.to_string(),
+        )
+        .env("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", "2000")
+        .env("SYMMPOOL_STARTUP_TIMEOUT_MS", "60000")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let out = child.stdout.take().unwrap();
+        let tx = self.tx.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                // libtest prints "test child_process_entry ... " before the first line.
+                if let Some(at) = line.find("@@") {
+                    let _ = tx.send((rank, line[at..].to_string()));
+                }
+            }
+        });
+        self.children.push(child);
+    }
+
+    /// The rest of `rank`'s first line starting with `prefix`, waiting up to `timeout`.
+    fn expect(&mut self, rank: usize, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(i) = self
+                .seen
+                .iter()
+                .position(|(r, l)| *r == rank && l.starts_with(prefix))
+            {
+                return self.seen.remove(i).1[prefix.len()..].to_string();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!(
+                    "rank {rank} did not print {prefix:?} within {timeout:?}; seen {:?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// Wait for the given ranks to exit; their exit codes.
+    fn wait(&mut self, ranks: &[usize], timeout: Duration) -> Vec<i32> {
+        let deadline = Instant::now() + timeout;
+        let mut codes: HashMap<usize, i32> = HashMap::new();
+        while codes.len() < ranks.len() {
+            for &r in ranks {
+                if let std::collections::hash_map::Entry::Vacant(e) = codes.entry(r)
+                    && let Some(st) = self.children[r].try_wait().unwrap()
+                {
+                    e.insert(st.code().unwrap_or(-1));
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "ranks {ranks:?} did not all exit within {timeout:?} (exited: {codes:?})"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        ranks.iter().map(|r| codes[r]).collect()
+    }
+}
+
+fn no_env(_: usize) -> Vec<(&'static str, String)> {
+    Vec::new()
+}
+
+#[test]
+fn processes_2_4_and_8_complete_their_rounds() {
+    for world in [2, 4, 8] {
+        let mut job = Job::start(world, no_env);
+        let all: Vec<usize> = (0..world).collect();
+        assert_eq!(
+            job.wait(&all, Duration::from_secs(120)),
+            vec![0; world],
+            "world {world}"
+        );
+        for r in 0..world {
+            job.expect(r, "@@ok", Duration::from_secs(5));
+        }
+    }
+}
+
+/// Kill (or stop) `victim` once it stalls mid-round; every other rank reports it lost.
+fn lose_a_rank(world: usize, victim: usize, stop: bool) -> (Duration, Vec<String>) {
+    let mut job = Job::start(world, |_| vec![("CHILD_VICTIM", victim.to_string())]);
+    job.expect(victim, "@@stalled", Duration::from_secs(60));
+    let t0 = Instant::now();
+    if stop {
+        let pid = job.children[victim].id().to_string();
+        let st = Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+        assert!(st.success());
+    } else {
+        job.children[victim].kill().unwrap();
+    }
+    let others: Vec<usize> = (0..world).filter(|r| *r != victim).collect();
+    let codes = job.wait(&others, Duration::from_secs(60));
+    let elapsed = t0.elapsed();
+    println!("rank {victim} of {world} lost (stop: {stop}): survivors exited after {elapsed:?}");
+    assert_eq!(codes, vec![0; others.len()], "{:?}", job.seen);
+    let lines = others
+        .iter()
+        .map(|&r| job.expect(r, "@@lost ", Duration::from_secs(5)))
+        .collect::<Vec<_>>();
+    for l in &lines {
+        assert!(l.starts_with(&format!("rank={victim} ")), "{l}");
+        assert!(l.contains("op=waiting for the victim"), "{l}");
+    }
+    (elapsed, lines)
+}
+
+/// The stated bound: heartbeat timeout + interval, plus slack for a loaded 2-core CI.
+fn bound() -> Duration {
+    Duration::from_millis(HEARTBEAT_TIMEOUT_MS + HEARTBEAT_MS) + Duration::from_secs(4)
+}
+
+#[test]
+fn kill_9_of_a_rank_mid_round_is_peer_lost_on_every_other_rank() {
+    let (elapsed, _) = lose_a_rank(4, 2, false);
+    assert!(elapsed < bound(), "{elapsed:?}");
+}
+
+#[test]
+fn kill_9_of_the_server_host_is_peer_lost_rank_0() {
+    let (elapsed, lines) = lose_a_rank(3, 0, false);
+    assert!(elapsed < bound(), "{elapsed:?}");
+    assert!(
+        lines.iter().all(|l| l.contains("store server")),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn a_frozen_rank_is_lost_by_missing_heartbeats() {
+    let (elapsed, lines) = lose_a_rank(3, 1, true);
+    assert!(elapsed < bound(), "{elapsed:?}");
+    assert!(
+        elapsed >= Duration::from_millis(HEARTBEAT_TIMEOUT_MS - HEARTBEAT_MS),
+        "{elapsed:?}"
+    );
+    assert!(
+        lines.iter().all(|l| l.contains("no heartbeat")),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn a_rank_starting_10_s_late_still_completes() {
+    let mut job = Job::start(3, |r| {
+        if r == 2 {
+            vec![("CHILD_DELAY_MS", "10000".to_string())]
+        } else {
+            Vec::new()
+        }
+    });
+    assert_eq!(job.wait(&[0, 1, 2], Duration::from_secs(120)), vec![0; 3]);
+}
+
+/// Connect to the store, send `bytes`, and read until the server closes (at most
+/// `within`); what the server sent.
+fn abuse(port: u16, bytes: &[u8], within: Duration) -> Vec<u8> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(within)).unwrap();
+    let _ = s.write_all(bytes);
+    read_to_close(&mut s, within)
+}
+
+fn read_to_close(s: &mut TcpStream, within: Duration) -> Vec<u8> {
+    let deadline = Instant::now() + within;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return got,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return got,
+            Err(e) => panic!("the server did not close the connection: {e}"),
+        }
+        assert!(Instant::now() < deadline, "not closed within {within:?}");
+    }
+}
+
+fn preface(version: u16) -> Vec<u8> {
+    let mut p = b"SYMMPOOL".to_vec();
+    p.extend_from_slice(&version.to_le_bytes());
+    p.extend_from_slice(&[0, 0]);
+    p
+}
+
+/// A hello frame as postcard encodes it (all numbers below 128).
+fn hello(token: &[u8], rank: u8, world: u8) -> Vec<u8> {
+    let mut body = vec![0u8, token.len() as u8];
+    body.extend_from_slice(token);
+    body.extend_from_slice(&[rank, world, 1]);
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend(body);
+    f
+}
+
+#[test]
+fn bad_clients_on_the_store_port_do_not_disturb_a_running_job() {
+    let mut job = Job::start(3, |r| {
+        if r == 0 {
+            vec![("CHILD_WAIT_STDIN", "1".to_string())]
+        } else {
+            Vec::new()
+        }
+    });
+    for r in 0..3 {
+        job.expect(r, "@@joined", Duration::from_secs(60));
+    }
+    // Ranks 1 and 2 now wait mid-round for rank 0, which waits for us.
+    let port = job.port;
+    let within = Duration::from_secs(10);
+    let mut half_open = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    half_open.set_read_timeout(Some(within)).unwrap();
+    let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+    abuse(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", within);
+    abuse(port, &[0xde, 0xad, 0xbe, 0xef], within);
+    let got = text(abuse(port, &preface(99), within));
+    assert!(got.contains("version 99"), "{got}");
+    let mut msg = preface(1);
+    msg.extend(hello(b"wrong", 1, 3));
+    assert!(text(abuse(port, &msg, within)).contains("token"));
+    let mut msg = preface(1);
+    msg.extend(hello(b"job-token", 1, 3));
+    assert!(text(abuse(port, &msg, within)).contains("already connected"));
+    let mut msg = preface(1);
+    msg.extend(hello(b"job-token", 7, 3));
+    assert!(text(abuse(port, &msg, within)).contains("out of range"));
+    let mut msg = preface(1);
+    msg.extend(u32::MAX.to_le_bytes());
+    assert!(text(abuse(port, &msg, within)).contains("exceeds the limit"));
+    let mut msg = preface(1);
+    msg.extend(100u32.to_le_bytes());
+    msg.extend([1, 2, 3]);
+    {
+        // A truncated frame: the client closes its side mid-frame.
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(&msg).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        read_to_close(&mut s, within);
+    }
+    // The half-open connection is closed after the handshake timeout (2 s).
+    read_to_close(&mut half_open, within);
+    // Let the job go on: it completes.
+    writeln!(job.children[0].stdin.as_mut().unwrap(), "go").unwrap();
+    assert_eq!(job.wait(&[0, 1, 2], Duration::from_secs(60)), vec![0; 3]);
+    let rejected: u64 = job
+        .expect(0, "@@stats rejected=", Duration::from_secs(5))
+        .parse()
+        .unwrap();
+    assert_eq!(rejected, 9, "every bad client was counted");
+}
