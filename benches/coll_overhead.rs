@@ -32,10 +32,7 @@ fn bench(c: &mut Criterion) {
         .pop()
         .expect("rank 0")
         .with_collectives(|_| Arc::new(NullCollectives));
-    let pools = [
-        SymmPool::new(b0, PoolConfig::default()).expect("pool"),
-        SymmPool::new(b1, PoolConfig::default()).expect("pool"),
-    ];
+    let pools = SymmPool::group(vec![b0, b1], &PoolConfig::default()).expect("pools");
     let stream = Stream::host();
     let mut bufs = std::thread::scope(|s| {
         let hs: Vec<_> = pools

@@ -196,6 +196,17 @@ pub enum Error {
         /// The original failure (as that rank saw it, or a summary on other ranks).
         reason: String,
     },
+    /// Ranks were about to register windows of different pools or sizes at the same
+    /// position on their communicators (pools sharing a backend grew in different
+    /// orders); nothing was registered, on any rank.
+    #[error(
+        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank): {}",
+        describe_registrations(.order)
+    )]
+    RegistrationOrder {
+        /// Per rank, in rank order: (rank, pool name, segment bytes).
+        order: Vec<(usize, String, u64)>,
+    },
     /// Ranks registered segments of different sizes at the same position.
     #[error("ranks registered different segment sizes at registration #{ordinal}: {sizes:?}")]
     RegistrationMismatch {
@@ -467,4 +478,12 @@ impl fmt::Display for Divergence {
         }
         Ok(())
     }
+}
+
+fn describe_registrations(order: &[(usize, String, u64)]) -> String {
+    order
+        .iter()
+        .map(|(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -51,18 +51,18 @@ pub mod control;
 pub mod core;
 mod dtype;
 mod error;
-mod exchange;
 mod pool;
 mod stream;
 
 pub use backend::{Backend, HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use backend::{NcclBackend, NcclWorldConfig};
-pub use control::{ChannelId, Launch, StoreConfig, StoreExchange, StoreServer};
+pub use control::{
+    ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
+};
 pub use core::{CoreStats, Snapshot};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Divergence, Error, NcclVersion, Result};
-pub use exchange::{Exchange, LocalExchange};
 pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::CudaView;

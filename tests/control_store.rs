@@ -345,6 +345,9 @@ fn child_main() -> i32 {
             return 9;
         }
         let t = Duration::from_secs(120);
+        // Every round's result reached this rank: losing the victim now (even the
+        // server's host) can only show up in the next call.
+        println!("@@waiting");
         return match ex.all_gather(ch, "waiting for the victim", &[0], t) {
             Err(Error::PeerLost { rank, op, detail }) => {
                 println!("@@lost rank={rank} op={op} detail={detail}");
@@ -516,6 +519,9 @@ fn processes_2_4_and_8_complete_their_rounds() {
 fn lose_a_rank(world: usize, victim: usize, stop: bool) -> (Duration, Vec<String>) {
     let mut job = Job::start(world, |_| vec![("CHILD_VICTIM", victim.to_string())]);
     job.expect(victim, "@@stalled", Duration::from_secs(60));
+    for r in (0..world).filter(|r| *r != victim) {
+        job.expect(r, "@@waiting", Duration::from_secs(60));
+    }
     let t0 = Instant::now();
     if stop {
         let pid = job.children[victim].id().to_string();

@@ -522,12 +522,16 @@ impl symmpool::Exchange for Announcing {
     }
     fn all_gather(
         &self,
+        channel: symmpool::ChannelId,
         op: &'static str,
-        payload: Vec<u64>,
+        payload: &[u8],
         timeout: Duration,
-    ) -> symmpool::Result<Vec<Vec<u64>>> {
+    ) -> symmpool::Result<Vec<Vec<u8>>> {
         let _ = self.entered.try_send(());
-        self.inner.all_gather(op, payload, timeout)
+        self.inner.all_gather(channel, op, payload, timeout)
+    }
+    fn open_channel(&self, name: &str, timeout: Duration) -> symmpool::Result<symmpool::ChannelId> {
+        self.inner.open_channel(name, timeout)
     }
 }
 
@@ -575,8 +579,9 @@ fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
         .unwrap()
         .with_exchange(|inner| std::sync::Arc::new(Announcing { inner, entered: tx }))
         .unwrap();
-    let pool0 = SymmPool::new(b0, config().with_timeout(timeout)).unwrap();
-    let pool1 = SymmPool::new(b1, config().with_timeout(timeout)).unwrap();
+    let mut pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
+    let pool1 = pools.pop().unwrap();
+    let pool0 = pools.pop().unwrap();
     let stream = Stream::host();
     // Grow together once, so that rank 0 holds a buffer.
     let (buf0, buf1) = thread::scope(|s| {
@@ -648,10 +653,7 @@ fn one_rank_capturing_fails_growth_on_every_rank_without_a_timeout() {
         .pop()
         .unwrap()
         .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
-    let pools = [
-        SymmPool::new(b0, config().with_timeout(timeout)).unwrap(),
-        SymmPool::new(b1, config().with_timeout(timeout)).unwrap(),
-    ];
+    let pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
     let started = std::time::Instant::now();
     let errs = on_ranks(&pools, |p| p.alloc(MIB, &Stream::host()).unwrap_err());
     assert!(
@@ -664,4 +666,123 @@ fn one_rank_capturing_fails_growth_on_every_rank_without_a_timeout() {
     // The ranks stayed in step: `reserve` (the way out of capture) works on both.
     let ids = on_ranks(&pools, |p| p.reserve(MIB).unwrap());
     assert_eq!(ids[0], ids[1]);
+}
+
+/// Two pools per rank on one backend: (a, b).
+fn two_pools_per_rank() -> Vec<(SymmPool, SymmPool)> {
+    let backends = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
+    thread::scope(|s| {
+        let hs: Vec<_> = backends
+            .into_iter()
+            .map(|b| {
+                s.spawn(move || {
+                    let a = SymmPool::new(b.clone(), config().with_name("a")).unwrap();
+                    let bb = SymmPool::new(b, config().with_name("b")).unwrap();
+                    (a, bb)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn two_pools_on_one_backend_used_interleaved_never_pair_their_rounds() {
+    let per_rank = two_pools_per_rank();
+    // Every allocation grows its pool (earlier buffers stay alive): an agreement and a
+    // registration each, alternating between the pools, 20 times.
+    let places = thread::scope(|s| {
+        let hs: Vec<_> = per_rank
+            .iter()
+            .map(|(a, b)| {
+                s.spawn(move || {
+                    let stream = Stream::host();
+                    let mut keep = Vec::new();
+                    for i in 0..20 {
+                        let pool = if i % 2 == 0 { a } else { b };
+                        keep.push(pool.alloc((32 + i) * MIB, &stream).unwrap());
+                    }
+                    keep.iter()
+                        .map(|x| (x.segment(), x.offset_bytes()))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(places[0], places[1]);
+}
+
+#[test]
+fn pools_growing_in_different_orders_fail_before_any_window_pairs_wrongly() {
+    let per_rank = two_pools_per_rank();
+    // Each rank grows a and b from two racing threads: each pool's own agreement
+    // matches, but the registrations on the shared communicators may come in different
+    // orders on the two ranks, which would pair a's window with b's.
+    let errs = thread::scope(|s| {
+        let hs: Vec<_> = per_rank
+            .iter()
+            .enumerate()
+            .map(|(rank, (a, b))| {
+                s.spawn(move || {
+                    // Pool a always takes 32 MiB and b 64 MiB; the threads race.
+                    let _ = rank;
+                    let stream = Stream::host();
+                    thread::scope(|t| {
+                        let x = t.spawn(|| a.alloc(32 * MIB, &stream).map(|_| ()));
+                        let y = t.spawn(|| b.alloc(64 * MIB, &stream).map(|_| ()));
+                        [x.join().unwrap(), y.join().unwrap()]
+                    })
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    // Whatever the interleaving, no rank registered a window paired with the other
+    // pool's: every growth either agreed on (pool, size) or failed on both ranks.
+    for (rank, pair) in errs.iter().enumerate() {
+        for r in pair {
+            match r {
+                Ok(()) | Err(Error::RegistrationOrder { .. }) => {}
+                Err(other) => panic!("rank {rank}: {other:?}"),
+            }
+        }
+    }
+    for (a, b) in &per_rank {
+        for p in [a, b] {
+            let s = p.stats();
+            assert_eq!(s.windows[0], s.core.segments.current, "{s:?}");
+        }
+    }
+}
+
+#[test]
+fn pools_created_in_different_orders_are_a_divergence_on_every_rank() {
+    let backends = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
+    let errs: Vec<Error> = thread::scope(|s| {
+        let hs: Vec<_> = backends
+            .into_iter()
+            .enumerate()
+            .map(|(rank, b)| {
+                s.spawn(move || {
+                    let name = if rank == 0 { "params" } else { "grads" };
+                    SymmPool::new(b, config().with_name(name)).unwrap_err()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errs {
+        match e {
+            Error::ChannelMismatch { opened } => {
+                assert_eq!(opened[0].2, "pool:params");
+                assert_eq!(opened[1].2, "pool:grads");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

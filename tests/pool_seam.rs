@@ -232,10 +232,7 @@ fn a_panic_under_the_pools_lock_breaks_the_pool_on_every_rank() {
         })
     });
     let config = PoolConfig::default().with_timeout(timeout);
-    let pools = [
-        SymmPool::new(b0, config.clone()).unwrap(),
-        SymmPool::new(b1, config).unwrap(),
-    ];
+    let pools = SymmPool::group(vec![b0, b1], &config).unwrap();
     let stream = Stream::host();
     let bufs = on_ranks(&pools, |p| p.alloc(MIB, &stream).unwrap());
     drop(bufs);
@@ -299,10 +296,7 @@ fn out_of_memory_says_whose_memory_ran_out() {
         .with_segments(|inner| Arc::new(Full(inner)));
     let b0 = world.pop().unwrap();
     let config = PoolConfig::default().with_timeout(timeout);
-    let pools = [
-        SymmPool::new(b0, config.clone()).unwrap(),
-        SymmPool::new(b1, config).unwrap(),
-    ];
+    let pools = SymmPool::group(vec![b0, b1], &config).unwrap();
     let errs = on_ranks(&pools, |p| p.alloc(MIB, &Stream::host()).unwrap_err());
     match &errs[0] {
         Error::PeerOutOfMemory { ranks, .. } => assert_eq!(ranks, &[1]),

@@ -7,14 +7,15 @@
 //! offsets), and end in a barrier. Host work is synchronous, so streams are tags and
 //! fences are counters.
 
+use super::rendezvous::Rendezvous;
 use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
     Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
 };
+use crate::control::LocalExchange;
 use crate::core::{Fence, StreamId};
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
-use crate::exchange::{LocalExchange, Rendezvous};
 use crate::stream::Stream;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -216,29 +217,45 @@ impl HostBackend {
                 })
                 .collect::<Vec<_>>(),
         );
-        LocalExchange::group(n)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, exchange)| {
-                let info = BackendInfo::new(
-                    BackendKind::Host,
-                    rank,
-                    n,
-                    config.nccl_version,
-                    config.granularity_bytes,
-                    infos.clone(),
-                )?;
-                let parts = Arc::new(HostBackend {
-                    rank,
-                    config: config.clone(),
-                    comms: comms.clone(),
-                    reserved: Arc::new(AtomicU64::new(0)),
-                    counters: Mutex::new(vec![(0, 0); infos.len()]),
-                    fences: Mutex::new(BTreeMap::new()),
-                });
-                Backend::new(info, Arc::new(exchange), parts)
-            })
-            .collect()
+        // Making a backend is collective: one thread per rank.
+        std::thread::scope(|s| {
+            let handles: Vec<_> = LocalExchange::group(n)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, exchange)| {
+                    let (config, comms, infos) = (&config, &comms, &infos);
+                    s.spawn(move || {
+                        let info = BackendInfo::new(
+                            BackendKind::Host,
+                            rank,
+                            n,
+                            config.nccl_version,
+                            config.granularity_bytes,
+                            infos.clone(),
+                        )?;
+                        let parts = Arc::new(HostBackend {
+                            rank,
+                            config: config.clone(),
+                            comms: comms.clone(),
+                            reserved: Arc::new(AtomicU64::new(0)),
+                            counters: Mutex::new(vec![(0, 0); infos.len()]),
+                            fences: Mutex::new(BTreeMap::new()),
+                        });
+                        Backend::new(info, Arc::new(exchange), parts)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Internal {
+                            what: "a host rank's set-up thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        })
     }
 
     fn comm(&self, comm: usize) -> Result<&HostComm> {

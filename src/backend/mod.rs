@@ -33,15 +33,16 @@
 pub mod host;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub(crate) mod rendezvous;
 
 pub use host::{HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclBackend, NcclWorldConfig};
 
+use crate::control::{ChannelId, Exchange};
 use crate::core::{Fence, StreamId};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
-use crate::exchange::Exchange;
 use crate::stream::Stream;
 use serde::Serialize;
 use std::any::Any;
@@ -574,11 +575,21 @@ pub trait Collectives: Send + Sync + fmt::Debug {
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()>;
 }
 
+/// How long making a backend waits for the other ranks (ranks of real jobs start
+/// minutes apart): 10 minutes. A lost peer ends the wait sooner (see
+/// [`control`](crate::control)).
+pub const SETUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// One rank's backend: its identity, its exchange, and the four parts. Cheap to
 /// clone (shared parts).
 #[derive(Clone)]
 pub struct Backend {
     info: Arc<BackendInfo>,
+    /// The channel on which pools agree before every window registration.
+    registrations: ChannelId,
+    /// Held from that agreement to the last registration of the segment, so that two
+    /// pools of this rank cannot interleave their registrations.
+    registering: Arc<std::sync::Mutex<()>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -600,8 +611,16 @@ impl Backend {
     /// A backend whose four parts are one value (as [`HostBackend`] and `NcclBackend`
     /// are).
     ///
+    /// # Collective
+    /// Every rank makes its backend at the same point: the ranks open the backend's
+    /// registration channel on `exchange` (waiting up to [`SETUP_TIMEOUT`] for late
+    /// ranks). Before each window registration the pools agree there on which pool
+    /// registers a segment of which size, so two pools sharing the communicators can
+    /// never pair one's window with the other's.
+    ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if `exchange` disagrees with `info` on rank or world size.
+    /// [`Error::InvalidConfig`] if `exchange` disagrees with `info` on rank or world size;
+    /// the errors of [`Exchange::open_channel`].
     pub fn new<T>(info: BackendInfo, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Self>
     where
         T: SegmentProvider + StreamOps + DataMover + Collectives + 'static,
@@ -615,8 +634,11 @@ impl Backend {
                 info.world_size
             )));
         }
+        let registrations = exchange.open_channel("backend:registrations", SETUP_TIMEOUT)?;
         Ok(Backend {
             info: Arc::new(info),
+            registrations,
+            registering: Arc::new(std::sync::Mutex::new(())),
             exchange,
             segments: parts.clone(),
             streams: parts.clone(),
@@ -716,6 +738,18 @@ impl Backend {
     /// The host-side exchange the pool agrees over.
     pub fn exchange(&self) -> &dyn Exchange {
         self.exchange.as_ref()
+    }
+
+    /// The channel of the pre-registration agreement, and the lock that makes the
+    /// agreement and the registrations that follow one step on this rank.
+    pub(crate) fn registration_channel(&self) -> (ChannelId, std::sync::MutexGuard<'_, ()>) {
+        let guard = self.registering.lock().unwrap_or_else(|p| p.into_inner());
+        (self.registrations, guard)
+    }
+
+    /// The exchange, shared (for another backend or a store-backed component).
+    pub fn exchange_handle(&self) -> Arc<dyn Exchange> {
+        self.exchange.clone()
     }
 
     /// The segment provider.

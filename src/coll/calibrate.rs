@@ -223,9 +223,17 @@ pub fn calibrate(
             )
         })
         .collect();
-    let all = backend
+    let bytes: Vec<u8> = enc.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let all: Vec<Vec<u64>> = backend
         .exchange()
-        .all_gather("calibration", enc, pool.config().timeout)?;
+        .all_gather(pool.channel(), "calibration", &bytes, pool.config().timeout)?
+        .iter()
+        .map(|b| {
+            b.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
+                .collect()
+        })
+        .collect();
     let Some(first) = all.first().filter(|r| r.len() == 6 * sizes.len()) else {
         return Err(Error::CollectiveMismatch {
             op: "calibrate",

@@ -8,8 +8,8 @@
 //! states, so the registrations that follow pair the right segments. Any difference is
 //! [`Error::Divergence`] on every rank, naming the first differing call.
 
+use crate::control::{ChannelId, Exchange};
 use crate::error::{Divergence, Error, Result};
-use crate::exchange::Exchange;
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -140,6 +140,19 @@ pub(crate) struct Record {
     pub(crate) recent: Vec<CallRecord>,
 }
 
+/// Little-endian 64-bit words of a peer's payload (a trailing partial word is dropped,
+/// so a malformed payload decodes to an unreadable record, not a panic).
+fn words(bytes: &[u8]) -> Vec<u64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            u64::from_le_bytes(w)
+        })
+        .collect()
+}
+
 fn decode(v: &[u64]) -> Option<Record> {
     if v.len() < 8 || v[0] != MAGIC {
         return None;
@@ -182,6 +195,7 @@ fn decode(v: &[u64]) -> Option<Record> {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn agree(
     exchange: &dyn Exchange,
+    channel: ChannelId,
     history: &History,
     op: u64,
     during: &'static str,
@@ -191,7 +205,12 @@ pub(crate) fn agree(
     timeout: Duration,
 ) -> Result<Vec<u64>> {
     let sent = history.encode(op, size, state, extra);
-    let all = exchange.all_gather(during, sent.clone(), timeout)?;
+    let bytes: Vec<u8> = sent.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let all: Vec<Vec<u64>> = exchange
+        .all_gather(channel, during, &bytes, timeout)?
+        .iter()
+        .map(|b| words(b))
+        .collect();
     let me = exchange.rank();
     if all.len() != exchange.world_size() || all.get(me) != Some(&sent) {
         return Err(Error::Internal {

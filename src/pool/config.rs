@@ -30,6 +30,9 @@ pub struct PoolConfig {
     /// when a communicator returns no window, instead of carrying on with unregistered
     /// segments (default `false`).
     pub require_symmetric: bool,
+    /// The pool's name (default `"pool"`): with its creation order, what identifies it
+    /// to the other ranks (its agreements run on a channel of its own).
+    pub name: String,
 }
 
 impl Default for PoolConfig {
@@ -40,6 +43,7 @@ impl Default for PoolConfig {
             history_len: 64,
             register: true,
             require_symmetric: false,
+            name: "pool".into(),
         }
     }
 }
@@ -66,6 +70,12 @@ impl PoolConfig {
     /// Set the core's configuration.
     pub fn with_core(mut self, core: CoreConfig) -> Self {
         self.core = core;
+        self
+    }
+
+    /// Set the pool's name.
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
         self
     }
 

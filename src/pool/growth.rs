@@ -5,6 +5,7 @@ use super::SymmPool;
 use super::agreement::{self, CallKind, agree, op};
 use super::state::{PoolState, Readiness, SegmentEntry};
 use crate::backend::Segment;
+use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
@@ -78,6 +79,7 @@ impl SymmPool {
         ]);
         let out = agree(
             self.inner.backend.exchange(),
+            self.inner.channel,
             &st.history,
             op,
             during,
@@ -122,11 +124,19 @@ impl SymmPool {
             }
             (Err(e), _) => return Err(e),
         };
+        let registers =
+            self.inner.config.register && backend.communicators().iter().any(|c| c.registers);
+        // One step on this rank: the agreement and every registration of the segment.
+        let (channel, _registering) = backend.registration_channel();
+        if registers && let Err(e) = self.agree_registration(channel, size_bytes) {
+            self.free_unused(segment);
+            return Err(e);
+        }
         let mut entry = SegmentEntry {
             segment,
             windows: (0..backend.communicators().len()).map(|_| None).collect(),
         };
-        if self.inner.config.register {
+        if registers {
             for (c, info) in backend.communicators().iter().enumerate() {
                 if !info.registers {
                     continue;
@@ -157,6 +167,41 @@ impl SymmPool {
         }
         st.counters.growth_time += started.elapsed();
         Ok(entry)
+    }
+
+    /// Agree with the other ranks, on the backend's registration channel, that every
+    /// rank's next registration is this pool's segment of `size_bytes`: pools sharing a
+    /// backend that grow in different orders would otherwise pair one pool's window
+    /// with another's (NCCL pairs windows by call order and checks nothing).
+    fn agree_registration(&self, channel: ChannelId, size_bytes: u64) -> Result<()> {
+        let backend = &self.inner.backend;
+        let name = &self.inner.config.name;
+        let mut mine = size_bytes.to_le_bytes().to_vec();
+        mine.extend_from_slice(name.as_bytes());
+        let all = backend.exchange().all_gather(
+            channel,
+            "window registration order",
+            &mine,
+            self.inner.config.timeout,
+        )?;
+        if all.iter().all(|p| *p == mine) {
+            return Ok(());
+        }
+        let order = all
+            .iter()
+            .enumerate()
+            .map(|(rank, p)| {
+                let (size, name) = p.split_at(p.len().min(8));
+                let mut b = [0u8; 8];
+                b[..size.len()].copy_from_slice(size);
+                (
+                    rank,
+                    format!("pool {:?}", String::from_utf8_lossy(name)),
+                    u64::from_le_bytes(b),
+                )
+            })
+            .collect();
+        Err(Error::RegistrationOrder { order })
     }
 
     /// Free a segment no window covers and no work has used (a failed growth).

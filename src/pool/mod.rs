@@ -37,6 +37,7 @@ pub use config::{MAX_HISTORY, PoolConfig};
 pub use scope::{alloc, alloc_aligned, current};
 
 use crate::backend::{Backend, CommRole, HostBackend, HostConfig};
+use crate::control::ChannelId;
 use crate::core::{AllocError, AllocRequest, Allocator, BlockId, CoreStats, Snapshot, Wait};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
@@ -87,6 +88,8 @@ pub(crate) struct PoolInner {
     deferred_error: Mutex<Option<Error>>,
     /// The configuration in effect.
     config: PoolConfig,
+    /// The exchange channel of this pool's agreements.
+    pub(crate) channel: ChannelId,
     /// Per-pool state of the layers above (the collectives' path policy and
     /// sequence numbers): owned there, kept here so that it lives as long as the pool.
     extension: OnceLock<Arc<dyn Any + Send + Sync>>,
@@ -134,9 +137,18 @@ impl fmt::Debug for SymmPool {
 impl SymmPool {
     /// A pool over one rank's backend.
     ///
+    /// # Collective
+    /// Every rank creates its pools in the same order with the same names: the ranks
+    /// agree on the pool's ordinal and name (and open the pool's own exchange channel,
+    /// so that rounds of different pools never pair). With ranks as threads of one
+    /// process, create them concurrently ([`SymmPool::group`]).
+    ///
     /// # Errors
     /// [`Error::InvalidConfig`] if the core configuration (with the backend's
-    /// granularity) is invalid, or `history_len` exceeds [`MAX_HISTORY`].
+    /// granularity) is invalid, or `history_len` exceeds [`MAX_HISTORY`];
+    /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
+    /// orders or with different names; [`Error::Timeout`] / [`Error::PeerLost`] if a
+    /// rank does not create its pool within the timeout.
     pub fn new(backend: Backend, mut config: PoolConfig) -> Result<Self> {
         if config.history_len > MAX_HISTORY {
             return Err(Error::InvalidConfig(format!(
@@ -149,6 +161,9 @@ impl SymmPool {
         config.core.small_segment_bytes = config.core.small_segment_bytes.max(granularity);
         let core = Allocator::new(config.core)?;
         let comms = backend.communicators().len();
+        let channel = backend
+            .exchange()
+            .open_channel(&format!("pool:{}", config.name), config.timeout)?;
         Ok(SymmPool {
             inner: Arc::new(PoolInner {
                 state: Mutex::new(PoolState::new(
@@ -161,6 +176,7 @@ impl SymmPool {
                 deferred: Mutex::new(Vec::new()),
                 deferred_error: Mutex::new(None),
                 extension: OnceLock::new(),
+                channel,
                 config,
             }),
         })
@@ -181,10 +197,31 @@ impl SymmPool {
     /// # Errors
     /// As [`HostBackend::world`] and [`SymmPool::new`].
     pub fn host_group_with(host: HostConfig, config: PoolConfig) -> Result<Vec<SymmPool>> {
-        HostBackend::world(host)?
-            .into_iter()
-            .map(|b| SymmPool::new(b, config.clone()))
-            .collect()
+        Self::group(HostBackend::world(host)?, &config)
+    }
+
+    /// One pool per backend, for ranks that are threads of this process: the pools are
+    /// created concurrently (creation is collective), in rank order.
+    ///
+    /// # Errors
+    /// The first rank's error, as [`SymmPool::new`].
+    pub fn group(backends: Vec<Backend>, config: &PoolConfig) -> Result<Vec<SymmPool>> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = backends
+                .into_iter()
+                .map(|b| s.spawn(move || SymmPool::new(b, config.clone())))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Internal {
+                            what: "a pool-creating thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        })
     }
 
     /// The backend.
@@ -213,6 +250,11 @@ impl SymmPool {
     /// [`Error::Cuda`].
     pub fn new_stream(&self) -> Result<Stream> {
         self.inner.backend.streams().new_stream()
+    }
+
+    /// The exchange channel of this pool's agreements.
+    pub(crate) fn channel(&self) -> ChannelId {
+        self.inner.channel
     }
 
     /// Whether two handles are the same pool.

@@ -54,11 +54,9 @@ pub fn trial(name: &str, need: usize, f: fn()) -> Trial {
 /// If NCCL cannot build the world (the trial checked the GPUs first).
 pub fn world(n: usize, config: PoolConfig) -> Vec<SymmPool> {
     let devices: Vec<usize> = (0..n).collect();
-    NcclBackend::local_world(&devices, NcclWorldConfig::default())
-        .expect("NCCL world")
-        .into_iter()
-        .map(|b| SymmPool::new(b, config.clone()).expect("pool"))
-        .collect()
+    let backends =
+        NcclBackend::local_world(&devices, NcclWorldConfig::default()).expect("NCCL world");
+    SymmPool::group(backends, &config).expect("pools")
 }
 
 /// Run `f(pool, stream)` on one thread per rank with a fresh stream each.

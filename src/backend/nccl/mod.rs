@@ -14,9 +14,9 @@ use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, CommRole, DataMover,
     Refused, Region, Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
 };
+use crate::control::{Exchange, LocalExchange};
 use crate::core::{Fence, StreamId};
 use crate::error::{Error, NcclVersion, Result};
-use crate::exchange::{Exchange, LocalExchange};
 use crate::stream::Stream;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use ffi::{RawComm, RawWindow};
