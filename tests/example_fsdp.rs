@@ -5,7 +5,7 @@
 #[allow(dead_code, unreachable_pub)]
 mod fsdp_step;
 
-use fsdp_step::{Args, Mode, Spread, check, run_host};
+use fsdp_step::{Args, Mode, Spread, Summary, check, run_host};
 
 #[test]
 fn every_mode_learns_the_same_trajectory() {
@@ -78,6 +78,12 @@ fn json_summary_has_every_field() {
     assert_eq!(v["registrations_after_first_step"], 0);
     assert!(
         v["peak_reserved_bytes"].as_u64().unwrap() >= v["peak_allocated_bytes"].as_u64().unwrap()
+    );
+    // A launcher of rank processes reads the summaries back.
+    let back: Summary = serde_json::from_value(v.clone()).unwrap();
+    assert_eq!(
+        (back.mode, back.losses),
+        (Mode::Auto, results[0].losses.clone())
     );
     // The median is over the steps after the first (which grows the pool).
     let later = Spread::of(&results[0].step_ms[1..]);

@@ -1,10 +1,10 @@
 //! The command line (`clap`), and the options it resolves to ([`Args`]).
 
 use clap::{CommandFactory, Parser, ValueEnum};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// How the collectives run (`--comm`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// A pool that registers nothing: plain NCCL, the baseline
@@ -33,7 +33,7 @@ impl Mode {
 }
 
 /// Where to run (`--backend`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendChoice {
     /// NCCL when enough GPUs are present, else the host backend

@@ -43,7 +43,10 @@ pub use report::{Log, Spread, Summary, check};
 use clap::Parser;
 use ranks::{StepBarrier, on_rank_threads};
 use symmpool::coll::{self, Choice, Path, PathPolicy};
-use symmpool::{Backend, Element, PoolConfig, ReduceOp, Result, Stream, SymmBuffer, SymmPool};
+use symmpool::{
+    Backend, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream, SymmBuffer,
+    SymmPool,
+};
 use trainer::{Math, Trainer};
 
 // ---------------------------------------------------------------------------------
@@ -66,7 +69,7 @@ fn path_policy(mode: Mode) -> PathPolicy {
     }
 }
 
-/// A pool of `mode` over one rank's `backend` (on GPUs: one per rank).
+/// A pool of `mode` over one rank's `backend`.
 fn make_pool(mode: Mode, backend: Backend) -> Result<SymmPool> {
     let pool = SymmPool::new(backend, pool_config(mode))?;
     coll::set_path_policy(&pool, path_policy(mode))?;
@@ -153,19 +156,19 @@ pub fn run_one_rank<M: Math>(
 
 // ---------------------------------------------------------------------------------
 // 4. Starting the ranks: threads in this process, on the host backend or on local
-//    GPUs (`gpu_math::run`).
+//    GPUs (`gpu_math::run`). Ranks as processes (`--nproc N`, torchrun-style RANK /
+//    WORLD_SIZE / LOCAL_RANK) would be a `launch.rs` beside `ranks.rs`: each process
+//    calls `run_one_rank` and prints its summaries as JSON; the parent reads them back
+//    (`Summary` deserialises) and prints rank 0's with `report::print`.
 
 /// Train on the host backend, a thread per rank; returns rank 0's summaries.
 pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
-    // `host_group` makes the pools of all ranks at once (they share host memory).
+    // Each mode gets a host "world" of its own: one backend per rank, sharing memory.
     let mut per_rank: Vec<Vec<(Mode, SymmPool)>> = (0..args.ranks).map(|_| Vec::new()).collect();
     for &mode in &args.modes {
-        for (rank, pool) in SymmPool::host_group(args.ranks, pool_config(mode))?
-            .into_iter()
-            .enumerate()
-        {
-            coll::set_path_policy(&pool, path_policy(mode))?;
-            per_rank[rank].push((mode, pool));
+        let host = HostConfig::new(args.ranks).with_timeout(pool_config(mode).timeout);
+        for (rank, backend) in HostBackend::world(host)?.into_iter().enumerate() {
+            per_rank[rank].push((mode, make_pool(mode, backend)?));
         }
     }
     let barrier = StepBarrier::new(args.ranks);
@@ -195,7 +198,9 @@ fn main() {
         _ => {
             if cli.backend == BackendChoice::Auto && !args.json && !args.quiet {
                 let n = args.ranks.max(2);
-                report::line(&format!("no GPUs found (or fewer than {n}): host backend"));
+                report::line(&format!(
+                    "no GPUs found (or fewer than {n}): running on the host backend"
+                ));
             }
             run_host(&args)
         }

@@ -2,7 +2,7 @@
 //! and the check that the run did what it should.
 
 use super::cli::{Args, BackendChoice, Mode};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use symmpool::PoolStats;
 use symmpool::coll::Path;
@@ -21,7 +21,7 @@ pub fn line(s: &str) {
 }
 
 /// Median, minimum and maximum of a sample (NaN for an empty one).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Spread {
     /// The middle value (the mean of the two middle ones for an even count).
     pub median: f64,
@@ -65,8 +65,9 @@ pub struct Log {
     pub registrations: u64,
 }
 
-/// What one mode did on one rank: the `--json` object.
-#[derive(Debug, Clone, Serialize)]
+/// What one mode did on one rank: the `--json` object. It deserialises too, so that a
+/// launcher of rank processes can gather the ranks' summaries from their output.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
     /// `host` or `nccl`.
     pub backend: BackendChoice,
@@ -210,6 +211,10 @@ pub fn print(args: &Args, results: &[Summary]) {
         }
         return;
     }
+    let ag_width = results
+        .iter()
+        .map(|r| path_words(&r.all_gather_paths).len());
+    let w = ag_width.max().unwrap_or(0).max(16);
     let ring = results.iter().find(|r| r.mode == Mode::Ring);
     out!(
         "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps",
@@ -221,7 +226,7 @@ pub fn print(args: &Args, results: &[Summary]) {
         args.steps
     );
     out!(
-        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<17} {}",
+        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
         "",
         "step",
         "",
@@ -232,10 +237,10 @@ pub fn print(args: &Args, results: &[Summary]) {
         "reserved",
         "allocated",
         "all-gather",
-        "reduce-scatter"
+        "reduce-scatter",
     );
     out!(
-        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<17} {}",
+        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
         "mode",
         "ms",
         "÷ ring",
@@ -246,12 +251,12 @@ pub fn print(args: &Args, results: &[Summary]) {
         "MiB",
         "MiB",
         "path",
-        "path"
+        "path",
     );
     let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
     for r in results {
         out!(
-            "{:<5} {:>8.2} {:>7} {:>11.4e} {:>11.4e} {:>14} {:>8} {:>9} {:>9}  {:<17} {}",
+            "{:<5} {:>8.2} {:>7} {:>11.4e} {:>11.4e} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
             r.mode.name(),
             r.median_step_ms,
             ring.map_or("-".into(), |x| format!(
@@ -272,8 +277,9 @@ pub fn print(args: &Args, results: &[Summary]) {
         );
     }
     out!(
-        "(step ms: median of steps 2..; ÷ ring: over ring's; registrations: NCCL windows \
-         registered in setup + step 1 / later; MiB: peak per rank; paths: last step)"
+        "(step ms: median after the first step; ÷ ring: over ring's; registrations: NCCL \
+         windows registered in setup + first step / later steps; MiB: peak per rank; \
+         paths: last step)"
     );
     if results.len() > 1 {
         // The trajectories must agree across modes (up to bf16 rounding on GPUs).
