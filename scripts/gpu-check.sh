@@ -24,7 +24,7 @@ build() {
   cp "$(command -v cargo-nextest)" "$BUNDLE/bin/"
   # The benchmark and the example: jq reads their paths from cargo's messages.
   local example=()
-  [ -f examples/fsdp_step.rs ] && example=(--example fsdp_step)
+  [ -f examples/fsdp_step/main.rs ] && example=(--example fsdp_step)
   cargo build --release --bench gpu_collectives "${example[@]}" --message-format=json |
     jq -r 'select(.executable != null) | .executable' |
     while read -r exe; do cp "$exe" "$BUNDLE/bin/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done

@@ -1,12 +1,11 @@
 //! The FSDP example on the host backend: the loss falls, every mode follows the same
 //! trajectory, nothing registers after the first step, and `--json` has every field.
 
-#[path = "../examples/fsdp_step.rs"]
+#[path = "../examples/fsdp_step/main.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod fsdp_step;
 
-use fsdp_step::{Args, Mode, check, json_summary, run_host};
-use symmpool::coll::Path;
+use fsdp_step::{Args, Mode, Spread, Summary, check, run_host};
 
 #[test]
 fn every_mode_learns_the_same_trajectory() {
@@ -21,23 +20,29 @@ fn every_mode_learns_the_same_trajectory() {
         "loss fell by 100x: {base:?}"
     );
     for r in &results {
-        for (a, b) in r.losses.iter().zip(base) {
-            // f32 on the host, same sums in the same order: equal up to rounding.
-            assert!(((a - b) / b).abs() < 1e-5, "{}: {a} vs {b}", r.mode.name());
-        }
-        assert_eq!(r.regs_after_first, 0);
+        // f32 on the host, same sums in the same order: equal up to rounding.
+        let diffs: Vec<f64> = (r.losses.iter().zip(base))
+            .map(|(a, b)| ((a - b) / b).abs() as f64)
+            .collect();
+        assert!(
+            Spread::of(&diffs).max < 1e-5,
+            "{:?}: {:?}",
+            r.mode,
+            r.losses
+        );
+        assert_eq!(r.registrations_after_first_step, 0);
     }
     let paths = |m: Mode| {
         let r = results.iter().find(|r| r.mode == m).unwrap();
         (
-            r.ag_paths[0],
-            r.rs_paths[0],
-            r.stats.registrations.iter().sum::<u64>(),
+            r.all_gather_paths.as_str(),
+            r.reduce_scatter_paths.as_str(),
+            r.registrations,
         )
     };
-    assert_eq!(paths(Mode::Ring), (Path::PlainKernel, Path::PlainKernel, 0));
-    assert_eq!(paths(Mode::Symm).0, Path::SymmetricKernel);
-    assert_eq!(paths(Mode::Ce).0, Path::CopyEngine);
+    assert_eq!(paths(Mode::Ring), ("PlainKernel", "PlainKernel", 0));
+    assert_eq!(paths(Mode::Symm).0, "SymmetricKernel");
+    assert_eq!(paths(Mode::Ce).0, "CopyEngine");
     assert!(paths(Mode::Auto).2 > 0);
 }
 
@@ -48,7 +53,7 @@ fn json_summary_has_every_field() {
         ..Args::host(vec![Mode::Auto])
     };
     let results = run_host(&args).unwrap();
-    let v = json_summary(&args, "host", &results[0]);
+    let v = serde_json::to_value(&results[0]).unwrap();
     for key in [
         "backend",
         "ranks",
@@ -58,6 +63,7 @@ fn json_summary_has_every_field() {
         "first_loss",
         "last_loss",
         "registrations",
+        "registrations_first_step",
         "registrations_after_first_step",
         "segments",
         "peak_reserved_bytes",
@@ -73,4 +79,21 @@ fn json_summary_has_every_field() {
     assert!(
         v["peak_reserved_bytes"].as_u64().unwrap() >= v["peak_allocated_bytes"].as_u64().unwrap()
     );
+    // A launcher of rank processes reads the summaries back.
+    let back: Summary = serde_json::from_value(v.clone()).unwrap();
+    assert_eq!(
+        (back.mode, back.losses),
+        (Mode::Auto, results[0].losses.clone())
+    );
+    // The median is over the steps after the first (which grows the pool).
+    let later = Spread::of(&results[0].step_ms[1..]);
+    assert_eq!(v["median_step_ms"].as_f64().unwrap(), later.median);
+}
+
+#[test]
+fn spread_of_a_sample() {
+    let s = Spread::of(&[3.0, 1.0, 2.0, 10.0]);
+    assert_eq!((s.median, s.min, s.max), (2.5, 1.0, 10.0));
+    assert_eq!(Spread::of(&[4.0, 1.0, 2.0]).median, 2.0);
+    assert!(Spread::of(&[]).median.is_nan());
 }

@@ -1,0 +1,217 @@
+//! FSDP-style training on a `symmpool` pool: the crate's API in one page.
+//!
+//! A stack of linear layers learns a known teacher. Each layer's parameters are
+//! sharded over the ranks; before a layer runs, its shard is all-gathered into a
+//! buffer from the pool on a communication stream (prefetching the next layer while
+//! this one computes), and after the backward pass its gradient is reduce-scattered
+//! back to shards. This file shows the API; the rest are the parts around it:
+//!
+//! | file | what |
+//! |---|---|
+//! | `main.rs` | pools, `scope`, `alloc`, the two collectives on a stream, statistics, `main` |
+//! | `trainer.rs` | the FSDP step, written once over a `Math` trait |
+//! | `host_math.rs`, `gpu_math.rs` | `Math` with f32 loops on the host, bf16 cuBLAS on GPUs |
+//! | `ranks.rs` | ranks as threads, and a barrier a failing rank breaks |
+//! | `report.rs` | the summary (`--json`), the table, the check |
+//! | `cli.rs` | the command line |
+//!
+//! Without GPUs it runs on the host backend (ranks as threads, memory on the host);
+//! with two or more GPUs, on NCCL.
+//!
+//! ```text
+//! cargo run --release --example fsdp_step                      # defaults for the machine
+//! cargo run --release --example fsdp_step -- --compare         # every mode, one table
+//! cargo run --release --example fsdp_step -- --comm auto --json
+//! cargo run --release --example fsdp_step -- --balanced --compare   # comm ≈ compute (GPUs)
+//! cargo run --release --example fsdp_step -- --help
+//! ```
+
+mod cli;
+#[cfg(feature = "nccl")]
+#[path = "../support/gpu_math.rs"]
+mod cublas;
+#[cfg(feature = "nccl")]
+mod gpu_math;
+mod host_math;
+mod ranks;
+mod report;
+mod trainer;
+
+pub use cli::{Args, BackendChoice, Cli, Mode};
+pub use report::{Log, Spread, Summary, check};
+
+use clap::Parser;
+use ranks::{StepBarrier, on_rank_threads};
+use symmpool::coll::{self, Choice, Path, PathPolicy};
+use symmpool::{
+    Backend, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream, SymmBuffer,
+    SymmPool,
+};
+use trainer::{Math, Trainer};
+
+// ---------------------------------------------------------------------------------
+// 1. A pool per mode. A pool carves buffers out of a few segments and registers each
+//    segment once as an NCCL window; the path policy says which NCCL path the
+//    collectives prefer on those windows.
+
+/// The pool configuration of `mode`: `ring` registers nothing (plain NCCL).
+fn pool_config(mode: Mode) -> PoolConfig {
+    PoolConfig::default().with_register(mode != Mode::Ring)
+}
+
+/// The collectives' path preferences of `mode`.
+fn path_policy(mode: Mode) -> PathPolicy {
+    let symm = Choice::Prefer(Path::SymmetricKernel);
+    match mode {
+        Mode::Symm => PathPolicy::default().with_choices(symm, symm),
+        Mode::Ce => PathPolicy::default().with_choices(Choice::Prefer(Path::CopyEngine), symm),
+        Mode::Ring | Mode::Auto => PathPolicy::default(),
+    }
+}
+
+/// A pool of `mode` over one rank's `backend`.
+fn make_pool(mode: Mode, backend: Backend) -> Result<SymmPool> {
+    let pool = SymmPool::new(backend, pool_config(mode))?;
+    coll::set_path_policy(&pool, path_policy(mode))?;
+    Ok(pool)
+}
+
+// ---------------------------------------------------------------------------------
+// 2. The two collectives FSDP needs. `symmpool::alloc` takes from the pool of the
+//    enclosing `pool.scope(..)`; `stream` is where the buffer is used and the
+//    collective runs (the pool does not reuse the block until that work is done).
+
+/// All-gather every rank's `shard` into a new buffer (the layer's whole parameters).
+pub fn all_gather<E: Element>(shard: &SymmBuffer, stream: &Stream) -> Result<(SymmBuffer, Path)> {
+    let world = shard.pool().world_size() as u64;
+    let full = symmpool::alloc(shard.len_bytes() * world, stream)?;
+    let report = coll::all_gather::<E>(shard, &full, stream)?;
+    Ok((full, report.path))
+}
+
+/// Sum `full` over the ranks and keep this rank's shard of the sum, in a new buffer.
+pub fn reduce_scatter<E: Element>(
+    full: &SymmBuffer,
+    stream: &Stream,
+) -> Result<(SymmBuffer, Path)> {
+    let world = full.pool().world_size() as u64;
+    let shard = symmpool::alloc(full.len_bytes() / world, stream)?;
+    let report = coll::reduce_scatter::<E>(full, &shard, ReduceOp::Sum, stream)?;
+    Ok((shard, report.path))
+}
+
+fn registrations(pool: &SymmPool) -> u64 {
+    pool.stats().registrations.iter().sum()
+}
+
+// ---------------------------------------------------------------------------------
+// 3. One rank: data, a trainer per mode, the steps, the statistics. How the rank
+//    was started (a thread here) does not matter to it.
+
+/// Train every mode of `pools` (this rank's, one per mode) for `args.steps` steps,
+/// interleaved step by step so that they see the same machine; returns a summary per
+/// mode. Every rank calls this with the same arguments.
+pub fn run_one_rank<M: Math>(
+    math: &M,
+    pools: Vec<(Mode, SymmPool)>,
+    args: &Args,
+    barrier: &StepBarrier,
+) -> Result<Vec<Summary>> {
+    let first = &pools[0].1;
+    let (rank, world) = (first.rank(), first.world_size());
+    // The data lives in a pool of its own, unregistered, so that each mode's
+    // statistics count only the training's buffers.
+    let data_config = PoolConfig::default()
+        .with_register(false)
+        .with_timeout(first.config().timeout);
+    let data_pool = SymmPool::new(first.backend().clone(), data_config)?;
+    let data = data_pool.scope(|| trainer::make_data(math, args, rank))?;
+
+    let mut runs = Vec::new();
+    for (mode, pool) in pools {
+        let trainer = pool.scope(|| Trainer::new(math, data.clone(), args, rank, world))?;
+        runs.push((mode, pool, trainer, Log::default()));
+    }
+    for step in 0..args.steps {
+        for (mode, pool, trainer, log) in &mut runs {
+            barrier.wait()?;
+            let out = pool.scope(|| trainer.step(step))?;
+            log.losses.push(out.loss);
+            log.step_ms.push(out.ms);
+            log.registrations = registrations(pool);
+            if step == 0 {
+                log.registrations_first_step = log.registrations;
+            }
+            if rank == 0 && !args.quiet && !args.json {
+                report::step_line(*mode, step, out.loss, out.ms);
+            }
+        }
+    }
+    let summaries = runs.into_iter().map(|(mode, pool, trainer, log)| {
+        let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
+        Summary::new(args, mode, rank, log, &pool.stats(), ag, rs)
+    });
+    Ok(summaries.collect())
+}
+
+// ---------------------------------------------------------------------------------
+// 4. Starting the ranks: threads in this process, on the host backend or on local
+//    GPUs (`gpu_math::run`). Ranks as processes (`--nproc N`, torchrun-style RANK /
+//    WORLD_SIZE / LOCAL_RANK) would be a `launch.rs` beside `ranks.rs`: each process
+//    calls `run_one_rank` and prints its summaries as JSON; the parent reads them back
+//    (`Summary` deserialises) and prints rank 0's with `report::print`.
+
+/// Train on the host backend, a thread per rank; returns rank 0's summaries.
+pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
+    // Each mode gets a host "world" of its own: one backend per rank, sharing memory.
+    let mut per_rank: Vec<Vec<(Mode, SymmPool)>> = (0..args.ranks).map(|_| Vec::new()).collect();
+    for &mode in &args.modes {
+        let host = HostConfig::new(args.ranks).with_timeout(pool_config(mode).timeout);
+        for (rank, backend) in HostBackend::world(host)?.into_iter().enumerate() {
+            per_rank[rank].push((mode, make_pool(mode, backend)?));
+        }
+    }
+    let barrier = StepBarrier::new(args.ranks);
+    on_rank_threads(per_rank, &barrier, |pools| {
+        run_one_rank(&host_math::HostMath::default(), pools, args, &barrier)
+    })
+}
+
+fn gpu_count() -> usize {
+    #[cfg(feature = "nccl")]
+    return symmpool::backend::nccl::device_count().unwrap_or(0);
+    #[cfg(not(feature = "nccl"))]
+    return 0;
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let args = cli.resolve(gpu_count());
+    let results = match args.backend {
+        #[cfg(feature = "nccl")]
+        BackendChoice::Nccl => gpu_math::run(&args),
+        #[cfg(not(feature = "nccl"))]
+        BackendChoice::Nccl => {
+            eprintln!("fsdp_step: built without the `nccl` feature");
+            std::process::exit(2)
+        }
+        _ => {
+            if cli.backend == BackendChoice::Auto && !args.json && !args.quiet {
+                let n = args.ranks.max(2);
+                report::line(&format!(
+                    "no GPUs found (or fewer than {n}): running on the host backend"
+                ));
+            }
+            run_host(&args)
+        }
+    };
+    let results = results.unwrap_or_else(|err| {
+        eprintln!("fsdp_step: {err}");
+        std::process::exit(1)
+    });
+    report::print(&args, &results);
+    if let Err(msg) = check(&results) {
+        eprintln!("fsdp_step: check failed: {msg}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,96 @@
+//! How ranks are started here: one thread per rank in this process, and a barrier
+//! that lines them up before each step. (Ranks as processes, `--nproc`, would go in a
+//! `launch.rs` beside this, calling the same `run_one_rank`.)
+
+use std::sync::{Condvar, Mutex};
+use symmpool::{Error, Result};
+
+/// A barrier that a failing rank breaks, so the other ranks stop instead of waiting
+/// for it forever (`std::sync::Barrier` cannot be broken).
+#[derive(Debug)]
+pub struct StepBarrier {
+    n: usize,
+    /// (ranks arrived, generation, the rank that gave up).
+    state: Mutex<(usize, u64, Option<usize>)>,
+    cv: Condvar,
+}
+
+impl StepBarrier {
+    /// A barrier for `n` ranks.
+    pub fn new(n: usize) -> Self {
+        StepBarrier {
+            n,
+            state: Mutex::new((0, 0, None)),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Wait for every rank; fails once a rank has given up.
+    pub fn wait(&self) -> Result<()> {
+        let broken = |rank| Error::GroupBroken {
+            rank,
+            op: "fsdp_step",
+        };
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(rank) = st.2 {
+            return Err(broken(rank));
+        }
+        let generation = st.1;
+        st.0 += 1;
+        if st.0 == self.n {
+            st.0 = 0;
+            st.1 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        while st.1 == generation && st.2.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        match st.2 {
+            Some(rank) if st.1 == generation => Err(broken(rank)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Give up: every waiting and later `wait` fails.
+    pub fn abort(&self, rank: usize) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.2.get_or_insert(rank);
+        self.cv.notify_all();
+    }
+}
+
+/// Run `f` for rank `r` on thread `r`, with `items[r]`. A rank that fails breaks the
+/// barrier so the others stop too. Returns rank 0's result or the first error.
+pub fn on_rank_threads<T: Send, R: Send>(
+    items: Vec<T>,
+    barrier: &StepBarrier,
+    f: impl Fn(T) -> Result<R> + Sync,
+) -> Result<R> {
+    let outs: Vec<Result<R>> = std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .into_iter()
+            .enumerate()
+            .map(|(rank, item)| {
+                let f = &f;
+                s.spawn(move || {
+                    let out = f(item);
+                    if out.is_err() {
+                        barrier.abort(rank);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+    let mut outs = outs.into_iter();
+    let first = outs.next().expect("rank 0")?;
+    for o in outs {
+        o?;
+    }
+    Ok(first)
+}

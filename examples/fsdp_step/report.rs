@@ -1,0 +1,304 @@
+//! What a run reports: a [`Summary`] per mode (the `--json` object), the table,
+//! and the check that the run did what it should.
+
+use super::cli::{Args, BackendChoice, Mode};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use symmpool::PoolStats;
+use symmpool::coll::Path;
+
+/// Print a line to stdout; a closed pipe (`| head`) is not an error worth a panic.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// Print `s` and a newline to stdout.
+pub fn line(s: &str) {
+    out!("{s}");
+}
+
+/// Median, minimum and maximum of a sample (NaN for an empty one).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    /// The middle value (the mean of the two middle ones for an even count).
+    pub median: f64,
+    /// The smallest value.
+    pub min: f64,
+    /// The largest value.
+    pub max: f64,
+}
+
+impl Spread {
+    /// The spread of `v`.
+    pub fn of(v: &[f64]) -> Spread {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n == 0 {
+            return Spread {
+                median: f64::NAN,
+                min: f64::NAN,
+                max: f64::NAN,
+            };
+        }
+        Spread {
+            median: (v[(n - 1) / 2] + v[n / 2]) / 2.0,
+            min: v[0],
+            max: v[n - 1],
+        }
+    }
+}
+
+/// A mode's losses and times, step by step, as `run_one_rank` records them.
+#[derive(Debug, Clone, Default)]
+pub struct Log {
+    /// Loss per step.
+    pub losses: Vec<f32>,
+    /// Step time per step, in ms.
+    pub step_ms: Vec<f64>,
+    /// Window registrations by the end of the first step (including the setup's).
+    pub registrations_first_step: u64,
+    /// Window registrations so far.
+    pub registrations: u64,
+}
+
+/// What one mode did on one rank: the `--json` object. It deserialises too, so that a
+/// launcher of rank processes can gather the ranks' summaries from their output.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    /// `host` or `nccl`.
+    pub backend: BackendChoice,
+    /// The rank that reports.
+    pub rank: usize,
+    /// Ranks.
+    pub ranks: usize,
+    /// The mode.
+    pub mode: Mode,
+    /// Layers.
+    pub layers: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Batch per rank.
+    pub batch: usize,
+    /// Steps.
+    pub steps: usize,
+    /// Median step time after the first step (which grows the pool), in ms.
+    pub median_step_ms: f64,
+    /// Fastest step after the first, in ms.
+    pub min_step_ms: f64,
+    /// Slowest step after the first, in ms.
+    pub max_step_ms: f64,
+    /// Loss of the first step.
+    pub first_loss: f32,
+    /// Loss of the last step.
+    pub last_loss: f32,
+    /// Window registrations, in all.
+    pub registrations: u64,
+    /// Window registrations per communicator role.
+    pub registrations_per_communicator: BTreeMap<String, u64>,
+    /// Window registrations by the end of the first step.
+    pub registrations_first_step: u64,
+    /// Window registrations after the first step (a warm pool makes none).
+    pub registrations_after_first_step: u64,
+    /// Segments of the pool at the end.
+    pub segments: u64,
+    /// Peak bytes in the pool's segments.
+    pub peak_reserved_bytes: u64,
+    /// Peak bytes in allocated blocks.
+    pub peak_allocated_bytes: u64,
+    /// Paths of the last step's all-gathers (distinct, `+`-joined).
+    pub all_gather_paths: String,
+    /// Paths of the last step's reduce-scatters.
+    pub reduce_scatter_paths: String,
+    /// Loss per step.
+    pub losses: Vec<f32>,
+    /// Step time per step, in ms.
+    pub step_ms: Vec<f64>,
+}
+
+/// The distinct paths in `p`, in order of first use, `+`-joined.
+fn paths(p: &[Path]) -> String {
+    let mut kinds: Vec<Path> = Vec::new();
+    for x in p {
+        if !kinds.contains(x) {
+            kinds.push(*x);
+        }
+    }
+    let names: Vec<String> = kinds.iter().map(|k| format!("{k:?}")).collect();
+    names.join("+")
+}
+
+impl Summary {
+    /// Summarise `log` and the pool's `stats` for one mode on `rank`.
+    pub fn new(
+        args: &Args,
+        mode: Mode,
+        rank: usize,
+        log: Log,
+        stats: &PoolStats,
+        ag: &[Path],
+        rs: &[Path],
+    ) -> Summary {
+        let later = Spread::of(&log.step_ms[1.min(log.step_ms.len())..]);
+        let per_comm = stats.roles.iter().zip(&stats.registrations);
+        Summary {
+            backend: args.backend,
+            rank,
+            ranks: args.ranks,
+            mode,
+            layers: args.layers,
+            hidden: args.hidden,
+            batch: args.batch,
+            steps: args.steps,
+            median_step_ms: later.median,
+            min_step_ms: later.min,
+            max_step_ms: later.max,
+            first_loss: log.losses.first().copied().unwrap_or(f32::NAN),
+            last_loss: log.losses.last().copied().unwrap_or(f32::NAN),
+            registrations: stats.registrations.iter().sum(),
+            registrations_per_communicator: per_comm.map(|(r, n)| (format!("{r:?}"), *n)).collect(),
+            registrations_first_step: log.registrations_first_step,
+            registrations_after_first_step: log.registrations - log.registrations_first_step,
+            segments: stats.core.segments.current,
+            peak_reserved_bytes: stats.core.reserved_bytes.peak,
+            peak_allocated_bytes: stats.core.allocated_bytes.peak,
+            all_gather_paths: paths(ag),
+            reduce_scatter_paths: paths(rs),
+            losses: log.losses,
+            step_ms: log.step_ms,
+        }
+    }
+}
+
+/// One line per step and mode (rank 0, without `--quiet`).
+pub fn step_line(mode: Mode, step: usize, loss: f32, ms: f64) {
+    out!(
+        "[{:>4}] step {step:>3}  loss {loss:.6e}  {ms:>9.2} ms",
+        mode.name()
+    );
+}
+
+/// A path as the table shows it.
+fn path_words(p: &str) -> String {
+    p.replace("CopyEngine", "copy engine")
+        .replace("SymmetricKernel", "symmetric kernel")
+        .replace("PlainKernel", "plain kernel")
+}
+
+/// The largest relative difference between the first mode's losses and any other's.
+pub fn loss_disagreement(results: &[Summary]) -> f64 {
+    let Some(first) = results.first() else {
+        return 0.0;
+    };
+    let diffs: Vec<f64> = (results.iter())
+        .flat_map(|r| r.losses.iter().zip(&first.losses))
+        .map(|(a, b)| ((a - b) / b.abs().max(1e-30)).abs() as f64)
+        .collect();
+    Spread::of(&diffs).max
+}
+
+/// Print the summaries: one JSON object per line with `--json`, else the table.
+pub fn print(args: &Args, results: &[Summary]) {
+    if args.json {
+        for r in results {
+            out!(
+                "{}",
+                serde_json::to_string(r).expect("a summary serialises")
+            );
+        }
+        return;
+    }
+    let ag_width = results
+        .iter()
+        .map(|r| path_words(&r.all_gather_paths).len());
+    let w = ag_width.max().unwrap_or(0).max(16);
+    let ring = results.iter().find(|r| r.mode == Mode::Ring);
+    out!(
+        "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps",
+        args.backend.name(),
+        args.ranks,
+        args.layers,
+        args.hidden,
+        args.batch,
+        args.steps
+    );
+    out!(
+        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
+        "",
+        "step",
+        "",
+        "first",
+        "last",
+        "registrations",
+        "",
+        "reserved",
+        "allocated",
+        "all-gather",
+        "reduce-scatter",
+    );
+    out!(
+        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
+        "mode",
+        "ms",
+        "÷ ring",
+        "loss",
+        "loss",
+        "first / later",
+        "segments",
+        "MiB",
+        "MiB",
+        "path",
+        "path",
+    );
+    let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
+    for r in results {
+        out!(
+            "{:<5} {:>8.2} {:>7} {:>11.4e} {:>11.4e} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
+            r.mode.name(),
+            r.median_step_ms,
+            ring.map_or("-".into(), |x| format!(
+                "{:.3}",
+                r.median_step_ms / x.median_step_ms
+            )),
+            r.first_loss,
+            r.last_loss,
+            format!(
+                "{} / {}",
+                r.registrations_first_step, r.registrations_after_first_step
+            ),
+            r.segments,
+            mib(r.peak_reserved_bytes),
+            mib(r.peak_allocated_bytes),
+            path_words(&r.all_gather_paths),
+            path_words(&r.reduce_scatter_paths),
+        );
+    }
+    out!(
+        "(step ms: median after the first step; ÷ ring: over ring's; registrations: NCCL \
+         windows registered in setup + first step / later steps; MiB: peak per rank; \
+         paths: last step)"
+    );
+    if results.len() > 1 {
+        // The trajectories must agree across modes (up to bf16 rounding on GPUs).
+        let worst = loss_disagreement(results);
+        out!("largest relative loss difference between modes: {worst:.2e}");
+    }
+}
+
+/// The loss fell and nothing registered after the first step, in every mode.
+pub fn check(results: &[Summary]) -> Result<(), String> {
+    for r in results {
+        let (first, last, mode) = (r.first_loss, r.last_loss, r.mode.name());
+        if !last.is_finite() || last >= first {
+            return Err(format!("{mode}: loss did not fall ({first} -> {last})"));
+        }
+        if r.registrations_after_first_step != 0 {
+            let n = r.registrations_after_first_step;
+            return Err(format!("{mode}: {n} registrations after the first step"));
+        }
+    }
+    Ok(())
+}
