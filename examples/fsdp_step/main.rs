@@ -164,15 +164,20 @@ pub fn run_one_rank<M: Math>(
 /// Train on the host backend, a thread per rank; returns rank 0's summaries.
 pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
     // Each mode gets a host "world" of its own: one backend per rank, sharing memory.
-    let mut per_rank: Vec<Vec<(Mode, SymmPool)>> = (0..args.ranks).map(|_| Vec::new()).collect();
+    let mut per_rank: Vec<Vec<(Mode, Backend)>> = (0..args.ranks).map(|_| Vec::new()).collect();
     for &mode in &args.modes {
         let host = HostConfig::new(args.ranks).with_timeout(pool_config(mode).timeout);
         for (rank, backend) in HostBackend::world(host)?.into_iter().enumerate() {
-            per_rank[rank].push((mode, make_pool(mode, backend)?));
+            per_rank[rank].push((mode, backend));
         }
     }
     let barrier = StepBarrier::new(args.ranks);
-    on_rank_threads(per_rank, &barrier, |pools| {
+    on_rank_threads(per_rank, &barrier, |backends| {
+        // Making a pool is collective: every rank makes its own, in the same order.
+        let pools = backends
+            .into_iter()
+            .map(|(mode, backend)| Ok((mode, make_pool(mode, backend)?)))
+            .collect::<Result<Vec<_>>>()?;
         run_one_rank(&host_math::HostMath::default(), pools, args, &barrier)
     })
 }
