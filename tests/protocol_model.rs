@@ -103,8 +103,8 @@
 //! protocol around it. They share no property, so they share no oracle.
 
 use proptest::prelude::*;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
@@ -121,14 +121,7 @@ const TIMEOUT: Duration = Duration::from_millis(250);
 const COMMS: usize = 3;
 const REGISTERING: [usize; 2] = [0, 1];
 /// Small (2 MiB segments), large shared (20 MiB segments) and dedicated sizes.
-const SIZES: [u64; 6] = [
-    4 * KIB,
-    256 * KIB,
-    768 * KIB,
-    3 * MIB,
-    6 * MIB,
-    12 * MIB,
-];
+const SIZES: [u64; 6] = [4 * KIB, 256 * KIB, 768 * KIB, 3 * MIB, 6 * MIB, 12 * MIB];
 
 // ---------------------------------------------------------------------------------
 // Test doubles: one of each on every rank, armed on the faulty rank for one step.
@@ -272,7 +265,11 @@ enum FaultKind {
     /// An inserted call during which `allocate` fails on the faulty rank.
     OutOfMemory(Op),
     /// An inserted call during which `register` fails on the faulty rank.
-    RegisterFails { op: Op, comm: usize, join: bool },
+    RegisterFails {
+        op: Op,
+        comm: usize,
+        join: bool,
+    },
     /// An inserted alloc during which the faulty rank's stream is capturing.
     Capture(u64),
     /// Everyone allocates and frees a buffer, then the faulty rank panics in `stats`.
@@ -310,6 +307,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         4 => (0usize..8).prop_map(Op::Free),
         1 => prop::sample::select(&[2 * MIB, 4 * MIB, 24 * MIB][..]).prop_map(Op::Reserve),
         1 => Just(Op::Trim),
+        // Usually refused (live buffers); when not, every later call meets a closed pool.
+        1 => Just(Op::Close),
     ]
 }
 
@@ -339,7 +338,11 @@ fn fault_strategy() -> impl Strategy<Value = FaultKind> {
 }
 
 fn case_strategy() -> impl Strategy<Value = Case> {
-    (2usize..=4, prop::collection::vec(op_strategy(), 1..14), fault_strategy())
+    (
+        2usize..=4,
+        prop::collection::vec(op_strategy(), 1..14),
+        fault_strategy(),
+    )
         .prop_flat_map(|(world, ops, fault)| {
             let len = ops.len();
             (Just(world), Just(ops), Just(fault), 0..world, 0..=len)
@@ -439,15 +442,27 @@ enum Got {
     Bytes(u64),
     Panicked,
     Divergence,
-    Timeout { op: &'static str, missing: Vec<usize> },
-    GroupBroken { rank: usize, op: &'static str },
-    PeerOutOfMemory { ranks: Vec<usize> },
+    Timeout {
+        op: &'static str,
+        missing: Vec<usize>,
+    },
+    GroupBroken {
+        rank: usize,
+        op: &'static str,
+    },
+    PeerOutOfMemory {
+        ranks: Vec<usize>,
+    },
     DeviceOutOfMemory,
     GraphCapture,
-    RegistrationBroken { rank: usize },
+    RegistrationBroken {
+        rank: usize,
+    },
     Nccl,
     PoolBroken,
-    BuffersAlive { live: Vec<u64> },
+    BuffersAlive {
+        live: Vec<u64>,
+    },
     PoolClosed,
 }
 
@@ -516,6 +531,10 @@ impl RankModel {
         if self.closed {
             Some(Got::PoolClosed)
         } else if self.broken {
+            // FINDING 4: refused here, the call is not recorded in the history, while
+            // the healthy peers' same call is: the next agreement then reports
+            // `Divergence`, not the `PoolBroken` that the pool's docs promise "on
+            // every rank", and until then the peers' cache hits succeed.
             Some(Got::PoolBroken)
         } else if self.diverged {
             // FINDING 1: `Error::Divergence` says "cache hits still work"; the pool
@@ -537,15 +556,15 @@ impl RankModel {
         ]
     }
 
-    fn ready(&self, capturing: bool) -> Ready {
+    fn ready(&self, capturing: bool) -> Flag {
         if self.broken || self.diverged {
-            Ready::PoolBroken
+            Flag::PoolBroken
         } else if self.registration_broken {
-            Ready::RegistrationBroken
+            Flag::RegistrationBroken
         } else if capturing {
-            Ready::Capturing
+            Flag::Capturing
         } else {
-            Ready::Ready
+            Flag::Ready
         }
     }
 
@@ -580,7 +599,7 @@ impl RankModel {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ready {
+enum Flag {
     Ready,
     Capturing,
     RegistrationBroken,
@@ -627,7 +646,10 @@ impl Model {
                     return Intent::Local(e);
                 }
                 rm.calls.push((Kind::Alloc, size, 512));
-                match rm.shadow.alloc(AllocRequest::new(size, rm.stream).with_align(1)) {
+                match rm
+                    .shadow
+                    .alloc(AllocRequest::new(size, rm.stream).with_align(1))
+                {
                     Ok(p) => {
                         rm.live.push(LiveBlock { block: p.block });
                         Intent::Local(Got::Placed(p.segment, p.offset_bytes))
@@ -696,8 +718,8 @@ impl Model {
             }
             Op::PanicInStats => {
                 // `stats` reaches the streams (and the panic) only for streams with
-                // fences recorded at frees.
-                if rm.fenced && !rm.closed {
+                // fences recorded at frees (remembered after `close` too).
+                if rm.fenced {
                     rm.broken = true;
                     Intent::Local(Got::Panicked)
                 } else {
@@ -709,6 +731,7 @@ impl Model {
 
     /// Predict the results of one step. `actual` only settles which waiting rank
     /// timed out first.
+    #[allow(clippy::needless_range_loop)] // ranks by index, as the protocol numbers them
     fn step(&mut self, step: &Step, actual: &[Got]) -> Vec<Got> {
         let n = self.n;
         let mut out = vec![Got::NotCalled; n];
@@ -749,7 +772,10 @@ impl Model {
                         missing: missing.clone(),
                     }
                 } else {
-                    Got::GroupBroken { rank: t, op: during }
+                    Got::GroupBroken {
+                        rank: t,
+                        op: during,
+                    }
                 };
             }
             self.group_broken = Some((t, during));
@@ -786,25 +812,30 @@ impl Model {
             }
             return out;
         }
-        let capturing = |i: usize| {
-            step.arm == (i, Arm::Capturing) && growth.is_some()
-        };
-        let flags: Vec<Ready> = (0..n).map(|i| self.ranks[i].ready(capturing(i))).collect();
-        if flags.contains(&Ready::PoolBroken) {
+        let capturing = |i: usize| step.arm == (i, Arm::Capturing) && growth.is_some();
+        let flags: Vec<Flag> = (0..n).map(|i| self.ranks[i].ready(capturing(i))).collect();
+        if flags.contains(&Flag::PoolBroken) {
             for i in 0..n {
                 out[i] = Got::PoolBroken;
                 self.ranks[i].broken = true;
             }
             return out;
         }
-        if flags.contains(&Ready::Capturing) {
+        if flags.contains(&Flag::Capturing) {
             out.fill(Got::GraphCapture);
             return out;
         }
-        if let Some(rank) = flags.iter().position(|&f| f == Ready::RegistrationBroken) {
+        if let Some(rank) = flags.iter().position(|&f| f == Flag::RegistrationBroken) {
             // FINDING 2 (when `op` is trim): `trim` is refused on a pool whose
             // registration broke, which `trim`'s and `RegistrationBroken`'s docs do
             // not say (they speak of growth only).
+            if op == 3 {
+                *SEEN
+                    .lock()
+                    .unwrap()
+                    .entry("finding 2: trim refused".into())
+                    .or_default() += 1;
+            }
             out.fill(Got::RegistrationBroken { rank });
             return out;
         }
@@ -860,6 +891,9 @@ impl Model {
             } else if joining.len() == n {
                 for &i in &joining {
                     if fault(i) == Some(true) {
+                        // FINDING 3 (on the last registering communicator): the peers'
+                        // registration completed, so they grow and this rank does not;
+                        // see `finding_3_...` below.
                         failed[i] = Some(Got::Nccl);
                     } else {
                         self.ranks[i].registrations[c] += 1;
@@ -912,7 +946,10 @@ impl Model {
                     out[i] = Got::Placed(p.segment, p.offset_bytes);
                 }
                 None => {
-                    let id = rm.shadow.add_shared_segment(size).expect("the shadow grows");
+                    let id = rm
+                        .shadow
+                        .add_shared_segment(size)
+                        .expect("the shadow grows");
                     out[i] = Got::Placed(id, 0);
                 }
             }
@@ -1046,6 +1083,7 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
         fault_seen |= step.faulty;
         let (ar, what) = step.arm;
         arm(&ranks[ar].faults, what);
+        let step_started = Instant::now();
         let actual: Vec<Got> = thread::scope(|s| {
             let hs: Vec<_> = ranks
                 .iter_mut()
@@ -1055,7 +1093,17 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         disarm(&ranks[ar].faults);
+        // Nobody waits past the timeout: a step holds at most one wait that times out
+        // per rank (an agreement or a registration), and a broken group fails at once.
+        let took = step_started.elapsed();
+        prop_assert!(
+            took < TIMEOUT * 2 + Duration::from_secs(2),
+            "step {} took {:?}",
+            k,
+            took
+        );
         let expected = model.step(step, &actual);
+        actual.iter().for_each(note);
         prop_assert_eq!(
             &actual,
             &expected,
@@ -1070,8 +1118,7 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
                 .filter(|g| matches!(g, Got::Placed(..)))
                 .collect();
             prop_assert!(
-                placed.len() == n && placed.windows(2).all(|w| w[0] == w[1])
-                    || placed.is_empty(),
+                placed.len() == n && placed.windows(2).all(|w| w[0] == w[1]) || placed.is_empty(),
                 "placement differs without a fault at step {}: {:?}",
                 k,
                 actual
@@ -1080,7 +1127,12 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
         for (i, (rank, rm)) in ranks.iter().zip(&model.ranks).enumerate() {
             let st = rank.pool.stats();
             let expect_segments = rm.shadow.stats().segments.current;
-            prop_assert_eq!(st.core.segments.current, expect_segments, "rank {} segments", i);
+            prop_assert_eq!(
+                st.core.segments.current,
+                expect_segments,
+                "rank {} segments",
+                i
+            );
             prop_assert_eq!(&st.windows[..], &rm.windows[..], "rank {} windows", i);
             prop_assert_eq!(
                 &st.registrations[..],
@@ -1116,17 +1168,51 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
     let faults: Vec<Arc<Faults>> = ranks.iter().map(|r| r.faults.clone()).collect();
     drop(ranks);
     for (i, f) in faults.iter().enumerate() {
-        prop_assert_eq!(f.live_segments.load(Ordering::SeqCst), 0, "rank {} leaked", i);
+        prop_assert_eq!(
+            f.live_segments.load(Ordering::SeqCst),
+            0,
+            "rank {} leaked",
+            i
+        );
     }
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+/// Outcomes seen over all cases (printed at the end, for judging coverage).
+static SEEN: std::sync::Mutex<std::collections::BTreeMap<String, u64>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
-    #[test]
-    fn the_protocol_follows_the_model(case in case_strategy()) {
-        run_case(&case)?;
+fn note(got: &Got) {
+    let name = format!("{got:?}");
+    let name = name
+        .split([' ', '(', '{'])
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    *SEEN.lock().unwrap().entry(name).or_default() += 1;
+}
+
+#[test]
+fn the_protocol_follows_the_model() {
+    // 48 cases unless PROPTEST_CASES says otherwise.
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(48);
+    let config = ProptestConfig {
+        cases,
+        ..ProptestConfig::default()
+    };
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    let started = Instant::now();
+    let result = runner.run(&case_strategy(), |case| run_case(&case));
+    eprintln!(
+        "{cases} cases in {:.1?}; outcomes seen: {:?}",
+        started.elapsed(),
+        SEEN.lock().unwrap()
+    );
+    if let Err(e) = result {
+        panic!("{e}");
     }
 }
 
@@ -1142,4 +1228,61 @@ fn the_last_buffer_of_an_unclosed_pool_releases_its_segment() {
     drop(rank);
     drop(buf);
     assert_eq!(faults.live_segments.load(Ordering::SeqCst), 0, "leaked");
+}
+
+/// FINDING 3, as the documentation promises it (ignored: it fails today).
+///
+/// Rank 1's registration on the last registering communicator fails *after* the
+/// registration itself went through (NCCL registered it, a later local step failed;
+/// the double joins and then returns `Error::Nccl`). Nothing follows registration in
+/// the growth protocol, so rank 0 keeps the new segment and its buffer while rank 1
+/// has neither: "every error leaves the pool consistent" and "nothing is allocated on
+/// error" hold on rank 1 only. Then:
+/// - the next allocation hits the cache on rank 0 and misses on rank 1, which enters an
+///   agreement alone and times out (the group is broken for good), instead of every
+///   rank getting `RegistrationBroken`;
+/// - had both missed, the state digests would differ and both would get `Divergence`.
+///
+/// A fix: a third agreement round after registration (each rank's "registered on
+/// every communicator"), undoing the growth on every rank if any failed, like the
+/// allocation confirmation does for memory.
+#[test]
+#[ignore = "FINDING 3: a registration failure on one rank after the registration went through leaves the ranks out of step"]
+fn finding_3_a_late_registration_failure_fails_the_growth_on_every_rank() {
+    let mut ranks = world(2);
+    ranks[1]
+        .faults
+        .join_before_failing
+        .store(true, Ordering::SeqCst);
+    ranks[1]
+        .faults
+        .fail_register_comm
+        .store(2, Ordering::SeqCst); // comm 1, the last
+    let first: Vec<Got> = thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| s.spawn(move || run_op(r, Op::Alloc(4 * KIB))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Today: [Placed(SegmentId(0), 0), Nccl].
+    assert!(
+        !matches!(first[0], Got::Placed(..)),
+        "rank 0 grew while rank 1's growth failed: {first:?}"
+    );
+    let second: Vec<Got> = thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| s.spawn(move || run_op(r, Op::Alloc(4 * KIB))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Today: [Placed(SegmentId(0), 4096), Timeout { op: "growth", missing: [0] }].
+    assert_eq!(
+        second,
+        vec![
+            Got::RegistrationBroken { rank: 1 },
+            Got::RegistrationBroken { rank: 1 }
+        ]
+    );
 }
