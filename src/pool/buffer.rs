@@ -17,6 +17,12 @@ use std::sync::{Arc, Mutex};
 /// larger (rounded to 512 B). Its offset in its segment is the same on every rank
 /// that made the same pool calls.
 pub struct SymmBuffer {
+    /// The segment's entry: its memory and windows (fixed while the buffer lives:
+    /// segments are only released when all their blocks are free). Declared before
+    /// `pool` so that it is dropped first: when this buffer holds the last handle to
+    /// a pool that was not closed, the pool's teardown must find the entry unshared,
+    /// or it leaks the segment and its windows.
+    entry: Arc<SegmentEntry>,
     pool: SymmPool,
     pub(crate) block: BlockId,
     segment: SegmentId,
@@ -25,9 +31,6 @@ pub struct SymmBuffer {
     block_bytes: u64,
     stream: Stream,
     others: Mutex<Vec<Stream>>,
-    /// The segment's entry: its memory and windows (fixed while the buffer lives:
-    /// segments are only released when all their blocks are free).
-    entry: Arc<SegmentEntry>,
 }
 
 impl fmt::Debug for SymmBuffer {
