@@ -153,6 +153,38 @@ pub(crate) fn divide(dtype: DType, acc: &mut [u8], n: usize) {
     }
 }
 
+/// The reduction over ranks, in rank order, with NCCL's averages: floating-point
+/// averages scale each input by 1/ranks first and then sum (NCCL's pre-multiplied
+/// sum), so they do not overflow where the mean fits; integer averages sum and then
+/// divide, as NCCL does.
+pub(crate) fn reduce_ranks(
+    dt: DType,
+    op: ReduceOp,
+    inputs: Vec<Vec<u8>>,
+) -> crate::error::Result<Vec<u8>> {
+    let n = inputs.len();
+    let premul = op == ReduceOp::Avg && dt != DType::U8;
+    let mut acc: Option<Vec<u8>> = None;
+    for mut data in inputs {
+        if premul {
+            divide(dt, &mut data, n);
+        }
+        match &mut acc {
+            None => acc = Some(data),
+            Some(a) => reduce_into(dt, op, a, &data),
+        }
+    }
+    let Some(mut acc) = acc else {
+        return Err(crate::error::Error::Internal {
+            what: "a collective with no ranks".into(),
+        });
+    };
+    if op == ReduceOp::Avg && !premul {
+        divide(dt, &mut acc, n);
+    }
+    Ok(acc)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -207,6 +207,18 @@ pub enum Error {
         /// Per rank, in rank order: (rank, pool name, segment bytes).
         order: Vec<(usize, String, u64)>,
     },
+    /// A shared-memory operation of the multi-process host backend failed (creating,
+    /// sizing or mapping a segment, or mapping a peer's).
+    #[error("shared memory: {op} failed ({detail}): {source}")]
+    SharedMemory {
+        /// What was being done.
+        op: &'static str,
+        /// Which segment or peer.
+        detail: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
     /// Ranks registered segments of different sizes at the same position.
     #[error("ranks registered different segment sizes at registration #{ordinal}: {sizes:?}")]
     RegistrationMismatch {

@@ -2,15 +2,15 @@
 //! `StoreExchange`, and the store with real processes (this test binary re-executes
 //! itself as the ranks, selected by `SYMMPOOL_TEST_CHILD`).
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
-use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::Error;
+
+mod common;
 use symmpool::control::{
     ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
 };
@@ -284,7 +284,7 @@ fn store_start_up_times_out_naming_the_missing_ranks() {
 // ---------------------------------------------------------------------------------
 // Processes. The child role: run when SYMMPOOL_TEST_CHILD is set, a no-op otherwise.
 
-const CHILD: &str = "SYMMPOOL_TEST_CHILD";
+use common::procs::{CHILD, HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS, Job};
 
 #[test]
 fn child_process_entry() {
@@ -368,133 +368,6 @@ fn child_main() -> i32 {
     0
 }
 
-/// A job of child processes, killed and reaped on every path.
-struct Job {
-    children: Vec<Child>,
-    lines: mpsc::Receiver<(usize, String)>,
-    tx: mpsc::Sender<(usize, String)>,
-    seen: Vec<(usize, String)>,
-    port: u16,
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-const HEARTBEAT_MS: u64 = 200;
-const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
-
-impl Job {
-    /// Start rank 0 (which reports its port), then the others; `env(rank)` adds
-    /// variables.
-    fn start(world: usize, env: impl Fn(usize) -> Vec<(&'static str, String)>) -> Job {
-        let (tx, lines) = mpsc::channel();
-        let mut job = Job {
-            children: Vec::new(),
-            lines,
-            tx,
-            seen: Vec::new(),
-            port: 0,
-        };
-        job.spawn(0, world, &env(0));
-        let port = job.expect(0, "@@port ", Duration::from_secs(30));
-        job.port = port.trim().parse().unwrap();
-        for rank in 1..world {
-            job.spawn(rank, world, &env(rank));
-        }
-        job
-    }
-
-    fn spawn(&mut self, rank: usize, world: usize, extra: &[(&'static str, String)]) {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args([
-            "--exact",
-            "child_process_entry",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", self.port.to_string())
-        .env("SYMMPOOL_TOKEN", "job-token")
-        .env("SYMMPOOL_HEARTBEAT_INTERVAL_MS", HEARTBEAT_MS.to_string())
-        .env(
-            "SYMMPOOL_HEARTBEAT_TIMEOUT_MS",
-            HEARTBEAT_TIMEOUT_MS.to_string(),
-        )
-        .env("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", "2000")
-        .env("SYMMPOOL_STARTUP_TIMEOUT_MS", "60000")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-        for (k, v) in extra {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let out = child.stdout.take().unwrap();
-        let tx = self.tx.clone();
-        thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
-                // libtest prints "test child_process_entry ... " before the first line.
-                if let Some(at) = line.find("@@") {
-                    let _ = tx.send((rank, line[at..].to_string()));
-                }
-            }
-        });
-        self.children.push(child);
-    }
-
-    /// The rest of `rank`'s first line starting with `prefix`, waiting up to `timeout`.
-    fn expect(&mut self, rank: usize, prefix: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(i) = self
-                .seen
-                .iter()
-                .position(|(r, l)| *r == rank && l.starts_with(prefix))
-            {
-                return self.seen.remove(i).1[prefix.len()..].to_string();
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => self.seen.push(l),
-                Err(_) => panic!(
-                    "rank {rank} did not print {prefix:?} within {timeout:?}; seen {:?}",
-                    self.seen
-                ),
-            }
-        }
-    }
-
-    /// Wait for the given ranks to exit; their exit codes.
-    fn wait(&mut self, ranks: &[usize], timeout: Duration) -> Vec<i32> {
-        let deadline = Instant::now() + timeout;
-        let mut codes: HashMap<usize, i32> = HashMap::new();
-        while codes.len() < ranks.len() {
-            for &r in ranks {
-                if let std::collections::hash_map::Entry::Vacant(e) = codes.entry(r)
-                    && let Some(st) = self.children[r].try_wait().unwrap()
-                {
-                    e.insert(st.code().unwrap_or(-1));
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "ranks {ranks:?} did not all exit within {timeout:?} (exited: {codes:?})"
-            );
-            thread::sleep(Duration::from_millis(10));
-        }
-        ranks.iter().map(|r| codes[r]).collect()
-    }
-}
-
 fn no_env(_: usize) -> Vec<(&'static str, String)> {
     Vec::new()
 }
@@ -502,7 +375,7 @@ fn no_env(_: usize) -> Vec<(&'static str, String)> {
 #[test]
 fn processes_2_4_and_8_complete_their_rounds() {
     for world in [2, 4, 8] {
-        let mut job = Job::start(world, no_env);
+        let mut job = Job::start("child_process_entry", world, no_env);
         let all: Vec<usize> = (0..world).collect();
         assert_eq!(
             job.wait(&all, Duration::from_secs(120)),
@@ -517,7 +390,9 @@ fn processes_2_4_and_8_complete_their_rounds() {
 
 /// Kill (or stop) `victim` once it stalls mid-round; every other rank reports it lost.
 fn lose_a_rank(world: usize, victim: usize, stop: bool) -> (Duration, Vec<String>) {
-    let mut job = Job::start(world, |_| vec![("CHILD_VICTIM", victim.to_string())]);
+    let mut job = Job::start("child_process_entry", world, |_| {
+        vec![("CHILD_VICTIM", victim.to_string())]
+    });
     job.expect(victim, "@@stalled", Duration::from_secs(60));
     for r in (0..world).filter(|r| *r != victim) {
         job.expect(r, "@@waiting", Duration::from_secs(60));
@@ -583,7 +458,7 @@ fn a_frozen_rank_is_lost_by_missing_heartbeats() {
 
 #[test]
 fn a_rank_starting_10_s_late_still_completes() {
-    let mut job = Job::start(3, |r| {
+    let mut job = Job::start("child_process_entry", 3, |r| {
         if r == 2 {
             vec![("CHILD_DELAY_MS", "10000".to_string())]
         } else {
@@ -636,7 +511,7 @@ fn hello(token: &[u8], rank: u8, world: u8) -> Vec<u8> {
 
 #[test]
 fn bad_clients_on_the_store_port_do_not_disturb_a_running_job() {
-    let mut job = Job::start(3, |r| {
+    let mut job = Job::start("child_process_entry", 3, |r| {
         if r == 0 {
             vec![("CHILD_WAIT_STDIN", "1".to_string())]
         } else {

@@ -560,29 +560,11 @@ impl Collectives for HostBackend {
         let me = self.rank as u64;
         self.collective(args, "reduce_scatter", |posts| {
             // Pull: reduce this rank's chunk of every rank's input, in rank order.
-            // Floating-point averages scale each input by 1/ranks first and then sum
-            // (NCCL's pre-multiplied sum), so they do not overflow where the mean fits;
-            // integer averages sum and then divide, as NCCL does.
-            let premul = args.op == ReduceOp::Avg && args.dtype != DType::U8;
-            let mut acc: Option<Vec<u8>> = None;
-            for p in posts {
-                let mut data = read_region(&p.send.0, p.send.1.saturating_add(me * chunk), chunk)?;
-                if premul {
-                    dtype::divide(args.dtype, &mut data, posts.len());
-                }
-                match &mut acc {
-                    None => acc = Some(data),
-                    Some(a) => dtype::reduce_into(args.dtype, args.op, a, &data),
-                }
-            }
-            let Some(mut acc) = acc else {
-                return Err(Error::Internal {
-                    what: "a collective with no ranks".into(),
-                });
-            };
-            if args.op == ReduceOp::Avg && !premul {
-                dtype::divide(args.dtype, &mut acc, posts.len());
-            }
+            let inputs = posts
+                .iter()
+                .map(|p| read_region(&p.send.0, p.send.1.saturating_add(me * chunk), chunk))
+                .collect::<Result<Vec<_>>>()?;
+            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
             let (recv, recv_off, _) = &posts[self.rank].recv;
             let mut out = lock_bytes(recv);
             let range = bounds(out.len(), *recv_off, chunk)?;

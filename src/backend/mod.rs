@@ -34,10 +34,14 @@ pub mod host;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub(crate) mod rendezvous;
+#[cfg(target_os = "linux")]
+pub mod shm;
 
 pub use host::{HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclBackend, NcclWorldConfig};
+#[cfg(target_os = "linux")]
+pub use shm::{ShmBackend, ShmConfig};
 
 use crate::control::{ChannelId, Exchange};
 use crate::core::{Fence, StreamId};

@@ -3,4 +3,5 @@
 pub mod fsdp_trace;
 #[cfg(feature = "nccl")]
 pub mod gpu;
+pub mod procs;
 pub mod rng;

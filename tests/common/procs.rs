@@ -1,0 +1,146 @@
+//! Multi-process jobs for tests: the test binary re-executes itself as every rank
+//! (running one test function, chosen by name, with torchrun-style variables on
+//! 127.0.0.1), reads their `@@`-prefixed lines, and kills and reaps every child on
+//! every path.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Set in a child: run the child role.
+pub const CHILD: &str = "SYMMPOOL_TEST_CHILD";
+
+/// A job of child processes, killed and reaped on every path.
+pub struct Job {
+    /// The test function the children run (by `--exact` name).
+    entry: &'static str,
+    /// The children, by rank.
+    pub children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    tx: mpsc::Sender<(usize, String)>,
+    /// Lines read and not yet consumed.
+    pub seen: Vec<(usize, String)>,
+    /// The store port rank 0 reported.
+    pub port: u16,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub const HEARTBEAT_MS: u64 = 200;
+pub const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
+
+impl Job {
+    /// Start rank 0 (which reports its port), then the others; `env(rank)` adds
+    /// variables.
+    pub fn start(
+        entry: &'static str,
+        world: usize,
+        env: impl Fn(usize) -> Vec<(&'static str, String)>,
+    ) -> Job {
+        let (tx, lines) = mpsc::channel();
+        let mut job = Job {
+            entry,
+            children: Vec::new(),
+            lines,
+            tx,
+            seen: Vec::new(),
+            port: 0,
+        };
+        job.spawn(0, world, &env(0));
+        let port = job.expect(0, "@@port ", Duration::from_secs(30));
+        job.port = port.trim().parse().unwrap();
+        for rank in 1..world {
+            job.spawn(rank, world, &env(rank));
+        }
+        job
+    }
+
+    pub fn spawn(&mut self, rank: usize, world: usize, extra: &[(&'static str, String)]) {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", self.entry, "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", self.port.to_string())
+            .env("SYMMPOOL_TOKEN", "job-token")
+            .env("SYMMPOOL_HEARTBEAT_INTERVAL_MS", HEARTBEAT_MS.to_string())
+            .env(
+                "SYMMPOOL_HEARTBEAT_TIMEOUT_MS",
+                HEARTBEAT_TIMEOUT_MS.to_string(),
+            )
+            .env("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", "2000")
+            .env("SYMMPOOL_STARTUP_TIMEOUT_MS", "60000")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let out = child.stdout.take().unwrap();
+        let tx = self.tx.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                // libtest prints "test child_process_entry ... " before the first line.
+                if let Some(at) = line.find("@@") {
+                    let _ = tx.send((rank, line[at..].to_string()));
+                }
+            }
+        });
+        self.children.push(child);
+    }
+
+    /// The rest of `rank`'s first line starting with `prefix`, waiting up to `timeout`.
+    pub fn expect(&mut self, rank: usize, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(i) = self
+                .seen
+                .iter()
+                .position(|(r, l)| *r == rank && l.starts_with(prefix))
+            {
+                return self.seen.remove(i).1[prefix.len()..].to_string();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!(
+                    "rank {rank} did not print {prefix:?} within {timeout:?}; seen {:?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// Wait for the given ranks to exit; their exit codes.
+    pub fn wait(&mut self, ranks: &[usize], timeout: Duration) -> Vec<i32> {
+        let deadline = Instant::now() + timeout;
+        let mut codes: HashMap<usize, i32> = HashMap::new();
+        while codes.len() < ranks.len() {
+            for &r in ranks {
+                if let std::collections::hash_map::Entry::Vacant(e) = codes.entry(r)
+                    && let Some(st) = self.children[r].try_wait().unwrap()
+                {
+                    e.insert(st.code().unwrap_or(-1));
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "ranks {ranks:?} did not all exit within {timeout:?} (exited: {codes:?})"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        ranks.iter().map(|r| codes[r]).collect()
+    }
+}
