@@ -97,3 +97,89 @@ fn spread_of_a_sample() {
     assert_eq!(Spread::of(&[4.0, 1.0, 2.0]).median, 2.0);
     assert!(Spread::of(&[]).median.is_nan());
 }
+
+mod common;
+
+use common::procs::{CHILD, Job};
+use std::time::{Duration, Instant};
+
+/// The child role: one rank of the example, from the launcher-style environment.
+#[test]
+fn example_rank_entry() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let world: usize = std::env::var("WORLD_SIZE").unwrap().parse().unwrap();
+    let mut args = Args::host(vec![Mode::Auto]);
+    args.ranks = world;
+    args.hidden = 48; // 48² splits over 2, 3, 4 and 6 ranks
+    args.steps = std::env::var("CHILD_STEPS").map_or(30, |s| s.parse().unwrap());
+    args.quiet = false;
+    let code = match fsdp_step::launch::run_as_rank(&args) {
+        Ok(Some(results)) => {
+            check(&results).unwrap();
+            println!("@@done");
+            0
+        }
+        Ok(None) => {
+            println!("@@done");
+            0
+        }
+        Err(e) => {
+            println!("@@error {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn shm_entries() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn the_example_runs_as_one_process_per_rank() {
+    let mut job = Job::start_on_free_port("example_rank_entry", 3, |_| Vec::new());
+    let codes = job.wait(&[0, 1, 2], Duration::from_secs(120));
+    assert_eq!(codes, vec![0, 0, 0], "{:?}", job.seen);
+    for r in 0..3 {
+        job.expect(r, "@@done", Duration::from_secs(5));
+    }
+}
+
+#[test]
+fn kill_9_of_a_rank_during_a_training_step_stops_every_other_rank_naming_it() {
+    let before = shm_entries();
+    let victim = 2;
+    let mut job = Job::start_on_free_port("example_rank_entry", 3, |_| {
+        vec![("CHILD_STEPS", "100000".to_string())]
+    });
+    // Rank 0 prints a line per step: the ranks are training.
+    job.expect(0, "[auto] step  20 ", Duration::from_secs(120));
+    let t0 = Instant::now();
+    job.children[victim].kill().unwrap();
+    let codes = job.wait(&[0, 1], Duration::from_secs(60));
+    let took = t0.elapsed();
+    assert_eq!(codes, vec![1, 1], "{:?}", job.seen);
+    for r in [0, 1] {
+        let e = job.expect(r, "@@error ", Duration::from_secs(5));
+        assert!(
+            e.contains(&format!("rank {victim} was lost")),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(
+        took < Duration::from_secs(10),
+        "the others stopped after {took:?}"
+    );
+    drop(job); // reaps every child
+    assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
+}

@@ -99,6 +99,11 @@ pub struct Cli {
     /// Where to run
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
+    /// Start this many processes of this program, one rank each (torchrun-style
+    /// variables on 127.0.0.1), and print rank 0's results; launched by torchrun,
+    /// srun or mpirun instead, each process runs one rank from the environment
+    #[arg(long, value_parser = at_least::<1>)]
+    pub nproc: Option<usize>,
     /// Print one JSON object per mode instead of the table
     #[arg(long)]
     pub json: bool,
@@ -175,7 +180,8 @@ impl Cli {
     /// Resolve the defaults (they depend on whether the run is on GPUs; `gpus` is how
     /// many this machine has). An invalid combination exits with a usage error (code 2).
     pub fn resolve(&self, gpus: usize) -> Args {
-        let ranks = self.ranks.unwrap_or(2);
+        let launched = symmpool::Launch::from_env().ok().map(|l| l.world_size);
+        let ranks = launched.or(self.nproc).or(self.ranks).unwrap_or(2);
         let backend = match self.backend {
             BackendChoice::Auto if gpus >= ranks.max(2) => BackendChoice::Nccl,
             BackendChoice::Auto => BackendChoice::Host,

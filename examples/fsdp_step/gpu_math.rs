@@ -10,7 +10,7 @@ use super::trainer::{Math, On};
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclWorldConfig};
-use symmpool::{Result, Stream, SymmBuffer, bf16};
+use symmpool::{Backend, Result, Stream, SymmBuffer, SymmPool, bf16};
 
 /// One rank's GPU math: a compute and a communication stream, a cuBLAS handle on each.
 pub struct GpuMath {
@@ -161,15 +161,46 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
             .iter()
             .map(|m| Ok((*m, super::make_pool(*m, b.clone())?)))
             .collect::<Result<Vec<(Mode, _)>>>()?;
-        let (compute, comm) = (nccl.cuda_stream()?, nccl.cuda_stream()?);
-        let math = GpuMath {
-            blas_compute: cublas::Blas::new(compute.clone()).map_err(e)?,
-            blas_comm: cublas::Blas::new(comm.clone()).map_err(e)?,
-            compute: Stream::cuda(compute),
-            comm: Stream::cuda(comm),
-        };
+        let math = GpuMath::new(nccl)?;
         let out = super::run_one_rank(&math, pools, args, &barrier);
         math.sync()?;
         out
     })
+}
+
+impl GpuMath {
+    /// cuBLAS on a compute and a communication stream of the backend's device.
+    fn new(nccl: &NcclBackend) -> Result<GpuMath> {
+        let (compute, comm) = (nccl.cuda_stream()?, nccl.cuda_stream()?);
+        Ok(GpuMath {
+            blas_compute: cublas::Blas::new(compute.clone()).map_err(e)?,
+            blas_comm: cublas::Blas::new(comm.clone()).map_err(e)?,
+            compute: Stream::cuda(compute),
+            comm: Stream::cuda(comm),
+        })
+    }
+}
+
+/// This process's rank on NCCL, set up from the launcher's environment.
+pub fn process_backend(exchange: std::sync::Arc<dyn symmpool::Exchange>) -> Result<Backend> {
+    let _ = exchange;
+    Err(e(
+        "NCCL set-up from the environment is not available yet".into()
+    ))
+}
+
+/// Train this process's rank on its GPU.
+pub fn run_process_rank(
+    backend: &Backend,
+    pools: Vec<(Mode, SymmPool)>,
+    args: &Args,
+    barrier: &dyn super::ranks::StepSync,
+) -> Result<Vec<Summary>> {
+    let nccl = backend
+        .downcast_ref::<NcclBackend>()
+        .ok_or_else(|| e("not an NCCL backend".into()))?;
+    let math = GpuMath::new(nccl)?;
+    let out = super::run_one_rank(&math, pools, args, barrier);
+    math.sync()?;
+    out
 }

@@ -33,6 +33,7 @@ mod cublas;
 #[cfg(feature = "nccl")]
 mod gpu_math;
 mod host_math;
+pub mod launch;
 mod ranks;
 mod report;
 mod trainer;
@@ -41,7 +42,7 @@ pub use cli::{Args, BackendChoice, Cli, Mode};
 pub use report::{Log, Spread, Summary, check};
 
 use clap::Parser;
-use ranks::{StepBarrier, on_rank_threads};
+use ranks::{StepBarrier, StepSync, on_rank_threads};
 use symmpool::coll::{self, Choice, Path, PathPolicy};
 use symmpool::{
     Backend, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream, SymmBuffer,
@@ -115,7 +116,7 @@ pub fn run_one_rank<M: Math>(
     math: &M,
     pools: Vec<(Mode, SymmPool)>,
     args: &Args,
-    barrier: &StepBarrier,
+    barrier: &dyn StepSync,
 ) -> Result<Vec<Summary>> {
     let first = &pools[0].1;
     let (rank, world) = (first.rank(), first.world_size());
@@ -155,11 +156,10 @@ pub fn run_one_rank<M: Math>(
 }
 
 // ---------------------------------------------------------------------------------
-// 4. Starting the ranks: threads in this process, on the host backend or on local
-//    GPUs (`gpu_math::run`). Ranks as processes (`--nproc N`, torchrun-style RANK /
-//    WORLD_SIZE / LOCAL_RANK) would be a `launch.rs` beside `ranks.rs`: each process
-//    calls `run_one_rank` and prints its summaries as JSON; the parent reads them back
-//    (`Summary` deserialises) and prints rank 0's with `report::print`.
+// 4. Starting the ranks. As users' jobs run: one process per rank (`launch.rs`:
+//    `--nproc N` starts N processes of this program; torchrun, srun or mpirun start
+//    them with the rank in the environment). As a test harness: threads in this
+//    process, on the host backend or on local GPUs (`gpu_math::run`).
 
 /// Train on the host backend, a thread per rank; returns rank 0's summaries.
 pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
@@ -192,9 +192,43 @@ fn gpu_count() -> usize {
 fn main() {
     let cli = Cli::parse();
     let args = cli.resolve(gpu_count());
-    let results = match args.backend {
+    let results = if launch::is_rank_process() {
+        // Started by a launcher (or by `--nproc`): this process is one rank.
+        match launch::run_as_rank(&args) {
+            Ok(Some(results)) => results,
+            Ok(None) => return, // not rank 0: rank 0 reports
+            Err(err) => {
+                eprintln!("fsdp_step: {err}");
+                std::process::exit(1)
+            }
+        }
+    } else if let Some(n) = cli.nproc {
+        launch::spawn_ranks(n).unwrap_or_else(|err| {
+            eprintln!("fsdp_step: {err}");
+            std::process::exit(1)
+        })
+    } else {
+        run_threads(&cli, &args).unwrap_or_else(|err| {
+            eprintln!("fsdp_step: {err}");
+            std::process::exit(1)
+        })
+    };
+    if launch::is_child() {
+        launch::report_to_parent(&results);
+        return;
+    }
+    report::print(&args, &results);
+    if let Err(msg) = check(&results) {
+        eprintln!("fsdp_step: check failed: {msg}");
+        std::process::exit(1);
+    }
+}
+
+/// Ranks as threads of this process (a test harness).
+fn run_threads(cli: &Cli, args: &Args) -> Result<Vec<Summary>> {
+    match args.backend {
         #[cfg(feature = "nccl")]
-        BackendChoice::Nccl => gpu_math::run(&args),
+        BackendChoice::Nccl => gpu_math::run(args),
         #[cfg(not(feature = "nccl"))]
         BackendChoice::Nccl => {
             eprintln!("fsdp_step: built without the `nccl` feature");
@@ -207,16 +241,7 @@ fn main() {
                     "no GPUs found (or fewer than {n}): running on the host backend"
                 ));
             }
-            run_host(&args)
+            run_host(args)
         }
-    };
-    let results = results.unwrap_or_else(|err| {
-        eprintln!("fsdp_step: {err}");
-        std::process::exit(1)
-    });
-    report::print(&args, &results);
-    if let Err(msg) = check(&results) {
-        eprintln!("fsdp_step: check failed: {msg}");
-        std::process::exit(1);
     }
 }

@@ -5,6 +5,22 @@
 use std::sync::{Condvar, Mutex};
 use symmpool::{Error, Result};
 
+/// What lines the ranks up before each step: a [`StepBarrier`] for threads, a round
+/// on the control plane for processes (`launch.rs`).
+pub trait StepSync: Sync {
+    /// Wait for every rank.
+    ///
+    /// # Errors
+    /// The barrier is broken (a rank failed, or was lost).
+    fn wait(&self) -> Result<()>;
+}
+
+impl StepSync for StepBarrier {
+    fn wait(&self) -> Result<()> {
+        StepBarrier::wait(self)
+    }
+}
+
 /// A barrier that a failing rank breaks, so the other ranks stop instead of waiting
 /// for it forever (`std::sync::Barrier` cannot be broken).
 #[derive(Debug)]

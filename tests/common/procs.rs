@@ -65,6 +65,32 @@ impl Job {
         job
     }
 
+    /// Start every rank at once on a free port chosen here (for children that bind
+    /// `MASTER_PORT` themselves, as a launcher's ranks do).
+    pub fn start_on_free_port(
+        entry: &'static str,
+        world: usize,
+        env: impl Fn(usize) -> Vec<(&'static str, String)>,
+    ) -> Job {
+        let (tx, lines) = mpsc::channel();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        let mut job = Job {
+            entry,
+            children: Vec::new(),
+            lines,
+            tx,
+            seen: Vec::new(),
+            port,
+        };
+        for rank in 0..world {
+            job.spawn(rank, world, &env(rank));
+        }
+        job
+    }
+
     pub fn spawn(&mut self, rank: usize, world: usize, extra: &[(&'static str, String)]) {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args(["--exact", self.entry, "--nocapture", "--test-threads=1"])
@@ -93,9 +119,12 @@ impl Job {
         thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
                 // libtest prints "test child_process_entry ... " before the first line.
-                if let Some(at) = line.find("@@") {
-                    let _ = tx.send((rank, line[at..].to_string()));
-                }
+                // Lines with a `@@` marker are kept from the marker on; others whole.
+                let kept = match line.find("@@") {
+                    Some(at) => line[at..].to_string(),
+                    None => line,
+                };
+                let _ = tx.send((rank, kept));
             }
         });
         self.children.push(child);

@@ -1,0 +1,218 @@
+//! Ranks as processes, the shape of a real job.
+//!
+//! Launched by torchrun, `srun` or `mpirun`, each process reads its rank from the
+//! environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or
+//! slurm's and Open MPI's), joins the crate's rendezvous store (rank 0 hosts it) and
+//! runs one rank: NCCL on its GPU where there are GPUs, the shared-memory host
+//! backend otherwise. `--nproc N` does the launcher's job on this machine: it starts
+//! N processes of this program with those variables on 127.0.0.1 and prints rank 0's
+//! results.
+
+use super::{Args, BackendChoice, Summary, make_pool, ranks::StepSync, run_one_rank};
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use symmpool::control::{ChannelId, Exchange, StoreExchange};
+use symmpool::{Error, Launch, Result};
+
+/// Set in the processes `--nproc` starts: they report to their parent.
+const CHILD_VAR: &str = "SYMMPOOL_FSDP_CHILD";
+/// The line prefix of a child's results.
+const SUMMARY: &str = "@@summary ";
+
+/// Whether a launcher started this process as one rank.
+pub fn is_rank_process() -> bool {
+    Launch::from_env().is_ok()
+}
+
+/// Whether `--nproc` started this process (it reports to its parent).
+pub fn is_child() -> bool {
+    std::env::var_os(CHILD_VAR).is_some()
+}
+
+/// A step barrier over the control plane: a round on a channel of its own.
+struct ExchangeBarrier {
+    exchange: Arc<dyn Exchange>,
+    channel: ChannelId,
+    timeout: Duration,
+}
+
+impl StepSync for ExchangeBarrier {
+    fn wait(&self) -> Result<()> {
+        self.exchange
+            .all_gather(self.channel, "fsdp_step step", &[], self.timeout)
+            .map(|_| ())
+    }
+}
+
+/// Run this process's rank; rank 0 returns the results, the others `None`.
+pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
+    let exchange: Arc<dyn Exchange> = Arc::new(StoreExchange::from_env()?);
+    let rank = exchange.rank();
+    let timeout = symmpool::PoolConfig::default().timeout;
+    let backend = match args.backend {
+        #[cfg(feature = "nccl")]
+        BackendChoice::Nccl => super::gpu_math::process_backend(exchange.clone())?,
+        _ => symmpool::backend::ShmBackend::join(
+            exchange.clone(),
+            symmpool::backend::ShmConfig::default().with_timeout(timeout),
+        )?,
+    };
+    // Making pools is collective: every rank makes them in the same order.
+    let pools = args
+        .modes
+        .iter()
+        .map(|&mode| Ok((mode, make_pool(mode, backend.clone())?)))
+        .collect::<Result<Vec<_>>>()?;
+    let barrier = ExchangeBarrier {
+        channel: exchange.open_channel("fsdp_step:steps", timeout)?,
+        exchange: exchange.clone(),
+        timeout,
+    };
+    let summaries = match args.backend {
+        #[cfg(feature = "nccl")]
+        BackendChoice::Nccl => super::gpu_math::run_process_rank(&backend, pools, args, &barrier)?,
+        _ => run_one_rank(
+            &super::host_math::HostMath::default(),
+            pools,
+            args,
+            &barrier,
+        )?,
+    };
+    Ok((rank == 0).then_some(summaries))
+}
+
+/// Print rank 0's results for the parent (`--nproc`).
+pub fn report_to_parent(results: &[Summary]) {
+    match serde_json::to_string(results) {
+        Ok(json) => println!("{SUMMARY}{json}"),
+        Err(e) => eprintln!("fsdp_step: cannot encode the summary: {e}"),
+    }
+}
+
+/// The children of `--nproc`, killed and reaped however this process leaves.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// This program's arguments without `--nproc N`.
+fn passthrough_args() -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--nproc" {
+            args.next();
+        } else if !a.starts_with("--nproc=") {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// How long the ranks of a job may take in all (a bound, not an estimate).
+const JOB_LIMIT: Duration = Duration::from_secs(30 * 60);
+/// After one rank fails, how long the others get to notice and leave on their own
+/// (the control plane reports a lost rank within seconds).
+const GRACE: Duration = Duration::from_secs(20);
+
+/// Start `n` processes of this program, one rank each, on 127.0.0.1; return rank 0's
+/// results once every rank has finished.
+pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
+    let io = |op: &'static str| {
+        move |source: std::io::Error| Error::Transport {
+            op,
+            detail: "fsdp_step --nproc".into(),
+            source,
+        }
+    };
+    // A free port for rank 0's store (released just before rank 0 binds it).
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(io("finding a free port"))?
+        .port();
+    let exe = std::env::current_exe().map_err(io("finding this program"))?;
+    let mut children = Children(Vec::new());
+    for rank in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args(passthrough_args())
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env(CHILD_VAR, "1")
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .stdout(if rank == 0 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
+        children.0.push(cmd.spawn().map_err(io("starting a rank"))?);
+    }
+    // Rank 0's output: its step lines go through, its results are kept.
+    let out = children.0[0].stdout.take();
+    let reader = std::thread::spawn(move || {
+        let mut results = None;
+        for line in out
+            .into_iter()
+            .flat_map(|o| BufReader::new(o).lines().map_while(|l| l.ok()))
+        {
+            match line.strip_prefix(SUMMARY) {
+                Some(json) => results = serde_json::from_str::<Vec<Summary>>(json).ok(),
+                None => println!("{line}"),
+            }
+        }
+        results
+    });
+    let started = Instant::now();
+    let mut codes: Vec<Option<i32>> = vec![None; n];
+    let mut first_failure: Option<Instant> = None;
+    while codes.iter().any(Option::is_none) {
+        for (rank, c) in children.0.iter_mut().enumerate() {
+            if codes[rank].is_none()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                let code = status.code().unwrap_or(-1);
+                codes[rank] = Some(code);
+                if code != 0 && first_failure.is_none() {
+                    first_failure = Some(Instant::now());
+                }
+            }
+        }
+        let late =
+            first_failure.is_some_and(|t| t.elapsed() > GRACE) || started.elapsed() > JOB_LIMIT;
+        if late {
+            break; // the guard kills what is left
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(children);
+    let results = reader.join().ok().flatten();
+    let failed: Vec<String> = codes
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c != Some(0))
+        .map(|(r, c)| match c {
+            Some(code) => format!("rank {r} exited with {code}"),
+            None => format!("rank {r} was stopped"),
+        })
+        .collect();
+    if !failed.is_empty() {
+        return Err(Error::InvalidConfig(format!(
+            "the job failed: {}",
+            failed.join(", ")
+        )));
+    }
+    results.ok_or_else(|| Error::InvalidConfig("rank 0 reported no results".into()))
+}
