@@ -283,15 +283,22 @@ impl ClientShared {
         drop(inbox);
         let got = {
             let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
-            match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
+            let before = reader.bytes_read();
+            let got = match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
                 Ok(()) => reader.frame(),
                 Err(e) => Err(ReadError::Io(e)),
-            }
+            };
+            (got, reader.bytes_read() > before)
         };
+        let (got, progressed) = got;
         let mut inbox = self.inbox();
         inbox.reader_busy = false;
         let now = Instant::now();
         inbox.last_read = now;
+        if progressed {
+            // Bytes of a large frame still arriving: the server is alive.
+            inbox.last_heard = now;
+        }
         match got {
             Ok(Some(body)) => {
                 inbox.last_heard = now;
@@ -500,6 +507,13 @@ impl StoreExchange {
         let target = targets[0].clone();
         let stream = connect_retrying(&target, deadline, config.startup_timeout)?;
         let _ = stream.set_nodelay(true);
+        // Writes to a server that stops reading fail after a heartbeat timeout.
+        stream
+            .set_write_timeout(Some(config.heartbeat_timeout))
+            .map_err(transport(
+                "configuring the store connection",
+                target.clone(),
+            ))?;
         // Handshake: preface and hello in one write; the server's preface and verdict.
         let mut hello = wire::preface().to_vec();
         hello.extend(wire::encode(&ToServer::Hello {

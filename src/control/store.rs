@@ -377,6 +377,16 @@ fn read_until<T>(
 /// One connection: handshake, then that rank's frames.
 fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    // A rank that stops reading must not block the server's writes (made under its
+    // state lock) without bound: a write that makes no progress for a heartbeat
+    // timeout fails, and that rank departs.
+    if stream
+        .set_write_timeout(Some(shared.heartbeat_timeout))
+        .is_err()
+    {
+        shared.reject(peer, "could not set a write timeout");
+        return;
+    }
     let Ok(read_half) = stream.try_clone() else {
         shared.reject(peer, "could not clone the socket");
         return;
@@ -510,10 +520,19 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         return shared.depart(&mut st, rank, Some(id), "could not set a read timeout");
     }
     loop {
+        let before = reader.bytes_read();
         let msg = match reader.frame() {
             Ok(None) => {
                 if shared.shutdown.load(Ordering::SeqCst) {
                     return;
+                }
+                if reader.bytes_read() > before {
+                    // Bytes of a large frame still arriving: the rank is alive.
+                    let mut st = shared.lock();
+                    match st.conns[rank].as_mut() {
+                        Some(c) if c.id == id => c.last_heard = Instant::now(),
+                        _ => return,
+                    }
                 }
                 continue;
             }

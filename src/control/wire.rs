@@ -177,6 +177,8 @@ pub(crate) struct FrameReader<R> {
     end: usize,
     /// Largest frame body accepted.
     pub(crate) max_frame_bytes: usize,
+    /// Bytes read so far: progress inside a large frame also shows the peer is alive.
+    bytes_read: u64,
 }
 
 impl<R: Read> FrameReader<R> {
@@ -187,7 +189,13 @@ impl<R: Read> FrameReader<R> {
             start: 0,
             end: 0,
             max_frame_bytes,
+            bytes_read: 0,
         }
+    }
+
+    /// Bytes read from the peer so far (complete frames or not).
+    pub(crate) fn bytes_read(&self) -> u64 {
+        self.bytes_read
     }
 
     /// Make room for `need` bytes from `start`, growing by at most doubling.
@@ -216,6 +224,7 @@ impl<R: Read> FrameReader<R> {
                 }
                 Ok(n) => {
                     self.end += n;
+                    self.bytes_read += n as u64;
                     return Ok(true);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
