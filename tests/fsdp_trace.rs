@@ -117,7 +117,10 @@ fn figures(name: &str, cfg: CoreConfig, setup: &[TraceOp], step: &[TraceOp], n: 
     }
     core.check_invariants().unwrap();
     let steady = core.stats();
-    assert_eq!(steady.num_growths, first.num_growths, "{name}: growth after step 1");
+    assert_eq!(
+        steady.num_growths, first.num_growths,
+        "{name}: growth after step 1"
+    );
     let plan = core.plan_fit_to_peak();
     assert_eq!(plan, core.clone().plan_fit_to_peak());
     core.apply_fit_plan(&plan).unwrap();
@@ -129,7 +132,10 @@ fn figures(name: &str, cfg: CoreConfig, setup: &[TraceOp], step: &[TraceOp], n: 
     }
     core.check_invariants().unwrap();
     let fitted = core.stats();
-    assert_eq!(fitted.num_growths, before, "{name}: growth after fit-to-peak");
+    assert_eq!(
+        fitted.num_growths, before,
+        "{name}: growth after fit-to-peak"
+    );
     eprintln!(
         "{name}: step 1: {} segments ({} large), peak reserved {} MiB / peak allocated {} \
          MiB = {:.3}; fit plan {:?} MiB; after fit: {} segments, {:.3}",
@@ -138,7 +144,10 @@ fn figures(name: &str, cfg: CoreConfig, setup: &[TraceOp], step: &[TraceOp], n: 
         steady.reserved_bytes.peak >> 20,
         steady.allocated_bytes.peak >> 20,
         ratio(&steady),
-        plan.add.iter().map(|g| g.segment_bytes >> 20).collect::<Vec<_>>(),
+        plan.add
+            .iter()
+            .map(|g| g.segment_bytes >> 20)
+            .collect::<Vec<_>>(),
         fitted.segments.current,
         ratio(&fitted),
     );
@@ -160,7 +169,11 @@ fn registered_policy_on_the_llama_trace() {
     );
     // Caching needs 7 segments. The issue's floor is 3 segments at ≤ 1.15; the doubling
     // default reaches 4 (1 small + 3 large) at 1.26 (see BENCHMARKS.md).
-    assert!(f.first.segments.current <= 4, "{}", f.first.segments.current);
+    assert!(
+        f.first.segments.current <= 4,
+        "{}",
+        f.first.segments.current
+    );
     assert!(ratio(&f.steady) <= 1.30, "{:.3}", ratio(&f.steady));
     assert!(f.fitted.segments.current <= 2);
     assert!(ratio(&f.fitted) <= 1.15, "{:.3}", ratio(&f.fitted));

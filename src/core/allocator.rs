@@ -18,6 +18,9 @@ use std::collections::BTreeMap;
 /// because (segment, offset) is unique.
 pub(super) type FreeKey = (u64, SegmentId, u64, u32);
 
+/// Released segments with their sizes in bytes.
+type Released = Vec<(SegmentId, u64)>;
+
 /// Fences kept on a free block: at most one per stream (the latest), sorted by stream.
 pub(super) type Fences = SmallVec<[Wait; 2]>;
 
@@ -840,7 +843,7 @@ impl Allocator {
     pub fn apply_fit_plan(
         &mut self,
         plan: &FitPlan,
-    ) -> Result<(Vec<(SegmentId, u64)>, Vec<SegmentId>), AllocError> {
+    ) -> Result<(Released, Vec<SegmentId>), AllocError> {
         let released = self.release_planned(plan)?;
         let added = plan
             .add

@@ -422,7 +422,9 @@ impl CoreConfig {
         };
         let segment_bytes = match (class, self.growth) {
             (SizeClass::Small, _) => self.small_segment_bytes,
-            (SizeClass::Large, GrowthPolicy::Caching) if rounded_bytes <= self.dedicated_min_bytes => {
+            (SizeClass::Large, GrowthPolicy::Caching)
+                if rounded_bytes <= self.dedicated_min_bytes =>
+            {
                 self.large_segment_bytes
             }
             (SizeClass::Large, GrowthPolicy::Caching) => {
@@ -447,7 +449,8 @@ impl CoreConfig {
                 let grown = u64::try_from(grown.div_ceil(100)).unwrap_or(u64::MAX);
                 let chunk = grown.clamp(min_chunk_bytes, max_chunk_bytes);
                 // max_chunk_bytes is a multiple of the granularity, so this cannot overflow.
-                let chunk = align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?;
+                let chunk =
+                    align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?;
                 chunk.max(fit)
             }
         };

@@ -168,11 +168,27 @@ impl Allocator {
         ];
         let class_checks = [
             ("small.segments", s.small.segments.current, by_class[0].0),
-            ("small.reserved_bytes", s.small.reserved_bytes.current, by_class[0].1),
-            ("small.allocated_bytes", s.small.allocated_bytes.current, by_class[0].2),
+            (
+                "small.reserved_bytes",
+                s.small.reserved_bytes.current,
+                by_class[0].1,
+            ),
+            (
+                "small.allocated_bytes",
+                s.small.allocated_bytes.current,
+                by_class[0].2,
+            ),
             ("large.segments", s.large.segments.current, by_class[1].0),
-            ("large.reserved_bytes", s.large.reserved_bytes.current, by_class[1].1),
-            ("large.allocated_bytes", s.large.allocated_bytes.current, by_class[1].2),
+            (
+                "large.reserved_bytes",
+                s.large.reserved_bytes.current,
+                by_class[1].1,
+            ),
+            (
+                "large.allocated_bytes",
+                s.large.allocated_bytes.current,
+                by_class[1].2,
+            ),
         ];
         for (name, have, want) in checks.into_iter().chain(class_checks) {
             if have != want {

@@ -82,7 +82,9 @@ pub use allocator::{Allocator, FitPlan};
 pub use config::{CoreConfig, GrowthPolicy, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
 pub use invariants::InvariantViolation;
-pub use stats::{BlockSnapshot, BlockState, ClassStats, CoreStats, SegmentSnapshot, Snapshot, Stat};
+pub use stats::{
+    BlockSnapshot, BlockState, ClassStats, CoreStats, SegmentSnapshot, Snapshot, Stat,
+};
 pub use types::{
     AllocRequest, BlockId, Fence, Growth, Placement, SegmentId, SizeClass, StreamId, Wait,
 };

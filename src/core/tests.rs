@@ -701,21 +701,29 @@ fn registered_policy_table() {
     c.validate().unwrap();
     assert!(!CoreConfig::default().growth.is_registered());
     // Small requests: small segments, as under caching.
-    assert_eq!(c.growth_with(MIB, 512, 10 << 30).unwrap().segment_bytes, 2 * MIB);
+    assert_eq!(
+        c.growth_with(MIB, 512, 10 << 30).unwrap().segment_bytes,
+        2 * MIB
+    );
     // Large: at least the 64 MiB minimum chunk…
     assert_eq!(c.growth_with(MIB + 512, 512, 0), Ok(large(64 * MIB)));
     assert_eq!(c.growth_with(40 * MIB, 512, 0), Ok(large(64 * MIB)));
     // …at least what the large class reserves (doubling)…
     assert_eq!(c.growth_with(2 * MIB, 512, 64 * MIB), Ok(large(64 * MIB)));
     assert_eq!(c.growth_with(2 * MIB, 512, 100 * MIB), Ok(large(100 * MIB)));
-    assert_eq!(c.growth_with(2 * MIB, 512, 101 * MIB - 512), Ok(large(102 * MIB)));
+    assert_eq!(
+        c.growth_with(2 * MIB, 512, 101 * MIB - 512),
+        Ok(large(102 * MIB))
+    );
     // …capped at 4 GiB…
     assert_eq!(c.growth_with(2 * MIB, 512, 64 << 30), Ok(large(4 << 30)));
     // …and a larger request gets a segment that fits it, rounded as a dedicated one.
     assert_eq!(c.growth_with(250 * MIB, 512, 0), Ok(large(256 * MIB)));
     assert_eq!(c.growth_with(5 << 30, 512, 64 << 30), Ok(large(5 << 30)));
     // Growth percent and chunk bounds.
-    let h = c.with_growth_percent(50).with_chunk_bytes(32 * MIB, 256 * MIB);
+    let h = c
+        .with_growth_percent(50)
+        .with_chunk_bytes(32 * MIB, 256 * MIB);
     assert_eq!(h.growth_with(2 * MIB, 512, 200 * MIB), Ok(large(100 * MIB)));
     assert_eq!(h.growth_with(2 * MIB, 512, 0), Ok(large(32 * MIB)));
     assert_eq!(h.growth_with(2 * MIB, 512, 1 << 30), Ok(large(256 * MIB)));
@@ -758,10 +766,16 @@ fn registered_segments_are_shared_and_grow_geometrically() {
     let big = alloc(&mut c, AllocRequest::new(100 * MIB, S0));
     assert_eq!(c.stats().large.reserved_bytes.current, (64 + 100) * MIB);
     let more = alloc(&mut c, AllocRequest::new(100 * MIB, S0));
-    assert_eq!(c.stats().large.reserved_bytes.current, (64 + 100 + 164) * MIB);
+    assert_eq!(
+        c.stats().large.reserved_bytes.current,
+        (64 + 100 + 164) * MIB
+    );
     // Every live block stayed where it was.
     for p in [&a, &b, &big] {
-        assert_eq!(c.locate(p.block), Ok((p.segment, p.offset_bytes, p.size_bytes)));
+        assert_eq!(
+            c.locate(p.block),
+            Ok((p.segment, p.offset_bytes, p.size_bytes))
+        );
     }
     let s = c.stats();
     assert_eq!(s.large.segments.current, 3);
@@ -776,7 +790,10 @@ fn class_stats_add_up() {
     let s1 = alloc(&mut c, AllocRequest::new(4096, S0));
     let l1 = alloc(&mut c, AllocRequest::new(3 * MIB, S0));
     let s = c.stats();
-    assert_eq!(s.small.segments.current + s.large.segments.current, s.segments.current);
+    assert_eq!(
+        s.small.segments.current + s.large.segments.current,
+        s.segments.current
+    );
     assert_eq!(s.small.reserved_bytes.current, 2 * MIB);
     assert_eq!(s.large.reserved_bytes.current, 20 * MIB);
     assert_eq!(s.small.allocated_bytes.current, 4096);

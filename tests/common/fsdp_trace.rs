@@ -191,7 +191,10 @@ pub mod example {
                 bytes: ACT,
             });
         }
-        ops.push(TraceOp::Alloc { id: SUMS, bytes: 16 });
+        ops.push(TraceOp::Alloc {
+            id: SUMS,
+            bytes: 16,
+        });
         ops
     }
 
