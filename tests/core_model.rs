@@ -189,6 +189,9 @@ struct Model {
     /// Largest fence handed out so far (fences increase over time).
     clock: u64,
     stats: CoreStats,
+    /// Allocated bytes per class (small, large): not in `CoreStats`, the allocator
+    /// computes them on demand.
+    class_allocated: [u64; 2],
     expect: Expect,
 }
 
@@ -208,6 +211,13 @@ fn class_stats(s: &mut CoreStats, class: SizeClass) -> &mut symmpool::core::Clas
     }
 }
 
+fn class_index(class: SizeClass) -> usize {
+    match class {
+        SizeClass::Small => 0,
+        SizeClass::Large => 1,
+    }
+}
+
 fn merge_fence(fences: &mut Vec<Wait>, w: Wait) {
     match fences.iter_mut().find(|x| x.stream == w.stream) {
         Some(x) => x.fence = x.fence.max(w.fence),
@@ -223,6 +233,7 @@ impl Model {
         Model {
             registered,
             window_seq: 1,
+            class_allocated: [0; 2],
             shared: BTreeSet::new(),
             segments: BTreeMap::new(),
             next_segment: 0,
@@ -390,7 +401,7 @@ impl Model {
             },
         );
         let s = &mut self.stats;
-        stat_add(&mut class_stats(s, class).allocated_bytes, block);
+        self.class_allocated[class_index(class)] += block;
         stat_add(&mut s.allocated_bytes, block);
         stat_add(&mut s.requested_bytes, size);
         stat_add(&mut s.allocated_blocks, 1);
@@ -443,7 +454,7 @@ impl Model {
             .insert((b.segment, start), FreeRange { size, fences });
         let class = self.segments[&b.segment].0;
         let s = &mut self.stats;
-        stat_sub(&mut class_stats(s, class).allocated_bytes, b.size);
+        self.class_allocated[class_index(class)] -= b.size;
         stat_sub(&mut s.allocated_bytes, b.size);
         stat_sub(&mut s.requested_bytes, b.requested);
         stat_sub(&mut s.allocated_blocks, 1);
@@ -479,6 +490,15 @@ impl Model {
     /// The fit-to-peak plan as documented on `Allocator::plan_fit_to_peak`, applied.
     fn fit_to_peak(&mut self) -> Expect {
         let mut plan = FitPlan::default();
+        // Bytes of the blocks live now and allocated before the window, per class.
+        let old = |class: SizeClass| -> u64 {
+            self.live
+                .iter()
+                .filter(|(seq, b)| **seq < self.window_seq && self.segments[&b.segment].0 == class)
+                .map(|(_, b)| b.size)
+                .sum()
+        };
+        let old_all = old(SizeClass::Small) + old(SizeClass::Large);
         for class in [SizeClass::Small, SizeClass::Large] {
             let ids: Vec<u32> = self
                 .segments
@@ -495,22 +515,20 @@ impl Model {
                 continue;
             }
             plan.release.extend(release);
-            let old: u64 = self
-                .live
-                .iter()
-                .filter(|(seq, b)| **seq < self.window_seq && self.segments[&b.segment].0 == class)
-                .map(|(_, b)| b.size)
-                .sum();
-            let peak = match class {
-                SizeClass::Small => self.stats.small.allocated_bytes.peak,
-                SizeClass::Large => self.stats.large.allocated_bytes.peak,
+            // need = min(P - L, R - L_c); with the headroom, at most R - L_c.
+            let reserved_peak = match class {
+                SizeClass::Small => self.stats.small.reserved_bytes.peak,
+                SizeClass::Large => self.stats.large.reserved_bytes.peak,
             };
-            let need = peak.saturating_sub(old);
+            let held = reserved_peak.saturating_sub(old(class));
+            let need = (self.stats.allocated_bytes.peak.saturating_sub(old_all)).min(held);
             if need == 0 {
                 continue;
             }
             let headroom = if self.registered { HEADROOM_PCT } else { 0 };
-            let mut size = (need + need * headroom / 100).next_multiple_of(GRAN);
+            let mut size = (need + need * headroom / 100)
+                .min(held)
+                .next_multiple_of(GRAN);
             if class == SizeClass::Small {
                 size = size.max(SMALL_SEG);
             }
@@ -559,10 +577,8 @@ impl Model {
             &mut s.allocated_blocks,
             &mut s.small.segments,
             &mut s.small.reserved_bytes,
-            &mut s.small.allocated_bytes,
             &mut s.large.segments,
             &mut s.large.reserved_bytes,
-            &mut s.large.allocated_bytes,
         ] {
             stat.peak = stat.current;
         }
@@ -1094,6 +1110,13 @@ impl StateMachineTest for Sut {
         }
         let snap = sut.core.snapshot();
         assert_eq!(snap.stats, model.stats, "stats differ from the model");
+        for class in [SizeClass::Small, SizeClass::Large] {
+            assert_eq!(
+                sut.core.class_allocated_bytes(class),
+                model.class_allocated[class_index(class)],
+                "{class:?} allocated bytes differ from the model"
+            );
+        }
         assert_eq!(
             snap.segments,
             model.layout(),

@@ -312,7 +312,6 @@ impl Allocator {
         };
         let s = &mut self.stats;
         s.allocated_bytes.add(block_len);
-        s.class_mut(class).allocated_bytes.add(block_len);
         s.requested_bytes.add(req.size_bytes);
         s.allocated_blocks.add(1);
         s.free_blocks -= 1;
@@ -472,7 +471,6 @@ impl Allocator {
         };
         let s = &mut self.stats;
         s.allocated_bytes.sub(size);
-        s.class_mut(class).allocated_bytes.sub(size);
         s.requested_bytes.sub(requested);
         s.allocated_blocks.sub(1);
         s.free_blocks += 1;
@@ -704,6 +702,20 @@ impl Allocator {
         Ok(seg.size)
     }
 
+    /// Bytes in the allocated blocks of one size class now (block sizes, after
+    /// rounding): the class's reserved bytes less its free blocks. Computed on demand
+    /// (O(free blocks of the class)), since the alloc and free paths keep no per-class
+    /// figure; the two classes add up to `stats().allocated_bytes.current`.
+    pub fn class_allocated_bytes(&self, class: SizeClass) -> u64 {
+        // Saturating only so that `check_invariants` reports a broken reserved figure
+        // instead of panicking here.
+        self.stats
+            .class(class)
+            .reserved_bytes
+            .current
+            .saturating_sub(self.free[class.index()].total_bytes())
+    }
+
     /// Plan a refit of the segments to the peak observed since the last
     /// [`reset_peak`](Self::reset_peak) (the core half of a collective "fit to peak"
     /// call, made when the ranks agree to, typically after the first training step).
@@ -711,12 +723,20 @@ impl Allocator {
     /// Per size class, when at least one of its segments is entirely free:
     /// - every entirely free segment of the class is released (segments holding a live
     ///   block are kept, whatever their size);
-    /// - one segment is added, of `need` rounded up to `granularity_bytes` (small: at
-    ///   least `small_segment_bytes`), where `need` is the class's peak allocated bytes
-    ///   in the window, minus the bytes of the class's blocks that are live now and were
-    ///   allocated before the window (those were live throughout it and stay where they
-    ///   are), plus `fit_headroom_percent` of that under the registered policy. Nothing is
-    ///   added when `need` is 0.
+    /// - one segment is added, of `need` plus `fit_headroom_percent` of it under the
+    ///   registered policy, at most `R - L_c` (below), rounded up to
+    ///   `granularity_bytes` (small: at least `small_segment_bytes`); nothing is added
+    ///   when `need` is 0. `need` bounds what the class's blocks allocated in the
+    ///   window took at its peak: `need = min(P - L, R - L_c)`, where `P` is the peak of
+    ///   `allocated_bytes` in the window, `L` the bytes of the blocks (of both classes)
+    ///   that are live now and were allocated before the window (they were live
+    ///   throughout it and stay where they are), `L_c` the part of `L` in the class, and
+    ///   `R` the peak of the class's `reserved_bytes` in the window. The allocator keeps
+    ///   no per-class allocated peak, so that the alloc and free paths stay free of
+    ///   per-class bookkeeping: both terms are upper bounds of the class's own peak less
+    ///   `L_c`. The first over-counts the other class's window blocks live at the
+    ///   overall peak (usually a few small ones); the second is what the class held the
+    ///   window in, so the headroom never takes the segment past it.
     ///
     /// A class with no entirely free segment is left as it is. The kept segments'
     /// free space is counted as zero, and blocks allocated inside the window that are
@@ -746,39 +766,53 @@ impl Allocator {
             } => fit_headroom_percent,
             _ => 0,
         };
-        for class in [SizeClass::Small, SizeClass::Large] {
-            let mut release = Vec::new();
-            let mut old_live = 0u64;
-            for (&id, seg) in &self.segments {
-                if seg.class != class {
-                    continue;
-                }
-                let first = &self.blocks[seg.first as usize];
-                if first.is_free() && first.size == seg.size {
-                    release.push((id, seg.size));
-                    continue;
-                }
-                let mut cur = Some(seg.first);
-                while let Some(slot) = cur {
-                    let b = &self.blocks[slot as usize];
-                    if let BlockUse::Allocated { seq, .. } = b.usage
-                        && seq < self.window_seq
-                    {
-                        old_live += b.size;
-                    }
-                    cur = b.next;
-                }
+        // Per class: the entirely free segments, and the bytes of the blocks live now
+        // that were allocated before the window.
+        let mut release: [Vec<(SegmentId, u64)>; 2] = [Vec::new(), Vec::new()];
+        let mut old_live = [0u64; 2];
+        for (&id, seg) in &self.segments {
+            let c = seg.class.index();
+            let first = &self.blocks[seg.first as usize];
+            if first.is_free() && first.size == seg.size {
+                release[c].push((id, seg.size));
+                continue;
             }
+            let mut cur = Some(seg.first);
+            while let Some(slot) = cur {
+                let b = &self.blocks[slot as usize];
+                if let BlockUse::Allocated { seq, .. } = b.usage
+                    && seq < self.window_seq
+                {
+                    old_live[c] += b.size;
+                }
+                cur = b.next;
+            }
+        }
+        let window_peak = self
+            .stats
+            .allocated_bytes
+            .peak
+            .saturating_sub(old_live[0] + old_live[1]);
+        for class in [SizeClass::Small, SizeClass::Large] {
+            let c = class.index();
+            let release = std::mem::take(&mut release[c]);
             if release.is_empty() {
                 continue;
             }
             plan.release.extend(release);
-            let peak = self.stats.class(class).allocated_bytes.peak;
-            let need = peak.saturating_sub(old_live);
+            let held = self
+                .stats
+                .class(class)
+                .reserved_bytes
+                .peak
+                .saturating_sub(old_live[c]);
+            let need = window_peak.min(held);
             if need == 0 {
                 continue;
             }
-            let need = need.saturating_add(need / 100 * headroom + (need % 100) * headroom / 100);
+            let need = need
+                .saturating_add(need / 100 * headroom + (need % 100) * headroom / 100)
+                .min(held);
             let gran = self.config.granularity_bytes;
             let mut size = align_up(need, gran).unwrap_or(u64::MAX / gran * gran);
             if class == SizeClass::Small {

@@ -142,6 +142,16 @@ impl FreeIndex {
         found
     }
 
+    /// Total size of the free blocks in the index. O(keys): for statistics and plans,
+    /// never for the alloc or free path.
+    pub(super) fn total_bytes(&self) -> u64 {
+        self.bins
+            .iter()
+            .flat_map(|bin| bin.keys())
+            .map(|&p| (p >> (32 + SIZE_BITS)) as u64)
+            .sum()
+    }
+
     /// The keys of the bins the bitmap marks, as one ordered set, or what is wrong
     /// with them. A non-empty bin the bitmap misses leaves its keys out of the set,
     /// which the caller's comparison with the free blocks catches. O(bitmap + keys).
@@ -231,6 +241,7 @@ mod tests {
         }
         assert!(idx.bins.iter().any(|b| b.len() > 1000));
         check_against(&idx, &all);
+        assert_eq!(idx.total_bytes(), all.iter().map(|k| k.0).sum::<u64>());
         // Remove most keys.
         let keys: Vec<FreeKey> = all.iter().copied().collect();
         for (i, key) in keys.into_iter().enumerate() {
@@ -241,6 +252,7 @@ mod tests {
             }
         }
         check_against(&idx, &all);
+        assert_eq!(idx.total_bytes(), all.iter().map(|k| k.0).sum::<u64>());
     }
 
     #[test]

@@ -780,7 +780,11 @@ fn registered_segments_are_shared_and_grow_geometrically() {
     let s = c.stats();
     assert_eq!(s.large.segments.current, 3);
     assert_eq!(s.small.segments.current, 0);
-    assert_eq!(s.large.allocated_bytes.current, s.allocated_bytes.current);
+    assert_eq!(
+        c.class_allocated_bytes(SizeClass::Large),
+        s.allocated_bytes.current
+    );
+    assert_eq!(c.class_allocated_bytes(SizeClass::Small), 0);
     free(&mut c, &more);
 }
 
@@ -796,12 +800,14 @@ fn class_stats_add_up() {
     );
     assert_eq!(s.small.reserved_bytes.current, 2 * MIB);
     assert_eq!(s.large.reserved_bytes.current, 20 * MIB);
-    assert_eq!(s.small.allocated_bytes.current, 4096);
-    assert_eq!(s.large.allocated_bytes.current, 3 * MIB);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Small), 4096);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Large), 3 * MIB);
     free(&mut c, &l1);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Large), 0);
     free(&mut c, &s1);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Small), 0);
     c.reset_peak();
-    assert_eq!(c.stats().large.allocated_bytes.peak, 0);
+    assert_eq!(c.stats().large.reserved_bytes.peak, 20 * MIB);
     c.release_free_segments();
     let l = c.stats().large;
     assert_eq!((l.segments.current, l.reserved_bytes.current), (0, 0));
@@ -823,7 +829,7 @@ fn fit_to_peak_replaces_free_segments_with_one_of_the_peak() {
     }
     // 64 MiB (keep, 30 MiB), 64 MiB (60), 128 MiB (120, 10): the last two are free.
     let plan = c.plan_fit_to_peak();
-    let peak = c.stats().large.allocated_bytes.peak;
+    let peak = c.stats().allocated_bytes.peak;
     assert_eq!(peak, (8 + 220) * MIB);
     assert_eq!(plan.release.len(), 2);
     assert_eq!(plan.add, vec![large(220 * MIB)]);
