@@ -67,7 +67,7 @@ fn config(registered: bool) -> CoreConfig {
 }
 
 /// The registered policy's row of the table: `max(chunk, fit)`.
-fn documented_registered_growth(rounded: u64, large_reserved: u64) -> Growth {
+fn documented_registered_growth(rounded: u64, large_allocated: u64) -> Growth {
     if rounded <= SMALL_MAX {
         return documented_growth(rounded);
     }
@@ -76,7 +76,7 @@ fn documented_registered_growth(rounded: u64, large_reserved: u64) -> Growth {
     } else {
         documented_growth(rounded).segment_bytes
     };
-    let chunk = (large_reserved * GROWTH_PCT)
+    let chunk = (large_allocated * GROWTH_PCT)
         .div_ceil(100)
         .clamp(MIN_CHUNK, MAX_CHUNK)
         .next_multiple_of(GRAN);
@@ -328,7 +328,7 @@ impl Model {
             None => {
                 self.stats.num_misses += 1;
                 let g = if self.registered {
-                    documented_registered_growth(rounded, self.stats.large.reserved_bytes.current)
+                    documented_registered_growth(rounded, self.class_allocated[1])
                 } else {
                     documented_growth(rounded)
                 };
@@ -941,7 +941,7 @@ impl Sut {
                 // The core asks for exactly the documented policy's segment.
                 let rounded = self.core.config().round_request(req.size_bytes).unwrap();
                 let align = req.align_bytes.max(UNIT);
-                let large = self.core.stats().large.reserved_bytes.current;
+                let large = self.core.class_allocated_bytes(SizeClass::Large);
                 assert_eq!(Ok(g), self.core.config().growth_with(rounded, align, large));
                 if self.core.config().growth.is_registered() {
                     assert_eq!(g, documented_registered_growth(rounded, large));

@@ -197,9 +197,15 @@ impl Allocator {
         let class = self.config.class_of(size);
         let Some((key, pad)) = self.find_fit(class, size, align) else {
             self.stats.num_misses += 1;
-            let growth =
-                self.config
-                    .growth_with(size, align, self.stats.large.reserved_bytes.current)?;
+            // Only the registered policy sizes large segments from the live bytes (a
+            // walk of the large free index, off the cache-hit path).
+            let large_allocated = if class == SizeClass::Large && self.config.growth.is_registered()
+            {
+                self.class_allocated_bytes(SizeClass::Large)
+            } else {
+                0
+            };
+            let growth = self.config.growth_with(size, align, large_allocated)?;
             let would = self
                 .stats
                 .reserved_bytes

@@ -38,23 +38,29 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
 /// That is [`GrowthPolicy::Caching`], the policy of [`CoreConfig::default()`]. For
 /// memory whose segments are expensive (registered collectively with NCCL, each taking
 /// symmetric address space on every peer), [`CoreConfig::registered()`] selects
-/// [`GrowthPolicy::Registered`], which keeps the number of large segments logarithmic
-/// in the peak working set:
+/// [`GrowthPolicy::Registered`], which starts with one large chunk and keeps the number
+/// of large segments logarithmic in the peak working set:
 ///
 /// | request (rounded up to `min_block_bytes`)   | class | new segment (registered policy)      |
 /// |---------------------------------------------|-------|--------------------------------------|
 /// | ≤ `small_request_max_bytes`                 | small | `small_segment_bytes` (2 MiB), as above |
 /// | larger                                      | large | `max(chunk, fit)`, shared (no dedicated-segment rule) |
 ///
-/// where `chunk = clamp(⌈large_reserved · growth_percent / 100⌉, min_chunk_bytes,
-/// max_chunk_bytes)` rounded up to `granularity_bytes`, with `large_reserved` the bytes
-/// the large class reserves when the request misses (defaults: 64 MiB minimum chunk,
-/// 4 GiB maximum chunk, 100 %: each growth doubles the large class until chunks reach
-/// 4 GiB), and `fit` the request rounded up as a dedicated segment of the table above
-/// (requests up to `dedicated_min_bytes` to `granularity_bytes`). So a request larger
-/// than the chunk still gets a segment that fits it. With the defaults, large classes
-/// of 64 MiB, 128 MiB, 256 MiB, … 4 GiB take 1, 2, 3, … 7 segments, then one more per
-/// 4 GiB.
+/// where `chunk = clamp(⌈large_allocated · growth_percent / 100⌉, min_chunk_bytes,
+/// max_chunk_bytes)` rounded up to `granularity_bytes`, with `large_allocated` the
+/// bytes of the large class's live blocks when the request misses (defaults: 448 MiB
+/// minimum chunk, 4 GiB maximum chunk, 100 %), and `fit` the request rounded up as a
+/// dedicated segment of the table above (requests up to `dedicated_min_bytes` to
+/// `granularity_bytes`). So a request larger than the chunk still gets a segment that
+/// fits it. The chunk grows with the live data, not with what is reserved: the
+/// over-reserve of earlier growths (free space, fragments) does not compound. With the
+/// defaults the first large segment is 448 MiB (or the first request's fit), and each
+/// later growth adds at least as much as the class has live (while chunks are below
+/// 4 GiB), so the number of segments stays logarithmic in the peak working set.
+///
+/// The defaults were picked by a sweep over the FSDP-like traces of the tests
+/// (`tests/fsdp_trace.rs`, figures in `BENCHMARKS.md`): a Llama-like model (peak
+/// 814 MiB: two large segments), random layer sizes and the `fsdp_step` example.
 ///
 /// Under the registered policy every large segment is shared: large requests of any
 /// size are split out of them by best fit (remainders of at least
@@ -121,18 +127,18 @@ pub enum GrowthPolicy {
     #[default]
     Caching,
     /// For registered (symmetric) memory, where every segment is expensive: a new large
-    /// segment is at least a chunk that grows with what the large class already
-    /// reserves, so the number of segments is logarithmic in the peak working set.
+    /// segment is at least a chunk that grows with the bytes the large class has
+    /// allocated, so the number of segments is logarithmic in the peak working set.
     Registered {
-        /// Smallest new large segment, in bytes (default 64 MiB; a non-zero multiple
-        /// of `granularity_bytes`).
+        /// Smallest new large segment, in bytes (default 448 MiB; a non-zero multiple
+        /// of `granularity_bytes`). The first large segment is at least this.
         min_chunk_bytes: u64,
         /// Largest chunk, in bytes (default 4 GiB; at least `min_chunk_bytes`, a
         /// multiple of `granularity_bytes`). A larger request still gets a segment that
         /// fits it.
         max_chunk_bytes: u64,
-        /// A chunk is this percentage of the bytes the large class reserves when the
-        /// request misses (default 100: doubling; at most 10 000).
+        /// A chunk is this percentage of the bytes the large class has allocated (live
+        /// blocks) when the request misses (default 100; at most 10 000).
         growth_percent: u64,
         /// Extra room the segment planned by
         /// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) gets on
@@ -143,11 +149,11 @@ pub enum GrowthPolicy {
 }
 
 impl GrowthPolicy {
-    /// The registered policy with its defaults: 64 MiB minimum chunk, 4 GiB maximum
-    /// chunk, 100 % growth (doubling), 10 % fit headroom.
+    /// The registered policy with its defaults: 448 MiB minimum chunk, 4 GiB maximum
+    /// chunk, 100 % growth, 10 % fit headroom.
     pub fn registered() -> Self {
         GrowthPolicy::Registered {
-            min_chunk_bytes: 64 * MIB,
+            min_chunk_bytes: 448 * MIB,
             max_chunk_bytes: 4096 * MIB,
             growth_percent: 100,
             fit_headroom_percent: 10,
@@ -209,9 +215,9 @@ impl CoreConfig {
         self
     }
 
-    /// Set the growth percentage of the registered policy (100 doubles the large class
-    /// at each growth). The policy becomes [`GrowthPolicy::Registered`] if it was not
-    /// already.
+    /// Set the growth percentage of the registered policy (100: a new chunk as large
+    /// as the large class's allocated bytes). The policy becomes
+    /// [`GrowthPolicy::Registered`] if it was not already.
     pub fn with_growth_percent(mut self, percent: u64) -> Self {
         let mut g = self.registered_policy();
         if let GrowthPolicy::Registered { growth_percent, .. } = &mut g {
@@ -391,8 +397,9 @@ impl CoreConfig {
     }
 
     /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the large class reserves nothing
-    /// (see the tables above). Under [`GrowthPolicy::Caching`] that is the only case.
+    /// with effective alignment `align_bytes`, when the large class has allocated
+    /// nothing (see the tables above). Under [`GrowthPolicy::Caching`] that is the only
+    /// case.
     ///
     /// # Errors
     /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
@@ -401,8 +408,9 @@ impl CoreConfig {
     }
 
     /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the large class already reserves
-    /// `large_reserved_bytes` (only the registered policy looks at it).
+    /// with effective alignment `align_bytes`, when the large class's live blocks take
+    /// `large_allocated_bytes` (only the registered policy looks at it; the allocator
+    /// passes [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes)).
     ///
     /// # Errors
     /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
@@ -410,7 +418,7 @@ impl CoreConfig {
         &self,
         rounded_bytes: u64,
         align_bytes: u64,
-        large_reserved_bytes: u64,
+        large_allocated_bytes: u64,
     ) -> Result<Growth, AllocError> {
         // Offset 0 of a segment satisfies every alignment up to the granularity, so the
         // request alone decides the size.
@@ -445,7 +453,7 @@ impl CoreConfig {
                     self.dedicated_size(rounded_bytes)
                 }
                 .ok_or_else(|| too_large.clone())?;
-                let grown = u128::from(large_reserved_bytes) * u128::from(growth_percent);
+                let grown = u128::from(large_allocated_bytes) * u128::from(growth_percent);
                 let grown = u64::try_from(grown.div_ceil(100)).unwrap_or(u64::MAX);
                 let chunk = grown.clamp(min_chunk_bytes, max_chunk_bytes);
                 // max_chunk_bytes is a multiple of the granularity, so this cannot overflow.

@@ -705,20 +705,20 @@ fn registered_policy_table() {
         c.growth_with(MIB, 512, 10 << 30).unwrap().segment_bytes,
         2 * MIB
     );
-    // Large: at least the 64 MiB minimum chunk…
-    assert_eq!(c.growth_with(MIB + 512, 512, 0), Ok(large(64 * MIB)));
-    assert_eq!(c.growth_with(40 * MIB, 512, 0), Ok(large(64 * MIB)));
-    // …at least what the large class reserves (doubling)…
-    assert_eq!(c.growth_with(2 * MIB, 512, 64 * MIB), Ok(large(64 * MIB)));
-    assert_eq!(c.growth_with(2 * MIB, 512, 100 * MIB), Ok(large(100 * MIB)));
+    // Large: at least the 448 MiB minimum chunk…
+    assert_eq!(c.growth_with(MIB + 512, 512, 0), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(250 * MIB, 512, 0), Ok(large(448 * MIB)));
+    // …at least what the large class has allocated…
+    assert_eq!(c.growth_with(2 * MIB, 512, 448 * MIB), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(2 * MIB, 512, 600 * MIB), Ok(large(600 * MIB)));
     assert_eq!(
-        c.growth_with(2 * MIB, 512, 101 * MIB - 512),
-        Ok(large(102 * MIB))
+        c.growth_with(2 * MIB, 512, 601 * MIB - 512),
+        Ok(large(602 * MIB))
     );
     // …capped at 4 GiB…
     assert_eq!(c.growth_with(2 * MIB, 512, 64 << 30), Ok(large(4 << 30)));
     // …and a larger request gets a segment that fits it, rounded as a dedicated one.
-    assert_eq!(c.growth_with(250 * MIB, 512, 0), Ok(large(256 * MIB)));
+    assert_eq!(c.growth_with(500 * MIB, 512, 0), Ok(large(512 * MIB)));
     assert_eq!(c.growth_with(5 << 30, 512, 64 << 30), Ok(large(5 << 30)));
     // Growth percent and chunk bounds.
     let h = c
@@ -756,19 +756,22 @@ fn registered_policy_validation() {
 }
 
 #[test]
-fn registered_segments_are_shared_and_grow_geometrically() {
-    let mut c = Allocator::new(CoreConfig::registered()).unwrap();
+fn registered_segments_are_shared_and_grow_with_the_live_bytes() {
+    let cfg = CoreConfig::registered().with_chunk_bytes(64 * MIB, 4096 * MIB);
+    let mut c = Allocator::new(cfg).unwrap();
     let a = alloc(&mut c, AllocRequest::new(2 * MIB, S0));
     assert_eq!(c.stats().large.reserved_bytes.current, 64 * MIB);
     // A small-large request shares the chunk (no dedicated-segment rule).
     let b = alloc(&mut c, AllocRequest::new(3 * MIB, S0));
     assert_eq!(b.segment, a.segment);
+    // 5 MiB live: the chunk is the minimum; the 100 MiB request needs more.
     let big = alloc(&mut c, AllocRequest::new(100 * MIB, S0));
     assert_eq!(c.stats().large.reserved_bytes.current, (64 + 100) * MIB);
+    // 105 MiB live, reserve 164 MiB: the chunk follows the live bytes, not the reserve.
     let more = alloc(&mut c, AllocRequest::new(100 * MIB, S0));
     assert_eq!(
         c.stats().large.reserved_bytes.current,
-        (64 + 100 + 164) * MIB
+        (64 + 100 + 106) * MIB
     );
     // Every live block stayed where it was.
     for p in [&a, &b, &big] {
@@ -816,7 +819,10 @@ fn class_stats_add_up() {
 
 #[test]
 fn fit_to_peak_replaces_free_segments_with_one_of_the_peak() {
-    let mut c = Allocator::new(CoreConfig::registered().with_fit_headroom_percent(0)).unwrap();
+    let cfg = CoreConfig::registered()
+        .with_chunk_bytes(64 * MIB, 4096 * MIB)
+        .with_fit_headroom_percent(0);
+    let mut c = Allocator::new(cfg).unwrap();
     // A persistent block, allocated before the window.
     let keep = alloc(&mut c, AllocRequest::new(8 * MIB, S0));
     c.reset_peak();
@@ -827,7 +833,7 @@ fn fit_to_peak_replaces_free_segments_with_one_of_the_peak() {
     for p in &step {
         free(&mut c, p);
     }
-    // 64 MiB (keep, 30 MiB), 64 MiB (60), 128 MiB (120, 10): the last two are free.
+    // 64 MiB (keep, 30, 10 MiB), 64 MiB (60), 120 MiB (120): the last two are free.
     let plan = c.plan_fit_to_peak();
     let peak = c.stats().allocated_bytes.peak;
     assert_eq!(peak, (8 + 220) * MIB);
