@@ -234,6 +234,9 @@ impl Allocator {
 
     /// First free block of `class` (in index order) that holds `size` bytes at an
     /// offset aligned to `align`. Returns its key and the padding in front.
+    // `#[inline]` (with the free index's methods) so that the search inlines into
+    // `alloc` whatever the codegen-unit split: see `free_index.rs`.
+    #[inline]
     fn find_fit(&self, class: SizeClass, size: u64, align: u64) -> Option<(FreeKey, u64)> {
         let start = (size, SegmentId(0), 0, 0);
         let ratio = self.config.dedicated_reuse_ratio;
