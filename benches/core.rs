@@ -8,7 +8,8 @@
 //! - `fsdp_trace`: one step of the FSDP-like trace of `tests/common/fsdp_trace.rs`
 //!   (time per step), for the Llama-like and the adversarial layer sizes. After the
 //!   group, a 1 000-step replay of each prints the growths after the first step and
-//!   peak reserved / peak allocated.
+//!   peak reserved / peak allocated, under the caching and the registered growth
+//!   policies.
 //!
 //! Run with `cargo bench --bench core`; the figures are in `BENCHMARKS.md`.
 
@@ -188,10 +189,17 @@ fn fsdp_trace(c: &mut Criterion) {
     }
     group.finish();
 
-    // The figures of a 1 000-step run on a fresh allocator.
-    for (name, sizes) in &models {
+    // The figures of a 1 000-step run on a fresh allocator, under both growth policies.
+    let policies = [
+        ("caching", CoreConfig::default()),
+        ("registered", CoreConfig::registered()),
+    ];
+    for ((name, sizes), (policy, cfg)) in models
+        .iter()
+        .flat_map(|m| policies.iter().map(move |p| (m, p)))
+    {
         let step = trace_of(sizes, 1);
-        let mut core = Allocator::new(CoreConfig::default()).unwrap();
+        let mut core = Allocator::new(*cfg).unwrap();
         let mut live = vec![None; buffers()];
         replay(&mut core, &step, &mut live);
         let first = core.stats().num_growths;
@@ -203,7 +211,7 @@ fn fsdp_trace(c: &mut Criterion) {
         core.check_invariants().unwrap();
         let s = core.stats();
         println!(
-            "fsdp_trace/{name}: {TRACE_STEPS} steps, {} ops/step, {:?}/step; segments {} \
+            "fsdp_trace/{name}/{policy}: {TRACE_STEPS} steps, {} ops/step, {:?}/step; segments {} \
              (growths in step 1: {first}, after step 1: {}); peak reserved {} MiB / peak \
              allocated {} MiB = {:.3}",
             step.len(),

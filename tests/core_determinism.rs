@@ -54,6 +54,8 @@ enum Call {
     },
     ReleaseFree,
     ResetPeak,
+    /// Plan a fit to the peak and carry it out.
+    FitToPeak,
 }
 
 fn calls(max_size: u64, max_align: u64) -> impl Strategy<Value = Vec<Call>> {
@@ -75,6 +77,7 @@ fn calls(max_size: u64, max_align: u64) -> impl Strategy<Value = Vec<Call>> {
         2 => (any::<Index>(), 0..STREAMS).prop_map(|(pick, stream)| Call::Record { pick, stream }),
         1 => Just(Call::ReleaseFree),
         1 => Just(Call::ResetPeak),
+        1 => Just(Call::FitToPeak),
     ];
     proptest::collection::vec(call, 1..300)
 }
@@ -111,6 +114,7 @@ enum Outcome {
     Free(Vec<StreamId>),
     Record(Vec<StreamId>),
     Released(Vec<(symmpool::core::SegmentId, u64)>),
+    Fitted(symmpool::core::FitPlan, Vec<symmpool::core::SegmentId>),
     None,
 }
 
@@ -135,7 +139,12 @@ impl Rank {
                 let result = match self.core.alloc(req) {
                     Err(AllocError::NeedsGrowth(g)) => {
                         growth = Some(g);
+                        let before: Vec<_> =
+                            self.live.iter().map(|&id| self.core.locate(id)).collect();
                         self.core.add_segment(g).unwrap();
+                        let after: Vec<_> =
+                            self.live.iter().map(|&id| self.core.locate(id)).collect();
+                        assert_eq!(before, after, "a growth moved a live block");
                         self.core.alloc(req)
                     }
                     other => other,
@@ -176,6 +185,18 @@ impl Rank {
             Call::ResetPeak => {
                 self.core.reset_peak();
                 Outcome::None
+            }
+            Call::FitToPeak => {
+                let plan = self.core.plan_fit_to_peak();
+                let before: Vec<_> = self.live.iter().map(|&id| self.core.locate(id)).collect();
+                let added = match self.core.apply_fit_plan(&plan) {
+                    Ok((_, added)) => added,
+                    Err(AllocError::OutOfMemory { .. }) => Vec::new(),
+                    Err(e) => panic!("{e}"),
+                };
+                let after: Vec<_> = self.live.iter().map(|&id| self.core.locate(id)).collect();
+                assert_eq!(before, after, "fit-to-peak moved a live block");
+                Outcome::Fitted(plan, added)
             }
         }
     }
@@ -320,5 +341,22 @@ proptest! {
         (calls, d0, d1, d2) in case(64 * MIB, 2 * MIB)
     ) {
         run(CoreConfig::default(), &calls, [&d0, &d1, &d2])?;
+    }
+
+    /// The registered growth policy, with small chunks and the reserve limit.
+    #[test]
+    fn same_calls_same_decisions_registered_small(
+        (calls, d0, d1, d2) in case(MIB, 16 * KIB)
+    ) {
+        let cfg = small_config().with_chunk_bytes(64 * KIB, 512 * KIB);
+        run(cfg, &calls, [&d0, &d1, &d2])?;
+    }
+
+    /// The registered policy with its defaults, requests from 1 B to 64 MiB.
+    #[test]
+    fn same_calls_same_decisions_registered(
+        (calls, d0, d1, d2) in case(64 * MIB, 2 * MIB)
+    ) {
+        run(CoreConfig::registered(), &calls, [&d0, &d1, &d2])?;
     }
 }

@@ -20,7 +20,7 @@ use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state
 use std::collections::{BTreeMap, BTreeSet};
 use symmpool::core::{
     AllocError, AllocRequest, Allocator, BlockId, BlockSnapshot, BlockState, CoreConfig, CoreStats,
-    Fence, Growth, SegmentId, SegmentSnapshot, SizeClass, Stat, StreamId, Wait,
+    Fence, FitPlan, Growth, SegmentId, SegmentSnapshot, SizeClass, Stat, StreamId, Wait,
 };
 
 const KIB: u64 = 1 << 10;
@@ -35,13 +35,18 @@ const REUSE_RATIO: u64 = 4;
 const ROUND_STEPS: u64 = 16;
 const MAX_REQUEST: u64 = 1024 * KIB;
 const MAX_RESERVED: u64 = 2 * 1024 * KIB;
+/// Registered policy: chunk bounds, growth and fit headroom.
+const MIN_CHUNK: u64 = 64 * KIB;
+const MAX_CHUNK: u64 = 512 * KIB;
+const GROWTH_PCT: u64 = 100;
+const HEADROOM_PCT: u64 = 10;
 /// Streams used by the test: 0..STREAMS.
 const STREAMS: u64 = 4;
 
 /// A small configuration (16 KiB small segments, 128 KiB large ones, dedicated
 /// segments above 64 KiB, 2 MiB reserve limit) so that blocks collide, split, merge,
 /// fill segments and hit the reserve limit within a few hundred calls.
-fn config() -> CoreConfig {
+fn config(registered: bool) -> CoreConfig {
     let mut c = CoreConfig::default()
         .with_granularity_bytes(GRAN)
         .with_small(SMALL_MAX, SMALL_SEG)
@@ -52,7 +57,33 @@ fn config() -> CoreConfig {
     c.large_split_min_bytes = LARGE_SPLIT_MIN;
     c.dedicated_reuse_ratio = REUSE_RATIO;
     c.dedicated_round_steps = ROUND_STEPS;
+    if registered {
+        c = c
+            .with_chunk_bytes(MIN_CHUNK, MAX_CHUNK)
+            .with_growth_percent(GROWTH_PCT)
+            .with_fit_headroom_percent(HEADROOM_PCT);
+    }
     c
+}
+
+/// The registered policy's row of the table: `max(chunk, fit)`.
+fn documented_registered_growth(rounded: u64, large_allocated: u64) -> Growth {
+    if rounded <= SMALL_MAX {
+        return documented_growth(rounded);
+    }
+    let fit = if rounded <= DEDICATED_MIN {
+        rounded.next_multiple_of(GRAN)
+    } else {
+        documented_growth(rounded).segment_bytes
+    };
+    let chunk = (large_allocated * GROWTH_PCT)
+        .div_ceil(100)
+        .clamp(MIN_CHUNK, MAX_CHUNK)
+        .next_multiple_of(GRAN);
+    Growth {
+        class: SizeClass::Large,
+        segment_bytes: chunk.max(fit),
+    }
 }
 
 /// The growth table of `CoreConfig`'s documentation, written out independently.
@@ -132,10 +163,18 @@ enum Expect {
     },
     Released(Vec<(SegmentId, u64)>),
     ReleasedOne(Result<u64, AllocError>),
+    /// The fit-to-peak plan, and the ids of the segments it adds.
+    Fitted(FitPlan, Vec<SegmentId>),
 }
 
 #[derive(Debug, Clone)]
 struct Model {
+    /// Registered growth policy (else caching).
+    registered: bool,
+    /// `next_seq` at the last peak reset.
+    window_seq: u64,
+    /// Large segments added by a fit-to-peak plan: shared, whatever their size.
+    shared: BTreeSet<u32>,
     /// Segment id -> (class, size).
     segments: BTreeMap<u32, (SizeClass, u64)>,
     next_segment: u32,
@@ -150,6 +189,9 @@ struct Model {
     /// Largest fence handed out so far (fences increase over time).
     clock: u64,
     stats: CoreStats,
+    /// Allocated bytes per class (small, large): not in `CoreStats`, the allocator
+    /// computes them on demand.
+    class_allocated: [u64; 2],
     expect: Expect,
 }
 
@@ -160,6 +202,20 @@ fn stat_add(s: &mut Stat, x: u64) {
 
 fn stat_sub(s: &mut Stat, x: u64) {
     s.current -= x;
+}
+
+fn class_stats(s: &mut CoreStats, class: SizeClass) -> &mut symmpool::core::ClassStats {
+    match class {
+        SizeClass::Small => &mut s.small,
+        SizeClass::Large => &mut s.large,
+    }
+}
+
+fn class_index(class: SizeClass) -> usize {
+    match class {
+        SizeClass::Small => 0,
+        SizeClass::Large => 1,
+    }
 }
 
 fn merge_fence(fences: &mut Vec<Wait>, w: Wait) {
@@ -173,8 +229,12 @@ fn merge_fence(fences: &mut Vec<Wait>, w: Wait) {
 }
 
 impl Model {
-    fn new() -> Self {
+    fn new(registered: bool) -> Self {
         Model {
+            registered,
+            window_seq: 1,
+            class_allocated: [0; 2],
+            shared: BTreeSet::new(),
             segments: BTreeMap::new(),
             next_segment: 0,
             live: BTreeMap::new(),
@@ -223,7 +283,12 @@ impl Model {
         cands.sort_unstable();
         cands.into_iter().find_map(|(bsize, seg, off)| {
             let seg_size = self.segments[&seg].1;
-            if class == SizeClass::Large && seg_size > LARGE_SEG && size * REUSE_RATIO < seg_size {
+            if !self.registered
+                && !self.shared.contains(&seg)
+                && class == SizeClass::Large
+                && seg_size > LARGE_SEG
+                && size * REUSE_RATIO < seg_size
+            {
                 return None;
             }
             let pad = off.next_multiple_of(align) - off;
@@ -262,7 +327,11 @@ impl Model {
             Some(fit) => fit,
             None => {
                 self.stats.num_misses += 1;
-                let g = documented_growth(rounded);
+                let g = if self.registered {
+                    documented_registered_growth(rounded, self.class_allocated[1])
+                } else {
+                    documented_growth(rounded)
+                };
                 let would = self.stats.reserved_bytes.current + g.segment_bytes;
                 if would > MAX_RESERVED {
                     return Expect::AllocErr(vec![AllocError::OutOfMemory {
@@ -272,19 +341,7 @@ impl Model {
                     }]);
                 }
                 // The caller adds the segment asked for and retries.
-                let id = self.next_segment;
-                self.next_segment += 1;
-                self.segments.insert(id, (g.class, g.segment_bytes));
-                self.free.insert(
-                    (id, 0),
-                    FreeRange {
-                        size: g.segment_bytes,
-                        fences: Vec::new(),
-                    },
-                );
-                stat_add(&mut self.stats.reserved_bytes, g.segment_bytes);
-                stat_add(&mut self.stats.segments, 1);
-                self.stats.num_growths += 1;
+                let id = self.add_segment(g);
                 growth = Some((g, SegmentId(id)));
                 self.find_fit(class, rounded, align)
                     .expect("a fresh segment of the documented growth size fits the request")
@@ -344,6 +401,7 @@ impl Model {
             },
         );
         let s = &mut self.stats;
+        self.class_allocated[class_index(class)] += block;
         stat_add(&mut s.allocated_bytes, block);
         stat_add(&mut s.requested_bytes, size);
         stat_add(&mut s.allocated_blocks, 1);
@@ -394,7 +452,9 @@ impl Model {
         }
         self.free
             .insert((b.segment, start), FreeRange { size, fences });
+        let class = self.segments[&b.segment].0;
         let s = &mut self.stats;
+        self.class_allocated[class_index(class)] -= b.size;
         stat_sub(&mut s.allocated_bytes, b.size);
         stat_sub(&mut s.requested_bytes, b.requested);
         stat_sub(&mut s.allocated_blocks, 1);
@@ -407,11 +467,101 @@ impl Model {
         self.free.get(&(id, 0)).is_some_and(|r| r.size == size)
     }
 
+    fn add_segment(&mut self, g: Growth) -> u32 {
+        let id = self.next_segment;
+        self.next_segment += 1;
+        self.segments.insert(id, (g.class, g.segment_bytes));
+        self.free.insert(
+            (id, 0),
+            FreeRange {
+                size: g.segment_bytes,
+                fences: Vec::new(),
+            },
+        );
+        stat_add(&mut self.stats.reserved_bytes, g.segment_bytes);
+        stat_add(&mut self.stats.segments, 1);
+        let c = class_stats(&mut self.stats, g.class);
+        stat_add(&mut c.reserved_bytes, g.segment_bytes);
+        stat_add(&mut c.segments, 1);
+        self.stats.num_growths += 1;
+        id
+    }
+
+    /// The fit-to-peak plan as documented on `Allocator::plan_fit_to_peak`, applied.
+    fn fit_to_peak(&mut self) -> Expect {
+        let mut plan = FitPlan::default();
+        // Bytes of the blocks live now and allocated before the window, per class.
+        let old = |class: SizeClass| -> u64 {
+            self.live
+                .iter()
+                .filter(|(seq, b)| **seq < self.window_seq && self.segments[&b.segment].0 == class)
+                .map(|(_, b)| b.size)
+                .sum()
+        };
+        let old_all = old(SizeClass::Small) + old(SizeClass::Large);
+        for class in [SizeClass::Small, SizeClass::Large] {
+            let ids: Vec<u32> = self
+                .segments
+                .iter()
+                .filter(|(_, s)| s.0 == class)
+                .map(|(&id, _)| id)
+                .collect();
+            let release: Vec<(SegmentId, u64)> = ids
+                .iter()
+                .filter(|&&id| self.is_empty_segment(id))
+                .map(|&id| (SegmentId(id), self.segments[&id].1))
+                .collect();
+            if release.is_empty() {
+                continue;
+            }
+            plan.release.extend(release);
+            // need = min(P - L, R - L_c); with the headroom, at most R - L_c.
+            let reserved_peak = match class {
+                SizeClass::Small => self.stats.small.reserved_bytes.peak,
+                SizeClass::Large => self.stats.large.reserved_bytes.peak,
+            };
+            let held = reserved_peak.saturating_sub(old(class));
+            let need = (self.stats.allocated_bytes.peak.saturating_sub(old_all)).min(held);
+            if need == 0 {
+                continue;
+            }
+            let headroom = if self.registered { HEADROOM_PCT } else { 0 };
+            let mut size = (need + need * headroom / 100)
+                .min(held)
+                .next_multiple_of(GRAN);
+            if class == SizeClass::Small {
+                size = size.max(SMALL_SEG);
+            }
+            plan.add.push(Growth {
+                class,
+                segment_bytes: size,
+            });
+        }
+        plan.release.sort();
+        for &(id, _) in &plan.release {
+            self.remove_segment(id.0);
+        }
+        // Added in order until one would pass the reserve limit.
+        let mut added = Vec::new();
+        for &g in &plan.add {
+            if self.stats.reserved_bytes.current + g.segment_bytes > MAX_RESERVED {
+                break;
+            }
+            let id = self.add_segment(g);
+            self.shared.insert(id);
+            added.push(SegmentId(id));
+        }
+        Expect::Fitted(plan, added)
+    }
+
     fn remove_segment(&mut self, id: u32) -> u64 {
-        let (_, size) = self.segments.remove(&id).unwrap();
+        let (class, size) = self.segments.remove(&id).unwrap();
         self.free.remove(&(id, 0)).unwrap();
         stat_sub(&mut self.stats.reserved_bytes, size);
         stat_sub(&mut self.stats.segments, 1);
+        let c = class_stats(&mut self.stats, class);
+        stat_sub(&mut c.reserved_bytes, size);
+        stat_sub(&mut c.segments, 1);
         self.stats.num_releases += 1;
         size
     }
@@ -425,9 +575,14 @@ impl Model {
             &mut s.active_bytes,
             &mut s.segments,
             &mut s.allocated_blocks,
+            &mut s.small.segments,
+            &mut s.small.reserved_bytes,
+            &mut s.large.segments,
+            &mut s.large.reserved_bytes,
         ] {
             stat.peak = stat.current;
         }
+        self.window_seq = self.next_seq;
     }
 
     /// The layout the allocator's `snapshot()` must show.
@@ -507,6 +662,7 @@ enum Op {
         segment: u32,
     },
     ResetPeak,
+    FitToPeak,
 }
 
 fn size_strategy() -> BoxedStrategy<u64> {
@@ -556,7 +712,7 @@ impl ReferenceStateMachine for CoreModel {
     type Transition = Op;
 
     fn init_state() -> BoxedStrategy<Model> {
-        Just(Model::new()).boxed()
+        any::<bool>().prop_map(Model::new).boxed()
     }
 
     fn transitions(state: &Model) -> BoxedStrategy<Op> {
@@ -588,6 +744,7 @@ impl ReferenceStateMachine for CoreModel {
                     .boxed(),
             ),
             (1, Just(Op::ResetPeak).boxed()),
+            (1, Just(Op::FitToPeak).boxed()),
             (1, Just(Op::FreeStale { seq: None }).boxed()),
         ];
         if !state.live.is_empty() {
@@ -708,6 +865,7 @@ impl ReferenceStateMachine for CoreModel {
                 state.reset_peak();
                 Expect::Nothing
             }
+            Op::FitToPeak => state.fit_to_peak(),
         };
         state.refresh();
         state
@@ -783,11 +941,20 @@ impl Sut {
                 // The core asks for exactly the documented policy's segment.
                 let rounded = self.core.config().round_request(req.size_bytes).unwrap();
                 let align = req.align_bytes.max(UNIT);
-                assert_eq!(Ok(g), self.core.config().growth_for(rounded, align));
-                assert_eq!(g, documented_growth(rounded));
+                let large = self.core.class_allocated_bytes(SizeClass::Large);
+                assert_eq!(Ok(g), self.core.config().growth_with(rounded, align, large));
+                if self.core.config().growth.is_registered() {
+                    assert_eq!(g, documented_registered_growth(rounded, large));
+                } else {
+                    assert_eq!(g, documented_growth(rounded));
+                }
                 assert_eq!(self.core.snapshot().segments, before.segments);
                 let id = self.core.add_segment(g).expect("growth the core asked for");
                 self.core.check_invariants().unwrap();
+                // A growth never moves a live block.
+                for &(bid, seg, off, size) in self.live.values() {
+                    assert_eq!(self.core.locate(bid), Ok((seg, off, size)));
+                }
                 added = Some((g, id));
                 let retry = self.core.alloc(req);
                 assert!(
@@ -859,9 +1026,9 @@ impl StateMachineTest for Sut {
     type SystemUnderTest = Sut;
     type Reference = CoreModel;
 
-    fn init_test(_: &Model) -> Sut {
+    fn init_test(model: &Model) -> Sut {
         Sut {
-            core: Allocator::new(config()).unwrap(),
+            core: Allocator::new(config(model.registered)).unwrap(),
             live: BTreeMap::new(),
             stale: BTreeMap::new(),
         }
@@ -915,6 +1082,24 @@ impl StateMachineTest for Sut {
                 assert_eq!(Expect::ReleasedOne(r), *expect);
             }
             Op::ResetPeak => sut.core.reset_peak(),
+            Op::FitToPeak => {
+                let plan = sut.core.plan_fit_to_peak();
+                let released = sut.core.release_planned(&plan).unwrap();
+                assert_eq!(released, plan.release);
+                let mut added = Vec::new();
+                for &g in &plan.add {
+                    match sut.core.add_planned(g) {
+                        Ok(id) => added.push(id),
+                        Err(AllocError::OutOfMemory { .. }) => break,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                // Planned segments never move a live block.
+                for &(bid, seg, off, size) in sut.live.values() {
+                    assert_eq!(sut.core.locate(bid), Ok((seg, off, size)));
+                }
+                assert_eq!(Expect::Fitted(plan, added), *expect);
+            }
         }
         sut
     }
@@ -925,6 +1110,13 @@ impl StateMachineTest for Sut {
         }
         let snap = sut.core.snapshot();
         assert_eq!(snap.stats, model.stats, "stats differ from the model");
+        for class in [SizeClass::Small, SizeClass::Large] {
+            assert_eq!(
+                sut.core.class_allocated_bytes(class),
+                model.class_allocated[class_index(class)],
+                "{class:?} allocated bytes differ from the model"
+            );
+        }
         assert_eq!(
             snap.segments,
             model.layout(),
@@ -981,9 +1173,19 @@ prop_state_machine! {
 
 #[test]
 fn model_config_is_valid_and_as_documented() {
-    let c = config();
+    let c = config(false);
     c.validate().unwrap();
     for rounded in (UNIT..=MAX_REQUEST).step_by(UNIT as usize) {
         assert_eq!(c.growth_for(rounded, UNIT), Ok(documented_growth(rounded)));
+    }
+    let r = config(true);
+    r.validate().unwrap();
+    for large in [0, GRAN, MIN_CHUNK, 3 * MIN_CHUNK, MAX_CHUNK, 4 * MAX_CHUNK] {
+        for rounded in (UNIT..=MAX_REQUEST).step_by(UNIT as usize) {
+            assert_eq!(
+                r.growth_with(rounded, UNIT, large),
+                Ok(documented_registered_growth(rounded, large))
+            );
+        }
     }
 }

@@ -104,6 +104,8 @@ enum Op {
         small: bool,
         size: Size,
     },
+    /// Plan a fit to the peak and carry it out.
+    FitToPeak,
 }
 
 /// Arbitrary configuration fields, mapped to sizes that are often valid.
@@ -120,11 +122,16 @@ struct RawConfig {
     steps_log2: u8,
     max_request: Size,
     max_reserved: Size,
+    /// `Some` selects the registered growth policy: (min chunk in granules, max chunk
+    /// in granules above it, growth percent, fit headroom percent).
+    registered: Option<(u8, u8, u16, u8)>,
 }
 
 #[derive(Arbitrary, Debug)]
 enum ConfigChoice {
     Default,
+    /// `CoreConfig::registered()`.
+    Registered,
     /// Small segments (16 KiB / 128 KiB) and a 4 MiB reserve limit.
     Small,
     Raw(RawConfig),
@@ -134,6 +141,7 @@ impl ConfigChoice {
     fn build(&self) -> CoreConfig {
         match self {
             ConfigChoice::Default => CoreConfig::default(),
+            ConfigChoice::Registered => CoreConfig::registered(),
             ConfigChoice::Small => {
                 let mut c = CoreConfig::default()
                     .with_granularity_bytes(16 * KIB)
@@ -165,6 +173,13 @@ impl ConfigChoice {
                     0 => 0,
                     k => 1 << (k - 1),
                 };
+                if let Some((lo, hi, pct, head)) = r.registered {
+                    let min_chunk = gran * (1 + u64::from(lo % 32));
+                    c = c
+                        .with_chunk_bytes(min_chunk, min_chunk + gran * u64::from(hi))
+                        .with_growth_percent(u64::from(pct) % 400)
+                        .with_fit_headroom_percent(u64::from(head % 128));
+                }
                 let c = c.with_max_request_bytes(r.max_request.bytes(&c));
                 c.with_max_reserved_bytes(r.max_reserved.bytes(&c))
             }
@@ -415,6 +430,32 @@ impl Harness {
         }
     }
 
+    fn fit_to_peak(&mut self) {
+        let plan = self.core.plan_fit_to_peak();
+        let released = match self.core.release_planned(&plan) {
+            Ok(r) => r,
+            Err(e) => panic!("fresh plan refused: {e:?}"),
+        };
+        assert_eq!(released, plan.release);
+        for &(id, size) in &released {
+            assert_eq!(self.segments.remove(&id).map(|s| s.1), Some(size));
+            assert!(self.ranges.range((id, 0)..=(id, u64::MAX)).next().is_none());
+        }
+        for &g in &plan.add {
+            match self.core.add_planned(g) {
+                Ok(id) => {
+                    self.segments.insert(id, (g.class, g.segment_bytes));
+                }
+                Err(AllocError::OutOfMemory { .. }) => break,
+                Err(e) => panic!("planned segment refused: {e:?}"),
+            }
+        }
+        // Live blocks never move.
+        for l in &self.live {
+            assert_eq!(self.core.locate(l.id), Ok((l.segment, l.offset, l.size)));
+        }
+    }
+
     fn release_one(&mut self, id: SegmentId) {
         let empty = self.segments.contains_key(&id)
             && self.ranges.range((id, 0)..=(id, u64::MAX)).next().is_none();
@@ -495,6 +536,7 @@ fuzz_target!(|input: Input| {
             Op::ReleaseFree => h.release_free(),
             Op::ReleaseSegment { id } => h.release_one(SegmentId(u32::from(id))),
             Op::ResetPeak => h.core.reset_peak(),
+            Op::FitToPeak => h.fit_to_peak(),
             Op::AddSegment { small, size } => h.add_segment(small, size.bytes(&cfg)),
         }
         h.check();

@@ -1,13 +1,14 @@
 //! The deterministic best-fit caching allocator.
 
 use super::align::{align_up, is_pow2};
-use super::config::CoreConfig;
+use super::config::{CoreConfig, GrowthPolicy};
 use super::error::AllocError;
 use super::free_index::FreeIndex;
 use super::stats::{BlockSnapshot, BlockState, CoreStats, SegmentSnapshot, Snapshot};
 use super::types::{
     AllocRequest, BlockId, Fence, Growth, Placement, SegmentId, SizeClass, StreamId, Wait,
 };
+use serde::{Deserialize, Serialize};
 use slab::Slab;
 use smallvec::SmallVec;
 use std::collections::BTreeMap;
@@ -16,6 +17,9 @@ use std::collections::BTreeMap;
 /// broken by (segment, offset). The slab slot rides along and never decides order,
 /// because (segment, offset) is unique.
 pub(super) type FreeKey = (u64, SegmentId, u64, u32);
+
+/// Released segments with their sizes in bytes.
+type Released = Vec<(SegmentId, u64)>;
 
 /// Fences kept on a free block: at most one per stream (the latest), sorted by stream.
 pub(super) type Fences = SmallVec<[Wait; 2]>;
@@ -92,6 +96,32 @@ pub struct Allocator {
     pub(super) fenced_free_bytes: u64,
     /// Largest fence reported complete, per stream.
     pub(super) completed: BTreeMap<StreamId, Fence>,
+    /// `next_seq` at the last `reset_peak` (1 before any): blocks with a smaller
+    /// sequence number were allocated before the current peak window.
+    pub(super) window_seq: u64,
+}
+
+/// What [`Allocator::plan_fit_to_peak`] proposes: entirely free segments to release,
+/// then segments to add, sized to the peak observed since the last
+/// [`reset_peak`](Allocator::reset_peak).
+///
+/// A pure function of the call sequence, so every rank computes the same plan; the
+/// pool can compare plans across ranks before acting on one.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FitPlan {
+    /// Segments to release, in ascending id order, with their sizes in bytes. All are
+    /// entirely free when planned.
+    pub release: Vec<(SegmentId, u64)>,
+    /// Segments to add after the release, in order (at most one small, then at most
+    /// one large). Add them with [`Allocator::add_planned`].
+    pub add: Vec<Growth>,
+}
+
+impl FitPlan {
+    /// Whether the plan changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.release.is_empty() && self.add.is_empty()
+    }
 }
 
 impl Allocator {
@@ -111,6 +141,7 @@ impl Allocator {
             stats: CoreStats::default(),
             fenced_free_bytes: 0,
             completed: BTreeMap::new(),
+            window_seq: 1,
         })
     }
 
@@ -124,19 +155,13 @@ impl Allocator {
         self.stats
     }
 
-    /// Reset every peak to its current value.
+    /// Reset every peak (the per-class ones too) to its current value, and start a new
+    /// window for [`plan_fit_to_peak`](Self::plan_fit_to_peak).
     pub fn reset_peak(&mut self) {
-        let s = &mut self.stats;
-        for stat in [
-            &mut s.allocated_bytes,
-            &mut s.requested_bytes,
-            &mut s.reserved_bytes,
-            &mut s.active_bytes,
-            &mut s.segments,
-            &mut s.allocated_blocks,
-        ] {
+        for stat in self.stats.gauges_mut() {
             stat.reset_peak();
         }
+        self.window_seq = self.next_seq;
     }
 
     /// Effective alignment of a request, checked.
@@ -172,7 +197,15 @@ impl Allocator {
         let class = self.config.class_of(size);
         let Some((key, pad)) = self.find_fit(class, size, align) else {
             self.stats.num_misses += 1;
-            let growth = self.config.growth_for(size, align)?;
+            // Only the registered policy sizes large segments from the live bytes (a
+            // walk of the large free index, off the cache-hit path).
+            let large_allocated = if class == SizeClass::Large && self.config.growth.is_registered()
+            {
+                self.class_allocated_bytes(SizeClass::Large)
+            } else {
+                0
+            };
+            let growth = self.config.growth_with(size, align, large_allocated)?;
             let would = self
                 .stats
                 .reserved_bytes
@@ -201,6 +234,9 @@ impl Allocator {
 
     /// First free block of `class` (in index order) that holds `size` bytes at an
     /// offset aligned to `align`. Returns its key and the padding in front.
+    // `#[inline]` (with the free index's methods) so that the search inlines into
+    // `alloc` whatever the codegen-unit split: see `free_index.rs`.
+    #[inline]
     fn find_fit(&self, class: SizeClass, size: u64, align: u64) -> Option<(FreeKey, u64)> {
         let start = (size, SegmentId(0), 0, 0);
         let ratio = self.config.dedicated_reuse_ratio;
@@ -530,7 +566,10 @@ impl Allocator {
     }
 
     /// Add a segment, as asked for by [`AllocError::NeedsGrowth`] (or to pre-grow).
-    /// Its id is the next in sequence; it starts as one free block.
+    /// Its id is the next in sequence; it starts as one free block. Under
+    /// [`GrowthPolicy::Caching`] a large segment larger than `large_segment_bytes` is
+    /// dedicated (it serves only requests of at least 1/`dedicated_reuse_ratio` of its
+    /// size); under [`GrowthPolicy::Registered`] every segment is shared.
     ///
     /// # Errors
     /// [`AllocError::BadSegmentSize`] unless the size is a non-zero multiple of the
@@ -538,7 +577,8 @@ impl Allocator {
     /// [`AllocError::OutOfMemory`] past `max_reserved_bytes`; [`AllocError::Exhausted`]
     /// after 2³² - 1 segments.
     pub fn add_segment(&mut self, growth: Growth) -> Result<SegmentId, AllocError> {
-        let dedicated = growth.class == SizeClass::Large
+        let dedicated = self.config.growth == GrowthPolicy::Caching
+            && growth.class == SizeClass::Large
             && growth.segment_bytes > self.config.large_segment_bytes;
         self.insert_segment(growth, dedicated)
     }
@@ -614,6 +654,9 @@ impl Allocator {
         let s = &mut self.stats;
         s.reserved_bytes.add(size);
         s.segments.add(1);
+        let c = s.class_mut(growth.class);
+        c.reserved_bytes.add(size);
+        c.segments.add(1);
         s.free_blocks += 1;
         s.num_growths += 1;
         Ok(id)
@@ -659,10 +702,198 @@ impl Allocator {
         let s = &mut self.stats;
         s.reserved_bytes.sub(seg.size);
         s.segments.sub(1);
+        let c = s.class_mut(seg.class);
+        c.reserved_bytes.sub(seg.size);
+        c.segments.sub(1);
         s.free_blocks -= 1;
         s.num_releases += 1;
         self.refresh_active();
         Ok(seg.size)
+    }
+
+    /// Bytes in the allocated blocks of one size class now (block sizes, after
+    /// rounding): the class's reserved bytes less its free blocks. Computed on demand
+    /// (O(free blocks of the class)), since the alloc and free paths keep no per-class
+    /// figure; the two classes add up to `stats().allocated_bytes.current`.
+    pub fn class_allocated_bytes(&self, class: SizeClass) -> u64 {
+        // Saturating only so that `check_invariants` reports a broken reserved figure
+        // instead of panicking here.
+        self.stats
+            .class(class)
+            .reserved_bytes
+            .current
+            .saturating_sub(self.free[class.index()].total_bytes())
+    }
+
+    /// Plan a refit of the segments to the peak observed since the last
+    /// [`reset_peak`](Self::reset_peak) (the core half of a collective "fit to peak"
+    /// call, made when the ranks agree to, typically after the first training step).
+    ///
+    /// Per size class, when at least one of its segments is entirely free:
+    /// - every entirely free segment of the class is released (segments holding a live
+    ///   block are kept, whatever their size);
+    /// - one segment is added, of `need` plus `fit_headroom_percent` of it under the
+    ///   registered policy, at most `R - L_c` (below), rounded up to
+    ///   `granularity_bytes` (small: at least `small_segment_bytes`); nothing is added
+    ///   when `need` is 0. `need` bounds what the class's blocks allocated in the
+    ///   window took at its peak: `need = min(P - L, R - L_c)`, where `P` is the peak of
+    ///   `allocated_bytes` in the window, `L` the bytes of the blocks (of both classes)
+    ///   that are live now and were allocated before the window (they were live
+    ///   throughout it and stay where they are), `L_c` the part of `L` in the class, and
+    ///   `R` the peak of the class's `reserved_bytes` in the window. The allocator keeps
+    ///   no per-class allocated peak, so that the alloc and free paths stay free of
+    ///   per-class bookkeeping: both terms are upper bounds of the class's own peak less
+    ///   `L_c`. The first over-counts the other class's window blocks live at the
+    ///   overall peak (usually a few small ones); the second is what the class held the
+    ///   window in, so the headroom never takes the segment past it.
+    ///
+    /// A class with no entirely free segment is left as it is. The kept segments'
+    /// free space is counted as zero, and blocks allocated inside the window that are
+    /// still live count in full: conservative, the plan may over-reserve by those bytes.
+    ///
+    /// The guarantee aimed at: replaying the window's calls again (the next identical
+    /// step) needs no growth when the new segment holds the window's blocks without
+    /// fragmentation: exactly when each class's peak is reached with no hole in between,
+    /// as in the FSDP traces of the tests; otherwise `fit_headroom_percent` gives room
+    /// against it, and growth stays possible (never an error).
+    ///
+    /// The plan is a pure function of the call sequence. Carry it out with
+    /// [`release_planned`](Self::release_planned), then (after the backend work)
+    /// [`add_planned`](Self::add_planned) for each growth in order, or all at once with
+    /// [`apply_fit_plan`](Self::apply_fit_plan). Compared with
+    /// [`release_free_segments`](Self::release_free_segments) (trim), this releases only
+    /// in classes it refills; segments added with
+    /// [`add_shared_segment`](Self::add_shared_segment) (a reserve) are released like
+    /// any other when entirely free, so a pool that reserved ahead may want to skip the
+    /// call.
+    pub fn plan_fit_to_peak(&self) -> FitPlan {
+        let mut plan = FitPlan::default();
+        let headroom = match self.config.growth {
+            GrowthPolicy::Registered {
+                fit_headroom_percent,
+                ..
+            } => fit_headroom_percent,
+            _ => 0,
+        };
+        // Per class: the entirely free segments, and the bytes of the blocks live now
+        // that were allocated before the window.
+        let mut release: [Vec<(SegmentId, u64)>; 2] = [Vec::new(), Vec::new()];
+        let mut old_live = [0u64; 2];
+        for (&id, seg) in &self.segments {
+            let c = seg.class.index();
+            let first = &self.blocks[seg.first as usize];
+            if first.is_free() && first.size == seg.size {
+                release[c].push((id, seg.size));
+                continue;
+            }
+            let mut cur = Some(seg.first);
+            while let Some(slot) = cur {
+                let b = &self.blocks[slot as usize];
+                if let BlockUse::Allocated { seq, .. } = b.usage
+                    && seq < self.window_seq
+                {
+                    old_live[c] += b.size;
+                }
+                cur = b.next;
+            }
+        }
+        let window_peak = self
+            .stats
+            .allocated_bytes
+            .peak
+            .saturating_sub(old_live[0] + old_live[1]);
+        for class in [SizeClass::Small, SizeClass::Large] {
+            let c = class.index();
+            let release = std::mem::take(&mut release[c]);
+            if release.is_empty() {
+                continue;
+            }
+            plan.release.extend(release);
+            let held = self
+                .stats
+                .class(class)
+                .reserved_bytes
+                .peak
+                .saturating_sub(old_live[c]);
+            let need = window_peak.min(held);
+            if need == 0 {
+                continue;
+            }
+            let need = need
+                .saturating_add(need / 100 * headroom + (need % 100) * headroom / 100)
+                .min(held);
+            let gran = self.config.granularity_bytes;
+            let mut size = align_up(need, gran).unwrap_or(u64::MAX / gran * gran);
+            if class == SizeClass::Small {
+                size = size.max(self.config.small_segment_bytes);
+            }
+            plan.add.push(Growth {
+                class,
+                segment_bytes: size.min(super::config::MAX_SEGMENT_BYTES),
+            });
+        }
+        plan.release.sort_unstable();
+        plan
+    }
+
+    /// Release the segments a [`FitPlan`] lists, and return them with their sizes (the
+    /// caller frees their memory).
+    ///
+    /// # Errors
+    /// [`AllocError::UnknownSegment`] naming the first listed segment that does not
+    /// exist or is not entirely free (the plan is stale); nothing changes then.
+    pub fn release_planned(&mut self, plan: &FitPlan) -> Result<Vec<(SegmentId, u64)>, AllocError> {
+        for &(id, size) in &plan.release {
+            let ok = self.segments.get(&id).is_some_and(|seg| {
+                let b = &self.blocks[seg.first as usize];
+                seg.size == size && b.is_free() && b.size == seg.size
+            });
+            if !ok {
+                return Err(AllocError::UnknownSegment(id));
+            }
+        }
+        Ok(plan
+            .release
+            .iter()
+            .map(|&(id, _)| {
+                let size = self.release_segment(id).expect("checked entirely free");
+                (id, size)
+            })
+            .collect())
+    }
+
+    /// Add one segment of a [`FitPlan`]: a large one as a shared segment (like
+    /// [`add_shared_segment`](Self::add_shared_segment)), a small one with
+    /// [`add_segment`](Self::add_segment).
+    ///
+    /// # Errors
+    /// As [`add_segment`](Self::add_segment).
+    pub fn add_planned(&mut self, growth: Growth) -> Result<SegmentId, AllocError> {
+        match growth.class {
+            SizeClass::Large => self.add_shared_segment(growth.segment_bytes),
+            SizeClass::Small => self.add_segment(growth),
+        }
+    }
+
+    /// [`release_planned`](Self::release_planned) then
+    /// [`add_planned`](Self::add_planned) for every growth of the plan: for callers
+    /// with no backend work in between (tests, simulations). Returns the released
+    /// segments and the ids of the added ones.
+    ///
+    /// # Errors
+    /// As [`release_planned`](Self::release_planned) (nothing changes) and
+    /// [`add_planned`](Self::add_planned) (the release and earlier additions stay).
+    pub fn apply_fit_plan(
+        &mut self,
+        plan: &FitPlan,
+    ) -> Result<(Released, Vec<SegmentId>), AllocError> {
+        let released = self.release_planned(plan)?;
+        let added = plan
+            .add
+            .iter()
+            .map(|&g| self.add_planned(g))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((released, added))
     }
 
     /// The segments in id order, with class and size in bytes.

@@ -35,6 +35,40 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
 /// share segments. A dedicated segment serves only requests of at least
 /// 1/`dedicated_reuse_ratio` of its size, so small requests never fragment it.
 ///
+/// That is [`GrowthPolicy::Caching`], the policy of [`CoreConfig::default()`]. For
+/// memory whose segments are expensive (registered collectively with NCCL, each taking
+/// symmetric address space on every peer), [`CoreConfig::registered()`] selects
+/// [`GrowthPolicy::Registered`], which starts with one large chunk and keeps the number
+/// of large segments logarithmic in the peak working set:
+///
+/// | request (rounded up to `min_block_bytes`)   | class | new segment (registered policy)      |
+/// |---------------------------------------------|-------|--------------------------------------|
+/// | ≤ `small_request_max_bytes`                 | small | `small_segment_bytes` (2 MiB), as above |
+/// | larger                                      | large | `max(chunk, fit)`, shared (no dedicated-segment rule) |
+///
+/// where `chunk = clamp(⌈large_allocated · growth_percent / 100⌉, min_chunk_bytes,
+/// max_chunk_bytes)` rounded up to `granularity_bytes`, with `large_allocated` the
+/// bytes of the large class's live blocks when the request misses (defaults: 448 MiB
+/// minimum chunk, 4 GiB maximum chunk, 100 %), and `fit` the request rounded up as a
+/// dedicated segment of the table above (requests up to `dedicated_min_bytes` to
+/// `granularity_bytes`). So a request larger than the chunk still gets a segment that
+/// fits it. The chunk grows with the live data, not with what is reserved: the
+/// over-reserve of earlier growths (free space, fragments) does not compound. With the
+/// defaults the first large segment is 448 MiB (or the first request's fit), and each
+/// later growth adds at least as much as the class has live (while chunks are below
+/// 4 GiB), so the number of segments stays logarithmic in the peak working set.
+///
+/// The defaults were picked by a sweep over the FSDP-like traces of the tests
+/// (`tests/fsdp_trace.rs`, figures in `BENCHMARKS.md`): a Llama-like model (peak
+/// 814 MiB: two large segments), random layer sizes and the `fsdp_step` example.
+///
+/// Under the registered policy every large segment is shared: large requests of any
+/// size are split out of them by best fit (remainders of at least
+/// `large_split_min_bytes` stay free), and `dedicated_reuse_ratio` is not applied.
+/// Small requests still never touch large segments, so they cannot pin one; a large
+/// request of a few MiB can keep a big segment from being trimmed, which is what
+/// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) is for.
+///
 /// Growth that would take reserved memory past `max_reserved_bytes` fails with
 /// [`AllocError::OutOfMemory`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +109,61 @@ pub struct CoreConfig {
     /// Growth beyond this many reserved bytes is refused with
     /// [`AllocError::OutOfMemory`] (default `u64::MAX`, no limit).
     pub max_reserved_bytes: u64,
+    /// How large segments are sized (default [`GrowthPolicy::Caching`]; absent in
+    /// serialised configs from before it existed, which then get the default).
+    #[serde(default)]
+    pub growth: GrowthPolicy,
+}
+
+/// How the core sizes new large segments (see the tables of [`CoreConfig`]).
+///
+/// Small segments are `small_segment_bytes` under every policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum GrowthPolicy {
+    /// PyTorch's caching-allocator policy: shared `large_segment_bytes` (20 MiB)
+    /// segments for requests up to `dedicated_min_bytes` (10 MiB), a dedicated segment
+    /// of about its own size for every larger request.
+    #[default]
+    Caching,
+    /// For registered (symmetric) memory, where every segment is expensive: a new large
+    /// segment is at least a chunk that grows with the bytes the large class has
+    /// allocated, so the number of segments is logarithmic in the peak working set.
+    Registered {
+        /// Smallest new large segment, in bytes (default 448 MiB; a non-zero multiple
+        /// of `granularity_bytes`). The first large segment is at least this.
+        min_chunk_bytes: u64,
+        /// Largest chunk, in bytes (default 4 GiB; at least `min_chunk_bytes`, a
+        /// multiple of `granularity_bytes`). A larger request still gets a segment that
+        /// fits it.
+        max_chunk_bytes: u64,
+        /// A chunk is this percentage of the bytes the large class has allocated (live
+        /// blocks) when the request misses (default 100; at most 10 000).
+        growth_percent: u64,
+        /// Extra room the segment planned by
+        /// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) gets on
+        /// top of the observed peak, in percent of the peak (default 10, at most 100), against
+        /// fragmentation when the next step's placement differs from the observed one.
+        fit_headroom_percent: u64,
+    },
+}
+
+impl GrowthPolicy {
+    /// The registered policy with its defaults: 448 MiB minimum chunk, 4 GiB maximum
+    /// chunk, 100 % growth, 10 % fit headroom.
+    pub fn registered() -> Self {
+        GrowthPolicy::Registered {
+            min_chunk_bytes: 448 * MIB,
+            max_chunk_bytes: 4096 * MIB,
+            growth_percent: 100,
+            fit_headroom_percent: 10,
+        }
+    }
+
+    /// Whether this is the registered policy.
+    pub fn is_registered(&self) -> bool {
+        matches!(self, GrowthPolicy::Registered { .. })
+    }
 }
 
 impl Default for CoreConfig {
@@ -91,11 +180,77 @@ impl Default for CoreConfig {
             dedicated_round_steps: 16,
             max_request_bytes: 1 << 40,
             max_reserved_bytes: u64::MAX,
+            growth: GrowthPolicy::Caching,
         }
     }
 }
 
 impl CoreConfig {
+    /// The default sizes with [`GrowthPolicy::registered()`]: what a pool whose
+    /// segments are registered with NCCL should use.
+    pub fn registered() -> Self {
+        CoreConfig::default().with_growth(GrowthPolicy::registered())
+    }
+
+    /// Set the growth policy.
+    pub fn with_growth(mut self, growth: GrowthPolicy) -> Self {
+        self.growth = growth;
+        self
+    }
+
+    /// Set the chunk bounds of the registered policy, in bytes. The policy becomes
+    /// [`GrowthPolicy::Registered`] (with default percentages) if it was not already.
+    pub fn with_chunk_bytes(mut self, min_chunk_bytes: u64, max_chunk_bytes: u64) -> Self {
+        let mut g = self.registered_policy();
+        if let GrowthPolicy::Registered {
+            min_chunk_bytes: lo,
+            max_chunk_bytes: hi,
+            ..
+        } = &mut g
+        {
+            *lo = min_chunk_bytes;
+            *hi = max_chunk_bytes;
+        }
+        self.growth = g;
+        self
+    }
+
+    /// Set the growth percentage of the registered policy (100: a new chunk as large
+    /// as the large class's allocated bytes). The policy becomes
+    /// [`GrowthPolicy::Registered`] if it was not already.
+    pub fn with_growth_percent(mut self, percent: u64) -> Self {
+        let mut g = self.registered_policy();
+        if let GrowthPolicy::Registered { growth_percent, .. } = &mut g {
+            *growth_percent = percent;
+        }
+        self.growth = g;
+        self
+    }
+
+    /// Set the headroom of [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak)
+    /// under the registered policy, in percent of the observed peak. The policy becomes
+    /// [`GrowthPolicy::Registered`] if it was not already.
+    pub fn with_fit_headroom_percent(mut self, percent: u64) -> Self {
+        let mut g = self.registered_policy();
+        if let GrowthPolicy::Registered {
+            fit_headroom_percent,
+            ..
+        } = &mut g
+        {
+            *fit_headroom_percent = percent;
+        }
+        self.growth = g;
+        self
+    }
+
+    fn registered_policy(&self) -> GrowthPolicy {
+        if self.growth.is_registered() {
+            self.growth
+        } else {
+            GrowthPolicy::registered()
+        }
+    }
+
     /// Set the segment granularity (and the largest alignment), in bytes.
     pub fn with_granularity_bytes(mut self, bytes: u64) -> Self {
         self.granularity_bytes = bytes;
@@ -141,7 +296,9 @@ impl CoreConfig {
     /// segment sizes non-zero multiples of the granularity; a small request fits a
     /// small segment; `dedicated_min_bytes ≤ large_segment_bytes`;
     /// `small_request_max_bytes < max_request_bytes`; `dedicated_reuse_ratio` 0 or at
-    /// least 2.
+    /// least 2; under [`GrowthPolicy::Registered`], chunk sizes non-zero multiples of the
+    /// granularity with `min_chunk_bytes ≤ max_chunk_bytes ≤ 16 TiB`,
+    /// `growth_percent ≤ 10 000` and `fit_headroom_percent ≤ 100`.
     pub fn validate(&self) -> Result<(), AllocError> {
         let bad = |what: &'static str| Err(AllocError::InvalidConfig(what));
         if !is_pow2(self.min_block_bytes) || !is_pow2(self.granularity_bytes) {
@@ -184,6 +341,30 @@ impl CoreConfig {
         if self.max_request_bytes <= self.small_request_max_bytes {
             return bad("max_request_bytes must exceed small_request_max_bytes");
         }
+        if let GrowthPolicy::Registered {
+            min_chunk_bytes,
+            max_chunk_bytes,
+            growth_percent,
+            fit_headroom_percent,
+        } = self.growth
+        {
+            if min_chunk_bytes == 0
+                || !min_chunk_bytes.is_multiple_of(self.granularity_bytes)
+                || !max_chunk_bytes.is_multiple_of(self.granularity_bytes)
+                || min_chunk_bytes > max_chunk_bytes
+                || max_chunk_bytes > MAX_SEGMENT_BYTES
+            {
+                return bad(
+                    "chunk sizes must be non-zero multiples of granularity_bytes with min ≤ max ≤ 16 TiB",
+                );
+            }
+            if growth_percent > 10_000 {
+                return bad("growth_percent must not exceed 10 000");
+            }
+            if fit_headroom_percent > 100 {
+                return bad("fit_headroom_percent must not exceed 100");
+            }
+        }
         Ok(())
     }
 
@@ -216,35 +397,86 @@ impl CoreConfig {
     }
 
     /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes` (see the table above).
+    /// with effective alignment `align_bytes`, when the large class has allocated
+    /// nothing (see the tables above). Under [`GrowthPolicy::Caching`] that is the only
+    /// case.
     ///
     /// # Errors
     /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
     pub fn growth_for(&self, rounded_bytes: u64, align_bytes: u64) -> Result<Growth, AllocError> {
+        self.growth_with(rounded_bytes, align_bytes, 0)
+    }
+
+    /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
+    /// with effective alignment `align_bytes`, when the large class's live blocks take
+    /// `large_allocated_bytes` (only the registered policy looks at it; the allocator
+    /// passes [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes)).
+    ///
+    /// # Errors
+    /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
+    pub fn growth_with(
+        &self,
+        rounded_bytes: u64,
+        align_bytes: u64,
+        large_allocated_bytes: u64,
+    ) -> Result<Growth, AllocError> {
+        // Offset 0 of a segment satisfies every alignment up to the granularity, so the
+        // request alone decides the size.
+        let _ = align_bytes;
         let class = self.class_of(rounded_bytes);
-        let segment_bytes = match class {
-            SizeClass::Small => self.small_segment_bytes,
-            SizeClass::Large if rounded_bytes <= self.dedicated_min_bytes => {
+        let too_large = AllocError::TooLarge {
+            requested_bytes: rounded_bytes,
+            max_bytes: self.max_request_bytes,
+        };
+        let segment_bytes = match (class, self.growth) {
+            (SizeClass::Small, _) => self.small_segment_bytes,
+            (SizeClass::Large, GrowthPolicy::Caching)
+                if rounded_bytes <= self.dedicated_min_bytes =>
+            {
                 self.large_segment_bytes
             }
-            SizeClass::Large => {
-                // Offset 0 of a segment satisfies every alignment up to the granularity,
-                // so the request alone decides the size.
-                let _ = align_bytes;
-                let octave = 1u64 << (63 - rounded_bytes.leading_zeros());
-                let step = match self.dedicated_round_steps {
-                    0 => self.granularity_bytes,
-                    n => (octave / n).max(self.granularity_bytes),
-                };
-                align_up(rounded_bytes, step).ok_or(AllocError::TooLarge {
-                    requested_bytes: rounded_bytes,
-                    max_bytes: self.max_request_bytes,
-                })?
+            (SizeClass::Large, GrowthPolicy::Caching) => {
+                self.dedicated_size(rounded_bytes).ok_or(too_large)?
+            }
+            (
+                SizeClass::Large,
+                GrowthPolicy::Registered {
+                    min_chunk_bytes,
+                    max_chunk_bytes,
+                    growth_percent,
+                    ..
+                },
+            ) => {
+                let fit = if rounded_bytes <= self.dedicated_min_bytes {
+                    align_up(rounded_bytes, self.granularity_bytes)
+                } else {
+                    self.dedicated_size(rounded_bytes)
+                }
+                .ok_or_else(|| too_large.clone())?;
+                let grown = u128::from(large_allocated_bytes) * u128::from(growth_percent);
+                let grown = u64::try_from(grown.div_ceil(100)).unwrap_or(u64::MAX);
+                let chunk = grown.clamp(min_chunk_bytes, max_chunk_bytes);
+                // max_chunk_bytes is a multiple of the granularity, so this cannot overflow.
+                let chunk =
+                    align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?;
+                chunk.max(fit)
             }
         };
         Ok(Growth {
             class,
             segment_bytes,
         })
+    }
+
+    /// A dedicated segment's size for a large request: rounded up to a multiple of
+    /// `max(granularity_bytes, 2^⌊log2 request⌋ / dedicated_round_steps)`; `None` on
+    /// overflow.
+    fn dedicated_size(&self, rounded_bytes: u64) -> Option<u64> {
+        let octave = 1u64 << (63 - rounded_bytes.leading_zeros());
+        let step = match self.dedicated_round_steps {
+            0 => self.granularity_bytes,
+            n => (octave / n).max(self.granularity_bytes),
+        };
+        align_up(rounded_bytes, step)
     }
 }

@@ -1,7 +1,7 @@
 //! `check_invariants`: a full recount of the allocator's state, for tests and fuzzers.
 
 use super::allocator::{Allocator, BlockUse};
-use super::types::SegmentId;
+use super::types::{SegmentId, SizeClass};
 use std::collections::BTreeSet;
 
 /// A broken invariant, naming what was found. Any of these is a bug in the core.
@@ -41,6 +41,8 @@ impl Allocator {
         let mut expected_free = [BTreeSet::new(), BTreeSet::new()];
         let (mut allocated, mut requested, mut reserved, mut fenced) = (0u64, 0u64, 0u64, 0u64);
         let (mut nalloc, mut nfree) = (0u64, 0u64);
+        // Per class: (segments, reserved, allocated).
+        let mut by_class = [(0u64, 0u64, 0u64); 2];
         for (&id, seg) in &self.segments {
             let sid = Some(id);
             if seg.size == 0 || !seg.size.is_multiple_of(self.config.granularity_bytes) {
@@ -127,6 +129,10 @@ impl Allocator {
                 );
             }
             allocated += live_bytes;
+            let c = &mut by_class[seg.class.index()];
+            c.0 += 1;
+            c.1 += seg.size;
+            c.2 += live_bytes;
         }
         if seen_slots.len() != self.blocks.len() {
             return fail(
@@ -160,7 +166,31 @@ impl Allocator {
             ("allocated_blocks", s.allocated_blocks.current, nalloc),
             ("free_blocks", s.free_blocks, nfree),
         ];
-        for (name, have, want) in checks {
+        let class_checks = [
+            ("small.segments", s.small.segments.current, by_class[0].0),
+            (
+                "small.reserved_bytes",
+                s.small.reserved_bytes.current,
+                by_class[0].1,
+            ),
+            (
+                "class_allocated_bytes(Small)",
+                self.class_allocated_bytes(SizeClass::Small),
+                by_class[0].2,
+            ),
+            ("large.segments", s.large.segments.current, by_class[1].0),
+            (
+                "large.reserved_bytes",
+                s.large.reserved_bytes.current,
+                by_class[1].1,
+            ),
+            (
+                "class_allocated_bytes(Large)",
+                self.class_allocated_bytes(SizeClass::Large),
+                by_class[1].2,
+            ),
+        ];
+        for (name, have, want) in checks.into_iter().chain(class_checks) {
             if have != want {
                 return fail(format!("stat {name} is {have}, recount {want}"), None);
             }
@@ -172,6 +202,10 @@ impl Allocator {
             ("active_bytes", s.active_bytes),
             ("segments", s.segments),
             ("allocated_blocks", s.allocated_blocks),
+            ("small.segments", s.small.segments),
+            ("small.reserved_bytes", s.small.reserved_bytes),
+            ("large.segments", s.large.segments),
+            ("large.reserved_bytes", s.large.reserved_bytes),
         ] {
             if stat.peak < stat.current {
                 return fail(format!("peak of {name} below current"), None);

@@ -78,11 +78,13 @@ mod types;
 mod tests;
 
 pub use align::{align_up, is_pow2};
-pub use allocator::Allocator;
-pub use config::{CoreConfig, MAX_SEGMENT_BYTES};
+pub use allocator::{Allocator, FitPlan};
+pub use config::{CoreConfig, GrowthPolicy, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
 pub use invariants::InvariantViolation;
-pub use stats::{BlockSnapshot, BlockState, CoreStats, SegmentSnapshot, Snapshot, Stat};
+pub use stats::{
+    BlockSnapshot, BlockState, ClassStats, CoreStats, SegmentSnapshot, Snapshot, Stat,
+};
 pub use types::{
     AllocRequest, BlockId, Fence, Growth, Placement, SegmentId, SizeClass, StreamId, Wait,
 };

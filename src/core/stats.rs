@@ -71,6 +71,73 @@ pub struct CoreStats {
     pub num_waits: u64,
     /// Requests refused because no block fitted (each is followed by growth or an error).
     pub num_misses: u64,
+    /// The small class alone: its segments and reserved bytes. (Absent in serialised
+    /// stats from before it existed, which then read as zero.)
+    #[serde(default)]
+    pub small: ClassStats,
+    /// The large class alone: its segments and reserved bytes.
+    #[serde(default)]
+    pub large: ClassStats,
+}
+
+impl CoreStats {
+    /// The statistics of one size class.
+    pub fn class(&self, class: SizeClass) -> &ClassStats {
+        match class {
+            SizeClass::Small => &self.small,
+            SizeClass::Large => &self.large,
+        }
+    }
+
+    pub(crate) fn class_mut(&mut self, class: SizeClass) -> &mut ClassStats {
+        match class {
+            SizeClass::Small => &mut self.small,
+            SizeClass::Large => &mut self.large,
+        }
+    }
+
+    /// Every gauge, the per-class ones included (for `reset_peak`).
+    pub(crate) fn gauges_mut(&mut self) -> [&mut Stat; 10] {
+        let CoreStats {
+            allocated_bytes,
+            requested_bytes,
+            reserved_bytes,
+            active_bytes,
+            segments,
+            allocated_blocks,
+            small,
+            large,
+            ..
+        } = self;
+        [
+            allocated_bytes,
+            requested_bytes,
+            reserved_bytes,
+            active_bytes,
+            segments,
+            allocated_blocks,
+            &mut small.segments,
+            &mut small.reserved_bytes,
+            &mut large.segments,
+            &mut large.reserved_bytes,
+        ]
+    }
+}
+
+/// Gauges of one size class ([`CoreStats::small`], [`CoreStats::large`]). The two
+/// classes add up to the allocator-wide `segments` and `reserved_bytes` (the peaks need
+/// not: each class has its own high-water mark).
+///
+/// Both change only when a segment is added or released, never on an allocation or a
+/// free, so the cache-hit path keeps no per-class figure. A class's allocated bytes are
+/// computed on demand by
+/// [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClassStats {
+    /// Number of segments of the class.
+    pub segments: Stat,
+    /// Bytes in the class's segments.
+    pub reserved_bytes: Stat,
 }
 
 /// State of a block in a snapshot.

@@ -683,3 +683,187 @@ fn a_16_tib_segment_is_indexed() {
     c.free(p.block, &[]).unwrap();
     c.check_invariants().unwrap();
 }
+
+// ---------------------------------------------------------------------------------
+// The registered growth policy and fit-to-peak
+// ---------------------------------------------------------------------------------
+
+fn large(bytes: u64) -> Growth {
+    Growth {
+        class: SizeClass::Large,
+        segment_bytes: bytes,
+    }
+}
+
+#[test]
+fn registered_policy_table() {
+    let c = CoreConfig::registered();
+    c.validate().unwrap();
+    assert!(!CoreConfig::default().growth.is_registered());
+    // Small requests: small segments, as under caching.
+    assert_eq!(
+        c.growth_with(MIB, 512, 10 << 30).unwrap().segment_bytes,
+        2 * MIB
+    );
+    // Large: at least the 448 MiB minimum chunk…
+    assert_eq!(c.growth_with(MIB + 512, 512, 0), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(250 * MIB, 512, 0), Ok(large(448 * MIB)));
+    // …at least what the large class has allocated…
+    assert_eq!(c.growth_with(2 * MIB, 512, 448 * MIB), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(2 * MIB, 512, 600 * MIB), Ok(large(600 * MIB)));
+    assert_eq!(
+        c.growth_with(2 * MIB, 512, 601 * MIB - 512),
+        Ok(large(602 * MIB))
+    );
+    // …capped at 4 GiB…
+    assert_eq!(c.growth_with(2 * MIB, 512, 64 << 30), Ok(large(4 << 30)));
+    // …and a larger request gets a segment that fits it, rounded as a dedicated one.
+    assert_eq!(c.growth_with(500 * MIB, 512, 0), Ok(large(512 * MIB)));
+    assert_eq!(c.growth_with(5 << 30, 512, 64 << 30), Ok(large(5 << 30)));
+    // Growth percent and chunk bounds.
+    let h = c
+        .with_growth_percent(50)
+        .with_chunk_bytes(32 * MIB, 256 * MIB);
+    assert_eq!(h.growth_with(2 * MIB, 512, 200 * MIB), Ok(large(100 * MIB)));
+    assert_eq!(h.growth_with(2 * MIB, 512, 0), Ok(large(32 * MIB)));
+    assert_eq!(h.growth_with(2 * MIB, 512, 1 << 30), Ok(large(256 * MIB)));
+    // The caching table is untouched, whatever the large class reserves.
+    let d = CoreConfig::default();
+    assert_eq!(d.growth_with(2 * MIB, 512, 1 << 30), Ok(large(20 * MIB)));
+    assert_eq!(d.growth_with(250 * MIB, 512, 1 << 30), Ok(large(256 * MIB)));
+}
+
+#[test]
+fn registered_policy_validation() {
+    let bad = |c: CoreConfig| assert!(matches!(c.validate(), Err(AllocError::InvalidConfig(_))));
+    let c = CoreConfig::registered();
+    bad(c.with_chunk_bytes(0, 64 * MIB));
+    bad(c.with_chunk_bytes(MIB, 64 * MIB));
+    bad(c.with_chunk_bytes(128 * MIB, 64 * MIB));
+    bad(c.with_chunk_bytes(64 * MIB, 2 * MAX_SEGMENT_BYTES));
+    bad(c.with_growth_percent(10_001));
+    bad(c.with_fit_headroom_percent(101));
+    c.with_growth_percent(0).validate().unwrap();
+    // Serde round trip, and configs from before the field read as caching.
+    let json = serde_json::to_string(&c).unwrap();
+    assert_eq!(serde_json::from_str::<CoreConfig>(&json).unwrap(), c);
+    let mut v: serde_json::Value = serde_json::to_value(CoreConfig::default()).unwrap();
+    v.as_object_mut().unwrap().remove("growth");
+    assert_eq!(
+        serde_json::from_value::<CoreConfig>(v).unwrap(),
+        CoreConfig::default()
+    );
+}
+
+#[test]
+fn registered_segments_are_shared_and_grow_with_the_live_bytes() {
+    let cfg = CoreConfig::registered().with_chunk_bytes(64 * MIB, 4096 * MIB);
+    let mut c = Allocator::new(cfg).unwrap();
+    let a = alloc(&mut c, AllocRequest::new(2 * MIB, S0));
+    assert_eq!(c.stats().large.reserved_bytes.current, 64 * MIB);
+    // A small-large request shares the chunk (no dedicated-segment rule).
+    let b = alloc(&mut c, AllocRequest::new(3 * MIB, S0));
+    assert_eq!(b.segment, a.segment);
+    // 5 MiB live: the chunk is the minimum; the 100 MiB request needs more.
+    let big = alloc(&mut c, AllocRequest::new(100 * MIB, S0));
+    assert_eq!(c.stats().large.reserved_bytes.current, (64 + 100) * MIB);
+    // 105 MiB live, reserve 164 MiB: the chunk follows the live bytes, not the reserve.
+    let more = alloc(&mut c, AllocRequest::new(100 * MIB, S0));
+    assert_eq!(
+        c.stats().large.reserved_bytes.current,
+        (64 + 100 + 106) * MIB
+    );
+    // Every live block stayed where it was.
+    for p in [&a, &b, &big] {
+        assert_eq!(
+            c.locate(p.block),
+            Ok((p.segment, p.offset_bytes, p.size_bytes))
+        );
+    }
+    let s = c.stats();
+    assert_eq!(s.large.segments.current, 3);
+    assert_eq!(s.small.segments.current, 0);
+    assert_eq!(
+        c.class_allocated_bytes(SizeClass::Large),
+        s.allocated_bytes.current
+    );
+    assert_eq!(c.class_allocated_bytes(SizeClass::Small), 0);
+    free(&mut c, &more);
+}
+
+#[test]
+fn class_stats_add_up() {
+    let mut c = core();
+    let s1 = alloc(&mut c, AllocRequest::new(4096, S0));
+    let l1 = alloc(&mut c, AllocRequest::new(3 * MIB, S0));
+    let s = c.stats();
+    assert_eq!(
+        s.small.segments.current + s.large.segments.current,
+        s.segments.current
+    );
+    assert_eq!(s.small.reserved_bytes.current, 2 * MIB);
+    assert_eq!(s.large.reserved_bytes.current, 20 * MIB);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Small), 4096);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Large), 3 * MIB);
+    free(&mut c, &l1);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Large), 0);
+    free(&mut c, &s1);
+    assert_eq!(c.class_allocated_bytes(SizeClass::Small), 0);
+    c.reset_peak();
+    assert_eq!(c.stats().large.reserved_bytes.peak, 20 * MIB);
+    c.release_free_segments();
+    let l = c.stats().large;
+    assert_eq!((l.segments.current, l.reserved_bytes.current), (0, 0));
+    assert_eq!(l.reserved_bytes.peak, 20 * MIB);
+}
+
+#[test]
+fn fit_to_peak_replaces_free_segments_with_one_of_the_peak() {
+    let cfg = CoreConfig::registered()
+        .with_chunk_bytes(64 * MIB, 4096 * MIB)
+        .with_fit_headroom_percent(0);
+    let mut c = Allocator::new(cfg).unwrap();
+    // A persistent block, allocated before the window.
+    let keep = alloc(&mut c, AllocRequest::new(8 * MIB, S0));
+    c.reset_peak();
+    let mut step = Vec::new();
+    for mib in [30, 60, 120, 10] {
+        step.push(alloc(&mut c, AllocRequest::new(mib * MIB, S0)));
+    }
+    for p in &step {
+        free(&mut c, p);
+    }
+    // 64 MiB (keep, 30, 10 MiB), 64 MiB (60), 120 MiB (120): the last two are free.
+    let plan = c.plan_fit_to_peak();
+    let peak = c.stats().allocated_bytes.peak;
+    assert_eq!(peak, (8 + 220) * MIB);
+    assert_eq!(plan.release.len(), 2);
+    assert_eq!(plan.add, vec![large(220 * MIB)]);
+    let (released, added) = c.apply_fit_plan(&plan).unwrap();
+    assert_eq!(released, plan.release);
+    assert_eq!(added.len(), 1);
+    assert_eq!(c.locate(keep.block), Ok((keep.segment, 0, 8 * MIB)));
+    c.check_invariants().unwrap();
+    // The same step again: no growth.
+    let growths = c.stats().num_growths;
+    let mut again = Vec::new();
+    for mib in [30, 60, 120, 10] {
+        again.push(alloc(&mut c, AllocRequest::new(mib * MIB, S0)));
+    }
+    assert_eq!(c.stats().num_growths, growths);
+    // A stale plan is refused and changes nothing.
+    let before = c.snapshot();
+    assert_eq!(
+        c.release_planned(&plan),
+        Err(AllocError::UnknownSegment(plan.release[0].0))
+    );
+    assert_eq!(c.snapshot(), before);
+    for p in &again {
+        free(&mut c, p);
+    }
+    // Nothing entirely free in a class: nothing planned for it.
+    let busy = c.plan_fit_to_peak();
+    assert!(busy.release.iter().all(|r| r.0 != keep.segment));
+    let empty = Allocator::new(CoreConfig::registered()).unwrap();
+    assert!(empty.plan_fit_to_peak().is_empty());
+}

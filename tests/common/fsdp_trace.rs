@@ -125,3 +125,128 @@ pub fn trace_of(sizes: &[u64], steps: usize) -> Vec<TraceOp> {
 pub fn buffers() -> usize {
     3 * LAYERS
 }
+
+/// The `fsdp_step` example's workload on GPUs: 8 layers of hidden 4096 in f32 on 2
+/// ranks, batch 1024. Each layer's weight is 4096 × 4096 f32 = 64 MiB gathered and
+/// 32 MiB per rank sharded.
+pub mod example {
+    use super::TraceOp;
+
+    /// Layers.
+    pub const LAYERS: usize = 8;
+    /// Ranks.
+    pub const WORLD: u64 = 2;
+    const H: u64 = 4096;
+    const BATCH: u64 = 1024;
+    /// One gathered weight (and one unsharded weight gradient): 64 MiB.
+    pub const FULL: u64 = H * H * 4;
+    const SHARD: u64 = FULL / WORLD;
+    const ACT: u64 = H * BATCH * 4;
+
+    fn shard(l: usize) -> usize {
+        l
+    }
+    fn act(l: usize) -> usize {
+        LAYERS + l
+    }
+    fn grad(i: usize) -> usize {
+        2 * LAYERS + i
+    }
+    const SUMS: usize = 2 * LAYERS + 2;
+    fn ag(l: usize) -> usize {
+        SUMS + 1 + l
+    }
+    fn dw(l: usize) -> usize {
+        SUMS + 1 + LAYERS + l
+    }
+    fn dw_shard(l: usize) -> usize {
+        SUMS + 1 + 2 * LAYERS + l
+    }
+
+    /// Size of the live-buffer table the ids index.
+    pub fn buffers() -> usize {
+        SUMS + 1 + 3 * LAYERS
+    }
+
+    /// The persistent buffers, allocated once before the first step and never freed:
+    /// the parameter shards (8 × 32 MiB), activations (8 × 16 MiB), the two
+    /// activation-gradient buffers (16 MiB each) and a 16-byte loss accumulator.
+    pub fn setup() -> Vec<TraceOp> {
+        let mut ops = Vec::new();
+        for l in 0..LAYERS {
+            ops.push(TraceOp::Alloc {
+                id: shard(l),
+                bytes: SHARD,
+            });
+        }
+        for l in 0..LAYERS {
+            ops.push(TraceOp::Alloc {
+                id: act(l),
+                bytes: ACT,
+            });
+        }
+        for i in 0..2 {
+            ops.push(TraceOp::Alloc {
+                id: grad(i),
+                bytes: ACT,
+            });
+        }
+        ops.push(TraceOp::Alloc {
+            id: SUMS,
+            bytes: 16,
+        });
+        ops
+    }
+
+    /// One training step, as `examples/fsdp_step.rs` allocates it: forward gathers
+    /// layer l+1 before dropping layer l; backward gathers layer l-1 ahead, allocates
+    /// layer l's weight gradient and its shard, drops layer l's parameters, and keeps
+    /// one gradient pair alive (the previous layer's goes when the next is made).
+    pub fn step() -> Vec<TraceOp> {
+        let mut ops = vec![TraceOp::Alloc {
+            id: ag(0),
+            bytes: FULL,
+        }];
+        for l in 0..LAYERS {
+            if l + 1 < LAYERS {
+                ops.push(TraceOp::Alloc {
+                    id: ag(l + 1),
+                    bytes: FULL,
+                });
+            }
+            ops.push(TraceOp::Free { id: ag(l) });
+        }
+        ops.push(TraceOp::Alloc {
+            id: ag(LAYERS - 1),
+            bytes: FULL,
+        });
+        let mut prev: Option<usize> = None;
+        for l in (0..LAYERS).rev() {
+            if l > 0 {
+                ops.push(TraceOp::Alloc {
+                    id: ag(l - 1),
+                    bytes: FULL,
+                });
+            }
+            ops.push(TraceOp::Alloc {
+                id: dw(l),
+                bytes: FULL,
+            });
+            ops.push(TraceOp::Alloc {
+                id: dw_shard(l),
+                bytes: SHARD,
+            });
+            ops.push(TraceOp::Free { id: ag(l) });
+            if let Some(p) = prev {
+                ops.push(TraceOp::Free { id: dw(p) });
+                ops.push(TraceOp::Free { id: dw_shard(p) });
+            }
+            prev = Some(l);
+        }
+        if let Some(p) = prev {
+            ops.push(TraceOp::Free { id: dw(p) });
+            ops.push(TraceOp::Free { id: dw_shard(p) });
+        }
+        ops
+    }
+}
