@@ -852,14 +852,10 @@ impl Allocator {
                 return Err(AllocError::UnknownSegment(id));
             }
         }
-        Ok(plan
-            .release
+        plan.release
             .iter()
-            .map(|&(id, _)| {
-                let size = self.release_segment(id).expect("checked entirely free");
-                (id, size)
-            })
-            .collect())
+            .map(|&(id, _)| Ok((id, self.release_segment(id)?)))
+            .collect()
     }
 
     /// Add one segment of a [`FitPlan`]: a large one as a shared segment (like
