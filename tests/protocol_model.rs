@@ -17,8 +17,8 @@
 //! [`Model`] keeps, per rank, what the pool should hold: a *shadow* allocator core
 //! (the crate's own [`Allocator`], fed the same calls: it only decides hit or miss and
 //! the placement, which `core_model.rs` checks against an independent model), the
-//! calls recorded in the history, the expected counters (agreements, registrations,
-//! deregistrations, windows), the pool's flags (registration broken, broken,
+//! calls recorded in the history, the expected counters (agreements, registration-order
+//! rounds, registrations, deregistrations, windows), the pool's flags (registration broken, broken,
 //! diverged, closed), and, for the group, whether a timeout broke the exchange or a
 //! communicator's registration. From them each step predicts, per rank, the result:
 //! a placement, a number of bytes, or an [`Error`] variant with its telling fields
@@ -38,6 +38,10 @@
 //!   registration → [`Error::RegistrationBroken`] naming the first such rank;
 //! - growth allocates on every rank and confirms: a rank that failed gets
 //!   [`Error::DeviceOutOfMemory`], every other [`Error::PeerOutOfMemory`] naming it;
+//! - then the backend's registration-order round (a channel of the same exchange,
+//!   not one of the pool's agreements): every rank names the pool and segment size it
+//!   is about to register; a difference is [`Error::RegistrationOrder`] on every rank
+//!   and nothing is registered;
 //! - then registration per registering communicator, in order: a registration call is
 //!   itself a rendezvous (the host backend's), so a rank whose registration fails
 //!   before reaching it leaves its peers to time out there.
@@ -45,8 +49,11 @@
 //! Which of the waiting ranks times out first is a race: the model reads it from the
 //! results (the one `Timeout`) and checks that everybody else names that rank.
 //!
+//! Pools are created concurrently (creation is collective), one thread per rank.
+//!
 //! After every step the test checks the results, every rank's statistics (segments,
-//! windows, registrations, deregistrations, agreements) against the model, the
+//! windows, registrations, deregistrations, agreements) and its registration-order
+//! rounds (counted by an exchange double) against the model, the
 //! placement of every new buffer against the shadow core, identical placement on every
 //! rank while no fault has happened, the core's invariants, and that the segment
 //! provider (a counting test double) holds exactly the segments the pool holds. After
@@ -64,6 +71,8 @@
 //!   `Error::Nccl`, either before joining the registration (its peers time out in the
 //!   registration) or after joining it (its peers succeed);
 //! - **capture**: one rank's stream reports capturing for one step;
+//! - **other pool first**: one rank's registration-order payload names another pool
+//!   (as if another pool of its backend were growing at that point);
 //! - **panic**: a panic while one rank's pool state is held.
 //!
 //! # Findings
@@ -108,6 +117,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
+use symmpool::control::{ChannelId, Exchange};
 use symmpool::core::{
     AllocError, AllocRequest, Allocator, BlockId, Fence, Growth, SegmentId, StreamId, Wait,
 };
@@ -142,6 +152,53 @@ struct Faults {
     capturing: AtomicBool,
     /// `completed_fence` panics once.
     panic_once: AtomicBool,
+    /// Rounds of the backend's registration-order agreement this rank contributed to.
+    order_rounds: AtomicU64,
+    /// This rank's next registration-order payload names another pool (as if another
+    /// pool of its backend were growing first).
+    other_pool_first: AtomicBool,
+}
+
+/// The rank's exchange, counting the registration-order rounds and able to disguise
+/// one of them.
+#[derive(Debug)]
+struct Exchanges {
+    inner: Arc<dyn Exchange>,
+    faults: Arc<Faults>,
+}
+
+/// The `op` of the backend's registration-order round.
+const ORDER_ROUND: &str = "window registration order";
+
+impl Exchange for Exchanges {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(
+        &self,
+        channel: ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        if op != ORDER_ROUND {
+            return self.inner.all_gather(channel, op, payload, timeout);
+        }
+        self.faults.order_rounds.fetch_add(1, Ordering::SeqCst);
+        let mut payload = payload.to_vec();
+        if self.faults.other_pool_first.swap(false, Ordering::SeqCst) {
+            // (segment bytes, pool name): keep the size, change the name.
+            payload.truncate(8);
+            payload.extend_from_slice(b"another pool");
+        }
+        self.inner.all_gather(channel, op, &payload, timeout)
+    }
+    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
+        self.inner.open_channel(name, timeout)
+    }
 }
 
 #[derive(Debug)]
@@ -272,6 +329,9 @@ enum FaultKind {
     },
     /// An inserted alloc during which the faulty rank's stream is capturing.
     Capture(u64),
+    /// An inserted call during which the faulty rank's registration-order payload
+    /// names another pool.
+    OtherPoolFirst(Op),
     /// Everyone allocates and frees a buffer, then the faulty rank panics in `stats`.
     Panic,
 }
@@ -292,6 +352,7 @@ enum Arm {
     FailAllocate,
     FailRegister { comm: usize, join: bool },
     Capturing,
+    OtherPoolFirst,
 }
 
 struct Step {
@@ -333,6 +394,7 @@ fn fault_strategy() -> impl Strategy<Value = FaultKind> {
         3 => (growth_op(), 0usize..2, any::<bool>())
             .prop_map(|(op, comm, join)| FaultKind::RegisterFails { op, comm, join }),
         1 => prop_oneof![Just(40 * MIB), size()].prop_map(FaultKind::Capture),
+        1 => growth_op().prop_map(FaultKind::OtherPoolFirst),
         1 => Just(FaultKind::Panic),
     ]
 }
@@ -409,6 +471,7 @@ fn schedule(case: &Case) -> Vec<Step> {
             steps.insert(at, armed(op, Arm::FailRegister { comm, join }))
         }
         FaultKind::Capture(size) => steps.insert(at, armed(Op::Alloc(size), Arm::Capturing)),
+        FaultKind::OtherPoolFirst(op) => steps.insert(at, armed(op, Arm::OtherPoolFirst)),
         FaultKind::Panic => {
             steps.insert(at, only(Op::PanicInStats));
             steps.insert(at, all(Op::Free(usize::MAX)));
@@ -458,6 +521,10 @@ enum Got {
     RegistrationBroken {
         rank: usize,
     },
+    /// Per rank: the pool name its registration-order round named.
+    RegistrationOrder {
+        pools: Vec<String>,
+    },
     Nccl,
     PoolBroken,
     BuffersAlive {
@@ -480,6 +547,9 @@ fn classify(e: Error) -> Got {
         Error::DeviceOutOfMemory { .. } => Got::DeviceOutOfMemory,
         Error::GraphCapture => Got::GraphCapture,
         Error::RegistrationBroken { rank, .. } => Got::RegistrationBroken { rank },
+        Error::RegistrationOrder { order } => Got::RegistrationOrder {
+            pools: order.into_iter().map(|(_, pool, _)| pool).collect(),
+        },
         Error::Nccl { .. } => Got::Nccl,
         Error::PoolBroken { .. } => Got::PoolBroken,
         Error::BuffersAlive { live_per_rank } => Got::BuffersAlive {
@@ -520,6 +590,8 @@ struct RankModel {
     deregistrations: [u64; COMMS],
     windows: [u64; COMMS],
     agreements: u64,
+    /// Rounds of the backend's registration-order agreement.
+    order_rounds: u64,
     registration_broken: bool,
     broken: bool,
     diverged: bool,
@@ -862,6 +934,25 @@ impl Model {
             }
             return out;
         }
+        // The backend's registration-order round (on its own channel of the same
+        // exchange, not counted among the pool's agreements): every rank names the pool
+        // and segment size it is about to register; any difference fails the growth on
+        // every rank before anything is registered.
+        for rm in &mut self.ranks {
+            rm.order_rounds += 1;
+        }
+        let named = |i: usize| {
+            if step.arm == (i, Arm::OtherPoolFirst) {
+                "pool \"another pool\"".to_string()
+            } else {
+                "pool \"pool\"".to_string()
+            }
+        };
+        let pools: Vec<String> = (0..n).map(named).collect();
+        if pools.iter().any(|p| *p != pools[0]) {
+            out.fill(Got::RegistrationOrder { pools });
+            return out;
+        }
         // Registration, communicator by communicator.
         let mut failed: Vec<Option<Got>> = vec![None; n];
         let mut registered: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -1021,6 +1112,7 @@ fn arm(faults: &Faults, arm: Arm) {
                 .store(comm as u64 + 1, Ordering::SeqCst);
         }
         Arm::Capturing => faults.capturing.store(true, Ordering::SeqCst),
+        Arm::OtherPoolFirst => faults.other_pool_first.store(true, Ordering::SeqCst),
     }
 }
 
@@ -1028,25 +1120,35 @@ fn disarm(faults: &Faults) {
     faults.fail_allocate.store(false, Ordering::SeqCst);
     faults.fail_register_comm.store(0, Ordering::SeqCst);
     faults.capturing.store(false, Ordering::SeqCst);
+    faults.other_pool_first.store(false, Ordering::SeqCst);
 }
 
+/// A host world of `n` ranks with the test doubles, one pool per rank (created
+/// concurrently: pool creation is collective).
 fn world(n: usize) -> Vec<Rank> {
     let config = PoolConfig::default().with_timeout(TIMEOUT);
-    HostBackend::world(HostConfig::new(n).with_timeout(TIMEOUT))
+    let faults: Vec<Arc<Faults>> = (0..n).map(|_| Arc::new(Faults::default())).collect();
+    let backends = HostBackend::world(HostConfig::new(n).with_timeout(TIMEOUT))
         .unwrap()
         .into_iter()
-        .map(|b| {
-            let faults = Arc::new(Faults::default());
-            let (f1, f2) = (faults.clone(), faults.clone());
-            let b = b
-                .with_segments(|inner| Arc::new(Provider { inner, faults: f1 }))
-                .with_streams(|inner| Arc::new(Streams { inner, faults: f2 }));
-            Rank {
-                pool: SymmPool::new(b, config.clone()).unwrap(),
-                stream: Stream::host(),
-                bufs: Vec::new(),
-                faults,
-            }
+        .zip(&faults)
+        .map(|(b, faults)| {
+            let (f1, f2, f3) = (faults.clone(), faults.clone(), faults.clone());
+            b.with_segments(|inner| Arc::new(Provider { inner, faults: f1 }))
+                .with_streams(|inner| Arc::new(Streams { inner, faults: f2 }))
+                .with_exchange(|inner| Arc::new(Exchanges { inner, faults: f3 }))
+                .unwrap()
+        })
+        .collect();
+    SymmPool::group(backends, &config)
+        .unwrap()
+        .into_iter()
+        .zip(faults)
+        .map(|(pool, faults)| Rank {
+            pool,
+            stream: Stream::host(),
+            bufs: Vec::new(),
+            faults,
         })
         .collect()
 }
@@ -1069,6 +1171,7 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
                 deregistrations: [0; COMMS],
                 windows: [0; COMMS],
                 agreements: 0,
+                order_rounds: 0,
                 registration_broken: false,
                 broken: false,
                 diverged: false,
@@ -1147,6 +1250,12 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
                 i
             );
             prop_assert_eq!(st.agreements, rm.agreements, "rank {} agreements", i);
+            prop_assert_eq!(
+                rank.faults.order_rounds.load(Ordering::SeqCst),
+                rm.order_rounds,
+                "rank {} registration-order rounds",
+                i
+            );
             prop_assert_eq!(
                 st.core.allocated_blocks.current as usize,
                 rm.live.len(),
