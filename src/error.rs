@@ -103,9 +103,11 @@ pub enum Error {
         live_per_rank: Vec<u64>,
     },
     /// Ranks' pool call sequences differ. Reported on every rank that takes part in the
-    /// agreement, naming the first differing call. The ranks' allocators now differ:
-    /// cache hits still work, but every later agreement fails the same way. Drop the
-    /// pool (its memory is released locally) and build a new one.
+    /// agreement, naming the first differing call. The ranks' allocators now differ, so
+    /// every later allocation fails with this error on every rank, cache hits included
+    /// (a hit could place the buffer at an offset the peers do not share), and so do
+    /// later agreements (`reserve`, `trim`, `close`). Drop the pool (its memory is
+    /// released locally) and build a new one.
     #[error("{0}")]
     Divergence(Box<Divergence>),
     /// A wait on other ranks ran out of time.
@@ -185,8 +187,11 @@ pub enum Error {
         /// Index of the communicator in the backend's list.
         comm: usize,
     },
-    /// A segment's registration failed earlier on `rank`; the pool refuses further
-    /// growth on every rank, because the ranks may now disagree on window order.
+    /// A segment's window registration failed on `rank`. Every rank learns it in the
+    /// growth's outcome round and undoes that growth (nothing is allocated on any rank);
+    /// from then on the pool refuses growth, `reserve` and `trim` on every rank with
+    /// this error, because the ranks' windows may be out of step. Cache hits still
+    /// work, and `close` releases everything.
     #[error(
         "a window registration failed earlier on rank {rank}; the pool cannot grow any more: {reason}"
     )]
@@ -256,8 +261,12 @@ pub enum Error {
     },
     /// The pool is unusable: a thread panicked while it held the pool's state, an
     /// internal invariant broke, or a peer reported its pool broken. Every later call
-    /// on every rank fails; drop the pool (its memory is released locally) and build a
-    /// new one.
+    /// on the broken rank fails with this error; its peers learn it at the next
+    /// agreement the broken rank takes part in (`reserve`, `trim`), which fails with
+    /// this error on every rank and breaks their pools too. (Until then the peers'
+    /// cache hits succeed, and a growth of theirs that the broken rank does not join
+    /// times out.) `close` still releases the memory on every rank. Drop the pool and
+    /// build a new one.
     #[error("the pool is broken ({reason}); drop it and build a new one")]
     PoolBroken {
         /// Why, as this rank knows it.

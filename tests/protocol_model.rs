@@ -17,8 +17,8 @@
 //! [`Model`] keeps, per rank, what the pool should hold: a *shadow* allocator core
 //! (the crate's own [`Allocator`], fed the same calls: it only decides hit or miss and
 //! the placement, which `core_model.rs` checks against an independent model), the
-//! calls recorded in the history, the expected counters (agreements, registrations,
-//! deregistrations, windows), the pool's flags (registration broken, broken,
+//! calls recorded in the history, the expected counters (agreements, registration-order
+//! rounds, registrations, deregistrations, windows), the pool's flags (registration broken, broken,
 //! diverged, closed), and, for the group, whether a timeout broke the exchange or a
 //! communicator's registration. From them each step predicts, per rank, the result:
 //! a placement, a number of bytes, or an [`Error`] variant with its telling fields
@@ -30,23 +30,36 @@
 //!   agreement; if not every rank enters one in the same step, the ranks that did wait
 //!   for the timeout: exactly one of them gets [`Error::Timeout`] naming the others,
 //!   and the rest [`Error::GroupBroken`] naming it; the group stays broken;
-//! - if every rank enters, the records (operation, size, calls, allocator state) must
-//!   be equal, else [`Error::Divergence`] on every rank, and the pool refuses every
-//!   later allocation;
+//! - if every rank enters and some rank's pool is broken, every rank gets
+//!   [`Error::PoolBroken`] and its pool breaks too (`close` goes on regardless);
+//! - otherwise the records (operation, size, calls, allocator state) must be equal,
+//!   else [`Error::Divergence`] on every rank, and the pool refuses every later
+//!   allocation;
 //! - then the readiness flags: a broken pool anywhere → [`Error::PoolBroken`]
 //!   everywhere; a capturing stream → [`Error::GraphCapture`]; an earlier failed
 //!   registration → [`Error::RegistrationBroken`] naming the first such rank;
 //! - growth allocates on every rank and confirms: a rank that failed gets
 //!   [`Error::DeviceOutOfMemory`], every other [`Error::PeerOutOfMemory`] naming it;
+//! - then the backend's registration-order round (a channel of the same exchange,
+//!   not one of the pool's agreements): every rank names the pool and segment size it
+//!   is about to register; a difference is [`Error::RegistrationOrder`] on every rank
+//!   and nothing is registered;
 //! - then registration per registering communicator, in order: a registration call is
 //!   itself a rendezvous (the host backend's), so a rank whose registration fails
-//!   before reaching it leaves its peers to time out there.
+//!   before reaching it leaves its peers to time out there; after each communicator
+//!   an outcome round (one of the pool's agreements): if any rank failed, every rank
+//!   undoes the growth (deregisters its windows, frees the segment) and refuses
+//!   growth, `reserve` and `trim` from then on; the failing ranks return their own
+//!   errors, the others [`Error::RegistrationBroken`] naming the first failing rank.
 //!
 //! Which of the waiting ranks times out first is a race: the model reads it from the
 //! results (the one `Timeout`) and checks that everybody else names that rank.
 //!
+//! Pools are created concurrently (creation is collective), one thread per rank.
+//!
 //! After every step the test checks the results, every rank's statistics (segments,
-//! windows, registrations, deregistrations, agreements) against the model, the
+//! windows, registrations, deregistrations, agreements) and its registration-order
+//! rounds (counted by an exchange double) against the model, the
 //! placement of every new buffer against the shadow core, identical placement on every
 //! rank while no fault has happened, the core's invariants, and that the segment
 //! provider (a counting test double) holds exactly the segments the pool holds. After
@@ -64,13 +77,27 @@
 //!   `Error::Nccl`, either before joining the registration (its peers time out in the
 //!   registration) or after joining it (its peers succeed);
 //! - **capture**: one rank's stream reports capturing for one step;
+//! - **other pool first**: one rank's registration-order payload names another pool
+//!   (as if another pool of its backend were growing at that point);
 //! - **panic**: a panic while one rank's pool state is held.
 //!
-//! # Findings
+//! # Findings, now the documented behaviour
 //!
-//! Places where the code and its documentation disagree are marked `FINDING` below;
-//! the model follows the code there so that the test passes, and the report of the
-//! session that wrote this file describes them.
+//! The first version of this test found places where code and documentation
+//! disagreed; they are fixed, and the model states the documented behaviour:
+//!
+//! - after a divergence every allocation fails with `Divergence`, cache hits included
+//!   (the docs of `Error::Divergence` said hits still worked);
+//! - after a failed registration `trim` is refused with `RegistrationBroken` like
+//!   growth and `reserve` (now documented on `trim` and `Error::RegistrationBroken`);
+//! - a broken rank refuses its calls without recording them, so its history differs
+//!   from its peers'; the agreement now carries brokenness and reports `PoolBroken`
+//!   on every rank before comparing histories (it reported `Divergence`), and `close`
+//!   goes on regardless;
+//! - a registration that failed on one rank after the registration itself went
+//!   through left the peers with a segment and a buffer that rank did not have; now an
+//!   outcome round after each communicator's registration fails the growth on every
+//!   rank (see [`Model::step`] and the tests at the end of this file).
 //!
 //! # Loom
 //!
@@ -108,6 +135,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
+use symmpool::control::{ChannelId, Exchange};
 use symmpool::core::{
     AllocError, AllocRequest, Allocator, BlockId, Fence, Growth, SegmentId, StreamId, Wait,
 };
@@ -142,6 +170,53 @@ struct Faults {
     capturing: AtomicBool,
     /// `completed_fence` panics once.
     panic_once: AtomicBool,
+    /// Rounds of the backend's registration-order agreement this rank contributed to.
+    order_rounds: AtomicU64,
+    /// This rank's next registration-order payload names another pool (as if another
+    /// pool of its backend were growing first).
+    other_pool_first: AtomicBool,
+}
+
+/// The rank's exchange, counting the registration-order rounds and able to disguise
+/// one of them.
+#[derive(Debug)]
+struct Exchanges {
+    inner: Arc<dyn Exchange>,
+    faults: Arc<Faults>,
+}
+
+/// The `op` of the backend's registration-order round.
+const ORDER_ROUND: &str = "window registration order";
+
+impl Exchange for Exchanges {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(
+        &self,
+        channel: ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        if op != ORDER_ROUND {
+            return self.inner.all_gather(channel, op, payload, timeout);
+        }
+        self.faults.order_rounds.fetch_add(1, Ordering::SeqCst);
+        let mut payload = payload.to_vec();
+        if self.faults.other_pool_first.swap(false, Ordering::SeqCst) {
+            // (segment bytes, pool name): keep the size, change the name.
+            payload.truncate(8);
+            payload.extend_from_slice(b"another pool");
+        }
+        self.inner.all_gather(channel, op, &payload, timeout)
+    }
+    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
+        self.inner.open_channel(name, timeout)
+    }
 }
 
 #[derive(Debug)]
@@ -272,6 +347,9 @@ enum FaultKind {
     },
     /// An inserted alloc during which the faulty rank's stream is capturing.
     Capture(u64),
+    /// An inserted call during which the faulty rank's registration-order payload
+    /// names another pool.
+    OtherPoolFirst(Op),
     /// Everyone allocates and frees a buffer, then the faulty rank panics in `stats`.
     Panic,
 }
@@ -292,6 +370,7 @@ enum Arm {
     FailAllocate,
     FailRegister { comm: usize, join: bool },
     Capturing,
+    OtherPoolFirst,
 }
 
 struct Step {
@@ -333,6 +412,7 @@ fn fault_strategy() -> impl Strategy<Value = FaultKind> {
         3 => (growth_op(), 0usize..2, any::<bool>())
             .prop_map(|(op, comm, join)| FaultKind::RegisterFails { op, comm, join }),
         1 => prop_oneof![Just(40 * MIB), size()].prop_map(FaultKind::Capture),
+        1 => growth_op().prop_map(FaultKind::OtherPoolFirst),
         1 => Just(FaultKind::Panic),
     ]
 }
@@ -409,6 +489,7 @@ fn schedule(case: &Case) -> Vec<Step> {
             steps.insert(at, armed(op, Arm::FailRegister { comm, join }))
         }
         FaultKind::Capture(size) => steps.insert(at, armed(Op::Alloc(size), Arm::Capturing)),
+        FaultKind::OtherPoolFirst(op) => steps.insert(at, armed(op, Arm::OtherPoolFirst)),
         FaultKind::Panic => {
             steps.insert(at, only(Op::PanicInStats));
             steps.insert(at, all(Op::Free(usize::MAX)));
@@ -458,6 +539,10 @@ enum Got {
     RegistrationBroken {
         rank: usize,
     },
+    /// Per rank: the pool name its registration-order round named.
+    RegistrationOrder {
+        pools: Vec<String>,
+    },
     Nccl,
     PoolBroken,
     BuffersAlive {
@@ -480,6 +565,9 @@ fn classify(e: Error) -> Got {
         Error::DeviceOutOfMemory { .. } => Got::DeviceOutOfMemory,
         Error::GraphCapture => Got::GraphCapture,
         Error::RegistrationBroken { rank, .. } => Got::RegistrationBroken { rank },
+        Error::RegistrationOrder { order } => Got::RegistrationOrder {
+            pools: order.into_iter().map(|(_, pool, _)| pool).collect(),
+        },
         Error::Nccl { .. } => Got::Nccl,
         Error::PoolBroken { .. } => Got::PoolBroken,
         Error::BuffersAlive { live_per_rank } => Got::BuffersAlive {
@@ -520,7 +608,10 @@ struct RankModel {
     deregistrations: [u64; COMMS],
     windows: [u64; COMMS],
     agreements: u64,
-    registration_broken: bool,
+    /// Rounds of the backend's registration-order agreement.
+    order_rounds: u64,
+    /// The first failing rank of the failed registration, as every rank recorded it.
+    registration_broken: Option<usize>,
     broken: bool,
     diverged: bool,
     closed: bool,
@@ -531,14 +622,13 @@ impl RankModel {
         if self.closed {
             Some(Got::PoolClosed)
         } else if self.broken {
-            // FINDING 4: refused here, the call is not recorded in the history, while
-            // the healthy peers' same call is: the next agreement then reports
-            // `Divergence`, not the `PoolBroken` that the pool's docs promise "on
-            // every rank", and until then the peers' cache hits succeed.
+            // Refused here, unrecorded: the peers learn it at the next agreement this
+            // rank takes part in (`PoolBroken` everywhere); until then their cache hits
+            // succeed, and a growth of theirs times out without this rank.
             Some(Got::PoolBroken)
         } else if self.diverged {
-            // FINDING 1: `Error::Divergence` says "cache hits still work"; the pool
-            // refuses every allocation once diverged (`PoolState::check_usable`).
+            // Every allocation, cache hits included: a hit could place the buffer at an
+            // offset the peers do not share.
             Some(Got::Divergence)
         } else {
             None
@@ -559,7 +649,7 @@ impl RankModel {
     fn ready(&self, capturing: bool) -> Flag {
         if self.broken || self.diverged {
             Flag::PoolBroken
-        } else if self.registration_broken {
+        } else if self.registration_broken.is_some() {
             Flag::RegistrationBroken
         } else if capturing {
             Flag::Capturing
@@ -781,12 +871,29 @@ impl Model {
             self.group_broken = Some((t, during));
             return out;
         }
-        // Every rank agrees: the records must be equal.
+        // Every rank takes part. A broken pool on any rank wins over any difference of
+        // the records (a broken rank's refused calls are not in its history): every
+        // rank gets `PoolBroken` and its pool breaks too; `close` goes on regardless.
+        let ops: Vec<u64> = agreeing.iter().map(|a| a.1).collect();
+        let closing = ops[0] == 4;
+        assert!(
+            ops.iter().all(|&o| (o == 4) == closing),
+            "the model has no case where some ranks close and others do not: {ops:?}"
+        );
+        let any_broken = self.ranks.iter().any(|r| r.broken);
+        if any_broken && !closing {
+            for i in 0..n {
+                out[i] = Got::PoolBroken;
+                self.ranks[i].broken = true;
+            }
+            return out;
+        }
+        // Otherwise the records must be equal.
         let record = |i: usize, a: &(usize, u64, &'static str, u64, Option<Growth>)| {
             (a.1, a.3, self.ranks[i].calls.clone(), self.ranks[i].state())
         };
         let first = record(agreeing[0].0, &agreeing[0]);
-        if agreeing.iter().any(|a| record(a.0, a) != first) {
+        if !any_broken && agreeing.iter().any(|a| record(a.0, a) != first) {
             for i in 0..n {
                 out[i] = Got::Divergence;
                 self.ranks[i].diverged = true;
@@ -825,18 +932,23 @@ impl Model {
             out.fill(Got::GraphCapture);
             return out;
         }
-        if let Some(rank) = flags.iter().position(|&f| f == Flag::RegistrationBroken) {
-            // FINDING 2 (when `op` is trim): `trim` is refused on a pool whose
-            // registration broke, which `trim`'s and `RegistrationBroken`'s docs do
-            // not say (they speak of growth only).
+        if flags.contains(&Flag::RegistrationBroken) {
+            // Growth, `reserve` and `trim` (the ranks' windows may be out of step) are
+            // refused on every rank, naming the rank that every rank recorded in the
+            // failed growth's outcome round.
             if op == 3 {
                 *SEEN
                     .lock()
                     .unwrap()
-                    .entry("finding 2: trim refused".into())
+                    .entry("trim refused: RegistrationBroken".into())
                     .or_default() += 1;
             }
-            out.fill(Got::RegistrationBroken { rank });
+            for i in 0..n {
+                let rank = self.ranks[i]
+                    .registration_broken
+                    .expect("flagged by every rank");
+                out[i] = Got::RegistrationBroken { rank };
+            }
             return out;
         }
         if op == 3 {
@@ -862,24 +974,41 @@ impl Model {
             }
             return out;
         }
-        // Registration, communicator by communicator.
-        let mut failed: Vec<Option<Got>> = vec![None; n];
+        // The backend's registration-order round (on its own channel of the same
+        // exchange, not counted among the pool's agreements): every rank names the pool
+        // and segment size it is about to register; any difference fails the growth on
+        // every rank before anything is registered.
+        for rm in &mut self.ranks {
+            rm.order_rounds += 1;
+        }
+        let named = |i: usize| {
+            if step.arm == (i, Arm::OtherPoolFirst) {
+                "pool \"another pool\"".to_string()
+            } else {
+                "pool \"pool\"".to_string()
+            }
+        };
+        let pools: Vec<String> = (0..n).map(named).collect();
+        if pools.iter().any(|p| *p != pools[0]) {
+            out.fill(Got::RegistrationOrder { pools });
+            return out;
+        }
+        // Registration, communicator by communicator, each followed by an outcome
+        // round (one of the pool's agreements, every rank takes part: nobody stops
+        // before it). A failure on any rank (before joining the registration, which
+        // leaves the joiners to time out in it, or after, which its peers cannot see)
+        // stops the growth on every rank at that communicator: every rank deregisters
+        // what it registered and frees the segment, and the pool refuses growth,
+        // `reserve` and `trim` from then on, naming the first failing rank.
         let mut registered: Vec<Vec<usize>> = vec![Vec::new(); n];
         for c in REGISTERING {
-            let active: Vec<usize> = (0..n).filter(|&i| failed[i].is_none()).collect();
-            if active.is_empty() {
-                break;
-            }
+            let mut failed: Vec<Option<Got>> = vec![None; n];
             let fault = |i: usize| match step.arm {
                 (r, Arm::FailRegister { comm, join }) if r == i && comm == c => Some(join),
                 _ => None,
             };
-            let joining: Vec<usize> = active
-                .iter()
-                .copied()
-                .filter(|&i| fault(i) != Some(false))
-                .collect();
-            for &i in &active {
+            let joining: Vec<usize> = (0..n).filter(|&i| fault(i) != Some(false)).collect();
+            for i in 0..n {
                 if fault(i) == Some(false) {
                     failed[i] = Some(Got::Nccl);
                 }
@@ -891,9 +1020,7 @@ impl Model {
             } else if joining.len() == n {
                 for &i in &joining {
                     if fault(i) == Some(true) {
-                        // FINDING 3 (on the last registering communicator): the peers'
-                        // registration completed, so they grow and this rank does not;
-                        // see `finding_3_...` below.
+                        // Registered, then failed: only this rank knows.
                         failed[i] = Some(Got::Nccl);
                     } else {
                         self.ranks[i].registrations[c] += 1;
@@ -916,18 +1043,26 @@ impl Model {
                 }
                 self.registration_rv_broken[c] = Some((t, op));
             }
+            // The outcome round.
+            for rm in &mut self.ranks {
+                rm.agreements += 1;
+            }
+            if let Some(first) = failed.iter().position(Option::is_some) {
+                for i in 0..n {
+                    let rm = &mut self.ranks[i];
+                    for &c in &registered[i] {
+                        rm.deregistrations[c] += 1;
+                    }
+                    rm.registration_broken = Some(first);
+                    out[i] = failed[i]
+                        .take()
+                        .unwrap_or(Got::RegistrationBroken { rank: first });
+                }
+                return out;
+            }
         }
         for i in 0..n {
             let rm = &mut self.ranks[i];
-            if let Some(e) = failed[i].take() {
-                // Undo: deregister what did register, free, refuse growth from now on.
-                for &c in &registered[i] {
-                    rm.deregistrations[c] += 1;
-                }
-                rm.registration_broken = true;
-                out[i] = e;
-                continue;
-            }
             for c in REGISTERING {
                 rm.windows[c] += 1;
             }
@@ -1021,6 +1156,7 @@ fn arm(faults: &Faults, arm: Arm) {
                 .store(comm as u64 + 1, Ordering::SeqCst);
         }
         Arm::Capturing => faults.capturing.store(true, Ordering::SeqCst),
+        Arm::OtherPoolFirst => faults.other_pool_first.store(true, Ordering::SeqCst),
     }
 }
 
@@ -1028,25 +1164,35 @@ fn disarm(faults: &Faults) {
     faults.fail_allocate.store(false, Ordering::SeqCst);
     faults.fail_register_comm.store(0, Ordering::SeqCst);
     faults.capturing.store(false, Ordering::SeqCst);
+    faults.other_pool_first.store(false, Ordering::SeqCst);
 }
 
+/// A host world of `n` ranks with the test doubles, one pool per rank (created
+/// concurrently: pool creation is collective).
 fn world(n: usize) -> Vec<Rank> {
     let config = PoolConfig::default().with_timeout(TIMEOUT);
-    HostBackend::world(HostConfig::new(n).with_timeout(TIMEOUT))
+    let faults: Vec<Arc<Faults>> = (0..n).map(|_| Arc::new(Faults::default())).collect();
+    let backends = HostBackend::world(HostConfig::new(n).with_timeout(TIMEOUT))
         .unwrap()
         .into_iter()
-        .map(|b| {
-            let faults = Arc::new(Faults::default());
-            let (f1, f2) = (faults.clone(), faults.clone());
-            let b = b
-                .with_segments(|inner| Arc::new(Provider { inner, faults: f1 }))
-                .with_streams(|inner| Arc::new(Streams { inner, faults: f2 }));
-            Rank {
-                pool: SymmPool::new(b, config.clone()).unwrap(),
-                stream: Stream::host(),
-                bufs: Vec::new(),
-                faults,
-            }
+        .zip(&faults)
+        .map(|(b, faults)| {
+            let (f1, f2, f3) = (faults.clone(), faults.clone(), faults.clone());
+            b.with_segments(|inner| Arc::new(Provider { inner, faults: f1 }))
+                .with_streams(|inner| Arc::new(Streams { inner, faults: f2 }))
+                .with_exchange(|inner| Arc::new(Exchanges { inner, faults: f3 }))
+                .unwrap()
+        })
+        .collect();
+    SymmPool::group(backends, &config)
+        .unwrap()
+        .into_iter()
+        .zip(faults)
+        .map(|(pool, faults)| Rank {
+            pool,
+            stream: Stream::host(),
+            bufs: Vec::new(),
+            faults,
         })
         .collect()
 }
@@ -1069,7 +1215,8 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
                 deregistrations: [0; COMMS],
                 windows: [0; COMMS],
                 agreements: 0,
-                registration_broken: false,
+                order_rounds: 0,
+                registration_broken: None,
                 broken: false,
                 diverged: false,
                 closed: false,
@@ -1147,6 +1294,12 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
                 i
             );
             prop_assert_eq!(st.agreements, rm.agreements, "rank {} agreements", i);
+            prop_assert_eq!(
+                rank.faults.order_rounds.load(Ordering::SeqCst),
+                rm.order_rounds,
+                "rank {} registration-order rounds",
+                i
+            );
             prop_assert_eq!(
                 st.core.allocated_blocks.current as usize,
                 rm.live.len(),
@@ -1230,59 +1383,152 @@ fn the_last_buffer_of_an_unclosed_pool_releases_its_segment() {
     assert_eq!(faults.live_segments.load(Ordering::SeqCst), 0, "leaked");
 }
 
-/// FINDING 3, as the documentation promises it (ignored: it fails today).
-///
-/// Rank 1's registration on the last registering communicator fails *after* the
-/// registration itself went through (NCCL registered it, a later local step failed;
-/// the double joins and then returns `Error::Nccl`). Nothing follows registration in
-/// the growth protocol, so rank 0 keeps the new segment and its buffer while rank 1
-/// has neither: "every error leaves the pool consistent" and "nothing is allocated on
-/// error" hold on rank 1 only. Then:
-/// - the next allocation hits the cache on rank 0 and misses on rank 1, which enters an
-///   agreement alone and times out (the group is broken for good), instead of every
-///   rank getting `RegistrationBroken`;
-/// - had both missed, the state digests would differ and both would get `Divergence`.
-///
-/// A fix: a third agreement round after registration (each rank's "registered on
-/// every communicator"), undoing the growth on every rank if any failed, like the
-/// allocation confirmation does for memory.
+/// Every rank makes `op` on its own thread; the results in rank order.
+fn all_run(ranks: &mut [Rank], op: Op) -> Vec<Got> {
+    thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| s.spawn(move || run_op(r, op)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Arm `rank`'s `register` on `comm` to fail once, after joining the registration
+/// (`join`: its peers' registration succeeds) or before (its peers time out in it).
+fn fail_register(ranks: &[Rank], rank: usize, comm: usize, join: bool) {
+    let f = &ranks[rank].faults;
+    f.join_before_failing.store(join, Ordering::SeqCst);
+    f.fail_register_comm
+        .store(comm as u64 + 1, Ordering::SeqCst);
+}
+
+/// No rank holds a segment, a window or a buffer.
+fn nothing_held(ranks: &[Rank]) {
+    for (i, r) in ranks.iter().enumerate() {
+        let st = r.pool.stats();
+        assert_eq!(st.core.segments.current, 0, "rank {i} segments");
+        assert_eq!(st.windows, vec![0; COMMS], "rank {i} windows");
+        assert_eq!(r.faults.live_segments.load(Ordering::SeqCst), 0, "rank {i}");
+        assert!(r.bufs.is_empty(), "rank {i} buffers");
+    }
+}
+
+/// A registration that fails on one rank on the last registering communicator,
+/// *after* the registration itself went through (NCCL registered it, a later local
+/// step failed; the double joins and then returns `Error::Nccl`): the peers cannot
+/// see it in the registration, so the outcome round after it fails the growth on
+/// every rank; everyone deregisters and frees, and from then on growth, `reserve`
+/// and `trim` are refused everywhere, naming the failing rank. Before the outcome
+/// round, rank 0 kept the new segment and its buffer while rank 1 had neither.
 #[test]
-#[ignore = "FINDING 3: a registration failure on one rank after the registration went through leaves the ranks out of step"]
-fn finding_3_a_late_registration_failure_fails_the_growth_on_every_rank() {
+fn a_late_registration_failure_on_the_last_communicator_fails_the_growth_on_every_rank() {
+    for world_size in [2, 3] {
+        let mut ranks = world(world_size);
+        fail_register(&ranks, 1, REGISTERING[1], true);
+        let first = all_run(&mut ranks, Op::Alloc(4 * KIB));
+        let mut expected = vec![Got::RegistrationBroken { rank: 1 }; world_size];
+        expected[1] = Got::Nccl;
+        assert_eq!(first, expected);
+        nothing_held(&ranks);
+        for (i, r) in ranks.iter().enumerate() {
+            let st = r.pool.stats();
+            // Rank 1's second registration did not count (it failed).
+            let second = u64::from(i != 1);
+            assert_eq!(st.registrations[..2], [1, second], "rank {i}");
+            assert_eq!(st.deregistrations[..2], [1, second], "rank {i}");
+            // Growth, confirmation, one outcome round per registering communicator.
+            assert_eq!(st.agreements, 4, "rank {i}");
+        }
+        let refused = vec![Got::RegistrationBroken { rank: 1 }; world_size];
+        assert_eq!(all_run(&mut ranks, Op::Alloc(4 * KIB)), refused);
+        assert_eq!(all_run(&mut ranks, Op::Reserve(2 * MIB)), refused);
+        assert_eq!(all_run(&mut ranks, Op::Trim), refused);
+        assert_eq!(all_run(&mut ranks, Op::Close), vec![Got::Done; world_size]);
+        nothing_held(&ranks);
+    }
+}
+
+/// The same on the first registering communicator: the growth stops there on every
+/// rank (nobody registers on the next communicator, so nobody waits for the failing
+/// rank there), without any timeout.
+#[test]
+fn a_late_registration_failure_on_the_first_communicator_stops_every_rank_there() {
     let mut ranks = world(2);
-    ranks[1]
-        .faults
-        .join_before_failing
-        .store(true, Ordering::SeqCst);
-    ranks[1]
-        .faults
-        .fail_register_comm
-        .store(2, Ordering::SeqCst); // comm 1, the last
-    let first: Vec<Got> = thread::scope(|s| {
-        let hs: Vec<_> = ranks
-            .iter_mut()
-            .map(|r| s.spawn(move || run_op(r, Op::Alloc(4 * KIB))))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    // Today: [Placed(SegmentId(0), 0), Nccl].
+    fail_register(&ranks, 0, REGISTERING[0], true);
+    let started = Instant::now();
+    let first = all_run(&mut ranks, Op::Reserve(4 * MIB));
     assert!(
-        !matches!(first[0], Got::Placed(..)),
-        "rank 0 grew while rank 1's growth failed: {first:?}"
+        started.elapsed() < TIMEOUT,
+        "waited: {:?}",
+        started.elapsed()
     );
-    let second: Vec<Got> = thread::scope(|s| {
-        let hs: Vec<_> = ranks
-            .iter_mut()
-            .map(|r| s.spawn(move || run_op(r, Op::Alloc(4 * KIB))))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    // Today: [Placed(SegmentId(0), 4096), Timeout { op: "growth", missing: [0] }].
+    assert_eq!(first, vec![Got::Nccl, Got::RegistrationBroken { rank: 0 }]);
+    nothing_held(&ranks);
+    for (i, r) in ranks.iter().enumerate() {
+        let st = r.pool.stats();
+        assert_eq!(st.registrations[..2], [u64::from(i == 1), 0], "rank {i}");
+        assert_eq!(st.agreements, 3, "rank {i}");
+    }
+    let refused = vec![Got::RegistrationBroken { rank: 0 }; 2];
+    assert_eq!(all_run(&mut ranks, Op::Alloc(4 * KIB)), refused);
+}
+
+/// A registration that fails on one rank before it joins the registration: its peers
+/// time out in the registration (the host backend's rendezvous; NCCL would hang),
+/// and the failing rank waits for them in the outcome round, which allows for that
+/// wait. Every rank failed, so every rank returns its own error and later refusals
+/// name rank 0, the first failing rank.
+#[test]
+fn an_early_registration_failure_fails_the_growth_on_every_rank_after_the_timeout() {
+    let mut ranks = world(2);
+    fail_register(&ranks, 1, REGISTERING[1], false);
+    let first = all_run(&mut ranks, Op::Alloc(4 * KIB));
     assert_eq!(
-        second,
+        first,
         vec![
-            Got::RegistrationBroken { rank: 1 },
-            Got::RegistrationBroken { rank: 1 }
+            Got::Timeout {
+                op: "window registration",
+                missing: vec![1]
+            },
+            Got::Nccl
         ]
     );
+    nothing_held(&ranks);
+    let refused = vec![Got::RegistrationBroken { rank: 0 }; 2];
+    assert_eq!(all_run(&mut ranks, Op::Alloc(4 * KIB)), refused);
+    assert_eq!(all_run(&mut ranks, Op::Close), vec![Got::Done; 2]);
+}
+
+/// A panic under one rank's lock: its refused allocations are not recorded, but the
+/// next agreement it takes part in is `PoolBroken` on every rank (not `Divergence`),
+/// and `close` still releases everything on every rank.
+#[test]
+fn a_broken_rank_breaks_every_rank_at_the_next_agreement() {
+    let mut ranks = world(2);
+    assert!(matches!(
+        all_run(&mut ranks, Op::Alloc(4 * KIB))[..],
+        [Got::Placed(..), Got::Placed(..)]
+    ));
+    all_run(&mut ranks, Op::Free(0));
+    let panicked = thread::scope(|s| {
+        s.spawn(|| run_op(&mut ranks[1], Op::PanicInStats))
+            .join()
+            .unwrap()
+    });
+    assert_eq!(panicked, Got::Panicked);
+    // Rank 1 refuses (and does not record) the allocation; rank 0's hits the cache.
+    let hit = all_run(&mut ranks, Op::Alloc(4 * KIB));
+    assert!(
+        matches!(hit[..], [Got::Placed(..), Got::PoolBroken]),
+        "{hit:?}"
+    );
+    assert_eq!(all_run(&mut ranks, Op::Trim), vec![Got::PoolBroken; 2]);
+    assert_eq!(
+        all_run(&mut ranks, Op::Alloc(4 * KIB)),
+        vec![Got::PoolBroken; 2]
+    );
+    all_run(&mut ranks, Op::FreeAll);
+    assert_eq!(all_run(&mut ranks, Op::Close), vec![Got::Done; 2]);
+    nothing_held(&ranks);
 }

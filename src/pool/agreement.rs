@@ -4,9 +4,13 @@
 //! Every pool call that can influence placement (alloc, free, reserve, trim, close)
 //! advances a sequence number and a running hash, and is kept in a short history.
 //! Before growth, `reserve`, `trim` and `close`, the ranks exchange (operation, call
-//! count, requested size, hash, history). Identical records mean identical allocator
-//! states, so the registrations that follow pair the right segments. Any difference is
-//! [`Error::Divergence`] on every rank, naming the first differing call.
+//! count, requested size, hash, history) and whether their pool is broken. A broken
+//! pool on any rank is [`Error::PoolBroken`] on every rank, before the records are
+//! compared (a broken rank's refused calls are not in its history, so its record
+//! differs for that reason alone); `close` goes on regardless, to release the memory.
+//! Otherwise identical records mean identical allocator states, so the registrations
+//! that follow pair the right segments. Any difference is [`Error::Divergence`] on
+//! every rank, naming the first differing call.
 
 use crate::control::{ChannelId, Exchange};
 use crate::error::{Divergence, Error, Result};
@@ -108,7 +112,7 @@ impl History {
     }
 
     /// Encode the agreement record for `during` (an operation code) with `size`.
-    fn encode(&self, op: u64, size: u64, state: u64, extra: u64) -> Vec<u64> {
+    fn encode(&self, op: u64, size: u64, state: u64, extra: u64, broken: bool) -> Vec<u64> {
         let mut v = vec![
             MAGIC,
             op,
@@ -117,6 +121,7 @@ impl History {
             self.hash,
             state,
             extra,
+            u64::from(broken),
             self.recent.len() as u64,
         ];
         for r in &self.recent {
@@ -137,6 +142,8 @@ pub(crate) struct Record {
     pub(crate) hash: u64,
     pub(crate) state: u64,
     pub(crate) extra: u64,
+    /// The rank's pool is broken.
+    pub(crate) broken: bool,
     pub(crate) recent: Vec<CallRecord>,
 }
 
@@ -154,14 +161,15 @@ fn words(bytes: &[u8]) -> Vec<u64> {
 }
 
 fn decode(v: &[u64]) -> Option<Record> {
-    if v.len() < 8 || v[0] != MAGIC {
+    const HEADER: usize = 9;
+    if v.len() < HEADER || v[0] != MAGIC || v[7] > 1 {
         return None;
     }
-    let n = usize::try_from(v[7]).ok()?;
-    if v.len() != n.checked_mul(4)?.checked_add(8)? {
+    let n = usize::try_from(v[8]).ok()?;
+    if v.len() != n.checked_mul(4)?.checked_add(HEADER)? {
         return None;
     }
-    let recent = v[8..]
+    let recent = v[HEADER..]
         .chunks_exact(4)
         .map(|c| {
             Some(CallRecord {
@@ -179,6 +187,7 @@ fn decode(v: &[u64]) -> Option<Record> {
         hash: v[4],
         state: v[5],
         extra: v[6],
+        broken: v[7] == 1,
         recent,
     })
 }
@@ -187,11 +196,13 @@ fn decode(v: &[u64]) -> Option<Record> {
 ///
 /// `op` identifies the operation (and `during` names it for errors), `size` its size
 /// argument. `extra` is a per-rank value that may differ (e.g. live buffer count); all
-/// ranks' values are returned in rank order.
+/// ranks' values are returned in rank order. `broken` says this rank's pool is broken.
 ///
 /// # Errors
-/// [`Error::Timeout`] if a rank does not arrive; [`Error::Divergence`] if records
-/// differ in operation, call count, size or hash.
+/// [`Error::Timeout`] if a rank does not arrive; [`Error::PoolBroken`] (with a reason
+/// naming the first broken rank) if any rank's pool is broken, unless `op` is
+/// [`op::CLOSE`], which then skips the comparison; [`Error::Divergence`] if records
+/// differ in operation, call count, size, hash or allocator state.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn agree(
     exchange: &dyn Exchange,
@@ -202,9 +213,10 @@ pub(crate) fn agree(
     size: u64,
     state: u64,
     extra: u64,
+    broken: bool,
     timeout: Duration,
 ) -> Result<Vec<u64>> {
-    let sent = history.encode(op, size, state, extra);
+    let sent = history.encode(op, size, state, extra, broken);
     let bytes: Vec<u8> = sent.iter().flat_map(|w| w.to_le_bytes()).collect();
     let all: Vec<Vec<u64>> = exchange
         .all_gather(channel, during, &bytes, timeout)?
@@ -227,6 +239,25 @@ pub(crate) fn agree(
             what: "this rank's own agreement record does not decode".into(),
         });
     };
+    let extras = |records: &[Option<Record>]| {
+        records
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| r.extra))
+            .collect()
+    };
+    // A broken rank refuses calls without recording them: its history says nothing
+    // about the peers', so brokenness wins over any difference of the records.
+    if let Some(rank) = records
+        .iter()
+        .position(|r| r.as_ref().is_some_and(|r| r.broken))
+    {
+        if op == op::CLOSE {
+            return Ok(extras(&records));
+        }
+        return Err(Error::PoolBroken {
+            reason: format!("rank {rank}'s pool is broken"),
+        });
+    }
     let agrees = |r: &Option<Record>| {
         r.as_ref().is_some_and(|r| {
             r.op == mine.op
@@ -237,10 +268,7 @@ pub(crate) fn agree(
         })
     };
     if records.iter().all(agrees) {
-        return Ok(records
-            .iter()
-            .map(|r| r.as_ref().map_or(0, |r| r.extra))
-            .collect());
+        return Ok(extras(&records));
     }
     Err(Error::Divergence(Box::new(explain(&records, during, size))))
 }
@@ -373,7 +401,7 @@ mod tests {
     use super::*;
 
     fn rec(h: &History, op: u64, size: u64) -> Option<Record> {
-        decode(&h.encode(op, size, 0, 0))
+        decode(&h.encode(op, size, 0, 0, false))
     }
 
     #[test]
@@ -430,8 +458,8 @@ mod tests {
     #[test]
     fn same_calls_different_state_is_a_divergence_without_a_call() {
         let a = History::new(4);
-        let x = decode(&a.encode(op::GROW, 1, 7, 0));
-        let y = decode(&a.encode(op::GROW, 1, 8, 0));
+        let x = decode(&a.encode(op::GROW, 1, 7, 0, false));
+        let y = decode(&a.encode(op::GROW, 1, 8, 0, false));
         let d = explain(&[x, y], "growth", 1);
         assert_eq!(d.first_differing_call, None);
         assert!(d.to_string().contains("state digest"), "{d}");

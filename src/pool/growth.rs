@@ -1,5 +1,7 @@
-//! Growth: agree, allocate a segment on every rank, confirm, register it on every
-//! communicator that registers, add it to the core. Also `reserve`, which pre-grows.
+//! Growth: agree, allocate a segment on every rank, confirm, agree on the backend's
+//! registration order, register it on every communicator that registers (each
+//! registration followed by an outcome round, so that a failure on any rank undoes
+//! the growth on every rank), add it to the core. Also `reserve`, which pre-grows.
 
 use super::SymmPool;
 use super::agreement::{self, CallKind, agree, op};
@@ -10,7 +12,7 @@ use crate::core::{Growth, SegmentId};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 impl SymmPool {
     /// Grow by one segment: agree, allocate, confirm, register, add to the core.
@@ -68,6 +70,19 @@ impl SymmPool {
         size: u64,
         extra: u64,
     ) -> Result<Vec<u64>> {
+        self.agree_within(st, op, during, size, extra, self.inner.config.timeout)
+    }
+
+    /// [`agree`](Self::agree), waiting for the peers for at most `timeout`.
+    fn agree_within(
+        &self,
+        st: &mut PoolState,
+        op: u64,
+        during: &'static str,
+        size: u64,
+        extra: u64,
+        timeout: Duration,
+    ) -> Result<Vec<u64>> {
         st.counters.agreements += 1;
         let c = st.core.stats();
         let state = agreement::state_digest(&[
@@ -86,12 +101,22 @@ impl SymmPool {
             size,
             state,
             extra,
-            self.inner.config.timeout,
+            st.broken.is_some(),
+            timeout,
         );
-        if let Err(Error::Divergence(d)) = &out {
-            st.diverged = Some(d.clone());
+        match out {
+            Err(Error::Divergence(d)) => {
+                st.diverged = Some(d.clone());
+                Err(Error::Divergence(d))
+            }
+            // A peer's broken pool breaks this one too: the ranks can no longer make
+            // the same calls. A broken rank reports its own reason.
+            Err(Error::PoolBroken { reason }) => {
+                let reason = st.broken.get_or_insert(reason).clone();
+                Err(Error::PoolBroken { reason })
+            }
+            out => out,
         }
-        out
     }
 
     /// Allocate a segment on this rank, confirm every rank did, and register it.
@@ -143,30 +168,105 @@ impl SymmPool {
                 }
                 // SAFETY: every rank reaches this point for the same growth (the two
                 // agreements above matched call sequences and confirmed the memory on
-                // every rank) and registers the same communicators in the backend's
-                // order, so the registration pairs the same segments; the segment is
-                // new, so not registered on `c`; `readiness` refused growth on every
-                // rank if the allocating stream was capturing.
-                match unsafe { backend.segments().register(&entry.segment, c) } {
+                // every rank, and the outcome rounds below confirmed every earlier
+                // communicator's registration on every rank) and registers the same
+                // communicators in the backend's order, so the registration pairs the
+                // same segments; the segment is new, so not registered on `c`;
+                // `readiness` refused growth on every rank if the allocating stream
+                // was capturing.
+                let local = match unsafe { backend.segments().register(&entry.segment, c) } {
                     Ok(window) => {
                         st.counters.registrations[c] += 1;
                         let missing = window.is_none();
                         entry.windows[c] = window;
                         if missing && self.inner.config.require_symmetric {
-                            self.undo_segment(st, entry);
-                            return Err(Error::NoSymmetricSupport { comm: c });
+                            Err(Error::NoSymmetricSupport { comm: c })
+                        } else {
+                            Ok(())
                         }
                     }
-                    Err(e) => {
-                        self.undo_segment(st, entry);
-                        st.registration_broken = Some(e.to_string());
-                        return Err(e);
-                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = self.agree_registered(st, c, size_bytes, local) {
+                    self.undo_segment(st, entry);
+                    return Err(e);
                 }
             }
         }
         st.counters.growth_time += started.elapsed();
         Ok(entry)
+    }
+
+    /// The outcome round after registering on communicator `comm`: every rank says
+    /// whether its registration succeeded, so that a failure on one rank (even one
+    /// after the registration itself went through, which its peers cannot see) fails
+    /// the growth on every rank, at the same communicator: the caller then undoes the
+    /// growth (deregisters the windows made so far, frees the segment). A failed
+    /// registration marks the pool registration-broken on every rank; the failing
+    /// rank returns its own error, the others [`Error::RegistrationBroken`] naming the
+    /// first failing rank.
+    fn agree_registered(
+        &self,
+        st: &mut PoolState,
+        comm: usize,
+        size_bytes: u64,
+        local: Result<()>,
+    ) -> Result<()> {
+        const REGISTERED: u64 = 1;
+        const FAILED: u64 = 2;
+        const NO_WINDOW: u64 = 3;
+        let mine = match &local {
+            Ok(()) => REGISTERED,
+            Err(Error::NoSymmetricSupport { .. }) => NO_WINDOW,
+            Err(_) => FAILED,
+        };
+        // A rank whose registration failed before joining it arrives at once, its
+        // peers only after waiting out the registration: allow for both waits.
+        let timeout = self.inner.config.timeout.saturating_mul(2);
+        let flags = match self.agree_within(
+            st,
+            op::GROW,
+            "growth registration outcome",
+            size_bytes,
+            mine,
+            timeout,
+        ) {
+            Ok(flags) => flags,
+            Err(e) => {
+                // The peers' outcomes are unknown: refuse growth from now on.
+                let rank = self.rank();
+                let error = local.err().unwrap_or(e);
+                st.registration_broken = Some((rank, error.to_string()));
+                return Err(error);
+            }
+        };
+        if let Some(rank) = flags
+            .iter()
+            .position(|&f| f != REGISTERED && f != NO_WINDOW)
+        {
+            let (error, reason) = match local {
+                Err(e) if mine == FAILED => {
+                    let reason = e.to_string();
+                    (e, reason)
+                }
+                _ => {
+                    let reason = format!(
+                        "registering a segment of {size_bytes} bytes on communicator {comm} failed on rank {rank}"
+                    );
+                    let error = Error::RegistrationBroken {
+                        rank,
+                        reason: reason.clone(),
+                    };
+                    (error, reason)
+                }
+            };
+            st.registration_broken = Some((rank, reason));
+            return Err(error);
+        }
+        if flags.contains(&NO_WINDOW) {
+            return Err(local.err().unwrap_or(Error::NoSymmetricSupport { comm }));
+        }
+        Ok(())
     }
 
     /// Agree with the other ranks, on the backend's registration channel, that every

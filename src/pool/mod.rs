@@ -19,8 +19,9 @@
 //!   (deregistration and free are local in NCCL) after draining the device for at most
 //!   the pool's timeout; memory that cannot be released in time is leaked on purpose.
 //! - **Failures**: a failure inside `Drop` is returned by the next fallible call on the
-//!   pool; a panic while the pool's state is held marks the pool broken, and every
-//!   later call fails on every rank ([`Error::PoolBroken`]).
+//!   pool; a panic while the pool's state is held marks the pool broken: every later
+//!   call on that rank fails, and so does the next agreement on every rank
+//!   ([`Error::PoolBroken`]).
 
 mod agreement;
 mod buffer;

@@ -118,7 +118,9 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::PoolClosed`], [`Error::PoolBroken`], [`Error::Divergence`],
-    /// [`Error::Timeout`], backend errors.
+    /// [`Error::Timeout`], backend errors; [`Error::RegistrationBroken`] on every rank
+    /// once a registration has failed (the ranks' windows may be out of step, so no
+    /// rank deregisters any until [`close`](Self::close), which releases everything).
     pub fn trim(&self) -> Result<u64> {
         self.take_deferred_error()?;
         let mut st = self.state();
@@ -144,7 +146,8 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
-    /// errors. A broken pool still closes (its memory is released).
+    /// errors. A broken pool (on any rank) still closes on every rank (its memory is
+    /// released; the ranks' call histories are not compared then).
     pub fn close(&self) -> Result<()> {
         let mut st = self.state();
         if st.closed {

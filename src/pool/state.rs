@@ -38,7 +38,8 @@ pub(crate) enum Readiness {
     Ready = 1,
     /// A stream of the operation is capturing a CUDA graph: no registration now.
     Capturing = 2,
-    /// A window registration failed on this rank earlier: window order may differ.
+    /// A window registration failed earlier (on some rank; every rank learnt it in
+    /// the growth's outcome round): the ranks' windows may be out of step.
     RegistrationBroken = 3,
     /// This rank's pool is broken (a panic under its lock, an internal error).
     PoolBroken = 4,
@@ -72,8 +73,9 @@ pub(crate) struct PoolState {
     /// after a failed release also ones the core has dropped, until a retry succeeds.
     pub(crate) segments: BTreeMap<SegmentId, Arc<SegmentEntry>>,
     pub(crate) closed: bool,
-    /// A registration failed on this rank: the pool refuses to grow on every rank.
-    pub(crate) registration_broken: Option<String>,
+    /// A registration failed (the first failing rank, and why as this rank knows it):
+    /// the pool refuses growth, `reserve` and `trim` on every rank.
+    pub(crate) registration_broken: Option<(usize, String)>,
     /// The pool is unusable (see [`Error::PoolBroken`]).
     pub(crate) broken: Option<String>,
     /// Set once an agreement found the ranks diverged: later calls fail.
@@ -154,9 +156,13 @@ impl PoolState {
             return Err(Error::GraphCapture);
         }
         if let Some(rank) = find(Readiness::RegistrationBroken) {
-            let reason = match &self.registration_broken {
-                Some(why) => why.clone(),
-                None => format!("a registration failed earlier on rank {rank}"),
+            // Every rank recorded the same failing rank in the growth's outcome round.
+            let (rank, reason) = match &self.registration_broken {
+                Some((failed, why)) => (*failed, why.clone()),
+                None => (
+                    rank,
+                    format!("a registration failed earlier on rank {rank}"),
+                ),
             };
             return Err(Error::RegistrationBroken { rank, reason });
         }
