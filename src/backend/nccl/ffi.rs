@@ -189,6 +189,15 @@ unsafe fn sym<T: Copy>(
         .map_err(|_| name)
 }
 
+/// A symbol of the leaked NCCL library, typed as the field it initialises.
+macro_rules! resolve {
+    ($lib:expr, $name:literal) => {{
+        // SAFETY: every field of `Syms` has the C signature of its function in nccl.h
+        // 2.27 and 2.28 (`ncclResult_t` read as `int`), and the library is leaked.
+        unsafe { sym($lib, $name) }?
+    }};
+}
+
 fn open(candidate: &Candidate) -> Option<libloading::os::unix::Library> {
     use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
     let result = match candidate {
@@ -231,30 +240,26 @@ fn loaded() -> Option<&'static Loaded> {
             }
             let version = NcclVersion::from_code(code);
             log::info!("symmpool: NCCL {version} from {candidate:?}");
-            // SAFETY: every type below is the C signature of its function in nccl.h 2.27
-            // and 2.28 (`ncclResult_t` read as `int`), and `lib` is leaked.
-            let syms = unsafe {
-                (|| -> Result<Syms, &'static str> {
-                    Ok(Syms {
-                        get_unique_id: sym(lib, "ncclGetUniqueId")?,
-                        init_rank_config: sym(lib, "ncclCommInitRankConfig")?,
-                        split: sym(lib, "ncclCommSplit")?,
-                        abort: sym(lib, "ncclCommAbort")?,
-                        get_async_error: sym(lib, "ncclCommGetAsyncError")?,
-                        count: sym(lib, "ncclCommCount")?,
-                        user_rank: sym(lib, "ncclCommUserRank")?,
-                        cu_device: sym(lib, "ncclCommCuDevice")?,
-                        error_string: sym(lib, "ncclGetErrorString")?,
-                        last_error: sym(lib, "ncclGetLastError")?,
-                        mem_alloc: sym(lib, "ncclMemAlloc")?,
-                        mem_free: sym(lib, "ncclMemFree")?,
-                        window_register: sym(lib, "ncclCommWindowRegister")?,
-                        window_deregister: sym(lib, "ncclCommWindowDeregister")?,
-                        all_gather: sym(lib, "ncclAllGather")?,
-                        reduce_scatter: sym(lib, "ncclReduceScatter")?,
-                    })
-                })()
-            };
+            let syms = (|| -> Result<Syms, &'static str> {
+                Ok(Syms {
+                    get_unique_id: resolve!(lib, "ncclGetUniqueId"),
+                    init_rank_config: resolve!(lib, "ncclCommInitRankConfig"),
+                    split: resolve!(lib, "ncclCommSplit"),
+                    abort: resolve!(lib, "ncclCommAbort"),
+                    get_async_error: resolve!(lib, "ncclCommGetAsyncError"),
+                    count: resolve!(lib, "ncclCommCount"),
+                    user_rank: resolve!(lib, "ncclCommUserRank"),
+                    cu_device: resolve!(lib, "ncclCommCuDevice"),
+                    error_string: resolve!(lib, "ncclGetErrorString"),
+                    last_error: resolve!(lib, "ncclGetLastError"),
+                    mem_alloc: resolve!(lib, "ncclMemAlloc"),
+                    mem_free: resolve!(lib, "ncclMemFree"),
+                    window_register: resolve!(lib, "ncclCommWindowRegister"),
+                    window_deregister: resolve!(lib, "ncclCommWindowDeregister"),
+                    all_gather: resolve!(lib, "ncclAllGather"),
+                    reduce_scatter: resolve!(lib, "ncclReduceScatter"),
+                })
+            })();
             let syms = match syms {
                 Ok(s) => Some(s),
                 Err(missing) => {
@@ -413,11 +418,8 @@ pub(crate) fn unique_id() -> Result<[u8; 128]> {
     let s = api()?;
     let mut id = sys::ncclUniqueId { internal: [0; 128] };
     // SAFETY: `id` is a valid out-pointer.
-    check(
-        "ncclGetUniqueId",
-        unsafe { (s.get_unique_id)(&mut id) },
-        None,
-    )?;
+    let code = unsafe { (s.get_unique_id)(&mut id) };
+    check("ncclGetUniqueId", code, None)?;
     Ok(id.internal.map(|b| b as u8))
 }
 
@@ -578,11 +580,8 @@ pub(crate) unsafe fn async_state(op: &'static str, comm: RawComm) -> Result<Stat
     let mut state: c_int = SUCCESS;
     // SAFETY: the caller guarantees a live communicator; `state` is a valid out-pointer
     // of the size of `ncclResult_t` (a C enum: an int).
-    check(
-        "ncclCommGetAsyncError",
-        unsafe { (s.get_async_error)(comm.0, &mut state) },
-        Some(&comm),
-    )?;
+    let code = unsafe { (s.get_async_error)(comm.0, &mut state) };
+    check("ncclCommGetAsyncError", code, Some(&comm))?;
     status(op, state, Some(&comm))
 }
 
@@ -594,23 +593,14 @@ pub(crate) unsafe fn comm_rank_size_device(comm: RawComm) -> Result<(usize, usiz
     let s = api()?;
     let (mut rank, mut size, mut dev) = (0 as c_int, 0 as c_int, 0 as c_int);
     // SAFETY: `comm.0` is live (the caller's contract); out-pointers are valid.
-    check(
-        "ncclCommUserRank",
-        unsafe { (s.user_rank)(comm.0, &mut rank) },
-        Some(&comm),
-    )?;
+    let code = unsafe { (s.user_rank)(comm.0, &mut rank) };
+    check("ncclCommUserRank", code, Some(&comm))?;
     // SAFETY: as above.
-    check(
-        "ncclCommCount",
-        unsafe { (s.count)(comm.0, &mut size) },
-        Some(&comm),
-    )?;
+    let code = unsafe { (s.count)(comm.0, &mut size) };
+    check("ncclCommCount", code, Some(&comm))?;
     // SAFETY: as above.
-    check(
-        "ncclCommCuDevice",
-        unsafe { (s.cu_device)(comm.0, &mut dev) },
-        Some(&comm),
-    )?;
+    let code = unsafe { (s.cu_device)(comm.0, &mut dev) };
+    check("ncclCommCuDevice", code, Some(&comm))?;
     let u = |x: c_int| usize::try_from(x).unwrap_or(usize::MAX);
     Ok((u(rank), u(size), u(dev)))
 }
