@@ -824,6 +824,7 @@ mod gpu_tests {
             "{next:?}"
         );
         // The abort ended the stuck kernel: the stream drains.
+        backend.streams().record_fence(&stream).unwrap();
         assert!(
             backend
                 .streams()
