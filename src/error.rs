@@ -364,6 +364,45 @@ pub enum Error {
         /// What is wrong and what to do.
         detail: String,
     },
+    // NCCL processes
+    /// An NCCL call that waits on other ranks (communicator creation or split, window
+    /// registration or deregistration, a collective's enqueue) did not finish within its
+    /// deadline ([`NcclConfig`](crate::backend::nccl::NcclConfig)): a peer is missing,
+    /// frozen or diverged. This rank aborted its NCCL communicators; the backend is
+    /// unusable (later calls fail with [`Error::NcclAborted`]).
+    #[error(
+        "{op} did not finish within {waited:?} (a peer rank is missing, frozen or diverged); \
+         this rank aborted its NCCL communicators: drop the pools and the backend and restart"
+    )]
+    NcclTimeout {
+        /// The NCCL call.
+        op: &'static str,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+    /// A collective enqueued on this backend had not completed on the device within
+    /// the watchdog timeout (a peer died or froze inside it). The watchdog aborted the
+    /// backend's NCCL communicators (which ends the stuck kernels); every later call on
+    /// the backend fails with this.
+    #[error(
+        "watchdog: a {op} on communicator {comm} had not completed {waited:?} after it was \
+         enqueued; the NCCL communicators were aborted: drop the pools and the backend and restart"
+    )]
+    NcclWatchdog {
+        /// The collective.
+        op: &'static str,
+        /// Index of its communicator in the backend's list.
+        comm: usize,
+        /// How long it had been enqueued when the watchdog fired.
+        waited: Duration,
+    },
+    /// The NCCL backend broke earlier (a deadline, an asynchronous NCCL error, a failed
+    /// device) and its communicators were aborted; every later call fails with this.
+    #[error("the NCCL backend is unusable: {reason}; drop the pools and the backend and restart")]
+    NcclAborted {
+        /// What broke it.
+        reason: String,
+    },
 }
 
 fn describe_channels(opened: &[(usize, u64, String)]) -> String {

@@ -56,7 +56,7 @@ mod stream;
 
 pub use backend::{Backend, HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
-pub use backend::{NcclBackend, NcclWorldConfig};
+pub use backend::{NcclBackend, NcclConfig, NcclWorldConfig};
 pub use control::{
     ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
 };

@@ -11,8 +11,9 @@ static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
 /// Cheap to clone. On the host backend a stream is only a tag (host work is
 /// synchronous); on the NCCL backend it wraps a cudarc `CudaStream`
 /// (`cudarc::driver::CudaStream`). Each `Stream` value made by a constructor gets a
-/// process-unique id; clones share it. Two `Stream`s wrapping the same CUDA stream
-/// have different ids, which only costs a redundant device-side wait.
+/// process-unique id; clones share it. Two `Stream`s made with [`Stream::cuda`] from
+/// the same CUDA stream have different ids, which only costs a redundant device-side
+/// wait; [`Stream::from_raw_cuda`] gives one id per raw handle.
 #[derive(Clone)]
 pub struct Stream {
     id: StreamId,
@@ -47,6 +48,37 @@ impl Stream {
             id: Self::fresh_id(),
             inner: StreamInner::Cuda(stream),
         }
+    }
+
+    /// The stream of a runtime without cudarc, by its raw `CUstream` (for example
+    /// PyTorch's `torch.cuda.current_stream().cuda_stream`), on an NCCL backend. The same
+    /// handle always gives the same stream, with the same [`id`](Self::id), so there are
+    /// no spurious cross-stream waits. See `NcclBackend::stream_from_raw`.
+    ///
+    /// # Safety
+    /// `cu_stream` is a live stream of `backend`'s device, in its primary context, and
+    /// stays alive until the backend is dropped.
+    ///
+    /// # Errors
+    /// [`Error::WrongStream`](crate::Error::WrongStream) for a backend that is not an
+    /// NCCL backend; the errors of `NcclBackend::stream_from_raw`.
+    #[cfg(feature = "nccl")]
+    pub unsafe fn from_raw_cuda(
+        backend: &crate::Backend,
+        cu_stream: cudarc::driver::sys::CUstream,
+    ) -> crate::Result<Self> {
+        let nccl = backend
+            .downcast_ref::<crate::backend::NcclBackend>()
+            .ok_or(crate::Error::WrongStream)?;
+        // SAFETY: the caller's contract is the one of `stream_from_raw`.
+        unsafe { nccl.stream_from_raw(cu_stream) }
+    }
+
+    /// The raw `CUstream` handle, if this is a CUDA stream (for a runtime that enqueues
+    /// its own work on it).
+    #[cfg(feature = "nccl")]
+    pub fn raw_cuda(&self) -> Option<cudarc::driver::sys::CUstream> {
+        self.cuda_stream().map(|s| s.cu_stream())
     }
 
     /// The id the allocator core tags blocks with.

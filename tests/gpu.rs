@@ -7,6 +7,14 @@
 //! host reference for every type and placement, stream-safe reuse under a
 //! long-running kernel, bad input. The trials run one at a time (each builds its own
 //! NCCL world).
+//!
+//! Set-up in processes: the binary re-executes itself as the ranks of a scenario
+//! (`SYMMPOOL_GPU_CHILD`, torchrun's variables, `CUDA_VISIBLE_DEVICES` unset; see
+//! `common::gpu::spawn_ranks`), bounded, with every child killed on every path. One
+//! GPU: set-up from the environment at world size 1, adoption of a communicator made
+//! outside the crate, non-blocking creation under deadlines, the watchdog, raw
+//! streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
+//! rank inside a window registration and inside a collective.
 
 #[cfg(not(feature = "nccl"))]
 fn main() {
@@ -15,6 +23,10 @@ fn main() {
 
 #[cfg(feature = "nccl")]
 fn main() {
+    // A rank process of a multi-process trial runs its scenario instead of the trials.
+    if let Ok(scenario) = std::env::var(common::gpu::CHILD_VAR) {
+        gpu_tests::child_main(&scenario);
+    }
     gpu_tests::main();
 }
 
@@ -536,6 +548,501 @@ mod gpu_tests {
         }
     }
 
+    // ---------------------------------------------------------------------------------
+    // NCCL set-up, adoption, deadlines, watchdog, raw streams; one process per GPU.
+
+    use std::sync::Arc;
+    use symmpool::backend::nccl::CUstream;
+    use symmpool::backend::{
+        CollArgs, NcclBackend, NcclConfig, Refused, Segment, SegmentProvider, Window,
+    };
+    use symmpool::{DType, Exchange, LocalExchange};
+
+    /// One GPU: NCCL reports a world-size-1 backend made from the environment, in a
+    /// process of its own, through a store on 127.0.0.1 (`collectives` scenario).
+    fn one_gpu_from_env_in_a_process_at_world_size_one() {
+        let status = common::gpu::spawn_ranks("collectives", 1).wait(Duration::from_secs(180));
+        assert!(status[0].success(), "rank 0: {:?}", status[0]);
+    }
+
+    /// Two GPUs, two processes: set-up from torchrun's variables, pools and
+    /// collectives checked against the expected values.
+    fn two_gpus_from_env_in_two_processes() {
+        let status = common::gpu::spawn_ranks("collectives", 2).wait(Duration::from_secs(240));
+        for (r, s) in status.iter().enumerate() {
+            assert!(s.success(), "rank {r}: {s:?}");
+        }
+    }
+
+    /// Two GPUs, two processes: rank 1 is killed (SIGKILL) inside its first window
+    /// registration; rank 0, in the same registration, gets a clear error within the
+    /// call timeout (15 s) and exits; nothing hangs.
+    fn two_gpus_kill_9_during_window_registration() {
+        let status = common::gpu::spawn_ranks("kill-in-register", 2).wait(Duration::from_secs(180));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status[1].signal(),
+            Some(9),
+            "rank 1 was killed: {:?}",
+            status[1]
+        );
+        assert!(
+            status[0].success(),
+            "rank 0 (the survivor): {:?}",
+            status[0]
+        );
+    }
+
+    /// Two GPUs, two processes: rank 1 is killed (SIGKILL) while rank 0's all-gather
+    /// waits for it on the device; rank 0's watchdog (5 s) aborts the communicators and
+    /// the next call fails; nothing hangs.
+    fn two_gpus_kill_9_during_a_collective() {
+        let status =
+            common::gpu::spawn_ranks("kill-in-collective", 2).wait(Duration::from_secs(180));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status[1].signal(),
+            Some(9),
+            "rank 1 was killed: {:?}",
+            status[1]
+        );
+        assert!(
+            status[0].success(),
+            "rank 0 (the survivor): {:?}",
+            status[0]
+        );
+    }
+
+    /// The entry point of a rank process (`SYMMPOOL_GPU_CHILD` set): runs the scenario
+    /// and exits 0, or 1 on a panic (whose message is printed).
+    pub fn child_main(scenario: &str) -> ! {
+        let rank = std::env::var("RANK").unwrap_or_default();
+        eprintln!("[rank {rank}] scenario {scenario}");
+        let result = std::panic::catch_unwind(|| match scenario {
+            "collectives" => child_collectives(),
+            "kill-in-register" => child_kill_in_register(),
+            "kill-in-collective" => child_kill_in_collective(),
+            other => panic!("unknown scenario {other}"),
+        });
+        let code = i32::from(result.is_err());
+        eprintln!("[rank {rank}] exits {code}");
+        std::process::exit(code)
+    }
+
+    fn kill_myself() -> ! {
+        // SAFETY: kill(2) on this process's own id; SIGKILL cannot be caught.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
+    fn child_collectives() {
+        let backend = NcclBackend::launch(
+            NcclConfig::default()
+                .with_call_timeout(Duration::from_secs(30))
+                .with_watchdog(Duration::from_secs(60)),
+        )
+        .expect("NcclBackend::launch");
+        let (rank, world) = (backend.rank(), backend.world_size());
+        assert_eq!(rank.to_string(), std::env::var("RANK").unwrap());
+        assert_eq!(backend.info().nodes, 1, "one host");
+        let nccl = backend.downcast_ref::<NcclBackend>().unwrap();
+        assert_eq!(nccl.device(), rank, "LOCAL_RANK picks the GPU");
+        eprintln!(
+            "[rank {rank}] {:?} NCCL {}",
+            backend.communicators(),
+            backend.nccl_version()
+        );
+        let pool = SymmPool::new(backend, config()).expect("pool");
+        let stream = pool.new_stream().unwrap();
+        for n in [1usize, 1000, 3_000_001] {
+            let input = pool.alloc((n * 4) as u64, &stream).unwrap();
+            let output = pool.alloc((world * n * 4) as u64, &stream).unwrap();
+            let mine: Vec<f32> = (0..n).map(|i| (rank * n + i) as f32).collect();
+            input.write(&mine).unwrap();
+            let rep = coll::all_gather::<f32>(&input, &output, &stream).unwrap();
+            let want: Vec<f32> = (0..world * n).map(|i| i as f32).collect();
+            assert_eq!(output.read::<f32>().unwrap(), want, "all-gather of {n}");
+            eprintln!("[rank {rank}] all_gather x{n}: {:?}", rep.path);
+            let whole = pool.alloc((world * n * 4) as u64, &stream).unwrap();
+            let chunk = pool.alloc((n * 4) as u64, &stream).unwrap();
+            whole
+                .write(
+                    &(0..world * n)
+                        .map(|i| (i % 1000) as f32)
+                        .collect::<Vec<_>>(),
+                )
+                .unwrap();
+            let rep = coll::reduce_scatter::<f32>(&whole, &chunk, ReduceOp::Sum, &stream).unwrap();
+            let want: Vec<f32> = (0..n)
+                .map(|i| (world * ((rank * n + i) % 1000)) as f32)
+                .collect();
+            assert_eq!(chunk.read::<f32>().unwrap(), want, "reduce-scatter of {n}");
+            eprintln!("[rank {rank}] reduce_scatter x{n}: {:?}", rep.path);
+        }
+        pool.close().unwrap();
+    }
+
+    /// A segment provider that kills its process at its first registration (after the
+    /// pool's agreement, so the peer is inside `ncclCommWindowRegister`).
+    #[derive(Debug)]
+    struct KillAtRegister(Arc<dyn SegmentProvider>);
+
+    impl SegmentProvider for KillAtRegister {
+        fn allocate(&self, size_bytes: u64) -> symmpool::Result<Segment> {
+            self.0.allocate(size_bytes)
+        }
+        unsafe fn register(
+            &self,
+            _segment: &Segment,
+            _comm: usize,
+        ) -> symmpool::Result<Option<Window>> {
+            eprintln!("[rank 1] kill -9 inside the window registration");
+            kill_myself()
+        }
+        unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+            // SAFETY: the caller's contract is passed on unchanged.
+            unsafe { self.0.deregister(window) }
+        }
+        unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
+            // SAFETY: the caller's contract is passed on unchanged.
+            unsafe { self.0.free(segment) }
+        }
+    }
+
+    fn child_kill_in_register() {
+        let call_timeout = Duration::from_secs(15);
+        let backend = NcclBackend::launch(NcclConfig::default().with_call_timeout(call_timeout))
+            .expect("NcclBackend::launch");
+        let rank = backend.rank();
+        let backend = if rank == 1 {
+            backend.with_segments(|inner| Arc::new(KillAtRegister(inner)))
+        } else {
+            backend
+        };
+        let pool = SymmPool::new(backend, config().with_timeout(Duration::from_secs(20))).unwrap();
+        let stream = pool.new_stream().unwrap();
+        let started = std::time::Instant::now();
+        let first = pool.alloc(4 * MIB, &stream);
+        let took = started.elapsed();
+        eprintln!("[rank {rank}] alloc after the peer died: {first:?} in {took:?}");
+        assert!(
+            first.is_err(),
+            "a registration with a dead peer cannot succeed"
+        );
+        assert!(took < call_timeout + Duration::from_secs(10), "{took:?}");
+        let again = pool.alloc(4 * MIB, &stream);
+        eprintln!("[rank {rank}] next alloc: {again:?}");
+        assert!(again.is_err(), "the pool stays failed");
+        if let Some(nccl) = pool.backend().downcast_ref::<NcclBackend>() {
+            eprintln!("[rank {rank}] backend health: {:?}", nccl.health());
+        }
+        drop(pool);
+        eprintln!(
+            "[rank {rank}] dropped the pool and backend in {:?}",
+            started.elapsed()
+        );
+    }
+
+    fn child_kill_in_collective() {
+        let watchdog = Duration::from_secs(5);
+        let backend = NcclBackend::launch(
+            NcclConfig::default()
+                .with_call_timeout(Duration::from_secs(15))
+                .with_watchdog(watchdog),
+        )
+        .expect("NcclBackend::launch");
+        let rank = backend.rank();
+        let nccl = backend.downcast_ref::<NcclBackend>().unwrap();
+        let plain = backend
+            .communicators()
+            .iter()
+            .position(|c| !c.registers)
+            .expect("a plain communicator");
+        let stream = backend.streams().new_stream().unwrap();
+        let g = backend.granularity_bytes();
+        let send = backend.segments().allocate(g).unwrap();
+        let recv = backend.segments().allocate(2 * g).unwrap();
+        let count = g / 4;
+        let gather = || {
+            backend.collectives().all_gather(&CollArgs::new(
+                plain,
+                send.region(0, g).unwrap(),
+                recv.region(0, 2 * g).unwrap(),
+                count,
+                DType::F32,
+                ReduceOp::Sum,
+                &stream,
+                (None, None),
+            ))
+        };
+        // Warm-up: connections made, both ranks alive.
+        gather().expect("warm-up all-gather");
+        stream.cuda_stream().unwrap().synchronize().unwrap();
+        let barrier = backend
+            .exchange()
+            .open_channel("test:barrier", Duration::from_secs(60))
+            .unwrap();
+        backend
+            .exchange()
+            .all_gather(barrier, "barrier", &[], Duration::from_secs(60))
+            .unwrap();
+        if rank == 1 {
+            eprintln!("[rank 1] kill -9 before the next all-gather");
+            kill_myself();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let started = std::time::Instant::now();
+        let enqueued = gather();
+        eprintln!("[rank 0] all-gather with a dead peer: {enqueued:?}");
+        let bound = watchdog + Duration::from_secs(10);
+        let error = match enqueued {
+            Err(e) => e,
+            Ok(()) => loop {
+                if let Err(e) = nccl.health() {
+                    break e;
+                }
+                assert!(
+                    started.elapsed() < bound,
+                    "no error after {:?}",
+                    started.elapsed()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            },
+        };
+        let took = started.elapsed();
+        eprintln!("[rank 0] error after {took:?}: {error}");
+        assert!(took < bound, "{took:?}");
+        let next = gather();
+        eprintln!("[rank 0] next all-gather: {next:?}");
+        assert!(
+            matches!(
+                next,
+                Err(Error::NcclWatchdog { .. } | Error::NcclAborted { .. })
+            ),
+            "{next:?}"
+        );
+        // The abort ended the stuck kernel: the stream drains.
+        backend.streams().record_fence(&stream).unwrap();
+        assert!(
+            backend
+                .streams()
+                .drain(std::time::Instant::now() + Duration::from_secs(10))
+                .unwrap(),
+            "the stream drains after the abort"
+        );
+        drop((send, recv)); // leaked on purpose: the process ends
+        drop(backend);
+        eprintln!("[rank 0] done in {:?}", started.elapsed());
+    }
+
+    /// The few raw NCCL functions a test calls to make a communicator outside the crate,
+    /// from the same `libnccl.so.2` the crate loaded.
+    struct RawNccl {
+        _lib: libloading::os::unix::Library,
+        get_unique_id: unsafe extern "C" fn(*mut cudarc::nccl::sys::ncclUniqueId) -> i32,
+        init_rank: unsafe extern "C" fn(
+            *mut cudarc::nccl::sys::ncclComm_t,
+            i32,
+            cudarc::nccl::sys::ncclUniqueId,
+            i32,
+        ) -> i32,
+        count: unsafe extern "C" fn(cudarc::nccl::sys::ncclComm_t, *mut i32) -> i32,
+        destroy: unsafe extern "C" fn(cudarc::nccl::sys::ncclComm_t) -> i32,
+    }
+
+    impl RawNccl {
+        fn open() -> RawNccl {
+            symmpool::backend::nccl::nccl_version().expect("the crate loads NCCL first");
+            // SAFETY: RTLD_NOLOAD only returns the copy already loaded (the crate's).
+            let lib = unsafe {
+                libloading::os::unix::Library::open(
+                    Some("libnccl.so.2"),
+                    libc::RTLD_NOLOAD | libloading::os::unix::RTLD_NOW,
+                )
+            }
+            .expect("libnccl.so.2 is the copy the crate loaded");
+            // SAFETY: the signatures are nccl.h's (ncclResult_t as int); the library stays
+            // loaded while `RawNccl` holds it.
+            unsafe {
+                RawNccl {
+                    get_unique_id: *lib.get(b"ncclGetUniqueId").unwrap(),
+                    init_rank: *lib.get(b"ncclCommInitRank").unwrap(),
+                    count: *lib.get(b"ncclCommCount").unwrap(),
+                    destroy: *lib.get(b"ncclCommDestroy").unwrap(),
+                    _lib: lib,
+                }
+            }
+        }
+    }
+
+    /// One GPU: a communicator made outside the crate (plain, blocking
+    /// `ncclCommInitRank`, world size 1) is adopted: the crate splits its own
+    /// non-blocking communicators off it, pools and collectives run on them, and the
+    /// parent is still usable (and destroyed by its owner) afterwards.
+    fn one_gpu_adopts_a_communicator_made_outside_the_crate() {
+        let nccl = RawNccl::open();
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        ctx.bind_to_thread().unwrap();
+        let mut id = cudarc::nccl::sys::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { (nccl.get_unique_id)(&mut id) }, 0);
+        let mut parent: cudarc::nccl::sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, device 0 current, world size 1.
+        assert_eq!(unsafe { (nccl.init_rank)(&mut parent, 1, id, 0) }, 0);
+        let exchange: Arc<dyn Exchange> = Arc::new(LocalExchange::group(1).remove(0));
+        // SAFETY: `parent` is live on device 0, of the crate's NCCL, used by nobody else
+        // during the call, and the exchange groups the same (single) rank.
+        let backend = unsafe { NcclBackend::adopt(parent, 0, exchange, NcclConfig::default()) }
+            .expect("adopt");
+        eprintln!("adopted: {:?}", backend.communicators());
+        assert_eq!(
+            (backend.rank(), backend.world_size(), backend.info().nodes),
+            (0, 1, 1)
+        );
+        let split = backend.downcast_ref::<NcclBackend>().unwrap();
+        assert!(
+            (0..backend.communicators().len()).all(|c| split.raw_comm(c) != Some(parent)),
+            "the crate works on its own children"
+        );
+        let pools = vec![SymmPool::new(backend, config()).unwrap()];
+        let seed = seed();
+        for count in [1, 1000, 123_457] {
+            all_gather_case::<f32>(&pools, count, false, seed);
+            reduce_scatter_case::<bf16>(&pools, count, true, ReduceOp::Sum, seed);
+        }
+        pools[0].close().unwrap();
+        drop(pools);
+        let mut n = 0;
+        // SAFETY: the parent is live (the crate never destroys it) and unused now.
+        assert_eq!(unsafe { (nccl.count)(parent, &mut n) }, 0);
+        assert_eq!(n, 1);
+        // SAFETY: the parent is ours, live, and used by nothing any more.
+        assert_eq!(unsafe { (nccl.destroy)(parent) }, 0);
+    }
+
+    /// One GPU: communicators are created non-blocking and polled; a creation deadline
+    /// that cannot be met is an `NcclTimeout` naming the call (and leaves nothing
+    /// behind: a world made right after works); registrations finish under the call
+    /// deadline.
+    fn one_gpu_non_blocking_creation_and_registration_under_deadlines() {
+        let zero = NcclConfig::default().with_setup_timeout(Duration::ZERO);
+        match NcclBackend::local_world(&[0], zero) {
+            Err(Error::NcclTimeout { op, waited }) => {
+                eprintln!("creation with a zero deadline: {op} after {waited:?}");
+                assert_eq!(op, "ncclCommInitRankConfig");
+            }
+            Ok(_) => eprintln!("NCCL finished creating at once (nothing to time out)"),
+            Err(e) => panic!("{e}"),
+        }
+        let config_nccl = NcclConfig::default().with_call_timeout(Duration::from_secs(10));
+        let backends =
+            NcclBackend::local_world(&[0], config_nccl).expect("a world after the timeout");
+        let pool = SymmPool::new(backends.into_iter().next().unwrap(), config()).unwrap();
+        let stream = pool.new_stream().unwrap();
+        let started = std::time::Instant::now();
+        let bufs: Vec<_> = [3 * MIB, 64 * MIB]
+            .iter()
+            .map(|&b| pool.alloc(b, &stream).unwrap())
+            .collect();
+        let stats = pool.stats();
+        eprintln!(
+            "registrations {:?} in {:?}",
+            stats.registrations,
+            started.elapsed()
+        );
+        assert!(stats.registrations.iter().any(|&r| r > 0));
+        let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
+        assert!(nccl.health().is_ok());
+        drop(bufs);
+        pool.close().unwrap();
+    }
+
+    /// One GPU: a collective that never completes (its stream is held by a host
+    /// function) trips the watchdog: the communicators are aborted and the next call
+    /// fails with `NcclWatchdog`, within the watchdog timeout and one interval.
+    fn one_gpu_watchdog_breaks_the_backend_when_a_collective_does_not_complete() {
+        let watchdog = Duration::from_secs(2);
+        let nccl_config = NcclConfig::default().with_watchdog(watchdog);
+        let backend = NcclBackend::local_world(&[0], nccl_config)
+            .unwrap()
+            .remove(0);
+        let pool = SymmPool::new(backend, config()).unwrap();
+        let stream = pool.new_stream().unwrap();
+        let input = pool.alloc(4096, &stream).unwrap();
+        let output = pool.alloc(4096, &stream).unwrap();
+        let gate = stuck_stream(&stream);
+        let started = std::time::Instant::now();
+        coll::all_gather::<f32>(&input, &output, &stream)
+            .expect("enqueued behind the host function");
+        let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
+        let error = loop {
+            if let Err(e) = nccl.health() {
+                break e;
+            }
+            assert!(
+                started.elapsed() < watchdog + Duration::from_secs(5),
+                "the watchdog did not fire"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let took = started.elapsed();
+        eprintln!("watchdog after {took:?}: {error}");
+        assert!(matches!(error, Error::NcclWatchdog { .. }), "{error:?}");
+        assert!(took >= watchdog, "{took:?}");
+        let next = pool.backend().collectives().all_gather(&CollArgs::new(
+            0,
+            input.region().unwrap(),
+            output.region().unwrap(),
+            1,
+            DType::F32,
+            ReduceOp::Sum,
+            &stream,
+            (None, None),
+        ));
+        assert!(matches!(next, Err(Error::NcclWatchdog { .. })), "{next:?}");
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        stream.cuda_stream().unwrap().synchronize().unwrap();
+        drop((input, output));
+        drop(pool);
+    }
+
+    /// One GPU: a runtime's raw `CUstream` maps to one stream id however often it is
+    /// adopted; pools allocate and run collectives on it.
+    fn one_gpu_raw_streams_keep_one_id() {
+        let backend = NcclBackend::local_world(&[0], NcclConfig::default())
+            .unwrap()
+            .remove(0);
+        let nccl = backend.downcast_ref::<NcclBackend>().unwrap();
+        let a = nccl.cuda_stream().unwrap();
+        let b = nccl.cuda_stream().unwrap();
+        let raw_a: CUstream = a.cu_stream();
+        // SAFETY: `a` and `b` are live streams of device 0's primary context, kept alive
+        // past the backend (dropped at the end of this function, after the pool).
+        let (s1, s2, s3) = unsafe {
+            (
+                Stream::from_raw_cuda(&backend, raw_a).unwrap(),
+                Stream::from_raw_cuda(&backend, raw_a).unwrap(),
+                nccl.stream_from_raw(b.cu_stream()).unwrap(),
+            )
+        };
+        assert_eq!(s1.id(), s2.id(), "one id per raw stream");
+        assert_ne!(s1.id(), s3.id());
+        assert_eq!(s1.raw_cuda(), Some(raw_a));
+        let pool = SymmPool::new(backend, config()).unwrap();
+        let x = pool.alloc(MIB, &s1).unwrap();
+        let y = pool.alloc(MIB, &s2).unwrap();
+        x.write(&vec![1.5f32; 1024]).unwrap();
+        coll::all_gather::<f32>(&x, &y, &s2).unwrap();
+        assert_eq!(y.read::<f32>().unwrap()[..1024], vec![1.5f32; 1024][..]);
+        drop((x, y));
+        pool.close().unwrap();
+        drop(pool);
+        drop((a, b));
+    }
+
     pub fn main() {
         let mut args = libtest_mimic::Arguments::from_args();
         args.test_threads = Some(1);
@@ -559,6 +1066,46 @@ mod gpu_tests {
                 "one_gpu_collectives_at_world_size_one",
                 1,
                 one_gpu_collectives_at_world_size_one,
+            ),
+            trial(
+                "one_gpu_from_env_in_a_process_at_world_size_one",
+                1,
+                one_gpu_from_env_in_a_process_at_world_size_one,
+            ),
+            trial(
+                "one_gpu_adopts_a_communicator_made_outside_the_crate",
+                1,
+                one_gpu_adopts_a_communicator_made_outside_the_crate,
+            ),
+            trial(
+                "one_gpu_non_blocking_creation_and_registration_under_deadlines",
+                1,
+                one_gpu_non_blocking_creation_and_registration_under_deadlines,
+            ),
+            trial(
+                "one_gpu_watchdog_breaks_the_backend_when_a_collective_does_not_complete",
+                1,
+                one_gpu_watchdog_breaks_the_backend_when_a_collective_does_not_complete,
+            ),
+            trial(
+                "one_gpu_raw_streams_keep_one_id",
+                1,
+                one_gpu_raw_streams_keep_one_id,
+            ),
+            trial(
+                "two_gpus_from_env_in_two_processes",
+                2,
+                two_gpus_from_env_in_two_processes,
+            ),
+            trial(
+                "two_gpus_kill_9_during_window_registration",
+                2,
+                two_gpus_kill_9_during_window_registration,
+            ),
+            trial(
+                "two_gpus_kill_9_during_a_collective",
+                2,
+                two_gpus_kill_9_during_a_collective,
             ),
             trial(
                 "gpu_registers_once_per_segment_and_communicator",

@@ -39,7 +39,7 @@ pub mod shm;
 
 pub use host::{HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
-pub use nccl::{NcclBackend, NcclWorldConfig};
+pub use nccl::{NcclBackend, NcclConfig, NcclWorldConfig};
 #[cfg(target_os = "linux")]
 pub use shm::{ShmBackend, ShmConfig};
 
@@ -129,6 +129,11 @@ pub struct BackendInfo {
     pub granularity_bytes: u64,
     /// The communicators, in the order segments are registered. Same on every rank.
     pub communicators: Vec<CommInfo>,
+    /// Number of nodes (hosts) the ranks run on, 1 unless set with
+    /// [`with_nodes`](Self::with_nodes). The NCCL backend counts the ranks' node
+    /// identities at set-up; path selection avoids the paths that need one NVLink
+    /// domain when it is above 1.
+    pub nodes: usize,
 }
 
 impl BackendInfo {
@@ -168,7 +173,14 @@ impl BackendInfo {
             nccl_version,
             granularity_bytes,
             communicators,
+            nodes: 1,
         })
+    }
+
+    /// The same identity, with the ranks spread over `nodes` nodes (at least 1).
+    pub fn with_nodes(mut self, nodes: usize) -> Self {
+        self.nodes = nodes.max(1);
+        self
     }
 }
 

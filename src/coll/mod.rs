@@ -155,6 +155,7 @@ fn dispatch(
         dtype,
         version: backend.nccl_version(),
         world_size: backend.world_size(),
+        nodes: backend.info().nodes,
         comms: backend.communicators(),
         registered: &registered,
         policy: &policy,

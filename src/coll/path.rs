@@ -118,6 +118,8 @@ pub(crate) struct Inputs<'a> {
     pub(crate) dtype: DType,
     pub(crate) version: NcclVersion,
     pub(crate) world_size: usize,
+    /// Nodes the ranks span ([`BackendInfo::nodes`](crate::backend::BackendInfo::nodes)).
+    pub(crate) nodes: usize,
     pub(crate) comms: &'a [CommInfo],
     /// Whether (send, recv) are in symmetric windows on communicator `c`.
     pub(crate) registered: &'a dyn Fn(usize) -> (bool, bool),
@@ -132,11 +134,19 @@ pub(crate) struct Inputs<'a> {
 ///   communicator; for reduce-scatter also `Sum` (or `Avg` from 2.30) on
 ///   fp32/fp16/bf16;
 /// - otherwise the plain communicator.
+///
+/// Across nodes ([`Inputs::nodes`] above 1; see [`one_nvlink_domain_needed`]), the
+/// copy engine is never chosen up to NCCL 2.30.3 and the symmetric kernels not before
+/// 2.29: those need every rank in one NVLink domain, which ranks on several hosts are
+/// not known to share.
 pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     let find = |role: CommRole| i.comms.iter().position(|c| c.role == role);
+    let (ce_single, symm_single) = one_nvlink_domain_needed(i.version);
+    let spans_nodes = i.nodes > 1;
     let ce = find(CommRole::CopyEngine).filter(|&c| {
         let (send, recv) = (i.registered)(c);
         i.coll == Coll::AllGather
+            && !(spans_nodes && ce_single)
             && i.version >= NcclVersion::COPY_ENGINE
             && i.comms[c].cta_policy & 2 != 0
             && i.world_size > 1
@@ -153,7 +163,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             }
             Coll::ReduceScatter(_) => false,
         };
-        i.version >= NcclVersion::WINDOWS && send && recv && op_ok
+        i.version >= NcclVersion::WINDOWS && send && recv && op_ok && !(spans_nodes && symm_single)
     });
     let plain = find(CommRole::Plain);
     let fallback = || match plain {
@@ -203,6 +213,16 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     fallback()
 }
 
+/// Whether (the copy engine, the symmetric kernels) need every rank in one NVLink
+/// domain under NCCL `version`: the copy engine from 2.28 through 2.30.3, the
+/// symmetric kernels before 2.29.
+pub(crate) fn one_nvlink_domain_needed(version: NcclVersion) -> (bool, bool) {
+    (
+        version <= NcclVersion::new(2, 30, 3),
+        version < NcclVersion::new(2, 29, 0),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,6 +253,7 @@ mod tests {
             dtype,
             version,
             world_size: 2,
+            nodes: 1,
             comms: &comms(),
             registered: &registered,
             policy,
@@ -438,6 +459,94 @@ mod tests {
                 &plain
             ),
             (2, Path::PlainKernel)
+        );
+    }
+
+    fn pick_on_nodes(
+        coll: Coll,
+        bytes: u64,
+        version: NcclVersion,
+        nodes: usize,
+        policy: &PathPolicy,
+    ) -> (usize, Path) {
+        let c = comms();
+        let registered = move |comm: usize| (c[comm].registers, c[comm].registers);
+        select(&Inputs {
+            coll,
+            bytes_per_rank: bytes,
+            dtype: DType::BF16,
+            version,
+            world_size: 16,
+            nodes,
+            comms: &comms(),
+            registered: &registered,
+            policy,
+        })
+    }
+
+    #[test]
+    fn across_nodes_the_single_domain_paths_fall_back() {
+        let p = PathPolicy::default();
+        let big = 256 * MIB;
+        let small = 64 << 10;
+        let sum = Coll::ReduceScatter(ReduceOp::Sum);
+        // One node: copy engine for large all-gathers, symmetric for small ones.
+        assert_eq!(
+            pick_on_nodes(Coll::AllGather, big, V228, 1, &p),
+            (1, Path::CopyEngine)
+        );
+        // 2.28 across nodes: neither the copy engine nor the symmetric kernels.
+        assert_eq!(
+            pick_on_nodes(Coll::AllGather, big, V228, 2, &p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick_on_nodes(Coll::AllGather, small, V228, 2, &p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick_on_nodes(sum, small, V228, 4, &p),
+            (2, Path::PlainKernel)
+        );
+        // 2.27 across nodes: no symmetric kernels either.
+        assert_eq!(
+            pick_on_nodes(Coll::AllGather, small, NcclVersion::new(2, 27, 7), 2, &p),
+            (2, Path::PlainKernel)
+        );
+        // 2.29 and 2.30.3 across nodes: symmetric kernels where valid, no copy engine.
+        for v in [NcclVersion::new(2, 29, 2), NcclVersion::new(2, 30, 3)] {
+            assert_eq!(
+                pick_on_nodes(Coll::AllGather, big, v, 2, &p),
+                (0, Path::SymmetricKernel)
+            );
+            assert_eq!(
+                pick_on_nodes(Coll::AllGather, small, v, 2, &p),
+                (0, Path::SymmetricKernel)
+            );
+            assert_eq!(
+                pick_on_nodes(sum, small, v, 2, &p),
+                (0, Path::SymmetricKernel)
+            );
+        }
+        // After 2.30.3 the copy engine no longer needs one domain.
+        assert_eq!(
+            pick_on_nodes(Coll::AllGather, big, NcclVersion::new(2, 30, 4), 2, &p),
+            (1, Path::CopyEngine)
+        );
+        // A preference for the copy engine falls back across nodes too.
+        let ce = PathPolicy::default().with_choices(Choice::Prefer(Path::CopyEngine), Choice::Auto);
+        assert_eq!(
+            pick_on_nodes(Coll::AllGather, big, V228, 2, &ce),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick_on_nodes(Coll::AllGather, big, NcclVersion::new(2, 29, 2), 2, &ce),
+            (0, Path::SymmetricKernel)
+        );
+        assert_eq!(one_nvlink_domain_needed(V228), (true, true));
+        assert_eq!(
+            one_nvlink_domain_needed(NcclVersion::new(2, 31, 0)),
+            (false, false)
         );
     }
 }

@@ -77,3 +77,100 @@ pub fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool, &Stream) -> R
             .collect()
     })
 }
+
+/// The variable that makes the GPU test binary run one rank of a multi-process
+/// scenario instead of its trials (see [`spawn_ranks`]).
+pub const CHILD_VAR: &str = "SYMMPOOL_GPU_CHILD";
+
+/// A free TCP port on 127.0.0.1 (bound, read, released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Rank processes of one scenario; every one still running is killed (SIGKILL) and
+/// reaped on drop, so no path of a test leaves a child behind.
+pub struct Ranks {
+    children: Vec<(usize, std::process::Child)>,
+}
+
+impl std::fmt::Debug for Ranks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ids: Vec<_> = self.children.iter().map(|(r, c)| (r, c.id())).collect();
+        write!(f, "Ranks({ids:?})")
+    }
+}
+
+/// Start `world` copies of this test binary as ranks `0..world` of `scenario`, with
+/// torchrun's variables (`RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR
+/// MASTER_PORT`, a fresh port on 127.0.0.1) and `CUDA_VISIBLE_DEVICES` unset, so that
+/// `LOCAL_RANK` picks the GPU. Their output goes to the test's.
+pub fn spawn_ranks(scenario: &str, world: usize) -> Ranks {
+    let exe = std::env::current_exe().expect("the test binary");
+    let port = free_port().to_string();
+    let mut ranks = Ranks {
+        children: Vec::new(),
+    };
+    for rank in 0..world {
+        let child = std::process::Command::new(&exe)
+            .env(CHILD_VAR, scenario)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("SLURM_PROCID")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn a rank");
+        ranks.children.push((rank, child));
+    }
+    ranks
+}
+
+impl Ranks {
+    /// Wait for every rank to exit, at most `bound`; past it, kill them all and panic.
+    /// Returns each rank's exit status, in rank order.
+    pub fn wait(mut self, bound: std::time::Duration) -> Vec<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + bound;
+        let mut done: Vec<Option<std::process::ExitStatus>> = vec![None; self.children.len()];
+        loop {
+            for (i, (_, child)) in self.children.iter_mut().enumerate() {
+                if done[i].is_none() {
+                    done[i] = child.try_wait().expect("try_wait");
+                }
+            }
+            if done.iter().all(Option::is_some) {
+                self.children.clear();
+                return done.into_iter().map(Option::unwrap).collect();
+            }
+            if std::time::Instant::now() >= deadline {
+                let running: Vec<usize> = done
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, d)| d.is_none())
+                    .map(|(r, _)| r)
+                    .collect();
+                drop(self); // kills and reaps
+                panic!("ranks {running:?} still running after {bound:?}: killed");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.children {
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! [`NcclConfig`]: which communicators a backend makes, on which device, and its
+//! deadlines.
+
+use crate::backend::SETUP_TIMEOUT;
+use std::time::Duration;
+
+/// Which communicators an NCCL backend makes, on which device, and how long its NCCL
+/// calls may wait on other ranks.
+///
+/// Every communicator the crate makes is **non-blocking** (`ncclConfig_t::blocking =
+/// 0`): the calls that wait on peers are polled with `ncclCommGetAsyncError` until done
+/// or their deadline, and on a deadline the rank aborts its communicators
+/// (`ncclCommAbort`) and fails with [`Error::NcclTimeout`](crate::Error::NcclTimeout);
+/// the backend is unusable from then on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NcclConfig {
+    /// The CUDA device of this rank. `None` (the default): the launcher's local rank
+    /// (`LOCAL_RANK`, `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), or device 0 when the
+    /// process sees one GPU only. Ignored by [`NcclBackend::local_world`](super::NcclBackend::local_world).
+    pub device: Option<usize>,
+    /// Create the copy-engine communicator (ignored before NCCL 2.28).
+    pub copy_engine: bool,
+    /// Create the unregistered communicator for ring collectives.
+    pub plain: bool,
+    /// Deadline of communicator creation (`ncclCommInitRankConfig`, `ncclCommSplit`)
+    /// and of the exchange rounds of set-up (default [`SETUP_TIMEOUT`], 10 minutes: ranks
+    /// of real jobs start minutes apart).
+    pub setup_timeout: Duration,
+    /// Deadline of every other NCCL call that can wait on peers: window registration and
+    /// deregistration, a collective's enqueue (its first call connects to the peers)
+    /// (default 60 s, the pool's default timeout: the pool has agreed with every rank
+    /// just before it registers).
+    pub call_timeout: Duration,
+    /// How long an enqueued collective may take to complete on the device before the
+    /// watchdog aborts the communicators (default 10 minutes, PyTorch's default).
+    /// [`Duration::MAX`] turns the watchdog off (no thread, no events).
+    pub watchdog_timeout: Duration,
+    /// How often the watchdog looks (default 100 ms; never more often than every
+    /// millisecond).
+    pub watchdog_interval: Duration,
+}
+
+impl Default for NcclConfig {
+    fn default() -> Self {
+        NcclConfig {
+            device: None,
+            copy_engine: true,
+            plain: true,
+            setup_timeout: SETUP_TIMEOUT,
+            call_timeout: Duration::from_secs(60),
+            watchdog_timeout: Duration::from_secs(600),
+            watchdog_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+impl NcclConfig {
+    /// Use CUDA device `device` (an ordinal among the visible devices).
+    pub fn with_device(mut self, device: usize) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Choose the optional communicators.
+    pub fn with_communicators(mut self, copy_engine: bool, plain: bool) -> Self {
+        self.copy_engine = copy_engine;
+        self.plain = plain;
+        self
+    }
+
+    /// Set the deadline of communicator creation.
+    pub fn with_setup_timeout(mut self, timeout: Duration) -> Self {
+        self.setup_timeout = timeout;
+        self
+    }
+
+    /// Set the deadline of window registration, deregistration and collective enqueue.
+    pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// Set the watchdog timeout ([`Duration::MAX`]: no watchdog).
+    pub fn with_watchdog(mut self, timeout: Duration) -> Self {
+        self.watchdog_timeout = timeout;
+        self
+    }
+
+    /// Set how often the watchdog looks.
+    pub fn with_watchdog_interval(mut self, interval: Duration) -> Self {
+        self.watchdog_interval = interval;
+        self
+    }
+
+    /// Whether the watchdog runs.
+    pub(crate) fn watchdog_enabled(&self) -> bool {
+        self.watchdog_timeout != Duration::MAX
+    }
+}
+
+/// The former name of [`NcclConfig`], kept for
+/// [`NcclBackend::local_world`](super::NcclBackend::local_world) callers.
+pub type NcclWorldConfig = NcclConfig;
+
+/// The device a rank uses: the configured one, else the launcher's local rank, else 0
+/// when only one device is visible (a launcher that sets `CUDA_VISIBLE_DEVICES` per
+/// rank). A pure function, for tests.
+pub(crate) fn pick_device(
+    configured: Option<usize>,
+    local_rank: Option<usize>,
+    visible: usize,
+) -> std::result::Result<usize, String> {
+    let device = match (configured, local_rank) {
+        (Some(d), _) => d,
+        (None, Some(l)) if l < visible => l,
+        (None, _) if visible == 1 => 0,
+        (None, Some(l)) => {
+            return Err(format!(
+                "the local rank is {l} but only {visible} devices are visible (set NcclConfig::device)"
+            ));
+        }
+        (None, None) => {
+            return Err(
+                "no local rank in the environment (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK) and several devices visible: set NcclConfig::device".into(),
+            );
+        }
+    };
+    if device >= visible {
+        return Err(format!("device {device} not present ({visible} visible)"));
+    }
+    Ok(device)
+}
+
+/// The launcher's local rank, from the variables read through `get`.
+pub(crate) fn local_rank(get: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
+    ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"]
+        .iter()
+        .find_map(|v| get(v))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let c = NcclConfig::default();
+        assert_eq!(c.watchdog_timeout, Duration::from_secs(600));
+        assert_eq!(c.watchdog_interval, Duration::from_millis(100));
+        assert_eq!(c.setup_timeout, SETUP_TIMEOUT);
+        assert!(c.watchdog_enabled());
+        assert!(!c.with_watchdog(Duration::MAX).watchdog_enabled());
+    }
+
+    #[test]
+    fn device_choice() {
+        assert_eq!(pick_device(None, Some(3), 8), Ok(3));
+        assert_eq!(pick_device(Some(1), Some(3), 8), Ok(1));
+        // srun --gpus-per-task=1: one visible GPU per rank.
+        assert_eq!(pick_device(None, Some(3), 1), Ok(0));
+        assert_eq!(pick_device(None, None, 1), Ok(0));
+        assert!(pick_device(None, Some(8), 8).is_err());
+        assert!(pick_device(None, None, 2).is_err());
+        assert!(pick_device(Some(2), None, 2).is_err());
+    }
+
+    #[test]
+    fn local_rank_from_each_launcher() {
+        let vars =
+            |k: &'static str, v: &'static str| move |name: &str| (name == k).then(|| v.to_string());
+        assert_eq!(local_rank(&vars("LOCAL_RANK", "2")), Some(2));
+        assert_eq!(local_rank(&vars("SLURM_LOCALID", " 5 ")), Some(5));
+        assert_eq!(
+            local_rank(&vars("OMPI_COMM_WORLD_LOCAL_RANK", "1")),
+            Some(1)
+        );
+        assert_eq!(local_rank(&vars("LOCAL_RANK", "x")), None);
+        assert_eq!(local_rank(&|_| None), None);
+    }
+}

@@ -1,0 +1,363 @@
+//! Whether an NCCL backend is still usable, the polling of non-blocking calls, and the
+//! watchdog's bookkeeping. Device-free logic, tested without GPUs; the NCCL and CUDA
+//! calls stay in the backend.
+
+use crate::error::{Error, Result};
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Why a backend broke, kept to describe it on every later call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Cause {
+    /// An NCCL call ran past its deadline.
+    Timeout {
+        /// The call.
+        op: &'static str,
+        /// How long it was polled.
+        waited: Duration,
+    },
+    /// A collective did not complete within the watchdog timeout.
+    Watchdog {
+        /// The collective.
+        op: &'static str,
+        /// The communicator.
+        comm: usize,
+        /// How long it had been enqueued when the watchdog saw it.
+        waited: Duration,
+    },
+    /// NCCL or CUDA reported an error (an asynchronous one, or a failed call after
+    /// which the communicators cannot be trusted).
+    Failed(String),
+}
+
+impl Cause {
+    /// The error this cause is reported as, on the call that found it (`first`) and on
+    /// every later call.
+    pub(crate) fn error(&self, first: bool) -> Error {
+        match (self, first) {
+            (Cause::Timeout { op, waited }, true) => Error::NcclTimeout {
+                op,
+                waited: *waited,
+            },
+            (Cause::Watchdog { op, comm, waited }, _) => Error::NcclWatchdog {
+                op,
+                comm: *comm,
+                waited: *waited,
+            },
+            _ => Error::NcclAborted {
+                reason: self.describe(),
+            },
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Cause::Timeout { op, waited } => format!("{op} did not finish within {waited:?}"),
+            Cause::Watchdog { op, comm, waited } => format!(
+                "a {op} on communicator {comm} had not completed {waited:?} after it was enqueued"
+            ),
+            Cause::Failed(m) => m.clone(),
+        }
+    }
+}
+
+/// A backend's health: fine until the first [`Cause`], broken for good afterwards.
+#[derive(Debug, Default)]
+pub(crate) struct Health {
+    broken: AtomicBool,
+    cause: Mutex<Option<Cause>>,
+}
+
+impl Health {
+    /// Fail if broken.
+    ///
+    /// # Errors
+    /// The cause's error.
+    pub(crate) fn check(&self) -> Result<()> {
+        if !self.broken.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        Err(self.error())
+    }
+
+    /// Whether it is broken (a cheap load, for polling loops).
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
+    /// The error of a broken backend (of a healthy one: an internal error).
+    pub(crate) fn error(&self) -> Error {
+        match &*self.cause.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(c) => c.error(false),
+            None => Error::Internal {
+                what: "asked for the error of a healthy NCCL backend".into(),
+            },
+        }
+    }
+
+    /// Record `cause` unless an earlier one is recorded; returns whether this call
+    /// broke it (and so must abort the communicators).
+    pub(crate) fn break_with(&self, cause: Cause) -> bool {
+        let mut slot = self.cause.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return false;
+        }
+        log::error!("symmpool: NCCL backend broken: {}", cause.describe());
+        *slot = Some(cause);
+        self.broken.store(true, Ordering::Release);
+        true
+    }
+}
+
+/// Sleeps between polls of a non-blocking call: short at first (most calls finish in
+/// microseconds to milliseconds), doubling to `max`. Never a busy loop.
+#[derive(Debug)]
+pub(crate) struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    /// From 20 µs up to `max`.
+    pub(crate) fn new(max: Duration) -> Self {
+        Backoff {
+            next: Duration::from_micros(20).min(max),
+            max,
+        }
+    }
+
+    /// The next pause, no later than `deadline` (from `now`).
+    pub(crate) fn pause(&mut self, now: Instant, deadline: Instant) -> Duration {
+        let p = self.next.min(deadline.saturating_duration_since(now));
+        self.next = (self.next * 2).min(self.max);
+        p
+    }
+}
+
+/// The longest pause between two polls of a non-blocking NCCL call.
+pub(crate) const MAX_POLL_PAUSE: Duration = Duration::from_millis(5);
+
+/// Something whose completion the watchdog can ask about (a CUDA event).
+pub(crate) trait Completion {
+    /// Whether the work before it has completed; an error is a failed device.
+    fn complete(&self) -> std::result::Result<bool, String>;
+}
+
+/// One enqueued collective the watchdog waits for.
+#[derive(Debug)]
+pub(crate) struct Enqueued<E> {
+    pub(crate) op: &'static str,
+    pub(crate) comm: usize,
+    pub(crate) at: Instant,
+    pub(crate) done: E,
+}
+
+/// The collectives enqueued and not yet seen complete, oldest first.
+#[derive(Debug)]
+pub(crate) struct Watch<E> {
+    pending: VecDeque<Enqueued<E>>,
+    /// Completed markers, for reuse.
+    spare: Vec<E>,
+}
+
+impl<E> Default for Watch<E> {
+    fn default() -> Self {
+        Watch {
+            pending: VecDeque::new(),
+            spare: Vec::new(),
+        }
+    }
+}
+
+/// Markers kept for reuse at most.
+const SPARE: usize = 64;
+
+impl<E: Completion> Watch<E> {
+    /// A marker to reuse, if any.
+    pub(crate) fn spare(&mut self) -> Option<E> {
+        self.spare.pop()
+    }
+
+    /// Track a collective.
+    pub(crate) fn push(&mut self, e: Enqueued<E>) {
+        self.pending.push_back(e);
+    }
+
+    /// Number of collectives not yet seen complete.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Drop the completed collectives; `Some(cause)` if one is older than `timeout` and
+    /// not complete, or the device failed.
+    pub(crate) fn sweep(&mut self, now: Instant, timeout: Duration) -> Option<Cause> {
+        let mut expired = None;
+        let mut failed = None;
+        let mut kept = VecDeque::with_capacity(self.pending.len());
+        for e in self.pending.drain(..) {
+            match e.done.complete() {
+                Ok(true) => {
+                    if self.spare.len() < SPARE {
+                        self.spare.push(e.done);
+                    }
+                }
+                Ok(false) => {
+                    let waited = now.saturating_duration_since(e.at);
+                    if waited > timeout && expired.is_none() {
+                        expired = Some(Cause::Watchdog {
+                            op: e.op,
+                            comm: e.comm,
+                            waited,
+                        });
+                    }
+                    kept.push_back(e);
+                }
+                Err(m) => {
+                    failed.get_or_insert(Cause::Failed(format!(
+                        "the device failed under a {} on communicator {}: {m}",
+                        e.op, e.comm
+                    )));
+                    kept.push_back(e);
+                }
+            }
+        }
+        self.pending = kept;
+        failed.or(expired)
+    }
+
+    /// Forget everything (after an abort, or at drop).
+    pub(crate) fn clear(&mut self) {
+        self.pending.clear();
+        self.spare.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicU8;
+
+    /// 0 pending, 1 complete, 2 failed.
+    #[derive(Debug, Clone)]
+    struct Fake(Arc<AtomicU8>);
+
+    impl Completion for Fake {
+        fn complete(&self) -> std::result::Result<bool, String> {
+            match self.0.load(Ordering::SeqCst) {
+                0 => Ok(false),
+                1 => Ok(true),
+                _ => Err("CUDA_ERROR_ILLEGAL_ADDRESS".into()),
+            }
+        }
+    }
+
+    fn fake(state: u8) -> Fake {
+        Fake(Arc::new(AtomicU8::new(state)))
+    }
+
+    #[test]
+    fn watchdog_expires_only_incomplete_old_collectives() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(600);
+        let mut w = Watch::default();
+        let slow = fake(0);
+        w.push(Enqueued {
+            op: "ncclAllGather",
+            comm: 1,
+            at: t0,
+            done: slow.clone(),
+        });
+        w.push(Enqueued {
+            op: "ncclReduceScatter",
+            comm: 2,
+            at: t0,
+            done: fake(1),
+        });
+        assert_eq!(w.sweep(t0 + Duration::from_secs(599), timeout), None);
+        assert_eq!(w.len(), 1, "completed collectives are dropped");
+        assert!(w.spare().is_some(), "and their events kept for reuse");
+        match w.sweep(t0 + Duration::from_secs(601), timeout) {
+            Some(Cause::Watchdog { op, comm, waited }) => {
+                assert_eq!((op, comm), ("ncclAllGather", 1));
+                assert!(waited > timeout);
+            }
+            other => panic!("{other:?}"),
+        }
+        slow.0.store(1, Ordering::SeqCst);
+        assert_eq!(w.sweep(t0 + Duration::from_secs(700), timeout), None);
+        assert_eq!(w.len(), 0);
+    }
+
+    #[test]
+    fn a_failed_device_breaks_at_once() {
+        let t0 = Instant::now();
+        let mut w = Watch::default();
+        w.push(Enqueued {
+            op: "ncclAllGather",
+            comm: 0,
+            at: t0,
+            done: fake(2),
+        });
+        assert!(matches!(
+            w.sweep(t0, Duration::from_secs(600)),
+            Some(Cause::Failed(m)) if m.contains("ILLEGAL_ADDRESS")
+        ));
+    }
+
+    #[test]
+    fn health_breaks_once_and_stays_broken() {
+        let h = Health::default();
+        assert!(h.check().is_ok() && !h.is_broken());
+        let first = Cause::Timeout {
+            op: "ncclCommWindowRegister",
+            waited: Duration::from_secs(60),
+        };
+        assert!(h.break_with(first.clone()));
+        assert!(
+            !h.break_with(Cause::Failed("later".into())),
+            "the first cause stays"
+        );
+        assert!(matches!(
+            first.error(true),
+            Error::NcclTimeout {
+                op: "ncclCommWindowRegister",
+                ..
+            }
+        ));
+        for _ in 0..2 {
+            match h.check() {
+                Err(Error::NcclAborted { reason }) => {
+                    assert!(reason.contains("ncclCommWindowRegister"), "{reason}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let w = Health::default();
+        w.break_with(Cause::Watchdog {
+            op: "ncclAllGather",
+            comm: 0,
+            waited: Duration::from_secs(601),
+        });
+        assert!(matches!(w.check(), Err(Error::NcclWatchdog { .. })));
+    }
+
+    #[test]
+    fn backoff_grows_and_respects_the_deadline() {
+        let now = Instant::now();
+        let mut b = Backoff::new(MAX_POLL_PAUSE);
+        let far = now + Duration::from_secs(10);
+        let pauses: Vec<_> = (0..12).map(|_| b.pause(now, far)).collect();
+        assert_eq!(pauses[0], Duration::from_micros(20));
+        assert!(pauses.windows(2).all(|w| w[1] >= w[0]));
+        assert_eq!(*pauses.last().unwrap(), MAX_POLL_PAUSE);
+        assert_eq!(
+            b.pause(now, now + Duration::from_micros(3)),
+            Duration::from_micros(3)
+        );
+        assert_eq!(b.pause(now + Duration::from_secs(1), now), Duration::ZERO);
+    }
+}

@@ -1,0 +1,219 @@
+//! What the ranks agree on before they make their communicators: one round on a
+//! channel of its own (`"nccl:setup"`), in which every rank sends its NCCL version and
+//! node identity and rank 0 also the `ncclUniqueId`s (one per communicator it will
+//! create). Pure logic over an [`Exchange`], tested without GPUs.
+
+use crate::control::Exchange;
+use crate::error::{Error, NcclVersion, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+/// One rank's contribution to the set-up round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Hello {
+    /// `ncclGetVersion`'s code.
+    pub(crate) version: i32,
+    /// See [`node_identity`].
+    pub(crate) node: String,
+    /// Rank 0: one `ncclUniqueId` (128 bytes) per communicator to create; empty on the
+    /// other ranks, and on every rank when communicators are split from a parent.
+    pub(crate) unique_ids: Vec<Vec<u8>>,
+}
+
+/// What the round settled, the same on every rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Agreed {
+    /// The NCCL version of every rank.
+    pub(crate) version: NcclVersion,
+    /// Rank 0's unique ids.
+    pub(crate) unique_ids: Vec<[u8; 128]>,
+    /// Number of distinct node identities.
+    pub(crate) nodes: usize,
+}
+
+/// The channel's name.
+pub(crate) const CHANNEL: &str = "nccl:setup";
+
+/// Run the set-up round: open [`CHANNEL`] and all-gather `hello`.
+///
+/// # Collective
+/// Every rank of `exchange`, at the same point.
+///
+/// # Errors
+/// The exchange's errors; [`Error::InvalidConfig`] on every rank when ranks run
+/// different NCCL versions, or rank 0's payload is malformed.
+pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, timeout: Duration) -> Result<Agreed> {
+    let channel = exchange.open_channel(CHANNEL, timeout)?;
+    let payload = postcard::to_allocvec(hello).map_err(|e| Error::Internal {
+        what: format!("encoding the NCCL set-up payload: {e}"),
+    })?;
+    let all = exchange.all_gather(channel, "NCCL set-up", &payload, timeout)?;
+    let hellos = all
+        .iter()
+        .enumerate()
+        .map(|(rank, p)| {
+            postcard::from_bytes::<Hello>(p).map_err(|e| {
+                Error::InvalidConfig(format!(
+                    "rank {rank}'s NCCL set-up payload does not decode: {e}"
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    settle(&hellos)
+}
+
+/// What every rank concludes from all ranks' hellos (a pure function).
+pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
+    let first = hellos
+        .first()
+        .ok_or_else(|| Error::InvalidConfig("no ranks".into()))?;
+    let versions: BTreeSet<i32> = hellos.iter().map(|h| h.version).collect();
+    if versions.len() > 1 {
+        let per_rank = hellos
+            .iter()
+            .enumerate()
+            .map(|(r, h)| format!("rank {r}: {}", NcclVersion::from_code(h.version)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(Error::InvalidConfig(format!(
+            "ranks run different NCCL versions ({per_rank}); every rank must load the same NCCL"
+        )));
+    }
+    let unique_ids = first
+        .unique_ids
+        .iter()
+        .map(|id| {
+            <[u8; 128]>::try_from(id.as_slice()).map_err(|_| {
+                Error::InvalidConfig(format!(
+                    "rank 0 sent a unique id of {} bytes, not 128",
+                    id.len()
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Agreed {
+        version: NcclVersion::from_code(first.version),
+        unique_ids,
+        nodes: count_nodes(hellos.iter().map(|h| h.node.as_str())),
+    })
+}
+
+/// Number of distinct node identities.
+pub(crate) fn count_nodes<'a>(ids: impl IntoIterator<Item = &'a str>) -> usize {
+    ids.into_iter().collect::<BTreeSet<_>>().len().max(1)
+}
+
+/// A node's identity, as NCCL's host hash reads it: `NCCL_HOSTID` when set, else the
+/// host name and the kernel's boot id (two containers of one host share the boot id;
+/// two hosts never do). A pure function of its inputs.
+pub(crate) fn node_identity(
+    get: &dyn Fn(&str) -> Option<String>,
+    hostname: &str,
+    boot_id: Option<&str>,
+) -> String {
+    if let Some(id) = get("NCCL_HOSTID")
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+    {
+        return format!("hostid:{id}");
+    }
+    match boot_id.map(str::trim).filter(|b| !b.is_empty()) {
+        Some(boot) => format!("{}/{boot}", hostname.trim()),
+        None => hostname.trim().to_string(),
+    }
+}
+
+/// This process's node identity.
+pub(crate) fn this_node() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let hostname = read("/proc/sys/kernel/hostname")
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into());
+    let boot = read("/proc/sys/kernel/random/boot_id");
+    node_identity(&|k| std::env::var(k).ok(), &hostname, boot.as_deref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::LocalExchange;
+
+    fn id(b: u8) -> Vec<u8> {
+        (0..128u8).map(|i| i.wrapping_mul(b)).collect()
+    }
+
+    #[test]
+    fn unique_ids_reach_every_rank_over_an_exchange() {
+        let ids = vec![id(3), id(7), id(11)];
+        let results: Vec<Result<Agreed>> = std::thread::scope(|s| {
+            let hs: Vec<_> = LocalExchange::group(3)
+                .into_iter()
+                .map(|ex| {
+                    let ids = ids.clone();
+                    s.spawn(move || {
+                        let rank = ex.rank();
+                        let hello = Hello {
+                            version: 22809,
+                            node: format!("node{}", rank / 2),
+                            unique_ids: if rank == 0 { ids } else { Vec::new() },
+                        };
+                        agree(&ex, &hello, Duration::from_secs(10))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in results {
+            let a = r.unwrap();
+            assert_eq!(a.version, NcclVersion::new(2, 28, 9));
+            assert_eq!(a.nodes, 2);
+            assert_eq!(a.unique_ids.len(), 3);
+            for (got, want) in a.unique_ids.iter().zip(&ids) {
+                assert_eq!(&got[..], &want[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn different_versions_fail_on_every_rank() {
+        let h = |version| Hello {
+            version,
+            node: "n".into(),
+            unique_ids: vec![],
+        };
+        match settle(&[h(22803), h(22809)]) {
+            Err(Error::InvalidConfig(m)) => {
+                assert!(
+                    m.contains("rank 0: 2.28.3") && m.contains("rank 1: 2.28.9"),
+                    "{m}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        let bad = Hello {
+            unique_ids: vec![vec![0; 12]],
+            ..h(22803)
+        };
+        assert!(matches!(settle(&[bad]), Err(Error::InvalidConfig(_))));
+        let one = settle(&[h(22803)]).unwrap();
+        assert_eq!((one.nodes, one.unique_ids.len()), (1, 0));
+    }
+
+    #[test]
+    fn node_identity_follows_nccl() {
+        let none = |_: &str| None;
+        assert_eq!(node_identity(&none, "gpu01\n", Some("abc\n")), "gpu01/abc");
+        assert_eq!(node_identity(&none, "gpu01", None), "gpu01");
+        let hostid = |k: &str| (k == "NCCL_HOSTID").then(|| "rack7".to_string());
+        assert_eq!(node_identity(&hostid, "gpu01", Some("abc")), "hostid:rack7");
+        let empty = |k: &str| (k == "NCCL_HOSTID").then(String::new);
+        assert_eq!(node_identity(&empty, "gpu01", Some("abc")), "gpu01/abc");
+        // Same host name on two hosts (containers): the boot id tells them apart.
+        let a = node_identity(&none, "worker", Some("boot-a"));
+        let b = node_identity(&none, "worker", Some("boot-b"));
+        assert_eq!(count_nodes([a.as_str(), b.as_str(), a.as_str()]), 2);
+        assert_eq!(count_nodes(std::iter::empty()), 1);
+        assert!(!this_node().is_empty());
+    }
+}
