@@ -87,6 +87,14 @@ pub fn set_path_policy(pool: &SymmPool, policy: PathPolicy) -> Result<()> {
 /// Check that the buffers are this pool's, the pool is open, and note `stream` on
 /// buffers allocated elsewhere (so their reuse waits for this collective).
 fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
+    let out = prepare_unlogged(bufs, stream);
+    if let Err(e) = &out {
+        crate::observe::events::call_failed(bufs[0].pool(), "collective", e);
+    }
+    out
+}
+
+fn prepare_unlogged<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
     let pool = bufs[0].pool();
     for b in bufs {
         if !b.pool().same_pool(pool) {
@@ -106,6 +114,7 @@ fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool>
 }
 
 fn invalid(op: &'static str, detail: String) -> Error {
+    tracing::error!(target: "symmpool::coll", op, error = %detail, "symmpool call failed");
     Error::InvalidCollective { op, detail }
 }
 
@@ -128,6 +137,27 @@ type Side<'a> = (&'a SymmBuffer, Region<'a>);
 /// and of [`calibrate`]. `force` replaces the policy's preference for this call.
 #[allow(clippy::too_many_arguments)]
 fn dispatch(
+    pool: &SymmPool,
+    coll: Coll,
+    send: Side<'_>,
+    recv: Side<'_>,
+    count: u64,
+    dtype: DType,
+    stream: &Stream,
+    force: Option<Path>,
+) -> Result<CollectiveReport> {
+    let out = dispatch_unlogged(pool, coll, send, recv, count, dtype, stream, force);
+    match &out {
+        Ok(report) => {
+            crate::observe::events::collective_done(pool, coll == Coll::AllGather, report)
+        }
+        Err(e) => crate::observe::events::call_failed(pool, "collective", e),
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dispatch_unlogged(
     pool: &SymmPool,
     coll: Coll,
     (send_buf, send): Side<'_>,

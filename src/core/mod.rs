@@ -71,6 +71,7 @@ mod config;
 mod error;
 mod free_index;
 mod invariants;
+mod marks;
 mod stats;
 mod types;
 
@@ -82,6 +83,7 @@ pub use allocator::Allocator;
 pub use config::{CoreConfig, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
 pub use invariants::InvariantViolation;
+pub use marks::BlockMark;
 pub use stats::{BlockSnapshot, BlockState, CoreStats, SegmentSnapshot, Snapshot, Stat};
 pub use types::{
     AllocRequest, BlockId, Fence, Growth, Placement, SegmentId, SizeClass, StreamId, Wait,

@@ -276,7 +276,7 @@ pub(crate) fn segment_granularity(ordinal: usize) -> u64 {
         )
     };
     if r != cu::cudaError_enum::CUDA_SUCCESS || granularity == 0 {
-        log::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
+        tracing::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
         return MIN;
     }
     (granularity as u64).max(MIN).next_power_of_two()

@@ -678,7 +678,7 @@ impl Drop for NcclBackend {
                 // pools deregistered their windows (or leaked them on purpose), and it
                 // is consumed here.
                 if let Err(e) = unsafe { ffi::comm_abort(raw) } {
-                    log::error!("symmpool: ncclCommAbort failed: {e}");
+                    tracing::error!("symmpool: ncclCommAbort failed: {e}");
                 }
             }
         };
@@ -689,7 +689,7 @@ impl Drop for NcclBackend {
         // Work is still running (a stuck collective, or a kernel that never ends). An
         // abort waits for the device where it unmaps leaked windows, so it runs on a
         // thread of its own and the drop returns now.
-        log::warn!(
+        tracing::warn!(
             "symmpool: rank {}: device work still in flight; aborting its communicators in the background",
             self.rank
         );
@@ -701,7 +701,9 @@ impl Drop for NcclBackend {
                 abort(owned);
             });
         if let Err(e) = spawned {
-            log::error!("symmpool: could not start the abort thread ({e}); communicators leaked");
+            tracing::error!(
+                "symmpool: could not start the abort thread ({e}); communicators leaked"
+            );
         }
     }
 }
