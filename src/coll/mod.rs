@@ -94,6 +94,7 @@ fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool>
     out
 }
 
+#[inline]
 fn prepare_unlogged<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
     let pool = bufs[0].pool();
     for b in bufs {
@@ -139,27 +140,6 @@ type Side<'a> = (&'a SymmBuffer, Region<'a>);
 fn dispatch(
     pool: &SymmPool,
     coll: Coll,
-    send: Side<'_>,
-    recv: Side<'_>,
-    count: u64,
-    dtype: DType,
-    stream: &Stream,
-    force: Option<Path>,
-) -> Result<CollectiveReport> {
-    let out = dispatch_unlogged(pool, coll, send, recv, count, dtype, stream, force);
-    match &out {
-        Ok(report) => {
-            crate::observe::events::collective_done(pool, coll == Coll::AllGather, report)
-        }
-        Err(e) => crate::observe::events::call_failed(pool, "collective", e),
-    }
-    out
-}
-
-#[allow(clippy::too_many_arguments)]
-fn dispatch_unlogged(
-    pool: &SymmPool,
-    coll: Coll,
     (send_buf, send): Side<'_>,
     (recv_buf, recv): Side<'_>,
     count: u64,
@@ -199,16 +179,22 @@ fn dispatch_unlogged(
         (send_buf.window(comm), recv_buf.window(comm))
     };
     let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows);
-    match coll {
-        Coll::AllGather => backend.collectives().all_gather(&args)?,
-        Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args)?,
+    let ran = match coll {
+        Coll::AllGather => backend.collectives().all_gather(&args),
+        Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
+    };
+    if let Err(e) = ran {
+        crate::observe::events::call_failed(pool, "collective", &e);
+        return Err(e);
     }
-    Ok(CollectiveReport {
+    let report = CollectiveReport {
         path,
         comm,
         role: backend.communicators()[comm].role,
         bytes_per_rank,
-    })
+    };
+    crate::observe::events::collective_done(pool, coll == Coll::AllGather, &report);
+    Ok(report)
 }
 
 /// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at

@@ -35,11 +35,20 @@ pub(crate) struct PoolCounters {
 
 impl PoolCounters {
     /// Count one collective that ran on `path` with `bytes_per_rank`.
+    ///
+    /// A load and a store, not a locked read-modify-write (this is on every
+    /// collective's path): exact because one rank's collectives on a pool are ordered
+    /// (every rank must issue them in the same order, so calls from several threads
+    /// are synchronised by the caller, and that synchronisation orders these
+    /// accesses too).
     #[inline]
     pub(crate) fn collective(&self, path: Path, bytes_per_rank: u64) {
         let c = &self.paths[path_index(path)];
-        c.count.fetch_add(1, Ordering::Relaxed);
-        c.bytes.fetch_add(bytes_per_rank, Ordering::Relaxed);
+        let n = c.count.load(Ordering::Relaxed);
+        c.count.store(n.wrapping_add(1), Ordering::Relaxed);
+        let b = c.bytes.load(Ordering::Relaxed);
+        c.bytes
+            .store(b.wrapping_add(bytes_per_rank), Ordering::Relaxed);
     }
 
     /// (calls, bytes per rank) of collectives on `path`.

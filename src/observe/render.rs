@@ -151,11 +151,11 @@ fn segment_title(seg: &SegmentView) -> String {
         })
         .collect();
     format!(
-        "segment {} · {} · {} · {} blocks · windows: {}",
+        "segment {} · {} · {} · {} · windows: {}",
         seg.id.0,
         class_name(seg.class),
         format_bytes(seg.size_bytes),
-        seg.blocks.len(),
+        plural(seg.blocks.len(), "block"),
         if windows.is_empty() {
             "none".into()
         } else {
@@ -197,13 +197,17 @@ fn row(
             b.state.name(),
             esc(&block_title(seg, b, rank)),
         );
-        // A label inside the block when it fits (about 6 px per character).
+        // A label inside the block when it fits (about 6 px per character): the
+        // allocation number and size, or the number alone.
         if b.state == BlockStatus::Allocated {
-            let label = match b.allocation_seq {
-                Some(seq) => format!("#{seq} {}", format_bytes(b.size_bytes)),
-                None => format_bytes(b.size_bytes),
-            };
-            if w > label.len() as f64 * 6.0 + 6.0 {
+            let seq = b
+                .allocation_seq
+                .map(|s| format!("#{s}"))
+                .unwrap_or_default();
+            let long = format!("{seq} {}", format_bytes(b.size_bytes));
+            let fits = |l: &str| w > l.chars().count() as f64 * 6.0 + 6.0;
+            let label = [long, seq].into_iter().find(|l| fits(l));
+            if let Some(label) = label {
                 let _ = write!(
                     out,
                     r#"<text class="inblock" x="{:.2}" y="{:.2}">{}</text>"#,
@@ -268,10 +272,20 @@ fn legend(out: &mut String, y: f64, with_diverged: bool) -> f64 {
     y + 62.0
 }
 
-fn header(width: f64, height: f64) -> String {
+/// The document around `body`, whose content ends at `bottom`.
+fn document(body: &str, bottom: f64) -> String {
+    let (width, height) = (WIDTH, (bottom + MARGIN).ceil());
     format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" viewBox=\"0 0 {width} {height}\">\n<style>{STYLE}</style>\n<rect x=\"0\" y=\"0\" width=\"{width}\" height=\"{height}\" fill=\"#fff\"/>\n"
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" viewBox=\"0 0 {width} {height}\">\n<style>{STYLE}</style>\n<rect x=\"0\" y=\"0\" width=\"{width}\" height=\"{height}\" fill=\"#fff\"/>\n{body}</svg>\n"
     )
+}
+
+fn plural(n: usize, one: &str) -> String {
+    if n == 1 {
+        format!("1 {one}")
+    } else {
+        format!("{n} {one}s")
+    }
 }
 
 fn stat(s: &PoolSnapshot, key: &str) -> u64 {
@@ -305,10 +319,7 @@ fn row_label(out: &mut String, y: f64, first: &str, second: &str) {
 /// One rank's memory map as a self-contained SVG document: a row per segment, the
 /// blocks coloured by state, a `<title>` per block and segment, a legend.
 pub fn render_svg(snapshot: &PoolSnapshot) -> String {
-    let top = 84.0;
-    let rows = snapshot.segments.len().max(1) as f64;
-    let height = top + rows * (ROW_H + ROW_GAP) + MARGIN;
-    let mut out = header(WIDTH, height);
+    let mut out = String::new();
     let _ = writeln!(
         out,
         r#"<text class="title" x="{MARGIN}" y="22">symmpool memory map · pool {} · rank {} of {}</text><text class="sub" x="{MARGIN}" y="40">{}</text>"#,
@@ -317,13 +328,14 @@ pub fn render_svg(snapshot: &PoolSnapshot) -> String {
         snapshot.world_size,
         esc(&summary_line(snapshot))
     );
-    let mut y = legend(&mut out, 50.0, false).max(top);
+    let mut y = legend(&mut out, 50.0, false);
     if snapshot.segments.is_empty() {
         let _ = writeln!(
             out,
             r#"<text class="sub" x="{MARGIN}" y="{}">no segments</text>"#,
             y + 16.0
         );
+        y += 24.0;
     }
     for seg in &snapshot.segments {
         let _ = writeln!(out, r#"<g class="segment-row" id="segment-{}">"#, seg.id.0);
@@ -342,8 +354,7 @@ pub fn render_svg(snapshot: &PoolSnapshot) -> String {
         out.push_str("</g>\n");
         y += ROW_H + ROW_GAP;
     }
-    out.push_str("</svg>\n");
-    out
+    document(&out, y)
 }
 
 /// What makes two ranks' blocks the same placement: offset, size, allocated or not,
@@ -405,11 +416,7 @@ pub fn render_ranks(snapshots: &[PoolSnapshot]) -> String {
         .flat_map(|s| s.segments.iter().map(|g| g.id.0))
         .collect();
     let diff = divergence(snapshots);
-    let n = snapshots.len().max(1) as f64;
-    let group_h = 18.0 + n * (ROW_H + 4.0) + ROW_GAP;
-    let top = 84.0;
-    let height = top + ids.len().max(1) as f64 * group_h + MARGIN;
-    let mut out = header(WIDTH, height);
+    let mut out = String::new();
     let differing: usize = diff.values().map(BTreeSet::len).sum();
     let missing = ids
         .iter()
@@ -440,7 +447,7 @@ pub fn render_ranks(snapshots: &[PoolSnapshot]) -> String {
         },
         esc(&verdict)
     );
-    let mut y = legend(&mut out, 50.0, true).max(top);
+    let mut y = legend(&mut out, 50.0, true);
     for id in ids {
         let reference = snapshots
             .first()
@@ -466,7 +473,7 @@ pub fn render_ranks(snapshots: &[PoolSnapshot]) -> String {
             let label = format!("rank {}", snap.rank);
             match snap.segments.iter().find(|g| g.id.0 == id) {
                 Some(seg) => {
-                    row_label(&mut out, y, &label, &format!("{} blocks", seg.blocks.len()));
+                    row_label(&mut out, y, &label, &plural(seg.blocks.len(), "block"));
                     let bad = diff.get(&(r, id));
                     let seg_bad = reference
                         .is_none_or(|g| g.size_bytes != seg.size_bytes || g.class != seg.class);
@@ -495,6 +502,5 @@ pub fn render_ranks(snapshots: &[PoolSnapshot]) -> String {
         out.push_str("</g>\n");
         y += ROW_GAP;
     }
-    out.push_str("</svg>\n");
-    out
+    document(&out, y)
 }

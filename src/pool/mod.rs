@@ -494,9 +494,13 @@ impl SymmPool {
         let bytes = entry.segment.size_bytes();
         let windows = entry.windows.iter().filter(|w| w.is_some()).count();
         st.counters.reserved_bytes_total += bytes;
-        let class = st.core.segments().find(|s| s.0 == id).map(|s| s.1);
+        let class = match st.core.segments().find(|s| s.0 == id).map(|s| s.1) {
+            Some(crate::core::SizeClass::Small) => "small",
+            Some(crate::core::SizeClass::Large) => "large",
+            None => "unknown",
+        };
         tracing::info!(target: "symmpool::pool", rank = self.rank(),
-            pool = %self.inner.config.name, segment = id.0, class = ?class, segment_bytes = bytes,
+            pool = %self.inner.config.name, segment = id.0, class, segment_bytes = bytes,
             windows, reserved_bytes = st.core.stats().reserved_bytes.current,
             "segment allocated");
     }
