@@ -87,31 +87,39 @@ pub fn set_path_policy(pool: &SymmPool, policy: PathPolicy) -> Result<()> {
 /// Check that the buffers are this pool's, the pool is open, and note `stream` on
 /// buffers allocated elsewhere (so their reuse waits for this collective).
 fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
-    let out = prepare_unlogged(bufs, stream);
-    if let Err(e) = &out {
-        crate::observe::events::call_failed(bufs[0].pool(), "collective", e);
-    }
-    out
-}
-
-#[inline]
-fn prepare_unlogged<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
     let pool = bufs[0].pool();
     for b in bufs {
         if !b.pool().same_pool(pool) {
-            return Err(Error::ForeignBuffer {
-                allocation_seq: b.allocation_seq(),
-            });
+            return Err(failed(
+                pool,
+                Error::ForeignBuffer {
+                    allocation_seq: b.allocation_seq(),
+                },
+            ));
         }
     }
-    pool.check_open()?;
-    pool.backend().check_stream(stream)?;
+    if let Err(e) = pool.check_open() {
+        return Err(failed(pool, e));
+    }
+    if let Err(e) = pool.backend().check_stream(stream) {
+        return Err(failed(pool, e));
+    }
     for b in bufs {
-        if b.stream().id() != stream.id() {
-            b.record_stream(stream)?;
+        if b.stream().id() != stream.id()
+            && let Err(e) = b.record_stream(stream)
+        {
+            return Err(failed(pool, e));
         }
     }
     Ok(pool)
+}
+
+/// Report `e` before a public collective returns it (out of line: the error path).
+#[cold]
+#[inline(never)]
+fn failed(pool: &SymmPool, e: Error) -> Error {
+    crate::observe::events::call_failed(pool, "collective", &e);
+    e
 }
 
 fn invalid(op: &'static str, detail: String) -> Error {
@@ -184,8 +192,7 @@ fn dispatch(
         Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
     };
     if let Err(e) = ran {
-        crate::observe::events::call_failed(pool, "collective", &e);
-        return Err(e);
+        return Err(failed(pool, e));
     }
     let report = CollectiveReport {
         path,
@@ -193,7 +200,10 @@ fn dispatch(
         role: backend.communicators()[comm].role,
         bytes_per_rank,
     };
-    crate::observe::events::collective_done(pool, coll == Coll::AllGather, &report);
+    pool.inner.observed.collective(path, bytes_per_rank);
+    if tracing::level_enabled!(tracing::Level::DEBUG) {
+        crate::observe::events::collective(coll == Coll::AllGather, &report);
+    }
     Ok(report)
 }
 

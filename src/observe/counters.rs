@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Every [`Path`], in the order of [`path_index`].
 pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
 
-/// Index of `path` in [`PATHS`].
+/// Index of `path` in [`PATHS`] (its discriminant).
 pub(crate) fn path_index(path: Path) -> usize {
     match path {
         Path::CopyEngine => 0,
@@ -43,7 +43,7 @@ impl PoolCounters {
     /// accesses too).
     #[inline]
     pub(crate) fn collective(&self, path: Path, bytes_per_rank: u64) {
-        let c = &self.paths[path_index(path)];
+        let c = &self.paths[path as usize];
         let n = c.count.load(Ordering::Relaxed);
         c.count.store(n.wrapping_add(1), Ordering::Relaxed);
         let b = c.bytes.load(Ordering::Relaxed);

@@ -95,16 +95,11 @@ pub(crate) fn dropped_without_close(rank: usize, pool: &str, segments: usize, by
     }
 }
 
-/// A collective ran: count it on its path, and report the path chosen.
-#[inline]
-pub(crate) fn collective_done(
-    pool: &SymmPool,
-    all_gather: bool,
-    report: &crate::coll::CollectiveReport,
-) {
-    pool.inner
-        .observed
-        .collective(report.path, report.bytes_per_rank);
+/// A collective ran: report the path chosen (the caller counts it, and checks the
+/// level first, so that when off the event costs one load and not also the `log`
+/// fallback's: the hot path's events go to tracing subscribers only).
+#[cold]
+pub(crate) fn collective(all_gather: bool, report: &crate::coll::CollectiveReport) {
     tracing::debug!(
         target: "symmpool::coll",
         op = if all_gather {

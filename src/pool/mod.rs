@@ -453,9 +453,11 @@ impl SymmPool {
         st.counters.allocated_bytes_total += placement.size_bytes;
         st.counters.requested_bytes_total += size_bytes;
         drop(st);
-        tracing::trace!(target: "symmpool::pool", rank = self.rank(), size_bytes,
-            segment = placement.segment.0, offset_bytes = placement.offset_bytes,
-            allocation = placement.block.seq, "alloc");
+        if tracing::level_enabled!(tracing::Level::TRACE) {
+            tracing::trace!(target: "symmpool::pool", rank = self.rank(), size_bytes,
+                segment = placement.segment.0, offset_bytes = placement.offset_bytes,
+                allocation = placement.block.seq, "alloc");
+        }
         let waits = placement.waits.clone();
         // The buffer exists before the waits are enqueued: if enqueuing fails, dropping
         // it returns the block through the normal path instead of leaking it.
