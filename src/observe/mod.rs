@@ -8,7 +8,8 @@
 //! start with `symmpool`, so `RUST_LOG=symmpool=debug` with `tracing-subscriber`'s
 //! `EnvFilter` shows the pool's life. Nothing is recorded on the cache-hit `alloc`
 //! and the collective dispatch but `trace!`/`debug!` events, which cost a level check
-//! when off; spans exist only on the slow, collective paths.
+//! when off (and reach tracing subscribers only, not the `log` fallback); spans exist
+//! only on the slow, collective paths.
 //!
 //! | what | kind | level | fields |
 //! |---|---|---|---|
