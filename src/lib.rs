@@ -17,6 +17,7 @@
 //! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
 //! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
 //! | collectives | [`coll`] | all-gather / reduce-scatter on pool buffers, with the path reported |
+//! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots, memory-map SVGs |
 //!
 //! ```
 //! use symmpool::{PoolConfig, Stream, SymmPool};
@@ -51,6 +52,7 @@ pub mod control;
 pub mod core;
 mod dtype;
 mod error;
+pub mod observe;
 mod pool;
 mod stream;
 

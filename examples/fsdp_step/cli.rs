@@ -110,6 +110,11 @@ pub struct Cli {
     /// No per-step lines
     #[arg(long)]
     pub quiet: bool,
+    /// Write the memory map of every rank's pool at the end (first mode) to this SVG,
+    /// and the snapshots beside it as JSON (PATH.json; `examples/memory_map.rs` renders
+    /// them again)
+    #[arg(long, value_name = "PATH")]
+    pub memory_map: Option<std::path::PathBuf>,
     // `cargo test` and `cargo bench` pass these to targets without a harness.
     #[arg(long, hide = true)]
     bench: bool,
@@ -156,6 +161,8 @@ pub struct Args {
     pub backend: BackendChoice,
     /// No per-step lines.
     pub quiet: bool,
+    /// Where to write the memory map (SVG) and its snapshots (`PATH.json`).
+    pub memory_map: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -172,6 +179,7 @@ impl Args {
             json: false,
             backend: BackendChoice::Host,
             quiet: true,
+            memory_map: None,
         }
     }
 }
@@ -207,6 +215,7 @@ impl Cli {
             json: self.json,
             backend,
             quiet: self.quiet,
+            memory_map: self.memory_map.clone(),
         };
         let square = args.hidden * args.hidden;
         if !square.is_multiple_of(ranks) {

@@ -183,10 +183,7 @@ impl GpuMath {
 
 /// This process's rank on NCCL, set up from the launcher's environment.
 pub fn process_backend(exchange: std::sync::Arc<dyn symmpool::Exchange>) -> Result<Backend> {
-    let _ = exchange;
-    Err(e(
-        "NCCL set-up from the environment is not available yet".into()
-    ))
+    NcclBackend::from_env(exchange, symmpool::backend::NcclConfig::default())
 }
 
 /// Train this process's rank on its GPU.

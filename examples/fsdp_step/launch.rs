@@ -8,7 +8,9 @@
 //! N processes of this program with those variables on 127.0.0.1 and prints rank 0's
 //! results.
 
-use super::{Args, BackendChoice, Summary, make_pool, ranks::StepSync, run_one_rank};
+#[cfg(feature = "nccl")]
+use super::BackendChoice;
+use super::{Args, Summary, make_pool, ranks::StepSync, run_one_rank};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -81,6 +83,7 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
             &barrier,
         )?,
     };
+    super::gather_memory_map(exchange.as_ref(), args)?;
     Ok((rank == 0).then_some(summaries))
 }
 

@@ -23,6 +23,8 @@
 //! cargo run --release --example fsdp_step -- --compare         # every mode, one table
 //! cargo run --release --example fsdp_step -- --comm auto --json
 //! cargo run --release --example fsdp_step -- --balanced --compare   # comm ≈ compute (GPUs)
+//! cargo run --release --example fsdp_step -- --memory-map map.svg  # every rank's pool, drawn
+//! RUST_LOG=symmpool=debug cargo run --release --example fsdp_step   # the pool's life, traced
 //! cargo run --release --example fsdp_step -- --help
 //! ```
 
@@ -43,7 +45,9 @@ pub use report::{Log, Spread, Summary, check};
 
 use clap::Parser;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
+use std::sync::Mutex;
 use symmpool::coll::{self, Choice, Path, PathPolicy};
+use symmpool::observe::PoolSnapshot;
 use symmpool::{
     Backend, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream, SymmBuffer,
     SymmPool,
@@ -57,7 +61,9 @@ use trainer::{Math, Trainer};
 
 /// The pool configuration of `mode`: `ring` registers nothing (plain NCCL).
 fn pool_config(mode: Mode) -> PoolConfig {
-    PoolConfig::default().with_register(mode != Mode::Ring)
+    PoolConfig::default()
+        .with_register(mode != Mode::Ring)
+        .with_name(mode.name())
 }
 
 /// The collectives' path preferences of `mode`.
@@ -105,6 +111,26 @@ fn registrations(pool: &SymmPool) -> u64 {
     pool.stats().registrations.iter().sum()
 }
 
+/// Every rank's snapshot at the end of training (with `--memory-map`), per mode.
+static MEMORY_MAPS: Mutex<Vec<(Mode, PoolSnapshot)>> = Mutex::new(Vec::new());
+
+/// Draw rank by rank the pools of the first mode (`render_ranks` outlines any block
+/// placed differently on some rank) and save every snapshot beside it as JSON.
+fn write_memory_map(path: &std::path::Path, first: Mode) -> std::io::Result<()> {
+    let mut all = std::mem::take(&mut *MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner()));
+    all.sort_by_key(|(m, s)| (*m != first, s.rank));
+    let ranks: Vec<PoolSnapshot> = (all.iter())
+        .filter(|(m, _)| *m == first)
+        .map(|(_, s)| s.clone())
+        .collect();
+    std::fs::write(path, symmpool::observe::render_ranks(&ranks))?;
+    let snapshots: Vec<&PoolSnapshot> = all.iter().map(|(_, s)| s).collect();
+    let json = serde_json::to_string_pretty(&snapshots).map_err(std::io::Error::other)?;
+    let mut json_path = path.as_os_str().to_owned();
+    json_path.push(".json");
+    std::fs::write(json_path, json)
+}
+
 // ---------------------------------------------------------------------------------
 // 3. One rank: data, a trainer per mode, the steps, the statistics. How the rank
 //    was started (a thread here) does not matter to it.
@@ -148,11 +174,23 @@ pub fn run_one_rank<M: Math>(
             }
         }
     }
-    let summaries = runs.into_iter().map(|(mode, pool, trainer, log)| {
+    let mut summaries = Vec::new();
+    for (mode, pool, trainer, log) in runs {
+        if args.memory_map.is_some() {
+            // While the trainer's buffers are alive: parameters, shards, optimizer state.
+            let snapshot = pool.memory_snapshot();
+            let mut maps = MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner());
+            maps.push((mode, snapshot));
+        }
         let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
-        Summary::new(args, mode, rank, log, &pool.stats(), ag, rs)
-    });
-    Ok(summaries.collect())
+        summaries.push(Summary::new(args, mode, rank, log, &pool.stats(), ag, rs));
+        // Release the pool on every rank (collective); dropping it unclosed warns.
+        drop(trainer);
+        pool.close()?;
+    }
+    drop(data);
+    data_pool.close()?;
+    Ok(summaries)
 }
 
 // ---------------------------------------------------------------------------------
@@ -190,6 +228,13 @@ fn gpu_count() -> usize {
 }
 
 fn main() {
+    // `RUST_LOG=symmpool=info` (or `debug`, `trace`) shows the pool's spans and events.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     let args = cli.resolve(gpu_count());
     let results = if launch::is_rank_process() {
@@ -218,10 +263,63 @@ fn main() {
         return;
     }
     report::print(&args, &results);
+    // With ranks as processes, rank 0 gathered every rank's snapshot and wrote it.
+    if let Some(path) = args
+        .memory_map
+        .as_ref()
+        .filter(|_| !launch::is_rank_process())
+    {
+        match write_memory_map(path, args.modes[0]) {
+            Ok(()) if !args.json => report::line(&format!("memory map: {}", path.display())),
+            Ok(()) => {}
+            Err(e) => {
+                eprintln!(
+                    "fsdp_step: writing the memory map to {}: {e}",
+                    path.display()
+                );
+                std::process::exit(1);
+            }
+        }
+    }
     if let Err(msg) = check(&results) {
         eprintln!("fsdp_step: check failed: {msg}");
         std::process::exit(1);
     }
+}
+
+/// With ranks as processes: gather every rank's snapshots on rank 0, which writes the
+/// memory map.
+pub fn gather_memory_map(exchange: &dyn symmpool::Exchange, args: &Args) -> Result<()> {
+    let Some(path) = &args.memory_map else {
+        return Ok(());
+    };
+    let mine = std::mem::take(&mut *MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner()));
+    let json = serde_json::to_vec(&mine).map_err(|e| symmpool::Error::Internal {
+        what: format!("encoding a snapshot: {e}"),
+    })?;
+    let channel = exchange.open_channel(
+        "fsdp_step:memory-map",
+        symmpool::PoolConfig::default().timeout,
+    )?;
+    let all = exchange.all_gather(
+        channel,
+        "memory map",
+        &json,
+        symmpool::PoolConfig::default().timeout,
+    )?;
+    if exchange.rank() == 0 {
+        let mut maps = MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner());
+        for bytes in all {
+            if let Ok(v) = serde_json::from_slice::<Vec<(Mode, PoolSnapshot)>>(&bytes) {
+                maps.extend(v);
+            }
+        }
+        drop(maps);
+        write_memory_map(path, args.modes[0]).map_err(|e| symmpool::Error::Internal {
+            what: format!("writing the memory map to {}: {e}", path.display()),
+        })?;
+    }
+    Ok(())
 }
 
 /// Ranks as threads of this process (a test harness).

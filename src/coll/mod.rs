@@ -90,22 +90,40 @@ fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool>
     let pool = bufs[0].pool();
     for b in bufs {
         if !b.pool().same_pool(pool) {
-            return Err(Error::ForeignBuffer {
-                allocation_seq: b.allocation_seq(),
-            });
+            return Err(failed(
+                pool,
+                Error::ForeignBuffer {
+                    allocation_seq: b.allocation_seq(),
+                },
+            ));
         }
     }
-    pool.check_open()?;
-    pool.backend().check_stream(stream)?;
+    if let Err(e) = pool.check_open() {
+        return Err(failed(pool, e));
+    }
+    if let Err(e) = pool.backend().check_stream(stream) {
+        return Err(failed(pool, e));
+    }
     for b in bufs {
-        if b.stream().id() != stream.id() {
-            b.record_stream(stream)?;
+        if b.stream().id() != stream.id()
+            && let Err(e) = b.record_stream(stream)
+        {
+            return Err(failed(pool, e));
         }
     }
     Ok(pool)
 }
 
+/// Report `e` before a public collective returns it (out of line: the error path).
+#[cold]
+#[inline(never)]
+fn failed(pool: &SymmPool, e: Error) -> Error {
+    crate::observe::events::call_failed(pool, "collective", &e);
+    e
+}
+
 fn invalid(op: &'static str, detail: String) -> Error {
+    tracing::error!(target: "symmpool::coll", op, error = %detail, "symmpool call failed");
     Error::InvalidCollective { op, detail }
 }
 
@@ -170,16 +188,24 @@ fn dispatch(
         (send_buf.window(comm), recv_buf.window(comm))
     };
     let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows);
-    match coll {
-        Coll::AllGather => backend.collectives().all_gather(&args)?,
-        Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args)?,
+    let ran = match coll {
+        Coll::AllGather => backend.collectives().all_gather(&args),
+        Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
+    };
+    if let Err(e) = ran {
+        return Err(failed(pool, e));
     }
-    Ok(CollectiveReport {
+    let report = CollectiveReport {
         path,
         comm,
         role: backend.communicators()[comm].role,
         bytes_per_rank,
-    })
+    };
+    pool.inner.observed.collective(path, bytes_per_rank);
+    if tracing::level_enabled!(tracing::Level::DEBUG) {
+        crate::observe::events::collective(coll == Coll::AllGather, &report);
+    }
+    Ok(report)
 }
 
 /// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at

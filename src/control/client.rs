@@ -610,7 +610,7 @@ impl StoreExchange {
             });
         }
         drop(inbox);
-        log::debug!(
+        tracing::debug!(
             "symmpool store: rank {} of {} joined after {:?}",
             ex.rank,
             ex.world,
@@ -828,7 +828,7 @@ impl Drop for StoreExchange {
         if let Some(server) = self.server.take()
             && !server.wait_until_empty(self.linger)
         {
-            log::warn!(
+            tracing::warn!(
                 "symmpool store: stopping the server with ranks still connected after {:?}",
                 self.linger
             );

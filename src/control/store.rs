@@ -145,7 +145,7 @@ impl StoreServer {
         server
             .threads
             .push(spawn("symmpool-store-monitor", move || monitor_loop(&s))?);
-        log::info!("symmpool store listening on {local} for {world} ranks");
+        tracing::info!("symmpool store listening on {local} for {world} ranks");
         Ok(server)
     }
 
@@ -221,7 +221,7 @@ impl Shared {
 
     fn reject(&self, peer: SocketAddr, why: &str) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
-        log::warn!("symmpool store: refused connection from {peer}: {why}");
+        tracing::warn!("symmpool store: refused connection from {peer}: {why}");
     }
 
     /// Write `frame` to `rank`; on failure the rank departs (by the caller, who gets it
@@ -249,7 +249,7 @@ impl Shared {
         if st.broken.is_some() {
             return;
         }
-        log::warn!("symmpool store: group broken: {broken:?}");
+        tracing::warn!("symmpool store: group broken: {broken:?}");
         st.rounds.clear();
         st.broken = Some(broken.clone());
         self.broadcast(st, &wire::encode(&ToClient::Broken(broken)));
@@ -270,7 +270,7 @@ impl Shared {
         self.departed.fetch_add(1, Ordering::Relaxed);
         self.cv.notify_all();
         if !self.shutdown.load(Ordering::SeqCst) {
-            log::info!("symmpool store: rank {rank} departed: {why}");
+            tracing::info!("symmpool store: rank {rank} departed: {why}");
         }
         self.break_group(
             st,
@@ -316,7 +316,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 let _ = shared.cv.wait_timeout(st, Duration::from_millis(20));
             }
             Err(e) => {
-                log::warn!("symmpool store: accept failed: {e}");
+                tracing::warn!("symmpool store: accept failed: {e}");
                 thread::sleep(Duration::from_millis(20));
             }
         }
@@ -506,7 +506,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             stream: writer,
             last_heard: Instant::now(),
         });
-        log::info!("symmpool store: rank {rank} (pid {pid}) joined from {peer}");
+        tracing::info!("symmpool store: rank {rank} (pid {pid}) joined from {peer}");
         let joined = wire::encode(&shared.joined_message(&st));
         shared.broadcast(&mut st, &joined);
         id

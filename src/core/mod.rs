@@ -71,6 +71,7 @@ mod config;
 mod error;
 mod free_index;
 mod invariants;
+mod marks;
 mod stats;
 mod types;
 
@@ -82,6 +83,7 @@ pub use allocator::{Allocator, FitPlan};
 pub use config::{CoreConfig, GrowthPolicy, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
 pub use invariants::InvariantViolation;
+pub use marks::BlockMark;
 pub use stats::{
     BlockSnapshot, BlockState, ClassStats, CoreStats, SegmentSnapshot, Snapshot, Stat,
 };

@@ -216,6 +216,9 @@ pub(crate) fn agree(
     broken: bool,
     timeout: Duration,
 ) -> Result<Vec<u64>> {
+    let span = tracing::debug_span!(target: "symmpool::pool", "agreement", rank = exchange.rank(), during, size);
+    let _entered = span.enter();
+    let started = std::time::Instant::now();
     let sent = history.encode(op, size, state, extra, broken);
     let bytes: Vec<u8> = sent.iter().flat_map(|w| w.to_le_bytes()).collect();
     let all: Vec<Vec<u64>> = exchange
@@ -268,6 +271,8 @@ pub(crate) fn agree(
         })
     };
     if records.iter().all(agrees) {
+        tracing::debug!(target: "symmpool::pool", rank = me, during, world = records.len(),
+            seconds = started.elapsed().as_secs_f64(), "ranks agreed");
         return Ok(extras(&records));
     }
     Err(Error::Divergence(Box::new(explain(&records, during, size))))

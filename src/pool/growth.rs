@@ -30,6 +30,7 @@ impl SymmPool {
         match st.core.add_segment(growth) {
             Ok(got) if got == id => {
                 st.segments.insert(id, Arc::new(entry));
+                self.segment_added(st, id);
                 Ok(id)
             }
             Ok(got) => {
@@ -166,6 +167,7 @@ impl SymmPool {
                 if !info.registers {
                     continue;
                 }
+                let registering = Instant::now();
                 // SAFETY: every rank reaches this point for the same growth (the two
                 // agreements above matched call sequences and confirmed the memory on
                 // every rank, and the outcome rounds below confirmed every earlier
@@ -176,6 +178,15 @@ impl SymmPool {
                 // was capturing.
                 let local = match unsafe { backend.segments().register(&entry.segment, c) } {
                     Ok(window) => {
+                        let (took, got) = (registering.elapsed(), window.is_some());
+                        crate::observe::events::registered(
+                            self.rank(),
+                            c,
+                            info.role,
+                            size_bytes,
+                            took,
+                            got,
+                        );
                         st.counters.registrations[c] += 1;
                         let missing = window.is_none();
                         entry.windows[c] = window;
@@ -332,7 +343,10 @@ impl SymmPool {
                             refused.error,
                         );
                         std::mem::forget(refused.handle);
-                        log::error!("symmpool: a segment of a failed growth is leaked");
+                        tracing::error!(
+                            rank = self.rank(),
+                            "a segment of a failed growth is leaked"
+                        );
                         std::mem::forget(segment);
                         return;
                     }
@@ -352,6 +366,7 @@ impl SymmPool {
     /// # Errors
     /// [`Error::ZeroSize`], [`Error::TooLarge`], [`Error::PoolClosed`],
     /// [`Error::PoolLimit`], and the growth errors of [`alloc`](Self::alloc).
+    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
     pub fn reserve(&self, size_bytes: u64) -> Result<SegmentId> {
         self.take_deferred_error()?;
         let mut st = self.state();
@@ -389,6 +404,7 @@ impl SymmPool {
         match st.core.add_shared_segment(size) {
             Ok(got) if got == id => {
                 st.segments.insert(id, Arc::new(entry));
+                self.segment_added(&mut st, id);
                 Ok(id)
             }
             Ok(got) => {

@@ -94,6 +94,8 @@ pub(crate) struct PoolInner {
     /// Per-pool state of the layers above (the collectives' path policy and
     /// sequence numbers): owned there, kept here so that it lives as long as the pool.
     extension: OnceLock<Arc<dyn Any + Send + Sync>>,
+    /// Lock-free counters for [`SymmPool::memory_stats`].
+    pub(crate) observed: crate::observe::PoolCounters,
     state: Mutex<PoolState>,
 }
 
@@ -150,7 +152,15 @@ impl SymmPool {
     /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
     /// orders or with different names; [`Error::Timeout`] / [`Error::PeerLost`] if a
     /// rank does not create its pool within the timeout.
-    pub fn new(backend: Backend, mut config: PoolConfig) -> Result<Self> {
+    pub fn new(backend: Backend, config: PoolConfig) -> Result<Self> {
+        let (rank, name) = (backend.rank(), config.name.clone());
+        Self::create(backend, config).inspect_err(|error| {
+            tracing::error!(target: "symmpool", rank, pool = %name, op = "new", error = %error,
+                "symmpool call failed");
+        })
+    }
+
+    fn create(backend: Backend, mut config: PoolConfig) -> Result<Self> {
         if config.history_len > MAX_HISTORY {
             return Err(Error::InvalidConfig(format!(
                 "history_len {} exceeds {MAX_HISTORY}",
@@ -177,6 +187,7 @@ impl SymmPool {
                 deferred: Mutex::new(Vec::new()),
                 deferred_error: Mutex::new(None),
                 extension: OnceLock::new(),
+                observed: Default::default(),
                 channel,
                 config,
             }),
@@ -250,7 +261,11 @@ impl SymmPool {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn new_stream(&self) -> Result<Stream> {
-        self.inner.backend.streams().new_stream()
+        let out = self.inner.backend.streams().new_stream();
+        if let Err(e) = &out {
+            crate::observe::events::call_failed(self, "new_stream", e);
+        }
+        out
     }
 
     /// The exchange channel of this pool's agreements.
@@ -314,7 +329,8 @@ impl SymmPool {
     /// Record a failure inside a `Drop` for the next fallible call (the first one
     /// wins until it is reported).
     pub(crate) fn record_deferred_error(&self, during: String, error: Error) {
-        log::error!("symmpool: {during} failed: {error}");
+        tracing::error!(target: "symmpool::pool", rank = self.rank(), during = %during,
+            error = %error, "failure inside a drop, returned by the next call");
         self.inner
             .deferred_error
             .lock()
@@ -334,6 +350,10 @@ impl SymmPool {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()),
         );
+        if !pending.is_empty() {
+            tracing::debug!(target: "symmpool::pool", rank = self.rank(), count = pending.len(),
+                "deferred frees applied");
+        }
         for (block, fences) in pending {
             self.apply_free(st, block, &fences);
         }
@@ -391,6 +411,19 @@ impl SymmPool {
         align_bytes: u64,
         stream: &Stream,
     ) -> Result<SymmBuffer> {
+        let out = self.alloc_unlogged(size_bytes, align_bytes, stream);
+        if let Err(e) = &out {
+            crate::observe::events::call_failed(self, "alloc", e);
+        }
+        out
+    }
+
+    fn alloc_unlogged(
+        &self,
+        size_bytes: u64,
+        align_bytes: u64,
+        stream: &Stream,
+    ) -> Result<SymmBuffer> {
         self.take_deferred_error()?;
         self.inner.backend.check_stream(stream)?;
         let mut st = self.state();
@@ -408,7 +441,7 @@ impl SymmPool {
             Err(AllocError::NeedsGrowth(growth)) => {
                 st.history
                     .record(CallKind::Alloc, size_bytes, effective_align);
-                self.grow(&mut st, growth, stream)?;
+                self.grow_traced(&mut st, growth, stream)?;
                 st.core.alloc(req)?
             }
             Err(e) => return Err(e.into()),
@@ -418,7 +451,14 @@ impl SymmPool {
             st.broken = Some(what.clone());
             return Err(Error::Internal { what });
         };
+        st.counters.allocated_bytes_total += placement.size_bytes;
+        st.counters.requested_bytes_total += size_bytes;
         drop(st);
+        if tracing::level_enabled!(tracing::Level::TRACE) {
+            tracing::trace!(target: "symmpool::pool", rank = self.rank(), size_bytes,
+                segment = placement.segment.0, offset_bytes = placement.offset_bytes,
+                allocation = placement.block.seq, "alloc");
+        }
         let waits = placement.waits.clone();
         // The buffer exists before the waits are enqueued: if enqueuing fails, dropping
         // it returns the block through the normal path instead of leaking it.
@@ -430,6 +470,42 @@ impl SymmPool {
                 .wait_fence(stream, w.stream, w.fence)?;
         }
         Ok(buffer)
+    }
+
+    /// [`grow`](Self::grow) in a `growth` span that records its duration.
+    fn grow_traced(
+        &self,
+        st: &mut PoolState,
+        growth: crate::core::Growth,
+        stream: &Stream,
+    ) -> Result<crate::core::SegmentId> {
+        let span = tracing::info_span!(target: "symmpool::pool", "growth", rank = self.rank(),
+            pool = %self.inner.config.name, class = ?growth.class,
+            segment_bytes = growth.segment_bytes, seconds = tracing::field::Empty);
+        let _entered = span.enter();
+        let started = std::time::Instant::now();
+        let out = self.grow(st, growth, stream);
+        span.record("seconds", started.elapsed().as_secs_f64());
+        out
+    }
+
+    /// Account for, and report, a segment just added (growth or `reserve`).
+    pub(crate) fn segment_added(&self, st: &mut PoolState, id: crate::core::SegmentId) {
+        let Some(entry) = st.segments.get(&id) else {
+            return;
+        };
+        let bytes = entry.segment.size_bytes();
+        let windows = entry.windows.iter().filter(|w| w.is_some()).count();
+        st.counters.reserved_bytes_total += bytes;
+        let class = match st.core.segments().find(|s| s.0 == id).map(|s| s.1) {
+            Some(crate::core::SizeClass::Small) => "small",
+            Some(crate::core::SizeClass::Large) => "large",
+            None => "unknown",
+        };
+        tracing::info!(target: "symmpool::pool", rank = self.rank(),
+            pool = %self.inner.config.name, segment = id.0, class, segment_bytes = bytes,
+            windows, reserved_bytes = st.core.stats().reserved_bytes.current,
+            "segment allocated");
     }
 
     /// Whether [`close`](Self::close) has completed.
@@ -448,7 +524,7 @@ impl SymmPool {
 
     /// Tell the core which fences are complete (only the `active_bytes` statistic
     /// depends on it).
-    fn refresh_fences(&self, st: &mut PoolState) -> Result<()> {
+    pub(crate) fn refresh_fences(&self, st: &mut PoolState) -> Result<()> {
         let streams = self.inner.backend.streams();
         for &sid in &st.fenced_streams.clone() {
             if let Some(fence) = streams.completed_fence(sid)? {
@@ -464,7 +540,8 @@ impl SymmPool {
     pub fn stats(&self) -> PoolStats {
         let mut st = self.state();
         if let Err(e) = self.refresh_fences(&mut st) {
-            log::warn!("symmpool: querying fences for statistics failed: {e}");
+            tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
+                "querying fences for statistics failed");
         }
         let comms = self.inner.backend.communicators();
         let mut windows = vec![0; comms.len()];
@@ -545,6 +622,12 @@ impl SymmPool {
                 self.apply_free(&mut st, buf.block, &fences);
             }
             Err(std::sync::TryLockError::WouldBlock) => {
+                tracing::debug!(target: "symmpool::pool", rank = self.rank(),
+                    allocation = buf.block.seq, "free deferred: the pool is busy");
+                self.inner
+                    .observed
+                    .deferred_frees
+                    .fetch_add(1, Ordering::Relaxed);
                 self.inner
                     .deferred
                     .lock()

@@ -100,6 +100,8 @@ impl SymmPool {
                     continue;
                 }
             };
+            let bytes = entry.segment.size_bytes();
+            tracing::info!(target: "symmpool::pool", rank = self.rank(), segment = id.0, segment_bytes = bytes, "releasing segment");
             if let Err((entry, e)) = release_entry(backend, entry, &mut st.counters.deregistrations)
             {
                 st.segments.insert(id, Arc::new(entry));
@@ -121,6 +123,7 @@ impl SymmPool {
     /// [`Error::Timeout`], backend errors; [`Error::RegistrationBroken`] on every rank
     /// once a registration has failed (the ranks' windows may be out of step, so no
     /// rank deregisters any until [`close`](Self::close), which releases everything).
+    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret, err(Display))]
     pub fn trim(&self) -> Result<u64> {
         self.take_deferred_error()?;
         let mut st = self.state();
@@ -148,6 +151,7 @@ impl SymmPool {
     /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
     /// errors. A broken pool (on any rank) still closes on every rank (its memory is
     /// released; the ranks' call histories are not compared then).
+    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
         let mut st = self.state();
         if st.closed {
@@ -179,11 +183,8 @@ impl Drop for PoolInner {
         }
         let bytes: u64 = st.segments.values().map(|e| e.segment.size_bytes()).sum();
         if !st.closed {
-            log::warn!(
-                "symmpool: rank {}: pool dropped without close(); releasing {} segments ({bytes} bytes) locally",
-                self.backend.rank(),
-                st.segments.len()
-            );
+            let (rank, name, n) = (self.backend.rank(), &self.config.name, st.segments.len());
+            crate::observe::events::dropped_without_close(rank, name, n, bytes);
         }
         // Never wait without bound in a drop: if the device does not drain in time
         // (a peer died in a collective, say), leak the memory on purpose.
@@ -196,7 +197,7 @@ impl Drop for PoolInner {
                 Err(e) => e.to_string(),
                 _ => format!("not drained within {:?}", self.config.timeout),
             };
-            log::error!(
+            tracing::error!(
                 "symmpool: rank {}: the device did not drain ({why}); {} segments ({bytes} bytes) and their windows are leaked on purpose",
                 self.backend.rank(),
                 st.segments.len()
@@ -211,14 +212,14 @@ impl Drop for PoolInner {
         for (id, shared) in std::mem::take(&mut st.segments) {
             // No buffer is alive (buffers keep the pool alive), so the entry is ours.
             let Ok(entry) = Arc::try_unwrap(shared) else {
-                log::error!(
+                tracing::error!(
                     "symmpool: segment {} still shared at teardown; leaked",
                     id.0
                 );
                 continue;
             };
             if let Err((_, e)) = release_entry(&self.backend, entry, &mut deregistrations) {
-                log::error!(
+                tracing::error!(
                     "symmpool: releasing segment {} at teardown failed ({e}); leaked",
                     id.0
                 );

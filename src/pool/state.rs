@@ -64,6 +64,10 @@ pub(crate) struct Counters {
     pub(crate) deregistrations: Vec<u64>,
     pub(crate) agreements: u64,
     pub(crate) growth_time: Duration,
+    /// Cumulative bytes of allocated blocks, of requests, and of segments added.
+    pub(crate) allocated_bytes_total: u64,
+    pub(crate) requested_bytes_total: u64,
+    pub(crate) reserved_bytes_total: u64,
 }
 
 pub(crate) struct PoolState {

@@ -215,7 +215,7 @@ fn open(candidate: &Candidate) -> Option<libloading::os::unix::Library> {
     match result {
         Ok(lib) => Some(lib),
         Err(e) => {
-            log::debug!("symmpool: NCCL candidate {candidate:?}: {e}");
+            tracing::debug!("symmpool: NCCL candidate {candidate:?}: {e}");
             None
         }
     }
@@ -239,7 +239,7 @@ fn loaded() -> Option<&'static Loaded> {
                 return None;
             }
             let version = NcclVersion::from_code(code);
-            log::info!("symmpool: NCCL {version} from {candidate:?}");
+            tracing::info!("symmpool: NCCL {version} from {candidate:?}");
             let syms = (|| -> Result<Syms, &'static str> {
                 Ok(Syms {
                     get_unique_id: resolve!(lib, "ncclGetUniqueId"),
@@ -263,7 +263,7 @@ fn loaded() -> Option<&'static Loaded> {
             let syms = match syms {
                 Ok(s) => Some(s),
                 Err(missing) => {
-                    log::warn!("symmpool: NCCL {version} lacks {missing}");
+                    tracing::warn!("symmpool: NCCL {version} lacks {missing}");
                     None
                 }
             };
@@ -871,7 +871,7 @@ pub(crate) fn segment_granularity(ordinal: usize) -> u64 {
         )
     };
     if r != cu::cudaError_enum::CUDA_SUCCESS || granularity == 0 {
-        log::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
+        tracing::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
         return MIN;
     }
     (granularity as u64).max(MIN).next_power_of_two()

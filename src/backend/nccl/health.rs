@@ -104,7 +104,7 @@ impl Health {
         if slot.is_some() {
             return false;
         }
-        log::error!("symmpool: NCCL backend broken: {}", cause.describe());
+        tracing::error!("symmpool: NCCL backend broken: {}", cause.describe());
         *slot = Some(cause);
         self.broken.store(true, Ordering::Release);
         true

@@ -188,7 +188,7 @@ impl Comm {
             // nobody else is inside an NCCL call on it (we hold its mutex); it is never
             // used again (`aborted`).
             if let Err(e) = unsafe { ffi::comm_abort(self.raw) } {
-                log::error!("symmpool: ncclCommAbort failed: {e}");
+                tracing::error!("symmpool: ncclCommAbort failed: {e}");
             }
         }
     }
@@ -484,7 +484,7 @@ fn spawn_watchdog(shared: &Arc<Shared>, stop: Arc<Stop>) {
             }
         });
     if let Err(e) = spawned {
-        log::error!(
+        tracing::error!(
             "symmpool: could not start the NCCL watchdog ({e}); collectives are not watched"
         );
     }
@@ -1392,7 +1392,7 @@ impl Drop for NcclBackend {
         // Work is still running (a stuck collective, or a kernel that never ends). An
         // abort waits for the device where it unmaps leaked windows, so it runs on a
         // thread of its own and the drop returns now.
-        log::warn!(
+        tracing::warn!(
             "symmpool: rank {}: device work still in flight; aborting its communicators in the background",
             self.rank
         );
@@ -1401,7 +1401,9 @@ impl Drop for NcclBackend {
             .name("symmpool-abort".into())
             .spawn(move || shared.abort_all());
         if let Err(e) = spawned {
-            log::error!("symmpool: could not start the abort thread ({e}); communicators leaked");
+            tracing::error!(
+                "symmpool: could not start the abort thread ({e}); communicators leaked"
+            );
         }
     }
 }

@@ -1,0 +1,62 @@
+//! Lock-free counters a pool keeps for observers: collectives per path, failed
+//! allocations, deferred frees.
+
+use crate::coll::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Every [`Path`], in the order of [`path_index`].
+pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
+
+/// Index of `path` in [`PATHS`] (its discriminant).
+pub(crate) fn path_index(path: Path) -> usize {
+    match path {
+        Path::CopyEngine => 0,
+        Path::SymmetricKernel => 1,
+        Path::PlainKernel => 2,
+    }
+}
+
+/// Collectives run on one path: calls and bytes per rank.
+#[derive(Debug, Default)]
+struct PathCounter {
+    count: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// Counters a pool keeps beside its state, updated without its lock.
+#[derive(Debug, Default)]
+pub(crate) struct PoolCounters {
+    paths: [PathCounter; 3],
+    /// Allocation calls that failed for want of memory (pool limit, device, peer).
+    pub(crate) ooms: AtomicU64,
+    /// Frees queued because the pool's state was busy (applied by the next call).
+    pub(crate) deferred_frees: AtomicU64,
+}
+
+impl PoolCounters {
+    /// Count one collective that ran on `path` with `bytes_per_rank`.
+    ///
+    /// A load and a store, not a locked read-modify-write (this is on every
+    /// collective's path): exact because one rank's collectives on a pool are ordered
+    /// (every rank must issue them in the same order, so calls from several threads
+    /// are synchronised by the caller, and that synchronisation orders these
+    /// accesses too).
+    #[inline]
+    pub(crate) fn collective(&self, path: Path, bytes_per_rank: u64) {
+        let c = &self.paths[path as usize];
+        let n = c.count.load(Ordering::Relaxed);
+        c.count.store(n.wrapping_add(1), Ordering::Relaxed);
+        let b = c.bytes.load(Ordering::Relaxed);
+        c.bytes
+            .store(b.wrapping_add(bytes_per_rank), Ordering::Relaxed);
+    }
+
+    /// (calls, bytes per rank) of collectives on `path`.
+    pub(crate) fn collectives(&self, path: Path) -> (u64, u64) {
+        let c = &self.paths[path_index(path)];
+        (
+            c.count.load(Ordering::Relaxed),
+            c.bytes.load(Ordering::Relaxed),
+        )
+    }
+}

@@ -1,0 +1,115 @@
+//! The events the pool and the collectives emit through `tracing`, in one place so
+//! that their names and fields stay consistent (see the [module docs](super)).
+
+use crate::backend::CommRole;
+use crate::coll::Path;
+use crate::error::Error;
+use crate::pool::SymmPool;
+use std::time::Duration;
+
+/// The name of a communicator role in statistics keys and events: `symmetric`,
+/// `copy_engine`, `plain`.
+pub fn role_name(role: CommRole) -> &'static str {
+    match role {
+        CommRole::Symmetric => "symmetric",
+        CommRole::CopyEngine => "copy_engine",
+        CommRole::Plain => "plain",
+    }
+}
+
+/// The name of a path in statistics keys and events: `copy_engine`,
+/// `symmetric_kernel`, `plain_kernel`.
+pub fn path_name(path: Path) -> &'static str {
+    match path {
+        Path::CopyEngine => "copy_engine",
+        Path::SymmetricKernel => "symmetric_kernel",
+        Path::PlainKernel => "plain_kernel",
+    }
+}
+
+/// A window registration of one segment on one communicator finished.
+pub(crate) fn registered(
+    rank: usize,
+    comm: usize,
+    role: CommRole,
+    segment_bytes: u64,
+    took: Duration,
+    window: bool,
+) {
+    tracing::info!(
+        target: "symmpool::pool",
+        rank,
+        comm,
+        role = role_name(role),
+        segment_bytes,
+        seconds = took.as_secs_f64(),
+        window,
+        "window registered"
+    );
+}
+
+/// A public pool or collective call is about to return `error`.
+#[cold]
+#[inline(never)]
+pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
+    if matches!(
+        error,
+        Error::PoolLimit { .. } | Error::DeviceOutOfMemory { .. } | Error::PeerOutOfMemory { .. }
+    ) && op == "alloc"
+    {
+        pool.inner
+            .observed
+            .ooms
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    tracing::error!(
+        target: "symmpool",
+        rank = pool.rank(),
+        pool = %pool.config().name,
+        op,
+        error = %error,
+        "symmpool call failed"
+    );
+}
+
+/// A pool with memory left was dropped without `close()`: a warning through
+/// `tracing` (or `log`), and on standard error when neither is set up.
+#[cold]
+pub(crate) fn dropped_without_close(rank: usize, pool: &str, segments: usize, bytes: u64) {
+    tracing::warn!(
+        target: "symmpool::pool",
+        rank,
+        pool,
+        segments,
+        bytes,
+        "POOL DROPPED WITHOUT close(): releasing its segments locally, without agreement \
+         (call SymmPool::close on every rank before dropping the pool)"
+    );
+    // A program that set up `tracing` or `log` chose what it sees; one that set up
+    // neither would see nothing.
+    if !tracing::dispatcher::has_been_set() && log::max_level() < log::LevelFilter::Warn {
+        eprintln!(
+            "symmpool WARNING: rank {rank}: pool {pool:?} dropped without close(); \
+             releasing {segments} segments ({bytes} bytes) locally"
+        );
+    }
+}
+
+/// A collective ran: report the path chosen (the caller counts it, and checks the
+/// level first, so that when off the event costs one load and not also the `log`
+/// fallback's: the hot path's events go to tracing subscribers only).
+#[cold]
+pub(crate) fn collective(all_gather: bool, report: &crate::coll::CollectiveReport) {
+    tracing::debug!(
+        target: "symmpool::coll",
+        op = if all_gather {
+            "all_gather"
+        } else {
+            "reduce_scatter"
+        },
+        path = path_name(report.path),
+        comm = report.comm,
+        bytes_per_rank = report.bytes_per_rank,
+        "collective"
+    );
+}

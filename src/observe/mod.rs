@@ -1,0 +1,100 @@
+//! Observability: `tracing` spans and events, flat statistics, snapshots and
+//! memory-map pictures.
+//!
+//! # Tracing
+//!
+//! The crate reports through [`tracing`](https://docs.rs/tracing) (and, through its
+//! `log` feature, to a `log` logger when no tracing subscriber is installed). Targets
+//! start with `symmpool`, so `RUST_LOG=symmpool=debug` with `tracing-subscriber`'s
+//! `EnvFilter` shows the pool's life. Nothing is recorded on the cache-hit `alloc`
+//! and the collective dispatch but `trace!`/`debug!` events, which cost a level check
+//! when off (and reach tracing subscribers only, not the `log` fallback); spans exist
+//! only on the slow, collective paths.
+//!
+//! | what | kind | level | fields |
+//! |---|---|---|---|
+//! | `growth` (an `alloc` that grows the pool) | span | info | `rank`, `pool`, `class`, `segment_bytes`, `seconds` |
+//! | `reserve`, `trim`, `close` | span, and an event with the result or the error | info | `rank`, `pool`, `size_bytes` |
+//! | `agreement` (one round among the ranks) | span | debug | `rank`, `during`, `size` |
+//! | `ranks agreed` | event | debug | `rank`, `during`, `world`, `seconds` |
+//! | `window registered` (per communicator) | event | info | `rank`, `comm`, `role`, `segment_bytes`, `seconds`, `window` |
+//! | `segment allocated` | event | info | `rank`, `pool`, `segment`, `class`, `segment_bytes`, `windows`, `reserved_bytes` |
+//! | `releasing segment` | event | info | `rank`, `segment`, `segment_bytes` |
+//! | `alloc` (a cache hit or after growth) | event | trace | `rank`, `size_bytes`, `segment`, `offset_bytes`, `allocation` |
+//! | `free deferred` / `deferred frees applied` | event | debug | `rank`, `allocation` / `count` |
+//! | `collective` (path choice) | event | debug | `op`, `path`, `comm`, `bytes_per_rank` |
+//! | `symmpool call failed` (before a public pool or collective call returns an error) | event | error | `rank`, `pool`, `op`, `error` |
+//! | `POOL DROPPED WITHOUT close()` | event | warn (and standard error when neither `tracing` nor `log` is set up) | `rank`, `pool`, `segments`, `bytes` |
+//!
+//! # Statistics
+//!
+//! [`SymmPool::memory_stats`](crate::SymmPool::memory_stats) returns a flat map
+//! ([`MemoryStats`]), with the key names of PyTorch's `torch.cuda.memory_stats` where
+//! they mean the same thing. Sizes are bytes; `STAT.all.*` covers both size classes,
+//! `STAT.small_pool.current` / `STAT.large_pool.current` one each (requests up to
+//! 1 MiB live in small segments, larger ones in large segments). `.current` is the
+//! value now, `.peak` the largest since creation or
+//! [`reset_peak`](crate::SymmPool::reset_peak), `.allocated` the cumulative
+//! increase and `.freed` the cumulative decrease (`allocated - freed = current`).
+//!
+//! | key | meaning |
+//! |---|---|
+//! | `allocated_bytes.all.{current,peak,allocated,freed}` | bytes in allocated blocks (requests rounded up to 512 B) |
+//! | `requested_bytes.all.{current,peak,allocated,freed}` | bytes the callers asked for |
+//! | `reserved_bytes.all.{current,peak,allocated,freed}` | bytes in segments (device allocations, each registered as a window) |
+//! | `active_bytes.all.{current,peak}` | allocated bytes plus free bytes device work may still use (fenced) |
+//! | `inactive_split_bytes.all.current` | free bytes in segments that are split (not releasable by `trim`) |
+//! | `segment.all.{current,peak,allocated,freed}` | segments |
+//! | `allocation.all.{current,peak,allocated,freed}` | allocated blocks (live buffers) |
+//! | `active.all.current` | allocated blocks plus fenced free blocks |
+//! | `inactive_split.all.current` | free blocks in split segments |
+//! | `{allocated_bytes,requested_bytes,reserved_bytes,active_bytes,inactive_split_bytes,segment,allocation,active,inactive_split}.{small_pool,large_pool}.current` | the same per size class |
+//! | `num_alloc_retries` | allocations that found no free block and grew the pool (or failed) |
+//! | `num_ooms` | allocations that failed for want of memory (pool limit, device, a peer) |
+//! | `num_device_alloc`, `num_device_free` | segments allocated / released (growths, `reserve`; `trim`, `close`) |
+//! | `num_splits`, `num_merges` | blocks split to serve a request / freed blocks merged with a neighbour |
+//! | `num_stream_waits` | device-side waits enqueued for cross-stream reuse |
+//! | `deferred_frees` | frees queued because the pool was busy (applied by the next call) |
+//! | `registrations.ROLE`, `deregistrations.ROLE` | window registrations / deregistrations on the communicators of `ROLE` (`symmetric`, `copy_engine`, `plain`) |
+//! | `windows.ROLE` | windows currently registered there |
+//! | `collectives.PATH.count`, `collectives.PATH.bytes` | collectives that ran on `PATH` (`copy_engine`, `symmetric_kernel`, `plain_kernel`) and their bytes per rank (all-gather input, reduce-scatter output) |
+//! | `agreements` | agreement rounds among the ranks (growth, reserve, trim, close) |
+//! | `calls` | pool calls recorded in the call history (alloc, free, reserve, trim, close) |
+//! | `growth_seconds` (real) | time spent allocating and registering segments |
+//!
+//! # Snapshots and pictures
+//!
+//! [`SymmPool::memory_snapshot`](crate::SymmPool::memory_snapshot) returns a
+//! [`PoolSnapshot`]: every segment with its size class and its window per
+//! communicator, every block with its allocation number, requested and rounded
+//! size, stream and state ([`BlockStatus`]), and the statistics. It serialises with
+//! serde (JSON, say) and loads back. [`render_svg`] draws one as a self-contained
+//! SVG, [`render_ranks`] draws every rank's side by side with differing blocks
+//! outlined in red.
+//!
+//! ```
+//! use symmpool::{PoolConfig, Stream, SymmPool, observe};
+//!
+//! let pool = SymmPool::host_group(1, PoolConfig::default())?.remove(0);
+//! let buf = pool.alloc(3 << 20, &Stream::host())?;
+//! let stats = pool.memory_stats();
+//! assert_eq!(stats["allocated_bytes.all.current"].as_u64(), Some(3 << 20));
+//! let snapshot = pool.memory_snapshot();
+//! assert_eq!(snapshot.segments[0].blocks[0].allocation_seq, Some(buf.allocation_seq()));
+//! let svg = observe::render_svg(&snapshot);
+//! assert!(svg.starts_with("<svg"));
+//! # drop(buf); pool.close()?;
+//! # Ok::<(), symmpool::Error>(())
+//! ```
+
+mod counters;
+pub(crate) mod events;
+mod render;
+mod snapshot;
+mod stats;
+
+pub(crate) use counters::PoolCounters;
+pub use events::{path_name, role_name};
+pub use render::{MIN_BLOCK_PX, format_bytes, render_ranks, render_svg};
+pub use snapshot::{BlockStatus, BlockView, PoolSnapshot, SegmentView, WindowView};
+pub use stats::{MemoryStats, StatValue};

@@ -1,0 +1,200 @@
+//! A pool's snapshot for observers: every segment with its windows and every block
+//! with its allocation number, sizes, stream and state.
+
+use super::events::role_name;
+use super::stats::{MemoryStats, Totals, build_stats};
+use crate::core::{BlockState, SegmentId, SizeClass, StreamId};
+use crate::pool::SymmPool;
+use serde::{Deserialize, Serialize};
+
+/// State of a block in a [`PoolSnapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockStatus {
+    /// Handed out and not yet freed.
+    Allocated,
+    /// Free, and no device work is known to use it.
+    Free,
+    /// Free, but carrying a fence not yet known complete: device work on another
+    /// stream may still use it (a reuse on another stream waits for it).
+    FreeFenced,
+}
+
+impl BlockStatus {
+    /// `allocated`, `free` or `free_fenced` (also the CSS class in pictures).
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockStatus::Allocated => "allocated",
+            BlockStatus::Free => "free",
+            BlockStatus::FreeFenced => "free_fenced",
+        }
+    }
+}
+
+/// One block of a segment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockView {
+    /// Offset from the segment's start, in bytes.
+    pub offset_bytes: u64,
+    /// Block size in bytes (the request rounded up).
+    pub size_bytes: u64,
+    /// Bytes the caller asked for (0 for free blocks).
+    pub requested_bytes: u64,
+    /// The allocation's sequence number (as [`SymmBuffer::allocation_seq`]) of an
+    /// allocated block; `None` for free ones.
+    ///
+    /// [`SymmBuffer::allocation_seq`]: crate::SymmBuffer::allocation_seq
+    pub allocation_seq: Option<u64>,
+    /// Allocated, free, or free but fenced.
+    pub state: BlockStatus,
+    /// Stream it was allocated on (allocated blocks) or last used on (fenced free
+    /// blocks); `None` for memory never used.
+    pub stream: Option<StreamId>,
+    /// Other streams recorded on it, or holding fences on it.
+    pub other_streams: Vec<StreamId>,
+}
+
+/// A segment's window on one communicator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowView {
+    /// Index of the communicator in the backend's list.
+    pub comm: usize,
+    /// Its role: `symmetric`, `copy_engine` or `plain` ([`role_name`]).
+    pub role: String,
+    /// Whether the segment is registered there (NCCL returned a window).
+    pub registered: bool,
+}
+
+/// One segment, with its windows and its blocks in address order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentView {
+    /// The segment's id (the same on every rank for the same call sequence).
+    pub id: SegmentId,
+    /// Its size class.
+    pub class: SizeClass,
+    /// Its size in bytes.
+    pub size_bytes: u64,
+    /// One entry per communicator of the backend, in the backend's order.
+    pub windows: Vec<WindowView>,
+    /// Blocks tiling `[0, size_bytes)` in address order.
+    pub blocks: Vec<BlockView>,
+}
+
+/// Everything one rank's pool holds, with its [statistics](SymmPool::memory_stats):
+/// what [`render_svg`](super::render_svg) draws. Serialisable and loadable with serde.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolSnapshot {
+    /// The pool's name ([`PoolConfig::name`](crate::PoolConfig)).
+    pub pool: String,
+    /// The rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Segments in id order.
+    pub segments: Vec<SegmentView>,
+    /// The flat statistics at the time of the snapshot.
+    pub stats: MemoryStats,
+}
+
+impl PoolSnapshot {
+    /// Every block of every segment, with its segment.
+    pub fn blocks(&self) -> impl Iterator<Item = (&SegmentView, &BlockView)> {
+        self.segments
+            .iter()
+            .flat_map(|s| s.blocks.iter().map(move |b| (s, b)))
+    }
+}
+
+impl SymmPool {
+    /// This rank's segments, windows and blocks with their allocation numbers and
+    /// states, and the flat statistics, taken under one lock. Local; O(blocks).
+    ///
+    /// Draw it with [`render_svg`](crate::observe::render_svg), compare ranks with
+    /// [`render_ranks`](crate::observe::render_ranks), save it with serde.
+    pub fn memory_snapshot(&self) -> PoolSnapshot {
+        let (segments, stats) = self.observe_now();
+        PoolSnapshot {
+            pool: self.config().name.clone(),
+            rank: self.rank(),
+            world_size: self.world_size(),
+            segments,
+            stats,
+        }
+    }
+
+    /// The flat statistics, with PyTorch's key names where they mean the same thing
+    /// (see the table in [`observe`](crate::observe)). Local; O(blocks) (the per-class
+    /// and split figures are counted from the blocks).
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.observe_now().1
+    }
+
+    /// Segments and statistics under one lock.
+    fn observe_now(&self) -> (Vec<SegmentView>, MemoryStats) {
+        let comms = self.backend().communicators();
+        let mut st = self.state();
+        if let Err(e) = self.refresh_fences(&mut st) {
+            tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
+                "querying fences for statistics failed");
+        }
+        let snap = st.core.snapshot();
+        let marks = st.core.block_marks();
+        let segments: Vec<SegmentView> = snap
+            .segments
+            .into_iter()
+            .zip(marks)
+            .map(|(seg, marks)| {
+                let entry = st.segments.get(&seg.id);
+                let windows = comms
+                    .iter()
+                    .enumerate()
+                    .map(|(c, info)| WindowView {
+                        comm: c,
+                        role: role_name(info.role).to_string(),
+                        registered: entry.is_some_and(|e| e.window(c).is_some()),
+                    })
+                    .collect();
+                let blocks = seg
+                    .blocks
+                    .into_iter()
+                    .zip(marks)
+                    .map(|(b, m)| BlockView {
+                        offset_bytes: b.offset_bytes,
+                        size_bytes: b.size_bytes,
+                        requested_bytes: b.requested_bytes,
+                        allocation_seq: m.allocation_seq,
+                        state: match (b.state, m.fenced) {
+                            (BlockState::Allocated, _) => BlockStatus::Allocated,
+                            (BlockState::Free, true) => BlockStatus::FreeFenced,
+                            (BlockState::Free, false) => BlockStatus::Free,
+                        },
+                        stream: b.stream,
+                        other_streams: b.other_streams,
+                    })
+                    .collect();
+                SegmentView {
+                    id: seg.id,
+                    class: seg.class,
+                    size_bytes: seg.size_bytes,
+                    windows,
+                    blocks,
+                }
+            })
+            .collect();
+        let c = &st.counters;
+        let totals = Totals {
+            core: snap.stats,
+            allocated_bytes: c.allocated_bytes_total,
+            requested_bytes: c.requested_bytes_total,
+            reserved_bytes: c.reserved_bytes_total,
+            registrations: c.registrations.clone(),
+            deregistrations: c.deregistrations.clone(),
+            agreements: c.agreements,
+            growth_seconds: c.growth_time.as_secs_f64(),
+            calls: st.history.seq(),
+        };
+        drop(st);
+        let stats = build_stats(&totals, &segments, comms, &self.inner.observed);
+        (segments, stats)
+    }
+}

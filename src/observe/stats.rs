@@ -1,0 +1,238 @@
+//! The flat statistics map of [`SymmPool::memory_stats`](crate::SymmPool::memory_stats).
+
+use super::counters::{PATHS, PoolCounters};
+use super::events::{path_name, role_name};
+use super::snapshot::{BlockStatus, SegmentView};
+use crate::backend::CommInfo;
+use crate::core::{CoreStats, SizeClass, Stat};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// One value of the flat statistics: a count (bytes, calls) or a real (seconds).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum StatValue {
+    /// A count or a size in bytes.
+    Count(u64),
+    /// A real number (seconds).
+    Real(f64),
+}
+
+impl StatValue {
+    /// The count, or `None` for a real.
+    pub fn as_u64(self) -> Option<u64> {
+        match self {
+            StatValue::Count(n) => Some(n),
+            StatValue::Real(_) => None,
+        }
+    }
+
+    /// The value as a real.
+    pub fn as_f64(self) -> f64 {
+        match self {
+            StatValue::Count(n) => n as f64,
+            StatValue::Real(x) => x,
+        }
+    }
+}
+
+impl fmt::Display for StatValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StatValue::Count(n) => write!(f, "{n}"),
+            StatValue::Real(x) => write!(f, "{x}"),
+        }
+    }
+}
+
+/// The flat statistics: key → value, keys as in the table of [`observe`](super).
+pub type MemoryStats = BTreeMap<String, StatValue>;
+
+/// What the pool counts under its lock, beside the core's statistics.
+pub(crate) struct Totals {
+    pub(crate) core: CoreStats,
+    pub(crate) allocated_bytes: u64,
+    pub(crate) requested_bytes: u64,
+    pub(crate) reserved_bytes: u64,
+    pub(crate) registrations: Vec<u64>,
+    pub(crate) deregistrations: Vec<u64>,
+    pub(crate) agreements: u64,
+    pub(crate) growth_seconds: f64,
+    pub(crate) calls: u64,
+}
+
+/// Per size class (`all`, `small_pool`, `large_pool`), counted from the blocks.
+#[derive(Default, Clone, Copy)]
+struct ClassCount {
+    allocated_bytes: u64,
+    requested_bytes: u64,
+    reserved_bytes: u64,
+    active_bytes: u64,
+    inactive_split_bytes: u64,
+    segments: u64,
+    allocations: u64,
+    active: u64,
+    inactive_split: u64,
+}
+
+fn count(segments: &[SegmentView], class: Option<SizeClass>) -> ClassCount {
+    let mut c = ClassCount::default();
+    for s in segments
+        .iter()
+        .filter(|s| class.is_none_or(|k| s.class == k))
+    {
+        c.segments += 1;
+        c.reserved_bytes += s.size_bytes;
+        let split = s.blocks.len() > 1;
+        for b in &s.blocks {
+            match b.state {
+                BlockStatus::Allocated => {
+                    c.allocated_bytes += b.size_bytes;
+                    c.requested_bytes += b.requested_bytes;
+                    c.allocations += 1;
+                    c.active_bytes += b.size_bytes;
+                    c.active += 1;
+                }
+                BlockStatus::FreeFenced => {
+                    c.active_bytes += b.size_bytes;
+                    c.active += 1;
+                }
+                BlockStatus::Free => {}
+            }
+            if b.state != BlockStatus::Allocated && split {
+                c.inactive_split_bytes += b.size_bytes;
+                c.inactive_split += 1;
+            }
+        }
+    }
+    c
+}
+
+/// The flat map, from the pool's totals, its segments and its lock-free counters.
+pub(crate) fn build_stats(
+    t: &Totals,
+    segments: &[SegmentView],
+    comms: &[CommInfo],
+    counters: &PoolCounters,
+) -> MemoryStats {
+    let mut m = MemoryStats::new();
+    let mut put = |k: String, v: u64| {
+        m.insert(k, StatValue::Count(v));
+    };
+    let core = &t.core;
+    // Gauges with peaks and cumulative totals, PyTorch style.
+    let gauge = |put: &mut dyn FnMut(String, u64), name: &str, s: Stat, total: u64| {
+        put(format!("{name}.all.current"), s.current);
+        put(format!("{name}.all.peak"), s.peak);
+        put(format!("{name}.all.allocated"), total);
+        put(format!("{name}.all.freed"), total.saturating_sub(s.current));
+    };
+    gauge(
+        &mut put,
+        "allocated_bytes",
+        core.allocated_bytes,
+        t.allocated_bytes,
+    );
+    gauge(
+        &mut put,
+        "requested_bytes",
+        core.requested_bytes,
+        t.requested_bytes,
+    );
+    gauge(
+        &mut put,
+        "reserved_bytes",
+        core.reserved_bytes,
+        t.reserved_bytes,
+    );
+    gauge(&mut put, "segment", core.segments, core.num_growths);
+    gauge(
+        &mut put,
+        "allocation",
+        core.allocated_blocks,
+        core.num_allocs,
+    );
+    put("active_bytes.all.current".into(), core.active_bytes.current);
+    put("active_bytes.all.peak".into(), core.active_bytes.peak);
+    let all = count(segments, None);
+    put("active.all.current".into(), all.active);
+    put("inactive_split.all.current".into(), all.inactive_split);
+    put(
+        "inactive_split_bytes.all.current".into(),
+        all.inactive_split_bytes,
+    );
+    for (pool, class) in [
+        ("small_pool", SizeClass::Small),
+        ("large_pool", SizeClass::Large),
+    ] {
+        let c = count(segments, Some(class));
+        for (name, v) in [
+            ("allocated_bytes", c.allocated_bytes),
+            ("requested_bytes", c.requested_bytes),
+            ("reserved_bytes", c.reserved_bytes),
+            ("active_bytes", c.active_bytes),
+            ("inactive_split_bytes", c.inactive_split_bytes),
+            ("segment", c.segments),
+            ("allocation", c.allocations),
+            ("active", c.active),
+            ("inactive_split", c.inactive_split),
+        ] {
+            put(format!("{name}.{pool}.current"), v);
+        }
+    }
+    put("num_alloc_retries".into(), core.num_misses);
+    put(
+        "num_ooms".into(),
+        counters.ooms.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    put("num_device_alloc".into(), core.num_growths);
+    put("num_device_free".into(), core.num_releases);
+    put("num_splits".into(), core.num_splits);
+    put("num_merges".into(), core.num_merges);
+    put("num_stream_waits".into(), core.num_waits);
+    put(
+        "deferred_frees".into(),
+        counters
+            .deferred_frees
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
+    put("agreements".into(), t.agreements);
+    put("calls".into(), t.calls);
+    // Per communicator role (communicators of one role add up).
+    let mut windows = vec![0u64; comms.len()];
+    for s in segments {
+        for w in &s.windows {
+            windows[w.comm] += u64::from(w.registered);
+        }
+    }
+    for (c, info) in comms.iter().enumerate() {
+        let role = role_name(info.role);
+        for (name, v) in [
+            (
+                "registrations",
+                t.registrations.get(c).copied().unwrap_or(0),
+            ),
+            (
+                "deregistrations",
+                t.deregistrations.get(c).copied().unwrap_or(0),
+            ),
+            ("windows", windows[c]),
+        ] {
+            let slot = m
+                .entry(format!("{name}.{role}"))
+                .or_insert(StatValue::Count(0));
+            if let StatValue::Count(x) = slot {
+                *x += v;
+            }
+        }
+    }
+    for path in PATHS {
+        let (n, bytes) = counters.collectives(path);
+        let p = path_name(path);
+        m.insert(format!("collectives.{p}.count"), StatValue::Count(n));
+        m.insert(format!("collectives.{p}.bytes"), StatValue::Count(bytes));
+    }
+    m.insert("growth_seconds".into(), StatValue::Real(t.growth_seconds));
+    m
+}
