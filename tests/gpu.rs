@@ -1043,7 +1043,34 @@ mod gpu_tests {
         drop((a, b));
     }
 
+    /// On SIGABRT (a heap check failing inside C code), print the raw stack to stderr:
+    /// module offsets that `addr2line -f -e <test binary>` resolves.
+    extern "C" fn print_stack(_: libc::c_int) {
+        let mut frames = [std::ptr::null_mut::<libc::c_void>(); 64];
+        // SAFETY: `frames` holds 64 pointers; backtrace writes at most that many, and
+        // backtrace_symbols_fd only reads them and writes to stderr (no allocation).
+        unsafe {
+            let n = libc::backtrace(frames.as_mut_ptr(), 64);
+            libc::backtrace_symbols_fd(frames.as_ptr(), n, 2);
+        }
+    }
+
     pub fn main() {
+        if std::env::var_os("SYMMPOOL_ABORT_BACKTRACE").is_some() {
+            // SAFETY: installs a handler that only calls backtrace functions.
+            unsafe {
+                libc::signal(
+                    libc::SIGABRT,
+                    print_stack as extern "C" fn(libc::c_int) as libc::sighandler_t,
+                )
+            };
+        }
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
         let mut args = libtest_mimic::Arguments::from_args();
         args.test_threads = Some(1);
         let trials = vec![

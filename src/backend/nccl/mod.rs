@@ -225,9 +225,13 @@ unsafe fn poll(
     timeout: Duration,
     broken: &dyn Fn() -> bool,
 ) -> Waited {
-    if first == Status::Done {
-        return Waited::Done;
-    }
+    // A call that answered `ncclSuccess` may still be running: on a non-blocking
+    // communicator NCCL 2.28 ends calls such as `ncclCommWindowRegister` with an
+    // internal group end whose `ncclInProgress` it does not return, and writes the
+    // window handle when the job finishes. So the communicator's asynchronous state is
+    // always read until it is no longer in progress (seen on NCCL 2.28.3: a NULL window
+    // read too early, then a late write into freed memory).
+    let _ = first;
     let deadline = started
         .checked_add(timeout)
         .or_else(|| started.checked_add(Duration::from_secs(1 << 30)))
