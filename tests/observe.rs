@@ -133,7 +133,15 @@ fn growth_registration_agreement_and_path_each_leave_their_trace() {
             .clone()
     };
     let growth = find(true, "growth");
-    assert_eq!(growth.field("segment_bytes"), Some("20971520"));
+    // The registered growth policy's first large segment: its minimum chunk.
+    let chunk = PoolConfig::default()
+        .core
+        .growth_with(4 << 20, 512, 0)
+        .unwrap();
+    assert_eq!(
+        growth.field("segment_bytes"),
+        Some(chunk.segment_bytes.to_string().as_str())
+    );
     assert_eq!(growth.field("rank"), Some("0"));
     let segment = find(false, "segment allocated");
     assert_eq!(segment.level, tracing::Level::INFO);

@@ -12,8 +12,12 @@ use symmpool::{Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll
 
 const MIB: u64 = 1 << 20;
 
+/// These tests count segments as PyTorch's caching policy grows them (a dedicated
+/// segment per large request), so they pin it; the registered policy has its own tests.
 fn config() -> PoolConfig {
-    PoolConfig::default().with_timeout(Duration::from_secs(5))
+    PoolConfig::default()
+        .with_timeout(Duration::from_secs(5))
+        .with_core(symmpool::core::CoreConfig::default())
 }
 
 /// Run `f(pool)` on one thread per rank and collect the results in rank order.
@@ -785,4 +789,52 @@ fn pools_created_in_different_orders_are_a_divergence_on_every_rank() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+#[test]
+fn fit_to_peak_replaces_growth_with_one_segment_and_the_next_step_does_not_grow() {
+    // The registered policy (the default), two ranks, an FSDP-like step.
+    let pools = SymmPool::host_group(
+        2,
+        PoolConfig::default().with_timeout(Duration::from_secs(5)),
+    )
+    .unwrap();
+    let out = on_ranks(&pools, |p| {
+        let stream = Stream::host();
+        let shard = p.alloc(16 * MIB, &stream).unwrap(); // persistent
+        p.reset_peak();
+        let step = |p: &SymmPool| {
+            let mut live = Vec::new();
+            for layer in 0..8u64 {
+                live.push(p.alloc((48 + layer) * MIB, &stream).unwrap());
+                if live.len() > 2 {
+                    live.remove(0);
+                }
+            }
+            let small: Vec<_> = (0..50).map(|_| p.alloc(4096, &stream).unwrap()).collect();
+            drop((live, small));
+        };
+        step(p);
+        let before = p.stats();
+        let report = p.fit_to_peak().unwrap();
+        let after = p.stats();
+        step(p);
+        let again = p.stats();
+        p.check_invariants().unwrap();
+        drop(shard);
+        (before, report, after, again)
+    });
+    for (before, report, after, again) in &out {
+        assert!(
+            after.core.segments.current <= before.core.segments.current,
+            "{report:?}"
+        );
+        assert!(after.core.segments.current <= 3, "{report:?}: {after:?}");
+        assert_eq!(
+            again.registrations, after.registrations,
+            "the next step registered nothing"
+        );
+        assert_eq!(again.core.segments.current, after.core.segments.current);
+    }
+    assert_eq!(out[0].1, out[1].1, "every rank fitted alike");
 }

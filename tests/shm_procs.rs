@@ -59,10 +59,12 @@ fn join() -> symmpool::Result<(usize, usize, symmpool::Backend)> {
 
 fn child() -> symmpool::Result<i32> {
     let (rank, world, backend) = join()?;
-    let pool = SymmPool::new(
-        backend,
-        PoolConfig::default().with_timeout(Duration::from_secs(60)),
-    )?;
+    // PyTorch's caching policy: every large request grows the pool (an agreement), so
+    // the divergence test sees one at call 3.
+    let config = PoolConfig::default()
+        .with_timeout(Duration::from_secs(60))
+        .with_core(symmpool::core::CoreConfig::default());
+    let pool = SymmPool::new(backend, config)?;
     let stream = Stream::host();
     match var("CHILD_ROLE").as_deref() {
         Some("collectives") => {

@@ -157,6 +157,8 @@ pub fn run_one_rank<M: Math>(
     let mut runs = Vec::new();
     for (mode, pool) in pools {
         let trainer = pool.scope(|| Trainer::new(math, data.clone(), args, rank, world))?;
+        // The warm-up step's peak is what `fit_to_peak` sizes the pool from.
+        pool.reset_peak();
         runs.push((mode, pool, trainer, Log::default()));
     }
     for step in 0..args.steps {
@@ -165,6 +167,12 @@ pub fn run_one_rank<M: Math>(
             let out = pool.scope(|| trainer.step(step))?;
             log.losses.push(out.loss);
             log.step_ms.push(out.ms);
+            if step == 0 {
+                log.segments_first_step = pool.stats().core.segments.current;
+                // Warm-up sizing (collective): the step's temporaries are free now; one
+                // segment sized to its peak replaces the ones growth made on the way.
+                pool.fit_to_peak()?;
+            }
             log.registrations = registrations(pool);
             if step == 0 {
                 log.registrations_first_step = log.registrations;

@@ -63,6 +63,8 @@ pub struct Log {
     pub registrations_first_step: u64,
     /// Window registrations so far.
     pub registrations: u64,
+    /// Segments after the first (warm-up) step, before `fit_to_peak`.
+    pub segments_first_step: u64,
 }
 
 /// What one mode did on one rank: the `--json` object. It deserialises too, so that a
@@ -103,8 +105,14 @@ pub struct Summary {
     pub registrations_first_step: u64,
     /// Window registrations after the first step (a warm pool makes none).
     pub registrations_after_first_step: u64,
+    /// Segments after the first step, before the warm-up sizing (`fit_to_peak`).
+    pub segments_first_step: u64,
     /// Segments of the pool at the end.
     pub segments: u64,
+    /// Of those, small-class (≤ 1 MiB blocks) and large-class segments.
+    pub segments_small: u64,
+    /// Large-class segments at the end.
+    pub segments_large: u64,
     /// Peak bytes in the pool's segments.
     pub peak_reserved_bytes: u64,
     /// Peak bytes in allocated blocks.
@@ -162,7 +170,10 @@ impl Summary {
             registrations_per_communicator: per_comm.map(|(r, n)| (format!("{r:?}"), *n)).collect(),
             registrations_first_step: log.registrations_first_step,
             registrations_after_first_step: log.registrations - log.registrations_first_step,
+            segments_first_step: log.segments_first_step,
             segments: stats.core.segments.current,
+            segments_small: stats.core.small.segments.current,
+            segments_large: stats.core.large.segments.current,
             peak_reserved_bytes: stats.core.reserved_bytes.peak,
             peak_allocated_bytes: stats.core.allocated_bytes.peak,
             all_gather_paths: paths(ag),
@@ -226,7 +237,7 @@ pub fn print(args: &Args, results: &[Summary]) {
         args.steps
     );
     out!(
-        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
+        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
         "",
         "step",
         "",
@@ -240,7 +251,7 @@ pub fn print(args: &Args, results: &[Summary]) {
         "reduce-scatter",
     );
     out!(
-        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
+        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
         "mode",
         "ms",
         "÷ ring",
@@ -256,7 +267,7 @@ pub fn print(args: &Args, results: &[Summary]) {
     let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
     for r in results {
         out!(
-            "{:<5} {:>8.2} {:>7} {:>11.4e} {:>11.4e} {:>14} {:>8} {:>9} {:>9}  {:<w$}  {}",
+            "{:<5} {:>8.2} {:>7} {:>11.4e} {:>11.4e} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
             r.mode.name(),
             r.median_step_ms,
             ring.map_or("-".into(), |x| format!(
@@ -269,7 +280,10 @@ pub fn print(args: &Args, results: &[Summary]) {
                 "{} / {}",
                 r.registrations_first_step, r.registrations_after_first_step
             ),
-            r.segments,
+            format!(
+                "{} → {} ({}+{})",
+                r.segments_first_step, r.segments, r.segments_small, r.segments_large
+            ),
             mib(r.peak_reserved_bytes),
             mib(r.peak_allocated_bytes),
             path_words(&r.all_gather_paths),
@@ -278,7 +292,8 @@ pub fn print(args: &Args, results: &[Summary]) {
     }
     out!(
         "(step ms: median after the first step; ÷ ring: over ring's; registrations: NCCL \
-         windows registered in setup + first step / later steps; MiB: peak per rank; \
+         windows registered in setup + first step / later steps; segments: after the \
+         first step → after warm-up sizing (small + large class); MiB: peak per rank; \
          paths: last step)"
     );
     if results.len() > 1 {

@@ -26,6 +26,7 @@ pub(crate) enum CallKind {
     Reserve = 3,
     Trim = 4,
     Close = 5,
+    FitToPeak = 6,
 }
 
 impl CallKind {
@@ -36,6 +37,7 @@ impl CallKind {
             3 => CallKind::Reserve,
             4 => CallKind::Trim,
             5 => CallKind::Close,
+            6 => CallKind::FitToPeak,
             _ => return None,
         })
     }
@@ -62,6 +64,7 @@ impl CallRecord {
             CallKind::Reserve => format!("call #{}: reserve({} B)", self.seq, self.a),
             CallKind::Trim => format!("call #{}: trim()", self.seq),
             CallKind::Close => format!("call #{}: close()", self.seq),
+            CallKind::FitToPeak => format!("call #{}: fit_to_peak()", self.seq),
         }
     }
 }
@@ -389,6 +392,7 @@ pub(crate) mod op {
     pub(crate) const RESERVE: u64 = 2;
     pub(crate) const TRIM: u64 = 3;
     pub(crate) const CLOSE: u64 = 4;
+    pub(crate) const FIT: u64 = 5;
 }
 
 fn op_name(op: u64) -> &'static str {
@@ -397,6 +401,7 @@ fn op_name(op: u64) -> &'static str {
         op::RESERVE => "reserve",
         op::TRIM => "trim",
         op::CLOSE => "close",
+        op::FIT => "fit_to_peak",
         _ => "unknown operation",
     }
 }

@@ -14,7 +14,8 @@ pub const MAX_HISTORY: usize = 1 << 16;
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct PoolConfig {
-    /// The allocator core's sizes. Its granularity is replaced by the backend's.
+    /// The allocator core's sizes and growth policy (default: the registered-memory
+    /// policy, few large segments). Its granularity is replaced by the backend's.
     pub core: CoreConfig,
     /// How long a wait on the other ranks (an agreement, a registration, a drain at
     /// teardown) may take (default 60 s).
@@ -38,7 +39,9 @@ pub struct PoolConfig {
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
-            core: CoreConfig::default(),
+            // Few large registered segments (see `CoreConfig::registered`): each
+            // segment is a collective registration on every communicator.
+            core: CoreConfig::registered(),
             timeout: Duration::from_secs(60),
             history_len: 64,
             register: true,

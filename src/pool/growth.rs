@@ -49,7 +49,7 @@ impl SymmPool {
     }
 
     /// This rank's readiness for a collective pool operation on `stream`.
-    fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<u64> {
+    pub(super) fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<u64> {
         let ready = st.readiness();
         if ready != Readiness::Ready {
             return Ok(ready as u64);
@@ -121,7 +121,11 @@ impl SymmPool {
     }
 
     /// Allocate a segment on this rank, confirm every rank did, and register it.
-    fn provide_segment(&self, st: &mut PoolState, size_bytes: u64) -> Result<SegmentEntry> {
+    pub(super) fn provide_segment(
+        &self,
+        st: &mut PoolState,
+        size_bytes: u64,
+    ) -> Result<SegmentEntry> {
         let backend = &self.inner.backend;
         let started = Instant::now();
         let local = backend.segments().allocate(size_bytes);
@@ -328,7 +332,7 @@ impl SymmPool {
     }
 
     /// Deregister and free a segment that the core does not hold (failed growth).
-    fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry) {
+    pub(super) fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry) {
         let SegmentEntry { segment, windows } = entry;
         for (c, w) in windows.into_iter().enumerate() {
             if let Some(w) = w {

@@ -26,6 +26,7 @@
 mod agreement;
 mod buffer;
 mod config;
+mod fit;
 mod growth;
 mod release;
 mod scope;
@@ -35,6 +36,7 @@ mod state;
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
 pub use config::{MAX_HISTORY, PoolConfig};
+pub use fit::FitReport;
 pub use scope::{alloc, alloc_aligned, current};
 
 use crate::backend::{Backend, CommRole, HostBackend, HostConfig};

@@ -66,7 +66,7 @@ impl SymmPool {
     /// does (released by `trim`/`close`, or left over from a failed release); drains
     /// the device first, for at most the pool's timeout. A segment whose release fails
     /// stays listed, and the next `trim`, `close` or drop of the pool tries again.
-    fn release_segments(&self, st: &mut PoolState) -> Result<()> {
+    pub(super) fn release_segments(&self, st: &mut PoolState) -> Result<()> {
         let held: std::collections::BTreeSet<SegmentId> =
             st.core.segments().map(|(id, _, _)| id).collect();
         let gone: Vec<SegmentId> = st

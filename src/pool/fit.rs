@@ -1,0 +1,87 @@
+//! `fit_to_peak`: size the pool from what a step actually used.
+
+use super::SymmPool;
+use super::agreement::{CallKind, op};
+use crate::error::{Error, Result};
+use serde::Serialize;
+use std::sync::Arc;
+
+/// What [`SymmPool::fit_to_peak`] did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct FitReport {
+    /// Segments released (entirely free ones of the classes refilled), with their sizes
+    /// in bytes.
+    pub released: Vec<(u32, u64)>,
+    /// Segments added, with their sizes in bytes.
+    pub added: Vec<(u32, u64)>,
+}
+
+impl SymmPool {
+    /// Size the pool from the peak of the step(s) since the last
+    /// [`reset_peak`](Self::reset_peak): release the entirely free segments of each
+    /// size class that needs refilling and reserve that class's observed peak (minus
+    /// what buffers still alive hold) as one segment, so that a repeat of the step runs
+    /// from a minimal set of segments without growing.
+    ///
+    /// Call it after a warm-up step, when the step's temporary buffers are freed.
+    /// Buffers that stay alive (persistent shards) keep their segments; the new segment
+    /// is sized for the rest. A later [`reserve`](Self::reserve) adds to the pool as
+    /// usual; [`trim`](Self::trim) releases what is entirely free, including the
+    /// segment added here when nothing uses it. The plan is a function of the call
+    /// sequence only, so every rank computes the same one; the ranks agree on it first.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence.
+    ///
+    /// # Errors
+    /// [`Error::PoolClosed`], [`Error::PoolBroken`], [`Error::Divergence`],
+    /// [`Error::Timeout`], and the errors of growth (see [`alloc`](Self::alloc)).
+    pub fn fit_to_peak(&self) -> Result<FitReport> {
+        self.take_deferred_error()?;
+        let mut st = self.state();
+        if st.closed {
+            return Err(Error::PoolClosed);
+        }
+        st.history.record(CallKind::FitToPeak, 0, 0);
+        let plan = st.core.plan_fit_to_peak();
+        let planned_bytes = plan
+            .add
+            .iter()
+            .map(|g| g.segment_bytes)
+            .chain(plan.release.iter().map(|r| r.1))
+            .fold(0u64, u64::wrapping_add);
+        let ready = self.readiness(&st, None)?;
+        let flags = self.agree(&mut st, op::FIT, "fit_to_peak", planned_bytes, ready)?;
+        st.all_ready(&flags)?;
+        let released = st.core.release_planned(&plan)?;
+        self.release_segments(&mut st)?;
+        let mut added = Vec::new();
+        for growth in &plan.add {
+            let id = st.core.next_segment_id();
+            let entry = self.provide_segment(&mut st, growth.segment_bytes)?;
+            match st.core.add_planned(*growth) {
+                Ok(got) if got == id => {
+                    st.segments.insert(id, Arc::new(entry));
+                    added.push((id.0, growth.segment_bytes));
+                }
+                Ok(got) => {
+                    let what = format!(
+                        "the core numbered a new segment {} instead of {}",
+                        got.0, id.0
+                    );
+                    st.broken = Some(what.clone());
+                    return Err(Error::Internal { what });
+                }
+                Err(e) => {
+                    self.undo_segment(&mut st, entry);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(FitReport {
+            released: released.into_iter().map(|(id, b)| (id.0, b)).collect(),
+            added,
+        })
+    }
+}
