@@ -29,8 +29,9 @@ build() {
     jq -r 'select(.executable != null) | .executable' |
     while read -r exe; do cp "$exe" "$BUNDLE/bin/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
   strip "$BUNDLE"/bin/gpu_collectives "$BUNDLE"/bin/fsdp_step 2>/dev/null || true
-  local anchors="${ANCHORS:-../shared/anchors}"
-  if [ -d "$anchors" ]; then mkdir -p "$BUNDLE/anchors" && cp "$anchors"/* "$BUNDLE/anchors/"; fi
+  # The raw-NCCL anchor benchmark, when a copy is given in $ANCHORS.
+  local anchors="${ANCHORS:-}"
+  if [ -n "$anchors" ] && [ -d "$anchors" ]; then mkdir -p "$BUNDLE/anchors" && cp "$anchors"/* "$BUNDLE/anchors/"; fi
   ls -la "$BUNDLE" "$BUNDLE/bin"
   du -sh "$BUNDLE"
 }

@@ -14,7 +14,8 @@
 //! | layer | module | what |
 //! |---|---|---|
 //! | core | [`core`] | deterministic best-fit caching allocator; pure data structures, no unsafe |
-//! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
+//! | control | [`control`] | the control plane the ranks agree over: [`Exchange`] with channels and deadlines, [`LocalExchange`] (threads), [`StoreExchange`] (one process per rank, a TCP rendezvous store), launcher environment ([`Launch`]) |
+//! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), `ShmBackend` (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
 //! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
 //! | collectives | [`coll`] | all-gather / reduce-scatter on pool buffers, with the path reported |
 //! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots, memory-map SVGs |

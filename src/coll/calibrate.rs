@@ -211,7 +211,8 @@ pub fn calibrate(
     let closed = tmp.close();
     result?;
     closed?;
-    // Everyone adopts rank 0's figures (bit patterns of the f64s, NaN for "absent").
+    // Everyone adopts rank 0's figures (bit patterns of the f64s, NaN for "absent"),
+    // exchanged on the temporary pool's own channel, which nothing else uses.
     let enc: Vec<u64> = measurements
         .iter()
         .flat_map(|m| {
@@ -226,7 +227,7 @@ pub fn calibrate(
     let bytes: Vec<u8> = enc.iter().flat_map(|w| w.to_le_bytes()).collect();
     let all: Vec<Vec<u64>> = backend
         .exchange()
-        .all_gather(pool.channel(), "calibration", &bytes, pool.config().timeout)?
+        .all_gather(tmp.channel(), "calibration", &bytes, pool.config().timeout)?
         .iter()
         .map(|b| {
             b.chunks_exact(8)

@@ -39,7 +39,8 @@ mod calibrate;
 mod path;
 
 pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement, calibrate};
-pub use path::{Choice, CollectiveReport, Path, PathPolicy};
+pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
+pub(crate) use path::{PATHS, path_index};
 
 use crate::backend::{CollArgs, Region};
 use crate::dtype::{DType, Element, ReduceOp};
@@ -118,7 +119,7 @@ fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool>
 #[cold]
 #[inline(never)]
 fn failed(pool: &SymmPool, e: Error) -> Error {
-    crate::observe::events::call_failed(pool, "collective", &e);
+    crate::pool::events::call_failed(pool, "collective", &e);
     e
 }
 
@@ -201,9 +202,9 @@ fn dispatch(
         role: backend.communicators()[comm].role,
         bytes_per_rank,
     };
-    pool.inner.observed.collective(path, bytes_per_rank);
+    pool.count_collective(path_index(path), bytes_per_rank);
     if tracing::level_enabled!(tracing::Level::DEBUG) {
-        crate::observe::events::collective(coll == Coll::AllGather, &report);
+        path::collective(coll == Coll::AllGather, &report);
     }
     Ok(report)
 }

@@ -223,6 +223,47 @@ pub(crate) fn one_nvlink_domain_needed(version: NcclVersion) -> (bool, bool) {
     )
 }
 
+/// Every [`Path`], in the order of [`path_index`].
+pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
+
+/// Index of `path` in [`PATHS`]: the pool's per-path counters are numbered so.
+pub(crate) fn path_index(path: Path) -> usize {
+    match path {
+        Path::CopyEngine => 0,
+        Path::SymmetricKernel => 1,
+        Path::PlainKernel => 2,
+    }
+}
+
+/// The name of a path in statistics keys and events: `copy_engine`,
+/// `symmetric_kernel`, `plain_kernel`.
+pub fn path_name(path: Path) -> &'static str {
+    match path {
+        Path::CopyEngine => "copy_engine",
+        Path::SymmetricKernel => "symmetric_kernel",
+        Path::PlainKernel => "plain_kernel",
+    }
+}
+
+/// A collective ran: report the path chosen (the caller counts it, and checks the
+/// level first, so that when off the event costs one load and not also the `log`
+/// fallback's: the hot path's events go to tracing subscribers only).
+#[cold]
+pub(crate) fn collective(all_gather: bool, report: &CollectiveReport) {
+    tracing::debug!(
+        target: "symmpool::coll",
+        op = if all_gather {
+            "all_gather"
+        } else {
+            "reduce_scatter"
+        },
+        path = path_name(report.path),
+        comm = report.comm,
+        bytes_per_rank = report.bytes_per_rank,
+        "collective"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

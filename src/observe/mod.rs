@@ -87,14 +87,12 @@
 //! # Ok::<(), symmpool::Error>(())
 //! ```
 
-mod counters;
-pub(crate) mod events;
 mod render;
 mod snapshot;
 mod stats;
 
-pub(crate) use counters::PoolCounters;
-pub use events::{path_name, role_name};
+pub use crate::coll::path_name;
+pub use crate::pool::role_name;
 pub use render::{MIN_BLOCK_PX, format_bytes, render_ranks, render_svg};
 pub use snapshot::{BlockStatus, BlockView, PoolSnapshot, SegmentView, WindowView};
 pub use stats::{MemoryStats, StatValue};

@@ -1,10 +1,10 @@
 //! A pool's snapshot for observers: every segment with its windows and every block
 //! with its allocation number, sizes, stream and state.
 
-use super::events::role_name;
 use super::stats::{MemoryStats, Totals, build_stats};
 use crate::core::{BlockState, SegmentId, SizeClass, StreamId};
 use crate::pool::SymmPool;
+use crate::pool::role_name;
 use serde::{Deserialize, Serialize};
 
 /// State of a block in a [`PoolSnapshot`].
@@ -194,7 +194,7 @@ impl SymmPool {
             calls: st.history.seq(),
         };
         drop(st);
-        let stats = build_stats(&totals, &segments, comms, &self.inner.observed);
+        let stats = build_stats(&totals, &segments, comms, &self.inner.counters);
         (segments, stats)
     }
 }

@@ -1,10 +1,10 @@
 //! The flat statistics map of [`SymmPool::memory_stats`](crate::SymmPool::memory_stats).
 
-use super::counters::{PATHS, PoolCounters};
-use super::events::{path_name, role_name};
 use super::snapshot::{BlockStatus, SegmentView};
 use crate::backend::CommInfo;
+use crate::coll::{PATHS, path_index, path_name};
 use crate::core::{CoreStats, SizeClass, Stat};
+use crate::pool::{PoolCounters, role_name};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -228,7 +228,7 @@ pub(crate) fn build_stats(
         }
     }
     for path in PATHS {
-        let (n, bytes) = counters.collectives(path);
+        let (n, bytes) = counters.collectives(path_index(path));
         let p = path_name(path);
         m.insert(format!("collectives.{p}.count"), StatValue::Count(n));
         m.insert(format!("collectives.{p}.bytes"), StatValue::Count(bytes));

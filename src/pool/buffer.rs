@@ -104,7 +104,7 @@ impl SymmBuffer {
     ///
     /// # Errors
     /// [`Error::Internal`] if the block does not lie inside its segment (a bug).
-    pub fn region(&self) -> Result<Region<'_>> {
+    pub(crate) fn region(&self) -> Result<Region<'_>> {
         self.entry
             .segment
             .region(self.offset_bytes, self.len_bytes)
@@ -114,7 +114,7 @@ impl SymmBuffer {
     }
 
     /// The segment's window on communicator `comm`, if it is registered there.
-    pub fn window(&self, comm: usize) -> Option<&Window> {
+    pub(crate) fn window(&self, comm: usize) -> Option<&Window> {
         self.entry.window(comm)
     }
 
@@ -292,7 +292,7 @@ impl<'a, T: Element> TypedView<'a, T> {
     ///
     /// # Errors
     /// [`Error::Internal`] if the view leaves its segment (a bug).
-    pub fn region(&self) -> Result<Region<'a>> {
+    pub(crate) fn region(&self) -> Result<Region<'a>> {
         self.buf
             .region()?
             .sub(

@@ -183,14 +183,7 @@ impl SymmPool {
                 let local = match unsafe { backend.segments().register(&entry.segment, c) } {
                     Ok(window) => {
                         let (took, got) = (registering.elapsed(), window.is_some());
-                        crate::observe::events::registered(
-                            self.rank(),
-                            c,
-                            info.role,
-                            size_bytes,
-                            took,
-                            got,
-                        );
+                        super::events::registered(self.rank(), c, info.role, size_bytes, took, got);
                         st.counters.registrations[c] += 1;
                         let missing = window.is_none();
                         entry.windows[c] = window;

@@ -26,6 +26,8 @@
 mod agreement;
 mod buffer;
 mod config;
+mod counters;
+pub(crate) mod events;
 mod fit;
 mod growth;
 mod release;
@@ -36,6 +38,8 @@ mod state;
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
 pub use config::{MAX_HISTORY, PoolConfig};
+pub(crate) use counters::PoolCounters;
+pub use events::role_name;
 pub use fit::FitReport;
 pub use scope::{alloc, alloc_aligned, current};
 
@@ -97,7 +101,7 @@ pub(crate) struct PoolInner {
     /// sequence numbers): owned there, kept here so that it lives as long as the pool.
     extension: OnceLock<Arc<dyn Any + Send + Sync>>,
     /// Lock-free counters for [`SymmPool::memory_stats`].
-    pub(crate) observed: crate::observe::PoolCounters,
+    pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
 }
 
@@ -189,7 +193,7 @@ impl SymmPool {
                 deferred: Mutex::new(Vec::new()),
                 deferred_error: Mutex::new(None),
                 extension: OnceLock::new(),
-                observed: Default::default(),
+                counters: Default::default(),
                 channel,
                 config,
             }),
@@ -265,7 +269,7 @@ impl SymmPool {
     pub fn new_stream(&self) -> Result<Stream> {
         let out = self.inner.backend.streams().new_stream();
         if let Err(e) = &out {
-            crate::observe::events::call_failed(self, "new_stream", e);
+            events::call_failed(self, "new_stream", e);
         }
         out
     }
@@ -273,6 +277,12 @@ impl SymmPool {
     /// The exchange channel of this pool's agreements.
     pub(crate) fn channel(&self) -> ChannelId {
         self.inner.channel
+    }
+
+    /// Count one collective that ran on path number `path` (for the statistics).
+    #[inline]
+    pub(crate) fn count_collective(&self, path: usize, bytes_per_rank: u64) {
+        self.inner.counters.collective(path, bytes_per_rank);
     }
 
     /// Whether two handles are the same pool.
@@ -415,7 +425,7 @@ impl SymmPool {
     ) -> Result<SymmBuffer> {
         let out = self.alloc_unlogged(size_bytes, align_bytes, stream);
         if let Err(e) = &out {
-            crate::observe::events::call_failed(self, "alloc", e);
+            events::call_failed(self, "alloc", e);
         }
         out
     }
@@ -627,7 +637,7 @@ impl SymmPool {
                 tracing::debug!(target: "symmpool::pool", rank = self.rank(),
                     allocation = buf.block.seq, "free deferred: the pool is busy");
                 self.inner
-                    .observed
+                    .counters
                     .deferred_frees
                     .fetch_add(1, Ordering::Relaxed);
                 self.inner

@@ -561,6 +561,14 @@ impl fmt::Debug for NcclBackend {
 }
 
 impl NcclBackend {
+    /// When a host wait on this device's work gives up: `NcclConfig::call_timeout`
+    /// from now.
+    fn deadline(&self) -> Instant {
+        let now = Instant::now();
+        now.checked_add(self.shared.config.call_timeout)
+            .unwrap_or(now + Duration::from_secs(1 << 30))
+    }
+
     /// This process's rank of a job launched with one process per GPU: the device is
     /// [`NcclConfig::device`], else the launcher's local rank (`LOCAL_RANK`,
     /// `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), else 0 when the process sees a
@@ -1332,7 +1340,7 @@ impl DataMover for NcclBackend {
         self.bind()?;
         // SAFETY: `dst..dst+len` lies inside a live segment of this device (the region
         // is checked against its segment, which the caller's buffer keeps alive).
-        unsafe { ffi::copy_to_device(dst, data, cs) }
+        unsafe { ffi::copy_to_device(dst, data, cs, self.deadline()) }
     }
 
     fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()> {
@@ -1340,7 +1348,7 @@ impl DataMover for NcclBackend {
         let cs = self.cuda_of(stream)?;
         self.bind()?;
         // SAFETY: as in `write`.
-        unsafe { ffi::copy_to_host(src, out, cs) }
+        unsafe { ffi::copy_to_host(src, out, cs, self.deadline()) }
     }
 
     fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
@@ -1350,7 +1358,7 @@ impl DataMover for NcclBackend {
         let start = cs.record_event(timed).map_err(ffi::cuda("cuEventRecord"))?;
         f()?;
         let end = cs.record_event(timed).map_err(ffi::cuda("cuEventRecord"))?;
-        end.synchronize().map_err(ffi::cuda("cuEventSynchronize"))?;
+        ffi::wait_stream("timing device work", cs, self.deadline())?;
         start
             .elapsed_ms(&end)
             .map(f64::from)

@@ -1,8 +1,7 @@
-//! The events the pool and the collectives emit through `tracing`, in one place so
-//! that their names and fields stay consistent (see the [module docs](super)).
+//! The events the pool emits through `tracing` (the names and fields are listed in
+//! [`observe`](crate::observe)).
 
 use crate::backend::CommRole;
-use crate::coll::Path;
 use crate::error::Error;
 use crate::pool::SymmPool;
 use std::time::Duration;
@@ -14,16 +13,6 @@ pub fn role_name(role: CommRole) -> &'static str {
         CommRole::Symmetric => "symmetric",
         CommRole::CopyEngine => "copy_engine",
         CommRole::Plain => "plain",
-    }
-}
-
-/// The name of a path in statistics keys and events: `copy_engine`,
-/// `symmetric_kernel`, `plain_kernel`.
-pub fn path_name(path: Path) -> &'static str {
-    match path {
-        Path::CopyEngine => "copy_engine",
-        Path::SymmetricKernel => "symmetric_kernel",
-        Path::PlainKernel => "plain_kernel",
     }
 }
 
@@ -58,7 +47,7 @@ pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
     ) && op == "alloc"
     {
         pool.inner
-            .observed
+            .counters
             .ooms
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -93,23 +82,4 @@ pub(crate) fn dropped_without_close(rank: usize, pool: &str, segments: usize, by
              releasing {segments} segments ({bytes} bytes) locally"
         );
     }
-}
-
-/// A collective ran: report the path chosen (the caller counts it, and checks the
-/// level first, so that when off the event costs one load and not also the `log`
-/// fallback's: the hot path's events go to tracing subscribers only).
-#[cold]
-pub(crate) fn collective(all_gather: bool, report: &crate::coll::CollectiveReport) {
-    tracing::debug!(
-        target: "symmpool::coll",
-        op = if all_gather {
-            "all_gather"
-        } else {
-            "reduce_scatter"
-        },
-        path = path_name(report.path),
-        comm = report.comm,
-        bytes_per_rank = report.bytes_per_rank,
-        "collective"
-    );
 }

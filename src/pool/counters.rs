@@ -1,20 +1,7 @@
-//! Lock-free counters a pool keeps for observers: collectives per path, failed
-//! allocations, deferred frees.
+//! Lock-free counters a pool keeps for observers: collectives per path (indexed by
+//! the collectives' path number), failed allocations, deferred frees.
 
-use crate::coll::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Every [`Path`], in the order of [`path_index`].
-pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
-
-/// Index of `path` in [`PATHS`] (its discriminant).
-pub(crate) fn path_index(path: Path) -> usize {
-    match path {
-        Path::CopyEngine => 0,
-        Path::SymmetricKernel => 1,
-        Path::PlainKernel => 2,
-    }
-}
 
 /// Collectives run on one path: calls and bytes per rank.
 #[derive(Debug, Default)]
@@ -34,7 +21,7 @@ pub(crate) struct PoolCounters {
 }
 
 impl PoolCounters {
-    /// Count one collective that ran on `path` with `bytes_per_rank`.
+    /// Count one collective that ran on path number `path` with `bytes_per_rank`.
     ///
     /// A load and a store, not a locked read-modify-write (this is on every
     /// collective's path): exact because one rank's collectives on a pool are ordered
@@ -42,8 +29,10 @@ impl PoolCounters {
     /// are synchronised by the caller, and that synchronisation orders these
     /// accesses too).
     #[inline]
-    pub(crate) fn collective(&self, path: Path, bytes_per_rank: u64) {
-        let c = &self.paths[path as usize];
+    pub(crate) fn collective(&self, path: usize, bytes_per_rank: u64) {
+        let Some(c) = self.paths.get(path) else {
+            return;
+        };
         let n = c.count.load(Ordering::Relaxed);
         c.count.store(n.wrapping_add(1), Ordering::Relaxed);
         let b = c.bytes.load(Ordering::Relaxed);
@@ -51,12 +40,13 @@ impl PoolCounters {
             .store(b.wrapping_add(bytes_per_rank), Ordering::Relaxed);
     }
 
-    /// (calls, bytes per rank) of collectives on `path`.
-    pub(crate) fn collectives(&self, path: Path) -> (u64, u64) {
-        let c = &self.paths[path_index(path)];
-        (
-            c.count.load(Ordering::Relaxed),
-            c.bytes.load(Ordering::Relaxed),
-        )
+    /// (calls, bytes per rank) of collectives on path number `path`.
+    pub(crate) fn collectives(&self, path: usize) -> (u64, u64) {
+        self.paths.get(path).map_or((0, 0), |c| {
+            (
+                c.count.load(Ordering::Relaxed),
+                c.bytes.load(Ordering::Relaxed),
+            )
+        })
     }
 }
