@@ -268,7 +268,8 @@ impl<S: KvStore> Exchange for KvExchange<S> {
             let now = Instant::now();
             let slice = deadline
                 .saturating_duration_since(now)
-                .min(self.config.poll);
+                .min(self.config.poll)
+                .max(Duration::from_millis(1));
             if self.store.wait(&keys, slice)? {
                 break;
             }
