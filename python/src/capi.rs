@@ -33,7 +33,10 @@ fn installed() -> Option<Arc<Handle>> {
 #[pyo3(signature = (pool))]
 pub(crate) fn install_allocator(pool: Option<&Pool>) -> Option<String> {
     let new = pool.map(|p| p.handle.clone());
-    let old = std::mem::replace(&mut *INSTALLED.write().unwrap_or_else(|p| p.into_inner()), new);
+    let old = std::mem::replace(
+        &mut *INSTALLED.write().unwrap_or_else(|p| p.into_inner()),
+        new,
+    );
     old.map(|h| h.pool.config().name.clone())
 }
 
@@ -44,7 +47,8 @@ pub(crate) fn live_buffers() -> usize {
 }
 
 fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void, String> {
-    let handle = installed().ok_or("symmpool_alloc: no pool installed (symmpool.allocator(pool))")?;
+    let handle =
+        installed().ok_or("symmpool_alloc: no pool installed (symmpool.allocator(pool))")?;
     match handle.device() {
         None => return Err("symmpool_alloc: the installed pool is a host pool".into()),
         Some(d) if d as c_int != device => {

@@ -192,7 +192,8 @@ impl Pool {
                 // NCCL on `device` (checked by the crate against the exchange and the
                 // device), and issues no NCCL call on it until this returns (it waits
                 // here).
-                let backend = unsafe { NcclBackend::adopt(comm_ptr as ncclComm_t, device, ex, nccl) }?;
+                let backend =
+                    unsafe { NcclBackend::adopt(comm_ptr as ncclComm_t, device, ex, nccl) }?;
                 SymmPool::new(backend, config)
             })
             .map_err(to_py)?;
@@ -391,10 +392,7 @@ impl Pool {
         if as_json {
             return Ok(text.into_pyobject(py)?.into_any().unbind());
         }
-        Ok(py
-            .import("json")?
-            .call_method1("loads", (text,))?
-            .unbind())
+        Ok(py.import("json")?.call_method1("loads", (text,))?.unbind())
     }
 
     /// The memory map as an SVG picture.

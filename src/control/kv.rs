@@ -107,8 +107,24 @@ impl KvConfig {
 }
 
 /// An [`Exchange`] over a [`KvStore`] (for example PyTorch's default `c10d.Store`,
-/// reached through the Python bindings). See the [module](self) for the protocol and
-/// the failure-detection bound.
+/// reached through the Python bindings).
+///
+/// # Protocol
+/// Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
+/// waits (in slices of [`KvConfig::poll`]) until every rank's key of the round exists,
+/// then reads them, and deletes its own key of round `r - 1` (every rank has read it).
+/// A rank whose wait reaches its deadline writes its rank and operation to
+/// `PREFIX/broken/reason`, increments `PREFIX/broken`, withdraws its key and fails
+/// with [`Error::Timeout`]; every rank checks the counter before each round and between
+/// slices, and fails with [`Error::GroupBroken`] once it is set.
+///
+/// # Failure-detection bound
+/// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
+/// only. A rank waiting for it fails with [`Error::Timeout`] when its own call's timeout
+/// passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout), 60 s by
+/// default), and every other rank fails with [`Error::GroupBroken`] within
+/// [`KvConfig::poll`] (1 s) plus a store round trip after that. A timeout on any rank
+/// breaks the group for good.
 pub struct KvExchange<S: KvStore> {
     store: S,
     rank: usize,
