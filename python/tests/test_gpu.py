@@ -189,4 +189,7 @@ def test_pluggable_allocator_serves_a_mem_pool(group):
     assert symmpool.last_error() is None, symmpool.last_error()
     assert pool.memory_stats()["allocation.all.current"] == 0
     symmpool.install_allocator(None)
+    # A "wrap" pool's windows live on torch's communicator: close it (deregistering
+    # them) before the process group is destroyed.
+    pool.close()
     assert symmpool.nccl_mappings() == 1
