@@ -42,6 +42,7 @@
 
 mod client;
 mod env;
+mod kv;
 mod local;
 mod store;
 mod wire;
@@ -52,6 +53,7 @@ use std::time::{Duration, Instant};
 
 pub use client::{StoreConfig, StoreExchange};
 pub use env::{Launch, LaunchSource};
+pub use kv::{KvConfig, KvExchange, KvStore};
 pub use local::LocalExchange;
 pub use store::{ServerStats, StoreServer};
 

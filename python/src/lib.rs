@@ -1,0 +1,52 @@
+//! `symmpool._ext`: the Python bindings of the `symmpool` crate (PyO3, abi3).
+//!
+//! - [`pool::Pool`]: one rank's pool (NCCL, adopted from a process group's
+//!   communicator, or host for tests), DLPack tensors over its buffers, in-place
+//!   collectives on them, statistics, snapshots, SVG memory maps;
+//! - [`store::StoreExchange`]: the crate's agreement over a Python store object
+//!   (`torch.distributed`'s default store);
+//! - [`capi`]: `symmpool_alloc` / `symmpool_free`, the C functions of
+//!   `torch.cuda.memory.CUDAPluggableAllocator`, exported from this library;
+//! - `last_error()`: the message of the last failure (a failed `symmpool_alloc` is only
+//!   an out-of-memory error to PyTorch).
+//!
+//! NCCL is loaded by the crate, which binds to a `libnccl.so.2` the process already has
+//! (inside PyTorch: PyTorch's own).
+
+#![warn(clippy::multiple_unsafe_ops_per_block)]
+
+mod capi;
+mod dlpack;
+mod errors;
+mod live;
+mod pool;
+mod store;
+
+use pyo3::prelude::*;
+
+pub use capi::{symmpool_alloc, symmpool_free};
+
+/// The NCCL version this process's NCCL reports (loading it the crate's way: an
+/// already-loaded `libnccl.so.2` first), as `(major, minor, patch)`.
+#[pyfunction]
+fn nccl_version() -> PyResult<(u32, u32, u32)> {
+    let v = symmpool::backend::nccl::nccl_version().map_err(errors::to_py)?;
+    Ok((v.major, v.minor, v.patch))
+}
+
+/// The module.
+#[pymodule]
+fn _ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<pool::Pool>()?;
+    m.add_class::<pool::Buffer>()?;
+    m.add_class::<store::StoreExchange>()?;
+    m.add_function(wrap_pyfunction!(errors::last_error, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::clear_error, m)?)?;
+    m.add_function(wrap_pyfunction!(capi::install_allocator, m)?)?;
+    m.add_function(wrap_pyfunction!(capi::live_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::render_ranks_svg, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add("SymmpoolError", m.py().get_type::<errors::SymmpoolError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

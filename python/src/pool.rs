@@ -1,0 +1,540 @@
+//! `symmpool._ext.Pool` and `Buffer`: one rank's pool, its allocations (DLPack tensors,
+//! buffer handles), its collectives and its statistics.
+
+use crate::errors::{dur, to_py};
+use crate::store::StoreExchange;
+use crate::{dlpack, live};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex};
+use symmpool::backend::CommRole;
+use symmpool::backend::nccl::{CUstream, ncclComm_t};
+use symmpool::coll::{self, CollectiveReport};
+use symmpool::observe::{PoolSnapshot, StatValue, path_name, render_ranks, render_svg};
+use symmpool::{
+    Backend, Exchange, HostBackend, HostConfig, NcclBackend, NcclConfig, PoolConfig, ReduceOp,
+    Stream, SymmBuffer, SymmPool, bf16, f16,
+};
+
+/// NCCL's `NCCL_CTA_POLICY_ZERO`.
+const CTA_POLICY_ZERO: i32 = 2;
+
+/// A pool and what the bindings need beside it.
+#[derive(Debug)]
+pub(crate) struct Handle {
+    pub(crate) pool: SymmPool,
+    /// The stream of every call on a host pool.
+    host: Stream,
+}
+
+impl Handle {
+    fn new(pool: SymmPool) -> Arc<Self> {
+        Arc::new(Handle {
+            pool,
+            host: Stream::host(),
+        })
+    }
+
+    /// The CUDA device of an NCCL pool.
+    pub(crate) fn device(&self) -> Option<usize> {
+        self.pool
+            .backend()
+            .downcast_ref::<NcclBackend>()
+            .map(NcclBackend::device)
+    }
+
+    /// The pool's stream for a raw `cudaStream_t` (ignored on a host pool).
+    ///
+    /// # Safety
+    /// On an NCCL pool, `raw` is a live stream of the pool's device, in its primary
+    /// context, that stays alive as long as the pool (PyTorch's pooled streams and the
+    /// legacy default stream, 0, do).
+    pub(crate) unsafe fn stream(&self, raw: usize) -> symmpool::Result<Stream> {
+        if self.device().is_none() {
+            return Ok(self.host.clone());
+        }
+        // SAFETY: the caller's contract.
+        unsafe { Stream::from_raw_cuda(self.pool.backend(), raw as CUstream) }
+    }
+}
+
+fn pool_config(name: &str, timeout_s: Option<f64>) -> PoolConfig {
+    let mut config = PoolConfig::default().with_timeout(dur(timeout_s));
+    config.name = name.to_owned();
+    config
+}
+
+fn reduce_op(op: &str) -> PyResult<ReduceOp> {
+    Ok(match op {
+        "sum" => ReduceOp::Sum,
+        "avg" => ReduceOp::Avg,
+        "prod" => ReduceOp::Prod,
+        "max" => ReduceOp::Max,
+        "min" => ReduceOp::Min,
+        _ => return Err(PyValueError::new_err(format!("unknown reduction {op:?}"))),
+    })
+}
+
+/// Run an in-place reduce-scatter of `dtype` elements on `buf`.
+fn reduce_scatter(
+    buf: &SymmBuffer,
+    dtype: &str,
+    op: ReduceOp,
+    stream: &Stream,
+) -> PyResult<symmpool::Result<CollectiveReport>> {
+    Ok(match dtype {
+        "f32" | "float32" => coll::reduce_scatter_in_place::<f32>(buf, op, stream),
+        "bf16" | "bfloat16" => coll::reduce_scatter_in_place::<bf16>(buf, op, stream),
+        "f16" | "float16" => coll::reduce_scatter_in_place::<f16>(buf, op, stream),
+        "u8" | "uint8" => coll::reduce_scatter_in_place::<u8>(buf, op, stream),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "reduce-scatter supports f32, bf16, f16 and u8, not {dtype:?}"
+            )));
+        }
+    })
+}
+
+/// One rank's symmetric-memory pool.
+///
+/// Make it with `Pool.nccl_adopt` (communicators split off a process group's), with
+/// `Pool.nccl_wrap` (windows registered on the process group's communicator itself,
+/// for the pluggable allocator) or, without a GPU, `Pool.host_group` (ranks as
+/// threads). `symmpool.Pool.from_group` in the Python package does the set-up from a
+/// `torch.distributed` group.
+#[pyclass(frozen, module = "symmpool._ext")]
+pub struct Pool {
+    pub(crate) handle: Arc<Handle>,
+}
+
+#[pymethods]
+impl Pool {
+    /// One pool per rank of a host world (ranks as threads, host memory): for tests
+    /// without a GPU. With `exchanges` (one `StoreExchange` per rank), the agreement runs
+    /// over those instead of in memory.
+    #[staticmethod]
+    #[pyo3(signature = (world_size, name = "symmpool", timeout_s = 60.0, exchanges = None))]
+    fn host_group(
+        py: Python<'_>,
+        world_size: usize,
+        name: &str,
+        timeout_s: Option<f64>,
+        exchanges: Option<Vec<Py<StoreExchange>>>,
+    ) -> PyResult<Vec<Pool>> {
+        let config = pool_config(name, timeout_s);
+        let host = HostConfig::new(world_size).with_timeout(config.timeout);
+        let mut backends = HostBackend::world(host).map_err(to_py)?;
+        if let Some(exchanges) = exchanges {
+            if exchanges.len() != world_size {
+                return Err(PyValueError::new_err("one exchange per rank"));
+            }
+            backends = backends
+                .into_iter()
+                .zip(exchanges)
+                .map(|(b, ex)| {
+                    let ex: Arc<dyn Exchange> = ex.get().inner.clone();
+                    b.with_exchange(|_| ex)
+                })
+                .collect::<symmpool::Result<Vec<Backend>>>()
+                .map_err(to_py)?;
+        }
+        let pools = py
+            .allow_threads(|| SymmPool::group(backends, &config))
+            .map_err(to_py)?;
+        Ok(pools
+            .into_iter()
+            .map(|p| Pool {
+                handle: Handle::new(p),
+            })
+            .collect())
+    }
+
+    /// Adopt a process group's communicator (`ncclComm_t` from `_comm_ptr()`): the crate
+    /// splits its own non-blocking communicators off it (symmetric kernels; copy engine,
+    /// NCCL ≥ 2.28; plain ring) and makes a pool over them. Collective over the group.
+    ///
+    /// The communicator must be a live one of the NCCL loaded in this process, on
+    /// `device`, with no other NCCL call on it until this returns.
+    #[staticmethod]
+    #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", copy_engine = true,
+        plain = true, timeout_s = 60.0, setup_timeout_s = 600.0, call_timeout_s = 60.0,
+        watchdog_timeout_s = 600.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn nccl_adopt(
+        py: Python<'_>,
+        comm_ptr: usize,
+        device: usize,
+        exchange: &StoreExchange,
+        name: &str,
+        copy_engine: bool,
+        plain: bool,
+        timeout_s: Option<f64>,
+        setup_timeout_s: Option<f64>,
+        call_timeout_s: Option<f64>,
+        watchdog_timeout_s: Option<f64>,
+    ) -> PyResult<Pool> {
+        if comm_ptr == 0 {
+            return Err(PyValueError::new_err(
+                "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
+            ));
+        }
+        let config = pool_config(name, timeout_s);
+        let nccl = NcclConfig::default()
+            .with_communicators(copy_engine, plain)
+            .with_setup_timeout(dur(setup_timeout_s))
+            .with_call_timeout(dur(call_timeout_s))
+            .with_watchdog(dur(watchdog_timeout_s));
+        let ex: Arc<dyn Exchange> = exchange.inner.clone();
+        let pool = py
+            .allow_threads(move || {
+                // SAFETY: the Python caller hands a live communicator of this process's
+                // NCCL on `device` (checked by the crate against the exchange and the
+                // device), and issues no NCCL call on it until this returns (it waits
+                // here).
+                let backend =
+                    unsafe { NcclBackend::adopt(comm_ptr as ncclComm_t, device, ex, nccl) }?;
+                SymmPool::new(backend, config)
+            })
+            .map_err(to_py)?;
+        Ok(Pool {
+            handle: Handle::new(pool),
+        })
+    }
+
+    /// A pool whose segments are registered as windows on the process group's
+    /// communicator itself (no split): PyTorch's own collectives on that group then find
+    /// the windows. The communicator is PyTorch's (usually blocking: no deadline bounds
+    /// a registration on it); window registration happens inside allocations, on the
+    /// allocating thread, which must be the thread issuing the group's collectives.
+    /// `cta_policy` is the group's `NCCLConfig.cta_policy` (2, ZERO: copy-engine
+    /// all-gather). Collective over the group.
+    #[staticmethod]
+    #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", cta_policy = 0,
+        timeout_s = 60.0))]
+    fn nccl_wrap(
+        py: Python<'_>,
+        comm_ptr: usize,
+        device: usize,
+        exchange: &StoreExchange,
+        name: &str,
+        cta_policy: i32,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Pool> {
+        if comm_ptr == 0 {
+            return Err(PyValueError::new_err(
+                "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
+            ));
+        }
+        let config = pool_config(name, timeout_s);
+        let role = if cta_policy == CTA_POLICY_ZERO {
+            CommRole::CopyEngine
+        } else {
+            CommRole::Symmetric
+        };
+        let ex: Arc<dyn Exchange> = exchange.inner.clone();
+        let pool = py
+            .allow_threads(move || {
+                // SAFETY: the Python caller hands a live communicator of this process's
+                // NCCL on `device`, which outlives the pool (PyTorch's process group is
+                // destroyed after the pool), created with `cta_policy`; NCCL calls on it
+                // are serialised with PyTorch's by running on the thread that issues
+                // the group's collectives (documented above).
+                let backend = unsafe {
+                    NcclBackend::from_raw(
+                        device,
+                        vec![(comm_ptr as ncclComm_t, role, cta_policy)],
+                        ex,
+                        NcclConfig::default(),
+                    )
+                }?;
+                SymmPool::new(backend, config)
+            })
+            .map_err(to_py)?;
+        Ok(Pool {
+            handle: Handle::new(pool),
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.handle.pool.rank()
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.handle.pool.world_size()
+    }
+
+    /// The pool's name.
+    #[getter]
+    fn name(&self) -> String {
+        self.handle.pool.config().name.clone()
+    }
+
+    /// The CUDA device (None for a host pool).
+    #[getter]
+    fn device(&self) -> Option<usize> {
+        self.handle.device()
+    }
+
+    /// Allocate `nbytes` on the raw CUDA stream `stream` (ignored on a host pool) and
+    /// return a handle. Collective when the pool grows.
+    #[pyo3(signature = (nbytes, stream = 0))]
+    fn alloc(&self, py: Python<'_>, nbytes: u64, stream: usize) -> PyResult<Buffer> {
+        let handle = self.handle.clone();
+        let buf = py
+            .allow_threads(move || {
+                // SAFETY: the Python caller passes a stream of the pool's device that
+                // outlives the pool (documented on `symmpool.Pool`).
+                let s = unsafe { handle.stream(stream) }?;
+                handle.pool.alloc(nbytes, &s)
+            })
+            .map_err(to_py)?;
+        Ok(Buffer {
+            buf: Mutex::new(Some(Arc::new(buf))),
+        })
+    }
+
+    /// Allocate `nbytes` on the raw CUDA stream `stream` and return a DLPack capsule of
+    /// a one-dimensional `uint8` CUDA tensor over the buffer; the block returns to the
+    /// pool when the tensor dies. NCCL pools only. Collective when the pool grows.
+    #[pyo3(signature = (nbytes, stream = 0))]
+    fn alloc_dlpack(&self, py: Python<'_>, nbytes: u64, stream: usize) -> PyResult<PyObject> {
+        let device = self
+            .handle
+            .device()
+            .ok_or_else(|| PyRuntimeError::new_err("DLPack tensors need an NCCL (GPU) pool"))?;
+        let handle = self.handle.clone();
+        let ptr = py
+            .allow_threads(move || {
+                // SAFETY: as in `alloc`.
+                let s = unsafe { handle.stream(stream) }?;
+                live::insert(handle.pool.alloc(nbytes, &s)?)
+            })
+            .map_err(to_py)?;
+        dlpack::capsule(py, ptr, nbytes, device)
+    }
+
+    /// In-place all-gather (FSDP layout) of the `nbytes` at device address `ptr`, which
+    /// must be a whole buffer of this pool (a tensor from `alloc_dlpack`), on the raw
+    /// stream `stream`. Returns the path taken. Collective.
+    #[pyo3(signature = (ptr, nbytes, stream = 0))]
+    fn all_gather_at(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: u64,
+        stream: usize,
+    ) -> PyResult<&'static str> {
+        let buf = self.buffer_at(ptr, nbytes)?;
+        let handle = self.handle.clone();
+        let report = py
+            .allow_threads(move || {
+                // SAFETY: as in `alloc`.
+                let s = unsafe { handle.stream(stream) }?;
+                coll::all_gather_in_place::<u8>(&buf, &s)
+            })
+            .map_err(to_py)?;
+        Ok(path_name(report.path))
+    }
+
+    /// In-place reduce-scatter of the buffer at `ptr` (`dtype`: f32, bf16, f16, u8;
+    /// `op`: sum, avg, prod, max, min): afterwards this rank's chunk holds the reduction.
+    /// Returns the path taken. Collective.
+    #[pyo3(signature = (ptr, nbytes, dtype, op = "sum", stream = 0))]
+    fn reduce_scatter_at(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: u64,
+        dtype: &str,
+        op: &str,
+        stream: usize,
+    ) -> PyResult<&'static str> {
+        let buf = self.buffer_at(ptr, nbytes)?;
+        let op = reduce_op(op)?;
+        let handle = self.handle.clone();
+        let dtype = dtype.to_owned();
+        let report = py.allow_threads(move || {
+            // SAFETY: as in `alloc`.
+            let s = unsafe { handle.stream(stream) }.map_err(to_py)?;
+            reduce_scatter(&buf, &dtype, op, &s)
+        })?;
+        Ok(path_name(report.map_err(to_py)?.path))
+    }
+
+    /// The flat statistics (PyTorch's key names where they mean the same), as a dict.
+    fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.handle.pool.memory_stats();
+        let dict = PyDict::new(py);
+        for (k, v) in stats {
+            match v {
+                StatValue::Count(n) => dict.set_item(k, n)?,
+                StatValue::Real(x) => dict.set_item(k, x)?,
+            }
+        }
+        Ok(dict)
+    }
+
+    /// Every segment, window and block, as a JSON string.
+    fn memory_snapshot_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.handle.pool.memory_snapshot())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Every segment, window and block, as a dict (`as_json=True`: a JSON string).
+    #[pyo3(signature = (as_json = false))]
+    fn memory_snapshot(&self, py: Python<'_>, as_json: bool) -> PyResult<PyObject> {
+        let text = self.memory_snapshot_json()?;
+        if as_json {
+            return Ok(text.into_pyobject(py)?.into_any().unbind());
+        }
+        Ok(py.import("json")?.call_method1("loads", (text,))?.unbind())
+    }
+
+    /// The memory map as an SVG picture.
+    fn memory_map_svg(&self) -> String {
+        render_svg(&self.handle.pool.memory_snapshot())
+    }
+
+    /// Release the free segments (collective). Returns the bytes released.
+    fn trim(&self, py: Python<'_>) -> PyResult<u64> {
+        let handle = self.handle.clone();
+        py.allow_threads(move || handle.pool.trim()).map_err(to_py)
+    }
+
+    /// Close the pool (collective): every buffer must be gone.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let handle = self.handle.clone();
+        py.allow_threads(move || handle.pool.close()).map_err(to_py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Pool(name={:?}, rank={}, world_size={}, device={:?})",
+            self.handle.pool.config().name,
+            self.handle.pool.rank(),
+            self.handle.pool.world_size(),
+            self.handle.device()
+        )
+    }
+}
+
+impl Pool {
+    /// The live buffer of this pool at `ptr`, `nbytes` long.
+    fn buffer_at(&self, ptr: u64, nbytes: u64) -> PyResult<Arc<SymmBuffer>> {
+        let buf = live::get(ptr).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{ptr:#x} is not the start of a symmpool buffer (allocate it with the pool)"
+            ))
+        })?;
+        if !buf.pool().same_pool(&self.handle.pool) {
+            return Err(PyValueError::new_err("the buffer belongs to another pool"));
+        }
+        if buf.len_bytes() != nbytes {
+            return Err(PyValueError::new_err(format!(
+                "the buffer has {} bytes, the tensor {nbytes}",
+                buf.len_bytes()
+            )));
+        }
+        Ok(buf)
+    }
+}
+
+/// Draw several ranks' snapshots (JSON strings from `memory_snapshot_json`) side by
+/// side, blocks placed differently outlined in red.
+#[pyfunction]
+pub(crate) fn render_ranks_svg(snapshots: Vec<String>) -> PyResult<String> {
+    let snaps = snapshots
+        .iter()
+        .map(|s| serde_json::from_str::<PoolSnapshot>(s))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| PyValueError::new_err(format!("not a snapshot: {e}")))?;
+    Ok(render_ranks(&snaps))
+}
+
+/// A pool buffer held from Python (host pools in tests; any pool). Dropping it, or
+/// `free()`, returns the block to the pool.
+#[pyclass(frozen, module = "symmpool._ext")]
+pub struct Buffer {
+    buf: Mutex<Option<Arc<SymmBuffer>>>,
+}
+
+impl Buffer {
+    fn get(&self) -> PyResult<Arc<SymmBuffer>> {
+        self.buf
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("the buffer was freed"))
+    }
+}
+
+#[pymethods]
+impl Buffer {
+    /// Bytes requested.
+    #[getter]
+    fn nbytes(&self) -> PyResult<u64> {
+        Ok(self.get()?.len_bytes())
+    }
+
+    /// The segment it lies in.
+    #[getter]
+    fn segment(&self) -> PyResult<u64> {
+        Ok(self.get()?.segment().0.into())
+    }
+
+    /// Its offset in the segment (the same on every rank).
+    #[getter]
+    fn offset(&self) -> PyResult<u64> {
+        Ok(self.get()?.offset_bytes())
+    }
+
+    /// Its device address (None on a host pool).
+    #[getter]
+    fn device_ptr(&self) -> PyResult<Option<u64>> {
+        Ok(self.get()?.device_ptr())
+    }
+
+    /// Copy `data` into the start of the buffer.
+    fn write(&self, py: Python<'_>, data: Vec<u8>) -> PyResult<()> {
+        let buf = self.get()?;
+        py.allow_threads(move || buf.write::<u8>(&data))
+            .map_err(to_py)
+    }
+
+    /// The buffer's bytes.
+    fn read(&self, py: Python<'_>) -> PyResult<Vec<u8>> {
+        let buf = self.get()?;
+        py.allow_threads(move || buf.read::<u8>()).map_err(to_py)
+    }
+
+    /// In-place all-gather (collective); returns the path.
+    fn all_gather(&self, py: Python<'_>) -> PyResult<&'static str> {
+        let buf = self.get()?;
+        let stream = buf.stream().clone();
+        let report = py
+            .allow_threads(move || coll::all_gather_in_place::<u8>(&buf, &stream))
+            .map_err(to_py)?;
+        Ok(path_name(report.path))
+    }
+
+    /// In-place reduce-scatter (collective); returns the path.
+    #[pyo3(signature = (dtype, op = "sum"))]
+    fn reduce_scatter(&self, py: Python<'_>, dtype: &str, op: &str) -> PyResult<&'static str> {
+        let buf = self.get()?;
+        let op = reduce_op(op)?;
+        let stream = buf.stream().clone();
+        let dtype = dtype.to_owned();
+        let report = py.allow_threads(move || reduce_scatter(&buf, &dtype, op, &stream))?;
+        Ok(path_name(report.map_err(to_py)?.path))
+    }
+
+    /// Return the block to the pool now.
+    fn free(&self) {
+        self.buf.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}

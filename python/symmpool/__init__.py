@@ -1,0 +1,70 @@
+"""symmpool: a deterministic symmetric-memory pool for NCCL, from Python.
+
+- :class:`Pool` (Rust): one rank's pool. :func:`from_group` makes one from a
+  ``torch.distributed`` process group (its ``ncclComm_t`` and its default store).
+- :mod:`symmpool.fsdp`: FSDP2 comm objects (``AllGather`` / ``ReduceScatter``) over the
+  pool, and :func:`symmpool.fsdp.install`.
+- :mod:`symmpool.allocator`: the pool as a ``torch.cuda.MemPool`` through
+  ``CUDAPluggableAllocator`` (the C functions ``symmpool_alloc`` / ``symmpool_free`` of
+  the extension module).
+- :func:`last_error`: the message of the last failure (PyTorch reports a failed
+  pluggable allocation only as out of memory).
+- :func:`nccl_mappings`: how many NCCL libraries this process has mapped (must be 1).
+
+Importing the package does not import torch.
+"""
+
+from . import _ext
+from ._ext import (
+    Buffer,
+    Pool,
+    StoreExchange,
+    SymmpoolError,
+    clear_error,
+    install_allocator,
+    last_error,
+    live_buffers,
+    nccl_version,
+    render_ranks_svg,
+)
+from ._maps import nccl_libraries, nccl_mappings
+
+__version__ = _ext.__version__
+
+__all__ = [
+    "Buffer",
+    "Pool",
+    "StoreExchange",
+    "SymmpoolError",
+    "clear_error",
+    "from_group",
+    "install_allocator",
+    "last_error",
+    "live_buffers",
+    "nccl_libraries",
+    "nccl_mappings",
+    "nccl_version",
+    "render_ranks_svg",
+    "store_exchange",
+]
+
+
+def store_exchange(group=None, *, name="symmpool", poll_s=1.0):
+    """A :class:`StoreExchange` over torch's default store for ``group``."""
+    from ._dist import store_exchange as _se
+
+    return _se(group, name=name, poll_s=poll_s)
+
+
+def from_group(group=None, *, mode="adopt", name="symmpool", **kwargs):
+    """A :class:`Pool` for this rank of a ``torch.distributed`` NCCL group.
+
+    ``mode="adopt"`` (default): the crate splits its own non-blocking communicators
+    (symmetric, copy-engine, plain) off the group's ``ncclComm_t``: for the FSDP2 comm
+    objects. ``mode="wrap"``: segments are registered as windows on the group's
+    communicator itself, so PyTorch's own collectives on the group find them: for the
+    pluggable allocator. Collective over the group.
+    """
+    from ._dist import pool_from_group
+
+    return pool_from_group(group, mode=mode, name=name, **kwargs)

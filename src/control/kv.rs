@@ -1,0 +1,447 @@
+//! [`KvExchange`]: an [`Exchange`] over a key-value store a runtime already has, such
+//! as PyTorch's `c10d.Store` (`set`, `get`, `add`, `wait`), so that the crate's
+//! agreement runs wherever the runtime runs, under any launcher.
+//!
+//! # Protocol
+//!
+//! Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
+//! waits (in slices of [`KvConfig::poll`]) until every rank's key of the round exists,
+//! then reads them. After round `r` completes, every rank has finished reading round
+//! `r - 1`, so a rank deletes its own key of round `r - 1` (where the store can delete).
+//!
+//! A rank whose wait reaches its deadline breaks the group: it writes its rank and
+//! operation to `PREFIX/broken/reason`, then increments `PREFIX/broken` (so the reason
+//! exists whenever the counter is non-zero), withdraws its key and fails with
+//! [`Error::Timeout`]. Every rank checks the counter before each round and between
+//! slices of a wait, and fails with [`Error::GroupBroken`] once it is set.
+//!
+//! # Failure-detection bound
+//!
+//! The store has no heartbeat, so a rank that dies or freezes is noticed only through
+//! deadlines: a rank waiting for it fails with [`Error::Timeout`] when its own call's
+//! timeout passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout),
+//! 60 s by default; the NCCL set-up's, 10 min), and every other rank then fails with
+//! [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
+//! round trip of that moment. A timeout on any rank breaks the group for good.
+
+use super::{ChannelId, Exchange, deadline_after, open_channel_with};
+use crate::error::{Error, Result};
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The key-value store a [`KvExchange`] runs over: the operations of PyTorch's
+/// `c10d.Store`. Implementations are called from any thread, one call at a time per
+/// exchange round.
+pub trait KvStore: Send + Sync + fmt::Debug {
+    /// Set `key` to `value` (overwriting).
+    ///
+    /// # Errors
+    /// The store's failure, as [`Error::Transport`] (or any other [`Error`]).
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+
+    /// The value of `key`, which the caller knows to exist.
+    ///
+    /// # Errors
+    /// The store's failure.
+    fn get(&self, key: &str) -> Result<Vec<u8>>;
+
+    /// Add `delta` to the integer counter `key` (created at 0) and return the new value.
+    ///
+    /// # Errors
+    /// The store's failure.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+
+    /// Wait until every key of `keys` exists, for at most `timeout`: `Ok(true)` once
+    /// they all exist, `Ok(false)` if `timeout` passed first.
+    ///
+    /// # Errors
+    /// The store's failure (other than the timeout).
+    fn wait(&self, keys: &[String], timeout: Duration) -> Result<bool>;
+
+    /// Whether every key of `keys` exists now, without waiting.
+    ///
+    /// # Errors
+    /// The store's failure.
+    fn check(&self, keys: &[String]) -> Result<bool> {
+        self.wait(keys, Duration::from_millis(1))
+    }
+
+    /// Delete `key` if the store can (the default does nothing: keys stay).
+    ///
+    /// # Errors
+    /// The store's failure.
+    fn delete(&self, key: &str) -> Result<()> {
+        let _ = key;
+        Ok(())
+    }
+}
+
+/// Settings of a [`KvExchange`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KvConfig {
+    /// Every key starts with this (then `/`). Two exchanges over one store need
+    /// different prefixes.
+    pub prefix: String,
+    /// The longest single wait on the store: how often a waiting rank looks whether
+    /// another rank broke the group (default 1 s).
+    pub poll: Duration,
+}
+
+impl KvConfig {
+    /// Keys under `prefix`, polling every second.
+    pub fn new(prefix: impl Into<String>) -> Self {
+        KvConfig {
+            prefix: prefix.into(),
+            poll: Duration::from_secs(1),
+        }
+    }
+
+    /// Set the longest single wait (at least 1 ms).
+    pub fn with_poll(mut self, poll: Duration) -> Self {
+        self.poll = poll.max(Duration::from_millis(1));
+        self
+    }
+}
+
+/// An [`Exchange`] over a [`KvStore`] (for example PyTorch's default `c10d.Store`,
+/// reached through the Python bindings).
+///
+/// # Protocol
+/// Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
+/// waits (in slices of [`KvConfig::poll`]) until every rank's key of the round exists,
+/// then reads them, and deletes its own key of round `r - 1` (every rank has read it).
+/// A rank whose wait reaches its deadline writes its rank and operation to
+/// `PREFIX/broken/reason`, increments `PREFIX/broken`, withdraws its key and fails
+/// with [`Error::Timeout`]; every rank checks the counter before each round and between
+/// slices, and fails with [`Error::GroupBroken`] once it is set.
+///
+/// # Failure-detection bound
+/// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
+/// only. A rank waiting for it fails with [`Error::Timeout`] when its own call's timeout
+/// passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout), 60 s by
+/// default), and every other rank fails with [`Error::GroupBroken`] within
+/// [`KvConfig::poll`] (1 s) plus a store round trip after that. A timeout on any rank
+/// breaks the group for good.
+pub struct KvExchange<S: KvStore> {
+    store: S,
+    rank: usize,
+    world: usize,
+    config: KvConfig,
+    /// The next round of each channel.
+    rounds: Mutex<HashMap<ChannelId, u64>>,
+    /// The channel counter of `open_channel`.
+    channels: Mutex<u64>,
+    /// Set once this rank knows the group is broken: (rank that timed out, its op).
+    broken: Mutex<Option<(usize, &'static str)>>,
+}
+
+impl<S: KvStore> fmt::Debug for KvExchange<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvExchange")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("prefix", &self.config.prefix)
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Operation names read back from the store, as `&'static str` (a small, bounded set:
+/// the names the crate's own calls use).
+fn intern(name: &str) -> &'static str {
+    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = names.get(name) {
+        return n;
+    }
+    if names.len() >= 256 {
+        return "an exchange round";
+    }
+    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
+    names.insert(leaked);
+    leaked
+}
+
+impl<S: KvStore> KvExchange<S> {
+    /// Rank `rank` of `world_size` over `store`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if `rank >= world_size` or the prefix is empty.
+    pub fn new(store: S, rank: usize, world_size: usize, config: KvConfig) -> Result<Self> {
+        if rank >= world_size {
+            return Err(Error::InvalidConfig(format!(
+                "rank {rank} is not below the world size {world_size}"
+            )));
+        }
+        if config.prefix.is_empty() {
+            return Err(Error::InvalidConfig("empty key prefix".into()));
+        }
+        Ok(KvExchange {
+            store,
+            rank,
+            world: world_size,
+            config,
+            rounds: Mutex::new(HashMap::new()),
+            channels: Mutex::new(0),
+            broken: Mutex::new(None),
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &KvConfig {
+        &self.config
+    }
+
+    fn key(&self, channel: ChannelId, round: u64, rank: usize) -> String {
+        format!(
+            "{}/{}/{round}/{rank}",
+            self.config.prefix,
+            channel.ordinal()
+        )
+    }
+
+    fn broken_key(&self) -> String {
+        format!("{}/broken", self.config.prefix)
+    }
+
+    fn reason_key(&self) -> String {
+        format!("{}/broken/reason", self.config.prefix)
+    }
+
+    /// The group's broken state: this rank's memory first, then the store's counter.
+    fn check_broken(&self) -> Result<()> {
+        let mut broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((rank, op)) = *broken {
+            return Err(Error::GroupBroken { rank, op });
+        }
+        if self.store.add(&self.broken_key(), 0)? > 0 {
+            let reason = self.store.get(&self.reason_key())?;
+            let text = String::from_utf8_lossy(&reason);
+            let (rank, op) = text.split_once(' ').unwrap_or(("0", "an exchange round"));
+            let found = (rank.parse().unwrap_or(0), intern(op));
+            *broken = Some(found);
+            return Err(Error::GroupBroken {
+                rank: found.0,
+                op: found.1,
+            });
+        }
+        Ok(())
+    }
+
+    /// Break the group after this rank's timeout in `op`.
+    fn break_group(&self, op: &'static str, own_key: &str) {
+        *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some((self.rank, op));
+        let reason = format!("{} {op}", self.rank);
+        // Best effort: the timeout is what this rank reports either way.
+        let _ = self.store.set(&self.reason_key(), reason.as_bytes());
+        let _ = self.store.add(&self.broken_key(), 1);
+        let _ = self.store.delete(own_key);
+    }
+}
+
+impl<S: KvStore> Exchange for KvExchange<S> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(
+        &self,
+        channel: ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        let started = Instant::now();
+        let deadline = deadline_after(started, timeout);
+        self.check_broken()?;
+        let round = {
+            let mut rounds = self.rounds.lock().unwrap_or_else(|p| p.into_inner());
+            let next = rounds.entry(channel).or_insert(0);
+            *next += 1;
+            *next - 1
+        };
+        let keys: Vec<String> = (0..self.world)
+            .map(|k| self.key(channel, round, k))
+            .collect();
+        let own = &keys[self.rank];
+        self.store.set(own, payload)?;
+        loop {
+            let now = Instant::now();
+            let slice = deadline
+                .saturating_duration_since(now)
+                .min(self.config.poll)
+                .max(Duration::from_millis(1));
+            if self.store.wait(&keys, slice)? {
+                break;
+            }
+            self.check_broken()?;
+            if Instant::now() >= deadline {
+                let mut missing = Vec::new();
+                for (k, key) in keys.iter().enumerate() {
+                    if !self.store.check(std::slice::from_ref(key))? {
+                        missing.push(k);
+                    }
+                }
+                if missing.is_empty() {
+                    break;
+                }
+                self.break_group(op, own);
+                return Err(Error::Timeout {
+                    op,
+                    waited: started.elapsed(),
+                    missing_ranks: missing,
+                });
+            }
+        }
+        // A rank that timed out may have posted before it gave up: do not pair with it.
+        self.check_broken()?;
+        let mut out = Vec::with_capacity(self.world);
+        for (k, key) in keys.iter().enumerate() {
+            if k == self.rank {
+                out.push(payload.to_vec());
+            } else {
+                out.push(self.store.get(key)?);
+            }
+        }
+        if round > 0 {
+            self.store
+                .delete(&self.key(channel, round - 1, self.rank))?;
+        }
+        Ok(out)
+    }
+
+    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
+        open_channel_with(self, &self.channels, name, timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Condvar};
+
+    /// An in-memory store with c10d's semantics.
+    #[derive(Debug, Default)]
+    struct Mem {
+        map: Mutex<HashMap<String, Vec<u8>>>,
+        cv: Condvar,
+    }
+
+    impl KvStore for Arc<Mem> {
+        fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+            self.map.lock().unwrap().insert(key.into(), value.to_vec());
+            self.cv.notify_all();
+            Ok(())
+        }
+        fn get(&self, key: &str) -> Result<Vec<u8>> {
+            Ok(self.map.lock().unwrap()[key].clone())
+        }
+        fn add(&self, key: &str, delta: i64) -> Result<i64> {
+            let mut m = self.map.lock().unwrap();
+            let v = m.get(key).map_or(0, |v| {
+                String::from_utf8_lossy(v).parse::<i64>().unwrap_or(0)
+            }) + delta;
+            m.insert(key.into(), v.to_string().into_bytes());
+            self.cv.notify_all();
+            Ok(v)
+        }
+        fn wait(&self, keys: &[String], timeout: Duration) -> Result<bool> {
+            let deadline = Instant::now() + timeout;
+            let mut m = self.map.lock().unwrap();
+            loop {
+                if keys.iter().all(|k| m.contains_key(k)) {
+                    return Ok(true);
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Ok(false);
+                }
+                m = self.cv.wait_timeout(m, deadline - now).unwrap().0;
+            }
+        }
+        fn delete(&self, key: &str) -> Result<()> {
+            self.map.lock().unwrap().remove(key);
+            Ok(())
+        }
+    }
+
+    fn group(world: usize) -> (Arc<Mem>, Vec<KvExchange<Arc<Mem>>>) {
+        let mem = Arc::new(Mem::default());
+        let cfg = KvConfig::new("t").with_poll(Duration::from_millis(20));
+        let ex = (0..world)
+            .map(|r| KvExchange::new(mem.clone(), r, world, cfg.clone()).unwrap())
+            .collect();
+        (mem, ex)
+    }
+
+    #[test]
+    fn rounds_gather_in_rank_order_and_keys_are_deleted() {
+        let (mem, ex) = group(3);
+        std::thread::scope(|s| {
+            for e in &ex {
+                s.spawn(move || {
+                    let ch = e.open_channel("pool:a", Duration::from_secs(5)).unwrap();
+                    assert_eq!(ch.ordinal(), 1);
+                    for round in 0..5u8 {
+                        let got = e
+                            .all_gather(ch, "t", &[e.rank() as u8, round], Duration::from_secs(5))
+                            .unwrap();
+                        let want: Vec<Vec<u8>> = (0..3).map(|r| vec![r as u8, round]).collect();
+                        assert_eq!(got, want);
+                    }
+                });
+            }
+        });
+        // Only the last round's keys of the channel remain.
+        let map = mem.map.lock().unwrap();
+        let keys: Vec<_> = map.keys().filter(|k| k.starts_with("t/1/")).collect();
+        assert_eq!(keys.len(), 3, "{keys:?}");
+    }
+
+    #[test]
+    fn a_timeout_breaks_the_group_for_everyone() {
+        let (_mem, ex) = group(3);
+        let short = Duration::from_millis(100);
+        std::thread::scope(|s| {
+            // Rank 2 never comes; rank 0 times out first, rank 1 learns of it.
+            let e0 = &ex[0];
+            let h0 = s.spawn(move || e0.all_gather(ChannelId::CONTROL, "grow", b"x", short));
+            let e1 = &ex[1];
+            let h1 = s.spawn(move || {
+                e1.all_gather(ChannelId::CONTROL, "grow", b"y", Duration::from_secs(30))
+            });
+            match h0.join().unwrap() {
+                Err(Error::Timeout { missing_ranks, .. }) => assert_eq!(missing_ranks, vec![2]),
+                other => panic!("{other:?}"),
+            }
+            match h1.join().unwrap() {
+                Err(Error::GroupBroken {
+                    rank: 0,
+                    op: "grow",
+                }) => {}
+                other => panic!("{other:?}"),
+            }
+        });
+        // A late rank fails too, on any channel.
+        assert!(matches!(
+            ex[2].all_gather(ChannelId::CONTROL, "grow", b"z", short),
+            Err(Error::GroupBroken { rank: 0, .. })
+        ));
+    }
+}
