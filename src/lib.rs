@@ -69,8 +69,8 @@ pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::CudaView;
 pub use pool::{
-    CheckMode, MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned,
-    current,
+    CheckMode, MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc,
+    alloc_aligned, current,
 };
 pub use stream::Stream;
 

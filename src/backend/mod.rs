@@ -775,9 +775,9 @@ impl Backend {
     /// The next sequence number (1-based) of a collective on communicator `comm`,
     /// counted over every pool of this backend.
     pub(crate) fn next_collective_seq(&self, comm: usize) -> u64 {
-        self.collective_seqs
-            .get(comm)
-            .map_or(0, |c| c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1)
+        self.collective_seqs.get(comm).map_or(0, |c| {
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+        })
     }
 
     /// The exchange, shared (for another backend or a store-backed component).

@@ -292,10 +292,7 @@ impl ShmBackend {
         // (the arguments are compared by the checked collectives of `coll`, the same
         // way on every backend; like NCCL, the backend itself does not).
         let posts = self.round(args.comm, op, &[kind::POST, u64::from(reduce)])?;
-        let verdict = match posts
-            .iter()
-            .position(|p| p.first() != Some(&kind::POST))
-        {
+        let verdict = match posts.iter().position(|p| p.first() != Some(&kind::POST)) {
             Some(rank) => Err(Error::CollectiveMismatch {
                 op,
                 detail: format!("rank {rank} is at another step of its calls on this communicator"),

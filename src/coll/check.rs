@@ -214,6 +214,8 @@ struct QueueState {
     compared: u64,
     started: bool,
     stop: bool,
+    /// The checker thread has exited.
+    done: bool,
 }
 
 /// The collective checks of one pool (in the collectives' per-pool state).
@@ -387,14 +389,14 @@ impl Checker {
         Ok(())
     }
 
-    /// Async: wait until every record posted so far is compared (or a check failed).
+    /// Async: wait until every record posted so far is compared (or the checker thread
+    /// stopped), then return the verdict.
     pub(crate) fn wait_compared(&self) -> Result<()> {
         let q = &self.queue;
         let mut st = lock(&q.state);
         let target = st.posted;
         let deadline = Instant::now() + self.timeout.saturating_mul(2);
-        while st.compared < target {
-            self.verdict.check()?;
+        while st.compared < target && !st.done && self.verdict.divergence.get().is_none() {
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Timeout {
@@ -458,14 +460,19 @@ impl Worker {
             let batch: Vec<Record> = {
                 let mut st = lock(&self.queue.state);
                 loop {
-                    if self.verdict.is_broken() {
-                        return;
+                    // A collective that timed out breaks the pool but not the check:
+                    // the records posted so far are still compared, so every rank
+                    // learns the same divergence.
+                    if self.verdict.divergence.get().is_some() {
+                        drop(st);
+                        return self.exit();
                     }
                     if ahead || !st.pending.is_empty() {
                         break;
                     }
                     if st.stop {
-                        return;
+                        drop(st);
+                        return self.exit();
                     }
                     st.idle = true;
                     st = self
@@ -495,12 +502,12 @@ impl Worker {
                 }
             }
             while seen.iter().all(|q| !q.is_empty()) {
-                let records: Vec<Record> = seen.iter_mut().filter_map(VecDeque::pop_front).collect();
+                let records: Vec<Record> =
+                    seen.iter_mut().filter_map(VecDeque::pop_front).collect();
                 compared += 1;
                 if let Some(d) = compare(&records, compared, &self.pool, "async check") {
                     self.verdict.diverged(d);
-                    self.queue.progress.notify_all();
-                    return;
+                    return self.exit();
                 }
             }
             lock(&self.queue.state).compared = compared;
@@ -510,6 +517,11 @@ impl Worker {
 
     fn fail(&self, reason: String) {
         self.verdict.failed(reason);
+        self.exit();
+    }
+
+    fn exit(&self) {
+        lock(&self.queue.state).done = true;
         self.queue.progress.notify_all();
     }
 }

@@ -434,8 +434,11 @@ impl SymmPool {
                 });
             }
         }
-        st.history
-            .record(CallKind::Reserve, size_bytes, u64::from(class == SizeClass::Small));
+        st.history.record(
+            CallKind::Reserve,
+            size_bytes,
+            u64::from(class == SizeClass::Small),
+        );
         // Registration is refused while any stream the pool has served is capturing.
         let ready = self.readiness_known(&st)?;
         let flags = self.agree(&mut st, op::RESERVE, "reserve", size, ready)?;
