@@ -524,34 +524,66 @@ fn apply(ops: &[Op], p: &Perturb) -> Vec<Op> {
     v
 }
 
-/// Run `ops` on one rank; returns the calls it made (its trace) and whether any
-/// error was reported (including at the final collectives and `wait_checks`).
-fn play(pools: &[SymmPool], ops: &[Op]) -> (Vec<String>, bool) {
+/// What one rank did, as the ranks must agree on it: per pool, its calls in order;
+/// per communicator, the collectives on it in order (with their pool). Orders between
+/// pools that no communicator sees are free (the pools are independent).
+#[derive(Debug, Default, PartialEq)]
+struct Trace {
+    pools: [Vec<String>; 2],
+    comms: std::collections::BTreeMap<usize, Vec<String>>,
+}
+
+/// Run `ops` on one rank; returns its trace and whether any error was reported
+/// (including at the final collectives and `wait_checks`).
+fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
     let stream = Stream::host();
-    let mut slots: Vec<Option<SymmBuffer>> = (0..=SLOTS).map(|_| None).collect();
-    let mut trace = Vec::new();
-    let mut step = |op: &Op, slots: &mut Vec<Option<SymmBuffer>>| -> symmpool::Result<()> {
+    // A slot holds (pool, the buffer's number among the pool's allocations, buffer):
+    // the trace names buffers by that number, as the pool does.
+    type Slot = Option<(usize, usize, SymmBuffer)>;
+    let mut slots: Vec<Slot> = (0..=SLOTS).map(|_| None).collect();
+    let mut trace = Trace::default();
+    let mut allocs = [0usize; 2];
+    let mut step = |op: &Op, slots: &mut Vec<Slot>| -> symmpool::Result<()> {
+        let collective = |trace: &mut Trace,
+                          pool: usize,
+                          what: String,
+                          r: &symmpool::Result<CollectiveReport>| {
+            trace.pools[pool].push(what.clone());
+            if let Ok(r) = r {
+                trace
+                    .comms
+                    .entry(r.comm)
+                    .or_default()
+                    .push(format!("p{pool} {what}"));
+            }
+        };
         match *op {
             Op::Alloc { pool, slot, size } => {
-                trace.push(format!("alloc p{pool} s{slot} {size}"));
-                slots[slot] = Some(pools[pool].alloc(size, &stream)?);
+                if let Some((old, id, _)) = slots[slot].take() {
+                    trace.pools[old].push(format!("free #{id}"));
+                }
+                allocs[pool] += 1;
+                trace.pools[pool].push(format!("alloc {size}"));
+                slots[slot] = Some((pool, allocs[pool], pools[pool].alloc(size, &stream)?));
             }
             Op::Free { slot } => {
-                if slots[slot].take().is_some() {
-                    trace.push(format!("free s{slot}"));
+                if let Some((pool, id, _)) = slots[slot].take() {
+                    trace.pools[pool].push(format!("free #{id}"));
                 }
             }
             Op::Gather { slot } => {
-                if let Some(b) = &slots[slot] {
-                    trace.push(format!("gather s{slot}"));
-                    coll::all_gather_in_place::<f32>(b, &stream)?;
+                if let Some((pool, id, b)) = &slots[slot] {
+                    let r = coll::all_gather_in_place::<f32>(b, &stream);
+                    collective(&mut trace, *pool, format!("gather #{id}"), &r);
+                    r?;
                 }
             }
             Op::Reduce { slot, max } => {
-                if let Some(b) = &slots[slot] {
-                    trace.push(format!("reduce s{slot} {max}"));
+                if let Some((pool, id, b)) = &slots[slot] {
                     let op = if max { ReduceOp::Max } else { ReduceOp::Sum };
-                    coll::reduce_scatter_in_place::<f32>(b, op, &stream)?;
+                    let r = coll::reduce_scatter_in_place::<f32>(b, op, &stream);
+                    collective(&mut trace, *pool, format!("reduce #{id} {max}"), &r);
+                    r?;
                 }
             }
         }
@@ -583,7 +615,7 @@ fn property(mode: CheckMode, ops: Vec<Op>, p: Perturb) -> Result<(), TestCaseErr
     let a = SymmPool::group(bs.clone(), &cfg.clone().with_name("a")).unwrap();
     let b = SymmPool::group(bs, &cfg.with_name("b")).unwrap();
     let plans = [ops.clone(), apply(&ops, &p)];
-    let out: Vec<(Vec<String>, bool)> = thread::scope(|sc| {
+    let out: Vec<(Trace, bool)> = thread::scope(|sc| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
                 let pools = [a[r].clone(), b[r].clone()];
