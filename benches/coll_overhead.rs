@@ -6,8 +6,9 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use symmpool::backend::{CollArgs, Collectives};
-use symmpool::{HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
+use symmpool::{CheckMode, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
 
 /// Collectives that do nothing: what remains is the crate's own cost per call.
 #[derive(Debug)]
@@ -32,7 +33,9 @@ fn bench(c: &mut Criterion) {
         .pop()
         .expect("rank 0")
         .with_collectives(|_| Arc::new(NullCollectives));
-    let pools = SymmPool::group(vec![b0, b1], &PoolConfig::default()).expect("pools");
+    // Rank 1 makes no collectives: no checks (see `bench_checks` for their cost).
+    let config = PoolConfig::default().with_check(CheckMode::Off);
+    let pools = SymmPool::group(vec![b0, b1], &config).expect("pools");
     let stream = Stream::host();
     let mut bufs = std::thread::scope(|s| {
         let hs: Vec<_> = pools
@@ -92,5 +95,66 @@ fn bench(c: &mut Criterion) {
     drop((buf, out, bufs));
 }
 
-criterion_group!(benches, bench);
+/// The calling thread's cost per all-gather under each check mode: two ranks whose
+/// collectives do nothing; rank 1 mirrors rank 0's iterations from its own thread (so
+/// the async check's rounds and the strict check's round have a peer), and only rank
+/// 0's loop is timed.
+fn bench_checks(c: &mut Criterion) {
+    let mut g = c.benchmark_group("checked_call");
+    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+        let world: Vec<_> = HostBackend::world(HostConfig::new(2))
+            .expect("world")
+            .into_iter()
+            .map(|b| b.with_collectives(|_| Arc::new(NullCollectives)))
+            .collect();
+        let config = PoolConfig::default().with_check(mode);
+        let pools = SymmPool::group(world, &config).expect("pools");
+        let bufs: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = pools
+                .iter()
+                .map(|p| s.spawn(move || p.alloc(2 << 20, &Stream::host()).expect("buffer")))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
+        let (tx, rx) = std::sync::mpsc::channel::<u64>();
+        let peer = std::thread::scope(|s| {
+            let peer_buf = &bufs[1];
+            let h = s.spawn(move || {
+                let stream = Stream::host();
+                for n in rx {
+                    for _ in 0..n {
+                        coll::all_gather_in_place::<u8>(peer_buf, &stream).expect("peer call");
+                    }
+                }
+                coll::wait_checks(peer_buf.pool())
+            });
+            let stream = Stream::host();
+            g.bench_function(format!("all_gather_in_place_{}", mode.name()), |b| {
+                b.iter_custom(|iters| {
+                    tx.send(iters).expect("peer");
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        coll::all_gather_in_place::<u8>(black_box(&bufs[0]), &stream)
+                            .expect("call");
+                    }
+                    let took = t.elapsed();
+                    // Let the checks catch up outside the timed loop, so the next
+                    // sample starts with an empty queue.
+                    coll::wait_checks(&pools[0]).expect("checks");
+                    took
+                })
+            });
+            drop(tx);
+            h.join().expect("peer")
+        });
+        peer.expect("peer checks");
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3));
+    targets = bench, bench_checks
+}
 criterion_main!(benches);

@@ -9,6 +9,7 @@
 # benchmark (from $ANCHORS, when present) into gpu-bundle/ (git ignores it). Ship that
 # folder to the GPU machine and run `run` there from the repo root; it writes at most
 # 8 log files into $OUT (default ./gpu-out). GPUS=1 runs what one GPU can check.
+# NCCL_CHECK=1 sets NCCL_CHECK_MODE=DEBUG_GLOBAL (NCCL >= 2.29.7 only).
 #
 # Sections of `run` (default all): tests paths bench example anchor
 set -euo pipefail
@@ -44,6 +45,11 @@ run() {
   has() { local x; for x in "${want[@]}"; do [ "$x" = "$1" ] && return 0; done; return 1; }
   # Keep NVLink multicast off (it can take a shared host down).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  # NCCL's own per-collective check across ranks (registration and offsets; not
+  # skipped calls), NCCL >= 2.29.7 only: set NCCL_CHECK=1 when the machine's NCCL has
+  # it (the two-GPU machine has 2.28.3, so it is off by default). symmpool's checked
+  # collectives (`--check` of the example) work on every version.
+  if [ "${NCCL_CHECK:-0}" = 1 ]; then export NCCL_CHECK_MODE=DEBUG_GLOBAL; fi
   local bin="$BUNDLE/bin"
   {
     date -u

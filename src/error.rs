@@ -152,10 +152,14 @@ pub enum Error {
     /// out of bounds.
     #[error("bad view: {0}")]
     BadView(String),
-    /// Growth (registration) was attempted while the stream is capturing a CUDA graph.
-    /// Call [`SymmPool::reserve`](crate::SymmPool::reserve) before capturing.
+    /// Growth or a reservation (registration) was attempted while a stream of the pool
+    /// is capturing a CUDA graph. Before capturing, pre-grow the pool for every size the
+    /// captured code allocates: [`SymmPool::reserve`](crate::SymmPool::reserve) for large
+    /// requests (over `small_request_max_bytes`, 1 MiB by default),
+    /// [`SymmPool::reserve_small`](crate::SymmPool::reserve_small) for small ones.
     #[error(
-        "cannot register memory while the stream is capturing a CUDA graph; reserve before capture"
+        "cannot register memory while a stream is capturing a CUDA graph; before capture, \
+         call reserve(bytes) for large requests and reserve_small(bytes) for small ones (<= 1 MiB by default)"
     )]
     GraphCapture,
     /// [`alloc`](crate::alloc) was called outside any [`SymmPool::scope`](crate::SymmPool::scope).
@@ -403,6 +407,49 @@ pub enum Error {
         /// What broke it.
         reason: String,
     },
+    // checked collectives
+    /// The ranks' records of a collective (or of a periodic light agreement) differ:
+    /// they are not making the same call on the same buffers (see
+    /// [`coll`](crate::coll), "Checked collectives"). Reported on every rank, naming
+    /// the first differing field and each rank's value. Under
+    /// [`CheckMode::Strict`](crate::CheckMode::Strict) no data moved; under
+    /// [`CheckMode::Async`](crate::CheckMode::Async) the diverging collectives may
+    /// already have run. Either way the pool is broken from then on: every later
+    /// collective fails with this error, every later pool call with
+    /// [`Error::PoolBroken`]. Drop the pool and build a new one.
+    #[error("{0}")]
+    CollectiveDivergence(Box<CollectiveDivergence>),
+}
+
+/// Details of a [`Error::CollectiveDivergence`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectiveDivergence {
+    /// The pool's name.
+    pub pool: String,
+    /// Which check found it: `"strict check"`, `"async check"`.
+    pub found_by: &'static str,
+    /// Position (1-based) of the differing record among the records this pool's
+    /// ranks compared (collectives and light agreements together).
+    pub record: u64,
+    /// The first field that differs (for example `"count"`, `"reduction"`,
+    /// `"output offset"`, `"pool call hash"`).
+    pub field: &'static str,
+    /// Each rank's value of that field, in rank order.
+    pub values: Vec<(usize, String)>,
+}
+
+impl fmt::Display for CollectiveDivergence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ranks diverged at checked record #{} of pool {:?} (found by the {}): {} differs:",
+            self.record, self.pool, self.found_by, self.field
+        )?;
+        for (rank, v) in &self.values {
+            write!(f, " rank {rank} has {v};")?;
+        }
+        write!(f, " the pool is broken: drop it and build a new one")
+    }
 }
 
 fn describe_channels(opened: &[(usize, u64, String)]) -> String {

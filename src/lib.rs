@@ -65,13 +65,13 @@ pub use control::{
 };
 pub use core::{CoreStats, Snapshot};
 pub use dtype::{DType, Element, ReduceOp};
-pub use error::{Divergence, Error, NcclVersion, Result};
+pub use error::{CollectiveDivergence, Divergence, Error, NcclVersion, Result};
 pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::CudaView;
 pub use pool::{
-    FitReport, MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc,
-    alloc_aligned, current,
+    CheckMode, FitReport, MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView,
+    alloc, alloc_aligned, current,
 };
 pub use stream::Stream;
 

@@ -5,12 +5,23 @@
 use std::thread;
 use std::time::Duration;
 use symmpool::coll::{self, Path};
-use symmpool::{Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16};
+use symmpool::{CheckMode, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16};
 
 fn pools(world: usize) -> Vec<SymmPool> {
     SymmPool::host_group(
         world,
         PoolConfig::default().with_timeout(Duration::from_secs(10)),
+    )
+    .unwrap()
+}
+
+/// Pools whose collectives are checked before they launch.
+fn strict_pools(world: usize) -> Vec<SymmPool> {
+    SymmPool::host_group(
+        world,
+        PoolConfig::default()
+            .with_timeout(Duration::from_secs(10))
+            .with_check(CheckMode::Strict),
     )
     .unwrap()
 }
@@ -264,8 +275,8 @@ fn inconsistent_sizes_are_refused_before_launch() {
 fn diverged_offsets_are_caught_at_the_collective() {
     // Rank 1 allocates one extra small buffer from the cache (no growth, so no
     // agreement): its next buffer lands at another offset. NCCL would silently read
-    // the wrong bytes; the host backend reports it on every rank.
-    let pools = pools(2);
+    // the wrong bytes; the strict check reports it on every rank.
+    let pools = strict_pools(2);
     let errs = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         let warm = pool.alloc(4096, &stream).unwrap();
@@ -275,14 +286,14 @@ fn diverged_offsets_are_caught_at_the_collective() {
         coll::all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
     });
     for e in errs {
-        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e:?}");
-        assert!(e.to_string().contains("offset"), "{e}");
+        assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
+        assert!(e.to_string().contains("input allocation"), "{e}");
     }
 }
 
 #[test]
 fn mismatched_counts_across_ranks_are_errors_not_hangs() {
-    let pools = pools(2);
+    let pools = strict_pools(2);
     let errs = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         drop(pool.alloc(1 << 20, &stream).unwrap()); // grow together first
@@ -291,7 +302,8 @@ fn mismatched_counts_across_ranks_are_errors_not_hangs() {
         coll::all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
     });
     for e in errs {
-        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e:?}");
+        assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
+        assert!(e.to_string().contains("count differs"), "{e}");
     }
 }
 
@@ -332,20 +344,26 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
-    for e in errs {
-        assert!(
-            matches!(e, Err(Error::GroupBroken { rank: 0, .. })),
-            "{e:?}"
-        );
-    }
+    // Rank 0's pool is broken by its timed-out collective; rank 1 reaches the
+    // backend, whose group is broken.
+    assert!(
+        matches!(&errs[0], Err(Error::PoolBroken { reason }) if reason.contains("timed out")),
+        "{:?}",
+        errs[0]
+    );
+    assert!(
+        matches!(errs[1], Err(Error::GroupBroken { rank: 0, .. })),
+        "{:?}",
+        errs[1]
+    );
 }
 
 #[test]
 fn same_offset_in_another_window_is_caught() {
     // Two reserved segments; rank 1 takes an extra block from the cache (no agreement)
     // so its next buffer sits at offset 0 of the *second* window. Same offset, different
-    // window: NCCL would pair the wrong memory; the host backend reports it.
-    let pools = pools(2);
+    // window: NCCL would pair the wrong memory; the strict check reports it.
+    let pools = strict_pools(2);
     let errs = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         pool.reserve(20 << 20).unwrap();
@@ -356,8 +374,8 @@ fn same_offset_in_another_window_is_caught() {
         coll::all_gather_in_place::<f32>(&b, &stream).unwrap_err()
     });
     for e in errs {
-        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e:?}");
-        assert!(e.to_string().contains("window"), "{e}");
+        assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
+        assert!(e.to_string().contains("input allocation"), "{e}");
     }
 }
 
@@ -366,8 +384,9 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
     // Rank 0 issues its two all-gathers from two threads (in either order); rank 1
     // issues the matching two from one thread. The host backend serialises each rank's
     // calls on a communicator, so calls pair whole: matched pairs succeed, crossed
-    // pairs (different offsets) fail on both sides; never a panic or a hang.
-    let pools = pools(2);
+    // pairs (different offsets) fail on both sides (the strict check); never a panic
+    // or a hang.
+    let pools = strict_pools(2);
     let bufs = on_ranks(&pools, |p| {
         (0..2)
             .map(|_| p.alloc(8192, &Stream::host()).unwrap())

@@ -667,9 +667,14 @@ fn one_rank_capturing_fails_growth_on_every_rank_without_a_timeout() {
     for e in errs {
         assert!(matches!(e, Error::GraphCapture), "{e:?}");
     }
-    // The ranks stayed in step: `reserve` (the way out of capture) works on both.
-    let ids = on_ranks(&pools, |p| p.reserve(MIB).unwrap());
-    assert_eq!(ids[0], ids[1]);
+    // `reserve` registers too: refused on every rank while a stream the pool served
+    // is capturing (reserve before capture).
+    for e in on_ranks(&pools, |p| p.reserve(MIB).unwrap_err()) {
+        assert!(matches!(e, Error::GraphCapture), "{e:?}");
+    }
+    // The ranks stayed in step: `trim` (no registration) works on both.
+    let trimmed = on_ranks(&pools, |p| p.trim().unwrap());
+    assert_eq!(trimmed[0], trimmed[1]);
 }
 
 /// Two pools per rank on one backend: (a, b).

@@ -3,6 +3,30 @@
 use clap::{CommandFactory, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+/// How the collectives are checked across ranks (`--check`): symmpool's
+/// [`CheckMode`](symmpool::CheckMode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Check {
+    /// No checks.
+    Off,
+    /// Records posted and compared off the critical path (symmpool's default).
+    #[default]
+    Async,
+    /// Records compared before every collective is launched.
+    Strict,
+}
+
+impl Check {
+    /// symmpool's mode.
+    pub fn mode(self) -> symmpool::CheckMode {
+        match self {
+            Check::Off => symmpool::CheckMode::Off,
+            Check::Async => symmpool::CheckMode::Async,
+            Check::Strict => symmpool::CheckMode::Strict,
+        }
+    }
+}
+
 /// How the collectives run (`--comm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -93,6 +117,9 @@ pub struct Cli {
     /// Run every mode (ring, symm, ce, auto), interleaved step by step, in one table
     #[arg(long)]
     pub compare: bool,
+    /// How the collectives are checked across ranks (off, async, strict)
+    #[arg(long, value_enum, default_value_t = Check::Async)]
+    pub check: Check,
     /// GPU sizes where communication takes about as long as computation (see below)
     #[arg(long)]
     pub balanced: bool,

@@ -59,11 +59,16 @@ use trainer::{Math, Trainer};
 //    segment once as an NCCL window; the path policy says which NCCL path the
 //    collectives prefer on those windows.
 
-/// The pool configuration of `mode`: `ring` registers nothing (plain NCCL).
+/// The check mode of every pool (`--check`), set once from the command line.
+static CHECK: std::sync::OnceLock<symmpool::CheckMode> = std::sync::OnceLock::new();
+
+/// The pool configuration of `mode`: `ring` registers nothing (plain NCCL); the
+/// collectives are checked as `--check` says (async by default).
 fn pool_config(mode: Mode) -> PoolConfig {
     PoolConfig::default()
         .with_register(mode != Mode::Ring)
         .with_name(mode.name())
+        .with_check(CHECK.get().copied().unwrap_or_default())
 }
 
 /// The collectives' path preferences of `mode`.
@@ -244,6 +249,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let _ = CHECK.set(cli.check.mode());
     let args = cli.resolve(gpu_count());
     let results = if launch::is_rank_process() {
         // Started by a launcher (or by `--nproc`): this process is one rank.

@@ -2,10 +2,11 @@
 //!
 //! It is not a mock. Registration is a real barrier among the ranks with NCCL's
 //! ordering rule (windows pair by call order, sizes must match) and a timeout;
-//! collectives move and reduce real data between the ranks' segments, check that
-//! every rank passed the same arguments (and, on the symmetric path, the same
-//! offsets), and end in a barrier. Host work is synchronous, so streams are tags and
-//! fences are counters.
+//! collectives move and reduce real data between the ranks' segments, at the offsets
+//! each rank passed (bounds checked), and end in a barrier. Like NCCL, the backend
+//! does not compare the ranks' arguments: the checked collectives of
+//! [`coll`](crate::coll) do, the same way on every backend. Host work is synchronous,
+//! so streams are tags and fences are counters.
 
 use super::rendezvous::Rendezvous;
 use super::{
@@ -14,7 +15,7 @@ use super::{
 };
 use crate::control::LocalExchange;
 use crate::core::{Fence, StreamId};
-use crate::dtype::{self, DType, ReduceOp};
+use crate::dtype;
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
 use std::collections::BTreeMap;
@@ -144,18 +145,11 @@ fn try_zeroed(n: usize) -> Option<Box<[u8]>> {
 
 type Side = (Arc<Mutex<Box<[u8]>>>, u64, u64);
 
+/// One rank's sides of a collective, as its peers read them.
 #[derive(Clone)]
 struct Post {
-    op: &'static str,
     send: Side,
     recv: Side,
-    /// Position of the send and receive segments' windows on the communicator.
-    send_window: Option<u64>,
-    recv_window: Option<u64>,
-    count: u64,
-    dtype: DType,
-    reduce: ReduceOp,
-    symmetric: bool,
 }
 
 /// State shared by the ranks of one host world, per communicator.
@@ -295,15 +289,8 @@ impl HostBackend {
             ))
         };
         let post = Post {
-            op,
-            send_window: args.windows.0.map(Window::ordinal),
-            recv_window: args.windows.1.map(Window::ordinal),
             send: side(&args.send)?,
             recv: side(&args.recv)?,
-            count: args.count,
-            dtype: args.dtype,
-            reduce: args.op,
-            symmetric: args.symmetric(),
         };
         let _serial = comm.serial[self.rank]
             .lock()
@@ -315,7 +302,7 @@ impl HostBackend {
         // A `None` is a peer's closing round paired with this post: the ranks are not
         // making the same calls on this communicator.
         let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
-            Some(posts) => check_posts(&posts).and_then(|()| body(&posts)),
+            Some(posts) => body(&posts),
             None => Err(Error::CollectiveMismatch {
                 op,
                 detail: "a peer is at another step of its calls on this communicator".into(),
@@ -327,57 +314,6 @@ impl HostBackend {
             .gather(op, self.rank, round, None, self.config.timeout)?;
         verdict
     }
-}
-
-/// All ranks must agree on the operation, counts, type and reduction; on the symmetric
-/// path also on the offset of the buffer peers access (NCCL's kernels address peers at
-/// the local offset and do not check it).
-fn check_posts(posts: &[Post]) -> Result<()> {
-    let first = &posts[0];
-    for (rank, p) in posts.iter().enumerate() {
-        let mismatch = |what: &str, a: String, b: String| Error::CollectiveMismatch {
-            op: first.op,
-            detail: format!("{what}: rank 0 has {a}, rank {rank} has {b}"),
-        };
-        if p.op != first.op {
-            return Err(mismatch("operation", first.op.into(), p.op.into()));
-        }
-        if p.count != first.count {
-            return Err(mismatch(
-                "count",
-                first.count.to_string(),
-                p.count.to_string(),
-            ));
-        }
-        if p.dtype != first.dtype || p.reduce != first.reduce {
-            return Err(mismatch(
-                "type or reduction",
-                format!("{:?}/{:?}", first.dtype, first.reduce),
-                format!("{:?}/{:?}", p.dtype, p.reduce),
-            ));
-        }
-        // All-gather writes peers at the output offset, reduce-scatter reads them at the
-        // input offset; the other side is local (so in-place calls are fine).
-        // The peer-accessed side must be the same window (by registration order) at
-        // the same offset on every rank.
-        let (mine, theirs, what) = if first.op == "all_gather" {
-            (
-                (p.recv_window, p.recv.1),
-                (first.recv_window, first.recv.1),
-                "symmetric output (window, offset)",
-            )
-        } else {
-            (
-                (p.send_window, p.send.1),
-                (first.send_window, first.send.1),
-                "symmetric input (window, offset)",
-            )
-        };
-        if first.symmetric && mine != theirs {
-            return Err(mismatch(what, format!("{theirs:?}"), format!("{mine:?}")));
-        }
-    }
-    Ok(())
 }
 
 fn read_region(seg: &Mutex<Box<[u8]>>, offset: u64, len: u64) -> Result<Vec<u8>> {

@@ -12,8 +12,10 @@
 //! - collectives on windows read peers' memory **at the local offset**, as NCCL's
 //!   symmetric kernels and copy engines do inside a node; collectives without windows
 //!   move the data through the control plane, as NCCL's ring moves it through its own
-//!   buffers. Every collective starts with a round in which the ranks compare their
-//!   arguments and ends with a barrier, so no rank reuses its input early.
+//!   buffers. Every collective starts with a round in which the ranks meet (their
+//!   arguments are compared by the checked collectives of [`coll`](crate::coll), not
+//!   here, as NCCL does not compare them either) and ends with a barrier, so no rank
+//!   reuses its input early.
 //!
 //! Linux only (memfd and `/proc`). Host work is synchronous: streams are tags and
 //! fences counters, as on the threads backend.
@@ -286,20 +288,17 @@ impl ShmBackend {
     ) -> Result<()> {
         let (_, serial) = self.comm(args.comm)?;
         let _serial = lock(serial);
-        let post = [
-            kind::POST,
-            u64::from(reduce),
-            args.count,
-            args.dtype as u64,
-            args.op as u64,
-            args.send.offset_bytes(),
-            args.recv.offset_bytes(),
-            args.windows.0.map_or(0, Window::ordinal),
-            args.windows.1.map_or(0, Window::ordinal),
-            u64::from(args.symmetric()),
-        ];
-        let posts = self.round(args.comm, op, &post)?;
-        let verdict = check_posts(op, &posts).and_then(|()| body(&posts));
+        // The opening round: every rank is at this collective on this communicator
+        // (the arguments are compared by the checked collectives of `coll`, the same
+        // way on every backend; like NCCL, the backend itself does not).
+        let posts = self.round(args.comm, op, &[kind::POST, u64::from(reduce)])?;
+        let verdict = match posts.iter().position(|p| p.first() != Some(&kind::POST)) {
+            Some(rank) => Err(Error::CollectiveMismatch {
+                op,
+                detail: format!("rank {rank} is at another step of its calls on this communicator"),
+            }),
+            None => body(&posts),
+        };
         // Nobody returns (and reuses its input) before every rank is done with it.
         let done = self.round(args.comm, op, &[kind::DONE])?;
         if done.iter().any(|d| d.first() != Some(&kind::DONE)) {
@@ -363,55 +362,6 @@ fn bounds(len: u64, offset: u64, n: u64) -> Result<std::ops::Range<usize>> {
             "range {offset}+{n} outside a segment of {len} bytes"
         ))),
     }
-}
-
-/// Every rank must pass the same operation, counts, type and reduction; on the
-/// symmetric path also the same (window, offset) for the side peers access (NCCL's
-/// kernels address peers at the local offset and do not check it).
-fn check_posts(op: &'static str, posts: &[Vec<u64>]) -> Result<()> {
-    let first = &posts[0];
-    for (rank, p) in posts.iter().enumerate() {
-        if p.len() != first.len() || p.first() != Some(&kind::POST) {
-            return Err(Error::CollectiveMismatch {
-                op,
-                detail: format!("rank {rank} is at another step of its calls on this communicator"),
-            });
-        }
-        let names = [
-            "kind",
-            "collective",
-            "count",
-            "type",
-            "reduction",
-            "input offset",
-            "output offset",
-            "input window",
-            "output window",
-            "symmetric",
-        ];
-        // The peer-accessed side: all-gather writes peers' outputs at the local output
-        // offset (push); reduce-scatter reads peers' inputs at the local input offset
-        // (pull). The other side is local, so in-place calls are fine.
-        let symmetric = first[9] == 1;
-        let reduce = first[1] == 1;
-        let checked: &[usize] = match (symmetric, reduce) {
-            (true, false) => &[1, 2, 3, 4, 6, 8, 9],
-            (true, true) => &[1, 2, 3, 4, 5, 7, 9],
-            (false, _) => &[1, 2, 3, 4, 9],
-        };
-        for &i in checked {
-            if p[i] != first[i] {
-                return Err(Error::CollectiveMismatch {
-                    op,
-                    detail: format!(
-                        "{}: rank 0 has {}, rank {rank} has {}",
-                        names[i], first[i], p[i]
-                    ),
-                });
-            }
-        }
-    }
-    Ok(())
 }
 
 /// This rank's mapping of a region's bytes.

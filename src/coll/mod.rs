@@ -12,6 +12,67 @@
 //! Every function here is collective: every rank calls it in the same order, with
 //! buffers of the same sizes from the same pool call sequence (hence the same offsets).
 //!
+//! # Checked collectives
+//! NCCL's symmetric kernels and copy engines read and write peers at the caller's
+//! window offset and check nothing: if the ranks disagree about a buffer (a free and an
+//! allocation in different orders, a skipped collective, two pools crossed, two threads
+//! racing on one rank) the result is silent corruption or a hang. So every collective
+//! makes a **record**, the same mechanism on every backend:
+//!
+//! | field | what |
+//! |---|---|
+//! | record kind | collective, or periodic light agreement |
+//! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
+//! | pool collective number | collectives issued on this pool so far |
+//! | collective, element type, reduction, count | the call |
+//! | communicator, communicator sequence number | the communicator the path chose, and the collectives issued on it over *every* pool of the backend (crossed pools differ here) |
+//! | path | copy engine, symmetric kernel, plain kernel |
+//! | input and output: allocation, segment, offset, bytes | the buffers (allocation sequence numbers are the same on every rank for the same call sequence) |
+//! | pool call count and hash | the pool's running hash of every allocation and free before the call |
+//!
+//! The ranks compare their records on a channel of the pool's own, opened when the
+//! pool is created (the mode is part of its name, so ranks with different modes fail
+//! there). What happens depends on [`PoolConfig::check`](crate::PoolConfig::check):
+//!
+//! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and
+//!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
+//!   naming the first differing field and each rank's value, and **no data moves**.
+//!   Costs one control-plane round per collective on the calling thread; the round
+//!   and the launch are one step per pool (a second thread waits).
+//! * [`CheckMode::Async`] (the default): the calling thread posts the record into a
+//!   bounded queue ([`PoolConfig::check_queue`](crate::PoolConfig::check_queue) records,
+//!   64 by default) and returns; a background thread of the pool exchanges the posted
+//!   records in batches and compares them. A difference breaks the pool on every rank:
+//!   the next collective fails with [`Error::CollectiveDivergence`], the next pool call
+//!   with [`Error::PoolBroken`]. **Detection bound**: a divergence at this rank's
+//!   collective *k* is reported by its collective *k* + `check_queue` + 1 at the latest
+//!   (a caller that finds the queue full waits for room), and in time within one
+//!   control-plane round after the last rank posted record *k*; a rank that never posts
+//!   its record *k* (it skipped the last collective) is reported after the pool's
+//!   timeout ([`Error::Timeout`] breaks the exchange). [`wait_checks`] waits until
+//!   everything posted is compared. The diverging collectives themselves may have run
+//!   (and moved wrong data, or timed out).
+//! * [`CheckMode::Off`]: no record, no light agreement: a divergence is what it is
+//!   without the crate (silent corruption on the symmetric paths, a hang or an NCCL
+//!   error otherwise; the host backends move the data at the offsets given, bounds
+//!   checked, and time out on mismatched rounds).
+//!
+//! **Light agreement**: under `Async` and `Strict`, once every
+//! [`PoolConfig::check_every_calls`](crate::PoolConfig::check_every_calls) pool calls
+//! (1024 by default) the next allocation posts (or, under `Strict`, exchanges) a record
+//! of the pool's call count and running hash, so a loop of cache hits without
+//! collectives cannot drift unseen.
+//!
+//! **Breakage is consistent**: after a mismatch, or a collective that timed out or
+//! lost a peer, every later collective and every later pool call of that pool fails on
+//! this rank, and every collective pool operation (`reserve`, `trim`, growth) fails on
+//! every rank ([`Error::PoolBroken`]); `close` still releases the memory.
+//!
+//! **NCCL's own check**: NCCL ≥ 2.29.7 has `NCCL_CHECK_MODE=DEBUG_GLOBAL`, which checks
+//! each collective's registration and offsets across ranks (not skipped calls: a
+//! skipped collective pairs with the next one); `scripts/gpu-check.sh run` sets it
+//! when run with `NCCL_CHECK=1` (only for an NCCL that has it).
+//!
 //! ```
 //! use symmpool::{coll, PoolConfig, Stream, SymmPool};
 //!
@@ -36,6 +97,7 @@
 //! ```
 
 mod calibrate;
+mod check;
 mod path;
 
 pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement, calibrate};
@@ -45,19 +107,78 @@ pub(crate) use path::{PATHS, path_index};
 use crate::backend::{CollArgs, Region};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::pool::{SymmBuffer, SymmPool};
+use crate::pool::{CheckMode, SymmBuffer, SymmPool};
 use crate::stream::Stream;
 use path::{Coll, Inputs, select};
 use std::sync::{Arc, RwLock};
 
-/// The collectives' own state of one pool: its path policy.
-#[derive(Debug, Default)]
+/// The collectives' own state of one pool: its path policy and its checks.
+#[derive(Debug)]
 struct PoolColl {
     policy: RwLock<PathPolicy>,
+    check: check::Checker,
 }
 
 fn state(pool: &SymmPool) -> Result<Arc<PoolColl>> {
-    pool.extension(PoolColl::default)
+    pool.extension(|| PoolColl {
+        policy: RwLock::new(PathPolicy::default()),
+        check: check::Checker::new(pool),
+    })
+}
+
+/// The check mode of `pool` (its configuration's [`PoolConfig::check`](crate::PoolConfig::check)).
+pub fn check_mode(pool: &SymmPool) -> CheckMode {
+    pool.config().check
+}
+
+/// Wait until every collective record this rank posted on `pool` has been compared
+/// with the peers' (under [`CheckMode::Async`]; at once otherwise), and return the
+/// verdict: for example at the end of a training step, or before reading results
+/// that must be trusted.
+///
+/// # Collective
+/// The comparison needs the peers' records: every rank should call it at the same
+/// point (or at least have made the same collectives).
+///
+/// # Errors
+/// [`Error::CollectiveDivergence`] or [`Error::PoolBroken`] if a check failed;
+/// [`Error::Timeout`] if the records are not compared within twice the pool's timeout.
+pub fn wait_checks(pool: &SymmPool) -> Result<()> {
+    let st = state(pool)?;
+    match st.check.mode() {
+        CheckMode::Async => st.check.wait_compared(),
+        _ => st.check.check(),
+    }
+}
+
+/// The periodic light agreement of the pool's running call hash (from `alloc`, with
+/// the pool's state held): a record of kind "light" through the pool's check.
+pub(crate) fn light_agreement(pool: &SymmPool, call_seq: u64, hash: u64) -> Result<()> {
+    let st = state(pool)?;
+    let mut record = [0u64; check::WORDS];
+    record[check::field::KIND] = check::LIGHT;
+    record[check::field::POOL] = pool.channel().ordinal();
+    record[check::field::PATH] = 3;
+    record[check::field::CALL_SEQ] = call_seq;
+    record[check::field::CALL_HASH] = hash;
+    match st.check.mode() {
+        CheckMode::Off => Ok(()),
+        CheckMode::Async => st.check.post(record),
+        CheckMode::Strict => {
+            let mut compared = st.check.strict_lock();
+            st.check.strict_round(&mut compared, &record)
+        }
+    }
+}
+
+/// (allocation number, segment, offset, bytes) of a buffer, for a record.
+fn buffer_words(b: &SymmBuffer) -> [u64; 4] {
+    [
+        b.allocation_seq(),
+        u64::from(b.segment().0),
+        b.offset_bytes(),
+        b.len_bytes(),
+    ]
 }
 
 /// The path thresholds the collectives use on `pool` now ([`PathPolicy::default`]
@@ -164,21 +285,42 @@ fn dispatch(
         )
     })?;
     let registered = |c: usize| (send_buf.in_window(c), recv_buf.in_window(c));
-    let mut policy = path_policy(pool);
-    if let Some(p) = force {
-        policy = policy.with_choices(Choice::Prefer(p), Choice::Prefer(p));
+    let coll_state = state(pool).map_err(|e| failed(pool, e))?;
+    let checker = &coll_state.check;
+    let mode = checker.mode();
+    if let Err(e) = checker.check() {
+        return Err(failed(pool, e));
     }
-    let (comm, path) = select(&Inputs {
-        coll,
-        bytes_per_rank,
-        dtype,
-        version: backend.nccl_version(),
-        world_size: backend.world_size(),
-        nodes: backend.info().nodes,
-        comms: backend.communicators(),
-        registered: &registered,
-        policy: &policy,
-    });
+    // The pool's call count and hash, read before any check lock is taken (`alloc`
+    // takes the state first, then the check lock).
+    let calls = match mode {
+        CheckMode::Off => (0, 0),
+        _ => {
+            let st = pool.state();
+            (st.history.seq(), st.history.hash())
+        }
+    };
+    // The policy is read in place (a clone per call cost as much as the rest of the
+    // call); only a forced path, which calibration uses, builds one of its own.
+    let (comm, path) = {
+        let shared = coll_state.policy.read().unwrap_or_else(|p| p.into_inner());
+        let forced = force.map(|p| {
+            shared
+                .clone()
+                .with_choices(Choice::Prefer(p), Choice::Prefer(p))
+        });
+        select(&Inputs {
+            coll,
+            bytes_per_rank,
+            dtype,
+            version: backend.nccl_version(),
+            world_size: backend.world_size(),
+            nodes: backend.info().nodes,
+            comms: backend.communicators(),
+            registered: &registered,
+            policy: forced.as_ref().unwrap_or(&shared),
+        })
+    };
     let op = match coll {
         Coll::AllGather => ReduceOp::Sum,
         Coll::ReduceScatter(op) => op,
@@ -189,11 +331,45 @@ fn dispatch(
         (send_buf.window(comm), recv_buf.window(comm))
     };
     let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows);
+    // Strict: the record's round and the launch are one step on this pool.
+    let mut strict = (mode == CheckMode::Strict).then(|| checker.strict_lock());
+    if mode != CheckMode::Off {
+        let mut record = [0u64; check::WORDS];
+        record[check::field::KIND] = check::COLLECTIVE;
+        record[check::field::POOL] = pool.channel().ordinal();
+        record[check::field::POOL_COLLECTIVE] = checker.next_collective();
+        let (kind, reduction) = match coll {
+            Coll::AllGather => (1, 0),
+            Coll::ReduceScatter(op) => (2, op as u64 + 1),
+        };
+        record[check::field::OP] = kind;
+        record[check::field::DTYPE] = dtype as u64;
+        record[check::field::REDUCTION] = reduction;
+        record[check::field::COUNT] = count;
+        record[check::field::COMM] = comm as u64;
+        record[check::field::COMM_SEQ] = backend.next_collective_seq(comm);
+        record[check::field::PATH] = path as u64;
+        record[check::field::INPUT..check::field::INPUT + 4]
+            .copy_from_slice(&buffer_words(send_buf));
+        record[check::field::OUTPUT..check::field::OUTPUT + 4]
+            .copy_from_slice(&buffer_words(recv_buf));
+        record[check::field::CALL_SEQ] = calls.0;
+        record[check::field::CALL_HASH] = calls.1;
+        let checked = match strict.as_mut() {
+            Some(compared) => checker.strict_round(compared, &record),
+            None => checker.post(record),
+        };
+        if let Err(e) = checked {
+            return Err(failed(pool, e));
+        }
+    }
     let ran = match coll {
         Coll::AllGather => backend.collectives().all_gather(&args),
         Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
     };
+    drop(strict);
     if let Err(e) = ran {
+        checker.break_on(&e);
         return Err(failed(pool, e));
     }
     let report = CollectiveReport {
@@ -219,7 +395,8 @@ fn dispatch(
 /// [`Error::ForeignBuffer`] if the buffers come from different pools;
 /// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does not divide the input
 /// or `output` is not exactly world × `input` bytes; backend errors (on the host
-/// backend also [`Error::CollectiveMismatch`] and [`Error::Timeout`]).
+/// backend also [`Error::Timeout`]); [`Error::CollectiveDivergence`] when the pool's
+/// collective check finds the ranks disagree (see "Checked collectives" above).
 pub fn all_gather<T: Element>(
     input: &SymmBuffer,
     output: &SymmBuffer,

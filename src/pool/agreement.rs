@@ -61,6 +61,9 @@ impl CallRecord {
                 self.seq, self.a, self.b
             ),
             CallKind::Free => format!("call #{}: free(buffer of call #{})", self.seq, self.a),
+            CallKind::Reserve if self.b == 1 => {
+                format!("call #{}: reserve_small({} B)", self.seq, self.a)
+            }
             CallKind::Reserve => format!("call #{}: reserve({} B)", self.seq, self.a),
             CallKind::Trim => format!("call #{}: trim()", self.seq),
             CallKind::Close => format!("call #{}: close()", self.seq),
@@ -107,6 +110,11 @@ impl History {
             self.recent.push_back(CallRecord { seq, kind, a, b });
         }
         seq
+    }
+
+    /// The running hash of every call recorded so far.
+    pub(crate) fn hash(&self) -> u64 {
+        self.hash
     }
 
     /// Calls recorded so far.

@@ -8,7 +8,7 @@ use super::agreement::{self, CallKind, agree, op};
 use super::state::{PoolState, Readiness, SegmentEntry};
 use crate::backend::Segment;
 use crate::control::ChannelId;
-use crate::core::{Growth, SegmentId};
+use crate::core::{Growth, SegmentId, SizeClass};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use std::sync::Arc;
@@ -58,6 +58,21 @@ impl SymmPool {
             && self.inner.backend.streams().is_capturing(s)?
         {
             return Ok(Readiness::Capturing as u64);
+        }
+        Ok(Readiness::Ready as u64)
+    }
+
+    /// This rank's readiness for a reservation: capturing if any stream the pool has
+    /// allocated on is capturing a CUDA graph.
+    fn readiness_known(&self, st: &PoolState) -> Result<u64> {
+        let ready = st.readiness();
+        if ready != Readiness::Ready {
+            return Ok(ready as u64);
+        }
+        for s in &st.known_streams {
+            if self.inner.backend.streams().is_capturing(s)? {
+                return Ok(Readiness::Capturing as u64);
+            }
         }
         Ok(Readiness::Ready as u64)
     }
@@ -365,6 +380,26 @@ impl SymmPool {
     /// [`Error::PoolLimit`], and the growth errors of [`alloc`](Self::alloc).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
     pub fn reserve(&self, size_bytes: u64) -> Result<SegmentId> {
+        self.reserve_class(size_bytes, SizeClass::Large)
+    }
+
+    /// Pre-grow the pool by one *small-block* segment of at least `size_bytes`
+    /// (rounded up to the granularity, and to at least `small_segment_bytes`): small
+    /// requests (up to `small_request_max_bytes`, 1 MiB by default) are served from
+    /// small segments only, so [`reserve`](Self::reserve) does not help them. Call it
+    /// before CUDA-graph capture for the small buffers the captured code allocates.
+    ///
+    /// # Collective
+    /// As [`reserve`](Self::reserve).
+    ///
+    /// # Errors
+    /// As [`reserve`](Self::reserve).
+    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
+    pub fn reserve_small(&self, size_bytes: u64) -> Result<SegmentId> {
+        self.reserve_class(size_bytes, SizeClass::Small)
+    }
+
+    fn reserve_class(&self, size_bytes: u64, class: SizeClass) -> Result<SegmentId> {
         self.take_deferred_error()?;
         let mut st = self.state();
         if st.closed {
@@ -380,6 +415,10 @@ impl SymmPool {
                 requested_bytes: size_bytes,
                 max_bytes: config.max_request_bytes,
             })?;
+        let size = match class {
+            SizeClass::Small => size.max(config.small_segment_bytes),
+            SizeClass::Large => size,
+        };
         // The reserve limit is the same on every rank: check it before agreeing.
         let reserved = st.core.stats().reserved_bytes.current;
         match reserved.checked_add(size) {
@@ -392,13 +431,25 @@ impl SymmPool {
                 });
             }
         }
-        st.history.record(CallKind::Reserve, size_bytes, 0);
-        let ready = self.readiness(&st, None)?;
+        st.history.record(
+            CallKind::Reserve,
+            size_bytes,
+            u64::from(class == SizeClass::Small),
+        );
+        // Registration is refused while any stream the pool has served is capturing.
+        let ready = self.readiness_known(&st)?;
         let flags = self.agree(&mut st, op::RESERVE, "reserve", size, ready)?;
         st.all_ready(&flags)?;
         let id = st.core.next_segment_id();
         let entry = self.provide_segment(&mut st, size)?;
-        match st.core.add_shared_segment(size) {
+        let added = match class {
+            SizeClass::Large => st.core.add_shared_segment(size),
+            SizeClass::Small => st.core.add_segment(Growth {
+                class,
+                segment_bytes: size,
+            }),
+        };
+        match added {
             Ok(got) if got == id => {
                 st.segments.insert(id, Arc::new(entry));
                 self.segment_added(&mut st, id);

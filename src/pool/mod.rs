@@ -37,7 +37,7 @@ mod state;
 #[cfg(feature = "nccl")]
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
-pub use config::{MAX_HISTORY, PoolConfig};
+pub use config::{CheckMode, MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
 pub use events::role_name;
 pub use fit::FitReport;
@@ -97,6 +97,12 @@ pub(crate) struct PoolInner {
     config: PoolConfig,
     /// The exchange channel of this pool's agreements.
     pub(crate) channel: ChannelId,
+    /// The exchange channel of this pool's collective checks (see `coll::check`),
+    /// opened at creation so that every rank opens it at the same point.
+    pub(crate) check_channel: ChannelId,
+    /// Set once a collective check failed (a divergence, a timeout): the pool is
+    /// broken from then on (copied into the state's `broken` by `state()`).
+    pub(crate) check_failure: Arc<OnceLock<String>>,
     /// Per-pool state of the layers above (the collectives' path policy and
     /// sequence numbers): owned there, kept here so that it lives as long as the pool.
     extension: OnceLock<Arc<dyn Any + Send + Sync>>,
@@ -181,13 +187,16 @@ impl SymmPool {
         let channel = backend
             .exchange()
             .open_channel(&format!("pool:{}", config.name), config.timeout)?;
+        // The check mode is part of the name: ranks with different modes fail here.
+        let check_channel = backend.exchange().open_channel(
+            &format!("pool:{}:checks:{}", config.name, config.check.name()),
+            config.timeout,
+        )?;
+        let mut state = PoolState::new(core, History::new(config.history_len), comms);
+        state.light_next = config.check_every_calls;
         Ok(SymmPool {
             inner: Arc::new(PoolInner {
-                state: Mutex::new(PoolState::new(
-                    core,
-                    History::new(config.history_len),
-                    comms,
-                )),
+                state: Mutex::new(state),
                 backend,
                 closed: AtomicBool::new(false),
                 deferred: Mutex::new(Vec::new()),
@@ -195,6 +204,8 @@ impl SymmPool {
                 extension: OnceLock::new(),
                 counters: Default::default(),
                 channel,
+                check_channel,
+                check_failure: Arc::new(OnceLock::new()),
                 config,
             }),
         })
@@ -320,6 +331,11 @@ impl SymmPool {
                 st
             }
         };
+        if st.broken.is_none()
+            && let Some(why) = self.inner.check_failure.get()
+        {
+            st.broken = Some(why.clone());
+        }
         self.apply_deferred(&mut st);
         st
     }
@@ -440,6 +456,10 @@ impl SymmPool {
         self.inner.backend.check_stream(stream)?;
         let mut st = self.state();
         st.check_usable()?;
+        self.light_agreement_due(&mut st)?;
+        if !st.known_streams.iter().any(|s| s.id() == stream.id()) {
+            st.known_streams.push(stream.clone());
+        }
         let req = AllocRequest::new(size_bytes, stream.id()).with_align(align_bytes);
         // Record the alignment that takes effect, so that `alloc(n)` and
         // `alloc_aligned(n, 512)` count as the same call on different ranks.
@@ -482,6 +502,32 @@ impl SymmPool {
                 .wait_fence(stream, w.stream, w.fence)?;
         }
         Ok(buffer)
+    }
+
+    /// The periodic light agreement of the running call hash (see
+    /// [`PoolConfig::check_every_calls`]), when due: at the first allocation once that
+    /// many pool calls have passed, a point that depends on the call sequence only.
+    fn light_agreement_due(&self, st: &mut PoolState) -> Result<()> {
+        let every = self.inner.config.check_every_calls;
+        if every == 0 || self.inner.config.check == CheckMode::Off {
+            return Ok(());
+        }
+        let seq = st.history.seq();
+        if seq < st.light_next {
+            return Ok(());
+        }
+        st.light_next = seq.saturating_add(every);
+        crate::coll::light_agreement(self, seq, st.history.hash())
+    }
+
+    /// The exchange channel of this pool's collective checks.
+    pub(crate) fn check_channel(&self) -> ChannelId {
+        self.inner.check_channel
+    }
+
+    /// Mark the pool broken by a failed collective check (the first reason wins).
+    pub(crate) fn check_failure(&self) -> Arc<OnceLock<String>> {
+        self.inner.check_failure.clone()
     }
 
     /// [`grow`](Self::grow) in a `growth` span that records its duration.

@@ -87,6 +87,10 @@ pub(crate) struct PoolState {
     /// Streams with fences recorded at frees: polled for completion by `stats`.
     pub(crate) fenced_streams: BTreeSet<StreamId>,
     pub(crate) counters: Counters,
+    /// The pool call count at which the next light agreement is due.
+    pub(crate) light_next: u64,
+    /// Streams the pool has allocated on: `reserve` refuses while any is capturing.
+    pub(crate) known_streams: Vec<crate::stream::Stream>,
 }
 
 impl PoolState {
@@ -105,6 +109,8 @@ impl PoolState {
                 deregistrations: vec![0; comms],
                 ..Counters::default()
             },
+            light_next: 0,
+            known_streams: Vec::new(),
         }
     }
 

@@ -1,0 +1,82 @@
+//! `reserve` and `reserve_small` refuse to register while any stream the pool has
+//! served is capturing a CUDA graph (on every rank), and `reserve_small` pre-grows the
+//! small-block segments so that small allocations during capture hit the cache.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+use symmpool::backend::StreamOps;
+use symmpool::core::{Fence, StreamId};
+use symmpool::{Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool};
+
+/// Stream operations that report every stream capturing while `capturing` is set.
+#[derive(Debug)]
+struct Capturing {
+    inner: Arc<dyn StreamOps>,
+    capturing: Arc<AtomicBool>,
+}
+
+impl StreamOps for Capturing {
+    fn new_stream(&self) -> Result<Stream> {
+        self.inner.new_stream()
+    }
+    fn record_fence(&self, s: &Stream) -> Result<Fence> {
+        self.inner.record_fence(s)
+    }
+    fn wait_fence(&self, s: &Stream, on: StreamId, f: Fence) -> Result<()> {
+        self.inner.wait_fence(s, on, f)
+    }
+    fn completed_fence(&self, s: StreamId) -> Result<Option<Fence>> {
+        self.inner.completed_fence(s)
+    }
+    fn is_capturing(&self, s: &Stream) -> Result<bool> {
+        Ok(self.capturing.load(Ordering::SeqCst) || self.inner.is_capturing(s)?)
+    }
+    fn drain(&self, deadline: Instant) -> Result<bool> {
+        self.inner.drain(deadline)
+    }
+}
+
+#[test]
+fn reserve_refuses_during_capture_and_reserve_small_serves_small_requests() {
+    let capturing = Arc::new(AtomicBool::new(false));
+    let backends: Vec<_> = HostBackend::world(HostConfig::new(2))
+        .unwrap()
+        .into_iter()
+        .map(|b| {
+            let capturing = capturing.clone();
+            b.with_streams(move |inner| Arc::new(Capturing { inner, capturing }))
+        })
+        .collect();
+    let pools = SymmPool::group(backends, &PoolConfig::default()).unwrap();
+    let run = |f: &(dyn Fn(&SymmPool) -> Result<()> + Sync)| -> Vec<Result<()>> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = pools.iter().map(|p| s.spawn(move || f(p))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    // Before capture: the pool serves a stream, then pre-grows for small requests.
+    let out = run(&|p| {
+        drop(p.alloc(4 << 20, &Stream::host())?);
+        p.reserve_small(2 << 20).map(drop)
+    });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    capturing.store(true, Ordering::SeqCst);
+    // During capture: reserving is refused on every rank, naming reserve_small.
+    for r in run(&|p| p.reserve(4 << 20).map(drop)) {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::GraphCapture), "{e:?}");
+        assert!(e.to_string().contains("reserve_small"), "{e}");
+    }
+    // Small requests hit the reserved small segment: no growth, no registration.
+    let out = run(&|p| {
+        let before = p.stats().core.reserved_bytes.current;
+        let bufs: Vec<_> = (0..8)
+            .map(|_| p.alloc(64 << 10, &Stream::host()))
+            .collect::<Result<_>>()?;
+        assert_eq!(p.stats().core.reserved_bytes.current, before);
+        drop(bufs);
+        Ok(())
+    });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
