@@ -3,7 +3,7 @@
 //! direct call of that backend: the difference is what the crate adds per call.
 
 #![allow(missing_docs)] // criterion_group! expands to an undocumented `pub fn`.
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -157,4 +157,13 @@ criterion_group! {
     config = Criterion::default().measurement_time(Duration::from_secs(3));
     targets = bench, bench_checks
 }
-criterion_main!(benches);
+
+#[path = "common/quiet.rs"]
+mod quiet;
+
+// `criterion_main!`, quiet under `cargo test` (see `common/quiet.rs`).
+fn main() {
+    quiet::in_test_mode();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -18,7 +18,7 @@
 #[path = "../tests/common/fsdp_trace.rs"]
 mod fsdp_trace;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use fsdp_trace::{TraceOp, buffers, layer_sizes, random_layer_sizes, trace_of};
 use std::hint::black_box;
 use symmpool::core::{AllocError, AllocRequest, Allocator, CoreConfig, Placement, StreamId};
@@ -226,4 +226,13 @@ fn fsdp_trace(c: &mut Criterion) {
 }
 
 criterion_group!(benches, alloc_free_pair, fsdp_trace);
-criterion_main!(benches);
+
+#[path = "common/quiet.rs"]
+mod quiet;
+
+// `criterion_main!`, quiet under `cargo test` (see `common/quiet.rs`).
+fn main() {
+    quiet::in_test_mode();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -16,6 +16,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use symmpool::control::{Exchange, Launch, StoreConfig, StoreExchange, StoreServer};
 
+#[path = "common/quiet.rs"]
+mod quiet;
+
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -78,6 +81,9 @@ fn main() {
         child();
         return;
     }
+    // Under `cargo test --all-targets`: the smoke run below, its output shown only on
+    // failure (see `common/quiet.rs`).
+    quiet::in_test_mode();
     let world = env_or("STORE_BENCH_WORLD", 8);
     // `cargo test --all-targets` runs this without `--bench`: a short smoke run then.
     let measuring = std::env::args().any(|a| a == "--bench");
