@@ -132,7 +132,6 @@ def test_fsdp2_losses_match_the_default(group):
     got = _train(ours)
     paths = installed.paths()
     print("losses default", expected, "symmpool", got, "paths", paths)
-    assert sum(paths["all_gather"].values()) > 0, paths
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=2e-2, atol=2e-3)
 
     # The second identical run registers nothing new.
@@ -143,6 +142,11 @@ def test_fsdp2_losses_match_the_default(group):
         assert after.get(key, 0) == before.get(key, 0), (key, before.get(key), after.get(key))
     assert symmpool.last_error() is None or "symmpool_free" not in symmpool.last_error()
     assert symmpool.nccl_mappings() == 1
+    if sum(paths["all_gather"].values()) == 0 and dist.get_world_size(group) == 1:
+        # Seen with torch 2.11: at world size 1 FSDP2 all-gathers nothing, so the comm
+        # objects are never called; what they do needs two GPUs (the two-GPU run).
+        pytest.skip("FSDP2 runs no all-gather at world size 1: the comm objects need 2 GPUs")
+    assert sum(paths["all_gather"].values()) > 0, paths
 
 
 def test_pluggable_allocator_serves_a_mem_pool(group):
@@ -154,6 +158,7 @@ def test_pluggable_allocator_serves_a_mem_pool(group):
     symmpool.clear_error()
 
     def step():
+        torch.manual_seed(1234)  # the same data every step: the result must repeat
         with torch.cuda.use_mem_pool(mp):
             a = torch.empty(1000, dtype=torch.uint8, device="cuda")
             b = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)  # 1.5 MiB
