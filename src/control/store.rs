@@ -249,7 +249,15 @@ impl Shared {
         if st.broken.is_some() {
             return;
         }
-        tracing::warn!("symmpool store: group broken: {broken:?}");
+        // A rank that closes its exchange when no round is pending is the normal end of
+        // a job (ranks finish one by one): not worth a warning.
+        let clean_end = st.rounds.is_empty()
+            && matches!(&broken.cause, Cause::Lost { detail } if detail.starts_with(CLOSED));
+        if clean_end {
+            tracing::debug!("symmpool store: rank {} left: {broken:?}", broken.rank);
+        } else {
+            tracing::warn!("symmpool store: group broken: {broken:?}");
+        }
         st.rounds.clear();
         st.broken = Some(broken.clone());
         self.broadcast(st, &wire::encode(&ToClient::Broken(broken)));
@@ -629,12 +637,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                 );
             }
             ToServer::Bye => {
-                return shared.depart(
-                    &mut st,
-                    rank,
-                    Some(id),
-                    "it closed its exchange (it finished, or dropped the exchange early)",
-                );
+                return shared.depart(&mut st, rank, Some(id), CLOSED);
             }
             ToServer::Hello { .. } => {
                 return shared.depart(&mut st, rank, Some(id), "protocol error: a second hello");
@@ -642,3 +645,6 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         }
     }
 }
+
+/// Why a rank that said goodbye left (the start of its `Lost` detail).
+const CLOSED: &str = "it closed its exchange (it finished, or dropped the exchange early)";
