@@ -383,11 +383,8 @@ fn processes_place_identically_and_move_real_data() {
         let all: Vec<usize> = (0..world).collect();
         let codes = job.wait(&all, Duration::from_secs(240));
         if codes != vec![0; world] {
-            let errors: Vec<String> = all
-                .iter()
-                .map(|&r| job.expect(r, "@@error", Duration::from_secs(5)))
-                .collect();
-            panic!("world {world}: exit codes {codes:?}: {errors:?}");
+            // Whatever the ranks said (their errors, panics), then fail.
+            let _ = job.expect(usize::MAX, "never", Duration::from_millis(500));
         }
         let placements: Vec<String> = all
             .iter()

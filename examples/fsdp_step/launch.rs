@@ -161,6 +161,21 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
             } else {
                 Stdio::null()
             });
+        let parent = std::process::id();
+        // SAFETY: runs in the child between fork and exec, and calls only prctl(2),
+        // getppid(2) and _exit(2), which are async-signal-safe.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(move || {
+                // A rank dies with the launcher (killed or not), never orphaned...
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // ...including when the launcher died before the line above ran.
+                if libc::getppid() as u32 != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
         children.0.push(cmd.spawn().map_err(io("starting a rank"))?);
     }
     // Rank 0's output: its step lines go through, its results are kept.
@@ -207,15 +222,18 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
         .enumerate()
         .filter(|(_, c)| **c != Some(0))
         .map(|(r, c)| match c {
+            Some(-1) => format!("rank {r} was killed by a signal"),
             Some(code) => format!("rank {r} exited with {code}"),
             None => format!("rank {r} was stopped"),
         })
         .collect();
     if !failed.is_empty() {
-        return Err(Error::InvalidConfig(format!(
-            "the job failed: {}",
-            failed.join(", ")
-        )));
+        return Err(Error::Internal {
+            what: format!(
+                "the job failed: {} (see the ranks' messages above)",
+                failed.join(", ")
+            ),
+        });
     }
     results.ok_or_else(|| Error::InvalidConfig("rank 0 reported no results".into()))
 }

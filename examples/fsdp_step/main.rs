@@ -278,11 +278,8 @@ fn main() {
     }
     report::print(&args, &results);
     // With ranks as processes, rank 0 gathered every rank's snapshot and wrote it.
-    if let Some(path) = args
-        .memory_map
-        .as_ref()
-        .filter(|_| !launch::is_rank_process())
-    {
+    let threads = !launch::is_rank_process() && cli.nproc.is_none();
+    if let Some(path) = args.memory_map.as_ref().filter(|_| threads) {
         match write_memory_map(path, args.modes[0]) {
             Ok(()) if !args.json => report::line(&format!("memory map: {}", path.display())),
             Ok(()) => {}

@@ -109,11 +109,20 @@ impl Job {
             .env("SYMMPOOL_STARTUP_TIMEOUT_MS", "60000")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null());
+            .stderr(Stdio::piped());
         for (k, v) in extra {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().unwrap();
+        // A child's standard error is kept, marked, to explain a failure.
+        if let Some(err) = child.stderr.take() {
+            let tx = self.tx.clone();
+            thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
+                    let _ = tx.send((rank, format!("stderr: {line}")));
+                }
+            });
+        }
         let out = child.stdout.take().unwrap();
         let tx = self.tx.clone();
         thread::spawn(move || {
