@@ -538,7 +538,7 @@ impl StoreExchange {
             op: "store handshake",
             detail,
         };
-        let preface = read_before(&sock, hs_deadline, || reader.raw(PREFACE_BYTES))
+        let preface = wire::read_until(&sock, hs_deadline, || reader.raw(PREFACE_BYTES))
             .map_err(|e| proto(format!("reading the server's preface from {target}: {e}")))?
             .ok_or_else(|| {
                 proto(format!(
@@ -546,7 +546,7 @@ impl StoreExchange {
                 ))
             })?;
         wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
-        let verdict = read_before(&sock, hs_deadline, || reader.frame())
+        let verdict = wire::read_until(&sock, hs_deadline, || reader.frame())
             .map_err(|e| proto(format!("reading the server's verdict from {target}: {e}")))?
             .ok_or_else(|| {
                 proto(format!(
@@ -647,24 +647,6 @@ impl StoreExchange {
                 rank: b.rank as usize,
                 op: self.intern(&b.op),
             },
-        }
-    }
-}
-
-/// Read with deadline `until`; `None` when it passes.
-fn read_before<T>(
-    sock: &TcpStream,
-    until: Instant,
-    mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
-) -> std::result::Result<Option<T>, ReadError> {
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(None);
-        }
-        sock.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
-        if let Some(v) = f()? {
-            return Ok(Some(v));
         }
     }
 }

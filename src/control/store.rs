@@ -364,24 +364,6 @@ fn monitor_loop(shared: &Arc<Shared>) {
     }
 }
 
-/// Read with deadline `until`: `None` when it passes.
-fn read_until<T>(
-    stream: &TcpStream,
-    until: Instant,
-    mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
-) -> std::result::Result<Option<T>, ReadError> {
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(None);
-        }
-        stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
-        if let Some(v) = f()? {
-            return Ok(Some(v));
-        }
-    }
-}
-
 /// One connection: handshake, then that rank's frames.
 fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
@@ -408,7 +390,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         return;
     };
     // Preface.
-    let preface = match read_until(&sock, until, || reader.raw(PREFACE_BYTES)) {
+    let preface = match wire::read_until(&sock, until, || reader.raw(PREFACE_BYTES)) {
         Ok(Some(p)) => p,
         Ok(None) => {
             return shared.reject(
@@ -430,7 +412,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     }
     let mut reply = wire::preface().to_vec();
     // Hello.
-    let hello = match read_until(&sock, until, || reader.frame()) {
+    let hello = match wire::read_until(&sock, until, || reader.frame()) {
         Ok(Some(body)) => wire::decode::<ToServer>(&body),
         Ok(None) => Err(format!("no hello within {:?}", shared.handshake_timeout)),
         Err(e) => Err(format!("during the handshake: {e}")),

@@ -306,6 +306,24 @@ pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
+/// Read with deadline `until`: `None` when it passes.
+pub(crate) fn read_until<T>(
+    stream: &std::net::TcpStream,
+    until: std::time::Instant,
+    mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
+) -> std::result::Result<Option<T>, ReadError> {
+    loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(None);
+        }
+        stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
+        if let Some(v) = f()? {
+            return Ok(Some(v));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
