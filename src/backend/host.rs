@@ -170,8 +170,8 @@ pub struct HostBackend {
     reserved: Arc<AtomicU64>,
     /// Per communicator: registration ordinal and collective round of this rank.
     counters: Mutex<Vec<(u64, u64)>>,
-    /// Latest fence per stream (host work is synchronous: every fence is complete).
-    fences: Mutex<BTreeMap<StreamId, u64>>,
+    /// Streams and fences.
+    streams: HostStreams,
 }
 
 impl fmt::Debug for HostBackend {
@@ -233,7 +233,7 @@ impl HostBackend {
                             comms: comms.clone(),
                             reserved: Arc::new(AtomicU64::new(0)),
                             counters: Mutex::new(vec![(0, 0); infos.len()]),
-                            fences: Mutex::new(BTreeMap::new()),
+                            streams: HostStreams::default(),
                         });
                         Backend::new(info, Arc::new(exchange), parts)
                     })
@@ -318,36 +318,26 @@ impl HostBackend {
 
 fn read_region(seg: &Mutex<Box<[u8]>>, offset: u64, len: u64) -> Result<Vec<u8>> {
     let data = lock_bytes(seg);
-    let range = bounds(data.len(), offset, len)?;
+    let range = bounds(data.len() as u64, offset, len)?;
     Ok(data[range].to_vec())
 }
 
-fn bounds(seg_len: usize, offset: u64, len: u64) -> Result<std::ops::Range<usize>> {
-    let end = offset
-        .checked_add(len)
-        .filter(|&e| e <= seg_len as u64)
-        .ok_or_else(|| {
-            Error::BadView(format!(
-                "range {offset}+{len} outside segment of {seg_len} bytes"
-            ))
-        })?;
-    Ok(offset as usize..end as usize)
+/// The bytes `offset..offset + len` of a segment of `seg_len` bytes, as an index range.
+///
+/// # Errors
+/// [`Error::BadView`] if they leave the segment.
+pub(super) fn bounds(seg_len: u64, offset: u64, len: u64) -> Result<std::ops::Range<usize>> {
+    match offset.checked_add(len) {
+        Some(end) if end <= seg_len => Ok(offset as usize..end as usize),
+        _ => Err(Error::BadView(format!(
+            "range {offset}+{len} outside a segment of {seg_len} bytes"
+        ))),
+    }
 }
 
 impl SegmentProvider for HostBackend {
     fn allocate(&self, size_bytes: u64) -> Result<Segment> {
-        let limit = self.config.max_reserved_bytes;
-        let before = self
-            .reserved
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
-                r.checked_add(size_bytes).filter(|&t| t <= limit)
-            })
-            .map_err(|reserved| Error::PoolLimit {
-                segment_bytes: size_bytes,
-                would_reserve_bytes: reserved.saturating_add(size_bytes),
-                max_reserved_bytes: limit,
-            })?;
-        let _ = before;
+        reserve(&self.reserved, size_bytes, self.config.max_reserved_bytes)?;
         // From here the counter includes the segment; `HostMemory`'s drop gives it back.
         let oom = |message: &str| Error::DeviceOutOfMemory {
             segment_bytes: size_bytes,
@@ -401,6 +391,41 @@ impl SegmentProvider for HostBackend {
 
 impl StreamOps for HostBackend {
     fn new_stream(&self) -> Result<Stream> {
+        self.streams.new_stream()
+    }
+
+    fn record_fence(&self, stream: &Stream) -> Result<Fence> {
+        self.streams.record_fence(stream)
+    }
+
+    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()> {
+        self.streams.wait_fence(stream, on, fence)
+    }
+
+    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
+        self.streams.completed_fence(stream)
+    }
+
+    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
+        self.streams.is_capturing(stream)
+    }
+
+    fn drain(&self, deadline: Instant) -> Result<bool> {
+        self.streams.drain(deadline)
+    }
+}
+
+/// The streams of the host backends (threads and processes): streams are tags and
+/// fences counters; host work is synchronous, so every fence is complete when it is
+/// recorded.
+#[derive(Debug, Default)]
+pub(super) struct HostStreams {
+    /// Latest fence per stream.
+    fences: Mutex<BTreeMap<StreamId, u64>>,
+}
+
+impl StreamOps for HostStreams {
+    fn new_stream(&self) -> Result<Stream> {
         Ok(Stream::host())
     }
 
@@ -443,6 +468,24 @@ impl StreamOps for HostBackend {
     }
 }
 
+/// Take `size_bytes` from a rank's reserved-bytes `counter`, which may not pass
+/// `limit`; the segment's memory gives them back when it goes.
+///
+/// # Errors
+/// [`Error::PoolLimit`]; nothing is taken then.
+pub(super) fn reserve(counter: &AtomicU64, size_bytes: u64, limit: u64) -> Result<()> {
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
+            r.checked_add(size_bytes).filter(|&t| t <= limit)
+        })
+        .map(|_| ())
+        .map_err(|reserved| Error::PoolLimit {
+            segment_bytes: size_bytes,
+            would_reserve_bytes: reserved.saturating_add(size_bytes),
+            max_reserved_bytes: limit,
+        })
+}
+
 impl DataMover for HostBackend {
     fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()> {
         if !stream.is_host() {
@@ -451,7 +494,7 @@ impl DataMover for HostBackend {
         let region = region.sub(0, data.len() as u64)?;
         let mem = memory_of(region.segment())?;
         let mut bytes = lock_bytes(&mem.data);
-        let range = bounds(bytes.len(), region.offset_bytes(), data.len() as u64)?;
+        let range = bounds(bytes.len() as u64, region.offset_bytes(), data.len() as u64)?;
         bytes[range].copy_from_slice(data);
         Ok(())
     }
@@ -463,7 +506,7 @@ impl DataMover for HostBackend {
         let region = region.sub(0, out.len() as u64)?;
         let mem = memory_of(region.segment())?;
         let bytes = lock_bytes(&mem.data);
-        let range = bounds(bytes.len(), region.offset_bytes(), out.len() as u64)?;
+        let range = bounds(bytes.len() as u64, region.offset_bytes(), out.len() as u64)?;
         out.copy_from_slice(&bytes[range]);
         Ok(())
     }
@@ -484,7 +527,11 @@ impl Collectives for HostBackend {
             for (r, p) in posts.iter().enumerate() {
                 let data = read_region(&p.send.0, p.send.1, chunk)?;
                 let mut out = lock_bytes(recv);
-                let range = bounds(out.len(), recv_off.saturating_add(r as u64 * chunk), chunk)?;
+                let range = bounds(
+                    out.len() as u64,
+                    recv_off.saturating_add(r as u64 * chunk),
+                    chunk,
+                )?;
                 out[range].copy_from_slice(&data);
             }
             Ok(())
@@ -503,7 +550,7 @@ impl Collectives for HostBackend {
             let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
             let (recv, recv_off, _) = &posts[self.rank].recv;
             let mut out = lock_bytes(recv);
-            let range = bounds(out.len(), *recv_off, chunk)?;
+            let range = bounds(out.len() as u64, *recv_off, chunk)?;
             out[range].copy_from_slice(&acc);
             Ok(())
         })

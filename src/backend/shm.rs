@@ -20,6 +20,7 @@
 //! Linux only (memfd and `/proc`). Host work is synchronous: streams are tags and
 //! fences counters, as on the threads backend.
 
+use super::host::{HostStreams, bounds, reserve};
 use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
     Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
@@ -30,7 +31,6 @@ use crate::dtype;
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
 use memmap2::MmapRaw;
-use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -181,7 +181,8 @@ pub struct ShmBackend {
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
     reserved: Arc<AtomicU64>,
-    fences: Mutex<BTreeMap<StreamId, u64>>,
+    /// Streams and fences, as on the threads backend.
+    streams: HostStreams,
 }
 
 impl fmt::Debug for ShmBackend {
@@ -234,7 +235,7 @@ impl ShmBackend {
             comms,
             ordinals: Mutex::new(vec![0; infos.len()]),
             reserved: Arc::new(AtomicU64::new(0)),
-            fences: Mutex::new(BTreeMap::new()),
+            streams: HostStreams::default(),
         });
         Backend::new(info, exchange, parts)
     }
@@ -355,15 +356,6 @@ impl ShmBackend {
     }
 }
 
-fn bounds(len: u64, offset: u64, n: u64) -> Result<std::ops::Range<usize>> {
-    match offset.checked_add(n) {
-        Some(end) if end <= len => Ok(offset as usize..end as usize),
-        _ => Err(Error::BadView(format!(
-            "range {offset}+{n} outside a segment of {len} bytes"
-        ))),
-    }
-}
-
 /// This rank's mapping of a region's bytes.
 fn local_ptr(region: &Region<'_>) -> Result<(*mut u8, std::ops::Range<usize>)> {
     let mem = memory_of(region.segment())?;
@@ -394,16 +386,7 @@ fn write_local(region: &Region<'_>, data: &[u8]) -> Result<()> {
 
 impl SegmentProvider for ShmBackend {
     fn allocate(&self, size_bytes: u64) -> Result<Segment> {
-        let limit = self.config.max_reserved_bytes;
-        self.reserved
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
-                r.checked_add(size_bytes).filter(|&t| t <= limit)
-            })
-            .map_err(|reserved| Error::PoolLimit {
-                segment_bytes: size_bytes,
-                would_reserve_bytes: reserved.saturating_add(size_bytes),
-                max_reserved_bytes: limit,
-            })?;
+        reserve(&self.reserved, size_bytes, self.config.max_reserved_bytes)?;
         let undo = |e: Error| {
             self.reserved.fetch_sub(size_bytes, Ordering::Relaxed);
             e
@@ -502,39 +485,27 @@ impl SegmentProvider for ShmBackend {
 
 impl StreamOps for ShmBackend {
     fn new_stream(&self) -> Result<Stream> {
-        Ok(Stream::host())
+        self.streams.new_stream()
     }
 
     fn record_fence(&self, stream: &Stream) -> Result<Fence> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
-        let mut f = lock(&self.fences);
-        let c = f.entry(stream.id()).or_insert(0);
-        *c += 1;
-        Ok(Fence(*c))
+        self.streams.record_fence(stream)
     }
 
-    fn wait_fence(&self, stream: &Stream, _on: StreamId, _fence: Fence) -> Result<()> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
-        Ok(())
+    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()> {
+        self.streams.wait_fence(stream, on, fence)
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
-        Ok(lock(&self.fences).get(&stream).map(|&f| Fence(f)))
+        self.streams.completed_fence(stream)
     }
 
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
-        Ok(false)
+        self.streams.is_capturing(stream)
     }
 
-    fn drain(&self, _deadline: Instant) -> Result<bool> {
-        Ok(true)
+    fn drain(&self, deadline: Instant) -> Result<bool> {
+        self.streams.drain(deadline)
     }
 }
 
