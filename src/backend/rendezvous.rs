@@ -30,9 +30,6 @@ struct Round<T> {
     read: usize,
 }
 
-/// Far enough to mean "no deadline" for a `Duration::MAX` timeout.
-const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
 impl<T: Clone> Rendezvous<T> {
     pub(crate) fn new(world: usize) -> Self {
         Rendezvous {
@@ -59,11 +56,7 @@ impl<T: Clone> Rendezvous<T> {
         value: T,
         timeout: Duration,
     ) -> Result<Vec<T>> {
-        let now = Instant::now();
-        let deadline = now
-            .checked_add(timeout)
-            .or_else(|| now.checked_add(FOREVER))
-            .unwrap_or(now);
+        let deadline = crate::control::deadline_after(Instant::now(), timeout);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((by, what)) = state.broken {
             return Err(Error::GroupBroken { rank: by, op: what });

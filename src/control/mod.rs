@@ -135,7 +135,7 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
 const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// `now + timeout`, saturating at about a century for endless timeouts.
-fn deadline_after(now: Instant, timeout: Duration) -> Instant {
+pub(crate) fn deadline_after(now: Instant, timeout: Duration) -> Instant {
     now.checked_add(timeout)
         .or_else(|| now.checked_add(FOREVER))
         .unwrap_or(now)

@@ -14,10 +14,7 @@ use std::time::{Duration, Instant};
 
 /// `now + timeout`, or far in the future for an endless timeout.
 pub(crate) fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
-        .unwrap_or(now)
+    crate::control::deadline_after(Instant::now(), timeout)
 }
 
 /// Deregister and free one entry. On failure the entry comes back with what is left

@@ -466,10 +466,8 @@ unsafe impl Sync for RawComm {}
 /// is in progress.
 #[derive(Debug)]
 pub(crate) struct Starting {
-    /// The new communicator.
+    /// The new communicator; it must be polled until ready.
     pub(crate) comm: RawComm,
-    /// Whether it is ready or must be polled.
-    pub(crate) status: Status,
     slot: Box<sys::ncclComm_t>,
     config: Box<sys::ncclConfig_t>,
 }
@@ -546,12 +544,7 @@ fn started(
 ) -> Result<Starting> {
     let comm = RawComm(*slot);
     match status(op, code, (!comm.0.is_null()).then_some(&comm)) {
-        Ok(status) if !comm.0.is_null() => Ok(Starting {
-            comm,
-            status,
-            slot,
-            config,
-        }),
+        Ok(_) if !comm.0.is_null() => Ok(Starting { comm, slot, config }),
         Ok(_) => Err(Error::Nccl {
             op,
             code,
@@ -684,8 +677,6 @@ unsafe impl Sync for RawWindow {}
 /// A window registration in progress: the box NCCL writes the handle into.
 #[derive(Debug)]
 pub(crate) struct Registering {
-    /// Whether it is done or must be polled.
-    pub(crate) status: Status,
     slot: Box<sys::ncclWindow_t>,
 }
 
@@ -730,8 +721,8 @@ pub(crate) unsafe fn window_register(comm: RawComm, ptr: u64, size: u64) -> Resu
             NCCL_WIN_COLL_SYMMETRIC,
         )
     };
-    let status = status(op, code, Some(&comm))?;
-    Ok(Registering { status, slot })
+    status(op, code, Some(&comm))?;
+    Ok(Registering { slot })
 }
 
 /// Start `ncclCommWindowDeregister`.

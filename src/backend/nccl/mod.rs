@@ -220,7 +220,6 @@ enum Waited {
 unsafe fn poll(
     comm: RawComm,
     op: &'static str,
-    first: Status,
     started: Instant,
     timeout: Duration,
     broken: &dyn Fn() -> bool,
@@ -231,11 +230,7 @@ unsafe fn poll(
     // window handle when the job finishes. So the communicator's asynchronous state is
     // always read until it is no longer in progress (seen on NCCL 2.28.3: a NULL window
     // read too early, then a late write into freed memory).
-    let _ = first;
-    let deadline = started
-        .checked_add(timeout)
-        .or_else(|| started.checked_add(Duration::from_secs(1 << 30)))
-        .unwrap_or(started);
+    let deadline = crate::control::deadline_after(started, timeout);
     let mut backoff = Backoff::new(MAX_POLL_PAUSE);
     loop {
         // SAFETY: the caller's contract.
@@ -264,16 +259,7 @@ fn finish_creation(
 ) -> Result<Comm> {
     let starting = starting?;
     // SAFETY: the communicator was just made by this thread and is shared with nobody.
-    let waited = unsafe {
-        poll(
-            starting.comm,
-            op,
-            starting.status,
-            started,
-            timeout,
-            &|| false,
-        )
-    };
+    let waited = unsafe { poll(starting.comm, op, started, timeout, &|| false) };
     match waited {
         Waited::Done => Ok(Comm::new(starting.finish(), true)),
         Waited::Failed(e) => {
@@ -380,7 +366,6 @@ impl Shared {
         op: &'static str,
         timeout: Duration,
         start: impl FnOnce(RawComm) -> Result<S>,
-        status: impl Fn(&S) -> Status,
     ) -> Result<(S, Waited)> {
         let comm = self.comm(c)?;
         let started = Instant::now();
@@ -393,13 +378,9 @@ impl Shared {
                     return Err(self.on_error(e));
                 }
             };
-            let first = status(&s);
             // SAFETY: the communicator is live (not aborted) and we hold its mutex.
-            let waited = unsafe {
-                poll(comm.raw, op, first, started, timeout, &|| {
-                    self.health.is_broken()
-                })
-            };
+            let waited =
+                unsafe { poll(comm.raw, op, started, timeout, &|| self.health.is_broken()) };
             (s, waited)
         };
         Ok((s, waited))
@@ -565,8 +546,7 @@ impl NcclBackend {
     /// from now.
     fn deadline(&self) -> Instant {
         let now = Instant::now();
-        now.checked_add(self.shared.config.call_timeout)
-            .unwrap_or(now + Duration::from_secs(1 << 30))
+        crate::control::deadline_after(now, self.shared.config.call_timeout)
     }
 
     /// This process's rank of a job launched with one process per GPU: the device is
@@ -1088,13 +1068,9 @@ impl NcclBackend {
         let cs = self.cuda_of(a.stream)?;
         self.bind()?;
         let config = &self.shared.config;
-        let (_, waited) = self.shared.call(
-            a.comm,
-            name,
-            config.call_timeout,
-            |raw| enqueue(raw, send, recv, cs),
-            |s| *s,
-        )?;
+        let (_, waited) = self.shared.call(a.comm, name, config.call_timeout, |raw| {
+            enqueue(raw, send, recv, cs)
+        })?;
         self.shared.conclude(waited, name)?;
         if config.watchdog_enabled() && !ffi::is_capturing(cs)? {
             self.watch(name, a.comm, cs)?;
@@ -1146,7 +1122,6 @@ impl SegmentProvider for NcclBackend {
             // `allocate`), and the caller guarantees it is not registered on this
             // communicator yet and that every rank registers in the same order.
             |raw| unsafe { ffi::window_register(raw, mem.ptr, mem.size_bytes) },
-            |r| r.status,
         )?;
         if !matches!(waited, Waited::Done) {
             registering.abandon();
@@ -1195,7 +1170,6 @@ impl SegmentProvider for NcclBackend {
                 // (the caller's contract) and is consumed here; `raw` is live and held
                 // locked by `call`; the caller guarantees no work uses it.
                 |raw| unsafe { ffi::window_deregister(raw, RawWindow(handle)) },
-                |s| *s,
             )?;
             self.shared.conclude(waited, op)
         });
