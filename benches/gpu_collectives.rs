@@ -128,6 +128,10 @@ mod gpu {
                 r.cu(),
             )
         };
+        // The communicators are non-blocking, so the enqueue is waited for (the first
+        // call on a communicator connects to the peers).
+        // SAFETY: as above: the communicator is live and only this thread calls it.
+        let res = unsafe { raw_done(r.comm(c), res) };
         assert_eq!(res, nccl::ncclResult_t::ncclSuccess);
     }
 
@@ -144,6 +148,10 @@ mod gpu {
                 r.cu(),
             )
         };
+        // The communicators are non-blocking, so the enqueue is waited for (the first
+        // call on a communicator connects to the peers).
+        // SAFETY: as above: the communicator is live and only this thread calls it.
+        let res = unsafe { raw_done(r.comm(c), res) };
         assert_eq!(res, nccl::ncclResult_t::ncclSuccess);
     }
 
@@ -487,6 +495,33 @@ mod gpu {
         }
     }
 
+    /// The outcome of a raw call on one of the backend's communicators, which are
+    /// non-blocking: their asynchronous state is read until it is no longer in
+    /// progress (NCCL 2.28 can answer `ncclSuccess` to a window registration that is
+    /// still running), for at most 60 s.
+    ///
+    /// # Safety
+    /// `comm` is live and no other thread calls NCCL on it meanwhile.
+    unsafe fn raw_done(comm: nccl::ncclComm_t, code: nccl::ncclResult_t) -> nccl::ncclResult_t {
+        use nccl::ncclResult_t::{ncclInProgress, ncclSuccess};
+        if code != ncclSuccess && code != ncclInProgress {
+            return code;
+        }
+        let deadline = Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let mut state = ncclSuccess;
+            // SAFETY: the caller's contract; `state` is a valid out-pointer.
+            let got = unsafe { nccl::ncclCommGetAsyncError(comm, &mut state) };
+            if got != ncclSuccess {
+                return got;
+            }
+            if state != ncclInProgress || Instant::now() > deadline {
+                return state;
+            }
+            std::thread::yield_now();
+        }
+    }
+
     fn section_alloc(r: &Rank, backend: &symmpool::Backend) {
         let lead = r.backend_rank() == 0;
         let ops = fsdp_trace::trace(1);
@@ -522,6 +557,7 @@ mod gpu {
         // Raw: ncclMemAlloc + register on one communicator + deregister + free per
         // allocation, for the first 40 allocations of the trace.
         let comm = r.nccl().raw_comm(SYMM).unwrap();
+        let granularity = backend.granularity_bytes() as usize;
         let mut raw_times = Vec::new();
         for op in ops
             .iter()
@@ -536,21 +572,21 @@ mod gpu {
             r.nccl().context().bind_to_thread().unwrap();
             let mut p: *mut c_void = std::ptr::null_mut();
             let mut w: nccl::ncclWindow_t = std::ptr::null_mut();
+            // What a per-call allocator maps and registers: whole pages of the
+            // registration granularity (a window of a partial page is refused).
+            let size = (op as usize).next_multiple_of(granularity);
             // SAFETY: plain NCCL calls with valid out-pointers on this rank's device;
-            // the window covers the whole fresh allocation and is released before it.
+            // the window covers the whole fresh allocation and is released before it;
+            // each call on the (non-blocking) communicator is waited for before the next.
             unsafe {
                 assert_eq!(
-                    nccl::ncclMemAlloc(&mut p, op as usize),
+                    nccl::ncclMemAlloc(&mut p, size),
                     nccl::ncclResult_t::ncclSuccess
                 );
-                assert_eq!(
-                    nccl::ncclCommWindowRegister(comm, p, op as usize, &mut w, 1),
-                    nccl::ncclResult_t::ncclSuccess
-                );
-                assert_eq!(
-                    nccl::ncclCommWindowDeregister(comm, w),
-                    nccl::ncclResult_t::ncclSuccess
-                );
+                let code = nccl::ncclCommWindowRegister(comm, p, size, &mut w, 1);
+                assert_eq!(raw_done(comm, code), nccl::ncclResult_t::ncclSuccess);
+                let code = nccl::ncclCommWindowDeregister(comm, w);
+                assert_eq!(raw_done(comm, code), nccl::ncclResult_t::ncclSuccess);
                 assert_eq!(nccl::ncclMemFree(p), nccl::ncclResult_t::ncclSuccess);
             }
             raw_times.push(start.elapsed().as_secs_f64());

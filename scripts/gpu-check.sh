@@ -11,7 +11,13 @@
 # 8 log files into $OUT (default ./gpu-out). GPUS=1 runs what one GPU can check.
 # NCCL_CHECK=1 sets NCCL_CHECK_MODE=DEBUG_GLOBAL (NCCL >= 2.29.7 only).
 #
-# Sections of `run` (default all): tests paths bench example anchor
+# Sections of `run` (default all): tests paths bench example anchor procs nodes python
+#   procs:  the example as two processes (`--nproc 2`), `--balanced --compare`, three
+#           sittings, then its no-communication mode
+#   nodes:  two simulated nodes on one host (each rank its own NCCL_HOSTID, under
+#           torchrun), with NCCL's own log of what it selected
+#   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, then FSDP2 three ways
+#           (python/bench/fsdp2_compare.py under torchrun)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle
@@ -29,6 +35,10 @@ build() {
   cargo build --release --bench gpu_collectives "${example[@]}" --message-format=json |
     jq -r 'select(.executable != null) | .executable' |
     while read -r exe; do cp "$exe" "$BUNDLE/bin/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+  # The Python package, for the `python` section (maturin from $MATURIN or PATH).
+  if command -v "${MATURIN:-maturin}" >/dev/null; then
+    (cd python && "${MATURIN:-maturin}" build --release --out "../$BUNDLE/wheels")
+  fi
   strip "$BUNDLE"/bin/gpu_collectives "$BUNDLE"/bin/fsdp_step 2>/dev/null || true
   # The raw-NCCL anchor benchmark, when a copy is given in $ANCHORS.
   local anchors="${ANCHORS:-}"
@@ -41,7 +51,7 @@ run() {
   local out="${OUT:-./gpu-out}"
   mkdir -p "$out"
   local want=("$@")
-  [ ${#want[@]} -eq 0 ] && want=(tests paths bench example anchor)
+  [ ${#want[@]} -eq 0 ] && want=(tests paths bench example anchor procs nodes python)
   has() { local x; for x in "${want[@]}"; do [ "$x" = "$1" ] && return 0; done; return 1; }
   # Keep NVLink multicast off (it can take a shared host down).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -63,6 +73,8 @@ run() {
   export SYMMPOOL_REQUIRE_GPU=1
   local tests='binary(gpu)'
   [ "${GPUS:-2}" -lt 2 ] && tests='binary(gpu) & test(/\(1 GPU\)$/)'
+  # TESTS: another nextest filter expression, to run a few trials again.
+  [ -n "${TESTS:-}" ] && tests="$TESTS"
 
   local nextest=("$bin/cargo-nextest" nextest run --archive-file "$BUNDLE/tests.tar.zst"
     --workspace-remap . --test-threads 1 --no-fail-fast --success-output immediate)
@@ -92,11 +104,45 @@ run() {
     bash "$BUNDLE/anchors/run_anchor.sh" ${ANCHOR_SECTIONS:-} > "$out/anchor.log" 2>&1 || status=1
     cat "$out/anchor.log"
   fi
+  if has procs; then
+    # One process per GPU, as users run it: three sittings of the comparison, then
+    # the same step without communication (auto ÷ none is the share not hidden).
+    { for sitting in 1 2 3; do echo "== sitting $sitting"
+        "$bin/fsdp_step" --nproc 2 --backend nccl --balanced --compare --quiet || return 1; done
+      echo "== no communication"
+      "$bin/fsdp_step" --nproc 2 --backend nccl --balanced --comm none --quiet; } \
+      > "$out/procs.log" 2>&1 || status=1
+    grep -A8 '^== \|^summary' "$out/procs.log" | grep -v '^--$' | tail -n 60
+  fi
+  if has nodes; then
+    # Two "nodes" on one host: NCCL hashes NCCL_HOSTID as the host, so the ranks see
+    # each other across a node boundary (no P2P/NVLink, no symmetric kernels, no copy
+    # engine); the crate counts nodes the same way and must choose the ring.
+    { NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING python3 -m torch.distributed.run \
+        --standalone --nproc-per-node 2 --no-python bash -c \
+        'NCCL_HOSTID=simnode$LOCAL_RANK exec "$0" "$@"' "$bin/fsdp_step" --compare --quiet
+    } > "$out/nodes-full.log" 2>&1 || status=1
+    grep -v 'NCCL INFO' "$out/nodes-full.log" > "$out/nodes.log" || true
+    grep -E 'NCCL INFO (Channel 00|.*via |.*[Ss]ymmetric|.*nNodes|.*NET/)' "$out/nodes-full.log" \
+      | sort | uniq -c | sort -rn | head -n 40 >> "$out/nodes.log" || true
+    rm -f "$out/nodes-full.log"
+    cat "$out/nodes.log"
+  fi
+  if has python; then
+    local site=/tmp/symmpool-site
+    rm -rf "$site" && python3 -m pip install -q --no-index --no-deps --target "$site" "$BUNDLE"/wheels/symmpool-*.whl
+    { PYTHONPATH="$site" python3 -m pytest -ra -q -p no:cacheprovider python/tests/test_gpu.py
+      echo "== fsdp2_compare"
+      PYTHONPATH="$site" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+        python/bench/fsdp2_compare.py --json "$out/fsdp2.json"
+    } > "$out/python.log" 2>&1 || status=1
+    tail -n 40 "$out/python.log"
+  fi
   return $status
 }
 
 case "${1:-}" in
   build) build ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 build | run [tests] [paths] [bench] [example] [anchor]" >&2; exit 2 ;;
+  *) echo "usage: $0 build | run [tests] [paths] [bench] [example] [anchor] [procs] [nodes] [python]" >&2; exit 2 ;;
 esac

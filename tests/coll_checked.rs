@@ -9,320 +9,29 @@
 use proptest::prelude::*;
 use std::thread;
 use std::time::Duration;
-use symmpool::coll::{self, CollectiveReport, PathPolicy};
+use symmpool::coll::{self, CollectiveReport};
 use symmpool::{
     CheckMode, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
 };
 
-/// Records an async pool may have posted and not yet seen compared.
-const Q: usize = 4;
+mod common;
+use common::checked::{ALL, Q, Scenario, check_async, check_strict, run};
+
 const TIMEOUT: Duration = Duration::from_millis(400);
 
 fn config(mode: CheckMode) -> PoolConfig {
-    PoolConfig::default()
-        .with_timeout(TIMEOUT)
-        .with_check(mode)
-        .with_check_queue(Q)
+    common::checked::config(mode, TIMEOUT)
 }
 
 fn backends(world: usize) -> Vec<symmpool::Backend> {
     HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap()
 }
 
-/// What one rank saw.
-#[derive(Debug, Default)]
-struct Seen {
-    /// Collectives attempted, and the first failing one (1-based) with its error.
-    calls: usize,
-    first: Option<(usize, Error)>,
-    /// Whether the failing call's buffers still held what was written before it.
-    untouched: bool,
-    /// `wait_checks` at the end (on the first pool).
-    after: Option<Error>,
-}
-
-impl Seen {
-    /// Run one collective on `bufs` (written with a rank pattern first); false once a
-    /// call has failed.
-    fn call(
-        &mut self,
-        rank: usize,
-        bufs: &[&SymmBuffer],
-        f: impl FnOnce() -> symmpool::Result<CollectiveReport>,
-    ) -> bool {
-        if self.first.is_some() {
-            return false;
-        }
-        self.calls += 1;
-        let before: Vec<Vec<u8>> = bufs
-            .iter()
-            .map(|b| {
-                let pattern: Vec<u8> = (0..b.len_bytes() as usize)
-                    .map(|i| ((rank * 37 + i + self.calls) % 251) as u8 + 1)
-                    .collect();
-                b.write(&pattern).unwrap();
-                pattern
-            })
-            .collect();
-        match f() {
-            Ok(_) => true,
-            Err(e) => {
-                self.untouched = bufs
-                    .iter()
-                    .zip(&before)
-                    .all(|(b, p)| b.read::<u8>().unwrap() == *p);
-                self.first = Some((self.calls, e));
-                false
-            }
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Scenario {
-    /// A free and an allocation in a different order on one rank: a later cache hit
-    /// lands at another offset.
-    FreeOrder,
-    /// One rank skips one all-gather of a layer loop.
-    Skip,
-    /// Two pools on one backend, used in crossed order on one rank.
-    CrossedPools,
-    /// Two threads of one rank allocate in the other order (a race's outcome).
-    Threads,
-    /// Reduce-scatter with sum on some ranks, max on one (different communicators).
-    SumMax,
-    /// An all-gather size that picks the copy engine on one rank only.
-    CopyEngineSize,
-}
-
-impl Scenario {
-    /// The field the records differ in first.
-    fn field(self, mode: CheckMode) -> &'static str {
-        match (self, mode) {
-            (Scenario::FreeOrder, _) => "input offset",
-            (Scenario::Skip | Scenario::Threads, _) => "input allocation",
-            (Scenario::CrossedPools, _) => "communicator sequence number",
-            (Scenario::SumMax, _) => "reduction",
-            (Scenario::CopyEngineSize, _) => "count",
-        }
-    }
-
-    /// The collective (1-based, per rank) at which the strict check fails.
-    fn strict_at(self) -> usize {
-        match self {
-            Scenario::Skip => 2,
-            _ => 1,
-        }
-    }
-}
-
-/// Enough collectives after the divergence for the async bound to be reached.
-const MORE: usize = Q + 3;
-
-fn rank_body(s: Scenario, pools: &[SymmPool], perturbed: bool) -> Seen {
-    let stream = Stream::host();
-    let pool = &pools[0];
-    let rank = pool.rank();
-    let world = pool.world_size() as u64;
-    let mut seen = Seen::default();
-    let ag = |b: &SymmBuffer| coll::all_gather_in_place::<f32>(b, &stream);
-    // Grow together first (a small segment serves every size below).
-    drop(pool.alloc(1 << 20, &stream).unwrap());
-    if s == Scenario::CrossedPools {
-        drop(pools[1].alloc(1 << 20, &stream).unwrap());
-    }
-    match s {
-        Scenario::FreeOrder => {
-            let a = pool.alloc(4096, &stream).unwrap();
-            let b = pool.alloc(8192, &stream).unwrap();
-            let _x = pool.alloc(4096, &stream).unwrap();
-            drop(a);
-            let c = if perturbed {
-                let c = pool.alloc(8192, &stream).unwrap();
-                drop(b);
-                c
-            } else {
-                drop(b);
-                pool.alloc(8192, &stream).unwrap()
-            };
-            for _ in 0..MORE {
-                if !seen.call(rank, &[&c], || ag(&c)) {
-                    break;
-                }
-            }
-        }
-        Scenario::Skip => {
-            for layer in 0..MORE + 2 {
-                // Under Async a detected divergence fails the next allocation too.
-                let buf = match pool.alloc(8192, &stream) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        seen.calls += 1;
-                        seen.first = Some((seen.calls, e));
-                        break;
-                    }
-                };
-                if perturbed && layer == 1 {
-                    continue;
-                }
-                if !seen.call(rank, &[&buf], || ag(&buf)) {
-                    break;
-                }
-            }
-        }
-        Scenario::CrossedPools => {
-            let a = pools[0].alloc(8192, &stream).unwrap();
-            let b = pools[1].alloc(8192, &stream).unwrap();
-            'outer: for i in 0..MORE {
-                let order = if perturbed && i == 0 {
-                    [&b, &a]
-                } else {
-                    [&a, &b]
-                };
-                for buf in order {
-                    if !seen.call(rank, &[buf], || ag(buf)) {
-                        break 'outer;
-                    }
-                }
-            }
-        }
-        Scenario::Threads => {
-            // Warm up together (one growth), then the two threads allocate.
-            drop(pool.alloc(16384, &stream).unwrap());
-            let alloc = |bytes| {
-                thread::scope(|s| s.spawn(|| pool.alloc(bytes, &Stream::host())).join())
-                    .unwrap()
-                    .unwrap()
-            };
-            let (params, grads) = if perturbed {
-                let g = alloc(4096);
-                (alloc(8192), g)
-            } else {
-                let p = alloc(8192);
-                (p, alloc(4096))
-            };
-            'outer: for _ in 0..MORE {
-                for buf in [&params, &grads] {
-                    if !seen.call(rank, &[buf], || ag(buf)) {
-                        break 'outer;
-                    }
-                }
-            }
-        }
-        Scenario::SumMax => {
-            let buf = pool.alloc(world * 1024 * 4, &stream).unwrap();
-            let op = if perturbed {
-                ReduceOp::Max
-            } else {
-                ReduceOp::Sum
-            };
-            for _ in 0..MORE {
-                let f = || coll::reduce_scatter_in_place::<f32>(&buf, op, &stream);
-                if !seen.call(rank, &[&buf], f) {
-                    break;
-                }
-            }
-        }
-        Scenario::CopyEngineSize => {
-            coll::set_path_policy(
-                pool,
-                PathPolicy::default().with_ce_all_gather_min_bytes(64 << 10),
-            )
-            .unwrap();
-            let per_rank = if perturbed { 128 << 10 } else { 8 << 10 };
-            let buf = pool.alloc(world * per_rank, &stream).unwrap();
-            for _ in 0..MORE {
-                if !seen.call(rank, &[&buf], || ag(&buf)) {
-                    break;
-                }
-            }
-        }
-    }
-    seen.after = coll::wait_checks(pool).err();
-    seen
-}
-
-fn run(world: usize, mode: CheckMode, s: Scenario) -> Vec<Seen> {
-    let bs = backends(world);
-    let mut groups = vec![SymmPool::group(bs.clone(), &config(mode).with_name("a")).unwrap()];
-    if s == Scenario::CrossedPools {
-        groups.push(SymmPool::group(bs, &config(mode).with_name("b")).unwrap());
-    }
-    let per_rank: Vec<Vec<SymmPool>> = (0..world)
-        .map(|r| groups.iter().map(|g| g[r].clone()).collect())
-        .collect();
-    thread::scope(|sc| {
-        let hs: Vec<_> = per_rank
-            .iter()
-            .enumerate()
-            .map(|(r, pools)| sc.spawn(move || rank_body(s, pools, r == world - 1)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
-fn check_strict(world: usize, s: Scenario) {
-    for (rank, seen) in run(world, CheckMode::Strict, s).into_iter().enumerate() {
-        let (at, e) = seen
-            .first
-            .unwrap_or_else(|| panic!("{s:?} world {world} rank {rank}: no error"));
-        assert_eq!(at, s.strict_at(), "{s:?} world {world} rank {rank}: {e}");
-        assert!(
-            seen.untouched,
-            "{s:?} world {world} rank {rank}: data moved"
-        );
-        match (&e, s) {
-            (Error::CollectiveDivergence(d), _) => {
-                assert_eq!(d.field, s.field(CheckMode::Strict), "{e}");
-                assert_eq!(d.values.len(), world, "{e}");
-            }
-            // Crossed pools: each rank waits in the other pool's check round, so the
-            // strict check ends in a timeout, before any data moves.
-            (Error::Timeout { .. } | Error::GroupBroken { .. }, Scenario::CrossedPools) => {}
-            _ => panic!("{s:?} world {world} rank {rank}: {e:?}"),
-        }
-    }
-}
-
-fn check_async(world: usize, s: Scenario) {
-    // The bound: the divergent collective (at most the second of this rank's calls,
-    // counted over both pools for crossed pools) plus the queue plus one; crossed
-    // pools spread this rank's calls over two queues.
-    let bound = match s {
-        Scenario::CrossedPools => 2 * (2 + Q + 1),
-        _ => 2 + Q + 1,
-    };
-    for (rank, seen) in run(world, CheckMode::Async, s).into_iter().enumerate() {
-        let (at, e) = seen
-            .first
-            .unwrap_or_else(|| panic!("{s:?} world {world} rank {rank}: no error"));
-        assert!(
-            at <= bound,
-            "{s:?} world {world} rank {rank}: first error at {at}: {e}"
-        );
-        match seen.after {
-            Some(Error::CollectiveDivergence(d)) => {
-                assert_eq!(d.field, s.field(CheckMode::Async), "{d}");
-            }
-            other => panic!("{s:?} world {world} rank {rank}: after {other:?} (first {e:?})"),
-        }
-    }
-}
-
-const ALL: [Scenario; 6] = [
-    Scenario::FreeOrder,
-    Scenario::Skip,
-    Scenario::CrossedPools,
-    Scenario::Threads,
-    Scenario::SumMax,
-    Scenario::CopyEngineSize,
-];
-
 #[test]
 fn strict_reports_every_scenario_on_every_rank_before_data_moves() {
     for world in [2, 4, 8] {
         for s in ALL {
-            check_strict(world, s);
+            check_strict(backends(world), TIMEOUT, s);
         }
     }
 }
@@ -331,7 +40,7 @@ fn strict_reports_every_scenario_on_every_rank_before_data_moves() {
 fn async_reports_every_scenario_on_every_rank_within_the_bound() {
     for world in [2, 4, 8] {
         for s in ALL {
-            check_async(world, s);
+            check_async(backends(world), TIMEOUT, s);
         }
     }
 }
@@ -341,7 +50,12 @@ fn off_is_silent_as_documented() {
     // Off: the host backend moves the data at the offsets each rank gives, as NCCL
     // would, and nobody reports anything.
     for world in [2, 4, 8] {
-        for seen in run(world, CheckMode::Off, Scenario::FreeOrder) {
+        for seen in run(
+            backends(world),
+            TIMEOUT,
+            CheckMode::Off,
+            Scenario::FreeOrder,
+        ) {
             assert!(seen.first.is_none(), "{:?}", seen.first);
             assert!(seen.after.is_none());
         }

@@ -5,7 +5,9 @@
 //! that never finishes, cudarc access through `DevicePtr`, collectives on NCCL's
 //! one-rank path. Two GPUs: registration once per segment, collectives against a
 //! host reference for every type and placement, stream-safe reuse under a
-//! long-running kernel, bad input. The trials run one at a time (each builds its own
+//! long-running kernel, bad input, checked collectives (every divergence kind of
+//! `common::checked` under `Strict`, the ones that still pair up on the device under
+//! `Async`). The trials run one at a time (each builds its own
 //! NCCL world).
 //!
 //! Set-up in processes: the binary re-executes itself as the ranks of a scenario
@@ -105,7 +107,9 @@ mod gpu_tests {
                 first.registrations,
                 first.growth_seconds * 1e3
             );
-            assert!(segs >= 3);
+            // Six buffers (432 MiB and a page) in at least one large segment and the
+            // small-block segment; the registered growth policy packs them into few.
+            assert!((2..=6).contains(&segs), "{segs} segments");
             assert_eq!(first.registrations, vec![segs, segs, 0]);
             assert_eq!(
                 first.windows,
@@ -593,12 +597,43 @@ mod gpu_tests {
         );
     }
 
+    /// Two GPUs, threads: the checked-collectives scenarios on NCCL (the same code as
+    /// the host tests, `common::checked`). `Strict`: every divergence kind fails on
+    /// both ranks at the divergent collective, before any data moves (the buffers are
+    /// read back untouched). `Async`: within the bound, for the kinds whose divergent
+    /// collectives still pair up on the device (same count, same communicator); where
+    /// they do not (a skipped call, another count or path), NCCL waits on the device
+    /// for a partner that never comes, and only the watchdog ends it, which is what
+    /// `Strict` is for.
+    fn gpu_checked_collectives_catch_every_divergence_on_nccl() {
+        use common::checked::{ALL, Scenario, check_async, check_strict};
+        use symmpool::backend::{NcclBackend, NcclWorldConfig};
+        let timeout = Duration::from_secs(5);
+        let world = || NcclBackend::local_world(&[0, 1], NcclWorldConfig::default()).unwrap();
+        for s in ALL {
+            let started = std::time::Instant::now();
+            check_strict(world(), timeout, s);
+            eprintln!(
+                "Strict {s:?}: caught on both ranks before data moved ({:?})",
+                started.elapsed()
+            );
+        }
+        for s in [Scenario::FreeOrder, Scenario::CrossedPools] {
+            let started = std::time::Instant::now();
+            check_async(world(), timeout, s);
+            eprintln!(
+                "Async {s:?}: caught on both ranks within the bound ({:?})",
+                started.elapsed()
+            );
+        }
+    }
+
     /// Two GPUs, two processes: rank 1 is killed (SIGKILL) while rank 0's all-gather
     /// waits for it on the device; rank 0's watchdog (5 s) aborts the communicators and
     /// the next call fails; nothing hangs.
     fn two_gpus_kill_9_during_a_collective() {
         let status =
-            common::gpu::spawn_ranks("kill-in-collective", 2).wait(Duration::from_secs(180));
+            common::gpu::spawn_ranks("kill-in-collective", 2).wait(Duration::from_secs(90));
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(
             status[1].signal(),
@@ -832,9 +867,17 @@ mod gpu_tests {
                 .unwrap(),
             "the stream drains after the abort"
         );
+        eprintln!("[rank 0] stream drained after {:?}", started.elapsed());
         drop((send, recv)); // leaked on purpose: the process ends
+        let dropping = std::time::Instant::now();
         drop(backend);
-        eprintln!("[rank 0] done in {:?}", started.elapsed());
+        let dropped = dropping.elapsed();
+        eprintln!(
+            "[rank 0] backend dropped in {dropped:?}; done in {:?}",
+            started.elapsed()
+        );
+        // The aborts run on their own thread: a drop waits for them at most 10 s.
+        assert!(dropped < Duration::from_secs(12), "drop took {dropped:?}");
     }
 
     /// The few raw NCCL functions a test calls to make a communicator outside the crate,
@@ -1150,6 +1193,11 @@ mod gpu_tests {
                 "gpu_bad_input_is_a_clear_error_and_the_pool_stays_usable",
                 2,
                 gpu_bad_input_is_a_clear_error_and_the_pool_stays_usable,
+            ),
+            trial(
+                "gpu_checked_collectives_catch_every_divergence_on_nccl",
+                2,
+                gpu_checked_collectives_catch_every_divergence_on_nccl,
             ),
         ];
         libtest_mimic::run(&args, trials).exit();

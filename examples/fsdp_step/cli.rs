@@ -39,11 +39,23 @@ pub enum Mode {
     Ce,
     /// The crate's choice per size
     Auto,
+    /// No communication: the same step with the collectives left out (their output
+    /// buffers are allocated and used as they are), the bound on the step time that
+    /// hiding all communication would reach; its losses mean nothing
+    None,
 }
 
 impl Mode {
-    /// Every mode, ring first.
+    /// Every mode that communicates, ring first.
     pub const ALL: [Mode; 4] = [Mode::Ring, Mode::Symm, Mode::Ce, Mode::Auto];
+
+    /// What `--compare` runs: every mode, `none` last.
+    pub const COMPARED: [Mode; 5] = [Mode::Ring, Mode::Symm, Mode::Ce, Mode::Auto, Mode::None];
+
+    /// Whether the mode runs the collectives (all but `none`).
+    pub fn communicates(self) -> bool {
+        self != Mode::None
+    }
 
     /// The `--comm` name.
     pub fn name(self) -> &'static str {
@@ -52,6 +64,7 @@ impl Mode {
             Mode::Symm => "symm",
             Mode::Ce => "ce",
             Mode::Auto => "auto",
+            Mode::None => "none",
         }
     }
 }
@@ -114,7 +127,8 @@ pub struct Cli {
     /// How the collectives run
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     pub comm: Mode,
-    /// Run every mode (ring, symm, ce, auto), interleaved step by step, in one table
+    /// Run every mode (ring, symm, ce, auto, none), interleaved step by step, in one
+    /// table
     #[arg(long)]
     pub compare: bool,
     /// How the collectives are checked across ranks (off, async, strict)
@@ -235,7 +249,7 @@ impl Cli {
             steps: self.steps.unwrap_or(steps),
             lr: self.lr,
             modes: if self.compare {
-                Mode::ALL.to_vec()
+                Mode::COMPARED.to_vec()
             } else {
                 vec![self.comm]
             },

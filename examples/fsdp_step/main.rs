@@ -66,7 +66,7 @@ static CHECK: std::sync::OnceLock<symmpool::CheckMode> = std::sync::OnceLock::ne
 /// collectives are checked as `--check` says (async by default).
 fn pool_config(mode: Mode) -> PoolConfig {
     PoolConfig::default()
-        .with_register(mode != Mode::Ring)
+        .with_register(!matches!(mode, Mode::Ring | Mode::None))
         .with_name(mode.name())
         .with_check(CHECK.get().copied().unwrap_or_default())
 }
@@ -77,7 +77,7 @@ fn path_policy(mode: Mode) -> PathPolicy {
     match mode {
         Mode::Symm => PathPolicy::default().with_choices(symm, symm),
         Mode::Ce => PathPolicy::default().with_choices(Choice::Prefer(Path::CopyEngine), symm),
-        Mode::Ring | Mode::Auto => PathPolicy::default(),
+        Mode::Ring | Mode::Auto | Mode::None => PathPolicy::default(),
     }
 }
 
@@ -161,7 +161,8 @@ pub fn run_one_rank<M: Math>(
 
     let mut runs = Vec::new();
     for (mode, pool) in pools {
-        let trainer = pool.scope(|| Trainer::new(math, data.clone(), args, rank, world))?;
+        let trainer = pool
+            .scope(|| Trainer::new(math, data.clone(), args, rank, world, mode.communicates()))?;
         // The warm-up step's peak is what `fit_to_peak` sizes the pool from.
         pool.reset_peak();
         runs.push((mode, pool, trainer, Log::default()));

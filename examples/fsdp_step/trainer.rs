@@ -133,6 +133,8 @@ pub struct Trainer<'m, M: Math> {
     layers: usize,
     world: usize,
     lr: f32,
+    /// Whether the collectives run (`false`: their outputs are only allocated).
+    communicate: bool,
     shards: Vec<SymmBuffer>,
     acts: Vec<SymmBuffer>,
     grads: [SymmBuffer; 2],
@@ -156,8 +158,15 @@ pub struct StepOut {
 impl<'m, M: Math> Trainer<'m, M> {
     /// Allocate the state in the current pool. Every layer starts at the identity; rank
     /// r holds columns [r·h/world, (r+1)·h/world) of each (column-major, so a
-    /// contiguous shard).
-    pub fn new(math: &'m M, data: Data, args: &Args, rank: usize, world: usize) -> Result<Self> {
+    /// contiguous shard). Without `communicate` the step leaves the collectives out.
+    pub fn new(
+        math: &'m M,
+        data: Data,
+        args: &Args,
+        rank: usize,
+        world: usize,
+        communicate: bool,
+    ) -> Result<Self> {
         let (h, b) = (args.hidden, args.batch);
         let cs = math.stream(On::Compute);
         let shard_len = h * h / world;
@@ -189,6 +198,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             layers: args.layers,
             world,
             lr: args.lr,
+            communicate,
             shards,
             acts,
             grads,
@@ -201,8 +211,13 @@ impl<'m, M: Math> Trainer<'m, M> {
 
     /// Gather layer `l`'s parameters on the comm stream; the event marks completion.
     fn fetch(&mut self, l: usize) -> Result<(SymmBuffer, M::Ev)> {
-        let (full, path) = all_gather::<M::E>(&self.shards[l], self.math.stream(On::Comm))?;
-        self.ag_paths.push(path);
+        let full = if self.communicate {
+            let (full, path) = all_gather::<M::E>(&self.shards[l], self.math.stream(On::Comm))?;
+            self.ag_paths.push(path);
+            full
+        } else {
+            alloc(bytes::<M>(self.h * self.h), self.math.stream(On::Comm))?
+        };
         Ok((full, self.math.record(On::Comm)?))
     }
 
@@ -306,8 +321,13 @@ impl<'m, M: Math> Trainer<'m, M> {
                 )?;
             }
             m.wait_for(On::Comm, &dw_ready)?;
-            let (dw_shard, path) = reduce_scatter::<M::E>(&dw, m.stream(On::Comm))?;
-            self.rs_paths.push(path);
+            let dw_shard = if self.communicate {
+                let (dw_shard, path) = reduce_scatter::<M::E>(&dw, m.stream(On::Comm))?;
+                self.rs_paths.push(path);
+                dw_shard
+            } else {
+                alloc(bytes::<M>(h * h / self.world), m.stream(On::Comm))?
+            };
             // SGD on the shard (mean of the ranks' gradients), on the comm stream.
             let alpha = -self.step_size() / self.world as f32;
             m.axpy(On::Comm, alpha, &dw_shard, &self.shards[l])?;

@@ -90,8 +90,8 @@ class DefaultComm:
     def allocate(self, size, *, dtype, device):
         return torch.empty(size, dtype=dtype, device=device)
 
-    def __call__(self, output, input, group, async_op=False):
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def torch_symm_comms(group, device):
@@ -115,17 +115,18 @@ def torch_symm_comms(group, device):
                 return torch.empty(size, dtype=dtype, device=device)
 
     class AG(Alloc, AllGather):
-        def __call__(self, output, input, group, async_op=False):
-            symm_mem.rendezvous(output, group=ce_group.group_name)
-            return dist.all_gather_into_tensor(output, input, group=ce_group, async_op=async_op)
+        # FSDP2 passes the tensors by keyword (torch 2.11): the names are its protocol's.
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            symm_mem.rendezvous(output_tensor, group=ce_group.group_name)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=ce_group, async_op=async_op)
 
     class RS(Alloc, ReduceScatter):
-        def __call__(self, output, input, group, op=None, async_op=False):
-            symm_mem.rendezvous(input, group=ce_group.group_name)
+        def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+            symm_mem.rendezvous(input_tensor, group=ce_group.group_name)
             kw = {"group": ce_group, "async_op": async_op}
             if op is not None:
                 kw["op"] = op
-            return dist.reduce_scatter_tensor(output, input, **kw)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, **kw)
 
     return AG(), RS(), mem_pool
 

@@ -1,6 +1,7 @@
 //! Collectives on pool buffers: all-gather (copy engine or symmetric kernel) and
-//! reduce-scatter (symmetric kernel or ring), with a per-call path choice that is
-//! never slower than plain NCCL in the collectives benchmark.
+//! reduce-scatter (symmetric kernel or ring), with a per-call path choice: the fastest
+//! of the backend's paths for the size, as calibrated (on NCCL the calls themselves
+//! carry the cost of non-blocking communicators; BENCHMARKS.md has the figures).
 //!
 //! Each call checks its buffers first (same pool, open, sizes consistent), picks a
 //! communicator and path from the NCCL version, the communicators' CTA policies, the

@@ -24,6 +24,10 @@ pub enum LaunchSource {
 /// | slurm (`srun`) | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` | `SLURM_NTASKS_PER_NODE` (only a plain number) | `MASTER_ADDR`, `MASTER_PORT` |
 /// | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` | `OMPI_COMM_WORLD_LOCAL_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
 ///
+/// The store listens on `MASTER_PORT`, except under torchrun (`TORCHELASTIC_RUN_ID`
+/// set), whose agent already serves PyTorch's store there: then on `MASTER_PORT + 1`.
+/// `SYMMPOOL_STORE_PORT` overrides both.
+///
 /// The launchers are tried in that order: torchrun's when `RANK` is set, slurm's when
 /// `SLURM_PROCID` is, Open MPI's when `OMPI_COMM_WORLD_RANK` is. Under slurm and Open
 /// MPI the store address is **required** in `MASTER_ADDR` and `MASTER_PORT` (this crate
@@ -45,7 +49,8 @@ pub struct Launch {
     pub local_world_size: Option<usize>,
     /// Host name or address of the store (rank 0's node).
     pub master_addr: String,
-    /// Port of the store.
+    /// Port of this crate's store: `MASTER_PORT`, `MASTER_PORT + 1` under torchrun, or
+    /// `SYMMPOOL_STORE_PORT` (see the table above).
     pub master_port: u16,
     /// Where these values came from.
     pub source: LaunchSource,
@@ -158,6 +163,23 @@ impl Launch {
             .trim()
             .parse::<u16>()
             .map_err(|_| env_err("MASTER_PORT", format!("{port:?} is not a port number")))?;
+        let master_port = match get("SYMMPOOL_STORE_PORT") {
+            Some(p) => p.trim().parse::<u16>().map_err(|_| {
+                env_err("SYMMPOOL_STORE_PORT", format!("{p:?} is not a port number"))
+            })?,
+            // torchrun's agent (or PyTorch's rank 0) already serves its own store on
+            // MASTER_PORT: this crate's goes on the next port.
+            None if source == LaunchSource::Torchrun && get("TORCHELASTIC_RUN_ID").is_some() => {
+                master_port.checked_add(1).ok_or_else(|| {
+                    env_err(
+                        "MASTER_PORT",
+                        "65535 leaves no port above it for symmpool's store under torchrun; \
+                         set SYMMPOOL_STORE_PORT",
+                    )
+                })?
+            }
+            None => master_port,
+        };
         let l = Launch {
             rank,
             world_size,
@@ -240,6 +262,28 @@ mod tests {
                 source: LaunchSource::Torchrun,
             }
         );
+    }
+
+    #[test]
+    fn the_store_port_avoids_torchruns_own_store() {
+        let mut v = vec![("RANK", "0"), ("WORLD_SIZE", "2")];
+        v.extend(MASTER);
+        assert_eq!(launch(&v).unwrap().master_port, 29511);
+        v.push(("TORCHELASTIC_RUN_ID", "none"));
+        assert_eq!(launch(&v).unwrap().master_port, 29512);
+        v.push(("SYMMPOOL_STORE_PORT", "40000"));
+        assert_eq!(launch(&v).unwrap().master_port, 40000);
+        let mut bad = v.clone();
+        bad.retain(|(k, _)| *k != "SYMMPOOL_STORE_PORT");
+        bad.push(("SYMMPOOL_STORE_PORT", "x"));
+        assert_eq!(variable(launch(&bad).unwrap_err()), "SYMMPOOL_STORE_PORT");
+        let mut top = vec![
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("TORCHELASTIC_RUN_ID", "r"),
+        ];
+        top.extend([("MASTER_ADDR", "node0"), ("MASTER_PORT", "65535")]);
+        assert_eq!(variable(launch(&top).unwrap_err()), "MASTER_PORT");
     }
 
     #[test]

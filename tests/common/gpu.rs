@@ -156,11 +156,29 @@ impl Ranks {
                     .filter(|(_, d)| d.is_none())
                     .map(|(r, _)| r)
                     .collect();
+                for &r in &running {
+                    print_stacks(r, self.children[r].1.id());
+                }
                 drop(self); // kills and reaps
                 panic!("ranks {running:?} still running after {bound:?}: killed");
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
+    }
+}
+
+/// Where a rank that overran its bound is stuck: every thread's stack, from
+/// `cuda-gdb` (the GPU machine has it; no gdb there), bounded by `timeout(1)`. Nothing
+/// where it is missing.
+fn print_stacks(rank: usize, pid: u32) {
+    let out = std::process::Command::new("timeout")
+        .args(["60", "cuda-gdb", "-p", &pid.to_string(), "-batch"])
+        .args(["-ex", "thread apply all bt 25"])
+        .stdin(std::process::Stdio::null())
+        .output();
+    if let Ok(out) = out {
+        eprintln!("---- rank {rank} (pid {pid}): stacks");
+        eprintln!("{}", String::from_utf8_lossy(&out.stdout));
     }
 }
 

@@ -1,5 +1,6 @@
 //! Helpers shared by the integration tests and benchmarks.
 #![allow(dead_code)]
+pub mod checked;
 pub mod fsdp_trace;
 #[cfg(feature = "nccl")]
 pub mod gpu;

@@ -39,8 +39,14 @@
 //! failed device aborts the communicators (which ends the stuck kernels) and breaks
 //! the backend: the next call fails with [`Error::NcclWatchdog`] (or
 //! [`Error::NcclAborted`]). So a surviving rank learns of a lost peer within
-//! `watchdog_timeout + watchdog_interval` of the collective's enqueue, plus the time
-//! the abort takes, and within `call_timeout` in a call that waits on peers.
+//! `watchdog_timeout + watchdog_interval` of the collective's enqueue, and within
+//! `call_timeout` in a call that waits on peers.
+//!
+//! `ncclCommAbort` itself can block without bound when a peer was killed (it joins
+//! NCCL's proxy threads; NVIDIA/nccl issue 1777). It runs on a thread of its own: the
+//! call that breaks the backend returns at once (the abort flag it sets still ends the
+//! stuck kernels), and dropping the backend waits for the aborts at most 10 s, then
+//! leaves them running and the communicators leaked.
 //!
 //! Communicators passed to [`NcclBackend::from_raw`] are never aborted by the crate
 //! (they are not its own), and a blocking one is not bounded by any deadline: a call
@@ -179,26 +185,116 @@ impl Comm {
         }
     }
 
-    /// Abort it if the crate made it and it is not aborted yet.
-    fn abort(&self) {
+    /// Mark it aborted, so that no NCCL call starts on it after this, and hand back
+    /// its handle for `ncclCommAbort` if the crate made it and it was not marked
+    /// before. Waits for a call in progress on it, which its poll bounds (a poll stops
+    /// as soon as the backend is broken).
+    fn take_for_abort(&self) -> Option<RawComm> {
         let mut state = lock(&self.state);
         if self.owned && !state.aborted {
             state.aborted = true;
-            // SAFETY: the communicator is the crate's own (`owned`), not aborted yet, and
-            // nobody else is inside an NCCL call on it (we hold its mutex); it is never
-            // used again (`aborted`).
-            if let Err(e) = unsafe { ffi::comm_abort(self.raw) } {
-                tracing::error!("symmpool: ncclCommAbort failed: {e}");
-            }
+            Some(self.raw)
+        } else {
+            None
         }
     }
 }
 
+/// How long a drop, or a communicator made during a failed set-up, waits for its
+/// aborts before leaving them to their thread.
+const ABORT_WAIT: Duration = Duration::from_secs(10);
+
+/// How [`abort_off_thread`] spreads its aborts over threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AbortThreads {
+    /// One thread, the communicators one after another: a teardown with no device
+    /// work in flight (what ran in the two-GPU trials with ranks as threads; one
+    /// thread per communicator there was not shown to be safe).
+    One,
+    /// A thread per communicator, started together: device work may be stuck.
+    PerCommunicator,
+}
+
+/// Abort `comms` (handles from [`Comm::take_for_abort`]) off the calling thread (each
+/// thread binds `ctx` first), and wait up to `wait` for all of them; whether all
+/// finished.
+///
+/// `ncclCommAbort` sets the communicator's abort flag (which ends its kernels) and
+/// then frees its memory, and a free waits for the device. Aborted one after another
+/// while a kernel is stuck, the first communicator's free waits for a kernel stuck on
+/// the third, whose flag is never set (seen on two H200s with NCCL 2.28.3: a survivor
+/// hung in the abort after its peer was killed inside an all-gather): so where work
+/// may be stuck, every communicator gets its own thread. And `ncclCommAbort` can
+/// block without bound on its own (it joins NCCL's proxy threads; NVIDIA/nccl issue
+/// 1777), so no caller waits longer than `wait`; a thread that never returns only
+/// leaks its communicators.
+fn abort_off_thread(
+    ctx: Option<Arc<CudaContext>>,
+    comms: Vec<RawComm>,
+    threads: AbortThreads,
+    wait: Duration,
+) -> bool {
+    let batches: Vec<Vec<RawComm>> = match threads {
+        AbortThreads::One if comms.is_empty() => Vec::new(),
+        AbortThreads::One => vec![comms],
+        AbortThreads::PerCommunicator => comms.into_iter().map(|c| vec![c]).collect(),
+    };
+    let (done, finished) = std::sync::mpsc::channel();
+    let (mut started, mut all_started) = (0usize, true);
+    for batch in batches {
+        let (ctx, done) = (ctx.clone(), done.clone());
+        let spawned = std::thread::Builder::new()
+            .name("symmpool-abort".into())
+            .spawn(move || {
+                if let Some(ctx) = ctx {
+                    let _ = ctx.bind_to_thread();
+                }
+                for raw in batch {
+                    // SAFETY: `take_for_abort` handed out each handle once, for a
+                    // communicator the crate made, and marked it aborted under its
+                    // mutex, so no other NCCL call is in progress on it or starts on it
+                    // later.
+                    if let Err(e) = unsafe { ffi::comm_abort(raw) } {
+                        tracing::error!("symmpool: ncclCommAbort failed: {e}");
+                    }
+                }
+                let _ = done.send(());
+            });
+        match spawned {
+            Ok(_) => started += 1,
+            Err(e) => {
+                all_started = false;
+                tracing::error!(
+                    "symmpool: could not start an abort thread ({e}); communicators leaked"
+                );
+            }
+        }
+    }
+    let deadline = crate::control::deadline_after(Instant::now(), wait);
+    let mut finished_count = 0usize;
+    while finished_count < started {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match finished.recv_timeout(left) {
+            Ok(()) => finished_count += 1,
+            Err(_) => break,
+        }
+    }
+    if finished_count < started && !wait.is_zero() {
+        tracing::warn!(
+            "symmpool: ncclCommAbort had not returned after {wait:?}; it goes on in the background and its communicators are leaked"
+        );
+    }
+    all_started && finished_count == started
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
-        // Communicators made during a set-up that then failed end here; the backend's
-        // own drop has aborted the others already.
-        self.abort();
+        // Communicators made during a set-up that then failed end here (NCCL binds the
+        // device itself in `ncclCommAbort`); the backend's own drop has marked the
+        // others aborted already.
+        if let Some(raw) = self.take_for_abort() {
+            abort_off_thread(None, vec![raw], AbortThreads::One, ABORT_WAIT);
+        }
     }
 }
 
@@ -297,19 +393,19 @@ struct Shared {
 
 impl Shared {
     /// Abort every communicator the crate made (once) and forget the watched events.
-    fn abort_all(&self) {
-        let _ = self.ctx.bind_to_thread();
-        for c in &self.comms {
-            c.abort();
-        }
+    /// Every later call on them fails at once; the aborts themselves run off this
+    /// thread ([`abort_off_thread`]), waited for up to `wait`. Whether they finished.
+    fn abort_all(&self, threads: AbortThreads, wait: Duration) -> bool {
+        let raws: Vec<RawComm> = self.comms.iter().filter_map(Comm::take_for_abort).collect();
         lock(&self.watch).clear();
+        abort_off_thread(Some(self.ctx.clone()), raws, threads, wait)
     }
 
     /// Break the backend with `cause` (aborting the communicators if this is the first
     /// cause) and return the error for the call that found it.
     fn fail(&self, cause: Cause) -> Error {
         if self.health.break_with(cause.clone()) {
-            self.abort_all();
+            self.abort_all(AbortThreads::PerCommunicator, Duration::ZERO);
             cause.error(true)
         } else {
             self.health.error()
@@ -324,7 +420,7 @@ impl Shared {
             Error::Nccl { code: 4 | 5, .. } => e,
             Error::Nccl { .. } => {
                 if self.health.break_with(Cause::Failed(e.to_string())) {
-                    self.abort_all();
+                    self.abort_all(AbortThreads::PerCommunicator, Duration::ZERO);
                 }
                 e
             }
@@ -411,7 +507,7 @@ impl Shared {
                 if self.health.break_with(Cause::Failed(format!(
                     "NCCL reported an asynchronous error: {e}"
                 ))) {
-                    self.abort_all();
+                    self.abort_all(AbortThreads::PerCommunicator, Duration::ZERO);
                 }
                 return;
             }
@@ -1371,26 +1467,22 @@ impl Drop for NcclBackend {
         let _ = self.bind();
         lock(&self.fences).events.clear();
         lock(&self.shared.watch).clear();
-        if matches!(self.drain(Instant::now()), Ok(true)) {
-            self.shared.abort_all();
-            return;
-        }
-        // Work is still running (a stuck collective, or a kernel that never ends). An
-        // abort waits for the device where it unmaps leaked windows, so it runs on a
-        // thread of its own and the drop returns now.
-        tracing::warn!(
-            "symmpool: rank {}: device work still in flight; aborting its communicators in the background",
-            self.rank
-        );
-        let shared = self.shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name("symmpool-abort".into())
-            .spawn(move || shared.abort_all());
-        if let Err(e) = spawned {
-            tracing::error!(
-                "symmpool: could not start the abort thread ({e}); communicators leaked"
+        // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
+        // resources; with work still running (a stuck collective, a kernel that never
+        // ends) the aborts wait for the device, so leave them to their thread at once.
+        let idle = matches!(self.drain(Instant::now()), Ok(true));
+        if !idle {
+            tracing::warn!(
+                "symmpool: rank {}: device work still in flight; aborting its communicators in the background",
+                self.rank
             );
         }
+        let (threads, wait) = if idle {
+            (AbortThreads::One, ABORT_WAIT)
+        } else {
+            (AbortThreads::PerCommunicator, Duration::ZERO)
+        };
+        self.shared.abort_all(threads, wait);
     }
 }
 
