@@ -204,17 +204,20 @@ pub trait SegmentMemory: Send + Sync + fmt::Debug + Any {
 #[derive(Debug)]
 pub struct Segment {
     memory: Box<dyn SegmentMemory>,
+    /// `memory.size_bytes()`, read once: every collective call checks its regions.
+    size_bytes: u64,
 }
 
 impl Segment {
     /// Wrap a provider's memory.
     pub fn new(memory: Box<dyn SegmentMemory>) -> Self {
-        Segment { memory }
+        let size_bytes = memory.size_bytes();
+        Segment { memory, size_bytes }
     }
 
     /// Size in bytes.
     pub fn size_bytes(&self) -> u64 {
-        self.memory.size_bytes()
+        self.size_bytes
     }
 
     /// The device address of the first byte, `None` for host memory.

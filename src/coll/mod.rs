@@ -111,7 +111,7 @@ use crate::error::{Error, Result};
 use crate::pool::{CheckMode, SymmBuffer, SymmPool};
 use crate::stream::Stream;
 use path::{Coll, Inputs, select};
-use std::sync::{Arc, RwLock};
+use std::sync::RwLock;
 
 /// The collectives' own state of one pool: its path policy and its checks.
 #[derive(Debug)]
@@ -120,7 +120,7 @@ struct PoolColl {
     check: check::Checker,
 }
 
-fn state(pool: &SymmPool) -> Result<Arc<PoolColl>> {
+fn state(pool: &SymmPool) -> Result<&PoolColl> {
     pool.extension(|| PoolColl {
         policy: RwLock::new(PathPolicy::default()),
         check: check::Checker::new(pool),

@@ -141,20 +141,22 @@ pub(crate) struct Inputs<'a> {
 /// not known to share.
 pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     let find = |role: CommRole| i.comms.iter().position(|c| c.role == role);
-    let (ce_single, symm_single) = one_nvlink_domain_needed(i.version);
-    let spans_nodes = i.nodes > 1;
-    let ce = find(CommRole::CopyEngine).filter(|&c| {
+    // The candidates are looked at lazily, in the order of preference: most calls
+    // settle on the first (a cost on every collective call).
+    let ce = || {
+        let c = find(CommRole::CopyEngine)?;
+        if i.coll != Coll::AllGather
+            || i.world_size <= 1
+            || i.version < NcclVersion::COPY_ENGINE
+            || i.comms[c].cta_policy & 2 == 0
+            || (i.nodes > 1 && one_nvlink_domain_needed(i.version).0)
+        {
+            return None;
+        }
         let (send, recv) = (i.registered)(c);
-        i.coll == Coll::AllGather
-            && !(spans_nodes && ce_single)
-            && i.version >= NcclVersion::COPY_ENGINE
-            && i.comms[c].cta_policy & 2 != 0
-            && i.world_size > 1
-            && recv
-            && (send || i.version >= NcclVersion::CE_RECV_ONLY)
-    });
-    let symm = find(CommRole::Symmetric).filter(|&c| {
-        let (send, recv) = (i.registered)(c);
+        (recv && (send || i.version >= NcclVersion::CE_RECV_ONLY)).then_some(c)
+    };
+    let symm = || {
         let op_ok = match i.coll {
             Coll::AllGather => true,
             Coll::ReduceScatter(ReduceOp::Sum) => i.dtype.symmetric_reduce(),
@@ -163,10 +165,17 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             }
             Coll::ReduceScatter(_) => false,
         };
-        i.version >= NcclVersion::WINDOWS && send && recv && op_ok && !(spans_nodes && symm_single)
-    });
-    let plain = find(CommRole::Plain);
-    let fallback = || match plain {
+        if !op_ok
+            || i.version < NcclVersion::WINDOWS
+            || (i.nodes > 1 && one_nvlink_domain_needed(i.version).1)
+        {
+            return None;
+        }
+        let c = find(CommRole::Symmetric)?;
+        let (send, recv) = (i.registered)(c);
+        (send && recv).then_some(c)
+    };
+    let fallback = || match find(CommRole::Plain) {
         Some(c) => (c, Path::PlainKernel),
         // No unregistered communicator: NCCL runs its ordinary kernels on the first one.
         None => (0, Path::PlainKernel),
@@ -196,21 +205,19 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             )
         }
     };
-    let preferred = match choice {
-        Choice::Auto => None,
-        Choice::Prefer(p) => Some(p),
+    let attempt = |p: Path| match p {
+        Path::CopyEngine => ce().map(|c| (c, p)),
+        Path::SymmetricKernel => symm().map(|c| (c, p)),
+        Path::PlainKernel => Some(fallback()),
     };
-    for p in preferred.into_iter().chain(auto) {
-        let hit = match p {
-            Path::CopyEngine => ce.map(|c| (c, p)),
-            Path::SymmetricKernel => symm.map(|c| (c, p)),
-            Path::PlainKernel => Some(fallback()),
-        };
-        if let Some(h) = hit {
-            return h;
-        }
+    if let Choice::Prefer(p) = choice
+        && let Some(hit) = attempt(p)
+    {
+        return hit;
     }
-    fallback()
+    attempt(auto[0])
+        .or_else(|| attempt(auto[1]))
+        .unwrap_or_else(fallback)
 }
 
 /// Whether (the copy engine, the symmetric kernels) need every rank in one NVLink

@@ -303,18 +303,15 @@ impl SymmPool {
 
     /// The per-pool state of type `T` of a layer above the pool, made by `init` on
     /// first use. One type per pool: a second type is refused.
-    pub(crate) fn extension<T: Any + Send + Sync>(
-        &self,
-        init: impl FnOnce() -> T,
-    ) -> Result<Arc<T>> {
-        let any = self
-            .inner
+    pub(crate) fn extension<T: Any + Send + Sync>(&self, init: impl FnOnce() -> T) -> Result<&T> {
+        // Borrowed, not cloned: the collectives look it up on every call.
+        self.inner
             .extension
             .get_or_init(|| Arc::new(init()) as Arc<dyn Any + Send + Sync>)
-            .clone();
-        any.downcast::<T>().map_err(|_| Error::Internal {
-            what: "two layers claimed the pool's extension slot".into(),
-        })
+            .downcast_ref::<T>()
+            .ok_or_else(|| Error::Internal {
+                what: "two layers claimed the pool's extension slot".into(),
+            })
     }
 
     /// The pool's state, with the frees that `Drop` deferred applied first. A lock
