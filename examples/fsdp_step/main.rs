@@ -151,8 +151,9 @@ pub fn run_one_rank<M: Math>(
 ) -> Result<Vec<Summary>> {
     let first = &pools[0].1;
     let (rank, world) = (first.rank(), first.world_size());
-    // The data lives in a pool of its own, unregistered, so that each mode's
-    // statistics count only the training's buffers.
+    // The data, and what no collective touches (activations, their gradients), live
+    // in a pool of their own, unregistered: each mode's pool holds only the buffers
+    // its collectives use, so its statistics count those alone.
     let data_config = PoolConfig::default()
         .with_register(false)
         .with_timeout(first.config().timeout);
@@ -161,8 +162,10 @@ pub fn run_one_rank<M: Math>(
 
     let mut runs = Vec::new();
     for (mode, pool) in pools {
-        let trainer = pool
-            .scope(|| Trainer::new(math, data.clone(), args, rank, world, mode.communicates()))?;
+        let trainer = pool.scope(|| {
+            let (data, communicate) = (data.clone(), mode.communicates());
+            Trainer::new(math, data, &data_pool, args, (rank, world), communicate)
+        })?;
         // The warm-up step's peak is what `fit_to_peak` sizes the pool from.
         pool.reset_peak();
         runs.push((mode, pool, trainer, Log::default()));

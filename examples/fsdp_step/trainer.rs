@@ -19,7 +19,7 @@ use rand::{RngExt, SeedableRng};
 use std::sync::Arc;
 use std::time::Instant;
 use symmpool::coll::Path;
-use symmpool::{Element, Result, Stream, SymmBuffer, alloc};
+use symmpool::{Element, Result, Stream, SymmBuffer, SymmPool, alloc};
 
 /// Which of a rank's two streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,12 +159,17 @@ impl<'m, M: Math> Trainer<'m, M> {
     /// Allocate the state in the current pool. Every layer starts at the identity; rank
     /// r holds columns [r·h/world, (r+1)·h/world) of each (column-major, so a
     /// contiguous shard). Without `communicate` the step leaves the collectives out.
+    ///
+    /// The shards (the all-gathers' inputs) come from the current pool; what no
+    /// collective touches (activations, their gradients, the loss sum) from `state`,
+    /// an unregistered pool, as in FSDP2: only the collectives' buffers belong in
+    /// symmetric memory, where they would otherwise pin registered segments.
     pub fn new(
         math: &'m M,
         data: Data,
+        state: &SymmPool,
         args: &Args,
-        rank: usize,
-        world: usize,
+        (rank, world): (usize, usize),
         communicate: bool,
     ) -> Result<Self> {
         let (h, b) = (args.hidden, args.batch);
@@ -186,10 +191,13 @@ impl<'m, M: Math> Trainer<'m, M> {
             })
             .collect::<Result<Vec<_>>>()?;
         let acts = (0..args.layers)
-            .map(|_| alloc(bytes::<M>(h * b), cs))
+            .map(|_| state.alloc(bytes::<M>(h * b), cs))
             .collect::<Result<Vec<_>>>()?;
-        let grads = [alloc(bytes::<M>(h * b), cs)?, alloc(bytes::<M>(h * b), cs)?];
-        let sums = alloc(4 * 4, cs)?;
+        let grads = [
+            state.alloc(bytes::<M>(h * b), cs)?,
+            state.alloc(bytes::<M>(h * b), cs)?,
+        ];
+        let sums = state.alloc(4 * 4, cs)?;
         sums.write(&[0f32; 4])?;
         Ok(Trainer {
             math,

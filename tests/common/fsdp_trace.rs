@@ -126,8 +126,8 @@ pub fn buffers() -> usize {
     3 * LAYERS
 }
 
-/// The `fsdp_step` example's workload on GPUs: 8 layers of hidden 4096 in f32 on 2
-/// ranks, batch 1024. Each layer's weight is 4096 × 4096 f32 = 64 MiB gathered and
+/// The `fsdp_step` example's workload on its registered pool: 8 layers of hidden 4096
+/// in f32 on 2 ranks. Each layer's weight is 4096 × 4096 f32 = 64 MiB gathered and
 /// 32 MiB per rank sharded.
 pub mod example {
     use super::TraceOp;
@@ -137,65 +137,39 @@ pub mod example {
     /// Ranks.
     pub const WORLD: u64 = 2;
     const H: u64 = 4096;
-    const BATCH: u64 = 1024;
     /// One gathered weight (and one unsharded weight gradient): 64 MiB.
     pub const FULL: u64 = H * H * 4;
     const SHARD: u64 = FULL / WORLD;
-    const ACT: u64 = H * BATCH * 4;
 
     fn shard(l: usize) -> usize {
         l
     }
-    fn act(l: usize) -> usize {
+    fn ag(l: usize) -> usize {
         LAYERS + l
     }
-    fn grad(i: usize) -> usize {
-        2 * LAYERS + i
-    }
-    const SUMS: usize = 2 * LAYERS + 2;
-    fn ag(l: usize) -> usize {
-        SUMS + 1 + l
-    }
     fn dw(l: usize) -> usize {
-        SUMS + 1 + LAYERS + l
+        2 * LAYERS + l
     }
     fn dw_shard(l: usize) -> usize {
-        SUMS + 1 + 2 * LAYERS + l
+        3 * LAYERS + l
     }
 
     /// Size of the live-buffer table the ids index.
     pub fn buffers() -> usize {
-        SUMS + 1 + 3 * LAYERS
+        4 * LAYERS
     }
 
-    /// The persistent buffers, allocated once before the first step and never freed:
-    /// the parameter shards (8 × 32 MiB), activations (8 × 16 MiB), the two
-    /// activation-gradient buffers (16 MiB each) and a 16-byte loss accumulator.
+    /// The persistent buffers of the registered pool, allocated once before the first
+    /// step and never freed: the parameter shards (8 × 32 MiB), the all-gathers'
+    /// inputs. The activations, their gradients and the loss sum live in the
+    /// example's unregistered pool (no collective touches them).
     pub fn setup() -> Vec<TraceOp> {
-        let mut ops = Vec::new();
-        for l in 0..LAYERS {
-            ops.push(TraceOp::Alloc {
+        (0..LAYERS)
+            .map(|l| TraceOp::Alloc {
                 id: shard(l),
                 bytes: SHARD,
-            });
-        }
-        for l in 0..LAYERS {
-            ops.push(TraceOp::Alloc {
-                id: act(l),
-                bytes: ACT,
-            });
-        }
-        for i in 0..2 {
-            ops.push(TraceOp::Alloc {
-                id: grad(i),
-                bytes: ACT,
-            });
-        }
-        ops.push(TraceOp::Alloc {
-            id: SUMS,
-            bytes: 16,
-        });
-        ops
+            })
+            .collect()
     }
 
     /// One training step, as `examples/fsdp_step.rs` allocates it: forward gathers
