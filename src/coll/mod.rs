@@ -444,12 +444,13 @@ pub fn all_gather_in_place<T: Element>(
 ) -> Result<CollectiveReport> {
     const OP: &str = "all_gather_in_place";
     let pool = prepare(&[buffer], stream)?;
-    let (send, count) = own_chunk::<T>(OP, pool, buffer)?;
+    let whole = buffer.region()?;
+    let (send, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
     dispatch(
         pool,
         Coll::AllGather,
         (buffer, send),
-        (buffer, buffer.region()?),
+        (buffer, whole),
         count,
         T::DTYPE,
         stream,
@@ -457,11 +458,13 @@ pub fn all_gather_in_place<T: Element>(
     )
 }
 
-/// This rank's chunk of a buffer split into world equal parts, and its element count.
+/// This rank's chunk of a buffer (`whole`, its region) split into world equal parts,
+/// and its element count.
 fn own_chunk<'a, T: Element>(
     op: &'static str,
     pool: &SymmPool,
-    buffer: &'a SymmBuffer,
+    buffer: &SymmBuffer,
+    whole: Region<'a>,
 ) -> Result<(Region<'a>, u64)> {
     let world = pool.world_size() as u64;
     let total = elements::<T>(op, "buffer", buffer.len_bytes())?;
@@ -473,9 +476,7 @@ fn own_chunk<'a, T: Element>(
     }
     let count = total / world;
     let chunk_bytes = count * std::mem::size_of::<T>() as u64;
-    let own = buffer
-        .region()?
-        .sub(pool.rank() as u64 * chunk_bytes, chunk_bytes)?;
+    let own = whole.sub(pool.rank() as u64 * chunk_bytes, chunk_bytes)?;
     Ok((own, count))
 }
 
@@ -536,11 +537,12 @@ pub fn reduce_scatter_in_place<T: Element>(
 ) -> Result<CollectiveReport> {
     const OP: &str = "reduce_scatter_in_place";
     let pool = prepare(&[buffer], stream)?;
-    let (recv, count) = own_chunk::<T>(OP, pool, buffer)?;
+    let whole = buffer.region()?;
+    let (recv, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
     dispatch(
         pool,
         Coll::ReduceScatter(op),
-        (buffer, buffer.region()?),
+        (buffer, whole),
         (buffer, recv),
         count,
         T::DTYPE,
