@@ -47,6 +47,32 @@ fn every_mode_learns_the_same_trajectory() {
 }
 
 #[test]
+fn the_none_mode_runs_the_step_without_collectives() {
+    let args = Args {
+        steps: 4,
+        ..Args::host(Mode::COMPARED.to_vec())
+    };
+    let results = run_host(&args).unwrap();
+    check(&results).unwrap();
+    let none = results.iter().find(|r| r.mode == Mode::None).unwrap();
+    // No collective ran, nothing registered, and its meaningless losses are zeros
+    // (finite, so the summary survives JSON).
+    assert_eq!(
+        (
+            none.all_gather_paths.as_str(),
+            none.reduce_scatter_paths.as_str()
+        ),
+        ("", "")
+    );
+    assert_eq!(none.registrations, 0);
+    assert!(none.losses.iter().all(|&l| l == 0.0), "{:?}", none.losses);
+    let back: Summary = serde_json::from_str(&serde_json::to_string(none).unwrap()).unwrap();
+    assert_eq!(back.losses, none.losses);
+    // The communicating modes still agree, `none` left out.
+    assert!(fsdp_step::loss_disagreement(&results) < 1e-5);
+}
+
+#[test]
 fn json_summary_has_every_field() {
     let args = Args {
         steps: 5,

@@ -260,7 +260,12 @@ impl Cli {
         };
         let square = args.hidden * args.hidden;
         if !square.is_multiple_of(ranks) {
-            let msg = format!("hidden² = {square} must split evenly over {ranks} ranks");
+            // A hidden size that is a multiple of the ranks always splits.
+            let fit = args.hidden.div_ceil(ranks) * ranks;
+            let msg = format!(
+                "hidden² = {square} must split evenly over {ranks} ranks: pass --hidden {fit} \
+                 (or another multiple of {ranks})"
+            );
             Cli::command()
                 .error(clap::error::ErrorKind::ValueValidation, msg)
                 .exit();

@@ -24,9 +24,13 @@ const CHILD_VAR: &str = "SYMMPOOL_FSDP_CHILD";
 /// The line prefix of a child's results.
 const SUMMARY: &str = "@@summary ";
 
-/// Whether a launcher started this process as one rank.
+/// Whether a launcher started this process as one rank: its variables are valid, or
+/// `RANK` or `MASTER_PORT` is set (a launch was meant; `run_as_rank` then reports what
+/// is wrong with it instead of falling back to threads).
 pub fn is_rank_process() -> bool {
     Launch::from_env().is_ok()
+        || std::env::var_os("RANK").is_some()
+        || std::env::var_os("MASTER_PORT").is_some()
 }
 
 /// Whether `--nproc` started this process (it reports to its parent).
@@ -228,11 +232,17 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
         })
         .collect();
     if !failed.is_empty() {
-        return Err(Error::Internal {
-            what: format!(
-                "the job failed: {} (see the ranks' messages above)",
-                failed.join(", ")
-            ),
+        // The rank to name: one killed by a signal or stopped (the others fail because
+        // of it), else the first that failed.
+        let lost = codes
+            .iter()
+            .position(|c| matches!(c, Some(-1) | None))
+            .or_else(|| codes.iter().position(|c| *c != Some(0)))
+            .unwrap_or(0);
+        return Err(Error::PeerLost {
+            rank: lost,
+            op: "fsdp_step --nproc",
+            detail: format!("{} (see the ranks' messages above)", failed.join(", ")),
         });
     }
     results.ok_or_else(|| Error::InvalidConfig("rank 0 reported no results".into()))

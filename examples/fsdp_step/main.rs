@@ -41,7 +41,7 @@ mod report;
 mod trainer;
 
 pub use cli::{Args, BackendChoice, Cli, Mode};
-pub use report::{Log, Spread, Summary, check};
+pub use report::{Log, Spread, Summary, check, loss_disagreement};
 
 use clap::Parser;
 use ranks::{StepBarrier, StepSync, on_rank_threads};

@@ -152,6 +152,13 @@ impl Summary {
     ) -> Summary {
         let later = Spread::of(&log.step_ms[1.min(log.step_ms.len())..]);
         let per_comm = stats.roles.iter().zip(&stats.registrations);
+        // `none` computes on buffers no collective filled: its losses mean nothing and
+        // may not even be finite (JSON has no NaN); they are reported as 0.
+        let losses: Vec<f32> = if mode.communicates() {
+            log.losses
+        } else {
+            log.losses.iter().map(|_| 0.0).collect()
+        };
         Summary {
             backend: args.backend,
             rank,
@@ -164,8 +171,8 @@ impl Summary {
             median_step_ms: later.median,
             min_step_ms: later.min,
             max_step_ms: later.max,
-            first_loss: log.losses.first().copied().unwrap_or(f32::NAN),
-            last_loss: log.losses.last().copied().unwrap_or(f32::NAN),
+            first_loss: losses.first().copied().unwrap_or(f32::NAN),
+            last_loss: losses.last().copied().unwrap_or(f32::NAN),
             registrations: stats.registrations.iter().sum(),
             registrations_per_communicator: per_comm.map(|(r, n)| (format!("{r:?}"), *n)).collect(),
             registrations_first_step: log.registrations_first_step,
@@ -178,7 +185,7 @@ impl Summary {
             peak_allocated_bytes: stats.core.allocated_bytes.peak,
             all_gather_paths: paths(ag),
             reduce_scatter_paths: paths(rs),
-            losses: log.losses,
+            losses,
             step_ms: log.step_ms,
         }
     }
@@ -270,17 +277,25 @@ pub fn print(args: &Args, results: &[Summary]) {
         "path",
     );
     let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
+    let comm = results.iter().any(|r| !r.mode.communicates());
     for r in results {
+        let loss = |l: f32| {
+            if r.mode.communicates() {
+                format!("{l:.4e}")
+            } else {
+                "-".into()
+            }
+        };
         out!(
-            "{:<5} {:>8.2} {:>7} {:>11.4e} {:>11.4e} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
+            "{:<5} {:>8.2} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
             r.mode.name(),
             r.median_step_ms,
             ring.map_or("-".into(), |x| format!(
                 "{:.3}",
                 r.median_step_ms / x.median_step_ms
             )),
-            r.first_loss,
-            r.last_loss,
+            loss(r.first_loss),
+            loss(r.last_loss),
             format!(
                 "{} / {}",
                 r.registrations_first_step, r.registrations_after_first_step
@@ -301,6 +316,12 @@ pub fn print(args: &Args, results: &[Summary]) {
          first step → after warm-up sizing (small + large class); MiB: peak per rank; \
          paths: last step)"
     );
+    if comm {
+        out!(
+            "(none: the same step with its collectives left out, on buffers nothing filled, \
+             so no losses; its step time is what hiding all communication would reach)"
+        );
+    }
     let step_of = |m: Mode| {
         results
             .iter()

@@ -246,10 +246,28 @@ impl fmt::Debug for Checker {
 impl Drop for Checker {
     fn drop(&mut self) {
         // The checker thread finishes the rounds of the records already posted (the
-        // peers post theirs) and exits.
+        // peers post theirs) and exits; wait for that, at most the pool's timeout (a
+        // round never waits longer), so that its handle on the exchange is gone when
+        // the pool is.
         let mut q = lock(&self.queue.state);
         q.stop = true;
         self.queue.posted.notify_all();
+        if !q.started {
+            return;
+        }
+        let deadline = crate::control::deadline_after(Instant::now(), self.timeout);
+        while !q.done {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            q = self
+                .queue
+                .progress
+                .wait_timeout(q, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 }
 
@@ -515,13 +533,18 @@ impl Worker {
         }
     }
 
-    fn fail(&self, reason: String) {
+    fn fail(self, reason: String) {
         self.verdict.failed(reason);
         self.exit();
     }
 
-    fn exit(&self) {
-        lock(&self.queue.state).done = true;
-        self.queue.progress.notify_all();
+    /// Release the exchange, then say so: a pool's drop waits for this, so that the
+    /// exchange (and a store server rank 0 hosts in it) goes when the application
+    /// drops its last handle, not whenever this thread gets to it.
+    fn exit(self) {
+        let queue = self.queue.clone();
+        drop(self);
+        lock(&queue.state).done = true;
+        queue.progress.notify_all();
     }
 }

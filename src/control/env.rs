@@ -167,8 +167,8 @@ impl Launch {
             Some(p) => p.trim().parse::<u16>().map_err(|_| {
                 env_err("SYMMPOOL_STORE_PORT", format!("{p:?} is not a port number"))
             })?,
-            // torchrun's agent (or PyTorch's rank 0) already serves its own store on
-            // MASTER_PORT: this crate's goes on the next port.
+            // torchrun's agent already serves its own store on MASTER_PORT: this
+            // crate's goes on the next port.
             None if source == LaunchSource::Torchrun && get("TORCHELASTIC_RUN_ID").is_some() => {
                 master_port.checked_add(1).ok_or_else(|| {
                     env_err(

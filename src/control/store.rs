@@ -54,9 +54,6 @@ struct Shared {
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
     shutdown: AtomicBool,
-    /// The server is closing while ranks are still connected to a broken group: no
-    /// more heartbeats (see `Drop for StoreServer`).
-    lingering: AtomicBool,
     accepted: AtomicU64,
     rejected: AtomicU64,
     departed: AtomicU64,
@@ -130,7 +127,6 @@ impl StoreServer {
             }),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
-            lingering: AtomicBool::new(false),
             accepted: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             departed: AtomicU64::new(0),
@@ -193,7 +189,6 @@ impl StoreServer {
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
-        self.linger();
         self.shared.shutdown.store(true, Ordering::SeqCst);
         {
             let mut st = self.shared.lock();
@@ -204,40 +199,6 @@ impl Drop for StoreServer {
         self.shared.cv.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
-        }
-    }
-}
-
-impl StoreServer {
-    /// When the group broke and ranks are still connected, the frame naming the lost
-    /// rank may still sit unread in their sockets; closing now could reset a
-    /// connection whose rank then writes, and a reset discards that frame, so the rank
-    /// would blame rank 0 instead of the lost one. So this side's writes are shut
-    /// (the ranks read the frame, then the end of the stream) and the connections stay
-    /// open until those ranks leave, at most two heartbeat intervals (a rank's
-    /// background reader looks every half interval).
-    fn linger(&self) {
-        let mut st = self.shared.lock();
-        if st.broken.is_none() || st.conns.iter().all(Option::is_none) {
-            return;
-        }
-        self.shared.lingering.store(true, Ordering::SeqCst);
-        for c in st.conns.iter().flatten() {
-            let _ = c.stream.shutdown(Shutdown::Write);
-        }
-        let deadline =
-            crate::control::deadline_after(Instant::now(), 2 * self.shared.heartbeat_interval);
-        while st.conns.iter().any(Option::is_some) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
         }
     }
 }
@@ -380,9 +341,6 @@ fn monitor_loop(shared: &Arc<Shared>) {
             let Some(c) = st.conns[rank].as_ref() else {
                 continue;
             };
-            if shared.lingering.load(Ordering::SeqCst) {
-                break;
-            }
             let silent = now.saturating_duration_since(c.last_heard);
             if silent > shared.heartbeat_timeout {
                 failed.push((

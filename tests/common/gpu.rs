@@ -176,9 +176,13 @@ fn print_stacks(rank: usize, pid: u32) {
         .args(["-ex", "thread apply all bt 25"])
         .stdin(std::process::Stdio::null())
         .output();
-    if let Ok(out) = out {
-        eprintln!("---- rank {rank} (pid {pid}): stacks");
-        eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+    if let Ok(out) = out
+        .as_ref()
+        .map(|o| &o.stdout)
+        .map(|b| String::from_utf8_lossy(b))
+        && !out.trim().is_empty()
+    {
+        eprintln!("---- rank {rank} (pid {pid}): stacks\n{out}");
     }
 }
 

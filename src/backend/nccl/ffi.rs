@@ -598,13 +598,15 @@ pub(crate) unsafe fn comm_rank_size_device(comm: RawComm) -> Result<(usize, usiz
     Ok((u(rank), u(size), u(dev)))
 }
 
-/// `ncclCommAbort`: local teardown that never waits for peers; also ends the calls and
-/// device work still in progress on the communicator.
+/// `ncclCommAbort`: local teardown; also ends the calls and device work still in
+/// progress on the communicator, and releases its windows. It can block (it frees
+/// memory, which waits for the device, and joins NCCL's threads), so callers run it
+/// on a thread of its own.
 ///
 /// # Safety
 /// - `comm` is a live communicator created by this crate (not adopted);
-/// - nothing uses it again, and no other thread is inside an NCCL call on it (the
-///   caller holds its mutex).
+/// - nothing uses it again, and no other thread is inside an NCCL call on it (it was
+///   marked aborted under its mutex, so no call starts on it later).
 pub(crate) unsafe fn comm_abort(comm: RawComm) -> Result<()> {
     let s = api()?;
     // SAFETY: the caller guarantees `comm.0` is live, owned and never used again.

@@ -45,8 +45,11 @@
 //! `ncclCommAbort` itself can block without bound when a peer was killed (it joins
 //! NCCL's proxy threads; NVIDIA/nccl issue 1777). It runs on a thread of its own: the
 //! call that breaks the backend returns at once (the abort flag it sets still ends the
-//! stuck kernels), and dropping the backend waits for the aborts at most 10 s, then
-//! leaves them running and the communicators leaked.
+//! stuck kernels); releasing a window of an aborted communicator waits for its abort
+//! at most 10 s (after that the window and its segment are leaked, never freed under
+//! a running abort); dropping a backend with no device work in flight waits for the
+//! aborts at most 10 s, one with work in flight not at all, and aborts still running
+//! then are left to their threads, their communicators leaked.
 //!
 //! Communicators passed to [`NcclBackend::from_raw`] are never aborted by the crate
 //! (they are not its own), and a blocking one is not bounded by any deadline: a call
@@ -169,11 +172,45 @@ struct Comm {
     raw: RawComm,
     owned: bool,
     state: Mutex<CommState>,
+    /// Set by the thread that runs its `ncclCommAbort` once that returned.
+    abort_done: Arc<AbortDone>,
 }
 
 struct CommState {
-    /// `ncclCommAbort` has run: the handle is dangling.
+    /// `ncclCommAbort` was handed to a thread (or has run): no call may start on it.
     aborted: bool,
+}
+
+/// Whether a communicator's `ncclCommAbort` has returned, for those that must not
+/// touch what the abort releases before then (its windows, and so their segments).
+#[derive(Default)]
+struct AbortDone {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl AbortDone {
+    fn set(&self) {
+        *lock(&self.done) = true;
+        self.cv.notify_all();
+    }
+
+    /// Wait until the abort returned or `deadline` passes; whether it returned.
+    fn wait(&self, deadline: Instant) -> bool {
+        let mut done = lock(&self.done);
+        while !*done {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            done = self
+                .cv
+                .wait_timeout(done, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
 }
 
 impl Comm {
@@ -182,21 +219,30 @@ impl Comm {
             raw,
             owned,
             state: Mutex::new(CommState { aborted: false }),
+            abort_done: Arc::default(),
         }
     }
 
     /// Mark it aborted, so that no NCCL call starts on it after this, and hand back
-    /// its handle for `ncclCommAbort` if the crate made it and it was not marked
-    /// before. Waits for a call in progress on it, which its poll bounds (a poll stops
-    /// as soon as the backend is broken).
-    fn take_for_abort(&self) -> Option<RawComm> {
+    /// its handle for `ncclCommAbort` (with the flag to set when it returned) if the
+    /// crate made it and it was not marked before. Waits for a call in progress on
+    /// it, which its poll bounds (a poll stops as soon as the backend is broken).
+    fn take_for_abort(&self) -> Option<(RawComm, Arc<AbortDone>)> {
         let mut state = lock(&self.state);
         if self.owned && !state.aborted {
             state.aborted = true;
-            Some(self.raw)
+            Some((self.raw, self.abort_done.clone()))
         } else {
             None
         }
+    }
+
+    /// Whether it was aborted, and if so whether its abort returned by `deadline`.
+    fn aborted_by(&self, deadline: Instant) -> Option<bool> {
+        if !lock(&self.state).aborted {
+            return None;
+        }
+        Some(self.abort_done.wait(deadline))
     }
 }
 
@@ -230,11 +276,11 @@ enum AbortThreads {
 /// leaks its communicators.
 fn abort_off_thread(
     ctx: Option<Arc<CudaContext>>,
-    comms: Vec<RawComm>,
+    comms: Vec<(RawComm, Arc<AbortDone>)>,
     threads: AbortThreads,
     wait: Duration,
 ) -> bool {
-    let batches: Vec<Vec<RawComm>> = match threads {
+    let batches: Vec<Vec<(RawComm, Arc<AbortDone>)>> = match threads {
         AbortThreads::One if comms.is_empty() => Vec::new(),
         AbortThreads::One => vec![comms],
         AbortThreads::PerCommunicator => comms.into_iter().map(|c| vec![c]).collect(),
@@ -249,14 +295,16 @@ fn abort_off_thread(
                 if let Some(ctx) = ctx {
                     let _ = ctx.bind_to_thread();
                 }
-                for raw in batch {
+                for (raw, done) in batch {
                     // SAFETY: `take_for_abort` handed out each handle once, for a
                     // communicator the crate made, and marked it aborted under its
                     // mutex, so no other NCCL call is in progress on it or starts on it
-                    // later.
+                    // later; its windows are deregistered by nobody but this abort
+                    // (`deregister` waits for `done`), so their segments stay mapped.
                     if let Err(e) = unsafe { ffi::comm_abort(raw) } {
                         tracing::error!("symmpool: ncclCommAbort failed: {e}");
                     }
+                    done.set();
                 }
                 let _ = done.send(());
             });
@@ -292,8 +340,8 @@ impl Drop for Comm {
         // Communicators made during a set-up that then failed end here (NCCL binds the
         // device itself in `ncclCommAbort`); the backend's own drop has marked the
         // others aborted already.
-        if let Some(raw) = self.take_for_abort() {
-            abort_off_thread(None, vec![raw], AbortThreads::One, ABORT_WAIT);
+        if let Some(taken) = self.take_for_abort() {
+            abort_off_thread(None, vec![taken], AbortThreads::One, ABORT_WAIT);
         }
     }
 }
@@ -394,11 +442,11 @@ struct Shared {
 impl Shared {
     /// Abort every communicator the crate made (once) and forget the watched events.
     /// Every later call on them fails at once; the aborts themselves run off this
-    /// thread ([`abort_off_thread`]), waited for up to `wait`. Whether they finished.
-    fn abort_all(&self, threads: AbortThreads, wait: Duration) -> bool {
-        let raws: Vec<RawComm> = self.comms.iter().filter_map(Comm::take_for_abort).collect();
+    /// thread ([`abort_off_thread`]), waited for up to `wait`.
+    fn abort_all(&self, threads: AbortThreads, wait: Duration) {
+        let taken: Vec<_> = self.comms.iter().filter_map(Comm::take_for_abort).collect();
         lock(&self.watch).clear();
-        abort_off_thread(Some(self.ctx.clone()), raws, threads, wait)
+        abort_off_thread(Some(self.ctx.clone()), taken, threads, wait);
     }
 
     /// Break the backend with `cause` (aborting the communicators if this is the first
@@ -1065,8 +1113,9 @@ impl NcclBackend {
 
     /// Abort this rank's NCCL communicators now (for example when the application
     /// learnt of a lost peer elsewhere) and break the backend: later calls fail with
-    /// [`Error::NcclAborted`] naming `reason`. Stuck collectives end. Local; returns once
-    /// the communicators are aborted.
+    /// [`Error::NcclAborted`] naming `reason`. Stuck collectives end. Local; returns at
+    /// once: the aborts run on threads of their own (`ncclCommAbort` can block), and
+    /// dropping the backend waits for them at most 10 s.
     pub fn abort(&self, reason: &str) {
         let _ = self.shared.fail(Cause::Failed(format!(
             "aborted by the application: {reason}"
@@ -1248,14 +1297,28 @@ impl SegmentProvider for NcclBackend {
         };
         let op = "ncclCommWindowDeregister";
         let handle = raw_window.0;
-        let aborted = self
+        let deadline = crate::control::deadline_after(Instant::now(), ABORT_WAIT);
+        match self
             .shared
             .comms
             .get(comm)
-            .is_some_and(|c| lock(&c.state).aborted);
-        if aborted {
+            .and_then(|c| c.aborted_by(deadline))
+        {
             // The window went with its communicator (ncclCommAbort releases it).
-            return Ok(());
+            Some(true) => return Ok(()),
+            // The abort still runs and may still release this window: the caller must
+            // not free the segment under it (it leaks it instead).
+            Some(false) => {
+                return Err(Refused {
+                    handle: Window::new(comm, ordinal, Box::new(RawWindow(handle))),
+                    error: Error::NcclAborted {
+                        reason: format!(
+                            "ncclCommAbort of communicator {comm} had not returned after {ABORT_WAIT:?}; the window and its segment are leaked"
+                        ),
+                    },
+                });
+            }
+            None => {}
         }
         let result = self.bind().and_then(|()| {
             let (_, waited) = self.shared.call(
@@ -1482,7 +1545,13 @@ impl Drop for NcclBackend {
         } else {
             (AbortThreads::PerCommunicator, Duration::ZERO)
         };
+        let deadline = crate::control::deadline_after(Instant::now(), wait);
         self.shared.abort_all(threads, wait);
+        // Aborts started earlier (by a timeout, the watchdog or an NCCL error) get the
+        // same bound.
+        for c in &self.shared.comms {
+            let _ = c.aborted_by(deadline);
+        }
     }
 }
 
