@@ -26,7 +26,7 @@ pub enum LaunchSource {
 ///
 /// The store listens on `MASTER_PORT`, except under torchrun (`TORCHELASTIC_RUN_ID`
 /// set), whose agent already serves PyTorch's store there: then on `MASTER_PORT + 1`.
-/// `SYMMPOOL_STORE_PORT` overrides both.
+/// `SYMMPOOL_STORE_PORT` overrides both (and makes `MASTER_PORT` unnecessary).
 ///
 /// The launchers are tried in that order: torchrun's when `RANK` is set, slurm's when
 /// `SLURM_PROCID` is, Open MPI's when `OMPI_COMM_WORLD_RANK` is. Under slurm and Open
@@ -116,7 +116,7 @@ impl Launch {
     /// # Errors
     /// [`Error::LaunchEnv`] naming the variable: none of the launchers' variables set,
     /// one missing or not a number, a rank not below the world size, `MASTER_ADDR`
-    /// or `MASTER_PORT` missing or invalid.
+    /// or `MASTER_PORT` missing (without `SYMMPOOL_STORE_PORT`) or invalid.
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<Launch> {
         let (source, rank_var, launcher) = if get("RANK").is_some() {
             (LaunchSource::Torchrun, "RANK", "torchrun's")
@@ -153,17 +153,23 @@ impl Launch {
                     "not set: set it to the host name or address of rank 0's node",
                 )
             })?;
-        let port = get("MASTER_PORT").ok_or_else(|| {
-            env_err(
-                "MASTER_PORT",
-                "not set: set it to a free TCP port on rank 0's node, the same on every rank",
-            )
-        })?;
-        let master_port = port
-            .trim()
-            .parse::<u16>()
-            .map_err(|_| env_err("MASTER_PORT", format!("{port:?} is not a port number")))?;
-        let master_port = match get("SYMMPOOL_STORE_PORT") {
+        let store_port = get("SYMMPOOL_STORE_PORT");
+        let master_port = match (get("MASTER_PORT"), &store_port) {
+            (Some(port), _) => port
+                .trim()
+                .parse::<u16>()
+                .map_err(|_| env_err("MASTER_PORT", format!("{port:?} is not a port number")))?,
+            // The store's own port is given: MASTER_PORT is not needed.
+            (None, Some(_)) => 0,
+            (None, None) => {
+                return Err(env_err(
+                    "MASTER_PORT",
+                    "not set: set it to a free TCP port on rank 0's node, the same on every \
+                     rank (or set SYMMPOOL_STORE_PORT)",
+                ));
+            }
+        };
+        let master_port = match store_port {
             Some(p) => p.trim().parse::<u16>().map_err(|_| {
                 env_err("SYMMPOOL_STORE_PORT", format!("{p:?} is not a port number"))
             })?,
@@ -277,6 +283,14 @@ mod tests {
         bad.retain(|(k, _)| *k != "SYMMPOOL_STORE_PORT");
         bad.push(("SYMMPOOL_STORE_PORT", "x"));
         assert_eq!(variable(launch(&bad).unwrap_err()), "SYMMPOOL_STORE_PORT");
+        // Under slurm too, and without MASTER_PORT at all.
+        let slurm = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("SYMMPOOL_STORE_PORT", "40001"),
+        ];
+        assert_eq!(launch(&slurm).unwrap().master_port, 40001);
         let mut top = vec![
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),
