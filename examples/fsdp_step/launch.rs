@@ -24,13 +24,14 @@ const CHILD_VAR: &str = "SYMMPOOL_FSDP_CHILD";
 /// The line prefix of a child's results.
 const SUMMARY: &str = "@@summary ";
 
-/// Whether a launcher started this process as one rank: its variables are valid, or
-/// `RANK` or `MASTER_PORT` is set (a launch was meant; `run_as_rank` then reports what
-/// is wrong with it instead of falling back to threads).
-pub fn is_rank_process() -> bool {
+/// Whether a launcher started this process as one rank: its variables are valid, or,
+/// without `--nproc`, `RANK` or `MASTER_PORT` is set (a launch was meant;
+/// `run_as_rank` then reports what is wrong with it instead of falling back to
+/// threads).
+pub fn is_rank_process(nproc: Option<usize>) -> bool {
     Launch::from_env().is_ok()
-        || std::env::var_os("RANK").is_some()
-        || std::env::var_os("MASTER_PORT").is_some()
+        || (nproc.is_none()
+            && (std::env::var_os("RANK").is_some() || std::env::var_os("MASTER_PORT").is_some()))
 }
 
 /// Whether `--nproc` started this process (it reports to its parent).
@@ -232,12 +233,17 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
         })
         .collect();
     if !failed.is_empty() {
-        // The rank to name: one killed by a signal or stopped (the others fail because
-        // of it), else the first that failed.
+        // The rank to name: one killed by a signal (the others fail because of it),
+        // else the first that failed, else one still running when the job was ended.
         let lost = codes
             .iter()
-            .position(|c| matches!(c, Some(-1) | None))
-            .or_else(|| codes.iter().position(|c| *c != Some(0)))
+            .position(|c| *c == Some(-1))
+            .or_else(|| {
+                codes
+                    .iter()
+                    .position(|c| matches!(c, Some(code) if *code != 0))
+            })
+            .or_else(|| codes.iter().position(Option::is_none))
             .unwrap_or(0);
         return Err(Error::PeerLost {
             rank: lost,

@@ -255,7 +255,7 @@ fn main() {
     let cli = Cli::parse();
     let _ = CHECK.set(cli.check.mode());
     let args = cli.resolve(gpu_count());
-    let results = if launch::is_rank_process() {
+    let results = if launch::is_rank_process(cli.nproc) {
         // Started by a launcher (or by `--nproc`): this process is one rank.
         match launch::run_as_rank(&args) {
             Ok(Some(results)) => results,
@@ -282,7 +282,7 @@ fn main() {
     }
     report::print(&args, &results);
     // With ranks as processes, rank 0 gathered every rank's snapshot and wrote it.
-    let threads = !launch::is_rank_process() && cli.nproc.is_none();
+    let threads = !launch::is_rank_process(cli.nproc) && cli.nproc.is_none();
     if let Some(path) = args.memory_map.as_ref().filter(|_| threads) {
         match write_memory_map(path, args.modes[0]) {
             Ok(()) if !args.json => report::line(&format!("memory map: {}", path.display())),

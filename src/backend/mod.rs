@@ -186,7 +186,8 @@ impl BackendInfo {
 
 /// The memory behind a [`Segment`], as a provider made it.
 pub trait SegmentMemory: Send + Sync + fmt::Debug + Any {
-    /// Size in bytes: a non-zero multiple of the backend's granularity.
+    /// Size in bytes: a non-zero multiple of the backend's granularity, constant for
+    /// the memory's life ([`Segment::new`] reads it once).
     fn size_bytes(&self) -> u64;
     /// The device address of the first byte (NCCL), `None` for host memory.
     fn device_ptr(&self) -> Option<u64>;

@@ -440,6 +440,7 @@ impl Checker {
             timeout: self.timeout,
             verdict: self.verdict.clone(),
             queue: self.queue.clone(),
+            _done: DoneOnDrop(self.queue.clone()),
         };
         std::thread::Builder::new()
             .name(format!("symmpool-check-{}", self.pool))
@@ -465,6 +466,19 @@ struct Worker {
     timeout: Duration,
     verdict: Arc<Verdict>,
     queue: Arc<Queue>,
+    /// Declared last, so dropped last: says the thread is done once the exchange is
+    /// released, on every way out (a panic too).
+    _done: DoneOnDrop,
+}
+
+/// Marks the checker thread done, and wakes the pool's drop waiting for it.
+struct DoneOnDrop(Arc<Queue>);
+
+impl Drop for DoneOnDrop {
+    fn drop(&mut self) {
+        lock(&self.0.state).done = true;
+        self.0.progress.notify_all();
+    }
 }
 
 impl Worker {
@@ -538,13 +552,10 @@ impl Worker {
         self.exit();
     }
 
-    /// Release the exchange, then say so: a pool's drop waits for this, so that the
-    /// exchange (and a store server rank 0 hosts in it) goes when the application
-    /// drops its last handle, not whenever this thread gets to it.
+    /// Release the exchange, then say so (`DoneOnDrop`): a pool's drop waits for
+    /// this, so that the exchange (and a store server rank 0 hosts in it) goes when
+    /// the application drops its last handle, not whenever this thread gets to it.
     fn exit(self) {
-        let queue = self.queue.clone();
         drop(self);
-        lock(&queue.state).done = true;
-        queue.progress.notify_all();
     }
 }

@@ -30,8 +30,9 @@ pub enum LaunchSource {
 ///
 /// The launchers are tried in that order: torchrun's when `RANK` is set, slurm's when
 /// `SLURM_PROCID` is, Open MPI's when `OMPI_COMM_WORLD_RANK` is. Under slurm and Open
-/// MPI the store address is **required** in `MASTER_ADDR` and `MASTER_PORT` (this crate
-/// does not expand `SLURM_JOB_NODELIST`); in an sbatch script, for example:
+/// MPI the store address is **required** in `MASTER_ADDR` and `MASTER_PORT` (or
+/// `SYMMPOOL_STORE_PORT`; this crate does not expand `SLURM_JOB_NODELIST`); in an
+/// sbatch script, for example:
 ///
 /// ```text
 /// export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -155,12 +156,12 @@ impl Launch {
             })?;
         let store_port = get("SYMMPOOL_STORE_PORT");
         let master_port = match (get("MASTER_PORT"), &store_port) {
-            (Some(port), _) => port
+            // The store's own port is given: MASTER_PORT is not needed (nor read).
+            (_, Some(_)) => 0,
+            (Some(port), None) => port
                 .trim()
                 .parse::<u16>()
                 .map_err(|_| env_err("MASTER_PORT", format!("{port:?} is not a port number")))?,
-            // The store's own port is given: MASTER_PORT is not needed.
-            (None, Some(_)) => 0,
             (None, None) => {
                 return Err(env_err(
                     "MASTER_PORT",

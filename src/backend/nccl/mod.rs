@@ -29,7 +29,8 @@
 //! **all** its communicators (`ncclCommAbort`) and the call fails with
 //! [`Error::NcclTimeout`]; the backend is then broken for good: every later
 //! allocation, registration, collective or new stream fails with
-//! [`Error::NcclAborted`] (releases — deregister, free — still work).
+//! [`Error::NcclAborted`] (releases — deregister, free — still work once the aborts
+//! have returned; memory whose abort has not returned in 10 s is leaked instead).
 //!
 //! A collective can also hang *after* its enqueue, on the device, when a peer dies
 //! inside it. Each enqueued collective records a CUDA event; a watchdog thread per
@@ -183,33 +184,58 @@ struct CommState {
 
 /// Whether a communicator's `ncclCommAbort` has returned, for those that must not
 /// touch what the abort releases before then (its windows, and so their segments).
+/// Its waits share one deadline, `ABORT_WAIT` after the abort was handed off: past
+/// it (or when no thread could run the abort) every wait answers "not returned" at
+/// once, so a release of many windows does not wait for each in turn.
 #[derive(Default)]
 struct AbortDone {
-    done: Mutex<bool>,
+    state: Mutex<AbortState>,
     cv: Condvar,
 }
 
+#[derive(Default)]
+struct AbortState {
+    done: bool,
+    /// Waits end here at the latest (`None`: not handed off yet).
+    give_up_at: Option<Instant>,
+}
+
 impl AbortDone {
+    /// The abort was handed to a thread now.
+    fn handed_off(&self) {
+        lock(&self.state).give_up_at =
+            Some(crate::control::deadline_after(Instant::now(), ABORT_WAIT));
+    }
+
+    /// No thread will run the abort: waits give up at once.
+    fn abandoned(&self) {
+        lock(&self.state).give_up_at = Some(Instant::now());
+    }
+
     fn set(&self) {
-        *lock(&self.done) = true;
+        lock(&self.state).done = true;
         self.cv.notify_all();
     }
 
-    /// Wait until the abort returned or `deadline` passes; whether it returned.
+    /// Wait until the abort returned, `deadline` or its own give-up time passes;
+    /// whether it returned.
     fn wait(&self, deadline: Instant) -> bool {
-        let mut done = lock(&self.done);
-        while !*done {
-            let left = deadline.saturating_duration_since(Instant::now());
+        let mut st = lock(&self.state);
+        loop {
+            if st.done {
+                return true;
+            }
+            let until = st.give_up_at.map_or(deadline, |g| g.min(deadline));
+            let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
-            done = self
+            st = self
                 .cv
-                .wait_timeout(done, left)
+                .wait_timeout(st, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        true
     }
 }
 
@@ -288,6 +314,10 @@ fn abort_off_thread(
     let (done, finished) = std::sync::mpsc::channel();
     let (mut started, mut all_started) = (0usize, true);
     for batch in batches {
+        for (_, flag) in &batch {
+            flag.handed_off();
+        }
+        let flags: Vec<Arc<AbortDone>> = batch.iter().map(|(_, f)| f.clone()).collect();
         let (ctx, done) = (ctx.clone(), done.clone());
         let spawned = std::thread::Builder::new()
             .name("symmpool-abort".into())
@@ -312,6 +342,7 @@ fn abort_off_thread(
             Ok(_) => started += 1,
             Err(e) => {
                 all_started = false;
+                flags.iter().for_each(|f| f.abandoned());
                 tracing::error!(
                     "symmpool: could not start an abort thread ({e}); communicators leaked"
                 );
@@ -1348,6 +1379,24 @@ impl SegmentProvider for NcclBackend {
                 });
             }
         };
+        // An abort still running may still release a window on this memory (one being
+        // registered when the backend broke is in no pool's list): never free under it.
+        let deadline = crate::control::deadline_after(Instant::now(), ABORT_WAIT);
+        if let Some(c) = self
+            .shared
+            .comms
+            .iter()
+            .position(|c| c.aborted_by(deadline) == Some(false))
+        {
+            return Err(Refused {
+                handle: segment,
+                error: Error::NcclAborted {
+                    reason: format!(
+                        "ncclCommAbort of communicator {c} had not returned after {ABORT_WAIT:?}; the segment is leaked"
+                    ),
+                },
+            });
+        }
         let result = self.bind().and_then(|()| {
             // SAFETY: the caller guarantees the segment came from `allocate` (so `ptr`
             // is an ncclMemAlloc pointer), that no window covers it and no work uses
