@@ -252,21 +252,12 @@ impl Drop for Checker {
         let mut q = lock(&self.queue.state);
         q.stop = true;
         self.queue.posted.notify_all();
-        if !q.started {
-            return;
-        }
-        let deadline = crate::control::deadline_after(Instant::now(), self.timeout);
-        while !q.done {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            q = self
+        if q.started {
+            let _ = self
                 .queue
                 .progress
-                .wait_timeout(q, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+                .wait_timeout_while(q, self.timeout, |q| !q.done)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 }

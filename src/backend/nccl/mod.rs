@@ -220,22 +220,14 @@ impl AbortDone {
     /// Wait until the abort returned, `deadline` or its own give-up time passes;
     /// whether it returned.
     fn wait(&self, deadline: Instant) -> bool {
-        let mut st = lock(&self.state);
-        loop {
-            if st.done {
-                return true;
-            }
-            let until = st.give_up_at.map_or(deadline, |g| g.min(deadline));
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            st = self
-                .cv
-                .wait_timeout(st, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        let st = lock(&self.state);
+        let until = st.give_up_at.map_or(deadline, |g| g.min(deadline));
+        let left = until.saturating_duration_since(Instant::now());
+        let (st, _) = self
+            .cv
+            .wait_timeout_while(st, left, |st| !st.done)
+            .unwrap_or_else(|p| p.into_inner());
+        st.done
     }
 }
 
@@ -288,8 +280,8 @@ enum AbortThreads {
 }
 
 /// Abort `comms` (handles from [`Comm::take_for_abort`]) off the calling thread (each
-/// thread binds `ctx` first), and wait up to `wait` for all of them; whether all
-/// finished.
+/// thread binds `ctx` first); each sets its communicator's [`AbortDone`] when its
+/// abort returned, which is what callers wait on, boundedly.
 ///
 /// `ncclCommAbort` sets the communicator's abort flag (which ends its kernels) and
 /// then frees its memory, and a free waits for the device. Aborted one after another
@@ -298,27 +290,24 @@ enum AbortThreads {
 /// hung in the abort after its peer was killed inside an all-gather): so where work
 /// may be stuck, every communicator gets its own thread. And `ncclCommAbort` can
 /// block without bound on its own (it joins NCCL's proxy threads; NVIDIA/nccl issue
-/// 1777), so no caller waits longer than `wait`; a thread that never returns only
+/// 1777), so nobody waits for it without a deadline; a thread that never returns only
 /// leaks its communicators.
 fn abort_off_thread(
     ctx: Option<Arc<CudaContext>>,
     comms: Vec<(RawComm, Arc<AbortDone>)>,
     threads: AbortThreads,
-    wait: Duration,
-) -> bool {
+) {
     let batches: Vec<Vec<(RawComm, Arc<AbortDone>)>> = match threads {
         AbortThreads::One if comms.is_empty() => Vec::new(),
         AbortThreads::One => vec![comms],
         AbortThreads::PerCommunicator => comms.into_iter().map(|c| vec![c]).collect(),
     };
-    let (done, finished) = std::sync::mpsc::channel();
-    let (mut started, mut all_started) = (0usize, true);
     for batch in batches {
         for (_, flag) in &batch {
             flag.handed_off();
         }
         let flags: Vec<Arc<AbortDone>> = batch.iter().map(|(_, f)| f.clone()).collect();
-        let (ctx, done) = (ctx.clone(), done.clone());
+        let ctx = ctx.clone();
         let spawned = std::thread::Builder::new()
             .name("symmpool-abort".into())
             .spawn(move || {
@@ -336,34 +325,14 @@ fn abort_off_thread(
                     }
                     done.set();
                 }
-                let _ = done.send(());
             });
-        match spawned {
-            Ok(_) => started += 1,
-            Err(e) => {
-                all_started = false;
-                flags.iter().for_each(|f| f.abandoned());
-                tracing::error!(
-                    "symmpool: could not start an abort thread ({e}); communicators leaked"
-                );
-            }
+        if let Err(e) = spawned {
+            flags.iter().for_each(|f| f.abandoned());
+            tracing::error!(
+                "symmpool: could not start an abort thread ({e}); communicators leaked"
+            );
         }
     }
-    let deadline = crate::control::deadline_after(Instant::now(), wait);
-    let mut finished_count = 0usize;
-    while finished_count < started {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match finished.recv_timeout(left) {
-            Ok(()) => finished_count += 1,
-            Err(_) => break,
-        }
-    }
-    if finished_count < started && !wait.is_zero() {
-        tracing::warn!(
-            "symmpool: ncclCommAbort had not returned after {wait:?}; it goes on in the background and its communicators are leaked"
-        );
-    }
-    all_started && finished_count == started
 }
 
 impl Drop for Comm {
@@ -372,7 +341,13 @@ impl Drop for Comm {
         // device itself in `ncclCommAbort`); the backend's own drop has marked the
         // others aborted already.
         if let Some(taken) = self.take_for_abort() {
-            abort_off_thread(None, vec![taken], AbortThreads::One, ABORT_WAIT);
+            let done = taken.1.clone();
+            abort_off_thread(None, vec![taken], AbortThreads::One);
+            if !done.wait(crate::control::deadline_after(Instant::now(), ABORT_WAIT)) {
+                tracing::warn!(
+                    "symmpool: ncclCommAbort of a communicator from a failed set-up had not returned after {ABORT_WAIT:?}; it is leaked"
+                );
+            }
         }
     }
 }
@@ -473,18 +448,18 @@ struct Shared {
 impl Shared {
     /// Abort every communicator the crate made (once) and forget the watched events.
     /// Every later call on them fails at once; the aborts themselves run off this
-    /// thread ([`abort_off_thread`]), waited for up to `wait`.
-    fn abort_all(&self, threads: AbortThreads, wait: Duration) {
+    /// thread ([`abort_off_thread`]) and are not waited for here.
+    fn abort_all(&self, threads: AbortThreads) {
         let taken: Vec<_> = self.comms.iter().filter_map(Comm::take_for_abort).collect();
         lock(&self.watch).clear();
-        abort_off_thread(Some(self.ctx.clone()), taken, threads, wait);
+        abort_off_thread(Some(self.ctx.clone()), taken, threads);
     }
 
     /// Break the backend with `cause` (aborting the communicators if this is the first
     /// cause) and return the error for the call that found it.
     fn fail(&self, cause: Cause) -> Error {
         if self.health.break_with(cause.clone()) {
-            self.abort_all(AbortThreads::PerCommunicator, Duration::ZERO);
+            self.abort_all(AbortThreads::PerCommunicator);
             cause.error(true)
         } else {
             self.health.error()
@@ -499,7 +474,7 @@ impl Shared {
             Error::Nccl { code: 4 | 5, .. } => e,
             Error::Nccl { .. } => {
                 if self.health.break_with(Cause::Failed(e.to_string())) {
-                    self.abort_all(AbortThreads::PerCommunicator, Duration::ZERO);
+                    self.abort_all(AbortThreads::PerCommunicator);
                 }
                 e
             }
@@ -586,7 +561,7 @@ impl Shared {
                 if self.health.break_with(Cause::Failed(format!(
                     "NCCL reported an asynchronous error: {e}"
                 ))) {
-                    self.abort_all(AbortThreads::PerCommunicator, Duration::ZERO);
+                    self.abort_all(AbortThreads::PerCommunicator);
                 }
                 return;
             }
@@ -1595,11 +1570,17 @@ impl Drop for NcclBackend {
             (AbortThreads::PerCommunicator, Duration::ZERO)
         };
         let deadline = crate::control::deadline_after(Instant::now(), wait);
-        self.shared.abort_all(threads, wait);
-        // Aborts started earlier (by a timeout, the watchdog or an NCCL error) get the
-        // same bound.
-        for c in &self.shared.comms {
-            let _ = c.aborted_by(deadline);
+        self.shared.abort_all(threads);
+        // These aborts and any started earlier (by a timeout, the watchdog or an NCCL
+        // error) get the same bound.
+        let pending = (self.shared.comms.iter())
+            .filter(|c| c.aborted_by(deadline) == Some(false))
+            .count();
+        if pending > 0 && idle {
+            tracing::warn!(
+                "symmpool: rank {}: {pending} ncclCommAbort calls had not returned after {wait:?}; they go on in the background and their communicators are leaked",
+                self.rank
+            );
         }
     }
 }
