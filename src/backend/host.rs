@@ -170,8 +170,6 @@ pub struct HostBackend {
     reserved: Arc<AtomicU64>,
     /// Per communicator: registration ordinal and collective round of this rank.
     counters: Mutex<Vec<(u64, u64)>>,
-    /// Streams and fences.
-    streams: HostStreams,
 }
 
 impl fmt::Debug for HostBackend {
@@ -233,9 +231,9 @@ impl HostBackend {
                             comms: comms.clone(),
                             reserved: Arc::new(AtomicU64::new(0)),
                             counters: Mutex::new(vec![(0, 0); infos.len()]),
-                            streams: HostStreams::default(),
                         });
-                        Backend::new(info, Arc::new(exchange), parts)
+                        let streams = Arc::new(HostStreams::default());
+                        Backend::with_stream_ops(info, Arc::new(exchange), parts, streams)
                     })
                 })
                 .collect();
@@ -386,32 +384,6 @@ impl SegmentProvider for HostBackend {
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
         drop(segment);
         Ok(())
-    }
-}
-
-impl StreamOps for HostBackend {
-    fn new_stream(&self) -> Result<Stream> {
-        self.streams.new_stream()
-    }
-
-    fn record_fence(&self, stream: &Stream) -> Result<Fence> {
-        self.streams.record_fence(stream)
-    }
-
-    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()> {
-        self.streams.wait_fence(stream, on, fence)
-    }
-
-    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
-        self.streams.completed_fence(stream)
-    }
-
-    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
-        self.streams.is_capturing(stream)
-    }
-
-    fn drain(&self, deadline: Instant) -> Result<bool> {
-        self.streams.drain(deadline)
     }
 }
 

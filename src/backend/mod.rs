@@ -631,8 +631,8 @@ impl fmt::Debug for Backend {
 }
 
 impl Backend {
-    /// A backend whose four parts are one value (as [`HostBackend`] and `NcclBackend`
-    /// are).
+    /// A backend whose four parts are one value (as `NcclBackend` is; the host
+    /// backends share their stream operations, see `with_stream_ops`).
     ///
     /// # Collective
     /// Every rank makes its backend at the same point: the ranks open the backend's
@@ -647,6 +647,20 @@ impl Backend {
     pub fn new<T>(info: BackendInfo, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Self>
     where
         T: SegmentProvider + StreamOps + DataMover + Collectives + 'static,
+    {
+        Self::with_stream_ops(info, exchange, parts.clone(), parts)
+    }
+
+    /// As [`new`](Self::new), with the stream operations from `streams` rather than
+    /// from `parts` (the host backends share theirs).
+    pub(crate) fn with_stream_ops<T>(
+        info: BackendInfo,
+        exchange: Arc<dyn Exchange>,
+        parts: Arc<T>,
+        streams: Arc<dyn StreamOps>,
+    ) -> Result<Self>
+    where
+        T: SegmentProvider + DataMover + Collectives + 'static,
     {
         if exchange.rank() != info.rank || exchange.world_size() != info.world_size {
             return Err(Error::InvalidConfig(format!(
@@ -670,7 +684,7 @@ impl Backend {
             collective_seqs,
             exchange,
             segments: parts.clone(),
-            streams: parts.clone(),
+            streams,
             data: parts.clone(),
             collectives: parts.clone(),
             origin: parts,

@@ -23,10 +23,9 @@
 use super::host::{HostStreams, bounds, reserve};
 use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
-    Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
+    Segment, SegmentMemory, SegmentProvider, Window,
 };
 use crate::control::{ChannelId, Exchange};
-use crate::core::{Fence, StreamId};
 use crate::dtype;
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
@@ -181,8 +180,6 @@ pub struct ShmBackend {
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
     reserved: Arc<AtomicU64>,
-    /// Streams and fences, as on the threads backend.
-    streams: HostStreams,
 }
 
 impl fmt::Debug for ShmBackend {
@@ -235,9 +232,9 @@ impl ShmBackend {
             comms,
             ordinals: Mutex::new(vec![0; infos.len()]),
             reserved: Arc::new(AtomicU64::new(0)),
-            streams: HostStreams::default(),
         });
-        Backend::new(info, exchange, parts)
+        let streams = Arc::new(HostStreams::default());
+        Backend::with_stream_ops(info, exchange, parts, streams)
     }
 
     fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {
@@ -480,32 +477,6 @@ impl SegmentProvider for ShmBackend {
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
         drop(segment);
         Ok(())
-    }
-}
-
-impl StreamOps for ShmBackend {
-    fn new_stream(&self) -> Result<Stream> {
-        self.streams.new_stream()
-    }
-
-    fn record_fence(&self, stream: &Stream) -> Result<Fence> {
-        self.streams.record_fence(stream)
-    }
-
-    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()> {
-        self.streams.wait_fence(stream, on, fence)
-    }
-
-    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
-        self.streams.completed_fence(stream)
-    }
-
-    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
-        self.streams.is_capturing(stream)
-    }
-
-    fn drain(&self, deadline: Instant) -> Result<bool> {
-        self.streams.drain(deadline)
     }
 }
 
