@@ -23,6 +23,14 @@ fn config(mode: CheckMode) -> PoolConfig {
     common::checked::config(mode, TIMEOUT)
 }
 
+/// `f` on every pool, a thread each; the results in rank order.
+fn on_each<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Vec<R> {
+    thread::scope(|sc| {
+        let hs: Vec<_> = pools.iter().map(|p| sc.spawn(|| f(p))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 fn backends(world: usize) -> Vec<symmpool::Backend> {
     HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap()
 }
@@ -66,31 +74,23 @@ fn off_is_silent_as_documented() {
 fn after_a_divergence_every_later_call_fails_on_every_rank() {
     let bs = backends(2);
     let pools = SymmPool::group(bs, &config(CheckMode::Strict)).unwrap();
-    let errs: Vec<Vec<bool>> = thread::scope(|sc| {
-        let hs: Vec<_> = pools
-            .iter()
-            .map(|pool| {
-                sc.spawn(move || {
-                    let stream = Stream::host();
-                    drop(pool.alloc(1 << 20, &stream).unwrap());
-                    let n = if pool.rank() == 0 { 1024 } else { 2048 };
-                    let buf = pool.alloc(2 * n * 4, &stream).unwrap();
-                    let first = coll::all_gather_in_place::<f32>(&buf, &stream);
-                    let second = coll::all_gather_in_place::<f32>(&buf, &stream);
-                    let alloc = pool.alloc(512, &stream);
-                    let reserve = pool.reserve(2 << 20);
-                    let trim = pool.trim();
-                    vec![
-                        matches!(first, Err(Error::CollectiveDivergence(_))),
-                        matches!(second, Err(Error::CollectiveDivergence(_))),
-                        matches!(alloc, Err(Error::PoolBroken { .. })),
-                        matches!(reserve, Err(Error::PoolBroken { .. })),
-                        matches!(trim, Err(Error::PoolBroken { .. })),
-                    ]
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let errs: Vec<Vec<bool>> = on_each(&pools, |pool| {
+        let stream = Stream::host();
+        drop(pool.alloc(1 << 20, &stream).unwrap());
+        let n = if pool.rank() == 0 { 1024 } else { 2048 };
+        let buf = pool.alloc(2 * n * 4, &stream).unwrap();
+        let first = coll::all_gather_in_place::<f32>(&buf, &stream);
+        let second = coll::all_gather_in_place::<f32>(&buf, &stream);
+        let alloc = pool.alloc(512, &stream);
+        let reserve = pool.reserve(2 << 20);
+        let trim = pool.trim();
+        vec![
+            matches!(first, Err(Error::CollectiveDivergence(_))),
+            matches!(second, Err(Error::CollectiveDivergence(_))),
+            matches!(alloc, Err(Error::PoolBroken { .. })),
+            matches!(reserve, Err(Error::PoolBroken { .. })),
+            matches!(trim, Err(Error::PoolBroken { .. })),
+        ]
     });
     for e in errs {
         assert!(e.iter().all(|&x| x), "{e:?}");
@@ -103,24 +103,16 @@ fn a_loop_of_cache_hits_is_caught_by_the_light_agreement() {
     // agreement every 8 pool calls catches the differing call hash.
     for mode in [CheckMode::Strict, CheckMode::Async] {
         let pools = SymmPool::group(backends(2), &config(mode).with_check_every_calls(8)).unwrap();
-        let results: Vec<Option<Error>> = thread::scope(|sc| {
-            let hs: Vec<_> = pools
-                .iter()
-                .map(|pool| {
-                    sc.spawn(move || {
-                        let stream = Stream::host();
-                        drop(pool.alloc(1 << 20, &stream).unwrap());
-                        let bytes = if pool.rank() == 0 { 4096 } else { 8192 };
-                        for _ in 0..(8 * (Q + 3)) {
-                            if let Err(e) = pool.alloc(bytes, &stream) {
-                                return Some(e);
-                            }
-                        }
-                        coll::wait_checks(pool).err()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let results: Vec<Option<Error>> = on_each(&pools, |pool| {
+            let stream = Stream::host();
+            drop(pool.alloc(1 << 20, &stream).unwrap());
+            let bytes = if pool.rank() == 0 { 4096 } else { 8192 };
+            for _ in 0..(8 * (Q + 3)) {
+                if let Err(e) = pool.alloc(bytes, &stream) {
+                    return Some(e);
+                }
+            }
+            coll::wait_checks(pool).err()
         });
         for r in results {
             let e = r.unwrap_or_else(|| panic!("{mode:?}: not caught"));
