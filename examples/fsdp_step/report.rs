@@ -157,7 +157,7 @@ impl Summary {
         let losses: Vec<f32> = if mode.communicates() {
             log.losses
         } else {
-            log.losses.iter().map(|_| 0.0).collect()
+            vec![0.0; log.losses.len()]
         };
         Summary {
             backend: args.backend,
@@ -277,7 +277,7 @@ pub fn print(args: &Args, results: &[Summary]) {
         "path",
     );
     let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
-    let comm = results.iter().any(|r| !r.mode.communicates());
+    let has_none = results.iter().any(|r| !r.mode.communicates());
     for r in results {
         let loss = |l: f32| {
             if r.mode.communicates() {
@@ -316,7 +316,7 @@ pub fn print(args: &Args, results: &[Summary]) {
          first step → after warm-up sizing (small + large class); MiB: peak per rank; \
          paths: last step)"
     );
-    if comm {
+    if has_none {
         out!(
             "(none: the same step with its collectives left out, on buffers nothing filled, \
              so no losses; its step time is what hiding all communication would reach)"
