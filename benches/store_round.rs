@@ -5,8 +5,9 @@
 //! process hosts the store server, as rank 0's process would. Every rank times each
 //! round (from its call until its result arrives) and reports p50 / p99 / max.
 //!
-//! `cargo bench --bench store_round` (env `STORE_BENCH_ROUNDS`, default 5000, and
-//! `STORE_BENCH_WORLD`, default 8). Without `--bench` (as `cargo test --all-targets`
+//! `cargo bench --bench store_round` (env `STORE_BENCH_ROUNDS`, default 5000,
+//! `STORE_BENCH_WORLD`, default 8, and `SYMMPOOL_SPIN_US`, the store's polling time,
+//! default [`StoreConfig::spin`]'s). Without `--bench` (as `cargo test --all-targets`
 //! runs it) it does a 100-round smoke run.
 
 #![allow(missing_docs)]
@@ -30,6 +31,9 @@ fn config(rank: usize, world: usize, port: u16) -> StoreConfig {
     let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
     c.host_server = false;
     c.startup_timeout = Duration::from_secs(60);
+    if let Ok(us) = std::env::var("SYMMPOOL_SPIN_US") {
+        c.spin = Duration::from_micros(us.parse().expect("SYMMPOOL_SPIN_US: microseconds"));
+    }
     c
 }
 
@@ -106,8 +110,9 @@ fn main() {
         );
     }
     println!(
-        "store_round: {world} processes, 64-byte payloads, {rounds} timed rounds, {} CPUs",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        "store_round: {world} processes, 64-byte payloads, {rounds} timed rounds, {} CPUs, spin {:?}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        config(0, world, 0).spin,
     );
     let mut lines = Vec::new();
     for k in &mut kids.0 {

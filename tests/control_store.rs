@@ -248,6 +248,36 @@ fn store_dropping_a_rank_mid_round_is_peer_lost_for_the_others() {
     drop_group(group);
 }
 
+/// The result of a round reaches every rank even when a rank leaves the moment it has
+/// its own copy (its goodbye breaks the group): the server's threads write a round's
+/// results in parallel, and nothing written later to a rank may overtake its result.
+#[test]
+fn store_ranks_leaving_right_after_the_last_round_cost_no_one_its_result() {
+    for attempt in 0..20 {
+        let group = store_group(4);
+        let ch = ChannelId::CONTROL;
+        let rounds = 20u8;
+        thread::scope(|s| {
+            let mut group = group.into_iter();
+            let host = group.next().unwrap();
+            for x in group {
+                s.spawn(move || {
+                    for i in 0..rounds {
+                        let out = x.all_gather(ch, "last rounds", &[i], LONG);
+                        assert_eq!(out.unwrap(), vec![vec![i]; 4], "attempt {attempt}");
+                    }
+                    drop(x); // at once: its goodbye races the others' last results
+                });
+            }
+            for i in 0..rounds {
+                let out = host.all_gather(ch, "last rounds", &[i], LONG);
+                assert_eq!(out.unwrap(), vec![vec![i]; 4], "attempt {attempt}");
+            }
+            drop(host);
+        });
+    }
+}
+
 #[test]
 fn store_refuses_oversized_payloads_without_using_a_round() {
     let group = store_group(2);

@@ -544,7 +544,7 @@ fn strict_check_cost_with_8_processes() {
     let codes = job.wait(&all, Duration::from_secs(300));
     assert_eq!(codes, vec![0; 8], "{:?}", job.seen);
     println!(
-        "{}",
+        "strict check, 8 processes: {}",
         job.expect(0, "@@strict_cost ", Duration::from_secs(5))
     );
 }

@@ -49,6 +49,13 @@ pub struct StoreConfig {
     /// to disconnect before stopping the server, so they can read the last results
     /// (default 10 s).
     pub linger: Duration,
+    /// How long a thread waiting for a round's result polls its socket before it
+    /// blocks, and how long the server's thread for a rank polls for that rank's next
+    /// frame and for the result of a round it contributed to (default 50 µs; zero:
+    /// block at once). Waking a blocked thread costs tens of microseconds, several
+    /// times a round's own work when the ranks arrive together; polling spends that
+    /// long on a core at most, per wait. Env `SYMMPOOL_SPIN_US`.
+    pub spin: Duration,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -64,6 +71,7 @@ impl fmt::Debug for StoreConfig {
             .field("heartbeat_timeout", &self.heartbeat_timeout)
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("linger", &self.linger)
+            .field("spin", &self.spin)
             .finish()
     }
 }
@@ -82,11 +90,12 @@ impl StoreConfig {
             heartbeat_timeout: Duration::from_secs(5),
             max_frame_bytes: 16 << 20,
             linger: Duration::from_secs(10),
+            spin: Duration::from_micros(50),
         }
     }
 
     /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN` and the
-    /// optional `SYMMPOOL_*_MS` settings named on the fields.
+    /// optional `SYMMPOOL_*_MS` and `SYMMPOOL_SPIN_US` settings named on the fields.
     ///
     /// # Errors
     /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
@@ -101,16 +110,25 @@ impl StoreConfig {
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<StoreConfig> {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
+        let whole = |name: &str, unit: &str| -> Result<Option<u64>> {
+            get(name)
+                .map(|v| {
+                    v.trim().parse().map_err(|_| Error::LaunchEnv {
+                        variable: name.to_string(),
+                        detail: format!("{v:?} is not a whole number of {unit}"),
+                    })
+                })
+                .transpose()
+        };
         let ms = |name: &str, slot: &mut Duration| -> Result<()> {
-            if let Some(v) = get(name) {
-                let n: u64 = v.trim().parse().map_err(|_| Error::LaunchEnv {
-                    variable: name.to_string(),
-                    detail: format!("{v:?} is not a whole number of milliseconds"),
-                })?;
+            if let Some(n) = whole(name, "milliseconds")? {
                 *slot = Duration::from_millis(n);
             }
             Ok(())
         };
+        if let Some(n) = whole("SYMMPOOL_SPIN_US", "microseconds")? {
+            cfg.spin = Duration::from_micros(n);
+        }
         ms("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout)?;
         ms("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout)?;
         ms(
@@ -187,6 +205,8 @@ struct ClientShared {
     bg_cv: Condvar,
     heartbeat_interval: Duration,
     heartbeat_timeout: Duration,
+    /// [`StoreConfig::spin`].
+    spin: Duration,
     closing: AtomicBool,
 }
 
@@ -268,11 +288,12 @@ impl ClientShared {
         wire::send(&mut *w, frame)
     }
 
-    /// Read one frame (waiting at most `limit`) and dispatch it. The caller has
-    /// checked that nobody else is reading.
+    /// Read one frame (polling for up to `spin` first, then waiting at most `limit`)
+    /// and dispatch it. The caller has checked that nobody else is reading.
     fn read_once<'a>(
         &'a self,
         mut inbox: MutexGuard<'a, Inbox>,
+        spin: Duration,
         limit: Duration,
     ) -> MutexGuard<'a, Inbox> {
         inbox.reader_busy = true;
@@ -285,7 +306,10 @@ impl ClientShared {
             let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
             let before = reader.bytes_read();
             let got = match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
-                Ok(()) => reader.frame(),
+                Ok(()) => match reader.spin_frame(spin) {
+                    Ok(None) => reader.frame(),
+                    polled => polled,
+                },
                 Err(e) => Err(ReadError::Io(e)),
             };
             (got, reader.bytes_read() > before)
@@ -368,7 +392,7 @@ impl ClientShared {
             }
             let left = deadline - now;
             if !inbox.reader_busy && !inbox.reader_done {
-                inbox = self.read_once(inbox, left.min(self.heartbeat_interval));
+                inbox = self.read_once(inbox, self.spin, left.min(self.heartbeat_interval));
             } else {
                 inbox = self
                     .cv
@@ -419,7 +443,7 @@ fn background_loop(shared: &ClientShared) {
         let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
         let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
         if !inbox.reader_busy && unattended {
-            inbox = shared.read_once(inbox, until_heartbeat);
+            inbox = shared.read_once(inbox, Duration::ZERO, until_heartbeat);
         } else {
             inbox = shared
                 .bg_cv
@@ -569,6 +593,7 @@ impl StoreExchange {
             bg_cv: Condvar::new(),
             heartbeat_interval: config.heartbeat_interval,
             heartbeat_timeout: config.heartbeat_timeout,
+            spin: config.spin,
             closing: AtomicBool::new(false),
         });
         let s = shared.clone();

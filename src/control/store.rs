@@ -2,9 +2,12 @@
 //!
 //! One thread accepts connections, one thread per connection does the handshake and
 //! then reads that rank's frames, and one monitor thread sends heartbeats and declares
-//! silent ranks lost. All state is behind one mutex; a round's result is encoded once
-//! and written to every rank with one write each, by the thread of the last rank to
-//! contribute.
+//! silent ranks lost. All state is behind one mutex; every write to a rank goes
+//! through that rank's own writer lock, so frames never interleave. A round's result
+//! is encoded once and written to every rank with one write each: to a rank whose
+//! thread is still polling for it (for up to [`StoreConfig::spin`] after contributing)
+//! by that thread, in parallel with the others; to the rest by the thread of the last
+//! rank to contribute.
 
 use super::client::StoreConfig;
 use super::wire::{
@@ -50,7 +53,11 @@ struct Shared {
     heartbeat_timeout: Duration,
     handshake_timeout: Duration,
     max_frame_bytes: usize,
+    /// [`StoreConfig::spin`].
+    spin: Duration,
     state: Mutex<State>,
+    /// Per rank: where its thread, polling after a contribution, takes the result.
+    mailboxes: Vec<Mailbox>,
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
     shutdown: AtomicBool,
@@ -70,8 +77,38 @@ struct State {
 
 struct Conn {
     id: u64,
-    stream: TcpStream,
+    /// Writes to the rank (a frame at a time); also held by its connection thread.
+    writer: Arc<Mutex<TcpStream>>,
+    /// The same socket, for shutting it down without waiting for a writer.
+    sock: TcpStream,
     last_heard: Instant,
+}
+
+/// A round's result on its way to the connection thread of a rank that contributed
+/// and is polling for the result (so that the results of a round are written in
+/// parallel, each by its rank's own thread, not one after another).
+#[derive(Default)]
+struct Mailbox {
+    slot: Mutex<Slot>,
+    /// Set with the slot's `Delivered`: what the polling thread watches.
+    delivered: AtomicBool,
+}
+
+#[derive(Default)]
+enum Slot {
+    /// The rank's thread is not polling: results are written to it directly.
+    #[default]
+    Idle,
+    /// The rank's thread is polling for the result of a round it contributed to.
+    Waiting,
+    /// That result, for the thread to write.
+    Delivered(Arc<Vec<u8>>),
+}
+
+impl Mailbox {
+    fn slot(&self) -> MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl fmt::Debug for StoreServer {
@@ -118,6 +155,8 @@ impl StoreServer {
             heartbeat_timeout: config.heartbeat_timeout,
             handshake_timeout: config.handshake_timeout,
             max_frame_bytes: config.max_frame_bytes,
+            spin: config.spin,
+            mailboxes: (0..world).map(|_| Mailbox::default()).collect(),
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 ever_joined: vec![false; world],
@@ -193,7 +232,7 @@ impl Drop for StoreServer {
         {
             let mut st = self.shared.lock();
             for c in st.conns.iter_mut().filter_map(Option::take) {
-                let _ = c.stream.shutdown(Shutdown::Both);
+                let _ = c.sock.shutdown(Shutdown::Both);
             }
         }
         self.shared.cv.notify_all();
@@ -226,18 +265,56 @@ impl Shared {
 
     /// Write `frame` to `rank`; on failure the rank departs (by the caller, who gets it
     /// back in `failed`).
-    fn write_to(st: &mut State, rank: usize, frame: &[u8], failed: &mut Vec<(usize, String)>) {
+    fn write_to(
+        &self,
+        st: &mut State,
+        rank: usize,
+        frame: &[u8],
+        failed: &mut Vec<(usize, String)>,
+    ) {
         if let Some(c) = st.conns[rank].as_mut()
-            && let Err(e) = wire::send(&mut c.stream, frame)
+            && let Err(e) = self.write_after_result(rank, &c.writer, Some(frame))
         {
             failed.push((rank, format!("writing to it failed: {e}")));
         }
     }
 
+    /// Under `rank`'s writer lock: write the result waiting in its mailbox, if any,
+    /// then `frame`. Every write to a rank goes through here, so nothing written to it
+    /// later (the next round's result, a broken-group notice after the last round)
+    /// overtakes a result handed to its mailbox.
+    fn write_after_result(
+        &self,
+        rank: usize,
+        writer: &Mutex<TcpStream>,
+        frame: Option<&[u8]>,
+    ) -> std::io::Result<()> {
+        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mailbox = &self.mailboxes[rank];
+        let result = {
+            let mut slot = mailbox.slot();
+            match std::mem::take(&mut *slot) {
+                Slot::Delivered(result) => {
+                    mailbox.delivered.store(false, Ordering::Relaxed);
+                    Some(result)
+                }
+                // Still polling: it stays so. Idle stays idle.
+                waiting => {
+                    *slot = waiting;
+                    None
+                }
+            }
+        };
+        if let Some(result) = result {
+            wire::send(&mut *w, &result)?;
+        }
+        frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
+    }
+
     fn broadcast(&self, st: &mut State, frame: &[u8]) {
         let mut failed = Vec::new();
         for rank in 0..self.world {
-            Self::write_to(st, rank, frame, &mut failed);
+            self.write_to(st, rank, frame, &mut failed);
         }
         for (rank, why) in failed {
             self.depart(st, rank, None, &why);
@@ -273,7 +350,7 @@ impl Shared {
             return;
         }
         if let Some(c) = st.conns[rank].take() {
-            let _ = c.stream.shutdown(Shutdown::Both);
+            let _ = c.sock.shutdown(Shutdown::Both);
         }
         self.departed.fetch_add(1, Ordering::Relaxed);
         self.cv.notify_all();
@@ -290,6 +367,74 @@ impl Shared {
                 },
             },
         );
+    }
+
+    /// Send a completed round's `frame` to every rank (the caller, `rank`, holds the
+    /// state lock `st` and its own writer `out`): into the mailbox of each rank whose
+    /// thread polls for it, directly to the others, then, with the lock released, to
+    /// `rank` itself.
+    fn deliver(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        rank: usize,
+        out: &Mutex<TcpStream>,
+        frame: Vec<u8>,
+    ) {
+        let frame = Arc::new(frame);
+        let mut failed = Vec::new();
+        for other in (0..self.world).filter(|r| *r != rank) {
+            let mailbox = &self.mailboxes[other];
+            let mut slot = mailbox.slot();
+            if matches!(*slot, Slot::Waiting) {
+                *slot = Slot::Delivered(frame.clone());
+                mailbox.delivered.store(true, Ordering::Release);
+            } else {
+                drop(slot);
+                self.write_to(&mut st, other, &frame, &mut failed);
+            }
+        }
+        // This rank's own copy goes through its mailbox too, so that whatever another
+        // thread writes to it once the lock is released comes after it.
+        *self.mailboxes[rank].slot() = Slot::Delivered(frame);
+        for (other, why) in failed {
+            self.depart(&mut st, other, None, &why);
+        }
+        drop(st);
+        if let Err(e) = self.write_after_result(rank, out, None) {
+            let mut st = self.lock();
+            self.depart(&mut st, rank, None, &format!("writing to it failed: {e}"));
+        }
+    }
+
+    /// Poll `rank`'s mailbox for up to the spin time; write a delivered result with
+    /// `out`, or, if none came, leave it to the last contributor (who writes to an
+    /// idle rank directly). `Err`: writing failed, with why.
+    fn await_result(&self, rank: usize, out: &Mutex<TcpStream>) -> std::result::Result<(), String> {
+        let mailbox = &self.mailboxes[rank];
+        let until = Instant::now() + self.spin;
+        let mut polls = 0u32;
+        while !mailbox.delivered.load(Ordering::Acquire)
+            && Instant::now() < until
+            && !self.shutdown.load(Ordering::Relaxed)
+        {
+            polls = polls.wrapping_add(1);
+            if polls.is_multiple_of(64) {
+                // Let the thread this one waits for run, where cores are short.
+                thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        {
+            // Stop polling: from now on the last contributor writes the result itself.
+            let mut slot = mailbox.slot();
+            if matches!(*slot, Slot::Waiting) {
+                *slot = Slot::Idle;
+            }
+        }
+        // A result delivered meanwhile (and not yet written by another writer).
+        self.write_after_result(rank, out, None)
+            .map_err(|e| format!("writing to it failed: {e}"))
     }
 
     fn joined_message(&self, st: &State) -> ToClient {
@@ -350,7 +495,7 @@ fn monitor_loop(shared: &Arc<Shared>) {
                     ),
                 ));
             } else {
-                Shared::write_to(&mut st, rank, &heartbeat, &mut failed);
+                shared.write_to(&mut st, rank, &heartbeat, &mut failed);
             }
         }
         for (rank, why) in failed {
@@ -466,7 +611,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         Err(why) => return refuse(reply, writer, why),
     };
     // Join.
-    let id = {
+    let (id, out) = {
         let mut st = shared.lock();
         if st.ever_joined[rank] {
             drop(st);
@@ -488,18 +633,24 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             drop(st);
             return shared.reject(peer, &format!("writing the welcome failed: {e}"));
         }
+        let Ok(conn_sock) = writer.try_clone() else {
+            drop(st);
+            return shared.reject(peer, "could not clone the socket");
+        };
+        let out = Arc::new(Mutex::new(writer));
         let id = st.next_conn_id;
         st.next_conn_id += 1;
         st.ever_joined[rank] = true;
         st.conns[rank] = Some(Conn {
             id,
-            stream: writer,
+            writer: out.clone(),
+            sock: conn_sock,
             last_heard: Instant::now(),
         });
         tracing::info!("symmpool store: rank {rank} (pid {pid}) joined from {peer}");
         let joined = wire::encode(&shared.joined_message(&st));
         shared.broadcast(&mut st, &joined);
-        id
+        (id, out)
     };
     reader.max_frame_bytes = shared.max_frame_bytes;
     if sock
@@ -511,7 +662,11 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     }
     loop {
         let before = reader.bytes_read();
-        let msg = match reader.frame() {
+        let got = match reader.spin_frame(shared.spin) {
+            Ok(None) => reader.frame(),
+            polled => polled,
+        };
+        let msg = match got {
             Ok(None) => {
                 if shared.shutdown.load(Ordering::SeqCst) {
                     return;
@@ -564,7 +719,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             } => {
                 if let Some(b) = st.broken.clone() {
                     let mut failed = Vec::new();
-                    Shared::write_to(
+                    shared.write_to(
                         &mut st,
                         rank,
                         &wire::encode(&ToClient::Broken(b)),
@@ -600,7 +755,16 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                         round,
                         payloads,
                     });
-                    shared.broadcast(&mut st, &frame);
+                    shared.deliver(st, rank, &out, frame);
+                } else if !shared.spin.is_zero() {
+                    // Poll for the result: the last rank to contribute hands it over
+                    // instead of writing it, and this thread writes it.
+                    *shared.mailboxes[rank].slot() = Slot::Waiting;
+                    drop(st);
+                    if let Err(why) = shared.await_result(rank, &out) {
+                        let mut st = shared.lock();
+                        return shared.depart(&mut st, rank, Some(id), &why);
+                    }
                 }
             }
             ToServer::Abandon { channel, round, op } => {

@@ -11,6 +11,8 @@
 
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
@@ -213,10 +215,14 @@ impl<R: Read> FrameReader<R> {
         }
     }
 
-    /// Read more bytes. `Ok(false)`: the read timed out.
-    fn fill(&mut self) -> Result<bool, ReadError> {
+    /// Read more bytes with `read`. `Ok(false)`: the read timed out (or, not waiting,
+    /// nothing had arrived).
+    fn fill(
+        &mut self,
+        read: &mut impl FnMut(&mut R, &mut [u8]) -> io::Result<usize>,
+    ) -> Result<bool, ReadError> {
         loop {
-            match self.inner.read(&mut self.buf[self.end..]) {
+            match read(&mut self.inner, &mut self.buf[self.end..]) {
                 Ok(0) => {
                     return Err(ReadError::Eof {
                         partial: self.end > self.start,
@@ -250,7 +256,7 @@ impl<R: Read> FrameReader<R> {
                 return Ok(Some(out));
             }
             self.room(n);
-            if !self.fill()? {
+            if !self.fill(&mut |r, b| r.read(b))? {
                 return Ok(None);
             }
         }
@@ -258,6 +264,13 @@ impl<R: Read> FrameReader<R> {
 
     /// The next frame's body, or `None` on a read timeout (a partial frame is kept).
     pub(crate) fn frame(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
+        self.next_frame(&mut |r, b| r.read(b))
+    }
+
+    fn next_frame(
+        &mut self,
+        read: &mut impl FnMut(&mut R, &mut [u8]) -> io::Result<usize>,
+    ) -> Result<Option<Vec<u8>>, ReadError> {
         loop {
             let have = self.end - self.start;
             if have >= 4 {
@@ -283,9 +296,42 @@ impl<R: Read> FrameReader<R> {
             } else {
                 self.room(4);
             }
-            if !self.fill()? {
+            if !self.fill(read)? {
                 return Ok(None);
             }
+        }
+    }
+}
+
+impl FrameReader<TcpStream> {
+    /// The next frame's body if its bytes are already here, else `None` at once (a
+    /// partial frame is kept). Reads with `MSG_DONTWAIT`, which leaves the socket's
+    /// own blocking mode alone: other threads write to clones of it.
+    pub(crate) fn frame_now(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
+        self.next_frame(&mut |s, b| {
+            rustix::net::recv(&*s, b, rustix::net::RecvFlags::DONTWAIT)
+                .map(|(n, _)| n)
+                .map_err(io::Error::from)
+        })
+    }
+
+    /// Poll for the next frame for up to `spin`, then give up (`None`; the caller
+    /// blocks instead). Waking a blocked thread costs tens of microseconds on an idle
+    /// core; a round among ranks that arrive together is over sooner than that.
+    pub(crate) fn spin_frame(&mut self, spin: Duration) -> Result<Option<Vec<u8>>, ReadError> {
+        if spin.is_zero() {
+            return Ok(None);
+        }
+        let until = Instant::now() + spin;
+        loop {
+            if let Some(body) = self.frame_now()? {
+                return Ok(Some(body));
+            }
+            if Instant::now() >= until {
+                return Ok(None);
+            }
+            // Let the thread this one waits for run, where cores are short.
+            std::thread::yield_now();
         }
     }
 }
@@ -308,12 +354,12 @@ pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Read with deadline `until`: `None` when it passes.
 pub(crate) fn read_until<T>(
-    stream: &std::net::TcpStream,
-    until: std::time::Instant,
+    stream: &TcpStream,
+    until: Instant,
     mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
 ) -> std::result::Result<Option<T>, ReadError> {
     loop {
-        let left = until.saturating_duration_since(std::time::Instant::now());
+        let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Ok(None);
         }
