@@ -235,6 +235,7 @@ impl Segment {
     ///
     /// # Errors
     /// [`Error::BadView`] if the range leaves the segment.
+    #[inline]
     pub fn region(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'_>> {
         match offset_bytes.checked_add(len_bytes) {
             Some(end) if end <= self.size_bytes() => Ok(Region {
@@ -242,10 +243,7 @@ impl Segment {
                 offset_bytes,
                 len_bytes,
             }),
-            _ => Err(Error::BadView(format!(
-                "range {offset_bytes}+{len_bytes} outside a segment of {} bytes",
-                self.size_bytes()
-            ))),
+            _ => Err(outside(offset_bytes, len_bytes, "segment", self.size_bytes())),
         }
     }
 }
@@ -476,6 +474,7 @@ impl<'a> Region<'a> {
     ///
     /// # Errors
     /// [`Error::BadView`] if they leave the region.
+    #[inline]
     pub fn sub(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'a>> {
         match offset_bytes.checked_add(len_bytes) {
             Some(end) if end <= self.len_bytes => Ok(Region {
@@ -483,12 +482,19 @@ impl<'a> Region<'a> {
                 offset_bytes: self.offset_bytes + offset_bytes,
                 len_bytes,
             }),
-            _ => Err(Error::BadView(format!(
-                "range {offset_bytes}+{len_bytes} outside a region of {} bytes",
-                self.len_bytes
-            ))),
+            _ => Err(outside(offset_bytes, len_bytes, "region", self.len_bytes)),
         }
     }
+}
+
+/// The error of a range that leaves a `what` of `size_bytes` (out of line: the checks
+/// above run on every collective call).
+#[cold]
+#[inline(never)]
+fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
+    Error::BadView(format!(
+        "range {offset_bytes}+{len_bytes} outside a {what} of {size_bytes} bytes"
+    ))
 }
 
 /// Arguments of one collective call on one rank.

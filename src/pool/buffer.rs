@@ -104,13 +104,20 @@ impl SymmBuffer {
     ///
     /// # Errors
     /// [`Error::Internal`] if the block does not lie inside its segment (a bug).
+    #[inline]
     pub(crate) fn region(&self) -> Result<Region<'_>> {
         self.entry
             .segment
             .region(self.offset_bytes, self.len_bytes)
-            .map_err(|e| Error::Internal {
-                what: format!("allocation #{}: {e}", self.block.seq),
-            })
+            .map_err(|e| self.broken_region(e))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn broken_region(&self, e: Error) -> Error {
+        Error::Internal {
+            what: format!("allocation #{}: {e}", self.block.seq),
+        }
     }
 
     /// The segment's window on communicator `comm`, if it is registered there.
