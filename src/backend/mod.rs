@@ -243,7 +243,12 @@ impl Segment {
                 offset_bytes,
                 len_bytes,
             }),
-            _ => Err(outside(offset_bytes, len_bytes, "segment", self.size_bytes())),
+            _ => Err(outside(
+                offset_bytes,
+                len_bytes,
+                "segment",
+                self.size_bytes(),
+            )),
         }
     }
 }
