@@ -50,12 +50,16 @@ pub struct StoreConfig {
     /// (default 10 s).
     pub linger: Duration,
     /// How long a thread waiting for a round's result polls its socket before it
-    /// blocks, and how long the server's thread for a rank polls for that rank's next
-    /// frame and for the result of a round it contributed to (default 50 µs; zero:
-    /// block at once). Waking a blocked thread costs tens of microseconds, several
-    /// times a round's own work when the ranks arrive together; polling spends that
-    /// long on a core at most, per wait. Env `SYMMPOOL_SPIN_US`.
+    /// blocks (default 50 µs, at most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at
+    /// once). Waking a blocked thread costs tens of microseconds, several times a
+    /// round's own work when the ranks arrive together. Env `SYMMPOOL_SPIN_US`.
     pub spin: Duration,
+    /// How long the hosting rank's server polls in each rank's thread, twice per round
+    /// at most (for the round's result, then for the rank's next frame). `None`
+    /// (default): [`spin`](Self::spin) where the ranks number at most half of the
+    /// host's cores, else zero (polling threads would take the cores of the threads
+    /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN).
+    pub server_spin: Option<Duration>,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -72,11 +76,17 @@ impl fmt::Debug for StoreConfig {
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("linger", &self.linger)
             .field("spin", &self.spin)
+            .field("server_spin", &self.server_spin)
             .finish()
     }
 }
 
 impl StoreConfig {
+    /// The largest [`spin`](Self::spin) accepted: a rank's server thread does not read
+    /// its socket while it polls for a result, so polling must stay far below the
+    /// heartbeat interval.
+    pub const MAX_SPIN: Duration = Duration::from_millis(1);
+
     /// Defaults for `launch` (see the fields).
     pub fn new(launch: Launch) -> StoreConfig {
         StoreConfig {
@@ -91,6 +101,7 @@ impl StoreConfig {
             max_frame_bytes: 16 << 20,
             linger: Duration::from_secs(10),
             spin: Duration::from_micros(50),
+            server_spin: None,
         }
     }
 
@@ -128,6 +139,12 @@ impl StoreConfig {
         };
         if let Some(n) = whole("SYMMPOOL_SPIN_US", "microseconds")? {
             cfg.spin = Duration::from_micros(n);
+            if cfg.spin > Self::MAX_SPIN {
+                return Err(Error::LaunchEnv {
+                    variable: "SYMMPOOL_SPIN_US".into(),
+                    detail: format!("{n} µs is more than the largest accepted, 1000 µs"),
+                });
+            }
         }
         ms("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout)?;
         ms("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout)?;
@@ -146,7 +163,7 @@ impl StoreConfig {
             .saturating_sub(PER_PAYLOAD_OVERHEAD_BYTES)
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let bad = |what: &str| Err(Error::InvalidConfig(format!("store: {what}")));
         if self.heartbeat_interval.is_zero() || self.heartbeat_timeout <= self.heartbeat_interval {
             return bad("heartbeat_timeout must exceed a non-zero heartbeat_interval");
@@ -158,6 +175,9 @@ impl StoreConfig {
         }
         if self.handshake_timeout.is_zero() {
             return bad("handshake_timeout must not be zero");
+        }
+        if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
+            return bad("spin (SYMMPOOL_SPIN_US) and server_spin must be at most 1000 µs");
         }
         Ok(())
     }
@@ -392,7 +412,11 @@ impl ClientShared {
             }
             let left = deadline - now;
             if !inbox.reader_busy && !inbox.reader_done {
-                inbox = self.read_once(inbox, self.spin, left.min(self.heartbeat_interval));
+                inbox = self.read_once(
+                    inbox,
+                    self.spin.min(left),
+                    left.min(self.heartbeat_interval),
+                );
             } else {
                 inbox = self
                     .cv

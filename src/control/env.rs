@@ -411,4 +411,39 @@ mod tests {
         let e = StoreConfig::from_vars(&|k| bad.get(k).map(|v| v.to_string())).unwrap_err();
         assert_eq!(variable(e), "SYMMPOOL_HEARTBEAT_INTERVAL_MS");
     }
+
+    #[test]
+    fn store_config_reads_the_spin_time_and_bounds_it() {
+        use crate::control::StoreConfig;
+        use std::time::Duration;
+        let with = |spin: &str| {
+            let vars: HashMap<&str, &str> = [
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "1234"),
+                ("SYMMPOOL_SPIN_US", spin),
+            ]
+            .into_iter()
+            .collect();
+            StoreConfig::from_vars(&|k| vars.get(k).map(|v| v.to_string()))
+        };
+        assert_eq!(with("0").unwrap().spin, Duration::ZERO);
+        assert_eq!(with("1000").unwrap().spin, StoreConfig::MAX_SPIN);
+        for bad in ["1001", "-1", "50us", ""] {
+            assert_eq!(
+                variable(with(bad).unwrap_err()),
+                "SYMMPOOL_SPIN_US",
+                "{bad:?}"
+            );
+        }
+        // Set in code past the bound: refused where the store starts.
+        let mut cfg = with("0").unwrap();
+        cfg.spin = Duration::from_secs(3);
+        let e = crate::control::StoreServer::bind("127.0.0.1:0", &cfg).unwrap_err();
+        assert!(
+            matches!(e, crate::Error::InvalidConfig(ref m) if m.contains("spin")),
+            "{e}"
+        );
+    }
 }

@@ -5,7 +5,8 @@
 //! silent ranks lost. All state is behind one mutex; every write to a rank goes
 //! through that rank's own writer lock, so frames never interleave. A round's result
 //! is encoded once and written to every rank with one write each: to a rank whose
-//! thread is still polling for it (for up to [`StoreConfig::spin`] after contributing)
+//! thread is still polling for it (for up to [`StoreConfig::server_spin`] after
+//! contributing)
 //! by that thread, in parallel with the others; to the rest by the thread of the last
 //! rank to contribute.
 
@@ -53,11 +54,9 @@ struct Shared {
     heartbeat_timeout: Duration,
     handshake_timeout: Duration,
     max_frame_bytes: usize,
-    /// [`StoreConfig::spin`].
+    /// [`StoreConfig::server_spin`] in effect.
     spin: Duration,
     state: Mutex<State>,
-    /// Per rank: where its thread, polling after a contribution, takes the result.
-    mailboxes: Vec<Mailbox>,
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
     shutdown: AtomicBool,
@@ -81,7 +80,18 @@ struct Conn {
     writer: Arc<Mutex<TcpStream>>,
     /// The same socket, for shutting it down without waiting for a writer.
     sock: TcpStream,
+    /// Results handed to the connection's thread; also held by that thread.
+    mailbox: Arc<Mailbox>,
     last_heard: Instant,
+}
+
+/// What a connection's thread holds of its connection (the `Conn` in the state has
+/// the same writer and mailbox).
+struct Link {
+    rank: usize,
+    id: u64,
+    writer: Arc<Mutex<TcpStream>>,
+    mailbox: Arc<Mailbox>,
 }
 
 /// A round's result on its way to the connection thread of a rank that contributed
@@ -109,6 +119,30 @@ impl Mailbox {
     fn slot(&self) -> MutexGuard<'_, Slot> {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Hand `frame` over if the thread is waiting for it; `false`: it is not.
+    fn hand_over(&self, frame: &Arc<Vec<u8>>) -> bool {
+        let mut slot = self.slot();
+        if !matches!(*slot, Slot::Waiting) {
+            return false;
+        }
+        *slot = Slot::Delivered(frame.clone());
+        self.delivered.store(true, Ordering::Release);
+        true
+    }
+
+    /// Take a delivered frame, if any (a waiting or idle slot stays as it is).
+    fn take_delivered(&self) -> Option<Arc<Vec<u8>>> {
+        let mut slot = self.slot();
+        if !matches!(*slot, Slot::Delivered(_)) {
+            return None;
+        }
+        self.delivered.store(false, Ordering::Relaxed);
+        match std::mem::take(&mut *slot) {
+            Slot::Delivered(frame) => Some(frame),
+            Slot::Idle | Slot::Waiting => None,
+        }
+    }
 }
 
 impl fmt::Debug for StoreServer {
@@ -127,12 +161,15 @@ impl StoreServer {
     /// handshake and frame-size settings.
     ///
     /// # Errors
+    /// [`Error::InvalidConfig`] if `config` is inconsistent (as
+    /// [`StoreExchange::connect`](super::StoreExchange::connect) checks it);
     /// [`Error::Transport`] if the address does not resolve or cannot be bound, or a
     /// thread cannot be started.
     pub fn bind(
         addr: impl ToSocketAddrs + fmt::Debug,
         config: &StoreConfig,
     ) -> Result<StoreServer> {
+        config.check()?;
         let detail = format!("binding the store server to {addr:?}");
         let listener = TcpListener::bind(&addr).map_err(|source| Error::Transport {
             op: "starting the store server",
@@ -155,8 +192,14 @@ impl StoreServer {
             heartbeat_timeout: config.heartbeat_timeout,
             handshake_timeout: config.handshake_timeout,
             max_frame_bytes: config.max_frame_bytes,
-            spin: config.spin,
-            mailboxes: (0..world).map(|_| Mailbox::default()).collect(),
+            spin: config.server_spin.unwrap_or_else(|| {
+                let cores = thread::available_parallelism().map_or(1, |n| n.get());
+                if world <= cores / 2 {
+                    config.spin
+                } else {
+                    Duration::ZERO
+                }
+            }),
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 ever_joined: vec![false; world],
@@ -242,6 +285,22 @@ impl Drop for StoreServer {
     }
 }
 
+/// Under a rank's writer lock: write the result waiting in its mailbox, if any, then
+/// `frame`. Every write to a rank goes through here, so nothing written to it later
+/// (the next round's result, a broken-group notice after the last round) overtakes a
+/// result handed to its mailbox.
+fn write_after_result(
+    mailbox: &Mailbox,
+    writer: &Mutex<TcpStream>,
+    frame: Option<&[u8]>,
+) -> std::io::Result<()> {
+    let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(result) = mailbox.take_delivered() {
+        wire::send(&mut *w, &result)?;
+    }
+    frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
+}
+
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
     thread::Builder::new()
         .name(name.to_string())
@@ -273,42 +332,10 @@ impl Shared {
         failed: &mut Vec<(usize, String)>,
     ) {
         if let Some(c) = st.conns[rank].as_mut()
-            && let Err(e) = self.write_after_result(rank, &c.writer, Some(frame))
+            && let Err(e) = write_after_result(&c.mailbox, &c.writer, Some(frame))
         {
             failed.push((rank, format!("writing to it failed: {e}")));
         }
-    }
-
-    /// Under `rank`'s writer lock: write the result waiting in its mailbox, if any,
-    /// then `frame`. Every write to a rank goes through here, so nothing written to it
-    /// later (the next round's result, a broken-group notice after the last round)
-    /// overtakes a result handed to its mailbox.
-    fn write_after_result(
-        &self,
-        rank: usize,
-        writer: &Mutex<TcpStream>,
-        frame: Option<&[u8]>,
-    ) -> std::io::Result<()> {
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-        let mailbox = &self.mailboxes[rank];
-        let result = {
-            let mut slot = mailbox.slot();
-            match std::mem::take(&mut *slot) {
-                Slot::Delivered(result) => {
-                    mailbox.delivered.store(false, Ordering::Relaxed);
-                    Some(result)
-                }
-                // Still polling: it stays so. Idle stays idle.
-                waiting => {
-                    *slot = waiting;
-                    None
-                }
-            }
-        };
-        if let Some(result) = result {
-            wire::send(&mut *w, &result)?;
-        }
-        frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
     }
 
     fn broadcast(&self, st: &mut State, frame: &[u8]) {
@@ -369,48 +396,43 @@ impl Shared {
         );
     }
 
-    /// Send a completed round's `frame` to every rank (the caller, `rank`, holds the
-    /// state lock `st` and its own writer `out`): into the mailbox of each rank whose
-    /// thread polls for it, directly to the others, then, with the lock released, to
-    /// `rank` itself.
-    fn deliver(
-        &self,
-        mut st: MutexGuard<'_, State>,
-        rank: usize,
-        out: &Mutex<TcpStream>,
-        frame: Vec<u8>,
-    ) {
+    /// Send a completed round's `frame` to every rank (the caller, `me`'s thread,
+    /// holds the state lock `st`): into the mailbox of each rank whose thread polls for
+    /// it, directly to the others, then, with the lock released, to `me` itself.
+    fn deliver(&self, mut st: MutexGuard<'_, State>, me: &Link, frame: Vec<u8>) {
         let frame = Arc::new(frame);
         let mut failed = Vec::new();
-        for other in (0..self.world).filter(|r| *r != rank) {
-            let mailbox = &self.mailboxes[other];
-            let mut slot = mailbox.slot();
-            if matches!(*slot, Slot::Waiting) {
-                *slot = Slot::Delivered(frame.clone());
-                mailbox.delivered.store(true, Ordering::Release);
-            } else {
-                drop(slot);
+        for other in (0..self.world).filter(|r| *r != me.rank) {
+            let handed = st.conns[other]
+                .as_ref()
+                .is_some_and(|c| c.mailbox.hand_over(&frame));
+            if !handed {
                 self.write_to(&mut st, other, &frame, &mut failed);
             }
         }
         // This rank's own copy goes through its mailbox too, so that whatever another
         // thread writes to it once the lock is released comes after it.
-        *self.mailboxes[rank].slot() = Slot::Delivered(frame);
+        *me.mailbox.slot() = Slot::Delivered(frame);
         for (other, why) in failed {
             self.depart(&mut st, other, None, &why);
         }
         drop(st);
-        if let Err(e) = self.write_after_result(rank, out, None) {
+        if let Err(e) = write_after_result(&me.mailbox, &me.writer, None) {
             let mut st = self.lock();
-            self.depart(&mut st, rank, None, &format!("writing to it failed: {e}"));
+            self.depart(
+                &mut st,
+                me.rank,
+                Some(me.id),
+                &format!("writing to it failed: {e}"),
+            );
         }
     }
 
-    /// Poll `rank`'s mailbox for up to the spin time; write a delivered result with
-    /// `out`, or, if none came, leave it to the last contributor (who writes to an
-    /// idle rank directly). `Err`: writing failed, with why.
-    fn await_result(&self, rank: usize, out: &Mutex<TcpStream>) -> std::result::Result<(), String> {
-        let mailbox = &self.mailboxes[rank];
+    /// Poll `me`'s mailbox for up to the spin time; write a delivered result, or, if
+    /// none came, leave it to the last contributor (who writes to an idle rank
+    /// directly). `Err`: writing failed, with why.
+    fn await_result(&self, me: &Link) -> std::result::Result<(), String> {
+        let mailbox = &me.mailbox;
         let until = Instant::now() + self.spin;
         let mut polls = 0u32;
         while !mailbox.delivered.load(Ordering::Acquire)
@@ -433,7 +455,7 @@ impl Shared {
             }
         }
         // A result delivered meanwhile (and not yet written by another writer).
-        self.write_after_result(rank, out, None)
+        write_after_result(mailbox, &me.writer, None)
             .map_err(|e| format!("writing to it failed: {e}"))
     }
 
@@ -512,8 +534,8 @@ fn monitor_loop(shared: &Arc<Shared>) {
 /// One connection: handshake, then that rank's frames.
 fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
-    // A rank that stops reading must not block the server's writes (made under its
-    // state lock) without bound: a write that makes no progress for a heartbeat
+    // A rank that stops reading must not block the server's writes (most made under
+    // its state lock) without bound: a write that makes no progress for a heartbeat
     // timeout fails, and that rank departs.
     if stream
         .set_write_timeout(Some(shared.heartbeat_timeout))
@@ -611,7 +633,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         Err(why) => return refuse(reply, writer, why),
     };
     // Join.
-    let (id, out) = {
+    let me = {
         let mut st = shared.lock();
         if st.ever_joined[rank] {
             drop(st);
@@ -637,21 +659,27 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             drop(st);
             return shared.reject(peer, "could not clone the socket");
         };
-        let out = Arc::new(Mutex::new(writer));
-        let id = st.next_conn_id;
+        let me = Link {
+            rank,
+            id: st.next_conn_id,
+            writer: Arc::new(Mutex::new(writer)),
+            mailbox: Arc::default(),
+        };
         st.next_conn_id += 1;
         st.ever_joined[rank] = true;
         st.conns[rank] = Some(Conn {
-            id,
-            writer: out.clone(),
+            id: me.id,
+            writer: me.writer.clone(),
             sock: conn_sock,
+            mailbox: me.mailbox.clone(),
             last_heard: Instant::now(),
         });
         tracing::info!("symmpool store: rank {rank} (pid {pid}) joined from {peer}");
         let joined = wire::encode(&shared.joined_message(&st));
         shared.broadcast(&mut st, &joined);
-        (id, out)
+        me
     };
+    let id = me.id;
     reader.max_frame_bytes = shared.max_frame_bytes;
     if sock
         .set_read_timeout(Some(shared.heartbeat_interval))
@@ -725,6 +753,9 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                         &wire::encode(&ToClient::Broken(b)),
                         &mut failed,
                     );
+                    if let Some((_, why)) = failed.pop() {
+                        return shared.depart(&mut st, rank, Some(id), &why);
+                    }
                     continue;
                 }
                 let world = shared.world;
@@ -755,13 +786,13 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                         round,
                         payloads,
                     });
-                    shared.deliver(st, rank, &out, frame);
+                    shared.deliver(st, &me, frame);
                 } else if !shared.spin.is_zero() {
                     // Poll for the result: the last rank to contribute hands it over
                     // instead of writing it, and this thread writes it.
-                    *shared.mailboxes[rank].slot() = Slot::Waiting;
+                    *me.mailbox.slot() = Slot::Waiting;
                     drop(st);
-                    if let Err(why) = shared.await_result(rank, &out) {
+                    if let Err(why) = shared.await_result(&me) {
                         let mut st = shared.lock();
                         return shared.depart(&mut st, rank, Some(id), &why);
                     }
