@@ -31,9 +31,15 @@ fn config(rank: usize, world: usize, port: u16) -> StoreConfig {
     let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
     c.host_server = false;
     c.startup_timeout = Duration::from_secs(60);
-    if let Ok(us) = std::env::var("SYMMPOOL_SPIN_US") {
-        c.spin = Duration::from_micros(us.parse().expect("SYMMPOOL_SPIN_US: microseconds"));
+    let us = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .map(|v| Duration::from_micros(v.parse().expect("microseconds")))
+    };
+    if let Some(spin) = us("SYMMPOOL_SPIN_US") {
+        c.spin = spin;
     }
+    c.server_spin = us("SYMMPOOL_SERVER_SPIN_US");
     c
 }
 
@@ -110,9 +116,10 @@ fn main() {
         );
     }
     println!(
-        "store_round: {world} processes, 64-byte payloads, {rounds} timed rounds, {} CPUs, spin {:?}",
+        "store_round: {world} processes, 64-byte payloads, {rounds} timed rounds, {} CPUs, spin {:?}, server spin {:?} (None: by the number of cores)",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         config(0, world, 0).spin,
+        config(0, world, 0).server_spin,
     );
     let mut lines = Vec::new();
     for k in &mut kids.0 {

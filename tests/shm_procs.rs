@@ -331,21 +331,30 @@ fn strict_cost_child(rank: usize, backend: symmpool::Backend) -> symmpool::Resul
     )?;
     let stream = Stream::host();
     let n: usize = var("CALLS").and_then(|v| v.parse().ok()).unwrap_or(300);
-    let mut per_call = Vec::new();
-    for pool in [&off, &strict, &off, &strict] {
+    // Per mode: every call's time in microseconds, over its two blocks.
+    let mut calls_us = [Vec::new(), Vec::new()];
+    for (mode, pool) in [(0, &off), (1, &strict), (0, &off), (1, &strict)] {
         let buf = pool.alloc(64 << 10, &stream)?;
-        let t = Instant::now();
         for _ in 0..n {
+            let t = Instant::now();
             coll::all_gather_in_place::<f32>(&buf, &stream)?;
+            calls_us[mode].push(t.elapsed().as_secs_f64() * 1e6);
         }
-        per_call.push(t.elapsed().as_secs_f64() * 1e6 / n as f64);
     }
     if rank == 0 {
-        let off_us = (per_call[0] + per_call[2]) / 2.0;
-        let strict_us = (per_call[1] + per_call[3]) / 2.0;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (off_us, strict_us) = (mean(&calls_us[0]), mean(&calls_us[1]));
+        let [mut off_calls, mut strict_calls] = calls_us;
+        let (off_p50, strict_p50) = (median(&mut off_calls), median(&mut strict_calls));
         println!(
-            "@@strict_cost off_us={off_us:.1} strict_us={strict_us:.1} added_us={:.1}",
-            strict_us - off_us
+            "@@strict_cost off_us={off_us:.1} strict_us={strict_us:.1} added_us={:.1} \
+             off_p50_us={off_p50:.1} strict_p50_us={strict_p50:.1} added_p50_us={:.1}",
+            strict_us - off_us,
+            strict_p50 - off_p50
         );
     }
     Ok(0)

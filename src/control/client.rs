@@ -58,7 +58,8 @@ pub struct StoreConfig {
     /// at most (for the round's result, then for the rank's next frame). `None`
     /// (default): [`spin`](Self::spin) where the ranks number at most half of the
     /// host's cores, else zero (polling threads would take the cores of the threads
-    /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN).
+    /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
+    /// `SYMMPOOL_SERVER_SPIN_US`.
     pub server_spin: Option<Duration>,
 }
 
@@ -106,7 +107,7 @@ impl StoreConfig {
     }
 
     /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN` and the
-    /// optional `SYMMPOOL_*_MS` and `SYMMPOOL_SPIN_US` settings named on the fields.
+    /// optional `SYMMPOOL_*_MS` and `SYMMPOOL_*SPIN_US` settings named on the fields.
     ///
     /// # Errors
     /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
@@ -137,15 +138,19 @@ impl StoreConfig {
             }
             Ok(())
         };
-        if let Some(n) = whole("SYMMPOOL_SPIN_US", "microseconds")? {
-            cfg.spin = Duration::from_micros(n);
-            if cfg.spin > Self::MAX_SPIN {
-                return Err(Error::LaunchEnv {
-                    variable: "SYMMPOOL_SPIN_US".into(),
+        let spin = |name: &str| -> Result<Option<Duration>> {
+            match whole(name, "microseconds")? {
+                Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(Error::LaunchEnv {
+                    variable: name.to_string(),
                     detail: format!("{n} µs is more than the largest accepted, 1000 µs"),
-                });
+                }),
+                n => Ok(n.map(Duration::from_micros)),
             }
+        };
+        if let Some(d) = spin("SYMMPOOL_SPIN_US")? {
+            cfg.spin = d;
         }
+        cfg.server_spin = spin("SYMMPOOL_SERVER_SPIN_US")?;
         ms("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout)?;
         ms("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout)?;
         ms(

@@ -413,37 +413,50 @@ mod tests {
     }
 
     #[test]
-    fn store_config_reads_the_spin_time_and_bounds_it() {
+    fn store_config_reads_the_spin_times_and_bounds_them() {
         use crate::control::StoreConfig;
         use std::time::Duration;
-        let with = |spin: &str| {
+        let with = |name: &str, value: &str| {
             let vars: HashMap<&str, &str> = [
                 ("RANK", "0"),
                 ("WORLD_SIZE", "2"),
                 ("MASTER_ADDR", "127.0.0.1"),
                 ("MASTER_PORT", "1234"),
-                ("SYMMPOOL_SPIN_US", spin),
+                (name, value),
             ]
             .into_iter()
             .collect();
             StoreConfig::from_vars(&|k| vars.get(k).map(|v| v.to_string()))
         };
-        assert_eq!(with("0").unwrap().spin, Duration::ZERO);
-        assert_eq!(with("1000").unwrap().spin, StoreConfig::MAX_SPIN);
-        for bad in ["1001", "-1", "50us", ""] {
-            assert_eq!(
-                variable(with(bad).unwrap_err()),
-                "SYMMPOOL_SPIN_US",
-                "{bad:?}"
-            );
+        let spin = "SYMMPOOL_SPIN_US";
+        let server = "SYMMPOOL_SERVER_SPIN_US";
+        assert_eq!(with(spin, "0").unwrap().spin, Duration::ZERO);
+        assert_eq!(with(spin, "0").unwrap().server_spin, None);
+        assert_eq!(with(spin, "1000").unwrap().spin, StoreConfig::MAX_SPIN);
+        let s = with(server, "0").unwrap();
+        assert_eq!(
+            (s.spin, s.server_spin),
+            (Duration::from_micros(50), Some(Duration::ZERO))
+        );
+        assert_eq!(
+            with(server, "1000").unwrap().server_spin,
+            Some(StoreConfig::MAX_SPIN)
+        );
+        for name in [spin, server] {
+            for bad in ["1001", "-1", "50us", ""] {
+                assert_eq!(variable(with(name, bad).unwrap_err()), name, "{bad:?}");
+            }
         }
         // Set in code past the bound: refused where the store starts.
-        let mut cfg = with("0").unwrap();
-        cfg.spin = Duration::from_secs(3);
-        let e = crate::control::StoreServer::bind("127.0.0.1:0", &cfg).unwrap_err();
-        assert!(
-            matches!(e, crate::Error::InvalidConfig(ref m) if m.contains("spin")),
-            "{e}"
-        );
+        for (client, server) in [(3_000_000, 0), (0, 1001)] {
+            let mut cfg = with(spin, "0").unwrap();
+            cfg.spin = Duration::from_micros(client);
+            cfg.server_spin = Some(Duration::from_micros(server));
+            let e = crate::control::StoreServer::bind("127.0.0.1:0", &cfg).unwrap_err();
+            assert!(
+                matches!(e, crate::Error::InvalidConfig(ref m) if m.contains("spin")),
+                "{e}"
+            );
+        }
     }
 }
