@@ -49,13 +49,14 @@ pub struct StoreConfig {
     /// to disconnect before stopping the server, so they can read the last results
     /// (default 10 s).
     pub linger: Duration,
-    /// How long a thread waiting for a round's result polls its socket before it
-    /// blocks (default 50 µs, at most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at
-    /// once). Waking a blocked thread costs tens of microseconds, several times a
+    /// How long a thread waiting on the store (for a round's result, for the other
+    /// ranks to join) polls its socket before each blocking read (default 50 µs, at
+    /// most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at once). Waking a blocked thread costs tens of microseconds, several times a
     /// round's own work when the ranks arrive together. Env `SYMMPOOL_SPIN_US`.
     pub spin: Duration,
-    /// How long the hosting rank's server polls in each rank's thread, twice per round
-    /// at most (for the round's result, then for the rank's next frame). `None`
+    /// How long the hosting rank's server polls in each rank's thread before each
+    /// blocking wait (for a round's result to hand over, for the rank's next frame).
+    /// `None`
     /// (default): [`spin`](Self::spin) where the ranks number at most half of the
     /// host's cores, else zero (polling threads would take the cores of the threads
     /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
@@ -83,7 +84,8 @@ impl fmt::Debug for StoreConfig {
 }
 
 impl StoreConfig {
-    /// The largest [`spin`](Self::spin) accepted: a rank's server thread does not read
+    /// The largest [`spin`](Self::spin) and [`server_spin`](Self::server_spin)
+    /// accepted: a rank's server thread does not read
     /// its socket while it polls for a result, so polling must stay far below the
     /// heartbeat interval.
     pub const MAX_SPIN: Duration = Duration::from_millis(1);
@@ -142,7 +144,10 @@ impl StoreConfig {
             match whole(name, "microseconds")? {
                 Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(Error::LaunchEnv {
                     variable: name.to_string(),
-                    detail: format!("{n} µs is more than the largest accepted, 1000 µs"),
+                    detail: format!(
+                        "{n} µs is more than the largest accepted, {} µs",
+                        Self::MAX_SPIN.as_micros()
+                    ),
                 }),
                 n => Ok(n.map(Duration::from_micros)),
             }
@@ -182,7 +187,10 @@ impl StoreConfig {
             return bad("handshake_timeout must not be zero");
         }
         if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
-            return bad("spin (SYMMPOOL_SPIN_US) and server_spin must be at most 1000 µs");
+            return bad(&format!(
+                "spin (SYMMPOOL_SPIN_US) and server_spin (SYMMPOOL_SERVER_SPIN_US) must be at most {} µs",
+                Self::MAX_SPIN.as_micros()
+            ));
         }
         Ok(())
     }
@@ -417,11 +425,11 @@ impl ClientShared {
             }
             let left = deadline - now;
             if !inbox.reader_busy && !inbox.reader_done {
-                inbox = self.read_once(
-                    inbox,
-                    self.spin.min(left),
-                    left.min(self.heartbeat_interval),
-                );
+                // The blocking read waits only for what polling leaves of `left`, so
+                // the deadline is overshot by at most the socket timeout's rounding
+                // up to a whole millisecond.
+                let spin = self.spin.min(left);
+                inbox = self.read_once(inbox, spin, (left - spin).min(self.heartbeat_interval));
             } else {
                 inbox = self
                     .cv

@@ -55,7 +55,7 @@ struct Shared {
     handshake_timeout: Duration,
     max_frame_bytes: usize,
     /// [`StoreConfig::server_spin`] in effect.
-    spin: Duration,
+    server_spin: Duration,
     state: Mutex<State>,
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
@@ -97,6 +97,9 @@ struct Link {
 /// A round's result on its way to the connection thread of a rank that contributed
 /// and is polling for the result (so that the results of a round are written in
 /// parallel, each by its rank's own thread, not one after another).
+///
+/// Lock order: the state, then a writer, then a slot (a slot's lock is never held
+/// while another lock is taken).
 #[derive(Default)]
 struct Mailbox {
     slot: Mutex<Slot>,
@@ -118,6 +121,22 @@ enum Slot {
 impl Mailbox {
     fn slot(&self) -> MutexGuard<'_, Slot> {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The rank's own thread starts polling for a round's result.
+    fn start_waiting(&self) {
+        let mut slot = self.slot();
+        debug_assert!(matches!(*slot, Slot::Idle), "a mailbox left full");
+        *slot = Slot::Waiting;
+    }
+
+    /// The rank's own thread, the round's last contributor, leaves its own copy of
+    /// the result for [`write_after_result`].
+    fn put_own(&self, frame: Arc<Vec<u8>>) {
+        let mut slot = self.slot();
+        debug_assert!(matches!(*slot, Slot::Idle), "a mailbox left full");
+        *slot = Slot::Delivered(frame);
+        self.delivered.store(true, Ordering::Release);
     }
 
     /// Hand `frame` over if the thread is waiting for it; `false`: it is not.
@@ -192,14 +211,10 @@ impl StoreServer {
             heartbeat_timeout: config.heartbeat_timeout,
             handshake_timeout: config.handshake_timeout,
             max_frame_bytes: config.max_frame_bytes,
-            spin: config.server_spin.unwrap_or_else(|| {
-                let cores = thread::available_parallelism().map_or(1, |n| n.get());
-                if world <= cores / 2 {
-                    config.spin
-                } else {
-                    Duration::ZERO
-                }
-            }),
+            server_spin: server_spin_in_effect(
+                config,
+                thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 ever_joined: vec![false; world],
@@ -299,6 +314,18 @@ fn write_after_result(
         wire::send(&mut *w, &result)?;
     }
     frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
+}
+
+/// [`StoreConfig::server_spin`], or where it is `None`, the client's spin where the
+/// ranks number at most half of the host's `cores`, else zero.
+fn server_spin_in_effect(config: &StoreConfig, cores: usize) -> Duration {
+    config
+        .server_spin
+        .unwrap_or(if config.launch.world_size <= cores / 2 {
+            config.spin
+        } else {
+            Duration::ZERO
+        })
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
@@ -412,7 +439,7 @@ impl Shared {
         }
         // This rank's own copy goes through its mailbox too, so that whatever another
         // thread writes to it once the lock is released comes after it.
-        *me.mailbox.slot() = Slot::Delivered(frame);
+        me.mailbox.put_own(frame);
         for (other, why) in failed {
             self.depart(&mut st, other, None, &why);
         }
@@ -433,7 +460,7 @@ impl Shared {
     /// directly). `Err`: writing failed, with why.
     fn await_result(&self, me: &Link) -> std::result::Result<(), String> {
         let mailbox = &me.mailbox;
-        let until = Instant::now() + self.spin;
+        let until = Instant::now() + self.server_spin;
         let mut polls = 0u32;
         while !mailbox.delivered.load(Ordering::Acquire)
             && Instant::now() < until
@@ -690,7 +717,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     }
     loop {
         let before = reader.bytes_read();
-        let got = match reader.spin_frame(shared.spin) {
+        let got = match reader.spin_frame(shared.server_spin) {
             Ok(None) => reader.frame(),
             polled => polled,
         };
@@ -787,10 +814,10 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                         payloads,
                     });
                     shared.deliver(st, &me, frame);
-                } else if !shared.spin.is_zero() {
+                } else if !shared.server_spin.is_zero() {
                     // Poll for the result: the last rank to contribute hands it over
                     // instead of writing it, and this thread writes it.
-                    *me.mailbox.slot() = Slot::Waiting;
+                    me.mailbox.start_waiting();
                     drop(st);
                     if let Err(why) = shared.await_result(&me) {
                         let mut st = shared.lock();
@@ -825,3 +852,33 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
 
 /// Why a rank that said goodbye left (the start of its `Lost` detail).
 const CLOSED: &str = "it closed its exchange (it finished, or dropped the exchange early)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::Launch;
+
+    #[test]
+    fn the_server_polls_only_where_the_ranks_leave_it_cores() {
+        let config = |world: usize, server_spin: Option<Duration>| {
+            let mut c = StoreConfig::new(Launch::explicit(0, world, "127.0.0.1", 1).unwrap());
+            c.spin = Duration::from_micros(40);
+            c.server_spin = server_spin;
+            c
+        };
+        let spin = Duration::from_micros(40);
+        // Default: the client's spin where world <= cores / 2.
+        assert_eq!(server_spin_in_effect(&config(8, None), 16), spin);
+        assert_eq!(server_spin_in_effect(&config(8, None), 17), spin);
+        assert_eq!(server_spin_in_effect(&config(9, None), 16), Duration::ZERO);
+        assert_eq!(server_spin_in_effect(&config(1, None), 1), Duration::ZERO);
+        assert_eq!(server_spin_in_effect(&config(2, None), 2), Duration::ZERO);
+        // An explicit setting wins either way.
+        let set = Duration::from_micros(7);
+        assert_eq!(server_spin_in_effect(&config(64, Some(set)), 2), set);
+        assert_eq!(
+            server_spin_in_effect(&config(2, Some(Duration::ZERO)), 64),
+            Duration::ZERO
+        );
+    }
+}
