@@ -54,9 +54,9 @@ pub struct StoreConfig {
     /// most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at once). Waking a blocked thread costs tens of microseconds, several times a
     /// round's own work when the ranks arrive together. Env `SYMMPOOL_SPIN_US`.
     pub spin: Duration,
-    /// How long the hosting rank's server polls in each rank's thread before each
-    /// blocking wait (for a round's result to hand over, for the rank's next frame).
-    /// `None`
+    /// How long the hosting rank's server polls in each rank's thread: for a round's
+    /// result after the rank contributed, and for the rank's next frame before each
+    /// blocking read (so up to twice this per round). `None`
     /// (default): [`spin`](Self::spin) where the ranks number at most half of the
     /// host's cores, else zero (polling threads would take the cores of the threads
     /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
@@ -330,7 +330,7 @@ impl ClientShared {
         limit: Duration,
     ) -> MutexGuard<'a, Inbox> {
         inbox.reader_busy = true;
-        // Round to whole milliseconds so that the socket option rarely changes.
+        // Whole milliseconds (truncated, at least one) so that the socket option rarely changes.
         let limit = Duration::from_millis(limit.as_millis().max(1) as u64);
         let set_timeout = (inbox.read_timeout != limit).then_some(limit);
         inbox.read_timeout = limit;
@@ -426,8 +426,8 @@ impl ClientShared {
             let left = deadline - now;
             if !inbox.reader_busy && !inbox.reader_done {
                 // The blocking read waits only for what polling leaves of `left`, so
-                // the deadline is overshot by at most the socket timeout's rounding
-                // up to a whole millisecond.
+                // the deadline is overshot by at most the socket timeout's floor of
+                // one millisecond.
                 let spin = self.spin.min(left);
                 inbox = self.read_once(inbox, spin, (left - spin).min(self.heartbeat_interval));
             } else {

@@ -126,7 +126,10 @@ impl Mailbox {
     /// The rank's own thread starts polling for a round's result.
     fn start_waiting(&self) {
         let mut slot = self.slot();
-        debug_assert!(matches!(*slot, Slot::Idle), "a mailbox left full");
+        debug_assert!(
+            matches!(*slot, Slot::Idle),
+            "a mailbox not idle at a new round"
+        );
         *slot = Slot::Waiting;
     }
 
@@ -134,7 +137,10 @@ impl Mailbox {
     /// the result for [`write_after_result`].
     fn put_own(&self, frame: Arc<Vec<u8>>) {
         let mut slot = self.slot();
-        debug_assert!(matches!(*slot, Slot::Idle), "a mailbox left full");
+        debug_assert!(
+            matches!(*slot, Slot::Idle),
+            "a mailbox not idle at a new round"
+        );
         *slot = Slot::Delivered(frame);
         self.delivered.store(true, Ordering::Release);
     }
