@@ -51,8 +51,9 @@ pub struct StoreConfig {
     pub linger: Duration,
     /// How long a thread waiting on the store (for a round's result, for the other
     /// ranks to join) polls its socket before each blocking read (default 50 µs, at
-    /// most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at once). Waking a blocked thread costs tens of microseconds, several times a
-    /// round's own work when the ranks arrive together. Env `SYMMPOOL_SPIN_US`.
+    /// most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at once). Waking a blocked
+    /// thread costs tens of microseconds, several times a round's own work when the
+    /// ranks arrive together. Env `SYMMPOOL_SPIN_US`.
     pub spin: Duration,
     /// How long the hosting rank's server polls in each rank's thread: for a round's
     /// result after the rank contributed, and for the rank's next frame before each
@@ -330,7 +331,8 @@ impl ClientShared {
         limit: Duration,
     ) -> MutexGuard<'a, Inbox> {
         inbox.reader_busy = true;
-        // Whole milliseconds (truncated, at least one) so that the socket option rarely changes.
+        // Whole milliseconds (truncated, at least one), so that the socket option
+        // rarely changes.
         let limit = Duration::from_millis(limit.as_millis().max(1) as u64);
         let set_timeout = (inbox.read_timeout != limit).then_some(limit);
         inbox.read_timeout = limit;
