@@ -123,26 +123,32 @@ impl Mailbox {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The rank's own thread starts polling for a round's result.
-    fn start_waiting(&self) {
-        let mut slot = self.slot();
+    /// The slot at the start of a new round of the rank's own thread: idle, since
+    /// every result put in it was written before the thread read its next frame.
+    fn idle_slot(&self) -> MutexGuard<'_, Slot> {
+        let slot = self.slot();
         debug_assert!(
             matches!(*slot, Slot::Idle),
             "a mailbox not idle at a new round"
         );
-        *slot = Slot::Waiting;
+        slot
+    }
+
+    /// Put `frame` in the (locked) slot and tell a polling thread.
+    fn fill(&self, slot: &mut Slot, frame: Arc<Vec<u8>>) {
+        *slot = Slot::Delivered(frame);
+        self.delivered.store(true, Ordering::Release);
+    }
+
+    /// The rank's own thread starts polling for a round's result.
+    fn start_waiting(&self) {
+        *self.idle_slot() = Slot::Waiting;
     }
 
     /// The rank's own thread, the round's last contributor, leaves its own copy of
     /// the result for [`write_after_result`].
     fn put_own(&self, frame: Arc<Vec<u8>>) {
-        let mut slot = self.slot();
-        debug_assert!(
-            matches!(*slot, Slot::Idle),
-            "a mailbox not idle at a new round"
-        );
-        *slot = Slot::Delivered(frame);
-        self.delivered.store(true, Ordering::Release);
+        self.fill(&mut self.idle_slot(), frame);
     }
 
     /// Hand `frame` over if the thread is waiting for it; `false`: it is not.
@@ -151,8 +157,7 @@ impl Mailbox {
         if !matches!(*slot, Slot::Waiting) {
             return false;
         }
-        *slot = Slot::Delivered(frame.clone());
-        self.delivered.store(true, Ordering::Release);
+        self.fill(&mut slot, frame.clone());
         true
     }
 
@@ -866,13 +871,13 @@ mod tests {
 
     #[test]
     fn the_server_polls_only_where_the_ranks_leave_it_cores() {
+        let spin = Duration::from_micros(40);
         let config = |world: usize, server_spin: Option<Duration>| {
             let mut c = StoreConfig::new(Launch::explicit(0, world, "127.0.0.1", 1).unwrap());
-            c.spin = Duration::from_micros(40);
+            c.spin = spin;
             c.server_spin = server_spin;
             c
         };
-        let spin = Duration::from_micros(40);
         // Default: the client's spin where world <= cores / 2.
         assert_eq!(server_spin_in_effect(&config(8, None), 16), spin);
         assert_eq!(server_spin_in_effect(&config(8, None), 17), spin);
