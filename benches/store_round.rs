@@ -6,8 +6,9 @@
 //! round (from its call until its result arrives) and reports p50 / p99 / max.
 //!
 //! `cargo bench --bench store_round` (env `STORE_BENCH_ROUNDS`, default 5000,
-//! `STORE_BENCH_WORLD`, default 8, and `SYMMPOOL_SPIN_US`, the store's polling time,
-//! default [`StoreConfig::spin`]'s). Without `--bench` (as `cargo test --all-targets`
+//! `STORE_BENCH_WORLD`, default 8, and the store's `SYMMPOOL_*` settings, such as
+//! `SYMMPOOL_SPIN_US` and `SYMMPOOL_SERVER_SPIN_US`, the ranks' and the server's
+//! polling times). Without `--bench` (as `cargo test --all-targets`
 //! runs it) it does a 100-round smoke run.
 
 #![allow(missing_docs)]
@@ -15,7 +16,7 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use symmpool::control::{Exchange, Launch, StoreConfig, StoreExchange, StoreServer};
+use symmpool::control::{Exchange, StoreConfig, StoreExchange, StoreServer};
 
 #[path = "common/quiet.rs"]
 mod quiet;
@@ -27,19 +28,23 @@ fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// The store's configuration as a launched rank reads it (`StoreConfig::from_vars`,
+/// so the `SYMMPOOL_*` settings are read and bounded as in a job), with this bench's
+/// rank, world size and loopback port.
 fn config(rank: usize, world: usize, port: u16) -> StoreConfig {
-    let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
+    let launch = |k: &str| match k {
+        "RANK" => Some(rank.to_string()),
+        "WORLD_SIZE" => Some(world.to_string()),
+        "MASTER_ADDR" => Some("127.0.0.1".to_string()),
+        "SYMMPOOL_STORE_PORT" => Some(port.to_string()),
+        _ => std::env::var(k).ok(),
+    };
+    let mut c = StoreConfig::from_vars(&launch).unwrap_or_else(|e| {
+        eprintln!("store_round: {e}");
+        std::process::exit(2)
+    });
     c.host_server = false;
     c.startup_timeout = Duration::from_secs(60);
-    let us = |name: &str| {
-        std::env::var(name)
-            .ok()
-            .map(|v| Duration::from_micros(v.parse().expect("microseconds")))
-    };
-    if let Some(spin) = us("SYMMPOOL_SPIN_US") {
-        c.spin = spin;
-    }
-    c.server_spin = us("SYMMPOOL_SERVER_SPIN_US");
     c
 }
 
@@ -98,7 +103,8 @@ fn main() {
     // `cargo test --all-targets` runs this without `--bench`: a short smoke run then.
     let measuring = std::env::args().any(|a| a == "--bench");
     let rounds = env_or("STORE_BENCH_ROUNDS", if measuring { 5000 } else { 100 });
-    let server = StoreServer::bind("127.0.0.1:0", &config(0, world, 0)).unwrap();
+    let server_config = config(0, world, 0);
+    let server = StoreServer::bind("127.0.0.1:0", &server_config).unwrap();
     let port = server.local_addr().port();
     let exe = std::env::current_exe().unwrap();
     let mut kids = Kill(Vec::new());
@@ -118,8 +124,8 @@ fn main() {
     println!(
         "store_round: {world} processes, 64-byte payloads, {rounds} timed rounds, {} CPUs, spin {:?}, server spin {:?} (None: by the number of cores)",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        config(0, world, 0).spin,
-        config(0, world, 0).server_spin,
+        server_config.spin,
+        server_config.server_spin,
     );
     let mut lines = Vec::new();
     for k in &mut kids.0 {
