@@ -51,6 +51,7 @@ pub mod backend;
 pub mod coll;
 pub mod control;
 pub mod core;
+mod deadline;
 mod dtype;
 mod error;
 pub mod observe;
@@ -64,6 +65,7 @@ pub use control::{
     ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
 };
 pub use core::{CoreStats, Snapshot};
+pub use deadline::Deadline;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CollectiveDivergence, Divergence, Error, NcclVersion, Result};
 pub use half::{bf16, f16};

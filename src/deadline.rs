@@ -1,0 +1,104 @@
+//! [`Deadline`]: the one point in time a public call must finish by, made once from its
+//! configured timeout and handed down to every wait inside it.
+
+use std::time::{Duration, Instant};
+
+/// Far enough to mean "no deadline": about a century. `Instant` has no maximum, and
+/// adding [`Duration::MAX`] to it overflows, so an endless timeout saturates here.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The instant by which a call must finish.
+///
+/// Each public call makes one from its configured timeout ([`Deadline::after`]) and
+/// passes it down: a control-plane round, a registration, a drain and every other wait
+/// inside the call take the same deadline, so the whole call ends within its timeout,
+/// however many waits it makes. No layer below re-arms its own.
+///
+/// A timeout of [`Duration::MAX`] (or any timeout too large to add to the clock) means
+/// *never*: the deadline saturates at about a century from now and
+/// [`is_never`](Self::is_never) says so. Arithmetic on deadlines never panics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Deadline {
+    at: Instant,
+}
+
+impl Deadline {
+    /// `timeout` from now, saturating: [`Duration::MAX`] means never.
+    pub fn after(timeout: Duration) -> Self {
+        Self::after_from(Instant::now(), timeout)
+    }
+
+    /// `timeout` from `start`, saturating as [`after`](Self::after) does.
+    pub fn after_from(start: Instant, timeout: Duration) -> Self {
+        let at = start
+            .checked_add(timeout.min(FOREVER))
+            .or_else(|| start.checked_add(FOREVER))
+            .unwrap_or(start);
+        Deadline { at }
+    }
+
+    /// A deadline that never passes (about a century from now).
+    pub fn never() -> Self {
+        Self::after(Duration::MAX)
+    }
+
+    /// The deadline as an instant (about a century from its making for "never").
+    pub fn instant(self) -> Instant {
+        self.at
+    }
+
+    /// Whether this deadline means "never" (it lies at least 50 years ahead).
+    pub fn is_never(self) -> bool {
+        self.remaining() >= FOREVER / 2
+    }
+
+    /// Time left until the deadline; zero once it has passed.
+    pub fn remaining(self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
+    }
+
+    /// Whether the deadline has passed.
+    pub fn expired(self) -> bool {
+        Instant::now() >= self.at
+    }
+
+    /// The earlier of this deadline and `timeout` from now: a wait that has a bound of
+    /// its own (a socket's read, one poll) inside a call that has a deadline.
+    pub fn cap(self, timeout: Duration) -> Self {
+        self.min(Self::after(timeout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn duration_max_saturates_and_means_never() {
+        let d = Deadline::after(Duration::MAX);
+        assert!(d.is_never());
+        assert!(!d.expired());
+        assert!(d.remaining() > Duration::from_secs(3600 * 24 * 365));
+        // No overflow when capped or compared.
+        assert!(d.cap(Duration::MAX).is_never());
+        assert!(!d.cap(Duration::from_secs(1)).is_never());
+    }
+
+    #[test]
+    fn zero_timeout_is_expired_at_once() {
+        let d = Deadline::after(Duration::ZERO);
+        assert!(d.expired());
+        assert_eq!(d.remaining(), Duration::ZERO);
+        assert!(!d.is_never());
+    }
+
+    #[test]
+    fn cap_takes_the_earlier() {
+        let start = Instant::now();
+        let far = Deadline::after_from(start, Duration::from_secs(60));
+        let near = Deadline::after_from(start, Duration::from_secs(1));
+        assert_eq!(far.min(near), near);
+        assert!(far.cap(Duration::from_millis(10)) < near);
+        assert_eq!(near.cap(Duration::from_secs(3600)), near);
+    }
+}
