@@ -3,7 +3,8 @@
 //! and the memory-map pictures.
 
 use proptest::prelude::*;
-use std::sync::{Arc, Mutex};
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, Once};
 use symmpool::core::{SegmentId, SizeClass, StreamId};
 use symmpool::observe::{
     BlockStatus, BlockView, PoolSnapshot, SegmentView, StatValue, WindowView, render_ranks,
@@ -45,24 +46,53 @@ impl Visit for Fields {
     }
 }
 
-/// A layer that keeps every event and span it sees.
+/// What one capture keeps: every event and span its thread emits at or below its level.
 #[derive(Clone, Default)]
 struct Capture(Arc<Mutex<Vec<Seen>>>);
 
-impl<S: tracing::Subscriber> Layer<S> for Capture {
+thread_local! {
+    /// The captures running on this thread, innermost last, with their levels.
+    static ACTIVE: RefCell<Vec<(Capture, LevelFilter)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The one global subscriber of this test binary: it is interested in every callsite
+/// and hands what it sees to the capture running on the emitting thread, if any.
+///
+/// Per-thread subscribers (`with_default`) are not enough when tests run in parallel:
+/// tracing caches each callsite's interest globally, and a callsite first reached on a
+/// thread without a subscriber, or with another level, can be cached as uninteresting
+/// for the thread that captures (the cold-run failure of this file). A global layer
+/// that always says yes leaves nothing to cache wrongly; the level is applied here.
+struct Router;
+
+impl Router {
+    fn push(level: tracing::Level, seen: impl FnOnce() -> Seen) {
+        ACTIVE.with(|active| {
+            if let Some((cap, filter)) = active.borrow().last()
+                && level <= *filter
+            {
+                cap.0.lock().unwrap().push(seen());
+            }
+        });
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for Router {
     fn on_event(&self, e: &tracing::Event<'_>, _: Context<'_, S>) {
-        let mut f = Fields::default();
-        e.record(&mut f);
-        let name =
-            f.0.iter()
-                .find(|(k, _)| k == "message")
-                .map(|(_, v)| v.clone())
-                .unwrap_or_default();
-        self.0.lock().unwrap().push(Seen {
-            level: *e.metadata().level(),
-            span: false,
-            name,
-            fields: f.0,
+        Router::push(*e.metadata().level(), || {
+            let mut f = Fields::default();
+            e.record(&mut f);
+            let name =
+                f.0.iter()
+                    .find(|(k, _)| k == "message")
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default();
+            Seen {
+                level: *e.metadata().level(),
+                span: false,
+                name,
+                fields: f.0,
+            }
         });
     }
     fn on_new_span(
@@ -71,13 +101,15 @@ impl<S: tracing::Subscriber> Layer<S> for Capture {
         _: &tracing::span::Id,
         _: Context<'_, S>,
     ) {
-        let mut f = Fields::default();
-        a.record(&mut f);
-        self.0.lock().unwrap().push(Seen {
-            level: *a.metadata().level(),
-            span: true,
-            name: a.metadata().name().to_string(),
-            fields: f.0,
+        Router::push(*a.metadata().level(), || {
+            let mut f = Fields::default();
+            a.record(&mut f);
+            Seen {
+                level: *a.metadata().level(),
+                span: true,
+                name: a.metadata().name().to_string(),
+                fields: f.0,
+            }
         });
     }
 }
@@ -87,10 +119,22 @@ impl Capture {
         self.0.lock().unwrap().clone()
     }
 
-    /// Run `f` with this layer (behind `level`) as the thread's subscriber.
+    /// Run `f` with this capture (behind `level`) receiving this thread's events.
     fn run<R>(&self, level: LevelFilter, f: impl FnOnce() -> R) -> R {
-        let sub = Registry::default().with(self.clone().with_filter(level));
-        tracing::subscriber::with_default(sub, f)
+        static INSTALL: Once = Once::new();
+        INSTALL.call_once(|| {
+            tracing::subscriber::set_global_default(Registry::default().with(Router))
+                .expect("the test binary's only global subscriber");
+        });
+        struct Pop;
+        impl Drop for Pop {
+            fn drop(&mut self) {
+                ACTIVE.with(|a| a.borrow_mut().pop());
+            }
+        }
+        ACTIVE.with(|a| a.borrow_mut().push((self.clone(), level)));
+        let _pop = Pop;
+        f()
     }
 }
 
