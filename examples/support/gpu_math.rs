@@ -1,7 +1,7 @@
 //! cuBLAS (through cudarc) for the GPU parts of the example, tests and benchmarks:
 //! bf16 GEMMs with fp32 accumulation, axpy, scal and a sum of squares, on typed views
 //! of pool buffers ([`CudaView`], made by `TypedView::cuda`). Column-major, as cuBLAS
-//! is; every matrix is dense (its leading dimension is its number of rows).
+//! is; [`dense`] configures a GEMM of dense matrices (leading dimension = rows).
 //!
 //! The calls are safe: each checks its shapes against the views' lengths and the
 //! views' device against the handle's, and a view borrows its buffer. What they cannot
@@ -19,7 +19,7 @@
 
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::{CudaBlas, GemmConfig, result, sys};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use symmpool::{CudaView, Error, Result, bf16};
@@ -33,7 +33,7 @@ pub struct Blas {
 
 /// The element types a GEMM may write: bf16 (the example's matrices) and f32 (the sum
 /// of squares).
-trait Output: DeviceRepr {
+trait Output {
     /// Its cuBLAS data type.
     const TYPE: sys::cudaDataType;
 }
