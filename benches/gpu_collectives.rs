@@ -367,9 +367,12 @@ mod gpu {
         let blas = gpu_math::Blas::new(compute.clone()).unwrap();
         let compute_s = Stream::cuda(compute.clone());
         let mats = r.plain.alloc((3 * n * n * 2) as u64, &compute_s).unwrap();
-        let m = mats.device_ptr().unwrap();
-        let (a, b, c) = (m, m + (n * n * 2) as u64, m + (2 * n * n * 2) as u64);
         fill(r, &mats);
+        // A, B and C: three n×n bf16 matrices inside `mats`.
+        let v = mats.view::<bf16>().unwrap();
+        let matrix = |i: usize| v.slice(i * n * n, n * n).unwrap().cuda().unwrap();
+        let (a, b, mut c) = (matrix(0), matrix(1), matrix(2));
+        let gemm = gpu_math::dense(false, false, n, n, n, 1.0, 0.0).unwrap();
         let reg = r.reg.alloc(r.world() * bytes, &r.stream).unwrap();
         let plain = r.plain.alloc(r.world() * bytes, &r.stream).unwrap();
         let ctx = r.nccl().context();
@@ -382,22 +385,14 @@ mod gpu {
         let mut ag_bw = vec![Vec::new(); modes.len()];
         for _ in 0..REPS {
             for (mi, mode) in modes.iter().enumerate() {
-                // SAFETY: a, b, c are n×n bf16 matrices inside `mats`.
-                unsafe {
-                    blas.gemm_bf16(false, false, n, n, n, 1.0, a, n, b, n, 0.0, c, n)
-                        .unwrap()
-                };
+                blas.gemm_bf16(&gemm, &a, &b, &mut c).unwrap();
                 compute.synchronize().unwrap();
                 r.sync();
                 r.barrier.wait();
                 let (g0, g1, a0, a1) = (ev(), ev(), ev(), ev());
                 g0.record(&compute).unwrap();
                 for _ in 0..gemms {
-                    // SAFETY: as above.
-                    unsafe {
-                        blas.gemm_bf16(false, false, n, n, n, 1.0, a, n, b, n, 0.0, c, n)
-                            .unwrap()
-                    };
+                    blas.gemm_bf16(&gemm, &a, &b, &mut c).unwrap();
                 }
                 g1.record(&compute).unwrap();
                 let cs = r.stream.cuda_stream().unwrap();

@@ -277,8 +277,11 @@ mod gpu_tests {
             let n = 8192usize;
             // Scratch for a long GEMM chain on stream A (not from the pool's cached sizes).
             let scratch = pool.alloc((3 * n * n * 2) as u64, stream_a).unwrap();
-            let s = scratch.device_ptr().unwrap();
-            let (a, b, c) = (s, s + (n * n * 2) as u64, s + (2 * n * n * 2) as u64);
+            // A, B and C: three n×n bf16 matrices inside `scratch`.
+            let v = scratch.view::<bf16>().unwrap();
+            let matrix = |i: usize| v.slice(i * n * n, n * n).unwrap().cuda().unwrap();
+            let (a, b, mut c) = (matrix(0), matrix(1), matrix(2));
+            let gemm = gpu_math::dense(false, false, n, n, n, 1.0, 0.0).unwrap();
             let len = 4 * MIB;
             let x = pool.alloc(len, stream_a).unwrap();
             let y = pool.alloc(len, stream_a).unwrap();
@@ -287,12 +290,7 @@ mod gpu_tests {
             let (x_seg, x_off) = (x.segment(), x.offset_bytes());
             // Stream A: ~100 ms of GEMMs, then read X into Y.
             for _ in 0..60 {
-                // SAFETY: a, b, c are three n×n bf16 matrices inside `scratch`, alive
-                // until the end of this closure (after the synchronize below).
-                unsafe {
-                    blas.gemm_bf16(false, false, n, n, n, 1.0, a, n, b, n, 0.0, c, n)
-                        .unwrap()
-                };
+                blas.gemm_bf16(&gemm, &a, &b, &mut c).unwrap();
             }
             // SAFETY: x and y are live 4 MiB device buffers of this rank.
             unsafe {
@@ -328,11 +326,7 @@ mod gpu_tests {
             let w = pool.alloc(len, stream_a).unwrap();
             z.write(&vec![7u8; len as usize]).unwrap();
             for _ in 0..60 {
-                // SAFETY: as above.
-                unsafe {
-                    blas.gemm_bf16(false, false, n, n, n, 1.0, a, n, b, n, 0.0, c, n)
-                        .unwrap()
-                };
+                blas.gemm_bf16(&gemm, &a, &b, &mut c).unwrap();
             }
             // SAFETY: z and w are live 4 MiB buffers; the raw memset on B bypasses the pool.
             unsafe {

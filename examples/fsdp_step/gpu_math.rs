@@ -1,5 +1,6 @@
 //! [`Math`] on NCCL GPUs: bf16 buffers, cuBLAS GEMMs (through cudarc) on two CUDA
-//! streams per rank, events between them. The cuBLAS calls are in
+//! streams per rank, events between them. Buffers reach cuBLAS and cudarc as typed
+//! device views ([`CudaView`]), never as raw addresses; the cuBLAS calls are in
 //! `examples/support/gpu_math.rs` (`cublas` here), shared with the GPU tests and benchmark.
 
 use super::cli::{Args, Mode};
@@ -7,10 +8,10 @@ use super::cublas;
 use super::ranks::{StepBarrier, on_rank_threads};
 use super::report::Summary;
 use super::trainer::{Math, On};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaStream, DeviceSlice, DriverError};
 use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclWorldConfig};
-use symmpool::{Backend, Result, Stream, SymmBuffer, SymmPool, bf16};
+use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
 
 /// One rank's GPU math: a compute and a communication stream, a cuBLAS handle on each.
 pub struct GpuMath {
@@ -20,13 +21,22 @@ pub struct GpuMath {
     blas_comm: cublas::Blas,
 }
 
-fn e(s: String) -> symmpool::Error {
-    symmpool::Error::InvalidConfig(s)
+fn not_nccl() -> symmpool::Error {
+    symmpool::Error::InvalidConfig("not an NCCL backend".into())
 }
 
-fn ptr(b: &SymmBuffer) -> Result<u64> {
-    b.device_ptr()
-        .ok_or_else(|| e("not a device buffer".into()))
+/// A CUDA driver failure of `op`.
+fn driver(op: &'static str) -> impl FnOnce(DriverError) -> symmpool::Error {
+    move |x| symmpool::Error::Cuda {
+        op,
+        code: x.0 as i32,
+        message: format!("{x:?}"),
+    }
+}
+
+/// The buffer's bf16 elements as a device view.
+fn bf16s(b: &SymmBuffer) -> Result<CudaView<'_, bf16>> {
+    b.view::<bf16>()?.cuda()
 }
 
 impl GpuMath {
@@ -65,82 +75,49 @@ impl Math for GpuMath {
         beta: f32,
         c: &SymmBuffer,
     ) -> Result<()> {
-        let (lda, ldb) = (if ta { k } else { m }, if tb { n } else { k });
-        // SAFETY: the buffers are live pool buffers of this rank's device with the
-        // sizes the shapes imply (allocated by the trainer for exactly these).
-        unsafe {
-            self.blas(on).gemm_bf16(
-                ta,
-                tb,
-                m,
-                n,
-                k,
-                alpha,
-                ptr(a)?,
-                lda,
-                ptr(b)?,
-                ldb,
-                beta,
-                ptr(c)?,
-                m,
-            )
-        }
-        .map_err(e)
+        let cfg = cublas::dense(ta, tb, m, n, k, alpha, beta)?;
+        self.blas(on)
+            .gemm_bf16(&cfg, &bf16s(a)?, &bf16s(b)?, &mut bf16s(c)?)
     }
     fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, y: &SymmBuffer) -> Result<()> {
-        let n = (x.len_bytes() / 2) as usize;
-        // SAFETY: x and y are live buffers of n bf16 elements.
-        unsafe { self.blas(on).axpy_bf16(n, alpha, ptr(x)?, ptr(y)?) }.map_err(e)
+        self.blas(on).axpy_bf16(alpha, &bf16s(x)?, &mut bf16s(y)?)
     }
     fn scal(&self, on: On, alpha: f32, x: &SymmBuffer) -> Result<()> {
-        // SAFETY: x is a live buffer of len/2 bf16 elements.
-        unsafe {
-            self.blas(on)
-                .scal_bf16((x.len_bytes() / 2) as usize, alpha, ptr(x)?)
-        }
-        .map_err(e)
+        self.blas(on).scal_bf16(alpha, &mut bf16s(x)?)
     }
     fn copy(&self, on: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()> {
-        // SAFETY: both are live device buffers of at least src.len_bytes() bytes.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(
-                ptr(dst)?,
-                ptr(src)?,
-                src.len_bytes() as usize,
-                self.cuda(on).cu_stream(),
-            )
+        let (src, mut dst) = (src.view::<u8>()?.cuda()?, dst.view::<u8>()?.cuda()?);
+        if dst.len() < src.len() {
+            return Err(symmpool::Error::BadView(format!(
+                "copying {} bytes into {}",
+                src.len(),
+                dst.len()
+            )));
         }
-        .map_err(|x| e(format!("cuMemcpyDtoDAsync: {x:?}")))
+        self.cuda(on)
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(driver("cuMemcpyDtoDAsync"))
     }
     fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
-        // SAFETY: x holds len/2 bf16 elements; out holds at least slot+1 f32.
-        unsafe {
-            self.blas(on).sumsq_bf16(
-                (x.len_bytes() / 2) as usize,
-                ptr(x)?,
-                ptr(out)? + 4 * slot as u64,
-            )
-        }
-        .map_err(e)
+        let mut out = out.view::<f32>()?.slice(slot, 1)?.cuda()?;
+        self.blas(on).sumsq_bf16(&bf16s(x)?, &mut out)
     }
     type Ev = cudarc::driver::CudaEvent;
     fn record(&self, on: On) -> Result<Self::Ev> {
         self.cuda(on)
             .record_event(None)
-            .map_err(|x| e(format!("cuEventRecord: {x:?}")))
+            .map_err(driver("cuEventRecord"))
     }
     fn wait_for(&self, to: On, ev: &Self::Ev) -> Result<()> {
-        self.cuda(to)
-            .wait(ev)
-            .map_err(|x| e(format!("cuStreamWaitEvent: {x:?}")))
+        self.cuda(to).wait(ev).map_err(driver("cuStreamWaitEvent"))
     }
     fn sync(&self) -> Result<()> {
         self.cuda(On::Compute)
             .synchronize()
-            .map_err(|x| e(format!("{x:?}")))?;
+            .map_err(driver("cuStreamSynchronize"))?;
         self.cuda(On::Comm)
             .synchronize()
-            .map_err(|x| e(format!("{x:?}")))
+            .map_err(driver("cuStreamSynchronize"))
     }
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
         out.read::<f32>()
@@ -153,9 +130,7 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
     let backends = NcclBackend::local_world(&devices, NcclWorldConfig::default())?;
     let barrier = StepBarrier::new(args.ranks);
     on_rank_threads(backends, &barrier, |b| {
-        let nccl = b
-            .downcast_ref::<NcclBackend>()
-            .ok_or_else(|| e("not an NCCL backend".into()))?;
+        let nccl = b.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;
         let pools = args
             .modes
             .iter()
@@ -173,8 +148,8 @@ impl GpuMath {
     fn new(nccl: &NcclBackend) -> Result<GpuMath> {
         let (compute, comm) = (nccl.cuda_stream()?, nccl.cuda_stream()?);
         Ok(GpuMath {
-            blas_compute: cublas::Blas::new(compute.clone()).map_err(e)?,
-            blas_comm: cublas::Blas::new(comm.clone()).map_err(e)?,
+            blas_compute: cublas::Blas::new(compute.clone())?,
+            blas_comm: cublas::Blas::new(comm.clone())?,
             compute: Stream::cuda(compute),
             comm: Stream::cuda(comm),
         })
@@ -193,9 +168,7 @@ pub fn run_process_rank(
     args: &Args,
     barrier: &dyn super::ranks::StepSync,
 ) -> Result<Vec<Summary>> {
-    let nccl = backend
-        .downcast_ref::<NcclBackend>()
-        .ok_or_else(|| e("not an NCCL backend".into()))?;
+    let nccl = backend.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;
     let math = GpuMath::new(nccl)?;
     let out = super::run_one_rank(&math, pools, args, barrier);
     math.sync()?;
