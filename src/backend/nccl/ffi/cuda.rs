@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 use cudarc::driver::DriverError;
 use std::ffi::c_int;
 
+/// Map a CUDA driver error.
 pub(crate) fn cuda(op: &'static str) -> impl FnOnce(DriverError) -> Error {
     move |e| Error::Cuda {
         op,
@@ -12,7 +13,6 @@ pub(crate) fn cuda(op: &'static str) -> impl FnOnce(DriverError) -> Error {
         message: format!("{e:?}"),
     }
 }
-
 
 /// Whether the CUDA driver library can be loaded (cudarc panics at first use if not).
 pub(crate) fn driver_present() -> bool {
@@ -91,79 +91,45 @@ pub(crate) fn is_capturing(stream: &cudarc::driver::CudaStream) -> Result<bool> 
     Ok(status != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
-/// Wait, polling, until the work enqueued so far on `stream` is done, or fail with
-/// [`Error::Timeout`] at `deadline` (a stream stuck behind a collective whose peer
-/// died must not hold the caller forever).
-pub(crate) fn wait_stream(
-    op: &'static str,
-    stream: &cudarc::driver::CudaStream,
-    deadline: std::time::Instant,
-) -> Result<()> {
-    let started = std::time::Instant::now();
-    let event = stream.record_event(None).map_err(cuda("cuEventRecord"))?;
-    let mut pause = std::time::Duration::from_micros(20);
-    loop {
-        if event.is_complete() {
-            return Ok(());
-        }
-        let now = std::time::Instant::now();
-        if now >= deadline {
-            return Err(Error::Timeout {
-                op,
-                waited: now.saturating_duration_since(started),
-                missing_ranks: Vec::new(),
-            });
-        }
-        std::thread::sleep(pause.min(deadline.saturating_duration_since(now)));
-        pause = (pause * 2).min(std::time::Duration::from_millis(5));
-    }
-}
-
-/// Copy `data` to device address `dst` on `stream` and wait for the copy; the wait for
-/// the stream's earlier work ends at `deadline`.
+/// Copy `data` to device address `dst` on `stream` and wait for the copy. Call it on
+/// an idle stream (the caller waits for its earlier work first, with a deadline), so
+/// that the synchronise waits for nothing but this copy.
 ///
 /// # Safety
 /// `dst..dst + data.len()` is live device memory of `stream`'s context.
 ///
 /// # Errors
-/// [`Error::Timeout`] (nothing was copied), [`Error::Cuda`].
+/// [`Error::Cuda`].
 pub(crate) unsafe fn copy_to_device(
     dst: u64,
     data: &[u8],
     stream: &cudarc::driver::CudaStream,
-    deadline: std::time::Instant,
 ) -> Result<()> {
-    // First the stream's earlier work, with a deadline: then the copy below waits for
-    // nothing but itself.
-    wait_stream("writing to a buffer (its stream is busy)", stream, deadline)?;
     // SAFETY: the caller guarantees the destination. `data` outlives the copy: a
     // transfer from pageable host memory is staged before the call returns (CUDA
     // Runtime API, "API synchronization behavior", memcpy async), and the stream is
-    // synchronised below anyway, with only this copy left on it.
+    // synchronised below anyway.
     unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, stream.cu_stream()) }
         .map_err(cuda("cuMemcpyHtoDAsync"))?;
     stream.synchronize().map_err(cuda("cuStreamSynchronize"))
 }
 
-/// Copy device address `src` into `out` on `stream` and wait for the copy; the wait
-/// for the stream's earlier work ends at `deadline`.
+/// Copy device address `src` into `out` on `stream` and wait for the copy; on an idle
+/// stream, as [`copy_to_device`].
 ///
 /// # Safety
 /// `src..src + out.len()` is live device memory of `stream`'s context.
 ///
 /// # Errors
-/// [`Error::Timeout`] (nothing was copied), [`Error::Cuda`].
+/// [`Error::Cuda`].
 pub(crate) unsafe fn copy_to_host(
     src: u64,
     out: &mut [u8],
     stream: &cudarc::driver::CudaStream,
-    deadline: std::time::Instant,
 ) -> Result<()> {
-    wait_stream("reading a buffer (its stream is busy)", stream, deadline)?;
     // SAFETY: the caller guarantees the source. `out` outlives the copy: a transfer to
     // pageable host memory returns only once complete (CUDA Runtime API, "API
-    // synchronization behavior"), and the stream, with only this copy left on it, is
-    // synchronised before returning.
+    // synchronization behavior"), and the stream is synchronised before returning.
     unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src, stream.cu_stream()) }
         .map_err(cuda("cuMemcpyDtoHAsync"))?;
     stream.synchronize().map_err(cuda("cuStreamSynchronize"))

@@ -479,6 +479,19 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
+/// Enqueue the collective `op` of `count` elements per rank on `comm`: `call` makes the
+/// NCCL call with the function table and the count.
+fn enqueue(
+    op: &'static str,
+    comm: RawComm,
+    count: u64,
+    call: impl FnOnce(&table::Syms, usize) -> c_int,
+) -> Result<Status> {
+    let s = api()?;
+    let count = to_usize(op, count)?;
+    status(op, call(s, count), Some(&comm))
+}
+
 /// Enqueue `ncclAllGather` (on a non-blocking communicator it may answer
 /// [`Status::InProgress`]: poll before the next call on it).
 ///
@@ -495,20 +508,11 @@ pub(crate) unsafe fn all_gather(
     dt: sys::ncclDataType_t,
     stream: sys::cudaStream_t,
 ) -> Result<Status> {
-    let s = api()?;
-    let count = to_usize("ncclAllGather", count)?;
-    // SAFETY: the caller upholds this function's contract.
-    let code = unsafe {
-        (s.all_gather)(
-            send as *const c_void,
-            recv as *mut c_void,
-            count,
-            dt,
-            comm.0,
-            stream,
-        )
-    };
-    status("ncclAllGather", code, Some(&comm))
+    let (send, recv) = (send as *const c_void, recv as *mut c_void);
+    enqueue("ncclAllGather", comm, count, |s, n| {
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { (s.all_gather)(send, recv, n, dt, comm.0, stream) }
+    })
 }
 
 /// Enqueue `ncclReduceScatter` (may answer [`Status::InProgress`], as
@@ -525,21 +529,11 @@ pub(crate) unsafe fn reduce_scatter(
     op: sys::ncclRedOp_t,
     stream: sys::cudaStream_t,
 ) -> Result<Status> {
-    let s = api()?;
-    let count = to_usize("ncclReduceScatter", count)?;
-    // SAFETY: the caller upholds this function's contract.
-    let code = unsafe {
-        (s.reduce_scatter)(
-            send as *const c_void,
-            recv as *mut c_void,
-            count,
-            dt,
-            op,
-            comm.0,
-            stream,
-        )
-    };
-    status("ncclReduceScatter", code, Some(&comm))
+    let (send, recv) = (send as *const c_void, recv as *mut c_void);
+    enqueue("ncclReduceScatter", comm, count, |s, n| {
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { (s.reduce_scatter)(send, recv, n, dt, op, comm.0, stream) }
+    })
 }
 
 #[cfg(test)]
