@@ -1,30 +1,33 @@
 //! Streams, as the pool sees them.
 
 use crate::core::StreamId;
+use std::any::Any;
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A stream of device work that buffers are allocated on and collectives run on.
 ///
-/// Cheap to clone. On the host backend a stream is only a tag (host work is
-/// synchronous); on the NCCL backend it wraps a cudarc `CudaStream`
-/// (`cudarc::driver::CudaStream`). Each `Stream` value made by a constructor gets a
-/// process-unique id; clones share it. Two `Stream`s made with [`Stream::cuda`] from
-/// the same CUDA stream have different ids, which only costs a redundant device-side
-/// wait; [`Stream::from_raw_cuda`] gives one id per raw handle.
+/// Cheap to clone. On the host backends a stream is only a tag (host work is
+/// synchronous); on a device backend it also carries that backend's stream handle,
+/// which only the backend reads (the NCCL backend's constructors and accessors, such
+/// as `Stream::cuda`, are defined beside it). Each `Stream` value made by a
+/// constructor gets a process-unique id; clones share it.
 #[derive(Clone)]
 pub struct Stream {
     id: StreamId,
-    pub(crate) inner: StreamInner,
+    device: Option<DevicePart>,
 }
 
+/// The device backend's part of a stream: opaque here, read back by the backend that
+/// made it.
 #[derive(Clone)]
-pub(crate) enum StreamInner {
-    Host,
-    #[cfg(feature = "nccl")]
-    Cuda(std::sync::Arc<cudarc::driver::CudaStream>),
+struct DevicePart {
+    /// What kind of stream it is, for `Debug` (for example `"cuda"`).
+    kind: &'static str,
+    handle: Arc<dyn Any + Send + Sync>,
 }
 
 impl Stream {
@@ -32,53 +35,32 @@ impl Stream {
         StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// A host stream (for the host backend).
+    /// A host stream (for the host backends).
     pub fn host() -> Self {
         Stream {
             id: Self::fresh_id(),
-            inner: StreamInner::Host,
+            device: None,
         }
     }
 
-    /// Wrap a cudarc stream (for the NCCL backend). Use non-blocking streams: NCCL
-    /// 2.28's copy-engine collectives fail on the legacy NULL stream.
-    #[cfg(feature = "nccl")]
-    pub fn cuda(stream: std::sync::Arc<cudarc::driver::CudaStream>) -> Self {
+    /// A device stream with a fresh id, carrying `handle`: the device backend's own
+    /// stream value, which only that backend reads back (with [`device`](Self::device)).
+    /// `kind` names it in `Debug` (for example `"cuda"`). For a backend's constructors;
+    /// the NCCL backend's is `Stream::cuda`.
+    pub fn on_device<T: Any + Send + Sync>(kind: &'static str, handle: T) -> Self {
         Stream {
             id: Self::fresh_id(),
-            inner: StreamInner::Cuda(stream),
+            device: Some(DevicePart {
+                kind,
+                handle: Arc::new(handle),
+            }),
         }
     }
 
-    /// The stream of a runtime without cudarc, by its raw `CUstream` (for example
-    /// PyTorch's `torch.cuda.current_stream().cuda_stream`), on an NCCL backend. The same
-    /// handle always gives the same stream, with the same [`id`](Self::id), so there are
-    /// no spurious cross-stream waits. See `NcclBackend::stream_from_raw`.
-    ///
-    /// # Safety
-    /// `cu_stream` is a live stream of `backend`'s device, in its primary context, and
-    /// stays alive until the backend is dropped.
-    ///
-    /// # Errors
-    /// [`Error::WrongStream`](crate::Error::WrongStream) for a backend that is not an
-    /// NCCL backend; the errors of `NcclBackend::stream_from_raw`.
-    #[cfg(feature = "nccl")]
-    pub unsafe fn from_raw_cuda(
-        backend: &crate::Backend,
-        cu_stream: cudarc::driver::sys::CUstream,
-    ) -> crate::Result<Self> {
-        let nccl = backend
-            .downcast_ref::<crate::backend::NcclBackend>()
-            .ok_or(crate::Error::WrongStream)?;
-        // SAFETY: the caller's contract is the one of `stream_from_raw`.
-        unsafe { nccl.stream_from_raw(cu_stream) }
-    }
-
-    /// The raw `CUstream` handle, if this is a CUDA stream (for a runtime that enqueues
-    /// its own work on it).
-    #[cfg(feature = "nccl")]
-    pub fn raw_cuda(&self) -> Option<cudarc::driver::sys::CUstream> {
-        self.cuda_stream().map(|s| s.cu_stream())
+    /// The device backend's handle, if this is a device stream carrying a `T` (`None`
+    /// for a host stream or another backend's).
+    pub fn device<T: Any>(&self) -> Option<&T> {
+        self.device.as_ref()?.handle.downcast_ref::<T>()
     }
 
     /// The id the allocator core tags blocks with.
@@ -86,24 +68,15 @@ impl Stream {
         self.id
     }
 
-    /// The wrapped cudarc stream, if this is a CUDA stream.
-    #[cfg(feature = "nccl")]
-    pub fn cuda_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
-        match &self.inner {
-            StreamInner::Cuda(s) => Some(s),
-            StreamInner::Host => None,
-        }
-    }
-
     /// Whether this is a host stream.
     pub fn is_host(&self) -> bool {
-        matches!(self.inner, StreamInner::Host)
+        self.device.is_none()
     }
 }
 
 impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = if self.is_host() { "host" } else { "cuda" };
+        let kind = self.device.as_ref().map_or("host", |d| d.kind);
         write!(f, "Stream({kind}, {})", self.id.0)
     }
 }

@@ -2,10 +2,10 @@
 //! watchdog's bookkeeping. Device-free logic, tested without GPUs; the NCCL and CUDA
 //! calls stay in the backend.
 
+use crate::Deadline;
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// Why a backend broke, kept to describe it on every later call.
@@ -66,8 +66,7 @@ impl Cause {
 /// A backend's health: fine until the first [`Cause`], broken for good afterwards.
 #[derive(Debug, Default)]
 pub(crate) struct Health {
-    broken: AtomicBool,
-    cause: Mutex<Option<Cause>>,
+    cause: OnceLock<Cause>,
 }
 
 impl Health {
@@ -76,20 +75,20 @@ impl Health {
     /// # Errors
     /// The cause's error.
     pub(crate) fn check(&self) -> Result<()> {
-        if !self.broken.load(Ordering::Acquire) {
-            return Ok(());
+        match self.cause.get() {
+            None => Ok(()),
+            Some(c) => Err(c.error(false)),
         }
-        Err(self.error())
     }
 
     /// Whether it is broken (a cheap load, for polling loops).
     pub(crate) fn is_broken(&self) -> bool {
-        self.broken.load(Ordering::Acquire)
+        self.cause.get().is_some()
     }
 
     /// The error of a broken backend (of a healthy one: an internal error).
     pub(crate) fn error(&self) -> Error {
-        match &*self.cause.lock().unwrap_or_else(|p| p.into_inner()) {
+        match self.cause.get() {
             Some(c) => c.error(false),
             None => Error::Internal {
                 what: "asked for the error of a healthy NCCL backend".into(),
@@ -100,14 +99,12 @@ impl Health {
     /// Record `cause` unless an earlier one is recorded; returns whether this call
     /// broke it (and so must abort the communicators).
     pub(crate) fn break_with(&self, cause: Cause) -> bool {
-        let mut slot = self.cause.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_some() {
-            return false;
+        let description = cause.describe();
+        let broke = self.cause.set(cause).is_ok();
+        if broke {
+            tracing::error!("symmpool: NCCL backend broken: {description}");
         }
-        tracing::error!("symmpool: NCCL backend broken: {}", cause.describe());
-        *slot = Some(cause);
-        self.broken.store(true, Ordering::Release);
-        true
+        broke
     }
 }
 
@@ -138,6 +135,22 @@ impl Backoff {
 
 /// The longest pause between two polls of a non-blocking NCCL call.
 pub(crate) const MAX_POLL_PAUSE: Duration = Duration::from_millis(5);
+
+/// Call `step` until it answers or `deadline` passes (`None`), pausing between calls
+/// as [`Backoff`] does (up to [`MAX_POLL_PAUSE`]). `step` runs at least once.
+pub(crate) fn poll_until<T>(deadline: Deadline, mut step: impl FnMut() -> Option<T>) -> Option<T> {
+    let mut backoff = Backoff::new(MAX_POLL_PAUSE);
+    loop {
+        if let Some(answer) = step() {
+            return Some(answer);
+        }
+        let now = Instant::now();
+        if now >= deadline.instant() {
+            return None;
+        }
+        std::thread::sleep(backoff.pause(now, deadline.instant()));
+    }
+}
 
 /// Something whose completion the watchdog can ask about (a CUDA event).
 pub(crate) trait Completion {
@@ -239,7 +252,7 @@ impl<E: Completion> Watch<E> {
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use std::sync::atomic::AtomicU8;
+    use std::sync::atomic::{AtomicU8, Ordering};
 
     /// 0 pending, 1 complete, 2 failed.
     #[derive(Debug, Clone)]
@@ -359,5 +372,29 @@ mod tests {
             Duration::from_micros(3)
         );
         assert_eq!(b.pause(now + Duration::from_secs(1), now), Duration::ZERO);
+    }
+
+    #[test]
+    fn poll_until_answers_or_gives_up_at_the_deadline() {
+        let mut calls = 0;
+        let answer = poll_until(Deadline::after(Duration::from_secs(10)), || {
+            calls += 1;
+            (calls == 3).then_some(calls)
+        });
+        assert_eq!(answer, Some(3));
+        let mut tries = 0;
+        let start = Instant::now();
+        let none: Option<()> = poll_until(Deadline::after(Duration::from_millis(20)), || {
+            tries += 1;
+            None
+        });
+        assert!(none.is_none() && tries > 1);
+        assert!(start.elapsed() >= Duration::from_millis(20));
+        let mut once = 0;
+        let expired: Option<()> = poll_until(Deadline::after(Duration::ZERO), || {
+            once += 1;
+            None
+        });
+        assert_eq!((expired, once), (None, 1), "the step runs at least once");
     }
 }

@@ -3,11 +3,11 @@
 //! node identity and rank 0 also the `ncclUniqueId`s (one per communicator it will
 //! create). Pure logic over an [`Exchange`], tested without GPUs.
 
+use crate::Deadline;
 use crate::control::Exchange;
 use crate::error::{Error, NcclVersion, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 /// One rank's contribution to the set-up round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,7 +35,7 @@ pub(crate) struct Agreed {
 /// The channel's name.
 pub(crate) const CHANNEL: &str = "nccl:setup";
 
-/// Run the set-up round: open [`CHANNEL`] and all-gather `hello`.
+/// Run the set-up round: open [`CHANNEL`] and all-gather `hello`, both by `deadline`.
 ///
 /// # Collective
 /// Every rank of `exchange`, at the same point.
@@ -43,12 +43,12 @@ pub(crate) const CHANNEL: &str = "nccl:setup";
 /// # Errors
 /// The exchange's errors; [`Error::InvalidConfig`] on every rank when ranks run
 /// different NCCL versions, or rank 0's payload is malformed.
-pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, timeout: Duration) -> Result<Agreed> {
-    let channel = exchange.open_channel(CHANNEL, timeout)?;
+pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) -> Result<Agreed> {
+    let channel = exchange.open_channel(CHANNEL, deadline.remaining())?;
     let payload = postcard::to_allocvec(hello).map_err(|e| Error::Internal {
         what: format!("encoding the NCCL set-up payload: {e}"),
     })?;
-    let all = exchange.all_gather(channel, "NCCL set-up", &payload, timeout)?;
+    let all = exchange.all_gather(channel, "NCCL set-up", &payload, deadline.remaining())?;
     let hellos = all
         .iter()
         .enumerate()
@@ -158,7 +158,11 @@ mod tests {
                             node: format!("node{}", rank / 2),
                             unique_ids: if rank == 0 { ids } else { Vec::new() },
                         };
-                        agree(&ex, &hello, Duration::from_secs(10))
+                        agree(
+                            &ex,
+                            &hello,
+                            Deadline::after(std::time::Duration::from_secs(10)),
+                        )
                     })
                 })
                 .collect();

@@ -2,30 +2,7 @@
 //!
 //! This is the only module that calls NCCL or the driver's raw API.
 //!
-//! # Why the crate loads NCCL itself
-//!
-//! The rule is "cudarc for everything, own FFI only where cudarc lacks it". cudarc
-//! (0.19) binds NCCL through a private `OnceLock<libloading::Library>` that tries
-//! `libnccl.so`, `libnccl.so.<cuda major>`, ... but never `libnccl.so.2`, and has no
-//! public way to choose the library. Inside a PyTorch process that is wrong in a way
-//! no caller can fix: PyTorch has already loaded its own NCCL (`libnccl.so.2`, e.g. 2.28.9
-//! from the `nvidia-nccl` wheel), while `dlopen("libnccl.so")` maps the system's NCCL
-//! (e.g. 2.28.3) as a *second copy*; handing PyTorch's communicator to the second copy
-//! is undefined behaviour. So NCCL is the one library this crate loads with its own
-//! symbol table ([`Syms`]), by [`candidates`]:
-//!
-//! 1. `$SYMMPOOL_NCCL_LIBRARY`, when set (a path or file name, loaded as given);
-//! 2. `libnccl.so.2` **already loaded** in the process (`RTLD_NOLOAD`): PyTorch's, or
-//!    any other runtime's, so every communicator lives in one copy of NCCL;
-//! 3. `libnccl.so.2` from the loader path (what pip wheels and distribution packages
-//!    ship);
-//! 4. `libnccl.so` (a development install's symlink).
-//!
-//! Only cudarc's NCCL *types* (`cudarc::nccl::sys`: the config struct, the unique id,
-//! the handles, the data-type and operation enums) are used; no cudarc NCCL function
-//! is called. The CUDA driver stays with cudarc. NCCL's return values are read as C
-//! `int`s, never as cudarc's `ncclResult_t` enum, so a code that a newer NCCL adds
-//! cannot be an invalid enum value.
+//! The loader and function table are in [`table`], the CUDA driver calls in [`cuda`].
 //!
 //! # Non-blocking communicators
 //!
@@ -38,11 +15,16 @@
 
 #![deny(clippy::cast_possible_truncation)]
 
-use crate::error::{Error, NcclVersion, Result};
-use cudarc::driver::DriverError;
+mod cuda;
+mod table;
+
+pub(crate) use cuda::*;
+pub(crate) use table::{load, require};
+
+use crate::error::{Error, Result};
 use cudarc::nccl::sys;
 use std::ffi::{CStr, c_char, c_int, c_void};
-use std::sync::OnceLock;
+use table::api;
 
 /// `NCCL_WIN_COLL_SYMMETRIC` (nccl.h, 2.27+): every rank's buffer sits at the same
 /// offset of its window in every collective.
@@ -63,270 +45,6 @@ const SUCCESS: c_int = 0;
 const INVALID_ARGUMENT: c_int = 4;
 /// `ncclInProgress`: a non-blocking call has not finished yet.
 const IN_PROGRESS: c_int = 7;
-/// The variable that names the NCCL library to load, before the defaults.
-pub(crate) const LIBRARY_VAR: &str = "SYMMPOOL_NCCL_LIBRARY";
-
-/// Map a CUDA driver error.
-pub(crate) fn cuda(op: &'static str) -> impl FnOnce(DriverError) -> Error {
-    move |e| Error::Cuda {
-        op,
-        code: e.0 as i32,
-        message: format!("{e:?}"),
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Loading
-
-/// One way of finding the NCCL library, in the order [`candidates`] lists them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Candidate {
-    /// `dlopen(name, RTLD_NOLOAD | RTLD_NOW)`: only a copy the process already has.
-    AlreadyLoaded(&'static str),
-    /// `dlopen(name, RTLD_NOW | RTLD_LOCAL)`: from the loader path (or a path).
-    Load(String),
-}
-
-/// Where to look for NCCL, first to last (a pure function of the override variable).
-pub(crate) fn candidates(override_name: Option<&str>) -> Vec<Candidate> {
-    let mut list = Vec::with_capacity(4);
-    if let Some(name) = override_name.map(str::trim).filter(|n| !n.is_empty()) {
-        list.push(Candidate::Load(name.to_string()));
-    }
-    list.push(Candidate::AlreadyLoaded("libnccl.so.2"));
-    list.push(Candidate::Load("libnccl.so.2".into()));
-    list.push(Candidate::Load("libnccl.so".into()));
-    list
-}
-
-type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
-type GetUniqueIdFn = unsafe extern "C" fn(*mut sys::ncclUniqueId) -> c_int;
-type InitRankConfigFn = unsafe extern "C" fn(
-    *mut sys::ncclComm_t,
-    c_int,
-    sys::ncclUniqueId,
-    c_int,
-    *mut sys::ncclConfig_t,
-) -> c_int;
-type SplitFn = unsafe extern "C" fn(
-    sys::ncclComm_t,
-    c_int,
-    c_int,
-    *mut sys::ncclComm_t,
-    *mut sys::ncclConfig_t,
-) -> c_int;
-type CommFn = unsafe extern "C" fn(sys::ncclComm_t) -> c_int;
-type CommIntFn = unsafe extern "C" fn(sys::ncclComm_t, *mut c_int) -> c_int;
-type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
-type LastErrorFn = unsafe extern "C" fn(sys::ncclComm_t) -> *const c_char;
-type MemAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
-type MemFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
-type WindowRegisterFn = unsafe extern "C" fn(
-    sys::ncclComm_t,
-    *mut c_void,
-    usize,
-    *mut sys::ncclWindow_t,
-    c_int,
-) -> c_int;
-type WindowDeregisterFn = unsafe extern "C" fn(sys::ncclComm_t, sys::ncclWindow_t) -> c_int;
-type AllGatherFn = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    sys::ncclDataType_t,
-    sys::ncclComm_t,
-    sys::cudaStream_t,
-) -> c_int;
-type ReduceScatterFn = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    sys::ncclDataType_t,
-    sys::ncclRedOp_t,
-    sys::ncclComm_t,
-    sys::cudaStream_t,
-) -> c_int;
-
-/// NCCL's functions, resolved once from the library [`candidates`] found.
-struct Syms {
-    get_unique_id: GetUniqueIdFn,
-    init_rank_config: InitRankConfigFn,
-    split: SplitFn,
-    abort: CommFn,
-    get_async_error: CommIntFn,
-    count: CommIntFn,
-    user_rank: CommIntFn,
-    cu_device: CommIntFn,
-    error_string: ErrorStringFn,
-    last_error: LastErrorFn,
-    mem_alloc: MemAllocFn,
-    mem_free: MemFreeFn,
-    window_register: WindowRegisterFn,
-    window_deregister: WindowDeregisterFn,
-    all_gather: AllGatherFn,
-    reduce_scatter: ReduceScatterFn,
-}
-
-/// What loading found: the version, and the functions when all of them resolved.
-struct Loaded {
-    version: NcclVersion,
-    syms: Option<Syms>,
-}
-
-/// A copied-out function pointer of `lib`, or the missing symbol's name.
-///
-/// # Safety
-/// `T` is the exact C signature of `name` in the loaded NCCL, and `lib` is never
-/// unloaded (it is leaked by [`loaded`]).
-unsafe fn sym<T: Copy>(
-    lib: &libloading::os::unix::Library,
-    name: &'static str,
-) -> Result<T, &'static str> {
-    // SAFETY: the caller guarantees the signature and that the library stays loaded,
-    // so the copied pointer stays valid.
-    unsafe { lib.get::<T>(name.as_bytes()) }
-        .map(|s| *s)
-        .map_err(|_| name)
-}
-
-/// A symbol of the leaked NCCL library, typed as the field it initialises.
-macro_rules! resolve {
-    ($lib:expr, $name:literal) => {{
-        // SAFETY: every field of `Syms` has the C signature of its function in nccl.h
-        // 2.27 and 2.28 (`ncclResult_t` read as `int`), and the library is leaked.
-        unsafe { sym($lib, $name) }?
-    }};
-}
-
-fn open(candidate: &Candidate) -> Option<libloading::os::unix::Library> {
-    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-    let result = match candidate {
-        // SAFETY: RTLD_NOLOAD maps nothing new: it returns a handle to a library that is
-        // already loaded (its initialisers have run) or fails.
-        Candidate::AlreadyLoaded(name) => unsafe {
-            Library::open(Some(*name), libc::RTLD_NOLOAD | RTLD_NOW)
-        },
-        // SAFETY: loading NCCL runs its initialisers, which have no preconditions; it is
-        // never unloaded (leaked below), so its finalisers never run under us.
-        Candidate::Load(name) => unsafe {
-            Library::open(Some(name.as_str()), RTLD_NOW | RTLD_LOCAL)
-        },
-    };
-    match result {
-        Ok(lib) => Some(lib),
-        Err(e) => {
-            tracing::debug!("symmpool: NCCL candidate {candidate:?}: {e}");
-            None
-        }
-    }
-}
-
-fn loaded() -> Option<&'static Loaded> {
-    static LOADED: OnceLock<Option<Loaded>> = OnceLock::new();
-    LOADED
-        .get_or_init(|| {
-            let requested = std::env::var(LIBRARY_VAR).ok();
-            let (candidate, lib) = candidates(requested.as_deref())
-                .into_iter()
-                .find_map(|c| open(&c).map(|lib| (c, lib)))?;
-            // Never unloaded: function pointers into it are kept for the process.
-            let lib: &'static libloading::os::unix::Library = Box::leak(Box::new(lib));
-            // SAFETY: `ncclGetVersion(int*)` has this signature in every NCCL 2.x.
-            let get_version = unsafe { sym::<GetVersionFn>(lib, "ncclGetVersion") }.ok()?;
-            let mut code: c_int = 0;
-            // SAFETY: a valid out-pointer; ncclGetVersion has no other precondition.
-            if unsafe { get_version(&mut code) } != SUCCESS {
-                return None;
-            }
-            let version = NcclVersion::from_code(code);
-            tracing::info!("symmpool: NCCL {version} from {candidate:?}");
-            let syms = (|| -> Result<Syms, &'static str> {
-                Ok(Syms {
-                    get_unique_id: resolve!(lib, "ncclGetUniqueId"),
-                    init_rank_config: resolve!(lib, "ncclCommInitRankConfig"),
-                    split: resolve!(lib, "ncclCommSplit"),
-                    abort: resolve!(lib, "ncclCommAbort"),
-                    get_async_error: resolve!(lib, "ncclCommGetAsyncError"),
-                    count: resolve!(lib, "ncclCommCount"),
-                    user_rank: resolve!(lib, "ncclCommUserRank"),
-                    cu_device: resolve!(lib, "ncclCommCuDevice"),
-                    error_string: resolve!(lib, "ncclGetErrorString"),
-                    last_error: resolve!(lib, "ncclGetLastError"),
-                    mem_alloc: resolve!(lib, "ncclMemAlloc"),
-                    mem_free: resolve!(lib, "ncclMemFree"),
-                    window_register: resolve!(lib, "ncclCommWindowRegister"),
-                    window_deregister: resolve!(lib, "ncclCommWindowDeregister"),
-                    all_gather: resolve!(lib, "ncclAllGather"),
-                    reduce_scatter: resolve!(lib, "ncclReduceScatter"),
-                })
-            })();
-            let syms = match syms {
-                Ok(s) => Some(s),
-                Err(missing) => {
-                    tracing::warn!("symmpool: NCCL {version} lacks {missing}");
-                    None
-                }
-            };
-            Some(Loaded { version, syms })
-        })
-        .as_ref()
-}
-
-const NO_NCCL: Error = Error::LibraryUnavailable {
-    library: "libnccl",
-    hint: "install NCCL >= 2.27 so that libnccl.so.2 (or libnccl.so) is on the loader path, or name it in SYMMPOOL_NCCL_LIBRARY",
-};
-
-/// The resolved functions, or why there are none.
-fn api() -> Result<&'static Syms> {
-    let l = loaded().ok_or(NO_NCCL)?;
-    l.syms.as_ref().ok_or(if l.version < NcclVersion::WINDOWS {
-        Error::NcclTooOld {
-            found: l.version,
-            required: NcclVersion::WINDOWS,
-            feature: "symmetric windows",
-        }
-    } else {
-        Error::LibraryUnavailable {
-            library: "libnccl",
-            hint: "the NCCL found lacks a function symmpool needs (the log names it)",
-        }
-    })
-}
-
-/// Load NCCL (see the module documentation) and read its version; checks the CUDA
-/// driver first.
-///
-/// # Errors
-/// [`Error::LibraryUnavailable`] if either library cannot be loaded.
-pub(crate) fn load() -> Result<NcclVersion> {
-    if !driver_present() {
-        return Err(Error::LibraryUnavailable {
-            library: "libcuda (CUDA driver)",
-            hint: "no NVIDIA driver on this machine; use the host backend",
-        });
-    }
-    loaded().map(|l| l.version).ok_or(NO_NCCL)
-}
-
-/// Refuse versions older than `required` for `feature`.
-///
-/// # Errors
-/// [`Error::NcclTooOld`].
-pub(crate) fn require(
-    found: NcclVersion,
-    required: NcclVersion,
-    feature: &'static str,
-) -> Result<()> {
-    if found < required {
-        return Err(Error::NcclTooOld {
-            found,
-            required,
-            feature,
-        });
-    }
-    Ok(())
-}
 
 // ---------------------------------------------------------------------------------------
 // Results
@@ -761,6 +479,19 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
+/// Enqueue the collective `op` of `count` elements per rank on `comm`: `call` makes the
+/// NCCL call with the function table and the count.
+fn enqueue(
+    op: &'static str,
+    comm: RawComm,
+    count: u64,
+    call: impl FnOnce(&table::Syms, usize) -> c_int,
+) -> Result<Status> {
+    let s = api()?;
+    let count = to_usize(op, count)?;
+    status(op, call(s, count), Some(&comm))
+}
+
 /// Enqueue `ncclAllGather` (on a non-blocking communicator it may answer
 /// [`Status::InProgress`]: poll before the next call on it).
 ///
@@ -777,20 +508,11 @@ pub(crate) unsafe fn all_gather(
     dt: sys::ncclDataType_t,
     stream: sys::cudaStream_t,
 ) -> Result<Status> {
-    let s = api()?;
-    let count = to_usize("ncclAllGather", count)?;
-    // SAFETY: the caller upholds this function's contract.
-    let code = unsafe {
-        (s.all_gather)(
-            send as *const c_void,
-            recv as *mut c_void,
-            count,
-            dt,
-            comm.0,
-            stream,
-        )
-    };
-    status("ncclAllGather", code, Some(&comm))
+    let (send, recv) = (send as *const c_void, recv as *mut c_void);
+    enqueue("ncclAllGather", comm, count, |s, n| {
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { (s.all_gather)(send, recv, n, dt, comm.0, stream) }
+    })
 }
 
 /// Enqueue `ncclReduceScatter` (may answer [`Status::InProgress`], as
@@ -807,179 +529,11 @@ pub(crate) unsafe fn reduce_scatter(
     op: sys::ncclRedOp_t,
     stream: sys::cudaStream_t,
 ) -> Result<Status> {
-    let s = api()?;
-    let count = to_usize("ncclReduceScatter", count)?;
-    // SAFETY: the caller upholds this function's contract.
-    let code = unsafe {
-        (s.reduce_scatter)(
-            send as *const c_void,
-            recv as *mut c_void,
-            count,
-            dt,
-            op,
-            comm.0,
-            stream,
-        )
-    };
-    status("ncclReduceScatter", code, Some(&comm))
-}
-
-// ---------------------------------------------------------------------------------------
-// CUDA driver (through cudarc)
-
-/// Whether the CUDA driver library can be loaded (cudarc panics at first use if not).
-pub(crate) fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the candidate names; no symbol is called.
-    unsafe { cudarc::driver::sys::is_culib_present() }
-}
-
-/// The segment granularity of a device: `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` for
-/// pinned device memory with POSIX-FD handles (what `ncclMemAlloc` rounds to), at least
-/// 2 MiB (NCCL 2.27's window rule), as a power of two. 2 MiB if the query fails.
-pub(crate) fn segment_granularity(ordinal: usize) -> u64 {
-    use cudarc::driver::sys as cu;
-    const MIN: u64 = 2 << 20;
-    let prop = cu::CUmemAllocationProp {
-        type_: cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes:
-            cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        location: cu::CUmemLocation {
-            type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: c_int::try_from(ordinal).unwrap_or(0),
-        },
-        win32HandleMetaData: std::ptr::null_mut(),
-        allocFlags: cu::CUmemAllocationProp_st__bindgen_ty_1 {
-            compressionType: 0,
-            gpuDirectRDMACapable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        },
-    };
-    let mut granularity = 0usize;
-    // SAFETY: `granularity` and `prop` are valid for the call, which only reads `prop`;
-    // the driver library is loaded (the caller created a context first).
-    let r = unsafe {
-        cu::cuMemGetAllocationGranularity(
-            &mut granularity,
-            &prop,
-            cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-        )
-    };
-    if r != cu::cudaError_enum::CUDA_SUCCESS || granularity == 0 {
-        tracing::warn!("symmpool: cuMemGetAllocationGranularity failed ({r:?}); assuming 2 MiB");
-        return MIN;
-    }
-    (granularity as u64).max(MIN).next_power_of_two()
-}
-
-/// The context a raw stream belongs to (`cuStreamGetCtx`).
-///
-/// # Safety
-/// `stream` is a live stream handle (or one of the special handles `0`, `0x1`, `0x2`).
-///
-/// # Errors
-/// [`Error::Cuda`].
-pub(crate) unsafe fn stream_context(
-    stream: cudarc::driver::sys::CUstream,
-) -> Result<cudarc::driver::sys::CUcontext> {
-    use cudarc::driver::sys as cu;
-    let mut ctx: cu::CUcontext = std::ptr::null_mut();
-    // SAFETY: the caller guarantees the stream handle; `ctx` is a valid out-pointer.
-    let r = unsafe { cu::cuStreamGetCtx(stream, &mut ctx) };
-    if r != cu::cudaError_enum::CUDA_SUCCESS {
-        return Err(cuda("cuStreamGetCtx")(DriverError(r)));
-    }
-    Ok(ctx)
-}
-
-/// Whether a stream is capturing a CUDA graph (`cuStreamIsCapturing`).
-///
-/// # Errors
-/// [`Error::Cuda`].
-pub(crate) fn is_capturing(stream: &cudarc::driver::CudaStream) -> Result<bool> {
-    use cudarc::driver::sys as cu;
-    // SAFETY: `stream` is a live cudarc stream (it owns the handle for this borrow).
-    let status = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
-        .map_err(cuda("cuStreamIsCapturing"))?;
-    Ok(status != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-}
-
-/// Wait, polling, until the work enqueued so far on `stream` is done, or fail with
-/// [`Error::Timeout`] at `deadline` (a stream stuck behind a collective whose peer
-/// died must not hold the caller forever).
-pub(crate) fn wait_stream(
-    op: &'static str,
-    stream: &cudarc::driver::CudaStream,
-    deadline: std::time::Instant,
-) -> Result<()> {
-    let started = std::time::Instant::now();
-    let event = stream.record_event(None).map_err(cuda("cuEventRecord"))?;
-    let mut pause = std::time::Duration::from_micros(20);
-    loop {
-        if event.is_complete() {
-            return Ok(());
-        }
-        let now = std::time::Instant::now();
-        if now >= deadline {
-            return Err(Error::Timeout {
-                op,
-                waited: now.saturating_duration_since(started),
-                missing_ranks: Vec::new(),
-            });
-        }
-        std::thread::sleep(pause.min(deadline.saturating_duration_since(now)));
-        pause = (pause * 2).min(std::time::Duration::from_millis(5));
-    }
-}
-
-/// Copy `data` to device address `dst` on `stream` and wait for the copy; the wait for
-/// the stream's earlier work ends at `deadline`.
-///
-/// # Safety
-/// `dst..dst + data.len()` is live device memory of `stream`'s context.
-///
-/// # Errors
-/// [`Error::Timeout`] (nothing was copied), [`Error::Cuda`].
-pub(crate) unsafe fn copy_to_device(
-    dst: u64,
-    data: &[u8],
-    stream: &cudarc::driver::CudaStream,
-    deadline: std::time::Instant,
-) -> Result<()> {
-    // First the stream's earlier work, with a deadline: then the copy below waits for
-    // nothing but itself.
-    wait_stream("writing to a buffer (its stream is busy)", stream, deadline)?;
-    // SAFETY: the caller guarantees the destination. `data` outlives the copy: a
-    // transfer from pageable host memory is staged before the call returns (CUDA
-    // Runtime API, "API synchronization behavior", memcpy async), and the stream is
-    // synchronised below anyway, with only this copy left on it.
-    unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, stream.cu_stream()) }
-        .map_err(cuda("cuMemcpyHtoDAsync"))?;
-    stream.synchronize().map_err(cuda("cuStreamSynchronize"))
-}
-
-/// Copy device address `src` into `out` on `stream` and wait for the copy; the wait
-/// for the stream's earlier work ends at `deadline`.
-///
-/// # Safety
-/// `src..src + out.len()` is live device memory of `stream`'s context.
-///
-/// # Errors
-/// [`Error::Timeout`] (nothing was copied), [`Error::Cuda`].
-pub(crate) unsafe fn copy_to_host(
-    src: u64,
-    out: &mut [u8],
-    stream: &cudarc::driver::CudaStream,
-    deadline: std::time::Instant,
-) -> Result<()> {
-    wait_stream("reading a buffer (its stream is busy)", stream, deadline)?;
-    // SAFETY: the caller guarantees the source. `out` outlives the copy: a transfer to
-    // pageable host memory returns only once complete (CUDA Runtime API, "API
-    // synchronization behavior"), and the stream, with only this copy left on it, is
-    // synchronised before returning.
-    unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src, stream.cu_stream()) }
-        .map_err(cuda("cuMemcpyDtoHAsync"))?;
-    stream.synchronize().map_err(cuda("cuStreamSynchronize"))
+    let (send, recv) = (send as *const c_void, recv as *mut c_void);
+    enqueue("ncclReduceScatter", comm, count, |s, n| {
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { (s.reduce_scatter)(send, recv, n, dt, op, comm.0, stream) }
+    })
 }
 
 #[cfg(test)]
@@ -1004,25 +558,6 @@ mod tests {
     }
 
     #[test]
-    fn loader_prefers_an_already_loaded_libnccl_so_2() {
-        assert_eq!(
-            candidates(None),
-            vec![
-                Candidate::AlreadyLoaded("libnccl.so.2"),
-                Candidate::Load("libnccl.so.2".into()),
-                Candidate::Load("libnccl.so".into()),
-            ]
-        );
-        assert_eq!(candidates(Some("  ")), candidates(None));
-        let with = candidates(Some("/opt/nccl/lib/libnccl.so.2"));
-        assert_eq!(
-            with[0],
-            Candidate::Load("/opt/nccl/lib/libnccl.so.2".into())
-        );
-        assert_eq!(with[1..], candidates(None)[..]);
-    }
-
-    #[test]
     fn result_codes() {
         assert_eq!(status("x", SUCCESS, None).unwrap(), Status::Done);
         assert_eq!(status("x", IN_PROGRESS, None).unwrap(), Status::InProgress);
@@ -1035,21 +570,5 @@ mod tests {
             }
         }
         assert!(check("x", IN_PROGRESS, None).is_err());
-    }
-
-    #[test]
-    fn version_gate() {
-        let old = NcclVersion::new(2, 26, 5);
-        match require(old, NcclVersion::WINDOWS, "symmetric windows") {
-            Err(Error::NcclTooOld {
-                found, required, ..
-            }) => {
-                assert_eq!((found, required), (old, NcclVersion::new(2, 27, 0)));
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(require(NcclVersion::new(2, 28, 3), NcclVersion::COPY_ENGINE, "ce").is_ok());
-        assert_eq!(NcclVersion::from_code(22803), NcclVersion::new(2, 28, 3));
-        assert_eq!(NcclVersion::from_code(2708), NcclVersion::new(2, 7, 8));
     }
 }

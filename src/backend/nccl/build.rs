@@ -1,0 +1,465 @@
+//! Making a backend. Every way ([`NcclBackend::from_env`] and
+//! [`launch`](NcclBackend::launch), [`adopt`](NcclBackend::adopt),
+//! [`local_world`](NcclBackend::local_world), [`from_raw`](NcclBackend::from_raw))
+//! goes one path through a [`Builder`]: load NCCL and check its version, take the
+//! device, agree with the other ranks (the set-up round of [`setup`]), make the
+//! communicators (created from unique ids, split from a parent, or adopted as they
+//! are), and assemble the backend and its watchdog. The whole set-up has one
+//! deadline, [`NcclConfig::setup_timeout`] from the public call.
+
+use super::comm::{Comm, Shared, finish_creation};
+use super::config::{self, NcclConfig};
+use super::ffi::{self, RawComm};
+use super::health::Health;
+use super::streams::FenceTable;
+use super::watchdog::Watchdog;
+use super::{NcclBackend, device_count, ncclComm_t, setup};
+use crate::Deadline;
+use crate::backend::{Backend, BackendInfo, BackendKind, CommInfo, CommRole};
+use crate::control::{Exchange, LocalExchange, StoreExchange};
+use crate::error::{Error, NcclVersion, Result};
+use cudarc::driver::CudaContext;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The primary context of `device`, checked to exist first (cudarc panics without a
+/// driver).
+pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
+    let count = device_count()?;
+    if device >= count {
+        return Err(Error::InvalidConfig(format!(
+            "device {device} not present ({count} visible)"
+        )));
+    }
+    let ctx = CudaContext::new(device).map_err(ffi::cuda("cuDevicePrimaryCtxRetain"))?;
+    ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+    Ok(ctx)
+}
+
+/// `ncclGetVersion`'s code for a version.
+fn version_code(v: NcclVersion) -> i32 {
+    i32::try_from(v.major * 10000 + v.minor * 100 + v.patch).unwrap_or(i32::MAX)
+}
+
+/// The communicators a backend makes, for NCCL `version` and `config`.
+fn roles_for(version: NcclVersion, config: &NcclConfig) -> Vec<CommInfo> {
+    let mut roles = vec![CommInfo::SYMMETRIC];
+    if config.copy_engine && version >= NcclVersion::COPY_ENGINE {
+        roles.push(CommInfo::COPY_ENGINE);
+    }
+    if config.plain {
+        roles.push(CommInfo::PLAIN);
+    }
+    roles
+}
+
+/// The CTA policy NCCL will apply: `NCCL_CTA_POLICY` in the environment overrides the
+/// config (NCCL `init.cc`, "Comm config CTAPolicy reset to NCCL_CTA_POLICY").
+fn effective_policy(requested: i32) -> i32 {
+    match std::env::var("NCCL_CTA_POLICY")
+        .ok()
+        .as_deref()
+        .map(str::trim)
+    {
+        Some("2") | Some("ZERO") => ffi::NCCL_CTA_POLICY_ZERO,
+        Some("0") | Some("DEFAULT") => ffi::NCCL_CTA_POLICY_DEFAULT,
+        Some("1") | Some("EFFICIENCY") => 1,
+        _ => requested,
+    }
+}
+
+/// The rank and size of a communicator found as `(rank, size, device)`, if it agrees
+/// with `exchange` and sits on `device`.
+fn same_rank(
+    (rank, world, dev): (usize, usize, usize),
+    device: usize,
+    exchange: &dyn Exchange,
+) -> Result<(usize, usize)> {
+    if (rank, world) != (exchange.rank(), exchange.world_size()) || dev != device {
+        return Err(Error::InvalidConfig(format!(
+            "the communicator is rank {rank} of {world} on device {dev}; the exchange rank {} of {}, the device given {device}",
+            exchange.rank(),
+            exchange.world_size()
+        )));
+    }
+    Ok((rank, world))
+}
+
+/// Where a backend sits: its rank, the number of ranks, and its device's context.
+struct Seat {
+    rank: usize,
+    world: usize,
+    ctx: Arc<CudaContext>,
+}
+
+/// What every way of making a backend shares: the NCCL found, the configuration and
+/// the set-up's deadline.
+struct Builder {
+    version: NcclVersion,
+    config: NcclConfig,
+    deadline: Deadline,
+}
+
+impl Builder {
+    /// Load NCCL and check it has windows; the set-up's deadline starts now.
+    fn new(config: NcclConfig) -> Result<Self> {
+        let deadline = Deadline::after(config.setup_timeout);
+        let version = ffi::load()?;
+        ffi::require(version, NcclVersion::WINDOWS, "symmetric windows")?;
+        Ok(Builder {
+            version,
+            config,
+            deadline,
+        })
+    }
+
+    /// The communicators to make, in registration order.
+    fn roles(&self) -> Vec<CommInfo> {
+        roles_for(self.version, &self.config)
+    }
+
+    /// One fresh `ncclUniqueId` per role.
+    fn unique_ids(roles: &[CommInfo]) -> Result<Vec<[u8; 128]>> {
+        roles.iter().map(|_| ffi::unique_id()).collect()
+    }
+
+    /// The set-up round over `exchange` (rank 0 sends `unique_ids`).
+    fn agree(&self, exchange: &dyn Exchange, unique_ids: &[[u8; 128]]) -> Result<setup::Agreed> {
+        let hello = setup::Hello {
+            version: version_code(self.version),
+            node: setup::this_node(),
+            unique_ids: unique_ids.iter().map(|id| id.to_vec()).collect(),
+        };
+        setup::agree(exchange, &hello, self.deadline)
+    }
+
+    /// Make one communicator per role, in order: `start(i, role)` begins the `i`th
+    /// (`op`: an init or a split), polled to completion by the set-up's deadline. A
+    /// failure aborts the ones made before it.
+    fn create(
+        &self,
+        roles: &[CommInfo],
+        op: &'static str,
+        mut start: impl FnMut(usize, &CommInfo) -> Result<ffi::Starting>,
+    ) -> Result<Vec<(CommInfo, Comm)>> {
+        let mut comms = Vec::with_capacity(roles.len());
+        for (i, role) in roles.iter().enumerate() {
+            let comm = finish_creation(start(i, role), op, self.deadline)?;
+            let info = CommInfo {
+                cta_policy: effective_policy(role.cta_policy),
+                ..*role
+            };
+            comms.push((info, comm));
+        }
+        Ok(comms)
+    }
+
+    /// The backend at `seat` over `comms` (each with what the pools learn of it, in
+    /// registration order), on a job of `nodes` nodes, with its watchdog running.
+    fn assemble(
+        &self,
+        seat: Seat,
+        comms: Vec<(CommInfo, Comm)>,
+        nodes: usize,
+        exchange: Arc<dyn Exchange>,
+    ) -> Result<Backend> {
+        let Seat { rank, world, ctx } = seat;
+        let (infos, comms): (Vec<CommInfo>, Vec<Comm>) = comms.into_iter().unzip();
+        let granularity = ffi::segment_granularity(ctx.ordinal());
+        let info = BackendInfo::new(
+            BackendKind::Nccl,
+            rank,
+            world,
+            self.version,
+            granularity,
+            infos,
+        )?
+        .with_nodes(nodes);
+        let n = comms.len();
+        let shared = Arc::new(Shared {
+            rank,
+            ctx,
+            comms,
+            health: Health::default(),
+            watch: Mutex::default(),
+            config: self.config,
+        });
+        let watchdog = Watchdog::spawn(&shared);
+        let parts = Arc::new(NcclBackend {
+            rank,
+            world,
+            shared,
+            ordinals: Mutex::new(vec![0; n]),
+            fences: Mutex::new(FenceTable::default()),
+            raw_streams: Mutex::new(HashMap::new()),
+            watchdog,
+        });
+        Backend::new(info, exchange, parts)
+    }
+}
+
+impl NcclBackend {
+    /// This process's rank of a job launched with one process per GPU: the device is
+    /// [`NcclConfig::device`], else the launcher's local rank (`LOCAL_RANK`,
+    /// `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), else 0 when the process sees a
+    /// single GPU. Rank 0 creates one `ncclUniqueId` per communicator and publishes
+    /// them over `exchange` (channel `"nccl:setup"`, with every rank's NCCL version and
+    /// node identity); every rank then creates its communicators, non-blocking. The
+    /// whole set-up ends within [`NcclConfig::setup_timeout`].
+    ///
+    /// # Collective
+    /// Every rank of `exchange` calls it at the same point with the same `config`
+    /// (but for `device`).
+    ///
+    /// # Errors
+    /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
+    /// before NCCL 2.27; [`Error::InvalidConfig`] for no usable device, ranks on
+    /// different NCCL versions or configurations; the exchange's errors
+    /// ([`Error::Timeout`], [`Error::PeerLost`]); [`Error::NcclTimeout`] if a
+    /// communicator is not made in time; [`Error::Cuda`] / [`Error::Nccl`].
+    pub fn from_env(exchange: Arc<dyn Exchange>, config: NcclConfig) -> Result<Backend> {
+        let b = Builder::new(config)?;
+        let visible = device_count()?;
+        let local = config::local_rank(&|k| std::env::var(k).ok());
+        let device =
+            config::pick_device(config.device, local, visible).map_err(Error::InvalidConfig)?;
+        let ctx = context(device)?;
+        let (rank, world) = (exchange.rank(), exchange.world_size());
+        let roles = b.roles();
+        let ids = if rank == 0 {
+            Builder::unique_ids(&roles)?
+        } else {
+            Vec::new()
+        };
+        let agreed = b.agree(exchange.as_ref(), &ids)?;
+        if agreed.unique_ids.len() != roles.len() {
+            return Err(Error::InvalidConfig(format!(
+                "rank 0 creates {} communicators, this rank {} (ranks passed different NcclConfigs)",
+                agreed.unique_ids.len(),
+                roles.len()
+            )));
+        }
+        let ids = &agreed.unique_ids;
+        let comms = b.create(&roles, "ncclCommInitRankConfig", |i, role| {
+            ffi::comm_init(world, &ids[i], rank, role.cta_policy)
+        })?;
+        let seat = Seat { rank, world, ctx };
+        b.assemble(seat, comms, agreed.nodes, exchange)
+    }
+
+    /// [`from_env`](Self::from_env) over a [`StoreExchange`] made from the environment
+    /// ([`StoreExchange::from_env`]: torchrun's, slurm's or Open MPI's variables, with
+    /// `MASTER_ADDR`/`MASTER_PORT`; rank 0 hosts the store).
+    ///
+    /// # Collective
+    /// As [`from_env`](Self::from_env).
+    ///
+    /// # Errors
+    /// As [`StoreExchange::from_env`] and [`from_env`](Self::from_env).
+    pub fn launch(config: NcclConfig) -> Result<Backend> {
+        let exchange: Arc<dyn Exchange> = Arc::new(StoreExchange::from_env()?);
+        Self::from_env(exchange, config)
+    }
+
+    /// Adopt a runtime's communicator (for example PyTorch's
+    /// `ProcessGroupNCCL._comm_ptr()`): the crate splits the communicators it needs from
+    /// it (`ncclCommSplit(comm, 0, rank, ..)` with a non-blocking config carrying each
+    /// role's CTA policy, resources not shared), the whole set-up within
+    /// [`NcclConfig::setup_timeout`]. The parent is only read and split, never
+    /// destroyed or aborted by the crate; the children are the crate's own.
+    ///
+    /// `device` is the CUDA ordinal (as this process sees it) the communicator lives on.
+    /// [`NcclConfig::device`] is ignored.
+    ///
+    /// # Collective
+    /// Every rank of `comm` calls it at the same point (a split is collective on the
+    /// parent), with the same `config`.
+    ///
+    /// # Safety
+    /// - `comm` is a live `ncclComm_t` of the NCCL this crate loaded (inside PyTorch,
+    ///   PyTorch's `libnccl.so.2` is found first; `SYMMPOOL_NCCL_LIBRARY` names another),
+    ///   on CUDA device `device`;
+    /// - it stays live for the duration of this call, and nothing else calls NCCL on it
+    ///   (no collective of the runtime either) until this call returns;
+    /// - `exchange` groups the same processes, with the same rank numbers, as `comm`.
+    ///
+    /// # Errors
+    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`]; [`Error::InvalidConfig`] if
+    /// the communicator disagrees with the exchange on rank or size, or with `device`;
+    /// the exchange's errors; [`Error::NcclTimeout`] if a split does not finish in time;
+    /// [`Error::Nccl`] / [`Error::Cuda`].
+    pub unsafe fn adopt(
+        comm: ncclComm_t,
+        device: usize,
+        exchange: Arc<dyn Exchange>,
+        config: NcclConfig,
+    ) -> Result<Backend> {
+        let b = Builder::new(config)?;
+        let ctx = context(device)?;
+        let parent = RawComm(comm);
+        // SAFETY: the caller guarantees a live communicator nothing else uses now.
+        let found = unsafe { ffi::comm_rank_size_device(parent) }?;
+        let (rank, world) = same_rank(found, device, exchange.as_ref())?;
+        let agreed = b.agree(exchange.as_ref(), &[])?;
+        let comms = b.create(&b.roles(), "ncclCommSplit", |_, role| {
+            // SAFETY: the caller guarantees the parent is live and used by nobody else
+            // during this call; every rank splits the same roles in the same order
+            // (same version, checked by the exchange round, and the same config).
+            unsafe { ffi::comm_split(parent, rank, role.cta_policy) }
+        })?;
+        let seat = Seat { rank, world, ctx };
+        b.assemble(seat, comms, agreed.nodes, exchange)
+    }
+
+    /// One backend per listed GPU of this process, in rank order: rank `i` drives
+    /// device `devices[i]`. Communicators are created non-blocking from one thread per
+    /// rank with a shared `ncclUniqueId` per communicator. Hand each backend to its own
+    /// thread. [`NcclConfig::device`] is ignored.
+    ///
+    /// # Errors
+    /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
+    /// before NCCL 2.27; [`Error::InvalidConfig`] for no devices, a device listed twice
+    /// or one that is not present; [`Error::NcclTimeout`]; [`Error::Cuda`] /
+    /// [`Error::Nccl`] from initialisation.
+    pub fn local_world(devices: &[usize], config: NcclConfig) -> Result<Vec<Backend>> {
+        let b = Builder::new(config)?;
+        if devices.is_empty() {
+            return Err(Error::InvalidConfig("no devices".into()));
+        }
+        let mut sorted = devices.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != devices.len() {
+            return Err(Error::InvalidConfig("a device is listed twice".into()));
+        }
+        let roles = b.roles();
+        let ids = Builder::unique_ids(&roles)?;
+        let world = devices.len();
+        // Every context first: a device that fails here fails the call before any rank
+        // starts a communicator.
+        let contexts = devices
+            .iter()
+            .map(|&dev| context(dev))
+            .collect::<Result<Vec<_>>>()?;
+        let one_rank = |rank: usize, ctx: Arc<CudaContext>, exchange: LocalExchange| {
+            ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+            let comms = b.create(&roles, "ncclCommInitRankConfig", |i, role| {
+                ffi::comm_init(world, &ids[i], rank, role.cta_policy)
+            })?;
+            let seat = Seat { rank, world, ctx };
+            b.assemble(seat, comms, 1, Arc::new(exchange))
+        };
+        let one_rank = &one_rank;
+        let ranks = contexts.into_iter().zip(LocalExchange::group(world));
+        std::thread::scope(|s| {
+            let threads: Vec<_> = (ranks.enumerate())
+                .map(|(rank, (ctx, exchange))| s.spawn(move || one_rank(rank, ctx, exchange)))
+                .collect();
+            let panicked = || Error::Internal {
+                what: "a rank's initialisation thread panicked".into(),
+            };
+            (threads.into_iter())
+                .map(|t| t.join().map_err(|_| panicked()).and_then(|made| made))
+                .collect()
+        })
+    }
+
+    /// Adopt communicators as they are (tests, interop): each with its role and the CTA
+    /// policy it was created with, in the order segments are to be registered; every
+    /// rank passes the same list. The backend never destroys or aborts them.
+    ///
+    /// Deadlines apply only to non-blocking communicators: a call on a **blocking** one
+    /// (NCCL's default) waits as long as NCCL does, possibly forever, and a watchdog
+    /// expiry marks the backend broken without ending the stuck collective. Prefer
+    /// [`adopt`](Self::adopt), which splits non-blocking communicators off a runtime's.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point (one exchange round, then
+    /// [`Backend::new`]).
+    ///
+    /// # Safety
+    /// - every handle is a live `ncclComm_t` of the NCCL this crate loaded, on CUDA
+    ///   device `device`, and all have the same rank and size;
+    /// - it stays live until this backend is dropped;
+    /// - while this backend exists, nothing else calls NCCL on these communicators
+    ///   concurrently with it (NCCL communicators are not thread-safe);
+    /// - a communicator listed with role `CopyEngine` was created with
+    ///   `CTAPolicy = NCCL_CTA_POLICY_ZERO` (else the reported path is wrong).
+    ///
+    /// # Errors
+    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`], [`Error::InvalidConfig`]
+    /// for no communicators, or one that disagrees with the exchange on rank or size,
+    /// or is not on `device`; the exchange's errors.
+    pub unsafe fn from_raw(
+        device: usize,
+        comms: Vec<(ncclComm_t, CommRole, i32)>,
+        exchange: Arc<dyn Exchange>,
+        config: NcclConfig,
+    ) -> Result<Backend> {
+        let b = Builder::new(config)?;
+        let ctx = context(device)?;
+        let mut rank_world = None;
+        let mut adopted = Vec::with_capacity(comms.len());
+        for (raw, role, policy) in comms {
+            let raw = RawComm(raw);
+            // SAFETY: the caller guarantees a live communicator nobody else uses now.
+            let found = unsafe { ffi::comm_rank_size_device(raw) }?;
+            rank_world = Some(same_rank(found, device, exchange.as_ref())?);
+            let info = CommInfo {
+                role,
+                cta_policy: effective_policy(policy),
+                registers: role != CommRole::Plain,
+            };
+            adopted.push((info, Comm::new(raw, false)));
+        }
+        let Some((rank, world)) = rank_world else {
+            return Err(Error::InvalidConfig("no communicators".into()));
+        };
+        let agreed = b.agree(exchange.as_ref(), &[])?;
+        let seat = Seat { rank, world, ctx };
+        b.assemble(seat, adopted, agreed.nodes, exchange)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_follow_version_and_config() {
+        let c = NcclConfig::default();
+        assert_eq!(
+            roles_for(NcclVersion::new(2, 28, 3), &c),
+            CommInfo::STANDARD.to_vec()
+        );
+        assert_eq!(
+            roles_for(NcclVersion::new(2, 27, 7), &c),
+            vec![CommInfo::SYMMETRIC, CommInfo::PLAIN]
+        );
+        assert_eq!(
+            roles_for(
+                NcclVersion::new(2, 29, 0),
+                &c.with_communicators(false, false)
+            ),
+            vec![CommInfo::SYMMETRIC]
+        );
+        assert_eq!(version_code(NcclVersion::new(2, 28, 9)), 22809);
+        assert_eq!(
+            NcclVersion::from_code(version_code(NcclVersion::new(2, 30, 3))),
+            NcclVersion::new(2, 30, 3)
+        );
+    }
+
+    #[test]
+    fn same_rank_checks_the_exchange_and_the_device() {
+        let ex = LocalExchange::group(2).remove(1);
+        assert_eq!(same_rank((1, 2, 3), 3, &ex).unwrap(), (1, 2));
+        for wrong in [(0, 2, 3), (1, 4, 3), (1, 2, 0)] {
+            assert!(matches!(
+                same_rank(wrong, 3, &ex),
+                Err(Error::InvalidConfig(_))
+            ));
+        }
+    }
+}

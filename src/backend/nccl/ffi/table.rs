@@ -1,0 +1,322 @@
+//! Finding NCCL and its function table.
+//!
+//! The rule is "cudarc for everything, own FFI only where cudarc lacks it". cudarc
+//! (0.19) binds NCCL through a private `OnceLock<libloading::Library>` that tries
+//! `libnccl.so`, `libnccl.so.<cuda major>`, ... but never `libnccl.so.2`, and has no
+//! public way to choose the library. Inside a PyTorch process that is wrong in a way
+//! no caller can fix: PyTorch has already loaded its own NCCL (`libnccl.so.2`, e.g. 2.28.9
+//! from the `nvidia-nccl` wheel), while `dlopen("libnccl.so")` maps the system's NCCL
+//! (e.g. 2.28.3) as a *second copy*; handing PyTorch's communicator to the second copy
+//! is undefined behaviour. So NCCL is the one library this crate loads with its own
+//! symbol table ([`Syms`], the one place a replacement NCCL would plug in), by [`candidates`]:
+//!
+//! 1. `$SYMMPOOL_NCCL_LIBRARY`, when set (a path or file name, loaded as given);
+//! 2. `libnccl.so.2` **already loaded** in the process (`RTLD_NOLOAD`): PyTorch's, or
+//!    any other runtime's, so every communicator lives in one copy of NCCL;
+//! 3. `libnccl.so.2` from the loader path (what pip wheels and distribution packages
+//!    ship);
+//! 4. `libnccl.so` (a development install's symlink).
+//!
+//! Only cudarc's NCCL *types* (`cudarc::nccl::sys`: the config struct, the unique id,
+//! the handles, the data-type and operation enums) are used; no cudarc NCCL function
+//! is called. The CUDA driver stays with cudarc. NCCL's return values are read as C
+//! `int`s, never as cudarc's `ncclResult_t` enum, so a code that a newer NCCL adds
+//! cannot be an invalid enum value.
+
+use super::{SUCCESS, driver_present, sys};
+use crate::error::{Error, NcclVersion, Result};
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::OnceLock;
+
+/// The variable that names the NCCL library to load, before the defaults.
+pub(crate) const LIBRARY_VAR: &str = "SYMMPOOL_NCCL_LIBRARY";
+
+/// One way of finding the NCCL library, in the order [`candidates`] lists them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Candidate {
+    /// `dlopen(name, RTLD_NOLOAD | RTLD_NOW)`: only a copy the process already has.
+    AlreadyLoaded(&'static str),
+    /// `dlopen(name, RTLD_NOW | RTLD_LOCAL)`: from the loader path (or a path).
+    Load(String),
+}
+
+/// Where to look for NCCL, first to last (a pure function of the override variable).
+pub(crate) fn candidates(override_name: Option<&str>) -> Vec<Candidate> {
+    let mut list = Vec::with_capacity(4);
+    if let Some(name) = override_name.map(str::trim).filter(|n| !n.is_empty()) {
+        list.push(Candidate::Load(name.to_string()));
+    }
+    list.push(Candidate::AlreadyLoaded("libnccl.so.2"));
+    list.push(Candidate::Load("libnccl.so.2".into()));
+    list.push(Candidate::Load("libnccl.so".into()));
+    list
+}
+
+type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
+type GetUniqueIdFn = unsafe extern "C" fn(*mut sys::ncclUniqueId) -> c_int;
+type InitRankConfigFn = unsafe extern "C" fn(
+    *mut sys::ncclComm_t,
+    c_int,
+    sys::ncclUniqueId,
+    c_int,
+    *mut sys::ncclConfig_t,
+) -> c_int;
+type SplitFn = unsafe extern "C" fn(
+    sys::ncclComm_t,
+    c_int,
+    c_int,
+    *mut sys::ncclComm_t,
+    *mut sys::ncclConfig_t,
+) -> c_int;
+type CommFn = unsafe extern "C" fn(sys::ncclComm_t) -> c_int;
+type CommIntFn = unsafe extern "C" fn(sys::ncclComm_t, *mut c_int) -> c_int;
+type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
+type LastErrorFn = unsafe extern "C" fn(sys::ncclComm_t) -> *const c_char;
+type MemAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+type MemFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type WindowRegisterFn = unsafe extern "C" fn(
+    sys::ncclComm_t,
+    *mut c_void,
+    usize,
+    *mut sys::ncclWindow_t,
+    c_int,
+) -> c_int;
+type WindowDeregisterFn = unsafe extern "C" fn(sys::ncclComm_t, sys::ncclWindow_t) -> c_int;
+type AllGatherFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    sys::ncclDataType_t,
+    sys::ncclComm_t,
+    sys::cudaStream_t,
+) -> c_int;
+type ReduceScatterFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    sys::ncclDataType_t,
+    sys::ncclRedOp_t,
+    sys::ncclComm_t,
+    sys::cudaStream_t,
+) -> c_int;
+
+/// NCCL's functions, resolved once from the library [`candidates`] found.
+pub(super) struct Syms {
+    pub(super) get_unique_id: GetUniqueIdFn,
+    pub(super) init_rank_config: InitRankConfigFn,
+    pub(super) split: SplitFn,
+    pub(super) abort: CommFn,
+    pub(super) get_async_error: CommIntFn,
+    pub(super) count: CommIntFn,
+    pub(super) user_rank: CommIntFn,
+    pub(super) cu_device: CommIntFn,
+    pub(super) error_string: ErrorStringFn,
+    pub(super) last_error: LastErrorFn,
+    pub(super) mem_alloc: MemAllocFn,
+    pub(super) mem_free: MemFreeFn,
+    pub(super) window_register: WindowRegisterFn,
+    pub(super) window_deregister: WindowDeregisterFn,
+    pub(super) all_gather: AllGatherFn,
+    pub(super) reduce_scatter: ReduceScatterFn,
+}
+
+/// What loading found: the version, and the functions when all of them resolved.
+struct Loaded {
+    version: NcclVersion,
+    syms: Option<Syms>,
+}
+
+/// A copied-out function pointer of `lib`, or the missing symbol's name.
+///
+/// # Safety
+/// `T` is the exact C signature of `name` in the loaded NCCL, and `lib` is never
+/// unloaded (it is leaked by [`loaded`]).
+unsafe fn sym<T: Copy>(
+    lib: &libloading::os::unix::Library,
+    name: &'static str,
+) -> Result<T, &'static str> {
+    // SAFETY: the caller guarantees the signature and that the library stays loaded,
+    // so the copied pointer stays valid.
+    unsafe { lib.get::<T>(name.as_bytes()) }
+        .map(|s| *s)
+        .map_err(|_| name)
+}
+
+/// A symbol of the leaked NCCL library, typed as the field it initialises.
+macro_rules! resolve {
+    ($lib:expr, $name:literal) => {{
+        // SAFETY: every field of `Syms` has the C signature of its function in nccl.h
+        // 2.27 and 2.28 (`ncclResult_t` read as `int`), and the library is leaked.
+        unsafe { sym($lib, $name) }?
+    }};
+}
+
+fn open(candidate: &Candidate) -> Option<libloading::os::unix::Library> {
+    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    let result = match candidate {
+        // SAFETY: RTLD_NOLOAD maps nothing new: it returns a handle to a library that is
+        // already loaded (its initialisers have run) or fails.
+        Candidate::AlreadyLoaded(name) => unsafe {
+            Library::open(Some(*name), libc::RTLD_NOLOAD | RTLD_NOW)
+        },
+        // SAFETY: loading NCCL runs its initialisers, which have no preconditions; it is
+        // never unloaded (leaked below), so its finalisers never run under us.
+        Candidate::Load(name) => unsafe {
+            Library::open(Some(name.as_str()), RTLD_NOW | RTLD_LOCAL)
+        },
+    };
+    match result {
+        Ok(lib) => Some(lib),
+        Err(e) => {
+            tracing::debug!("symmpool: NCCL candidate {candidate:?}: {e}");
+            None
+        }
+    }
+}
+
+fn loaded() -> Option<&'static Loaded> {
+    static LOADED: OnceLock<Option<Loaded>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let requested = std::env::var(LIBRARY_VAR).ok();
+            let (candidate, lib) = candidates(requested.as_deref())
+                .into_iter()
+                .find_map(|c| open(&c).map(|lib| (c, lib)))?;
+            // Never unloaded: function pointers into it are kept for the process.
+            let lib: &'static libloading::os::unix::Library = Box::leak(Box::new(lib));
+            // SAFETY: `ncclGetVersion(int*)` has this signature in every NCCL 2.x.
+            let get_version = unsafe { sym::<GetVersionFn>(lib, "ncclGetVersion") }.ok()?;
+            let mut code: c_int = 0;
+            // SAFETY: a valid out-pointer; ncclGetVersion has no other precondition.
+            if unsafe { get_version(&mut code) } != SUCCESS {
+                return None;
+            }
+            let version = NcclVersion::from_code(code);
+            tracing::info!("symmpool: NCCL {version} from {candidate:?}");
+            let syms = (|| -> Result<Syms, &'static str> {
+                Ok(Syms {
+                    get_unique_id: resolve!(lib, "ncclGetUniqueId"),
+                    init_rank_config: resolve!(lib, "ncclCommInitRankConfig"),
+                    split: resolve!(lib, "ncclCommSplit"),
+                    abort: resolve!(lib, "ncclCommAbort"),
+                    get_async_error: resolve!(lib, "ncclCommGetAsyncError"),
+                    count: resolve!(lib, "ncclCommCount"),
+                    user_rank: resolve!(lib, "ncclCommUserRank"),
+                    cu_device: resolve!(lib, "ncclCommCuDevice"),
+                    error_string: resolve!(lib, "ncclGetErrorString"),
+                    last_error: resolve!(lib, "ncclGetLastError"),
+                    mem_alloc: resolve!(lib, "ncclMemAlloc"),
+                    mem_free: resolve!(lib, "ncclMemFree"),
+                    window_register: resolve!(lib, "ncclCommWindowRegister"),
+                    window_deregister: resolve!(lib, "ncclCommWindowDeregister"),
+                    all_gather: resolve!(lib, "ncclAllGather"),
+                    reduce_scatter: resolve!(lib, "ncclReduceScatter"),
+                })
+            })();
+            let syms = match syms {
+                Ok(s) => Some(s),
+                Err(missing) => {
+                    tracing::warn!("symmpool: NCCL {version} lacks {missing}");
+                    None
+                }
+            };
+            Some(Loaded { version, syms })
+        })
+        .as_ref()
+}
+
+const NO_NCCL: Error = Error::LibraryUnavailable {
+    library: "libnccl",
+    hint: "install NCCL >= 2.27 so that libnccl.so.2 (or libnccl.so) is on the loader path, or name it in SYMMPOOL_NCCL_LIBRARY",
+};
+
+/// The resolved functions, or why there are none.
+pub(super) fn api() -> Result<&'static Syms> {
+    let l = loaded().ok_or(NO_NCCL)?;
+    l.syms.as_ref().ok_or(if l.version < NcclVersion::WINDOWS {
+        Error::NcclTooOld {
+            found: l.version,
+            required: NcclVersion::WINDOWS,
+            feature: "symmetric windows",
+        }
+    } else {
+        Error::LibraryUnavailable {
+            library: "libnccl",
+            hint: "the NCCL found lacks a function symmpool needs (the log names it)",
+        }
+    })
+}
+
+/// Load NCCL (see the module documentation) and read its version; checks the CUDA
+/// driver first.
+///
+/// # Errors
+/// [`Error::LibraryUnavailable`] if either library cannot be loaded.
+pub(crate) fn load() -> Result<NcclVersion> {
+    if !driver_present() {
+        return Err(Error::LibraryUnavailable {
+            library: "libcuda (CUDA driver)",
+            hint: "no NVIDIA driver on this machine; use the host backend",
+        });
+    }
+    loaded().map(|l| l.version).ok_or(NO_NCCL)
+}
+
+/// Refuse versions older than `required` for `feature`.
+///
+/// # Errors
+/// [`Error::NcclTooOld`].
+pub(crate) fn require(
+    found: NcclVersion,
+    required: NcclVersion,
+    feature: &'static str,
+) -> Result<()> {
+    if found < required {
+        return Err(Error::NcclTooOld {
+            found,
+            required,
+            feature,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loader_prefers_an_already_loaded_libnccl_so_2() {
+        assert_eq!(
+            candidates(None),
+            vec![
+                Candidate::AlreadyLoaded("libnccl.so.2"),
+                Candidate::Load("libnccl.so.2".into()),
+                Candidate::Load("libnccl.so".into()),
+            ]
+        );
+        assert_eq!(candidates(Some("  ")), candidates(None));
+        let with = candidates(Some("/opt/nccl/lib/libnccl.so.2"));
+        assert_eq!(
+            with[0],
+            Candidate::Load("/opt/nccl/lib/libnccl.so.2".into())
+        );
+        assert_eq!(with[1..], candidates(None)[..]);
+    }
+
+    #[test]
+    fn version_gate() {
+        let old = NcclVersion::new(2, 26, 5);
+        match require(old, NcclVersion::WINDOWS, "symmetric windows") {
+            Err(Error::NcclTooOld {
+                found, required, ..
+            }) => {
+                assert_eq!((found, required), (old, NcclVersion::new(2, 27, 0)));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(require(NcclVersion::new(2, 28, 3), NcclVersion::COPY_ENGINE, "ce").is_ok());
+        assert_eq!(NcclVersion::from_code(22803), NcclVersion::new(2, 28, 3));
+        assert_eq!(NcclVersion::from_code(2708), NcclVersion::new(2, 7, 8));
+    }
+}

@@ -1,0 +1,297 @@
+//! Streams, fences and events on the NCCL backend: [`Stream`]'s CUDA constructors
+//! and accessors, fences as CUDA events, drains, and the copies and timing that wait
+//! on a stream.
+
+use super::health::poll_until;
+use super::{CUstream, NcclBackend, ffi};
+use crate::backend::{DataMover, Region, StreamOps};
+use crate::core::{Fence, StreamId};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use crate::{Backend, Deadline};
+use cudarc::driver::{CudaEvent, CudaStream};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What [`Stream`] carries on the NCCL backend, and how `Debug` names it.
+const KIND: &str = "cuda";
+
+/// A stream of the NCCL backend: a cudarc `CudaStream`. Two `Stream`s made with
+/// [`Stream::cuda`] from the same CUDA stream have different ids, which only costs a
+/// redundant device-side wait; [`Stream::from_raw_cuda`] gives one id per raw handle.
+impl Stream {
+    /// Wrap a cudarc stream (for the NCCL backend). Use non-blocking streams: NCCL
+    /// 2.28's copy-engine collectives fail on the legacy NULL stream.
+    pub fn cuda(stream: Arc<CudaStream>) -> Self {
+        Stream::on_device(KIND, stream)
+    }
+
+    /// The stream of a runtime without cudarc, by its raw `CUstream` (for example
+    /// PyTorch's `torch.cuda.current_stream().cuda_stream`), on an NCCL backend. The same
+    /// handle always gives the same stream, with the same [`id`](Self::id), so there are
+    /// no spurious cross-stream waits. See [`NcclBackend::stream_from_raw`].
+    ///
+    /// # Safety
+    /// `cu_stream` is a live stream of `backend`'s device, in its primary context, and
+    /// stays alive until the backend is dropped.
+    ///
+    /// # Errors
+    /// [`Error::WrongStream`] for a backend that is not an NCCL backend; the errors of
+    /// [`NcclBackend::stream_from_raw`].
+    pub unsafe fn from_raw_cuda(backend: &Backend, cu_stream: CUstream) -> Result<Self> {
+        let nccl = backend
+            .downcast_ref::<NcclBackend>()
+            .ok_or(Error::WrongStream)?;
+        // SAFETY: the caller's contract is the one of `stream_from_raw`.
+        unsafe { nccl.stream_from_raw(cu_stream) }
+    }
+
+    /// The raw `CUstream` handle, if this is a CUDA stream (for a runtime that enqueues
+    /// its own work on it).
+    pub fn raw_cuda(&self) -> Option<CUstream> {
+        self.cuda_stream().map(|s| s.cu_stream())
+    }
+
+    /// The wrapped cudarc stream, if this is a CUDA stream.
+    pub fn cuda_stream(&self) -> Option<&Arc<CudaStream>> {
+        self.device::<Arc<CudaStream>>()
+    }
+}
+
+/// Fences as CUDA events, garbage-collected once known complete; and the streams
+/// that have recorded any, for draining.
+#[derive(Default)]
+pub(super) struct FenceTable {
+    next: BTreeMap<StreamId, u64>,
+    events: BTreeMap<(StreamId, u64), CudaEvent>,
+    /// Largest fence known complete, per stream: waits on it or earlier are skipped.
+    done: BTreeMap<StreamId, u64>,
+    streams: BTreeMap<StreamId, Arc<CudaStream>>,
+    spare: Vec<CudaEvent>,
+}
+
+impl FenceTable {
+    /// Forget every event (at drop).
+    pub(super) fn clear(&mut self) {
+        self.events.clear();
+    }
+
+    /// After fence `done` of stream `sid` was seen complete: recycle its events and
+    /// every earlier one, and remember it.
+    fn collect(&mut self, sid: StreamId, done: u64) {
+        let keep = self.events.split_off(&(sid, done + 1));
+        let old = std::mem::replace(&mut self.events, keep);
+        for ((s, f), e) in old {
+            if s == sid {
+                self.spare.push(e);
+            } else {
+                self.events.insert((s, f), e);
+            }
+        }
+        let w = self.done.entry(sid).or_insert(0);
+        *w = (*w).max(done);
+    }
+
+    /// The newest fence of `sid` whose event is complete.
+    fn newest_complete(&self, sid: StreamId) -> Option<u64> {
+        (self.events.range((sid, 0)..=(sid, u64::MAX)).rev())
+            .find(|(_, e)| e.is_complete())
+            .map(|(k, _)| k.1)
+    }
+}
+
+/// Events kept per stream before completed ones are collected.
+const FENCES_PER_STREAM: usize = 64;
+
+/// Poll `events` until all are complete (`true`) or `deadline` passes (`false`).
+/// Never blocks in the driver: a peer stuck in a collective would hold a blocking
+/// synchronise forever.
+fn all_complete(events: &[CudaEvent], deadline: Deadline) -> bool {
+    poll_until(deadline, || {
+        events.iter().all(CudaEvent::is_complete).then_some(())
+    })
+    .is_some()
+}
+
+impl NcclBackend {
+    /// A new non-blocking cudarc stream on this rank's device.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn cuda_stream(&self) -> Result<Arc<CudaStream>> {
+        self.shared
+            .ctx
+            .new_stream()
+            .map_err(ffi::cuda("cuStreamCreate"))
+    }
+
+    /// A [`Stream`] for a runtime's own CUDA stream (for example PyTorch's
+    /// `torch.cuda.current_stream().cuda_stream`), for runtimes without cudarc. The same
+    /// raw handle always gives the same stream (the same [`StreamId`]), so buffers
+    /// allocated through different calls on one raw stream never wait on each other.
+    ///
+    /// Prefer non-blocking streams: NCCL 2.28's copy-engine collectives fail on the
+    /// legacy default stream (handle 0).
+    ///
+    /// # Safety
+    /// `cu_stream` is a live stream of this backend's device, in its primary context
+    /// (the one PyTorch and cudarc use), and it stays alive until this backend is
+    /// dropped (its handle must not be destroyed and reused for another stream while
+    /// the backend may still see it).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if the stream belongs to another context; [`Error::Cuda`];
+    /// the backend's error once it is broken.
+    pub unsafe fn stream_from_raw(&self, cu_stream: CUstream) -> Result<Stream> {
+        self.shared.health.check()?;
+        let mut streams = self.raw_streams.lock();
+        if let Some(s) = streams.get(&(cu_stream as usize)) {
+            return Ok(s.clone());
+        }
+        self.bind()?;
+        // SAFETY: the caller guarantees a live stream handle.
+        let ctx = unsafe { ffi::stream_context(cu_stream) }?;
+        if ctx != self.shared.ctx.cu_ctx() {
+            return Err(Error::InvalidConfig(format!(
+                "the stream belongs to another CUDA context than the primary context of device {}",
+                self.device()
+            )));
+        }
+        // SAFETY: the stream belongs to this context (checked above) and the caller keeps
+        // it alive as long as this backend, which holds every wrapper it hands out.
+        let wrapped = unsafe { self.shared.ctx.wrap_borrowed_stream(cu_stream) };
+        let stream = Stream::cuda(wrapped);
+        streams.insert(cu_stream as usize, stream.clone());
+        Ok(stream)
+    }
+
+    /// The cudarc stream of `stream`, or [`Error::WrongStream`] for a host stream.
+    pub(super) fn cuda_of<'s>(&self, stream: &'s Stream) -> Result<&'s Arc<CudaStream>> {
+        stream.cuda_stream().ok_or(Error::WrongStream)
+    }
+
+    /// The cudarc stream of `stream`, once the work enqueued on it so far is done
+    /// (this rank's device bound). Polls, and fails with [`Error::Timeout`] naming `op`
+    /// after [`NcclConfig::call_timeout`](super::NcclConfig::call_timeout): a stream
+    /// stuck behind a collective whose peer died must not hold the caller forever.
+    fn idle<'s>(&self, stream: &'s Stream, op: &'static str) -> Result<&'s Arc<CudaStream>> {
+        let cs = self.cuda_of(stream)?;
+        self.bind()?;
+        let started = Instant::now();
+        let event = cs.record_event(None).map_err(ffi::cuda("cuEventRecord"))?;
+        if all_complete(&[event], self.shared.call_deadline()) {
+            return Ok(cs);
+        }
+        Err(Error::Timeout {
+            op,
+            waited: started.elapsed(),
+            missing_ranks: Vec::new(),
+        })
+    }
+}
+
+impl StreamOps for NcclBackend {
+    fn new_stream(&self) -> Result<Stream> {
+        self.shared.health.check()?;
+        Ok(Stream::cuda(self.cuda_stream()?))
+    }
+
+    fn record_fence(&self, stream: &Stream) -> Result<Fence> {
+        let cs = self.cuda_of(stream)?;
+        let mut t = self.fences.lock();
+        let event = match t.spare.pop() {
+            Some(e) => e,
+            None => self
+                .shared
+                .ctx
+                .new_event(None)
+                .map_err(ffi::cuda("cuEventCreate"))?,
+        };
+        event.record(cs).map_err(ffi::cuda("cuEventRecord"))?;
+        let sid = stream.id();
+        t.streams.entry(sid).or_insert_with(|| cs.clone());
+        let next = t.next.entry(sid).or_insert(0);
+        *next += 1;
+        let fence = *next;
+        t.events.insert((sid, fence), event);
+        // Collect this stream's completed events once there are many: completion of
+        // fence k means every earlier fence on the stream is complete too.
+        let range = (sid, 0)..=(sid, u64::MAX);
+        if t.events.range(range).count() > FENCES_PER_STREAM
+            && let Some(done) = t.newest_complete(sid)
+        {
+            t.collect(sid, done);
+        }
+        Ok(Fence(fence))
+    }
+
+    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()> {
+        let cs = self.cuda_of(stream)?;
+        let t = self.fences.lock();
+        if t.done.get(&on).is_some_and(|&d| fence.0 <= d) {
+            return Ok(());
+        }
+        match t.events.get(&(on, fence.0)) {
+            Some(e) => cs.wait(e).map_err(ffi::cuda("cuStreamWaitEvent")),
+            // Only collected events are missing, and those are complete.
+            None => Ok(()),
+        }
+    }
+
+    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
+        let t = self.fences.lock();
+        let collected = t.done.get(&stream).copied();
+        Ok(t.newest_complete(stream).max(collected).map(Fence))
+    }
+
+    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
+        let cs = self.cuda_of(stream)?;
+        self.bind()?;
+        ffi::is_capturing(cs)
+    }
+
+    fn drain(&self, deadline: Instant) -> Result<bool> {
+        self.bind()?;
+        // One event after everything enqueued so far on every stream that fenced.
+        let streams: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
+        let events = streams
+            .iter()
+            .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))
+            .collect::<Result<Vec<CudaEvent>>>()?;
+        let deadline = Deadline::after(deadline.saturating_duration_since(Instant::now()));
+        Ok(all_complete(&events, deadline))
+    }
+}
+
+impl DataMover for NcclBackend {
+    fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()> {
+        let dst = Self::ptr(&region.sub(0, data.len() as u64)?)?;
+        let cs = self.idle(stream, "writing to a buffer (its stream is busy)")?;
+        // SAFETY: `dst..dst+len` lies inside a live segment of this device (the region
+        // is checked against its segment, which the caller's buffer keeps alive); the
+        // stream is idle, so the copy waits for nothing but itself.
+        unsafe { ffi::copy_to_device(dst, data, cs) }
+    }
+
+    fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()> {
+        let src = Self::ptr(&region.sub(0, out.len() as u64)?)?;
+        let cs = self.idle(stream, "reading a buffer (its stream is busy)")?;
+        // SAFETY: as in `write`.
+        unsafe { ffi::copy_to_host(src, out, cs) }
+    }
+
+    fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        let cs = self.cuda_of(stream)?;
+        self.bind()?;
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = cs.record_event(timed).map_err(ffi::cuda("cuEventRecord"))?;
+        f()?;
+        let end = cs.record_event(timed).map_err(ffi::cuda("cuEventRecord"))?;
+        self.idle(stream, "timing device work")?;
+        start
+            .elapsed_ms(&end)
+            .map(f64::from)
+            .map_err(ffi::cuda("cuEventElapsedTime"))
+    }
+}
