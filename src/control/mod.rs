@@ -41,6 +41,7 @@
 //! this scale.
 
 mod client;
+mod config;
 mod env;
 mod kv;
 mod local;
@@ -51,7 +52,8 @@ use crate::error::{Error, Result};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-pub use client::{StoreConfig, StoreExchange};
+pub use client::StoreExchange;
+pub use config::StoreConfig;
 pub use env::{Launch, LaunchSource};
 pub use kv::{KvConfig, KvExchange, KvStore};
 pub use local::LocalExchange;

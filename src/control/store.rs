@@ -10,7 +10,7 @@
 //! by that thread, in parallel with the others; to the rest by the thread of the last
 //! rank to contribute.
 
-use super::client::StoreConfig;
+use super::config::StoreConfig;
 use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
     ToClient, ToServer,
