@@ -6,14 +6,16 @@ use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
     ToClient, ToServer,
 };
-use super::{ChannelId, Exchange, deadline_after, open_channel_with};
+use super::{ChannelId, Exchange, Rounds};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -37,8 +39,7 @@ pub struct StoreExchange {
     shared: Arc<ClientShared>,
     reader: Option<JoinHandle<()>>,
     server: Option<StoreServer>,
-    rounds: Mutex<HashMap<ChannelId, u64>>,
-    channels: Mutex<u64>,
+    rounds: Rounds,
     ops: Mutex<Vec<&'static str>>,
     max_payload_bytes: usize,
     linger: Duration,
@@ -129,7 +130,7 @@ impl fmt::Debug for StoreExchange {
 
 impl ClientShared {
     fn inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+        self.inbox.lock()
     }
 
     fn server_lost(&self, detail: String) {
@@ -138,7 +139,7 @@ impl ClientShared {
     }
 
     fn send(&self, frame: &[u8]) -> std::io::Result<()> {
-        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.writer.lock();
         wire::send(&mut *w, frame)
     }
 
@@ -158,7 +159,7 @@ impl ClientShared {
         inbox.read_timeout = limit;
         drop(inbox);
         let got = {
-            let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+            let mut reader = self.reader.lock();
             let before = reader.bytes_read();
             let got = match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
                 Ok(()) => match reader.spin_frame(spin) {
@@ -233,7 +234,7 @@ impl ClientShared {
     /// else is.
     fn wait_until(
         &self,
-        deadline: Instant,
+        deadline: Deadline,
         mut done: impl FnMut(&mut Inbox) -> bool,
     ) -> MutexGuard<'_, Inbox> {
         let mut inbox = self.inbox();
@@ -241,11 +242,10 @@ impl ClientShared {
             if done(&mut inbox) {
                 return inbox;
             }
-            let now = Instant::now();
-            if now >= deadline {
+            let left = deadline.remaining();
+            if left.is_zero() {
                 return inbox;
             }
-            let left = deadline - now;
             if !inbox.reader_busy && !inbox.reader_done {
                 // The blocking read waits only for what polling leaves of `left`, so
                 // the deadline is overshot by at most the socket timeout's floor of
@@ -253,11 +253,7 @@ impl ClientShared {
                 let spin = self.spin.min(left);
                 inbox = self.read_once(inbox, spin, (left - spin).min(self.heartbeat_interval));
             } else {
-                inbox = self
-                    .cv
-                    .wait_timeout(inbox, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+                self.cv.wait_for(&mut inbox, left);
             }
         }
     }
@@ -304,16 +300,10 @@ fn background_loop(shared: &ClientShared) {
         if !inbox.reader_busy && unattended {
             inbox = shared.read_once(inbox, Duration::ZERO, until_heartbeat);
         } else {
-            inbox = shared
-                .bg_cv
-                .wait_timeout(
-                    inbox,
-                    until_heartbeat
-                        .min(interval / 2)
-                        .max(Duration::from_millis(1)),
-                )
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            let nap = until_heartbeat
+                .min(interval / 2)
+                .max(Duration::from_millis(1));
+            shared.bg_cv.wait_for(&mut inbox, nap);
         }
     }
 }
@@ -372,7 +362,7 @@ impl StoreExchange {
 
     fn start(config: StoreConfig, server: Option<StoreServer>) -> Result<StoreExchange> {
         let started = Instant::now();
-        let deadline = deadline_after(started, config.startup_timeout);
+        let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;
         let targets: Vec<String> = match &server {
             Some(s) => {
@@ -416,7 +406,7 @@ impl StoreExchange {
             .try_clone()
             .map_err(transport("store handshake", target.clone()))?;
         let mut reader = FrameReader::new(read_half, MAX_HANDSHAKE_FRAME_BYTES);
-        let hs_deadline = deadline.min(Instant::now() + config.handshake_timeout);
+        let hs_deadline = deadline.cap(config.handshake_timeout);
         let proto = |detail: String| Error::Protocol {
             op: "store handshake",
             detail,
@@ -469,8 +459,7 @@ impl StoreExchange {
             shared,
             reader: Some(handle),
             server,
-            rounds: Mutex::new(HashMap::new()),
-            channels: Mutex::new(0),
+            rounds: Rounds::default(),
             ops: Mutex::new(vec!["store start-up", "open_channel"]),
             max_payload_bytes: config.max_payload_bytes(),
             linger: config.linger,
@@ -506,7 +495,7 @@ impl StoreExchange {
     /// A static name for a remote op name, when this rank has used the same one (all
     /// ranks run the same program, so it almost always has).
     fn intern(&self, op: &str) -> &'static str {
-        let ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let ops = self.ops.lock();
         ops.iter()
             .copied()
             .find(|o| *o == op)
@@ -514,7 +503,7 @@ impl StoreExchange {
     }
 
     fn remember(&self, op: &'static str) {
-        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ops = self.ops.lock();
         if !ops.contains(&op) {
             ops.push(op);
         }
@@ -536,7 +525,7 @@ impl StoreExchange {
 }
 
 /// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`.
-fn connect_retrying(target: &str, deadline: Instant, startup: Duration) -> Result<TcpStream> {
+fn connect_retrying(target: &str, deadline: Deadline, startup: Duration) -> Result<TcpStream> {
     let mut delay = Duration::from_millis(20);
     loop {
         let err = match target.to_socket_addrs() {
@@ -547,7 +536,7 @@ fn connect_retrying(target: &str, deadline: Instant, startup: Duration) -> Resul
                 );
                 let mut got = None;
                 for a in addrs {
-                    let left = deadline.saturating_duration_since(Instant::now());
+                    let left = deadline.remaining();
                     let limit = left.clamp(Duration::from_millis(1), Duration::from_secs(10));
                     match TcpStream::connect_timeout(&a, limit) {
                         Ok(s) => {
@@ -564,7 +553,7 @@ fn connect_retrying(target: &str, deadline: Instant, startup: Duration) -> Resul
             }
             Err(e) => e,
         };
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.remaining();
         if left.is_zero() {
             return Err(Error::Transport {
                 op: "connecting to the store",
@@ -588,13 +577,14 @@ impl Exchange for StoreExchange {
         self.world
     }
 
-    fn all_gather(
+    fn all_gather_until(
         &self,
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
-        timeout: Duration,
+        deadline: Deadline,
     ) -> Result<Vec<Vec<u8>>> {
+        let started = Instant::now();
         if payload.len() > self.max_payload_bytes {
             return Err(Error::PayloadTooLarge {
                 payload_bytes: payload.len(),
@@ -602,16 +592,10 @@ impl Exchange for StoreExchange {
             });
         }
         self.remember(op);
-        let deadline = deadline_after(Instant::now(), timeout);
         if let Some(b) = &self.shared.inbox().broken {
             return Err(self.error_for(b, op));
         }
-        let round = {
-            let mut rounds = self.rounds.lock().unwrap_or_else(|p| p.into_inner());
-            let r = rounds.entry(channel).or_insert(0);
-            *r += 1;
-            *r
-        };
+        let round = self.rounds.next(channel);
         let key = (channel.ordinal(), round);
         let wire_op: String = op.chars().take(200).collect();
         let frame = wire::encode(&ToServer::Contribute {
@@ -644,14 +628,14 @@ impl Exchange for StoreExchange {
             op: wire_op,
         }));
         let answer_by =
-            Instant::now() + self.shared.heartbeat_timeout + self.shared.heartbeat_interval;
+            Deadline::after(self.shared.heartbeat_timeout + self.shared.heartbeat_interval);
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
         if let Some(b) = inbox.broken.clone() {
             return Err(match b.cause {
                 Cause::Timeout { missing } if b.rank as usize == self.rank => Error::Timeout {
                     op,
-                    waited: timeout,
+                    waited: started.elapsed(),
                     missing_ranks: missing.into_iter().map(|r| r as usize).collect(),
                 },
                 _ => self.error_for(&b, op),
@@ -668,13 +652,13 @@ impl Exchange for StoreExchange {
         self.shared.cv.notify_all();
         Err(Error::Timeout {
             op,
-            waited: timeout,
+            waited: started.elapsed(),
             missing_ranks: Vec::new(),
         })
     }
 
-    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
-        open_channel_with(self, &self.channels, name, timeout)
+    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
+        self.rounds.open(self, name, deadline)
     }
 }
 
@@ -685,7 +669,7 @@ impl Drop for StoreExchange {
         self.shared.bg_cv.notify_all();
         let _ = self.shared.send(&wire::encode(&ToServer::Bye));
         {
-            let w = self.shared.writer.lock().unwrap_or_else(|p| p.into_inner());
+            let w = self.shared.writer.lock();
             let _ = w.shutdown(Shutdown::Write);
         }
         if let Some(h) = self.reader.take() {

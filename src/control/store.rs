@@ -15,13 +15,15 @@ use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
     ToClient, ToServer,
 };
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -119,14 +121,10 @@ enum Slot {
 }
 
 impl Mailbox {
-    fn slot(&self) -> MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The slot at the start of a new round of the rank's own thread: idle, since
     /// every result put in it was written before the thread read its next frame.
     fn idle_slot(&self) -> MutexGuard<'_, Slot> {
-        let slot = self.slot();
+        let slot = self.slot.lock();
         debug_assert!(
             matches!(*slot, Slot::Idle),
             "a mailbox not idle at a new round"
@@ -153,7 +151,7 @@ impl Mailbox {
 
     /// Hand `frame` over if the thread is waiting for it; `false`: it is not.
     fn hand_over(&self, frame: &Arc<Vec<u8>>) -> bool {
-        let mut slot = self.slot();
+        let mut slot = self.slot.lock();
         if !matches!(*slot, Slot::Waiting) {
             return false;
         }
@@ -163,7 +161,7 @@ impl Mailbox {
 
     /// Take a delivered frame, if any (a waiting or idle slot stays as it is).
     fn take_delivered(&self) -> Option<Arc<Vec<u8>>> {
-        let mut slot = self.slot();
+        let mut slot = self.slot.lock();
         if !matches!(*slot, Slot::Delivered(_)) {
             return None;
         }
@@ -275,22 +273,16 @@ impl StoreServer {
 
     /// Wait until no rank is connected, or `timeout` passes; `true` if none is.
     pub(crate) fn wait_until_empty(&self, timeout: Duration) -> bool {
-        let deadline = super::deadline_after(Instant::now(), timeout);
-        let mut st = self.shared.lock();
+        let deadline = Deadline::after(timeout);
+        let mut st = self.shared.state.lock();
         loop {
             if st.conns.iter().all(Option::is_none) {
                 return true;
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if deadline.expired() {
                 return false;
             }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            self.shared.cv.wait_until(&mut st, deadline.instant());
         }
     }
 }
@@ -299,7 +291,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         {
-            let mut st = self.shared.lock();
+            let mut st = self.shared.state.lock();
             for c in st.conns.iter_mut().filter_map(Option::take) {
                 let _ = c.sock.shutdown(Shutdown::Both);
             }
@@ -320,7 +312,7 @@ fn write_after_result(
     writer: &Mutex<TcpStream>,
     frame: Option<&[u8]>,
 ) -> std::io::Result<()> {
-    let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+    let mut w = writer.lock();
     if let Some(result) = mailbox.take_delivered() {
         wire::send(&mut *w, &result)?;
     }
@@ -351,10 +343,6 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     fn reject(&self, peer: SocketAddr, why: &str) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         tracing::warn!("symmpool store: refused connection from {peer}: {why}");
@@ -456,7 +444,7 @@ impl Shared {
         }
         drop(st);
         if let Err(e) = write_after_result(&me.mailbox, &me.writer, None) {
-            let mut st = self.lock();
+            let mut st = self.state.lock();
             self.depart(
                 &mut st,
                 me.rank,
@@ -487,7 +475,7 @@ impl Shared {
         }
         {
             // Stop polling: from now on the last contributor writes the result itself.
-            let mut slot = mailbox.slot();
+            let mut slot = mailbox.slot.lock();
             if matches!(*slot, Slot::Waiting) {
                 *slot = Slot::Idle;
             }
@@ -521,12 +509,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let st = shared.lock();
+                let mut st = shared.state.lock();
                 if shared.shutdown.load(Ordering::SeqCst) {
                     break;
                 }
                 // Woken early by shutdown; otherwise poll for new connections.
-                let _ = shared.cv.wait_timeout(st, Duration::from_millis(20));
+                shared.cv.wait_for(&mut st, Duration::from_millis(20));
             }
             Err(e) => {
                 tracing::warn!("symmpool store: accept failed: {e}");
@@ -538,7 +526,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
 
 fn monitor_loop(shared: &Arc<Shared>) {
     let heartbeat = wire::encode(&ToClient::Heartbeat);
-    let mut st = shared.lock();
+    let mut st = shared.state.lock();
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = Instant::now();
         let mut failed = Vec::new();
@@ -561,11 +549,7 @@ fn monitor_loop(shared: &Arc<Shared>) {
         for (rank, why) in failed {
             shared.depart(&mut st, rank, None, &why);
         }
-        st = shared
-            .cv
-            .wait_timeout(st, shared.heartbeat_interval)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        shared.cv.wait_for(&mut st, shared.heartbeat_interval);
     }
 }
 
@@ -588,7 +572,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     };
     let mut writer = stream;
     let mut reader = FrameReader::new(read_half, MAX_HANDSHAKE_FRAME_BYTES);
-    let until = Instant::now() + shared.handshake_timeout;
+    let until = Deadline::after(shared.handshake_timeout);
     let sock = writer.try_clone();
     let Ok(sock) = sock else {
         shared.reject(peer, "could not clone the socket");
@@ -672,7 +656,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     };
     // Join.
     let me = {
-        let mut st = shared.lock();
+        let mut st = shared.state.lock();
         if st.ever_joined[rank] {
             drop(st);
             return refuse(
@@ -723,7 +707,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         .set_read_timeout(Some(shared.heartbeat_interval))
         .is_err()
     {
-        let mut st = shared.lock();
+        let mut st = shared.state.lock();
         return shared.depart(&mut st, rank, Some(id), "could not set a read timeout");
     }
     loop {
@@ -739,7 +723,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                 }
                 if reader.bytes_read() > before {
                     // Bytes of a large frame still arriving: the rank is alive.
-                    let mut st = shared.lock();
+                    let mut st = shared.state.lock();
                     match st.conns[rank].as_mut() {
                         Some(c) if c.id == id => c.last_heard = Instant::now(),
                         _ => return,
@@ -750,7 +734,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             Ok(Some(body)) => match wire::decode::<ToServer>(&body) {
                 Ok(m) => m,
                 Err(why) => {
-                    let mut st = shared.lock();
+                    let mut st = shared.state.lock();
                     return shared.depart(
                         &mut st,
                         rank,
@@ -766,11 +750,11 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                     }
                     e => format!("its connection failed: {e}"),
                 };
-                let mut st = shared.lock();
+                let mut st = shared.state.lock();
                 return shared.depart(&mut st, rank, Some(id), &why);
             }
         };
-        let mut st = shared.lock();
+        let mut st = shared.state.lock();
         match st.conns[rank].as_mut() {
             Some(c) if c.id == id => c.last_heard = Instant::now(),
             _ => return,
@@ -831,7 +815,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                     me.mailbox.start_waiting();
                     drop(st);
                     if let Err(why) = shared.await_result(&me) {
-                        let mut st = shared.lock();
+                        let mut st = shared.state.lock();
                         return shared.depart(&mut st, rank, Some(id), &why);
                     }
                 }
