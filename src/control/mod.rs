@@ -45,6 +45,7 @@ mod config;
 mod env;
 mod kv;
 mod local;
+mod mailbox;
 mod rendezvous;
 mod store;
 mod wire;

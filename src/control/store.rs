@@ -11,6 +11,7 @@
 //! rank to contribute.
 
 use super::config::StoreConfig;
+use super::mailbox::{Mailbox, write_after_result};
 use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
     ToClient, ToServer,
@@ -94,83 +95,6 @@ struct Link {
     id: u64,
     writer: Arc<Mutex<TcpStream>>,
     mailbox: Arc<Mailbox>,
-}
-
-/// A round's result on its way to the connection thread of a rank that contributed
-/// and is polling for the result (so that the results of a round are written in
-/// parallel, each by its rank's own thread, not one after another).
-///
-/// Lock order: the state, then a writer, then a slot (a slot's lock is never held
-/// while another lock is taken).
-#[derive(Default)]
-struct Mailbox {
-    slot: Mutex<Slot>,
-    /// Set with the slot's `Delivered`: what the polling thread watches.
-    delivered: AtomicBool,
-}
-
-#[derive(Default)]
-enum Slot {
-    /// The rank's thread is not polling: results are written to it directly.
-    #[default]
-    Idle,
-    /// The rank's thread is polling for the result of a round it contributed to.
-    Waiting,
-    /// That result, for the thread to write.
-    Delivered(Arc<Vec<u8>>),
-}
-
-impl Mailbox {
-    /// The slot at the start of a new round of the rank's own thread: idle, since
-    /// every result put in it was written before the thread read its next frame.
-    fn idle_slot(&self) -> MutexGuard<'_, Slot> {
-        let slot = self.slot.lock();
-        debug_assert!(
-            matches!(*slot, Slot::Idle),
-            "a mailbox not idle at a new round"
-        );
-        slot
-    }
-
-    /// Put `frame` in the (locked) slot and tell a polling thread.
-    fn fill(&self, slot: &mut Slot, frame: Arc<Vec<u8>>) {
-        *slot = Slot::Delivered(frame);
-        self.delivered.store(true, Ordering::Release);
-    }
-
-    /// The rank's own thread starts polling for a round's result.
-    fn start_waiting(&self) {
-        *self.idle_slot() = Slot::Waiting;
-    }
-
-    /// The rank's own thread, the round's last contributor, leaves its own copy of
-    /// the result for [`write_after_result`].
-    fn put_own(&self, frame: Arc<Vec<u8>>) {
-        self.fill(&mut self.idle_slot(), frame);
-    }
-
-    /// Hand `frame` over if the thread is waiting for it; `false`: it is not.
-    fn hand_over(&self, frame: &Arc<Vec<u8>>) -> bool {
-        let mut slot = self.slot.lock();
-        if !matches!(*slot, Slot::Waiting) {
-            return false;
-        }
-        self.fill(&mut slot, frame.clone());
-        true
-    }
-
-    /// Take a delivered frame, if any (a waiting or idle slot stays as it is).
-    fn take_delivered(&self) -> Option<Arc<Vec<u8>>> {
-        let mut slot = self.slot.lock();
-        if !matches!(*slot, Slot::Delivered(_)) {
-            return None;
-        }
-        self.delivered.store(false, Ordering::Relaxed);
-        match std::mem::take(&mut *slot) {
-            Slot::Delivered(frame) => Some(frame),
-            Slot::Idle | Slot::Waiting => None,
-        }
-    }
 }
 
 impl fmt::Debug for StoreServer {
@@ -301,22 +225,6 @@ impl Drop for StoreServer {
             let _ = t.join();
         }
     }
-}
-
-/// Under a rank's writer lock: write the result waiting in its mailbox, if any, then
-/// `frame`. Every write to a rank goes through here, so nothing written to it later
-/// (the next round's result, a broken-group notice after the last round) overtakes a
-/// result handed to its mailbox.
-fn write_after_result(
-    mailbox: &Mailbox,
-    writer: &Mutex<TcpStream>,
-    frame: Option<&[u8]>,
-) -> std::io::Result<()> {
-    let mut w = writer.lock();
-    if let Some(result) = mailbox.take_delivered() {
-        wire::send(&mut *w, &result)?;
-    }
-    frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
 }
 
 /// [`StoreConfig::server_spin`], or where it is `None`, the client's spin where the
@@ -461,7 +369,7 @@ impl Shared {
         let mailbox = &me.mailbox;
         let until = Instant::now() + self.server_spin;
         let mut polls = 0u32;
-        while !mailbox.delivered.load(Ordering::Acquire)
+        while !mailbox.is_delivered()
             && Instant::now() < until
             && !self.shutdown.load(Ordering::Relaxed)
         {
@@ -473,13 +381,8 @@ impl Shared {
                 std::hint::spin_loop();
             }
         }
-        {
-            // Stop polling: from now on the last contributor writes the result itself.
-            let mut slot = mailbox.slot.lock();
-            if matches!(*slot, Slot::Waiting) {
-                *slot = Slot::Idle;
-            }
-        }
+        // Stop polling: from now on the last contributor writes the result itself.
+        mailbox.stop_waiting();
         // A result delivered meanwhile (and not yet written by another writer).
         write_after_result(mailbox, &me.writer, None)
             .map_err(|e| format!("writing to it failed: {e}"))
