@@ -35,7 +35,8 @@ pub struct HostConfig {
     /// communicator without symmetric support: registration succeeds with a NULL
     /// window (no [`Window`]).
     pub symmetric: bool,
-    /// How long registration and collectives wait for the other ranks.
+    /// How long each round of a registration or collective waits for the other ranks
+    /// ([`Duration::MAX`]: forever).
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -295,8 +296,7 @@ impl HostBackend {
         }
     }
 
-    /// Run one collective: post, check agreement, move data with `body`, barrier; both
-    /// rounds within the backend's timeout.
+    /// Run one collective: post, check agreement, move data with `body`, barrier.
     fn collective(
         &self,
         args: &CollArgs<'_>,
@@ -315,9 +315,9 @@ impl HostBackend {
             send: side(&args.send)?,
             recv: side(&args.recv)?,
         };
-        let deadline = Deadline::after(self.config.timeout);
         let _serial = comm.serial[self.rank].lock();
         let round = self.next_round(args.comm, false);
+        let deadline = Deadline::after(self.config.timeout);
         let gathered = comm
             .collectives
             .gather(op, self.rank, round, Some(post), deadline)?;
@@ -332,6 +332,7 @@ impl HostBackend {
         };
         // Second round: nobody returns (and reuses its input) before all are done.
         let round = self.next_round(args.comm, false);
+        let deadline = Deadline::after(self.config.timeout);
         comm.collectives
             .gather(op, self.rank, round, None, deadline)?;
         verdict
@@ -376,7 +377,6 @@ impl SegmentProvider for HostBackend {
     }
 
     unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
-        let deadline = Deadline::after(self.config.timeout);
         memory_of::<HostMemory>(segment)?;
         let size = segment.size_bytes();
         let _serial = self.comm(comm)?.serial[self.rank].lock();
@@ -386,7 +386,7 @@ impl SegmentProvider for HostBackend {
             self.rank,
             ordinal,
             size,
-            deadline,
+            Deadline::after(self.config.timeout),
         )?;
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });

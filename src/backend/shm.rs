@@ -47,7 +47,8 @@ pub struct ShmConfig {
     /// Whether registration yields windows (`false`: like an NCCL communicator
     /// without symmetric support, registration succeeds with no window).
     pub symmetric: bool,
-    /// How long registration and collectives wait for the other ranks (default 60 s).
+    /// How long each round of a registration or collective waits for the other ranks
+    /// (default 60 s; [`Duration::MAX`]: forever).
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -241,42 +242,36 @@ impl ShmBackend {
         })
     }
 
-    /// One round of `mine` on communicator `c`'s channel, by `deadline`: every rank's
-    /// record, in rank order.
+    /// One round of `mine` on communicator `c`'s channel, waiting for the other ranks
+    /// up to the backend's timeout: every rank's record, in rank order.
     ///
     /// # Errors
     /// The exchange's; [`Error::Protocol`] naming a rank whose record does not decode.
-    fn round(
-        &self,
-        c: usize,
-        op: &'static str,
-        mine: &Step,
-        deadline: Deadline,
-    ) -> Result<Vec<Step>> {
+    fn round(&self, c: usize, op: &'static str, mine: &Step) -> Result<Vec<Step>> {
         let (ch, _) = self.comm(c)?;
+        let deadline = Deadline::after(self.config.timeout);
         gather_records(&*self.exchange, *ch, op, mine, deadline)
     }
 
-    /// Run one collective, all within the backend's timeout: the opening round, the
-    /// data moved by `body` (given the deadline), the closing barrier.
+    /// Run one collective: the opening round, the data moved by `body`, the closing
+    /// barrier.
     fn collective(
         &self,
         args: &CollArgs<'_>,
         op: &'static str,
         reduce: bool,
-        body: impl FnOnce(Deadline) -> Result<()>,
+        body: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
-        let deadline = Deadline::after(self.config.timeout);
         let (_, serial) = self.comm(args.comm)?;
         let _serial = serial.lock();
         // The opening round: every rank is at this collective on this communicator
         // (the arguments are compared by the checked collectives of `coll`, the same
         // way on every backend; like NCCL, the backend itself does not).
-        let posts = self.round(args.comm, op, &Step::Post { reduce }, deadline)?;
+        let posts = self.round(args.comm, op, &Step::Post { reduce })?;
         let verdict = at_step(op, posts, |s| matches!(s, Step::Post { .. }).then_some(()))
-            .and_then(|_| body(deadline));
+            .and_then(|_| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
-        let done = self.round(args.comm, op, &Step::Done, deadline)?;
+        let done = self.round(args.comm, op, &Step::Done)?;
         at_step(op, done, |s| matches!(s, Step::Done).then_some(()))?;
         verdict
     }
@@ -367,7 +362,6 @@ impl SegmentProvider for ShmBackend {
 
     unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
         const OP: &str = "window registration";
-        let deadline = Deadline::after(self.config.timeout);
         let mem = memory_of::<ShmMemory>(segment)?;
         let size_bytes = segment.size_bytes();
         let (_, serial) = self.comm(comm)?;
@@ -377,7 +371,7 @@ impl SegmentProvider for ShmBackend {
             fd: mem.file.as_raw_fd(),
             size_bytes,
         };
-        let all = self.round(comm, OP, &mine, deadline)?;
+        let all = self.round(comm, OP, &mine)?;
         let ordinal = {
             let mut o = self.ordinals.lock();
             o[comm] += 1;
@@ -462,22 +456,15 @@ impl DataMover for ShmBackend {
 }
 
 impl ShmBackend {
-    /// Every rank's `len` bytes, moved through the control plane in pieces, by
-    /// `deadline`.
-    fn gather_bytes(
-        &self,
-        c: usize,
-        op: &'static str,
-        mine: &[u8],
-        deadline: Deadline,
-    ) -> Result<Vec<Vec<u8>>> {
+    /// Every rank's `len` bytes, moved through the control plane in pieces.
+    fn gather_bytes(&self, c: usize, op: &'static str, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut out: Vec<Vec<u8>> = vec![Vec::with_capacity(mine.len()); self.world];
         let pieces = mine.len().div_ceil(DATA_PIECE_BYTES).max(1);
         for k in 0..pieces {
             let lo = (k * DATA_PIECE_BYTES).min(mine.len());
             let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
             let piece = Step::Data(mine[lo..hi].to_vec());
-            let got = self.round(c, op, &piece, deadline)?;
+            let got = self.round(c, op, &piece)?;
             let got = at_step(op, got, |s| match s {
                 Step::Data(bytes) => Some(bytes),
                 _ => None,
@@ -505,7 +492,7 @@ impl Collectives for ShmBackend {
         const OP: &str = "all_gather";
         let chunk = args.check_counts(OP, self.world, false)?;
         let me = self.rank as u64;
-        self.collective(args, OP, false, |deadline| {
+        self.collective(args, OP, false, || {
             let mut mine = vec![0u8; chunk as usize];
             read_local(&args.send, &mut mine)?;
             match args.windows.1 {
@@ -522,7 +509,7 @@ impl Collectives for ShmBackend {
                     }
                 }
                 None => {
-                    let chunks = self.gather_bytes(args.comm, OP, &mine, deadline)?;
+                    let chunks = self.gather_bytes(args.comm, OP, &mine)?;
                     for (r, data) in chunks.iter().enumerate() {
                         write_local(&args.recv.sub(r as u64 * chunk, chunk)?, data)?;
                     }
@@ -536,7 +523,7 @@ impl Collectives for ShmBackend {
         const OP: &str = "reduce_scatter";
         let chunk = args.check_counts(OP, self.world, true)?;
         let me = self.rank as u64;
-        self.collective(args, OP, true, |deadline| {
+        self.collective(args, OP, true, || {
             let inputs: Vec<Vec<u8>> = match args.windows {
                 (Some(send_window), _) => (0..self.world)
                     .map(|p| {
@@ -559,7 +546,7 @@ impl Collectives for ShmBackend {
                     let mut mine = vec![0u8; whole as usize];
                     read_local(&args.send.sub(0, whole)?, &mut mine)?;
                     let lo = (me * chunk) as usize;
-                    self.gather_bytes(args.comm, OP, &mine, deadline)?
+                    self.gather_bytes(args.comm, OP, &mine)?
                         .into_iter()
                         .map(|v| v[lo..lo + chunk as usize].to_vec())
                         .collect()

@@ -129,12 +129,8 @@ impl fmt::Debug for StoreExchange {
 }
 
 impl ClientShared {
-    fn inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock()
-    }
-
     fn server_lost(&self, detail: String) {
-        self.inbox().server_lost(detail);
+        self.inbox.lock().server_lost(detail);
         self.cv.notify_all();
     }
 
@@ -171,7 +167,7 @@ impl ClientShared {
             (got, reader.bytes_read() > before)
         };
         let (got, progressed) = got;
-        let mut inbox = self.inbox();
+        let mut inbox = self.inbox.lock();
         inbox.reader_busy = false;
         let now = Instant::now();
         inbox.last_read = now;
@@ -237,7 +233,7 @@ impl ClientShared {
         deadline: Deadline,
         mut done: impl FnMut(&mut Inbox) -> bool,
     ) -> MutexGuard<'_, Inbox> {
-        let mut inbox = self.inbox();
+        let mut inbox = self.inbox.lock();
         loop {
             if done(&mut inbox) {
                 return inbox;
@@ -266,7 +262,7 @@ fn background_loop(shared: &ClientShared) {
     let heartbeat = wire::encode(&ToServer::Heartbeat);
     let interval = shared.heartbeat_interval;
     let mut last_sent = Instant::now();
-    let mut inbox = shared.inbox();
+    let mut inbox = shared.inbox.lock();
     loop {
         if shared.closing.load(Ordering::SeqCst) || inbox.reader_done {
             return;
@@ -284,7 +280,7 @@ fn background_loop(shared: &ClientShared) {
                 }
                 return;
             }
-            inbox = shared.inbox();
+            inbox = shared.inbox.lock();
             continue;
         }
         let silent = now.saturating_duration_since(inbox.last_heard);
@@ -592,7 +588,7 @@ impl Exchange for StoreExchange {
             });
         }
         self.remember(op);
-        if let Some(b) = &self.shared.inbox().broken {
+        if let Some(b) = &self.shared.inbox.lock().broken {
             return Err(self.error_for(b, op));
         }
         let round = self.rounds.next(channel);

@@ -405,6 +405,20 @@ mod tests {
     }
 
     #[test]
+    fn endless_timeouts_return_once_every_rank_arrives() {
+        let (_mem, ex) = group(2);
+        std::thread::scope(|s| {
+            for e in &ex {
+                s.spawn(move || {
+                    let ch = e.open_channel("endless", Duration::MAX).unwrap();
+                    let got = e.all_gather(ch, "t", &[e.rank() as u8], Duration::MAX);
+                    assert_eq!(got.unwrap(), vec![vec![0], vec![1]]);
+                });
+            }
+        });
+    }
+
+    #[test]
     fn a_timeout_breaks_the_group_for_everyone() {
         let (_mem, ex) = group(3);
         let short = Duration::from_millis(100);
