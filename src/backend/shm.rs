@@ -171,6 +171,7 @@ const DATA_PIECE_BYTES: usize = 1 << 20;
 
 /// One rank of a multi-process shared-memory world. Make it with
 /// [`ShmBackend::join`]; it returns a [`Backend`].
+#[derive(Debug)]
 pub struct ShmBackend {
     rank: usize,
     world: usize,
@@ -182,15 +183,6 @@ pub struct ShmBackend {
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
     reserved: Arc<AtomicU64>,
-}
-
-impl fmt::Debug for ShmBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmBackend")
-            .field("rank", &self.rank)
-            .field("world", &self.world)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ShmBackend {
