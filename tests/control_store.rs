@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
-use symmpool::Error;
+use symmpool::{Deadline, Error};
 
 mod common;
 use symmpool::control::{
@@ -180,6 +180,20 @@ fn an_endless_timeout_does_not_overflow<E: Exchange>(group: Vec<E>) {
             .unwrap()
     });
     assert!(out.iter().all(|o| o.iter().all(|p| p == &[5])));
+    // The same through a channel opened without a deadline, and a deadline that never
+    // passes.
+    let out = on_all(&group, |x| {
+        let ch = x.open_channel("forever", Duration::MAX).unwrap();
+        let first = x.all_gather(ch, "forever", &[6], Duration::MAX).unwrap();
+        let second = x
+            .all_gather_until(ch, "forever", &[7], Deadline::never())
+            .unwrap();
+        (first, second)
+    });
+    for (first, second) in out {
+        assert_eq!(first, vec![vec![6]; group.len()]);
+        assert_eq!(second, vec![vec![7]; group.len()]);
+    }
     drop_group(group);
 }
 

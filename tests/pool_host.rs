@@ -524,18 +524,22 @@ impl symmpool::Exchange for Announcing {
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
-    fn all_gather(
+    fn all_gather_until(
         &self,
         channel: symmpool::ChannelId,
         op: &'static str,
         payload: &[u8],
-        timeout: Duration,
+        deadline: symmpool::Deadline,
     ) -> symmpool::Result<Vec<Vec<u8>>> {
         let _ = self.entered.try_send(());
-        self.inner.all_gather(channel, op, payload, timeout)
+        self.inner.all_gather_until(channel, op, payload, deadline)
     }
-    fn open_channel(&self, name: &str, timeout: Duration) -> symmpool::Result<symmpool::ChannelId> {
-        self.inner.open_channel(name, timeout)
+    fn open_channel_until(
+        &self,
+        name: &str,
+        deadline: symmpool::Deadline,
+    ) -> symmpool::Result<symmpool::ChannelId> {
+        self.inner.open_channel_until(name, deadline)
     }
 }
 

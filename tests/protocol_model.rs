@@ -195,15 +195,15 @@ impl Exchange for Exchanges {
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
-    fn all_gather(
+    fn all_gather_until(
         &self,
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
-        timeout: Duration,
+        deadline: symmpool::Deadline,
     ) -> Result<Vec<Vec<u8>>> {
         if op != ORDER_ROUND {
-            return self.inner.all_gather(channel, op, payload, timeout);
+            return self.inner.all_gather_until(channel, op, payload, deadline);
         }
         self.faults.order_rounds.fetch_add(1, Ordering::SeqCst);
         let mut payload = payload.to_vec();
@@ -212,10 +212,10 @@ impl Exchange for Exchanges {
             payload.truncate(8);
             payload.extend_from_slice(b"another pool");
         }
-        self.inner.all_gather(channel, op, &payload, timeout)
+        self.inner.all_gather_until(channel, op, &payload, deadline)
     }
-    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
-        self.inner.open_channel(name, timeout)
+    fn open_channel_until(&self, name: &str, deadline: symmpool::Deadline) -> Result<ChannelId> {
+        self.inner.open_channel_until(name, deadline)
     }
 }
 

@@ -8,20 +8,21 @@
 //! [`coll`](crate::coll) do, the same way on every backend. Host work is synchronous,
 //! so streams are tags and fences are counters.
 
-use super::rendezvous::Rendezvous;
 use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
     Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
 };
-use crate::control::LocalExchange;
+use crate::control::{LocalExchange, Rendezvous};
 use crate::core::{Fence, StreamId};
+use crate::deadline::Deadline;
 use crate::dtype;
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Settings of a host world.
@@ -34,7 +35,8 @@ pub struct HostConfig {
     /// communicator without symmetric support: registration succeeds with a NULL
     /// window (no [`Window`]).
     pub symmetric: bool,
-    /// How long registration and collectives wait for the other ranks.
+    /// How long each round of a registration or collective waits for the other ranks
+    /// ([`Duration::MAX`]: forever).
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -84,24 +86,41 @@ impl HostConfig {
     }
 }
 
-/// One segment's bytes, shared with peers during collectives.
+/// Bytes of a rank's reserved-bytes counter, held by one segment's memory and given
+/// back when it goes.
 #[derive(Debug)]
-struct HostMemory {
-    data: Arc<Mutex<Box<[u8]>>>,
+pub(super) struct Reservation {
+    counter: Arc<AtomicU64>,
     size_bytes: u64,
-    /// The rank's reserved-bytes counter, given back when the memory goes.
-    reserved: Arc<AtomicU64>,
 }
 
-impl Drop for HostMemory {
+impl Drop for Reservation {
     fn drop(&mut self) {
-        self.reserved.fetch_sub(self.size_bytes, Ordering::Relaxed);
+        self.counter.fetch_sub(self.size_bytes, Ordering::Relaxed);
     }
 }
 
-impl SegmentMemory for HostMemory {
+/// A segment's memory on the host backends (threads and processes): the backend's own
+/// `memory` and the reservation it holds.
+#[derive(Debug)]
+pub(super) struct HostSegment<M> {
+    pub(super) memory: M,
+    reservation: Reservation,
+}
+
+impl<M: fmt::Debug + Send + Sync + 'static> HostSegment<M> {
+    /// A segment of `memory`, holding `reservation`.
+    pub(super) fn segment(memory: M, reservation: Reservation) -> Segment {
+        Segment::new(Box::new(HostSegment {
+            memory,
+            reservation,
+        }))
+    }
+}
+
+impl<M: fmt::Debug + Send + Sync + 'static> SegmentMemory for HostSegment<M> {
     fn size_bytes(&self) -> u64 {
-        self.size_bytes
+        self.reservation.size_bytes
     }
 
     fn device_ptr(&self) -> Option<u64> {
@@ -113,15 +132,21 @@ impl SegmentMemory for HostMemory {
     }
 }
 
-fn lock_bytes(data: &Mutex<Box<[u8]>>) -> std::sync::MutexGuard<'_, Box<[u8]>> {
-    data.lock().unwrap_or_else(|p| p.into_inner())
+/// The `M` memory of a host-backend segment, or an error naming a segment from
+/// another provider.
+pub(super) fn memory_of<M: fmt::Debug + Send + Sync + 'static>(segment: &Segment) -> Result<&M> {
+    segment
+        .memory::<HostSegment<M>>()
+        .map(|s| &s.memory)
+        .ok_or(Error::Internal {
+            what: "a segment of another provider reached a host backend".into(),
+        })
 }
 
-/// The host memory of a segment, or an error naming a segment from another provider.
-fn memory_of(segment: &Segment) -> Result<&HostMemory> {
-    segment.memory::<HostMemory>().ok_or(Error::Internal {
-        what: "a segment of another backend reached the host backend".into(),
-    })
+/// One segment's bytes on the threads backend, shared with peers during collectives.
+#[derive(Debug)]
+struct HostMemory {
+    data: Arc<Mutex<Box<[u8]>>>,
 }
 
 /// Allocate `n` zeroed bytes, or `None` if the allocator refuses. Large allocations
@@ -157,8 +182,8 @@ struct HostComm {
     /// Held by one rank's calls on this communicator for the whole of each call, so
     /// that two threads of a rank cannot interleave their rounds.
     serial: Vec<Mutex<()>>,
-    registrations: Rendezvous<u64>,
-    collectives: Rendezvous<Option<Post>>,
+    registrations: Rendezvous<u64, u64>,
+    collectives: Rendezvous<u64, Option<Post>>,
 }
 
 /// One rank of a host world: ranks are threads of one process, segments host memory.
@@ -260,7 +285,7 @@ impl HostBackend {
     }
 
     fn next_round(&self, comm: usize, registration: bool) -> u64 {
-        let mut c = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.counters.lock();
         let slot = &mut c[comm];
         if registration {
             slot.0 += 1;
@@ -281,7 +306,7 @@ impl HostBackend {
         let comm = self.comm(args.comm)?;
         let side = |r: &super::Region<'_>| -> Result<Side> {
             Ok((
-                memory_of(r.segment())?.data.clone(),
+                memory_of::<HostMemory>(r.segment())?.data.clone(),
                 r.offset_bytes(),
                 r.len_bytes(),
             ))
@@ -290,13 +315,12 @@ impl HostBackend {
             send: side(&args.send)?,
             recv: side(&args.recv)?,
         };
-        let _serial = comm.serial[self.rank]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let _serial = comm.serial[self.rank].lock();
         let round = self.next_round(args.comm, false);
-        let gathered =
-            comm.collectives
-                .gather(op, self.rank, round, Some(post), self.config.timeout)?;
+        let deadline = Deadline::after(self.config.timeout);
+        let gathered = comm
+            .collectives
+            .gather(op, self.rank, round, Some(post), deadline)?;
         // A `None` is a peer's closing round paired with this post: the ranks are not
         // making the same calls on this communicator.
         let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
@@ -308,14 +332,15 @@ impl HostBackend {
         };
         // Second round: nobody returns (and reuses its input) before all are done.
         let round = self.next_round(args.comm, false);
+        let deadline = Deadline::after(self.config.timeout);
         comm.collectives
-            .gather(op, self.rank, round, None, self.config.timeout)?;
+            .gather(op, self.rank, round, None, deadline)?;
         verdict
     }
 }
 
 fn read_region(seg: &Mutex<Box<[u8]>>, offset: u64, len: u64) -> Result<Vec<u8>> {
-    let data = lock_bytes(seg);
+    let data = seg.lock();
     let range = bounds(data.len() as u64, offset, len)?;
     Ok(data[range].to_vec())
 }
@@ -335,8 +360,7 @@ pub(super) fn bounds(seg_len: u64, offset: u64, len: u64) -> Result<std::ops::Ra
 
 impl SegmentProvider for HostBackend {
     fn allocate(&self, size_bytes: u64) -> Result<Segment> {
-        reserve(&self.reserved, size_bytes, self.config.max_reserved_bytes)?;
-        // From here the counter includes the segment; `HostMemory`'s drop gives it back.
+        let reservation = reserve(&self.reserved, size_bytes, self.config.max_reserved_bytes)?;
         let oom = |message: &str| Error::DeviceOutOfMemory {
             segment_bytes: size_bytes,
             op: "host allocation",
@@ -344,28 +368,25 @@ impl SegmentProvider for HostBackend {
             message: message.into(),
         };
         let Some(data) = usize::try_from(size_bytes).ok().and_then(try_zeroed) else {
-            self.reserved.fetch_sub(size_bytes, Ordering::Relaxed);
             return Err(oom("the host allocator refused"));
         };
-        Ok(Segment::new(Box::new(HostMemory {
+        let memory = HostMemory {
             data: Arc::new(Mutex::new(data)),
-            size_bytes,
-            reserved: self.reserved.clone(),
-        })))
+        };
+        Ok(HostSegment::segment(memory, reservation))
     }
 
     unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
-        let size = memory_of(segment)?.size_bytes;
-        let _serial = self.comm(comm)?.serial[self.rank]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        memory_of::<HostMemory>(segment)?;
+        let size = segment.size_bytes();
+        let _serial = self.comm(comm)?.serial[self.rank].lock();
         let ordinal = self.next_round(comm, true);
         let sizes = self.comm(comm)?.registrations.gather(
             "window registration",
             self.rank,
             ordinal,
             size,
-            self.config.timeout,
+            Deadline::after(self.config.timeout),
         )?;
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
@@ -405,7 +426,7 @@ impl StreamOps for HostStreams {
         if !stream.is_host() {
             return Err(Error::WrongStream);
         }
-        let mut f = self.fences.lock().unwrap_or_else(|p| p.into_inner());
+        let mut f = self.fences.lock();
         let c = f.entry(stream.id()).or_insert(0);
         *c += 1;
         Ok(Fence(*c))
@@ -420,12 +441,7 @@ impl StreamOps for HostStreams {
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
-        Ok(self
-            .fences
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&stream)
-            .map(|&f| Fence(f)))
+        Ok(self.fences.lock().get(&stream).map(|&f| Fence(f)))
     }
 
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
@@ -441,16 +457,24 @@ impl StreamOps for HostStreams {
 }
 
 /// Take `size_bytes` from a rank's reserved-bytes `counter`, which may not pass
-/// `limit`; the segment's memory gives them back when it goes.
+/// `limit`; the [`Reservation`] gives them back when it is dropped (with the segment's
+/// memory, or at once if the allocation fails).
 ///
 /// # Errors
 /// [`Error::PoolLimit`]; nothing is taken then.
-pub(super) fn reserve(counter: &AtomicU64, size_bytes: u64, limit: u64) -> Result<()> {
+pub(super) fn reserve(
+    counter: &Arc<AtomicU64>,
+    size_bytes: u64,
+    limit: u64,
+) -> Result<Reservation> {
     counter
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
             r.checked_add(size_bytes).filter(|&t| t <= limit)
         })
-        .map(|_| ())
+        .map(|_| Reservation {
+            counter: counter.clone(),
+            size_bytes,
+        })
         .map_err(|reserved| Error::PoolLimit {
             segment_bytes: size_bytes,
             would_reserve_bytes: reserved.saturating_add(size_bytes),
@@ -464,8 +488,8 @@ impl DataMover for HostBackend {
             return Err(Error::WrongStream);
         }
         let region = region.sub(0, data.len() as u64)?;
-        let mem = memory_of(region.segment())?;
-        let mut bytes = lock_bytes(&mem.data);
+        let mem = memory_of::<HostMemory>(region.segment())?;
+        let mut bytes = mem.data.lock();
         let range = bounds(bytes.len() as u64, region.offset_bytes(), data.len() as u64)?;
         bytes[range].copy_from_slice(data);
         Ok(())
@@ -476,8 +500,8 @@ impl DataMover for HostBackend {
             return Err(Error::WrongStream);
         }
         let region = region.sub(0, out.len() as u64)?;
-        let mem = memory_of(region.segment())?;
-        let bytes = lock_bytes(&mem.data);
+        let mem = memory_of::<HostMemory>(region.segment())?;
+        let bytes = mem.data.lock();
         let range = bounds(bytes.len() as u64, region.offset_bytes(), out.len() as u64)?;
         out.copy_from_slice(&bytes[range]);
         Ok(())
@@ -498,7 +522,7 @@ impl Collectives for HostBackend {
             let (recv, recv_off, _) = &posts[self.rank].recv;
             for (r, p) in posts.iter().enumerate() {
                 let data = read_region(&p.send.0, p.send.1, chunk)?;
-                let mut out = lock_bytes(recv);
+                let mut out = recv.lock();
                 let range = bounds(
                     out.len() as u64,
                     recv_off.saturating_add(r as u64 * chunk),
@@ -521,7 +545,7 @@ impl Collectives for HostBackend {
                 .collect::<Result<Vec<_>>>()?;
             let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
             let (recv, recv_off, _) = &posts[self.rank].recv;
-            let mut out = lock_bytes(recv);
+            let mut out = recv.lock();
             let range = bounds(out.len() as u64, *recv_off, chunk)?;
             out[range].copy_from_slice(&acc);
             Ok(())

@@ -33,7 +33,6 @@
 pub mod host;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub(crate) mod rendezvous;
 #[cfg(target_os = "linux")]
 pub mod shm;
 

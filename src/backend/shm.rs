@@ -20,21 +20,24 @@
 //! Linux only (memfd and `/proc`). Host work is synchronous: streams are tags and
 //! fences counters, as on the threads backend.
 
-use super::host::{HostStreams, bounds, reserve};
+use super::host::{HostSegment, HostStreams, bounds, memory_of, reserve};
 use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
-    Segment, SegmentMemory, SegmentProvider, Window,
+    Segment, SegmentProvider, Window,
 };
-use crate::control::{ChannelId, Exchange};
+use crate::control::{ChannelId, Exchange, gather_records};
+use crate::deadline::Deadline;
 use crate::dtype;
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
 use memmap2::MmapRaw;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 /// Settings of a shared-memory rank.
@@ -44,7 +47,8 @@ pub struct ShmConfig {
     /// Whether registration yields windows (`false`: like an NCCL communicator
     /// without symmetric support, registration succeeds with no window).
     pub symmetric: bool,
-    /// How long registration and collectives wait for the other ranks (default 60 s).
+    /// How long each round of a registration or collective waits for the other ranks
+    /// (default 60 s; [`Duration::MAX`]: forever).
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -91,36 +95,14 @@ impl ShmConfig {
 struct ShmMemory {
     file: File,
     map: MmapRaw,
-    size_bytes: u64,
-    reserved: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for ShmMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ShmMemory")
             .field("fd", &self.file.as_raw_fd())
-            .field("size_bytes", &self.size_bytes)
+            .field("len_bytes", &self.map.len())
             .finish()
-    }
-}
-
-impl Drop for ShmMemory {
-    fn drop(&mut self) {
-        self.reserved.fetch_sub(self.size_bytes, Ordering::Relaxed);
-    }
-}
-
-impl SegmentMemory for ShmMemory {
-    fn size_bytes(&self) -> u64 {
-        self.size_bytes
-    }
-
-    fn device_ptr(&self) -> Option<u64> {
-        None
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 
@@ -130,36 +112,56 @@ struct ShmWindow {
     peers: Vec<Option<MmapRaw>>,
 }
 
-fn memory_of(segment: &Segment) -> Result<&ShmMemory> {
-    segment.memory::<ShmMemory>().ok_or(Error::Internal {
-        what: "a segment of another backend reached the shared-memory backend".into(),
-    })
+/// This rank's mapping of peer `peer`'s segment in `window`.
+fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
+    let w = window.handle::<ShmWindow>().ok_or(Error::Internal {
+        what: "a window of another backend reached the shared-memory backend".into(),
+    })?;
+    match w.peers.get(peer) {
+        Some(Some(map)) => Ok(map),
+        _ => Err(Error::Internal {
+            what: format!("window {} has no mapping of rank {peer}", window.ordinal()),
+        }),
+    }
 }
 
 fn shm_error(op: &'static str, detail: String, source: std::io::Error) -> Error {
     Error::SharedMemory { op, detail, source }
 }
 
-/// What every payload of a communicator's channel starts with, so that rounds of
-/// different kinds never pass for each other.
-mod kind {
-    pub(super) const REGISTER: u64 = 0x5245_4749; // "REGI"
-    pub(super) const POST: u64 = 0x504f_5354; // "POST"
-    pub(super) const DATA: u64 = 0x4441_5441; // "DATA"
-    pub(super) const DONE: u64 = 0x444f_4e45; // "DONE"
+/// A rank's record in one round of a communicator's channel: the step of its calls
+/// the rank is at, so that rounds of different kinds never pass for each other.
+#[derive(Debug, Serialize, Deserialize)]
+enum Step {
+    /// A window registration: where the peers find the segment
+    /// (`/proc/<pid>/fd/<fd>`), and its size.
+    Register { pid: u32, fd: i32, size_bytes: u64 },
+    /// The opening round of a collective.
+    Post { reduce: bool },
+    /// A piece of a collective's data on the plain path.
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// The closing barrier of a collective.
+    Done,
 }
 
-fn encode(words: &[u64]) -> Vec<u8> {
-    words.iter().flat_map(|w| w.to_le_bytes()).collect()
-}
-
-fn decode(bytes: &[u8]) -> Vec<u64> {
-    bytes
-        .chunks_exact(8)
-        .map(|c| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(c);
-            u64::from_le_bytes(w)
+/// Every rank's record of a round as `pick` reads it.
+///
+/// # Errors
+/// [`Error::CollectiveMismatch`] naming the first rank whose record `pick` refuses (a
+/// rank at another step of its calls on this communicator).
+fn at_step<T>(
+    op: &'static str,
+    steps: Vec<Step>,
+    pick: impl Fn(Step) -> Option<T>,
+) -> Result<Vec<T>> {
+    steps
+        .into_iter()
+        .enumerate()
+        .map(|(rank, step)| {
+            pick(step).ok_or_else(|| Error::CollectiveMismatch {
+                op,
+                detail: format!("rank {rank} is at another step of its calls on this communicator"),
+            })
         })
         .collect()
 }
@@ -169,6 +171,7 @@ const DATA_PIECE_BYTES: usize = 1 << 20;
 
 /// One rank of a multi-process shared-memory world. Make it with
 /// [`ShmBackend::join`]; it returns a [`Backend`].
+#[derive(Debug)]
 pub struct ShmBackend {
     rank: usize,
     world: usize,
@@ -180,19 +183,6 @@ pub struct ShmBackend {
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
     reserved: Arc<AtomicU64>,
-}
-
-impl fmt::Debug for ShmBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmBackend")
-            .field("rank", &self.rank)
-            .field("world", &self.world)
-            .finish_non_exhaustive()
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ShmBackend {
@@ -244,80 +234,43 @@ impl ShmBackend {
         })
     }
 
-    /// One round on communicator `c`'s channel.
-    fn round(&self, c: usize, op: &'static str, words: &[u64]) -> Result<Vec<Vec<u64>>> {
+    /// One round of `mine` on communicator `c`'s channel, waiting for the other ranks
+    /// up to the backend's timeout: every rank's record, in rank order.
+    ///
+    /// # Errors
+    /// The exchange's; [`Error::Protocol`] naming a rank whose record does not decode.
+    fn round(&self, c: usize, op: &'static str, mine: &Step) -> Result<Vec<Step>> {
         let (ch, _) = self.comm(c)?;
-        let all = self
-            .exchange
-            .all_gather(*ch, op, &encode(words), self.config.timeout)?;
-        Ok(all.iter().map(|b| decode(b)).collect())
+        let deadline = Deadline::after(self.config.timeout);
+        gather_records(&*self.exchange, *ch, op, mine, deadline)
     }
 
-    /// A round of raw bytes (the plain path's data), tagged.
-    fn data_round(&self, c: usize, op: &'static str, piece: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let (ch, _) = self.comm(c)?;
-        let mut payload = kind::DATA.to_le_bytes().to_vec();
-        payload.extend_from_slice(piece);
-        let all = self
-            .exchange
-            .all_gather(*ch, op, &payload, self.config.timeout)?;
-        all.into_iter()
-            .map(|mut p| {
-                if p.len() < 8 || p[..8] != kind::DATA.to_le_bytes() {
-                    return Err(Error::CollectiveMismatch {
-                        op,
-                        detail: "a peer is at another step of its calls on this communicator"
-                            .into(),
-                    });
-                }
-                p.drain(..8);
-                Ok(p)
-            })
-            .collect()
-    }
-
-    /// Run one collective: compare the posts, move the data with `body`, barrier.
+    /// Run one collective: the opening round, the data moved by `body`, the closing
+    /// barrier.
     fn collective(
         &self,
         args: &CollArgs<'_>,
         op: &'static str,
         reduce: bool,
-        body: impl FnOnce(&[Vec<u64>]) -> Result<()>,
+        body: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let (_, serial) = self.comm(args.comm)?;
-        let _serial = lock(serial);
+        let _serial = serial.lock();
         // The opening round: every rank is at this collective on this communicator
         // (the arguments are compared by the checked collectives of `coll`, the same
         // way on every backend; like NCCL, the backend itself does not).
-        let posts = self.round(args.comm, op, &[kind::POST, u64::from(reduce)])?;
-        let verdict = match posts.iter().position(|p| p.first() != Some(&kind::POST)) {
-            Some(rank) => Err(Error::CollectiveMismatch {
-                op,
-                detail: format!("rank {rank} is at another step of its calls on this communicator"),
-            }),
-            None => body(&posts),
-        };
+        let posts = self.round(args.comm, op, &Step::Post { reduce })?;
+        let verdict = at_step(op, posts, |s| matches!(s, Step::Post { .. }).then_some(()))
+            .and_then(|_| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
-        let done = self.round(args.comm, op, &[kind::DONE])?;
-        if done.iter().any(|d| d.first() != Some(&kind::DONE)) {
-            return Err(Error::CollectiveMismatch {
-                op,
-                detail: "a peer is at another step of its calls on this communicator".into(),
-            });
-        }
+        let done = self.round(args.comm, op, &Step::Done)?;
+        at_step(op, done, |s| matches!(s, Step::Done).then_some(()))?;
         verdict
     }
 
     /// `len` bytes of peer `peer`'s segment in `window`, at `offset`.
     fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
-        let w = window.handle::<ShmWindow>().ok_or(Error::Internal {
-            what: "a window of another backend reached the shared-memory backend".into(),
-        })?;
-        let Some(Some(map)) = w.peers.get(peer) else {
-            return Err(Error::Internal {
-                what: format!("window {} has no mapping of rank {peer}", window.ordinal()),
-            });
-        };
+        let map = peer_map(window, peer)?;
         let range = bounds(map.len() as u64, offset, len)?;
         let mut out = vec![0u8; range.len()];
         // SAFETY: `range` lies inside the peer's mapping (checked by `bounds`); the
@@ -334,14 +287,7 @@ impl ShmBackend {
 impl ShmBackend {
     /// Write `data` into peer `peer`'s segment in `window`, at `offset`.
     fn peer_write(window: &Window, peer: usize, offset: u64, data: &[u8]) -> Result<()> {
-        let w = window.handle::<ShmWindow>().ok_or(Error::Internal {
-            what: "a window of another backend reached the shared-memory backend".into(),
-        })?;
-        let Some(Some(map)) = w.peers.get(peer) else {
-            return Err(Error::Internal {
-                what: format!("window {} has no mapping of rank {peer}", window.ordinal()),
-            });
-        };
+        let map = peer_map(window, peer)?;
         let range = bounds(map.len() as u64, offset, data.len() as u64)?;
         let dst = map.as_mut_ptr().wrapping_add(range.start);
         // SAFETY: `dst..dst + data.len()` lies inside the peer's live mapping (checked
@@ -355,8 +301,12 @@ impl ShmBackend {
 
 /// This rank's mapping of a region's bytes.
 fn local_ptr(region: &Region<'_>) -> Result<(*mut u8, std::ops::Range<usize>)> {
-    let mem = memory_of(region.segment())?;
-    let range = bounds(mem.size_bytes, region.offset_bytes(), region.len_bytes())?;
+    let mem = memory_of::<ShmMemory>(region.segment())?;
+    let range = bounds(
+        region.segment().size_bytes(),
+        region.offset_bytes(),
+        region.len_bytes(),
+    )?;
     Ok((mem.map.as_mut_ptr(), range))
 }
 
@@ -383,11 +333,8 @@ fn write_local(region: &Region<'_>, data: &[u8]) -> Result<()> {
 
 impl SegmentProvider for ShmBackend {
     fn allocate(&self, size_bytes: u64) -> Result<Segment> {
-        reserve(&self.reserved, size_bytes, self.config.max_reserved_bytes)?;
-        let undo = |e: Error| {
-            self.reserved.fetch_sub(size_bytes, Ordering::Relaxed);
-            e
-        };
+        // Given back when the segment goes, or at once if making it fails.
+        let reservation = reserve(&self.reserved, size_bytes, self.config.max_reserved_bytes)?;
         let oom = |message: String| Error::DeviceOutOfMemory {
             segment_bytes: size_bytes,
             op: "memfd_create",
@@ -397,55 +344,53 @@ impl SegmentProvider for ShmBackend {
         let memfd = memfd::MemfdOptions::default()
             .close_on_exec(true)
             .create("symmpool-segment")
-            .map_err(|e| undo(oom(e.to_string())))?;
+            .map_err(|e| oom(e.to_string()))?;
         let file = memfd.into_file();
         file.set_len(size_bytes)
-            .map_err(|e| undo(oom(format!("sizing the segment: {e}"))))?;
-        let map = MmapRaw::map_raw(&file).map_err(|e| undo(oom(format!("mapping: {e}"))))?;
-        Ok(Segment::new(Box::new(ShmMemory {
-            file,
-            map,
-            size_bytes,
-            reserved: self.reserved.clone(),
-        })))
+            .map_err(|e| oom(format!("sizing the segment: {e}")))?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| oom(format!("mapping: {e}")))?;
+        Ok(HostSegment::segment(ShmMemory { file, map }, reservation))
     }
 
     unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
-        let mem = memory_of(segment)?;
+        const OP: &str = "window registration";
+        let mem = memory_of::<ShmMemory>(segment)?;
+        let size_bytes = segment.size_bytes();
         let (_, serial) = self.comm(comm)?;
-        let _serial = lock(serial);
-        let mine = [
-            kind::REGISTER,
-            u64::from(std::process::id()),
-            mem.file.as_raw_fd() as u64,
-            mem.size_bytes,
-        ];
-        let all = self.round(comm, "window registration", &mine)?;
+        let _serial = serial.lock();
+        let mine = Step::Register {
+            pid: std::process::id(),
+            fd: mem.file.as_raw_fd(),
+            size_bytes,
+        };
+        let all = self.round(comm, OP, &mine)?;
         let ordinal = {
-            let mut o = lock(&self.ordinals);
+            let mut o = self.ordinals.lock();
             o[comm] += 1;
             o[comm]
         };
-        if all.iter().any(|p| p.len() != 4 || p[0] != kind::REGISTER) {
-            return Err(Error::CollectiveMismatch {
-                op: "window registration",
-                detail: "a peer is at another step of its calls on this communicator".into(),
-            });
-        }
-        let sizes: Vec<u64> = all.iter().map(|p| p[3]).collect();
-        if sizes.iter().any(|&s| s != mem.size_bytes) {
+        let all = at_step(OP, all, |s| match s {
+            Step::Register {
+                pid,
+                fd,
+                size_bytes,
+            } => Some((pid, fd, size_bytes)),
+            _ => None,
+        })?;
+        let sizes: Vec<u64> = all.iter().map(|p| p.2).collect();
+        if sizes.iter().any(|&s| s != size_bytes) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
         }
         if !self.config.symmetric {
             return Ok(None);
         }
         let mut peers = Vec::with_capacity(self.world);
-        for (r, p) in all.iter().enumerate() {
+        for (r, (pid, fd, _)) in all.iter().enumerate() {
             if r == self.rank {
                 peers.push(None);
                 continue;
             }
-            let path = format!("/proc/{}/fd/{}", p[1], p[2]);
+            let path = format!("/proc/{pid}/fd/{fd}");
             let file = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -455,7 +400,7 @@ impl SegmentProvider for ShmBackend {
                 })?;
             let map = MmapRaw::map_raw(&file)
                 .map_err(|e| shm_error("mapping a peer's segment", format!("rank {r}"), e))?;
-            if map.len() as u64 != mem.size_bytes {
+            if map.len() as u64 != size_bytes {
                 return Err(Error::RegistrationMismatch { ordinal, sizes });
             }
             peers.push(Some(map));
@@ -510,7 +455,12 @@ impl ShmBackend {
         for k in 0..pieces {
             let lo = (k * DATA_PIECE_BYTES).min(mine.len());
             let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
-            let got = self.data_round(c, op, &mine[lo..hi])?;
+            let piece = Step::Data(mine[lo..hi].to_vec());
+            let got = self.round(c, op, &piece)?;
+            let got = at_step(op, got, |s| match s {
+                Step::Data(bytes) => Some(bytes),
+                _ => None,
+            })?;
             for (r, piece) in got.into_iter().enumerate() {
                 if piece.len() != hi - lo {
                     return Err(Error::CollectiveMismatch {
@@ -534,7 +484,7 @@ impl Collectives for ShmBackend {
         const OP: &str = "all_gather";
         let chunk = args.check_counts(OP, self.world, false)?;
         let me = self.rank as u64;
-        self.collective(args, OP, false, |_| {
+        self.collective(args, OP, false, || {
             let mut mine = vec![0u8; chunk as usize];
             read_local(&args.send, &mut mine)?;
             match args.windows.1 {
@@ -565,7 +515,7 @@ impl Collectives for ShmBackend {
         const OP: &str = "reduce_scatter";
         let chunk = args.check_counts(OP, self.world, true)?;
         let me = self.rank as u64;
-        self.collective(args, OP, true, |_| {
+        self.collective(args, OP, true, || {
             let inputs: Vec<Vec<u8>> = match args.windows {
                 (Some(send_window), _) => (0..self.world)
                     .map(|p| {

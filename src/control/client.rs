@@ -1,201 +1,23 @@
 //! [`StoreExchange`]: an [`Exchange`] over the TCP store, one process per rank.
 
-use super::env::Launch;
+use super::config::StoreConfig;
 use super::store::StoreServer;
 use super::wire::{
-    self, Broken, Cause, FRAME_OVERHEAD_BYTES, FrameReader, MAX_HANDSHAKE_FRAME_BYTES,
-    PER_PAYLOAD_OVERHEAD_BYTES, PREFACE_BYTES, ReadError, ToClient, ToServer,
+    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
+    ToClient, ToServer,
 };
-use super::{ChannelId, Exchange, deadline_after, open_channel_with};
+use super::{ChannelId, Exchange, Rounds};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
-
-/// Settings of a [`StoreExchange`] (and of the [`StoreServer`] that rank 0 hosts).
-#[derive(Clone)]
-pub struct StoreConfig {
-    /// Who this rank is and where the store is.
-    pub launch: Launch,
-    /// Whether this rank hosts the server (default: rank 0 does).
-    pub host_server: bool,
-    /// Where the hosted server listens (default: every interface, on
-    /// `launch.master_port`).
-    pub bind_addr: Option<SocketAddr>,
-    /// Shared secret every rank must present (env `SYMMPOOL_TOKEN`); `None`: none.
-    pub token: Option<String>,
-    /// How long connecting, the handshake and the wait for every rank to join may take
-    /// (ranks of real jobs start minutes apart; default 10 min). Connecting is retried
-    /// until then. Env `SYMMPOOL_STARTUP_TIMEOUT_MS`.
-    pub startup_timeout: Duration,
-    /// How long the server waits for a new connection to complete its handshake
-    /// before closing it (default 30 s). Env `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
-    pub handshake_timeout: Duration,
-    /// How often clients and server send heartbeats (default 1 s). Env
-    /// `SYMMPOOL_HEARTBEAT_INTERVAL_MS`.
-    pub heartbeat_interval: Duration,
-    /// Silence after which a peer is declared lost (default 5 s). Env
-    /// `SYMMPOOL_HEARTBEAT_TIMEOUT_MS`.
-    pub heartbeat_timeout: Duration,
-    /// Largest frame accepted after the handshake (default 16 MiB); bounds payloads,
-    /// see [`max_payload_bytes`](Self::max_payload_bytes).
-    pub max_frame_bytes: usize,
-    /// How long the hosting rank's exchange, when dropped, waits for the other ranks
-    /// to disconnect before stopping the server, so they can read the last results
-    /// (default 10 s).
-    pub linger: Duration,
-    /// How long a thread waiting on the store (for a round's result, for the other
-    /// ranks to join) polls its socket before each blocking read (default 50 µs, at
-    /// most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at once). Waking a blocked
-    /// thread costs tens of microseconds, several times a round's own work when the
-    /// ranks arrive together. Env `SYMMPOOL_SPIN_US`.
-    pub spin: Duration,
-    /// How long the hosting rank's server polls in each rank's thread: for a round's
-    /// result after the rank contributed, and for the rank's next frame before each
-    /// blocking read (so up to twice this per round). `None`
-    /// (default): [`spin`](Self::spin) where the ranks number at most half of the
-    /// host's cores, else zero (polling threads would take the cores of the threads
-    /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
-    /// `SYMMPOOL_SERVER_SPIN_US`.
-    pub server_spin: Option<Duration>,
-}
-
-impl fmt::Debug for StoreConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreConfig")
-            .field("launch", &self.launch)
-            .field("host_server", &self.host_server)
-            .field("bind_addr", &self.bind_addr)
-            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
-            .field("startup_timeout", &self.startup_timeout)
-            .field("handshake_timeout", &self.handshake_timeout)
-            .field("heartbeat_interval", &self.heartbeat_interval)
-            .field("heartbeat_timeout", &self.heartbeat_timeout)
-            .field("max_frame_bytes", &self.max_frame_bytes)
-            .field("linger", &self.linger)
-            .field("spin", &self.spin)
-            .field("server_spin", &self.server_spin)
-            .finish()
-    }
-}
-
-impl StoreConfig {
-    /// The largest [`spin`](Self::spin) and [`server_spin`](Self::server_spin)
-    /// accepted: a rank's server thread does not read
-    /// its socket while it polls for a result, so polling must stay far below the
-    /// heartbeat interval.
-    pub const MAX_SPIN: Duration = Duration::from_millis(1);
-
-    /// Defaults for `launch` (see the fields).
-    pub fn new(launch: Launch) -> StoreConfig {
-        StoreConfig {
-            host_server: launch.rank == 0,
-            launch,
-            bind_addr: None,
-            token: None,
-            startup_timeout: Duration::from_secs(600),
-            handshake_timeout: Duration::from_secs(30),
-            heartbeat_interval: Duration::from_secs(1),
-            heartbeat_timeout: Duration::from_secs(5),
-            max_frame_bytes: 16 << 20,
-            linger: Duration::from_secs(10),
-            spin: Duration::from_micros(50),
-            server_spin: None,
-        }
-    }
-
-    /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN` and the
-    /// optional `SYMMPOOL_*_MS` and `SYMMPOOL_*SPIN_US` settings named on the fields.
-    ///
-    /// # Errors
-    /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
-    pub fn from_env() -> Result<StoreConfig> {
-        Self::from_vars(&|k| std::env::var(k).ok())
-    }
-
-    /// As [`from_env`](Self::from_env), reading variables through `get`.
-    ///
-    /// # Errors
-    /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
-    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<StoreConfig> {
-        let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
-        cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
-        let whole = |name: &str, unit: &str| -> Result<Option<u64>> {
-            get(name)
-                .map(|v| {
-                    v.trim().parse().map_err(|_| Error::LaunchEnv {
-                        variable: name.to_string(),
-                        detail: format!("{v:?} is not a whole number of {unit}"),
-                    })
-                })
-                .transpose()
-        };
-        let ms = |name: &str, slot: &mut Duration| -> Result<()> {
-            if let Some(n) = whole(name, "milliseconds")? {
-                *slot = Duration::from_millis(n);
-            }
-            Ok(())
-        };
-        let spin = |name: &str| -> Result<Option<Duration>> {
-            match whole(name, "microseconds")? {
-                Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(Error::LaunchEnv {
-                    variable: name.to_string(),
-                    detail: format!(
-                        "{n} µs is more than the largest accepted, {} µs",
-                        Self::MAX_SPIN.as_micros()
-                    ),
-                }),
-                n => Ok(n.map(Duration::from_micros)),
-            }
-        };
-        if let Some(d) = spin("SYMMPOOL_SPIN_US")? {
-            cfg.spin = d;
-        }
-        cfg.server_spin = spin("SYMMPOOL_SERVER_SPIN_US")?;
-        ms("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout)?;
-        ms("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout)?;
-        ms(
-            "SYMMPOOL_HEARTBEAT_INTERVAL_MS",
-            &mut cfg.heartbeat_interval,
-        )?;
-        ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
-        Ok(cfg)
-    }
-
-    /// The largest payload one rank may contribute to a round: a round's result, all
-    /// ranks' payloads, must fit in one frame.
-    pub fn max_payload_bytes(&self) -> usize {
-        (self.max_frame_bytes.saturating_sub(FRAME_OVERHEAD_BYTES) / self.launch.world_size.max(1))
-            .saturating_sub(PER_PAYLOAD_OVERHEAD_BYTES)
-    }
-
-    pub(crate) fn check(&self) -> Result<()> {
-        let bad = |what: &str| Err(Error::InvalidConfig(format!("store: {what}")));
-        if self.heartbeat_interval.is_zero() || self.heartbeat_timeout <= self.heartbeat_interval {
-            return bad("heartbeat_timeout must exceed a non-zero heartbeat_interval");
-        }
-        if self.max_frame_bytes < MAX_HANDSHAKE_FRAME_BYTES
-            || self.max_frame_bytes > u32::MAX as usize
-        {
-            return bad("max_frame_bytes must be between 4 KiB and 4 GiB");
-        }
-        if self.handshake_timeout.is_zero() {
-            return bad("handshake_timeout must not be zero");
-        }
-        if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
-            return bad(&format!(
-                "spin (SYMMPOOL_SPIN_US) and server_spin (SYMMPOOL_SERVER_SPIN_US) must be at most {} µs",
-                Self::MAX_SPIN.as_micros()
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// An [`Exchange`] among processes over the crate's TCP store.
 ///
@@ -217,8 +39,7 @@ pub struct StoreExchange {
     shared: Arc<ClientShared>,
     reader: Option<JoinHandle<()>>,
     server: Option<StoreServer>,
-    rounds: Mutex<HashMap<ChannelId, u64>>,
-    channels: Mutex<u64>,
+    rounds: Rounds,
     ops: Mutex<Vec<&'static str>>,
     max_payload_bytes: usize,
     linger: Duration,
@@ -308,17 +129,13 @@ impl fmt::Debug for StoreExchange {
 }
 
 impl ClientShared {
-    fn inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     fn server_lost(&self, detail: String) {
-        self.inbox().server_lost(detail);
+        self.inbox.lock().server_lost(detail);
         self.cv.notify_all();
     }
 
     fn send(&self, frame: &[u8]) -> std::io::Result<()> {
-        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.writer.lock();
         wire::send(&mut *w, frame)
     }
 
@@ -338,7 +155,7 @@ impl ClientShared {
         inbox.read_timeout = limit;
         drop(inbox);
         let got = {
-            let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+            let mut reader = self.reader.lock();
             let before = reader.bytes_read();
             let got = match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
                 Ok(()) => match reader.spin_frame(spin) {
@@ -350,7 +167,7 @@ impl ClientShared {
             (got, reader.bytes_read() > before)
         };
         let (got, progressed) = got;
-        let mut inbox = self.inbox();
+        let mut inbox = self.inbox.lock();
         inbox.reader_busy = false;
         let now = Instant::now();
         inbox.last_read = now;
@@ -413,19 +230,18 @@ impl ClientShared {
     /// else is.
     fn wait_until(
         &self,
-        deadline: Instant,
+        deadline: Deadline,
         mut done: impl FnMut(&mut Inbox) -> bool,
     ) -> MutexGuard<'_, Inbox> {
-        let mut inbox = self.inbox();
+        let mut inbox = self.inbox.lock();
         loop {
             if done(&mut inbox) {
                 return inbox;
             }
-            let now = Instant::now();
-            if now >= deadline {
+            let left = deadline.remaining();
+            if left.is_zero() {
                 return inbox;
             }
-            let left = deadline - now;
             if !inbox.reader_busy && !inbox.reader_done {
                 // The blocking read waits only for what polling leaves of `left`, so
                 // the deadline is overshot by at most the socket timeout's floor of
@@ -433,11 +249,7 @@ impl ClientShared {
                 let spin = self.spin.min(left);
                 inbox = self.read_once(inbox, spin, (left - spin).min(self.heartbeat_interval));
             } else {
-                inbox = self
-                    .cv
-                    .wait_timeout(inbox, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+                self.cv.wait_for(&mut inbox, left);
             }
         }
     }
@@ -450,7 +262,7 @@ fn background_loop(shared: &ClientShared) {
     let heartbeat = wire::encode(&ToServer::Heartbeat);
     let interval = shared.heartbeat_interval;
     let mut last_sent = Instant::now();
-    let mut inbox = shared.inbox();
+    let mut inbox = shared.inbox.lock();
     loop {
         if shared.closing.load(Ordering::SeqCst) || inbox.reader_done {
             return;
@@ -468,7 +280,7 @@ fn background_loop(shared: &ClientShared) {
                 }
                 return;
             }
-            inbox = shared.inbox();
+            inbox = shared.inbox.lock();
             continue;
         }
         let silent = now.saturating_duration_since(inbox.last_heard);
@@ -484,16 +296,10 @@ fn background_loop(shared: &ClientShared) {
         if !inbox.reader_busy && unattended {
             inbox = shared.read_once(inbox, Duration::ZERO, until_heartbeat);
         } else {
-            inbox = shared
-                .bg_cv
-                .wait_timeout(
-                    inbox,
-                    until_heartbeat
-                        .min(interval / 2)
-                        .max(Duration::from_millis(1)),
-                )
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            let nap = until_heartbeat
+                .min(interval / 2)
+                .max(Duration::from_millis(1));
+            shared.bg_cv.wait_for(&mut inbox, nap);
         }
     }
 }
@@ -552,7 +358,7 @@ impl StoreExchange {
 
     fn start(config: StoreConfig, server: Option<StoreServer>) -> Result<StoreExchange> {
         let started = Instant::now();
-        let deadline = deadline_after(started, config.startup_timeout);
+        let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;
         let targets: Vec<String> = match &server {
             Some(s) => {
@@ -596,7 +402,7 @@ impl StoreExchange {
             .try_clone()
             .map_err(transport("store handshake", target.clone()))?;
         let mut reader = FrameReader::new(read_half, MAX_HANDSHAKE_FRAME_BYTES);
-        let hs_deadline = deadline.min(Instant::now() + config.handshake_timeout);
+        let hs_deadline = deadline.cap(config.handshake_timeout);
         let proto = |detail: String| Error::Protocol {
             op: "store handshake",
             detail,
@@ -649,8 +455,7 @@ impl StoreExchange {
             shared,
             reader: Some(handle),
             server,
-            rounds: Mutex::new(HashMap::new()),
-            channels: Mutex::new(0),
+            rounds: Rounds::default(),
             ops: Mutex::new(vec!["store start-up", "open_channel"]),
             max_payload_bytes: config.max_payload_bytes(),
             linger: config.linger,
@@ -686,7 +491,7 @@ impl StoreExchange {
     /// A static name for a remote op name, when this rank has used the same one (all
     /// ranks run the same program, so it almost always has).
     fn intern(&self, op: &str) -> &'static str {
-        let ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let ops = self.ops.lock();
         ops.iter()
             .copied()
             .find(|o| *o == op)
@@ -694,7 +499,7 @@ impl StoreExchange {
     }
 
     fn remember(&self, op: &'static str) {
-        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ops = self.ops.lock();
         if !ops.contains(&op) {
             ops.push(op);
         }
@@ -716,7 +521,7 @@ impl StoreExchange {
 }
 
 /// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`.
-fn connect_retrying(target: &str, deadline: Instant, startup: Duration) -> Result<TcpStream> {
+fn connect_retrying(target: &str, deadline: Deadline, startup: Duration) -> Result<TcpStream> {
     let mut delay = Duration::from_millis(20);
     loop {
         let err = match target.to_socket_addrs() {
@@ -727,7 +532,7 @@ fn connect_retrying(target: &str, deadline: Instant, startup: Duration) -> Resul
                 );
                 let mut got = None;
                 for a in addrs {
-                    let left = deadline.saturating_duration_since(Instant::now());
+                    let left = deadline.remaining();
                     let limit = left.clamp(Duration::from_millis(1), Duration::from_secs(10));
                     match TcpStream::connect_timeout(&a, limit) {
                         Ok(s) => {
@@ -744,7 +549,7 @@ fn connect_retrying(target: &str, deadline: Instant, startup: Duration) -> Resul
             }
             Err(e) => e,
         };
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.remaining();
         if left.is_zero() {
             return Err(Error::Transport {
                 op: "connecting to the store",
@@ -768,13 +573,14 @@ impl Exchange for StoreExchange {
         self.world
     }
 
-    fn all_gather(
+    fn all_gather_until(
         &self,
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
-        timeout: Duration,
+        deadline: Deadline,
     ) -> Result<Vec<Vec<u8>>> {
+        let started = Instant::now();
         if payload.len() > self.max_payload_bytes {
             return Err(Error::PayloadTooLarge {
                 payload_bytes: payload.len(),
@@ -782,16 +588,10 @@ impl Exchange for StoreExchange {
             });
         }
         self.remember(op);
-        let deadline = deadline_after(Instant::now(), timeout);
-        if let Some(b) = &self.shared.inbox().broken {
+        if let Some(b) = &self.shared.inbox.lock().broken {
             return Err(self.error_for(b, op));
         }
-        let round = {
-            let mut rounds = self.rounds.lock().unwrap_or_else(|p| p.into_inner());
-            let r = rounds.entry(channel).or_insert(0);
-            *r += 1;
-            *r
-        };
+        let round = self.rounds.next(channel);
         let key = (channel.ordinal(), round);
         let wire_op: String = op.chars().take(200).collect();
         let frame = wire::encode(&ToServer::Contribute {
@@ -824,14 +624,14 @@ impl Exchange for StoreExchange {
             op: wire_op,
         }));
         let answer_by =
-            Instant::now() + self.shared.heartbeat_timeout + self.shared.heartbeat_interval;
+            Deadline::after(self.shared.heartbeat_timeout + self.shared.heartbeat_interval);
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
         if let Some(b) = inbox.broken.clone() {
             return Err(match b.cause {
                 Cause::Timeout { missing } if b.rank as usize == self.rank => Error::Timeout {
                     op,
-                    waited: timeout,
+                    waited: started.elapsed(),
                     missing_ranks: missing.into_iter().map(|r| r as usize).collect(),
                 },
                 _ => self.error_for(&b, op),
@@ -848,13 +648,13 @@ impl Exchange for StoreExchange {
         self.shared.cv.notify_all();
         Err(Error::Timeout {
             op,
-            waited: timeout,
+            waited: started.elapsed(),
             missing_ranks: Vec::new(),
         })
     }
 
-    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
-        open_channel_with(self, &self.channels, name, timeout)
+    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
+        self.rounds.open(self, name, deadline)
     }
 }
 
@@ -865,7 +665,7 @@ impl Drop for StoreExchange {
         self.shared.bg_cv.notify_all();
         let _ = self.shared.send(&wire::encode(&ToServer::Bye));
         {
-            let w = self.shared.writer.lock().unwrap_or_else(|p| p.into_inner());
+            let w = self.shared.writer.lock();
             let _ = w.shutdown(Shutdown::Write);
         }
         if let Some(h) = self.reader.take() {

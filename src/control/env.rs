@@ -357,106 +357,29 @@ mod tests {
             ),
             "MASTER_PORT"
         );
-        let mut v = vec![("RANK", "2"), ("WORLD_SIZE", "2")];
-        v.extend(MASTER);
-        assert_eq!(variable(launch(&v).unwrap_err()), "RANK");
-        let mut v = vec![
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
-            ("SLURM_LOCALID", "-1"),
-        ];
-        v.extend(MASTER);
-        assert_eq!(variable(launch(&v).unwrap_err()), "SLURM_LOCALID");
-        let mut v = vec![
-            ("OMPI_COMM_WORLD_RANK", "0"),
-            ("OMPI_COMM_WORLD_SIZE", "4"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
-        ];
-        v.extend(MASTER);
+        let refused = |vars: &[(&'static str, &'static str)]| {
+            let v: Vec<_> = vars.iter().chain(&MASTER).copied().collect();
+            variable(launch(&v).unwrap_err())
+        };
+        assert_eq!(refused(&[("RANK", "2"), ("WORLD_SIZE", "2")]), "RANK");
         assert_eq!(
-            variable(launch(&v).unwrap_err()),
+            refused(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_LOCALID", "-1"),
+            ]),
+            "SLURM_LOCALID"
+        );
+        assert_eq!(
+            refused(&[
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "4"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ]),
             "OMPI_COMM_WORLD_LOCAL_RANK"
         );
         assert!(Launch::explicit(0, 0, "h", 1).is_err());
         assert!(Launch::explicit(1, 2, "h", 1).is_ok());
-    }
-
-    #[test]
-    fn store_config_reads_token_and_timeouts() {
-        use crate::control::StoreConfig;
-        use std::time::Duration;
-        let vars: HashMap<&str, &str> = [
-            ("RANK", "1"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "1234"),
-            ("SYMMPOOL_TOKEN", "s3cret"),
-            ("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", "2500"),
-        ]
-        .into_iter()
-        .collect();
-        let cfg = StoreConfig::from_vars(&|k| vars.get(k).map(|v| v.to_string())).unwrap();
-        assert_eq!(cfg.token.as_deref(), Some("s3cret"));
-        assert!(!cfg.host_server);
-        assert_eq!(cfg.heartbeat_timeout, Duration::from_millis(2500));
-        assert!(
-            !format!("{cfg:?}").contains("s3cret"),
-            "the token is not logged"
-        );
-        let bad: HashMap<&str, &str> = [("SYMMPOOL_HEARTBEAT_INTERVAL_MS", "soon")]
-            .into_iter()
-            .chain(vars.iter().map(|(k, v)| (*k, *v)))
-            .collect();
-        let e = StoreConfig::from_vars(&|k| bad.get(k).map(|v| v.to_string())).unwrap_err();
-        assert_eq!(variable(e), "SYMMPOOL_HEARTBEAT_INTERVAL_MS");
-    }
-
-    #[test]
-    fn store_config_reads_the_spin_times_and_bounds_them() {
-        use crate::control::StoreConfig;
-        use std::time::Duration;
-        let with = |name: &str, value: &str| {
-            let vars: HashMap<&str, &str> = [
-                ("RANK", "0"),
-                ("WORLD_SIZE", "2"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", "1234"),
-                (name, value),
-            ]
-            .into_iter()
-            .collect();
-            StoreConfig::from_vars(&|k| vars.get(k).map(|v| v.to_string()))
-        };
-        let spin = "SYMMPOOL_SPIN_US";
-        let server = "SYMMPOOL_SERVER_SPIN_US";
-        assert_eq!(with(spin, "0").unwrap().spin, Duration::ZERO);
-        assert_eq!(with(spin, "0").unwrap().server_spin, None);
-        assert_eq!(with(spin, "1000").unwrap().spin, StoreConfig::MAX_SPIN);
-        let s = with(server, "0").unwrap();
-        assert_eq!(
-            (s.spin, s.server_spin),
-            (Duration::from_micros(50), Some(Duration::ZERO))
-        );
-        assert_eq!(
-            with(server, "1000").unwrap().server_spin,
-            Some(StoreConfig::MAX_SPIN)
-        );
-        for name in [spin, server] {
-            for bad in ["1001", "-1", "50us", ""] {
-                assert_eq!(variable(with(name, bad).unwrap_err()), name, "{bad:?}");
-            }
-        }
-        // Set in code past the bound: refused where the store starts.
-        for (client, server) in [(3_000_000, 0), (0, 1001)] {
-            let mut cfg = with(spin, "0").unwrap();
-            cfg.spin = Duration::from_micros(client);
-            cfg.server_spin = Some(Duration::from_micros(server));
-            let e = crate::control::StoreServer::bind("127.0.0.1:0", &cfg).unwrap_err();
-            assert!(
-                matches!(e, crate::Error::InvalidConfig(ref m) if m.contains("spin")),
-                "{e}"
-            );
-        }
     }
 }

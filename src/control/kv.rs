@@ -24,11 +24,13 @@
 //! [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
 //! round trip of that moment. A timeout on any rank breaks the group for good.
 
-use super::{ChannelId, Exchange, deadline_after, open_channel_with};
+use super::{ChannelId, Exchange, Rounds};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use std::collections::{HashMap, HashSet};
+use parking_lot::Mutex;
+use std::collections::HashSet;
 use std::fmt;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The key-value store a [`KvExchange`] runs over: the operations of PyTorch's
@@ -130,10 +132,8 @@ pub struct KvExchange<S: KvStore> {
     rank: usize,
     world: usize,
     config: KvConfig,
-    /// The next round of each channel.
-    rounds: Mutex<HashMap<ChannelId, u64>>,
-    /// The channel counter of `open_channel`.
-    channels: Mutex<u64>,
+    /// The round counters of the channels.
+    rounds: Rounds,
     /// Set once this rank knows the group is broken: (rank that timed out, its op).
     broken: Mutex<Option<(usize, &'static str)>>,
 }
@@ -153,10 +153,7 @@ impl<S: KvStore> fmt::Debug for KvExchange<S> {
 /// the names the crate's own calls use).
 fn intern(name: &str) -> &'static str {
     static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
-    let mut names = NAMES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut names = NAMES.get_or_init(Default::default).lock();
     if let Some(n) = names.get(name) {
         return n;
     }
@@ -187,8 +184,7 @@ impl<S: KvStore> KvExchange<S> {
             rank,
             world: world_size,
             config,
-            rounds: Mutex::new(HashMap::new()),
-            channels: Mutex::new(0),
+            rounds: Rounds::default(),
             broken: Mutex::new(None),
         })
     }
@@ -221,7 +217,7 @@ impl<S: KvStore> KvExchange<S> {
 
     /// The group's broken state: this rank's memory first, then the store's counter.
     fn check_broken(&self) -> Result<()> {
-        let mut broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        let mut broken = self.broken.lock();
         if let Some((rank, op)) = *broken {
             return Err(Error::GroupBroken { rank, op });
         }
@@ -241,7 +237,7 @@ impl<S: KvStore> KvExchange<S> {
 
     /// Break the group after this rank's timeout in `op`.
     fn break_group(&self, op: &'static str, own_key: &str) {
-        *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some((self.rank, op));
+        *self.broken.lock() = Some((self.rank, op));
         let reason = format!("{} {op}", self.rank);
         // Best effort: the timeout is what this rank reports either way.
         let _ = self.store.set(&self.reason_key(), reason.as_bytes());
@@ -259,38 +255,32 @@ impl<S: KvStore> Exchange for KvExchange<S> {
         self.world
     }
 
-    fn all_gather(
+    fn all_gather_until(
         &self,
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
-        timeout: Duration,
+        deadline: Deadline,
     ) -> Result<Vec<Vec<u8>>> {
         let started = Instant::now();
-        let deadline = deadline_after(started, timeout);
         self.check_broken()?;
-        let round = {
-            let mut rounds = self.rounds.lock().unwrap_or_else(|p| p.into_inner());
-            let next = rounds.entry(channel).or_insert(0);
-            *next += 1;
-            *next - 1
-        };
+        // Keys number the rounds from 0.
+        let round = self.rounds.next(channel) - 1;
         let keys: Vec<String> = (0..self.world)
             .map(|k| self.key(channel, round, k))
             .collect();
         let own = &keys[self.rank];
         self.store.set(own, payload)?;
         loop {
-            let now = Instant::now();
             let slice = deadline
-                .saturating_duration_since(now)
+                .remaining()
                 .min(self.config.poll)
                 .max(Duration::from_millis(1));
             if self.store.wait(&keys, slice)? {
                 break;
             }
             self.check_broken()?;
-            if Instant::now() >= deadline {
+            if deadline.expired() {
                 let mut missing = Vec::new();
                 for (k, key) in keys.iter().enumerate() {
                     if !self.store.check(std::slice::from_ref(key))? {
@@ -325,16 +315,17 @@ impl<S: KvStore> Exchange for KvExchange<S> {
         Ok(out)
     }
 
-    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
-        open_channel_with(self, &self.channels, name, timeout)
+    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
+        self.rounds.open(self, name, deadline)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use parking_lot::Condvar;
     use std::collections::HashMap;
-    use std::sync::{Arc, Condvar};
+    use std::sync::Arc;
 
     /// An in-memory store with c10d's semantics.
     #[derive(Debug, Default)]
@@ -345,15 +336,15 @@ mod tests {
 
     impl KvStore for Arc<Mem> {
         fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-            self.map.lock().unwrap().insert(key.into(), value.to_vec());
+            self.map.lock().insert(key.into(), value.to_vec());
             self.cv.notify_all();
             Ok(())
         }
         fn get(&self, key: &str) -> Result<Vec<u8>> {
-            Ok(self.map.lock().unwrap()[key].clone())
+            Ok(self.map.lock()[key].clone())
         }
         fn add(&self, key: &str, delta: i64) -> Result<i64> {
-            let mut m = self.map.lock().unwrap();
+            let mut m = self.map.lock();
             let v = m.get(key).map_or(0, |v| {
                 String::from_utf8_lossy(v).parse::<i64>().unwrap_or(0)
             }) + delta;
@@ -362,21 +353,20 @@ mod tests {
             Ok(v)
         }
         fn wait(&self, keys: &[String], timeout: Duration) -> Result<bool> {
-            let deadline = Instant::now() + timeout;
-            let mut m = self.map.lock().unwrap();
+            let deadline = Deadline::after(timeout);
+            let mut m = self.map.lock();
             loop {
                 if keys.iter().all(|k| m.contains_key(k)) {
                     return Ok(true);
                 }
-                let now = Instant::now();
-                if now >= deadline {
+                if deadline.expired() {
                     return Ok(false);
                 }
-                m = self.cv.wait_timeout(m, deadline - now).unwrap().0;
+                self.cv.wait_until(&mut m, deadline.instant());
             }
         }
         fn delete(&self, key: &str) -> Result<()> {
-            self.map.lock().unwrap().remove(key);
+            self.map.lock().remove(key);
             Ok(())
         }
     }
@@ -405,11 +395,16 @@ mod tests {
                         let want: Vec<Vec<u8>> = (0..3).map(|r| vec![r as u8, round]).collect();
                         assert_eq!(got, want);
                     }
+                    // Endless timeouts: a channel opened and a round gathered with
+                    // `Duration::MAX` return once every rank is there.
+                    let endless = e.open_channel("pool:endless", Duration::MAX).unwrap();
+                    let got = e.all_gather(endless, "t", &[e.rank() as u8], Duration::MAX);
+                    assert_eq!(got.unwrap(), vec![vec![0], vec![1], vec![2]]);
                 });
             }
         });
         // Only the last round's keys of the channel remain.
-        let map = mem.map.lock().unwrap();
+        let map = mem.map.lock();
         let keys: Vec<_> = map.keys().filter(|k| k.starts_with("t/1/")).collect();
         assert_eq!(keys.len(), 3, "{keys:?}");
     }

@@ -1,108 +1,10 @@
 //! [`LocalExchange`]: the ranks are threads of one process.
 
-use super::{ChannelId, Exchange, deadline_after, open_channel_with};
-use crate::error::{Error, Result};
-use std::collections::{BTreeMap, HashMap};
+use super::{ChannelId, Exchange, Rendezvous, Rounds};
+use crate::deadline::Deadline;
+use crate::error::Result;
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
-
-/// Rounds of a gather among the threads of one process, matched by (channel, round).
-/// A round is dropped once every rank has read it.
-///
-/// A timeout breaks the group for good: the rank that timed out withdraws its post
-/// (so no late peer pairs with it) and every later or still-waiting gather, on every
-/// channel, fails with [`Error::GroupBroken`].
-struct Rendezvous {
-    world: usize,
-    state: Mutex<RvState>,
-    cv: Condvar,
-}
-
-struct RvState {
-    rounds: BTreeMap<(ChannelId, u64), Round>,
-    /// The rank that timed out first, and in what.
-    broken: Option<(usize, &'static str)>,
-}
-
-struct Round {
-    posted: Vec<Option<Vec<u8>>>,
-    read: usize,
-}
-
-impl Rendezvous {
-    fn gather(
-        &self,
-        op: &'static str,
-        rank: usize,
-        key: (ChannelId, u64),
-        value: &[u8],
-        timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>> {
-        let deadline = deadline_after(Instant::now(), timeout);
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((by, what)) = state.broken {
-            return Err(Error::GroupBroken { rank: by, op: what });
-        }
-        let world = self.world;
-        let entry = state.rounds.entry(key).or_insert_with(|| Round {
-            posted: vec![None; world],
-            read: 0,
-        });
-        entry.posted[rank] = Some(value.to_vec());
-        self.cv.notify_all();
-        loop {
-            if let Some(r) = state.rounds.get_mut(&key)
-                && r.posted.iter().all(Option::is_some)
-            {
-                let out: Vec<Vec<u8>> = r.posted.iter().flatten().cloned().collect();
-                r.read += 1;
-                if r.read == world {
-                    state.rounds.remove(&key);
-                }
-                return Ok(out);
-            }
-            if let Some((by, what)) = state.broken {
-                Self::withdraw(&mut state, key, rank);
-                return Err(Error::GroupBroken { rank: by, op: what });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing = state.rounds.get(&key).map_or_else(Vec::new, |r| {
-                    r.posted
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| p.is_none())
-                        .map(|(i, _)| i)
-                        .collect()
-                });
-                Self::withdraw(&mut state, key, rank);
-                state.broken = Some((rank, op));
-                self.cv.notify_all();
-                return Err(Error::Timeout {
-                    op,
-                    waited: timeout,
-                    missing_ranks: missing,
-                });
-            }
-            state = self
-                .cv
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-    }
-
-    /// Take `rank`'s post out of the round (dropping the round once empty).
-    fn withdraw(state: &mut RvState, key: (ChannelId, u64), rank: usize) {
-        if let Some(r) = state.rounds.get_mut(&key) {
-            r.posted[rank] = None;
-            if r.posted.iter().all(Option::is_none) {
-                state.rounds.remove(&key);
-            }
-        }
-    }
-}
+use std::sync::Arc;
 
 /// An [`Exchange`] among ranks that are threads of one process.
 ///
@@ -110,9 +12,9 @@ impl Rendezvous {
 /// rank's thread. Payloads have no size limit beyond memory.
 pub struct LocalExchange {
     rank: usize,
-    shared: Arc<Rendezvous>,
-    rounds: Mutex<HashMap<ChannelId, u64>>,
-    channels: Mutex<u64>,
+    /// The group's rounds, matched by (channel, round).
+    shared: Arc<Rendezvous<(ChannelId, u64), Vec<u8>>>,
+    rounds: Rounds,
 }
 
 impl LocalExchange {
@@ -123,33 +25,14 @@ impl LocalExchange {
     #[track_caller]
     pub fn group(world_size: usize) -> Vec<LocalExchange> {
         assert!(world_size > 0, "a group needs at least one rank");
-        let shared = Arc::new(Rendezvous {
-            world: world_size,
-            state: Mutex::new(RvState {
-                rounds: BTreeMap::new(),
-                broken: None,
-            }),
-            cv: Condvar::new(),
-        });
+        let shared = Arc::new(Rendezvous::new(world_size));
         (0..world_size)
             .map(|rank| LocalExchange {
                 rank,
                 shared: shared.clone(),
-                rounds: Mutex::new(HashMap::new()),
-                channels: Mutex::new(0),
+                rounds: Rounds::default(),
             })
             .collect()
-    }
-
-    /// Rounds still held by the group (for tests: nothing leaks after timeouts).
-    #[cfg(test)]
-    fn rounds_held(&self) -> usize {
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .rounds
-            .len()
     }
 }
 
@@ -157,7 +40,7 @@ impl fmt::Debug for LocalExchange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LocalExchange")
             .field("rank", &self.rank)
-            .field("world_size", &self.shared.world)
+            .field("world_size", &self.shared.world_size())
             .finish()
     }
 }
@@ -168,34 +51,32 @@ impl Exchange for LocalExchange {
     }
 
     fn world_size(&self) -> usize {
-        self.shared.world
+        self.shared.world_size()
     }
 
-    fn all_gather(
+    fn all_gather_until(
         &self,
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
-        timeout: Duration,
+        deadline: Deadline,
     ) -> Result<Vec<Vec<u8>>> {
-        let round = {
-            let mut rounds = self.rounds.lock().unwrap_or_else(|p| p.into_inner());
-            let r = rounds.entry(channel).or_insert(0);
-            *r += 1;
-            *r
-        };
+        let key = (channel, self.rounds.next(channel));
         self.shared
-            .gather(op, self.rank, (channel, round), payload, timeout)
+            .gather(op, self.rank, key, payload.to_vec(), deadline)
     }
 
-    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
-        open_channel_with(self, &self.channels, name, timeout)
+    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
+        self.rounds.open(self, name, deadline)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
+    use std::thread;
+    use std::time::Duration;
 
     #[test]
     fn nothing_is_left_behind_after_a_timeout() {
@@ -209,6 +90,72 @@ mod tests {
             group[1].all_gather(ch, "t", &[8], Duration::from_secs(5)),
             Err(Error::GroupBroken { rank: 0, .. })
         ));
-        assert_eq!(group[0].rounds_held(), 0);
+        assert_eq!(group[0].shared.rounds_held(), 0);
+    }
+
+    #[test]
+    fn endless_timeouts_return_once_every_rank_arrives() {
+        let group = LocalExchange::group(3);
+        thread::scope(|s| {
+            let hs: Vec<_> = group
+                .iter()
+                .map(|ex| {
+                    s.spawn(move || {
+                        let ch = ex.open_channel("endless", Duration::MAX)?;
+                        let mine = [ex.rank() as u8];
+                        ex.all_gather(ch, "endless", &mine, Duration::MAX)
+                    })
+                })
+                .collect();
+            for h in hs {
+                assert_eq!(h.join().unwrap().unwrap(), vec![vec![0], vec![1], vec![2]]);
+            }
+        });
+    }
+
+    #[test]
+    fn different_channels_are_a_mismatch_naming_each_rank() {
+        let group = LocalExchange::group(2);
+        let got: Vec<_> = thread::scope(|s| {
+            let hs: Vec<_> = group
+                .iter()
+                .map(|ex| {
+                    let name = if ex.rank() == 0 { "a" } else { "b" };
+                    s.spawn(move || ex.open_channel(name, Duration::from_secs(5)))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for g in got {
+            match g {
+                Err(Error::ChannelMismatch { opened }) => assert_eq!(
+                    opened,
+                    vec![(0, 1, "a".to_string()), (1, 1, "b".to_string())]
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn an_undecodable_opening_is_an_error_naming_the_rank() {
+        let group = LocalExchange::group(2);
+        let got = thread::scope(|s| {
+            let opener = s.spawn(|| group[0].open_channel("a", Duration::from_secs(5)));
+            let garbage = s.spawn(|| {
+                group[1].all_gather(
+                    ChannelId::CONTROL,
+                    "open_channel",
+                    &[0xff; 3],
+                    Duration::from_secs(5),
+                )
+            });
+            (opener.join().unwrap(), garbage.join().unwrap())
+        });
+        match got.0 {
+            Err(Error::Protocol { detail, .. }) => assert!(detail.contains("rank 1"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(got.1.is_ok());
     }
 }

@@ -41,20 +41,29 @@
 //! this scale.
 
 mod client;
+mod config;
 mod env;
 mod kv;
 mod local;
+mod mailbox;
+mod rendezvous;
 mod store;
 mod wire;
 
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use std::sync::Mutex;
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-pub use client::{StoreConfig, StoreExchange};
+pub use client::StoreExchange;
+pub use config::StoreConfig;
 pub use env::{Launch, LaunchSource};
 pub use kv::{KvConfig, KvExchange, KvStore};
 pub use local::LocalExchange;
+pub(crate) use rendezvous::Rendezvous;
 pub use store::{ServerStats, StoreServer};
 
 /// One independent sequence of all-gather rounds of an [`Exchange`].
@@ -80,6 +89,11 @@ impl ChannelId {
 /// An all-gather of small byte payloads among the ranks of a group, on independent
 /// channels, with deadlines.
 ///
+/// Implementations provide [`all_gather_until`](Self::all_gather_until) and
+/// [`open_channel_until`](Self::open_channel_until), which wait until a [`Deadline`];
+/// [`all_gather`](Self::all_gather) and [`open_channel`](Self::open_channel) take a
+/// timeout instead and make the deadline from it.
+///
 /// # Collective
 /// On each channel, every rank calls [`all_gather`](Self::all_gather) the same number
 /// of times, in the same order; round *k* of a channel on one rank pairs with round
@@ -103,74 +117,140 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     fn world_size(&self) -> usize;
 
     /// Contribute `payload` to the next round of `channel` and return every rank's
-    /// payload of that round, in rank order. `op` names the operation waiting, for
-    /// error messages on every rank. A `timeout` of [`Duration::MAX`] waits forever
-    /// (failure detection still applies).
+    /// payload of that round, in rank order, waiting for the other ranks until
+    /// `deadline` (a [`Deadline::never`] waits forever; failure detection still
+    /// applies). `op` names the operation waiting, for error messages on every rank.
     ///
     /// # Errors
-    /// [`Error::Timeout`] if some rank does not contribute within `timeout` (which
-    /// breaks the group); [`Error::GroupBroken`] or [`Error::PeerLost`] once the group
-    /// is broken; [`Error::PayloadTooLarge`] if `payload` is over the implementation's
-    /// limit (nothing is sent, no round is used).
+    /// [`Error::Timeout`] if some rank does not contribute by `deadline` (which breaks
+    /// the group; `waited` is how long this call waited); [`Error::GroupBroken`] or
+    /// [`Error::PeerLost`] once the group is broken; [`Error::PayloadTooLarge`] if
+    /// `payload` is over the implementation's limit (nothing is sent, no round is
+    /// used).
+    fn all_gather_until(
+        &self,
+        channel: ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        deadline: Deadline,
+    ) -> Result<Vec<Vec<u8>>>;
+
+    /// [`all_gather_until`](Self::all_gather_until) with a deadline `timeout` from now;
+    /// a `timeout` of [`Duration::MAX`] waits forever.
+    ///
+    /// # Errors
+    /// As [`all_gather_until`](Self::all_gather_until).
     fn all_gather(
         &self,
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
         timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>>;
+    ) -> Result<Vec<Vec<u8>>> {
+        self.all_gather_until(channel, op, payload, Deadline::after(timeout))
+    }
 
-    /// Open the next channel. A per-exchange counter gives its ordinal (1, 2, ...);
-    /// the ranks agree, in one round on [`ChannelId::CONTROL`], that they open the same
-    /// ordinal with the same `name`.
+    /// Open the next channel, waiting for the other ranks until `deadline`. A
+    /// per-exchange counter gives its ordinal (1, 2, ...); the ranks agree, in one
+    /// round on [`ChannelId::CONTROL`], that they open the same ordinal with the same
+    /// `name`.
     ///
     /// # Errors
     /// [`Error::ChannelMismatch`] on every rank, naming each rank's (ordinal, name),
     /// when they differ (the counter has still moved on, so later opens keep failing
-    /// the same way); the errors of [`all_gather`](Self::all_gather).
-    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId>;
-}
+    /// the same way); [`Error::Protocol`] naming a rank whose opening does not decode;
+    /// the errors of [`all_gather_until`](Self::all_gather_until).
+    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId>;
 
-/// Far enough to mean "no deadline" for a `Duration::MAX` timeout.
-const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// `now + timeout`, saturating at about a century for endless timeouts.
-pub(crate) fn deadline_after(now: Instant, timeout: Duration) -> Instant {
-    now.checked_add(timeout)
-        .or_else(|| now.checked_add(FOREVER))
-        .unwrap_or(now)
-}
-
-/// [`Exchange::open_channel`] for any implementation, with its channel counter.
-fn open_channel_with(
-    ex: &dyn Exchange,
-    counter: &Mutex<u64>,
-    name: &str,
-    timeout: Duration,
-) -> Result<ChannelId> {
-    let mut next = counter.lock().unwrap_or_else(|p| p.into_inner());
-    *next += 1;
-    let ordinal = *next;
-    let mut payload = Vec::with_capacity(8 + name.len());
-    payload.extend_from_slice(&ordinal.to_le_bytes());
-    payload.extend_from_slice(name.as_bytes());
-    let all = ex.all_gather(ChannelId::CONTROL, "open_channel", &payload, timeout)?;
-    if all.iter().all(|p| *p == payload) {
-        return Ok(ChannelId(ordinal));
+    /// [`open_channel_until`](Self::open_channel_until) with a deadline `timeout` from
+    /// now; a `timeout` of [`Duration::MAX`] waits forever.
+    ///
+    /// # Errors
+    /// As [`open_channel_until`](Self::open_channel_until).
+    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
+        self.open_channel_until(name, Deadline::after(timeout))
     }
-    let opened = all
-        .iter()
+}
+
+/// `now + timeout`, saturating at about a century for endless timeouts: the instant of
+/// [`Deadline::after_from`], for waits outside the control plane that still take an
+/// `Instant`.
+pub(crate) fn deadline_after(now: Instant, timeout: Duration) -> Instant {
+    Deadline::after_from(now, timeout).instant()
+}
+
+/// One all-gather of serde records over `exchange`: `record` is encoded with postcard,
+/// and every rank's record comes back decoded, in rank order.
+///
+/// # Errors
+/// The errors of [`Exchange::all_gather_until`]; [`Error::Protocol`] naming the first
+/// rank whose payload does not decode as a `T` (a rank of another version).
+pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
+    exchange: &dyn Exchange,
+    channel: ChannelId,
+    op: &'static str,
+    record: &T,
+    deadline: Deadline,
+) -> Result<Vec<T>> {
+    let payload = postcard::to_allocvec(record).map_err(|e| Error::Internal {
+        what: format!("encoding the payload of {op}: {e}"),
+    })?;
+    let all = exchange.all_gather_until(channel, op, &payload, deadline)?;
+    all.iter()
         .enumerate()
         .map(|(rank, p)| {
-            let (ord, name) = p.split_at(p.len().min(8));
-            let mut ord_bytes = [0u8; 8];
-            ord_bytes[..ord.len()].copy_from_slice(ord);
-            (
-                rank,
-                u64::from_le_bytes(ord_bytes),
-                String::from_utf8_lossy(name).into_owned(),
-            )
+            postcard::from_bytes(p).map_err(|e| Error::Protocol {
+                op,
+                detail: format!(
+                    "rank {rank}'s payload of {} bytes does not decode: {e}",
+                    p.len()
+                ),
+            })
         })
-        .collect();
-    Err(Error::ChannelMismatch { opened })
+        .collect()
+}
+
+/// What a rank opens in [`Exchange::open_channel_until`]'s round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct ChannelOpening {
+    ordinal: u64,
+    name: String,
+}
+
+/// The round counters every [`Exchange`] implementation keeps: one per channel, and
+/// the counter of opened channels.
+#[derive(Debug, Default)]
+struct Rounds {
+    per_channel: Mutex<HashMap<ChannelId, u64>>,
+    opened: Mutex<u64>,
+}
+
+impl Rounds {
+    /// The number of the next round of `channel` on this rank (1, 2, ...).
+    fn next(&self, channel: ChannelId) -> u64 {
+        let mut rounds = self.per_channel.lock();
+        let r = rounds.entry(channel).or_insert(0);
+        *r += 1;
+        *r
+    }
+
+    /// [`Exchange::open_channel_until`] for any implementation.
+    fn open(&self, ex: &dyn Exchange, name: &str, deadline: Deadline) -> Result<ChannelId> {
+        let mut opened = self.opened.lock();
+        *opened += 1;
+        let mine = ChannelOpening {
+            ordinal: *opened,
+            name: name.to_owned(),
+        };
+        let all = gather_records(ex, ChannelId::CONTROL, "open_channel", &mine, deadline)?;
+        if all.iter().all(|o| *o == mine) {
+            return Ok(ChannelId(mine.ordinal));
+        }
+        let opened = all
+            .into_iter()
+            .enumerate()
+            .map(|(rank, o)| (rank, o.ordinal, o.name))
+            .collect();
+        Err(Error::ChannelMismatch { opened })
+    }
 }

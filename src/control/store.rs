@@ -10,18 +10,21 @@
 //! by that thread, in parallel with the others; to the rest by the thread of the last
 //! rank to contribute.
 
-use super::client::StoreConfig;
+use super::config::StoreConfig;
+use super::mailbox::{Mailbox, write_after_result};
 use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
     ToClient, ToServer,
 };
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -92,87 +95,6 @@ struct Link {
     id: u64,
     writer: Arc<Mutex<TcpStream>>,
     mailbox: Arc<Mailbox>,
-}
-
-/// A round's result on its way to the connection thread of a rank that contributed
-/// and is polling for the result (so that the results of a round are written in
-/// parallel, each by its rank's own thread, not one after another).
-///
-/// Lock order: the state, then a writer, then a slot (a slot's lock is never held
-/// while another lock is taken).
-#[derive(Default)]
-struct Mailbox {
-    slot: Mutex<Slot>,
-    /// Set with the slot's `Delivered`: what the polling thread watches.
-    delivered: AtomicBool,
-}
-
-#[derive(Default)]
-enum Slot {
-    /// The rank's thread is not polling: results are written to it directly.
-    #[default]
-    Idle,
-    /// The rank's thread is polling for the result of a round it contributed to.
-    Waiting,
-    /// That result, for the thread to write.
-    Delivered(Arc<Vec<u8>>),
-}
-
-impl Mailbox {
-    fn slot(&self) -> MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The slot at the start of a new round of the rank's own thread: idle, since
-    /// every result put in it was written before the thread read its next frame.
-    fn idle_slot(&self) -> MutexGuard<'_, Slot> {
-        let slot = self.slot();
-        debug_assert!(
-            matches!(*slot, Slot::Idle),
-            "a mailbox not idle at a new round"
-        );
-        slot
-    }
-
-    /// Put `frame` in the (locked) slot and tell a polling thread.
-    fn fill(&self, slot: &mut Slot, frame: Arc<Vec<u8>>) {
-        *slot = Slot::Delivered(frame);
-        self.delivered.store(true, Ordering::Release);
-    }
-
-    /// The rank's own thread starts polling for a round's result.
-    fn start_waiting(&self) {
-        *self.idle_slot() = Slot::Waiting;
-    }
-
-    /// The rank's own thread, the round's last contributor, leaves its own copy of
-    /// the result for [`write_after_result`].
-    fn put_own(&self, frame: Arc<Vec<u8>>) {
-        self.fill(&mut self.idle_slot(), frame);
-    }
-
-    /// Hand `frame` over if the thread is waiting for it; `false`: it is not.
-    fn hand_over(&self, frame: &Arc<Vec<u8>>) -> bool {
-        let mut slot = self.slot();
-        if !matches!(*slot, Slot::Waiting) {
-            return false;
-        }
-        self.fill(&mut slot, frame.clone());
-        true
-    }
-
-    /// Take a delivered frame, if any (a waiting or idle slot stays as it is).
-    fn take_delivered(&self) -> Option<Arc<Vec<u8>>> {
-        let mut slot = self.slot();
-        if !matches!(*slot, Slot::Delivered(_)) {
-            return None;
-        }
-        self.delivered.store(false, Ordering::Relaxed);
-        match std::mem::take(&mut *slot) {
-            Slot::Delivered(frame) => Some(frame),
-            Slot::Idle | Slot::Waiting => None,
-        }
-    }
 }
 
 impl fmt::Debug for StoreServer {
@@ -275,22 +197,16 @@ impl StoreServer {
 
     /// Wait until no rank is connected, or `timeout` passes; `true` if none is.
     pub(crate) fn wait_until_empty(&self, timeout: Duration) -> bool {
-        let deadline = super::deadline_after(Instant::now(), timeout);
-        let mut st = self.shared.lock();
+        let deadline = Deadline::after(timeout);
+        let mut st = self.shared.state.lock();
         loop {
             if st.conns.iter().all(Option::is_none) {
                 return true;
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if deadline.expired() {
                 return false;
             }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            self.shared.cv.wait_until(&mut st, deadline.instant());
         }
     }
 }
@@ -299,7 +215,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         {
-            let mut st = self.shared.lock();
+            let mut st = self.shared.state.lock();
             for c in st.conns.iter_mut().filter_map(Option::take) {
                 let _ = c.sock.shutdown(Shutdown::Both);
             }
@@ -309,22 +225,6 @@ impl Drop for StoreServer {
             let _ = t.join();
         }
     }
-}
-
-/// Under a rank's writer lock: write the result waiting in its mailbox, if any, then
-/// `frame`. Every write to a rank goes through here, so nothing written to it later
-/// (the next round's result, a broken-group notice after the last round) overtakes a
-/// result handed to its mailbox.
-fn write_after_result(
-    mailbox: &Mailbox,
-    writer: &Mutex<TcpStream>,
-    frame: Option<&[u8]>,
-) -> std::io::Result<()> {
-    let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(result) = mailbox.take_delivered() {
-        wire::send(&mut *w, &result)?;
-    }
-    frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
 }
 
 /// [`StoreConfig::server_spin`], or where it is `None`, the client's spin where the
@@ -351,10 +251,6 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     fn reject(&self, peer: SocketAddr, why: &str) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         tracing::warn!("symmpool store: refused connection from {peer}: {why}");
@@ -456,7 +352,7 @@ impl Shared {
         }
         drop(st);
         if let Err(e) = write_after_result(&me.mailbox, &me.writer, None) {
-            let mut st = self.lock();
+            let mut st = self.state.lock();
             self.depart(
                 &mut st,
                 me.rank,
@@ -473,7 +369,7 @@ impl Shared {
         let mailbox = &me.mailbox;
         let until = Instant::now() + self.server_spin;
         let mut polls = 0u32;
-        while !mailbox.delivered.load(Ordering::Acquire)
+        while !mailbox.is_delivered()
             && Instant::now() < until
             && !self.shutdown.load(Ordering::Relaxed)
         {
@@ -485,13 +381,8 @@ impl Shared {
                 std::hint::spin_loop();
             }
         }
-        {
-            // Stop polling: from now on the last contributor writes the result itself.
-            let mut slot = mailbox.slot();
-            if matches!(*slot, Slot::Waiting) {
-                *slot = Slot::Idle;
-            }
-        }
+        // Stop polling: from now on the last contributor writes the result itself.
+        mailbox.stop_waiting();
         // A result delivered meanwhile (and not yet written by another writer).
         write_after_result(mailbox, &me.writer, None)
             .map_err(|e| format!("writing to it failed: {e}"))
@@ -521,12 +412,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let st = shared.lock();
+                let mut st = shared.state.lock();
                 if shared.shutdown.load(Ordering::SeqCst) {
                     break;
                 }
                 // Woken early by shutdown; otherwise poll for new connections.
-                let _ = shared.cv.wait_timeout(st, Duration::from_millis(20));
+                shared.cv.wait_for(&mut st, Duration::from_millis(20));
             }
             Err(e) => {
                 tracing::warn!("symmpool store: accept failed: {e}");
@@ -538,7 +429,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
 
 fn monitor_loop(shared: &Arc<Shared>) {
     let heartbeat = wire::encode(&ToClient::Heartbeat);
-    let mut st = shared.lock();
+    let mut st = shared.state.lock();
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = Instant::now();
         let mut failed = Vec::new();
@@ -561,11 +452,7 @@ fn monitor_loop(shared: &Arc<Shared>) {
         for (rank, why) in failed {
             shared.depart(&mut st, rank, None, &why);
         }
-        st = shared
-            .cv
-            .wait_timeout(st, shared.heartbeat_interval)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        shared.cv.wait_for(&mut st, shared.heartbeat_interval);
     }
 }
 
@@ -588,7 +475,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     };
     let mut writer = stream;
     let mut reader = FrameReader::new(read_half, MAX_HANDSHAKE_FRAME_BYTES);
-    let until = Instant::now() + shared.handshake_timeout;
+    let until = Deadline::after(shared.handshake_timeout);
     let sock = writer.try_clone();
     let Ok(sock) = sock else {
         shared.reject(peer, "could not clone the socket");
@@ -672,7 +559,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     };
     // Join.
     let me = {
-        let mut st = shared.lock();
+        let mut st = shared.state.lock();
         if st.ever_joined[rank] {
             drop(st);
             return refuse(
@@ -723,7 +610,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         .set_read_timeout(Some(shared.heartbeat_interval))
         .is_err()
     {
-        let mut st = shared.lock();
+        let mut st = shared.state.lock();
         return shared.depart(&mut st, rank, Some(id), "could not set a read timeout");
     }
     loop {
@@ -739,7 +626,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                 }
                 if reader.bytes_read() > before {
                     // Bytes of a large frame still arriving: the rank is alive.
-                    let mut st = shared.lock();
+                    let mut st = shared.state.lock();
                     match st.conns[rank].as_mut() {
                         Some(c) if c.id == id => c.last_heard = Instant::now(),
                         _ => return,
@@ -750,7 +637,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             Ok(Some(body)) => match wire::decode::<ToServer>(&body) {
                 Ok(m) => m,
                 Err(why) => {
-                    let mut st = shared.lock();
+                    let mut st = shared.state.lock();
                     return shared.depart(
                         &mut st,
                         rank,
@@ -766,11 +653,11 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                     }
                     e => format!("its connection failed: {e}"),
                 };
-                let mut st = shared.lock();
+                let mut st = shared.state.lock();
                 return shared.depart(&mut st, rank, Some(id), &why);
             }
         };
-        let mut st = shared.lock();
+        let mut st = shared.state.lock();
         match st.conns[rank].as_mut() {
             Some(c) if c.id == id => c.last_heard = Instant::now(),
             _ => return,
@@ -831,7 +718,7 @@ fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                     me.mailbox.start_waiting();
                     drop(st);
                     if let Err(why) = shared.await_result(&me) {
-                        let mut st = shared.lock();
+                        let mut st = shared.state.lock();
                         return shared.depart(&mut st, rank, Some(id), &why);
                     }
                 }

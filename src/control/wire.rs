@@ -9,6 +9,7 @@
 //! (job token, rank, world size); the server answers [`ToClient::Welcome`] or
 //! [`ToClient::Reject`].
 
+use crate::deadline::Deadline;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -373,14 +374,14 @@ pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
-/// Read with deadline `until`: `None` when it passes.
+/// Read until `deadline`: `None` when it passes.
 pub(crate) fn read_until<T>(
     stream: &TcpStream,
-    until: Instant,
+    deadline: Deadline,
     mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
 ) -> std::result::Result<Option<T>, ReadError> {
     loop {
-        let left = until.saturating_duration_since(Instant::now());
+        let left = deadline.remaining();
         if left.is_zero() {
             return Ok(None);
         }

@@ -1,0 +1,273 @@
+//! [`StoreConfig`]: the settings of a [`StoreExchange`] and of the [`StoreServer`] that
+//! rank 0 hosts, with their reading from the environment.
+
+use super::env::Launch;
+use super::wire::{FRAME_OVERHEAD_BYTES, MAX_HANDSHAKE_FRAME_BYTES, PER_PAYLOAD_OVERHEAD_BYTES};
+#[cfg(doc)]
+use super::{StoreExchange, StoreServer};
+use crate::error::{Error, Result};
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Settings of a [`StoreExchange`] (and of the [`StoreServer`] that rank 0 hosts).
+#[derive(Clone)]
+pub struct StoreConfig {
+    /// Who this rank is and where the store is.
+    pub launch: Launch,
+    /// Whether this rank hosts the server (default: rank 0 does).
+    pub host_server: bool,
+    /// Where the hosted server listens (default: every interface, on
+    /// `launch.master_port`).
+    pub bind_addr: Option<SocketAddr>,
+    /// Shared secret every rank must present (env `SYMMPOOL_TOKEN`); `None`: none.
+    pub token: Option<String>,
+    /// How long connecting, the handshake and the wait for every rank to join may take
+    /// (ranks of real jobs start minutes apart; default 10 min). Connecting is retried
+    /// until then. Env `SYMMPOOL_STARTUP_TIMEOUT_MS`.
+    pub startup_timeout: Duration,
+    /// How long the server waits for a new connection to complete its handshake
+    /// before closing it (default 30 s). Env `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
+    pub handshake_timeout: Duration,
+    /// How often clients and server send heartbeats (default 1 s). Env
+    /// `SYMMPOOL_HEARTBEAT_INTERVAL_MS`.
+    pub heartbeat_interval: Duration,
+    /// Silence after which a peer is declared lost (default 5 s). Env
+    /// `SYMMPOOL_HEARTBEAT_TIMEOUT_MS`.
+    pub heartbeat_timeout: Duration,
+    /// Largest frame accepted after the handshake (default 16 MiB); bounds payloads,
+    /// see [`max_payload_bytes`](Self::max_payload_bytes).
+    pub max_frame_bytes: usize,
+    /// How long the hosting rank's exchange, when dropped, waits for the other ranks
+    /// to disconnect before stopping the server, so they can read the last results
+    /// (default 10 s).
+    pub linger: Duration,
+    /// How long a thread waiting on the store (for a round's result, for the other
+    /// ranks to join) polls its socket before each blocking read (default 50 µs, at
+    /// most [`MAX_SPIN`](Self::MAX_SPIN); zero: block at once). Waking a blocked
+    /// thread costs tens of microseconds, several times a round's own work when the
+    /// ranks arrive together. Env `SYMMPOOL_SPIN_US`.
+    pub spin: Duration,
+    /// How long the hosting rank's server polls in each rank's thread: for a round's
+    /// result after the rank contributed, and for the rank's next frame before each
+    /// blocking read (so up to twice this per round). `None`
+    /// (default): [`spin`](Self::spin) where the ranks number at most half of the
+    /// host's cores, else zero (polling threads would take the cores of the threads
+    /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
+    /// `SYMMPOOL_SERVER_SPIN_US`.
+    pub server_spin: Option<Duration>,
+}
+
+impl fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("launch", &self.launch)
+            .field("host_server", &self.host_server)
+            .field("bind_addr", &self.bind_addr)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("startup_timeout", &self.startup_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("heartbeat_timeout", &self.heartbeat_timeout)
+            .field("max_frame_bytes", &self.max_frame_bytes)
+            .field("linger", &self.linger)
+            .field("spin", &self.spin)
+            .field("server_spin", &self.server_spin)
+            .finish()
+    }
+}
+
+impl StoreConfig {
+    /// The largest [`spin`](Self::spin) and [`server_spin`](Self::server_spin)
+    /// accepted: a rank's server thread does not read
+    /// its socket while it polls for a result, so polling must stay far below the
+    /// heartbeat interval.
+    pub const MAX_SPIN: Duration = Duration::from_millis(1);
+
+    /// Defaults for `launch` (see the fields).
+    pub fn new(launch: Launch) -> StoreConfig {
+        StoreConfig {
+            host_server: launch.rank == 0,
+            launch,
+            bind_addr: None,
+            token: None,
+            startup_timeout: Duration::from_secs(600),
+            handshake_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(5),
+            max_frame_bytes: 16 << 20,
+            linger: Duration::from_secs(10),
+            spin: Duration::from_micros(50),
+            server_spin: None,
+        }
+    }
+
+    /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN` and the
+    /// optional `SYMMPOOL_*_MS` and `SYMMPOOL_*SPIN_US` settings named on the fields.
+    ///
+    /// # Errors
+    /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
+    pub fn from_env() -> Result<StoreConfig> {
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// As [`from_env`](Self::from_env), reading variables through `get`.
+    ///
+    /// # Errors
+    /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<StoreConfig> {
+        let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
+        cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
+        let whole = |name: &str, unit: &str| -> Result<Option<u64>> {
+            get(name)
+                .map(|v| {
+                    v.trim().parse().map_err(|_| Error::LaunchEnv {
+                        variable: name.to_string(),
+                        detail: format!("{v:?} is not a whole number of {unit}"),
+                    })
+                })
+                .transpose()
+        };
+        let ms = |name: &str, slot: &mut Duration| -> Result<()> {
+            if let Some(n) = whole(name, "milliseconds")? {
+                *slot = Duration::from_millis(n);
+            }
+            Ok(())
+        };
+        let spin = |name: &str| -> Result<Option<Duration>> {
+            match whole(name, "microseconds")? {
+                Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(Error::LaunchEnv {
+                    variable: name.to_string(),
+                    detail: format!(
+                        "{n} µs is more than the largest accepted, {} µs",
+                        Self::MAX_SPIN.as_micros()
+                    ),
+                }),
+                n => Ok(n.map(Duration::from_micros)),
+            }
+        };
+        if let Some(d) = spin("SYMMPOOL_SPIN_US")? {
+            cfg.spin = d;
+        }
+        cfg.server_spin = spin("SYMMPOOL_SERVER_SPIN_US")?;
+        ms("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout)?;
+        ms("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout)?;
+        ms(
+            "SYMMPOOL_HEARTBEAT_INTERVAL_MS",
+            &mut cfg.heartbeat_interval,
+        )?;
+        ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
+        Ok(cfg)
+    }
+
+    /// The largest payload one rank may contribute to a round: a round's result, all
+    /// ranks' payloads, must fit in one frame.
+    pub fn max_payload_bytes(&self) -> usize {
+        (self.max_frame_bytes.saturating_sub(FRAME_OVERHEAD_BYTES) / self.launch.world_size.max(1))
+            .saturating_sub(PER_PAYLOAD_OVERHEAD_BYTES)
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::InvalidConfig(format!("store: {what}")));
+        if self.heartbeat_interval.is_zero() || self.heartbeat_timeout <= self.heartbeat_interval {
+            return bad("heartbeat_timeout must exceed a non-zero heartbeat_interval");
+        }
+        if self.max_frame_bytes < MAX_HANDSHAKE_FRAME_BYTES
+            || self.max_frame_bytes > u32::MAX as usize
+        {
+            return bad("max_frame_bytes must be between 4 KiB and 4 GiB");
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad("handshake_timeout must not be zero");
+        }
+        if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
+            return bad(&format!(
+                "spin (SYMMPOOL_SPIN_US) and server_spin (SYMMPOOL_SERVER_SPIN_US) must be at most {} µs",
+                Self::MAX_SPIN.as_micros()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A rank-`rank` configuration of a two-rank job from `extra` variables.
+    fn config(rank: &str, extra: &[(&str, &str)]) -> Result<StoreConfig> {
+        let vars: HashMap<&str, &str> = [
+            ("RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1234"),
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
+        StoreConfig::from_vars(&|k| vars.get(k).map(|v| v.to_string()))
+    }
+
+    fn variable(e: Error) -> String {
+        match e {
+            Error::LaunchEnv { variable, .. } => variable,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn store_config_reads_token_and_timeouts() {
+        let vars = [
+            ("SYMMPOOL_TOKEN", "s3cret"),
+            ("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", "2500"),
+        ];
+        let cfg = config("1", &vars).unwrap();
+        assert_eq!(cfg.token.as_deref(), Some("s3cret"));
+        assert!(!cfg.host_server);
+        assert_eq!(cfg.heartbeat_timeout, Duration::from_millis(2500));
+        assert!(
+            !format!("{cfg:?}").contains("s3cret"),
+            "the token is not logged"
+        );
+        let mut bad = vars.to_vec();
+        bad.push(("SYMMPOOL_HEARTBEAT_INTERVAL_MS", "soon"));
+        let e = config("1", &bad).unwrap_err();
+        assert_eq!(variable(e), "SYMMPOOL_HEARTBEAT_INTERVAL_MS");
+    }
+
+    #[test]
+    fn store_config_reads_the_spin_times_and_bounds_them() {
+        let with = |name: &str, value: &str| config("0", &[(name, value)]);
+        let spin = "SYMMPOOL_SPIN_US";
+        let server = "SYMMPOOL_SERVER_SPIN_US";
+        assert_eq!(with(spin, "0").unwrap().spin, Duration::ZERO);
+        assert_eq!(with(spin, "0").unwrap().server_spin, None);
+        assert_eq!(with(spin, "1000").unwrap().spin, StoreConfig::MAX_SPIN);
+        let s = with(server, "0").unwrap();
+        assert_eq!(
+            (s.spin, s.server_spin),
+            (Duration::from_micros(50), Some(Duration::ZERO))
+        );
+        assert_eq!(
+            with(server, "1000").unwrap().server_spin,
+            Some(StoreConfig::MAX_SPIN)
+        );
+        for name in [spin, server] {
+            for bad in ["1001", "-1", "50us", ""] {
+                assert_eq!(variable(with(name, bad).unwrap_err()), name, "{bad:?}");
+            }
+        }
+        // Set in code past the bound: refused where the store starts.
+        for (client, server) in [(3_000_000, 0), (0, 1001)] {
+            let mut cfg = with(spin, "0").unwrap();
+            cfg.spin = Duration::from_micros(client);
+            cfg.server_spin = Some(Duration::from_micros(server));
+            let e = crate::control::StoreServer::bind("127.0.0.1:0", &cfg).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidConfig(ref m) if m.contains("spin")),
+                "{e}"
+            );
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! [`Rendezvous`]: rounds of a gather among the threads of one process, what
+//! [`LocalExchange`](super::LocalExchange) and the host backend pair their ranks with.
+
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// Rounds of a gather among the threads of one process, matched by a key of the
+/// caller's (a channel and round, a round number). A round is dropped once every rank
+/// has read it.
+///
+/// A timeout breaks the group for good: the rank that timed out withdraws its post
+/// (so no late peer pairs with it) and every later or still-waiting gather, under any
+/// key, fails with [`Error::GroupBroken`]. After a timeout the ranks' round counters
+/// are out of step, and pairing later rounds would match different calls with each
+/// other.
+pub(crate) struct Rendezvous<K, T> {
+    world: usize,
+    state: Mutex<RvState<K, T>>,
+    cv: Condvar,
+}
+
+struct RvState<K, T> {
+    rounds: BTreeMap<K, Round<T>>,
+    /// The rank that timed out first, and in what.
+    broken: Option<(usize, &'static str)>,
+}
+
+struct Round<T> {
+    posted: Vec<Option<T>>,
+    read: usize,
+}
+
+impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
+    /// A rendezvous of `world` ranks.
+    pub(crate) fn new(world: usize) -> Self {
+        Rendezvous {
+            world,
+            state: Mutex::new(RvState {
+                rounds: BTreeMap::new(),
+                broken: None,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Number of ranks.
+    pub(crate) fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Post `value` for `rank` in the round `key` and wait until every rank has posted
+    /// in that round, or `deadline` passes; every rank's value, in rank order.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] once `deadline` passes (which breaks the group; `waited` is
+    /// how long this call waited); [`Error::GroupBroken`] if a rank timed out before or
+    /// while waiting.
+    pub(crate) fn gather(
+        &self,
+        op: &'static str,
+        rank: usize,
+        key: K,
+        value: T,
+        deadline: Deadline,
+    ) -> Result<Vec<T>> {
+        let started = Instant::now();
+        let mut state = self.state.lock();
+        if let Some((by, what)) = state.broken {
+            return Err(Error::GroupBroken { rank: by, op: what });
+        }
+        let world = self.world;
+        let entry = state.rounds.entry(key).or_insert_with(|| Round {
+            posted: vec![None; world],
+            read: 0,
+        });
+        entry.posted[rank] = Some(value);
+        self.cv.notify_all();
+        loop {
+            if let Some(r) = state.rounds.get_mut(&key)
+                && let Some(out) = r.posted.iter().cloned().collect::<Option<Vec<T>>>()
+            {
+                r.read += 1;
+                if r.read == world {
+                    state.rounds.remove(&key);
+                }
+                return Ok(out);
+            }
+            if let Some((by, what)) = state.broken {
+                Self::withdraw(&mut state, key, rank);
+                return Err(Error::GroupBroken { rank: by, op: what });
+            }
+            if deadline.expired() {
+                let missing = state.rounds.get(&key).map_or_else(Vec::new, |r| {
+                    r.posted
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| p.is_none())
+                        .map(|(i, _)| i)
+                        .collect()
+                });
+                Self::withdraw(&mut state, key, rank);
+                state.broken = Some((rank, op));
+                self.cv.notify_all();
+                return Err(Error::Timeout {
+                    op,
+                    waited: started.elapsed(),
+                    missing_ranks: missing,
+                });
+            }
+            self.cv.wait_until(&mut state, deadline.instant());
+        }
+    }
+
+    /// Take `rank`'s post out of the round `key` (dropping the round once empty).
+    fn withdraw(state: &mut RvState<K, T>, key: K, rank: usize) {
+        if let Some(r) = state.rounds.get_mut(&key) {
+            r.posted[rank] = None;
+            if r.posted.iter().all(Option::is_none) {
+                state.rounds.remove(&key);
+            }
+        }
+    }
+
+    /// Rounds still held (for tests: nothing leaks after timeouts).
+    #[cfg(test)]
+    pub(crate) fn rounds_held(&self) -> usize {
+        self.state.lock().rounds.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::thread;
+    use std::time::Duration;
+
+    #[test]
+    fn a_timeout_breaks_the_rendezvous_and_leaves_nothing_behind() {
+        let rv = Rendezvous::new(2);
+        assert!(matches!(
+            rv.gather(
+                "test",
+                0,
+                1,
+                7u64,
+                Deadline::after(Duration::from_millis(50))
+            ),
+            Err(Error::Timeout { .. })
+        ));
+        assert!(matches!(
+            rv.gather("test", 1, 1, 8u64, Deadline::after(Duration::from_secs(5))),
+            Err(Error::GroupBroken { rank: 0, .. })
+        ));
+        assert_eq!(rv.rounds_held(), 0, "nothing left behind");
+    }
+
+    #[test]
+    fn gathers_in_rank_order() {
+        let rv = Rendezvous::new(3);
+        let out: Vec<Vec<u64>> = thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let rv = &rv;
+                    s.spawn(move || rv.gather("test", r, 1, r as u64 * 10, Deadline::never()))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        for o in out {
+            assert_eq!(o, vec![0, 10, 20]);
+        }
+    }
+}
