@@ -849,6 +849,7 @@ impl<D: Device> Shared<D> {
         deadline: Deadline,
     ) -> Result<Vec<WarmedPath>> {
         let op = "warm-up";
+        let started = Instant::now();
         let ptr = ffi::mem_alloc(self.nccl, segment_bytes)?;
         let mut windows = Vec::new();
         let mut warmed = Vec::new();
@@ -898,7 +899,7 @@ impl<D: Device> Shared<D> {
             if !self.device.wait_idle(stream, deadline)? {
                 return Err(self.fail(Cause::Timeout {
                     op,
-                    waited: Duration::ZERO,
+                    waited: started.elapsed(),
                 }));
             }
             Ok(())
