@@ -3,7 +3,7 @@
 //!
 //! One GPU (NCCL at world size 1): segments and windows, bounded teardown on a stream
 //! that never finishes, cudarc access through `DevicePtr`, collectives on NCCL's
-//! one-rank path. Two GPUs: registration once per segment, collectives against a
+//! one-rank path, a step's collectives captured in a CUDA graph and replayed. Two GPUs: registration once per segment, collectives against a
 //! host reference for every type and placement, stream-safe reuse under a
 //! long-running kernel, bad input, checked collectives (every divergence kind of
 //! `common::checked` under `Strict`, the ones that still pair up on the device under
@@ -14,8 +14,8 @@
 //! (`SYMMPOOL_GPU_CHILD`, torchrun's variables, `CUDA_VISIBLE_DEVICES` unset; see
 //! `common::gpu::spawn_ranks`), bounded, with every child killed on every path. One
 //! GPU: set-up from the environment at world size 1, adoption of a communicator made
-//! outside the crate, non-blocking creation under deadlines, the watchdog, raw
-//! streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
+//! outside the crate, set-up (control communicator, blocking data communicators,
+//! warm-up) under deadlines, the watchdog, raw streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
 //! rank inside a window registration and inside a collective.
 
 #[cfg(not(feature = "nccl"))]

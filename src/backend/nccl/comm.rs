@@ -19,8 +19,10 @@
 //! communicator has one lock, `calls`, held across the call, taken only by callers of
 //! this backend (collectives, registration, deregistration): in the usual case of one
 //! thread driving a rank it is never contended. The watchdog and the aborts never take
-//! it: they read and set the communicator's gate, a second lock held only for a few
-//! instructions (entering and leaving NCCL, never across the call).
+//! it: they read and set the communicator's gate, a second lock held only briefly
+//! (entering and leaving NCCL, never across the call; the watchdog holds it across one
+//! `ncclCommGetAsyncError` every interval, which on a blocking communicator reads two
+//! fields).
 //!
 //! The little CUDA this layer touches (the completion event, whether a stream is
 //! capturing, binding the device to a thread) is behind [`Device`], so that the layer

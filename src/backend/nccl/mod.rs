@@ -58,7 +58,7 @@
 //! | set-up: exchange round, control communicator's creation or split | non-blocking | [`NcclConfig::setup_timeout`], polled | [`Error::NcclTimeout`], communicators aborted |
 //! | split of each data communicator | polled through the non-blocking parent | the same set-up deadline | the same |
 //! | warm-up (registration, collectives, device wait) | blocking (default) | the set-up deadline: the watchdog sees the thread inside NCCL | revoke, abort, [`Error::NcclTimeout`] |
-//! | window registration (collective: every rank must call) | blocking | [`NcclConfig::call_timeout`], through the watchdog | revoke, then abort; the call returns [`Error::NcclTimeout`] within `call_timeout` + interval + [`LEAVE_WAIT`](comm::LEAVE_WAIT) |
+//! | window registration (collective: every rank must call) | blocking | [`NcclConfig::call_timeout`], through the watchdog | revoke, then abort; the call returns [`Error::NcclTimeout`] within `call_timeout` + interval + 0.5 s (`LEAVE_WAIT`) |
 //! | window deregistration (local in NCCL 2.28–2.30) | blocking | `call_timeout`, through the watchdog | as registration |
 //! | collective enqueue | blocking | nothing of its own: the enqueue waits on peers only when work is stuck (NCCL's work FIFO full), which the completion watch below catches | — |
 //! | collective completion (device) | — | [`NcclConfig::watchdog_timeout`] after the enqueue, seen within `watchdog_interval` | revoke, abort, [`Error::NcclWatchdog`] |
@@ -69,7 +69,7 @@
 //! The watchdog is one thread per backend. On a deadline, an asynchronous NCCL error
 //! or a failed device it **revokes** the blocking data communicators
 //! (`ncclCommRevoke`, NCCL ≥ 2.28.7: stops their in-flight work and frees nothing, so a
-//! thread stuck inside NCCL returns), waits at most [`LEAVE_WAIT`](comm::LEAVE_WAIT)
+//! thread stuck inside NCCL returns), waits at most 0.5 s (`LEAVE_WAIT`)
 //! for such a thread to leave NCCL, then aborts every communicator on a thread of its
 //! own. NCCL < 2.28.7 has no `ncclCommRevoke`: the watchdog aborts directly (what
 //! PyTorch does), and a thread still inside NCCL on a blocking communicator then races
@@ -99,7 +99,7 @@
 //! |---|---|
 //! | `build.rs` | the constructors, all through one builder: load, device, set-up round, control and data communicators, warm-up, assembly |
 //! | `setup.rs` | the set-up round (versions, nodes, unique id) over the exchange |
-//! | `comm.rs` | the communicators: blocking calls inline with their gate, polling of non-blocking ones, revoke and abort, warm-up, the [`Device`](comm::Device) seam |
+//! | `comm.rs` | the communicators: blocking calls inline with their gate, polling of non-blocking ones, revoke and abort, warm-up, the `Device` seam |
 //! | `watchdog.rs` | the watchdog thread |
 //! | `health.rs` | the backend's health, the polling backoff, the watch list (device-free) |
 //! | `streams.rs` | `Stream`'s CUDA side, fences as events, drains, copies, timing |

@@ -15,7 +15,7 @@
 //!
 //! and breaks the backend on the first of these: it revokes the blocking data
 //! communicators (`ncclCommRevoke`, NCCL ≥ 2.28.7), waits at most
-//! [`LEAVE_WAIT`](super::comm::LEAVE_WAIT) for a thread inside NCCL to leave, and aborts
+//! `LEAVE_WAIT` (0.5 s) for a thread inside NCCL to leave, and aborts
 //! every communicator on a thread of its own. Without `ncclCommRevoke` (NCCL < 2.28.7)
 //! it aborts directly, PyTorch's behaviour: a thread still inside NCCL on a blocking
 //! communicator then races with the abort that frees it (NCCL documents abort-from-
