@@ -399,9 +399,10 @@ mod tests {
     use super::*;
     use crate::Error;
     use crate::backend::CommRole;
-    use crate::backend::nccl::comm::{Bound, WarmCollective, WarmedPath};
+    use crate::backend::nccl::comm::Bound;
     use crate::backend::nccl::ffi::{CollCall, CollKind};
     use crate::backend::nccl::health::{Cause, POLLS};
+    use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
     use crate::backend::nccl::watchdog::Watchdog;
     use std::collections::BTreeSet;
     use std::time::Instant;

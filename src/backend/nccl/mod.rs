@@ -99,7 +99,8 @@
 //! |---|---|
 //! | `build.rs` | the constructors, all through one builder: load, device, set-up round, control and data communicators, warm-up, assembly |
 //! | `setup.rs` | the set-up round (versions, nodes, unique id) over the exchange |
-//! | `comm.rs` | the communicators: blocking calls inline with their gate, polling of non-blocking ones, revoke and abort, warm-up, the `Device` seam |
+//! | `comm.rs` | the communicators: blocking calls inline with their gate, polling of non-blocking ones, revoke and abort, the `Device` seam |
+//! | `warmup.rs` | the warm-up: every (data communicator, collective) the path policy can choose, at set-up |
 //! | `watchdog.rs` | the watchdog thread |
 //! | `health.rs` | the backend's health, the polling backoff, the watch list (device-free) |
 //! | `streams.rs` | `Stream`'s CUDA side, fences as events, drains, copies, timing |
@@ -115,10 +116,11 @@ mod ffi;
 mod health;
 mod setup;
 mod streams;
+mod warmup;
 mod watchdog;
 
-pub use comm::{WarmCollective, WarmedPath};
 pub use config::{NcclConfig, NcclWorldConfig};
+pub use warmup::{WarmCollective, WarmedPath};
 
 use super::{
     CollArgs, Collectives, Refused, Region, Segment, SegmentMemory, SegmentProvider, StreamOps,
