@@ -3,7 +3,7 @@
 //!
 //! One GPU (NCCL at world size 1): segments and windows, bounded teardown on a stream
 //! that never finishes, cudarc access through `DevicePtr`, collectives on NCCL's
-//! one-rank path. Two GPUs: registration once per segment, collectives against a
+//! one-rank path, a step's collectives captured in a CUDA graph and replayed. Two GPUs: registration once per segment, collectives against a
 //! host reference for every type and placement, stream-safe reuse under a
 //! long-running kernel, bad input, checked collectives (every divergence kind of
 //! `common::checked` under `Strict`, the ones that still pair up on the device under
@@ -14,8 +14,8 @@
 //! (`SYMMPOOL_GPU_CHILD`, torchrun's variables, `CUDA_VISIBLE_DEVICES` unset; see
 //! `common::gpu::spawn_ranks`), bounded, with every child killed on every path. One
 //! GPU: set-up from the environment at world size 1, adoption of a communicator made
-//! outside the crate, non-blocking creation under deadlines, the watchdog, raw
-//! streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
+//! outside the crate, set-up (control communicator, blocking data communicators,
+//! warm-up) under deadlines, the watchdog, raw streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
 //! rank inside a window registration and inside a collective.
 
 #[cfg(not(feature = "nccl"))]
@@ -546,6 +546,65 @@ mod gpu_tests {
         }
     }
 
+    /// One GPU: a step's collectives (an all-gather and a reduce-scatter on pool
+    /// buffers reserved before the capture) are captured into a CUDA graph on a
+    /// blocking data communicator and replayed ten times with fresh inputs, each replay
+    /// moving the data; the pool's growth is refused while the stream captures, and no
+    /// completion event is recorded under capture (the watchdog stays quiet).
+    fn one_gpu_captures_a_steps_collectives_in_a_cuda_graph_and_replays_them() {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let pools = common::gpu::world(1, config());
+        let pool = &pools[0];
+        let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
+        assert!(
+            (0..pool.backend().communicators().len()).all(|c| nccl.is_blocking(c) == Some(true)),
+            "data communicators are blocking"
+        );
+        let stream = pool.new_stream().unwrap();
+        pool.reserve(8 * MIB).unwrap();
+        let count = 64 * 1024;
+        let bytes = (count * 4) as u64;
+        let ag_in = pool.alloc(bytes, &stream).unwrap();
+        let ag_out = pool.alloc(bytes, &stream).unwrap();
+        let rs_in = pool.alloc(bytes, &stream).unwrap();
+        let rs_out = pool.alloc(bytes, &stream).unwrap();
+        let segments = pool.stats().core.segments.current;
+        let cs = stream.cuda_stream().unwrap().clone();
+        cs.synchronize().unwrap();
+        cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        assert!(
+            pool.reserve(8 * MIB).is_err(),
+            "growth is refused while the stream captures"
+        );
+        let captured = (|| -> symmpool::Result<()> {
+            coll::all_gather::<f32>(&ag_in, &ag_out, &stream)?;
+            coll::reduce_scatter::<f32>(&rs_in, &rs_out, ReduceOp::Sum, &stream)?;
+            Ok(())
+        })();
+        let graph = cs.end_capture(CUgraphInstantiate_flags(0));
+        captured.expect("collectives under capture");
+        let graph = graph.unwrap().expect("a graph with the collectives");
+        assert_eq!(pool.stats().core.segments.current, segments);
+        for replay in 0..10 {
+            let a: Vec<f32> = (0..count).map(|i| (i * 3 + replay) as f32).collect();
+            let b: Vec<f32> = (0..count).map(|i| (i * 7 + 2 * replay) as f32).collect();
+            ag_in.write(&a).unwrap();
+            rs_in.write(&b).unwrap();
+            graph.launch().unwrap();
+            // At world size 1 the all-gather and the reduce-scatter are copies.
+            assert_eq!(ag_out.read::<f32>().unwrap(), a, "replay {replay}");
+            assert_eq!(rs_out.read::<f32>().unwrap(), b, "replay {replay}");
+        }
+        assert!(
+            nccl.health().is_ok(),
+            "the watchdog saw nothing to time out"
+        );
+        drop(graph);
+        drop((ag_in, ag_out, rs_in, rs_out));
+        pool.close().unwrap();
+    }
+
     // ---------------------------------------------------------------------------------
     // NCCL set-up, adoption, deadlines, watchdog, raw streams; one process per GPU.
 
@@ -915,9 +974,10 @@ mod gpu_tests {
     }
 
     /// One GPU: a communicator made outside the crate (plain, blocking
-    /// `ncclCommInitRank`, world size 1) is adopted: the crate splits its own
-    /// non-blocking communicators off it, pools and collectives run on them, and the
-    /// parent is still usable (and destroyed by its owner) afterwards.
+    /// `ncclCommInitRank`, world size 1) is adopted: the crate splits its non-blocking
+    /// control communicator off it and its blocking data communicators off that, warms
+    /// them up, pools and collectives run on them, and the parent is still usable (and
+    /// destroyed by its owner) afterwards.
     fn one_gpu_adopts_a_communicator_made_outside_the_crate() {
         let nccl = RawNccl::open();
         let ctx = cudarc::driver::CudaContext::new(0).unwrap();
@@ -943,6 +1003,9 @@ mod gpu_tests {
             (0..backend.communicators().len()).all(|c| split.raw_comm(c) != Some(parent)),
             "the crate works on its own children"
         );
+        assert!((0..backend.communicators().len()).all(|c| split.is_blocking(c) == Some(true)));
+        eprintln!("warmed: {:?}", split.warmed());
+        assert!(!split.warmed().is_empty());
         let pools = vec![SymmPool::new(backend, config()).unwrap()];
         let seed = seed();
         for count in [1, 1000, 123_457] {
@@ -959,16 +1022,29 @@ mod gpu_tests {
         assert_eq!(unsafe { (nccl.destroy)(parent) }, 0);
     }
 
-    /// One GPU: communicators are created non-blocking and polled; a creation deadline
-    /// that cannot be met is an `NcclTimeout` naming the call (and leaves nothing
-    /// behind: a world made right after works); registrations finish under the call
-    /// deadline.
+    /// One GPU: the control communicator is created non-blocking and polled; a set-up
+    /// deadline that cannot be met is an `NcclTimeout` naming the step (creation,
+    /// split, or a warm-up call) and leaves nothing behind: a world made right after
+    /// works, warmed up on every (communicator, path) pair; registrations on the
+    /// blocking data communicators finish under the call deadline.
     fn one_gpu_non_blocking_creation_and_registration_under_deadlines() {
         let zero = NcclConfig::default().with_setup_timeout(Duration::ZERO);
         match NcclBackend::local_world(&[0], zero) {
             Err(Error::NcclTimeout { op, waited }) => {
-                eprintln!("creation with a zero deadline: {op} after {waited:?}");
-                assert_eq!(op, "ncclCommInitRankConfig");
+                eprintln!("set-up with a zero deadline: {op} after {waited:?}");
+                assert!(
+                    [
+                        "ncclCommInitRankConfig",
+                        "ncclCommSplit",
+                        "ncclCommWindowRegister",
+                        "ncclAllGather",
+                        "ncclReduceScatter",
+                        "ncclCommWindowDeregister",
+                        "warm-up",
+                    ]
+                    .contains(&op),
+                    "{op}"
+                );
             }
             Ok(_) => eprintln!("NCCL finished creating at once (nothing to time out)"),
             Err(e) => panic!("{e}"),
@@ -992,6 +1068,21 @@ mod gpu_tests {
         assert!(stats.registrations.iter().any(|&r| r > 0));
         let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
         assert!(nccl.health().is_ok());
+        let roles = pool.backend().communicators();
+        let warmed: Vec<_> = nccl
+            .warmed()
+            .iter()
+            .map(|w| (w.role, w.collective))
+            .collect();
+        eprintln!("warmed: {warmed:?}");
+        for (c, info) in roles.iter().enumerate() {
+            assert!(
+                nccl.warmed()
+                    .iter()
+                    .any(|w| w.comm == c && w.role == info.role),
+                "communicator {c} warmed up"
+            );
+        }
         drop(bufs);
         pool.close().unwrap();
     }
@@ -1127,6 +1218,11 @@ mod gpu_tests {
                 "one_gpu_collectives_at_world_size_one",
                 1,
                 one_gpu_collectives_at_world_size_one,
+            ),
+            trial(
+                "one_gpu_captures_a_steps_collectives_in_a_cuda_graph_and_replays_them",
+                1,
+                one_gpu_captures_a_steps_collectives_in_a_cuda_graph_and_replays_them,
             ),
             trial(
                 "one_gpu_from_env_in_a_process_at_world_size_one",

@@ -3,17 +3,19 @@
 //! [`local_world`](NcclBackend::local_world), [`from_raw`](NcclBackend::from_raw))
 //! goes one path through a [`Builder`]: load NCCL and check its version, take the
 //! device, agree with the other ranks (the set-up round of [`setup`]), make the
-//! communicators (created from unique ids, split from a parent, or adopted as they
-//! are), and assemble the backend and its watchdog. The whole set-up has one
+//! non-blocking control communicator (created from a unique id, or split off a
+//! runtime's), split the data communicators off it (blocking unless configured
+//! otherwise), or adopt communicators as they are; then assemble the backend, start
+//! its watchdog and warm the data communicators up. The whole set-up has one
 //! deadline, [`NcclConfig::setup_timeout`] from the public call.
 
 use super::comm::{Comm, Shared, finish_creation};
 use super::config::{self, NcclConfig};
-use super::ffi::{self, RawComm};
+use super::ffi::{self, RawComm, Syms};
 use super::health::Health;
 use super::streams::FenceTable;
 use super::watchdog::Watchdog;
-use super::{NcclBackend, device_count, ncclComm_t, setup};
+use super::{Cuda, NcclBackend, device_count, ncclComm_t, setup};
 use crate::Deadline;
 use crate::backend::{Backend, BackendInfo, BackendKind, CommInfo, CommRole};
 use crate::control::{Exchange, LocalExchange, StoreExchange};
@@ -97,6 +99,7 @@ struct Seat {
 /// the set-up's deadline.
 struct Builder {
     version: NcclVersion,
+    nccl: &'static Syms,
     config: NcclConfig,
     deadline: Deadline,
 }
@@ -109,43 +112,70 @@ impl Builder {
         ffi::require(version, NcclVersion::WINDOWS, "symmetric windows")?;
         Ok(Builder {
             version,
+            nccl: ffi::api()?,
             config,
             deadline,
         })
     }
 
-    /// The communicators to make, in registration order.
+    /// The data communicators to split, in registration order.
     fn roles(&self) -> Vec<CommInfo> {
         roles_for(self.version, &self.config)
     }
 
-    /// One fresh `ncclUniqueId` per role.
-    fn unique_ids(roles: &[CommInfo]) -> Result<Vec<[u8; 128]>> {
-        roles.iter().map(|_| ffi::unique_id()).collect()
-    }
-
-    /// The set-up round over `exchange` (rank 0 sends `unique_ids`).
-    fn agree(&self, exchange: &dyn Exchange, unique_ids: &[[u8; 128]]) -> Result<setup::Agreed> {
+    /// The set-up round over `exchange` (rank 0 sends the control communicator's
+    /// `unique_id`).
+    fn agree(
+        &self,
+        exchange: &dyn Exchange,
+        unique_id: Option<[u8; 128]>,
+    ) -> Result<setup::Agreed> {
         let hello = setup::Hello {
             version: version_code(self.version),
             node: setup::this_node(),
-            unique_ids: unique_ids.iter().map(|id| id.to_vec()).collect(),
+            unique_ids: unique_id.iter().map(|id| id.to_vec()).collect(),
+            plan: format!(
+                "{:?}, blocking: {}",
+                self.roles()
+                    .iter()
+                    .map(|r| (r.role, r.cta_policy))
+                    .collect::<Vec<_>>(),
+                self.config.data_blocking
+            ),
         };
         setup::agree(exchange, &hello, self.deadline)
     }
 
-    /// Make one communicator per role, in order: `start(i, role)` begins the `i`th
-    /// (`op`: an init or a split), polled to completion by the set-up's deadline. A
-    /// failure aborts the ones made before it.
-    fn create(
-        &self,
-        roles: &[CommInfo],
-        op: &'static str,
-        mut start: impl FnMut(usize, &CommInfo) -> Result<ffi::Starting>,
-    ) -> Result<Vec<(CommInfo, Comm)>> {
+    /// Create the non-blocking control communicator from `unique_id`, by the set-up's
+    /// deadline.
+    fn control_init(&self, world: usize, unique_id: &[u8; 128], rank: usize) -> Result<Comm> {
+        let op = "ncclCommInitRankConfig";
+        let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
+        let starting = ffi::comm_init(self.nccl, world, unique_id, rank, policy);
+        finish_creation(self.nccl, starting, op, false, self.deadline)
+    }
+
+    /// Split `count` data communicators of `roles` off `control`, in order (blocking
+    /// unless configured otherwise), each polled through the control communicator by
+    /// the set-up's deadline. A failure aborts the ones made before it (and the caller
+    /// then drops, so aborts, the control communicator).
+    fn data(&self, control: &Comm, rank: usize) -> Result<Vec<(CommInfo, Comm)>> {
+        let blocking = self.config.data_blocking;
+        let roles = self.roles();
         let mut comms = Vec::with_capacity(roles.len());
-        for (i, role) in roles.iter().enumerate() {
-            let comm = finish_creation(start(i, role), op, self.deadline)?;
+        for role in &roles {
+            // SAFETY: the control communicator is live and used by this thread only
+            // during set-up; every rank splits the same roles in the same order (the
+            // plan is checked by the set-up round).
+            let starting =
+                unsafe { ffi::comm_split(self.nccl, control.raw, rank, role.cta_policy, blocking) };
+            let comm = finish_creation(
+                self.nccl,
+                starting,
+                "ncclCommSplit",
+                blocking,
+                self.deadline,
+            )?;
             let info = CommInfo {
                 cta_policy: effective_policy(role.cta_policy),
                 ..*role
@@ -156,10 +186,12 @@ impl Builder {
     }
 
     /// The backend at `seat` over `comms` (each with what the pools learn of it, in
-    /// registration order), on a job of `nodes` nodes, with its watchdog running.
+    /// registration order) and `control`, on a job of `nodes` nodes, with its watchdog
+    /// running; warmed up when `warm_up` (the crate's own communicators).
     fn assemble(
         &self,
         seat: Seat,
+        control: Option<Comm>,
         comms: Vec<(CommInfo, Comm)>,
         nodes: usize,
         exchange: Arc<dyn Exchange>,
@@ -173,19 +205,30 @@ impl Builder {
             world,
             self.version,
             granularity,
-            infos,
+            infos.clone(),
         )?
         .with_nodes(nodes);
         let n = comms.len();
+        let warm_up = control.is_some();
         let shared = Arc::new(Shared {
             rank,
-            ctx,
+            world,
+            device: Cuda { ctx: ctx.clone() },
+            nccl: self.nccl,
+            control,
             comms,
             health: Health::default(),
             watch: Mutex::default(),
             config: self.config,
         });
         let watchdog = Watchdog::spawn(&shared);
+        let warmed = if warm_up {
+            ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+            let stream = ctx.new_stream().map_err(ffi::cuda("cuStreamCreate"))?;
+            shared.warm_up(&infos, &stream, granularity, self.deadline)?
+        } else {
+            Vec::new()
+        };
         let parts = Arc::new(NcclBackend {
             rank,
             world,
@@ -193,6 +236,7 @@ impl Builder {
             ordinals: Mutex::new(vec![0; n]),
             fences: Mutex::new(FenceTable::default()),
             raw_streams: Mutex::new(HashMap::new()),
+            warmed,
             watchdog,
         });
         Backend::new(info, exchange, parts)
@@ -203,10 +247,12 @@ impl NcclBackend {
     /// This process's rank of a job launched with one process per GPU: the device is
     /// [`NcclConfig::device`], else the launcher's local rank (`LOCAL_RANK`,
     /// `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), else 0 when the process sees a
-    /// single GPU. Rank 0 creates one `ncclUniqueId` per communicator and publishes
-    /// them over `exchange` (channel `"nccl:setup"`, with every rank's NCCL version and
-    /// node identity); every rank then creates its communicators, non-blocking. The
-    /// whole set-up ends within [`NcclConfig::setup_timeout`].
+    /// single GPU. Rank 0 creates the control communicator's `ncclUniqueId` and
+    /// publishes it over `exchange` (channel `"nccl:setup"`, with every rank's NCCL
+    /// version, node identity and data communicators); every rank then creates its
+    /// non-blocking control communicator, splits the data communicators off it
+    /// (blocking by default) and warms them up. The whole set-up ends within
+    /// [`NcclConfig::setup_timeout`].
     ///
     /// # Collective
     /// Every rank of `exchange` calls it at the same point with the same `config`
@@ -226,26 +272,22 @@ impl NcclBackend {
             config::pick_device(config.device, local, visible).map_err(Error::InvalidConfig)?;
         let ctx = context(device)?;
         let (rank, world) = (exchange.rank(), exchange.world_size());
-        let roles = b.roles();
-        let ids = if rank == 0 {
-            Builder::unique_ids(&roles)?
+        let id = if rank == 0 {
+            Some(ffi::unique_id(b.nccl)?)
         } else {
-            Vec::new()
+            None
         };
-        let agreed = b.agree(exchange.as_ref(), &ids)?;
-        if agreed.unique_ids.len() != roles.len() {
+        let agreed = b.agree(exchange.as_ref(), id)?;
+        let [id] = agreed.unique_ids[..] else {
             return Err(Error::InvalidConfig(format!(
-                "rank 0 creates {} communicators, this rank {} (ranks passed different NcclConfigs)",
-                agreed.unique_ids.len(),
-                roles.len()
+                "rank 0 sent {} unique ids, not 1",
+                agreed.unique_ids.len()
             )));
-        }
-        let ids = &agreed.unique_ids;
-        let comms = b.create(&roles, "ncclCommInitRankConfig", |i, role| {
-            ffi::comm_init(world, &ids[i], rank, role.cta_policy)
-        })?;
+        };
+        let control = b.control_init(world, &id, rank)?;
+        let comms = b.data(&control, rank)?;
         let seat = Seat { rank, world, ctx };
-        b.assemble(seat, comms, agreed.nodes, exchange)
+        b.assemble(seat, Some(control), comms, agreed.nodes, exchange)
     }
 
     /// [`from_env`](Self::from_env) over a [`StoreExchange`] made from the environment
@@ -263,11 +305,12 @@ impl NcclBackend {
     }
 
     /// Adopt a runtime's communicator (for example PyTorch's
-    /// `ProcessGroupNCCL._comm_ptr()`): the crate splits the communicators it needs from
-    /// it (`ncclCommSplit(comm, 0, rank, ..)` with a non-blocking config carrying each
-    /// role's CTA policy, resources not shared), the whole set-up within
-    /// [`NcclConfig::setup_timeout`]. The parent is only read and split, never
-    /// destroyed or aborted by the crate; the children are the crate's own.
+    /// `ProcessGroupNCCL._comm_ptr()`): the crate splits its non-blocking control
+    /// communicator off it (`ncclCommSplit(comm, 0, rank, ..)`, resources not shared),
+    /// then the data communicators off the control one as [`from_env`](Self::from_env)
+    /// does, and warms them up, the whole set-up within [`NcclConfig::setup_timeout`].
+    /// The runtime's communicator is only read and split once, never destroyed or
+    /// aborted by the crate; the children are the crate's own.
     ///
     /// `device` is the CUDA ordinal (as this process sees it) the communicator lives on.
     /// [`NcclConfig::device`] is ignored.
@@ -299,23 +342,25 @@ impl NcclBackend {
         let ctx = context(device)?;
         let parent = RawComm(comm);
         // SAFETY: the caller guarantees a live communicator nothing else uses now.
-        let found = unsafe { ffi::comm_rank_size_device(parent) }?;
+        let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
         let (rank, world) = same_rank(found, device, exchange.as_ref())?;
-        let agreed = b.agree(exchange.as_ref(), &[])?;
-        let comms = b.create(&b.roles(), "ncclCommSplit", |_, role| {
-            // SAFETY: the caller guarantees the parent is live and used by nobody else
-            // during this call; every rank splits the same roles in the same order
-            // (same version, checked by the exchange round, and the same config).
-            unsafe { ffi::comm_split(parent, rank, role.cta_policy) }
-        })?;
+        let agreed = b.agree(exchange.as_ref(), None)?;
+        // SAFETY: the caller guarantees the parent is live and used by nobody else
+        // during this call; every rank makes the same split (the plan is checked by the
+        // set-up round).
+        let starting =
+            unsafe { ffi::comm_split(b.nccl, parent, rank, ffi::NCCL_CTA_POLICY_DEFAULT, false) };
+        let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline)?;
+        let comms = b.data(&control, rank)?;
         let seat = Seat { rank, world, ctx };
-        b.assemble(seat, comms, agreed.nodes, exchange)
+        b.assemble(seat, Some(control), comms, agreed.nodes, exchange)
     }
 
     /// One backend per listed GPU of this process, in rank order: rank `i` drives
-    /// device `devices[i]`. Communicators are created non-blocking from one thread per
-    /// rank with a shared `ncclUniqueId` per communicator. Hand each backend to its own
-    /// thread. [`NcclConfig::device`] is ignored.
+    /// device `devices[i]`. Each rank's control communicator is created non-blocking
+    /// from a thread of its own with one shared `ncclUniqueId`, its data communicators
+    /// split off it and warmed up, as [`from_env`](Self::from_env) does. Hand each
+    /// backend to its own thread. [`NcclConfig::device`] is ignored.
     ///
     /// # Errors
     /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
@@ -333,8 +378,7 @@ impl NcclBackend {
         if sorted.len() != devices.len() {
             return Err(Error::InvalidConfig("a device is listed twice".into()));
         }
-        let roles = b.roles();
-        let ids = Builder::unique_ids(&roles)?;
+        let id = ffi::unique_id(b.nccl)?;
         let world = devices.len();
         // Every context first: a device that fails here fails the call before any rank
         // starts a communicator.
@@ -344,11 +388,10 @@ impl NcclBackend {
             .collect::<Result<Vec<_>>>()?;
         let one_rank = |rank: usize, ctx: Arc<CudaContext>, exchange: LocalExchange| {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
-            let comms = b.create(&roles, "ncclCommInitRankConfig", |i, role| {
-                ffi::comm_init(world, &ids[i], rank, role.cta_policy)
-            })?;
+            let control = b.control_init(world, &id, rank)?;
+            let comms = b.data(&control, rank)?;
             let seat = Seat { rank, world, ctx };
-            b.assemble(seat, comms, 1, Arc::new(exchange))
+            b.assemble(seat, Some(control), comms, 1, Arc::new(exchange))
         };
         let one_rank = &one_rank;
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
@@ -369,10 +412,13 @@ impl NcclBackend {
     /// policy it was created with, in the order segments are to be registered; every
     /// rank passes the same list. The backend never destroys or aborts them.
     ///
-    /// Deadlines apply only to non-blocking communicators: a call on a **blocking** one
-    /// (NCCL's default) waits as long as NCCL does, possibly forever, and a watchdog
-    /// expiry marks the backend broken without ending the stuck collective. Prefer
-    /// [`adopt`](Self::adopt), which splits non-blocking communicators off a runtime's.
+    /// They are treated as non-blocking (each call is followed by
+    /// `ncclCommGetAsyncError` until done, which is immediate on a blocking one), are
+    /// not warmed up, and there is no control communicator. Deadlines bound only
+    /// non-blocking ones: a call on a **blocking** one (NCCL's default) waits as long as
+    /// NCCL does, possibly forever, and a watchdog expiry marks the backend broken
+    /// without ending the stuck collective. Prefer [`adopt`](Self::adopt), which splits
+    /// the crate's own communicators off a runtime's.
     ///
     /// # Collective
     /// Every rank calls it at the same point (one exchange round, then
@@ -404,21 +450,21 @@ impl NcclBackend {
         for (raw, role, policy) in comms {
             let raw = RawComm(raw);
             // SAFETY: the caller guarantees a live communicator nobody else uses now.
-            let found = unsafe { ffi::comm_rank_size_device(raw) }?;
+            let found = unsafe { ffi::comm_rank_size_device(b.nccl, raw) }?;
             rank_world = Some(same_rank(found, device, exchange.as_ref())?);
             let info = CommInfo {
                 role,
                 cta_policy: effective_policy(policy),
                 registers: role != CommRole::Plain,
             };
-            adopted.push((info, Comm::new(raw, false)));
+            adopted.push((info, Comm::new(b.nccl, raw, false, false)));
         }
         let Some((rank, world)) = rank_world else {
             return Err(Error::InvalidConfig("no communicators".into()));
         };
-        let agreed = b.agree(exchange.as_ref(), &[])?;
+        let agreed = b.agree(exchange.as_ref(), None)?;
         let seat = Seat { rank, world, ctx };
-        b.assemble(seat, adopted, agreed.nodes, exchange)
+        b.assemble(seat, None, adopted, agreed.nodes, exchange)
     }
 }
 

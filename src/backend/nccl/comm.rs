@@ -1,31 +1,123 @@
-//! A rank's communicators: each with the mutex its NCCL calls hold, the polling of
-//! non-blocking calls against a [`Deadline`], and the abort machinery
-//! (`ncclCommAbort` on threads of its own, waited for boundedly). See the
-//! [module](super) for the rules.
+//! A rank's communicators and what bounds their NCCL calls.
+//!
+//! Two kinds (see the [module](super) for the whole table of waits):
+//!
+//! - the **control** communicator, non-blocking, made under the set-up deadline: every
+//!   call on it returns at once and is polled ([`poll`]) until done, failed, past its
+//!   [`Deadline`] or the backend broke;
+//! - the **data** communicators (symmetric, copy-engine, plain), split off the control
+//!   one, **blocking** by default: a call on them runs inline on the caller's thread and
+//!   returns when NCCL is done. Nothing polls them. While a thread is inside NCCL on one,
+//!   its [`Gate`] says since when, in which call, and until which deadline; the watchdog
+//!   reads that, and on a deadline (or a stuck collective, an asynchronous error, a
+//!   failed device) revokes the data communicators (`ncclCommRevoke`, NCCL ≥ 2.28.7),
+//!   waits (boundedly) for the thread to leave NCCL, and aborts each communicator on a
+//!   thread of its own.
+//!
+//! **Serialisation.** NCCL needs the calls on one communicator not to overlap
+//! ("NCCL primitives are generally not thread-safe", user guide, *Thread Safety*). Each
+//! communicator has one lock, `calls`, held across the call, taken only by callers of
+//! this backend (collectives, registration, deregistration): in the usual case of one
+//! thread driving a rank it is never contended. The watchdog and the aborts never take
+//! it: they read and set the communicator's gate, a second lock held only briefly
+//! (entering and leaving NCCL, never across the call; the watchdog holds it across one
+//! `ncclCommGetAsyncError` every interval, which on a blocking communicator reads two
+//! fields).
+//!
+//! The little CUDA this layer touches (the completion event, whether a stream is
+//! capturing, binding the device to a thread) is behind [`Device`], so that the layer
+//! runs in tests on a fake NCCL and a fake device.
 
 use super::config::NcclConfig;
-use super::ffi::{self, RawComm, Status};
-use super::health::{Cause, Health, Watch, poll_until};
+use super::ffi::{self, CollCall, RawComm, RawWindow, Registering, Status, Syms};
+use super::health::{Cause, Completion, Enqueued, Health, Watch, poll_until};
 use crate::Deadline;
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaContext, CudaEvent};
+use cudarc::nccl::sys;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// One communicator: its handle, whether the crate made it (and so aborts it), and
-/// the mutex every NCCL call on it holds.
+/// A function that binds the rank's device to the calling thread (best effort).
+pub(super) type Binder = Arc<dyn Fn() + Send + Sync>;
+
+/// The CUDA the communicator layer needs: a stream's raw handle, whether it is
+/// capturing a graph, a completion event recorded on it, and waiting for it with a
+/// deadline. The real one is `Cuda` (in `mod.rs`); tests use a fake.
+pub(super) trait Device: Send + Sync + 'static {
+    /// A stream work is enqueued on.
+    type Stream: ?Sized + Sync;
+    /// A completion marker the watchdog asks about.
+    type Event: Completion + Send + 'static;
+    /// The raw stream handle NCCL takes.
+    fn raw_stream(&self, stream: &Self::Stream) -> sys::cudaStream_t;
+    /// Whether `stream` is capturing a CUDA graph (`cuStreamIsCapturing`).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    fn capturing(&self, stream: &Self::Stream) -> Result<bool>;
+    /// Record a completion event after the work enqueued on `stream` so far (reusing
+    /// `spare` when given).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    fn record(&self, stream: &Self::Stream, spare: Option<Self::Event>) -> Result<Self::Event>;
+    /// Wait until the work enqueued on `stream` so far is done, polling, by `deadline`;
+    /// whether it finished.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    fn wait_idle(&self, stream: &Self::Stream, deadline: Deadline) -> Result<bool>;
+    /// What binds this device to a thread (abort threads, the watchdog).
+    fn binder(&self) -> Binder;
+}
+
+/// Who is inside NCCL on a communicator: the call, since when, and until when it may
+/// stay (`None`: a collective, bounded by the watchdog's completion events instead).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Inside {
+    pub(super) op: &'static str,
+    pub(super) since: Instant,
+    pub(super) deadline: Option<Deadline>,
+}
+
+/// A communicator's gate: whether it was aborted (no call may start after that), and
+/// who is inside NCCL on it.
+#[derive(Debug, Default)]
+struct Gate {
+    aborted: bool,
+    inside: Option<Inside>,
+}
+
+/// What a communicator shares with the threads that abort it.
+#[derive(Default)]
+struct CommState {
+    gate: Mutex<Gate>,
+    /// Notified when a thread leaves NCCL.
+    left: Condvar,
+    done: AbortDone,
+}
+
+impl CommState {
+    /// Wait until nobody is inside NCCL on it, or `deadline`; whether it is free.
+    fn wait_left(&self, deadline: Deadline) -> bool {
+        let mut gate = self.gate.lock();
+        self.left
+            .wait_while_until(&mut gate, |g| g.inside.is_some(), deadline.instant());
+        gate.inside.is_none()
+    }
+}
+
+/// One communicator: its handle, whether the crate made it (and so aborts it), whether
+/// it is blocking, the lock its callers' NCCL calls hold, and its gate.
 pub(super) struct Comm {
     pub(super) raw: RawComm,
     pub(super) owned: bool,
-    pub(super) state: Mutex<CommState>,
-    /// Set by the thread that runs its `ncclCommAbort` once that returned.
-    abort_done: Arc<AbortDone>,
-}
-
-pub(super) struct CommState {
-    /// `ncclCommAbort` was handed to a thread (or has run): no call may start on it.
-    pub(super) aborted: bool,
+    pub(super) blocking: bool,
+    nccl: &'static Syms,
+    /// Held across every NCCL call of the backend's callers on it (see the module).
+    calls: Mutex<()>,
+    state: Arc<CommState>,
 }
 
 /// Whether a communicator's `ncclCommAbort` has returned, for those that must not
@@ -73,25 +165,80 @@ impl AbortDone {
     }
 }
 
+/// A communicator handed over for its abort.
+struct Taken {
+    raw: RawComm,
+    blocking: bool,
+    state: Arc<CommState>,
+}
+
 impl Comm {
-    pub(super) fn new(raw: RawComm, owned: bool) -> Self {
+    /// A communicator of `nccl`.
+    pub(super) fn new(nccl: &'static Syms, raw: RawComm, owned: bool, blocking: bool) -> Self {
         Comm {
             raw,
             owned,
-            state: Mutex::new(CommState { aborted: false }),
-            abort_done: Arc::default(),
+            blocking,
+            nccl,
+            calls: Mutex::new(()),
+            state: Arc::default(),
         }
     }
 
-    /// Mark it aborted, so that no NCCL call starts on it after this, and hand back
-    /// its handle for `ncclCommAbort` (with the flag to set when it returned) if the
-    /// crate made it and it was not marked before. Waits for a call in progress on
-    /// it, which its poll bounds (a poll stops as soon as the backend is broken).
-    fn take_for_abort(&self) -> Option<(RawComm, Arc<AbortDone>)> {
-        let mut state = self.state.lock();
-        if self.owned && !state.aborted {
-            state.aborted = true;
-            Some((self.raw, self.abort_done.clone()))
+    /// Mark a thread inside NCCL on it, unless it was aborted (`false`).
+    fn enter(&self, op: &'static str, deadline: Option<Deadline>) -> bool {
+        let mut gate = self.state.gate.lock();
+        if gate.aborted {
+            return false;
+        }
+        gate.inside = Some(Inside {
+            op,
+            since: Instant::now(),
+            deadline,
+        });
+        true
+    }
+
+    /// The thread left NCCL.
+    fn leave(&self) {
+        self.state.gate.lock().inside = None;
+        self.state.left.notify_all();
+    }
+
+    /// Whether it was aborted (or handed over for its abort).
+    pub(super) fn is_aborted(&self) -> bool {
+        self.state.gate.lock().aborted
+    }
+
+    /// Who is inside NCCL on it, if anyone.
+    pub(super) fn inside(&self) -> Option<Inside> {
+        self.state.gate.lock().inside
+    }
+
+    /// Run `f` with the handle while it is not aborted, holding the gate so that no
+    /// abort starts meanwhile (for the watchdog's `ncclCommGetAsyncError`).
+    pub(super) fn while_live<T>(&self, f: impl FnOnce(RawComm) -> T) -> Option<T> {
+        let gate = self.state.gate.lock();
+        (!gate.aborted).then(|| f(self.raw))
+    }
+
+    /// For the watchdog on a non-blocking communicator: the calls lock, if free.
+    pub(super) fn try_calls(&self) -> Option<MutexGuard<'_, ()>> {
+        self.calls.try_lock()
+    }
+
+    /// Mark it aborted, so that no NCCL call starts on it after this, and hand it over
+    /// for `ncclCommAbort` if the crate made it and it was not marked before. Takes
+    /// only the gate: a thread inside NCCL on it is not waited for here.
+    fn take_for_abort(&self) -> Option<Taken> {
+        let mut gate = self.state.gate.lock();
+        if self.owned && !gate.aborted {
+            gate.aborted = true;
+            Some(Taken {
+                raw: self.raw,
+                blocking: self.blocking,
+                state: self.state.clone(),
+            })
         } else {
             None
         }
@@ -99,10 +246,10 @@ impl Comm {
 
     /// Whether it was aborted, and if so whether its abort returned by `deadline`.
     pub(super) fn aborted_by(&self, deadline: Deadline) -> Option<bool> {
-        if !self.state.lock().aborted {
+        if !self.state.gate.lock().aborted {
             return None;
         }
-        Some(self.abort_done.wait(deadline))
+        Some(self.state.done.wait(deadline))
     }
 }
 
@@ -110,20 +257,63 @@ impl Comm {
 /// aborts before leaving them to their thread.
 pub(super) const ABORT_WAIT: Duration = Duration::from_secs(10);
 
+/// How long an abort thread waits, after `ncclCommRevoke`, for the thread inside NCCL
+/// on the communicator to leave before it aborts all the same.
+pub(super) const LEAVE_WAIT: Duration = Duration::from_millis(500);
+
 /// How [`abort_off_thread`] spreads its aborts over threads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum AbortThreads {
-    /// One thread, the communicators one after another: a teardown with no device
-    /// work in flight (what ran in the two-GPU trials with ranks as threads; one
-    /// thread per communicator there was not shown to be safe).
+    /// One thread, the communicators one after another, no revoke: a teardown with no
+    /// device work in flight and nobody inside NCCL (what ran in the two-GPU trials
+    /// with ranks as threads; one thread per communicator there was not shown to be
+    /// safe).
     One,
-    /// A thread per communicator, started together: device work may be stuck.
+    /// A thread per communicator, started together; blocking ones are revoked first:
+    /// device work may be stuck, a thread may be inside NCCL.
     PerCommunicator,
 }
 
-/// Abort `comms` (handles from [`Comm::take_for_abort`]) off the calling thread (each
-/// thread binds `ctx` first); each sets its communicator's [`AbortDone`] when its
-/// abort returned, which is what callers wait on, boundedly.
+/// Revoke (where `revoke` and NCCL has it), wait for the owner to leave, abort.
+fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
+    if revoke && t.blocking {
+        // SAFETY: the crate made this communicator and it is not aborted yet (this
+        // thread runs its abort, after this); another thread may be inside NCCL on
+        // it, which is what revoking is for.
+        match unsafe { ffi::comm_revoke(nccl, t.raw) } {
+            Ok(true) => {
+                if !t.state.wait_left(Deadline::after(LEAVE_WAIT)) {
+                    tracing::warn!(
+                        "symmpool: a thread was still inside NCCL {LEAVE_WAIT:?} after ncclCommRevoke; aborting all the same"
+                    );
+                }
+            }
+            Ok(false) => {
+                if t.state.gate.lock().inside.is_some() {
+                    tracing::warn!(
+                        "symmpool: NCCL has no ncclCommRevoke (< 2.28.7): aborting a communicator a thread is inside of"
+                    );
+                }
+            }
+            Err(e) => tracing::error!("symmpool: ncclCommRevoke failed: {e}"),
+        }
+    }
+    // SAFETY: `take_for_abort` handed the communicator over once, for a communicator
+    // the crate made, and marked it aborted under its gate, so no call starts on it
+    // later; a thread still inside NCCL on it was revoked out and waited for above
+    // (or, without `ncclCommRevoke` or past `LEAVE_WAIT`, this is the documented race
+    // of aborting a blocking communicator from another thread); its windows are
+    // deregistered by nobody but this abort (`deregister` waits for `done`), so their
+    // segments stay mapped.
+    if let Err(e) = unsafe { ffi::comm_abort(nccl, t.raw) } {
+        tracing::error!("symmpool: ncclCommAbort failed: {e}");
+    }
+    t.state.done.set();
+}
+
+/// Abort `comms` (from [`Comm::take_for_abort`]) off the calling thread (each thread
+/// binds the device first); each sets its communicator's [`AbortDone`] when its abort
+/// returned, which is what callers wait on, boundedly.
 ///
 /// `ncclCommAbort` sets the communicator's abort flag (which ends its kernels) and
 /// then frees its memory, and a free waits for the device. Aborted one after another
@@ -135,41 +325,35 @@ pub(super) enum AbortThreads {
 /// 1777), so nobody waits for it without a deadline; a thread that never returns only
 /// leaks its communicators.
 fn abort_off_thread(
-    ctx: Option<Arc<CudaContext>>,
-    comms: Vec<(RawComm, Arc<AbortDone>)>,
+    nccl: &'static Syms,
+    bind: Option<Binder>,
+    comms: Vec<Taken>,
     threads: AbortThreads,
 ) {
-    let batches: Vec<Vec<(RawComm, Arc<AbortDone>)>> = match threads {
+    let revoke = threads == AbortThreads::PerCommunicator;
+    let batches: Vec<Vec<Taken>> = match threads {
         AbortThreads::One if comms.is_empty() => Vec::new(),
         AbortThreads::One => vec![comms],
         AbortThreads::PerCommunicator => comms.into_iter().map(|c| vec![c]).collect(),
     };
     for batch in batches {
-        for (_, flag) in &batch {
-            flag.handed_off();
+        for t in &batch {
+            t.state.done.handed_off();
         }
-        let flags: Vec<Arc<AbortDone>> = batch.iter().map(|(_, f)| f.clone()).collect();
-        let ctx = ctx.clone();
+        let states: Vec<Arc<CommState>> = batch.iter().map(|t| t.state.clone()).collect();
+        let bind = bind.clone();
         let spawned = std::thread::Builder::new()
             .name("symmpool-abort".into())
             .spawn(move || {
-                if let Some(ctx) = ctx {
-                    let _ = ctx.bind_to_thread();
+                if let Some(bind) = bind {
+                    bind();
                 }
-                for (raw, done) in batch {
-                    // SAFETY: `take_for_abort` handed out each handle once, for a
-                    // communicator the crate made, and marked it aborted under its
-                    // mutex, so no other NCCL call is in progress on it or starts on it
-                    // later; its windows are deregistered by nobody but this abort
-                    // (`deregister` waits for `done`), so their segments stay mapped.
-                    if let Err(e) = unsafe { ffi::comm_abort(raw) } {
-                        tracing::error!("symmpool: ncclCommAbort failed: {e}");
-                    }
-                    done.set();
+                for t in &batch {
+                    revoke_then_abort(nccl, t, revoke);
                 }
             });
         if let Err(e) = spawned {
-            flags.iter().for_each(|f| f.abandoned());
+            states.iter().for_each(|s| s.done.abandoned());
             tracing::error!(
                 "symmpool: could not start an abort thread ({e}); communicators leaked"
             );
@@ -183,9 +367,9 @@ impl Drop for Comm {
         // device itself in `ncclCommAbort`); the backend's own drop has marked the
         // others aborted already.
         if let Some(taken) = self.take_for_abort() {
-            let done = taken.1.clone();
-            abort_off_thread(None, vec![taken], AbortThreads::One);
-            if !done.wait(Deadline::after(ABORT_WAIT)) {
+            let state = taken.state.clone();
+            abort_off_thread(self.nccl, None, vec![taken], AbortThreads::One);
+            if !state.done.wait(Deadline::after(ABORT_WAIT)) {
                 tracing::warn!(
                     "symmpool: ncclCommAbort of a communicator from a failed set-up had not returned after {ABORT_WAIT:?}; it is leaked"
                 );
@@ -208,9 +392,10 @@ pub(super) enum Waited {
 /// `broken()` says to stop.
 ///
 /// # Safety
-/// `comm` is live and the caller has exclusive use of it (holds its mutex, or made it
-/// and shares it with nobody yet).
+/// `comm` is live and the caller has exclusive use of it (holds its calls lock, or
+/// made it and shares it with nobody yet).
 unsafe fn poll(
+    nccl: &Syms,
     comm: RawComm,
     op: &'static str,
     deadline: Deadline,
@@ -225,7 +410,7 @@ unsafe fn poll(
     let started = Instant::now();
     let answer = poll_until(deadline, || {
         // SAFETY: the caller's contract.
-        let state = unsafe { ffi::async_state(op, comm) };
+        let state = unsafe { ffi::async_state(nccl, op, comm) };
         match state {
             Ok(Status::Done) => Some(Waited::Done),
             Ok(Status::InProgress) => broken().then_some(Waited::Broken),
@@ -235,25 +420,46 @@ unsafe fn poll(
     answer.unwrap_or_else(|| Waited::Timeout(started.elapsed()))
 }
 
-/// Finish making a communicator: poll it until `deadline` (no backend exists yet),
-/// abort it on failure.
+/// Finish making a communicator (`blocking` as configured): poll until `deadline` (no
+/// backend exists yet), abort it on failure.
+///
+/// For a split off a non-blocking parent the parent is what is polled; on a timeout
+/// the caller aborts the parent (which also ends the child's initialisation,
+/// `setCommAbortFlags`, src/init.cc 2.28.3 2320–2329), and the child, if NCCL wrote
+/// one, is leaked with the boxes.
 pub(super) fn finish_creation(
+    nccl: &'static Syms,
     starting: Result<ffi::Starting>,
     op: &'static str,
+    blocking: bool,
     deadline: Deadline,
 ) -> Result<Comm> {
     let starting = starting?;
-    // SAFETY: the communicator was just made by this thread and is shared with nobody.
-    match unsafe { poll(starting.comm, op, deadline, &|| false) } {
-        Waited::Done => Ok(Comm::new(starting.finish(), true)),
+    // SAFETY: the communicator (or the parent of a split) is used by this thread only
+    // until the call is done.
+    match unsafe { poll(nccl, starting.poll, op, deadline, &|| false) } {
+        Waited::Done => match starting.finish() {
+            Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
+            None => Err(Error::Nccl {
+                op,
+                code: 0,
+                message: "NCCL returned no communicator".into(),
+            }),
+        },
         Waited::Failed(e) => {
             // Dropping the `Comm` aborts it; the call has ended, so the boxes are free.
-            drop(Comm::new(starting.finish(), true));
+            if let Some(raw) = starting.finish() {
+                drop(Comm::new(nccl, raw, true, blocking));
+            }
             Err(e)
         }
         timeout => {
-            // The abort ends NCCL's work on it; the boxes are leaked all the same.
-            drop(Comm::new(starting.abandon(), true));
+            let polled = starting.poll;
+            let slot = starting.abandon();
+            if !slot.is_null() && std::ptr::eq(*slot, polled.0) {
+                // An init: the abort ends NCCL's work on it; the boxes are leaked.
+                drop(Comm::new(nccl, polled, true, blocking));
+            }
             // (`Broken` cannot happen here: nothing breaks a communicator being made.)
             let waited = match timeout {
                 Waited::Timeout(waited) => waited,
@@ -264,31 +470,52 @@ pub(super) fn finish_creation(
     }
 }
 
+/// How long an NCCL call may stay inside NCCL.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Bound {
+    /// A collective: the watchdog's completion events bound it (on a non-blocking
+    /// communicator its enqueue is also polled until [`NcclConfig::call_timeout`]).
+    Watchdog,
+    /// Until this deadline (registration, deregistration, warm-up).
+    By(Deadline),
+}
+
 /// What the backend and its watchdog share: the rank's communicators, the backend's
 /// health, and the collectives the watchdog waits for.
-pub(super) struct Shared {
+pub(super) struct Shared<D: Device> {
     pub(super) rank: usize,
-    pub(super) ctx: Arc<CudaContext>,
+    pub(super) world: usize,
+    pub(super) device: D,
+    pub(super) nccl: &'static Syms,
+    /// The non-blocking control communicator (`None` for communicators given to
+    /// [`from_raw`](super::NcclBackend::from_raw)).
+    pub(super) control: Option<Comm>,
+    /// The data communicators, in [`BackendInfo::communicators`](crate::backend::BackendInfo::communicators) order.
     pub(super) comms: Vec<Comm>,
     pub(super) health: Health,
-    pub(super) watch: Mutex<Watch<CudaEvent>>,
+    pub(super) watch: Mutex<Watch<D::Event>>,
     pub(super) config: NcclConfig,
 }
 
-impl Shared {
+impl<D: Device> Shared<D> {
     /// The deadline of one call that may wait on peers or on the device:
     /// [`NcclConfig::call_timeout`] from now.
     pub(super) fn call_deadline(&self) -> Deadline {
         Deadline::after(self.config.call_timeout)
     }
 
+    /// Every communicator: the data ones, then the control one.
+    pub(super) fn all_comms(&self) -> impl Iterator<Item = &Comm> {
+        self.comms.iter().chain(self.control.iter())
+    }
+
     /// Abort every communicator the crate made (once) and forget the watched events.
     /// Every later call on them fails at once; the aborts themselves run off this
     /// thread ([`abort_off_thread`]) and are not waited for here.
     pub(super) fn abort_all(&self, threads: AbortThreads) {
-        let taken: Vec<_> = self.comms.iter().filter_map(Comm::take_for_abort).collect();
+        let taken: Vec<Taken> = self.all_comms().filter_map(Comm::take_for_abort).collect();
         self.watch.lock().clear();
-        abort_off_thread(Some(self.ctx.clone()), taken, threads);
+        abort_off_thread(self.nccl, Some(self.device.binder()), taken, threads);
     }
 
     /// Break the backend with `cause` (aborting the communicators if this is the first
@@ -299,6 +526,16 @@ impl Shared {
             cause.error(true)
         } else {
             self.health.error()
+        }
+    }
+
+    /// The error of a call `op` that found the backend broken: [`Error::NcclTimeout`]
+    /// when it broke because `op` itself ran past its deadline (the watchdog saw it
+    /// inside NCCL), else the backend's error.
+    pub(super) fn error_for(&self, op: &'static str) -> Error {
+        match self.health.cause() {
+            Some(c @ Cause::Timeout { op: o, .. }) if *o == op => c.error(true),
+            _ => self.health.error(),
         }
     }
 
@@ -316,53 +553,244 @@ impl Shared {
         }
     }
 
-    /// The result of a poll, once the communicator's mutex is released.
-    pub(super) fn conclude(&self, waited: Waited, op: &'static str) -> Result<()> {
-        match waited {
-            Waited::Done => Ok(()),
-            Waited::Failed(e) => Err(self.on_error(e)),
-            Waited::Timeout(waited) => Err(self.fail(Cause::Timeout { op, waited })),
-            Waited::Broken => Err(self.health.error()),
-        }
-    }
-
-    fn comm(&self, c: usize) -> Result<&Comm> {
+    /// Data communicator `c`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidCollective`] if there is none.
+    pub(super) fn comm(&self, c: usize) -> Result<&Comm> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
             op: "NCCL call",
             detail: format!("no communicator {c}"),
         })
     }
 
-    /// The communicator's mutex, unless it was aborted.
-    fn lock_live<'a>(&self, c: &'a Comm) -> Result<MutexGuard<'a, CommState>> {
-        let guard = c.state.lock();
-        if guard.aborted {
-            return Err(self.health.error());
-        }
-        Ok(guard)
-    }
-
-    /// Run the NCCL call `start` on communicator `c` and poll it to completion by
-    /// `deadline`; `start` gets the handle with the mutex held.
+    /// Run the NCCL call `start` on `comm`, holding its calls lock. On a blocking
+    /// communicator the call runs inline, marked in the gate with `bound`'s deadline
+    /// for the watchdog; on a non-blocking one it is then polled until done or its
+    /// deadline. What `start` returned is leaked, never dropped, when the call did not
+    /// finish (NCCL may still write into it).
     pub(super) fn call<S>(
         &self,
-        c: usize,
+        comm: &Comm,
         op: &'static str,
-        deadline: Deadline,
-        start: impl FnOnce(RawComm) -> Result<S>,
-    ) -> Result<(S, Waited)> {
-        let comm = self.comm(c)?;
-        let guard = self.lock_live(comm)?;
-        let s = match start(comm.raw) {
-            Ok(s) => s,
-            Err(e) => {
-                drop(guard);
-                return Err(self.on_error(e));
+        bound: Bound,
+        start: impl FnOnce(RawComm) -> Result<(S, Status)>,
+    ) -> Result<S> {
+        let _serial = match comm.calls.try_lock() {
+            Some(g) => g,
+            None => {
+                let started = Instant::now();
+                let until = match bound {
+                    Bound::By(d) => d,
+                    Bound::Watchdog => self.call_deadline(),
+                };
+                match comm.calls.try_lock_until(until.instant()) {
+                    Some(g) => g,
+                    None if self.health.is_broken() => return Err(self.health.error()),
+                    None => {
+                        return Err(Error::Timeout {
+                            op,
+                            waited: started.elapsed(),
+                            missing_ranks: Vec::new(),
+                        });
+                    }
+                }
             }
         };
-        // SAFETY: the communicator is live (not aborted) and we hold its mutex.
-        let waited = unsafe { poll(comm.raw, op, deadline, &|| self.health.is_broken()) };
-        drop(guard);
-        Ok((s, waited))
+        let marker = match bound {
+            Bound::By(d) if comm.blocking => Some(d),
+            _ => None,
+        };
+        if !comm.enter(op, marker) {
+            return Err(self.health.error());
+        }
+        let started = start(comm.raw);
+        let waited = match &started {
+            Err(_) => None,
+            Ok(_) if comm.blocking => Some(Waited::Done),
+            Ok(_) => {
+                let deadline = match bound {
+                    Bound::By(d) => d,
+                    Bound::Watchdog => self.call_deadline(),
+                };
+                // SAFETY: the communicator is live (not aborted: checked in `enter`,
+                // and aborts do not free it while we are inside) and we hold its calls
+                // lock.
+                Some(unsafe {
+                    poll(self.nccl, comm.raw, op, deadline, &|| {
+                        self.health.is_broken()
+                    })
+                })
+            }
+        };
+        comm.leave();
+        let (s, waited) = match (started, waited) {
+            (Err(e), _) if self.health.is_broken() => return Err(self.with_cause(op, e)),
+            (Err(e), _) => return Err(self.on_error(e)),
+            (Ok((s, _)), Some(w)) => (s, w),
+            (Ok((s, _)), None) => (s, Waited::Done),
+        };
+        let result = match waited {
+            Waited::Done if comm.blocking && self.health.is_broken() => Err(self.error_for(op)),
+            Waited::Done => return Ok(s),
+            Waited::Failed(e) if self.health.is_broken() => Err(self.with_cause(op, e)),
+            Waited::Failed(e) => Err(self.on_error(e)),
+            Waited::Timeout(waited) => Err(self.fail(Cause::Timeout { op, waited })),
+            Waited::Broken => Err(self.error_for(op)),
+        };
+        std::mem::forget(s);
+        result
+    }
+
+    /// The error of a call `op` that failed (`e`) after the backend broke.
+    fn with_cause(&self, op: &'static str, e: Error) -> Error {
+        tracing::debug!("symmpool: {op} failed after the backend broke: {e}");
+        self.error_for(op)
+    }
+
+    /// Enqueue one collective on data communicator `c` and `stream`: the NCCL call
+    /// (inline on a blocking communicator) and, unless the watchdog is off or the
+    /// stream is capturing a CUDA graph, the completion event the watchdog looks at.
+    ///
+    /// Under capture NCCL's call is the same (it is captured into the graph); an event
+    /// recorded during capture would be a node of the graph, not a completion the
+    /// watchdog can query, so none is recorded: a captured collective is bounded by
+    /// whoever launches the graph.
+    ///
+    /// # Safety
+    /// The addresses of `call` are live device memory of this rank, of the sizes the
+    /// collective touches, that stays allocated until `stream` passes; `stream` is a
+    /// live stream of the rank's device.
+    ///
+    /// # Errors
+    /// [`Error::InvalidCollective`] for no such communicator; [`Error::Nccl`];
+    /// [`Error::Cuda`]; the backend's error once it is broken.
+    pub(super) unsafe fn collective(
+        &self,
+        c: usize,
+        call: &CollCall,
+        stream: &D::Stream,
+        bound: Bound,
+    ) -> Result<()> {
+        self.health.check()?;
+        let comm = self.comm(c)?;
+        let raw_stream = self.device.raw_stream(stream);
+        self.call(comm, call.name(), bound, |raw| {
+            // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
+            // and `call` holds its calls lock.
+            unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }.map(|st| ((), st))
+        })?;
+        if self.config.watchdog_enabled() && !self.device.capturing(stream)? {
+            self.watch(call.name(), c, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Record the event the watchdog waits for after a collective `op` on
+    /// communicator `comm`, enqueued on `stream`.
+    fn watch(&self, op: &'static str, comm: usize, stream: &D::Stream) -> Result<()> {
+        let spare = self.watch.lock().spare();
+        let event = self.device.record(stream, spare)?;
+        self.watch.lock().push(Enqueued {
+            op,
+            comm,
+            at: Instant::now(),
+            done: event,
+        });
+        Ok(())
+    }
+
+    /// Register `ptr..ptr + size_bytes` (one whole `ncclMemAlloc` allocation) on data
+    /// communicator `c`, bounded by [`NcclConfig::call_timeout`] (or `deadline`).
+    ///
+    /// # Collective
+    /// Every rank, same order.
+    ///
+    /// # Safety
+    /// The allocation is one whole `ncclMemAlloc` allocation of this rank's device,
+    /// not registered on `c` yet.
+    ///
+    /// # Errors
+    /// [`Error::NcclTimeout`] past the deadline (the watchdog revokes and aborts);
+    /// [`Error::Nccl`]; the backend's error once it is broken.
+    pub(super) unsafe fn register(
+        &self,
+        c: usize,
+        ptr: u64,
+        size_bytes: u64,
+        deadline: Deadline,
+    ) -> Result<Option<RawWindow>> {
+        self.health.check()?;
+        let comm = self.comm(c)?;
+        let registering: Registering =
+            self.call(comm, "ncclCommWindowRegister", Bound::By(deadline), |raw| {
+                // SAFETY: `raw` is live and held by `call`; the caller guarantees the
+                // allocation and the order.
+                unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
+            })?;
+        Ok(registering.finish())
+    }
+
+    /// Deregister `window` from data communicator `c`, unless the communicator was
+    /// aborted: then NCCL destroyed the window with it, and nothing is called (once the
+    /// abort returned; before that the window is handed back, to be leaked with its
+    /// segment).
+    ///
+    /// # Safety
+    /// `window` was registered on `c` (and is consumed); no device work uses it.
+    ///
+    /// # Errors
+    /// The window back with [`Error::NcclAborted`] while an abort still runs, or the
+    /// call's error.
+    pub(super) unsafe fn deregister(
+        &self,
+        c: usize,
+        window: RawWindow,
+    ) -> std::result::Result<(), (RawWindow, Error)> {
+        let op = "ncclCommWindowDeregister";
+        let comm = match self.comm(c) {
+            Ok(comm) => comm,
+            Err(e) => return Err((window, e)),
+        };
+        match comm.aborted_by(Deadline::after(ABORT_WAIT)) {
+            // The window went with its communicator (ncclCommAbort releases it).
+            Some(true) => return Ok(()),
+            Some(false) => {
+                return Err((
+                    window,
+                    Error::NcclAborted {
+                        reason: format!(
+                            "ncclCommAbort of communicator {c} had not returned after {ABORT_WAIT:?}; the window and its segment are leaked"
+                        ),
+                    },
+                ));
+            }
+            None => {}
+        }
+        let handle = window.0;
+        let result = self.call(comm, op, Bound::By(self.call_deadline()), |raw| {
+            // SAFETY: the caller's contract; `raw` is live and held by `call`.
+            unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }.map(|st| ((), st))
+        });
+        result.map_err(|e| (RawWindow(handle), e))
+    }
+
+    /// Whether segments may be freed: every abort started has returned (an abort still
+    /// running may still release a window on the memory). `Err` names the one still
+    /// running after [`ABORT_WAIT`].
+    pub(super) fn may_free(&self) -> Result<()> {
+        let deadline = Deadline::after(ABORT_WAIT);
+        match self
+            .comms
+            .iter()
+            .position(|c| c.aborted_by(deadline) == Some(false))
+        {
+            Some(c) => Err(Error::NcclAborted {
+                reason: format!(
+                    "ncclCommAbort of communicator {c} had not returned after {ABORT_WAIT:?}; the segment is leaked"
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 }

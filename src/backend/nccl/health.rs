@@ -1,4 +1,5 @@
-//! Whether an NCCL backend is still usable, the polling of non-blocking calls, and the
+//! Whether an NCCL backend is still usable, the polling of non-blocking calls (the
+//! control communicator, and data communicators configured non-blocking), and the
 //! watchdog's bookkeeping. Device-free logic, tested without GPUs; the NCCL and CUDA
 //! calls stay in the backend.
 
@@ -81,6 +82,11 @@ impl Health {
         }
     }
 
+    /// Why it broke, if it did.
+    pub(crate) fn cause(&self) -> Option<&Cause> {
+        self.cause.get()
+    }
+
     /// Whether it is broken (a cheap load, for polling loops).
     pub(crate) fn is_broken(&self) -> bool {
         self.cause.get().is_some()
@@ -139,6 +145,8 @@ pub(crate) const MAX_POLL_PAUSE: Duration = Duration::from_millis(5);
 /// Call `step` until it answers or `deadline` passes (`None`), pausing between calls
 /// as [`Backoff`] does (up to [`MAX_POLL_PAUSE`]). `step` runs at least once.
 pub(crate) fn poll_until<T>(deadline: Deadline, mut step: impl FnMut() -> Option<T>) -> Option<T> {
+    #[cfg(test)]
+    POLLS.with(|p| p.set(p.get() + 1));
     let mut backoff = Backoff::new(MAX_POLL_PAUSE);
     loop {
         if let Some(answer) = step() {
@@ -150,6 +158,13 @@ pub(crate) fn poll_until<T>(deadline: Deadline, mut step: impl FnMut() -> Option
         }
         std::thread::sleep(backoff.pause(now, deadline.instant()));
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// How many polling loops (the only place the NCCL backend sleeps) this thread
+    /// entered, for tests that show a call path does not poll.
+    pub(crate) static POLLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Something whose completion the watchdog can ask about (a CUDA event).

@@ -1,58 +1,93 @@
 //! The NCCL backend: segments from `ncclMemAlloc`, one `ncclCommWindowRegister(..,
 //! NCCL_WIN_COLL_SYMMETRIC)` per (segment, communicator), collectives through NCCL.
 //!
-//! Each rank has up to three communicators over the same ranks (see [`CommRole`](super::CommRole)):
-//! a default-policy one whose windows run NCCL's symmetric kernels, a
-//! `CTAPolicy = NCCL_CTA_POLICY_ZERO` one (NCCL ≥ 2.28) whose windows run the
-//! copy-engine all-gather, and a default-policy one where nothing is registered, for
-//! the collectives that run faster on NCCL's ring. NCCL is loaded at run time (an
-//! NCCL the process already has first, see `ffi`); a missing library or one older than
-//! 2.27 is an error, never a panic.
+//! Each rank has one **control** communicator and up to three **data** communicators
+//! over the same ranks (see [`CommRole`](super::CommRole)): a default-policy one whose
+//! windows run NCCL's symmetric kernels, a `CTAPolicy = NCCL_CTA_POLICY_ZERO` one (NCCL
+//! ≥ 2.28) whose windows run the copy-engine all-gather, and a default-policy one where
+//! nothing is registered, for the collectives that run faster on NCCL's ring. NCCL is
+//! loaded at run time (an NCCL the process already has first, see `ffi`); a missing
+//! library or one older than 2.27 is an error, never a panic.
 //!
 //! # Making a backend
 //!
 //! | how | ranks | communicators |
 //! |---|---|---|
-//! | [`NcclBackend::from_env`] / [`NcclBackend::launch`] | one process per GPU (torchrun, srun, mpirun) | created by the crate: rank 0 makes one `ncclUniqueId` per communicator and publishes them over the [`Exchange`](crate::control::Exchange) |
-//! | [`NcclBackend::adopt`] | one process per GPU, with a runtime's communicator (PyTorch's `_comm_ptr()`) | split from it by the crate (`ncclCommSplit`), the parent untouched |
-//! | [`NcclBackend::local_world`] | one thread per GPU of this process | created by the crate |
-//! | [`NcclBackend::from_raw`] | any | used as they are (tests, interop) |
+//! | [`NcclBackend::from_env`] / [`NcclBackend::launch`] | one process per GPU (torchrun, srun, mpirun) | rank 0 makes the control communicator's `ncclUniqueId` and publishes it over the [`Exchange`](crate::control::Exchange); the data communicators are split off the control one |
+//! | [`NcclBackend::adopt`] | one process per GPU, with a runtime's communicator (PyTorch's `_comm_ptr()`) | the control communicator is split off the runtime's (which stays untouched), the data ones off the control one |
+//! | [`NcclBackend::local_world`] | one thread per GPU of this process | as `from_env`, one unique id shared in the process |
+//! | [`NcclBackend::from_raw`] | any | used as they are (tests, interop): no control communicator, no warm-up |
 //!
-//! # Deadlines, aborts and the watchdog
+//! # Two kinds of communicator
 //!
-//! The communicators the crate makes are **non-blocking**. Every NCCL call that can
-//! wait on peers (creation, split, window registration and deregistration, a
-//! collective's enqueue, which connects to the peers the first time) returns at once
-//! and is polled with `ncclCommGetAsyncError` (pauses from 20 µs doubling to 5 ms)
-//! until it is done or its deadline passes: one [`Deadline`] for the
-//! whole set-up ([`NcclConfig::setup_timeout`] from the constructor's call: its exchange
-//! round and every communicator's creation), and [`NcclConfig::call_timeout`] from each
-//! later call for the rest. At the deadline the rank aborts
-//! **all** its communicators (`ncclCommAbort`) and the call fails with
-//! [`Error::NcclTimeout`]; the backend is then broken for good: every later
-//! allocation, registration, collective or new stream fails with
-//! [`Error::NcclAborted`] (releases — deregister, free — still work once the aborts
-//! have returned; memory whose abort has not returned in 10 s is leaked instead).
+//! On a **non-blocking** communicator NCCL creates a thread for every `ncclGroupEnd`,
+//! so for every collective, and the next call must wait for it (src/group.cc,
+//! `groupLaunchNonBlocking`, NCCL 2.28.3 to 2.31): about 100 µs a call on two GPUs,
+//! against about 10 µs on a blocking one. So the crate uses each kind where it pays:
 //!
-//! A collective can also hang *after* its enqueue, on the device, when a peer dies
-//! inside it. Each enqueued collective records a CUDA event; a watchdog thread per
-//! backend looks every [`NcclConfig::watchdog_interval`] (100 ms) at the events and at
-//! `ncclCommGetAsyncError` of each communicator. A collective still incomplete after
-//! [`NcclConfig::watchdog_timeout`] (10 minutes), an asynchronous NCCL error or a
-//! failed device aborts the communicators (which ends the stuck kernels) and breaks
-//! the backend: the next call fails with [`Error::NcclWatchdog`] (or
-//! [`Error::NcclAborted`]). So a surviving rank learns of a lost peer within
-//! `watchdog_timeout + watchdog_interval` of the collective's enqueue, and within
-//! `call_timeout` in a call that waits on peers.
+//! - the **control** communicator is non-blocking, created (or split) and polled under
+//!   the set-up deadline; nothing runs on it after set-up but the splits;
+//! - the **data** communicators are split off it with `config.blocking = 1` (NCCL
+//!   honours the child's config in `ncclCommSplit`; the split itself runs on NCCL's
+//!   thread and is polled through the parent) and their collectives are called inline
+//!   on the caller's thread: the NCCL enqueue and a completion event, nothing else (no
+//!   `ncclCommGetAsyncError`, no sleep, no thread). Calls on one communicator are
+//!   serialised by one lock that only the backend's callers take (uncontended when one
+//!   thread drives the rank); the watchdog never takes it.
+//!   [`NcclConfig::data_blocking`] `= false` makes them non-blocking again, for callers
+//!   that need every call abortable at any point, at the cost above.
 //!
-//! `ncclCommAbort` itself can block without bound when a peer was killed (it joins
-//! NCCL's proxy threads; NVIDIA/nccl issue 1777). It runs on a thread of its own: the
-//! call that breaks the backend returns at once (the abort flag it sets still ends the
-//! stuck kernels); releasing a window of an aborted communicator waits for its abort
-//! at most 10 s (after that the window and its segment are leaked, never freed under
-//! a running abort); dropping a backend with no device work in flight waits for the
-//! aborts at most 10 s, one with work in flight not at all, and aborts still running
-//! then are left to their threads, their communicators leaked.
+//! # Warm-up
+//!
+//! NCCL does some work lazily at a communicator's first collective, and some of it
+//! waits on peers: connecting an algorithm's channels (`NCCL_RUNTIME_CONNECT=1`, the
+//! default since 2.22) and the copy engine's first all-gather (`ncclCeInit` allocates
+//! and registers a window, a collective step). So set-up ends with a warm-up, under the
+//! set-up deadline: one registered segment, and on each data communicator the
+//! collectives the path policy can choose there (all-gather on the copy-engine one,
+//! all-gather and reduce-scatter on the symmetric and plain ones), then the segment is
+//! released. [`NcclBackend::warmed`] lists what ran. Setting `NCCL_RUNTIME_CONNECT=0`
+//! before NCCL is loaded would connect every algorithm inside communicator creation
+//! instead, but for every communicator of the process (PyTorch's too), and it cannot
+//! be changed once NCCL read it; the crate does not set it.
+//!
+//! # What bounds each wait
+//!
+//! | wait | on | bounded by | on expiry |
+//! |---|---|---|---|
+//! | set-up: exchange round, control communicator's creation or split | non-blocking | [`NcclConfig::setup_timeout`], polled | [`Error::NcclTimeout`], communicators aborted |
+//! | split of each data communicator | polled through the non-blocking parent | the same set-up deadline | the same |
+//! | warm-up (registration, collectives, device wait) | blocking (default) | the set-up deadline: the watchdog sees the thread inside NCCL | revoke, abort, [`Error::NcclTimeout`] |
+//! | window registration (collective: every rank must call) | blocking | [`NcclConfig::call_timeout`], through the watchdog | revoke, then abort; the call returns [`Error::NcclTimeout`] within `call_timeout` + interval + 0.5 s (`LEAVE_WAIT`) |
+//! | window deregistration (local in NCCL 2.28–2.30) | blocking | `call_timeout`, through the watchdog | as registration |
+//! | collective enqueue | blocking | nothing of its own: the enqueue waits on peers only when work is stuck (NCCL's work FIFO full), which the completion watch below catches | — |
+//! | collective completion (device) | — | [`NcclConfig::watchdog_timeout`] after the enqueue, seen within `watchdog_interval` | revoke, abort, [`Error::NcclWatchdog`] |
+//! | any call on a non-blocking data communicator ([`NcclConfig::data_blocking`] `= false`) | non-blocking | `call_timeout`, polled | abort, [`Error::NcclTimeout`] |
+//! | abort (`ncclCommAbort` can block: NVIDIA/nccl issue 1777) | its own thread | not waited for; releases wait ≤ 10 s | window and segment leaked |
+//! | drop | — | idle device: ≤ 10 s for the aborts; work in flight: not waited for | communicators leaked |
+//!
+//! The watchdog is one thread per backend. On a deadline, an asynchronous NCCL error
+//! or a failed device it **revokes** the blocking data communicators
+//! (`ncclCommRevoke`, NCCL ≥ 2.28.7: stops their in-flight work and frees nothing, so a
+//! thread stuck inside NCCL returns), waits at most 0.5 s (`LEAVE_WAIT`)
+//! for such a thread to leave NCCL, then aborts every communicator on a thread of its
+//! own. NCCL < 2.28.7 has no `ncclCommRevoke`: the watchdog aborts directly (what
+//! PyTorch does), and a thread still inside NCCL on a blocking communicator then races
+//! with the abort that frees it; NCCL documents abort from another thread as safe only
+//! on non-blocking communicators (user guide, *Communicators*, fault tolerance). After
+//! an abort the backend is broken for good: every later call fails with
+//! [`Error::NcclWatchdog`] or [`Error::NcclAborted`]; windows of an aborted
+//! communicator are never deregistered (NCCL destroyed them), and segments are freed
+//! only once the aborts returned (after 10 s they are leaked instead).
+//!
+//! # CUDA graphs
+//!
+//! Collectives on blocking communicators can be captured into a CUDA graph and
+//! replayed (NCCL supports capture of its collectives; buffers reserved before the
+//! capture): under capture the collective path makes the same NCCL call, and records
+//! no completion event (an event recorded during capture is a node of the graph, not a
+//! completion the watchdog can query), so replays are not watched. The pool's growth
+//! stays refused while its stream captures.
 //!
 //! Communicators passed to [`NcclBackend::from_raw`] are never aborted by the crate
 //! (they are not its own), and a blocking one is not bounded by any deadline: a call
@@ -62,10 +97,11 @@
 //!
 //! | file | what |
 //! |---|---|
-//! | `build.rs` | the constructors, all through one builder: load, device, set-up round, communicators, assembly |
-//! | `setup.rs` | the set-up round (versions, nodes, unique ids) over the exchange |
-//! | `comm.rs` | the communicators: per-communicator mutex, polling against a deadline, aborts |
-//! | `watchdog.rs` | the watchdog thread and the events it watches |
+//! | `build.rs` | the constructors, all through one builder: load, device, set-up round, control and data communicators, warm-up, assembly |
+//! | `setup.rs` | the set-up round (versions, nodes, unique id) over the exchange |
+//! | `comm.rs` | the communicators: blocking calls inline with their gate, polling of non-blocking ones, revoke and abort, the `Device` seam |
+//! | `warmup.rs` | the warm-up: every (data communicator, collective) the path policy can choose, at set-up |
+//! | `watchdog.rs` | the watchdog thread |
 //! | `health.rs` | the backend's health, the polling backoff, the watch list (device-free) |
 //! | `streams.rs` | `Stream`'s CUDA side, fences as events, drains, copies, timing |
 //! | `ffi/` | every NCCL call (`mod.rs`), NCCL's loader and function table (`table.rs`), raw CUDA driver calls (`cuda.rs`) |
@@ -74,13 +110,17 @@
 mod build;
 mod comm;
 mod config;
+#[cfg(test)]
+mod fake;
 mod ffi;
 mod health;
 mod setup;
 mod streams;
+mod warmup;
 mod watchdog;
 
 pub use config::{NcclConfig, NcclWorldConfig};
+pub use warmup::{WarmCollective, WarmedPath};
 
 use super::{
     CollArgs, Collectives, Refused, Region, Segment, SegmentMemory, SegmentProvider, StreamOps,
@@ -88,9 +128,9 @@ use super::{
 };
 use crate::Deadline;
 use crate::error::{Error, NcclVersion, Result};
-use comm::{ABORT_WAIT, AbortThreads, Shared, Waited};
-use cudarc::driver::{CudaContext, CudaStream};
-use ffi::{RawComm, RawWindow, Status};
+use comm::{ABORT_WAIT, AbortThreads, Binder, Bound, Device, Shared};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use ffi::{CollCall, CollKind, RawWindow};
 use health::Cause;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -150,6 +190,51 @@ impl SegmentMemory for NcclMemory {
     }
 }
 
+/// The CUDA device of a rank, as the communicator layer sees it.
+#[derive(Clone)]
+pub(super) struct Cuda {
+    pub(super) ctx: Arc<CudaContext>,
+}
+
+impl Device for Cuda {
+    type Stream = CudaStream;
+    type Event = CudaEvent;
+
+    fn raw_stream(&self, stream: &CudaStream) -> cudarc::nccl::sys::cudaStream_t {
+        stream.cu_stream() as _
+    }
+
+    fn capturing(&self, stream: &CudaStream) -> Result<bool> {
+        ffi::is_capturing(stream)
+    }
+
+    fn record(&self, stream: &CudaStream, spare: Option<CudaEvent>) -> Result<CudaEvent> {
+        let event = match spare {
+            Some(e) => e,
+            None => self
+                .ctx
+                .new_event(None)
+                .map_err(ffi::cuda("cuEventCreate"))?,
+        };
+        event.record(stream).map_err(ffi::cuda("cuEventRecord"))?;
+        Ok(event)
+    }
+
+    fn wait_idle(&self, stream: &CudaStream, deadline: Deadline) -> Result<bool> {
+        let event = stream
+            .record_event(None)
+            .map_err(ffi::cuda("cuEventRecord"))?;
+        Ok(streams::all_complete(&[event], deadline))
+    }
+
+    fn binder(&self) -> Binder {
+        let ctx = self.ctx.clone();
+        Arc::new(move || {
+            let _ = ctx.bind_to_thread();
+        })
+    }
+}
+
 /// One rank of NCCL: a device context and its communicators. Segments and windows
 /// belong to the pools (as owned handles); this type keeps no table of them.
 ///
@@ -161,12 +246,14 @@ impl SegmentMemory for NcclMemory {
 pub struct NcclBackend {
     rank: usize,
     world: usize,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<Cuda>>,
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
     fences: Mutex<FenceTable>,
     /// Streams adopted from raw handles, by handle: one [`StreamId`](crate::core::StreamId) per raw stream.
     raw_streams: Mutex<HashMap<usize, crate::stream::Stream>>,
+    /// What the warm-up ran.
+    warmed: Vec<WarmedPath>,
     watchdog: Watchdog,
 }
 
@@ -176,17 +263,17 @@ impl fmt::Debug for NcclBackend {
         let broken = if s.health.is_broken() { ", broken" } else { "" };
         write!(
             f,
-            "NcclBackend(rank {} of {}, device {}, {} communicators{broken})",
+            "NcclBackend(rank {} of {}, device {}, {} data communicators{broken})",
             self.rank,
             self.world,
-            s.ctx.ordinal(),
+            s.device.ctx.ordinal(),
             s.comms.len()
         )
     }
 }
 
 impl NcclBackend {
-    /// The raw handle of communicator `comm` (index into
+    /// The raw handle of data communicator `comm` (index into
     /// [`BackendInfo::communicators`](super::BackendInfo::communicators)), for calling NCCL directly beside the pool
     /// (benchmarks, interop); `None` if there is no such communicator or it was
     /// aborted.
@@ -196,17 +283,29 @@ impl NcclBackend {
     /// be used after the backend is dropped or broken.
     pub fn raw_comm(&self, comm: usize) -> Option<ncclComm_t> {
         let c = self.shared.comms.get(comm)?;
-        (!c.state.lock().aborted).then_some(c.raw.0)
+        (!c.is_aborted()).then_some(c.raw.0)
+    }
+
+    /// Whether data communicator `comm` is blocking (`None` if there is none).
+    pub fn is_blocking(&self, comm: usize) -> Option<bool> {
+        self.shared.comms.get(comm).map(|c| c.blocking)
+    }
+
+    /// The (communicator, collective) pairs the set-up's warm-up ran, in order: every
+    /// pair the path policy can choose (see the [module](self)). Empty for a backend
+    /// made with [`from_raw`](Self::from_raw).
+    pub fn warmed(&self) -> &[WarmedPath] {
+        &self.warmed
     }
 
     /// The device context.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.shared.ctx
+        &self.shared.device.ctx
     }
 
     /// The CUDA device ordinal.
     pub fn device(&self) -> usize {
-        self.shared.ctx.ordinal()
+        self.shared.device.ctx.ordinal()
     }
 
     /// The configuration the backend was made with.
@@ -237,6 +336,7 @@ impl NcclBackend {
 
     fn bind(&self) -> Result<()> {
         self.shared
+            .device
             .ctx
             .bind_to_thread()
             .map_err(ffi::cuda("cuCtxSetCurrent"))
@@ -255,29 +355,24 @@ impl NcclBackend {
         })
     }
 
-    /// Enqueue a collective: checks, the call under the communicator's mutex, polling
-    /// of an `ncclInProgress` within the call timeout, then the watchdog's event.
-    fn collective(
-        &self,
-        name: &'static str,
-        a: &CollArgs<'_>,
-        reduce: bool,
-        enqueue: impl FnOnce(RawComm, u64, u64, &Arc<CudaStream>) -> Result<Status>,
-    ) -> Result<()> {
-        self.shared.health.check()?;
-        a.check_counts(name, self.world, reduce)?;
-        let send = Self::ptr(&a.send)?;
-        let recv = Self::ptr(&a.recv)?;
+    /// Enqueue a collective: checks, then the communicator layer's call (inline on a
+    /// blocking communicator) and the watchdog's event.
+    fn collective(&self, a: &CollArgs<'_>, kind: CollKind) -> Result<()> {
+        let reduce = matches!(kind, CollKind::ReduceScatter(_));
+        let call = CollCall {
+            kind,
+            send: Self::ptr(&a.send)?,
+            recv: Self::ptr(&a.recv)?,
+            count: a.count,
+            dtype: ffi::dtype(a.dtype),
+        };
+        a.check_counts(call.name(), self.world, reduce)?;
         let cs = self.cuda_of(a.stream)?;
-        self.bind()?;
-        let deadline = self.shared.call_deadline();
-        let (_, waited) =
-            (self.shared).call(a.comm, name, deadline, |raw| enqueue(raw, send, recv, cs))?;
-        self.shared.conclude(waited, name)?;
-        if self.shared.config.watchdog_enabled() && !ffi::is_capturing(cs)? {
-            self.shared.watch(name, a.comm, cs)?;
-        }
-        Ok(())
+        // SAFETY: both regions lie inside live segments of this device (regions are
+        // checked against their segments, which the caller's buffers keep alive), with
+        // the sizes checked above; the pool keeps the segments until the stream has
+        // passed (frees are fenced); `cs` is a live stream of the caller's.
+        unsafe { self.shared.collective(a.comm, &call, cs, Bound::Watchdog) }
     }
 }
 
@@ -285,33 +380,20 @@ impl SegmentProvider for NcclBackend {
     fn allocate(&self, size_bytes: u64) -> Result<Segment> {
         self.shared.health.check()?;
         self.bind()?;
-        let ptr = ffi::mem_alloc(size_bytes)?;
+        let ptr = ffi::mem_alloc(self.shared.nccl, size_bytes)?;
         Ok(Segment::new(Box::new(NcclMemory { ptr, size_bytes })))
     }
 
     unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
-        self.shared.health.check()?;
         let mem = Self::memory(segment)?;
         self.bind()?;
-        let op = "ncclCommWindowRegister";
-        let (registering, waited) = self.shared.call(
-            comm,
-            op,
-            self.shared.call_deadline(),
-            // SAFETY: `raw` is this backend's live communicator, held locked by `call`;
-            // the segment is one whole ncclMemAlloc allocation of this device (from
-            // `allocate`), and the caller guarantees it is not registered on this
-            // communicator yet and that every rank registers in the same order.
-            |raw| unsafe { ffi::window_register(raw, mem.ptr, mem.size_bytes) },
-        )?;
-        if !matches!(waited, Waited::Done) {
-            registering.abandon();
-            self.shared.conclude(waited, op)?;
-            return Err(Error::Internal {
-                what: "a registration neither finished nor failed".into(),
-            });
-        }
-        let win = registering.finish();
+        // SAFETY: the segment is one whole ncclMemAlloc allocation of this device (from
+        // `allocate`), and the caller guarantees it is not registered on this
+        // communicator yet and that every rank registers in the same order.
+        let win = unsafe {
+            self.shared
+                .register(comm, mem.ptr, mem.size_bytes, self.shared.call_deadline())
+        }?;
         let mut ordinals = self.ordinals.lock();
         ordinals[comm] += 1;
         Ok(win.map(|w| Window::new(comm, ordinals[comm], Box::new(w))))
@@ -331,45 +413,17 @@ impl SegmentProvider for NcclBackend {
                 });
             }
         };
-        let op = "ncclCommWindowDeregister";
-        let handle = raw_window.0;
-        let deadline = Deadline::after(ABORT_WAIT);
-        match self
-            .shared
-            .comms
-            .get(comm)
-            .and_then(|c| c.aborted_by(deadline))
-        {
-            // The window went with its communicator (ncclCommAbort releases it).
-            Some(true) => return Ok(()),
-            // The abort still runs and may still release this window: the caller must
-            // not free the segment under it (it leaks it instead).
-            Some(false) => {
-                return Err(Refused {
-                    handle: Window::new(comm, ordinal, Box::new(RawWindow(handle))),
-                    error: Error::NcclAborted {
-                        reason: format!(
-                            "ncclCommAbort of communicator {comm} had not returned after {ABORT_WAIT:?}; the window and its segment are leaked"
-                        ),
-                    },
-                });
-            }
-            None => {}
+        if let Err(error) = self.bind() {
+            return Err(Refused {
+                handle: Window::new(comm, ordinal, Box::new(raw_window)),
+                error,
+            });
         }
-        let result = self.bind().and_then(|()| {
-            let (_, waited) = self.shared.call(
-                comm,
-                op,
-                self.shared.call_deadline(),
-                // SAFETY: the window was registered on this communicator by `register`
-                // (the caller's contract) and is consumed here; `raw` is live and held
-                // locked by `call`; the caller guarantees no work uses it.
-                |raw| unsafe { ffi::window_deregister(raw, RawWindow(handle)) },
-            )?;
-            self.shared.conclude(waited, op)
-        });
-        result.map_err(|error| Refused {
-            handle: Window::new(comm, ordinal, Box::new(RawWindow(handle))),
+        // SAFETY: the window was registered on this communicator by `register` (the
+        // caller's contract) and is consumed here; the caller guarantees no work uses
+        // it.
+        unsafe { self.shared.deregister(comm, raw_window) }.map_err(|(w, error)| Refused {
+            handle: Window::new(comm, ordinal, Box::new(w)),
             error,
         })
     }
@@ -386,28 +440,16 @@ impl SegmentProvider for NcclBackend {
         };
         // An abort still running may still release a window on this memory (one being
         // registered when the backend broke is in no pool's list): never free under it.
-        let deadline = Deadline::after(ABORT_WAIT);
-        if let Some(c) = self
+        let result = self
             .shared
-            .comms
-            .iter()
-            .position(|c| c.aborted_by(deadline) == Some(false))
-        {
-            return Err(Refused {
-                handle: segment,
-                error: Error::NcclAborted {
-                    reason: format!(
-                        "ncclCommAbort of communicator {c} had not returned after {ABORT_WAIT:?}; the segment is leaked"
-                    ),
-                },
+            .may_free()
+            .and_then(|()| self.bind())
+            .and_then(|()| {
+                // SAFETY: the caller guarantees the segment came from `allocate` (so `ptr`
+                // is an ncclMemAlloc pointer), that no window covers it and no work uses
+                // it; it is consumed here, so freed once.
+                unsafe { ffi::mem_free(self.shared.nccl, ptr) }
             });
-        }
-        let result = self.bind().and_then(|()| {
-            // SAFETY: the caller guarantees the segment came from `allocate` (so `ptr`
-            // is an ncclMemAlloc pointer), that no window covers it and no work uses
-            // it; it is consumed here, so freed once.
-            unsafe { ffi::mem_free(ptr) }
-        });
         result.map_err(|error| Refused {
             handle: segment,
             error,
@@ -417,22 +459,11 @@ impl SegmentProvider for NcclBackend {
 
 impl Collectives for NcclBackend {
     fn all_gather(&self, a: &CollArgs<'_>) -> Result<()> {
-        let (count, dt) = (a.count, ffi::dtype(a.dtype));
-        self.collective("ncclAllGather", a, false, |raw, send, recv, cs| {
-            // SAFETY: both regions lie inside live segments of this device (regions are
-            // checked against their segments, which the caller's buffers keep alive),
-            // with the sizes checked by `collective`; the pool keeps the segments until
-            // the stream has passed (frees are fenced); `raw` is held locked.
-            unsafe { ffi::all_gather(raw, send, recv, count, dt, cs.cu_stream() as _) }
-        })
+        self.collective(a, CollKind::AllGather)
     }
 
     fn reduce_scatter(&self, a: &CollArgs<'_>) -> Result<()> {
-        let (count, dt, op) = (a.count, ffi::dtype(a.dtype), ffi::red_op(a.op));
-        self.collective("ncclReduceScatter", a, true, |raw, send, recv, cs| {
-            // SAFETY: as in `all_gather`.
-            unsafe { ffi::reduce_scatter(raw, send, recv, count, dt, op, cs.cu_stream() as _) }
-        })
+        self.collective(a, CollKind::ReduceScatter(ffi::red_op(a.op)))
     }
 }
 
@@ -465,7 +496,7 @@ impl Drop for NcclBackend {
         self.shared.abort_all(threads);
         // These aborts and any started earlier (by a timeout, the watchdog or an NCCL
         // error) get the same bound.
-        let pending = (self.shared.comms.iter())
+        let pending = (self.shared.all_comms())
             .filter(|c| c.aborted_by(deadline) == Some(false))
             .count();
         if pending > 0 && idle {

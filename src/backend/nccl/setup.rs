@@ -1,7 +1,7 @@
 //! What the ranks agree on before they make their communicators: one round on a
 //! channel of its own (`"nccl:setup"`), in which every rank sends its NCCL version and
-//! node identity and rank 0 also the `ncclUniqueId`s (one per communicator it will
-//! create). Pure logic over an [`Exchange`], tested without GPUs.
+//! node identity and the data communicators it will split, and rank 0 also the
+//! control communicator's `ncclUniqueId`. Pure logic over an [`Exchange`], tested without GPUs.
 
 use crate::Deadline;
 use crate::control::Exchange;
@@ -16,9 +16,13 @@ pub(crate) struct Hello {
     pub(crate) version: i32,
     /// See [`node_identity`].
     pub(crate) node: String,
-    /// Rank 0: one `ncclUniqueId` (128 bytes) per communicator to create; empty on the
-    /// other ranks, and on every rank when communicators are split from a parent.
+    /// Rank 0: the control communicator's `ncclUniqueId` (128 bytes); empty on the
+    /// other ranks, and on every rank when the control communicator is split from a
+    /// runtime's.
     pub(crate) unique_ids: Vec<Vec<u8>>,
+    /// The data communicators this rank will split, and how (every rank must split the
+    /// same ones: a split is collective).
+    pub(crate) plan: String,
 }
 
 /// What the round settled, the same on every rank.
@@ -78,6 +82,16 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
             .join(", ");
         return Err(Error::InvalidConfig(format!(
             "ranks run different NCCL versions ({per_rank}); every rank must load the same NCCL"
+        )));
+    }
+    if let Some((r, h)) = hellos
+        .iter()
+        .enumerate()
+        .find(|(_, h)| h.plan != first.plan)
+    {
+        return Err(Error::InvalidConfig(format!(
+            "ranks split different data communicators (rank 0: {}, rank {r}: {}); pass the same NcclConfig on every rank",
+            first.plan, h.plan
         )));
     }
     let unique_ids = first
@@ -157,6 +171,7 @@ mod tests {
                             version: 22809,
                             node: format!("node{}", rank / 2),
                             unique_ids: if rank == 0 { ids } else { Vec::new() },
+                            plan: "p".into(),
                         };
                         agree(
                             &ex,
@@ -185,6 +200,7 @@ mod tests {
             version,
             node: "n".into(),
             unique_ids: vec![],
+            plan: "p".into(),
         };
         match settle(&[h(22803), h(22809)]) {
             Err(Error::InvalidConfig(m)) => {
@@ -200,6 +216,14 @@ mod tests {
             ..h(22803)
         };
         assert!(matches!(settle(&[bad]), Err(Error::InvalidConfig(_))));
+        let other = Hello {
+            plan: "q".into(),
+            ..h(22803)
+        };
+        assert!(matches!(
+            settle(&[h(22803), other]),
+            Err(Error::InvalidConfig(m)) if m.contains("different data communicators")
+        ));
         let one = settle(&[h(22803)]).unwrap();
         assert_eq!((one.nodes, one.unique_ids.len()), (1, 0));
     }

@@ -107,7 +107,7 @@ const FENCES_PER_STREAM: usize = 64;
 /// Poll `events` until all are complete (`true`) or `deadline` passes (`false`).
 /// Never blocks in the driver: a peer stuck in a collective would hold a blocking
 /// synchronise forever.
-fn all_complete(events: &[CudaEvent], deadline: Deadline) -> bool {
+pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> bool {
     poll_until(deadline, || {
         events.iter().all(CudaEvent::is_complete).then_some(())
     })
@@ -121,6 +121,7 @@ impl NcclBackend {
     /// [`Error::Cuda`].
     pub fn cuda_stream(&self) -> Result<Arc<CudaStream>> {
         self.shared
+            .device
             .ctx
             .new_stream()
             .map_err(ffi::cuda("cuStreamCreate"))
@@ -152,7 +153,7 @@ impl NcclBackend {
         self.bind()?;
         // SAFETY: the caller guarantees a live stream handle.
         let ctx = unsafe { ffi::stream_context(cu_stream) }?;
-        if ctx != self.shared.ctx.cu_ctx() {
+        if ctx != self.shared.device.ctx.cu_ctx() {
             return Err(Error::InvalidConfig(format!(
                 "the stream belongs to another CUDA context than the primary context of device {}",
                 self.device()
@@ -160,7 +161,7 @@ impl NcclBackend {
         }
         // SAFETY: the stream belongs to this context (checked above) and the caller keeps
         // it alive as long as this backend, which holds every wrapper it hands out.
-        let wrapped = unsafe { self.shared.ctx.wrap_borrowed_stream(cu_stream) };
+        let wrapped = unsafe { self.shared.device.ctx.wrap_borrowed_stream(cu_stream) };
         let stream = Stream::cuda(wrapped);
         streams.insert(cu_stream as usize, stream.clone());
         Ok(stream)
@@ -204,6 +205,7 @@ impl StreamOps for NcclBackend {
             Some(e) => e,
             None => self
                 .shared
+                .device
                 .ctx
                 .new_event(None)
                 .map_err(ffi::cuda("cuEventCreate"))?,

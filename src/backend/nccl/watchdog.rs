@@ -1,14 +1,34 @@
 //! The watchdog: one thread per backend that looks every
-//! [`NcclConfig::watchdog_interval`](super::NcclConfig::watchdog_interval) at the
-//! collectives enqueued (a CUDA event recorded after each) and at every
-//! communicator's asynchronous error, and breaks the backend (aborting its
-//! communicators) on an expired collective, an NCCL error or a failed device. The
-//! device-free bookkeeping ([`Watch`](super::health::Watch)) is tested without GPUs.
+//! [`NcclConfig::watchdog_interval`](super::NcclConfig::watchdog_interval) at
+//!
+//! - the collectives enqueued (a completion event recorded after each, unless the
+//!   stream was capturing a CUDA graph): one incomplete past
+//!   [`NcclConfig::watchdog_timeout`](super::NcclConfig::watchdog_timeout), or a failed
+//!   device;
+//! - the threads inside NCCL on each communicator (registration, deregistration,
+//!   warm-up on a blocking data communicator): one past its deadline
+//!   ([`NcclConfig::call_timeout`](super::NcclConfig::call_timeout), or the set-up's);
+//! - every communicator's asynchronous error (`ncclCommGetAsyncError`: on a blocking
+//!   communicator it only reads the communicator's state, so it is asked while another
+//!   thread may be inside NCCL on it, as PyTorch's watchdog does; on a non-blocking one
+//!   only when no call holds it);
+//!
+//! and breaks the backend on the first of these: it revokes the blocking data
+//! communicators (`ncclCommRevoke`, NCCL ≥ 2.28.7), waits at most
+//! `LEAVE_WAIT` (0.5 s) for a thread inside NCCL to leave, and aborts
+//! every communicator on a thread of its own. Without `ncclCommRevoke` (NCCL < 2.28.7)
+//! it aborts directly, PyTorch's behaviour: a thread still inside NCCL on a blocking
+//! communicator then races with the abort that frees it (NCCL documents abort-from-
+//! another-thread as safe only on non-blocking communicators, user guide,
+//! *Communicators*, "Fault tolerance"). The thread runs when the watchdog timeout is
+//! [`Duration::MAX`] too (then it watches no collective, only calls inside NCCL).
+//!
+//! The device-free bookkeeping ([`Watch`](super::health::Watch)) is tested without GPUs.
 
-use super::comm::Shared;
+use super::comm::{Device, Shared};
 use super::ffi;
-use super::health::{Cause, Completion, Enqueued};
-use cudarc::driver::{CudaEvent, CudaStream};
+use super::health::{Cause, Completion};
+use cudarc::driver::CudaEvent;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -28,15 +48,12 @@ pub(super) struct Watchdog {
 }
 
 impl Watchdog {
-    /// Start the watchdog of `shared`, unless its configuration turns it off (or no
-    /// thread can be started: then collectives are not watched, and the log says so).
-    pub(super) fn spawn(shared: &Arc<Shared>) -> Self {
-        if !shared.config.watchdog_enabled() {
-            return Watchdog::default();
-        }
+    /// Start the watchdog of `shared` (if no thread can be started, nothing is
+    /// watched, and the log says so).
+    pub(super) fn spawn<D: Device>(shared: &Arc<Shared<D>>) -> Self {
         let (stop, stopped) = mpsc::channel::<()>();
-        let weak: Weak<Shared> = Arc::downgrade(shared);
-        let ctx = shared.ctx.clone();
+        let weak: Weak<Shared<D>> = Arc::downgrade(shared);
+        let bind = shared.device.binder();
         let interval = shared
             .config
             .watchdog_interval
@@ -44,8 +61,8 @@ impl Watchdog {
         let spawned = std::thread::Builder::new()
             .name(format!("symmpool-watchdog-{}", shared.rank))
             .spawn(move || {
-                let _ = ctx.bind_to_thread();
-                drop(ctx);
+                bind();
+                drop(bind);
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                     match weak.upgrade() {
                         Some(s) => s.tick(),
@@ -55,7 +72,7 @@ impl Watchdog {
             });
         if let Err(e) = spawned {
             tracing::error!(
-                "symmpool: could not start the NCCL watchdog ({e}); collectives are not watched"
+                "symmpool: could not start the NCCL watchdog ({e}); collectives and calls inside NCCL are not watched"
             );
         }
         Watchdog { stop: Some(stop) }
@@ -67,66 +84,52 @@ impl Watchdog {
     }
 }
 
-impl Shared {
+impl<D: Device> Shared<D> {
     /// One look of the watchdog.
-    fn tick(&self) {
+    pub(super) fn tick(&self) {
         if self.health.is_broken() {
             return;
         }
-        let cause = self
-            .watch
-            .lock()
-            .sweep(Instant::now(), self.config.watchdog_timeout);
+        let now = Instant::now();
+        let cause = self.watch.lock().sweep(now, self.config.watchdog_timeout);
         if let Some(cause) = cause {
             let _ = self.fail(cause);
             return;
         }
-        for c in self.comms.iter().filter(|c| c.owned) {
-            // A communicator busy in a call is looked at next time.
-            let Some(state) = c.state.try_lock() else {
-                continue;
-            };
-            if state.aborted {
-                continue;
+        for c in self.all_comms().filter(|c| c.owned) {
+            if let Some(inside) = c.inside()
+                && let Some(deadline) = inside.deadline
+                && deadline.instant() <= now
+            {
+                let _ = self.fail(Cause::Timeout {
+                    op: inside.op,
+                    waited: now.saturating_duration_since(inside.since),
+                });
+                return;
             }
-            // SAFETY: live (not aborted) and we hold its mutex.
-            let result = unsafe { ffi::async_state("an earlier NCCL call", c.raw) };
-            drop(state);
-            if let Err(e) = result {
+            // A non-blocking communicator busy in a call is looked at next time (the
+            // call joins NCCL's thread; its poll reads the same state).
+            let _calls = if c.blocking {
+                None
+            } else {
+                match c.try_calls() {
+                    Some(g) => Some(g),
+                    None => continue,
+                }
+            };
+            // SAFETY: `while_live` holds the gate, so the communicator is not aborted
+            // (an abort is handed over only after marking it under the gate); a
+            // non-blocking one is held by its calls lock, a blocking one only has its
+            // state read.
+            let result = c.while_live(|raw| unsafe {
+                ffi::async_state(self.nccl, "an earlier NCCL call", raw)
+            });
+            if let Some(Err(e)) = result {
                 let _ = self.fail(Cause::Failed(format!(
                     "NCCL reported an asynchronous error: {e}"
                 )));
                 return;
             }
         }
-    }
-
-    /// Record the event the watchdog waits for after a collective `op` on
-    /// communicator `comm`, enqueued on `cs`.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`](crate::Error::Cuda).
-    pub(super) fn watch(
-        &self,
-        op: &'static str,
-        comm: usize,
-        cs: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
-        let spare = self.watch.lock().spare();
-        let event = match spare {
-            Some(e) => e,
-            None => self
-                .ctx
-                .new_event(None)
-                .map_err(ffi::cuda("cuEventCreate"))?,
-        };
-        event.record(cs).map_err(ffi::cuda("cuEventRecord"))?;
-        self.watch.lock().push(Enqueued {
-            op,
-            comm,
-            at: Instant::now(),
-            done: event,
-        });
-        Ok(())
     }
 }

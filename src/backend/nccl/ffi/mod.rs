@@ -4,14 +4,19 @@
 //!
 //! The loader and function table are in [`table`], the CUDA driver calls in [`cuda`].
 //!
-//! # Non-blocking communicators
+//! Every function takes the function table ([`Syms`]) it calls through: the real NCCL
+//! ([`api`]) or, in the crate's tests, a fake one.
 //!
-//! Every communicator the crate makes is non-blocking (`config.blocking = 0`): the calls
-//! that wait on peers return [`Status::InProgress`] and the caller polls
-//! [`async_state`] until it is done or its deadline passes, then aborts
-//! ([`comm_abort`]). Out-parameters that NCCL may write after returning `ncclInProgress`
-//! (the new communicator, the window) live in boxes that are leaked, not freed, if the
-//! call never completes.
+//! # Blocking and non-blocking communicators
+//!
+//! The control communicator is non-blocking (`config.blocking = 0`): the calls that
+//! wait on peers return [`Status::InProgress`] and the caller polls [`async_state`]
+//! until it is done or its deadline passes, then aborts ([`comm_abort`]). The data
+//! communicators are blocking by default (`config.blocking = 1`): their calls return
+//! when done, and the watchdog bounds them ([`comm_revoke`], then [`comm_abort`]).
+//! Out-parameters that NCCL may write after returning `ncclInProgress` (the new
+//! communicator, the window) live in boxes that are leaked, not freed, if the call
+//! never completes.
 
 #![deny(clippy::cast_possible_truncation)]
 
@@ -19,12 +24,13 @@ mod cuda;
 mod table;
 
 pub(crate) use cuda::*;
-pub(crate) use table::{load, require};
+#[cfg(test)]
+pub(crate) use table::RevokeFn;
+pub(crate) use table::{Syms, api, load, require};
 
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
 use std::ffi::{CStr, c_char, c_int, c_void};
-use table::api;
 
 /// `NCCL_WIN_COLL_SYMMETRIC` (nccl.h, 2.27+): every rank's buffer sits at the same
 /// offset of its window in every collective.
@@ -44,7 +50,9 @@ const SUCCESS: c_int = 0;
 /// `ncclInvalidArgument`.
 const INVALID_ARGUMENT: c_int = 4;
 /// `ncclInProgress`: a non-blocking call has not finished yet.
-const IN_PROGRESS: c_int = 7;
+pub(crate) const IN_PROGRESS: c_int = 7;
+/// `NCCL_REVOKE_DEFAULT` (nccl.h.in, 2.28.7+).
+const REVOKE_DEFAULT: c_int = 0;
 
 // ---------------------------------------------------------------------------------------
 // Results
@@ -73,13 +81,10 @@ fn c_str(ptr: *const c_char) -> Option<String> {
 }
 
 /// The error for result `code` of `op`, with NCCL's last error message on `comm`.
-fn nccl_err(op: &'static str, code: c_int, comm: Option<&RawComm>) -> Error {
-    let mut message = match api() {
-        // SAFETY: ncclGetErrorString accepts any value and returns a static string.
-        Ok(s) => c_str(unsafe { (s.error_string)(code) }).unwrap_or_else(|| "unknown".into()),
-        Err(_) => "unknown".into(),
-    };
-    if let (Some(comm), Ok(s)) = (comm, api()) {
+fn nccl_err(s: &Syms, op: &'static str, code: c_int, comm: Option<&RawComm>) -> Error {
+    // SAFETY: ncclGetErrorString accepts any value and returns a static string.
+    let mut message = c_str(unsafe { (s.error_string)(code) }).unwrap_or_else(|| "unknown".into());
+    if let Some(comm) = comm {
         // SAFETY: `comm` is a live communicator (the caller's contract for the call that
         // failed); ncclGetLastError only reads its last message.
         if let Some(last) = c_str(unsafe { (s.last_error)(comm.0) }).filter(|m| !m.is_empty()) {
@@ -89,16 +94,16 @@ fn nccl_err(op: &'static str, code: c_int, comm: Option<&RawComm>) -> Error {
     Error::Nccl { op, code, message }
 }
 
-fn status(op: &'static str, code: c_int, comm: Option<&RawComm>) -> Result<Status> {
+fn status(s: &Syms, op: &'static str, code: c_int, comm: Option<&RawComm>) -> Result<Status> {
     match code {
         SUCCESS => Ok(Status::Done),
         IN_PROGRESS => Ok(Status::InProgress),
-        other => Err(nccl_err(op, other, comm)),
+        other => Err(nccl_err(s, op, other, comm)),
     }
 }
 
-fn check(op: &'static str, code: c_int, comm: Option<&RawComm>) -> Result<()> {
-    match status(op, code, comm)? {
+fn check(s: &Syms, op: &'static str, code: c_int, comm: Option<&RawComm>) -> Result<()> {
+    match status(s, op, code, comm)? {
         Status::Done => Ok(()),
         // Only calls documented as synchronous use `check`; a non-blocking answer from
         // one of them is reported, not ignored.
@@ -132,24 +137,27 @@ fn to_int(op: &'static str, x: usize) -> Result<c_int> {
 // Communicators
 
 /// A fresh `ncclUniqueId`, as its 128 bytes.
-pub(crate) fn unique_id() -> Result<[u8; 128]> {
-    let s = api()?;
+pub(crate) fn unique_id(s: &Syms) -> Result<[u8; 128]> {
     let mut id = sys::ncclUniqueId { internal: [0; 128] };
     // SAFETY: `id` is a valid out-pointer.
     let code = unsafe { (s.get_unique_id)(&mut id) };
-    check("ncclGetUniqueId", code, None)?;
+    check(s, "ncclGetUniqueId", code, None)?;
     Ok(id.internal.map(|b| b as u8))
 }
 
-/// A config filled as `NCCL_CONFIG_INITIALIZER` does, non-blocking (`blocking = 0`),
-/// with `CTAPolicy` set and resources not shared with a parent (`splitShare = 0`, so
-/// aborting a child never touches the communicator it was split from).
-pub(crate) fn config(cta_policy: c_int) -> sys::ncclConfig_t {
+/// A config filled as `NCCL_CONFIG_INITIALIZER` does, blocking or not, with `CTAPolicy`
+/// set and resources not shared with a parent (`splitShare = 0`, so aborting a child
+/// never touches the communicator it was split from).
+///
+/// NCCL honours a child's own config in `ncclCommSplit` (`parseCommConfig` when the
+/// config is not NULL, `ncclCommInitChildComm`, src/init.cc, NCCL 2.28.3–2.30.7), so a
+/// blocking child can be split off a non-blocking parent.
+pub(crate) fn config(cta_policy: c_int, blocking: bool) -> sys::ncclConfig_t {
     sys::ncclConfig_t {
         size: std::mem::size_of::<sys::ncclConfig_t>(),
         magic: NCCL_API_MAGIC,
         version: CONFIG_VERSION,
-        blocking: 0,
+        blocking: c_int::from(blocking),
         cgaClusterSize: UNDEF,
         minCTAs: UNDEF,
         maxCTAs: UNDEF,
@@ -167,8 +175,8 @@ pub(crate) fn config(cta_policy: c_int) -> sys::ncclConfig_t {
 }
 
 /// A raw communicator handle. NCCL allows a communicator to be used from any thread
-/// as long as calls on it do not overlap; [`super::NcclBackend`] serialises its calls
-/// on each communicator with a mutex.
+/// as long as calls on it do not overlap; the communicator layer serialises the calls
+/// on each communicator (see `comm.rs`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RawComm(pub(crate) sys::ncclComm_t);
 
@@ -176,142 +184,169 @@ pub(crate) struct RawComm(pub(crate) sys::ncclComm_t);
 // serialises the calls NCCL requires to be serialised.
 unsafe impl Send for RawComm {}
 // SAFETY: sharing the handle value gives no access by itself; every NCCL call on it goes
-// through the backend's per-communicator mutex.
+// through the communicator layer, which serialises them.
 unsafe impl Sync for RawComm {}
 
-/// A communicator being made: its handle (valid as soon as the call returned, so that
-/// it can be polled or aborted), and the boxes NCCL may still write into while the call
-/// is in progress.
+/// A communicator being made: the handle to poll (the new communicator for an init,
+/// the parent for a split that NCCL runs in the background), and the boxes NCCL may
+/// still write into while the call is in progress.
 #[derive(Debug)]
 pub(crate) struct Starting {
-    /// The new communicator; it must be polled until ready.
-    pub(crate) comm: RawComm,
+    /// What to poll with [`async_state`] until the call is done.
+    pub(crate) poll: RawComm,
     slot: Box<sys::ncclComm_t>,
     config: Box<sys::ncclConfig_t>,
 }
 
 impl Starting {
-    /// The call completed or was aborted: NCCL no longer writes into the boxes.
-    pub(crate) fn finish(self) -> RawComm {
-        RawComm(*self.slot)
+    /// The call completed or was aborted: NCCL no longer writes into the boxes. The
+    /// new communicator, `None` if NCCL wrote none (a split aborted early).
+    pub(crate) fn finish(self) -> Option<RawComm> {
+        (!self.slot.is_null()).then_some(RawComm(*self.slot))
     }
 
-    /// The call never completed: leak the boxes, which NCCL may still write into.
-    pub(crate) fn abandon(self) -> RawComm {
-        let comm = self.comm;
-        std::mem::forget(self.slot);
+    /// The call never completed: leak the boxes, which NCCL may still write into, and
+    /// hand back the slot (read it only after the parent's abort returned).
+    pub(crate) fn abandon(self) -> &'static sys::ncclComm_t {
         std::mem::forget(self.config);
-        comm
+        Box::leak(self.slot)
     }
 }
 
-/// Start `ncclCommInitRankConfig` on a non-blocking config.
+/// Start `ncclCommInitRankConfig` on a non-blocking config (the control communicator).
 ///
 /// # Errors
 /// The NCCL error (after aborting the half-made communicator).
 pub(crate) fn comm_init(
+    s: &Syms,
     nranks: usize,
     id: &[u8; 128],
     rank: usize,
     cta_policy: c_int,
 ) -> Result<Starting> {
-    let s = api()?;
     let op = "ncclCommInitRankConfig";
     let (nranks, rank) = (to_int(op, nranks)?, to_int(op, rank)?);
     let id = sys::ncclUniqueId {
         internal: id.map(|b| b as c_char),
     };
     let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
-    let mut config = Box::new(config(cta_policy));
+    let mut config = Box::new(config(cta_policy, false));
     // SAFETY: both boxes are valid for NCCL to write into until the call completes or
     // is aborted (they are leaked otherwise, see `Starting`); `id` is passed by value;
     // the caller made this rank's device current.
     let code = unsafe { (s.init_rank_config)(&mut *slot, nranks, id, rank, &mut *config) };
-    started(op, code, slot, config)
-}
-
-/// Start `ncclCommSplit(parent, 0, key, &child, config)` with a non-blocking config.
-///
-/// # Safety
-/// `parent` is a live communicator that nothing else calls NCCL on during this call,
-/// and every rank of it makes the same call at the same point.
-///
-/// # Errors
-/// The NCCL error.
-pub(crate) unsafe fn comm_split(
-    parent: RawComm,
-    key: usize,
-    cta_policy: c_int,
-) -> Result<Starting> {
-    let s = api()?;
-    let op = "ncclCommSplit";
-    let key = to_int(op, key)?;
-    let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
-    let mut config = Box::new(config(cta_policy));
-    // SAFETY: the caller guarantees the parent; the boxes outlive the call's completion
-    // (see `Starting`).
-    let code = unsafe { (s.split)(parent.0, 0, key, &mut *slot, &mut *config) };
-    started(op, code, slot, config)
-}
-
-fn started(
-    op: &'static str,
-    code: c_int,
-    slot: Box<sys::ncclComm_t>,
-    config: Box<sys::ncclConfig_t>,
-) -> Result<Starting> {
     let comm = RawComm(*slot);
-    match status(op, code, (!comm.0.is_null()).then_some(&comm)) {
-        Ok(_) if !comm.0.is_null() => Ok(Starting { comm, slot, config }),
-        Ok(_) => Err(Error::Nccl {
-            op,
-            code,
-            message: "NCCL returned no communicator".into(),
+    if comm.0.is_null() {
+        return match status(s, op, code, None) {
+            Err(e) => Err(e),
+            Ok(_) => Err(Error::Nccl {
+                op,
+                code,
+                message: "NCCL returned no communicator".into(),
+            }),
+        };
+    }
+    match status(s, op, code, Some(&comm)) {
+        Ok(_) => Ok(Starting {
+            poll: comm,
+            slot,
+            config,
         }),
         Err(e) => {
-            if !comm.0.is_null() {
-                // SAFETY: the half-made communicator is ours and nothing else holds it;
-                // NCCL asks for an abort of a communicator whose creation failed.
-                let _ = unsafe { comm_abort(comm) };
-            }
+            // SAFETY: the half-made communicator is ours and nothing else holds it;
+            // NCCL asks for an abort of a communicator whose creation failed.
+            let _ = unsafe { comm_abort(s, comm) };
             Err(e)
         }
     }
 }
 
-/// The state of a non-blocking communicator's last call: `ncclCommGetAsyncError`.
+/// Start `ncclCommSplit(parent, 0, key, &child, config)`, the child blocking or not.
+///
+/// On a non-blocking parent NCCL runs the split on a thread of its own, answers
+/// `ncclInProgress` and writes the child when done: the parent is polled, then the
+/// child read (NCCL user guide, "Fault Tolerance" example; src/init.cc 2.28.3
+/// 1567–1570). On a blocking parent the split is done on return and the child is
+/// polled (a non-blocking child may still be initialising).
 ///
 /// # Safety
-/// `comm` is live (not aborted) and the caller holds its mutex.
+/// `parent` is a live communicator that nothing else calls NCCL on during this call
+/// (and, on a non-blocking parent, until the split is done), and every rank of it
+/// makes the same call at the same point.
+///
+/// # Errors
+/// The NCCL error.
+pub(crate) unsafe fn comm_split(
+    s: &Syms,
+    parent: RawComm,
+    key: usize,
+    cta_policy: c_int,
+    blocking: bool,
+) -> Result<Starting> {
+    let op = "ncclCommSplit";
+    let key = to_int(op, key)?;
+    let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
+    let mut config = Box::new(config(cta_policy, blocking));
+    // SAFETY: the caller guarantees the parent; the boxes outlive the call's completion
+    // (see `Starting`).
+    let code = unsafe { (s.split)(parent.0, 0, key, &mut *slot, &mut *config) };
+    match status(s, op, code, Some(&parent))? {
+        Status::InProgress => Ok(Starting {
+            poll: parent,
+            slot,
+            config,
+        }),
+        Status::Done if slot.is_null() => Err(Error::Nccl {
+            op,
+            code,
+            message: "NCCL returned no communicator".into(),
+        }),
+        Status::Done => Ok(Starting {
+            poll: RawComm(*slot),
+            slot,
+            config,
+        }),
+    }
+}
+
+/// The state of a communicator's last call: `ncclCommGetAsyncError`. On a blocking
+/// communicator it only reads the communicator's asynchronous result (there is no
+/// group job to join), which is what a watchdog may do while another thread is inside
+/// NCCL on it (PyTorch's watchdog does).
+///
+/// # Safety
+/// `comm` is live (not aborted); on a non-blocking communicator the caller has
+/// exclusive use of it (the call joins NCCL's thread of the previous call).
 ///
 /// # Errors
 /// The asynchronous error, as [`Error::Nccl`] naming `op`.
-pub(crate) unsafe fn async_state(op: &'static str, comm: RawComm) -> Result<Status> {
-    let s = api()?;
+pub(crate) unsafe fn async_state(s: &Syms, op: &'static str, comm: RawComm) -> Result<Status> {
     let mut state: c_int = SUCCESS;
     // SAFETY: the caller guarantees a live communicator; `state` is a valid out-pointer
     // of the size of `ncclResult_t` (a C enum: an int).
     let code = unsafe { (s.get_async_error)(comm.0, &mut state) };
-    check("ncclCommGetAsyncError", code, Some(&comm))?;
-    status(op, state, Some(&comm))
+    check(s, "ncclCommGetAsyncError", code, Some(&comm))?;
+    status(s, op, state, Some(&comm))
 }
 
 /// (rank, size, device) of a communicator.
 ///
 /// # Safety
 /// `comm` is live and nothing else calls NCCL on it concurrently.
-pub(crate) unsafe fn comm_rank_size_device(comm: RawComm) -> Result<(usize, usize, usize)> {
-    let s = api()?;
+pub(crate) unsafe fn comm_rank_size_device(
+    s: &Syms,
+    comm: RawComm,
+) -> Result<(usize, usize, usize)> {
     let (mut rank, mut size, mut dev) = (0 as c_int, 0 as c_int, 0 as c_int);
     // SAFETY: `comm.0` is live (the caller's contract); out-pointers are valid.
     let code = unsafe { (s.user_rank)(comm.0, &mut rank) };
-    check("ncclCommUserRank", code, Some(&comm))?;
+    check(s, "ncclCommUserRank", code, Some(&comm))?;
     // SAFETY: as above.
     let code = unsafe { (s.count)(comm.0, &mut size) };
-    check("ncclCommCount", code, Some(&comm))?;
+    check(s, "ncclCommCount", code, Some(&comm))?;
     // SAFETY: as above.
     let code = unsafe { (s.cu_device)(comm.0, &mut dev) };
-    check("ncclCommCuDevice", code, Some(&comm))?;
+    check(s, "ncclCommCuDevice", code, Some(&comm))?;
     let u = |x: c_int| usize::try_from(x).unwrap_or(usize::MAX);
     Ok((u(rank), u(size), u(dev)))
 }
@@ -323,16 +358,40 @@ pub(crate) unsafe fn comm_rank_size_device(comm: RawComm) -> Result<(usize, usiz
 ///
 /// # Safety
 /// - `comm` is a live communicator created by this crate (not adopted);
-/// - nothing uses it again, and no other thread is inside an NCCL call on it (it was
-///   marked aborted under its mutex, so no call starts on it later).
-pub(crate) unsafe fn comm_abort(comm: RawComm) -> Result<()> {
-    let s = api()?;
+/// - nothing uses it again, and no other thread is inside an NCCL call on it, or (the
+///   documented race of a blocking communicator whose owner did not leave NCCL in
+///   time) the caller accepts that such a thread may touch it while it is freed.
+pub(crate) unsafe fn comm_abort(s: &Syms, comm: RawComm) -> Result<()> {
     // SAFETY: the caller guarantees `comm.0` is live, owned and never used again.
     let code = unsafe { (s.abort)(comm.0) };
     // An abort is complete when it returns, even on a non-blocking communicator.
     match code {
         SUCCESS | IN_PROGRESS => Ok(()),
-        other => Err(nccl_err("ncclCommAbort", other, None)),
+        other => Err(nccl_err(s, "ncclCommAbort", other, None)),
+    }
+}
+
+/// `ncclCommRevoke(comm, NCCL_REVOKE_DEFAULT)`: "stops all in-flight operations" on
+/// the communicator (sets its abort flags, waits for its streams, stops its proxy,
+/// clears the flags) and frees nothing, so that a thread stuck inside NCCL on it
+/// returns before the communicator is aborted (nccl.h.in 2.28.7+, `ncclCommRevoke`;
+/// src/init.cc 2.30.7 2928–3022). `Ok(false)` without the symbol (NCCL < 2.28.7).
+///
+/// # Safety
+/// `comm` is a live communicator created by this crate, not yet aborted. Another
+/// thread may be inside an NCCL call on it (that is what revoking is for).
+///
+/// # Errors
+/// The NCCL error.
+pub(crate) unsafe fn comm_revoke(s: &Syms, comm: RawComm) -> Result<bool> {
+    let Some(revoke) = s.revoke else {
+        return Ok(false);
+    };
+    // SAFETY: the caller guarantees a live communicator of the crate's.
+    let code = unsafe { revoke(comm.0, REVOKE_DEFAULT) };
+    match code {
+        SUCCESS | IN_PROGRESS => Ok(true),
+        other => Err(nccl_err(s, "ncclCommRevoke", other, None)),
     }
 }
 
@@ -344,8 +403,7 @@ pub(crate) unsafe fn comm_abort(comm: RawComm) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::DeviceOutOfMemory`] with NCCL's code and message.
-pub(crate) fn mem_alloc(size: u64) -> Result<u64> {
-    let s = api()?;
+pub(crate) fn mem_alloc(s: &Syms, size: u64) -> Result<u64> {
     let mut ptr: *mut c_void = std::ptr::null_mut();
     let oom = |code: i32, message: String| Error::DeviceOutOfMemory {
         segment_bytes: size,
@@ -359,7 +417,7 @@ pub(crate) fn mem_alloc(size: u64) -> Result<u64> {
     match code {
         SUCCESS if !ptr.is_null() => Ok(ptr as u64),
         SUCCESS => Err(oom(0, "ncclMemAlloc returned NULL".into())),
-        other => match nccl_err("ncclMemAlloc", other, None) {
+        other => match nccl_err(s, "ncclMemAlloc", other, None) {
             Error::Nccl { code, message, .. } => Err(oom(code, message)),
             e => Err(e),
         },
@@ -371,11 +429,11 @@ pub(crate) fn mem_alloc(size: u64) -> Result<u64> {
 /// # Safety
 /// - `ptr` came from [`mem_alloc`] and is freed once;
 /// - no window covers it any more and no device work still uses it.
-pub(crate) unsafe fn mem_free(ptr: u64) -> Result<()> {
-    let s = api()?;
+pub(crate) unsafe fn mem_free(s: &Syms, ptr: u64) -> Result<()> {
     // SAFETY: the caller guarantees a single free of an `ncclMemAlloc` pointer that
     // nothing uses any more.
     check(
+        s,
         "ncclMemFree",
         unsafe { (s.mem_free)(ptr as *mut c_void) },
         None,
@@ -387,11 +445,11 @@ pub(crate) unsafe fn mem_free(ptr: u64) -> Result<()> {
 pub(crate) struct RawWindow(pub(crate) sys::ncclWindow_t);
 
 // SAFETY: a window handle is an opaque heap pointer owned by its communicator; it is
-// only passed back to NCCL under that communicator's mutex.
+// only passed back to NCCL under that communicator's serialisation.
 unsafe impl Send for RawWindow {}
 
 // SAFETY: a shared `&RawWindow` gives no access but reading the handle value; NCCL is
-// only handed the handle under its communicator's mutex.
+// only handed the handle under its communicator's serialisation.
 unsafe impl Sync for RawWindow {}
 
 /// A window registration in progress: the box NCCL writes the handle into.
@@ -416,17 +474,23 @@ impl Registering {
     }
 }
 
-/// Start `ncclCommWindowRegister(comm, ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC)`.
+/// Start `ncclCommWindowRegister(comm, ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC)`. On a
+/// blocking communicator it returns once every rank registered (it ends with a
+/// bootstrap barrier: src/dev_runtime.cc 2.28.3 543–594, 789–822).
 ///
 /// # Collective
 /// Every rank of `comm`, same order.
 ///
 /// # Safety
-/// - `comm` is live and the caller holds its mutex;
+/// - `comm` is live and the caller has the exclusive use of it;
 /// - `ptr..ptr + size` is one whole `ncclMemAlloc` allocation on `comm`'s device,
 ///   not yet registered on `comm`.
-pub(crate) unsafe fn window_register(comm: RawComm, ptr: u64, size: u64) -> Result<Registering> {
-    let s = api()?;
+pub(crate) unsafe fn window_register(
+    s: &Syms,
+    comm: RawComm,
+    ptr: u64,
+    size: u64,
+) -> Result<(Registering, Status)> {
     let op = "ncclCommWindowRegister";
     let size = to_usize(op, size)?;
     let mut slot: Box<sys::ncclWindow_t> = Box::new(std::ptr::null_mut());
@@ -441,21 +505,28 @@ pub(crate) unsafe fn window_register(comm: RawComm, ptr: u64, size: u64) -> Resu
             NCCL_WIN_COLL_SYMMETRIC,
         )
     };
-    status(op, code, Some(&comm))?;
-    Ok(Registering { slot })
+    let registering = Registering { slot };
+    match status(s, op, code, Some(&comm)) {
+        Ok(st) => Ok((registering, st)),
+        Err(e) => {
+            // NCCL may have written the slot before failing; nobody reads it.
+            registering.abandon();
+            Err(e)
+        }
+    }
 }
 
 /// Start `ncclCommWindowDeregister`.
 ///
 /// # Safety
 /// - `win` came from [`window_register`] on `comm` (consumed here);
-/// - `comm` is live, the caller holds its mutex, and no device work uses the window.
-pub(crate) unsafe fn window_deregister(comm: RawComm, win: RawWindow) -> Result<Status> {
-    let s = api()?;
+/// - `comm` is live, the caller has the exclusive use of it, and no device work uses
+///   the window.
+pub(crate) unsafe fn window_deregister(s: &Syms, comm: RawComm, win: RawWindow) -> Result<Status> {
     // SAFETY: the caller guarantees the window belongs to this live communicator and is
     // no longer in use.
     let code = unsafe { (s.window_deregister)(comm.0, win.0) };
-    status("ncclCommWindowDeregister", code, Some(&comm))
+    status(s, "ncclCommWindowDeregister", code, Some(&comm))
 }
 
 pub(crate) fn dtype(d: crate::dtype::DType) -> sys::ncclDataType_t {
@@ -479,61 +550,69 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// Enqueue the collective `op` of `count` elements per rank on `comm`: `call` makes the
-/// NCCL call with the function table and the count.
-fn enqueue(
-    op: &'static str,
-    comm: RawComm,
-    count: u64,
-    call: impl FnOnce(&table::Syms, usize) -> c_int,
-) -> Result<Status> {
-    let s = api()?;
-    let count = to_usize(op, count)?;
-    status(op, call(s, count), Some(&comm))
+/// One collective call, as NCCL takes it (device addresses and a raw stream).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CollCall {
+    /// All-gather, or reduce-scatter with its reduction.
+    pub(crate) kind: CollKind,
+    /// Input address.
+    pub(crate) send: u64,
+    /// Output address.
+    pub(crate) recv: u64,
+    /// Elements per rank (the all-gather input, the reduce-scatter output).
+    pub(crate) count: u64,
+    /// Element type.
+    pub(crate) dtype: sys::ncclDataType_t,
 }
 
-/// Enqueue `ncclAllGather` (on a non-blocking communicator it may answer
-/// [`Status::InProgress`]: poll before the next call on it).
+/// Which collective a [`CollCall`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CollKind {
+    /// `ncclAllGather`.
+    AllGather,
+    /// `ncclReduceScatter` with this reduction.
+    ReduceScatter(sys::ncclRedOp_t),
+}
+
+impl CollCall {
+    /// NCCL's name of the call.
+    pub(crate) fn name(&self) -> &'static str {
+        match self.kind {
+            CollKind::AllGather => "ncclAllGather",
+            CollKind::ReduceScatter(_) => "ncclReduceScatter",
+        }
+    }
+}
+
+/// Enqueue `call` on `comm` and `stream`: `ncclAllGather` or `ncclReduceScatter`, and
+/// nothing else. On a blocking communicator it returns once the work is on the stream;
+/// on a non-blocking one it may answer [`Status::InProgress`] (poll before the next
+/// call on it).
 ///
 /// # Safety
-/// - `send` holds `count` elements and `recv` `count × nranks` elements of `dt`, both
-///   live device memory of this rank that stays allocated until `stream` passes;
+/// - for an all-gather `send` holds `count` elements and `recv` `count × nranks`
+///   elements of the type (the other way round for a reduce-scatter), both live device
+///   memory of this rank that stays allocated until `stream` passes;
 /// - `stream` is a live stream of the communicator's device;
-/// - `comm` is live and the caller holds its mutex.
-pub(crate) unsafe fn all_gather(
+/// - `comm` is live and the caller has the exclusive use of it.
+pub(crate) unsafe fn collective(
+    s: &Syms,
     comm: RawComm,
-    send: u64,
-    recv: u64,
-    count: u64,
-    dt: sys::ncclDataType_t,
+    call: &CollCall,
     stream: sys::cudaStream_t,
 ) -> Result<Status> {
-    let (send, recv) = (send as *const c_void, recv as *mut c_void);
-    enqueue("ncclAllGather", comm, count, |s, n| {
+    let op = call.name();
+    let n = to_usize(op, call.count)?;
+    let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
+    let code = match call.kind {
         // SAFETY: the caller upholds this function's contract.
-        unsafe { (s.all_gather)(send, recv, n, dt, comm.0, stream) }
-    })
-}
-
-/// Enqueue `ncclReduceScatter` (may answer [`Status::InProgress`], as
-/// [`all_gather`]).
-///
-/// # Safety
-/// As [`all_gather`], with `send` holding `count × nranks` and `recv` `count` elements.
-pub(crate) unsafe fn reduce_scatter(
-    comm: RawComm,
-    send: u64,
-    recv: u64,
-    count: u64,
-    dt: sys::ncclDataType_t,
-    op: sys::ncclRedOp_t,
-    stream: sys::cudaStream_t,
-) -> Result<Status> {
-    let (send, recv) = (send as *const c_void, recv as *mut c_void);
-    enqueue("ncclReduceScatter", comm, count, |s, n| {
-        // SAFETY: the caller upholds this function's contract.
-        unsafe { (s.reduce_scatter)(send, recv, n, dt, op, comm.0, stream) }
-    })
+        CollKind::AllGather => unsafe { (s.all_gather)(send, recv, n, call.dtype, comm.0, stream) },
+        // SAFETY: as above.
+        CollKind::ReduceScatter(red) => unsafe {
+            (s.reduce_scatter)(send, recv, n, call.dtype, red, comm.0, stream)
+        },
+    };
+    status(s, op, code, Some(&comm))
 }
 
 #[cfg(test)]
@@ -541,8 +620,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn config_is_the_initializer_non_blocking() {
-        let c = config(NCCL_CTA_POLICY_ZERO);
+    fn config_is_the_initializer_blocking_or_not() {
+        let c = config(NCCL_CTA_POLICY_ZERO, false);
         assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
         assert_eq!(c.magic, 0xcafe_beef);
         assert!(
@@ -550,25 +629,30 @@ mod tests {
             "CTAPolicy is ignored below config version 2.27"
         );
         assert_eq!(c.CTAPolicy, 2);
-        assert_eq!(c.blocking, 0, "every communicator is non-blocking");
+        assert_eq!(c.blocking, 0, "the control communicator is non-blocking");
+        assert_eq!(config(NCCL_CTA_POLICY_ZERO, true).blocking, 1);
         assert_eq!(c.splitShare, 0, "children never share a parent's resources");
         assert_eq!(c.cgaClusterSize, i32::MIN);
         assert!(c.netName.is_null() && c.commName.is_null());
-        assert_eq!(config(NCCL_CTA_POLICY_DEFAULT).CTAPolicy, 0);
+        assert_eq!(config(NCCL_CTA_POLICY_DEFAULT, true).CTAPolicy, 0);
     }
 
     #[test]
     fn result_codes() {
-        assert_eq!(status("x", SUCCESS, None).unwrap(), Status::Done);
-        assert_eq!(status("x", IN_PROGRESS, None).unwrap(), Status::InProgress);
+        let s = crate::backend::nccl::fake::syms(false);
+        assert_eq!(status(s, "x", SUCCESS, None).unwrap(), Status::Done);
+        assert_eq!(
+            status(s, "x", IN_PROGRESS, None).unwrap(),
+            Status::InProgress
+        );
         // A code no cudarc enum knows (e.g. 2.30's ncclTimeout = 8, or a later one) is
         // an error, never an invalid enum value.
         for code in [3, 6, 8, 42] {
-            match status("op", code, None) {
+            match status(s, "op", code, None) {
                 Err(Error::Nccl { op, code: c, .. }) => assert_eq!((op, c), ("op", code)),
                 other => panic!("{other:?}"),
             }
         }
-        assert!(check("x", IN_PROGRESS, None).is_err());
+        assert!(check(s, "x", IN_PROGRESS, None).is_err());
     }
 }

@@ -53,36 +53,37 @@ pub(crate) fn candidates(override_name: Option<&str>) -> Vec<Candidate> {
 }
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
-type GetUniqueIdFn = unsafe extern "C" fn(*mut sys::ncclUniqueId) -> c_int;
-type InitRankConfigFn = unsafe extern "C" fn(
+pub(crate) type GetUniqueIdFn = unsafe extern "C" fn(*mut sys::ncclUniqueId) -> c_int;
+pub(crate) type InitRankConfigFn = unsafe extern "C" fn(
     *mut sys::ncclComm_t,
     c_int,
     sys::ncclUniqueId,
     c_int,
     *mut sys::ncclConfig_t,
 ) -> c_int;
-type SplitFn = unsafe extern "C" fn(
+pub(crate) type SplitFn = unsafe extern "C" fn(
     sys::ncclComm_t,
     c_int,
     c_int,
     *mut sys::ncclComm_t,
     *mut sys::ncclConfig_t,
 ) -> c_int;
-type CommFn = unsafe extern "C" fn(sys::ncclComm_t) -> c_int;
-type CommIntFn = unsafe extern "C" fn(sys::ncclComm_t, *mut c_int) -> c_int;
-type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
-type LastErrorFn = unsafe extern "C" fn(sys::ncclComm_t) -> *const c_char;
-type MemAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
-type MemFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
-type WindowRegisterFn = unsafe extern "C" fn(
+pub(crate) type CommFn = unsafe extern "C" fn(sys::ncclComm_t) -> c_int;
+pub(crate) type CommIntFn = unsafe extern "C" fn(sys::ncclComm_t, *mut c_int) -> c_int;
+pub(crate) type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
+pub(crate) type LastErrorFn = unsafe extern "C" fn(sys::ncclComm_t) -> *const c_char;
+pub(crate) type MemAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+pub(crate) type MemFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+pub(crate) type WindowRegisterFn = unsafe extern "C" fn(
     sys::ncclComm_t,
     *mut c_void,
     usize,
     *mut sys::ncclWindow_t,
     c_int,
 ) -> c_int;
-type WindowDeregisterFn = unsafe extern "C" fn(sys::ncclComm_t, sys::ncclWindow_t) -> c_int;
-type AllGatherFn = unsafe extern "C" fn(
+pub(crate) type WindowDeregisterFn =
+    unsafe extern "C" fn(sys::ncclComm_t, sys::ncclWindow_t) -> c_int;
+pub(crate) type AllGatherFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
     usize,
@@ -90,7 +91,7 @@ type AllGatherFn = unsafe extern "C" fn(
     sys::ncclComm_t,
     sys::cudaStream_t,
 ) -> c_int;
-type ReduceScatterFn = unsafe extern "C" fn(
+pub(crate) type ReduceScatterFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
     usize,
@@ -99,25 +100,33 @@ type ReduceScatterFn = unsafe extern "C" fn(
     sys::ncclComm_t,
     sys::cudaStream_t,
 ) -> c_int;
+/// `ncclCommRevoke(comm, revokeFlags)` (NCCL >= 2.28.7, `nccl.h.in`).
+pub(crate) type RevokeFn = unsafe extern "C" fn(sys::ncclComm_t, c_int) -> c_int;
 
-/// NCCL's functions, resolved once from the library [`candidates`] found.
-pub(super) struct Syms {
-    pub(super) get_unique_id: GetUniqueIdFn,
-    pub(super) init_rank_config: InitRankConfigFn,
-    pub(super) split: SplitFn,
-    pub(super) abort: CommFn,
-    pub(super) get_async_error: CommIntFn,
-    pub(super) count: CommIntFn,
-    pub(super) user_rank: CommIntFn,
-    pub(super) cu_device: CommIntFn,
-    pub(super) error_string: ErrorStringFn,
-    pub(super) last_error: LastErrorFn,
-    pub(super) mem_alloc: MemAllocFn,
-    pub(super) mem_free: MemFreeFn,
-    pub(super) window_register: WindowRegisterFn,
-    pub(super) window_deregister: WindowDeregisterFn,
-    pub(super) all_gather: AllGatherFn,
-    pub(super) reduce_scatter: ReduceScatterFn,
+/// NCCL's function table: resolved once from the library [`candidates`] found, or
+/// (in the crate's tests) a fake NCCL of Rust `extern "C"` functions behind the same
+/// types. Every NCCL call of the crate goes through one of these fields; the
+/// communicator layer holds the table it was made with ([`api`] for the real one).
+pub(crate) struct Syms {
+    pub(crate) get_unique_id: GetUniqueIdFn,
+    pub(crate) init_rank_config: InitRankConfigFn,
+    pub(crate) split: SplitFn,
+    pub(crate) abort: CommFn,
+    pub(crate) get_async_error: CommIntFn,
+    pub(crate) count: CommIntFn,
+    pub(crate) user_rank: CommIntFn,
+    pub(crate) cu_device: CommIntFn,
+    pub(crate) error_string: ErrorStringFn,
+    pub(crate) last_error: LastErrorFn,
+    pub(crate) mem_alloc: MemAllocFn,
+    pub(crate) mem_free: MemFreeFn,
+    pub(crate) window_register: WindowRegisterFn,
+    pub(crate) window_deregister: WindowDeregisterFn,
+    pub(crate) all_gather: AllGatherFn,
+    pub(crate) reduce_scatter: ReduceScatterFn,
+    /// `ncclCommRevoke`, NCCL >= 2.28.7 only (`None` before: the watchdog then aborts
+    /// directly).
+    pub(crate) revoke: Option<RevokeFn>,
 }
 
 /// What loading found: the version, and the functions when all of them resolved.
@@ -211,6 +220,9 @@ fn loaded() -> Option<&'static Loaded> {
                     window_deregister: resolve!(lib, "ncclCommWindowDeregister"),
                     all_gather: resolve!(lib, "ncclAllGather"),
                     reduce_scatter: resolve!(lib, "ncclReduceScatter"),
+                    // SAFETY: `ncclCommRevoke(ncclComm_t, int)` in nccl.h 2.28.7+; the
+                    // library is leaked. Absent before 2.28.7, which is not an error.
+                    revoke: unsafe { sym(lib, "ncclCommRevoke") }.ok(),
                 })
             })();
             let syms = match syms {
@@ -231,7 +243,7 @@ const NO_NCCL: Error = Error::LibraryUnavailable {
 };
 
 /// The resolved functions, or why there are none.
-pub(super) fn api() -> Result<&'static Syms> {
+pub(crate) fn api() -> Result<&'static Syms> {
     let l = loaded().ok_or(NO_NCCL)?;
     l.syms.as_ref().ok_or(if l.version < NcclVersion::WINDOWS {
         Error::NcclTooOld {

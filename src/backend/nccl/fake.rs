@@ -1,0 +1,684 @@
+//! A fake NCCL and a fake device, for tests without a GPU: Rust `extern "C"`
+//! functions behind NCCL's function table ([`Syms`]), each logging its call (name and
+//! calling thread) on the communicator it was called on, and a [`Device`] that logs
+//! its capture queries and event records.
+//!
+//! What the fake does not cover: NCCL's own behaviour (its threads, connections,
+//! kernels, the real blocking of a registration on peers), CUDA (streams, events,
+//! graphs: the fake device's events complete at once and its "capture" is a flag),
+//! several ranks (every fake communicator is rank 0 of 1), and the cost of a call. It
+//! shows which calls the crate makes, on which thread, and in which order.
+
+use super::comm::{Binder, Comm, Device, Shared, finish_creation};
+use super::config::NcclConfig;
+use super::ffi::{self, RawComm, Syms};
+use super::health::{Completion, Health};
+use crate::Deadline;
+use crate::backend::CommInfo;
+use crate::error::Result;
+use cudarc::nccl::sys;
+use parking_lot::{Condvar, Mutex};
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::thread::ThreadId;
+use std::time::Duration;
+
+/// One call the fake saw: the function and the thread that called it.
+pub(super) type Call = (&'static str, ThreadId);
+
+/// A fake communicator; its address is the `ncclComm_t`.
+#[derive(Default)]
+pub(super) struct FakeComm {
+    pub(super) blocking: bool,
+    log: Mutex<Vec<Call>>,
+    /// Registrations block until the communicator is revoked or aborted.
+    pub(super) stuck_register: AtomicBool,
+    /// What `ncclCommGetAsyncError` reports (0: success).
+    pub(super) async_error: AtomicI32,
+    revoked: AtomicBool,
+    aborted: AtomicBool,
+    wake: Condvar,
+    wake_lock: Mutex<()>,
+}
+
+impl FakeComm {
+    fn make(blocking: bool) -> sys::ncclComm_t {
+        let comm = Box::new(FakeComm {
+            blocking,
+            ..FakeComm::default()
+        });
+        Box::into_raw(comm).cast()
+    }
+
+    fn note(&self, name: &'static str) {
+        self.log.lock().push((name, std::thread::current().id()));
+    }
+
+    fn interrupt(&self, flag: &AtomicBool) {
+        let _g = self.wake_lock.lock();
+        flag.store(true, Ordering::SeqCst);
+        self.wake.notify_all();
+    }
+
+    /// The calls made on it so far.
+    pub(super) fn calls(&self) -> Vec<Call> {
+        self.log.lock().clone()
+    }
+
+    /// The names of the calls made on it by `thread`.
+    pub(super) fn names_on(&self, thread: ThreadId) -> Vec<&'static str> {
+        self.calls()
+            .into_iter()
+            .filter(|(_, t)| *t == thread)
+            .map(|(n, _)| n)
+            .collect()
+    }
+
+    /// Forget the calls so far.
+    pub(super) fn clear(&self) {
+        self.log.lock().clear();
+    }
+}
+
+/// The fake behind a communicator handle made by the fake.
+pub(super) fn comm(raw: RawComm) -> &'static FakeComm {
+    // SAFETY: every handle reaching the fake was made by `FakeComm::make` and is never
+    // freed (fake communicators are leaked, as an aborted NCCL communicator's memory is
+    // nobody's business).
+    unsafe { &*raw.0.cast::<FakeComm>() }
+}
+
+fn fake(c: sys::ncclComm_t) -> &'static FakeComm {
+    comm(RawComm(c))
+}
+
+const SUCCESS: c_int = 0;
+const INTERNAL_ERROR: c_int = 3;
+
+unsafe extern "C" fn get_unique_id(id: *mut sys::ncclUniqueId) -> c_int {
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { (*id).internal = [0; 128] };
+    SUCCESS
+}
+
+unsafe extern "C" fn init_rank_config(
+    out: *mut sys::ncclComm_t,
+    _n: c_int,
+    _id: sys::ncclUniqueId,
+    _rank: c_int,
+    config: *mut sys::ncclConfig_t,
+) -> c_int {
+    // SAFETY: the caller passes valid pointers.
+    let blocking = unsafe { (*config).blocking } != 0;
+    // SAFETY: as above.
+    unsafe { *out = FakeComm::make(blocking) };
+    SUCCESS
+}
+
+unsafe extern "C" fn split(
+    parent: sys::ncclComm_t,
+    _color: c_int,
+    _key: c_int,
+    out: *mut sys::ncclComm_t,
+    config: *mut sys::ncclConfig_t,
+) -> c_int {
+    let p = fake(parent);
+    p.note("ncclCommSplit");
+    // SAFETY: the caller passes valid pointers.
+    let blocking = unsafe { (*config).blocking } != 0;
+    // SAFETY: as above.
+    unsafe { *out = FakeComm::make(blocking) };
+    // A non-blocking parent answers "in progress": the caller polls the parent.
+    if p.blocking {
+        SUCCESS
+    } else {
+        ffi::IN_PROGRESS
+    }
+}
+
+unsafe extern "C" fn abort(c: sys::ncclComm_t) -> c_int {
+    let f = fake(c);
+    f.note("ncclCommAbort");
+    f.interrupt(&f.aborted);
+    SUCCESS
+}
+
+unsafe extern "C" fn get_async_error(c: sys::ncclComm_t, state: *mut c_int) -> c_int {
+    let f = fake(c);
+    f.note("ncclCommGetAsyncError");
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { *state = f.async_error.load(Ordering::SeqCst) };
+    SUCCESS
+}
+
+unsafe extern "C" fn count(_c: sys::ncclComm_t, n: *mut c_int) -> c_int {
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { *n = 1 };
+    SUCCESS
+}
+
+unsafe extern "C" fn zero(_c: sys::ncclComm_t, n: *mut c_int) -> c_int {
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { *n = 0 };
+    SUCCESS
+}
+
+unsafe extern "C" fn error_string(_code: c_int) -> *const c_char {
+    c"fake NCCL error".as_ptr()
+}
+
+unsafe extern "C" fn last_error(_c: sys::ncclComm_t) -> *const c_char {
+    c"".as_ptr()
+}
+
+/// Fake device addresses: never dereferenced.
+static NEXT_ADDRESS: AtomicU64 = AtomicU64::new(0x7f00_0000_0000);
+
+unsafe extern "C" fn mem_alloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    let at = NEXT_ADDRESS.fetch_add(size as u64, Ordering::SeqCst);
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { *ptr = at as *mut c_void };
+    SUCCESS
+}
+
+unsafe extern "C" fn mem_free(_ptr: *mut c_void) -> c_int {
+    SUCCESS
+}
+
+unsafe extern "C" fn window_register(
+    c: sys::ncclComm_t,
+    _ptr: *mut c_void,
+    _size: usize,
+    win: *mut sys::ncclWindow_t,
+    _flags: c_int,
+) -> c_int {
+    let f = fake(c);
+    f.note("ncclCommWindowRegister");
+    if f.stuck_register.load(Ordering::SeqCst) {
+        // Like a registration whose peer never comes: only a revoke or an abort ends
+        // it (the test that sets this bounds the whole test by its own deadline).
+        let mut g = f.wake_lock.lock();
+        let until = Deadline::after(Duration::from_secs(30));
+        f.wake.wait_while_until(
+            &mut g,
+            |_| !f.revoked.load(Ordering::SeqCst) && !f.aborted.load(Ordering::SeqCst),
+            until.instant(),
+        );
+        return INTERNAL_ERROR;
+    }
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { *win = std::ptr::dangling_mut::<u8>().cast() };
+    SUCCESS
+}
+
+unsafe extern "C" fn window_deregister(c: sys::ncclComm_t, _win: sys::ncclWindow_t) -> c_int {
+    fake(c).note("ncclCommWindowDeregister");
+    SUCCESS
+}
+
+unsafe extern "C" fn all_gather(
+    _send: *const c_void,
+    _recv: *mut c_void,
+    _n: usize,
+    _dt: sys::ncclDataType_t,
+    c: sys::ncclComm_t,
+    _stream: sys::cudaStream_t,
+) -> c_int {
+    fake(c).note("ncclAllGather");
+    SUCCESS
+}
+
+unsafe extern "C" fn reduce_scatter(
+    _send: *const c_void,
+    _recv: *mut c_void,
+    _n: usize,
+    _dt: sys::ncclDataType_t,
+    _op: sys::ncclRedOp_t,
+    c: sys::ncclComm_t,
+    _stream: sys::cudaStream_t,
+) -> c_int {
+    fake(c).note("ncclReduceScatter");
+    SUCCESS
+}
+
+unsafe extern "C" fn revoke(c: sys::ncclComm_t, _flags: c_int) -> c_int {
+    let f = fake(c);
+    f.note("ncclCommRevoke");
+    f.interrupt(&f.revoked);
+    SUCCESS
+}
+
+fn table(with_revoke: bool) -> Syms {
+    Syms {
+        get_unique_id,
+        init_rank_config,
+        split,
+        abort,
+        get_async_error,
+        count,
+        user_rank: zero,
+        cu_device: zero,
+        error_string,
+        last_error,
+        mem_alloc,
+        mem_free,
+        window_register,
+        window_deregister,
+        all_gather,
+        reduce_scatter,
+        revoke: with_revoke.then_some(revoke as ffi::RevokeFn),
+    }
+}
+
+/// The fake function table: NCCL ≥ 2.28.7 (`with_revoke`) or older.
+pub(crate) fn syms(with_revoke: bool) -> &'static Syms {
+    static NEW: std::sync::OnceLock<Syms> = std::sync::OnceLock::new();
+    static OLD: std::sync::OnceLock<Syms> = std::sync::OnceLock::new();
+    if with_revoke {
+        NEW.get_or_init(|| table(true))
+    } else {
+        OLD.get_or_init(|| table(false))
+    }
+}
+
+/// A fake stream: whether it is "capturing".
+#[derive(Debug, Default)]
+pub(super) struct FakeStream {
+    pub(super) capturing: AtomicBool,
+}
+
+/// A fake event: complete unless told otherwise.
+#[derive(Debug, Clone, Default)]
+pub(super) struct FakeEvent {
+    pending: Arc<AtomicBool>,
+}
+
+impl Completion for FakeEvent {
+    fn complete(&self) -> std::result::Result<bool, String> {
+        Ok(!self.pending.load(Ordering::SeqCst))
+    }
+}
+
+/// A fake device, logging its calls.
+#[derive(Default)]
+pub(super) struct FakeDevice {
+    log: Mutex<Vec<Call>>,
+}
+
+impl FakeDevice {
+    fn note(&self, name: &'static str) {
+        self.log.lock().push((name, std::thread::current().id()));
+    }
+
+    /// The names of the calls `thread` made.
+    pub(super) fn names_on(&self, thread: ThreadId) -> Vec<&'static str> {
+        (self.log.lock().iter())
+            .filter(|(_, t)| *t == thread)
+            .map(|(n, _)| *n)
+            .collect()
+    }
+
+    /// Forget the calls so far.
+    pub(super) fn clear(&self) {
+        self.log.lock().clear();
+    }
+}
+
+impl Device for FakeDevice {
+    type Stream = FakeStream;
+    type Event = FakeEvent;
+
+    fn raw_stream(&self, _stream: &FakeStream) -> sys::cudaStream_t {
+        std::ptr::null_mut()
+    }
+
+    fn capturing(&self, stream: &FakeStream) -> Result<bool> {
+        self.note("cuStreamIsCapturing");
+        Ok(stream.capturing.load(Ordering::SeqCst))
+    }
+
+    fn record(&self, _stream: &FakeStream, spare: Option<FakeEvent>) -> Result<FakeEvent> {
+        self.note("cuEventRecord");
+        Ok(spare.unwrap_or_default())
+    }
+
+    fn wait_idle(&self, _stream: &FakeStream, _deadline: Deadline) -> Result<bool> {
+        self.note("wait idle");
+        Ok(true)
+    }
+
+    fn binder(&self) -> Binder {
+        Arc::new(|| {})
+    }
+}
+
+/// A rank of one as the builder makes it, on the fake NCCL: a non-blocking control
+/// communicator from a unique id, and `infos`' data communicators split off it
+/// (`blocking` as configured), with no watchdog thread yet.
+pub(super) fn shared(
+    with_revoke: bool,
+    infos: &[CommInfo],
+    config: NcclConfig,
+) -> Result<Arc<Shared<FakeDevice>>> {
+    let nccl = syms(with_revoke);
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let id = ffi::unique_id(nccl)?;
+    let control = finish_creation(
+        nccl,
+        ffi::comm_init(nccl, 1, &id, 0, ffi::NCCL_CTA_POLICY_DEFAULT),
+        "ncclCommInitRankConfig",
+        false,
+        deadline,
+    )?;
+    let blocking = config.data_blocking;
+    let comms = infos
+        .iter()
+        .map(|info| {
+            // SAFETY: the fake control communicator, used by this thread only.
+            let starting =
+                unsafe { ffi::comm_split(nccl, control.raw, 0, info.cta_policy, blocking) };
+            finish_creation(nccl, starting, "ncclCommSplit", blocking, deadline)
+        })
+        .collect::<Result<Vec<Comm>>>()?;
+    Ok(Arc::new(Shared {
+        rank: 0,
+        world: 1,
+        device: FakeDevice::default(),
+        nccl,
+        control: Some(control),
+        comms,
+        health: Health::default(),
+        watch: Mutex::default(),
+        config,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+    use crate::backend::CommRole;
+    use crate::backend::nccl::comm::Bound;
+    use crate::backend::nccl::ffi::{CollCall, CollKind};
+    use crate::backend::nccl::health::{Cause, POLLS};
+    use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
+    use crate::backend::nccl::watchdog::Watchdog;
+    use std::collections::BTreeSet;
+    use std::time::Instant;
+
+    fn call(kind: CollKind) -> CollCall {
+        CollCall {
+            kind,
+            send: 0x1000,
+            recv: 0x2000,
+            count: 16,
+            dtype: sys::ncclDataType_t::ncclFloat32,
+        }
+    }
+
+    const REDUCE: CollKind = CollKind::ReduceScatter(sys::ncclRedOp_t::ncclSum);
+
+    fn polls() -> u64 {
+        POLLS.with(|p| p.get())
+    }
+
+    #[test]
+    fn data_communicators_are_blocking_and_split_through_the_control_one() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let control = s.control.as_ref().unwrap();
+        assert!(!comm(control.raw).blocking && !control.blocking);
+        for c in &s.comms {
+            assert!(c.blocking && comm(c.raw).blocking, "config.blocking = 1");
+        }
+        let names: Vec<_> = comm(control.raw).calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(
+            names.iter().filter(|n| **n == "ncclCommSplit").count(),
+            3,
+            "{names:?}"
+        );
+        assert!(
+            names.contains(&"ncclCommGetAsyncError"),
+            "each split is polled through the non-blocking parent: {names:?}"
+        );
+        let nb = shared(
+            true,
+            &CommInfo::STANDARD,
+            NcclConfig::default().with_data_blocking(false),
+        )
+        .unwrap();
+        assert!(
+            nb.comms
+                .iter()
+                .all(|c| !c.blocking && !comm(c.raw).blocking)
+        );
+    }
+
+    #[test]
+    fn a_collective_on_a_data_communicator_is_the_enqueue_and_the_event_record() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let me = std::thread::current().id();
+        let stream = FakeStream::default();
+        for (c, kind, name) in [
+            (0, CollKind::AllGather, "ncclAllGather"),
+            (0, REDUCE, "ncclReduceScatter"),
+            (1, CollKind::AllGather, "ncclAllGather"),
+            (2, REDUCE, "ncclReduceScatter"),
+        ] {
+            let f = comm(s.comms[c].raw);
+            f.clear();
+            s.device.clear();
+            let before = polls();
+            // SAFETY: the fake never touches the addresses.
+            unsafe { s.collective(c, &call(kind), &stream, Bound::Watchdog) }.unwrap();
+            // The NCCL call, inline on this thread, and nothing else on the
+            // communicator (no ncclCommGetAsyncError) from any thread.
+            assert_eq!(f.names_on(me), vec![name]);
+            assert_eq!(f.calls().len(), 1, "{:?}", f.calls());
+            // The completion event (after the capture query), on this thread.
+            assert_eq!(
+                s.device.names_on(me),
+                vec!["cuStreamIsCapturing", "cuEventRecord"]
+            );
+            assert_eq!(polls(), before, "no polling loop, so no sleep");
+        }
+        // The same call on a non-blocking data communicator is polled.
+        let nb = shared(
+            true,
+            &CommInfo::STANDARD,
+            NcclConfig::default().with_data_blocking(false),
+        )
+        .unwrap();
+        let f = comm(nb.comms[0].raw);
+        f.clear();
+        let before = polls();
+        // SAFETY: as above.
+        unsafe { nb.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) }.unwrap();
+        assert_eq!(
+            f.names_on(me),
+            vec!["ncclAllGather", "ncclCommGetAsyncError"]
+        );
+        assert_eq!(polls(), before + 1);
+    }
+
+    #[test]
+    fn a_collective_under_capture_takes_the_same_nccl_calls_and_records_no_event() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let me = std::thread::current().id();
+        let stream = FakeStream::default();
+        let mut seen = Vec::new();
+        for capturing in [false, true] {
+            stream.capturing.store(capturing, Ordering::SeqCst);
+            let f = comm(s.comms[0].raw);
+            f.clear();
+            s.device.clear();
+            s.watch.lock().clear();
+            // SAFETY: the fake never touches the addresses.
+            unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) }
+                .unwrap();
+            // SAFETY: as above.
+            unsafe { s.collective(0, &call(REDUCE), &stream, Bound::Watchdog) }.unwrap();
+            seen.push(f.names_on(me));
+            let device = s.device.names_on(me);
+            if capturing {
+                assert_eq!(device, vec!["cuStreamIsCapturing"; 2]);
+            } else {
+                assert_eq!(device.iter().filter(|n| **n == "cuEventRecord").count(), 2);
+            }
+        }
+        assert_eq!(seen[0], seen[1]);
+        assert_eq!(seen[0], vec!["ncclAllGather", "ncclReduceScatter"]);
+    }
+
+    /// Wait (boundedly) until every communicator of `s` was aborted and its abort
+    /// returned.
+    fn aborted(s: &Shared<FakeDevice>) {
+        let deadline = Deadline::after(Duration::from_secs(10));
+        for c in s.all_comms() {
+            assert_eq!(c.aborted_by(deadline), Some(true));
+        }
+    }
+
+    fn stuck_registration(with_revoke: bool) -> (Vec<&'static str>, Duration, Result<()>) {
+        let call_timeout = Duration::from_millis(300);
+        let config = NcclConfig::default()
+            .with_call_timeout(call_timeout)
+            .with_watchdog_interval(Duration::from_millis(10));
+        let s = shared(with_revoke, &CommInfo::STANDARD, config).unwrap();
+        let _watchdog = Watchdog::spawn(&s);
+        let f = comm(s.comms[0].raw);
+        f.stuck_register.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        // SAFETY: the fake never touches the memory.
+        let r = unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.map(|_| ());
+        let took = t0.elapsed();
+        aborted(&s);
+        assert!(took >= call_timeout, "{took:?}");
+        let names = f.calls().into_iter().map(|c| c.0).collect();
+        (names, took, r)
+    }
+
+    #[test]
+    fn a_registration_stuck_past_its_deadline_is_revoked_then_aborted() {
+        let (names, took, r) = stuck_registration(true);
+        assert!(
+            matches!(
+                r,
+                Err(Error::NcclTimeout {
+                    op: "ncclCommWindowRegister",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert!(
+            took < Duration::from_millis(300) + Duration::from_secs(1),
+            "{took:?}"
+        );
+        let at = |n| names.iter().position(|x| *x == n);
+        let (revoke, abort) = (at("ncclCommRevoke"), at("ncclCommAbort"));
+        assert!(revoke.is_some() && abort.is_some(), "{names:?}");
+        assert!(revoke < abort, "revoked, then aborted: {names:?}");
+    }
+
+    #[test]
+    fn without_revoke_the_watchdog_aborts_directly() {
+        let (names, took, r) = stuck_registration(false);
+        assert!(matches!(r, Err(Error::NcclTimeout { .. })), "{r:?}");
+        assert!(
+            took < Duration::from_millis(300) + Duration::from_secs(1),
+            "{took:?}"
+        );
+        assert!(!names.contains(&"ncclCommRevoke"), "{names:?}");
+        assert!(names.contains(&"ncclCommAbort"), "{names:?}");
+    }
+
+    #[test]
+    fn after_an_abort_no_window_is_deregistered() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        // SAFETY: the fake never touches the memory.
+        let w = unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }
+            .unwrap()
+            .expect("a window");
+        let _ = s.fail(Cause::Failed("a test breaks it".into()));
+        aborted(&s);
+        // SAFETY: registered on communicator 0 above.
+        assert!(unsafe { s.deregister(0, w) }.is_ok());
+        let names: Vec<_> = comm(s.comms[0].raw)
+            .calls()
+            .into_iter()
+            .map(|c| c.0)
+            .collect();
+        assert!(!names.contains(&"ncclCommWindowDeregister"), "{names:?}");
+        assert!(names.contains(&"ncclCommAbort"));
+        assert!(
+            s.may_free().is_ok(),
+            "the aborts returned: segments may be freed"
+        );
+        // A broken backend starts no call at all.
+        // SAFETY: the fake never touches the memory.
+        assert!(unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.is_err());
+    }
+
+    #[test]
+    fn the_warm_up_covers_every_path_the_policy_can_choose() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let _watchdog = Watchdog::spawn(&s);
+        let stream = FakeStream::default();
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let warmed = s
+            .warm_up(&CommInfo::STANDARD, &stream, 2 << 20, deadline)
+            .unwrap();
+        // What the path policy can choose (`coll`): copy engine = all-gather on the
+        // copy-engine communicator; symmetric kernel = all-gather and reduce-scatter
+        // on the symmetric one; plain = all-gather and reduce-scatter on the plain one.
+        let policy: BTreeSet<_> = [
+            (CommRole::CopyEngine, "ag"),
+            (CommRole::Symmetric, "ag"),
+            (CommRole::Symmetric, "rs"),
+            (CommRole::Plain, "ag"),
+            (CommRole::Plain, "rs"),
+        ]
+        .into_iter()
+        .map(|(r, c)| (format!("{r:?}"), c))
+        .collect();
+        let got: BTreeSet<_> = warmed
+            .iter()
+            .map(|w: &WarmedPath| {
+                assert_eq!(CommInfo::STANDARD[w.comm].role, w.role);
+                let c = match w.collective {
+                    WarmCollective::AllGather => "ag",
+                    WarmCollective::ReduceScatter => "rs",
+                };
+                (format!("{:?}", w.role), c)
+            })
+            .collect();
+        assert_eq!(got, policy);
+        let names = |c: usize| -> Vec<&'static str> {
+            comm(s.comms[c].raw)
+                .calls()
+                .into_iter()
+                .map(|c| c.0)
+                .collect()
+        };
+        assert_eq!(
+            names(0),
+            vec![
+                "ncclCommWindowRegister",
+                "ncclAllGather",
+                "ncclReduceScatter",
+                "ncclCommWindowDeregister"
+            ]
+        );
+        assert_eq!(
+            names(1),
+            vec![
+                "ncclCommWindowRegister",
+                "ncclAllGather",
+                "ncclCommWindowDeregister"
+            ]
+        );
+        assert_eq!(names(2), vec!["ncclAllGather", "ncclReduceScatter"]);
+        assert!(s.health.check().is_ok());
+    }
+}
