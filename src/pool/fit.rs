@@ -2,9 +2,9 @@
 
 use super::SymmPool;
 use super::agreement::{CallKind, op};
+use super::growth::SegmentUse;
 use crate::error::{Error, Result};
 use serde::Serialize;
-use std::sync::Arc;
 
 /// What [`SymmPool::fit_to_peak`] did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -58,26 +58,8 @@ impl SymmPool {
         self.release_segments(&mut st)?;
         let mut added = Vec::new();
         for growth in &plan.add {
-            let id = st.core.next_segment_id();
-            let entry = self.provide_segment(&mut st, growth.segment_bytes)?;
-            match st.core.add_planned(*growth) {
-                Ok(got) if got == id => {
-                    st.segments.insert(id, Arc::new(entry));
-                    added.push((id.0, growth.segment_bytes));
-                }
-                Ok(got) => {
-                    let what = format!(
-                        "the core numbered a new segment {} instead of {}",
-                        got.0, id.0
-                    );
-                    st.broken = Some(what.clone());
-                    return Err(Error::Internal { what });
-                }
-                Err(e) => {
-                    self.undo_segment(&mut st, entry);
-                    return Err(e.into());
-                }
-            }
+            let id = self.add_segment(&mut st, *growth, SegmentUse::Reserved)?;
+            added.push((id.0, growth.segment_bytes));
         }
         Ok(FitReport {
             released: released.into_iter().map(|(id, b)| (id.0, b)).collect(),

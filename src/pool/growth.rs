@@ -14,6 +14,17 @@ use crate::stream::Stream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How the core takes a segment the pool adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SegmentUse {
+    /// Grown for the request at hand (the core's growth policy decides whether it is
+    /// dedicated to it).
+    OnDemand,
+    /// Reserved ahead (`reserve`, `fit_to_peak`): a large segment any large request
+    /// may use, or a small-block segment.
+    Reserved,
+}
+
 impl SymmPool {
     /// Grow by one segment: agree, allocate, confirm, register, add to the core.
     pub(super) fn grow(
@@ -25,9 +36,27 @@ impl SymmPool {
         let ready = self.readiness(st, Some(stream))?;
         let flags = self.agree(st, op::GROW, "growth", growth.segment_bytes, ready)?;
         st.all_ready(&flags)?;
+        self.add_segment(st, growth, SegmentUse::OnDemand)
+    }
+
+    /// Add one segment of `growth` to the pool, after the ranks agreed on it: allocate
+    /// it, confirm every rank did, register it on each communicator that registers,
+    /// hand it to the core (`how`), and account for it (statistics, the
+    /// segment-allocated event). The one way a segment enters a pool (growth,
+    /// `reserve`, `fit_to_peak`); on failure nothing is left of it.
+    pub(super) fn add_segment(
+        &self,
+        st: &mut PoolState,
+        growth: Growth,
+        how: SegmentUse,
+    ) -> Result<SegmentId> {
         let id = st.core.next_segment_id();
         let entry = self.provide_segment(st, growth.segment_bytes)?;
-        match st.core.add_segment(growth) {
+        let added = match how {
+            SegmentUse::OnDemand => st.core.add_segment(growth),
+            SegmentUse::Reserved => st.core.add_planned(growth),
+        };
+        match added {
             Ok(got) if got == id => {
                 st.segments.insert(id, Arc::new(entry));
                 self.segment_added(st, id);
@@ -440,33 +469,10 @@ impl SymmPool {
         let ready = self.readiness_known(&st)?;
         let flags = self.agree(&mut st, op::RESERVE, "reserve", size, ready)?;
         st.all_ready(&flags)?;
-        let id = st.core.next_segment_id();
-        let entry = self.provide_segment(&mut st, size)?;
-        let added = match class {
-            SizeClass::Large => st.core.add_shared_segment(size),
-            SizeClass::Small => st.core.add_segment(Growth {
-                class,
-                segment_bytes: size,
-            }),
+        let growth = Growth {
+            class,
+            segment_bytes: size,
         };
-        match added {
-            Ok(got) if got == id => {
-                st.segments.insert(id, Arc::new(entry));
-                self.segment_added(&mut st, id);
-                Ok(id)
-            }
-            Ok(got) => {
-                let what = format!(
-                    "the core numbered a new segment {} instead of {}",
-                    got.0, id.0
-                );
-                st.broken = Some(what.clone());
-                Err(Error::Internal { what })
-            }
-            Err(e) => {
-                self.undo_segment(&mut st, entry);
-                Err(e.into())
-            }
-        }
+        self.add_segment(&mut st, growth, SegmentUse::Reserved)
     }
 }
