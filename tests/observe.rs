@@ -9,7 +9,7 @@ use symmpool::observe::{
     BlockStatus, BlockView, PoolSnapshot, SegmentView, StatValue, WindowView, render_ranks,
     render_svg,
 };
-use symmpool::{PoolConfig, Stream, SymmPool, coll};
+use symmpool::{Coll, PoolConfig, Stream, SymmPool};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::{Context, SubscriberExt};
@@ -103,13 +103,15 @@ fn workload(level: LevelFilter) -> Vec<Seen> {
         for (pool, cap) in pools.iter().zip(&captures) {
             s.spawn(move || {
                 cap.run(level, || {
+                    let coll = Coll::new(pool).unwrap();
                     let stream = Stream::host();
                     let buf = pool.alloc(4 << 20, &stream).unwrap();
-                    coll::all_gather_in_place::<f32>(&buf, &stream).unwrap();
-                    coll::reduce_scatter_in_place::<f32>(&buf, symmpool::ReduceOp::Sum, &stream)
+                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                    coll.reduce_scatter_in_place::<f32>(&buf, symmpool::ReduceOp::Sum, &stream)
                         .unwrap();
                     drop(buf);
                     pool.trim().unwrap();
+                    drop(coll);
                     pool.close().unwrap();
                 })
             });
@@ -347,12 +349,13 @@ fn collectives_are_counted_per_path() {
     std::thread::scope(|s| {
         for pool in &pools {
             s.spawn(move || {
+                let coll = Coll::new(pool).unwrap();
                 let stream = Stream::host();
                 let buf = pool.alloc(1 << 20, &stream).unwrap();
                 for _ in 0..3 {
-                    coll::all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
                 }
-                let stats = pool.memory_stats();
+                let stats = coll.memory_stats();
                 assert_eq!(count(&stats, "collectives.symmetric_kernel.count"), 3);
                 assert_eq!(count(&stats, "collectives.symmetric_kernel.bytes"), 3 << 19);
                 assert_eq!(count(&stats, "collectives.copy_engine.count"), 0);

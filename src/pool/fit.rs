@@ -1,9 +1,9 @@
 //! `fit_to_peak`: size the pool from what a step actually used.
 
 use super::SymmPool;
-use super::agreement::{CallKind, op};
 use super::growth::SegmentUse;
 use crate::error::{Error, Result};
+use crate::group::{CallKind, Op};
 use serde::Serialize;
 
 /// What [`SymmPool::fit_to_peak`] did.
@@ -52,7 +52,7 @@ impl SymmPool {
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
         let ready = self.readiness(&st, None)?;
-        let flags = self.agree(&mut st, op::FIT, "fit_to_peak", planned_bytes, ready)?;
+        let flags = self.agree(&mut st, Op::FitToPeak, "fit_to_peak", planned_bytes, ready)?;
         st.all_ready(&flags)?;
         let released = st.core.release_planned(&plan)?;
         self.release_segments(&mut st)?;

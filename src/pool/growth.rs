@@ -4,15 +4,16 @@
 //! the growth on every rank), add it to the core. Also `reserve`, which pre-grows.
 
 use super::SymmPool;
-use super::agreement::{self, CallKind, agree, op};
-use super::state::{PoolState, Readiness, SegmentEntry};
+use super::state::{PoolState, SegmentEntry};
 use crate::backend::Segment;
 use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId, SizeClass};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::group::{self, AgreementRecord, CallKind, Op, Readiness};
 use crate::stream::Stream;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// How the core takes a segment the pool adds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,7 +35,7 @@ impl SymmPool {
         stream: &Stream,
     ) -> Result<SegmentId> {
         let ready = self.readiness(st, Some(stream))?;
-        let flags = self.agree(st, op::GROW, "growth", growth.segment_bytes, ready)?;
+        let flags = self.agree(st, Op::Grow, "growth", growth.segment_bytes, ready)?;
         st.all_ready(&flags)?;
         self.add_segment(st, growth, SegmentUse::OnDemand)
     }
@@ -106,48 +107,45 @@ impl SymmPool {
         Ok(Readiness::Ready as u64)
     }
 
-    /// One agreement round: the ranks' records must match (see `agreement.rs`).
+    /// One agreement round: the ranks' records must match (see `group::agree`).
     pub(super) fn agree(
         &self,
         st: &mut PoolState,
-        op: u64,
+        op: Op,
         during: &'static str,
         size: u64,
         extra: u64,
     ) -> Result<Vec<u64>> {
-        self.agree_within(st, op, during, size, extra, self.inner.config.timeout)
+        let deadline = Deadline::after(self.inner.config.timeout);
+        self.agree_within(st, op, during, size, extra, deadline)
     }
 
-    /// [`agree`](Self::agree), waiting for the peers for at most `timeout`.
+    /// [`agree`](Self::agree), waiting for the peers until `deadline`.
     fn agree_within(
         &self,
         st: &mut PoolState,
-        op: u64,
+        op: Op,
         during: &'static str,
         size: u64,
         extra: u64,
-        timeout: Duration,
+        deadline: Deadline,
     ) -> Result<Vec<u64>> {
         st.counters.agreements += 1;
         let c = st.core.stats();
-        let state = agreement::state_digest(&[
+        let state = group::state_digest(&[
             u64::from(st.core.next_segment_id().0),
             c.reserved_bytes.current,
             c.allocated_bytes.current,
             c.num_allocs,
             c.num_frees,
         ]);
-        let out = agree(
+        let mine = AgreementRecord::new(&st.history, op, size, state, extra, st.broken.is_some());
+        let out = group::agree(
             self.inner.backend.exchange(),
             self.inner.channel,
-            &st.history,
-            op,
             during,
-            size,
-            state,
-            extra,
-            st.broken.is_some(),
-            timeout,
+            &mine,
+            deadline,
         );
         match out {
             Err(Error::Divergence(d)) => {
@@ -177,7 +175,7 @@ impl SymmPool {
         // rank's failure is an error on all ranks instead of a hang in registration.
         let confirmed = self.agree(
             st,
-            op::GROW,
+            Op::Grow,
             "growth confirmation",
             size_bytes,
             u64::from(local.is_ok()),
@@ -274,14 +272,14 @@ impl SymmPool {
         };
         // A rank whose registration failed before joining it arrives at once, its
         // peers only after waiting out the registration: allow for both waits.
-        let timeout = self.inner.config.timeout.saturating_mul(2);
+        let deadline = Deadline::after(self.inner.config.timeout.saturating_mul(2));
         let flags = match self.agree_within(
             st,
-            op::GROW,
+            Op::Grow,
             "growth registration outcome",
             size_bytes,
             mine,
-            timeout,
+            deadline,
         ) {
             Ok(flags) => flags,
             Err(e) => {
@@ -322,38 +320,16 @@ impl SymmPool {
     }
 
     /// Agree with the other ranks, on the backend's registration channel, that every
-    /// rank's next registration is this pool's segment of `size_bytes`: pools sharing a
-    /// backend that grow in different orders would otherwise pair one pool's window
-    /// with another's (NCCL pairs windows by call order and checks nothing).
+    /// rank's next registration is this pool's segment of `size_bytes` (see
+    /// `group::agree_registration_order`).
     fn agree_registration(&self, channel: ChannelId, size_bytes: u64) -> Result<()> {
-        let backend = &self.inner.backend;
-        let name = &self.inner.config.name;
-        let mut mine = size_bytes.to_le_bytes().to_vec();
-        mine.extend_from_slice(name.as_bytes());
-        let all = backend.exchange().all_gather(
+        group::agree_registration_order(
+            self.inner.backend.exchange(),
             channel,
-            "window registration order",
-            &mine,
-            self.inner.config.timeout,
-        )?;
-        if all.iter().all(|p| *p == mine) {
-            return Ok(());
-        }
-        let order = all
-            .iter()
-            .enumerate()
-            .map(|(rank, p)| {
-                let (size, name) = p.split_at(p.len().min(8));
-                let mut b = [0u8; 8];
-                b[..size.len()].copy_from_slice(size);
-                (
-                    rank,
-                    format!("pool {:?}", String::from_utf8_lossy(name)),
-                    u64::from_le_bytes(b),
-                )
-            })
-            .collect();
-        Err(Error::RegistrationOrder { order })
+            &self.inner.config.name,
+            size_bytes,
+            Deadline::after(self.inner.config.timeout),
+        )
     }
 
     /// Free a segment no window covers and no work has used (a failed growth).
@@ -467,7 +443,7 @@ impl SymmPool {
         );
         // Registration is refused while any stream the pool has served is capturing.
         let ready = self.readiness_known(&st)?;
-        let flags = self.agree(&mut st, op::RESERVE, "reserve", size, ready)?;
+        let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready)?;
         st.all_ready(&flags)?;
         let growth = Growth {
             class,

@@ -23,7 +23,6 @@
 //!   call on that rank fails, and so does the next agreement on every rank
 //!   ([`Error::PoolBroken`]).
 
-mod agreement;
 mod buffer;
 mod config;
 mod counters;
@@ -37,7 +36,7 @@ mod state;
 #[cfg(feature = "nccl")]
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
-pub use config::{CheckMode, MAX_HISTORY, PoolConfig};
+pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
 pub use events::role_name;
 pub use fit::FitReport;
@@ -47,12 +46,12 @@ use crate::backend::{Backend, CommRole, HostBackend, HostConfig};
 use crate::control::ChannelId;
 use crate::core::{AllocError, AllocRequest, Allocator, BlockId, CoreStats, Snapshot, Wait};
 use crate::error::{Error, Result};
+use crate::group::{CallHead, CallKind, History};
 use crate::stream::Stream;
-use agreement::{CallKind, History};
+use parking_lot::Mutex as PlMutex;
 use serde::Serialize;
 use smallvec::SmallVec;
 use state::PoolState;
-use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -90,22 +89,19 @@ pub(crate) struct PoolInner {
     /// Mirrors `PoolState::closed` for lock-free checks on the collectives' path.
     closed: AtomicBool,
     /// Frees made by `Drop` while the state was busy; applied by the next call.
-    deferred: Mutex<Vec<DeferredFree>>,
+    deferred: PlMutex<Vec<DeferredFree>>,
     /// A failure inside a `Drop`, returned by the next fallible call.
-    deferred_error: Mutex<Option<Error>>,
+    deferred_error: PlMutex<Option<Error>>,
     /// The configuration in effect.
     config: PoolConfig,
     /// The exchange channel of this pool's agreements.
     pub(crate) channel: ChannelId,
-    /// The exchange channel of this pool's collective checks (see `coll::check`),
-    /// opened at creation so that every rank opens it at the same point.
-    pub(crate) check_channel: ChannelId,
-    /// Set once a collective check failed (a divergence, a timeout): the pool is
-    /// broken from then on (copied into the state's `broken` by `state()`).
-    pub(crate) check_failure: Arc<OnceLock<String>>,
-    /// Per-pool state of the layers above (the collectives' path policy and
-    /// sequence numbers): owned there, kept here so that it lives as long as the pool.
-    extension: OnceLock<Arc<dyn Any + Send + Sync>>,
+    /// Set once a layer above found the ranks out of step (a collective check that
+    /// failed, a collective that timed out): the pool is broken from then on (copied
+    /// into the state's `broken` by `state()`).
+    pub(crate) outside_failure: Arc<OnceLock<String>>,
+    /// The call count and running hash, read without the state's lock.
+    call_head: Arc<CallHead>,
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
@@ -187,25 +183,20 @@ impl SymmPool {
         let channel = backend
             .exchange()
             .open_channel(&format!("pool:{}", config.name), config.timeout)?;
-        // The check mode is part of the name: ranks with different modes fail here.
-        let check_channel = backend.exchange().open_channel(
-            &format!("pool:{}:checks:{}", config.name, config.check.name()),
-            config.timeout,
-        )?;
-        let mut state = PoolState::new(core, History::new(config.history_len), comms);
-        state.light_next = config.check_every_calls;
+        let history = History::new(config.history_len);
+        let call_head = history.head();
+        let state = PoolState::new(core, history, comms);
         Ok(SymmPool {
             inner: Arc::new(PoolInner {
                 state: Mutex::new(state),
                 backend,
                 closed: AtomicBool::new(false),
-                deferred: Mutex::new(Vec::new()),
-                deferred_error: Mutex::new(None),
-                extension: OnceLock::new(),
+                deferred: PlMutex::new(Vec::new()),
+                deferred_error: PlMutex::new(None),
                 counters: Default::default(),
                 channel,
-                check_channel,
-                check_failure: Arc::new(OnceLock::new()),
+                outside_failure: Arc::new(OnceLock::new()),
+                call_head,
                 config,
             }),
         })
@@ -290,28 +281,22 @@ impl SymmPool {
         self.inner.channel
     }
 
-    /// Count one collective that ran on path number `path` (for the statistics).
+    /// The pool's call count and running hash, in one lock-free read (what a
+    /// collective's record carries; see `group::CallHead`).
     #[inline]
-    pub(crate) fn count_collective(&self, path: usize, bytes_per_rank: u64) {
-        self.inner.counters.collective(path, bytes_per_rank);
+    pub(crate) fn call_head(&self) -> (u64, u64) {
+        self.inner.call_head.load()
+    }
+
+    /// The slot through which a layer above marks the pool broken (the first reason
+    /// wins; every later call fails with [`Error::PoolBroken`]).
+    pub(crate) fn outside_failure(&self) -> Arc<OnceLock<String>> {
+        self.inner.outside_failure.clone()
     }
 
     /// Whether two handles are the same pool.
     pub fn same_pool(&self, other: &SymmPool) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
-    }
-
-    /// The per-pool state of type `T` of a layer above the pool, made by `init` on
-    /// first use. One type per pool: a second type is refused.
-    pub(crate) fn extension<T: Any + Send + Sync>(&self, init: impl FnOnce() -> T) -> Result<&T> {
-        // Borrowed, not cloned: the collectives look it up on every call.
-        self.inner
-            .extension
-            .get_or_init(|| Arc::new(init()) as Arc<dyn Any + Send + Sync>)
-            .downcast_ref::<T>()
-            .ok_or_else(|| Error::Internal {
-                what: "two layers claimed the pool's extension slot".into(),
-            })
     }
 
     /// The pool's state, with the frees that `Drop` deferred applied first. A lock
@@ -329,7 +314,7 @@ impl SymmPool {
             }
         };
         if st.broken.is_none()
-            && let Some(why) = self.inner.check_failure.get()
+            && let Some(why) = self.inner.outside_failure.get()
         {
             st.broken = Some(why.clone());
         }
@@ -339,12 +324,7 @@ impl SymmPool {
 
     /// The error a `Drop` recorded, if any (taken: reported once).
     pub(crate) fn take_deferred_error(&self) -> Result<()> {
-        let taken = self
-            .inner
-            .deferred_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let taken = self.inner.deferred_error.lock().take();
         match taken {
             Some(e) => Err(e),
             None => Ok(()),
@@ -359,7 +339,6 @@ impl SymmPool {
         self.inner
             .deferred_error
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .get_or_insert(Error::Deferred {
                 during,
                 source: Box::new(error),
@@ -368,13 +347,7 @@ impl SymmPool {
 
     /// Apply frees that found the state busy, in the order they were made.
     fn apply_deferred(&self, st: &mut PoolState) {
-        let pending = std::mem::take(
-            &mut *self
-                .inner
-                .deferred
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
+        let pending = std::mem::take(&mut *self.inner.deferred.lock());
         if !pending.is_empty() {
             tracing::debug!(target: "symmpool::pool", rank = self.rank(), count = pending.len(),
                 "deferred frees applied");
@@ -453,7 +426,6 @@ impl SymmPool {
         self.inner.backend.check_stream(stream)?;
         let mut st = self.state();
         st.check_usable()?;
-        self.light_agreement_due(&mut st)?;
         if !st.known_streams.iter().any(|s| s.id() == stream.id()) {
             st.known_streams.push(stream.clone());
         }
@@ -499,32 +471,6 @@ impl SymmPool {
                 .wait_fence(stream, w.stream, w.fence)?;
         }
         Ok(buffer)
-    }
-
-    /// The periodic light agreement of the running call hash (see
-    /// [`PoolConfig::check_every_calls`]), when due: at the first allocation once that
-    /// many pool calls have passed, a point that depends on the call sequence only.
-    fn light_agreement_due(&self, st: &mut PoolState) -> Result<()> {
-        let every = self.inner.config.check_every_calls;
-        if every == 0 || self.inner.config.check == CheckMode::Off {
-            return Ok(());
-        }
-        let seq = st.history.seq();
-        if seq < st.light_next {
-            return Ok(());
-        }
-        st.light_next = seq.saturating_add(every);
-        crate::coll::light_agreement(self, seq, st.history.hash())
-    }
-
-    /// The exchange channel of this pool's collective checks.
-    pub(crate) fn check_channel(&self) -> ChannelId {
-        self.inner.check_channel
-    }
-
-    /// Mark the pool broken by a failed collective check (the first reason wins).
-    pub(crate) fn check_failure(&self) -> Arc<OnceLock<String>> {
-        self.inner.check_failure.clone()
     }
 
     /// [`grow`](Self::grow) in a `growth` span that records its duration.
@@ -683,11 +629,7 @@ impl SymmPool {
                     .counters
                     .deferred_frees
                     .fetch_add(1, Ordering::Relaxed);
-                self.inner
-                    .deferred
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push((buf.block, fences));
+                self.inner.deferred.lock().push((buf.block, fences));
             }
         }
     }

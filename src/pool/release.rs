@@ -2,12 +2,12 @@
 //! dropped without `close`. Order (NCCL's): drain the device, deregister every window,
 //! free the segment.
 
-use super::agreement::{CallKind, op};
 use super::state::{PoolState, SegmentEntry};
 use super::{PoolInner, SymmPool};
 use crate::backend::Backend;
 use crate::core::SegmentId;
 use crate::error::{Error, Result};
+use crate::group::{CallKind, Op};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -129,7 +129,7 @@ impl SymmPool {
         }
         st.history.record(CallKind::Trim, 0, 0);
         let ready = st.readiness() as u64;
-        let flags = self.agree(&mut st, op::TRIM, "trim", 0, ready)?;
+        let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready)?;
         st.all_ready(&flags)?;
         let released = st.core.release_free_segments();
         self.release_segments(&mut st)?;
@@ -156,7 +156,7 @@ impl SymmPool {
         }
         st.history.record(CallKind::Close, 0, 0);
         let live = st.core.stats().allocated_blocks.current;
-        let live_per_rank = self.agree(&mut st, op::CLOSE, "close", 0, live)?;
+        let live_per_rank = self.agree(&mut st, Op::Close, "close", 0, live)?;
         if live_per_rank.iter().any(|&l| l > 0) {
             return Err(Error::BuffersAlive { live_per_rank });
         }
