@@ -437,3 +437,38 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
         assert_eq!(ok0, ok1, "rank 0 {r0:?} rank 1 {r1:?}");
     }
 }
+
+#[test]
+fn duration_max_timeouts_work_in_every_public_call() {
+    // `Duration::MAX` means "never": no call may overflow making its deadline.
+    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+        let config = PoolConfig::default()
+            .with_timeout(Duration::MAX)
+            .with_check(mode);
+        let pools = SymmPool::host_group(2, config).unwrap();
+        let reports = on_ranks(&pools, |pool, coll| {
+            let stream = Stream::host();
+            let buf = pool.alloc(2 * 4 * 1024, &stream).unwrap();
+            let out = pool.alloc(4 * 1024, &stream).unwrap();
+            pool.reserve(2 << 20).unwrap();
+            pool.reserve_small(1 << 20).unwrap();
+            coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+            coll.all_gather::<f32>(&out, &buf, &stream).unwrap();
+            coll.reduce_scatter::<f32>(&buf, &out, ReduceOp::Sum, &stream)
+                .unwrap();
+            coll.reduce_scatter_in_place::<f32>(&buf, ReduceOp::Max, &stream)
+                .unwrap();
+            coll.wait_checks().unwrap();
+            coll.end_step().unwrap();
+            let mut cal = symmpool::coll::CalibrateConfig::default().with_range(4 << 10, 8 << 10);
+            (cal.reps, cal.bytes_per_rep) = (1, 1 << 16);
+            coll.calibrate(&stream, &cal).unwrap();
+            drop((buf, out));
+            pool.fit_to_peak().unwrap();
+            pool.trim().unwrap();
+            pool.close().unwrap();
+            pool.stats().calls
+        });
+        assert_eq!(reports[0], reports[1], "{mode:?}");
+    }
+}

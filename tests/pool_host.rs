@@ -846,3 +846,22 @@ fn fit_to_peak_replaces_growth_with_one_segment_and_the_next_step_does_not_grow(
     }
     assert_eq!(out[0].1, out[1].1, "every rank fitted alike");
 }
+
+#[test]
+fn growth_under_a_dead_peer_returns_within_the_timeout() {
+    // Rank 1 never arrives: every collective pool call of rank 0 (a growth, a
+    // reservation) fails within the pool's timeout and a second, however many
+    // rounds it would make.
+    let timeout = Duration::from_millis(400);
+    let pools = SymmPool::host_group(2, config().with_timeout(timeout)).unwrap();
+    let stream = Stream::host();
+    let started = std::time::Instant::now();
+    let grown = pools[0].alloc(4096, &stream);
+    let took = started.elapsed();
+    assert!(matches!(grown, Err(Error::Timeout { .. })), "{grown:?}");
+    assert!(took < timeout + Duration::from_secs(1), "{took:?}");
+    let started = std::time::Instant::now();
+    let reserved = pools[0].reserve(2 * MIB);
+    assert!(reserved.is_err(), "{reserved:?}");
+    assert!(started.elapsed() < timeout + Duration::from_secs(1));
+}

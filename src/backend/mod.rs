@@ -620,7 +620,7 @@ pub struct Backend {
     registrations: ChannelId,
     /// Held from that agreement to the last registration of the segment, so that two
     /// pools of this rank cannot interleave their registrations.
-    registering: Arc<std::sync::Mutex<()>>,
+    registering: Arc<parking_lot::Mutex<()>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -683,7 +683,7 @@ impl Backend {
         Ok(Backend {
             info: Arc::new(info),
             registrations,
-            registering: Arc::new(std::sync::Mutex::new(())),
+            registering: Arc::new(parking_lot::Mutex::new(())),
             exchange,
             segments: parts.clone(),
             streams,
@@ -787,9 +787,8 @@ impl Backend {
 
     /// The channel of the pre-registration agreement, and the lock that makes the
     /// agreement and the registrations that follow one step on this rank.
-    pub(crate) fn registration_channel(&self) -> (ChannelId, std::sync::MutexGuard<'_, ()>) {
-        let guard = self.registering.lock().unwrap_or_else(|p| p.into_inner());
-        (self.registrations, guard)
+    pub(crate) fn registration_channel(&self) -> (ChannelId, parking_lot::MutexGuard<'_, ()>) {
+        (self.registrations, self.registering.lock())
     }
 
     /// The exchange, shared (for another backend or a store-backed component).

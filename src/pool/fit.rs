@@ -2,6 +2,7 @@
 
 use super::SymmPool;
 use super::growth::SegmentUse;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CallKind, Op};
 use serde::Serialize;
@@ -51,14 +52,22 @@ impl SymmPool {
             .map(|g| g.segment_bytes)
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
+        let deadline = Deadline::after(self.inner.config.timeout);
         let ready = self.readiness(&st, None)?;
-        let flags = self.agree(&mut st, Op::FitToPeak, "fit_to_peak", planned_bytes, ready)?;
+        let flags = self.agree(
+            &mut st,
+            Op::FitToPeak,
+            "fit_to_peak",
+            planned_bytes,
+            ready,
+            deadline,
+        )?;
         st.all_ready(&flags)?;
         let released = st.core.release_planned(&plan)?;
-        self.release_segments(&mut st)?;
+        self.release_segments(&mut st, deadline)?;
         let mut added = Vec::new();
         for growth in &plan.add {
-            let id = self.add_segment(&mut st, *growth, SegmentUse::Reserved)?;
+            let id = self.add_segment(&mut st, *growth, SegmentUse::Reserved, deadline)?;
             added.push((id.0, growth.segment_bytes));
         }
         Ok(FitReport {

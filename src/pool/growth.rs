@@ -27,17 +27,20 @@ pub(super) enum SegmentUse {
 }
 
 impl SymmPool {
-    /// Grow by one segment: agree, allocate, confirm, register, add to the core.
+    /// Grow by one segment: agree, allocate, confirm, register, add to the core; every
+    /// wait on the peers until `deadline`.
     pub(super) fn grow(
         &self,
         st: &mut PoolState,
         growth: Growth,
         stream: &Stream,
+        deadline: Deadline,
     ) -> Result<SegmentId> {
         let ready = self.readiness(st, Some(stream))?;
-        let flags = self.agree(st, Op::Grow, "growth", growth.segment_bytes, ready)?;
+        let size = growth.segment_bytes;
+        let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
         st.all_ready(&flags)?;
-        self.add_segment(st, growth, SegmentUse::OnDemand)
+        self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
     }
 
     /// Add one segment of `growth` to the pool, after the ranks agreed on it: allocate
@@ -50,9 +53,10 @@ impl SymmPool {
         st: &mut PoolState,
         growth: Growth,
         how: SegmentUse,
+        deadline: Deadline,
     ) -> Result<SegmentId> {
         let id = st.core.next_segment_id();
-        let entry = self.provide_segment(st, growth.segment_bytes)?;
+        let entry = self.provide_segment(st, growth.segment_bytes, deadline)?;
         let added = match how {
             SegmentUse::OnDemand => st.core.add_segment(growth),
             SegmentUse::Reserved => st.core.add_planned(growth),
@@ -107,21 +111,9 @@ impl SymmPool {
         Ok(Readiness::Ready as u64)
     }
 
-    /// One agreement round: the ranks' records must match (see `group::agree`).
+    /// One agreement round, waiting for the peers until `deadline`: the ranks' records
+    /// must match (see `group::agree`).
     pub(super) fn agree(
-        &self,
-        st: &mut PoolState,
-        op: Op,
-        during: &'static str,
-        size: u64,
-        extra: u64,
-    ) -> Result<Vec<u64>> {
-        let deadline = Deadline::after(self.inner.config.timeout);
-        self.agree_within(st, op, during, size, extra, deadline)
-    }
-
-    /// [`agree`](Self::agree), waiting for the peers until `deadline`.
-    fn agree_within(
         &self,
         st: &mut PoolState,
         op: Op,
@@ -162,11 +154,13 @@ impl SymmPool {
         }
     }
 
-    /// Allocate a segment on this rank, confirm every rank did, and register it.
+    /// Allocate a segment on this rank, confirm every rank did, and register it; every
+    /// wait on the peers until `deadline`.
     pub(super) fn provide_segment(
         &self,
         st: &mut PoolState,
         size_bytes: u64,
+        deadline: Deadline,
     ) -> Result<SegmentEntry> {
         let backend = &self.inner.backend;
         let started = Instant::now();
@@ -179,6 +173,7 @@ impl SymmPool {
             "growth confirmation",
             size_bytes,
             u64::from(local.is_ok()),
+            deadline,
         );
         let failed: Vec<usize> = match &confirmed {
             Ok(flags) => (0..flags.len()).filter(|&r| flags[r] != 1).collect(),
@@ -200,7 +195,7 @@ impl SymmPool {
             self.inner.config.register && backend.communicators().iter().any(|c| c.registers);
         // One step on this rank: the agreement and every registration of the segment.
         let (channel, _registering) = backend.registration_channel();
-        if registers && let Err(e) = self.agree_registration(channel, size_bytes) {
+        if registers && let Err(e) = self.agree_registration(channel, size_bytes, deadline) {
             self.free_unused(segment);
             return Err(e);
         }
@@ -237,7 +232,7 @@ impl SymmPool {
                     }
                     Err(e) => Err(e),
                 };
-                if let Err(e) = self.agree_registered(st, c, size_bytes, local) {
+                if let Err(e) = self.agree_registered(st, c, size_bytes, local, deadline) {
                     self.undo_segment(st, entry);
                     return Err(e);
                 }
@@ -254,13 +249,14 @@ impl SymmPool {
     /// growth (deregisters the windows made so far, frees the segment). A failed
     /// registration marks the pool registration-broken on every rank; the failing
     /// rank returns its own error, the others [`Error::RegistrationBroken`] naming the
-    /// first failing rank.
+    /// first failing rank. Waits for the peers until `deadline`, the growth's.
     fn agree_registered(
         &self,
         st: &mut PoolState,
         comm: usize,
         size_bytes: u64,
         local: Result<()>,
+        deadline: Deadline,
     ) -> Result<()> {
         const REGISTERED: u64 = 1;
         const FAILED: u64 = 2;
@@ -270,10 +266,7 @@ impl SymmPool {
             Err(Error::NoSymmetricSupport { .. }) => NO_WINDOW,
             Err(_) => FAILED,
         };
-        // A rank whose registration failed before joining it arrives at once, its
-        // peers only after waiting out the registration: allow for both waits.
-        let deadline = Deadline::after(self.inner.config.timeout.saturating_mul(2));
-        let flags = match self.agree_within(
+        let flags = match self.agree(
             st,
             Op::Grow,
             "growth registration outcome",
@@ -322,13 +315,18 @@ impl SymmPool {
     /// Agree with the other ranks, on the backend's registration channel, that every
     /// rank's next registration is this pool's segment of `size_bytes` (see
     /// `group::agree_registration_order`).
-    fn agree_registration(&self, channel: ChannelId, size_bytes: u64) -> Result<()> {
+    fn agree_registration(
+        &self,
+        channel: ChannelId,
+        size_bytes: u64,
+        deadline: Deadline,
+    ) -> Result<()> {
         group::agree_registration_order(
             self.inner.backend.exchange(),
             channel,
             &self.inner.config.name,
             size_bytes,
-            Deadline::after(self.inner.config.timeout),
+            deadline,
         )
     }
 
@@ -442,13 +440,14 @@ impl SymmPool {
             u64::from(class == SizeClass::Small),
         );
         // Registration is refused while any stream the pool has served is capturing.
+        let deadline = Deadline::after(self.inner.config.timeout);
         let ready = self.readiness_known(&st)?;
-        let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready)?;
+        let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
         st.all_ready(&flags)?;
         let growth = Growth {
             class,
             segment_bytes: size,
         };
-        self.add_segment(&mut st, growth, SegmentUse::Reserved)
+        self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
     }
 }
