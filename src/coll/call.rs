@@ -324,7 +324,7 @@ impl Coll {
         let mut strict = (mode == CheckMode::Strict).then(|| checker.strict_lock());
         if mode != CheckMode::Off {
             let record = self.record(entry, coll, (send_buf, recv_buf), count, dtype, comm, path);
-            let deadline = Deadline::after(pool.config().timeout);
+            let deadline = || Deadline::after(pool.config().timeout);
             if let Err(e) = checker.submit(strict.as_mut(), record, deadline) {
                 return Err(failed(pool, e));
             }

@@ -355,7 +355,7 @@ impl Coll {
                 collectives,
                 entry.pool.call_head(),
             );
-            checker.submit(None, record, deadline)?;
+            checker.submit(None, record, || deadline)?;
         }
         self.wait_checks()
     }

@@ -48,6 +48,13 @@ impl CheckMode {
 
 /// Most records one async round carries per rank.
 const MAX_BATCH: usize = 256;
+/// More than the bytes of one encoded record (20 varints of at most 10 bytes, tags).
+const MAX_RECORD_BYTES: usize = 256;
+
+/// The payload of a batch of records.
+fn encode_batch(records: &[CollectiveRecord]) -> Result<Vec<u8>> {
+    record::encode_sized(records, 16 + records.len() * MAX_RECORD_BYTES)
+}
 
 /// What a record is of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -418,18 +425,21 @@ impl Checker {
     /// Check `record` as the mode says: under `Strict` one round before returning
     /// (the caller holds [`strict_lock`](Self::strict_lock) until its launch), under
     /// `Async` posted to the checker thread, under `Off` nothing.
+    ///
+    /// `deadline` makes the call's deadline when a wait needs it (a strict round, a
+    /// full queue), so that an async post that finds room does not read the clock.
     pub(crate) fn submit(
         &self,
         strict: Option<&mut MutexGuard<'_, u64>>,
         record: CollectiveRecord,
-        deadline: Deadline,
+        deadline: impl FnOnce() -> Deadline,
     ) -> Result<()> {
         match (self.mode, strict) {
             (CheckMode::Off, _) => Ok(()),
-            (CheckMode::Strict, Some(compared)) => self.strict_round(compared, &record, deadline),
+            (CheckMode::Strict, Some(compared)) => self.strict_round(compared, &record, deadline()),
             (CheckMode::Strict, None) => {
                 let mut compared = self.strict_lock();
-                self.strict_round(&mut compared, &record, deadline)
+                self.strict_round(&mut compared, &record, deadline())
             }
             (CheckMode::Async, _) => self.post(record, deadline),
         }
@@ -443,7 +453,7 @@ impl Checker {
         deadline: Deadline,
     ) -> Result<()> {
         self.verdict.check()?;
-        let payload = record::encode(std::slice::from_ref(record))?;
+        let payload = encode_batch(std::slice::from_ref(record))?;
         let all = match self.site.exchange.all_gather(
             self.site.channel,
             "strict collective check",
@@ -478,7 +488,7 @@ impl Checker {
 
     /// Async: post `record` (waiting for room if the queue is full, until `deadline`
     /// capped at twice the timeout) and return.
-    fn post(&self, record: CollectiveRecord, deadline: Deadline) -> Result<()> {
+    fn post(&self, record: CollectiveRecord, deadline: impl FnOnce() -> Deadline) -> Result<()> {
         let q = &self.queue;
         let mut st = q.state.lock();
         self.verdict.check()?;
@@ -490,7 +500,7 @@ impl Checker {
             // The checker thread waits for the peers' records for at most the
             // timeout, then breaks the pool: wait a little longer than that.
             let patience = self.site.timeout.saturating_mul(2);
-            let deadline = deadline.cap(patience);
+            let deadline = deadline().cap(patience);
             while st.pending.len() >= q.capacity {
                 self.verdict.check()?;
                 if q.progress
@@ -591,6 +601,7 @@ impl Worker {
         let world = self.site.exchange.world_size();
         let mut seen: Vec<VecDeque<CollectiveRecord>> = vec![VecDeque::new(); world];
         let mut compared = 0u64;
+        let mut records: Vec<CollectiveRecord> = Vec::with_capacity(world);
         loop {
             let ahead = !seen[me].is_empty();
             let batch: Vec<CollectiveRecord> = {
@@ -618,7 +629,7 @@ impl Worker {
                 st.pending.drain(..n).collect()
             };
             self.queue.progress.notify_all();
-            let payload = match record::encode(&batch) {
+            let payload = match encode_batch(&batch) {
                 Ok(p) => p,
                 Err(e) => return self.fail(e.to_string()),
             };
@@ -631,18 +642,25 @@ impl Worker {
                 Ok(all) => all,
                 Err(e) => return self.fail(format!("the async collective check failed: {e}")),
             };
-            for (rank, p) in all.iter().enumerate() {
-                match (
-                    record::decode::<Vec<CollectiveRecord>>(p),
-                    seen.get_mut(rank),
-                ) {
-                    (Some(records), Some(q)) => q.extend(records),
-                    _ => return self.fail(format!("rank {rank} sent an unreadable check record")),
+            if all.len() != world {
+                return self.fail(format!("{} check payloads for {world} ranks", all.len()));
+            }
+            for (rank, (p, q)) in all.iter().zip(seen.iter_mut()).enumerate() {
+                if rank == me {
+                    // This rank's own records, as posted (not decoded again).
+                    q.extend(batch.iter().copied());
+                    continue;
+                }
+                match record::decode::<Vec<CollectiveRecord>>(p) {
+                    Some(records) => q.extend(records),
+                    None => {
+                        return self.fail(format!("rank {rank} sent an unreadable check record"));
+                    }
                 }
             }
             while seen.iter().all(|q| !q.is_empty()) {
-                let records: Vec<CollectiveRecord> =
-                    seen.iter_mut().filter_map(VecDeque::pop_front).collect();
+                records.clear();
+                records.extend(seen.iter_mut().filter_map(VecDeque::pop_front));
                 compared += 1;
                 if let Some(d) = compare(&records, compared, &self.site.pool, "async check") {
                     self.verdict.diverged(d);

@@ -49,10 +49,14 @@ impl<R: Fields> Fields for &R {
 }
 
 /// The first field where the ranks' records differ: its name and each rank's value.
-pub(crate) fn first_difference<R: Fields>(
+pub(crate) fn first_difference<R: Fields + PartialEq>(
     records: &[R],
 ) -> Option<(&'static str, Vec<(usize, String)>)> {
     let first = records.first()?;
+    // The common case, cheaply: every rank made the same record.
+    if records.iter().all(|r| r == first) {
+        return None;
+    }
     (0..R::NAMES.len()).find_map(|i| {
         let mine = first.field(i);
         if records.iter().all(|r| r.field(i) == mine) {
@@ -74,6 +78,21 @@ pub(crate) fn encode<T: Serialize + ?Sized>(record: &T) -> Result<Vec<u8>> {
     })
 }
 
+/// As [`encode`], into a buffer of `max_bytes` made at once (serialising into a slice
+/// is several times faster than growing a vector byte by byte); a value that does not
+/// fit falls back to [`encode`].
+pub(crate) fn encode_sized<T: Serialize + ?Sized>(value: &T, max_bytes: usize) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; max_bytes];
+    match postcard::to_slice(value, &mut buf) {
+        Ok(used) => {
+            let n = used.len();
+            buf.truncate(n);
+            Ok(buf)
+        }
+        Err(_) => encode(value),
+    }
+}
+
 /// A peer's record, or `None` if its payload does not decode.
 pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Option<T> {
     postcard::from_bytes(bytes).ok()
@@ -83,6 +102,7 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Option<T> {
 mod tests {
     use super::*;
 
+    #[derive(PartialEq)]
     struct Pair(u64, &'static str);
 
     impl Fields for Pair {
