@@ -249,7 +249,8 @@ impl SymmPool {
     /// growth (deregisters the windows made so far, frees the segment). A failed
     /// registration marks the pool registration-broken on every rank; the failing
     /// rank returns its own error, the others [`Error::RegistrationBroken`] naming the
-    /// first failing rank. Waits for the peers until `deadline`, the growth's.
+    /// first failing rank. Waits for the peers until `deadline` (the growth's), or
+    /// twice the timeout if that is later.
     fn agree_registered(
         &self,
         st: &mut PoolState,
@@ -266,6 +267,11 @@ impl SymmPool {
             Err(Error::NoSymmetricSupport { .. }) => NO_WINDOW,
             Err(_) => FAILED,
         };
+        // A rank whose registration failed before joining it arrives at once, its
+        // peers only after waiting out the registration, whose bound is the backend's
+        // own (a registration takes no deadline yet): allow for both waits, beyond
+        // the growth's deadline if need be.
+        let deadline = deadline.max(Deadline::after(self.inner.config.timeout.saturating_mul(2)));
         let flags = match self.agree(
             st,
             Op::Grow,
