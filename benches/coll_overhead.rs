@@ -8,7 +8,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use symmpool::backend::{CollArgs, Collectives};
-use symmpool::{CheckMode, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
+use symmpool::{CheckMode, Coll, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool};
 
 /// Collectives that do nothing: what remains is the crate's own cost per call.
 #[derive(Debug)]
@@ -36,6 +36,7 @@ fn bench(c: &mut Criterion) {
     // Rank 1 makes no collectives: no checks (see `bench_checks` for their cost).
     let config = PoolConfig::default().with_check(CheckMode::Off);
     let pools = SymmPool::group(vec![b0, b1], &config).expect("pools");
+    let colls = Coll::group(&pools).expect("collectives");
     let stream = Stream::host();
     let mut bufs = std::thread::scope(|s| {
         let hs: Vec<_> = pools
@@ -56,6 +57,7 @@ fn bench(c: &mut Criterion) {
     });
     let (buf, out) = bufs.swap_remove(0);
     let pool = &pools[0];
+    let coll = &colls[0];
     let mut g = c.benchmark_group("collective_call");
     g.bench_function("backend_direct", |b| {
         // A segment of its own (pool memory is reachable only through the pool).
@@ -78,11 +80,14 @@ fn bench(c: &mut Criterion) {
         b.iter(|| pool.backend().collectives().all_gather(black_box(&args)))
     });
     g.bench_function("all_gather_in_place", |b| {
-        b.iter(|| coll::all_gather_in_place::<u8>(black_box(&buf), &stream).expect("call"))
+        b.iter(|| {
+            coll.all_gather_in_place::<u8>(black_box(&buf), &stream)
+                .expect("call")
+        })
     });
     g.bench_function("reduce_scatter", |b| {
         b.iter(|| {
-            coll::reduce_scatter::<symmpool::bf16>(
+            coll.reduce_scatter::<symmpool::bf16>(
                 black_box(&buf),
                 &out,
                 symmpool::ReduceOp::Sum,
@@ -109,6 +114,7 @@ fn bench_checks(c: &mut Criterion) {
             .collect();
         let config = PoolConfig::default().with_check(mode);
         let pools = SymmPool::group(world, &config).expect("pools");
+        let colls = Coll::group(&pools).expect("collectives");
         let bufs: Vec<_> = std::thread::scope(|s| {
             let hs: Vec<_> = pools
                 .iter()
@@ -118,15 +124,16 @@ fn bench_checks(c: &mut Criterion) {
         });
         let (tx, rx) = std::sync::mpsc::channel::<u64>();
         let peer = std::thread::scope(|s| {
-            let peer_buf = &bufs[1];
+            let (peer_buf, peer) = (&bufs[1], &colls[1]);
             let h = s.spawn(move || {
                 let stream = Stream::host();
                 for n in rx {
                     for _ in 0..n {
-                        coll::all_gather_in_place::<u8>(peer_buf, &stream).expect("peer call");
+                        peer.all_gather_in_place::<u8>(peer_buf, &stream)
+                            .expect("peer call");
                     }
                 }
-                coll::wait_checks(peer_buf.pool())
+                peer.wait_checks()
             });
             let stream = Stream::host();
             g.bench_function(format!("all_gather_in_place_{}", mode.name()), |b| {
@@ -134,13 +141,14 @@ fn bench_checks(c: &mut Criterion) {
                     tx.send(iters).expect("peer");
                     let t = Instant::now();
                     for _ in 0..iters {
-                        coll::all_gather_in_place::<u8>(black_box(&bufs[0]), &stream)
+                        colls[0]
+                            .all_gather_in_place::<u8>(black_box(&bufs[0]), &stream)
                             .expect("call");
                     }
                     let took = t.elapsed();
                     // Let the checks catch up outside the timed loop, so the next
                     // sample starts with an empty queue.
-                    coll::wait_checks(&pools[0]).expect("checks");
+                    colls[0].wait_checks().expect("checks");
                     took
                 })
             });

@@ -42,7 +42,7 @@ mod gpu {
     use std::time::Instant;
     use symmpool::backend::{NcclBackend, NcclWorldConfig};
     use symmpool::coll::{self, Path};
-    use symmpool::{PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16};
+    use symmpool::{Coll, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16};
 
     const MIB: u64 = 1 << 20;
     const REPS: usize = 15;
@@ -66,6 +66,8 @@ mod gpu {
     struct Rank {
         backend: symmpool::Backend,
         reg: SymmPool,
+        /// The collectives of `reg`.
+        coll: Coll,
         plain: SymmPool,
         stream: Stream,
         barrier: Arc<Barrier>,
@@ -200,7 +202,7 @@ mod gpu {
     fn section_calibrate(r: &Rank) {
         let cfg = coll::CalibrateConfig::default().with_range(64 << 10, 512 * MIB);
         let start = Instant::now();
-        let cal = coll::calibrate(&r.reg, &r.stream, &cfg).unwrap();
+        let cal = r.coll.calibrate(&r.stream, &cfg).unwrap();
         let secs = start.elapsed().as_secs_f64();
         if r.backend_rank() == 0 {
             println!("\n[calibrate] {:.2} s; busbw GB/s per path (rank 0)", secs);
@@ -225,7 +227,7 @@ mod gpu {
                 cal.policy.ce_all_gather_min_bytes, cal.policy.symmetric_reduce_scatter_bands
             );
         }
-        symmpool::coll::set_path_policy(&r.reg, cal.policy).unwrap();
+        r.coll.set_path_policy(cal.policy);
     }
 
     /// Busbw (GB/s) and interquartile spread of each way (mode) of running one
@@ -304,7 +306,9 @@ mod gpu {
                 1 => r.time(iters, || raw_ag(r, &reg, bytes, SYMM)),
                 2 => r.time(iters, || raw_ag(r, &reg, bytes, CE)),
                 _ => r.time(iters, || {
-                    path = coll::all_gather_in_place::<u8>(&reg, &r.stream)
+                    path = r
+                        .coll
+                        .all_gather_in_place::<u8>(&reg, &r.stream)
                         .unwrap()
                         .path;
                 }),
@@ -348,7 +352,9 @@ mod gpu {
                 0 => r.time(iters, || raw_rs(r, &pi, &po, bytes, PLAIN)),
                 1 => r.time(iters, || raw_rs(r, &ri, &ro, bytes, SYMM)),
                 _ => r.time(iters, || {
-                    path = coll::reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
+                    path = r
+                        .coll
+                        .reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
                         .unwrap()
                         .path;
                 }),
@@ -404,7 +410,7 @@ mod gpu {
                         "symm" => raw_ag(r, &reg, bytes, SYMM),
                         "ce" => raw_ag(r, &reg, bytes, CE),
                         _ => {
-                            coll::all_gather_in_place::<u8>(&reg, &r.stream).unwrap();
+                            r.coll.all_gather_in_place::<u8>(&reg, &r.stream).unwrap();
                         }
                     }
                 }
@@ -667,8 +673,10 @@ mod gpu {
                 let want = &want;
                 s.spawn(move || {
                     let backend = b;
+                    let reg = SymmPool::new(backend.clone(), auto).unwrap();
                     let r = Rank {
-                        reg: SymmPool::new(backend.clone(), auto).unwrap(),
+                        coll: Coll::new(&reg).unwrap(),
+                        reg,
                         plain: SymmPool::new(
                             backend.clone(),
                             PoolConfig::default().with_register(false),

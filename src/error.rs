@@ -408,7 +408,7 @@ pub enum Error {
         reason: String,
     },
     // checked collectives
-    /// The ranks' records of a collective (or of a periodic light agreement) differ:
+    /// The ranks' records of a collective (or of a step boundary) differ:
     /// they are not making the same call on the same buffers (see
     /// [`coll`](crate::coll), "Checked collectives"). Reported on every rank, naming
     /// the first differing field and each rank's value. Under
@@ -429,7 +429,7 @@ pub struct CollectiveDivergence {
     /// Which check found it: `"strict check"`, `"async check"`.
     pub found_by: &'static str,
     /// Position (1-based) of the differing record among the records this pool's
-    /// ranks compared (collectives and light agreements together).
+    /// ranks compared (collectives and step boundaries together).
     pub record: u64,
     /// The first field that differs (for example `"count"`, `"reduction"`,
     /// `"output offset"`, `"pool call hash"`).

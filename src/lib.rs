@@ -16,8 +16,9 @@
 //! | core | [`core`] | deterministic best-fit caching allocator; pure data structures, no unsafe |
 //! | control | [`control`] | the control plane the ranks agree over: [`Exchange`] with channels and deadlines, [`LocalExchange`] (threads), [`StoreExchange`] (one process per rank, a TCP rendezvous store), launcher environment ([`Launch`]) |
 //! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), `ShmBackend` (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
+//! | group | (internal) | what the ranks compare: call history and hash, agreement records, the collective checker, the registration-order round |
 //! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
-//! | collectives | [`coll`] | all-gather / reduce-scatter on pool buffers, with the path reported |
+//! | collectives | [`coll`] | a [`Coll`] handle made from a pool: all-gather / reduce-scatter on its buffers, checked, with the path reported |
 //! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots, memory-map SVGs |
 //!
 //! ```
@@ -54,6 +55,7 @@ pub mod core;
 mod deadline;
 mod dtype;
 mod error;
+mod group;
 pub mod observe;
 mod pool;
 mod stream;
@@ -61,6 +63,7 @@ mod stream;
 pub use backend::{Backend, HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use backend::{NcclBackend, NcclConfig, NcclWorldConfig};
+pub use coll::Coll;
 pub use control::{
     ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
 };
@@ -68,12 +71,13 @@ pub use core::{CoreStats, Snapshot};
 pub use deadline::Deadline;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CollectiveDivergence, Divergence, Error, NcclVersion, Result};
+pub use group::CheckMode;
 pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::CudaView;
 pub use pool::{
-    CheckMode, FitReport, MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView,
-    alloc, alloc_aligned, current,
+    FitReport, MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc,
+    alloc_aligned, current,
 };
 pub use stream::Stream;
 

@@ -9,9 +9,10 @@
 use proptest::prelude::*;
 use std::thread;
 use std::time::Duration;
-use symmpool::coll::{self, CollectiveReport};
+use symmpool::coll::CollectiveReport;
 use symmpool::{
-    CheckMode, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
+    CheckMode, Coll, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmBuffer,
+    SymmPool,
 };
 
 mod common;
@@ -75,12 +76,13 @@ fn after_a_divergence_every_later_call_fails_on_every_rank() {
     let bs = backends(2);
     let pools = SymmPool::group(bs, &config(CheckMode::Strict)).unwrap();
     let errs: Vec<Vec<bool>> = on_each(&pools, |pool| {
+        let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
         drop(pool.alloc(1 << 20, &stream).unwrap());
         let n = if pool.rank() == 0 { 1024 } else { 2048 };
         let buf = pool.alloc(2 * n * 4, &stream).unwrap();
-        let first = coll::all_gather_in_place::<f32>(&buf, &stream);
-        let second = coll::all_gather_in_place::<f32>(&buf, &stream);
+        let first = coll.all_gather_in_place::<f32>(&buf, &stream);
+        let second = coll.all_gather_in_place::<f32>(&buf, &stream);
         let alloc = pool.alloc(512, &stream);
         let reserve = pool.reserve(2 << 20);
         let trim = pool.trim();
@@ -99,11 +101,12 @@ fn after_a_divergence_every_later_call_fails_on_every_rank() {
 
 #[test]
 fn a_loop_of_cache_hits_is_caught_by_the_light_agreement() {
-    // No collective at all: rank 1 allocates other sizes from the cache. The light
-    // agreement every 8 pool calls catches the differing call hash.
+    // No collective at all: rank 1 allocates other sizes from the cache. The step
+    // boundary's record (`end_step`) catches the differing call hash.
     for mode in [CheckMode::Strict, CheckMode::Async] {
-        let pools = SymmPool::group(backends(2), &config(mode).with_check_every_calls(8)).unwrap();
+        let pools = SymmPool::group(backends(2), &config(mode)).unwrap();
         let results: Vec<Option<Error>> = on_each(&pools, |pool| {
+            let coll = Coll::new(pool).unwrap();
             let stream = Stream::host();
             drop(pool.alloc(1 << 20, &stream).unwrap());
             let bytes = if pool.rank() == 0 { 4096 } else { 8192 };
@@ -112,7 +115,7 @@ fn a_loop_of_cache_hits_is_caught_by_the_light_agreement() {
                     return Some(e);
                 }
             }
-            coll::wait_checks(pool).err()
+            coll.end_step().err()
         });
         for r in results {
             let e = r.unwrap_or_else(|| panic!("{mode:?}: not caught"));
@@ -122,7 +125,7 @@ fn a_loop_of_cache_hits_is_caught_by_the_light_agreement() {
 }
 
 #[test]
-fn ranks_with_different_check_modes_fail_at_pool_creation() {
+fn ranks_with_different_check_modes_fail_when_they_make_their_handles() {
     let bs = backends(2);
     let errs: Vec<Error> = thread::scope(|sc| {
         let hs: Vec<_> = bs
@@ -135,7 +138,8 @@ fn ranks_with_different_check_modes_fail_at_pool_creation() {
                     } else {
                         CheckMode::Strict
                     };
-                    SymmPool::new(b, config(mode)).unwrap_err()
+                    let pool = SymmPool::new(b, config(mode)).unwrap();
+                    Coll::new(&pool).unwrap_err()
                 })
             })
             .collect();
@@ -242,6 +246,7 @@ struct Trace {
 /// Run `ops` on one rank; returns its trace and whether any error was reported
 /// (including at the final collectives and `wait_checks`).
 fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
+    let coll = Coll::with_pools(pools).unwrap();
     let stream = Stream::host();
     // A slot holds (pool, the buffer's number among the pool's allocations, buffer):
     // the trace names buffers by that number, as the pool does.
@@ -279,7 +284,7 @@ fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
             }
             Op::Gather { slot } => {
                 if let Some((pool, id, b)) = &slots[slot] {
-                    let r = coll::all_gather_in_place::<f32>(b, &stream);
+                    let r = coll.all_gather_in_place::<f32>(b, &stream);
                     collective(&mut trace, *pool, format!("gather #{id}"), &r);
                     r?;
                 }
@@ -287,7 +292,7 @@ fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
             Op::Reduce { slot, max } => {
                 if let Some((pool, id, b)) = &slots[slot] {
                     let op = if max { ReduceOp::Max } else { ReduceOp::Sum };
-                    let r = coll::reduce_scatter_in_place::<f32>(b, op, &stream);
+                    let r = coll.reduce_scatter_in_place::<f32>(b, op, &stream);
                     collective(&mut trace, *pool, format!("reduce #{id} {max}"), &r);
                     r?;
                 }
@@ -302,11 +307,9 @@ fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
         // A final collective on each pool, then the verdict.
         for p in pools {
             let b = p.alloc(4096, &stream)?;
-            coll::all_gather_in_place::<f32>(&b, &stream)?;
+            coll.all_gather_in_place::<f32>(&b, &stream)?;
         }
-        for p in pools {
-            coll::wait_checks(p)?;
-        }
+        coll.wait_checks()?;
         Ok(())
     };
     let failed = run().is_err();

@@ -4,8 +4,10 @@
 
 use std::thread;
 use std::time::Duration;
-use symmpool::coll::{self, Path};
-use symmpool::{CheckMode, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16};
+use symmpool::coll::Path;
+use symmpool::{
+    CheckMode, Coll, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16,
+};
 
 fn pools(world: usize) -> Vec<SymmPool> {
     SymmPool::host_group(
@@ -26,9 +28,16 @@ fn strict_pools(world: usize) -> Vec<SymmPool> {
     .unwrap()
 }
 
-fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Vec<R> {
+/// `f` on every rank (a thread each) with its pool and a collectives handle made for
+/// the call; the results in rank order.
+fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool, &Coll) -> R + Sync) -> Vec<R> {
+    let colls = Coll::group(pools).unwrap();
     thread::scope(|s| {
-        let hs: Vec<_> = pools.iter().map(|p| s.spawn(|| f(p))).collect();
+        let hs: Vec<_> = pools
+            .iter()
+            .zip(&colls)
+            .map(|(p, c)| s.spawn(|| f(p, c)))
+            .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -40,7 +49,7 @@ fn value<T: Element>(r: usize, i: usize) -> T {
 
 fn check_all_gather<T: Element>(world: usize, count: usize, in_place: bool) {
     let pools = pools(world);
-    let results = on_ranks(&pools, |pool| {
+    let results = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let r = pool.rank();
         let size = std::mem::size_of::<T>();
@@ -55,11 +64,11 @@ fn check_all_gather<T: Element>(world: usize, count: usize, in_place: bool) {
                 .unwrap()
                 .copy_from_host(&mine)
                 .unwrap();
-            coll::all_gather_in_place::<T>(&out, &stream).unwrap()
+            coll.all_gather_in_place::<T>(&out, &stream).unwrap()
         } else {
             let input = pool.alloc((count * size) as u64, &stream).unwrap();
             input.write(&mine).unwrap();
-            coll::all_gather::<T>(&input, &out, &stream).unwrap()
+            coll.all_gather::<T>(&input, &out, &stream).unwrap()
         };
         (report, out.read::<T>().unwrap())
     });
@@ -82,7 +91,7 @@ fn check_all_gather<T: Element>(world: usize, count: usize, in_place: bool) {
 
 fn check_reduce_scatter<T: Element>(world: usize, count: usize, in_place: bool, op: ReduceOp) {
     let pools = pools(world);
-    let results = on_ranks(&pools, |pool| {
+    let results = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let r = pool.rank();
         let size = std::mem::size_of::<T>();
@@ -90,13 +99,15 @@ fn check_reduce_scatter<T: Element>(world: usize, count: usize, in_place: bool, 
         let input = pool.alloc((world * count * size) as u64, &stream).unwrap();
         input.write(&data).unwrap();
         if in_place {
-            let report = coll::reduce_scatter_in_place::<T>(&input, op, &stream).unwrap();
+            let report = coll
+                .reduce_scatter_in_place::<T>(&input, op, &stream)
+                .unwrap();
             let all = input.read::<T>().unwrap();
             (report, all[r * count..(r + 1) * count].to_vec())
         } else {
             let out = pool.alloc((count * size) as u64, &stream).unwrap();
             out.write(&vec![T::from_f64(99.0); count]).unwrap();
-            let report = coll::reduce_scatter::<T>(&input, &out, op, &stream).unwrap();
+            let report = coll.reduce_scatter::<T>(&input, &out, op, &stream).unwrap();
             (report, out.read::<T>().unwrap())
         }
     });
@@ -166,12 +177,13 @@ fn reduce_scatter_every_type_both_placements_odd_sizes() {
 #[test]
 fn f16_average_does_not_overflow_where_the_mean_fits() {
     let pools = pools(2);
-    let got = on_ranks(&pools, |pool| {
+    let got = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let input = pool.alloc(2 * 2, &stream).unwrap();
         input.write(&[f16::from_f32(60000.0); 2]).unwrap();
         let out = pool.alloc(2, &stream).unwrap();
-        coll::reduce_scatter::<f16>(&input, &out, ReduceOp::Avg, &stream).unwrap();
+        coll.reduce_scatter::<f16>(&input, &out, ReduceOp::Avg, &stream)
+            .unwrap();
         out.read::<f16>().unwrap()[0]
     });
     for g in got {
@@ -188,29 +200,29 @@ fn eight_ranks_gather_and_reduce() {
 #[test]
 fn paths_follow_size_type_and_operation() {
     let pools = pools(2);
-    let paths = on_ranks(&pools, |pool| {
+    let paths = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let small = pool.alloc(2 * (64 << 10), &stream).unwrap();
         let big = pool.alloc(2 * (64 << 20), &stream).unwrap();
         let big_out = pool.alloc(64 << 20, &stream).unwrap();
         let small_out = pool.alloc(64 << 10, &stream).unwrap();
         vec![
-            coll::all_gather_in_place::<bf16>(&small, &stream)
+            coll.all_gather_in_place::<bf16>(&small, &stream)
                 .unwrap()
                 .path,
-            coll::all_gather_in_place::<bf16>(&big, &stream)
+            coll.all_gather_in_place::<bf16>(&big, &stream)
                 .unwrap()
                 .path,
-            coll::reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Sum, &stream)
+            coll.reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Sum, &stream)
                 .unwrap()
                 .path,
-            coll::reduce_scatter::<bf16>(&big, &big_out, ReduceOp::Sum, &stream)
+            coll.reduce_scatter::<bf16>(&big, &big_out, ReduceOp::Sum, &stream)
                 .unwrap()
                 .path,
-            coll::reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Max, &stream)
+            coll.reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Max, &stream)
                 .unwrap()
                 .path,
-            coll::reduce_scatter::<u8>(&small, &small_out, ReduceOp::Sum, &stream)
+            coll.reduce_scatter::<u8>(&small, &small_out, ReduceOp::Sum, &stream)
                 .unwrap()
                 .path,
         ]
@@ -233,12 +245,10 @@ fn paths_follow_size_type_and_operation() {
 #[test]
 fn a_pool_that_does_not_register_runs_plain() {
     let pools = SymmPool::host_group(2, PoolConfig::default().with_register(false)).unwrap();
-    let paths = on_ranks(&pools, |pool| {
+    let paths = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let buf = pool.alloc(2 * (64 << 20), &stream).unwrap();
-        let p = coll::all_gather_in_place::<f32>(&buf, &stream)
-            .unwrap()
-            .path;
+        let p = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap().path;
         (p, pool.stats().registrations)
     });
     for (p, regs) in paths {
@@ -250,22 +260,23 @@ fn a_pool_that_does_not_register_runs_plain() {
 #[test]
 fn inconsistent_sizes_are_refused_before_launch() {
     let pools = pools(2);
-    on_ranks(&pools, |pool| {
+    on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let a = pool.alloc(4096, &stream).unwrap();
         let b = pool.alloc(4096, &stream).unwrap();
         let odd = pool.alloc(4097, &stream).unwrap();
         for e in [
-            coll::all_gather::<f32>(&a, &b, &stream).unwrap_err(),
-            coll::reduce_scatter::<f32>(&a, &b, ReduceOp::Sum, &stream).unwrap_err(),
-            coll::all_gather_in_place::<f32>(&odd, &stream).unwrap_err(),
-            coll::all_gather::<f32>(&odd, &b, &stream).unwrap_err(),
+            coll.all_gather::<f32>(&a, &b, &stream).unwrap_err(),
+            coll.reduce_scatter::<f32>(&a, &b, ReduceOp::Sum, &stream)
+                .unwrap_err(),
+            coll.all_gather_in_place::<f32>(&odd, &stream).unwrap_err(),
+            coll.all_gather::<f32>(&odd, &b, &stream).unwrap_err(),
         ] {
             assert!(matches!(e, Error::InvalidCollective { .. }), "{e:?}");
         }
         let three = pool.alloc(12, &stream).unwrap();
         assert!(matches!(
-            coll::reduce_scatter_in_place::<f32>(&three, ReduceOp::Sum, &stream),
+            coll.reduce_scatter_in_place::<f32>(&three, ReduceOp::Sum, &stream),
             Err(Error::InvalidCollective { .. })
         ));
     });
@@ -277,13 +288,13 @@ fn diverged_offsets_are_caught_at_the_collective() {
     // agreement): its next buffer lands at another offset. NCCL would silently read
     // the wrong bytes; the strict check reports it on every rank.
     let pools = strict_pools(2);
-    let errs = on_ranks(&pools, |pool| {
+    let errs = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let warm = pool.alloc(4096, &stream).unwrap();
         drop(warm);
         let _extra = (pool.rank() == 1).then(|| pool.alloc(512, &stream).unwrap());
         let buf = pool.alloc(8192, &stream).unwrap();
-        coll::all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
+        coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
     });
     for e in errs {
         assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
@@ -294,12 +305,12 @@ fn diverged_offsets_are_caught_at_the_collective() {
 #[test]
 fn mismatched_counts_across_ranks_are_errors_not_hangs() {
     let pools = strict_pools(2);
-    let errs = on_ranks(&pools, |pool| {
+    let errs = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         drop(pool.alloc(1 << 20, &stream).unwrap()); // grow together first
         let n = if pool.rank() == 0 { 1024 } else { 2048 };
         let buf = pool.alloc(2 * n * 4, &stream).unwrap();
-        coll::all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
+        coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
     });
     for e in errs {
         assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
@@ -327,18 +338,20 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
         PoolConfig::default().with_timeout(Duration::from_millis(300)),
     )
     .unwrap();
-    let bufs = on_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
+    let colls = Coll::group(&pools).unwrap();
+    let bufs = on_ranks(&pools, |p, _| p.alloc(8192, &Stream::host()).unwrap());
     let stream = Stream::host();
     // Rank 0 alone: times out.
     assert!(matches!(
-        coll::all_gather_in_place::<f32>(&bufs[0], &stream),
+        colls[0].all_gather_in_place::<f32>(&bufs[0], &stream),
         Err(Error::Timeout { .. })
     ));
     // Then both ranks make the same call: an error on both, no panic, no stale pairing.
     let errs = thread::scope(|s| {
         let hs: Vec<_> = bufs
             .iter()
-            .map(|b| s.spawn(|| coll::all_gather_in_place::<f32>(b, &Stream::host())))
+            .zip(&colls)
+            .map(|(b, coll)| s.spawn(|| coll.all_gather_in_place::<f32>(b, &Stream::host())))
             .collect();
         hs.into_iter()
             .map(|h| h.join().unwrap())
@@ -364,14 +377,14 @@ fn same_offset_in_another_window_is_caught() {
     // so its next buffer sits at offset 0 of the *second* window. Same offset, different
     // window: NCCL would pair the wrong memory; the strict check reports it.
     let pools = strict_pools(2);
-    let errs = on_ranks(&pools, |pool| {
+    let errs = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         pool.reserve(20 << 20).unwrap();
         pool.reserve(20 << 20).unwrap();
         let _extra = (pool.rank() == 1).then(|| pool.alloc(20 << 20, &stream).unwrap());
         let b = pool.alloc(2 << 20, &stream).unwrap();
         assert_eq!(b.offset_bytes(), 0);
-        coll::all_gather_in_place::<f32>(&b, &stream).unwrap_err()
+        coll.all_gather_in_place::<f32>(&b, &stream).unwrap_err()
     });
     for e in errs {
         assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
@@ -387,7 +400,8 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
     // pairs (different offsets) fail on both sides (the strict check); never a panic
     // or a hang.
     let pools = strict_pools(2);
-    let bufs = on_ranks(&pools, |p| {
+    let colls = Coll::group(&pools).unwrap();
+    let bufs = on_ranks(&pools, |p, _| {
         (0..2)
             .map(|_| p.alloc(8192, &Stream::host()).unwrap())
             .collect::<Vec<_>>()
@@ -395,11 +409,22 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
     let (b0, b1) = (&bufs[0], &bufs[1]);
     for _ in 0..50 {
         let (r0, r1) = thread::scope(|s| {
-            let a = s.spawn(|| coll::all_gather_in_place::<f32>(&b0[0], &Stream::host()).is_ok());
-            let b = s.spawn(|| coll::all_gather_in_place::<f32>(&b0[1], &Stream::host()).is_ok());
+            let c0 = &colls[0];
+            let a = s.spawn(|| {
+                c0.all_gather_in_place::<f32>(&b0[0], &Stream::host())
+                    .is_ok()
+            });
+            let b = s.spawn(|| {
+                c0.all_gather_in_place::<f32>(&b0[1], &Stream::host())
+                    .is_ok()
+            });
             let c = s.spawn(|| {
                 b1.iter()
-                    .map(|b| coll::all_gather_in_place::<f32>(b, &Stream::host()).is_ok())
+                    .map(|b| {
+                        colls[1]
+                            .all_gather_in_place::<f32>(b, &Stream::host())
+                            .is_ok()
+                    })
                     .collect::<Vec<_>>()
             });
             (
@@ -410,5 +435,40 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
         let ok0 = r0.iter().filter(|&&x| x).count();
         let ok1 = r1.iter().filter(|&&x| x).count();
         assert_eq!(ok0, ok1, "rank 0 {r0:?} rank 1 {r1:?}");
+    }
+}
+
+#[test]
+fn duration_max_timeouts_work_in_every_public_call() {
+    // `Duration::MAX` means "never": no call may overflow making its deadline.
+    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+        let config = PoolConfig::default()
+            .with_timeout(Duration::MAX)
+            .with_check(mode);
+        let pools = SymmPool::host_group(2, config).unwrap();
+        let reports = on_ranks(&pools, |pool, coll| {
+            let stream = Stream::host();
+            let buf = pool.alloc(2 * 4 * 1024, &stream).unwrap();
+            let out = pool.alloc(4 * 1024, &stream).unwrap();
+            pool.reserve(2 << 20).unwrap();
+            pool.reserve_small(1 << 20).unwrap();
+            coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+            coll.all_gather::<f32>(&out, &buf, &stream).unwrap();
+            coll.reduce_scatter::<f32>(&buf, &out, ReduceOp::Sum, &stream)
+                .unwrap();
+            coll.reduce_scatter_in_place::<f32>(&buf, ReduceOp::Max, &stream)
+                .unwrap();
+            coll.wait_checks().unwrap();
+            coll.end_step().unwrap();
+            let mut cal = symmpool::coll::CalibrateConfig::default().with_range(4 << 10, 8 << 10);
+            (cal.reps, cal.bytes_per_rep) = (1, 1 << 16);
+            coll.calibrate(&stream, &cal).unwrap();
+            drop((buf, out));
+            pool.fit_to_peak().unwrap();
+            pool.trim().unwrap();
+            pool.close().unwrap();
+            pool.stats().calls
+        });
+        assert_eq!(reports[0], reports[1], "{mode:?}");
     }
 }

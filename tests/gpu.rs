@@ -47,8 +47,8 @@ mod gpu_tests {
 
     use common::gpu::{on_ranks, trial};
     use std::time::{Duration, SystemTime};
-    use symmpool::coll::{self, Path};
-    use symmpool::{Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16};
+    use symmpool::coll::Path;
+    use symmpool::{Coll, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16};
 
     const MIB: u64 = 1 << 20;
 
@@ -133,6 +133,7 @@ mod gpu_tests {
         let world = pools.len();
         let size = std::mem::size_of::<T>();
         let out = on_ranks(pools, |pool, stream| {
+            let coll = Coll::new(pool).unwrap();
             let r = pool.rank();
             let mut rng = Rng(seed ^ r as u64);
             let mine: Vec<T> = (0..count).map(|_| rng.value()).collect();
@@ -148,11 +149,11 @@ mod gpu_tests {
                     .unwrap()
                     .copy_from_host(&mine)
                     .unwrap();
-                coll::all_gather_in_place::<T>(&output, stream).unwrap()
+                coll.all_gather_in_place::<T>(&output, stream).unwrap()
             } else {
                 let input = pool.alloc((count * size) as u64, stream).unwrap();
                 input.write(&mine).unwrap();
-                coll::all_gather::<T>(&input, &output, stream).unwrap()
+                coll.all_gather::<T>(&input, &output, stream).unwrap()
             };
             (report.path, output.read::<T>().unwrap())
         });
@@ -192,11 +193,14 @@ mod gpu_tests {
                 .collect::<Vec<T>>()
         };
         let out = on_ranks(pools, |pool, stream| {
+            let coll = Coll::new(pool).unwrap();
             let r = pool.rank();
             let input = pool.alloc((world * count * size) as u64, stream).unwrap();
             input.write(&data(r)).unwrap();
             if in_place {
-                let rep = coll::reduce_scatter_in_place::<T>(&input, op, stream).unwrap();
+                let rep = coll
+                    .reduce_scatter_in_place::<T>(&input, op, stream)
+                    .unwrap();
                 (
                     rep.path,
                     input.read::<T>().unwrap()[r * count..(r + 1) * count].to_vec(),
@@ -204,7 +208,9 @@ mod gpu_tests {
             } else {
                 let output = pool.alloc((count * size) as u64, stream).unwrap();
                 output.write(&vec![T::from_f64(99.0); count]).unwrap();
-                let rep = coll::reduce_scatter::<T>(&input, &output, op, stream).unwrap();
+                let rep = coll
+                    .reduce_scatter::<T>(&input, &output, op, stream)
+                    .unwrap();
                 (rep.path, output.read::<T>().unwrap())
             }
         });
@@ -743,13 +749,14 @@ mod gpu_tests {
             backend.nccl_version()
         );
         let pool = SymmPool::new(backend, config()).expect("pool");
+        let coll = Coll::new(&pool).expect("collectives");
         let stream = pool.new_stream().unwrap();
         for n in [1usize, 1000, 3_000_001] {
             let input = pool.alloc((n * 4) as u64, &stream).unwrap();
             let output = pool.alloc((world * n * 4) as u64, &stream).unwrap();
             let mine: Vec<f32> = (0..n).map(|i| (rank * n + i) as f32).collect();
             input.write(&mine).unwrap();
-            let rep = coll::all_gather::<f32>(&input, &output, &stream).unwrap();
+            let rep = coll.all_gather::<f32>(&input, &output, &stream).unwrap();
             let want: Vec<f32> = (0..world * n).map(|i| i as f32).collect();
             assert_eq!(output.read::<f32>().unwrap(), want, "all-gather of {n}");
             eprintln!("[rank {rank}] all_gather x{n}: {:?}", rep.path);
@@ -762,7 +769,9 @@ mod gpu_tests {
                         .collect::<Vec<_>>(),
                 )
                 .unwrap();
-            let rep = coll::reduce_scatter::<f32>(&whole, &chunk, ReduceOp::Sum, &stream).unwrap();
+            let rep = coll
+                .reduce_scatter::<f32>(&whole, &chunk, ReduceOp::Sum, &stream)
+                .unwrap();
             let want: Vec<f32> = (0..n)
                 .map(|i| (world * ((rank * n + i) % 1000)) as f32)
                 .collect();
@@ -1097,12 +1106,13 @@ mod gpu_tests {
             .unwrap()
             .remove(0);
         let pool = SymmPool::new(backend, config()).unwrap();
+        let coll = Coll::new(&pool).unwrap();
         let stream = pool.new_stream().unwrap();
         let input = pool.alloc(4096, &stream).unwrap();
         let output = pool.alloc(4096, &stream).unwrap();
         let gate = stuck_stream(&stream);
         let started = std::time::Instant::now();
-        coll::all_gather::<f32>(&input, &output, &stream)
+        coll.all_gather::<f32>(&input, &output, &stream)
             .expect("enqueued behind the host function");
         let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
         let error = loop {
@@ -1119,7 +1129,7 @@ mod gpu_tests {
         eprintln!("watchdog after {took:?}: {error}");
         assert!(matches!(error, Error::NcclWatchdog { .. }), "{error:?}");
         assert!(took >= watchdog, "{took:?}");
-        let next = coll::all_gather::<f32>(&input, &output, &stream);
+        let next = coll.all_gather::<f32>(&input, &output, &stream);
         assert!(
             matches!(
                 next,
@@ -1157,10 +1167,11 @@ mod gpu_tests {
         assert_ne!(s1.id(), s3.id());
         assert_eq!(s1.raw_cuda(), Some(raw_a));
         let pool = SymmPool::new(backend, config()).unwrap();
+        let coll = Coll::new(&pool).unwrap();
         let x = pool.alloc(MIB, &s1).unwrap();
         let y = pool.alloc(MIB, &s2).unwrap();
         x.write(&vec![1.5f32; 1024]).unwrap();
-        coll::all_gather::<f32>(&x, &y, &s2).unwrap();
+        coll.all_gather::<f32>(&x, &y, &s2).unwrap();
         assert_eq!(y.read::<f32>().unwrap()[..1024], vec![1.5f32; 1024][..]);
         drop((x, y));
         pool.close().unwrap();

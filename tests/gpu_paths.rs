@@ -29,8 +29,8 @@ mod paths {
     use libtest_mimic::{Completion, Failed, Trial};
     use std::sync::Barrier;
     use std::time::Duration;
-    use symmpool::coll::{self, Path};
-    use symmpool::{PoolConfig, ReduceOp, bf16};
+    use symmpool::coll::Path;
+    use symmpool::{Coll, PoolConfig, ReduceOp, bf16};
 
     const MIB: u64 = 1 << 20;
 
@@ -93,17 +93,16 @@ mod paths {
             "AllGather"
         };
         let results = on_ranks(&pools, |pool, stream| {
+            let coll = Coll::new(pool).unwrap();
             let big = pool.alloc(2 * bytes, stream).unwrap();
             let small = pool.alloc(bytes, stream).unwrap();
             barrier.wait();
             let seen = log(0).1;
             barrier.wait();
             let report = match name {
-                "AllGather" => coll::all_gather_in_place::<bf16>(&big, stream),
-                "ReduceScatter" => {
-                    coll::reduce_scatter::<bf16>(&big, &small, ReduceOp::Sum, stream)
-                }
-                _ => coll::reduce_scatter::<bf16>(&big, &small, ReduceOp::Max, stream),
+                "AllGather" => coll.all_gather_in_place::<bf16>(&big, stream),
+                "ReduceScatter" => coll.reduce_scatter::<bf16>(&big, &small, ReduceOp::Sum, stream),
+                _ => coll.reduce_scatter::<bf16>(&big, &small, ReduceOp::Max, stream),
             }
             .unwrap();
             stream.cuda_stream().unwrap().synchronize().unwrap();

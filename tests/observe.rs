@@ -10,7 +10,7 @@ use symmpool::observe::{
     BlockStatus, BlockView, PoolSnapshot, SegmentView, StatValue, WindowView, render_ranks,
     render_svg,
 };
-use symmpool::{PoolConfig, Stream, SymmPool, coll};
+use symmpool::{Coll, PoolConfig, Stream, SymmPool};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::{Context, SubscriberExt};
@@ -147,13 +147,15 @@ fn workload(level: LevelFilter) -> Vec<Seen> {
         for (pool, cap) in pools.iter().zip(&captures) {
             s.spawn(move || {
                 cap.run(level, || {
+                    let coll = Coll::new(pool).unwrap();
                     let stream = Stream::host();
                     let buf = pool.alloc(4 << 20, &stream).unwrap();
-                    coll::all_gather_in_place::<f32>(&buf, &stream).unwrap();
-                    coll::reduce_scatter_in_place::<f32>(&buf, symmpool::ReduceOp::Sum, &stream)
+                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                    coll.reduce_scatter_in_place::<f32>(&buf, symmpool::ReduceOp::Sum, &stream)
                         .unwrap();
                     drop(buf);
                     pool.trim().unwrap();
+                    drop(coll);
                     pool.close().unwrap();
                 })
             });
@@ -391,12 +393,13 @@ fn collectives_are_counted_per_path() {
     std::thread::scope(|s| {
         for pool in &pools {
             s.spawn(move || {
+                let coll = Coll::new(pool).unwrap();
                 let stream = Stream::host();
                 let buf = pool.alloc(1 << 20, &stream).unwrap();
                 for _ in 0..3 {
-                    coll::all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
                 }
-                let stats = pool.memory_stats();
+                let stats = coll.memory_stats();
                 assert_eq!(count(&stats, "collectives.symmetric_kernel.count"), 3);
                 assert_eq!(count(&stats, "collectives.symmetric_kernel.bytes"), 3 << 19);
                 assert_eq!(count(&stats, "collectives.copy_engine.count"), 0);
@@ -559,4 +562,95 @@ fn the_rank_view_outlines_what_differs() {
     short.segments.pop();
     let missing = render_ranks(&[known(0), short]);
     assert_eq!(missing.matches("<rect class=\"missing\"").count(), 1);
+}
+
+/// The statistics keys of segments and their bytes: what adding a segment accounts.
+fn segment_accounts(stats: &symmpool::observe::MemoryStats) -> Vec<(String, u64)> {
+    stats
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with("reserved_bytes.")
+                || k.starts_with("segment.")
+                || k.as_str() == "num_device_alloc"
+                || k.as_str() == "num_device_free"
+        })
+        .filter_map(|(k, v)| v.as_u64().map(|v| (k.clone(), v)))
+        .collect()
+}
+
+#[test]
+fn fit_to_peak_accounts_its_segments_like_growth() {
+    // One FSDP-like step (large and small buffers, all freed), then `fit_to_peak`;
+    // beside it, the same step, `trim` (which releases the same segments: all are
+    // free), and the fitted segments reserved explicitly. The statistics of
+    // segments and the segment-allocated events must be the same.
+    const MIB: u64 = 1 << 20;
+    let step = |p: &SymmPool, stream: &Stream| {
+        let mut live = Vec::new();
+        for layer in 0..6u64 {
+            live.push(p.alloc((40 + layer) * MIB, stream).unwrap());
+            if live.len() > 2 {
+                live.remove(0);
+            }
+        }
+        let small: Vec<_> = (0..20).map(|_| p.alloc(4096, stream).unwrap()).collect();
+        drop((live, small));
+    };
+    let fitted = SymmPool::host_group(2, PoolConfig::default().with_name("fitted")).unwrap();
+    let grown = SymmPool::host_group(2, PoolConfig::default().with_name("grown")).unwrap();
+    let captures: Vec<Capture> = (0..4).map(|_| Capture::default()).collect();
+    let out: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = fitted
+            .iter()
+            .zip(&grown)
+            .zip(captures.chunks(2))
+            .map(|((a, b), caps)| {
+                s.spawn(move || {
+                    let stream = Stream::host();
+                    let report = caps[0].run(LevelFilter::INFO, || {
+                        step(a, &stream);
+                        a.fit_to_peak().unwrap()
+                    });
+                    let classes: Vec<(u32, SizeClass)> = a
+                        .memory_snapshot()
+                        .segments
+                        .iter()
+                        .map(|s| (s.id.0, s.class))
+                        .collect();
+                    caps[1].run(LevelFilter::INFO, || {
+                        step(b, &stream);
+                        b.trim().unwrap();
+                        for &(id, bytes) in &report.added {
+                            let class = classes.iter().find(|c| c.0 == id).unwrap().1;
+                            match class {
+                                SizeClass::Large => b.reserve(bytes).unwrap(),
+                                SizeClass::Small => b.reserve_small(bytes).unwrap(),
+                            };
+                        }
+                    });
+                    (report, a.memory_stats(), b.memory_stats())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (report, a, b)) in out.iter().enumerate() {
+        assert!(!report.added.is_empty(), "{report:?}");
+        assert_eq!(segment_accounts(a), segment_accounts(b), "rank {rank}");
+        assert_eq!(
+            count(a, "reserved_bytes.all.allocated") - count(a, "reserved_bytes.all.freed"),
+            count(a, "reserved_bytes.all.current")
+        );
+        let events = |c: &Capture| {
+            c.seen()
+                .iter()
+                .filter(|e| !e.span && e.name == "segment allocated")
+                .map(|e| e.field("segment_bytes").unwrap_or("").to_string())
+                .collect::<Vec<_>>()
+        };
+        let (fit_events, grown_events) =
+            (events(&captures[2 * rank]), events(&captures[2 * rank + 1]));
+        assert_eq!(fit_events, grown_events, "rank {rank}");
+        assert_eq!(fit_events.len() as u64, count(a, "num_device_alloc"));
+    }
 }

@@ -8,7 +8,7 @@ use std::sync::Barrier;
 use std::thread;
 use std::time::Duration;
 use symmpool::core::SegmentId;
-use symmpool::{Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll};
+use symmpool::{Coll, Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll};
 
 const MIB: u64 = 1 << 20;
 
@@ -300,12 +300,13 @@ fn buffers_of_another_pool_are_refused() {
     let stream = Stream::host();
     let x = a[0].alloc(4096, &stream).unwrap();
     let y = b[0].alloc(4096, &stream).unwrap();
+    let coll = Coll::new(&a[0]).unwrap();
     assert!(matches!(
-        coll::all_gather::<f32>(&x, &y, &stream),
+        coll.all_gather::<f32>(&x, &y, &stream),
         Err(Error::ForeignBuffer { .. })
     ));
     assert!(matches!(
-        coll::reduce_scatter::<f32>(&x, &y, symmpool::ReduceOp::Sum, &stream),
+        coll.reduce_scatter::<f32>(&x, &y, symmpool::ReduceOp::Sum, &stream),
         Err(Error::ForeignBuffer { .. })
     ));
 }
@@ -358,9 +359,10 @@ fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
         .with_timeout(Duration::from_secs(5));
     let pools = SymmPool::host_group_with(host.clone(), config()).unwrap();
     let reports = on_ranks(&pools, |pool| {
+        let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
         let buf = pool.alloc(8 * MIB, &stream).unwrap();
-        let r = coll::all_gather_in_place::<f32>(&buf, &stream).unwrap();
+        let r = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
         (r.path, pool.stats().windows)
     });
     for (path, windows) in reports {
@@ -383,9 +385,10 @@ fn older_nccl_rules_pick_older_paths() {
         .with_timeout(Duration::from_secs(5));
     let pools = SymmPool::host_group_with(host, config()).unwrap();
     let paths = on_ranks(&pools, |pool| {
+        let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
         let buf = pool.alloc(64 * MIB, &stream).unwrap();
-        coll::all_gather_in_place::<u8>(&buf, &stream).unwrap().path
+        coll.all_gather_in_place::<u8>(&buf, &stream).unwrap().path
     });
     // 2.27 has windows but no copy engine.
     assert_eq!(paths, vec![coll::Path::SymmetricKernel; 2]);
@@ -846,4 +849,23 @@ fn fit_to_peak_replaces_growth_with_one_segment_and_the_next_step_does_not_grow(
         assert_eq!(again.core.segments.current, after.core.segments.current);
     }
     assert_eq!(out[0].1, out[1].1, "every rank fitted alike");
+}
+
+#[test]
+fn growth_under_a_dead_peer_returns_within_the_timeout() {
+    // Rank 1 never arrives: every collective pool call of rank 0 (a growth, a
+    // reservation) fails within the pool's timeout and a second, however many
+    // rounds it would make.
+    let timeout = Duration::from_millis(400);
+    let pools = SymmPool::host_group(2, config().with_timeout(timeout)).unwrap();
+    let stream = Stream::host();
+    let started = std::time::Instant::now();
+    let grown = pools[0].alloc(4096, &stream);
+    let took = started.elapsed();
+    assert!(matches!(grown, Err(Error::Timeout { .. })), "{grown:?}");
+    assert!(took < timeout + Duration::from_secs(1), "{took:?}");
+    let started = std::time::Instant::now();
+    let reserved = pools[0].reserve(2 * MIB);
+    assert!(reserved.is_err(), "{reserved:?}");
+    assert!(started.elapsed() < timeout + Duration::from_secs(1));
 }

@@ -9,7 +9,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
 use symmpool::core::{Fence, StreamId};
-use symmpool::{Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
+use symmpool::{Coll, Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
 
 const MIB: u64 = 1 << 20;
 
@@ -185,8 +185,9 @@ fn config_reports_what_is_in_effect() {
     assert!(pool.config().core.small_segment_bytes >= pool.backend().granularity_bytes());
     // The path policy belongs to the collectives; what is set is what is used.
     let policy = coll::PathPolicy::default().with_ce_all_gather_min_bytes(7 * MIB);
-    coll::set_path_policy(&pool, policy.clone()).unwrap();
-    assert_eq!(coll::path_policy(&pool), policy);
+    let coll = Coll::new(&pool).unwrap();
+    coll.set_path_policy(policy.clone());
+    assert_eq!(coll.path_policy(), policy);
 }
 
 #[test]

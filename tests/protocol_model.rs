@@ -208,9 +208,16 @@ impl Exchange for Exchanges {
         self.faults.order_rounds.fetch_add(1, Ordering::SeqCst);
         let mut payload = payload.to_vec();
         if self.faults.other_pool_first.swap(false, Ordering::SeqCst) {
-            // (segment bytes, pool name): keep the size, change the name.
-            payload.truncate(8);
-            payload.extend_from_slice(b"another pool");
+            // The round's record (pool name, segment bytes, as serde encodes it): keep
+            // the size, change the name.
+            #[derive(serde::Serialize, serde::Deserialize)]
+            struct Order {
+                pool: String,
+                size_bytes: u64,
+            }
+            let mut order: Order = postcard::from_bytes(&payload).expect("an order record");
+            order.pool = "another pool".into();
+            payload = postcard::to_allocvec(&order).expect("encodes");
         }
         self.inner.all_gather_until(channel, op, &payload, deadline)
     }

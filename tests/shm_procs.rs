@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use symmpool::backend::{ShmBackend, ShmConfig};
 use symmpool::control::{StoreConfig, StoreExchange, StoreServer};
-use symmpool::{CheckMode, Error, PoolConfig, ReduceOp, Stream, SymmPool, coll};
+use symmpool::{CheckMode, Coll, Error, PoolConfig, ReduceOp, Stream, SymmPool, coll};
 
 const MIB: u64 = 1 << 20;
 const ENTRY: &str = "child_process_entry";
@@ -73,6 +73,7 @@ fn child() -> symmpool::Result<i32> {
     let stream = Stream::host();
     match var("CHILD_ROLE").as_deref() {
         Some("collectives") => {
+            let coll = Coll::new(&pool)?;
             // The same seeded call sequence on every rank: placements must agree.
             let mut rng = Rng(7);
             let mut live = Vec::new();
@@ -100,7 +101,7 @@ fn child() -> symmpool::Result<i32> {
                 .view::<f32>()?
                 .slice(rank * n, n)?
                 .copy_from_host(&shard)?;
-            let report = coll::all_gather_in_place::<f32>(&params, &stream)?;
+            let report = coll.all_gather_in_place::<f32>(&params, &stream)?;
             let all = params.read::<f32>()?;
             for r in 0..world {
                 for i in [0, n / 2, n - 1] {
@@ -125,8 +126,8 @@ fn child() -> symmpool::Result<i32> {
                         coll::Choice::Prefer(coll::Path::SymmetricKernel)
                     },
                 );
-                coll::set_path_policy(&pool, policy)?;
-                let rs = coll::reduce_scatter::<f32>(&input, &out, ReduceOp::Sum, &stream)?;
+                coll.set_path_policy(policy);
+                let rs = coll.reduce_scatter::<f32>(&input, &out, ReduceOp::Sum, &stream)?;
                 let got = out.read::<f32>()?;
                 let ranks_sum = (world * (world - 1) / 2) as f32;
                 for i in [0, n / 3, n - 1] {
@@ -136,7 +137,7 @@ fn child() -> symmpool::Result<i32> {
                 println!("@@path {:?}", rs.path);
             }
             println!("@@placement {digest:016x} all-gather {:?}", report.path);
-            drop(params);
+            drop((params, coll));
             pool.close()?;
             Ok(0)
         }
@@ -208,6 +209,7 @@ fn checked_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmp
         .with_check_queue(CHECK_QUEUE);
     let a = SymmPool::new(backend.clone(), config.clone().with_name("a"))?;
     let b = SymmPool::new(backend, config.with_name("b"))?;
+    let coll = Coll::with_pools(&[a.clone(), b.clone()])?;
     let stream = Stream::host();
     let perturbed = rank == world - 1;
     drop(a.alloc(MIB, &stream)?);
@@ -220,7 +222,7 @@ fn checked_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmp
             .map(|i| ((rank * 37 + i + calls) % 251) as u8 + 1)
             .collect();
         buf.write(&pattern).unwrap();
-        match coll::all_gather_in_place::<f32>(buf, &stream) {
+        match coll.all_gather_in_place::<f32>(buf, &stream) {
             Ok(_) => true,
             Err(e) => {
                 let untouched = buf.read::<u8>().unwrap() == pattern;
@@ -295,7 +297,7 @@ fn checked_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmp
     {
         first = Some((calls + 1, e, true));
     }
-    let after = coll::wait_checks(&a).err();
+    let after = coll.wait_checks().err();
     let field = |e: &Error| match e {
         Error::CollectiveDivergence(d) => d.field.to_string(),
         other => format!("{other:?}")
@@ -329,6 +331,7 @@ fn strict_cost_child(rank: usize, backend: symmpool::Backend) -> symmpool::Resul
         backend,
         config.with_name("strict").with_check(CheckMode::Strict),
     )?;
+    let colls = [Coll::new(&off)?, Coll::new(&strict)?];
     let stream = Stream::host();
     let n: usize = var("CALLS").and_then(|v| v.parse().ok()).unwrap_or(300);
     // Per mode: every call's time in microseconds, over its two blocks.
@@ -337,7 +340,7 @@ fn strict_cost_child(rank: usize, backend: symmpool::Backend) -> symmpool::Resul
         let buf = pool.alloc(64 << 10, &stream)?;
         for _ in 0..n {
             let t = Instant::now();
-            coll::all_gather_in_place::<f32>(&buf, &stream)?;
+            colls[mode].all_gather_in_place::<f32>(&buf, &stream)?;
             calls_us[mode].push(t.elapsed().as_secs_f64() * 1e6);
         }
     }

@@ -46,18 +46,19 @@ pub use report::{Log, Spread, Summary, check, loss_disagreement};
 use clap::Parser;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
 use std::sync::Mutex;
-use symmpool::coll::{self, Choice, Path, PathPolicy};
+use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::observe::PoolSnapshot;
 use symmpool::{
-    Backend, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream, SymmBuffer,
-    SymmPool,
+    Backend, Coll, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream,
+    SymmBuffer, SymmPool,
 };
 use trainer::{Math, Trainer};
 
 // ---------------------------------------------------------------------------------
 // 1. A pool per mode. A pool carves buffers out of a few segments and registers each
-//    segment once as an NCCL window; the path policy says which NCCL path the
-//    collectives prefer on those windows.
+//    segment once as an NCCL window; its collectives handle (`Coll`) runs the
+//    collectives on its buffers, and its path policy says which NCCL path they prefer
+//    on those windows.
 
 /// The check mode of every pool (`--check`), set once from the command line.
 static CHECK: std::sync::OnceLock<symmpool::CheckMode> = std::sync::OnceLock::new();
@@ -83,9 +84,15 @@ fn path_policy(mode: Mode) -> PathPolicy {
 
 /// A pool of `mode` over one rank's `backend`.
 fn make_pool(mode: Mode, backend: Backend) -> Result<SymmPool> {
-    let pool = SymmPool::new(backend, pool_config(mode))?;
-    coll::set_path_policy(&pool, path_policy(mode))?;
-    Ok(pool)
+    SymmPool::new(backend, pool_config(mode))
+}
+
+/// The collectives handle of `mode`'s pool, with the mode's path preferences
+/// (collective: every rank makes it at the same point).
+fn make_coll(mode: Mode, pool: &SymmPool) -> Result<Coll> {
+    let coll = Coll::new(pool)?;
+    coll.set_path_policy(path_policy(mode));
+    Ok(coll)
 }
 
 // ---------------------------------------------------------------------------------
@@ -94,21 +101,26 @@ fn make_pool(mode: Mode, backend: Backend) -> Result<SymmPool> {
 //    collective runs (the pool does not reuse the block until that work is done).
 
 /// All-gather every rank's `shard` into a new buffer (the layer's whole parameters).
-pub fn all_gather<E: Element>(shard: &SymmBuffer, stream: &Stream) -> Result<(SymmBuffer, Path)> {
+pub fn all_gather<E: Element>(
+    coll: &Coll,
+    shard: &SymmBuffer,
+    stream: &Stream,
+) -> Result<(SymmBuffer, Path)> {
     let world = shard.pool().world_size() as u64;
     let full = symmpool::alloc(shard.len_bytes() * world, stream)?;
-    let report = coll::all_gather::<E>(shard, &full, stream)?;
+    let report = coll.all_gather::<E>(shard, &full, stream)?;
     Ok((full, report.path))
 }
 
 /// Sum `full` over the ranks and keep this rank's shard of the sum, in a new buffer.
 pub fn reduce_scatter<E: Element>(
+    coll: &Coll,
     full: &SymmBuffer,
     stream: &Stream,
 ) -> Result<(SymmBuffer, Path)> {
     let world = full.pool().world_size() as u64;
     let shard = symmpool::alloc(full.len_bytes() / world, stream)?;
-    let report = coll::reduce_scatter::<E>(full, &shard, ReduceOp::Sum, stream)?;
+    let report = coll.reduce_scatter::<E>(full, &shard, ReduceOp::Sum, stream)?;
     Ok((shard, report.path))
 }
 
@@ -162,8 +174,10 @@ pub fn run_one_rank<M: Math>(
 
     let mut runs = Vec::new();
     for (mode, pool) in pools {
+        let coll = make_coll(mode, &pool)?;
         let trainer = pool.scope(|| {
-            let (data, communicate) = (data.clone(), mode.communicates());
+            let data = data.clone();
+            let communicate = mode.communicates().then_some(coll);
             Trainer::new(math, data, &data_pool, args, (rank, world), communicate)
         })?;
         // The warm-up step's peak is what `fit_to_peak` sizes the pool from.

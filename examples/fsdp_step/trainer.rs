@@ -19,7 +19,7 @@ use rand::{RngExt, SeedableRng};
 use std::sync::Arc;
 use std::time::Instant;
 use symmpool::coll::Path;
-use symmpool::{Element, Result, Stream, SymmBuffer, SymmPool, alloc};
+use symmpool::{Coll, Element, Result, Stream, SymmBuffer, SymmPool, alloc};
 
 /// Which of a rank's two streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,8 +133,8 @@ pub struct Trainer<'m, M: Math> {
     layers: usize,
     world: usize,
     lr: f32,
-    /// Whether the collectives run (`false`: their outputs are only allocated).
-    communicate: bool,
+    /// The collectives, if they run (`None`: their outputs are only allocated).
+    communicate: Option<Coll>,
     shards: Vec<SymmBuffer>,
     acts: Vec<SymmBuffer>,
     grads: [SymmBuffer; 2],
@@ -158,7 +158,8 @@ pub struct StepOut {
 impl<'m, M: Math> Trainer<'m, M> {
     /// Allocate the state in the current pool. Every layer starts at the identity; rank
     /// r holds columns [r·h/world, (r+1)·h/world) of each (column-major, so a
-    /// contiguous shard). Without `communicate` the step leaves the collectives out.
+    /// contiguous shard). Without `communicate` (the collectives handle of the current
+    /// pool) the step leaves the collectives out.
     ///
     /// The shards (the all-gathers' inputs) come from the current pool; what no
     /// collective touches (activations, their gradients, the loss sum) from `state`,
@@ -170,7 +171,7 @@ impl<'m, M: Math> Trainer<'m, M> {
         state: &SymmPool,
         args: &Args,
         (rank, world): (usize, usize),
-        communicate: bool,
+        communicate: Option<Coll>,
     ) -> Result<Self> {
         let (h, b) = (args.hidden, args.batch);
         let cs = math.stream(On::Compute);
@@ -219,8 +220,9 @@ impl<'m, M: Math> Trainer<'m, M> {
 
     /// Gather layer `l`'s parameters on the comm stream; the event marks completion.
     fn fetch(&mut self, l: usize) -> Result<(SymmBuffer, M::Ev)> {
-        let full = if self.communicate {
-            let (full, path) = all_gather::<M::E>(&self.shards[l], self.math.stream(On::Comm))?;
+        let full = if let Some(coll) = &self.communicate {
+            let (full, path) =
+                all_gather::<M::E>(coll, &self.shards[l], self.math.stream(On::Comm))?;
             self.ag_paths.push(path);
             full
         } else {
@@ -329,8 +331,8 @@ impl<'m, M: Math> Trainer<'m, M> {
                 )?;
             }
             m.wait_for(On::Comm, &dw_ready)?;
-            let dw_shard = if self.communicate {
-                let (dw_shard, path) = reduce_scatter::<M::E>(&dw, m.stream(On::Comm))?;
+            let dw_shard = if let Some(coll) = &self.communicate {
+                let (dw_shard, path) = reduce_scatter::<M::E>(coll, &dw, m.stream(On::Comm))?;
                 self.rs_paths.push(path);
                 dw_shard
             } else {

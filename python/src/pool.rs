@@ -10,11 +10,11 @@ use pyo3::types::PyDict;
 use std::sync::{Arc, Mutex};
 use symmpool::backend::CommRole;
 use symmpool::backend::nccl::{CUstream, ncclComm_t};
-use symmpool::coll::{self, CollectiveReport};
-use symmpool::observe::{PoolSnapshot, StatValue, path_name, render_ranks, render_svg};
+use symmpool::coll::{CollectiveReport, path_name};
+use symmpool::observe::{PoolSnapshot, StatValue, render_ranks, render_svg};
 use symmpool::{
-    Backend, Exchange, HostBackend, HostConfig, NcclBackend, NcclConfig, PoolConfig, ReduceOp,
-    Stream, SymmBuffer, SymmPool, bf16, f16,
+    Backend, Coll, Exchange, HostBackend, HostConfig, NcclBackend, NcclConfig, PoolConfig,
+    ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
 };
 
 /// NCCL's `NCCL_CTA_POLICY_ZERO`.
@@ -24,14 +24,17 @@ const CTA_POLICY_ZERO: i32 = 2;
 #[derive(Debug)]
 pub(crate) struct Handle {
     pub(crate) pool: SymmPool,
+    /// The collectives on the pool's buffers.
+    coll: Coll,
     /// The stream of every call on a host pool.
     host: Stream,
 }
 
 impl Handle {
-    fn new(pool: SymmPool) -> Arc<Self> {
+    fn new(pool: SymmPool, coll: Coll) -> Arc<Self> {
         Arc::new(Handle {
             pool,
+            coll,
             host: Stream::host(),
         })
     }
@@ -78,16 +81,17 @@ fn reduce_op(op: &str) -> PyResult<ReduceOp> {
 
 /// Run an in-place reduce-scatter of `dtype` elements on `buf`.
 fn reduce_scatter(
+    coll: &Coll,
     buf: &SymmBuffer,
     dtype: &str,
     op: ReduceOp,
     stream: &Stream,
 ) -> PyResult<symmpool::Result<CollectiveReport>> {
     Ok(match dtype {
-        "f32" | "float32" => coll::reduce_scatter_in_place::<f32>(buf, op, stream),
-        "bf16" | "bfloat16" => coll::reduce_scatter_in_place::<bf16>(buf, op, stream),
-        "f16" | "float16" => coll::reduce_scatter_in_place::<f16>(buf, op, stream),
-        "u8" | "uint8" => coll::reduce_scatter_in_place::<u8>(buf, op, stream),
+        "f32" | "float32" => coll.reduce_scatter_in_place::<f32>(buf, op, stream),
+        "bf16" | "bfloat16" => coll.reduce_scatter_in_place::<bf16>(buf, op, stream),
+        "f16" | "float16" => coll.reduce_scatter_in_place::<f16>(buf, op, stream),
+        "u8" | "uint8" => coll.reduce_scatter_in_place::<u8>(buf, op, stream),
         _ => {
             return Err(PyValueError::new_err(format!(
                 "reduce-scatter supports f32, bf16, f16 and u8, not {dtype:?}"
@@ -139,13 +143,18 @@ impl Pool {
                 .collect::<symmpool::Result<Vec<Backend>>>()
                 .map_err(to_py)?;
         }
-        let pools = py
-            .allow_threads(|| SymmPool::group(backends, &config))
+        let (pools, colls) = py
+            .allow_threads(|| {
+                let pools = SymmPool::group(backends, &config)?;
+                let colls = Coll::group(&pools)?;
+                Ok((pools, colls))
+            })
             .map_err(to_py)?;
         Ok(pools
             .into_iter()
-            .map(|p| Pool {
-                handle: Handle::new(p),
+            .zip(colls)
+            .map(|(p, c)| Pool {
+                handle: Handle::new(p, c),
             })
             .collect())
     }
@@ -194,11 +203,13 @@ impl Pool {
                 // here).
                 let backend =
                     unsafe { NcclBackend::adopt(comm_ptr as ncclComm_t, device, ex, nccl) }?;
-                SymmPool::new(backend, config)
+                let pool = SymmPool::new(backend, config)?;
+                let coll = Coll::new(&pool)?;
+                Ok((pool, coll))
             })
             .map_err(to_py)?;
         Ok(Pool {
-            handle: Handle::new(pool),
+            handle: Handle::new(pool.0, pool.1),
         })
     }
 
@@ -248,11 +259,13 @@ impl Pool {
                         NcclConfig::default(),
                     )
                 }?;
-                SymmPool::new(backend, config)
+                let pool = SymmPool::new(backend, config)?;
+                let coll = Coll::new(&pool)?;
+                Ok((pool, coll))
             })
             .map_err(to_py)?;
         Ok(Pool {
-            handle: Handle::new(pool),
+            handle: Handle::new(pool.0, pool.1),
         })
     }
 
@@ -295,6 +308,7 @@ impl Pool {
             .map_err(to_py)?;
         Ok(Buffer {
             buf: Mutex::new(Some(Arc::new(buf))),
+            coll: self.handle.coll.clone(),
         })
     }
 
@@ -335,7 +349,7 @@ impl Pool {
             .allow_threads(move || {
                 // SAFETY: as in `alloc`.
                 let s = unsafe { handle.stream(stream) }?;
-                coll::all_gather_in_place::<u8>(&buf, &s)
+                handle.coll.all_gather_in_place::<u8>(&buf, &s)
             })
             .map_err(to_py)?;
         Ok(path_name(report.path))
@@ -361,14 +375,14 @@ impl Pool {
         let report = py.allow_threads(move || {
             // SAFETY: as in `alloc`.
             let s = unsafe { handle.stream(stream) }.map_err(to_py)?;
-            reduce_scatter(&buf, &dtype, op, &s)
+            reduce_scatter(&handle.coll, &buf, &dtype, op, &s)
         })?;
         Ok(path_name(report.map_err(to_py)?.path))
     }
 
     /// The flat statistics (PyTorch's key names where they mean the same), as a dict.
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.handle.pool.memory_stats();
+        let stats = self.handle.coll.memory_stats();
         let dict = PyDict::new(py);
         for (k, v) in stats {
             match v {
@@ -461,6 +475,8 @@ pub(crate) fn render_ranks_svg(snapshots: Vec<String>) -> PyResult<String> {
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Buffer {
     buf: Mutex<Option<Arc<SymmBuffer>>>,
+    /// The collectives of the buffer's pool.
+    coll: Coll,
 }
 
 impl Buffer {
@@ -516,8 +532,9 @@ impl Buffer {
     fn all_gather(&self, py: Python<'_>) -> PyResult<&'static str> {
         let buf = self.get()?;
         let stream = buf.stream().clone();
+        let coll = self.coll.clone();
         let report = py
-            .allow_threads(move || coll::all_gather_in_place::<u8>(&buf, &stream))
+            .allow_threads(move || coll.all_gather_in_place::<u8>(&buf, &stream))
             .map_err(to_py)?;
         Ok(path_name(report.path))
     }
@@ -529,7 +546,8 @@ impl Buffer {
         let op = reduce_op(op)?;
         let stream = buf.stream().clone();
         let dtype = dtype.to_owned();
-        let report = py.allow_threads(move || reduce_scatter(&buf, &dtype, op, &stream))?;
+        let coll = self.coll.clone();
+        let report = py.allow_threads(move || reduce_scatter(&coll, &buf, &dtype, op, &stream))?;
         Ok(path_name(report.map_err(to_py)?.path))
     }
 

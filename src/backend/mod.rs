@@ -619,10 +619,7 @@ pub struct Backend {
     registrations: ChannelId,
     /// Held from that agreement to the last registration of the segment, so that two
     /// pools of this rank cannot interleave their registrations.
-    registering: Arc<std::sync::Mutex<()>>,
-    /// Per communicator: collectives the checked collectives issued on it, over every
-    /// pool of this backend (the records' communicator sequence number).
-    collective_seqs: Arc<Vec<std::sync::atomic::AtomicU64>>,
+    registering: Arc<parking_lot::Mutex<()>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -682,16 +679,10 @@ impl Backend {
             )));
         }
         let registrations = exchange.open_channel("backend:registrations", SETUP_TIMEOUT)?;
-        let collective_seqs = Arc::new(
-            (0..info.communicators.len())
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
-                .collect(),
-        );
         Ok(Backend {
             info: Arc::new(info),
             registrations,
-            registering: Arc::new(std::sync::Mutex::new(())),
-            collective_seqs,
+            registering: Arc::new(parking_lot::Mutex::new(())),
             exchange,
             segments: parts.clone(),
             streams,
@@ -795,17 +786,8 @@ impl Backend {
 
     /// The channel of the pre-registration agreement, and the lock that makes the
     /// agreement and the registrations that follow one step on this rank.
-    pub(crate) fn registration_channel(&self) -> (ChannelId, std::sync::MutexGuard<'_, ()>) {
-        let guard = self.registering.lock().unwrap_or_else(|p| p.into_inner());
-        (self.registrations, guard)
-    }
-
-    /// The next sequence number (1-based) of a collective on communicator `comm`,
-    /// counted over every pool of this backend.
-    pub(crate) fn next_collective_seq(&self, comm: usize) -> u64 {
-        self.collective_seqs.get(comm).map_or(0, |c| {
-            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
-        })
+    pub(crate) fn registration_channel(&self) -> (ChannelId, parking_lot::MutexGuard<'_, ()>) {
+        (self.registrations, self.registering.lock())
     }
 
     /// The exchange, shared (for another backend or a store-backed component).

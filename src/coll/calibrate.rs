@@ -1,15 +1,16 @@
 //! Measure the paths on this machine and derive a [`PathPolicy`] from them.
 
-use super::dispatch;
-use super::path::{Coll, CollectiveReport, Path, PathPolicy};
+use super::Coll;
+use super::path::{CollOp, CollectiveReport, Path, PathPolicy};
 use crate::backend::CommRole;
+use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::pool::SymmPool;
 use crate::stream::Stream;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-/// Settings of [`calibrate`]. Every rank must pass the same values.
+/// Settings of [`Coll::calibrate`]. Every rank must pass the same values.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CalibrateConfig {
@@ -46,7 +47,7 @@ impl CalibrateConfig {
 }
 
 /// One measured size: busbw in GB/s per path (`None`: path not available).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Measurement {
     /// Bytes per rank (all-gather input, reduce-scatter output).
     pub bytes: u64,
@@ -56,7 +57,7 @@ pub struct Measurement {
     pub reduce_scatter: [Option<f64>; 2],
 }
 
-/// The result of [`calibrate`]: the policy, and rank 0's measurements it came from.
+/// The result of [`Coll::calibrate`]: the policy, and rank 0's measurements it came from.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Calibration {
     /// Thresholds derived from rank 0's measurements; identical on every rank.
@@ -65,7 +66,7 @@ pub struct Calibration {
     pub measurements: Vec<Measurement>,
 }
 
-/// The largest size [`calibrate`] measures, in bytes per rank (16 GiB).
+/// The largest size [`Coll::calibrate`] measures, in bytes per rank (16 GiB).
 pub const MAX_CALIBRATE_BYTES: u64 = 16 << 30;
 
 const AG_PATHS: [Path; 3] = [Path::SymmetricKernel, Path::CopyEngine, Path::PlainKernel];
@@ -84,31 +85,36 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Measure all-gather and reduce-scatter on every available path for sizes from
-/// `min_bytes` to `max_bytes` per rank, and derive the thresholds of the automatic
-/// choice from rank 0's figures: the copy engine from the smallest size from which it
-/// beats the symmetric kernel at every larger size measured, and the symmetric
-/// reduce-scatter wherever it beats ring. Apply the result with
-/// [`set_path_policy`](super::set_path_policy).
-///
-/// The measurements use a temporary pool on the same backend (its segments are
-/// registered and released again), so `pool`'s own segments are untouched.
-///
-/// # Collective
-/// Every rank calls it at the same point with the same `config`: it grows and closes a
-/// pool, runs collectives, and exchanges rank 0's result over the backend's exchange,
-/// so every rank returns the same policy.
-///
-/// # Errors
-/// [`Error::PoolClosed`]; [`Error::InvalidConfig`] for an empty or inverted range, a
-/// range above [`MAX_CALIBRATE_BYTES`], or no repetitions;
-/// growth errors (out of memory for world × `max_bytes`); collective errors;
-/// [`Error::Timeout`] if ranks do not arrive.
-pub fn calibrate(
-    pool: &SymmPool,
-    stream: &Stream,
-    config: &CalibrateConfig,
-) -> Result<Calibration> {
+impl Coll {
+    /// Measure all-gather and reduce-scatter on every available path for sizes from
+    /// `min_bytes` to `max_bytes` per rank, and derive the thresholds of the automatic
+    /// choice from rank 0's figures: the copy engine from the smallest size from which
+    /// it beats the symmetric kernel at every larger size measured, and the symmetric
+    /// reduce-scatter wherever it beats ring. Apply the result with
+    /// [`set_path_policy`](Self::set_path_policy); the thresholds not measured are
+    /// this handle's.
+    ///
+    /// The measurements use a temporary pool on the same backend as the handle's
+    /// (first) pool, with its configuration (its segments are registered and released
+    /// again), so the handle's own segments are untouched.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point with the same `config`: it grows and
+    /// closes a pool, makes a handle for it, runs collectives, and exchanges rank 0's
+    /// result over the backend's exchange, so every rank returns the same policy.
+    ///
+    /// # Errors
+    /// [`Error::PoolClosed`]; [`Error::InvalidConfig`] for an empty or inverted range, a
+    /// range above [`MAX_CALIBRATE_BYTES`], or no repetitions;
+    /// growth errors (out of memory for world × `max_bytes`); collective errors;
+    /// [`Error::Timeout`] if ranks do not arrive.
+    pub fn calibrate(&self, stream: &Stream, config: &CalibrateConfig) -> Result<Calibration> {
+        calibrate(self, stream, config)
+    }
+}
+
+fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<Calibration> {
+    let pool = coll.pool();
     pool.check_open()?;
     if config.min_bytes < 4
         || config.min_bytes > config.max_bytes
@@ -126,6 +132,7 @@ pub fn calibrate(
     let has_role = |p: Path| backend.communicators().iter().any(|c| c.role == role_of(p));
     // The caller's settings (core sizes, timeout, registration); default paths.
     let tmp = SymmPool::new(backend.clone(), pool.config().clone())?;
+    let tmp_coll = Coll::new(&tmp)?;
     let mut sizes = Vec::new();
     let mut s = config.min_bytes.next_power_of_two();
     while s <= config.max_bytes {
@@ -157,9 +164,9 @@ pub fn calibrate(
                         let whole_r = whole.region()?;
                         if is_ag {
                             let own = whole_r.sub(backend.rank() as u64 * bytes, bytes)?;
-                            dispatch(
+                            tmp_coll.dispatch(
                                 &tmp,
-                                Coll::AllGather,
+                                CollOp::AllGather,
                                 (&whole, own),
                                 (&whole, whole_r),
                                 bytes,
@@ -168,9 +175,9 @@ pub fn calibrate(
                                 Some(path),
                             )
                         } else {
-                            dispatch(
+                            tmp_coll.dispatch(
                                 &tmp,
-                                Coll::ReduceScatter(ReduceOp::Sum),
+                                CollOp::ReduceScatter(ReduceOp::Sum),
                                 (&whole, whole_r),
                                 (&out, out.region()?),
                                 bytes / 2,
@@ -208,55 +215,36 @@ pub fn calibrate(
         }
         Ok(())
     })();
+    drop(tmp_coll);
     let closed = tmp.close();
     result?;
     closed?;
-    // Everyone adopts rank 0's figures (bit patterns of the f64s, NaN for "absent"),
-    // exchanged on the temporary pool's own channel, which nothing else uses.
-    let enc: Vec<u64> = measurements
-        .iter()
-        .flat_map(|m| {
-            std::iter::once(m.bytes).chain(
-                m.all_gather
-                    .iter()
-                    .chain(&m.reduce_scatter)
-                    .map(|x| x.unwrap_or(f64::NAN).to_bits()),
-            )
-        })
-        .collect();
-    let bytes: Vec<u8> = enc.iter().flat_map(|w| w.to_le_bytes()).collect();
-    let all: Vec<Vec<u64>> = backend
-        .exchange()
-        .all_gather(tmp.channel(), "calibration", &bytes, pool.config().timeout)?
-        .iter()
-        .map(|b| {
-            b.chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
-                .collect()
-        })
-        .collect();
-    let Some(first) = all.first().filter(|r| r.len() == 6 * sizes.len()) else {
+    // Everyone adopts rank 0's figures, exchanged on the temporary pool's own
+    // channel, which nothing else uses.
+    let deadline = Deadline::after(pool.config().timeout);
+    let all = backend.exchange().all_gather(
+        tmp.channel(),
+        "calibration",
+        &crate::group::encode(&measurements)?,
+        deadline.remaining(),
+    )?;
+    let Some(measurements) = all
+        .first()
+        .and_then(|b| crate::group::decode::<Vec<Measurement>>(b))
+        .filter(|m| m.len() == sizes.len())
+    else {
         return Err(Error::CollectiveMismatch {
             op: "calibrate",
             detail: "rank 0's measurements do not match this rank's sizes (did the ranks calibrate different ranges?)".into(),
         });
     };
-    let dec = |x: u64| Some(f64::from_bits(x)).filter(|v| !v.is_nan());
-    let measurements: Vec<Measurement> = first
-        .chunks_exact(6)
-        .map(|c| Measurement {
-            bytes: c[0],
-            all_gather: [dec(c[1]), dec(c[2]), dec(c[3])],
-            reduce_scatter: [dec(c[4]), dec(c[5])],
-        })
-        .collect();
     Ok(Calibration {
-        policy: derive(&measurements, &super::path_policy(pool)),
+        policy: derive(&measurements, &coll.path_policy()),
         measurements,
     })
 }
 
-/// Thresholds from measurements (see [`calibrate`]).
+/// Thresholds from measurements (see [`Coll::calibrate`]).
 fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
     let mut policy = base.clone();
     // Copy engine from the smallest size where it wins at every larger size too.
@@ -347,6 +335,7 @@ mod tests {
     #[test]
     fn refuses_odd_configs_and_closed_pools() {
         let pools = SymmPool::host_group(1, PoolConfig::default()).unwrap();
+        let coll = Coll::new(&pools[0]).unwrap();
         let s = Stream::host();
         for cfg in [
             CalibrateConfig::default().with_range(0, 1 << 20),
@@ -360,13 +349,13 @@ mod tests {
             },
         ] {
             assert!(
-                matches!(calibrate(&pools[0], &s, &cfg), Err(Error::InvalidConfig(_))),
+                matches!(coll.calibrate(&s, &cfg), Err(Error::InvalidConfig(_))),
                 "{cfg:?}"
             );
         }
         pools[0].close().unwrap();
         assert!(matches!(
-            calibrate(&pools[0], &s, &CalibrateConfig::default()),
+            coll.calibrate(&s, &CalibrateConfig::default()),
             Err(Error::PoolClosed)
         ));
     }
@@ -384,7 +373,10 @@ mod tests {
                 .iter()
                 .map(|p| {
                     let cfg = &cfg;
-                    s.spawn(move || calibrate(p, &Stream::host(), cfg).unwrap())
+                    s.spawn(move || {
+                        let coll = Coll::new(p).unwrap();
+                        coll.calibrate(&Stream::host(), cfg).unwrap()
+                    })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()

@@ -3,6 +3,11 @@
 //! of the backend's paths for the size, as calibrated (on NCCL the calls themselves
 //! carry the cost of non-blocking communicators; BENCHMARKS.md has the figures).
 //!
+//! They run through a [`Coll`] handle made from a pool (`Coll::new(&pool)`, collective:
+//! every rank makes it at the same point), which owns what the collectives keep: the
+//! path policy, the checker, the path counters and the per-communicator sequence
+//! numbers. The pool knows nothing of it.
+//!
 //! Each call checks its buffers first (same pool, open, sizes consistent), picks a
 //! communicator and path from the NCCL version, the communicators' CTA policies, the
 //! buffers' registrations and the size ([`PathPolicy`]), runs it, and returns a
@@ -22,18 +27,19 @@
 //!
 //! | field | what |
 //! |---|---|
-//! | record kind | collective, or periodic light agreement |
+//! | record kind | collective, or step boundary ([`Coll::end_step`]) |
 //! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
 //! | pool collective number | collectives issued on this pool so far |
 //! | collective, element type, reduction, count | the call |
-//! | communicator, communicator sequence number | the communicator the path chose, and the collectives issued on it over *every* pool of the backend (crossed pools differ here) |
+//! | communicator, communicator sequence number | the communicator the path chose, and the collectives the handle issued on it over *every* pool of the handle (crossed pools differ here: make one handle for the pools of a backend, [`Coll::with_pools`]) |
 //! | path | copy engine, symmetric kernel, plain kernel |
 //! | input and output: allocation, segment, offset, bytes | the buffers (allocation sequence numbers are the same on every rank for the same call sequence) |
 //! | pool call count and hash | the pool's running hash of every allocation and free before the call |
 //!
 //! The ranks compare their records on a channel of the pool's own, opened when the
-//! pool is created (the mode is part of its name, so ranks with different modes fail
-//! there). What happens depends on [`PoolConfig::check`](crate::PoolConfig::check):
+//! handle is made (the mode is part of its name, so ranks with different modes fail
+//! there). What happens depends on [`PoolConfig::check`](crate::PoolConfig::check), the
+//! default of the handles made from the pool:
 //!
 //! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and
 //!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
@@ -50,19 +56,18 @@
 //!   (a caller that finds the queue full waits for room), and in time within one
 //!   control-plane round after the last rank posted record *k*; a rank that never posts
 //!   its record *k* (it skipped the last collective) is reported after the pool's
-//!   timeout ([`Error::Timeout`] breaks the exchange). [`wait_checks`] waits until
-//!   everything posted is compared. The diverging collectives themselves may have run
+//!   timeout ([`Error::Timeout`] breaks the exchange). [`Coll::wait_checks`] waits
+//!   until everything posted is compared. The diverging collectives themselves may have run
 //!   (and moved wrong data, or timed out).
-//! * [`CheckMode::Off`]: no record, no light agreement: a divergence is what it is
+//! * [`CheckMode::Off`]: no record: a divergence is what it is
 //!   without the crate (silent corruption on the symmetric paths, a hang or an NCCL
 //!   error otherwise; the host backends move the data at the offsets given, bounds
 //!   checked, and time out on mismatched rounds).
 //!
-//! **Light agreement**: under `Async` and `Strict`, once every
-//! [`PoolConfig::check_every_calls`](crate::PoolConfig::check_every_calls) pool calls
-//! (1024 by default) the next allocation posts (or, under `Strict`, exchanges) a record
-//! of the pool's call count and running hash, so a loop of cache hits without
-//! collectives cannot drift unseen.
+//! **Step boundary**: under `Async` and `Strict`, [`Coll::end_step`] (every rank, at
+//! the end of a step) checks a record of each pool's call count and running hash and
+//! of the collectives issued, so a loop of cache hits without collectives cannot
+//! drift unseen past the step.
 //!
 //! **Breakage is consistent**: after a mismatch, or a collective that timed out or
 //! lost a peer, every later collective and every later pool call of that pool fails on
@@ -75,19 +80,20 @@
 //! when run with `NCCL_CHECK=1` (only for an NCCL that has it).
 //!
 //! ```
-//! use symmpool::{coll, PoolConfig, Stream, SymmPool};
+//! use symmpool::{coll, Coll, PoolConfig, Stream, SymmPool};
 //!
 //! let pools = SymmPool::host_group(2, PoolConfig::default())?;
 //! std::thread::scope(|s| {
 //!     for pool in &pools {
 //!         s.spawn(move || {
+//!             let coll = Coll::new(pool).unwrap(); // collective: every rank
 //!             let stream = Stream::host();
 //!             let rank = pool.rank();
 //!             // FSDP style: each rank holds its shard inside the gathered buffer.
 //!             let params = pool.alloc(2 * 4 * 1024, &stream).unwrap();
 //!             let shard = params.view::<f32>().unwrap().slice(rank * 1024, 1024).unwrap();
 //!             shard.copy_from_host(&vec![rank as f32; 1024]).unwrap();
-//!             let report = coll::all_gather_in_place::<f32>(&params, &stream).unwrap();
+//!             let report = coll.all_gather_in_place::<f32>(&params, &stream).unwrap();
 //!             assert_eq!(report.path, coll::Path::SymmetricKernel);
 //!             let all = params.read::<f32>().unwrap();
 //!             assert_eq!((all[0], all[1024]), (0.0, 1.0));
@@ -98,455 +104,330 @@
 //! ```
 
 mod calibrate;
-mod check;
+mod call;
 mod path;
 
-pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement, calibrate};
+pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
 pub(crate) use path::{PATHS, path_index};
 
-use crate::backend::{CollArgs, Region};
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::pool::{CheckMode, SymmBuffer, SymmPool};
-use crate::stream::Stream;
-use path::{Coll, Inputs, select};
-use std::sync::RwLock;
+use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord};
+use crate::observe::{MemoryStats, StatValue};
+use crate::pool::SymmPool;
+use parking_lot::RwLock;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The collectives' own state of one pool: its path policy and its checks.
-#[derive(Debug)]
-struct PoolColl {
+/// The collectives of one rank on the buffers of one pool (or of several pools of one
+/// backend): all-gather and reduce-scatter with the path chosen per call, checked
+/// across ranks (see the module documentation).
+///
+/// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
+/// collective checker of each pool (and, under [`CheckMode::Async`], its background
+/// thread), the per-path counters and the per-communicator sequence numbers.
+///
+/// # Example
+///
+/// ```
+/// use symmpool::{Coll, PoolConfig, Stream, SymmPool};
+///
+/// let pools = SymmPool::host_group(2, PoolConfig::default())?;
+/// std::thread::scope(|s| {
+///     for pool in &pools {
+///         s.spawn(move || {
+///             let coll = Coll::new(pool).unwrap();
+///             let stream = Stream::host();
+///             let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+///             coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+///             coll.wait_checks().unwrap(); // end of a step
+///         });
+///     }
+/// });
+/// # Ok::<(), symmpool::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Coll {
+    inner: Arc<CollInner>,
+}
+
+struct CollInner {
+    /// The pools, each with its checker and counters (usually one).
+    pools: Vec<PoolColl>,
     policy: RwLock<PathPolicy>,
-    check: check::Checker,
+    /// Per communicator: collectives issued on it through this handle, over every
+    /// pool of the handle (the records' communicator sequence number).
+    comm_seqs: Box<[AtomicU64]>,
 }
 
-fn state(pool: &SymmPool) -> Result<&PoolColl> {
-    pool.extension(|| PoolColl {
-        policy: RwLock::new(PathPolicy::default()),
-        check: check::Checker::new(pool),
-    })
+/// What the handle keeps per pool.
+struct PoolColl {
+    pool: SymmPool,
+    checker: Checker,
+    /// Collectives issued on this pool (the records' pool collective number).
+    collectives: AtomicU64,
+    counters: PathCounters,
 }
 
-/// The check mode of `pool` (its configuration's [`PoolConfig::check`](crate::PoolConfig::check)).
-pub fn check_mode(pool: &SymmPool) -> CheckMode {
-    pool.config().check
-}
-
-/// Wait until every collective record this rank posted on `pool` has been compared
-/// with the peers' (under [`CheckMode::Async`]; at once otherwise), and return the
-/// verdict: for example at the end of a training step, or before reading results
-/// that must be trusted.
-///
-/// # Collective
-/// The comparison needs the peers' records: every rank should call it at the same
-/// point (or at least have made the same collectives).
-///
-/// # Errors
-/// [`Error::CollectiveDivergence`] or [`Error::PoolBroken`] if a check failed;
-/// [`Error::Timeout`] if the records are not compared within twice the pool's timeout.
-pub fn wait_checks(pool: &SymmPool) -> Result<()> {
-    let st = state(pool)?;
-    match st.check.mode() {
-        CheckMode::Async => st.check.wait_compared(),
-        _ => st.check.check(),
+impl fmt::Debug for Coll {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Coll")
+            .field(
+                "pools",
+                &self
+                    .inner
+                    .pools
+                    .iter()
+                    .map(|p| p.pool.config().name.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .field("check", &self.check_mode())
+            .finish_non_exhaustive()
     }
 }
 
-/// The periodic light agreement of the pool's running call hash (from `alloc`, with
-/// the pool's state held): a record of kind "light" through the pool's check.
-pub(crate) fn light_agreement(pool: &SymmPool, call_seq: u64, hash: u64) -> Result<()> {
-    let st = state(pool)?;
-    let mut record = [0u64; check::WORDS];
-    record[check::field::KIND] = check::LIGHT;
-    record[check::field::POOL] = pool.channel().ordinal();
-    record[check::field::PATH] = 3;
-    record[check::field::CALL_SEQ] = call_seq;
-    record[check::field::CALL_HASH] = hash;
-    match st.check.mode() {
-        CheckMode::Off => Ok(()),
-        CheckMode::Async => st.check.post(record),
-        CheckMode::Strict => {
-            let mut compared = st.check.strict_lock();
-            st.check.strict_round(&mut compared, &record)
-        }
+impl Coll {
+    /// The collectives handle of `pool`, checked as the pool's configuration says
+    /// ([`PoolConfig::check`](crate::PoolConfig::check),
+    /// [`PoolConfig::check_queue`](crate::PoolConfig::check_queue)), with the default
+    /// [`PathPolicy`].
+    ///
+    /// # Collective
+    /// Every rank makes its handle at the same point (after the same pools and
+    /// handles): the ranks open the pool's check channel, whose name carries the check
+    /// mode. With ranks as threads of one process, make them concurrently.
+    ///
+    /// # Errors
+    /// [`Error::PoolClosed`]; [`Error::ChannelMismatch`] on every rank if the ranks'
+    /// pools or check modes differ; [`Error::Timeout`] / [`Error::PeerLost`] if a rank
+    /// does not make its handle within the pool's timeout.
+    pub fn new(pool: &SymmPool) -> Result<Coll> {
+        Self::with_pools(std::slice::from_ref(pool))
     }
-}
 
-/// (allocation number, segment, offset, bytes) of a buffer, for a record.
-fn buffer_words(b: &SymmBuffer) -> [u64; 4] {
-    [
-        b.allocation_seq(),
-        u64::from(b.segment().0),
-        b.offset_bytes(),
-        b.len_bytes(),
-    ]
-}
-
-/// The path thresholds the collectives use on `pool` now ([`PathPolicy::default`]
-/// until [`set_path_policy`] replaces them).
-pub fn path_policy(pool: &SymmPool) -> PathPolicy {
-    state(pool)
-        .map(|s| s.policy.read().unwrap_or_else(|p| p.into_inner()).clone())
-        .unwrap_or_default()
-}
-
-/// Replace the path thresholds of `pool` (for example with the result of
-/// [`calibrate`]).
-///
-/// # Collective
-/// Every rank must use the same policy (a different choice of communicator on two
-/// ranks hangs the collective); [`calibrate`] returns the same policy on every rank.
-///
-/// # Errors
-/// [`Error::Internal`] if the pool's extension slot holds something else (a bug).
-pub fn set_path_policy(pool: &SymmPool, policy: PathPolicy) -> Result<()> {
-    *state(pool)?
-        .policy
-        .write()
-        .unwrap_or_else(|p| p.into_inner()) = policy;
-    Ok(())
-}
-
-/// Check that the buffers are this pool's, the pool is open, and note `stream` on
-/// buffers allocated elsewhere (so their reuse waits for this collective).
-fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
-    let pool = bufs[0].pool();
-    for b in bufs {
-        if !b.pool().same_pool(pool) {
-            return Err(failed(
-                pool,
-                Error::ForeignBuffer {
-                    allocation_seq: b.allocation_seq(),
-                },
-            ));
-        }
-    }
-    if let Err(e) = pool.check_open() {
-        return Err(failed(pool, e));
-    }
-    if let Err(e) = pool.backend().check_stream(stream) {
-        return Err(failed(pool, e));
-    }
-    for b in bufs {
-        if b.stream().id() != stream.id()
-            && let Err(e) = b.record_stream(stream)
+    /// One handle for several pools of one backend: their collectives share the
+    /// per-communicator sequence numbers, so a rank that uses two pools in crossed
+    /// order is caught ("communicator sequence number"). Each pool keeps its own
+    /// check channel, queue and counters; the path policy is the handle's.
+    ///
+    /// # Collective
+    /// As [`new`](Self::new), for every pool in order.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); [`Error::InvalidCollective`] if `pools` is empty or
+    /// the pools are not on one backend.
+    pub fn with_pools(pools: &[SymmPool]) -> Result<Coll> {
+        let Some(first) = pools.first() else {
+            return Err(Error::InvalidCollective {
+                op: "Coll::with_pools",
+                detail: "no pool".into(),
+            });
+        };
+        let exchange = first.backend().exchange_handle();
+        if pools
+            .iter()
+            .any(|p| !Arc::ptr_eq(&p.backend().exchange_handle(), &exchange))
         {
-            return Err(failed(pool, e));
+            return Err(Error::InvalidCollective {
+                op: "Coll::with_pools",
+                detail: "the pools are on different backends".into(),
+            });
         }
-    }
-    Ok(pool)
-}
-
-/// Report `e` before a public collective returns it (out of line: the error path).
-#[cold]
-#[inline(never)]
-fn failed(pool: &SymmPool, e: Error) -> Error {
-    crate::pool::events::call_failed(pool, "collective", &e);
-    e
-}
-
-fn invalid(op: &'static str, detail: String) -> Error {
-    tracing::error!(target: "symmpool::coll", op, error = %detail, "symmpool call failed");
-    Error::InvalidCollective { op, detail }
-}
-
-/// Elements of `T` in `bytes`, or an error if `T` does not divide it.
-fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64> {
-    let size = std::mem::size_of::<T>() as u64;
-    if bytes == 0 || !bytes.is_multiple_of(size) {
-        return Err(invalid(
-            op,
-            format!("{what} of {bytes} bytes is not a positive number of {size}-byte elements"),
-        ));
-    }
-    Ok(bytes / size)
-}
-
-/// One side of a collective: the buffer and the bytes of it the call touches.
-type Side<'a> = (&'a SymmBuffer, Region<'a>);
-
-/// Pick the path and run one collective: the one dispatch of the public collectives
-/// and of [`calibrate`]. `force` replaces the policy's preference for this call.
-#[allow(clippy::too_many_arguments)]
-fn dispatch(
-    pool: &SymmPool,
-    coll: Coll,
-    (send_buf, send): Side<'_>,
-    (recv_buf, recv): Side<'_>,
-    count: u64,
-    dtype: DType,
-    stream: &Stream,
-    force: Option<Path>,
-) -> Result<CollectiveReport> {
-    let backend = pool.backend();
-    let bytes_per_rank = count.checked_mul(dtype.size_bytes()).ok_or_else(|| {
-        invalid(
-            "collective",
-            format!("{count} elements overflow a byte count"),
-        )
-    })?;
-    let registered = |c: usize| (send_buf.in_window(c), recv_buf.in_window(c));
-    let coll_state = state(pool).map_err(|e| failed(pool, e))?;
-    let checker = &coll_state.check;
-    let mode = checker.mode();
-    if let Err(e) = checker.check() {
-        return Err(failed(pool, e));
-    }
-    // The pool's call count and hash, read before any check lock is taken (`alloc`
-    // takes the state first, then the check lock).
-    let calls = match mode {
-        CheckMode::Off => (0, 0),
-        _ => {
-            let st = pool.state();
-            (st.history.seq(), st.history.hash())
-        }
-    };
-    // The policy is read in place (a clone per call cost as much as the rest of the
-    // call); only a forced path, which calibration uses, builds one of its own.
-    let (comm, path) = {
-        let shared = coll_state.policy.read().unwrap_or_else(|p| p.into_inner());
-        let forced = force.map(|p| {
-            shared
-                .clone()
-                .with_choices(Choice::Prefer(p), Choice::Prefer(p))
-        });
-        select(&Inputs {
-            coll,
-            bytes_per_rank,
-            dtype,
-            version: backend.nccl_version(),
-            world_size: backend.world_size(),
-            nodes: backend.info().nodes,
-            comms: backend.communicators(),
-            registered: &registered,
-            policy: forced.as_ref().unwrap_or(&shared),
+        let entries = pools
+            .iter()
+            .map(|pool| {
+                pool.check_open()?;
+                let config = pool.config();
+                // The check mode is part of the name: ranks with different modes fail
+                // here.
+                let channel = pool.backend().exchange().open_channel(
+                    &format!("pool:{}:checks:{}", config.name, config.check.name()),
+                    config.timeout,
+                )?;
+                let site = CheckSite {
+                    pool: config.name.clone(),
+                    channel,
+                    exchange: pool.backend().exchange_handle(),
+                    timeout: config.timeout,
+                    failure: pool.outside_failure(),
+                };
+                Ok(PoolColl {
+                    pool: pool.clone(),
+                    checker: Checker::new(config.check, site, config.check_queue),
+                    collectives: AtomicU64::new(0),
+                    counters: PathCounters::default(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let comms = first.backend().communicators().len();
+        Ok(Coll {
+            inner: Arc::new(CollInner {
+                pools: entries,
+                policy: RwLock::new(PathPolicy::default()),
+                comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
+            }),
         })
-    };
-    let op = match coll {
-        Coll::AllGather => ReduceOp::Sum,
-        Coll::ReduceScatter(op) => op,
-    };
-    let windows = if path == Path::PlainKernel {
-        (None, None)
-    } else {
-        (send_buf.window(comm), recv_buf.window(comm))
-    };
-    let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows);
-    // Strict: the record's round and the launch are one step on this pool.
-    let mut strict = (mode == CheckMode::Strict).then(|| checker.strict_lock());
-    if mode != CheckMode::Off {
-        let mut record = [0u64; check::WORDS];
-        record[check::field::KIND] = check::COLLECTIVE;
-        record[check::field::POOL] = pool.channel().ordinal();
-        record[check::field::POOL_COLLECTIVE] = checker.next_collective();
-        let (kind, reduction) = match coll {
-            Coll::AllGather => (1, 0),
-            Coll::ReduceScatter(op) => (2, op as u64 + 1),
-        };
-        record[check::field::OP] = kind;
-        record[check::field::DTYPE] = dtype as u64;
-        record[check::field::REDUCTION] = reduction;
-        record[check::field::COUNT] = count;
-        record[check::field::COMM] = comm as u64;
-        record[check::field::COMM_SEQ] = backend.next_collective_seq(comm);
-        record[check::field::PATH] = path as u64;
-        record[check::field::INPUT..check::field::INPUT + 4]
-            .copy_from_slice(&buffer_words(send_buf));
-        record[check::field::OUTPUT..check::field::OUTPUT + 4]
-            .copy_from_slice(&buffer_words(recv_buf));
-        record[check::field::CALL_SEQ] = calls.0;
-        record[check::field::CALL_HASH] = calls.1;
-        let checked = match strict.as_mut() {
-            Some(compared) => checker.strict_round(compared, &record),
-            None => checker.post(record),
-        };
-        if let Err(e) = checked {
-            return Err(failed(pool, e));
+    }
+
+    /// One handle per pool, for ranks that are threads of this process: made
+    /// concurrently (making one is collective), in the pools' order.
+    ///
+    /// # Errors
+    /// The first rank's error, as [`new`](Self::new).
+    pub fn group(pools: &[SymmPool]) -> Result<Vec<Coll>> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = pools.iter().map(|p| s.spawn(|| Coll::new(p))).collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Internal {
+                            what: "a handle-making thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// The (first) pool of the handle.
+    pub fn pool(&self) -> &SymmPool {
+        &self.inner.pools[0].pool
+    }
+
+    /// The check mode of the handle (its first pool's
+    /// [`PoolConfig::check`](crate::PoolConfig::check)).
+    pub fn check_mode(&self) -> CheckMode {
+        self.inner.pools[0].checker.mode()
+    }
+
+    /// Wait until every collective record this rank posted has been compared with the
+    /// peers' (under [`CheckMode::Async`]; at once otherwise), and return the
+    /// verdict: for example before reading results that must be trusted.
+    ///
+    /// # Collective
+    /// The comparison needs the peers' records: every rank should call it at the same
+    /// point (or at least have made the same collectives).
+    ///
+    /// # Errors
+    /// [`Error::CollectiveDivergence`] or [`Error::PoolBroken`] if a check failed;
+    /// [`Error::Timeout`] if the records are not compared within twice the pool's
+    /// timeout.
+    pub fn wait_checks(&self) -> Result<()> {
+        for entry in &self.inner.pools {
+            let deadline = Deadline::after(entry.pool.config().timeout.saturating_mul(2));
+            entry.checker.wait_compared(deadline)?;
         }
+        Ok(())
     }
-    let ran = match coll {
-        Coll::AllGather => backend.collectives().all_gather(&args),
-        Coll::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
-    };
-    drop(strict);
-    if let Err(e) = ran {
-        checker.break_on(&e);
-        return Err(failed(pool, e));
+
+    /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`], check a
+    /// record of each pool's call count and running hash and of the collectives issued
+    /// so far (so that pool calls made without collectives, a loop of cache hits
+    /// say, cannot drift unseen past the step), then
+    /// [`wait_checks`](Self::wait_checks).
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence (its record pairs
+    /// with the peers' records there).
+    ///
+    /// # Errors
+    /// As [`wait_checks`](Self::wait_checks).
+    pub fn end_step(&self) -> Result<()> {
+        let collectives: u64 = self
+            .inner
+            .comm_seqs
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add);
+        for entry in &self.inner.pools {
+            let checker = &entry.checker;
+            if checker.mode() == CheckMode::Off {
+                continue;
+            }
+            let deadline = Deadline::after(entry.pool.config().timeout.saturating_mul(2));
+            checker.check()?;
+            let record = CollectiveRecord::step(
+                entry.pool.channel().ordinal(),
+                entry.collectives.load(Ordering::Relaxed),
+                collectives,
+                entry.pool.call_head(),
+            );
+            checker.submit(None, record, || deadline)?;
+        }
+        self.wait_checks()
     }
-    let report = CollectiveReport {
-        path,
-        comm,
-        role: backend.communicators()[comm].role,
-        bytes_per_rank,
-    };
-    pool.count_collective(path_index(path), bytes_per_rank);
-    if tracing::level_enabled!(tracing::Level::DEBUG) {
-        path::collective(coll == Coll::AllGather, &report);
+
+    /// The path thresholds the collectives use now ([`PathPolicy::default`] until
+    /// [`set_path_policy`](Self::set_path_policy) replaces them).
+    pub fn path_policy(&self) -> PathPolicy {
+        self.inner.policy.read().clone()
     }
-    Ok(report)
+
+    /// Replace the path thresholds (for example with the result of
+    /// [`calibrate`](Self::calibrate)).
+    ///
+    /// # Collective
+    /// Every rank must use the same policy (a different choice of communicator on two
+    /// ranks hangs the collective); `calibrate` returns the same policy on every rank.
+    pub fn set_path_policy(&self, policy: PathPolicy) {
+        *self.inner.policy.write() = policy;
+    }
+
+    /// The pool's flat statistics ([`SymmPool::memory_stats`]) with this handle's
+    /// collectives on that pool: `collectives.PATH.count` and `collectives.PATH.bytes`
+    /// per path (`copy_engine`, `symmetric_kernel`, `plain_kernel`; bytes per rank:
+    /// all-gather input, reduce-scatter output).
+    pub fn memory_stats(&self) -> MemoryStats {
+        let entry = &self.inner.pools[0];
+        let mut m = entry.pool.memory_stats();
+        for path in PATHS {
+            let (n, bytes) = entry.counters.get(path_index(path));
+            let p = path_name(path);
+            m.insert(format!("collectives.{p}.count"), StatValue::Count(n));
+            m.insert(format!("collectives.{p}.bytes"), StatValue::Count(bytes));
+        }
+        m
+    }
+
+    /// The entry of `pool`, if the handle has it.
+    #[inline]
+    fn entry(&self, pool: &SymmPool) -> Option<&PoolColl> {
+        self.inner.pools.iter().find(|e| e.pool.same_pool(pool))
+    }
 }
 
-/// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at
-/// `rank * N` in every rank's `output` (world × N elements), on `stream`.
-///
-/// # Collective
-/// Every rank, same order, same sizes.
-///
-/// # Errors
-/// [`Error::ForeignBuffer`] if the buffers come from different pools;
-/// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does not divide the input
-/// or `output` is not exactly world × `input` bytes; backend errors (on the host
-/// backend also [`Error::Timeout`]); [`Error::CollectiveDivergence`] when the pool's
-/// collective check finds the ranks disagree (see "Checked collectives" above).
-pub fn all_gather<T: Element>(
-    input: &SymmBuffer,
-    output: &SymmBuffer,
-    stream: &Stream,
-) -> Result<CollectiveReport> {
-    const OP: &str = "all_gather";
-    let pool = prepare(&[input, output], stream)?;
-    let count = elements::<T>(OP, "input", input.len_bytes())?;
-    let world = pool.world_size() as u64;
-    if input.len_bytes().checked_mul(world) != Some(output.len_bytes()) {
-        return Err(invalid(
-            OP,
-            format!(
-                "output has {} bytes, expected {world} x {} bytes",
-                output.len_bytes(),
-                input.len_bytes()
-            ),
-        ));
+/// Collectives run on each path: calls and bytes per rank.
+#[derive(Debug, Default)]
+struct PathCounters {
+    paths: [(AtomicU64, AtomicU64); 3],
+}
+
+impl PathCounters {
+    /// Count one collective that ran on path number `path` with `bytes_per_rank`.
+    ///
+    /// A load and a store, not a locked read-modify-write (this is on every
+    /// collective's path): exact because one rank's collectives on a pool are ordered
+    /// (every rank must issue them in the same order, so calls from several threads
+    /// are synchronised by the caller, and that synchronisation orders these
+    /// accesses too).
+    #[inline]
+    fn add(&self, path: usize, bytes_per_rank: u64) {
+        let Some((count, bytes)) = self.paths.get(path) else {
+            return;
+        };
+        let n = count.load(Ordering::Relaxed);
+        count.store(n.wrapping_add(1), Ordering::Relaxed);
+        let b = bytes.load(Ordering::Relaxed);
+        bytes.store(b.wrapping_add(bytes_per_rank), Ordering::Relaxed);
     }
-    dispatch(
-        pool,
-        Coll::AllGather,
-        (input, input.region()?),
-        (output, output.region()?),
-        count,
-        T::DTYPE,
-        stream,
-        None,
-    )
-}
 
-/// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
-/// rank's N at `rank * N`; afterwards every rank has all of them.
-///
-/// # Collective
-/// Every rank, same order, same sizes.
-///
-/// # Errors
-/// [`Error::InvalidCollective`] unless the length is a positive multiple of
-/// world × `size_of::<T>()`; otherwise as [`all_gather`].
-pub fn all_gather_in_place<T: Element>(
-    buffer: &SymmBuffer,
-    stream: &Stream,
-) -> Result<CollectiveReport> {
-    const OP: &str = "all_gather_in_place";
-    let pool = prepare(&[buffer], stream)?;
-    let whole = buffer.region()?;
-    let (send, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
-    dispatch(
-        pool,
-        Coll::AllGather,
-        (buffer, send),
-        (buffer, whole),
-        count,
-        T::DTYPE,
-        stream,
-        None,
-    )
-}
-
-/// This rank's chunk of a buffer (`whole`, its region) split into world equal parts,
-/// and its element count.
-fn own_chunk<'a, T: Element>(
-    op: &'static str,
-    pool: &SymmPool,
-    buffer: &SymmBuffer,
-    whole: Region<'a>,
-) -> Result<(Region<'a>, u64)> {
-    let world = pool.world_size() as u64;
-    let total = elements::<T>(op, "buffer", buffer.len_bytes())?;
-    if !total.is_multiple_of(world) {
-        return Err(invalid(
-            op,
-            format!("{total} elements do not split evenly over {world} ranks"),
-        ));
+    /// (calls, bytes per rank) of collectives on path number `path`.
+    fn get(&self, path: usize) -> (u64, u64) {
+        self.paths.get(path).map_or((0, 0), |(c, b)| {
+            (c.load(Ordering::Relaxed), b.load(Ordering::Relaxed))
+        })
     }
-    let count = total / world;
-    let chunk_bytes = count * std::mem::size_of::<T>() as u64;
-    let own = whole.sub(pool.rank() as u64 * chunk_bytes, chunk_bytes)?;
-    Ok((own, count))
-}
-
-/// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
-/// ranks of elements `[rank * N, (rank + 1) * N)` of every rank's `input`
-/// (world × N elements). `Sum` may run NCCL's symmetric kernel; other operations run
-/// NCCL's ordinary kernels.
-///
-/// # Collective
-/// Every rank, same order, same sizes and operation.
-///
-/// # Errors
-/// As [`all_gather`], with `input` exactly world × `output` bytes.
-pub fn reduce_scatter<T: Element>(
-    input: &SymmBuffer,
-    output: &SymmBuffer,
-    op: ReduceOp,
-    stream: &Stream,
-) -> Result<CollectiveReport> {
-    const OP: &str = "reduce_scatter";
-    let pool = prepare(&[input, output], stream)?;
-    let count = elements::<T>(OP, "output", output.len_bytes())?;
-    let world = pool.world_size() as u64;
-    if output.len_bytes().checked_mul(world) != Some(input.len_bytes()) {
-        return Err(invalid(
-            OP,
-            format!(
-                "input has {} bytes, expected {world} x {} bytes",
-                input.len_bytes(),
-                output.len_bytes()
-            ),
-        ));
-    }
-    dispatch(
-        pool,
-        Coll::ReduceScatter(op),
-        (input, input.region()?),
-        (output, output.region()?),
-        count,
-        T::DTYPE,
-        stream,
-        None,
-    )
-}
-
-/// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
-/// this rank's chunk `[rank * N, (rank + 1) * N)` holds the reduction over ranks.
-///
-/// # Collective
-/// Every rank, same order, same sizes and operation.
-///
-/// # Errors
-/// As [`all_gather_in_place`].
-pub fn reduce_scatter_in_place<T: Element>(
-    buffer: &SymmBuffer,
-    op: ReduceOp,
-    stream: &Stream,
-) -> Result<CollectiveReport> {
-    const OP: &str = "reduce_scatter_in_place";
-    let pool = prepare(&[buffer], stream)?;
-    let whole = buffer.region()?;
-    let (recv, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
-    dispatch(
-        pool,
-        Coll::ReduceScatter(op),
-        (buffer, whole),
-        (buffer, recv),
-        count,
-        T::DTYPE,
-        stream,
-        None,
-    )
 }

@@ -55,7 +55,7 @@ pub enum Choice {
 ///   around 1–2 MiB (its LD kernel), and loses to ring in between and for large
 ///   outputs.
 ///
-/// [`calibrate`](super::calibrate) measures them on the machine at hand.
+/// [`Coll::calibrate`](super::Coll::calibrate) measures them on the machine at hand.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct PathPolicy {
@@ -106,14 +106,14 @@ impl PathPolicy {
 
 /// Which collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Coll {
+pub(crate) enum CollOp {
     AllGather,
     ReduceScatter(ReduceOp),
 }
 
 /// Everything the choice depends on.
 pub(crate) struct Inputs<'a> {
-    pub(crate) coll: Coll,
+    pub(crate) coll: CollOp,
     pub(crate) bytes_per_rank: u64,
     pub(crate) dtype: DType,
     pub(crate) version: NcclVersion,
@@ -145,7 +145,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     // settle on the first (a cost on every collective call).
     let ce = || {
         let c = find(CommRole::CopyEngine)?;
-        if i.coll != Coll::AllGather
+        if i.coll != CollOp::AllGather
             || i.world_size <= 1
             || i.version < NcclVersion::COPY_ENGINE
             || i.comms[c].cta_policy & 2 == 0
@@ -158,12 +158,12 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     };
     let symm = || {
         let op_ok = match i.coll {
-            Coll::AllGather => true,
-            Coll::ReduceScatter(ReduceOp::Sum) => i.dtype.symmetric_reduce(),
-            Coll::ReduceScatter(ReduceOp::Avg) => {
+            CollOp::AllGather => true,
+            CollOp::ReduceScatter(ReduceOp::Sum) => i.dtype.symmetric_reduce(),
+            CollOp::ReduceScatter(ReduceOp::Avg) => {
                 i.dtype.symmetric_reduce() && i.version >= NcclVersion::SYMMETRIC_AVG
             }
-            Coll::ReduceScatter(_) => false,
+            CollOp::ReduceScatter(_) => false,
         };
         if !op_ok
             || i.version < NcclVersion::WINDOWS
@@ -181,7 +181,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
         None => (0, Path::PlainKernel),
     };
     let (choice, auto) = match i.coll {
-        Coll::AllGather => (
+        CollOp::AllGather => (
             i.policy.all_gather,
             if i.bytes_per_rank >= i.policy.ce_all_gather_min_bytes {
                 [Path::CopyEngine, Path::SymmetricKernel]
@@ -189,7 +189,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
                 [Path::SymmetricKernel, Path::CopyEngine]
             },
         ),
-        Coll::ReduceScatter(_) => {
+        CollOp::ReduceScatter(_) => {
             let symmetric = i
                 .policy
                 .symmetric_reduce_scatter_bands
@@ -280,7 +280,7 @@ mod tests {
     }
 
     fn pick(
-        coll: Coll,
+        coll: CollOp,
         bytes: u64,
         dtype: DType,
         version: NcclVersion,
@@ -316,7 +316,7 @@ mod tests {
         let p = PathPolicy::default();
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 64 << 10,
                 DType::BF16,
                 V228,
@@ -327,7 +327,7 @@ mod tests {
         );
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 256 * MIB,
                 DType::BF16,
                 V228,
@@ -337,15 +337,36 @@ mod tests {
             (1, Path::CopyEngine)
         );
         assert_eq!(
-            pick(Coll::AllGather, 8 * MIB, DType::U8, V228, (true, true), &p),
+            pick(
+                CollOp::AllGather,
+                8 * MIB,
+                DType::U8,
+                V228,
+                (true, true),
+                &p
+            ),
             (0, Path::SymmetricKernel)
         );
         assert_eq!(
-            pick(Coll::AllGather, 16 * MIB, DType::U8, V228, (true, true), &p),
+            pick(
+                CollOp::AllGather,
+                16 * MIB,
+                DType::U8,
+                V228,
+                (true, true),
+                &p
+            ),
             (0, Path::SymmetricKernel)
         );
         assert_eq!(
-            pick(Coll::AllGather, 32 * MIB, DType::U8, V228, (true, true), &p),
+            pick(
+                CollOp::AllGather,
+                32 * MIB,
+                DType::U8,
+                V228,
+                (true, true),
+                &p
+            ),
             (1, Path::CopyEngine)
         );
     }
@@ -353,7 +374,7 @@ mod tests {
     #[test]
     fn reduce_scatter_by_size_type_and_op() {
         let p = PathPolicy::default();
-        let sum = Coll::ReduceScatter(ReduceOp::Sum);
+        let sum = CollOp::ReduceScatter(ReduceOp::Sum);
         assert_eq!(
             pick(sum, MIB, DType::BF16, V228, (true, true), &p),
             (0, Path::SymmetricKernel)
@@ -380,12 +401,12 @@ mod tests {
                 "{kib} KiB"
             );
         }
-        let max = Coll::ReduceScatter(ReduceOp::Max);
+        let max = CollOp::ReduceScatter(ReduceOp::Max);
         assert_eq!(
             pick(max, MIB, DType::F32, V228, (true, true), &p),
             (2, Path::PlainKernel)
         );
-        let avg = Coll::ReduceScatter(ReduceOp::Avg);
+        let avg = CollOp::ReduceScatter(ReduceOp::Avg);
         assert_eq!(
             pick(avg, MIB, DType::F32, V228, (true, true), &p),
             (2, Path::PlainKernel)
@@ -410,7 +431,7 @@ mod tests {
         // 2.27: windows but no copy engine.
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 big,
                 DType::F32,
                 NcclVersion::new(2, 27, 3),
@@ -422,7 +443,7 @@ mod tests {
         // 2.26: nothing symmetric.
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 big,
                 DType::F32,
                 NcclVersion::new(2, 26, 5),
@@ -433,17 +454,17 @@ mod tests {
         );
         // Unregistered (NULL windows): plain.
         assert_eq!(
-            pick(Coll::AllGather, big, DType::F32, V228, (false, false), &p),
+            pick(CollOp::AllGather, big, DType::F32, V228, (false, false), &p),
             (2, Path::PlainKernel)
         );
         // Output only registered: 2.28 needs both for CE and the symmetric kernel.
         assert_eq!(
-            pick(Coll::AllGather, big, DType::F32, V228, (false, true), &p),
+            pick(CollOp::AllGather, big, DType::F32, V228, (false, true), &p),
             (2, Path::PlainKernel)
         );
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 big,
                 DType::F32,
                 NcclVersion::new(2, 29, 7),
@@ -462,7 +483,7 @@ mod tests {
         );
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 64 << 10,
                 DType::F32,
                 V228,
@@ -473,7 +494,7 @@ mod tests {
         );
         assert_eq!(
             pick(
-                Coll::ReduceScatter(ReduceOp::Sum),
+                CollOp::ReduceScatter(ReduceOp::Sum),
                 256 * MIB,
                 DType::F32,
                 V228,
@@ -484,7 +505,7 @@ mod tests {
         );
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 64 << 10,
                 DType::F32,
                 NcclVersion::new(2, 27, 0),
@@ -499,7 +520,7 @@ mod tests {
         );
         assert_eq!(
             pick(
-                Coll::AllGather,
+                CollOp::AllGather,
                 256 * MIB,
                 DType::F32,
                 V228,
@@ -511,7 +532,7 @@ mod tests {
     }
 
     fn pick_on_nodes(
-        coll: Coll,
+        coll: CollOp,
         bytes: u64,
         version: NcclVersion,
         nodes: usize,
@@ -537,19 +558,19 @@ mod tests {
         let p = PathPolicy::default();
         let big = 256 * MIB;
         let small = 64 << 10;
-        let sum = Coll::ReduceScatter(ReduceOp::Sum);
+        let sum = CollOp::ReduceScatter(ReduceOp::Sum);
         // One node: copy engine for large all-gathers, symmetric for small ones.
         assert_eq!(
-            pick_on_nodes(Coll::AllGather, big, V228, 1, &p),
+            pick_on_nodes(CollOp::AllGather, big, V228, 1, &p),
             (1, Path::CopyEngine)
         );
         // 2.28 across nodes: neither the copy engine nor the symmetric kernels.
         assert_eq!(
-            pick_on_nodes(Coll::AllGather, big, V228, 2, &p),
+            pick_on_nodes(CollOp::AllGather, big, V228, 2, &p),
             (2, Path::PlainKernel)
         );
         assert_eq!(
-            pick_on_nodes(Coll::AllGather, small, V228, 2, &p),
+            pick_on_nodes(CollOp::AllGather, small, V228, 2, &p),
             (2, Path::PlainKernel)
         );
         assert_eq!(
@@ -558,17 +579,17 @@ mod tests {
         );
         // 2.27 across nodes: no symmetric kernels either.
         assert_eq!(
-            pick_on_nodes(Coll::AllGather, small, NcclVersion::new(2, 27, 7), 2, &p),
+            pick_on_nodes(CollOp::AllGather, small, NcclVersion::new(2, 27, 7), 2, &p),
             (2, Path::PlainKernel)
         );
         // 2.29 and 2.30.3 across nodes: symmetric kernels where valid, no copy engine.
         for v in [NcclVersion::new(2, 29, 2), NcclVersion::new(2, 30, 3)] {
             assert_eq!(
-                pick_on_nodes(Coll::AllGather, big, v, 2, &p),
+                pick_on_nodes(CollOp::AllGather, big, v, 2, &p),
                 (0, Path::SymmetricKernel)
             );
             assert_eq!(
-                pick_on_nodes(Coll::AllGather, small, v, 2, &p),
+                pick_on_nodes(CollOp::AllGather, small, v, 2, &p),
                 (0, Path::SymmetricKernel)
             );
             assert_eq!(
@@ -578,17 +599,17 @@ mod tests {
         }
         // After 2.30.3 the copy engine no longer needs one domain.
         assert_eq!(
-            pick_on_nodes(Coll::AllGather, big, NcclVersion::new(2, 30, 4), 2, &p),
+            pick_on_nodes(CollOp::AllGather, big, NcclVersion::new(2, 30, 4), 2, &p),
             (1, Path::CopyEngine)
         );
         // A preference for the copy engine falls back across nodes too.
         let ce = PathPolicy::default().with_choices(Choice::Prefer(Path::CopyEngine), Choice::Auto);
         assert_eq!(
-            pick_on_nodes(Coll::AllGather, big, V228, 2, &ce),
+            pick_on_nodes(CollOp::AllGather, big, V228, 2, &ce),
             (2, Path::PlainKernel)
         );
         assert_eq!(
-            pick_on_nodes(Coll::AllGather, big, NcclVersion::new(2, 29, 2), 2, &ce),
+            pick_on_nodes(CollOp::AllGather, big, NcclVersion::new(2, 29, 2), 2, &ce),
             (0, Path::SymmetricKernel)
         );
         assert_eq!(one_nvlink_domain_needed(V228), (true, true));

@@ -57,7 +57,7 @@
 //! | `deferred_frees` | frees queued because the pool was busy (applied by the next call) |
 //! | `registrations.ROLE`, `deregistrations.ROLE` | window registrations / deregistrations on the communicators of `ROLE` (`symmetric`, `copy_engine`, `plain`) |
 //! | `windows.ROLE` | windows currently registered there |
-//! | `collectives.PATH.count`, `collectives.PATH.bytes` | collectives that ran on `PATH` (`copy_engine`, `symmetric_kernel`, `plain_kernel`) and their bytes per rank (all-gather input, reduce-scatter output) |
+//! | `collectives.PATH.count`, `collectives.PATH.bytes` | only in [`Coll::memory_stats`](crate::coll::Coll::memory_stats): collectives that ran on `PATH` (`copy_engine`, `symmetric_kernel`, `plain_kernel`) through the handle, and their bytes per rank (all-gather input, reduce-scatter output) |
 //! | `agreements` | agreement rounds among the ranks (growth, reserve, trim, close) |
 //! | `calls` | pool calls recorded in the call history (alloc, free, reserve, trim, close) |
 //! | `growth_seconds` (real) | time spent allocating and registering segments |
@@ -91,7 +91,6 @@ mod render;
 mod snapshot;
 mod stats;
 
-pub use crate::coll::path_name;
 pub use crate::pool::role_name;
 pub use render::{MIN_BLOCK_PX, format_bytes, render_ranks, render_svg};
 pub use snapshot::{BlockStatus, BlockView, PoolSnapshot, SegmentView, WindowView};

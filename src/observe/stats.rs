@@ -2,7 +2,6 @@
 
 use super::snapshot::{BlockStatus, SegmentView};
 use crate::backend::CommInfo;
-use crate::coll::{PATHS, path_index, path_name};
 use crate::core::{CoreStats, SizeClass, Stat};
 use crate::pool::{PoolCounters, role_name};
 use serde::{Deserialize, Serialize};
@@ -226,12 +225,6 @@ pub(crate) fn build_stats(
                 *x += v;
             }
         }
-    }
-    for path in PATHS {
-        let (n, bytes) = counters.collectives(path_index(path));
-        let p = path_name(path);
-        m.insert(format!("collectives.{p}.count"), StatValue::Count(n));
-        m.insert(format!("collectives.{p}.bytes"), StatValue::Count(bytes));
     }
     m.insert("growth_seconds".into(), StatValue::Real(t.growth_seconds));
     m

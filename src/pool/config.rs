@@ -1,37 +1,8 @@
 //! [`PoolConfig`]: the settings of a pool.
 
 use crate::core::CoreConfig;
+use crate::group::CheckMode;
 use std::time::Duration;
-
-/// How the ranks check that they make the same collectives on the same buffers
-/// (see [`coll`](crate::coll), "Checked collectives"). Part of the pool's identity:
-/// ranks whose pools use different modes fail at pool creation
-/// ([`Error::ChannelMismatch`](crate::Error::ChannelMismatch)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CheckMode {
-    /// No per-collective check and no light agreement: a divergence is silent (NCCL
-    /// reads peers at the caller's offsets) or a hang, exactly as without the crate.
-    Off,
-    /// The calling thread posts each collective's record into a bounded queue and
-    /// returns; a background thread of the pool compares the ranks' records. A
-    /// mismatch makes the next call on the pool fail on every rank. The default.
-    #[default]
-    Async,
-    /// The ranks exchange and compare each collective's record before it is
-    /// launched: a mismatch is an error on every rank and no data moves.
-    Strict,
-}
-
-impl CheckMode {
-    /// The mode's name, as in the channel name and the example's `--check` flag.
-    pub fn name(self) -> &'static str {
-        match self {
-            CheckMode::Off => "off",
-            CheckMode::Async => "async",
-            CheckMode::Strict => "strict",
-        }
-    }
-}
 
 /// Largest accepted [`PoolConfig::history_len`].
 pub const MAX_HISTORY: usize = 1 << 16;
@@ -65,16 +36,14 @@ pub struct PoolConfig {
     /// to the other ranks (its agreements run on a channel of its own).
     pub name: String,
     /// How collectives on the pool are checked across ranks (default
-    /// [`CheckMode::Async`]).
+    /// [`CheckMode::Async`]): the default of the collectives handles made from the
+    /// pool ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
+    /// collective.
     pub check: CheckMode,
-    /// The periodic light agreement: under `Async` and `Strict`, the pool's running
-    /// call hash is compared across ranks at the first allocation once this many pool
-    /// calls (allocations and frees) have passed since the last one, so that a loop
-    /// of cache hits without collectives cannot drift unseen (default 1024; 0: never).
-    pub check_every_calls: u64,
-    /// Records an `Async` pool's calling threads may have posted and not yet seen
-    /// compared (default 64): the detection bound in collectives. A caller that finds
-    /// the queue full waits for room (at most the pool's timeout).
+    /// Records an `Async` collectives handle's calling threads may have posted and
+    /// not yet seen compared (default 64): the detection bound in collectives. A
+    /// caller that finds the queue full waits for room (at most twice the pool's
+    /// timeout). The default of the handles made from the pool.
     pub check_queue: usize,
 }
 
@@ -90,7 +59,6 @@ impl Default for PoolConfig {
             require_symmetric: false,
             name: "pool".into(),
             check: CheckMode::Async,
-            check_every_calls: 1024,
             check_queue: 64,
         }
     }
@@ -130,12 +98,6 @@ impl PoolConfig {
     /// Set the collective check mode.
     pub fn with_check(mut self, check: CheckMode) -> Self {
         self.check = check;
-        self
-    }
-
-    /// Set the period of the light agreement in pool calls (0: never).
-    pub fn with_check_every_calls(mut self, calls: u64) -> Self {
-        self.check_every_calls = calls;
         self
     }
 

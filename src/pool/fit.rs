@@ -1,10 +1,11 @@
 //! `fit_to_peak`: size the pool from what a step actually used.
 
 use super::SymmPool;
-use super::agreement::{CallKind, op};
+use super::growth::SegmentUse;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::group::{CallKind, Op};
 use serde::Serialize;
-use std::sync::Arc;
 
 /// What [`SymmPool::fit_to_peak`] did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -51,33 +52,23 @@ impl SymmPool {
             .map(|g| g.segment_bytes)
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
+        let deadline = Deadline::after(self.inner.config.timeout);
         let ready = self.readiness(&st, None)?;
-        let flags = self.agree(&mut st, op::FIT, "fit_to_peak", planned_bytes, ready)?;
+        let flags = self.agree(
+            &mut st,
+            Op::FitToPeak,
+            "fit_to_peak",
+            planned_bytes,
+            ready,
+            deadline,
+        )?;
         st.all_ready(&flags)?;
         let released = st.core.release_planned(&plan)?;
-        self.release_segments(&mut st)?;
+        self.release_segments(&mut st, deadline)?;
         let mut added = Vec::new();
         for growth in &plan.add {
-            let id = st.core.next_segment_id();
-            let entry = self.provide_segment(&mut st, growth.segment_bytes)?;
-            match st.core.add_planned(*growth) {
-                Ok(got) if got == id => {
-                    st.segments.insert(id, Arc::new(entry));
-                    added.push((id.0, growth.segment_bytes));
-                }
-                Ok(got) => {
-                    let what = format!(
-                        "the core numbered a new segment {} instead of {}",
-                        got.0, id.0
-                    );
-                    st.broken = Some(what.clone());
-                    return Err(Error::Internal { what });
-                }
-                Err(e) => {
-                    self.undo_segment(&mut st, entry);
-                    return Err(e.into());
-                }
-            }
+            let id = self.add_segment(&mut st, *growth, SegmentUse::Reserved, deadline)?;
+            added.push((id.0, growth.segment_bytes));
         }
         Ok(FitReport {
             released: released.into_iter().map(|(id, b)| (id.0, b)).collect(),

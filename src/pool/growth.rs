@@ -4,30 +4,64 @@
 //! the growth on every rank), add it to the core. Also `reserve`, which pre-grows.
 
 use super::SymmPool;
-use super::agreement::{self, CallKind, agree, op};
-use super::state::{PoolState, Readiness, SegmentEntry};
+use super::state::{PoolState, SegmentEntry};
 use crate::backend::Segment;
 use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId, SizeClass};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::group::{self, AgreementRecord, CallKind, Op, Readiness};
 use crate::stream::Stream;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+/// How the core takes a segment the pool adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SegmentUse {
+    /// Grown for the request at hand (the core's growth policy decides whether it is
+    /// dedicated to it).
+    OnDemand,
+    /// Reserved ahead (`reserve`, `fit_to_peak`): a large segment any large request
+    /// may use, or a small-block segment.
+    Reserved,
+}
 
 impl SymmPool {
-    /// Grow by one segment: agree, allocate, confirm, register, add to the core.
+    /// Grow by one segment: agree, allocate, confirm, register, add to the core; every
+    /// wait on the peers until `deadline`.
     pub(super) fn grow(
         &self,
         st: &mut PoolState,
         growth: Growth,
         stream: &Stream,
+        deadline: Deadline,
     ) -> Result<SegmentId> {
         let ready = self.readiness(st, Some(stream))?;
-        let flags = self.agree(st, op::GROW, "growth", growth.segment_bytes, ready)?;
+        let size = growth.segment_bytes;
+        let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
         st.all_ready(&flags)?;
+        self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
+    }
+
+    /// Add one segment of `growth` to the pool, after the ranks agreed on it: allocate
+    /// it, confirm every rank did, register it on each communicator that registers,
+    /// hand it to the core (`how`), and account for it (statistics, the
+    /// segment-allocated event). The one way a segment enters a pool (growth,
+    /// `reserve`, `fit_to_peak`); on failure nothing is left of it.
+    pub(super) fn add_segment(
+        &self,
+        st: &mut PoolState,
+        growth: Growth,
+        how: SegmentUse,
+        deadline: Deadline,
+    ) -> Result<SegmentId> {
         let id = st.core.next_segment_id();
-        let entry = self.provide_segment(st, growth.segment_bytes)?;
-        match st.core.add_segment(growth) {
+        let entry = self.provide_segment(st, growth.segment_bytes, deadline)?;
+        let added = match how {
+            SegmentUse::OnDemand => st.core.add_segment(growth),
+            SegmentUse::Reserved => st.core.add_planned(growth),
+        };
+        match added {
             Ok(got) if got == id => {
                 st.segments.insert(id, Arc::new(entry));
                 self.segment_added(st, id);
@@ -77,48 +111,33 @@ impl SymmPool {
         Ok(Readiness::Ready as u64)
     }
 
-    /// One agreement round: the ranks' records must match (see `agreement.rs`).
+    /// One agreement round, waiting for the peers until `deadline`: the ranks' records
+    /// must match (see `group::agree`).
     pub(super) fn agree(
         &self,
         st: &mut PoolState,
-        op: u64,
+        op: Op,
         during: &'static str,
         size: u64,
         extra: u64,
-    ) -> Result<Vec<u64>> {
-        self.agree_within(st, op, during, size, extra, self.inner.config.timeout)
-    }
-
-    /// [`agree`](Self::agree), waiting for the peers for at most `timeout`.
-    fn agree_within(
-        &self,
-        st: &mut PoolState,
-        op: u64,
-        during: &'static str,
-        size: u64,
-        extra: u64,
-        timeout: Duration,
+        deadline: Deadline,
     ) -> Result<Vec<u64>> {
         st.counters.agreements += 1;
         let c = st.core.stats();
-        let state = agreement::state_digest(&[
+        let state = group::state_digest(&[
             u64::from(st.core.next_segment_id().0),
             c.reserved_bytes.current,
             c.allocated_bytes.current,
             c.num_allocs,
             c.num_frees,
         ]);
-        let out = agree(
+        let mine = AgreementRecord::new(&st.history, op, size, state, extra, st.broken.is_some());
+        let out = group::agree(
             self.inner.backend.exchange(),
             self.inner.channel,
-            &st.history,
-            op,
             during,
-            size,
-            state,
-            extra,
-            st.broken.is_some(),
-            timeout,
+            &mine,
+            deadline,
         );
         match out {
             Err(Error::Divergence(d)) => {
@@ -135,11 +154,13 @@ impl SymmPool {
         }
     }
 
-    /// Allocate a segment on this rank, confirm every rank did, and register it.
+    /// Allocate a segment on this rank, confirm every rank did, and register it; every
+    /// wait on the peers until `deadline`.
     pub(super) fn provide_segment(
         &self,
         st: &mut PoolState,
         size_bytes: u64,
+        deadline: Deadline,
     ) -> Result<SegmentEntry> {
         let backend = &self.inner.backend;
         let started = Instant::now();
@@ -148,10 +169,11 @@ impl SymmPool {
         // rank's failure is an error on all ranks instead of a hang in registration.
         let confirmed = self.agree(
             st,
-            op::GROW,
+            Op::Grow,
             "growth confirmation",
             size_bytes,
             u64::from(local.is_ok()),
+            deadline,
         );
         let failed: Vec<usize> = match &confirmed {
             Ok(flags) => (0..flags.len()).filter(|&r| flags[r] != 1).collect(),
@@ -173,7 +195,7 @@ impl SymmPool {
             self.inner.config.register && backend.communicators().iter().any(|c| c.registers);
         // One step on this rank: the agreement and every registration of the segment.
         let (channel, _registering) = backend.registration_channel();
-        if registers && let Err(e) = self.agree_registration(channel, size_bytes) {
+        if registers && let Err(e) = self.agree_registration(channel, size_bytes, deadline) {
             self.free_unused(segment);
             return Err(e);
         }
@@ -210,7 +232,7 @@ impl SymmPool {
                     }
                     Err(e) => Err(e),
                 };
-                if let Err(e) = self.agree_registered(st, c, size_bytes, local) {
+                if let Err(e) = self.agree_registered(st, c, size_bytes, local, deadline) {
                     self.undo_segment(st, entry);
                     return Err(e);
                 }
@@ -227,13 +249,15 @@ impl SymmPool {
     /// growth (deregisters the windows made so far, frees the segment). A failed
     /// registration marks the pool registration-broken on every rank; the failing
     /// rank returns its own error, the others [`Error::RegistrationBroken`] naming the
-    /// first failing rank.
+    /// first failing rank. Waits for the peers until `deadline` (the growth's), or
+    /// twice the timeout if that is later.
     fn agree_registered(
         &self,
         st: &mut PoolState,
         comm: usize,
         size_bytes: u64,
         local: Result<()>,
+        deadline: Deadline,
     ) -> Result<()> {
         const REGISTERED: u64 = 1;
         const FAILED: u64 = 2;
@@ -244,15 +268,17 @@ impl SymmPool {
             Err(_) => FAILED,
         };
         // A rank whose registration failed before joining it arrives at once, its
-        // peers only after waiting out the registration: allow for both waits.
-        let timeout = self.inner.config.timeout.saturating_mul(2);
-        let flags = match self.agree_within(
+        // peers only after waiting out the registration, whose bound is the backend's
+        // own (a registration takes no deadline yet): allow for both waits, beyond
+        // the growth's deadline if need be.
+        let deadline = deadline.max(Deadline::after(self.inner.config.timeout.saturating_mul(2)));
+        let flags = match self.agree(
             st,
-            op::GROW,
+            Op::Grow,
             "growth registration outcome",
             size_bytes,
             mine,
-            timeout,
+            deadline,
         ) {
             Ok(flags) => flags,
             Err(e) => {
@@ -293,38 +319,21 @@ impl SymmPool {
     }
 
     /// Agree with the other ranks, on the backend's registration channel, that every
-    /// rank's next registration is this pool's segment of `size_bytes`: pools sharing a
-    /// backend that grow in different orders would otherwise pair one pool's window
-    /// with another's (NCCL pairs windows by call order and checks nothing).
-    fn agree_registration(&self, channel: ChannelId, size_bytes: u64) -> Result<()> {
-        let backend = &self.inner.backend;
-        let name = &self.inner.config.name;
-        let mut mine = size_bytes.to_le_bytes().to_vec();
-        mine.extend_from_slice(name.as_bytes());
-        let all = backend.exchange().all_gather(
+    /// rank's next registration is this pool's segment of `size_bytes` (see
+    /// `group::agree_registration_order`).
+    fn agree_registration(
+        &self,
+        channel: ChannelId,
+        size_bytes: u64,
+        deadline: Deadline,
+    ) -> Result<()> {
+        group::agree_registration_order(
+            self.inner.backend.exchange(),
             channel,
-            "window registration order",
-            &mine,
-            self.inner.config.timeout,
-        )?;
-        if all.iter().all(|p| *p == mine) {
-            return Ok(());
-        }
-        let order = all
-            .iter()
-            .enumerate()
-            .map(|(rank, p)| {
-                let (size, name) = p.split_at(p.len().min(8));
-                let mut b = [0u8; 8];
-                b[..size.len()].copy_from_slice(size);
-                (
-                    rank,
-                    format!("pool {:?}", String::from_utf8_lossy(name)),
-                    u64::from_le_bytes(b),
-                )
-            })
-            .collect();
-        Err(Error::RegistrationOrder { order })
+            &self.inner.config.name,
+            size_bytes,
+            deadline,
+        )
     }
 
     /// Free a segment no window covers and no work has used (a failed growth).
@@ -437,36 +446,14 @@ impl SymmPool {
             u64::from(class == SizeClass::Small),
         );
         // Registration is refused while any stream the pool has served is capturing.
+        let deadline = Deadline::after(self.inner.config.timeout);
         let ready = self.readiness_known(&st)?;
-        let flags = self.agree(&mut st, op::RESERVE, "reserve", size, ready)?;
+        let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
         st.all_ready(&flags)?;
-        let id = st.core.next_segment_id();
-        let entry = self.provide_segment(&mut st, size)?;
-        let added = match class {
-            SizeClass::Large => st.core.add_shared_segment(size),
-            SizeClass::Small => st.core.add_segment(Growth {
-                class,
-                segment_bytes: size,
-            }),
+        let growth = Growth {
+            class,
+            segment_bytes: size,
         };
-        match added {
-            Ok(got) if got == id => {
-                st.segments.insert(id, Arc::new(entry));
-                self.segment_added(&mut st, id);
-                Ok(id)
-            }
-            Ok(got) => {
-                let what = format!(
-                    "the core numbered a new segment {} instead of {}",
-                    got.0, id.0
-                );
-                st.broken = Some(what.clone());
-                Err(Error::Internal { what })
-            }
-            Err(e) => {
-                self.undo_segment(&mut st, entry);
-                Err(e.into())
-            }
-        }
+        self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
     }
 }

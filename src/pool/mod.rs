@@ -23,65 +23,43 @@
 //!   call on that rank fails, and so does the next agreement on every rank
 //!   ([`Error::PoolBroken`]).
 
-mod agreement;
 mod buffer;
 mod config;
 mod counters;
 pub(crate) mod events;
 mod fit;
+mod free;
 mod growth;
 mod release;
 mod scope;
 mod state;
+mod stats;
 
 #[cfg(feature = "nccl")]
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
-pub use config::{CheckMode, MAX_HISTORY, PoolConfig};
+pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
 pub use events::role_name;
 pub use fit::FitReport;
 pub use scope::{alloc, alloc_aligned, current};
+pub use stats::PoolStats;
 
-use crate::backend::{Backend, CommRole, HostBackend, HostConfig};
+use crate::backend::{Backend, HostBackend, HostConfig};
 use crate::control::ChannelId;
-use crate::core::{AllocError, AllocRequest, Allocator, BlockId, CoreStats, Snapshot, Wait};
+use crate::core::{AllocError, AllocRequest, Allocator, BlockId, Wait};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::group::{CallHead, CallKind, History};
 use crate::stream::Stream;
-use agreement::{CallKind, History};
-use serde::Serialize;
+use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
 use state::PoolState;
-use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 pub(crate) use state::SegmentEntry;
-
-/// Counters of a pool, beside the core's.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[non_exhaustive]
-pub struct PoolStats {
-    /// The allocator core's statistics (`active_bytes` counts freed blocks whose
-    /// streams are not yet known to be done).
-    pub core: CoreStats,
-    /// The role of each communicator, in the backend's order: the index of the
-    /// per-communicator counts below.
-    pub roles: Vec<CommRole>,
-    /// Window registrations made, per communicator.
-    pub registrations: Vec<u64>,
-    /// Windows currently registered (NCCL returned a window), per communicator.
-    pub windows: Vec<u64>,
-    /// Deregistrations made, per communicator.
-    pub deregistrations: Vec<u64>,
-    /// Agreements among ranks (growth, reserve, trim, close).
-    pub agreements: u64,
-    /// Time spent allocating and registering segments, in seconds.
-    pub growth_seconds: f64,
-    /// Pool calls recorded in the history.
-    pub calls: u64,
-}
 
 type DeferredFree = (BlockId, SmallVec<[Wait; 3]>);
 
@@ -90,22 +68,19 @@ pub(crate) struct PoolInner {
     /// Mirrors `PoolState::closed` for lock-free checks on the collectives' path.
     closed: AtomicBool,
     /// Frees made by `Drop` while the state was busy; applied by the next call.
-    deferred: Mutex<Vec<DeferredFree>>,
+    deferred: PlMutex<Vec<DeferredFree>>,
     /// A failure inside a `Drop`, returned by the next fallible call.
-    deferred_error: Mutex<Option<Error>>,
+    deferred_error: PlMutex<Option<Error>>,
     /// The configuration in effect.
     config: PoolConfig,
     /// The exchange channel of this pool's agreements.
     pub(crate) channel: ChannelId,
-    /// The exchange channel of this pool's collective checks (see `coll::check`),
-    /// opened at creation so that every rank opens it at the same point.
-    pub(crate) check_channel: ChannelId,
-    /// Set once a collective check failed (a divergence, a timeout): the pool is
-    /// broken from then on (copied into the state's `broken` by `state()`).
-    pub(crate) check_failure: Arc<OnceLock<String>>,
-    /// Per-pool state of the layers above (the collectives' path policy and
-    /// sequence numbers): owned there, kept here so that it lives as long as the pool.
-    extension: OnceLock<Arc<dyn Any + Send + Sync>>,
+    /// Set once a layer above found the ranks out of step (a collective check that
+    /// failed, a collective that timed out): the pool is broken from then on (copied
+    /// into the state's `broken` by `state()`).
+    pub(crate) outside_failure: Arc<OnceLock<String>>,
+    /// The call count and running hash, read without the state's lock.
+    call_head: Arc<CallHead>,
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
@@ -187,25 +162,20 @@ impl SymmPool {
         let channel = backend
             .exchange()
             .open_channel(&format!("pool:{}", config.name), config.timeout)?;
-        // The check mode is part of the name: ranks with different modes fail here.
-        let check_channel = backend.exchange().open_channel(
-            &format!("pool:{}:checks:{}", config.name, config.check.name()),
-            config.timeout,
-        )?;
-        let mut state = PoolState::new(core, History::new(config.history_len), comms);
-        state.light_next = config.check_every_calls;
+        let history = History::new(config.history_len);
+        let call_head = history.head();
+        let state = PoolState::new(core, history, comms);
         Ok(SymmPool {
             inner: Arc::new(PoolInner {
                 state: Mutex::new(state),
                 backend,
                 closed: AtomicBool::new(false),
-                deferred: Mutex::new(Vec::new()),
-                deferred_error: Mutex::new(None),
-                extension: OnceLock::new(),
+                deferred: PlMutex::new(Vec::new()),
+                deferred_error: PlMutex::new(None),
                 counters: Default::default(),
                 channel,
-                check_channel,
-                check_failure: Arc::new(OnceLock::new()),
+                outside_failure: Arc::new(OnceLock::new()),
+                call_head,
                 config,
             }),
         })
@@ -290,28 +260,22 @@ impl SymmPool {
         self.inner.channel
     }
 
-    /// Count one collective that ran on path number `path` (for the statistics).
+    /// The pool's call count and running hash, in one lock-free read (what a
+    /// collective's record carries; see `group::CallHead`).
     #[inline]
-    pub(crate) fn count_collective(&self, path: usize, bytes_per_rank: u64) {
-        self.inner.counters.collective(path, bytes_per_rank);
+    pub(crate) fn call_head(&self) -> (u64, u64) {
+        self.inner.call_head.load()
+    }
+
+    /// The slot through which a layer above marks the pool broken (the first reason
+    /// wins; every later call fails with [`Error::PoolBroken`]).
+    pub(crate) fn outside_failure(&self) -> Arc<OnceLock<String>> {
+        self.inner.outside_failure.clone()
     }
 
     /// Whether two handles are the same pool.
     pub fn same_pool(&self, other: &SymmPool) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
-    }
-
-    /// The per-pool state of type `T` of a layer above the pool, made by `init` on
-    /// first use. One type per pool: a second type is refused.
-    pub(crate) fn extension<T: Any + Send + Sync>(&self, init: impl FnOnce() -> T) -> Result<&T> {
-        // Borrowed, not cloned: the collectives look it up on every call.
-        self.inner
-            .extension
-            .get_or_init(|| Arc::new(init()) as Arc<dyn Any + Send + Sync>)
-            .downcast_ref::<T>()
-            .ok_or_else(|| Error::Internal {
-                what: "two layers claimed the pool's extension slot".into(),
-            })
     }
 
     /// The pool's state, with the frees that `Drop` deferred applied first. A lock
@@ -329,75 +293,12 @@ impl SymmPool {
             }
         };
         if st.broken.is_none()
-            && let Some(why) = self.inner.check_failure.get()
+            && let Some(why) = self.inner.outside_failure.get()
         {
             st.broken = Some(why.clone());
         }
         self.apply_deferred(&mut st);
         st
-    }
-
-    /// The error a `Drop` recorded, if any (taken: reported once).
-    pub(crate) fn take_deferred_error(&self) -> Result<()> {
-        let taken = self
-            .inner
-            .deferred_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        match taken {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// Record a failure inside a `Drop` for the next fallible call (the first one
-    /// wins until it is reported).
-    pub(crate) fn record_deferred_error(&self, during: String, error: Error) {
-        tracing::error!(target: "symmpool::pool", rank = self.rank(), during = %during,
-            error = %error, "failure inside a drop, returned by the next call");
-        self.inner
-            .deferred_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert(Error::Deferred {
-                during,
-                source: Box::new(error),
-            });
-    }
-
-    /// Apply frees that found the state busy, in the order they were made.
-    fn apply_deferred(&self, st: &mut PoolState) {
-        let pending = std::mem::take(
-            &mut *self
-                .inner
-                .deferred
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
-        if !pending.is_empty() {
-            tracing::debug!(target: "symmpool::pool", rank = self.rank(), count = pending.len(),
-                "deferred frees applied");
-        }
-        for (block, fences) in pending {
-            self.apply_free(st, block, &fences);
-        }
-    }
-
-    fn apply_free(&self, st: &mut PoolState, block: BlockId, fences: &[Wait]) {
-        if st.closed {
-            return;
-        }
-        match st.core.free(block, fences) {
-            Ok(()) => {
-                st.history.record(CallKind::Free, block.seq, 0);
-                st.fenced_streams.extend(fences.iter().map(|w| w.stream));
-            }
-            Err(e) => self.record_deferred_error(
-                format!("returning allocation #{} to the pool", block.seq),
-                e.into(),
-            ),
-        }
     }
 
     /// Allocate `size_bytes` on `stream`, with the default alignment (512 B).
@@ -453,7 +354,6 @@ impl SymmPool {
         self.inner.backend.check_stream(stream)?;
         let mut st = self.state();
         st.check_usable()?;
-        self.light_agreement_due(&mut st)?;
         if !st.known_streams.iter().any(|s| s.id() == stream.id()) {
             st.known_streams.push(stream.clone());
         }
@@ -470,7 +370,10 @@ impl SymmPool {
             Err(AllocError::NeedsGrowth(growth)) => {
                 st.history
                     .record(CallKind::Alloc, size_bytes, effective_align);
-                self.grow_traced(&mut st, growth, stream)?;
+                // One deadline for the whole growth (made only when it grows: a cache
+                // hit does not read the clock).
+                let deadline = Deadline::after(self.inner.config.timeout);
+                self.grow_traced(&mut st, growth, stream, deadline)?;
                 st.core.alloc(req)?
             }
             Err(e) => return Err(e.into()),
@@ -501,45 +404,20 @@ impl SymmPool {
         Ok(buffer)
     }
 
-    /// The periodic light agreement of the running call hash (see
-    /// [`PoolConfig::check_every_calls`]), when due: at the first allocation once that
-    /// many pool calls have passed, a point that depends on the call sequence only.
-    fn light_agreement_due(&self, st: &mut PoolState) -> Result<()> {
-        let every = self.inner.config.check_every_calls;
-        if every == 0 || self.inner.config.check == CheckMode::Off {
-            return Ok(());
-        }
-        let seq = st.history.seq();
-        if seq < st.light_next {
-            return Ok(());
-        }
-        st.light_next = seq.saturating_add(every);
-        crate::coll::light_agreement(self, seq, st.history.hash())
-    }
-
-    /// The exchange channel of this pool's collective checks.
-    pub(crate) fn check_channel(&self) -> ChannelId {
-        self.inner.check_channel
-    }
-
-    /// Mark the pool broken by a failed collective check (the first reason wins).
-    pub(crate) fn check_failure(&self) -> Arc<OnceLock<String>> {
-        self.inner.check_failure.clone()
-    }
-
     /// [`grow`](Self::grow) in a `growth` span that records its duration.
     fn grow_traced(
         &self,
         st: &mut PoolState,
         growth: crate::core::Growth,
         stream: &Stream,
+        deadline: Deadline,
     ) -> Result<crate::core::SegmentId> {
         let span = tracing::info_span!(target: "symmpool::pool", "growth", rank = self.rank(),
             pool = %self.inner.config.name, class = ?growth.class,
             segment_bytes = growth.segment_bytes, seconds = tracing::field::Empty);
         let _entered = span.enter();
         let started = std::time::Instant::now();
-        let out = self.grow(st, growth, stream);
+        let out = self.grow(st, growth, stream, deadline);
         span.record("seconds", started.elapsed().as_secs_f64());
         out
     }
@@ -574,121 +452,6 @@ impl SymmPool {
             Err(Error::PoolClosed)
         } else {
             Ok(())
-        }
-    }
-
-    /// Tell the core which fences are complete (only the `active_bytes` statistic
-    /// depends on it).
-    pub(crate) fn refresh_fences(&self, st: &mut PoolState) -> Result<()> {
-        let streams = self.inner.backend.streams();
-        for &sid in &st.fenced_streams.clone() {
-            if let Some(fence) = streams.completed_fence(sid)? {
-                st.core.complete_fences(sid, fence);
-            }
-        }
-        Ok(())
-    }
-
-    /// Statistics of the pool and its core. Asks the device which fences completed
-    /// first, so `active_bytes` falls back to the live figure once the streams that
-    /// used freed blocks are done.
-    pub fn stats(&self) -> PoolStats {
-        let mut st = self.state();
-        if let Err(e) = self.refresh_fences(&mut st) {
-            tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
-                "querying fences for statistics failed");
-        }
-        let comms = self.inner.backend.communicators();
-        let mut windows = vec![0; comms.len()];
-        for entry in st.segments.values() {
-            for (c, w) in entry.windows.iter().enumerate() {
-                windows[c] += u64::from(w.is_some());
-            }
-        }
-        PoolStats {
-            roles: comms.iter().map(|c| c.role).collect(),
-            core: st.core.stats(),
-            registrations: st.counters.registrations.clone(),
-            windows,
-            deregistrations: st.counters.deregistrations.clone(),
-            agreements: st.counters.agreements,
-            growth_seconds: st.counters.growth_time.as_secs_f64(),
-            calls: st.history.seq(),
-        }
-    }
-
-    /// Reset the peaks of the core's statistics.
-    pub fn reset_peak(&self) {
-        self.state().core.reset_peak();
-    }
-
-    /// Every segment and block (serialisable with serde).
-    pub fn snapshot(&self) -> Snapshot {
-        self.state().core.snapshot()
-    }
-
-    /// Run the core's invariant check (for tests and debugging).
-    ///
-    /// # Errors
-    /// The violation found.
-    pub fn check_invariants(&self) -> std::result::Result<(), crate::core::InvariantViolation> {
-        self.state().core.check_invariants()
-    }
-
-    /// Return a block to the cache (from `SymmBuffer::drop`): record a fence on every
-    /// stream that used it. Never collective, never waits for the state; failures are
-    /// returned by the next fallible call.
-    pub(crate) fn release_block(&self, buf: &SymmBuffer) {
-        if self.is_closed() {
-            return;
-        }
-        let mut fences: SmallVec<[Wait; 3]> = SmallVec::new();
-        for s in &buf.streams() {
-            match self.inner.backend.streams().record_fence(s) {
-                Ok(f) => fences.push(Wait {
-                    stream: s.id(),
-                    fence: f,
-                }),
-                // The device is failing (a fence is an event record). Free the block
-                // anyway, so that this rank's calls stay in step with its peers'.
-                Err(e) => self.record_deferred_error(
-                    format!(
-                        "recording a fence for allocation #{} on {s:?}",
-                        buf.allocation_seq()
-                    ),
-                    e,
-                ),
-            }
-        }
-        // Never wait for the state: another thread may hold it through a whole
-        // agreement (up to the timeout). Then the free is queued and applied, in
-        // order, by the next pool call.
-        match self.inner.state.try_lock() {
-            Ok(mut st) => {
-                self.apply_deferred(&mut st);
-                self.apply_free(&mut st, buf.block, &fences);
-            }
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                let mut st = p.into_inner();
-                st.broken.get_or_insert_with(|| {
-                    "a thread panicked while it held the pool's state".into()
-                });
-                self.apply_deferred(&mut st);
-                self.apply_free(&mut st, buf.block, &fences);
-            }
-            Err(std::sync::TryLockError::WouldBlock) => {
-                tracing::debug!(target: "symmpool::pool", rank = self.rank(),
-                    allocation = buf.block.seq, "free deferred: the pool is busy");
-                self.inner
-                    .counters
-                    .deferred_frees
-                    .fetch_add(1, Ordering::Relaxed);
-                self.inner
-                    .deferred
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push((buf.block, fences));
-            }
         }
     }
 }

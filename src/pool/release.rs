@@ -2,20 +2,15 @@
 //! dropped without `close`. Order (NCCL's): drain the device, deregister every window,
 //! free the segment.
 
-use super::agreement::{CallKind, op};
 use super::state::{PoolState, SegmentEntry};
 use super::{PoolInner, SymmPool};
 use crate::backend::Backend;
 use crate::core::SegmentId;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::group::{CallKind, Op};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
-/// `now + timeout`, or far in the future for an endless timeout.
-pub(crate) fn deadline_after(timeout: Duration) -> Instant {
-    crate::control::deadline_after(Instant::now(), timeout)
-}
 
 /// Deregister and free one entry. On failure the entry comes back with what is left
 /// of it (windows that would not deregister, the segment) for a later retry.
@@ -61,9 +56,9 @@ fn release_entry(
 impl SymmPool {
     /// Deregister and free the segments this rank still holds but the core no longer
     /// does (released by `trim`/`close`, or left over from a failed release); drains
-    /// the device first, for at most the pool's timeout. A segment whose release fails
+    /// the device first, until `deadline`. A segment whose release fails
     /// stays listed, and the next `trim`, `close` or drop of the pool tries again.
-    pub(super) fn release_segments(&self, st: &mut PoolState) -> Result<()> {
+    pub(super) fn release_segments(&self, st: &mut PoolState, deadline: Deadline) -> Result<()> {
         let held: std::collections::BTreeSet<SegmentId> =
             st.core.segments().map(|(id, _, _)| id).collect();
         let gone: Vec<SegmentId> = st
@@ -76,11 +71,11 @@ impl SymmPool {
             return Ok(());
         }
         let backend = &self.inner.backend;
-        let timeout = self.inner.config.timeout;
-        if !backend.streams().drain(deadline_after(timeout))? {
+        let started = std::time::Instant::now();
+        if !backend.streams().drain(deadline.instant())? {
             return Err(Error::Timeout {
                 op: "draining the device before releasing segments",
-                waited: timeout,
+                waited: started.elapsed(),
                 missing_ranks: Vec::new(),
             });
         }
@@ -128,11 +123,12 @@ impl SymmPool {
             return Err(Error::PoolClosed);
         }
         st.history.record(CallKind::Trim, 0, 0);
+        let deadline = Deadline::after(self.inner.config.timeout);
         let ready = st.readiness() as u64;
-        let flags = self.agree(&mut st, op::TRIM, "trim", 0, ready)?;
+        let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
         st.all_ready(&flags)?;
         let released = st.core.release_free_segments();
-        self.release_segments(&mut st)?;
+        self.release_segments(&mut st, deadline)?;
         Ok(released.iter().map(|(_, b)| b).sum())
     }
 
@@ -156,7 +152,8 @@ impl SymmPool {
         }
         st.history.record(CallKind::Close, 0, 0);
         let live = st.core.stats().allocated_blocks.current;
-        let live_per_rank = self.agree(&mut st, op::CLOSE, "close", 0, live)?;
+        let deadline = Deadline::after(self.inner.config.timeout);
+        let live_per_rank = self.agree(&mut st, Op::Close, "close", 0, live, deadline)?;
         if live_per_rank.iter().any(|&l| l > 0) {
             return Err(Error::BuffersAlive { live_per_rank });
         }
@@ -164,7 +161,7 @@ impl SymmPool {
         st.closed = true;
         self.inner.closed.store(true, Ordering::Release);
         // If this fails, the segments stay listed and dropping the pool retries.
-        self.release_segments(&mut st)?;
+        self.release_segments(&mut st, deadline)?;
         self.take_deferred_error()
     }
 }
@@ -188,7 +185,7 @@ impl Drop for PoolInner {
         let drained = self
             .backend
             .streams()
-            .drain(deadline_after(self.config.timeout));
+            .drain(Deadline::after(self.config.timeout).instant());
         if !matches!(drained, Ok(true)) {
             let why = match drained {
                 Err(e) => e.to_string(),

@@ -1,10 +1,10 @@
 //! What a pool holds under its lock: the core, the call history, and the segment
 //! entries that own the memory and windows.
 
-use super::agreement::History;
 use crate::backend::{Segment, Window};
 use crate::core::{Allocator, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
+use crate::group::{History, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,35 +25,6 @@ impl SegmentEntry {
     /// The window on communicator `comm`, if any.
     pub(crate) fn window(&self, comm: usize) -> Option<&Window> {
         self.windows.get(comm).and_then(Option::as_ref)
-    }
-}
-
-/// A rank's readiness for a collective pool operation, carried in the agreement so
-/// that a rank-local obstacle fails every rank the same way instead of leaving the
-/// others to time out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u64)]
-pub(crate) enum Readiness {
-    /// Nothing stands in the way.
-    Ready = 1,
-    /// A stream of the operation is capturing a CUDA graph: no registration now.
-    Capturing = 2,
-    /// A window registration failed earlier (on some rank; every rank learnt it in
-    /// the growth's outcome round): the ranks' windows may be out of step.
-    RegistrationBroken = 3,
-    /// This rank's pool is broken (a panic under its lock, an internal error).
-    PoolBroken = 4,
-}
-
-impl Readiness {
-    pub(crate) fn from_u64(x: u64) -> Option<Self> {
-        Some(match x {
-            1 => Readiness::Ready,
-            2 => Readiness::Capturing,
-            3 => Readiness::RegistrationBroken,
-            4 => Readiness::PoolBroken,
-            _ => return None,
-        })
     }
 }
 
@@ -87,8 +58,6 @@ pub(crate) struct PoolState {
     /// Streams with fences recorded at frees: polled for completion by `stats`.
     pub(crate) fenced_streams: BTreeSet<StreamId>,
     pub(crate) counters: Counters,
-    /// The pool call count at which the next light agreement is due.
-    pub(crate) light_next: u64,
     /// Streams the pool has allocated on: `reserve` refuses while any is capturing.
     pub(crate) known_streams: Vec<crate::stream::Stream>,
 }
@@ -109,7 +78,6 @@ impl PoolState {
                 deregistrations: vec![0; comms],
                 ..Counters::default()
             },
-            light_next: 0,
             known_streams: Vec::new(),
         }
     }

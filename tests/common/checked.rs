@@ -4,8 +4,10 @@
 
 use std::thread;
 use std::time::Duration;
-use symmpool::coll::{self, CollectiveReport, PathPolicy};
-use symmpool::{Backend, CheckMode, Error, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool};
+use symmpool::coll::{CollectiveReport, PathPolicy};
+use symmpool::{
+    Backend, CheckMode, Coll, Error, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
+};
 
 /// Records an async pool may have posted and not yet seen compared.
 pub const Q: usize = 4;
@@ -115,7 +117,9 @@ pub fn rank_body(s: Scenario, pools: &[SymmPool], perturbed: bool, stream: &Stre
     let rank = pool.rank();
     let world = pool.world_size() as u64;
     let mut seen = Seen::default();
-    let ag = |b: &SymmBuffer| coll::all_gather_in_place::<f32>(b, stream);
+    // One handle for the rank's pools: crossed pools share its communicator numbers.
+    let coll = Coll::with_pools(pools).unwrap();
+    let ag = |b: &SymmBuffer| coll.all_gather_in_place::<f32>(b, stream);
     // Grow together first (a small segment serves every size below).
     drop(pool.alloc(1 << 20, stream).unwrap());
     if s == Scenario::CrossedPools {
@@ -207,18 +211,14 @@ pub fn rank_body(s: Scenario, pools: &[SymmPool], perturbed: bool, stream: &Stre
                 ReduceOp::Sum
             };
             for _ in 0..MORE {
-                let f = || coll::reduce_scatter_in_place::<f32>(&buf, op, stream);
+                let f = || coll.reduce_scatter_in_place::<f32>(&buf, op, stream);
                 if !seen.call(rank, &[&buf], f) {
                     break;
                 }
             }
         }
         Scenario::CopyEngineSize => {
-            coll::set_path_policy(
-                pool,
-                PathPolicy::default().with_ce_all_gather_min_bytes(64 << 10),
-            )
-            .unwrap();
+            coll.set_path_policy(PathPolicy::default().with_ce_all_gather_min_bytes(64 << 10));
             let per_rank = if perturbed { 128 << 10 } else { 8 << 10 };
             let buf = pool.alloc(world * per_rank, stream).unwrap();
             for _ in 0..MORE {
@@ -228,7 +228,7 @@ pub fn rank_body(s: Scenario, pools: &[SymmPool], perturbed: bool, stream: &Stre
             }
         }
     }
-    seen.after = coll::wait_checks(pool).err();
+    seen.after = coll.wait_checks().err();
     seen
 }
 

@@ -1,0 +1,395 @@
+//! The collective calls of a [`Coll`] handle: argument checks, the path choice, the
+//! record, the launch.
+
+use super::path::{CollOp, Inputs, select};
+use super::{Choice, Coll, CollectiveReport, Path, PoolColl, path, path_index};
+use crate::backend::{CollArgs, Region};
+use crate::deadline::Deadline;
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::group::{
+    BufferRecord, CheckMode, CollKind, CollectiveRecord, RecordKind, dtype_code, reduce_code,
+};
+use crate::pool::{SymmBuffer, SymmPool};
+use crate::stream::Stream;
+use std::sync::atomic::Ordering;
+
+/// Check that the buffers are this pool's, the pool is open, and note `stream` on
+/// buffers allocated elsewhere (so their reuse waits for this collective).
+fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
+    let pool = bufs[0].pool();
+    for b in bufs {
+        if !b.pool().same_pool(pool) {
+            return Err(failed(
+                pool,
+                Error::ForeignBuffer {
+                    allocation_seq: b.allocation_seq(),
+                },
+            ));
+        }
+    }
+    if let Err(e) = pool.check_open() {
+        return Err(failed(pool, e));
+    }
+    if let Err(e) = pool.backend().check_stream(stream) {
+        return Err(failed(pool, e));
+    }
+    for b in bufs {
+        if b.stream().id() != stream.id()
+            && let Err(e) = b.record_stream(stream)
+        {
+            return Err(failed(pool, e));
+        }
+    }
+    Ok(pool)
+}
+
+/// Report `e` before a public collective returns it (out of line: the error path).
+#[cold]
+#[inline(never)]
+fn failed(pool: &SymmPool, e: Error) -> Error {
+    crate::pool::events::call_failed(pool, "collective", &e);
+    e
+}
+
+fn invalid(op: &'static str, detail: String) -> Error {
+    tracing::error!(target: "symmpool::coll", op, error = %detail, "symmpool call failed");
+    Error::InvalidCollective { op, detail }
+}
+
+/// Elements of `T` in `bytes`, or an error if `T` does not divide it.
+fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64> {
+    let size = std::mem::size_of::<T>() as u64;
+    if bytes == 0 || !bytes.is_multiple_of(size) {
+        return Err(invalid(
+            op,
+            format!("{what} of {bytes} bytes is not a positive number of {size}-byte elements"),
+        ));
+    }
+    Ok(bytes / size)
+}
+
+/// One side of a collective: the buffer and the bytes of it the call touches.
+pub(super) type Side<'a> = (&'a SymmBuffer, Region<'a>);
+
+/// A buffer as a record carries it.
+#[inline]
+fn buffer_record(b: &SymmBuffer) -> BufferRecord {
+    BufferRecord {
+        allocation: b.allocation_seq(),
+        segment: b.segment().0,
+        offset_bytes: b.offset_bytes(),
+        len_bytes: b.len_bytes(),
+    }
+}
+
+/// This rank's chunk of a buffer (`whole`, its region) split into world equal parts,
+/// and its element count.
+fn own_chunk<'a, T: Element>(
+    op: &'static str,
+    pool: &SymmPool,
+    buffer: &SymmBuffer,
+    whole: Region<'a>,
+) -> Result<(Region<'a>, u64)> {
+    let world = pool.world_size() as u64;
+    let total = elements::<T>(op, "buffer", buffer.len_bytes())?;
+    if !total.is_multiple_of(world) {
+        return Err(invalid(
+            op,
+            format!("{total} elements do not split evenly over {world} ranks"),
+        ));
+    }
+    let count = total / world;
+    let chunk_bytes = count * std::mem::size_of::<T>() as u64;
+    let own = whole.sub(pool.rank() as u64 * chunk_bytes, chunk_bytes)?;
+    Ok((own, count))
+}
+
+impl Coll {
+    /// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at
+    /// `rank * N` in every rank's `output` (world × N elements), on `stream`.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes.
+    ///
+    /// # Errors
+    /// [`Error::ForeignBuffer`] if the buffers come from different pools;
+    /// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does not divide the input
+    /// or `output` is not exactly world × `input` bytes; backend errors (on the host
+    /// backend also [`Error::Timeout`]); [`Error::CollectiveDivergence`] when the pool's
+    /// collective check finds the ranks disagree (see "Checked collectives" above).
+    pub fn all_gather<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        const OP: &str = "all_gather";
+        let pool = prepare(&[input, output], stream)?;
+        let count = elements::<T>(OP, "input", input.len_bytes())?;
+        let world = pool.world_size() as u64;
+        if input.len_bytes().checked_mul(world) != Some(output.len_bytes()) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "output has {} bytes, expected {world} x {} bytes",
+                    output.len_bytes(),
+                    input.len_bytes()
+                ),
+            ));
+        }
+        self.dispatch(
+            pool,
+            CollOp::AllGather,
+            (input, input.region()?),
+            (output, output.region()?),
+            count,
+            T::DTYPE,
+            stream,
+            None,
+        )
+    }
+
+    /// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
+    /// rank's N at `rank * N`; afterwards every rank has all of them.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidCollective`] unless the length is a positive multiple of
+    /// world × `size_of::<T>()`; otherwise as [`all_gather`](Self::all_gather).
+    pub fn all_gather_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        const OP: &str = "all_gather_in_place";
+        let pool = prepare(&[buffer], stream)?;
+        let whole = buffer.region()?;
+        let (send, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
+        self.dispatch(
+            pool,
+            CollOp::AllGather,
+            (buffer, send),
+            (buffer, whole),
+            count,
+            T::DTYPE,
+            stream,
+            None,
+        )
+    }
+
+    /// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
+    /// ranks of elements `[rank * N, (rank + 1) * N)` of every rank's `input`
+    /// (world × N elements). `Sum` may run NCCL's symmetric kernel; other operations run
+    /// NCCL's ordinary kernels.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation.
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather), with `input` exactly world × `output` bytes.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        const OP: &str = "reduce_scatter";
+        let pool = prepare(&[input, output], stream)?;
+        let count = elements::<T>(OP, "output", output.len_bytes())?;
+        let world = pool.world_size() as u64;
+        if output.len_bytes().checked_mul(world) != Some(input.len_bytes()) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "input has {} bytes, expected {world} x {} bytes",
+                    input.len_bytes(),
+                    output.len_bytes()
+                ),
+            ));
+        }
+        self.dispatch(
+            pool,
+            CollOp::ReduceScatter(op),
+            (input, input.region()?),
+            (output, output.region()?),
+            count,
+            T::DTYPE,
+            stream,
+            None,
+        )
+    }
+
+    /// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
+    /// this rank's chunk `[rank * N, (rank + 1) * N)` holds the reduction over ranks.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation.
+    ///
+    /// # Errors
+    /// As [`all_gather_in_place`](Self::all_gather_in_place).
+    pub fn reduce_scatter_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        const OP: &str = "reduce_scatter_in_place";
+        let pool = prepare(&[buffer], stream)?;
+        let whole = buffer.region()?;
+        let (recv, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
+        self.dispatch(
+            pool,
+            CollOp::ReduceScatter(op),
+            (buffer, whole),
+            (buffer, recv),
+            count,
+            T::DTYPE,
+            stream,
+            None,
+        )
+    }
+
+    /// Pick the path and run one collective: the one dispatch of the public
+    /// collectives and of calibration. `force` replaces the policy's preference for
+    /// this call.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dispatch(
+        &self,
+        pool: &SymmPool,
+        coll: CollOp,
+        (send_buf, send): Side<'_>,
+        (recv_buf, recv): Side<'_>,
+        count: u64,
+        dtype: DType,
+        stream: &Stream,
+        force: Option<Path>,
+    ) -> Result<CollectiveReport> {
+        let Some(entry) = self.entry(pool) else {
+            return Err(failed(
+                pool,
+                Error::ForeignBuffer {
+                    allocation_seq: send_buf.allocation_seq(),
+                },
+            ));
+        };
+        let backend = pool.backend();
+        let bytes_per_rank = count.checked_mul(dtype.size_bytes()).ok_or_else(|| {
+            invalid(
+                "collective",
+                format!("{count} elements overflow a byte count"),
+            )
+        })?;
+        let registered = |c: usize| (send_buf.in_window(c), recv_buf.in_window(c));
+        let checker = &entry.checker;
+        let mode = checker.mode();
+        if let Err(e) = checker.check() {
+            return Err(failed(pool, e));
+        }
+        // The policy is read in place (a clone per call cost as much as the rest of
+        // the call); only a forced path, which calibration uses, builds one of its own.
+        let (comm, path) = {
+            let shared = self.inner.policy.read();
+            let forced = force.map(|p| {
+                shared
+                    .clone()
+                    .with_choices(Choice::Prefer(p), Choice::Prefer(p))
+            });
+            select(&Inputs {
+                coll,
+                bytes_per_rank,
+                dtype,
+                version: backend.nccl_version(),
+                world_size: backend.world_size(),
+                nodes: backend.info().nodes,
+                comms: backend.communicators(),
+                registered: &registered,
+                policy: forced.as_ref().unwrap_or(&shared),
+            })
+        };
+        let op = match coll {
+            CollOp::AllGather => ReduceOp::Sum,
+            CollOp::ReduceScatter(op) => op,
+        };
+        let windows = if path == Path::PlainKernel {
+            (None, None)
+        } else {
+            (send_buf.window(comm), recv_buf.window(comm))
+        };
+        let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows);
+        // Strict: the record's round and the launch are one step on this pool.
+        let mut strict = (mode == CheckMode::Strict).then(|| checker.strict_lock());
+        if mode != CheckMode::Off {
+            let record = self.record(entry, coll, (send_buf, recv_buf), count, dtype, comm, path);
+            let deadline = || Deadline::after(pool.config().timeout);
+            if let Err(e) = checker.submit(strict.as_mut(), record, deadline) {
+                return Err(failed(pool, e));
+            }
+        }
+        let ran = match coll {
+            CollOp::AllGather => backend.collectives().all_gather(&args),
+            CollOp::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
+        };
+        drop(strict);
+        if let Err(e) = ran {
+            checker.break_on(&e);
+            return Err(failed(pool, e));
+        }
+        let report = CollectiveReport {
+            path,
+            comm,
+            role: backend.communicators()[comm].role,
+            bytes_per_rank,
+        };
+        entry.counters.add(path_index(path), bytes_per_rank);
+        if tracing::level_enabled!(tracing::Level::DEBUG) {
+            path::collective(coll == CollOp::AllGather, &report);
+        }
+        Ok(report)
+    }
+
+    /// This rank's record of a collective (counting it on its pool and communicator).
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn record(
+        &self,
+        entry: &PoolColl,
+        coll: CollOp,
+        (send_buf, recv_buf): (&SymmBuffer, &SymmBuffer),
+        count: u64,
+        dtype: DType,
+        comm: usize,
+        path: Path,
+    ) -> CollectiveRecord {
+        let (collective, reduction) = match coll {
+            CollOp::AllGather => (CollKind::AllGather, None),
+            CollOp::ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
+        };
+        let comm_seq = self
+            .inner
+            .comm_seqs
+            .get(comm)
+            .map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1);
+        // The pool's call count and hash, in one lock-free read.
+        let (call_seq, call_hash) = entry.pool.call_head();
+        CollectiveRecord {
+            kind: RecordKind::Collective,
+            pool: entry.pool.channel().ordinal(),
+            pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
+            collective,
+            dtype: Some(dtype_code(dtype)),
+            reduction,
+            count,
+            comm: comm as u64,
+            comm_seq,
+            path: Some(path_index(path) as u8),
+            input: buffer_record(send_buf),
+            output: buffer_record(recv_buf),
+            call_seq,
+            call_hash,
+        }
+    }
+}

@@ -1,0 +1,686 @@
+//! Checked collectives: every collective's record, compared across ranks before it is
+//! launched ([`CheckMode::Strict`]) or off the calling thread ([`CheckMode::Async`]).
+//! The collectives handle ([`Coll`](crate::coll::Coll)) makes the records; this module
+//! exchanges and compares them.
+
+use super::record::{self, Fields, Value, first_difference};
+use crate::control::{ChannelId, Exchange};
+use crate::deadline::Deadline;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{CollectiveDivergence, Error, Result};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// How the ranks check that they make the same collectives on the same buffers
+/// (see [`coll`](crate::coll), "Checked collectives"). Part of the collectives
+/// handle's identity: ranks whose handles use different modes fail when they make it
+/// ([`Error::ChannelMismatch`](crate::Error::ChannelMismatch)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CheckMode {
+    /// No per-collective check: a divergence is silent (NCCL reads peers at the
+    /// caller's offsets) or a hang, exactly as without the crate.
+    Off,
+    /// The calling thread posts each collective's record into a bounded queue and
+    /// returns; a background thread compares the ranks' records. A mismatch makes the
+    /// next call on the pool fail on every rank. The default.
+    #[default]
+    Async,
+    /// The ranks exchange and compare each collective's record before it is
+    /// launched: a mismatch is an error on every rank and no data moves.
+    Strict,
+}
+
+impl CheckMode {
+    /// The mode's name, as in the channel name and the example's `--check` flag.
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckMode::Off => "off",
+            CheckMode::Async => "async",
+            CheckMode::Strict => "strict",
+        }
+    }
+}
+
+/// Most records one async round carries per rank.
+const MAX_BATCH: usize = 256;
+/// More than the bytes of one encoded record (20 varints of at most 10 bytes, tags).
+const MAX_RECORD_BYTES: usize = 256;
+
+/// The payload of a batch of records.
+fn encode_batch(records: &[CollectiveRecord]) -> Result<Vec<u8>> {
+    record::encode_sized(records, 16 + records.len() * MAX_RECORD_BYTES)
+}
+
+/// What a record is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum RecordKind {
+    /// One collective.
+    Collective,
+    /// A step boundary ([`end_step`](crate::coll::Coll::end_step)): the pool's call
+    /// count and hash, so that pool calls without collectives cannot drift unseen.
+    Step,
+}
+
+/// The collective a record is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum CollKind {
+    /// No collective (a step record).
+    None,
+    AllGather,
+    ReduceScatter,
+}
+
+/// One buffer of a collective: (allocation number, segment, offset, bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub(crate) struct BufferRecord {
+    pub(crate) allocation: u64,
+    pub(crate) segment: u32,
+    pub(crate) offset_bytes: u64,
+    pub(crate) len_bytes: u64,
+}
+
+/// One rank's record of one collective (or of a step boundary). `Copy`: posting one
+/// allocates nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CollectiveRecord {
+    pub(crate) kind: RecordKind,
+    /// The ordinal of the pool's exchange channel (its identity among the ranks).
+    pub(crate) pool: u64,
+    /// Collectives issued on this pool so far.
+    pub(crate) pool_collective: u64,
+    pub(crate) collective: CollKind,
+    pub(crate) dtype: Option<DTypeCode>,
+    pub(crate) reduction: Option<ReduceCode>,
+    pub(crate) count: u64,
+    /// The communicator the path chose, and the collectives issued on it over every
+    /// pool of the handle.
+    pub(crate) comm: u64,
+    pub(crate) comm_seq: u64,
+    /// The path's number (see `coll::path_index`); `None` for a step.
+    pub(crate) path: Option<u8>,
+    pub(crate) input: BufferRecord,
+    pub(crate) output: BufferRecord,
+    /// The pool's call count and running hash before the call.
+    pub(crate) call_seq: u64,
+    pub(crate) call_hash: u64,
+}
+
+/// An element type on the wire.
+pub(crate) type DTypeCode = u8;
+/// A reduction on the wire.
+pub(crate) type ReduceCode = u8;
+
+/// The wire code of `dtype`.
+pub(crate) fn dtype_code(dtype: DType) -> DTypeCode {
+    dtype as u8
+}
+
+/// The wire code of `op`.
+pub(crate) fn reduce_code(op: ReduceOp) -> ReduceCode {
+    op as u8
+}
+
+const DTYPES: [&str; 4] = ["f32", "f16", "bf16", "u8"];
+const REDUCTIONS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
+const PATHS: [&str; 3] = ["copy engine", "symmetric kernel", "plain kernel"];
+
+fn named(names: &[&'static str], code: Option<u8>, none: &'static str) -> Value {
+    match code {
+        None => Value::Name(none),
+        Some(c) => names
+            .get(usize::from(c))
+            .map_or(Value::Number(u64::from(c)), |s| Value::Name(s)),
+    }
+}
+
+impl CollectiveRecord {
+    /// A step-boundary record of the pool `pool`: the collectives issued on it and
+    /// over the handle's communicators so far, and its call count and hash.
+    pub(crate) fn step(
+        pool: u64,
+        pool_collectives: u64,
+        collectives: u64,
+        (call_seq, call_hash): (u64, u64),
+    ) -> Self {
+        CollectiveRecord {
+            kind: RecordKind::Step,
+            pool,
+            pool_collective: pool_collectives,
+            collective: CollKind::None,
+            dtype: None,
+            reduction: None,
+            count: 0,
+            comm: 0,
+            comm_seq: collectives,
+            path: None,
+            input: BufferRecord::default(),
+            output: BufferRecord::default(),
+            call_seq,
+            call_hash,
+        }
+    }
+}
+
+impl Fields for CollectiveRecord {
+    const NAMES: &'static [&'static str] = &[
+        "record kind",
+        "pool (channel ordinal)",
+        "pool collective number",
+        "collective",
+        "element type",
+        "reduction",
+        "count",
+        "communicator",
+        "communicator sequence number",
+        "path",
+        "input allocation",
+        "input segment",
+        "input offset",
+        "input bytes",
+        "output allocation",
+        "output segment",
+        "output offset",
+        "output bytes",
+        "pool call count",
+        "pool call hash",
+    ];
+
+    fn field(&self, i: usize) -> Value {
+        let buffer = |b: &BufferRecord, j: usize| {
+            Value::Number(match j {
+                0 => b.allocation,
+                1 => u64::from(b.segment),
+                2 => b.offset_bytes,
+                _ => b.len_bytes,
+            })
+        };
+        match i {
+            0 => Value::Name(match self.kind {
+                RecordKind::Collective => "collective",
+                RecordKind::Step => "step boundary",
+            }),
+            1 => Value::Number(self.pool),
+            2 => Value::Number(self.pool_collective),
+            3 => Value::Name(match self.collective {
+                CollKind::None => "none (step boundary)",
+                CollKind::AllGather => "all_gather",
+                CollKind::ReduceScatter => "reduce_scatter",
+            }),
+            4 => named(&DTYPES, self.dtype, "none"),
+            5 => named(&REDUCTIONS, self.reduction, "none"),
+            6 => Value::Number(self.count),
+            7 => Value::Number(self.comm),
+            8 => Value::Number(self.comm_seq),
+            9 => named(&PATHS, self.path, "none"),
+            10..=13 => buffer(&self.input, i - 10),
+            14..=17 => buffer(&self.output, i - 14),
+            18 => Value::Number(self.call_seq),
+            _ => Value::Hex(self.call_hash),
+        }
+    }
+}
+
+/// The first field where the ranks' records differ, as a divergence.
+fn compare(
+    records: &[CollectiveRecord],
+    number: u64,
+    pool: &str,
+    found_by: &'static str,
+) -> Option<Box<CollectiveDivergence>> {
+    let (field, values) = first_difference(records)?;
+    Some(Box::new(CollectiveDivergence {
+        pool: pool.to_string(),
+        found_by,
+        record: number,
+        field,
+        values,
+    }))
+}
+
+/// What the checks found: shared by the calling threads and the background thread.
+struct Verdict {
+    broken: AtomicBool,
+    divergence: OnceLock<Box<CollectiveDivergence>>,
+    /// The pool's failure slot (the pool turns it into its `broken` state).
+    failure: Arc<OnceLock<String>>,
+}
+
+impl Verdict {
+    fn diverged(&self, d: Box<CollectiveDivergence>) {
+        tracing::error!(target: "symmpool::coll", divergence = %d, "collective check failed");
+        let _ = self.failure.set(d.to_string());
+        let _ = self.divergence.set(d);
+        self.broken.store(true, Ordering::Release);
+    }
+
+    fn failed(&self, reason: String) {
+        tracing::error!(target: "symmpool::coll", reason = %reason, "pool broken");
+        let _ = self.failure.set(reason);
+        self.broken.store(true, Ordering::Release);
+    }
+
+    fn error(&self) -> Error {
+        match self.divergence.get() {
+            Some(d) => Error::CollectiveDivergence(d.clone()),
+            None => Error::PoolBroken {
+                reason: self
+                    .failure
+                    .get()
+                    .cloned()
+                    .unwrap_or_else(|| "a collective check failed".into()),
+            },
+        }
+    }
+
+    #[inline]
+    fn check(&self) -> Result<()> {
+        if self.broken.load(Ordering::Acquire) {
+            return Err(self.error());
+        }
+        Ok(())
+    }
+}
+
+/// The bounded queue between the calling threads and the checker thread.
+struct Queue {
+    capacity: usize,
+    state: Mutex<QueueState>,
+    /// The checker thread waits here for records.
+    posted: Condvar,
+    /// Callers wait here for room, or for their records to be compared.
+    progress: Condvar,
+}
+
+#[derive(Default)]
+struct QueueState {
+    pending: VecDeque<CollectiveRecord>,
+    /// The checker thread waits on `posted` (only then does a post notify it).
+    idle: bool,
+    /// Records posted and records of this rank compared, in total.
+    posted: u64,
+    compared: u64,
+    started: bool,
+    stop: bool,
+    /// The checker thread has exited.
+    done: bool,
+}
+
+/// Where a checker compares: the pool's name, its check channel, the exchange.
+pub(crate) struct CheckSite {
+    pub(crate) pool: String,
+    pub(crate) channel: ChannelId,
+    pub(crate) exchange: Arc<dyn Exchange>,
+    /// How long a round waits for the peers.
+    pub(crate) timeout: Duration,
+    /// The pool's failure slot: a failed check breaks the pool.
+    pub(crate) failure: Arc<OnceLock<String>>,
+}
+
+/// The collective checks of one pool.
+pub(crate) struct Checker {
+    mode: CheckMode,
+    site: Arc<CheckSite>,
+    verdict: Arc<Verdict>,
+    /// Strict mode: held from a record's round to its collective's launch; counts the
+    /// records compared.
+    strict: Mutex<u64>,
+    queue: Arc<Queue>,
+}
+
+impl fmt::Debug for Checker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Checker")
+            .field("mode", &self.mode)
+            .field("pool", &self.site.pool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Checker {
+    fn drop(&mut self) {
+        // The checker thread finishes the rounds of the records already posted (the
+        // peers post theirs) and exits; wait for that, at most the timeout (a round
+        // never waits longer), so that its handle on the exchange is gone when the
+        // checker is.
+        let deadline = Deadline::after(self.site.timeout);
+        let mut q = self.queue.state.lock();
+        q.stop = true;
+        self.queue.posted.notify_all();
+        if q.started {
+            while !q.done {
+                if self
+                    .queue
+                    .progress
+                    .wait_until(&mut q, deadline.instant())
+                    .timed_out()
+                {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Checker {
+    /// The checks of one pool under `mode`, compared at `site`. The checker thread
+    /// starts with the first posted record.
+    pub(crate) fn new(mode: CheckMode, site: CheckSite, queue_capacity: usize) -> Self {
+        Checker {
+            mode,
+            verdict: Arc::new(Verdict {
+                broken: AtomicBool::new(false),
+                divergence: OnceLock::new(),
+                failure: site.failure.clone(),
+            }),
+            site: Arc::new(site),
+            strict: Mutex::new(0),
+            queue: Arc::new(Queue {
+                capacity: queue_capacity.max(1),
+                state: Mutex::new(QueueState::default()),
+                posted: Condvar::new(),
+                progress: Condvar::new(),
+            }),
+        }
+    }
+
+    pub(crate) fn mode(&self) -> CheckMode {
+        self.mode
+    }
+
+    /// Fail if a check (or a collective that timed out) broke the pool.
+    #[inline]
+    pub(crate) fn check(&self) -> Result<()> {
+        self.verdict.check()
+    }
+
+    /// Break the pool after a collective failed in a way that leaves the ranks out of
+    /// step (a timeout, a lost peer).
+    pub(crate) fn break_on(&self, e: &Error) {
+        if matches!(
+            e,
+            Error::Timeout { .. }
+                | Error::GroupBroken { .. }
+                | Error::PeerLost { .. }
+                | Error::CollectiveMismatch { .. }
+                | Error::Nccl { .. }
+                | Error::NcclTimeout { .. }
+                | Error::NcclWatchdog { .. }
+                | Error::NcclAborted { .. }
+        ) {
+            self.verdict
+                .failed(format!("a collective on this pool failed: {e}"));
+        }
+    }
+
+    /// The strict lock: held by the caller from the record's round to the launch.
+    pub(crate) fn strict_lock(&self) -> MutexGuard<'_, u64> {
+        self.strict.lock()
+    }
+
+    /// Check `record` as the mode says: under `Strict` one round before returning
+    /// (the caller holds [`strict_lock`](Self::strict_lock) until its launch), under
+    /// `Async` posted to the checker thread, under `Off` nothing.
+    ///
+    /// `deadline` makes the call's deadline when a wait needs it (a strict round, a
+    /// full queue), so that an async post that finds room does not read the clock.
+    pub(crate) fn submit(
+        &self,
+        strict: Option<&mut MutexGuard<'_, u64>>,
+        record: CollectiveRecord,
+        deadline: impl FnOnce() -> Deadline,
+    ) -> Result<()> {
+        match (self.mode, strict) {
+            (CheckMode::Off, _) => Ok(()),
+            (CheckMode::Strict, Some(compared)) => self.strict_round(compared, &record, deadline()),
+            (CheckMode::Strict, None) => {
+                let mut compared = self.strict_lock();
+                self.strict_round(&mut compared, &record, deadline())
+            }
+            (CheckMode::Async, _) => self.post(record, deadline),
+        }
+    }
+
+    /// Strict: one round with `record`; a difference is an error on every rank.
+    fn strict_round(
+        &self,
+        compared: &mut u64,
+        record: &CollectiveRecord,
+        deadline: Deadline,
+    ) -> Result<()> {
+        self.verdict.check()?;
+        let payload = encode_batch(std::slice::from_ref(record))?;
+        let all = match self.site.exchange.all_gather(
+            self.site.channel,
+            "strict collective check",
+            &payload,
+            deadline.remaining(),
+        ) {
+            Ok(all) => all,
+            Err(e) => {
+                self.verdict
+                    .failed(format!("the strict collective check failed: {e}"));
+                return Err(e);
+            }
+        };
+        let mut records = Vec::with_capacity(all.len());
+        for (rank, p) in all.iter().enumerate() {
+            match record::decode::<Vec<CollectiveRecord>>(p).as_deref() {
+                Some([r]) => records.push(*r),
+                _ => {
+                    self.verdict
+                        .failed(format!("rank {rank} sent an unreadable check record"));
+                    return Err(self.verdict.error());
+                }
+            }
+        }
+        *compared += 1;
+        if let Some(d) = compare(&records, *compared, &self.site.pool, "strict check") {
+            self.verdict.diverged(d);
+            return Err(self.verdict.error());
+        }
+        Ok(())
+    }
+
+    /// Async: post `record` (waiting for room if the queue is full, until `deadline`
+    /// capped at twice the timeout) and return.
+    fn post(&self, record: CollectiveRecord, deadline: impl FnOnce() -> Deadline) -> Result<()> {
+        let q = &self.queue;
+        let mut st = q.state.lock();
+        self.verdict.check()?;
+        if !st.started {
+            self.start()?;
+            st.started = true;
+        }
+        if st.pending.len() >= q.capacity {
+            // The checker thread waits for the peers' records for at most the
+            // timeout, then breaks the pool: wait a little longer than that.
+            let patience = self.site.timeout.saturating_mul(2);
+            let deadline = deadline().cap(patience);
+            while st.pending.len() >= q.capacity {
+                self.verdict.check()?;
+                if q.progress
+                    .wait_until(&mut st, deadline.instant())
+                    .timed_out()
+                    && st.pending.len() >= q.capacity
+                {
+                    self.verdict.failed(format!(
+                        "the async collective check made no progress for {patience:?}"
+                    ));
+                    return Err(self.verdict.error());
+                }
+            }
+        }
+        st.pending.push_back(record);
+        st.posted += 1;
+        if st.idle {
+            q.posted.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Wait until every record posted so far is compared (or the checker thread
+    /// stopped), at most until `deadline`, then return the verdict. At once unless
+    /// `Async`.
+    pub(crate) fn wait_compared(&self, deadline: Deadline) -> Result<()> {
+        if self.mode != CheckMode::Async {
+            return self.verdict.check();
+        }
+        let q = &self.queue;
+        let started = std::time::Instant::now();
+        let mut st = q.state.lock();
+        let target = st.posted;
+        while st.compared < target && !st.done && self.verdict.divergence.get().is_none() {
+            if q.progress
+                .wait_until(&mut st, deadline.instant())
+                .timed_out()
+                && st.compared < target
+                && !st.done
+            {
+                return Err(Error::Timeout {
+                    op: "waiting for the async collective check",
+                    waited: started.elapsed(),
+                    missing_ranks: Vec::new(),
+                });
+            }
+        }
+        drop(st);
+        self.verdict.check()
+    }
+
+    fn start(&self) -> Result<()> {
+        let worker = Worker {
+            site: self.site.clone(),
+            verdict: self.verdict.clone(),
+            queue: self.queue.clone(),
+            _done: DoneOnDrop(self.queue.clone()),
+        };
+        std::thread::Builder::new()
+            .name(format!("symmpool-check-{}", self.site.pool))
+            .spawn(move || worker.run())
+            .map(drop)
+            .map_err(|e| Error::Internal {
+                what: format!("could not start the pool's check thread: {e}"),
+            })
+    }
+}
+
+/// The background thread of an async checker: exchange rounds of posted records.
+///
+/// Every rank sees every rank's records, so every rank keeps the same per-rank queues
+/// of records not yet compared and makes the same comparisons. A rank whose own queue
+/// there is not empty (it is ahead) joins the next round at once, with whatever it has;
+/// the others join once they have a record to add. So no rank spins, and no round
+/// waits on a rank that has posted nothing unless a peer is ahead of it.
+struct Worker {
+    site: Arc<CheckSite>,
+    verdict: Arc<Verdict>,
+    queue: Arc<Queue>,
+    /// Declared last, so dropped last: says the thread is done once the exchange is
+    /// released, on every way out (a panic too).
+    _done: DoneOnDrop,
+}
+
+/// Marks the checker thread done, and wakes a drop waiting for it.
+struct DoneOnDrop(Arc<Queue>);
+
+impl Drop for DoneOnDrop {
+    fn drop(&mut self) {
+        self.0.state.lock().done = true;
+        self.0.progress.notify_all();
+    }
+}
+
+impl Worker {
+    fn run(self) {
+        let me = self.site.exchange.rank();
+        let world = self.site.exchange.world_size();
+        let mut seen: Vec<VecDeque<CollectiveRecord>> = vec![VecDeque::new(); world];
+        let mut compared = 0u64;
+        let mut records: Vec<CollectiveRecord> = Vec::with_capacity(world);
+        loop {
+            let ahead = !seen[me].is_empty();
+            let batch: Vec<CollectiveRecord> = {
+                let mut st = self.queue.state.lock();
+                loop {
+                    // A collective that timed out breaks the pool but not the check:
+                    // the records posted so far are still compared, so every rank
+                    // learns the same divergence.
+                    if self.verdict.divergence.get().is_some() {
+                        drop(st);
+                        return self.exit();
+                    }
+                    if ahead || !st.pending.is_empty() {
+                        break;
+                    }
+                    if st.stop {
+                        drop(st);
+                        return self.exit();
+                    }
+                    st.idle = true;
+                    self.queue.posted.wait(&mut st);
+                    st.idle = false;
+                }
+                let n = st.pending.len().min(MAX_BATCH);
+                st.pending.drain(..n).collect()
+            };
+            self.queue.progress.notify_all();
+            let payload = match encode_batch(&batch) {
+                Ok(p) => p,
+                Err(e) => return self.fail(e.to_string()),
+            };
+            let all = match self.site.exchange.all_gather(
+                self.site.channel,
+                "async collective check",
+                &payload,
+                self.site.timeout,
+            ) {
+                Ok(all) => all,
+                Err(e) => return self.fail(format!("the async collective check failed: {e}")),
+            };
+            if all.len() != world {
+                return self.fail(format!("{} check payloads for {world} ranks", all.len()));
+            }
+            for (rank, (p, q)) in all.iter().zip(seen.iter_mut()).enumerate() {
+                if rank == me {
+                    // This rank's own records, as posted (not decoded again).
+                    q.extend(batch.iter().copied());
+                    continue;
+                }
+                match record::decode::<Vec<CollectiveRecord>>(p) {
+                    Some(records) => q.extend(records),
+                    None => {
+                        return self.fail(format!("rank {rank} sent an unreadable check record"));
+                    }
+                }
+            }
+            while seen.iter().all(|q| !q.is_empty()) {
+                records.clear();
+                records.extend(seen.iter_mut().filter_map(VecDeque::pop_front));
+                compared += 1;
+                if let Some(d) = compare(&records, compared, &self.site.pool, "async check") {
+                    self.verdict.diverged(d);
+                    return self.exit();
+                }
+            }
+            self.queue.state.lock().compared = compared;
+            self.queue.progress.notify_all();
+        }
+    }
+
+    fn fail(self, reason: String) {
+        self.verdict.failed(reason);
+        self.exit();
+    }
+
+    /// Release the exchange, then say so (`DoneOnDrop`): a checker's drop waits for
+    /// this, so that the exchange (and a store server rank 0 hosts in it) goes when
+    /// the application drops its last handle, not whenever this thread gets to it.
+    fn exit(self) {
+        drop(self);
+    }
+}

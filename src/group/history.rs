@@ -1,0 +1,166 @@
+//! The running record of pool calls: a sequence number, a running hash, and the last
+//! few calls, which the ranks compare before every collective pool operation and
+//! carry in every checked collective's record.
+
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a call was, for the history and the hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[repr(u64)]
+pub(crate) enum CallKind {
+    Alloc = 1,
+    Free = 2,
+    Reserve = 3,
+    Trim = 4,
+    Close = 5,
+    FitToPeak = 6,
+}
+
+/// One recorded call: `a` and `b` are its arguments (alloc: bytes, alignment; free:
+/// the freed allocation's call number, 0; reserve: bytes, 1 for a small segment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CallRecord {
+    pub(crate) seq: u64,
+    pub(crate) kind: CallKind,
+    pub(crate) a: u64,
+    pub(crate) b: u64,
+}
+
+impl CallRecord {
+    pub(crate) fn describe(&self) -> String {
+        match self.kind {
+            CallKind::Alloc => format!(
+                "call #{}: alloc({} B, align {} B)",
+                self.seq, self.a, self.b
+            ),
+            CallKind::Free => format!("call #{}: free(buffer of call #{})", self.seq, self.a),
+            CallKind::Reserve if self.b == 1 => {
+                format!("call #{}: reserve_small({} B)", self.seq, self.a)
+            }
+            CallKind::Reserve => format!("call #{}: reserve({} B)", self.seq, self.a),
+            CallKind::Trim => format!("call #{}: trim()", self.seq),
+            CallKind::Close => format!("call #{}: close()", self.seq),
+            CallKind::FitToPeak => format!("call #{}: fit_to_peak()", self.seq),
+        }
+    }
+}
+
+/// The call count and running hash, readable without the pool's lock: what a
+/// collective's record carries.
+///
+/// Written under the pool's lock by [`History::record`]; read by one lock-free
+/// [`load`](Self::load). The two words are stored hash first, count last (release) and
+/// loaded count first (acquire), so a reader sees a hash at least as new as its count;
+/// a pair that mixes two calls needs a pool call on another thread racing the
+/// collective, which is a divergence the checks report anyway.
+#[derive(Debug)]
+pub(crate) struct CallHead {
+    seq: AtomicU64,
+    hash: AtomicU64,
+}
+
+impl CallHead {
+    /// (calls recorded, running hash).
+    #[inline]
+    pub(crate) fn load(&self) -> (u64, u64) {
+        let seq = self.seq.load(Ordering::Acquire);
+        (seq, self.hash.load(Ordering::Acquire))
+    }
+}
+
+/// Sequence number, running hash and the last `capacity` calls.
+#[derive(Debug, Clone)]
+pub(crate) struct History {
+    seq: u64,
+    hash: u64,
+    recent: VecDeque<CallRecord>,
+    capacity: usize,
+    head: Arc<CallHead>,
+}
+
+/// A 64-bit mix (SplitMix64's finaliser): deterministic, not seeded per process.
+pub(crate) fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+const HASH_SEED: u64 = 0x6a09_e667_f3bc_c908;
+
+impl History {
+    pub(crate) fn new(capacity: usize) -> Self {
+        History {
+            seq: 0,
+            hash: HASH_SEED,
+            recent: VecDeque::with_capacity(capacity),
+            capacity,
+            head: Arc::new(CallHead {
+                seq: AtomicU64::new(0),
+                hash: AtomicU64::new(HASH_SEED),
+            }),
+        }
+    }
+
+    /// Record a call and return its sequence number.
+    pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) -> u64 {
+        self.seq += 1;
+        let seq = self.seq;
+        self.hash = mix(self.hash ^ mix(seq ^ mix((kind as u64) ^ mix(a ^ mix(b)))));
+        self.head.hash.store(self.hash, Ordering::Release);
+        self.head.seq.store(seq, Ordering::Release);
+        if self.capacity > 0 {
+            if self.recent.len() == self.capacity {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(CallRecord { seq, kind, a, b });
+        }
+        seq
+    }
+
+    /// The running hash of every call recorded so far.
+    pub(crate) fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    /// Calls recorded so far.
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The recent calls, oldest first.
+    pub(crate) fn recent(&self) -> impl Iterator<Item = &CallRecord> {
+        self.recent.iter()
+    }
+
+    /// The count and hash as others read them without the lock.
+    pub(crate) fn head(&self) -> Arc<CallHead> {
+        self.head.clone()
+    }
+}
+
+/// A digest of an allocator's state (segment count, byte counts, call counts), compared
+/// in the agreement beside the call hash.
+pub(crate) fn state_digest(parts: &[u64]) -> u64 {
+    parts
+        .iter()
+        .fold(0x243f_6a88_85a3_08d3, |h, &p| mix(h ^ mix(p)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lock_free_head_follows_the_history() {
+        let mut h = History::new(2);
+        let head = h.head();
+        assert_eq!(head.load(), (0, HASH_SEED));
+        h.record(CallKind::Alloc, 4096, 512);
+        h.record(CallKind::Free, 1, 0);
+        assert_eq!(head.load(), (h.seq(), h.hash()));
+        assert_eq!(h.recent().count(), 2);
+    }
+}

@@ -1,0 +1,69 @@
+//! The cross-pool registration-order round: before a window registration, the ranks
+//! agree on the backend's registration channel that every rank's next registration is
+//! the same pool's segment of the same size. Pools sharing a backend that grow in
+//! different orders would otherwise pair one pool's window with another's (NCCL pairs
+//! windows by call order and checks nothing).
+
+use super::record::{self, Fields, Value, first_difference};
+use crate::control::{ChannelId, Exchange};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// One rank's next registration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct RegistrationRecord {
+    pool: String,
+    size_bytes: u64,
+}
+
+impl Fields for RegistrationRecord {
+    const NAMES: &'static [&'static str] = &["pool", "segment bytes"];
+
+    fn field(&self, i: usize) -> Value {
+        match i {
+            0 => Value::Text(self.pool.clone()),
+            _ => Value::Number(self.size_bytes),
+        }
+    }
+}
+
+/// Agree that every rank's next registration is pool `pool`'s segment of
+/// `size_bytes`.
+///
+/// # Errors
+/// [`Error::RegistrationOrder`] naming each rank's pool and size if they differ (an
+/// unreadable record shows as an unnamed pool of 0 bytes); the exchange's errors
+/// ([`Error::Timeout`] by `deadline`, [`Error::PeerLost`]).
+pub(crate) fn agree_registration_order(
+    exchange: &dyn Exchange,
+    channel: ChannelId,
+    pool: &str,
+    size_bytes: u64,
+    deadline: Deadline,
+) -> Result<()> {
+    let mine = RegistrationRecord {
+        pool: pool.to_string(),
+        size_bytes,
+    };
+    let all = exchange.all_gather(
+        channel,
+        "window registration order",
+        &record::encode(&mine)?,
+        deadline.remaining(),
+    )?;
+    let records: Vec<Option<RegistrationRecord>> = all.iter().map(|b| record::decode(b)).collect();
+    let decoded: Option<Vec<&RegistrationRecord>> = records.iter().map(Option::as_ref).collect();
+    if decoded.is_some_and(|d| first_difference(&d).is_none()) {
+        return Ok(());
+    }
+    let order = records
+        .iter()
+        .enumerate()
+        .map(|(rank, r)| match r {
+            Some(r) => (rank, format!("pool {:?}", r.pool), r.size_bytes),
+            None => (rank, "an unreadable registration record".to_string(), 0),
+        })
+        .collect();
+    Err(Error::RegistrationOrder { order })
+}

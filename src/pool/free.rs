@@ -1,0 +1,117 @@
+//! Frees: a dropped [`SymmBuffer`] returns its block with one fence per stream that
+//! used it, never waiting for the pool's state (a busy state queues the free for the
+//! next call), and failures inside `Drop` wait for the next fallible call.
+
+use super::state::PoolState;
+use super::{SymmBuffer, SymmPool};
+use crate::core::{BlockId, Wait};
+use crate::error::{Error, Result};
+use crate::group::CallKind;
+use smallvec::SmallVec;
+use std::sync::atomic::Ordering;
+
+impl SymmPool {
+    /// The error a `Drop` recorded, if any (taken: reported once).
+    pub(crate) fn take_deferred_error(&self) -> Result<()> {
+        let taken = self.inner.deferred_error.lock().take();
+        match taken {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Record a failure inside a `Drop` for the next fallible call (the first one
+    /// wins until it is reported).
+    pub(crate) fn record_deferred_error(&self, during: String, error: Error) {
+        tracing::error!(target: "symmpool::pool", rank = self.rank(), during = %during,
+            error = %error, "failure inside a drop, returned by the next call");
+        self.inner
+            .deferred_error
+            .lock()
+            .get_or_insert(Error::Deferred {
+                during,
+                source: Box::new(error),
+            });
+    }
+
+    /// Apply frees that found the state busy, in the order they were made.
+    pub(super) fn apply_deferred(&self, st: &mut PoolState) {
+        let pending = std::mem::take(&mut *self.inner.deferred.lock());
+        if !pending.is_empty() {
+            tracing::debug!(target: "symmpool::pool", rank = self.rank(), count = pending.len(),
+                "deferred frees applied");
+        }
+        for (block, fences) in pending {
+            self.apply_free(st, block, &fences);
+        }
+    }
+
+    fn apply_free(&self, st: &mut PoolState, block: BlockId, fences: &[Wait]) {
+        if st.closed {
+            return;
+        }
+        match st.core.free(block, fences) {
+            Ok(()) => {
+                st.history.record(CallKind::Free, block.seq, 0);
+                st.fenced_streams.extend(fences.iter().map(|w| w.stream));
+            }
+            Err(e) => self.record_deferred_error(
+                format!("returning allocation #{} to the pool", block.seq),
+                e.into(),
+            ),
+        }
+    }
+
+    /// Return a block to the cache (from `SymmBuffer::drop`): record a fence on every
+    /// stream that used it. Never collective, never waits for the state; failures are
+    /// returned by the next fallible call.
+    pub(crate) fn release_block(&self, buf: &SymmBuffer) {
+        if self.is_closed() {
+            return;
+        }
+        let mut fences: SmallVec<[Wait; 3]> = SmallVec::new();
+        for s in &buf.streams() {
+            match self.inner.backend.streams().record_fence(s) {
+                Ok(f) => fences.push(Wait {
+                    stream: s.id(),
+                    fence: f,
+                }),
+                // The device is failing (a fence is an event record). Free the block
+                // anyway, so that this rank's calls stay in step with its peers'.
+                Err(e) => self.record_deferred_error(
+                    format!(
+                        "recording a fence for allocation #{} on {s:?}",
+                        buf.allocation_seq()
+                    ),
+                    e,
+                ),
+            }
+        }
+        // Never wait for the state: another thread may hold it through a whole
+        // agreement (up to the timeout). Then the free is queued and applied, in
+        // order, by the next pool call.
+        match self.inner.state.try_lock() {
+            Ok(mut st) => {
+                self.apply_deferred(&mut st);
+                self.apply_free(&mut st, buf.block, &fences);
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                let mut st = p.into_inner();
+                st.broken.get_or_insert_with(|| {
+                    "a thread panicked while it held the pool's state".into()
+                });
+                self.apply_deferred(&mut st);
+                self.apply_free(&mut st, buf.block, &fences);
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                tracing::debug!(target: "symmpool::pool", rank = self.rank(),
+                    allocation = buf.block.seq, "free deferred: the pool is busy");
+                self.inner
+                    .counters
+                    .deferred_frees
+                    .fetch_add(1, Ordering::Relaxed);
+                self.inner.deferred.lock().push((buf.block, fences));
+            }
+        }
+    }
+}
