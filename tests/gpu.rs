@@ -566,6 +566,7 @@ mod gpu_tests {
             (0..pool.backend().communicators().len()).all(|c| nccl.is_blocking(c) == Some(true)),
             "data communicators are blocking"
         );
+        let coll = Coll::new(pool).unwrap();
         let stream = pool.new_stream().unwrap();
         pool.reserve(8 * MIB).unwrap();
         let count = 64 * 1024;
@@ -584,8 +585,8 @@ mod gpu_tests {
             "growth is refused while the stream captures"
         );
         let captured = (|| -> symmpool::Result<()> {
-            coll::all_gather::<f32>(&ag_in, &ag_out, &stream)?;
-            coll::reduce_scatter::<f32>(&rs_in, &rs_out, ReduceOp::Sum, &stream)?;
+            coll.all_gather::<f32>(&ag_in, &ag_out, &stream)?;
+            coll.reduce_scatter::<f32>(&rs_in, &rs_out, ReduceOp::Sum, &stream)?;
             Ok(())
         })();
         let graph = cs.end_capture(CUgraphInstantiate_flags(0));

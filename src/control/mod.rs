@@ -56,7 +56,7 @@ use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use client::StoreExchange;
 pub use config::StoreConfig;
@@ -170,13 +170,6 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
         self.open_channel_until(name, Deadline::after(timeout))
     }
-}
-
-/// `now + timeout`, saturating at about a century for endless timeouts: the instant of
-/// [`Deadline::after_from`], for waits outside the control plane that still take an
-/// `Instant`.
-pub(crate) fn deadline_after(now: Instant, timeout: Duration) -> Instant {
-    Deadline::after_from(now, timeout).instant()
 }
 
 /// One all-gather of serde records over `exchange`: `record` is encoded with postcard,
