@@ -38,6 +38,10 @@ pub(super) struct FakeComm {
     pub(super) async_error: AtomicI32,
     revoked: AtomicBool,
     aborted: AtomicBool,
+    /// A split in progress on this (non-blocking) parent: where to write the child
+    /// (an address) and the child, written at the parent's next poll, as NCCL writes
+    /// it when its job ends.
+    pending_split: Mutex<Option<(usize, usize)>>,
     wake: Condvar,
     wake_lock: Mutex<()>,
 }
@@ -127,14 +131,17 @@ unsafe extern "C" fn split(
     p.note("ncclCommSplit");
     // SAFETY: the caller passes valid pointers.
     let blocking = unsafe { (*config).blocking } != 0;
-    // SAFETY: as above.
-    unsafe { *out = FakeComm::make(blocking) };
-    // A non-blocking parent answers "in progress": the caller polls the parent.
+    let child = FakeComm::make(blocking);
     if p.blocking {
-        SUCCESS
-    } else {
-        ffi::IN_PROGRESS
+        // SAFETY: as above.
+        unsafe { *out = child };
+        return SUCCESS;
     }
+    // A non-blocking parent runs the split in the background and writes the child
+    // when it ends (here: at the parent's next poll). Real NCCL (2.28.3) answers
+    // "in progress" for a non-blocking child and "success" at once for a blocking one.
+    *p.pending_split.lock() = Some((out as usize, child as usize));
+    if blocking { SUCCESS } else { ffi::IN_PROGRESS }
 }
 
 unsafe extern "C" fn abort(c: sys::ncclComm_t) -> c_int {
@@ -147,6 +154,11 @@ unsafe extern "C" fn abort(c: sys::ncclComm_t) -> c_int {
 unsafe extern "C" fn get_async_error(c: sys::ncclComm_t, state: *mut c_int) -> c_int {
     let f = fake(c);
     f.note("ncclCommGetAsyncError");
+    if let Some((out, child)) = f.pending_split.lock().take() {
+        // SAFETY: `out` is the split's out-pointer, which the caller keeps alive until
+        // the parent's poll says the split is done (see `ffi::Starting`).
+        unsafe { *(out as *mut sys::ncclComm_t) = child as sys::ncclComm_t };
+    }
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *state = f.async_error.load(Ordering::SeqCst) };
     SUCCESS

@@ -291,18 +291,20 @@ pub(crate) unsafe fn comm_split(
     // (see `Starting`).
     let code = unsafe { (s.split)(parent.0, 0, key, &mut *slot, &mut *config) };
     match status(s, op, code, Some(&parent))? {
-        Status::InProgress => Ok(Starting {
-            poll: parent,
+        // A split off a non-blocking parent runs on NCCL's thread. With a non-blocking
+        // child config NCCL answers `ncclInProgress`; with a blocking one (the data
+        // communicators) it answers `ncclSuccess` at once, because `ncclCommSplit`'s
+        // `NCCLCHECK` lets the group's `ncclInProgress` through, and writes the child
+        // only when the job ends (seen on NCCL 2.28.3, one H200, 2026-12-02). Either
+        // way the parent's asynchronous state says when the job is done; a split that
+        // really made no communicator is reported once the poll of the parent ends.
+        Status::Done if !slot.is_null() => Ok(Starting {
+            poll: RawComm(*slot),
             slot,
             config,
         }),
-        Status::Done if slot.is_null() => Err(Error::Nccl {
-            op,
-            code,
-            message: "NCCL returned no communicator".into(),
-        }),
-        Status::Done => Ok(Starting {
-            poll: RawComm(*slot),
+        Status::InProgress | Status::Done => Ok(Starting {
+            poll: parent,
             slot,
             config,
         }),
