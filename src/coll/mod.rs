@@ -103,6 +103,7 @@
 //! # Ok::<(), symmpool::Error>(())
 //! ```
 
+mod all_reduce;
 mod calibrate;
 mod call;
 mod path;
