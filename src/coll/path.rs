@@ -482,6 +482,72 @@ mod tests {
     }
 
     #[test]
+    fn all_reduce_by_size_type_and_op() {
+        let p = PathPolicy::default();
+        let sum = CollOp::AllReduce(ReduceOp::Sum);
+        // Symmetric at every size by default, for the types NCCL's kernels reduce.
+        for bytes in [4, MIB, 256 * MIB] {
+            assert_eq!(
+                pick(sum, bytes, DType::BF16, V228, (true, true), &p),
+                (0, Path::SymmetricKernel)
+            );
+        }
+        assert_eq!(
+            pick(sum, MIB, DType::U8, V228, (true, true), &p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick(sum, MIB, DType::F32, V228, (true, false), &p),
+            (2, Path::PlainKernel)
+        );
+        let max = CollOp::AllReduce(ReduceOp::Max);
+        assert_eq!(
+            pick(max, MIB, DType::F32, V228, (true, true), &p),
+            (2, Path::PlainKernel)
+        );
+        let avg = CollOp::AllReduce(ReduceOp::Avg);
+        assert_eq!(
+            pick(avg, MIB, DType::F16, V228, (true, true), &p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick(
+                avg,
+                MIB,
+                DType::F16,
+                NcclVersion::new(2, 30, 0),
+                (true, true),
+                &p
+            ),
+            (0, Path::SymmetricKernel)
+        );
+        // Never the copy engine, even when preferred; bands and a preference for plain.
+        let ce = PathPolicy::default().with_all_reduce(Choice::Prefer(Path::CopyEngine));
+        assert_eq!(
+            pick(sum, 256 * MIB, DType::F32, V228, (true, true), &ce),
+            (0, Path::SymmetricKernel)
+        );
+        let banded = PathPolicy::default().with_symmetric_all_reduce_bands(vec![(0, MIB)]);
+        assert_eq!(
+            pick(sum, 2 * MIB, DType::F32, V228, (true, true), &banded).1,
+            Path::PlainKernel
+        );
+        let plain = PathPolicy::default().with_all_reduce(Choice::Prefer(Path::PlainKernel));
+        assert_eq!(
+            pick(sum, 4, DType::F32, V228, (true, true), &plain),
+            (2, Path::PlainKernel)
+        );
+        // The reduce-scatter settings do not steer all-reduce.
+        let rs = PathPolicy::default()
+            .with_symmetric_reduce_scatter_bands(vec![])
+            .with_choices(Choice::Auto, Choice::Prefer(Path::PlainKernel));
+        assert_eq!(
+            pick(sum, MIB, DType::F32, V228, (true, true), &rs).1,
+            Path::SymmetricKernel
+        );
+    }
+
+    #[test]
     fn versions_and_registration_gate_the_fast_paths() {
         let p = PathPolicy::default();
         let big = 256 * MIB;
