@@ -10,13 +10,16 @@
 //!   (unregistered) buffers, raw symmetric kernel, raw copy engine, and the crate's
 //!   automatic path (with the path it reports).
 //! - `rs`: reduce-scatter (bf16, sum) busbw per size: raw ring, raw symmetric, crate.
+//! - `ar`: all-reduce (bf16, sum, out of place) busbw per size: raw `ncclAllReduce` on
+//!   plain buffers, raw on registered buffers (NCCL's symmetric kernel), crate.
 //! - `overlap`: 20 bf16 8192³ cuBLAS GEMMs alone and beside 20 all-gathers of
 //!   256 MiB/rank per mode.
 //!
-//! busbw follows nccl-tests: bytes per rank × (ranks − 1) / time. Every figure is the
+//! busbw follows nccl-tests: bytes per rank × (ranks − 1) / time (all-reduce: bytes ×
+//! 2 (ranks − 1) / ranks / time). Every figure is the
 //! median of 5 repetitions; modes are interleaved within a repetition.
 //!
-//! Run: `cargo bench --bench gpu_collectives -- [alloc] [regcost] [ag] [rs] [overlap]`
+//! Run: `cargo bench --bench gpu_collectives -- [alloc] [regcost] [ag] [rs] [ar] [overlap]`
 
 #[cfg(feature = "nccl")]
 #[path = "../tests/common/fsdp_trace.rs"]
@@ -157,6 +160,25 @@ mod gpu {
         assert_eq!(res, nccl::ncclResult_t::ncclSuccess);
     }
 
+    /// Raw out-of-place all-reduce (bf16, sum) of `bytes` on communicator `c`.
+    fn raw_ar(r: &Rank, input: &SymmBuffer, output: &SymmBuffer, bytes: u64, c: usize) {
+        // SAFETY: input and output hold `bytes` each; see raw_ag.
+        let res = unsafe {
+            nccl::ncclAllReduce(
+                input.device_ptr().unwrap() as *const c_void,
+                output.device_ptr().unwrap() as *mut c_void,
+                (bytes / 2) as usize,
+                nccl::ncclDataType_t::ncclBfloat16,
+                nccl::ncclRedOp_t::ncclSum,
+                r.comm(c),
+                r.cu(),
+            )
+        };
+        // SAFETY: as in raw_rs.
+        let res = unsafe { raw_done(r.comm(c), res) };
+        assert_eq!(res, nccl::ncclResult_t::ncclSuccess);
+    }
+
     impl Rank {
         fn backend_rank(&self) -> usize {
             self.reg.rank()
@@ -207,24 +229,35 @@ mod gpu {
         if r.backend_rank() == 0 {
             println!("\n[calibrate] {:.2} s; busbw GB/s per path (rank 0)", secs);
             println!(
-                "{:<12} {:>8} {:>8} {:>8} {:>8} {:>8}",
-                "bytes/rank", "ag symm", "ag ce", "ag ring", "rs symm", "rs ring"
+                "{:<12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                "bytes/rank",
+                "ag symm",
+                "ag ce",
+                "ag ring",
+                "rs symm",
+                "rs ring",
+                "ar symm",
+                "ar ring"
             );
             let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
             for m in &cal.measurements {
                 println!(
-                    "{:<12} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                    "{:<12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
                     m.bytes,
                     f(m.all_gather[0]),
                     f(m.all_gather[1]),
                     f(m.all_gather[2]),
                     f(m.reduce_scatter[0]),
-                    f(m.reduce_scatter[1])
+                    f(m.reduce_scatter[1]),
+                    f(m.all_reduce[0]),
+                    f(m.all_reduce[1])
                 );
             }
             println!(
-                "policy: copy-engine all-gather from {} B/rank; symmetric reduce-scatter bands {:?}",
-                cal.policy.ce_all_gather_min_bytes, cal.policy.symmetric_reduce_scatter_bands
+                "policy: copy-engine all-gather from {} B/rank; symmetric reduce-scatter bands {:?}; symmetric all-reduce bands {:?}",
+                cal.policy.ce_all_gather_min_bytes,
+                cal.policy.symmetric_reduce_scatter_bands,
+                cal.policy.symmetric_all_reduce_bands
             );
         }
         r.coll.set_path_policy(cal.policy);
@@ -355,6 +388,55 @@ mod gpu {
                     path = r
                         .coll
                         .reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
+                        .unwrap()
+                        .path;
+                }),
+            });
+            if lead {
+                m.print(bytes, path);
+            }
+        }
+    }
+
+    fn section_ar(r: &Rank) {
+        let lead = r.backend_rank() == 0;
+        if lead {
+            println!(
+                "\n[ar] all-reduce bf16 sum out of place, bytes per rank; busbw GB/s; median of {REPS}"
+            );
+            println!(
+                "{:<12} {:>9} {:>9} {:>9} {:>16} {:>9} {:>7} {:>7}",
+                "bytes/rank",
+                "plain",
+                "symm",
+                "crate",
+                "crate path",
+                "crate/best",
+                "IQR best",
+                "IQR crate"
+            );
+        }
+        for bytes in sizes() {
+            let (ri, ro) = (
+                r.reg.alloc(bytes, &r.stream).unwrap(),
+                r.reg.alloc(bytes, &r.stream).unwrap(),
+            );
+            let (pi, po) = (
+                r.plain.alloc(bytes, &r.stream).unwrap(),
+                r.plain.alloc(bytes, &r.stream).unwrap(),
+            );
+            let iters = iters_for(bytes);
+            let mut path = Path::PlainKernel;
+            // measure_modes counts bytes × (ranks − 1); an all-reduce moves
+            // 2 (ranks − 1) / ranks of its bytes.
+            let counted = 2 * bytes / r.world();
+            let m = measure_modes(r, 3, counted, |mode| match mode {
+                0 => r.time(iters, || raw_ar(r, &pi, &po, bytes, PLAIN)),
+                1 => r.time(iters, || raw_ar(r, &ri, &ro, bytes, SYMM)),
+                _ => r.time(iters, || {
+                    path = r
+                        .coll
+                        .all_reduce::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
                         .unwrap()
                         .path;
                 }),
@@ -692,7 +774,7 @@ mod gpu {
                     if want("regcost") {
                         section_regcost(&r, &backend);
                     }
-                    if want("ag") || want("rs") {
+                    if want("ag") || want("rs") || want("ar") {
                         section_calibrate(&r);
                     }
                     if want("ag") {
@@ -700,6 +782,9 @@ mod gpu {
                     }
                     if want("rs") {
                         section_rs(&r);
+                    }
+                    if want("ar") {
+                        section_ar(&r);
                     }
                     if want("overlap") {
                         section_overlap(&r);

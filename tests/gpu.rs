@@ -2,9 +2,9 @@
 //! reported as ignored with the reason (a failure under `SYMMPOOL_REQUIRE_GPU=1`).
 //!
 //! One GPU (NCCL at world size 1): segments and windows, bounded teardown on a stream
-//! that never finishes, cudarc access through `DevicePtr`, collectives on NCCL's
-//! one-rank path, a step's collectives captured in a CUDA graph and replayed. Two GPUs: registration once per segment, collectives against a
-//! host reference for every type and placement, stream-safe reuse under a
+//! that never finishes, cudarc access through `DevicePtr`, collectives (all-reduce
+//! with every reduction and type included) on NCCL's one-rank path, a step's collectives captured in a CUDA graph and replayed. Two GPUs: registration once per segment, collectives against a
+//! host reference for every type, reduction and placement, stream-safe reuse under a
 //! long-running kernel, bad input, checked collectives (every divergence kind of
 //! `common::checked` under `Strict`, the ones that still pair up on the device under
 //! `Async`). The trials run one at a time (each builds its own
@@ -235,6 +235,96 @@ mod gpu_tests {
         out[0].0
     }
 
+    /// NCCL's all-reduce of `inputs` (one per rank) as the host computes it: in rank
+    /// order, rounding to `T` after each step; floating-point averages scale each
+    /// input by 1/ranks first, integer ones divide the (wrapped) sum.
+    fn all_reduce_reference<T: Element>(op: ReduceOp, inputs: &[Vec<T>]) -> Vec<T> {
+        let n = inputs.len() as f64;
+        let premul = op == ReduceOp::Avg && T::DTYPE != symmpool::DType::U8;
+        (0..inputs[0].len())
+            .map(|i| {
+                let mut vals = inputs.iter().map(|d| {
+                    let x = d[i].to_f64();
+                    if premul { T::from_f64(x / n) } else { d[i] }
+                });
+                let first = vals.next().unwrap();
+                let acc = vals.fold(first, |a, b| {
+                    let (a, b) = (a.to_f64(), b.to_f64());
+                    T::from_f64(match op {
+                        ReduceOp::Sum | ReduceOp::Avg => a + b,
+                        ReduceOp::Prod => a * b,
+                        ReduceOp::Max => a.max(b),
+                        ReduceOp::Min => a.min(b),
+                    })
+                });
+                if op == ReduceOp::Avg && !premul {
+                    T::from_f64(acc.to_f64() / n)
+                } else {
+                    acc
+                }
+            })
+            .collect()
+    }
+
+    fn all_reduce_case<T: Element>(
+        pools: &[SymmPool],
+        count: usize,
+        in_place: bool,
+        op: ReduceOp,
+        seed: u64,
+    ) -> Path {
+        let world = pools.len();
+        let size = std::mem::size_of::<T>();
+        let data = |r: usize| {
+            let mut rng = Rng(seed ^ (r as u64 + 200));
+            (0..count).map(|_| rng.value::<T>()).collect::<Vec<T>>()
+        };
+        let out = on_ranks(pools, |pool, stream| {
+            let coll = Coll::new(pool).unwrap();
+            let input = pool.alloc((count * size) as u64, stream).unwrap();
+            input.write(&data(pool.rank())).unwrap();
+            if in_place {
+                let rep = coll.all_reduce_in_place::<T>(&input, op, stream).unwrap();
+                (rep.path, input.read::<T>().unwrap())
+            } else {
+                let output = pool.alloc((count * size) as u64, stream).unwrap();
+                output.write(&vec![T::from_f64(99.0); count]).unwrap();
+                let rep = coll.all_reduce::<T>(&input, &output, op, stream).unwrap();
+                (rep.path, output.read::<T>().unwrap())
+            }
+        });
+        let want = all_reduce_reference(op, &(0..world).map(data).collect::<Vec<_>>());
+        for (rank, (_, got)) in out.iter().enumerate() {
+            if let Some(i) = (0..count).find(|&i| got[i] != want[i]) {
+                panic!(
+                    "{:?} {op:?} all-reduce x{count} in_place {in_place} rank {rank} element {i}: {:?} != {:?}",
+                    T::DTYPE,
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+        assert!(
+            out.iter().all(|o| o.0 == out[0].0),
+            "ranks took different paths"
+        );
+        out[0].0
+    }
+
+    /// Every reduction on every element type, both placements, at `count` elements.
+    fn all_reduce_cases(pools: &[SymmPool], count: usize, seed: u64) {
+        use ReduceOp::{Avg, Max, Min, Prod, Sum};
+        for in_place in [false, true] {
+            for op in [Sum, Avg, Max, Min, Prod] {
+                let p = all_reduce_case::<f32>(pools, count, in_place, op, seed);
+                eprintln!("all_reduce f32 {op:?} x{count} in_place={in_place}: {p:?}");
+                all_reduce_case::<bf16>(pools, count, in_place, op, seed);
+                all_reduce_case::<f16>(pools, count, in_place, op, seed);
+                all_reduce_case::<u8>(pools, count, in_place, op, seed);
+            }
+        }
+    }
+
     fn gpu_collectives_match_a_host_reference() {
         let pools = common::gpu::world(2, config());
         let seed = seed();
@@ -271,6 +361,18 @@ mod gpu_tests {
         assert_eq!(
             reduce_scatter_case::<f32>(&pools, 1000, false, ReduceOp::Sum, seed),
             Path::SymmetricKernel
+        );
+        for count in [1, 1000, 123_457] {
+            all_reduce_cases(&pools, count, seed);
+        }
+        all_reduce_case::<f32>(&pools, 10_000_001, false, ReduceOp::Avg, seed);
+        assert_eq!(
+            all_reduce_case::<bf16>(&pools, 10_000_001, true, ReduceOp::Sum, seed),
+            Path::SymmetricKernel
+        );
+        assert_eq!(
+            all_reduce_case::<f32>(&pools, 1000, false, ReduceOp::Max, seed),
+            Path::PlainKernel
         );
     }
 
@@ -550,6 +652,25 @@ mod gpu_tests {
                 reduce_scatter_case::<bf16>(&pools, count, in_place, ReduceOp::Sum, seed);
             }
         }
+    }
+
+    /// One GPU: all-reduce through NCCL's one-rank path, every reduction and element
+    /// type, both placements, on the symmetric kernel's path (sum on floating point)
+    /// and the plain one.
+    fn one_gpu_all_reduce_at_world_size_one() {
+        let pools = common::gpu::world(1, config());
+        let seed = seed();
+        for count in [1, 1000, 123_457] {
+            all_reduce_cases(&pools, count, seed);
+        }
+        assert_eq!(
+            all_reduce_case::<f32>(&pools, 1000, true, ReduceOp::Sum, seed),
+            Path::SymmetricKernel
+        );
+        assert_eq!(
+            all_reduce_case::<u8>(&pools, 1000, true, ReduceOp::Sum, seed),
+            Path::PlainKernel
+        );
     }
 
     /// One GPU: a step's collectives (an all-gather and a reduce-scatter on pool
@@ -1230,6 +1351,11 @@ mod gpu_tests {
                 "one_gpu_collectives_at_world_size_one",
                 1,
                 one_gpu_collectives_at_world_size_one,
+            ),
+            trial(
+                "one_gpu_all_reduce_at_world_size_one",
+                1,
+                one_gpu_all_reduce_at_world_size_one,
             ),
             trial(
                 "one_gpu_captures_a_steps_collectives_in_a_cuda_graph_and_replays_them",

@@ -551,4 +551,36 @@ impl Collectives for HostBackend {
             Ok(())
         })
     }
+
+    fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
+        const OP: &str = "all_reduce";
+        let bytes = args.check_counts(OP, 1, true)?;
+        let comm = self.comm(args.comm)?;
+        self.collective(args, OP, |posts| {
+            // Pull every rank's input, in rank order; then a middle round, so that no
+            // rank overwrites its input (in place: its output) while a peer reads it.
+            let reduced = posts
+                .iter()
+                .map(|p| read_region(&p.send.0, p.send.1, bytes))
+                .collect::<Result<Vec<_>>>()
+                .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
+            let round = self.next_round(args.comm, false);
+            let deadline = Deadline::after(self.config.timeout);
+            let middle = comm
+                .collectives
+                .gather(OP, self.rank, round, None, deadline)?;
+            if middle.iter().any(Option::is_some) {
+                return Err(Error::CollectiveMismatch {
+                    op: OP,
+                    detail: "a peer is at another step of its calls on this communicator".into(),
+                });
+            }
+            let acc = reduced?;
+            let (recv, recv_off, _) = &posts[self.rank].recv;
+            let mut out = recv.lock();
+            let range = bounds(out.len() as u64, *recv_off, bytes)?;
+            out[range].copy_from_slice(&acc);
+            Ok(())
+        })
+    }
 }

@@ -10,7 +10,7 @@
 //! | segments | [`SegmentProvider`] | allocate a segment → an owned [`Segment`]; register it on a communicator → an owned [`Window`] (or "no symmetric support"); consuming deregister and free |
 //! | streams | [`StreamOps`] | streams, fences (events), device-side waits, capture status, draining with a deadline |
 //! | data | [`DataMover`] | host ↔ segment copies, timing of device work |
-//! | collectives | [`Collectives`] | all-gather and reduce-scatter on regions (dispatched by [`coll`](crate::coll)) |
+//! | collectives | [`Collectives`] | all-gather, reduce-scatter and all-reduce on regions (dispatched by [`coll`](crate::coll)) |
 //!
 //! plus its identity ([`BackendInfo`]: rank, world size, NCCL version, granularity, the
 //! communicators) and the host-side [`Exchange`] the pool agrees over.
@@ -507,15 +507,18 @@ fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Er
 pub struct CollArgs<'a> {
     /// Index of the communicator in [`BackendInfo::communicators`].
     pub comm: usize,
-    /// The input: this rank's chunk (all-gather) or the whole input (reduce-scatter).
+    /// The input: this rank's chunk (all-gather), the whole input (reduce-scatter),
+    /// or `count` elements (all-reduce).
     pub send: Region<'a>,
-    /// The output: the whole output (all-gather) or this rank's chunk (reduce-scatter).
+    /// The output: the whole output (all-gather), this rank's chunk (reduce-scatter),
+    /// or `count` elements (all-reduce; the same region as `send` in place).
     pub recv: Region<'a>,
-    /// Elements per rank: the all-gather input count, the reduce-scatter output count.
+    /// Elements per rank: the all-gather input count, the reduce-scatter output count,
+    /// the all-reduce count.
     pub count: u64,
     /// Element type.
     pub dtype: DType,
-    /// Reduction (reduce-scatter only).
+    /// Reduction (reduce-scatter and all-reduce).
     pub op: ReduceOp,
     /// Stream to enqueue on.
     pub stream: &'a Stream,
@@ -556,7 +559,8 @@ impl<'a> CollArgs<'a> {
 
     /// The regions must hold what the collective will touch: `count` elements on one
     /// side and `world × count` on the other (the input for a reduce-scatter, the
-    /// output for an all-gather). Returns the chunk size in bytes.
+    /// output for an all-gather; `world` 1 for an all-reduce, `count` on both sides).
+    /// Returns the chunk size in bytes.
     ///
     /// # Errors
     /// [`Error::InvalidCollective`].
@@ -603,6 +607,20 @@ pub trait Collectives: Send + Sync + fmt::Debug {
     /// # Errors
     /// As [`all_gather`](Self::all_gather).
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()>;
+    /// All-reduce: `recv` gets `count` elements, the reduction over ranks of every
+    /// rank's `send` (`send` and `recv` may be the same region). The default refuses
+    /// it: a backend without all-reduce.
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather); the default
+    /// [`Error::InvalidCollective`].
+    fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
+        let _ = args;
+        Err(Error::InvalidCollective {
+            op: "all_reduce",
+            detail: "this backend has no all-reduce".into(),
+        })
+    }
 }
 
 /// How long making a backend waits for the other ranks (ranks of real jobs start

@@ -142,6 +142,8 @@ enum Step {
     Data(#[serde(with = "serde_bytes")] Vec<u8>),
     /// The closing barrier of a collective.
     Done,
+    /// Every rank has read its peers' inputs (an all-reduce's middle barrier).
+    Read,
 }
 
 /// Every rank's record of a round as `pick` reads it.
@@ -276,7 +278,8 @@ impl ShmBackend {
         // SAFETY: `range` lies inside the peer's mapping (checked by `bounds`); the
         // mapping stays alive while `window` is borrowed; the peer writes only other
         // bytes of it until the collective's closing barrier (the posts agreed that
-        // every rank reads the same, disjoint chunks), and `out` is a fresh buffer.
+        // every rank reads the same, disjoint chunks), or, in an all-reduce, none
+        // before the middle barrier that follows these reads; `out` is a fresh buffer.
         let src = map.as_ptr().wrapping_add(range.start);
         // SAFETY: `src..src + range.len()` lies inside the peer's mapping (see above).
         unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), range.len()) };
@@ -546,6 +549,39 @@ impl Collectives for ShmBackend {
             };
             let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
             write_local(&args.recv.sub(0, chunk)?, &acc)
+        })
+    }
+
+    fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
+        const OP: &str = "all_reduce";
+        let bytes = args.check_counts(OP, 1, true)?;
+        self.collective(args, OP, true, || {
+            let mut mine = vec![0u8; bytes as usize];
+            read_local(&args.send.sub(0, bytes)?, &mut mine)?;
+            let inputs = match args.windows {
+                (Some(send_window), _) => {
+                    // Pull the peers' inputs through their windows, then a middle
+                    // round, so that no rank overwrites its input (in place: its
+                    // output) while a peer reads it.
+                    let read = (0..self.world)
+                        .map(|p| {
+                            if p == self.rank {
+                                Ok(mine.clone())
+                            } else {
+                                Self::peer_bytes(send_window, p, args.send.offset_bytes(), bytes)
+                            }
+                        })
+                        .collect::<Result<Vec<_>>>();
+                    let read_all = self.round(args.comm, OP, &Step::Read)?;
+                    at_step(OP, read_all, |s| matches!(s, Step::Read).then_some(()))?;
+                    read?
+                }
+                // Through the control plane: every rank has read its input before it
+                // posts it, so none is overwritten early.
+                _ => self.gather_bytes(args.comm, OP, &mine)?,
+            };
+            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
+            write_local(&args.recv.sub(0, bytes)?, &acc)
         })
     }
 }

@@ -55,6 +55,9 @@ pub struct Measurement {
     pub all_gather: [Option<f64>; 3],
     /// Reduce-scatter (bf16, sum): symmetric kernel, plain.
     pub reduce_scatter: [Option<f64>; 2],
+    /// All-reduce (bf16, sum, `bytes` per rank): symmetric kernel, plain.
+    #[serde(default)]
+    pub all_reduce: [Option<f64>; 2],
 }
 
 /// The result of [`Coll::calibrate`]: the policy, and rank 0's measurements it came from.
@@ -72,6 +75,18 @@ pub const MAX_CALIBRATE_BYTES: u64 = 16 << 30;
 const AG_PATHS: [Path; 3] = [Path::SymmetricKernel, Path::CopyEngine, Path::PlainKernel];
 const RS_PATHS: [Path; 2] = [Path::SymmetricKernel, Path::PlainKernel];
 
+/// What is timed: (collective, path), all-gathers first, then reduce-scatters, then
+/// all-reduces (the order of [`Measurement`]'s fields).
+const TIMED: [(CollOp, Path); 7] = [
+    (CollOp::AllGather, AG_PATHS[0]),
+    (CollOp::AllGather, AG_PATHS[1]),
+    (CollOp::AllGather, AG_PATHS[2]),
+    (CollOp::ReduceScatter(ReduceOp::Sum), RS_PATHS[0]),
+    (CollOp::ReduceScatter(ReduceOp::Sum), RS_PATHS[1]),
+    (CollOp::AllReduce(ReduceOp::Sum), RS_PATHS[0]),
+    (CollOp::AllReduce(ReduceOp::Sum), RS_PATHS[1]),
+];
+
 fn role_of(path: Path) -> CommRole {
     match path {
         Path::SymmetricKernel => CommRole::Symmetric,
@@ -86,11 +101,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 impl Coll {
-    /// Measure all-gather and reduce-scatter on every available path for sizes from
-    /// `min_bytes` to `max_bytes` per rank, and derive the thresholds of the automatic
-    /// choice from rank 0's figures: the copy engine from the smallest size from which
-    /// it beats the symmetric kernel at every larger size measured, and the symmetric
-    /// reduce-scatter wherever it beats ring. Apply the result with
+    /// Measure all-gather, reduce-scatter and all-reduce on every available path for
+    /// sizes from `min_bytes` to `max_bytes` per rank, and derive the thresholds of the
+    /// automatic choice from rank 0's figures: the copy engine from the smallest size
+    /// from which it beats the symmetric kernel at every larger size measured, and the
+    /// symmetric reduce-scatter and all-reduce wherever they beat NCCL's ordinary
+    /// kernels. Apply the result with
     /// [`set_path_policy`](Self::set_path_policy); the thresholds not measured are
     /// this handle's.
     ///
@@ -145,47 +161,50 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
             let whole = tmp.alloc(world * bytes, stream)?;
             let out = tmp.alloc(bytes, stream)?;
             let iters = (config.bytes_per_rep / bytes).clamp(3, 500) as usize;
-            let mut ag = [Vec::new(), Vec::new(), Vec::new()];
-            let mut rs = [Vec::new(), Vec::new()];
+            let mut timed: [Vec<f64>; TIMED.len()] = Default::default();
             for rep in 0..config.reps {
                 // Rotate so no path always runs right after the same other one.
-                for k in 0..AG_PATHS.len() + RS_PATHS.len() {
-                    let i = (k + rep) % (AG_PATHS.len() + RS_PATHS.len());
-                    let (is_ag, path) = if i < AG_PATHS.len() {
-                        (true, AG_PATHS[i])
-                    } else {
-                        (false, RS_PATHS[i - AG_PATHS.len()])
-                    };
+                for k in 0..TIMED.len() {
+                    let i = (k + rep) % TIMED.len();
+                    let (coll_op, path) = TIMED[i];
                     if !has_role(path) {
                         continue;
                     }
                     // The same dispatch as the public collectives, with the path forced.
                     let run = || -> Result<CollectiveReport> {
                         let whole_r = whole.region()?;
-                        if is_ag {
-                            let own = whole_r.sub(backend.rank() as u64 * bytes, bytes)?;
-                            tmp_coll.dispatch(
-                                &tmp,
-                                CollOp::AllGather,
-                                (&whole, own),
-                                (&whole, whole_r),
+                        let (send, recv, count, dtype) = match coll_op {
+                            CollOp::AllGather => (
+                                whole_r.sub(backend.rank() as u64 * bytes, bytes)?,
+                                whole_r,
                                 bytes,
                                 DType::U8,
-                                stream,
-                                Some(path),
-                            )
-                        } else {
-                            tmp_coll.dispatch(
-                                &tmp,
-                                CollOp::ReduceScatter(ReduceOp::Sum),
-                                (&whole, whole_r),
-                                (&out, out.region()?),
+                            ),
+                            CollOp::ReduceScatter(_) => {
+                                (whole_r, out.region()?, bytes / 2, DType::BF16)
+                            }
+                            CollOp::AllReduce(_) => (
+                                whole_r.sub(0, bytes)?,
+                                out.region()?,
                                 bytes / 2,
                                 DType::BF16,
-                                stream,
-                                Some(path),
-                            )
-                        }
+                            ),
+                        };
+                        let recv_buf = if coll_op == CollOp::AllGather {
+                            &whole
+                        } else {
+                            &out
+                        };
+                        tmp_coll.dispatch(
+                            &tmp,
+                            coll_op,
+                            (&whole, send),
+                            (recv_buf, recv),
+                            count,
+                            dtype,
+                            stream,
+                            Some(path),
+                        )
                     };
                     // Warm-up; a path that is not available for these buffers falls back
                     // (the same on every rank) and is not measured.
@@ -198,19 +217,20 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
                         }
                         Ok(())
                     })? / iters as f64;
-                    let busbw = bytes as f64 * (world - 1) as f64 / (ms * 1e-3) / 1e9;
-                    if is_ag {
-                        ag[i].push(busbw);
-                    } else {
-                        rs[i - AG_PATHS.len()].push(busbw);
-                    }
+                    // An all-reduce moves 2 (world - 1) / world of its bytes per rank.
+                    let moved = match coll_op {
+                        CollOp::AllReduce(_) => 2.0 * (world - 1) as f64 / world as f64,
+                        _ => (world - 1) as f64,
+                    };
+                    timed[i].push(bytes as f64 * moved / (ms * 1e-3) / 1e9);
                 }
             }
-            let fold = |v: &Vec<f64>| (!v.is_empty()).then(|| median(v.clone()));
+            let fold = |i: usize| (!timed[i].is_empty()).then(|| median(timed[i].clone()));
             measurements.push(Measurement {
                 bytes,
-                all_gather: [fold(&ag[0]), fold(&ag[1]), fold(&ag[2])],
-                reduce_scatter: [fold(&rs[0]), fold(&rs[1])],
+                all_gather: [fold(0), fold(1), fold(2)],
+                reduce_scatter: [fold(3), fold(4)],
+                all_reduce: [fold(5), fold(6)],
             });
         }
         Ok(())
@@ -266,11 +286,21 @@ fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
         Some(i) => ms[i].bytes,
         None => u64::MAX,
     };
-    // Symmetric reduce-scatter on every run of sizes where it beats ring.
+    policy.symmetric_reduce_scatter_bands = symmetric_bands(ms, |m| m.reduce_scatter);
+    policy.symmetric_all_reduce_bands = symmetric_bands(ms, |m| m.all_reduce);
+    policy
+}
+
+/// The runs of sizes where the symmetric kernel (`[symmetric, plain]` of `pick`)
+/// beats the ordinary kernels.
+fn symmetric_bands(
+    ms: &[Measurement],
+    pick: impl Fn(&Measurement) -> [Option<f64>; 2],
+) -> Vec<(u64, u64)> {
     let mut bands: Vec<(u64, u64)> = Vec::new();
     for (i, m) in ms.iter().enumerate() {
-        let wins = matches!(m.reduce_scatter, [Some(s), Some(r)] if s > r)
-            || matches!(m.reduce_scatter, [Some(_), None]);
+        let wins =
+            matches!(pick(m), [Some(s), Some(r)] if s > r) || matches!(pick(m), [Some(_), None]);
         if !wins {
             continue;
         }
@@ -281,8 +311,7 @@ fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
             _ => bands.push((lo, hi)),
         }
     }
-    policy.symmetric_reduce_scatter_bands = bands;
-    policy
+    bands
 }
 
 #[cfg(test)]
@@ -295,6 +324,8 @@ mod tests {
             bytes,
             all_gather: ag.map(Some),
             reduce_scatter: rs.map(Some),
+            // All-reduce as reduce-scatter, with the symmetric kernel ahead by five.
+            all_reduce: [Some(rs[0] + 5.0), Some(rs[1])],
         }
     }
 
@@ -318,6 +349,8 @@ mod tests {
             p.symmetric_reduce_scatter_bands,
             vec![(0, 128 << 10), (1 << 20, 2 << 20)]
         );
+        // The symmetric all-reduce wins where it beats the plain one, on its own figures.
+        assert_eq!(p.symmetric_all_reduce_bands, vec![(0, 2 << 20)]);
         // A copy engine that wins in the middle only does not count.
         let mut odd = ms.clone();
         odd[2].all_gather[1] = Some(99.0);
@@ -383,12 +416,12 @@ mod tests {
         });
         assert_eq!(out[0], out[1], "every rank gets rank 0's result");
         assert_eq!(out[0].measurements.len(), 3);
-        assert!(
-            out[0]
-                .measurements
+        assert!(out[0].measurements.iter().all(|m| {
+            m.all_gather
                 .iter()
-                .all(|m| m.all_gather.iter().all(Option::is_some))
-        );
+                .chain(&m.all_reduce)
+                .all(Option::is_some)
+        }));
         for p in &pools {
             assert_eq!(
                 p.stats().core.segments.current,

@@ -2,7 +2,7 @@
 //! record, the launch.
 
 use super::path::{CollOp, Inputs, select};
-use super::{Choice, Coll, CollectiveReport, Path, PoolColl, path, path_index};
+use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
 use crate::backend::{CollArgs, Region};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, Element, ReduceOp};
@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 
 /// Check that the buffers are this pool's, the pool is open, and note `stream` on
 /// buffers allocated elsewhere (so their reuse waits for this collective).
-fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
+pub(super) fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
     let pool = bufs[0].pool();
     for b in bufs {
         if !b.pool().same_pool(pool) {
@@ -52,13 +52,13 @@ fn failed(pool: &SymmPool, e: Error) -> Error {
     e
 }
 
-fn invalid(op: &'static str, detail: String) -> Error {
+pub(super) fn invalid(op: &'static str, detail: String) -> Error {
     tracing::error!(target: "symmpool::coll", op, error = %detail, "symmpool call failed");
     Error::InvalidCollective { op, detail }
 }
 
 /// Elements of `T` in `bytes`, or an error if `T` does not divide it.
-fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64> {
+pub(super) fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64> {
     let size = std::mem::size_of::<T>() as u64;
     if bytes == 0 || !bytes.is_multiple_of(size) {
         return Err(invalid(
@@ -293,11 +293,7 @@ impl Coll {
         // the call); only a forced path, which calibration uses, builds one of its own.
         let (comm, path) = {
             let shared = self.inner.policy.read();
-            let forced = force.map(|p| {
-                shared
-                    .clone()
-                    .with_choices(Choice::Prefer(p), Choice::Prefer(p))
-            });
+            let forced = force.map(|p| shared.forcing(p));
             select(&Inputs {
                 coll,
                 bytes_per_rank,
@@ -310,10 +306,7 @@ impl Coll {
                 policy: forced.as_ref().unwrap_or(&shared),
             })
         };
-        let op = match coll {
-            CollOp::AllGather => ReduceOp::Sum,
-            CollOp::ReduceScatter(op) => op,
-        };
+        let op = coll.reduction();
         let windows = if path == Path::PlainKernel {
             (None, None)
         } else {
@@ -332,6 +325,7 @@ impl Coll {
         let ran = match coll {
             CollOp::AllGather => backend.collectives().all_gather(&args),
             CollOp::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
+            CollOp::AllReduce(_) => backend.collectives().all_reduce(&args),
         };
         drop(strict);
         if let Err(e) = ran {
@@ -346,7 +340,7 @@ impl Coll {
         };
         entry.counters.add(path_index(path), bytes_per_rank);
         if tracing::level_enabled!(tracing::Level::DEBUG) {
-            path::collective(coll == CollOp::AllGather, &report);
+            path::collective(coll, &report);
         }
         Ok(report)
     }
@@ -367,6 +361,7 @@ impl Coll {
         let (collective, reduction) = match coll {
             CollOp::AllGather => (CollKind::AllGather, None),
             CollOp::ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
+            CollOp::AllReduce(op) => (CollKind::AllReduce, Some(reduce_code(op))),
         };
         let comm_seq = self
             .inner

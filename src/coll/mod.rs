@@ -1,5 +1,6 @@
-//! Collectives on pool buffers: all-gather (copy engine or symmetric kernel) and
-//! reduce-scatter (symmetric kernel or ring), with a per-call path choice: the fastest
+//! Collectives on pool buffers: all-gather (copy engine or symmetric kernel),
+//! reduce-scatter and all-reduce (symmetric kernel or NCCL's ordinary kernels), with
+//! a per-call path choice: the fastest
 //! of the backend's paths for the size, as calibrated (on NCCL the calls themselves
 //! carry the cost of non-blocking communicators; BENCHMARKS.md has the figures).
 //!
@@ -103,6 +104,7 @@
 //! # Ok::<(), symmpool::Error>(())
 //! ```
 
+mod all_reduce;
 mod calibrate;
 mod call;
 mod path;
@@ -122,7 +124,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The collectives of one rank on the buffers of one pool (or of several pools of one
-/// backend): all-gather and reduce-scatter with the path chosen per call, checked
+/// backend): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
 /// across ranks (see the module documentation).
 ///
 /// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
@@ -379,7 +381,7 @@ impl Coll {
     /// The pool's flat statistics ([`SymmPool::memory_stats`]) with this handle's
     /// collectives on that pool: `collectives.PATH.count` and `collectives.PATH.bytes`
     /// per path (`copy_engine`, `symmetric_kernel`, `plain_kernel`; bytes per rank:
-    /// all-gather input, reduce-scatter output).
+    /// all-gather input, reduce-scatter output, all-reduce buffer).
     pub fn memory_stats(&self) -> MemoryStats {
         let entry = &self.inner.pools[0];
         let mut m = entry.pool.memory_stats();

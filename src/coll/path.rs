@@ -31,7 +31,8 @@ pub struct CollectiveReport {
     pub comm: usize,
     /// Its role.
     pub role: CommRole,
-    /// Bytes per rank: the all-gather input, the reduce-scatter output.
+    /// Bytes per rank: the all-gather input, the reduce-scatter output, the
+    /// all-reduce buffer.
     pub bytes_per_rank: u64,
 }
 
@@ -54,6 +55,8 @@ pub enum Choice {
 /// - reduce-scatter: the symmetric kernel wins for small outputs (its LL kernel) and
 ///   around 1–2 MiB (its LD kernel), and loses to ring in between and for large
 ///   outputs.
+/// - all-reduce: the symmetric kernel wherever NCCL has one for the call (no
+///   measurement yet: calibrate to narrow it).
 ///
 /// [`Coll::calibrate`](super::Coll::calibrate) measures them on the machine at hand.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -66,10 +69,16 @@ pub struct PathPolicy {
     /// symmetric kernel; other sizes use NCCL's ring on the unregistered communicator
     /// (default `[(0, 128 KiB), (1 MiB, 4 MiB)]`).
     pub symmetric_reduce_scatter_bands: Vec<(u64, u64)>,
+    /// Inclusive ranges of bytes per rank where all-reduce uses the symmetric
+    /// kernel; other sizes use NCCL's ordinary kernels on the unregistered
+    /// communicator (default `[(0, u64::MAX)]`: every size).
+    pub symmetric_all_reduce_bands: Vec<(u64, u64)>,
     /// Override for all-gather.
     pub all_gather: Choice,
     /// Override for reduce-scatter.
     pub reduce_scatter: Choice,
+    /// Override for all-reduce.
+    pub all_reduce: Choice,
 }
 
 impl Default for PathPolicy {
@@ -77,8 +86,10 @@ impl Default for PathPolicy {
         PathPolicy {
             ce_all_gather_min_bytes: 32 << 20,
             symmetric_reduce_scatter_bands: vec![(0, 128 << 10), (1 << 20, 4 << 20)],
+            symmetric_all_reduce_bands: vec![(0, u64::MAX)],
             all_gather: Choice::Auto,
             reduce_scatter: Choice::Auto,
+            all_reduce: Choice::Auto,
         }
     }
 }
@@ -102,6 +113,26 @@ impl PathPolicy {
         self.reduce_scatter = reduce_scatter;
         self
     }
+
+    /// Set the sizes where all-reduce uses the symmetric kernel.
+    pub fn with_symmetric_all_reduce_bands(mut self, bands: Vec<(u64, u64)>) -> Self {
+        self.symmetric_all_reduce_bands = bands;
+        self
+    }
+
+    /// Prefer a path for all-reduce.
+    pub fn with_all_reduce(mut self, all_reduce: Choice) -> Self {
+        self.all_reduce = all_reduce;
+        self
+    }
+
+    /// This policy with every collective preferring `path` (calibration forces one
+    /// path at a time).
+    pub(crate) fn forcing(&self, path: Path) -> Self {
+        self.clone()
+            .with_choices(Choice::Prefer(path), Choice::Prefer(path))
+            .with_all_reduce(Choice::Prefer(path))
+    }
 }
 
 /// Which collective.
@@ -109,7 +140,30 @@ impl PathPolicy {
 pub(crate) enum CollOp {
     AllGather,
     ReduceScatter(ReduceOp),
+    AllReduce(ReduceOp),
 }
+
+impl CollOp {
+    /// The collective's name in events: `all_gather`, `reduce_scatter`, `all_reduce`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CollOp::AllGather => "all_gather",
+            CollOp::ReduceScatter(_) => "reduce_scatter",
+            CollOp::AllReduce(_) => "all_reduce",
+        }
+    }
+
+    /// The reduction (`Sum` for an all-gather, which has none).
+    pub(crate) fn reduction(self) -> ReduceOp {
+        match self {
+            CollOp::AllGather => ReduceOp::Sum,
+            CollOp::ReduceScatter(op) | CollOp::AllReduce(op) => op,
+        }
+    }
+}
+
+/// `ncclAvg`: NCCL 2.10 (older NCCLs refuse the reduction).
+pub(crate) const AVG: NcclVersion = NcclVersion::new(2, 10, 0);
 
 /// Everything the choice depends on.
 pub(crate) struct Inputs<'a> {
@@ -131,8 +185,8 @@ pub(crate) struct Inputs<'a> {
 /// - copy engine: NCCL ≥ 2.28, a `CTAPolicy = ZERO` communicator, the output in a
 ///   window (and, before 2.29, the input too), more than one rank;
 /// - symmetric kernel: NCCL ≥ 2.27, both buffers in windows on a default-policy
-///   communicator; for reduce-scatter also `Sum` (or `Avg` from 2.30) on
-///   fp32/fp16/bf16;
+///   communicator; for reduce-scatter and all-reduce also `Sum` (or `Avg` from
+///   2.30) on fp32/fp16/bf16;
 /// - otherwise the plain communicator.
 ///
 /// Across nodes ([`Inputs::nodes`] above 1; see [`one_nvlink_domain_needed`]), the
@@ -159,11 +213,13 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     let symm = || {
         let op_ok = match i.coll {
             CollOp::AllGather => true,
-            CollOp::ReduceScatter(ReduceOp::Sum) => i.dtype.symmetric_reduce(),
-            CollOp::ReduceScatter(ReduceOp::Avg) => {
+            CollOp::ReduceScatter(ReduceOp::Sum) | CollOp::AllReduce(ReduceOp::Sum) => {
+                i.dtype.symmetric_reduce()
+            }
+            CollOp::ReduceScatter(ReduceOp::Avg) | CollOp::AllReduce(ReduceOp::Avg) => {
                 i.dtype.symmetric_reduce() && i.version >= NcclVersion::SYMMETRIC_AVG
             }
-            CollOp::ReduceScatter(_) => false,
+            CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => false,
         };
         if !op_ok
             || i.version < NcclVersion::WINDOWS
@@ -189,14 +245,19 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
                 [Path::SymmetricKernel, Path::CopyEngine]
             },
         ),
-        CollOp::ReduceScatter(_) => {
-            let symmetric = i
-                .policy
-                .symmetric_reduce_scatter_bands
+        CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => {
+            let (bands, choice) = match i.coll {
+                CollOp::AllReduce(_) => (&i.policy.symmetric_all_reduce_bands, i.policy.all_reduce),
+                _ => (
+                    &i.policy.symmetric_reduce_scatter_bands,
+                    i.policy.reduce_scatter,
+                ),
+            };
+            let symmetric = bands
                 .iter()
                 .any(|&(lo, hi)| (lo..=hi).contains(&i.bytes_per_rank));
             (
-                i.policy.reduce_scatter,
+                choice,
                 if symmetric {
                     [Path::SymmetricKernel, Path::PlainKernel]
                 } else {
@@ -256,14 +317,10 @@ pub fn path_name(path: Path) -> &'static str {
 /// level first, so that when off the event costs one load and not also the `log`
 /// fallback's: the hot path's events go to tracing subscribers only).
 #[cold]
-pub(crate) fn collective(all_gather: bool, report: &CollectiveReport) {
+pub(crate) fn collective(coll: CollOp, report: &CollectiveReport) {
     tracing::debug!(
         target: "symmpool::coll",
-        op = if all_gather {
-            "all_gather"
-        } else {
-            "reduce_scatter"
-        },
+        op = coll.name(),
         path = path_name(report.path),
         comm = report.comm,
         bytes_per_rank = report.bytes_per_rank,
@@ -421,6 +478,72 @@ mod tests {
                 &p
             ),
             (0, Path::SymmetricKernel)
+        );
+    }
+
+    #[test]
+    fn all_reduce_by_size_type_and_op() {
+        let p = PathPolicy::default();
+        let sum = CollOp::AllReduce(ReduceOp::Sum);
+        // Symmetric at every size by default, for the types NCCL's kernels reduce.
+        for bytes in [4, MIB, 256 * MIB] {
+            assert_eq!(
+                pick(sum, bytes, DType::BF16, V228, (true, true), &p),
+                (0, Path::SymmetricKernel)
+            );
+        }
+        assert_eq!(
+            pick(sum, MIB, DType::U8, V228, (true, true), &p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick(sum, MIB, DType::F32, V228, (true, false), &p),
+            (2, Path::PlainKernel)
+        );
+        let max = CollOp::AllReduce(ReduceOp::Max);
+        assert_eq!(
+            pick(max, MIB, DType::F32, V228, (true, true), &p),
+            (2, Path::PlainKernel)
+        );
+        let avg = CollOp::AllReduce(ReduceOp::Avg);
+        assert_eq!(
+            pick(avg, MIB, DType::F16, V228, (true, true), &p),
+            (2, Path::PlainKernel)
+        );
+        assert_eq!(
+            pick(
+                avg,
+                MIB,
+                DType::F16,
+                NcclVersion::new(2, 30, 0),
+                (true, true),
+                &p
+            ),
+            (0, Path::SymmetricKernel)
+        );
+        // Never the copy engine, even when preferred; bands and a preference for plain.
+        let ce = PathPolicy::default().with_all_reduce(Choice::Prefer(Path::CopyEngine));
+        assert_eq!(
+            pick(sum, 256 * MIB, DType::F32, V228, (true, true), &ce),
+            (0, Path::SymmetricKernel)
+        );
+        let banded = PathPolicy::default().with_symmetric_all_reduce_bands(vec![(0, MIB)]);
+        assert_eq!(
+            pick(sum, 2 * MIB, DType::F32, V228, (true, true), &banded).1,
+            Path::PlainKernel
+        );
+        let plain = PathPolicy::default().with_all_reduce(Choice::Prefer(Path::PlainKernel));
+        assert_eq!(
+            pick(sum, 4, DType::F32, V228, (true, true), &plain),
+            (2, Path::PlainKernel)
+        );
+        // The reduce-scatter settings do not steer all-reduce.
+        let rs = PathPolicy::default()
+            .with_symmetric_reduce_scatter_bands(vec![])
+            .with_choices(Choice::Auto, Choice::Prefer(Path::PlainKernel));
+        assert_eq!(
+            pick(sum, MIB, DType::F32, V228, (true, true), &rs).1,
+            Path::SymmetricKernel
         );
     }
 

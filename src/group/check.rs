@@ -73,6 +73,7 @@ pub(crate) enum CollKind {
     None,
     AllGather,
     ReduceScatter,
+    AllReduce,
 }
 
 /// One buffer of a collective: (allocation number, segment, offset, bytes).
@@ -210,6 +211,7 @@ impl Fields for CollectiveRecord {
                 CollKind::None => "none (step boundary)",
                 CollKind::AllGather => "all_gather",
                 CollKind::ReduceScatter => "reduce_scatter",
+                CollKind::AllReduce => "all_reduce",
             }),
             4 => named(&DTYPES, self.dtype, "none"),
             5 => named(&REDUCTIONS, self.reduction, "none"),

@@ -254,6 +254,19 @@ unsafe extern "C" fn reduce_scatter(
     SUCCESS
 }
 
+unsafe extern "C" fn all_reduce(
+    _send: *const c_void,
+    _recv: *mut c_void,
+    _n: usize,
+    _dt: sys::ncclDataType_t,
+    _op: sys::ncclRedOp_t,
+    c: sys::ncclComm_t,
+    _stream: sys::cudaStream_t,
+) -> c_int {
+    fake(c).note("ncclAllReduce");
+    SUCCESS
+}
+
 unsafe extern "C" fn revoke(c: sys::ncclComm_t, _flags: c_int) -> c_int {
     let f = fake(c);
     f.note("ncclCommRevoke");
@@ -279,6 +292,7 @@ fn table(with_revoke: bool) -> Syms {
         window_deregister,
         all_gather,
         reduce_scatter,
+        all_reduce,
         revoke: with_revoke.then_some(revoke as ffi::RevokeFn),
     }
 }

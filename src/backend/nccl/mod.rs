@@ -358,7 +358,13 @@ impl NcclBackend {
     /// Enqueue a collective: checks, then the communicator layer's call (inline on a
     /// blocking communicator) and the watchdog's event.
     fn collective(&self, a: &CollArgs<'_>, kind: CollKind) -> Result<()> {
-        let reduce = matches!(kind, CollKind::ReduceScatter(_));
+        let reduce = !matches!(kind, CollKind::AllGather);
+        // An all-reduce has `count` elements on both sides (a world of one chunk).
+        let world = if matches!(kind, CollKind::AllReduce(_)) {
+            1
+        } else {
+            self.world
+        };
         let call = CollCall {
             kind,
             send: Self::ptr(&a.send)?,
@@ -366,7 +372,7 @@ impl NcclBackend {
             count: a.count,
             dtype: ffi::dtype(a.dtype),
         };
-        a.check_counts(call.name(), self.world, reduce)?;
+        a.check_counts(call.name(), world, reduce)?;
         let cs = self.cuda_of(a.stream)?;
         // SAFETY: both regions lie inside live segments of this device (regions are
         // checked against their segments, which the caller's buffers keep alive), with
@@ -464,6 +470,10 @@ impl Collectives for NcclBackend {
 
     fn reduce_scatter(&self, a: &CollArgs<'_>) -> Result<()> {
         self.collective(a, CollKind::ReduceScatter(ffi::red_op(a.op)))
+    }
+
+    fn all_reduce(&self, a: &CollArgs<'_>) -> Result<()> {
+        self.collective(a, CollKind::AllReduce(ffi::red_op(a.op)))
     }
 }
 

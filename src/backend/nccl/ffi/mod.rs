@@ -555,13 +555,14 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
 /// One collective call, as NCCL takes it (device addresses and a raw stream).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CollCall {
-    /// All-gather, or reduce-scatter with its reduction.
+    /// All-gather, or reduce-scatter or all-reduce with its reduction.
     pub(crate) kind: CollKind,
     /// Input address.
     pub(crate) send: u64,
     /// Output address.
     pub(crate) recv: u64,
-    /// Elements per rank (the all-gather input, the reduce-scatter output).
+    /// Elements per rank (the all-gather input, the reduce-scatter output, the
+    /// all-reduce buffer).
     pub(crate) count: u64,
     /// Element type.
     pub(crate) dtype: sys::ncclDataType_t,
@@ -574,6 +575,8 @@ pub(crate) enum CollKind {
     AllGather,
     /// `ncclReduceScatter` with this reduction.
     ReduceScatter(sys::ncclRedOp_t),
+    /// `ncclAllReduce` with this reduction.
+    AllReduce(sys::ncclRedOp_t),
 }
 
 impl CollCall {
@@ -582,18 +585,20 @@ impl CollCall {
         match self.kind {
             CollKind::AllGather => "ncclAllGather",
             CollKind::ReduceScatter(_) => "ncclReduceScatter",
+            CollKind::AllReduce(_) => "ncclAllReduce",
         }
     }
 }
 
-/// Enqueue `call` on `comm` and `stream`: `ncclAllGather` or `ncclReduceScatter`, and
-/// nothing else. On a blocking communicator it returns once the work is on the stream;
+/// Enqueue `call` on `comm` and `stream`: `ncclAllGather`, `ncclReduceScatter` or
+/// `ncclAllReduce`, and nothing else. On a blocking communicator it returns once the work is on the stream;
 /// on a non-blocking one it may answer [`Status::InProgress`] (poll before the next
 /// call on it).
 ///
 /// # Safety
 /// - for an all-gather `send` holds `count` elements and `recv` `count × nranks`
-///   elements of the type (the other way round for a reduce-scatter), both live device
+///   elements of the type (the other way round for a reduce-scatter; both `count`
+///   for an all-reduce, possibly the same address), both live device
 ///   memory of this rank that stays allocated until `stream` passes;
 /// - `stream` is a live stream of the communicator's device;
 /// - `comm` is live and the caller has the exclusive use of it.
@@ -612,6 +617,10 @@ pub(crate) unsafe fn collective(
         // SAFETY: as above.
         CollKind::ReduceScatter(red) => unsafe {
             (s.reduce_scatter)(send, recv, n, call.dtype, red, comm.0, stream)
+        },
+        // SAFETY: as above.
+        CollKind::AllReduce(red) => unsafe {
+            (s.all_reduce)(send, recv, n, call.dtype, red, comm.0, stream)
         },
     };
     status(s, op, code, Some(&comm))

@@ -100,6 +100,9 @@ pub(crate) type ReduceScatterFn = unsafe extern "C" fn(
     sys::ncclComm_t,
     sys::cudaStream_t,
 ) -> c_int;
+/// `ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)`: the shape
+/// of `ncclReduceScatter`.
+pub(crate) type AllReduceFn = ReduceScatterFn;
 /// `ncclCommRevoke(comm, revokeFlags)` (NCCL >= 2.28.7, `nccl.h.in`).
 pub(crate) type RevokeFn = unsafe extern "C" fn(sys::ncclComm_t, c_int) -> c_int;
 
@@ -124,6 +127,7 @@ pub(crate) struct Syms {
     pub(crate) window_deregister: WindowDeregisterFn,
     pub(crate) all_gather: AllGatherFn,
     pub(crate) reduce_scatter: ReduceScatterFn,
+    pub(crate) all_reduce: AllReduceFn,
     /// `ncclCommRevoke`, NCCL >= 2.28.7 only (`None` before: the watchdog then aborts
     /// directly).
     pub(crate) revoke: Option<RevokeFn>,
@@ -220,6 +224,7 @@ fn loaded() -> Option<&'static Loaded> {
                     window_deregister: resolve!(lib, "ncclCommWindowDeregister"),
                     all_gather: resolve!(lib, "ncclAllGather"),
                     reduce_scatter: resolve!(lib, "ncclReduceScatter"),
+                    all_reduce: resolve!(lib, "ncclAllReduce"),
                     // SAFETY: `ncclCommRevoke(ncclComm_t, int)` in nccl.h 2.28.7+; the
                     // library is leaked. Absent before 2.28.7, which is not an error.
                     revoke: unsafe { sym(lib, "ncclCommRevoke") }.ok(),
