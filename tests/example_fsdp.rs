@@ -68,6 +68,15 @@ fn the_none_mode_runs_the_step_without_collectives() {
     assert!(none.losses.iter().all(|&l| l == 0.0), "{:?}", none.losses);
     let back: Summary = serde_json::from_str(&serde_json::to_string(none).unwrap()).unwrap();
     assert_eq!(back.losses, none.losses);
+    // Every mode carries its step time over ring's and none's (none's own is 1).
+    assert_eq!(none.over_none, Some(1.0));
+    let auto = results.iter().find(|r| r.mode == Mode::Auto).unwrap();
+    let v = serde_json::to_value(auto).unwrap();
+    let (over_ring, over_none) = (v["over_ring"].as_f64(), v["over_none"].as_f64());
+    assert!(
+        over_ring.is_some_and(|x| x > 0.0) && over_none.is_some_and(|x| x > 0.0),
+        "{v}"
+    );
     // The communicating modes still agree, `none` left out.
     assert!(fsdp_step::loss_disagreement(&results) < 1e-5);
 }

@@ -221,6 +221,7 @@ pub fn run_one_rank<M: Math>(
     }
     drop(data);
     data_pool.close()?;
+    report::add_ratios(&mut summaries);
     Ok(summaries)
 }
 
