@@ -218,3 +218,74 @@ fn kill_9_of_a_rank_during_a_training_step_stops_every_other_rank_naming_it() {
     drop(job); // reaps every child
     assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
 }
+
+#[test]
+fn the_trace_is_chrome_json_with_every_operation() {
+    use fsdp_step::trace;
+    let args = Args {
+        steps: 3,
+        trace: Some(std::path::PathBuf::from("unused")),
+        ..Args::host(vec![Mode::Auto, Mode::None])
+    };
+    run_host(&args).unwrap();
+    let all = trace::take();
+    let path = std::env::temp_dir().join(format!("fsdp_trace_{}.json", std::process::id()));
+    trace::write(&path, &all).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    // Steps 1 and 2 of two modes on two ranks (the warm-up step is left out).
+    for e in &spans {
+        assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
+        assert!(e["pid"].as_u64().unwrap() < 2 && e["tid"].as_u64().unwrap() < 4);
+        assert!([1, 2].contains(&e["args"]["step"].as_u64().unwrap()), "{e}");
+    }
+    let names = |tid: u64| -> std::collections::BTreeSet<&str> {
+        (spans.iter())
+            .filter(|e| e["tid"] == tid && e["cat"] == "auto")
+            .map(|e| e["name"].as_str().unwrap())
+            .collect()
+    };
+    let set = |v: &[&'static str]| v.iter().copied().collect();
+    assert_eq!(
+        names(1),
+        set(&["copy", "gemm", "gemm dW", "gemm dX", "loss", "wait"])
+    );
+    assert_eq!(names(2), set(&["all-gather", "wait"]));
+    assert_eq!(names(3), set(&["reduce-scatter", "sgd", "wait"]));
+    assert!(names(0).is_superset(&set(&[
+        "all-gather",
+        "reduce-scatter",
+        "gemm",
+        "step",
+        "sync"
+    ])));
+    // Every row is named, for both ranks.
+    let rows: Vec<&str> = (events.iter())
+        .filter(|e| e["name"] == "thread_name" && e["pid"] == 1)
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(rows, ["host", "compute", "all-gather", "reduce-scatter"]);
+    // Forward: layer l+1's all-gather is issued before layer l's GEMM (host order).
+    let host_at = |name: &str, layer: u64| {
+        (spans.iter())
+            .find(|e| {
+                e["tid"] == 0
+                    && e["pid"] == 0
+                    && e["cat"] == "auto"
+                    && e["name"] == name
+                    && e["args"]["layer"] == layer
+                    && e["args"]["step"] == 1
+            })
+            .unwrap()["ts"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(host_at("all-gather", 1) < host_at("gemm", 0));
+    let summary = trace::summary(&all, 0);
+    assert!(
+        summary.contains("auto") && summary.contains("none"),
+        "{summary}"
+    );
+}

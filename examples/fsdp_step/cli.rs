@@ -156,6 +156,12 @@ pub struct Cli {
     /// them again)
     #[arg(long, value_name = "PATH")]
     pub memory_map: Option<std::path::PathBuf>,
+    /// Write the timeline of every step after the first (every rank, every mode) to
+    /// this file as Chrome-trace JSON (Perfetto, chrome://tracing): per stream and
+    /// layer, when each GEMM, all-gather, reduce-scatter, copy and wait ran on the
+    /// device, and the host calls; a summary of it goes to stderr
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
     // `cargo test` and `cargo bench` pass these to targets without a harness.
     #[arg(long, hide = true)]
     bench: bool,
@@ -204,6 +210,8 @@ pub struct Args {
     pub quiet: bool,
     /// Where to write the memory map (SVG) and its snapshots (`PATH.json`).
     pub memory_map: Option<std::path::PathBuf>,
+    /// Where to write the timeline (Chrome-trace JSON).
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -221,6 +229,7 @@ impl Args {
             backend: BackendChoice::Host,
             quiet: true,
             memory_map: None,
+            trace: None,
         }
     }
 }
@@ -257,6 +266,7 @@ impl Cli {
             backend,
             quiet: self.quiet,
             memory_map: self.memory_map.clone(),
+            trace: self.trace.clone(),
         };
         let square = args.hidden * args.hidden;
         if !square.is_multiple_of(ranks) {

@@ -1,5 +1,5 @@
-//! [`Math`] on NCCL GPUs: bf16 buffers, cuBLAS GEMMs (through cudarc) on two CUDA
-//! streams per rank, events between them. Buffers reach cuBLAS and cudarc as typed
+//! [`Math`] on NCCL GPUs: bf16 buffers, cuBLAS GEMMs (through cudarc) on three CUDA
+//! streams per rank (compute, all-gather, reduce-scatter), events between them. Buffers reach cuBLAS and cudarc as typed
 //! device views ([`CudaView`]), never as raw addresses; the cuBLAS calls are in
 //! `examples/support/gpu_math.rs` (`cublas` here), shared with the GPU tests and benchmark.
 
@@ -13,12 +13,19 @@ use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclWorldConfig};
 use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
 
-/// One rank's GPU math: a compute and a communication stream, a cuBLAS handle on each.
+/// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each.
 pub struct GpuMath {
-    compute: Stream,
-    comm: Stream,
-    blas_compute: cublas::Blas,
-    blas_comm: cublas::Blas,
+    streams: [Stream; 3],
+    blas: [cublas::Blas; 3],
+}
+
+/// The index of `on` in [`GpuMath`]'s arrays.
+fn index(on: On) -> usize {
+    match on {
+        On::Compute => 0,
+        On::AllGather => 1,
+        On::ReduceScatter => 2,
+    }
 }
 
 fn not_nccl() -> symmpool::Error {
@@ -44,22 +51,14 @@ impl GpuMath {
         self.stream(on).cuda_stream().expect("cuda stream")
     }
     fn blas(&self, on: On) -> &cublas::Blas {
-        if on == On::Compute {
-            &self.blas_compute
-        } else {
-            &self.blas_comm
-        }
+        &self.blas[index(on)]
     }
 }
 
 impl Math for GpuMath {
     type E = bf16;
     fn stream(&self, on: On) -> &Stream {
-        if on == On::Compute {
-            &self.compute
-        } else {
-            &self.comm
-        }
+        &self.streams[index(on)]
     }
     fn gemm(
         &self,
@@ -112,12 +111,24 @@ impl Math for GpuMath {
         self.cuda(to).wait(ev).map_err(driver("cuStreamWaitEvent"))
     }
     fn sync(&self) -> Result<()> {
-        self.cuda(On::Compute)
-            .synchronize()
-            .map_err(driver("cuStreamSynchronize"))?;
-        self.cuda(On::Comm)
-            .synchronize()
-            .map_err(driver("cuStreamSynchronize"))
+        for on in On::ALL {
+            self.cuda(on)
+                .synchronize()
+                .map_err(driver("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+    type Mark = cudarc::driver::CudaEvent;
+    fn mark(&self, on: On) -> Result<Self::Mark> {
+        // An event with timing (`record` makes them without).
+        let timing = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        self.cuda(on)
+            .record_event(Some(timing))
+            .map_err(driver("cuEventRecord"))
+    }
+    fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64> {
+        let ms = from.elapsed_ms(to).map_err(driver("cuEventElapsedTime"))?;
+        Ok(f64::from(ms) * 1e3)
     }
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
         out.read::<f32>()
@@ -144,14 +155,21 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
 }
 
 impl GpuMath {
-    /// cuBLAS on a compute and a communication stream of the backend's device.
+    /// cuBLAS on three streams of the backend's device.
     fn new(nccl: &NcclBackend) -> Result<GpuMath> {
-        let (compute, comm) = (nccl.cuda_stream()?, nccl.cuda_stream()?);
+        let cuda = [
+            nccl.cuda_stream()?,
+            nccl.cuda_stream()?,
+            nccl.cuda_stream()?,
+        ];
+        let blas = [
+            cublas::Blas::new(cuda[0].clone())?,
+            cublas::Blas::new(cuda[1].clone())?,
+            cublas::Blas::new(cuda[2].clone())?,
+        ];
         Ok(GpuMath {
-            blas_compute: cublas::Blas::new(compute.clone())?,
-            blas_comm: cublas::Blas::new(comm.clone())?,
-            compute: Stream::cuda(compute),
-            comm: Stream::cuda(comm),
+            streams: cuda.map(Stream::cuda),
+            blas,
         })
     }
 }

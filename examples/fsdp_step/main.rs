@@ -13,6 +13,7 @@
 //! | `host_math.rs`, `gpu_math.rs` | `Math` with f32 loops on the host, bf16 cuBLAS on GPUs |
 //! | `ranks.rs` | ranks as threads, and a barrier a failing rank breaks |
 //! | `report.rs` | the summary (`--json`), the table, the check |
+//! | `trace.rs` | the timeline (`--trace`): device and host spans, Chrome-trace JSON |
 //! | `cli.rs` | the command line |
 //!
 //! Without GPUs it runs on the host backend (ranks as threads, memory on the host);
@@ -24,6 +25,7 @@
 //! cargo run --release --example fsdp_step -- --comm auto --json
 //! cargo run --release --example fsdp_step -- --balanced --compare   # comm ≈ compute (GPUs)
 //! cargo run --release --example fsdp_step -- --memory-map map.svg  # every rank's pool, drawn
+//! cargo run --release --example fsdp_step -- --trace step.json     # the timeline (Perfetto)
 //! RUST_LOG=symmpool=debug cargo run --release --example fsdp_step   # the pool's life, traced
 //! cargo run --release --example fsdp_step -- --help
 //! ```
@@ -38,6 +40,7 @@ mod host_math;
 pub mod launch;
 mod ranks;
 mod report;
+pub mod trace;
 mod trainer;
 
 pub use cli::{Args, BackendChoice, Cli, Mode};
@@ -186,6 +189,10 @@ pub fn run_one_rank<M: Math>(
     }
     for step in 0..args.steps {
         for (mode, pool, trainer, log) in &mut runs {
+            if step == 1 && args.trace.is_some() {
+                // The timeline leaves out the warm-up step.
+                trainer.trace = Some(trace::Recorder::new(rank, *mode));
+            }
             barrier.wait()?;
             let out = pool.scope(|| trainer.step(step))?;
             log.losses.push(out.loss);
@@ -206,12 +213,15 @@ pub fn run_one_rank<M: Math>(
         }
     }
     let mut summaries = Vec::new();
-    for (mode, pool, trainer, log) in runs {
+    for (mode, pool, mut trainer, log) in runs {
         if args.memory_map.is_some() {
             // While the trainer's buffers are alive: parameters, shards, optimizer state.
             let snapshot = pool.memory_snapshot();
             let mut maps = MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner());
             maps.push((mode, snapshot));
+        }
+        if let Some(recorder) = trainer.trace.take() {
+            trace::keep(recorder.spans);
         }
         let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
         summaries.push(Summary::new(args, mode, rank, log, &pool.stats(), ag, rs));
@@ -310,6 +320,15 @@ fn main() {
                 std::process::exit(1);
             }
         }
+    }
+    // With ranks as processes, rank 0 gathered every rank's spans and wrote them.
+    if let Some(path) = args.trace.as_ref().filter(|_| threads) {
+        let spans = trace::take();
+        if let Err(e) = trace::write(path, &spans) {
+            eprintln!("fsdp_step: writing the trace to {}: {e}", path.display());
+            std::process::exit(1);
+        }
+        eprintln!("trace: {}\n{}", path.display(), trace::summary(&spans, 0));
     }
     if let Err(msg) = check(&results) {
         eprintln!("fsdp_step: check failed: {msg}");
