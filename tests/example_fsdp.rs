@@ -233,6 +233,12 @@ fn the_trace_is_chrome_json_with_every_operation() {
     trace::write(&path, &all).unwrap();
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     std::fs::remove_file(&path).unwrap();
+    let svg = std::fs::read_to_string(trace::svg_path(&path)).unwrap();
+    std::fs::remove_file(trace::svg_path(&path)).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("auto, rank 0, step 2"),
+        "{svg}"
+    );
     let events = v["traceEvents"].as_array().unwrap();
     let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
     // Steps 1 and 2 of two modes on two ranks (the warm-up step is left out).

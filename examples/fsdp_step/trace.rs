@@ -15,6 +15,8 @@
 //!   distance from the step's reference marker, which the device reaches as soon as the
 //!   host records it (the streams are idle between steps).
 //!
+//! Beside it, `FILE.svg` draws the last traced step of rank 0, one block per mode.
+//!
 //! In the file: `pid` is the rank, `tid` the row (0 host, 1 compute, 2 all-gather,
 //! 3 reduce-scatter, named by `thread_name` metadata), `cat` the mode, `args` the mode,
 //! step and layer. The first (warm-up) step of each mode is not traced. Recording costs
@@ -302,13 +304,15 @@ pub fn chrome_json(spans: &[Span]) -> serde_json::Value {
     json!({ "traceEvents": events, "displayTimeUnit": "ms" })
 }
 
-/// Write `spans` to `path` as Chrome-trace JSON.
+/// Write `spans` to `path` as Chrome-trace JSON, and a picture of one step of rank 0
+/// per mode beside it (`PATH.svg`, see [`svg`]).
 ///
 /// # Errors
-/// Writing the file failed.
+/// Writing a file failed.
 pub fn write(path: &std::path::Path, spans: &[Span]) -> std::io::Result<()> {
     let json = serde_json::to_vec(&chrome_json(spans)).map_err(std::io::Error::other)?;
-    std::fs::write(path, json)
+    std::fs::write(path, json)?;
+    std::fs::write(svg_path(path), svg(spans, 0))
 }
 
 /// Total length of the union of `[start, end)` intervals.
@@ -467,4 +471,125 @@ pub fn gather(exchange: &dyn symmpool::Exchange, args: &Args) -> Result<()> {
         eprintln!("trace: {}\n{}", path.display(), summary(&spans, 0));
     }
     Ok(())
+}
+
+/// The colour of an operation in the picture.
+fn colour(name: &str) -> &'static str {
+    match name {
+        n if n.starts_with("gemm") => "#4e79a7",
+        "all-gather" => "#59a14f",
+        "reduce-scatter" => "#f28e2b",
+        "sgd" => "#b07aa1",
+        "copy" | "loss" => "#76b7b2",
+        "wait" => "#d0d0d0",
+        "sync" => "#e15759",
+        _ => "#bab0ac",
+    }
+}
+
+/// Escape `s` for SVG text.
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// A picture of one step per mode (the last traced step of `rank`): a row per stream
+/// and one for the host calls, time left to right, each operation a box named by its
+/// layer (`wait` boxes grey: a stream standing still). SVG.
+pub fn svg(spans: &[Span], rank: usize) -> String {
+    use std::fmt::Write as _;
+    let (width, row_h, label_w) = (1200.0f64, 22.0f64, 110.0f64);
+    let lanes = [
+        Lane::Host,
+        Lane::Stream(On::Compute),
+        Lane::Stream(On::AllGather),
+        Lane::Stream(On::ReduceScatter),
+    ];
+    let mut modes: Vec<Mode> = Vec::new();
+    for s in spans.iter().filter(|s| s.rank == rank) {
+        if !modes.contains(&s.mode) {
+            modes.push(s.mode);
+        }
+    }
+    let block_h = row_h * (lanes.len() as f64 + 1.5);
+    let height = block_h * modes.len() as f64 + 30.0;
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" \
+         font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" \
+         fill=\"white\"/>\n",
+        width + label_w + 10.0
+    );
+    for (i, mode) in modes.iter().enumerate() {
+        let of_mode: Vec<&Span> = (spans.iter())
+            .filter(|s| s.rank == rank && s.mode == *mode)
+            .collect();
+        let Some(step) = of_mode.iter().map(|s| s.step).max() else {
+            continue;
+        };
+        let of_step: Vec<&&Span> = of_mode.iter().filter(|s| s.step == step).collect();
+        let t0 = of_step
+            .iter()
+            .map(|s| s.start_us)
+            .fold(f64::INFINITY, f64::min);
+        let t1 = (of_step.iter())
+            .map(|s| s.start_us + s.dur_us)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let scale = width / (t1 - t0).max(1.0);
+        let y0 = 10.0 + i as f64 * block_h;
+        let _ = writeln!(
+            out,
+            "<text x=\"4\" y=\"{:.1}\" font-weight=\"bold\">{}, rank {rank}, step {step}: \
+             {:.3} ms</text>",
+            y0 + 12.0,
+            mode.name(),
+            (t1 - t0) / 1e3
+        );
+        for (r, lane) in lanes.iter().enumerate() {
+            let y = y0 + row_h * (r as f64 + 1.0);
+            let _ = writeln!(
+                out,
+                "<text x=\"4\" y=\"{:.1}\">{}</text>",
+                y + row_h * 0.7,
+                lane.name()
+            );
+            for s in of_step
+                .iter()
+                .filter(|s| s.lane == *lane && s.name != "step")
+            {
+                let x = label_w + (s.start_us - t0) * scale;
+                let w = (s.dur_us * scale).max(0.5);
+                let layer = s.layer.map_or(String::new(), |l| format!(" {l}"));
+                let title = format!("{}{layer}: {:.1} µs", s.name, s.dur_us);
+                let _ = write!(
+                    out,
+                    "<rect x=\"{x:.2}\" y=\"{:.1}\" width=\"{w:.2}\" height=\"{:.1}\" \
+                     fill=\"{}\" stroke=\"white\" stroke-width=\"0.3\"><title>{}</title></rect>",
+                    y + 1.0,
+                    row_h - 2.0,
+                    colour(&s.name),
+                    escape(&title)
+                );
+                if w > 24.0 {
+                    let _ = write!(
+                        out,
+                        "<text x=\"{:.2}\" y=\"{:.1}\" fill=\"white\">{}</text>",
+                        x + 2.0,
+                        y + row_h * 0.7,
+                        escape(&format!("{}{layer}", s.name))
+                    );
+                }
+                out.push('\n');
+            }
+        }
+    }
+    out += "</svg>\n";
+    out
+}
+
+/// The picture's path: `path` with `.svg` appended.
+pub fn svg_path(path: &std::path::Path) -> std::path::PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".svg");
+    p.into()
 }
