@@ -8,15 +8,77 @@ use super::cublas;
 use super::ranks::{StepBarrier, on_rank_threads};
 use super::report::Summary;
 use super::trainer::{Math, On};
-use cudarc::driver::{CudaStream, DeviceSlice, DriverError};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream, DeviceSlice, DriverError};
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclWorldConfig};
 use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
 
-/// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each.
+/// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each, and
+/// the events it records between them (made once, recorded again).
 pub struct GpuMath {
     streams: [Stream; 3],
     blas: [cublas::Blas; 3],
+    /// Events without timing, for the streams' waits.
+    events: Rc<Events>,
+    /// Events with timing, for the timeline's markers.
+    timing: Rc<Events>,
+}
+
+/// Spare CUDA events of one kind. A wait enqueued on an event takes the event's state
+/// when it is enqueued, so an event can be recorded again as soon as its [`Event`] is
+/// dropped (after the waits on it were enqueued): a step records its events without
+/// creating or destroying any.
+struct Events {
+    ctx: Arc<cudarc::driver::CudaContext>,
+    flags: CUevent_flags,
+    spare: RefCell<Vec<CudaEvent>>,
+}
+
+/// A recorded event; dropped, it goes back to its [`Events`].
+pub struct Event {
+    event: Option<CudaEvent>,
+    home: Rc<Events>,
+}
+
+impl Event {
+    fn get(&self) -> &CudaEvent {
+        self.event.as_ref().expect("an event until dropped")
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            self.home.spare.borrow_mut().push(e);
+        }
+    }
+}
+
+impl Events {
+    fn new(ctx: Arc<cudarc::driver::CudaContext>, flags: CUevent_flags) -> Rc<Events> {
+        Rc::new(Events {
+            ctx,
+            flags,
+            spare: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// A spare event (or a new one) recorded on `stream`.
+    fn record(self: &Rc<Self>, stream: &CudaStream) -> Result<Event> {
+        let spare = self.spare.borrow_mut().pop();
+        let event = match spare {
+            Some(e) => e,
+            None => (self.ctx.new_event(Some(self.flags))).map_err(driver("cuEventCreate"))?,
+        };
+        event.record(stream).map_err(driver("cuEventRecord"))?;
+        Ok(Event {
+            event: Some(event),
+            home: self.clone(),
+        })
+    }
 }
 
 /// The index of `on` in [`GpuMath`]'s arrays.
@@ -101,14 +163,14 @@ impl Math for GpuMath {
         let mut out = out.view::<f32>()?.slice(slot, 1)?.cuda()?;
         self.blas(on).sumsq_bf16(&bf16s(x)?, &mut out)
     }
-    type Ev = cudarc::driver::CudaEvent;
+    type Ev = Event;
     fn record(&self, on: On) -> Result<Self::Ev> {
-        self.cuda(on)
-            .record_event(None)
-            .map_err(driver("cuEventRecord"))
+        self.events.record(self.cuda(on))
     }
     fn wait_for(&self, to: On, ev: &Self::Ev) -> Result<()> {
-        self.cuda(to).wait(ev).map_err(driver("cuStreamWaitEvent"))
+        self.cuda(to)
+            .wait(ev.get())
+            .map_err(driver("cuStreamWaitEvent"))
     }
     fn sync(&self) -> Result<()> {
         for on in On::ALL {
@@ -118,16 +180,14 @@ impl Math for GpuMath {
         }
         Ok(())
     }
-    type Mark = cudarc::driver::CudaEvent;
+    type Mark = Event;
     fn mark(&self, on: On) -> Result<Self::Mark> {
-        // An event with timing (`record` makes them without).
-        let timing = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-        self.cuda(on)
-            .record_event(Some(timing))
-            .map_err(driver("cuEventRecord"))
+        self.timing.record(self.cuda(on))
     }
     fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64> {
-        let ms = from.elapsed_ms(to).map_err(driver("cuEventElapsedTime"))?;
+        let ms = (from.get())
+            .elapsed_ms(to.get())
+            .map_err(driver("cuEventElapsedTime"))?;
         Ok(f64::from(ms) * 1e3)
     }
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
@@ -167,7 +227,10 @@ impl GpuMath {
             cublas::Blas::new(cuda[1].clone())?,
             cublas::Blas::new(cuda[2].clone())?,
         ];
+        let ctx = cuda[0].context().clone();
         Ok(GpuMath {
+            events: Events::new(ctx.clone(), CUevent_flags::CU_EVENT_DISABLE_TIMING),
+            timing: Events::new(ctx, CUevent_flags::CU_EVENT_DEFAULT),
             streams: cuda.map(Stream::cuda),
             blas,
         })
