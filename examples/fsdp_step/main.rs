@@ -47,8 +47,8 @@ pub use cli::{Args, BackendChoice, Cli, Mode};
 pub use report::{Log, Spread, Summary, check, loss_disagreement};
 
 use clap::Parser;
+use parking_lot::Mutex;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
-use std::sync::Mutex;
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::observe::PoolSnapshot;
 use symmpool::{
@@ -137,7 +137,7 @@ static MEMORY_MAPS: Mutex<Vec<(Mode, PoolSnapshot)>> = Mutex::new(Vec::new());
 /// Draw rank by rank the pools of the first mode (`render_ranks` outlines any block
 /// placed differently on some rank) and save every snapshot beside it as JSON.
 fn write_memory_map(path: &std::path::Path, first: Mode) -> std::io::Result<()> {
-    let mut all = std::mem::take(&mut *MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut all = std::mem::take(&mut *MEMORY_MAPS.lock());
     all.sort_by_key(|(m, s)| (*m != first, s.rank));
     let ranks: Vec<PoolSnapshot> = (all.iter())
         .filter(|(m, _)| *m == first)
@@ -217,7 +217,7 @@ pub fn run_one_rank<M: Math>(
         if args.memory_map.is_some() {
             // While the trainer's buffers are alive: parameters, shards, optimizer state.
             let snapshot = pool.memory_snapshot();
-            let mut maps = MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner());
+            let mut maps = MEMORY_MAPS.lock();
             maps.push((mode, snapshot));
         }
         if let Some(recorder) = trainer.trace.take() {
@@ -342,7 +342,7 @@ pub fn gather_memory_map(exchange: &dyn symmpool::Exchange, args: &Args) -> Resu
     let Some(path) = &args.memory_map else {
         return Ok(());
     };
-    let mine = std::mem::take(&mut *MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner()));
+    let mine = std::mem::take(&mut *MEMORY_MAPS.lock());
     let json = serde_json::to_vec(&mine).map_err(|e| symmpool::Error::Internal {
         what: format!("encoding a snapshot: {e}"),
     })?;
@@ -357,7 +357,7 @@ pub fn gather_memory_map(exchange: &dyn symmpool::Exchange, args: &Args) -> Resu
         symmpool::PoolConfig::default().timeout,
     )?;
     if exchange.rank() == 0 {
-        let mut maps = MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut maps = MEMORY_MAPS.lock();
         for bytes in all {
             if let Ok(v) = serde_json::from_slice::<Vec<(Mode, PoolSnapshot)>>(&bytes) {
                 maps.extend(v);
