@@ -68,6 +68,15 @@ fn the_none_mode_runs_the_step_without_collectives() {
     assert!(none.losses.iter().all(|&l| l == 0.0), "{:?}", none.losses);
     let back: Summary = serde_json::from_str(&serde_json::to_string(none).unwrap()).unwrap();
     assert_eq!(back.losses, none.losses);
+    // Every mode carries its step time over ring's and none's (none's own is 1).
+    assert_eq!(none.over_none, Some(1.0));
+    let auto = results.iter().find(|r| r.mode == Mode::Auto).unwrap();
+    let v = serde_json::to_value(auto).unwrap();
+    let (over_ring, over_none) = (v["over_ring"].as_f64(), v["over_none"].as_f64());
+    assert!(
+        over_ring.is_some_and(|x| x > 0.0) && over_none.is_some_and(|x| x > 0.0),
+        "{v}"
+    );
     // The communicating modes still agree, `none` left out.
     assert!(fsdp_step::loss_disagreement(&results) < 1e-5);
 }
@@ -208,4 +217,81 @@ fn kill_9_of_a_rank_during_a_training_step_stops_every_other_rank_naming_it() {
     );
     drop(job); // reaps every child
     assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
+}
+
+#[test]
+fn the_trace_is_chrome_json_with_every_operation() {
+    use fsdp_step::trace;
+    let args = Args {
+        steps: 3,
+        trace: Some(std::path::PathBuf::from("unused")),
+        ..Args::host(vec![Mode::Auto, Mode::None])
+    };
+    run_host(&args).unwrap();
+    let all = trace::take();
+    let path = std::env::temp_dir().join(format!("fsdp_trace_{}.json", std::process::id()));
+    trace::write(&path, &all).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let svg = std::fs::read_to_string(trace::svg_path(&path)).unwrap();
+    std::fs::remove_file(trace::svg_path(&path)).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("auto, rank 0, step 2"),
+        "{svg}"
+    );
+    let events = v["traceEvents"].as_array().unwrap();
+    let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    // Steps 1 and 2 of two modes on two ranks (the warm-up step is left out).
+    for e in &spans {
+        assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
+        assert!(e["pid"].as_u64().unwrap() < 2 && e["tid"].as_u64().unwrap() < 4);
+        assert!([1, 2].contains(&e["args"]["step"].as_u64().unwrap()), "{e}");
+    }
+    let names = |tid: u64| -> std::collections::BTreeSet<&str> {
+        (spans.iter())
+            .filter(|e| e["tid"] == tid && e["cat"] == "auto")
+            .map(|e| e["name"].as_str().unwrap())
+            .collect()
+    };
+    let set = |v: &[&'static str]| v.iter().copied().collect();
+    assert_eq!(
+        names(1),
+        set(&["copy", "gemm", "gemm dW", "gemm dX", "loss", "wait"])
+    );
+    assert_eq!(names(2), set(&["all-gather", "wait"]));
+    assert_eq!(names(3), set(&["reduce-scatter", "sgd", "wait"]));
+    assert!(names(0).is_superset(&set(&[
+        "all-gather",
+        "reduce-scatter",
+        "gemm",
+        "step",
+        "sync"
+    ])));
+    // Every row is named, for both ranks.
+    let rows: Vec<&str> = (events.iter())
+        .filter(|e| e["name"] == "thread_name" && e["pid"] == 1)
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(rows, ["host", "compute", "all-gather", "reduce-scatter"]);
+    // Forward: layer l+1's all-gather is issued before layer l's GEMM (host order).
+    let host_at = |name: &str, layer: u64| {
+        (spans.iter())
+            .find(|e| {
+                e["tid"] == 0
+                    && e["pid"] == 0
+                    && e["cat"] == "auto"
+                    && e["name"] == name
+                    && e["args"]["layer"] == layer
+                    && e["args"]["step"] == 1
+            })
+            .unwrap()["ts"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(host_at("all-gather", 1) < host_at("gemm", 0));
+    let summary = trace::summary(&all, 0);
+    assert!(
+        summary.contains("auto") && summary.contains("none"),
+        "{summary}"
+    );
 }

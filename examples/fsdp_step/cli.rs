@@ -98,7 +98,14 @@ Defaults: host backend: 2 ranks, 4 layers, hidden 64, batch 32, 30 steps
 --balanced (GPUs): hidden 16384, batch 1024, 8 layers: communication about equal to
           computation on 2xH200 (per layer, each rank gathers 256 MiB, ~0.97 ms on ring,
           and reduce-scatters 512 MiB, ~1.07 ms; each GEMM is 2*16384^2*1024 flop, ~0.85 ms:
-          forward 1 GEMM vs 1 all-gather, backward 2 GEMMs vs all-gather + reduce-scatter)";
+          forward 1 GEMM vs 1 all-gather, backward 2 GEMMs vs all-gather + reduce-scatter)
+Streams: compute, all-gather, reduce-scatter (the SGD update of the shards runs on the
+          last); the host waits for the device once per step, at its end, to read the loss.
+--trace FILE: FILE (Chrome-trace JSON, every step after the first) and FILE.svg (the
+          last step of rank 0 per mode); the summary on stderr gives per mode each
+          stream's busy time, the communication left exposed (compute stream idle) and
+          hidden, the host's µs per call and its wait at the end of the step. Tracing
+          adds two event records per operation.";
 
 /// FSDP-style training of a stack of linear layers: parameters sharded over the ranks,
 /// all-gathered into symmpool buffers before use, gradients reduce-scattered.
@@ -156,6 +163,12 @@ pub struct Cli {
     /// them again)
     #[arg(long, value_name = "PATH")]
     pub memory_map: Option<std::path::PathBuf>,
+    /// Write the timeline of every step after the first (every rank, every mode) to
+    /// this file as Chrome-trace JSON (Perfetto, chrome://tracing): per stream and
+    /// layer, when each GEMM, all-gather, reduce-scatter, copy and wait ran on the
+    /// device, and the host calls; a summary of it goes to stderr
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
     // `cargo test` and `cargo bench` pass these to targets without a harness.
     #[arg(long, hide = true)]
     bench: bool,
@@ -204,6 +217,8 @@ pub struct Args {
     pub quiet: bool,
     /// Where to write the memory map (SVG) and its snapshots (`PATH.json`).
     pub memory_map: Option<std::path::PathBuf>,
+    /// Where to write the timeline (Chrome-trace JSON).
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -221,6 +236,7 @@ impl Args {
             backend: BackendChoice::Host,
             quiet: true,
             memory_map: None,
+            trace: None,
         }
     }
 }
@@ -257,6 +273,7 @@ impl Cli {
             backend,
             quiet: self.quiet,
             memory_map: self.memory_map.clone(),
+            trace: self.trace.clone(),
         };
         let square = args.hidden * args.hidden;
         if !square.is_multiple_of(ranks) {

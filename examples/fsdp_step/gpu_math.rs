@@ -1,5 +1,5 @@
-//! [`Math`] on NCCL GPUs: bf16 buffers, cuBLAS GEMMs (through cudarc) on two CUDA
-//! streams per rank, events between them. Buffers reach cuBLAS and cudarc as typed
+//! [`Math`] on NCCL GPUs: bf16 buffers, cuBLAS GEMMs (through cudarc) on three CUDA
+//! streams per rank (compute, all-gather, reduce-scatter), events between them. Buffers reach cuBLAS and cudarc as typed
 //! device views ([`CudaView`]), never as raw addresses; the cuBLAS calls are in
 //! `examples/support/gpu_math.rs` (`cublas` here), shared with the GPU tests and benchmark.
 
@@ -8,17 +8,86 @@ use super::cublas;
 use super::ranks::{StepBarrier, on_rank_threads};
 use super::report::Summary;
 use super::trainer::{Math, On};
-use cudarc::driver::{CudaStream, DeviceSlice, DriverError};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream, DeviceSlice, DriverError};
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclWorldConfig};
 use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
 
-/// One rank's GPU math: a compute and a communication stream, a cuBLAS handle on each.
+/// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each, and
+/// the events it records between them (made once, recorded again).
 pub struct GpuMath {
-    compute: Stream,
-    comm: Stream,
-    blas_compute: cublas::Blas,
-    blas_comm: cublas::Blas,
+    streams: [Stream; 3],
+    blas: [cublas::Blas; 3],
+    /// Events without timing, for the streams' waits.
+    events: Rc<Events>,
+    /// Events with timing, for the timeline's markers.
+    timing: Rc<Events>,
+}
+
+/// Spare CUDA events of one kind. A wait enqueued on an event takes the event's state
+/// when it is enqueued, so an event can be recorded again as soon as its [`Event`] is
+/// dropped (after the waits on it were enqueued): a step records its events without
+/// creating or destroying any.
+struct Events {
+    ctx: Arc<cudarc::driver::CudaContext>,
+    flags: CUevent_flags,
+    spare: RefCell<Vec<CudaEvent>>,
+}
+
+/// A recorded event; dropped, it goes back to its [`Events`].
+pub struct Event {
+    event: Option<CudaEvent>,
+    home: Rc<Events>,
+}
+
+impl Event {
+    fn get(&self) -> &CudaEvent {
+        self.event.as_ref().expect("an event until dropped")
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            self.home.spare.borrow_mut().push(e);
+        }
+    }
+}
+
+impl Events {
+    fn new(ctx: Arc<cudarc::driver::CudaContext>, flags: CUevent_flags) -> Rc<Events> {
+        Rc::new(Events {
+            ctx,
+            flags,
+            spare: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// A spare event (or a new one) recorded on `stream`.
+    fn record(self: &Rc<Self>, stream: &CudaStream) -> Result<Event> {
+        let spare = self.spare.borrow_mut().pop();
+        let event = match spare {
+            Some(e) => e,
+            None => (self.ctx.new_event(Some(self.flags))).map_err(driver("cuEventCreate"))?,
+        };
+        event.record(stream).map_err(driver("cuEventRecord"))?;
+        Ok(Event {
+            event: Some(event),
+            home: self.clone(),
+        })
+    }
+}
+
+/// The index of `on` in [`GpuMath`]'s arrays.
+fn index(on: On) -> usize {
+    match on {
+        On::Compute => 0,
+        On::AllGather => 1,
+        On::ReduceScatter => 2,
+    }
 }
 
 fn not_nccl() -> symmpool::Error {
@@ -44,22 +113,14 @@ impl GpuMath {
         self.stream(on).cuda_stream().expect("cuda stream")
     }
     fn blas(&self, on: On) -> &cublas::Blas {
-        if on == On::Compute {
-            &self.blas_compute
-        } else {
-            &self.blas_comm
-        }
+        &self.blas[index(on)]
     }
 }
 
 impl Math for GpuMath {
     type E = bf16;
     fn stream(&self, on: On) -> &Stream {
-        if on == On::Compute {
-            &self.compute
-        } else {
-            &self.comm
-        }
+        &self.streams[index(on)]
     }
     fn gemm(
         &self,
@@ -102,22 +163,32 @@ impl Math for GpuMath {
         let mut out = out.view::<f32>()?.slice(slot, 1)?.cuda()?;
         self.blas(on).sumsq_bf16(&bf16s(x)?, &mut out)
     }
-    type Ev = cudarc::driver::CudaEvent;
+    type Ev = Event;
     fn record(&self, on: On) -> Result<Self::Ev> {
-        self.cuda(on)
-            .record_event(None)
-            .map_err(driver("cuEventRecord"))
+        self.events.record(self.cuda(on))
     }
     fn wait_for(&self, to: On, ev: &Self::Ev) -> Result<()> {
-        self.cuda(to).wait(ev).map_err(driver("cuStreamWaitEvent"))
+        self.cuda(to)
+            .wait(ev.get())
+            .map_err(driver("cuStreamWaitEvent"))
     }
     fn sync(&self) -> Result<()> {
-        self.cuda(On::Compute)
-            .synchronize()
-            .map_err(driver("cuStreamSynchronize"))?;
-        self.cuda(On::Comm)
-            .synchronize()
-            .map_err(driver("cuStreamSynchronize"))
+        for on in On::ALL {
+            self.cuda(on)
+                .synchronize()
+                .map_err(driver("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+    type Mark = Event;
+    fn mark(&self, on: On) -> Result<Self::Mark> {
+        self.timing.record(self.cuda(on))
+    }
+    fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64> {
+        let ms = (from.get())
+            .elapsed_ms(to.get())
+            .map_err(driver("cuEventElapsedTime"))?;
+        Ok(f64::from(ms) * 1e3)
     }
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
         out.read::<f32>()
@@ -144,14 +215,24 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
 }
 
 impl GpuMath {
-    /// cuBLAS on a compute and a communication stream of the backend's device.
+    /// cuBLAS on three streams of the backend's device.
     fn new(nccl: &NcclBackend) -> Result<GpuMath> {
-        let (compute, comm) = (nccl.cuda_stream()?, nccl.cuda_stream()?);
+        let cuda = [
+            nccl.cuda_stream()?,
+            nccl.cuda_stream()?,
+            nccl.cuda_stream()?,
+        ];
+        let blas = [
+            cublas::Blas::new(cuda[0].clone())?,
+            cublas::Blas::new(cuda[1].clone())?,
+            cublas::Blas::new(cuda[2].clone())?,
+        ];
+        let ctx = cuda[0].context().clone();
         Ok(GpuMath {
-            blas_compute: cublas::Blas::new(compute.clone())?,
-            blas_comm: cublas::Blas::new(comm.clone())?,
-            compute: Stream::cuda(compute),
-            comm: Stream::cuda(comm),
+            events: Events::new(ctx.clone(), CUevent_flags::CU_EVENT_DISABLE_TIMING),
+            timing: Events::new(ctx, CUevent_flags::CU_EVENT_DEFAULT),
+            streams: cuda.map(Stream::cuda),
+            blas,
         })
     }
 }

@@ -1,5 +1,6 @@
 //! [`Math`] on the host backend: f32 buffers, synchronous, naive loops (small sizes
-//! only). The two streams exist because the pool and the collectives ask for one.
+//! only). The three streams exist because the pool and the collectives ask for one;
+//! the timeline's markers are host clock reads (the work is done when the call returns).
 
 use super::trainer::{Math, On};
 use symmpool::{Result, Stream, SymmBuffer};
@@ -7,15 +8,13 @@ use symmpool::{Result, Stream, SymmBuffer};
 /// Host math: f32 buffers, synchronous, naive loops (small sizes only).
 #[derive(Debug)]
 pub struct HostMath {
-    compute: Stream,
-    comm: Stream,
+    streams: [Stream; 3],
 }
 
 impl Default for HostMath {
     fn default() -> Self {
         HostMath {
-            compute: Stream::host(),
-            comm: Stream::host(),
+            streams: [Stream::host(), Stream::host(), Stream::host()],
         }
     }
 }
@@ -29,11 +28,7 @@ impl HostMath {
 impl Math for HostMath {
     type E = f32;
     fn stream(&self, on: On) -> &Stream {
-        if on == On::Compute {
-            &self.compute
-        } else {
-            &self.comm
-        }
+        &self.streams[On::ALL.iter().position(|&o| o == on).unwrap_or(0)]
     }
     fn gemm(
         &self,
@@ -99,6 +94,13 @@ impl Math for HostMath {
     }
     fn sync(&self) -> Result<()> {
         Ok(())
+    }
+    type Mark = std::time::Instant;
+    fn mark(&self, _: On) -> Result<Self::Mark> {
+        Ok(std::time::Instant::now())
+    }
+    fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64> {
+        Ok(to.saturating_duration_since(*from).as_secs_f64() * 1e6)
     }
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
         Self::get(out)

@@ -89,6 +89,7 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
         )?,
     };
     super::gather_memory_map(exchange.as_ref(), args)?;
+    super::trace::gather(exchange.as_ref(), args)?;
     Ok((rank == 0).then_some(summaries))
 }
 

@@ -13,6 +13,7 @@
 //! | `host_math.rs`, `gpu_math.rs` | `Math` with f32 loops on the host, bf16 cuBLAS on GPUs |
 //! | `ranks.rs` | ranks as threads, and a barrier a failing rank breaks |
 //! | `report.rs` | the summary (`--json`), the table, the check |
+//! | `trace.rs` | the timeline (`--trace`): device and host spans, Chrome-trace JSON |
 //! | `cli.rs` | the command line |
 //!
 //! Without GPUs it runs on the host backend (ranks as threads, memory on the host);
@@ -24,6 +25,7 @@
 //! cargo run --release --example fsdp_step -- --comm auto --json
 //! cargo run --release --example fsdp_step -- --balanced --compare   # comm ≈ compute (GPUs)
 //! cargo run --release --example fsdp_step -- --memory-map map.svg  # every rank's pool, drawn
+//! cargo run --release --example fsdp_step -- --trace step.json     # the timeline (Perfetto)
 //! RUST_LOG=symmpool=debug cargo run --release --example fsdp_step   # the pool's life, traced
 //! cargo run --release --example fsdp_step -- --help
 //! ```
@@ -38,14 +40,15 @@ mod host_math;
 pub mod launch;
 mod ranks;
 mod report;
+pub mod trace;
 mod trainer;
 
 pub use cli::{Args, BackendChoice, Cli, Mode};
 pub use report::{Log, Spread, Summary, check, loss_disagreement};
 
 use clap::Parser;
+use parking_lot::Mutex;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
-use std::sync::Mutex;
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::observe::PoolSnapshot;
 use symmpool::{
@@ -134,7 +137,7 @@ static MEMORY_MAPS: Mutex<Vec<(Mode, PoolSnapshot)>> = Mutex::new(Vec::new());
 /// Draw rank by rank the pools of the first mode (`render_ranks` outlines any block
 /// placed differently on some rank) and save every snapshot beside it as JSON.
 fn write_memory_map(path: &std::path::Path, first: Mode) -> std::io::Result<()> {
-    let mut all = std::mem::take(&mut *MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut all = std::mem::take(&mut *MEMORY_MAPS.lock());
     all.sort_by_key(|(m, s)| (*m != first, s.rank));
     let ranks: Vec<PoolSnapshot> = (all.iter())
         .filter(|(m, _)| *m == first)
@@ -186,6 +189,10 @@ pub fn run_one_rank<M: Math>(
     }
     for step in 0..args.steps {
         for (mode, pool, trainer, log) in &mut runs {
+            if step == 1 && args.trace.is_some() {
+                // The timeline leaves out the warm-up step.
+                trainer.trace = Some(trace::Recorder::new(rank, *mode));
+            }
             barrier.wait()?;
             let out = pool.scope(|| trainer.step(step))?;
             log.losses.push(out.loss);
@@ -206,12 +213,15 @@ pub fn run_one_rank<M: Math>(
         }
     }
     let mut summaries = Vec::new();
-    for (mode, pool, trainer, log) in runs {
+    for (mode, pool, mut trainer, log) in runs {
         if args.memory_map.is_some() {
             // While the trainer's buffers are alive: parameters, shards, optimizer state.
             let snapshot = pool.memory_snapshot();
-            let mut maps = MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner());
+            let mut maps = MEMORY_MAPS.lock();
             maps.push((mode, snapshot));
+        }
+        if let Some(recorder) = trainer.trace.take() {
+            trace::keep(recorder.spans);
         }
         let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
         summaries.push(Summary::new(args, mode, rank, log, &pool.stats(), ag, rs));
@@ -221,6 +231,7 @@ pub fn run_one_rank<M: Math>(
     }
     drop(data);
     data_pool.close()?;
+    report::add_ratios(&mut summaries);
     Ok(summaries)
 }
 
@@ -310,6 +321,15 @@ fn main() {
             }
         }
     }
+    // With ranks as processes, rank 0 gathered every rank's spans and wrote them.
+    if let Some(path) = args.trace.as_ref().filter(|_| threads) {
+        let spans = trace::take();
+        if let Err(e) = trace::write(path, &spans) {
+            eprintln!("fsdp_step: writing the trace to {}: {e}", path.display());
+            std::process::exit(1);
+        }
+        eprintln!("trace: {}\n{}", path.display(), trace::summary(&spans, 0));
+    }
     if let Err(msg) = check(&results) {
         eprintln!("fsdp_step: check failed: {msg}");
         std::process::exit(1);
@@ -322,7 +342,7 @@ pub fn gather_memory_map(exchange: &dyn symmpool::Exchange, args: &Args) -> Resu
     let Some(path) = &args.memory_map else {
         return Ok(());
     };
-    let mine = std::mem::take(&mut *MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner()));
+    let mine = std::mem::take(&mut *MEMORY_MAPS.lock());
     let json = serde_json::to_vec(&mine).map_err(|e| symmpool::Error::Internal {
         what: format!("encoding a snapshot: {e}"),
     })?;
@@ -337,7 +357,7 @@ pub fn gather_memory_map(exchange: &dyn symmpool::Exchange, args: &Args) -> Resu
         symmpool::PoolConfig::default().timeout,
     )?;
     if exchange.rank() == 0 {
-        let mut maps = MEMORY_MAPS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut maps = MEMORY_MAPS.lock();
         for bytes in all {
             if let Ok(v) = serde_json::from_slice::<Vec<(Mode, PoolSnapshot)>>(&bytes) {
                 maps.extend(v);

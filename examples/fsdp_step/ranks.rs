@@ -2,8 +2,8 @@
 //! that lines them up before each step. (Ranks as processes, `--nproc`, would go in a
 //! `launch.rs` beside this, calling the same `run_one_rank`.)
 
-use std::sync::{Condvar, Mutex};
-use symmpool::{Error, Result};
+use parking_lot::{Condvar, Mutex};
+use symmpool::{Deadline, Error, Result};
 
 /// What lines the ranks up before each step: a [`StepBarrier`] for threads, a round
 /// on the control plane for processes (`launch.rs`).
@@ -41,13 +41,16 @@ impl StepBarrier {
         }
     }
 
-    /// Wait for every rank; fails once a rank has given up.
+    /// Wait for every rank; fails once a rank has given up, or after the pools'
+    /// default timeout (a rank that neither arrives nor fails).
     pub fn wait(&self) -> Result<()> {
         let broken = |rank| Error::GroupBroken {
             rank,
             op: "fsdp_step",
         };
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let timeout = symmpool::PoolConfig::default().timeout;
+        let deadline = Deadline::after(timeout);
+        let mut st = self.state.lock();
         if let Some(rank) = st.2 {
             return Err(broken(rank));
         }
@@ -60,7 +63,16 @@ impl StepBarrier {
             return Ok(());
         }
         while st.1 == generation && st.2.is_none() {
-            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            if self.cv.wait_until(&mut st, deadline.instant()).timed_out()
+                && st.1 == generation
+                && st.2.is_none()
+            {
+                return Err(Error::Timeout {
+                    op: "fsdp_step: the step barrier",
+                    waited: timeout,
+                    missing_ranks: Vec::new(),
+                });
+            }
         }
         match st.2 {
             Some(rank) if st.1 == generation => Err(broken(rank)),
@@ -70,7 +82,7 @@ impl StepBarrier {
 
     /// Give up: every waiting and later `wait` fails.
     pub fn abort(&self, rank: usize) {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.state.lock();
         st.2.get_or_insert(rank);
         self.cv.notify_all();
     }

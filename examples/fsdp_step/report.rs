@@ -125,6 +125,29 @@ pub struct Summary {
     pub losses: Vec<f32>,
     /// Step time per step, in ms.
     pub step_ms: Vec<f64>,
+    /// Median step time over `ring`'s (`null` when `ring` did not run); see
+    /// [`add_ratios`].
+    #[serde(default)]
+    pub over_ring: Option<f64>,
+    /// Median step time over `none`'s, the same step without communication (`null`
+    /// when `none` did not run): 1 is a step that hides all its communication.
+    #[serde(default)]
+    pub over_none: Option<f64>,
+}
+
+/// Fill in every summary's `over_ring` and `over_none` from the others' median step
+/// times (the summaries of one rank, one per mode).
+pub fn add_ratios(results: &mut [Summary]) {
+    let median_of = |m: Mode| {
+        (results.iter())
+            .find(|r| r.mode == m)
+            .map(|r| r.median_step_ms)
+    };
+    let (ring, none) = (median_of(Mode::Ring), median_of(Mode::None));
+    for r in results {
+        r.over_ring = ring.map(|x| r.median_step_ms / x);
+        r.over_none = none.map(|x| r.median_step_ms / x);
+    }
 }
 
 /// The distinct paths in `p`, in order of first use, `+`-joined.
@@ -187,6 +210,8 @@ impl Summary {
             reduce_scatter_paths: paths(rs),
             losses,
             step_ms: log.step_ms,
+            over_ring: None,
+            over_none: None,
         }
     }
 }
@@ -238,7 +263,7 @@ pub fn print(args: &Args, results: &[Summary]) {
         .iter()
         .map(|r| path_words(&r.all_gather_paths).len());
     let w = ag_width.max().unwrap_or(0).max(16);
-    let ring = results.iter().find(|r| r.mode == Mode::Ring);
+    let ratio = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.3}"));
     out!(
         "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps",
         args.backend.name(),
@@ -249,9 +274,10 @@ pub fn print(args: &Args, results: &[Summary]) {
         args.steps
     );
     out!(
-        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
+        "{:<5} {:>8} {:>7} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
         "",
         "step",
+        "",
         "",
         "first",
         "last",
@@ -263,10 +289,11 @@ pub fn print(args: &Args, results: &[Summary]) {
         "reduce-scatter",
     );
     out!(
-        "{:<5} {:>8} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
+        "{:<5} {:>8} {:>7} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
         "mode",
         "ms",
         "÷ ring",
+        "÷ none",
         "loss",
         "loss",
         "first / later",
@@ -287,13 +314,11 @@ pub fn print(args: &Args, results: &[Summary]) {
             }
         };
         out!(
-            "{:<5} {:>8.2} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
+            "{:<5} {:>8.2} {:>7} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
             r.mode.name(),
             r.median_step_ms,
-            ring.map_or("-".into(), |x| format!(
-                "{:.3}",
-                r.median_step_ms / x.median_step_ms
-            )),
+            ratio(r.over_ring),
+            ratio(r.over_none),
             loss(r.first_loss),
             loss(r.last_loss),
             format!(
@@ -311,7 +336,7 @@ pub fn print(args: &Args, results: &[Summary]) {
         );
     }
     out!(
-        "(step ms: median after the first step; ÷ ring: over ring's; registrations: NCCL \
+        "(step ms: median after the first step; ÷ ring, ÷ none: over ring's, none's; registrations: NCCL \
          windows registered in setup + first step / later steps; segments: after the \
          first step → after warm-up sizing (small + large class); MiB: peak per rank; \
          paths: last step)"
@@ -322,16 +347,12 @@ pub fn print(args: &Args, results: &[Summary]) {
              so no losses; its step time is what hiding all communication would reach)"
         );
     }
-    let step_of = |m: Mode| {
-        results
-            .iter()
-            .find(|r| r.mode == m)
-            .map(|r| r.median_step_ms)
-    };
-    if let (Some(auto), Some(none)) = (step_of(Mode::Auto), step_of(Mode::None)) {
+    if let Some(auto) = results.iter().find(|r| r.mode == Mode::Auto) {
         out!(
-            "auto ÷ none (step time over the same step without communication): {:.3}",
-            auto / none
+            "auto ÷ none (over the same step without communication; 1 = all hidden): {}   \
+             auto ÷ ring: {}",
+            ratio(auto.over_none),
+            ratio(auto.over_ring)
         );
     }
     if results.len() > 1 {

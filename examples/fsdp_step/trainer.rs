@@ -3,31 +3,58 @@
 //! A student of L square layers learns a known teacher (each teacher layer is the
 //! identity plus a low-rank perturbation) on a synthetic regression task, so the loss
 //! must fall. Parameters are sharded over the ranks. Each step:
-//! - forward: all-gather each layer's parameters into a pool buffer on the
-//!   communication stream, prefetching layer l+1 while layer l computes;
-//! - backward: re-gather with prefetch, compute the weight gradient and the input
-//!   gradient, reduce-scatter the weight gradient on the communication stream while
-//!   the previous layer's backward computes, and apply SGD to the shard.
+//! - forward: all-gather each layer's parameters into a pool buffer on the all-gather
+//!   stream, layer l+1's issued before layer l's GEMM, so that it runs beside it;
+//! - backward: the last layer's parameters are kept from the forward (as FSDP2 keeps
+//!   the root's); re-gather the others with the same prefetch, compute the weight
+//!   gradient and the input gradient, reduce-scatter the weight gradient on the
+//!   reduce-scatter stream while the layer below computes, and apply SGD to the shard
+//!   there.
+//!
+//! Three streams, as FSDP2 has them: compute, all-gather, reduce-scatter. A backward
+//! prefetch never queues behind a reduce-scatter. Streams wait on events only where
+//! data flows (compute on a gathered layer; the reduce-scatter on its gradient; the
+//! next step's all-gathers on this step's updates), buffers go back to the pool
+//! stream-ordered (`record_stream`), and the host waits for the device once, at the end
+//! of the step, to read the loss.
 //!
 //! Every buffer comes from `symmpool::alloc`, that is from the pool of the caller's
 //! `SymmPool::scope`.
 
 use super::cli::Args;
+use super::trace::{self, Recorder};
 use super::{all_gather, reduce_scatter};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
 use symmpool::coll::Path;
 use symmpool::{Coll, Element, Result, Stream, SymmBuffer, SymmPool, alloc};
 
-/// Which of a rank's two streams.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which of a rank's three streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum On {
     /// The stream the GEMMs run on.
     Compute,
-    /// The stream the collectives (and the SGD update) run on.
-    Comm,
+    /// The stream the all-gathers run on.
+    AllGather,
+    /// The stream the reduce-scatters (and the SGD update of the shards) run on.
+    ReduceScatter,
+}
+
+impl On {
+    /// Every stream.
+    pub const ALL: [On; 3] = [On::Compute, On::AllGather, On::ReduceScatter];
+
+    /// The stream's name (a row of the timeline).
+    pub fn name(self) -> &'static str {
+        match self {
+            On::Compute => "compute",
+            On::AllGather => "all-gather",
+            On::ReduceScatter => "reduce-scatter",
+        }
+    }
 }
 
 /// Column-major matrix operations on pool buffers.
@@ -66,8 +93,14 @@ pub trait Math {
     fn record(&self, on: On) -> Result<Self::Ev>;
     /// `to` waits (device-side) for the work before `ev`.
     fn wait_for(&self, to: On, ev: &Self::Ev) -> Result<()>;
-    /// Wait for everything on both streams.
+    /// Wait for everything on every stream.
     fn sync(&self) -> Result<()>;
+    /// A timing marker (the timeline, `--trace`).
+    type Mark;
+    /// A timing marker after the work enqueued so far on `on`.
+    fn mark(&self, on: On) -> Result<Self::Mark>;
+    /// µs from marker `from` to marker `to`, both reached (after a `sync`).
+    fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64>;
     /// Read back the sums written by `sumsq_into`.
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>>;
 }
@@ -144,6 +177,11 @@ pub struct Trainer<'m, M: Math> {
     pub ag_paths: Vec<Path>,
     /// Paths of the last step's reduce-scatters.
     pub rs_paths: Vec<Path>,
+    /// The last step's SGD updates of the shards (reduce-scatter stream), which the
+    /// next step's all-gathers wait for.
+    updated: Option<M::Ev>,
+    /// The timeline's recorder (`--trace`), when this step is traced.
+    pub trace: Option<Recorder<M::Mark>>,
 }
 
 /// What one step did.
@@ -215,20 +253,32 @@ impl<'m, M: Math> Trainer<'m, M> {
             data,
             ag_paths: Vec::new(),
             rs_paths: Vec::new(),
+            updated: None,
+            trace: None,
         })
     }
 
-    /// Gather layer `l`'s parameters on the comm stream; the event marks completion.
-    fn fetch(&mut self, l: usize) -> Result<(SymmBuffer, M::Ev)> {
+    /// Gather layer `l`'s parameters on the all-gather stream; the event marks
+    /// completion.
+    fn fetch(
+        &mut self,
+        tr: &mut Option<Recorder<M::Mark>>,
+        l: usize,
+    ) -> Result<(SymmBuffer, M::Ev)> {
+        let m = self.math;
+        let ag = m.stream(On::AllGather);
         let full = if let Some(coll) = &self.communicate {
-            let (full, path) =
-                all_gather::<M::E>(coll, &self.shards[l], self.math.stream(On::Comm))?;
+            let shard = &self.shards[l];
+            let (full, path) = trace::op(tr, m, On::AllGather, "all-gather", Some(l), || {
+                all_gather::<M::E>(coll, shard, ag)
+            })?;
             self.ag_paths.push(path);
             full
         } else {
-            alloc(bytes::<M>(self.h * self.h), self.math.stream(On::Comm))?
+            let len = bytes::<M>(self.h * self.h);
+            trace::host(tr, "alloc", Some(l), || alloc(len, ag))?
         };
-        Ok((full, self.math.record(On::Comm)?))
+        Ok((full, m.record(On::AllGather)?))
     }
 
     /// The SGD step: `lr` over an estimate of the loss curvature, per layer
@@ -250,113 +300,169 @@ impl<'m, M: Math> Trainer<'m, M> {
         let (x, t) = &data[k % data.len()];
         self.ag_paths.clear();
         self.rs_paths.clear();
-        // Forward: gather layer l+1 on the comm stream while layer l computes.
-        let (mut cur, mut arrived) = self.fetch(0)?;
-        for l in 0..layers {
-            m.wait_for(On::Compute, &arrived)?;
-            let next = if l + 1 < layers {
-                Some(self.fetch(l + 1)?)
-            } else {
-                None
-            };
-            let input = if l == 0 { x } else { &self.acts[l - 1] };
-            m.gemm(
-                On::Compute,
-                false,
-                false,
-                h,
-                b,
-                h,
-                1.0,
-                &cur,
-                input,
-                0.0,
-                &self.acts[l],
-            )?;
-            cur.record_stream(m.stream(On::Compute))?;
-            drop(cur);
-            (cur, arrived) = match next {
-                Some(n) => n,
-                None => break,
-            };
+        let mut tr = self.trace.take();
+        trace::begin_step(&mut tr, m, k)?;
+        // The all-gathers read the shards the last step's SGD wrote.
+        if let Some(updated) = self.updated.take() {
+            trace::op(&mut tr, m, On::AllGather, "wait", None, || {
+                m.wait_for(On::AllGather, &updated)
+            })?;
         }
-        // Loss = mean squared error; G = dLoss/dOutput = 2/(h·b) · (out − target).
-        let g_top = &self.grads[layers % 2];
-        m.copy(On::Compute, &self.acts[layers - 1], g_top)?;
-        m.axpy(On::Compute, -1.0, t, g_top)?;
-        m.sumsq_into(On::Compute, g_top, &self.sums, 0)?;
-        m.scal(On::Compute, 2.0 / (h * b) as f32, g_top)?;
-        // Backward: re-gather with prefetch; reduce-scatter weight gradients on the
-        // comm stream while the layer below computes.
-        let (mut cur, mut arrived) = self.fetch(layers - 1)?;
-        let mut prev_grad: Option<(SymmBuffer, SymmBuffer)> = None;
-        for l in (0..layers).rev() {
-            m.wait_for(On::Compute, &arrived)?;
-            let next = if l > 0 {
-                Some(self.fetch(l - 1)?)
+        // Forward: layer l+1's all-gather is issued before layer l's GEMM.
+        let (mut cur, mut arrived) = self.fetch(&mut tr, 0)?;
+        for l in 0..layers {
+            trace::op(&mut tr, m, On::Compute, "wait", Some(l), || {
+                m.wait_for(On::Compute, &arrived)
+            })?;
+            let next = if l + 1 < layers {
+                Some(self.fetch(&mut tr, l + 1)?)
             } else {
                 None
             };
             let input = if l == 0 { x } else { &self.acts[l - 1] };
-            let g_out = &self.grads[(l + 1) % 2];
-            let dw = alloc(bytes::<M>(h * h), m.stream(On::Compute))?;
-            m.gemm(
-                On::Compute,
-                false,
-                true,
-                h,
-                h,
-                b,
-                1.0,
-                g_out,
-                input,
-                0.0,
-                &dw,
-            )?;
-            let dw_ready = m.record(On::Compute)?;
-            if l > 0 {
-                let g_in = &self.grads[l % 2];
+            let out = &self.acts[l];
+            trace::op(&mut tr, m, On::Compute, "gemm", Some(l), || {
                 m.gemm(
                     On::Compute,
-                    true,
+                    false,
                     false,
                     h,
                     b,
                     h,
                     1.0,
                     &cur,
-                    g_out,
+                    input,
                     0.0,
-                    g_in,
-                )?;
+                    out,
+                )
+            })?;
+            match next {
+                Some(n) => {
+                    cur.record_stream(m.stream(On::Compute))?;
+                    (cur, arrived) = n;
+                }
+                // The last layer's parameters stay for the backward (FSDP2 does not
+                // reshard the root after the forward): one all-gather fewer, and the
+                // backward starts without waiting for one.
+                None => break,
             }
-            m.wait_for(On::Comm, &dw_ready)?;
+        }
+        // Loss = mean squared error; G = dLoss/dOutput = 2/(h·b) · (out − target).
+        let g_top = &self.grads[layers % 2];
+        let top = &self.acts[layers - 1];
+        trace::op(&mut tr, m, On::Compute, "copy", None, || {
+            m.copy(On::Compute, top, g_top)
+        })?;
+        let sums = &self.sums;
+        trace::op(&mut tr, m, On::Compute, "loss", None, || {
+            m.axpy(On::Compute, -1.0, t, g_top)?;
+            m.sumsq_into(On::Compute, g_top, sums, 0)?;
+            m.scal(On::Compute, 2.0 / (h * b) as f32, g_top)
+        })?;
+        // Backward: prefetch layer l−1 on the all-gather stream; reduce-scatter layer
+        // l's weight gradient on the reduce-scatter stream while l−1 computes.
+        let mut arrived: Option<M::Ev> = None;
+        let mut prev_grad: Option<(SymmBuffer, SymmBuffer)> = None;
+        let alpha = -self.step_size() / self.world as f32;
+        for l in (0..layers).rev() {
+            if let Some(ev) = arrived.take() {
+                trace::op(&mut tr, m, On::Compute, "wait", Some(l), || {
+                    m.wait_for(On::Compute, &ev)
+                })?;
+            }
+            let next = if l > 0 {
+                Some(self.fetch(&mut tr, l - 1)?)
+            } else {
+                None
+            };
+            let input = if l == 0 { x } else { &self.acts[l - 1] };
+            let g_out = &self.grads[(l + 1) % 2];
+            let dw = alloc(bytes::<M>(h * h), m.stream(On::Compute))?;
+            trace::op(&mut tr, m, On::Compute, "gemm dW", Some(l), || {
+                m.gemm(
+                    On::Compute,
+                    false,
+                    true,
+                    h,
+                    h,
+                    b,
+                    1.0,
+                    g_out,
+                    input,
+                    0.0,
+                    &dw,
+                )
+            })?;
+            let dw_ready = m.record(On::Compute)?;
+            if l > 0 {
+                let g_in = &self.grads[l % 2];
+                trace::op(&mut tr, m, On::Compute, "gemm dX", Some(l), || {
+                    m.gemm(
+                        On::Compute,
+                        true,
+                        false,
+                        h,
+                        b,
+                        h,
+                        1.0,
+                        &cur,
+                        g_out,
+                        0.0,
+                        g_in,
+                    )
+                })?;
+            }
+            trace::op(&mut tr, m, On::ReduceScatter, "wait", Some(l), || {
+                m.wait_for(On::ReduceScatter, &dw_ready)
+            })?;
+            let rs = m.stream(On::ReduceScatter);
             let dw_shard = if let Some(coll) = &self.communicate {
-                let (dw_shard, path) = reduce_scatter::<M::E>(coll, &dw, m.stream(On::Comm))?;
+                let (dw_shard, path) = trace::op(
+                    &mut tr,
+                    m,
+                    On::ReduceScatter,
+                    "reduce-scatter",
+                    Some(l),
+                    || reduce_scatter::<M::E>(coll, &dw, rs),
+                )?;
                 self.rs_paths.push(path);
                 dw_shard
             } else {
-                alloc(bytes::<M>(h * h / self.world), m.stream(On::Comm))?
+                let len = bytes::<M>(h * h / self.world);
+                trace::host(&mut tr, "alloc", Some(l), || alloc(len, rs))?
             };
-            // SGD on the shard (mean of the ranks' gradients), on the comm stream.
-            let alpha = -self.step_size() / self.world as f32;
-            m.axpy(On::Comm, alpha, &dw_shard, &self.shards[l])?;
+            // SGD on the shard (mean of the ranks' gradients), on the reduce-scatter
+            // stream. It writes the shard layer l's all-gather read: the compute stream
+            // waited for that all-gather before the weight-gradient GEMM this stream
+            // waited for.
+            let shard = &self.shards[l];
+            trace::op(&mut tr, m, On::ReduceScatter, "sgd", Some(l), || {
+                m.axpy(On::ReduceScatter, alpha, &dw_shard, shard)
+            })?;
             cur.record_stream(m.stream(On::Compute))?;
-            drop(cur);
+            dw.record_stream(rs)?;
             // Keep one gradient pair alive so the next layer's lands in other blocks
             // and its GEMM does not wait for this reduce-scatter.
             prev_grad = Some((dw, dw_shard));
-            (cur, arrived) = match next {
-                Some(n) => n,
+            match next {
+                Some((n, ev)) => {
+                    cur = n;
+                    arrived = Some(ev);
+                }
                 None => break,
-            };
+            }
         }
+        drop(cur);
+        self.updated = Some(m.record(On::ReduceScatter)?);
         drop(prev_grad);
-        m.sync()?;
+        trace::host(&mut tr, "sync", None, || m.sync())?;
         let sumsq = m.read_sums(&self.sums)?[0] as f64;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        trace::end_step(&mut tr, m, start)?;
+        self.trace = tr;
         Ok(StepOut {
             loss: (sumsq / (h * b) as f64) as f32,
-            ms: start.elapsed().as_secs_f64() * 1e3,
+            ms,
         })
     }
 }

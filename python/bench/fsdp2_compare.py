@@ -48,6 +48,12 @@ def parse():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--modes", default="symmpool,torch-symm,default")
     p.add_argument("--json", default=None, help="write every mode's result here (rank 0)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="with the symmpool mode: write each rank's comm-object timeline to TRACE.rankN.json "
+        "(Chrome-trace JSON; the timing events add host time to each call)",
+    )
     return p.parse_args()
 
 
@@ -222,7 +228,7 @@ def run_mode(mode, a, group, device, rank):
     if mode == "symmpool":
         from symmpool.fsdp import install
 
-        installed = install(model, group, name=f"bench-{mode}")
+        installed = install(model, group, name=f"bench-{mode}", trace=a.trace is not None)
         ag = installed.all_gather
     elif mode == "torch-symm":
         ag, rs, mem_pool = torch_symm_comms(group, device)
@@ -249,6 +255,8 @@ def run_mode(mode, a, group, device, rank):
         st = installed.pool.memory_stats()
         result["registrations"] = {k: v for k, v in st.items() if k.startswith("registrations.")}
         result["last_error"] = symmpool.last_error()
+        if a.trace is not None:
+            installed.write_trace(f"{a.trace}.rank{rank}.json")
     del model
     torch.cuda.synchronize()
     return result

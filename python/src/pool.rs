@@ -100,6 +100,28 @@ fn reduce_scatter(
     })
 }
 
+/// Run a reduce-scatter of `dtype` elements from `input` into `output` (its shard).
+fn reduce_scatter_into(
+    coll: &Coll,
+    input: &SymmBuffer,
+    output: &SymmBuffer,
+    dtype: &str,
+    op: ReduceOp,
+    stream: &Stream,
+) -> PyResult<symmpool::Result<CollectiveReport>> {
+    Ok(match dtype {
+        "f32" | "float32" => coll.reduce_scatter::<f32>(input, output, op, stream),
+        "bf16" | "bfloat16" => coll.reduce_scatter::<bf16>(input, output, op, stream),
+        "f16" | "float16" => coll.reduce_scatter::<f16>(input, output, op, stream),
+        "u8" | "uint8" => coll.reduce_scatter::<u8>(input, output, op, stream),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "reduce-scatter supports f32, bf16, f16 and u8, not {dtype:?}"
+            )));
+        }
+    })
+}
+
 /// One rank's symmetric-memory pool.
 ///
 /// Make it with `Pool.nccl_adopt` (communicators split off a process group's), with
@@ -376,6 +398,37 @@ impl Pool {
             // SAFETY: as in `alloc`.
             let s = unsafe { handle.stream(stream) }.map_err(to_py)?;
             reduce_scatter(&handle.coll, &buf, &dtype, op, &s)
+        })?;
+        Ok(path_name(report.map_err(to_py)?.path))
+    }
+
+    /// Reduce-scatter of the buffer at `in_ptr` (`in_nbytes`) into the buffer at
+    /// `out_ptr` (`out_nbytes` = `in_nbytes` / world size), both whole buffers of this
+    /// pool (tensors from `alloc_dlpack`), on the raw stream `stream`: FSDP2's
+    /// reduce-scatter, whose output FSDP2 also allocates from the comm object. One call,
+    /// no copy; the path is chosen per size. Returns the path taken. Collective.
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, dtype, op = "sum", stream = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_into(
+        &self,
+        py: Python<'_>,
+        in_ptr: u64,
+        in_nbytes: u64,
+        out_ptr: u64,
+        out_nbytes: u64,
+        dtype: &str,
+        op: &str,
+        stream: usize,
+    ) -> PyResult<&'static str> {
+        let input = self.buffer_at(in_ptr, in_nbytes)?;
+        let output = self.buffer_at(out_ptr, out_nbytes)?;
+        let op = reduce_op(op)?;
+        let handle = self.handle.clone();
+        let dtype = dtype.to_owned();
+        let report = py.allow_threads(move || {
+            // SAFETY: as in `alloc`.
+            let s = unsafe { handle.stream(stream) }.map_err(to_py)?;
+            reduce_scatter_into(&handle.coll, &input, &output, &dtype, op, &s)
         })?;
         Ok(path_name(report.map_err(to_py)?.path))
     }

@@ -185,6 +185,8 @@ def test_bad_arguments():
     (pool,) = symmpool.Pool.host_group(1)
     with pytest.raises(ValueError, match="not the start of a symmpool buffer"):
         pool.all_gather_at(0xDEAD000, 1024)
+    with pytest.raises(ValueError, match="not the start of a symmpool buffer"):
+        pool.reduce_scatter_into(0xDEAD000, 1024, 0xBEEF000, 512, "f32")
     with pytest.raises(ValueError, match="unknown reduction"):
         pool.alloc(1024).reduce_scatter("f32", "xor")
     with pytest.raises(symmpool.SymmpoolError):
