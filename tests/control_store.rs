@@ -569,11 +569,23 @@ fn preface(version: u16) -> Vec<u8> {
     p
 }
 
-/// A hello frame as postcard encodes it (all numbers below 128).
+/// The store's protocol version.
+const VERSION: u16 = 2;
+
+/// A hello frame as postcard encodes it (all numbers and lengths below 128): token,
+/// job identity (none), rank, world size, host name, pid 1.
 fn hello(token: &[u8], rank: u8, world: u8) -> Vec<u8> {
+    hello_of_job(token, b"", rank, world)
+}
+
+fn hello_of_job(token: &[u8], job: &[u8], rank: u8, world: u8) -> Vec<u8> {
     let mut body = vec![0u8, token.len() as u8];
     body.extend_from_slice(token);
-    body.extend_from_slice(&[rank, world, 1]);
+    body.push(job.len() as u8);
+    body.extend_from_slice(job);
+    body.extend_from_slice(&[rank, world, 4]);
+    body.extend_from_slice(b"fake");
+    body.push(1);
     let mut f = (body.len() as u32).to_le_bytes().to_vec();
     f.extend(body);
     f
@@ -601,19 +613,19 @@ fn bad_clients_on_the_store_port_do_not_disturb_a_running_job() {
     abuse(port, &[0xde, 0xad, 0xbe, 0xef], within);
     let got = text(abuse(port, &preface(99), within));
     assert!(got.contains("version 99"), "{got}");
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(hello(b"wrong", 1, 3));
     assert!(text(abuse(port, &msg, within)).contains("token"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(hello(b"job-token", 1, 3));
     assert!(text(abuse(port, &msg, within)).contains("already connected"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(hello(b"job-token", 7, 3));
     assert!(text(abuse(port, &msg, within)).contains("out of range"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(u32::MAX.to_le_bytes());
     assert!(text(abuse(port, &msg, within)).contains("exceeds the limit"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(100u32.to_le_bytes());
     msg.extend([1, 2, 3]);
     {

@@ -64,7 +64,7 @@ pub use env::{Launch, LaunchSource};
 pub use kv::{KvConfig, KvExchange, KvStore};
 pub use local::LocalExchange;
 pub(crate) use rendezvous::Rendezvous;
-pub use store::{ServerStats, StoreServer};
+pub use store::{REFUSAL_LOG_INTERVAL, ServerStats, StoreServer};
 
 /// One independent sequence of all-gather rounds of an [`Exchange`].
 ///

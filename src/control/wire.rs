@@ -6,19 +6,24 @@
 //! the body, a [`postcard`]-encoded [`ToServer`] or [`ToClient`]. A length above the
 //! receiver's limit is refused before anything is allocated for it, and buffers only
 //! grow as bytes actually arrive. The client's first frame is [`ToServer::Hello`]
-//! (job token, rank, world size); the server answers [`ToClient::Welcome`] or
-//! [`ToClient::Reject`].
+//! (job token, job identity, rank, world size, and who the process is); the server
+//! answers [`ToClient::Welcome`] or [`ToClient::Reject`] (with the store's job identity
+//! and, where it matters, who holds the rank asked for).
 
 use crate::deadline::Deadline;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
-/// The protocol version; a peer speaking another is refused.
-pub(crate) const VERSION: u16 = 1;
+/// The protocol version; a peer speaking another is refused. Version 2: the hello
+/// carries the job identity and the process (host, pid), a refusal says why in a form
+/// the client can act on.
+pub(crate) const VERSION: u16 = 2;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -54,14 +59,18 @@ pub(crate) fn check_preface(p: &[u8]) -> Result<(), String> {
 }
 
 /// Client to server.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum ToServer {
     /// The first frame: who this is.
     Hello {
         #[serde(with = "serde_bytes")]
         token: Vec<u8>,
+        /// The job identity (empty: none known).
+        job: String,
         rank: u32,
         world_size: u32,
+        /// The process: host name and pid.
+        host: String,
         pid: u32,
     },
     /// This rank's payload for a round.
@@ -101,13 +110,88 @@ pub(crate) struct Broken {
     pub(crate) cause: Cause,
 }
 
+/// A process that joined (or asked to join) the store: where, which, when.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Member {
+    pub(crate) host: String,
+    pub(crate) pid: u32,
+    /// The peer address the server saw.
+    pub(crate) addr: String,
+    /// When the server accepted its hello, in milliseconds since the Unix epoch.
+    pub(crate) at_unix_ms: u64,
+}
+
+impl std::fmt::Display for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pid {} on host {:?} (from {}, at {})",
+            self.pid,
+            self.host,
+            self.addr,
+            utc(self.at_unix_ms)
+        )
+    }
+}
+
+/// Milliseconds since the Unix epoch now.
+pub(crate) fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `ms` since the Unix epoch as a UTC time, `2026-12-01 10:47:20.123 UTC`.
+pub(crate) fn utc(ms: u64) -> String {
+    let (days, ms_of_day) = (ms / 86_400_000, ms % 86_400_000);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let s = ms_of_day / 1000;
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03} UTC",
+        s / 3600,
+        s / 60 % 60,
+        s % 60,
+        ms_of_day % 1000
+    )
+}
+
+/// Why a handshake was refused, in a form the client acts on.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// Anything else; the reason says what.
+    Other,
+    /// Too many handshakes in flight: try again shortly.
+    Busy,
+    /// The client belongs to another job (the store's job identity is in the reject).
+    OtherJob,
+    /// The rank is held by another process.
+    RankTaken {
+        rank: u32,
+        holder: Member,
+        claimant: Member,
+    },
+}
+
 /// Server to client.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum ToClient {
     /// Handshake accepted.
     Welcome,
-    /// Handshake refused; the connection closes.
-    Reject { reason: String },
+    /// Handshake refused; the connection closes. `job`: the store's job identity.
+    Reject {
+        reason: String,
+        kind: Refusal,
+        job: String,
+    },
     /// The ranks connected so far (sent while the group assembles).
     Joined { present: Vec<u32> },
     /// Every rank has connected.
@@ -215,6 +299,11 @@ impl<R: Read> FrameReader<R> {
             max_frame_bytes,
             bytes_read: 0,
         }
+    }
+
+    /// The reader's source.
+    pub(crate) fn get_ref(&self) -> &R {
+        &self.inner
     }
 
     /// Bytes read from the peer so far (complete frames or not).
@@ -325,13 +414,52 @@ impl<R: Read> FrameReader<R> {
     }
 }
 
-impl FrameReader<TcpStream> {
+/// One socket shared by a connection's reader, writer and closer: one descriptor per
+/// connection (not a `try_clone` each), read and written through `&TcpStream`.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedStream(pub(crate) Arc<TcpStream>);
+
+impl SharedStream {
+    pub(crate) fn new(stream: TcpStream) -> Self {
+        SharedStream(Arc::new(stream))
+    }
+}
+
+impl std::ops::Deref for SharedStream {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        &self.0
+    }
+}
+
+impl Read for SharedStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self.0).read(buf)
+    }
+}
+
+impl Write for SharedStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&*self.0).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (&*self.0).flush()
+    }
+}
+
+impl AsFd for SharedStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl<R: Read + AsFd> FrameReader<R> {
     /// The next frame's body if its bytes are already here, else `None` at once (a
     /// partial frame is kept). Reads with `MSG_DONTWAIT`, which leaves the socket's
     /// own blocking mode alone: other threads write to clones of it.
     pub(crate) fn frame_now(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
         self.next_frame(&mut |s, b| {
-            rustix::net::recv(&*s, b, rustix::net::RecvFlags::DONTWAIT)
+            rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
                 .map(|(n, _)| n)
                 .map_err(io::Error::from)
         })
