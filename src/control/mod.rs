@@ -254,3 +254,10 @@ impl Rounds {
         Err(Error::ChannelMismatch { opened })
     }
 }
+
+/// The store's frame decoder, for the fuzz target (`fuzz/fuzz_targets/store_frames.rs`);
+/// not part of the crate's API.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use super::wire::fuzz_frames;
+}

@@ -520,6 +520,87 @@ pub(crate) fn read_until<T>(
     }
 }
 
+/// Feed `data` to the store's decoders as a peer would send it, checking what they
+/// promise; panics on a broken promise (for the fuzz target).
+///
+/// `data[0]` picks the read sizes (1 to 16 bytes a read, or everything at once) and
+/// the frame limit; the rest is the byte stream: a preface, then frames, each decoded
+/// as a [`ToServer`] and as a [`ToClient`]. Checked: no panic; a length over the limit
+/// is refused before its buffer grows past it; every frame that decodes encodes back
+/// to a frame that decodes to the same message; a preface is accepted exactly when
+/// its magic and version are this build's.
+#[doc(hidden)]
+pub fn fuzz_frames(data: &[u8]) {
+    let Some((&mode, stream)) = data.split_first() else {
+        return;
+    };
+    let chunk = usize::from(mode & 0x0f) + 1;
+    let all_at_once = mode & 0x10 != 0;
+    let max_frame_bytes = if mode & 0x20 != 0 {
+        MAX_HANDSHAKE_FRAME_BYTES
+    } else {
+        64
+    };
+    /// A peer that sends at most `chunk` bytes a read.
+    struct Peer<'a> {
+        bytes: &'a [u8],
+        chunk: usize,
+    }
+    impl Read for Peer<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            let n = out.len().min(self.chunk).min(self.bytes.len());
+            out[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes = &self.bytes[n..];
+            Ok(n)
+        }
+    }
+    let chunk = if all_at_once { usize::MAX } else { chunk };
+    let mut reader = FrameReader::new(
+        Peer {
+            bytes: stream,
+            chunk,
+        },
+        max_frame_bytes,
+    );
+    match reader.raw(PREFACE_BYTES) {
+        Ok(Some(p)) => {
+            let ok = p[..8] == MAGIC && p[8..10] == VERSION.to_le_bytes();
+            assert_eq!(check_preface(&p).is_ok(), ok, "preface {p:?}");
+        }
+        Ok(None) => unreachable!("the peer never times out"),
+        Err(_) => return,
+    }
+    fn round_trip<T>(body: &[u8])
+    where
+        T: Serialize + for<'a> Deserialize<'a> + PartialEq + std::fmt::Debug,
+    {
+        if let Ok(msg) = decode::<T>(body) {
+            let frame = encode(&msg);
+            let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
+            assert_eq!(len, frame.len() - 4);
+            assert_eq!(decode::<T>(&frame[4..]).as_ref(), Ok(&msg));
+        }
+    }
+    loop {
+        let before = reader.buf.len();
+        match reader.frame() {
+            Ok(Some(body)) => {
+                assert!(body.len() <= max_frame_bytes);
+                round_trip::<ToServer>(&body);
+                round_trip::<ToClient>(&body);
+            }
+            Ok(None) => unreachable!("the peer never times out"),
+            Err(ReadError::TooLarge { len_bytes, .. }) => {
+                assert!(len_bytes > max_frame_bytes);
+                assert!(reader.buf.len() <= before.max(4 + max_frame_bytes));
+                return;
+            }
+            Err(ReadError::Eof { .. } | ReadError::Io(_)) => return,
+        }
+        assert!(reader.buf.len() <= 4096.max(4 + max_frame_bytes));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -655,6 +736,70 @@ mod tests {
         let mut p = preface();
         p[8] = 9;
         assert!(check_preface(&p).unwrap_err().contains("version 9"));
+    }
+
+    #[test]
+    fn the_fuzz_entry_takes_frames_garbage_and_nothing() {
+        fuzz_frames(&[]);
+        fuzz_frames(&[3, 1, 2, 3]);
+        let mut data = vec![0x22];
+        data.extend(preface());
+        data.extend(encode(&ToServer::Hello {
+            token: b"t".to_vec(),
+            job: "j".into(),
+            rank: 1,
+            world_size: 2,
+            host: "h".into(),
+            pid: 7,
+        }));
+        data.extend(encode(&ToClient::Reject {
+            reason: "r".into(),
+            kind: Refusal::RankTaken {
+                rank: 1,
+                holder: Member {
+                    host: "a".into(),
+                    pid: 1,
+                    addr: "x".into(),
+                    at_unix_ms: 1 << 40,
+                },
+                claimant: Member {
+                    host: "b".into(),
+                    pid: 2,
+                    addr: "y".into(),
+                    at_unix_ms: 0,
+                },
+            },
+            job: "j".into(),
+        }));
+        data.extend(u32::MAX.to_le_bytes());
+        fuzz_frames(&data);
+        data[0] = 0x10;
+        fuzz_frames(&data);
+    }
+
+    proptest::proptest! {
+        /// The fuzz target's checks, on random inputs (with and without a valid
+        /// preface) where cargo-fuzz is not at hand.
+        #[test]
+        fn the_frame_decoder_keeps_its_promises_on_random_bytes(
+            mode: u8,
+            valid_preface: bool,
+            rest in proptest::collection::vec(proptest::num::u8::ANY, 0..600),
+        ) {
+            let mut data = vec![mode];
+            if valid_preface {
+                data.extend(preface());
+            }
+            data.extend(rest);
+            fuzz_frames(&data);
+        }
+    }
+
+    #[test]
+    fn times_print_as_utc() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00.000 UTC");
+        assert_eq!(utc(951_782_400_123), "2000-02-29 00:00:00.123 UTC");
+        assert_eq!(utc(1_796_115_723_456), "2026-12-01 09:02:03.456 UTC");
     }
 
     #[test]
