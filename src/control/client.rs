@@ -317,8 +317,12 @@ impl StoreExchange {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for inconsistent settings; [`Error::Transport`] if the
-    /// server cannot be bound or reached in time; [`Error::Protocol`] or
-    /// [`Error::StoreRejected`] if the handshake fails; [`Error::Timeout`] (op
+    /// server cannot be bound or reached in time (at once, naming the descriptor
+    /// limit, when this process is out of descriptors); [`Error::JobMismatch`] if
+    /// the store serves another job ([`StoreConfig::job_id`]); [`Error::RankTaken`]
+    /// if another process holds this rank (naming both); [`Error::Protocol`] or
+    /// [`Error::StoreRejected`] if the handshake fails otherwise (a store busy with
+    /// other handshakes is retried until the start-up timeout); [`Error::Timeout`] (op
     /// `"store start-up"`, naming the ranks that never joined) or
     /// [`Error::PeerLost`] if the group does not assemble.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
