@@ -941,3 +941,31 @@ fn a_rank_of_another_job_and_a_second_claim_of_a_rank_are_told_what_they_are() {
     });
     drop_group(group);
 }
+
+#[test]
+fn once_every_rank_joined_a_host_running_none_of_them_is_refused_without_a_handshake() {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, ipproto, socket};
+    use std::net::{Ipv4Addr, SocketAddr};
+    let group = store_group(2);
+    let server = group[0].server().unwrap();
+    let port = server.local_addr().port();
+    let before = server.stats();
+    // A client on 127.0.0.2 (the ranks run on 127.0.0.1) that sends nothing.
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, Some(ipproto::TCP)).unwrap();
+    bind(&fd, &SocketAddr::from((Ipv4Addr::new(127, 0, 0, 2), 0))).unwrap();
+    connect(&fd, &SocketAddr::from((Ipv4Addr::LOCALHOST, port))).unwrap();
+    let mut stranger = TcpStream::from(fd);
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let got = read_to_close(&mut stranger, Duration::from_secs(10));
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("runs none of them"), "{text}");
+    let after = server.stats();
+    assert_eq!(after.connections_rejected, before.connections_rejected + 1);
+    on_all(&group, |ex| {
+        ex.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
+            .unwrap()
+    });
+    drop_group(group);
+}
