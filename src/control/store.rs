@@ -534,41 +534,73 @@ impl RefusalLog {
     }
 
     fn note(&mut self, now: Instant, kind: RefusalKind, peer: SocketAddr, why: &str) {
-        self.tick(now);
+        for line in self.lines_for(now, kind, peer, why) {
+            tracing::warn!("{line}");
+        }
+    }
+
+    /// The lines a refusal logs: the interval's summary once it is over, then the
+    /// refusal itself if it is the first of its kind in the interval.
+    fn lines_for(
+        &mut self,
+        now: Instant,
+        kind: RefusalKind,
+        peer: SocketAddr,
+        why: &str,
+    ) -> Vec<String> {
+        let mut lines = self.summary_if_over(now).into_iter().collect::<Vec<_>>();
         match self.kinds.get_mut(&kind) {
             Some(more) => *more += 1,
             None => {
                 self.kinds.insert(kind, 0);
-                tracing::warn!("symmpool store: refused a connection from {peer}: {why}");
+                lines.push(format!(
+                    "symmpool store: refused a connection from {peer}: {why}"
+                ));
             }
         }
+        lines
     }
 
     /// Sum up the interval once it is over.
     fn tick(&mut self, now: Instant) {
-        if now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL {
-            self.flush(now);
+        if let Some(line) = self.summary_if_over(now) {
+            tracing::warn!("{line}");
         }
     }
 
-    /// Log the counts of refusals not logged in full, and start a new interval.
+    fn summary_if_over(&mut self, now: Instant) -> Option<String> {
+        if now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL {
+            self.summary(now)
+        } else {
+            None
+        }
+    }
+
+    /// Log what is left to sum up (on shutdown).
     fn flush(&mut self, now: Instant) {
+        if let Some(line) = self.summary(now) {
+            tracing::warn!("{line}");
+        }
+    }
+
+    /// The counts of refusals not logged in full, if any; starts a new interval.
+    fn summary(&mut self, now: Instant) -> Option<String> {
         let counted: Vec<String> = self
             .kinds
             .iter()
             .filter(|(_, more)| **more > 0)
             .map(|(kind, more)| format!("{more} {}", kind.describe()))
             .collect();
-        if !counted.is_empty() {
-            let total: u64 = self.kinds.values().sum();
-            tracing::warn!(
-                "symmpool store: refused {total} more connections in the last {:?}: {}",
-                now.saturating_duration_since(self.since),
-                counted.join(", ")
-            );
-        }
+        let total: u64 = self.kinds.values().sum();
+        let waited = now.saturating_duration_since(self.since);
         self.kinds.clear();
         self.since = now;
+        (!counted.is_empty()).then(|| {
+            format!(
+                "symmpool store: refused {total} more connections in the last {waited:?}: {}",
+                counted.join(", ")
+            )
+        })
     }
 }
 
@@ -1093,6 +1125,37 @@ const CLOSED: &str = "it closed its exchange (it finished, or dropped the exchan
 mod tests {
     use super::*;
     use crate::control::Launch;
+
+    #[test]
+    fn refusals_are_logged_once_per_kind_per_interval_then_counted() {
+        let t0 = Instant::now();
+        let peer = SocketAddr::from(([10, 0, 0, 1], 5));
+        let mut log = RefusalLog::new(t0);
+        let mut lines = Vec::new();
+        for i in 0..100u32 {
+            let at = t0 + Duration::from_millis(u64::from(i));
+            lines.extend(log.lines_for(at, RefusalKind::Busy, peer, "busy"));
+            if i % 10 == 0 {
+                lines.extend(log.lines_for(at, RefusalKind::Garbage, peer, "garbage"));
+            }
+        }
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].contains("busy") && lines[1].contains("garbage"));
+        // The next refusal after the interval sums up the last one first.
+        let later = t0 + REFUSAL_LOG_INTERVAL;
+        let next = log.lines_for(later, RefusalKind::Busy, peer, "busy");
+        assert_eq!(next.len(), 2, "{next:?}");
+        assert!(
+            next[0].contains("refused 108 more connections")
+                && next[0].contains("99 too many handshakes in flight")
+                && next[0].contains("9 not the store's protocol"),
+            "{}",
+            next[0]
+        );
+        assert!(next[1].contains("busy"));
+        // Nothing more to sum up: one refusal of a kind is its own line.
+        assert_eq!(log.summary(later + REFUSAL_LOG_INTERVAL), None);
+    }
 
     #[test]
     fn the_server_polls_only_where_the_ranks_leave_it_cores() {
