@@ -1,8 +1,8 @@
 //! [`StoreExchange`]: an [`Exchange`] over the TCP store, one process per rank.
 
+use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
 use super::store::StoreServer;
-use super::store::{describe_io, out_of_descriptors};
 use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError, Refusal,
     SharedStream, ToClient, ToServer,

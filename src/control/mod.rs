@@ -40,6 +40,7 @@
 //! An async runtime would add a large dependency and its own threads for no gain at
 //! this scale.
 
+mod admission;
 mod client;
 mod config;
 mod env;
@@ -58,13 +59,14 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+pub use admission::REFUSAL_LOG_INTERVAL;
 pub use client::StoreExchange;
 pub use config::StoreConfig;
 pub use env::{Launch, LaunchSource};
 pub use kv::{KvConfig, KvExchange, KvStore};
 pub use local::LocalExchange;
 pub(crate) use rendezvous::Rendezvous;
-pub use store::{REFUSAL_LOG_INTERVAL, ServerStats, StoreServer};
+pub use store::{ServerStats, StoreServer};
 
 /// One independent sequence of all-gather rounds of an [`Exchange`].
 ///
