@@ -2,9 +2,9 @@
 //! refusal, their rate-limited log, the descriptor limit named as what it is, and the
 //! slots that cap the handshakes in flight.
 
-use super::wire::Refusal;
 #[cfg(doc)]
 use super::StoreConfig;
+use super::wire::Refusal;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
