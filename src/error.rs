@@ -342,6 +342,30 @@ pub enum Error {
         /// The server's reason.
         reason: String,
     },
+    /// The store on this port serves another job: its job identity differs from this
+    /// rank's ([`StoreConfig::job_id`](crate::control::StoreConfig::job_id)). Reported
+    /// on the refused rank; the store's job goes on.
+    #[error(
+        "the store serves another job: this rank's job is {job:?}, the store's is {store_job:?} (two jobs on one port: give each its own MASTER_PORT or SYMMPOOL_STORE_PORT)"
+    )]
+    JobMismatch {
+        /// This rank's job identity (empty: none known).
+        job: String,
+        /// The store's job identity (empty: none known).
+        store_job: String,
+    },
+    /// Another process already holds this rank in the store's group.
+    #[error(
+        "rank {rank} is already held by {holder}; this process is {claimant} (check RANK: two processes claim one rank, or a rank of another job took it)"
+    )]
+    RankTaken {
+        /// The rank claimed twice.
+        rank: usize,
+        /// The process holding it: pid, host, address and when it joined.
+        holder: String,
+        /// This process, as the store saw it.
+        claimant: String,
+    },
     /// Ranks opened different channels (a different ordinal or name) in the same
     /// round; reported on every rank.
     #[error("ranks opened different channels: {}", describe_channels(.opened))]

@@ -373,10 +373,25 @@ fn child_main() -> i32 {
     if let Some(ms) = var("CHILD_DELAY_MS") {
         thread::sleep(Duration::from_millis(ms.parse().unwrap()));
     }
+    if var("CHILD_LOG").is_some() {
+        // The server's warnings, on standard error (the parent reads them).
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .try_init();
+    }
     let mut cfg = StoreConfig::from_env().unwrap();
     let rank = cfg.launch.rank;
     let ex = if rank == 0 {
-        let server = StoreServer::bind("127.0.0.1:0", &cfg).unwrap();
+        let bind = var("CHILD_BIND").unwrap_or_else(|| "127.0.0.1:0".into());
+        let server = match StoreServer::bind(bind.as_str(), &cfg) {
+            Ok(s) => s,
+            Err(e) => {
+                println!("@@error {e}");
+                return 2;
+            }
+        };
         println!("@@port {}", server.local_addr().port());
         cfg.host_server = true;
         StoreExchange::connect_hosting(cfg, server)
@@ -388,13 +403,52 @@ fn child_main() -> i32 {
         Ok(ex) => ex,
         Err(e) => {
             println!("@@error {e}");
+            println!(
+                "@@variant {}",
+                format!("{e:?}").split([' ', '{', '(']).next().unwrap()
+            );
             return 2;
         }
     };
     println!("@@joined");
+    let fds_base = open_fds();
     if rank == 0 && var("CHILD_WAIT_STDIN").is_some() {
         let mut line = String::new();
         std::io::stdin().read_line(&mut line).unwrap();
+    }
+    if let Some(target) = var("CHILD_UNTIL_ACCEPTED") {
+        // Rounds, on every rank, until rank 0's server has accepted `target`
+        // connections (rank 0 says when, in its payload), counting rank 0's open
+        // descriptors after each round.
+        let target: u64 = target.parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut fds_max = fds_base;
+        let mut rounds = 0u64;
+        loop {
+            let more = match ex.server() {
+                Some(s) => u8::from(s.stats().connections_accepted < target),
+                None => 1,
+            };
+            let out = ex
+                .all_gather(ChannelId::CONTROL, "flood round", &[more], LONG)
+                .unwrap();
+            rounds += 1;
+            fds_max = fds_max.max(open_fds());
+            if out[0] == [0] {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the connections never all arrived"
+            );
+        }
+        if let Some(s) = ex.server() {
+            let st = s.stats();
+            println!(
+                "@@flood rounds={rounds} fds_base={fds_base} fds_max={fds_max} busy={} rejected={}",
+                st.connections_refused_busy, st.connections_rejected
+            );
+        }
     }
     let rounds: usize = var("CHILD_ROUNDS").map_or(20, |r| r.parse().unwrap());
     let victim: Option<usize> = var("CHILD_VICTIM").map(|v| v.parse().unwrap());
@@ -436,6 +490,11 @@ fn child_main() -> i32 {
     }
     println!("@@ok");
     0
+}
+
+/// Descriptors this process holds open.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
 }
 
 fn no_env(_: usize) -> Vec<(&'static str, String)> {
@@ -569,11 +628,23 @@ fn preface(version: u16) -> Vec<u8> {
     p
 }
 
-/// A hello frame as postcard encodes it (all numbers below 128).
+/// The store's protocol version.
+const VERSION: u16 = 2;
+
+/// A hello frame as postcard encodes it (all numbers and lengths below 128): token,
+/// job identity (none), rank, world size, host name, pid 1.
 fn hello(token: &[u8], rank: u8, world: u8) -> Vec<u8> {
+    hello_of_job(token, b"", rank, world)
+}
+
+fn hello_of_job(token: &[u8], job: &[u8], rank: u8, world: u8) -> Vec<u8> {
     let mut body = vec![0u8, token.len() as u8];
     body.extend_from_slice(token);
-    body.extend_from_slice(&[rank, world, 1]);
+    body.push(job.len() as u8);
+    body.extend_from_slice(job);
+    body.extend_from_slice(&[rank, world, 4]);
+    body.extend_from_slice(b"fake");
+    body.push(1);
     let mut f = (body.len() as u32).to_le_bytes().to_vec();
     f.extend(body);
     f
@@ -601,19 +672,19 @@ fn bad_clients_on_the_store_port_do_not_disturb_a_running_job() {
     abuse(port, &[0xde, 0xad, 0xbe, 0xef], within);
     let got = text(abuse(port, &preface(99), within));
     assert!(got.contains("version 99"), "{got}");
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(hello(b"wrong", 1, 3));
     assert!(text(abuse(port, &msg, within)).contains("token"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(hello(b"job-token", 1, 3));
     assert!(text(abuse(port, &msg, within)).contains("already connected"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(hello(b"job-token", 7, 3));
     assert!(text(abuse(port, &msg, within)).contains("out of range"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(u32::MAX.to_le_bytes());
     assert!(text(abuse(port, &msg, within)).contains("exceeds the limit"));
-    let mut msg = preface(1);
+    let mut msg = preface(VERSION);
     msg.extend(100u32.to_le_bytes());
     msg.extend([1, 2, 3]);
     {
@@ -633,4 +704,289 @@ fn bad_clients_on_the_store_port_do_not_disturb_a_running_job() {
         .parse()
         .unwrap();
     assert_eq!(rejected, 9, "every bad client was counted");
+}
+
+// ---------------------------------------------------------------------------------
+// A store that a hostile or careless client cannot break (issue 25).
+
+/// The first line of `rank` (from `job`) starting with `prefix` and containing
+/// every one of `parts`, waiting up to `within`.
+fn expect_containing(
+    job: &mut Job,
+    rank: usize,
+    prefix: &str,
+    parts: &[&str],
+    within: Duration,
+) -> String {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = job.expect(rank, prefix, left);
+        if parts.iter().all(|p| line.contains(p)) {
+            return line;
+        }
+    }
+}
+
+/// Raise this process's soft limit on open descriptors to at least `want` (at most
+/// the hard limit).
+fn raise_open_file_limit(want: u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for getrlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= want {
+        return;
+    }
+    lim.rlim_cur = want.min(lim.rlim_max);
+    // SAFETY: `lim` is a valid rlimit; raising the soft limit up to the hard one is
+    // always allowed.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+}
+
+#[test]
+fn a_thousand_idle_connections_during_a_job_cost_it_nothing() {
+    const IDLE: usize = 1000;
+    let world = 3;
+    let mut job = Job::start("child_process_entry", world, |r| {
+        let mut env = vec![("CHILD_UNTIL_ACCEPTED", (world + IDLE).to_string())];
+        if r == 0 {
+            env.push(("CHILD_WAIT_STDIN", "1".into()));
+        }
+        env
+    });
+    for r in 0..world {
+        job.expect(r, "@@joined", Duration::from_secs(60));
+    }
+    // This process holds the client end of every idle connection: make room for
+    // them where the soft limit is the common 1024.
+    raise_open_file_limit(IDLE as u64 + 256);
+    // Open the idle connections (never a byte sent), then let the job's rounds run
+    // until the server has accepted every one of them.
+    let idle: Vec<TcpStream> = (0..IDLE)
+        .map(|i| {
+            TcpStream::connect(("127.0.0.1", job.port)).unwrap_or_else(|e| {
+                panic!("idle connection {i}: {e} (is `ulimit -n` above {IDLE}?)")
+            })
+        })
+        .collect();
+    writeln!(job.children[0].stdin.as_mut().unwrap(), "go").unwrap();
+    assert_eq!(
+        job.wait(&[0, 1, 2], Duration::from_secs(60)),
+        vec![0; world]
+    );
+    let flood = job.expect(0, "@@flood ", Duration::from_secs(5));
+    println!("rank 0 under {IDLE} idle connections: {flood}");
+    let field = |name: &str| -> u64 {
+        flood
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (base, max) = (field("fds_base"), field("fds_max"));
+    // At most `max_handshakes` (64) handshakes hold a descriptor each; the rest are
+    // refused at once.
+    assert!(
+        max <= base + 64 + 8,
+        "rank 0's descriptors grew from {base} to {max}: {flood}"
+    );
+    assert!(
+        field("busy") >= (IDLE / 2) as u64,
+        "the connections over the cap were refused as busy: {flood}"
+    );
+    drop(idle);
+}
+
+#[test]
+fn a_second_job_on_the_same_port_is_refused_and_both_jobs_are_told() {
+    let mut a = Job::start("child_process_entry", 2, |r| {
+        let mut env = vec![("SYMMPOOL_JOB_ID", "job-a".to_string())];
+        if r == 0 {
+            env.push(("CHILD_WAIT_STDIN", "1".into()));
+        }
+        env
+    });
+    for r in 0..2 {
+        a.expect(r, "@@joined", Duration::from_secs(60));
+    }
+    // Job B on job A's port: its rank 0 cannot bind it, its rank 1 reaches A's store.
+    let port = a.port.to_string();
+    let mut b = Job::start_on_free_port("child_process_entry", 2, |_| {
+        vec![
+            ("SYMMPOOL_JOB_ID", "job-b".to_string()),
+            ("MASTER_PORT", port.clone()),
+            ("CHILD_BIND", format!("127.0.0.1:{port}")),
+        ]
+    });
+    let within = Duration::from_secs(30);
+    assert_eq!(b.wait(&[0, 1], within), vec![2, 2]);
+    b.expect(0, "@@error ", within);
+    let refused = b.expect(1, "@@error ", within);
+    assert!(
+        refused.contains("\"job-b\"") && refused.contains("\"job-a\""),
+        "{refused}"
+    );
+    assert_eq!(b.expect(1, "@@variant ", within), "JobMismatch");
+    // Job A goes on, unaffected, and counted the refusal.
+    writeln!(a.children[0].stdin.as_mut().unwrap(), "go").unwrap();
+    assert_eq!(a.wait(&[0, 1], Duration::from_secs(60)), vec![0, 0]);
+    let rejected: u64 = a
+        .expect(0, "@@stats rejected=", Duration::from_secs(5))
+        .parse()
+        .unwrap();
+    assert_eq!(rejected, 1);
+}
+
+#[test]
+fn a_duplicate_rank_names_both_processes_on_both_sides() {
+    let mut job = Job::start("child_process_entry", 2, |r| {
+        let mut env = vec![("CHILD_LOG", "1".to_string())];
+        if r == 0 {
+            env.push(("CHILD_WAIT_STDIN", "1".into()));
+        }
+        env
+    });
+    for r in 0..2 {
+        job.expect(r, "@@joined", Duration::from_secs(60));
+    }
+    let holder = job.children[1].id().to_string();
+    // A second process claiming rank 1 (same token, same job).
+    let mut second = Job::start_on_free_port("child_process_entry", 0, no_env);
+    second.spawn(1, 2, &[("MASTER_PORT", job.port.to_string())]);
+    let claimant = second.children[0].id().to_string();
+    let within = Duration::from_secs(30);
+    assert_eq!(second.wait(&[0], within), vec![2]);
+    let pids = [
+        format!("pid {holder} on host"),
+        format!("pid {claimant} on host"),
+    ];
+    let parts = [pids[0].as_str(), pids[1].as_str(), " UTC"];
+    let refused = second.expect(1, "@@error ", within);
+    assert!(parts.iter().all(|p| refused.contains(p)), "{refused}");
+    assert_eq!(second.expect(1, "@@variant ", within), "RankTaken");
+    // The server's warning names both too.
+    expect_containing(&mut job, 0, "stderr: ", &parts, within);
+    writeln!(job.children[0].stdin.as_mut().unwrap(), "go").unwrap();
+    assert_eq!(job.wait(&[0, 1], Duration::from_secs(60)), vec![0, 0]);
+}
+
+/// A store with no ranks joined, for the handshake tests.
+fn lone_server(configure: impl FnOnce(&mut StoreConfig)) -> StoreServer {
+    let mut cfg = store_config(0, 2, 0);
+    configure(&mut cfg);
+    StoreServer::bind("127.0.0.1:0", &cfg).unwrap()
+}
+
+#[test]
+fn garbage_is_refused_at_once_and_counted() {
+    // A handshake timeout far above the test's bound: closing is not by timeout.
+    let server = lone_server(|c| c.handshake_timeout = Duration::from_secs(60));
+    let port = server.local_addr().port();
+    let within = Duration::from_secs(10);
+    let started = Instant::now();
+    let garbage: [&[u8]; 4] = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        &[0xde; 64],
+        b"SYMMPOOL\x02\x00\x00\x00\xff\xff\xff\xff",
+        b"SYMMPOOL\x02\x00\x00\x00\x03\x00\x00\x00\xff\xff\xff",
+    ];
+    for _ in 0..5 {
+        for g in garbage {
+            abuse(port, g, within);
+        }
+    }
+    assert!(started.elapsed() < within, "{:?}", started.elapsed());
+    let stats = server.stats();
+    assert_eq!(
+        (stats.connections_accepted, stats.connections_rejected),
+        (20, 20)
+    );
+}
+
+#[test]
+fn handshakes_over_the_cap_are_refused_as_busy_at_once() {
+    let server = lone_server(|c| {
+        c.max_handshakes = 4;
+        c.handshake_timeout = Duration::from_secs(60);
+    });
+    let port = server.local_addr().port();
+    // Four idle connections hold the four slots (accepted in order, before the next).
+    let idle: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let got = abuse(port, b"", Duration::from_secs(10));
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("busy"), "{text}");
+    assert_eq!(server.stats().connections_refused_busy, 1);
+    drop(idle);
+}
+
+#[test]
+fn a_rank_of_another_job_and_a_second_claim_of_a_rank_are_told_what_they_are() {
+    let config = |rank: usize, world: usize, port: u16| {
+        let mut c = store_config(rank, world, port);
+        c.job_id = Some("job-x".into());
+        c
+    };
+    let group = store_group_with(2, config);
+    let port = group[0].server().unwrap().local_addr().port();
+    let mut other = config(1, 2, port);
+    other.job_id = Some("job-y".into());
+    match StoreExchange::connect(other) {
+        Err(Error::JobMismatch { job, store_job }) => {
+            assert_eq!((job.as_str(), store_job.as_str()), ("job-y", "job-x"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut none = config(1, 2, port);
+    none.job_id = None;
+    assert!(matches!(
+        StoreExchange::connect(none),
+        Err(Error::JobMismatch { job, .. }) if job.is_empty()
+    ));
+    match StoreExchange::connect(config(1, 2, port)) {
+        Err(e @ Error::RankTaken { rank: 1, .. }) => {
+            let text = e.to_string();
+            let me = format!("pid {} on host", std::process::id());
+            assert_eq!(text.matches(&me).count(), 2, "{text}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The group is unaffected.
+    on_all(&group, |ex| {
+        ex.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
+            .unwrap()
+    });
+    drop_group(group);
+}
+
+#[test]
+fn once_every_rank_joined_a_host_running_none_of_them_is_refused_without_a_handshake() {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, ipproto, socket};
+    use std::net::{Ipv4Addr, SocketAddr};
+    let group = store_group(2);
+    let server = group[0].server().unwrap();
+    let port = server.local_addr().port();
+    let before = server.stats();
+    // A client on 127.0.0.2 (the ranks run on 127.0.0.1) that sends nothing.
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, Some(ipproto::TCP)).unwrap();
+    bind(&fd, &SocketAddr::from((Ipv4Addr::new(127, 0, 0, 2), 0))).unwrap();
+    connect(&fd, &SocketAddr::from((Ipv4Addr::LOCALHOST, port))).unwrap();
+    let mut stranger = TcpStream::from(fd);
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let got = read_to_close(&mut stranger, Duration::from_secs(10));
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("runs none of them"), "{text}");
+    let after = server.stats();
+    assert_eq!(after.connections_rejected, before.connections_rejected + 1);
+    on_all(&group, |ex| {
+        ex.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
+            .unwrap()
+    });
+    drop_group(group);
 }

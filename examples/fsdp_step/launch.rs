@@ -6,7 +6,8 @@
 //! runs one rank: NCCL on its GPU where there are GPUs, the shared-memory host
 //! backend otherwise. `--nproc N` does the launcher's job on this machine: it starts
 //! N processes of this program with those variables on 127.0.0.1 and prints rank 0's
-//! results.
+//! results; it gives them a random job identity (`SYMMPOOL_JOB_ID`), so two runs that
+//! happen to share a port never merge.
 
 #[cfg(feature = "nccl")]
 use super::BackendChoice;
@@ -133,6 +134,24 @@ const JOB_LIMIT: Duration = Duration::from_secs(30 * 60);
 /// (the control plane reports a lost rank within seconds).
 const GRACE: Duration = Duration::from_secs(20);
 
+/// A random job identity: 128 bits from the kernel's random source, in hex (or, where
+/// it cannot be read, this process's id and the time).
+fn random_job_id() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    match std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)) {
+        Ok(()) => format!("fsdp_step-{}", hex(&bytes)),
+        Err(_) => format!(
+            "fsdp_step-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ),
+    }
+}
+
 /// Start `n` processes of this program, one rank each, on 127.0.0.1; return rank 0's
 /// results once every rank has finished.
 pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
@@ -149,6 +168,9 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
         .map_err(io("finding a free port"))?
         .port();
     let exe = std::env::current_exe().map_err(io("finding this program"))?;
+    // A job identity of its own, so that the ranks of two runs on one port never
+    // merge (the store refuses a rank of another job).
+    let job_id = random_job_id();
     let mut children = Children(Vec::new());
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
@@ -159,6 +181,7 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env("SYMMPOOL_JOB_ID", &job_id)
             .env(CHILD_VAR, "1")
             .stdin(Stdio::null())
             .stderr(Stdio::inherit())

@@ -1,10 +1,11 @@
 //! [`StoreExchange`]: an [`Exchange`] over the TCP store, one process per rank.
 
+use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
 use super::store::StoreServer;
 use super::wire::{
-    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
-    ToClient, ToServer,
+    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError, Refusal,
+    SharedStream, ToClient, ToServer,
 };
 use super::{ChannelId, Exchange, Rounds};
 use crate::deadline::Deadline;
@@ -47,11 +48,12 @@ pub struct StoreExchange {
 
 struct ClientShared {
     server: String,
-    writer: Mutex<TcpStream>,
-    /// The socket's read half; whoever sets `Inbox::reader_busy` reads from it.
-    reader: Mutex<FrameReader<TcpStream>>,
-    /// A handle on the socket for setting read timeouts.
-    sock: TcpStream,
+    /// The socket (one descriptor, shared with `reader` and `sock`), for writing.
+    writer: Mutex<SharedStream>,
+    /// The socket's reader; whoever sets `Inbox::reader_busy` reads from it.
+    reader: Mutex<FrameReader<SharedStream>>,
+    /// The socket, for setting read timeouts.
+    sock: SharedStream,
     inbox: Mutex<Inbox>,
     /// Signalled when the inbox changes (callers wait on it).
     cv: Condvar,
@@ -190,7 +192,7 @@ impl ClientShared {
                     Ok(ToClient::Joined { present }) => inbox.present = present,
                     Ok(ToClient::AllJoined) => inbox.all_joined = true,
                     Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
-                    Ok(ToClient::Reject { reason }) => {
+                    Ok(ToClient::Reject { reason, .. }) => {
                         inbox.reader_done = true;
                         inbox.server_lost(format!("the store server dropped this rank: {reason}"));
                     }
@@ -315,8 +317,12 @@ impl StoreExchange {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for inconsistent settings; [`Error::Transport`] if the
-    /// server cannot be bound or reached in time; [`Error::Protocol`] or
-    /// [`Error::StoreRejected`] if the handshake fails; [`Error::Timeout`] (op
+    /// server cannot be bound or reached in time (at once, naming the descriptor
+    /// limit, when this process is out of descriptors); [`Error::JobMismatch`] if
+    /// the store serves another job ([`StoreConfig::job_id`]); [`Error::RankTaken`]
+    /// if another process holds this rank (naming both); [`Error::Protocol`] or
+    /// [`Error::StoreRejected`] if the handshake fails otherwise (a store busy with
+    /// other handshakes is retried until the start-up timeout); [`Error::Timeout`] (op
     /// `"store start-up"`, naming the ranks that never joined) or
     /// [`Error::PeerLost`] if the group does not assemble.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
@@ -374,65 +380,12 @@ impl StoreExchange {
             None => vec![format!("{}:{}", launch.master_addr, launch.master_port)],
         };
         let target = targets[0].clone();
-        let stream = connect_retrying(&target, deadline, config.startup_timeout)?;
-        let _ = stream.set_nodelay(true);
-        // Writes to a server that stops reading fail after a heartbeat timeout.
-        stream
-            .set_write_timeout(Some(config.heartbeat_timeout))
-            .map_err(transport(
-                "configuring the store connection",
-                target.clone(),
-            ))?;
-        // Handshake: preface and hello in one write; the server's preface and verdict.
-        let mut hello = wire::preface().to_vec();
-        hello.extend(wire::encode(&ToServer::Hello {
-            token: config.token.clone().unwrap_or_default().into_bytes(),
-            rank: launch.rank as u32,
-            world_size: launch.world_size as u32,
-            pid: std::process::id(),
-        }));
-        let mut writer = stream;
-        writer
-            .write_all(&hello)
-            .map_err(transport("store handshake", format!("writing to {target}")))?;
-        let read_half = writer
-            .try_clone()
-            .map_err(transport("store handshake", target.clone()))?;
-        let sock = writer
-            .try_clone()
-            .map_err(transport("store handshake", target.clone()))?;
-        let mut reader = FrameReader::new(read_half, MAX_HANDSHAKE_FRAME_BYTES);
-        let hs_deadline = deadline.cap(config.handshake_timeout);
-        let proto = |detail: String| Error::Protocol {
-            op: "store handshake",
-            detail,
-        };
-        let preface = wire::read_until(&sock, hs_deadline, || reader.raw(PREFACE_BYTES))
-            .map_err(|e| proto(format!("reading the server's preface from {target}: {e}")))?
-            .ok_or_else(|| {
-                proto(format!(
-                    "no reply from {target} within the handshake timeout"
-                ))
-            })?;
-        wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
-        let verdict = wire::read_until(&sock, hs_deadline, || reader.frame())
-            .map_err(|e| proto(format!("reading the server's verdict from {target}: {e}")))?
-            .ok_or_else(|| {
-                proto(format!(
-                    "no verdict from {target} within the handshake timeout"
-                ))
-            })?;
-        match wire::decode::<ToClient>(&verdict).map_err(proto)? {
-            ToClient::Welcome => {}
-            ToClient::Reject { reason } => return Err(Error::StoreRejected { reason }),
-            other => return Err(proto(format!("expected a welcome, got {other:?}"))),
-        }
-        reader.max_frame_bytes = config.max_frame_bytes;
+        let (stream, reader) = join_store(&config, &target, deadline)?;
         let shared = Arc::new(ClientShared {
             server: target,
-            writer: Mutex::new(writer),
+            writer: Mutex::new(stream.clone()),
             reader: Mutex::new(reader),
-            sock,
+            sock: stream,
             inbox: Mutex::new(Inbox::new()),
             cv: Condvar::new(),
             bg_cv: Condvar::new(),
@@ -520,6 +473,112 @@ impl StoreExchange {
     }
 }
 
+/// This host's name, for the store's messages about this process.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Connect to the store at `target` and complete the handshake, retrying while the
+/// server cannot be reached or is busy (too many handshakes in flight), until
+/// `deadline`. The connection (one descriptor) and its reader.
+///
+/// # Errors
+/// As [`StoreExchange::connect`]: [`Error::JobMismatch`], [`Error::RankTaken`] and
+/// [`Error::StoreRejected`] for refusals, [`Error::Protocol`] for a server that does
+/// not speak the protocol, [`Error::Transport`] when it cannot be reached in time.
+fn join_store(
+    config: &StoreConfig,
+    target: &str,
+    deadline: Deadline,
+) -> Result<(SharedStream, FrameReader<SharedStream>)> {
+    let launch = &config.launch;
+    let job = config.job_id.clone().unwrap_or_default();
+    let mut hello = wire::preface().to_vec();
+    hello.extend(wire::encode(&ToServer::Hello {
+        token: config.token.clone().unwrap_or_default().into_bytes(),
+        job: job.clone(),
+        rank: launch.rank as u32,
+        world_size: launch.world_size as u32,
+        host: host_name(),
+        pid: std::process::id(),
+    }));
+    let proto = |detail: String| Error::Protocol {
+        op: "store handshake",
+        detail,
+    };
+    let mut busy_delay = Duration::from_millis(5);
+    loop {
+        let stream = SharedStream::new(connect_retrying(target, deadline, config.startup_timeout)?);
+        let _ = stream.set_nodelay(true);
+        // Writes to a server that stops reading fail after a heartbeat timeout.
+        stream
+            .set_write_timeout(Some(config.heartbeat_timeout))
+            .map_err(transport(
+                "configuring the store connection",
+                target.to_string(),
+            ))?;
+        // Handshake: preface and hello in one write; the server's preface and verdict.
+        (&*stream)
+            .write_all(&hello)
+            .map_err(transport("store handshake", format!("writing to {target}")))?;
+        let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
+        let hs_deadline = deadline.cap(config.handshake_timeout);
+        let preface = wire::read_until(&stream, hs_deadline, || reader.raw(PREFACE_BYTES))
+            .map_err(|e| proto(format!("reading the server's preface from {target}: {e}")))?
+            .ok_or_else(|| {
+                proto(format!(
+                    "no reply from {target} within the handshake timeout"
+                ))
+            })?;
+        wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
+        let verdict = wire::read_until(&stream, hs_deadline, || reader.frame())
+            .map_err(|e| proto(format!("reading the server's verdict from {target}: {e}")))?
+            .ok_or_else(|| {
+                proto(format!(
+                    "no verdict from {target} within the handshake timeout"
+                ))
+            })?;
+        let (reason, kind, store_job) = match wire::decode::<ToClient>(&verdict).map_err(proto)? {
+            ToClient::Welcome => {
+                reader.max_frame_bytes = config.max_frame_bytes;
+                return Ok((stream, reader));
+            }
+            ToClient::Reject { reason, kind, job } => (reason, kind, job),
+            other => return Err(proto(format!("expected a welcome, got {other:?}"))),
+        };
+        match kind {
+            Refusal::Busy if !deadline.expired() => {
+                // Other handshakes hold the server's slots; they end within its
+                // handshake timeout.
+                tracing::debug!("symmpool store: {target} is busy ({reason}); retrying");
+                drop(reader);
+                thread::sleep(busy_delay.min(deadline.remaining()));
+                busy_delay = (busy_delay * 2).min(Duration::from_millis(500));
+            }
+            Refusal::RankTaken {
+                rank,
+                holder,
+                claimant,
+            } => {
+                return Err(Error::RankTaken {
+                    rank: rank as usize,
+                    holder: holder.to_string(),
+                    claimant: claimant.to_string(),
+                });
+            }
+            _ if store_job != job => {
+                return Err(Error::JobMismatch { job, store_job });
+            }
+            _ => return Err(Error::StoreRejected { reason }),
+        }
+    }
+}
+
 /// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`.
 fn connect_retrying(target: &str, deadline: Deadline, startup: Duration) -> Result<TcpStream> {
     let mut delay = Duration::from_millis(20);
@@ -538,6 +597,14 @@ fn connect_retrying(target: &str, deadline: Deadline, startup: Duration) -> Resu
                         Ok(s) => {
                             got = Some(s);
                             break;
+                        }
+                        Err(e) if out_of_descriptors(&e) => {
+                            // Not something waiting mends: say what it is at once.
+                            return Err(Error::Transport {
+                                op: "connecting to the store",
+                                detail: format!("{target}: {}", describe_io(&e)),
+                                source: e,
+                            });
                         }
                         Err(e) => last = e,
                     }

@@ -22,13 +22,41 @@ pub struct StoreConfig {
     pub bind_addr: Option<SocketAddr>,
     /// Shared secret every rank must present (env `SYMMPOOL_TOKEN`); `None`: none.
     pub token: Option<String>,
+    /// The job's identity, presented in every rank's handshake: a rank of another job
+    /// (another identity) is refused, on both sides, with [`Error::JobMismatch`]
+    /// naming the two identities, so two jobs that reach one store never merge.
+    ///
+    /// [`from_env`](Self::from_env) takes it from, in this order: `SYMMPOOL_JOB_ID`;
+    /// torchrun's run id `TORCHELASTIC_RUN_ID` (with `TORCHELASTIC_RESTART_COUNT`, so
+    /// a straggler of an earlier attempt is refused too; torchrun's default run id
+    /// `none` is not an identity); Open MPI's job id (`OMPI_MCA_ess_base_jobid`, or
+    /// the PMIx namespace `PMIX_NAMESPACE` of Open MPI 5); slurm's job and step ids
+    /// (`SLURM_JOB_ID`, `SLURM_STEP_ID`).
+    ///
+    /// `None` (no launcher identity; [`new`](Self::new)'s default): ranks of any job
+    /// whose handshake also carries none are accepted. The store then still refuses a
+    /// second claim of a rank (naming both processes, [`Error::RankTaken`]), a
+    /// different world size, and any client after every rank has joined; but a rank
+    /// of another job on the same port that connects *before* this job's own rank
+    /// takes its place (this job's rank is then refused, naming the holder). Set
+    /// `SYMMPOOL_JOB_ID` (any string the ranks of one job share, e.g. a random one
+    /// from the launcher) or [`token`](Self::token) where that matters.
+    pub job_id: Option<String>,
     /// How long connecting, the handshake and the wait for every rank to join may take
     /// (ranks of real jobs start minutes apart; default 10 min). Connecting is retried
     /// until then. Env `SYMMPOOL_STARTUP_TIMEOUT_MS`.
     pub startup_timeout: Duration,
     /// How long the server waits for a new connection to complete its handshake
-    /// before closing it (default 30 s). Env `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
+    /// before closing it, and a rank for the server's verdict (default 5 s; a rank
+    /// sends its whole handshake in one write as soon as it connects). Env
+    /// `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
     pub handshake_timeout: Duration,
+    /// Most handshakes the server runs at once (default 64; each holds a thread and
+    /// a descriptor for at most [`handshake_timeout`](Self::handshake_timeout)). A
+    /// connection beyond it is refused at once as busy, and a rank refused so retries
+    /// until [`startup_timeout`](Self::startup_timeout). Env
+    /// `SYMMPOOL_MAX_HANDSHAKES`.
+    pub max_handshakes: usize,
     /// How often clients and server send heartbeats (default 1 s). Env
     /// `SYMMPOOL_HEARTBEAT_INTERVAL_MS`.
     pub heartbeat_interval: Duration,
@@ -65,8 +93,10 @@ impl fmt::Debug for StoreConfig {
             .field("host_server", &self.host_server)
             .field("bind_addr", &self.bind_addr)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("job_id", &self.job_id)
             .field("startup_timeout", &self.startup_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_handshakes", &self.max_handshakes)
             .field("heartbeat_interval", &self.heartbeat_interval)
             .field("heartbeat_timeout", &self.heartbeat_timeout)
             .field("max_frame_bytes", &self.max_frame_bytes)
@@ -91,8 +121,10 @@ impl StoreConfig {
             launch,
             bind_addr: None,
             token: None,
+            job_id: None,
             startup_timeout: Duration::from_secs(600),
-            handshake_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 64,
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(5),
             max_frame_bytes: 16 << 20,
@@ -102,8 +134,9 @@ impl StoreConfig {
         }
     }
 
-    /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN` and the
-    /// optional `SYMMPOOL_*_MS` and `SYMMPOOL_*SPIN_US` settings named on the fields.
+    /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN`, the job
+    /// identity (see [`job_id`](Self::job_id)) and the optional `SYMMPOOL_*_MS`,
+    /// `SYMMPOOL_*SPIN_US` and `SYMMPOOL_MAX_HANDSHAKES` settings named on the fields.
     ///
     /// # Errors
     /// [`Error::LaunchEnv`] naming the variable that is missing or invalid.
@@ -118,6 +151,7 @@ impl StoreConfig {
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<StoreConfig> {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
+        cfg.job_id = job_id_from_vars(get);
         let whole = |name: &str, unit: &str| -> Result<Option<u64>> {
             get(name)
                 .map(|v| {
@@ -157,6 +191,16 @@ impl StoreConfig {
             &mut cfg.heartbeat_interval,
         )?;
         ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
+        if let Some(n) = whole("SYMMPOOL_MAX_HANDSHAKES", "handshakes")? {
+            cfg.max_handshakes =
+                usize::try_from(n)
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| Error::LaunchEnv {
+                        variable: "SYMMPOOL_MAX_HANDSHAKES".into(),
+                        detail: format!("{n} is not a positive number of handshakes"),
+                    })?;
+        }
         Ok(cfg)
     }
 
@@ -180,6 +224,9 @@ impl StoreConfig {
         if self.handshake_timeout.is_zero() {
             return bad("handshake_timeout must not be zero");
         }
+        if self.max_handshakes == 0 {
+            return bad("max_handshakes must not be zero");
+        }
         if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
             return bad(&format!(
                 "spin (SYMMPOOL_SPIN_US) and server_spin (SYMMPOOL_SERVER_SPIN_US) must be at most {} µs",
@@ -188,6 +235,37 @@ impl StoreConfig {
         }
         Ok(())
     }
+}
+
+/// The job identity the launcher gives, read through `get` (see
+/// [`StoreConfig::job_id`] for the variables and their order).
+fn job_id_from_vars(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let set = |name: &str| {
+        get(name)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    };
+    if let Some(id) = set("SYMMPOOL_JOB_ID") {
+        return Some(id);
+    }
+    // torchrun without `--rdzv-id` (and without `--standalone`) sets "none".
+    if let Some(run) = set("TORCHELASTIC_RUN_ID").filter(|r| r != "none") {
+        let attempt = set("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+        return Some(format!("torchrun:{run}/restart:{attempt}"));
+    }
+    if let Some(job) = set("OMPI_MCA_ess_base_jobid") {
+        return Some(format!("openmpi:{job}"));
+    }
+    if let Some(ns) = set("PMIX_NAMESPACE") {
+        return Some(format!("pmix:{ns}"));
+    }
+    if let Some(job) = set("SLURM_JOB_ID") {
+        return Some(match set("SLURM_STEP_ID") {
+            Some(step) => format!("slurm:{job}.{step}"),
+            None => format!("slurm:{job}"),
+        });
+    }
+    None
 }
 
 #[cfg(test)]
@@ -234,6 +312,58 @@ mod tests {
         bad.push(("SYMMPOOL_HEARTBEAT_INTERVAL_MS", "soon"));
         let e = config("1", &bad).unwrap_err();
         assert_eq!(variable(e), "SYMMPOOL_HEARTBEAT_INTERVAL_MS");
+    }
+
+    #[test]
+    fn the_job_identity_comes_from_the_launcher_and_symmpool_job_id_beats_it() {
+        let job = |extra: &[(&str, &str)]| config("1", extra).unwrap().job_id;
+        assert_eq!(job(&[]), None);
+        assert_eq!(
+            job(&[("TORCHELASTIC_RUN_ID", "none")]),
+            None,
+            "torchrun's default"
+        );
+        assert_eq!(
+            job(&[("TORCHELASTIC_RUN_ID", "r1")]).as_deref(),
+            Some("torchrun:r1/restart:0")
+        );
+        assert_eq!(
+            job(&[
+                ("TORCHELASTIC_RUN_ID", "r1"),
+                ("TORCHELASTIC_RESTART_COUNT", "2")
+            ])
+            .as_deref(),
+            Some("torchrun:r1/restart:2")
+        );
+        assert_eq!(
+            job(&[("SLURM_JOB_ID", "77"), ("SLURM_STEP_ID", "3")]).as_deref(),
+            Some("slurm:77.3")
+        );
+        assert_eq!(job(&[("SLURM_JOB_ID", "77")]).as_deref(), Some("slurm:77"));
+        assert_eq!(
+            job(&[("OMPI_MCA_ess_base_jobid", "123"), ("SLURM_JOB_ID", "77")]).as_deref(),
+            Some("openmpi:123"),
+            "mpirun inside a slurm allocation: the finer one"
+        );
+        assert_eq!(
+            job(&[("PMIX_NAMESPACE", "prterun-n0-1@1")]).as_deref(),
+            Some("pmix:prterun-n0-1@1")
+        );
+        assert_eq!(
+            job(&[
+                ("SYMMPOOL_JOB_ID", "mine"),
+                ("TORCHELASTIC_RUN_ID", "r1"),
+                ("SLURM_JOB_ID", "77")
+            ])
+            .as_deref(),
+            Some("mine")
+        );
+        let c = config("1", &[("SYMMPOOL_MAX_HANDSHAKES", "8")]).unwrap();
+        assert_eq!(c.max_handshakes, 8);
+        for bad in ["0", "-1", "many"] {
+            let e = config("1", &[("SYMMPOOL_MAX_HANDSHAKES", bad)]).unwrap_err();
+            assert_eq!(variable(e), "SYMMPOOL_MAX_HANDSHAKES");
+        }
     }
 
     #[test]

@@ -1,9 +1,8 @@
 //! [`Mailbox`]: how a round's result reaches the store server's thread of a rank that
 //! polls for it, so that the results of a round are written in parallel.
 
-use super::wire;
+use super::wire::{self, SharedStream};
 use parking_lot::{Mutex, MutexGuard};
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -104,7 +103,7 @@ impl Mailbox {
 /// result handed to its mailbox.
 pub(super) fn write_after_result(
     mailbox: &Mailbox,
-    writer: &Mutex<TcpStream>,
+    writer: &Mutex<SharedStream>,
     frame: Option<&[u8]>,
 ) -> std::io::Result<()> {
     let mut w = writer.lock();

@@ -40,6 +40,7 @@
 //! An async runtime would add a large dependency and its own threads for no gain at
 //! this scale.
 
+mod admission;
 mod client;
 mod config;
 mod env;
@@ -58,6 +59,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::time::Duration;
 
+pub use admission::REFUSAL_LOG_INTERVAL;
 pub use client::StoreExchange;
 pub use config::StoreConfig;
 pub use env::{Launch, LaunchSource};
@@ -246,4 +248,11 @@ impl Rounds {
             .collect();
         Err(Error::ChannelMismatch { opened })
     }
+}
+
+/// The store's frame decoder, for the fuzz target (`fuzz/fuzz_targets/store_frames.rs`);
+/// not part of the crate's API.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use super::wire::fuzz_frames;
 }

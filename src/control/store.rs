@@ -2,7 +2,20 @@
 //!
 //! One thread accepts connections, one thread per connection does the handshake and
 //! then reads that rank's frames, and one monitor thread sends heartbeats and declares
-//! silent ranks lost. All state is behind one mutex; every write to a rank goes
+//! silent ranks lost.
+//!
+//! # What a client that is not one of the job's ranks can cost
+//!
+//! At most [`StoreConfig::max_handshakes`] handshakes run at once, each for at most
+//! [`StoreConfig::handshake_timeout`], each with one thread and one descriptor; a
+//! connection beyond the cap is refused at once (its rank retries). Once every rank
+//! has joined, a connection from a host that runs none of the job's ranks is refused
+//! at once, without a handshake; from the job's hosts every handshake is refused (a
+//! rank cannot rejoin), with a reason the client can act on: another job
+//! ([`Error::JobMismatch`]), a rank already held ([`Error::RankTaken`], naming both
+//! processes). Refusals are counted ([`ServerStats`]) and logged at most one line per
+//! kind per [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then one line with
+//! the counts. All state is behind one mutex; every write to a rank goes
 //! through that rank's own writer lock, so frames never interleave. A round's result
 //! is encoded once and written to every rank with one write each: to a rank whose
 //! thread is still polling for it (for up to [`StoreConfig::server_spin`] after
@@ -10,11 +23,14 @@
 //! by that thread, in parallel with the others; to the rest by the thread of the last
 //! rank to contribute.
 
+use super::admission::{
+    HandshakeSlot, RefusalKind, RefusalLog, canonical, describe_io, out_of_descriptors,
+};
 use super::config::StoreConfig;
 use super::mailbox::{Mailbox, write_after_result};
 use super::wire::{
-    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError,
-    ToClient, ToServer,
+    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
+    Refusal, SharedStream, ToClient, ToServer,
 };
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -22,9 +38,9 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -34,8 +50,12 @@ pub struct ServerStats {
     /// TCP connections accepted.
     pub connections_accepted: u64,
     /// Connections refused or dropped before or during the handshake (garbage, wrong
-    /// magic, version or token, a rank already connected, no handshake in time).
+    /// magic, version, token or job, a rank already connected, no handshake in time,
+    /// too many handshakes in flight, a stranger after every rank joined).
     pub connections_rejected: u64,
+    /// Of those, refused at once because [`StoreConfig::max_handshakes`] handshakes
+    /// were in flight.
+    pub connections_refused_busy: u64,
     /// Ranks that joined and then left or were declared lost.
     pub ranks_departed: u64,
     /// Rounds completed.
@@ -53,9 +73,12 @@ pub struct StoreServer {
 struct Shared {
     world: usize,
     token: Vec<u8>,
+    /// The job identity (empty: none).
+    job: String,
     heartbeat_interval: Duration,
     heartbeat_timeout: Duration,
     handshake_timeout: Duration,
+    max_handshakes: usize,
     max_frame_bytes: usize,
     /// [`StoreConfig::server_spin`] in effect.
     server_spin: Duration,
@@ -65,13 +88,22 @@ struct Shared {
     shutdown: AtomicBool,
     accepted: AtomicU64,
     rejected: AtomicU64,
+    refused_busy: AtomicU64,
     departed: AtomicU64,
     rounds: AtomicU64,
+    /// Handshakes in flight.
+    handshakes: AtomicUsize,
+    /// The hosts of the ranks, set once every rank has joined: later connections from
+    /// elsewhere are refused without a handshake.
+    rank_hosts: OnceLock<Vec<IpAddr>>,
+    /// Rate-limited refusal warnings (its own lock: never taken on a round's path).
+    refusals: Mutex<RefusalLog>,
 }
 
 struct State {
     conns: Vec<Option<Conn>>,
-    ever_joined: Vec<bool>,
+    /// Who joined as each rank (kept after it leaves: a group cannot be rejoined).
+    members: Vec<Option<Member>>,
     rounds: HashMap<(u64, u64), Vec<Option<Vec<u8>>>>,
     broken: Option<Broken>,
     next_conn_id: u64,
@@ -80,9 +112,10 @@ struct State {
 struct Conn {
     id: u64,
     /// Writes to the rank (a frame at a time); also held by its connection thread.
-    writer: Arc<Mutex<TcpStream>>,
-    /// The same socket, for shutting it down without waiting for a writer.
-    sock: TcpStream,
+    writer: Arc<Mutex<SharedStream>>,
+    /// The same socket (the same descriptor), for shutting it down without waiting
+    /// for a writer.
+    sock: SharedStream,
     /// Results handed to the connection's thread; also held by that thread.
     mailbox: Arc<Mailbox>,
     last_heard: Instant,
@@ -93,7 +126,7 @@ struct Conn {
 struct Link {
     rank: usize,
     id: u64,
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Mutex<SharedStream>>,
     mailbox: Arc<Mailbox>,
 }
 
@@ -109,8 +142,8 @@ impl fmt::Debug for StoreServer {
 
 impl StoreServer {
     /// Listen on `addr` (port 0: any free port, see [`local_addr`](Self::local_addr))
-    /// for the `config.launch.world_size` ranks, with `config`'s token, heartbeat,
-    /// handshake and frame-size settings.
+    /// for the `config.launch.world_size` ranks of the job `config.job_id`, with
+    /// `config`'s token, heartbeat, handshake and frame-size settings.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] if `config` is inconsistent (as
@@ -140,9 +173,11 @@ impl StoreServer {
         let shared = Arc::new(Shared {
             world,
             token: config.token.clone().unwrap_or_default().into_bytes(),
+            job: config.job_id.clone().unwrap_or_default(),
             heartbeat_interval: config.heartbeat_interval,
             heartbeat_timeout: config.heartbeat_timeout,
             handshake_timeout: config.handshake_timeout,
+            max_handshakes: config.max_handshakes,
             max_frame_bytes: config.max_frame_bytes,
             server_spin: server_spin_in_effect(
                 config,
@@ -150,7 +185,7 @@ impl StoreServer {
             ),
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
-                ever_joined: vec![false; world],
+                members: vec![None; world],
                 rounds: HashMap::new(),
                 broken: None,
                 next_conn_id: 0,
@@ -159,8 +194,12 @@ impl StoreServer {
             shutdown: AtomicBool::new(false),
             accepted: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
+            refused_busy: AtomicU64::new(0),
             departed: AtomicU64::new(0),
             rounds: AtomicU64::new(0),
+            handshakes: AtomicUsize::new(0),
+            rank_hosts: OnceLock::new(),
+            refusals: Mutex::new(RefusalLog::new(Instant::now())),
         });
         let mut server = StoreServer {
             addr: local,
@@ -190,6 +229,7 @@ impl StoreServer {
         ServerStats {
             connections_accepted: s.accepted.load(Ordering::Relaxed),
             connections_rejected: s.rejected.load(Ordering::Relaxed),
+            connections_refused_busy: s.refused_busy.load(Ordering::Relaxed),
             ranks_departed: s.departed.load(Ordering::Relaxed),
             rounds_completed: s.rounds.load(Ordering::Relaxed),
         }
@@ -224,6 +264,7 @@ impl Drop for StoreServer {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        self.shared.refusals.lock().flush(Instant::now());
     }
 }
 
@@ -251,9 +292,32 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 }
 
 impl Shared {
-    fn reject(&self, peer: SocketAddr, why: &str) {
+    /// Count a refused connection and log it (rate-limited).
+    fn reject(&self, peer: SocketAddr, kind: RefusalKind, why: &str) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!("symmpool store: refused connection from {peer}: {why}");
+        if kind == RefusalKind::Busy {
+            self.refused_busy.fetch_add(1, Ordering::Relaxed);
+        }
+        self.refusals.lock().note(Instant::now(), kind, peer, why);
+    }
+
+    /// Refuse `stream` at once, without a handshake: one non-blocking write of the
+    /// verdict (a client that does not read it loses nothing), then close.
+    fn refuse_now(&self, stream: TcpStream, peer: SocketAddr, kind: RefusalKind, why: String) {
+        let _ = stream.set_nonblocking(true);
+        let _ = (&stream).write_all(&self.verdict(kind.refusal(), why.clone()));
+        self.reject(peer, kind, &why);
+    }
+
+    /// The server's preface and a refusal, as one write.
+    fn verdict(&self, kind: Refusal, reason: String) -> Vec<u8> {
+        let mut reply = wire::preface().to_vec();
+        reply.extend(wire::encode(&ToClient::Reject {
+            reason,
+            kind,
+            job: self.job.clone(),
+        }));
+        reply
     }
 
     /// Write `frame` to `rank`; on failure the rank departs (by the caller, who gets it
@@ -389,12 +453,12 @@ impl Shared {
     }
 
     fn joined_message(&self, st: &State) -> ToClient {
-        if st.ever_joined.iter().all(|j| *j) {
+        if st.members.iter().all(Option::is_some) {
             ToClient::AllJoined
         } else {
             ToClient::Joined {
                 present: (0..self.world as u32)
-                    .filter(|r| st.ever_joined[*r as usize])
+                    .filter(|r| st.members[*r as usize].is_some())
                     .collect(),
             }
         }
@@ -406,12 +470,27 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 shared.accepted.fetch_add(1, Ordering::Relaxed);
-                let s = shared.clone();
-                if let Err(e) = spawn("symmpool-store-conn", move || serve(&s, stream, peer)) {
-                    shared.reject(peer, &e.to_string());
-                }
+                admit(shared, stream, peer);
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            Err(e) => {
+                let idle = e.kind() == std::io::ErrorKind::WouldBlock;
+                if !idle {
+                    // The connection stays queued; try again after the pause below.
+                    let kind = if out_of_descriptors(&e) {
+                        RefusalKind::Resources
+                    } else {
+                        RefusalKind::Garbage
+                    };
+                    let why = format!("accepting failed: {}", describe_io(&e));
+                    shared.rejected.fetch_add(1, Ordering::Relaxed);
+                    let unknown = SocketAddr::from(([0, 0, 0, 0], 0));
+                    shared
+                        .refusals
+                        .lock()
+                        .note(Instant::now(), kind, unknown, &why);
+                } else {
+                    shared.refusals.lock().tick(Instant::now());
+                }
                 let mut st = shared.state.lock();
                 if shared.shutdown.load(Ordering::SeqCst) {
                     break;
@@ -419,11 +498,43 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 // Woken early by shutdown; otherwise poll for new connections.
                 shared.cv.wait_for(&mut st, Duration::from_millis(20));
             }
-            Err(e) => {
-                tracing::warn!("symmpool store: accept failed: {e}");
-                thread::sleep(Duration::from_millis(20));
-            }
         }
+    }
+}
+
+/// A new connection: refused at once (a stranger after every rank joined, or too many
+/// handshakes in flight), else handed to a thread of its own for the handshake.
+fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+    if let Some(hosts) = shared.rank_hosts.get()
+        && !hosts.contains(&canonical(peer.ip()))
+    {
+        let why = format!(
+            "every rank has joined, and {} runs none of them (a rank cannot rejoin)",
+            peer.ip()
+        );
+        return shared.refuse_now(stream, peer, RefusalKind::Closed, why);
+    }
+    let in_flight = shared.handshakes.fetch_add(1, Ordering::AcqRel);
+    if in_flight >= shared.max_handshakes {
+        shared.handshakes.fetch_sub(1, Ordering::AcqRel);
+        let why = format!(
+            "busy: {} handshakes in flight (StoreConfig::max_handshakes); try again",
+            shared.max_handshakes
+        );
+        return shared.refuse_now(stream, peer, RefusalKind::Busy, why);
+    }
+    // The thread owns the slot taken above (released when its handshake ends).
+    let s = shared.clone();
+    let started = thread::Builder::new()
+        .name("symmpool-store-conn".into())
+        .spawn(move || {
+            let slot = HandshakeSlot(&s.handshakes);
+            serve(&s, stream, peer, slot);
+        });
+    if let Err(e) = started {
+        shared.handshakes.fetch_sub(1, Ordering::AcqRel);
+        let why = format!("could not start a thread: {}", describe_io(&e));
+        shared.reject(peer, RefusalKind::Resources, &why);
     }
 }
 
@@ -456,157 +567,239 @@ fn monitor_loop(shared: &Arc<Shared>) {
     }
 }
 
-/// One connection: handshake, then that rank's frames.
-fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+/// A refused handshake: what to log, and what to tell the client (if anything).
+struct Refused {
+    kind: RefusalKind,
+    why: String,
+    /// Tell the client (not for garbage that does not even speak the protocol).
+    tell: Option<Refusal>,
+}
+
+impl Refused {
+    fn new(kind: RefusalKind, why: String) -> Box<Self> {
+        Box::new(Refused {
+            kind,
+            why,
+            tell: Some(kind.refusal()),
+        })
+    }
+
+    fn silent(kind: RefusalKind, why: String) -> Box<Self> {
+        Box::new(Refused {
+            kind,
+            why,
+            tell: None,
+        })
+    }
+}
+
+/// What a client said in its hello.
+struct Hello {
+    rank: usize,
+    member: Member,
+}
+
+/// Read and check the preface and the hello, until the handshake deadline.
+fn handshake(
+    shared: &Shared,
+    reader: &mut FrameReader<SharedStream>,
+    peer: SocketAddr,
+) -> std::result::Result<Hello, Box<Refused>> {
+    let sock = reader.get_ref().clone();
+    let until = Deadline::after(shared.handshake_timeout);
+    let failed = |e: ReadError| {
+        let kind = match &e {
+            ReadError::Io(io) if out_of_descriptors(io) => RefusalKind::Resources,
+            _ => RefusalKind::Garbage,
+        };
+        Refused::silent(kind, format!("during the handshake: {e}"))
+    };
+    let slow = |what: &str| {
+        Refused::silent(
+            RefusalKind::Slow,
+            format!("no {what} within {:?}", shared.handshake_timeout),
+        )
+    };
+    let preface = wire::read_until(&sock, until, || reader.raw(PREFACE_BYTES))
+        .map_err(failed)?
+        .ok_or_else(|| slow("handshake"))?;
+    if let Err(why) = wire::check_preface(&preface) {
+        return Err(if preface[..8] == wire::MAGIC {
+            Refused::new(RefusalKind::Version, why)
+        } else {
+            Refused::silent(RefusalKind::Garbage, why)
+        });
+    }
+    let body = wire::read_until(&sock, until, || reader.frame())
+        .map_err(|e| {
+            let mut refused = failed(e);
+            refused.tell = Some(Refusal::Other);
+            refused
+        })?
+        .ok_or_else(|| slow("hello"))?;
+    let garbage = |why: String| Refused::new(RefusalKind::Garbage, why);
+    let (token, job, rank, world_size, host, pid) = match wire::decode::<ToServer>(&body) {
+        Ok(ToServer::Hello {
+            token,
+            job,
+            rank,
+            world_size,
+            host,
+            pid,
+        }) => (token, job, rank, world_size, host, pid),
+        Ok(other) => return Err(garbage(format!("expected a hello, got {other:?}"))),
+        Err(why) => return Err(garbage(why)),
+    };
+    if !wire::constant_time_eq(&token, &shared.token) {
+        return Err(Refused::new(
+            RefusalKind::Token,
+            "wrong job token (set the same SYMMPOOL_TOKEN on every rank)".into(),
+        ));
+    }
+    if job != shared.job {
+        return Err(Refused::new(
+            RefusalKind::OtherJob,
+            format!(
+                "a client of job {} (pid {pid} on host {host:?}) reached the store of job {}: two jobs on one port (give each its own MASTER_PORT or SYMMPOOL_STORE_PORT)",
+                show_job(&job),
+                show_job(&shared.job)
+            ),
+        ));
+    }
+    if world_size as usize != shared.world {
+        return Err(Refused::new(
+            RefusalKind::Misfit,
+            format!(
+                "world size {world_size} differs from the store's {} (check WORLD_SIZE on every rank)",
+                shared.world
+            ),
+        ));
+    }
+    if rank as usize >= shared.world {
+        return Err(Refused::new(
+            RefusalKind::Misfit,
+            format!(
+                "rank {rank} is out of range for world size {}",
+                shared.world
+            ),
+        ));
+    }
+    Ok(Hello {
+        rank: rank as usize,
+        member: Member {
+            host,
+            pid,
+            addr: peer.to_string(),
+            at_unix_ms: wire::unix_ms_now(),
+        },
+    })
+}
+
+/// A job identity for messages.
+fn show_job(job: &str) -> String {
+    if job.is_empty() {
+        "(none)".into()
+    } else {
+        format!("{job:?}")
+    }
+}
+
+/// One connection: handshake (holding `slot` until it ends), then that rank's frames.
+fn serve(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr, slot: HandshakeSlot<'_>) {
     let _ = stream.set_nodelay(true);
+    // One descriptor for the connection: the reader, the writer and the closer share
+    // it.
+    let stream = SharedStream::new(stream);
     // A rank that stops reading must not block the server's writes (most made under
     // its state lock) without bound: a write that makes no progress for a heartbeat
     // timeout fails, and that rank departs.
-    if stream
-        .set_write_timeout(Some(shared.heartbeat_timeout))
-        .is_err()
-    {
-        shared.reject(peer, "could not set a write timeout");
-        return;
+    if let Err(e) = stream.set_write_timeout(Some(shared.heartbeat_timeout)) {
+        let why = format!("could not set a write timeout: {}", describe_io(&e));
+        return shared.reject(peer, RefusalKind::Resources, &why);
     }
-    let Ok(read_half) = stream.try_clone() else {
-        shared.reject(peer, "could not clone the socket");
-        return;
-    };
-    let mut writer = stream;
-    let mut reader = FrameReader::new(read_half, MAX_HANDSHAKE_FRAME_BYTES);
-    let until = Deadline::after(shared.handshake_timeout);
-    let sock = writer.try_clone();
-    let Ok(sock) = sock else {
-        shared.reject(peer, "could not clone the socket");
-        return;
-    };
-    // Preface.
-    let preface = match wire::read_until(&sock, until, || reader.raw(PREFACE_BYTES)) {
-        Ok(Some(p)) => p,
-        Ok(None) => {
-            return shared.reject(
-                peer,
-                &format!("no handshake within {:?}", shared.handshake_timeout),
-            );
+    let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
+    let refuse = |refused: Box<Refused>| {
+        if let Some(kind) = refused.tell {
+            let _ = (&*stream).write_all(&shared.verdict(kind, refused.why.clone()));
         }
-        Err(e) => return shared.reject(peer, &format!("during the handshake: {e}")),
+        shared.reject(peer, refused.kind, &refused.why);
     };
-    if let Err(why) = wire::check_preface(&preface) {
-        if preface[..8] == wire::MAGIC {
-            let mut reply = wire::preface().to_vec();
-            reply.extend(wire::encode(&ToClient::Reject {
-                reason: why.clone(),
-            }));
-            let _ = writer.write_all(&reply);
-        }
-        return shared.reject(peer, &why);
-    }
-    let mut reply = wire::preface().to_vec();
-    // Hello.
-    let hello = match wire::read_until(&sock, until, || reader.frame()) {
-        Ok(Some(body)) => wire::decode::<ToServer>(&body),
-        Ok(None) => Err(format!("no hello within {:?}", shared.handshake_timeout)),
-        Err(e) => Err(format!("during the handshake: {e}")),
+    let hello = match handshake(shared, &mut reader, peer) {
+        Ok(h) => h,
+        Err(refused) => return refuse(refused),
     };
-    let refuse = |mut reply: Vec<u8>, mut writer: TcpStream, why: String| {
-        reply.extend(wire::encode(&ToClient::Reject {
-            reason: why.clone(),
-        }));
-        let _ = writer.write_all(&reply);
-        shared.reject(peer, &why);
-    };
-    let (rank, pid) = match hello {
-        Ok(ToServer::Hello {
-            token,
-            rank,
-            world_size,
-            pid,
-        }) => {
-            if !wire::constant_time_eq(&token, &shared.token) {
-                return refuse(
-                    reply,
-                    writer,
-                    "wrong job token (set the same SYMMPOOL_TOKEN on every rank)".into(),
-                );
-            }
-            if world_size as usize != shared.world {
-                return refuse(
-                    reply,
-                    writer,
-                    format!(
-                        "world size {world_size} differs from the store's {} (check WORLD_SIZE on every rank)",
-                        shared.world
-                    ),
-                );
-            }
-            if rank as usize >= shared.world {
-                return refuse(
-                    reply,
-                    writer,
-                    format!(
-                        "rank {rank} is out of range for world size {}",
-                        shared.world
-                    ),
-                );
-            }
-            (rank as usize, pid)
-        }
-        Ok(other) => {
-            return refuse(reply, writer, format!("expected a hello, got {other:?}"));
-        }
-        Err(why) => return refuse(reply, writer, why),
-    };
+    let rank = hello.rank;
     // Join.
     let me = {
         let mut st = shared.state.lock();
-        if st.ever_joined[rank] {
-            drop(st);
-            return refuse(
-                reply,
-                writer,
+        if let Some(holder) = &st.members[rank] {
+            let (holder, claimant) = (holder.clone(), hello.member);
+            let why = if st.conns[rank].is_some() {
                 format!(
-                    "rank {rank} is already connected (or was, and a group cannot be rejoined); check RANK"
-                ),
-            );
+                    "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
+                )
+            } else {
+                format!(
+                    "rank {rank} was held by {holder}, which left, and a group cannot be rejoined; the claim of {claimant} is refused"
+                )
+            };
+            drop(st);
+            return refuse(Box::new(Refused {
+                kind: RefusalKind::RankTaken,
+                why,
+                tell: Some(Refusal::RankTaken {
+                    rank: rank as u32,
+                    holder,
+                    claimant,
+                }),
+            }));
         }
         if let Some(b) = &st.broken {
             let why = format!("the group is already broken ({b:?}); restart the job");
             drop(st);
-            return refuse(reply, writer, why);
+            return refuse(Refused::new(RefusalKind::Closed, why));
         }
-        reply.extend(wire::encode(&ToClient::Welcome));
-        if let Err(e) = writer.write_all(&reply) {
+        let mut welcome = wire::preface().to_vec();
+        welcome.extend(wire::encode(&ToClient::Welcome));
+        if let Err(e) = (&*stream).write_all(&welcome) {
             drop(st);
-            return shared.reject(peer, &format!("writing the welcome failed: {e}"));
+            let why = format!("writing the welcome failed: {}", describe_io(&e));
+            return shared.reject(peer, RefusalKind::Garbage, &why);
         }
-        let Ok(conn_sock) = writer.try_clone() else {
-            drop(st);
-            return shared.reject(peer, "could not clone the socket");
-        };
         let me = Link {
             rank,
             id: st.next_conn_id,
-            writer: Arc::new(Mutex::new(writer)),
+            writer: Arc::new(Mutex::new(stream.clone())),
             mailbox: Arc::default(),
         };
         st.next_conn_id += 1;
-        st.ever_joined[rank] = true;
+        tracing::info!("symmpool store: rank {rank} joined: {}", hello.member);
+        st.members[rank] = Some(hello.member);
         st.conns[rank] = Some(Conn {
             id: me.id,
             writer: me.writer.clone(),
-            sock: conn_sock,
+            sock: stream.clone(),
             mailbox: me.mailbox.clone(),
             last_heard: Instant::now(),
         });
-        tracing::info!("symmpool store: rank {rank} (pid {pid}) joined from {peer}");
-        let joined = wire::encode(&shared.joined_message(&st));
-        shared.broadcast(&mut st, &joined);
+        let joined = shared.joined_message(&st);
+        if matches!(joined, ToClient::AllJoined) {
+            let hosts = st
+                .members
+                .iter()
+                .flatten()
+                .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
+                .map(|a| canonical(a.ip()))
+                .collect();
+            let _ = shared.rank_hosts.set(hosts);
+        }
+        shared.broadcast(&mut st, &wire::encode(&joined));
         me
     };
+    drop(slot);
     let id = me.id;
     reader.max_frame_bytes = shared.max_frame_bytes;
-    if sock
+    if stream
         .set_read_timeout(Some(shared.heartbeat_interval))
         .is_err()
     {

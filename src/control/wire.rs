@@ -6,19 +6,24 @@
 //! the body, a [`postcard`]-encoded [`ToServer`] or [`ToClient`]. A length above the
 //! receiver's limit is refused before anything is allocated for it, and buffers only
 //! grow as bytes actually arrive. The client's first frame is [`ToServer::Hello`]
-//! (job token, rank, world size); the server answers [`ToClient::Welcome`] or
-//! [`ToClient::Reject`].
+//! (job token, job identity, rank, world size, and who the process is); the server
+//! answers [`ToClient::Welcome`] or [`ToClient::Reject`] (with the store's job identity
+//! and, where it matters, who holds the rank asked for).
 
 use crate::deadline::Deadline;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
-/// The protocol version; a peer speaking another is refused.
-pub(crate) const VERSION: u16 = 1;
+/// The protocol version; a peer speaking another is refused. Version 2: the hello
+/// carries the job identity and the process (host, pid), a refusal says why in a form
+/// the client can act on.
+pub(crate) const VERSION: u16 = 2;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -54,14 +59,18 @@ pub(crate) fn check_preface(p: &[u8]) -> Result<(), String> {
 }
 
 /// Client to server.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum ToServer {
     /// The first frame: who this is.
     Hello {
         #[serde(with = "serde_bytes")]
         token: Vec<u8>,
+        /// The job identity (empty: none known).
+        job: String,
         rank: u32,
         world_size: u32,
+        /// The process: host name and pid.
+        host: String,
         pid: u32,
     },
     /// This rank's payload for a round.
@@ -101,13 +110,88 @@ pub(crate) struct Broken {
     pub(crate) cause: Cause,
 }
 
+/// A process that joined (or asked to join) the store: where, which, when.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Member {
+    pub(crate) host: String,
+    pub(crate) pid: u32,
+    /// The peer address the server saw.
+    pub(crate) addr: String,
+    /// When the server accepted its hello, in milliseconds since the Unix epoch.
+    pub(crate) at_unix_ms: u64,
+}
+
+impl std::fmt::Display for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pid {} on host {:?} (from {}, at {})",
+            self.pid,
+            self.host,
+            self.addr,
+            utc(self.at_unix_ms)
+        )
+    }
+}
+
+/// Milliseconds since the Unix epoch now.
+pub(crate) fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `ms` since the Unix epoch as a UTC time, `2026-12-01 10:47:20.123 UTC`.
+pub(crate) fn utc(ms: u64) -> String {
+    let (days, ms_of_day) = (ms / 86_400_000, ms % 86_400_000);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let s = ms_of_day / 1000;
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03} UTC",
+        s / 3600,
+        s / 60 % 60,
+        s % 60,
+        ms_of_day % 1000
+    )
+}
+
+/// Why a handshake was refused, in a form the client acts on.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// Anything else; the reason says what.
+    Other,
+    /// Too many handshakes in flight: try again shortly.
+    Busy,
+    /// The client belongs to another job (the store's job identity is in the reject).
+    OtherJob,
+    /// The rank is held by another process.
+    RankTaken {
+        rank: u32,
+        holder: Member,
+        claimant: Member,
+    },
+}
+
 /// Server to client.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum ToClient {
     /// Handshake accepted.
     Welcome,
-    /// Handshake refused; the connection closes.
-    Reject { reason: String },
+    /// Handshake refused; the connection closes. `job`: the store's job identity.
+    Reject {
+        reason: String,
+        kind: Refusal,
+        job: String,
+    },
     /// The ranks connected so far (sent while the group assembles).
     Joined { present: Vec<u32> },
     /// Every rank has connected.
@@ -215,6 +299,11 @@ impl<R: Read> FrameReader<R> {
             max_frame_bytes,
             bytes_read: 0,
         }
+    }
+
+    /// The reader's source.
+    pub(crate) fn get_ref(&self) -> &R {
+        &self.inner
     }
 
     /// Bytes read from the peer so far (complete frames or not).
@@ -325,13 +414,52 @@ impl<R: Read> FrameReader<R> {
     }
 }
 
-impl FrameReader<TcpStream> {
+/// One socket shared by a connection's reader, writer and closer: one descriptor per
+/// connection (not a `try_clone` each), read and written through `&TcpStream`.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedStream(pub(crate) Arc<TcpStream>);
+
+impl SharedStream {
+    pub(crate) fn new(stream: TcpStream) -> Self {
+        SharedStream(Arc::new(stream))
+    }
+}
+
+impl std::ops::Deref for SharedStream {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        &self.0
+    }
+}
+
+impl Read for SharedStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self.0).read(buf)
+    }
+}
+
+impl Write for SharedStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&*self.0).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (&*self.0).flush()
+    }
+}
+
+impl AsFd for SharedStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl<R: Read + AsFd> FrameReader<R> {
     /// The next frame's body if its bytes are already here, else `None` at once (a
     /// partial frame is kept). Reads with `MSG_DONTWAIT`, which leaves the socket's
     /// own blocking mode alone: other threads write to clones of it.
     pub(crate) fn frame_now(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
         self.next_frame(&mut |s, b| {
-            rustix::net::recv(&*s, b, rustix::net::RecvFlags::DONTWAIT)
+            rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
                 .map(|(n, _)| n)
                 .map_err(io::Error::from)
         })
@@ -389,6 +517,87 @@ pub(crate) fn read_until<T>(
         if let Some(v) = f()? {
             return Ok(Some(v));
         }
+    }
+}
+
+/// Feed `data` to the store's decoders as a peer would send it, checking what they
+/// promise; panics on a broken promise (for the fuzz target).
+///
+/// `data[0]` picks the read sizes (1 to 16 bytes a read, or everything at once) and
+/// the frame limit; the rest is the byte stream: a preface, then frames, each decoded
+/// as a [`ToServer`] and as a [`ToClient`]. Checked: no panic; a length over the limit
+/// is refused before its buffer grows past it; every frame that decodes encodes back
+/// to a frame that decodes to the same message; a preface is accepted exactly when
+/// its magic and version are this build's.
+#[doc(hidden)]
+pub fn fuzz_frames(data: &[u8]) {
+    let Some((&mode, stream)) = data.split_first() else {
+        return;
+    };
+    let chunk = usize::from(mode & 0x0f) + 1;
+    let all_at_once = mode & 0x10 != 0;
+    let max_frame_bytes = if mode & 0x20 != 0 {
+        MAX_HANDSHAKE_FRAME_BYTES
+    } else {
+        64
+    };
+    /// A peer that sends at most `chunk` bytes a read.
+    struct Peer<'a> {
+        bytes: &'a [u8],
+        chunk: usize,
+    }
+    impl Read for Peer<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            let n = out.len().min(self.chunk).min(self.bytes.len());
+            out[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes = &self.bytes[n..];
+            Ok(n)
+        }
+    }
+    let chunk = if all_at_once { usize::MAX } else { chunk };
+    let mut reader = FrameReader::new(
+        Peer {
+            bytes: stream,
+            chunk,
+        },
+        max_frame_bytes,
+    );
+    match reader.raw(PREFACE_BYTES) {
+        Ok(Some(p)) => {
+            let ok = p[..8] == MAGIC && p[8..10] == VERSION.to_le_bytes();
+            assert_eq!(check_preface(&p).is_ok(), ok, "preface {p:?}");
+        }
+        Ok(None) => unreachable!("the peer never times out"),
+        Err(_) => return,
+    }
+    fn round_trip<T>(body: &[u8])
+    where
+        T: Serialize + for<'a> Deserialize<'a> + PartialEq + std::fmt::Debug,
+    {
+        if let Ok(msg) = decode::<T>(body) {
+            let frame = encode(&msg);
+            let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
+            assert_eq!(len, frame.len() - 4);
+            assert_eq!(decode::<T>(&frame[4..]).as_ref(), Ok(&msg));
+        }
+    }
+    loop {
+        let before = reader.buf.len();
+        match reader.frame() {
+            Ok(Some(body)) => {
+                assert!(body.len() <= max_frame_bytes);
+                round_trip::<ToServer>(&body);
+                round_trip::<ToClient>(&body);
+            }
+            Ok(None) => unreachable!("the peer never times out"),
+            Err(ReadError::TooLarge { len_bytes, .. }) => {
+                assert!(len_bytes > max_frame_bytes);
+                assert!(reader.buf.len() <= before.max(4 + max_frame_bytes));
+                return;
+            }
+            Err(ReadError::Eof { .. } | ReadError::Io(_)) => return,
+        }
+        assert!(reader.buf.len() <= 4096.max(4 + max_frame_bytes));
     }
 }
 
@@ -527,6 +736,70 @@ mod tests {
         let mut p = preface();
         p[8] = 9;
         assert!(check_preface(&p).unwrap_err().contains("version 9"));
+    }
+
+    #[test]
+    fn the_fuzz_entry_takes_frames_garbage_and_nothing() {
+        fuzz_frames(&[]);
+        fuzz_frames(&[3, 1, 2, 3]);
+        let mut data = vec![0x22];
+        data.extend(preface());
+        data.extend(encode(&ToServer::Hello {
+            token: b"t".to_vec(),
+            job: "j".into(),
+            rank: 1,
+            world_size: 2,
+            host: "h".into(),
+            pid: 7,
+        }));
+        data.extend(encode(&ToClient::Reject {
+            reason: "r".into(),
+            kind: Refusal::RankTaken {
+                rank: 1,
+                holder: Member {
+                    host: "a".into(),
+                    pid: 1,
+                    addr: "x".into(),
+                    at_unix_ms: 1 << 40,
+                },
+                claimant: Member {
+                    host: "b".into(),
+                    pid: 2,
+                    addr: "y".into(),
+                    at_unix_ms: 0,
+                },
+            },
+            job: "j".into(),
+        }));
+        data.extend(u32::MAX.to_le_bytes());
+        fuzz_frames(&data);
+        data[0] = 0x10;
+        fuzz_frames(&data);
+    }
+
+    proptest::proptest! {
+        /// The fuzz target's checks, on random inputs (with and without a valid
+        /// preface) where cargo-fuzz is not at hand.
+        #[test]
+        fn the_frame_decoder_keeps_its_promises_on_random_bytes(
+            mode: u8,
+            valid_preface: bool,
+            rest in proptest::collection::vec(proptest::num::u8::ANY, 0..600),
+        ) {
+            let mut data = vec![mode];
+            if valid_preface {
+                data.extend(preface());
+            }
+            data.extend(rest);
+            fuzz_frames(&data);
+        }
+    }
+
+    #[test]
+    fn times_print_as_utc() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00.000 UTC");
+        assert_eq!(utc(951_782_400_123), "2000-02-29 00:00:00.123 UTC");
+        assert_eq!(utc(1_796_115_723_456), "2026-12-01 09:02:03.456 UTC");
     }
 
     #[test]

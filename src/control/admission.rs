@@ -1,0 +1,228 @@
+//! Admission to the store: what refusing a connection costs and says. The kinds of
+//! refusal, their rate-limited log, the descriptor limit named as what it is, and the
+//! slots that cap the handshakes in flight.
+
+#[cfg(doc)]
+use super::StoreConfig;
+use super::wire::Refusal;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long refusals of one kind are summed up before their count is logged: the
+/// first refusal of a kind in an interval is logged in full, the others counted.
+pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Kinds of refused connections, for the rate-limited log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum RefusalKind {
+    /// Too many handshakes in flight.
+    Busy,
+    /// No (complete) handshake in time.
+    Slow,
+    /// Not the protocol: wrong magic, undecodable or oversized frames, a close or a
+    /// reset mid-handshake.
+    Garbage,
+    /// Another protocol version.
+    Version,
+    /// Wrong token.
+    Token,
+    /// Another job identity.
+    OtherJob,
+    /// A world size or rank that does not fit this job.
+    Misfit,
+    /// A rank already held (or held before).
+    RankTaken,
+    /// After every rank joined, from a host that runs none of them; or the group is
+    /// broken.
+    Closed,
+    /// Out of descriptors, threads or another resource of this process.
+    Resources,
+}
+
+impl RefusalKind {
+    pub(super) fn refusal(self) -> Refusal {
+        match self {
+            RefusalKind::Busy => Refusal::Busy,
+            RefusalKind::OtherJob => Refusal::OtherJob,
+            _ => Refusal::Other,
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            RefusalKind::Busy => "too many handshakes in flight",
+            RefusalKind::Slow => "no handshake in time",
+            RefusalKind::Garbage => "not the store's protocol",
+            RefusalKind::Version => "another protocol version",
+            RefusalKind::Token => "wrong token",
+            RefusalKind::OtherJob => "another job",
+            RefusalKind::Misfit => "a world size or rank that does not fit",
+            RefusalKind::RankTaken => "a rank already held",
+            RefusalKind::Closed => "the group is complete or broken",
+            RefusalKind::Resources => "out of descriptors or threads",
+        }
+    }
+}
+
+/// Refusals logged at most once per kind per [`REFUSAL_LOG_INTERVAL`], the rest
+/// counted and summed up in one line.
+pub(super) struct RefusalLog {
+    since: Instant,
+    /// Kinds logged in full in this interval, with how many more were refused since.
+    kinds: BTreeMap<RefusalKind, u64>,
+}
+
+impl RefusalLog {
+    pub(super) fn new(now: Instant) -> Self {
+        RefusalLog {
+            since: now,
+            kinds: BTreeMap::new(),
+        }
+    }
+
+    pub(super) fn note(&mut self, now: Instant, kind: RefusalKind, peer: SocketAddr, why: &str) {
+        for line in self.lines_for(now, kind, peer, why) {
+            tracing::warn!("{line}");
+        }
+    }
+
+    /// The lines a refusal logs: the interval's summary once it is over, then the
+    /// refusal itself if it is the first of its kind in the interval.
+    fn lines_for(
+        &mut self,
+        now: Instant,
+        kind: RefusalKind,
+        peer: SocketAddr,
+        why: &str,
+    ) -> Vec<String> {
+        let mut lines = self.summary_if_over(now).into_iter().collect::<Vec<_>>();
+        match self.kinds.get_mut(&kind) {
+            Some(more) => *more += 1,
+            None => {
+                self.kinds.insert(kind, 0);
+                lines.push(format!(
+                    "symmpool store: refused a connection from {peer}: {why}"
+                ));
+            }
+        }
+        lines
+    }
+
+    /// Sum up the interval once it is over.
+    pub(super) fn tick(&mut self, now: Instant) {
+        if let Some(line) = self.summary_if_over(now) {
+            tracing::warn!("{line}");
+        }
+    }
+
+    fn summary_if_over(&mut self, now: Instant) -> Option<String> {
+        if now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL {
+            self.summary(now)
+        } else {
+            None
+        }
+    }
+
+    /// Log what is left to sum up (on shutdown).
+    pub(super) fn flush(&mut self, now: Instant) {
+        if let Some(line) = self.summary(now) {
+            tracing::warn!("{line}");
+        }
+    }
+
+    /// The counts of refusals not logged in full, if any; starts a new interval.
+    fn summary(&mut self, now: Instant) -> Option<String> {
+        let counted: Vec<String> = self
+            .kinds
+            .iter()
+            .filter(|(_, more)| **more > 0)
+            .map(|(kind, more)| format!("{more} {}", kind.describe()))
+            .collect();
+        let total: u64 = self.kinds.values().sum();
+        let waited = now.saturating_duration_since(self.since);
+        self.kinds.clear();
+        self.since = now;
+        (!counted.is_empty()).then(|| {
+            format!(
+                "symmpool store: refused {total} more connections in the last {waited:?}: {}",
+                counted.join(", ")
+            )
+        })
+    }
+}
+
+/// Whether `e` says this process (or the system) is out of descriptors.
+pub(super) fn out_of_descriptors(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
+            || code == rustix::io::Errno::NFILE.raw_os_error()
+    )
+}
+
+/// `e` (from accepting, connecting or creating something) described as what it is
+/// when it is the descriptor limit.
+pub(super) fn describe_io(e: &std::io::Error) -> String {
+    if out_of_descriptors(e) {
+        format!(
+            "{e}: the open-file descriptor limit is reached (this process's `ulimit -n`, or the system's file-max): raise it, or find what holds descriptors (/proc/<pid>/fd)"
+        )
+    } else {
+        e.to_string()
+    }
+}
+
+/// Holds one of the [`StoreConfig::max_handshakes`] slots until dropped.
+pub(super) struct HandshakeSlot<'a>(pub(super) &'a AtomicUsize);
+
+impl Drop for HandshakeSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// An address as compared among the ranks' hosts (IPv4-mapped IPv6 as IPv4).
+pub(super) fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_logged_once_per_kind_per_interval_then_counted() {
+        let t0 = Instant::now();
+        let peer = SocketAddr::from(([10, 0, 0, 1], 5));
+        let mut log = RefusalLog::new(t0);
+        let mut lines = Vec::new();
+        for i in 0..100u32 {
+            let at = t0 + Duration::from_millis(u64::from(i));
+            lines.extend(log.lines_for(at, RefusalKind::Busy, peer, "busy"));
+            if i % 10 == 0 {
+                lines.extend(log.lines_for(at, RefusalKind::Garbage, peer, "garbage"));
+            }
+        }
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].contains("busy") && lines[1].contains("garbage"));
+        // The next refusal after the interval sums up the last one first.
+        let later = t0 + REFUSAL_LOG_INTERVAL;
+        let next = log.lines_for(later, RefusalKind::Busy, peer, "busy");
+        assert_eq!(next.len(), 2, "{next:?}");
+        assert!(
+            next[0].contains("refused 108 more connections")
+                && next[0].contains("99 too many handshakes in flight")
+                && next[0].contains("9 not the store's protocol"),
+            "{}",
+            next[0]
+        );
+        assert!(next[1].contains("busy"));
+        // Nothing more to sum up: one refusal of a kind is its own line.
+        assert_eq!(log.summary(later + REFUSAL_LOG_INTERVAL), None);
+    }
+}
