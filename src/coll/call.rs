@@ -2,7 +2,7 @@
 //! record, the launch.
 
 use super::path::{CollOp, Inputs, select};
-use super::{Choice, Coll, CollectiveReport, Path, PoolColl, path, path_index};
+use super::{Choice, Coll, CollectiveReport, Path, PathPolicy, PoolColl, path, path_index};
 use crate::backend::{CollArgs, Region};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, Element, ReduceOp};
@@ -35,9 +35,7 @@ fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool>
         return Err(failed(pool, e));
     }
     for b in bufs {
-        if b.stream().id() != stream.id()
-            && let Err(e) = b.record_stream(stream)
-        {
+        if let Err(e) = b.use_on(stream) {
             return Err(failed(pool, e));
         }
     }
@@ -289,14 +287,13 @@ impl Coll {
         if let Err(e) = checker.check() {
             return Err(failed(pool, e));
         }
-        // The policy is read in place (a clone per call cost as much as the rest of
-        // the call); only a forced path, which calibration uses, builds one of its own.
+        // The policy is read in place, without a lock (a snapshot of the handle's
+        // `Arc`; a clone per call cost as much as the rest of the call); only a forced
+        // path, which calibration uses, builds one of its own.
         let (comm, path) = {
-            let shared = self.inner.policy.read();
+            let shared = self.inner.policy.load();
             let forced = force.map(|p| {
-                shared
-                    .clone()
-                    .with_choices(Choice::Prefer(p), Choice::Prefer(p))
+                PathPolicy::clone(&shared).with_choices(Choice::Prefer(p), Choice::Prefer(p))
             });
             select(&Inputs {
                 coll,
