@@ -83,6 +83,7 @@ fn buffer_record(b: &SymmBuffer) -> BufferRecord {
 
 /// This rank's chunk of a buffer (`whole`, its region) split into world equal parts,
 /// and its element count.
+#[inline]
 fn own_chunk<'a, T: Element>(
     op: &'static str,
     pool: &SymmPool,
