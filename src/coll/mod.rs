@@ -19,14 +19,15 @@
 //! buffers of the same sizes from the same pool call sequence (hence the same offsets).
 //!
 //! # Cost of a call
-//! Under [`CheckMode::Off`] and [`CheckMode::Async`] a collective takes no lock of the
-//! pool or of the handle and allocates nothing on the calling thread: the pool's open
-//! state, the checks' verdict and the pool's call count and hash are atomics, the path
-//! policy is a snapshot read without a lock ([`Coll::set_path_policy`] replaces it
-//! whole), and a buffer used on the stream it was last used on records nothing (its
-//! first use on another stream takes the pool's lock once). `Async` adds the record's
-//! post into its preallocated queue (a short lock shared with the check thread only)
-//! and returns; the exchange runs on the check thread. `Strict` makes one
+//! Under [`CheckMode::Off`] a collective takes no lock and allocates nothing on the
+//! calling thread (after the thread's first call, which registers it once with the
+//! policy's reader slots): the pool's open state, the checks' verdict and the pool's
+//! call count and hash are atomics, the path policy is a snapshot read without a lock
+//! ([`Coll::set_path_policy`] replaces it whole), and a buffer used on the stream it
+//! was last used on records nothing (its first use on another stream takes the pool's
+//! lock once). [`CheckMode::Async`] adds the record's post into a queue allocated when
+//! the handle is made: one short lock, shared only with the check thread, and no
+//! allocation; the exchange runs on the check thread. [`CheckMode::Strict`] makes one
 //! control-plane round per call. Then the backend's call: on NCCL the enqueue and the
 //! completion event, on the caller's thread. BENCHMARKS.md counts the instructions.
 //!
