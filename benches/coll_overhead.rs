@@ -1,6 +1,12 @@
 //! Host-side cost of one collective call through the crate (checks, path choice,
 //! dispatch), measured against a backend whose collectives do nothing, beside a
 //! direct call of that backend: the difference is what the crate adds per call.
+//!
+//! Instruction counts (BENCHMARKS.md, "Lean call path"): with `SYMMPOOL_CALL_PAIRS=N`
+//! set, the binary skips criterion and makes N pairs of `all_gather_in_place` +
+//! `reduce_scatter` on the same set-up as `collective_call`, for `valgrind
+//! --tool=callgrind`; (Ir(11 000) − Ir(1 000)) / 10 000 is one pair, set-up and exit
+//! cancelling.
 
 #![allow(missing_docs)] // criterion_group! expands to an undocumented `pub fn`.
 use criterion::{Criterion, criterion_group};
@@ -8,7 +14,9 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use symmpool::backend::{CollArgs, Collectives};
-use symmpool::{CheckMode, Coll, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool};
+use symmpool::{
+    CheckMode, Coll, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmBuffer, SymmPool,
+};
 
 /// Collectives that do nothing: what remains is the crate's own cost per call.
 #[derive(Debug)]
@@ -25,8 +33,21 @@ impl Collectives for NullCollectives {
     }
 }
 
-fn bench(c: &mut Criterion) {
-    // Two host ranks (growth agrees between them); rank 0's collectives do nothing.
+/// Rank 0 of two host ranks (growth agrees between them) whose collectives do
+/// nothing, unchecked: its pool, handle, a 2 MiB and a 1 MiB buffer, and the rank's
+/// stream; rank 1's buffers, to keep them until the end.
+///
+/// The buffers come first: they are dropped before the handles and pools.
+struct NullRank {
+    buf: SymmBuffer,
+    out: SymmBuffer,
+    _peer: Vec<(SymmBuffer, SymmBuffer)>,
+    colls: Vec<Coll>,
+    pools: Vec<SymmPool>,
+    stream: Stream,
+}
+
+fn null_rank() -> NullRank {
     let mut world = HostBackend::world(HostConfig::new(2)).expect("world");
     let b1 = world.pop().expect("rank 1");
     let b0 = world
@@ -56,8 +77,38 @@ fn bench(c: &mut Criterion) {
             .collect::<Vec<_>>()
     });
     let (buf, out) = bufs.swap_remove(0);
-    let pool = &pools[0];
-    let coll = &colls[0];
+    NullRank {
+        buf,
+        out,
+        _peer: bufs,
+        colls,
+        pools,
+        stream,
+    }
+}
+
+/// `pairs` pairs of `all_gather_in_place` + `reduce_scatter` on [`null_rank`]: the
+/// loop whose instructions BENCHMARKS.md counts.
+fn call_pairs(pairs: u64) {
+    let r = null_rank();
+    for _ in 0..pairs {
+        r.colls[0]
+            .all_gather_in_place::<u8>(black_box(&r.buf), &r.stream)
+            .expect("call");
+        r.colls[0]
+            .reduce_scatter::<symmpool::bf16>(
+                black_box(&r.buf),
+                &r.out,
+                symmpool::ReduceOp::Sum,
+                &r.stream,
+            )
+            .expect("call");
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let r = null_rank();
+    let (pool, coll, buf, out, stream) = (&r.pools[0], &r.colls[0], &r.buf, &r.out, &r.stream);
     let mut g = c.benchmark_group("collective_call");
     g.bench_function("backend_direct", |b| {
         // A segment of its own (pool memory is reachable only through the pool).
@@ -74,30 +125,29 @@ fn bench(c: &mut Criterion) {
             1 << 20,
             symmpool::DType::U8,
             symmpool::ReduceOp::Sum,
-            &stream,
+            stream,
             (None, None),
         );
         b.iter(|| pool.backend().collectives().all_gather(black_box(&args)))
     });
     g.bench_function("all_gather_in_place", |b| {
         b.iter(|| {
-            coll.all_gather_in_place::<u8>(black_box(&buf), &stream)
+            coll.all_gather_in_place::<u8>(black_box(buf), stream)
                 .expect("call")
         })
     });
     g.bench_function("reduce_scatter", |b| {
         b.iter(|| {
             coll.reduce_scatter::<symmpool::bf16>(
-                black_box(&buf),
-                &out,
+                black_box(buf),
+                out,
                 symmpool::ReduceOp::Sum,
-                &stream,
+                stream,
             )
             .expect("call")
         })
     });
     g.finish();
-    drop((buf, out, bufs));
 }
 
 /// The calling thread's cost per all-gather under each check mode: two ranks whose
@@ -171,6 +221,11 @@ mod quiet;
 
 // `criterion_main!`, quiet under `cargo test` (see `common/quiet.rs`).
 fn main() {
+    if let Some(pairs) = std::env::var_os("SYMMPOOL_CALL_PAIRS") {
+        let pairs = pairs.to_str().and_then(|n| n.parse().ok());
+        call_pairs(pairs.expect("SYMMPOOL_CALL_PAIRS: a number of call pairs"));
+        return;
+    }
     quiet::in_test_mode();
     benches();
     Criterion::default().configure_from_args().final_summary();

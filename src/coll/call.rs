@@ -35,9 +35,7 @@ pub(super) fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'
         return Err(failed(pool, e));
     }
     for b in bufs {
-        if b.stream().id() != stream.id()
-            && let Err(e) = b.record_stream(stream)
-        {
+        if let Err(e) = b.use_on(stream) {
             return Err(failed(pool, e));
         }
     }
@@ -85,6 +83,7 @@ fn buffer_record(b: &SymmBuffer) -> BufferRecord {
 
 /// This rank's chunk of a buffer (`whole`, its region) split into world equal parts,
 /// and its element count.
+#[inline]
 fn own_chunk<'a, T: Element>(
     op: &'static str,
     pool: &SymmPool,
@@ -289,10 +288,11 @@ impl Coll {
         if let Err(e) = checker.check() {
             return Err(failed(pool, e));
         }
-        // The policy is read in place (a clone per call cost as much as the rest of
-        // the call); only a forced path, which calibration uses, builds one of its own.
+        // The policy is read in place, without a lock (a snapshot of the handle's
+        // `Arc`; a clone per call cost as much as the rest of the call); only a forced
+        // path, which calibration uses, builds one of its own.
         let (comm, path) = {
-            let shared = self.inner.policy.read();
+            let shared = self.inner.policy.load();
             let forced = force.map(|p| shared.forcing(p));
             select(&Inputs {
                 coll,

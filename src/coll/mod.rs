@@ -19,6 +19,19 @@
 //! Every function here is collective: every rank calls it in the same order, with
 //! buffers of the same sizes from the same pool call sequence (hence the same offsets).
 //!
+//! # Cost of a call
+//! Under [`CheckMode::Off`] a collective takes no lock and allocates nothing on the
+//! calling thread (after the thread's first call, which registers it once with the
+//! policy's reader slots): the pool's open state, the checks' verdict and the pool's
+//! call count and hash are atomics, the path policy is a snapshot read without a lock
+//! ([`Coll::set_path_policy`] replaces it whole), and a buffer used on the stream it
+//! was last used on records nothing (its first use on another stream takes the pool's
+//! lock once). [`CheckMode::Async`] adds the record's post into a queue allocated when
+//! the handle is made: one short lock, shared only with the check thread, and no
+//! allocation; the exchange runs on the check thread. [`CheckMode::Strict`] makes one
+//! control-plane round per call. Then the backend's call: on NCCL the enqueue and the
+//! completion event, on the caller's thread. BENCHMARKS.md counts the instructions.
+//!
 //! # Checked collectives
 //! NCCL's symmetric kernels and copy engines read and write peers at the caller's
 //! window offset and check nothing: if the ranks disagree about a buffer (a free and an
@@ -118,7 +131,7 @@ use crate::error::{Error, Result};
 use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord};
 use crate::observe::{MemoryStats, StatValue};
 use crate::pool::SymmPool;
-use parking_lot::RwLock;
+use arc_swap::ArcSwap;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -158,7 +171,9 @@ pub struct Coll {
 struct CollInner {
     /// The pools, each with its checker and counters (usually one).
     pools: Vec<PoolColl>,
-    policy: RwLock<PathPolicy>,
+    /// The path policy: read on every collective without a lock (a snapshot of the
+    /// current `Arc`), replaced whole by [`Coll::set_path_policy`].
+    policy: ArcSwap<PathPolicy>,
     /// Per communicator: collectives issued on it through this handle, over every
     /// pool of the handle (the records' communicator sequence number).
     comm_seqs: Box<[AtomicU64]>,
@@ -204,7 +219,9 @@ impl Coll {
     /// # Errors
     /// [`Error::PoolClosed`]; [`Error::ChannelMismatch`] on every rank if the ranks'
     /// pools or check modes differ; [`Error::Timeout`] / [`Error::PeerLost`] if a rank
-    /// does not make its handle within the pool's timeout.
+    /// does not make its handle within the pool's timeout; [`Error::Internal`] if the
+    /// [`CheckMode::Async`] check thread (started here, not by a collective) cannot be
+    /// started.
     pub fn new(pool: &SymmPool) -> Result<Coll> {
         Self::with_pools(std::slice::from_ref(pool))
     }
@@ -257,7 +274,7 @@ impl Coll {
                 };
                 Ok(PoolColl {
                     pool: pool.clone(),
-                    checker: Checker::new(config.check, site, config.check_queue),
+                    checker: Checker::new(config.check, site, config.check_queue)?,
                     collectives: AtomicU64::new(0),
                     counters: PathCounters::default(),
                 })
@@ -267,7 +284,7 @@ impl Coll {
         Ok(Coll {
             inner: Arc::new(CollInner {
                 pools: entries,
-                policy: RwLock::new(PathPolicy::default()),
+                policy: ArcSwap::from_pointee(PathPolicy::default()),
                 comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
             }),
         })
@@ -365,17 +382,19 @@ impl Coll {
     /// The path thresholds the collectives use now ([`PathPolicy::default`] until
     /// [`set_path_policy`](Self::set_path_policy) replaces them).
     pub fn path_policy(&self) -> PathPolicy {
-        self.inner.policy.read().clone()
+        PathPolicy::clone(&self.inner.policy.load())
     }
 
     /// Replace the path thresholds (for example with the result of
-    /// [`calibrate`](Self::calibrate)).
+    /// [`calibrate`](Self::calibrate)). Collectives running on other threads finish
+    /// with the policy they started with; the next ones read the new one (the policy
+    /// is read without a lock).
     ///
     /// # Collective
     /// Every rank must use the same policy (a different choice of communicator on two
     /// ranks hangs the collective); `calibrate` returns the same policy on every rank.
     pub fn set_path_policy(&self, policy: PathPolicy) {
-        *self.inner.policy.write() = policy;
+        self.inner.policy.store(Arc::new(policy));
     }
 
     /// The pool's flat statistics ([`SymmPool::memory_stats`]) with this handle's

@@ -194,48 +194,9 @@ pub(crate) struct Inputs<'a> {
 /// 2.29: those need every rank in one NVLink domain, which ranks on several hosts are
 /// not known to share.
 pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
-    let find = |role: CommRole| i.comms.iter().position(|c| c.role == role);
-    // The candidates are looked at lazily, in the order of preference: most calls
-    // settle on the first (a cost on every collective call).
-    let ce = || {
-        let c = find(CommRole::CopyEngine)?;
-        if i.coll != CollOp::AllGather
-            || i.world_size <= 1
-            || i.version < NcclVersion::COPY_ENGINE
-            || i.comms[c].cta_policy & 2 == 0
-            || (i.nodes > 1 && one_nvlink_domain_needed(i.version).0)
-        {
-            return None;
-        }
-        let (send, recv) = (i.registered)(c);
-        (recv && (send || i.version >= NcclVersion::CE_RECV_ONLY)).then_some(c)
-    };
-    let symm = || {
-        let op_ok = match i.coll {
-            CollOp::AllGather => true,
-            CollOp::ReduceScatter(ReduceOp::Sum) | CollOp::AllReduce(ReduceOp::Sum) => {
-                i.dtype.symmetric_reduce()
-            }
-            CollOp::ReduceScatter(ReduceOp::Avg) | CollOp::AllReduce(ReduceOp::Avg) => {
-                i.dtype.symmetric_reduce() && i.version >= NcclVersion::SYMMETRIC_AVG
-            }
-            CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => false,
-        };
-        if !op_ok
-            || i.version < NcclVersion::WINDOWS
-            || (i.nodes > 1 && one_nvlink_domain_needed(i.version).1)
-        {
-            return None;
-        }
-        let c = find(CommRole::Symmetric)?;
-        let (send, recv) = (i.registered)(c);
-        (send && recv).then_some(c)
-    };
-    let fallback = || match find(CommRole::Plain) {
-        Some(c) => (c, Path::PlainKernel),
-        // No unregistered communicator: NCCL runs its ordinary kernels on the first one.
-        None => (0, Path::PlainKernel),
-    };
+    // The candidates are tried in the order of preference, each only if the one
+    // before is not available: most calls settle on the first (a cost on every
+    // collective call, hence plain functions rather than closures).
     let (choice, auto) = match i.coll {
         CollOp::AllGather => (
             i.policy.all_gather,
@@ -266,19 +227,78 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             )
         }
     };
-    let attempt = |p: Path| match p {
-        Path::CopyEngine => ce().map(|c| (c, p)),
-        Path::SymmetricKernel => symm().map(|c| (c, p)),
-        Path::PlainKernel => Some(fallback()),
-    };
     if let Choice::Prefer(p) = choice
-        && let Some(hit) = attempt(p)
+        && let Some(c) = attempt(i, p)
     {
-        return hit;
+        return (c, p);
     }
-    attempt(auto[0])
-        .or_else(|| attempt(auto[1]))
-        .unwrap_or_else(fallback)
+    for p in auto {
+        if let Some(c) = attempt(i, p) {
+            return (c, p);
+        }
+    }
+    (plain(i), Path::PlainKernel)
+}
+
+/// The communicator of `path` for the call, if the path is available for it.
+#[inline]
+fn attempt(i: &Inputs<'_>, path: Path) -> Option<usize> {
+    match path {
+        Path::CopyEngine => copy_engine(i),
+        Path::SymmetricKernel => symmetric(i),
+        Path::PlainKernel => Some(plain(i)),
+    }
+}
+
+/// The first communicator of `role`.
+#[inline]
+fn find(i: &Inputs<'_>, role: CommRole) -> Option<usize> {
+    i.comms.iter().position(|c| c.role == role)
+}
+
+/// The copy-engine communicator, if the copy engine can run the call.
+fn copy_engine(i: &Inputs<'_>) -> Option<usize> {
+    let c = find(i, CommRole::CopyEngine)?;
+    if i.coll != CollOp::AllGather
+        || i.world_size <= 1
+        || i.version < NcclVersion::COPY_ENGINE
+        || i.comms[c].cta_policy & 2 == 0
+        || (i.nodes > 1 && one_nvlink_domain_needed(i.version).0)
+    {
+        return None;
+    }
+    let (send, recv) = (i.registered)(c);
+    (recv && (send || i.version >= NcclVersion::CE_RECV_ONLY)).then_some(c)
+}
+
+/// The symmetric communicator, if NCCL's symmetric kernels can run the call.
+#[inline]
+fn symmetric(i: &Inputs<'_>) -> Option<usize> {
+    let op_ok = match i.coll {
+        CollOp::AllGather => true,
+        CollOp::ReduceScatter(ReduceOp::Sum) | CollOp::AllReduce(ReduceOp::Sum) => {
+            i.dtype.symmetric_reduce()
+        }
+        CollOp::ReduceScatter(ReduceOp::Avg) | CollOp::AllReduce(ReduceOp::Avg) => {
+            i.dtype.symmetric_reduce() && i.version >= NcclVersion::SYMMETRIC_AVG
+        }
+        CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => false,
+    };
+    if !op_ok
+        || i.version < NcclVersion::WINDOWS
+        || (i.nodes > 1 && one_nvlink_domain_needed(i.version).1)
+    {
+        return None;
+    }
+    let c = find(i, CommRole::Symmetric)?;
+    let (send, recv) = (i.registered)(c);
+    (send && recv).then_some(c)
+}
+
+/// The unregistered communicator; without one, NCCL runs its ordinary kernels on the
+/// first.
+fn plain(i: &Inputs<'_>) -> usize {
+    find(i, CommRole::Plain).unwrap_or(0)
 }
 
 /// Whether (the copy engine, the symmetric kernels) need every rank in one NVLink

@@ -48,6 +48,9 @@ impl CheckMode {
 
 /// Most records one async round carries per rank.
 const MAX_BATCH: usize = 256;
+/// Most records an async queue allocates room for when it is made (a record is about
+/// 150 bytes): a queue up to this capacity never allocates when a record is posted.
+pub(crate) const PREALLOCATED_RECORDS: usize = 4096;
 /// More than the bytes of one encoded record (20 varints of at most 10 bytes, tags).
 const MAX_RECORD_BYTES: usize = 256;
 
@@ -369,10 +372,21 @@ impl Drop for Checker {
 }
 
 impl Checker {
-    /// The checks of one pool under `mode`, compared at `site`. The checker thread
-    /// starts with the first posted record.
-    pub(crate) fn new(mode: CheckMode, site: CheckSite, queue_capacity: usize) -> Self {
-        Checker {
+    /// The checks of one pool under `mode`, compared at `site`. Under `Async` the
+    /// checker thread starts here and the queue is allocated whole (up to
+    /// [`PREALLOCATED_RECORDS`] records), so that posting a record neither starts a
+    /// thread nor allocates.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the checker thread cannot be started.
+    pub(crate) fn new(mode: CheckMode, site: CheckSite, queue_capacity: usize) -> Result<Self> {
+        let capacity = queue_capacity.max(1);
+        let pending = if mode == CheckMode::Async {
+            VecDeque::with_capacity(capacity.min(PREALLOCATED_RECORDS))
+        } else {
+            VecDeque::new()
+        };
+        let checker = Checker {
             mode,
             verdict: Arc::new(Verdict {
                 broken: AtomicBool::new(false),
@@ -382,12 +396,20 @@ impl Checker {
             site: Arc::new(site),
             strict: Mutex::new(0),
             queue: Arc::new(Queue {
-                capacity: queue_capacity.max(1),
-                state: Mutex::new(QueueState::default()),
+                capacity,
+                state: Mutex::new(QueueState {
+                    pending,
+                    ..QueueState::default()
+                }),
                 posted: Condvar::new(),
                 progress: Condvar::new(),
             }),
+        };
+        if mode == CheckMode::Async {
+            checker.start()?;
+            checker.queue.state.lock().started = true;
         }
+        Ok(checker)
     }
 
     pub(crate) fn mode(&self) -> CheckMode {
@@ -494,10 +516,6 @@ impl Checker {
         let q = &self.queue;
         let mut st = q.state.lock();
         self.verdict.check()?;
-        if !st.started {
-            self.start()?;
-            st.started = true;
-        }
         if st.pending.len() >= q.capacity {
             // The checker thread waits for the peers' records for at most the
             // timeout, then breaks the pool: wait a little longer than that.

@@ -6,9 +6,11 @@ use crate::core::{BlockId, Placement, SegmentId};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
+use parking_lot::Mutex;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A block of symmetric memory from a [`SymmPool`].
 ///
@@ -31,6 +33,9 @@ pub struct SymmBuffer {
     block_bytes: u64,
     stream: Stream,
     others: Mutex<Vec<Stream>>,
+    /// The id of the stream a collective last used the buffer on (at first its own
+    /// stream): a collective on it again has nothing to record and takes no lock.
+    last_stream: AtomicU64,
 }
 
 impl fmt::Debug for SymmBuffer {
@@ -60,6 +65,7 @@ impl SymmBuffer {
             offset_bytes: p.offset_bytes,
             len_bytes,
             block_bytes: p.size_bytes,
+            last_stream: AtomicU64::new(stream.id().0),
             stream,
             others: Mutex::new(Vec::new()),
         }
@@ -138,23 +144,46 @@ impl SymmBuffer {
         st.check_usable()?;
         st.core.record_stream(self.block, stream.id())?;
         drop(st);
-        let mut others = self.others.lock().unwrap_or_else(|p| p.into_inner());
+        let mut others = self.others.lock();
         if stream.id() != self.stream.id() && !others.iter().any(|s| s.id() == stream.id()) {
             others.push(stream.clone());
         }
         Ok(())
     }
 
+    /// Note that a collective uses the buffer on `stream`, as
+    /// [`record_stream`](Self::record_stream) does, without a lock when the stream is
+    /// the one the buffer was last used on (its own stream, at first): only the first
+    /// call on a stream the buffer was never used on takes the pool's lock.
+    ///
+    /// # Errors
+    /// As [`record_stream`](Self::record_stream).
+    #[inline]
+    pub(crate) fn use_on(&self, stream: &Stream) -> Result<()> {
+        if stream.id().0 == self.last_stream.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.use_on_another(stream)
+    }
+
+    /// A collective on a stream other than the last one: record it, unless it was
+    /// recorded before (then only the buffer's own lock is taken).
+    #[cold]
+    #[inline(never)]
+    fn use_on_another(&self, stream: &Stream) -> Result<()> {
+        let id = stream.id();
+        let known = id == self.stream.id() || self.others.lock().iter().any(|s| s.id() == id);
+        if !known {
+            self.record_stream(stream)?;
+        }
+        self.last_stream.store(stream.id().0, Ordering::Release);
+        Ok(())
+    }
+
     /// The allocating stream and the recorded ones.
     pub(crate) fn streams(&self) -> Vec<Stream> {
         let mut v = vec![self.stream.clone()];
-        v.extend(
-            self.others
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .cloned(),
-        );
+        v.extend(self.others.lock().iter().cloned());
         v
     }
 
