@@ -36,7 +36,7 @@ pub struct HostConfig {
     /// window (no [`Window`]).
     pub symmetric: bool,
     /// How long each round of a registration or collective waits for the other ranks
-    /// ([`Duration::MAX`]: forever).
+    /// ([`Duration::MAX`]: forever); a registration also stops at its caller's deadline.
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -376,7 +376,12 @@ impl SegmentProvider for HostBackend {
         Ok(HostSegment::segment(memory, reservation))
     }
 
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> Result<Option<Window>> {
         memory_of::<HostMemory>(segment)?;
         let size = segment.size_bytes();
         let _serial = self.comm(comm)?.serial[self.rank].lock();
@@ -386,7 +391,7 @@ impl SegmentProvider for HostBackend {
             self.rank,
             ordinal,
             size,
-            Deadline::after(self.config.timeout),
+            deadline.cap(self.config.timeout),
         )?;
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
@@ -451,7 +456,7 @@ impl StreamOps for HostStreams {
         Ok(false)
     }
 
-    fn drain(&self, _deadline: Instant) -> Result<bool> {
+    fn drain(&self, _deadline: Deadline) -> Result<bool> {
         Ok(true)
     }
 }

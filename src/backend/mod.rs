@@ -44,6 +44,7 @@ pub use shm::{ShmBackend, ShmConfig};
 
 use crate::control::{ChannelId, Exchange};
 use crate::core::{Fence, StreamId};
+use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
@@ -51,7 +52,6 @@ use serde::Serialize;
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Which implementation a backend is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -356,10 +356,15 @@ pub trait SegmentProvider: Send + Sync + fmt::Debug {
     /// - no stream of this device is capturing a CUDA graph.
     ///
     /// # Errors
-    /// [`Error::Timeout`] if peers do not register in time; [`Error::Nccl`];
-    /// [`Error::RegistrationMismatch`] where the provider can see that ranks passed
-    /// different sizes.
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>>;
+    /// [`Error::Timeout`] (or [`Error::NcclTimeout`]) if peers have not registered by
+    /// `deadline`, the caller's; [`Error::Nccl`]; [`Error::RegistrationMismatch`]
+    /// where the provider can see that ranks passed different sizes.
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> Result<Option<Window>>;
 
     /// Deregister a window (local in NCCL).
     ///
@@ -418,7 +423,7 @@ pub trait StreamOps: Send + Sync + fmt::Debug {
     ///
     /// # Errors
     /// [`Error::Cuda`] (a failed device: its work will never drain).
-    fn drain(&self, deadline: Instant) -> Result<bool>;
+    fn drain(&self, deadline: Deadline) -> Result<bool>;
 }
 
 /// Copies between the host and segments, and timing of device work.

@@ -48,7 +48,8 @@ pub struct ShmConfig {
     /// without symmetric support, registration succeeds with no window).
     pub symmetric: bool,
     /// How long each round of a registration or collective waits for the other ranks
-    /// (default 60 s; [`Duration::MAX`]: forever).
+    /// (default 60 s; [`Duration::MAX`]: forever); a registration also stops at its
+    /// caller's deadline.
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -240,8 +241,18 @@ impl ShmBackend {
     /// # Errors
     /// The exchange's; [`Error::Protocol`] naming a rank whose record does not decode.
     fn round(&self, c: usize, op: &'static str, mine: &Step) -> Result<Vec<Step>> {
+        self.round_until(c, op, mine, Deadline::after(self.config.timeout))
+    }
+
+    /// [`round`](Self::round), waiting until `deadline`.
+    fn round_until(
+        &self,
+        c: usize,
+        op: &'static str,
+        mine: &Step,
+        deadline: Deadline,
+    ) -> Result<Vec<Step>> {
         let (ch, _) = self.comm(c)?;
-        let deadline = Deadline::after(self.config.timeout);
         gather_records(&*self.exchange, *ch, op, mine, deadline)
     }
 
@@ -352,7 +363,12 @@ impl SegmentProvider for ShmBackend {
         Ok(HostSegment::segment(ShmMemory { file, map }, reservation))
     }
 
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> Result<Option<Window>> {
         const OP: &str = "window registration";
         let mem = memory_of::<ShmMemory>(segment)?;
         let size_bytes = segment.size_bytes();
@@ -363,7 +379,7 @@ impl SegmentProvider for ShmBackend {
             fd: mem.file.as_raw_fd(),
             size_bytes,
         };
-        let all = self.round(comm, OP, &mine)?;
+        let all = self.round_until(comm, OP, &mine, deadline.cap(self.config.timeout))?;
         let ordinal = {
             let mut o = self.ordinals.lock();
             o[comm] += 1;

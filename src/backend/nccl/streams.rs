@@ -253,7 +253,7 @@ impl StreamOps for NcclBackend {
         ffi::is_capturing(cs)
     }
 
-    fn drain(&self, deadline: Instant) -> Result<bool> {
+    fn drain(&self, deadline: Deadline) -> Result<bool> {
         self.bind()?;
         // One event after everything enqueued so far on every stream that fenced.
         let streams: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
@@ -261,7 +261,6 @@ impl StreamOps for NcclBackend {
             .iter()
             .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))
             .collect::<Result<Vec<CudaEvent>>>()?;
-        let deadline = Deadline::after(deadline.saturating_duration_since(Instant::now()));
         Ok(all_complete(&events, deadline))
     }
 }
