@@ -287,7 +287,19 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
-    /// A configuration value is invalid.
+    /// A setting (a configuration field or a constructor's argument) has a value it
+    /// cannot have.
+    #[error("invalid configuration: {setting}: {value} (expected {expected})")]
+    Config {
+        /// The setting, by its name in the API (`rank`, `NcclConfig::device`, …).
+        setting: &'static str,
+        /// The value given, with what it was checked against.
+        value: String,
+        /// What the setting may be.
+        expected: &'static str,
+    },
+    /// Settings that are inconsistent with each other, in words (the store's
+    /// configuration).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
     /// An error of the allocator core that has no more specific variant above.
@@ -490,7 +502,6 @@ impl From<AllocError> for Error {
             AllocError::StaleBlock(b) => Error::DoubleFree {
                 allocation_seq: b.seq,
             },
-            AllocError::InvalidConfig(what) => Error::InvalidConfig(what.to_string()),
             // An expected outcome of the core that the pool handles itself: reaching
             // the caller is a bug.
             AllocError::NeedsGrowth(g) => Error::Internal {

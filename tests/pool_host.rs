@@ -647,7 +647,7 @@ fn absurd_settings_are_refused_or_handled() {
     cfg.history_len = usize::MAX;
     assert!(matches!(
         SymmPool::host_group(1, cfg),
-        Err(Error::InvalidConfig(_))
+        Err(Error::Config { .. })
     ));
     // A timeout of Duration::MAX means "wait as long as it takes", without overflow.
     let pools = SymmPool::host_group(1, config().with_timeout(Duration::MAX)).unwrap();

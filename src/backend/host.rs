@@ -214,13 +214,15 @@ impl HostBackend {
     /// copy-engine, plain; see [`CommRole`](super::CommRole)) so path selection behaves the same.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for zero ranks or a granularity that is not a power of
+    /// [`Error::Config`] for zero ranks or a granularity that is not a power of
     /// two.
     pub fn world(config: HostConfig) -> Result<Vec<Backend>> {
         if config.world_size == 0 {
-            return Err(Error::InvalidConfig(
-                "a world needs at least one rank".into(),
-            ));
+            return Err(Error::Config {
+                setting: "HostConfig::world_size",
+                value: "0".into(),
+                expected: "at least one rank",
+            });
         }
         let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;

@@ -139,7 +139,7 @@ impl BackendInfo {
     /// The identity of one rank of a backend.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for `rank >= world_size`, no communicators, more than
+    /// [`Error::Config`] for `rank >= world_size`, no communicators, more than
     /// 64, or a granularity that is not a power of two.
     pub fn new(
         kind: BackendKind,
@@ -150,20 +150,25 @@ impl BackendInfo {
         communicators: Vec<CommInfo>,
     ) -> Result<Self> {
         if rank >= world_size {
-            return Err(Error::InvalidConfig(format!(
-                "rank {rank} is not below the world size {world_size}"
-            )));
+            return Err(Error::Config {
+                setting: "rank",
+                value: format!("{rank} in a world of {world_size}"),
+                expected: "a rank below the world size",
+            });
         }
         if communicators.is_empty() || communicators.len() > 64 {
-            return Err(Error::InvalidConfig(format!(
-                "a backend has 1 to 64 communicators, not {}",
-                communicators.len()
-            )));
+            return Err(Error::Config {
+                setting: "communicators",
+                value: format!("{} communicators", communicators.len()),
+                expected: "1 to 64 communicators",
+            });
         }
         if !crate::core::is_pow2(granularity_bytes) {
-            return Err(Error::InvalidConfig(format!(
-                "granularity_bytes {granularity_bytes} is not a power of two"
-            )));
+            return Err(Error::Config {
+                setting: "granularity_bytes",
+                value: granularity_bytes.to_string(),
+                expected: "a power of two",
+            });
         }
         Ok(BackendInfo {
             kind,
@@ -654,7 +659,7 @@ impl Backend {
     /// never pair one's window with the other's.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if `exchange` disagrees with `info` on rank or world size;
+    /// [`Error::Config`] if `exchange` disagrees with `info` on rank or world size;
     /// the errors of [`Exchange::open_channel`].
     pub fn new<T>(info: BackendInfo, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Self>
     where
@@ -675,13 +680,17 @@ impl Backend {
         T: SegmentProvider + DataMover + Collectives + 'static,
     {
         if exchange.rank() != info.rank || exchange.world_size() != info.world_size {
-            return Err(Error::InvalidConfig(format!(
-                "the exchange is rank {} of {}, the backend rank {} of {}",
-                exchange.rank(),
-                exchange.world_size(),
-                info.rank,
-                info.world_size
-            )));
+            return Err(Error::Config {
+                setting: "exchange",
+                value: format!(
+                    "rank {} of {}, the backend rank {} of {}",
+                    exchange.rank(),
+                    exchange.world_size(),
+                    info.rank,
+                    info.world_size
+                ),
+                expected: "the backend's rank and world size",
+            });
         }
         let registrations = exchange.open_channel("backend:registrations", SETUP_TIMEOUT)?;
         Ok(Backend {
@@ -734,16 +743,18 @@ impl Backend {
     /// The same backend with its exchange replaced by `f(exchange)`.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the new exchange disagrees on rank or world size.
+    /// [`Error::Config`] if the new exchange disagrees on rank or world size.
     pub fn with_exchange(
         mut self,
         f: impl FnOnce(Arc<dyn Exchange>) -> Arc<dyn Exchange>,
     ) -> Result<Self> {
         let exchange = f(self.exchange.clone());
         if exchange.rank() != self.info.rank || exchange.world_size() != self.info.world_size {
-            return Err(Error::InvalidConfig(
-                "the new exchange disagrees with the backend on rank or world size".into(),
-            ));
+            return Err(Error::Config {
+                setting: "exchange",
+                value: format!("rank {} of {}", exchange.rank(), exchange.world_size()),
+                expected: "the backend's rank and world size",
+            });
         }
         self.exchange = exchange;
         Ok(self)

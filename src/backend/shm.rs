@@ -196,7 +196,7 @@ impl ShmBackend {
     /// channels).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for a granularity that is not a power of two; the
+    /// [`Error::Config`] for a granularity that is not a power of two; the
     /// errors of [`Exchange::open_channel`].
     pub fn join(exchange: Arc<dyn Exchange>, config: ShmConfig) -> Result<Backend> {
         let (rank, world) = (exchange.rank(), exchange.world_size());

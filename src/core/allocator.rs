@@ -128,7 +128,7 @@ impl Allocator {
     /// An empty allocator (no segments).
     ///
     /// # Errors
-    /// [`AllocError::InvalidConfig`] if `config` fails [`CoreConfig::validate`].
+    /// [`AllocError::Config`] if `config` fails [`CoreConfig::validate`].
     pub fn new(config: CoreConfig) -> Result<Self, AllocError> {
         config.validate()?;
         Ok(Allocator {

@@ -367,7 +367,7 @@ fn invalid_configs_are_refused() {
     bad.push(c);
     for cfg in bad {
         assert!(
-            matches!(Allocator::new(cfg), Err(AllocError::InvalidConfig(_))),
+            matches!(Allocator::new(cfg), Err(AllocError::Config(_))),
             "{cfg:?}"
         );
     }
@@ -609,10 +609,7 @@ fn reuse_ratio_one_is_refused() {
         dedicated_reuse_ratio: 1,
         ..CoreConfig::default()
     };
-    assert!(matches!(
-        Allocator::new(cfg),
-        Err(AllocError::InvalidConfig(_))
-    ));
+    assert!(matches!(Allocator::new(cfg), Err(AllocError::Config(_))));
     for ratio in [0, 2, 4] {
         cfg.dedicated_reuse_ratio = ratio;
         let mut c = Allocator::new(cfg).unwrap();
@@ -662,10 +659,7 @@ fn sizes_beyond_16_tib_are_refused() {
         Err(AllocError::BadSegmentSize { .. })
     ));
     let cfg = CoreConfig::default().with_max_request_bytes(MAX_SEGMENT_BYTES + 1);
-    assert!(matches!(
-        Allocator::new(cfg),
-        Err(AllocError::InvalidConfig(_))
-    ));
+    assert!(matches!(Allocator::new(cfg), Err(AllocError::Config(_))));
     c.check_invariants().unwrap();
 }
 
@@ -735,7 +729,7 @@ fn registered_policy_table() {
 
 #[test]
 fn registered_policy_validation() {
-    let bad = |c: CoreConfig| assert!(matches!(c.validate(), Err(AllocError::InvalidConfig(_))));
+    let bad = |c: CoreConfig| assert!(matches!(c.validate(), Err(AllocError::Config(_))));
     let c = CoreConfig::registered();
     bad(c.with_chunk_bytes(0, 64 * MIB));
     bad(c.with_chunk_bytes(MIB, 64 * MIB));

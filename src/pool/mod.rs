@@ -134,8 +134,8 @@ impl SymmPool {
     /// process, create them concurrently ([`SymmPool::group`]).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the core configuration (with the backend's
-    /// granularity) is invalid, or `history_len` exceeds [`MAX_HISTORY`];
+    /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`]; [`Error::Core`] if
+    /// the core configuration (with the backend's granularity) is invalid;
     /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
     /// orders or with different names; [`Error::Timeout`] / [`Error::PeerLost`] if a
     /// rank does not create its pool within the timeout.
@@ -149,10 +149,11 @@ impl SymmPool {
 
     fn create(backend: Backend, mut config: PoolConfig) -> Result<Self> {
         if config.history_len > MAX_HISTORY {
-            return Err(Error::InvalidConfig(format!(
-                "history_len {} exceeds {MAX_HISTORY}",
-                config.history_len
-            )));
+            return Err(Error::Config {
+                setting: "PoolConfig::history_len",
+                value: config.history_len.to_string(),
+                expected: "at most MAX_HISTORY (65 536) calls",
+            });
         }
         let granularity = backend.granularity_bytes();
         config.core = config.core.with_granularity_bytes(granularity);
