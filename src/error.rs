@@ -605,3 +605,29 @@ fn describe_registrations(order: &[(usize, String, u64)]) -> String {
         .collect::<Vec<_>>()
         .join("; ")
 }
+
+/// Run `f` on every item in a thread of its own (one per rank of this process, since
+/// each call blocks in a collective round) and return the results in order; a thread
+/// that panicked is [`Error::Internal`] naming `what`.
+///
+/// # Errors
+/// The first item's error, in order.
+pub(crate) fn in_threads<T: Send, R: Send>(
+    items: impl IntoIterator<Item = T>,
+    what: &str,
+    f: impl Fn(T) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
+        (handles.into_iter())
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Internal {
+                        what: format!("{what} panicked"),
+                    })
+                })
+            })
+            .collect()
+    })
+}

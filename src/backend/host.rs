@@ -9,14 +9,14 @@
 //! so streams are tags and fences are counters.
 
 use super::{
-    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
-    Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
+    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Region, Segment,
+    SegmentMemory, SegmentProvider, StreamOps, Window,
 };
 use crate::control::{LocalExchange, Rendezvous};
 use crate::core::{Fence, StreamId};
 use crate::deadline::Deadline;
 use crate::dtype;
-use crate::error::{Error, NcclVersion, Result};
+use crate::error::{Error, NcclVersion, Result, in_threads};
 use crate::stream::Stream;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -237,43 +237,25 @@ impl HostBackend {
                 .collect::<Vec<_>>(),
         );
         // Making a backend is collective: one thread per rank.
-        std::thread::scope(|s| {
-            let handles: Vec<_> = LocalExchange::group(n)
-                .into_iter()
-                .enumerate()
-                .map(|(rank, exchange)| {
-                    let (config, comms, infos) = (&config, &comms, &infos);
-                    s.spawn(move || {
-                        let info = BackendInfo::new(
-                            BackendKind::Host,
-                            rank,
-                            n,
-                            config.nccl_version,
-                            config.granularity_bytes,
-                            infos.clone(),
-                        )?;
-                        let parts = Arc::new(HostBackend {
-                            rank,
-                            config: config.clone(),
-                            comms: comms.clone(),
-                            reserved: Arc::new(AtomicU64::new(0)),
-                            counters: Mutex::new(vec![(0, 0); infos.len()]),
-                        });
-                        let streams = Arc::new(HostStreams::default());
-                        Backend::with_stream_ops(info, Arc::new(exchange), parts, streams)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Internal {
-                            what: "a host rank's set-up thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
+        let ranks = LocalExchange::group(n).into_iter().enumerate();
+        in_threads(ranks, "a host rank's set-up thread", |(rank, exchange)| {
+            let info = BackendInfo::new(
+                BackendKind::Host,
+                rank,
+                n,
+                config.nccl_version,
+                config.granularity_bytes,
+                infos.clone(),
+            )?;
+            let parts = Arc::new(HostBackend {
+                rank,
+                config: config.clone(),
+                comms: comms.clone(),
+                reserved: Arc::new(AtomicU64::new(0)),
+                counters: Mutex::new(vec![(0, 0); infos.len()]),
+            });
+            let streams = Arc::new(HostStreams::default());
+            Backend::with_stream_ops(info, Arc::new(exchange), parts, streams)
         })
     }
 
@@ -404,15 +386,7 @@ impl SegmentProvider for HostBackend {
             .then(|| Window::new(comm, ordinal, Box::new(()))))
     }
 
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
-        drop(window);
-        Ok(())
-    }
-
-    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
-        drop(segment);
-        Ok(())
-    }
+    // deregister and free: the defaults (dropping the handle releases the memory).
 }
 
 /// The streams of the host backends (threads and processes): streams are tags and

@@ -22,8 +22,8 @@
 
 use super::host::{HostSegment, HostStreams, bounds, memory_of, reserve};
 use super::{
-    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
-    Segment, SegmentProvider, Window,
+    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Region, Segment,
+    SegmentProvider, Window,
 };
 use crate::control::{ChannelId, Exchange, gather_records};
 use crate::deadline::Deadline;
@@ -428,17 +428,8 @@ impl SegmentProvider for ShmBackend {
         )))
     }
 
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
-        // Unmapping the peers' segments is local; their memory lives on until every
-        // mapping and descriptor of it is gone.
-        drop(window);
-        Ok(())
-    }
-
-    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
-        drop(segment);
-        Ok(())
-    }
+    // deregister and free: the defaults. Unmapping the peers' segments is local; their
+    // memory lives on until every mapping and descriptor of it is gone.
 }
 
 impl DataMover for ShmBackend {

@@ -206,21 +206,8 @@ impl SymmPool {
     /// # Errors
     /// The first rank's error, as [`SymmPool::new`].
     pub fn group(backends: Vec<Backend>, config: &PoolConfig) -> Result<Vec<SymmPool>> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = backends
-                .into_iter()
-                .map(|b| s.spawn(move || SymmPool::new(b, config.clone())))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Internal {
-                            what: "a pool-creating thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
+        crate::error::in_threads(backends, "a pool-creating thread", |b| {
+            SymmPool::new(b, config.clone())
         })
     }
 

@@ -413,17 +413,11 @@ impl NcclBackend {
         };
         let one_rank = &one_rank;
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
-        std::thread::scope(|s| {
-            let threads: Vec<_> = (ranks.enumerate())
-                .map(|(rank, (ctx, exchange))| s.spawn(move || one_rank(rank, ctx, exchange)))
-                .collect();
-            let panicked = || Error::Internal {
-                what: "a rank's initialisation thread panicked".into(),
-            };
-            (threads.into_iter())
-                .map(|t| t.join().map_err(|_| panicked()).and_then(|made| made))
-                .collect()
-        })
+        crate::error::in_threads(
+            ranks.enumerate(),
+            "a rank's initialisation thread",
+            |(rank, (ctx, exchange))| one_rank(rank, ctx, exchange),
+        )
     }
 
     /// Adopt communicators as they are (tests, interop): each with its role and the CTA
