@@ -77,13 +77,12 @@ mod segments;
 mod stats;
 mod types;
 
-pub use align::{align_up, is_pow2};
+pub(crate) use align::{align_up, is_pow2};
 pub use allocator::Allocator;
 pub use config::{CoreConfig, GrowthPolicy, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
 pub use fit::FitPlan;
 pub use invariants::InvariantViolation;
-pub use marks::BlockMark;
 pub use stats::{
     BlockSnapshot, BlockState, ClassStats, CoreStats, SegmentSnapshot, Snapshot, Stat,
 };

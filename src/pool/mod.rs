@@ -40,7 +40,7 @@ pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
 pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
-pub use events::role_name;
+pub(crate) use events::role_name;
 pub use fit::FitReport;
 pub use scope::{alloc, alloc_aligned, current};
 pub use stats::PoolStats;
