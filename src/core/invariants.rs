@@ -166,33 +166,29 @@ impl Allocator {
             ("allocated_blocks", s.allocated_blocks.current, nalloc),
             ("free_blocks", s.free_blocks, nfree),
         ];
-        let class_checks = [
-            ("small.segments", s.small.segments.current, by_class[0].0),
-            (
-                "small.reserved_bytes",
-                s.small.reserved_bytes.current,
-                by_class[0].1,
-            ),
-            (
-                "class_allocated_bytes(Small)",
-                self.class_allocated_bytes(SizeClass::Small),
-                by_class[0].2,
-            ),
-            ("large.segments", s.large.segments.current, by_class[1].0),
-            (
-                "large.reserved_bytes",
-                s.large.reserved_bytes.current,
-                by_class[1].1,
-            ),
-            (
-                "class_allocated_bytes(Large)",
-                self.class_allocated_bytes(SizeClass::Large),
-                by_class[1].2,
-            ),
-        ];
-        for (name, have, want) in checks.into_iter().chain(class_checks) {
+        let class_checks = [SizeClass::Small, SizeClass::Large]
+            .into_iter()
+            .flat_map(|class| {
+                let (c, recount) = (s.class(class), by_class[class.index()]);
+                [
+                    ("segments", c.segments.current, recount.0),
+                    ("reserved_bytes", c.reserved_bytes.current, recount.1),
+                    (
+                        "allocated bytes",
+                        self.class_allocated_bytes(class),
+                        recount.2,
+                    ),
+                ]
+                .map(|(what, have, want)| (class, what, have, want))
+            });
+        for (name, have, want) in checks {
             if have != want {
                 return fail(format!("stat {name} is {have}, recount {want}"), None);
+            }
+        }
+        for (class, name, have, want) in class_checks {
+            if have != want {
+                return fail(format!("{class:?} {name} is {have}, recount {want}"), None);
             }
         }
         for (name, stat) in [
