@@ -287,7 +287,19 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
-    /// A configuration value is invalid.
+    /// A setting (a configuration field or a constructor's argument) has a value it
+    /// cannot have.
+    #[error("invalid configuration: {setting}: {value} (expected {expected})")]
+    Config {
+        /// The setting, by its name in the API (`rank`, `NcclConfig::device`, …).
+        setting: &'static str,
+        /// The value given, with what it was checked against.
+        value: String,
+        /// What the setting may be.
+        expected: &'static str,
+    },
+    /// Settings that are inconsistent with each other, in words (the store's
+    /// configuration).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
     /// An error of the allocator core that has no more specific variant above.
@@ -514,7 +526,6 @@ impl From<AllocError> for Error {
             AllocError::StaleBlock(b) => Error::DoubleFree {
                 allocation_seq: b.seq,
             },
-            AllocError::InvalidConfig(what) => Error::InvalidConfig(what.to_string()),
             // An expected outcome of the core that the pool handles itself: reaching
             // the caller is a bug.
             AllocError::NeedsGrowth(g) => Error::Internal {
@@ -617,4 +628,30 @@ fn describe_registrations(order: &[(usize, String, u64)]) -> String {
         .map(|(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// Run `f` on every item in a thread of its own (one per rank of this process, since
+/// each call blocks in a collective round) and return the results in order; a thread
+/// that panicked is [`Error::Internal`] naming `what`.
+///
+/// # Errors
+/// The first item's error, in order.
+pub(crate) fn in_threads<T: Send, R: Send>(
+    items: impl IntoIterator<Item = T>,
+    what: &str,
+    f: impl Fn(T) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
+        (handles.into_iter())
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Internal {
+                        what: format!("{what} panicked"),
+                    })
+                })
+            })
+            .collect()
+    })
 }

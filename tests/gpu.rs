@@ -916,6 +916,7 @@ mod gpu_tests {
             &self,
             _segment: &Segment,
             _comm: usize,
+            _deadline: symmpool::Deadline,
         ) -> symmpool::Result<Option<Window>> {
             eprintln!("[rank 1] kill -9 inside the window registration");
             kill_myself()
@@ -1047,7 +1048,7 @@ mod gpu_tests {
         assert!(
             backend
                 .streams()
-                .drain(std::time::Instant::now() + Duration::from_secs(10))
+                .drain(symmpool::Deadline::after(Duration::from_secs(10)))
                 .unwrap(),
             "the stream drains after the abort"
         );

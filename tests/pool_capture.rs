@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
 use symmpool::backend::StreamOps;
 use symmpool::core::{Fence, StreamId};
 use symmpool::{Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool};
@@ -32,7 +31,7 @@ impl StreamOps for Capturing {
     fn is_capturing(&self, s: &Stream) -> Result<bool> {
         Ok(self.capturing.load(Ordering::SeqCst) || self.inner.is_capturing(s)?)
     }
-    fn drain(&self, deadline: Instant) -> Result<bool> {
+    fn drain(&self, deadline: symmpool::Deadline) -> Result<bool> {
         self.inner.drain(deadline)
     }
 }

@@ -574,7 +574,7 @@ impl symmpool::backend::StreamOps for Capturing {
     fn is_capturing(&self, _: &Stream) -> symmpool::Result<bool> {
         Ok(true)
     }
-    fn drain(&self, deadline: std::time::Instant) -> symmpool::Result<bool> {
+    fn drain(&self, deadline: symmpool::Deadline) -> symmpool::Result<bool> {
         self.0.drain(deadline)
     }
 }
@@ -647,7 +647,7 @@ fn absurd_settings_are_refused_or_handled() {
     cfg.history_len = usize::MAX;
     assert!(matches!(
         SymmPool::host_group(1, cfg),
-        Err(Error::InvalidConfig(_))
+        Err(Error::Config { .. })
     ));
     // A timeout of Duration::MAX means "wait as long as it takes", without overflow.
     let pools = SymmPool::host_group(1, config().with_timeout(Duration::MAX)).unwrap();
@@ -868,4 +868,27 @@ fn growth_under_a_dead_peer_returns_within_the_timeout() {
     let reserved = pools[0].reserve(2 * MIB);
     assert!(reserved.is_err(), "{reserved:?}");
     assert!(started.elapsed() < timeout + Duration::from_secs(1));
+}
+
+#[test]
+fn a_stalled_registration_fails_within_its_deadline() {
+    // Rank 1 never registers: rank 0's registration stops at its caller's deadline,
+    // not at the backend's own (longer) timeout.
+    let world = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
+    let timeout = Duration::from_millis(500);
+    let segment = world[0].segments().allocate(2 * MIB).unwrap();
+    let started = std::time::Instant::now();
+    // SAFETY: a new segment, registered once; rank 1 never registers, which is the
+    // point (the registration times out instead of pairing anything).
+    let window = unsafe {
+        world[0]
+            .segments()
+            .register(&segment, 0, symmpool::Deadline::after(timeout))
+    };
+    let took = started.elapsed();
+    assert!(matches!(window, Err(Error::Timeout { .. })), "{window:?}");
+    assert!(
+        took >= timeout && took < timeout + Duration::from_secs(1),
+        "{took:?}"
+    );
 }

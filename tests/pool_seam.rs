@@ -75,11 +75,11 @@ impl StreamOps for Streams {
     fn is_capturing(&self, s: &Stream) -> Result<bool> {
         self.inner.is_capturing(s)
     }
-    fn drain(&self, deadline: Instant) -> Result<bool> {
+    fn drain(&self, deadline: symmpool::Deadline) -> Result<bool> {
         if self.stuck {
             // A device whose work never finishes: poll until the deadline, as a real
             // backend does (a test double may wait; the pool must not wait longer).
-            while Instant::now() < deadline {
+            while !deadline.expired() {
                 thread::yield_now();
             }
             return Ok(false);
@@ -273,9 +273,14 @@ impl SegmentProvider for Full {
             message: "injected".into(),
         })
     }
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: symmpool::Deadline,
+    ) -> Result<Option<Window>> {
         // SAFETY: forwarded with the caller's guarantees.
-        unsafe { self.0.register(segment, comm) }
+        unsafe { self.0.register(segment, comm, deadline) }
     }
     unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
         // SAFETY: forwarded with the caller's guarantees.

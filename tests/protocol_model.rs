@@ -247,13 +247,18 @@ impl SegmentProvider for Provider {
         self.faults.allocated.fetch_add(1, Ordering::SeqCst);
         Ok(s)
     }
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: symmpool::Deadline,
+    ) -> Result<Option<Window>> {
         let failing = self.faults.fail_register_comm.load(Ordering::SeqCst);
         if failing == comm as u64 + 1 {
             self.faults.fail_register_comm.store(0, Ordering::SeqCst);
             if self.faults.join_before_failing.load(Ordering::SeqCst) {
                 // SAFETY: forwarded with the caller's guarantees.
-                if let Some(w) = unsafe { self.inner.register(segment, comm) }? {
+                if let Some(w) = unsafe { self.inner.register(segment, comm, deadline) }? {
                     // SAFETY: made just now by the inner provider; nothing uses it.
                     unsafe { self.inner.deregister(w) }.map_err(|r| r.error)?;
                 }
@@ -265,7 +270,7 @@ impl SegmentProvider for Provider {
             });
         }
         // SAFETY: forwarded with the caller's guarantees.
-        unsafe { self.inner.register(segment, comm) }
+        unsafe { self.inner.register(segment, comm, deadline) }
     }
     unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
         // SAFETY: forwarded with the caller's guarantees.
@@ -307,7 +312,7 @@ impl StreamOps for Streams {
         }
         self.inner.is_capturing(s)
     }
-    fn drain(&self, deadline: Instant) -> Result<bool> {
+    fn drain(&self, deadline: symmpool::Deadline) -> Result<bool> {
         self.inner.drain(deadline)
     }
 }

@@ -62,6 +62,7 @@ fn child() -> symmpool::Result<i32> {
     match var("CHILD_ROLE").as_deref() {
         Some("checked") => return checked_child(rank, world, backend),
         Some("strict_cost") => return strict_cost_child(rank, backend),
+        Some("stall") => return stall_child(rank, backend),
         _ => {}
     }
     // PyTorch's caching policy: every large request grows the pool (an agreement), so
@@ -194,6 +195,40 @@ fn child() -> symmpool::Result<i32> {
             Ok(4)
         }
     }
+}
+
+/// How long the stalled-peer scenario lets rank 0 wait for rank 1.
+const STALL_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Rank 1 makes the pool, then stalls (alive, connected, never arriving); rank 0's
+/// growth or a registration of its own (`CHILD_STALL`) fails within its timeout + 1 s.
+fn stall_child(rank: usize, backend: symmpool::Backend) -> symmpool::Result<i32> {
+    let config = PoolConfig::default().with_timeout(STALL_TIMEOUT);
+    let pool = SymmPool::new(backend.clone(), config)?;
+    if rank == 1 {
+        println!("@@stalled");
+        std::thread::sleep(Duration::from_secs(300));
+        return Ok(9);
+    }
+    let t0 = Instant::now();
+    let outcome = if var("CHILD_STALL").as_deref() == Some("growth") {
+        pool.alloc(4 * MIB, &Stream::host()).map(drop)
+    } else {
+        let segment = backend.segments().allocate(2 * MIB)?;
+        // SAFETY: a new segment, registered once on communicator 0; rank 1 never
+        // registers, so the registration times out instead of pairing anything.
+        unsafe {
+            backend
+                .segments()
+                .register(&segment, 0, symmpool::Deadline::after(STALL_TIMEOUT))
+        }
+        .map(drop)
+    };
+    let took = t0.elapsed();
+    let in_time = took < STALL_TIMEOUT + Duration::from_secs(1);
+    let timed_out = matches!(outcome, Err(Error::Timeout { .. }));
+    println!("@@outcome {in_time} {timed_out} ({took:?}, {outcome:?})");
+    Ok(0)
 }
 
 /// The checked-collective scenarios as processes (the last rank is perturbed): a free
@@ -463,6 +498,24 @@ fn kill_9_in_an_agreement_is_reported_by_every_survivor_naming_the_rank() {
     assert!(took < Duration::from_secs(10), "survivors took {took:?}");
     drop(job);
     assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
+}
+
+#[test]
+fn a_stalled_peer_fails_growth_and_registration_within_the_timeout() {
+    for what in ["growth", "registration"] {
+        let mut job = Job::start(ENTRY, 2, |_| {
+            vec![
+                ("CHILD_ROLE", "stall".to_string()),
+                ("CHILD_STALL", what.to_string()),
+            ]
+        });
+        job.expect(1, "@@stalled", Duration::from_secs(120));
+        let codes = job.wait(&[0], Duration::from_secs(60));
+        assert_eq!(codes, vec![0], "{:?}", job.seen);
+        // Within the timeout + 1 s, with a timeout.
+        let outcome = job.expect(0, "@@outcome ", Duration::from_secs(5));
+        assert!(outcome.starts_with("true true"), "{what}: {outcome}");
+    }
 }
 
 fn checked_job(world: usize, mode: &'static str, scenario: &'static str) -> Vec<String> {

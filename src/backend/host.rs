@@ -9,14 +9,14 @@
 //! so streams are tags and fences are counters.
 
 use super::{
-    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
-    Segment, SegmentMemory, SegmentProvider, StreamOps, Window,
+    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Region, Segment,
+    SegmentMemory, SegmentProvider, StreamOps, Window,
 };
 use crate::control::{LocalExchange, Rendezvous};
 use crate::core::{Fence, StreamId};
 use crate::deadline::Deadline;
 use crate::dtype;
-use crate::error::{Error, NcclVersion, Result};
+use crate::error::{Error, NcclVersion, Result, in_threads};
 use crate::stream::Stream;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -36,7 +36,7 @@ pub struct HostConfig {
     /// window (no [`Window`]).
     pub symmetric: bool,
     /// How long each round of a registration or collective waits for the other ranks
-    /// ([`Duration::MAX`]: forever).
+    /// ([`Duration::MAX`]: forever); a registration also stops at its caller's deadline.
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -214,13 +214,15 @@ impl HostBackend {
     /// copy-engine, plain; see [`CommRole`](super::CommRole)) so path selection behaves the same.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for zero ranks or a granularity that is not a power of
+    /// [`Error::Config`] for zero ranks or a granularity that is not a power of
     /// two.
     pub fn world(config: HostConfig) -> Result<Vec<Backend>> {
         if config.world_size == 0 {
-            return Err(Error::InvalidConfig(
-                "a world needs at least one rank".into(),
-            ));
+            return Err(Error::Config {
+                setting: "HostConfig::world_size",
+                value: "0".into(),
+                expected: "at least one rank",
+            });
         }
         let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;
@@ -235,43 +237,25 @@ impl HostBackend {
                 .collect::<Vec<_>>(),
         );
         // Making a backend is collective: one thread per rank.
-        std::thread::scope(|s| {
-            let handles: Vec<_> = LocalExchange::group(n)
-                .into_iter()
-                .enumerate()
-                .map(|(rank, exchange)| {
-                    let (config, comms, infos) = (&config, &comms, &infos);
-                    s.spawn(move || {
-                        let info = BackendInfo::new(
-                            BackendKind::Host,
-                            rank,
-                            n,
-                            config.nccl_version,
-                            config.granularity_bytes,
-                            infos.clone(),
-                        )?;
-                        let parts = Arc::new(HostBackend {
-                            rank,
-                            config: config.clone(),
-                            comms: comms.clone(),
-                            reserved: Arc::new(AtomicU64::new(0)),
-                            counters: Mutex::new(vec![(0, 0); infos.len()]),
-                        });
-                        let streams = Arc::new(HostStreams::default());
-                        Backend::with_stream_ops(info, Arc::new(exchange), parts, streams)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Internal {
-                            what: "a host rank's set-up thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
+        let ranks = LocalExchange::group(n).into_iter().enumerate();
+        in_threads(ranks, "a host rank's set-up thread", |(rank, exchange)| {
+            let info = BackendInfo::new(
+                BackendKind::Host,
+                rank,
+                n,
+                config.nccl_version,
+                config.granularity_bytes,
+                infos.clone(),
+            )?;
+            let parts = Arc::new(HostBackend {
+                rank,
+                config: config.clone(),
+                comms: comms.clone(),
+                reserved: Arc::new(AtomicU64::new(0)),
+                counters: Mutex::new(vec![(0, 0); infos.len()]),
+            });
+            let streams = Arc::new(HostStreams::default());
+            Backend::with_stream_ops(info, Arc::new(exchange), parts, streams)
         })
     }
 
@@ -376,7 +360,12 @@ impl SegmentProvider for HostBackend {
         Ok(HostSegment::segment(memory, reservation))
     }
 
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> Result<Option<Window>> {
         memory_of::<HostMemory>(segment)?;
         let size = segment.size_bytes();
         let _serial = self.comm(comm)?.serial[self.rank].lock();
@@ -386,7 +375,7 @@ impl SegmentProvider for HostBackend {
             self.rank,
             ordinal,
             size,
-            Deadline::after(self.config.timeout),
+            deadline.cap(self.config.timeout),
         )?;
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
@@ -397,15 +386,7 @@ impl SegmentProvider for HostBackend {
             .then(|| Window::new(comm, ordinal, Box::new(()))))
     }
 
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
-        drop(window);
-        Ok(())
-    }
-
-    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
-        drop(segment);
-        Ok(())
-    }
+    // deregister and free: the defaults (dropping the handle releases the memory).
 }
 
 /// The streams of the host backends (threads and processes): streams are tags and
@@ -451,7 +432,7 @@ impl StreamOps for HostStreams {
         Ok(false)
     }
 
-    fn drain(&self, _deadline: Instant) -> Result<bool> {
+    fn drain(&self, _deadline: Deadline) -> Result<bool> {
         Ok(true)
     }
 }

@@ -30,477 +30,31 @@
 //! backend.segments().free(segment); // error[E0133]: call to unsafe function
 //! ```
 
+mod handles;
 pub mod host;
+mod info;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod parts;
 #[cfg(target_os = "linux")]
 pub mod shm;
 
+pub use handles::{Refused, Region, Segment, SegmentMemory, Window};
 pub use host::{HostBackend, HostConfig};
+pub use info::{BackendInfo, BackendKind, CommInfo, CommRole};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclBackend, NcclConfig, NcclWorldConfig};
+pub use parts::{DataMover, SegmentProvider, StreamOps};
 #[cfg(target_os = "linux")]
 pub use shm::{ShmBackend, ShmConfig};
 
 use crate::control::{ChannelId, Exchange};
-use crate::core::{Fence, StreamId};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
-use serde::Serialize;
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
-
-/// Which implementation a backend is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum BackendKind {
-    /// In-process ranks on host memory.
-    Host,
-    /// NCCL on GPUs.
-    Nccl,
-}
-
-/// What a communicator is for. The collectives pick one per call (see
-/// [`coll`](crate::coll)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum CommRole {
-    /// Default CTA policy, segments registered: NCCL's symmetric kernels.
-    Symmetric,
-    /// `CTAPolicy = NCCL_CTA_POLICY_ZERO`, segments registered: copy-engine all-gather.
-    CopyEngine,
-    /// Default CTA policy, nothing registered: NCCL's ring/tree kernels through its own
-    /// buffers (the fastest for large reduce-scatters on two GPUs without NVLS).
-    Plain,
-}
-
-/// One communicator of a backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct CommInfo {
-    /// What it is for.
-    pub role: CommRole,
-    /// The CTA policy it was created with (`0` default, `2` zero).
-    pub cta_policy: i32,
-    /// Whether the pool registers its segments on it.
-    pub registers: bool,
-}
-
-impl CommInfo {
-    /// A default-policy communicator whose segments are registered (symmetric kernels).
-    pub const SYMMETRIC: CommInfo = CommInfo {
-        role: CommRole::Symmetric,
-        cta_policy: 0,
-        registers: true,
-    };
-    /// A `CTAPolicy = NCCL_CTA_POLICY_ZERO` communicator whose segments are registered
-    /// (copy-engine all-gather).
-    pub const COPY_ENGINE: CommInfo = CommInfo {
-        role: CommRole::CopyEngine,
-        cta_policy: 2,
-        registers: true,
-    };
-    /// A default-policy communicator where nothing is registered (ring/tree kernels).
-    pub const PLAIN: CommInfo = CommInfo {
-        role: CommRole::Plain,
-        cta_policy: 0,
-        registers: false,
-    };
-    /// The three communicators the crate's backends create, in registration order.
-    pub const STANDARD: [CommInfo; 3] = [Self::SYMMETRIC, Self::COPY_ENGINE, Self::PLAIN];
-}
-
-/// Who a backend is: the same on every call, and (but for `rank`) on every rank.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct BackendInfo {
-    /// Which implementation.
-    pub kind: BackendKind,
-    /// This rank, `0..world_size`.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world_size: usize,
-    /// The NCCL version in use (the host backend reports the version whose rules it
-    /// follows).
-    pub nccl_version: NcclVersion,
-    /// Segment size and alignment granularity in bytes, a power of two (2 MiB on H200:
-    /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`, which `ncclMemAlloc` rounds to).
-    pub granularity_bytes: u64,
-    /// The communicators, in the order segments are registered. Same on every rank.
-    pub communicators: Vec<CommInfo>,
-    /// Number of nodes (hosts) the ranks run on, 1 unless set with
-    /// [`with_nodes`](Self::with_nodes). The NCCL backend counts the ranks' node
-    /// identities at set-up; path selection avoids the paths that need one NVLink
-    /// domain when it is above 1.
-    pub nodes: usize,
-}
-
-impl BackendInfo {
-    /// The identity of one rank of a backend.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] for `rank >= world_size`, no communicators, more than
-    /// 64, or a granularity that is not a power of two.
-    pub fn new(
-        kind: BackendKind,
-        rank: usize,
-        world_size: usize,
-        nccl_version: NcclVersion,
-        granularity_bytes: u64,
-        communicators: Vec<CommInfo>,
-    ) -> Result<Self> {
-        if rank >= world_size {
-            return Err(Error::InvalidConfig(format!(
-                "rank {rank} is not below the world size {world_size}"
-            )));
-        }
-        if communicators.is_empty() || communicators.len() > 64 {
-            return Err(Error::InvalidConfig(format!(
-                "a backend has 1 to 64 communicators, not {}",
-                communicators.len()
-            )));
-        }
-        if !crate::core::is_pow2(granularity_bytes) {
-            return Err(Error::InvalidConfig(format!(
-                "granularity_bytes {granularity_bytes} is not a power of two"
-            )));
-        }
-        Ok(BackendInfo {
-            kind,
-            rank,
-            world_size,
-            nccl_version,
-            granularity_bytes,
-            communicators,
-            nodes: 1,
-        })
-    }
-
-    /// The same identity, with the ranks spread over `nodes` nodes (at least 1).
-    pub fn with_nodes(mut self, nodes: usize) -> Self {
-        self.nodes = nodes.max(1);
-        self
-    }
-}
-
-/// The memory behind a [`Segment`], as a provider made it.
-pub trait SegmentMemory: Send + Sync + fmt::Debug + Any {
-    /// Size in bytes: a non-zero multiple of the backend's granularity, constant for
-    /// the memory's life ([`Segment::new`] reads it once).
-    fn size_bytes(&self) -> u64;
-    /// The device address of the first byte (NCCL), `None` for host memory.
-    fn device_ptr(&self) -> Option<u64>;
-    /// For a provider to find its own type again.
-    fn as_any(&self) -> &dyn Any;
-}
-
-/// An owned segment: one whole allocation of a provider (one `ncclMemAlloc`), at
-/// least one granularity long.
-///
-/// The pool's segment entry is its single owner. Give it back with the provider's
-/// [`free`](SegmentProvider::free); dropping it instead leaks device memory on
-/// purpose (host memory is released), which is what a pool does when its device
-/// cannot drain in time.
-#[derive(Debug)]
-pub struct Segment {
-    memory: Box<dyn SegmentMemory>,
-    /// `memory.size_bytes()`, read once: every collective call checks its regions.
-    size_bytes: u64,
-}
-
-impl Segment {
-    /// Wrap a provider's memory.
-    pub fn new(memory: Box<dyn SegmentMemory>) -> Self {
-        let size_bytes = memory.size_bytes();
-        Segment { memory, size_bytes }
-    }
-
-    /// Size in bytes.
-    pub fn size_bytes(&self) -> u64 {
-        self.size_bytes
-    }
-
-    /// The device address of the first byte, `None` for host memory.
-    pub fn device_ptr(&self) -> Option<u64> {
-        self.memory.device_ptr()
-    }
-
-    /// The provider's memory, as its own type.
-    pub fn memory<T: SegmentMemory>(&self) -> Option<&T> {
-        self.memory.as_any().downcast_ref::<T>()
-    }
-
-    /// The `len_bytes` bytes at `offset_bytes`, checked against the segment.
-    ///
-    /// # Errors
-    /// [`Error::BadView`] if the range leaves the segment.
-    #[inline]
-    pub fn region(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'_>> {
-        match offset_bytes.checked_add(len_bytes) {
-            Some(end) if end <= self.size_bytes() => Ok(Region {
-                segment: self,
-                offset_bytes,
-                len_bytes,
-            }),
-            _ => Err(outside(
-                offset_bytes,
-                len_bytes,
-                "segment",
-                self.size_bytes(),
-            )),
-        }
-    }
-}
-
-/// An owned window: one segment registered on one communicator
-/// (`ncclCommWindowRegister(.., NCCL_WIN_COLL_SYMMETRIC)`). The pool's segment entry
-/// owns it beside its segment; give it back with
-/// [`deregister`](SegmentProvider::deregister) before the segment is freed.
-pub struct Window {
-    comm: usize,
-    ordinal: u64,
-    handle: Box<dyn Any + Send + Sync>,
-}
-
-impl fmt::Debug for Window {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Window")
-            .field("comm", &self.comm)
-            .field("ordinal", &self.ordinal)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Window {
-    /// A provider's window on communicator `comm`, its `ordinal`-th registration there
-    /// (1-based), with the provider's own handle.
-    pub fn new(comm: usize, ordinal: u64, handle: Box<dyn Any + Send + Sync>) -> Self {
-        Window {
-            comm,
-            ordinal,
-            handle,
-        }
-    }
-
-    /// The communicator, an index into [`BackendInfo::communicators`].
-    pub fn comm(&self) -> usize {
-        self.comm
-    }
-
-    /// Its position among the registrations on its communicator (1-based): NCCL pairs
-    /// windows across ranks by this order.
-    pub fn ordinal(&self) -> u64 {
-        self.ordinal
-    }
-
-    /// The provider's handle, as its own type.
-    pub fn handle<T: Any>(&self) -> Option<&T> {
-        self.handle.downcast_ref::<T>()
-    }
-
-    /// Take the provider's handle out, as its own type (or the window back).
-    ///
-    /// # Errors
-    /// The window, unchanged, if the handle is of another type.
-    pub fn into_handle<T: Any>(self) -> std::result::Result<Box<T>, Window> {
-        let Window {
-            comm,
-            ordinal,
-            handle,
-        } = self;
-        handle.downcast::<T>().map_err(|handle| Window {
-            comm,
-            ordinal,
-            handle,
-        })
-    }
-}
-
-/// A release a provider could not do: the handle comes back with the reason, so the
-/// caller can try again later instead of losing track of the memory.
-#[derive(Debug)]
-pub struct Refused<T> {
-    /// The handle, still owned.
-    pub handle: T,
-    /// Why.
-    pub error: Error,
-}
-
-/// Where segments come from and how they become windows.
-///
-/// # Collective
-/// [`register`](Self::register) is collective on its communicator: every rank
-/// registers the same segments in the same order (NCCL pairs windows by call order).
-/// Everything else is local.
-pub trait SegmentProvider: Send + Sync + fmt::Debug {
-    /// Allocate a segment of `size_bytes` (a non-zero multiple of the granularity).
-    ///
-    /// # Errors
-    /// [`Error::DeviceOutOfMemory`] or [`Error::PoolLimit`] if the memory is not there;
-    /// [`Error::Cuda`] / [`Error::Nccl`] otherwise. Nothing is allocated on error.
-    fn allocate(&self, size_bytes: u64) -> Result<Segment>;
-
-    /// Register the whole segment as a symmetric window on communicator `comm`.
-    /// `Ok(None)`: the communicator cannot do symmetric memory (NCCL returned a NULL
-    /// window); the segment is not registered there.
-    ///
-    /// # Collective
-    /// Every rank registers the same segments on `comm` in the same order.
-    ///
-    /// # Safety
-    /// - every rank makes this call for its own segment of the same size at the same
-    ///   point of its sequence of registrations on `comm` (else NCCL pairs the wrong
-    ///   buffers, or hangs);
-    /// - `segment` is not registered on `comm` yet (one window per segment and
-    ///   communicator: NCCL ≥ 2.30.7 makes a second one undefined behaviour);
-    /// - no stream of this device is capturing a CUDA graph.
-    ///
-    /// # Errors
-    /// [`Error::Timeout`] if peers do not register in time; [`Error::Nccl`];
-    /// [`Error::RegistrationMismatch`] where the provider can see that ranks passed
-    /// different sizes.
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>>;
-
-    /// Deregister a window (local in NCCL).
-    ///
-    /// # Safety
-    /// `window` was made by this provider's [`register`](Self::register), and no work
-    /// that uses its segment through that communicator is pending on the device.
-    ///
-    /// # Errors
-    /// The window back, with [`Error::Nccl`].
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>>;
-
-    /// Free a segment.
-    ///
-    /// # Safety
-    /// `segment` was made by this provider's [`allocate`](Self::allocate), no window
-    /// covers it any more, and no pending device work uses it.
-    ///
-    /// # Errors
-    /// The segment back, with [`Error::Cuda`] / [`Error::Nccl`].
-    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>>;
-}
-
-/// Streams, fences and device-side ordering.
-pub trait StreamOps: Send + Sync + fmt::Debug {
-    /// A new stream on this rank's device.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
-    fn new_stream(&self) -> Result<Stream>;
-    /// Record a fence on `stream`: a point after all work enqueued so far. Fences on
-    /// one stream increase.
-    ///
-    /// # Errors
-    /// [`Error::WrongStream`] for a stream of another backend kind; [`Error::Cuda`].
-    fn record_fence(&self, stream: &Stream) -> Result<Fence>;
-    /// Make `stream` wait (device-side) for `fence` recorded on stream `on`.
-    ///
-    /// # Errors
-    /// As [`record_fence`](Self::record_fence).
-    fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()>;
-    /// The latest fence on `stream` known to be complete, if any (a cheap query that
-    /// never waits). Only statistics use it: placement never depends on completion.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
-    fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>>;
-    /// Whether `stream` is capturing a CUDA graph.
-    ///
-    /// # Errors
-    /// As [`record_fence`](Self::record_fence).
-    fn is_capturing(&self, stream: &Stream) -> Result<bool>;
-    /// Wait on the host until all work enqueued so far on every stream this device has
-    /// recorded fences on is done, or `deadline` passes: `Ok(true)` if it drained,
-    /// `Ok(false)` at the deadline. Never waits past the deadline (it polls; it does
-    /// not block in the driver).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`] (a failed device: its work will never drain).
-    fn drain(&self, deadline: Instant) -> Result<bool>;
-}
-
-/// Copies between the host and segments, and timing of device work.
-pub trait DataMover: Send + Sync + fmt::Debug {
-    /// Copy `data` into `region` (its first `data.len()` bytes), ordered on `stream`;
-    /// returns once `data` may be reused.
-    ///
-    /// # Errors
-    /// [`Error::BadView`] if `data` is longer than the region; [`Error::WrongStream`];
-    /// [`Error::Cuda`].
-    fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()>;
-    /// Copy `region` (its first `out.len()` bytes) into `out`, ordered on `stream`, and
-    /// wait for it.
-    ///
-    /// # Errors
-    /// As [`write`](Self::write).
-    fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()>;
-    /// Time the device work `f` enqueues on `stream`, in milliseconds (CUDA events on
-    /// the NCCL backend, the wall clock on the host backend). Waits for it.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`], or the first error of `f`.
-    fn time_ms(&self, stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64>;
-}
-
-/// A byte range of a segment. Made only through [`Segment::region`], so it always lies
-/// inside its segment.
-#[derive(Debug, Clone, Copy)]
-pub struct Region<'a> {
-    segment: &'a Segment,
-    offset_bytes: u64,
-    len_bytes: u64,
-}
-
-impl<'a> Region<'a> {
-    /// The segment.
-    pub fn segment(&self) -> &'a Segment {
-        self.segment
-    }
-
-    /// Offset from the segment start, in bytes.
-    pub fn offset_bytes(&self) -> u64 {
-        self.offset_bytes
-    }
-
-    /// Length in bytes.
-    pub fn len_bytes(&self) -> u64 {
-        self.len_bytes
-    }
-
-    /// The device address of the first byte (NCCL), `None` for host memory.
-    pub fn device_ptr(&self) -> Option<u64> {
-        self.segment.device_ptr().map(|p| p + self.offset_bytes)
-    }
-
-    /// The `len_bytes` bytes that start `offset_bytes` into this region.
-    ///
-    /// # Errors
-    /// [`Error::BadView`] if they leave the region.
-    #[inline]
-    pub fn sub(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'a>> {
-        match offset_bytes.checked_add(len_bytes) {
-            Some(end) if end <= self.len_bytes => Ok(Region {
-                segment: self.segment,
-                offset_bytes: self.offset_bytes + offset_bytes,
-                len_bytes,
-            }),
-            _ => Err(outside(offset_bytes, len_bytes, "region", self.len_bytes)),
-        }
-    }
-}
-
-/// The error of a range that leaves a `what` of `size_bytes` (out of line: the checks
-/// above run on every collective call).
-#[cold]
-#[inline(never)]
-fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
-    Error::BadView(format!(
-        "range {offset_bytes}+{len_bytes} outside a {what} of {size_bytes} bytes"
-    ))
-}
-
 /// Arguments of one collective call on one rank.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -667,7 +221,7 @@ impl Backend {
     /// never pair one's window with the other's.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if `exchange` disagrees with `info` on rank or world size;
+    /// [`Error::Config`] if `exchange` disagrees with `info` on rank or world size;
     /// the errors of [`Exchange::open_channel`].
     pub fn new<T>(info: BackendInfo, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Self>
     where
@@ -688,13 +242,17 @@ impl Backend {
         T: SegmentProvider + DataMover + Collectives + 'static,
     {
         if exchange.rank() != info.rank || exchange.world_size() != info.world_size {
-            return Err(Error::InvalidConfig(format!(
-                "the exchange is rank {} of {}, the backend rank {} of {}",
-                exchange.rank(),
-                exchange.world_size(),
-                info.rank,
-                info.world_size
-            )));
+            return Err(Error::Config {
+                setting: "exchange",
+                value: format!(
+                    "rank {} of {}, the backend rank {} of {}",
+                    exchange.rank(),
+                    exchange.world_size(),
+                    info.rank,
+                    info.world_size
+                ),
+                expected: "the backend's rank and world size",
+            });
         }
         let registrations = exchange.open_channel("backend:registrations", SETUP_TIMEOUT)?;
         Ok(Backend {
@@ -747,16 +305,18 @@ impl Backend {
     /// The same backend with its exchange replaced by `f(exchange)`.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the new exchange disagrees on rank or world size.
+    /// [`Error::Config`] if the new exchange disagrees on rank or world size.
     pub fn with_exchange(
         mut self,
         f: impl FnOnce(Arc<dyn Exchange>) -> Arc<dyn Exchange>,
     ) -> Result<Self> {
         let exchange = f(self.exchange.clone());
         if exchange.rank() != self.info.rank || exchange.world_size() != self.info.world_size {
-            return Err(Error::InvalidConfig(
-                "the new exchange disagrees with the backend on rank or world size".into(),
-            ));
+            return Err(Error::Config {
+                setting: "exchange",
+                value: format!("rank {} of {}", exchange.rank(), exchange.world_size()),
+                expected: "the backend's rank and world size",
+            });
         }
         self.exchange = exchange;
         Ok(self)

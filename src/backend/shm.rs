@@ -22,8 +22,8 @@
 
 use super::host::{HostSegment, HostStreams, bounds, memory_of, reserve};
 use super::{
-    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Refused, Region,
-    Segment, SegmentProvider, Window,
+    Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Region, Segment,
+    SegmentProvider, Window,
 };
 use crate::control::{ChannelId, Exchange, gather_records};
 use crate::deadline::Deadline;
@@ -48,7 +48,8 @@ pub struct ShmConfig {
     /// without symmetric support, registration succeeds with no window).
     pub symmetric: bool,
     /// How long each round of a registration or collective waits for the other ranks
-    /// (default 60 s; [`Duration::MAX`]: forever).
+    /// (default 60 s; [`Duration::MAX`]: forever); a registration also stops at its
+    /// caller's deadline.
     pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
@@ -197,7 +198,7 @@ impl ShmBackend {
     /// channels).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for a granularity that is not a power of two; the
+    /// [`Error::Config`] for a granularity that is not a power of two; the
     /// errors of [`Exchange::open_channel`].
     pub fn join(exchange: Arc<dyn Exchange>, config: ShmConfig) -> Result<Backend> {
         let (rank, world) = (exchange.rank(), exchange.world_size());
@@ -242,8 +243,18 @@ impl ShmBackend {
     /// # Errors
     /// The exchange's; [`Error::Protocol`] naming a rank whose record does not decode.
     fn round(&self, c: usize, op: &'static str, mine: &Step) -> Result<Vec<Step>> {
+        self.round_until(c, op, mine, Deadline::after(self.config.timeout))
+    }
+
+    /// [`round`](Self::round), waiting until `deadline`.
+    fn round_until(
+        &self,
+        c: usize,
+        op: &'static str,
+        mine: &Step,
+        deadline: Deadline,
+    ) -> Result<Vec<Step>> {
         let (ch, _) = self.comm(c)?;
-        let deadline = Deadline::after(self.config.timeout);
         gather_records(&*self.exchange, *ch, op, mine, deadline)
     }
 
@@ -355,7 +366,12 @@ impl SegmentProvider for ShmBackend {
         Ok(HostSegment::segment(ShmMemory { file, map }, reservation))
     }
 
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> Result<Option<Window>> {
         const OP: &str = "window registration";
         let mem = memory_of::<ShmMemory>(segment)?;
         let size_bytes = segment.size_bytes();
@@ -366,7 +382,7 @@ impl SegmentProvider for ShmBackend {
             fd: mem.file.as_raw_fd(),
             size_bytes,
         };
-        let all = self.round(comm, OP, &mine)?;
+        let all = self.round_until(comm, OP, &mine, deadline.cap(self.config.timeout))?;
         let ordinal = {
             let mut o = self.ordinals.lock();
             o[comm] += 1;
@@ -415,17 +431,8 @@ impl SegmentProvider for ShmBackend {
         )))
     }
 
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
-        // Unmapping the peers' segments is local; their memory lives on until every
-        // mapping and descriptor of it is gone.
-        drop(window);
-        Ok(())
-    }
-
-    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
-        drop(segment);
-        Ok(())
-    }
+    // deregister and free: the defaults. Unmapping the peers' segments is local; their
+    // memory lives on until every mapping and descriptor of it is gone.
 }
 
 impl DataMover for ShmBackend {

@@ -120,7 +120,7 @@ impl Coll {
     /// result over the backend's exchange, so every rank returns the same policy.
     ///
     /// # Errors
-    /// [`Error::PoolClosed`]; [`Error::InvalidConfig`] for an empty or inverted range, a
+    /// [`Error::PoolClosed`]; [`Error::Config`] for an empty or inverted range, a
     /// range above [`MAX_CALIBRATE_BYTES`], or no repetitions;
     /// growth errors (out of memory for world × `max_bytes`); collective errors;
     /// [`Error::Timeout`] if ranks do not arrive.
@@ -139,9 +139,11 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
         || config.reps > 1000
         || config.bytes_per_rep == 0
     {
-        return Err(Error::InvalidConfig(format!(
-            "calibration needs 4 <= min_bytes <= max_bytes <= {MAX_CALIBRATE_BYTES}, 1..=1000 repetitions and bytes_per_rep > 0 (got {config:?})"
-        )));
+        return Err(Error::Config {
+            setting: "CalibrateConfig",
+            value: format!("{config:?}"),
+            expected: "4 <= min_bytes <= max_bytes <= MAX_CALIBRATE_BYTES, 1..=1000 reps and bytes_per_rep > 0",
+        });
     }
     let backend = pool.backend().clone();
     let world = backend.world_size() as u64;
@@ -382,7 +384,7 @@ mod tests {
             },
         ] {
             assert!(
-                matches!(coll.calibrate(&s, &cfg), Err(Error::InvalidConfig(_))),
+                matches!(coll.calibrate(&s, &cfg), Err(Error::Config { .. })),
                 "{cfg:?}"
             );
         }

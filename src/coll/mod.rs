@@ -296,19 +296,7 @@ impl Coll {
     /// # Errors
     /// The first rank's error, as [`new`](Self::new).
     pub fn group(pools: &[SymmPool]) -> Result<Vec<Coll>> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = pools.iter().map(|p| s.spawn(|| Coll::new(p))).collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Internal {
-                            what: "a handle-making thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        })
+        crate::error::in_threads(pools, "a handle-making thread", Coll::new)
     }
 
     /// The (first) pool of the handle.

@@ -169,15 +169,21 @@ impl<S: KvStore> KvExchange<S> {
     /// Rank `rank` of `world_size` over `store`.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if `rank >= world_size` or the prefix is empty.
+    /// [`Error::Config`] if `rank >= world_size` or the prefix is empty.
     pub fn new(store: S, rank: usize, world_size: usize, config: KvConfig) -> Result<Self> {
         if rank >= world_size {
-            return Err(Error::InvalidConfig(format!(
-                "rank {rank} is not below the world size {world_size}"
-            )));
+            return Err(Error::Config {
+                setting: "rank",
+                value: format!("{rank} in a world of {world_size}"),
+                expected: "a rank below the world size",
+            });
         }
         if config.prefix.is_empty() {
-            return Err(Error::InvalidConfig("empty key prefix".into()));
+            return Err(Error::Config {
+                setting: "KvConfig::prefix",
+                value: "\"\"".into(),
+                expected: "a non-empty key prefix",
+            });
         }
         Ok(KvExchange {
             store,

@@ -1,14 +1,14 @@
 //! Checked rounding helpers. None of them can overflow silently.
 
 /// `true` if `x` is a power of two (0 is not).
-pub fn is_pow2(x: u64) -> bool {
+pub(crate) fn is_pow2(x: u64) -> bool {
     x != 0 && x & (x - 1) == 0
 }
 
 /// Round `x` up to a multiple of the power of two `align`.
 ///
 /// Returns `None` if the result does not fit in `u64` or `align` is not a power of two.
-pub fn align_up(x: u64, align: u64) -> Option<u64> {
+pub(crate) fn align_up(x: u64, align: u64) -> Option<u64> {
     if !is_pow2(align) {
         return None;
     }

@@ -1,14 +1,11 @@
 //! The deterministic best-fit caching allocator.
 
 use super::align::{align_up, is_pow2};
-use super::config::{CoreConfig, GrowthPolicy};
+use super::config::CoreConfig;
 use super::error::AllocError;
 use super::free_index::FreeIndex;
 use super::stats::{BlockSnapshot, BlockState, CoreStats, SegmentSnapshot, Snapshot};
-use super::types::{
-    AllocRequest, BlockId, Fence, Growth, Placement, SegmentId, SizeClass, StreamId, Wait,
-};
-use serde::{Deserialize, Serialize};
+use super::types::{AllocRequest, BlockId, Fence, Placement, SegmentId, SizeClass, StreamId, Wait};
 use slab::Slab;
 use smallvec::SmallVec;
 use std::collections::BTreeMap;
@@ -19,7 +16,7 @@ use std::collections::BTreeMap;
 pub(super) type FreeKey = (u64, SegmentId, u64, u32);
 
 /// Released segments with their sizes in bytes.
-type Released = Vec<(SegmentId, u64)>;
+pub(super) type Released = Vec<(SegmentId, u64)>;
 
 /// Fences kept on a free block: at most one per stream (the latest), sorted by stream.
 pub(super) type Fences = SmallVec<[Wait; 2]>;
@@ -101,34 +98,11 @@ pub struct Allocator {
     pub(super) window_seq: u64,
 }
 
-/// What [`Allocator::plan_fit_to_peak`] proposes: entirely free segments to release,
-/// then segments to add, sized to the peak observed since the last
-/// [`reset_peak`](Allocator::reset_peak).
-///
-/// A pure function of the call sequence, so every rank computes the same plan; the
-/// pool can compare plans across ranks before acting on one.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FitPlan {
-    /// Segments to release, in ascending id order, with their sizes in bytes. All are
-    /// entirely free when planned.
-    pub release: Vec<(SegmentId, u64)>,
-    /// Segments to add after the release, in order (at most one small, then at most
-    /// one large). Add them with [`Allocator::add_planned`].
-    pub add: Vec<Growth>,
-}
-
-impl FitPlan {
-    /// Whether the plan changes nothing.
-    pub fn is_empty(&self) -> bool {
-        self.release.is_empty() && self.add.is_empty()
-    }
-}
-
 impl Allocator {
     /// An empty allocator (no segments).
     ///
     /// # Errors
-    /// [`AllocError::InvalidConfig`] if `config` fails [`CoreConfig::validate`].
+    /// [`AllocError::Config`] if `config` fails [`CoreConfig::validate`].
     pub fn new(config: CoreConfig) -> Result<Self, AllocError> {
         config.validate()?;
         Ok(Allocator {
@@ -375,7 +349,7 @@ impl Allocator {
     }
 
     /// Put a free block into the free index and account for its fence state.
-    fn insert_free(&mut self, slot: u32, class: SizeClass) {
+    pub(super) fn insert_free(&mut self, slot: u32, class: SizeClass) {
         let b = &self.blocks[slot as usize];
         if let BlockUse::Free { fenced: true, .. } = b.usage {
             self.fenced_free_bytes += b.size;
@@ -384,7 +358,7 @@ impl Allocator {
     }
 
     /// Take a free block out of the free index, undoing its fence accounting.
-    fn remove_free(&mut self, slot: u32, class: SizeClass) {
+    pub(super) fn remove_free(&mut self, slot: u32, class: SizeClass) {
         let b = &self.blocks[slot as usize];
         if let BlockUse::Free { fenced: true, .. } = b.usage {
             self.fenced_free_bytes -= b.size;
@@ -393,7 +367,7 @@ impl Allocator {
         debug_assert!(removed, "free block missing from the index");
     }
 
-    fn refresh_active(&mut self) {
+    pub(super) fn refresh_active(&mut self) {
         let active = self.stats.allocated_bytes.current + self.fenced_free_bytes;
         let a = &mut self.stats.active_bytes;
         a.current = active;
@@ -563,333 +537,6 @@ impl Allocator {
         }
         self.fenced_free_bytes = fenced_bytes;
         self.refresh_active();
-    }
-
-    /// Add a segment, as asked for by [`AllocError::NeedsGrowth`] (or to pre-grow).
-    /// Its id is the next in sequence; it starts as one free block. Under
-    /// [`GrowthPolicy::Caching`] a large segment larger than `large_segment_bytes` is
-    /// dedicated (it serves only requests of at least 1/`dedicated_reuse_ratio` of its
-    /// size); under [`GrowthPolicy::Registered`] every segment is shared.
-    ///
-    /// # Errors
-    /// [`AllocError::BadSegmentSize`] unless the size is a non-zero multiple of the
-    /// granularity (and, for a small segment, at least `small_request_max_bytes`);
-    /// [`AllocError::OutOfMemory`] past `max_reserved_bytes`; [`AllocError::Exhausted`]
-    /// after 2³² - 1 segments.
-    pub fn add_segment(&mut self, growth: Growth) -> Result<SegmentId, AllocError> {
-        let dedicated = self.config.growth == GrowthPolicy::Caching
-            && growth.class == SizeClass::Large
-            && growth.segment_bytes > self.config.large_segment_bytes;
-        self.insert_segment(growth, dedicated)
-    }
-
-    /// Add a large segment of `size_bytes` that any large request may use (no
-    /// dedicated-segment rule): what [`SymmPool::reserve`](crate::SymmPool::reserve)
-    /// pre-grows.
-    ///
-    /// # Errors
-    /// As [`add_segment`](Self::add_segment).
-    pub fn add_shared_segment(&mut self, size_bytes: u64) -> Result<SegmentId, AllocError> {
-        self.insert_segment(
-            Growth {
-                class: SizeClass::Large,
-                segment_bytes: size_bytes,
-            },
-            false,
-        )
-    }
-
-    /// The id the next added segment will get.
-    pub fn next_segment_id(&self) -> SegmentId {
-        SegmentId(self.next_segment)
-    }
-
-    fn insert_segment(&mut self, growth: Growth, dedicated: bool) -> Result<SegmentId, AllocError> {
-        let size = growth.segment_bytes;
-        if size == 0
-            || size > super::config::MAX_SEGMENT_BYTES
-            || !size.is_multiple_of(self.config.granularity_bytes)
-            || (growth.class == SizeClass::Small && size < self.config.small_request_max_bytes)
-        {
-            return Err(AllocError::BadSegmentSize { size_bytes: size });
-        }
-        let reserved = self.stats.reserved_bytes.current;
-        match reserved.checked_add(size) {
-            Some(r) if r <= self.config.max_reserved_bytes => {}
-            would => {
-                return Err(AllocError::OutOfMemory {
-                    segment_bytes: size,
-                    would_reserve_bytes: would.unwrap_or(u64::MAX),
-                    max_reserved_bytes: self.config.max_reserved_bytes,
-                });
-            }
-        }
-        if self.next_segment == u32::MAX || self.blocks.len() >= u32::MAX as usize {
-            return Err(AllocError::Exhausted);
-        }
-        let id = SegmentId(self.next_segment);
-        self.next_segment += 1;
-        let slot = self.blocks.insert(Block {
-            segment: id,
-            class: growth.class,
-            offset: 0,
-            size,
-            prev: None,
-            next: None,
-            usage: BlockUse::Free {
-                fences: Fences::new(),
-                fenced: false,
-            },
-        }) as u32;
-        self.segments.insert(
-            id,
-            Segment {
-                class: growth.class,
-                size,
-                first: slot,
-                dedicated,
-            },
-        );
-        self.insert_free(slot, growth.class);
-        let s = &mut self.stats;
-        s.reserved_bytes.add(size);
-        s.segments.add(1);
-        let c = s.class_mut(growth.class);
-        c.reserved_bytes.add(size);
-        c.segments.add(1);
-        s.free_blocks += 1;
-        s.num_growths += 1;
-        Ok(id)
-    }
-
-    /// Remove every segment that is entirely free, in ascending id order, and return
-    /// them with their sizes. The caller releases their memory.
-    pub fn release_free_segments(&mut self) -> Vec<(SegmentId, u64)> {
-        let empty: Vec<SegmentId> = self
-            .segments
-            .iter()
-            .filter(|(_, seg)| {
-                let b = &self.blocks[seg.first as usize];
-                b.is_free() && b.size == seg.size
-            })
-            .map(|(id, _)| *id)
-            .collect();
-        empty
-            .into_iter()
-            .filter_map(|id| Some((id, self.release_segment(id).ok()?)))
-            .collect()
-    }
-
-    /// Remove one entirely free segment and return its size in bytes.
-    ///
-    /// # Errors
-    /// [`AllocError::UnknownSegment`] if the segment does not exist or is not entirely
-    /// free. Nothing changes then.
-    pub fn release_segment(&mut self, id: SegmentId) -> Result<u64, AllocError> {
-        let seg = self
-            .segments
-            .get(&id)
-            .ok_or(AllocError::UnknownSegment(id))?;
-        let b = &self.blocks[seg.first as usize];
-        if !(b.is_free() && b.size == seg.size) {
-            return Err(AllocError::UnknownSegment(id));
-        }
-        let Some(seg) = self.segments.remove(&id) else {
-            return Err(AllocError::UnknownSegment(id));
-        };
-        self.remove_free(seg.first, seg.class);
-        self.blocks.remove(seg.first as usize);
-        let s = &mut self.stats;
-        s.reserved_bytes.sub(seg.size);
-        s.segments.sub(1);
-        let c = s.class_mut(seg.class);
-        c.reserved_bytes.sub(seg.size);
-        c.segments.sub(1);
-        s.free_blocks -= 1;
-        s.num_releases += 1;
-        self.refresh_active();
-        Ok(seg.size)
-    }
-
-    /// Bytes in the allocated blocks of one size class now (block sizes, after
-    /// rounding): the class's reserved bytes less its free blocks. Computed on demand
-    /// (O(free blocks of the class)), since the alloc and free paths keep no per-class
-    /// figure; the two classes add up to `stats().allocated_bytes.current`.
-    pub fn class_allocated_bytes(&self, class: SizeClass) -> u64 {
-        // Saturating only so that `check_invariants` reports a broken reserved figure
-        // instead of panicking here.
-        self.stats
-            .class(class)
-            .reserved_bytes
-            .current
-            .saturating_sub(self.free[class.index()].total_bytes())
-    }
-
-    /// Plan a refit of the segments to the peak observed since the last
-    /// [`reset_peak`](Self::reset_peak) (the core half of a collective "fit to peak"
-    /// call, made when the ranks agree to, typically after the first training step).
-    ///
-    /// Per size class, when at least one of its segments is entirely free:
-    /// - every entirely free segment of the class is released (segments holding a live
-    ///   block are kept, whatever their size);
-    /// - one segment is added, of `need` plus `fit_headroom_percent` of it under the
-    ///   registered policy, at most `R - L_c` (below), rounded up to
-    ///   `granularity_bytes` (small: at least `small_segment_bytes`); nothing is added
-    ///   when `need` is 0. `need` bounds what the class's blocks allocated in the
-    ///   window took at its peak: `need = min(P - L, R - L_c)`, where `P` is the peak of
-    ///   `allocated_bytes` in the window, `L` the bytes of the blocks (of both classes)
-    ///   that are live now and were allocated before the window (they were live
-    ///   throughout it and stay where they are), `L_c` the part of `L` in the class, and
-    ///   `R` the peak of the class's `reserved_bytes` in the window. The allocator keeps
-    ///   no per-class allocated peak, so that the alloc and free paths stay free of
-    ///   per-class bookkeeping: both terms are upper bounds of the class's own peak less
-    ///   `L_c`. The first over-counts the other class's window blocks live at the
-    ///   overall peak (usually a few small ones); the second is what the class held the
-    ///   window in, so the headroom never takes the segment past it.
-    ///
-    /// A class with no entirely free segment is left as it is. The kept segments'
-    /// free space is counted as zero, and blocks allocated inside the window that are
-    /// still live count in full: conservative, the plan may over-reserve by those bytes.
-    ///
-    /// The guarantee aimed at: replaying the window's calls again (the next identical
-    /// step) needs no growth when the new segment holds the window's blocks without
-    /// fragmentation: exactly when each class's peak is reached with no hole in between,
-    /// as in the FSDP traces of the tests; otherwise `fit_headroom_percent` gives room
-    /// against it, and growth stays possible (never an error).
-    ///
-    /// The plan is a pure function of the call sequence. Carry it out with
-    /// [`release_planned`](Self::release_planned), then (after the backend work)
-    /// [`add_planned`](Self::add_planned) for each growth in order, or all at once with
-    /// [`apply_fit_plan`](Self::apply_fit_plan). Compared with
-    /// [`release_free_segments`](Self::release_free_segments) (trim), this releases only
-    /// in classes it refills; segments added with
-    /// [`add_shared_segment`](Self::add_shared_segment) (a reserve) are released like
-    /// any other when entirely free, so a pool that reserved ahead may want to skip the
-    /// call.
-    pub fn plan_fit_to_peak(&self) -> FitPlan {
-        let mut plan = FitPlan::default();
-        let headroom = match self.config.growth {
-            GrowthPolicy::Registered {
-                fit_headroom_percent,
-                ..
-            } => fit_headroom_percent,
-            _ => 0,
-        };
-        // Per class: the entirely free segments, and the bytes of the blocks live now
-        // that were allocated before the window.
-        let mut release: [Vec<(SegmentId, u64)>; 2] = [Vec::new(), Vec::new()];
-        let mut old_live = [0u64; 2];
-        for (&id, seg) in &self.segments {
-            let c = seg.class.index();
-            let first = &self.blocks[seg.first as usize];
-            if first.is_free() && first.size == seg.size {
-                release[c].push((id, seg.size));
-                continue;
-            }
-            let mut cur = Some(seg.first);
-            while let Some(slot) = cur {
-                let b = &self.blocks[slot as usize];
-                if let BlockUse::Allocated { seq, .. } = b.usage
-                    && seq < self.window_seq
-                {
-                    old_live[c] += b.size;
-                }
-                cur = b.next;
-            }
-        }
-        let window_peak = self
-            .stats
-            .allocated_bytes
-            .peak
-            .saturating_sub(old_live[0] + old_live[1]);
-        for class in [SizeClass::Small, SizeClass::Large] {
-            let c = class.index();
-            let release = std::mem::take(&mut release[c]);
-            if release.is_empty() {
-                continue;
-            }
-            plan.release.extend(release);
-            let held = self
-                .stats
-                .class(class)
-                .reserved_bytes
-                .peak
-                .saturating_sub(old_live[c]);
-            let need = window_peak.min(held);
-            if need == 0 {
-                continue;
-            }
-            let need = need
-                .saturating_add(need / 100 * headroom + (need % 100) * headroom / 100)
-                .min(held);
-            let gran = self.config.granularity_bytes;
-            let mut size = align_up(need, gran).unwrap_or(u64::MAX / gran * gran);
-            if class == SizeClass::Small {
-                size = size.max(self.config.small_segment_bytes);
-            }
-            plan.add.push(Growth {
-                class,
-                segment_bytes: size.min(super::config::MAX_SEGMENT_BYTES),
-            });
-        }
-        plan.release.sort_unstable();
-        plan
-    }
-
-    /// Release the segments a [`FitPlan`] lists, and return them with their sizes (the
-    /// caller frees their memory).
-    ///
-    /// # Errors
-    /// [`AllocError::UnknownSegment`] naming the first listed segment that does not
-    /// exist or is not entirely free (the plan is stale); nothing changes then.
-    pub fn release_planned(&mut self, plan: &FitPlan) -> Result<Vec<(SegmentId, u64)>, AllocError> {
-        for &(id, size) in &plan.release {
-            let ok = self.segments.get(&id).is_some_and(|seg| {
-                let b = &self.blocks[seg.first as usize];
-                seg.size == size && b.is_free() && b.size == seg.size
-            });
-            if !ok {
-                return Err(AllocError::UnknownSegment(id));
-            }
-        }
-        plan.release
-            .iter()
-            .map(|&(id, _)| Ok((id, self.release_segment(id)?)))
-            .collect()
-    }
-
-    /// Add one segment of a [`FitPlan`]: a large one as a shared segment (like
-    /// [`add_shared_segment`](Self::add_shared_segment)), a small one with
-    /// [`add_segment`](Self::add_segment).
-    ///
-    /// # Errors
-    /// As [`add_segment`](Self::add_segment).
-    pub fn add_planned(&mut self, growth: Growth) -> Result<SegmentId, AllocError> {
-        match growth.class {
-            SizeClass::Large => self.add_shared_segment(growth.segment_bytes),
-            SizeClass::Small => self.add_segment(growth),
-        }
-    }
-
-    /// [`release_planned`](Self::release_planned) then
-    /// [`add_planned`](Self::add_planned) for every growth of the plan: for callers
-    /// with no backend work in between (tests, simulations). Returns the released
-    /// segments and the ids of the added ones.
-    ///
-    /// # Errors
-    /// As [`release_planned`](Self::release_planned) (nothing changes) and
-    /// [`add_planned`](Self::add_planned) (the release and earlier additions stay).
-    pub fn apply_fit_plan(
-        &mut self,
-        plan: &FitPlan,
-    ) -> Result<(Released, Vec<SegmentId>), AllocError> {
-        let released = self.release_planned(plan)?;
-        let added = plan
-            .add
-            .iter()
-            .map(|&g| self.add_planned(g))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((released, added))
     }
 
     /// The segments in id order, with class and size in bytes.

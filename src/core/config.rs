@@ -291,7 +291,7 @@ impl CoreConfig {
     /// Check that the sizes are consistent.
     ///
     /// # Errors
-    /// [`AllocError::InvalidConfig`] naming the first rule broken: `min_block_bytes` and
+    /// [`AllocError::Config`] naming the first rule broken: `min_block_bytes` and
     /// `granularity_bytes` powers of two with `min_block_bytes ≤ granularity_bytes`;
     /// segment sizes non-zero multiples of the granularity; a small request fits a
     /// small segment; `dedicated_min_bytes ≤ large_segment_bytes`;
@@ -300,7 +300,7 @@ impl CoreConfig {
     /// granularity with `min_chunk_bytes ≤ max_chunk_bytes ≤ 16 TiB`,
     /// `growth_percent ≤ 10 000` and `fit_headroom_percent ≤ 100`.
     pub fn validate(&self) -> Result<(), AllocError> {
-        let bad = |what: &'static str| Err(AllocError::InvalidConfig(what));
+        let bad = |what: &'static str| Err(AllocError::Config(what));
         if !is_pow2(self.min_block_bytes) || !is_pow2(self.granularity_bytes) {
             return bad("min_block_bytes and granularity_bytes must be powers of two");
         }

@@ -59,5 +59,5 @@ pub enum AllocError {
     Exhausted,
     /// The configuration is inconsistent.
     #[error("invalid allocator configuration: {0}")]
-    InvalidConfig(&'static str),
+    Config(&'static str),
 }

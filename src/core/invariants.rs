@@ -166,33 +166,29 @@ impl Allocator {
             ("allocated_blocks", s.allocated_blocks.current, nalloc),
             ("free_blocks", s.free_blocks, nfree),
         ];
-        let class_checks = [
-            ("small.segments", s.small.segments.current, by_class[0].0),
-            (
-                "small.reserved_bytes",
-                s.small.reserved_bytes.current,
-                by_class[0].1,
-            ),
-            (
-                "class_allocated_bytes(Small)",
-                self.class_allocated_bytes(SizeClass::Small),
-                by_class[0].2,
-            ),
-            ("large.segments", s.large.segments.current, by_class[1].0),
-            (
-                "large.reserved_bytes",
-                s.large.reserved_bytes.current,
-                by_class[1].1,
-            ),
-            (
-                "class_allocated_bytes(Large)",
-                self.class_allocated_bytes(SizeClass::Large),
-                by_class[1].2,
-            ),
-        ];
-        for (name, have, want) in checks.into_iter().chain(class_checks) {
+        let class_checks = [SizeClass::Small, SizeClass::Large]
+            .into_iter()
+            .flat_map(|class| {
+                let (c, recount) = (s.class(class), by_class[class.index()]);
+                [
+                    ("segments", c.segments.current, recount.0),
+                    ("reserved_bytes", c.reserved_bytes.current, recount.1),
+                    (
+                        "allocated bytes",
+                        self.class_allocated_bytes(class),
+                        recount.2,
+                    ),
+                ]
+                .map(|(what, have, want)| (class, what, have, want))
+            });
+        for (name, have, want) in checks {
             if have != want {
                 return fail(format!("stat {name} is {have}, recount {want}"), None);
+            }
+        }
+        for (class, name, have, want) in class_checks {
+            if have != want {
+                return fail(format!("{class:?} {name} is {have}, recount {want}"), None);
             }
         }
         for (name, stat) in [
@@ -215,5 +211,32 @@ impl Allocator {
             return fail("allocs - frees differs from live blocks", None);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{AllocError, AllocRequest, Allocator, CoreConfig, SegmentId, StreamId};
+
+    #[test]
+    fn invariant_checker_detects_corruption() {
+        let mut c = Allocator::new(CoreConfig::default()).unwrap();
+        let req = AllocRequest::new(4096, StreamId(0));
+        if let Err(AllocError::NeedsGrowth(g)) = c.alloc(req) {
+            c.add_segment(g).unwrap();
+        }
+        let _a = c.alloc(req).unwrap();
+        c.check_invariants().unwrap();
+        let mut broken = c.clone();
+        broken.stats.allocated_bytes.current += 512;
+        assert!(broken.check_invariants().is_err());
+        let mut broken = c.clone();
+        let key = broken.free[0].iter().next().unwrap();
+        broken.free[0].remove(&key);
+        assert!(broken.check_invariants().is_err());
+        let mut broken = c.clone();
+        let slot = broken.segments[&SegmentId(0)].first;
+        broken.blocks[slot as usize].size -= 512;
+        assert!(broken.check_invariants().is_err());
     }
 }

@@ -6,20 +6,20 @@ use serde::{Deserialize, Serialize};
 
 /// Per block of [`Allocator::snapshot`], what only the allocator knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockMark {
+pub(crate) struct BlockMark {
     /// The allocation's sequence number ([`BlockId::seq`](super::BlockId)) of an
     /// allocated block; `None` for a free one.
-    pub allocation_seq: Option<u64>,
+    pub(crate) allocation_seq: Option<u64>,
     /// A free block carrying a fence not yet reported complete (its memory may still be
     /// in use by device work); `false` for allocated blocks.
-    pub fenced: bool,
+    pub(crate) fenced: bool,
 }
 
 impl Allocator {
     /// One mark per block, in the order of [`snapshot`](Self::snapshot): segments in
     /// id order, blocks in address order (`marks[i][j]` belongs to
     /// `snapshot.segments[i].blocks[j]`).
-    pub fn block_marks(&self) -> Vec<Vec<BlockMark>> {
+    pub(crate) fn block_marks(&self) -> Vec<Vec<BlockMark>> {
         self.segments
             .values()
             .map(|seg| {

@@ -69,21 +69,20 @@ mod align;
 mod allocator;
 mod config;
 mod error;
+mod fit;
 mod free_index;
 mod invariants;
 mod marks;
+mod segments;
 mod stats;
 mod types;
 
-#[cfg(test)]
-mod tests;
-
-pub use align::{align_up, is_pow2};
-pub use allocator::{Allocator, FitPlan};
+pub(crate) use align::{align_up, is_pow2};
+pub use allocator::Allocator;
 pub use config::{CoreConfig, GrowthPolicy, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
+pub use fit::FitPlan;
 pub use invariants::InvariantViolation;
-pub use marks::BlockMark;
 pub use stats::{
     BlockSnapshot, BlockState, ClassStats, CoreStats, SegmentSnapshot, Snapshot, Stat,
 };

@@ -91,7 +91,6 @@ mod render;
 mod snapshot;
 mod stats;
 
-pub use crate::pool::role_name;
-pub use render::{MIN_BLOCK_PX, format_bytes, render_ranks, render_svg};
+pub use render::{MIN_BLOCK_PX, render_ranks, render_svg};
 pub use snapshot::{BlockStatus, BlockView, PoolSnapshot, SegmentView, WindowView};
 pub use stats::{MemoryStats, StatValue};

@@ -46,7 +46,7 @@ const STYLE: &str = "
 ";
 
 /// `n` bytes for people: `512 B`, `1.5 KiB`, `4.00 MiB`, `1.00 GiB`.
-pub fn format_bytes(n: u64) -> String {
+pub(crate) fn format_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut x = n as f64;
     let mut u = 0;

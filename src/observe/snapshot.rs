@@ -59,7 +59,7 @@ pub struct BlockView {
 pub struct WindowView {
     /// Index of the communicator in the backend's list.
     pub comm: usize,
-    /// Its role: `symmetric`, `copy_engine` or `plain` ([`role_name`]).
+    /// Its role: `symmetric`, `copy_engine` or `plain`.
     pub role: String,
     /// Whether the segment is registered there (NCCL returned a window).
     pub registered: bool,

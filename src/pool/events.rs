@@ -8,7 +8,7 @@ use std::time::Duration;
 
 /// The name of a communicator role in statistics keys and events: `symmetric`,
 /// `copy_engine`, `plain`.
-pub fn role_name(role: CommRole) -> &'static str {
+pub(crate) fn role_name(role: CommRole) -> &'static str {
     match role {
         CommRole::Symmetric => "symmetric",
         CommRole::CopyEngine => "copy_engine",

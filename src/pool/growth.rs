@@ -209,6 +209,14 @@ impl SymmPool {
                     continue;
                 }
                 let registering = Instant::now();
+                // The registration gets half the time left, the outcome round the
+                // rest: a rank whose registration failed before joining it waits in
+                // the outcome round for peers that first wait out the registration.
+                let register_by = if deadline.is_never() {
+                    deadline
+                } else {
+                    Deadline::after(deadline.remaining() / 2)
+                };
                 // SAFETY: every rank reaches this point for the same growth (the two
                 // agreements above matched call sequences and confirmed the memory on
                 // every rank, and the outcome rounds below confirmed every earlier
@@ -217,7 +225,9 @@ impl SymmPool {
                 // same segments; the segment is new, so not registered on `c`;
                 // `readiness` refused growth on every rank if the allocating stream
                 // was capturing.
-                let local = match unsafe { backend.segments().register(&entry.segment, c) } {
+                let local = match unsafe {
+                    backend.segments().register(&entry.segment, c, register_by)
+                } {
                     Ok(window) => {
                         let (took, got) = (registering.elapsed(), window.is_some());
                         super::events::registered(self.rank(), c, info.role, size_bytes, took, got);
@@ -249,8 +259,7 @@ impl SymmPool {
     /// growth (deregisters the windows made so far, frees the segment). A failed
     /// registration marks the pool registration-broken on every rank; the failing
     /// rank returns its own error, the others [`Error::RegistrationBroken`] naming the
-    /// first failing rank. Waits for the peers until `deadline` (the growth's), or
-    /// twice the timeout if that is later.
+    /// first failing rank. Waits for the peers until `deadline`, the growth's.
     fn agree_registered(
         &self,
         st: &mut PoolState,
@@ -267,11 +276,6 @@ impl SymmPool {
             Err(Error::NoSymmetricSupport { .. }) => NO_WINDOW,
             Err(_) => FAILED,
         };
-        // A rank whose registration failed before joining it arrives at once, its
-        // peers only after waiting out the registration, whose bound is the backend's
-        // own (a registration takes no deadline yet): allow for both waits, beyond
-        // the growth's deadline if need be.
-        let deadline = deadline.max(Deadline::after(self.inner.config.timeout.saturating_mul(2)));
         let flags = match self.agree(
             st,
             Op::Grow,

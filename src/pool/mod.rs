@@ -40,7 +40,7 @@ pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
 pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
-pub use events::role_name;
+pub(crate) use events::role_name;
 pub use fit::FitReport;
 pub use scope::{alloc, alloc_aligned, current};
 pub use stats::PoolStats;
@@ -134,8 +134,8 @@ impl SymmPool {
     /// process, create them concurrently ([`SymmPool::group`]).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the core configuration (with the backend's
-    /// granularity) is invalid, or `history_len` exceeds [`MAX_HISTORY`];
+    /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`]; [`Error::Core`] if
+    /// the core configuration (with the backend's granularity) is invalid;
     /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
     /// orders or with different names; [`Error::Timeout`] / [`Error::PeerLost`] if a
     /// rank does not create its pool within the timeout.
@@ -149,10 +149,11 @@ impl SymmPool {
 
     fn create(backend: Backend, mut config: PoolConfig) -> Result<Self> {
         if config.history_len > MAX_HISTORY {
-            return Err(Error::InvalidConfig(format!(
-                "history_len {} exceeds {MAX_HISTORY}",
-                config.history_len
-            )));
+            return Err(Error::Config {
+                setting: "PoolConfig::history_len",
+                value: config.history_len.to_string(),
+                expected: "at most MAX_HISTORY (65 536) calls",
+            });
         }
         let granularity = backend.granularity_bytes();
         config.core = config.core.with_granularity_bytes(granularity);
@@ -205,21 +206,8 @@ impl SymmPool {
     /// # Errors
     /// The first rank's error, as [`SymmPool::new`].
     pub fn group(backends: Vec<Backend>, config: &PoolConfig) -> Result<Vec<SymmPool>> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = backends
-                .into_iter()
-                .map(|b| s.spawn(move || SymmPool::new(b, config.clone())))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Internal {
-                            what: "a pool-creating thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
+        crate::error::in_threads(backends, "a pool-creating thread", |b| {
+            SymmPool::new(b, config.clone())
         })
     }
 

@@ -72,7 +72,7 @@ impl SymmPool {
         }
         let backend = &self.inner.backend;
         let started = std::time::Instant::now();
-        if !backend.streams().drain(deadline.instant())? {
+        if !backend.streams().drain(deadline)? {
             return Err(Error::Timeout {
                 op: "draining the device before releasing segments",
                 waited: started.elapsed(),
@@ -185,7 +185,7 @@ impl Drop for PoolInner {
         let drained = self
             .backend
             .streams()
-            .drain(Deadline::after(self.config.timeout).instant());
+            .drain(Deadline::after(self.config.timeout));
         if !matches!(drained, Ok(true)) {
             let why = match drained {
                 Err(e) => e.to_string(),

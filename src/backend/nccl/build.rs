@@ -30,9 +30,11 @@ use std::sync::Arc;
 pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
     let count = device_count()?;
     if device >= count {
-        return Err(Error::InvalidConfig(format!(
-            "device {device} not present ({count} visible)"
-        )));
+        return Err(Error::Config {
+            setting: "device",
+            value: format!("{device} ({count} visible)"),
+            expected: "a visible device",
+        });
     }
     let ctx = CudaContext::new(device).map_err(ffi::cuda("cuDevicePrimaryCtxRetain"))?;
     ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
@@ -79,11 +81,15 @@ fn same_rank(
     exchange: &dyn Exchange,
 ) -> Result<(usize, usize)> {
     if (rank, world) != (exchange.rank(), exchange.world_size()) || dev != device {
-        return Err(Error::InvalidConfig(format!(
-            "the communicator is rank {rank} of {world} on device {dev}; the exchange rank {} of {}, the device given {device}",
-            exchange.rank(),
-            exchange.world_size()
-        )));
+        return Err(Error::Config {
+            setting: "communicator",
+            value: format!(
+                "rank {rank} of {world} on device {dev}; the exchange rank {} of {}, the device given {device}",
+                exchange.rank(),
+                exchange.world_size()
+            ),
+            expected: "the exchange's rank and world size on the device given",
+        });
     }
     Ok((rank, world))
 }
@@ -260,7 +266,7 @@ impl NcclBackend {
     ///
     /// # Errors
     /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
-    /// before NCCL 2.27; [`Error::InvalidConfig`] for no usable device, ranks on
+    /// before NCCL 2.27; [`Error::Config`] for no usable device, ranks on
     /// different NCCL versions or configurations; the exchange's errors
     /// ([`Error::Timeout`], [`Error::PeerLost`]); [`Error::NcclTimeout`] if a
     /// communicator is not made in time; [`Error::Cuda`] / [`Error::Nccl`].
@@ -269,7 +275,11 @@ impl NcclBackend {
         let visible = device_count()?;
         let local = config::local_rank(&|k| std::env::var(k).ok());
         let device =
-            config::pick_device(config.device, local, visible).map_err(Error::InvalidConfig)?;
+            config::pick_device(config.device, local, visible).map_err(|value| Error::Config {
+                setting: "NcclConfig::device",
+                value,
+                expected: "a visible device, given or picked by the local rank",
+            })?;
         let ctx = context(device)?;
         let (rank, world) = (exchange.rank(), exchange.world_size());
         let id = if rank == 0 {
@@ -279,10 +289,10 @@ impl NcclBackend {
         };
         let agreed = b.agree(exchange.as_ref(), id)?;
         let [id] = agreed.unique_ids[..] else {
-            return Err(Error::InvalidConfig(format!(
-                "rank 0 sent {} unique ids, not 1",
-                agreed.unique_ids.len()
-            )));
+            return Err(Error::Protocol {
+                op: "NCCL set-up",
+                detail: format!("rank 0 sent {} unique ids, not 1", agreed.unique_ids.len()),
+            });
         };
         let control = b.control_init(world, &id, rank)?;
         let comms = b.data(&control, rank)?;
@@ -328,7 +338,7 @@ impl NcclBackend {
     /// - `exchange` groups the same processes, with the same rank numbers, as `comm`.
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`]; [`Error::InvalidConfig`] if
+    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`]; [`Error::Config`] if
     /// the communicator disagrees with the exchange on rank or size, or with `device`;
     /// the exchange's errors; [`Error::NcclTimeout`] if a split does not finish in time;
     /// [`Error::Nccl`] / [`Error::Cuda`].
@@ -364,19 +374,27 @@ impl NcclBackend {
     ///
     /// # Errors
     /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
-    /// before NCCL 2.27; [`Error::InvalidConfig`] for no devices, a device listed twice
+    /// before NCCL 2.27; [`Error::Config`] for no devices, a device listed twice
     /// or one that is not present; [`Error::NcclTimeout`]; [`Error::Cuda`] /
     /// [`Error::Nccl`] from initialisation.
     pub fn local_world(devices: &[usize], config: NcclConfig) -> Result<Vec<Backend>> {
         let b = Builder::new(config)?;
         if devices.is_empty() {
-            return Err(Error::InvalidConfig("no devices".into()));
+            return Err(Error::Config {
+                setting: "devices",
+                value: "[]".into(),
+                expected: "at least one device",
+            });
         }
         let mut sorted = devices.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
         if sorted.len() != devices.len() {
-            return Err(Error::InvalidConfig("a device is listed twice".into()));
+            return Err(Error::Config {
+                setting: "devices",
+                value: format!("{devices:?}"),
+                expected: "distinct devices",
+            });
         }
         let id = ffi::unique_id(b.nccl)?;
         let world = devices.len();
@@ -395,17 +413,11 @@ impl NcclBackend {
         };
         let one_rank = &one_rank;
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
-        std::thread::scope(|s| {
-            let threads: Vec<_> = (ranks.enumerate())
-                .map(|(rank, (ctx, exchange))| s.spawn(move || one_rank(rank, ctx, exchange)))
-                .collect();
-            let panicked = || Error::Internal {
-                what: "a rank's initialisation thread panicked".into(),
-            };
-            (threads.into_iter())
-                .map(|t| t.join().map_err(|_| panicked()).and_then(|made| made))
-                .collect()
-        })
+        crate::error::in_threads(
+            ranks.enumerate(),
+            "a rank's initialisation thread",
+            |(rank, (ctx, exchange))| one_rank(rank, ctx, exchange),
+        )
     }
 
     /// Adopt communicators as they are (tests, interop): each with its role and the CTA
@@ -434,7 +446,7 @@ impl NcclBackend {
     ///   `CTAPolicy = NCCL_CTA_POLICY_ZERO` (else the reported path is wrong).
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`], [`Error::InvalidConfig`]
+    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`], [`Error::Config`]
     /// for no communicators, or one that disagrees with the exchange on rank or size,
     /// or is not on `device`; the exchange's errors.
     pub unsafe fn from_raw(
@@ -460,7 +472,11 @@ impl NcclBackend {
             adopted.push((info, Comm::new(b.nccl, raw, false, false)));
         }
         let Some((rank, world)) = rank_world else {
-            return Err(Error::InvalidConfig("no communicators".into()));
+            return Err(Error::Config {
+                setting: "communicators",
+                value: "none".into(),
+                expected: "at least one communicator",
+            });
         };
         let agreed = b.agree(exchange.as_ref(), None)?;
         let seat = Seat { rank, world, ctx };
@@ -504,7 +520,7 @@ mod tests {
         for wrong in [(0, 2, 3), (1, 4, 3), (1, 2, 0)] {
             assert!(matches!(
                 same_rank(wrong, 3, &ex),
-                Err(Error::InvalidConfig(_))
+                Err(Error::Config { .. })
             ));
         }
     }

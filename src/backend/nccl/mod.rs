@@ -136,7 +136,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use streams::FenceTable;
 use watchdog::Watchdog;
 
@@ -390,15 +390,24 @@ impl SegmentProvider for NcclBackend {
         Ok(Segment::new(Box::new(NcclMemory { ptr, size_bytes })))
     }
 
-    unsafe fn register(&self, segment: &Segment, comm: usize) -> Result<Option<Window>> {
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> Result<Option<Window>> {
         let mem = Self::memory(segment)?;
         self.bind()?;
         // SAFETY: the segment is one whole ncclMemAlloc allocation of this device (from
         // `allocate`), and the caller guarantees it is not registered on this
         // communicator yet and that every rank registers in the same order.
         let win = unsafe {
-            self.shared
-                .register(comm, mem.ptr, mem.size_bytes, self.shared.call_deadline())
+            self.shared.register(
+                comm,
+                mem.ptr,
+                mem.size_bytes,
+                self.shared.call_deadline().min(deadline),
+            )
         }?;
         let mut ordinals = self.ordinals.lock();
         ordinals[comm] += 1;
@@ -490,7 +499,7 @@ impl Drop for NcclBackend {
         // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
         // resources; with work still running (a stuck collective, a kernel that never
         // ends) the aborts wait for the device, so leave them to their thread at once.
-        let idle = matches!(self.drain(Instant::now()), Ok(true));
+        let idle = matches!(self.drain(Deadline::after(Duration::ZERO)), Ok(true));
         if !idle {
             tracing::warn!(
                 "symmpool: rank {}: device work still in flight; aborting its communicators in the background",

@@ -45,7 +45,7 @@ pub(crate) const CHANNEL: &str = "nccl:setup";
 /// Every rank of `exchange`, at the same point.
 ///
 /// # Errors
-/// The exchange's errors; [`Error::InvalidConfig`] on every rank when ranks run
+/// The exchange's errors; [`Error::Config`] on every rank when ranks run
 /// different NCCL versions, or rank 0's payload is malformed.
 pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) -> Result<Agreed> {
     let channel = exchange.open_channel(CHANNEL, deadline.remaining())?;
@@ -57,10 +57,9 @@ pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) 
         .iter()
         .enumerate()
         .map(|(rank, p)| {
-            postcard::from_bytes::<Hello>(p).map_err(|e| {
-                Error::InvalidConfig(format!(
-                    "rank {rank}'s NCCL set-up payload does not decode: {e}"
-                ))
+            postcard::from_bytes::<Hello>(p).map_err(|e| Error::Protocol {
+                op: "NCCL set-up",
+                detail: format!("rank {rank}'s payload does not decode: {e}"),
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -69,9 +68,11 @@ pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) 
 
 /// What every rank concludes from all ranks' hellos (a pure function).
 pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
-    let first = hellos
-        .first()
-        .ok_or_else(|| Error::InvalidConfig("no ranks".into()))?;
+    let first = hellos.first().ok_or_else(|| Error::Config {
+        setting: "world_size",
+        value: "0".into(),
+        expected: "at least one rank",
+    })?;
     let versions: BTreeSet<i32> = hellos.iter().map(|h| h.version).collect();
     if versions.len() > 1 {
         let per_rank = hellos
@@ -80,29 +81,33 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
             .map(|(r, h)| format!("rank {r}: {}", NcclVersion::from_code(h.version)))
             .collect::<Vec<_>>()
             .join(", ");
-        return Err(Error::InvalidConfig(format!(
-            "ranks run different NCCL versions ({per_rank}); every rank must load the same NCCL"
-        )));
+        return Err(Error::Config {
+            setting: "NCCL version",
+            value: per_rank,
+            expected: "the same NCCL on every rank",
+        });
     }
     if let Some((r, h)) = hellos
         .iter()
         .enumerate()
         .find(|(_, h)| h.plan != first.plan)
     {
-        return Err(Error::InvalidConfig(format!(
-            "ranks split different data communicators (rank 0: {}, rank {r}: {}); pass the same NcclConfig on every rank",
-            first.plan, h.plan
-        )));
+        return Err(Error::Config {
+            setting: "NcclConfig",
+            value: format!(
+                "ranks split different data communicators (rank 0: {}, rank {r}: {})",
+                first.plan, h.plan
+            ),
+            expected: "the same NcclConfig on every rank",
+        });
     }
     let unique_ids = first
         .unique_ids
         .iter()
         .map(|id| {
-            <[u8; 128]>::try_from(id.as_slice()).map_err(|_| {
-                Error::InvalidConfig(format!(
-                    "rank 0 sent a unique id of {} bytes, not 128",
-                    id.len()
-                ))
+            <[u8; 128]>::try_from(id.as_slice()).map_err(|_| Error::Protocol {
+                op: "NCCL set-up",
+                detail: format!("rank 0 sent a unique id of {} bytes, not 128", id.len()),
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -203,7 +208,7 @@ mod tests {
             plan: "p".into(),
         };
         match settle(&[h(22803), h(22809)]) {
-            Err(Error::InvalidConfig(m)) => {
+            Err(Error::Config { value: m, .. }) => {
                 assert!(
                     m.contains("rank 0: 2.28.3") && m.contains("rank 1: 2.28.9"),
                     "{m}"
@@ -215,14 +220,14 @@ mod tests {
             unique_ids: vec![vec![0; 12]],
             ..h(22803)
         };
-        assert!(matches!(settle(&[bad]), Err(Error::InvalidConfig(_))));
+        assert!(matches!(settle(&[bad]), Err(Error::Protocol { .. })));
         let other = Hello {
             plan: "q".into(),
             ..h(22803)
         };
         assert!(matches!(
             settle(&[h(22803), other]),
-            Err(Error::InvalidConfig(m)) if m.contains("different data communicators")
+            Err(Error::Config { value: m, .. }) if m.contains("different data communicators")
         ));
         let one = settle(&[h(22803)]).unwrap();
         assert_eq!((one.nodes, one.unique_ids.len()), (1, 0));

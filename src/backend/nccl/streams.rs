@@ -142,7 +142,7 @@ impl NcclBackend {
     /// the backend may still see it).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the stream belongs to another context; [`Error::Cuda`];
+    /// [`Error::Config`] if the stream belongs to another context; [`Error::Cuda`];
     /// the backend's error once it is broken.
     pub unsafe fn stream_from_raw(&self, cu_stream: CUstream) -> Result<Stream> {
         self.shared.health.check()?;
@@ -154,10 +154,11 @@ impl NcclBackend {
         // SAFETY: the caller guarantees a live stream handle.
         let ctx = unsafe { ffi::stream_context(cu_stream) }?;
         if ctx != self.shared.device.ctx.cu_ctx() {
-            return Err(Error::InvalidConfig(format!(
-                "the stream belongs to another CUDA context than the primary context of device {}",
-                self.device()
-            )));
+            return Err(Error::Config {
+                setting: "stream",
+                value: "a stream of another CUDA context".into(),
+                expected: "a stream of this backend's device's primary context",
+            });
         }
         // SAFETY: the stream belongs to this context (checked above) and the caller keeps
         // it alive as long as this backend, which holds every wrapper it hands out.
@@ -253,7 +254,7 @@ impl StreamOps for NcclBackend {
         ffi::is_capturing(cs)
     }
 
-    fn drain(&self, deadline: Instant) -> Result<bool> {
+    fn drain(&self, deadline: Deadline) -> Result<bool> {
         self.bind()?;
         // One event after everything enqueued so far on every stream that fenced.
         let streams: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
@@ -261,7 +262,6 @@ impl StreamOps for NcclBackend {
             .iter()
             .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))
             .collect::<Result<Vec<CudaEvent>>>()?;
-        let deadline = Deadline::after(deadline.saturating_duration_since(Instant::now()));
         Ok(all_complete(&events, deadline))
     }
 }
