@@ -98,28 +98,17 @@ impl CoreStats {
 
     /// Every gauge, the per-class ones included (for `reset_peak`).
     pub(crate) fn gauges_mut(&mut self) -> [&mut Stat; 10] {
-        let CoreStats {
-            allocated_bytes,
-            requested_bytes,
-            reserved_bytes,
-            active_bytes,
-            segments,
-            allocated_blocks,
-            small,
-            large,
-            ..
-        } = self;
         [
-            allocated_bytes,
-            requested_bytes,
-            reserved_bytes,
-            active_bytes,
-            segments,
-            allocated_blocks,
-            &mut small.segments,
-            &mut small.reserved_bytes,
-            &mut large.segments,
-            &mut large.reserved_bytes,
+            &mut self.allocated_bytes,
+            &mut self.requested_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.segments,
+            &mut self.allocated_blocks,
+            &mut self.small.segments,
+            &mut self.small.reserved_bytes,
+            &mut self.large.segments,
+            &mut self.large.reserved_bytes,
         ]
     }
 }
