@@ -478,7 +478,7 @@ fuzz_target!(|input: Input| {
     let core = match Allocator::new(cfg) {
         Ok(core) => core,
         Err(e) => {
-            assert!(matches!(e, AllocError::InvalidConfig(_)));
+            assert!(matches!(e, AllocError::Config(_)));
             assert!(cfg.validate().is_err());
             return;
         }
