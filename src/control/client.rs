@@ -1,4 +1,4 @@
-//! [`StoreExchange`]: an [`Exchange`] over the TCP store, one process per rank.
+//! [`StoreExchange`]: an [`Exchange`](super::Exchange) over the TCP store, one process per rank.
 
 use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-/// An [`Exchange`] among processes over the crate's TCP store.
+/// An [`Exchange`](super::Exchange) among processes over the crate's TCP store.
 ///
 /// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it as a client.
 /// A waiting caller reads the socket itself when no other thread is reading (so a round

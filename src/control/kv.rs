@@ -1,4 +1,4 @@
-//! [`KvExchange`]: an [`Exchange`] over a key-value store a runtime already has, such
+//! [`KvExchange`]: an [`Exchange`](super::Exchange) over a key-value store a runtime already has, such
 //! as PyTorch's `c10d.Store` (`set`, `get`, `add`, `wait`), so that the crate's
 //! agreement runs wherever the runtime runs, under any launcher.
 //!
@@ -107,7 +107,7 @@ impl KvConfig {
     }
 }
 
-/// An [`Exchange`] over a [`KvStore`] (for example PyTorch's default `c10d.Store`,
+/// An [`Exchange`](super::Exchange) over a [`KvStore`] (for example PyTorch's default `c10d.Store`,
 /// reached through the Python bindings).
 ///
 /// # Protocol

@@ -5,7 +5,7 @@ use crate::error::Result;
 use std::fmt;
 use std::sync::Arc;
 
-/// An [`Exchange`] among ranks that are threads of one process.
+/// An [`Exchange`](super::Exchange) among ranks that are threads of one process.
 ///
 /// Made for a whole group at once with [`LocalExchange::group`]; hand one to each
 /// rank's thread. Payloads have no size limit beyond memory.
