@@ -650,8 +650,8 @@ impl GatherRounds for StoreExchange {
         let mut inbox = self.shared.wait_until(r.deadline, |ib| {
             ib.results.contains_key(&key) || ib.broken.is_some()
         });
-        if let Some(r) = inbox.results.remove(&key) {
-            return Ok(r);
+        if let Some(result) = inbox.results.remove(&key) {
+            return Ok(result);
         }
         if let Some(b) = &inbox.broken {
             return Err(self.error_for(b, r.op));
@@ -674,7 +674,7 @@ impl GatherRounds for StoreExchange {
                     Error::Timeout {
                         op: r.op,
                         waited: r.started.elapsed(),
-                        missing_ranks: missing.into_iter().map(|r| r as usize).collect(),
+                        missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
                     }
                 }
                 _ => self.error_for(&b, r.op),
