@@ -1,4 +1,4 @@
-//! [`StoreExchange`]: an [`Exchange`] over the TCP store, one process per rank.
+//! [`StoreExchange`]: an [`Exchange`](super::Exchange) over the TCP store, one process per rank.
 
 use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
@@ -7,7 +7,7 @@ use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError, Refusal,
     SharedStream, ToClient, ToServer,
 };
-use super::{ChannelId, Exchange, Rounds};
+use super::{GatherRounds, Round, Rounds};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-/// An [`Exchange`] among processes over the crate's TCP store.
+/// An [`Exchange`](super::Exchange) among processes over the crate's TCP store.
 ///
 /// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it as a client.
 /// A waiting caller reads the socket itself when no other thread is reading (so a round
@@ -35,14 +35,12 @@ use std::time::{Duration, Instant};
 /// Later calls after any rank has left fail with [`Error::PeerLost`] naming it: leaving
 /// is final, like a crash, for the ranks still using the group.
 pub struct StoreExchange {
-    rank: usize,
-    world: usize,
     shared: Arc<ClientShared>,
     reader: Option<JoinHandle<()>>,
     server: Option<StoreServer>,
+    /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
     ops: Mutex<Vec<&'static str>>,
-    max_payload_bytes: usize,
     linger: Duration,
 }
 
@@ -122,8 +120,8 @@ impl Inbox {
 impl fmt::Debug for StoreExchange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoreExchange")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world)
+            .field("rank", &self.rounds.rank)
+            .field("world_size", &self.rounds.world_size)
             .field("server", &self.shared.server)
             .field("hosting", &self.server.is_some())
             .finish()
@@ -403,14 +401,11 @@ impl StoreExchange {
                 "starting the reader thread".into(),
             ))?;
         let ex = StoreExchange {
-            rank: launch.rank,
-            world: launch.world_size,
             shared,
             reader: Some(handle),
             server,
-            rounds: Rounds::default(),
+            rounds: Rounds::new(launch.rank, launch.world_size, config.max_payload_bytes()),
             ops: Mutex::new(vec!["store start-up", "open_channel"]),
-            max_payload_bytes: config.max_payload_bytes(),
             linger: config.linger,
         };
         // Wait for every rank to join.
@@ -421,7 +416,7 @@ impl StoreExchange {
             if let Some(b) = &inbox.broken {
                 return Err(ex.error_for(b, "store start-up"));
             }
-            let missing = (0..ex.world)
+            let missing = (0..ex.rounds.world_size)
                 .filter(|r| !inbox.present.contains(&(*r as u32)))
                 .collect();
             drop(inbox);
@@ -434,8 +429,8 @@ impl StoreExchange {
         drop(inbox);
         tracing::debug!(
             "symmpool store: rank {} of {} joined after {:?}",
-            ex.rank,
-            ex.world,
+            ex.rounds.rank,
+            ex.rounds.world_size,
             started.elapsed()
         );
         Ok(ex)
@@ -631,41 +626,20 @@ fn connect_retrying(target: &str, deadline: Deadline, startup: Duration) -> Resu
     }
 }
 
-impl Exchange for StoreExchange {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn all_gather_until(
-        &self,
-        channel: ChannelId,
-        op: &'static str,
-        payload: &[u8],
-        deadline: Deadline,
-    ) -> Result<Vec<Vec<u8>>> {
-        let started = Instant::now();
-        if payload.len() > self.max_payload_bytes {
-            return Err(Error::PayloadTooLarge {
-                payload_bytes: payload.len(),
-                max_bytes: self.max_payload_bytes,
-            });
-        }
-        self.remember(op);
+impl GatherRounds for StoreExchange {
+    fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
+        self.remember(r.op);
         if let Some(b) = &self.shared.inbox.lock().broken {
-            return Err(self.error_for(b, op));
+            return Err(self.error_for(b, r.op));
         }
-        let round = self.rounds.next(channel);
-        let key = (channel.ordinal(), round);
-        let wire_op: String = op.chars().take(200).collect();
+        let round = r.number;
+        let key = (r.channel.ordinal(), round);
+        let wire_op: String = r.op.chars().take(200).collect();
         let frame = wire::encode(&ToServer::Contribute {
             channel: key.0,
             round,
             op: wire_op.clone(),
-            payload: payload.to_vec(),
+            payload: r.payload.to_vec(),
         });
         if let Err(e) = self.shared.send(&frame) {
             self.shared.server_lost(format!(
@@ -673,14 +647,14 @@ impl Exchange for StoreExchange {
                 self.shared.server
             ));
         }
-        let mut inbox = self.shared.wait_until(deadline, |ib| {
+        let mut inbox = self.shared.wait_until(r.deadline, |ib| {
             ib.results.contains_key(&key) || ib.broken.is_some()
         });
-        if let Some(r) = inbox.results.remove(&key) {
-            return Ok(r);
+        if let Some(result) = inbox.results.remove(&key) {
+            return Ok(result);
         }
         if let Some(b) = &inbox.broken {
-            return Err(self.error_for(b, op));
+            return Err(self.error_for(b, r.op));
         }
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
@@ -696,32 +670,34 @@ impl Exchange for StoreExchange {
         inbox.results.remove(&key);
         if let Some(b) = inbox.broken.clone() {
             return Err(match b.cause {
-                Cause::Timeout { missing } if b.rank as usize == self.rank => Error::Timeout {
-                    op,
-                    waited: started.elapsed(),
-                    missing_ranks: missing.into_iter().map(|r| r as usize).collect(),
-                },
-                _ => self.error_for(&b, op),
+                Cause::Timeout { missing } if b.rank as usize == self.rounds.rank => {
+                    Error::Timeout {
+                        op: r.op,
+                        waited: r.started.elapsed(),
+                        missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
+                    }
+                }
+                _ => self.error_for(&b, r.op),
             });
         }
         // No answer from the server: break the group here.
         inbox.set_broken(Broken {
-            rank: self.rank as u32,
-            op: op.to_string(),
+            rank: self.rounds.rank as u32,
+            op: r.op.to_string(),
             cause: Cause::Timeout {
                 missing: Vec::new(),
             },
         });
         self.shared.cv.notify_all();
         Err(Error::Timeout {
-            op,
-            waited: started.elapsed(),
+            op: r.op,
+            waited: r.started.elapsed(),
             missing_ranks: Vec::new(),
         })
     }
 
-    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
-        self.rounds.open(self, name, deadline)
+    fn rounds(&self) -> &Rounds {
+        &self.rounds
     }
 }
 

@@ -1,4 +1,4 @@
-//! [`KvExchange`]: an [`Exchange`] over a key-value store a runtime already has, such
+//! [`KvExchange`]: an [`Exchange`](super::Exchange) over a key-value store a runtime already has, such
 //! as PyTorch's `c10d.Store` (`set`, `get`, `add`, `wait`), so that the crate's
 //! agreement runs wherever the runtime runs, under any launcher.
 //!
@@ -24,14 +24,13 @@
 //! [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
 //! round trip of that moment. A timeout on any rank breaks the group for good.
 
-use super::{ChannelId, Exchange, Rounds};
-use crate::deadline::Deadline;
+use super::{ChannelId, GatherRounds, Round, Rounds};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The key-value store a [`KvExchange`] runs over: the operations of PyTorch's
 /// `c10d.Store`. Implementations are called from any thread, one call at a time per
@@ -108,7 +107,7 @@ impl KvConfig {
     }
 }
 
-/// An [`Exchange`] over a [`KvStore`] (for example PyTorch's default `c10d.Store`,
+/// An [`Exchange`](super::Exchange) over a [`KvStore`] (for example PyTorch's default `c10d.Store`,
 /// reached through the Python bindings).
 ///
 /// # Protocol
@@ -129,10 +128,8 @@ impl KvConfig {
 /// breaks the group for good.
 pub struct KvExchange<S: KvStore> {
     store: S,
-    rank: usize,
-    world: usize,
     config: KvConfig,
-    /// The round counters of the channels.
+    /// This rank's place in the group and the round counters of the channels.
     rounds: Rounds,
     /// Set once this rank knows the group is broken: (rank that timed out, its op).
     broken: Mutex<Option<(usize, &'static str)>>,
@@ -141,8 +138,8 @@ pub struct KvExchange<S: KvStore> {
 impl<S: KvStore> fmt::Debug for KvExchange<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KvExchange")
-            .field("rank", &self.rank)
-            .field("world", &self.world)
+            .field("rank", &self.rounds.rank)
+            .field("world", &self.rounds.world_size)
             .field("prefix", &self.config.prefix)
             .field("store", &self.store)
             .finish_non_exhaustive()
@@ -187,10 +184,8 @@ impl<S: KvStore> KvExchange<S> {
         }
         Ok(KvExchange {
             store,
-            rank,
-            world: world_size,
             config,
-            rounds: Rounds::default(),
+            rounds: Rounds::new(rank, world_size, usize::MAX),
             broken: Mutex::new(None),
         })
     }
@@ -243,8 +238,8 @@ impl<S: KvStore> KvExchange<S> {
 
     /// Break the group after this rank's timeout in `op`.
     fn break_group(&self, op: &'static str, own_key: &str) {
-        *self.broken.lock() = Some((self.rank, op));
-        let reason = format!("{} {op}", self.rank);
+        *self.broken.lock() = Some((self.rounds.rank, op));
+        let reason = format!("{} {op}", self.rounds.rank);
         // Best effort: the timeout is what this rank reports either way.
         let _ = self.store.set(&self.reason_key(), reason.as_bytes());
         let _ = self.store.add(&self.broken_key(), 1);
@@ -252,33 +247,19 @@ impl<S: KvStore> KvExchange<S> {
     }
 }
 
-impl<S: KvStore> Exchange for KvExchange<S> {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn all_gather_until(
-        &self,
-        channel: ChannelId,
-        op: &'static str,
-        payload: &[u8],
-        deadline: Deadline,
-    ) -> Result<Vec<Vec<u8>>> {
-        let started = Instant::now();
+impl<S: KvStore> GatherRounds for KvExchange<S> {
+    fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
         self.check_broken()?;
         // Keys number the rounds from 0.
-        let round = self.rounds.next(channel) - 1;
-        let keys: Vec<String> = (0..self.world)
-            .map(|k| self.key(channel, round, k))
+        let round = r.number - 1;
+        let keys: Vec<String> = (0..self.rounds.world_size)
+            .map(|k| self.key(r.channel, round, k))
             .collect();
-        let own = &keys[self.rank];
-        self.store.set(own, payload)?;
+        let own = &keys[self.rounds.rank];
+        self.store.set(own, r.payload)?;
         loop {
-            let slice = deadline
+            let slice = r
+                .deadline
                 .remaining()
                 .min(self.config.poll)
                 .max(Duration::from_millis(1));
@@ -286,7 +267,7 @@ impl<S: KvStore> Exchange for KvExchange<S> {
                 break;
             }
             self.check_broken()?;
-            if deadline.expired() {
+            if r.deadline.expired() {
                 let mut missing = Vec::new();
                 for (k, key) in keys.iter().enumerate() {
                     if !self.store.check(std::slice::from_ref(key))? {
@@ -296,39 +277,41 @@ impl<S: KvStore> Exchange for KvExchange<S> {
                 if missing.is_empty() {
                     break;
                 }
-                self.break_group(op, own);
+                self.break_group(r.op, own);
                 return Err(Error::Timeout {
-                    op,
-                    waited: started.elapsed(),
+                    op: r.op,
+                    waited: r.started.elapsed(),
                     missing_ranks: missing,
                 });
             }
         }
         // A rank that timed out may have posted before it gave up: do not pair with it.
         self.check_broken()?;
-        let mut out = Vec::with_capacity(self.world);
+        let mut out = Vec::with_capacity(self.rounds.world_size);
         for (k, key) in keys.iter().enumerate() {
-            if k == self.rank {
-                out.push(payload.to_vec());
+            if k == self.rounds.rank {
+                out.push(r.payload.to_vec());
             } else {
                 out.push(self.store.get(key)?);
             }
         }
         if round > 0 {
             self.store
-                .delete(&self.key(channel, round - 1, self.rank))?;
+                .delete(&self.key(r.channel, round - 1, self.rounds.rank))?;
         }
         Ok(out)
     }
 
-    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
-        self.rounds.open(self, name, deadline)
+    fn rounds(&self) -> &Rounds {
+        &self.rounds
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::Exchange;
+    use crate::deadline::Deadline;
     use parking_lot::Condvar;
     use std::collections::HashMap;
     use std::sync::Arc;

@@ -1,17 +1,15 @@
 //! [`LocalExchange`]: the ranks are threads of one process.
 
-use super::{ChannelId, Exchange, Rendezvous, Rounds};
-use crate::deadline::Deadline;
+use super::{ChannelId, GatherRounds, Rendezvous, Round, Rounds};
 use crate::error::Result;
 use std::fmt;
 use std::sync::Arc;
 
-/// An [`Exchange`] among ranks that are threads of one process.
+/// An [`Exchange`](super::Exchange) among ranks that are threads of one process.
 ///
 /// Made for a whole group at once with [`LocalExchange::group`]; hand one to each
 /// rank's thread. Payloads have no size limit beyond memory.
 pub struct LocalExchange {
-    rank: usize,
     /// The group's rounds, matched by (channel, round).
     shared: Arc<Rendezvous<(ChannelId, u64), Vec<u8>>>,
     rounds: Rounds,
@@ -28,9 +26,8 @@ impl LocalExchange {
         let shared = Arc::new(Rendezvous::new(world_size));
         (0..world_size)
             .map(|rank| LocalExchange {
-                rank,
                 shared: shared.clone(),
-                rounds: Rounds::default(),
+                rounds: Rounds::new(rank, world_size, usize::MAX),
             })
             .collect()
     }
@@ -39,41 +36,29 @@ impl LocalExchange {
 impl fmt::Debug for LocalExchange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LocalExchange")
-            .field("rank", &self.rank)
-            .field("world_size", &self.shared.world_size())
+            .field("rank", &self.rounds.rank)
+            .field("world_size", &self.rounds.world_size)
             .finish()
     }
 }
 
-impl Exchange for LocalExchange {
-    fn rank(&self) -> usize {
-        self.rank
+impl GatherRounds for LocalExchange {
+    fn rounds(&self) -> &Rounds {
+        &self.rounds
     }
 
-    fn world_size(&self) -> usize {
-        self.shared.world_size()
-    }
-
-    fn all_gather_until(
-        &self,
-        channel: ChannelId,
-        op: &'static str,
-        payload: &[u8],
-        deadline: Deadline,
-    ) -> Result<Vec<Vec<u8>>> {
-        let key = (channel, self.rounds.next(channel));
+    fn gather_round(&self, round: Round<'_>) -> Result<Vec<Vec<u8>>> {
+        let key = (round.channel, round.number);
+        let (rank, payload) = (self.rounds.rank, round.payload.to_vec());
         self.shared
-            .gather(op, self.rank, key, payload.to_vec(), deadline)
-    }
-
-    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
-        self.rounds.open(self, name, deadline)
+            .gather(round.op, rank, key, payload, round.deadline)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::Exchange;
     use crate::error::Error;
     use std::thread;
     use std::time::Duration;

@@ -57,7 +57,7 @@ use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use admission::REFUSAL_LOG_INTERVAL;
 pub use client::StoreExchange;
@@ -212,15 +212,98 @@ struct ChannelOpening {
     name: String,
 }
 
-/// The round counters every [`Exchange`] implementation keeps: one per channel, and
-/// the counter of opened channels.
-#[derive(Debug, Default)]
+/// One round of one of the crate's exchanges, numbered and checked by the
+/// [`Exchange`] implementation that [`GatherRounds`] gives.
+#[derive(Debug, Clone, Copy)]
+struct Round<'a> {
+    channel: ChannelId,
+    /// The round's number on `channel`, from 1.
+    number: u64,
+    op: &'static str,
+    /// At most the exchange's `max_payload_bytes`.
+    payload: &'a [u8],
+    deadline: Deadline,
+    /// When the call began, for [`Error::Timeout`]'s `waited`.
+    started: Instant,
+}
+
+/// What each of the crate's exchanges provides; [`Exchange`] follows from it, with the
+/// checks and the round bookkeeping every implementation needs done once: the payload
+/// limit (before anything is sent or a round is used), the round numbers per channel,
+/// and the channel openings.
+trait GatherRounds: Send + Sync + std::fmt::Debug {
+    /// This rank's place in the group and its round counters.
+    fn rounds(&self) -> &Rounds;
+
+    /// Contribute `round.payload` to `round` and return every rank's payload of it, in
+    /// rank order; the errors are those of [`Exchange::all_gather_until`].
+    fn gather_round(&self, round: Round<'_>) -> Result<Vec<Vec<u8>>>;
+}
+
+impl<T: GatherRounds> Exchange for T {
+    fn rank(&self) -> usize {
+        self.rounds().rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.rounds().world_size
+    }
+
+    fn all_gather_until(
+        &self,
+        channel: ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        deadline: Deadline,
+    ) -> Result<Vec<Vec<u8>>> {
+        let started = Instant::now();
+        let rounds = self.rounds();
+        if payload.len() > rounds.max_payload_bytes {
+            return Err(Error::PayloadTooLarge {
+                payload_bytes: payload.len(),
+                max_bytes: rounds.max_payload_bytes,
+            });
+        }
+        self.gather_round(Round {
+            channel,
+            number: rounds.next(channel),
+            op,
+            payload,
+            deadline,
+            started,
+        })
+    }
+
+    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
+        self.rounds().open(self, name, deadline)
+    }
+}
+
+/// A rank's place in the group and the round counters every [`GatherRounds`]
+/// implementation keeps: one per channel, and the counter of opened channels.
+#[derive(Debug)]
 struct Rounds {
+    /// This rank, in `0..world_size`.
+    rank: usize,
+    world_size: usize,
+    /// The largest payload a round takes (`usize::MAX`: no limit beyond memory).
+    max_payload_bytes: usize,
     per_channel: Mutex<HashMap<ChannelId, u64>>,
     opened: Mutex<u64>,
 }
 
 impl Rounds {
+    /// No rounds yet, for `rank` of `world_size` ranks.
+    fn new(rank: usize, world_size: usize, max_payload_bytes: usize) -> Self {
+        Rounds {
+            rank,
+            world_size,
+            max_payload_bytes,
+            per_channel: Mutex::default(),
+            opened: Mutex::default(),
+        }
+    }
+
     /// The number of the next round of `channel` on this rank (1, 2, ...).
     fn next(&self, channel: ChannelId) -> u64 {
         let mut rounds = self.per_channel.lock();

@@ -46,11 +46,6 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
         }
     }
 
-    /// Number of ranks.
-    pub(crate) fn world_size(&self) -> usize {
-        self.world
-    }
-
     /// Post `value` for `rank` in the round `key` and wait until every rank has posted
     /// in that round, or `deadline` passes; every rank's value, in rank order.
     ///

@@ -1,0 +1,397 @@
+//! A connection's thread: the handshake (preface and hello, checked against the job),
+//! then that rank's frames until it leaves.
+
+use super::{CLOSED, Conn, Link, Shared};
+use crate::control::admission::{
+    HandshakeSlot, RefusalKind, canonical, describe_io, out_of_descriptors,
+};
+use crate::control::wire::{
+    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
+    Refusal, SharedStream, ToClient, ToServer,
+};
+use crate::deadline::Deadline;
+use parking_lot::Mutex;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+/// A refused handshake: what to log, and what to tell the client (if anything).
+struct Refused {
+    kind: RefusalKind,
+    why: String,
+    /// Tell the client (not for garbage that does not even speak the protocol).
+    tell: Option<Refusal>,
+}
+
+impl Refused {
+    fn new(kind: RefusalKind, why: String) -> Box<Self> {
+        Box::new(Refused {
+            kind,
+            why,
+            tell: Some(kind.refusal()),
+        })
+    }
+
+    fn silent(kind: RefusalKind, why: String) -> Box<Self> {
+        Box::new(Refused {
+            kind,
+            why,
+            tell: None,
+        })
+    }
+}
+
+/// What a client said in its hello.
+struct Hello {
+    rank: usize,
+    member: Member,
+}
+
+/// Read and check the preface and the hello, until the handshake deadline.
+fn handshake(
+    shared: &Shared,
+    reader: &mut FrameReader<SharedStream>,
+    peer: SocketAddr,
+) -> std::result::Result<Hello, Box<Refused>> {
+    let sock = reader.get_ref().clone();
+    let until = Deadline::after(shared.handshake_timeout);
+    let failed = |e: ReadError| {
+        let kind = match &e {
+            ReadError::Io(io) if out_of_descriptors(io) => RefusalKind::Resources,
+            _ => RefusalKind::Garbage,
+        };
+        Refused::silent(kind, format!("during the handshake: {e}"))
+    };
+    let slow = |what: &str| {
+        Refused::silent(
+            RefusalKind::Slow,
+            format!("no {what} within {:?}", shared.handshake_timeout),
+        )
+    };
+    let preface = wire::read_until(&sock, until, || reader.raw(PREFACE_BYTES))
+        .map_err(failed)?
+        .ok_or_else(|| slow("handshake"))?;
+    if let Err(why) = wire::check_preface(&preface) {
+        return Err(if preface[..8] == wire::MAGIC {
+            Refused::new(RefusalKind::Version, why)
+        } else {
+            Refused::silent(RefusalKind::Garbage, why)
+        });
+    }
+    let body = wire::read_until(&sock, until, || reader.frame())
+        .map_err(|e| {
+            let mut refused = failed(e);
+            refused.tell = Some(Refusal::Other);
+            refused
+        })?
+        .ok_or_else(|| slow("hello"))?;
+    let garbage = |why: String| Refused::new(RefusalKind::Garbage, why);
+    let (token, job, rank, world_size, host, pid) = match wire::decode::<ToServer>(&body) {
+        Ok(ToServer::Hello {
+            token,
+            job,
+            rank,
+            world_size,
+            host,
+            pid,
+        }) => (token, job, rank, world_size, host, pid),
+        Ok(other) => return Err(garbage(format!("expected a hello, got {other:?}"))),
+        Err(why) => return Err(garbage(why)),
+    };
+    if !wire::constant_time_eq(&token, &shared.token) {
+        return Err(Refused::new(
+            RefusalKind::Token,
+            "wrong job token (set the same SYMMPOOL_TOKEN on every rank)".into(),
+        ));
+    }
+    if job != shared.job {
+        return Err(Refused::new(
+            RefusalKind::OtherJob,
+            format!(
+                "a client of job {} (pid {pid} on host {host:?}) reached the store of job {}: two jobs on one port (give each its own MASTER_PORT or SYMMPOOL_STORE_PORT)",
+                show_job(&job),
+                show_job(&shared.job)
+            ),
+        ));
+    }
+    if world_size as usize != shared.world {
+        return Err(Refused::new(
+            RefusalKind::Misfit,
+            format!(
+                "world size {world_size} differs from the store's {} (check WORLD_SIZE on every rank)",
+                shared.world
+            ),
+        ));
+    }
+    if rank as usize >= shared.world {
+        return Err(Refused::new(
+            RefusalKind::Misfit,
+            format!(
+                "rank {rank} is out of range for world size {}",
+                shared.world
+            ),
+        ));
+    }
+    Ok(Hello {
+        rank: rank as usize,
+        member: Member {
+            host,
+            pid,
+            addr: peer.to_string(),
+            at_unix_ms: wire::unix_ms_now(),
+        },
+    })
+}
+
+/// A job identity for messages.
+fn show_job(job: &str) -> String {
+    if job.is_empty() {
+        "(none)".into()
+    } else {
+        format!("{job:?}")
+    }
+}
+
+/// One connection: handshake (holding `slot` until it ends), then that rank's frames.
+pub(super) fn serve(
+    shared: &Arc<Shared>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    slot: HandshakeSlot<'_>,
+) {
+    let _ = stream.set_nodelay(true);
+    // One descriptor for the connection: the reader, the writer and the closer share
+    // it.
+    let stream = SharedStream::new(stream);
+    // A rank that stops reading must not block the server's writes (most made under
+    // its state lock) without bound: a write that makes no progress for a heartbeat
+    // timeout fails, and that rank departs.
+    if let Err(e) = stream.set_write_timeout(Some(shared.heartbeat_timeout)) {
+        let why = format!("could not set a write timeout: {}", describe_io(&e));
+        return shared.reject(peer, RefusalKind::Resources, &why);
+    }
+    let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
+    let refuse = |refused: Box<Refused>| {
+        if let Some(kind) = refused.tell {
+            let _ = (&*stream).write_all(&shared.verdict(kind, refused.why.clone()));
+        }
+        shared.reject(peer, refused.kind, &refused.why);
+    };
+    let hello = match handshake(shared, &mut reader, peer) {
+        Ok(h) => h,
+        Err(refused) => return refuse(refused),
+    };
+    let rank = hello.rank;
+    // Join.
+    let me = {
+        let mut st = shared.state.lock();
+        if let Some(holder) = &st.members[rank] {
+            let (holder, claimant) = (holder.clone(), hello.member);
+            let why = if st.conns[rank].is_some() {
+                format!(
+                    "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
+                )
+            } else {
+                format!(
+                    "rank {rank} was held by {holder}, which left, and a group cannot be rejoined; the claim of {claimant} is refused"
+                )
+            };
+            drop(st);
+            return refuse(Box::new(Refused {
+                kind: RefusalKind::RankTaken,
+                why,
+                tell: Some(Refusal::RankTaken {
+                    rank: rank as u32,
+                    holder,
+                    claimant,
+                }),
+            }));
+        }
+        if let Some(b) = &st.broken {
+            let why = format!("the group is already broken ({b:?}); restart the job");
+            drop(st);
+            return refuse(Refused::new(RefusalKind::Closed, why));
+        }
+        let mut welcome = wire::preface().to_vec();
+        welcome.extend(wire::encode(&ToClient::Welcome));
+        if let Err(e) = (&*stream).write_all(&welcome) {
+            drop(st);
+            let why = format!("writing the welcome failed: {}", describe_io(&e));
+            return shared.reject(peer, RefusalKind::Garbage, &why);
+        }
+        let me = Link {
+            rank,
+            id: st.next_conn_id,
+            writer: Arc::new(Mutex::new(stream.clone())),
+            mailbox: Arc::default(),
+        };
+        st.next_conn_id += 1;
+        tracing::info!("symmpool store: rank {rank} joined: {}", hello.member);
+        st.members[rank] = Some(hello.member);
+        st.conns[rank] = Some(Conn {
+            id: me.id,
+            writer: me.writer.clone(),
+            sock: stream.clone(),
+            mailbox: me.mailbox.clone(),
+            last_heard: Instant::now(),
+        });
+        let joined = shared.joined_message(&st);
+        if matches!(joined, ToClient::AllJoined) {
+            let hosts = st
+                .members
+                .iter()
+                .flatten()
+                .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
+                .map(|a| canonical(a.ip()))
+                .collect();
+            let _ = shared.rank_hosts.set(hosts);
+        }
+        shared.broadcast(&mut st, &wire::encode(&joined));
+        me
+    };
+    drop(slot);
+    let id = me.id;
+    reader.max_frame_bytes = shared.max_frame_bytes;
+    if stream
+        .set_read_timeout(Some(shared.heartbeat_interval))
+        .is_err()
+    {
+        let mut st = shared.state.lock();
+        return shared.depart(&mut st, rank, Some(id), "could not set a read timeout");
+    }
+    loop {
+        let before = reader.bytes_read();
+        let got = match reader.spin_frame(shared.server_spin) {
+            Ok(None) => reader.frame(),
+            polled => polled,
+        };
+        let msg = match got {
+            Ok(None) => {
+                if shared.shutdown.load(Ordering::SeqCst) {
+                    return;
+                }
+                if reader.bytes_read() > before {
+                    // Bytes of a large frame still arriving: the rank is alive.
+                    let mut st = shared.state.lock();
+                    match st.conns[rank].as_mut() {
+                        Some(c) if c.id == id => c.last_heard = Instant::now(),
+                        _ => return,
+                    }
+                }
+                continue;
+            }
+            Ok(Some(body)) => match wire::decode::<ToServer>(&body) {
+                Ok(m) => m,
+                Err(why) => {
+                    let mut st = shared.state.lock();
+                    return shared.depart(
+                        &mut st,
+                        rank,
+                        Some(id),
+                        &format!("protocol error: {why}"),
+                    );
+                }
+            },
+            Err(e) => {
+                let why = match e {
+                    ReadError::Eof { partial: false } => {
+                        "its connection closed (the process exited or was killed)".to_string()
+                    }
+                    e => format!("its connection failed: {e}"),
+                };
+                let mut st = shared.state.lock();
+                return shared.depart(&mut st, rank, Some(id), &why);
+            }
+        };
+        let mut st = shared.state.lock();
+        match st.conns[rank].as_mut() {
+            Some(c) if c.id == id => c.last_heard = Instant::now(),
+            _ => return,
+        }
+        match msg {
+            ToServer::Heartbeat => {}
+            ToServer::Contribute {
+                channel,
+                round,
+                op: _,
+                payload,
+            } => {
+                if let Some(b) = st.broken.clone() {
+                    let mut failed = Vec::new();
+                    shared.write_to(
+                        &mut st,
+                        rank,
+                        &wire::encode(&ToClient::Broken(b)),
+                        &mut failed,
+                    );
+                    if let Some((_, why)) = failed.pop() {
+                        return shared.depart(&mut st, rank, Some(id), &why);
+                    }
+                    continue;
+                }
+                let world = shared.world;
+                let posted = st
+                    .rounds
+                    .entry((channel, round))
+                    .or_insert_with(|| vec![None; world]);
+                if posted[rank].is_some() {
+                    return shared.depart(
+                        &mut st,
+                        rank,
+                        Some(id),
+                        &format!("protocol error: contributed twice to round {round} of channel {channel}"),
+                    );
+                }
+                posted[rank] = Some(payload);
+                if posted.iter().all(Option::is_some) {
+                    let payloads = st
+                        .rounds
+                        .remove(&(channel, round))
+                        .unwrap_or_default()
+                        .into_iter()
+                        .flatten()
+                        .collect();
+                    shared.rounds.fetch_add(1, Ordering::Relaxed);
+                    let frame = wire::encode(&ToClient::Result {
+                        channel,
+                        round,
+                        payloads,
+                    });
+                    shared.deliver(st, &me, frame);
+                } else if !shared.server_spin.is_zero() {
+                    // Poll for the result: the last rank to contribute hands it over
+                    // instead of writing it, and this thread writes it.
+                    me.mailbox.start_waiting();
+                    drop(st);
+                    if let Err(why) = shared.await_result(&me) {
+                        let mut st = shared.state.lock();
+                        return shared.depart(&mut st, rank, Some(id), &why);
+                    }
+                }
+            }
+            ToServer::Abandon { channel, round, op } => {
+                let missing = st.rounds.get(&(channel, round)).map_or_else(Vec::new, |p| {
+                    (0..shared.world as u32)
+                        .filter(|r| p[*r as usize].is_none())
+                        .collect()
+                });
+                shared.break_group(
+                    &mut st,
+                    Broken {
+                        rank: rank as u32,
+                        op,
+                        cause: Cause::Timeout { missing },
+                    },
+                );
+            }
+            ToServer::Bye => {
+                return shared.depart(&mut st, rank, Some(id), CLOSED);
+            }
+            ToServer::Hello { .. } => {
+                return shared.depart(&mut st, rank, Some(id), "protocol error: a second hello");
+            }
+        }
+    }
+}

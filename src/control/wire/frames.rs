@@ -1,0 +1,358 @@
+//! The frame codec: reading length-prefixed frames from a socket with a read timeout,
+//! keeping partial frames across timeouts, and writing them in one write each.
+
+use super::{
+    MAGIC, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ToClient, ToServer, VERSION, check_preface,
+    decode, encode,
+};
+use crate::deadline::Deadline;
+use serde::{Deserialize, Serialize};
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Why reading a frame failed.
+#[derive(Debug)]
+pub(crate) enum ReadError {
+    /// The peer closed the connection (`partial`: in the middle of a frame).
+    Eof { partial: bool },
+    /// A length over the limit.
+    TooLarge { len_bytes: usize, max_bytes: usize },
+    /// Any other I/O error.
+    Io(io::Error),
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::Eof { partial: false } => write!(f, "connection closed"),
+            ReadError::Eof { partial: true } => {
+                write!(f, "connection closed in the middle of a frame")
+            }
+            ReadError::TooLarge {
+                len_bytes,
+                max_bytes,
+            } => write!(
+                f,
+                "frame length {len_bytes} bytes exceeds the limit of {max_bytes} bytes"
+            ),
+            ReadError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// Reads frames from a socket that has a read timeout, keeping partial frames across
+/// timeouts.
+pub(crate) struct FrameReader<R> {
+    inner: R,
+    pub(super) buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// Largest frame body accepted.
+    pub(crate) max_frame_bytes: usize,
+    /// Bytes read so far: progress inside a large frame also shows the peer is alive.
+    bytes_read: u64,
+}
+
+impl<R: Read> FrameReader<R> {
+    pub(crate) fn new(inner: R, max_frame_bytes: usize) -> Self {
+        FrameReader {
+            inner,
+            buf: vec![0u8; 4096],
+            start: 0,
+            end: 0,
+            max_frame_bytes,
+            bytes_read: 0,
+        }
+    }
+
+    /// The reader's source.
+    pub(crate) fn get_ref(&self) -> &R {
+        &self.inner
+    }
+
+    /// Bytes read from the peer so far (complete frames or not).
+    pub(crate) fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
+    /// Make room for `need` bytes from `start`, growing by at most doubling.
+    fn room(&mut self, need: usize) {
+        if self.start > 0 && self.buf.len() - self.start < need.max(self.buf.len() / 2) {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.end == self.buf.len() {
+            let grown = (self.buf.len() * 2).min(need.max(self.buf.len()));
+            if grown > self.buf.len() {
+                self.buf.resize(grown, 0);
+            }
+        }
+    }
+
+    /// Read more bytes with `read`. `Ok(false)`: the read timed out (or, not waiting,
+    /// nothing had arrived).
+    fn fill(
+        &mut self,
+        read: &mut impl FnMut(&mut R, &mut [u8]) -> io::Result<usize>,
+    ) -> Result<bool, ReadError> {
+        loop {
+            match read(&mut self.inner, &mut self.buf[self.end..]) {
+                Ok(0) => {
+                    return Err(ReadError::Eof {
+                        partial: self.end > self.start,
+                    });
+                }
+                Ok(n) => {
+                    self.end += n;
+                    self.bytes_read += n as u64;
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(false);
+                }
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+        }
+    }
+
+    /// The next `n` raw bytes (the preface), or `None` on a read timeout.
+    pub(crate) fn raw(&mut self, n: usize) -> Result<Option<Vec<u8>>, ReadError> {
+        loop {
+            if self.end - self.start >= n {
+                let out = self.buf[self.start..self.start + n].to_vec();
+                self.start += n;
+                return Ok(Some(out));
+            }
+            self.room(n);
+            if !self.fill(&mut |r, b| r.read(b))? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The next frame's body, or `None` on a read timeout (a partial frame is kept).
+    pub(crate) fn frame(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
+        self.next_frame(&mut |r, b| r.read(b))
+    }
+
+    fn next_frame(
+        &mut self,
+        read: &mut impl FnMut(&mut R, &mut [u8]) -> io::Result<usize>,
+    ) -> Result<Option<Vec<u8>>, ReadError> {
+        loop {
+            let have = self.end - self.start;
+            if have >= 4 {
+                let mut len = [0u8; 4];
+                len.copy_from_slice(&self.buf[self.start..self.start + 4]);
+                let len = u32::from_le_bytes(len) as usize;
+                if len > self.max_frame_bytes {
+                    return Err(ReadError::TooLarge {
+                        len_bytes: len,
+                        max_bytes: self.max_frame_bytes,
+                    });
+                }
+                if have >= 4 + len {
+                    let body = self.buf[self.start + 4..self.start + 4 + len].to_vec();
+                    self.start += 4 + len;
+                    if self.start == self.end {
+                        self.start = 0;
+                        self.end = 0;
+                    }
+                    return Ok(Some(body));
+                }
+                self.room(4 + len);
+            } else {
+                self.room(4);
+            }
+            if !self.fill(read)? {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// One socket shared by a connection's reader, writer and closer: one descriptor per
+/// connection (not a `try_clone` each), read and written through `&TcpStream`.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedStream(pub(crate) Arc<TcpStream>);
+
+impl SharedStream {
+    pub(crate) fn new(stream: TcpStream) -> Self {
+        SharedStream(Arc::new(stream))
+    }
+}
+
+impl std::ops::Deref for SharedStream {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        &self.0
+    }
+}
+
+impl Read for SharedStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self.0).read(buf)
+    }
+}
+
+impl Write for SharedStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&*self.0).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (&*self.0).flush()
+    }
+}
+
+impl AsFd for SharedStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl<R: Read + AsFd> FrameReader<R> {
+    /// The next frame's body if its bytes are already here, else `None` at once (a
+    /// partial frame is kept). Reads with `MSG_DONTWAIT`, which leaves the socket's
+    /// own blocking mode alone: other threads write to clones of it.
+    pub(crate) fn frame_now(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
+        self.next_frame(&mut |s, b| {
+            rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
+                .map(|(n, _)| n)
+                .map_err(io::Error::from)
+        })
+    }
+
+    /// Poll for the next frame for up to `spin`, then give up (`None`; the caller
+    /// blocks instead). Waking a blocked thread costs tens of microseconds on an idle
+    /// core; a round among ranks that arrive together is over sooner than that.
+    pub(crate) fn spin_frame(&mut self, spin: Duration) -> Result<Option<Vec<u8>>, ReadError> {
+        if spin.is_zero() {
+            return Ok(None);
+        }
+        let until = Instant::now() + spin;
+        loop {
+            if let Some(body) = self.frame_now()? {
+                return Ok(Some(body));
+            }
+            if Instant::now() >= until {
+                return Ok(None);
+            }
+            // Let the thread this one waits for run, where cores are short.
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Write one pre-encoded frame (or preface) in a single `write_all`.
+pub(crate) fn send(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
+    w.write_all(bytes)
+}
+
+/// Read until `deadline`: `None` when it passes.
+pub(crate) fn read_until<T>(
+    stream: &TcpStream,
+    deadline: Deadline,
+    mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
+) -> std::result::Result<Option<T>, ReadError> {
+    loop {
+        let left = deadline.remaining();
+        if left.is_zero() {
+            return Ok(None);
+        }
+        stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
+        if let Some(v) = f()? {
+            return Ok(Some(v));
+        }
+    }
+}
+
+/// Feed `data` to the store's decoders as a peer would send it, checking what they
+/// promise; panics on a broken promise (for the fuzz target).
+///
+/// `data[0]` picks the read sizes (1 to 16 bytes a read, or everything at once) and
+/// the frame limit; the rest is the byte stream: a preface, then frames, each decoded
+/// as a [`ToServer`] and as a [`ToClient`]. Checked: no panic; a length over the limit
+/// is refused before its buffer grows past it; every frame that decodes encodes back
+/// to a frame that decodes to the same message; a preface is accepted exactly when
+/// its magic and version are this build's.
+#[doc(hidden)]
+pub fn fuzz_frames(data: &[u8]) {
+    let Some((&mode, stream)) = data.split_first() else {
+        return;
+    };
+    let chunk = usize::from(mode & 0x0f) + 1;
+    let all_at_once = mode & 0x10 != 0;
+    let max_frame_bytes = if mode & 0x20 != 0 {
+        MAX_HANDSHAKE_FRAME_BYTES
+    } else {
+        64
+    };
+    /// A peer that sends at most `chunk` bytes a read.
+    struct Peer<'a> {
+        bytes: &'a [u8],
+        chunk: usize,
+    }
+    impl Read for Peer<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            let n = out.len().min(self.chunk).min(self.bytes.len());
+            out[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes = &self.bytes[n..];
+            Ok(n)
+        }
+    }
+    let chunk = if all_at_once { usize::MAX } else { chunk };
+    let mut reader = FrameReader::new(
+        Peer {
+            bytes: stream,
+            chunk,
+        },
+        max_frame_bytes,
+    );
+    match reader.raw(PREFACE_BYTES) {
+        Ok(Some(p)) => {
+            let ok = p[..8] == MAGIC && p[8..10] == VERSION.to_le_bytes();
+            assert_eq!(check_preface(&p).is_ok(), ok, "preface {p:?}");
+        }
+        Ok(None) => unreachable!("the peer never times out"),
+        Err(_) => return,
+    }
+    fn round_trip<T>(body: &[u8])
+    where
+        T: Serialize + for<'a> Deserialize<'a> + PartialEq + std::fmt::Debug,
+    {
+        if let Ok(msg) = decode::<T>(body) {
+            let frame = encode(&msg);
+            let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
+            assert_eq!(len, frame.len() - 4);
+            assert_eq!(decode::<T>(&frame[4..]).as_ref(), Ok(&msg));
+        }
+    }
+    loop {
+        let before = reader.buf.len();
+        match reader.frame() {
+            Ok(Some(body)) => {
+                assert!(body.len() <= max_frame_bytes);
+                round_trip::<ToServer>(&body);
+                round_trip::<ToClient>(&body);
+            }
+            Ok(None) => unreachable!("the peer never times out"),
+            Err(ReadError::TooLarge { len_bytes, .. }) => {
+                assert!(len_bytes > max_frame_bytes);
+                assert!(reader.buf.len() <= before.max(4 + max_frame_bytes));
+                return;
+            }
+            Err(ReadError::Eof { .. } | ReadError::Io(_)) => return,
+        }
+        assert!(reader.buf.len() <= 4096.max(4 + max_frame_bytes));
+    }
+}

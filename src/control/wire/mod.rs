@@ -1,0 +1,260 @@
+//! The store's wire protocol.
+//!
+//! A connection starts with a 12-byte *preface* from each side: the magic
+//! `b"SYMMPOOL"`, the protocol version (`u16`, little-endian) and two reserved zero
+//! bytes. Then each side sends *frames*: a `u32` little-endian body length followed by
+//! the body, a [`postcard`]-encoded [`ToServer`] or [`ToClient`]. A length above the
+//! receiver's limit is refused before anything is allocated for it, and buffers only
+//! grow as bytes actually arrive. The client's first frame is [`ToServer::Hello`]
+//! (job token, job identity, rank, world size, and who the process is); the server
+//! answers [`ToClient::Welcome`] or [`ToClient::Reject`] (with the store's job identity
+//! and, where it matters, who holds the rank asked for).
+
+mod frames;
+#[cfg(test)]
+mod tests;
+
+pub use frames::fuzz_frames;
+pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until, send};
+
+use serde::{Deserialize, Serialize};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The first bytes of every connection, both ways.
+pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
+/// The protocol version; a peer speaking another is refused. Version 2: the hello
+/// carries the job identity and the process (host, pid), a refusal says why in a form
+/// the client can act on.
+pub(crate) const VERSION: u16 = 2;
+/// Length of the preface.
+pub(crate) const PREFACE_BYTES: usize = 12;
+/// Largest frame accepted before the handshake completes.
+pub(crate) const MAX_HANDSHAKE_FRAME_BYTES: usize = 4096;
+/// Bytes of a result frame that are not payload, per rank and in all (a bound, with
+/// room to spare, on postcard's varints, tags and the op name).
+pub(crate) const FRAME_OVERHEAD_BYTES: usize = 1024;
+pub(crate) const PER_PAYLOAD_OVERHEAD_BYTES: usize = 16;
+
+/// The preface this build sends.
+pub(crate) fn preface() -> [u8; PREFACE_BYTES] {
+    let mut p = [0u8; PREFACE_BYTES];
+    p[..8].copy_from_slice(&MAGIC);
+    p[8..10].copy_from_slice(&VERSION.to_le_bytes());
+    p
+}
+
+/// Check a peer's preface; `Err` says what is wrong.
+pub(crate) fn check_preface(p: &[u8]) -> Result<(), String> {
+    if p.len() < PREFACE_BYTES || p[..8] != MAGIC {
+        let shown = String::from_utf8_lossy(&p[..p.len().min(8)]).into_owned();
+        return Err(format!(
+            "wrong magic number {shown:?} (not a symmpool store client or server)"
+        ));
+    }
+    let version = u16::from_le_bytes([p[8], p[9]]);
+    if version != VERSION {
+        return Err(format!(
+            "protocol version {version}, this build speaks {VERSION} (run the same symmpool on every rank)"
+        ));
+    }
+    Ok(())
+}
+
+/// Client to server.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ToServer {
+    /// The first frame: who this is.
+    Hello {
+        #[serde(with = "serde_bytes")]
+        token: Vec<u8>,
+        /// The job identity (empty: none known).
+        job: String,
+        rank: u32,
+        world_size: u32,
+        /// The process: host name and pid.
+        host: String,
+        pid: u32,
+    },
+    /// This rank's payload for a round.
+    Contribute {
+        channel: u64,
+        round: u64,
+        op: String,
+        #[serde(with = "serde_bytes")]
+        payload: Vec<u8>,
+    },
+    /// This rank gave up waiting for a round: break the group.
+    Abandon {
+        channel: u64,
+        round: u64,
+        op: String,
+    },
+    /// Liveness.
+    Heartbeat,
+    /// Orderly goodbye.
+    Bye,
+}
+
+/// Why a group broke.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum Cause {
+    /// The rank timed out; these ranks had not contributed to its round.
+    Timeout { missing: Vec<u32> },
+    /// The rank was lost.
+    Lost { detail: String },
+}
+
+/// A broken group: who, in what, why.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Broken {
+    pub(crate) rank: u32,
+    pub(crate) op: String,
+    pub(crate) cause: Cause,
+}
+
+/// A process that joined (or asked to join) the store: where, which, when.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Member {
+    pub(crate) host: String,
+    pub(crate) pid: u32,
+    /// The peer address the server saw.
+    pub(crate) addr: String,
+    /// When the server accepted its hello, in milliseconds since the Unix epoch.
+    pub(crate) at_unix_ms: u64,
+}
+
+impl std::fmt::Display for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pid {} on host {:?} (from {}, at {})",
+            self.pid,
+            self.host,
+            self.addr,
+            utc(self.at_unix_ms)
+        )
+    }
+}
+
+/// Milliseconds since the Unix epoch now.
+pub(crate) fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `ms` since the Unix epoch as a UTC time, `2026-12-01 10:47:20.123 UTC`.
+pub(crate) fn utc(ms: u64) -> String {
+    let (days, ms_of_day) = (ms / 86_400_000, ms % 86_400_000);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let s = ms_of_day / 1000;
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03} UTC",
+        s / 3600,
+        s / 60 % 60,
+        s % 60,
+        ms_of_day % 1000
+    )
+}
+
+/// Why a handshake was refused, in a form the client acts on.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// Anything else; the reason says what.
+    Other,
+    /// Too many handshakes in flight: try again shortly.
+    Busy,
+    /// The client belongs to another job (the store's job identity is in the reject).
+    OtherJob,
+    /// The rank is held by another process.
+    RankTaken {
+        rank: u32,
+        holder: Member,
+        claimant: Member,
+    },
+}
+
+/// Server to client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ToClient {
+    /// Handshake accepted.
+    Welcome,
+    /// Handshake refused; the connection closes. `job`: the store's job identity.
+    Reject {
+        reason: String,
+        kind: Refusal,
+        job: String,
+    },
+    /// The ranks connected so far (sent while the group assembles).
+    Joined { present: Vec<u32> },
+    /// Every rank has connected.
+    AllJoined,
+    /// A round is complete.
+    Result {
+        channel: u64,
+        round: u64,
+        #[serde(with = "byte_lists")]
+        payloads: Vec<Vec<u8>>,
+    },
+    /// The group is broken for good.
+    Broken(Broken),
+    /// Liveness.
+    Heartbeat,
+}
+
+/// Byte vectors as postcard byte strings (a length, then the bytes copied at once), not
+/// as sequences of `u8` serialised one by one: the same bytes on the wire, written and
+/// read several times faster (a round's result is encoded once and decoded by every
+/// rank).
+mod byte_lists {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use serde_bytes::{ByteBuf, Bytes};
+
+    pub(super) fn serialize<S: Serializer>(lists: &[Vec<u8>], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(lists.iter().map(|l| Bytes::new(l)))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
+        let lists = Vec::<ByteBuf>::deserialize(d)?;
+        Ok(lists.into_iter().map(ByteBuf::into_vec).collect())
+    }
+}
+
+/// Encode `msg` as one frame (length prefix and body), ready for a single write.
+pub(crate) fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut out = vec![0u8; 4];
+    // Serialising plain enums of integers, strings and byte vectors cannot fail.
+    out = match postcard::to_extend(msg, out) {
+        Ok(v) => v,
+        Err(_) => vec![0u8; 4],
+    };
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
+/// Decode a frame body.
+pub(crate) fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, String> {
+    postcard::from_bytes(body)
+        .map_err(|e| format!("undecodable frame of {} bytes: {e}", body.len()))
+}
+
+/// Compare two secrets in time that depends only on their lengths.
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= x ^ y;
+    }
+    diff == 0
+}
