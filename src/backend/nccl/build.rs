@@ -152,7 +152,7 @@ impl Builder {
         let op = "ncclCommInitRankConfig";
         let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         let starting = ffi::comm_init(self.nccl, world, unique_id, rank, policy);
-        finish_creation(self.nccl, starting, op, false, self.deadline)
+        finish_creation(self.nccl, starting, op, false, self.deadline, None)
     }
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
@@ -167,14 +167,23 @@ impl Builder {
             // SAFETY: the control communicator is live and used by this thread only
             // during set-up; every rank splits the same roles in the same order (the
             // plan is checked by the set-up round).
-            let starting =
-                unsafe { ffi::comm_split(self.nccl, control.raw, rank, role.cta_policy, blocking) };
+            let starting = unsafe {
+                ffi::comm_split(
+                    self.nccl,
+                    control.raw,
+                    false,
+                    rank,
+                    role.cta_policy,
+                    blocking,
+                )
+            };
             let comm = finish_creation(
                 self.nccl,
                 starting,
                 "ncclCommSplit",
                 blocking,
                 self.deadline,
+                Some(control),
             )?;
             let info = CommInfo {
                 cta_policy: effective_policy(role.cta_policy),
@@ -348,9 +357,19 @@ impl NcclBackend {
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
         // set-up round).
-        let starting =
-            unsafe { ffi::comm_split(b.nccl, parent, rank, ffi::NCCL_CTA_POLICY_DEFAULT, false) };
-        let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline)?;
+        let starting = unsafe {
+            // The runtime's communicator may be blocking or not: polled as non-blocking
+            // (right for both), and never aborted by the crate.
+            ffi::comm_split(
+                b.nccl,
+                parent,
+                false,
+                rank,
+                ffi::NCCL_CTA_POLICY_DEFAULT,
+                false,
+            )
+        };
+        let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline, None)?;
         let comms = b.data(&control, rank)?;
         let seat = Seat { rank, world, ctx };
         b.assemble(seat, Some(control), comms, agreed.nodes, exchange)

@@ -244,6 +244,16 @@ impl Comm {
         }
     }
 
+    /// Abort it now on a thread of its own (if the crate made it and nobody did yet) and
+    /// wait until `deadline` for that abort, or an earlier one, to return; whether it
+    /// returned. For set-up, where nobody is inside NCCL on it.
+    fn abort_and_wait(&self, deadline: Deadline) -> bool {
+        if let Some(taken) = self.take_for_abort() {
+            abort_off_thread(self.nccl, None, vec![taken], AbortThreads::One);
+        }
+        self.aborted_by(deadline).unwrap_or(false)
+    }
+
     /// Whether it was aborted, and if so whether its abort returned by `deadline`.
     pub(super) fn aborted_by(&self, deadline: Deadline) -> Option<bool> {
         if !self.state.gate.lock().aborted {
@@ -423,22 +433,26 @@ unsafe fn poll(
 /// Finish making a communicator (`blocking` as configured): poll until `deadline` (no
 /// backend exists yet), abort it on failure.
 ///
-/// For a split off a non-blocking parent the parent is what is polled; on a timeout
-/// the caller aborts the parent (which also ends the child's initialisation,
-/// `setCommAbortFlags`, src/init.cc 2.28.3 2320–2329), and the child, if NCCL wrote
-/// one, is leaked with the boxes.
+/// For a split off a non-blocking parent the parent is what is polled, and the child is
+/// read only once the poll ended. On a timeout the parent (`parent`, when the crate made
+/// it) is aborted, which also ends the child's initialisation (`setCommAbortFlags`,
+/// src/init.cc 2.28.3 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort
+/// returned, the child, if NCCL wrote one, is aborted too. Otherwise (a runtime's
+/// parent, or an abort that did not return) the child and the boxes are leaked.
 pub(super) fn finish_creation(
     nccl: &'static Syms,
     starting: Result<ffi::Starting>,
     op: &'static str,
     blocking: bool,
     deadline: Deadline,
+    parent: Option<&Comm>,
 ) -> Result<Comm> {
     let starting = starting?;
     // SAFETY: the communicator (or the parent of a split) is used by this thread only
     // until the call is done.
     match unsafe { poll(nccl, starting.poll, op, deadline, &|| false) } {
-        Waited::Done => match starting.finish() {
+        // SAFETY: the poll says the call is done: NCCL writes the slot no more.
+        Waited::Done => match unsafe { starting.finish() } {
             Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
             None => Err(Error::Nccl {
                 op,
@@ -447,24 +461,45 @@ pub(super) fn finish_creation(
             }),
         },
         Waited::Failed(e) => {
-            // Dropping the `Comm` aborts it; the call has ended, so the boxes are free.
-            if let Some(raw) = starting.finish() {
+            // Dropping the `Comm` aborts it.
+            // SAFETY: the poll says the call ended (failed): the slot is final.
+            if let Some(raw) = unsafe { starting.finish() } {
                 drop(Comm::new(nccl, raw, true, blocking));
             }
             Err(e)
         }
         timeout => {
-            let polled = starting.poll;
-            let slot = starting.abandon();
-            if !slot.is_null() && std::ptr::eq(*slot, polled.0) {
-                // An init: the abort ends NCCL's work on it; the boxes are leaked.
-                drop(Comm::new(nccl, polled, true, blocking));
-            }
             // (`Broken` cannot happen here: nothing breaks a communicator being made.)
             let waited = match timeout {
                 Waited::Timeout(waited) => waited,
                 _ => Duration::ZERO,
             };
+            let making = starting.making;
+            let polled = starting.poll;
+            let slot = starting.abandon();
+            match making {
+                // The polled handle is the new communicator: its abort ends NCCL's work
+                // on it; the boxes are leaked.
+                ffi::Making::Init
+                | ffi::Making::Split {
+                    parent_blocking: true,
+                } => drop(Comm::new(nccl, polled, true, blocking)),
+                ffi::Making::Split {
+                    parent_blocking: false,
+                } => {
+                    let ended =
+                        parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
+                    // SAFETY: the parent's abort returned, so NCCL's split job ended and
+                    // writes the slot no more.
+                    match ended.then(|| unsafe { slot.read() }) {
+                        Some(Some(child)) => drop(Comm::new(nccl, child, true, blocking)),
+                        Some(None) => {}
+                        None => tracing::warn!(
+                            "symmpool: {op} timed out and its parent's abort did not end it; the new communicator, if any, is leaked"
+                        ),
+                    }
+                }
+            }
             Err(Error::NcclTimeout { op, waited })
         }
     }

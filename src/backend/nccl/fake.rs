@@ -38,6 +38,17 @@ pub(super) struct FakeComm {
     pub(super) async_error: AtomicI32,
     revoked: AtomicBool,
     aborted: AtomicBool,
+    /// Whether its creation ended (a child split off a non-blocking parent is not,
+    /// until the parent's job ends); a call on it before then sets `used_unready`.
+    ready: AtomicBool,
+    pub(super) used_unready: AtomicBool,
+    /// On a non-blocking parent: NCCL's thread writes a split's child before the call
+    /// returns, while the job still runs (a thread may write it at any time).
+    pub(super) early_split_write: AtomicBool,
+    /// On a non-blocking parent: a split's job never ends, until the parent is aborted.
+    pub(super) stuck_split: AtomicBool,
+    /// The last child split off it.
+    pub(super) last_child: Mutex<Option<usize>>,
     /// A split in progress on this (non-blocking) parent: where to write the child
     /// (an address) and the child, written at the parent's next poll, as NCCL writes
     /// it when its job ends.
@@ -47,16 +58,36 @@ pub(super) struct FakeComm {
 }
 
 impl FakeComm {
-    fn make(blocking: bool) -> sys::ncclComm_t {
+    fn make(blocking: bool, ready: bool) -> sys::ncclComm_t {
         let comm = Box::new(FakeComm {
             blocking,
+            ready: AtomicBool::new(ready),
             ..FakeComm::default()
         });
         Box::into_raw(comm).cast()
     }
 
     fn note(&self, name: &'static str) {
+        if !self.ready.load(Ordering::SeqCst) {
+            self.used_unready.store(true, Ordering::SeqCst);
+        }
         self.log.lock().push((name, std::thread::current().id()));
+    }
+
+    /// The split in progress on it ends: NCCL's thread writes the child, which is
+    /// ready from then on.
+    fn end_split(&self) {
+        if let Some((out, child)) = self.pending_split.lock().take() {
+            fake(child as sys::ncclComm_t)
+                .ready
+                .store(true, Ordering::SeqCst);
+            // SAFETY: `out` is the split's out-pointer, which the caller keeps alive
+            // until the parent's poll says the split is done or the parent's abort
+            // returned (see `ffi::Starting`).
+            unsafe {
+                std::ptr::write_volatile(out as *mut sys::ncclComm_t, child as sys::ncclComm_t)
+            };
+        }
     }
 
     fn interrupt(&self, flag: &AtomicBool) {
@@ -116,7 +147,7 @@ unsafe extern "C" fn init_rank_config(
     // SAFETY: the caller passes valid pointers.
     let blocking = unsafe { (*config).blocking } != 0;
     // SAFETY: as above.
-    unsafe { *out = FakeComm::make(blocking) };
+    unsafe { *out = FakeComm::make(blocking, true) };
     SUCCESS
 }
 
@@ -131,34 +162,45 @@ unsafe extern "C" fn split(
     p.note("ncclCommSplit");
     // SAFETY: the caller passes valid pointers.
     let blocking = unsafe { (*config).blocking } != 0;
-    let child = FakeComm::make(blocking);
+    let child = FakeComm::make(blocking, p.blocking);
+    *p.last_child.lock() = Some(child as usize);
     if p.blocking {
         // SAFETY: as above.
         unsafe { *out = child };
         return SUCCESS;
     }
     // A non-blocking parent runs the split in the background and writes the child
-    // when it ends (here: at the parent's next poll). Real NCCL (2.28.3) answers
-    // "in progress" for a non-blocking child and "success" at once for a blocking one.
+    // when it ends (here: at the parent's next poll, or its abort). Real NCCL (2.28.3)
+    // answers "in progress" for a non-blocking child and "success" at once for a
+    // blocking one. Its thread may write the child before that job ended.
+    if p.early_split_write.load(Ordering::SeqCst) {
+        // SAFETY: as above.
+        unsafe { *out = child };
+    }
     *p.pending_split.lock() = Some((out as usize, child as usize));
     if blocking { SUCCESS } else { ffi::IN_PROGRESS }
 }
 
 unsafe extern "C" fn abort(c: sys::ncclComm_t) -> c_int {
     let f = fake(c);
+    // Aborting a communicator being made ends its creation (NCCL's
+    // `setCommAbortFlags`; a parent's abort ends its split's job).
+    f.ready.store(true, Ordering::SeqCst);
     f.note("ncclCommAbort");
     f.interrupt(&f.aborted);
+    f.end_split();
     SUCCESS
 }
 
 unsafe extern "C" fn get_async_error(c: sys::ncclComm_t, state: *mut c_int) -> c_int {
     let f = fake(c);
     f.note("ncclCommGetAsyncError");
-    if let Some((out, child)) = f.pending_split.lock().take() {
-        // SAFETY: `out` is the split's out-pointer, which the caller keeps alive until
-        // the parent's poll says the split is done (see `ffi::Starting`).
-        unsafe { *(out as *mut sys::ncclComm_t) = child as sys::ncclComm_t };
+    if f.stuck_split.load(Ordering::SeqCst) && f.pending_split.lock().is_some() {
+        // SAFETY: the caller passes a valid out-pointer.
+        unsafe { *state = ffi::IN_PROGRESS };
+        return SUCCESS;
     }
+    f.end_split();
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *state = f.async_error.load(Ordering::SeqCst) };
     SUCCESS
@@ -396,6 +438,7 @@ pub(super) fn shared(
         "ncclCommInitRankConfig",
         false,
         deadline,
+        None,
     )?;
     let blocking = config.data_blocking;
     let comms = infos
@@ -403,8 +446,15 @@ pub(super) fn shared(
         .map(|info| {
             // SAFETY: the fake control communicator, used by this thread only.
             let starting =
-                unsafe { ffi::comm_split(nccl, control.raw, 0, info.cta_policy, blocking) };
-            finish_creation(nccl, starting, "ncclCommSplit", blocking, deadline)
+                unsafe { ffi::comm_split(nccl, control.raw, false, 0, info.cta_policy, blocking) };
+            finish_creation(
+                nccl,
+                starting,
+                "ncclCommSplit",
+                blocking,
+                deadline,
+                Some(&control),
+            )
         })
         .collect::<Result<Vec<Comm>>>()?;
     Ok(Arc::new(Shared {
@@ -478,6 +528,106 @@ mod tests {
                 .iter()
                 .all(|c| !c.blocking && !comm(c.raw).blocking)
         );
+    }
+
+    /// A non-blocking control communicator of the fake, made as the builder makes it.
+    fn control() -> Comm {
+        let nccl = syms(true);
+        let id = ffi::unique_id(nccl).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let starting = ffi::comm_init(nccl, 1, &id, 0, ffi::NCCL_CTA_POLICY_DEFAULT);
+        finish_creation(
+            nccl,
+            starting,
+            "ncclCommInitRankConfig",
+            false,
+            deadline,
+            None,
+        )
+        .unwrap()
+    }
+
+    fn split_blocking(control: &Comm, deadline: Deadline) -> Result<Comm> {
+        let nccl = syms(true);
+        // SAFETY: the fake control communicator, used by this thread only.
+        let starting = unsafe {
+            ffi::comm_split(
+                nccl,
+                control.raw,
+                false,
+                0,
+                ffi::NCCL_CTA_POLICY_DEFAULT,
+                true,
+            )
+        };
+        finish_creation(
+            nccl,
+            starting,
+            "ncclCommSplit",
+            true,
+            deadline,
+            Some(control),
+        )
+    }
+
+    #[test]
+    fn a_split_off_a_non_blocking_parent_is_read_only_once_the_parent_says_done() {
+        let control = control();
+        let parent = comm(control.raw);
+        // NCCL's thread writes the child before `ncclCommSplit` returned `ncclSuccess`,
+        // while its job still runs: the child must not be polled or used yet.
+        parent.early_split_write.store(true, Ordering::SeqCst);
+        let child = split_blocking(&control, Deadline::after(Duration::from_secs(10))).unwrap();
+        let c = comm(child.raw);
+        assert!(!c.used_unready.load(Ordering::SeqCst), "{:?}", c.calls());
+        assert!(c.calls().is_empty(), "{:?}", c.calls());
+        let names: Vec<_> = parent.calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(
+            names[names.len() - 2..],
+            ["ncclCommSplit", "ncclCommGetAsyncError"],
+            "the parent is polled: {names:?}"
+        );
+        assert_eq!(*parent.last_child.lock(), Some(child.raw.0 as usize));
+    }
+
+    #[test]
+    fn a_split_that_times_out_aborts_the_parent_then_the_child() {
+        let control = control();
+        let parent = comm(control.raw);
+        parent.stuck_split.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let r = split_blocking(&control, Deadline::after(Duration::from_millis(50)));
+        assert!(
+            matches!(
+                r,
+                Err(Error::NcclTimeout {
+                    op: "ncclCommSplit",
+                    ..
+                })
+            ),
+            "{:?}",
+            r.err()
+        );
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(control.is_aborted());
+        let names: Vec<_> = parent.calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(names.last(), Some(&"ncclCommAbort"), "{names:?}");
+        let child = comm(RawComm(
+            parent.last_child.lock().expect("a child") as sys::ncclComm_t
+        ));
+        // Aborted once the parent's abort returned (the job then wrote it), and not
+        // touched before.
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let mut g = child.wake_lock.lock();
+        child.wake.wait_while_until(
+            &mut g,
+            |_| !child.aborted.load(Ordering::SeqCst),
+            deadline.instant(),
+        );
+        drop(g);
+        let names: Vec<_> = child.calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(names, vec!["ncclCommAbort"]);
+        assert!(!child.used_unready.load(Ordering::SeqCst));
     }
 
     #[test]
