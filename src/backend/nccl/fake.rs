@@ -18,6 +18,7 @@ use crate::backend::CommInfo;
 use crate::error::Result;
 use cudarc::nccl::sys;
 use parking_lot::{Condvar, Mutex};
+use std::collections::BTreeSet;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
@@ -34,6 +35,8 @@ pub(super) struct FakeComm {
     log: Mutex<Vec<Call>>,
     /// Registrations block until the communicator is revoked or aborted.
     pub(super) stuck_register: AtomicBool,
+    /// What its collectives answer (0: success).
+    pub(super) collective_result: AtomicI32,
     /// What `ncclCommGetAsyncError` reports (0: success).
     pub(super) async_error: AtomicI32,
     revoked: AtomicBool,
@@ -229,15 +232,34 @@ unsafe extern "C" fn last_error(_c: sys::ncclComm_t) -> *const c_char {
 /// Fake device addresses: never dereferenced.
 static NEXT_ADDRESS: AtomicU64 = AtomicU64::new(0x7f00_0000_0000);
 
+/// The fake allocations not freed yet.
+static LIVE: Mutex<BTreeSet<u64>> = Mutex::new(BTreeSet::new());
+
+thread_local! {
+    /// The last fake allocation of this thread.
+    pub(super) static LAST_ALLOC: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether the fake allocation at `ptr` was not freed yet.
+pub(super) fn live(ptr: u64) -> bool {
+    LIVE.lock().contains(&ptr)
+}
+
 unsafe extern "C" fn mem_alloc(ptr: *mut *mut c_void, size: usize) -> c_int {
     let at = NEXT_ADDRESS.fetch_add(size as u64, Ordering::SeqCst);
+    LIVE.lock().insert(at);
+    LAST_ALLOC.with(|l| l.set(at));
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *ptr = at as *mut c_void };
     SUCCESS
 }
 
-unsafe extern "C" fn mem_free(_ptr: *mut c_void) -> c_int {
-    SUCCESS
+unsafe extern "C" fn mem_free(ptr: *mut c_void) -> c_int {
+    if LIVE.lock().remove(&(ptr as u64)) {
+        SUCCESS
+    } else {
+        INTERNAL_ERROR
+    }
 }
 
 unsafe extern "C" fn window_register(
@@ -279,8 +301,9 @@ unsafe extern "C" fn all_gather(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    fake(c).note("ncclAllGather");
-    SUCCESS
+    let f = fake(c);
+    f.note("ncclAllGather");
+    f.collective_result.load(Ordering::SeqCst)
 }
 
 unsafe extern "C" fn reduce_scatter(
@@ -292,8 +315,9 @@ unsafe extern "C" fn reduce_scatter(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    fake(c).note("ncclReduceScatter");
-    SUCCESS
+    let f = fake(c);
+    f.note("ncclReduceScatter");
+    f.collective_result.load(Ordering::SeqCst)
 }
 
 unsafe extern "C" fn all_reduce(
@@ -305,8 +329,9 @@ unsafe extern "C" fn all_reduce(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    fake(c).note("ncclAllReduce");
-    SUCCESS
+    let f = fake(c);
+    f.note("ncclAllReduce");
+    f.collective_result.load(Ordering::SeqCst)
 }
 
 unsafe extern "C" fn revoke(c: sys::ncclComm_t, _flags: c_int) -> c_int {
@@ -478,9 +503,9 @@ mod tests {
     use crate::backend::nccl::comm::Bound;
     use crate::backend::nccl::ffi::{CollCall, CollKind};
     use crate::backend::nccl::health::{Cause, POLLS};
+    use crate::backend::nccl::warmup::{WARM_LARGE_BYTES, WARM_SMALL_BYTES};
     use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
     use crate::backend::nccl::watchdog::Watchdog;
-    use std::collections::BTreeSet;
     use std::time::Instant;
 
     fn call(kind: CollKind) -> CollCall {
@@ -796,40 +821,51 @@ mod tests {
         assert!(unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.is_err());
     }
 
+    /// What the path policy (`coll`) can choose on a communicator of `role`: the copy
+    /// engine runs all-gathers on the copy-engine communicator; the symmetric kernels
+    /// all-gather, reduce-scatter and all-reduce on the symmetric one; the plain
+    /// kernels the same three on the plain one.
+    fn policy_can_choose(role: CommRole) -> Vec<WarmCollective> {
+        match role {
+            CommRole::CopyEngine => vec![WarmCollective::AllGather],
+            CommRole::Symmetric | CommRole::Plain => vec![
+                WarmCollective::AllGather,
+                WarmCollective::ReduceScatter,
+                WarmCollective::AllReduce,
+            ],
+        }
+    }
+
     #[test]
     fn the_warm_up_covers_every_path_the_policy_can_choose() {
-        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let infos = CommInfo::STANDARD;
+        let s = shared(true, &infos, NcclConfig::default()).unwrap();
         let _watchdog = Watchdog::spawn(&s);
         let stream = FakeStream::default();
         let deadline = Deadline::after(Duration::from_secs(10));
-        let warmed = s
-            .warm_up(&CommInfo::STANDARD, &stream, 2 << 20, deadline)
-            .unwrap();
-        // What the path policy can choose (`coll`): copy engine = all-gather on the
-        // copy-engine communicator; symmetric kernel = all-gather and reduce-scatter
-        // on the symmetric one; plain = all-gather and reduce-scatter on the plain one.
-        let policy: BTreeSet<_> = [
-            (CommRole::CopyEngine, "ag"),
-            (CommRole::Symmetric, "ag"),
-            (CommRole::Symmetric, "rs"),
-            (CommRole::Plain, "ag"),
-            (CommRole::Plain, "rs"),
-        ]
-        .into_iter()
-        .map(|(r, c)| (format!("{r:?}"), c))
-        .collect();
+        let warmed = s.warm_up(&infos, &stream, 2 << 20, deadline).unwrap();
+        let segment = LAST_ALLOC.with(std::cell::Cell::get);
+        assert!(!live(segment), "the warm-up's segment is freed");
+        let sizes = [WARM_SMALL_BYTES, WARM_LARGE_BYTES];
+        const { assert!(WARM_LARGE_BYTES >= 4 << 20) };
+        let expected: BTreeSet<_> = infos
+            .iter()
+            .enumerate()
+            .flat_map(|(c, info)| {
+                policy_can_choose(info.role)
+                    .into_iter()
+                    .flat_map(move |w| sizes.map(|b| (c, format!("{w:?}"), b)))
+            })
+            .collect();
         let got: BTreeSet<_> = warmed
             .iter()
             .map(|w: &WarmedPath| {
-                assert_eq!(CommInfo::STANDARD[w.comm].role, w.role);
-                let c = match w.collective {
-                    WarmCollective::AllGather => "ag",
-                    WarmCollective::ReduceScatter => "rs",
-                };
-                (format!("{:?}", w.role), c)
+                assert_eq!(infos[w.comm].role, w.role);
+                (w.comm, format!("{:?}", w.collective), w.bytes_per_rank)
             })
             .collect();
-        assert_eq!(got, policy);
+        assert_eq!(got, expected);
+        assert_eq!(warmed.len(), expected.len(), "each once");
         let names = |c: usize| -> Vec<&'static str> {
             comm(s.comms[c].raw)
                 .calls()
@@ -837,24 +873,56 @@ mod tests {
                 .map(|c| c.0)
                 .collect()
         };
-        assert_eq!(
-            names(0),
-            vec![
-                "ncclCommWindowRegister",
-                "ncclAllGather",
-                "ncclReduceScatter",
-                "ncclCommWindowDeregister"
-            ]
-        );
-        assert_eq!(
-            names(1),
-            vec![
-                "ncclCommWindowRegister",
-                "ncclAllGather",
-                "ncclCommWindowDeregister"
-            ]
-        );
-        assert_eq!(names(2), vec!["ncclAllGather", "ncclReduceScatter"]);
+        for (c, info) in infos.iter().enumerate() {
+            let mut want: Vec<&str> = Vec::new();
+            if info.registers {
+                want.push("ncclCommWindowRegister");
+            }
+            for _ in sizes {
+                want.extend(policy_can_choose(info.role).iter().map(|w| match w {
+                    WarmCollective::AllGather => "ncclAllGather",
+                    WarmCollective::ReduceScatter => "ncclReduceScatter",
+                    WarmCollective::AllReduce => "ncclAllReduce",
+                }));
+            }
+            if info.registers {
+                want.push("ncclCommWindowDeregister");
+            }
+            assert_eq!(names(c), want, "communicator {c} ({:?})", info.role);
+        }
         assert!(s.health.check().is_ok());
+    }
+
+    #[test]
+    fn a_failed_warm_up_releases_its_windows_and_segment() {
+        let infos = CommInfo::STANDARD;
+        let s = shared(true, &infos, NcclConfig::default()).unwrap();
+        let _watchdog = Watchdog::spawn(&s);
+        let plain = infos.iter().position(|i| !i.registers).unwrap();
+        // ncclInvalidArgument: the call fails, the backend does not break.
+        comm(s.comms[plain].raw)
+            .collective_result
+            .store(4, Ordering::SeqCst);
+        let stream = FakeStream::default();
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let r = s.warm_up(&infos, &stream, 2 << 20, deadline);
+        assert!(matches!(r, Err(Error::Nccl { code: 4, .. })), "{r:?}");
+        assert!(s.health.check().is_ok());
+        assert!(
+            !live(LAST_ALLOC.with(std::cell::Cell::get)),
+            "segment freed"
+        );
+        for (c, info) in infos.iter().enumerate().filter(|(_, i)| i.registers) {
+            let names: Vec<_> = comm(s.comms[c].raw)
+                .calls()
+                .into_iter()
+                .map(|c| c.0)
+                .collect();
+            assert_eq!(
+                names.last(),
+                Some(&"ncclCommWindowDeregister"),
+                "{c} {info:?}"
+            );
+        }
     }
 }

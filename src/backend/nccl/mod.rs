@@ -45,8 +45,10 @@
 //! and registers a window, a collective step). So set-up ends with a warm-up, under the
 //! set-up deadline: one registered segment, and on each data communicator the
 //! collectives the path policy can choose there (all-gather on the copy-engine one,
-//! all-gather and reduce-scatter on the symmetric and plain ones), then the segment is
-//! released. [`NcclBackend::warmed`] lists what ran. Setting `NCCL_RUNTIME_CONNECT=0`
+//! all-gather, reduce-scatter and all-reduce on the symmetric and plain ones), each at
+//! a small (4 KiB) and a large (4 MiB) size per rank, as NCCL picks its algorithms and
+//! protocols by size; then the segment is released (world × 4 MiB, in whole granules,
+//! for the duration of set-up). [`NcclBackend::warmed`] lists what ran. Setting `NCCL_RUNTIME_CONNECT=0`
 //! before NCCL is loaded would connect every algorithm inside communicator creation
 //! instead, but for every communicator of the process (PyTorch's too), and it cannot
 //! be changed once NCCL read it; the crate does not set it.
