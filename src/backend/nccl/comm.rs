@@ -284,37 +284,57 @@ pub(super) enum AbortThreads {
     PerCommunicator,
 }
 
+/// How often [`revoke_then_abort`] revokes again while a thread is still marked inside
+/// NCCL on the communicator.
+const REVOKE_AGAIN: Duration = Duration::from_millis(20);
+
 /// Revoke (where `revoke` and NCCL has it), wait for the owner to leave, abort.
+///
+/// A thread is marked inside (in its gate) just before it calls into NCCL, so one
+/// revoke may end before that thread's call starts; and `ncclCommRevoke` clears NCCL's
+/// abort flags when it is done, so that call would then block. So the revoke is
+/// repeated, every [`REVOKE_AGAIN`], until the thread left or [`LEAVE_WAIT`] passed.
 fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
     if revoke && t.blocking {
-        // SAFETY: the crate made this communicator and it is not aborted yet (this
-        // thread runs its abort, after this); another thread may be inside NCCL on
-        // it, which is what revoking is for.
-        match unsafe { ffi::comm_revoke(nccl, t.raw) } {
-            Ok(true) => {
-                if !t.state.wait_left(Deadline::after(LEAVE_WAIT)) {
-                    tracing::warn!(
-                        "symmpool: a thread was still inside NCCL {LEAVE_WAIT:?} after ncclCommRevoke; aborting all the same"
-                    );
+        let until = Deadline::after(LEAVE_WAIT);
+        loop {
+            // SAFETY: the crate made this communicator and it is not aborted yet (this
+            // thread runs its abort, after this); another thread may be inside NCCL on
+            // it, which is what revoking is for.
+            match unsafe { ffi::comm_revoke(nccl, t.raw) } {
+                Ok(true) => {}
+                Ok(false) => {
+                    if t.state.gate.lock().inside.is_some() {
+                        tracing::warn!(
+                            "symmpool: NCCL has no ncclCommRevoke (< 2.28.7): aborting a communicator a thread is inside of"
+                        );
+                    }
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!("symmpool: ncclCommRevoke failed: {e}");
+                    break;
                 }
             }
-            Ok(false) => {
-                if t.state.gate.lock().inside.is_some() {
-                    tracing::warn!(
-                        "symmpool: NCCL has no ncclCommRevoke (< 2.28.7): aborting a communicator a thread is inside of"
-                    );
-                }
+            if t.state.wait_left(until.cap(REVOKE_AGAIN)) {
+                break;
             }
-            Err(e) => tracing::error!("symmpool: ncclCommRevoke failed: {e}"),
+            if until.expired() {
+                tracing::warn!(
+                    "symmpool: a thread was still inside NCCL {LEAVE_WAIT:?} after ncclCommRevoke; aborting all the same"
+                );
+                break;
+            }
         }
     }
     // SAFETY: `take_for_abort` handed the communicator over once, for a communicator
     // the crate made, and marked it aborted under its gate, so no call starts on it
-    // later; a thread still inside NCCL on it was revoked out and waited for above
-    // (or, without `ncclCommRevoke` or past `LEAVE_WAIT`, this is the documented race
-    // of aborting a blocking communicator from another thread); its windows are
-    // deregistered by nobody but this abort (`deregister` waits for `done`), so their
-    // segments stay mapped.
+    // later. On a blocking communicator with `ncclCommRevoke`, a thread inside NCCL on
+    // it was revoked out (again, until it left) and seen leaving above; otherwise
+    // (no `ncclCommRevoke`, a failed revoke, or still inside after `LEAVE_WAIT`) this is
+    // the documented race of aborting a blocking communicator from another thread.
+    // Its windows are deregistered by nobody but this abort (`deregister` waits for
+    // `done`), so their segments stay mapped.
     if let Err(e) = unsafe { ffi::comm_abort(nccl, t.raw) } {
         tracing::error!("symmpool: ncclCommAbort failed: {e}");
     }

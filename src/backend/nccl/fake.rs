@@ -39,8 +39,16 @@ pub(super) struct FakeComm {
     pub(super) collective_result: AtomicI32,
     /// What `ncclCommGetAsyncError` reports (0: success).
     pub(super) async_error: AtomicI32,
-    revoked: AtomicBool,
+    /// How many revokes ended (a revoke clears NCCL's abort flags when done, so it
+    /// ends only the calls already inside NCCL).
+    revokes: AtomicU64,
     aborted: AtomicBool,
+    /// A stuck registration reaches NCCL only after the first revoke ended (as a thread
+    /// marked inside just before its call).
+    pub(super) late_register: AtomicBool,
+    /// Whether the last stuck registration was ended by the abort (freed under it)
+    /// rather than by a revoke.
+    pub(super) register_ended_by_abort: AtomicBool,
     /// Whether its creation ended (a child split off a non-blocking parent is not,
     /// until the parent's job ends); a call on it before then sets `used_unready`.
     ready: AtomicBool,
@@ -276,11 +284,21 @@ unsafe extern "C" fn window_register(
         // it (the test that sets this bounds the whole test by its own deadline).
         let mut g = f.wake_lock.lock();
         let until = Deadline::after(Duration::from_secs(30));
+        if f.late_register.load(Ordering::SeqCst) {
+            f.wake.wait_while_until(
+                &mut g,
+                |_| f.revokes.load(Ordering::SeqCst) == 0 && !f.aborted.load(Ordering::SeqCst),
+                until.instant(),
+            );
+        }
+        let epoch = f.revokes.load(Ordering::SeqCst);
         f.wake.wait_while_until(
             &mut g,
-            |_| !f.revoked.load(Ordering::SeqCst) && !f.aborted.load(Ordering::SeqCst),
+            |_| f.revokes.load(Ordering::SeqCst) == epoch && !f.aborted.load(Ordering::SeqCst),
             until.instant(),
         );
+        f.register_ended_by_abort
+            .store(f.aborted.load(Ordering::SeqCst), Ordering::SeqCst);
         return INTERNAL_ERROR;
     }
     // SAFETY: the caller passes a valid out-pointer.
@@ -337,7 +355,9 @@ unsafe extern "C" fn all_reduce(
 unsafe extern "C" fn revoke(c: sys::ncclComm_t, _flags: c_int) -> c_int {
     let f = fake(c);
     f.note("ncclCommRevoke");
-    f.interrupt(&f.revoked);
+    let _g = f.wake_lock.lock();
+    f.revokes.fetch_add(1, Ordering::SeqCst);
+    f.wake.notify_all();
     SUCCESS
 }
 
@@ -741,6 +761,16 @@ mod tests {
     }
 
     fn stuck_registration(with_revoke: bool) -> (Vec<&'static str>, Duration, Result<()>) {
+        stuck_registration_of(with_revoke, false).0
+    }
+
+    /// A registration stuck until revoked or aborted (reaching NCCL only after the first
+    /// revoke when `late`); what the communicator saw, how long the call took, its
+    /// result, and whether the abort ended it.
+    fn stuck_registration_of(
+        with_revoke: bool,
+        late: bool,
+    ) -> ((Vec<&'static str>, Duration, Result<()>), bool) {
         let call_timeout = Duration::from_millis(300);
         let config = NcclConfig::default()
             .with_call_timeout(call_timeout)
@@ -749,6 +779,7 @@ mod tests {
         let _watchdog = Watchdog::spawn(&s);
         let f = comm(s.comms[0].raw);
         f.stuck_register.store(true, Ordering::SeqCst);
+        f.late_register.store(late, Ordering::SeqCst);
         let t0 = Instant::now();
         // SAFETY: the fake never touches the memory.
         let r = unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.map(|_| ());
@@ -756,7 +787,21 @@ mod tests {
         aborted(&s);
         assert!(took >= call_timeout, "{took:?}");
         let names = f.calls().into_iter().map(|c| c.0).collect();
-        (names, took, r)
+        let by_abort = f.register_ended_by_abort.load(Ordering::SeqCst);
+        ((names, took, r), by_abort)
+    }
+
+    #[test]
+    fn a_thread_that_reaches_nccl_after_the_first_revoke_is_revoked_again() {
+        let ((names, took, r), by_abort) = stuck_registration_of(true, true);
+        assert!(matches!(r, Err(Error::NcclTimeout { .. })), "{r:?}");
+        assert!(!by_abort, "revoked out before the abort: {names:?}");
+        let revokes = names.iter().filter(|n| **n == "ncclCommRevoke").count();
+        assert!(revokes >= 2, "{names:?}");
+        assert!(
+            took < Duration::from_millis(300) + Duration::from_secs(1),
+            "{took:?}"
+        );
     }
 
     #[test]
