@@ -138,7 +138,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use streams::FenceTable;
 use watchdog::Watchdog;
 
@@ -226,7 +226,7 @@ impl Device for Cuda {
         let event = stream
             .record_event(None)
             .map_err(ffi::cuda("cuEventRecord"))?;
-        Ok(streams::all_complete(&[event], deadline))
+        streams::all_complete(&[event], deadline)
     }
 
     fn binder(&self) -> Binder {
@@ -479,6 +479,10 @@ impl Collectives for NcclBackend {
     }
 }
 
+/// How long a drop waits for the device work already enqueued before it decides the
+/// device is busy (and leaves the aborts to their threads).
+const DROP_DRAIN_WAIT: Duration = Duration::from_millis(500);
+
 impl Drop for NcclBackend {
     fn drop(&mut self) {
         // The pools released their segments and windows before this (they hold the
@@ -492,7 +496,13 @@ impl Drop for NcclBackend {
         // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
         // resources; with work still running (a stuck collective, a kernel that never
         // ends) the aborts wait for the device, so leave them to their thread at once.
-        let idle = matches!(self.drain(Instant::now()), Ok(true));
+        // Work just enqueued gets `DROP_DRAIN_WAIT` to finish (an idle device answers at
+        // once; a zero deadline would make the last collectives look stuck).
+        let drained = self.drain(Deadline::after(DROP_DRAIN_WAIT).instant());
+        if let Err(e) = &drained {
+            tracing::warn!("symmpool: rank {}: draining at drop failed: {e}", self.rank);
+        }
+        let idle = matches!(drained, Ok(true));
         if !idle {
             tracing::warn!(
                 "symmpool: rank {}: device work still in flight; aborting its communicators in the background",

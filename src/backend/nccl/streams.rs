@@ -107,11 +107,26 @@ const FENCES_PER_STREAM: usize = 64;
 /// Poll `events` until all are complete (`true`) or `deadline` passes (`false`).
 /// Never blocks in the driver: a peer stuck in a collective would hold a blocking
 /// synchronise forever.
-pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> bool {
-    poll_until(deadline, || {
-        events.iter().all(CudaEvent::is_complete).then_some(())
-    })
-    .is_some()
+///
+/// # Errors
+/// [`Error::Cuda`] when a query fails (a failed device, a faulted kernel): that is not
+/// "still running".
+pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> Result<bool> {
+    let answer = poll_until(deadline, || {
+        for e in events {
+            match e.try_is_complete() {
+                Ok(true) => {}
+                Ok(false) => return None,
+                Err(err) => return Some(Err(ffi::cuda("cuEventQuery")(err))),
+            }
+        }
+        Some(Ok(()))
+    });
+    match answer {
+        Some(Ok(())) => Ok(true),
+        Some(Err(e)) => Err(e),
+        None => Ok(false),
+    }
 }
 
 impl NcclBackend {
@@ -181,7 +196,7 @@ impl NcclBackend {
         self.bind()?;
         let started = Instant::now();
         let event = cs.record_event(None).map_err(ffi::cuda("cuEventRecord"))?;
-        if all_complete(&[event], self.shared.call_deadline()) {
+        if all_complete(&[event], self.shared.call_deadline())? {
             return Ok(cs);
         }
         Err(Error::Timeout {
@@ -262,7 +277,7 @@ impl StreamOps for NcclBackend {
             .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))
             .collect::<Result<Vec<CudaEvent>>>()?;
         let deadline = Deadline::after(deadline.saturating_duration_since(Instant::now()));
-        Ok(all_complete(&events, deadline))
+        all_complete(&events, deadline)
     }
 }
 
