@@ -185,15 +185,15 @@ impl Comm {
         }
     }
 
-    /// Mark a thread inside NCCL on it, unless it was aborted (`false`).
-    fn enter(&self, op: &'static str, deadline: Option<Deadline>) -> bool {
+    /// Mark a thread inside NCCL on it since `since`, unless it was aborted (`false`).
+    fn enter(&self, op: &'static str, since: Instant, deadline: Option<Deadline>) -> bool {
         let mut gate = self.state.gate.lock();
         if gate.aborted {
             return false;
         }
         gate.inside = Some(Inside {
             op,
-            since: Instant::now(),
+            since,
             deadline,
         });
         true
@@ -631,6 +631,18 @@ impl<D: Device> Shared<D> {
         bound: Bound,
         start: impl FnOnce(RawComm) -> Result<(S, Status)>,
     ) -> Result<S> {
+        self.call_at(comm, op, bound, Instant::now(), start)
+    }
+
+    /// [`call`](Self::call), with the time it starts (`now`) read by the caller.
+    fn call_at<S>(
+        &self,
+        comm: &Comm,
+        op: &'static str,
+        bound: Bound,
+        now: Instant,
+        start: impl FnOnce(RawComm) -> Result<(S, Status)>,
+    ) -> Result<S> {
         let _serial = match comm.calls.try_lock() {
             Some(g) => g,
             None => {
@@ -656,7 +668,7 @@ impl<D: Device> Shared<D> {
             Bound::By(d) if comm.blocking => Some(d),
             _ => None,
         };
-        if !comm.enter(op, marker) {
+        if !comm.enter(op, now, marker) {
             return Err(self.health.error());
         }
         let started = start(comm.raw);
@@ -707,10 +719,18 @@ impl<D: Device> Shared<D> {
     /// (inline on a blocking communicator) and, unless the watchdog is off or the
     /// stream is capturing a CUDA graph, the completion event the watchdog looks at.
     ///
+    /// Whether the stream captures is asked before the enqueue: once NCCL took the
+    /// collective, nothing may fail the call (the other ranks' collectives would then
+    /// have no match on this rank's next call).
+    ///
     /// Under capture NCCL's call is the same (it is captured into the graph); an event
     /// recorded during capture would be a node of the graph, not a completion the
     /// watchdog can query, so none is recorded: a captured collective is bounded by
-    /// whoever launches the graph.
+    /// whoever launches the graph. A collective that records no event (under capture,
+    /// or with [`NcclConfig::watchdog_timeout`] `= Duration::MAX`) is marked in the
+    /// gate with [`NcclConfig::call_timeout`] as its deadline instead, so that an
+    /// enqueue stuck inside NCCL (its work FIFO full behind stuck work) is still ended
+    /// by the watchdog.
     ///
     /// # Safety
     /// The addresses of `call` are live device memory of this rank, of the sizes the
@@ -730,26 +750,36 @@ impl<D: Device> Shared<D> {
         self.health.check()?;
         let comm = self.comm(c)?;
         let raw_stream = self.device.raw_stream(stream);
-        self.call(comm, call.name(), bound, |raw| {
+        let watched = self.config.watchdog_enabled() && !self.device.capturing(stream)?;
+        let now = Instant::now();
+        let bound = match bound {
+            Bound::Watchdog if !watched => {
+                Bound::By(Deadline::after_from(now, self.config.call_timeout))
+            }
+            b => b,
+        };
+        self.call_at(comm, call.name(), bound, now, |raw| {
             // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
             // and `call` holds its calls lock.
             unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }.map(|st| ((), st))
         })?;
-        if self.config.watchdog_enabled() && !self.device.capturing(stream)? {
-            self.watch(call.name(), c, stream)?;
+        if watched {
+            self.watch(call.name(), c, stream, now)?;
         }
         Ok(())
     }
 
     /// Record the event the watchdog waits for after a collective `op` on
-    /// communicator `comm`, enqueued on `stream`.
-    fn watch(&self, op: &'static str, comm: usize, stream: &D::Stream) -> Result<()> {
-        let spare = self.watch.lock().spare();
+    /// communicator `comm`, enqueued on `stream` at `at`. The watch list's lock is held
+    /// across the record (the watchdog holds it only to swap the list out and back).
+    fn watch(&self, op: &'static str, comm: usize, stream: &D::Stream, at: Instant) -> Result<()> {
+        let mut watch = self.watch.lock();
+        let spare = watch.spare();
         let event = self.device.record(stream, spare)?;
-        self.watch.lock().push(Enqueued {
+        watch.push(Enqueued {
             op,
             comm,
-            at: Instant::now(),
+            at,
             done: event,
         });
         Ok(())

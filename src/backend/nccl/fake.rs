@@ -35,6 +35,9 @@ pub(super) struct FakeComm {
     log: Mutex<Vec<Call>>,
     /// Registrations block until the communicator is revoked or aborted.
     pub(super) stuck_register: AtomicBool,
+    /// Collectives block until the communicator is revoked or aborted (as an enqueue
+    /// on a full work FIFO behind stuck work).
+    pub(super) stuck_collective: AtomicBool,
     /// What its collectives answer (0: success).
     pub(super) collective_result: AtomicI32,
     /// What `ncclCommGetAsyncError` reports (0: success).
@@ -105,6 +108,30 @@ impl FakeComm {
         let _g = self.wake_lock.lock();
         flag.store(true, Ordering::SeqCst);
         self.wake.notify_all();
+    }
+
+    /// Block like a call whose peer never comes: until a revoke that ends after the
+    /// call started, or an abort (the fake's own bound: 30 s). With `late_register`,
+    /// the call reaches NCCL only after the first revoke ended.
+    fn block_until_revoked(&self) -> c_int {
+        let mut g = self.wake_lock.lock();
+        let until = Deadline::after(Duration::from_secs(30));
+        let ended = |epoch: Option<u64>| {
+            let revokes = self.revokes.load(Ordering::SeqCst);
+            self.aborted.load(Ordering::SeqCst)
+                || epoch.is_some_and(|e| revokes != e)
+                || (epoch.is_none() && revokes > 0)
+        };
+        if self.late_register.load(Ordering::SeqCst) {
+            self.wake
+                .wait_while_until(&mut g, |_| !ended(None), until.instant());
+        }
+        let epoch = self.revokes.load(Ordering::SeqCst);
+        self.wake
+            .wait_while_until(&mut g, |_| !ended(Some(epoch)), until.instant());
+        self.register_ended_by_abort
+            .store(self.aborted.load(Ordering::SeqCst), Ordering::SeqCst);
+        INTERNAL_ERROR
     }
 
     /// The calls made on it so far.
@@ -282,24 +309,7 @@ unsafe extern "C" fn window_register(
     if f.stuck_register.load(Ordering::SeqCst) {
         // Like a registration whose peer never comes: only a revoke or an abort ends
         // it (the test that sets this bounds the whole test by its own deadline).
-        let mut g = f.wake_lock.lock();
-        let until = Deadline::after(Duration::from_secs(30));
-        if f.late_register.load(Ordering::SeqCst) {
-            f.wake.wait_while_until(
-                &mut g,
-                |_| f.revokes.load(Ordering::SeqCst) == 0 && !f.aborted.load(Ordering::SeqCst),
-                until.instant(),
-            );
-        }
-        let epoch = f.revokes.load(Ordering::SeqCst);
-        f.wake.wait_while_until(
-            &mut g,
-            |_| f.revokes.load(Ordering::SeqCst) == epoch && !f.aborted.load(Ordering::SeqCst),
-            until.instant(),
-        );
-        f.register_ended_by_abort
-            .store(f.aborted.load(Ordering::SeqCst), Ordering::SeqCst);
-        return INTERNAL_ERROR;
+        return f.block_until_revoked();
     }
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *win = std::ptr::dangling_mut::<u8>().cast() };
@@ -321,6 +331,9 @@ unsafe extern "C" fn all_gather(
 ) -> c_int {
     let f = fake(c);
     f.note("ncclAllGather");
+    if f.stuck_collective.load(Ordering::SeqCst) {
+        return f.block_until_revoked();
+    }
     f.collective_result.load(Ordering::SeqCst)
 }
 
@@ -335,6 +348,9 @@ unsafe extern "C" fn reduce_scatter(
 ) -> c_int {
     let f = fake(c);
     f.note("ncclReduceScatter");
+    if f.stuck_collective.load(Ordering::SeqCst) {
+        return f.block_until_revoked();
+    }
     f.collective_result.load(Ordering::SeqCst)
 }
 
@@ -349,6 +365,9 @@ unsafe extern "C" fn all_reduce(
 ) -> c_int {
     let f = fake(c);
     f.note("ncclAllReduce");
+    if f.stuck_collective.load(Ordering::SeqCst) {
+        return f.block_until_revoked();
+    }
     f.collective_result.load(Ordering::SeqCst)
 }
 
@@ -399,16 +418,50 @@ pub(crate) fn syms(with_revoke: bool) -> &'static Syms {
 #[derive(Debug, Default)]
 pub(super) struct FakeStream {
     pub(super) capturing: AtomicBool,
+    /// `cuStreamIsCapturing` fails on it.
+    pub(super) query_fails: AtomicBool,
 }
 
-/// A fake event: complete unless told otherwise.
+/// A fake event: complete unless told otherwise; its query blocks while `held` says.
 #[derive(Debug, Clone, Default)]
 pub(super) struct FakeEvent {
     pending: Arc<AtomicBool>,
+    held: Option<Arc<Held>>,
+}
+
+/// A query held until released (a slow `cuEventQuery`).
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    pub(super) querying: AtomicBool,
+    released: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Held {
+    pub(super) fn release(&self) {
+        *self.released.lock() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl FakeEvent {
+    /// An event whose query blocks until `held` is released (or 10 s).
+    pub(super) fn held(held: Arc<Held>) -> Self {
+        FakeEvent {
+            pending: Arc::default(),
+            held: Some(held),
+        }
+    }
 }
 
 impl Completion for FakeEvent {
     fn complete(&self) -> std::result::Result<bool, String> {
+        if let Some(h) = &self.held {
+            h.querying.store(true, Ordering::SeqCst);
+            let mut released = h.released.lock();
+            let until = Deadline::after(Duration::from_secs(10));
+            h.cv.wait_while_until(&mut released, |r| !*r, until.instant());
+        }
         Ok(!self.pending.load(Ordering::SeqCst))
     }
 }
@@ -448,6 +501,13 @@ impl Device for FakeDevice {
 
     fn capturing(&self, stream: &FakeStream) -> Result<bool> {
         self.note("cuStreamIsCapturing");
+        if stream.query_fails.load(Ordering::SeqCst) {
+            return Err(crate::error::Error::Cuda {
+                op: "cuStreamIsCapturing",
+                code: 700,
+                message: "a fake failure".into(),
+            });
+        }
         Ok(stream.capturing.load(Ordering::SeqCst))
     }
 
@@ -749,6 +809,95 @@ mod tests {
         }
         assert_eq!(seen[0], seen[1]);
         assert_eq!(seen[0], vec!["ncclAllGather", "ncclReduceScatter"]);
+    }
+
+    #[test]
+    fn a_failed_capture_query_fails_the_collective_before_its_enqueue() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let stream = FakeStream::default();
+        stream.query_fails.store(true, Ordering::SeqCst);
+        let f = comm(s.comms[0].raw);
+        f.clear();
+        // SAFETY: the fake never touches the addresses.
+        let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+        assert!(matches!(r, Err(Error::Cuda { .. })), "{r:?}");
+        assert!(f.calls().is_empty(), "nothing enqueued: {:?}", f.calls());
+    }
+
+    #[test]
+    fn a_collective_never_waits_behind_the_watchdogs_event_queries() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let held = Arc::new(Held::default());
+        s.watch.lock().push(crate::backend::nccl::health::Enqueued {
+            op: "ncclAllGather",
+            comm: 0,
+            at: Instant::now(),
+            done: FakeEvent::held(held.clone()),
+        });
+        let ticking = {
+            let s = s.clone();
+            std::thread::spawn(move || s.tick())
+        };
+        let deadline = Deadline::after(Duration::from_secs(5));
+        while !held.querying.load(Ordering::SeqCst) && !deadline.expired() {
+            std::thread::yield_now();
+        }
+        assert!(held.querying.load(Ordering::SeqCst));
+        // The watchdog is inside a query: a collective still records its event.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let caller = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let stream = FakeStream::default();
+                // SAFETY: the fake never touches the addresses.
+                let r = unsafe {
+                    s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog)
+                };
+                let _ = tx.send(r.is_ok());
+            })
+        };
+        let done = rx.recv_timeout(Duration::from_secs(5));
+        held.release();
+        ticking.join().unwrap();
+        caller.join().unwrap();
+        assert_eq!(done, Ok(true), "the collective waited behind the query");
+        assert_eq!(
+            s.watch.lock().len(),
+            1,
+            "the queried event was complete; the one pushed meanwhile is kept"
+        );
+    }
+
+    #[test]
+    fn an_unwatched_collective_stuck_inside_nccl_is_bounded_by_the_call_timeout() {
+        let call_timeout = Duration::from_millis(300);
+        let config = NcclConfig::default()
+            .with_call_timeout(call_timeout)
+            .with_watchdog_interval(Duration::from_millis(10));
+        let s = shared(true, &CommInfo::STANDARD, config).unwrap();
+        let _watchdog = Watchdog::spawn(&s);
+        let stream = FakeStream::default();
+        // Under capture no event is recorded: the gate carries the deadline.
+        stream.capturing.store(true, Ordering::SeqCst);
+        comm(s.comms[0].raw)
+            .stuck_collective
+            .store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        // SAFETY: the fake never touches the addresses.
+        let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+        let took = t0.elapsed();
+        assert!(
+            matches!(
+                r,
+                Err(Error::NcclTimeout {
+                    op: "ncclAllGather",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert!(took < call_timeout + Duration::from_secs(1), "{took:?}");
+        aborted(&s);
     }
 
     /// Wait (boundedly) until every communicator of `s` was aborted and its abort

@@ -62,7 +62,7 @@
 //! | warm-up (registration, collectives, device wait) | blocking (default) | the set-up deadline: the watchdog sees the thread inside NCCL | revoke, abort, [`Error::NcclTimeout`] |
 //! | window registration (collective: every rank must call) | blocking | [`NcclConfig::call_timeout`], through the watchdog | revoke, then abort; the call returns [`Error::NcclTimeout`] within `call_timeout` + interval + 0.5 s (`LEAVE_WAIT`) |
 //! | window deregistration (local in NCCL 2.28–2.30) | blocking | `call_timeout`, through the watchdog | as registration |
-//! | collective enqueue | blocking | nothing of its own: the enqueue waits on peers only when work is stuck (NCCL's work FIFO full), which the completion watch below catches | — |
+//! | collective enqueue | blocking | watched collectives: nothing of its own (the enqueue waits on peers only when work is stuck, NCCL's work FIFO full, which the completion watch below catches); unwatched ones (under CUDA graph capture, or `watchdog_timeout = Duration::MAX`): `call_timeout`, through the watchdog | revoke, abort, [`Error::NcclTimeout`] |
 //! | collective completion (device) | — | [`NcclConfig::watchdog_timeout`] after the enqueue, seen within `watchdog_interval` | revoke, abort, [`Error::NcclWatchdog`] |
 //! | any call on a non-blocking data communicator ([`NcclConfig::data_blocking`] `= false`) | non-blocking | `call_timeout`, polled | abort, [`Error::NcclTimeout`] |
 //! | abort (`ncclCommAbort` can block: NVIDIA/nccl issue 1777) | its own thread | not waited for; releases wait ≤ 10 s | window and segment leaked |

@@ -27,7 +27,7 @@
 
 use super::comm::{Device, Shared};
 use super::ffi;
-use super::health::{Cause, Completion};
+use super::health::{self, Cause, Completion};
 use cudarc::driver::CudaEvent;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Weak};
@@ -91,11 +91,15 @@ impl<D: Device> Shared<D> {
             return;
         }
         let now = Instant::now();
-        let cause = self.watch.lock().sweep(now, self.config.watchdog_timeout);
-        if let Some(cause) = cause {
+        // The list is swapped out under its lock and queried outside it, so that a
+        // collective recording its event never waits behind the queries.
+        let pending = self.watch.lock().take();
+        let swept = health::sweep(pending, now, self.config.watchdog_timeout);
+        if let Some(cause) = swept.cause {
             let _ = self.fail(cause);
             return;
         }
+        self.watch.lock().restore(swept.kept, swept.complete);
         for c in self.all_comms().filter(|c| c.owned) {
             if let Some(inside) = c.inside()
                 && let Some(deadline) = inside.deadline
