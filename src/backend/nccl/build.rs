@@ -230,7 +230,7 @@ impl Builder {
             watch: Mutex::default(),
             config: self.config,
         });
-        let watchdog = Watchdog::spawn(&shared);
+        let watchdog = Watchdog::spawn(&shared)?;
         let warmed = if warm_up {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let stream = ctx.new_stream().map_err(ffi::cuda("cuStreamCreate"))?;

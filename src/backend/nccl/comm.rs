@@ -813,7 +813,7 @@ impl<D: Device> Shared<D> {
                 // allocation and the order.
                 unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
             })?;
-        Ok(registering.finish())
+        Ok(registering.finish(comm.blocking))
     }
 
     /// Deregister `window` from data communicator `c`, unless the communicator was

@@ -875,7 +875,7 @@ mod tests {
             .with_call_timeout(call_timeout)
             .with_watchdog_interval(Duration::from_millis(10));
         let s = shared(true, &CommInfo::STANDARD, config).unwrap();
-        let _watchdog = Watchdog::spawn(&s);
+        let _watchdog = Watchdog::spawn(&s).unwrap();
         let stream = FakeStream::default();
         // Under capture no event is recorded: the gate carries the deadline.
         stream.capturing.store(true, Ordering::SeqCst);
@@ -925,7 +925,7 @@ mod tests {
             .with_call_timeout(call_timeout)
             .with_watchdog_interval(Duration::from_millis(10));
         let s = shared(with_revoke, &CommInfo::STANDARD, config).unwrap();
-        let _watchdog = Watchdog::spawn(&s);
+        let _watchdog = Watchdog::spawn(&s).unwrap();
         let f = comm(s.comms[0].raw);
         f.stuck_register.store(true, Ordering::SeqCst);
         f.late_register.store(late, Ordering::SeqCst);
@@ -1034,7 +1034,7 @@ mod tests {
     fn the_warm_up_covers_every_path_the_policy_can_choose() {
         let infos = CommInfo::STANDARD;
         let s = shared(true, &infos, NcclConfig::default()).unwrap();
-        let _watchdog = Watchdog::spawn(&s);
+        let _watchdog = Watchdog::spawn(&s).unwrap();
         let stream = FakeStream::default();
         let deadline = Deadline::after(Duration::from_secs(10));
         let warmed = s.warm_up(&infos, &stream, 2 << 20, deadline).unwrap();
@@ -1091,7 +1091,7 @@ mod tests {
     fn a_failed_warm_up_releases_its_windows_and_segment() {
         let infos = CommInfo::STANDARD;
         let s = shared(true, &infos, NcclConfig::default()).unwrap();
-        let _watchdog = Watchdog::spawn(&s);
+        let _watchdog = Watchdog::spawn(&s).unwrap();
         let plain = infos.iter().position(|i| !i.registers).unwrap();
         // ncclInvalidArgument: the call fails, the backend does not break.
         comm(s.comms[plain].raw)

@@ -522,11 +522,19 @@ pub(crate) struct Registering {
 
 impl Registering {
     /// The registration completed: the window (`None`: NCCL gave a NULL window, no
-    /// symmetric support). The slot is leaked, not freed (8 bytes per registration):
-    /// should an NCCL version write it after reporting completion, it writes into
-    /// memory nobody else uses.
-    pub(crate) fn finish(self) -> Option<RawWindow> {
-        let w = *Box::leak(self.slot);
+    /// symmetric support). On a `blocking` communicator NCCL wrote the slot before
+    /// returning and the box is freed. On a non-blocking one the slot is leaked, not
+    /// freed (8 bytes per registration): should an NCCL version write it after
+    /// reporting completion, it writes into memory nobody else uses.
+    pub(crate) fn finish(self, blocking: bool) -> Option<RawWindow> {
+        let w = if blocking {
+            *self.slot
+        } else {
+            let slot: *mut sys::ncclWindow_t = Box::into_raw(self.slot);
+            // SAFETY: a leaked box stays valid; read once, volatile, as NCCL's thread
+            // wrote it.
+            unsafe { std::ptr::read_volatile(slot) }
+        };
         (!w.is_null()).then_some(RawWindow(w))
     }
 
