@@ -9,7 +9,7 @@
 //! its watchdog and warm the data communicators up. The whole set-up has one
 //! deadline, [`NcclConfig::setup_timeout`] from the public call.
 
-use super::comm::{Comm, Shared, finish_creation};
+use super::comm::{Comm, Shared, abort_together, finish_creation};
 use super::config::{self, NcclConfig};
 use super::ffi::{self, RawComm, Syms};
 use super::health::Health;
@@ -157,8 +157,8 @@ impl Builder {
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
     /// unless configured otherwise), each polled through the control communicator by
-    /// the set-up's deadline. A failure aborts the ones made before it (and the caller
-    /// then drops, so aborts, the control communicator).
+    /// the set-up's deadline. A failure aborts the ones made before it and the control
+    /// communicator together ([`abort_together`]).
     fn data(&self, control: &Comm, rank: usize) -> Result<Vec<(CommInfo, Comm)>> {
         let blocking = self.config.data_blocking;
         let roles = self.roles();
@@ -177,14 +177,23 @@ impl Builder {
                     blocking,
                 )
             };
-            let comm = finish_creation(
+            let made = finish_creation(
                 self.nccl,
                 starting,
                 "ncclCommSplit",
                 blocking,
                 self.deadline,
                 Some(control),
-            )?;
+            );
+            let comm = match made {
+                Ok(comm) => comm,
+                Err(e) => {
+                    // Every communicator made so far, the control one too, aborted
+                    // together under one deadline.
+                    abort_together(comms.iter().map(|(_, c)| c).chain([control]));
+                    return Err(e);
+                }
+            };
             let info = CommInfo {
                 cta_policy: effective_policy(role.cta_policy),
                 ..*role

@@ -282,6 +282,34 @@ pub(super) enum AbortThreads {
     /// A thread per communicator, started together; blocking ones are revoked first:
     /// device work may be stuck, a thread may be inside NCCL.
     PerCommunicator,
+    /// A thread per communicator, started together, no revoke: a failed set-up, where
+    /// nobody is inside NCCL on them but an abort may wait for the device.
+    Apart,
+}
+
+/// Abort `comms` (those the crate made and nobody aborted yet) together, a thread
+/// each, and wait for those aborts until one shared deadline, [`ABORT_WAIT`] from now:
+/// the cleanup of a failed set-up, which must not wait [`ABORT_WAIT`] per
+/// communicator in turn.
+pub(super) fn abort_together<'a>(comms: impl IntoIterator<Item = &'a Comm>) {
+    let mut nccl = None;
+    let taken: Vec<Taken> = comms
+        .into_iter()
+        .filter_map(|c| {
+            nccl = Some(c.nccl);
+            c.take_for_abort()
+        })
+        .collect();
+    let Some(nccl) = nccl else { return };
+    let states: Vec<Arc<CommState>> = taken.iter().map(|t| t.state.clone()).collect();
+    abort_off_thread(nccl, None, taken, AbortThreads::Apart);
+    let deadline = Deadline::after(ABORT_WAIT);
+    let pending = states.iter().filter(|s| !s.done.wait(deadline)).count();
+    if pending > 0 {
+        tracing::warn!(
+            "symmpool: {pending} ncclCommAbort calls of a failed set-up had not returned after {ABORT_WAIT:?}; their communicators are leaked"
+        );
+    }
 }
 
 /// How often [`revoke_then_abort`] revokes again while a thread is still marked inside
@@ -364,7 +392,9 @@ fn abort_off_thread(
     let batches: Vec<Vec<Taken>> = match threads {
         AbortThreads::One if comms.is_empty() => Vec::new(),
         AbortThreads::One => vec![comms],
-        AbortThreads::PerCommunicator => comms.into_iter().map(|c| vec![c]).collect(),
+        AbortThreads::PerCommunicator | AbortThreads::Apart => {
+            comms.into_iter().map(|c| vec![c]).collect()
+        }
     };
     for batch in batches {
         for t in &batch {
@@ -550,6 +580,14 @@ pub(super) struct Shared<D: Device> {
     pub(super) health: Health,
     pub(super) watch: Mutex<Watch<D::Event>>,
     pub(super) config: NcclConfig,
+}
+
+impl<D: Device> Drop for Shared<D> {
+    fn drop(&mut self) {
+        // A backend's own drop has aborted every communicator already; what is left
+        // here is a failed assembly's: abort them together, not one drop after another.
+        abort_together(self.all_comms());
+    }
 }
 
 impl<D: Device> Shared<D> {

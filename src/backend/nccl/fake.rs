@@ -61,6 +61,9 @@ pub(super) struct FakeComm {
     pub(super) early_split_write: AtomicBool,
     /// On a non-blocking parent: a split's job never ends, until the parent is aborted.
     pub(super) stuck_split: AtomicBool,
+    /// Its abort waits (at most 2 s) until this many aborts sharing the rendezvous
+    /// run at once (as aborts that each wait for the device).
+    pub(super) abort_rendezvous: Mutex<Option<Arc<Rendezvous>>>,
     /// The last child split off it.
     pub(super) last_child: Mutex<Option<usize>>,
     /// A split in progress on this (non-blocking) parent: where to write the child
@@ -219,8 +222,38 @@ unsafe extern "C" fn split(
     if blocking { SUCCESS } else { ffi::IN_PROGRESS }
 }
 
+/// Aborts that wait for each other.
+#[derive(Debug, Default)]
+pub(super) struct Rendezvous {
+    need: usize,
+    arrived: Mutex<usize>,
+    cv: Condvar,
+}
+
+impl Rendezvous {
+    pub(super) fn new(need: usize) -> Arc<Self> {
+        Arc::new(Rendezvous {
+            need,
+            ..Rendezvous::default()
+        })
+    }
+
+    fn meet(&self) {
+        let mut arrived = self.arrived.lock();
+        *arrived += 1;
+        self.cv.notify_all();
+        let until = Deadline::after(Duration::from_secs(2));
+        self.cv
+            .wait_while_until(&mut arrived, |a| *a < self.need, until.instant());
+    }
+}
+
 unsafe extern "C" fn abort(c: sys::ncclComm_t) -> c_int {
     let f = fake(c);
+    let rendezvous = f.abort_rendezvous.lock().clone();
+    if let Some(r) = rendezvous {
+        r.meet();
+    }
     // Aborting a communicator being made ends its creation (NCCL's
     // `setCommAbortFlags`; a parent's abort ends its split's job).
     f.ready.store(true, Ordering::SeqCst);
@@ -898,6 +931,27 @@ mod tests {
         );
         assert!(took < call_timeout + Duration::from_secs(1), "{took:?}");
         aborted(&s);
+    }
+
+    #[test]
+    fn a_failed_set_up_aborts_its_communicators_together() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let fakes: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
+        // Each abort returns only once all four run at once (or after 2 s each).
+        let r = Rendezvous::new(fakes.len());
+        for f in &fakes {
+            *f.abort_rendezvous.lock() = Some(r.clone());
+        }
+        let t0 = Instant::now();
+        drop(Arc::try_unwrap(s).ok().expect("one owner"));
+        let took = t0.elapsed();
+        for f in &fakes {
+            assert!(f.aborted.load(Ordering::SeqCst));
+        }
+        assert!(
+            took < Duration::from_secs(1),
+            "aborted one after another: {took:?}"
+        );
     }
 
     /// Wait (boundedly) until every communicator of `s` was aborted and its abort
