@@ -31,7 +31,7 @@
 use super::config::NcclConfig;
 use super::ffi::{self, CollCall, RawComm, RawWindow, Registering, Status, Syms};
 use super::health::{Cause, Completion, Enqueued, Health, Watch, poll_until};
-use crate::Deadline;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -646,14 +646,17 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Data communicator `c`.
+    /// Data communicator `c`, for the call `op`.
     ///
     /// # Errors
-    /// [`Error::InvalidCollective`] if there is none.
-    pub(super) fn comm(&self, c: usize) -> Result<&Comm> {
+    /// [`Error::InvalidCollective`] naming `op` and the index if there is none.
+    pub(super) fn comm(&self, c: usize, op: &'static str) -> Result<&Comm> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
-            op: "NCCL call",
-            detail: format!("no communicator {c}"),
+            op,
+            detail: format!(
+                "communicator index {c} is out of range: this NCCL backend has {} data communicators",
+                self.comms.len()
+            ),
         })
     }
 
@@ -786,7 +789,7 @@ impl<D: Device> Shared<D> {
         bound: Bound,
     ) -> Result<()> {
         self.health.check()?;
-        let comm = self.comm(c)?;
+        let comm = self.comm(c, call.name())?;
         let raw_stream = self.device.raw_stream(stream);
         let watched = self.config.watchdog_enabled() && !self.device.capturing(stream)?;
         let now = Instant::now();
@@ -844,7 +847,7 @@ impl<D: Device> Shared<D> {
         deadline: Deadline,
     ) -> Result<Option<RawWindow>> {
         self.health.check()?;
-        let comm = self.comm(c)?;
+        let comm = self.comm(c, "ncclCommWindowRegister")?;
         let registering: Registering =
             self.call(comm, "ncclCommWindowRegister", Bound::By(deadline), |raw| {
                 // SAFETY: `raw` is live and held by `call`; the caller guarantees the
@@ -871,7 +874,7 @@ impl<D: Device> Shared<D> {
         window: RawWindow,
     ) -> std::result::Result<(), (RawWindow, Error)> {
         let op = "ncclCommWindowDeregister";
-        let comm = match self.comm(c) {
+        let comm = match self.comm(c, op) {
             Ok(comm) => comm,
             Err(e) => return Err((window, e)),
         };

@@ -13,8 +13,8 @@ use super::comm::{Binder, Comm, Device, Shared, finish_creation};
 use super::config::NcclConfig;
 use super::ffi::{self, RawComm, Syms};
 use super::health::{Completion, Health};
-use crate::Deadline;
 use crate::backend::CommInfo;
+use crate::deadline::Deadline;
 use crate::error::Result;
 use cudarc::nccl::sys;
 use parking_lot::{Condvar, Mutex};
@@ -611,7 +611,6 @@ pub(super) fn shared(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Error;
     use crate::backend::CommRole;
     use crate::backend::nccl::comm::Bound;
     use crate::backend::nccl::ffi::{CollCall, CollKind};
@@ -619,6 +618,7 @@ mod tests {
     use crate::backend::nccl::warmup::{WARM_LARGE_BYTES, WARM_SMALL_BYTES};
     use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
     use crate::backend::nccl::watchdog::Watchdog;
+    use crate::error::Error;
     use std::time::Instant;
 
     fn call(kind: CollKind) -> CollCall {
@@ -842,6 +842,24 @@ mod tests {
         }
         assert_eq!(seen[0], seen[1]);
         assert_eq!(seen[0], vec!["ncclAllGather", "ncclReduceScatter"]);
+    }
+
+    #[test]
+    fn a_bad_communicator_index_is_named() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let stream = FakeStream::default();
+        // SAFETY: the fake never touches the addresses.
+        let r = unsafe { s.collective(7, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+        match r {
+            Err(Error::InvalidCollective { op, detail }) => {
+                assert_eq!(op, "ncclAllGather");
+                assert!(
+                    detail.contains("index 7") && detail.contains('3'),
+                    "{detail}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! watchdog's bookkeeping. Device-free logic, tested without GPUs; the NCCL and CUDA
 //! calls stay in the backend.
 
-use crate::Deadline;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::OnceLock;

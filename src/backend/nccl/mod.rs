@@ -128,7 +128,7 @@ use super::{
     CollArgs, Collectives, Refused, Region, Segment, SegmentMemory, SegmentProvider, StreamOps,
     Window,
 };
-use crate::Deadline;
+use crate::deadline::Deadline;
 use crate::error::{Error, NcclVersion, Result};
 use comm::{ABORT_WAIT, AbortThreads, Binder, Bound, Device, Shared};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};

@@ -4,11 +4,12 @@
 
 use super::health::poll_until;
 use super::{CUstream, NcclBackend, ffi};
+use crate::backend::Backend;
 use crate::backend::{DataMover, Region, StreamOps};
 use crate::core::{Fence, StreamId};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
-use crate::{Backend, Deadline};
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -157,7 +158,8 @@ impl NcclBackend {
     /// the backend may still see it).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the stream belongs to another context; [`Error::Cuda`];
+    /// [`Error::WrongStream`] if the stream belongs to another context than the primary
+    /// context of this backend's device; [`Error::Cuda`];
     /// the backend's error once it is broken.
     pub unsafe fn stream_from_raw(&self, cu_stream: CUstream) -> Result<Stream> {
         self.shared.health.check()?;
@@ -169,10 +171,8 @@ impl NcclBackend {
         // SAFETY: the caller guarantees a live stream handle.
         let ctx = unsafe { ffi::stream_context(cu_stream) }?;
         if ctx != self.shared.device.ctx.cu_ctx() {
-            return Err(Error::InvalidConfig(format!(
-                "the stream belongs to another CUDA context than the primary context of device {}",
-                self.device()
-            )));
+            // A stream of another context (not the primary context of this device).
+            return Err(Error::WrongStream);
         }
         // SAFETY: the stream belongs to this context (checked above) and the caller keeps
         // it alive as long as this backend, which holds every wrapper it hands out.
