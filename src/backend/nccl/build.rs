@@ -9,16 +9,16 @@
 //! its watchdog and warm the data communicators up. The whole set-up has one
 //! deadline, [`NcclConfig::setup_timeout`] from the public call.
 
-use super::comm::{Comm, Shared, finish_creation};
+use super::comm::{Comm, Shared, abort_together, finish_creation};
 use super::config::{self, NcclConfig};
 use super::ffi::{self, RawComm, Syms};
 use super::health::Health;
 use super::streams::FenceTable;
 use super::watchdog::Watchdog;
 use super::{Cuda, NcclBackend, device_count, ncclComm_t, setup};
-use crate::Deadline;
 use crate::backend::{Backend, BackendInfo, BackendKind, CommInfo, CommRole};
 use crate::control::{Exchange, LocalExchange, StoreExchange};
+use crate::deadline::Deadline;
 use crate::error::{Error, NcclVersion, Result};
 use cudarc::driver::CudaContext;
 use parking_lot::Mutex;
@@ -158,13 +158,13 @@ impl Builder {
         let op = "ncclCommInitRankConfig";
         let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         let starting = ffi::comm_init(self.nccl, world, unique_id, rank, policy);
-        finish_creation(self.nccl, starting, op, false, self.deadline)
+        finish_creation(self.nccl, starting, op, false, self.deadline, None)
     }
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
     /// unless configured otherwise), each polled through the control communicator by
-    /// the set-up's deadline. A failure aborts the ones made before it (and the caller
-    /// then drops, so aborts, the control communicator).
+    /// the set-up's deadline. A failure aborts the ones made before it and the control
+    /// communicator together ([`abort_together`]).
     fn data(&self, control: &Comm, rank: usize) -> Result<Vec<(CommInfo, Comm)>> {
         let blocking = self.config.data_blocking;
         let roles = self.roles();
@@ -173,15 +173,33 @@ impl Builder {
             // SAFETY: the control communicator is live and used by this thread only
             // during set-up; every rank splits the same roles in the same order (the
             // plan is checked by the set-up round).
-            let starting =
-                unsafe { ffi::comm_split(self.nccl, control.raw, rank, role.cta_policy, blocking) };
-            let comm = finish_creation(
+            let starting = unsafe {
+                ffi::comm_split(
+                    self.nccl,
+                    control.raw,
+                    false,
+                    rank,
+                    role.cta_policy,
+                    blocking,
+                )
+            };
+            let made = finish_creation(
                 self.nccl,
                 starting,
                 "ncclCommSplit",
                 blocking,
                 self.deadline,
-            )?;
+                Some(control),
+            );
+            let comm = match made {
+                Ok(comm) => comm,
+                Err(e) => {
+                    // Every communicator made so far, the control one too, aborted
+                    // together under one deadline.
+                    abort_together(comms.iter().map(|(_, c)| c).chain([control]));
+                    return Err(e);
+                }
+            };
             let info = CommInfo {
                 cta_policy: effective_policy(role.cta_policy),
                 ..*role
@@ -227,7 +245,7 @@ impl Builder {
             watch: Mutex::default(),
             config: self.config,
         });
-        let watchdog = Watchdog::spawn(&shared);
+        let watchdog = Watchdog::spawn(&shared)?;
         let warmed = if warm_up {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let stream = ctx.new_stream().map_err(ffi::cuda("cuStreamCreate"))?;
@@ -358,9 +376,19 @@ impl NcclBackend {
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
         // set-up round).
-        let starting =
-            unsafe { ffi::comm_split(b.nccl, parent, rank, ffi::NCCL_CTA_POLICY_DEFAULT, false) };
-        let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline)?;
+        let starting = unsafe {
+            // The runtime's communicator may be blocking or not: polled as non-blocking
+            // (right for both), and never aborted by the crate.
+            ffi::comm_split(
+                b.nccl,
+                parent,
+                false,
+                rank,
+                ffi::NCCL_CTA_POLICY_DEFAULT,
+                false,
+            )
+        };
+        let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline, None)?;
         let comms = b.data(&control, rank)?;
         let seat = Seat { rank, world, ctx };
         b.assemble(seat, Some(control), comms, agreed.nodes, exchange)

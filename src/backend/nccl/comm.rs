@@ -31,7 +31,7 @@
 use super::config::NcclConfig;
 use super::ffi::{self, CollCall, RawComm, RawWindow, Registering, Status, Syms};
 use super::health::{Cause, Completion, Enqueued, Health, Watch, poll_until};
-use crate::Deadline;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -185,15 +185,15 @@ impl Comm {
         }
     }
 
-    /// Mark a thread inside NCCL on it, unless it was aborted (`false`).
-    fn enter(&self, op: &'static str, deadline: Option<Deadline>) -> bool {
+    /// Mark a thread inside NCCL on it since `since`, unless it was aborted (`false`).
+    fn enter(&self, op: &'static str, since: Instant, deadline: Option<Deadline>) -> bool {
         let mut gate = self.state.gate.lock();
         if gate.aborted {
             return false;
         }
         gate.inside = Some(Inside {
             op,
-            since: Instant::now(),
+            since,
             deadline,
         });
         true
@@ -244,6 +244,16 @@ impl Comm {
         }
     }
 
+    /// Abort it now on a thread of its own (if the crate made it and nobody did yet) and
+    /// wait until `deadline` for that abort, or an earlier one, to return; whether it
+    /// returned. For set-up, where nobody is inside NCCL on it.
+    fn abort_and_wait(&self, deadline: Deadline) -> bool {
+        if let Some(taken) = self.take_for_abort() {
+            abort_off_thread(self.nccl, None, vec![taken], AbortThreads::One);
+        }
+        self.aborted_by(deadline).unwrap_or(false)
+    }
+
     /// Whether it was aborted, and if so whether its abort returned by `deadline`.
     pub(super) fn aborted_by(&self, deadline: Deadline) -> Option<bool> {
         if !self.state.gate.lock().aborted {
@@ -272,39 +282,87 @@ pub(super) enum AbortThreads {
     /// A thread per communicator, started together; blocking ones are revoked first:
     /// device work may be stuck, a thread may be inside NCCL.
     PerCommunicator,
+    /// A thread per communicator, started together, no revoke: a failed set-up, where
+    /// nobody is inside NCCL on them but an abort may wait for the device.
+    Apart,
 }
 
+/// Abort `comms` (those the crate made and nobody aborted yet) together, a thread
+/// each, and wait for those aborts until one shared deadline, [`ABORT_WAIT`] from now:
+/// the cleanup of a failed set-up, which must not wait [`ABORT_WAIT`] per
+/// communicator in turn.
+pub(super) fn abort_together<'a>(comms: impl IntoIterator<Item = &'a Comm>) {
+    let mut nccl = None;
+    let taken: Vec<Taken> = comms
+        .into_iter()
+        .filter_map(|c| {
+            nccl = Some(c.nccl);
+            c.take_for_abort()
+        })
+        .collect();
+    let Some(nccl) = nccl else { return };
+    let states: Vec<Arc<CommState>> = taken.iter().map(|t| t.state.clone()).collect();
+    abort_off_thread(nccl, None, taken, AbortThreads::Apart);
+    let deadline = Deadline::after(ABORT_WAIT);
+    let pending = states.iter().filter(|s| !s.done.wait(deadline)).count();
+    if pending > 0 {
+        tracing::warn!(
+            "symmpool: {pending} ncclCommAbort calls of a failed set-up had not returned after {ABORT_WAIT:?}; their communicators are leaked"
+        );
+    }
+}
+
+/// How often [`revoke_then_abort`] revokes again while a thread is still marked inside
+/// NCCL on the communicator.
+const REVOKE_AGAIN: Duration = Duration::from_millis(20);
+
 /// Revoke (where `revoke` and NCCL has it), wait for the owner to leave, abort.
+///
+/// A thread is marked inside (in its gate) just before it calls into NCCL, so one
+/// revoke may end before that thread's call starts; and `ncclCommRevoke` clears NCCL's
+/// abort flags when it is done, so that call would then block. So the revoke is
+/// repeated, every [`REVOKE_AGAIN`], until the thread left or [`LEAVE_WAIT`] passed.
 fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
     if revoke && t.blocking {
-        // SAFETY: the crate made this communicator and it is not aborted yet (this
-        // thread runs its abort, after this); another thread may be inside NCCL on
-        // it, which is what revoking is for.
-        match unsafe { ffi::comm_revoke(nccl, t.raw) } {
-            Ok(true) => {
-                if !t.state.wait_left(Deadline::after(LEAVE_WAIT)) {
-                    tracing::warn!(
-                        "symmpool: a thread was still inside NCCL {LEAVE_WAIT:?} after ncclCommRevoke; aborting all the same"
-                    );
+        let until = Deadline::after(LEAVE_WAIT);
+        loop {
+            // SAFETY: the crate made this communicator and it is not aborted yet (this
+            // thread runs its abort, after this); another thread may be inside NCCL on
+            // it, which is what revoking is for.
+            match unsafe { ffi::comm_revoke(nccl, t.raw) } {
+                Ok(true) => {}
+                Ok(false) => {
+                    if t.state.gate.lock().inside.is_some() {
+                        tracing::warn!(
+                            "symmpool: NCCL has no ncclCommRevoke (< 2.28.7): aborting a communicator a thread is inside of"
+                        );
+                    }
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!("symmpool: ncclCommRevoke failed: {e}");
+                    break;
                 }
             }
-            Ok(false) => {
-                if t.state.gate.lock().inside.is_some() {
-                    tracing::warn!(
-                        "symmpool: NCCL has no ncclCommRevoke (< 2.28.7): aborting a communicator a thread is inside of"
-                    );
-                }
+            if t.state.wait_left(until.cap(REVOKE_AGAIN)) {
+                break;
             }
-            Err(e) => tracing::error!("symmpool: ncclCommRevoke failed: {e}"),
+            if until.expired() {
+                tracing::warn!(
+                    "symmpool: a thread was still inside NCCL {LEAVE_WAIT:?} after ncclCommRevoke; aborting all the same"
+                );
+                break;
+            }
         }
     }
     // SAFETY: `take_for_abort` handed the communicator over once, for a communicator
     // the crate made, and marked it aborted under its gate, so no call starts on it
-    // later; a thread still inside NCCL on it was revoked out and waited for above
-    // (or, without `ncclCommRevoke` or past `LEAVE_WAIT`, this is the documented race
-    // of aborting a blocking communicator from another thread); its windows are
-    // deregistered by nobody but this abort (`deregister` waits for `done`), so their
-    // segments stay mapped.
+    // later. On a blocking communicator with `ncclCommRevoke`, a thread inside NCCL on
+    // it was revoked out (again, until it left) and seen leaving above; otherwise
+    // (no `ncclCommRevoke`, a failed revoke, or still inside after `LEAVE_WAIT`) this is
+    // the documented race of aborting a blocking communicator from another thread.
+    // Its windows are deregistered by nobody but this abort (`deregister` waits for
+    // `done`), so their segments stay mapped.
     if let Err(e) = unsafe { ffi::comm_abort(nccl, t.raw) } {
         tracing::error!("symmpool: ncclCommAbort failed: {e}");
     }
@@ -334,7 +392,9 @@ fn abort_off_thread(
     let batches: Vec<Vec<Taken>> = match threads {
         AbortThreads::One if comms.is_empty() => Vec::new(),
         AbortThreads::One => vec![comms],
-        AbortThreads::PerCommunicator => comms.into_iter().map(|c| vec![c]).collect(),
+        AbortThreads::PerCommunicator | AbortThreads::Apart => {
+            comms.into_iter().map(|c| vec![c]).collect()
+        }
     };
     for batch in batches {
         for t in &batch {
@@ -423,22 +483,26 @@ unsafe fn poll(
 /// Finish making a communicator (`blocking` as configured): poll until `deadline` (no
 /// backend exists yet), abort it on failure.
 ///
-/// For a split off a non-blocking parent the parent is what is polled; on a timeout
-/// the caller aborts the parent (which also ends the child's initialisation,
-/// `setCommAbortFlags`, src/init.cc 2.28.3 2320–2329), and the child, if NCCL wrote
-/// one, is leaked with the boxes.
+/// For a split off a non-blocking parent the parent is what is polled, and the child is
+/// read only once the poll ended. On a timeout the parent (`parent`, when the crate made
+/// it) is aborted, which also ends the child's initialisation (`setCommAbortFlags`,
+/// src/init.cc 2.28.3 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort
+/// returned, the child, if NCCL wrote one, is aborted too. Otherwise (a runtime's
+/// parent, or an abort that did not return) the child and the boxes are leaked.
 pub(super) fn finish_creation(
     nccl: &'static Syms,
     starting: Result<ffi::Starting>,
     op: &'static str,
     blocking: bool,
     deadline: Deadline,
+    parent: Option<&Comm>,
 ) -> Result<Comm> {
     let starting = starting?;
     // SAFETY: the communicator (or the parent of a split) is used by this thread only
     // until the call is done.
     match unsafe { poll(nccl, starting.poll, op, deadline, &|| false) } {
-        Waited::Done => match starting.finish() {
+        // SAFETY: the poll says the call is done: NCCL writes the slot no more.
+        Waited::Done => match unsafe { starting.finish() } {
             Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
             None => Err(Error::Nccl {
                 op,
@@ -447,24 +511,45 @@ pub(super) fn finish_creation(
             }),
         },
         Waited::Failed(e) => {
-            // Dropping the `Comm` aborts it; the call has ended, so the boxes are free.
-            if let Some(raw) = starting.finish() {
+            // Dropping the `Comm` aborts it.
+            // SAFETY: the poll says the call ended (failed): the slot is final.
+            if let Some(raw) = unsafe { starting.finish() } {
                 drop(Comm::new(nccl, raw, true, blocking));
             }
             Err(e)
         }
         timeout => {
-            let polled = starting.poll;
-            let slot = starting.abandon();
-            if !slot.is_null() && std::ptr::eq(*slot, polled.0) {
-                // An init: the abort ends NCCL's work on it; the boxes are leaked.
-                drop(Comm::new(nccl, polled, true, blocking));
-            }
             // (`Broken` cannot happen here: nothing breaks a communicator being made.)
             let waited = match timeout {
                 Waited::Timeout(waited) => waited,
                 _ => Duration::ZERO,
             };
+            let making = starting.making;
+            let polled = starting.poll;
+            let slot = starting.abandon();
+            match making {
+                // The polled handle is the new communicator: its abort ends NCCL's work
+                // on it; the boxes are leaked.
+                ffi::Making::Init
+                | ffi::Making::Split {
+                    parent_blocking: true,
+                } => drop(Comm::new(nccl, polled, true, blocking)),
+                ffi::Making::Split {
+                    parent_blocking: false,
+                } => {
+                    let ended =
+                        parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
+                    // SAFETY: the parent's abort returned, so NCCL's split job ended and
+                    // writes the slot no more.
+                    match ended.then(|| unsafe { slot.read() }) {
+                        Some(Some(child)) => drop(Comm::new(nccl, child, true, blocking)),
+                        Some(None) => {}
+                        None => tracing::warn!(
+                            "symmpool: {op} timed out and its parent's abort did not end it; the new communicator, if any, is leaked"
+                        ),
+                    }
+                }
+            }
             Err(Error::NcclTimeout { op, waited })
         }
     }
@@ -495,6 +580,14 @@ pub(super) struct Shared<D: Device> {
     pub(super) health: Health,
     pub(super) watch: Mutex<Watch<D::Event>>,
     pub(super) config: NcclConfig,
+}
+
+impl<D: Device> Drop for Shared<D> {
+    fn drop(&mut self) {
+        // A backend's own drop has aborted every communicator already; what is left
+        // here is a failed assembly's: abort them together, not one drop after another.
+        abort_together(self.all_comms());
+    }
 }
 
 impl<D: Device> Shared<D> {
@@ -553,14 +646,17 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Data communicator `c`.
+    /// Data communicator `c`, for the call `op`.
     ///
     /// # Errors
-    /// [`Error::InvalidCollective`] if there is none.
-    pub(super) fn comm(&self, c: usize) -> Result<&Comm> {
+    /// [`Error::InvalidCollective`] naming `op` and the index if there is none.
+    pub(super) fn comm(&self, c: usize, op: &'static str) -> Result<&Comm> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
-            op: "NCCL call",
-            detail: format!("no communicator {c}"),
+            op,
+            detail: format!(
+                "communicator index {c} is out of range: this NCCL backend has {} data communicators",
+                self.comms.len()
+            ),
         })
     }
 
@@ -574,6 +670,18 @@ impl<D: Device> Shared<D> {
         comm: &Comm,
         op: &'static str,
         bound: Bound,
+        start: impl FnOnce(RawComm) -> Result<(S, Status)>,
+    ) -> Result<S> {
+        self.call_at(comm, op, bound, Instant::now(), start)
+    }
+
+    /// [`call`](Self::call), with the time it starts (`now`) read by the caller.
+    fn call_at<S>(
+        &self,
+        comm: &Comm,
+        op: &'static str,
+        bound: Bound,
+        now: Instant,
         start: impl FnOnce(RawComm) -> Result<(S, Status)>,
     ) -> Result<S> {
         let _serial = match comm.calls.try_lock() {
@@ -601,7 +709,7 @@ impl<D: Device> Shared<D> {
             Bound::By(d) if comm.blocking => Some(d),
             _ => None,
         };
-        if !comm.enter(op, marker) {
+        if !comm.enter(op, now, marker) {
             return Err(self.health.error());
         }
         let started = start(comm.raw);
@@ -652,10 +760,18 @@ impl<D: Device> Shared<D> {
     /// (inline on a blocking communicator) and, unless the watchdog is off or the
     /// stream is capturing a CUDA graph, the completion event the watchdog looks at.
     ///
+    /// Whether the stream captures is asked before the enqueue: once NCCL took the
+    /// collective, nothing may fail the call (the other ranks' collectives would then
+    /// have no match on this rank's next call).
+    ///
     /// Under capture NCCL's call is the same (it is captured into the graph); an event
     /// recorded during capture would be a node of the graph, not a completion the
     /// watchdog can query, so none is recorded: a captured collective is bounded by
-    /// whoever launches the graph.
+    /// whoever launches the graph. A collective that records no event (under capture,
+    /// or with [`NcclConfig::watchdog_timeout`] `= Duration::MAX`) is marked in the
+    /// gate with [`NcclConfig::call_timeout`] as its deadline instead, so that an
+    /// enqueue stuck inside NCCL (its work FIFO full behind stuck work) is still ended
+    /// by the watchdog.
     ///
     /// # Safety
     /// The addresses of `call` are live device memory of this rank, of the sizes the
@@ -673,28 +789,38 @@ impl<D: Device> Shared<D> {
         bound: Bound,
     ) -> Result<()> {
         self.health.check()?;
-        let comm = self.comm(c)?;
+        let comm = self.comm(c, call.name())?;
         let raw_stream = self.device.raw_stream(stream);
-        self.call(comm, call.name(), bound, |raw| {
+        let watched = self.config.watchdog_enabled() && !self.device.capturing(stream)?;
+        let now = Instant::now();
+        let bound = match bound {
+            Bound::Watchdog if !watched => {
+                Bound::By(Deadline::after_from(now, self.config.call_timeout))
+            }
+            b => b,
+        };
+        self.call_at(comm, call.name(), bound, now, |raw| {
             // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
             // and `call` holds its calls lock.
             unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }.map(|st| ((), st))
         })?;
-        if self.config.watchdog_enabled() && !self.device.capturing(stream)? {
-            self.watch(call.name(), c, stream)?;
+        if watched {
+            self.watch(call.name(), c, stream, now)?;
         }
         Ok(())
     }
 
     /// Record the event the watchdog waits for after a collective `op` on
-    /// communicator `comm`, enqueued on `stream`.
-    fn watch(&self, op: &'static str, comm: usize, stream: &D::Stream) -> Result<()> {
-        let spare = self.watch.lock().spare();
+    /// communicator `comm`, enqueued on `stream` at `at`. The watch list's lock is held
+    /// across the record (the watchdog holds it only to swap the list out and back).
+    fn watch(&self, op: &'static str, comm: usize, stream: &D::Stream, at: Instant) -> Result<()> {
+        let mut watch = self.watch.lock();
+        let spare = watch.spare();
         let event = self.device.record(stream, spare)?;
-        self.watch.lock().push(Enqueued {
+        watch.push(Enqueued {
             op,
             comm,
-            at: Instant::now(),
+            at,
             done: event,
         });
         Ok(())
@@ -721,14 +847,14 @@ impl<D: Device> Shared<D> {
         deadline: Deadline,
     ) -> Result<Option<RawWindow>> {
         self.health.check()?;
-        let comm = self.comm(c)?;
+        let comm = self.comm(c, "ncclCommWindowRegister")?;
         let registering: Registering =
             self.call(comm, "ncclCommWindowRegister", Bound::By(deadline), |raw| {
                 // SAFETY: `raw` is live and held by `call`; the caller guarantees the
                 // allocation and the order.
                 unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
             })?;
-        Ok(registering.finish())
+        Ok(registering.finish(comm.blocking))
     }
 
     /// Deregister `window` from data communicator `c`, unless the communicator was
@@ -748,7 +874,7 @@ impl<D: Device> Shared<D> {
         window: RawWindow,
     ) -> std::result::Result<(), (RawWindow, Error)> {
         let op = "ncclCommWindowDeregister";
-        let comm = match self.comm(c) {
+        let comm = match self.comm(c, op) {
             Ok(comm) => comm,
             Err(e) => return Err((window, e)),
         };

@@ -13,11 +13,12 @@ use super::comm::{Binder, Comm, Device, Shared, finish_creation};
 use super::config::NcclConfig;
 use super::ffi::{self, RawComm, Syms};
 use super::health::{Completion, Health};
-use crate::Deadline;
 use crate::backend::CommInfo;
+use crate::deadline::Deadline;
 use crate::error::Result;
 use cudarc::nccl::sys;
 use parking_lot::{Condvar, Mutex};
+use std::collections::BTreeSet;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
@@ -34,10 +35,37 @@ pub(super) struct FakeComm {
     log: Mutex<Vec<Call>>,
     /// Registrations block until the communicator is revoked or aborted.
     pub(super) stuck_register: AtomicBool,
+    /// Collectives block until the communicator is revoked or aborted (as an enqueue
+    /// on a full work FIFO behind stuck work).
+    pub(super) stuck_collective: AtomicBool,
+    /// What its collectives answer (0: success).
+    pub(super) collective_result: AtomicI32,
     /// What `ncclCommGetAsyncError` reports (0: success).
     pub(super) async_error: AtomicI32,
-    revoked: AtomicBool,
+    /// How many revokes ended (a revoke clears NCCL's abort flags when done, so it
+    /// ends only the calls already inside NCCL).
+    revokes: AtomicU64,
     aborted: AtomicBool,
+    /// A stuck registration reaches NCCL only after the first revoke ended (as a thread
+    /// marked inside just before its call).
+    pub(super) late_register: AtomicBool,
+    /// Whether the last stuck registration was ended by the abort (freed under it)
+    /// rather than by a revoke.
+    pub(super) register_ended_by_abort: AtomicBool,
+    /// Whether its creation ended (a child split off a non-blocking parent is not,
+    /// until the parent's job ends); a call on it before then sets `used_unready`.
+    ready: AtomicBool,
+    pub(super) used_unready: AtomicBool,
+    /// On a non-blocking parent: NCCL's thread writes a split's child before the call
+    /// returns, while the job still runs (a thread may write it at any time).
+    pub(super) early_split_write: AtomicBool,
+    /// On a non-blocking parent: a split's job never ends, until the parent is aborted.
+    pub(super) stuck_split: AtomicBool,
+    /// Its abort waits (at most 2 s) until this many aborts sharing the rendezvous
+    /// run at once (as aborts that each wait for the device).
+    pub(super) abort_rendezvous: Mutex<Option<Arc<Rendezvous>>>,
+    /// The last child split off it.
+    pub(super) last_child: Mutex<Option<usize>>,
     /// A split in progress on this (non-blocking) parent: where to write the child
     /// (an address) and the child, written at the parent's next poll, as NCCL writes
     /// it when its job ends.
@@ -47,22 +75,66 @@ pub(super) struct FakeComm {
 }
 
 impl FakeComm {
-    fn make(blocking: bool) -> sys::ncclComm_t {
+    fn make(blocking: bool, ready: bool) -> sys::ncclComm_t {
         let comm = Box::new(FakeComm {
             blocking,
+            ready: AtomicBool::new(ready),
             ..FakeComm::default()
         });
         Box::into_raw(comm).cast()
     }
 
     fn note(&self, name: &'static str) {
+        if !self.ready.load(Ordering::SeqCst) {
+            self.used_unready.store(true, Ordering::SeqCst);
+        }
         self.log.lock().push((name, std::thread::current().id()));
+    }
+
+    /// The split in progress on it ends: NCCL's thread writes the child, which is
+    /// ready from then on.
+    fn end_split(&self) {
+        if let Some((out, child)) = self.pending_split.lock().take() {
+            fake(child as sys::ncclComm_t)
+                .ready
+                .store(true, Ordering::SeqCst);
+            // SAFETY: `out` is the split's out-pointer, which the caller keeps alive
+            // until the parent's poll says the split is done or the parent's abort
+            // returned (see `ffi::Starting`).
+            unsafe {
+                std::ptr::write_volatile(out as *mut sys::ncclComm_t, child as sys::ncclComm_t)
+            };
+        }
     }
 
     fn interrupt(&self, flag: &AtomicBool) {
         let _g = self.wake_lock.lock();
         flag.store(true, Ordering::SeqCst);
         self.wake.notify_all();
+    }
+
+    /// Block like a call whose peer never comes: until a revoke that ends after the
+    /// call started, or an abort (the fake's own bound: 30 s). With `late_register`,
+    /// the call reaches NCCL only after the first revoke ended.
+    fn block_until_revoked(&self) -> c_int {
+        let mut g = self.wake_lock.lock();
+        let until = Deadline::after(Duration::from_secs(30));
+        let ended = |epoch: Option<u64>| {
+            let revokes = self.revokes.load(Ordering::SeqCst);
+            self.aborted.load(Ordering::SeqCst)
+                || epoch.is_some_and(|e| revokes != e)
+                || (epoch.is_none() && revokes > 0)
+        };
+        if self.late_register.load(Ordering::SeqCst) {
+            self.wake
+                .wait_while_until(&mut g, |_| !ended(None), until.instant());
+        }
+        let epoch = self.revokes.load(Ordering::SeqCst);
+        self.wake
+            .wait_while_until(&mut g, |_| !ended(Some(epoch)), until.instant());
+        self.register_ended_by_abort
+            .store(self.aborted.load(Ordering::SeqCst), Ordering::SeqCst);
+        INTERNAL_ERROR
     }
 
     /// The calls made on it so far.
@@ -116,7 +188,7 @@ unsafe extern "C" fn init_rank_config(
     // SAFETY: the caller passes valid pointers.
     let blocking = unsafe { (*config).blocking } != 0;
     // SAFETY: as above.
-    unsafe { *out = FakeComm::make(blocking) };
+    unsafe { *out = FakeComm::make(blocking, true) };
     SUCCESS
 }
 
@@ -131,34 +203,75 @@ unsafe extern "C" fn split(
     p.note("ncclCommSplit");
     // SAFETY: the caller passes valid pointers.
     let blocking = unsafe { (*config).blocking } != 0;
-    let child = FakeComm::make(blocking);
+    let child = FakeComm::make(blocking, p.blocking);
+    *p.last_child.lock() = Some(child as usize);
     if p.blocking {
         // SAFETY: as above.
         unsafe { *out = child };
         return SUCCESS;
     }
     // A non-blocking parent runs the split in the background and writes the child
-    // when it ends (here: at the parent's next poll). Real NCCL (2.28.3) answers
-    // "in progress" for a non-blocking child and "success" at once for a blocking one.
+    // when it ends (here: at the parent's next poll, or its abort). Real NCCL (2.28.3)
+    // answers "in progress" for a non-blocking child and "success" at once for a
+    // blocking one. Its thread may write the child before that job ended.
+    if p.early_split_write.load(Ordering::SeqCst) {
+        // SAFETY: as above.
+        unsafe { *out = child };
+    }
     *p.pending_split.lock() = Some((out as usize, child as usize));
     if blocking { SUCCESS } else { ffi::IN_PROGRESS }
 }
 
+/// Aborts that wait for each other.
+#[derive(Debug, Default)]
+pub(super) struct Rendezvous {
+    need: usize,
+    arrived: Mutex<usize>,
+    cv: Condvar,
+}
+
+impl Rendezvous {
+    pub(super) fn new(need: usize) -> Arc<Self> {
+        Arc::new(Rendezvous {
+            need,
+            ..Rendezvous::default()
+        })
+    }
+
+    fn meet(&self) {
+        let mut arrived = self.arrived.lock();
+        *arrived += 1;
+        self.cv.notify_all();
+        let until = Deadline::after(Duration::from_secs(2));
+        self.cv
+            .wait_while_until(&mut arrived, |a| *a < self.need, until.instant());
+    }
+}
+
 unsafe extern "C" fn abort(c: sys::ncclComm_t) -> c_int {
     let f = fake(c);
+    let rendezvous = f.abort_rendezvous.lock().clone();
+    if let Some(r) = rendezvous {
+        r.meet();
+    }
+    // Aborting a communicator being made ends its creation (NCCL's
+    // `setCommAbortFlags`; a parent's abort ends its split's job).
+    f.ready.store(true, Ordering::SeqCst);
     f.note("ncclCommAbort");
     f.interrupt(&f.aborted);
+    f.end_split();
     SUCCESS
 }
 
 unsafe extern "C" fn get_async_error(c: sys::ncclComm_t, state: *mut c_int) -> c_int {
     let f = fake(c);
     f.note("ncclCommGetAsyncError");
-    if let Some((out, child)) = f.pending_split.lock().take() {
-        // SAFETY: `out` is the split's out-pointer, which the caller keeps alive until
-        // the parent's poll says the split is done (see `ffi::Starting`).
-        unsafe { *(out as *mut sys::ncclComm_t) = child as sys::ncclComm_t };
+    if f.stuck_split.load(Ordering::SeqCst) && f.pending_split.lock().is_some() {
+        // SAFETY: the caller passes a valid out-pointer.
+        unsafe { *state = ffi::IN_PROGRESS };
+        return SUCCESS;
     }
+    f.end_split();
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *state = f.async_error.load(Ordering::SeqCst) };
     SUCCESS
@@ -187,15 +300,34 @@ unsafe extern "C" fn last_error(_c: sys::ncclComm_t) -> *const c_char {
 /// Fake device addresses: never dereferenced.
 static NEXT_ADDRESS: AtomicU64 = AtomicU64::new(0x7f00_0000_0000);
 
+/// The fake allocations not freed yet.
+static LIVE: Mutex<BTreeSet<u64>> = Mutex::new(BTreeSet::new());
+
+thread_local! {
+    /// The last fake allocation of this thread.
+    pub(super) static LAST_ALLOC: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether the fake allocation at `ptr` was not freed yet.
+pub(super) fn live(ptr: u64) -> bool {
+    LIVE.lock().contains(&ptr)
+}
+
 unsafe extern "C" fn mem_alloc(ptr: *mut *mut c_void, size: usize) -> c_int {
     let at = NEXT_ADDRESS.fetch_add(size as u64, Ordering::SeqCst);
+    LIVE.lock().insert(at);
+    LAST_ALLOC.with(|l| l.set(at));
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *ptr = at as *mut c_void };
     SUCCESS
 }
 
-unsafe extern "C" fn mem_free(_ptr: *mut c_void) -> c_int {
-    SUCCESS
+unsafe extern "C" fn mem_free(ptr: *mut c_void) -> c_int {
+    if LIVE.lock().remove(&(ptr as u64)) {
+        SUCCESS
+    } else {
+        INTERNAL_ERROR
+    }
 }
 
 unsafe extern "C" fn window_register(
@@ -210,14 +342,7 @@ unsafe extern "C" fn window_register(
     if f.stuck_register.load(Ordering::SeqCst) {
         // Like a registration whose peer never comes: only a revoke or an abort ends
         // it (the test that sets this bounds the whole test by its own deadline).
-        let mut g = f.wake_lock.lock();
-        let until = Deadline::after(Duration::from_secs(30));
-        f.wake.wait_while_until(
-            &mut g,
-            |_| !f.revoked.load(Ordering::SeqCst) && !f.aborted.load(Ordering::SeqCst),
-            until.instant(),
-        );
-        return INTERNAL_ERROR;
+        return f.block_until_revoked();
     }
     // SAFETY: the caller passes a valid out-pointer.
     unsafe { *win = std::ptr::dangling_mut::<u8>().cast() };
@@ -237,8 +362,12 @@ unsafe extern "C" fn all_gather(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    fake(c).note("ncclAllGather");
-    SUCCESS
+    let f = fake(c);
+    f.note("ncclAllGather");
+    if f.stuck_collective.load(Ordering::SeqCst) {
+        return f.block_until_revoked();
+    }
+    f.collective_result.load(Ordering::SeqCst)
 }
 
 unsafe extern "C" fn reduce_scatter(
@@ -250,8 +379,12 @@ unsafe extern "C" fn reduce_scatter(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    fake(c).note("ncclReduceScatter");
-    SUCCESS
+    let f = fake(c);
+    f.note("ncclReduceScatter");
+    if f.stuck_collective.load(Ordering::SeqCst) {
+        return f.block_until_revoked();
+    }
+    f.collective_result.load(Ordering::SeqCst)
 }
 
 unsafe extern "C" fn all_reduce(
@@ -263,14 +396,20 @@ unsafe extern "C" fn all_reduce(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    fake(c).note("ncclAllReduce");
-    SUCCESS
+    let f = fake(c);
+    f.note("ncclAllReduce");
+    if f.stuck_collective.load(Ordering::SeqCst) {
+        return f.block_until_revoked();
+    }
+    f.collective_result.load(Ordering::SeqCst)
 }
 
 unsafe extern "C" fn revoke(c: sys::ncclComm_t, _flags: c_int) -> c_int {
     let f = fake(c);
     f.note("ncclCommRevoke");
-    f.interrupt(&f.revoked);
+    let _g = f.wake_lock.lock();
+    f.revokes.fetch_add(1, Ordering::SeqCst);
+    f.wake.notify_all();
     SUCCESS
 }
 
@@ -312,16 +451,50 @@ pub(crate) fn syms(with_revoke: bool) -> &'static Syms {
 #[derive(Debug, Default)]
 pub(super) struct FakeStream {
     pub(super) capturing: AtomicBool,
+    /// `cuStreamIsCapturing` fails on it.
+    pub(super) query_fails: AtomicBool,
 }
 
-/// A fake event: complete unless told otherwise.
+/// A fake event: complete unless told otherwise; its query blocks while `held` says.
 #[derive(Debug, Clone, Default)]
 pub(super) struct FakeEvent {
     pending: Arc<AtomicBool>,
+    held: Option<Arc<Held>>,
+}
+
+/// A query held until released (a slow `cuEventQuery`).
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    pub(super) querying: AtomicBool,
+    released: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Held {
+    pub(super) fn release(&self) {
+        *self.released.lock() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl FakeEvent {
+    /// An event whose query blocks until `held` is released (or 10 s).
+    pub(super) fn held(held: Arc<Held>) -> Self {
+        FakeEvent {
+            pending: Arc::default(),
+            held: Some(held),
+        }
+    }
 }
 
 impl Completion for FakeEvent {
     fn complete(&self) -> std::result::Result<bool, String> {
+        if let Some(h) = &self.held {
+            h.querying.store(true, Ordering::SeqCst);
+            let mut released = h.released.lock();
+            let until = Deadline::after(Duration::from_secs(10));
+            h.cv.wait_while_until(&mut released, |r| !*r, until.instant());
+        }
         Ok(!self.pending.load(Ordering::SeqCst))
     }
 }
@@ -361,6 +534,13 @@ impl Device for FakeDevice {
 
     fn capturing(&self, stream: &FakeStream) -> Result<bool> {
         self.note("cuStreamIsCapturing");
+        if stream.query_fails.load(Ordering::SeqCst) {
+            return Err(crate::error::Error::Cuda {
+                op: "cuStreamIsCapturing",
+                code: 700,
+                message: "a fake failure".into(),
+            });
+        }
         Ok(stream.capturing.load(Ordering::SeqCst))
     }
 
@@ -396,6 +576,7 @@ pub(super) fn shared(
         "ncclCommInitRankConfig",
         false,
         deadline,
+        None,
     )?;
     let blocking = config.data_blocking;
     let comms = infos
@@ -403,8 +584,15 @@ pub(super) fn shared(
         .map(|info| {
             // SAFETY: the fake control communicator, used by this thread only.
             let starting =
-                unsafe { ffi::comm_split(nccl, control.raw, 0, info.cta_policy, blocking) };
-            finish_creation(nccl, starting, "ncclCommSplit", blocking, deadline)
+                unsafe { ffi::comm_split(nccl, control.raw, false, 0, info.cta_policy, blocking) };
+            finish_creation(
+                nccl,
+                starting,
+                "ncclCommSplit",
+                blocking,
+                deadline,
+                Some(&control),
+            )
         })
         .collect::<Result<Vec<Comm>>>()?;
     Ok(Arc::new(Shared {
@@ -423,14 +611,14 @@ pub(super) fn shared(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Error;
     use crate::backend::CommRole;
     use crate::backend::nccl::comm::Bound;
     use crate::backend::nccl::ffi::{CollCall, CollKind};
     use crate::backend::nccl::health::{Cause, POLLS};
+    use crate::backend::nccl::warmup::{WARM_LARGE_BYTES, WARM_SMALL_BYTES};
     use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
     use crate::backend::nccl::watchdog::Watchdog;
-    use std::collections::BTreeSet;
+    use crate::error::Error;
     use std::time::Instant;
 
     fn call(kind: CollKind) -> CollCall {
@@ -478,6 +666,106 @@ mod tests {
                 .iter()
                 .all(|c| !c.blocking && !comm(c.raw).blocking)
         );
+    }
+
+    /// A non-blocking control communicator of the fake, made as the builder makes it.
+    fn control() -> Comm {
+        let nccl = syms(true);
+        let id = ffi::unique_id(nccl).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let starting = ffi::comm_init(nccl, 1, &id, 0, ffi::NCCL_CTA_POLICY_DEFAULT);
+        finish_creation(
+            nccl,
+            starting,
+            "ncclCommInitRankConfig",
+            false,
+            deadline,
+            None,
+        )
+        .unwrap()
+    }
+
+    fn split_blocking(control: &Comm, deadline: Deadline) -> Result<Comm> {
+        let nccl = syms(true);
+        // SAFETY: the fake control communicator, used by this thread only.
+        let starting = unsafe {
+            ffi::comm_split(
+                nccl,
+                control.raw,
+                false,
+                0,
+                ffi::NCCL_CTA_POLICY_DEFAULT,
+                true,
+            )
+        };
+        finish_creation(
+            nccl,
+            starting,
+            "ncclCommSplit",
+            true,
+            deadline,
+            Some(control),
+        )
+    }
+
+    #[test]
+    fn a_split_off_a_non_blocking_parent_is_read_only_once_the_parent_says_done() {
+        let control = control();
+        let parent = comm(control.raw);
+        // NCCL's thread writes the child before `ncclCommSplit` returned `ncclSuccess`,
+        // while its job still runs: the child must not be polled or used yet.
+        parent.early_split_write.store(true, Ordering::SeqCst);
+        let child = split_blocking(&control, Deadline::after(Duration::from_secs(10))).unwrap();
+        let c = comm(child.raw);
+        assert!(!c.used_unready.load(Ordering::SeqCst), "{:?}", c.calls());
+        assert!(c.calls().is_empty(), "{:?}", c.calls());
+        let names: Vec<_> = parent.calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(
+            names[names.len() - 2..],
+            ["ncclCommSplit", "ncclCommGetAsyncError"],
+            "the parent is polled: {names:?}"
+        );
+        assert_eq!(*parent.last_child.lock(), Some(child.raw.0 as usize));
+    }
+
+    #[test]
+    fn a_split_that_times_out_aborts_the_parent_then_the_child() {
+        let control = control();
+        let parent = comm(control.raw);
+        parent.stuck_split.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let r = split_blocking(&control, Deadline::after(Duration::from_millis(50)));
+        assert!(
+            matches!(
+                r,
+                Err(Error::NcclTimeout {
+                    op: "ncclCommSplit",
+                    ..
+                })
+            ),
+            "{:?}",
+            r.err()
+        );
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(control.is_aborted());
+        let names: Vec<_> = parent.calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(names.last(), Some(&"ncclCommAbort"), "{names:?}");
+        let child = comm(RawComm(
+            parent.last_child.lock().expect("a child") as sys::ncclComm_t
+        ));
+        // Aborted once the parent's abort returned (the job then wrote it), and not
+        // touched before.
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let mut g = child.wake_lock.lock();
+        child.wake.wait_while_until(
+            &mut g,
+            |_| !child.aborted.load(Ordering::SeqCst),
+            deadline.instant(),
+        );
+        drop(g);
+        let names: Vec<_> = child.calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(names, vec!["ncclCommAbort"]);
+        assert!(!child.used_unready.load(Ordering::SeqCst));
     }
 
     #[test]
@@ -556,6 +844,134 @@ mod tests {
         assert_eq!(seen[0], vec!["ncclAllGather", "ncclReduceScatter"]);
     }
 
+    #[test]
+    fn a_bad_communicator_index_is_named() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let stream = FakeStream::default();
+        // SAFETY: the fake never touches the addresses.
+        let r = unsafe { s.collective(7, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+        match r {
+            Err(Error::InvalidCollective { op, detail }) => {
+                assert_eq!(op, "ncclAllGather");
+                assert!(
+                    detail.contains("index 7") && detail.contains('3'),
+                    "{detail}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_failed_capture_query_fails_the_collective_before_its_enqueue() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let stream = FakeStream::default();
+        stream.query_fails.store(true, Ordering::SeqCst);
+        let f = comm(s.comms[0].raw);
+        f.clear();
+        // SAFETY: the fake never touches the addresses.
+        let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+        assert!(matches!(r, Err(Error::Cuda { .. })), "{r:?}");
+        assert!(f.calls().is_empty(), "nothing enqueued: {:?}", f.calls());
+    }
+
+    #[test]
+    fn a_collective_never_waits_behind_the_watchdogs_event_queries() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let held = Arc::new(Held::default());
+        s.watch.lock().push(crate::backend::nccl::health::Enqueued {
+            op: "ncclAllGather",
+            comm: 0,
+            at: Instant::now(),
+            done: FakeEvent::held(held.clone()),
+        });
+        let ticking = {
+            let s = s.clone();
+            std::thread::spawn(move || s.tick())
+        };
+        let deadline = Deadline::after(Duration::from_secs(5));
+        while !held.querying.load(Ordering::SeqCst) && !deadline.expired() {
+            std::thread::yield_now();
+        }
+        assert!(held.querying.load(Ordering::SeqCst));
+        // The watchdog is inside a query: a collective still records its event.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let caller = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let stream = FakeStream::default();
+                // SAFETY: the fake never touches the addresses.
+                let r = unsafe {
+                    s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog)
+                };
+                let _ = tx.send(r.is_ok());
+            })
+        };
+        let done = rx.recv_timeout(Duration::from_secs(5));
+        held.release();
+        ticking.join().unwrap();
+        caller.join().unwrap();
+        assert_eq!(done, Ok(true), "the collective waited behind the query");
+        assert_eq!(
+            s.watch.lock().len(),
+            1,
+            "the queried event was complete; the one pushed meanwhile is kept"
+        );
+    }
+
+    #[test]
+    fn an_unwatched_collective_stuck_inside_nccl_is_bounded_by_the_call_timeout() {
+        let call_timeout = Duration::from_millis(300);
+        let config = NcclConfig::default()
+            .with_call_timeout(call_timeout)
+            .with_watchdog_interval(Duration::from_millis(10));
+        let s = shared(true, &CommInfo::STANDARD, config).unwrap();
+        let _watchdog = Watchdog::spawn(&s).unwrap();
+        let stream = FakeStream::default();
+        // Under capture no event is recorded: the gate carries the deadline.
+        stream.capturing.store(true, Ordering::SeqCst);
+        comm(s.comms[0].raw)
+            .stuck_collective
+            .store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        // SAFETY: the fake never touches the addresses.
+        let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+        let took = t0.elapsed();
+        assert!(
+            matches!(
+                r,
+                Err(Error::NcclTimeout {
+                    op: "ncclAllGather",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert!(took < call_timeout + Duration::from_secs(1), "{took:?}");
+        aborted(&s);
+    }
+
+    #[test]
+    fn a_failed_set_up_aborts_its_communicators_together() {
+        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+        let fakes: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
+        // Each abort returns only once all four run at once (or after 2 s each).
+        let r = Rendezvous::new(fakes.len());
+        for f in &fakes {
+            *f.abort_rendezvous.lock() = Some(r.clone());
+        }
+        let t0 = Instant::now();
+        drop(Arc::try_unwrap(s).ok().expect("one owner"));
+        let took = t0.elapsed();
+        for f in &fakes {
+            assert!(f.aborted.load(Ordering::SeqCst));
+        }
+        assert!(
+            took < Duration::from_secs(1),
+            "aborted one after another: {took:?}"
+        );
+    }
+
     /// Wait (boundedly) until every communicator of `s` was aborted and its abort
     /// returned.
     fn aborted(s: &Shared<FakeDevice>) {
@@ -566,14 +982,25 @@ mod tests {
     }
 
     fn stuck_registration(with_revoke: bool) -> (Vec<&'static str>, Duration, Result<()>) {
+        stuck_registration_of(with_revoke, false).0
+    }
+
+    /// A registration stuck until revoked or aborted (reaching NCCL only after the first
+    /// revoke when `late`); what the communicator saw, how long the call took, its
+    /// result, and whether the abort ended it.
+    fn stuck_registration_of(
+        with_revoke: bool,
+        late: bool,
+    ) -> ((Vec<&'static str>, Duration, Result<()>), bool) {
         let call_timeout = Duration::from_millis(300);
         let config = NcclConfig::default()
             .with_call_timeout(call_timeout)
             .with_watchdog_interval(Duration::from_millis(10));
         let s = shared(with_revoke, &CommInfo::STANDARD, config).unwrap();
-        let _watchdog = Watchdog::spawn(&s);
+        let _watchdog = Watchdog::spawn(&s).unwrap();
         let f = comm(s.comms[0].raw);
         f.stuck_register.store(true, Ordering::SeqCst);
+        f.late_register.store(late, Ordering::SeqCst);
         let t0 = Instant::now();
         // SAFETY: the fake never touches the memory.
         let r = unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.map(|_| ());
@@ -581,7 +1008,21 @@ mod tests {
         aborted(&s);
         assert!(took >= call_timeout, "{took:?}");
         let names = f.calls().into_iter().map(|c| c.0).collect();
-        (names, took, r)
+        let by_abort = f.register_ended_by_abort.load(Ordering::SeqCst);
+        ((names, took, r), by_abort)
+    }
+
+    #[test]
+    fn a_thread_that_reaches_nccl_after_the_first_revoke_is_revoked_again() {
+        let ((names, took, r), by_abort) = stuck_registration_of(true, true);
+        assert!(matches!(r, Err(Error::NcclTimeout { .. })), "{r:?}");
+        assert!(!by_abort, "revoked out before the abort: {names:?}");
+        let revokes = names.iter().filter(|n| **n == "ncclCommRevoke").count();
+        assert!(revokes >= 2, "{names:?}");
+        assert!(
+            took < Duration::from_millis(300) + Duration::from_secs(1),
+            "{took:?}"
+        );
     }
 
     #[test]
@@ -646,40 +1087,51 @@ mod tests {
         assert!(unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.is_err());
     }
 
+    /// What the path policy (`coll`) can choose on a communicator of `role`: the copy
+    /// engine runs all-gathers on the copy-engine communicator; the symmetric kernels
+    /// all-gather, reduce-scatter and all-reduce on the symmetric one; the plain
+    /// kernels the same three on the plain one.
+    fn policy_can_choose(role: CommRole) -> Vec<WarmCollective> {
+        match role {
+            CommRole::CopyEngine => vec![WarmCollective::AllGather],
+            CommRole::Symmetric | CommRole::Plain => vec![
+                WarmCollective::AllGather,
+                WarmCollective::ReduceScatter,
+                WarmCollective::AllReduce,
+            ],
+        }
+    }
+
     #[test]
     fn the_warm_up_covers_every_path_the_policy_can_choose() {
-        let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
-        let _watchdog = Watchdog::spawn(&s);
+        let infos = CommInfo::STANDARD;
+        let s = shared(true, &infos, NcclConfig::default()).unwrap();
+        let _watchdog = Watchdog::spawn(&s).unwrap();
         let stream = FakeStream::default();
         let deadline = Deadline::after(Duration::from_secs(10));
-        let warmed = s
-            .warm_up(&CommInfo::STANDARD, &stream, 2 << 20, deadline)
-            .unwrap();
-        // What the path policy can choose (`coll`): copy engine = all-gather on the
-        // copy-engine communicator; symmetric kernel = all-gather and reduce-scatter
-        // on the symmetric one; plain = all-gather and reduce-scatter on the plain one.
-        let policy: BTreeSet<_> = [
-            (CommRole::CopyEngine, "ag"),
-            (CommRole::Symmetric, "ag"),
-            (CommRole::Symmetric, "rs"),
-            (CommRole::Plain, "ag"),
-            (CommRole::Plain, "rs"),
-        ]
-        .into_iter()
-        .map(|(r, c)| (format!("{r:?}"), c))
-        .collect();
+        let warmed = s.warm_up(&infos, &stream, 2 << 20, deadline).unwrap();
+        let segment = LAST_ALLOC.with(std::cell::Cell::get);
+        assert!(!live(segment), "the warm-up's segment is freed");
+        let sizes = [WARM_SMALL_BYTES, WARM_LARGE_BYTES];
+        const { assert!(WARM_LARGE_BYTES >= 4 << 20) };
+        let expected: BTreeSet<_> = infos
+            .iter()
+            .enumerate()
+            .flat_map(|(c, info)| {
+                policy_can_choose(info.role)
+                    .into_iter()
+                    .flat_map(move |w| sizes.map(|b| (c, format!("{w:?}"), b)))
+            })
+            .collect();
         let got: BTreeSet<_> = warmed
             .iter()
             .map(|w: &WarmedPath| {
-                assert_eq!(CommInfo::STANDARD[w.comm].role, w.role);
-                let c = match w.collective {
-                    WarmCollective::AllGather => "ag",
-                    WarmCollective::ReduceScatter => "rs",
-                };
-                (format!("{:?}", w.role), c)
+                assert_eq!(infos[w.comm].role, w.role);
+                (w.comm, format!("{:?}", w.collective), w.bytes_per_rank)
             })
             .collect();
-        assert_eq!(got, policy);
+        assert_eq!(got, expected);
+        assert_eq!(warmed.len(), expected.len(), "each once");
         let names = |c: usize| -> Vec<&'static str> {
             comm(s.comms[c].raw)
                 .calls()
@@ -687,24 +1139,56 @@ mod tests {
                 .map(|c| c.0)
                 .collect()
         };
-        assert_eq!(
-            names(0),
-            vec![
-                "ncclCommWindowRegister",
-                "ncclAllGather",
-                "ncclReduceScatter",
-                "ncclCommWindowDeregister"
-            ]
-        );
-        assert_eq!(
-            names(1),
-            vec![
-                "ncclCommWindowRegister",
-                "ncclAllGather",
-                "ncclCommWindowDeregister"
-            ]
-        );
-        assert_eq!(names(2), vec!["ncclAllGather", "ncclReduceScatter"]);
+        for (c, info) in infos.iter().enumerate() {
+            let mut want: Vec<&str> = Vec::new();
+            if info.registers {
+                want.push("ncclCommWindowRegister");
+            }
+            for _ in sizes {
+                want.extend(policy_can_choose(info.role).iter().map(|w| match w {
+                    WarmCollective::AllGather => "ncclAllGather",
+                    WarmCollective::ReduceScatter => "ncclReduceScatter",
+                    WarmCollective::AllReduce => "ncclAllReduce",
+                }));
+            }
+            if info.registers {
+                want.push("ncclCommWindowDeregister");
+            }
+            assert_eq!(names(c), want, "communicator {c} ({:?})", info.role);
+        }
         assert!(s.health.check().is_ok());
+    }
+
+    #[test]
+    fn a_failed_warm_up_releases_its_windows_and_segment() {
+        let infos = CommInfo::STANDARD;
+        let s = shared(true, &infos, NcclConfig::default()).unwrap();
+        let _watchdog = Watchdog::spawn(&s).unwrap();
+        let plain = infos.iter().position(|i| !i.registers).unwrap();
+        // ncclInvalidArgument: the call fails, the backend does not break.
+        comm(s.comms[plain].raw)
+            .collective_result
+            .store(4, Ordering::SeqCst);
+        let stream = FakeStream::default();
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let r = s.warm_up(&infos, &stream, 2 << 20, deadline);
+        assert!(matches!(r, Err(Error::Nccl { code: 4, .. })), "{r:?}");
+        assert!(s.health.check().is_ok());
+        assert!(
+            !live(LAST_ALLOC.with(std::cell::Cell::get)),
+            "segment freed"
+        );
+        for (c, info) in infos.iter().enumerate().filter(|(_, i)| i.registers) {
+            let names: Vec<_> = comm(s.comms[c].raw)
+                .calls()
+                .into_iter()
+                .map(|c| c.0)
+                .collect();
+            assert_eq!(
+                names.last(),
+                Some(&"ncclCommWindowDeregister"),
+                "{c} {info:?}"
+            );
+        }
     }
 }

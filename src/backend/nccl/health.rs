@@ -3,7 +3,7 @@
 //! watchdog's bookkeeping. Device-free logic, tested without GPUs; the NCCL and CUDA
 //! calls stay in the backend.
 
-use crate::Deadline;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::OnceLock;
@@ -182,6 +182,59 @@ pub(crate) struct Enqueued<E> {
     pub(crate) done: E,
 }
 
+/// What [`sweep`] found.
+pub(crate) struct Swept<E> {
+    /// The collectives not complete, oldest first.
+    pub(crate) kept: VecDeque<Enqueued<E>>,
+    /// The markers of those complete.
+    pub(crate) complete: Vec<E>,
+    /// Why the backend must break, if it must: a collective older than the timeout and
+    /// not complete, or a failed device.
+    pub(crate) cause: Option<Cause>,
+}
+
+/// Query every collective of `pending` (taken with [`Watch::take`]): which are
+/// complete, and whether one is older than `timeout` and not complete, or the device
+/// failed.
+pub(crate) fn sweep<E: Completion>(
+    pending: VecDeque<Enqueued<E>>,
+    now: Instant,
+    timeout: Duration,
+) -> Swept<E> {
+    let mut expired = None;
+    let mut failed = None;
+    let mut kept = VecDeque::with_capacity(pending.len());
+    let mut complete = Vec::new();
+    for e in pending {
+        match e.done.complete() {
+            Ok(true) => complete.push(e.done),
+            Ok(false) => {
+                let waited = now.saturating_duration_since(e.at);
+                if waited > timeout && expired.is_none() {
+                    expired = Some(Cause::Watchdog {
+                        op: e.op,
+                        comm: e.comm,
+                        waited,
+                    });
+                }
+                kept.push_back(e);
+            }
+            Err(m) => {
+                failed.get_or_insert(Cause::Failed(format!(
+                    "the device failed under a {} on communicator {}: {m}",
+                    e.op, e.comm
+                )));
+                kept.push_back(e);
+            }
+        }
+    }
+    Swept {
+        kept,
+        complete,
+        cause: failed.or(expired),
+    }
+}
+
 /// The collectives enqueued and not yet seen complete, oldest first.
 #[derive(Debug)]
 pub(crate) struct Watch<E> {
@@ -220,40 +273,29 @@ impl<E: Completion> Watch<E> {
     }
 
     /// Drop the completed collectives; `Some(cause)` if one is older than `timeout` and
-    /// not complete, or the device failed.
+    /// not complete, or the device failed. (The watchdog does the same in three steps,
+    /// [`take`](Self::take), [`sweep`], [`restore`](Self::restore), so that the lock on
+    /// the list is not held across the queries.)
+    #[cfg(test)]
     pub(crate) fn sweep(&mut self, now: Instant, timeout: Duration) -> Option<Cause> {
-        let mut expired = None;
-        let mut failed = None;
-        let mut kept = VecDeque::with_capacity(self.pending.len());
-        for e in self.pending.drain(..) {
-            match e.done.complete() {
-                Ok(true) => {
-                    if self.spare.len() < SPARE {
-                        self.spare.push(e.done);
-                    }
-                }
-                Ok(false) => {
-                    let waited = now.saturating_duration_since(e.at);
-                    if waited > timeout && expired.is_none() {
-                        expired = Some(Cause::Watchdog {
-                            op: e.op,
-                            comm: e.comm,
-                            waited,
-                        });
-                    }
-                    kept.push_back(e);
-                }
-                Err(m) => {
-                    failed.get_or_insert(Cause::Failed(format!(
-                        "the device failed under a {} on communicator {}: {m}",
-                        e.op, e.comm
-                    )));
-                    kept.push_back(e);
-                }
-            }
-        }
+        let swept = sweep(self.take(), now, timeout);
+        self.restore(swept.kept, swept.complete);
+        swept.cause
+    }
+
+    /// The collectives pending so far, taken out of the list (to be queried without
+    /// holding its lock, then handed back with [`restore`](Self::restore)).
+    pub(crate) fn take(&mut self) -> VecDeque<Enqueued<E>> {
+        std::mem::take(&mut self.pending)
+    }
+
+    /// Hand back what [`sweep`] kept (older than anything pushed since) and the markers
+    /// it found complete, for reuse.
+    pub(crate) fn restore(&mut self, mut kept: VecDeque<Enqueued<E>>, complete: Vec<E>) {
+        kept.append(&mut self.pending);
         self.pending = kept;
-        failed.or(expired)
+        let room = SPARE.saturating_sub(self.spare.len());
+        self.spare.extend(complete.into_iter().take(room));
     }
 
     /// Forget everything (after an abort, or at drop).

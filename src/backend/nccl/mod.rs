@@ -45,8 +45,10 @@
 //! and registers a window, a collective step). So set-up ends with a warm-up, under the
 //! set-up deadline: one registered segment, and on each data communicator the
 //! collectives the path policy can choose there (all-gather on the copy-engine one,
-//! all-gather and reduce-scatter on the symmetric and plain ones), then the segment is
-//! released. [`NcclBackend::warmed`] lists what ran. Setting `NCCL_RUNTIME_CONNECT=0`
+//! all-gather, reduce-scatter and all-reduce on the symmetric and plain ones), each at
+//! a small (4 KiB) and a large (4 MiB) size per rank, as NCCL picks its algorithms and
+//! protocols by size; then the segment is released (world × 4 MiB, in whole granules,
+//! for the duration of set-up). [`NcclBackend::warmed`] lists what ran. Setting `NCCL_RUNTIME_CONNECT=0`
 //! before NCCL is loaded would connect every algorithm inside communicator creation
 //! instead, but for every communicator of the process (PyTorch's too), and it cannot
 //! be changed once NCCL read it; the crate does not set it.
@@ -60,7 +62,7 @@
 //! | warm-up (registration, collectives, device wait) | blocking (default) | the set-up deadline: the watchdog sees the thread inside NCCL | revoke, abort, [`Error::NcclTimeout`] |
 //! | window registration (collective: every rank must call) | blocking | [`NcclConfig::call_timeout`], through the watchdog | revoke, then abort; the call returns [`Error::NcclTimeout`] within `call_timeout` + interval + 0.5 s (`LEAVE_WAIT`) |
 //! | window deregistration (local in NCCL 2.28–2.30) | blocking | `call_timeout`, through the watchdog | as registration |
-//! | collective enqueue | blocking | nothing of its own: the enqueue waits on peers only when work is stuck (NCCL's work FIFO full), which the completion watch below catches | — |
+//! | collective enqueue | blocking | watched collectives: nothing of its own (the enqueue waits on peers only when work is stuck, NCCL's work FIFO full, which the completion watch below catches); unwatched ones (under CUDA graph capture, or `watchdog_timeout = Duration::MAX`): `call_timeout`, through the watchdog | revoke, abort, [`Error::NcclTimeout`] |
 //! | collective completion (device) | — | [`NcclConfig::watchdog_timeout`] after the enqueue, seen within `watchdog_interval` | revoke, abort, [`Error::NcclWatchdog`] |
 //! | any call on a non-blocking data communicator ([`NcclConfig::data_blocking`] `= false`) | non-blocking | `call_timeout`, polled | abort, [`Error::NcclTimeout`] |
 //! | abort (`ncclCommAbort` can block: NVIDIA/nccl issue 1777) | its own thread | not waited for; releases wait ≤ 10 s | window and segment leaked |
@@ -126,7 +128,7 @@ use super::{
     CollArgs, Collectives, Refused, Region, Segment, SegmentMemory, SegmentProvider, StreamOps,
     Window,
 };
-use crate::Deadline;
+use crate::deadline::Deadline;
 use crate::error::{Error, NcclVersion, Result};
 use comm::{ABORT_WAIT, AbortThreads, Binder, Bound, Device, Shared};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -224,7 +226,7 @@ impl Device for Cuda {
         let event = stream
             .record_event(None)
             .map_err(ffi::cuda("cuEventRecord"))?;
-        Ok(streams::all_complete(&[event], deadline))
+        streams::all_complete(&[event], deadline)
     }
 
     fn binder(&self) -> Binder {
@@ -486,6 +488,10 @@ impl Collectives for NcclBackend {
     }
 }
 
+/// How long a drop waits for the device work already enqueued before it decides the
+/// device is busy (and leaves the aborts to their threads).
+const DROP_DRAIN_WAIT: Duration = Duration::from_millis(500);
+
 impl Drop for NcclBackend {
     fn drop(&mut self) {
         // The pools released their segments and windows before this (they hold the
@@ -499,7 +505,13 @@ impl Drop for NcclBackend {
         // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
         // resources; with work still running (a stuck collective, a kernel that never
         // ends) the aborts wait for the device, so leave them to their thread at once.
-        let idle = matches!(self.drain(Deadline::after(Duration::ZERO)), Ok(true));
+        // Work just enqueued gets `DROP_DRAIN_WAIT` to finish (an idle device answers at
+        // once; a zero deadline would make the last collectives look stuck).
+        let drained = self.drain(Deadline::after(DROP_DRAIN_WAIT));
+        if let Err(e) = &drained {
+            tracing::warn!("symmpool: rank {}: draining at drop failed: {e}", self.rank);
+        }
+        let idle = matches!(drained, Ok(true));
         if !idle {
             tracing::warn!(
                 "symmpool: rank {}: device work still in flight; aborting its communicators in the background",

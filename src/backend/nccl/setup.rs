@@ -3,8 +3,8 @@
 //! node identity and the data communicators it will split, and rank 0 also the
 //! control communicator's `ncclUniqueId`. Pure logic over an [`Exchange`], tested without GPUs.
 
-use crate::Deadline;
 use crate::control::Exchange;
+use crate::deadline::Deadline;
 use crate::error::{Error, NcclVersion, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;

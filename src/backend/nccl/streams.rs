@@ -4,11 +4,12 @@
 
 use super::health::poll_until;
 use super::{CUstream, NcclBackend, ffi};
+use crate::backend::Backend;
 use crate::backend::{DataMover, Region, StreamOps};
 use crate::core::{Fence, StreamId};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
-use crate::{Backend, Deadline};
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -107,11 +108,26 @@ const FENCES_PER_STREAM: usize = 64;
 /// Poll `events` until all are complete (`true`) or `deadline` passes (`false`).
 /// Never blocks in the driver: a peer stuck in a collective would hold a blocking
 /// synchronise forever.
-pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> bool {
-    poll_until(deadline, || {
-        events.iter().all(CudaEvent::is_complete).then_some(())
-    })
-    .is_some()
+///
+/// # Errors
+/// [`Error::Cuda`] when a query fails (a failed device, a faulted kernel): that is not
+/// "still running".
+pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> Result<bool> {
+    let answer = poll_until(deadline, || {
+        for e in events {
+            match e.try_is_complete() {
+                Ok(true) => {}
+                Ok(false) => return None,
+                Err(err) => return Some(Err(ffi::cuda("cuEventQuery")(err))),
+            }
+        }
+        Some(Ok(()))
+    });
+    match answer {
+        Some(Ok(())) => Ok(true),
+        Some(Err(e)) => Err(e),
+        None => Ok(false),
+    }
 }
 
 impl NcclBackend {
@@ -142,7 +158,8 @@ impl NcclBackend {
     /// the backend may still see it).
     ///
     /// # Errors
-    /// [`Error::Config`] if the stream belongs to another context; [`Error::Cuda`];
+    /// [`Error::WrongStream`] if the stream belongs to another context than the primary
+    /// context of this backend's device; [`Error::Cuda`];
     /// the backend's error once it is broken.
     pub unsafe fn stream_from_raw(&self, cu_stream: CUstream) -> Result<Stream> {
         self.shared.health.check()?;
@@ -154,11 +171,8 @@ impl NcclBackend {
         // SAFETY: the caller guarantees a live stream handle.
         let ctx = unsafe { ffi::stream_context(cu_stream) }?;
         if ctx != self.shared.device.ctx.cu_ctx() {
-            return Err(Error::Config {
-                setting: "stream",
-                value: "a stream of another CUDA context".into(),
-                expected: "a stream of this backend's device's primary context",
-            });
+            // A stream of another context (not the primary context of this device).
+            return Err(Error::WrongStream);
         }
         // SAFETY: the stream belongs to this context (checked above) and the caller keeps
         // it alive as long as this backend, which holds every wrapper it hands out.
@@ -182,7 +196,7 @@ impl NcclBackend {
         self.bind()?;
         let started = Instant::now();
         let event = cs.record_event(None).map_err(ffi::cuda("cuEventRecord"))?;
-        if all_complete(&[event], self.shared.call_deadline()) {
+        if all_complete(&[event], self.shared.call_deadline())? {
             return Ok(cs);
         }
         Err(Error::Timeout {
@@ -262,7 +276,7 @@ impl StreamOps for NcclBackend {
             .iter()
             .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))
             .collect::<Result<Vec<CudaEvent>>>()?;
-        Ok(all_complete(&events, deadline))
+        all_complete(&events, deadline)
     }
 }
 

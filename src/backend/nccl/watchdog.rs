@@ -27,7 +27,8 @@
 
 use super::comm::{Device, Shared};
 use super::ffi;
-use super::health::{Cause, Completion};
+use super::health::{self, Cause, Completion};
+use crate::error::Result;
 use cudarc::driver::CudaEvent;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Weak};
@@ -48,9 +49,14 @@ pub(super) struct Watchdog {
 }
 
 impl Watchdog {
-    /// Start the watchdog of `shared` (if no thread can be started, nothing is
-    /// watched, and the log says so).
-    pub(super) fn spawn<D: Device>(shared: &Arc<Shared<D>>) -> Self {
+    /// Start the watchdog of `shared`.
+    ///
+    /// # Errors
+    /// When no thread can be started and a data communicator is blocking (nothing
+    /// would then bound its calls): the backend breaks (its communicators are aborted)
+    /// and its error is returned. With non-blocking data communicators only the log
+    /// says so (their calls are polled under their own deadlines).
+    pub(super) fn spawn<D: Device>(shared: &Arc<Shared<D>>) -> Result<Self> {
         let (stop, stopped) = mpsc::channel::<()>();
         let weak: Weak<Shared<D>> = Arc::downgrade(shared);
         let bind = shared.device.binder();
@@ -71,11 +77,16 @@ impl Watchdog {
                 }
             });
         if let Err(e) = spawned {
+            if shared.comms.iter().any(|c| c.blocking) {
+                return Err(shared.fail(Cause::Failed(format!(
+                    "could not start the NCCL watchdog thread ({e}); calls on blocking communicators would be unbounded"
+                ))));
+            }
             tracing::error!(
-                "symmpool: could not start the NCCL watchdog ({e}); collectives and calls inside NCCL are not watched"
+                "symmpool: could not start the NCCL watchdog ({e}); collectives are not watched"
             );
         }
-        Watchdog { stop: Some(stop) }
+        Ok(Watchdog { stop: Some(stop) })
     }
 
     /// Stop the thread (it ends after the look in progress, if any).
@@ -91,11 +102,15 @@ impl<D: Device> Shared<D> {
             return;
         }
         let now = Instant::now();
-        let cause = self.watch.lock().sweep(now, self.config.watchdog_timeout);
-        if let Some(cause) = cause {
+        // The list is swapped out under its lock and queried outside it, so that a
+        // collective recording its event never waits behind the queries.
+        let pending = self.watch.lock().take();
+        let swept = health::sweep(pending, now, self.config.watchdog_timeout);
+        if let Some(cause) = swept.cause {
             let _ = self.fail(cause);
             return;
         }
+        self.watch.lock().restore(swept.kept, swept.complete);
         for c in self.all_comms().filter(|c| c.owned) {
             if let Some(inside) = c.inside()
                 && let Some(deadline) = inside.deadline

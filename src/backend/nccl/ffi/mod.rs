@@ -187,6 +187,23 @@ unsafe impl Send for RawComm {}
 // through the communicator layer, which serialises them.
 unsafe impl Sync for RawComm {}
 
+/// Which call makes a communicator, and so what to poll and when the new handle may be
+/// read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Making {
+    /// `ncclCommInitRankConfig`: the new communicator is written before the call
+    /// returns and is what is polled.
+    Init,
+    /// `ncclCommSplit`. Off a non-blocking parent NCCL runs the split on a thread of its
+    /// own and writes the child only when that job ends: the parent is polled and the
+    /// child read once the poll says done. Off a blocking parent the split is done on
+    /// return and the child is polled.
+    Split {
+        /// Whether the parent is blocking.
+        parent_blocking: bool,
+    },
+}
+
 /// A communicator being made: the handle to poll (the new communicator for an init,
 /// the parent for a split that NCCL runs in the background), and the boxes NCCL may
 /// still write into while the call is in progress.
@@ -194,22 +211,51 @@ unsafe impl Sync for RawComm {}
 pub(crate) struct Starting {
     /// What to poll with [`async_state`] until the call is done.
     pub(crate) poll: RawComm,
+    /// Which call it is.
+    pub(crate) making: Making,
     slot: Box<sys::ncclComm_t>,
     config: Box<sys::ncclConfig_t>,
 }
 
 impl Starting {
-    /// The call completed or was aborted: NCCL no longer writes into the boxes. The
-    /// new communicator, `None` if NCCL wrote none (a split aborted early).
-    pub(crate) fn finish(self) -> Option<RawComm> {
-        (!self.slot.is_null()).then_some(RawComm(*self.slot))
+    /// The new communicator, `None` if NCCL wrote none (a split that failed or was
+    /// aborted early); the boxes are freed.
+    ///
+    /// # Safety
+    /// NCCL no longer writes into the boxes: the poll of [`Starting::poll`] said the
+    /// call is done or failed.
+    pub(crate) unsafe fn finish(self) -> Option<RawComm> {
+        // SAFETY: the slot is a live box and, by the caller's contract, NCCL's thread
+        // has stopped writing it; a volatile read, as it was written by another thread
+        // through a raw pointer.
+        let c = unsafe { std::ptr::read_volatile(&raw const *self.slot) };
+        (!c.is_null()).then_some(RawComm(c))
     }
 
     /// The call never completed: leak the boxes, which NCCL may still write into, and
-    /// hand back the slot (read it only after the parent's abort returned).
-    pub(crate) fn abandon(self) -> &'static sys::ncclComm_t {
+    /// hand back the slot, to be read only once NCCL's job ended (the parent's abort
+    /// returned).
+    pub(crate) fn abandon(self) -> Abandoned {
         std::mem::forget(self.config);
-        Box::leak(self.slot)
+        Abandoned(Box::into_raw(self.slot))
+    }
+}
+
+/// The leaked slot of a communicator creation that never completed.
+#[derive(Debug)]
+pub(crate) struct Abandoned(*mut sys::ncclComm_t);
+
+impl Abandoned {
+    /// What NCCL wrote into the slot, if anything.
+    ///
+    /// # Safety
+    /// NCCL no longer writes it: the job that makes the communicator ended (for a split
+    /// off a non-blocking parent, the parent's `ncclCommAbort` returned).
+    pub(crate) unsafe fn read(&self) -> Option<RawComm> {
+        // SAFETY: the slot is leaked, so it stays valid; the caller's contract says no
+        // thread writes it any more.
+        let c = unsafe { std::ptr::read_volatile(self.0) };
+        (!c.is_null()).then_some(RawComm(c))
     }
 }
 
@@ -249,6 +295,7 @@ pub(crate) fn comm_init(
     match status(s, op, code, Some(&comm)) {
         Ok(_) => Ok(Starting {
             poll: comm,
+            making: Making::Init,
             slot,
             config,
         }),
@@ -263,11 +310,16 @@ pub(crate) fn comm_init(
 
 /// Start `ncclCommSplit(parent, 0, key, &child, config)`, the child blocking or not.
 ///
-/// On a non-blocking parent NCCL runs the split on a thread of its own, answers
-/// `ncclInProgress` and writes the child when done: the parent is polled, then the
-/// child read (NCCL user guide, "Fault Tolerance" example; src/init.cc 2.28.3
-/// 1567–1570). On a blocking parent the split is done on return and the child is
-/// polled (a non-blocking child may still be initialising).
+/// Off a non-blocking parent NCCL runs the split on a thread of its own and writes the
+/// child when that job ends (NCCL user guide, "Fault Tolerance" example; src/init.cc
+/// 2.28.3 1567–1570), whatever it answered: `ncclInProgress` for a non-blocking child
+/// config, `ncclSuccess` at once for a blocking one (`ncclCommSplit`'s `NCCLCHECK` lets
+/// the group's `ncclInProgress` through; seen on NCCL 2.28.3, one H200). So the parent
+/// is always what is polled, and the child is read only once the poll says done
+/// ([`Starting::finish`]). Off a blocking parent the split is done on return and the
+/// child is polled (a non-blocking child may still be initialising). A parent whose
+/// kind is unknown (a runtime's communicator) is passed as non-blocking: polling it is
+/// right for both kinds.
 ///
 /// # Safety
 /// `parent` is a live communicator that nothing else calls NCCL on during this call
@@ -279,6 +331,7 @@ pub(crate) fn comm_init(
 pub(crate) unsafe fn comm_split(
     s: &Syms,
     parent: RawComm,
+    parent_blocking: bool,
     key: usize,
     cta_policy: c_int,
     blocking: bool,
@@ -289,26 +342,33 @@ pub(crate) unsafe fn comm_split(
     let mut config = Box::new(config(cta_policy, blocking));
     // SAFETY: the caller guarantees the parent; the boxes outlive the call's completion
     // (see `Starting`).
-    let code = unsafe { (s.split)(parent.0, 0, key, &mut *slot, &mut *config) };
-    match status(s, op, code, Some(&parent))? {
-        // A split off a non-blocking parent runs on NCCL's thread. With a non-blocking
-        // child config NCCL answers `ncclInProgress`; with a blocking one (the data
-        // communicators) it answers `ncclSuccess` at once, because `ncclCommSplit`'s
-        // `NCCLCHECK` lets the group's `ncclInProgress` through, and writes the child
-        // only when the job ends (seen on NCCL 2.28.3, one H200, 2026-12-02). Either
-        // way the parent's asynchronous state says when the job is done; a split that
-        // really made no communicator is reported once the poll of the parent ends.
-        Status::Done if !slot.is_null() => Ok(Starting {
-            poll: RawComm(*slot),
+    let code = unsafe { (s.split)(parent.0, 0, key, &raw mut *slot, &raw mut *config) };
+    let status = status(s, op, code, Some(&parent))?;
+    let making = Making::Split { parent_blocking };
+    if parent_blocking && status == Status::Done {
+        // SAFETY: a blocking parent's split ran to its end inside the call, so NCCL
+        // writes the slot no more.
+        let child = unsafe { std::ptr::read_volatile(&raw const *slot) };
+        if child.is_null() {
+            return Err(Error::Nccl {
+                op,
+                code,
+                message: "NCCL returned no communicator".into(),
+            });
+        }
+        return Ok(Starting {
+            poll: RawComm(child),
+            making,
             slot,
             config,
-        }),
-        Status::InProgress | Status::Done => Ok(Starting {
-            poll: parent,
-            slot,
-            config,
-        }),
+        });
     }
+    Ok(Starting {
+        poll: parent,
+        making,
+        slot,
+        config,
+    })
 }
 
 /// The state of a communicator's last call: `ncclCommGetAsyncError`. On a blocking
@@ -462,11 +522,19 @@ pub(crate) struct Registering {
 
 impl Registering {
     /// The registration completed: the window (`None`: NCCL gave a NULL window, no
-    /// symmetric support). The slot is leaked, not freed (8 bytes per registration):
-    /// should an NCCL version write it after reporting completion, it writes into
-    /// memory nobody else uses.
-    pub(crate) fn finish(self) -> Option<RawWindow> {
-        let w = *Box::leak(self.slot);
+    /// symmetric support). On a `blocking` communicator NCCL wrote the slot before
+    /// returning and the box is freed. On a non-blocking one the slot is leaked, not
+    /// freed (8 bytes per registration): should an NCCL version write it after
+    /// reporting completion, it writes into memory nobody else uses.
+    pub(crate) fn finish(self, blocking: bool) -> Option<RawWindow> {
+        let w = if blocking {
+            *self.slot
+        } else {
+            let slot: *mut sys::ncclWindow_t = Box::into_raw(self.slot);
+            // SAFETY: a leaked box stays valid; read once, volatile, as NCCL's thread
+            // wrote it.
+            unsafe { std::ptr::read_volatile(slot) }
+        };
         (!w.is_null()).then_some(RawWindow(w))
     }
 
