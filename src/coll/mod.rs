@@ -123,6 +123,7 @@ mod call;
 mod path;
 
 pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement};
+pub use call::{NO_TAG, TaggedColl};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
 pub(crate) use path::{PATHS, path_index};
 
@@ -343,12 +344,6 @@ impl Coll {
     /// # Errors
     /// As [`wait_checks`](Self::wait_checks).
     pub fn end_step(&self) -> Result<()> {
-        let collectives: u64 = self
-            .inner
-            .comm_seqs
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .fold(0, u64::wrapping_add);
         for entry in &self.inner.pools {
             let checker = &entry.checker;
             if checker.mode() == CheckMode::Off {
@@ -356,13 +351,22 @@ impl Coll {
             }
             let deadline = Deadline::after(entry.pool.config().timeout.saturating_mul(2));
             checker.check()?;
-            let record = CollectiveRecord::step(
-                entry.pool.channel().ordinal(),
-                entry.collectives.load(Ordering::Relaxed),
-                collectives,
-                entry.pool.call_head(),
-            );
-            checker.submit(None, record, || deadline)?;
+            // One record per communicator: its sequence count, with the pool's
+            // collective count and call hash (so a rank behind or ahead on any of
+            // them fails here, on every rank, in this round).
+            let head = entry.pool.call_head();
+            let pool_collectives = entry.collectives.load(Ordering::Relaxed);
+            let comms = &self.inner.comm_seqs;
+            for comm in 0..comms.len().max(1) {
+                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
+                let record = CollectiveRecord::step(
+                    entry.pool.channel().ordinal(),
+                    pool_collectives,
+                    (comm as u64, seq),
+                    head,
+                );
+                checker.submit(None, record, || deadline)?;
+            }
         }
         self.wait_checks()
     }
