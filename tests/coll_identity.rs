@@ -312,8 +312,13 @@ fn async_skipped_layer_fails_by_the_step_boundary() {
                 "{seen:?}"
             );
         }
-        // The rank behind is not held up by the timeout.
-        assert!(all[1].elapsed < PROMPT, "{:?}", all[1].elapsed);
+        // Untagged, the rank behind is at its step boundary when the ranks part: not
+        // held up by the timeout. (Tagged, the ranks part at the fourth gather, and
+        // the rank that learns it first stops joining the host backend's blocking
+        // collectives, so the other may wait for one of them: no bound on either.)
+        if !tagged {
+            assert!(all[1].elapsed < PROMPT, "{:?}", all[1].elapsed);
+        }
     }
 }
 
