@@ -281,8 +281,13 @@ fn an_extra_allocation_fails_on_the_call_count_naming_each_rank() {
             };
             let all = run(2, mode, |r| perturbed(2, r, extra, normal));
             let msg = same_divergence_everywhere(&all, "pool call count");
-            for seen in &all {
-                assert!(seen.elapsed < PROMPT, "{mode:?}: {:?}: {msg}", seen.elapsed);
+            // Under Async a divergence inside the loop lets the rank that learns it
+            // first stop joining the host backend's blocking collectives, so the
+            // other may wait for one of them: bounded only at the step boundary.
+            if mode == CheckMode::Strict || before == LAYERS {
+                for seen in &all {
+                    assert!(seen.elapsed < PROMPT, "{mode:?}: {:?}: {msg}", seen.elapsed);
+                }
             }
             if mode == CheckMode::Strict && before < LAYERS {
                 for seen in &all {
