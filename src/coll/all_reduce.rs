@@ -2,9 +2,10 @@
 //! input, on NCCL's symmetric kernel when both buffers are in windows (and the policy
 //! says so for the size) and on its ordinary kernels otherwise.
 
+use super::call::NO_TAG;
 use super::call::{elements, invalid, prepare};
 use super::path::{AVG, CollOp};
-use super::{Coll, CollectiveReport};
+use super::{Coll, CollectiveReport, TaggedColl};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::Result;
 use crate::pool::{SymmBuffer, SymmPool};
@@ -42,6 +43,47 @@ impl Coll {
     /// [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence) when the
     /// pool's collective check finds the ranks disagree (see the module
     /// documentation).
+    #[inline]
+    pub fn all_reduce<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG)
+            .all_reduce::<T>(input, output, op, stream)
+    }
+
+    /// In-place all-reduce: `buffer` (N elements of `T`) becomes the reduction `op`
+    /// over ranks of every rank's `buffer`.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    #[inline]
+    pub fn all_reduce_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG)
+            .all_reduce_in_place::<T>(buffer, op, stream)
+    }
+}
+
+impl TaggedColl<'_> {
+    /// As [`Coll::all_reduce`], carrying this handle's tag.
+    ///
+    /// # Collective
+    /// As [`Coll::all_reduce`]; every rank passes the same tag.
+    ///
+    /// # Errors
+    /// As [`Coll::all_reduce`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
+    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
     pub fn all_reduce<T: Element>(
         &self,
         input: &SymmBuffer,
@@ -63,7 +105,7 @@ impl Coll {
                 ),
             ));
         }
-        self.dispatch(
+        self.coll.dispatch(
             pool,
             CollOp::AllReduce(op),
             (input, input.region()?),
@@ -72,17 +114,18 @@ impl Coll {
             T::DTYPE,
             stream,
             None,
+            self.tag,
         )
     }
 
-    /// In-place all-reduce: `buffer` (N elements of `T`) becomes the reduction `op`
-    /// over ranks of every rank's `buffer`.
+    /// As [`Coll::all_reduce_in_place`], carrying this handle's tag.
     ///
     /// # Collective
-    /// Every rank, same order, same sizes and operation.
+    /// As [`Coll::all_reduce_in_place`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// As [`all_reduce`](Self::all_reduce).
+    /// As [`Coll::all_reduce_in_place`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
+    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
     pub fn all_reduce_in_place<T: Element>(
         &self,
         buffer: &SymmBuffer,
@@ -94,7 +137,7 @@ impl Coll {
         check_op(OP, pool, op)?;
         let count = elements::<T>(OP, "buffer", buffer.len_bytes())?;
         let whole = buffer.region()?;
-        self.dispatch(
+        self.coll.dispatch(
             pool,
             CollOp::AllReduce(op),
             (buffer, whole),
@@ -103,6 +146,7 @@ impl Coll {
             T::DTYPE,
             stream,
             None,
+            self.tag,
         )
     }
 }

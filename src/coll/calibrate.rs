@@ -206,6 +206,7 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
                             dtype,
                             stream,
                             Some(path),
+                            super::NO_TAG,
                         )
                     };
                     // Warm-up; a path that is not available for these buffers falls back

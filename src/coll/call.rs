@@ -104,7 +104,62 @@ fn own_chunk<'a, T: Element>(
     Ok((own, count))
 }
 
+/// The tag of a call made without one ([`Coll::tagged`]).
+pub const NO_TAG: u64 = 0;
+
+/// The collectives of a [`Coll`] handle, each carrying the caller's identity of the
+/// call: a `u64` tag (for example a hash of the layer, the parameter group and the
+/// step), made by [`Coll::tagged`]. Two words on the stack: make one per call.
+///
+/// Under [`CheckMode::Strict`] and [`CheckMode::Async`] the tag is a field of the
+/// collective's record (compared before the other fields of the call), so ranks that
+/// issue the same shape of call for different layers (one persistent gather buffer
+/// for every layer, one rank skipping a layer) fail with
+/// [`Error::CollectiveDivergence`] naming the field `tag`: under `Strict` before any
+/// data moves, under `Async` within the documented bound. Under [`CheckMode::Off`]
+/// the tag is ignored. [`NO_TAG`] (0) is the tag of the untagged calls.
+///
+/// ```
+/// use symmpool::{Coll, PoolConfig, Stream, SymmPool};
+///
+/// let pools = SymmPool::host_group(2, PoolConfig::default())?;
+/// std::thread::scope(|s| {
+///     for pool in &pools {
+///         s.spawn(move || {
+///             let coll = Coll::new(pool).unwrap();
+///             let stream = Stream::host();
+///             let gathered = pool.alloc(2 * 4 * 256, &stream).unwrap();
+///             for layer in 0..4u64 {
+///                 let tag = (7 << 32) | layer; // step 7, layer `layer`
+///                 coll.tagged(tag).all_gather_in_place::<f32>(&gathered, &stream).unwrap();
+///             }
+///             coll.end_step().unwrap();
+///         });
+///     }
+/// });
+/// # Ok::<(), symmpool::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct TaggedColl<'a> {
+    pub(super) coll: &'a Coll,
+    pub(super) tag: u64,
+}
+
+impl TaggedColl<'_> {
+    /// The tag the calls carry.
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
+}
+
 impl Coll {
+    /// This handle's collectives, each carrying `tag`, the caller's identity of the
+    /// call (see [`TaggedColl`]). Allocates nothing.
+    #[inline]
+    pub fn tagged(&self, tag: u64) -> TaggedColl<'_> {
+        TaggedColl { coll: self, tag }
+    }
+
     /// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at
     /// `rank * N` in every rank's `output` (world × N elements), on `stream`.
     ///
@@ -117,6 +172,85 @@ impl Coll {
     /// or `output` is not exactly world × `input` bytes; backend errors (on the host
     /// backend also [`Error::Timeout`]); [`Error::CollectiveDivergence`] when the pool's
     /// collective check finds the ranks disagree (see "Checked collectives" above).
+    #[inline]
+    pub fn all_gather<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG).all_gather::<T>(input, output, stream)
+    }
+
+    /// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
+    /// rank's N at `rank * N`; afterwards every rank has all of them.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidCollective`] unless the length is a positive multiple of
+    /// world × `size_of::<T>()`; otherwise as [`all_gather`](Self::all_gather).
+    #[inline]
+    pub fn all_gather_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG).all_gather_in_place::<T>(buffer, stream)
+    }
+
+    /// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
+    /// ranks of elements `[rank * N, (rank + 1) * N)` of every rank's `input`
+    /// (world × N elements). `Sum` may run NCCL's symmetric kernel; other operations run
+    /// NCCL's ordinary kernels.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation.
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather), with `input` exactly world × `output` bytes.
+    #[inline]
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG)
+            .reduce_scatter::<T>(input, output, op, stream)
+    }
+
+    /// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
+    /// this rank's chunk `[rank * N, (rank + 1) * N)` holds the reduction over ranks.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation.
+    ///
+    /// # Errors
+    /// As [`all_gather_in_place`](Self::all_gather_in_place).
+    #[inline]
+    pub fn reduce_scatter_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG)
+            .reduce_scatter_in_place::<T>(buffer, op, stream)
+    }
+}
+
+impl TaggedColl<'_> {
+    /// As [`Coll::all_gather`], carrying this handle's tag.
+    ///
+    /// # Collective
+    /// As [`Coll::all_gather`]; every rank passes the same tag.
+    ///
+    /// # Errors
+    /// As [`Coll::all_gather`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
+    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
     pub fn all_gather<T: Element>(
         &self,
         input: &SymmBuffer,
@@ -137,7 +271,7 @@ impl Coll {
                 ),
             ));
         }
-        self.dispatch(
+        self.coll.dispatch(
             pool,
             CollOp::AllGather,
             (input, input.region()?),
@@ -146,18 +280,18 @@ impl Coll {
             T::DTYPE,
             stream,
             None,
+            self.tag,
         )
     }
 
-    /// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
-    /// rank's N at `rank * N`; afterwards every rank has all of them.
+    /// As [`Coll::all_gather_in_place`], carrying this handle's tag.
     ///
     /// # Collective
-    /// Every rank, same order, same sizes.
+    /// As [`Coll::all_gather_in_place`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// [`Error::InvalidCollective`] unless the length is a positive multiple of
-    /// world × `size_of::<T>()`; otherwise as [`all_gather`](Self::all_gather).
+    /// As [`Coll::all_gather_in_place`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
+    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
     pub fn all_gather_in_place<T: Element>(
         &self,
         buffer: &SymmBuffer,
@@ -167,7 +301,7 @@ impl Coll {
         let pool = prepare(&[buffer], stream)?;
         let whole = buffer.region()?;
         let (send, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
-        self.dispatch(
+        self.coll.dispatch(
             pool,
             CollOp::AllGather,
             (buffer, send),
@@ -176,19 +310,18 @@ impl Coll {
             T::DTYPE,
             stream,
             None,
+            self.tag,
         )
     }
 
-    /// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
-    /// ranks of elements `[rank * N, (rank + 1) * N)` of every rank's `input`
-    /// (world × N elements). `Sum` may run NCCL's symmetric kernel; other operations run
-    /// NCCL's ordinary kernels.
+    /// As [`Coll::reduce_scatter`], carrying this handle's tag.
     ///
     /// # Collective
-    /// Every rank, same order, same sizes and operation.
+    /// As [`Coll::reduce_scatter`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// As [`all_gather`](Self::all_gather), with `input` exactly world × `output` bytes.
+    /// As [`Coll::reduce_scatter`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
+    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
     pub fn reduce_scatter<T: Element>(
         &self,
         input: &SymmBuffer,
@@ -210,7 +343,7 @@ impl Coll {
                 ),
             ));
         }
-        self.dispatch(
+        self.coll.dispatch(
             pool,
             CollOp::ReduceScatter(op),
             (input, input.region()?),
@@ -219,17 +352,18 @@ impl Coll {
             T::DTYPE,
             stream,
             None,
+            self.tag,
         )
     }
 
-    /// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
-    /// this rank's chunk `[rank * N, (rank + 1) * N)` holds the reduction over ranks.
+    /// As [`Coll::reduce_scatter_in_place`], carrying this handle's tag.
     ///
     /// # Collective
-    /// Every rank, same order, same sizes and operation.
+    /// As [`Coll::reduce_scatter_in_place`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// As [`all_gather_in_place`](Self::all_gather_in_place).
+    /// As [`Coll::reduce_scatter_in_place`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
+    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
     pub fn reduce_scatter_in_place<T: Element>(
         &self,
         buffer: &SymmBuffer,
@@ -240,7 +374,7 @@ impl Coll {
         let pool = prepare(&[buffer], stream)?;
         let whole = buffer.region()?;
         let (recv, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
-        self.dispatch(
+        self.coll.dispatch(
             pool,
             CollOp::ReduceScatter(op),
             (buffer, whole),
@@ -249,9 +383,12 @@ impl Coll {
             T::DTYPE,
             stream,
             None,
+            self.tag,
         )
     }
+}
 
+impl Coll {
     /// Pick the path and run one collective: the one dispatch of the public
     /// collectives and of calibration. `force` replaces the policy's preference for
     /// this call.
@@ -266,6 +403,7 @@ impl Coll {
         dtype: DType,
         stream: &Stream,
         force: Option<Path>,
+        tag: u64,
     ) -> Result<CollectiveReport> {
         let Some(entry) = self.entry(pool) else {
             return Err(failed(
@@ -316,7 +454,15 @@ impl Coll {
         // Strict: the record's round and the launch are one step on this pool.
         let mut strict = (mode == CheckMode::Strict).then(|| checker.strict_lock());
         if mode != CheckMode::Off {
-            let record = self.record(entry, coll, (send_buf, recv_buf), count, dtype, comm, path);
+            let record = self.record(
+                entry,
+                coll,
+                (send_buf, recv_buf),
+                count,
+                dtype,
+                (comm, path),
+                tag,
+            );
             let deadline = || Deadline::after(pool.config().timeout);
             if let Err(e) = checker.submit(strict.as_mut(), record, deadline) {
                 return Err(failed(pool, e));
@@ -355,8 +501,8 @@ impl Coll {
         (send_buf, recv_buf): (&SymmBuffer, &SymmBuffer),
         count: u64,
         dtype: DType,
-        comm: usize,
-        path: Path,
+        (comm, path): (usize, Path),
+        tag: u64,
     ) -> CollectiveRecord {
         let (collective, reduction) = match coll {
             CollOp::AllGather => (CollKind::AllGather, None),
@@ -373,6 +519,7 @@ impl Coll {
         CollectiveRecord {
             kind: RecordKind::Collective,
             pool: entry.pool.channel().ordinal(),
+            tag,
             pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
             collective,
             dtype: Some(dtype_code(dtype)),

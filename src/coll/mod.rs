@@ -43,6 +43,7 @@
 //! |---|---|
 //! | record kind | collective, or step boundary ([`Coll::end_step`]) |
 //! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
+//! | tag | the caller's identity of the call ([`Coll::tagged`]; 0 when untagged) |
 //! | pool collective number | collectives issued on this pool so far |
 //! | collective, element type, reduction, count | the call |
 //! | communicator, communicator sequence number | the communicator the path chose, and the collectives the handle issued on it over *every* pool of the handle (crossed pools differ here: make one handle for the pools of a backend, [`Coll::with_pools`]) |
@@ -68,9 +69,10 @@
 //!   with [`Error::PoolBroken`]. **Detection bound**: a divergence at this rank's
 //!   collective *k* is reported by its collective *k* + `check_queue` + 1 at the latest
 //!   (a caller that finds the queue full waits for room), and in time within one
-//!   control-plane round after the last rank posted record *k*; a rank that never posts
-//!   its record *k* (it skipped the last collective) is reported after the pool's
-//!   timeout ([`Error::Timeout`] breaks the exchange). [`Coll::wait_checks`] waits
+//!   control-plane round after the last rank posted record *k*; a rank that skipped
+//!   the last collective of a step is reported when it reaches [`Coll::end_step`] (its
+//!   step record meets the peers' collective record), within one round; without a
+//!   step boundary, after the pool's timeout ([`Error::Timeout`] breaks the exchange). [`Coll::wait_checks`] waits
 //!   until everything posted is compared. The diverging collectives themselves may have run
 //!   (and moved wrong data, or timed out).
 //! * [`CheckMode::Off`]: no record: a divergence is what it is
@@ -78,10 +80,26 @@
 //!   error otherwise; the host backends move the data at the offsets given, bounds
 //!   checked, and time out on mismatched rounds).
 //!
+//! **Calls that know who they are**: calls of the same shape (one persistent gather
+//! buffer for every layer) make the same record, so a rank that skips one layer's
+//! gather pairs its next layer's call with the peers' call for the skipped layer. Give
+//! each call its identity with [`Coll::tagged`] (a `u64`: a hash of the layer, the
+//! parameter group, the step): the records then differ in the field `tag` at the
+//! skipped call (under `Strict` before data moves).
+//!
 //! **Step boundary**: under `Async` and `Strict`, [`Coll::end_step`] (every rank, at
-//! the end of a step) checks a record of each pool's call count and running hash and
-//! of the collectives issued, so a loop of cache hits without collectives cannot
-//! drift unseen past the step.
+//! the end of a step) checks, per pool and per communicator, a record of the pool's
+//! collective count, the communicator's sequence count and the pool's call count and
+//! running hash. So a skipped or extra collective (tagged or not), an extra
+//! allocation, or a loop of cache hits without collectives fails on every rank at the
+//! end of its step at the latest, with the same [`Error::CollectiveDivergence`] on
+//! every rank, within one exchange round: a rank that made more collectives than
+//! another shows "a collective (this rank's collective #8 on the pool)" where the rank
+//! behind shows "a step boundary (after 7 collectives on the pool)"; an extra
+//! allocation shows in "pool call count". (Under `Async` a collective that a peer never
+//! joins still waits for it on a backend whose collectives block, as the host
+//! backends' do: the rank ahead gets that collective's [`Error::Timeout`], then the
+//! divergence from `end_step`.)
 //!
 //! **Breakage is consistent**: after a mismatch, or a collective that timed out or
 //! lost a peer, every later collective and every later pool call of that pool fails on
@@ -123,6 +141,7 @@ mod call;
 mod path;
 
 pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement};
+pub use call::{NO_TAG, TaggedColl};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
 pub(crate) use path::{PATHS, path_index};
 
@@ -330,11 +349,15 @@ impl Coll {
         Ok(())
     }
 
-    /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`], check a
-    /// record of each pool's call count and running hash and of the collectives issued
-    /// so far (so that pool calls made without collectives, a loop of cache hits
-    /// say, cannot drift unseen past the step), then
-    /// [`wait_checks`](Self::wait_checks).
+    /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`], check,
+    /// for each pool and each communicator, a record of the collectives issued on the
+    /// pool, the collectives the handle issued on the communicator, and the pool's
+    /// call count and running hash (so that a skipped or extra collective, an extra
+    /// allocation, or pool calls made without collectives, a loop of cache hits say,
+    /// cannot drift unseen past the step), then [`wait_checks`](Self::wait_checks).
+    /// A rank whose peer made a collective more fails here within one exchange round
+    /// (its step record meets the peer's collective record: "record kind" differs,
+    /// each rank's value naming where it is), not after a timeout.
     ///
     /// # Collective
     /// Every rank calls it at the same point of its call sequence (its record pairs
@@ -343,12 +366,6 @@ impl Coll {
     /// # Errors
     /// As [`wait_checks`](Self::wait_checks).
     pub fn end_step(&self) -> Result<()> {
-        let collectives: u64 = self
-            .inner
-            .comm_seqs
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .fold(0, u64::wrapping_add);
         for entry in &self.inner.pools {
             let checker = &entry.checker;
             if checker.mode() == CheckMode::Off {
@@ -356,13 +373,22 @@ impl Coll {
             }
             let deadline = Deadline::after(entry.pool.config().timeout.saturating_mul(2));
             checker.check()?;
-            let record = CollectiveRecord::step(
-                entry.pool.channel().ordinal(),
-                entry.collectives.load(Ordering::Relaxed),
-                collectives,
-                entry.pool.call_head(),
-            );
-            checker.submit(None, record, || deadline)?;
+            // One record per communicator: its sequence count, with the pool's
+            // collective count and call hash (so a rank behind or ahead on any of
+            // them fails here, on every rank, in this round).
+            let head = entry.pool.call_head();
+            let pool_collectives = entry.collectives.load(Ordering::Relaxed);
+            let comms = &self.inner.comm_seqs;
+            for comm in 0..comms.len().max(1) {
+                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
+                let record = CollectiveRecord::step(
+                    entry.pool.channel().ordinal(),
+                    pool_collectives,
+                    (comm as u64, seq),
+                    head,
+                );
+                checker.submit(None, record, || deadline)?;
+            }
         }
         self.wait_checks()
     }

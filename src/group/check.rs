@@ -95,6 +95,9 @@ pub(crate) struct CollectiveRecord {
     pub(crate) kind: RecordKind,
     /// The ordinal of the pool's exchange channel (its identity among the ranks).
     pub(crate) pool: u64,
+    /// The caller's identity of the call ([`Coll::tagged`](crate::coll::Coll::tagged));
+    /// 0 when untagged and for a step.
+    pub(crate) tag: u64,
     /// Collectives issued on this pool so far.
     pub(crate) pool_collective: u64,
     pub(crate) collective: CollKind,
@@ -143,24 +146,26 @@ fn named(names: &[&'static str], code: Option<u8>, none: &'static str) -> Value 
 }
 
 impl CollectiveRecord {
-    /// A step-boundary record of the pool `pool`: the collectives issued on it and
-    /// over the handle's communicators so far, and its call count and hash.
+    /// A step-boundary record of the pool `pool` for the communicator `comm`: the
+    /// collectives issued on the pool, the collectives the handle issued on `comm`
+    /// (over every pool of the handle), and the pool's call count and hash.
     pub(crate) fn step(
         pool: u64,
         pool_collectives: u64,
-        collectives: u64,
+        (comm, comm_collectives): (u64, u64),
         (call_seq, call_hash): (u64, u64),
     ) -> Self {
         CollectiveRecord {
             kind: RecordKind::Step,
             pool,
+            tag: 0,
             pool_collective: pool_collectives,
             collective: CollKind::None,
             dtype: None,
             reduction: None,
             count: 0,
-            comm: 0,
-            comm_seq: collectives,
+            comm,
+            comm_seq: comm_collectives,
             path: None,
             input: BufferRecord::default(),
             output: BufferRecord::default(),
@@ -174,6 +179,7 @@ impl Fields for CollectiveRecord {
     const NAMES: &'static [&'static str] = &[
         "record kind",
         "pool (channel ordinal)",
+        "tag",
         "pool collective number",
         "collective",
         "element type",
@@ -209,23 +215,42 @@ impl Fields for CollectiveRecord {
                 RecordKind::Step => "step boundary",
             }),
             1 => Value::Number(self.pool),
-            2 => Value::Number(self.pool_collective),
-            3 => Value::Name(match self.collective {
+            2 => Value::Tag(self.tag),
+            3 => Value::Number(self.pool_collective),
+            4 => Value::Name(match self.collective {
                 CollKind::None => "none (step boundary)",
                 CollKind::AllGather => "all_gather",
                 CollKind::ReduceScatter => "reduce_scatter",
                 CollKind::AllReduce => "all_reduce",
             }),
-            4 => named(&DTYPES, self.dtype, "none"),
-            5 => named(&REDUCTIONS, self.reduction, "none"),
-            6 => Value::Number(self.count),
-            7 => Value::Number(self.comm),
-            8 => Value::Number(self.comm_seq),
-            9 => named(&PATHS, self.path, "none"),
-            10..=13 => buffer(&self.input, i - 10),
-            14..=17 => buffer(&self.output, i - 14),
-            18 => Value::Number(self.call_seq),
+            5 => named(&DTYPES, self.dtype, "none"),
+            6 => named(&REDUCTIONS, self.reduction, "none"),
+            7 => Value::Number(self.count),
+            8 => Value::Number(self.comm),
+            9 => Value::Number(self.comm_seq),
+            10 => named(&PATHS, self.path, "none"),
+            11..=14 => buffer(&self.input, i - 11),
+            15..=18 => buffer(&self.output, i - 15),
+            19 => Value::Number(self.call_seq),
             _ => Value::Hex(self.call_hash),
+        }
+    }
+
+    /// The record kind with where the rank is, so that a rank that skipped a
+    /// collective (or made an extra one) is named in the message: "collective #8 of
+    /// the pool" on the rank ahead, "step boundary after 7 collectives of the pool" on
+    /// the rank behind.
+    fn describe(&self, i: usize) -> String {
+        match (i, self.kind) {
+            (0, RecordKind::Collective) => format!(
+                "a collective (this rank's collective #{} on the pool)",
+                self.pool_collective
+            ),
+            (0, RecordKind::Step) => format!(
+                "a step boundary (after {} collectives on the pool)",
+                self.pool_collective
+            ),
+            _ => self.field(i).show(),
         }
     }
 }

@@ -19,11 +19,16 @@ pub(crate) enum Value {
     Name(&'static str),
     /// Free text (a pool's name).
     Text(String),
+    /// A caller's tag of a call (0: none), shown in decimal and hexadecimal.
+    Tag(u64),
 }
 
 impl Value {
-    fn show(&self) -> String {
+    /// The value as an error shows it.
+    pub(crate) fn show(&self) -> String {
         match self {
+            Value::Tag(0) => "no tag".to_string(),
+            Value::Tag(v) => format!("{v} ({v:#x})"),
             Value::Number(v) => v.to_string(),
             Value::Hex(v) => format!("{v:#018x}"),
             Value::Name(s) => (*s).to_string(),
@@ -39,12 +44,21 @@ pub(crate) trait Fields {
 
     /// Field number `i` (an index into [`NAMES`](Self::NAMES)).
     fn field(&self, i: usize) -> Value;
+
+    /// Field number `i` as an error shows it (by default its value shown); a record
+    /// may say more here than it compares.
+    fn describe(&self, i: usize) -> String {
+        self.field(i).show()
+    }
 }
 
 impl<R: Fields> Fields for &R {
     const NAMES: &'static [&'static str] = R::NAMES;
     fn field(&self, i: usize) -> Value {
         (*self).field(i)
+    }
+    fn describe(&self, i: usize) -> String {
+        (*self).describe(i)
     }
 }
 
@@ -65,7 +79,7 @@ pub(crate) fn first_difference<R: Fields + PartialEq>(
         let values = records
             .iter()
             .enumerate()
-            .map(|(rank, r)| (rank, r.field(i).show()))
+            .map(|(rank, r)| (rank, r.describe(i)))
             .collect();
         Some((R::NAMES[i], values))
     })

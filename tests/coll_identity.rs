@@ -1,0 +1,339 @@
+//! Calls that know who they are: tagged collectives and the step boundary, on ranks as
+//! threads (host backend). A model that reuses one persistent gather buffer for every
+//! layer makes calls of the same shape for different layers; one rank skipping a
+//! layer, running more layers, allocating one buffer more, or skipping the last
+//! collective must fail on every rank (under `Strict` before data moves where the
+//! records already differ, under `Async` by `end_step` at the latest), with the same
+//! message on every rank, naming where each rank is, within one exchange round rather
+//! than a timeout.
+//!
+//! The last rank is the perturbed one. Pool and backend timeouts are a few seconds;
+//! nothing sleeps.
+
+use std::thread;
+use std::time::{Duration, Instant};
+use symmpool::{
+    CheckMode, Coll, Error, HostBackend, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool,
+};
+
+/// The pools' and the host backend's timeout.
+const TIMEOUT: Duration = Duration::from_secs(3);
+/// What "within one exchange round" means here: well under the timeout.
+const PROMPT: Duration = Duration::from_millis(1500);
+/// Layers of the loop.
+const LAYERS: usize = 8;
+/// f32 elements per rank of the persistent gather buffer.
+const CHUNK: usize = 256;
+
+fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
+    let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
+    let config = PoolConfig::default()
+        .with_timeout(TIMEOUT)
+        .with_check(mode)
+        .with_check_queue(4);
+    SymmPool::group(bs, &config).unwrap()
+}
+
+/// What one rank saw.
+#[derive(Debug)]
+struct Seen {
+    /// Collectives attempted; the first failing one (1-based) with its error.
+    calls: usize,
+    first: Option<(usize, Error)>,
+    /// Whether the failing call's buffer still held what this rank wrote before it.
+    untouched: bool,
+    /// `end_step`'s error (also made after a failed call: it returns the verdict).
+    end: Option<Error>,
+    /// From the rank's first collective to the end of `end_step`.
+    elapsed: Duration,
+}
+
+/// How one rank runs its step.
+#[derive(Clone, Copy)]
+struct Plan {
+    /// Layers to run (their gathers use the one persistent buffer).
+    layers: usize,
+    /// A layer this rank skips.
+    skip: Option<usize>,
+    /// Tag each gather with its layer.
+    tagged: bool,
+    /// Allocate one buffer more (from the cache: no growth) before this layer
+    /// (`layers`: after the last one).
+    extra_alloc_before: Option<usize>,
+}
+
+impl Plan {
+    fn layers(layers: usize, tagged: bool) -> Plan {
+        Plan {
+            layers,
+            skip: None,
+            tagged,
+            extra_alloc_before: None,
+        }
+    }
+}
+
+/// One step of a layer loop on `pool`: one all-gather per layer on one persistent
+/// buffer, then `end_step`.
+fn step(pool: &SymmPool, plan: Plan) -> Seen {
+    let coll = Coll::new(pool).unwrap();
+    let stream = Stream::host();
+    let world = pool.world_size();
+    let rank = pool.rank();
+    // Room in the cache for the extra allocation, so that it needs no growth.
+    drop(pool.alloc(1 << 20, &stream).unwrap());
+    let gathered: SymmBuffer = pool.alloc((world * CHUNK * 4) as u64, &stream).unwrap();
+    let mut seen = Seen {
+        calls: 0,
+        first: None,
+        untouched: false,
+        end: None,
+        elapsed: Duration::ZERO,
+    };
+    let mut extra = Vec::new();
+    let start = Instant::now();
+    for layer in 0..=plan.layers {
+        if plan.extra_alloc_before == Some(layer) {
+            extra.push(pool.alloc(4096, &stream).unwrap());
+        }
+        if layer == plan.layers || plan.skip == Some(layer) {
+            continue;
+        }
+        seen.calls += 1;
+        // Every element this rank's and this layer's, so a move is visible.
+        let pattern = vec![(rank * 1000 + layer) as f32; world * CHUNK];
+        gathered.write(&pattern).unwrap();
+        let ran = if plan.tagged {
+            let tag = (1u64 << 32) | layer as u64; // step 1, this layer
+            coll.tagged(tag)
+                .all_gather_in_place::<f32>(&gathered, &stream)
+        } else {
+            coll.all_gather_in_place::<f32>(&gathered, &stream)
+        };
+        if let Err(e) = ran {
+            seen.untouched = gathered.read::<f32>().unwrap() == pattern;
+            seen.first = Some((seen.calls, e));
+            break;
+        }
+    }
+    seen.end = coll.end_step().err();
+    seen.elapsed = start.elapsed();
+    seen
+}
+
+/// `plan(rank)` on every rank, a thread each; the results in rank order.
+fn run(world: usize, mode: CheckMode, plan: impl Fn(usize) -> Plan + Sync) -> Vec<Seen> {
+    let pools = pools(world, mode);
+    thread::scope(|sc| {
+        let hs: Vec<_> = pools
+            .iter()
+            .map(|p| {
+                let plan = &plan;
+                sc.spawn(move || step(p, plan(p.rank())))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The divergence a rank reports: its first call's error if that is one, else
+/// `end_step`'s.
+fn divergence(seen: &Seen) -> String {
+    let errors = seen.first.iter().map(|(_, e)| e).chain(seen.end.iter());
+    for e in errors {
+        if let Error::CollectiveDivergence(d) = e {
+            return d.to_string();
+        }
+    }
+    panic!("no divergence reported: {seen:?}")
+}
+
+/// Every rank reports the same divergence, on `field`; its message.
+fn same_divergence_everywhere(all: &[Seen], field: &str) -> String {
+    let first = divergence(&all[0]);
+    for seen in all {
+        let d = divergence(seen);
+        assert_eq!(d, first, "ranks report different divergences");
+    }
+    assert!(
+        first.contains(&format!(": {field} differs:")),
+        "not on {field:?}: {first}"
+    );
+    first
+}
+
+fn perturbed(world: usize, rank: usize, plan: Plan, normal: Plan) -> Plan {
+    if rank == world - 1 { plan } else { normal }
+}
+
+#[test]
+fn strict_tagged_skipped_layer_fails_on_the_tag_before_data_moves() {
+    for world in [2, 4] {
+        let normal = Plan::layers(LAYERS, true);
+        let skip = Plan {
+            skip: Some(3),
+            ..normal
+        };
+        let all = run(world, CheckMode::Strict, |r| {
+            perturbed(world, r, skip, normal)
+        });
+        let msg = same_divergence_everywhere(&all, "tag");
+        for (rank, seen) in all.iter().enumerate() {
+            // The fourth gather: layer 3 on the others, layer 4 on the last rank.
+            let (at, _) = seen.first.as_ref().expect("the call fails");
+            assert_eq!(*at, 4, "rank {rank}: {msg}");
+            assert!(seen.untouched, "rank {rank}: data moved");
+            assert!(seen.elapsed < PROMPT, "rank {rank}: {:?}", seen.elapsed);
+        }
+        assert!(msg.contains("4294967299 (0x100000003)"), "{msg}");
+        assert!(msg.contains("4294967300 (0x100000004)"), "{msg}");
+    }
+}
+
+#[test]
+fn strict_untagged_skipped_layer_fails_by_the_step_boundary_naming_each_rank() {
+    // Untagged, the records of the same-shape calls match until the ranks' counts
+    // part: the others' last gather meets the last rank's step boundary.
+    for world in [2, 4] {
+        let normal = Plan::layers(LAYERS, false);
+        let skip = Plan {
+            skip: Some(3),
+            ..normal
+        };
+        let all = run(world, CheckMode::Strict, |r| {
+            perturbed(world, r, skip, normal)
+        });
+        let msg = same_divergence_everywhere(&all, "record kind");
+        assert!(
+            msg.contains("rank 0 has a collective (this rank's collective #8 on the pool)"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&format!(
+                "rank {} has a step boundary (after 7 collectives on the pool)",
+                world - 1
+            )),
+            "{msg}"
+        );
+        for (rank, seen) in all.iter().enumerate() {
+            if rank == world - 1 {
+                assert!(seen.first.is_none(), "{:?}", seen.first);
+            } else {
+                let (at, _) = seen.first.as_ref().expect("the eighth call fails");
+                assert_eq!(*at, 8);
+                assert!(seen.untouched, "rank {rank}: data moved");
+            }
+            assert!(seen.elapsed < PROMPT, "rank {rank}: {:?}", seen.elapsed);
+        }
+    }
+}
+
+#[test]
+fn strict_skipped_last_collective_fails_at_the_step_boundary_not_by_timeout() {
+    for tagged in [false, true] {
+        let normal = Plan::layers(LAYERS, tagged);
+        let skip = Plan {
+            skip: Some(LAYERS - 1),
+            ..normal
+        };
+        let all = run(2, CheckMode::Strict, |r| perturbed(2, r, skip, normal));
+        let msg = same_divergence_everywhere(&all, "record kind");
+        assert!(msg.contains("rank 1 has a step boundary (after 7"), "{msg}");
+        for seen in &all {
+            assert!(seen.elapsed < PROMPT, "{:?}: {msg}", seen.elapsed);
+        }
+        assert!(all[0].untouched);
+    }
+}
+
+#[test]
+fn uneven_layer_counts_fail_on_every_rank() {
+    for mode in [CheckMode::Strict, CheckMode::Async] {
+        for tagged in [false, true] {
+            let all = run(2, mode, |r| {
+                Plan::layers(if r == 0 { 10 } else { 8 }, tagged)
+            });
+            let msg = same_divergence_everywhere(&all, "record kind");
+            assert!(
+                msg.contains("rank 0 has a collective (this rank's collective #9"),
+                "{mode:?}: {msg}"
+            );
+            assert!(msg.contains("rank 1 has a step boundary (after 8"), "{msg}");
+            // The rank behind learns it within a round.
+            assert!(all[1].elapsed < PROMPT, "{mode:?}: {:?}", all[1].elapsed);
+            if mode == CheckMode::Strict {
+                assert!(all[0].elapsed < PROMPT, "{:?}", all[0].elapsed);
+                assert!(all[0].untouched);
+            }
+        }
+    }
+}
+
+#[test]
+fn an_extra_allocation_fails_on_the_call_count_naming_each_rank() {
+    for mode in [CheckMode::Strict, CheckMode::Async] {
+        // Before a layer: the next collective's record; after the last: the step's.
+        for before in [2, LAYERS] {
+            let normal = Plan::layers(LAYERS, false);
+            let extra = Plan {
+                extra_alloc_before: Some(before),
+                ..normal
+            };
+            let all = run(2, mode, |r| perturbed(2, r, extra, normal));
+            let msg = same_divergence_everywhere(&all, "pool call count");
+            // Under Async a divergence inside the loop lets the rank that learns it
+            // first stop joining the host backend's blocking collectives, so the
+            // other may wait for one of them: bounded only at the step boundary.
+            if mode == CheckMode::Strict || before == LAYERS {
+                for seen in &all {
+                    assert!(seen.elapsed < PROMPT, "{mode:?}: {:?}: {msg}", seen.elapsed);
+                }
+            }
+            if mode == CheckMode::Strict && before < LAYERS {
+                for seen in &all {
+                    assert_eq!(seen.first.as_ref().map(|f| f.0), Some(before + 1));
+                    assert!(seen.untouched);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn async_skipped_layer_fails_by_the_step_boundary() {
+    for tagged in [false, true] {
+        let normal = Plan::layers(LAYERS, tagged);
+        let skip = Plan {
+            skip: Some(3),
+            ..normal
+        };
+        let all = run(2, CheckMode::Async, |r| perturbed(2, r, skip, normal));
+        let field = if tagged { "tag" } else { "record kind" };
+        same_divergence_everywhere(&all, field);
+        // Every rank's end_step fails: no clean exit with wrong data.
+        for seen in &all {
+            assert!(
+                matches!(seen.end, Some(Error::CollectiveDivergence(_))),
+                "{seen:?}"
+            );
+        }
+        // Untagged, the rank behind is at its step boundary when the ranks part: not
+        // held up by the timeout. (Tagged, the ranks part at the fourth gather, and
+        // the rank that learns it first stops joining the host backend's blocking
+        // collectives, so the other may wait for one of them: no bound on either.)
+        if !tagged {
+            assert!(all[1].elapsed < PROMPT, "{:?}", all[1].elapsed);
+        }
+    }
+}
+
+#[test]
+fn matching_tagged_steps_pass() {
+    for mode in [CheckMode::Strict, CheckMode::Async] {
+        let all = run(2, mode, |_| Plan::layers(LAYERS, true));
+        for seen in &all {
+            assert!(seen.first.is_none(), "{mode:?}: {:?}", seen.first);
+            assert!(seen.end.is_none(), "{mode:?}: {:?}", seen.end);
+        }
+    }
+}
