@@ -1,0 +1,214 @@
+//! Aborting communicators: off the calling thread, bounded, revoking first where NCCL
+//! has `ncclCommRevoke`, and telling the windows' owners when an abort has returned.
+
+use super::*;
+
+/// Whether a communicator's `ncclCommAbort` has returned, for those that must not
+/// touch what the abort releases before then (its windows, and so their segments).
+/// Its waits share one deadline, [`ABORT_WAIT`] after the abort was handed off: past
+/// it (or when no thread could run the abort) every wait answers "not returned" at
+/// once, so a release of many windows does not wait for each in turn.
+#[derive(Default)]
+pub(super) struct AbortDone {
+    pub(super) state: Mutex<AbortState>,
+    pub(super) cv: Condvar,
+}
+
+#[derive(Default)]
+pub(super) struct AbortState {
+    pub(super) done: bool,
+    /// Waits end here at the latest (`None`: not handed off yet).
+    pub(super) give_up_at: Option<Deadline>,
+}
+
+impl AbortDone {
+    /// The abort was handed to a thread now.
+    pub(super) fn handed_off(&self) {
+        self.state.lock().give_up_at = Some(Deadline::after(ABORT_WAIT));
+    }
+
+    /// No thread will run the abort: waits give up at once.
+    pub(super) fn abandoned(&self) {
+        self.state.lock().give_up_at = Some(Deadline::after(Duration::ZERO));
+    }
+
+    pub(super) fn set(&self) {
+        self.state.lock().done = true;
+        self.cv.notify_all();
+    }
+
+    /// Wait until the abort returned, `deadline` or its own give-up time passes;
+    /// whether it returned.
+    pub(super) fn wait(&self, deadline: Deadline) -> bool {
+        let mut st = self.state.lock();
+        let until = st.give_up_at.map_or(deadline, |g| g.min(deadline));
+        self.cv
+            .wait_while_until(&mut st, |st| !st.done, until.instant());
+        st.done
+    }
+}
+
+/// A communicator handed over for its abort.
+pub(super) struct Taken {
+    pub(super) raw: RawComm,
+    pub(super) blocking: bool,
+    pub(super) state: Arc<CommState>,
+}
+
+/// How long a drop, or a communicator made during a failed set-up, waits for its
+/// aborts before leaving them to their thread.
+pub(in crate::backend::nccl) const ABORT_WAIT: Duration = Duration::from_secs(10);
+
+/// How long an abort thread waits, after `ncclCommRevoke`, for the thread inside NCCL
+/// on the communicator to leave before it aborts all the same.
+pub(in crate::backend::nccl) const LEAVE_WAIT: Duration = Duration::from_millis(500);
+
+/// How [`abort_off_thread`] spreads its aborts over threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::backend::nccl) enum AbortThreads {
+    /// One thread, the communicators one after another, no revoke: a teardown with no
+    /// device work in flight and nobody inside NCCL (what ran in the two-GPU trials
+    /// with ranks as threads; one thread per communicator there was not shown to be
+    /// safe).
+    One,
+    /// A thread per communicator, started together; blocking ones are revoked first:
+    /// device work may be stuck, a thread may be inside NCCL.
+    PerCommunicator,
+    /// A thread per communicator, started together, no revoke: a failed set-up, where
+    /// nobody is inside NCCL on them but an abort may wait for the device.
+    Apart,
+}
+
+/// Abort `comms` (those the crate made and nobody aborted yet) together, a thread
+/// each, and wait for those aborts until one shared deadline, [`ABORT_WAIT`] from now:
+/// the cleanup of a failed set-up, which must not wait [`ABORT_WAIT`] per
+/// communicator in turn.
+pub(in crate::backend::nccl) fn abort_together<'a>(comms: impl IntoIterator<Item = &'a Comm>) {
+    let mut nccl = None;
+    let taken: Vec<Taken> = comms
+        .into_iter()
+        .filter_map(|c| {
+            nccl = Some(c.nccl);
+            c.take_for_abort()
+        })
+        .collect();
+    let Some(nccl) = nccl else { return };
+    let states: Vec<Arc<CommState>> = taken.iter().map(|t| t.state.clone()).collect();
+    abort_off_thread(nccl, None, taken, AbortThreads::Apart);
+    let deadline = Deadline::after(ABORT_WAIT);
+    let pending = states.iter().filter(|s| !s.done.wait(deadline)).count();
+    if pending > 0 {
+        tracing::warn!(
+            "symmpool: {pending} ncclCommAbort calls of a failed set-up had not returned after {ABORT_WAIT:?}; their communicators are leaked"
+        );
+    }
+}
+
+/// How often [`revoke_then_abort`] revokes again while a thread is still marked inside
+/// NCCL on the communicator.
+pub(super) const REVOKE_AGAIN: Duration = Duration::from_millis(20);
+
+/// Revoke (where `revoke` and NCCL has it), wait for the owner to leave, abort.
+///
+/// A thread is marked inside (in its gate) just before it calls into NCCL, so one
+/// revoke may end before that thread's call starts; and `ncclCommRevoke` clears NCCL's
+/// abort flags when it is done, so that call would then block. So the revoke is
+/// repeated, every [`REVOKE_AGAIN`], until the thread left or [`LEAVE_WAIT`] passed.
+pub(super) fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
+    if revoke && t.blocking {
+        let until = Deadline::after(LEAVE_WAIT);
+        loop {
+            // SAFETY: the crate made this communicator and it is not aborted yet (this
+            // thread runs its abort, after this); another thread may be inside NCCL on
+            // it, which is what revoking is for.
+            match unsafe { ffi::comm_revoke(nccl, t.raw) } {
+                Ok(true) => {}
+                Ok(false) => {
+                    if t.state.gate.lock().inside.is_some() {
+                        tracing::warn!(
+                            "symmpool: NCCL has no ncclCommRevoke (< 2.28.7): aborting a communicator a thread is inside of"
+                        );
+                    }
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!("symmpool: ncclCommRevoke failed: {e}");
+                    break;
+                }
+            }
+            if t.state.wait_left(until.cap(REVOKE_AGAIN)) {
+                break;
+            }
+            if until.expired() {
+                tracing::warn!(
+                    "symmpool: a thread was still inside NCCL {LEAVE_WAIT:?} after ncclCommRevoke; aborting all the same"
+                );
+                break;
+            }
+        }
+    }
+    // SAFETY: `take_for_abort` handed the communicator over once, for a communicator
+    // the crate made, and marked it aborted under its gate, so no call starts on it
+    // later. On a blocking communicator with `ncclCommRevoke`, a thread inside NCCL on
+    // it was revoked out (again, until it left) and seen leaving above; otherwise
+    // (no `ncclCommRevoke`, a failed revoke, or still inside after `LEAVE_WAIT`) this is
+    // the documented race of aborting a blocking communicator from another thread.
+    // Its windows are deregistered by nobody but this abort (`deregister` waits for
+    // `done`), so their segments stay mapped.
+    if let Err(e) = unsafe { ffi::comm_abort(nccl, t.raw) } {
+        tracing::error!("symmpool: ncclCommAbort failed: {e}");
+    }
+    t.state.done.set();
+}
+
+/// Abort `comms` (from [`Comm::take_for_abort`]) off the calling thread (each thread
+/// binds the device first); each sets its communicator's [`AbortDone`] when its abort
+/// returned, which is what callers wait on, boundedly.
+///
+/// `ncclCommAbort` sets the communicator's abort flag (which ends its kernels) and
+/// then frees its memory, and a free waits for the device. Aborted one after another
+/// while a kernel is stuck, the first communicator's free waits for a kernel stuck on
+/// the third, whose flag is never set (seen on two H200s with NCCL 2.28.3: a survivor
+/// hung in the abort after its peer was killed inside an all-gather): so where work
+/// may be stuck, every communicator gets its own thread. And `ncclCommAbort` can
+/// block without bound on its own (it joins NCCL's proxy threads; NVIDIA/nccl issue
+/// 1777), so nobody waits for it without a deadline; a thread that never returns only
+/// leaks its communicators.
+pub(super) fn abort_off_thread(
+    nccl: &'static Syms,
+    bind: Option<Binder>,
+    comms: Vec<Taken>,
+    threads: AbortThreads,
+) {
+    let revoke = threads == AbortThreads::PerCommunicator;
+    let batches: Vec<Vec<Taken>> = match threads {
+        AbortThreads::One if comms.is_empty() => Vec::new(),
+        AbortThreads::One => vec![comms],
+        AbortThreads::PerCommunicator | AbortThreads::Apart => {
+            comms.into_iter().map(|c| vec![c]).collect()
+        }
+    };
+    for batch in batches {
+        for t in &batch {
+            t.state.done.handed_off();
+        }
+        let states: Vec<Arc<CommState>> = batch.iter().map(|t| t.state.clone()).collect();
+        let bind = bind.clone();
+        let spawned = std::thread::Builder::new()
+            .name("symmpool-abort".into())
+            .spawn(move || {
+                if let Some(bind) = bind {
+                    bind();
+                }
+                for t in &batch {
+                    revoke_then_abort(nccl, t, revoke);
+                }
+            });
+        if let Err(e) = spawned {
+            states.iter().for_each(|s| s.done.abandoned());
+            tracing::error!(
+                "symmpool: could not start an abort thread ({e}); communicators leaked"
+            );
+        }
+    }
+}

@@ -1,0 +1,582 @@
+//! The fake NCCL's tests: what the backend's communicator, gate, watchdog and warm-up
+//! layers call, shown without a GPU.
+
+use super::*;
+use crate::backend::CommRole;
+use crate::backend::nccl::comm::Bound;
+use crate::backend::nccl::ffi::{CollCall, CollKind};
+use crate::backend::nccl::health::{Cause, POLLS};
+use crate::backend::nccl::warmup::{WARM_LARGE_BYTES, WARM_SMALL_BYTES};
+use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
+use crate::backend::nccl::watchdog::Watchdog;
+use crate::error::Error;
+use std::time::Instant;
+
+fn call(kind: CollKind) -> CollCall {
+    CollCall {
+        kind,
+        send: 0x1000,
+        recv: 0x2000,
+        count: 16,
+        dtype: sys::ncclDataType_t::ncclFloat32,
+    }
+}
+
+const REDUCE: CollKind = CollKind::ReduceScatter(sys::ncclRedOp_t::ncclSum);
+
+fn polls() -> u64 {
+    POLLS.with(|p| p.get())
+}
+
+#[test]
+fn data_communicators_are_blocking_and_split_through_the_control_one() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let control = s.control.as_ref().unwrap();
+    assert!(!comm(control.raw).blocking && !control.blocking);
+    for c in &s.comms {
+        assert!(c.blocking && comm(c.raw).blocking, "config.blocking = 1");
+    }
+    let names: Vec<_> = comm(control.raw).calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(
+        names.iter().filter(|n| **n == "ncclCommSplit").count(),
+        3,
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"ncclCommGetAsyncError"),
+        "each split is polled through the non-blocking parent: {names:?}"
+    );
+    let nb = shared(
+        true,
+        &CommInfo::STANDARD,
+        NcclConfig::default().with_data_blocking(false),
+    )
+    .unwrap();
+    assert!(
+        nb.comms
+            .iter()
+            .all(|c| !c.blocking && !comm(c.raw).blocking)
+    );
+}
+
+/// A non-blocking control communicator of the fake, made as the builder makes it.
+fn control() -> Comm {
+    let nccl = syms(true);
+    let id = ffi::unique_id(nccl).unwrap();
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let starting = ffi::comm_init(nccl, 1, &id, 0, ffi::NCCL_CTA_POLICY_DEFAULT);
+    finish_creation(
+        nccl,
+        starting,
+        "ncclCommInitRankConfig",
+        false,
+        deadline,
+        None,
+    )
+    .unwrap()
+}
+
+fn split_blocking(control: &Comm, deadline: Deadline) -> Result<Comm> {
+    let nccl = syms(true);
+    // SAFETY: the fake control communicator, used by this thread only.
+    let starting = unsafe {
+        ffi::comm_split(
+            nccl,
+            control.raw,
+            false,
+            0,
+            ffi::NCCL_CTA_POLICY_DEFAULT,
+            true,
+        )
+    };
+    finish_creation(
+        nccl,
+        starting,
+        "ncclCommSplit",
+        true,
+        deadline,
+        Some(control),
+    )
+}
+
+#[test]
+fn a_split_off_a_non_blocking_parent_is_read_only_once_the_parent_says_done() {
+    let control = control();
+    let parent = comm(control.raw);
+    // NCCL's thread writes the child before `ncclCommSplit` returned `ncclSuccess`,
+    // while its job still runs: the child must not be polled or used yet.
+    parent.early_split_write.store(true, Ordering::SeqCst);
+    let child = split_blocking(&control, Deadline::after(Duration::from_secs(10))).unwrap();
+    let c = comm(child.raw);
+    assert!(!c.used_unready.load(Ordering::SeqCst), "{:?}", c.calls());
+    assert!(c.calls().is_empty(), "{:?}", c.calls());
+    let names: Vec<_> = parent.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(
+        names[names.len() - 2..],
+        ["ncclCommSplit", "ncclCommGetAsyncError"],
+        "the parent is polled: {names:?}"
+    );
+    assert_eq!(*parent.last_child.lock(), Some(child.raw.0 as usize));
+}
+
+#[test]
+fn a_split_that_times_out_aborts_the_parent_then_the_child() {
+    let control = control();
+    let parent = comm(control.raw);
+    parent.stuck_split.store(true, Ordering::SeqCst);
+    let t0 = Instant::now();
+    let r = split_blocking(&control, Deadline::after(Duration::from_millis(50)));
+    assert!(
+        matches!(
+            r,
+            Err(Error::NcclTimeout {
+                op: "ncclCommSplit",
+                ..
+            })
+        ),
+        "{:?}",
+        r.err()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert!(control.is_aborted());
+    let names: Vec<_> = parent.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(names.last(), Some(&"ncclCommAbort"), "{names:?}");
+    let child = comm(RawComm(
+        parent.last_child.lock().expect("a child") as sys::ncclComm_t
+    ));
+    // Aborted once the parent's abort returned (the job then wrote it), and not
+    // touched before.
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let mut g = child.wake_lock.lock();
+    child.wake.wait_while_until(
+        &mut g,
+        |_| !child.aborted.load(Ordering::SeqCst),
+        deadline.instant(),
+    );
+    drop(g);
+    let names: Vec<_> = child.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(names, vec!["ncclCommAbort"]);
+    assert!(!child.used_unready.load(Ordering::SeqCst));
+}
+
+#[test]
+fn a_collective_on_a_data_communicator_is_the_enqueue_and_the_event_record() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let me = std::thread::current().id();
+    let stream = FakeStream::default();
+    for (c, kind, name) in [
+        (0, CollKind::AllGather, "ncclAllGather"),
+        (0, REDUCE, "ncclReduceScatter"),
+        (1, CollKind::AllGather, "ncclAllGather"),
+        (2, REDUCE, "ncclReduceScatter"),
+    ] {
+        let f = comm(s.comms[c].raw);
+        f.clear();
+        s.device.clear();
+        let before = polls();
+        // SAFETY: the fake never touches the addresses.
+        unsafe { s.collective(c, &call(kind), &stream, Bound::Watchdog) }.unwrap();
+        // The NCCL call, inline on this thread, and nothing else on the
+        // communicator (no ncclCommGetAsyncError) from any thread.
+        assert_eq!(f.names_on(me), vec![name]);
+        assert_eq!(f.calls().len(), 1, "{:?}", f.calls());
+        // The completion event (after the capture query), on this thread.
+        assert_eq!(
+            s.device.names_on(me),
+            vec!["cuStreamIsCapturing", "cuEventRecord"]
+        );
+        assert_eq!(polls(), before, "no polling loop, so no sleep");
+    }
+    // The same call on a non-blocking data communicator is polled.
+    let nb = shared(
+        true,
+        &CommInfo::STANDARD,
+        NcclConfig::default().with_data_blocking(false),
+    )
+    .unwrap();
+    let f = comm(nb.comms[0].raw);
+    f.clear();
+    let before = polls();
+    // SAFETY: as above.
+    unsafe { nb.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) }.unwrap();
+    assert_eq!(
+        f.names_on(me),
+        vec!["ncclAllGather", "ncclCommGetAsyncError"]
+    );
+    assert_eq!(polls(), before + 1);
+}
+
+#[test]
+fn a_collective_under_capture_takes_the_same_nccl_calls_and_records_no_event() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let me = std::thread::current().id();
+    let stream = FakeStream::default();
+    let mut seen = Vec::new();
+    for capturing in [false, true] {
+        stream.capturing.store(capturing, Ordering::SeqCst);
+        let f = comm(s.comms[0].raw);
+        f.clear();
+        s.device.clear();
+        s.watch.lock().clear();
+        // SAFETY: the fake never touches the addresses.
+        unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) }.unwrap();
+        // SAFETY: as above.
+        unsafe { s.collective(0, &call(REDUCE), &stream, Bound::Watchdog) }.unwrap();
+        seen.push(f.names_on(me));
+        let device = s.device.names_on(me);
+        if capturing {
+            assert_eq!(device, vec!["cuStreamIsCapturing"; 2]);
+        } else {
+            assert_eq!(device.iter().filter(|n| **n == "cuEventRecord").count(), 2);
+        }
+    }
+    assert_eq!(seen[0], seen[1]);
+    assert_eq!(seen[0], vec!["ncclAllGather", "ncclReduceScatter"]);
+}
+
+#[test]
+fn a_bad_communicator_index_is_named() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let stream = FakeStream::default();
+    // SAFETY: the fake never touches the addresses.
+    let r = unsafe { s.collective(7, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+    match r {
+        Err(Error::InvalidCollective { op, detail }) => {
+            assert_eq!(op, "ncclAllGather");
+            assert!(
+                detail.contains("index 7") && detail.contains('3'),
+                "{detail}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_failed_capture_query_fails_the_collective_before_its_enqueue() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let stream = FakeStream::default();
+    stream.query_fails.store(true, Ordering::SeqCst);
+    let f = comm(s.comms[0].raw);
+    f.clear();
+    // SAFETY: the fake never touches the addresses.
+    let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+    assert!(matches!(r, Err(Error::Cuda { .. })), "{r:?}");
+    assert!(f.calls().is_empty(), "nothing enqueued: {:?}", f.calls());
+}
+
+#[test]
+fn a_collective_never_waits_behind_the_watchdogs_event_queries() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let held = Arc::new(Held::default());
+    s.watch.lock().push(crate::backend::nccl::health::Enqueued {
+        op: "ncclAllGather",
+        comm: 0,
+        at: Instant::now(),
+        done: FakeEvent::held(held.clone()),
+    });
+    let ticking = {
+        let s = s.clone();
+        std::thread::spawn(move || s.tick())
+    };
+    let deadline = Deadline::after(Duration::from_secs(5));
+    while !held.querying.load(Ordering::SeqCst) && !deadline.expired() {
+        std::thread::yield_now();
+    }
+    assert!(held.querying.load(Ordering::SeqCst));
+    // The watchdog is inside a query: a collective still records its event.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let caller = {
+        let s = s.clone();
+        std::thread::spawn(move || {
+            let stream = FakeStream::default();
+            // SAFETY: the fake never touches the addresses.
+            let r =
+                unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+            let _ = tx.send(r.is_ok());
+        })
+    };
+    let done = rx.recv_timeout(Duration::from_secs(5));
+    held.release();
+    ticking.join().unwrap();
+    caller.join().unwrap();
+    assert_eq!(done, Ok(true), "the collective waited behind the query");
+    assert_eq!(
+        s.watch.lock().len(),
+        1,
+        "the queried event was complete; the one pushed meanwhile is kept"
+    );
+}
+
+#[test]
+fn an_unwatched_collective_stuck_inside_nccl_is_bounded_by_the_call_timeout() {
+    let call_timeout = Duration::from_millis(300);
+    let config = NcclConfig::default()
+        .with_call_timeout(call_timeout)
+        .with_watchdog_interval(Duration::from_millis(10));
+    let s = shared(true, &CommInfo::STANDARD, config).unwrap();
+    let _watchdog = Watchdog::spawn(&s).unwrap();
+    let stream = FakeStream::default();
+    // Under capture no event is recorded: the gate carries the deadline.
+    stream.capturing.store(true, Ordering::SeqCst);
+    comm(s.comms[0].raw)
+        .stuck_collective
+        .store(true, Ordering::SeqCst);
+    let t0 = Instant::now();
+    // SAFETY: the fake never touches the addresses.
+    let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+    let took = t0.elapsed();
+    assert!(
+        matches!(
+            r,
+            Err(Error::NcclTimeout {
+                op: "ncclAllGather",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(took < call_timeout + Duration::from_secs(1), "{took:?}");
+    aborted(&s);
+}
+
+#[test]
+fn a_failed_set_up_aborts_its_communicators_together() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let fakes: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
+    // Each abort returns only once all four run at once (or after 2 s each).
+    let r = Rendezvous::new(fakes.len());
+    for f in &fakes {
+        *f.abort_rendezvous.lock() = Some(r.clone());
+    }
+    let t0 = Instant::now();
+    drop(Arc::try_unwrap(s).ok().expect("one owner"));
+    let took = t0.elapsed();
+    for f in &fakes {
+        assert!(f.aborted.load(Ordering::SeqCst));
+    }
+    assert!(
+        took < Duration::from_secs(1),
+        "aborted one after another: {took:?}"
+    );
+}
+
+/// Wait (boundedly) until every communicator of `s` was aborted and its abort
+/// returned.
+fn aborted(s: &Shared<FakeDevice>) {
+    let deadline = Deadline::after(Duration::from_secs(10));
+    for c in s.all_comms() {
+        assert_eq!(c.aborted_by(deadline), Some(true));
+    }
+}
+
+fn stuck_registration(with_revoke: bool) -> (Vec<&'static str>, Duration, Result<()>) {
+    stuck_registration_of(with_revoke, false).0
+}
+
+/// A registration stuck until revoked or aborted (reaching NCCL only after the first
+/// revoke when `late`); what the communicator saw, how long the call took, its
+/// result, and whether the abort ended it.
+fn stuck_registration_of(
+    with_revoke: bool,
+    late: bool,
+) -> ((Vec<&'static str>, Duration, Result<()>), bool) {
+    let call_timeout = Duration::from_millis(300);
+    let config = NcclConfig::default()
+        .with_call_timeout(call_timeout)
+        .with_watchdog_interval(Duration::from_millis(10));
+    let s = shared(with_revoke, &CommInfo::STANDARD, config).unwrap();
+    let _watchdog = Watchdog::spawn(&s).unwrap();
+    let f = comm(s.comms[0].raw);
+    f.stuck_register.store(true, Ordering::SeqCst);
+    f.late_register.store(late, Ordering::SeqCst);
+    let t0 = Instant::now();
+    // SAFETY: the fake never touches the memory.
+    let r = unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.map(|_| ());
+    let took = t0.elapsed();
+    aborted(&s);
+    assert!(took >= call_timeout, "{took:?}");
+    let names = f.calls().into_iter().map(|c| c.0).collect();
+    let by_abort = f.register_ended_by_abort.load(Ordering::SeqCst);
+    ((names, took, r), by_abort)
+}
+
+#[test]
+fn a_thread_that_reaches_nccl_after_the_first_revoke_is_revoked_again() {
+    let ((names, took, r), by_abort) = stuck_registration_of(true, true);
+    assert!(matches!(r, Err(Error::NcclTimeout { .. })), "{r:?}");
+    assert!(!by_abort, "revoked out before the abort: {names:?}");
+    let revokes = names.iter().filter(|n| **n == "ncclCommRevoke").count();
+    assert!(revokes >= 2, "{names:?}");
+    assert!(
+        took < Duration::from_millis(300) + Duration::from_secs(1),
+        "{took:?}"
+    );
+}
+
+#[test]
+fn a_registration_stuck_past_its_deadline_is_revoked_then_aborted() {
+    let (names, took, r) = stuck_registration(true);
+    assert!(
+        matches!(
+            r,
+            Err(Error::NcclTimeout {
+                op: "ncclCommWindowRegister",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        took < Duration::from_millis(300) + Duration::from_secs(1),
+        "{took:?}"
+    );
+    let at = |n| names.iter().position(|x| *x == n);
+    let (revoke, abort) = (at("ncclCommRevoke"), at("ncclCommAbort"));
+    assert!(revoke.is_some() && abort.is_some(), "{names:?}");
+    assert!(revoke < abort, "revoked, then aborted: {names:?}");
+}
+
+#[test]
+fn without_revoke_the_watchdog_aborts_directly() {
+    let (names, took, r) = stuck_registration(false);
+    assert!(matches!(r, Err(Error::NcclTimeout { .. })), "{r:?}");
+    assert!(
+        took < Duration::from_millis(300) + Duration::from_secs(1),
+        "{took:?}"
+    );
+    assert!(!names.contains(&"ncclCommRevoke"), "{names:?}");
+    assert!(names.contains(&"ncclCommAbort"), "{names:?}");
+}
+
+#[test]
+fn after_an_abort_no_window_is_deregistered() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    // SAFETY: the fake never touches the memory.
+    let w = unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }
+        .unwrap()
+        .expect("a window");
+    let _ = s.fail(Cause::Failed("a test breaks it".into()));
+    aborted(&s);
+    // SAFETY: registered on communicator 0 above.
+    assert!(unsafe { s.deregister(0, w) }.is_ok());
+    let names: Vec<_> = comm(s.comms[0].raw)
+        .calls()
+        .into_iter()
+        .map(|c| c.0)
+        .collect();
+    assert!(!names.contains(&"ncclCommWindowDeregister"), "{names:?}");
+    assert!(names.contains(&"ncclCommAbort"));
+    assert!(
+        s.may_free().is_ok(),
+        "the aborts returned: segments may be freed"
+    );
+    // A broken backend starts no call at all.
+    // SAFETY: the fake never touches the memory.
+    assert!(unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.is_err());
+}
+
+/// What the path policy (`coll`) can choose on a communicator of `role`: the copy
+/// engine runs all-gathers on the copy-engine communicator; the symmetric kernels
+/// all-gather, reduce-scatter and all-reduce on the symmetric one; the plain
+/// kernels the same three on the plain one.
+fn policy_can_choose(role: CommRole) -> Vec<WarmCollective> {
+    match role {
+        CommRole::CopyEngine => vec![WarmCollective::AllGather],
+        CommRole::Symmetric | CommRole::Plain => vec![
+            WarmCollective::AllGather,
+            WarmCollective::ReduceScatter,
+            WarmCollective::AllReduce,
+        ],
+    }
+}
+
+#[test]
+fn the_warm_up_covers_every_path_the_policy_can_choose() {
+    let infos = CommInfo::STANDARD;
+    let s = shared(true, &infos, NcclConfig::default()).unwrap();
+    let _watchdog = Watchdog::spawn(&s).unwrap();
+    let stream = FakeStream::default();
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let warmed = s.warm_up(&infos, &stream, 2 << 20, deadline).unwrap();
+    let segment = LAST_ALLOC.with(std::cell::Cell::get);
+    assert!(!live(segment), "the warm-up's segment is freed");
+    let sizes = [WARM_SMALL_BYTES, WARM_LARGE_BYTES];
+    const { assert!(WARM_LARGE_BYTES >= 4 << 20) };
+    let expected: BTreeSet<_> = infos
+        .iter()
+        .enumerate()
+        .flat_map(|(c, info)| {
+            policy_can_choose(info.role)
+                .into_iter()
+                .flat_map(move |w| sizes.map(|b| (c, format!("{w:?}"), b)))
+        })
+        .collect();
+    let got: BTreeSet<_> = warmed
+        .iter()
+        .map(|w: &WarmedPath| {
+            assert_eq!(infos[w.comm].role, w.role);
+            (w.comm, format!("{:?}", w.collective), w.bytes_per_rank)
+        })
+        .collect();
+    assert_eq!(got, expected);
+    assert_eq!(warmed.len(), expected.len(), "each once");
+    let names = |c: usize| -> Vec<&'static str> {
+        comm(s.comms[c].raw)
+            .calls()
+            .into_iter()
+            .map(|c| c.0)
+            .collect()
+    };
+    for (c, info) in infos.iter().enumerate() {
+        let mut want: Vec<&str> = Vec::new();
+        if info.registers {
+            want.push("ncclCommWindowRegister");
+        }
+        for _ in sizes {
+            want.extend(policy_can_choose(info.role).iter().map(|w| match w {
+                WarmCollective::AllGather => "ncclAllGather",
+                WarmCollective::ReduceScatter => "ncclReduceScatter",
+                WarmCollective::AllReduce => "ncclAllReduce",
+            }));
+        }
+        if info.registers {
+            want.push("ncclCommWindowDeregister");
+        }
+        assert_eq!(names(c), want, "communicator {c} ({:?})", info.role);
+    }
+    assert!(s.health.check().is_ok());
+}
+
+#[test]
+fn a_failed_warm_up_releases_its_windows_and_segment() {
+    let infos = CommInfo::STANDARD;
+    let s = shared(true, &infos, NcclConfig::default()).unwrap();
+    let _watchdog = Watchdog::spawn(&s).unwrap();
+    let plain = infos.iter().position(|i| !i.registers).unwrap();
+    // ncclInvalidArgument: the call fails, the backend does not break.
+    comm(s.comms[plain].raw)
+        .collective_result
+        .store(4, Ordering::SeqCst);
+    let stream = FakeStream::default();
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let r = s.warm_up(&infos, &stream, 2 << 20, deadline);
+    assert!(matches!(r, Err(Error::Nccl { code: 4, .. })), "{r:?}");
+    assert!(s.health.check().is_ok());
+    assert!(
+        !live(LAST_ALLOC.with(std::cell::Cell::get)),
+        "segment freed"
+    );
+    for (c, info) in infos.iter().enumerate().filter(|(_, i)| i.registers) {
+        let names: Vec<_> = comm(s.comms[c].raw)
+            .calls()
+            .into_iter()
+            .map(|c| c.0)
+            .collect();
+        assert_eq!(
+            names.last(),
+            Some(&"ncclCommWindowDeregister"),
+            "{c} {info:?}"
+        );
+    }
+}
