@@ -127,7 +127,9 @@ impl PathPolicy {
     }
 
     /// This policy with every collective preferring `path` (calibration forces one
-    /// path at a time).
+    /// path at a time). Out of line: calibration only, off the call path.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn forcing(&self, path: Path) -> Self {
         self.clone()
             .with_choices(Choice::Prefer(path), Choice::Prefer(path))
@@ -193,6 +195,11 @@ pub(crate) struct Inputs<'a> {
 /// copy engine is never chosen up to NCCL 2.30.3 and the symmetric kernels not before
 /// 2.29: those need every rank in one NVLink domain, which ranks on several hosts are
 /// not known to share.
+///
+/// Inlined into the call path (one caller in release code): out of line, the choice
+/// cost ≈ 70 instructions more per call, the `registered` closure then called through
+/// its vtable (BENCHMARKS.md, "Lean call path").
+#[inline]
 pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     // The candidates are tried in the order of preference, each only if the one
     // before is not available: most calls settle on the first (a cost on every
