@@ -362,8 +362,13 @@ impl<'m, M: Math> Trainer<'m, M> {
         // Backward: prefetch layer l−1 on the all-gather stream; reduce-scatter layer
         // l's weight gradient on the reduce-scatter stream while l−1 computes.
         let mut arrived: Option<M::Ev> = None;
-        let mut prev_grad: Option<(SymmBuffer, SymmBuffer)> = None;
         let alpha = -self.step_size() / self.world as f32;
+        // Two weight gradients are in flight: layer l−1's is allocated while layer l's
+        // is still alive, so it never lands in the block layer l's reduce-scatter
+        // reads. Layer l's is freed right after its reduce-scatter is queued, so the
+        // fence a later allocation waits for is that reduce-scatter's end, not the
+        // SGD queued behind it.
+        let mut next_dw = Some(alloc(bytes::<M>(h * h), m.stream(On::Compute))?);
         for l in (0..layers).rev() {
             if let Some(ev) = arrived.take() {
                 trace::op(&mut tr, m, On::Compute, "wait", Some(l), || {
@@ -377,7 +382,10 @@ impl<'m, M: Math> Trainer<'m, M> {
             };
             let input = if l == 0 { x } else { &self.acts[l - 1] };
             let g_out = &self.grads[(l + 1) % 2];
-            let dw = alloc(bytes::<M>(h * h), m.stream(On::Compute))?;
+            let dw = match next_dw.take() {
+                Some(dw) => dw,
+                None => alloc(bytes::<M>(h * h), m.stream(On::Compute))?,
+            };
             trace::op(&mut tr, m, On::Compute, "gemm dW", Some(l), || {
                 m.gemm(
                     On::Compute,
@@ -431,6 +439,11 @@ impl<'m, M: Math> Trainer<'m, M> {
                 let len = bytes::<M>(h * h / self.world);
                 trace::host(&mut tr, "alloc", Some(l), || alloc(len, rs))?
             };
+            if l > 0 {
+                next_dw = Some(alloc(bytes::<M>(h * h), m.stream(On::Compute))?);
+            }
+            // The reduce-scatter recorded its use of `dw` on its stream.
+            drop(dw);
             // SGD on the shard (mean of the ranks' gradients), on the reduce-scatter
             // stream. It writes the shard layer l's all-gather read: the compute stream
             // waited for that all-gather before the weight-gradient GEMM this stream
@@ -440,10 +453,8 @@ impl<'m, M: Math> Trainer<'m, M> {
                 m.axpy(On::ReduceScatter, alpha, &dw_shard, shard)
             })?;
             cur.record_stream(m.stream(On::Compute))?;
-            dw.record_stream(rs)?;
-            // Keep one gradient pair alive so the next layer's lands in other blocks
-            // and its GEMM does not wait for this reduce-scatter.
-            prev_grad = Some((dw, dw_shard));
+            // Allocated and used on this stream only: freed stream-ordered.
+            drop(dw_shard);
             match next {
                 Some((n, ev)) => {
                     cur = n;
@@ -454,7 +465,6 @@ impl<'m, M: Math> Trainer<'m, M> {
         }
         drop(cur);
         self.updated = Some(m.record(On::ReduceScatter)?);
-        drop(prev_grad);
         trace::host(&mut tr, "sync", None, || m.sync())?;
         let sumsq = m.read_sums(&self.sums)?[0] as f64;
         let ms = start.elapsed().as_secs_f64() * 1e3;

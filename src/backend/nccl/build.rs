@@ -262,6 +262,7 @@ impl Builder {
             raw_streams: Mutex::new(HashMap::new()),
             warmed,
             watchdog,
+            drain_timed_out: Default::default(),
         });
         Backend::new(info, exchange, parts)
     }

@@ -257,6 +257,8 @@ pub struct NcclBackend {
     /// What the warm-up ran.
     warmed: Vec<WarmedPath>,
     watchdog: Watchdog,
+    /// A drain ran out of time: some stream is stuck, so the drop does not wait again.
+    drain_timed_out: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for NcclBackend {
@@ -489,7 +491,8 @@ impl Collectives for NcclBackend {
 }
 
 /// How long a drop waits for the device work already enqueued before it decides the
-/// device is busy (and leaves the aborts to their threads).
+/// device is busy (and leaves the aborts to their threads); nothing when an earlier
+/// drain (a pool's release) already ran out of time.
 const DROP_DRAIN_WAIT: Duration = Duration::from_millis(500);
 
 impl Drop for NcclBackend {
@@ -507,7 +510,15 @@ impl Drop for NcclBackend {
         // ends) the aborts wait for the device, so leave them to their thread at once.
         // Work just enqueued gets `DROP_DRAIN_WAIT` to finish (an idle device answers at
         // once; a zero deadline would make the last collectives look stuck).
-        let drained = self.drain(Deadline::after(DROP_DRAIN_WAIT));
+        let busy = self
+            .drain_timed_out
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let wait = if busy {
+            Duration::ZERO
+        } else {
+            DROP_DRAIN_WAIT
+        };
+        let drained = self.drain(Deadline::after(wait));
         if let Err(e) = &drained {
             tracing::warn!("symmpool: rank {}: draining at drop failed: {e}", self.rank);
         }

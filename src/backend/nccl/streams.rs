@@ -276,7 +276,11 @@ impl StreamOps for NcclBackend {
             .iter()
             .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))
             .collect::<Result<Vec<CudaEvent>>>()?;
-        all_complete(&events, deadline)
+        let drained = all_complete(&events, deadline);
+        if matches!(drained, Ok(false)) {
+            (self.drain_timed_out).store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        drained
     }
 }
 

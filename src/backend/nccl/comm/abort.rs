@@ -188,10 +188,14 @@ pub(super) fn abort_off_thread(
             comms.into_iter().map(|c| vec![c]).collect()
         }
     };
+    if !batches.is_empty() {
+        exit_waits_for_aborts();
+    }
     for batch in batches {
         for t in &batch {
             t.state.done.handed_off();
         }
+        *RUNNING.lock() += 1;
         let states: Vec<Arc<CommState>> = batch.iter().map(|t| t.state.clone()).collect();
         let bind = bind.clone();
         let spawned = std::thread::Builder::new()
@@ -203,12 +207,45 @@ pub(super) fn abort_off_thread(
                 for t in &batch {
                     revoke_then_abort(nccl, t, revoke);
                 }
+                *RUNNING.lock() -= 1;
+                FINISHED.notify_all();
             });
         if let Err(e) = spawned {
+            *RUNNING.lock() -= 1;
             states.iter().for_each(|s| s.done.abandoned());
             tracing::error!(
                 "symmpool: could not start an abort thread ({e}); communicators leaked"
             );
         }
     }
+}
+
+/// Abort threads that have not returned yet.
+static RUNNING: Mutex<usize> = Mutex::new(0);
+/// Notified each time an abort thread returns.
+static FINISHED: Condvar = Condvar::new();
+
+/// Make the process's exit wait, for at most [`ABORT_WAIT`], for the abort threads
+/// still running (registered once, at the first abort handed to a thread).
+///
+/// A process that returns from `main` while an `ncclCommAbort` runs on another thread
+/// tears down the CUDA driver and NCCL under it (seen on one H200 with NCCL 2.28.3: a
+/// SIGSEGV at exit, one run in seven, after a drop left its aborts to their threads
+/// because a stream was stuck). `atexit` handlers run in the reverse order of their
+/// registration, so this one, registered after CUDA and NCCL were loaded, runs before
+/// theirs. An abort that never returns (NVIDIA/nccl issue 1777) holds the exit up for
+/// [`ABORT_WAIT`] at most.
+fn exit_waits_for_aborts() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        if !ffi::at_exit(wait_for_aborts_at_exit) {
+            tracing::warn!("symmpool: atexit failed; an exit during an abort may crash");
+        }
+    });
+}
+
+extern "C" fn wait_for_aborts_at_exit() {
+    let deadline = Deadline::after(ABORT_WAIT);
+    let mut running = RUNNING.lock();
+    FINISHED.wait_while_until(&mut running, |n| *n > 0, deadline.instant());
 }

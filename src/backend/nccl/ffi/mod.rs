@@ -694,6 +694,16 @@ pub(crate) unsafe fn collective(
     status(s, op, code, Some(&comm))
 }
 
+/// Have `f` run at process exit (`atexit(3)`): after `main` returns or `exit` is
+/// called, before the handlers registered earlier (those of the CUDA driver and NCCL,
+/// once they are loaded). Returns whether it was registered.
+pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
+    // SAFETY: `atexit` only stores the pointer of a function that takes and returns
+    // nothing, which `f`'s type guarantees; `f` is a plain `fn` item, valid for the
+    // whole life of the process.
+    unsafe { libc::atexit(f) == 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
