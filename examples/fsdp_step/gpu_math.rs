@@ -140,8 +140,11 @@ impl Math for GpuMath {
         self.blas(on)
             .gemm_bf16(&cfg, &bf16s(a)?, &bf16s(b)?, &mut bf16s(c)?)
     }
-    fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, y: &SymmBuffer) -> Result<()> {
-        self.blas(on).axpy_bf16(alpha, &bf16s(x)?, &mut bf16s(y)?)
+    fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, chunk: usize, y: &SymmBuffer) -> Result<()> {
+        let mut y = bf16s(y)?;
+        let n = y.len();
+        let x = x.view::<bf16>()?.slice(chunk * n, n)?.cuda()?;
+        self.blas(on).axpy_bf16(alpha, &x, &mut y)
     }
     fn scal(&self, on: On, alpha: f32, x: &SymmBuffer) -> Result<()> {
         self.blas(on).scal_bf16(alpha, &mut bf16s(x)?)

@@ -64,9 +64,10 @@ impl Math for HostMath {
         }
         c.write(&cv)
     }
-    fn axpy(&self, _: On, alpha: f32, x: &SymmBuffer, y: &SymmBuffer) -> Result<()> {
+    fn axpy(&self, _: On, alpha: f32, x: &SymmBuffer, chunk: usize, y: &SymmBuffer) -> Result<()> {
         let (xv, mut yv) = (Self::get(x)?, Self::get(y)?);
-        yv.iter_mut().zip(&xv).for_each(|(y, x)| *y += alpha * x);
+        let xv = &xv[chunk * yv.len()..(chunk + 1) * yv.len()];
+        yv.iter_mut().zip(xv).for_each(|(y, x)| *y += alpha * x);
         y.write(&yv)
     }
     fn scal(&self, _: On, alpha: f32, x: &SymmBuffer) -> Result<()> {

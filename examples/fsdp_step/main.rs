@@ -52,8 +52,8 @@ use ranks::{StepBarrier, StepSync, on_rank_threads};
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::observe::PoolSnapshot;
 use symmpool::{
-    Backend, Coll, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream,
-    SymmBuffer, SymmPool,
+    Backend, Coll, Element, HostBackend, HostConfig, PoolConfig, PoolStats, ReduceOp, Result,
+    Stream, SymmBuffer, SymmPool,
 };
 use trainer::{Math, Trainer};
 
@@ -92,8 +92,8 @@ fn make_pool(mode: Mode, backend: Backend) -> Result<SymmPool> {
 
 /// The collectives handle of `mode`'s pool, with the mode's path preferences
 /// (collective: every rank makes it at the same point).
-fn make_coll(mode: Mode, pool: &SymmPool) -> Result<Coll> {
-    let coll = Coll::new(pool)?;
+fn make_coll(mode: Mode, pools: &[SymmPool]) -> Result<Coll> {
+    let coll = Coll::with_pools(pools)?;
     coll.set_path_policy(path_policy(mode));
     Ok(coll)
 }
@@ -115,20 +115,32 @@ pub fn all_gather<E: Element>(
     Ok((full, report.path))
 }
 
-/// Sum `full` over the ranks and keep this rank's shard of the sum, in a new buffer.
-pub fn reduce_scatter<E: Element>(
+/// Sum `full` over the ranks in place: this rank's chunk (`full.len_bytes() / world`
+/// bytes at `rank` times that) holds its shard of the sum afterwards.
+pub fn reduce_scatter_in_place<E: Element>(
     coll: &Coll,
     full: &SymmBuffer,
     stream: &Stream,
-) -> Result<(SymmBuffer, Path)> {
-    let world = full.pool().world_size() as u64;
-    let shard = symmpool::alloc(full.len_bytes() / world, stream)?;
-    let report = coll.reduce_scatter::<E>(full, &shard, ReduceOp::Sum, stream)?;
-    Ok((shard, report.path))
+) -> Result<Path> {
+    let report = coll.reduce_scatter_in_place::<E>(full, ReduceOp::Sum, stream)?;
+    Ok(report.path)
 }
 
-fn registrations(pool: &SymmPool) -> u64 {
-    pool.stats().registrations.iter().sum()
+/// A mode's statistics: its parameter pool's, with the gradient pool's segments,
+/// registrations and bytes added (peaks: the sum of the two pools' peaks).
+fn stats(pools: &[SymmPool; 2]) -> PoolStats {
+    let mut all = pools[0].stats();
+    let grads = pools[1].stats();
+    for (a, b) in all.registrations.iter_mut().zip(&grads.registrations) {
+        *a += b;
+    }
+    let (a, b) = (&mut all.core, &grads.core);
+    a.segments.current += b.segments.current;
+    a.small.segments.current += b.small.segments.current;
+    a.large.segments.current += b.large.segments.current;
+    a.reserved_bytes.peak += b.reserved_bytes.peak;
+    a.allocated_bytes.peak += b.allocated_bytes.peak;
+    all
 }
 
 /// Every rank's snapshot at the end of training (with `--memory-map`), per mode.
@@ -177,33 +189,48 @@ pub fn run_one_rank<M: Math>(
 
     let mut runs = Vec::new();
     for (mode, pool) in pools {
-        let coll = make_coll(mode, &pool)?;
+        // The weight gradients in a pool of their own, as FSDP2's gradients and
+        // parameters never share blocks (see `Trainer::grad_pool`); one collectives handle
+        // for both.
+        let grads = make_pool(mode, pool.backend().clone())?;
+        let coll = make_coll(mode, &[pool.clone(), grads.clone()])?;
         let trainer = pool.scope(|| {
             let data = data.clone();
             let communicate = mode.communicates().then_some(coll);
-            Trainer::new(math, data, &data_pool, args, (rank, world), communicate)
+            Trainer::new(
+                math,
+                data,
+                &data_pool,
+                &grads,
+                args,
+                (rank, world),
+                communicate,
+            )
         })?;
-        // The warm-up step's peak is what `fit_to_peak` sizes the pool from.
+        // The warm-up step's peak is what `fit_to_peak` sizes the pools from.
         pool.reset_peak();
-        runs.push((mode, pool, trainer, Log::default()));
+        grads.reset_peak();
+        runs.push((mode, [pool, grads], trainer, Log::default()));
     }
     for step in 0..args.steps {
-        for (mode, pool, trainer, log) in &mut runs {
+        for (mode, pools, trainer, log) in &mut runs {
             if step == 1 && args.trace.is_some() {
                 // The timeline leaves out the warm-up step.
                 trainer.trace = Some(trace::Recorder::new(rank, *mode));
             }
             barrier.wait()?;
-            let out = pool.scope(|| trainer.step(step))?;
+            let out = pools[0].scope(|| trainer.step(step))?;
             log.losses.push(out.loss);
             log.step_ms.push(out.ms);
             if step == 0 {
-                log.segments_first_step = pool.stats().core.segments.current;
+                log.segments_first_step = stats(pools).core.segments.current;
                 // Warm-up sizing (collective): the step's temporaries are free now; one
                 // segment sized to its peak replaces the ones growth made on the way.
-                pool.fit_to_peak()?;
+                for pool in pools.iter() {
+                    pool.fit_to_peak()?;
+                }
             }
-            log.registrations = registrations(pool);
+            log.registrations = stats(pools).registrations.iter().sum();
             if step == 0 {
                 log.registrations_first_step = log.registrations;
             }
@@ -213,10 +240,10 @@ pub fn run_one_rank<M: Math>(
         }
     }
     let mut summaries = Vec::new();
-    for (mode, pool, mut trainer, log) in runs {
+    for (mode, pools, mut trainer, log) in runs {
         if args.memory_map.is_some() {
             // While the trainer's buffers are alive: parameters, shards, optimizer state.
-            let snapshot = pool.memory_snapshot();
+            let snapshot = pools[0].memory_snapshot();
             let mut maps = MEMORY_MAPS.lock();
             maps.push((mode, snapshot));
         }
@@ -224,10 +251,13 @@ pub fn run_one_rank<M: Math>(
             trace::keep(recorder.spans);
         }
         let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
-        summaries.push(Summary::new(args, mode, rank, log, &pool.stats(), ag, rs));
-        // Release the pool on every rank (collective); dropping it unclosed warns.
+        let stats = stats(&pools);
+        summaries.push(Summary::new(args, mode, rank, log, &stats, ag, rs));
+        // Release the pools on every rank (collective); dropping one unclosed warns.
         drop(trainer);
-        pool.close()?;
+        for pool in pools {
+            pool.close()?;
+        }
     }
     drop(data);
     data_pool.close()?;

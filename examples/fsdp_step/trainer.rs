@@ -23,7 +23,7 @@
 
 use super::cli::Args;
 use super::trace::{self, Recorder};
-use super::{all_gather, reduce_scatter};
+use super::{all_gather, reduce_scatter_in_place};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -79,8 +79,9 @@ pub trait Math {
         beta: f32,
         c: &SymmBuffer,
     ) -> Result<()>;
-    /// `y += alpha · x`.
-    fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, y: &SymmBuffer) -> Result<()>;
+    /// `y += alpha · x[chunk]`, where `x[chunk]` is the `chunk`-th run of `y`'s
+    /// length in `x`.
+    fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, chunk: usize, y: &SymmBuffer) -> Result<()>;
     /// `x *= alpha`.
     fn scal(&self, on: On, alpha: f32, x: &SymmBuffer) -> Result<()>;
     /// `dst = src`.
@@ -164,10 +165,17 @@ pub struct Trainer<'m, M: Math> {
     h: usize,
     batch: usize,
     layers: usize,
+    rank: usize,
     world: usize,
     lr: f32,
     /// The collectives, if they run (`None`: their outputs are only allocated).
     communicate: Option<Coll>,
+    /// The weight gradients' pool (registered like the current one): FSDP2's
+    /// gradients never take a block an all-gather freed, or the reverse, since PyTorch's
+    /// caching allocator keeps a free list per stream. One pool would hand an
+    /// all-gather the block of a gradient whose SGD is still queued on the
+    /// reduce-scatter stream, and the all-gather would wait for that SGD.
+    grad_pool: SymmPool,
     shards: Vec<SymmBuffer>,
     acts: Vec<SymmBuffer>,
     grads: [SymmBuffer; 2],
@@ -199,7 +207,8 @@ impl<'m, M: Math> Trainer<'m, M> {
     /// contiguous shard). Without `communicate` (the collectives handle of the current
     /// pool) the step leaves the collectives out.
     ///
-    /// The shards (the all-gathers' inputs) come from the current pool; what no
+    /// The shards (the all-gathers' inputs) and the gathered parameters come from the
+    /// current pool, the weight gradients from `grad_pool`; what no
     /// collective touches (activations, their gradients, the loss sum) from `state`,
     /// an unregistered pool, as in FSDP2: only the collectives' buffers belong in
     /// symmetric memory, where they would otherwise pin registered segments.
@@ -207,6 +216,7 @@ impl<'m, M: Math> Trainer<'m, M> {
         math: &'m M,
         data: Data,
         state: &SymmPool,
+        grad_pool: &SymmPool,
         args: &Args,
         (rank, world): (usize, usize),
         communicate: Option<Coll>,
@@ -243,9 +253,11 @@ impl<'m, M: Math> Trainer<'m, M> {
             h,
             batch: b,
             layers: args.layers,
+            rank,
             world,
             lr: args.lr,
             communicate,
+            grad_pool: grad_pool.clone(),
             shards,
             acts,
             grads,
@@ -355,7 +367,7 @@ impl<'m, M: Math> Trainer<'m, M> {
         })?;
         let sums = &self.sums;
         trace::op(&mut tr, m, On::Compute, "loss", None, || {
-            m.axpy(On::Compute, -1.0, t, g_top)?;
+            m.axpy(On::Compute, -1.0, t, 0, g_top)?;
             m.sumsq_into(On::Compute, g_top, sums, 0)?;
             m.scal(On::Compute, 2.0 / (h * b) as f32, g_top)
         })?;
@@ -368,7 +380,10 @@ impl<'m, M: Math> Trainer<'m, M> {
         // reads. Layer l's is freed right after its reduce-scatter is queued, so the
         // fence a later allocation waits for is that reduce-scatter's end, not the
         // SGD queued behind it.
-        let mut next_dw = Some(alloc(bytes::<M>(h * h), m.stream(On::Compute))?);
+        let mut next_dw = Some(
+            self.grad_pool
+                .alloc(bytes::<M>(h * h), m.stream(On::Compute))?,
+        );
         for l in (0..layers).rev() {
             if let Some(ev) = arrived.take() {
                 trace::op(&mut tr, m, On::Compute, "wait", Some(l), || {
@@ -384,7 +399,9 @@ impl<'m, M: Math> Trainer<'m, M> {
             let g_out = &self.grads[(l + 1) % 2];
             let dw = match next_dw.take() {
                 Some(dw) => dw,
-                None => alloc(bytes::<M>(h * h), m.stream(On::Compute))?,
+                None => self
+                    .grad_pool
+                    .alloc(bytes::<M>(h * h), m.stream(On::Compute))?,
             };
             trace::op(&mut tr, m, On::Compute, "gemm dW", Some(l), || {
                 m.gemm(
@@ -423,38 +440,40 @@ impl<'m, M: Math> Trainer<'m, M> {
             trace::op(&mut tr, m, On::ReduceScatter, "wait", Some(l), || {
                 m.wait_for(On::ReduceScatter, &dw_ready)
             })?;
+            // Reduce-scatter in place: this rank's chunk of `dw` becomes its shard of
+            // the summed gradient (no second buffer; at world size 1 no copy at all).
             let rs = m.stream(On::ReduceScatter);
-            let dw_shard = if let Some(coll) = &self.communicate {
-                let (dw_shard, path) = trace::op(
+            if let Some(coll) = &self.communicate {
+                let path = trace::op(
                     &mut tr,
                     m,
                     On::ReduceScatter,
                     "reduce-scatter",
                     Some(l),
-                    || reduce_scatter::<M::E>(coll, &dw, rs),
+                    || reduce_scatter_in_place::<M::E>(coll, &dw, rs),
                 )?;
                 self.rs_paths.push(path);
-                dw_shard
             } else {
-                let len = bytes::<M>(h * h / self.world);
-                trace::host(&mut tr, "alloc", Some(l), || alloc(len, rs))?
-            };
-            if l > 0 {
-                next_dw = Some(alloc(bytes::<M>(h * h), m.stream(On::Compute))?);
+                dw.record_stream(rs)?;
             }
-            // The reduce-scatter recorded its use of `dw` on its stream.
-            drop(dw);
+            if l > 0 {
+                next_dw = Some(
+                    self.grad_pool
+                        .alloc(bytes::<M>(h * h), m.stream(On::Compute))?,
+                );
+            }
             // SGD on the shard (mean of the ranks' gradients), on the reduce-scatter
             // stream. It writes the shard layer l's all-gather read: the compute stream
             // waited for that all-gather before the weight-gradient GEMM this stream
             // waited for.
             let shard = &self.shards[l];
             trace::op(&mut tr, m, On::ReduceScatter, "sgd", Some(l), || {
-                m.axpy(On::ReduceScatter, alpha, &dw_shard, shard)
+                m.axpy(On::ReduceScatter, alpha, &dw, self.rank, shard)
             })?;
+            // Freed once the SGD is queued: the fence a later allocation waits for is
+            // this layer's SGD, two layers before it needs the block.
+            drop(dw);
             cur.record_stream(m.stream(On::Compute))?;
-            // Allocated and used on this stream only: freed stream-ordered.
-            drop(dw_shard);
             match next {
                 Some((n, ev)) => {
                     cur = n;
