@@ -80,25 +80,22 @@ impl Element for f32 {
     }
 }
 
-impl Element for f16 {
-    const DTYPE: DType = DType::F16;
-    fn to_f64(self) -> f64 {
-        self.to_f64()
-    }
-    fn from_f64(x: f64) -> Self {
-        f16::from_f64(x)
-    }
+/// The half-precision types, which convert through their own `to_f64`/`from_f64`.
+macro_rules! half_element {
+    ($($t:ident => $dtype:ident),*) => {$(
+        impl Element for $t {
+            const DTYPE: DType = DType::$dtype;
+            fn to_f64(self) -> f64 {
+                $t::to_f64(self)
+            }
+            fn from_f64(x: f64) -> Self {
+                $t::from_f64(x)
+            }
+        }
+    )*};
 }
 
-impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
-    fn to_f64(self) -> f64 {
-        self.to_f64()
-    }
-    fn from_f64(x: f64) -> Self {
-        bf16::from_f64(x)
-    }
-}
+half_element!(f16 => F16, bf16 => BF16);
 
 impl Element for u8 {
     const DTYPE: DType = DType::U8;

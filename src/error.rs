@@ -488,12 +488,22 @@ impl fmt::Display for CollectiveDivergence {
     }
 }
 
+/// `items`, each as `f` writes it, separated by `sep` (for the error messages that
+/// list every rank's value).
+fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
+    items.iter().map(f).collect::<Vec<_>>().join(sep)
+}
+
 fn describe_channels(opened: &[(usize, u64, String)]) -> String {
-    opened
-        .iter()
-        .map(|(rank, ordinal, name)| format!("rank {rank} opened #{ordinal} {name:?}"))
-        .collect::<Vec<_>>()
-        .join(", ")
+    joined(opened, ", ", |(rank, ordinal, name)| {
+        format!("rank {rank} opened #{ordinal} {name:?}")
+    })
+}
+
+fn describe_registrations(order: &[(usize, String, u64)]) -> String {
+    joined(order, "; ", |(rank, pool, bytes)| {
+        format!("rank {rank}: {pool} segment of {bytes} bytes")
+    })
 }
 
 impl From<AllocError> for Error {
@@ -620,14 +630,6 @@ impl fmt::Display for Divergence {
         }
         Ok(())
     }
-}
-
-fn describe_registrations(order: &[(usize, String, u64)]) -> String {
-    order
-        .iter()
-        .map(|(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
-        .collect::<Vec<_>>()
-        .join("; ")
 }
 
 /// Run `f` on every item in a thread of its own (one per rank of this process, since

@@ -209,6 +209,17 @@ impl fmt::Debug for Backend {
     }
 }
 
+/// `Backend::with_*`: the same backend with one part replaced by `f(part)`.
+macro_rules! with_part {
+    ($($(#[$doc:meta])* $name:ident: $field:ident, $part:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(mut self, f: impl FnOnce(Arc<dyn $part>) -> Arc<dyn $part>) -> Self {
+            self.$field = f(self.$field);
+            self
+        }
+    )*};
+}
+
 impl Backend {
     /// A backend whose four parts are one value (as `NcclBackend` is; the host
     /// backends share their stream operations, see `with_stream_ops`).
@@ -268,38 +279,16 @@ impl Backend {
         })
     }
 
-    /// The same backend with its segment provider replaced by `f(provider)` (a test
-    /// double gets the original to delegate to).
-    pub fn with_segments(
-        mut self,
-        f: impl FnOnce(Arc<dyn SegmentProvider>) -> Arc<dyn SegmentProvider>,
-    ) -> Self {
-        self.segments = f(self.segments);
-        self
-    }
-
-    /// The same backend with its stream operations replaced by `f(streams)`.
-    pub fn with_streams(
-        mut self,
-        f: impl FnOnce(Arc<dyn StreamOps>) -> Arc<dyn StreamOps>,
-    ) -> Self {
-        self.streams = f(self.streams);
-        self
-    }
-
-    /// The same backend with its data mover replaced by `f(data)`.
-    pub fn with_data(mut self, f: impl FnOnce(Arc<dyn DataMover>) -> Arc<dyn DataMover>) -> Self {
-        self.data = f(self.data);
-        self
-    }
-
-    /// The same backend with its collectives replaced by `f(collectives)`.
-    pub fn with_collectives(
-        mut self,
-        f: impl FnOnce(Arc<dyn Collectives>) -> Arc<dyn Collectives>,
-    ) -> Self {
-        self.collectives = f(self.collectives);
-        self
+    with_part! {
+        /// The same backend with its segment provider replaced by `f(provider)` (a test
+        /// double gets the original to delegate to).
+        with_segments: segments, SegmentProvider;
+        /// The same backend with its stream operations replaced by `f(streams)`.
+        with_streams: streams, StreamOps;
+        /// The same backend with its data mover replaced by `f(data)`.
+        with_data: data, DataMover;
+        /// The same backend with its collectives replaced by `f(collectives)`.
+        with_collectives: collectives, Collectives;
     }
 
     /// The same backend with its exchange replaced by `f(exchange)`.

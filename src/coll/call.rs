@@ -1,7 +1,7 @@
 //! The collective calls of a [`Coll`] handle: argument checks, the path choice, the
 //! record, the launch.
 
-use super::path::{CollOp, Inputs, select};
+use super::path::{AVG, CollOp, Inputs, select};
 use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
 use crate::backend::{CollArgs, Region};
 use crate::deadline::Deadline;
@@ -167,11 +167,12 @@ impl Coll {
     /// Every rank, same order, same sizes.
     ///
     /// # Errors
-    /// [`Error::ForeignBuffer`] if the buffers come from different pools;
-    /// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does not divide the input
-    /// or `output` is not exactly world × `input` bytes; backend errors (on the host
-    /// backend also [`Error::Timeout`]); [`Error::CollectiveDivergence`] when the pool's
-    /// collective check finds the ranks disagree (see "Checked collectives" above).
+    /// [`Error::ForeignBuffer`] if the buffers come from different pools (or another
+    /// handle's pool); [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does
+    /// not divide the input or `output` is not exactly world × `input` bytes; backend
+    /// errors (on the host backends also [`Error::Timeout`]);
+    /// [`Error::CollectiveDivergence`] when the pool's collective check finds the ranks
+    /// disagree (see "Checked collectives" above).
     #[inline]
     pub fn all_gather<T: Element>(
         &self,
@@ -240,6 +241,83 @@ impl Coll {
         self.tagged(NO_TAG)
             .reduce_scatter_in_place::<T>(buffer, op, stream)
     }
+
+    /// Out-of-place all-reduce: every rank's `output` (N elements of `T`) gets the
+    /// reduction `op` over ranks of every rank's `input` (N elements of `T`), in the
+    /// element type's arithmetic. `Sum` (and `Avg` from NCCL 2.30) on `f32`, `f16`
+    /// and `bf16` may run NCCL's symmetric kernel; everything else runs NCCL's
+    /// ordinary kernels (`ncclAllReduce` either way).
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation.
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather), with `output` exactly `input`'s bytes;
+    /// [`Error::InvalidCollective`] also for `Avg` under an NCCL older than 2.10.
+    #[inline]
+    pub fn all_reduce<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG)
+            .all_reduce::<T>(input, output, op, stream)
+    }
+
+    /// In-place all-reduce: `buffer` (N elements of `T`) becomes the reduction `op`
+    /// over ranks of every rank's `buffer`.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    #[inline]
+    pub fn all_reduce_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        self.tagged(NO_TAG)
+            .all_reduce_in_place::<T>(buffer, op, stream)
+    }
+}
+
+/// The buffers of a call: out of place (input, output) or in place.
+#[derive(Clone, Copy)]
+enum Buffers<'a> {
+    OutOfPlace(&'a SymmBuffer, &'a SymmBuffer),
+    InPlace(&'a SymmBuffer),
+}
+
+/// The size error of an out-of-place call: `what` is not `factor` × the other side's
+/// `per_bytes` (out of line: the error path).
+#[cold]
+#[inline(never)]
+fn size_mismatch(
+    op: &'static str,
+    what: &str,
+    got_bytes: u64,
+    factor: u64,
+    per_bytes: u64,
+) -> Error {
+    invalid(
+        op,
+        format!("{what} has {got_bytes} bytes, expected {factor} x {per_bytes} bytes"),
+    )
+}
+
+/// Refuse a reduction the backend's NCCL does not have (`ncclAvg` before 2.10).
+#[cold]
+#[inline(never)]
+fn missing_op(op: &'static str, version: crate::error::NcclVersion) -> Error {
+    invalid(
+        op,
+        format!("ReduceOp::Avg needs NCCL {AVG} or later (ncclAvg); this is NCCL {version}"),
+    )
 }
 
 impl TaggedColl<'_> {
@@ -249,39 +327,16 @@ impl TaggedColl<'_> {
     /// As [`Coll::all_gather`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// As [`Coll::all_gather`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
-    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
+    /// As [`Coll::all_gather`]; [`Error::CollectiveDivergence`] naming the field `tag`.
+    #[inline]
     pub fn all_gather<T: Element>(
         &self,
         input: &SymmBuffer,
         output: &SymmBuffer,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        const OP: &str = "all_gather";
-        let pool = prepare(&[input, output], stream)?;
-        let count = elements::<T>(OP, "input", input.len_bytes())?;
-        let world = pool.world_size() as u64;
-        if input.len_bytes().checked_mul(world) != Some(output.len_bytes()) {
-            return Err(invalid(
-                OP,
-                format!(
-                    "output has {} bytes, expected {world} x {} bytes",
-                    output.len_bytes(),
-                    input.len_bytes()
-                ),
-            ));
-        }
-        self.coll.dispatch(
-            pool,
-            CollOp::AllGather,
-            (input, input.region()?),
-            (output, output.region()?),
-            count,
-            T::DTYPE,
-            stream,
-            None,
-            self.tag,
-        )
+        let bufs = Buffers::OutOfPlace(input, output);
+        self.call::<T>("all_gather", CollOp::AllGather, bufs, stream)
     }
 
     /// As [`Coll::all_gather_in_place`], carrying this handle's tag.
@@ -290,28 +345,16 @@ impl TaggedColl<'_> {
     /// As [`Coll::all_gather_in_place`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// As [`Coll::all_gather_in_place`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
-    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
+    /// As [`Coll::all_gather_in_place`]; [`Error::CollectiveDivergence`] naming the
+    /// field `tag`.
+    #[inline]
     pub fn all_gather_in_place<T: Element>(
         &self,
         buffer: &SymmBuffer,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        const OP: &str = "all_gather_in_place";
-        let pool = prepare(&[buffer], stream)?;
-        let whole = buffer.region()?;
-        let (send, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
-        self.coll.dispatch(
-            pool,
-            CollOp::AllGather,
-            (buffer, send),
-            (buffer, whole),
-            count,
-            T::DTYPE,
-            stream,
-            None,
-            self.tag,
-        )
+        let bufs = Buffers::InPlace(buffer);
+        self.call::<T>("all_gather_in_place", CollOp::AllGather, bufs, stream)
     }
 
     /// As [`Coll::reduce_scatter`], carrying this handle's tag.
@@ -320,8 +363,9 @@ impl TaggedColl<'_> {
     /// As [`Coll::reduce_scatter`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// As [`Coll::reduce_scatter`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
-    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
+    /// As [`Coll::reduce_scatter`]; [`Error::CollectiveDivergence`] naming the field
+    /// `tag`.
+    #[inline]
     pub fn reduce_scatter<T: Element>(
         &self,
         input: &SymmBuffer,
@@ -329,31 +373,8 @@ impl TaggedColl<'_> {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        const OP: &str = "reduce_scatter";
-        let pool = prepare(&[input, output], stream)?;
-        let count = elements::<T>(OP, "output", output.len_bytes())?;
-        let world = pool.world_size() as u64;
-        if output.len_bytes().checked_mul(world) != Some(input.len_bytes()) {
-            return Err(invalid(
-                OP,
-                format!(
-                    "input has {} bytes, expected {world} x {} bytes",
-                    input.len_bytes(),
-                    output.len_bytes()
-                ),
-            ));
-        }
-        self.coll.dispatch(
-            pool,
-            CollOp::ReduceScatter(op),
-            (input, input.region()?),
-            (output, output.region()?),
-            count,
-            T::DTYPE,
-            stream,
-            None,
-            self.tag,
-        )
+        let bufs = Buffers::OutOfPlace(input, output);
+        self.call::<T>("reduce_scatter", CollOp::ReduceScatter(op), bufs, stream)
     }
 
     /// As [`Coll::reduce_scatter_in_place`], carrying this handle's tag.
@@ -362,23 +383,126 @@ impl TaggedColl<'_> {
     /// As [`Coll::reduce_scatter_in_place`]; every rank passes the same tag.
     ///
     /// # Errors
-    /// As [`Coll::reduce_scatter_in_place`]; [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence)
-    /// naming the field `tag` when the ranks' tags differ (under `Strict` and `Async`).
+    /// As [`Coll::reduce_scatter_in_place`]; [`Error::CollectiveDivergence`] naming
+    /// the field `tag`.
+    #[inline]
     pub fn reduce_scatter_in_place<T: Element>(
         &self,
         buffer: &SymmBuffer,
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        const OP: &str = "reduce_scatter_in_place";
-        let pool = prepare(&[buffer], stream)?;
-        let whole = buffer.region()?;
-        let (recv, count) = own_chunk::<T>(OP, pool, buffer, whole)?;
+        let bufs = Buffers::InPlace(buffer);
+        self.call::<T>(
+            "reduce_scatter_in_place",
+            CollOp::ReduceScatter(op),
+            bufs,
+            stream,
+        )
+    }
+
+    /// As [`Coll::all_reduce`], carrying this handle's tag.
+    ///
+    /// # Collective
+    /// As [`Coll::all_reduce`]; every rank passes the same tag.
+    ///
+    /// # Errors
+    /// As [`Coll::all_reduce`]; [`Error::CollectiveDivergence`] naming the field `tag`.
+    #[inline]
+    pub fn all_reduce<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        let bufs = Buffers::OutOfPlace(input, output);
+        self.call::<T>("all_reduce", CollOp::AllReduce(op), bufs, stream)
+    }
+
+    /// As [`Coll::all_reduce_in_place`], carrying this handle's tag.
+    ///
+    /// # Collective
+    /// As [`Coll::all_reduce_in_place`]; every rank passes the same tag.
+    ///
+    /// # Errors
+    /// As [`Coll::all_reduce_in_place`]; [`Error::CollectiveDivergence`] naming the
+    /// field `tag`.
+    #[inline]
+    pub fn all_reduce_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        let bufs = Buffers::InPlace(buffer);
+        self.call::<T>("all_reduce_in_place", CollOp::AllReduce(op), bufs, stream)
+    }
+
+    /// The one body of the public collectives: check the buffers for `coll` (named
+    /// `name` in errors), then [`Coll::dispatch`]. Out of place, the side of N
+    /// elements is the all-gather's input, the reduce-scatter's output and the
+    /// all-reduce's input, the other side world × N (N for all-reduce); in place, the
+    /// all-gather sends and the reduce-scatter receives this rank's chunk of the
+    /// buffer, the all-reduce uses the whole. Inlined into each public call, so the
+    /// operation's choices fold away.
+    #[inline(always)]
+    fn call<T: Element>(
+        &self,
+        name: &'static str,
+        coll: CollOp,
+        bufs: Buffers<'_>,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        let pool = match bufs {
+            Buffers::OutOfPlace(input, output) => prepare(&[input, output], stream)?,
+            Buffers::InPlace(buffer) => prepare(&[buffer], stream)?,
+        };
+        if let CollOp::AllReduce(ReduceOp::Avg) = coll {
+            let version = pool.backend().nccl_version();
+            if version < AVG {
+                return Err(missing_op(name, version));
+            }
+        }
+        let world = pool.world_size() as u64;
+        let (send, recv, count) = match bufs {
+            Buffers::OutOfPlace(input, output) => {
+                // (the side of N elements, its name, the other side, its name, world or 1)
+                let (per, per_name, all, all_name, factor) = match coll {
+                    CollOp::AllGather => (input, "input", output, "output", world),
+                    CollOp::ReduceScatter(_) => (output, "output", input, "input", world),
+                    CollOp::AllReduce(_) => (input, "input", output, "output", 1),
+                };
+                let count = elements::<T>(name, per_name, per.len_bytes())?;
+                if per.len_bytes().checked_mul(factor) != Some(all.len_bytes()) {
+                    let (got, per_bytes) = (all.len_bytes(), per.len_bytes());
+                    return Err(size_mismatch(name, all_name, got, factor, per_bytes));
+                }
+                ((input, input.region()?), (output, output.region()?), count)
+            }
+            Buffers::InPlace(buffer) => {
+                let whole = buffer.region()?;
+                match coll {
+                    CollOp::AllGather => {
+                        let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
+                        ((buffer, own), (buffer, whole), count)
+                    }
+                    CollOp::ReduceScatter(_) => {
+                        let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
+                        ((buffer, whole), (buffer, own), count)
+                    }
+                    CollOp::AllReduce(_) => {
+                        let count = elements::<T>(name, "buffer", buffer.len_bytes())?;
+                        ((buffer, whole), (buffer, whole), count)
+                    }
+                }
+            }
+        };
         self.coll.dispatch(
             pool,
-            CollOp::ReduceScatter(op),
-            (buffer, whole),
-            (buffer, recv),
+            coll,
+            send,
+            recv,
             count,
             T::DTYPE,
             stream,

@@ -135,7 +135,6 @@
 //! # Ok::<(), symmpool::Error>(())
 //! ```
 
-mod all_reduce;
 mod calibrate;
 mod call;
 mod path;

@@ -300,10 +300,14 @@ mod tests {
         Some(AgreementRecord::new(h, op, size, 0, 0, false))
     }
 
+    /// How two ranks with these histories diverge at a growth.
+    fn at_growth(a: &History, b: &History) -> Divergence {
+        explain(&[rec(a, Op::Grow, 1), rec(b, Op::Grow, 1)], "growth")
+    }
+
     #[test]
     fn identical_histories_agree_and_differences_are_named() {
-        let mut a = History::new(8);
-        let mut b = History::new(8);
+        let (mut a, mut b) = (History::new(8), History::new(8));
         for h in [&mut a, &mut b] {
             h.record(CallKind::Alloc, 4096, 512);
             h.record(CallKind::Alloc, 8192, 512);
@@ -311,7 +315,7 @@ mod tests {
         assert_eq!(rec(&a, Op::Grow, 1), rec(&b, Op::Grow, 1));
         a.record(CallKind::Alloc, 1 << 20, 512);
         b.record(CallKind::Alloc, 2 << 20, 512);
-        let d = explain(&[rec(&a, Op::Grow, 1), rec(&b, Op::Grow, 1)], "growth");
+        let d = at_growth(&a, &b);
         assert_eq!(d.first_differing_call, Some(3));
         assert_eq!(
             d.calls[0].1.as_deref(),
@@ -325,12 +329,11 @@ mod tests {
 
     #[test]
     fn an_extra_call_on_one_rank_is_named() {
-        let mut a = History::new(8);
-        let mut b = History::new(8);
+        let (mut a, mut b) = (History::new(8), History::new(8));
         a.record(CallKind::Alloc, 4096, 512);
         b.record(CallKind::Alloc, 4096, 512);
         a.record(CallKind::Free, 1, 0);
-        let d = explain(&[rec(&a, Op::Grow, 1), rec(&b, Op::Grow, 1)], "growth");
+        let d = at_growth(&a, &b);
         assert_eq!(d.first_differing_call, Some(2));
         assert_eq!(d.calls[1].1, None);
         assert!(d.to_string().contains("rank 1: (no such call)"), "{d}");
@@ -338,8 +341,7 @@ mod tests {
 
     #[test]
     fn differences_older_than_the_history_are_reported_without_a_call() {
-        let mut a = History::new(2);
-        let mut b = History::new(2);
+        let (mut a, mut b) = (History::new(2), History::new(2));
         a.record(CallKind::Alloc, 1, 512);
         b.record(CallKind::Alloc, 2, 512);
         for h in [&mut a, &mut b] {
@@ -347,7 +349,7 @@ mod tests {
                 h.record(CallKind::Alloc, 4096, 512);
             }
         }
-        let d = explain(&[rec(&a, Op::Grow, 1), rec(&b, Op::Grow, 1)], "growth");
+        let d = at_growth(&a, &b);
         assert_eq!(d.first_differing_call, None);
     }
 

@@ -3,7 +3,7 @@
 use super::SymmPool;
 use super::growth::SegmentUse;
 use crate::deadline::Deadline;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::group::{CallKind, Op};
 use serde::Serialize;
 
@@ -36,15 +36,9 @@ impl SymmPool {
     /// Every rank calls it at the same point of its call sequence.
     ///
     /// # Errors
-    /// [`Error::PoolClosed`], [`Error::PoolBroken`], [`Error::Divergence`],
-    /// [`Error::Timeout`], and the errors of growth (see [`alloc`](Self::alloc)).
+    /// As [`trim`](Self::trim), and the errors of growth (see [`alloc`](Self::alloc)).
     pub fn fit_to_peak(&self) -> Result<FitReport> {
-        self.take_deferred_error()?;
-        let mut st = self.state();
-        if st.closed {
-            return Err(Error::PoolClosed);
-        }
-        st.history.record(CallKind::FitToPeak, 0, 0);
+        let mut st = self.begin(CallKind::FitToPeak)?;
         let plan = st.core.plan_fit_to_peak();
         let planned_bytes = plan
             .add

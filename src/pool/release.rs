@@ -9,8 +9,8 @@ use crate::core::SegmentId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CallKind, Op};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 
 /// Deregister and free one entry. On failure the entry comes back with what is left
 /// of it (windows that would not deregister, the segment) for a later retry.
@@ -54,6 +54,22 @@ fn release_entry(
 }
 
 impl SymmPool {
+    /// The start of a pool call of `kind` without arguments (`trim`,
+    /// `fit_to_peak`): a deferred error first, then the pool's lock, refused once
+    /// closed, and the call recorded.
+    ///
+    /// # Errors
+    /// The deferred error; [`Error::PoolClosed`].
+    pub(super) fn begin(&self, kind: CallKind) -> Result<MutexGuard<'_, PoolState>> {
+        self.take_deferred_error()?;
+        let mut st = self.state();
+        if st.closed {
+            return Err(Error::PoolClosed);
+        }
+        st.history.record(kind, 0, 0);
+        Ok(st)
+    }
+
     /// Deregister and free the segments this rank still holds but the core no longer
     /// does (released by `trim`/`close`, or left over from a failed release); drains
     /// the device first, until `deadline`. A segment whose release fails
@@ -117,12 +133,7 @@ impl SymmPool {
     /// rank deregisters any until [`close`](Self::close), which releases everything).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret, err(Display))]
     pub fn trim(&self) -> Result<u64> {
-        self.take_deferred_error()?;
-        let mut st = self.state();
-        if st.closed {
-            return Err(Error::PoolClosed);
-        }
-        st.history.record(CallKind::Trim, 0, 0);
+        let mut st = self.begin(CallKind::Trim)?;
         let deadline = Deadline::after(self.inner.config.timeout);
         let ready = st.readiness() as u64;
         let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;

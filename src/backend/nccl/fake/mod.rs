@@ -91,6 +91,16 @@ impl FakeComm {
         self.log.lock().push((name, std::thread::current().id()));
     }
 
+    /// A collective `name`: noted, then blocked while `stuck_collective` is set, else
+    /// the configured result.
+    fn collective(&self, name: &'static str) -> c_int {
+        self.note(name);
+        if self.stuck_collective.load(Ordering::SeqCst) {
+            return self.block_until_revoked();
+        }
+        self.collective_result.load(Ordering::SeqCst)
+    }
+
     /// The split in progress on it ends: NCCL's thread writes the child, which is
     /// ready from then on.
     fn end_split(&self) {
@@ -362,15 +372,12 @@ unsafe extern "C" fn all_gather(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    let f = fake(c);
-    f.note("ncclAllGather");
-    if f.stuck_collective.load(Ordering::SeqCst) {
-        return f.block_until_revoked();
-    }
-    f.collective_result.load(Ordering::SeqCst)
+    fake(c).collective("ncclAllGather")
 }
 
-unsafe extern "C" fn reduce_scatter(
+/// `ncclReduceScatter` (`ALL` false) and `ncclAllReduce` (`ALL` true), which take the
+/// same arguments.
+unsafe extern "C" fn reduce<const ALL: bool>(
     _send: *const c_void,
     _recv: *mut c_void,
     _n: usize,
@@ -379,29 +386,11 @@ unsafe extern "C" fn reduce_scatter(
     c: sys::ncclComm_t,
     _stream: sys::cudaStream_t,
 ) -> c_int {
-    let f = fake(c);
-    f.note("ncclReduceScatter");
-    if f.stuck_collective.load(Ordering::SeqCst) {
-        return f.block_until_revoked();
-    }
-    f.collective_result.load(Ordering::SeqCst)
-}
-
-unsafe extern "C" fn all_reduce(
-    _send: *const c_void,
-    _recv: *mut c_void,
-    _n: usize,
-    _dt: sys::ncclDataType_t,
-    _op: sys::ncclRedOp_t,
-    c: sys::ncclComm_t,
-    _stream: sys::cudaStream_t,
-) -> c_int {
-    let f = fake(c);
-    f.note("ncclAllReduce");
-    if f.stuck_collective.load(Ordering::SeqCst) {
-        return f.block_until_revoked();
-    }
-    f.collective_result.load(Ordering::SeqCst)
+    fake(c).collective(if ALL {
+        "ncclAllReduce"
+    } else {
+        "ncclReduceScatter"
+    })
 }
 
 unsafe extern "C" fn revoke(c: sys::ncclComm_t, _flags: c_int) -> c_int {
@@ -430,8 +419,8 @@ fn table(with_revoke: bool) -> Syms {
         window_register,
         window_deregister,
         all_gather,
-        reduce_scatter,
-        all_reduce,
+        reduce_scatter: reduce::<false>,
+        all_reduce: reduce::<true>,
         revoke: with_revoke.then_some(revoke as ffi::RevokeFn),
     }
 }

@@ -310,12 +310,7 @@ fn a_collective_never_waits_behind_the_watchdogs_event_queries() {
 
 #[test]
 fn an_unwatched_collective_stuck_inside_nccl_is_bounded_by_the_call_timeout() {
-    let call_timeout = Duration::from_millis(300);
-    let config = NcclConfig::default()
-        .with_call_timeout(call_timeout)
-        .with_watchdog_interval(Duration::from_millis(10));
-    let s = shared(true, &CommInfo::STANDARD, config).unwrap();
-    let _watchdog = Watchdog::spawn(&s).unwrap();
+    let (s, _watchdog, call_timeout) = watched(true);
     let stream = FakeStream::default();
     // Under capture no event is recorded: the gate carries the deadline.
     stream.capturing.store(true, Ordering::SeqCst);
@@ -361,6 +356,18 @@ fn a_failed_set_up_aborts_its_communicators_together() {
     );
 }
 
+/// A backend of the standard communicators with a 300 ms call timeout, watched every
+/// 10 ms: the backend, its watchdog and the call timeout.
+fn watched(with_revoke: bool) -> (Arc<Shared<FakeDevice>>, Watchdog, Duration) {
+    let call_timeout = Duration::from_millis(300);
+    let config = NcclConfig::default()
+        .with_call_timeout(call_timeout)
+        .with_watchdog_interval(Duration::from_millis(10));
+    let s = shared(with_revoke, &CommInfo::STANDARD, config).unwrap();
+    let watchdog = Watchdog::spawn(&s).unwrap();
+    (s, watchdog, call_timeout)
+}
+
 /// Wait (boundedly) until every communicator of `s` was aborted and its abort
 /// returned.
 fn aborted(s: &Shared<FakeDevice>) {
@@ -381,12 +388,7 @@ fn stuck_registration_of(
     with_revoke: bool,
     late: bool,
 ) -> ((Vec<&'static str>, Duration, Result<()>), bool) {
-    let call_timeout = Duration::from_millis(300);
-    let config = NcclConfig::default()
-        .with_call_timeout(call_timeout)
-        .with_watchdog_interval(Duration::from_millis(10));
-    let s = shared(with_revoke, &CommInfo::STANDARD, config).unwrap();
-    let _watchdog = Watchdog::spawn(&s).unwrap();
+    let (s, _watchdog, call_timeout) = watched(with_revoke);
     let f = comm(s.comms[0].raw);
     f.stuck_register.store(true, Ordering::SeqCst);
     f.late_register.store(late, Ordering::SeqCst);
