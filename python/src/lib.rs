@@ -9,7 +9,9 @@
 //! - [`capi`]: `symmpool_alloc` / `symmpool_free`, the C functions of
 //!   `torch.cuda.memory.CUDAPluggableAllocator`, exported from this library;
 //! - `last_error()`: the message of the last failure (a failed `symmpool_alloc` is only
-//!   an out-of-memory error to PyTorch).
+//!   an out-of-memory error to PyTorch);
+//! - [`logs`]: the crate's warnings through Python's `warnings` and `logging`
+//!   (`flush_logs()` delivers the queued ones now).
 //!
 //! NCCL is loaded by the crate, which binds to a `libnccl.so.2` the process already has
 //! (inside PyTorch: PyTorch's own).
@@ -21,6 +23,7 @@ mod dlpack;
 mod dtype;
 mod errors;
 mod live;
+mod logs;
 mod pool;
 mod store;
 
@@ -49,6 +52,8 @@ fn _ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(capi::live_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(pool::render_ranks_svg, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add_function(wrap_pyfunction!(logs::flush_logs, m)?)?;
+    logs::install(m)?;
     // The exception classes live in `symmpool.errors` (Python: some have two bases).
     m.add("SymmpoolError", errors::class(m.py(), "SymmpoolError")?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -15,6 +15,10 @@
 - :func:`last_error`: the message of the last failure (PyTorch reports a failed
   pluggable allocation only as out of memory).
 - :func:`nccl_mappings`: how many NCCL libraries this process has mapped (must be 1).
+- The crate's warnings arrive through :mod:`warnings` (:class:`SymmpoolWarning`, about
+  a pool the caller holds, e.g. one dropped without ``close()``) and :mod:`logging`
+  (the ``"symmpool"`` logger and its children); :func:`flush_logs` delivers the queued
+  ones now (a thread of the extension delivers them otherwise, within moments).
 
 Importing the package does not import torch.
 """
@@ -26,6 +30,7 @@ from ._ext import (
     StoreExchange,
     TcpStoreExchange,
     clear_error,
+    flush_logs,
     install_allocator,
     last_error,
     live_buffers,
@@ -60,6 +65,7 @@ __all__ = [
     "TcpStoreExchange",
     "UsageError",
     "clear_error",
+    "flush_logs",
     "from_group",
     "install_allocator",
     "last_error",

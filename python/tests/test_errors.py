@@ -147,6 +147,7 @@ def test_dtypes_as_strings_and_torch_dtypes(dtype):
         return struct.unpack("<4f", buf.read())[2 * r : 2 * r + 2]
 
     assert run_ranks(2, rank) == [(3.0, 3.0)] * 2
+    run_ranks(2, lambda r: pools[r].close())
 
 
 def test_unsupported_dtypes_are_refused_clearly():
@@ -158,6 +159,8 @@ def test_unsupported_dtypes_are_refused_clearly():
         buf.reduce_scatter("int7")
     with pytest.raises(TypeError, match="string or a torch.dtype"):
         buf.reduce_scatter(32)
+    buf.free()
+    pool.close()
 
 
 def test_shm_pools_as_threads_over_a_store():
@@ -178,3 +181,29 @@ def test_shm_pools_as_threads_over_a_store():
     for path, got in run_ranks(2, rank):
         assert got == bytes([1]) * 4 + bytes([2]) * 4
         assert path
+
+
+def test_a_pool_dropped_without_close_warns_through_warnings(capfd):
+    import gc
+
+    capfd.readouterr()
+    with pytest.warns(symmpool.SymmpoolWarning, match=r"DROPPED WITHOUT close\(\)"):
+        pools = symmpool.Pool.host_group(1, name="forgotten")
+        pools[0].alloc(4096).free()
+        del pools
+        gc.collect()
+        symmpool.flush_logs()
+    assert "DROPPED" not in capfd.readouterr().err  # nothing straight to stderr
+
+
+def test_failed_calls_are_logged_once_below_warning(caplog, capfd):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="symmpool")
+    (pool,) = symmpool.Pool.host_group(1)
+    with pytest.raises(errors.UsageError):
+        pool.alloc(0)
+    symmpool.flush_logs()
+    failed = [r for r in caplog.records if "symmpool call failed" in r.getMessage()]
+    assert failed and all(r.levelno == logging.INFO and r.name == "symmpool" for r in failed)
+    assert "symmpool call failed" not in capfd.readouterr().err
