@@ -120,8 +120,13 @@ fn reduce_scatter_into(
 /// Make it with `Pool.nccl_adopt` (communicators split off a process group's), with
 /// `Pool.nccl_wrap` (windows registered on the process group's communicator itself,
 /// for the pluggable allocator) or, without a GPU, `Pool.shm` (one process per rank,
-/// shared memory) or `Pool.host_group` (ranks as threads). `symmpool.Pool.from_group` in the Python package does the set-up from a
-/// `torch.distributed` group.
+/// shared memory) or `Pool.host_group` (ranks as threads). `symmpool.from_group` in
+/// the Python package does the set-up from a `torch.distributed` group.
+///
+/// Timeouts (`timeout_s`, …) are seconds; `None` or infinity waits without a
+/// deadline, a negative number is a `ValueError`. Failures raise the classes of
+/// `symmpool.errors` (`UsageError`, `DivergenceError`, `SymmpoolTimeoutError`,
+/// `PeerLostError`, `OutOfMemoryError`, `ConfigurationError`, all `SymmpoolError`).
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Pool {
     pub(crate) handle: Arc<Handle>,
@@ -234,7 +239,9 @@ impl Pool {
     /// NCCL ≥ 2.28; plain ring) and makes a pool over them. Collective over the group.
     ///
     /// The communicator must be a live one of the NCCL loaded in this process, on
-    /// `device`, with no other NCCL call on it until this returns.
+    /// `device`, with no other NCCL call on it until this returns. `exchange`: what
+    /// the ranks agree over (a `StoreExchange` over torch's store, or a
+    /// `TcpStoreExchange`).
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", copy_engine = true,
         plain = true, timeout_s = 60.0, setup_timeout_s = 600.0, call_timeout_s = 60.0,
@@ -357,14 +364,14 @@ impl Pool {
         self.handle.pool.config().name.clone()
     }
 
-    /// The CUDA device (None for a host pool).
+    /// The CUDA device (None for a host or shared-memory pool).
     #[getter]
     fn device(&self) -> Option<usize> {
         self.handle.device()
     }
 
-    /// Allocate `nbytes` on the raw CUDA stream `stream` (ignored on a host pool) and
-    /// return a handle. Collective when the pool grows.
+    /// Allocate `nbytes` on the raw CUDA stream `stream` (ignored on a host or
+    /// shared-memory pool) and return a `Buffer`. Collective when the pool grows.
     #[pyo3(signature = (nbytes, stream = 0))]
     fn alloc(&self, py: Python<'_>, nbytes: u64, stream: usize) -> PyResult<Buffer> {
         let handle = self.handle.clone();
@@ -425,9 +432,10 @@ impl Pool {
         Ok(path_name(report.path))
     }
 
-    /// In-place reduce-scatter of the buffer at `ptr` (`dtype`: f32, bf16, f16, u8;
-    /// `op`: sum, avg, prod, max, min): afterwards this rank's chunk holds the reduction.
-    /// Returns the path taken. Collective.
+    /// In-place reduce-scatter of the buffer at `ptr` (`dtype`: float32, bfloat16,
+    /// float16 or uint8, as a string such as `"bf16"` or a torch dtype such as
+    /// `torch.bfloat16`; `op`: sum, avg, prod, max, min): afterwards this rank's chunk
+    /// holds the reduction. Returns the path taken. Collective.
     #[pyo3(signature = (ptr, nbytes, dtype, op = "sum", stream = 0))]
     fn reduce_scatter_at(
         &self,
@@ -453,7 +461,8 @@ impl Pool {
 
     /// Reduce-scatter of the buffer at `in_ptr` (`in_nbytes`) into the buffer at
     /// `out_ptr` (`out_nbytes` = `in_nbytes` / world size), both whole buffers of this
-    /// pool (tensors from `alloc_dlpack`), on the raw stream `stream`: FSDP2's
+    /// pool (tensors from `alloc_dlpack`), on the raw stream `stream` (`dtype` and
+    /// `op` as for `reduce_scatter_at`): FSDP2's
     /// reduce-scatter, whose output FSDP2 also allocates from the comm object. One call,
     /// no copy; the path is chosen per size. Returns the path taken. Collective.
     #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, dtype, op = "sum", stream = 0))]
@@ -523,7 +532,9 @@ impl Pool {
         py.allow_threads(move || handle.pool.trim()).map_err(to_py)
     }
 
-    /// Close the pool (collective): every buffer must be gone.
+    /// Close the pool (collective): every buffer must be gone on every rank
+    /// (otherwise a `UsageError` naming the ranks that hold some, and nothing is
+    /// released).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let handle = self.handle.clone();
         py.allow_threads(move || handle.pool.close()).map_err(to_py)
@@ -630,7 +641,8 @@ impl Buffer {
         py.allow_threads(move || buf.read::<u8>()).map_err(to_py)
     }
 
-    /// In-place all-gather (collective); returns the path.
+    /// In-place all-gather (collective): afterwards every rank's chunk holds that
+    /// rank's chunk. Returns the path taken.
     fn all_gather(&self, py: Python<'_>) -> PyResult<&'static str> {
         let buf = self.get()?;
         let stream = buf.stream().clone();
@@ -641,7 +653,10 @@ impl Buffer {
         Ok(path_name(report.path))
     }
 
-    /// In-place reduce-scatter (collective); returns the path.
+    /// In-place reduce-scatter (collective): the buffer holds `dtype` elements
+    /// (float32, bfloat16, float16 or uint8, as a string or a torch dtype); afterwards
+    /// this rank's chunk holds the reduction `op` (sum, avg, prod, max, min). Returns
+    /// the path taken.
     #[pyo3(signature = (dtype, op = "sum"))]
     fn reduce_scatter(&self, py: Python<'_>, dtype: DType, op: &str) -> PyResult<&'static str> {
         let buf = self.get()?;
