@@ -2,6 +2,9 @@
 # CI for the Python package (no GPU, no torch needed): build the wheel with maturin,
 # install it into a fresh virtual environment, run python/tests with pytest.
 # Tests that need torch or CUDA are reported as skipped, with their reason.
+# python/tests/test_shm_ranks.py runs python/examples/train_cpu.py as 4 processes
+# (torchrun where torch is installed in the venv, `python -m symmpool.launch`
+# otherwise), each job under a timeout, every rank killed when its launcher returns.
 #
 #   bash python/ci.sh                 # from the repository root (or anywhere)
 #   PYTHON=python3.12 bash python/ci.sh

@@ -16,15 +16,16 @@
 use crate::errors::remember;
 use crate::live;
 use crate::pool::{Handle, Pool};
+use parking_lot::RwLock;
 use pyo3::prelude::*;
 use std::ffi::c_void;
 use std::os::raw::c_int;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 static INSTALLED: RwLock<Option<Arc<Handle>>> = RwLock::new(None);
 
 fn installed() -> Option<Arc<Handle>> {
-    INSTALLED.read().unwrap_or_else(|p| p.into_inner()).clone()
+    INSTALLED.read().clone()
 }
 
 /// Serve the pluggable allocator's calls from `pool` (None: from no pool; `alloc`
@@ -33,10 +34,7 @@ fn installed() -> Option<Arc<Handle>> {
 #[pyo3(signature = (pool))]
 pub(crate) fn install_allocator(pool: Option<&Pool>) -> Option<String> {
     let new = pool.map(|p| p.handle.clone());
-    let old = std::mem::replace(
-        &mut *INSTALLED.write().unwrap_or_else(|p| p.into_inner()),
-        new,
-    );
+    let old = std::mem::replace(&mut *INSTALLED.write(), new);
     old.map(|h| h.pool.config().name.clone())
 }
 
@@ -47,8 +45,8 @@ pub(crate) fn live_buffers() -> usize {
 }
 
 fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void, String> {
-    let handle =
-        installed().ok_or("symmpool_alloc: no pool installed (symmpool.allocator(pool))")?;
+    let handle = installed()
+        .ok_or("symmpool_alloc: no pool installed (symmpool.install_allocator(pool))")?;
     match handle.device() {
         None => return Err("symmpool_alloc: the installed pool is a host pool".into()),
         Some(d) if d as c_int != device => {
@@ -61,10 +59,12 @@ fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void,
     // SAFETY: PyTorch passes its current stream on `device` (the pool's, checked above):
     // a stream of its pool or the legacy default stream, alive as long as the process.
     let s = unsafe { handle.stream(stream as usize) }.map_err(|e| e.to_string())?;
-    let buf = handle
-        .pool
-        .alloc(size as u64, &s)
-        .map_err(|e| format!("symmpool_alloc({size} bytes): {e}"))?;
+    let buf = handle.pool.alloc(size as u64, &s).map_err(|e| {
+        format!(
+            "symmpool_alloc({size} bytes): {}",
+            crate::errors::message(&e)
+        )
+    })?;
     let ptr = live::insert(buf).map_err(|e| e.to_string())?;
     Ok(ptr as *mut c_void)
 }

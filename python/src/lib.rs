@@ -4,11 +4,14 @@
 //!   communicator, or host for tests), DLPack tensors over its buffers, in-place
 //!   collectives on them, statistics, snapshots, SVG memory maps;
 //! - [`store::StoreExchange`]: the crate's agreement over a Python store object
-//!   (`torch.distributed`'s default store);
+//!   (`torch.distributed`'s default store); [`store::TcpStoreExchange`]: the crate's
+//!   own TCP store, from the launcher's environment (one process per rank);
 //! - [`capi`]: `symmpool_alloc` / `symmpool_free`, the C functions of
 //!   `torch.cuda.memory.CUDAPluggableAllocator`, exported from this library;
 //! - `last_error()`: the message of the last failure (a failed `symmpool_alloc` is only
-//!   an out-of-memory error to PyTorch).
+//!   an out-of-memory error to PyTorch);
+//! - [`logs`]: the crate's warnings through Python's `warnings` and `logging`
+//!   (`flush_logs()` delivers the queued ones now).
 //!
 //! NCCL is loaded by the crate, which binds to a `libnccl.so.2` the process already has
 //! (inside PyTorch: PyTorch's own).
@@ -17,8 +20,10 @@
 
 mod capi;
 mod dlpack;
+mod dtype;
 mod errors;
 mod live;
+mod logs;
 mod pool;
 mod store;
 
@@ -40,13 +45,17 @@ fn _ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::Pool>()?;
     m.add_class::<pool::Buffer>()?;
     m.add_class::<store::StoreExchange>()?;
+    m.add_class::<store::TcpStoreExchange>()?;
     m.add_function(wrap_pyfunction!(errors::last_error, m)?)?;
     m.add_function(wrap_pyfunction!(errors::clear_error, m)?)?;
     m.add_function(wrap_pyfunction!(capi::install_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(capi::live_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(pool::render_ranks_svg, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
-    m.add("SymmpoolError", m.py().get_type::<errors::SymmpoolError>())?;
+    m.add_function(wrap_pyfunction!(logs::flush_logs, m)?)?;
+    logs::install(m)?;
+    // The exception classes live in `symmpool.errors` (Python: some have two bases).
+    m.add("SymmpoolError", errors::class(m.py(), "SymmpoolError")?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,15 +1,18 @@
 //! `symmpool._ext.Pool` and `Buffer`: one rank's pool, its allocations (DLPack tensors,
 //! buffer handles), its collectives and its statistics.
 
-use crate::errors::{dur, to_py};
-use crate::store::StoreExchange;
+use crate::dtype::DType;
+use crate::errors::{seconds, to_py};
+use crate::store::{AnyExchange, StoreExchange};
 use crate::{dlpack, live};
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use symmpool::backend::CommRole;
 use symmpool::backend::nccl::{CUstream, ncclComm_t};
+use symmpool::backend::shm::{ShmBackend, ShmConfig};
 use symmpool::coll::{CollectiveReport, path_name};
 use symmpool::observe::{PoolSnapshot, StatValue, render_ranks, render_svg};
 use symmpool::{
@@ -62,10 +65,10 @@ impl Handle {
     }
 }
 
-fn pool_config(name: &str, timeout_s: Option<f64>) -> PoolConfig {
-    let mut config = PoolConfig::default().with_timeout(dur(timeout_s));
+fn pool_config(name: &str, timeout_s: Option<f64>) -> PyResult<PoolConfig> {
+    let mut config = PoolConfig::default().with_timeout(seconds("timeout_s", timeout_s)?);
     config.name = name.to_owned();
-    config
+    Ok(config)
 }
 
 fn reduce_op(op: &str) -> PyResult<ReduceOp> {
@@ -83,21 +86,16 @@ fn reduce_op(op: &str) -> PyResult<ReduceOp> {
 fn reduce_scatter(
     coll: &Coll,
     buf: &SymmBuffer,
-    dtype: &str,
+    dtype: DType,
     op: ReduceOp,
     stream: &Stream,
-) -> PyResult<symmpool::Result<CollectiveReport>> {
-    Ok(match dtype {
-        "f32" | "float32" => coll.reduce_scatter_in_place::<f32>(buf, op, stream),
-        "bf16" | "bfloat16" => coll.reduce_scatter_in_place::<bf16>(buf, op, stream),
-        "f16" | "float16" => coll.reduce_scatter_in_place::<f16>(buf, op, stream),
-        "u8" | "uint8" => coll.reduce_scatter_in_place::<u8>(buf, op, stream),
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "reduce-scatter supports f32, bf16, f16 and u8, not {dtype:?}"
-            )));
-        }
-    })
+) -> symmpool::Result<CollectiveReport> {
+    match dtype {
+        DType::F32 => coll.reduce_scatter_in_place::<f32>(buf, op, stream),
+        DType::BF16 => coll.reduce_scatter_in_place::<bf16>(buf, op, stream),
+        DType::F16 => coll.reduce_scatter_in_place::<f16>(buf, op, stream),
+        DType::U8 => coll.reduce_scatter_in_place::<u8>(buf, op, stream),
+    }
 }
 
 /// Run a reduce-scatter of `dtype` elements from `input` into `output` (its shard).
@@ -105,30 +103,30 @@ fn reduce_scatter_into(
     coll: &Coll,
     input: &SymmBuffer,
     output: &SymmBuffer,
-    dtype: &str,
+    dtype: DType,
     op: ReduceOp,
     stream: &Stream,
-) -> PyResult<symmpool::Result<CollectiveReport>> {
-    Ok(match dtype {
-        "f32" | "float32" => coll.reduce_scatter::<f32>(input, output, op, stream),
-        "bf16" | "bfloat16" => coll.reduce_scatter::<bf16>(input, output, op, stream),
-        "f16" | "float16" => coll.reduce_scatter::<f16>(input, output, op, stream),
-        "u8" | "uint8" => coll.reduce_scatter::<u8>(input, output, op, stream),
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "reduce-scatter supports f32, bf16, f16 and u8, not {dtype:?}"
-            )));
-        }
-    })
+) -> symmpool::Result<CollectiveReport> {
+    match dtype {
+        DType::F32 => coll.reduce_scatter::<f32>(input, output, op, stream),
+        DType::BF16 => coll.reduce_scatter::<bf16>(input, output, op, stream),
+        DType::F16 => coll.reduce_scatter::<f16>(input, output, op, stream),
+        DType::U8 => coll.reduce_scatter::<u8>(input, output, op, stream),
+    }
 }
 
 /// One rank's symmetric-memory pool.
 ///
 /// Make it with `Pool.nccl_adopt` (communicators split off a process group's), with
 /// `Pool.nccl_wrap` (windows registered on the process group's communicator itself,
-/// for the pluggable allocator) or, without a GPU, `Pool.host_group` (ranks as
-/// threads). `symmpool.Pool.from_group` in the Python package does the set-up from a
-/// `torch.distributed` group.
+/// for the pluggable allocator) or, without a GPU, `Pool.shm` (one process per rank,
+/// shared memory) or `Pool.host_group` (ranks as threads). `symmpool.from_group` in
+/// the Python package does the set-up from a `torch.distributed` group.
+///
+/// Timeouts (`timeout_s`, …) are seconds; `None` or infinity waits without a
+/// deadline, a negative number is a `ValueError`. Failures raise the classes of
+/// `symmpool.errors` (`UsageError`, `DivergenceError`, `SymmpoolTimeoutError`,
+/// `PeerLostError`, `OutOfMemoryError`, `ConfigurationError`, all `SymmpoolError`).
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Pool {
     pub(crate) handle: Arc<Handle>,
@@ -148,7 +146,7 @@ impl Pool {
         timeout_s: Option<f64>,
         exchanges: Option<Vec<Py<StoreExchange>>>,
     ) -> PyResult<Vec<Pool>> {
-        let config = pool_config(name, timeout_s);
+        let config = pool_config(name, timeout_s)?;
         let host = HostConfig::new(world_size).with_timeout(config.timeout);
         let mut backends = HostBackend::world(host).map_err(to_py)?;
         if let Some(exchanges) = exchanges {
@@ -159,7 +157,7 @@ impl Pool {
                 .into_iter()
                 .zip(exchanges)
                 .map(|(b, ex)| {
-                    let ex: Arc<dyn Exchange> = ex.get().inner.clone();
+                    let ex = ex.get().exchange();
                     b.with_exchange(|_| ex)
                 })
                 .collect::<symmpool::Result<Vec<Backend>>>()
@@ -181,12 +179,69 @@ impl Pool {
             .collect())
     }
 
+    /// This process's pool of a world of processes on one machine (one rank per
+    /// process, started by torchrun, `python -m symmpool.launch`, `srun` or `mpirun`),
+    /// on the shared-memory backend: segments in shared memory that every rank maps,
+    /// collectives that read the peers' memory, no GPU. Collective: every rank calls it
+    /// at the same point.
+    ///
+    /// `exchange`: what the ranks agree over, a `TcpStoreExchange` or a
+    /// `StoreExchange` (over torch's store, for example); by default
+    /// `TcpStoreExchange.from_env()`, the crate's own store from the launcher's
+    /// variables. `timeout_s`: how long a pool call or a collective waits for the
+    /// other ranks (`None`: no deadline). `symmetric=False`: registrations give no
+    /// windows (like an NCCL communicator without symmetric support: collectives take
+    /// the plain path). `max_reserved_bytes`: this rank's shared-memory limit (16 GiB
+    /// by default; pages are backed only when written).
+    #[staticmethod]
+    #[pyo3(signature = (exchange = None, name = "symmpool", timeout_s = 60.0, symmetric = true,
+        max_reserved_bytes = None))]
+    fn shm(
+        py: Python<'_>,
+        exchange: Option<AnyExchange<'_>>,
+        name: &str,
+        timeout_s: Option<f64>,
+        symmetric: bool,
+        max_reserved_bytes: Option<u64>,
+    ) -> PyResult<Pool> {
+        let config = pool_config(name, timeout_s)?;
+        let ex = match exchange {
+            Some(ex) => ex.exchange(),
+            None => {
+                let tcp: Arc<dyn Exchange> = Arc::new(
+                    py.allow_threads(symmpool::StoreExchange::from_env)
+                        .map_err(to_py)?,
+                );
+                tcp
+            }
+        };
+        let mut shm = ShmConfig::default()
+            .with_timeout(config.timeout)
+            .with_symmetric(symmetric);
+        if let Some(bytes) = max_reserved_bytes {
+            shm = shm.with_max_reserved_bytes(bytes);
+        }
+        let (pool, coll) = py
+            .allow_threads(move || {
+                let backend = ShmBackend::join(ex, shm)?;
+                let pool = SymmPool::new(backend, config)?;
+                let coll = Coll::new(&pool)?;
+                Ok((pool, coll))
+            })
+            .map_err(to_py)?;
+        Ok(Pool {
+            handle: Handle::new(pool, coll),
+        })
+    }
+
     /// Adopt a process group's communicator (`ncclComm_t` from `_comm_ptr()`): the crate
     /// splits its own non-blocking communicators off it (symmetric kernels; copy engine,
     /// NCCL ≥ 2.28; plain ring) and makes a pool over them. Collective over the group.
     ///
     /// The communicator must be a live one of the NCCL loaded in this process, on
-    /// `device`, with no other NCCL call on it until this returns.
+    /// `device`, with no other NCCL call on it until this returns. `exchange`: what
+    /// the ranks agree over (a `StoreExchange` over torch's store, or a
+    /// `TcpStoreExchange`).
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", copy_engine = true,
         plain = true, timeout_s = 60.0, setup_timeout_s = 600.0, call_timeout_s = 60.0,
@@ -196,7 +251,7 @@ impl Pool {
         py: Python<'_>,
         comm_ptr: usize,
         device: usize,
-        exchange: &StoreExchange,
+        exchange: AnyExchange<'_>,
         name: &str,
         copy_engine: bool,
         plain: bool,
@@ -210,13 +265,13 @@ impl Pool {
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s);
+        let config = pool_config(name, timeout_s)?;
         let nccl = NcclConfig::default()
             .with_communicators(copy_engine, plain)
-            .with_setup_timeout(dur(setup_timeout_s))
-            .with_call_timeout(dur(call_timeout_s))
-            .with_watchdog(dur(watchdog_timeout_s));
-        let ex: Arc<dyn Exchange> = exchange.inner.clone();
+            .with_setup_timeout(seconds("setup_timeout_s", setup_timeout_s)?)
+            .with_call_timeout(seconds("call_timeout_s", call_timeout_s)?)
+            .with_watchdog(seconds("watchdog_timeout_s", watchdog_timeout_s)?);
+        let ex = exchange.exchange();
         let pool = py
             .allow_threads(move || {
                 // SAFETY: the Python caller hands a live communicator of this process's
@@ -249,7 +304,7 @@ impl Pool {
         py: Python<'_>,
         comm_ptr: usize,
         device: usize,
-        exchange: &StoreExchange,
+        exchange: AnyExchange<'_>,
         name: &str,
         cta_policy: i32,
         timeout_s: Option<f64>,
@@ -259,13 +314,13 @@ impl Pool {
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s);
+        let config = pool_config(name, timeout_s)?;
         let role = if cta_policy == CTA_POLICY_ZERO {
             CommRole::CopyEngine
         } else {
             CommRole::Symmetric
         };
-        let ex: Arc<dyn Exchange> = exchange.inner.clone();
+        let ex = exchange.exchange();
         let pool = py
             .allow_threads(move || {
                 // SAFETY: the Python caller hands a live communicator of this process's
@@ -309,14 +364,14 @@ impl Pool {
         self.handle.pool.config().name.clone()
     }
 
-    /// The CUDA device (None for a host pool).
+    /// The CUDA device (None for a host or shared-memory pool).
     #[getter]
     fn device(&self) -> Option<usize> {
         self.handle.device()
     }
 
-    /// Allocate `nbytes` on the raw CUDA stream `stream` (ignored on a host pool) and
-    /// return a handle. Collective when the pool grows.
+    /// Allocate `nbytes` on the raw CUDA stream `stream` (ignored on a host or
+    /// shared-memory pool) and return a `Buffer`. Collective when the pool grows.
     #[pyo3(signature = (nbytes, stream = 0))]
     fn alloc(&self, py: Python<'_>, nbytes: u64, stream: usize) -> PyResult<Buffer> {
         let handle = self.handle.clone();
@@ -377,34 +432,37 @@ impl Pool {
         Ok(path_name(report.path))
     }
 
-    /// In-place reduce-scatter of the buffer at `ptr` (`dtype`: f32, bf16, f16, u8;
-    /// `op`: sum, avg, prod, max, min): afterwards this rank's chunk holds the reduction.
-    /// Returns the path taken. Collective.
+    /// In-place reduce-scatter of the buffer at `ptr` (`dtype`: float32, bfloat16,
+    /// float16 or uint8, as a string such as `"bf16"` or a torch dtype such as
+    /// `torch.bfloat16`; `op`: sum, avg, prod, max, min): afterwards this rank's chunk
+    /// holds the reduction. Returns the path taken. Collective.
     #[pyo3(signature = (ptr, nbytes, dtype, op = "sum", stream = 0))]
     fn reduce_scatter_at(
         &self,
         py: Python<'_>,
         ptr: u64,
         nbytes: u64,
-        dtype: &str,
+        dtype: DType,
         op: &str,
         stream: usize,
     ) -> PyResult<&'static str> {
         let buf = self.buffer_at(ptr, nbytes)?;
         let op = reduce_op(op)?;
         let handle = self.handle.clone();
-        let dtype = dtype.to_owned();
-        let report = py.allow_threads(move || {
-            // SAFETY: as in `alloc`.
-            let s = unsafe { handle.stream(stream) }.map_err(to_py)?;
-            reduce_scatter(&handle.coll, &buf, &dtype, op, &s)
-        })?;
-        Ok(path_name(report.map_err(to_py)?.path))
+        let report = py
+            .allow_threads(move || {
+                // SAFETY: as in `alloc`.
+                let s = unsafe { handle.stream(stream) }?;
+                reduce_scatter(&handle.coll, &buf, dtype, op, &s)
+            })
+            .map_err(to_py)?;
+        Ok(path_name(report.path))
     }
 
     /// Reduce-scatter of the buffer at `in_ptr` (`in_nbytes`) into the buffer at
     /// `out_ptr` (`out_nbytes` = `in_nbytes` / world size), both whole buffers of this
-    /// pool (tensors from `alloc_dlpack`), on the raw stream `stream`: FSDP2's
+    /// pool (tensors from `alloc_dlpack`), on the raw stream `stream` (`dtype` and
+    /// `op` as for `reduce_scatter_at`): FSDP2's
     /// reduce-scatter, whose output FSDP2 also allocates from the comm object. One call,
     /// no copy; the path is chosen per size. Returns the path taken. Collective.
     #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, dtype, op = "sum", stream = 0))]
@@ -416,7 +474,7 @@ impl Pool {
         in_nbytes: u64,
         out_ptr: u64,
         out_nbytes: u64,
-        dtype: &str,
+        dtype: DType,
         op: &str,
         stream: usize,
     ) -> PyResult<&'static str> {
@@ -424,13 +482,14 @@ impl Pool {
         let output = self.buffer_at(out_ptr, out_nbytes)?;
         let op = reduce_op(op)?;
         let handle = self.handle.clone();
-        let dtype = dtype.to_owned();
-        let report = py.allow_threads(move || {
-            // SAFETY: as in `alloc`.
-            let s = unsafe { handle.stream(stream) }.map_err(to_py)?;
-            reduce_scatter_into(&handle.coll, &input, &output, &dtype, op, &s)
-        })?;
-        Ok(path_name(report.map_err(to_py)?.path))
+        let report = py
+            .allow_threads(move || {
+                // SAFETY: as in `alloc`.
+                let s = unsafe { handle.stream(stream) }?;
+                reduce_scatter_into(&handle.coll, &input, &output, dtype, op, &s)
+            })
+            .map_err(to_py)?;
+        Ok(path_name(report.path))
     }
 
     /// The flat statistics (PyTorch's key names where they mean the same), as a dict.
@@ -473,7 +532,9 @@ impl Pool {
         py.allow_threads(move || handle.pool.trim()).map_err(to_py)
     }
 
-    /// Close the pool (collective): every buffer must be gone.
+    /// Close the pool (collective): every buffer must be gone on every rank
+    /// (otherwise a `UsageError` naming the ranks that hold some, and nothing is
+    /// released).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let handle = self.handle.clone();
         py.allow_threads(move || handle.pool.close()).map_err(to_py)
@@ -536,7 +597,6 @@ impl Buffer {
     fn get(&self) -> PyResult<Arc<SymmBuffer>> {
         self.buf
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .clone()
             .ok_or_else(|| PyValueError::new_err("the buffer was freed"))
     }
@@ -581,7 +641,8 @@ impl Buffer {
         py.allow_threads(move || buf.read::<u8>()).map_err(to_py)
     }
 
-    /// In-place all-gather (collective); returns the path.
+    /// In-place all-gather (collective): afterwards every rank's chunk holds that
+    /// rank's chunk. Returns the path taken.
     fn all_gather(&self, py: Python<'_>) -> PyResult<&'static str> {
         let buf = self.get()?;
         let stream = buf.stream().clone();
@@ -592,20 +653,24 @@ impl Buffer {
         Ok(path_name(report.path))
     }
 
-    /// In-place reduce-scatter (collective); returns the path.
+    /// In-place reduce-scatter (collective): the buffer holds `dtype` elements
+    /// (float32, bfloat16, float16 or uint8, as a string or a torch dtype); afterwards
+    /// this rank's chunk holds the reduction `op` (sum, avg, prod, max, min). Returns
+    /// the path taken.
     #[pyo3(signature = (dtype, op = "sum"))]
-    fn reduce_scatter(&self, py: Python<'_>, dtype: &str, op: &str) -> PyResult<&'static str> {
+    fn reduce_scatter(&self, py: Python<'_>, dtype: DType, op: &str) -> PyResult<&'static str> {
         let buf = self.get()?;
         let op = reduce_op(op)?;
         let stream = buf.stream().clone();
-        let dtype = dtype.to_owned();
         let coll = self.coll.clone();
-        let report = py.allow_threads(move || reduce_scatter(&coll, &buf, &dtype, op, &stream))?;
-        Ok(path_name(report.map_err(to_py)?.path))
+        let report = py
+            .allow_threads(move || reduce_scatter(&coll, &buf, dtype, op, &stream))
+            .map_err(to_py)?;
+        Ok(path_name(report.path))
     }
 
     /// Return the block to the pool now.
     fn free(&self) {
-        self.buf.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.buf.lock().take();
     }
 }

@@ -7,9 +7,18 @@
 - :mod:`symmpool.allocator`: the pool as a ``torch.cuda.MemPool`` through
   ``CUDAPluggableAllocator`` (the C functions ``symmpool_alloc`` / ``symmpool_free`` of
   the extension module).
+- :meth:`Pool.shm`: one pool per process without a GPU (torchrun or
+  ``python -m symmpool.launch`` on a CPU machine), over the shared-memory backend and
+  the crate's own store (:class:`TcpStoreExchange`) or a :class:`StoreExchange`.
+- :mod:`symmpool.errors`: the exception classes (:class:`SymmpoolError` and its
+  subclasses, sorted by what the caller can do), also importable from here.
 - :func:`last_error`: the message of the last failure (PyTorch reports a failed
   pluggable allocation only as out of memory).
 - :func:`nccl_mappings`: how many NCCL libraries this process has mapped (must be 1).
+- The crate's warnings arrive through :mod:`warnings` (:class:`SymmpoolWarning`, about
+  a pool the caller holds, e.g. one dropped without ``close()``) and :mod:`logging`
+  (the ``"symmpool"`` logger and its children); :func:`flush_logs` delivers the queued
+  ones now (a thread of the extension delivers them otherwise, within moments).
 
 Importing the package does not import torch.
 """
@@ -19,8 +28,9 @@ from ._ext import (
     Buffer,
     Pool,
     StoreExchange,
-    SymmpoolError,
+    TcpStoreExchange,
     clear_error,
+    flush_logs,
     install_allocator,
     last_error,
     live_buffers,
@@ -28,15 +38,34 @@ from ._ext import (
     render_ranks_svg,
 )
 from ._maps import nccl_libraries, nccl_mappings
+from .errors import (
+    ConfigurationError,
+    DivergenceError,
+    OutOfMemoryError,
+    PeerLostError,
+    SymmpoolError,
+    SymmpoolTimeoutError,
+    SymmpoolWarning,
+    UsageError,
+)
 
 __version__ = _ext.__version__
 
 __all__ = [
     "Buffer",
+    "ConfigurationError",
+    "DivergenceError",
+    "OutOfMemoryError",
+    "PeerLostError",
     "Pool",
     "StoreExchange",
     "SymmpoolError",
+    "SymmpoolTimeoutError",
+    "SymmpoolWarning",
+    "TcpStoreExchange",
+    "UsageError",
     "clear_error",
+    "flush_logs",
     "from_group",
     "install_allocator",
     "last_error",

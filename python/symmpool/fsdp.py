@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
+from .errors import SymmpoolError
+
 try:  # torch >= 2.10
     from torch.distributed.fsdp._fully_shard._fsdp_api import (
         AllGather as _AllGatherBase,
@@ -62,6 +64,14 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 def _stream(device=None):
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _reraise_crate_error(e):
+    """A buffer that is not the pool's is a plain ``ValueError`` (the call falls back
+    to ``torch.distributed``); a ``ConfigurationError`` of the crate (also a
+    ``ValueError``) is raised."""
+    if isinstance(e, SymmpoolError):
+        raise e
 
 
 def _op_name(op):
@@ -210,7 +220,8 @@ class AllGather(_Alloc, _AllGatherBase):
         ptr, stream = output_tensor.data_ptr(), _stream()
         try:
             path = self._run("all-gather", lambda: self.pool.all_gather_at(ptr, nbytes, stream))
-        except ValueError:  # not a buffer of this pool
+        except ValueError as e:  # not a buffer of this pool
+            _reraise_crate_error(e)
             return self._fallback(output_tensor, input_tensor, group, async_op)
         self._count(path)
         return None
@@ -245,13 +256,14 @@ class ReduceScatter(_Alloc, _ReduceScatterBase):
                 )
                 self._count(path)
                 return None
-            except ValueError:  # the output is not a whole buffer of this pool
-                pass
+            except ValueError as e:  # the output is not a whole buffer of this pool
+                _reraise_crate_error(e)
         try:
             path = self._run(
                 "reduce-scatter", lambda: self.pool.reduce_scatter_at(in_ptr, nbytes, dtype, name, stream)
             )
-        except ValueError:
+        except ValueError as e:  # not a buffer of this pool
+            _reraise_crate_error(e)
             return self._fallback(output_tensor, input_tensor, group, op, async_op)
         n = output_tensor.numel()
         output_tensor.view(-1).copy_(input_tensor.view(-1).narrow(0, rank * n, n))
