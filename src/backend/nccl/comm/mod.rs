@@ -598,8 +598,16 @@ impl<D: Device> Shared<D> {
             // and `call` holds its calls lock.
             unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }.map(|st| ((), st))
         })?;
-        if watched {
-            self.watch(call.name(), c, stream, now)?;
+        if watched && let Err(e) = self.watch(call.name(), c, stream, now) {
+            // The collective is enqueued but unwatched: its completion can no longer be
+            // bounded, and a caller who retried would run it twice. The backend is broken
+            // (its communicators aborted), so every rank's next call fails instead of
+            // diverging.
+            let what = format!(
+                "{} enqueued, but its completion event failed: {e}",
+                call.name()
+            );
+            return Err(self.fail(Cause::Failed(what)));
         }
         Ok(())
     }

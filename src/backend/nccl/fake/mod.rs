@@ -442,6 +442,8 @@ pub(super) struct FakeStream {
     pub(super) capturing: AtomicBool,
     /// `cuStreamIsCapturing` fails on it.
     pub(super) query_fails: AtomicBool,
+    /// `cuEventRecord` fails on it.
+    pub(super) record_fails: AtomicBool,
 }
 
 /// A fake event: complete unless told otherwise; its query blocks while `held` says.
@@ -533,8 +535,15 @@ impl Device for FakeDevice {
         Ok(stream.capturing.load(Ordering::SeqCst))
     }
 
-    fn record(&self, _stream: &FakeStream, spare: Option<FakeEvent>) -> Result<FakeEvent> {
+    fn record(&self, stream: &FakeStream, spare: Option<FakeEvent>) -> Result<FakeEvent> {
         self.note("cuEventRecord");
+        if stream.record_fails.load(Ordering::SeqCst) {
+            return Err(crate::error::Error::Cuda {
+                op: "cuEventRecord",
+                code: 700,
+                message: "a fake failure".into(),
+            });
+        }
         Ok(spare.unwrap_or_default())
     }
 

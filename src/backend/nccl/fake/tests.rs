@@ -582,3 +582,27 @@ fn a_failed_warm_up_releases_its_windows_and_segment() {
         );
     }
 }
+
+#[test]
+fn a_failed_event_record_after_an_enqueue_breaks_the_backend() {
+    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
+    let stream = FakeStream::default();
+    stream.record_fails.store(true, Ordering::SeqCst);
+    let f = comm(s.comms[0].raw);
+    // SAFETY: the fake never touches the addresses.
+    let first = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+    let message = first.unwrap_err().to_string();
+    assert!(message.contains("enqueued"), "{message}");
+    // (The aborts run on their own threads: count only the collective.)
+    let gathers = |f: &FakeComm| f.calls().iter().filter(|c| c.0 == "ncclAllGather").count();
+    assert_eq!(gathers(f), 1, "enqueued once");
+    // Broken for good, every communicator handed to its abort: a retry is refused
+    // before it reaches NCCL, so the collective never runs twice.
+    assert!(s.health.is_broken());
+    assert!(s.comms.iter().all(|c| c.is_aborted()));
+    stream.record_fails.store(false, Ordering::SeqCst);
+    // SAFETY: as above.
+    let again = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+    assert!(again.is_err());
+    assert_eq!(gathers(f), 1, "never twice");
+}
