@@ -198,3 +198,41 @@ def test_pluggable_allocator_serves_a_mem_pool(group):
     # them) before the process group is destroyed.
     pool.close()
     assert symmpool.nccl_mappings() == 1
+
+
+def test_comm_objects_write_a_trace_at_world_size_one(group, tmp_path):
+    """The comm objects called as FSDP2 calls them (FSDP2 itself skips them at world
+    size 1), with ``trace``: right data, and a Chrome trace with the allocations on the
+    host row and each collective on its stream's row, timed on the device."""
+    import gc
+    import json
+
+    from symmpool.fsdp import AllGather, ReduceScatter, Trace
+
+    pool = symmpool.from_group(group, mode="adopt", name="trace-test")
+    trace = Trace(pool.rank)
+    ag, rs = AllGather(pool, trace), ReduceScatter(pool, trace)
+    n = 1 << 20
+    out = ag.allocate((n,), dtype=torch.bfloat16, device="cuda")
+    out.copy_(torch.arange(n, device="cuda", dtype=torch.float32).to(torch.bfloat16))
+    expected = out.clone()
+    assert ag(out, out.narrow(0, 0, n), group) is None  # rank 0 of 1: in place
+    rin = rs.allocate((n,), dtype=torch.float32, device="cuda")
+    rin.fill_(2.0)
+    rout = rs.allocate((n,), dtype=torch.float32, device="cuda")
+    assert rs(rout, rin, group, op=dist.ReduceOp.SUM) is None
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    assert torch.all(rout == 2.0)
+    assert ag.fallbacks == 0 and rs.fallbacks == 0
+    path = tmp_path / "trace.json"
+    trace.write(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    rows = {(e["name"], e["tid"]) for e in spans}
+    assert {("alloc", 0), ("all-gather", 2), ("reduce-scatter", 3)} <= rows, rows
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    del out, expected, rin, rout
+    gc.collect()
+    torch.cuda.synchronize()
+    pool.close()
