@@ -515,6 +515,18 @@ impl FakeDevice {
     }
 }
 
+/// A fake CUDA failure of `op` while `flag` is set.
+fn fails_if(flag: &AtomicBool, op: &'static str) -> Result<()> {
+    if flag.load(Ordering::SeqCst) {
+        return Err(crate::error::Error::Cuda {
+            op,
+            code: 700,
+            message: "a fake failure".into(),
+        });
+    }
+    Ok(())
+}
+
 impl Device for FakeDevice {
     type Stream = FakeStream;
     type Event = FakeEvent;
@@ -525,25 +537,13 @@ impl Device for FakeDevice {
 
     fn capturing(&self, stream: &FakeStream) -> Result<bool> {
         self.note("cuStreamIsCapturing");
-        if stream.query_fails.load(Ordering::SeqCst) {
-            return Err(crate::error::Error::Cuda {
-                op: "cuStreamIsCapturing",
-                code: 700,
-                message: "a fake failure".into(),
-            });
-        }
+        fails_if(&stream.query_fails, "cuStreamIsCapturing")?;
         Ok(stream.capturing.load(Ordering::SeqCst))
     }
 
     fn record(&self, stream: &FakeStream, spare: Option<FakeEvent>) -> Result<FakeEvent> {
         self.note("cuEventRecord");
-        if stream.record_fails.load(Ordering::SeqCst) {
-            return Err(crate::error::Error::Cuda {
-                op: "cuEventRecord",
-                code: 700,
-                message: "a fake failure".into(),
-            });
-        }
+        fails_if(&stream.record_fails, "cuEventRecord")?;
         Ok(spare.unwrap_or_default())
     }
 

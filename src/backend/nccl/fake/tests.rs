@@ -253,19 +253,6 @@ fn a_bad_communicator_index_is_named() {
 }
 
 #[test]
-fn a_failed_capture_query_fails_the_collective_before_its_enqueue() {
-    let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
-    let stream = FakeStream::default();
-    stream.query_fails.store(true, Ordering::SeqCst);
-    let f = comm(s.comms[0].raw);
-    f.clear();
-    // SAFETY: the fake never touches the addresses.
-    let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
-    assert!(matches!(r, Err(Error::Cuda { .. })), "{r:?}");
-    assert!(f.calls().is_empty(), "nothing enqueued: {:?}", f.calls());
-}
-
-#[test]
 fn a_collective_never_waits_behind_the_watchdogs_event_queries() {
     let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
     let held = Arc::new(Held::default());
@@ -584,25 +571,33 @@ fn a_failed_warm_up_releases_its_windows_and_segment() {
 }
 
 #[test]
-fn a_failed_event_record_after_an_enqueue_breaks_the_backend() {
+fn a_failed_device_call_around_an_enqueue_never_runs_the_collective_twice() {
     let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
     let stream = FakeStream::default();
-    stream.record_fails.store(true, Ordering::SeqCst);
     let f = comm(s.comms[0].raw);
-    // SAFETY: the fake never touches the addresses.
-    let first = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
-    let message = first.unwrap_err().to_string();
-    assert!(message.contains("enqueued"), "{message}");
-    // (The aborts run on their own threads: count only the collective.)
     let gathers = |f: &FakeComm| f.calls().iter().filter(|c| c.0 == "ncclAllGather").count();
+    let gather = || {
+        // SAFETY: the fake never touches the addresses.
+        unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) }
+    };
+    // Before the enqueue (the capture query): the call fails, nothing is enqueued,
+    // the backend stays usable.
+    stream.query_fails.store(true, Ordering::SeqCst);
+    let r = gather();
+    assert!(matches!(r, Err(Error::Cuda { .. })), "{r:?}");
+    assert_eq!(gathers(f), 0, "nothing enqueued: {:?}", f.calls());
+    assert!(!s.health.is_broken());
+    stream.query_fails.store(false, Ordering::SeqCst);
+    // After it (the completion event): the collective is enqueued but unwatched, so
+    // the backend breaks and aborts every communicator; a retry is refused before it
+    // reaches NCCL. (The aborts run on their own threads: count only the collective.)
+    stream.record_fails.store(true, Ordering::SeqCst);
+    let message = gather().unwrap_err().to_string();
+    assert!(message.contains("enqueued"), "{message}");
     assert_eq!(gathers(f), 1, "enqueued once");
-    // Broken for good, every communicator handed to its abort: a retry is refused
-    // before it reaches NCCL, so the collective never runs twice.
     assert!(s.health.is_broken());
     assert!(s.comms.iter().all(|c| c.is_aborted()));
     stream.record_fails.store(false, Ordering::SeqCst);
-    // SAFETY: as above.
-    let again = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
-    assert!(again.is_err());
+    assert!(gather().is_err());
     assert_eq!(gathers(f), 1, "never twice");
 }
