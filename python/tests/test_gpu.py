@@ -236,3 +236,28 @@ def test_comm_objects_write_a_trace_at_world_size_one(group, tmp_path):
     gc.collect()
     torch.cuda.synchronize()
     pool.close()
+
+
+def test_a_thousand_small_tensors_take_few_segments(group):
+    """1 000 live tensors of random sizes 64 KiB–4 MiB straight from a pool: the small
+    class grows like the large one, so few segments and windows, little slack."""
+    import gc
+    import random
+
+    from torch.utils.dlpack import from_dlpack
+
+    pool = symmpool.from_group(group, mode="adopt", name="small-tensors")
+    rng = random.Random(26)
+    stream = torch.cuda.current_stream().cuda_stream
+    live = [from_dlpack(pool.alloc_dlpack(rng.randrange(64 << 10, (4 << 20) + 1), stream)) for _ in range(1000)]
+    stats = pool.memory_stats()
+    windows = sum(v for k, v in stats.items() if k.startswith("windows."))
+    print("segments", stats["segment.all.current"], "windows", windows,
+          "reserved / peak allocated", stats["reserved_bytes.all.current"] / stats["allocated_bytes.all.peak"])
+    assert stats["segment.all.current"] <= 8, stats
+    assert windows <= 16, stats
+    assert stats["reserved_bytes.all.current"] <= 1.5 * stats["allocated_bytes.all.peak"], stats
+    del live
+    gc.collect()
+    torch.cuda.synchronize()
+    pool.close()
