@@ -70,7 +70,7 @@ pub use control::{
 pub use core::{CoreStats, Snapshot};
 pub use deadline::Deadline;
 pub use dtype::{DType, Element, ReduceOp};
-pub use error::{CollectiveDivergence, Divergence, Error, NcclVersion, Result};
+pub use error::{CollectiveDivergence, Divergence, Error, ErrorKind, NcclVersion, Result};
 pub use group::CheckMode;
 pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]

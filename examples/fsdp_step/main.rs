@@ -52,8 +52,8 @@ use ranks::{StepBarrier, StepSync, on_rank_threads};
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::observe::PoolSnapshot;
 use symmpool::{
-    Backend, Coll, Element, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream,
-    SymmBuffer, SymmPool,
+    Backend, Coll, Element, ErrorKind, HostBackend, HostConfig, PoolConfig, ReduceOp, Result,
+    Stream, SymmBuffer, SymmPool,
 };
 use trainer::{Math, Trainer};
 
@@ -285,21 +285,12 @@ fn main() {
         match launch::run_as_rank(&args) {
             Ok(Some(results)) => results,
             Ok(None) => return, // not rank 0: rank 0 reports
-            Err(err) => {
-                eprintln!("fsdp_step: {err}");
-                std::process::exit(1)
-            }
+            Err(err) => fail(&err),
         }
     } else if let Some(n) = cli.nproc {
-        launch::spawn_ranks(n).unwrap_or_else(|err| {
-            eprintln!("fsdp_step: {err}");
-            std::process::exit(1)
-        })
+        launch::spawn_ranks(n).unwrap_or_else(|err| fail(&err))
     } else {
-        run_threads(&cli, &args).unwrap_or_else(|err| {
-            eprintln!("fsdp_step: {err}");
-            std::process::exit(1)
-        })
+        run_threads(&cli, &args).unwrap_or_else(|err| fail(&err))
     };
     if launch::is_child() {
         launch::report_to_parent(&results);
@@ -333,6 +324,39 @@ fn main() {
     if let Err(msg) = check(&results) {
         eprintln!("fsdp_step: check failed: {msg}");
         std::process::exit(1);
+    }
+}
+
+/// Report `err` (its `Display`, which carries the advice, and its kind) and exit with
+/// the kind's status, so that a launcher or a runtime can sort failures without parsing
+/// messages:
+///
+/// | status | [`ErrorKind`] | what to do |
+/// |---|---|---|
+/// | 64 | `Usage` | fix the program |
+/// | 65 | `Divergence` | fix the program (the ranks made different calls) |
+/// | 78 | `Configuration` | fix the settings or the environment |
+/// | 75 | `OutOfMemory` | retry with less (a smaller model or batch) |
+/// | 69 | `Timeout`, `PeerLost` | restart the job |
+/// | 71 | `System` | restart; look at the device or the host |
+/// | 70 | `Broken`, `Internal`, others | restart; report an internal error |
+///
+/// A failed check of the results exits with 1.
+fn fail(err: &symmpool::Error) -> ! {
+    eprintln!("fsdp_step: {err} [{}]", err.kind());
+    std::process::exit(exit_code(err.kind()))
+}
+
+/// The exit status for an error of `kind` (the table of [`fail`]).
+pub fn exit_code(kind: ErrorKind) -> i32 {
+    match kind {
+        ErrorKind::Usage => 64,
+        ErrorKind::Divergence => 65,
+        ErrorKind::Configuration => 78,
+        ErrorKind::OutOfMemory => 75,
+        ErrorKind::Timeout | ErrorKind::PeerLost => 69,
+        ErrorKind::System => 71,
+        _ => 70,
     }
 }
 
