@@ -17,6 +17,8 @@
 //! outside the crate, set-up (control communicator, blocking data communicators,
 //! warm-up) under deadlines, the watchdog, raw streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
 //! rank inside a window registration and inside a collective.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 #[cfg(not(feature = "nccl"))]
 fn main() {

@@ -128,7 +128,11 @@ pub fn reduce_scatter<E: Element>(
 }
 
 fn registrations(pool: &SymmPool) -> u64 {
-    pool.stats().registrations.iter().sum()
+    let stats = pool.memory_stats();
+    (stats.iter())
+        .filter(|(k, _)| k.starts_with("registrations."))
+        .filter_map(|(_, v)| v.as_u64())
+        .sum()
 }
 
 /// Every rank's snapshot at the end of training (with `--memory-map`), per mode.
@@ -198,7 +202,9 @@ pub fn run_one_rank<M: Math>(
             log.losses.push(out.loss);
             log.step_ms.push(out.ms);
             if step == 0 {
-                log.segments_first_step = pool.stats().core.segments.current;
+                log.segments_first_step = pool.memory_stats()["segment.all.current"]
+                    .as_u64()
+                    .unwrap_or(0);
                 // Warm-up sizing (collective): the step's temporaries are free now; one
                 // segment sized to its peak replaces the ones growth made on the way.
                 pool.fit_to_peak()?;
@@ -224,7 +230,15 @@ pub fn run_one_rank<M: Math>(
             trace::keep(recorder.spans);
         }
         let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
-        summaries.push(Summary::new(args, mode, rank, log, &pool.stats(), ag, rs));
+        summaries.push(Summary::new(
+            args,
+            mode,
+            rank,
+            log,
+            &pool.memory_stats(),
+            ag,
+            rs,
+        ));
         // Release the pool on every rank (collective); dropping it unclosed warns.
         drop(trainer);
         pool.close()?;

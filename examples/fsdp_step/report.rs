@@ -4,8 +4,8 @@
 use super::cli::{Args, BackendChoice, Mode};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use symmpool::PoolStats;
 use symmpool::coll::Path;
+use symmpool::observe::MemoryStats;
 
 /// Print a line to stdout; a closed pipe (`| head`) is not an error worth a panic.
 macro_rules! out {
@@ -169,12 +169,17 @@ impl Summary {
         mode: Mode,
         rank: usize,
         log: Log,
-        stats: &PoolStats,
+        stats: &MemoryStats,
         ag: &[Path],
         rs: &[Path],
     ) -> Summary {
         let later = Spread::of(&log.step_ms[1.min(log.step_ms.len())..]);
-        let per_comm = stats.roles.iter().zip(&stats.registrations);
+        let get = |key: &str| stats.get(key).and_then(|v| v.as_u64()).unwrap_or(0);
+        // `registrations.ROLE`: the registrations on the communicators of each role.
+        let per_comm: BTreeMap<String, u64> = stats
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("registrations.")?.to_string(), v.as_u64()?)))
+            .collect();
         // `none` computes on buffers no collective filled: its losses mean nothing and
         // may not even be finite (JSON has no NaN); they are reported as 0.
         let losses: Vec<f32> = if mode.communicates() {
@@ -196,16 +201,16 @@ impl Summary {
             max_step_ms: later.max,
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
             last_loss: losses.last().copied().unwrap_or(f32::NAN),
-            registrations: stats.registrations.iter().sum(),
-            registrations_per_communicator: per_comm.map(|(r, n)| (format!("{r:?}"), *n)).collect(),
+            registrations: per_comm.values().sum(),
+            registrations_per_communicator: per_comm,
             registrations_first_step: log.registrations_first_step,
             registrations_after_first_step: log.registrations - log.registrations_first_step,
             segments_first_step: log.segments_first_step,
-            segments: stats.core.segments.current,
-            segments_small: stats.core.small.segments.current,
-            segments_large: stats.core.large.segments.current,
-            peak_reserved_bytes: stats.core.reserved_bytes.peak,
-            peak_allocated_bytes: stats.core.allocated_bytes.peak,
+            segments: get("segment.all.current"),
+            segments_small: get("segment.small_pool.current"),
+            segments_large: get("segment.large_pool.current"),
+            peak_reserved_bytes: get("reserved_bytes.all.peak"),
+            peak_allocated_bytes: get("allocated_bytes.all.peak"),
             all_gather_paths: paths(ag),
             reduce_scatter_paths: paths(rs),
             losses,
