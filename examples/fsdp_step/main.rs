@@ -287,8 +287,11 @@ fn main() {
     // `RUST_LOG=symmpool=info` (or `debug`, `trace`) shows the pool's spans and events.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // No colour codes in a redirected log.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
