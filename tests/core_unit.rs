@@ -675,14 +675,15 @@ fn registered_policy_table() {
     let c = CoreConfig::registered();
     c.validate().unwrap();
     assert!(!CoreConfig::default().growth.is_registered());
-    // Small requests: at least the 64 MiB small chunk, then half the small class's
+    // Small requests: at least the 32 MiB small chunk, then half the small class's
     // live bytes, capped at 4 GiB.
     let small = |bytes| Growth {
         class: SizeClass::Small,
         segment_bytes: bytes,
     };
-    assert_eq!(c.growth_with(MIB, 512, 0), Ok(small(64 * MIB)));
-    assert_eq!(c.growth_with(4096, 512, 100 * MIB), Ok(small(64 * MIB)));
+    assert_eq!(c.growth_with(MIB, 512, 0), Ok(small(32 * MIB)));
+    assert_eq!(c.growth_with(4096, 512, 60 * MIB), Ok(small(32 * MIB)));
+    assert_eq!(c.growth_with(4096, 512, 100 * MIB), Ok(small(50 * MIB)));
     assert_eq!(c.growth_with(4096, 512, 300 * MIB), Ok(small(150 * MIB)));
     assert_eq!(c.growth_with(MIB, 512, 10 << 40), Ok(small(4 << 30)));
     // Large: the default chunk is half the large class's live bytes.
