@@ -20,6 +20,8 @@
 //! median of 5 repetitions; modes are interleaved within a repetition.
 //!
 //! Run: `cargo bench --bench gpu_collectives -- [alloc] [regcost] [ag] [rs] [ar] [overlap]`
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 #[cfg(feature = "nccl")]
 #[path = "../tests/common/fsdp_trace.rs"]

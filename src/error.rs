@@ -4,6 +4,9 @@ use crate::core::AllocError;
 use std::fmt;
 use std::time::Duration;
 
+mod kind;
+pub use kind::ErrorKind;
+
 /// Result with the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

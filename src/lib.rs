@@ -15,7 +15,7 @@
 //! |---|---|---|
 //! | core | [`core`] | deterministic best-fit caching allocator; pure data structures, no unsafe |
 //! | control | [`control`] | the control plane the ranks agree over: [`Exchange`] with channels and deadlines, [`LocalExchange`] (threads), [`StoreExchange`] (one process per rank, a TCP rendezvous store), launcher environment ([`Launch`]) |
-//! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), `ShmBackend` (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
+//! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), [`ShmBackend`] (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
 //! | group | (internal) | what the ranks compare: call history and hash, agreement records, the collective checker, the registration-order round |
 //! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
 //! | collectives | [`coll`] | a [`Coll`] handle made from a pool: all-gather / reduce-scatter on its buffers, checked, with the path reported |
@@ -35,6 +35,30 @@
 //!         });
 //!     }
 //! });
+//! # Ok::<(), symmpool::Error>(())
+//! ```
+//!
+//! # Where the ranks are
+//!
+//! | ranks | backend | made by |
+//! |---|---|---|
+//! | threads of one process, no GPU (tests, CI) | [`HostBackend`] | [`SymmPool::host_group`] |
+//! | one process per rank, no GPU (`torchrun` on a CPU machine) | [`ShmBackend`]: segments in shared memory every rank maps | `ShmBackend::join(Arc::new(StoreExchange::from_env()?), ShmConfig::default())`, then [`SymmPool::new`] |
+//! | one process per GPU | `NcclBackend` (feature `nccl`) | `NcclBackend::launch(NcclConfig::default())` |
+//!
+//! One process per rank without a GPU, as a launcher starts it (`examples/shm_ranks.rs`
+//! runs this under `torchrun --no-python`, or starts its own ranks):
+//!
+//! ```no_run
+//! # #[cfg(target_os = "linux")] {
+//! use std::sync::Arc;
+//! use symmpool::{Coll, PoolConfig, ShmBackend, ShmConfig, StoreExchange, SymmPool};
+//!
+//! // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher.
+//! let exchange = Arc::new(StoreExchange::from_env()?);
+//! let pool = SymmPool::new(ShmBackend::join(exchange, ShmConfig::default())?, PoolConfig::default())?;
+//! let coll = Coll::new(&pool)?;
+//! # }
 //! # Ok::<(), symmpool::Error>(())
 //! ```
 //!
@@ -63,6 +87,8 @@ mod stream;
 pub use backend::{Backend, HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
 pub use backend::{NcclBackend, NcclConfig, NcclWorldConfig};
+#[cfg(target_os = "linux")]
+pub use backend::{ShmBackend, ShmConfig};
 pub use coll::Coll;
 pub use control::{
     ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
@@ -70,7 +96,7 @@ pub use control::{
 pub use core::{CoreStats, Snapshot};
 pub use deadline::Deadline;
 pub use dtype::{DType, Element, ReduceOp};
-pub use error::{CollectiveDivergence, Divergence, Error, NcclVersion, Result};
+pub use error::{CollectiveDivergence, Divergence, Error, ErrorKind, NcclVersion, Result};
 pub use group::CheckMode;
 pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]

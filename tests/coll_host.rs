@@ -1,6 +1,8 @@
 //! Collectives on the host backend: real data movement and summation against a
 //! host-computed reference, for every element type, both placements, odd sizes, and
 //! the paths reported; plus the errors for inconsistent calls.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 use std::thread;
 use std::time::Duration;

@@ -66,11 +66,20 @@ fn config(registered: bool) -> CoreConfig {
     c
 }
 
-/// The registered policy's row of the table: `max(chunk, fit)`.
-fn documented_registered_growth(rounded: u64, large_allocated: u64) -> Growth {
+/// The registered policy's rows of the table: `small_chunk`, or `max(chunk, fit)`;
+/// `class_allocated` is the live bytes of the request's class.
+fn documented_registered_growth(rounded: u64, class_allocated: u64) -> Growth {
     if rounded <= SMALL_MAX {
-        return documented_growth(rounded);
+        let chunk = (class_allocated * GROWTH_PCT)
+            .div_ceil(100)
+            .clamp(SMALL_SEG, MAX_CHUNK.max(SMALL_SEG))
+            .next_multiple_of(GRAN);
+        return Growth {
+            class: SizeClass::Small,
+            segment_bytes: chunk,
+        };
     }
+    let large_allocated = class_allocated;
     let fit = if rounded <= DEDICATED_MIN {
         rounded.next_multiple_of(GRAN)
     } else {
@@ -328,7 +337,7 @@ impl Model {
             None => {
                 self.stats.num_misses += 1;
                 let g = if self.registered {
-                    documented_registered_growth(rounded, self.class_allocated[1])
+                    documented_registered_growth(rounded, self.class_allocated[class_index(class)])
                 } else {
                     documented_growth(rounded)
                 };
@@ -941,7 +950,8 @@ impl Sut {
                 // The core asks for exactly the documented policy's segment.
                 let rounded = self.core.config().round_request(req.size_bytes).unwrap();
                 let align = req.align_bytes.max(UNIT);
-                let large = self.core.class_allocated_bytes(SizeClass::Large);
+                let class = self.core.config().class_of(rounded);
+                let large = self.core.class_allocated_bytes(class);
                 assert_eq!(Ok(g), self.core.config().growth_with(rounded, align, large));
                 if self.core.config().growth.is_registered() {
                     assert_eq!(g, documented_registered_growth(rounded, large));

@@ -675,11 +675,25 @@ fn registered_policy_table() {
     let c = CoreConfig::registered();
     c.validate().unwrap();
     assert!(!CoreConfig::default().growth.is_registered());
-    // Small requests: small segments, as under caching.
+    // Small requests: at least the 32 MiB small chunk, then half the small class's
+    // live bytes, capped at 4 GiB.
+    let small = |bytes| Growth {
+        class: SizeClass::Small,
+        segment_bytes: bytes,
+    };
+    assert_eq!(c.growth_with(MIB, 512, 0), Ok(small(32 * MIB)));
+    assert_eq!(c.growth_with(4096, 512, 60 * MIB), Ok(small(32 * MIB)));
+    assert_eq!(c.growth_with(4096, 512, 100 * MIB), Ok(small(50 * MIB)));
+    assert_eq!(c.growth_with(4096, 512, 300 * MIB), Ok(small(150 * MIB)));
+    assert_eq!(c.growth_with(MIB, 512, 10 << 40), Ok(small(4 << 30)));
+    // Large: the default chunk is half the large class's live bytes.
+    assert_eq!(c.growth_with(2 * MIB, 512, 448 * MIB), Ok(large(448 * MIB)));
     assert_eq!(
-        c.growth_with(MIB, 512, 10 << 30).unwrap().segment_bytes,
-        2 * MIB
+        c.growth_with(2 * MIB, 512, 1200 * MIB),
+        Ok(large(600 * MIB))
     );
+    // The rest of the table at 100 % growth.
+    let c = c.with_growth_percent(100);
     // Large: at least the 448 MiB minimum chunk…
     assert_eq!(c.growth_with(MIB + 512, 512, 0), Ok(large(448 * MIB)));
     assert_eq!(c.growth_with(250 * MIB, 512, 0), Ok(large(448 * MIB)));
@@ -732,7 +746,9 @@ fn registered_policy_validation() {
 
 #[test]
 fn registered_segments_are_shared_and_grow_with_the_live_bytes() {
-    let cfg = CoreConfig::registered().with_chunk_bytes(64 * MIB, 4096 * MIB);
+    let cfg = CoreConfig::registered()
+        .with_chunk_bytes(64 * MIB, 4096 * MIB)
+        .with_growth_percent(100);
     let mut c = Allocator::new(cfg).unwrap();
     let a = alloc(&mut c, AllocRequest::new(2 * MIB, S0));
     assert_eq!(c.stats().large.reserved_bytes.current, 64 * MIB);

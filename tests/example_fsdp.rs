@@ -295,3 +295,29 @@ fn the_trace_is_chrome_json_with_every_operation() {
         "{summary}"
     );
 }
+
+/// The example's exit status sorts failures by [`symmpool::ErrorKind`]: fixing the
+/// program, fixing the settings, retrying with less and restarting get different
+/// statuses, none of them 0 or the check's 1.
+#[test]
+fn exit_codes_follow_the_error_kind() {
+    use symmpool::{Error, ErrorKind};
+    let code = |e: Error| fsdp_step::exit_code(e.kind());
+    let usage = code(Error::ZeroSize);
+    let config = code(Error::InvalidConfig("x".into()));
+    let oom = code(Error::PeerOutOfMemory {
+        segment_bytes: 1,
+        ranks: vec![1],
+    });
+    let restart = code(Error::PeerLost {
+        rank: 1,
+        op: "x",
+        detail: "y".into(),
+    });
+    let codes = [usage, config, oom, restart];
+    for (i, a) in codes.iter().enumerate() {
+        assert!(*a > 1, "{codes:?}");
+        assert!(codes[i + 1..].iter().all(|b| b != a), "{codes:?}");
+    }
+    assert_eq!(fsdp_step::exit_code(ErrorKind::Timeout), restart);
+}

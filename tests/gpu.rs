@@ -17,6 +17,8 @@
 //! outside the crate, set-up (control communicator, blocking data communicators,
 //! warm-up) under deadlines, the watchdog, raw streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
 //! rank inside a window registration and inside a collective.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 #[cfg(not(feature = "nccl"))]
 fn main() {
@@ -1330,9 +1332,9 @@ mod gpu_tests {
                 .with_writer(std::io::stderr)
                 .try_init();
         }
-        let mut args = libtest_mimic::Arguments::from_args();
+        let (mut args, filters) = arguments(std::env::args());
         args.test_threads = Some(1);
-        let trials = vec![
+        let mut trials = vec![
             trial(
                 "one_gpu_segments_windows_and_close",
                 1,
@@ -1429,6 +1431,46 @@ mod gpu_tests {
                 gpu_checked_collectives_catch_every_divergence_on_nccl,
             ),
         ];
+        if !filters.is_empty() {
+            trials.retain(|t| {
+                (filters.iter()).any(|f| {
+                    if args.exact {
+                        t.name() == f
+                    } else {
+                        t.name().contains(f.as_str())
+                    }
+                })
+            });
+        }
         libtest_mimic::run(&args, trials).exit();
+    }
+
+    /// libtest's command line with any number of name filters, as libtest takes them
+    /// (`cargo test --test gpu -- all_gather reduce_scatter` runs the trials whose
+    /// names contain either): libtest-mimic takes one, so the filters are taken out
+    /// before it parses the rest, and applied by the caller.
+    fn arguments(mut raw: impl Iterator<Item = String>) -> (libtest_mimic::Arguments, Vec<String>) {
+        // The options that take a value (libtest-mimic 0.8).
+        const VALUED: [&str; 6] = [
+            "--test-threads",
+            "--logfile",
+            "--skip",
+            "--color",
+            "--format",
+            "-Z",
+        ];
+        let mut rest: Vec<String> = raw.next().into_iter().collect(); // the program
+        let mut filters = Vec::new();
+        while let Some(a) = raw.next() {
+            if VALUED.contains(&a.as_str()) {
+                rest.push(a);
+                rest.extend(raw.next());
+            } else if a.starts_with('-') {
+                rest.push(a);
+            } else {
+                filters.push(a);
+            }
+        }
+        (libtest_mimic::Arguments::from_iter(rest), filters)
     }
 }

@@ -1,6 +1,8 @@
 //! Observability: tracing events of the slow paths (captured by a small layer),
 //! silence when off, the flat statistics against a recount, snapshots through JSON,
 //! and the memory-map pictures.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 use proptest::prelude::*;
 use std::cell::RefCell;
@@ -209,6 +211,9 @@ fn growth_registration_agreement_and_path_each_leave_their_trace() {
     assert_eq!(paths.len(), 2);
     assert_eq!(paths[0].field("op"), Some("all_gather"));
     assert_eq!(paths[0].field("path"), Some("symmetric_kernel"));
+    // Which rank and pool ran it (issue 26).
+    assert_eq!(paths[0].field("rank"), Some("0"));
+    assert_eq!(paths[0].field("pool"), Some("pool"));
     assert_eq!(paths[1].field("op"), Some("reduce_scatter"));
     find(true, "trim");
     find(true, "close");

@@ -1,6 +1,8 @@
 //! `reserve` and `reserve_small` refuse to register while any stream the pool has
 //! served is capturing a CUDA graph (on every rank), and `reserve_small` pre-grows the
 //! small-block segments so that small allocations during capture hit the cache.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,5 +1,7 @@
 //! The pool on the host backend: determinism across 2, 4 and 8 ranks, registration
 //! counts, divergence, bad input, scopes, trim and close.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 mod common;
 

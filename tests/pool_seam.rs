@@ -2,6 +2,8 @@
 //! a host backend: bounded teardown, true statistics, the configuration in effect,
 //! failures inside `Drop`, a panic under the pool's lock, and out-of-memory errors
 //! that say whose memory ran out.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

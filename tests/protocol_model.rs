@@ -128,6 +128,8 @@
 //! `fuzz/fuzz_targets/core_ops.rs` checks the allocator core alone (placement,
 //! statistics, invariants); this test uses the core only as a shadow and checks the
 //! protocol around it. They share no property, so they share no oracle.
+// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
+#![allow(deprecated)]
 
 use proptest::prelude::*;
 use std::sync::Arc;

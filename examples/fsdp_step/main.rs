@@ -50,9 +50,9 @@ use clap::Parser;
 use parking_lot::Mutex;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
 use symmpool::coll::{Choice, Path, PathPolicy};
-use symmpool::observe::PoolSnapshot;
+use symmpool::observe::{MemoryStats, PoolSnapshot, StatValue};
 use symmpool::{
-    Backend, Coll, Element, HostBackend, HostConfig, PoolConfig, PoolStats, ReduceOp, Result,
+    Backend, Coll, Element, ErrorKind, HostBackend, HostConfig, PoolConfig, ReduceOp, Result,
     Stream, SymmBuffer, SymmPool,
 };
 use trainer::{Math, Trainer};
@@ -126,21 +126,27 @@ pub fn reduce_scatter_in_place<E: Element>(
     Ok(report.path)
 }
 
-/// A mode's statistics: its parameter pool's, with the gradient pool's segments,
-/// registrations and bytes added (peaks: the sum of the two pools' peaks).
-fn stats(pools: &[SymmPool; 2]) -> PoolStats {
-    let mut all = pools[0].stats();
-    let grads = pools[1].stats();
-    for (a, b) in all.registrations.iter_mut().zip(&grads.registrations) {
-        *a += b;
+/// A mode's statistics: its parameter pool's and its gradient pool's, summed key by
+/// key (peaks: the sum of the two pools' peaks).
+fn stats(pools: &[SymmPool; 2]) -> MemoryStats {
+    let mut all = pools[0].memory_stats();
+    for (key, value) in pools[1].memory_stats() {
+        let sum = match (all.get(&key), value) {
+            (Some(StatValue::Count(a)), StatValue::Count(b)) => StatValue::Count(a + b),
+            (Some(StatValue::Real(a)), StatValue::Real(b)) => StatValue::Real(a + b),
+            (_, v) => v,
+        };
+        all.insert(key, sum);
     }
-    let (a, b) = (&mut all.core, &grads.core);
-    a.segments.current += b.segments.current;
-    a.small.segments.current += b.small.segments.current;
-    a.large.segments.current += b.large.segments.current;
-    a.reserved_bytes.peak += b.reserved_bytes.peak;
-    a.allocated_bytes.peak += b.allocated_bytes.peak;
     all
+}
+
+/// Window registrations on every communicator.
+fn registrations(stats: &MemoryStats) -> u64 {
+    (stats.iter())
+        .filter(|(k, _)| k.starts_with("registrations."))
+        .filter_map(|(_, v)| v.as_u64())
+        .sum()
 }
 
 /// Every rank's snapshot at the end of training (with `--memory-map`), per mode.
@@ -223,14 +229,14 @@ pub fn run_one_rank<M: Math>(
             log.losses.push(out.loss);
             log.step_ms.push(out.ms);
             if step == 0 {
-                log.segments_first_step = stats(pools).core.segments.current;
+                log.segments_first_step = stats(pools)["segment.all.current"].as_u64().unwrap_or(0);
                 // Warm-up sizing (collective): the step's temporaries are free now; one
                 // segment sized to its peak replaces the ones growth made on the way.
                 for pool in pools.iter() {
                     pool.fit_to_peak()?;
                 }
             }
-            log.registrations = stats(pools).registrations.iter().sum();
+            log.registrations = registrations(&stats(pools));
             if step == 0 {
                 log.registrations_first_step = log.registrations;
             }
@@ -303,8 +309,11 @@ fn main() {
     // `RUST_LOG=symmpool=info` (or `debug`, `trace`) shows the pool's spans and events.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // No colour codes in a redirected log.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -315,21 +324,12 @@ fn main() {
         match launch::run_as_rank(&args) {
             Ok(Some(results)) => results,
             Ok(None) => return, // not rank 0: rank 0 reports
-            Err(err) => {
-                eprintln!("fsdp_step: {err}");
-                std::process::exit(1)
-            }
+            Err(err) => fail(&err),
         }
     } else if let Some(n) = cli.nproc {
-        launch::spawn_ranks(n).unwrap_or_else(|err| {
-            eprintln!("fsdp_step: {err}");
-            std::process::exit(1)
-        })
+        launch::spawn_ranks(n).unwrap_or_else(|err| fail(&err))
     } else {
-        run_threads(&cli, &args).unwrap_or_else(|err| {
-            eprintln!("fsdp_step: {err}");
-            std::process::exit(1)
-        })
+        run_threads(&cli, &args).unwrap_or_else(|err| fail(&err))
     };
     if launch::is_child() {
         launch::report_to_parent(&results);
@@ -363,6 +363,39 @@ fn main() {
     if let Err(msg) = check(&results) {
         eprintln!("fsdp_step: check failed: {msg}");
         std::process::exit(1);
+    }
+}
+
+/// Report `err` (its `Display`, which carries the advice, and its kind) and exit with
+/// the kind's status, so that a launcher or a runtime can sort failures without parsing
+/// messages:
+///
+/// | status | [`ErrorKind`] | what to do |
+/// |---|---|---|
+/// | 64 | `Usage` | fix the program |
+/// | 65 | `Divergence` | fix the program (the ranks made different calls) |
+/// | 78 | `Configuration` | fix the settings or the environment |
+/// | 75 | `OutOfMemory` | retry with less (a smaller model or batch) |
+/// | 69 | `Timeout`, `PeerLost` | restart the job |
+/// | 71 | `System` | restart; look at the device or the host |
+/// | 70 | `Broken`, `Internal`, others | restart; report an internal error |
+///
+/// A failed check of the results exits with 1.
+fn fail(err: &symmpool::Error) -> ! {
+    eprintln!("fsdp_step: {err} [{}]", err.kind());
+    std::process::exit(exit_code(err.kind()))
+}
+
+/// The exit status for an error of `kind` (the table of [`fail`]).
+pub fn exit_code(kind: ErrorKind) -> i32 {
+    match kind {
+        ErrorKind::Usage => 64,
+        ErrorKind::Divergence => 65,
+        ErrorKind::Configuration => 78,
+        ErrorKind::OutOfMemory => 75,
+        ErrorKind::Timeout | ErrorKind::PeerLost => 69,
+        ErrorKind::System => 71,
+        _ => 70,
     }
 }
 

@@ -4,8 +4,8 @@
 use super::cli::{Args, BackendChoice, Mode};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use symmpool::PoolStats;
 use symmpool::coll::Path;
+use symmpool::observe::MemoryStats;
 
 /// Print a line to stdout; a closed pipe (`| head`) is not an error worth a panic.
 macro_rules! out {
@@ -169,12 +169,17 @@ impl Summary {
         mode: Mode,
         rank: usize,
         log: Log,
-        stats: &PoolStats,
+        stats: &MemoryStats,
         ag: &[Path],
         rs: &[Path],
     ) -> Summary {
         let later = Spread::of(&log.step_ms[1.min(log.step_ms.len())..]);
-        let per_comm = stats.roles.iter().zip(&stats.registrations);
+        let get = |key: &str| stats.get(key).and_then(|v| v.as_u64()).unwrap_or(0);
+        // `registrations.ROLE`: the registrations on the communicators of each role.
+        let per_comm: BTreeMap<String, u64> = stats
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("registrations.")?.to_string(), v.as_u64()?)))
+            .collect();
         // `none` computes on buffers no collective filled: its losses mean nothing and
         // may not even be finite (JSON has no NaN); they are reported as 0.
         let losses: Vec<f32> = if mode.communicates() {
@@ -196,16 +201,16 @@ impl Summary {
             max_step_ms: later.max,
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
             last_loss: losses.last().copied().unwrap_or(f32::NAN),
-            registrations: stats.registrations.iter().sum(),
-            registrations_per_communicator: per_comm.map(|(r, n)| (format!("{r:?}"), *n)).collect(),
+            registrations: per_comm.values().sum(),
+            registrations_per_communicator: per_comm,
             registrations_first_step: log.registrations_first_step,
             registrations_after_first_step: log.registrations - log.registrations_first_step,
             segments_first_step: log.segments_first_step,
-            segments: stats.core.segments.current,
-            segments_small: stats.core.small.segments.current,
-            segments_large: stats.core.large.segments.current,
-            peak_reserved_bytes: stats.core.reserved_bytes.peak,
-            peak_allocated_bytes: stats.core.allocated_bytes.peak,
+            segments: get("segment.all.current"),
+            segments_small: get("segment.small_pool.current"),
+            segments_large: get("segment.large_pool.current"),
+            peak_reserved_bytes: get("reserved_bytes.all.peak"),
+            peak_allocated_bytes: get("allocated_bytes.all.peak"),
             all_gather_paths: paths(ag),
             reduce_scatter_paths: paths(rs),
             losses,
@@ -224,14 +229,22 @@ pub fn step_line(mode: Mode, step: usize, loss: f32, ms: f64) {
     );
 }
 
-/// A path as the table shows it.
-fn path_words(p: &str) -> String {
+/// A path as the table shows it. On the host backend there are no kernels and no
+/// copy engines (every path makes the same copies): what is real is whether the
+/// buffers were in registered windows (`window`) or not (`no window`).
+fn path_words(p: &str, gpu: bool) -> String {
     if p.is_empty() {
         return "-".into();
     }
-    p.replace("CopyEngine", "copy engine")
-        .replace("SymmetricKernel", "symmetric kernel")
-        .replace("PlainKernel", "plain kernel")
+    if gpu {
+        p.replace("CopyEngine", "copy engine")
+            .replace("SymmetricKernel", "symmetric kernel")
+            .replace("PlainKernel", "plain kernel")
+    } else {
+        p.replace("CopyEngine", "window")
+            .replace("SymmetricKernel", "window")
+            .replace("PlainKernel", "no window")
+    }
 }
 
 /// The largest relative difference between the first mode's losses and any other's
@@ -259,11 +272,17 @@ pub fn print(args: &Args, results: &[Summary]) {
         }
         return;
     }
+    // Time ratios mean overlap of communication with computation on GPUs only; on the
+    // host backend each rank's thread computes and copies in turn.
+    let gpu = args.backend == BackendChoice::Nccl;
     let ag_width = results
         .iter()
-        .map(|r| path_words(&r.all_gather_paths).len());
+        .map(|r| path_words(&r.all_gather_paths, gpu).len());
     let w = ag_width.max().unwrap_or(0).max(16);
-    let ratio = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.3}"));
+    let ratio = |x: Option<f64>| match x {
+        Some(x) if gpu => format!("{x:.3}"),
+        _ => "-".into(),
+    };
     out!(
         "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps",
         args.backend.name(),
@@ -292,8 +311,8 @@ pub fn print(args: &Args, results: &[Summary]) {
         "{:<5} {:>8} {:>7} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
         "mode",
         "ms",
-        "÷ ring",
-        "÷ none",
+        "t/ring",
+        "t/none",
         "loss",
         "loss",
         "first / later",
@@ -331,26 +350,44 @@ pub fn print(args: &Args, results: &[Summary]) {
             ),
             mib(r.peak_reserved_bytes),
             mib(r.peak_allocated_bytes),
-            path_words(&r.all_gather_paths),
-            path_words(&r.reduce_scatter_paths),
+            path_words(&r.all_gather_paths, gpu),
+            path_words(&r.reduce_scatter_paths, gpu),
         );
     }
-    out!(
-        "(step ms: median after the first step; ÷ ring, ÷ none: over ring's, none's; registrations: NCCL \
-         windows registered in setup + first step / later steps; segments: after the \
-         first step → after warm-up sizing (small + large class); MiB: peak per rank; \
-         paths: last step)"
-    );
+    if gpu {
+        out!(
+            "(step ms: median after the first step; t/ring, t/none: step time over ring's, \
+             none's (below 1: faster); registrations: NCCL windows registered in setup + \
+             first step / later steps; segments: after the first step → after warm-up \
+             sizing (small + large class); MiB: peak per rank; paths: last step)"
+        );
+    } else {
+        out!(
+            "(host backend: ranks are threads and memory is host memory. Real here: the \
+             pool's placement, registrations and segments, and the collectives, which \
+             move and sum real data between the ranks' memory (the same copies in every \
+             mode: no copy engine or kernel runs; the path columns say whether the \
+             buffers were in registered windows, `window`, or not, `no window`). Step \
+             times measure host loops with nothing overlapped, so no time ratios. \
+             registrations: windows registered in setup + first step / later steps; \
+             segments: after the first step → after warm-up sizing (small + large \
+             class); MiB: peak per rank; paths: last step)"
+        );
+    }
     if has_none {
         out!(
             "(none: the same step with its collectives left out, on buffers nothing filled, \
              so no losses; its step time is what hiding all communication would reach)"
         );
     }
-    if let Some(auto) = results.iter().find(|r| r.mode == Mode::Auto) {
+    if let Some(auto) = results
+        .iter()
+        .find(|r| r.mode == Mode::Auto)
+        .filter(|_| gpu)
+    {
         out!(
-            "auto ÷ none (over the same step without communication; 1 = all hidden): {}   \
-             auto ÷ ring: {}",
+            "auto t/none (step time over the same step without communication; 1 = all \
+             hidden): {}   auto t/ring: {}",
             ratio(auto.over_none),
             ratio(auto.over_ring)
         );

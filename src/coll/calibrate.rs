@@ -427,8 +427,8 @@ mod tests {
         }));
         for p in &pools {
             assert_eq!(
-                p.stats().core.segments.current,
-                0,
+                p.memory_stats()["segment.all.current"].as_u64(),
+                Some(0),
                 "the temporary pool is gone"
             );
         }

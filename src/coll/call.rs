@@ -610,7 +610,7 @@ impl Coll {
         };
         entry.counters.add(path_index(path), bytes_per_rank);
         if tracing::level_enabled!(tracing::Level::DEBUG) {
-            path::collective(coll, &report);
+            path::collective(pool, coll, &report);
         }
         Ok(report)
     }

@@ -235,8 +235,10 @@ impl Coll {
     /// mode. With ranks as threads of one process, make them concurrently.
     ///
     /// # Errors
-    /// [`Error::PoolClosed`]; [`Error::ChannelMismatch`] on every rank if the ranks'
-    /// pools or check modes differ; [`Error::Timeout`] / [`Error::PeerLost`] if a rank
+    /// [`Error::PoolClosed`]; [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
+    /// the pool's configuration was made (and the code did not set the mode);
+    /// [`Error::ChannelMismatch`] on every rank if the ranks' pools or check modes
+    /// differ; [`Error::Timeout`] / [`Error::PeerLost`] if a rank
     /// does not make its handle within the pool's timeout; [`Error::Internal`] if the
     /// [`CheckMode::Async`] check thread (started here, not by a collective) cannot be
     /// started.
@@ -277,6 +279,9 @@ impl Coll {
             .map(|pool| {
                 pool.check_open()?;
                 let config = pool.config();
+                if let Some(e) = config.check_env_error() {
+                    return Err(e);
+                }
                 // The check mode is part of the name: ranks with different modes fail
                 // here.
                 let channel = pool.backend().exchange().open_channel(

@@ -344,9 +344,11 @@ pub fn path_name(path: Path) -> &'static str {
 /// level first, so that when off the event costs one load and not also the `log`
 /// fallback's: the hot path's events go to tracing subscribers only).
 #[cold]
-pub(crate) fn collective(coll: CollOp, report: &CollectiveReport) {
+pub(crate) fn collective(pool: &crate::SymmPool, coll: CollOp, report: &CollectiveReport) {
     tracing::debug!(
         target: "symmpool::coll",
+        rank = pool.rank(),
+        pool = %pool.config().name,
         op = coll.name(),
         path = path_name(report.path),
         comm = report.comm,

@@ -171,15 +171,14 @@ impl Allocator {
         let class = self.config.class_of(size);
         let Some((key, pad)) = self.find_fit(class, size, align) else {
             self.stats.num_misses += 1;
-            // Only the registered policy sizes large segments from the live bytes (a
-            // walk of the large free index, off the cache-hit path).
-            let large_allocated = if class == SizeClass::Large && self.config.growth.is_registered()
-            {
-                self.class_allocated_bytes(SizeClass::Large)
+            // Only the registered policy sizes segments from the class's live bytes (a
+            // walk of the class's free index, off the cache-hit path).
+            let class_allocated = if self.config.growth.is_registered() {
+                self.class_allocated_bytes(class)
             } else {
                 0
             };
-            let growth = self.config.growth_with(size, align, large_allocated)?;
+            let growth = self.config.growth_with(size, align, class_allocated)?;
             let would = self
                 .stats
                 .reserved_bytes

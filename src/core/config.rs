@@ -8,6 +8,11 @@ use serde::{Deserialize, Serialize};
 /// One mebibyte, for readable defaults.
 const MIB: u64 = 1 << 20;
 
+/// The smallest small segment of [`CoreConfig::registered()`]: 32 MiB, so that a few
+/// hundred small live blocks take a few registered segments, not one each (48 MiB
+/// would take the Llama-like trace of `tests/fsdp_trace.rs` past its 1.15 floor).
+const REGISTERED_SMALL_SEGMENT_BYTES: u64 = 32 * MIB;
+
 /// The largest segment (and request) the core handles: 16 TiB, so that sizes and
 /// offsets fit the free index's packed keys.
 pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
@@ -38,29 +43,39 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
 /// That is [`GrowthPolicy::Caching`], the policy of [`CoreConfig::default()`]. For
 /// memory whose segments are expensive (registered collectively with NCCL, each taking
 /// symmetric address space on every peer), [`CoreConfig::registered()`] selects
-/// [`GrowthPolicy::Registered`], which starts with one large chunk and keeps the number
-/// of large segments logarithmic in the peak working set:
+/// [`GrowthPolicy::Registered`], which starts each size class with one chunk and keeps
+/// the number of segments of each class logarithmic in its peak working set:
 ///
 /// | request (rounded up to `min_block_bytes`)   | class | new segment (registered policy)      |
 /// |---------------------------------------------|-------|--------------------------------------|
-/// | ≤ `small_request_max_bytes`                 | small | `small_segment_bytes` (2 MiB), as above |
+/// | ≤ `small_request_max_bytes`                 | small | `small_chunk`                        |
 /// | larger                                      | large | `max(chunk, fit)`, shared (no dedicated-segment rule) |
 ///
 /// where `chunk = clamp(⌈large_allocated · growth_percent / 100⌉, min_chunk_bytes,
 /// max_chunk_bytes)` rounded up to `granularity_bytes`, with `large_allocated` the
 /// bytes of the large class's live blocks when the request misses (defaults: 448 MiB
-/// minimum chunk, 4 GiB maximum chunk, 100 %), and `fit` the request rounded up as a
+/// minimum chunk, 4 GiB maximum chunk, 50 %), and `fit` the request rounded up as a
 /// dedicated segment of the table above (requests up to `dedicated_min_bytes` to
 /// `granularity_bytes`). So a request larger than the chunk still gets a segment that
-/// fits it. The chunk grows with the live data, not with what is reserved: the
-/// over-reserve of earlier growths (free space, fragments) does not compound. With the
-/// defaults the first large segment is 448 MiB (or the first request's fit), and each
-/// later growth adds at least as much as the class has live (while chunks are below
-/// 4 GiB), so the number of segments stays logarithmic in the peak working set.
+/// fits it. The small class grows the same way from its own live bytes:
+/// `small_chunk = clamp(⌈small_allocated · growth_percent / 100⌉, small_segment_bytes,
+/// max(max_chunk_bytes, small_segment_bytes))` rounded up to `granularity_bytes`
+/// ([`CoreConfig::registered()`] sets `small_segment_bytes` to 32 MiB). The chunk grows
+/// with the live data, not with what is reserved: the over-reserve of earlier growths
+/// (free space, fragments) does not compound. With the defaults the first large
+/// segment is 448 MiB (or the first request's fit), the first small one 32 MiB, and
+/// each later growth adds at least half of what the class has live (while chunks are
+/// below 4 GiB), so the number of segments stays logarithmic in the peak working set
+/// and right after a growth a class reserves about 1.5 times its live bytes at most
+/// (plus fragments). 1 000 live
+/// tensors of 64 KiB–4 MiB (2 GiB) take 8 segments, 1.07 × their bytes
+/// (`tests/pool_small_growth.rs`).
 ///
 /// The defaults were picked by a sweep over the FSDP-like traces of the tests
 /// (`tests/fsdp_trace.rs`, figures in `BENCHMARKS.md`): a Llama-like model (peak
-/// 814 MiB: two large segments), random layer sizes and the `fsdp_step` example.
+/// 814 MiB: two large segments), random layer sizes and the `fsdp_step` example; the
+/// growth of 50 % (rather than 100 %) and the small chunk for the floor of
+/// `tests/pool_small_growth.rs` (at most 8 segments, at most 1.5 × the peak).
 ///
 /// Under the registered policy every large segment is shared: large requests of any
 /// size are split out of them by best fit (remainders of at least
@@ -117,7 +132,8 @@ pub struct CoreConfig {
 
 /// How the core sizes new large segments (see the tables of [`CoreConfig`]).
 ///
-/// Small segments are `small_segment_bytes` under every policy.
+/// Small segments are `small_segment_bytes` under the caching policy; under the
+/// registered policy that is the smallest small segment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum GrowthPolicy {
@@ -126,8 +142,8 @@ pub enum GrowthPolicy {
     /// of about its own size for every larger request.
     #[default]
     Caching,
-    /// For registered (symmetric) memory, where every segment is expensive: a new large
-    /// segment is at least a chunk that grows with the bytes the large class has
+    /// For registered (symmetric) memory, where every segment is expensive: a new
+    /// segment is at least a chunk that grows with the bytes its size class has
     /// allocated, so the number of segments is logarithmic in the peak working set.
     Registered {
         /// Smallest new large segment, in bytes (default 448 MiB; a non-zero multiple
@@ -137,8 +153,8 @@ pub enum GrowthPolicy {
         /// multiple of `granularity_bytes`). A larger request still gets a segment that
         /// fits it.
         max_chunk_bytes: u64,
-        /// A chunk is this percentage of the bytes the large class has allocated (live
-        /// blocks) when the request misses (default 100; at most 10 000).
+        /// A chunk is this percentage of the bytes the request's class has allocated
+        /// (live blocks) when the request misses (default 50; at most 10 000).
         growth_percent: u64,
         /// Extra room the segment planned by
         /// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) gets on
@@ -150,12 +166,12 @@ pub enum GrowthPolicy {
 
 impl GrowthPolicy {
     /// The registered policy with its defaults: 448 MiB minimum chunk, 4 GiB maximum
-    /// chunk, 100 % growth, 10 % fit headroom.
+    /// chunk, 50 % growth, 10 % fit headroom.
     pub fn registered() -> Self {
         GrowthPolicy::Registered {
             min_chunk_bytes: 448 * MIB,
             max_chunk_bytes: 4096 * MIB,
-            growth_percent: 100,
+            growth_percent: 50,
             fit_headroom_percent: 10,
         }
     }
@@ -186,10 +202,12 @@ impl Default for CoreConfig {
 }
 
 impl CoreConfig {
-    /// The default sizes with [`GrowthPolicy::registered()`]: what a pool whose
-    /// segments are registered with NCCL should use.
+    /// The default sizes with [`GrowthPolicy::registered()`] and 32 MiB as the smallest
+    /// small segment: what a pool whose segments are registered with NCCL should use.
     pub fn registered() -> Self {
-        CoreConfig::default().with_growth(GrowthPolicy::registered())
+        let mut c = CoreConfig::default().with_growth(GrowthPolicy::registered());
+        c.small_segment_bytes = REGISTERED_SMALL_SEGMENT_BYTES;
+        c
     }
 
     /// Set the growth policy.
@@ -216,7 +234,7 @@ impl CoreConfig {
     }
 
     /// Set the growth percentage of the registered policy (100: a new chunk as large
-    /// as the large class's allocated bytes). The policy becomes
+    /// as the class's allocated bytes). The policy becomes
     /// [`GrowthPolicy::Registered`] if it was not already.
     pub fn with_growth_percent(mut self, percent: u64) -> Self {
         let mut g = self.registered_policy();
@@ -397,8 +415,8 @@ impl CoreConfig {
     }
 
     /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the large class has allocated
-    /// nothing (see the tables above). Under [`GrowthPolicy::Caching`] that is the only
+    /// with effective alignment `align_bytes`, when the request's size class has
+    /// allocated nothing (see the tables above). Under [`GrowthPolicy::Caching`] that is the only
     /// case.
     ///
     /// # Errors
@@ -408,9 +426,11 @@ impl CoreConfig {
     }
 
     /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the large class's live blocks take
-    /// `large_allocated_bytes` (only the registered policy looks at it; the allocator
-    /// passes [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes)).
+    /// with effective alignment `align_bytes`, when the live blocks of the request's
+    /// size class take `class_allocated_bytes` (only the registered policy looks at it;
+    /// the allocator passes
+    /// [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes) of
+    /// the request's class).
     ///
     /// # Errors
     /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
@@ -418,7 +438,7 @@ impl CoreConfig {
         &self,
         rounded_bytes: u64,
         align_bytes: u64,
-        large_allocated_bytes: u64,
+        class_allocated_bytes: u64,
     ) -> Result<Growth, AllocError> {
         // Offset 0 of a segment satisfies every alignment up to the granularity, so the
         // request alone decides the size.
@@ -429,7 +449,23 @@ impl CoreConfig {
             max_bytes: self.max_request_bytes,
         };
         let segment_bytes = match (class, self.growth) {
-            (SizeClass::Small, _) => self.small_segment_bytes,
+            (SizeClass::Small, GrowthPolicy::Caching) => self.small_segment_bytes,
+            (
+                SizeClass::Small,
+                GrowthPolicy::Registered {
+                    max_chunk_bytes,
+                    growth_percent,
+                    ..
+                },
+            ) => {
+                // A small request fits `small_segment_bytes` (validated), the floor.
+                let chunk = self.chunk(class_allocated_bytes, growth_percent);
+                let chunk = chunk.clamp(
+                    self.small_segment_bytes,
+                    max_chunk_bytes.max(self.small_segment_bytes),
+                );
+                align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?
+            }
             (SizeClass::Large, GrowthPolicy::Caching)
                 if rounded_bytes <= self.dedicated_min_bytes =>
             {
@@ -453,9 +489,9 @@ impl CoreConfig {
                     self.dedicated_size(rounded_bytes)
                 }
                 .ok_or_else(|| too_large.clone())?;
-                let grown = u128::from(large_allocated_bytes) * u128::from(growth_percent);
-                let grown = u64::try_from(grown.div_ceil(100)).unwrap_or(u64::MAX);
-                let chunk = grown.clamp(min_chunk_bytes, max_chunk_bytes);
+                let chunk = self
+                    .chunk(class_allocated_bytes, growth_percent)
+                    .clamp(min_chunk_bytes, max_chunk_bytes);
                 // max_chunk_bytes is a multiple of the granularity, so this cannot overflow.
                 let chunk =
                     align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?;
@@ -466,6 +502,12 @@ impl CoreConfig {
             class,
             segment_bytes,
         })
+    }
+
+    /// `⌈allocated_bytes · growth_percent / 100⌉`, saturating.
+    fn chunk(&self, allocated_bytes: u64, growth_percent: u64) -> u64 {
+        let grown = u128::from(allocated_bytes) * u128::from(growth_percent);
+        u64::try_from(grown.div_ceil(100)).unwrap_or(u64::MAX)
     }
 
     /// A dedicated segment's size for a large request: rounded up to a multiple of

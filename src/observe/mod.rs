@@ -22,7 +22,7 @@
 //! | `releasing segment` | event | info | `rank`, `segment`, `segment_bytes` |
 //! | `alloc` (a cache hit or after growth) | event | trace | `rank`, `size_bytes`, `segment`, `offset_bytes`, `allocation` |
 //! | `free deferred` / `deferred frees applied` | event | debug | `rank`, `allocation` / `count` |
-//! | `collective` (path choice) | event | debug | `op`, `path`, `comm`, `bytes_per_rank` |
+//! | `collective` (path choice) | event | debug | `rank`, `pool`, `op`, `path`, `comm`, `bytes_per_rank` |
 //! | `symmpool call failed` (before a public pool or collective call returns an error) | event | error | `rank`, `pool`, `op`, `error` |
 //! | `POOL DROPPED WITHOUT close()` | event | warn (and standard error when neither `tracing` nor `log` is set up) | `rank`, `pool`, `segments`, `bytes` |
 //!
@@ -49,7 +49,8 @@
 //! | `active.all.current` | allocated blocks plus fenced free blocks |
 //! | `inactive_split.all.current` | free blocks in split segments |
 //! | `{allocated_bytes,requested_bytes,reserved_bytes,active_bytes,inactive_split_bytes,segment,allocation,active,inactive_split}.{small_pool,large_pool}.current` | the same per size class |
-//! | `num_alloc_retries` | allocations that found no free block and grew the pool (or failed) |
+//! | `num_cache_misses` | allocations that found no free block and grew the pool (or failed) |
+//! | `num_alloc_retries` | as in PyTorch, failed device allocations followed by a cache flush and a retry: always 0 (the pool never flushes its cache to retry; a failed growth is an error) |
 //! | `num_ooms` | allocations that failed for want of memory (pool limit, device, a peer) |
 //! | `num_device_alloc`, `num_device_free` | segments allocated / released (growths, `reserve`; `trim`, `close`) |
 //! | `num_splits`, `num_merges` | blocks split to serve a request / freed blocks merged with a neighbour |
@@ -87,10 +88,36 @@
 //! # Ok::<(), symmpool::Error>(())
 //! ```
 
+//!
+//! # History and PyTorch's memory viewer
+//!
+//! [`SymmPool::record_memory_history`](crate::SymmPool::record_memory_history) starts
+//! PyTorch's `_record_memory_history(max_entries=…)`: a ring buffer of this rank's
+//! alloc, free, segment-allocation and segment-release events ([`MemoryEvent`]: sizes,
+//! stream, segment and offset, allocation number, a sequence number, a time stamp),
+//! read with [`memory_history`](crate::SymmPool::memory_history).
+//! [`torch_memory_snapshot`](crate::SymmPool::torch_memory_snapshot) exports the
+//! snapshot and the history as the dictionary `torch.cuda.memory._snapshot()`
+//! returns ([`TorchSnapshot`]: `segments` with their `blocks`, `device_traces`):
+//! serialised to JSON and pickled, `pytorch.org/memory_viz` opens it.
+//! [`gather_memory_snapshots`](crate::SymmPool::gather_memory_snapshots) brings every
+//! rank's snapshot to every rank in one collective call, for
+//! [`render_ranks`].
+//!
+//! [`memory_stats`](crate::SymmPool::memory_stats) and
+//! [`memory_snapshot`](crate::SymmPool::memory_snapshot) are the statistics and
+//! snapshot APIs; the older `stats()` and `snapshot()` are deprecated.
+
+mod gather;
+mod history;
 mod render;
 mod snapshot;
 mod stats;
+mod torch;
 
+pub(crate) use history::MemoryHistory;
+pub use history::{MemoryAction, MemoryEvent};
 pub use render::{MIN_BLOCK_PX, render_ranks, render_svg};
 pub use snapshot::{BlockStatus, BlockView, PoolSnapshot, SegmentView, WindowView};
 pub use stats::{MemoryStats, StatValue};
+pub use torch::{TorchBlock, TorchFrame, TorchSegment, TorchSnapshot, TorchTraceEntry};

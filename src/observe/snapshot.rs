@@ -113,6 +113,14 @@ impl SymmPool {
     /// [`render_ranks`](crate::observe::render_ranks), save it with serde.
     pub fn memory_snapshot(&self) -> PoolSnapshot {
         let (segments, stats) = self.observe_now();
+        self.snapshot_of(segments, stats)
+    }
+
+    pub(crate) fn snapshot_of(
+        &self,
+        segments: Vec<SegmentView>,
+        stats: MemoryStats,
+    ) -> PoolSnapshot {
         PoolSnapshot {
             pool: self.config().name.clone(),
             rank: self.rank(),
@@ -131,6 +139,15 @@ impl SymmPool {
 
     /// Segments and statistics under one lock.
     fn observe_now(&self) -> (Vec<SegmentView>, MemoryStats) {
+        let (segments, stats, _) = self.observe_with(|_, _, _| ());
+        (segments, stats)
+    }
+
+    /// Segments, statistics and `also(state, segments, statistics)` under one lock.
+    pub(crate) fn observe_with<T>(
+        &self,
+        also: impl FnOnce(&mut crate::pool::PoolState, &[SegmentView], &MemoryStats) -> T,
+    ) -> (Vec<SegmentView>, MemoryStats, T) {
         let comms = self.backend().communicators();
         let mut st = self.state();
         if let Err(e) = self.refresh_fences(&mut st) {
@@ -193,8 +210,9 @@ impl SymmPool {
             growth_seconds: c.growth_time.as_secs_f64(),
             calls: st.history.seq(),
         };
-        drop(st);
         let stats = build_stats(&totals, &segments, comms, &self.inner.counters);
-        (segments, stats)
+        let extra = also(&mut st, &segments, &stats);
+        drop(st);
+        (segments, stats, extra)
     }
 }

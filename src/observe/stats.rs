@@ -180,7 +180,12 @@ pub(crate) fn build_stats(
             put(format!("{name}.{pool}.current"), v);
         }
     }
-    put("num_alloc_retries".into(), core.num_misses);
+    // PyTorch's meaning: failed device allocations followed by a cache flush and a
+    // retry. The pool never flushes its cache to retry a growth, so it is 0; the
+    // allocations that missed the cache (and grew the pool, or failed) are
+    // `num_cache_misses`.
+    put("num_alloc_retries".into(), 0);
+    put("num_cache_misses".into(), core.num_misses);
     put(
         "num_ooms".into(),
         counters.ooms.load(std::sync::atomic::Ordering::Relaxed),

@@ -35,20 +35,59 @@ pub struct PoolConfig {
     /// The pool's name (default `"pool"`): with its creation order, what identifies it
     /// to the other ranks (its agreements run on a channel of its own).
     pub name: String,
-    /// How collectives on the pool are checked across ranks (default
-    /// [`CheckMode::Async`]): the default of the collectives handles made from the
-    /// pool ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
-    /// collective.
+    /// How collectives on the pool are checked across ranks (default: the
+    /// `SYMMPOOL_CHECK` environment variable, `strict`, `async` or `off`, when it is
+    /// set, else [`CheckMode::Async`]): the mode of the collectives handles made from
+    /// the pool ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
+    /// collective. Code that sets it ([`with_check`](Self::with_check), or this field)
+    /// beats the environment. A `SYMMPOOL_CHECK` of another value makes
+    /// [`Coll::new`](crate::coll::Coll::new) fail with
+    /// [`Error::Config`](crate::Error::Config) unless
+    /// [`with_check`](Self::with_check) set the mode.
     pub check: CheckMode,
     /// Records an `Async` collectives handle's calling threads may have posted and
     /// not yet seen compared (default 64): the detection bound in collectives. A
     /// caller that finds the queue full waits for room (at most twice the pool's
     /// timeout). The default of the handles made from the pool.
     pub check_queue: usize,
+    /// A `SYMMPOOL_CHECK` value that names no mode, read by `default()` and cleared
+    /// by `with_check`: reported by `Coll::new`.
+    pub(crate) bad_check_env: Option<String>,
+}
+
+/// The environment variable that sets [`PoolConfig::check`]'s default.
+pub(crate) const CHECK_ENV: &str = "SYMMPOOL_CHECK";
+
+/// The check mode `value` names (`strict`, `async`, `off`, any case, surrounding
+/// blanks ignored), or `None`.
+pub(crate) fn parse_check_mode(value: &str) -> Option<CheckMode> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "strict" => Some(CheckMode::Strict),
+        "async" => Some(CheckMode::Async),
+        "off" => Some(CheckMode::Off),
+        _ => None,
+    }
+}
+
+/// `SYMMPOOL_CHECK`: unset or empty → `Ok(None)`; a mode → `Ok(Some(mode))`; anything
+/// else → `Err(value)`.
+fn check_from_env() -> Result<Option<CheckMode>, String> {
+    match std::env::var(CHECK_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
+        Ok(v) if v.trim().is_empty() => Ok(None),
+        Ok(v) => parse_check_mode(&v).map(Some).ok_or(v),
+    }
 }
 
 impl Default for PoolConfig {
+    /// The defaults of the fields' documentation; the check mode from
+    /// `SYMMPOOL_CHECK` when it is set.
     fn default() -> Self {
+        let (check, bad_check_env) = match check_from_env() {
+            Ok(mode) => (mode.unwrap_or_default(), None),
+            Err(bad) => (CheckMode::default(), Some(bad)),
+        };
         PoolConfig {
             // Few large registered segments (see `CoreConfig::registered`): each
             // segment is a collective registration on every communicator.
@@ -58,8 +97,9 @@ impl Default for PoolConfig {
             register: true,
             require_symmetric: false,
             name: "pool".into(),
-            check: CheckMode::Async,
+            check,
             check_queue: 64,
+            bad_check_env,
         }
     }
 }
@@ -95,10 +135,21 @@ impl PoolConfig {
         self
     }
 
-    /// Set the collective check mode.
+    /// Set the collective check mode (beats `SYMMPOOL_CHECK`, whatever its value).
     pub fn with_check(mut self, check: CheckMode) -> Self {
         self.check = check;
+        self.bad_check_env = None;
         self
+    }
+
+    /// The error for a `SYMMPOOL_CHECK` that names no mode, when the mode was not set
+    /// with [`with_check`](Self::with_check).
+    pub(crate) fn check_env_error(&self) -> Option<crate::Error> {
+        self.bad_check_env.as_ref().map(|v| crate::Error::Config {
+            setting: CHECK_ENV,
+            value: format!("{v:?}"),
+            expected: "strict, async or off (or unset: async)",
+        })
     }
 
     /// Set the bound of an `Async` pool's record queue (at least 1).

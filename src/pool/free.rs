@@ -50,8 +50,25 @@ impl SymmPool {
         if st.closed {
             return;
         }
+        // Where the block is and its stream, for the allocation history (only while
+        // recording).
+        let seen = st.memory_history.is_some().then(|| {
+            let at = st.core.locate(block).ok();
+            let stream = st
+                .core
+                .streams_of(block)
+                .ok()
+                .and_then(|s| s.first().copied());
+            (at, stream)
+        });
         match st.core.free(block, fences) {
             Ok(()) => {
+                if let Some((Some(at), stream)) = seen {
+                    let address = st.segments.get(&at.0).and_then(|e| e.segment.device_ptr());
+                    if let Some(h) = st.memory_history.as_deref_mut() {
+                        h.free(block.seq, at, address, stream);
+                    }
+                }
                 st.history.record(CallKind::Free, block.seq, 0);
                 st.fenced_streams.extend(fences.iter().map(|w| w.stream));
             }

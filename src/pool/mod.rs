@@ -54,7 +54,7 @@ use crate::group::{CallHead, CallKind, History};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
-use state::PoolState;
+pub(crate) use state::PoolState;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -373,6 +373,14 @@ impl SymmPool {
         };
         st.counters.allocated_bytes_total += placement.size_bytes;
         st.counters.requested_bytes_total += size_bytes;
+        if let Some(h) = st.memory_history.as_deref_mut() {
+            h.alloc(
+                &placement,
+                entry.segment.device_ptr(),
+                size_bytes,
+                stream.id(),
+            );
+        }
         drop(st);
         if tracing::level_enabled!(tracing::Level::TRACE) {
             tracing::trace!(target: "symmpool::pool", rank = self.rank(), size_bytes,
@@ -418,6 +426,15 @@ impl SymmPool {
         let bytes = entry.segment.size_bytes();
         let windows = entry.windows.iter().filter(|w| w.is_some()).count();
         st.counters.reserved_bytes_total += bytes;
+        let address = entry.segment.device_ptr();
+        if let Some(h) = st.memory_history.as_deref_mut() {
+            h.segment(
+                crate::observe::MemoryAction::SegmentAlloc,
+                id,
+                address,
+                bytes,
+            );
+        }
         let class = match st.core.segments().find(|s| s.0 == id).map(|s| s.1) {
             Some(crate::core::SizeClass::Small) => "small",
             Some(crate::core::SizeClass::Large) => "large",

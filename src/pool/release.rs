@@ -110,10 +110,22 @@ impl SymmPool {
             };
             let bytes = entry.segment.size_bytes();
             tracing::info!(target: "symmpool::pool", rank = self.rank(), segment = id.0, segment_bytes = bytes, "releasing segment");
-            if let Err((entry, e)) = release_entry(backend, entry, &mut st.counters.deregistrations)
-            {
-                st.segments.insert(id, Arc::new(entry));
-                first_err.get_or_insert(e);
+            let address = entry.segment.device_ptr();
+            match release_entry(backend, entry, &mut st.counters.deregistrations) {
+                Ok(()) => {
+                    if let Some(h) = st.memory_history.as_deref_mut() {
+                        h.segment(
+                            crate::observe::MemoryAction::SegmentFree,
+                            id,
+                            address,
+                            bytes,
+                        );
+                    }
+                }
+                Err((entry, e)) => {
+                    st.segments.insert(id, Arc::new(entry));
+                    first_err.get_or_insert(e);
+                }
             }
         }
         first_err.map_or(Ok(()), Err)

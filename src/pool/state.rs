@@ -60,6 +60,8 @@ pub(crate) struct PoolState {
     pub(crate) counters: Counters,
     /// Streams the pool has allocated on: `reserve` refuses while any is capturing.
     pub(crate) known_streams: Vec<crate::stream::Stream>,
+    /// The allocation history, while recording (`record_memory_history`).
+    pub(crate) memory_history: Option<Box<crate::observe::MemoryHistory>>,
 }
 
 impl PoolState {
@@ -79,6 +81,7 @@ impl PoolState {
                 ..Counters::default()
             },
             known_streams: Vec::new(),
+            memory_history: None,
         }
     }
 

@@ -48,6 +48,10 @@ impl SymmPool {
     /// Statistics of the pool and its core. Asks the device which fences completed
     /// first, so `active_bytes` falls back to the live figure once the streams that
     /// used freed blocks are done.
+    ///
+    /// Deprecated: [`memory_stats`](Self::memory_stats) is the one statistics API
+    /// (PyTorch's keys, and every figure of this struct under its own key).
+    #[deprecated(since = "0.1.0", note = "use memory_stats(), the one statistics API")]
     pub fn stats(&self) -> PoolStats {
         let mut st = self.state();
         if let Err(e) = self.refresh_fences(&mut st) {
@@ -79,6 +83,11 @@ impl SymmPool {
     }
 
     /// Every segment and block (serialisable with serde).
+    ///
+    /// Deprecated: [`memory_snapshot`](Self::memory_snapshot) is the one snapshot API
+    /// (the same segments and blocks, with windows, allocation numbers, fenced
+    /// states and the statistics).
+    #[deprecated(since = "0.1.0", note = "use memory_snapshot(), the one snapshot API")]
     pub fn snapshot(&self) -> Snapshot {
         self.state().core.snapshot()
     }

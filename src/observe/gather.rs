@@ -1,0 +1,115 @@
+//! Every rank's snapshot in one collective call.
+
+use super::snapshot::{PoolSnapshot, SegmentView};
+use super::stats::{MemoryStats, StatValue};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use crate::pool::SymmPool;
+use serde::{Deserialize, Serialize};
+
+/// A statistic on the wire (postcard cannot read the untagged [`StatValue`]).
+#[derive(Serialize, Deserialize)]
+enum WireStat {
+    Count(u64),
+    Real(f64),
+}
+
+/// A [`PoolSnapshot`] on the wire.
+#[derive(Serialize, Deserialize)]
+struct WireSnapshot {
+    pool: String,
+    rank: usize,
+    world_size: usize,
+    segments: Vec<SegmentView>,
+    stats: Vec<(String, WireStat)>,
+}
+
+impl WireSnapshot {
+    fn of(snap: &PoolSnapshot) -> Self {
+        WireSnapshot {
+            pool: snap.pool.clone(),
+            rank: snap.rank,
+            world_size: snap.world_size,
+            segments: snap.segments.clone(),
+            stats: snap
+                .stats
+                .iter()
+                .map(|(k, v)| {
+                    let v = match *v {
+                        StatValue::Count(n) => WireStat::Count(n),
+                        StatValue::Real(x) => WireStat::Real(x),
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        }
+    }
+
+    fn into_snapshot(self) -> PoolSnapshot {
+        let stats: MemoryStats = self
+            .stats
+            .into_iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    WireStat::Count(n) => StatValue::Count(n),
+                    WireStat::Real(x) => StatValue::Real(x),
+                };
+                (k, v)
+            })
+            .collect();
+        PoolSnapshot {
+            pool: self.pool,
+            rank: self.rank,
+            world_size: self.world_size,
+            segments: self.segments,
+            stats,
+        }
+    }
+}
+
+impl SymmPool {
+    /// Every rank's [`memory_snapshot`](Self::memory_snapshot), in rank order, on every
+    /// rank: one round on the pool's channel, waiting for the peers until the pool's
+    /// timeout. Draw them with [`render_ranks`](crate::observe::render_ranks).
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its sequence of collective pool calls
+    /// (growth, `reserve`, `trim`, `close`, and this), as for
+    /// [`reserve`](Self::reserve).
+    ///
+    /// # Errors
+    /// [`Error::PayloadTooLarge`] if this rank's encoded snapshot is over the
+    /// exchange's payload limit (16 MiB shared by the ranks on the TCP store: some
+    /// ten thousand blocks per rank with 8 ranks); [`Error::Timeout`],
+    /// [`Error::PeerLost`], [`Error::GroupBroken`] from the exchange;
+    /// [`Error::Protocol`] if a peer's answer does not decode (a peer in another
+    /// collective pool call at this point).
+    pub fn gather_memory_snapshots(&self) -> Result<Vec<PoolSnapshot>> {
+        let deadline = Deadline::after(self.config().timeout);
+        let exchange = self.backend().exchange();
+        let channel = self.inner.channel;
+        let (segments, stats, gathered) = self.observe_with(|_, segments, stats| {
+            let mine = WireSnapshot::of(&self.snapshot_of(segments.to_vec(), stats.clone()));
+            let payload = postcard::to_allocvec(&mine).map_err(|e| Error::Internal {
+                what: format!("encoding a snapshot: {e}"),
+            })?;
+            // Under the pool's lock, as an agreement: no other round of this rank on
+            // the pool's channel runs meanwhile.
+            exchange.all_gather_until(channel, "memory snapshot", &payload, deadline)
+        });
+        let gathered = gathered?;
+        let mut out = Vec::with_capacity(gathered.len());
+        for (rank, bytes) in gathered.into_iter().enumerate() {
+            if rank == self.rank() {
+                out.push(self.snapshot_of(segments.clone(), stats.clone()));
+                continue;
+            }
+            let wire: WireSnapshot = postcard::from_bytes(&bytes).map_err(|e| Error::Protocol {
+                op: "memory snapshot",
+                detail: format!("rank {rank}'s snapshot does not decode: {e}"),
+            })?;
+            out.push(wire.into_snapshot());
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,238 @@
+//! The allocation history, PyTorch's `_record_memory_history`: a ring buffer of the
+//! pool's alloc, free and segment events on this rank.
+
+use crate::core::{Placement, SegmentId, StreamId};
+use crate::pool::SymmPool;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// What happened, in a [`MemoryEvent`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum MemoryAction {
+    /// A block was handed out (a cache hit, or after a growth).
+    Alloc,
+    /// A block was returned to the cache (its buffer dropped). The pool records
+    /// fences and makes a reuse on another stream wait for them, so the block is
+    /// reusable at once: PyTorch's `free_requested` and `free_completed` in one.
+    Free,
+    /// A segment was allocated (and registered) and added to the pool: growth,
+    /// `reserve`, `fit_to_peak`.
+    SegmentAlloc,
+    /// A segment was deregistered and freed: `trim`, `fit_to_peak`, `close`.
+    SegmentFree,
+}
+
+impl MemoryAction {
+    /// `alloc`, `free`, `segment_alloc` or `segment_free`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryAction::Alloc => "alloc",
+            MemoryAction::Free => "free",
+            MemoryAction::SegmentAlloc => "segment_alloc",
+            MemoryAction::SegmentFree => "segment_free",
+        }
+    }
+}
+
+/// One entry of the allocation history
+/// ([`SymmPool::record_memory_history`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryEvent {
+    /// Position in the history, from 1, counting every event recorded since the
+    /// history was started (so the first entry kept says how many the ring buffer
+    /// dropped).
+    pub seq: u64,
+    /// What happened.
+    pub action: MemoryAction,
+    /// The segment.
+    pub segment: SegmentId,
+    /// The segment's device address, when the backend has one (NCCL); `None` on the
+    /// host backends.
+    pub segment_address: Option<u64>,
+    /// Offset of the block from the segment's start, in bytes (0 for segment events).
+    pub offset_bytes: u64,
+    /// Block size in bytes (the request rounded up), or the segment's size.
+    pub size_bytes: u64,
+    /// Bytes the caller asked for (alloc and free; 0 for segment events or a free whose
+    /// alloc the history did not see).
+    pub requested_bytes: u64,
+    /// The allocation's sequence number (as
+    /// [`SymmBuffer::allocation_seq`](crate::SymmBuffer::allocation_seq)); `None` for
+    /// segment events.
+    pub allocation_seq: Option<u64>,
+    /// The stream the block was allocated on; `None` for segment events.
+    pub stream: Option<StreamId>,
+    /// Wall-clock time, in microseconds since the Unix epoch.
+    pub time_us: u64,
+}
+
+/// The ring buffer behind [`SymmPool::record_memory_history`], kept in the pool's
+/// state while recording.
+#[derive(Debug)]
+pub(crate) struct MemoryHistory {
+    max_entries: usize,
+    events: VecDeque<MemoryEvent>,
+    next_seq: u64,
+    /// Requested bytes of the live allocations the history saw, by allocation number,
+    /// for their free events.
+    requested: std::collections::HashMap<u64, u64>,
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+impl MemoryHistory {
+    pub(crate) fn new(max_entries: usize) -> Self {
+        MemoryHistory {
+            max_entries: max_entries.max(1),
+            events: VecDeque::with_capacity(max_entries.clamp(1, 1 << 16)),
+            next_seq: 1,
+            requested: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Keep at most `max_entries` (at least 1), dropping the oldest.
+    fn resize(&mut self, max_entries: usize) {
+        self.max_entries = max_entries.max(1);
+        while self.events.len() > self.max_entries {
+            self.events.pop_front();
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        action: MemoryAction,
+        segment: SegmentId,
+        segment_address: Option<u64>,
+        offset_bytes: u64,
+        size_bytes: u64,
+        requested_bytes: u64,
+        allocation_seq: Option<u64>,
+        stream: Option<StreamId>,
+    ) {
+        if self.events.len() == self.max_entries {
+            self.events.pop_front();
+        }
+        self.events.push_back(MemoryEvent {
+            seq: self.next_seq,
+            action,
+            segment,
+            segment_address,
+            offset_bytes,
+            size_bytes,
+            requested_bytes,
+            allocation_seq,
+            stream,
+            time_us: now_us(),
+        });
+        self.next_seq += 1;
+    }
+
+    /// A block was handed out.
+    pub(crate) fn alloc(
+        &mut self,
+        p: &Placement,
+        segment_address: Option<u64>,
+        requested_bytes: u64,
+        stream: StreamId,
+    ) {
+        self.requested.insert(p.block.seq, requested_bytes);
+        self.push(
+            MemoryAction::Alloc,
+            p.segment,
+            segment_address,
+            p.offset_bytes,
+            p.size_bytes,
+            requested_bytes,
+            Some(p.block.seq),
+            Some(stream),
+        );
+    }
+
+    /// A block, located at `(segment, offset_bytes, size_bytes)`, was freed.
+    pub(crate) fn free(
+        &mut self,
+        allocation_seq: u64,
+        (segment, offset_bytes, size_bytes): (SegmentId, u64, u64),
+        segment_address: Option<u64>,
+        stream: Option<StreamId>,
+    ) {
+        let requested = self.requested.remove(&allocation_seq).unwrap_or(0);
+        self.push(
+            MemoryAction::Free,
+            segment,
+            segment_address,
+            offset_bytes,
+            size_bytes,
+            requested,
+            Some(allocation_seq),
+            stream,
+        );
+    }
+
+    /// A segment was added (`SegmentAlloc`) or released (`SegmentFree`).
+    pub(crate) fn segment(
+        &mut self,
+        action: MemoryAction,
+        segment: SegmentId,
+        segment_address: Option<u64>,
+        size_bytes: u64,
+    ) {
+        self.push(
+            action,
+            segment,
+            segment_address,
+            0,
+            size_bytes,
+            0,
+            None,
+            None,
+        );
+    }
+
+    pub(crate) fn events(&self) -> Vec<MemoryEvent> {
+        self.events.iter().cloned().collect()
+    }
+}
+
+impl SymmPool {
+    /// Start recording this rank's allocation history, as PyTorch's
+    /// `torch.cuda.memory._record_memory_history(max_entries=…)`: every alloc, free,
+    /// segment allocation and segment release, with sizes, streams, the segment and
+    /// offset, and a sequence number, in a ring buffer of the last `max_entries`
+    /// events (older ones are dropped). Called while recording, it changes the bound
+    /// and keeps the newest events; `max_entries` 0 stops recording and drops the
+    /// history. Local (not collective); while recording, each event costs a clock
+    /// read and a push under the pool's lock.
+    ///
+    /// Read it with [`memory_history`](Self::memory_history), or exported with the
+    /// snapshot in PyTorch's format by
+    /// [`torch_memory_snapshot`](Self::torch_memory_snapshot). Failed allocations
+    /// (PyTorch's `oom` entries) are not recorded: they are errors, counted in
+    /// `num_ooms`.
+    pub fn record_memory_history(&self, max_entries: usize) {
+        let mut st = self.state();
+        match (&mut st.memory_history, max_entries) {
+            (history, 0) => *history = None,
+            (Some(h), n) => h.resize(n),
+            (history, n) => *history = Some(Box::new(MemoryHistory::new(n))),
+        }
+    }
+
+    /// The recorded allocation history, oldest first (empty when not recording; see
+    /// [`record_memory_history`](Self::record_memory_history)). Local.
+    pub fn memory_history(&self) -> Vec<MemoryEvent> {
+        self.state()
+            .memory_history
+            .as_ref()
+            .map(|h| h.events())
+            .unwrap_or_default()
+    }
+}

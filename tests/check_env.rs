@@ -1,0 +1,73 @@
+//! `SYMMPOOL_CHECK` (issue 26, item 3): the environment sets the default check mode of
+//! the collectives handles, code that sets the mode beats it, and a value that names no
+//! mode is a typed configuration error when the handle is made. One test, so that the
+//! process environment changes in one thread only.
+
+use std::time::Duration;
+use symmpool::{CheckMode, Coll, Error, ErrorKind, PoolConfig, SymmPool};
+
+fn set(value: Option<&str>) {
+    // SAFETY: this test binary has one test, which runs on one thread; nothing else
+    // reads or writes the environment meanwhile.
+    unsafe {
+        match value {
+            Some(v) => std::env::set_var("SYMMPOOL_CHECK", v),
+            None => std::env::remove_var("SYMMPOOL_CHECK"),
+        }
+    }
+}
+
+/// The check mode of the handles made on 2 ranks from `config`.
+fn modes(config: PoolConfig) -> Result<Vec<CheckMode>, Error> {
+    let pools = SymmPool::host_group(2, config.with_timeout(Duration::from_secs(10)))?;
+    let colls = Coll::group(&pools);
+    let out = colls.map(|cs| cs.iter().map(Coll::check_mode).collect());
+    // Closing is collective: every rank at once.
+    std::thread::scope(|s| {
+        let hs: Vec<_> = pools.iter().map(|p| s.spawn(|| p.close())).collect();
+        hs.into_iter().try_for_each(|h| h.join().unwrap())
+    })?;
+    out
+}
+
+#[test]
+fn the_environment_sets_the_default_check_mode() {
+    set(None);
+    assert_eq!(PoolConfig::default().check, CheckMode::Async);
+    assert_eq!(modes(PoolConfig::default()).unwrap(), [CheckMode::Async; 2]);
+    for (value, mode) in [
+        ("strict", CheckMode::Strict),
+        ("off", CheckMode::Off),
+        (" Async ", CheckMode::Async),
+        ("", CheckMode::Async),
+    ] {
+        set(Some(value));
+        assert_eq!(PoolConfig::default().check, mode, "{value:?}");
+        assert_eq!(
+            modes(PoolConfig::default()).unwrap(),
+            [mode; 2],
+            "{value:?}"
+        );
+        // Code beats the environment.
+        let coded = PoolConfig::default().with_check(CheckMode::Off);
+        assert_eq!(modes(coded).unwrap(), [CheckMode::Off; 2]);
+    }
+    set(Some("paranoid"));
+    let err = modes(PoolConfig::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Config {
+                setting: "SYMMPOOL_CHECK",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(err.kind(), ErrorKind::Configuration);
+    assert!(err.to_string().contains("paranoid"), "{err}");
+    // A mode set in code makes the bad value harmless.
+    let coded = PoolConfig::default().with_check(CheckMode::Strict);
+    assert_eq!(modes(coded).unwrap(), [CheckMode::Strict; 2]);
+    set(None);
+}
