@@ -209,12 +209,28 @@ pub enum Error {
     /// position on their communicators (pools sharing a backend grew in different
     /// orders); nothing was registered, on any rank.
     #[error(
-        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank): {}",
+        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split): {}",
         describe_registrations(.order)
     )]
     RegistrationOrder {
         /// Per rank, in rank order: (rank, pool name, segment bytes).
         order: Vec<(usize, String, u64)>,
+    },
+    /// A collective pool operation failed while other pools on the same communicators
+    /// were being used from other threads of this rank: the threads reach the shared
+    /// communicators in different orders on different ranks, which pairs the wrong
+    /// calls. Give each thread's pool communicators of its own
+    /// ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators),
+    /// or a backend from [`Backend::split`](crate::backend::Backend::split)).
+    #[error(
+        "{error} (pools {pools:?} share this backend's communicators and were used from different threads: give each thread's pool communicators of its own with PoolConfig::with_own_communicators(true) or Backend::split)"
+    )]
+    SharedCommunicators {
+        /// The pools on the shared communicators: this one first, then those last
+        /// used from other threads.
+        pools: Vec<String>,
+        /// The failure itself.
+        error: Box<Error>,
     },
     /// A shared-memory operation of the multi-process host backend failed (creating,
     /// sizing or mapping a segment, or mapping a peer's).

@@ -36,11 +36,45 @@ impl SymmPool {
         stream: &Stream,
         deadline: Deadline,
     ) -> Result<SegmentId> {
-        let ready = self.readiness(st, Some(stream))?;
-        let size = growth.segment_bytes;
-        let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
-        st.all_ready(&flags)?;
-        self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
+        self.shared_use(|| {
+            let ready = self.readiness(st, Some(stream))?;
+            let size = growth.segment_bytes;
+            let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
+            st.all_ready(&flags)?;
+            self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
+        })
+    }
+
+    /// Run the collective pool operation `f`, noting this thread as the pool's user of
+    /// the backend's communicators. A failure of the kind that communicators shared
+    /// with pools used from other threads cause (a wait that timed out, registrations
+    /// out of order) becomes [`Error::SharedCommunicators`] naming those pools.
+    pub(super) fn shared_use<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let backend = &self.inner.backend;
+        let (pool, name) = (self.inner.channel.ordinal(), &self.inner.config.name);
+        backend.note_user(pool, name, true);
+        f().map_err(|error| {
+            let shared = matches!(
+                error,
+                Error::Timeout { .. }
+                    | Error::GroupBroken { .. }
+                    | Error::RegistrationOrder { .. }
+                    | Error::RegistrationMismatch { .. }
+                    | Error::RegistrationBroken { .. }
+            );
+            let others = if shared {
+                backend.users_on_other_threads(pool)
+            } else {
+                Vec::new()
+            };
+            if others.is_empty() {
+                return error;
+            }
+            Error::SharedCommunicators {
+                pools: std::iter::once(name.clone()).chain(others).collect(),
+                error: Box::new(error),
+            }
+        })
     }
 
     /// Add one segment of `growth` to the pool, after the ranks agreed on it: allocate
@@ -451,13 +485,15 @@ impl SymmPool {
         );
         // Registration is refused while any stream the pool has served is capturing.
         let deadline = Deadline::after(self.inner.config.timeout);
-        let ready = self.readiness_known(&st)?;
-        let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
-        st.all_ready(&flags)?;
-        let growth = Growth {
-            class,
-            segment_bytes: size,
-        };
-        self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
+        self.shared_use(|| {
+            let ready = self.readiness_known(&st)?;
+            let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
+            st.all_ready(&flags)?;
+            let growth = Growth {
+                class,
+                segment_bytes: size,
+            };
+            self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
+        })
     }
 }

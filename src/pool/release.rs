@@ -168,6 +168,7 @@ impl SymmPool {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
+        self.backend.forget_user(self.channel.ordinal());
         let st = match self.state.get_mut() {
             Ok(st) => st,
             Err(poisoned) => poisoned.into_inner(),

@@ -6,3 +6,6 @@ pub mod fsdp_trace;
 pub mod gpu;
 pub mod procs;
 pub mod rng;
+#[cfg(target_os = "linux")]
+pub mod shm;
+pub mod two_pools;
