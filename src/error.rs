@@ -97,10 +97,13 @@ pub enum Error {
     PoolClosed,
     /// [`SymmPool::close`](crate::SymmPool::close) found live buffers on some rank;
     /// nothing was released.
-    #[error("cannot close: live buffers per rank {live_per_rank:?}")]
+    #[error("cannot close: live buffers per rank {live_per_rank:?}{}", describe_buffers(.buffers))]
     BuffersAlive {
         /// Live buffers on each rank, in rank order.
         live_per_rank: Vec<u64>,
+        /// The live buffers (rank, requested bytes, segment and offset), at most 16 a
+        /// rank, in rank order.
+        buffers: Vec<(usize, String)>,
     },
     /// Ranks' pool call sequences differ. Reported on every rank that takes part in the
     /// agreement, naming the first differing call. The ranks' allocators now differ, so
@@ -636,6 +639,12 @@ impl fmt::Display for Divergence {
         }
         Ok(())
     }
+}
+
+fn describe_buffers(buffers: &[(usize, String)]) -> String {
+    (buffers.iter())
+        .map(|(rank, buffer)| format!("; rank {rank}: {buffer}"))
+        .collect()
 }
 
 fn describe_registrations(order: &[(usize, String, u64)]) -> String {

@@ -319,7 +319,7 @@ fn use_after_close_is_an_error() {
         let buf = pool.alloc(4096, &stream).unwrap();
         // Live buffers: close refuses on every rank, nothing released.
         match pool.close() {
-            Err(Error::BuffersAlive { live_per_rank }) => assert_eq!(live_per_rank, vec![1, 1]),
+            Err(Error::BuffersAlive { live_per_rank, .. }) => assert_eq!(live_per_rank, vec![1, 1]),
             other => panic!("{other:?}"),
         }
         buf.write(&[1.0f32; 4]).unwrap();
@@ -897,4 +897,45 @@ fn a_stalled_registration_fails_within_its_deadline() {
         took >= timeout && took < timeout + Duration::from_secs(1),
         "{took:?}"
     );
+}
+
+#[test]
+fn a_buffer_dropped_late_on_one_rank_at_close_is_buffers_alive_naming_it() {
+    let pools = SymmPool::host_group(2, config()).unwrap();
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let early = pool.alloc(4096, &stream).unwrap();
+        let late = pool.alloc(8000, &stream).unwrap();
+        drop(early);
+        // Rank 0 drops its buffer before closing; rank 1 only after.
+        let late = if pool.rank() == 0 {
+            drop(late);
+            None
+        } else {
+            Some(late)
+        };
+        let refused = pool.close();
+        drop(late);
+        // Now both have freed it: the ranks' histories agree again and close works.
+        let closed = pool.close();
+        (refused, closed)
+    });
+    for (rank, (refused, closed)) in out.into_iter().enumerate() {
+        match refused {
+            Err(Error::BuffersAlive {
+                live_per_rank,
+                buffers,
+            }) => {
+                assert_eq!(live_per_rank, vec![0, 1], "rank {rank}");
+                assert_eq!(buffers.len(), 1, "{buffers:?}");
+                assert_eq!(buffers[0].0, 1);
+                assert!(
+                    buffers[0].1.starts_with("8000 B at segment 0 offset "),
+                    "{buffers:?}"
+                );
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+        assert!(closed.is_ok(), "rank {rank}: {closed:?}");
+    }
 }

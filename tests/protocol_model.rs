@@ -582,7 +582,7 @@ fn classify(e: Error) -> Got {
         },
         Error::Nccl { .. } => Got::Nccl,
         Error::PoolBroken { .. } => Got::PoolBroken,
-        Error::BuffersAlive { live_per_rank } => Got::BuffersAlive {
+        Error::BuffersAlive { live_per_rank, .. } => Got::BuffersAlive {
             live: live_per_rank,
         },
         Error::PoolClosed => Got::PoolClosed,
@@ -897,6 +897,18 @@ impl Model {
             for i in 0..n {
                 out[i] = Got::PoolBroken;
                 self.ranks[i].broken = true;
+            }
+            return out;
+        }
+        // Every rank closing while some hold live buffers: refused on them, before the
+        // records are compared (a buffer dropped late on one rank is a free in its
+        // history alone).
+        let live: Vec<u64> = (self.ranks.iter())
+            .map(|r| r.shadow.stats().allocated_blocks.current)
+            .collect();
+        if closing && live.iter().any(|&l| l > 0) {
+            for o in out.iter_mut() {
+                *o = Got::BuffersAlive { live: live.clone() };
             }
             return out;
         }

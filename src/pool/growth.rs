@@ -156,6 +156,24 @@ impl SymmPool {
         extra: u64,
         deadline: Deadline,
     ) -> Result<Vec<u64>> {
+        let records = self.agree_naming(st, (op, during), size, extra, Vec::new(), deadline)?;
+        Ok(records
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| r.extra))
+            .collect())
+    }
+
+    /// [`agree`](Self::agree), naming this rank's `live` buffers in its record (a
+    /// close's); every rank's record.
+    pub(super) fn agree_naming(
+        &self,
+        st: &mut PoolState,
+        (op, during): (Op, &'static str),
+        size: u64,
+        extra: u64,
+        live: Vec<group::LiveBuffer>,
+        deadline: Deadline,
+    ) -> Result<Vec<Option<AgreementRecord>>> {
         st.counters.agreements += 1;
         let c = st.core.stats();
         let state = group::state_digest(&[
@@ -165,8 +183,9 @@ impl SymmPool {
             c.num_allocs,
             c.num_frees,
         ]);
-        let mine = AgreementRecord::new(&st.history, op, size, state, extra, st.broken.is_some());
-        let out = group::agree(
+        let mine = AgreementRecord::new(&st.history, op, size, state, extra, st.broken.is_some())
+            .with_live(live);
+        let out = group::agree_records(
             self.inner.backend.exchange(),
             self.inner.channel,
             during,
