@@ -613,8 +613,12 @@ pub struct Divergence {
     /// when the ranks' histories show it.
     pub first_differing_call: Option<u64>,
     /// For each rank, its description of that call (`None`: the rank had not made it),
-    /// or of its latest call when the first differing call is older than the history.
+    /// or of where it is (call count, hash, latest call) when the first differing
+    /// call is older than the history.
     pub calls: Vec<(usize, Option<String>)>,
+    /// When the first differing call is older than every call the ranks remember: how
+    /// many calls a rank remembers ([`PoolConfig::history_len`](crate::PoolConfig::history_len)).
+    pub history_gone: Option<usize>,
 }
 
 impl fmt::Display for Divergence {
@@ -625,11 +629,18 @@ impl fmt::Display for Divergence {
                 "ranks diverged (found during {}): first differing call is #{k}:",
                 self.during
             )?,
-            None => write!(
-                f,
-                "ranks diverged (found during {}) before the recorded history:",
-                self.during
-            )?,
+            None => match self.history_gone {
+                Some(n) => write!(
+                    f,
+                    "ranks diverged (found during {}): the first differing call is older than the {n} calls each rank remembers, gone from the history (raise PoolConfig::history_len, at most 65 536, to name it); where each rank is:",
+                    self.during
+                )?,
+                None => write!(
+                    f,
+                    "ranks diverged (found during {}) before the recorded history:",
+                    self.during
+                )?,
+            },
         }
         for (rank, call) in &self.calls {
             match call {

@@ -939,3 +939,36 @@ fn a_buffer_dropped_late_on_one_rank_at_close_is_buffers_alive_naming_it() {
         assert!(closed.is_ok(), "rank {rank}: {closed:?}");
     }
 }
+
+#[test]
+fn a_divergence_older_than_the_history_says_so_and_how_to_raise_it() {
+    let pools = SymmPool::host_group(2, config().with_history_len(4)).unwrap();
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        // Calls 1 and 2 grow the pool together; call 3 differs (a cache hit: no
+        // agreement yet)...
+        drop(pool.alloc(512, &stream).unwrap());
+        let size = if pool.rank() == 0 { 4096 } else { 8192 };
+        let _first = pool.alloc(size, &stream).unwrap();
+        // ...then more matching calls than the history holds, then a growth.
+        let hits: Vec<_> = (0..6).map(|_| pool.alloc(512, &stream).unwrap()).collect();
+        let grown = pool.alloc(8 * MIB, &stream);
+        drop(hits);
+        grown.unwrap_err()
+    });
+    let texts: Vec<String> = out.iter().map(ToString::to_string).collect();
+    for (e, text) in out.iter().zip(&texts) {
+        let Error::Divergence(d) = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(d.first_differing_call, None, "{d}");
+        assert_eq!(d.history_gone, Some(4), "{d}");
+        assert!(text.contains("older than the 4 calls"), "{text}");
+        assert!(text.contains("raise PoolConfig::history_len"), "{text}");
+        assert!(
+            text.contains("rank 1: pool call count 10, hash 0x"),
+            "{text}"
+        );
+    }
+    assert_eq!(texts[0], texts[1], "the same message on every rank");
+}

@@ -239,6 +239,7 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
         return Divergence {
             during,
             first_differing_call: None,
+            history_gone: None,
             calls: records
                 .iter()
                 .enumerate()
@@ -275,6 +276,7 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
             return Divergence {
                 during,
                 first_differing_call: Some(seq),
+                history_gone: None,
                 calls: calls
                     .iter()
                     .enumerate()
@@ -297,6 +299,7 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
         return Divergence {
             during,
             first_differing_call: None,
+            history_gone: None,
             calls: decoded
                 .iter()
                 .enumerate()
@@ -309,9 +312,13 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
                 .collect(),
         };
     }
+    // Unless only the operation differs, the first differing call is older than
+    // every call the ranks remember: say where each rank is.
+    let remembered = decoded.iter().map(|r| r.recent.len()).max().unwrap_or(0);
     Divergence {
         during,
         first_differing_call: if same_history { Some(hi + 1) } else { None },
+        history_gone: (!same_history).then_some(remembered),
         calls: decoded
             .iter()
             .enumerate()
@@ -319,9 +326,11 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
                 let what = if same_history {
                     format!("{} ({} B)", r.op.name(), r.size)
                 } else {
-                    r.recent
+                    let latest = r
+                        .recent
                         .last()
-                        .map_or("no calls".into(), |c| format!("latest {}", c.describe()))
+                        .map_or("no calls".into(), |c| format!("latest {}", c.describe()));
+                    format!("pool call count {}, hash {:#018x}, {latest}", r.seq, r.hash)
                 };
                 (rank, Some(what))
             })
@@ -387,6 +396,18 @@ mod tests {
         }
         let d = explain(&[rec(&a, Op::Grow, 1), rec(&b, Op::Grow, 1)], "growth");
         assert_eq!(d.first_differing_call, None);
+        assert_eq!(d.history_gone, Some(2));
+        let text = d.to_string();
+        assert!(text.contains("older than the 2 calls"), "{text}");
+        assert!(text.contains("PoolConfig::history_len"), "{text}");
+        assert!(
+            text.contains("rank 1: pool call count 4, hash 0x"),
+            "{text}"
+        );
+        assert!(
+            text.contains("latest call #4: alloc(4096 B, align 512 B)"),
+            "{text}"
+        );
     }
 
     #[test]
