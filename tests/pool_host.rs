@@ -972,3 +972,57 @@ fn a_divergence_older_than_the_history_says_so_and_how_to_raise_it() {
     }
     assert_eq!(texts[0], texts[1], "the same message on every rank");
 }
+
+/// A provider whose registrations fail at once on its rank (before the round the
+/// peers wait in), forwarding the rest.
+#[derive(Debug)]
+struct RegistrationFails(std::sync::Arc<dyn symmpool::backend::SegmentProvider>);
+
+impl symmpool::backend::SegmentProvider for RegistrationFails {
+    fn allocate(&self, size_bytes: u64) -> symmpool::Result<symmpool::backend::Segment> {
+        self.0.allocate(size_bytes)
+    }
+    unsafe fn register(
+        &self,
+        _segment: &symmpool::backend::Segment,
+        _comm: usize,
+        _deadline: symmpool::Deadline,
+    ) -> symmpool::Result<Option<symmpool::backend::Window>> {
+        Err(Error::Nccl {
+            op: "ncclCommWindowRegister",
+            code: 1,
+            message: "injected".into(),
+        })
+    }
+}
+
+#[test]
+fn a_registration_failure_names_the_rank_that_failed() {
+    // Rank 1 fails before its round; rank 0 waits out its registration. Every rank
+    // names rank 1, now and in the growth refused later.
+    let timeout = Duration::from_millis(600);
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let b1 = world
+        .pop()
+        .unwrap()
+        .with_segments(|inner| std::sync::Arc::new(RegistrationFails(inner)));
+    world.push(b1);
+    let config = PoolConfig::default().with_timeout(timeout);
+    let pools = SymmPool::group(world, &config).unwrap();
+    let out = on_ranks(&pools, |p| {
+        let first = p.alloc(MIB, &Stream::host()).unwrap_err();
+        let later = p.alloc(MIB, &Stream::host()).unwrap_err();
+        (first, later)
+    });
+    match &out[0].0 {
+        Error::RegistrationBroken { rank: 1, .. } => {}
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert!(matches!(&out[1].0, Error::Nccl { .. }), "{:?}", out[1].0);
+    for (rank, (_, later)) in out.iter().enumerate() {
+        match later {
+            Error::RegistrationBroken { rank: 1, .. } => {}
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}

@@ -324,9 +324,15 @@ impl SymmPool {
         const REGISTERED: u64 = 1;
         const FAILED: u64 = 2;
         const NO_WINDOW: u64 = 3;
+        // The registration waited for peers that did not come (a peer that failed
+        // before its round): blamed only if no rank failed on its own.
+        const WAITED: u64 = 4;
         let mine = match &local {
             Ok(()) => REGISTERED,
             Err(Error::NoSymmetricSupport { .. }) => NO_WINDOW,
+            Err(Error::Timeout { .. } | Error::NcclTimeout { .. } | Error::GroupBroken { .. }) => {
+                WAITED
+            }
             Err(_) => FAILED,
         };
         let flags = match self.agree(
@@ -346,12 +352,14 @@ impl SymmPool {
                 return Err(error);
             }
         };
-        if let Some(rank) = flags
+        let failed = flags.iter().position(|&f| f == FAILED);
+        let waited = flags.iter().position(|&f| f == WAITED);
+        let unknown = flags
             .iter()
-            .position(|&f| f != REGISTERED && f != NO_WINDOW)
-        {
+            .position(|&f| f != REGISTERED && f != NO_WINDOW);
+        if let Some(rank) = failed.or(waited).or(unknown) {
             let (error, reason) = match local {
-                Err(e) if mine == FAILED => {
+                Err(e) if mine == FAILED || rank == self.rank() => {
                     let reason = e.to_string();
                     (e, reason)
                 }
