@@ -574,6 +574,9 @@ impl symmpool::backend::StreamOps for Capturing {
     fn is_capturing(&self, _: &Stream) -> symmpool::Result<bool> {
         Ok(true)
     }
+    fn any_capturing(&self) -> symmpool::Result<bool> {
+        Ok(true)
+    }
     fn drain(&self, deadline: symmpool::Deadline) -> symmpool::Result<bool> {
         self.0.drain(deadline)
     }
@@ -1024,5 +1027,32 @@ fn a_registration_failure_names_the_rank_that_failed() {
             Error::RegistrationBroken { rank: 1, .. } => {}
             other => panic!("rank {rank}: {other:?}"),
         }
+    }
+}
+
+#[test]
+fn reserve_on_a_never_used_pool_during_capture_is_refused_on_every_rank() {
+    // Rank 0's device is capturing (a stream the pool never saw): a reservation, the
+    // pool's first call, registers nothing on any rank.
+    let timeout = Duration::from_secs(20);
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let b1 = world.pop().unwrap();
+    let b0 = world
+        .pop()
+        .unwrap()
+        .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
+    let pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
+    let started = std::time::Instant::now();
+    for e in on_ranks(&pools, |p| p.reserve(MIB).unwrap_err()) {
+        assert!(matches!(e, Error::GraphCapture), "{e:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "no rank waited"
+    );
+    for p in &pools {
+        let s = p.stats();
+        assert_eq!(s.core.segments.current, 0, "{s:?}");
+        assert!(s.registrations.iter().all(|&r| r == 0), "{s:?}");
     }
 }

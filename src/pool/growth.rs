@@ -131,16 +131,21 @@ impl SymmPool {
     }
 
     /// This rank's readiness for a reservation: capturing if any stream the pool has
-    /// allocated on is capturing a CUDA graph.
+    /// allocated on, or any the backend knows (a pool that never allocated has none of
+    /// its own), is capturing a CUDA graph.
     fn readiness_known(&self, st: &PoolState) -> Result<u64> {
         let ready = st.readiness();
         if ready != Readiness::Ready {
             return Ok(ready as u64);
         }
+        let streams = self.inner.backend.streams();
         for s in &st.known_streams {
-            if self.inner.backend.streams().is_capturing(s)? {
+            if streams.is_capturing(s)? {
                 return Ok(Readiness::Capturing as u64);
             }
+        }
+        if streams.any_capturing()? {
+            return Ok(Readiness::Capturing as u64);
         }
         Ok(Readiness::Ready as u64)
     }
