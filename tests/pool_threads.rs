@@ -115,13 +115,14 @@ fn two_pools_sharing_communicators_on_two_threads_fail_naming_the_remedy() {
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
-    let errors: Vec<&String> = outcomes
-        .iter()
-        .flatten()
+    let failures: Vec<&String> = (outcomes.iter().flatten())
         .filter_map(|r| r.as_ref().err())
         .collect();
-    assert!(!errors.is_empty(), "{outcomes:?}");
-    for e in errors {
+    assert!(!failures.is_empty(), "{outcomes:?}");
+    // Every error of the crate names the remedy. (The host backend's collectives on
+    // the shared communicators can also pair one pool's call with the other's
+    // without an error: the test's own check of the data reports that.)
+    for e in failures.iter().filter(|e| !e.contains("wrong data")) {
         assert!(
             e.contains("PoolConfig::with_own_communicators(true)"),
             "{e}"

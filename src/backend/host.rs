@@ -595,6 +595,12 @@ impl Collectives for HostBackend {
         })
     }
 
+    fn abandon(&self, why: &'static str) {
+        for comm in self.comms.iter() {
+            comm.collectives.abandon(self.rank, why);
+        }
+    }
+
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
         const OP: &str = "all_reduce";
         let bytes = args.check_counts(OP, 1, true)?;

@@ -177,7 +177,21 @@ pub trait Collectives: Send + Sync + fmt::Debug {
             detail: "this backend has no all-reduce".into(),
         })
     }
+
+    /// The ranks were found out of step (a collective check failed, `why`): end this
+    /// rank's collectives that wait for their peers now, and refuse later ones, where
+    /// the backend can. The host backend breaks its communicators, as a timeout in
+    /// them does ([`Error::GroupBroken`] on every rank's waiting and later calls);
+    /// the default does nothing (NCCL's calls do not wait on the host; its watchdog
+    /// bounds them).
+    fn abandon(&self, why: &'static str) {
+        let _ = why;
+    }
 }
+
+/// What [`Collectives::abandon`] is called with when a collective check failed: the
+/// operation a call it ends names ([`Error::GroupBroken`] on the host backend).
+pub const ABANDONED: &str = "a collective check that failed";
 
 /// How long making a backend waits for the other ranks (ranks of real jobs start
 /// minutes apart): 10 minutes. A lost peer ends the wait sooner (see

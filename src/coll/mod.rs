@@ -96,9 +96,10 @@
 //! every rank, within one exchange round: a rank that made more collectives than
 //! another shows "a collective (this rank's collective #8 on the pool)" where the rank
 //! behind shows "a step boundary (after 7 collectives on the pool)"; an extra
-//! allocation shows in "pool call count". (Under `Async` a collective that a peer never
-//! joins still waits for it on a backend whose collectives block, as the host
-//! backends' do: the rank ahead gets that collective's [`Error::Timeout`], then the
+//! allocation shows in "pool call count". (Under `Async` a collective that a peer
+//! never joins waits for it on a backend whose collectives block: on the host threads backend this rank's failed check ends the
+//! wait, and the call returns the divergence, within a round; on the shared-memory
+//! backend the rank ahead gets that collective's [`Error::Timeout`], then the
 //! divergence from `end_step`.)
 //!
 //! **Breakage is consistent**: after a mismatch, or a collective that timed out or
@@ -290,6 +291,7 @@ impl Coll {
                     exchange: pool.backend().exchange_handle(),
                     timeout: config.timeout,
                     failure: pool.outside_failure(),
+                    abandon: Some(abandon_on(pool)),
                 };
                 Ok(PoolColl {
                     pool: pool.clone(),
@@ -432,6 +434,17 @@ impl Coll {
     fn entry(&self, pool: &SymmPool) -> Option<&PoolColl> {
         self.inner.pools.iter().find(|e| e.pool.same_pool(pool))
     }
+}
+
+/// What a failed check does to `pool`'s collectives that wait for their peers: ends
+/// them (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon)).
+fn abandon_on(pool: &SymmPool) -> Arc<dyn Fn() + Send + Sync> {
+    let backend = pool.backend().clone();
+    Arc::new(move || {
+        backend
+            .collectives()
+            .abandon("a collective check that failed")
+    })
 }
 
 /// Collectives run on each path: calls and bytes per rank.

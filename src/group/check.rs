@@ -278,6 +278,8 @@ struct Verdict {
     divergence: OnceLock<Box<CollectiveDivergence>>,
     /// The pool's failure slot (the pool turns it into its `broken` state).
     failure: Arc<OnceLock<String>>,
+    /// The site's `abandon`, called by the first failure.
+    abandon: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl Verdict {
@@ -285,13 +287,27 @@ impl Verdict {
         tracing::error!(target: "symmpool::coll", divergence = %d, "collective check failed");
         let _ = self.failure.set(d.to_string());
         let _ = self.divergence.set(d);
-        self.broken.store(true, Ordering::Release);
+        self.broke();
     }
 
     fn failed(&self, reason: String) {
         tracing::error!(target: "symmpool::coll", reason = %reason, "pool broken");
         let _ = self.failure.set(reason);
-        self.broken.store(true, Ordering::Release);
+        self.broke();
+    }
+
+    /// Mark the checks failed; the first time, end the collectives that wait.
+    fn broke(&self) {
+        if !self.broken.swap(true, Ordering::AcqRel)
+            && let Some(abandon) = &self.abandon
+        {
+            abandon();
+        }
+    }
+
+    /// The divergence found, if any.
+    fn divergence_error(&self) -> Option<Error> {
+        (self.divergence.get()).map(|d| Error::CollectiveDivergence(d.clone()))
     }
 
     fn error(&self) -> Error {
@@ -349,6 +365,9 @@ pub(crate) struct CheckSite {
     pub(crate) timeout: Duration,
     /// The pool's failure slot: a failed check breaks the pool.
     pub(crate) failure: Arc<OnceLock<String>>,
+    /// Called once when a check fails: ends this rank's collectives that wait for
+    /// peers who will not come (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon)).
+    pub(crate) abandon: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// The collective checks of one pool.
@@ -417,6 +436,7 @@ impl Checker {
                 broken: AtomicBool::new(false),
                 divergence: OnceLock::new(),
                 failure: site.failure.clone(),
+                abandon: site.abandon.clone(),
             }),
             site: Arc::new(site),
             strict: Mutex::new(0),
@@ -464,6 +484,25 @@ impl Checker {
             self.verdict
                 .failed(format!("a collective on this pool failed: {e}"));
         }
+    }
+
+    /// What a collective that failed with `e` reports: the divergence this rank's
+    /// checks found, if they found one, else `e` (breaking the checks as
+    /// [`break_on`](Self::break_on) says). A call ended because a peer's check failed
+    /// (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon),
+    /// [`ABANDONED`](crate::backend::ABANDONED)) first waits, until `deadline`, for
+    /// this rank's checks, which find the same divergence within a round.
+    pub(crate) fn call_failed(&self, e: Error, deadline: impl FnOnce() -> Deadline) -> Error {
+        if matches!(e, Error::GroupBroken { op, .. } if op == crate::backend::ABANDONED)
+            && self.verdict.divergence_error().is_none()
+        {
+            let _ = self.wait_compared(deadline());
+        }
+        if let Some(d) = self.verdict.divergence_error() {
+            return d;
+        }
+        self.break_on(&e);
+        e
     }
 
     /// The strict lock: held by the caller from the record's round to the launch.

@@ -2,6 +2,8 @@
 //! thread and a gradient pool whose buffers are reduce-scattered on another, each pool
 //! with communicators of its own, each thread alternating allocations (some of which
 //! grow its pool) and collectives, in interleavings that differ between the ranks.
+//! A thread's outcome is its first failure: a call's error, or "wrong data" when a
+//! result is not what every rank put in.
 
 use std::sync::Barrier;
 use symmpool::{Coll, ReduceOp, Stream, SymmBuffer, SymmPool};
@@ -50,7 +52,7 @@ fn params_thread(pool: &SymmPool, coll: &Coll, iterations: usize) -> Result<(), 
                 let want = (r * 100_000 + i * 100 + k % 97) as f32;
                 if all[r * n + k] != want {
                     return Err(format!(
-                        "params iteration {i}: rank {r}'s element {k} is {}, expected {want}",
+                        "params iteration {i}: wrong data: rank {r}'s element {k} is {}, expected {want}",
                         all[r * n + k]
                     ));
                 }
@@ -91,7 +93,7 @@ fn grads_thread(pool: &SymmPool, coll: &Coll, iterations: usize) -> Result<(), S
             let want = world as f32 * (((rank * n + k) % 89 + i) as f32) + ranks;
             if got[k] != want {
                 return Err(format!(
-                    "grads iteration {i}: element {k} is {}, expected {want}",
+                    "grads iteration {i}: wrong data: element {k} is {}, expected {want}",
                     got[k]
                 ));
             }
