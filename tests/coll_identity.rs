@@ -26,6 +26,8 @@ const PROMPT: Duration = Duration::from_millis(1500);
 const LAYERS: usize = 8;
 /// f32 elements per rank of the persistent gather buffer.
 const CHUNK: usize = 256;
+/// An allocation no segment of the step can serve: it grows the pool.
+const GROWTH_BYTES: u64 = 3 << 30;
 
 fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
     let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
@@ -62,6 +64,8 @@ struct Plan {
     /// Allocate one buffer more (from the cache: no growth) before this layer
     /// (`layers`: after the last one).
     extra_alloc_before: Option<usize>,
+    /// Allocate one buffer more that grows the pool before this layer.
+    extra_growth_before: Option<usize>,
 }
 
 impl Plan {
@@ -71,6 +75,7 @@ impl Plan {
             skip: None,
             tagged,
             extra_alloc_before: None,
+            extra_growth_before: None,
         }
     }
 }
@@ -97,6 +102,15 @@ fn step(pool: &SymmPool, plan: Plan) -> Seen {
     for layer in 0..=plan.layers {
         if plan.extra_alloc_before == Some(layer) {
             extra.push(pool.alloc(4096, &stream).unwrap());
+        }
+        if plan.extra_growth_before == Some(layer) {
+            match pool.alloc(GROWTH_BYTES, &stream) {
+                Ok(b) => extra.push(b),
+                Err(e) => {
+                    seen.first = Some((seen.calls + 1, e));
+                    break;
+                }
+            }
         }
         if layer == plan.layers || plan.skip == Some(layer) {
             continue;
@@ -354,4 +368,37 @@ fn async_divergence_ends_a_blocked_host_collective_well_before_the_timeout() {
     let (at, e) = all[0].first.as_ref().expect("rank 0's extra gather fails");
     assert!(*at > LAYERS, "{at}");
     assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
+}
+
+#[test]
+fn an_extra_allocation_that_grows_the_pool_names_the_rank_within_a_round() {
+    // The last rank grows the pool before the third layer while its peers gather:
+    // its growth record meets their collective record, on every rank, at once.
+    for mode in [CheckMode::Strict, CheckMode::Async] {
+        for world in [2, 3] {
+            let normal = Plan::layers(LAYERS, false);
+            let grow = Plan {
+                extra_growth_before: Some(2),
+                ..normal
+            };
+            let all = run(world, mode, |r| perturbed(world, r, grow, normal));
+            let msg = same_divergence_everywhere(&all, "record kind");
+            assert!(
+                msg.contains(&format!("rank {} has a growth of the pool by", world - 1)),
+                "{mode:?}: {msg}"
+            );
+            assert!(
+                msg.contains("rank 0 has a collective (this rank's collective #3 on the pool)"),
+                "{mode:?}: {msg}"
+            );
+            for (rank, seen) in all.iter().enumerate() {
+                assert!(seen.first.is_some(), "{mode:?}: rank {rank}: {seen:?}");
+                assert!(
+                    seen.elapsed < PROMPT,
+                    "{mode:?}: rank {rank}: {:?}",
+                    seen.elapsed
+                );
+            }
+        }
+    }
 }

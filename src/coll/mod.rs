@@ -41,7 +41,7 @@
 //!
 //! | field | what |
 //! |---|---|
-//! | record kind | collective, or step boundary ([`Coll::end_step`]) |
+//! | record kind | collective, step boundary ([`Coll::end_step`]), or growth (the pool is about to grow: checked before the pool's own agreement, so a rank whose extra allocation grows the pool while its peers make a collective fails on every rank within one round) |
 //! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
 //! | tag | the caller's identity of the call ([`Coll::tagged`]; 0 when untagged) |
 //! | pool collective number | collectives issued on this pool so far |
@@ -150,7 +150,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord};
 use crate::observe::{MemoryStats, StatValue};
-use crate::pool::SymmPool;
+use crate::pool::{GrowthCheck, SymmPool};
 use arc_swap::ArcSwap;
 use std::fmt;
 use std::sync::Arc;
@@ -302,13 +302,17 @@ impl Coll {
             })
             .collect::<Result<Vec<_>>>()?;
         let comms = first.backend().communicators().len();
-        Ok(Coll {
-            inner: Arc::new(CollInner {
-                pools: entries,
-                policy: ArcSwap::from_pointee(PathPolicy::default()),
-                comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
-            }),
-        })
+        let inner = Arc::new(CollInner {
+            pools: entries,
+            policy: ArcSwap::from_pointee(PathPolicy::default()),
+            comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
+        });
+        // Every growth of the pools is checked among the collectives' records first.
+        let weak: std::sync::Weak<CollInner> = Arc::downgrade(&inner);
+        for pool in pools {
+            pool.add_growth_check(weak.clone());
+        }
+        Ok(Coll { inner })
     }
 
     /// One handle per pool, for ranks that are threads of this process: made
@@ -433,6 +437,36 @@ impl Coll {
     #[inline]
     fn entry(&self, pool: &SymmPool) -> Option<&PoolColl> {
         self.inner.pools.iter().find(|e| e.pool.same_pool(pool))
+    }
+}
+
+impl GrowthCheck for CollInner {
+    /// Check the growth among the pool's collective records: a growth record (the
+    /// pool's collective count, call count and hash, the segment's bytes) compared
+    /// like a collective's (under `Strict` in one round here; under `Async` posted,
+    /// then waited for until compared), so that a rank growing where its peers make a
+    /// collective fails on every rank within one round.
+    fn before_growth(
+        &self,
+        pool: u64,
+        call: (u64, u64),
+        segment_bytes: u64,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let Some(entry) = (self.pools.iter()).find(|e| e.pool.channel().ordinal() == pool) else {
+            return Ok(());
+        };
+        let checker = &entry.checker;
+        if checker.mode() == CheckMode::Off {
+            return Ok(());
+        }
+        checker.check()?;
+        let collectives = entry.collectives.load(Ordering::Relaxed);
+        let record = CollectiveRecord::growth(pool, collectives, call, segment_bytes);
+        let mut strict = (checker.mode() == CheckMode::Strict).then(|| checker.strict_lock());
+        checker.submit(strict.as_mut(), record, || deadline)?;
+        drop(strict);
+        checker.wait_compared(deadline)
     }
 }
 

@@ -37,6 +37,9 @@ impl SymmPool {
         deadline: Deadline,
     ) -> Result<SegmentId> {
         self.shared_use(|| {
+            // The collectives' checks first: a rank that grows where its peers make a
+            // collective is named there, within a round.
+            self.check_growth(growth.segment_bytes, deadline)?;
             let ready = self.readiness(st, Some(stream))?;
             let size = growth.segment_bytes;
             let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;

@@ -57,7 +57,7 @@ use smallvec::SmallVec;
 use state::PoolState;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 pub(crate) use state::SegmentEntry;
 
@@ -81,9 +81,32 @@ pub(crate) struct PoolInner {
     pub(crate) outside_failure: Arc<OnceLock<String>>,
     /// The call count and running hash, read without the state's lock.
     call_head: Arc<CallHead>,
+    /// The layers above that check a growth against the peers' calls first (the
+    /// collectives handles made from the pool), held weakly.
+    growth_checks: PlMutex<Vec<Weak<dyn GrowthCheck>>>,
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
+}
+
+/// A layer above the pool that checks a growth against the peers' calls before the
+/// pool agrees on it: the collectives handles, whose checks then see a rank that
+/// grows where its peers make a collective (an extra allocation) within one exchange
+/// round, instead of both waiting out the timeout in different rounds.
+pub(crate) trait GrowthCheck: Send + Sync {
+    /// Pool `pool` (its channel ordinal), at call count and hash `call`, is about to
+    /// grow by `segment_bytes`: check that the peers grow at the same point, waiting
+    /// for them until `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::CollectiveDivergence`] naming where each rank is; the check's errors.
+    fn before_growth(
+        &self,
+        pool: u64,
+        call: (u64, u64),
+        segment_bytes: u64,
+        deadline: Deadline,
+    ) -> Result<()>;
 }
 
 /// A symmetric-memory caching pool for one rank.
@@ -232,6 +255,7 @@ impl SymmPool {
                 channel,
                 outside_failure: Arc::new(OnceLock::new()),
                 call_head,
+                growth_checks: PlMutex::new(Vec::new()),
                 config,
             }),
         })
@@ -314,6 +338,25 @@ impl SymmPool {
     /// wins; every later call fails with [`Error::PoolBroken`]).
     pub(crate) fn outside_failure(&self) -> Arc<OnceLock<String>> {
         self.inner.outside_failure.clone()
+    }
+
+    /// Have `check` look at every growth of the pool first (while it lives).
+    pub(crate) fn add_growth_check(&self, check: Weak<dyn GrowthCheck>) {
+        let mut checks = self.inner.growth_checks.lock();
+        checks.retain(|c| c.strong_count() > 0);
+        checks.push(check);
+    }
+
+    /// Run the growth checks of the layers above (see [`GrowthCheck`]).
+    pub(crate) fn check_growth(&self, segment_bytes: u64, deadline: Deadline) -> Result<()> {
+        let checks: Vec<Arc<dyn GrowthCheck>> = (self.inner.growth_checks.lock().iter())
+            .filter_map(Weak::upgrade)
+            .collect();
+        let pool = self.inner.channel.ordinal();
+        for check in checks {
+            check.before_growth(pool, self.call_head(), segment_bytes, deadline)?;
+        }
+        Ok(())
     }
 
     /// Whether two handles are the same pool.
