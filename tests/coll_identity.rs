@@ -12,22 +12,17 @@
 //! joining them (it learnt of the divergence first) ends when this rank's check
 //! fails too, well before the timeout.
 
+mod common;
+
+use common::identity::{LAYERS, Plan, Seen, divergence, step};
 use std::thread;
-use std::time::{Duration, Instant};
-use symmpool::{
-    CheckMode, Coll, Error, HostBackend, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool,
-};
+use std::time::Duration;
+use symmpool::{CheckMode, Error, HostBackend, HostConfig, PoolConfig, SymmPool};
 
 /// The pools' and the host backend's timeout.
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// What "within one exchange round" means here: well under the timeout.
 const PROMPT: Duration = Duration::from_millis(1500);
-/// Layers of the loop.
-const LAYERS: usize = 8;
-/// f32 elements per rank of the persistent gather buffer.
-const CHUNK: usize = 256;
-/// An allocation no segment of the step can serve: it grows the pool.
-const GROWTH_BYTES: u64 = 3 << 30;
 
 fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
     let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
@@ -36,105 +31,6 @@ fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
         .with_check(mode)
         .with_check_queue(4);
     SymmPool::group(bs, &config).unwrap()
-}
-
-/// What one rank saw.
-#[derive(Debug)]
-struct Seen {
-    /// Collectives attempted; the first failing one (1-based) with its error.
-    calls: usize,
-    first: Option<(usize, Error)>,
-    /// Whether the failing call's buffer still held what this rank wrote before it.
-    untouched: bool,
-    /// `end_step`'s error (also made after a failed call: it returns the verdict).
-    end: Option<Error>,
-    /// From the rank's first collective to the end of `end_step`.
-    elapsed: Duration,
-}
-
-/// How one rank runs its step.
-#[derive(Clone, Copy)]
-struct Plan {
-    /// Layers to run (their gathers use the one persistent buffer).
-    layers: usize,
-    /// A layer this rank skips.
-    skip: Option<usize>,
-    /// Tag each gather with its layer.
-    tagged: bool,
-    /// Allocate one buffer more (from the cache: no growth) before this layer
-    /// (`layers`: after the last one).
-    extra_alloc_before: Option<usize>,
-    /// Allocate one buffer more that grows the pool before this layer.
-    extra_growth_before: Option<usize>,
-}
-
-impl Plan {
-    fn layers(layers: usize, tagged: bool) -> Plan {
-        Plan {
-            layers,
-            skip: None,
-            tagged,
-            extra_alloc_before: None,
-            extra_growth_before: None,
-        }
-    }
-}
-
-/// One step of a layer loop on `pool`: one all-gather per layer on one persistent
-/// buffer, then `end_step`.
-fn step(pool: &SymmPool, plan: Plan) -> Seen {
-    let coll = Coll::new(pool).unwrap();
-    let stream = Stream::host();
-    let world = pool.world_size();
-    let rank = pool.rank();
-    // Room in the cache for the extra allocation, so that it needs no growth.
-    drop(pool.alloc(1 << 20, &stream).unwrap());
-    let gathered: SymmBuffer = pool.alloc((world * CHUNK * 4) as u64, &stream).unwrap();
-    let mut seen = Seen {
-        calls: 0,
-        first: None,
-        untouched: false,
-        end: None,
-        elapsed: Duration::ZERO,
-    };
-    let mut extra = Vec::new();
-    let start = Instant::now();
-    for layer in 0..=plan.layers {
-        if plan.extra_alloc_before == Some(layer) {
-            extra.push(pool.alloc(4096, &stream).unwrap());
-        }
-        if plan.extra_growth_before == Some(layer) {
-            match pool.alloc(GROWTH_BYTES, &stream) {
-                Ok(b) => extra.push(b),
-                Err(e) => {
-                    seen.first = Some((seen.calls + 1, e));
-                    break;
-                }
-            }
-        }
-        if layer == plan.layers || plan.skip == Some(layer) {
-            continue;
-        }
-        seen.calls += 1;
-        // Every element this rank's and this layer's, so a move is visible.
-        let pattern = vec![(rank * 1000 + layer) as f32; world * CHUNK];
-        gathered.write(&pattern).unwrap();
-        let ran = if plan.tagged {
-            let tag = (1u64 << 32) | layer as u64; // step 1, this layer
-            coll.tagged(tag)
-                .all_gather_in_place::<f32>(&gathered, &stream)
-        } else {
-            coll.all_gather_in_place::<f32>(&gathered, &stream)
-        };
-        if let Err(e) = ran {
-            seen.untouched = gathered.read::<f32>().unwrap() == pattern;
-            seen.first = Some((seen.calls, e));
-            break;
-        }
-    }
-    seen.end = coll.end_step().err();
-    seen.elapsed = start.elapsed();
-    seen
 }
 
 /// `plan(rank)` on every rank, a thread each; the results in rank order.
@@ -150,18 +46,6 @@ fn run(world: usize, mode: CheckMode, plan: impl Fn(usize) -> Plan + Sync) -> Ve
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
-}
-
-/// The divergence a rank reports: its first call's error if that is one, else
-/// `end_step`'s.
-fn divergence(seen: &Seen) -> String {
-    let errors = seen.first.iter().map(|(_, e)| e).chain(seen.end.iter());
-    for e in errors {
-        if let Error::CollectiveDivergence(d) = e {
-            return d.to_string();
-        }
-    }
-    panic!("no divergence reported: {seen:?}")
 }
 
 /// Every rank reports the same divergence, on `field`; its message.

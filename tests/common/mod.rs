@@ -4,6 +4,7 @@ pub mod checked;
 pub mod fsdp_trace;
 #[cfg(feature = "nccl")]
 pub mod gpu;
+pub mod identity;
 pub mod procs;
 pub mod rng;
 #[cfg(target_os = "linux")]
