@@ -373,7 +373,10 @@ impl HostBackend {
             Some(posts) => body(&posts),
             None => Err(Error::CollectiveMismatch {
                 op,
-                detail: "a peer is at another step of its calls on this communicator".into(),
+                detail: format!(
+                    "a peer is at another step of its calls on this communicator {}",
+                    super::OUT_OF_STEP_HINT
+                ),
             }),
         };
         // Second round: nobody returns (and reuses its input) before all are done.
@@ -621,7 +624,10 @@ impl Collectives for HostBackend {
             if middle.iter().any(Option::is_some) {
                 return Err(Error::CollectiveMismatch {
                     op: OP,
-                    detail: "a peer is at another step of its calls on this communicator".into(),
+                    detail: format!(
+                        "a peer is at another step of its calls on this communicator {}",
+                        super::OUT_OF_STEP_HINT
+                    ),
                 });
             }
             let acc = reduced?;

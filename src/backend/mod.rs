@@ -189,6 +189,10 @@ pub trait Collectives: Send + Sync + fmt::Debug {
     }
 }
 
+/// What a backend's error for ranks at different steps of their calls on a
+/// communicator adds: the remedy when two threads share the communicators.
+pub(crate) const OUT_OF_STEP_HINT: &str = "(pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split)";
+
 /// What [`Collectives::abandon`] is called with when a collective check failed: the
 /// operation a call it ends names ([`Error::GroupBroken`] on the host backend).
 pub const ABANDONED: &str = "a collective check that failed";

@@ -163,7 +163,10 @@ fn at_step<T>(
         .map(|(rank, step)| {
             pick(step).ok_or_else(|| Error::CollectiveMismatch {
                 op,
-                detail: format!("rank {rank} is at another step of its calls on this communicator"),
+                detail: format!(
+                    "rank {rank} is at another step of its calls on this communicator {}",
+                    super::OUT_OF_STEP_HINT
+                ),
             })
         })
         .collect()
