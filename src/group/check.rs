@@ -513,14 +513,21 @@ impl Checker {
 
     /// What a collective that failed with `e` reports: the divergence this rank's
     /// checks found, if they found one, else `e` (breaking the checks as
-    /// [`break_on`](Self::break_on) says). A call ended because a peer's check failed
-    /// (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon),
-    /// [`ABANDONED`](crate::backend::ABANDONED)) first waits, until `deadline`, for
-    /// this rank's checks, which find the same divergence within a round.
+    /// [`break_on`](Self::break_on) says). A call that failed because of its peers (a
+    /// peer's check failed and ended it, the backend's
+    /// [`Collectives::abandon`](crate::backend::Collectives::abandon); a peer that
+    /// left or never came after it found the divergence) first waits, until
+    /// `deadline`, for this rank's checks, which find the same divergence in the same
+    /// round.
     pub(crate) fn call_failed(&self, e: Error, deadline: impl FnOnce() -> Deadline) -> Error {
-        if matches!(e, Error::GroupBroken { op, .. } if op == crate::backend::ABANDONED)
-            && self.verdict.divergence_error().is_none()
-        {
+        let peers = matches!(
+            e,
+            Error::GroupBroken { .. }
+                | Error::PeerLost { .. }
+                | Error::Timeout { .. }
+                | Error::CollectiveMismatch { .. }
+        );
+        if peers && self.verdict.divergence_error().is_none() {
             let _ = self.wait_compared(deadline());
         }
         if let Some(d) = self.verdict.divergence_error() {
