@@ -279,12 +279,14 @@ impl NcclBackend {
     /// [`Backend::split`] on NCCL: the data communicators split again off this rank's
     /// control communicator (the same roles, blocking unless configured otherwise),
     /// warmed up, with a watchdog of their own, by [`NcclConfig::setup_timeout`]. A
-    /// failed split aborts the communicators it made, not this backend's.
+    /// failed split aborts the communicators it made, not this backend's. The split
+    /// backend has no control communicator of its own: split the original again for
+    /// another pool.
     ///
     /// # Errors
     /// [`Error::Config`] for communicators adopted without a control communicator
-    /// ([`from_raw`](Self::from_raw)); the exchange's errors; [`Error::Nccl`],
-    /// [`Error::NcclTimeout`].
+    /// ([`from_raw`](Self::from_raw)) or a backend that was itself split off; the
+    /// exchange's errors; [`Error::Nccl`], [`Error::NcclTimeout`].
     pub(in crate::backend) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let Some(control) = self.shared.control.as_ref() else {
             return Err(Error::Config {
