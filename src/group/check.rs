@@ -330,7 +330,6 @@ impl Verdict {
         self.broken.store(true, Ordering::Release);
     }
 
-    /// The divergence found, if any.
     fn divergence_error(&self) -> Option<Error> {
         (self.divergence.get()).map(|d| Error::CollectiveDivergence(d.clone()))
     }
@@ -512,13 +511,10 @@ impl Checker {
     }
 
     /// What a collective that failed with `e` reports: the divergence this rank's
-    /// checks found, if they found one, else `e` (breaking the checks as
-    /// [`break_on`](Self::break_on) says). A call that failed because of its peers (a
-    /// peer's check failed and ended it, the backend's
-    /// [`Collectives::abandon`](crate::backend::Collectives::abandon); a peer that
-    /// left or never came after it found the divergence) first waits, until
-    /// `deadline`, for this rank's checks, which find the same divergence in the same
-    /// round.
+    /// checks found, else `e` (breaking the checks as [`break_on`](Self::break_on)
+    /// says). A call failed by its peers (ended by a peer's failed check, or a peer
+    /// gone after it found one) first waits until `deadline` for this rank's checks,
+    /// which find the same divergence in the same round.
     pub(crate) fn call_failed(&self, e: Error, deadline: impl FnOnce() -> Deadline) -> Error {
         let peers = matches!(
             e,
