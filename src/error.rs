@@ -100,10 +100,13 @@ pub enum Error {
     PoolClosed,
     /// [`SymmPool::close`](crate::SymmPool::close) found live buffers on some rank;
     /// nothing was released.
-    #[error("cannot close: live buffers per rank {live_per_rank:?}")]
+    #[error("cannot close: live buffers per rank {live_per_rank:?}{}", describe_buffers(.buffers))]
     BuffersAlive {
         /// Live buffers on each rank, in rank order.
         live_per_rank: Vec<u64>,
+        /// The live buffers (rank, requested bytes, segment and offset), at most 16 a
+        /// rank, in rank order.
+        buffers: Vec<(usize, String)>,
     },
     /// Ranks' pool call sequences differ. Reported on every rank that takes part in the
     /// agreement, naming the first differing call. The ranks' allocators now differ, so
@@ -212,12 +215,28 @@ pub enum Error {
     /// position on their communicators (pools sharing a backend grew in different
     /// orders); nothing was registered, on any rank.
     #[error(
-        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank): {}",
+        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split): {}",
         describe_registrations(.order)
     )]
     RegistrationOrder {
         /// Per rank, in rank order: (rank, pool name, segment bytes).
         order: Vec<(usize, String, u64)>,
+    },
+    /// A collective pool operation failed while other pools on the same communicators
+    /// were being used from other threads of this rank: the threads reach the shared
+    /// communicators in different orders on different ranks, which pairs the wrong
+    /// calls. Give each thread's pool communicators of its own
+    /// ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators),
+    /// or a backend from [`Backend::split`](crate::backend::Backend::split)).
+    #[error(
+        "{error} (pools {pools:?} share this backend's communicators and were used from different threads: give each thread's pool communicators of its own with PoolConfig::with_own_communicators(true) or Backend::split)"
+    )]
+    SharedCommunicators {
+        /// The pools on the shared communicators: this one first, then those last
+        /// used from other threads.
+        pools: Vec<String>,
+        /// The failure itself.
+        error: Box<Error>,
     },
     /// A shared-memory operation of the multi-process host backend failed (creating,
     /// sizing or mapping a segment, or mapping a peer's).
@@ -607,8 +626,12 @@ pub struct Divergence {
     /// when the ranks' histories show it.
     pub first_differing_call: Option<u64>,
     /// For each rank, its description of that call (`None`: the rank had not made it),
-    /// or of its latest call when the first differing call is older than the history.
+    /// or of where it is (call count, hash, latest call) when the first differing
+    /// call is older than the history.
     pub calls: Vec<(usize, Option<String>)>,
+    /// When the first differing call is older than every call the ranks remember: how
+    /// many calls a rank remembers ([`PoolConfig::history_len`](crate::PoolConfig::history_len)).
+    pub history_gone: Option<usize>,
 }
 
 impl fmt::Display for Divergence {
@@ -619,11 +642,18 @@ impl fmt::Display for Divergence {
                 "ranks diverged (found during {}): first differing call is #{k}:",
                 self.during
             )?,
-            None => write!(
-                f,
-                "ranks diverged (found during {}) before the recorded history:",
-                self.during
-            )?,
+            None => match self.history_gone {
+                Some(n) => write!(
+                    f,
+                    "ranks diverged (found during {}): the first differing call is older than the {n} calls each rank remembers, gone from the history (raise PoolConfig::history_len, at most 65 536, to name it); where each rank is:",
+                    self.during
+                )?,
+                None => write!(
+                    f,
+                    "ranks diverged (found during {}) before the recorded history:",
+                    self.during
+                )?,
+            },
         }
         for (rank, call) in &self.calls {
             match call {
@@ -633,6 +663,12 @@ impl fmt::Display for Divergence {
         }
         Ok(())
     }
+}
+
+fn describe_buffers(buffers: &[(usize, String)]) -> String {
+    (buffers.iter())
+        .map(|(rank, buffer)| format!("; rank {rank}: {buffer}"))
+        .collect()
 }
 
 /// Run `f` on every item in a thread of its own (one per rank of this process, since

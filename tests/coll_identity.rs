@@ -8,22 +8,21 @@
 //! than a timeout.
 //!
 //! The last rank is the perturbed one. Pool and backend timeouts are a few seconds;
-//! nothing sleeps.
+//! nothing sleeps. Under `Async`, a collective that waits for a peer who stopped
+//! joining them (it learnt of the divergence first) ends when this rank's check
+//! fails too, well before the timeout.
 
+mod common;
+
+use common::identity::{LAYERS, Plan, Seen, divergence, step};
 use std::thread;
-use std::time::{Duration, Instant};
-use symmpool::{
-    CheckMode, Coll, Error, HostBackend, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool,
-};
+use std::time::Duration;
+use symmpool::{CheckMode, Error, HostBackend, HostConfig, PoolConfig, SymmPool};
 
 /// The pools' and the host backend's timeout.
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// What "within one exchange round" means here: well under the timeout.
 const PROMPT: Duration = Duration::from_millis(1500);
-/// Layers of the loop.
-const LAYERS: usize = 8;
-/// f32 elements per rank of the persistent gather buffer.
-const CHUNK: usize = 256;
 
 fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
     let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
@@ -32,93 +31,6 @@ fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
         .with_check(mode)
         .with_check_queue(4);
     SymmPool::group(bs, &config).unwrap()
-}
-
-/// What one rank saw.
-#[derive(Debug)]
-struct Seen {
-    /// Collectives attempted; the first failing one (1-based) with its error.
-    calls: usize,
-    first: Option<(usize, Error)>,
-    /// Whether the failing call's buffer still held what this rank wrote before it.
-    untouched: bool,
-    /// `end_step`'s error (also made after a failed call: it returns the verdict).
-    end: Option<Error>,
-    /// From the rank's first collective to the end of `end_step`.
-    elapsed: Duration,
-}
-
-/// How one rank runs its step.
-#[derive(Clone, Copy)]
-struct Plan {
-    /// Layers to run (their gathers use the one persistent buffer).
-    layers: usize,
-    /// A layer this rank skips.
-    skip: Option<usize>,
-    /// Tag each gather with its layer.
-    tagged: bool,
-    /// Allocate one buffer more (from the cache: no growth) before this layer
-    /// (`layers`: after the last one).
-    extra_alloc_before: Option<usize>,
-}
-
-impl Plan {
-    fn layers(layers: usize, tagged: bool) -> Plan {
-        Plan {
-            layers,
-            skip: None,
-            tagged,
-            extra_alloc_before: None,
-        }
-    }
-}
-
-/// One step of a layer loop on `pool`: one all-gather per layer on one persistent
-/// buffer, then `end_step`.
-fn step(pool: &SymmPool, plan: Plan) -> Seen {
-    let coll = Coll::new(pool).unwrap();
-    let stream = Stream::host();
-    let world = pool.world_size();
-    let rank = pool.rank();
-    // Room in the cache for the extra allocation, so that it needs no growth.
-    drop(pool.alloc(1 << 20, &stream).unwrap());
-    let gathered: SymmBuffer = pool.alloc((world * CHUNK * 4) as u64, &stream).unwrap();
-    let mut seen = Seen {
-        calls: 0,
-        first: None,
-        untouched: false,
-        end: None,
-        elapsed: Duration::ZERO,
-    };
-    let mut extra = Vec::new();
-    let start = Instant::now();
-    for layer in 0..=plan.layers {
-        if plan.extra_alloc_before == Some(layer) {
-            extra.push(pool.alloc(4096, &stream).unwrap());
-        }
-        if layer == plan.layers || plan.skip == Some(layer) {
-            continue;
-        }
-        seen.calls += 1;
-        // Every element this rank's and this layer's, so a move is visible.
-        let pattern = vec![(rank * 1000 + layer) as f32; world * CHUNK];
-        gathered.write(&pattern).unwrap();
-        let ran = if plan.tagged {
-            let tag = (1u64 << 32) | layer as u64; // step 1, this layer
-            coll.tagged(tag)
-                .all_gather_in_place::<f32>(&gathered, &stream)
-        } else {
-            coll.all_gather_in_place::<f32>(&gathered, &stream)
-        };
-        if let Err(e) = ran {
-            seen.untouched = gathered.read::<f32>().unwrap() == pattern;
-            seen.first = Some((seen.calls, e));
-            break;
-        }
-    }
-    seen.end = coll.end_step().err();
-    seen.elapsed = start.elapsed();
-    seen
 }
 
 /// `plan(rank)` on every rank, a thread each; the results in rank order.
@@ -134,18 +46,6 @@ fn run(world: usize, mode: CheckMode, plan: impl Fn(usize) -> Plan + Sync) -> Ve
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
-}
-
-/// The divergence a rank reports: its first call's error if that is one, else
-/// `end_step`'s.
-fn divergence(seen: &Seen) -> String {
-    let errors = seen.first.iter().map(|(_, e)| e).chain(seen.end.iter());
-    for e in errors {
-        if let Error::CollectiveDivergence(d) = e {
-            return d.to_string();
-        }
-    }
-    panic!("no divergence reported: {seen:?}")
 }
 
 /// Every rank reports the same divergence, on `field`; its message.
@@ -282,12 +182,10 @@ fn an_extra_allocation_fails_on_the_call_count_naming_each_rank() {
             let all = run(2, mode, |r| perturbed(2, r, extra, normal));
             let msg = same_divergence_everywhere(&all, "pool call count");
             // Under Async a divergence inside the loop lets the rank that learns it
-            // first stop joining the host backend's blocking collectives, so the
-            // other may wait for one of them: bounded only at the step boundary.
-            if mode == CheckMode::Strict || before == LAYERS {
-                for seen in &all {
-                    assert!(seen.elapsed < PROMPT, "{mode:?}: {:?}: {msg}", seen.elapsed);
-                }
+            // first stop joining the host backend's blocking collectives; the failed
+            // check ends the other's wait in one of them: bounded all the same.
+            for seen in &all {
+                assert!(seen.elapsed < PROMPT, "{mode:?}: {:?}: {msg}", seen.elapsed);
             }
             if mode == CheckMode::Strict && before < LAYERS {
                 for seen in &all {
@@ -318,11 +216,12 @@ fn async_skipped_layer_fails_by_the_step_boundary() {
             );
         }
         // Untagged, the rank behind is at its step boundary when the ranks part: not
-        // held up by the timeout. (Tagged, the ranks part at the fourth gather, and
+        // held up by the timeout. Tagged, the ranks part at the fourth gather, and
         // the rank that learns it first stops joining the host backend's blocking
-        // collectives, so the other may wait for one of them: no bound on either.)
-        if !tagged {
-            assert!(all[1].elapsed < PROMPT, "{:?}", all[1].elapsed);
+        // collectives; the failed check ends the other's wait in one of them (the
+        // call reports the divergence): neither waits out the timeout.
+        for seen in &all {
+            assert!(seen.elapsed < PROMPT, "{:?}: {seen:?}", seen.elapsed);
         }
     }
 }
@@ -334,6 +233,56 @@ fn matching_tagged_steps_pass() {
         for seen in &all {
             assert!(seen.first.is_none(), "{mode:?}: {:?}", seen.first);
             assert!(seen.end.is_none(), "{mode:?}: {:?}", seen.end);
+        }
+    }
+}
+
+#[test]
+fn async_divergence_ends_a_blocked_host_collective_well_before_the_timeout() {
+    // Rank 0 runs two layers more: its ninth gather waits in the host backend for a
+    // peer that is at its step boundary. The failed check ends the wait; the call
+    // reports the divergence.
+    let all = run(2, CheckMode::Async, |r| {
+        Plan::layers(if r == 0 { LAYERS + 2 } else { LAYERS }, true)
+    });
+    same_divergence_everywhere(&all, "record kind");
+    for (rank, seen) in all.iter().enumerate() {
+        assert!(seen.elapsed < PROMPT, "rank {rank}: {:?}", seen.elapsed);
+    }
+    let (at, e) = all[0].first.as_ref().expect("rank 0's extra gather fails");
+    assert!(*at > LAYERS, "{at}");
+    assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
+}
+
+#[test]
+fn an_extra_allocation_that_grows_the_pool_names_the_rank_within_a_round() {
+    // The last rank grows the pool before the third layer while its peers gather:
+    // its growth record meets their collective record, on every rank, at once.
+    for mode in [CheckMode::Strict, CheckMode::Async] {
+        for world in [2, 3] {
+            let normal = Plan::layers(LAYERS, false);
+            let grow = Plan {
+                extra_growth_before: Some(2),
+                ..normal
+            };
+            let all = run(world, mode, |r| perturbed(world, r, grow, normal));
+            let msg = same_divergence_everywhere(&all, "record kind");
+            assert!(
+                msg.contains(&format!("rank {} has a growth of the pool by", world - 1)),
+                "{mode:?}: {msg}"
+            );
+            assert!(
+                msg.contains("rank 0 has a collective (this rank's collective #3 on the pool)"),
+                "{mode:?}: {msg}"
+            );
+            for (rank, seen) in all.iter().enumerate() {
+                assert!(seen.first.is_some(), "{mode:?}: rank {rank}: {seen:?}");
+                assert!(
+                    seen.elapsed < PROMPT,
+                    "{mode:?}: rank {rank}: {:?}",
+                    seen.elapsed
+                );
+            }
         }
     }
 }

@@ -321,7 +321,7 @@ fn use_after_close_is_an_error() {
         let buf = pool.alloc(4096, &stream).unwrap();
         // Live buffers: close refuses on every rank, nothing released.
         match pool.close() {
-            Err(Error::BuffersAlive { live_per_rank }) => assert_eq!(live_per_rank, vec![1, 1]),
+            Err(Error::BuffersAlive { live_per_rank, .. }) => assert_eq!(live_per_rank, vec![1, 1]),
             other => panic!("{other:?}"),
         }
         buf.write(&[1.0f32; 4]).unwrap();
@@ -576,6 +576,9 @@ impl symmpool::backend::StreamOps for Capturing {
     fn is_capturing(&self, _: &Stream) -> symmpool::Result<bool> {
         Ok(true)
     }
+    fn any_capturing(&self) -> symmpool::Result<bool> {
+        Ok(true)
+    }
     fn drain(&self, deadline: symmpool::Deadline) -> symmpool::Result<bool> {
         self.0.drain(deadline)
     }
@@ -766,6 +769,12 @@ fn pools_growing_in_different_orders_fail_before_any_window_pairs_wrongly() {
         for r in pair {
             match r {
                 Ok(()) | Err(Error::RegistrationOrder { .. }) => {}
+                // Two threads of one rank used the two pools: the error says so.
+                Err(Error::SharedCommunicators { pools, error })
+                    if matches!(**error, Error::RegistrationOrder { .. }) =>
+                {
+                    assert_eq!(pools.len(), 2, "{pools:?}");
+                }
                 Err(other) => panic!("rank {rank}: {other:?}"),
             }
         }
@@ -893,4 +902,159 @@ fn a_stalled_registration_fails_within_its_deadline() {
         took >= timeout && took < timeout + Duration::from_secs(1),
         "{took:?}"
     );
+}
+
+#[test]
+fn a_buffer_dropped_late_on_one_rank_at_close_is_buffers_alive_naming_it() {
+    let pools = SymmPool::host_group(2, config()).unwrap();
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        let early = pool.alloc(4096, &stream).unwrap();
+        let late = pool.alloc(8000, &stream).unwrap();
+        drop(early);
+        // Rank 0 drops its buffer before closing; rank 1 only after.
+        let late = if pool.rank() == 0 {
+            drop(late);
+            None
+        } else {
+            Some(late)
+        };
+        let refused = pool.close();
+        drop(late);
+        // Now both have freed it: the ranks' histories agree again and close works.
+        let closed = pool.close();
+        (refused, closed)
+    });
+    for (rank, (refused, closed)) in out.into_iter().enumerate() {
+        match refused {
+            Err(Error::BuffersAlive {
+                live_per_rank,
+                buffers,
+            }) => {
+                assert_eq!(live_per_rank, vec![0, 1], "rank {rank}");
+                assert_eq!(buffers.len(), 1, "{buffers:?}");
+                assert_eq!(buffers[0].0, 1);
+                assert!(
+                    buffers[0].1.starts_with("8000 B at segment 0 offset "),
+                    "{buffers:?}"
+                );
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+        assert!(closed.is_ok(), "rank {rank}: {closed:?}");
+    }
+}
+
+#[test]
+fn a_divergence_older_than_the_history_says_so_and_how_to_raise_it() {
+    let pools = SymmPool::host_group(2, config().with_history_len(4)).unwrap();
+    let out = on_ranks(&pools, |pool| {
+        let stream = Stream::host();
+        // Calls 1 and 2 grow the pool together; call 3 differs (a cache hit: no
+        // agreement yet)...
+        drop(pool.alloc(512, &stream).unwrap());
+        let size = if pool.rank() == 0 { 4096 } else { 8192 };
+        let _first = pool.alloc(size, &stream).unwrap();
+        // ...then more matching calls than the history holds, then a growth.
+        let hits: Vec<_> = (0..6).map(|_| pool.alloc(512, &stream).unwrap()).collect();
+        let grown = pool.alloc(8 * MIB, &stream);
+        drop(hits);
+        grown.unwrap_err()
+    });
+    let texts: Vec<String> = out.iter().map(ToString::to_string).collect();
+    for (e, text) in out.iter().zip(&texts) {
+        let Error::Divergence(d) = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(d.first_differing_call, None, "{d}");
+        assert_eq!(d.history_gone, Some(4), "{d}");
+        assert!(text.contains("older than the 4 calls"), "{text}");
+        assert!(text.contains("raise PoolConfig::history_len"), "{text}");
+        assert!(
+            text.contains("rank 1: pool call count 10, hash 0x"),
+            "{text}"
+        );
+    }
+    assert_eq!(texts[0], texts[1], "the same message on every rank");
+}
+
+/// A provider whose registrations fail at once on its rank (before the round the
+/// peers wait in), forwarding the rest.
+#[derive(Debug)]
+struct RegistrationFails(std::sync::Arc<dyn symmpool::backend::SegmentProvider>);
+
+impl symmpool::backend::SegmentProvider for RegistrationFails {
+    fn allocate(&self, size_bytes: u64) -> symmpool::Result<symmpool::backend::Segment> {
+        self.0.allocate(size_bytes)
+    }
+    unsafe fn register(
+        &self,
+        _segment: &symmpool::backend::Segment,
+        _comm: usize,
+        _deadline: symmpool::Deadline,
+    ) -> symmpool::Result<Option<symmpool::backend::Window>> {
+        Err(Error::Nccl {
+            op: "ncclCommWindowRegister",
+            code: 1,
+            message: "injected".into(),
+        })
+    }
+}
+
+#[test]
+fn a_registration_failure_names_the_rank_that_failed() {
+    // Rank 1 fails before its round; rank 0 waits out its registration. Every rank
+    // names rank 1, now and in the growth refused later.
+    let timeout = Duration::from_millis(600);
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let b1 = world
+        .pop()
+        .unwrap()
+        .with_segments(|inner| std::sync::Arc::new(RegistrationFails(inner)));
+    world.push(b1);
+    let config = PoolConfig::default().with_timeout(timeout);
+    let pools = SymmPool::group(world, &config).unwrap();
+    let out = on_ranks(&pools, |p| {
+        let first = p.alloc(MIB, &Stream::host()).unwrap_err();
+        let later = p.alloc(MIB, &Stream::host()).unwrap_err();
+        (first, later)
+    });
+    match &out[0].0 {
+        Error::RegistrationBroken { rank: 1, .. } => {}
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert!(matches!(&out[1].0, Error::Nccl { .. }), "{:?}", out[1].0);
+    for (rank, (_, later)) in out.iter().enumerate() {
+        match later {
+            Error::RegistrationBroken { rank: 1, .. } => {}
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn reserve_on_a_never_used_pool_during_capture_is_refused_on_every_rank() {
+    // Rank 0's device is capturing (a stream the pool never saw): a reservation, the
+    // pool's first call, registers nothing on any rank.
+    let timeout = Duration::from_secs(20);
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let b1 = world.pop().unwrap();
+    let b0 = world
+        .pop()
+        .unwrap()
+        .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
+    let pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
+    let started = std::time::Instant::now();
+    for e in on_ranks(&pools, |p| p.reserve(MIB).unwrap_err()) {
+        assert!(matches!(e, Error::GraphCapture), "{e:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "no rank waited"
+    );
+    for p in &pools {
+        let s = p.stats();
+        assert_eq!(s.core.segments.current, 0, "{s:?}");
+        assert!(s.registrations.iter().all(|&r| r == 0), "{s:?}");
+    }
 }

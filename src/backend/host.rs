@@ -186,12 +186,61 @@ struct HostComm {
     collectives: Rendezvous<u64, Option<Post>>,
 }
 
+impl HostComm {
+    /// One communicator's shared state for `world_size` ranks.
+    fn new(world_size: usize) -> Self {
+        HostComm {
+            serial: (0..world_size).map(|_| Mutex::new(())).collect(),
+            registrations: Rendezvous::new(world_size),
+            collectives: Rendezvous::new(world_size),
+        }
+    }
+
+    /// The standard communicators of a world of `world_size` ranks.
+    fn standard(world_size: usize) -> Arc<Vec<HostComm>> {
+        Arc::new(
+            (CommInfo::STANDARD.iter())
+                .map(|_| HostComm::new(world_size))
+                .collect(),
+        )
+    }
+}
+
+/// What the ranks of one host world share beyond their communicators: the sets of
+/// communicators split off for pools ([`Backend::split`]), found by each rank under the
+/// split's channel ordinal until every rank has taken its handle.
+#[derive(Default)]
+struct HostWorld {
+    splits: Mutex<BTreeMap<u64, Split>>,
+}
+
+/// A split's communicators, and how many ranks have taken them.
+type Split = (Arc<Vec<HostComm>>, usize);
+
+impl HostWorld {
+    /// The communicators of split `ordinal`: made by the first rank to ask, dropped
+    /// from the table when the last of `world_size` ranks has taken them.
+    fn take_split(&self, ordinal: u64, world_size: usize) -> Arc<Vec<HostComm>> {
+        let mut splits = self.splits.lock();
+        let (comms, taken) = splits
+            .entry(ordinal)
+            .or_insert_with(|| (HostComm::standard(world_size), 0));
+        let comms = comms.clone();
+        *taken += 1;
+        if *taken >= world_size {
+            splits.remove(&ordinal);
+        }
+        comms
+    }
+}
+
 /// One rank of a host world: ranks are threads of one process, segments host memory.
 /// Make a world with [`HostBackend::world`]; it returns [`Backend`]s.
 pub struct HostBackend {
     rank: usize,
     config: HostConfig,
     comms: Arc<Vec<HostComm>>,
+    world: Arc<HostWorld>,
     reserved: Arc<AtomicU64>,
     /// Per communicator: registration ordinal and collective round of this rank.
     counters: Mutex<Vec<(u64, u64)>>,
@@ -226,16 +275,8 @@ impl HostBackend {
         }
         let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;
-        let comms = Arc::new(
-            infos
-                .iter()
-                .map(|_| HostComm {
-                    serial: (0..n).map(|_| Mutex::new(())).collect(),
-                    registrations: Rendezvous::new(n),
-                    collectives: Rendezvous::new(n),
-                })
-                .collect::<Vec<_>>(),
-        );
+        let comms = HostComm::standard(n);
+        let world = Arc::new(HostWorld::default());
         // Making a backend is collective: one thread per rank.
         let ranks = LocalExchange::group(n).into_iter().enumerate();
         in_threads(ranks, "a host rank's set-up thread", |(rank, exchange)| {
@@ -251,12 +292,33 @@ impl HostBackend {
                 rank,
                 config: config.clone(),
                 comms: comms.clone(),
+                world: world.clone(),
                 reserved: Arc::new(AtomicU64::new(0)),
                 counters: Mutex::new(vec![(0, 0); infos.len()]),
             });
             let streams = Arc::new(HostStreams::default());
             Backend::with_stream_ops(info, Arc::new(exchange), parts, streams)
         })
+    }
+
+    /// [`Backend::split`] on the host backend: a new set of the standard
+    /// communicators, shared by the ranks that split under the same channel; the
+    /// memory limit and stream operations stay this rank's.
+    pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        let channel = backend
+            .exchange()
+            .open_channel(&format!("backend:split:{name}"), super::SETUP_TIMEOUT)?;
+        let n = self.config.world_size;
+        let comms = self.world.take_split(channel.ordinal(), n);
+        let parts = Arc::new(HostBackend {
+            rank: self.rank,
+            config: self.config.clone(),
+            counters: Mutex::new(vec![(0, 0); comms.len()]),
+            comms,
+            world: self.world.clone(),
+            reserved: self.reserved.clone(),
+        });
+        backend.sibling(parts)
     }
 
     fn comm(&self, comm: usize) -> Result<&HostComm> {
@@ -311,7 +373,10 @@ impl HostBackend {
             Some(posts) => body(&posts),
             None => Err(Error::CollectiveMismatch {
                 op,
-                detail: "a peer is at another step of its calls on this communicator".into(),
+                detail: format!(
+                    "a peer is at another step of its calls on this communicator {}",
+                    super::OUT_OF_STEP_HINT
+                ),
             }),
         };
         // Second round: nobody returns (and reuses its input) before all are done.
@@ -533,6 +598,12 @@ impl Collectives for HostBackend {
         })
     }
 
+    fn abandon(&self, why: &'static str) {
+        for comm in self.comms.iter() {
+            comm.collectives.abandon(self.rank, why);
+        }
+    }
+
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
         const OP: &str = "all_reduce";
         let bytes = args.check_counts(OP, 1, true)?;
@@ -553,7 +624,10 @@ impl Collectives for HostBackend {
             if middle.iter().any(Option::is_some) {
                 return Err(Error::CollectiveMismatch {
                     op: OP,
-                    detail: "a peer is at another step of its calls on this communicator".into(),
+                    detail: format!(
+                        "a peer is at another step of its calls on this communicator {}",
+                        super::OUT_OF_STEP_HINT
+                    ),
                 });
             }
             let acc = reduced?;

@@ -53,8 +53,10 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
 use std::any::Any;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
+use std::thread::ThreadId;
 /// Arguments of one collective call on one rank.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -175,12 +177,34 @@ pub trait Collectives: Send + Sync + fmt::Debug {
             detail: "this backend has no all-reduce".into(),
         })
     }
+
+    /// The ranks were found out of step (a collective check failed, `why`): end this
+    /// rank's collectives that wait for their peers now, and refuse later ones, where
+    /// the backend can. The host backend breaks its communicators, as a timeout in
+    /// them does ([`Error::GroupBroken`] on every rank's waiting and later calls);
+    /// the default does nothing (NCCL's calls do not wait on the host; its watchdog
+    /// bounds them).
+    fn abandon(&self, why: &'static str) {
+        let _ = why;
+    }
 }
+
+/// What a backend's error for ranks at different steps of their calls on a
+/// communicator adds: the remedy when two threads share the communicators.
+pub(crate) const OUT_OF_STEP_HINT: &str = "(pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split)";
+
+/// What [`Collectives::abandon`] is called with when a collective check failed: the
+/// operation a call it ends names ([`Error::GroupBroken`] on the host backend).
+pub const ABANDONED: &str = "a collective check that failed";
 
 /// How long making a backend waits for the other ranks (ranks of real jobs start
 /// minutes apart): 10 minutes. A lost peer ends the wait sooner (see
 /// [`control`](crate::control)).
 pub const SETUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// A pool on a backend's communicators: its name, and the thread of its latest
+/// collective pool operation (none yet: `None`).
+type PoolUser = (String, Option<ThreadId>);
 
 /// One rank's backend: its identity, its exchange, and the four parts. Cheap to
 /// clone (shared parts).
@@ -192,6 +216,10 @@ pub struct Backend {
     /// Held from that agreement to the last registration of the segment, so that two
     /// pools of this rank cannot interleave their registrations.
     registering: Arc<parking_lot::Mutex<()>>,
+    /// The pools on this backend's communicators, by pool channel ordinal: the pool's
+    /// name and the thread of its latest collective pool operation (to name pools
+    /// shared between threads when one fails).
+    users: Arc<parking_lot::Mutex<BTreeMap<u64, PoolUser>>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -270,6 +298,7 @@ impl Backend {
             info: Arc::new(info),
             registrations,
             registering: Arc::new(parking_lot::Mutex::new(())),
+            users: Arc::default(),
             exchange,
             segments: parts.clone(),
             streams,
@@ -309,6 +338,67 @@ impl Backend {
         }
         self.exchange = exchange;
         Ok(self)
+    }
+
+    /// A backend beside this one for one pool: the same rank, identity, exchange and
+    /// device, with **communicators of its own**, made collectively (a new set on the
+    /// host backends, new channels on the shared-memory backend, communicators split off
+    /// the control communicator on NCCL). A pool on it never shares a communicator with
+    /// a pool on this backend, so the two can be used from different threads, in any
+    /// interleaving on each rank: the FSDP pattern of a parameter pool on the
+    /// all-gather stream's thread and a gradient pool on the reduce-scatter stream's
+    /// ([`PoolConfig::own_communicators`](crate::PoolConfig::own_communicators) does it
+    /// when the pool is created).
+    ///
+    /// The new backend's segments, data and collectives are the implementation's own
+    /// (parts replaced with [`with_segments`](Self::with_segments) and the like are not
+    /// carried over); its stream operations are this backend's on the host backends.
+    ///
+    /// # Collective
+    /// Every rank splits at the same point with the same `name` (the ranks agree on it
+    /// over the exchange, waiting up to [`SETUP_TIMEOUT`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a backend that cannot split (one assembled from parts of
+    /// its own, or NCCL communicators adopted without a control communicator);
+    /// [`Error::ChannelMismatch`] on every rank if the ranks split with different
+    /// names or at different points; the exchange's errors; on NCCL the errors of
+    /// `ncclCommSplit` ([`Error::Nccl`], [`Error::NcclTimeout`]).
+    pub fn split(&self, name: &str) -> Result<Backend> {
+        if let Some(host) = self.downcast_ref::<HostBackend>() {
+            return host.split(self, name);
+        }
+        #[cfg(target_os = "linux")]
+        if let Some(shm) = self.downcast_ref::<ShmBackend>() {
+            return shm.split(self, name);
+        }
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
+            return nccl.split(self, name);
+        }
+        Err(Error::Config {
+            setting: "Backend::split",
+            value: format!("{:?}", self.info.kind),
+            expected: "a backend made by HostBackend, ShmBackend or NcclBackend",
+        })
+    }
+
+    /// A backend with this one's identity, exchange and stream operations, and `parts`
+    /// (communicators of their own) for the rest: what [`split`](Self::split) returns
+    /// on the host backends.
+    ///
+    /// # Collective
+    /// As [`new`](Self::new).
+    pub(crate) fn sibling<T>(&self, parts: Arc<T>) -> Result<Backend>
+    where
+        T: SegmentProvider + DataMover + Collectives + 'static,
+    {
+        Self::with_stream_ops(
+            BackendInfo::clone(&self.info),
+            self.exchange.clone(),
+            parts,
+            self.streams.clone(),
+        )
     }
 
     /// Who this backend is.
@@ -355,6 +445,34 @@ impl Backend {
     /// agreement and the registrations that follow one step on this rank.
     pub(crate) fn registration_channel(&self) -> (ChannelId, parking_lot::MutexGuard<'_, ()>) {
         (self.registrations, self.registering.lock())
+    }
+
+    /// Note pool `pool` (its channel ordinal), named `name`, on these communicators:
+    /// made (`used` false), or making a collective pool operation on this thread.
+    pub(crate) fn note_user(&self, pool: u64, name: &str, used: bool) {
+        let thread = used.then(|| std::thread::current().id());
+        let mut users = self.users.lock();
+        match users.get_mut(&pool) {
+            Some(user) => user.1 = thread.or(user.1),
+            None => {
+                users.insert(pool, (name.to_string(), thread));
+            }
+        }
+    }
+
+    /// Forget pool `pool` (dropped).
+    pub(crate) fn forget_user(&self, pool: u64) {
+        self.users.lock().remove(&pool);
+    }
+
+    /// The names of the other pools on these communicators whose latest collective
+    /// pool operation ran on another thread than this one.
+    pub(crate) fn users_on_other_threads(&self, pool: u64) -> Vec<String> {
+        let me = std::thread::current().id();
+        (self.users.lock().iter())
+            .filter(|(p, (_, thread))| **p != pool && thread.is_some_and(|t| t != me))
+            .map(|(_, (name, _))| name.clone())
+            .collect()
     }
 
     /// The exchange, shared (for another backend or a store-backed component).

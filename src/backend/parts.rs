@@ -108,6 +108,16 @@ pub trait StreamOps: Send + Sync + fmt::Debug {
     /// # Errors
     /// As [`record_fence`](Self::record_fence).
     fn is_capturing(&self, stream: &Stream) -> Result<bool>;
+    /// Whether any stream of this device that the backend knows (streams that
+    /// recorded fences, streams adopted from raw handles) is capturing a CUDA graph:
+    /// what a registration asks when it has no stream of its own (`reserve` on a pool
+    /// that never allocated). The default: none (host work is never captured).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    fn any_capturing(&self) -> Result<bool> {
+        Ok(false)
+    }
     /// Wait on the host until all work enqueued so far on every stream this device has
     /// recorded fences on is done, or `deadline` passes: `Ok(true)` if it drained,
     /// `Ok(false)` at the deadline. Never waits past the deadline (it polls; it does

@@ -163,8 +163,29 @@ fn at_step<T>(
         .map(|(rank, step)| {
             pick(step).ok_or_else(|| Error::CollectiveMismatch {
                 op,
-                detail: format!("rank {rank} is at another step of its calls on this communicator"),
+                detail: format!(
+                    "rank {rank} is at another step of its calls on this communicator {}",
+                    super::OUT_OF_STEP_HINT
+                ),
             })
+        })
+        .collect()
+}
+
+/// The channels of `count` communicators, `PREFIX:comm0`, `PREFIX:comm1`, ..., each
+/// with the lock that keeps one call at a time on it on this rank.
+///
+/// # Errors
+/// The errors of [`Exchange::open_channel`].
+fn open_comms(
+    exchange: &dyn Exchange,
+    prefix: &str,
+    count: usize,
+) -> Result<Vec<(ChannelId, Mutex<()>)>> {
+    (0..count)
+        .map(|c| {
+            let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), super::SETUP_TIMEOUT)?;
+            Ok((ch, Mutex::new(())))
         })
         .collect()
 }
@@ -211,12 +232,7 @@ impl ShmBackend {
             config.granularity_bytes,
             infos.clone(),
         )?;
-        let comms = (0..infos.len())
-            .map(|c| {
-                let ch = exchange.open_channel(&format!("shm:comm{c}"), super::SETUP_TIMEOUT)?;
-                Ok((ch, Mutex::new(())))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let comms = open_comms(&*exchange, "shm", infos.len())?;
         let parts = Arc::new(ShmBackend {
             rank,
             world,
@@ -228,6 +244,24 @@ impl ShmBackend {
         });
         let streams = Arc::new(HostStreams::default());
         Backend::with_stream_ops(info, exchange, parts, streams)
+    }
+
+    /// [`Backend::split`] on the shared-memory backend: the same communicators on
+    /// channels of their own (`shm:NAME:commC`); the memory limit and stream
+    /// operations stay this rank's.
+    pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        let count = self.comms.len();
+        let comms = open_comms(&*self.exchange, &format!("shm:{name}"), count)?;
+        let parts = Arc::new(ShmBackend {
+            rank: self.rank,
+            world: self.world,
+            config: self.config.clone(),
+            exchange: self.exchange.clone(),
+            comms,
+            ordinals: Mutex::new(vec![0; count]),
+            reserved: self.reserved.clone(),
+        });
+        backend.sibling(parts)
     }
 
     fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {

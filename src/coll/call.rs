@@ -599,8 +599,9 @@ impl Coll {
         };
         drop(strict);
         if let Err(e) = ran {
-            checker.break_on(&e);
-            return Err(failed(pool, e));
+            // A call ended by a failed check reports the divergence.
+            let deadline = || Deadline::after(pool.config().timeout.saturating_mul(2));
+            return Err(failed(pool, checker.call_failed(e, deadline)));
         }
         let report = CollectiveReport {
             path,

@@ -41,7 +41,7 @@
 //!
 //! | field | what |
 //! |---|---|
-//! | record kind | collective, or step boundary ([`Coll::end_step`]) |
+//! | record kind | collective, step boundary ([`Coll::end_step`]), or growth (the pool is about to grow: checked before the pool's own agreement, so a rank whose extra allocation grows the pool while its peers make a collective fails on every rank within one round) |
 //! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
 //! | tag | the caller's identity of the call ([`Coll::tagged`]; 0 when untagged) |
 //! | pool collective number | collectives issued on this pool so far |
@@ -96,9 +96,10 @@
 //! every rank, within one exchange round: a rank that made more collectives than
 //! another shows "a collective (this rank's collective #8 on the pool)" where the rank
 //! behind shows "a step boundary (after 7 collectives on the pool)"; an extra
-//! allocation shows in "pool call count". (Under `Async` a collective that a peer never
-//! joins still waits for it on a backend whose collectives block, as the host
-//! backends' do: the rank ahead gets that collective's [`Error::Timeout`], then the
+//! allocation shows in "pool call count". (Under `Async` a collective that a peer
+//! never joins waits for it on a backend whose collectives block: on the host threads backend this rank's failed check ends the
+//! wait, and the call returns the divergence, within a round; on the shared-memory
+//! backend the rank ahead gets that collective's [`Error::Timeout`], then the
 //! divergence from `end_step`.)
 //!
 //! **Breakage is consistent**: after a mismatch, or a collective that timed out or
@@ -148,7 +149,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord};
 use crate::observe::{MemoryStats, StatValue};
-use crate::pool::SymmPool;
+use crate::pool::{GrowthCheck, SymmPool};
 use arc_swap::ArcSwap;
 use std::fmt;
 use std::sync::Arc;
@@ -294,6 +295,7 @@ impl Coll {
                     exchange: pool.backend().exchange_handle(),
                     timeout: config.timeout,
                     failure: pool.outside_failure(),
+                    abandon: Some(abandon_on(pool)),
                 };
                 Ok(PoolColl {
                     pool: pool.clone(),
@@ -304,13 +306,17 @@ impl Coll {
             })
             .collect::<Result<Vec<_>>>()?;
         let comms = first.backend().communicators().len();
-        Ok(Coll {
-            inner: Arc::new(CollInner {
-                pools: entries,
-                policy: ArcSwap::from_pointee(PathPolicy::default()),
-                comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
-            }),
-        })
+        let inner = Arc::new(CollInner {
+            pools: entries,
+            policy: ArcSwap::from_pointee(PathPolicy::default()),
+            comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
+        });
+        // Every growth of the pools is checked among the collectives' records first.
+        let weak: std::sync::Weak<CollInner> = Arc::downgrade(&inner);
+        for pool in pools {
+            pool.add_growth_check(weak.clone());
+        }
+        Ok(Coll { inner })
     }
 
     /// One handle per pool, for ranks that are threads of this process: made
@@ -436,6 +442,47 @@ impl Coll {
     fn entry(&self, pool: &SymmPool) -> Option<&PoolColl> {
         self.inner.pools.iter().find(|e| e.pool.same_pool(pool))
     }
+}
+
+impl GrowthCheck for CollInner {
+    /// Check the growth among the pool's collective records: a growth record (the
+    /// pool's collective count, call count and hash, the segment's bytes) compared
+    /// like a collective's (under `Strict` in one round here; under `Async` posted,
+    /// then waited for until compared), so that a rank growing where its peers make a
+    /// collective fails on every rank within one round.
+    fn before_growth(
+        &self,
+        pool: u64,
+        call: (u64, u64),
+        segment_bytes: u64,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let Some(entry) = (self.pools.iter()).find(|e| e.pool.channel().ordinal() == pool) else {
+            return Ok(());
+        };
+        let checker = &entry.checker;
+        if checker.mode() == CheckMode::Off {
+            return Ok(());
+        }
+        checker.check()?;
+        let collectives = entry.collectives.load(Ordering::Relaxed);
+        let record = CollectiveRecord::growth(pool, collectives, call, segment_bytes);
+        let mut strict = (checker.mode() == CheckMode::Strict).then(|| checker.strict_lock());
+        checker.submit(strict.as_mut(), record, || deadline)?;
+        drop(strict);
+        checker.wait_compared(deadline)
+    }
+}
+
+/// What a failed check does to `pool`'s collectives that wait for their peers: ends
+/// them (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon)).
+fn abandon_on(pool: &SymmPool) -> Arc<dyn Fn() + Send + Sync> {
+    let backend = pool.backend().clone();
+    Arc::new(move || {
+        backend
+            .collectives()
+            .abandon("a collective check that failed")
+    })
 }
 
 /// Collectives run on each path: calls and bytes per rank.

@@ -109,6 +109,17 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
         }
     }
 
+    /// Break the group as a timeout of `rank` in `op` would (unless it is broken
+    /// already): every gather waiting now or later fails with [`Error::GroupBroken`].
+    /// For a caller that learnt otherwise that the ranks are out of step.
+    pub(crate) fn abandon(&self, rank: usize, op: &'static str) {
+        let mut state = self.state.lock();
+        if state.broken.is_none() {
+            state.broken = Some((rank, op));
+        }
+        self.cv.notify_all();
+    }
+
     /// Take `rank`'s post out of the round `key` (dropping the round once empty).
     fn withdraw(state: &mut RvState<K, T>, key: K, rank: usize) {
         if let Some(r) = state.rounds.get_mut(&key) {

@@ -113,7 +113,8 @@ impl Error {
             | Error::BadView(_)
             | Error::GraphCapture
             | Error::NoActivePool
-            | Error::PayloadTooLarge { .. } => K::Usage,
+            | Error::PayloadTooLarge { .. }
+            | Error::SharedCommunicators { .. } => K::Usage,
             Error::Divergence(_)
             | Error::CollectiveMismatch { .. }
             | Error::CollectiveDivergence(_)
@@ -218,9 +219,10 @@ mod tests {
             Error::NcclWatchdog { .. } => 44,
             Error::NcclAborted { .. } => 45,
             Error::CollectiveDivergence(_) => 46,
+            Error::SharedCommunicators { .. } => 47,
         }
     }
-    const VARIANTS: usize = 47;
+    const VARIANTS: usize = 48;
 
     fn io() -> std::io::Error {
         std::io::Error::other("test")
@@ -232,6 +234,13 @@ mod tests {
         let v = crate::NcclVersion::from_code(22_800);
         vec![
             (Error::ZeroSize, K::Usage),
+            (
+                Error::SharedCommunicators {
+                    pools: vec![s()],
+                    error: Box::new(Error::WrongStream),
+                },
+                K::Usage,
+            ),
             (
                 Error::TooLarge {
                     requested_bytes: 2,
@@ -277,6 +286,7 @@ mod tests {
             (
                 Error::BuffersAlive {
                     live_per_rank: vec![1],
+                    buffers: vec![],
                 },
                 K::Usage,
             ),
@@ -285,6 +295,7 @@ mod tests {
                     during: "x",
                     first_differing_call: None,
                     calls: vec![],
+                    history_gone: None,
                 })),
                 K::Divergence,
             ),

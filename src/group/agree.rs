@@ -82,7 +82,31 @@ pub(crate) struct AgreementRecord {
     /// The rank's pool is broken.
     pub(crate) broken: bool,
     pub(crate) recent: Vec<CallRecord>,
+    /// At `close`: the rank's live buffers (at most [`MAX_LIVE_NAMED`]), to name them
+    /// when they refuse the close; empty otherwise. Not compared.
+    pub(crate) live: Vec<LiveBuffer>,
 }
+
+/// A live buffer as a `close` that it refuses names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct LiveBuffer {
+    pub(crate) segment: u32,
+    pub(crate) offset_bytes: u64,
+    pub(crate) requested_bytes: u64,
+}
+
+impl std::fmt::Display for LiveBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} B at segment {} offset {}",
+            self.requested_bytes, self.segment, self.offset_bytes
+        )
+    }
+}
+
+/// Most live buffers a rank names in a `close` agreement.
+pub(crate) const MAX_LIVE_NAMED: usize = 16;
 
 impl AgreementRecord {
     pub(crate) fn new(
@@ -102,7 +126,15 @@ impl AgreementRecord {
             extra,
             broken,
             recent: history.recent().copied().collect(),
+            live: Vec::new(),
         }
+    }
+
+    /// The same record naming `live` buffers (a `close`'s), the first
+    /// [`MAX_LIVE_NAMED`] of them.
+    pub(crate) fn with_live(mut self, live: impl IntoIterator<Item = LiveBuffer>) -> Self {
+        self.live = live.into_iter().take(MAX_LIVE_NAMED).collect();
+        self
     }
 }
 
@@ -126,24 +158,28 @@ impl Fields for AgreementRecord {
     }
 }
 
-/// Exchange this rank's record with all ranks and check they agree.
+/// Exchange this rank's record with all ranks and check they agree; every rank's
+/// record (`None`: unreadable, possible only when a broken rank or a close with live
+/// buffers skipped the comparison).
 ///
-/// `during` names the round for errors. The records' `extra` values, which may differ,
-/// are returned in rank order.
+/// `during` names the round for errors. The records come back in rank order with
+/// their `extra` values, which may differ.
 ///
 /// # Errors
 /// [`Error::Timeout`] if a rank does not arrive by `deadline`; [`Error::PoolBroken`]
 /// (with a reason naming the first broken rank) if any rank's pool is broken, unless
 /// the operation is [`Op::Close`], which then skips the comparison;
 /// [`Error::Divergence`] if records differ in operation, call count, size, hash or
-/// allocator state.
-pub(crate) fn agree(
+/// allocator state (but for a `close` on every rank where some rank has live
+/// buffers: the close fails on them, and a buffer dropped late on one rank shows in
+/// its history, not as a divergence).
+pub(crate) fn agree_records(
     exchange: &dyn Exchange,
     channel: ChannelId,
     during: &'static str,
     mine: &AgreementRecord,
     deadline: Deadline,
-) -> Result<Vec<u64>> {
+) -> Result<Vec<Option<AgreementRecord>>> {
     let span = tracing::debug_span!(target: "symmpool::pool", "agreement", rank = exchange.rank(), during, size = mine.size);
     let _entered = span.enter();
     let started = std::time::Instant::now();
@@ -164,12 +200,6 @@ pub(crate) fn agree(
             ),
         });
     }
-    let extras = |records: &[Option<AgreementRecord>]| {
-        records
-            .iter()
-            .map(|r| r.as_ref().map_or(0, |r| r.extra))
-            .collect()
-    };
     // A broken rank refuses calls without recording them: its history says nothing
     // about the peers', so brokenness wins over any difference of the records.
     if let Some(rank) = records
@@ -177,19 +207,27 @@ pub(crate) fn agree(
         .position(|r| r.as_ref().is_some_and(|r| r.broken))
     {
         if mine.op == Op::Close {
-            return Ok(extras(&records));
+            return Ok(records);
         }
         return Err(Error::PoolBroken {
             reason: format!("rank {rank}'s pool is broken"),
         });
     }
     let decoded: Option<Vec<&AgreementRecord>> = records.iter().map(Option::as_ref).collect();
+    if let Some(decoded) = &decoded
+        && decoded.iter().all(|r| r.op == Op::Close)
+        && decoded.iter().any(|r| r.extra > 0)
+    {
+        // Every rank closes and some hold live buffers: the close fails on them (a
+        // buffer dropped late on one rank is a free in its history alone).
+        return Ok(records);
+    }
     if let Some(decoded) = decoded
         && first_difference(&decoded).is_none()
     {
         tracing::debug!(target: "symmpool::pool", rank = me, during, world = records.len(),
             seconds = started.elapsed().as_secs_f64(), "ranks agreed");
-        return Ok(extras(&records));
+        return Ok(records);
     }
     Err(Error::Divergence(Box::new(explain(&records, during))))
 }
@@ -201,6 +239,7 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
         return Divergence {
             during,
             first_differing_call: None,
+            history_gone: None,
             calls: records
                 .iter()
                 .enumerate()
@@ -237,6 +276,7 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
             return Divergence {
                 during,
                 first_differing_call: Some(seq),
+                history_gone: None,
                 calls: calls
                     .iter()
                     .enumerate()
@@ -259,6 +299,7 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
         return Divergence {
             during,
             first_differing_call: None,
+            history_gone: None,
             calls: decoded
                 .iter()
                 .enumerate()
@@ -271,9 +312,13 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
                 .collect(),
         };
     }
+    // Unless only the operation differs, the first differing call is older than
+    // every call the ranks remember: say where each rank is.
+    let remembered = decoded.iter().map(|r| r.recent.len()).max().unwrap_or(0);
     Divergence {
         during,
         first_differing_call: if same_history { Some(hi + 1) } else { None },
+        history_gone: (!same_history).then_some(remembered),
         calls: decoded
             .iter()
             .enumerate()
@@ -281,9 +326,11 @@ fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Diverge
                 let what = if same_history {
                     format!("{} ({} B)", r.op.name(), r.size)
                 } else {
-                    r.recent
+                    let latest = r
+                        .recent
                         .last()
-                        .map_or("no calls".into(), |c| format!("latest {}", c.describe()))
+                        .map_or("no calls".into(), |c| format!("latest {}", c.describe()));
+                    format!("pool call count {}, hash {:#018x}, {latest}", r.seq, r.hash)
                 };
                 (rank, Some(what))
             })
@@ -351,6 +398,18 @@ mod tests {
         }
         let d = at_growth(&a, &b);
         assert_eq!(d.first_differing_call, None);
+        assert_eq!(d.history_gone, Some(2));
+        let text = d.to_string();
+        assert!(text.contains("older than the 2 calls"), "{text}");
+        assert!(text.contains("PoolConfig::history_len"), "{text}");
+        assert!(
+            text.contains("rank 1: pool call count 4, hash 0x"),
+            "{text}"
+        );
+        assert!(
+            text.contains("latest call #4: alloc(4096 B, align 512 B)"),
+            "{text}"
+        );
     }
 
     #[test]

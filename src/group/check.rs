@@ -67,6 +67,9 @@ pub(crate) enum RecordKind {
     /// A step boundary ([`end_step`](crate::coll::Coll::end_step)): the pool's call
     /// count and hash, so that pool calls without collectives cannot drift unseen.
     Step,
+    /// The pool is about to grow (a collective pool operation): a rank that grows
+    /// where its peers make a collective is named at once, not after a timeout.
+    Growth,
 }
 
 /// The collective a record is of.
@@ -175,6 +178,24 @@ impl CollectiveRecord {
     }
 }
 
+impl CollectiveRecord {
+    /// A growth record of the pool `pool`: the collectives issued on it, its call
+    /// count and hash (the growing allocation included), and the segment's bytes (in
+    /// the count).
+    pub(crate) fn growth(
+        pool: u64,
+        pool_collectives: u64,
+        call: (u64, u64),
+        segment_bytes: u64,
+    ) -> Self {
+        CollectiveRecord {
+            kind: RecordKind::Growth,
+            count: segment_bytes,
+            ..CollectiveRecord::step(pool, pool_collectives, (0, 0), call)
+        }
+    }
+}
+
 impl Fields for CollectiveRecord {
     const NAMES: &'static [&'static str] = &[
         "record kind",
@@ -213,6 +234,7 @@ impl Fields for CollectiveRecord {
             0 => Value::Name(match self.kind {
                 RecordKind::Collective => "collective",
                 RecordKind::Step => "step boundary",
+                RecordKind::Growth => "growth",
             }),
             1 => Value::Number(self.pool),
             2 => Value::Tag(self.tag),
@@ -250,6 +272,10 @@ impl Fields for CollectiveRecord {
                 "a step boundary (after {} collectives on the pool)",
                 self.pool_collective
             ),
+            (0, RecordKind::Growth) => format!(
+                "a growth of the pool by {} bytes (at its call #{}, after {} collectives on the pool)",
+                self.count, self.call_seq, self.pool_collective
+            ),
             _ => self.field(i).show(),
         }
     }
@@ -278,6 +304,9 @@ struct Verdict {
     divergence: OnceLock<Box<CollectiveDivergence>>,
     /// The pool's failure slot (the pool turns it into its `broken` state).
     failure: Arc<OnceLock<String>>,
+    /// The site's `abandon`, called by the first divergence (unless the checks
+    /// failed before).
+    abandon: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl Verdict {
@@ -285,13 +314,24 @@ impl Verdict {
         tracing::error!(target: "symmpool::coll", divergence = %d, "collective check failed");
         let _ = self.failure.set(d.to_string());
         let _ = self.divergence.set(d);
-        self.broken.store(true, Ordering::Release);
+        // The ranks are out of step: end the collectives that wait for peers who
+        // will not come (once).
+        if !self.broken.swap(true, Ordering::AcqRel)
+            && let Some(abandon) = &self.abandon
+        {
+            abandon();
+        }
     }
 
     fn failed(&self, reason: String) {
         tracing::error!(target: "symmpool::coll", reason = %reason, "pool broken");
         let _ = self.failure.set(reason);
+        // (A timeout or a lost peer: a collective waiting for them meets the same.)
         self.broken.store(true, Ordering::Release);
+    }
+
+    fn divergence_error(&self) -> Option<Error> {
+        (self.divergence.get()).map(|d| Error::CollectiveDivergence(d.clone()))
     }
 
     fn error(&self) -> Error {
@@ -349,6 +389,9 @@ pub(crate) struct CheckSite {
     pub(crate) timeout: Duration,
     /// The pool's failure slot: a failed check breaks the pool.
     pub(crate) failure: Arc<OnceLock<String>>,
+    /// Called once when a check finds a divergence: ends this rank's collectives that
+    /// wait for peers who will not come (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon)).
+    pub(crate) abandon: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// The collective checks of one pool.
@@ -417,6 +460,7 @@ impl Checker {
                 broken: AtomicBool::new(false),
                 divergence: OnceLock::new(),
                 failure: site.failure.clone(),
+                abandon: site.abandon.clone(),
             }),
             site: Arc::new(site),
             strict: Mutex::new(0),
@@ -464,6 +508,29 @@ impl Checker {
             self.verdict
                 .failed(format!("a collective on this pool failed: {e}"));
         }
+    }
+
+    /// What a collective that failed with `e` reports: the divergence this rank's
+    /// checks found, else `e` (breaking the checks as [`break_on`](Self::break_on)
+    /// says). A call failed by its peers (ended by a peer's failed check, or a peer
+    /// gone after it found one) first waits until `deadline` for this rank's checks,
+    /// which find the same divergence in the same round.
+    pub(crate) fn call_failed(&self, e: Error, deadline: impl FnOnce() -> Deadline) -> Error {
+        let peers = matches!(
+            e,
+            Error::GroupBroken { .. }
+                | Error::PeerLost { .. }
+                | Error::Timeout { .. }
+                | Error::CollectiveMismatch { .. }
+        );
+        if peers && self.verdict.divergence_error().is_none() {
+            let _ = self.wait_compared(deadline());
+        }
+        if let Some(d) = self.verdict.divergence_error() {
+            return d;
+        }
+        self.break_on(&e);
+        e
     }
 
     /// The strict lock: held by the caller from the record's round to the launch.

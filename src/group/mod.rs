@@ -13,7 +13,7 @@ mod history;
 mod record;
 mod registration;
 
-pub(crate) use agree::{AgreementRecord, Op, Readiness, agree};
+pub(crate) use agree::{AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Op, Readiness, agree_records};
 pub use check::CheckMode;
 pub(crate) use check::{
     BufferRecord, CheckSite, Checker, CollKind, CollectiveRecord, RecordKind, dtype_code,

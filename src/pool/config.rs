@@ -50,6 +50,14 @@ pub struct PoolConfig {
     /// caller that finds the queue full waits for room (at most twice the pool's
     /// timeout). The default of the handles made from the pool.
     pub check_queue: usize,
+    /// Whether the pool gets communicators of its own, split for it from the
+    /// backend's when it is created ([`Backend::split`](crate::backend::Backend::split),
+    /// under the pool's name; default `false`: the pool uses the backend's). Pools
+    /// that are used from different threads (FSDP's parameter pool on the all-gather
+    /// stream's thread, its gradient pool on the reduce-scatter stream's) need it:
+    /// pools that share communicators must make their growths and collectives in the
+    /// same order on every rank, which two threads do not.
+    pub own_communicators: bool,
     /// A `SYMMPOOL_CHECK` value that names no mode, read by `default()` and cleared
     /// by `with_check`: reported by `Coll::new`.
     pub(crate) bad_check_env: Option<String>,
@@ -100,6 +108,7 @@ impl Default for PoolConfig {
             check,
             check_queue: 64,
             bad_check_env,
+            own_communicators: false,
         }
     }
 }
@@ -155,6 +164,13 @@ impl PoolConfig {
     /// Set the bound of an `Async` pool's record queue (at least 1).
     pub fn with_check_queue(mut self, records: usize) -> Self {
         self.check_queue = records.max(1);
+        self
+    }
+
+    /// Set whether the pool gets communicators of its own (see
+    /// [`own_communicators`](Self::own_communicators)).
+    pub fn with_own_communicators(mut self, own: bool) -> Self {
+        self.own_communicators = own;
         self
     }
 

@@ -36,11 +36,48 @@ impl SymmPool {
         stream: &Stream,
         deadline: Deadline,
     ) -> Result<SegmentId> {
-        let ready = self.readiness(st, Some(stream))?;
-        let size = growth.segment_bytes;
-        let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
-        st.all_ready(&flags)?;
-        self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
+        self.shared_use(|| {
+            // The collectives' checks first: a rank that grows where its peers make a
+            // collective is named there, within a round.
+            self.check_growth(growth.segment_bytes, deadline)?;
+            let ready = self.readiness(st, Some(stream))?;
+            let size = growth.segment_bytes;
+            let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
+            st.all_ready(&flags)?;
+            self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
+        })
+    }
+
+    /// Run the collective pool operation `f`, noting this thread as the pool's user of
+    /// the backend's communicators. A failure of the kind that communicators shared
+    /// with pools used from other threads cause (a wait that timed out, registrations
+    /// out of order) becomes [`Error::SharedCommunicators`] naming those pools.
+    pub(super) fn shared_use<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let backend = &self.inner.backend;
+        let (pool, name) = (self.inner.channel.ordinal(), &self.inner.config.name);
+        backend.note_user(pool, name, true);
+        f().map_err(|error| {
+            let shared = matches!(
+                error,
+                Error::Timeout { .. }
+                    | Error::GroupBroken { .. }
+                    | Error::RegistrationOrder { .. }
+                    | Error::RegistrationMismatch { .. }
+                    | Error::RegistrationBroken { .. }
+            );
+            let others = if shared {
+                backend.users_on_other_threads(pool)
+            } else {
+                Vec::new()
+            };
+            if others.is_empty() {
+                return error;
+            }
+            Error::SharedCommunicators {
+                pools: std::iter::once(name.clone()).chain(others).collect(),
+                error: Box::new(error),
+            }
+        })
     }
 
     /// Add one segment of `growth` to the pool, after the ranks agreed on it: allocate
@@ -97,16 +134,21 @@ impl SymmPool {
     }
 
     /// This rank's readiness for a reservation: capturing if any stream the pool has
-    /// allocated on is capturing a CUDA graph.
+    /// allocated on, or any the backend knows (a pool that never allocated has none of
+    /// its own), is capturing a CUDA graph.
     fn readiness_known(&self, st: &PoolState) -> Result<u64> {
         let ready = st.readiness();
         if ready != Readiness::Ready {
             return Ok(ready as u64);
         }
+        let streams = self.inner.backend.streams();
         for s in &st.known_streams {
-            if self.inner.backend.streams().is_capturing(s)? {
+            if streams.is_capturing(s)? {
                 return Ok(Readiness::Capturing as u64);
             }
+        }
+        if streams.any_capturing()? {
+            return Ok(Readiness::Capturing as u64);
         }
         Ok(Readiness::Ready as u64)
     }
@@ -122,6 +164,24 @@ impl SymmPool {
         extra: u64,
         deadline: Deadline,
     ) -> Result<Vec<u64>> {
+        let records = self.agree_naming(st, (op, during), size, extra, Vec::new(), deadline)?;
+        Ok(records
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| r.extra))
+            .collect())
+    }
+
+    /// [`agree`](Self::agree), naming this rank's `live` buffers in its record (a
+    /// close's); every rank's record.
+    pub(super) fn agree_naming(
+        &self,
+        st: &mut PoolState,
+        (op, during): (Op, &'static str),
+        size: u64,
+        extra: u64,
+        live: Vec<group::LiveBuffer>,
+        deadline: Deadline,
+    ) -> Result<Vec<Option<AgreementRecord>>> {
         st.counters.agreements += 1;
         let c = st.core.stats();
         let state = group::state_digest(&[
@@ -131,8 +191,9 @@ impl SymmPool {
             c.num_allocs,
             c.num_frees,
         ]);
-        let mine = AgreementRecord::new(&st.history, op, size, state, extra, st.broken.is_some());
-        let out = group::agree(
+        let mine = AgreementRecord::new(&st.history, op, size, state, extra, st.broken.is_some())
+            .with_live(live);
+        let out = group::agree_records(
             self.inner.backend.exchange(),
             self.inner.channel,
             during,
@@ -271,9 +332,15 @@ impl SymmPool {
         const REGISTERED: u64 = 1;
         const FAILED: u64 = 2;
         const NO_WINDOW: u64 = 3;
+        // The registration waited for peers that did not come (a peer that failed
+        // before its round): blamed only if no rank failed on its own.
+        const WAITED: u64 = 4;
         let mine = match &local {
             Ok(()) => REGISTERED,
             Err(Error::NoSymmetricSupport { .. }) => NO_WINDOW,
+            Err(Error::Timeout { .. } | Error::NcclTimeout { .. } | Error::GroupBroken { .. }) => {
+                WAITED
+            }
             Err(_) => FAILED,
         };
         let flags = match self.agree(
@@ -293,12 +360,14 @@ impl SymmPool {
                 return Err(error);
             }
         };
-        if let Some(rank) = flags
+        let failed = flags.iter().position(|&f| f == FAILED);
+        let waited = flags.iter().position(|&f| f == WAITED);
+        let unknown = flags
             .iter()
-            .position(|&f| f != REGISTERED && f != NO_WINDOW)
-        {
+            .position(|&f| f != REGISTERED && f != NO_WINDOW);
+        if let Some(rank) = failed.or(waited).or(unknown) {
             let (error, reason) = match local {
-                Err(e) if mine == FAILED => {
+                Err(e) if mine == FAILED || rank == self.rank() => {
                     let reason = e.to_string();
                     (e, reason)
                 }
@@ -451,13 +520,15 @@ impl SymmPool {
         );
         // Registration is refused while any stream the pool has served is capturing.
         let deadline = Deadline::after(self.inner.config.timeout);
-        let ready = self.readiness_known(&st)?;
-        let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
-        st.all_ready(&flags)?;
-        let growth = Growth {
-            class,
-            segment_bytes: size,
-        };
-        self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
+        self.shared_use(|| {
+            let ready = self.readiness_known(&st)?;
+            let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
+            st.all_ready(&flags)?;
+            let growth = Growth {
+                class,
+                segment_bytes: size,
+            };
+            self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
+        })
     }
 }

@@ -57,7 +57,7 @@ use smallvec::SmallVec;
 pub(crate) use state::PoolState;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 pub(crate) use state::SegmentEntry;
 
@@ -81,9 +81,32 @@ pub(crate) struct PoolInner {
     pub(crate) outside_failure: Arc<OnceLock<String>>,
     /// The call count and running hash, read without the state's lock.
     call_head: Arc<CallHead>,
+    /// The layers above that check a growth against the peers' calls first (the
+    /// collectives handles made from the pool), held weakly.
+    growth_checks: PlMutex<Vec<Weak<dyn GrowthCheck>>>,
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
+}
+
+/// A layer above the pool that checks a growth against the peers' calls before the
+/// pool agrees on it: the collectives handles, whose checks then see a rank that
+/// grows where its peers make a collective (an extra allocation) within one exchange
+/// round, instead of both waiting out the timeout in different rounds.
+pub(crate) trait GrowthCheck: Send + Sync {
+    /// Pool `pool` (its channel ordinal), at call count and hash `call`, is about to
+    /// grow by `segment_bytes`: check that the peers grow at the same point, waiting
+    /// for them until `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::CollectiveDivergence`] naming where each rank is; the check's errors.
+    fn before_growth(
+        &self,
+        pool: u64,
+        call: (u64, u64),
+        segment_bytes: u64,
+        deadline: Deadline,
+    ) -> Result<()>;
 }
 
 /// A symmetric-memory caching pool for one rank.
@@ -111,6 +134,49 @@ pub(crate) struct PoolInner {
 /// });
 /// # Ok::<(), symmpool::Error>(())
 /// ```
+///
+/// # Two pools, two streams
+///
+/// FSDP gathers parameters on one stream and reduce-scatters gradients on another,
+/// each driven by a thread of its own. Give each thread's pool communicators of its
+/// own ([`PoolConfig::with_own_communicators`], collective at creation): pools that
+/// share communicators must reach them in the same order on every rank, which two
+/// threads do not (their failures say so, [`Error::SharedCommunicators`]).
+///
+/// ```
+/// use symmpool::{Coll, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmPool};
+///
+/// let backends = HostBackend::world(HostConfig::new(2))?;
+/// std::thread::scope(|s| {
+///     for backend in backends {
+///         s.spawn(move || {
+///             // Every rank makes both pools, in the same order.
+///             let own = PoolConfig::default().with_own_communicators(true);
+///             let params = SymmPool::new(backend.clone(), own.clone().with_name("params")).unwrap();
+///             let grads = SymmPool::new(backend, own.with_name("grads")).unwrap();
+///             let (gather, reduce) = (Coll::new(&params).unwrap(), Coll::new(&grads).unwrap());
+///             std::thread::scope(|t| {
+///                 // The all-gather stream's thread: parameters.
+///                 t.spawn(|| {
+///                     let stream = Stream::host();
+///                     let full = params.alloc(2 * 4 * 1024, &stream).unwrap();
+///                     gather.all_gather_in_place::<f32>(&full, &stream).unwrap();
+///                 });
+///                 // The reduce-scatter stream's thread: gradients.
+///                 t.spawn(|| {
+///                     let stream = Stream::host();
+///                     let g = grads.alloc(2 * 4 * 1024, &stream).unwrap();
+///                     let shard = grads.alloc(4 * 1024, &stream).unwrap();
+///                     reduce.reduce_scatter::<f32>(&g, &shard, ReduceOp::Sum, &stream).unwrap();
+///                 });
+///             });
+///             gather.end_step().unwrap();
+///             reduce.end_step().unwrap();
+///         });
+///     }
+/// });
+/// # Ok::<(), symmpool::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct SymmPool {
     pub(crate) inner: Arc<PoolInner>,
@@ -133,8 +199,14 @@ impl SymmPool {
     /// so that rounds of different pools never pair). With ranks as threads of one
     /// process, create them concurrently ([`SymmPool::group`]).
     ///
+    /// With [`PoolConfig::own_communicators`], the ranks also split communicators for
+    /// the pool off the backend's ([`Backend::split`]): pools made so can be used from
+    /// different threads of a rank.
+    ///
     /// # Errors
-    /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`]; [`Error::Core`] if
+    /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`], or if the pool
+    /// should own its communicators and the backend cannot split; the errors of
+    /// [`Backend::split`]; [`Error::Core`] if
     /// the core configuration (with the backend's granularity) is invalid;
     /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
     /// orders or with different names; [`Error::Timeout`] / [`Error::PeerLost`] if a
@@ -159,10 +231,16 @@ impl SymmPool {
         config.core = config.core.with_granularity_bytes(granularity);
         config.core.small_segment_bytes = config.core.small_segment_bytes.max(granularity);
         let core = Allocator::new(config.core)?;
+        let backend = if config.own_communicators {
+            backend.split(&format!("pool:{}", config.name))?
+        } else {
+            backend
+        };
         let comms = backend.communicators().len();
         let channel = backend
             .exchange()
             .open_channel(&format!("pool:{}", config.name), config.timeout)?;
+        backend.note_user(channel.ordinal(), &config.name, false);
         let history = History::new(config.history_len);
         let call_head = history.head();
         let state = PoolState::new(core, history, comms);
@@ -177,6 +255,7 @@ impl SymmPool {
                 channel,
                 outside_failure: Arc::new(OnceLock::new()),
                 call_head,
+                growth_checks: PlMutex::new(Vec::new()),
                 config,
             }),
         })
@@ -259,6 +338,25 @@ impl SymmPool {
     /// wins; every later call fails with [`Error::PoolBroken`]).
     pub(crate) fn outside_failure(&self) -> Arc<OnceLock<String>> {
         self.inner.outside_failure.clone()
+    }
+
+    /// Have `check` look at every growth of the pool first (while it lives).
+    pub(crate) fn add_growth_check(&self, check: Weak<dyn GrowthCheck>) {
+        let mut checks = self.inner.growth_checks.lock();
+        checks.retain(|c| c.strong_count() > 0);
+        checks.push(check);
+    }
+
+    /// Run the growth checks of the layers above (see [`GrowthCheck`]).
+    pub(crate) fn check_growth(&self, segment_bytes: u64, deadline: Deadline) -> Result<()> {
+        let checks: Vec<Arc<dyn GrowthCheck>> = (self.inner.growth_checks.lock().iter())
+            .filter_map(Weak::upgrade)
+            .collect();
+        let pool = self.inner.channel.ordinal();
+        for check in checks {
+            check.before_growth(pool, self.call_head(), segment_bytes, deadline)?;
+        }
+        Ok(())
     }
 
     /// Whether two handles are the same pool.

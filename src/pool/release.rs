@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::core::SegmentId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallKind, Op};
+use crate::group::{CallKind, LiveBuffer, MAX_LIVE_NAMED, Op};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
@@ -173,13 +173,33 @@ impl SymmPool {
         if st.closed {
             return Ok(());
         }
-        st.history.record(CallKind::Close, 0, 0);
         let live = st.core.stats().allocated_blocks.current;
         let deadline = Deadline::after(self.inner.config.timeout);
-        let live_per_rank = self.agree(&mut st, Op::Close, "close", 0, live, deadline)?;
+        let named = if live > 0 {
+            live_buffers(&st)
+        } else {
+            Vec::new()
+        };
+        let records = self.agree_naming(&mut st, (Op::Close, "close"), 0, live, named, deadline)?;
+        let live_per_rank: Vec<u64> = (records.iter())
+            .map(|r| r.as_ref().map_or(0, |r| r.extra))
+            .collect();
         if live_per_rank.iter().any(|&l| l > 0) {
-            return Err(Error::BuffersAlive { live_per_rank });
+            let buffers = (records.iter().enumerate())
+                .flat_map(|(rank, r)| {
+                    let live = r.as_ref().map_or(&[][..], |r| &r.live[..]);
+                    live.iter().map(move |b| (rank, b.to_string()))
+                })
+                .collect();
+            return Err(Error::BuffersAlive {
+                live_per_rank,
+                buffers,
+            });
         }
+        // Recorded once it goes through: a refused close changes nothing, and a rank
+        // that frees its last buffer after one keeps the same history as a peer that
+        // freed it before.
+        st.history.record(CallKind::Close, 0, 0);
         st.core.release_free_segments();
         st.closed = true;
         self.inner.closed.store(true, Ordering::Release);
@@ -189,8 +209,24 @@ impl SymmPool {
     }
 }
 
+/// This rank's live buffers, as a refused `close` names them (the first few).
+fn live_buffers(st: &PoolState) -> Vec<LiveBuffer> {
+    let snapshot = st.core.snapshot();
+    (snapshot.segments.iter())
+        .flat_map(|s| s.blocks.iter().map(move |b| (s.id, b)))
+        .filter(|(_, b)| b.state == crate::core::BlockState::Allocated)
+        .take(MAX_LIVE_NAMED)
+        .map(|(segment, b)| LiveBuffer {
+            segment: segment.0,
+            offset_bytes: b.offset_bytes,
+            requested_bytes: b.requested_bytes,
+        })
+        .collect()
+}
+
 impl Drop for PoolInner {
     fn drop(&mut self) {
+        self.backend.forget_user(self.channel.ordinal());
         let st = match self.state.get_mut() {
             Ok(st) => st,
             Err(poisoned) => poisoned.into_inner(),

@@ -4,5 +4,9 @@ pub mod checked;
 pub mod fsdp_trace;
 #[cfg(feature = "nccl")]
 pub mod gpu;
+pub mod identity;
 pub mod procs;
 pub mod rng;
+#[cfg(target_os = "linux")]
+pub mod shm;
+pub mod two_pools;

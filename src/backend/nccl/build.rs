@@ -163,9 +163,15 @@ impl Builder {
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
     /// unless configured otherwise), each polled through the control communicator by
-    /// the set-up's deadline. A failure aborts the ones made before it and the control
-    /// communicator together ([`abort_together`]).
-    fn data(&self, control: &Comm, rank: usize) -> Result<Vec<(CommInfo, Comm)>> {
+    /// the set-up's deadline. A failure aborts the ones made before it and, when
+    /// `abort_control` (a set-up's own control communicator), the control communicator
+    /// together ([`abort_together`]).
+    fn data(
+        &self,
+        control: &Comm,
+        rank: usize,
+        abort_control: bool,
+    ) -> Result<Vec<(CommInfo, Comm)>> {
         let blocking = self.config.data_blocking;
         let roles = self.roles();
         let mut comms = Vec::with_capacity(roles.len());
@@ -196,7 +202,8 @@ impl Builder {
                 Err(e) => {
                     // Every communicator made so far, the control one too, aborted
                     // together under one deadline.
-                    abort_together(comms.iter().map(|(_, c)| c).chain([control]));
+                    let parent = abort_control.then_some(control);
+                    abort_together(comms.iter().map(|(_, c)| c).chain(parent));
                     return Err(e);
                 }
             };
@@ -212,6 +219,7 @@ impl Builder {
     /// The backend at `seat` over `comms` (each with what the pools learn of it, in
     /// registration order) and `control`, on a job of `nodes` nodes, with its watchdog
     /// running; warmed up when `warm_up` (the crate's own communicators).
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         &self,
         seat: Seat,
@@ -219,6 +227,7 @@ impl Builder {
         comms: Vec<(CommInfo, Comm)>,
         nodes: usize,
         exchange: Arc<dyn Exchange>,
+        warm_up: bool,
     ) -> Result<Backend> {
         let Seat { rank, world, ctx } = seat;
         let (infos, comms): (Vec<CommInfo>, Vec<Comm>) = comms.into_iter().unzip();
@@ -233,7 +242,6 @@ impl Builder {
         )?
         .with_nodes(nodes);
         let n = comms.len();
-        let warm_up = control.is_some();
         let shared = Arc::new(Shared {
             rank,
             world,
@@ -269,6 +277,57 @@ impl Builder {
 }
 
 impl NcclBackend {
+    /// [`Backend::split`] on NCCL: the data communicators split again off this rank's
+    /// control communicator (the same roles, blocking unless configured otherwise),
+    /// warmed up, with a watchdog of their own, by [`NcclConfig::setup_timeout`]. A
+    /// failed split aborts the communicators it made, not this backend's. The split
+    /// backend has no control communicator of its own: split the original again for
+    /// another pool.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for communicators adopted without a control communicator
+    /// ([`from_raw`](Self::from_raw)) or a backend that was itself split off; the
+    /// exchange's errors; [`Error::Nccl`], [`Error::NcclTimeout`].
+    pub(in crate::backend) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        let Some(control) = self.shared.control.as_ref() else {
+            return Err(Error::Config {
+                setting: "Backend::split",
+                value: "NCCL communicators adopted without a control communicator".into(),
+                expected: "a backend made by NcclBackend::from_env, launch or local_world",
+            });
+        };
+        let config = self.shared.config;
+        // The ranks agree on the split (its name and place) before NCCL is called.
+        backend
+            .exchange()
+            .open_channel(&format!("backend:split:{name}"), config.setup_timeout)?;
+        let b = Builder {
+            version: backend.nccl_version(),
+            nccl: self.shared.nccl,
+            config,
+            deadline: Deadline::after(config.setup_timeout),
+        };
+        self.shared
+            .device
+            .ctx
+            .bind_to_thread()
+            .map_err(ffi::cuda("cuCtxSetCurrent"))?;
+        let comms = b.data(control, self.rank, false)?;
+        let seat = Seat {
+            rank: self.rank,
+            world: self.world,
+            ctx: self.shared.device.ctx.clone(),
+        };
+        b.assemble(
+            seat,
+            None,
+            comms,
+            backend.info().nodes,
+            backend.exchange_handle(),
+            true,
+        )
+    }
+
     /// This process's rank of a job launched with one process per GPU: the device is
     /// [`NcclConfig::device`], else the launcher's local rank (`LOCAL_RANK`,
     /// `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), else 0 when the process sees a
@@ -314,9 +373,9 @@ impl NcclBackend {
             });
         };
         let control = b.control_init(world, &id, rank)?;
-        let comms = b.data(&control, rank)?;
+        let comms = b.data(&control, rank, true)?;
         let seat = Seat { rank, world, ctx };
-        b.assemble(seat, Some(control), comms, agreed.nodes, exchange)
+        b.assemble(seat, Some(control), comms, agreed.nodes, exchange, true)
     }
 
     /// [`from_env`](Self::from_env) over a [`StoreExchange`] made from the environment
@@ -390,9 +449,9 @@ impl NcclBackend {
             )
         };
         let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline, None)?;
-        let comms = b.data(&control, rank)?;
+        let comms = b.data(&control, rank, true)?;
         let seat = Seat { rank, world, ctx };
-        b.assemble(seat, Some(control), comms, agreed.nodes, exchange)
+        b.assemble(seat, Some(control), comms, agreed.nodes, exchange, true)
     }
 
     /// One backend per listed GPU of this process, in rank order: rank `i` drives
@@ -436,9 +495,9 @@ impl NcclBackend {
         let one_rank = |rank: usize, ctx: Arc<CudaContext>, exchange: LocalExchange| {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let control = b.control_init(world, &id, rank)?;
-            let comms = b.data(&control, rank)?;
+            let comms = b.data(&control, rank, true)?;
             let seat = Seat { rank, world, ctx };
-            b.assemble(seat, Some(control), comms, 1, Arc::new(exchange))
+            b.assemble(seat, Some(control), comms, 1, Arc::new(exchange), true)
         };
         let one_rank = &one_rank;
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
@@ -509,7 +568,7 @@ impl NcclBackend {
         };
         let agreed = b.agree(exchange.as_ref(), None)?;
         let seat = Seat { rank, world, ctx };
-        b.assemble(seat, None, adopted, agreed.nodes, exchange)
+        b.assemble(seat, None, adopted, agreed.nodes, exchange, false)
     }
 }
 

@@ -268,6 +268,21 @@ impl StreamOps for NcclBackend {
         ffi::is_capturing(cs)
     }
 
+    fn any_capturing(&self) -> Result<bool> {
+        self.bind()?;
+        let fenced: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
+        let adopted: Vec<Stream> = self.raw_streams.lock().values().cloned().collect();
+        for cs in fenced
+            .iter()
+            .chain(adopted.iter().filter_map(Stream::cuda_stream))
+        {
+            if ffi::is_capturing(cs)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     fn drain(&self, deadline: Deadline) -> Result<bool> {
         self.bind()?;
         // One event after everything enqueued so far on every stream that fenced.
