@@ -656,6 +656,39 @@ mod gpu_tests {
         }
     }
 
+    /// One GPU: FSDP's two pools (parameters, gradients) on one backend, the gradient
+    /// pool with communicators of its own (split off the control communicator and
+    /// warmed up when it is made), each used from its own thread with its own stream
+    /// and collectives handle: 20 interleaved rounds of growth and collectives, every
+    /// one right.
+    fn one_gpu_two_pools_on_two_threads_with_their_own_communicators() {
+        let params = common::gpu::world(1, config()).remove(0);
+        let own = config().with_name("grads").with_own_communicators(true);
+        let grads = SymmPool::new(params.backend().clone(), own).unwrap();
+        let colls = [Coll::new(&params).unwrap(), Coll::new(&grads).unwrap()];
+        std::thread::scope(|s| {
+            for (pool, coll) in [&params, &grads].into_iter().zip(&colls) {
+                s.spawn(move || {
+                    let stream = pool.new_stream().unwrap();
+                    let mut kept = Vec::new();
+                    for i in 0..20usize {
+                        let n = 1024 << (i % 8);
+                        let buf = pool.alloc(4 * n as u64, &stream).unwrap();
+                        buf.write(&vec![i as f32; n]).unwrap();
+                        coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                        coll.all_reduce_in_place::<f32>(&buf, ReduceOp::Sum, &stream)
+                            .unwrap();
+                        assert_eq!(buf.read::<f32>().unwrap(), vec![i as f32; n], "{i}");
+                        kept.push(buf); // grow the pool now and then
+                    }
+                });
+            }
+        });
+        drop(colls);
+        grads.close().unwrap();
+        params.close().unwrap();
+    }
+
     /// One GPU: all-reduce through NCCL's one-rank path, every reduction and element
     /// type, both placements, on the symmetric kernel's path (sum on floating point)
     /// and the plain one.
@@ -1354,6 +1387,11 @@ mod gpu_tests {
                 "one_gpu_collectives_at_world_size_one",
                 1,
                 one_gpu_collectives_at_world_size_one,
+            ),
+            trial(
+                "one_gpu_two_pools_on_two_threads_with_their_own_communicators",
+                1,
+                one_gpu_two_pools_on_two_threads_with_their_own_communicators,
             ),
             trial(
                 "one_gpu_all_reduce_at_world_size_one",
