@@ -62,8 +62,9 @@ pub(crate) fn sort(e: &Error) -> Sorted {
         | Error::BadView(_)
         | Error::GraphCapture
         | Error::NoActivePool
-        | Error::PayloadTooLarge { .. } => with("UsageError", None, vec![], None),
-        Error::BuffersAlive { live_per_rank } => with(
+        | Error::PayloadTooLarge { .. }
+        | Error::SharedCommunicators { .. } => with("UsageError", None, vec![], None),
+        Error::BuffersAlive { live_per_rank, .. } => with(
             "UsageError",
             None,
             (0..live_per_rank.len())

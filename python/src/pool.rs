@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use std::path::PathBuf;
 use std::sync::Arc;
 use symmpool::backend::CommRole;
 use symmpool::backend::nccl::{CUstream, ncclComm_t};
@@ -519,6 +520,35 @@ impl Pool {
             return Ok(text.into_pyobject(py)?.into_any().unbind());
         }
         Ok(py.import("json")?.call_method1("loads", (text,))?.unbind())
+    }
+
+    /// Record every allocation, free and segment event of this pool in a ring of the
+    /// last `max_entries` (PyTorch's `torch.cuda.memory._record_memory_history`);
+    /// 0 stops recording and drops the history. Local.
+    fn record_memory_history(&self, max_entries: usize) {
+        self.handle.pool.record_memory_history(max_entries);
+    }
+
+    /// This rank's segments, blocks and recorded history as the dictionary
+    /// `torch.cuda.memory._snapshot()` returns (`segments`, `device_traces`), for
+    /// PyTorch's memory_viz: pickle it (`Pool.dump_snapshot`). No stack frames. Local.
+    fn torch_memory_snapshot(&self, py: Python<'_>) -> PyResult<PyObject> {
+        let device = self.handle.device().unwrap_or(0) as u64;
+        let snap = self.handle.pool.torch_memory_snapshot(device);
+        let text =
+            serde_json::to_string(&snap).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(py.import("json")?.call_method1("loads", (text,))?.unbind())
+    }
+
+    /// Write [`torch_memory_snapshot`](Self::torch_memory_snapshot) to `path` as a
+    /// pickle, the file PyTorch's memory_viz (`pytorch.org/memory_viz`,
+    /// `python -m torch.cuda._memory_viz trace_plot FILE`) opens. Local.
+    fn dump_snapshot(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        let snap = self.torch_memory_snapshot(py)?;
+        let file = py.import("builtins")?.call_method1("open", (path, "wb"))?;
+        let dumped = py.import("pickle")?.call_method1("dump", (snap, &file));
+        file.call_method0("close")?;
+        dumped.map(|_| ())
     }
 
     /// The memory map as an SVG picture.

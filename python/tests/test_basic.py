@@ -216,3 +216,39 @@ def test_nccl_version_is_an_error_or_a_version():
         assert "not available" in str(e) or "NCCL" in str(e)
     else:
         assert v >= (2, 0, 0)
+
+
+def test_memory_history_and_a_snapshot_memory_viz_opens(tmp_path):
+    """The snapshot in PyTorch's format, with the recorded history, pickled: the keys
+    `torch.cuda.memory._snapshot()` has; where torch is installed, its memory_viz
+    reads the file (its segment and trace plots)."""
+    import pickle
+
+    (pool,) = symmpool.Pool.host_group(1)
+    pool.record_memory_history(1000)
+    a = pool.alloc(1 << 20)
+    b = pool.alloc(3 << 20)
+    a.free()
+    path = tmp_path / "snapshot.pickle"
+    pool.dump_snapshot(str(path))
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    assert set(snap) >= {"segments", "device_traces"}, snap.keys()
+    seg = snap["segments"][0]
+    assert {"address", "total_size", "stream", "segment_type", "allocated_size", "blocks"} <= set(seg), seg
+    states = [blk["state"] for s in snap["segments"] for blk in s["blocks"]]
+    assert "active_allocated" in states and "inactive" in states, states
+    actions = [e["action"] for e in snap["device_traces"][0]]
+    assert actions.count("alloc") == 2 and "free_completed" in actions, actions
+    assert "segment_alloc" in actions, actions
+    try:
+        from torch.cuda import _memory_viz
+    except ImportError:
+        pass
+    else:
+        assert _memory_viz.segment_plot(snap)
+        assert _memory_viz.trace_plot(snap)
+    pool.record_memory_history(0)
+    assert pool.torch_memory_snapshot()["device_traces"] in ([], [[]])
+    b.free()
+    pool.close()
