@@ -175,6 +175,8 @@ type Side = (Arc<Mutex<Box<[u8]>>>, u64, u64);
 struct Post {
     send: Side,
     recv: Side,
+    /// The calling pool ([`CollArgs::caller`]).
+    caller: u64,
 }
 
 /// State shared by the ranks of one host world, per communicator.
@@ -360,6 +362,7 @@ impl HostBackend {
         let post = Post {
             send: side(&args.send)?,
             recv: side(&args.recv)?,
+            caller: args.caller,
         };
         let _serial = comm.serial[self.rank].lock();
         let round = self.next_round(args.comm, false);
@@ -370,7 +373,10 @@ impl HostBackend {
         // A `None` is a peer's closing round paired with this post: the ranks are not
         // making the same calls on this communicator.
         let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
-            Some(posts) => body(&posts),
+            Some(posts) => {
+                let callers: Vec<u64> = posts.iter().map(|p| p.caller).collect();
+                super::callers_differ(op, &callers).and_then(|()| body(&posts))
+            }
             None => Err(Error::CollectiveMismatch {
                 op,
                 detail: format!(

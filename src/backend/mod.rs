@@ -81,6 +81,11 @@ pub struct CollArgs<'a> {
     /// The windows of the send and receive segments on `comm`, when the call expects
     /// the symmetric path (both `None` on the plain path).
     pub windows: (Option<&'a Window>, Option<&'a Window>),
+    /// Who calls: the calling pool's identity (its check channel's ordinal, the same
+    /// on every rank for the same pool; 0 when unknown). Backends that exchange their
+    /// ranks' calls (the host backends) compare it, so that two pools whose threads
+    /// share the communicators cannot pair each other's collectives unnoticed.
+    pub caller: u64,
 }
 
 impl<'a> CollArgs<'a> {
@@ -105,7 +110,13 @@ impl<'a> CollArgs<'a> {
             op,
             stream,
             windows,
+            caller: 0,
         }
+    }
+
+    /// The same arguments, made by pool `caller` (see [`caller`](Self::caller)).
+    pub fn with_caller(self, caller: u64) -> Self {
+        CollArgs { caller, ..self }
     }
 
     /// Whether the call expects NCCL's symmetric path (windows given).
@@ -192,6 +203,24 @@ pub trait Collectives: Send + Sync + fmt::Debug {
 /// What a backend's error for ranks at different steps of their calls on a
 /// communicator adds: the remedy when two threads share the communicators.
 pub(crate) const OUT_OF_STEP_HINT: &str = "(pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split)";
+
+/// The ranks' calls of one collective round came from different pools (`callers`,
+/// in rank order, see [`CollArgs::caller`]): one rank's pool paired another pool's call.
+pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
+    if callers.windows(2).all(|w| w[0] == w[1]) {
+        return Ok(());
+    }
+    let who: Vec<String> = (callers.iter().enumerate())
+        .map(|(rank, c)| format!("rank {rank}: pool #{c}"))
+        .collect();
+    Err(Error::CollectiveMismatch {
+        op,
+        detail: format!(
+            "the ranks' calls paired on this communicator come from different pools ({}) {OUT_OF_STEP_HINT}",
+            who.join(", ")
+        ),
+    })
+}
 
 /// What [`Collectives::abandon`] is called with when a collective check failed: the
 /// operation a call it ends names ([`Error::GroupBroken`] on the host backend).

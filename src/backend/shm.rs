@@ -137,8 +137,8 @@ enum Step {
     /// A window registration: where the peers find the segment
     /// (`/proc/<pid>/fd/<fd>`), and its size.
     Register { pid: u32, fd: i32, size_bytes: u64 },
-    /// The opening round of a collective.
-    Post { reduce: bool },
+    /// The opening round of a collective, by pool `caller` ([`CollArgs::caller`]).
+    Post { reduce: bool, caller: u64 },
     /// A piece of a collective's data on the plain path.
     Data(#[serde(with = "serde_bytes")] Vec<u8>),
     /// The closing barrier of a collective.
@@ -306,9 +306,14 @@ impl ShmBackend {
         // The opening round: every rank is at this collective on this communicator
         // (the arguments are compared by the checked collectives of `coll`, the same
         // way on every backend; like NCCL, the backend itself does not).
-        let posts = self.round(args.comm, op, &Step::Post { reduce })?;
-        let verdict = at_step(op, posts, |s| matches!(s, Step::Post { .. }).then_some(()))
-            .and_then(|_| body());
+        let caller = args.caller;
+        let posts = self.round(args.comm, op, &Step::Post { reduce, caller })?;
+        let verdict = at_step(op, posts, |s| match s {
+            Step::Post { caller, .. } => Some(caller),
+            _ => None,
+        })
+        .and_then(|callers| super::callers_differ(op, &callers))
+        .and_then(|()| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
         let done = self.round(args.comm, op, &Step::Done)?;
         at_step(op, done, |s| matches!(s, Step::Done).then_some(()))?;

@@ -574,7 +574,8 @@ impl Coll {
         } else {
             (send_buf.window(comm), recv_buf.window(comm))
         };
-        let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows);
+        let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows)
+            .with_caller(pool.channel().ordinal());
         // Strict: the record's round and the launch are one step on this pool.
         let mut strict = (mode == CheckMode::Strict).then(|| checker.strict_lock());
         if mode != CheckMode::Off {
