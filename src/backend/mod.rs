@@ -205,20 +205,27 @@ pub trait Collectives: Send + Sync + fmt::Debug {
 pub(crate) const OUT_OF_STEP_HINT: &str = "(pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split)";
 
 /// The ranks' calls of one collective round came from different pools (`callers`,
-/// in rank order, see [`CollArgs::caller`]): one rank's pool paired another pool's call.
+/// in rank order, see [`CollArgs::caller`]): one rank's pool paired another pool's
+/// call. [`Error::SharedCommunicators`], which says what to do; not a peer's failure
+/// (the checks are not waited for: each pool's check round waits for the other).
 pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
     if callers.windows(2).all(|w| w[0] == w[1]) {
         return Ok(());
     }
+    let mut pools: Vec<String> = callers.iter().map(|c| format!("pool #{c}")).collect();
+    pools.dedup();
     let who: Vec<String> = (callers.iter().enumerate())
         .map(|(rank, c)| format!("rank {rank}: pool #{c}"))
         .collect();
-    Err(Error::CollectiveMismatch {
-        op,
-        detail: format!(
-            "the ranks' calls paired on this communicator come from different pools ({}) {OUT_OF_STEP_HINT}",
-            who.join(", ")
-        ),
+    Err(Error::SharedCommunicators {
+        pools,
+        error: Box::new(Error::CollectiveMismatch {
+            op,
+            detail: format!(
+                "the ranks' calls paired on this communicator come from different pools ({})",
+                who.join(", ")
+            ),
+        }),
     })
 }
 
