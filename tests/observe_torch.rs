@@ -246,3 +246,72 @@ fn statistics_keep_pytorchs_meaning() {
     drop((a, b));
     pool.close().unwrap();
 }
+
+/// The keys of an object, sorted (`_` notes left out).
+fn keys(v: &Value) -> Vec<&str> {
+    let mut k: Vec<&str> = (v.as_object().unwrap().keys())
+        .map(String::as_str)
+        .filter(|k| !k.starts_with('_'))
+        .collect();
+    k.sort_unstable();
+    k
+}
+
+#[test]
+fn the_sample_and_the_export_have_the_keys_of_a_snapshot_pytorch_recorded() {
+    // `torch.cuda.memory._snapshot()` recorded by torch 2.11 on one H200 (2026-12-02,
+    // one-GPU run 20: a history of 100 entries, two allocations, one freed).
+    let recorded: Value =
+        serde_json::from_str(include_str!("data/torch_snapshot_recorded.json")).unwrap();
+    let sample: Value =
+        serde_json::from_str(include_str!("data/torch_snapshot_sample.json")).unwrap();
+    let pool = pools(1).remove(0);
+    let stream = Stream::host();
+    pool.record_memory_history(100);
+    let kept = pool.alloc(3 * MIB, &stream).unwrap();
+    drop(pool.alloc(MIB, &stream).unwrap());
+    let ours = serde_json::to_value(pool.torch_memory_snapshot(0)).unwrap();
+    // What PyTorch writes that the export leaves out: the allocator's settings and
+    // annotations, stack frames of a segment, and a trace entry's compile context and
+    // user metadata (memory_viz reads none of them to draw).
+    let left_out = [
+        "allocator_settings",
+        "external_annotations",
+        "frames",
+        "compile_context",
+        "user_metadata",
+    ];
+    let levels = |v: &Value| {
+        let seg = &v["segments"][0];
+        [
+            v.clone(),
+            seg.clone(),
+            seg["blocks"][0].clone(),
+            (v["device_traces"].as_array().unwrap().iter())
+                .find_map(|d| d.as_array().unwrap().first().cloned())
+                .unwrap(),
+        ]
+    };
+    for ((r, s), o) in levels(&recorded)
+        .iter()
+        .zip(levels(&sample))
+        .zip(levels(&ours))
+    {
+        let r = keys(r);
+        for k in keys(&s) {
+            assert!(
+                r.contains(&k),
+                "the transcribed sample has {k}, PyTorch does not: {r:?}"
+            );
+        }
+        let o = keys(&o);
+        for k in r.iter().filter(|k| !left_out.contains(k)) {
+            assert!(
+                o.contains(k),
+                "PyTorch writes {k}, the export does not: {o:?}"
+            );
+        }
+    }
+    drop(kept);
+    pool.close().unwrap();
+}
