@@ -236,6 +236,7 @@ pub enum Error {
         /// used from other threads.
         pools: Vec<String>,
         /// The failure itself.
+        #[source]
         error: Box<Error>,
     },
     /// A shared-memory operation of the multi-process host backend failed (creating,

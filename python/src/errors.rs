@@ -62,8 +62,10 @@ pub(crate) fn sort(e: &Error) -> Sorted {
         | Error::BadView(_)
         | Error::GraphCapture
         | Error::NoActivePool
-        | Error::PayloadTooLarge { .. }
-        | Error::SharedCommunicators { .. } => with("UsageError", None, vec![], None),
+        | Error::PayloadTooLarge { .. } => with("UsageError", None, vec![], None),
+        // The failure's own class (a dead peer is still a PeerLostError); the message
+        // names the shared communicators.
+        Error::SharedCommunicators { error, .. } => sort(error),
         Error::BuffersAlive { live_per_rank, .. } => with(
             "UsageError",
             None,
@@ -83,7 +85,7 @@ pub(crate) fn sort(e: &Error) -> Sorted {
             "DivergenceError",
             None,
             d.values.iter().map(|(r, _)| *r).collect(),
-            None,
+            Some(d.found_by),
         ),
         Error::CollectiveMismatch { op, .. } => with("DivergenceError", None, vec![], Some(op)),
         Error::ChannelMismatch { opened } => with(
@@ -172,18 +174,15 @@ fn dedupe_advice(text: &str) -> String {
     // The longer phrase first: it contains a shorter one.
     let mut phrases = ADVICE;
     phrases.sort_by_key(|p| std::cmp::Reverse(p.len()));
-    let mut said = false;
+    // Where the phrase kept ends: later phrases are removed after it only, never
+    // inside it (a shorter phrase is part of a longer one).
+    let mut kept_end: Option<usize> = None;
     for phrase in phrases {
         let Some(first) = out.find(phrase) else {
             continue;
         };
-        if said {
-            // Advice was said by a longer phrase already: drop this one entirely.
-            out = remove_all(&out, phrase, 0);
-        } else {
-            said = true;
-            out = remove_all(&out, phrase, first + phrase.len());
-        }
+        let from = *kept_end.get_or_insert(first + phrase.len());
+        out = remove_all(&out, phrase, from);
     }
     out
 }
@@ -272,5 +271,19 @@ mod tests {
         assert!(text.contains("rank 1 timed out in x earlier"), "{text}");
         let plain = message(&inner);
         assert_eq!(plain, inner.to_string());
+        // A shorter phrase inside the kept longer one stays: the advice is said once,
+        // not dropped.
+        let text = dedupe_advice(
+            "diverged (the pool is broken: drop it and build a new one); drop it and build a new one",
+        );
+        assert_eq!(
+            text.matches("drop it and build a new one").count(),
+            1,
+            "{text}"
+        );
+        assert!(
+            text.contains("the pool is broken: drop it and build a new one"),
+            "{text}"
+        );
     }
 }

@@ -495,7 +495,10 @@ impl Pool {
 
     /// The flat statistics (PyTorch's key names where they mean the same), as a dict.
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.handle.coll.memory_stats();
+        // The pool's lock is taken without the GIL: a growth on another thread may hold
+        // it while its exchange (a torch store) waits for the GIL.
+        let handle = self.handle.clone();
+        let stats = py.allow_threads(move || handle.coll.memory_stats());
         let dict = PyDict::new(py);
         for (k, v) in stats {
             match v {
@@ -507,15 +510,16 @@ impl Pool {
     }
 
     /// Every segment, window and block, as a JSON string.
-    fn memory_snapshot_json(&self) -> PyResult<String> {
-        serde_json::to_string(&self.handle.pool.memory_snapshot())
-            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    fn memory_snapshot_json(&self, py: Python<'_>) -> PyResult<String> {
+        let handle = self.handle.clone();
+        let snap = py.allow_threads(move || handle.pool.memory_snapshot());
+        serde_json::to_string(&snap).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
     /// Every segment, window and block, as a dict (`as_json=True`: a JSON string).
     #[pyo3(signature = (as_json = false))]
     fn memory_snapshot(&self, py: Python<'_>, as_json: bool) -> PyResult<PyObject> {
-        let text = self.memory_snapshot_json()?;
+        let text = self.memory_snapshot_json(py)?;
         if as_json {
             return Ok(text.into_pyobject(py)?.into_any().unbind());
         }
@@ -525,8 +529,9 @@ impl Pool {
     /// Record every allocation, free and segment event of this pool in a ring of the
     /// last `max_entries` (PyTorch's `torch.cuda.memory._record_memory_history`);
     /// 0 stops recording and drops the history. Local.
-    fn record_memory_history(&self, max_entries: usize) {
-        self.handle.pool.record_memory_history(max_entries);
+    fn record_memory_history(&self, py: Python<'_>, max_entries: usize) {
+        let handle = self.handle.clone();
+        py.allow_threads(move || handle.pool.record_memory_history(max_entries));
     }
 
     /// This rank's segments, blocks and recorded history as the dictionary
@@ -534,7 +539,8 @@ impl Pool {
     /// PyTorch's memory_viz: pickle it (`Pool.dump_snapshot`). No stack frames. Local.
     fn torch_memory_snapshot(&self, py: Python<'_>) -> PyResult<PyObject> {
         let device = self.handle.device().unwrap_or(0) as u64;
-        let snap = self.handle.pool.torch_memory_snapshot(device);
+        let handle = self.handle.clone();
+        let snap = py.allow_threads(move || handle.pool.torch_memory_snapshot(device));
         let text =
             serde_json::to_string(&snap).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok(py.import("json")?.call_method1("loads", (text,))?.unbind())
@@ -552,8 +558,9 @@ impl Pool {
     }
 
     /// The memory map as an SVG picture.
-    fn memory_map_svg(&self) -> String {
-        render_svg(&self.handle.pool.memory_snapshot())
+    fn memory_map_svg(&self, py: Python<'_>) -> String {
+        let handle = self.handle.clone();
+        py.allow_threads(move || render_svg(&handle.pool.memory_snapshot()))
     }
 
     /// Release the free segments (collective). Returns the bytes released.

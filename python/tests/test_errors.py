@@ -93,10 +93,11 @@ def test_timeouts_are_timeout_errors_naming_the_ranks():
 def test_out_of_memory_is_a_memory_error():
     store = FakeStore()
     ex = symmpool.StoreExchange(store, 0, 1, "oom", 0.05)
-    pool = symmpool.Pool.shm(ex, name="small", max_reserved_bytes=2 << 20)
+    # (A registered pool's first small segment is 32 MiB.)
+    pool = symmpool.Pool.shm(ex, name="small", max_reserved_bytes=40 << 20)
     pool.alloc(1 << 20).free()
     with pytest.raises(MemoryError) as e:
-        pool.alloc(8 << 20)
+        pool.alloc(64 << 20)
     assert isinstance(e.value, errors.OutOfMemoryError)
     assert e.value.operation == "alloc"
     pool.close()

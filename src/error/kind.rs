@@ -113,8 +113,10 @@ impl Error {
             | Error::BadView(_)
             | Error::GraphCapture
             | Error::NoActivePool
-            | Error::PayloadTooLarge { .. }
-            | Error::SharedCommunicators { .. } => K::Usage,
+            | Error::PayloadTooLarge { .. } => K::Usage,
+            // Shared communicators are the likely cause; the failure's own kind says
+            // what to do now (a dead peer is still a restart).
+            Error::SharedCommunicators { error, .. } => error.kind(),
             Error::Divergence(_)
             | Error::CollectiveMismatch { .. }
             | Error::CollectiveDivergence(_)

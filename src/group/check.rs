@@ -3,13 +3,12 @@
 //! The collectives handle ([`Coll`](crate::coll::Coll)) makes the records; this module
 //! exchanges and compares them.
 
-use super::record::{self, Fields, Value, first_difference};
+use super::collective::CollectiveRecord;
+use super::record::{self, first_difference};
 use crate::control::{ChannelId, Exchange};
 use crate::deadline::Deadline;
-use crate::dtype::{DType, ReduceOp};
 use crate::error::{CollectiveDivergence, Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,228 +58,6 @@ fn encode_batch(records: &[CollectiveRecord]) -> Result<Vec<u8>> {
     record::encode_sized(records, 16 + records.len() * MAX_RECORD_BYTES)
 }
 
-/// What a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum RecordKind {
-    /// One collective.
-    Collective,
-    /// A step boundary ([`end_step`](crate::coll::Coll::end_step)): the pool's call
-    /// count and hash, so that pool calls without collectives cannot drift unseen.
-    Step,
-    /// The pool is about to grow (a collective pool operation): a rank that grows
-    /// where its peers make a collective is named at once, not after a timeout.
-    Growth,
-}
-
-/// The collective a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum CollKind {
-    /// No collective (a step record).
-    None,
-    AllGather,
-    ReduceScatter,
-    AllReduce,
-}
-
-/// One buffer of a collective: (allocation number, segment, offset, bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub(crate) struct BufferRecord {
-    pub(crate) allocation: u64,
-    pub(crate) segment: u32,
-    pub(crate) offset_bytes: u64,
-    pub(crate) len_bytes: u64,
-}
-
-/// One rank's record of one collective (or of a step boundary). `Copy`: posting one
-/// allocates nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct CollectiveRecord {
-    pub(crate) kind: RecordKind,
-    /// The ordinal of the pool's exchange channel (its identity among the ranks).
-    pub(crate) pool: u64,
-    /// The caller's identity of the call ([`Coll::tagged`](crate::coll::Coll::tagged));
-    /// 0 when untagged and for a step.
-    pub(crate) tag: u64,
-    /// Collectives issued on this pool so far.
-    pub(crate) pool_collective: u64,
-    pub(crate) collective: CollKind,
-    pub(crate) dtype: Option<DTypeCode>,
-    pub(crate) reduction: Option<ReduceCode>,
-    pub(crate) count: u64,
-    /// The communicator the path chose, and the collectives issued on it over every
-    /// pool of the handle.
-    pub(crate) comm: u64,
-    pub(crate) comm_seq: u64,
-    /// The path's number (see `coll::path_index`); `None` for a step.
-    pub(crate) path: Option<u8>,
-    pub(crate) input: BufferRecord,
-    pub(crate) output: BufferRecord,
-    /// The pool's call count and running hash before the call.
-    pub(crate) call_seq: u64,
-    pub(crate) call_hash: u64,
-}
-
-/// An element type on the wire.
-pub(crate) type DTypeCode = u8;
-/// A reduction on the wire.
-pub(crate) type ReduceCode = u8;
-
-/// The wire code of `dtype`.
-pub(crate) fn dtype_code(dtype: DType) -> DTypeCode {
-    dtype as u8
-}
-
-/// The wire code of `op`.
-pub(crate) fn reduce_code(op: ReduceOp) -> ReduceCode {
-    op as u8
-}
-
-const DTYPES: [&str; 4] = ["f32", "f16", "bf16", "u8"];
-const REDUCTIONS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
-const PATHS: [&str; 3] = ["copy engine", "symmetric kernel", "plain kernel"];
-
-fn named(names: &[&'static str], code: Option<u8>, none: &'static str) -> Value {
-    match code {
-        None => Value::Name(none),
-        Some(c) => names
-            .get(usize::from(c))
-            .map_or(Value::Number(u64::from(c)), |s| Value::Name(s)),
-    }
-}
-
-impl CollectiveRecord {
-    /// A step-boundary record of the pool `pool` for the communicator `comm`: the
-    /// collectives issued on the pool, the collectives the handle issued on `comm`
-    /// (over every pool of the handle), and the pool's call count and hash.
-    pub(crate) fn step(
-        pool: u64,
-        pool_collectives: u64,
-        (comm, comm_collectives): (u64, u64),
-        (call_seq, call_hash): (u64, u64),
-    ) -> Self {
-        CollectiveRecord {
-            kind: RecordKind::Step,
-            pool,
-            tag: 0,
-            pool_collective: pool_collectives,
-            collective: CollKind::None,
-            dtype: None,
-            reduction: None,
-            count: 0,
-            comm,
-            comm_seq: comm_collectives,
-            path: None,
-            input: BufferRecord::default(),
-            output: BufferRecord::default(),
-            call_seq,
-            call_hash,
-        }
-    }
-}
-
-impl CollectiveRecord {
-    /// A growth record of the pool `pool`: the collectives issued on it, its call
-    /// count and hash (the growing allocation included), and the segment's bytes (in
-    /// the count).
-    pub(crate) fn growth(
-        pool: u64,
-        pool_collectives: u64,
-        call: (u64, u64),
-        segment_bytes: u64,
-    ) -> Self {
-        CollectiveRecord {
-            kind: RecordKind::Growth,
-            count: segment_bytes,
-            ..CollectiveRecord::step(pool, pool_collectives, (0, 0), call)
-        }
-    }
-}
-
-impl Fields for CollectiveRecord {
-    const NAMES: &'static [&'static str] = &[
-        "record kind",
-        "pool (channel ordinal)",
-        "tag",
-        "pool collective number",
-        "collective",
-        "element type",
-        "reduction",
-        "count",
-        "communicator",
-        "communicator sequence number",
-        "path",
-        "input allocation",
-        "input segment",
-        "input offset",
-        "input bytes",
-        "output allocation",
-        "output segment",
-        "output offset",
-        "output bytes",
-        "pool call count",
-        "pool call hash",
-    ];
-
-    fn field(&self, i: usize) -> Value {
-        let buffer = |b: &BufferRecord, j: usize| {
-            Value::Number(match j {
-                0 => b.allocation,
-                1 => u64::from(b.segment),
-                2 => b.offset_bytes,
-                _ => b.len_bytes,
-            })
-        };
-        match i {
-            0 => Value::Name(match self.kind {
-                RecordKind::Collective => "collective",
-                RecordKind::Step => "step boundary",
-                RecordKind::Growth => "growth",
-            }),
-            1 => Value::Number(self.pool),
-            2 => Value::Tag(self.tag),
-            3 => Value::Number(self.pool_collective),
-            4 => Value::Name(match self.collective {
-                CollKind::None => "none (step boundary)",
-                CollKind::AllGather => "all_gather",
-                CollKind::ReduceScatter => "reduce_scatter",
-                CollKind::AllReduce => "all_reduce",
-            }),
-            5 => named(&DTYPES, self.dtype, "none"),
-            6 => named(&REDUCTIONS, self.reduction, "none"),
-            7 => Value::Number(self.count),
-            8 => Value::Number(self.comm),
-            9 => Value::Number(self.comm_seq),
-            10 => named(&PATHS, self.path, "none"),
-            11..=14 => buffer(&self.input, i - 11),
-            15..=18 => buffer(&self.output, i - 15),
-            19 => Value::Number(self.call_seq),
-            _ => Value::Hex(self.call_hash),
-        }
-    }
-
-    /// The record kind with where the rank is, so that a rank that skipped a
-    /// collective (or made an extra one) is named in the message: "collective #8 of
-    /// the pool" on the rank ahead, "step boundary after 7 collectives of the pool" on
-    /// the rank behind.
-    fn describe(&self, i: usize) -> String {
-        match (i, self.kind) {
-            (0, RecordKind::Collective) => format!(
-                "a collective (this rank's collective #{} on the pool)",
-                self.pool_collective
-            ),
-            (0, RecordKind::Step) => format!(
-                "a step boundary (after {} collectives on the pool)",
-                self.pool_collective
-            ),
-            (0, RecordKind::Growth) => format!(
-                "a growth of the pool by {} bytes (at its call #{}, after {} collectives on the pool)",
-                self.count, self.call_seq, self.pool_collective
-            ),
-            _ => self.field(i).show(),
-        }
-    }
-}
-
 /// The first field where the ranks' records differ, as a divergence.
 fn compare(
     records: &[CollectiveRecord],
@@ -304,6 +81,9 @@ struct Verdict {
     divergence: OnceLock<Box<CollectiveDivergence>>,
     /// The pool's failure slot (the pool turns it into its `broken` state).
     failure: Arc<OnceLock<String>>,
+    /// The peer whose loss failed the checks (rank, how it was noticed): reported as
+    /// [`Error::PeerLost`], which a runtime restarts on, not as a broken pool.
+    lost: OnceLock<(usize, String)>,
     /// The site's `abandon`, called by the first divergence (unless the checks
     /// failed before).
     abandon: Option<Arc<dyn Fn() + Send + Sync>>,
@@ -334,7 +114,22 @@ impl Verdict {
         (self.divergence.get()).map(|d| Error::CollectiveDivergence(d.clone()))
     }
 
+    /// The checks failed because peer `e` was lost (or `e` is another failure).
+    fn failed_by(&self, context: &str, e: &Error) {
+        if let Error::PeerLost { rank, detail, .. } = e {
+            let _ = self.lost.set((*rank, detail.clone()));
+        }
+        self.failed(format!("{context}: {e}"));
+    }
+
     fn error(&self) -> Error {
+        if let (None, Some((rank, detail))) = (self.divergence.get(), self.lost.get()) {
+            return Error::PeerLost {
+                rank: *rank,
+                op: "async collective check",
+                detail: detail.clone(),
+            };
+        }
         match self.divergence.get() {
             Some(d) => Error::CollectiveDivergence(d.clone()),
             None => Error::PoolBroken {
@@ -459,6 +254,7 @@ impl Checker {
             verdict: Arc::new(Verdict {
                 broken: AtomicBool::new(false),
                 divergence: OnceLock::new(),
+                lost: OnceLock::new(),
                 failure: site.failure.clone(),
                 abandon: site.abandon.clone(),
             }),
@@ -752,7 +548,11 @@ impl Worker {
                 self.site.timeout,
             ) {
                 Ok(all) => all,
-                Err(e) => return self.fail(format!("the async collective check failed: {e}")),
+                Err(e) => {
+                    self.verdict
+                        .failed_by("the async collective check failed", &e);
+                    return self.exit();
+                }
             };
             if all.len() != world {
                 return self.fail(format!("{} check payloads for {world} ranks", all.len()));

@@ -9,15 +9,16 @@
 
 mod agree;
 mod check;
+mod collective;
 mod history;
 mod record;
 mod registration;
 
 pub(crate) use agree::{AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Op, Readiness, agree_records};
 pub use check::CheckMode;
-pub(crate) use check::{
-    BufferRecord, CheckSite, Checker, CollKind, CollectiveRecord, RecordKind, dtype_code,
-    reduce_code,
+pub(crate) use check::{CheckSite, Checker};
+pub(crate) use collective::{
+    BufferRecord, CollKind, CollectiveRecord, RecordKind, dtype_code, reduce_code,
 };
 pub(crate) use history::{CallHead, CallKind, History, state_digest};
 pub(crate) use record::{decode, encode};

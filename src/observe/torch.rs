@@ -190,7 +190,9 @@ pub(crate) fn torch_snapshot(
             MemoryAction::SegmentFree => trace.push(entry("segment_free", e.size_bytes)),
         }
     }
-    let device_index = usize::try_from(device).unwrap_or(0);
+    // A CUDA device index (PyTorch's is an `int8_t`): a larger one lists the trace
+    // under the last index PyTorch can have rather than allocating one list per index.
+    let device_index = usize::try_from(device.min(MAX_DEVICE)).unwrap_or(0);
     let mut device_traces: Vec<Vec<TorchTraceEntry>> = vec![Vec::new(); device_index];
     device_traces.push(trace);
     TorchSnapshot {
@@ -199,12 +201,16 @@ pub(crate) fn torch_snapshot(
     }
 }
 
+/// The largest device index an export lists a trace under (PyTorch's device index is
+/// an `int8_t`).
+const MAX_DEVICE: u64 = i8::MAX as u64;
+
 impl SymmPool {
     /// This rank's [`memory_snapshot`](Self::memory_snapshot) and recorded
     /// [`memory_history`](Self::memory_history) in PyTorch's format: the dictionary
     /// `torch.cuda.memory._snapshot()` returns (`segments` with their `blocks`,
     /// `device_traces`), reported as CUDA device `device` (the device the rank
-    /// uses; PyTorch's viewer shows one device at a time). Serialise it to JSON and
+    /// uses, at most 127; PyTorch's viewer shows one device at a time). Serialise it to JSON and
     /// pickle the loaded dictionary: `pytorch.org/memory_viz` and
     /// `torch.cuda._memory_viz` open the file. No stack frames are recorded. Local;
     /// O(blocks + history).

@@ -147,7 +147,9 @@ impl SymmPool {
                 return Ok(Readiness::Capturing as u64);
             }
         }
-        if streams.any_capturing()? {
+        // Only a pool that never allocated asks about the backend's other streams: a
+        // capture on another pool's stream is none of this pool's business.
+        if st.known_streams.is_empty() && streams.any_capturing()? {
             return Ok(Readiness::Capturing as u64);
         }
         Ok(Readiness::Ready as u64)

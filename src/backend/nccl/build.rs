@@ -177,8 +177,9 @@ impl Builder {
         let mut comms = Vec::with_capacity(roles.len());
         for role in &roles {
             // SAFETY: the control communicator is live and used by this thread only
-            // during set-up; every rank splits the same roles in the same order (the
-            // plan is checked by the set-up round).
+            // (during set-up; for `Backend::split`, under its calls lock, see
+            // `Comm::splitting`); every rank splits the same roles in the same order
+            // (the plan is checked by the set-up round, a split's name by its channel).
             let starting = unsafe {
                 ffi::comm_split(
                     self.nccl,
@@ -284,10 +285,13 @@ impl NcclBackend {
     /// backend has no control communicator of its own: split the original again for
     /// another pool.
     ///
+    /// Splits on one rank are serialised (by the control communicator's calls lock).
+    ///
     /// # Errors
     /// [`Error::Config`] for communicators adopted without a control communicator
     /// ([`from_raw`](Self::from_raw)) or a backend that was itself split off; the
-    /// exchange's errors; [`Error::Nccl`], [`Error::NcclTimeout`].
+    /// exchange's errors; [`Error::Nccl`], [`Error::NcclTimeout`]; the backend's error
+    /// once it is broken, [`Error::NcclAborted`] once its control communicator is.
     pub(in crate::backend) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let Some(control) = self.shared.control.as_ref() else {
             return Err(Error::Config {
@@ -312,7 +316,8 @@ impl NcclBackend {
             .ctx
             .bind_to_thread()
             .map_err(ffi::cuda("cuCtxSetCurrent"))?;
-        let comms = b.data(control, self.rank, false)?;
+        self.shared.health.check()?;
+        let comms = control.splitting("ncclCommSplit", || b.data(control, self.rank, false))?;
         let seat = Seat {
             rank: self.rank,
             world: self.world,

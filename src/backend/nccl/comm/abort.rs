@@ -195,7 +195,7 @@ pub(super) fn abort_off_thread(
         for t in &batch {
             t.state.done.handed_off();
         }
-        *RUNNING.lock() += 1;
+        let running = Running::start();
         let states: Vec<Arc<CommState>> = batch.iter().map(|t| t.state.clone()).collect();
         let bind = bind.clone();
         let spawned = std::thread::Builder::new()
@@ -204,14 +204,12 @@ pub(super) fn abort_off_thread(
                 if let Some(bind) = bind {
                     bind();
                 }
+                let _running = running;
                 for t in &batch {
                     revoke_then_abort(nccl, t, revoke);
                 }
-                *RUNNING.lock() -= 1;
-                FINISHED.notify_all();
             });
         if let Err(e) = spawned {
-            *RUNNING.lock() -= 1;
             states.iter().for_each(|s| s.done.abandoned());
             tracing::error!(
                 "symmpool: could not start an abort thread ({e}); communicators leaked"
@@ -222,6 +220,24 @@ pub(super) fn abort_off_thread(
 
 /// Abort threads that have not returned yet.
 static RUNNING: Mutex<usize> = Mutex::new(0);
+
+/// One abort thread counted in [`RUNNING`] until dropped (when the thread ends, even
+/// by a panic, or when it could not be started).
+struct Running;
+
+impl Running {
+    fn start() -> Running {
+        *RUNNING.lock() += 1;
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        *RUNNING.lock() -= 1;
+        FINISHED.notify_all();
+    }
+}
 /// Notified each time an abort thread returns.
 static FINISHED: Condvar = Condvar::new();
 

@@ -174,6 +174,28 @@ impl Comm {
         (!gate.aborted).then(|| f(self.raw))
     }
 
+    /// Run `f` (a split off this communicator, polled through it) holding its calls
+    /// lock and marked as inside NCCL as `op`: two splits on one rank never overlap,
+    /// and an abort waits (boundedly) for the thread to leave, as for any call.
+    ///
+    /// # Errors
+    /// [`Error::NcclAborted`] if the communicator was aborted; `f`'s errors.
+    pub(super) fn splitting<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let _calls = self.calls.lock();
+        if !self.enter(op, Instant::now(), None) {
+            return Err(Error::NcclAborted {
+                reason: format!("{op}: the communicator was aborted"),
+            });
+        }
+        let out = f();
+        self.leave();
+        out
+    }
+
     /// For the watchdog on a non-blocking communicator: the calls lock, if free.
     pub(super) fn try_calls(&self) -> Option<MutexGuard<'_, ()>> {
         self.calls.try_lock()
