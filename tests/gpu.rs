@@ -1365,7 +1365,7 @@ mod gpu_tests {
                 .with_writer(std::io::stderr)
                 .try_init();
         }
-        let (mut args, filters) = arguments(std::env::args());
+        let (mut args, filters) = common::gpu::arguments(std::env::args());
         args.test_threads = Some(1);
         let mut trials = vec![
             trial(
@@ -1469,46 +1469,7 @@ mod gpu_tests {
                 gpu_checked_collectives_catch_every_divergence_on_nccl,
             ),
         ];
-        if !filters.is_empty() {
-            trials.retain(|t| {
-                (filters.iter()).any(|f| {
-                    if args.exact {
-                        t.name() == f
-                    } else {
-                        t.name().contains(f.as_str())
-                    }
-                })
-            });
-        }
+        common::gpu::keep_filtered(&mut trials, &filters, args.exact);
         libtest_mimic::run(&args, trials).exit();
-    }
-
-    /// libtest's command line with any number of name filters, as libtest takes them
-    /// (`cargo test --test gpu -- all_gather reduce_scatter` runs the trials whose
-    /// names contain either): libtest-mimic takes one, so the filters are taken out
-    /// before it parses the rest, and applied by the caller.
-    fn arguments(mut raw: impl Iterator<Item = String>) -> (libtest_mimic::Arguments, Vec<String>) {
-        // The options that take a value (libtest-mimic 0.8).
-        const VALUED: [&str; 6] = [
-            "--test-threads",
-            "--logfile",
-            "--skip",
-            "--color",
-            "--format",
-            "-Z",
-        ];
-        let mut rest: Vec<String> = raw.next().into_iter().collect(); // the program
-        let mut filters = Vec::new();
-        while let Some(a) = raw.next() {
-            if VALUED.contains(&a.as_str()) {
-                rest.push(a);
-                rest.extend(raw.next());
-            } else if a.starts_with('-') {
-                rest.push(a);
-            } else {
-                filters.push(a);
-            }
-        }
-        (libtest_mimic::Arguments::from_iter(rest), filters)
     }
 }

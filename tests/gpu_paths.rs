@@ -156,9 +156,9 @@ mod paths {
                 std::env::set_var("NCCL_DEBUG_FILE", &file);
             }
         }
-        let mut args = libtest_mimic::Arguments::from_args();
+        let (mut args, filters) = common::gpu::arguments(std::env::args());
         args.test_threads = Some(1);
-        let trials = CALLS
+        let mut trials: Vec<Trial> = CALLS
             .iter()
             .enumerate()
             .map(|(i, (name, bytes))| {
@@ -181,6 +181,7 @@ mod paths {
                 )
             })
             .collect();
+        common::gpu::keep_filtered(&mut trials, &filters, args.exact);
         let conclusion = libtest_mimic::run(&args, trials);
         let _ = std::fs::remove_file(log_file());
         conclusion.exit();

@@ -196,3 +196,48 @@ impl Drop for Ranks {
         }
     }
 }
+
+/// libtest's command line with any number of name filters, as libtest takes them
+/// (`cargo test --test gpu -- all_gather reduce_scatter` runs the trials whose names
+/// contain either): libtest-mimic takes one, so the filters are taken out before it
+/// parses the rest, and applied by [`keep_filtered`].
+pub fn arguments(mut raw: impl Iterator<Item = String>) -> (libtest_mimic::Arguments, Vec<String>) {
+    // The options that take a value (libtest-mimic 0.8).
+    const VALUED: [&str; 6] = [
+        "--test-threads",
+        "--logfile",
+        "--skip",
+        "--color",
+        "--format",
+        "-Z",
+    ];
+    let mut rest: Vec<String> = raw.next().into_iter().collect(); // the program
+    let mut filters = Vec::new();
+    while let Some(a) = raw.next() {
+        if VALUED.contains(&a.as_str()) {
+            rest.push(a);
+            rest.extend(raw.next());
+        } else if a.starts_with('-') {
+            rest.push(a);
+        } else {
+            filters.push(a);
+        }
+    }
+    (libtest_mimic::Arguments::from_iter(rest), filters)
+}
+
+/// Keep the trials whose names match one of `filters` (all of them when there is none).
+pub fn keep_filtered(trials: &mut Vec<Trial>, filters: &[String], exact: bool) {
+    if filters.is_empty() {
+        return;
+    }
+    trials.retain(|t| {
+        (filters.iter()).any(|f| {
+            if exact {
+                t.name() == f
+            } else {
+                t.name().contains(f.as_str())
+            }
+        })
+    });
+}
