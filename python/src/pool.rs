@@ -130,7 +130,34 @@ fn reduce_scatter_into(
 /// `PeerLostError`, `OutOfMemoryError`, `ConfigurationError`, all `SymmpoolError`).
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Pool {
-    pub(crate) handle: Arc<Handle>,
+    pub(crate) handle: GilFree<Arc<Handle>>,
+}
+
+/// A value dropped without the GIL. Python drops its objects holding the GIL, and a
+/// pool's last handle joins its check thread, which may be inside a Python store's
+/// call waiting for the GIL: dropped with it held, both would wait until the
+/// exchange's timeout.
+pub(crate) struct GilFree<T: Send>(Option<T>);
+
+impl<T: Send> GilFree<T> {
+    pub(crate) fn new(value: T) -> Self {
+        GilFree(Some(value))
+    }
+}
+
+impl<T: Send> std::ops::Deref for GilFree<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl<T: Send> Drop for GilFree<T> {
+    fn drop(&mut self) {
+        if let Some(value) = self.0.take() {
+            Python::with_gil(|py| py.allow_threads(move || drop(value)));
+        }
+    }
 }
 
 #[pymethods]
@@ -175,7 +202,7 @@ impl Pool {
             .into_iter()
             .zip(colls)
             .map(|(p, c)| Pool {
-                handle: Handle::new(p, c),
+                handle: GilFree::new(Handle::new(p, c)),
             })
             .collect())
     }
@@ -231,7 +258,7 @@ impl Pool {
             })
             .map_err(to_py)?;
         Ok(Pool {
-            handle: Handle::new(pool, coll),
+            handle: GilFree::new(Handle::new(pool, coll)),
         })
     }
 
@@ -287,7 +314,7 @@ impl Pool {
             })
             .map_err(to_py)?;
         Ok(Pool {
-            handle: Handle::new(pool.0, pool.1),
+            handle: GilFree::new(Handle::new(pool.0, pool.1)),
         })
     }
 
@@ -343,7 +370,7 @@ impl Pool {
             })
             .map_err(to_py)?;
         Ok(Pool {
-            handle: Handle::new(pool.0, pool.1),
+            handle: GilFree::new(Handle::new(pool.0, pool.1)),
         })
     }
 
@@ -386,7 +413,7 @@ impl Pool {
             .map_err(to_py)?;
         Ok(Buffer {
             buf: Mutex::new(Some(Arc::new(buf))),
-            coll: self.handle.coll.clone(),
+            coll: GilFree::new(self.handle.coll.clone()),
         })
     }
 
@@ -627,7 +654,7 @@ pub(crate) fn render_ranks_svg(snapshots: Vec<String>) -> PyResult<String> {
 pub struct Buffer {
     buf: Mutex<Option<Arc<SymmBuffer>>>,
     /// The collectives of the buffer's pool.
-    coll: Coll,
+    coll: GilFree<Coll>,
 }
 
 impl Buffer {
