@@ -10,12 +10,9 @@ mod common;
 
 use common::procs::{CHILD, Job};
 use common::rng::Rng;
-use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
-use symmpool::backend::{ShmBackend, ShmConfig};
 use symmpool::coll::{Choice, Path, PathPolicy};
-use symmpool::control::{StoreConfig, StoreExchange, StoreServer};
 use symmpool::{
     CheckMode, Coll, DType, Element, Error, HostConfig, NcclVersion, PoolConfig, ReduceOp, Stream,
     SymmPool, bf16, f16,
@@ -390,20 +387,7 @@ fn child_process_entry() {
 /// A rank of the job: every case on the symmetric and the plain path, large buffers
 /// moved through the control plane in pieces, a bad call, a strict check.
 fn child() -> symmpool::Result<()> {
-    let mut cfg = StoreConfig::from_env()?;
-    let ex = if cfg.launch.rank == 0 {
-        let server = StoreServer::bind("127.0.0.1:0", &cfg)?;
-        println!("@@port {}", server.local_addr().port());
-        cfg.host_server = true;
-        StoreExchange::connect_hosting(cfg, server)?
-    } else {
-        cfg.host_server = false;
-        StoreExchange::connect(cfg)?
-    };
-    let backend = ShmBackend::join(
-        Arc::new(ex),
-        ShmConfig::default().with_timeout(Duration::from_secs(60)),
-    )?;
+    let (_, _, backend) = common::shm::join(Duration::from_secs(60))?;
     let pool = SymmPool::new(
         backend,
         PoolConfig::default()

@@ -8,10 +8,8 @@ mod common;
 
 use common::procs::{CHILD, Job};
 use common::rng::Rng;
-use std::sync::Arc;
+use common::shm::{join, shm_entries};
 use std::time::{Duration, Instant};
-use symmpool::backend::{ShmBackend, ShmConfig};
-use symmpool::control::{StoreConfig, StoreExchange, StoreServer};
 use symmpool::{CheckMode, Coll, Error, PoolConfig, ReduceOp, Stream, SymmPool, coll};
 
 const MIB: u64 = 1 << 20;
@@ -36,29 +34,8 @@ fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// Join the job: rank 0 hosts the store (and reports its port), everyone connects.
-fn join() -> symmpool::Result<(usize, usize, symmpool::Backend)> {
-    let mut cfg = StoreConfig::from_env()?;
-    let rank = cfg.launch.rank;
-    let world = cfg.launch.world_size;
-    let ex = if rank == 0 {
-        let server = StoreServer::bind("127.0.0.1:0", &cfg)?;
-        println!("@@port {}", server.local_addr().port());
-        cfg.host_server = true;
-        StoreExchange::connect_hosting(cfg, server)?
-    } else {
-        cfg.host_server = false;
-        StoreExchange::connect(cfg)?
-    };
-    let backend = ShmBackend::join(
-        Arc::new(ex),
-        ShmConfig::default().with_timeout(Duration::from_secs(60)),
-    )?;
-    Ok((rank, world, backend))
-}
-
 fn child() -> symmpool::Result<i32> {
-    let (rank, world, backend) = join()?;
+    let (rank, world, backend) = join(Duration::from_secs(60))?;
     match var("CHILD_ROLE").as_deref() {
         Some("checked") => return checked_child(rank, world, backend),
         Some("strict_cost") => return strict_cost_child(rank, backend),
@@ -396,19 +373,6 @@ fn strict_cost_child(rank: usize, backend: symmpool::Backend) -> symmpool::Resul
         );
     }
     Ok(0)
-}
-
-fn shm_entries() -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            let mut v: Vec<String> = d
-                .filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect();
-            v.sort();
-            v
-        })
-        .unwrap_or_default()
 }
 
 fn role(role: &'static str) -> impl Fn(usize) -> Vec<(&'static str, String)> {
