@@ -548,6 +548,17 @@ impl symmpool::Exchange for Announcing {
     }
 }
 
+/// Two host ranks whose rank 0 reports every stream as capturing a CUDA graph.
+fn rank_0_capturing(timeout: Duration) -> Vec<SymmPool> {
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let b1 = world.pop().unwrap();
+    let b0 = world
+        .pop()
+        .unwrap()
+        .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
+    SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap()
+}
+
 /// A host rank whose streams all pretend to capture a CUDA graph.
 #[derive(Debug)]
 struct Capturing(std::sync::Arc<dyn symmpool::backend::StreamOps>);
@@ -663,13 +674,7 @@ fn absurd_settings_are_refused_or_handled() {
 #[test]
 fn one_rank_capturing_fails_growth_on_every_rank_without_a_timeout() {
     let timeout = Duration::from_secs(20);
-    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
-    let b1 = world.pop().unwrap();
-    let b0 = world
-        .pop()
-        .unwrap()
-        .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
-    let pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
+    let pools = rank_0_capturing(timeout);
     let started = std::time::Instant::now();
     let errs = on_ranks(&pools, |p| p.alloc(MIB, &Stream::host()).unwrap_err());
     assert!(
@@ -1037,13 +1042,7 @@ fn reserve_on_a_never_used_pool_during_capture_is_refused_on_every_rank() {
     // Rank 0's device is capturing (a stream the pool never saw): a reservation, the
     // pool's first call, registers nothing on any rank.
     let timeout = Duration::from_secs(20);
-    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
-    let b1 = world.pop().unwrap();
-    let b0 = world
-        .pop()
-        .unwrap()
-        .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
-    let pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
+    let pools = rank_0_capturing(timeout);
     let started = std::time::Instant::now();
     for e in on_ranks(&pools, |p| p.reserve(MIB).unwrap_err()) {
         assert!(matches!(e, Error::GraphCapture), "{e:?}");
