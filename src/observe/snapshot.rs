@@ -1,7 +1,7 @@
 //! A pool's snapshot for observers: every segment with its windows and every block
 //! with its allocation number, sizes, stream and state.
 
-use super::stats::{MemoryStats, Totals, build_stats};
+use super::stats::{MemoryStats, build_stats};
 use crate::core::{BlockState, SegmentId, SizeClass, StreamId};
 use crate::pool::SymmPool;
 use crate::pool::role_name;
@@ -198,19 +198,8 @@ impl SymmPool {
                 }
             })
             .collect();
-        let c = &st.counters;
-        let totals = Totals {
-            core: snap.stats,
-            allocated_bytes: c.allocated_bytes_total,
-            requested_bytes: c.requested_bytes_total,
-            reserved_bytes: c.reserved_bytes_total,
-            registrations: c.registrations.clone(),
-            deregistrations: c.deregistrations.clone(),
-            agreements: c.agreements,
-            growth_seconds: c.growth_time.as_secs_f64(),
-            calls: st.history.seq(),
-        };
-        let stats = build_stats(&totals, &segments, comms, &self.inner.counters);
+        let totals = (&st.counters, st.history.seq());
+        let stats = build_stats(&snap.stats, totals, &segments, comms, &self.inner.counters);
         let extra = also(&mut st, &segments, &stats);
         drop(st);
         (segments, stats, extra)

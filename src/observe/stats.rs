@@ -3,7 +3,7 @@
 use super::snapshot::{BlockStatus, SegmentView};
 use crate::backend::CommInfo;
 use crate::core::{CoreStats, SizeClass, Stat};
-use crate::pool::{PoolCounters, role_name};
+use crate::pool::{Counters, PoolCounters, role_name};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -47,19 +47,6 @@ impl fmt::Display for StatValue {
 
 /// The flat statistics: key → value, keys as in the table of [`observe`](super).
 pub type MemoryStats = BTreeMap<String, StatValue>;
-
-/// What the pool counts under its lock, beside the core's statistics.
-pub(crate) struct Totals {
-    pub(crate) core: CoreStats,
-    pub(crate) allocated_bytes: u64,
-    pub(crate) requested_bytes: u64,
-    pub(crate) reserved_bytes: u64,
-    pub(crate) registrations: Vec<u64>,
-    pub(crate) deregistrations: Vec<u64>,
-    pub(crate) agreements: u64,
-    pub(crate) growth_seconds: f64,
-    pub(crate) calls: u64,
-}
 
 /// Per size class (`all`, `small_pool`, `large_pool`), counted from the blocks.
 #[derive(Default, Clone, Copy)]
@@ -108,9 +95,11 @@ fn count(segments: &[SegmentView], class: Option<SizeClass>) -> ClassCount {
     c
 }
 
-/// The flat map, from the pool's totals, its segments and its lock-free counters.
+/// The flat map, from the core's statistics, the pool's counters and call count
+/// (`totals`, `calls`, read under its lock), its segments and its lock-free counters.
 pub(crate) fn build_stats(
-    t: &Totals,
+    core: &CoreStats,
+    (totals, calls): (&Counters, u64),
     segments: &[SegmentView],
     comms: &[CommInfo],
     counters: &PoolCounters,
@@ -119,7 +108,6 @@ pub(crate) fn build_stats(
     let mut put = |k: String, v: u64| {
         m.insert(k, StatValue::Count(v));
     };
-    let core = &t.core;
     // Gauges with peaks and cumulative totals, PyTorch style.
     let gauge = |put: &mut dyn FnMut(String, u64), name: &str, s: Stat, total: u64| {
         put(format!("{name}.all.current"), s.current);
@@ -131,19 +119,19 @@ pub(crate) fn build_stats(
         &mut put,
         "allocated_bytes",
         core.allocated_bytes,
-        t.allocated_bytes,
+        totals.allocated_bytes_total,
     );
     gauge(
         &mut put,
         "requested_bytes",
         core.requested_bytes,
-        t.requested_bytes,
+        totals.requested_bytes_total,
     );
     gauge(
         &mut put,
         "reserved_bytes",
         core.reserved_bytes,
-        t.reserved_bytes,
+        totals.reserved_bytes_total,
     );
     gauge(&mut put, "segment", core.segments, core.num_growths);
     gauge(
@@ -201,8 +189,8 @@ pub(crate) fn build_stats(
             .deferred_frees
             .load(std::sync::atomic::Ordering::Relaxed),
     );
-    put("agreements".into(), t.agreements);
-    put("calls".into(), t.calls);
+    put("agreements".into(), totals.agreements);
+    put("calls".into(), calls);
     // Per communicator role (communicators of one role add up).
     let mut windows = vec![0u64; comms.len()];
     for s in segments {
@@ -215,11 +203,11 @@ pub(crate) fn build_stats(
         for (name, v) in [
             (
                 "registrations",
-                t.registrations.get(c).copied().unwrap_or(0),
+                totals.registrations.get(c).copied().unwrap_or(0),
             ),
             (
                 "deregistrations",
-                t.deregistrations.get(c).copied().unwrap_or(0),
+                totals.deregistrations.get(c).copied().unwrap_or(0),
             ),
             ("windows", windows[c]),
         ] {
@@ -231,6 +219,9 @@ pub(crate) fn build_stats(
             }
         }
     }
-    m.insert("growth_seconds".into(), StatValue::Real(t.growth_seconds));
+    m.insert(
+        "growth_seconds".into(),
+        StatValue::Real(totals.growth_time.as_secs_f64()),
+    );
     m
 }

@@ -54,7 +54,7 @@ use crate::group::{CallHead, CallKind, History};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
-pub(crate) use state::PoolState;
+pub(crate) use state::{Counters, PoolState};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
