@@ -147,7 +147,7 @@ pub(crate) use path::{PATHS, path_index};
 
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord};
+use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord, GrowthPoint};
 use crate::observe::{MemoryStats, StatValue};
 use crate::pool::{GrowthCheck, SymmPool};
 use arc_swap::ArcSwap;
@@ -450,13 +450,8 @@ impl GrowthCheck for CollInner {
     /// like a collective's (under `Strict` in one round here; under `Async` posted,
     /// then waited for until compared), so that a rank growing where its peers make a
     /// collective fails on every rank within one round.
-    fn before_growth(
-        &self,
-        pool: u64,
-        call: (u64, u64),
-        segment_bytes: u64,
-        deadline: Deadline,
-    ) -> Result<()> {
+    fn before_growth(&self, growth: &GrowthPoint, deadline: Deadline) -> Result<()> {
+        let pool = growth.pool;
         let Some(entry) = (self.pools.iter()).find(|e| e.pool.channel().ordinal() == pool) else {
             return Ok(());
         };
@@ -466,7 +461,7 @@ impl GrowthCheck for CollInner {
         }
         checker.check()?;
         let collectives = entry.collectives.load(Ordering::Relaxed);
-        let record = CollectiveRecord::growth(pool, collectives, call, segment_bytes);
+        let record = CollectiveRecord::growth(growth, collectives);
         let mut strict = (checker.mode() == CheckMode::Strict).then(|| checker.strict_lock());
         checker.submit(strict.as_mut(), record, || deadline)?;
         drop(strict);

@@ -125,20 +125,25 @@ impl CollectiveRecord {
     }
 }
 
+/// Where a pool is about to grow, as its growth record carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GrowthPoint {
+    /// The pool (the ordinal of its exchange channel).
+    pub(crate) pool: u64,
+    /// Its call count and running hash, the growing allocation included.
+    pub(crate) call: (u64, u64),
+    /// The size of the segment it adds.
+    pub(crate) segment_bytes: u64,
+}
+
 impl CollectiveRecord {
-    /// A growth record of the pool `pool`: the collectives issued on it, its call
-    /// count and hash (the growing allocation included), and the segment's bytes (in
-    /// the count).
-    pub(crate) fn growth(
-        pool: u64,
-        pool_collectives: u64,
-        call: (u64, u64),
-        segment_bytes: u64,
-    ) -> Self {
+    /// The growth record of `growth`, on a pool that has issued `pool_collectives`
+    /// collectives (the segment's bytes in the count).
+    pub(crate) fn growth(growth: &GrowthPoint, pool_collectives: u64) -> Self {
         CollectiveRecord {
             kind: RecordKind::Growth,
-            count: segment_bytes,
-            ..CollectiveRecord::step(pool, pool_collectives, (0, 0), call)
+            count: growth.segment_bytes,
+            ..CollectiveRecord::step(growth.pool, pool_collectives, (0, 0), growth.call)
         }
     }
 }

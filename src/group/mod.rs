@@ -18,7 +18,7 @@ pub(crate) use agree::{AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Op, Readines
 pub use check::CheckMode;
 pub(crate) use check::{CheckSite, Checker};
 pub(crate) use collective::{
-    BufferRecord, CollKind, CollectiveRecord, RecordKind, dtype_code, reduce_code,
+    BufferRecord, CollKind, CollectiveRecord, GrowthPoint, RecordKind, dtype_code, reduce_code,
 };
 pub(crate) use history::{CallHead, CallKind, History, state_digest};
 pub(crate) use record::{decode, encode};

@@ -28,7 +28,8 @@ pub(super) enum SegmentUse {
 
 impl SymmPool {
     /// Grow by one segment: agree, allocate, confirm, register, add to the core; every
-    /// wait on the peers until `deadline`.
+    /// wait on the peers until `deadline`. In a `growth` span that records its
+    /// duration.
     pub(super) fn grow(
         &self,
         st: &mut PoolState,
@@ -36,7 +37,12 @@ impl SymmPool {
         stream: &Stream,
         deadline: Deadline,
     ) -> Result<SegmentId> {
-        self.shared_use(|| {
+        let span = tracing::info_span!(target: "symmpool::pool", "growth", rank = self.rank(),
+            pool = %self.inner.config.name, class = ?growth.class,
+            segment_bytes = growth.segment_bytes, seconds = tracing::field::Empty);
+        let _entered = span.enter();
+        let started = Instant::now();
+        let out = self.shared_use(|| {
             // The collectives' checks first: a rank that grows where its peers make a
             // collective is named there, within a round.
             self.check_growth(growth.segment_bytes, deadline)?;
@@ -45,7 +51,9 @@ impl SymmPool {
             let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
             st.all_ready(&flags)?;
             self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
-        })
+        });
+        span.record("seconds", started.elapsed().as_secs_f64());
+        out
     }
 
     /// Run the collective pool operation `f`, noting this thread as the pool's user of

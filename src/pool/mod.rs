@@ -23,6 +23,7 @@
 //!   call on that rank fails, and so does the next agreement on every rank
 //!   ([`Error::PoolBroken`]).
 
+mod accounting;
 mod buffer;
 mod config;
 mod counters;
@@ -30,6 +31,7 @@ pub(crate) mod events;
 mod fit;
 mod free;
 mod growth;
+mod growth_check;
 mod release;
 mod scope;
 mod state;
@@ -42,6 +44,7 @@ pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
 pub(crate) use events::role_name;
 pub use fit::FitReport;
+pub(crate) use growth_check::GrowthCheck;
 pub use scope::{alloc, alloc_aligned, current};
 pub use stats::PoolStats;
 
@@ -87,26 +90,6 @@ pub(crate) struct PoolInner {
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
-}
-
-/// A layer above the pool that checks a growth against the peers' calls before the
-/// pool agrees on it: the collectives handles, whose checks then see a rank that
-/// grows where its peers make a collective (an extra allocation) within one exchange
-/// round, instead of both waiting out the timeout in different rounds.
-pub(crate) trait GrowthCheck: Send + Sync {
-    /// Pool `pool` (its channel ordinal), at call count and hash `call`, is about to
-    /// grow by `segment_bytes`: check that the peers grow at the same point, waiting
-    /// for them until `deadline`.
-    ///
-    /// # Errors
-    /// [`Error::CollectiveDivergence`] naming where each rank is; the check's errors.
-    fn before_growth(
-        &self,
-        pool: u64,
-        call: (u64, u64),
-        segment_bytes: u64,
-        deadline: Deadline,
-    ) -> Result<()>;
 }
 
 /// A symmetric-memory caching pool for one rank.
@@ -340,25 +323,6 @@ impl SymmPool {
         self.inner.outside_failure.clone()
     }
 
-    /// Have `check` look at every growth of the pool first (while it lives).
-    pub(crate) fn add_growth_check(&self, check: Weak<dyn GrowthCheck>) {
-        let mut checks = self.inner.growth_checks.lock();
-        checks.retain(|c| c.strong_count() > 0);
-        checks.push(check);
-    }
-
-    /// Run the growth checks of the layers above (see [`GrowthCheck`]).
-    pub(crate) fn check_growth(&self, segment_bytes: u64, deadline: Deadline) -> Result<()> {
-        let checks: Vec<Arc<dyn GrowthCheck>> = (self.inner.growth_checks.lock().iter())
-            .filter_map(Weak::upgrade)
-            .collect();
-        let pool = self.inner.channel.ordinal();
-        for check in checks {
-            check.before_growth(pool, self.call_head(), segment_bytes, deadline)?;
-        }
-        Ok(())
-    }
-
     /// Whether two handles are the same pool.
     pub fn same_pool(&self, other: &SymmPool) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -459,7 +423,7 @@ impl SymmPool {
                 // One deadline for the whole growth (made only when it grows: a cache
                 // hit does not read the clock).
                 let deadline = Deadline::after(self.inner.config.timeout);
-                self.grow_traced(&mut st, growth, stream, deadline)?;
+                self.grow(&mut st, growth, stream, deadline)?;
                 st.core.alloc(req)?
             }
             Err(e) => return Err(e.into()),
@@ -496,52 +460,6 @@ impl SymmPool {
                 .wait_fence(stream, w.stream, w.fence)?;
         }
         Ok(buffer)
-    }
-
-    /// [`grow`](Self::grow) in a `growth` span that records its duration.
-    fn grow_traced(
-        &self,
-        st: &mut PoolState,
-        growth: crate::core::Growth,
-        stream: &Stream,
-        deadline: Deadline,
-    ) -> Result<crate::core::SegmentId> {
-        let span = tracing::info_span!(target: "symmpool::pool", "growth", rank = self.rank(),
-            pool = %self.inner.config.name, class = ?growth.class,
-            segment_bytes = growth.segment_bytes, seconds = tracing::field::Empty);
-        let _entered = span.enter();
-        let started = std::time::Instant::now();
-        let out = self.grow(st, growth, stream, deadline);
-        span.record("seconds", started.elapsed().as_secs_f64());
-        out
-    }
-
-    /// Account for, and report, a segment just added (growth or `reserve`).
-    pub(crate) fn segment_added(&self, st: &mut PoolState, id: crate::core::SegmentId) {
-        let Some(entry) = st.segments.get(&id) else {
-            return;
-        };
-        let bytes = entry.segment.size_bytes();
-        let windows = entry.windows.iter().filter(|w| w.is_some()).count();
-        st.counters.reserved_bytes_total += bytes;
-        let address = entry.segment.device_ptr();
-        if let Some(h) = st.memory_history.as_deref_mut() {
-            h.segment(
-                crate::observe::MemoryAction::SegmentAlloc,
-                id,
-                address,
-                bytes,
-            );
-        }
-        let class = match st.core.segments().find(|s| s.0 == id).map(|s| s.1) {
-            Some(crate::core::SizeClass::Small) => "small",
-            Some(crate::core::SizeClass::Large) => "large",
-            None => "unknown",
-        };
-        tracing::info!(target: "symmpool::pool", rank = self.rank(),
-            pool = %self.inner.config.name, segment = id.0, class, segment_bytes = bytes,
-            windows, reserved_bytes = st.core.stats().reserved_bytes.current,
-            "segment allocated");
     }
 
     /// Whether [`close`](Self::close) has completed.

@@ -9,6 +9,7 @@ use crate::core::SegmentId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CallKind, LiveBuffer, MAX_LIVE_NAMED, Op};
+use crate::observe::MemoryAction;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
@@ -114,12 +115,7 @@ impl SymmPool {
             match release_entry(backend, entry, &mut st.counters.deregistrations) {
                 Ok(()) => {
                     if let Some(h) = st.memory_history.as_deref_mut() {
-                        h.segment(
-                            crate::observe::MemoryAction::SegmentFree,
-                            id,
-                            address,
-                            bytes,
-                        );
+                        h.segment(MemoryAction::SegmentFree, id, address, bytes);
                     }
                 }
                 Err((entry, e)) => {
