@@ -7,7 +7,7 @@ use super::collective::CollectiveRecord;
 use super::record::{self, first_difference};
 use crate::control::{ChannelId, Exchange};
 use crate::deadline::Deadline;
-use crate::error::{CollectiveDivergence, Error, Result};
+use crate::error::{CollectiveDivergence, Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::VecDeque;
 use std::fmt;
@@ -288,19 +288,12 @@ impl Checker {
     }
 
     /// Break the pool after a collective failed in a way that leaves the ranks out of
-    /// step (a timeout, a lost peer).
+    /// step: a wait that timed out or a lost peer (by [`Error::kind`]), a mismatched
+    /// collective, an NCCL failure.
     pub(crate) fn break_on(&self, e: &Error) {
-        if matches!(
-            e,
-            Error::Timeout { .. }
-                | Error::GroupBroken { .. }
-                | Error::PeerLost { .. }
-                | Error::CollectiveMismatch { .. }
-                | Error::Nccl { .. }
-                | Error::NcclTimeout { .. }
-                | Error::NcclWatchdog { .. }
-                | Error::NcclAborted { .. }
-        ) {
+        if matches!(e.kind(), ErrorKind::Timeout | ErrorKind::PeerLost)
+            || matches!(e, Error::CollectiveMismatch { .. } | Error::Nccl { .. })
+        {
             self.verdict
                 .failed(format!("a collective on this pool failed: {e}"));
         }
