@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use symmpool::backend::{CollArgs, Collectives};
 use symmpool::{
-    CheckMode, Coll, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmBuffer, SymmPool,
+    CheckMode, Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, Result, Stream,
+    SymmBuffer, SymmPool,
 };
 
 /// Collectives that do nothing: what remains is the crate's own cost per call.

@@ -47,7 +47,9 @@ mod gpu {
     use std::time::Instant;
     use symmpool::backend::{NcclBackend, NcclWorldConfig};
     use symmpool::coll::{self, Path};
-    use symmpool::{Coll, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16};
+    use symmpool::{
+        Coll, CollectiveCalls, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16,
+    };
 
     const MIB: u64 = 1 << 20;
     const REPS: usize = 15;

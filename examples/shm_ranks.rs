@@ -10,7 +10,9 @@
 
 use std::process::Command;
 use std::sync::Arc;
-use symmpool::{Coll, ErrorKind, PoolConfig, ShmBackend, ShmConfig, StoreExchange, Stream};
+use symmpool::{
+    Coll, CollectiveCalls, ErrorKind, PoolConfig, ShmBackend, ShmConfig, StoreExchange, Stream,
+};
 use symmpool::{ReduceOp, SymmPool};
 
 /// Started without a launcher: run `world` copies of this program as the ranks.

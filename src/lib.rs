@@ -89,7 +89,7 @@ pub use backend::{Backend, HostBackend, HostConfig};
 pub use backend::{NcclBackend, NcclConfig, NcclWorldConfig};
 #[cfg(target_os = "linux")]
 pub use backend::{ShmBackend, ShmConfig};
-pub use coll::Coll;
+pub use coll::{Coll, CollectiveCalls};
 pub use control::{
     ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
 };

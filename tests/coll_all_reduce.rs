@@ -14,8 +14,8 @@ use std::thread;
 use std::time::Duration;
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::{
-    CheckMode, Coll, DType, Element, Error, HostConfig, NcclVersion, PoolConfig, ReduceOp, Stream,
-    SymmPool, bf16, f16,
+    CheckMode, Coll, CollectiveCalls, DType, Element, Error, HostConfig, NcclVersion, PoolConfig,
+    ReduceOp, Stream, SymmPool, bf16, f16,
 };
 
 const OPS: [ReduceOp; 5] = [

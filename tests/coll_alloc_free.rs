@@ -13,7 +13,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 use symmpool::backend::{CollArgs, Collectives};
 use symmpool::{
-    CheckMode, Coll, HostBackend, HostConfig, PoolConfig, ReduceOp, Result, Stream, SymmPool,
+    CheckMode, Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, ReduceOp, Result,
+    Stream, SymmPool,
 };
 
 thread_local! {

@@ -11,8 +11,8 @@ use std::thread;
 use std::time::Duration;
 use symmpool::coll::CollectiveReport;
 use symmpool::{
-    CheckMode, Coll, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmBuffer,
-    SymmPool,
+    CheckMode, Coll, CollectiveCalls, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream,
+    SymmBuffer, SymmPool,
 };
 
 mod common;

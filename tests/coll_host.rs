@@ -8,7 +8,8 @@ use std::thread;
 use std::time::Duration;
 use symmpool::coll::Path;
 use symmpool::{
-    CheckMode, Coll, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16,
+    CheckMode, Coll, CollectiveCalls, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16,
+    f16,
 };
 
 fn pools(world: usize) -> Vec<SymmPool> {

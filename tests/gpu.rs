@@ -50,7 +50,9 @@ mod gpu_tests {
     use common::gpu::{on_ranks, trial};
     use std::time::{Duration, SystemTime};
     use symmpool::coll::Path;
-    use symmpool::{Coll, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16};
+    use symmpool::{
+        Coll, CollectiveCalls, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16,
+    };
 
     const MIB: u64 = 1 << 20;
 

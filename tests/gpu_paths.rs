@@ -30,7 +30,7 @@ mod paths {
     use std::sync::Barrier;
     use std::time::Duration;
     use symmpool::coll::Path;
-    use symmpool::{Coll, PoolConfig, ReduceOp, bf16};
+    use symmpool::{Coll, CollectiveCalls, PoolConfig, ReduceOp, bf16};
 
     const MIB: u64 = 1 << 20;
 

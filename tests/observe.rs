@@ -12,7 +12,7 @@ use symmpool::observe::{
     BlockStatus, BlockView, PoolSnapshot, SegmentView, StatValue, WindowView, render_ranks,
     render_svg,
 };
-use symmpool::{Coll, PoolConfig, Stream, SymmPool};
+use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::{Context, SubscriberExt};

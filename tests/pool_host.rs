@@ -10,7 +10,9 @@ use std::sync::Barrier;
 use std::thread;
 use std::time::Duration;
 use symmpool::core::SegmentId;
-use symmpool::{Coll, Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll};
+use symmpool::{
+    Coll, CollectiveCalls, Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll,
+};
 
 const MIB: u64 = 1 << 20;
 

@@ -10,7 +10,9 @@ use common::procs::{CHILD, Job};
 use common::rng::Rng;
 use common::shm::{join, shm_entries};
 use std::time::{Duration, Instant};
-use symmpool::{CheckMode, Coll, Error, PoolConfig, ReduceOp, Stream, SymmPool, coll};
+use symmpool::{
+    CheckMode, Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmPool, coll,
+};
 
 const MIB: u64 = 1 << 20;
 const ENTRY: &str = "child_process_entry";

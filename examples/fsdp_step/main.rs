@@ -52,8 +52,8 @@ use ranks::{StepBarrier, StepSync, on_rank_threads};
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::observe::{MemoryStats, PoolSnapshot, StatValue};
 use symmpool::{
-    Backend, Coll, Element, ErrorKind, HostBackend, HostConfig, PoolConfig, ReduceOp, Result,
-    Stream, SymmBuffer, SymmPool,
+    Backend, Coll, CollectiveCalls, Element, ErrorKind, HostBackend, HostConfig, PoolConfig,
+    ReduceOp, Result, Stream, SymmBuffer, SymmPool,
 };
 use trainer::{Math, Trainer};
 

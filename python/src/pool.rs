@@ -17,8 +17,8 @@ use symmpool::backend::shm::{ShmBackend, ShmConfig};
 use symmpool::coll::{CollectiveReport, path_name};
 use symmpool::observe::{PoolSnapshot, StatValue, render_ranks, render_svg};
 use symmpool::{
-    Backend, Coll, Exchange, HostBackend, HostConfig, NcclBackend, NcclConfig, PoolConfig,
-    ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
+    Backend, Coll, CollectiveCalls, Exchange, HostBackend, HostConfig, NcclBackend, NcclConfig,
+    PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
 };
 
 /// NCCL's `NCCL_CTA_POLICY_ZERO`.

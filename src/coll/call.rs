@@ -107,9 +107,10 @@ fn own_chunk<'a, T: Element>(
 /// The tag of a call made without one ([`Coll::tagged`]).
 pub const NO_TAG: u64 = 0;
 
-/// The collectives of a [`Coll`] handle, each carrying the caller's identity of the
-/// call: a `u64` tag (for example a hash of the layer, the parameter group and the
-/// step), made by [`Coll::tagged`]. Two words on the stack: make one per call.
+/// The collectives of a [`Coll`] handle ([`CollectiveCalls`]), each carrying the
+/// caller's identity of the call: a `u64` tag (for example a hash of the layer, the
+/// parameter group and the step), made by [`Coll::tagged`]. Two words on the stack:
+/// make one per call.
 ///
 /// Under [`CheckMode::Strict`] and [`CheckMode::Async`] the tag is a field of the
 /// collective's record (compared before the other fields of the call), so ranks that
@@ -120,7 +121,7 @@ pub const NO_TAG: u64 = 0;
 /// the tag is ignored. [`NO_TAG`] (0) is the tag of the untagged calls.
 ///
 /// ```
-/// use symmpool::{Coll, PoolConfig, Stream, SymmPool};
+/// use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
 ///
 /// let pools = SymmPool::host_group(2, PoolConfig::default())?;
 /// std::thread::scope(|s| {
@@ -159,131 +160,6 @@ impl Coll {
     pub fn tagged(&self, tag: u64) -> TaggedColl<'_> {
         TaggedColl { coll: self, tag }
     }
-
-    /// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at
-    /// `rank * N` in every rank's `output` (world × N elements), on `stream`.
-    ///
-    /// # Collective
-    /// Every rank, same order, same sizes.
-    ///
-    /// # Errors
-    /// [`Error::ForeignBuffer`] if the buffers come from different pools (or another
-    /// handle's pool); [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does
-    /// not divide the input or `output` is not exactly world × `input` bytes; backend
-    /// errors (on the host backends also [`Error::Timeout`]);
-    /// [`Error::CollectiveDivergence`] when the pool's collective check finds the ranks
-    /// disagree (see "Checked collectives" above).
-    #[inline]
-    pub fn all_gather<T: Element>(
-        &self,
-        input: &SymmBuffer,
-        output: &SymmBuffer,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        self.tagged(NO_TAG).all_gather::<T>(input, output, stream)
-    }
-
-    /// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
-    /// rank's N at `rank * N`; afterwards every rank has all of them.
-    ///
-    /// # Collective
-    /// Every rank, same order, same sizes.
-    ///
-    /// # Errors
-    /// [`Error::InvalidCollective`] unless the length is a positive multiple of
-    /// world × `size_of::<T>()`; otherwise as [`all_gather`](Self::all_gather).
-    #[inline]
-    pub fn all_gather_in_place<T: Element>(
-        &self,
-        buffer: &SymmBuffer,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        self.tagged(NO_TAG).all_gather_in_place::<T>(buffer, stream)
-    }
-
-    /// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
-    /// ranks of elements `[rank * N, (rank + 1) * N)` of every rank's `input`
-    /// (world × N elements). `Sum` may run NCCL's symmetric kernel; other operations run
-    /// NCCL's ordinary kernels.
-    ///
-    /// # Collective
-    /// Every rank, same order, same sizes and operation.
-    ///
-    /// # Errors
-    /// As [`all_gather`](Self::all_gather), with `input` exactly world × `output` bytes.
-    #[inline]
-    pub fn reduce_scatter<T: Element>(
-        &self,
-        input: &SymmBuffer,
-        output: &SymmBuffer,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        self.tagged(NO_TAG)
-            .reduce_scatter::<T>(input, output, op, stream)
-    }
-
-    /// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
-    /// this rank's chunk `[rank * N, (rank + 1) * N)` holds the reduction over ranks.
-    ///
-    /// # Collective
-    /// Every rank, same order, same sizes and operation.
-    ///
-    /// # Errors
-    /// As [`all_gather_in_place`](Self::all_gather_in_place).
-    #[inline]
-    pub fn reduce_scatter_in_place<T: Element>(
-        &self,
-        buffer: &SymmBuffer,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        self.tagged(NO_TAG)
-            .reduce_scatter_in_place::<T>(buffer, op, stream)
-    }
-
-    /// Out-of-place all-reduce: every rank's `output` (N elements of `T`) gets the
-    /// reduction `op` over ranks of every rank's `input` (N elements of `T`), in the
-    /// element type's arithmetic. `Sum` (and `Avg` from NCCL 2.30) on `f32`, `f16`
-    /// and `bf16` may run NCCL's symmetric kernel; everything else runs NCCL's
-    /// ordinary kernels (`ncclAllReduce` either way).
-    ///
-    /// # Collective
-    /// Every rank, same order, same sizes and operation.
-    ///
-    /// # Errors
-    /// As [`all_gather`](Self::all_gather), with `output` exactly `input`'s bytes;
-    /// [`Error::InvalidCollective`] also for `Avg` under an NCCL older than 2.10.
-    #[inline]
-    pub fn all_reduce<T: Element>(
-        &self,
-        input: &SymmBuffer,
-        output: &SymmBuffer,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        self.tagged(NO_TAG)
-            .all_reduce::<T>(input, output, op, stream)
-    }
-
-    /// In-place all-reduce: `buffer` (N elements of `T`) becomes the reduction `op`
-    /// over ranks of every rank's `buffer`.
-    ///
-    /// # Collective
-    /// Every rank, same order, same sizes and operation.
-    ///
-    /// # Errors
-    /// As [`all_reduce`](Self::all_reduce).
-    #[inline]
-    pub fn all_reduce_in_place<T: Element>(
-        &self,
-        buffer: &SymmBuffer,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        self.tagged(NO_TAG)
-            .all_reduce_in_place::<T>(buffer, op, stream)
-    }
 }
 
 /// The buffers of a call: out of place (input, output) or in place.
@@ -320,96 +196,103 @@ fn missing_op(op: &'static str, version: crate::error::NcclVersion) -> Error {
     )
 }
 
-impl TaggedColl<'_> {
-    /// As [`Coll::all_gather`], carrying this handle's tag.
+mod sealed {
+    /// The handle and tag a [`CollectiveCalls`](super::CollectiveCalls) type calls with.
+    pub trait Handle {
+        /// The collectives handle and the tag of the calls.
+        fn coll_and_tag(&self) -> (&super::Coll, u64);
+    }
+}
+
+impl sealed::Handle for Coll {
+    #[inline(always)]
+    fn coll_and_tag(&self) -> (&Coll, u64) {
+        (self, NO_TAG)
+    }
+}
+
+impl sealed::Handle for TaggedColl<'_> {
+    #[inline(always)]
+    fn coll_and_tag(&self) -> (&Coll, u64) {
+        (self.coll, self.tag)
+    }
+}
+
+impl CollectiveCalls for Coll {}
+impl CollectiveCalls for TaggedColl<'_> {}
+
+/// The collective calls of a [`Coll`] handle, untagged on the handle itself, carrying
+/// a tag on a [`TaggedColl`] (`coll.tagged(tag)`): bring the trait into scope
+/// (`use symmpool::CollectiveCalls`) to call them. Sealed: only those two types
+/// implement it.
+///
+/// # Collective
+/// Every method is collective: every rank makes the same calls, in the same order,
+/// with the same sizes, operation and tag.
+pub trait CollectiveCalls: sealed::Handle {
+    /// Out-of-place all-gather: every rank's `input` (N elements of `T`) lands at
+    /// `rank * N` in every rank's `output` (world × N elements), on `stream`.
     ///
     /// # Collective
-    /// As [`Coll::all_gather`]; every rank passes the same tag.
+    /// Every rank, same order, same sizes (and tag).
     ///
     /// # Errors
-    /// As [`Coll::all_gather`]; [`Error::CollectiveDivergence`] naming the field `tag`.
+    /// [`Error::ForeignBuffer`] if the buffers come from different pools (or another
+    /// handle's pool); [`Error::PoolClosed`]; [`Error::InvalidCollective`] if `T` does
+    /// not divide the input or `output` is not exactly world × `input` bytes; backend
+    /// errors (on the host backends also [`Error::Timeout`]);
+    /// [`Error::CollectiveDivergence`] when the pool's collective check finds the ranks
+    /// disagree (see "Checked collectives" in [`coll`](crate::coll); a different tag
+    /// is named as the field `tag`).
     #[inline]
-    pub fn all_gather<T: Element>(
+    fn all_gather<T: Element>(
         &self,
         input: &SymmBuffer,
         output: &SymmBuffer,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
         let bufs = Buffers::OutOfPlace(input, output);
-        self.call::<T>("all_gather", CollOp::AllGather, bufs, stream)
-    }
-
-    /// As [`Coll::all_gather_in_place`], carrying this handle's tag.
-    ///
-    /// # Collective
-    /// As [`Coll::all_gather_in_place`]; every rank passes the same tag.
-    ///
-    /// # Errors
-    /// As [`Coll::all_gather_in_place`]; [`Error::CollectiveDivergence`] naming the
-    /// field `tag`.
-    #[inline]
-    pub fn all_gather_in_place<T: Element>(
-        &self,
-        buffer: &SymmBuffer,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        let bufs = Buffers::InPlace(buffer);
-        self.call::<T>("all_gather_in_place", CollOp::AllGather, bufs, stream)
-    }
-
-    /// As [`Coll::reduce_scatter`], carrying this handle's tag.
-    ///
-    /// # Collective
-    /// As [`Coll::reduce_scatter`]; every rank passes the same tag.
-    ///
-    /// # Errors
-    /// As [`Coll::reduce_scatter`]; [`Error::CollectiveDivergence`] naming the field
-    /// `tag`.
-    #[inline]
-    pub fn reduce_scatter<T: Element>(
-        &self,
-        input: &SymmBuffer,
-        output: &SymmBuffer,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        let bufs = Buffers::OutOfPlace(input, output);
-        self.call::<T>("reduce_scatter", CollOp::ReduceScatter(op), bufs, stream)
-    }
-
-    /// As [`Coll::reduce_scatter_in_place`], carrying this handle's tag.
-    ///
-    /// # Collective
-    /// As [`Coll::reduce_scatter_in_place`]; every rank passes the same tag.
-    ///
-    /// # Errors
-    /// As [`Coll::reduce_scatter_in_place`]; [`Error::CollectiveDivergence`] naming
-    /// the field `tag`.
-    #[inline]
-    pub fn reduce_scatter_in_place<T: Element>(
-        &self,
-        buffer: &SymmBuffer,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        let bufs = Buffers::InPlace(buffer);
-        self.call::<T>(
-            "reduce_scatter_in_place",
-            CollOp::ReduceScatter(op),
+        call::<T>(
+            self.coll_and_tag(),
+            "all_gather",
+            CollOp::AllGather,
             bufs,
             stream,
         )
     }
 
-    /// As [`Coll::all_reduce`], carrying this handle's tag.
+    /// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
+    /// rank's N at `rank * N`; afterwards every rank has all of them.
     ///
     /// # Collective
-    /// As [`Coll::all_reduce`]; every rank passes the same tag.
+    /// Every rank, same order, same sizes (and tag).
     ///
     /// # Errors
-    /// As [`Coll::all_reduce`]; [`Error::CollectiveDivergence`] naming the field `tag`.
+    /// [`Error::InvalidCollective`] unless the length is a positive multiple of
+    /// world × `size_of::<T>()`; otherwise as [`all_gather`](Self::all_gather).
     #[inline]
-    pub fn all_reduce<T: Element>(
+    fn all_gather_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        let bufs = Buffers::InPlace(buffer);
+        let op = CollOp::AllGather;
+        call::<T>(self.coll_and_tag(), "all_gather_in_place", op, bufs, stream)
+    }
+
+    /// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
+    /// ranks of elements `[rank * N, (rank + 1) * N)` of every rank's `input`
+    /// (world × N elements). `Sum` may run NCCL's symmetric kernel; other operations run
+    /// NCCL's ordinary kernels.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation (and tag).
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather), with `input` exactly world × `output` bytes.
+    #[inline]
+    fn reduce_scatter<T: Element>(
         &self,
         input: &SymmBuffer,
         output: &SymmBuffer,
@@ -417,99 +300,142 @@ impl TaggedColl<'_> {
         stream: &Stream,
     ) -> Result<CollectiveReport> {
         let bufs = Buffers::OutOfPlace(input, output);
-        self.call::<T>("all_reduce", CollOp::AllReduce(op), bufs, stream)
+        let op = CollOp::ReduceScatter(op);
+        call::<T>(self.coll_and_tag(), "reduce_scatter", op, bufs, stream)
     }
 
-    /// As [`Coll::all_reduce_in_place`], carrying this handle's tag.
+    /// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
+    /// this rank's chunk `[rank * N, (rank + 1) * N)` holds the reduction over ranks.
     ///
     /// # Collective
-    /// As [`Coll::all_reduce_in_place`]; every rank passes the same tag.
+    /// Every rank, same order, same sizes and operation (and tag).
     ///
     /// # Errors
-    /// As [`Coll::all_reduce_in_place`]; [`Error::CollectiveDivergence`] naming the
-    /// field `tag`.
+    /// As [`all_gather_in_place`](Self::all_gather_in_place).
     #[inline]
-    pub fn all_reduce_in_place<T: Element>(
+    fn reduce_scatter_in_place<T: Element>(
         &self,
         buffer: &SymmBuffer,
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
         let bufs = Buffers::InPlace(buffer);
-        self.call::<T>("all_reduce_in_place", CollOp::AllReduce(op), bufs, stream)
-    }
-
-    /// The one body of the public collectives: check the buffers for `coll` (named
-    /// `name` in errors), then [`Coll::dispatch`]. Out of place, the side of N
-    /// elements is the all-gather's input, the reduce-scatter's output and the
-    /// all-reduce's input, the other side world × N (N for all-reduce); in place, the
-    /// all-gather sends and the reduce-scatter receives this rank's chunk of the
-    /// buffer, the all-reduce uses the whole. Inlined into each public call, so the
-    /// operation's choices fold away.
-    #[inline(always)]
-    fn call<T: Element>(
-        &self,
-        name: &'static str,
-        coll: CollOp,
-        bufs: Buffers<'_>,
-        stream: &Stream,
-    ) -> Result<CollectiveReport> {
-        let pool = match bufs {
-            Buffers::OutOfPlace(input, output) => prepare(&[input, output], stream)?,
-            Buffers::InPlace(buffer) => prepare(&[buffer], stream)?,
-        };
-        if let CollOp::AllReduce(ReduceOp::Avg) = coll {
-            let version = pool.backend().nccl_version();
-            if version < AVG {
-                return Err(missing_op(name, version));
-            }
-        }
-        let world = pool.world_size() as u64;
-        let (send, recv, count) = match bufs {
-            Buffers::OutOfPlace(input, output) => {
-                // (the side of N elements, its name, the other side, its name, world or 1)
-                let (per, per_name, all, all_name, factor) = match coll {
-                    CollOp::AllGather => (input, "input", output, "output", world),
-                    CollOp::ReduceScatter(_) => (output, "output", input, "input", world),
-                    CollOp::AllReduce(_) => (input, "input", output, "output", 1),
-                };
-                let count = elements::<T>(name, per_name, per.len_bytes())?;
-                if per.len_bytes().checked_mul(factor) != Some(all.len_bytes()) {
-                    let (got, per_bytes) = (all.len_bytes(), per.len_bytes());
-                    return Err(size_mismatch(name, all_name, got, factor, per_bytes));
-                }
-                ((input, input.region()?), (output, output.region()?), count)
-            }
-            Buffers::InPlace(buffer) => {
-                let whole = buffer.region()?;
-                match coll {
-                    CollOp::AllGather => {
-                        let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
-                        ((buffer, own), (buffer, whole), count)
-                    }
-                    CollOp::ReduceScatter(_) => {
-                        let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
-                        ((buffer, whole), (buffer, own), count)
-                    }
-                    CollOp::AllReduce(_) => {
-                        let count = elements::<T>(name, "buffer", buffer.len_bytes())?;
-                        ((buffer, whole), (buffer, whole), count)
-                    }
-                }
-            }
-        };
-        self.coll.dispatch(
-            pool,
-            coll,
-            send,
-            recv,
-            count,
-            T::DTYPE,
+        let op = CollOp::ReduceScatter(op);
+        call::<T>(
+            self.coll_and_tag(),
+            "reduce_scatter_in_place",
+            op,
+            bufs,
             stream,
-            None,
-            self.tag,
         )
     }
+
+    /// Out-of-place all-reduce: every rank's `output` (N elements of `T`) gets the
+    /// reduction `op` over ranks of every rank's `input` (N elements of `T`), in the
+    /// element type's arithmetic. `Sum` (and `Avg` from NCCL 2.30) on `f32`, `f16`
+    /// and `bf16` may run NCCL's symmetric kernel; everything else runs NCCL's
+    /// ordinary kernels (`ncclAllReduce` either way).
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation (and tag).
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather), with `output` exactly `input`'s bytes;
+    /// [`Error::InvalidCollective`] also for `Avg` under an NCCL older than 2.10.
+    #[inline]
+    fn all_reduce<T: Element>(
+        &self,
+        input: &SymmBuffer,
+        output: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        let bufs = Buffers::OutOfPlace(input, output);
+        let op = CollOp::AllReduce(op);
+        call::<T>(self.coll_and_tag(), "all_reduce", op, bufs, stream)
+    }
+
+    /// In-place all-reduce: `buffer` (N elements of `T`) becomes the reduction `op`
+    /// over ranks of every rank's `buffer`.
+    ///
+    /// # Collective
+    /// Every rank, same order, same sizes and operation (and tag).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    #[inline]
+    fn all_reduce_in_place<T: Element>(
+        &self,
+        buffer: &SymmBuffer,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<CollectiveReport> {
+        let bufs = Buffers::InPlace(buffer);
+        let op = CollOp::AllReduce(op);
+        call::<T>(self.coll_and_tag(), "all_reduce_in_place", op, bufs, stream)
+    }
+}
+
+/// The one body of the public collectives: check the buffers for `coll` (named
+/// `name` in errors), then [`Coll::dispatch`] on `handle` with `tag`. Out of place, the side of N
+/// elements is the all-gather's input, the reduce-scatter's output and the
+/// all-reduce's input, the other side world × N (N for all-reduce); in place, the
+/// all-gather sends and the reduce-scatter receives this rank's chunk of the
+/// buffer, the all-reduce uses the whole. Inlined into each public call, so the
+/// operation's choices fold away.
+#[inline(always)]
+fn call<T: Element>(
+    (handle, tag): (&Coll, u64),
+    name: &'static str,
+    coll: CollOp,
+    bufs: Buffers<'_>,
+    stream: &Stream,
+) -> Result<CollectiveReport> {
+    let pool = match bufs {
+        Buffers::OutOfPlace(input, output) => prepare(&[input, output], stream)?,
+        Buffers::InPlace(buffer) => prepare(&[buffer], stream)?,
+    };
+    if let CollOp::AllReduce(ReduceOp::Avg) = coll {
+        let version = pool.backend().nccl_version();
+        if version < AVG {
+            return Err(missing_op(name, version));
+        }
+    }
+    let world = pool.world_size() as u64;
+    let (send, recv, count) = match bufs {
+        Buffers::OutOfPlace(input, output) => {
+            // (the side of N elements, its name, the other side, its name, world or 1)
+            let (per, per_name, all, all_name, factor) = match coll {
+                CollOp::AllGather => (input, "input", output, "output", world),
+                CollOp::ReduceScatter(_) => (output, "output", input, "input", world),
+                CollOp::AllReduce(_) => (input, "input", output, "output", 1),
+            };
+            let count = elements::<T>(name, per_name, per.len_bytes())?;
+            if per.len_bytes().checked_mul(factor) != Some(all.len_bytes()) {
+                let (got, per_bytes) = (all.len_bytes(), per.len_bytes());
+                return Err(size_mismatch(name, all_name, got, factor, per_bytes));
+            }
+            ((input, input.region()?), (output, output.region()?), count)
+        }
+        Buffers::InPlace(buffer) => {
+            let whole = buffer.region()?;
+            match coll {
+                CollOp::AllGather => {
+                    let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
+                    ((buffer, own), (buffer, whole), count)
+                }
+                CollOp::ReduceScatter(_) => {
+                    let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
+                    ((buffer, whole), (buffer, own), count)
+                }
+                CollOp::AllReduce(_) => {
+                    let count = elements::<T>(name, "buffer", buffer.len_bytes())?;
+                    ((buffer, whole), (buffer, whole), count)
+                }
+            }
+        }
+    };
+    handle.dispatch(pool, coll, send, recv, count, T::DTYPE, stream, None, tag)
 }
 
 impl Coll {

@@ -113,7 +113,7 @@
 //! when run with `NCCL_CHECK=1` (only for an NCCL that has it).
 //!
 //! ```
-//! use symmpool::{coll, Coll, PoolConfig, Stream, SymmPool};
+//! use symmpool::{coll, Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
 //!
 //! let pools = SymmPool::host_group(2, PoolConfig::default())?;
 //! std::thread::scope(|s| {
@@ -141,7 +141,7 @@ mod call;
 mod path;
 
 pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement};
-pub use call::{NO_TAG, TaggedColl};
+pub use call::{CollectiveCalls, NO_TAG, TaggedColl};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
 pub(crate) use path::{PATHS, path_index};
 
@@ -166,7 +166,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// # Example
 ///
 /// ```
-/// use symmpool::{Coll, PoolConfig, Stream, SymmPool};
+/// use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
 ///
 /// let pools = SymmPool::host_group(2, PoolConfig::default())?;
 /// std::thread::scope(|s| {

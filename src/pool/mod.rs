@@ -127,7 +127,9 @@ pub(crate) struct PoolInner {
 /// threads do not (their failures say so, [`Error::SharedCommunicators`]).
 ///
 /// ```
-/// use symmpool::{Coll, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmPool};
+/// use symmpool::{
+///     Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmPool,
+/// };
 ///
 /// let backends = HostBackend::world(HostConfig::new(2))?;
 /// std::thread::scope(|s| {

@@ -6,7 +6,8 @@ use std::thread;
 use std::time::Duration;
 use symmpool::coll::{CollectiveReport, PathPolicy};
 use symmpool::{
-    Backend, CheckMode, Coll, Error, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
+    Backend, CheckMode, Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmBuffer,
+    SymmPool,
 };
 
 /// Records an async pool may have posted and not yet seen compared.

@@ -4,7 +4,7 @@
 //! layer, more layers, an extra allocation, one that grows the pool) and what it saw.
 
 use std::time::{Duration, Instant};
-use symmpool::{Coll, Error, Stream, SymmBuffer, SymmPool};
+use symmpool::{Coll, CollectiveCalls, Error, Stream, SymmBuffer, SymmPool};
 
 /// Layers of the loop.
 pub const LAYERS: usize = 8;

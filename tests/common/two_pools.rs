@@ -6,7 +6,7 @@
 //! result is not what every rank put in.
 
 use std::sync::Barrier;
-use symmpool::{Coll, ReduceOp, Stream, SymmBuffer, SymmPool};
+use symmpool::{Coll, CollectiveCalls, ReduceOp, Stream, SymmBuffer, SymmPool};
 
 /// f32 elements per rank of the smallest gathered buffer.
 const CHUNK: usize = 1024;
