@@ -132,7 +132,7 @@ impl Allocator {
     /// Reset every peak (the per-class ones too) to its current value, and start a new
     /// window for [`plan_fit_to_peak`](Self::plan_fit_to_peak).
     pub fn reset_peak(&mut self) {
-        for stat in self.stats.gauges_mut() {
+        for (_, stat) in self.stats.gauges_mut() {
             stat.reset_peak();
         }
         self.window_seq = self.next_seq;

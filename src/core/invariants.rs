@@ -191,18 +191,9 @@ impl Allocator {
                 return fail(format!("{class:?} {name} is {have}, recount {want}"), None);
             }
         }
-        for (name, stat) in [
-            ("allocated_bytes", s.allocated_bytes),
-            ("requested_bytes", s.requested_bytes),
-            ("reserved_bytes", s.reserved_bytes),
-            ("active_bytes", s.active_bytes),
-            ("segments", s.segments),
-            ("allocated_blocks", s.allocated_blocks),
-            ("small.segments", s.small.segments),
-            ("small.reserved_bytes", s.small.reserved_bytes),
-            ("large.segments", s.large.segments),
-            ("large.reserved_bytes", s.large.reserved_bytes),
-        ] {
+        // A copy of the statistics, read through the one list of their gauges.
+        let mut gauges = *s;
+        for (name, stat) in gauges.gauges_mut() {
             if stat.peak < stat.current {
                 return fail(format!("peak of {name} below current"), None);
             }

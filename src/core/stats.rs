@@ -96,19 +96,20 @@ impl CoreStats {
         }
     }
 
-    /// Every gauge, the per-class ones included (for `reset_peak`).
-    pub(crate) fn gauges_mut(&mut self) -> [&mut Stat; 10] {
+    /// Every gauge with its name, the per-class ones included (for `reset_peak` and
+    /// the invariant check).
+    pub(crate) fn gauges_mut(&mut self) -> [(&'static str, &mut Stat); 10] {
         [
-            &mut self.allocated_bytes,
-            &mut self.requested_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.segments,
-            &mut self.allocated_blocks,
-            &mut self.small.segments,
-            &mut self.small.reserved_bytes,
-            &mut self.large.segments,
-            &mut self.large.reserved_bytes,
+            ("allocated_bytes", &mut self.allocated_bytes),
+            ("requested_bytes", &mut self.requested_bytes),
+            ("reserved_bytes", &mut self.reserved_bytes),
+            ("active_bytes", &mut self.active_bytes),
+            ("segments", &mut self.segments),
+            ("allocated_blocks", &mut self.allocated_blocks),
+            ("small.segments", &mut self.small.segments),
+            ("small.reserved_bytes", &mut self.small.reserved_bytes),
+            ("large.segments", &mut self.large.segments),
+            ("large.reserved_bytes", &mut self.large.reserved_bytes),
         ]
     }
 }
