@@ -13,16 +13,18 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong in the pool, its backends and its collectives.
 ///
 /// Every error leaves the pool consistent: a failed call changes nothing unless its
-/// documentation says otherwise.
+/// documentation says otherwise. The request errors ([`ZeroSize`](Self::ZeroSize),
+/// [`TooLarge`](Self::TooLarge), [`BadAlignment`](Self::BadAlignment)) are the core's
+/// [`AllocError`]s of the same names, with their texts.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A zero-byte allocation. Zero-size requests are always refused; they never take
     /// memory, never grow the pool and never run a collective.
-    #[error("zero-size allocation requested")]
+    #[error("{}", AllocError::ZeroSize)]
     ZeroSize,
     /// A request above the pool's limit (or one whose rounding overflows `u64`).
-    #[error("requested {requested_bytes} bytes, more than the maximum of {max_bytes} bytes")]
+    #[error("{}", AllocError::TooLarge { requested_bytes: *requested_bytes, max_bytes: *max_bytes })]
     TooLarge {
         /// The size asked for.
         requested_bytes: u64,
@@ -30,7 +32,7 @@ pub enum Error {
         max_bytes: u64,
     },
     /// An alignment that is not a power of two, or larger than the segment granularity.
-    #[error("alignment {align_bytes} is not a power of two no larger than {max_align_bytes}")]
+    #[error("{}", AllocError::BadAlignment { align_bytes: *align_bytes, max_align_bytes: *max_align_bytes })]
     BadAlignment {
         /// The alignment asked for.
         align_bytes: u64,
