@@ -539,8 +539,14 @@ mod tests {
             (AllocError::Exhausted, K::Internal),
         ] {
             assert_eq!(Error::Core(e.clone()).kind(), kind, "{e:?}");
-            // The conversion the pool uses keeps the kind.
-            assert_eq!(Error::from(e).kind(), kind);
+            // The conversion the pool uses keeps the kind, and a request error its text.
+            let usage = kind == K::Usage && !matches!(e, AllocError::StaleBlock(_));
+            let text = e.to_string();
+            let converted = Error::from(e);
+            assert_eq!(converted.kind(), kind);
+            if usage {
+                assert_eq!(converted.to_string(), text);
+            }
         }
         assert!(K::PeerLost.needs_restart() && !K::OutOfMemory.needs_restart());
     }
