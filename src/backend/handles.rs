@@ -79,19 +79,11 @@ impl Segment {
 /// (`ncclCommWindowRegister(.., NCCL_WIN_COLL_SYMMETRIC)`). The pool's segment entry
 /// owns it beside its segment; give it back with
 /// [`deregister`](super::SegmentProvider::deregister) before the segment is freed.
+#[derive(Debug)]
 pub struct Window {
     comm: usize,
     ordinal: u64,
     handle: Box<dyn Any + Send + Sync>,
-}
-
-impl fmt::Debug for Window {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Window")
-            .field("comm", &self.comm)
-            .field("ordinal", &self.ordinal)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Window {

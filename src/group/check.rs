@@ -10,7 +10,6 @@ use crate::deadline::Deadline;
 use crate::error::{CollectiveDivergence, Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::VecDeque;
-use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -198,15 +197,6 @@ pub(crate) struct Checker {
     /// records compared.
     strict: Mutex<u64>,
     queue: Arc<Queue>,
-}
-
-impl fmt::Debug for Checker {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Checker")
-            .field("mode", &self.mode)
-            .field("pool", &self.site.pool)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Drop for Checker {
