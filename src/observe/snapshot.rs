@@ -150,10 +150,7 @@ impl SymmPool {
     ) -> (Vec<SegmentView>, MemoryStats, T) {
         let comms = self.backend().communicators();
         let mut st = self.state();
-        if let Err(e) = self.refresh_fences(&mut st) {
-            tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
-                "querying fences for statistics failed");
-        }
+        self.refresh_fences(&mut st);
         let snap = st.core.snapshot();
         let marks = st.core.block_marks();
         let segments: Vec<SegmentView> = snap

@@ -492,11 +492,7 @@ impl SymmPool {
     }
 
     fn reserve_class(&self, size_bytes: u64, class: SizeClass) -> Result<SegmentId> {
-        self.take_deferred_error()?;
-        let mut st = self.state();
-        if st.closed {
-            return Err(Error::PoolClosed);
-        }
+        let mut st = self.lock_open()?;
         let config = *st.core.config();
         if size_bytes == 0 {
             return Err(Error::ZeroSize);

@@ -55,18 +55,27 @@ fn release_entry(
 }
 
 impl SymmPool {
-    /// The start of a pool call of `kind` without arguments (`trim`,
-    /// `fit_to_peak`): a deferred error first, then the pool's lock, refused once
-    /// closed, and the call recorded.
+    /// The pool's lock for a collective pool call: a deferred error first, then the
+    /// lock, refused once closed.
     ///
     /// # Errors
     /// The deferred error; [`Error::PoolClosed`].
-    pub(super) fn begin(&self, kind: CallKind) -> Result<MutexGuard<'_, PoolState>> {
+    pub(super) fn lock_open(&self) -> Result<MutexGuard<'_, PoolState>> {
         self.take_deferred_error()?;
-        let mut st = self.state();
+        let st = self.state();
         if st.closed {
             return Err(Error::PoolClosed);
         }
+        Ok(st)
+    }
+
+    /// The start of a pool call of `kind` without arguments (`trim`,
+    /// `fit_to_peak`): [`lock_open`](Self::lock_open), and the call recorded.
+    ///
+    /// # Errors
+    /// As [`lock_open`](Self::lock_open).
+    pub(super) fn begin(&self, kind: CallKind) -> Result<MutexGuard<'_, PoolState>> {
+        let mut st = self.lock_open()?;
         st.history.record(kind, 0, 0);
         Ok(st)
     }

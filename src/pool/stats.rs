@@ -5,7 +5,6 @@ use super::SymmPool;
 use super::state::PoolState;
 use crate::backend::CommRole;
 use crate::core::{CoreStats, Snapshot};
-use crate::error::Result;
 use serde::Serialize;
 
 /// Counters of a pool, beside the core's.
@@ -34,15 +33,21 @@ pub struct PoolStats {
 
 impl SymmPool {
     /// Tell the core which fences are complete (only the `active_bytes` statistic
-    /// depends on it).
-    pub(crate) fn refresh_fences(&self, st: &mut PoolState) -> Result<()> {
+    /// depends on it). A failed query is logged and ends the refresh: the blocks it
+    /// did not ask about still count as active.
+    pub(crate) fn refresh_fences(&self, st: &mut PoolState) {
         let streams = self.inner.backend.streams();
         for &sid in &st.fenced_streams.clone() {
-            if let Some(fence) = streams.completed_fence(sid)? {
-                st.core.complete_fences(sid, fence);
+            match streams.completed_fence(sid) {
+                Ok(Some(fence)) => st.core.complete_fences(sid, fence),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
+                        "querying fences for statistics failed");
+                    return;
+                }
             }
         }
-        Ok(())
     }
 
     /// Statistics of the pool and its core. Asks the device which fences completed
@@ -54,10 +59,7 @@ impl SymmPool {
     #[deprecated(since = "0.1.0", note = "use memory_stats(), the one statistics API")]
     pub fn stats(&self) -> PoolStats {
         let mut st = self.state();
-        if let Err(e) = self.refresh_fences(&mut st) {
-            tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
-                "querying fences for statistics failed");
-        }
+        self.refresh_fences(&mut st);
         let comms = self.inner.backend.communicators();
         let mut windows = vec![0; comms.len()];
         for entry in st.segments.values() {
