@@ -113,10 +113,7 @@ impl SymmPool {
                 self.apply_free(&mut st, buf.block, &fences);
             }
             Err(std::sync::TryLockError::Poisoned(p)) => {
-                let mut st = p.into_inner();
-                st.broken.get_or_insert_with(|| {
-                    "a thread panicked while it held the pool's state".into()
-                });
+                let mut st = PoolState::poisoned(p);
                 self.apply_deferred(&mut st);
                 self.apply_free(&mut st, buf.block, &fences);
             }

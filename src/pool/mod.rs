@@ -334,16 +334,7 @@ impl SymmPool {
     /// poisoned by a panic marks the pool broken (the core may be half-mutated and
     /// place blocks differently from the peers); callers check it.
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
-        let mut st = match self.inner.state.lock() {
-            Ok(st) => st,
-            Err(poisoned) => {
-                let mut st = poisoned.into_inner();
-                st.broken.get_or_insert_with(|| {
-                    "a thread panicked while it held the pool's state".into()
-                });
-                st
-            }
-        };
+        let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         if st.broken.is_none()
             && let Some(why) = self.inner.outside_failure.get()
         {

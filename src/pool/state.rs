@@ -6,7 +6,7 @@ use crate::core::{Allocator, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
 use crate::group::{History, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
 /// One segment of a pool: the single owner of its memory and of its windows.
@@ -83,6 +83,17 @@ impl PoolState {
             known_streams: Vec::new(),
             memory_history: None,
         }
+    }
+
+    /// The state behind a lock that a panic poisoned, marked broken: the core may be
+    /// half-mutated and place blocks differently from the peers.
+    pub(crate) fn poisoned<'a>(
+        poisoned: PoisonError<MutexGuard<'a, PoolState>>,
+    ) -> MutexGuard<'a, PoolState> {
+        let mut st = poisoned.into_inner();
+        st.broken
+            .get_or_insert_with(|| "a thread panicked while it held the pool's state".into());
+        st
     }
 
     /// Fail unless the pool can serve a local call (allocation, free, collective).
