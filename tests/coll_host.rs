@@ -475,3 +475,22 @@ fn duration_max_timeouts_work_in_every_public_call() {
         assert_eq!(reports[0], reports[1], "{mode:?}");
     }
 }
+
+#[test]
+fn a_world_of_one_rank_checks_nothing() {
+    // One rank has no peer to compare with: the handle runs as `Off` whatever the
+    // pool's mode, and its collectives still move the data.
+    let pools = strict_pools(1);
+    let coll = Coll::new(&pools[0]).unwrap();
+    assert_eq!(coll.check_mode(), CheckMode::Off);
+    let stream = pools[0].new_stream().unwrap();
+    let input = pools[0].alloc(16, &stream).unwrap();
+    let output = pools[0].alloc(16, &stream).unwrap();
+    input.write(&[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+    coll.all_gather::<f32>(&input, &output, &stream).unwrap();
+    assert_eq!(output.read::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    coll.wait_checks().unwrap();
+    let two = strict_pools(2);
+    let modes = on_ranks(&two, |_, c| c.check_mode());
+    assert_eq!(modes, [CheckMode::Strict; 2]);
+}

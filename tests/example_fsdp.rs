@@ -321,3 +321,20 @@ fn exit_codes_follow_the_error_kind() {
     }
     assert_eq!(fsdp_step::exit_code(ErrorKind::Timeout), restart);
 }
+
+#[test]
+fn a_deeper_prefetch_changes_no_loss() {
+    // `--prefetch 3` issues three layers' all-gathers ahead (and layer 0's for the
+    // next step at the end of each step, as always): the same data reach every GEMM.
+    let losses = |prefetch| {
+        let args = Args {
+            steps: 4,
+            prefetch,
+            ..Args::host(vec![Mode::Auto])
+        };
+        let results = run_host(&args).unwrap();
+        check(&results).unwrap();
+        results[0].losses.clone()
+    };
+    assert_eq!(losses(1), losses(3));
+}

@@ -131,6 +131,10 @@ pub struct Cli {
     /// Learning rate, as a fraction of the inverse curvature (stable below ~1)
     #[arg(long, default_value_t = 1.0, value_parser = positive_finite, allow_negative_numbers = true)]
     pub lr: f32,
+    /// How many layers ahead the all-gathers are issued (1, FSDP2's default; each more
+    /// keeps one more gathered layer alive)
+    #[arg(long, default_value_t = 1, value_parser = at_least::<1>)]
+    pub prefetch: usize,
     /// How the collectives run
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     pub comm: Mode,
@@ -207,6 +211,8 @@ pub struct Args {
     pub steps: usize,
     /// Learning rate, as a fraction of the inverse curvature.
     pub lr: f32,
+    /// Layers whose all-gathers are issued ahead of the one computing (at least 1).
+    pub prefetch: usize,
     /// Modes to run, interleaved step by step.
     pub modes: Vec<Mode>,
     /// Print one JSON object per mode instead of the table.
@@ -231,6 +237,7 @@ impl Args {
             batch: 32,
             steps: 30,
             lr: 1.0,
+            prefetch: 1,
             modes,
             json: false,
             backend: BackendChoice::Host,
@@ -264,6 +271,7 @@ impl Cli {
             batch: self.batch.unwrap_or(batch),
             steps: self.steps.unwrap_or(steps),
             lr: self.lr,
+            prefetch: self.prefetch,
             modes: if self.compare {
                 Mode::COMPARED.to_vec()
             } else {

@@ -14,9 +14,11 @@
 //! Three streams, as FSDP2 has them: compute, all-gather, reduce-scatter. A backward
 //! prefetch never queues behind a reduce-scatter. Streams wait on events only where
 //! data flows (compute on a gathered layer; the reduce-scatter on its gradient; the
-//! next step's all-gathers on this step's updates), buffers go back to the pool
+//! next step's first all-gather on this step's last update), buffers go back to the pool
 //! stream-ordered (`record_stream`), and the host waits for the device once, at the end
-//! of the step, to read the loss.
+//! of the step, to read the loss. Layer 0's all-gather for the next step is issued
+//! before that wait, behind the step's last SGD update, so that the next step starts on
+//! gathered parameters.
 //!
 //! Every buffer comes from `symmpool::alloc`, that is from the pool of the caller's
 //! `SymmPool::scope`.
@@ -185,11 +187,14 @@ pub struct Trainer<'m, M: Math> {
     pub ag_paths: Vec<Path>,
     /// Paths of the last step's reduce-scatters.
     pub rs_paths: Vec<Path>,
-    /// The last step's SGD updates of the shards (reduce-scatter stream), which the
-    /// next step's all-gathers wait for.
-    updated: Option<M::Ev>,
+    /// Layer 0's parameters for the next step, gathered at the end of this one (after
+    /// its last SGD update), with the all-gather's path.
+    first: Option<(SymmBuffer, M::Ev, Option<Path>)>,
     /// The timeline's recorder (`--trace`), when this step is traced.
     pub trace: Option<Recorder<M::Mark>>,
+    /// How many layers ahead the all-gathers are issued (`--prefetch`; 1 is FSDP2's
+    /// default).
+    prefetch: usize,
 }
 
 /// What one step did.
@@ -265,8 +270,9 @@ impl<'m, M: Math> Trainer<'m, M> {
             data,
             ag_paths: Vec::new(),
             rs_paths: Vec::new(),
-            updated: None,
+            first: None,
             trace: None,
+            prefetch: args.prefetch.max(1),
         })
     }
 
@@ -314,23 +320,31 @@ impl<'m, M: Math> Trainer<'m, M> {
         self.rs_paths.clear();
         let mut tr = self.trace.take();
         trace::begin_step(&mut tr, m, k)?;
-        // The all-gathers read the shards the last step's SGD wrote.
-        if let Some(updated) = self.updated.take() {
-            trace::op(&mut tr, m, On::AllGather, "wait", None, || {
-                m.wait_for(On::AllGather, &updated)
-            })?;
+        // Forward: layer l+prefetch's all-gather is issued before layer l's GEMM; layer
+        // 0's was issued at the end of the last step.
+        let depth = self.prefetch;
+        let mut ahead = std::collections::VecDeque::new();
+        let mut fetched = 0;
+        if let Some((params, arrived, path)) = self.first.take() {
+            self.ag_paths.extend(path);
+            ahead.push_back((params, arrived));
+            fetched = 1;
         }
-        // Forward: layer l+1's all-gather is issued before layer l's GEMM.
-        let (mut cur, mut arrived) = self.fetch(&mut tr, 0)?;
+        let mut cur = None;
         for l in 0..layers {
+            if fetched == l {
+                ahead.push_back(self.fetch(&mut tr, l)?);
+                fetched += 1;
+            }
+            let (params, arrived) = ahead.pop_front().expect("fetched");
             trace::op(&mut tr, m, On::Compute, "wait", Some(l), || {
                 m.wait_for(On::Compute, &arrived)
             })?;
-            let next = if l + 1 < layers {
-                Some(self.fetch(&mut tr, l + 1)?)
-            } else {
-                None
-            };
+            // Layers up to l + prefetch are gathered beside this GEMM: issued before it.
+            while fetched < layers && fetched <= l + depth {
+                ahead.push_back(self.fetch(&mut tr, fetched)?);
+                fetched += 1;
+            }
             let input = if l == 0 { x } else { &self.acts[l - 1] };
             let out = &self.acts[l];
             trace::op(&mut tr, m, On::Compute, "gemm", Some(l), || {
@@ -342,23 +356,22 @@ impl<'m, M: Math> Trainer<'m, M> {
                     b,
                     h,
                     1.0,
-                    &cur,
+                    &params,
                     input,
                     0.0,
                     out,
                 )
             })?;
-            match next {
-                Some(n) => {
-                    cur.record_stream(m.stream(On::Compute))?;
-                    (cur, arrived) = n;
-                }
+            if l + 1 < layers {
+                params.record_stream(m.stream(On::Compute))?;
+            } else {
                 // The last layer's parameters stay for the backward (FSDP2 does not
                 // reshard the root after the forward): one all-gather fewer, and the
                 // backward starts without waiting for one.
-                None => break,
+                cur = Some(params);
             }
         }
+        let mut cur = cur.expect("at least one layer");
         // Loss = mean squared error; G = dLoss/dOutput = 2/(h·b) · (out − target).
         let g_top = &self.grads[layers % 2];
         let top = &self.acts[layers - 1];
@@ -374,6 +387,9 @@ impl<'m, M: Math> Trainer<'m, M> {
         // Backward: prefetch layer l−1 on the all-gather stream; reduce-scatter layer
         // l's weight gradient on the reduce-scatter stream while l−1 computes.
         let mut arrived: Option<M::Ev> = None;
+        let mut ahead: std::collections::VecDeque<(SymmBuffer, M::Ev)> = Default::default();
+        // The next layer (counting down) whose all-gather is not issued yet.
+        let mut to_fetch = layers as isize - 2;
         let alpha = -self.step_size() / self.world as f32;
         // Two weight gradients are in flight: layer l−1's is allocated while layer l's
         // is still alive, so it never lands in the block layer l's reduce-scatter
@@ -390,11 +406,11 @@ impl<'m, M: Math> Trainer<'m, M> {
                     m.wait_for(On::Compute, &ev)
                 })?;
             }
-            let next = if l > 0 {
-                Some(self.fetch(&mut tr, l - 1)?)
-            } else {
-                None
-            };
+            while to_fetch >= 0 && to_fetch as usize + depth >= l {
+                ahead.push_back(self.fetch(&mut tr, to_fetch as usize)?);
+                to_fetch -= 1;
+            }
+            let next = ahead.pop_front();
             let input = if l == 0 { x } else { &self.acts[l - 1] };
             let g_out = &self.grads[(l + 1) % 2];
             let dw = match next_dw.take() {
@@ -483,7 +499,21 @@ impl<'m, M: Math> Trainer<'m, M> {
             }
         }
         drop(cur);
-        self.updated = Some(m.record(On::ReduceScatter)?);
+        // The next step's first all-gather, issued now: it reads the shard this step's
+        // last SGD update writes, so it waits for that update on the device, and it runs
+        // while the host waits for the loss instead of after the next step starts (the
+        // parameter gather overlapped with the optimizer step, as Megatron-LM's
+        // `--overlap-param-gather` does).
+        let updated = m.record(On::ReduceScatter)?;
+        trace::op(&mut tr, m, On::AllGather, "wait", None, || {
+            m.wait_for(On::AllGather, &updated)
+        })?;
+        let gathered = self.ag_paths.len();
+        let (params, arrived) = self.fetch(&mut tr, 0)?;
+        let path = (self.ag_paths.len() > gathered)
+            .then(|| self.ag_paths.pop())
+            .flatten();
+        self.first = Some((params, arrived, path));
         trace::host(&mut tr, "sync", None, || m.sync())?;
         let sumsq = m.read_sums(&self.sums)?[0] as f64;
         let ms = start.elapsed().as_secs_f64() * 1e3;

@@ -43,7 +43,9 @@ pub struct PoolConfig {
     /// beats the environment. A `SYMMPOOL_CHECK` of another value makes
     /// [`Coll::new`](crate::coll::Coll::new) fail with
     /// [`Error::Config`](crate::Error::Config) unless
-    /// [`with_check`](Self::with_check) set the mode.
+    /// [`with_check`](Self::with_check) set the mode. At world size 1 there is no peer
+    /// to compare with: the handles run as [`CheckMode::Off`], so that a one-GPU job
+    /// pays nothing for the checks.
     pub check: CheckMode,
     /// Records an `Async` collectives handle's calling threads may have posted and
     /// not yet seen compared (default 64): the detection bound in collectives. A
