@@ -1315,7 +1315,8 @@ mod gpu_tests {
         let b = nccl.cuda_stream().unwrap();
         let raw_a: CUstream = a.cu_stream();
         // SAFETY: `a` and `b` are live streams of device 0's primary context, kept alive
-        // past the backend (dropped at the end of this function, after the pool).
+        // past the backend (dropped at the end of this function, after the collectives
+        // handle and the pool, the backend's last owners).
         let (s1, s2, s3) = unsafe {
             (
                 Stream::from_raw_cuda(&backend, raw_a).unwrap(),
@@ -1335,6 +1336,9 @@ mod gpu_tests {
         assert_eq!(y.read::<f32>().unwrap()[..1024], vec![1.5f32; 1024][..]);
         drop((x, y));
         pool.close().unwrap();
+        // The handle holds the pool, and the pool the backend, which records on the
+        // adopted streams until it is dropped: both go before the raw streams do.
+        drop(coll);
         drop(pool);
         drop((a, b));
     }
