@@ -49,7 +49,7 @@ mod gpu_tests {
 
     use common::gpu::{on_ranks, trial};
     use std::time::{Duration, SystemTime};
-    use symmpool::coll::{Choice, Path, PathPolicy};
+    use symmpool::coll::Path;
     use symmpool::{
         Coll, CollectiveCalls, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16,
     };
@@ -277,18 +277,6 @@ mod gpu_tests {
         op: ReduceOp,
         seed: u64,
     ) -> Path {
-        all_reduce_case_on::<T>(pools, count, in_place, op, seed, Choice::Auto)
-    }
-
-    /// [`all_reduce_case`] with the all-reduce's path choice.
-    fn all_reduce_case_on<T: Element>(
-        pools: &[SymmPool],
-        count: usize,
-        in_place: bool,
-        op: ReduceOp,
-        seed: u64,
-        choice: Choice,
-    ) -> Path {
         let world = pools.len();
         let size = std::mem::size_of::<T>();
         let data = |r: usize| {
@@ -297,7 +285,6 @@ mod gpu_tests {
         };
         let out = on_ranks(pools, |pool, stream| {
             let coll = Coll::new(pool).unwrap();
-            coll.set_path_policy(PathPolicy::default().with_all_reduce(choice));
             let input = pool.alloc((count * size) as u64, stream).unwrap();
             input.write(&data(pool.rank())).unwrap();
             if in_place {
@@ -705,30 +692,21 @@ mod gpu_tests {
     }
 
     /// One GPU: all-reduce through NCCL's one-rank path, every reduction and element
-    /// type, both placements, on the plain communicator (what one rank takes by
-    /// default) and, preferred, on the symmetric kernel's path (sum on floating point).
+    /// type, both placements, on the symmetric kernel's path (sum on floating point)
+    /// and the plain one.
     fn one_gpu_all_reduce_at_world_size_one() {
         let pools = common::gpu::world(1, config());
         let seed = seed();
         for count in [1, 1000, 123_457] {
             all_reduce_cases(&pools, count, seed);
         }
-        let symmetric = Choice::Prefer(Path::SymmetricKernel);
-        let sum = ReduceOp::Sum;
         assert_eq!(
-            all_reduce_case::<f32>(&pools, 1000, true, sum, seed),
-            Path::PlainKernel
+            all_reduce_case::<f32>(&pools, 1000, true, ReduceOp::Sum, seed),
+            Path::SymmetricKernel
         );
-        for in_place in [true, false] {
-            assert_eq!(
-                all_reduce_case_on::<f32>(&pools, 1000, in_place, sum, seed, symmetric),
-                Path::SymmetricKernel
-            );
-        }
         assert_eq!(
-            all_reduce_case_on::<u8>(&pools, 1000, true, sum, seed, symmetric),
-            Path::PlainKernel,
-            "no symmetric kernel sums bytes"
+            all_reduce_case::<u8>(&pools, 1000, true, ReduceOp::Sum, seed),
+            Path::PlainKernel
         );
     }
 

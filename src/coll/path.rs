@@ -182,10 +182,8 @@ pub(crate) struct Inputs<'a> {
     pub(crate) policy: &'a PathPolicy,
 }
 
-/// Pick the communicator and path. A preferred path ([`Choice::Prefer`]) is taken
-/// where it is available; otherwise a world of one rank takes the plain communicator,
-/// and larger worlds the first available of the size's candidates. Rules (NCCL's,
-/// read from its source: `enqueue.cc` and `symmetric/` of NCCL 2.27–2.29):
+/// Pick the communicator and path. Rules (NCCL's, read from its source: `enqueue.cc`
+/// and `symmetric/` of NCCL 2.27–2.29):
 /// - copy engine: NCCL ≥ 2.28, a `CTAPolicy = ZERO` communicator, the output in a
 ///   window (and, before 2.29, the input too), more than one rank;
 /// - symmetric kernel: NCCL ≥ 2.27, both buffers in windows on a default-policy
@@ -240,12 +238,6 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
         && let Some(c) = attempt(i, p)
     {
         return (c, p);
-    }
-    // One rank: NCCL runs every path as its one-rank copy (`cudaMemcpyAsync`, nothing
-    // in place), so the registered paths buy nothing, and the plain communicator was
-    // the faster one beside GEMMs (one H200, BENCHMARKS.md, one-GPU run 26).
-    if i.world_size == 1 {
-        return (plain(i), Path::PlainKernel);
     }
     for p in auto {
         if let Some(c) = attempt(i, p) {
@@ -437,35 +429,6 @@ mod tests {
                 "case {i}: {coll:?}, {bytes} B of {dtype:?}, NCCL {version}, registered {reg:?}"
             );
         }
-    }
-
-    #[test]
-    fn one_rank_takes_the_plain_communicator_unless_a_path_is_preferred() {
-        let comms = comms();
-        let registered = |_: usize| (true, true);
-        let at_one = |coll, policy: &PathPolicy| {
-            select(&Inputs {
-                coll,
-                bytes_per_rank: 256 * MIB,
-                dtype: DType::BF16,
-                version: V228,
-                world_size: 1,
-                nodes: 1,
-                comms: &comms,
-                registered: &registered,
-                policy,
-            })
-        };
-        let auto = PathPolicy::default();
-        let sum = ReduceOp::Sum;
-        for coll in [AG, CollOp::ReduceScatter(sum), CollOp::AllReduce(sum)] {
-            assert_eq!(at_one(coll, &auto), (comm_of(PK), PK), "{coll:?}");
-        }
-        let symmetric = PathPolicy::default().with_all_reduce(Choice::Prefer(SK));
-        assert_eq!(
-            at_one(CollOp::AllReduce(sum), &symmetric),
-            (comm_of(SK), SK)
-        );
     }
 
     #[test]
