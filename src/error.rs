@@ -14,8 +14,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// Every error leaves the pool consistent: a failed call changes nothing unless its
 /// documentation says otherwise. The request errors ([`ZeroSize`](Self::ZeroSize),
-/// [`TooLarge`](Self::TooLarge), [`BadAlignment`](Self::BadAlignment)) are the core's
-/// [`AllocError`]s of the same names, with their texts.
+/// [`TooLarge`](Self::TooLarge), [`BadAlignment`](Self::BadAlignment)) print exactly as
+/// the core's [`AllocError`]s of the same names, which convert to them.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

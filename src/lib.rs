@@ -18,7 +18,7 @@
 //! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), [`ShmBackend`] (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
 //! | group | (internal) | what the ranks compare: call history and hash, agreement records, the collective checker, the registration-order round |
 //! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
-//! | collectives | [`coll`] | a [`Coll`] handle made from a pool: all-gather / reduce-scatter on its buffers, checked, with the path reported |
+//! | collectives | [`coll`] | a [`Coll`] handle made from a pool, whose [`CollectiveCalls`] (import the trait) run all-gather / reduce-scatter / all-reduce on its buffers, checked, with the path reported |
 //! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots, memory-map SVGs |
 //!
 //! ```

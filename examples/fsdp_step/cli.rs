@@ -4,7 +4,8 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
 /// How the collectives are checked across ranks (`--check`): symmpool's
-/// [`CheckMode`](symmpool::CheckMode).
+/// [`CheckMode`](symmpool::CheckMode) (at one rank every mode runs as off: there is no
+/// peer to compare with).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum Check {
     /// No checks.

@@ -2,8 +2,8 @@
 //!
 //! A stack of linear layers learns a known teacher. Each layer's parameters are
 //! sharded over the ranks; before a layer runs, its shard is all-gathered into a
-//! buffer from the pool on a communication stream (prefetching the next layer while
-//! this one computes), and after the backward pass its gradient is reduce-scattered
+//! buffer from the pool on a communication stream (prefetching the next layers,
+//! `--prefetch N`, while this one computes), and after the backward pass its gradient is reduce-scattered
 //! back to shards. This file shows the API; the rest are the parts around it:
 //!
 //! | file | what |

@@ -4,7 +4,8 @@
 //! identity plus a low-rank perturbation) on a synthetic regression task, so the loss
 //! must fall. Parameters are sharded over the ranks. Each step:
 //! - forward: all-gather each layer's parameters into a pool buffer on the all-gather
-//!   stream, layer l+1's issued before layer l's GEMM, so that it runs beside it;
+//!   stream, layers l+1 … l+N (`--prefetch N`, default 1) issued before layer l's GEMM,
+//!   so that they run beside it;
 //! - backward: the last layer's parameters are kept from the forward (as FSDP2 keeps
 //!   the root's); re-gather the others with the same prefetch, compute the weight
 //!   gradient and the input gradient, reduce-scatter the weight gradient on the
@@ -18,7 +19,7 @@
 //! stream-ordered (`record_stream`), and the host waits for the device once, at the end
 //! of the step, to read the loss. Layer 0's all-gather for the next step is issued
 //! before that wait, behind the step's last SGD update, so that the next step starts on
-//! gathered parameters.
+//! gathered parameters (not after the warm-up step nor after the last).
 //!
 //! Every buffer comes from `symmpool::alloc`, that is from the pool of the caller's
 //! `SymmPool::scope`.
@@ -195,6 +196,8 @@ pub struct Trainer<'m, M: Math> {
     /// How many layers ahead the all-gathers are issued (`--prefetch`; 1 is FSDP2's
     /// default).
     prefetch: usize,
+    /// Steps of the run: the last one gathers nothing for a next step.
+    steps: usize,
 }
 
 /// What one step did.
@@ -273,6 +276,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             first: None,
             trace: None,
             prefetch: args.prefetch.max(1),
+            steps: args.steps,
         })
     }
 
@@ -384,8 +388,8 @@ impl<'m, M: Math> Trainer<'m, M> {
             m.sumsq_into(On::Compute, g_top, sums, 0)?;
             m.scal(On::Compute, 2.0 / (h * b) as f32, g_top)
         })?;
-        // Backward: prefetch layer l−1 on the all-gather stream; reduce-scatter layer
-        // l's weight gradient on the reduce-scatter stream while l−1 computes.
+        // Backward: prefetch layers l−1 … l−N on the all-gather stream; reduce-scatter
+        // layer l's weight gradient on the reduce-scatter stream while l−1 computes.
         let mut arrived: Option<M::Ev> = None;
         let mut ahead: std::collections::VecDeque<(SymmBuffer, M::Ev)> = Default::default();
         // The next layer (counting down) whose all-gather is not issued yet.
@@ -499,21 +503,23 @@ impl<'m, M: Math> Trainer<'m, M> {
             }
         }
         drop(cur);
-        // The next step's first all-gather, issued now: it reads the shard this step's
-        // last SGD update writes, so it waits for that update on the device, and it runs
-        // while the host waits for the loss instead of after the next step starts (the
-        // parameter gather overlapped with the optimizer step, as Megatron-LM's
-        // `--overlap-param-gather` does).
-        let updated = m.record(On::ReduceScatter)?;
-        trace::op(&mut tr, m, On::AllGather, "wait", None, || {
-            m.wait_for(On::AllGather, &updated)
-        })?;
-        let gathered = self.ag_paths.len();
-        let (params, arrived) = self.fetch(&mut tr, 0)?;
-        let path = (self.ag_paths.len() > gathered)
-            .then(|| self.ag_paths.pop())
-            .flatten();
-        self.first = Some((params, arrived, path));
+        // The next step's first all-gather moves from the head of the next step to the
+        // tail of this one: it reads the shard this step's last SGD update writes, so it
+        // waits for that update on the device, and it is issued before the host's wait
+        // for the loss instead of after the next step's first host calls. Not after the
+        // warm-up step, whose peak sizes the pools (`fit_to_peak`), nor after the last.
+        if k > 0 && k + 1 < self.steps {
+            let updated = m.record(On::ReduceScatter)?;
+            trace::op(&mut tr, m, On::AllGather, "wait", None, || {
+                m.wait_for(On::AllGather, &updated)
+            })?;
+            let gathered = self.ag_paths.len();
+            let (params, arrived) = self.fetch(&mut tr, 0)?;
+            let path = (self.ag_paths.len() > gathered)
+                .then(|| self.ag_paths.pop())
+                .flatten();
+            self.first = Some((params, arrived, path));
+        }
         trace::host(&mut tr, "sync", None, || m.sync())?;
         let sumsq = m.read_sums(&self.sums)?[0] as f64;
         let ms = start.elapsed().as_secs_f64() * 1e3;

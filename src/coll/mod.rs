@@ -7,7 +7,8 @@
 //! They run through a [`Coll`] handle made from a pool (`Coll::new(&pool)`, collective:
 //! every rank makes it at the same point), which owns what the collectives keep: the
 //! path policy, the checker, the path counters and the per-communicator sequence
-//! numbers. The pool knows nothing of it.
+//! numbers. The pool knows nothing of it. The calls are the methods of the
+//! [`CollectiveCalls`] trait (import it with the handle).
 //!
 //! Each call checks its buffers first (same pool, open, sizes consistent), picks a
 //! communicator and path from the NCCL version, the communicators' CTA policies, the
@@ -54,7 +55,7 @@
 //! The ranks compare their records on a channel of the pool's own, opened when the
 //! handle is made (the mode is part of its name, so ranks with different modes fail
 //! there). What happens depends on [`PoolConfig::check`](crate::PoolConfig::check), the
-//! default of the handles made from the pool:
+//! mode of the handles made from the pool (`Off` at world size 1, below):
 //!
 //! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and
 //!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
@@ -81,8 +82,9 @@
 //!   checked, and time out on mismatched rounds).
 //!
 //! At world size 1 every handle runs as [`CheckMode::Off`]: one rank has no peer to
-//! diverge from, and a one-GPU step then pays nothing for the check (measured on one
-//! H200: 2.6 µs of host time per collective and about 2 % of a small step).
+//! diverge from, and a one-GPU step then pays nothing for the check (BENCHMARKS.md,
+//! one-GPU run 23: `async` took 2.6 µs more host time per all-gather than `off`, and
+//! about 1 % of the example's small step).
 //!
 //! **Calls that know who they are**: calls of the same shape (one persistent gather
 //! buffer for every layer) make the same record, so a rank that skips one layer's
@@ -162,6 +164,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// The collectives of one rank on the buffers of one pool (or of several pools of one
 /// backend): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
 /// across ranks (see the module documentation).
+///
+/// The collectives themselves (`all_gather`, `reduce_scatter`, `all_reduce`, each also
+/// `_in_place`) are methods of the [`CollectiveCalls`] trait, which `Coll` and its
+/// [`tagged`](Self::tagged) form implement: `use symmpool::CollectiveCalls;`.
 ///
 /// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
 /// collective checker of each pool (and, under [`CheckMode::Async`], its background
@@ -370,7 +376,8 @@ impl Coll {
         Ok(())
     }
 
-    /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`], check,
+    /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`] (never at
+    /// world size 1, where the handle runs as [`CheckMode::Off`]), check,
     /// for each pool and each communicator, a record of the collectives issued on the
     /// pool, the collectives the handle issued on the communicator, and the pool's
     /// call count and running hash (so that a skipped or extra collective, an extra

@@ -25,7 +25,8 @@ pub enum CheckMode {
     Off,
     /// The calling thread posts each collective's record into a bounded queue and
     /// returns; a background thread compares the ranks' records. A mismatch makes the
-    /// next call on the pool fail on every rank. The default.
+    /// next call on the pool fail on every rank. The default (at world size 1 every
+    /// handle runs as `Off`: there is no peer).
     #[default]
     Async,
     /// The ranks exchange and compare each collective's record before it is

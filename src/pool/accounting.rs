@@ -1,5 +1,5 @@
-//! What a segment's arrival and departure count and report: the reserved-bytes
-//! total, the memory history's segment events, the log line.
+//! What a segment's arrival counts and reports: the reserved-bytes total, the memory
+//! history's segment event, the log line (its departure is accounted in `release.rs`).
 
 use super::SymmPool;
 use super::state::PoolState;

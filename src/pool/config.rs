@@ -146,7 +146,8 @@ impl PoolConfig {
         self
     }
 
-    /// Set the collective check mode (beats `SYMMPOOL_CHECK`, whatever its value).
+    /// Set the collective check mode (beats `SYMMPOOL_CHECK`, whatever its value; at
+    /// world size 1 the handles run as [`CheckMode::Off`] all the same).
     pub fn with_check(mut self, check: CheckMode) -> Self {
         self.check = check;
         self.bad_check_env = None;
