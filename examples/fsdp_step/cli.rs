@@ -133,7 +133,7 @@ pub struct Cli {
     #[arg(long, default_value_t = 1.0, value_parser = positive_finite, allow_negative_numbers = true)]
     pub lr: f32,
     /// How many layers ahead the all-gathers are issued (1, FSDP2's default; each more
-    /// keeps one more gathered layer alive)
+    /// keeps one more gathered layer alive; more than the layers means all of them)
     #[arg(long, default_value_t = 1, value_parser = at_least::<1>)]
     pub prefetch: usize,
     /// How the collectives run
@@ -214,6 +214,9 @@ pub struct Args {
     pub lr: f32,
     /// Layers whose all-gathers are issued ahead of the one computing (at least 1).
     pub prefetch: usize,
+    /// Ranks are processes (`--nproc` or a launcher), not threads: on the host, the
+    /// shared-memory backend.
+    pub processes: bool,
     /// Modes to run, interleaved step by step.
     pub modes: Vec<Mode>,
     /// Print one JSON object per mode instead of the table.
@@ -239,6 +242,7 @@ impl Args {
             steps: 30,
             lr: 1.0,
             prefetch: 1,
+            processes: false,
             modes,
             json: false,
             backend: BackendChoice::Host,
@@ -273,6 +277,7 @@ impl Cli {
             steps: self.steps.unwrap_or(steps),
             lr: self.lr,
             prefetch: self.prefetch,
+            processes: false,
             modes: if self.compare {
                 Mode::COMPARED.to_vec()
             } else {

@@ -256,6 +256,15 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
             None => format!("rank {r} was stopped"),
         })
         .collect();
+    if let [Some(first), rest @ ..] = codes.as_slice()
+        && *first > 0
+        && rest.iter().all(|c| *c == Some(*first))
+    {
+        // Every rank failed the same way (a missing library, a bad setting): its exit
+        // status says what, no rank was lost.
+        eprintln!("fsdp_step --nproc: every rank exited with {first} (see their messages above)");
+        std::process::exit(*first);
+    }
     if !failed.is_empty() {
         // The rank to name: one killed by a signal (the others fail because of it),
         // else the first that failed, else one still running when the job was ended.

@@ -318,7 +318,8 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let _ = CHECK.set(cli.check.mode());
-    let args = cli.resolve(gpu_count());
+    let mut args = cli.resolve(gpu_count());
+    args.processes = launch::is_rank_process(cli.nproc) || cli.nproc.is_some();
     let results = if launch::is_rank_process(cli.nproc) {
         // Started by a launcher (or by `--nproc`): this process is one rank.
         match launch::run_as_rank(&args) {

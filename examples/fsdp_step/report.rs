@@ -283,9 +283,14 @@ pub fn print(args: &Args, results: &[Summary]) {
         Some(x) if gpu => format!("{x:.3}"),
         _ => "-".into(),
     };
+    let backend = match args.backend {
+        // Ranks as processes on the host share memory through the shm backend.
+        BackendChoice::Host if args.processes => "shm",
+        b => b.name(),
+    };
     out!(
         "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps",
-        args.backend.name(),
+        backend,
         args.ranks,
         args.layers,
         args.hidden,
@@ -363,7 +368,7 @@ pub fn print(args: &Args, results: &[Summary]) {
         );
     } else {
         out!(
-            "(host backend: ranks are threads and memory is host memory. Real here: the \
+            "({}. Real here: the \
              pool's placement, registrations and segments, and the collectives, which \
              move and sum real data between the ranks' memory (the same copies in every \
              mode: no copy engine or kernel runs; the path columns say whether the \
@@ -371,7 +376,12 @@ pub fn print(args: &Args, results: &[Summary]) {
              times measure host loops with nothing overlapped, so no time ratios. \
              registrations: windows registered in setup + first step / later steps; \
              segments: after the first step → after warm-up sizing (small + large \
-             class); MiB: peak per rank; paths: last step)"
+             class); MiB: peak per rank; paths: last step)",
+            if args.processes {
+                "shm backend: a process per rank, memory shared between the processes"
+            } else {
+                "host backend: ranks are threads and memory is host memory"
+            }
         );
     }
     if has_none {

@@ -64,7 +64,25 @@ pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
 /// A pool with memory left was dropped without `close()`: a warning through
 /// `tracing` (or `log`), and on standard error when neither is set up.
 #[cold]
-pub(crate) fn dropped_without_close(rank: usize, pool: &str, segments: usize, bytes: u64) {
+pub(crate) fn dropped_without_close(
+    rank: usize,
+    pool: &str,
+    segments: usize,
+    bytes: u64,
+    broken: Option<&str>,
+) {
+    // A broken pool cannot be closed: say why it is released locally, without advice.
+    if let Some(why) = broken {
+        tracing::warn!(target: "symmpool::pool", rank, pool, segments, bytes,
+            "broken pool dropped ({why}): releasing its segments locally");
+        if !tracing::dispatcher::has_been_set() && log::max_level() < log::LevelFilter::Warn {
+            eprintln!(
+                "symmpool: rank {rank}: broken pool {pool:?} dropped; releasing {segments} \
+                 segments ({bytes} bytes) locally"
+            );
+        }
+        return;
+    }
     tracing::warn!(
         target: "symmpool::pool",
         rank,

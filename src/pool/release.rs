@@ -242,7 +242,8 @@ impl Drop for PoolInner {
         let bytes: u64 = st.segments.values().map(|e| e.segment.size_bytes()).sum();
         if !st.closed {
             let (rank, name, n) = (self.backend.rank(), &self.config.name, st.segments.len());
-            super::events::dropped_without_close(rank, name, n, bytes);
+            let broken = st.broken.as_deref();
+            super::events::dropped_without_close(rank, name, n, bytes, broken);
         }
         // Never wait without bound in a drop: if the device does not drain in time
         // (a peer died in a collective, say), leak the memory on purpose.
