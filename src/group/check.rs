@@ -296,13 +296,13 @@ impl Checker {
     /// gone after it found one) first waits until `deadline` for this rank's checks,
     /// which find the same divergence in the same round.
     pub(crate) fn call_failed(&self, e: Error, deadline: impl FnOnce() -> Deadline) -> Error {
-        let peers = matches!(
-            e,
-            Error::GroupBroken { .. }
-                | Error::PeerLost { .. }
-                | Error::Timeout { .. }
-                | Error::CollectiveMismatch { .. }
-        );
+        // By kind, as `break_on`: NCCL's watchdog and timeouts count with the host
+        // backends' timeouts and lost peers.
+        let peers = matches!(e.kind(), ErrorKind::Timeout | ErrorKind::PeerLost)
+            || matches!(
+                e,
+                Error::GroupBroken { .. } | Error::CollectiveMismatch { .. }
+            );
         if peers && self.verdict.divergence_error().is_none() {
             let _ = self.wait_compared(deadline());
         }
