@@ -326,7 +326,7 @@ fn exit_codes_follow_the_error_kind() {
 fn a_deeper_prefetch_changes_no_loss() {
     // `--prefetch 3` issues three layers' all-gathers ahead, `--prefetch 8` every
     // layer's at once (4 layers), and layer 0's for the next step comes at the end of
-    // each step but the first and the last: the same data reach every GEMM. (The host
+    // each step but the last: the same data reach every GEMM. (The host
     // math is synchronous: this checks the schedule's data, not its stream order.)
     let losses = |prefetch| {
         let args = Args {

@@ -230,8 +230,10 @@ pub fn run_one_rank<M: Math>(
             log.step_ms.push(out.ms);
             if step == 0 {
                 log.segments_first_step = stats(pools)["segment.all.current"].as_u64().unwrap_or(0);
-                // Warm-up sizing (collective): the step's temporaries are free now; one
-                // segment sized to its peak replaces the ones growth made on the way.
+                // Warm-up sizing (collective): the step's temporaries are free now, but
+                // for layer 0's parameters gathered for the next step (the trainer holds
+                // them, and their segment stays); segments sized to the step's peak
+                // replace the others growth made on the way.
                 for pool in pools.iter() {
                     pool.fit_to_peak()?;
                 }

@@ -19,7 +19,7 @@
 //! stream-ordered (`record_stream`), and the host waits for the device once, at the end
 //! of the step, to read the loss. Layer 0's all-gather for the next step is issued
 //! before that wait, behind the step's last SGD update, so that the next step starts on
-//! gathered parameters (not after the warm-up step nor after the last).
+//! gathered parameters (not after the last step).
 //!
 //! Every buffer comes from `symmpool::alloc`, that is from the pool of the caller's
 //! `SymmPool::scope`.
@@ -507,8 +507,9 @@ impl<'m, M: Math> Trainer<'m, M> {
         // tail of this one: it reads the shard this step's last SGD update writes, so it
         // waits for that update on the device, and it is issued before the host's wait
         // for the loss instead of after the next step's first host calls. Not after the
-        // warm-up step, whose peak sizes the pools (`fit_to_peak`), nor after the last.
-        if k > 0 && k + 1 < self.steps {
+        // last step. After the warm-up step too, so that it is a step like the others:
+        // its peak, which sizes the pools (`fit_to_peak`), holds that buffer.
+        if k + 1 < self.steps {
             let updated = m.record(On::ReduceScatter)?;
             trace::op(&mut tr, m, On::AllGather, "wait", None, || {
                 m.wait_for(On::AllGather, &updated)
