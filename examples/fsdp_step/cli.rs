@@ -113,8 +113,9 @@ Streams: compute, all-gather, reduce-scatter (the SGD update of the shards runs 
 #[derive(Debug, Parser)]
 #[command(name = "fsdp_step", after_help = AFTER_HELP)]
 pub struct Cli {
-    /// Ranks (threads on the host backend, GPUs on NCCL) [default: 2]
-    #[arg(long, value_parser = at_least::<1>)]
+    /// Ranks as threads of this process (threads on the host backend, GPUs on NCCL)
+    /// [default: 2]; with ranks as processes, `--nproc` sets their number instead
+    #[arg(long, value_parser = at_least::<1>, conflicts_with = "nproc")]
     pub ranks: Option<usize>,
     /// Layers, each hidden × hidden [default: see below]
     #[arg(long, value_parser = at_least::<1>)]
