@@ -25,6 +25,7 @@
 //! | `collective` (path choice) | event | debug | `rank`, `pool`, `op`, `path`, `comm`, `bytes_per_rank` |
 //! | `symmpool call failed` (before a public pool or collective call returns an error) | event | error | `rank`, `pool`, `op`, `error` |
 //! | `POOL DROPPED WITHOUT close()` | event | warn (and standard error when neither `tracing` nor `log` is set up) | `rank`, `pool`, `segments`, `bytes` |
+//! | `broken pool dropped (…)` (a broken pool, which cannot be closed) | event | warn (and standard error likewise) | `rank`, `pool`, `segments`, `bytes` |
 //!
 //! # Statistics
 //!
