@@ -280,27 +280,37 @@ impl<'m, M: Math> Trainer<'m, M> {
         })
     }
 
-    /// Gather layer `l`'s parameters on the all-gather stream; the event marks
-    /// completion.
+    /// Gather layer `l`'s parameters on the all-gather stream, counting its path in
+    /// this step's; the event marks completion.
     fn fetch(
         &mut self,
         tr: &mut Option<Recorder<M::Mark>>,
         l: usize,
     ) -> Result<(SymmBuffer, M::Ev)> {
+        let (full, arrived, path) = self.gather(tr, l)?;
+        self.ag_paths.extend(path);
+        Ok((full, arrived))
+    }
+
+    /// [`fetch`](Self::fetch), with the path (if a collective ran) returned instead.
+    fn gather(
+        &self,
+        tr: &mut Option<Recorder<M::Mark>>,
+        l: usize,
+    ) -> Result<(SymmBuffer, M::Ev, Option<Path>)> {
         let m = self.math;
         let ag = m.stream(On::AllGather);
-        let full = if let Some(coll) = &self.communicate {
+        let (full, path) = if let Some(coll) = &self.communicate {
             let shard = &self.shards[l];
             let (full, path) = trace::op(tr, m, On::AllGather, "all-gather", Some(l), || {
                 all_gather::<M::E>(coll, shard, ag)
             })?;
-            self.ag_paths.push(path);
-            full
+            (full, Some(path))
         } else {
             let len = bytes::<M>(self.h * self.h);
-            trace::host(tr, "alloc", Some(l), || alloc(len, ag))?
+            (trace::host(tr, "alloc", Some(l), || alloc(len, ag))?, None)
         };
-        Ok((full, m.record(On::AllGather)?))
+        Ok((full, m.record(On::AllGather)?, path))
     }
 
     /// The SGD step: `lr` over an estimate of the loss curvature, per layer
@@ -328,18 +338,16 @@ impl<'m, M: Math> Trainer<'m, M> {
         // 0's was issued at the end of the last step.
         let depth = self.prefetch;
         let mut ahead = std::collections::VecDeque::new();
-        let mut fetched = 0;
-        if let Some((params, arrived, path)) = self.first.take() {
-            self.ag_paths.extend(path);
-            ahead.push_back((params, arrived));
-            fetched = 1;
+        match self.first.take() {
+            Some((params, arrived, path)) => {
+                self.ag_paths.extend(path);
+                ahead.push_back((params, arrived));
+            }
+            None => ahead.push_back(self.fetch(&mut tr, 0)?),
         }
+        let mut fetched = 1;
         let mut cur = None;
         for l in 0..layers {
-            if fetched == l {
-                ahead.push_back(self.fetch(&mut tr, l)?);
-                fetched += 1;
-            }
             let (params, arrived) = ahead.pop_front().expect("fetched");
             trace::op(&mut tr, m, On::Compute, "wait", Some(l), || {
                 m.wait_for(On::Compute, &arrived)
@@ -392,8 +400,8 @@ impl<'m, M: Math> Trainer<'m, M> {
         // layer l's weight gradient on the reduce-scatter stream while l−1 computes.
         let mut arrived: Option<M::Ev> = None;
         let mut ahead: std::collections::VecDeque<(SymmBuffer, M::Ev)> = Default::default();
-        // The next layer (counting down) whose all-gather is not issued yet.
-        let mut to_fetch = layers as isize - 2;
+        // The layers below the last, counting down, whose all-gathers are not issued yet.
+        let mut to_fetch = (0..layers - 1).rev().peekable();
         let alpha = -self.step_size() / self.world as f32;
         // Two weight gradients are in flight: layer l−1's is allocated while layer l's
         // is still alive, so it never lands in the block layer l's reduce-scatter
@@ -410,9 +418,8 @@ impl<'m, M: Math> Trainer<'m, M> {
                     m.wait_for(On::Compute, &ev)
                 })?;
             }
-            while to_fetch >= 0 && to_fetch as usize + depth >= l {
-                ahead.push_back(self.fetch(&mut tr, to_fetch as usize)?);
-                to_fetch -= 1;
+            while let Some(j) = to_fetch.next_if(|&j| j + depth >= l) {
+                ahead.push_back(self.fetch(&mut tr, j)?);
             }
             let next = ahead.pop_front();
             let input = if l == 0 { x } else { &self.acts[l - 1] };
@@ -514,12 +521,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             trace::op(&mut tr, m, On::AllGather, "wait", None, || {
                 m.wait_for(On::AllGather, &updated)
             })?;
-            let gathered = self.ag_paths.len();
-            let (params, arrived) = self.fetch(&mut tr, 0)?;
-            let path = (self.ag_paths.len() > gathered)
-                .then(|| self.ag_paths.pop())
-                .flatten();
-            self.first = Some((params, arrived, path));
+            self.first = Some(self.gather(&mut tr, 0)?);
         }
         trace::host(&mut tr, "sync", None, || m.sync())?;
         let sumsq = m.read_sums(&self.sums)?[0] as f64;
