@@ -342,3 +342,45 @@ fn a_deeper_prefetch_changes_no_loss() {
     assert_eq!(one, losses(3));
     assert_eq!(one, losses(8));
 }
+
+#[test]
+fn each_step_runs_every_mode_once_in_an_order_that_changes() {
+    // The modes of `--compare` run once per step, in an order drawn from the step's
+    // number (the same on every rank): a permutation each step, not always the same one.
+    let n = Mode::COMPARED.len();
+    let orders: Vec<Vec<usize>> = (0..20).map(|s| fsdp_step::mode_order(s, n)).collect();
+    for order in &orders {
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "{order:?}");
+    }
+    let firsts: std::collections::BTreeSet<usize> = orders.iter().map(|o| o[0]).collect();
+    assert!(
+        firsts.len() > 1,
+        "the same mode first every step: {orders:?}"
+    );
+    assert_eq!(orders[3], fsdp_step::mode_order(3, n), "not reproducible");
+    assert_eq!(fsdp_step::mode_order(0, 1), vec![0]);
+}
+
+#[test]
+fn the_sm_margin_option_reaches_the_args() {
+    use clap::Parser;
+    let resolve = |argv: &[&str]| fsdp_step::Cli::try_parse_from(argv).map(|c| c.resolve(0));
+    // 12 unless told: the GEMMs of a mode that communicates leave 12 SMs to it.
+    assert_eq!(resolve(&["fsdp_step"]).unwrap().sm_margin, 12);
+    assert_eq!(
+        resolve(&["fsdp_step", "--sm-margin", "0"])
+            .unwrap()
+            .sm_margin,
+        0
+    );
+    assert_eq!(
+        resolve(&["fsdp_step", "--sm-margin", "24"])
+            .unwrap()
+            .sm_margin,
+        24
+    );
+    assert!(resolve(&["fsdp_step", "--sm-margin", "-1"]).is_err());
+    assert!(resolve(&["fsdp_step", "--sm-margin", "many"]).is_err());
+}

@@ -102,6 +102,10 @@ Defaults: host backend: 2 ranks, 4 layers, hidden 64, batch 32, 30 steps
           forward 1 GEMM vs 1 all-gather, backward 2 GEMMs vs all-gather + reduce-scatter)
 Streams: compute, all-gather, reduce-scatter (the SGD update of the shards runs on the
           last); the host waits for the device once per step, at its end, to read the loss.
+--sm-margin N (GPUs): the GEMMs of a mode that communicates plan for N SMs fewer
+          (cublasSetSmCountTarget), so that the all-gathers and reduce-scatters beside them
+          find SMs free instead of waiting for a GEMM's wave to end; `none` keeps every
+          SM. 12 measured best on one H200 (BENCHMARKS.md, runs 30-33).
 --trace FILE: FILE (Chrome-trace JSON, every step after the first) and FILE.svg (the
           last step of rank 0 per mode); the summary on stderr gives per mode each
           stream's busy time, the communication left exposed (compute stream idle) and
@@ -137,6 +141,10 @@ pub struct Cli {
     /// keeps one more gathered layer alive; more than the layers means all of them)
     #[arg(long, default_value_t = 1, value_parser = at_least::<1>)]
     pub prefetch: usize,
+    /// SMs the GEMMs leave free for the communication beside them, in the modes that
+    /// communicate (GPUs: cuBLAS's SM count target); 0 = every SM
+    #[arg(long, default_value_t = 12)]
+    pub sm_margin: usize,
     /// How the collectives run
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     pub comm: Mode,
@@ -215,6 +223,9 @@ pub struct Args {
     pub lr: f32,
     /// Layers whose all-gathers are issued ahead of the one computing (at least 1).
     pub prefetch: usize,
+    /// SMs the compute stream's GEMMs leave to the communication, in the modes that
+    /// communicate (0: every SM; the host backend has none to leave).
+    pub sm_margin: usize,
     /// Ranks are processes (`--nproc` or a launcher), not threads: on the host, the
     /// shared-memory backend.
     pub processes: bool,
@@ -243,6 +254,7 @@ impl Args {
             steps: 30,
             lr: 1.0,
             prefetch: 1,
+            sm_margin: 0,
             processes: false,
             modes,
             json: false,
@@ -278,6 +290,7 @@ impl Cli {
             steps: self.steps.unwrap_or(steps),
             lr: self.lr,
             prefetch: self.prefetch,
+            sm_margin: self.sm_margin,
             processes: false,
             modes: if self.compare {
                 Mode::COMPARED.to_vec()

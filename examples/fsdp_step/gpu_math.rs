@@ -8,7 +8,7 @@ use super::cublas;
 use super::ranks::{StepBarrier, on_rank_threads};
 use super::report::Summary;
 use super::trainer::{Math, On};
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{CudaEvent, CudaStream, DeviceSlice, DriverError};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -25,6 +25,8 @@ pub struct GpuMath {
     events: Rc<Events>,
     /// Events with timing, for the timeline's markers.
     timing: Rc<Events>,
+    /// The device's multiprocessors.
+    sms: usize,
 }
 
 /// Spare CUDA events of one kind. A wait enqueued on an event takes the event's state
@@ -196,6 +198,20 @@ impl Math for GpuMath {
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
         out.read::<f32>()
     }
+    fn leave_sms(&self, sms: usize) -> Result<()> {
+        // cuBLAS plans the compute stream's GEMMs for the SMs left (0: all of them).
+        let target = match sms {
+            0 => 0,
+            n if n < self.sms => self.sms - n,
+            n => {
+                return Err(symmpool::Error::InvalidConfig(format!(
+                    "--sm-margin {n} leaves no SM of the device's {}",
+                    self.sms
+                )));
+            }
+        };
+        self.blas(On::Compute).set_sm_count_target(target)
+    }
 }
 
 /// Train on `args.ranks` local GPUs, a thread per rank; returns rank 0's summaries.
@@ -231,7 +247,11 @@ impl GpuMath {
             cublas::Blas::new(cuda[2].clone())?,
         ];
         let ctx = cuda[0].context().clone();
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("cuDeviceGetAttribute"))?;
         Ok(GpuMath {
+            sms: usize::try_from(sms).unwrap_or(0),
             events: Events::new(ctx.clone(), CUevent_flags::CU_EVENT_DISABLE_TIMING),
             timing: Events::new(ctx, CUevent_flags::CU_EVENT_DEFAULT),
             streams: cuda.map(Stream::cuda),

@@ -12,6 +12,10 @@
 //!   reduce-scatter stream while the layer below computes, and apply SGD to the shard
 //!   there.
 //!
+//! A GEMM fills every SM, so a collective issued beside it (a copy or a kernel on
+//! SMs) waits for the GEMM's CTAs to end; with `--sm-margin N` the GEMMs of a step that
+//! communicates plan for N SMs fewer, which the collectives find free.
+//!
 //! Three streams, as FSDP2 has them: compute, all-gather, reduce-scatter. A backward
 //! prefetch never queues behind a reduce-scatter. Streams wait on events only where
 //! data flows (compute on a gathered layer; the reduce-scatter on its gradient; the
@@ -107,6 +111,11 @@ pub trait Math {
     fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64>;
     /// Read back the sums written by `sumsq_into`.
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>>;
+    /// Let the GEMMs enqueued from now on leave `sms` multiprocessors to the work on
+    /// the other streams (0: use all of them). Nothing to leave on the host.
+    fn leave_sms(&self, _sms: usize) -> Result<()> {
+        Ok(())
+    }
 }
 
 fn bytes<M: Math>(elements: usize) -> u64 {
@@ -198,6 +207,8 @@ pub struct Trainer<'m, M: Math> {
     prefetch: usize,
     /// Steps of the run: the last one gathers nothing for a next step.
     steps: usize,
+    /// SMs the GEMMs leave to the communication (`--sm-margin`), when it runs.
+    sm_margin: usize,
 }
 
 /// What one step did.
@@ -277,6 +288,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             trace: None,
             prefetch: args.prefetch.max(1),
             steps: args.steps,
+            sm_margin: args.sm_margin,
         })
     }
 
@@ -333,6 +345,13 @@ impl<'m, M: Math> Trainer<'m, M> {
         self.ag_paths.clear();
         self.rs_paths.clear();
         let mut tr = self.trace.take();
+        // The GEMMs leave SMs to the collectives running beside them; a step without
+        // collectives keeps them all.
+        m.leave_sms(if self.communicate.is_some() {
+            self.sm_margin
+        } else {
+            0
+        })?;
         trace::begin_step(&mut tr, m, k)?;
         // Forward: layer l+prefetch's all-gather is issued before layer l's GEMM; layer
         // 0's was issued at the end of the last step.

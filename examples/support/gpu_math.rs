@@ -12,8 +12,9 @@
 //! The GEMMs go through cudarc's `cublasGemmEx` binding rather than its `Gemm<bf16>`
 //! trait: that trait takes alpha and beta as bf16 (0.05 would become 0.05005) and has
 //! no bf16-in, f32-out form for the sum of squares. cudarc has no bf16 axpy or scal, so
-//! those call `cublasAxpyEx` / `cublasScalEx`. Three `unsafe` blocks in all, one per
-//! cuBLAS function, each after the checks that make it sound.
+//! those call `cublasAxpyEx` / `cublasScalEx`; `cublasSetSmCountTarget` lets a handle's
+//! GEMMs leave SMs to other streams. Four `unsafe` blocks in all, one per cuBLAS
+//! function, each after the checks that make it sound.
 
 #![allow(dead_code)]
 
@@ -138,6 +139,20 @@ impl Blas {
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone()).map_err(cublas("cublasCreate"))?;
         Ok(Blas { blas, stream })
+    }
+
+    /// Let the handle's kernels plan for `sms` multiprocessors (0: all of them),
+    /// `cublasSetSmCountTarget`, so that work on other streams finds SMs free.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if cuBLAS refuses.
+    pub fn set_sm_count_target(&self, sms: usize) -> Result<()> {
+        let sms = c_int::try_from(sms).map_err(|_| Error::BadView(format!("{sms} SMs")))?;
+        // SAFETY: the handle is live (owned by `self.blas`); the call only sets an
+        // integer of the handle, read by the calls enqueued after it on this thread.
+        unsafe { sys::cublasSetSmCountTarget(*self.blas.handle(), sms) }
+            .result()
+            .map_err(cublas("cublasSetSmCountTarget"))
     }
 
     /// [`Error::WrongStream`] unless `view` is memory of the handle's device (context).
