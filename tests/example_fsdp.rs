@@ -94,6 +94,7 @@ fn json_summary_has_every_field() {
         "ranks",
         "mode",
         "steps",
+        "sm_margin",
         "median_step_ms",
         "first_loss",
         "last_loss",
@@ -367,20 +368,26 @@ fn each_step_runs_every_mode_once_in_an_order_that_changes() {
 fn the_sm_margin_option_reaches_the_args() {
     use clap::Parser;
     let resolve = |argv: &[&str]| fsdp_step::Cli::try_parse_from(argv).map(|c| c.resolve(0));
-    // 12 unless told: the GEMMs of a mode that communicates leave 12 SMs to it.
-    assert_eq!(resolve(&["fsdp_step"]).unwrap().sm_margin, 12);
-    assert_eq!(
-        resolve(&["fsdp_step", "--sm-margin", "0"])
-            .unwrap()
-            .sm_margin,
-        0
-    );
-    assert_eq!(
-        resolve(&["fsdp_step", "--sm-margin", "24"])
-            .unwrap()
-            .sm_margin,
-        24
-    );
-    assert!(resolve(&["fsdp_step", "--sm-margin", "-1"]).is_err());
-    assert!(resolve(&["fsdp_step", "--sm-margin", "many"]).is_err());
+    // On NCCL, 12 unless told: the GEMMs of a mode that communicates leave 12 SMs to it.
+    let nccl = |extra: &[&str]| {
+        let argv = [&["fsdp_step", "--backend", "nccl"][..], extra].concat();
+        resolve(&argv)
+    };
+    assert_eq!(nccl(&[]).unwrap().sm_margin, 12);
+    assert_eq!(nccl(&["--sm-margin", "0"]).unwrap().sm_margin, 0);
+    assert_eq!(nccl(&["--sm-margin", "24"]).unwrap().sm_margin, 24);
+    assert!(nccl(&["--sm-margin=-1"]).is_err());
+    assert!(nccl(&["--sm-margin", "many"]).is_err());
+    // The host has no SMs to leave: 0 whatever was asked.
+    let host = resolve(&["fsdp_step", "--backend", "host", "--sm-margin", "24"]).unwrap();
+    assert_eq!(host.sm_margin, 0);
+    // The summary carries the margin of the modes that communicate, 0 for `none`.
+    let results = run_host(&Args {
+        steps: 3,
+        sm_margin: 5,
+        ..Args::host(vec![Mode::Auto, Mode::None])
+    })
+    .unwrap();
+    let margin = |m: Mode| results.iter().find(|r| r.mode == m).unwrap().sm_margin;
+    assert_eq!((margin(Mode::Auto), margin(Mode::None)), (5, 0));
 }

@@ -105,7 +105,8 @@ Streams: compute, all-gather, reduce-scatter (the SGD update of the shards runs 
 --sm-margin N (GPUs): the GEMMs of a mode that communicates plan for N SMs fewer
           (cublasSetSmCountTarget), so that the all-gathers and reduce-scatters beside them
           find SMs free instead of waiting for a GEMM's wave to end; `none` keeps every
-          SM. 12 measured best on one H200 (BENCHMARKS.md, runs 30-33).
+          SM. 12 was the best single value for both sizes on one H200 (BENCHMARKS.md,
+          runs 30-33; 16 was better for --balanced alone); not measured on two GPUs.
 --trace FILE: FILE (Chrome-trace JSON, every step after the first) and FILE.svg (the
           last step of rank 0 per mode); the summary on stderr gives per mode each
           stream's busy time, the communication left exposed (compute stream idle) and
@@ -141,8 +142,9 @@ pub struct Cli {
     /// keeps one more gathered layer alive; more than the layers means all of them)
     #[arg(long, default_value_t = 1, value_parser = at_least::<1>)]
     pub prefetch: usize,
-    /// SMs the GEMMs leave free for the communication beside them, in the modes that
-    /// communicate (GPUs: cuBLAS's SM count target); 0 = every SM
+    /// SMs the compute stream's cuBLAS calls (the GEMMs) leave free for the
+    /// communication beside them, in the modes that communicate (cuBLAS's SM count
+    /// target; GPUs only, nothing on the host); 0 = every SM
     #[arg(long, default_value_t = 12)]
     pub sm_margin: usize,
     /// How the collectives run
@@ -224,7 +226,7 @@ pub struct Args {
     /// Layers whose all-gathers are issued ahead of the one computing (at least 1).
     pub prefetch: usize,
     /// SMs the compute stream's GEMMs leave to the communication, in the modes that
-    /// communicate (0: every SM; the host backend has none to leave).
+    /// communicate (0: every SM; always 0 on the host backend, which has none).
     pub sm_margin: usize,
     /// Ranks are processes (`--nproc` or a launcher), not threads: on the host, the
     /// shared-memory backend.
@@ -290,7 +292,11 @@ impl Cli {
             steps: self.steps.unwrap_or(steps),
             lr: self.lr,
             prefetch: self.prefetch,
-            sm_margin: self.sm_margin,
+            sm_margin: if backend == BackendChoice::Nccl {
+                self.sm_margin
+            } else {
+                0
+            },
             processes: false,
             modes: if self.compare {
                 Mode::COMPARED.to_vec()

@@ -204,8 +204,9 @@ impl Math for GpuMath {
             0 => 0,
             n if n < self.sms => self.sms - n,
             n => {
+                // `new` checked `--sm-margin`; this is for another caller's margin.
                 return Err(symmpool::Error::InvalidConfig(format!(
-                    "--sm-margin {n} leaves no SM of the device's {}",
+                    "a margin of {n} SMs leaves no SM of the device's {}",
                     self.sms
                 )));
             }
@@ -221,12 +222,14 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
     let barrier = StepBarrier::new(args.ranks);
     on_rank_threads(backends, &barrier, |b| {
         let nccl = b.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;
+        // Before the pools: a margin the device cannot leave stops here, with nothing
+        // to release.
+        let math = GpuMath::new(nccl, args.sm_margin)?;
         let pools = args
             .modes
             .iter()
             .map(|m| Ok((*m, super::make_pool(*m, b.clone())?)))
             .collect::<Result<Vec<(Mode, _)>>>()?;
-        let math = GpuMath::new(nccl)?;
         let out = super::run_one_rank(&math, pools, args, &barrier);
         math.sync()?;
         out
@@ -234,8 +237,13 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
 }
 
 impl GpuMath {
-    /// cuBLAS on three streams of the backend's device.
-    fn new(nccl: &NcclBackend) -> Result<GpuMath> {
+    /// cuBLAS on three streams of the backend's device, whose GEMMs may leave
+    /// `sm_margin` SMs to the communication ([`Math::leave_sms`]).
+    ///
+    /// # Errors
+    /// [`symmpool::Error::InvalidConfig`] if `sm_margin` is not below the device's SM
+    /// count; CUDA and cuBLAS errors.
+    fn new(nccl: &NcclBackend, sm_margin: usize) -> Result<GpuMath> {
         let cuda = [
             nccl.cuda_stream()?,
             nccl.cuda_stream()?,
@@ -247,11 +255,9 @@ impl GpuMath {
             cublas::Blas::new(cuda[2].clone())?,
         ];
         let ctx = cuda[0].context().clone();
-        let sms = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(driver("cuDeviceGetAttribute"))?;
+        let sms = sm_count(&ctx, sm_margin)?;
         Ok(GpuMath {
-            sms: usize::try_from(sms).unwrap_or(0),
+            sms,
             events: Events::new(ctx.clone(), CUevent_flags::CU_EVENT_DISABLE_TIMING),
             timing: Events::new(ctx, CUevent_flags::CU_EVENT_DEFAULT),
             streams: cuda.map(Stream::cuda),
@@ -260,9 +266,38 @@ impl GpuMath {
     }
 }
 
-/// This process's rank on NCCL, set up from the launcher's environment.
-pub fn process_backend(exchange: std::sync::Arc<dyn symmpool::Exchange>) -> Result<Backend> {
-    NcclBackend::from_env(exchange, symmpool::backend::NcclConfig::default())
+/// The SMs of the device of `ctx`, checked to be more than `sm_margin`.
+///
+/// # Errors
+/// [`symmpool::Error::InvalidConfig`] if the margin would leave no SM; a CUDA error if
+/// the driver does not answer.
+fn sm_count(ctx: &cudarc::driver::CudaContext, sm_margin: usize) -> Result<usize> {
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(driver("cuDeviceGetAttribute"))?;
+    let sms = usize::try_from(sms).map_err(|_| symmpool::Error::Cuda {
+        op: "cuDeviceGetAttribute",
+        code: 0,
+        message: format!("{sms} multiprocessors"),
+    })?;
+    if sm_margin >= sms {
+        return Err(symmpool::Error::InvalidConfig(format!(
+            "--sm-margin {sm_margin} leaves no SM of the device's {sms}"
+        )));
+    }
+    Ok(sms)
+}
+
+/// This process's rank on NCCL, set up from the launcher's environment, with
+/// `sm_margin` checked against its device before any pool exists.
+pub fn process_backend(
+    exchange: std::sync::Arc<dyn symmpool::Exchange>,
+    sm_margin: usize,
+) -> Result<Backend> {
+    let backend = NcclBackend::from_env(exchange, symmpool::backend::NcclConfig::default())?;
+    let nccl = backend.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;
+    sm_count(nccl.cuda_stream()?.context(), sm_margin)?;
+    Ok(backend)
 }
 
 /// Train this process's rank on its GPU.
@@ -273,7 +308,7 @@ pub fn run_process_rank(
     barrier: &dyn super::ranks::StepSync,
 ) -> Result<Vec<Summary>> {
     let nccl = backend.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;
-    let math = GpuMath::new(nccl)?;
+    let math = GpuMath::new(nccl, args.sm_margin)?;
     let out = super::run_one_rank(&math, pools, args, barrier);
     math.sync()?;
     out

@@ -62,7 +62,7 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
     let timeout = symmpool::PoolConfig::default().timeout;
     let backend = match args.backend {
         #[cfg(feature = "nccl")]
-        BackendChoice::Nccl => super::gpu_math::process_backend(exchange.clone())?,
+        BackendChoice::Nccl => super::gpu_math::process_backend(exchange.clone(), args.sm_margin)?,
         _ => symmpool::backend::ShmBackend::join(
             exchange.clone(),
             symmpool::backend::ShmConfig::default().with_timeout(timeout),

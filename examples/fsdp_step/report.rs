@@ -87,6 +87,10 @@ pub struct Summary {
     pub batch: usize,
     /// Steps.
     pub steps: usize,
+    /// SMs the GEMMs left to the communication (`--sm-margin`; 0 on the host and in
+    /// `none`, where nothing communicates).
+    #[serde(default)]
+    pub sm_margin: usize,
     /// Median step time after the first step (which grows the pool), in ms.
     pub median_step_ms: f64,
     /// Fastest step after the first, in ms.
@@ -196,6 +200,11 @@ impl Summary {
             hidden: args.hidden,
             batch: args.batch,
             steps: args.steps,
+            sm_margin: if mode.communicates() {
+                args.sm_margin
+            } else {
+                0
+            },
             median_step_ms: later.median,
             min_step_ms: later.min,
             max_step_ms: later.max,
@@ -289,13 +298,18 @@ pub fn print(args: &Args, results: &[Summary]) {
         b => b.name(),
     };
     out!(
-        "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps",
+        "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps{}",
         backend,
         args.ranks,
         args.layers,
         args.hidden,
         args.batch,
-        args.steps
+        args.steps,
+        if args.backend == BackendChoice::Nccl {
+            format!(", GEMMs leave {} SMs to the communication", args.sm_margin)
+        } else {
+            String::new()
+        }
     );
     out!(
         "{:<5} {:>8} {:>7} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",

@@ -13,8 +13,9 @@
 //!   there.
 //!
 //! A GEMM fills every SM, so a collective issued beside it (a copy or a kernel on
-//! SMs) waits for the GEMM's CTAs to end; with `--sm-margin N` the GEMMs of a step that
-//! communicates plan for N SMs fewer, which the collectives find free.
+//! SMs) waits for the GEMM's CTAs to end; with `--sm-margin N` the compute stream's
+//! cuBLAS calls (the GEMMs) in a step that communicates plan for N SMs fewer, which the
+//! collectives find free.
 //!
 //! Three streams, as FSDP2 has them: compute, all-gather, reduce-scatter. A backward
 //! prefetch never queues behind a reduce-scatter. Streams wait on events only where

@@ -141,15 +141,19 @@ impl Blas {
         Ok(Blas { blas, stream })
     }
 
-    /// Let the handle's kernels plan for `sms` multiprocessors (0: all of them),
+    /// Let the handle's later calls plan for `sms` multiprocessors (0: all of them),
     /// `cublasSetSmCountTarget`, so that work on other streams finds SMs free.
     ///
     /// # Errors
-    /// [`Error::Cuda`] if cuBLAS refuses.
+    /// [`Error::BadView`] if `sms` does not fit a C `int`; [`Error::Cuda`] if cuBLAS
+    /// refuses.
     pub fn set_sm_count_target(&self, sms: usize) -> Result<()> {
         let sms = c_int::try_from(sms).map_err(|_| Error::BadView(format!("{sms} SMs")))?;
-        // SAFETY: the handle is live (owned by `self.blas`); the call only sets an
-        // integer of the handle, read by the calls enqueued after it on this thread.
+        // SAFETY: the handle is live (owned by `self.blas`). The call sets one integer
+        // of the handle, which every later call on the handle reads; cuBLAS handles
+        // are not to be used from two threads at once, and every `Blas` of the
+        // example and tests lives in a single-threaded owner (the example's `GpuMath`
+        // holds `Rc`s, so it is not `Send`), so no call on this handle runs meanwhile.
         unsafe { sys::cublasSetSmCountTarget(*self.blas.handle(), sms) }
             .result()
             .map_err(cublas("cublasSetSmCountTarget"))
