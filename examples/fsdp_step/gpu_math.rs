@@ -25,8 +25,10 @@ pub struct GpuMath {
     events: Rc<Events>,
     /// Events with timing, for the timeline's markers.
     timing: Rc<Events>,
-    /// The device's multiprocessors.
-    sms: usize,
+    /// cuBLAS's SM count target for the compute stream's calls in a step that
+    /// communicates: the device's SMs less `--sm-margin` (0, all of them, when the
+    /// margin is 0).
+    sm_target: usize,
 }
 
 /// Spare CUDA events of one kind. A wait enqueued on an event takes the event's state
@@ -198,19 +200,9 @@ impl Math for GpuMath {
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>> {
         out.read::<f32>()
     }
-    fn leave_sms(&self, sms: usize) -> Result<()> {
-        // cuBLAS plans the compute stream's GEMMs for the SMs left (0: all of them).
-        let target = match sms {
-            0 => 0,
-            n if n < self.sms => self.sms - n,
-            n => {
-                // `new` checked `--sm-margin`; this is for another caller's margin.
-                return Err(symmpool::Error::InvalidConfig(format!(
-                    "a margin of {n} SMs leaves no SM of the device's {}",
-                    self.sms
-                )));
-            }
-        };
+    fn share_sms(&self, communicating: bool) -> Result<()> {
+        // cuBLAS plans the compute stream's calls for the SMs left (0: all of them).
+        let target = if communicating { self.sm_target } else { 0 };
         self.blas(On::Compute).set_sm_count_target(target)
     }
 }
@@ -238,7 +230,7 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
 
 impl GpuMath {
     /// cuBLAS on three streams of the backend's device, whose GEMMs may leave
-    /// `sm_margin` SMs to the communication ([`Math::leave_sms`]).
+    /// `sm_margin` SMs to the communication ([`Math::share_sms`]).
     ///
     /// # Errors
     /// [`symmpool::Error::InvalidConfig`] if `sm_margin` is not below the device's SM
@@ -257,7 +249,7 @@ impl GpuMath {
         let ctx = cuda[0].context().clone();
         let sms = sm_count(&ctx, sm_margin)?;
         Ok(GpuMath {
-            sms,
+            sm_target: if sm_margin == 0 { 0 } else { sms - sm_margin },
             events: Events::new(ctx.clone(), CUevent_flags::CU_EVENT_DISABLE_TIMING),
             timing: Events::new(ctx, CUevent_flags::CU_EVENT_DEFAULT),
             streams: cuda.map(Stream::cuda),
@@ -296,7 +288,7 @@ pub fn process_backend(
 ) -> Result<Backend> {
     let backend = NcclBackend::from_env(exchange, symmpool::backend::NcclConfig::default())?;
     let nccl = backend.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;
-    sm_count(nccl.cuda_stream()?.context(), sm_margin)?;
+    sm_count(nccl.context(), sm_margin)?;
     Ok(backend)
 }
 

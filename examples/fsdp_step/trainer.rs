@@ -112,9 +112,10 @@ pub trait Math {
     fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64>;
     /// Read back the sums written by `sumsq_into`.
     fn read_sums(&self, out: &SymmBuffer) -> Result<Vec<f32>>;
-    /// Let the GEMMs enqueued from now on leave `sms` multiprocessors to the work on
-    /// the other streams (0: use all of them). Nothing to leave on the host.
-    fn leave_sms(&self, _sms: usize) -> Result<()> {
+    /// Let the GEMMs enqueued from now on leave the SMs of `--sm-margin` to the work
+    /// on the other streams when `communicating`, or use every SM. Nothing to leave on
+    /// the host.
+    fn share_sms(&self, _communicating: bool) -> Result<()> {
         Ok(())
     }
 }
@@ -208,8 +209,6 @@ pub struct Trainer<'m, M: Math> {
     prefetch: usize,
     /// Steps of the run: the last one gathers nothing for a next step.
     steps: usize,
-    /// SMs the GEMMs leave to the communication (`--sm-margin`), when it runs.
-    sm_margin: usize,
 }
 
 /// What one step did.
@@ -289,7 +288,6 @@ impl<'m, M: Math> Trainer<'m, M> {
             trace: None,
             prefetch: args.prefetch.max(1),
             steps: args.steps,
-            sm_margin: args.sm_margin,
         })
     }
 
@@ -348,11 +346,7 @@ impl<'m, M: Math> Trainer<'m, M> {
         let mut tr = self.trace.take();
         // The GEMMs leave SMs to the collectives running beside them; a step without
         // collectives keeps them all.
-        m.leave_sms(if self.communicate.is_some() {
-            self.sm_margin
-        } else {
-            0
-        })?;
+        m.share_sms(self.communicate.is_some())?;
         trace::begin_step(&mut tr, m, k)?;
         // Forward: layer l+prefetch's all-gather is issued before layer l's GEMM; layer
         // 0's was issued at the end of the last step.
