@@ -335,8 +335,9 @@ fn main() {
     let cli = Cli::parse();
     let _ = CHECK.set(cli.check.mode());
     let mut args = cli.resolve(gpu_count());
-    args.processes = launch::is_rank_process(cli.nproc) || cli.nproc.is_some();
-    let results = if launch::is_rank_process(cli.nproc) {
+    let rank_process = launch::is_rank_process(cli.nproc);
+    args.processes = rank_process || cli.nproc.is_some();
+    let results = if rank_process {
         // Started by a launcher (or by `--nproc`): this process is one rank.
         match launch::run_as_rank(&args) {
             Ok(Some(results)) => results,
@@ -354,7 +355,7 @@ fn main() {
     }
     report::print(&args, &results);
     // With ranks as processes, rank 0 gathered every rank's snapshot and wrote it.
-    let threads = !launch::is_rank_process(cli.nproc) && cli.nproc.is_none();
+    let threads = !args.processes;
     if let Some(path) = args.memory_map.as_ref().filter(|_| threads) {
         match write_memory_map(path, args.modes[0]) {
             Ok(()) if !args.json => report::line(&format!("memory map: {}", path.display())),
