@@ -156,6 +156,23 @@ pub enum Error {
         /// What is wrong.
         detail: String,
     },
+    /// An untagged collective on a pool that refuses them: the pool requires tags
+    /// ([`PoolConfig::require_tags`](crate::PoolConfig::require_tags)), or it has seen
+    /// a tagged collective (calls of the same shape are told apart by their tags, so
+    /// an untagged one among them has no identity). Nothing ran. Tag the call
+    /// ([`Coll::tagged`](crate::coll::Coll::tagged)).
+    #[error(
+        "untagged collective {op} on pool {pool:?}, which {}: tag it with coll.tagged(tag) (every u64 is a tag, 0 included)",
+        if *.required { "requires tags (PoolConfig::require_tags)" } else { "has seen tagged collectives" }
+    )]
+    Untagged {
+        /// The collective.
+        op: &'static str,
+        /// The pool's name.
+        pool: String,
+        /// Whether the pool requires tags; otherwise it has seen a tagged one.
+        required: bool,
+    },
     /// A typed view whose element size does not divide the buffer or whose range is
     /// out of bounds.
     #[error("bad view: {0}")]
@@ -405,7 +422,10 @@ pub enum Error {
     },
     /// Ranks opened different channels (a different ordinal or name) in the same
     /// round; reported on every rank.
-    #[error("ranks opened different channels: {}", describe_channels(.opened))]
+    #[error(
+        "ranks opened different channels: {} (every rank makes its backends, pools and collectives handles in the same order; ranks that are threads of one process make them with SymmPool::group and Coll::group; a rank never makes them from two threads at once)",
+        describe_channels(.opened)
+    )]
     ChannelMismatch {
         /// For each rank, in rank order: (rank, channel ordinal, channel name).
         opened: Vec<(usize, u64, String)>,

@@ -45,6 +45,15 @@ fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool, &Coll) -> R + Syn
     })
 }
 
+/// `f` on every rank (a thread each) with its pool (for a test that holds the
+/// handles itself); the results in rank order.
+fn pool_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let hs: Vec<_> = pools.iter().map(|p| s.spawn(|| f(p))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Element `i` of rank `r`'s data: small integers, exact in every type.
 fn value<T: Element>(r: usize, i: usize) -> T {
     T::from_f64(((r * 31 + i * 7) % 23) as f64)
@@ -342,7 +351,7 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
     )
     .unwrap();
     let colls = Coll::group(&pools).unwrap();
-    let bufs = on_ranks(&pools, |p, _| p.alloc(8192, &Stream::host()).unwrap());
+    let bufs = pool_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
     let stream = Stream::host();
     // Rank 0 alone: times out.
     assert!(matches!(
@@ -404,7 +413,7 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
     // or a hang.
     let pools = strict_pools(2);
     let colls = Coll::group(&pools).unwrap();
-    let bufs = on_ranks(&pools, |p, _| {
+    let bufs = pool_ranks(&pools, |p| {
         (0..2)
             .map(|_| p.alloc(8192, &Stream::host()).unwrap())
             .collect::<Vec<_>>()

@@ -16,8 +16,11 @@ mod common;
 
 use common::identity::{LAYERS, Plan, Seen, divergence, step};
 use std::thread;
-use std::time::Duration;
-use symmpool::{CheckMode, Error, HostBackend, HostConfig, PoolConfig, SymmPool};
+use std::time::{Duration, Instant};
+use symmpool::{
+    CheckMode, Coll, CollectiveCalls, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream,
+    SymmPool,
+};
 
 /// The pools' and the host backend's timeout.
 const TIMEOUT: Duration = Duration::from_secs(3);
@@ -26,26 +29,51 @@ const PROMPT: Duration = Duration::from_millis(1500);
 
 fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
     let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
-    let config = PoolConfig::default()
-        .with_timeout(TIMEOUT)
-        .with_check(mode)
-        .with_check_queue(4);
+    let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
     SymmPool::group(bs, &config).unwrap()
 }
 
-/// `plan(rank)` on every rank, a thread each; the results in rank order.
+/// `plan(rank)` on every rank, a thread each, then `close`; the results in rank
+/// order. Every rank's close returns within `PROMPT`: after a divergence with
+/// [`Error::PoolBroken`] naming it (the memory released without a round), else `Ok`.
 fn run(world: usize, mode: CheckMode, plan: impl Fn(usize) -> Plan + Sync) -> Vec<Seen> {
     let pools = pools(world, mode);
-    thread::scope(|sc| {
+    let out: Vec<(Seen, Duration, symmpool::Result<()>)> = thread::scope(|sc| {
         let hs: Vec<_> = pools
             .iter()
             .map(|p| {
                 let plan = &plan;
-                sc.spawn(move || step(p, plan(p.rank())))
+                sc.spawn(move || {
+                    let seen = step(p, plan(p.rank()));
+                    let started = Instant::now();
+                    let closed = p.close();
+                    (seen, started.elapsed(), closed)
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    });
+    for (rank, (seen, took, closed)) in out.iter().enumerate() {
+        assert!(*took < PROMPT, "rank {rank}: close took {took:?}");
+        let diverged = seen
+            .first
+            .iter()
+            .map(|f| &f.1)
+            .chain(seen.end.iter())
+            .find_map(|e| match e {
+                Error::CollectiveDivergence(d) => Some(d.to_string()),
+                _ => None,
+            });
+        match (diverged, closed) {
+            (None, closed) => assert!(closed.is_ok(), "rank {rank}: {closed:?}"),
+            (Some(d), Err(Error::PoolBroken { reason })) => {
+                assert!(reason.starts_with(&d), "rank {rank}: {reason} is not {d}")
+            }
+            (Some(d), closed) => panic!("rank {rank}: close after {d}: {closed:?}"),
+        }
+        assert!(pools[rank].close().is_ok(), "a second close");
+    }
+    out.into_iter().map(|(seen, _, _)| seen).collect()
 }
 
 /// Every rank reports the same divergence, on `field`; its message.
@@ -285,4 +313,342 @@ fn an_extra_allocation_that_grows_the_pool_names_the_rank_within_a_round() {
             }
         }
     }
+}
+
+/// Under `Async`, after a mismatch at a rank's collective *k*, at most this many
+/// further collectives of the rank run ([`PoolConfig::check_queue`]'s default).
+const ASYNC_FURTHER: usize = 1;
+
+#[test]
+fn no_tagged_call_returns_ok_with_another_layers_data() {
+    // A skipped layer: the ranks' fourth gathers are different layers.
+    const MISMATCH: usize = 4;
+    for mode in [CheckMode::Strict, CheckMode::Async] {
+        for world in [2, 4] {
+            let normal = Plan::layers(LAYERS, true);
+            let skip = Plan {
+                skip: Some(3),
+                ..normal
+            };
+            let all = run(world, mode, |r| perturbed(world, r, skip, normal));
+            same_divergence_everywhere(&all, "tag");
+            for (rank, seen) in all.iter().enumerate() {
+                let (at, _) = seen.first.as_ref().expect("a call fails");
+                match mode {
+                    CheckMode::Strict => {
+                        assert_eq!(seen.wrong_ok, 0, "rank {rank}: {seen:?}");
+                        assert_eq!(*at, MISMATCH, "rank {rank}");
+                    }
+                    _ => {
+                        // The mismatched call itself and `ASYNC_FURTHER` after it.
+                        assert!(seen.wrong_ok <= 1 + ASYNC_FURTHER, "rank {rank}: {seen:?}");
+                        assert!(*at <= MISMATCH + ASYNC_FURTHER + 1, "rank {rank}: {seen:?}");
+                    }
+                }
+            }
+        }
+        // Uneven layer counts: the layers both ranks run match; the rank ahead fails
+        // at its first extra layer, without a wrong result.
+        let all = run(2, mode, |r| Plan::layers(if r == 0 { 10 } else { 8 }, true));
+        same_divergence_everywhere(&all, "record kind");
+        for seen in &all {
+            assert_eq!(seen.wrong_ok, 0, "{mode:?}: {seen:?}");
+        }
+    }
+}
+
+/// Ranks as threads: `body(rank, pool, coll)` on each, with a pool of `config`.
+fn each_rank<R: Send>(
+    world: usize,
+    config: PoolConfig,
+    body: impl Fn(usize, &SymmPool, &Coll) -> R + Sync,
+) -> Vec<R> {
+    let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
+    let pools = SymmPool::group(bs, &config.with_timeout(TIMEOUT)).unwrap();
+    thread::scope(|sc| {
+        let hs: Vec<_> = (pools.iter())
+            .map(|p| {
+                let body = &body;
+                sc.spawn(move || {
+                    let coll = Coll::new(p).unwrap();
+                    body(p.rank(), p, &coll)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn an_untagged_call_on_a_pool_that_has_seen_tags_is_refused_in_every_mode() {
+    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+        let out = each_rank(
+            2,
+            PoolConfig::default().with_check(mode),
+            |rank, pool, coll| {
+                let stream = Stream::host();
+                let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+                // Untagged calls are fine until the pool sees a tagged one.
+                coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                coll.tagged(0)
+                    .all_gather_in_place::<f32>(&buf, &stream)
+                    .unwrap();
+                buf.write(&vec![rank as f32; 512]).unwrap();
+                let e = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err();
+                // Nothing ran: the buffer holds what this rank wrote.
+                let untouched = buf.read::<f32>().unwrap() == vec![rank as f32; 512];
+                coll.tagged(1)
+                    .all_gather_in_place::<f32>(&buf, &stream)
+                    .unwrap();
+                coll.end_step().unwrap();
+                (e, untouched)
+            },
+        );
+        for (e, untouched) in out {
+            assert!(
+                matches!(
+                    &e,
+                    Error::Untagged {
+                        op: "all_gather_in_place",
+                        required: false,
+                        ..
+                    }
+                ),
+                "{mode:?}: {e:?}"
+            );
+            assert_eq!(e.kind(), symmpool::ErrorKind::Usage);
+            assert!(e.to_string().contains("has seen tagged collectives"), "{e}");
+            assert!(untouched, "{mode:?}");
+        }
+    }
+}
+
+#[test]
+fn require_tags_refuses_every_untagged_call() {
+    let config = PoolConfig::default().with_require_tags(true);
+    let out = each_rank(2, config, |_, pool, coll| {
+        let stream = Stream::host();
+        let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+        let out = pool.alloc(4 * 256, &stream).unwrap();
+        let refused = [
+            coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err(),
+            (coll.reduce_scatter::<f32>(&buf, &out, ReduceOp::Sum, &stream)).unwrap_err(),
+            (coll.all_reduce_in_place::<f32>(&out, ReduceOp::Sum, &stream)).unwrap_err(),
+        ];
+        coll.tagged(7)
+            .all_gather_in_place::<f32>(&buf, &stream)
+            .unwrap();
+        coll.end_step().unwrap();
+        refused
+    });
+    for refused in out.iter().flatten() {
+        assert!(
+            matches!(refused, Error::Untagged { required: true, .. }),
+            "{refused:?}"
+        );
+        assert!(refused.to_string().contains("requires tags"), "{refused}");
+    }
+}
+
+#[test]
+fn tag_zero_is_a_tag() {
+    // Every rank tags 0: a valid identity, the step passes.
+    let out = each_rank(
+        2,
+        PoolConfig::default().with_check(CheckMode::Strict),
+        |_, pool, coll| {
+            let stream = Stream::host();
+            let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+            coll.tagged(0).all_gather_in_place::<f32>(&buf, &stream)?;
+            coll.end_step()
+        },
+    );
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    // Tag 0 against no tag: a difference in the tag, named as such.
+    let out = each_rank(
+        2,
+        PoolConfig::default().with_check(CheckMode::Strict),
+        |rank, pool, coll| {
+            let stream = Stream::host();
+            let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+            match rank {
+                0 => coll.tagged(0).all_gather_in_place::<f32>(&buf, &stream),
+                _ => coll.all_gather_in_place::<f32>(&buf, &stream),
+            }
+            .unwrap_err()
+        },
+    );
+    for e in &out {
+        let msg = e.to_string();
+        assert!(
+            msg.contains("tag differs: rank 0 has tag 0 (0x0); rank 1 has no tag"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn a_second_handle_on_the_same_communicators_is_refused_with_advice() {
+    let out = each_rank(2, PoolConfig::default(), |_, pool, coll| {
+        let second = Coll::new(pool).unwrap_err();
+        // Another pool on the same communicators: refused too.
+        let other = SymmPool::new(
+            pool.backend().clone(),
+            PoolConfig::default().with_name("other"),
+        )
+        .unwrap();
+        let on_other = Coll::new(&other).unwrap_err();
+        // A pool with communicators of its own has a handle of its own.
+        let own = PoolConfig::default()
+            .with_name("own")
+            .with_own_communicators(true);
+        let own = SymmPool::new(pool.backend().clone(), own).unwrap();
+        let own_coll = Coll::new(&own).map(drop);
+        // A clone is the same handle; once the handle is gone, a new one is fine.
+        let clone = coll.clone();
+        drop(clone);
+        (second, on_other, own_coll)
+    });
+    for (second, on_other, own_coll) in out {
+        for e in [&second, &on_other] {
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidCollective {
+                        op: "Coll::new",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            let msg = e.to_string();
+            assert!(msg.contains("already have a collectives handle"), "{msg}");
+            assert!(msg.contains("clone the handle"), "{msg}");
+            assert!(msg.contains("Coll::with_pools"), "{msg}");
+        }
+        assert!(own_coll.is_ok(), "{own_coll:?}");
+    }
+    // Dropped, the handle frees the communicators for a new one.
+    let pools = SymmPool::host_group(2, PoolConfig::default()).unwrap();
+    let first = Coll::group(&pools).unwrap();
+    drop(first);
+    Coll::group(&pools).unwrap();
+}
+
+#[test]
+fn pools_used_in_crossed_order_through_one_handle_diverge_on_the_pool() {
+    for mode in [CheckMode::Strict, CheckMode::Async] {
+        let bs = HostBackend::world(HostConfig::new(2).with_timeout(TIMEOUT)).unwrap();
+        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
+        let out = thread::scope(|sc| {
+            let hs: Vec<_> = (bs.into_iter())
+                .map(|b| {
+                    let config = config.clone();
+                    sc.spawn(move || {
+                        let rank = b.rank();
+                        let a = SymmPool::new(b.clone(), config.clone().with_name("a")).unwrap();
+                        let c = SymmPool::new(b, config.with_name("b")).unwrap();
+                        let coll = Coll::with_pools(&[a.clone(), c.clone()]).unwrap();
+                        let stream = Stream::host();
+                        let bufs = [&a, &c].map(|p| p.alloc(2 * 4 * 256, &stream).unwrap());
+                        // Rank 0 gathers pool a then b; rank 1 b then a.
+                        let order = if rank == 0 { [0, 1] } else { [1, 0] };
+                        let mut first_error = None;
+                        let mut wrong_ok = 0;
+                        for (n, &i) in order.iter().enumerate() {
+                            bufs[i].write(&vec![(rank * 10 + i) as f32; 512]).unwrap();
+                            match coll.all_gather_in_place::<f32>(&bufs[i], &stream) {
+                                Ok(_) => {
+                                    let got = bufs[i].read::<f32>().unwrap();
+                                    if got[256..] != vec![(10 * (1 - rank) + i) as f32; 256][..]
+                                        && got[..256] != vec![(10 * (1 - rank) + i) as f32; 256][..]
+                                    {
+                                        wrong_ok += 1;
+                                    }
+                                }
+                                Err(e) => {
+                                    first_error = Some((n + 1, e));
+                                    break;
+                                }
+                            }
+                        }
+                        let end = coll.end_step().err();
+                        (first_error, wrong_ok, end)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for (rank, (first, wrong_ok, end)) in out.iter().enumerate() {
+            let e = first.as_ref().map(|f| &f.1).or(end.as_ref());
+            let msg = e.map(ToString::to_string).unwrap_or_default();
+            assert!(
+                msg.contains("pool (channel ordinal) differs"),
+                "{mode:?} rank {rank}: {msg}"
+            );
+            if mode == CheckMode::Strict {
+                assert_eq!(first.as_ref().map(|f| f.0), Some(1), "{mode:?}: {msg}");
+                assert_eq!(*wrong_ok, 0, "{mode:?} rank {rank}");
+            } else {
+                assert!(
+                    *wrong_ok <= 1 + ASYNC_FURTHER,
+                    "{mode:?} rank {rank}: {wrong_ok}"
+                );
+            }
+        }
+    }
+}
+
+/// Collectives that return at once: a rank whose peer never joins its collective.
+#[derive(Debug)]
+struct Alone;
+
+impl symmpool::backend::Collectives for Alone {
+    fn all_gather(&self, _: &symmpool::backend::CollArgs<'_>) -> symmpool::Result<()> {
+        Ok(())
+    }
+    fn reduce_scatter(&self, _: &symmpool::backend::CollArgs<'_>) -> symmpool::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn dropping_a_handle_whose_check_waits_forever_is_bounded() {
+    // Timeouts of Duration::MAX everywhere; rank 0's collective returns at once, its
+    // record waits for a peer that never posts one.
+    let mut bs = HostBackend::world(HostConfig::new(2).with_timeout(Duration::MAX)).unwrap();
+    let b1 = bs.pop().unwrap();
+    let b0 = bs
+        .pop()
+        .unwrap()
+        .with_collectives(|_| std::sync::Arc::new(Alone));
+    let config = PoolConfig::default()
+        .with_timeout(Duration::MAX)
+        .with_check(CheckMode::Async);
+    let pools = SymmPool::group(vec![b0, b1], &config).unwrap();
+    let stream = Stream::host();
+    // Both ranks allocate (the growth is collective), before the handles.
+    let bufs = thread::scope(|sc| {
+        let hs: Vec<_> = (pools.iter())
+            .map(|p| sc.spawn(|| p.alloc(2 * 4 * 256, &Stream::host()).unwrap()))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let colls = Coll::group(&pools).unwrap();
+    colls[0]
+        .all_gather_in_place::<f32>(&bufs[0], &stream)
+        .unwrap();
+    let mut colls = colls.into_iter();
+    let first = colls.next().unwrap();
+    let started = Instant::now();
+    drop(first);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
 }

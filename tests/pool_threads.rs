@@ -122,8 +122,11 @@ fn two_pools_sharing_communicators_on_two_threads_fail_naming_the_remedy() {
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
+    // (The second handle on the shared communicators is refused, naming the remedy:
+    // the other thread then does not run.)
     let failures: Vec<&String> = (outcomes.iter().flatten())
         .filter_map(|r| r.as_ref().err())
+        .filter(|e| *e != "not run")
         .collect();
     assert!(!failures.is_empty(), "{outcomes:?}");
     // Every error is the crate's and names the remedy: a collective that paired one

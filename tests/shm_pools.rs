@@ -90,8 +90,7 @@ fn identity_child(rank: usize, world: usize, backend: symmpool::Backend) -> symm
     };
     let config = PoolConfig::default()
         .with_timeout(IDENTITY_TIMEOUT)
-        .with_check(mode)
-        .with_check_queue(4);
+        .with_check(mode);
     let pool = SymmPool::new(backend, config)?;
     let normal = Plan::layers(LAYERS, var("TAGGED").is_some());
     let last = rank == world - 1;
@@ -126,6 +125,13 @@ fn identity_child(rank: usize, world: usize, backend: symmpool::Backend) -> symm
             _ => None,
         })
         .unwrap_or_else(|| format!("none: {seen:?}"));
+    let started = std::time::Instant::now();
+    let closed = pool.close();
+    println!(
+        "@@closed ms={} wrong_ok={} {closed:?}",
+        started.elapsed().as_millis(),
+        seen.wrong_ok
+    );
     println!(
         "@@identity first={:?} elapsed_ms={} {divergence}",
         seen.first.as_ref().map(|f| f.0),
@@ -148,31 +154,33 @@ fn env(
     }
 }
 
-/// Run `role` on `world` processes; every rank's line after `prefix`.
-fn job_lines(
+/// Run `role` on `world` processes; for each prefix, every rank's line after it.
+fn job_lines<const N: usize>(
     world: usize,
     role: &'static str,
     extra: Vec<(&'static str, String)>,
-    prefix: &str,
-) -> Vec<String> {
+    prefixes: [&str; N],
+) -> [Vec<String>; N] {
     let mut job = Job::start(ENTRY, world, env(role, extra));
     let all: Vec<usize> = (0..world).collect();
     let codes = job.wait(&all, Duration::from_secs(180));
     assert_eq!(codes, vec![0; world], "{role}: {:?}", job.seen);
-    all.iter()
-        .map(|&r| job.expect(r, prefix, Duration::from_secs(5)))
-        .collect()
+    prefixes.map(|prefix| {
+        (all.iter())
+            .map(|&r| job.expect(r, prefix, Duration::from_secs(5)))
+            .collect()
+    })
 }
 
 #[test]
 fn two_pools_with_their_own_communicators_on_two_threads_per_process() {
     let before = shm_entries();
     for (world, mode) in [(2, "async"), (2, "strict"), (3, "async")] {
-        let lines = job_lines(
+        let [lines] = job_lines(
             world,
             "two_pools",
             vec![("CHECK_MODE", mode.to_string())],
-            "@@two_pools ",
+            ["@@two_pools "],
         );
         for (rank, line) in lines.iter().enumerate() {
             assert_eq!(
@@ -200,7 +208,7 @@ fn identity_case(
     if tagged {
         extra.push(("TAGGED", "1".to_string()));
     }
-    let lines = job_lines(world, "identity", extra, "@@identity ");
+    let [lines, closed] = job_lines(world, "identity", extra, ["@@identity ", "@@closed "]);
     let parsed: Vec<(String, u128, String)> = lines
         .iter()
         .map(|l| {
@@ -211,6 +219,25 @@ fn identity_case(
         })
         .collect();
     let what = format!("{scenario} {mode} tagged={tagged} world {world}");
+    // After the step every rank closes its pool within a second, with the divergence
+    // as the cause (the memory released without a round).
+    for (rank, line) in closed.iter().enumerate() {
+        let (ms, rest) = line.split_once(' ').unwrap();
+        let ms: u128 = ms.trim_start_matches("ms=").parse().unwrap();
+        assert!(ms < 1000, "{what}: rank {rank} closed in {ms} ms");
+        let (wrong, result) = rest.split_once(' ').unwrap();
+        assert!(
+            result.starts_with("Err(PoolBroken { reason: \"ranks diverged"),
+            "{what}: rank {rank}: {result}"
+        );
+        // Tagged: no call returns another layer's data under Strict, at most the
+        // mismatched call and `check_queue` (1) more under Async.
+        let wrong: usize = wrong.trim_start_matches("wrong_ok=").parse().unwrap();
+        if tagged {
+            let bound = if mode == "strict" { 0 } else { 2 };
+            assert!(wrong <= bound, "{what}: rank {rank}: {wrong} wrong results");
+        }
+    }
     for (_, _, msg) in &parsed {
         assert_eq!(
             msg, &parsed[0].2,
@@ -243,6 +270,17 @@ fn identity_cases_between_processes() {
     let p = identity_case(2, "strict", "skip", true, "tag");
     all_within(&p, PROMPT, "skip tagged strict");
     assert!(p.iter().all(|l| l.0 == "first=Some(4)"), "{p:?}");
+    // Async: the fourth gather differs; by the sixth at the latest every rank knows.
+    let p = identity_case(2, "async", "skip", true, "tag");
+    all_within(&p, PROMPT, "skip tagged async");
+    for (first, _, _) in &p {
+        let at: usize = (first
+            .trim_start_matches("first=Some(")
+            .trim_end_matches(')'))
+        .parse()
+        .unwrap_or_else(|_| panic!("{p:?}"));
+        assert!(at <= 6, "{p:?}");
+    }
     for mode in ["strict", "async"] {
         let p = identity_case(2, mode, "skip", false, "record kind");
         assert!(

@@ -56,6 +56,7 @@ use std::any::Any;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::ThreadId;
 /// Arguments of one collective call on one rank.
 #[derive(Debug, Clone)]
@@ -238,6 +239,16 @@ pub const ABANDONED: &str = "a collective check that failed";
 /// [`control`](crate::control)).
 pub const SETUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// A collectives handle's hold on a backend's communicators
+/// ([`Backend::claim_collectives`]); released on drop.
+pub(crate) struct CollectivesClaim(Arc<AtomicBool>);
+
+impl Drop for CollectivesClaim {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// A pool on a backend's communicators: its name, and the thread of its latest
 /// collective pool operation (none yet: `None`).
 type PoolUser = (String, Option<ThreadId>);
@@ -256,6 +267,9 @@ pub struct Backend {
     /// name and the thread of its latest collective pool operation (to name pools
     /// shared between threads when one fails).
     users: Arc<parking_lot::Mutex<BTreeMap<u64, PoolUser>>>,
+    /// Whether a collectives handle holds these communicators (see
+    /// [`claim_collectives`](Self::claim_collectives)).
+    collectives_claimed: Arc<AtomicBool>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -335,6 +349,7 @@ impl Backend {
             registrations,
             registering: Arc::new(parking_lot::Mutex::new(())),
             users: Arc::default(),
+            collectives_claimed: Arc::default(),
             exchange,
             segments: parts.clone(),
             streams,
@@ -494,6 +509,24 @@ impl Backend {
                 users.insert(pool, (name.to_string(), thread));
             }
         }
+    }
+
+    /// Claim these communicators for one collectives handle (`coll::Coll`), which numbers
+    /// the collectives issued on each of them: `None` while another handle holds them.
+    /// One sequence per communicator set is what lets the checks see a rank that
+    /// reaches the communicators through two pools in crossed order. Released when the
+    /// claim is dropped.
+    pub(crate) fn claim_collectives(&self) -> Option<CollectivesClaim> {
+        let claimed = &self.collectives_claimed;
+        (claimed.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire))
+            .ok()
+            .map(|_| CollectivesClaim(claimed.clone()))
+    }
+
+    /// Whether `other` is this backend over the same communicators (a clone, or a
+    /// variant with parts replaced), not one split off it.
+    pub(crate) fn same_communicators(&self, other: &Backend) -> bool {
+        Arc::ptr_eq(&self.collectives_claimed, &other.collectives_claimed)
     }
 
     /// Forget pool `pool` (dropped).

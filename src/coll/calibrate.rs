@@ -150,7 +150,7 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
     let has_role = |p: Path| backend.communicators().iter().any(|c| c.role == role_of(p));
     // The caller's settings (core sizes, timeout, registration); default paths.
     let tmp = SymmPool::new(backend.clone(), pool.config().clone())?;
-    let tmp_coll = Coll::new(&tmp)?;
+    let tmp_coll = Coll::for_calibration(&tmp)?;
     let mut sizes = Vec::new();
     let mut s = config.min_bytes.next_power_of_two();
     while s <= config.max_bytes {
@@ -198,7 +198,7 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
                             &out
                         };
                         tmp_coll.dispatch(
-                            &tmp,
+                            &tmp_coll.inner.pools[0],
                             coll_op,
                             (&whole, send),
                             (recv_buf, recv),
@@ -206,7 +206,7 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
                             dtype,
                             stream,
                             Some(path),
-                            super::NO_TAG,
+                            None,
                         )
                     };
                     // Warm-up; a path that is not available for these buffers falls back

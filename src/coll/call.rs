@@ -104,9 +104,6 @@ fn own_chunk<'a, T: Element>(
     Ok((own, count))
 }
 
-/// The tag of a call made without one ([`Coll::tagged`]).
-pub const NO_TAG: u64 = 0;
-
 /// The collectives of a [`Coll`] handle ([`CollectiveCalls`]), each carrying the
 /// caller's identity of the call: a `u64` tag (for example a hash of the layer, the
 /// parameter group and the step), made by [`Coll::tagged`]. Two words on the stack:
@@ -118,7 +115,13 @@ pub const NO_TAG: u64 = 0;
 /// for every layer, one rank skipping a layer) fail with
 /// [`Error::CollectiveDivergence`] naming the field `tag`: under `Strict` before any
 /// data moves, under `Async` within the documented bound. Under [`CheckMode::Off`]
-/// the tag is ignored. [`NO_TAG`] (0) is the tag of the untagged calls.
+/// the tag is ignored. Every `u64` is a tag, 0 included.
+///
+/// Once a pool has seen a tagged collective, an untagged one on it is refused
+/// ([`Error::Untagged`]), in every check mode: a loop that tags some calls and not
+/// others would leave the untagged ones without identity. With
+/// [`PoolConfig::require_tags`](crate::PoolConfig::require_tags) every untagged
+/// collective on the pool is refused.
 ///
 /// ```
 /// use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
@@ -199,22 +202,22 @@ fn missing_op(op: &'static str, version: crate::error::NcclVersion) -> Error {
 mod sealed {
     /// The handle and tag a [`CollectiveCalls`](super::CollectiveCalls) type calls with.
     pub trait Handle {
-        /// The collectives handle and the tag of the calls.
-        fn coll_and_tag(&self) -> (&super::Coll, u64);
+        /// The collectives handle and the tag of the calls (`None`: untagged).
+        fn coll_and_tag(&self) -> (&super::Coll, Option<u64>);
     }
 }
 
 impl sealed::Handle for Coll {
     #[inline(always)]
-    fn coll_and_tag(&self) -> (&Coll, u64) {
-        (self, NO_TAG)
+    fn coll_and_tag(&self) -> (&Coll, Option<u64>) {
+        (self, None)
     }
 }
 
 impl sealed::Handle for TaggedColl<'_> {
     #[inline(always)]
-    fn coll_and_tag(&self) -> (&Coll, u64) {
-        (self.coll, self.tag)
+    fn coll_and_tag(&self) -> (&Coll, Option<u64>) {
+        (self.coll, Some(self.tag))
     }
 }
 
@@ -385,7 +388,7 @@ pub trait CollectiveCalls: sealed::Handle {
 /// operation's choices fold away.
 #[inline(always)]
 fn call<T: Element>(
-    (handle, tag): (&Coll, u64),
+    (handle, tag): (&Coll, Option<u64>),
     name: &'static str,
     coll: CollOp,
     bufs: Buffers<'_>,
@@ -395,6 +398,18 @@ fn call<T: Element>(
         Buffers::OutOfPlace(input, output) => prepare(&[input, output], stream)?,
         Buffers::InPlace(buffer) => prepare(&[buffer], stream)?,
     };
+    let (Buffers::OutOfPlace(first, _) | Buffers::InPlace(first)) = bufs;
+    let Some(entry) = handle.entry(pool) else {
+        let allocation_seq = first.allocation_seq();
+        return Err(failed(pool, Error::ForeignBuffer { allocation_seq }));
+    };
+    match tag {
+        Some(_) => entry.saw_tag(),
+        None if entry.tags_required.load(Ordering::Relaxed) => {
+            return Err(failed(pool, untagged(name, pool)));
+        }
+        None => {}
+    }
     if let CollOp::AllReduce(ReduceOp::Avg) = coll {
         let version = pool.backend().nccl_version();
         if version < AVG {
@@ -435,7 +450,19 @@ fn call<T: Element>(
             }
         }
     };
-    handle.dispatch(pool, coll, send, recv, count, T::DTYPE, stream, None, tag)
+    handle.dispatch(entry, coll, send, recv, count, T::DTYPE, stream, None, tag)
+}
+
+/// The error of an untagged collective on a pool that refuses them (out of line: the
+/// error path).
+#[cold]
+#[inline(never)]
+fn untagged(op: &'static str, pool: &SymmPool) -> Error {
+    Error::Untagged {
+        op,
+        pool: pool.config().name.clone(),
+        required: pool.config().require_tags,
+    }
 }
 
 impl Coll {
@@ -445,7 +472,7 @@ impl Coll {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn dispatch(
         &self,
-        pool: &SymmPool,
+        entry: &PoolColl,
         coll: CollOp,
         (send_buf, send): Side<'_>,
         (recv_buf, recv): Side<'_>,
@@ -453,16 +480,9 @@ impl Coll {
         dtype: DType,
         stream: &Stream,
         force: Option<Path>,
-        tag: u64,
+        tag: Option<u64>,
     ) -> Result<CollectiveReport> {
-        let Some(entry) = self.entry(pool) else {
-            return Err(failed(
-                pool,
-                Error::ForeignBuffer {
-                    allocation_seq: send_buf.allocation_seq(),
-                },
-            ));
-        };
+        let pool = &entry.pool;
         let backend = pool.backend();
         let bytes_per_rank = count.checked_mul(dtype.size_bytes()).ok_or_else(|| {
             invalid(
@@ -471,7 +491,7 @@ impl Coll {
             )
         })?;
         let registered = |c: usize| (send_buf.in_window(c), recv_buf.in_window(c));
-        let checker = &entry.checker;
+        let checker = &self.inner.checker;
         let mode = checker.mode();
         if let Err(e) = checker.check() {
             return Err(failed(pool, e));
@@ -554,7 +574,7 @@ impl Coll {
         count: u64,
         dtype: DType,
         (comm, path): (usize, Path),
-        tag: u64,
+        tag: Option<u64>,
     ) -> CollectiveRecord {
         let (collective, reduction) = match coll {
             CollOp::AllGather => (CollKind::AllGather, None),

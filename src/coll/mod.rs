@@ -44,32 +44,42 @@
 //! |---|---|
 //! | record kind | collective, step boundary ([`Coll::end_step`]), or growth (the pool is about to grow: checked before the pool's own agreement, so a rank whose extra allocation grows the pool while its peers make a collective fails on every rank within one round) |
 //! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
-//! | tag | the caller's identity of the call ([`Coll::tagged`]; 0 when untagged) |
+//! | tag | the caller's identity of the call ([`Coll::tagged`]: any `u64`, 0 included; "no tag" when untagged) |
 //! | pool collective number | collectives issued on this pool so far |
 //! | collective, element type, reduction, count | the call |
-//! | communicator, communicator sequence number | the communicator the path chose, and the collectives the handle issued on it over *every* pool of the handle (crossed pools differ here: make one handle for the pools of a backend, [`Coll::with_pools`]) |
+//! | communicator, communicator sequence number | the communicator the path chose, and the collectives the handle issued on it over *every* pool of the handle (one handle per communicator set: see [`Coll::with_pools`]) |
 //! | path | copy engine, symmetric kernel, plain kernel |
 //! | input and output: allocation, segment, offset, bytes | the buffers (allocation sequence numbers are the same on every rank for the same call sequence) |
 //! | pool call count and hash | the pool's running hash of every allocation and free before the call |
 //!
-//! The ranks compare their records on a channel of the pool's own, opened when the
+//! The ranks compare their records on a channel of the handle's own, opened when the
 //! handle is made (the mode is part of its name, so ranks with different modes fail
-//! there). What happens depends on [`PoolConfig::check`](crate::PoolConfig::check), the
-//! mode of the handles made from the pool (`Off` at world size 1, below):
+//! there): the records of all the handle's pools form one sequence, so a rank that
+//! reaches the communicators through two pools in crossed order differs from its peers
+//! at the first crossed call ("pool"). A rank has one handle per communicator set (a
+//! second is refused; clone the handle, or see [`Coll::with_pools`]), so every
+//! collective on the communicators is in that one sequence. What happens depends on
+//! [`PoolConfig::check`](crate::PoolConfig::check), the mode of the handles made from
+//! the pool (`Off` at world size 1, below):
 //!
 //! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and
 //!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
 //!   naming the first differing field and each rank's value, and **no data moves**.
 //!   Costs one control-plane round per collective on the calling thread; the round
-//!   and the launch are one step per pool (a second thread waits).
-//! * [`CheckMode::Async`] (the default): the calling thread posts the record into a
-//!   bounded queue ([`PoolConfig::check_queue`](crate::PoolConfig::check_queue) records,
-//!   64 by default) and returns; a background thread of the pool exchanges the posted
-//!   records in batches and compares them. A difference breaks the pool on every rank:
-//!   the next collective fails with [`Error::CollectiveDivergence`], the next pool call
-//!   with [`Error::PoolBroken`]. **Detection bound**: a divergence at this rank's
-//!   collective *k* is reported by its collective *k* + `check_queue` + 1 at the latest
-//!   (a caller that finds the queue full waits for room), and in time within one
+//!   and the launch are one step per handle (a second thread waits).
+//! * [`CheckMode::Async`] (the default): the calling thread posts the record and
+//!   returns; a background thread of the handle exchanges the posted records in
+//!   batches and compares them. A difference breaks the pool on every rank: the next
+//!   collective fails with [`Error::CollectiveDivergence`], the next pool call with
+//!   [`Error::PoolBroken`]. **Bound on the damage**: a rank launches a collective only
+//!   once at most [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default
+//!   **1**) of its earlier records are still to be compared, so after a mismatch at
+//!   this rank's collective *k*, at most `check_queue` further collectives of the rank
+//!   run and return `Ok` (with the default, *k* + 1), and collective
+//!   *k* + `check_queue` + 1 fails with the divergence: with one persistent gather
+//!   buffer, at most `check_queue` + 1 calls of a rank return `Ok` with another call's
+//!   data. (A caller that is further ahead waits for the check, at most twice the
+//!   pool's timeout.) In time, a divergence is reported within one
 //!   control-plane round after the last rank posted record *k*; a rank that skipped
 //!   the last collective of a step is reported when it reaches [`Coll::end_step`] (its
 //!   step record meets the peers' collective record), within one round; without a
@@ -91,7 +101,13 @@
 //! gather pairs its next layer's call with the peers' call for the skipped layer. Give
 //! each call its identity with [`Coll::tagged`] (a `u64`: a hash of the layer, the
 //! parameter group, the step): the records then differ in the field `tag` at the
-//! skipped call (under `Strict` before data moves).
+//! skipped call (under `Strict` before data moves; under `Async` within the bound
+//! above). Once a pool has seen a tagged collective, an untagged one on it fails with
+//! [`Error::Untagged`] (nothing runs), so a loop cannot lose its identity half-way;
+//! [`PoolConfig::require_tags`](crate::PoolConfig::require_tags) refuses every
+//! untagged collective on the pool. Untagged calls of the same shape are caught at
+//! the step boundary at the latest. The crate's example (`fsdp_step`) and Python
+//! package (`symmpool.fsdp.install`) tag every collective and mark every step.
 //!
 //! **Step boundary**: under `Async` and `Strict`, [`Coll::end_step`] (every rank, at
 //! the end of a step) checks, per pool and per communicator, a record of the pool's
@@ -147,19 +163,21 @@ mod call;
 mod path;
 
 pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement};
-pub use call::{CollectiveCalls, NO_TAG, TaggedColl};
+pub use call::{CollectiveCalls, TaggedColl};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
 pub(crate) use path::{PATHS, path_index};
 
+use crate::backend::CollectivesClaim;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord, GrowthPoint};
 use crate::observe::{MemoryStats, StatValue};
 use crate::pool::{GrowthCheck, SymmPool};
 use arc_swap::ArcSwap;
+use call::invalid;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The collectives of one rank on the buffers of one pool (or of several pools of one
 /// backend): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
@@ -198,22 +216,34 @@ pub struct Coll {
 }
 
 struct CollInner {
-    /// The pools, each with its checker and counters (usually one).
+    /// The pools, each with its counters (usually one).
     pools: Vec<PoolColl>,
+    /// The checks of every collective of the handle, over all its pools: one ordered
+    /// stream of records, so that a rank reaching the communicators through two pools
+    /// in crossed order differs from its peers at the first crossed call.
+    checker: Checker,
     /// The path policy: read on every collective without a lock (a snapshot of the
     /// current `Arc`), replaced whole by [`Coll::set_path_policy`].
     policy: ArcSwap<PathPolicy>,
     /// Per communicator: collectives issued on it through this handle, over every
     /// pool of the handle (the records' communicator sequence number).
     comm_seqs: Box<[AtomicU64]>,
+    /// This handle's hold on the backend's communicators (one handle per communicator
+    /// set, so one sequence per communicator); `None` for calibration's handle, which
+    /// runs inside a call of the handle holding them. Declared last, so released after
+    /// the checker has stopped.
+    _claim: Option<CollectivesClaim>,
 }
 
 /// What the handle keeps per pool.
 struct PoolColl {
     pool: SymmPool,
-    checker: Checker,
     /// Collectives issued on this pool (the records' pool collective number).
     collectives: AtomicU64,
+    /// Whether an untagged collective on this pool is refused: the pool requires
+    /// tags ([`PoolConfig::require_tags`](crate::PoolConfig::require_tags)) or has
+    /// seen a tagged one.
+    tags_required: AtomicBool,
     counters: PathCounters,
 }
 
@@ -240,16 +270,28 @@ impl Coll {
     /// [`PoolConfig::check_queue`](crate::PoolConfig::check_queue)), with the default
     /// [`PathPolicy`].
     ///
+    /// One handle per communicator set: while a handle (or a clone of it) lives, a
+    /// second on a pool over the same communicators is refused, since it would number
+    /// their collectives apart from the first. Clone the handle to use it from several
+    /// places, make one handle for several pools with [`with_pools`](Self::with_pools),
+    /// or give a pool used from another thread communicators of its own
+    /// ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators)).
+    ///
     /// # Collective
     /// Every rank makes its handle at the same point (after the same pools and
-    /// handles): the ranks open the pool's check channel, whose name carries the check
-    /// mode. With ranks as threads of one process, make them concurrently.
+    /// handles): the ranks open the handle's check channel, whose name carries the
+    /// check mode. With ranks as threads of one process, make them concurrently
+    /// ([`Coll::group`]); within a rank, make handles in program order, not from two
+    /// threads at once (the ranks would open the channels in different orders:
+    /// [`Error::ChannelMismatch`]).
     ///
     /// # Errors
-    /// [`Error::PoolClosed`]; [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
+    /// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if the pool's communicators
+    /// already have a handle on this rank (with what to do instead);
+    /// [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
     /// the pool's configuration was made (and the code did not set the mode);
     /// [`Error::ChannelMismatch`] on every rank if the ranks' pools or check modes
-    /// differ; [`Error::Timeout`] / [`Error::PeerLost`] if a rank
+    /// differ, or if they made their handles in different orders; [`Error::Timeout`] / [`Error::PeerLost`] if a rank
     /// does not make its handle within the pool's timeout; [`Error::Internal`] if the
     /// [`CheckMode::Async`] check thread (started here, not by a collective) cannot be
     /// started.
@@ -257,17 +299,20 @@ impl Coll {
         Self::with_pools(std::slice::from_ref(pool))
     }
 
-    /// One handle for several pools of one backend: their collectives share the
-    /// per-communicator sequence numbers, so a rank that uses two pools in crossed
-    /// order is caught ("communicator sequence number"). Each pool keeps its own
-    /// check channel, queue and counters; the path policy is the handle's.
+    /// One handle for several pools over the same communicators: their collectives
+    /// share the per-communicator sequence numbers and form one sequence of checked
+    /// records, so a rank that uses two pools in crossed order fails at the first
+    /// crossed call, on the field "pool" (under `Strict` before data moves). Each pool
+    /// keeps its counters; the checks, their mode and the path policy are the
+    /// handle's.
     ///
     /// # Collective
-    /// As [`new`](Self::new), for every pool in order.
+    /// As [`new`](Self::new).
     ///
     /// # Errors
-    /// As [`new`](Self::new); [`Error::InvalidCollective`] if `pools` is empty or
-    /// the pools are not on one backend.
+    /// As [`new`](Self::new); [`Error::InvalidCollective`] if `pools` is empty, if the
+    /// pools are not over the same communicators (a pool with communicators of its
+    /// own has a handle of its own), or if their check modes differ.
     pub fn with_pools(pools: &[SymmPool]) -> Result<Coll> {
         let Some(first) = pools.first() else {
             return Err(Error::InvalidCollective {
@@ -275,57 +320,87 @@ impl Coll {
                 detail: "no pool".into(),
             });
         };
-        let exchange = first.backend().exchange_handle();
-        if pools
-            .iter()
-            .any(|p| !Arc::ptr_eq(&p.backend().exchange_handle(), &exchange))
-        {
-            return Err(Error::InvalidCollective {
-                op: "Coll::with_pools",
-                detail: "the pools are on different backends".into(),
-            });
+        let claim = first.backend().claim_collectives().ok_or_else(|| {
+            invalid(
+                "Coll::new",
+                format!(
+                    "the communicators of pool {:?} already have a collectives handle on this rank; \
+                     a second one would number their collectives apart from the first, and a \
+                     rank using the two in crossed order would pair the wrong calls: clone the \
+                     handle (it is cheap), make one handle for several pools with \
+                     Coll::with_pools, or give a pool used from another thread communicators \
+                     of its own (PoolConfig::with_own_communicators(true))",
+                    first.config().name
+                ),
+            )
+        })?;
+        Self::build(pools, Some(claim))
+    }
+
+    /// The handle of `pools`, holding `claim` (see [`with_pools`](Self::with_pools)).
+    fn build(pools: &[SymmPool], claim: Option<CollectivesClaim>) -> Result<Coll> {
+        let first = &pools[0];
+        let config = first.config();
+        for pool in pools {
+            pool.check_open()?;
+            if let Some(e) = pool.config().check_env_error() {
+                return Err(e);
+            }
+            if !pool.backend().same_communicators(first.backend()) {
+                return Err(invalid(
+                    "Coll::with_pools",
+                    "the pools are on different communicators: make a handle per backend".into(),
+                ));
+            }
+            if pool.config().check != config.check {
+                return Err(invalid(
+                    "Coll::with_pools",
+                    format!(
+                        "pools {:?} and {:?} have different check modes: one handle checks its \
+                         pools' collectives as one sequence, with one mode",
+                        config.name,
+                        pool.config().name
+                    ),
+                ));
+            }
         }
-        let entries = pools
-            .iter()
-            .map(|pool| {
-                pool.check_open()?;
-                let config = pool.config();
-                if let Some(e) = config.check_env_error() {
-                    return Err(e);
-                }
-                // The check mode is part of the name: ranks with different modes fail
-                // here.
-                let channel = pool.backend().exchange().open_channel(
-                    &format!("pool:{}:checks:{}", config.name, config.check.name()),
-                    config.timeout,
-                )?;
-                let site = CheckSite {
-                    pool: config.name.clone(),
-                    channel,
-                    exchange: pool.backend().exchange_handle(),
-                    timeout: config.timeout,
-                    failure: pool.outside_failure(),
-                    abandon: Some(abandon_on(pool)),
-                };
-                // One rank has nobody to compare with: no records, no check thread.
-                let mode = if pool.world_size() == 1 {
-                    CheckMode::Off
-                } else {
-                    config.check
-                };
-                Ok(PoolColl {
-                    pool: pool.clone(),
-                    checker: Checker::new(mode, site, config.check_queue)?,
-                    collectives: AtomicU64::new(0),
-                    counters: PathCounters::default(),
-                })
+        let names = (pools.iter().map(|p| p.config().name.as_str()))
+            .collect::<Vec<_>>()
+            .join("+");
+        // The check mode is part of the name: ranks with different modes fail here.
+        let channel = first.backend().exchange().open_channel(
+            &format!("pool:{names}:checks:{}", config.check.name()),
+            config.timeout,
+        )?;
+        let site = CheckSite {
+            pool: names,
+            channel,
+            exchange: first.backend().exchange_handle(),
+            timeout: config.timeout,
+            failures: pools.iter().map(SymmPool::outside_failure).collect(),
+            abandon: Some(abandon_on(first)),
+        };
+        // One rank has nobody to compare with: no records, no check thread.
+        let mode = if first.world_size() == 1 {
+            CheckMode::Off
+        } else {
+            config.check
+        };
+        let entries = (pools.iter())
+            .map(|pool| PoolColl {
+                pool: pool.clone(),
+                collectives: AtomicU64::new(0),
+                tags_required: AtomicBool::new(pool.config().require_tags),
+                counters: PathCounters::default(),
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect();
         let comms = first.backend().communicators().len();
         let inner = Arc::new(CollInner {
             pools: entries,
+            checker: Checker::new(mode, site, config.check_queue)?,
             policy: ArcSwap::from_pointee(PathPolicy::default()),
             comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
+            _claim: claim,
         });
         // Every growth of the pools is checked among the collectives' records first.
         let weak: std::sync::Weak<CollInner> = Arc::downgrade(&inner);
@@ -333,6 +408,12 @@ impl Coll {
             pool.add_growth_check(weak.clone());
         }
         Ok(Coll { inner })
+    }
+
+    /// The handle of calibration's temporary pool, made inside a call of this handle
+    /// (which holds the communicators: it claims nothing).
+    fn for_calibration(tmp: &SymmPool) -> Result<Coll> {
+        Self::build(std::slice::from_ref(tmp), None)
     }
 
     /// One handle per pool, for ranks that are threads of this process: made
@@ -353,7 +434,7 @@ impl Coll {
     /// [`PoolConfig::check`](crate::PoolConfig::check), or [`CheckMode::Off`] at world
     /// size 1 (one rank has no peer to compare with).
     pub fn check_mode(&self) -> CheckMode {
-        self.inner.pools[0].checker.mode()
+        self.inner.checker.mode()
     }
 
     /// Wait until every collective record this rank posted has been compared with the
@@ -369,11 +450,8 @@ impl Coll {
     /// [`Error::Timeout`] if the records are not compared within twice the pool's
     /// timeout.
     pub fn wait_checks(&self) -> Result<()> {
-        for entry in &self.inner.pools {
-            let deadline = Deadline::after(entry.pool.config().timeout.saturating_mul(2));
-            entry.checker.wait_compared(deadline)?;
-        }
-        Ok(())
+        let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
+        self.inner.checker.wait_compared(deadline)
     }
 
     /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`] (never at
@@ -394,13 +472,14 @@ impl Coll {
     /// # Errors
     /// As [`wait_checks`](Self::wait_checks).
     pub fn end_step(&self) -> Result<()> {
+        let checker = &self.inner.checker;
+        if checker.mode() == CheckMode::Off {
+            return Ok(());
+        }
+        checker.check()?;
+        let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
+        let mut strict = (checker.mode() == CheckMode::Strict).then(|| checker.strict_lock());
         for entry in &self.inner.pools {
-            let checker = &entry.checker;
-            if checker.mode() == CheckMode::Off {
-                continue;
-            }
-            let deadline = Deadline::after(entry.pool.config().timeout.saturating_mul(2));
-            checker.check()?;
             // One record per communicator: its sequence count, with the pool's
             // collective count and call hash (so a rank behind or ahead on any of
             // them fails here, on every rank, in this round).
@@ -415,10 +494,11 @@ impl Coll {
                     (comm as u64, seq),
                     head,
                 );
-                checker.submit(None, record, || deadline)?;
+                checker.submit(strict.as_mut(), record, || deadline)?;
             }
         }
-        self.wait_checks()
+        drop(strict);
+        checker.wait_compared(deadline)
     }
 
     /// The path thresholds the collectives use now ([`PathPolicy::default`] until
@@ -462,6 +542,16 @@ impl Coll {
     }
 }
 
+impl PoolColl {
+    /// Note a tagged collective: untagged ones are refused from now on.
+    #[inline]
+    fn saw_tag(&self) {
+        if !self.tags_required.load(Ordering::Relaxed) {
+            self.tags_required.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 impl GrowthCheck for CollInner {
     /// Check the growth among the pool's collective records: a growth record (the
     /// pool's collective count, call count and hash, the segment's bytes) compared
@@ -473,7 +563,7 @@ impl GrowthCheck for CollInner {
         let Some(entry) = (self.pools.iter()).find(|e| e.pool.channel().ordinal() == pool) else {
             return Ok(());
         };
-        let checker = &entry.checker;
+        let checker = &self.checker;
         if checker.mode() == CheckMode::Off {
             return Ok(());
         }

@@ -110,6 +110,7 @@ impl Error {
             | Error::PoolClosed
             | Error::BuffersAlive { .. }
             | Error::InvalidCollective { .. }
+            | Error::Untagged { .. }
             | Error::BadView(_)
             | Error::GraphCapture
             | Error::NoActivePool
@@ -222,9 +223,10 @@ mod tests {
             Error::NcclAborted { .. } => 45,
             Error::CollectiveDivergence(_) => 46,
             Error::SharedCommunicators { .. } => 47,
+            Error::Untagged { .. } => 48,
         }
     }
-    const VARIANTS: usize = 48;
+    const VARIANTS: usize = 49;
 
     fn io() -> std::io::Error {
         std::io::Error::other("test")
@@ -236,6 +238,14 @@ mod tests {
         let v = crate::NcclVersion::from_code(22_800);
         vec![
             (Error::ZeroSize, K::Usage),
+            (
+                Error::Untagged {
+                    op: "all_gather",
+                    pool: s(),
+                    required: true,
+                },
+                K::Usage,
+            ),
             (
                 Error::SharedCommunicators {
                     pools: vec![s()],

@@ -45,6 +45,9 @@ impl CheckMode {
     }
 }
 
+/// The longest a checker's drop waits for its thread's last round.
+const DROP_WAIT: Duration = Duration::from_secs(2);
+
 /// Most records one async round carries per rank.
 const MAX_BATCH: usize = 256;
 /// Most records an async queue allocates room for when it is made (a record is about
@@ -79,8 +82,9 @@ fn compare(
 struct Verdict {
     broken: AtomicBool,
     divergence: OnceLock<Box<CollectiveDivergence>>,
-    /// The pool's failure slot (the pool turns it into its `broken` state).
-    failure: Arc<OnceLock<String>>,
+    /// The failure slots of the pools checked (each pool turns its slot into its
+    /// `broken` state).
+    failures: Vec<Arc<OnceLock<String>>>,
     /// The peer whose loss failed the checks (rank, how it was noticed): reported as
     /// [`Error::PeerLost`], which a runtime restarts on, not as a broken pool.
     lost: OnceLock<(usize, String)>,
@@ -92,7 +96,7 @@ struct Verdict {
 impl Verdict {
     fn diverged(&self, d: Box<CollectiveDivergence>) {
         tracing::error!(target: "symmpool::coll", divergence = %d, "collective check failed");
-        let _ = self.failure.set(d.to_string());
+        self.break_pools(&d.to_string());
         let _ = self.divergence.set(d);
         // The ranks are out of step: end the collectives that wait for peers who
         // will not come (once).
@@ -105,9 +109,16 @@ impl Verdict {
 
     fn failed(&self, reason: String) {
         tracing::error!(target: "symmpool::coll", reason = %reason, "pool broken");
-        let _ = self.failure.set(reason);
+        self.break_pools(&reason);
         // (A timeout or a lost peer: a collective waiting for them meets the same.)
         self.broken.store(true, Ordering::Release);
+    }
+
+    /// Mark every pool checked broken (the first reason of each wins).
+    fn break_pools(&self, reason: &str) {
+        for slot in &self.failures {
+            let _ = slot.set(reason.to_owned());
+        }
     }
 
     fn divergence_error(&self) -> Option<Error> {
@@ -133,9 +144,7 @@ impl Verdict {
         match self.divergence.get() {
             Some(d) => Error::CollectiveDivergence(d.clone()),
             None => Error::PoolBroken {
-                reason: self
-                    .failure
-                    .get()
+                reason: (self.failures.iter().find_map(|f| f.get()))
                     .cloned()
                     .unwrap_or_else(|| "a collective check failed".into()),
             },
@@ -175,15 +184,16 @@ struct QueueState {
     done: bool,
 }
 
-/// Where a checker compares: the pool's name, its check channel, the exchange.
+/// Where a checker compares: the name of what it checks (its pools' names), its check
+/// channel, the exchange.
 pub(crate) struct CheckSite {
     pub(crate) pool: String,
     pub(crate) channel: ChannelId,
     pub(crate) exchange: Arc<dyn Exchange>,
     /// How long a round waits for the peers.
     pub(crate) timeout: Duration,
-    /// The pool's failure slot: a failed check breaks the pool.
-    pub(crate) failure: Arc<OnceLock<String>>,
+    /// The failure slots of the pools checked: a failed check breaks them all.
+    pub(crate) failures: Vec<Arc<OnceLock<String>>>,
     /// Called once when a check finds a divergence: ends this rank's collectives that
     /// wait for peers who will not come (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon)).
     pub(crate) abandon: Option<Arc<dyn Fn() + Send + Sync>>,
@@ -204,9 +214,10 @@ impl Drop for Checker {
     fn drop(&mut self) {
         // The checker thread finishes the rounds of the records already posted (the
         // peers post theirs) and exits; wait for that, at most the timeout (a round
-        // never waits longer), so that its handle on the exchange is gone when the
-        // checker is.
-        let deadline = Deadline::after(self.site.timeout);
+        // never waits longer) and at most `DROP_WAIT`, so that its handle on the
+        // exchange is gone when the checker is. A thread still in a round then (its
+        // peers have not posted: gone, or far behind) is left to end it on its own.
+        let deadline = Deadline::after(self.site.timeout.min(DROP_WAIT));
         let mut q = self.queue.state.lock();
         q.stop = true;
         self.queue.posted.notify_all();
@@ -246,7 +257,7 @@ impl Checker {
                 broken: AtomicBool::new(false),
                 divergence: OnceLock::new(),
                 lost: OnceLock::new(),
-                failure: site.failure.clone(),
+                failures: site.failures.clone(),
                 abandon: site.abandon.clone(),
             }),
             site: Arc::new(site),
@@ -382,23 +393,26 @@ impl Checker {
         Ok(())
     }
 
-    /// Async: post `record` (waiting for room if the queue is full, until `deadline`
-    /// capped at twice the timeout) and return.
+    /// Async: post `record` and return, once at most `capacity` of this rank's earlier
+    /// records are still to be compared (waiting for that until `deadline`, capped at
+    /// twice the timeout). So the verdict on record *k* is known before record
+    /// *k* + `capacity` + 1 is posted: after a mismatch, at most `capacity` further
+    /// collectives of this rank are launched (and may return `Ok`).
     fn post(&self, record: CollectiveRecord, deadline: impl FnOnce() -> Deadline) -> Result<()> {
         let q = &self.queue;
         let mut st = q.state.lock();
         self.verdict.check()?;
-        if st.pending.len() >= q.capacity {
+        if st.posted - st.compared > q.capacity as u64 {
             // The checker thread waits for the peers' records for at most the
             // timeout, then breaks the pool: wait a little longer than that.
             let patience = self.site.timeout.saturating_mul(2);
             let deadline = deadline().cap(patience);
-            while st.pending.len() >= q.capacity {
+            while st.posted - st.compared > q.capacity as u64 && !st.done {
                 self.verdict.check()?;
                 if q.progress
                     .wait_until(&mut st, deadline.instant())
                     .timed_out()
-                    && st.pending.len() >= q.capacity
+                    && st.posted - st.compared > q.capacity as u64
                 {
                     self.verdict.failed(format!(
                         "the async collective check made no progress for {patience:?}"
@@ -406,6 +420,7 @@ impl Checker {
                     return Err(self.verdict.error());
                 }
             }
+            self.verdict.check()?;
         }
         st.pending.push_back(record);
         st.posted += 1;

@@ -46,8 +46,8 @@ pub(crate) struct CollectiveRecord {
     /// The ordinal of the pool's exchange channel (its identity among the ranks).
     pub(crate) pool: u64,
     /// The caller's identity of the call ([`Coll::tagged`](crate::coll::Coll::tagged));
-    /// 0 when untagged and for a step.
-    pub(crate) tag: u64,
+    /// `None` when untagged and for a step (every `u64`, 0 included, is a tag).
+    pub(crate) tag: Option<u64>,
     /// Collectives issued on this pool so far.
     pub(crate) pool_collective: u64,
     pub(crate) collective: CollKind,
@@ -108,7 +108,7 @@ impl CollectiveRecord {
         CollectiveRecord {
             kind: RecordKind::Step,
             pool,
-            tag: 0,
+            tag: None,
             pool_collective: pool_collectives,
             collective: CollKind::None,
             dtype: None,

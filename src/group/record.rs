@@ -19,16 +19,16 @@ pub(crate) enum Value {
     Name(&'static str),
     /// Free text (a pool's name).
     Text(String),
-    /// A caller's tag of a call (0: none), shown in decimal and hexadecimal.
-    Tag(u64),
+    /// A caller's tag of a call (`None`: untagged), shown in decimal and hexadecimal.
+    Tag(Option<u64>),
 }
 
 impl Value {
     /// The value as an error shows it.
     pub(crate) fn show(&self) -> String {
         match self {
-            Value::Tag(0) => "no tag".to_string(),
-            Value::Tag(v) => format!("{v} ({v:#x})"),
+            Value::Tag(None) => "no tag".to_string(),
+            Value::Tag(Some(v)) => format!("tag {v} ({v:#x})"),
             Value::Number(v) => v.to_string(),
             Value::Hex(v) => format!("{v:#018x}"),
             Value::Name(s) => (*s).to_string(),

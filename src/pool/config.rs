@@ -47,11 +47,22 @@ pub struct PoolConfig {
     /// to compare with: the handles run as [`CheckMode::Off`], so that a one-GPU job
     /// pays nothing for the checks.
     pub check: CheckMode,
-    /// Records an `Async` collectives handle's calling threads may have posted and
-    /// not yet seen compared (default 64): the detection bound in collectives. A
-    /// caller that finds the queue full waits for room (at most twice the pool's
-    /// timeout). The default of the handles made from the pool.
+    /// Under [`CheckMode::Async`], how many collectives a rank may launch after one
+    /// whose check has not yet come back (default 1): after a mismatch at a rank's
+    /// collective *k*, at most this many further collectives of that rank run (and
+    /// may return `Ok`); collective *k* + `check_queue` + 1 fails with the
+    /// divergence. A caller that would exceed it waits for the check (at most twice
+    /// the pool's timeout). Larger values let a rank's host run further ahead of its
+    /// peers' records, at that cost in the bound. The default of the handles made from
+    /// the pool.
     pub check_queue: usize,
+    /// Whether every collective on the pool must carry a tag
+    /// ([`Coll::tagged`](crate::coll::Coll::tagged)): an untagged one fails with
+    /// [`Error::Untagged`](crate::Error::Untagged) (default `false`; a pool that has
+    /// seen a tagged collective refuses untagged ones anyway). Tags give calls of the
+    /// same shape an identity, so that a rank skipping one of them is caught at that
+    /// call, not at the end of the step.
+    pub require_tags: bool,
     /// Whether the pool gets communicators of its own, split for it from the
     /// backend's when it is created ([`Backend::split`](crate::backend::Backend::split),
     /// under the pool's name; default `false`: the pool uses the backend's). Pools
@@ -108,7 +119,8 @@ impl Default for PoolConfig {
             require_symmetric: false,
             name: "pool".into(),
             check,
-            check_queue: 64,
+            check_queue: 1,
+            require_tags: false,
             bad_check_env,
             own_communicators: false,
         }
@@ -119,6 +131,13 @@ impl PoolConfig {
     /// Set the timeout of waits on other ranks.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Set whether every collective on the pool must carry a tag
+    /// ([`require_tags`](Self::require_tags)).
+    pub fn with_require_tags(mut self, require: bool) -> Self {
+        self.require_tags = require;
         self
     }
 

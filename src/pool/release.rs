@@ -170,8 +170,13 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
-    /// errors. A broken pool (on any rank) still closes on every rank (its memory is
-    /// released; the ranks' call histories are not compared then).
+    /// errors. A pool broken on this rank (a divergence, a collective that timed out or
+    /// lost a peer) closes without a round, at once: it releases this rank's memory
+    /// and returns [`Error::PoolBroken`] naming why it broke (the pool is closed; a
+    /// second `close` returns `Ok`), or, while buffers of this rank are alive, the same
+    /// error without closing. (Every rank learns a divergence from the same checks, so
+    /// after one every rank closes this way; a rank whose pool is not broken runs the
+    /// close round, which a broken peer does not join: [`Error::Timeout`] then.)
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
         let mut st = self.state();
@@ -180,6 +185,9 @@ impl SymmPool {
         }
         let live = st.core.stats().allocated_blocks.current;
         let deadline = Deadline::after(self.inner.config.timeout);
+        if let Some(reason) = st.broken.clone() {
+            return self.close_broken(st, live, reason, deadline);
+        }
         let named = if live > 0 {
             live_buffers(&st)
         } else {
@@ -211,6 +219,34 @@ impl SymmPool {
         // If this fails, the segments stay listed and dropping the pool retries.
         self.release_segments(&mut st, deadline)?;
         self.take_deferred_error()
+    }
+
+    /// `close` of a pool broken on this rank (`reason`): the ranks are out of step, so
+    /// no round (a peer may never join it, or may have left already); this rank
+    /// releases its memory alone (deregistration and free are local) and reports why
+    /// the pool broke.
+    fn close_broken(
+        &self,
+        mut st: MutexGuard<'_, PoolState>,
+        live: u64,
+        reason: String,
+        deadline: Deadline,
+    ) -> Result<()> {
+        if live > 0 {
+            return Err(Error::PoolBroken {
+                reason: format!(
+                    "{reason} (not closed: {live} buffers of this rank are alive; drop them and close again)"
+                ),
+            });
+        }
+        st.history.record(CallKind::Close, 0, 0);
+        st.core.release_free_segments();
+        st.closed = true;
+        self.inner.closed.store(true, Ordering::Release);
+        self.release_segments(&mut st, deadline)?;
+        Err(Error::PoolBroken {
+            reason: format!("{reason} (closed: this rank released its memory without a round)"),
+        })
     }
 }
 

@@ -93,7 +93,7 @@ impl Scenario {
         match (self, mode) {
             (Scenario::FreeOrder, _) => "input offset",
             (Scenario::Skip | Scenario::Threads, _) => "input allocation",
-            (Scenario::CrossedPools, _) => "communicator sequence number",
+            (Scenario::CrossedPools, _) => "pool (channel ordinal)",
             (Scenario::SumMax, _) => "reduction",
             (Scenario::CopyEngineSize, _) => "count",
         }
@@ -261,7 +261,7 @@ pub fn run(bs: Vec<Backend>, timeout: Duration, mode: CheckMode, s: Scenario) ->
 }
 
 /// `Strict`: every rank fails at the divergent collective, naming the first differing
-/// field, with its buffers untouched (crossed pools: a timeout before data moves).
+/// field, with its buffers untouched.
 pub fn check_strict(bs: Vec<Backend>, timeout: Duration, s: Scenario) {
     let world = bs.len();
     for (rank, seen) in run(bs, timeout, CheckMode::Strict, s)
@@ -276,14 +276,11 @@ pub fn check_strict(bs: Vec<Backend>, timeout: Duration, s: Scenario) {
             seen.untouched,
             "{s:?} world {world} rank {rank}: data moved"
         );
-        match (&e, s) {
-            (Error::CollectiveDivergence(d), _) => {
+        match &e {
+            Error::CollectiveDivergence(d) => {
                 assert_eq!(d.field, s.field(CheckMode::Strict), "{e}");
                 assert_eq!(d.values.len(), world, "{e}");
             }
-            // Crossed pools: each rank waits in the other pool's check round, so the
-            // strict check ends in a timeout, before any data moves.
-            (Error::Timeout { .. } | Error::GroupBroken { .. }, Scenario::CrossedPools) => {}
             _ => panic!("{s:?} world {world} rank {rank}: {e:?}"),
         }
     }
@@ -293,13 +290,9 @@ pub fn check_strict(bs: Vec<Backend>, timeout: Duration, s: Scenario) {
 /// `wait_checks` names the differing field.
 pub fn check_async(bs: Vec<Backend>, timeout: Duration, s: Scenario) {
     let world = bs.len();
-    // The bound: the divergent collective (at most the second of this rank's calls,
-    // counted over both pools for crossed pools) plus the queue plus one; crossed
-    // pools spread this rank's calls over two queues.
-    let bound = match s {
-        Scenario::CrossedPools => 2 * (2 + Q + 1),
-        _ => 2 + Q + 1,
-    };
+    // The bound: the divergent collective (at most the second of this rank's calls)
+    // plus the queue plus one.
+    let bound = 2 + Q + 1;
     for (rank, seen) in run(bs, timeout, CheckMode::Async, s)
         .into_iter()
         .enumerate()
@@ -315,12 +308,6 @@ pub fn check_async(bs: Vec<Backend>, timeout: Duration, s: Scenario) {
             (Some(Error::CollectiveDivergence(d)), _) => {
                 assert_eq!(d.field, s.field(CheckMode::Async), "{d}");
             }
-            // Crossed pools: the host backends see at once that the ranks' calls come
-            // from different pools (each call carries its pool) and refuse the first
-            // crossed call, naming both pools, before any data moves. Neither rank then
-            // posts the other pool's record, so the checks can only run out of time.
-            (Some(Error::PoolBroken { .. } | Error::Timeout { .. }), Scenario::CrossedPools)
-                if matches!(&e, Error::SharedCommunicators { pools, .. } if pools.len() == 2) => {}
             (other, _) => {
                 panic!("{s:?} world {world} rank {rank}: after {other:?} (first {e:?})")
             }

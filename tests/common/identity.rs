@@ -21,6 +21,9 @@ pub struct Seen {
     pub first: Option<(usize, Error)>,
     /// Whether the failing call's buffer still held what this rank wrote before it.
     pub untouched: bool,
+    /// Calls that returned `Ok` with another call's data: a peer's chunk not from the
+    /// same layer.
+    pub wrong_ok: usize,
     /// `end_step`'s error (also made after a failed call: it returns the verdict).
     pub end: Option<Error>,
     /// From the rank's first collective to the end of `end_step`.
@@ -69,6 +72,7 @@ pub fn step(pool: &SymmPool, plan: Plan) -> Seen {
         calls: 0,
         first: None,
         untouched: false,
+        wrong_ok: 0,
         end: None,
         elapsed: Duration::ZERO,
     };
@@ -101,10 +105,23 @@ pub fn step(pool: &SymmPool, plan: Plan) -> Seen {
         } else {
             coll.all_gather_in_place::<f32>(&gathered, &stream)
         };
-        if let Err(e) = ran {
-            seen.untouched = gathered.read::<f32>().unwrap() == pattern;
-            seen.first = Some((seen.calls, e));
-            break;
+        match ran {
+            Err(e) => {
+                seen.untouched = gathered.read::<f32>().unwrap() == pattern;
+                seen.first = Some((seen.calls, e));
+                break;
+            }
+            Ok(_) => {
+                // Every rank's chunk must be that rank's data of this layer.
+                let got = gathered.read::<f32>().unwrap();
+                let right = (0..world).all(|r| {
+                    (got[r * CHUNK..(r + 1) * CHUNK].iter())
+                        .all(|&v| v == (r * 1000 + layer) as f32)
+                });
+                if !right {
+                    seen.wrong_ok += 1;
+                }
+            }
         }
     }
     seen.end = coll.end_step().err();
