@@ -352,6 +352,212 @@ fn store_start_up_times_out_naming_the_missing_ranks() {
 }
 
 // ---------------------------------------------------------------------------------
+// A rank that does not come is named while the others wait (issue "Safe by default").
+
+/// The warnings of this test binary, kept by one global subscriber.
+mod capture {
+    use std::sync::{Condvar, Mutex, Once};
+    use std::time::{Duration, Instant};
+    use tracing_subscriber::filter::LevelFilter;
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+    use tracing_subscriber::{Layer, Registry};
+
+    static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    static MORE: Condvar = Condvar::new();
+
+    struct Keep;
+
+    struct Message(String);
+
+    impl tracing::field::Visit for Message {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl<S: tracing::Subscriber> Layer<S> for Keep {
+        fn on_event(&self, e: &tracing::Event<'_>, _: Context<'_, S>) {
+            let mut m = Message(String::new());
+            e.record(&mut m);
+            LINES.lock().unwrap().push(m.0);
+            MORE.notify_all();
+        }
+    }
+
+    /// Start keeping warnings (once).
+    pub fn install() {
+        static INSTALL: Once = Once::new();
+        INSTALL.call_once(|| {
+            tracing::subscriber::set_global_default(
+                Registry::default().with(LevelFilter::WARN).with(Keep),
+            )
+            .expect("the only global subscriber of this test binary");
+        });
+    }
+
+    /// The warnings so far that contain every one of `words`, in order.
+    pub fn lines(words: &[&str]) -> Vec<String> {
+        (LINES.lock().unwrap().iter())
+            .filter(|l| words.iter().all(|w| l.contains(w)))
+            .cloned()
+            .collect()
+    }
+
+    /// Wait (up to `timeout`) for `n` warnings that contain every one of `words`.
+    pub fn wait_for(words: &[&str], n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut lines = LINES.lock().unwrap();
+        loop {
+            let seen = (lines.iter())
+                .filter(|l| words.iter().all(|w| l.contains(w)))
+                .count();
+            if seen >= n {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(
+                !left.is_zero(),
+                "no {n} warnings with {words:?} in {timeout:?}: {lines:#?}"
+            );
+            lines = MORE.wait_timeout(lines, left).unwrap().0;
+        }
+    }
+}
+
+/// `who`'s warnings in `op` (on the store `at`): at least two naming `late` as not
+/// arrived, then one saying it arrived, and nothing after that.
+fn warned_then_arrived(at: &str, op: &str, who: &str, late: &str) {
+    let waited = format!("{who} ({at}) has waited");
+    let said = format!("{who} ({at}): ");
+    let mine: Vec<String> = (capture::lines(&[op]).into_iter())
+        .filter(|l| l.contains(&waited) || l.contains(&said))
+        .collect();
+    let arrived = (mine.iter())
+        .position(|l| l.contains(&format!("{said}{late} arrived in {op} after")))
+        .unwrap_or_else(|| panic!("{who}: no arrival: {mine:#?}"));
+    assert_eq!(arrived, mine.len() - 1, "{who} warned after it: {mine:#?}");
+    assert!(arrived >= 2, "{who}: fewer than two warnings: {mine:#?}");
+    for l in &mine[..arrived] {
+        assert!(l.contains(&format!("for {late}, not arrived yet")), "{l}");
+    }
+}
+
+#[test]
+fn a_late_rank_is_named_while_the_others_wait_and_once_more_when_it_comes() {
+    capture::install();
+    let world = 3;
+    let config = |rank: usize, port: u16| {
+        let mut c = store_config(rank, world, port);
+        c.startup_timeout = Duration::from_secs(120);
+        c.wait_warning_interval = Duration::from_millis(100);
+        c
+    };
+    let server = StoreServer::bind("127.0.0.1:0", &config(0, 0)).unwrap();
+    let port = server.local_addr().port();
+    let at = format!("store 127.0.0.1:{port}");
+    let at = at.as_str();
+    let startup = "store start-up";
+    let op = "late-rank store round";
+    let patience = Duration::from_secs(60);
+    let round = |ex: &StoreExchange| {
+        let mine = [ex.rank() as u8];
+        ex.all_gather(ChannelId::CONTROL, op, &mine, patience)
+    };
+    let all = vec![vec![0], vec![1], vec![2]];
+    let (ex0, ex1, ex2) = thread::scope(|s| {
+        // Ranks 0 and 1 start; rank 2 comes once both have named it twice.
+        let r0 = s.spawn(|| StoreExchange::connect_hosting(config(0, port), server));
+        let r1 = s.spawn(|| StoreExchange::connect(config(1, port)));
+        for rank in 0..2 {
+            let who = format!("rank {rank} ({at}) has waited");
+            capture::wait_for(&[startup, &who, "for rank 2,"], 2, patience);
+        }
+        let ex2 = StoreExchange::connect(config(2, port)).unwrap();
+        (
+            r0.join().unwrap().unwrap(),
+            r1.join().unwrap().unwrap(),
+            ex2,
+        )
+    });
+    thread::scope(|s| {
+        // A round that rank 2 joins late, once both others have named it twice.
+        let r0 = s.spawn(|| round(&ex0));
+        let r1 = s.spawn(|| round(&ex1));
+        for rank in 0..2 {
+            let who = format!("rank {rank} ({at}) has waited");
+            capture::wait_for(&[op, &who, "for rank 2,"], 2, patience);
+        }
+        assert_eq!(round(&ex2).unwrap(), all);
+        assert_eq!(r0.join().unwrap().unwrap(), all);
+        assert_eq!(r1.join().unwrap().unwrap(), all);
+    });
+    // A round nobody is late for says nothing.
+    let quiet = "on-time store round";
+    thread::scope(|s| {
+        let hs: Vec<_> = [&ex0, &ex1, &ex2]
+            .into_iter()
+            .map(|ex| s.spawn(move || ex.all_gather(ChannelId::CONTROL, quiet, &[], patience)))
+            .collect();
+        for h in hs {
+            h.join().unwrap().unwrap();
+        }
+    });
+    for rank in 0..2 {
+        let who = format!("rank {rank}");
+        warned_then_arrived(at, startup, &who, "rank 2");
+        warned_then_arrived(at, op, &who, "rank 2");
+    }
+    assert_eq!(capture::lines(&[at, "rank 2 ("]), Vec::<String>::new());
+    assert_eq!(capture::lines(&[at, quiet]), Vec::<String>::new());
+    drop((ex1, ex2));
+    drop(ex0); // the host last
+}
+
+#[test]
+fn a_rank_that_cannot_reach_the_store_says_so_until_it_can() {
+    capture::install();
+    // A port nobody listens on, until rank 0 binds it below.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let config = |rank: usize| {
+        let mut c = store_config(rank, 2, port);
+        c.startup_timeout = Duration::from_secs(120);
+        c.wait_warning_interval = Duration::from_millis(100);
+        c
+    };
+    let at = format!("store 127.0.0.1:{port}");
+    let server = "the store server (rank 0 hosts it)";
+    let (ex0, ex1) = thread::scope(|s| {
+        let r1 = s.spawn(|| StoreExchange::connect(config(1)));
+        let waited = format!("rank 1 ({at}) has waited");
+        capture::wait_for(
+            &["store start-up", &waited, server],
+            2,
+            Duration::from_secs(60),
+        );
+        let bound = StoreServer::bind(("127.0.0.1", port), &config(0)).unwrap();
+        let ex0 = StoreExchange::connect_hosting(config(0), bound).unwrap();
+        (ex0, r1.join().unwrap().unwrap())
+    });
+    // Warnings naming the server (then maybe rank 0, which joins after rank 1
+    // connects), then one that says the wait is over, and nothing after it.
+    let mine = capture::lines(&["store start-up", &format!("rank 1 ({at})")]);
+    let (last, before) = mine.split_last().unwrap();
+    assert!(
+        last.contains(" arrived in store start-up after "),
+        "{mine:#?}"
+    );
+    assert!(before.iter().all(|l| l.contains("has waited")), "{mine:#?}");
+    assert!(before.len() >= 2 && before[1].contains(server), "{mine:#?}");
+    drop(ex1);
+    drop(ex0); // the host last
+}
+
+// ---------------------------------------------------------------------------------
 // Processes. The child role: run when SYMMPOOL_TEST_CHILD is set, a no-op otherwise.
 
 use common::procs::{CHILD, HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS, Job};
@@ -629,7 +835,7 @@ fn preface(version: u16) -> Vec<u8> {
 }
 
 /// The store's protocol version.
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
 
 /// A hello frame as postcard encodes it (all numbers and lengths below 128): token,
 /// job identity (none), rank, world size, host name, pid 1.

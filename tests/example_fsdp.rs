@@ -1,11 +1,12 @@
 //! The FSDP example on the host backend: the loss falls, every mode follows the same
-//! trajectory, nothing registers after the first step, and `--json` has every field.
+//! trajectory, nothing registers after the first step, `--json` has every field, and
+//! the collectives carry their identity (tags and `end_step`) under every check.
 
 #[path = "../examples/fsdp_step/main.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod fsdp_step;
 
-use fsdp_step::{Args, Mode, Spread, Summary, check, run_host};
+use fsdp_step::{Args, Check, Mode, Spread, Summary, check, run_host};
 
 #[test]
 fn every_mode_learns_the_same_trajectory() {
@@ -127,6 +128,86 @@ fn json_summary_has_every_field() {
 }
 
 #[test]
+fn the_summary_says_how_the_collectives_know_who_they_are() {
+    let args = Args {
+        steps: 3,
+        ..Args::host(vec![Mode::Auto, Mode::None])
+    };
+    let results = run_host(&args).unwrap();
+    check(&results).unwrap();
+    let json = |m: Mode| serde_json::to_value(results.iter().find(|r| r.mode == m)).unwrap();
+    let (auto, none) = (json(Mode::Auto), json(Mode::None));
+    assert_eq!(auto["identity"], "tags (step, layer, op) + end_step");
+    assert_eq!(auto["check"], "async");
+    assert_eq!(none["identity"], "no collectives");
+    assert_eq!(
+        fsdp_step::identity_line(&results),
+        "tags (step, layer, op) + end_step, check async; none: no collectives"
+    );
+    // A run of `none` alone issues no collective, and says so.
+    let alone = run_host(&Args {
+        steps: 2,
+        ..Args::host(vec![Mode::None])
+    })
+    .unwrap();
+    assert_eq!(fsdp_step::identity_line(&alone), "no collectives");
+    // One rank has no peer to compare with: the check runs as off, and the line says so.
+    let one = run_host(&Args {
+        steps: 2,
+        ranks: 1,
+        check: Check::Strict,
+        ..Args::host(vec![Mode::Auto])
+    })
+    .unwrap();
+    assert_eq!(
+        fsdp_step::identity_line(&one),
+        "tags (step, layer, op) + end_step, check off (one rank)"
+    );
+}
+
+#[test]
+fn strict_and_async_checks_train_with_equal_losses_on_threads() {
+    let losses = |mode: Check| {
+        let args = Args {
+            steps: 5,
+            check: mode,
+            ..Args::host(vec![Mode::Auto, Mode::Symm])
+        };
+        let results = run_host(&args).unwrap();
+        check(&results).unwrap();
+        assert!(results.iter().all(|r| r.check == mode));
+        assert_eq!(results[0].losses, results[1].losses, "{mode:?}");
+        results[0].losses.clone()
+    };
+    let off = losses(Check::Off);
+    // f32 on the host, the same sums in the same order: the checks change nothing.
+    assert_eq!(losses(Check::Strict), off);
+    assert_eq!(losses(Check::Async), off);
+}
+
+#[test]
+fn strict_and_async_checks_train_with_equal_losses_as_processes() {
+    let run = |mode: &str| {
+        let mut job = Job::start_on_free_port("example_rank_entry", 2, |_| {
+            vec![("CHILD_STEPS", "5".into()), ("CHILD_CHECK", mode.into())]
+        });
+        let codes = job.wait(&[0, 1], Duration::from_secs(120));
+        assert_eq!(codes, vec![0, 0], "{mode}: {:?}", job.seen);
+        let identity = job.expect(0, "identity: ", Duration::from_secs(5));
+        assert_eq!(
+            identity,
+            format!("tags (step, layer, op) + end_step, check {mode}")
+        );
+        let losses = job.expect(0, "@@losses ", Duration::from_secs(5));
+        serde_json::from_str::<Vec<f32>>(&losses).unwrap()
+    };
+    let strict = run("strict");
+    assert_eq!(strict.len(), 5);
+    assert!(strict[4] < strict[0], "the loss fell: {strict:?}");
+    assert_eq!(run("async"), strict);
+}
+
+#[test]
 fn spread_of_a_sample() {
     let s = Spread::of(&[3.0, 1.0, 2.0, 10.0]);
     assert_eq!((s.median, s.min, s.max), (2.5, 1.0, 10.0));
@@ -150,10 +231,18 @@ fn example_rank_entry() {
     args.ranks = world;
     args.hidden = 48; // 48² splits over 2, 3, 4 and 6 ranks
     args.steps = std::env::var("CHILD_STEPS").map_or(30, |s| s.parse().unwrap());
+    if let Ok(c) = std::env::var("CHILD_CHECK") {
+        args.check = clap::ValueEnum::from_str(&c, false).unwrap();
+    }
     args.quiet = false;
+    args.processes = true;
     let code = match fsdp_step::launch::run_as_rank(&args) {
         Ok(Some(results)) => {
             check(&results).unwrap();
+            // The summary as the example prints it (its text), and the losses.
+            fsdp_step::print(&args, &results);
+            let losses = serde_json::to_string(&results[0].losses).unwrap();
+            println!("@@losses {losses}");
             println!("@@done");
             0
         }
@@ -261,10 +350,12 @@ fn the_trace_is_chrome_json_with_every_operation() {
     );
     assert_eq!(names(2), set(&["all-gather", "wait"]));
     assert_eq!(names(3), set(&["reduce-scatter", "sgd", "wait"]));
+    // The step boundary (`end_step`) is a host call of every step that communicates.
     assert!(names(0).is_superset(&set(&[
         "all-gather",
         "reduce-scatter",
         "gemm",
+        "end_step",
         "step",
         "sync"
     ])));

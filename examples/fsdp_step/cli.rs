@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 /// How the collectives are checked across ranks (`--check`): symmpool's
 /// [`CheckMode`](symmpool::CheckMode) (at one rank every mode runs as off: there is no
 /// peer to compare with).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Check {
     /// No checks.
     Off,
@@ -24,6 +25,15 @@ impl Check {
             Check::Off => symmpool::CheckMode::Off,
             Check::Async => symmpool::CheckMode::Async,
             Check::Strict => symmpool::CheckMode::Strict,
+        }
+    }
+
+    /// The `--check` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Check::Off => "off",
+            Check::Async => "async",
+            Check::Strict => "strict",
         }
     }
 }
@@ -233,6 +243,8 @@ pub struct Args {
     pub processes: bool,
     /// Modes to run, interleaved step by step.
     pub modes: Vec<Mode>,
+    /// How every pool checks its collectives across the ranks.
+    pub check: Check,
     /// Print one JSON object per mode instead of the table.
     pub json: bool,
     /// Where to run: `Host` or `Nccl` (never `Auto` once resolved).
@@ -259,6 +271,7 @@ impl Args {
             sm_margin: 0,
             processes: false,
             modes,
+            check: Check::Async,
             json: false,
             backend: BackendChoice::Host,
             quiet: true,
@@ -303,6 +316,7 @@ impl Cli {
             } else {
                 vec![self.comm]
             },
+            check: self.check,
             json: self.json,
             backend,
             quiet: self.quiet,

@@ -220,7 +220,7 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
         let pools = args
             .modes
             .iter()
-            .map(|m| Ok((*m, super::make_pool(*m, b.clone())?)))
+            .map(|m| Ok((*m, super::make_pool(*m, args.check, b.clone())?)))
             .collect::<Result<Vec<(Mode, _)>>>()?;
         let out = super::run_one_rank(&math, pools, args, &barrier);
         math.sync()?;

@@ -72,7 +72,7 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
     let pools = args
         .modes
         .iter()
-        .map(|&mode| Ok((mode, make_pool(mode, backend.clone())?)))
+        .map(|&mode| Ok((mode, make_pool(mode, args.check, backend.clone())?)))
         .collect::<Result<Vec<_>>>()?;
     let barrier = ExchangeBarrier {
         channel: exchange.open_channel("fsdp_step:steps", timeout)?,

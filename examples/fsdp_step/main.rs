@@ -9,7 +9,7 @@
 //! | file | what |
 //! |---|---|
 //! | `main.rs` | pools, `scope`, `alloc`, the two collectives on a stream, statistics, `main` |
-//! | `trainer.rs` | the FSDP step, written once over a `Math` trait |
+//! | `trainer.rs` | the FSDP step, written once over a `Math` trait; each collective's tag, `end_step` |
 //! | `host_math.rs`, `gpu_math.rs` | `Math` with f32 loops on the host, bf16 cuBLAS on GPUs |
 //! | `ranks.rs` | ranks as threads, and a barrier a failing rank breaks |
 //! | `report.rs` | the summary (`--json`), the table, the check |
@@ -43,8 +43,8 @@ mod report;
 pub mod trace;
 mod trainer;
 
-pub use cli::{Args, BackendChoice, Cli, Mode};
-pub use report::{Log, Spread, Summary, check, loss_disagreement};
+pub use cli::{Args, BackendChoice, Check, Cli, Mode};
+pub use report::{Log, Spread, Summary, check, identity_line, loss_disagreement, print};
 
 use clap::Parser;
 use parking_lot::Mutex;
@@ -52,7 +52,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
-use symmpool::coll::{Choice, Path, PathPolicy};
+use symmpool::coll::{Choice, Path, PathPolicy, TaggedColl};
 use symmpool::observe::{MemoryStats, PoolSnapshot, StatValue};
 use symmpool::{
     Backend, Coll, CollectiveCalls, Element, ErrorKind, HostBackend, HostConfig, PoolConfig,
@@ -66,16 +66,13 @@ use trainer::{Math, Trainer};
 //    collectives on its buffers, and its path policy says which NCCL path they prefer
 //    on those windows.
 
-/// The check mode of every pool (`--check`), set once from the command line.
-static CHECK: std::sync::OnceLock<symmpool::CheckMode> = std::sync::OnceLock::new();
-
 /// The pool configuration of `mode`: `ring` registers nothing (plain NCCL); the
-/// collectives are checked as `--check` says (async by default).
-fn pool_config(mode: Mode) -> PoolConfig {
+/// collectives are checked as `check` says (`--check`, async by default).
+fn pool_config(mode: Mode, check: Check) -> PoolConfig {
     PoolConfig::default()
         .with_register(!matches!(mode, Mode::Ring | Mode::None))
         .with_name(mode.name())
-        .with_check(CHECK.get().copied().unwrap_or_default())
+        .with_check(check.mode())
 }
 
 /// The collectives' path preferences of `mode`.
@@ -88,9 +85,9 @@ fn path_policy(mode: Mode) -> PathPolicy {
     }
 }
 
-/// A pool of `mode` over one rank's `backend`.
-fn make_pool(mode: Mode, backend: Backend) -> Result<SymmPool> {
-    SymmPool::new(backend, pool_config(mode))
+/// A pool of `mode` over one rank's `backend`, checked as `check` says.
+fn make_pool(mode: Mode, check: Check, backend: Backend) -> Result<SymmPool> {
+    SymmPool::new(backend, pool_config(mode, check))
 }
 
 /// The collectives handle of `mode`'s pool, with the mode's path preferences
@@ -105,10 +102,13 @@ fn make_coll(mode: Mode, pools: &[SymmPool]) -> Result<Coll> {
 // 2. The two collectives FSDP needs. `symmpool::alloc` takes from the pool of the
 //    enclosing `pool.scope(..)`; `stream` is where the buffer is used and the
 //    collective runs (the pool does not reuse the block until that work is done).
+//    Each call carries its identity, `coll.tagged(tag)` (the trainer's tags: step,
+//    layer, op), so that ranks that skip or reorder a call fail the check there, and
+//    every step ends with `coll.end_step()`.
 
 /// All-gather every rank's `shard` into a new buffer (the layer's whole parameters).
 pub fn all_gather<E: Element>(
-    coll: &Coll,
+    coll: TaggedColl<'_>,
     shard: &SymmBuffer,
     stream: &Stream,
 ) -> Result<(SymmBuffer, Path)> {
@@ -121,7 +121,7 @@ pub fn all_gather<E: Element>(
 /// Sum `full` over the ranks in place: this rank's chunk (`full.len_bytes() / world`
 /// bytes at `rank` times that) holds its shard of the sum afterwards.
 pub fn reduce_scatter_in_place<E: Element>(
-    coll: &Coll,
+    coll: TaggedColl<'_>,
     full: &SymmBuffer,
     stream: &Stream,
 ) -> Result<Path> {
@@ -201,7 +201,7 @@ pub fn run_one_rank<M: Math>(
         // The weight gradients in a pool of their own, as FSDP2's gradients and
         // parameters never share blocks (see `Trainer::grad_pool`); one collectives handle
         // for both.
-        let grads = make_pool(mode, pool.backend().clone())?;
+        let grads = make_pool(mode, args.check, pool.backend().clone())?;
         let coll = make_coll(mode, &[pool.clone(), grads.clone()])?;
         let trainer = pool.scope(|| {
             let data = data.clone();
@@ -298,7 +298,7 @@ pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
     // Each mode gets a host "world" of its own: one backend per rank, sharing memory.
     let mut per_rank: Vec<Vec<(Mode, Backend)>> = (0..args.ranks).map(|_| Vec::new()).collect();
     for &mode in &args.modes {
-        let host = HostConfig::new(args.ranks).with_timeout(pool_config(mode).timeout);
+        let host = HostConfig::new(args.ranks).with_timeout(PoolConfig::default().timeout);
         for (rank, backend) in HostBackend::world(host)?.into_iter().enumerate() {
             per_rank[rank].push((mode, backend));
         }
@@ -308,7 +308,7 @@ pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
         // Making a pool is collective: every rank makes its own, in the same order.
         let pools = backends
             .into_iter()
-            .map(|(mode, backend)| Ok((mode, make_pool(mode, backend)?)))
+            .map(|(mode, backend)| Ok((mode, make_pool(mode, args.check, backend)?)))
             .collect::<Result<Vec<_>>>()?;
         run_one_rank(&host_math::HostMath::default(), pools, args, &barrier)
     })
@@ -333,7 +333,6 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let _ = CHECK.set(cli.check.mode());
     let mut args = cli.resolve(gpu_count());
     let rank_process = launch::is_rank_process(cli.nproc);
     args.processes = rank_process || cli.nproc.is_some();

@@ -1,7 +1,8 @@
 //! What a run reports: a [`Summary`] per mode (the `--json` object), the table,
 //! and the check that the run did what it should.
 
-use super::cli::{Args, BackendChoice, Mode};
+use super::cli::{Args, BackendChoice, Check, Mode};
+use super::trainer::IDENTITY;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use symmpool::coll::Path;
@@ -121,6 +122,14 @@ pub struct Summary {
     pub peak_reserved_bytes: u64,
     /// Peak bytes in allocated blocks.
     pub peak_allocated_bytes: u64,
+    /// How the ranks' collectives know who they are: [`IDENTITY`] (every collective
+    /// tagged with its step, layer and op, `end_step` after every step), or `no
+    /// collectives` for `none`.
+    #[serde(default)]
+    pub identity: String,
+    /// How the collectives were checked across the ranks (`--check`).
+    #[serde(default)]
+    pub check: Check,
     /// Paths of the last step's all-gathers (distinct, `+`-joined).
     pub all_gather_paths: String,
     /// Paths of the last step's reduce-scatters.
@@ -220,12 +229,41 @@ impl Summary {
             segments_large: get("segment.large_pool.current"),
             peak_reserved_bytes: get("reserved_bytes.all.peak"),
             peak_allocated_bytes: get("allocated_bytes.all.peak"),
+            identity: if mode.communicates() {
+                IDENTITY
+            } else {
+                NO_COLLECTIVES
+            }
+            .into(),
+            check: args.check,
             all_gather_paths: paths(ag),
             reduce_scatter_paths: paths(rs),
             losses,
             step_ms: log.step_ms,
             over_ring: None,
             over_none: None,
+        }
+    }
+}
+
+/// The identity of a mode that runs no collectives (`none`).
+const NO_COLLECTIVES: &str = "no collectives";
+
+/// What the summary says of the collectives' identity: the communicating modes' (and
+/// the check that compares it across the ranks), and `none`'s where it ran.
+pub fn identity_line(results: &[Summary]) -> String {
+    let talking = results.iter().find(|r| r.mode.communicates());
+    let silent = results.iter().any(|r| !r.mode.communicates());
+    match talking {
+        None => NO_COLLECTIVES.into(),
+        Some(r) => {
+            let check = match r.check {
+                // One rank has no peer to compare with: symmpool runs every check as off.
+                _ if r.ranks == 1 => "off (one rank)",
+                c => c.name(),
+            };
+            let none = if silent { "; none: no collectives" } else { "" };
+            format!("{}, check {check}{none}", r.identity)
         }
     }
 }
@@ -311,6 +349,7 @@ pub fn print(args: &Args, results: &[Summary]) {
             String::new()
         }
     );
+    out!("identity: {}", identity_line(results));
     out!(
         "{:<5} {:>8} {:>7} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
         "",

@@ -28,6 +28,12 @@
 //!
 //! Every buffer comes from `symmpool::alloc`, that is from the pool of the caller's
 //! `SymmPool::scope`.
+//!
+//! Every collective carries its identity ([`tag`]: the step it belongs to, its layer,
+//! all-gather or reduce-scatter), and every step ends with `Coll::end_step` on every
+//! rank, once the step's device work is queued: under `--check strict` or `async` a
+//! rank that skips, adds or reorders a collective fails at that call (or at the end of
+//! its step at the latest), on every rank, naming what differs.
 
 use super::cli::Args;
 use super::trace::{self, Recorder};
@@ -39,6 +45,27 @@ use std::sync::Arc;
 use std::time::Instant;
 use symmpool::coll::Path;
 use symmpool::{Coll, Element, Result, Stream, SymmBuffer, SymmPool, alloc};
+
+/// What a collective of the step is, in its [`tag`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// A layer's parameters gathered.
+    AllGather = 1,
+    /// A layer's weight gradient reduce-scattered.
+    ReduceScatter = 2,
+}
+
+/// How the collectives know who they are, as the summary reports it.
+pub const IDENTITY: &str = "tags (step, layer, op) + end_step";
+
+/// The identity of a collective, the tag it carries: `op << 56 | step << 24 | layer`
+/// (the step modulo 2³², the layer modulo 2²⁴; so `0x01_00000007_000003` is step 7's
+/// all-gather of layer 3). Never 0, symmpool's untagged calls. Every rank computes
+/// the same tag for the same call, so that ranks making different calls fail the
+/// check at that call, naming the field `tag`.
+pub fn tag(step: usize, layer: usize, op: Op) -> u64 {
+    ((op as u64) << 56) | ((step as u64 & 0xffff_ffff) << 24) | (layer as u64 & 0xff_ffff)
+}
 
 /// Which of a rank's three streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -291,14 +318,15 @@ impl<'m, M: Math> Trainer<'m, M> {
         })
     }
 
-    /// Gather layer `l`'s parameters on the all-gather stream, counting its path in
-    /// this step's; the event marks completion.
+    /// Gather layer `l`'s parameters for step `k` on the all-gather stream, counting
+    /// its path in this step's; the event marks completion.
     fn fetch(
         &mut self,
         tr: &mut Option<Recorder<M::Mark>>,
+        k: usize,
         l: usize,
     ) -> Result<(SymmBuffer, M::Ev)> {
-        let (full, arrived, path) = self.gather(tr, l)?;
+        let (full, arrived, path) = self.gather(tr, k, l)?;
         self.ag_paths.extend(path);
         Ok((full, arrived))
     }
@@ -307,12 +335,14 @@ impl<'m, M: Math> Trainer<'m, M> {
     fn gather(
         &self,
         tr: &mut Option<Recorder<M::Mark>>,
+        k: usize,
         l: usize,
     ) -> Result<(SymmBuffer, M::Ev, Option<Path>)> {
         let m = self.math;
         let ag = m.stream(On::AllGather);
         let (full, path) = if let Some(coll) = &self.communicate {
             let shard = &self.shards[l];
+            let coll = coll.tagged(tag(k, l, Op::AllGather));
             let (full, path) = trace::op(tr, m, On::AllGather, "all-gather", Some(l), || {
                 all_gather::<M::E>(coll, shard, ag)
             })?;
@@ -357,7 +387,7 @@ impl<'m, M: Math> Trainer<'m, M> {
                 self.ag_paths.extend(path);
                 ahead.push_back((params, arrived));
             }
-            None => ahead.push_back(self.fetch(&mut tr, 0)?),
+            None => ahead.push_back(self.fetch(&mut tr, k, 0)?),
         }
         let mut fetched = 1;
         let mut cur = None;
@@ -368,7 +398,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             })?;
             // Layers up to l + prefetch are gathered beside this GEMM: issued before it.
             while fetched < layers && fetched <= l + depth {
-                ahead.push_back(self.fetch(&mut tr, fetched)?);
+                ahead.push_back(self.fetch(&mut tr, k, fetched)?);
                 fetched += 1;
             }
             let input = if l == 0 { x } else { &self.acts[l - 1] };
@@ -433,7 +463,7 @@ impl<'m, M: Math> Trainer<'m, M> {
                 })?;
             }
             while let Some(j) = to_fetch.next_if(|&j| j + depth >= l) {
-                ahead.push_back(self.fetch(&mut tr, j)?);
+                ahead.push_back(self.fetch(&mut tr, k, j)?);
             }
             let next = ahead.pop_front();
             let input = if l == 0 { x } else { &self.acts[l - 1] };
@@ -485,6 +515,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             // the summed gradient (no second buffer; at world size 1 no copy at all).
             let rs = m.stream(On::ReduceScatter);
             if let Some(coll) = &self.communicate {
+                let coll = coll.tagged(tag(k, l, Op::ReduceScatter));
                 let path = trace::op(
                     &mut tr,
                     m,
@@ -535,7 +566,13 @@ impl<'m, M: Math> Trainer<'m, M> {
             trace::op(&mut tr, m, On::AllGather, "wait", None, || {
                 m.wait_for(On::AllGather, &updated)
             })?;
-            self.first = Some(self.gather(&mut tr, 0)?);
+            self.first = Some(self.gather(&mut tr, k + 1, 0)?);
+        }
+        // The step boundary, on every rank: one control-plane round that checks that
+        // the ranks made the same collectives and pool calls this step. After the
+        // step's device work is queued, so that the device runs while the host waits.
+        if let Some(coll) = &self.communicate {
+            trace::host(&mut tr, "end_step", None, || coll.end_step())?;
         }
         trace::host(&mut tr, "sync", None, || m.sync())?;
         let sumsq = m.read_sums(&self.sums)?[0] as f64;

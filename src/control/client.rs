@@ -3,6 +3,7 @@
 use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
 use super::store::StoreServer;
+use super::waiting::{WaitWarnings, Who, ranks};
 use super::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError, Refusal,
     SharedStream, ToClient, ToServer,
@@ -34,6 +35,10 @@ use std::time::{Duration, Instant};
 ///
 /// Later calls after any rank has left fail with [`Error::PeerLost`] naming it: leaving
 /// is final, like a crash, for the ranks still using the group.
+///
+/// A rank waiting long (for the server, for the others to join, in a round) logs a
+/// warning naming the ranks it waits for every
+/// [`StoreConfig::wait_warning_interval`], and once more when they come.
 pub struct StoreExchange {
     shared: Arc<ClientShared>,
     reader: Option<JoinHandle<()>>,
@@ -74,6 +79,9 @@ struct ClientShared {
 /// their results directly, without waking another thread.
 struct Inbox {
     results: HashMap<(u64, u64), Vec<Vec<u8>>>,
+    /// The server's word on rounds that wait long: the ranks that have not
+    /// contributed, by (channel, round) (see [`ToClient::Waiting`]).
+    waiting: HashMap<(u64, u64), Vec<u32>>,
     broken: Option<Broken>,
     present: Vec<u32>,
     all_joined: bool,
@@ -91,6 +99,7 @@ impl Inbox {
         let now = Instant::now();
         Inbox {
             results: HashMap::new(),
+            waiting: HashMap::new(),
             broken: None,
             present: Vec::new(),
             all_joined: false,
@@ -188,6 +197,13 @@ impl ClientShared {
                     }
                     Ok(ToClient::Broken(b)) => inbox.set_broken(b),
                     Ok(ToClient::Joined { present }) => inbox.present = present,
+                    Ok(ToClient::Waiting {
+                        channel,
+                        round,
+                        missing,
+                    }) => {
+                        inbox.waiting.insert((channel, round), missing);
+                    }
                     Ok(ToClient::AllJoined) => inbox.all_joined = true,
                     Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
                     Ok(ToClient::Reject { reason, .. }) => {
@@ -378,7 +394,10 @@ impl StoreExchange {
             None => vec![format!("{}:{}", launch.master_addr, launch.master_port)],
         };
         let target = targets[0].clone();
-        let (stream, reader) = join_store(&config, &target, deadline)?;
+        // One wait, warned about every interval: for the server, then for the ranks.
+        let mut warnings =
+            WaitWarnings::new("store start-up", started, config.wait_warning_interval);
+        let (stream, reader) = join_store(&config, &target, deadline, &mut warnings)?;
         let shared = Arc::new(ClientShared {
             server: target,
             writer: Mutex::new(stream.clone()),
@@ -408,17 +427,28 @@ impl StoreExchange {
             ops: Mutex::new(vec!["store start-up", "open_channel"]),
             linger: config.linger,
         };
-        // Wait for every rank to join.
-        let inbox = ex
-            .shared
-            .wait_until(deadline, |ib| ib.all_joined || ib.broken.is_some());
+        // Wait for every rank to join, naming the missing ones while waiting long.
+        let inbox = loop {
+            let inbox = (ex.shared).wait_until(warnings.until(deadline), |ib| {
+                ib.all_joined || ib.broken.is_some()
+            });
+            if inbox.all_joined || inbox.broken.is_some() || deadline.expired() {
+                break inbox;
+            }
+            if warnings.due() {
+                let missing = ex.missing(&inbox.present);
+                drop(inbox);
+                warnings.warn(&ex.who(), ranks(&missing), deadline);
+            }
+        };
+        if inbox.all_joined {
+            warnings.arrived(&ex.who());
+        }
         if !inbox.all_joined {
             if let Some(b) = &inbox.broken {
                 return Err(ex.error_for(b, "store start-up"));
             }
-            let missing = (0..ex.rounds.world_size)
-                .filter(|r| !inbox.present.contains(&(*r as u32)))
-                .collect();
+            let missing = ex.missing(&inbox.present);
             drop(inbox);
             return Err(Error::Timeout {
                 op: "store start-up",
@@ -434,6 +464,22 @@ impl StoreExchange {
             started.elapsed()
         );
         Ok(ex)
+    }
+
+    /// The ranks of the group that are not in `present`, this one left out.
+    fn missing(&self, present: &[u32]) -> Vec<usize> {
+        (0..self.rounds.world_size)
+            .filter(|r| *r != self.rounds.rank && !present.contains(&(*r as u32)))
+            .collect()
+    }
+
+    /// This rank, as a warning names it.
+    fn who(&self) -> Who<'_> {
+        Who {
+            rank: self.rounds.rank,
+            on: "store",
+            at: &self.shared.server,
+        }
     }
 
     /// A static name for a remote op name, when this rank has used the same one (all
@@ -490,6 +536,7 @@ fn join_store(
     config: &StoreConfig,
     target: &str,
     deadline: Deadline,
+    warnings: &mut WaitWarnings,
 ) -> Result<(SharedStream, FrameReader<SharedStream>)> {
     let launch = &config.launch;
     let job = config.job_id.clone().unwrap_or_default();
@@ -508,7 +555,7 @@ fn join_store(
     };
     let mut busy_delay = Duration::from_millis(5);
     loop {
-        let stream = SharedStream::new(connect_retrying(target, deadline, config.startup_timeout)?);
+        let stream = SharedStream::new(connect_retrying(config, target, deadline, warnings)?);
         let _ = stream.set_nodelay(true);
         // Writes to a server that stops reading fail after a heartbeat timeout.
         stream
@@ -574,8 +621,20 @@ fn join_store(
     }
 }
 
-/// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`.
-fn connect_retrying(target: &str, deadline: Deadline, startup: Duration) -> Result<TcpStream> {
+/// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`, with
+/// `warnings` while the server cannot be reached.
+fn connect_retrying(
+    config: &StoreConfig,
+    target: &str,
+    deadline: Deadline,
+    warnings: &mut WaitWarnings,
+) -> Result<TcpStream> {
+    let startup = config.startup_timeout;
+    let who = Who {
+        rank: config.launch.rank,
+        on: "store",
+        at: target,
+    };
     let mut delay = Duration::from_millis(20);
     loop {
         let err = match target.to_socket_addrs() {
@@ -621,6 +680,10 @@ fn connect_retrying(target: &str, deadline: Deadline, startup: Duration) -> Resu
                 source: err,
             });
         }
+        if warnings.due() {
+            let server = "the store server (rank 0 hosts it)".to_string();
+            warnings.warn(&who, server, deadline);
+        }
         thread::sleep(delay.min(left));
         delay = (delay * 2).min(Duration::from_secs(1));
     }
@@ -647,10 +710,31 @@ impl GatherRounds for StoreExchange {
                 self.shared.server
             ));
         }
-        let mut inbox = self.shared.wait_until(r.deadline, |ib| {
-            ib.results.contains_key(&key) || ib.broken.is_some()
-        });
+        // The server says when the round has waited long, naming who has not
+        // contributed (`ToClient::Waiting`): this rank warns then, not on a timer.
+        let mut warnings = WaitWarnings::new(r.op, r.started, Duration::MAX);
+        let mut inbox = loop {
+            let mut inbox = self.shared.wait_until(r.deadline, |ib| {
+                ib.results.contains_key(&key)
+                    || ib.broken.is_some()
+                    || ib.waiting.contains_key(&key)
+            });
+            // (An empty map is not hashed into: nothing on a round's usual path.)
+            let notice = (!inbox.waiting.is_empty())
+                .then(|| inbox.waiting.remove(&key))
+                .flatten();
+            match notice {
+                Some(missing) if !inbox.results.contains_key(&key) && inbox.broken.is_none() => {
+                    drop(inbox);
+                    let missing: Vec<usize> = missing.into_iter().map(|m| m as usize).collect();
+                    warnings.warn(&self.who(), ranks(&missing), r.deadline);
+                }
+                _ => break inbox,
+            }
+        };
         if let Some(result) = inbox.results.remove(&key) {
+            drop(inbox);
+            warnings.arrived(&self.who());
             return Ok(result);
         }
         if let Some(b) = &inbox.broken {

@@ -84,6 +84,13 @@ pub struct StoreConfig {
     /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
     /// `SYMMPOOL_SERVER_SPIN_US`.
     pub server_spin: Option<Duration>,
+    /// How often a rank waiting for other ranks (to join at start-up, or to contribute
+    /// to a round) logs a warning naming them (default
+    /// [`WAIT_WARNING_INTERVAL`](super::WAIT_WARNING_INTERVAL), 30 s; not zero), and
+    /// once more when they arrive. For rounds the hosting rank's server keeps the
+    /// time, at its own setting, and tells the waiting ranks, which log it. Env
+    /// `SYMMPOOL_WAIT_WARNING_MS`.
+    pub wait_warning_interval: Duration,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -103,6 +110,7 @@ impl fmt::Debug for StoreConfig {
             .field("linger", &self.linger)
             .field("spin", &self.spin)
             .field("server_spin", &self.server_spin)
+            .field("wait_warning_interval", &self.wait_warning_interval)
             .finish()
     }
 }
@@ -131,6 +139,7 @@ impl StoreConfig {
             linger: Duration::from_secs(10),
             spin: Duration::from_micros(50),
             server_spin: None,
+            wait_warning_interval: super::WAIT_WARNING_INTERVAL,
         }
     }
 
@@ -191,6 +200,7 @@ impl StoreConfig {
             &mut cfg.heartbeat_interval,
         )?;
         ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
+        ms("SYMMPOOL_WAIT_WARNING_MS", &mut cfg.wait_warning_interval)?;
         if let Some(n) = whole("SYMMPOOL_MAX_HANDSHAKES", "handshakes")? {
             cfg.max_handshakes =
                 usize::try_from(n)
@@ -226,6 +236,9 @@ impl StoreConfig {
         }
         if self.max_handshakes == 0 {
             return bad("max_handshakes must not be zero");
+        }
+        if self.wait_warning_interval.is_zero() {
+            return bad("wait_warning_interval (SYMMPOOL_WAIT_WARNING_MS) must not be zero");
         }
         if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
             return bad(&format!(
@@ -312,6 +325,22 @@ mod tests {
         bad.push(("SYMMPOOL_HEARTBEAT_INTERVAL_MS", "soon"));
         let e = config("1", &bad).unwrap_err();
         assert_eq!(variable(e), "SYMMPOOL_HEARTBEAT_INTERVAL_MS");
+    }
+
+    #[test]
+    fn the_wait_warning_interval_is_30_s_unless_set_and_never_zero() {
+        let plain = config("0", &[]).unwrap();
+        assert_eq!(plain.wait_warning_interval, Duration::from_secs(30));
+        let set = config("0", &[("SYMMPOOL_WAIT_WARNING_MS", "250")]).unwrap();
+        assert_eq!(set.wait_warning_interval, Duration::from_millis(250));
+        let e = config("0", &[("SYMMPOOL_WAIT_WARNING_MS", "often")]).unwrap_err();
+        assert_eq!(variable(e), "SYMMPOOL_WAIT_WARNING_MS");
+        let zero = config("0", &[("SYMMPOOL_WAIT_WARNING_MS", "0")]).unwrap();
+        let e = crate::control::StoreServer::bind("127.0.0.1:0", &zero).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidConfig(ref m) if m.contains("wait_warning_interval")),
+            "{e}"
+        );
     }
 
     #[test]

@@ -24,6 +24,7 @@
 //! [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
 //! round trip of that moment. A timeout on any rank breaks the group for good.
 
+use super::waiting::{WAIT_WARNING_INTERVAL, WaitWarnings, Who, ranks};
 use super::{ChannelId, GatherRounds, Round, Rounds};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
@@ -89,6 +90,10 @@ pub struct KvConfig {
     /// The longest single wait on the store: how often a waiting rank looks whether
     /// another rank broke the group (default 1 s).
     pub poll: Duration,
+    /// How often a rank waiting in a round logs a warning naming the ranks whose keys
+    /// are missing (default [`WAIT_WARNING_INTERVAL`], 30 s), and once more when they
+    /// come. Each warning costs one `check` of the store per rank.
+    pub wait_warning_interval: Duration,
 }
 
 impl KvConfig {
@@ -97,12 +102,19 @@ impl KvConfig {
         KvConfig {
             prefix: prefix.into(),
             poll: Duration::from_secs(1),
+            wait_warning_interval: WAIT_WARNING_INTERVAL,
         }
     }
 
     /// Set the longest single wait (at least 1 ms).
     pub fn with_poll(mut self, poll: Duration) -> Self {
         self.poll = poll.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Set how often a long wait warns (at least 1 ms).
+    pub fn with_wait_warning_interval(mut self, interval: Duration) -> Self {
+        self.wait_warning_interval = interval.max(Duration::from_millis(1));
         self
     }
 }
@@ -117,7 +129,9 @@ impl KvConfig {
 /// A rank whose wait reaches its deadline writes its rank and operation to
 /// `PREFIX/broken/reason`, increments `PREFIX/broken`, withdraws its key and fails
 /// with [`Error::Timeout`]; every rank checks the counter before each round and between
-/// slices, and fails with [`Error::GroupBroken`] once it is set.
+/// slices, and fails with [`Error::GroupBroken`] once it is set. A rank waiting long
+/// logs a warning naming the ranks whose keys are missing every
+/// [`KvConfig::wait_warning_interval`], and once more when they come.
 ///
 /// # Failure-detection bound
 /// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
@@ -236,6 +250,17 @@ impl<S: KvStore> KvExchange<S> {
         Ok(())
     }
 
+    /// The ranks whose keys of a round (`keys`, by rank) are missing.
+    fn missing(&self, keys: &[String]) -> Result<Vec<usize>> {
+        let mut missing = Vec::new();
+        for (k, key) in keys.iter().enumerate() {
+            if !self.store.check(std::slice::from_ref(key))? {
+                missing.push(k);
+            }
+        }
+        Ok(missing)
+    }
+
     /// Break the group after this rank's timeout in `op`.
     fn break_group(&self, op: &'static str, own_key: &str) {
         *self.broken.lock() = Some((self.rounds.rank, op));
@@ -257,23 +282,28 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
             .collect();
         let own = &keys[self.rounds.rank];
         self.store.set(own, r.payload)?;
+        let mut warnings = WaitWarnings::new(r.op, r.started, self.config.wait_warning_interval);
+        let who = Who {
+            rank: self.rounds.rank,
+            on: "key-value store",
+            at: &self.config.prefix,
+        };
         loop {
-            let slice = r
-                .deadline
-                .remaining()
+            let slice = (warnings.until(r.deadline).remaining())
                 .min(self.config.poll)
                 .max(Duration::from_millis(1));
             if self.store.wait(&keys, slice)? {
                 break;
             }
             self.check_broken()?;
-            if r.deadline.expired() {
-                let mut missing = Vec::new();
-                for (k, key) in keys.iter().enumerate() {
-                    if !self.store.check(std::slice::from_ref(key))? {
-                        missing.push(k);
-                    }
+            if warnings.due() && !r.deadline.expired() {
+                let missing = self.missing(&keys)?;
+                if !missing.is_empty() {
+                    warnings.warn(&who, ranks(&missing), r.deadline);
                 }
+            }
+            if r.deadline.expired() {
+                let missing = self.missing(&keys)?;
                 if missing.is_empty() {
                     break;
                 }
@@ -285,6 +315,7 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
                 });
             }
         }
+        warnings.arrived(&who);
         // A rank that timed out may have posted before it gave up: do not pair with it.
         self.check_broken()?;
         let mut out = Vec::with_capacity(self.rounds.world_size);
@@ -396,6 +427,43 @@ mod tests {
         let map = mem.map.lock();
         let keys: Vec<_> = map.keys().filter(|k| k.starts_with("t/1/")).collect();
         assert_eq!(keys.len(), 3, "{keys:?}");
+    }
+
+    #[test]
+    fn a_late_rank_is_named_while_the_others_wait() {
+        use crate::control::waiting::capture;
+        capture::install();
+        let mem = Arc::new(Mem::default());
+        let cfg = KvConfig::new("late")
+            .with_poll(Duration::from_millis(20))
+            .with_wait_warning_interval(Duration::from_millis(30));
+        let ex: Vec<_> = (0..3)
+            .map(|r| KvExchange::new(mem.clone(), r, 3, cfg.clone()).unwrap())
+            .collect();
+        let op = "late-rank kv round";
+        let round = |e: &KvExchange<Arc<Mem>>| {
+            e.all_gather(
+                ChannelId::CONTROL,
+                op,
+                &[e.rank() as u8],
+                Duration::from_secs(60),
+            )
+        };
+        std::thread::scope(|s| {
+            let early: Vec<_> = ex[..2].iter().map(|e| s.spawn(move || round(e))).collect();
+            for rank in 0..2 {
+                let who = format!("rank {rank} (key-value store late) has waited");
+                capture::wait_for(&[op, &who, "for rank 2,"], 2, Duration::from_secs(60));
+            }
+            assert_eq!(round(&ex[2]).unwrap(), vec![vec![0], vec![1], vec![2]]);
+            for h in early {
+                assert_eq!(h.join().unwrap().unwrap(), vec![vec![0], vec![1], vec![2]]);
+            }
+        });
+        for rank in 0..2 {
+            let who = format!("rank {rank} (key-value store late)");
+            crate::control::waiting::tests::warned_then_arrived(op, &who, "rank 2");
+        }
     }
 
     #[test]

@@ -30,6 +30,17 @@
 //! So a surviving rank waiting in an exchange fails within **`T + I`** (6 s with the
 //! defaults) of the loss, plus scheduling delays, whatever its own per-call timeout.
 //!
+//! # A rank that does not come
+//!
+//! A rank that is alive but does not arrive (still starting, stuck elsewhere, never
+//! launched) is not a loss: the others wait for it until their deadline (10 min at
+//! start-up). While they wait, every wait on other ranks (the store's start-up and
+//! rounds, a [`KvExchange`]'s rounds, a [`LocalExchange`]'s and the host backend's)
+//! logs a warning (`tracing`, target `symmpool::control`) naming the ranks not yet
+//! arrived and how long it has waited, every [`WAIT_WARNING_INTERVAL`] (30 s;
+//! [`StoreConfig::wait_warning_interval`], [`KvConfig::wait_warning_interval`]), and
+//! once more when they arrive. A wait shorter than that logs nothing.
+//!
 //! # Why blocking sockets and threads
 //!
 //! The store carries a few hundred bytes per pool operation among at most a few
@@ -49,6 +60,7 @@ mod local;
 mod mailbox;
 mod rendezvous;
 mod store;
+mod waiting;
 mod wire;
 
 use crate::deadline::Deadline;
@@ -67,6 +79,7 @@ pub use kv::{KvConfig, KvExchange, KvStore};
 pub use local::LocalExchange;
 pub(crate) use rendezvous::Rendezvous;
 pub use store::{ServerStats, StoreServer};
+pub use waiting::WAIT_WARNING_INTERVAL;
 
 /// One independent sequence of all-gather rounds of an [`Exchange`].
 ///

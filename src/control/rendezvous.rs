@@ -1,11 +1,12 @@
 //! [`Rendezvous`]: rounds of a gather among the threads of one process, what
 //! [`LocalExchange`](super::LocalExchange) and the host backend pair their ranks with.
 
+use super::waiting::{WAIT_WARNING_INTERVAL, WaitWarnings, Who, ranks};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Rounds of a gather among the threads of one process, matched by a key of the
 /// caller's (a channel and round, a round number). A round is dropped once every rank
@@ -16,10 +17,15 @@ use std::time::Instant;
 /// key, fails with [`Error::GroupBroken`]. After a timeout the ranks' round counters
 /// are out of step, and pairing later rounds would match different calls with each
 /// other.
+///
+/// A gather that waits longer than [`WAIT_WARNING_INTERVAL`] logs a warning naming the
+/// ranks not yet posted, again every interval, and once more when they post.
 pub(crate) struct Rendezvous<K, T> {
     world: usize,
     state: Mutex<RvState<K, T>>,
     cv: Condvar,
+    /// How often a long wait warns ([`WAIT_WARNING_INTERVAL`]; shorter in tests).
+    warn_every: Duration,
 }
 
 struct RvState<K, T> {
@@ -43,11 +49,20 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 broken: None,
             }),
             cv: Condvar::new(),
+            warn_every: WAIT_WARNING_INTERVAL,
         }
     }
 
+    /// Warn every `interval` (instead of [`WAIT_WARNING_INTERVAL`]) in a long wait.
+    #[cfg(test)]
+    pub(crate) fn with_wait_warning_interval(mut self, interval: Duration) -> Self {
+        self.warn_every = interval;
+        self
+    }
+
     /// Post `value` for `rank` in the round `key` and wait until every rank has posted
-    /// in that round, or `deadline` passes; every rank's value, in rank order.
+    /// in that round, or `deadline` passes; every rank's value, in rank order. A long
+    /// wait warns, naming the ranks not posted (see [`Rendezvous`]).
     ///
     /// # Errors
     /// [`Error::Timeout`] once `deadline` passes (which breaks the group; `waited` is
@@ -73,6 +88,12 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
         });
         entry.posted[rank] = Some(value);
         self.cv.notify_all();
+        let mut warnings = WaitWarnings::new(op, started, self.warn_every);
+        let who = Who {
+            rank,
+            on: "",
+            at: "",
+        };
         loop {
             if let Some(r) = state.rounds.get_mut(&key)
                 && let Some(out) = r.posted.iter().cloned().collect::<Option<Vec<T>>>()
@@ -81,6 +102,8 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 if r.read == world {
                     state.rounds.remove(&key);
                 }
+                drop(state);
+                warnings.arrived(&who);
                 return Ok(out);
             }
             if let Some((by, what)) = state.broken {
@@ -88,14 +111,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 return Err(Error::GroupBroken { rank: by, op: what });
             }
             if deadline.expired() {
-                let missing = state.rounds.get(&key).map_or_else(Vec::new, |r| {
-                    r.posted
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| p.is_none())
-                        .map(|(i, _)| i)
-                        .collect()
-                });
+                let missing = Self::missing(&state, key);
                 Self::withdraw(&mut state, key, rank);
                 state.broken = Some((rank, op));
                 self.cv.notify_all();
@@ -105,8 +121,25 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                     missing_ranks: missing,
                 });
             }
-            self.cv.wait_until(&mut state, deadline.instant());
+            if warnings.due() {
+                let missing = ranks(&Self::missing(&state, key));
+                // Logged without the lock, which the other ranks need to post.
+                MutexGuard::unlocked(&mut state, || warnings.warn(&who, missing, deadline));
+                continue; // the round may have completed meanwhile
+            }
+            self.cv
+                .wait_until(&mut state, warnings.until(deadline).instant());
         }
+    }
+
+    /// The ranks that have not posted in the round `key`.
+    fn missing(state: &RvState<K, T>, key: K) -> Vec<usize> {
+        state.rounds.get(&key).map_or_else(Vec::new, |r| {
+            (r.posted.iter().enumerate())
+                .filter(|(_, p)| p.is_none())
+                .map(|(i, _)| i)
+                .collect()
+        })
     }
 
     /// Break the group as a timeout of `rank` in `op` would (unless it is broken

@@ -1,7 +1,7 @@
 //! A connection's thread: the handshake (preface and hello, checked against the job),
 //! then that rank's frames until it leaves.
 
-use super::{CLOSED, Conn, Link, Shared};
+use super::{CLOSED, Conn, Link, Pending, Shared};
 use crate::control::admission::{
     HandshakeSlot, RefusalKind, canonical, describe_io, out_of_descriptors,
 };
@@ -306,8 +306,9 @@ pub(super) fn serve(
             }
         };
         let mut st = shared.state.lock();
+        let heard = Instant::now();
         match st.conns[rank].as_mut() {
-            Some(c) if c.id == id => c.last_heard = Instant::now(),
+            Some(c) if c.id == id => c.last_heard = heard,
             _ => return,
         }
         match msg {
@@ -331,11 +332,12 @@ pub(super) fn serve(
                     }
                     continue;
                 }
-                let world = shared.world;
-                let posted = st
+                let (world, interval) = (shared.world, shared.wait_warning_interval);
+                let posted = &mut st
                     .rounds
                     .entry((channel, round))
-                    .or_insert_with(|| vec![None; world]);
+                    .or_insert_with(|| Pending::new(world, heard, interval))
+                    .posted;
                 if posted[rank].is_some() {
                     return shared.depart(
                         &mut st,
@@ -349,6 +351,7 @@ pub(super) fn serve(
                     let payloads = st
                         .rounds
                         .remove(&(channel, round))
+                        .map(|p| p.posted)
                         .unwrap_or_default()
                         .into_iter()
                         .flatten()
@@ -372,11 +375,8 @@ pub(super) fn serve(
                 }
             }
             ToServer::Abandon { channel, round, op } => {
-                let missing = st.rounds.get(&(channel, round)).map_or_else(Vec::new, |p| {
-                    (0..shared.world as u32)
-                        .filter(|r| p[*r as usize].is_none())
-                        .collect()
-                });
+                let missing =
+                    (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
                 shared.break_group(
                     &mut st,
                     Broken {

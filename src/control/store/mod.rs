@@ -85,6 +85,8 @@ struct Shared {
     max_frame_bytes: usize,
     /// [`StoreConfig::server_spin`] in effect.
     server_spin: Duration,
+    /// [`StoreConfig::wait_warning_interval`].
+    wait_warning_interval: Duration,
     state: Mutex<State>,
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
@@ -107,9 +109,37 @@ struct State {
     conns: Vec<Option<Conn>>,
     /// Who joined as each rank (kept after it leaves: a group cannot be rejoined).
     members: Vec<Option<Member>>,
-    rounds: HashMap<(u64, u64), Vec<Option<Vec<u8>>>>,
+    rounds: HashMap<(u64, u64), Pending>,
     broken: Option<Broken>,
     next_conn_id: u64,
+}
+
+/// A round some ranks have contributed to.
+struct Pending {
+    /// Each rank's payload, once contributed.
+    posted: Vec<Option<Vec<u8>>>,
+    /// When the contributors are next told who they wait for
+    /// ([`ToClient::Waiting`]): [`StoreConfig::wait_warning_interval`] after the first
+    /// contribution, then every interval.
+    notice: Instant,
+}
+
+impl Pending {
+    /// A round `world` ranks will contribute to, whose first contribution came at
+    /// `start`.
+    fn new(world: usize, start: Instant, interval: Duration) -> Pending {
+        Pending {
+            posted: vec![None; world],
+            notice: Deadline::after_from(start, interval).instant(),
+        }
+    }
+
+    /// The ranks that have not contributed.
+    fn missing(&self) -> Vec<u32> {
+        (0..self.posted.len() as u32)
+            .filter(|r| self.posted[*r as usize].is_none())
+            .collect()
+    }
 }
 
 struct Conn {
@@ -186,6 +216,7 @@ impl StoreServer {
                 config,
                 thread::available_parallelism().map_or(1, |n| n.get()),
             ),
+            wait_warning_interval: config.wait_warning_interval,
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 members: vec![None; world],
@@ -541,18 +572,40 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     }
 }
 
+/// Send heartbeats and declare silent ranks lost, every heartbeat interval; tell the
+/// ranks waiting in a long round who they wait for, every wait-warning interval.
 fn monitor_loop(shared: &Arc<Shared>) {
     let heartbeat = wire::encode(&ToClient::Heartbeat);
     let mut st = shared.state.lock();
+    let mut next_heartbeat = Instant::now();
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = Instant::now();
+        if now >= next_heartbeat {
+            next_heartbeat = Deadline::after_from(now, shared.heartbeat_interval).instant();
+            shared.heartbeats(&mut st, now, &heartbeat);
+        }
+        // Awake at least every wait-warning interval too, so that a round that
+        // begins while this thread sleeps gets its first notice on time.
+        let look = Deadline::after_from(now, shared.wait_warning_interval).instant();
+        let mut wake = next_heartbeat.min(look);
+        if let Some(notice) = shared.tell_the_waiting(&mut st, now) {
+            wake = wake.min(notice);
+        }
+        shared.cv.wait_until(&mut st, wake);
+    }
+}
+
+impl Shared {
+    /// Send `heartbeat` to every rank, declaring lost those silent for longer than
+    /// the heartbeat timeout.
+    fn heartbeats(&self, st: &mut State, now: Instant, heartbeat: &[u8]) {
         let mut failed = Vec::new();
-        for rank in 0..shared.world {
+        for rank in 0..self.world {
             let Some(c) = st.conns[rank].as_ref() else {
                 continue;
             };
             let silent = now.saturating_duration_since(c.last_heard);
-            if silent > shared.heartbeat_timeout {
+            if silent > self.heartbeat_timeout {
                 failed.push((
                     rank,
                     format!(
@@ -560,13 +613,50 @@ fn monitor_loop(shared: &Arc<Shared>) {
                     ),
                 ));
             } else {
-                shared.write_to(&mut st, rank, &heartbeat, &mut failed);
+                self.write_to(st, rank, heartbeat, &mut failed);
             }
         }
         for (rank, why) in failed {
-            shared.depart(&mut st, rank, None, &why);
+            self.depart(st, rank, None, &why);
         }
-        shared.cv.wait_for(&mut st, shared.heartbeat_interval);
+    }
+
+    /// Tell the ranks waiting in each round whose notice is due which ranks have not
+    /// contributed ([`ToClient::Waiting`]; they log it), and schedule the next notice
+    /// one wait-warning interval on. When the earliest next notice is due, if any round
+    /// is pending.
+    fn tell_the_waiting(&self, st: &mut State, now: Instant) -> Option<Instant> {
+        let mut notices = Vec::new();
+        let mut earliest: Option<Instant> = None;
+        for (&(channel, round), pending) in &mut st.rounds {
+            if pending.notice <= now {
+                pending.notice = Deadline::after_from(now, self.wait_warning_interval).instant();
+                let waiting: Vec<usize> = (0..self.world)
+                    .filter(|r| pending.posted[*r].is_some())
+                    .collect();
+                let missing = pending.missing();
+                tracing::debug!(
+                    "symmpool store: round {round} of channel {channel} waits for ranks {missing:?}"
+                );
+                let frame = wire::encode(&ToClient::Waiting {
+                    channel,
+                    round,
+                    missing,
+                });
+                notices.push((waiting, frame));
+            }
+            earliest = Some(earliest.map_or(pending.notice, |e| e.min(pending.notice)));
+        }
+        let mut failed = Vec::new();
+        for (waiting, frame) in notices {
+            for rank in waiting {
+                self.write_to(st, rank, &frame, &mut failed);
+            }
+        }
+        for (rank, why) in failed {
+            self.depart(st, rank, None, &why);
+        }
+        earliest
     }
 }
 

@@ -24,8 +24,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// The protocol version; a peer speaking another is refused. Version 2: the hello
 /// carries the job identity and the process (host, pid), a refusal says why in a form
-/// the client can act on.
-pub(crate) const VERSION: u16 = 2;
+/// the client can act on. Version 3: the server tells the ranks waiting in a long round
+/// who has not contributed ([`ToClient::Waiting`]).
+pub(crate) const VERSION: u16 = 3;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -209,6 +210,14 @@ pub(crate) enum ToClient {
     Broken(Broken),
     /// Liveness.
     Heartbeat,
+    /// A round that has waited `StoreConfig::wait_warning_interval` (again) for the
+    /// ranks `missing`, which have not contributed; sent to the ranks that have, which
+    /// log it.
+    Waiting {
+        channel: u64,
+        round: u64,
+        missing: Vec<u32>,
+    },
 }
 
 /// Byte vectors as postcard byte strings (a length, then the bytes copied at once), not
