@@ -2,7 +2,8 @@
 //! reported as ignored with the reason (a failure under `SYMMPOOL_REQUIRE_GPU=1`).
 //!
 //! One GPU (NCCL at world size 1): segments and windows, bounded teardown on a stream
-//! that never finishes, cudarc access through `DevicePtr`, collectives (all-reduce
+//! that never finishes, cudarc access through `DevicePtr` (uses on other streams than
+//! the buffer's ordered against its reuse), collectives (all-reduce
 //! with every reduction and type included) on NCCL's one-rank path, a step's collectives captured in a CUDA graph and replayed. Two GPUs: registration once per segment, collectives against a
 //! host reference for every type, reduction and placement, stream-safe reuse under a
 //! long-running kernel, bad input, checked collectives (every divergence kind of
