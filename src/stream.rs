@@ -1,20 +1,47 @@
 //! Streams, as the pool sees them.
 
 use crate::core::StreamId;
+use parking_lot::Mutex;
 use std::any::Any;
+use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What names one device stream: its kind and two words its backend derives from it
+/// (for CUDA, the context and the raw stream handle).
+type StreamKey = (&'static str, usize, usize);
+
+/// The id of a device stream, while any wrapper made for it lives.
+struct Known {
+    id: StreamId,
+    /// The device values wrapped under this key (weakly; usually one).
+    wrappers: Vec<Weak<dyn Any + Send + Sync>>,
+}
+
+impl Known {
+    fn alive(&self) -> bool {
+        self.wrappers.iter().any(|w| w.strong_count() > 0)
+    }
+}
+
+/// Device streams by key: one id per stream however often it is wrapped. An entry
+/// whose wrappers are all gone is dead: its key is met again only by a new stream
+/// (see [`Stream::on_device`]) and gets a new id; dead entries go when a new stream
+/// is added.
+static KNOWN: Mutex<BTreeMap<StreamKey, Known>> = Mutex::new(BTreeMap::new());
 
 /// A stream of device work that buffers are allocated on and collectives run on.
 ///
 /// Cheap to clone. On the host backends a stream is only a tag (host work is
-/// synchronous); on a device backend it also carries that backend's stream handle,
-/// which only the backend reads (the NCCL backend's constructors and accessors, such
-/// as `Stream::cuda`, are defined beside it). Each `Stream` value made by a
-/// constructor gets a process-unique id; clones share it.
+/// synchronous): each [`Stream::host`] gets a process-unique id. On a device backend
+/// it also carries that backend's stream handle, which only the backend reads (the
+/// NCCL backend's constructors and accessors, such as `Stream::cuda`, are defined
+/// beside it), and its id names the device stream: wrapping one device stream twice
+/// gives the same id, so a pool keeps one set of per-stream state for it. Clones
+/// share the id.
 #[derive(Clone)]
 pub struct Stream {
     id: StreamId,
@@ -43,18 +70,85 @@ impl Stream {
         }
     }
 
-    /// A device stream with a fresh id, carrying `handle`: the device backend's own
-    /// stream value, which only that backend reads back (with [`device`](Self::device)).
-    /// `kind` names it in `Debug` (for example `"cuda"`). For a backend's constructors;
-    /// the NCCL backend's is `Stream::cuda`.
-    pub fn on_device<T: Any + Send + Sync>(kind: &'static str, handle: T) -> Self {
+    /// A device stream carrying `stream`, the device backend's own stream value, which
+    /// only that backend reads back (as `Arc<S>`, with [`device`](Self::device)). `kind`
+    /// names it in `Debug` (for example `"cuda"`). For a backend's constructors; the
+    /// NCCL backend's is `Stream::cuda`.
+    ///
+    /// `key` names the device stream within `kind` (for CUDA: the context and the raw
+    /// handle). While any value wrapped under a key lives, every wrapping under that
+    /// key gets the same [`id`](Self::id). A key may only name one stream while a
+    /// value wrapped under it lives: the value must hold its stream alive (an owned
+    /// stream is destroyed only when its last holder drops it; a borrowed one must by
+    /// its contract outlive its wrappers). Then a handle that is destroyed and reused
+    /// for a new stream finds no live wrapper, and the new stream gets a new id.
+    /// `None` (a handle that names no single stream, such as CUDA's per-thread
+    /// default stream) gives a fresh id each time.
+    pub fn on_device<S: Any + Send + Sync>(
+        kind: &'static str,
+        key: Option<(usize, usize)>,
+        stream: Arc<S>,
+    ) -> Self {
+        let wrapped: Weak<S> = Arc::downgrade(&stream);
+        let wrapped: Weak<dyn Any + Send + Sync> = wrapped;
+        let id = match key {
+            Some((a, b)) => Self::id_for((kind, a, b), wrapped),
+            None => Self::fresh_id(),
+        };
         Stream {
-            id: Self::fresh_id(),
+            id,
             device: Some(DevicePart {
                 kind,
-                handle: Arc::new(handle),
+                handle: Arc::new(stream),
             }),
         }
+    }
+
+    /// The id of the stream named `key`, noting `wrapped` as one more of its wrappers.
+    fn id_for(key: StreamKey, wrapped: Weak<dyn Any + Send + Sync>) -> StreamId {
+        let mut known = KNOWN.lock();
+        if let Some(k) = known.get_mut(&key) {
+            k.wrappers.retain(|w| w.strong_count() > 0);
+            if !k.wrappers.is_empty() {
+                if !k.wrappers.iter().any(|w| w.ptr_eq(&wrapped)) {
+                    k.wrappers.push(wrapped);
+                }
+                return k.id;
+            }
+        }
+        known.retain(|_, k| k.alive());
+        let id = Self::fresh_id();
+        let wrappers = vec![wrapped];
+        known.insert(key, Known { id, wrappers });
+        id
+    }
+
+    /// The id of the device stream named `key`, if a value wrapped under it lives.
+    #[cfg(any(feature = "nccl", test))]
+    pub(crate) fn known_id(kind: &'static str, key: (usize, usize)) -> Option<StreamId> {
+        let known = KNOWN.lock();
+        let k = known.get(&(kind, key.0, key.1))?;
+        k.alive().then_some(k.id)
+    }
+
+    /// A stream for the device stream named `key`, made from a live value wrapped
+    /// under it (`None` if none lives, or it is not an `S`).
+    #[cfg(any(feature = "nccl", test))]
+    pub(crate) fn find<S: Any + Send + Sync>(
+        kind: &'static str,
+        key: (usize, usize),
+    ) -> Option<Stream> {
+        let known = KNOWN.lock();
+        let k = known.get(&(kind, key.0, key.1))?;
+        let handle = k.wrappers.iter().find_map(Weak::upgrade)?;
+        let stream = handle.downcast::<S>().ok()?;
+        Some(Stream {
+            id: k.id,
+            device: Some(DevicePart {
+                kind,
+                handle: Arc::new(stream),
+            }),
+        })
     }
 
     /// The device backend's handle, if this is a device stream carrying a `T` (`None`
@@ -78,5 +172,83 @@ impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = self.device.as_ref().map_or("host", |d| d.kind);
         write!(f, "Stream({kind}, {})", self.id.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device stream value of a test's own kind.
+    struct Fake;
+
+    /// How many keys of `kind` the registry holds.
+    fn entries(kind: &'static str) -> usize {
+        KNOWN.lock().keys().filter(|k| k.0 == kind).count()
+    }
+
+    #[test]
+    fn one_stream_wrapped_twice_has_one_id() {
+        const KIND: &str = "test-twice";
+        let s = Arc::new(Fake);
+        let a = Stream::on_device(KIND, Some((1, 7)), s.clone());
+        let b = Stream::on_device(KIND, Some((1, 7)), s.clone());
+        assert_eq!(a.id(), b.id());
+        assert_eq!(a.clone().id(), a.id());
+        // Another value for the same stream (a second wrapper of one handle) too, and
+        // the id stays while any wrapper lives.
+        let other = Arc::new(Fake);
+        let c = Stream::on_device(KIND, Some((1, 7)), other.clone());
+        assert_eq!(c.id(), a.id());
+        drop((a, b, s));
+        assert_eq!(Stream::known_id(KIND, (1, 7)), Some(c.id()));
+        assert_eq!(Stream::on_device(KIND, Some((1, 7)), other).id(), c.id());
+        // Other keys (another handle, the same handle in another context) and unkeyed
+        // streams are other streams.
+        let s = Arc::new(Fake);
+        let ids = [
+            Stream::on_device(KIND, Some((1, 8)), s.clone()).id(),
+            Stream::on_device(KIND, Some((2, 7)), s.clone()).id(),
+            Stream::on_device(KIND, None, s.clone()).id(),
+            Stream::on_device(KIND, None, s).id(),
+        ];
+        for (i, id) in ids.iter().enumerate() {
+            assert_ne!(*id, c.id());
+            assert!(!ids[..i].contains(id), "{ids:?}");
+        }
+    }
+
+    #[test]
+    fn a_reused_handle_is_a_new_stream() {
+        const KIND: &str = "test-reuse";
+        let first = Stream::on_device(KIND, Some((1, 7)), Arc::new(Fake));
+        let id = first.id();
+        // The stream lives as long as a wrapper of it: the key still names it.
+        let found = Stream::find::<Fake>(KIND, (1, 7)).unwrap();
+        assert_eq!(found.id(), id);
+        assert!(found.device::<Arc<Fake>>().is_some());
+        assert!(Stream::find::<u8>(KIND, (1, 7)).is_none(), "another type");
+        drop((first, found));
+        // Every wrapper is gone, so the stream may be destroyed and its handle reused
+        // by a new stream: that one is not taken for the old.
+        assert_eq!(Stream::known_id(KIND, (1, 7)), None);
+        assert!(Stream::find::<Fake>(KIND, (1, 7)).is_none());
+        let second = Stream::on_device(KIND, Some((1, 7)), Arc::new(Fake));
+        assert_ne!(second.id(), id);
+    }
+
+    #[test]
+    fn the_registry_keeps_only_live_streams() {
+        const KIND: &str = "test-growth";
+        let kept = Stream::on_device(KIND, Some((0, 0)), Arc::new(Fake));
+        for raw in 1..1000 {
+            let s = Arc::new(Fake);
+            // Wrapped many times while it lives: one entry.
+            for _ in 0..3 {
+                Stream::on_device(KIND, Some((0, raw)), s.clone());
+            }
+            assert!(entries(KIND) <= 3, "{} entries", entries(KIND));
+        }
+        assert_eq!(Stream::known_id(KIND, (0, 0)), Some(kept.id()));
     }
 }

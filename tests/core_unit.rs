@@ -387,6 +387,11 @@ fn same_stream_reuse_needs_no_wait() {
     .unwrap();
     let b = alloc(&mut c, AllocRequest::new(4096, S0));
     assert!(b.waits.is_empty());
+    // The stream's own fence comes along: a use on another stream waits for it.
+    assert_eq!(b.own_fence, Some(Fence(1)));
+    // Memory never used on the allocating stream has none.
+    let fresh = alloc(&mut c, AllocRequest::new(4096, S1));
+    assert_eq!(fresh.own_fence, None);
 }
 
 #[test]
@@ -428,6 +433,7 @@ fn cross_stream_reuse_returns_waits() {
         ]
     );
     assert_eq!(c.stats().num_waits, 2);
+    assert_eq!(b.own_fence, None);
     // Reused on stream 1: only stream 0's fence.
     c.free(
         b.block,
@@ -445,6 +451,7 @@ fn cross_stream_reuse_returns_waits() {
         fence: Fence(1)
     }));
     assert!(d.waits.iter().all(|w| w.stream != S1));
+    assert_eq!(d.own_fence, Some(Fence(3)), "stream 1's own, kept apart");
     c.check_invariants().unwrap();
 }
 

@@ -2,7 +2,8 @@
 //! reported as ignored with the reason (a failure under `SYMMPOOL_REQUIRE_GPU=1`).
 //!
 //! One GPU (NCCL at world size 1): segments and windows, bounded teardown on a stream
-//! that never finishes, cudarc access through `DevicePtr`, collectives (all-reduce
+//! that never finishes, cudarc access through `DevicePtr` (uses on other streams than
+//! the buffer's ordered against its reuse), collectives (all-reduce
 //! with every reduction and type included) on NCCL's one-rank path, a step's collectives captured in a CUDA graph and replayed. Two GPUs: registration once per segment, collectives against a
 //! host reference for every type, reduction and placement, stream-safe reuse under a
 //! long-running kernel, bad input, checked collectives (every divergence kind of
@@ -575,9 +576,15 @@ mod gpu_tests {
     fn stuck_stream(
         stream: &Stream,
     ) -> std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)> {
+        stuck_cuda(stream.cuda_stream().unwrap())
+    }
+
+    /// [`stuck_stream`] for a cudarc stream.
+    fn stuck_cuda(
+        cs: &cudarc::driver::CudaStream,
+    ) -> std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)> {
         let gate = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
         let user = std::sync::Arc::into_raw(gate.clone()) as *mut std::ffi::c_void;
-        let cs = stream.cuda_stream().unwrap();
         // SAFETY: `cs` is a live stream; `hold_stream` only reads the gate behind `user`,
         // which is leaked (one strong count) and so outlives the call.
         let r = unsafe {
@@ -585,6 +592,24 @@ mod gpu_tests {
         };
         assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
         gate
+    }
+
+    /// Open a gate of [`stuck_stream`].
+    fn open(gate: &(std::sync::Mutex<bool>, std::sync::Condvar)) {
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+    }
+
+    /// Whether `event` completes within `bound` (polled).
+    fn completes_within(event: &cudarc::driver::CudaEvent, bound: Duration) -> bool {
+        let until = std::time::Instant::now() + bound;
+        while !event.is_complete() {
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     /// One GPU: a pool dropped while its stream never finishes (a peer stuck in a
@@ -610,8 +635,7 @@ mod gpu_tests {
             took >= timeout && took < timeout + Duration::from_secs(1),
             "{took:?}"
         );
-        *gate.0.lock().unwrap() = true;
-        gate.1.notify_all();
+        open(&gate);
         stream.cuda_stream().unwrap().synchronize().unwrap();
     }
 
@@ -642,6 +666,179 @@ mod gpu_tests {
         assert_eq!(buf.read::<f32>().unwrap()[..96], data[1000..1096]);
         drop(buf);
         pool.close().unwrap();
+    }
+
+    /// How a test reads a pool buffer on another stream.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Through {
+        /// A `CudaView`, as cudarc asks for it on that stream.
+        View,
+        /// The raw address (the control: nothing orders the use).
+        Raw,
+    }
+
+    /// Copy `src` (a pool buffer) into `dst` on `on`, through a view or raw.
+    fn copy_on(
+        on: &Arc<cudarc::driver::CudaStream>,
+        src: &symmpool::SymmBuffer,
+        dst: &mut cudarc::driver::CudaSlice<u8>,
+        through: Through,
+    ) {
+        use cudarc::driver::DevicePtrMut;
+        match through {
+            Through::View => on
+                .memcpy_dtod(&src.view::<u8>().unwrap().cuda().unwrap(), dst)
+                .unwrap(),
+            Through::Raw => {
+                let len = src.len_bytes() as usize;
+                let (d, _record) = dst.device_ptr_mut(on);
+                // SAFETY: `src` and `dst` are live device buffers of `len` bytes.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        d,
+                        src.device_ptr().unwrap(),
+                        len,
+                        on.cu_stream(),
+                    )
+                    .unwrap()
+                }
+            }
+        }
+    }
+
+    /// One GPU: a `CudaView` used on a stream other than its buffer's is ordered like
+    /// cudarc's own slices. Another stream, held at a host function, reads a buffer
+    /// (through a view) that is then freed and taken again on a third stream, which
+    /// overwrites it: the overwrite waits for the held read, whether a `Stream` wraps
+    /// the reading stream (the pool records it) or not (an event joined at the free).
+    /// And a view's stream waits for the memory's earlier users: a block freed on its
+    /// stream under held work and taken again there is read on another stream only
+    /// after that work. Controls through raw addresses show both races on this device.
+    /// One CUDA stream has one id however it is wrapped.
+    fn one_gpu_cuda_views_order_uses_on_other_streams() {
+        let pools = common::gpu::world(1, config());
+        let pool = &pools[0];
+        let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
+        let home = pool.new_stream().unwrap(); // the buffers' stream
+        let reuse = pool.new_stream().unwrap(); // where freed memory is taken again
+        let wrapped = pool.new_stream().unwrap(); // a reader a `Stream` wraps
+        let bare = nccl.cuda_stream().unwrap(); // a reader no `Stream` wraps
+        let wrapped_cs = wrapped.cuda_stream().unwrap().clone();
+        let len = 4 * MIB as usize;
+
+        // Stream identity: by context and raw handle, however often it is wrapped.
+        assert_eq!(Stream::cuda(wrapped_cs.clone()).id(), wrapped.id());
+        // SAFETY: a live stream of device 0's primary context, alive until after the
+        // pool and the backend are dropped (`wrapped_cs` goes last).
+        let adopted = unsafe { Stream::from_raw_cuda(pool.backend(), wrapped_cs.cu_stream()) };
+        assert_eq!(adopted.unwrap().id(), wrapped.id());
+        for _ in 0..100 {
+            let again = Stream::cuda(wrapped_cs.clone());
+            assert_eq!(again.id(), wrapped.id());
+            drop(pool.alloc(4096, &again).unwrap());
+        }
+
+        // Free under a held read on `on`, take the memory again on `reuse`, overwrite
+        // it there: (whether the overwrite completed while the read was held, whether
+        // the read saw the data from before the free).
+        let read_then_reuse = |on: &Arc<cudarc::driver::CudaStream>, through: Through| {
+            let x = pool.alloc(len as u64, &home).unwrap();
+            x.write(&vec![7u8; len]).unwrap();
+            let mut y = on.alloc_zeros::<u8>(len).unwrap();
+            on.synchronize().unwrap();
+            let gate = stuck_cuda(on);
+            copy_on(on, &x, &mut y, through);
+            let (segment, offset) = (x.segment(), x.offset_bytes());
+            drop(x);
+            let x2 = pool.alloc(len as u64, &reuse).unwrap();
+            assert_eq!((x2.segment(), x2.offset_bytes()), (segment, offset));
+            let cs = reuse.cuda_stream().unwrap();
+            cs.memset_zeros(&mut x2.view::<u8>().unwrap().cuda().unwrap())
+                .unwrap();
+            let overwritten = cs.record_event(None).unwrap();
+            // Ordered, the overwrite cannot complete while the read is held: a second
+            // shows it does not. Unordered, it completes at once.
+            let bound = match through {
+                Through::View => Duration::from_secs(1),
+                Through::Raw => Duration::from_secs(30),
+            };
+            let early = completes_within(&overwritten, bound);
+            open(&gate);
+            on.synchronize().unwrap();
+            cs.synchronize().unwrap();
+            let mut got = vec![0u8; len];
+            on.memcpy_dtoh(&y, &mut got).unwrap();
+            on.synchronize().unwrap();
+            drop(x2);
+            (early, got.iter().all(|&b| b == 7))
+        };
+        for (name, on) in [("wrapped", &wrapped_cs), ("bare", &bare)] {
+            let (early, intact) = read_then_reuse(on, Through::View);
+            assert!(!early, "{name}: the reuse did not wait for the held read");
+            assert!(intact, "{name}: the read saw the memory overwritten");
+        }
+        let (early, intact) = read_then_reuse(&bare, Through::Raw);
+        assert!(early && !intact, "control: raw reads race with the reuse");
+
+        // A block freed on `home` under held work, taken again on `home` (no wait: the
+        // same stream), then read on `on`: (whether the read completed while the work
+        // was held, whether it saw what the work wrote).
+        let reuse_then_read = |on: &Arc<cudarc::driver::CudaStream>, through: Through| {
+            let hs = home.cuda_stream().unwrap();
+            let b1 = pool.alloc(len as u64, &home).unwrap();
+            b1.write(&vec![7u8; len]).unwrap();
+            let mut y = on.alloc_zeros::<u8>(len).unwrap();
+            on.synchronize().unwrap();
+            let gate = stuck_cuda(hs);
+            // SAFETY: b1 is a live device buffer of `len` bytes.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    b1.device_ptr().unwrap(),
+                    0x11,
+                    len,
+                    hs.cu_stream(),
+                )
+                .unwrap();
+            }
+            let (segment, offset) = (b1.segment(), b1.offset_bytes());
+            drop(b1);
+            let b2 = pool.alloc(len as u64, &home).unwrap();
+            assert_eq!((b2.segment(), b2.offset_bytes()), (segment, offset));
+            copy_on(on, &b2, &mut y, through);
+            let read = on.record_event(None).unwrap();
+            let bound = match through {
+                Through::View => Duration::from_secs(1),
+                Through::Raw => Duration::from_secs(30),
+            };
+            let early = completes_within(&read, bound);
+            open(&gate);
+            hs.synchronize().unwrap();
+            on.synchronize().unwrap();
+            let mut got = vec![0u8; len];
+            on.memcpy_dtoh(&y, &mut got).unwrap();
+            on.synchronize().unwrap();
+            drop(b2);
+            (early, got.iter().all(|&b| b == 0x11))
+        };
+        for (name, on) in [("wrapped", &wrapped_cs), ("bare", &bare)] {
+            let (early, after) = reuse_then_read(on, Through::View);
+            assert!(!early, "{name}: the read did not wait for the earlier user");
+            assert!(
+                after,
+                "{name}: the read saw the memory before its earlier user wrote"
+            );
+        }
+        let (early, after) = reuse_then_read(&bare, Through::Raw);
+        assert!(
+            early && !after,
+            "control: raw reads race with earlier users"
+        );
+
+        // Nothing failed on the way (a failure inside the views is returned here).
+        drop(pool.alloc(4096, &home).unwrap());
+        pool.close().unwrap();
+        drop(pools);
+        drop((home, reuse, wrapped, bare, wrapped_cs));
     }
 
     /// One GPU: the collectives run through NCCL's one-rank path and move the data.
@@ -1297,8 +1494,7 @@ mod gpu_tests {
             ),
             "{next:?}"
         );
-        *gate.0.lock().unwrap() = true;
-        gate.1.notify_all();
+        open(&gate);
         stream.cuda_stream().unwrap().synchronize().unwrap();
         drop((input, output));
         drop(pool);
@@ -1388,6 +1584,11 @@ mod gpu_tests {
                 "one_gpu_cudarc_reads_and_writes_pool_buffers",
                 1,
                 one_gpu_cudarc_reads_and_writes_pool_buffers,
+            ),
+            trial(
+                "one_gpu_cuda_views_order_uses_on_other_streams",
+                1,
+                one_gpu_cuda_views_order_uses_on_other_streams,
             ),
             trial(
                 "one_gpu_collectives_at_world_size_one",

@@ -1,6 +1,7 @@
-//! `reserve` and `reserve_small` refuse to register while any stream the pool has
-//! served is capturing a CUDA graph (on every rank), and `reserve_small` pre-grows the
-//! small-block segments so that small allocations during capture hit the cache.
+//! `reserve`, `reserve_small` and `fit_to_peak` refuse to register while any stream
+//! the pool has served is capturing a CUDA graph (on every rank), and `reserve_small`
+//! pre-grows the small-block segments so that small allocations during capture hit the
+//! cache.
 // The typed `PoolStats` of the deprecated `SymmPool::stats()`.
 #![allow(deprecated)]
 
@@ -79,5 +80,61 @@ fn reserve_refuses_during_capture_and_reserve_small_serves_small_requests() {
         drop(bufs);
         Ok(())
     });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+#[test]
+fn fit_to_peak_refuses_during_capture_on_every_rank() {
+    let capturing = Arc::new(AtomicBool::new(false));
+    let backends: Vec<_> = HostBackend::world(HostConfig::new(2))
+        .unwrap()
+        .into_iter()
+        .map(|b| {
+            let capturing = capturing.clone();
+            b.with_streams(move |inner| Arc::new(Capturing { inner, capturing }))
+        })
+        .collect();
+    let pools = SymmPool::group(backends, &PoolConfig::default()).unwrap();
+    let run = |f: &(dyn Fn(&SymmPool) -> Result<()> + Sync)| -> Vec<Result<()>> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = pools.iter().map(|p| s.spawn(move || f(p))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    // A warm-up step: its buffers grow the pool, and are freed.
+    let step = |p: &SymmPool| -> Result<()> {
+        let stream = Stream::host();
+        let bufs = [
+            p.alloc(4 << 20, &stream)?,
+            p.alloc(3 << 20, &stream)?,
+            p.alloc(64 << 10, &stream)?,
+        ];
+        drop(bufs);
+        Ok(())
+    };
+    let out = run(&step);
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let before: Vec<_> = pools.iter().map(|p| p.stats()).collect();
+    capturing.store(true, Ordering::SeqCst);
+    // During capture: refused on every rank, before anything is released or added.
+    for r in run(&|p| p.fit_to_peak().map(drop)) {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::GraphCapture), "{e:?}");
+    }
+    for (p, b) in pools.iter().zip(&before) {
+        let now = p.stats();
+        assert_eq!(now.core.segments.current, b.core.segments.current);
+        assert_eq!(
+            now.core.reserved_bytes.current,
+            b.core.reserved_bytes.current
+        );
+        assert_eq!(now.registrations, b.registrations);
+        assert_eq!(now.deregistrations, b.deregistrations);
+    }
+    // After capture the ranks are still in step: the same call fits the pool.
+    capturing.store(false, Ordering::SeqCst);
+    let out = run(&|p| p.fit_to_peak().map(drop));
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let out = run(&step);
     assert!(out.iter().all(Result::is_ok), "{out:?}");
 }

@@ -276,14 +276,12 @@ impl Allocator {
         } else {
             len
         };
-        let waits: SmallVec<[Wait; 2]> = if fences.is_empty() {
-            SmallVec::new()
+        let (waits, own_fence): (SmallVec<[Wait; 2]>, _) = if fences.is_empty() {
+            (SmallVec::new(), None)
         } else {
-            fences
-                .iter()
-                .filter(|w| w.stream != req.stream)
-                .copied()
-                .collect()
+            let own = fences.iter().find(|w| w.stream == req.stream);
+            let others = fences.iter().filter(|w| w.stream != req.stream);
+            (others.copied().collect(), own.map(|w| w.fence))
         };
         let block = &mut self.blocks[slot as usize];
         block.usage = BlockUse::Allocated {
@@ -306,6 +304,7 @@ impl Allocator {
             offset_bytes: start,
             size_bytes: block_len,
             waits,
+            own_fence,
         }
     }
 

@@ -123,6 +123,11 @@ pub struct Placement {
     /// Device-side waits to enqueue on the allocating stream before first use, in
     /// ascending stream order. Empty when the memory was last used only on that stream.
     pub waits: smallvec::SmallVec<[Wait; 2]>,
+    /// The fence on the allocating stream itself after which the memory's earlier use
+    /// there ended (`None` if it was not used there). The allocating stream is ordered
+    /// after it already; a use of the block on *another* stream must wait for it too,
+    /// with [`waits`](Self::waits).
+    pub own_fence: Option<Fence>,
 }
 
 /// What the core needs from the caller when no free block fits: a new segment.

@@ -3,10 +3,14 @@
 use super::{SegmentEntry, SymmPool};
 use crate::backend::{Region, Window};
 use crate::core::{BlockId, Placement, SegmentId};
+#[cfg(feature = "nccl")]
+use crate::core::{StreamId, Wait};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use parking_lot::Mutex;
+#[cfg(feature = "nccl")]
+use smallvec::SmallVec;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -36,6 +40,34 @@ pub struct SymmBuffer {
     /// The id of the stream a collective last used the buffer on (at first its own
     /// stream): a collective on it again has nothing to record and takes no lock.
     last_stream: AtomicU64,
+    /// Where the memory's earlier users were done: the fences the allocation waited
+    /// for, and the allocating stream's own. A use through a [`CudaView`] on another
+    /// stream waits for them first.
+    #[cfg(feature = "nccl")]
+    before: SmallVec<[Wait; 2]>,
+    /// The streams that [`CudaView`]s used the buffer on, with [`Stream`]s of theirs
+    /// (recorded in `others`, and ordered after `before`).
+    #[cfg(feature = "nccl")]
+    view_streams: Mutex<SmallVec<[StreamId; 2]>>,
+    /// Uses through [`CudaView`]s on streams that no [`Stream`] wraps: an event per
+    /// stream, recorded after each use, that the buffer's stream waits for when the
+    /// buffer is freed (made at the first such use).
+    #[cfg(feature = "nccl")]
+    foreign: std::sync::OnceLock<Box<[std::sync::OnceLock<Foreign>; FOREIGN_STREAMS]>>,
+}
+
+/// How many streams that no [`Stream`] wraps a buffer records [`CudaView`] uses on
+/// with events; a use on one more synchronises that stream instead.
+#[cfg(feature = "nccl")]
+const FOREIGN_STREAMS: usize = 4;
+
+/// An event recorded after the uses through [`CudaView`]s on one stream that no
+/// [`Stream`] wraps.
+#[cfg(feature = "nccl")]
+struct Foreign {
+    /// The stream's context and raw handle.
+    key: (usize, usize),
+    event: cudarc::driver::CudaEvent,
 }
 
 impl fmt::Debug for SymmBuffer {
@@ -66,6 +98,17 @@ impl SymmBuffer {
             len_bytes,
             block_bytes: p.size_bytes,
             last_stream: AtomicU64::new(stream.id().0),
+            #[cfg(feature = "nccl")]
+            before: (p.waits.iter().copied())
+                .chain(p.own_fence.map(|fence| Wait {
+                    stream: stream.id(),
+                    fence,
+                }))
+                .collect(),
+            #[cfg(feature = "nccl")]
+            view_streams: Mutex::new(SmallVec::new()),
+            #[cfg(feature = "nccl")]
+            foreign: std::sync::OnceLock::new(),
             stream,
             others: Mutex::new(Vec::new()),
         }
@@ -242,7 +285,159 @@ impl SymmBuffer {
 
 impl Drop for SymmBuffer {
     fn drop(&mut self) {
+        #[cfg(feature = "nccl")]
+        self.join_foreign();
         self.pool.release_block(self);
+    }
+}
+
+/// Uses through [`CudaView`]s on other streams than the buffer's.
+#[cfg(feature = "nccl")]
+impl SymmBuffer {
+    /// cudarc asks for the memory on `cs` through a view whose home is the buffer's
+    /// stream `home`: order the use (see [`CudaView`]); what to do once it is enqueued.
+    #[inline]
+    fn cuda_use<'b>(
+        &'b self,
+        home: &cudarc::driver::CudaStream,
+        cs: &'b cudarc::driver::CudaStream,
+    ) -> cudarc::driver::SyncOnDrop<'b> {
+        if crate::backend::nccl::same_cuda_stream(home, cs) {
+            return cudarc::driver::SyncOnDrop::Sync(None);
+        }
+        self.cuda_use_elsewhere(home, cs)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn cuda_use_elsewhere<'b>(
+        &'b self,
+        home: &cudarc::driver::CudaStream,
+        cs: &'b cudarc::driver::CudaStream,
+    ) -> cudarc::driver::SyncOnDrop<'b> {
+        use crate::backend::NcclBackend;
+        use cudarc::driver::SyncOnDrop;
+        // The caller took over the ordering between streams (cudarc's unsafe
+        // `disable_event_tracking`): nothing, as cudarc's own views do.
+        if !cs.context().is_event_tracking() {
+            return SyncOnDrop::Sync(None);
+        }
+        let home_ctx = home.context().cu_ctx();
+        let wrapped = (cs.context().cu_ctx() == home_ctx)
+            .then(|| Stream::known_cuda_id(cs))
+            .flatten();
+        // A stream of this device that a `Stream` wraps, already recorded and ordered.
+        if let Some(id) = wrapped
+            && self.view_streams.lock().contains(&id)
+        {
+            return SyncOnDrop::Sync(None);
+        }
+        let Some(nccl) = self.pool.backend().downcast_ref::<NcclBackend>() else {
+            // Not the NCCL backend's memory (no fences to wait for): synchronise.
+            return SyncOnDrop::Sync(Some(cs));
+        };
+        match NcclBackend::capturing_cuda(cs) {
+            // Captured work runs when its graph is launched, not now: nothing to order.
+            Ok(true) => return SyncOnDrop::Sync(None),
+            Ok(false) => {}
+            Err(e) => self.view_failed("asking whether a stream captures", e),
+        }
+        // Never touch the memory while its earlier users may still use it.
+        if let Err(e) = nccl.wait_fences_on(cs, &self.before) {
+            self.view_failed("waiting for the memory's earlier users", e);
+        }
+        if wrapped.is_some()
+            && let Some(stream) = Stream::known_cuda(cs)
+            && self.record_stream(&stream).is_ok()
+        {
+            // Freed, the buffer fences this stream; the memory is reused after it.
+            let mut seen = self.view_streams.lock();
+            if !seen.contains(&stream.id()) {
+                seen.push(stream.id());
+            }
+            return SyncOnDrop::Sync(None);
+        }
+        self.foreign_use(cs)
+    }
+
+    /// A use on `cs`, a stream no [`Stream`] wraps: an event recorded after it
+    /// (cudarc's `SyncOnDrop::Record`), which the buffer's stream waits for when it is
+    /// freed; or, where that cannot be, a synchronisation of `cs` after the use.
+    fn foreign_use<'b>(
+        &'b self,
+        cs: &'b cudarc::driver::CudaStream,
+    ) -> cudarc::driver::SyncOnDrop<'b> {
+        use crate::backend::NcclBackend;
+        use cudarc::driver::SyncOnDrop;
+        // cudarc records nothing in single-stream mode; the per-thread default stream
+        // is a different stream on each thread.
+        let key = crate::backend::nccl::cuda_key(cs);
+        let Some(key) = key.filter(|_| cs.context().is_managing_stream_synchronization()) else {
+            return SyncOnDrop::Sync(Some(cs));
+        };
+        let Some(foreign) = self.foreign_slot(key, cs) else {
+            return SyncOnDrop::Sync(Some(cs));
+        };
+        // The event's last record may be from an earlier stream with this handle
+        // (destroyed since): this one waits for it, so that the next record covers it.
+        if let Err(e) = NcclBackend::wait_event(cs, &foreign.event) {
+            self.view_failed("ordering a stream after earlier uses", e);
+            return SyncOnDrop::Sync(Some(cs));
+        }
+        SyncOnDrop::Record(Some((&foreign.event, cs)))
+    }
+
+    /// The event for uses on the stream `key` (made in `cs`'s context if new); `None`
+    /// when every slot holds another stream's or no event can be made.
+    fn foreign_slot(
+        &self,
+        key: (usize, usize),
+        cs: &cudarc::driver::CudaStream,
+    ) -> Option<&Foreign> {
+        let slots = self
+            .foreign
+            .get_or_init(|| Box::new(std::array::from_fn(|_| std::sync::OnceLock::new())));
+        for slot in slots.iter() {
+            if let Some(f) = slot.get() {
+                if f.key == key {
+                    return Some(f);
+                }
+                continue;
+            }
+            let event = match crate::backend::NcclBackend::event_for(cs) {
+                Ok(e) => e,
+                Err(e) => {
+                    self.view_failed("making an event", e);
+                    return None;
+                }
+            };
+            // Another thread may take this slot first (the event made here goes).
+            let f = slot.get_or_init(|| Foreign { key, event });
+            if f.key == key {
+                return Some(f);
+            }
+        }
+        None
+    }
+
+    /// Before the buffer is freed: its stream waits for the uses on streams that no
+    /// [`Stream`] wraps, so that the fence recorded on it at the free covers them.
+    fn join_foreign(&self) {
+        let (Some(slots), Some(home)) = (self.foreign.get(), self.stream.cuda_stream()) else {
+            return;
+        };
+        for f in slots.iter().filter_map(std::sync::OnceLock::get) {
+            if let Err(e) = crate::backend::NcclBackend::wait_event(home, &f.event) {
+                self.view_failed("ordering the free after uses on other streams", e);
+            }
+        }
+    }
+
+    /// A failure while ordering a view's use: returned by the pool's next call.
+    #[cold]
+    fn view_failed(&self, what: &str, e: Error) {
+        let during = format!("{what} (allocation #{})", self.block.seq);
+        self.pool.record_deferred_error(during, e);
     }
 }
 
@@ -307,8 +502,7 @@ impl<'a, T: Element> TypedView<'a, T> {
     /// This view as a cudarc device slice ([`cudarc::driver::DevicePtr`] /
     /// [`cudarc::driver::DevicePtrMut`]), for cuBLAS, kernels and cudarc's own calls,
     /// with no raw address in the caller's code. Its stream is the buffer's
-    /// allocating stream; use it on that stream, or call
-    /// [`SymmBuffer::record_stream`] first for another one.
+    /// allocating stream; cudarc may use it on any stream (see [`CudaView`]).
     ///
     /// # Errors
     /// [`Error::WrongStream`] for a buffer of a host pool.
@@ -317,6 +511,7 @@ impl<'a, T: Element> TypedView<'a, T> {
         let stream = self.buf.stream.cuda_stream().ok_or(Error::WrongStream)?;
         let ptr = self.device_ptr().ok_or(Error::WrongStream)?;
         Ok(CudaView {
+            buf: self.buf,
             ptr,
             len: self.len,
             stream,
@@ -384,9 +579,43 @@ impl<'a, T: Element> TypedView<'a, T> {
 
 /// A typed view of a pool buffer as a cudarc device slice; made by
 /// [`TypedView::cuda`]. It borrows the buffer, so the memory outlives it.
+///
+/// # Streams
+///
+/// cudarc asks for the memory on the stream its call runs on, and the view orders that
+/// use as cudarc's own slices do, with the pool's fences:
+///
+/// - On the buffer's own stream: nothing to do (the pool orders the memory's reuse on
+///   that stream already). This is the cheap path: a comparison of two handles.
+/// - On another stream `S` of the device, the first time:
+///   1. `S` waits (device-side) for the memory's earlier users: the fences the
+///      allocation waited for, and the buffer's stream's own. So `S` never touches
+///      memory that another stream still uses from before this allocation.
+///   2. The use is recorded so that the memory is reused only after it. When a
+///      [`Stream`] wraps `S` ([`Stream::cuda`] or `Stream::from_raw_cuda`, still
+///      alive), as [`SymmBuffer::record_stream`] records it: a fence on `S` when the
+///      buffer is freed, device-side waits at reuse. Later uses on `S` cost a lookup.
+///   3. Otherwise (a cudarc stream never wrapped, or one of another device), an event
+///      is recorded on `S` after each use (cudarc's `SyncOnDrop::Record`), and the
+///      buffer's stream waits for it when the buffer is freed, so that the free's
+///      fence covers the use (what cudarc's `CudaSlice` does when dropped). This holds
+///      for up to four such streams per buffer; a use on a fifth, on the per-thread
+///      default stream, or in cudarc's single-stream mode (where cudarc records no
+///      events) synchronises `S` after the use instead (`SyncOnDrop::Sync`): correct
+///      but blocking. Wrap long-lived streams with [`Stream::cuda`] to avoid both.
+///
+/// Not ordered: uses while `S` captures a CUDA graph (captured work runs when the graph
+/// is launched: keep the buffer alive while it may be), and any use once cudarc's event
+/// tracking is disabled (`CudaContext::disable_event_tracking`, whose `unsafe`
+/// contract puts the ordering between streams on the caller), as for cudarc's own
+/// views. Ordering between live uses of the buffer on different streams (a kernel on
+/// `S` reading what a collective on the buffer's stream writes) stays the caller's, as
+/// for the collectives: CUDA events or stream waits. Failures of the device calls
+/// above are returned by the pool's next call ([`Error::Deferred`]).
 #[cfg(feature = "nccl")]
 #[derive(Debug)]
 pub struct CudaView<'a, T> {
+    buf: &'a SymmBuffer,
     ptr: u64,
     len: usize,
     stream: &'a std::sync::Arc<cudarc::driver::CudaStream>,
@@ -404,30 +633,30 @@ impl<T> cudarc::driver::DeviceSlice<T> for CudaView<'_, T> {
     }
 }
 
-/// The pool orders reuse itself (fences at free, device-side waits at reuse), so the
-/// pointer comes with no extra synchronisation.
+/// The pointer, with the use on `stream` ordered as [`CudaView`] says.
 #[cfg(feature = "nccl")]
 impl<T> cudarc::driver::DevicePtr<T> for CudaView<'_, T> {
     fn device_ptr<'b>(
         &'b self,
-        _stream: &'b cudarc::driver::CudaStream,
+        stream: &'b cudarc::driver::CudaStream,
     ) -> (
         cudarc::driver::sys::CUdeviceptr,
         cudarc::driver::SyncOnDrop<'b>,
     ) {
-        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
+        (self.ptr, self.buf.cuda_use(self.stream, stream))
     }
 }
 
+/// As [`DevicePtr`](cudarc::driver::DevicePtr): reads and writes are ordered alike.
 #[cfg(feature = "nccl")]
 impl<T> cudarc::driver::DevicePtrMut<T> for CudaView<'_, T> {
     fn device_ptr_mut<'b>(
         &'b mut self,
-        _stream: &'b cudarc::driver::CudaStream,
+        stream: &'b cudarc::driver::CudaStream,
     ) -> (
         cudarc::driver::sys::CUdeviceptr,
         cudarc::driver::SyncOnDrop<'b>,
     ) {
-        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
+        (self.ptr, self.buf.cuda_use(self.stream, stream))
     }
 }

@@ -36,7 +36,10 @@ impl SymmPool {
     /// Every rank calls it at the same point of its call sequence.
     ///
     /// # Errors
-    /// As [`trim`](Self::trim), and the errors of growth (see [`alloc`](Self::alloc)).
+    /// As [`trim`](Self::trim), and the errors of growth (see [`alloc`](Self::alloc)):
+    /// [`Error::GraphCapture`](crate::Error::GraphCapture) on every rank while a stream
+    /// the pool has allocated on is capturing a CUDA graph, as for
+    /// [`reserve`](Self::reserve) (nothing is released or added then).
     pub fn fit_to_peak(&self) -> Result<FitReport> {
         let mut st = self.begin(CallKind::FitToPeak)?;
         let plan = st.core.plan_fit_to_peak();
@@ -47,6 +50,8 @@ impl SymmPool {
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
         let deadline = Deadline::after(self.inner.config.timeout);
+        // The check growth and `reserve` make: no registration while a stream the pool
+        // served captures a CUDA graph (refused on every rank alike).
         let ready = self.readiness(&st, None)?;
         let flags = self.agree(
             &mut st,

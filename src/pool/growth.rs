@@ -127,40 +127,41 @@ impl SymmPool {
         }
     }
 
-    /// This rank's readiness for a collective pool operation on `stream`.
+    /// This rank's readiness for a collective pool operation that may register memory:
+    /// capturing if its `stream` is capturing a CUDA graph, or, for an operation
+    /// without a stream of its own (`reserve`, `fit_to_peak`), if any stream the pool
+    /// has allocated on, or any the backend knows (a pool that never allocated has none
+    /// of its own), is.
     pub(super) fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<u64> {
         let ready = st.readiness();
         if ready != Readiness::Ready {
             return Ok(ready as u64);
         }
-        if let Some(s) = stream
-            && self.inner.backend.streams().is_capturing(s)?
-        {
-            return Ok(Readiness::Capturing as u64);
-        }
-        Ok(Readiness::Ready as u64)
+        let streams = self.inner.backend.streams();
+        let capturing = match stream {
+            Some(s) => streams.is_capturing(s)?,
+            None => self.any_known_capturing(st)?,
+        };
+        let ready = if capturing {
+            Readiness::Capturing
+        } else {
+            Readiness::Ready
+        };
+        Ok(ready as u64)
     }
 
-    /// This rank's readiness for a reservation: capturing if any stream the pool has
-    /// allocated on, or any the backend knows (a pool that never allocated has none of
-    /// its own), is capturing a CUDA graph.
-    fn readiness_known(&self, st: &PoolState) -> Result<u64> {
-        let ready = st.readiness();
-        if ready != Readiness::Ready {
-            return Ok(ready as u64);
-        }
+    /// Whether any stream the pool has allocated on is capturing a CUDA graph; for a
+    /// pool that never allocated, any stream the backend knows.
+    fn any_known_capturing(&self, st: &PoolState) -> Result<bool> {
         let streams = self.inner.backend.streams();
         for s in &st.known_streams {
             if streams.is_capturing(s)? {
-                return Ok(Readiness::Capturing as u64);
+                return Ok(true);
             }
         }
         // Only a pool that never allocated asks about the backend's other streams: a
         // capture on another pool's stream is none of this pool's business.
-        if st.known_streams.is_empty() && streams.any_capturing()? {
-            return Ok(Readiness::Capturing as u64);
-        }
-        Ok(Readiness::Ready as u64)
+        Ok(st.known_streams.is_empty() && streams.any_capturing()?)
     }
 
     /// One agreement round, waiting for the peers until `deadline`: the ranks' records
@@ -527,7 +528,7 @@ impl SymmPool {
         // Registration is refused while any stream the pool has served is capturing.
         let deadline = Deadline::after(self.inner.config.timeout);
         self.shared_use(|| {
-            let ready = self.readiness_known(&st)?;
+            let ready = self.readiness(&st, None)?;
             let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
             st.all_ready(&flags)?;
             let growth = Growth {

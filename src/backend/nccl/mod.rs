@@ -140,6 +140,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 use streams::FenceTable;
+pub(crate) use streams::{cuda_key, same_cuda_stream};
 use watchdog::Watchdog;
 
 pub use cudarc::driver::sys::CUstream;

@@ -6,7 +6,7 @@ use super::health::poll_until;
 use super::{CUstream, NcclBackend, ffi};
 use crate::backend::Backend;
 use crate::backend::{DataMover, Region, StreamOps};
-use crate::core::{Fence, StreamId};
+use crate::core::{Fence, StreamId, Wait};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
@@ -18,14 +18,38 @@ use std::time::Instant;
 /// What [`Stream`] carries on the NCCL backend, and how `Debug` names it.
 const KIND: &str = "cuda";
 
-/// A stream of the NCCL backend: a cudarc `CudaStream`. Two `Stream`s made with
-/// [`Stream::cuda`] from the same CUDA stream have different ids, which only costs a
-/// redundant device-side wait; [`Stream::from_raw_cuda`] gives one id per raw handle.
+/// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream, a different
+/// stream on each thread.
+const PER_THREAD: usize = 0x2;
+
+/// A stream of the NCCL backend: a cudarc `CudaStream`. One CUDA stream has one
+/// [`id`](Stream::id) however often it is wrapped (by [`Stream::cuda`] or
+/// [`Stream::from_raw_cuda`]), as long as a wrapper of it lives: it is keyed by its
+/// context and raw handle (see [`Stream::on_device`]). A wrapper holds its stream: a
+/// cudarc stream is destroyed only when its last `Arc` goes, and a raw stream must
+/// outlive the backend that adopted it, so a handle is reused for a new stream only
+/// when no wrapper of the old one is left, and the new stream gets a new id.
 impl Stream {
     /// Wrap a cudarc stream (for the NCCL backend). Use non-blocking streams: NCCL
     /// 2.28's copy-engine collectives fail on the legacy NULL stream.
+    ///
+    /// Wrapping the same CUDA stream again (another `Arc` of it, or a borrowed
+    /// wrapper of its handle) gives the same [`id`](Self::id) while a wrapper lives;
+    /// the per-thread default stream (`CU_STREAM_PER_THREAD`, a different stream on
+    /// each thread) gets a new id each time.
     pub fn cuda(stream: Arc<CudaStream>) -> Self {
-        Stream::on_device(KIND, stream)
+        Stream::on_device(KIND, cuda_key(&stream), stream)
+    }
+
+    /// The live [`Stream`] of a cudarc stream, if a wrapper of it lives (made by
+    /// [`Stream::cuda`] or [`Stream::from_raw_cuda`], and not dropped since).
+    pub(crate) fn known_cuda(stream: &CudaStream) -> Option<Stream> {
+        Stream::find::<CudaStream>(KIND, cuda_key(stream)?)
+    }
+
+    /// The id of [`known_cuda`](Self::known_cuda)'s stream, without making it.
+    pub(crate) fn known_cuda_id(stream: &CudaStream) -> Option<StreamId> {
+        Stream::known_id(KIND, cuda_key(stream)?)
     }
 
     /// The stream of a runtime without cudarc, by its raw `CUstream` (for example
@@ -58,6 +82,18 @@ impl Stream {
     pub fn cuda_stream(&self) -> Option<&Arc<CudaStream>> {
         self.device::<Arc<CudaStream>>()
     }
+}
+
+/// What names a CUDA stream across its wrappers: its context and raw handle (`None`
+/// for the per-thread default stream, which names a different stream on each thread).
+pub(crate) fn cuda_key(stream: &CudaStream) -> Option<(usize, usize)> {
+    let raw = stream.cu_stream() as usize;
+    (raw != PER_THREAD).then(|| (stream.context().cu_ctx() as usize, raw))
+}
+
+/// Whether `a` and `b` are the same CUDA stream (the same handle in the same context).
+pub(crate) fn same_cuda_stream(a: &CudaStream, b: &CudaStream) -> bool {
+    a.cu_stream() == b.cu_stream() && a.context().cu_ctx() == b.context().cu_ctx()
 }
 
 /// Fences as CUDA events, garbage-collected once known complete; and the streams
@@ -182,6 +218,54 @@ impl NcclBackend {
         Ok(stream)
     }
 
+    /// Make `cs` wait (device-side) for each of `waits`, fences recorded on this
+    /// backend's streams: a stream the caller may not have wrapped as a [`Stream`]
+    /// (see `CudaView`).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub(crate) fn wait_fences_on(&self, cs: &CudaStream, waits: &[Wait]) -> Result<()> {
+        if waits.is_empty() {
+            return Ok(());
+        }
+        let t = self.fences.lock();
+        for w in waits {
+            if t.done.get(&w.stream).is_some_and(|&d| w.fence.0 <= d) {
+                continue;
+            }
+            // Only collected events are missing, and those are complete.
+            if let Some(e) = t.events.get(&(w.stream, w.fence.0)) {
+                cs.wait(e).map_err(ffi::cuda("cuStreamWaitEvent"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `cs` is capturing a CUDA graph.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub(crate) fn capturing_cuda(cs: &CudaStream) -> Result<bool> {
+        (cs.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))?;
+        ffi::is_capturing(cs)
+    }
+
+    /// A new event (without timing) in `cs`'s context, to record on `cs`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub(crate) fn event_for(cs: &CudaStream) -> Result<CudaEvent> {
+        (cs.context().new_event(None)).map_err(ffi::cuda("cuEventCreate"))
+    }
+
+    /// Make `cs` wait (device-side) for `event`'s last record.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub(crate) fn wait_event(cs: &CudaStream, event: &CudaEvent) -> Result<()> {
+        cs.wait(event).map_err(ffi::cuda("cuStreamWaitEvent"))
+    }
+
     /// The cudarc stream of `stream`, or [`Error::WrongStream`] for a host stream.
     pub(super) fn cuda_of<'s>(&self, stream: &'s Stream) -> Result<&'s Arc<CudaStream>> {
         stream.cuda_stream().ok_or(Error::WrongStream)
@@ -244,16 +328,7 @@ impl StreamOps for NcclBackend {
     }
 
     fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()> {
-        let cs = self.cuda_of(stream)?;
-        let t = self.fences.lock();
-        if t.done.get(&on).is_some_and(|&d| fence.0 <= d) {
-            return Ok(());
-        }
-        match t.events.get(&(on, fence.0)) {
-            Some(e) => cs.wait(e).map_err(ffi::cuda("cuStreamWaitEvent")),
-            // Only collected events are missing, and those are complete.
-            None => Ok(()),
-        }
+        self.wait_fences_on(self.cuda_of(stream)?, &[Wait { stream: on, fence }])
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
