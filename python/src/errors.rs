@@ -261,6 +261,40 @@ pub(crate) fn clear_error() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use symmpool::{CollectiveDivergence, Divergence};
+
+    #[test]
+    fn divergences_name_every_rank_and_its_value() {
+        let d = details(&Error::CollectiveDivergence(Box::new(
+            CollectiveDivergence {
+                pool: "p".into(),
+                found_by: "async check",
+                record: 3,
+                field: "tag",
+                values: vec![(0, "1 (0x1)".into()), (1, "2 (0x2)".into())],
+            },
+        )));
+        assert_eq!(d.ranks, vec![0, 1]);
+        assert_eq!(d.field.as_deref(), Some("tag"));
+        assert_eq!(d.values[1], (1, "2 (0x2)".to_string()));
+        assert_eq!(d.operation.as_deref(), Some("async check"));
+        let d = details(&Error::Divergence(Box::new(Divergence {
+            during: "grow",
+            first_differing_call: Some(2),
+            calls: vec![(0, Some("alloc 4096".into())), (1, None)],
+            history_gone: None,
+        })));
+        assert_eq!(d.ranks, vec![0, 1]);
+        assert_eq!(d.values[1].1, "(no such call)");
+        // A failure reported late has the failure's attributes.
+        let late = Error::Deferred {
+            during: "free".into(),
+            source: Box::new(Error::GroupBroken { rank: 2, op: "x" }),
+        };
+        let d = details(&late);
+        assert_eq!((d.rank, d.ranks, d.field), (Some(2), vec![2], None));
+        assert_eq!(late.kind(), ErrorKind::PeerLost);
+    }
 
     #[test]
     fn advice_is_said_once() {

@@ -43,6 +43,22 @@ impl Handle {
         })
     }
 
+    /// A pool call's error `e`, with a pool broken by a divergence its collective
+    /// checks found reported as that divergence ([`Error::CollectiveDivergence`],
+    /// a `DivergenceError` naming the ranks and their values) rather than as
+    /// [`Error::PoolBroken`]: under the async check the first call to see the
+    /// divergence may be an allocation. (The verdict is at hand then; otherwise
+    /// `wait_checks` waits only for records already posted.)
+    fn explain(&self, e: symmpool::Error) -> symmpool::Error {
+        if matches!(e, symmpool::Error::PoolBroken { .. })
+            && self.coll.check_mode() != CheckMode::Off
+            && let Err(d @ symmpool::Error::CollectiveDivergence(_)) = self.coll.wait_checks()
+        {
+            return d;
+        }
+        e
+    }
+
     /// The CUDA device of an NCCL pool.
     pub(crate) fn device(&self) -> Option<usize> {
         self.pool
@@ -513,7 +529,7 @@ impl Pool {
                 // SAFETY: the Python caller passes a stream of the pool's device that
                 // outlives the pool (documented on `symmpool.Pool`).
                 let s = unsafe { handle.stream(stream) }?;
-                handle.pool.alloc(nbytes, &s)
+                handle.pool.alloc(nbytes, &s).map_err(|e| handle.explain(e))
             })
             .map_err(to_py)?;
         Ok(Buffer {
@@ -536,7 +552,12 @@ impl Pool {
             .allow_threads(move || {
                 // SAFETY: as in `alloc`.
                 let s = unsafe { handle.stream(stream) }?;
-                live::insert(handle.pool.alloc(nbytes, &s)?)
+                live::insert(
+                    handle
+                        .pool
+                        .alloc(nbytes, &s)
+                        .map_err(|e| handle.explain(e))?,
+                )
             })
             .map_err(to_py)?;
         dlpack::capsule(py, ptr, nbytes, device)
@@ -757,7 +778,8 @@ impl Pool {
     /// Release the free segments (collective). Returns the bytes released.
     fn trim(&self, py: Python<'_>) -> PyResult<u64> {
         let handle = self.handle.clone();
-        py.allow_threads(move || handle.pool.trim()).map_err(to_py)
+        py.allow_threads(move || handle.pool.trim().map_err(|e| handle.explain(e)))
+            .map_err(to_py)
     }
 
     /// Close the pool (collective): every buffer must be gone on every rank
