@@ -229,7 +229,7 @@ def run_mode(mode, a, group, device, rank):
         from symmpool.fsdp import install
 
         installed = install(model, group, name=f"bench-{mode}", trace=a.trace is not None)
-        ag = installed.all_gather
+        ag = next(iter(installed.all_gathers.values()))  # the root module's: its tag
     elif mode == "torch-symm":
         ag, rs, mem_pool = torch_symm_comms(group, device)
         for m in model.modules():
@@ -251,7 +251,7 @@ def run_mode(mode, a, group, device, rank):
     }
     if installed is not None:
         result["paths"] = installed.paths()
-        result["fallbacks"] = installed.all_gather.fallbacks + installed.reduce_scatter.fallbacks
+        result["fallbacks"] = installed.fallbacks()
         st = installed.pool.memory_stats()
         result["registrations"] = {k: v for k, v in st.items() if k.startswith("registrations.")}
         result["last_error"] = symmpool.last_error()

@@ -1,5 +1,6 @@
-//! Errors: the crate's errors as the exceptions of `symmpool.errors` (a class per
-//! kind of failure, with `rank`, `ranks` and `operation` attributes), the last error
+//! Errors: the crate's errors as the exceptions of `symmpool.errors` (the class of
+//! the error's [`ErrorKind`], from that module's one table, with `rank`, `ranks`,
+//! `operation` and, for a divergence, `field` and `values` attributes), the last error
 //! kept for `symmpool.last_error()` (PyTorch reports a failed pluggable `alloc` only as
 //! an out-of-memory error), and the checks of Python's timeout arguments.
 
@@ -9,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::PyType;
 use std::time::Duration;
-use symmpool::Error;
+use symmpool::{Error, ErrorKind};
 
 static LAST_ERROR: Mutex<Option<String>> = Mutex::new(None);
 
@@ -21,135 +22,115 @@ pub(crate) fn remember(message: String) {
 /// The exception classes of `symmpool.errors`, by name (the module is Python, so that
 /// a class can have two bases: `SymmpoolTimeoutError` is also a `TimeoutError`).
 pub(crate) fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
-    static MODULE: GILOnceCell<Py<PyModule>> = GILOnceCell::new();
-    let module = MODULE.get_or_try_init(py, || py.import("symmpool.errors").map(Bound::unbind))?;
-    module
-        .bind(py)
+    errors_module(py)?
         .getattr(name)?
         .downcast_into()
         .map_err(Into::into)
 }
 
-/// What a Python caller learns from a crate error: the class, and the attributes.
+fn errors_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static MODULE: GILOnceCell<Py<PyModule>> = GILOnceCell::new();
+    let module = MODULE.get_or_try_init(py, || py.import("symmpool.errors").map(Bound::unbind))?;
+    Ok(module.bind(py))
+}
+
+/// What a Python caller learns from a crate error beside its class (which
+/// `symmpool.errors` picks from [`Error::kind`], in its one table): the attributes.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Sorted {
-    /// The class's name in `symmpool.errors`.
-    pub(crate) class: &'static str,
+pub(crate) struct Details {
     /// The peer rank the error is about.
     pub(crate) rank: Option<usize>,
     /// The ranks concerned.
     pub(crate) ranks: Vec<usize>,
     /// The operation that failed or was waited in.
     pub(crate) operation: Option<String>,
+    /// A divergence: what differs (a record's field, `"pool call"`, `"channel"`, …).
+    pub(crate) field: Option<String>,
+    /// A divergence: each rank's value of it, in rank order.
+    pub(crate) values: Vec<(usize, String)>,
 }
 
-/// The class and attributes of `e` (see `symmpool.errors` for the classes).
-pub(crate) fn sort(e: &Error) -> Sorted {
-    let with = |class, rank, ranks, operation: Option<&str>| Sorted {
-        class,
+/// The attributes of `e` (its class is its kind's: see `symmpool.errors.CLASSES`).
+pub(crate) fn details(e: &Error) -> Details {
+    let with = |rank, ranks, operation: Option<&str>| Details {
         rank,
         ranks,
         operation: operation.map(str::to_owned),
+        ..Details::default()
+    };
+    // A divergence: every rank's value of what differs, and those ranks.
+    let diverged = |operation: &str, field: &str, values: Vec<(usize, String)>| Details {
+        ranks: values.iter().map(|(r, _)| *r).collect(),
+        operation: Some(operation.to_owned()),
+        field: Some(field.to_owned()),
+        values,
+        ..Details::default()
     };
     match e {
-        Error::ZeroSize
-        | Error::TooLarge { .. }
-        | Error::BadAlignment { .. }
-        | Error::ForeignBuffer { .. }
-        | Error::DoubleFree { .. }
-        | Error::WrongStream
-        | Error::PoolClosed
-        | Error::BadView(_)
-        | Error::GraphCapture
-        | Error::NoActivePool
-        | Error::PayloadTooLarge { .. } => with("UsageError", None, vec![], None),
-        // The failure's own class (a dead peer is still a PeerLostError); the message
-        // names the shared communicators.
-        Error::SharedCommunicators { error, .. } => sort(error),
+        // The failure's own attributes (a dead peer is still about that peer); the
+        // message names the shared communicators.
+        Error::SharedCommunicators { error, .. } => details(error),
+        // A failure reported late is described as the failure itself.
+        Error::Deferred { source, .. } => details(source),
         Error::BuffersAlive { live_per_rank, .. } => with(
-            "UsageError",
             None,
             (0..live_per_rank.len())
                 .filter(|&r| live_per_rank[r] > 0)
                 .collect(),
             Some("close"),
         ),
-        Error::InvalidCollective { op, .. } => with("UsageError", None, vec![], Some(op)),
-        Error::Divergence(d) => with(
-            "DivergenceError",
-            None,
-            d.calls.iter().map(|(r, _)| *r).collect(),
-            Some(d.during),
-        ),
-        Error::CollectiveDivergence(d) => with(
-            "DivergenceError",
-            None,
-            d.values.iter().map(|(r, _)| *r).collect(),
-            Some(d.found_by),
-        ),
-        Error::CollectiveMismatch { op, .. } => with("DivergenceError", None, vec![], Some(op)),
-        Error::ChannelMismatch { opened } => with(
-            "DivergenceError",
-            None,
-            opened.iter().map(|(r, _, _)| *r).collect(),
-            Some("open_channel"),
-        ),
-        Error::RegistrationOrder { order } => with(
-            "DivergenceError",
-            None,
-            order.iter().map(|(r, _, _)| *r).collect(),
-            Some("window registration"),
-        ),
-        Error::RegistrationMismatch { .. } => {
-            with("DivergenceError", None, vec![], Some("window registration"))
+        Error::InvalidCollective { op, .. } | Error::CollectiveMismatch { op, .. } => {
+            with(None, vec![], Some(op))
         }
+        Error::Divergence(d) => diverged(
+            d.during,
+            "pool call",
+            (d.calls.iter())
+                .map(|(r, call)| (*r, call.clone().unwrap_or_else(|| "(no such call)".into())))
+                .collect(),
+        ),
+        Error::CollectiveDivergence(d) => diverged(d.found_by, d.field, d.values.clone()),
+        Error::ChannelMismatch { opened } => diverged(
+            "open_channel",
+            "channel",
+            (opened.iter())
+                .map(|(r, ordinal, name)| (*r, format!("#{ordinal} {name:?}")))
+                .collect(),
+        ),
+        Error::RegistrationOrder { order } => diverged(
+            "window registration",
+            "next registration",
+            (order.iter())
+                .map(|(r, pool, bytes)| (*r, format!("{pool}: a segment of {bytes} bytes")))
+                .collect(),
+        ),
+        Error::RegistrationMismatch { sizes, .. } => diverged(
+            "window registration",
+            "segment bytes",
+            sizes.iter().map(u64::to_string).enumerate().collect(),
+        ),
         Error::Timeout {
             op, missing_ranks, ..
-        } => with(
-            "SymmpoolTimeoutError",
-            None,
-            missing_ranks.clone(),
-            Some(op),
-        ),
-        Error::GroupBroken { rank, op } => {
-            with("SymmpoolTimeoutError", Some(*rank), vec![*rank], Some(op))
+        } => with(None, missing_ranks.clone(), Some(op)),
+        Error::GroupBroken { rank, op } | Error::PeerLost { rank, op, .. } => {
+            with(Some(*rank), vec![*rank], Some(op))
         }
-        Error::NcclTimeout { op, .. } | Error::NcclWatchdog { op, .. } => {
-            with("SymmpoolTimeoutError", None, vec![], Some(op))
-        }
-        Error::PeerLost { rank, op, .. } => {
-            with("PeerLostError", Some(*rank), vec![*rank], Some(op))
-        }
+        Error::NcclTimeout { op, .. }
+        | Error::NcclWatchdog { op, .. }
+        | Error::Nccl { op, .. }
+        | Error::Cuda { op, .. }
+        | Error::SharedMemory { op, .. }
+        | Error::Transport { op, .. }
+        | Error::Protocol { op, .. } => with(None, vec![], Some(op)),
         Error::PoolLimit { .. } | Error::DeviceOutOfMemory { .. } => {
-            with("OutOfMemoryError", None, vec![], Some("alloc"))
+            with(None, vec![], Some("alloc"))
         }
-        Error::PeerOutOfMemory { ranks, .. } => {
-            with("OutOfMemoryError", None, ranks.clone(), Some("alloc"))
+        Error::PeerOutOfMemory { ranks, .. } => with(None, ranks.clone(), Some("alloc")),
+        Error::RankTaken { rank, .. } => with(Some(*rank), vec![*rank], None),
+        Error::RegistrationBroken { rank, .. } => {
+            with(Some(*rank), vec![*rank], Some("window registration"))
         }
-        Error::Config { .. }
-        | Error::InvalidConfig(_)
-        | Error::LaunchEnv { .. }
-        | Error::JobMismatch { .. }
-        | Error::StoreRejected { .. }
-        | Error::LibraryUnavailable { .. }
-        | Error::NcclTooOld { .. }
-        | Error::NoSymmetricSupport { .. } => with("ConfigurationError", None, vec![], None),
-        Error::RankTaken { rank, .. } => with("ConfigurationError", Some(*rank), vec![*rank], None),
-        Error::RegistrationBroken { rank, .. } => with(
-            "SymmpoolError",
-            Some(*rank),
-            vec![*rank],
-            Some("window registration"),
-        ),
-        Error::Nccl { op, .. } | Error::Cuda { op, .. } | Error::SharedMemory { op, .. } => {
-            with("SymmpoolError", None, vec![], Some(op))
-        }
-        Error::Transport { op, .. } | Error::Protocol { op, .. } => {
-            with("SymmpoolError", None, vec![], Some(op))
-        }
-        // A failure reported late is sorted as the failure itself.
-        Error::Deferred { source, .. } => sort(source),
-        _ => with("SymmpoolError", None, vec![], None),
+        _ => Details::default(),
     }
 }
 
@@ -209,23 +190,44 @@ fn remove_all(text: &str, phrase: &str, from: usize) -> String {
     format!("{head}{tail}")
 }
 
-/// A crate error as the exception of its class (kept as the last error).
+/// A crate error as the exception of its kind's class (kept as the last error).
 pub(crate) fn to_py(e: Error) -> PyErr {
     let text = message(&e);
     remember(text.clone());
-    let sorted = sort(&e);
-    Python::with_gil(|py| match raise(py, &sorted, text.clone()) {
-        Ok(err) | Err(err) => err,
-    })
+    exception(e.kind(), text, &details(&e))
 }
 
-fn raise(py: Python<'_>, sorted: &Sorted, text: String) -> Result<PyErr, PyErr> {
-    let cls = class(py, sorted.class)?;
-    let value = cls.call1((text,))?;
-    value.setattr("rank", sorted.rank)?;
-    value.setattr("ranks", sorted.ranks.clone())?;
-    value.setattr("operation", sorted.operation.clone())?;
-    Ok(PyErr::from_value(value))
+/// A `UsageError` (the class of [`ErrorKind::Usage`]) saying `text`, for a mistake the
+/// bindings find themselves (a freed buffer).
+pub(crate) fn usage(text: impl Into<String>) -> PyErr {
+    let text = text.into();
+    remember(text.clone());
+    exception(ErrorKind::Usage, text, &Details::default())
+}
+
+/// The exception `symmpool.errors` makes for an error of `kind` (its one table of
+/// classes by kind), with `details` as its attributes.
+fn exception(kind: ErrorKind, text: String, details: &Details) -> PyErr {
+    Python::with_gil(|py| {
+        let made = errors_module(py).and_then(|m| {
+            m.call_method1(
+                "_from_crate",
+                (
+                    kind.name(),
+                    text,
+                    details.rank,
+                    details.ranks.clone(),
+                    details.operation.clone(),
+                    details.field.clone(),
+                    details.values.clone(),
+                ),
+            )
+        });
+        match made {
+            Ok(value) => PyErr::from_value(value),
+            Err(err) => err,
+        }
+    })
 }
 
 /// Seconds as a duration: `None` or infinity is no deadline ([`Duration::MAX`]).
@@ -259,6 +261,40 @@ pub(crate) fn clear_error() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use symmpool::{CollectiveDivergence, Divergence};
+
+    #[test]
+    fn divergences_name_every_rank_and_its_value() {
+        let d = details(&Error::CollectiveDivergence(Box::new(
+            CollectiveDivergence {
+                pool: "p".into(),
+                found_by: "async check",
+                record: 3,
+                field: "tag",
+                values: vec![(0, "1 (0x1)".into()), (1, "2 (0x2)".into())],
+            },
+        )));
+        assert_eq!(d.ranks, vec![0, 1]);
+        assert_eq!(d.field.as_deref(), Some("tag"));
+        assert_eq!(d.values[1], (1, "2 (0x2)".to_string()));
+        assert_eq!(d.operation.as_deref(), Some("async check"));
+        let d = details(&Error::Divergence(Box::new(Divergence {
+            during: "grow",
+            first_differing_call: Some(2),
+            calls: vec![(0, Some("alloc 4096".into())), (1, None)],
+            history_gone: None,
+        })));
+        assert_eq!(d.ranks, vec![0, 1]);
+        assert_eq!(d.values[1].1, "(no such call)");
+        // A failure reported late has the failure's attributes.
+        let late = Error::Deferred {
+            during: "free".into(),
+            source: Box::new(Error::GroupBroken { rank: 2, op: "x" }),
+        };
+        let d = details(&late);
+        assert_eq!((d.rank, d.ranks, d.field), (Some(2), vec![2], None));
+        assert_eq!(late.kind(), ErrorKind::PeerLost);
+    }
 
     #[test]
     fn advice_is_said_once() {

@@ -2,13 +2,13 @@
 //! buffer handles), its collectives and its statistics.
 
 use crate::dtype::DType;
-use crate::errors::{seconds, to_py};
+use crate::errors::{seconds, to_py, usage};
 use crate::store::{AnyExchange, StoreExchange};
 use crate::{dlpack, live};
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyInt};
 use std::path::PathBuf;
 use std::sync::Arc;
 use symmpool::backend::CommRole;
@@ -17,8 +17,8 @@ use symmpool::backend::shm::{ShmBackend, ShmConfig};
 use symmpool::coll::{CollectiveReport, path_name};
 use symmpool::observe::{PoolSnapshot, StatValue, render_ranks, render_svg};
 use symmpool::{
-    Backend, Coll, CollectiveCalls, Exchange, HostBackend, HostConfig, NcclBackend, NcclConfig,
-    PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
+    Backend, CheckMode, Coll, CollectiveCalls, Exchange, HostBackend, HostConfig, NcclBackend,
+    NcclConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
 };
 
 /// NCCL's `NCCL_CTA_POLICY_ZERO`.
@@ -41,6 +41,22 @@ impl Handle {
             coll,
             host: Stream::host(),
         })
+    }
+
+    /// A pool call's error `e`, with a pool broken by a divergence its collective
+    /// checks found reported as that divergence ([`Error::CollectiveDivergence`],
+    /// a `DivergenceError` naming the ranks and their values) rather than as
+    /// [`Error::PoolBroken`]: under the async check the first call to see the
+    /// divergence may be an allocation. (The verdict is at hand then; otherwise
+    /// `wait_checks` waits only for records already posted.)
+    fn explain(&self, e: symmpool::Error) -> symmpool::Error {
+        if matches!(e, symmpool::Error::PoolBroken { .. })
+            && self.coll.check_mode() != CheckMode::Off
+            && let Err(d @ symmpool::Error::CollectiveDivergence(_)) = self.coll.wait_checks()
+        {
+            return d;
+        }
+        e
     }
 
     /// The CUDA device of an NCCL pool.
@@ -66,10 +82,41 @@ impl Handle {
     }
 }
 
-fn pool_config(name: &str, timeout_s: Option<f64>) -> PyResult<PoolConfig> {
-    let mut config = PoolConfig::default().with_timeout(seconds("timeout_s", timeout_s)?);
-    config.name = name.to_owned();
+/// The pool's settings from the constructors' arguments: `check` is `"strict"`,
+/// `"async"`, `"off"` or `None` (the `SYMMPOOL_CHECK` variable, else async);
+/// `check_queue` the async check's bound in records (`None`: the crate's default).
+fn pool_config(
+    name: &str,
+    timeout_s: Option<f64>,
+    check: Option<&str>,
+    check_queue: Option<usize>,
+) -> PyResult<PoolConfig> {
+    let mut config = PoolConfig::default()
+        .with_timeout(seconds("timeout_s", timeout_s)?)
+        .with_name(name);
+    if let Some(check) = check {
+        config = config.with_check(check_mode(check)?);
+    }
+    if let Some(records) = check_queue {
+        if records == 0 {
+            return Err(PyValueError::new_err(
+                "check_queue must be at least 1 record",
+            ));
+        }
+        config = config.with_check_queue(records);
+    }
     Ok(config)
+}
+
+fn check_mode(name: &str) -> PyResult<CheckMode> {
+    [CheckMode::Strict, CheckMode::Async, CheckMode::Off]
+        .into_iter()
+        .find(|m| m.name() == name)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "check must be \"strict\", \"async\", \"off\" or None, not {name:?}"
+            ))
+        })
 }
 
 fn reduce_op(op: &str) -> PyResult<ReduceOp> {
@@ -83,36 +130,85 @@ fn reduce_op(op: &str) -> PyResult<ReduceOp> {
     })
 }
 
-/// Run an in-place reduce-scatter of `dtype` elements on `buf`.
-fn reduce_scatter(
-    coll: &Coll,
-    buf: &SymmBuffer,
-    dtype: DType,
-    op: ReduceOp,
-    stream: &Stream,
-) -> symmpool::Result<CollectiveReport> {
-    match dtype {
-        DType::F32 => coll.reduce_scatter_in_place::<f32>(buf, op, stream),
-        DType::BF16 => coll.reduce_scatter_in_place::<bf16>(buf, op, stream),
-        DType::F16 => coll.reduce_scatter_in_place::<f16>(buf, op, stream),
-        DType::U8 => coll.reduce_scatter_in_place::<u8>(buf, op, stream),
+/// A collective's tag as Python gives it: an `int` from 0 to 2**64 - 1 (0 is a tag
+/// like any other); `None` (the argument's default) is an untagged call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tag(u64);
+
+impl<'py> FromPyObject<'py> for Tag {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if !ob.is_instance_of::<PyInt>() || ob.is_instance_of::<PyBool>() {
+            return Err(PyTypeError::new_err(format!(
+                "tag must be an int (or None: untagged), not {}",
+                ob.get_type().name()?
+            )));
+        }
+        ob.extract::<u64>().map(Tag).map_err(|_| {
+            PyValueError::new_err(format!("tag must be from 0 to 2**64 - 1, not {ob}"))
+        })
     }
 }
 
-/// Run a reduce-scatter of `dtype` elements from `input` into `output` (its shard).
-fn reduce_scatter_into(
-    coll: &Coll,
-    input: &SymmBuffer,
-    output: &SymmBuffer,
+/// A collective as the bindings call it: which one, on which buffers (`output`
+/// `None`: in place), of which element type.
+struct Call<'a> {
+    op: Op,
+    input: &'a SymmBuffer,
+    output: Option<&'a SymmBuffer>,
     dtype: DType,
-    op: ReduceOp,
-    stream: &Stream,
-) -> symmpool::Result<CollectiveReport> {
-    match dtype {
-        DType::F32 => coll.reduce_scatter::<f32>(input, output, op, stream),
-        DType::BF16 => coll.reduce_scatter::<bf16>(input, output, op, stream),
-        DType::F16 => coll.reduce_scatter::<f16>(input, output, op, stream),
-        DType::U8 => coll.reduce_scatter::<u8>(input, output, op, stream),
+}
+
+/// Which collective (with its reduction).
+#[derive(Clone, Copy)]
+enum Op {
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllReduce(ReduceOp),
+}
+
+impl Call<'_> {
+    /// Run it on `stream`, carrying `tag` (`None`: untagged).
+    fn run(
+        &self,
+        coll: &Coll,
+        tag: Option<Tag>,
+        stream: &Stream,
+    ) -> symmpool::Result<CollectiveReport> {
+        match tag {
+            Some(Tag(tag)) => self.run_on(&coll.tagged(tag), stream),
+            None => self.run_on(coll, stream),
+        }
+    }
+
+    fn run_on<C: CollectiveCalls>(
+        &self,
+        c: &C,
+        stream: &Stream,
+    ) -> symmpool::Result<CollectiveReport> {
+        match self.dtype {
+            DType::F32 => self.typed::<C, f32>(c, stream),
+            DType::BF16 => self.typed::<C, bf16>(c, stream),
+            DType::F16 => self.typed::<C, f16>(c, stream),
+            DType::U8 => self.typed::<C, u8>(c, stream),
+        }
+    }
+
+    fn typed<C: CollectiveCalls, T: symmpool::Element>(
+        &self,
+        c: &C,
+        stream: &Stream,
+    ) -> symmpool::Result<CollectiveReport> {
+        let input = self.input;
+        match (self.op, self.output) {
+            (Op::AllGather, None) => c.all_gather_in_place::<T>(input, stream),
+            (Op::AllGather, Some(output)) => c.all_gather::<T>(input, output, stream),
+            (Op::ReduceScatter(op), None) => c.reduce_scatter_in_place::<T>(input, op, stream),
+            (Op::ReduceScatter(op), Some(output)) => {
+                c.reduce_scatter::<T>(input, output, op, stream)
+            }
+            (Op::AllReduce(op), None) => c.all_reduce_in_place::<T>(input, op, stream),
+            (Op::AllReduce(op), Some(output)) => c.all_reduce::<T>(input, output, op, stream),
+        }
     }
 }
 
@@ -128,6 +224,20 @@ fn reduce_scatter_into(
 /// deadline, a negative number is a `ValueError`. Failures raise the classes of
 /// `symmpool.errors` (`UsageError`, `DivergenceError`, `SymmpoolTimeoutError`,
 /// `PeerLostError`, `OutOfMemoryError`, `ConfigurationError`, all `SymmpoolError`).
+///
+/// Collectives (`Buffer.all_gather`, `reduce_scatter`, `all_reduce`, and the
+/// by-address `all_gather_at`, … for DLPack tensors) are checked across ranks as
+/// `check` says (every constructor takes it): `"strict"` compares each call's record
+/// before it runs (a mismatch is a `DivergenceError` on every rank and no data
+/// moves); `"async"` (the default, or the `SYMMPOOL_CHECK` variable) compares them
+/// off the calling thread (a mismatch is a `DivergenceError` from a later call on
+/// every rank, at the latest `check_queue` + 1 collectives later, or from
+/// `end_step()` / `wait_checks()`; the diverging calls may have moved data);
+/// `"off"` checks nothing. Each collective takes `tag=`, an int that identifies the
+/// call (a hash of the layer, say; 0 is a tag like any other, `None` an untagged
+/// call): calls of the same shape for different layers then differ in the field
+/// `"tag"`, so a rank that skips one is caught at that call. `end_step()` marks a
+/// step boundary.
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Pool {
     pub(crate) handle: GilFree<Arc<Handle>>,
@@ -166,15 +276,18 @@ impl Pool {
     /// without a GPU. With `exchanges` (one `StoreExchange` per rank), the agreement runs
     /// over those instead of in memory.
     #[staticmethod]
-    #[pyo3(signature = (world_size, name = "symmpool", timeout_s = 60.0, exchanges = None))]
+    #[pyo3(signature = (world_size, name = "symmpool", timeout_s = 60.0, exchanges = None,
+        check = None, check_queue = None))]
     fn host_group(
         py: Python<'_>,
         world_size: usize,
         name: &str,
         timeout_s: Option<f64>,
         exchanges: Option<Vec<Py<StoreExchange>>>,
+        check: Option<&str>,
+        check_queue: Option<usize>,
     ) -> PyResult<Vec<Pool>> {
-        let config = pool_config(name, timeout_s)?;
+        let config = pool_config(name, timeout_s, check, check_queue)?;
         let host = HostConfig::new(world_size).with_timeout(config.timeout);
         let mut backends = HostBackend::world(host).map_err(to_py)?;
         if let Some(exchanges) = exchanges {
@@ -223,7 +336,8 @@ impl Pool {
     /// by default; pages are backed only when written).
     #[staticmethod]
     #[pyo3(signature = (exchange = None, name = "symmpool", timeout_s = 60.0, symmetric = true,
-        max_reserved_bytes = None))]
+        max_reserved_bytes = None, check = None, check_queue = None))]
+    #[allow(clippy::too_many_arguments)]
     fn shm(
         py: Python<'_>,
         exchange: Option<AnyExchange<'_>>,
@@ -231,8 +345,10 @@ impl Pool {
         timeout_s: Option<f64>,
         symmetric: bool,
         max_reserved_bytes: Option<u64>,
+        check: Option<&str>,
+        check_queue: Option<usize>,
     ) -> PyResult<Pool> {
-        let config = pool_config(name, timeout_s)?;
+        let config = pool_config(name, timeout_s, check, check_queue)?;
         let ex = match exchange {
             Some(ex) => ex.exchange(),
             None => {
@@ -273,7 +389,7 @@ impl Pool {
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", copy_engine = true,
         plain = true, timeout_s = 60.0, setup_timeout_s = 600.0, call_timeout_s = 60.0,
-        watchdog_timeout_s = 600.0))]
+        watchdog_timeout_s = 600.0, check = None, check_queue = None))]
     #[allow(clippy::too_many_arguments)]
     fn nccl_adopt(
         py: Python<'_>,
@@ -287,13 +403,15 @@ impl Pool {
         setup_timeout_s: Option<f64>,
         call_timeout_s: Option<f64>,
         watchdog_timeout_s: Option<f64>,
+        check: Option<&str>,
+        check_queue: Option<usize>,
     ) -> PyResult<Pool> {
         if comm_ptr == 0 {
             return Err(PyValueError::new_err(
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s)?;
+        let config = pool_config(name, timeout_s, check, check_queue)?;
         let nccl = NcclConfig::default()
             .with_communicators(copy_engine, plain)
             .with_setup_timeout(seconds("setup_timeout_s", setup_timeout_s)?)
@@ -327,7 +445,8 @@ impl Pool {
     /// all-gather). Collective over the group.
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", cta_policy = 0,
-        timeout_s = 60.0))]
+        timeout_s = 60.0, check = None, check_queue = None))]
+    #[allow(clippy::too_many_arguments)]
     fn nccl_wrap(
         py: Python<'_>,
         comm_ptr: usize,
@@ -336,13 +455,15 @@ impl Pool {
         name: &str,
         cta_policy: i32,
         timeout_s: Option<f64>,
+        check: Option<&str>,
+        check_queue: Option<usize>,
     ) -> PyResult<Pool> {
         if comm_ptr == 0 {
             return Err(PyValueError::new_err(
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s)?;
+        let config = pool_config(name, timeout_s, check, check_queue)?;
         let role = if cta_policy == CTA_POLICY_ZERO {
             CommRole::CopyEngine
         } else {
@@ -408,7 +529,7 @@ impl Pool {
                 // SAFETY: the Python caller passes a stream of the pool's device that
                 // outlives the pool (documented on `symmpool.Pool`).
                 let s = unsafe { handle.stream(stream) }?;
-                handle.pool.alloc(nbytes, &s)
+                handle.pool.alloc(nbytes, &s).map_err(|e| handle.explain(e))
             })
             .map_err(to_py)?;
         Ok(Buffer {
@@ -431,7 +552,12 @@ impl Pool {
             .allow_threads(move || {
                 // SAFETY: as in `alloc`.
                 let s = unsafe { handle.stream(stream) }?;
-                live::insert(handle.pool.alloc(nbytes, &s)?)
+                live::insert(
+                    handle
+                        .pool
+                        .alloc(nbytes, &s)
+                        .map_err(|e| handle.explain(e))?,
+                )
             })
             .map_err(to_py)?;
         dlpack::capsule(py, ptr, nbytes, device)
@@ -439,32 +565,32 @@ impl Pool {
 
     /// In-place all-gather (FSDP layout) of the `nbytes` at device address `ptr`, which
     /// must be a whole buffer of this pool (a tensor from `alloc_dlpack`), on the raw
-    /// stream `stream`. Returns the path taken. Collective.
-    #[pyo3(signature = (ptr, nbytes, stream = 0))]
+    /// stream `stream`, carrying `tag` (an int; `None`: untagged). Returns the path
+    /// taken. Collective: every rank, same order, same size and tag.
+    ///
+    /// An address that is not the start of a live buffer of this pool, or a size that
+    /// is not the buffer's, is a `ValueError` (the FSDP comm objects then hand the call
+    /// to `torch.distributed`); a failure of the collective is the crate's exception.
+    #[pyo3(signature = (ptr, nbytes, stream = 0, *, tag = None))]
     fn all_gather_at(
         &self,
         py: Python<'_>,
         ptr: u64,
         nbytes: u64,
         stream: usize,
+        tag: Option<Tag>,
     ) -> PyResult<&'static str> {
         let buf = self.buffer_at(ptr, nbytes)?;
-        let handle = self.handle.clone();
-        let report = py
-            .allow_threads(move || {
-                // SAFETY: as in `alloc`.
-                let s = unsafe { handle.stream(stream) }?;
-                handle.coll.all_gather_in_place::<u8>(&buf, &s)
-            })
-            .map_err(to_py)?;
-        Ok(path_name(report.path))
+        self.run_at(py, Op::AllGather, &buf, None, DType::U8, stream, tag)
     }
 
     /// In-place reduce-scatter of the buffer at `ptr` (`dtype`: float32, bfloat16,
     /// float16 or uint8, as a string such as `"bf16"` or a torch dtype such as
     /// `torch.bfloat16`; `op`: sum, avg, prod, max, min): afterwards this rank's chunk
-    /// holds the reduction. Returns the path taken. Collective.
-    #[pyo3(signature = (ptr, nbytes, dtype, op = "sum", stream = 0))]
+    /// holds the reduction. `tag` as for `all_gather_at`. Returns the path taken.
+    /// Collective.
+    #[pyo3(signature = (ptr, nbytes, dtype, op = "sum", stream = 0, *, tag = None))]
+    #[allow(clippy::too_many_arguments)]
     fn reduce_scatter_at(
         &self,
         py: Python<'_>,
@@ -473,27 +599,21 @@ impl Pool {
         dtype: DType,
         op: &str,
         stream: usize,
+        tag: Option<Tag>,
     ) -> PyResult<&'static str> {
         let buf = self.buffer_at(ptr, nbytes)?;
-        let op = reduce_op(op)?;
-        let handle = self.handle.clone();
-        let report = py
-            .allow_threads(move || {
-                // SAFETY: as in `alloc`.
-                let s = unsafe { handle.stream(stream) }?;
-                reduce_scatter(&handle.coll, &buf, dtype, op, &s)
-            })
-            .map_err(to_py)?;
-        Ok(path_name(report.path))
+        let op = Op::ReduceScatter(reduce_op(op)?);
+        self.run_at(py, op, &buf, None, dtype, stream, tag)
     }
 
     /// Reduce-scatter of the buffer at `in_ptr` (`in_nbytes`) into the buffer at
     /// `out_ptr` (`out_nbytes` = `in_nbytes` / world size), both whole buffers of this
-    /// pool (tensors from `alloc_dlpack`), on the raw stream `stream` (`dtype` and
-    /// `op` as for `reduce_scatter_at`): FSDP2's
-    /// reduce-scatter, whose output FSDP2 also allocates from the comm object. One call,
-    /// no copy; the path is chosen per size. Returns the path taken. Collective.
-    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, dtype, op = "sum", stream = 0))]
+    /// pool (tensors from `alloc_dlpack`), on the raw stream `stream` (`dtype`, `op`
+    /// and `tag` as for `reduce_scatter_at`): FSDP2's reduce-scatter, whose output
+    /// FSDP2 also allocates from the comm object. One call, no copy; the path is
+    /// chosen per size. Returns the path taken. Collective.
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, dtype, op = "sum", stream = 0,
+        *, tag = None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter_into(
         &self,
@@ -505,19 +625,84 @@ impl Pool {
         dtype: DType,
         op: &str,
         stream: usize,
+        tag: Option<Tag>,
     ) -> PyResult<&'static str> {
         let input = self.buffer_at(in_ptr, in_nbytes)?;
         let output = self.buffer_at(out_ptr, out_nbytes)?;
-        let op = reduce_op(op)?;
+        let op = Op::ReduceScatter(reduce_op(op)?);
+        self.run_at(py, op, &input, Some(&output), dtype, stream, tag)
+    }
+
+    /// In-place all-reduce of the buffer at `ptr` (`nbytes`): afterwards it holds the
+    /// reduction `op` over ranks (`dtype`, `op` and `tag` as for `reduce_scatter_at`).
+    /// Returns the path taken. Collective.
+    #[pyo3(signature = (ptr, nbytes, dtype, op = "sum", stream = 0, *, tag = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_at(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: u64,
+        dtype: DType,
+        op: &str,
+        stream: usize,
+        tag: Option<Tag>,
+    ) -> PyResult<&'static str> {
+        let buf = self.buffer_at(ptr, nbytes)?;
+        let op = Op::AllReduce(reduce_op(op)?);
+        self.run_at(py, op, &buf, None, dtype, stream, tag)
+    }
+
+    /// All-reduce of the buffer at `in_ptr` into the buffer at `out_ptr`, both
+    /// `nbytes` long and whole buffers of this pool (`dtype`, `op` and `tag` as for
+    /// `reduce_scatter_at`). Returns the path taken. Collective.
+    #[pyo3(signature = (in_ptr, out_ptr, nbytes, dtype, op = "sum", stream = 0, *, tag = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_into(
+        &self,
+        py: Python<'_>,
+        in_ptr: u64,
+        out_ptr: u64,
+        nbytes: u64,
+        dtype: DType,
+        op: &str,
+        stream: usize,
+        tag: Option<Tag>,
+    ) -> PyResult<&'static str> {
+        let input = self.buffer_at(in_ptr, nbytes)?;
+        let output = self.buffer_at(out_ptr, nbytes)?;
+        let op = Op::AllReduce(reduce_op(op)?);
+        self.run_at(py, op, &input, Some(&output), dtype, stream, tag)
+    }
+
+    /// A step boundary: under the `"strict"` and `"async"` checks, the ranks compare
+    /// where each is (per pool and communicator: the collectives issued, the pool's
+    /// calls), then wait until every collective record is compared, so that a skipped
+    /// or extra collective (tagged or not) or allocation fails here on every rank
+    /// within one exchange round, as a `DivergenceError`. Nothing under `"off"` or at
+    /// world size 1. Collective: every rank at the same point of its calls, once per
+    /// step (the FSDP2 comm objects call it themselves, see `symmpool.fsdp`).
+    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
         let handle = self.handle.clone();
-        let report = py
-            .allow_threads(move || {
-                // SAFETY: as in `alloc`.
-                let s = unsafe { handle.stream(stream) }?;
-                reduce_scatter_into(&handle.coll, &input, &output, dtype, op, &s)
-            })
-            .map_err(to_py)?;
-        Ok(path_name(report.path))
+        py.allow_threads(move || handle.coll.end_step())
+            .map_err(to_py)
+    }
+
+    /// Wait until every collective record this rank posted has been compared with
+    /// the peers' (under `"async"`; at once otherwise) and raise what the checks found
+    /// (a `DivergenceError`, ...): before reading results that must be trusted.
+    /// Collective in effect: the comparison needs the peers' records.
+    fn wait_checks(&self, py: Python<'_>) -> PyResult<()> {
+        let handle = self.handle.clone();
+        py.allow_threads(move || handle.coll.wait_checks())
+            .map_err(to_py)
+    }
+
+    /// How the pool's collectives are checked across ranks: `"strict"`, `"async"` or
+    /// `"off"` (`"off"` at world size 1, whatever the setting: no peer to compare with).
+    #[getter]
+    fn check(&self) -> &'static str {
+        self.handle.coll.check_mode().name()
     }
 
     /// The flat statistics (PyTorch's key names where they mean the same), as a dict.
@@ -593,7 +778,8 @@ impl Pool {
     /// Release the free segments (collective). Returns the bytes released.
     fn trim(&self, py: Python<'_>) -> PyResult<u64> {
         let handle = self.handle.clone();
-        py.allow_threads(move || handle.pool.trim()).map_err(to_py)
+        py.allow_threads(move || handle.pool.trim().map_err(|e| handle.explain(e)))
+            .map_err(to_py)
     }
 
     /// Close the pool (collective): every buffer must be gone on every rank
@@ -616,6 +802,37 @@ impl Pool {
 }
 
 impl Pool {
+    /// Run `op` on the live buffers `input` (and `output`; `None`: in place) of this
+    /// pool on the raw stream `stream`, carrying `tag`; the path taken.
+    #[allow(clippy::too_many_arguments)]
+    fn run_at(
+        &self,
+        py: Python<'_>,
+        op: Op,
+        input: &SymmBuffer,
+        output: Option<&SymmBuffer>,
+        dtype: DType,
+        stream: usize,
+        tag: Option<Tag>,
+    ) -> PyResult<&'static str> {
+        let handle = &*self.handle;
+        let call = Call {
+            op,
+            input,
+            output,
+            dtype,
+        };
+        let report = py
+            .allow_threads(|| {
+                // SAFETY: the Python caller passes a stream of the pool's device that
+                // outlives the pool (documented on `symmpool.Pool`).
+                let s = unsafe { handle.stream(stream) }?;
+                call.run(&handle.coll, tag, &s)
+            })
+            .map_err(to_py)?;
+        Ok(path_name(report.path))
+    }
+
     /// The live buffer of this pool at `ptr`, `nbytes` long.
     fn buffer_at(&self, ptr: u64, nbytes: u64) -> PyResult<Arc<SymmBuffer>> {
         let buf = live::get(ptr).ok_or_else(|| {
@@ -649,7 +866,7 @@ pub(crate) fn render_ranks_svg(snapshots: Vec<String>) -> PyResult<String> {
 }
 
 /// A pool buffer held from Python (host pools in tests; any pool). Dropping it, or
-/// `free()`, returns the block to the pool.
+/// `free()`, returns the block to the pool; any use after `free()` is a `UsageError`.
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Buffer {
     buf: Mutex<Option<Arc<SymmBuffer>>>,
@@ -658,11 +875,36 @@ pub struct Buffer {
 }
 
 impl Buffer {
-    fn get(&self) -> PyResult<Arc<SymmBuffer>> {
-        self.buf
-            .lock()
-            .clone()
-            .ok_or_else(|| PyValueError::new_err("the buffer was freed"))
+    /// The buffer, or a `UsageError` once it was freed.
+    fn buffer(&self) -> PyResult<Arc<SymmBuffer>> {
+        self.buf.lock().clone().ok_or_else(|| {
+            usage("the buffer was freed (Buffer.free()): allocate a new one with Pool.alloc")
+        })
+    }
+
+    /// Run `op` on this buffer (`out`: into that one; `None`: in place) on the stream
+    /// it was allocated on, carrying `tag`; the path taken.
+    fn run(
+        &self,
+        py: Python<'_>,
+        op: Op,
+        dtype: DType,
+        out: Option<&Bound<'_, Buffer>>,
+        tag: Option<Tag>,
+    ) -> PyResult<&'static str> {
+        let input = self.buffer()?;
+        let output = out.map(|o| o.get().buffer()).transpose()?;
+        let call = Call {
+            op,
+            input: &input,
+            output: output.as_deref(),
+            dtype,
+        };
+        let coll = &*self.coll;
+        let report = py
+            .allow_threads(|| call.run(coll, tag, input.stream()))
+            .map_err(to_py)?;
+        Ok(path_name(report.path))
     }
 }
 
@@ -671,69 +913,96 @@ impl Buffer {
     /// Bytes requested.
     #[getter]
     fn nbytes(&self) -> PyResult<u64> {
-        Ok(self.get()?.len_bytes())
+        Ok(self.buffer()?.len_bytes())
     }
 
     /// The segment it lies in.
     #[getter]
     fn segment(&self) -> PyResult<u64> {
-        Ok(self.get()?.segment().0.into())
+        Ok(self.buffer()?.segment().0.into())
     }
 
     /// Its offset in the segment (the same on every rank).
     #[getter]
     fn offset(&self) -> PyResult<u64> {
-        Ok(self.get()?.offset_bytes())
+        Ok(self.buffer()?.offset_bytes())
     }
 
     /// Its device address (None on a host pool).
     #[getter]
     fn device_ptr(&self) -> PyResult<Option<u64>> {
-        Ok(self.get()?.device_ptr())
+        Ok(self.buffer()?.device_ptr())
     }
 
-    /// Copy `data` into the start of the buffer.
+    /// Copy `data` (bytes) into the start of the buffer.
     fn write(&self, py: Python<'_>, data: Vec<u8>) -> PyResult<()> {
-        let buf = self.get()?;
+        let buf = self.buffer()?;
         py.allow_threads(move || buf.write::<u8>(&data))
             .map_err(to_py)
     }
 
     /// The buffer's bytes.
     fn read(&self, py: Python<'_>) -> PyResult<Vec<u8>> {
-        let buf = self.get()?;
+        let buf = self.buffer()?;
         py.allow_threads(move || buf.read::<u8>()).map_err(to_py)
     }
 
-    /// In-place all-gather (collective): afterwards every rank's chunk holds that
-    /// rank's chunk. Returns the path taken.
-    fn all_gather(&self, py: Python<'_>) -> PyResult<&'static str> {
-        let buf = self.get()?;
-        let stream = buf.stream().clone();
-        let coll = self.coll.clone();
-        let report = py
-            .allow_threads(move || coll.all_gather_in_place::<u8>(&buf, &stream))
-            .map_err(to_py)?;
-        Ok(path_name(report.path))
+    /// All-gather, carrying `tag` (an int from 0 to 2**64 - 1; `None`: untagged). In
+    /// place by default: the buffer holds world equal chunks, this rank's at `rank`;
+    /// afterwards every chunk holds its rank's. With `out` (a buffer of world times
+    /// this one's bytes, of the same pool): this buffer lands at chunk `rank` of every
+    /// rank's `out`. Returns the path taken. Collective: every rank, same order, same
+    /// sizes and tag.
+    #[pyo3(signature = (*, out = None, tag = None))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        out: Option<Bound<'_, Buffer>>,
+        tag: Option<Tag>,
+    ) -> PyResult<&'static str> {
+        self.run(py, Op::AllGather, DType::U8, out.as_ref(), tag)
     }
 
-    /// In-place reduce-scatter (collective): the buffer holds `dtype` elements
-    /// (float32, bfloat16, float16 or uint8, as a string or a torch dtype); afterwards
-    /// this rank's chunk holds the reduction `op` (sum, avg, prod, max, min). Returns
-    /// the path taken.
-    #[pyo3(signature = (dtype, op = "sum"))]
-    fn reduce_scatter(&self, py: Python<'_>, dtype: DType, op: &str) -> PyResult<&'static str> {
-        let buf = self.get()?;
-        let op = reduce_op(op)?;
-        let stream = buf.stream().clone();
-        let coll = self.coll.clone();
-        let report = py
-            .allow_threads(move || reduce_scatter(&coll, &buf, dtype, op, &stream))
-            .map_err(to_py)?;
-        Ok(path_name(report.path))
+    /// Reduce-scatter of `dtype` elements (float32, bfloat16, float16 or uint8, as a
+    /// string or a torch dtype) with the reduction `op` (sum, avg, prod, max, min),
+    /// carrying `tag` (as for `all_gather`). In place by default: afterwards this
+    /// rank's chunk (of world equal chunks) holds the reduction over ranks. With `out`
+    /// (a buffer of this one's bytes / world, of the same pool): `out` gets it.
+    /// Returns the path taken. Collective: every rank, same order, same sizes,
+    /// operation and tag.
+    #[pyo3(signature = (dtype, op = "sum", *, out = None, tag = None))]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        dtype: DType,
+        op: &str,
+        out: Option<Bound<'_, Buffer>>,
+        tag: Option<Tag>,
+    ) -> PyResult<&'static str> {
+        let op = Op::ReduceScatter(reduce_op(op)?);
+        self.run(py, op, dtype, out.as_ref(), tag)
     }
 
-    /// Return the block to the pool now.
+    /// All-reduce of `dtype` elements with the reduction `op`, carrying `tag` (as for
+    /// `reduce_scatter`). In place by default: afterwards the buffer holds the
+    /// reduction over ranks. With `out` (a buffer of the same bytes, of the same
+    /// pool): `out` gets it. Returns the path taken. Collective: every rank, same
+    /// order, same sizes, operation and tag.
+    #[pyo3(signature = (dtype, op = "sum", *, out = None, tag = None))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        dtype: DType,
+        op: &str,
+        out: Option<Bound<'_, Buffer>>,
+        tag: Option<Tag>,
+    ) -> PyResult<&'static str> {
+        let op = Op::AllReduce(reduce_op(op)?);
+        self.run(py, op, dtype, out.as_ref(), tag)
+    }
+
+    /// Return the block to the pool now (a second call does nothing); any other use
+    /// of the buffer afterwards is a `UsageError`.
     fn free(&self) {
         self.buf.lock().take();
     }

@@ -3,7 +3,12 @@
 - :class:`Pool` (Rust): one rank's pool. :func:`from_group` makes one from a
   ``torch.distributed`` process group (its ``ncclComm_t`` and its default store).
 - :mod:`symmpool.fsdp`: FSDP2 comm objects (``AllGather`` / ``ReduceScatter``) over the
-  pool, and :func:`symmpool.fsdp.install`.
+  pool, and :func:`symmpool.fsdp.install` (a tag per FSDP module on every collective,
+  a step boundary at the end of each backward pass).
+- Collectives (``Buffer.all_gather`` / ``reduce_scatter`` / ``all_reduce``, or by
+  address ``Pool.all_gather_at``, ...) take ``tag=`` (an int; None: untagged) and are
+  checked across ranks as the pool's ``check`` says (``"strict"``, ``"async"``,
+  ``"off"``); ``Pool.end_step()`` marks a step boundary.
 - :mod:`symmpool.allocator`: the pool as a ``torch.cuda.MemPool`` through
   ``CUDAPluggableAllocator`` (the C functions ``symmpool_alloc`` / ``symmpool_free`` of
   the extension module).

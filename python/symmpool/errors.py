@@ -1,22 +1,26 @@
 """The exceptions symmpool raises, sorted by what the caller can do about them.
 
-Every error of the Rust crate reaches Python as one of these classes (the extension
-picks the class from the crate's error variant)::
+Every error of the Rust crate reaches Python as the class of its kind (the crate's
+``ErrorKind``, ``Error::kind()``), from one table, :data:`CLASSES`::
 
-    SymmpoolError (RuntimeError)             anything else: NCCL, CUDA, the transport, a
-    │                                        broken pool or backend, a bug in symmpool
-    ├── UsageError                           a mistake in the calling code: a zero size,
-    │                                        a freed or foreign buffer, a closed pool, a
-    │                                        host stream on a GPU pool, ...
-    ├── DivergenceError                      the ranks made different calls (pool calls,
-    │                                        collectives, channels, registrations)
-    ├── SymmpoolTimeoutError (TimeoutError)  a wait on other ranks ran out of time, or an
-    │                                        earlier one did (the group is out of step)
-    ├── PeerLostError                        a peer process died or stopped answering
-    ├── OutOfMemoryError (MemoryError)       the pool's limit, the device or a peer had
-    │                                        no memory for a segment
-    └── ConfigurationError (ValueError)      a setting, the launcher's environment, the
-                                             store's job or rank, the libraries found
+    SymmpoolError (RuntimeError)             kinds broken, system, internal: a broken
+    │                                        pool, NCCL, CUDA, the OS, a bug in symmpool
+    ├── UsageError                           usage: a mistake in the calling code: a zero
+    │                                        size, a freed or foreign buffer, a closed
+    │                                        pool, a host stream on a GPU pool, ...
+    ├── DivergenceError                      divergence: the ranks made different calls
+    │                                        (pool calls, collectives, channels,
+    │                                        registrations)
+    ├── SymmpoolTimeoutError (TimeoutError)  timeout: a wait on other ranks ran out of
+    │                                        time
+    ├── PeerLostError                        peer_lost: a peer process died or stopped
+    │                                        answering, or the group broke earlier (a
+    │                                        rank timed out: the ranks are out of step)
+    ├── OutOfMemoryError (MemoryError)       out_of_memory: the pool's limit, the device
+    │                                        or a peer had no memory for a segment
+    └── ConfigurationError (ValueError)      configuration: a setting, the launcher's
+                                             environment, the store's job or rank, the
+                                             control plane's address, the libraries found
 
 Divergence, timeouts and lost peers leave the group unusable: drop the pool and start
 the job (or the group) again. An out-of-memory error leaves the pool as it was: free
@@ -24,15 +28,23 @@ buffers, ``trim()``, and retry.
 
 Attributes, ``None`` (or empty) where the error does not say:
 
+- ``kind``: the crate's kind of the error (``"usage"``, ``"divergence"``, ...,
+  ``"broken"``, ``"system"``, ``"internal"``), the key of :data:`CLASSES`;
 - ``rank``: the peer rank the error is about (the lost rank, the rank that timed out
   first, the rank whose registration failed);
 - ``ranks``: the ranks concerned (the ranks that did not arrive, the ranks that ran out
-  of memory, the ranks that diverged);
+  of memory, the ranks a divergence reports on);
 - ``operation``: the operation that failed or was waited in (``"alloc"``,
-  ``"all_gather"``, the crate's name for a round, an NCCL function).
+  ``"all_gather"``, the crate's name for a round or a check, an NCCL function);
+- on a :class:`DivergenceError`, ``field`` (what differs: a collective record's field
+  such as ``"tag"`` or ``"count"``, ``"pool call"``, ``"channel"``) and ``values``
+  (each rank's value of it: ``{rank: text}``).
 """
 
+from types import MappingProxyType
+
 __all__ = [
+    "CLASSES",
     "ConfigurationError",
     "DivergenceError",
     "OutOfMemoryError",
@@ -55,6 +67,8 @@ class SymmpoolError(RuntimeError):
     ranks = ()
     #: The operation that failed or was waited in, or None.
     operation = None
+    #: The crate's kind of the error (a key of :data:`CLASSES`), or None.
+    kind = None
 
 
 class UsageError(SymmpoolError):
@@ -66,18 +80,28 @@ class UsageError(SymmpoolError):
 class DivergenceError(SymmpoolError):
     """The ranks made different calls: different pool call sequences, collective
     arguments, channels or window registrations. Raised on every rank; the pool is
-    unusable afterwards (drop it and build a new one)."""
+    unusable afterwards (drop it and build a new one).
+
+    ``ranks`` are the ranks the report names, ``field`` what differs and ``values``
+    each of those ranks' value of it (``{rank: text}``): for a checked collective the
+    first differing field of its record (``"tag"`` when the ranks' calls carry
+    different tags, for example one rank skipped a tagged call), in every check mode."""
+
+    #: What differs, or None.
+    field = None
+    #: Each rank's value of ``field``: ``{rank: text}`` (empty when the error names none).
+    values = MappingProxyType({})
 
 
 class SymmpoolTimeoutError(SymmpoolError, TimeoutError):
-    """A wait on other ranks ran out of time (``ranks``: those that did not arrive),
-    or an earlier wait did on ``rank`` and the group is out of step. Also a
-    ``TimeoutError``."""
+    """A wait on other ranks ran out of time (``ranks``: those that did not arrive).
+    Also a ``TimeoutError``."""
 
 
 class PeerLostError(SymmpoolError):
     """Peer ``rank`` disconnected, died or stopped sending heartbeats while this rank
-    was in ``operation``; the group is broken for good."""
+    was in ``operation``, or an earlier wait timed out on ``rank`` so the ranks are
+    out of step (or the NCCL backend was aborted); the group is broken for good."""
 
 
 class OutOfMemoryError(SymmpoolError, MemoryError):
@@ -96,3 +120,33 @@ class SymmpoolWarning(UserWarning):
     """A warning of the symmpool crate that the calling code can act on (a pool
     dropped without ``close()``). Other diagnostics go to the ``logging`` logger
     ``"symmpool"`` (and its children, named after the crate's modules)."""
+
+
+#: The exception class of each kind of the crate's errors (the crate's
+#: ``ErrorKind::name()``): the one table the extension raises by. A kind the table
+#: does not name (a newer crate's) is a :class:`SymmpoolError`.
+CLASSES = {
+    "usage": UsageError,
+    "divergence": DivergenceError,
+    "configuration": ConfigurationError,
+    "out_of_memory": OutOfMemoryError,
+    "timeout": SymmpoolTimeoutError,
+    "peer_lost": PeerLostError,
+    "broken": SymmpoolError,
+    "system": SymmpoolError,
+    "internal": SymmpoolError,
+}
+
+
+def _from_crate(kind, message, rank=None, ranks=(), operation=None, field=None, values=()):
+    """The exception for a crate error of ``kind`` (the extension calls this):
+    ``CLASSES[kind]`` with the attributes set. ``values``: ``(rank, text)`` pairs."""
+    e = CLASSES.get(kind, SymmpoolError)(message)
+    e.kind = kind
+    e.rank = rank
+    e.ranks = list(ranks)
+    e.operation = operation
+    if field is not None or values:
+        e.field = field
+        e.values = dict(values)
+    return e

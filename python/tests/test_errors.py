@@ -58,6 +58,9 @@ def test_divergent_pool_calls_raise_divergence_on_every_rank():
         assert isinstance(e, errors.DivergenceError), raised
         assert e.ranks == [0, 1]
         assert e.operation
+        # What differs, and each rank's value of it.
+        assert e.field and sorted(e.values) == [0, 1], (e.field, e.values)
+        assert e.values[0] != e.values[1]
         # The advice is said once.
         assert str(e).count("drop") <= 1, str(e)
 
@@ -83,10 +86,11 @@ def test_timeouts_are_timeout_errors_naming_the_ranks():
         exchanges[0].all_gather(0, b"x", 0.2)
     assert isinstance(e.value, errors.SymmpoolTimeoutError)
     assert e.value.ranks == [1] and e.value.operation
-    # The late rank: the group is out of step, because rank 0 timed out.
-    with pytest.raises(errors.SymmpoolTimeoutError, match="out of step") as e:
+    # The late rank: the group is out of step, because rank 0 timed out (the crate's
+    # kind peer_lost: restart, as for a lost peer).
+    with pytest.raises(errors.PeerLostError, match="out of step") as e:
         exchanges[1].all_gather(0, b"y", 5.0)
-    assert e.value.rank == 0
+    assert e.value.rank == 0 and e.value.kind == "peer_lost"
     assert str(e.value).count("drop") == 1
 
 

@@ -1,6 +1,7 @@
 """One process per rank on a CPU machine: the example as 4 ranks (torchrun where torch
-is installed, ``python -m symmpool.launch`` otherwise), and a rank that dies. Each
-job runs under a timeout; the launcher kills every rank it started when it returns."""
+is installed, ``python -m symmpool.launch`` otherwise), a rank that dies, and a rank
+that skips a tagged all-gather. Each job runs under a timeout; the launcher kills
+every rank it started when it returns."""
 
 import os
 import pathlib
@@ -56,6 +57,17 @@ def test_a_dead_rank_is_a_peer_lost_error_on_the_others():
     assert out.returncode == 7, out.stdout + out.stderr
     for rank in range(3):
         assert f"rank {rank}: peer lost ok" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("check", ["strict", "async"])
+def test_a_skipped_tagged_all_gather_is_a_divergence_on_every_rank(check):
+    world = 3
+    out = _run([sys.executable, "-m", "symmpool.launch", "--nproc-per-node", str(world),
+                "--timeout-s", str(JOB_TIMEOUT_S - 30), str(HERE / "ranks" / "skip_tagged.py"), check])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "WRONG DATA" not in out.stdout, out.stdout
+    for rank in range(world):
+        assert f"rank {rank}: divergence ok ({check}): tag" in out.stdout, out.stdout + out.stderr
 
 
 def test_the_launcher_refuses_bad_arguments():
