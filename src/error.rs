@@ -496,8 +496,10 @@ pub enum Error {
     /// [`CheckMode::Strict`](crate::CheckMode::Strict) no data moved; under
     /// [`CheckMode::Async`](crate::CheckMode::Async) the diverging collectives may
     /// already have run. Either way the pool is broken from then on: every later
-    /// collective fails with this error, every later pool call with
-    /// [`Error::PoolBroken`]. Drop the pool and build a new one.
+    /// collective and local pool call (an allocation) fails with this error, every
+    /// collective pool operation with [`Error::PoolBroken`], and `close` releases the
+    /// memory at once, returning [`Error::PoolBroken`] with this cause. Drop the pool
+    /// and build a new one.
     #[error("{0}")]
     CollectiveDivergence(Box<CollectiveDivergence>),
 }

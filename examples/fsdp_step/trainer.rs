@@ -60,7 +60,7 @@ pub const IDENTITY: &str = "tags (step, layer, op) + end_step";
 
 /// The identity of a collective, the tag it carries: `op << 56 | step << 24 | layer`
 /// (the step modulo 2³², the layer modulo 2²⁴; so `0x01_00000007_000003` is step 7's
-/// all-gather of layer 3). Never 0, symmpool's untagged calls. Every rank computes
+/// all-gather of layer 3). Every rank computes
 /// the same tag for the same call, so that ranks making different calls fail the
 /// check at that call, naming the field `tag`.
 pub fn tag(step: usize, layer: usize, op: Op) -> u64 {

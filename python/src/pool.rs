@@ -43,22 +43,6 @@ impl Handle {
         })
     }
 
-    /// A pool call's error `e`, with a pool broken by a divergence its collective
-    /// checks found reported as that divergence ([`Error::CollectiveDivergence`],
-    /// a `DivergenceError` naming the ranks and their values) rather than as
-    /// [`Error::PoolBroken`]: under the async check the first call to see the
-    /// divergence may be an allocation. (The verdict is at hand then; otherwise
-    /// `wait_checks` waits only for records already posted.)
-    fn explain(&self, e: symmpool::Error) -> symmpool::Error {
-        if matches!(e, symmpool::Error::PoolBroken { .. })
-            && self.coll.check_mode() != CheckMode::Off
-            && let Err(d @ symmpool::Error::CollectiveDivergence(_)) = self.coll.wait_checks()
-        {
-            return d;
-        }
-        e
-    }
-
     /// The CUDA device of an NCCL pool.
     pub(crate) fn device(&self) -> Option<usize> {
         self.pool
@@ -84,16 +68,19 @@ impl Handle {
 
 /// The pool's settings from the constructors' arguments: `check` is `"strict"`,
 /// `"async"`, `"off"` or `None` (the `SYMMPOOL_CHECK` variable, else async);
-/// `check_queue` the async check's bound in records (`None`: the crate's default).
+/// `check_queue` the async check's bound in records (`None`: the crate's default, 1);
+/// `require_tags` refuses every untagged collective (`UsageError`).
 fn pool_config(
     name: &str,
     timeout_s: Option<f64>,
     check: Option<&str>,
     check_queue: Option<usize>,
+    require_tags: bool,
 ) -> PyResult<PoolConfig> {
     let mut config = PoolConfig::default()
         .with_timeout(seconds("timeout_s", timeout_s)?)
-        .with_name(name);
+        .with_name(name)
+        .with_require_tags(require_tags);
     if let Some(check) = check {
         config = config.with_check(check_mode(check)?);
     }
@@ -277,7 +264,7 @@ impl Pool {
     /// over those instead of in memory.
     #[staticmethod]
     #[pyo3(signature = (world_size, name = "symmpool", timeout_s = 60.0, exchanges = None,
-        check = None, check_queue = None))]
+        check = None, check_queue = None, require_tags = false))]
     fn host_group(
         py: Python<'_>,
         world_size: usize,
@@ -286,8 +273,9 @@ impl Pool {
         exchanges: Option<Vec<Py<StoreExchange>>>,
         check: Option<&str>,
         check_queue: Option<usize>,
+        require_tags: bool,
     ) -> PyResult<Vec<Pool>> {
-        let config = pool_config(name, timeout_s, check, check_queue)?;
+        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
         let host = HostConfig::new(world_size).with_timeout(config.timeout);
         let mut backends = HostBackend::world(host).map_err(to_py)?;
         if let Some(exchanges) = exchanges {
@@ -336,7 +324,7 @@ impl Pool {
     /// by default; pages are backed only when written).
     #[staticmethod]
     #[pyo3(signature = (exchange = None, name = "symmpool", timeout_s = 60.0, symmetric = true,
-        max_reserved_bytes = None, check = None, check_queue = None))]
+        max_reserved_bytes = None, check = None, check_queue = None, require_tags = false))]
     #[allow(clippy::too_many_arguments)]
     fn shm(
         py: Python<'_>,
@@ -347,8 +335,9 @@ impl Pool {
         max_reserved_bytes: Option<u64>,
         check: Option<&str>,
         check_queue: Option<usize>,
+        require_tags: bool,
     ) -> PyResult<Pool> {
-        let config = pool_config(name, timeout_s, check, check_queue)?;
+        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
         let ex = match exchange {
             Some(ex) => ex.exchange(),
             None => {
@@ -389,7 +378,7 @@ impl Pool {
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", copy_engine = true,
         plain = true, timeout_s = 60.0, setup_timeout_s = 600.0, call_timeout_s = 60.0,
-        watchdog_timeout_s = 600.0, check = None, check_queue = None))]
+        watchdog_timeout_s = 600.0, check = None, check_queue = None, require_tags = false))]
     #[allow(clippy::too_many_arguments)]
     fn nccl_adopt(
         py: Python<'_>,
@@ -405,13 +394,14 @@ impl Pool {
         watchdog_timeout_s: Option<f64>,
         check: Option<&str>,
         check_queue: Option<usize>,
+        require_tags: bool,
     ) -> PyResult<Pool> {
         if comm_ptr == 0 {
             return Err(PyValueError::new_err(
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s, check, check_queue)?;
+        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
         let nccl = NcclConfig::default()
             .with_communicators(copy_engine, plain)
             .with_setup_timeout(seconds("setup_timeout_s", setup_timeout_s)?)
@@ -445,7 +435,7 @@ impl Pool {
     /// all-gather). Collective over the group.
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", cta_policy = 0,
-        timeout_s = 60.0, check = None, check_queue = None))]
+        timeout_s = 60.0, check = None, check_queue = None, require_tags = false))]
     #[allow(clippy::too_many_arguments)]
     fn nccl_wrap(
         py: Python<'_>,
@@ -457,13 +447,14 @@ impl Pool {
         timeout_s: Option<f64>,
         check: Option<&str>,
         check_queue: Option<usize>,
+        require_tags: bool,
     ) -> PyResult<Pool> {
         if comm_ptr == 0 {
             return Err(PyValueError::new_err(
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s, check, check_queue)?;
+        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
         let role = if cta_policy == CTA_POLICY_ZERO {
             CommRole::CopyEngine
         } else {
@@ -529,7 +520,7 @@ impl Pool {
                 // SAFETY: the Python caller passes a stream of the pool's device that
                 // outlives the pool (documented on `symmpool.Pool`).
                 let s = unsafe { handle.stream(stream) }?;
-                handle.pool.alloc(nbytes, &s).map_err(|e| handle.explain(e))
+                handle.pool.alloc(nbytes, &s)
             })
             .map_err(to_py)?;
         Ok(Buffer {
@@ -552,12 +543,7 @@ impl Pool {
             .allow_threads(move || {
                 // SAFETY: as in `alloc`.
                 let s = unsafe { handle.stream(stream) }?;
-                live::insert(
-                    handle
-                        .pool
-                        .alloc(nbytes, &s)
-                        .map_err(|e| handle.explain(e))?,
-                )
+                live::insert(handle.pool.alloc(nbytes, &s)?)
             })
             .map_err(to_py)?;
         dlpack::capsule(py, ptr, nbytes, device)
@@ -778,8 +764,7 @@ impl Pool {
     /// Release the free segments (collective). Returns the bytes released.
     fn trim(&self, py: Python<'_>) -> PyResult<u64> {
         let handle = self.handle.clone();
-        py.allow_threads(move || handle.pool.trim().map_err(|e| handle.explain(e)))
-            .map_err(to_py)
+        py.allow_threads(move || handle.pool.trim()).map_err(to_py)
     }
 
     /// Close the pool (collective): every buffer must be gone on every rank

@@ -249,3 +249,28 @@ def test_error_classes_come_from_one_table_of_kinds():
     with pytest.raises(errors.UsageError) as e:
         pool.alloc(64)  # closed
     assert e.value.kind == "usage"
+
+
+@pytest.mark.parametrize("check", ["strict", "async", "off"])
+def test_untagged_after_tagged_and_require_tags_raise_usage_error(check):
+    # A pool that has seen a tagged collective refuses an untagged one; with
+    # require_tags=True every untagged collective is refused. Nothing runs either way.
+    for require in (False, True):
+        pools = symmpool.Pool.host_group(WORLD, check=check, timeout_s=30.0, require_tags=require)
+
+        def rank(r):
+            buf = pools[r].alloc(8 * WORLD)
+            if not require:
+                assert buf.all_gather()  # untagged: fine until a tag is seen
+            assert buf.all_gather(tag=0)
+            mine = bytes([r + 7]) * (8 * WORLD)
+            buf.write(mine)
+            with pytest.raises(errors.UsageError, match="untagged collective"):
+                buf.all_gather()
+            assert buf.read() == mine  # nothing ran
+            assert buf.all_gather(tag=1)
+            pools[r].end_step()
+            buf.free()
+
+        run_ranks(WORLD, rank)
+        _close(pools)

@@ -70,8 +70,8 @@
 //! * [`CheckMode::Async`] (the default): the calling thread posts the record and
 //!   returns; a background thread of the handle exchanges the posted records in
 //!   batches and compares them. A difference breaks the pool on every rank: the next
-//!   collective fails with [`Error::CollectiveDivergence`], the next pool call with
-//!   [`Error::PoolBroken`]. **Bound on the damage**: a rank launches a collective only
+//!   collective and the next local pool call (an allocation) fail with
+//!   [`Error::CollectiveDivergence`]. **Bound on the damage**: a rank launches a collective only
 //!   once at most [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default
 //!   **1**) of its earlier records are still to be compared, so after a mismatch at
 //!   this rank's collective *k*, at most `check_queue` further collectives of the rank
@@ -126,8 +126,10 @@
 //!
 //! **Breakage is consistent**: after a mismatch, or a collective that timed out or
 //! lost a peer, every later collective and every later pool call of that pool fails on
-//! this rank, and every collective pool operation (`reserve`, `trim`, growth) fails on
-//! every rank ([`Error::PoolBroken`]); `close` still releases the memory.
+//! this rank (after a divergence with [`Error::CollectiveDivergence`], else
+//! [`Error::PoolBroken`]), and every collective pool operation (`reserve`, `trim`,
+//! growth) fails on every rank; `close` still releases the memory, at once and without
+//! a round, returning [`Error::PoolBroken`] with the cause.
 //!
 //! **NCCL's own check**: NCCL ≥ 2.29.7 has `NCCL_CHECK_MODE=DEBUG_GLOBAL`, which checks
 //! each collective's registration and offsets across ranks (not skipped calls: a

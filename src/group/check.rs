@@ -78,13 +78,34 @@ fn compare(
     }))
 }
 
+/// Why the checks broke a pool: what its later calls report.
+#[derive(Debug, Clone)]
+pub(crate) enum Failure {
+    /// The ranks' records differed: later calls fail with
+    /// [`Error::CollectiveDivergence`].
+    Diverged(Box<CollectiveDivergence>),
+    /// Another failure (a check that timed out or lost a peer, a collective that
+    /// failed): later calls fail with [`Error::PoolBroken`].
+    Broken(String),
+}
+
+impl Failure {
+    /// The failure as a reason ([`Error::PoolBroken`]'s).
+    pub(crate) fn reason(&self) -> String {
+        match self {
+            Failure::Diverged(d) => d.to_string(),
+            Failure::Broken(reason) => reason.clone(),
+        }
+    }
+}
+
 /// What the checks found: shared by the calling threads and the background thread.
 struct Verdict {
     broken: AtomicBool,
     divergence: OnceLock<Box<CollectiveDivergence>>,
     /// The failure slots of the pools checked (each pool turns its slot into its
     /// `broken` state).
-    failures: Vec<Arc<OnceLock<String>>>,
+    failures: Vec<Arc<OnceLock<Failure>>>,
     /// The peer whose loss failed the checks (rank, how it was noticed): reported as
     /// [`Error::PeerLost`], which a runtime restarts on, not as a broken pool.
     lost: OnceLock<(usize, String)>,
@@ -96,7 +117,7 @@ struct Verdict {
 impl Verdict {
     fn diverged(&self, d: Box<CollectiveDivergence>) {
         tracing::error!(target: "symmpool::coll", divergence = %d, "collective check failed");
-        self.break_pools(&d.to_string());
+        self.break_pools(Failure::Diverged(d.clone()));
         let _ = self.divergence.set(d);
         // The ranks are out of step: end the collectives that wait for peers who
         // will not come (once).
@@ -109,15 +130,15 @@ impl Verdict {
 
     fn failed(&self, reason: String) {
         tracing::error!(target: "symmpool::coll", reason = %reason, "pool broken");
-        self.break_pools(&reason);
+        self.break_pools(Failure::Broken(reason));
         // (A timeout or a lost peer: a collective waiting for them meets the same.)
         self.broken.store(true, Ordering::Release);
     }
 
-    /// Mark every pool checked broken (the first reason of each wins).
-    fn break_pools(&self, reason: &str) {
+    /// Mark every pool checked broken (the first failure of each wins).
+    fn break_pools(&self, failure: Failure) {
         for slot in &self.failures {
-            let _ = slot.set(reason.to_owned());
+            let _ = slot.set(failure.clone());
         }
     }
 
@@ -145,8 +166,7 @@ impl Verdict {
             Some(d) => Error::CollectiveDivergence(d.clone()),
             None => Error::PoolBroken {
                 reason: (self.failures.iter().find_map(|f| f.get()))
-                    .cloned()
-                    .unwrap_or_else(|| "a collective check failed".into()),
+                    .map_or_else(|| "a collective check failed".into(), Failure::reason),
             },
         }
     }
@@ -193,7 +213,7 @@ pub(crate) struct CheckSite {
     /// How long a round waits for the peers.
     pub(crate) timeout: Duration,
     /// The failure slots of the pools checked: a failed check breaks them all.
-    pub(crate) failures: Vec<Arc<OnceLock<String>>>,
+    pub(crate) failures: Vec<Arc<OnceLock<Failure>>>,
     /// Called once when a check finds a divergence: ends this rank's collectives that
     /// wait for peers who will not come (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon)).
     pub(crate) abandon: Option<Arc<dyn Fn() + Send + Sync>>,

@@ -16,7 +16,7 @@ mod registration;
 
 pub(crate) use agree::{AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Op, Readiness, agree_records};
 pub use check::CheckMode;
-pub(crate) use check::{CheckSite, Checker};
+pub(crate) use check::{CheckSite, Checker, Failure};
 pub(crate) use collective::{
     BufferRecord, CollKind, CollectiveRecord, GrowthPoint, RecordKind, dtype_code, reduce_code,
 };

@@ -53,7 +53,7 @@ use crate::control::ChannelId;
 use crate::core::{AllocError, AllocRequest, Allocator, BlockId, Wait};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallHead, CallKind, History};
+use crate::group::{CallHead, CallKind, Failure, History};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
@@ -81,7 +81,7 @@ pub(crate) struct PoolInner {
     /// Set once a layer above found the ranks out of step (a collective check that
     /// failed, a collective that timed out): the pool is broken from then on (copied
     /// into the state's `broken` by `state()`).
-    pub(crate) outside_failure: Arc<OnceLock<String>>,
+    pub(crate) outside_failure: Arc<OnceLock<Failure>>,
     /// The call count and running hash, read without the state's lock.
     call_head: Arc<CallHead>,
     /// The layers above that check a growth against the peers' calls first (the
@@ -321,7 +321,7 @@ impl SymmPool {
 
     /// The slot through which a layer above marks the pool broken (the first reason
     /// wins; every later call fails with [`Error::PoolBroken`]).
-    pub(crate) fn outside_failure(&self) -> Arc<OnceLock<String>> {
+    pub(crate) fn outside_failure(&self) -> Arc<OnceLock<Failure>> {
         self.inner.outside_failure.clone()
     }
 
@@ -336,9 +336,12 @@ impl SymmPool {
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         if st.broken.is_none()
-            && let Some(why) = self.inner.outside_failure.get()
+            && let Some(failure) = self.inner.outside_failure.get()
         {
-            st.broken = Some(why.clone());
+            st.broken = Some(failure.reason());
+            if let Failure::Diverged(d) = failure {
+                st.diverged_collective = Some(d.clone());
+            }
         }
         self.apply_deferred(&mut st);
         st

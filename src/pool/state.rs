@@ -3,7 +3,7 @@
 
 use crate::backend::{Segment, Window};
 use crate::core::{Allocator, SegmentId, StreamId};
-use crate::error::{Divergence, Error, Result};
+use crate::error::{CollectiveDivergence, Divergence, Error, Result};
 use crate::group::{History, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, MutexGuard, PoisonError};
@@ -53,6 +53,9 @@ pub(crate) struct PoolState {
     pub(crate) registration_broken: Option<(usize, String)>,
     /// The pool is unusable (see [`Error::PoolBroken`]).
     pub(crate) broken: Option<String>,
+    /// Set when the collectives' checks found the ranks diverged (with `broken`): later
+    /// calls fail with [`Error::CollectiveDivergence`], which names the difference.
+    pub(crate) diverged_collective: Option<Box<CollectiveDivergence>>,
     /// Set once an agreement found the ranks diverged: later calls fail.
     pub(crate) diverged: Option<Box<Divergence>>,
     /// Streams with fences recorded at frees: polled for completion by `stats`.
@@ -73,6 +76,7 @@ impl PoolState {
             closed: false,
             registration_broken: None,
             broken: None,
+            diverged_collective: None,
             diverged: None,
             fenced_streams: BTreeSet::new(),
             counters: Counters {
@@ -100,6 +104,9 @@ impl PoolState {
     pub(crate) fn check_usable(&self) -> Result<()> {
         if self.closed {
             return Err(Error::PoolClosed);
+        }
+        if let Some(d) = &self.diverged_collective {
+            return Err(Error::CollectiveDivergence(d.clone()));
         }
         if let Some(reason) = &self.broken {
             return Err(Error::PoolBroken {
@@ -136,6 +143,9 @@ impl PoolState {
         }
         let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
         if let Some(rank) = find(Readiness::PoolBroken) {
+            if let Some(d) = &self.diverged_collective {
+                return Err(Error::CollectiveDivergence(d.clone()));
+            }
             let reason = match (&self.broken, &self.diverged) {
                 (Some(why), _) => why.clone(),
                 (None, Some(d)) => d.to_string(),
