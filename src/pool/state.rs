@@ -143,9 +143,6 @@ impl PoolState {
         }
         let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
         if let Some(rank) = find(Readiness::PoolBroken) {
-            if let Some(d) = &self.diverged_collective {
-                return Err(Error::CollectiveDivergence(d.clone()));
-            }
             let reason = match (&self.broken, &self.diverged) {
                 (Some(why), _) => why.clone(),
                 (None, Some(d)) => d.to_string(),
