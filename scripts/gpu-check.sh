@@ -16,8 +16,9 @@
 #           sittings, then its no-communication mode
 #   nodes:  two simulated nodes on one host (each rank its own NCCL_HOSTID, under
 #           torchrun), with NCCL's own log of what it selected
-#   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, then FSDP2 three ways
-#           (python/bench/fsdp2_compare.py under torchrun)
+#   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, test_gpu_world.py as
+#           two NCCL ranks on one GPU (simulated nodes), then with two GPUs FSDP2
+#           three ways (python/bench/fsdp2_compare.py under torchrun)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle
@@ -129,13 +130,27 @@ run() {
     cat "$out/nodes.log"
   fi
   if has python; then
+    # The wheel, then each step on its own (a failure of any fails the section):
+    # pytest's one-GPU tests; python/tests/test_gpu_world.py as two NCCL ranks on one
+    # GPU, each rank its own NCCL_HOSTID (two simulated nodes linked over NET/Socket:
+    # collectives against torch.distributed, adopt, FSDP2 parity), every rank's lines
+    # prefixed [defaultN]; with two GPUs, FSDP2 three ways (fsdp2_compare.py).
     local site=/tmp/symmpool-site
     rm -rf "$site" && python3 -m pip install -q --no-index --no-deps --target "$site" "$BUNDLE"/wheels/symmpool-*.whl
-    { PYTHONPATH="$site" python3 -m pytest -ra -q -p no:cacheprovider python/tests/test_gpu.py
-      echo "== fsdp2_compare"
-      PYTHONPATH="$site" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-        python/bench/fsdp2_compare.py --json "$out/fsdp2.json"
-    } > "$out/python.log" 2>&1 || status=1
+    local gpu="${CUDA_VISIBLE_DEVICES:-0}"
+    {
+      PYTHONPATH="$site" python3 -m pytest -ra -q -p no:cacheprovider python/tests/test_gpu.py || status=1
+      echo "== test_gpu_world.py: 2 NCCL ranks on one GPU"
+      PYTHONPATH="$site" CUDA_VISIBLE_DEVICES="${gpu%%,*}" timeout -k 30 600 python3 -m torch.distributed.run \
+        --standalone --nproc-per-node 2 --tee 3 --no-python bash -c \
+        'NCCL_HOSTID=simnode$LOCAL_RANK exec python3 -m pytest -rA -q -p no:cacheprovider "$@"' \
+        pytest python/tests/test_gpu_world.py || status=1
+      if [ "${GPUS:-2}" -ge 2 ]; then
+        echo "== fsdp2_compare"
+        PYTHONPATH="$site" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+          python/bench/fsdp2_compare.py --json "$out/fsdp2.json" || status=1
+      fi
+    } > "$out/python.log" 2>&1
     tail -n 40 "$out/python.log"
   fi
   return $status
