@@ -812,7 +812,7 @@ impl Model {
                 if rm.closed {
                     return Intent::Local(Got::Done);
                 }
-                rm.calls.push((Kind::Close, 0, 0));
+                // Recorded only if it goes through (see `Model::step`).
                 Intent::Agree {
                     op: 4,
                     during: "close",
@@ -902,9 +902,9 @@ impl Model {
             }
             return out;
         }
-        // Every rank closing while some hold live buffers: refused on them, before the
-        // records are compared (a buffer dropped late on one rank is a free in its
-        // history alone).
+        // Every rank closing while some hold live buffers: refused everywhere, before
+        // the records are compared (a buffer dropped late on one rank is a free in its
+        // history alone), and not recorded.
         let live: Vec<u64> = (self.ranks.iter())
             .map(|r| r.shadow.stats().allocated_blocks.current)
             .collect();
@@ -928,20 +928,15 @@ impl Model {
         }
         let (op, size, growth) = (agreeing[0].1, agreeing[0].3, agreeing[0].4);
         if op == 4 {
-            // close: no readiness; live buffers anywhere refuse it everywhere.
-            let live: Vec<u64> = self
-                .ranks
-                .iter()
-                .map(|r| r.shadow.stats().allocated_blocks.current)
-                .collect();
+            // close, with no live buffer anywhere (refused above otherwise): no
+            // readiness. Recorded only now that it goes through: a refused close
+            // leaves no trace, so a buffer freed after it on one rank and before it on
+            // another leaves the same history on both.
             for (i, rm) in self.ranks.iter_mut().enumerate() {
-                if live.iter().any(|&l| l > 0) {
-                    out[i] = Got::BuffersAlive { live: live.clone() };
-                } else {
-                    rm.release_free();
-                    rm.closed = true;
-                    out[i] = Got::Done;
-                }
+                rm.calls.push((Kind::Close, 0, 0));
+                rm.release_free();
+                rm.closed = true;
+                out[i] = Got::Done;
             }
             return out;
         }
@@ -1227,7 +1222,8 @@ fn world(n: usize) -> Vec<Rank> {
         .collect()
 }
 
-fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
+/// Run `case` against the model; every step's results, in rank order.
+fn run_case(case: &Case) -> std::result::Result<Vec<Vec<Got>>, TestCaseError> {
     let n = case.world;
     let mut ranks = world(n);
     let mut model = Model {
@@ -1256,6 +1252,7 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
         registration_rv_broken: [None; COMMS],
     };
     let mut fault_seen = false;
+    let mut results = Vec::new();
     for (k, step) in schedule(case).iter().enumerate() {
         fault_seen |= step.faulty;
         let (ar, what) = step.arm;
@@ -1346,6 +1343,7 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
             prop_assert!(rank.pool.check_invariants().is_ok());
             prop_assert_eq!(rank.pool.is_closed(), rm.closed);
         }
+        results.push(actual);
     }
     // Dropped without close (a dead rank, a broken group) or closed: nothing leaks.
     let faults: Vec<Arc<Faults>> = ranks.iter().map(|r| r.faults.clone()).collect();
@@ -1358,7 +1356,7 @@ fn run_case(case: &Case) -> std::result::Result<(), TestCaseError> {
             i
         );
     }
-    Ok(())
+    Ok(results)
 }
 
 /// Outcomes seen over all cases (printed at the end, for judging coverage).
@@ -1388,7 +1386,7 @@ fn the_protocol_follows_the_model() {
     };
     let mut runner = proptest::test_runner::TestRunner::new(config);
     let started = Instant::now();
-    let result = runner.run(&case_strategy(), |case| run_case(&case));
+    let result = runner.run(&case_strategy(), |case| run_case(&case).map(drop));
     eprintln!(
         "{cases} cases in {:.1?}; outcomes seen: {:?}",
         started.elapsed(),
@@ -1397,6 +1395,40 @@ fn the_protocol_follows_the_model() {
     if let Err(e) = result {
         panic!("{e}");
     }
+}
+
+/// The case of the issue "Safe by default" (the model was wrong, the pool right):
+/// rank 0 frees its only buffer before a `close` that rank 1's live buffer refuses,
+/// rank 1 frees its buffer after it. A refused close is not recorded, so both
+/// histories are alloc, free, and the next growth goes through on both ranks. The
+/// model recorded every close, refused or not (alloc, free, close on rank 0; alloc,
+/// close, free on rank 1), and expected `Divergence` there.
+#[test]
+fn a_free_on_either_side_of_a_refused_close_is_no_divergence() {
+    let case = Case {
+        world: 2,
+        ops: vec![
+            Op::Alloc(4 * KIB),
+            Op::Close,
+            Op::Free(6),
+            Op::Alloc(6 * MIB),
+            Op::Free(1),
+            Op::Alloc(4 * KIB),
+            Op::Alloc(4 * KIB),
+            Op::Alloc(12 * MIB),
+            Op::Alloc(6 * MIB),
+        ],
+        // Any index: rank 0 holds one buffer then.
+        fault: FaultKind::ExtraFree(0),
+        rank: 0,
+        at: 1,
+    };
+    let results = run_case(&case).unwrap_or_else(|e| panic!("{e}"));
+    // Steps: alloc, rank 0's extra free, close, free, alloc(6 MiB), ...
+    assert_eq!(results[1], vec![Got::Done, Got::NotCalled]);
+    let refused = Got::BuffersAlive { live: vec![0, 1] };
+    assert_eq!(results[2], vec![refused.clone(), refused]);
+    assert_eq!(results[4], vec![Got::Placed(SegmentId(1), 0); 2]);
 }
 
 /// A pool dropped without `close` while a buffer still holds it: the buffer's drop is
