@@ -816,11 +816,7 @@ fn missing_at_timeout(n: usize, waiters: &[usize], t: usize, actual: &[Got]) -> 
         .filter(|&i| !waiters.contains(&i) || late(i))
         .collect();
     if missing.len() > n - waiters.len() {
-        *SEEN
-            .lock()
-            .unwrap()
-            .entry("late waiter".into())
-            .or_default() += 1;
+        count("late waiter");
     }
     missing
 }
@@ -1041,13 +1037,6 @@ impl Model {
             // Growth, `reserve` and `trim` (the ranks' windows may be out of step) are
             // refused on every rank, naming the rank that every rank recorded in the
             // failed growth's outcome round.
-            if op == 3 {
-                *SEEN
-                    .lock()
-                    .unwrap()
-                    .entry("trim refused: RegistrationBroken".into())
-                    .or_default() += 1;
-            }
             for i in 0..n {
                 let rank = self.ranks[i]
                     .registration_broken
@@ -1388,9 +1377,15 @@ fn run_case(case: &Case) -> std::result::Result<Vec<Vec<Got>>, TestCaseError> {
         // Every wait ends by its deadline: a step holds at most one wait that times out
         // per rank, capped to `SHORT`, and a broken group fails at once.
         let took = step_started.elapsed();
+        SLOWEST_STEP_US.fetch_max(took.as_micros() as u64, Ordering::Relaxed);
         prop_assert!(took < STEP_BOUND, "step {} took {:?}", k, took);
         let expected = model.step(step, &actual);
         actual.iter().for_each(note);
+        if step.ops.contains(&Some(Op::Trim))
+            && (expected.iter()).any(|g| matches!(g, Got::RegistrationBroken { .. }))
+        {
+            count("trim refused: RegistrationBroken");
+        }
         prop_assert_eq!(
             &actual,
             &expected,
@@ -1476,14 +1471,19 @@ fn run_case(case: &Case) -> std::result::Result<Vec<Vec<Got>>, TestCaseError> {
 static SEEN: std::sync::Mutex<std::collections::BTreeMap<String, u64>> =
     std::sync::Mutex::new(std::collections::BTreeMap::new());
 
+/// The longest step of any case, in microseconds (printed at the end, for judging
+/// [`STEP_BOUND`]).
+static SLOWEST_STEP_US: AtomicU64 = AtomicU64::new(0);
+
+/// Count one more `what` seen.
+fn count(what: &str) {
+    *SEEN.lock().unwrap().entry(what.into()).or_default() += 1;
+}
+
+/// Count a result, by its variant.
 fn note(got: &Got) {
     let name = format!("{got:?}");
-    let name = name
-        .split([' ', '(', '{'])
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    *SEEN.lock().unwrap().entry(name).or_default() += 1;
+    count(name.split([' ', '(', '{']).next().unwrap_or_default());
 }
 
 /// Where a failing case's seed is saved, to be run first by every later run (commit
@@ -1511,8 +1511,9 @@ fn the_protocol_follows_the_model() {
     let started = Instant::now();
     let result = runner.run(&case_strategy(), |case| run_case(&case).map(drop));
     eprintln!(
-        "{cases} cases in {:.1?}; outcomes seen: {:?}",
+        "{cases} cases in {:.1?}; slowest step {:.1?}; outcomes seen: {:?}",
         started.elapsed(),
+        Duration::from_micros(SLOWEST_STEP_US.load(Ordering::Relaxed)),
         SEEN.lock().unwrap()
     );
     if let Err(e) = result {
