@@ -7,6 +7,7 @@
 //! The last rank is the perturbed one. Timeouts are a few hundred ms; nothing sleeps.
 
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
 use std::thread;
 use std::time::Duration;
 use symmpool::coll::CollectiveReport;
@@ -347,7 +348,12 @@ fn property(mode: CheckMode, ops: Vec<Op>, p: Perturb) -> Result<(), TestCaseErr
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 24,
+        // Failing seeds in tests/coll_checked.proptest-regressions, run first (commit the file).
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn one_perturbation_is_always_reported_and_none_never_strict(

@@ -13,6 +13,7 @@
 
 use proptest::prelude::*;
 use proptest::sample::Index;
+use proptest::test_runner::FileFailurePersistence;
 use symmpool::core::{
     AllocError, AllocRequest, Allocator, BlockId, CoreConfig, Fence, Placement, Snapshot, StreamId,
     Wait,
@@ -324,6 +325,9 @@ fn case(
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: if cfg!(miri) { 2 } else { 128 },
+        // Failing seeds in tests/core_determinism.proptest-regressions, run first
+        // (commit the file).
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
         .. ProptestConfig::default()
     })]
 

@@ -16,6 +16,7 @@
 use proptest::prelude::*;
 use proptest::sample;
 use proptest::strategy::Union;
+use proptest::test_runner::FileFailurePersistence;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use std::collections::{BTreeMap, BTreeSet};
 use symmpool::core::{
@@ -1173,6 +1174,8 @@ prop_state_machine! {
         // Few cases, long sequences; far fewer under miri, which is ~1000x slower.
         cases: if cfg!(miri) { 2 } else { 128 },
         max_shrink_iters: 4096,
+        // Failing seeds in tests/core_model.proptest-regressions, run first (commit the file).
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
         .. ProptestConfig::default()
     })]
 

@@ -5,6 +5,7 @@
 #![allow(deprecated)]
 
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, Once};
 use symmpool::core::{SegmentId, SizeClass, StreamId};
@@ -313,7 +314,12 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        // Failing seeds in tests/observe.proptest-regressions, run first (commit the file).
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn flat_statistics_match_a_recount(ops in proptest::collection::vec(op(), 1..60), trim_at in 0usize..60) {
