@@ -128,8 +128,8 @@
 //! lost a peer, every later collective and every later pool call of that pool fails on
 //! this rank (after a divergence with [`Error::CollectiveDivergence`], else
 //! [`Error::PoolBroken`]), and every collective pool operation (`reserve`, `trim`,
-//! growth) fails on every rank; `close` still releases the memory, at once and without
-//! a round, returning [`Error::PoolBroken`] with the cause.
+//! growth) fails on every rank; `close` still releases the memory (after a divergence
+//! at once and without a round, returning [`Error::PoolBroken`] with the divergence).
 //!
 //! **NCCL's own check**: NCCL ≥ 2.29.7 has `NCCL_CHECK_MODE=DEBUG_GLOBAL`, which checks
 //! each collective's registration and offsets across ranks (not skipped calls: a

@@ -170,13 +170,14 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
-    /// errors. A pool broken on this rank (a divergence, a collective that timed out or
-    /// lost a peer) closes without a round, at once: it releases this rank's memory
-    /// and returns [`Error::PoolBroken`] naming why it broke (the pool is closed; a
+    /// errors. After the collective checks found the ranks diverged
+    /// ([`Error::CollectiveDivergence`]: every rank learns it from the same records)
+    /// the pool closes without a round, at once: it releases this rank's memory and
+    /// returns [`Error::PoolBroken`] naming the divergence (the pool is closed; a
     /// second `close` returns `Ok`), or, while buffers of this rank are alive, the same
-    /// error without closing. (Every rank learns a divergence from the same checks, so
-    /// after one every rank closes this way; a rank whose pool is not broken runs the
-    /// close round, which a broken peer does not join: [`Error::Timeout`] then.)
+    /// error without closing. A pool broken otherwise (on any rank) still closes on
+    /// every rank through the round (its memory is released; the ranks' call histories
+    /// are not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
         let mut st = self.state();
@@ -185,8 +186,9 @@ impl SymmPool {
         }
         let live = st.core.stats().allocated_blocks.current;
         let deadline = Deadline::after(self.inner.config.timeout);
-        if let Some(reason) = st.broken.clone() {
-            return self.close_broken(st, live, reason, deadline);
+        if let Some(d) = &st.diverged_collective {
+            let reason = d.to_string();
+            return self.close_diverged(st, live, reason, deadline);
         }
         let named = if live > 0 {
             live_buffers(&st)
@@ -221,11 +223,12 @@ impl SymmPool {
         self.take_deferred_error()
     }
 
-    /// `close` of a pool broken on this rank (`reason`): the ranks are out of step, so
-    /// no round (a peer may never join it, or may have left already); this rank
-    /// releases its memory alone (deregistration and free are local) and reports why
-    /// the pool broke.
-    fn close_broken(
+    /// `close` of a pool whose collective checks found the ranks diverged (`reason`):
+    /// every rank learns that from the same records, and the ranks are out of step, so
+    /// no round (a peer may never join it: one blocked in a collective that timed out,
+    /// its exchange broken); this rank releases its memory alone (deregistration and
+    /// free are local) and reports the divergence.
+    fn close_diverged(
         &self,
         mut st: MutexGuard<'_, PoolState>,
         live: u64,
