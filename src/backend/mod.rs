@@ -82,7 +82,7 @@ pub struct CollArgs<'a> {
     /// The windows of the send and receive segments on `comm`, when the call expects
     /// the symmetric path (both `None` on the plain path).
     pub windows: (Option<&'a Window>, Option<&'a Window>),
-    /// Who calls: the calling pool's identity (its check channel's ordinal, the same
+    /// Who calls: the calling pool's identity (its agreement channel's ordinal, the same
     /// on every rank for the same pool; 0 when unknown). Backends that exchange their
     /// ranks' calls (the host backends) compare it, so that two pools whose threads
     /// share the communicators cannot pair each other's collectives unnoticed.

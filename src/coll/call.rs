@@ -246,7 +246,10 @@ pub trait CollectiveCalls: sealed::Handle {
     /// errors (on the host backends also [`Error::Timeout`]);
     /// [`Error::CollectiveDivergence`] when the pool's collective check finds the ranks
     /// disagree (see "Checked collectives" in [`coll`](crate::coll); a different tag
-    /// is named as the field `tag`).
+    /// is named as the field `tag`), and on every later call after that;
+    /// [`Error::Untagged`] for an untagged call on a pool that has seen a tagged one or
+    /// requires tags (nothing ran); [`Error::PoolBroken`] after a collective timed out
+    /// or lost a peer.
     #[inline]
     fn all_gather<T: Element>(
         &self,
@@ -394,22 +397,22 @@ fn call<T: Element>(
     bufs: Buffers<'_>,
     stream: &Stream,
 ) -> Result<CollectiveReport> {
+    // The handle's entry and the tag rule first: a refused call touches nothing.
+    let (Buffers::OutOfPlace(first, _) | Buffers::InPlace(first)) = bufs;
+    let Some(entry) = handle.entry(first.pool()) else {
+        let allocation_seq = first.allocation_seq();
+        return Err(failed(
+            first.pool(),
+            Error::ForeignBuffer { allocation_seq },
+        ));
+    };
+    if tag.is_none() && entry.tags_required.load(Ordering::Relaxed) {
+        return Err(failed(first.pool(), untagged(name, first.pool())));
+    }
     let pool = match bufs {
         Buffers::OutOfPlace(input, output) => prepare(&[input, output], stream)?,
         Buffers::InPlace(buffer) => prepare(&[buffer], stream)?,
     };
-    let (Buffers::OutOfPlace(first, _) | Buffers::InPlace(first)) = bufs;
-    let Some(entry) = handle.entry(pool) else {
-        let allocation_seq = first.allocation_seq();
-        return Err(failed(pool, Error::ForeignBuffer { allocation_seq }));
-    };
-    match tag {
-        Some(_) => entry.saw_tag(),
-        None if entry.tags_required.load(Ordering::Relaxed) => {
-            return Err(failed(pool, untagged(name, pool)));
-        }
-        None => {}
-    }
     if let CollOp::AllReduce(ReduceOp::Avg) = coll {
         let version = pool.backend().nccl_version();
         if version < AVG {
@@ -450,6 +453,10 @@ fn call<T: Element>(
             }
         }
     };
+    if tag.is_some() {
+        // A valid tagged call: untagged ones are refused from now on.
+        entry.saw_tag();
+    }
     handle.dispatch(entry, coll, send, recv, count, T::DTYPE, stream, None, tag)
 }
 

@@ -29,7 +29,11 @@
 //! was last used on records nothing (its first use on another stream takes the pool's
 //! lock once). [`CheckMode::Async`] adds the record's post into a queue allocated when
 //! the handle is made: one short lock, shared only with the check thread, and no
-//! allocation; the exchange runs on the check thread. [`CheckMode::Strict`] makes one
+//! allocation; the exchange runs on the check thread. To bound the damage of a
+//! divergence, a call waits while more than
+//! [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default 1) of this
+//! rank's records are unchecked: back-to-back calls run at about two per control-plane
+//! round; calls further apart than a round never wait. [`CheckMode::Strict`] makes one
 //! control-plane round per call. Then the backend's call: on NCCL the enqueue and the
 //! completion event, on the caller's thread. BENCHMARKS.md counts the instructions.
 //!
@@ -181,8 +185,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// The collectives of one rank on the buffers of one pool (or of several pools of one
-/// backend): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
+/// The collectives of one rank on the buffers of one pool (or of several pools over the
+/// same communicators; one handle per communicator set): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
 /// across ranks (see the module documentation).
 ///
 /// The collectives themselves (`all_gather`, `reduce_scatter`, `all_reduce`, each also
@@ -190,8 +194,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 /// [`tagged`](Self::tagged) form implement: `use symmpool::CollectiveCalls;`.
 ///
 /// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
-/// collective checker of each pool (and, under [`CheckMode::Async`], its background
-/// thread), the per-path counters and the per-communicator sequence numbers.
+/// collective checker of its pools (one sequence of records; under
+/// [`CheckMode::Async`], its background thread), the per-path counters and the
+/// per-communicator sequence numbers.
 ///
 /// # Example
 ///
@@ -205,8 +210,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 ///             let coll = Coll::new(pool).unwrap();
 ///             let stream = Stream::host();
 ///             let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
-///             coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
-///             coll.wait_checks().unwrap(); // end of a step
+///             for layer in 0..4u64 {
+///                 // Each call's identity: here its layer.
+///                 coll.tagged(layer).all_gather_in_place::<f32>(&buf, &stream).unwrap();
+///             }
+///             coll.end_step().unwrap(); // every rank, once per step
 ///         });
 ///     }
 /// });
@@ -233,7 +241,8 @@ struct CollInner {
     /// This handle's hold on the backend's communicators (one handle per communicator
     /// set, so one sequence per communicator); `None` for calibration's handle, which
     /// runs inside a call of the handle holding them. Declared last, so released after
-    /// the checker has stopped.
+    /// the checker's drop (which waits for its thread at most 2 s, then detaches it:
+    /// a detached thread's verdict no longer touches the pools).
     _claim: Option<CollectivesClaim>,
 }
 
@@ -298,7 +307,7 @@ impl Coll {
     /// [`CheckMode::Async`] check thread (started here, not by a collective) cannot be
     /// started.
     pub fn new(pool: &SymmPool) -> Result<Coll> {
-        Self::with_pools(std::slice::from_ref(pool))
+        Self::claimed(std::slice::from_ref(pool), "Coll::new")
     }
 
     /// One handle for several pools over the same communicators: their collectives
@@ -316,15 +325,21 @@ impl Coll {
     /// pools are not over the same communicators (a pool with communicators of its
     /// own has a handle of its own), or if their check modes differ.
     pub fn with_pools(pools: &[SymmPool]) -> Result<Coll> {
+        Self::claimed(pools, "Coll::with_pools")
+    }
+
+    /// The handle of `pools`, holding their communicators (`op` names the call in
+    /// errors).
+    fn claimed(pools: &[SymmPool], op: &'static str) -> Result<Coll> {
         let Some(first) = pools.first() else {
             return Err(Error::InvalidCollective {
-                op: "Coll::with_pools",
+                op,
                 detail: "no pool".into(),
             });
         };
         let claim = first.backend().claim_collectives().ok_or_else(|| {
             invalid(
-                "Coll::new",
+                op,
                 format!(
                     "the communicators of pool {:?} already have a collectives handle on this rank; \
                      a second one would number their collectives apart from the first, and a \
@@ -351,7 +366,8 @@ impl Coll {
             if !pool.backend().same_communicators(first.backend()) {
                 return Err(invalid(
                     "Coll::with_pools",
-                    "the pools are on different communicators: make a handle per backend".into(),
+                    "the pools are on different communicators: make a handle per communicator set"
+                        .into(),
                 ));
             }
             if pool.config().check != config.check {

@@ -112,10 +112,16 @@ struct Verdict {
     /// The site's `abandon`, called by the first divergence (unless the checks
     /// failed before).
     abandon: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// The checker was dropped while its thread was still in a round: whatever that
+    /// round finds no longer touches the pools (a new handle may use them).
+    detached: AtomicBool,
 }
 
 impl Verdict {
     fn diverged(&self, d: Box<CollectiveDivergence>) {
+        if self.detached.load(Ordering::Acquire) {
+            return;
+        }
         tracing::error!(target: "symmpool::coll", divergence = %d, "collective check failed");
         self.break_pools(Failure::Diverged(d.clone()));
         let _ = self.divergence.set(d);
@@ -137,6 +143,9 @@ impl Verdict {
 
     /// Mark every pool checked broken (the first failure of each wins).
     fn break_pools(&self, failure: Failure) {
+        if self.detached.load(Ordering::Acquire) {
+            return;
+        }
         for slot in &self.failures {
             let _ = slot.set(failure.clone());
         }
@@ -236,7 +245,8 @@ impl Drop for Checker {
         // peers post theirs) and exits; wait for that, at most the timeout (a round
         // never waits longer) and at most `DROP_WAIT`, so that its handle on the
         // exchange is gone when the checker is. A thread still in a round then (its
-        // peers have not posted: gone, or far behind) is left to end it on its own.
+        // peers have not posted: gone, or far behind) is left to end it on its own,
+        // detached: what it finds no longer touches the pools.
         let deadline = Deadline::after(self.site.timeout.min(DROP_WAIT));
         let mut q = self.queue.state.lock();
         q.stop = true;
@@ -249,6 +259,7 @@ impl Drop for Checker {
                     .wait_until(&mut q, deadline.instant())
                     .timed_out()
                 {
+                    self.verdict.detached.store(true, Ordering::Release);
                     break;
                 }
             }
@@ -257,7 +268,7 @@ impl Drop for Checker {
 }
 
 impl Checker {
-    /// The checks of one pool under `mode`, compared at `site`. Under `Async` the
+    /// The checks of one handle's pools under `mode`, compared at `site`. Under `Async` the
     /// checker thread starts here and the queue is allocated whole (up to
     /// [`PREALLOCATED_RECORDS`] records), so that posting a record neither starts a
     /// thread nor allocates.
@@ -279,6 +290,7 @@ impl Checker {
                 lost: OnceLock::new(),
                 failures: site.failures.clone(),
                 abandon: site.abandon.clone(),
+                detached: AtomicBool::new(false),
             }),
             site: Arc::new(site),
             strict: Mutex::new(0),

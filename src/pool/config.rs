@@ -183,7 +183,8 @@ impl PoolConfig {
         })
     }
 
-    /// Set the bound of an `Async` pool's record queue (at least 1).
+    /// Set how many collectives an `Async` handle may launch past one whose check has
+    /// not come back ([`check_queue`](Self::check_queue); at least 1).
     pub fn with_check_queue(mut self, records: usize) -> Self {
         self.check_queue = records.max(1);
         self

@@ -10,7 +10,7 @@ use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{self, AgreementRecord, CallKind, Op, Readiness};
+use crate::group::{self, AgreementRecord, CallKind, Failure, Op, Readiness};
 use crate::stream::Stream;
 use std::sync::Arc;
 use std::time::Instant;
@@ -117,7 +117,7 @@ impl SymmPool {
                     "the core numbered a new segment {} instead of {}",
                     got.0, id.0
                 );
-                st.broken = Some(what.clone());
+                st.broken = Some(Failure::Broken(what.clone()));
                 Err(Error::Internal { what })
             }
             Err(e) => {
@@ -219,7 +219,7 @@ impl SymmPool {
             // A peer's broken pool breaks this one too: the ranks can no longer make
             // the same calls. A broken rank reports its own reason.
             Err(Error::PoolBroken { reason }) => {
-                let reason = st.broken.get_or_insert(reason).clone();
+                let reason = st.broken.get_or_insert(Failure::Broken(reason)).reason();
                 Err(Error::PoolBroken { reason })
             }
             out => out,

@@ -338,10 +338,7 @@ impl SymmPool {
         if st.broken.is_none()
             && let Some(failure) = self.inner.outside_failure.get()
         {
-            st.broken = Some(failure.reason());
-            if let Failure::Diverged(d) = failure {
-                st.diverged_collective = Some(d.clone());
-            }
+            st.broken = Some(failure.clone());
         }
         self.apply_deferred(&mut st);
         st
@@ -426,7 +423,7 @@ impl SymmPool {
         };
         let Some(entry) = st.segments.get(&placement.segment).cloned() else {
             let what = format!("segment {} has no entry", placement.segment.0);
-            st.broken = Some(what.clone());
+            st.broken = Some(Failure::Broken(what.clone()));
             return Err(Error::Internal { what });
         };
         st.counters.allocated_bytes_total += placement.size_bytes;

@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::core::SegmentId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallKind, LiveBuffer, MAX_LIVE_NAMED, Op};
+use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Op};
 use crate::observe::MemoryAction;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
@@ -174,8 +174,8 @@ impl SymmPool {
     /// ([`Error::CollectiveDivergence`]: every rank learns it from the same records)
     /// the pool closes without a round, at once: it releases this rank's memory and
     /// returns [`Error::PoolBroken`] naming the divergence (the pool is closed; a
-    /// second `close` returns `Ok`), or, while buffers of this rank are alive, the same
-    /// error without closing. A pool broken otherwise (on any rank) still closes on
+    /// second `close` returns `Ok`), or, while buffers of this rank are alive,
+    /// [`Error::BuffersAlive`] with this rank's buffers (the peers' are not asked). A pool broken otherwise (on any rank) still closes on
     /// every rank through the round (its memory is released; the ranks' call histories
     /// are not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
@@ -186,7 +186,7 @@ impl SymmPool {
         }
         let live = st.core.stats().allocated_blocks.current;
         let deadline = Deadline::after(self.inner.config.timeout);
-        if let Some(d) = &st.diverged_collective {
+        if let Some(Failure::Diverged(d)) = &st.broken {
             let reason = d.to_string();
             return self.close_diverged(st, live, reason, deadline);
         }
@@ -211,15 +211,19 @@ impl SymmPool {
                 buffers,
             });
         }
-        // Recorded once it goes through: a refused close changes nothing, and a rank
-        // that frees its last buffer after one keeps the same history as a peer that
-        // freed it before.
+        self.finish_close(&mut st, deadline)
+    }
+
+    /// The end of a `close` that goes through: recorded (only now: a refused close
+    /// changes nothing, and a rank that frees its last buffer after one keeps the same
+    /// history as a peer that freed it before), closed, every segment released. If a
+    /// release fails, the segments stay listed and dropping the pool retries.
+    fn finish_close(&self, st: &mut PoolState, deadline: Deadline) -> Result<()> {
         st.history.record(CallKind::Close, 0, 0);
         st.core.release_free_segments();
         st.closed = true;
         self.inner.closed.store(true, Ordering::Release);
-        // If this fails, the segments stay listed and dropping the pool retries.
-        self.release_segments(&mut st, deadline)?;
+        self.release_segments(st, deadline)?;
         self.take_deferred_error()
     }
 
@@ -236,17 +240,18 @@ impl SymmPool {
         deadline: Deadline,
     ) -> Result<()> {
         if live > 0 {
-            return Err(Error::PoolBroken {
-                reason: format!(
-                    "{reason} (not closed: {live} buffers of this rank are alive; drop them and close again)"
-                ),
+            // Only this rank's buffers are known (no round): the peers' count as 0.
+            let mut live_per_rank = vec![0; self.world_size()];
+            live_per_rank[self.rank()] = live;
+            let buffers = (live_buffers(&st).iter())
+                .map(|b| (self.rank(), b.to_string()))
+                .collect();
+            return Err(Error::BuffersAlive {
+                live_per_rank,
+                buffers,
             });
         }
-        st.history.record(CallKind::Close, 0, 0);
-        st.core.release_free_segments();
-        st.closed = true;
-        self.inner.closed.store(true, Ordering::Release);
-        self.release_segments(&mut st, deadline)?;
+        self.finish_close(&mut st, deadline)?;
         Err(Error::PoolBroken {
             reason: format!("{reason} (closed: this rank released its memory without a round)"),
         })
@@ -281,8 +286,8 @@ impl Drop for PoolInner {
         let bytes: u64 = st.segments.values().map(|e| e.segment.size_bytes()).sum();
         if !st.closed {
             let (rank, name, n) = (self.backend.rank(), &self.config.name, st.segments.len());
-            let broken = st.broken.as_deref();
-            super::events::dropped_without_close(rank, name, n, bytes, broken);
+            let broken = st.broken.as_ref().map(Failure::reason);
+            super::events::dropped_without_close(rank, name, n, bytes, broken.as_deref());
         }
         // Never wait without bound in a drop: if the device does not drain in time
         // (a peer died in a collective, say), leak the memory on purpose.

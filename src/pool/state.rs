@@ -3,8 +3,8 @@
 
 use crate::backend::{Segment, Window};
 use crate::core::{Allocator, SegmentId, StreamId};
-use crate::error::{CollectiveDivergence, Divergence, Error, Result};
-use crate::group::{History, Readiness};
+use crate::error::{Divergence, Error, Result};
+use crate::group::{Failure, History, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -51,11 +51,10 @@ pub(crate) struct PoolState {
     /// A registration failed (the first failing rank, and why as this rank knows it):
     /// the pool refuses growth, `reserve` and `trim` on every rank.
     pub(crate) registration_broken: Option<(usize, String)>,
-    /// The pool is unusable (see [`Error::PoolBroken`]).
-    pub(crate) broken: Option<String>,
-    /// Set when the collectives' checks found the ranks diverged (with `broken`): later
-    /// calls fail with [`Error::CollectiveDivergence`], which names the difference.
-    pub(crate) diverged_collective: Option<Box<CollectiveDivergence>>,
+    /// The pool is unusable: local calls fail with [`Error::CollectiveDivergence`]
+    /// after the collectives' checks found the ranks diverged, else with
+    /// [`Error::PoolBroken`].
+    pub(crate) broken: Option<Failure>,
     /// Set once an agreement found the ranks diverged: later calls fail.
     pub(crate) diverged: Option<Box<Divergence>>,
     /// Streams with fences recorded at frees: polled for completion by `stats`.
@@ -76,7 +75,6 @@ impl PoolState {
             closed: false,
             registration_broken: None,
             broken: None,
-            diverged_collective: None,
             diverged: None,
             fenced_streams: BTreeSet::new(),
             counters: Counters {
@@ -95,8 +93,9 @@ impl PoolState {
         poisoned: PoisonError<MutexGuard<'a, PoolState>>,
     ) -> MutexGuard<'a, PoolState> {
         let mut st = poisoned.into_inner();
-        st.broken
-            .get_or_insert_with(|| "a thread panicked while it held the pool's state".into());
+        st.broken.get_or_insert_with(|| {
+            Failure::Broken("a thread panicked while it held the pool's state".into())
+        });
         st
     }
 
@@ -105,13 +104,14 @@ impl PoolState {
         if self.closed {
             return Err(Error::PoolClosed);
         }
-        if let Some(d) = &self.diverged_collective {
-            return Err(Error::CollectiveDivergence(d.clone()));
-        }
-        if let Some(reason) = &self.broken {
-            return Err(Error::PoolBroken {
-                reason: reason.clone(),
-            });
+        match &self.broken {
+            Some(Failure::Diverged(d)) => return Err(Error::CollectiveDivergence(d.clone())),
+            Some(Failure::Broken(reason)) => {
+                return Err(Error::PoolBroken {
+                    reason: reason.clone(),
+                });
+            }
+            None => {}
         }
         if let Some(d) = &self.diverged {
             // The ranks' allocators differ: a cache hit would place this buffer at an
@@ -144,11 +144,11 @@ impl PoolState {
         let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
         if let Some(rank) = find(Readiness::PoolBroken) {
             let reason = match (&self.broken, &self.diverged) {
-                (Some(why), _) => why.clone(),
+                (Some(why), _) => why.reason(),
                 (None, Some(d)) => d.to_string(),
                 (None, None) => format!("rank {rank}'s pool is broken"),
             };
-            self.broken.get_or_insert_with(|| reason.clone());
+            (self.broken).get_or_insert_with(|| Failure::Broken(reason.clone()));
             return Err(Error::PoolBroken { reason });
         }
         if find(Readiness::Capturing).is_some() {
