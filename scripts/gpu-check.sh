@@ -183,7 +183,7 @@ for d in site.getsitepackages():
     if [ "$budget" -gt 0 ] && [ $((SECONDS - start)) -ge "$budget" ]; then
       echo "-- $name: not run (WORLD_BUDGET_S=$budget spent)" | tee -a "$log"; status=1; return
     fi
-    local t0=$SECONDS code=0 w="$dir/$name"
+    local t0=$SECONDS code=0 w="$dir/$name" f
     rm -rf "$w"
     bash scripts/nccl-world.sh -d "$w" "$@" >"$w.out" 2>&1 || code=$?
     {
@@ -197,31 +197,31 @@ for d in site.getsitepackages():
     [ "$code" = 0 ] || status=1
   }
   mkdir -p "$dir"
-  one trials-2 -n 2 -t 150 -- "$bin/nccl_world" collectives two-pools graph hostcost
-  one fault-collective-kill-1 -n 2 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-collective
-  one fault-collective-kill-0 -n 2 -t 90 --fault KILL:0 -- "$bin/nccl_world" fault-collective
-  one fault-collective-stop-1 -n 2 -t 90 --fault STOP:1 -- "$bin/nccl_world" fault-collective
-  one fault-registration-kill-1 -n 2 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-registration
-  one fault-registration-kill-0 -n 2 -t 90 --fault KILL:0 -- "$bin/nccl_world" fault-registration
-  one fault-registration-stop-1 -n 2 -t 90 --fault STOP:1 -- "$bin/nccl_world" fault-registration
-  one trials-3 -n 3 -t 150 -- "$bin/nccl_world" collectives two-pools graph
   # The example: every mode, each check mode, losses against the host backend's at
   # the same sizes (hidden² splits over 2 and 3 ranks).
-  local sizes=(--layers 2 --hidden 384 --batch 64 --steps 6 --compare --json --quiet)
-  local n check files
-  for n in 2 3; do
-    files=()
+  fsdp() {
+    local n="$1" check files=()
+    shift
+    local sizes=(--layers 2 --hidden 384 --batch 64 --steps 6 --compare --json --quiet)
     "$bin/fsdp_step" --backend host --ranks "$n" --check off "${sizes[@]}" >"$dir/host-$n.log" 2>&1 \
       || { echo "-- fsdp_step host $n ranks: failed" | tee -a "$log"; status=1; }
     files+=(--losses "$dir/host-$n.log")
-    for check in off async strict; do
-      [ "$n" = 3 ] && [ "$check" != off ] && continue
+    for check in "$@"; do
       one "fsdp-$n-$check" -n "$n" -t 120 -- "$bin/fsdp_step" --backend nccl --check "$check" "${sizes[@]}"
       files+=(--losses "$dir/fsdp-$n-$check/rank0.log")
     done
     "$bin/nccl_world" compare-losses --tolerance 0.1 "${files[@]}" 2>&1 | sed 's/^/   /' | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  }
+  one trials-2 -n 2 -t 100 -- "$bin/nccl_world" collectives two-pools graph hostcost
+  local f
+  for f in collective:KILL:1 collective:KILL:0 collective:STOP:1 registration:KILL:1 \
+    registration:KILL:0 registration:STOP:1; do
+    one "fault-${f//:/-}" -n 2 -t 45 --fault "${f#*:}" -- "$bin/nccl_world" "fault-${f%%:*}"
   done
+  fsdp 2 off async strict
+  one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph
+  fsdp 3 off
   echo "== world: $([ "$status" = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s" | tee -a "$log"
   exit $status
 )
