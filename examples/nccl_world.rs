@@ -102,6 +102,9 @@ fn ok<T>(what: &str, r: symmpool::Result<T>) -> Outcome<T> {
     r.or_else(|e| fail(what, &e))
 }
 
+/// What replaces a backend's segment provider (the registration fault's victim).
+type Wrap<'a> = &'a dyn Fn(Arc<dyn SegmentProvider>) -> Arc<dyn SegmentProvider>;
+
 /// One rank of the world.
 struct World {
     rank: usize,
@@ -120,10 +123,7 @@ struct World {
 impl World {
     /// Join the world from the launcher's variables: the store, then the backend
     /// (`wrap` replaces its segment provider, for the registration fault).
-    fn join(
-        kind: Kind,
-        wrap: Option<&dyn Fn(Arc<dyn SegmentProvider>) -> Arc<dyn SegmentProvider>>,
-    ) -> Outcome<World> {
+    fn join(kind: Kind, wrap: Option<Wrap<'_>>) -> Outcome<World> {
         let config = ok("the store's settings", StoreConfig::from_env())?;
         let heartbeat = (config.heartbeat_interval, config.heartbeat_timeout);
         let exchange: Arc<dyn Exchange> =
@@ -658,7 +658,7 @@ fn fault_trial(kind: Kind, registration: bool) -> Outcome {
             dir: dir.clone(),
         })
     };
-    let wrap: &dyn Fn(Arc<dyn SegmentProvider>) -> Arc<dyn SegmentProvider> = &wrap;
+    let wrap: Wrap<'_> = &wrap;
     let stopping = registration && me == victim;
     let w = World::join(kind, stopping.then_some(wrap))?;
     if victim >= w.size {
@@ -743,6 +743,7 @@ fn fault_trial(kind: Kind, registration: bool) -> Outcome {
             "expected PeerLost naming rank {victim} within {bound:?}"
         )),
     };
+    let version = w.backend.nccl_version();
     // Everything dropped: a broken backend's teardown is bounded too.
     let dropping = Instant::now();
     drop(kept);
@@ -760,7 +761,7 @@ fn fault_trial(kind: Kind, registration: bool) -> Outcome {
         "collective"
     };
     println!(
-        "[rank {me}] RESULT fault-{op} SIG{sig} of rank {victim}: {} kind={} names={} took={} bound={:.1}s dropped_in={:.2}s error=\"{error}\"",
+        "[rank {me}] RESULT fault-{op} SIG{sig} of rank {victim}: {} kind={} names={} took={} bound={:.1}s dropped_in={:.2}s nccl={version} error=\"{error}\"",
         if verdict.is_ok() { "ok" } else { "FAILED" },
         error.kind(),
         named.map_or("-".into(), |r| r.to_string()),

@@ -12,7 +12,7 @@
 mod nccl_world;
 
 #[path = "../examples/fsdp_step/main.rs"]
-#[allow(dead_code, unreachable_pub)]
+#[allow(dead_code, unreachable_pub, unused_imports)]
 mod fsdp_step;
 
 use clap::Parser;

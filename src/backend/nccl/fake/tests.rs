@@ -727,14 +727,14 @@ fn a_call_blocked_on_a_lost_peer_ends_with_peer_lost_within_an_interval() {
                 let s = s.clone();
                 std::thread::spawn(move || {
                     let stream = FakeStream::default();
-                    // SAFETY: the fake never touches the addresses.
-                    let r = unsafe {
-                        if collective {
+                    let r = if collective {
+                        // SAFETY: the fake never touches the addresses.
+                        unsafe {
                             s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog)
-                        } else {
-                            s.register(0, 0x1000, 2 << 20, s.call_deadline())
-                                .map(|_| ())
                         }
+                    } else {
+                        // SAFETY: as above.
+                        unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.map(|_| ())
                     };
                     let _ = tx.send((r, Instant::now()));
                 })
