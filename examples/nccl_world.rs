@@ -23,10 +23,11 @@
 //! machine's CI runs them so); `graph` and `hostcost` say they were skipped there.
 //!
 //! The bounds of the fault trials are the documented ones (README, *On GPUs*; the
-//! `control` module): a killed rank is seen at once, so a survivor's error comes
-//! within the watchdog interval (100 ms) + 1 s; a frozen one (`SIGSTOP`) within the
-//! store's heartbeat timeout + interval + the watchdog interval + 1 s (7.1 s with the
-//! defaults).
+//! `control` module): a killed rank is known within half the store's heartbeat
+//! interval on a rank in no exchange call, so a survivor's error comes within that +
+//! the watchdog interval (100 ms) + 1 s (1.6 s with the defaults); a frozen one
+//! (`SIGSTOP`) within the store's heartbeat timeout + interval + the watchdog interval
+//! + 1 s (7.1 s).
 
 use clap::{Parser, ValueEnum};
 use std::collections::BTreeSet;
@@ -639,7 +640,7 @@ fn bound(w: &World, sig: &str) -> Duration {
     slack
         + match sig {
             "STOP" => timeout + heartbeat + interval + Duration::from_secs(1),
-            _ => interval + Duration::from_secs(1),
+            _ => heartbeat / 2 + interval + Duration::from_secs(1),
         }
 }
 

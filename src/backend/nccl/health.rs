@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 /// is at hand (a later call found it broken).
 pub(crate) const AN_NCCL_CALL: &str = "an NCCL call";
 
-/// How long an NCCL call that failed on its own (not an argument error) waits for the
-/// exchange's verdict on a lost peer before it reports NCCL's error: a peer's death
-/// reaches NCCL's connections and the exchange's within milliseconds of each other, in
-/// either order, and the lost rank is what the caller needs to know.
-pub(crate) const PEER_VERDICT_WAIT: Duration = Duration::from_millis(500);
+/// How long an NCCL failure (an asynchronous error, a failed call) waits for the
+/// exchange's verdict on a lost peer before it is taken for NCCL's own: a peer's death
+/// reaches NCCL's connections and the exchange in either order (on one H200, NCCL's
+/// socket error came 26 ms before the store's), and a rank not in an exchange call
+/// hears the store's word within half a heartbeat interval (0.5 s by default). The lost
+/// rank is what the caller needs to know.
+pub(crate) const PEER_VERDICT_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a backend broke, kept to describe it on every later call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,17 +152,21 @@ impl Health {
         }
     }
 
-    /// For an NCCL call `op` that failed with `what`: [`Error::PeerLost`] if the
-    /// exchange knows of a lost peer by [`PEER_VERDICT_WAIT`] (polled; at once without
-    /// an exchange).
-    pub(crate) fn blame(&self, op: &'static str, what: &str) -> Option<Error> {
-        self.peers.as_ref()?;
-        let loss = poll_until(Deadline::after(PEER_VERDICT_WAIT), || self.lost_peer())?;
-        Some(Error::PeerLost {
-            rank: loss.rank,
-            op,
-            detail: format!("{}; {op} failed: {what}", loss.detail),
-        })
+    /// The cause of an NCCL failure `what` (an asynchronous error, a failed call):
+    /// [`Cause::PeerLost`] if the exchange knows of a lost peer by [`PEER_VERDICT_WAIT`]
+    /// (polled; without an exchange, not waited for), else [`Cause::Failed`].
+    pub(crate) fn failure(&self, what: String) -> Cause {
+        let loss = self
+            .peers
+            .as_ref()
+            .and_then(|_| poll_until(Deadline::after(PEER_VERDICT_WAIT), || self.lost_peer()));
+        match loss {
+            Some(loss) => Cause::PeerLost {
+                rank: loss.rank,
+                detail: format!("{}; {what}", loss.detail),
+            },
+            None => Cause::Failed(what),
+        }
     }
 
     /// Fail if broken.

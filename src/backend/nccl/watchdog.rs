@@ -159,9 +159,9 @@ impl<D: Device> Shared<D> {
                 ffi::async_state(self.nccl, "an earlier NCCL call", raw)
             });
             if let Some(Err(e)) = result {
-                let _ = self.fail(Cause::Failed(format!(
-                    "NCCL reported an asynchronous error: {e}"
-                )));
+                // A peer's death may reach NCCL first: the verdict names it.
+                let what = format!("NCCL reported an asynchronous error: {e}");
+                let _ = self.fail(self.health.failure(what));
                 return;
             }
         }

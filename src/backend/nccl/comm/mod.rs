@@ -465,8 +465,16 @@ impl<D: Device> Shared<D> {
             Error::Nccl { code: 4 | 5, .. } => e,
             Error::Nccl { op, .. } => {
                 let op = *op;
-                let _ = self.fail(Cause::Failed(e.to_string()));
-                self.health.blame(op, &e.to_string()).unwrap_or(e)
+                match self.health.failure(e.to_string()) {
+                    Cause::Failed(m) => {
+                        let _ = self.fail(Cause::Failed(m));
+                        e
+                    }
+                    lost => {
+                        let _ = self.fail(lost);
+                        self.error_for(op)
+                    }
+                }
             }
             _ => e,
         }

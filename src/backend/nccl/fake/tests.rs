@@ -636,9 +636,10 @@ fn a_null_window_is_no_window_and_the_communicator_stays_usable() {
     }
 }
 
-/// An exchange whose only use is its word on lost peers (set by the test).
+/// An exchange whose only use is its word on lost peers (set by the test), kept
+/// back from the first `hidden` questions (a verdict that comes late).
 #[derive(Debug, Default)]
-struct Verdict(Mutex<Option<LostPeer>>);
+struct Verdict(Mutex<Option<LostPeer>>, std::sync::atomic::AtomicUsize);
 
 impl Verdict {
     fn lose(&self, rank: usize, detail: &str, left: bool) {
@@ -674,6 +675,11 @@ impl Exchange for Verdict {
         })
     }
     fn lost_peer(&self) -> Option<LostPeer> {
+        let hidden = &self.1;
+        if hidden.load(Ordering::SeqCst) > 0 {
+            hidden.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
         self.0.lock().clone()
     }
 }
@@ -867,6 +873,34 @@ fn a_backend_broken_by_nccls_error_names_the_lost_peer_behind_it() {
     assert!(t0.elapsed() >= crate::backend::nccl::health::PEER_VERDICT_WAIT);
     // A verdict that comes later still names the rank on every later call.
     verdict.lose(1, "no heartbeat", false);
+    assert!(matches!(
+        s.health.check(),
+        Err(Error::PeerLost { rank: 1, .. })
+    ));
+    aborted(&s);
+}
+
+#[test]
+fn an_asynchronous_error_that_beats_the_verdict_is_blamed_on_the_lost_peer() {
+    // Seen on one H200: a killed peer's closed socket reached NCCL (an asynchronous
+    // error) 26 ms before the store declared it lost. The watchdog waits (boundedly)
+    // for the verdict, and the backend breaks naming the rank, not NCCL's error.
+    let verdict = Arc::new(Verdict::default());
+    let exchange: Arc<dyn Exchange> = verdict.clone();
+    let health = Health::watching(&exchange);
+    let s = shared_with(true, &CommInfo::STANDARD, NcclConfig::default(), health).unwrap();
+    // ncclRemoteError: "remote process exited or there was a network error".
+    comm(s.comms[0].raw).async_error.store(6, Ordering::SeqCst);
+    verdict.lose(1, "its connection failed: Connection reset by peer", false);
+    // Kept from the watchdog's first look and the first poll after NCCL's error.
+    verdict.1.store(2, Ordering::SeqCst);
+    s.tick();
+    match s.health.cause() {
+        Some(Cause::PeerLost { rank: 1, detail }) => {
+            assert!(detail.contains("asynchronous error"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
     assert!(matches!(
         s.health.check(),
         Err(Error::PeerLost { rank: 1, .. })
