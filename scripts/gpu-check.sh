@@ -11,11 +11,19 @@
 # 8 log files into $OUT (default ./gpu-out). GPUS=1 runs what one GPU can check.
 # NCCL_CHECK=1 sets NCCL_CHECK_MODE=DEBUG_GLOBAL (NCCL >= 2.29.7 only).
 #
-# Sections of `run` (default all): tests paths bench example anchor procs nodes python
+# Sections of `run` (default all): tests paths bench example anchor procs nodes world python
 #   procs:  the example as two processes (`--nproc 2`), `--balanced --compare`, three
 #           sittings, then its no-communication mode
 #   nodes:  two simulated nodes on one host (each rank its own NCCL_HOSTID, under
 #           torchrun), with NCCL's own log of what it selected
+#   world:  several NCCL ranks on one GPU (each its own NCCL_HOSTID, started by
+#           scripts/nccl-world.sh): examples/nccl_world.rs's trials on 2 and 3 ranks
+#           (collectives, two pools, CUDA graph, host cost per call), kill -9 of rank 1
+#           and of rank 0 inside a collective and inside a registration, SIGSTOP of a
+#           rank, and fsdp_step in every mode and check mode, its losses compared with
+#           the host backend's; fails if any check fails. On torch's NCCL when it is
+#           installed (WORLD_NCCL=system keeps the system's); WORLD_BUDGET_S skips what
+#           would start after that many seconds (reported as not run, a failure)
 #   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, test_gpu_world.py as
 #           two NCCL ranks on one GPU (simulated nodes), then with two GPUs FSDP2
 #           three ways (python/bench/fsdp2_compare.py under torchrun)
@@ -33,6 +41,7 @@ build() {
   # The benchmark and the example: jq reads their paths from cargo's messages.
   local example=()
   [ -f examples/fsdp_step/main.rs ] && example=(--example fsdp_step)
+  [ -f examples/nccl_world.rs ] && example+=(--example nccl_world)
   cargo build --release --bench gpu_collectives "${example[@]}" --message-format=json |
     jq -r 'select(.executable != null) | .executable' |
     while read -r exe; do cp "$exe" "$BUNDLE/bin/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
@@ -40,7 +49,7 @@ build() {
   if command -v "${MATURIN:-maturin}" >/dev/null; then
     (cd python && "${MATURIN:-maturin}" build --release --out "../$BUNDLE/wheels")
   fi
-  strip "$BUNDLE"/bin/gpu_collectives "$BUNDLE"/bin/fsdp_step 2>/dev/null || true
+  strip "$BUNDLE"/bin/gpu_collectives "$BUNDLE"/bin/fsdp_step "$BUNDLE"/bin/nccl_world 2>/dev/null || true
   # The raw-NCCL anchor benchmark, when a copy is given in $ANCHORS.
   local anchors="${ANCHORS:-}"
   if [ -n "$anchors" ] && [ -d "$anchors" ]; then mkdir -p "$BUNDLE/anchors" && cp "$anchors"/* "$BUNDLE/anchors/"; fi
@@ -52,7 +61,7 @@ run() {
   local out="${OUT:-./gpu-out}"
   mkdir -p "$out"
   local want=("$@")
-  [ ${#want[@]} -eq 0 ] && want=(tests paths bench example anchor procs nodes python)
+  [ ${#want[@]} -eq 0 ] && want=(tests paths bench example anchor procs nodes world python)
   has() { local x; for x in "${want[@]}"; do [ "$x" = "$1" ] && return 0; done; return 1; }
   # Keep NVLink multicast off (it can take a shared host down).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -129,6 +138,10 @@ run() {
     rm -f "$out/nodes-full.log"
     cat "$out/nodes.log"
   fi
+  if has world; then
+    world "$out" || status=1
+    cat "$out/world.log"
+  fi
   if has python; then
     # The wheel, then each step on its own (a failure of any fails the section):
     # pytest's one-GPU tests; python/tests/test_gpu_world.py as two NCCL ranks on one
@@ -156,8 +169,80 @@ run() {
   return $status
 }
 
+# The `world` section: NCCL ranks sharing this machine's one GPU (see the top). Writes
+# $1/world.log (what ran, each check's verdict, the figures) and $1/world-ranks.log
+# (every rank's output, each world under a header).
+world() (
+  local out="$1" bin="$BUNDLE/bin" dir=/tmp/symmpool-world start=$SECONDS status=0
+  local log="$out/world.log" ranks="$out/world-ranks.log" budget="${WORLD_BUDGET_S:-0}"
+  : >"$log"; : >"$ranks"
+  # One GPU for every rank (the first visible one).
+  local visible="${CUDA_VISIBLE_DEVICES:-0}"
+  export CUDA_VISIBLE_DEVICES="${visible%%,*}"
+  if [ "${WORLD_NCCL:-torch}" != system ] && [ -z "${SYMMPOOL_NCCL_LIBRARY:-}" ]; then
+    # torch's NCCL (2.28.9 here: ncclCommRevoke, which ends a thread blocked inside
+    # NCCL); the system's otherwise.
+    local torch_nccl
+    torch_nccl="$(python3 -c 'import glob, site
+for d in site.getsitepackages():
+    for f in sorted(glob.glob(d + "/nvidia/**/libnccl.so.2", recursive=True)):
+        print(f); raise SystemExit' 2>/dev/null)" || true
+    [ -n "$torch_nccl" ] && export SYMMPOOL_NCCL_LIBRARY="$torch_nccl"
+  fi
+  echo "== world: $(date -u), NCCL ${SYMMPOOL_NCCL_LIBRARY:-from the system path}" | tee -a "$log"
+  # One world: a name, then the script's options and command. Its summary lines and
+  # the ranks' RESULT/HOSTCOST/FAILED lines go to world.log, all output to
+  # world-ranks.log; a failed world fails the section.
+  one() {
+    local name="$1"; shift
+    if [ "$budget" -gt 0 ] && [ $((SECONDS - start)) -ge "$budget" ]; then
+      echo "-- $name: not run (WORLD_BUDGET_S=$budget spent)" | tee -a "$log"; status=1; return
+    fi
+    local t0=$SECONDS code=0 w="$dir/$name" f
+    rm -rf "$w"
+    bash scripts/nccl-world.sh -d "$w" "$@" >"$w.out" 2>&1 || code=$?
+    {
+      echo "-- $name: exit $code in $((SECONDS - t0)) s"
+      grep '^nccl-world: \(SIG\|rank\|the world\)' "$w.out"
+      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|FAILED|HOSTCOST|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool' | sed 's/^/   /'
+    } | tee -a "$log"
+    { echo "==== $name (exit $code)"; cat "$w.out"
+      for f in "$w"/rank*.log; do echo "---- $(basename "$f")"; grep -v 'NCCL INFO' "$f"; done
+    } >>"$ranks"
+    [ "$code" = 0 ] || status=1
+  }
+  mkdir -p "$dir"
+  # The example: every mode, each check mode, losses against the host backend's at
+  # the same sizes (hidden² splits over 2 and 3 ranks).
+  fsdp() {
+    local n="$1" check files=()
+    shift
+    local sizes=(--layers 2 --hidden 384 --batch 64 --steps 6 --compare --json --quiet)
+    "$bin/fsdp_step" --backend host --ranks "$n" --check off "${sizes[@]}" >"$dir/host-$n.log" 2>&1 \
+      || { echo "-- fsdp_step host $n ranks: failed" | tee -a "$log"; status=1; }
+    files+=(--losses "$dir/host-$n.log")
+    for check in "$@"; do
+      one "fsdp-$n-$check" -n "$n" -t 120 -- "$bin/fsdp_step" --backend nccl --check "$check" "${sizes[@]}"
+      files+=(--losses "$dir/fsdp-$n-$check/rank0.log")
+    done
+    "$bin/nccl_world" compare-losses --tolerance 0.1 "${files[@]}" 2>&1 | sed 's/^/   /' | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  }
+  one trials-2 -n 2 -t 100 -- "$bin/nccl_world" collectives two-pools graph hostcost
+  local f
+  for f in collective:KILL:1 collective:KILL:0 collective:STOP:1 registration:KILL:1 \
+    registration:KILL:0 registration:STOP:1; do
+    one "fault-${f//:/-}" -n 2 -t 45 --fault "${f#*:}" -- "$bin/nccl_world" "fault-${f%%:*}"
+  done
+  fsdp 2 off async strict
+  one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph
+  fsdp 3 off
+  echo "== world: $([ "$status" = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s" | tee -a "$log"
+  exit $status
+)
+
 case "${1:-}" in
   build) build ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 build | run [tests] [paths] [bench] [example] [anchor] [procs] [nodes] [python]" >&2; exit 2 ;;
+  *) echo "usage: $0 build | run [tests] [paths] [bench] [example] [anchor] [procs] [nodes] [world] [python]" >&2; exit 2 ;;
 esac

@@ -217,11 +217,7 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
         // Before the pools: a margin the device cannot leave stops here, with nothing
         // to release.
         let math = GpuMath::new(nccl, args.sm_margin)?;
-        let pools = args
-            .modes
-            .iter()
-            .map(|m| Ok((*m, super::make_pool(*m, args.check, b.clone())?)))
-            .collect::<Result<Vec<(Mode, _)>>>()?;
+        let pools = super::make_pools(&args.modes, args.check, &b)?;
         let out = super::run_one_rank(&math, pools, args, &barrier);
         math.sync()?;
         out

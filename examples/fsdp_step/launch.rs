@@ -11,7 +11,7 @@
 
 #[cfg(feature = "nccl")]
 use super::BackendChoice;
-use super::{Args, Summary, make_pool, ranks::StepSync, run_one_rank};
+use super::{Args, Summary, make_pools, ranks::StepSync, run_one_rank};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -69,11 +69,7 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
         )?,
     };
     // Making pools is collective: every rank makes them in the same order.
-    let pools = args
-        .modes
-        .iter()
-        .map(|&mode| Ok((mode, make_pool(mode, args.check, backend.clone())?)))
-        .collect::<Result<Vec<_>>>()?;
+    let pools = make_pools(&args.modes, args.check, &backend)?;
     let barrier = ExchangeBarrier {
         channel: exchange.open_channel("fsdp_step:steps", timeout)?,
         exchange: exchange.clone(),

@@ -90,6 +90,18 @@ fn make_pool(mode: Mode, check: Check, backend: Backend) -> Result<SymmPool> {
     SymmPool::new(backend, pool_config(mode, check))
 }
 
+/// A pool of each of `modes` over one rank's `backend` (collective: every rank makes
+/// them in the same order). A communicator set has one collectives handle, and each
+/// mode has its own, so every mode but the first gets communicators of its own.
+fn make_pools(modes: &[Mode], check: Check, backend: &Backend) -> Result<Vec<(Mode, SymmPool)>> {
+    (modes.iter().enumerate())
+        .map(|(i, &mode)| {
+            let config = pool_config(mode, check).with_own_communicators(i > 0);
+            Ok((mode, SymmPool::new(backend.clone(), config)?))
+        })
+        .collect()
+}
+
 /// The collectives handle of `mode`'s pool, with the mode's path preferences
 /// (collective: every rank makes it at the same point).
 fn make_coll(mode: Mode, pools: &[SymmPool]) -> Result<Coll> {

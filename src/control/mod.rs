@@ -29,6 +29,10 @@
 //!
 //! So a surviving rank waiting in an exchange fails within **`T + I`** (6 s with the
 //! defaults) of the loss, plus scheduling delays, whatever its own per-call timeout.
+//! A rank that is not in an exchange call learns of the loss in the same time too (its
+//! background thread reads the server's word), and [`Exchange::lost_peer`] says so: the
+//! NCCL backend's watchdog asks it every interval and aborts the communicators a
+//! collective may be blocked on (see the NCCL backend's table of waits).
 //!
 //! # A rank that does not come
 //!
@@ -185,6 +189,44 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
         self.open_channel_until(name, Deadline::after(timeout))
     }
+
+    /// The rank this exchange knows to be lost, if any: its process ended, it closed
+    /// its exchange, or it stopped answering heartbeats (see the [failure detection
+    /// bound](self#failure-detection-bound)). A look at what the exchange already
+    /// knows, with no round and no wait, for watchdogs that must end work blocked on
+    /// the lost rank outside the exchange (the NCCL backend's watchdog asks every
+    /// interval, and aborts its communicators). A [`StoreExchange`] learns of a loss
+    /// while no call waits on it too (its background thread reads the server's word);
+    /// exchanges without failure detection ([`LocalExchange`], [`KvExchange`]) answer
+    /// `None` (the default).
+    fn lost_peer(&self) -> Option<LostPeer> {
+        None
+    }
+}
+
+/// A rank an [`Exchange`] knows to be lost ([`Exchange::lost_peer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LostPeer {
+    /// The rank.
+    pub rank: usize,
+    /// How the loss was noticed (the detail of [`Error::PeerLost`]).
+    pub detail: String,
+    /// Whether the rank closed its exchange itself (it finished, or dropped the
+    /// exchange early) rather than dying or freezing. Such a rank takes part in
+    /// nothing any more either, but work that no longer needs it is not lost.
+    pub left: bool,
+}
+
+impl LostPeer {
+    /// The loss, as the error a call `op` that it ends reports.
+    pub fn error(&self, op: &'static str) -> Error {
+        Error::PeerLost {
+            rank: self.rank,
+            op,
+            detail: self.detail.clone(),
+        }
+    }
 }
 
 /// One all-gather of serde records over `exchange`: `record` is encoded with postcard,
@@ -251,6 +293,11 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     /// Contribute `round.payload` to `round` and return every rank's payload of it, in
     /// rank order; the errors are those of [`Exchange::all_gather_until`].
     fn gather_round(&self, round: Round<'_>) -> Result<Vec<Vec<u8>>>;
+
+    /// [`Exchange::lost_peer`].
+    fn lost_peer(&self) -> Option<LostPeer> {
+        None
+    }
 }
 
 impl<T: GatherRounds> Exchange for T {
@@ -289,6 +336,10 @@ impl<T: GatherRounds> Exchange for T {
 
     fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
         self.rounds().open(self, name, deadline)
+    }
+
+    fn lost_peer(&self) -> Option<LostPeer> {
+        GatherRounds::lost_peer(self)
     }
 }
 

@@ -250,7 +250,7 @@ impl Builder {
             nccl: self.nccl,
             control,
             comms,
-            health: Health::default(),
+            health: Health::watching(&exchange),
             watch: Mutex::default(),
             config: self.config,
         });

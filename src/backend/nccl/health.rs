@@ -3,11 +3,24 @@
 //! watchdog's bookkeeping. Device-free logic, tested without GPUs; the NCCL and CUDA
 //! calls stay in the backend.
 
+use crate::control::{Exchange, LostPeer};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
+
+/// What a broken backend's errors name as the operation when no NCCL call of its own
+/// is at hand (a later call found it broken).
+pub(crate) const AN_NCCL_CALL: &str = "an NCCL call";
+
+/// How long an NCCL failure (an asynchronous error, a failed call) waits for the
+/// exchange's verdict on a lost peer before it is taken for NCCL's own: a peer's death
+/// reaches NCCL's connections and the exchange in either order (on one H200, NCCL's
+/// socket error came 26 ms before the store's), and a rank not in an exchange call
+/// hears the store's word within half a heartbeat interval (0.5 s by default). The lost
+/// rank is what the caller needs to know.
+pub(crate) const PEER_VERDICT_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a backend broke, kept to describe it on every later call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +44,15 @@ pub(crate) enum Cause {
     /// NCCL or CUDA reported an error (an asynchronous one, or a failed call after
     /// which the communicators cannot be trusted).
     Failed(String),
+    /// The exchange knows a peer is lost (its process ended, or it stopped answering
+    /// heartbeats; see [`Exchange::lost_peer`]): work on the communicators may wait on
+    /// it for ever.
+    PeerLost {
+        /// The lost rank.
+        rank: usize,
+        /// How the exchange noticed.
+        detail: String,
+    },
 }
 
 impl Cause {
@@ -47,9 +69,22 @@ impl Cause {
                 comm: *comm,
                 waited: *waited,
             },
+            (Cause::PeerLost { rank, detail }, _) => Error::PeerLost {
+                rank: *rank,
+                op: AN_NCCL_CALL,
+                detail: detail.clone(),
+            },
             _ => Error::NcclAborted {
                 reason: self.describe(),
             },
+        }
+    }
+
+    /// The NCCL call the cause names, or [`AN_NCCL_CALL`].
+    pub(crate) fn op(&self) -> &'static str {
+        match self {
+            Cause::Timeout { op, .. } | Cause::Watchdog { op, .. } => op,
+            Cause::Failed(_) | Cause::PeerLost { .. } => AN_NCCL_CALL,
         }
     }
 
@@ -60,25 +95,88 @@ impl Cause {
                 "a {op} on communicator {comm} had not completed {waited:?} after it was enqueued"
             ),
             Cause::Failed(m) => m.clone(),
+            Cause::PeerLost { rank, detail } => format!("rank {rank} was lost: {detail}"),
         }
     }
 }
 
 /// A backend's health: fine until the first [`Cause`], broken for good afterwards.
+///
+/// With the backend's exchange to ask ([`watching`](Self::watching)), a break is
+/// reported as [`Error::PeerLost`] naming the rank whenever the exchange knows of a
+/// lost peer, whatever the cause NCCL gave (an asynchronous error, a timeout, the
+/// watchdog): the lost rank is what broke it, and what the caller must act on.
 #[derive(Debug, Default)]
 pub(crate) struct Health {
     cause: OnceLock<Cause>,
+    /// The exchange whose word on lost peers names the rank behind a break (not kept
+    /// alive by the backend: a dropped exchange knows nothing).
+    peers: Option<Weak<dyn Exchange>>,
 }
 
 impl Health {
+    /// Healthy, naming lost peers as `exchange` knows them.
+    pub(crate) fn watching(exchange: &Arc<dyn Exchange>) -> Self {
+        Health {
+            cause: OnceLock::new(),
+            peers: Some(Arc::downgrade(exchange)),
+        }
+    }
+
+    /// The peer the exchange knows to be lost, if any (a lock and a look: no round).
+    pub(crate) fn lost_peer(&self) -> Option<LostPeer> {
+        self.peers.as_ref()?.upgrade()?.lost_peer()
+    }
+
+    /// The error of `cause` for a call `op` (`first`: the call that found it): the lost
+    /// peer the exchange knows of, if any; else the cause's own error.
+    pub(crate) fn report(&self, cause: &Cause, op: &'static str, first: bool) -> Error {
+        if let Cause::PeerLost { rank, detail } = cause {
+            return Error::PeerLost {
+                rank: *rank,
+                op,
+                detail: detail.clone(),
+            };
+        }
+        match self.lost_peer() {
+            Some(loss) => Error::PeerLost {
+                rank: loss.rank,
+                op,
+                detail: format!(
+                    "{}; this rank's NCCL backend then broke: {}",
+                    loss.detail,
+                    cause.describe()
+                ),
+            },
+            None => cause.error(first),
+        }
+    }
+
+    /// The cause of an NCCL failure `what` (an asynchronous error, a failed call):
+    /// [`Cause::PeerLost`] if the exchange knows of a lost peer by [`PEER_VERDICT_WAIT`]
+    /// (polled; without an exchange, not waited for), else [`Cause::Failed`].
+    pub(crate) fn failure(&self, what: String) -> Cause {
+        let loss = self
+            .peers
+            .as_ref()
+            .and_then(|_| poll_until(Deadline::after(PEER_VERDICT_WAIT), || self.lost_peer()));
+        match loss {
+            Some(loss) => Cause::PeerLost {
+                rank: loss.rank,
+                detail: format!("{}; {what}", loss.detail),
+            },
+            None => Cause::Failed(what),
+        }
+    }
+
     /// Fail if broken.
     ///
     /// # Errors
-    /// The cause's error.
+    /// The cause's error ([`report`](Self::report)).
     pub(crate) fn check(&self) -> Result<()> {
         match self.cause.get() {
             None => Ok(()),
-            Some(c) => Err(c.error(false)),
+            Some(c) => Err(self.report(c, c.op(), false)),
         }
     }
 
@@ -95,7 +193,7 @@ impl Health {
     /// The error of a broken backend (of a healthy one: an internal error).
     pub(crate) fn error(&self) -> Error {
         match self.cause.get() {
-            Some(c) => c.error(false),
+            Some(c) => self.report(c, c.op(), false),
             None => Error::Internal {
                 what: "asked for the error of a healthy NCCL backend".into(),
             },

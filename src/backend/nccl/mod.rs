@@ -64,12 +64,13 @@
 //! | window deregistration (local in NCCL 2.28–2.30) | blocking | `call_timeout`, through the watchdog | as registration |
 //! | collective enqueue | blocking | watched collectives: nothing of its own (the enqueue waits on peers only when work is stuck, NCCL's work FIFO full, which the completion watch below catches); unwatched ones (under CUDA graph capture, or `watchdog_timeout = Duration::MAX`): `call_timeout`, through the watchdog | revoke, abort, [`Error::NcclTimeout`] |
 //! | collective completion (device) | — | [`NcclConfig::watchdog_timeout`] after the enqueue, seen within `watchdog_interval` | revoke, abort, [`Error::NcclWatchdog`] |
+//! | any NCCL call or collective waiting on a lost peer (its process ended, or it stopped answering heartbeats: the exchange's verdict, [`Exchange::lost_peer`](crate::control::Exchange::lost_peer)) | — | the verdict (a dead process: at once, or within half the store's heartbeat interval, 0.5 s by default, on a rank in no exchange call; a frozen one, e.g. `SIGSTOP`: the heartbeat timeout + interval, 6 s by default), seen within `watchdog_interval`, + `LEAVE_WAIT` for a thread inside NCCL (`ncclCommRevoke` does not end a registration: the abort does), + the abort | revoke, abort, [`Error::PeerLost`] naming the rank |
 //! | any call on a non-blocking data communicator ([`NcclConfig::data_blocking`] `= false`) | non-blocking | `call_timeout`, polled | abort, [`Error::NcclTimeout`] |
 //! | abort (`ncclCommAbort` can block: NVIDIA/nccl issue 1777) | its own thread | not waited for; releases wait ≤ 10 s | window and segment leaked |
 //! | drop | — | idle device: ≤ 10 s for the aborts; work in flight: not waited for | communicators leaked |
 //!
-//! The watchdog is one thread per backend. On a deadline, an asynchronous NCCL error
-//! or a failed device it **revokes** the blocking data communicators
+//! The watchdog is one thread per backend. On a deadline, a lost peer, an
+//! asynchronous NCCL error or a failed device it **revokes** the blocking data communicators
 //! (`ncclCommRevoke`, NCCL ≥ 2.28.7: stops their in-flight work and frees nothing, so a
 //! thread stuck inside NCCL returns), waits at most 0.5 s (`LEAVE_WAIT`)
 //! for such a thread to leave NCCL, then aborts every communicator on a thread of its
@@ -78,7 +79,9 @@
 //! with the abort that frees it; NCCL documents abort from another thread as safe only
 //! on non-blocking communicators (user guide, *Communicators*, fault tolerance). After
 //! an abort the backend is broken for good: every later call fails with
-//! [`Error::NcclWatchdog`] or [`Error::NcclAborted`]; windows of an aborted
+//! [`Error::NcclWatchdog`] or [`Error::NcclAborted`], or [`Error::PeerLost`] naming the
+//! rank whenever the exchange knows of a lost peer (it is what broke the backend,
+//! whatever NCCL reported); windows of an aborted
 //! communicator are never deregistered (NCCL destroyed them), and segments are freed
 //! only once the aborts returned (after 10 s they are leaked instead).
 //!
@@ -319,11 +322,12 @@ impl NcclBackend {
     }
 
     /// `Ok` while the backend is usable; the error every later call gets once it is
-    /// broken (a deadline passed, the watchdog fired, NCCL reported an error, or
-    /// [`abort`](Self::abort) was called).
+    /// broken (a deadline passed, the watchdog fired, a peer was lost, NCCL reported
+    /// an error, or [`abort`](Self::abort) was called).
     ///
     /// # Errors
-    /// [`Error::NcclWatchdog`] or [`Error::NcclAborted`].
+    /// [`Error::PeerLost`] naming the rank when the exchange knows of a lost peer;
+    /// else [`Error::NcclWatchdog`] or [`Error::NcclAborted`].
     pub fn health(&self) -> Result<()> {
         self.shared.health.check()
     }

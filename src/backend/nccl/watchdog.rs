@@ -8,6 +8,11 @@
 //! - the threads inside NCCL on each communicator (registration, deregistration,
 //!   warm-up on a blocking data communicator): one past its deadline
 //!   ([`NcclConfig::call_timeout`](super::NcclConfig::call_timeout), or the set-up's);
+//! - the exchange's word on lost peers ([`Exchange::lost_peer`](crate::control::Exchange::lost_peer):
+//!   a rank whose process ended, or that stopped answering heartbeats, e.g. frozen by
+//!   `SIGSTOP`), so that a collective or a registration blocked on a lost rank ends
+//!   within the heartbeat's bound plus an interval, not after the watchdog timeout (a
+//!   rank that closed its exchange itself counts only while work is in flight here);
 //! - every communicator's asynchronous error (`ncclCommGetAsyncError`: on a blocking
 //!   communicator it only reads the communicator's state, so it is asked while another
 //!   thread may be inside NCCL on it, as PyTorch's watchdog does; on a non-blocking one
@@ -110,7 +115,21 @@ impl<D: Device> Shared<D> {
             let _ = self.fail(cause);
             return;
         }
+        let in_flight = !swept.kept.is_empty();
         self.watch.lock().restore(swept.kept, swept.complete);
+        // A lost peer (the exchange's verdict: its process ended, or its heartbeats
+        // stopped) ends whatever may wait on it, before NCCL's own error (if any) is
+        // looked at. A peer that closed its exchange itself only while this rank has
+        // work that may need it: collectives not complete, or a thread inside NCCL.
+        if let Some(loss) = self.health.lost_peer()
+            && (!loss.left || in_flight || self.all_comms().any(|c| c.inside().is_some()))
+        {
+            let _ = self.fail(Cause::PeerLost {
+                rank: loss.rank,
+                detail: loss.detail,
+            });
+            return;
+        }
         for c in self.all_comms().filter(|c| c.owned) {
             if let Some(inside) = c.inside()
                 && let Some(deadline) = inside.deadline
@@ -140,9 +159,9 @@ impl<D: Device> Shared<D> {
                 ffi::async_state(self.nccl, "an earlier NCCL call", raw)
             });
             if let Some(Err(e)) = result {
-                let _ = self.fail(Cause::Failed(format!(
-                    "NCCL reported an asynchronous error: {e}"
-                )));
+                // A peer's death may reach NCCL first: the verdict names it.
+                let what = format!("NCCL reported an asynchronous error: {e}");
+                let _ = self.fail(self.health.failure(what));
                 return;
             }
         }

@@ -661,7 +661,8 @@ impl Shared {
 }
 
 /// Why a rank that said goodbye left (the start of its `Lost` detail).
-const CLOSED: &str = "it closed its exchange (it finished, or dropped the exchange early)";
+pub(super) const CLOSED: &str =
+    "it closed its exchange (it finished, or dropped the exchange early)";
 
 #[cfg(test)]
 mod tests {

@@ -36,6 +36,7 @@ use crate::error::{Error, Result};
 use cudarc::nccl::sys;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 mod abort;
@@ -122,6 +123,8 @@ pub(super) struct Comm {
     /// Held across every NCCL call of the backend's callers on it (see the module).
     calls: Mutex<()>,
     state: Arc<CommState>,
+    /// A registration on it returned a NULL window (logged once).
+    null_window_seen: AtomicBool,
 }
 
 impl Comm {
@@ -134,6 +137,7 @@ impl Comm {
             nccl,
             calls: Mutex::new(()),
             state: Arc::default(),
+            null_window_seen: AtomicBool::new(false),
         }
     }
 
@@ -432,31 +436,45 @@ impl<D: Device> Shared<D> {
     pub(super) fn fail(&self, cause: Cause) -> Error {
         if self.health.break_with(cause.clone()) {
             self.abort_all(AbortThreads::PerCommunicator);
-            cause.error(true)
+            self.health.report(&cause, cause.op(), true)
         } else {
             self.health.error()
         }
     }
 
-    /// The error of a call `op` that found the backend broken: [`Error::NcclTimeout`]
-    /// when it broke because `op` itself ran past its deadline (the watchdog saw it
-    /// inside NCCL), else the backend's error.
+    /// The error of a call `op` that found the backend broken: [`Error::PeerLost`]
+    /// when the exchange knows of a lost peer; [`Error::NcclTimeout`] when it broke
+    /// because `op` itself ran past its deadline (the watchdog saw it inside NCCL);
+    /// else the backend's error.
     pub(super) fn error_for(&self, op: &'static str) -> Error {
         match self.health.cause() {
-            Some(c @ Cause::Timeout { op: o, .. }) if *o == op => c.error(true),
-            _ => self.health.error(),
+            Some(c @ Cause::Timeout { op: o, .. }) if *o == op => self.health.report(c, op, true),
+            Some(c) => self.health.report(c, op, false),
+            None => self.health.error(),
         }
     }
 
     /// A failed NCCL call: argument errors are reported as they are; anything else
-    /// means the communicator cannot be trusted, so the backend breaks.
+    /// means the communicator cannot be trusted, so the backend breaks, and the call
+    /// reports the lost peer behind it when the exchange learns of one within
+    /// [`PEER_VERDICT_WAIT`](super::health::PEER_VERDICT_WAIT) (a dead peer's connections
+    /// fail NCCL's call too), else NCCL's error.
     fn on_error(&self, e: Error) -> Error {
         match &e {
             // ncclInvalidArgument, ncclInvalidUsage: nothing was started.
             Error::Nccl { code: 4 | 5, .. } => e,
-            Error::Nccl { .. } => {
-                let _ = self.fail(Cause::Failed(e.to_string()));
-                e
+            Error::Nccl { op, .. } => {
+                let op = *op;
+                match self.health.failure(e.to_string()) {
+                    Cause::Failed(m) => {
+                        let _ = self.fail(Cause::Failed(m));
+                        e
+                    }
+                    lost => {
+                        let _ = self.fail(lost);
+                        self.error_for(op)
+                    }
+                }
             }
             _ => e,
         }
@@ -510,7 +528,7 @@ impl<D: Device> Shared<D> {
                 };
                 match comm.calls.try_lock_until(until.instant()) {
                     Some(g) => g,
-                    None if self.health.is_broken() => return Err(self.health.error()),
+                    None if self.health.is_broken() => return Err(self.error_for(op)),
                     None => {
                         return Err(Error::Timeout {
                             op,
@@ -526,7 +544,7 @@ impl<D: Device> Shared<D> {
             _ => None,
         };
         if !comm.enter(op, now, marker) {
-            return Err(self.health.error());
+            return Err(self.error_for(op));
         }
         let started = start(comm.raw);
         let waited = match &started {
@@ -652,6 +670,10 @@ impl<D: Device> Shared<D> {
 
     /// Register `ptr..ptr + size_bytes` (one whole `ncclMemAlloc` allocation) on data
     /// communicator `c`, bounded by [`NcclConfig::call_timeout`] (or `deadline`).
+    /// `None`: NCCL answered with a NULL window (no symmetric memory on the
+    /// communicator: NCCL 2.29+ across `NCCL_HOSTID` "nodes", for one); the segment is
+    /// not registered there and its collectives take the plain path. The first one per
+    /// communicator is logged as a warning.
     ///
     /// # Collective
     /// Every rank, same order.
@@ -662,7 +684,8 @@ impl<D: Device> Shared<D> {
     ///
     /// # Errors
     /// [`Error::NcclTimeout`] past the deadline (the watchdog revokes and aborts);
-    /// [`Error::Nccl`]; the backend's error once it is broken.
+    /// [`Error::PeerLost`] when the exchange found a peer lost meanwhile; [`Error::Nccl`];
+    /// the backend's error once it is broken.
     pub(super) unsafe fn register(
         &self,
         c: usize,
@@ -678,7 +701,14 @@ impl<D: Device> Shared<D> {
                 // allocation and the order.
                 unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
             })?;
-        Ok(registering.finish(comm.blocking))
+        let window = registering.finish(comm.blocking);
+        if window.is_none() && !comm.null_window_seen.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "symmpool: rank {}: NCCL returned a NULL window on data communicator {c} (no symmetric memory there, e.g. NCCL 2.29+ across NCCL_HOSTID nodes): its segments stay unregistered and their collectives take the plain path",
+                self.rank
+            );
+        }
+        Ok(window)
     }
 
     /// Deregister `window` from data communicator `c`, unless the communicator was

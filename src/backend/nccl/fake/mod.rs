@@ -35,6 +35,9 @@ pub(super) struct FakeComm {
     log: Mutex<Vec<Call>>,
     /// Registrations block until the communicator is revoked or aborted.
     pub(super) stuck_register: AtomicBool,
+    /// Registrations succeed with a NULL window (NCCL 2.29+ across `NCCL_HOSTID`
+    /// "nodes": no symmetric memory on the communicator).
+    pub(super) null_window: AtomicBool,
     /// Collectives block until the communicator is revoked or aborted (as an enqueue
     /// on a full work FIFO behind stuck work).
     pub(super) stuck_collective: AtomicBool,
@@ -354,8 +357,13 @@ unsafe extern "C" fn window_register(
         // it (the test that sets this bounds the whole test by its own deadline).
         return f.block_until_revoked();
     }
+    let window = if f.null_window.load(Ordering::SeqCst) {
+        std::ptr::null_mut()
+    } else {
+        std::ptr::dangling_mut::<u8>().cast()
+    };
     // SAFETY: the caller passes a valid out-pointer.
-    unsafe { *win = std::ptr::dangling_mut::<u8>().cast() };
+    unsafe { *win = window };
     SUCCESS
 }
 
@@ -565,6 +573,16 @@ pub(super) fn shared(
     infos: &[CommInfo],
     config: NcclConfig,
 ) -> Result<Arc<Shared<FakeDevice>>> {
+    shared_with(with_revoke, infos, config, Health::default())
+}
+
+/// [`shared`], with `health` (say, [`Health::watching`] an exchange).
+pub(super) fn shared_with(
+    with_revoke: bool,
+    infos: &[CommInfo],
+    config: NcclConfig,
+    health: Health,
+) -> Result<Arc<Shared<FakeDevice>>> {
     let nccl = syms(with_revoke);
     let deadline = Deadline::after(Duration::from_secs(10));
     let id = ffi::unique_id(nccl)?;
@@ -600,7 +618,7 @@ pub(super) fn shared(
         nccl,
         control: Some(control),
         comms,
-        health: Health::default(),
+        health,
         watch: Mutex::default(),
         config,
     }))

@@ -9,6 +9,7 @@ use crate::backend::nccl::health::{Cause, POLLS};
 use crate::backend::nccl::warmup::{WARM_LARGE_BYTES, WARM_SMALL_BYTES};
 use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
 use crate::backend::nccl::watchdog::Watchdog;
+use crate::control::{ChannelId, Exchange, LostPeer};
 use crate::error::Error;
 use std::time::Instant;
 
@@ -600,4 +601,309 @@ fn a_failed_device_call_around_an_enqueue_never_runs_the_collective_twice() {
     stream.record_fails.store(false, Ordering::SeqCst);
     assert!(gather().is_err());
     assert_eq!(gathers(f), 1, "never twice");
+}
+
+#[test]
+fn a_null_window_is_no_window_and_the_communicator_stays_usable() {
+    // NCCL 2.29+ under NCCL_HOSTID answers a registration with a NULL window: the
+    // segment is not registered there (the pool then takes the plain path), nothing is
+    // to deregister, and the backend is not broken. On a blocking communicator and on
+    // a non-blocking one (whose slot is read once NCCL says the call is done).
+    for blocking in [true, false] {
+        let config = NcclConfig::default().with_data_blocking(blocking);
+        let s = shared(true, &CommInfo::STANDARD, config).unwrap();
+        let f = comm(s.comms[0].raw);
+        f.null_window.store(true, Ordering::SeqCst);
+        for _ in 0..2 {
+            // SAFETY: the fake never touches the memory.
+            let w = unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) };
+            assert!(matches!(w, Ok(None)), "blocking {blocking}: {w:?}");
+        }
+        assert!(s.health.check().is_ok());
+        let stream = FakeStream::default();
+        // SAFETY: the fake never touches the addresses.
+        unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) }.unwrap();
+        let names: Vec<_> = f.calls().into_iter().map(|c| c.0).collect();
+        assert_eq!(
+            names
+                .iter()
+                .filter(|n| **n == "ncclCommWindowRegister")
+                .count(),
+            2,
+            "{names:?}"
+        );
+        assert!(!names.contains(&"ncclCommWindowDeregister"), "{names:?}");
+    }
+}
+
+/// An exchange whose only use is its word on lost peers (set by the test), kept
+/// back from the first `hidden` questions (a verdict that comes late).
+#[derive(Debug, Default)]
+struct Verdict(Mutex<Option<LostPeer>>, std::sync::atomic::AtomicUsize);
+
+impl Verdict {
+    fn lose(&self, rank: usize, detail: &str, left: bool) {
+        *self.0.lock() = Some(LostPeer {
+            rank,
+            detail: detail.into(),
+            left,
+        });
+    }
+}
+
+impl Exchange for Verdict {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        2
+    }
+    fn all_gather_until(
+        &self,
+        _channel: ChannelId,
+        op: &'static str,
+        _payload: &[u8],
+        _deadline: Deadline,
+    ) -> Result<Vec<Vec<u8>>> {
+        Err(Error::Internal {
+            what: format!("{op}: this test exchange runs no rounds"),
+        })
+    }
+    fn open_channel_until(&self, _name: &str, _deadline: Deadline) -> Result<ChannelId> {
+        Err(Error::Internal {
+            what: "this test exchange opens no channels".into(),
+        })
+    }
+    fn lost_peer(&self) -> Option<LostPeer> {
+        let hidden = &self.1;
+        if hidden.load(Ordering::SeqCst) > 0 {
+            hidden.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        self.0.lock().clone()
+    }
+}
+
+/// A backend of the standard communicators watched every 10 ms, with a 60 s call
+/// timeout (far beyond the test's bounds), naming lost peers as `verdict` says.
+fn watching(
+    with_revoke: bool,
+    verdict: &Arc<Verdict>,
+) -> (Arc<Shared<FakeDevice>>, Watchdog, Arc<dyn Exchange>) {
+    let exchange: Arc<dyn Exchange> = verdict.clone();
+    let config = NcclConfig::default()
+        .with_call_timeout(Duration::from_secs(60))
+        .with_watchdog_interval(Duration::from_millis(10));
+    let health = Health::watching(&exchange);
+    let s = shared_with(with_revoke, &CommInfo::STANDARD, config, health).unwrap();
+    let watchdog = Watchdog::spawn(&s).unwrap();
+    (s, watchdog, exchange)
+}
+
+/// Wait (boundedly) until a thread is inside NCCL on data communicator `c`.
+fn until_inside(s: &Shared<FakeDevice>, c: usize) {
+    let deadline = Deadline::after(Duration::from_secs(10));
+    while s.comms[c].inside().is_none() && !deadline.expired() {
+        std::thread::yield_now();
+    }
+    assert!(s.comms[c].inside().is_some(), "never inside NCCL");
+}
+
+#[test]
+fn a_call_blocked_on_a_lost_peer_ends_with_peer_lost_within_an_interval() {
+    // The frozen peer of the issue: the exchange declares rank 1 lost (no heartbeat)
+    // while this rank is blocked inside NCCL (an enqueue behind stuck work, or a
+    // registration waiting for the peer); the watchdog revokes and aborts, and the
+    // call returns `PeerLost` naming rank 1, within the interval plus the time a
+    // thread is given to leave NCCL, far from the watchdog and call timeouts. With
+    // and without `ncclCommRevoke`.
+    for with_revoke in [true, false] {
+        for op in ["ncclAllGather", "ncclCommWindowRegister"] {
+            let verdict = Arc::new(Verdict::default());
+            let (s, _watchdog, _exchange) = watching(with_revoke, &verdict);
+            let f = comm(s.comms[0].raw);
+            let collective = op == "ncclAllGather";
+            if collective {
+                f.stuck_collective.store(true, Ordering::SeqCst);
+            } else {
+                f.stuck_register.store(true, Ordering::SeqCst);
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let caller = {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    let stream = FakeStream::default();
+                    let r = if collective {
+                        // SAFETY: the fake never touches the addresses.
+                        unsafe {
+                            s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog)
+                        }
+                    } else {
+                        // SAFETY: as above.
+                        unsafe { s.register(0, 0x1000, 2 << 20, s.call_deadline()) }.map(|_| ())
+                    };
+                    let _ = tx.send((r, Instant::now()));
+                })
+            };
+            until_inside(&s, 0);
+            let lost_at = Instant::now();
+            verdict.lose(
+                1,
+                "no heartbeat for 5.1s (frozen or stopped, e.g. SIGSTOP)",
+                false,
+            );
+            let (r, returned) = rx
+                .recv_timeout(Duration::from_secs(20))
+                .expect("the blocked call returned");
+            caller.join().unwrap();
+            let took = returned.duration_since(lost_at);
+            match &r {
+                Err(Error::PeerLost {
+                    rank: 1,
+                    op: o,
+                    detail,
+                }) => {
+                    assert_eq!(*o, op);
+                    assert!(detail.contains("no heartbeat"), "{detail}");
+                }
+                other => panic!("{with_revoke} {op}: {other:?}"),
+            }
+            // Interval (10 ms) + at most LEAVE_WAIT (0.5 s), with slack for a busy
+            // machine; the call timeout is 60 s and the watchdog timeout 10 min.
+            assert!(
+                took < Duration::from_secs(3),
+                "{with_revoke} {op}: {took:?}"
+            );
+            aborted(&s);
+            let names: Vec<_> = f.calls().into_iter().map(|c| c.0).collect();
+            assert_eq!(names.contains(&"ncclCommRevoke"), with_revoke, "{names:?}");
+            // Every later call names the lost rank too.
+            let stream = FakeStream::default();
+            // SAFETY: as above.
+            let again = unsafe { s.collective(1, &call(REDUCE), &stream, Bound::Watchdog) };
+            assert!(
+                matches!(again, Err(Error::PeerLost { rank: 1, .. })),
+                "{again:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_peer_that_left_breaks_the_backend_only_with_work_in_flight() {
+    let verdict = Arc::new(Verdict::default());
+    let exchange: Arc<dyn Exchange> = verdict.clone();
+    let health = Health::watching(&exchange);
+    let s = shared_with(true, &CommInfo::STANDARD, NcclConfig::default(), health).unwrap();
+    // Nothing lost: the watchdog's look changes nothing.
+    s.tick();
+    assert!(s.health.check().is_ok());
+    // Rank 1 finished and closed its exchange: with nothing in flight here, the end
+    // of a job, not a failure.
+    verdict.lose(1, "it closed its exchange (it finished)", true);
+    s.tick();
+    assert!(s.health.check().is_ok(), "{:?}", s.health.check());
+    // A collective not complete on the device may wait for it: broken, naming it.
+    let pending = FakeEvent::default();
+    pending.pending.store(true, Ordering::SeqCst);
+    s.watch.lock().push(crate::backend::nccl::health::Enqueued {
+        op: "ncclAllGather",
+        comm: 0,
+        at: Instant::now(),
+        done: pending,
+    });
+    s.tick();
+    match s.health.check() {
+        Err(Error::PeerLost {
+            rank: 1, detail, ..
+        }) => assert!(detail.contains("closed")),
+        other => panic!("{other:?}"),
+    }
+    aborted(&s);
+}
+
+#[test]
+fn a_backend_broken_by_nccls_error_names_the_lost_peer_behind_it() {
+    let verdict = Arc::new(Verdict::default());
+    let exchange: Arc<dyn Exchange> = verdict.clone();
+    let health = Health::watching(&exchange);
+    let s = shared_with(true, &CommInfo::STANDARD, NcclConfig::default(), health).unwrap();
+    let stream = FakeStream::default();
+    let gather = |c: usize| {
+        // SAFETY: the fake never touches the addresses.
+        unsafe { s.collective(c, &call(CollKind::AllGather), &stream, Bound::Watchdog) }
+    };
+    // The peer's death reaches NCCL (an internal error from the call) and the
+    // exchange: the call reports the lost rank, with NCCL's error in the detail.
+    comm(s.comms[0].raw)
+        .collective_result
+        .store(3, Ordering::SeqCst);
+    verdict.lose(
+        0,
+        "the connection to the store server closed (rank 0 was killed)",
+        false,
+    );
+    match gather(0) {
+        Err(Error::PeerLost {
+            rank: 0,
+            op,
+            detail,
+        }) => {
+            assert_eq!(op, "ncclAllGather");
+            assert!(detail.contains("fake NCCL error"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(s.health.is_broken());
+    assert!(matches!(gather(1), Err(Error::PeerLost { rank: 0, .. })));
+    aborted(&s);
+    // Without a lost peer the same failure is NCCL's error, as before (after the
+    // bounded wait for the exchange's word).
+    let verdict = Arc::new(Verdict::default());
+    let exchange: Arc<dyn Exchange> = verdict.clone();
+    let health = Health::watching(&exchange);
+    let s = shared_with(true, &CommInfo::STANDARD, NcclConfig::default(), health).unwrap();
+    comm(s.comms[0].raw)
+        .collective_result
+        .store(3, Ordering::SeqCst);
+    let t0 = Instant::now();
+    // SAFETY: as above.
+    let r = unsafe { s.collective(0, &call(CollKind::AllGather), &stream, Bound::Watchdog) };
+    assert!(matches!(r, Err(Error::Nccl { code: 3, .. })), "{r:?}");
+    assert!(t0.elapsed() >= crate::backend::nccl::health::PEER_VERDICT_WAIT);
+    // A verdict that comes later still names the rank on every later call.
+    verdict.lose(1, "no heartbeat", false);
+    assert!(matches!(
+        s.health.check(),
+        Err(Error::PeerLost { rank: 1, .. })
+    ));
+    aborted(&s);
+}
+
+#[test]
+fn an_asynchronous_error_that_beats_the_verdict_is_blamed_on_the_lost_peer() {
+    // Seen on one H200: a killed peer's closed socket reached NCCL (an asynchronous
+    // error) 26 ms before the store declared it lost. The watchdog waits (boundedly)
+    // for the verdict, and the backend breaks naming the rank, not NCCL's error.
+    let verdict = Arc::new(Verdict::default());
+    let exchange: Arc<dyn Exchange> = verdict.clone();
+    let health = Health::watching(&exchange);
+    let s = shared_with(true, &CommInfo::STANDARD, NcclConfig::default(), health).unwrap();
+    // ncclRemoteError: "remote process exited or there was a network error".
+    comm(s.comms[0].raw).async_error.store(6, Ordering::SeqCst);
+    verdict.lose(1, "its connection failed: Connection reset by peer", false);
+    // Kept from the watchdog's first look and the first poll after NCCL's error.
+    verdict.1.store(2, Ordering::SeqCst);
+    s.tick();
+    match s.health.cause() {
+        Some(Cause::PeerLost { rank: 1, detail }) => {
+            assert!(detail.contains("asynchronous error"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.health.check(),
+        Err(Error::PeerLost { rank: 1, .. })
+    ));
+    aborted(&s);
 }
