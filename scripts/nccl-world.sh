@@ -60,10 +60,11 @@ if [ -z "$dir" ]; then
 else
   mkdir -p "$dir" && rm -f "$dir"/rank*.log "$dir"/rank*.pid "$dir"/fault-point "$dir"/fault-at
 fi
-# A free port: one nothing listens on (bash's /dev/tcp connects, or fails).
+# A free port: one nothing listens on (bash's /dev/tcp connects, or fails), below
+# Linux's ephemeral range (32768 and up), where an outgoing connection may hold it.
 if [ -z "$port" ]; then
   for _ in $(seq 1 100); do
-    p=$((20000 + RANDOM % 40000))
+    p=$((10000 + RANDOM % 22000))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then port=$p; break; fi
   done
   [ -n "$port" ] || { echo "nccl-world: no free port found" >&2; exit 1; }

@@ -657,3 +657,171 @@ fn dropping_a_handle_whose_check_waits_forever_is_bounded() {
         started.elapsed()
     );
 }
+
+/// A rank's collectives, where the thread named "A", once inside the backend (its
+/// record posted), lets the rank's thread "B" go, and on rank 0 then waits until B's
+/// call returned (at most `HOLD`): a thread preempted between its record and its
+/// launch.
+#[derive(Debug)]
+struct HoldA {
+    inner: std::sync::Arc<dyn symmpool::backend::Collectives>,
+    a_inside: std::sync::mpsc::SyncSender<()>,
+    /// Rank 0 only.
+    b_done: Option<std::sync::Mutex<std::sync::mpsc::Receiver<()>>>,
+}
+
+const HOLD: Duration = Duration::from_millis(500);
+
+impl symmpool::backend::Collectives for HoldA {
+    fn all_gather(&self, a: &symmpool::backend::CollArgs<'_>) -> symmpool::Result<()> {
+        if thread::current().name() == Some("A") {
+            let _ = self.a_inside.try_send(());
+            if let Some(b_done) = &self.b_done {
+                let _ = b_done.lock().unwrap().recv_timeout(HOLD);
+            }
+        }
+        self.inner.all_gather(a)
+    }
+    fn reduce_scatter(&self, a: &symmpool::backend::CollArgs<'_>) -> symmpool::Result<()> {
+        self.inner.reduce_scatter(a)
+    }
+    fn abandon(&self, why: &'static str) {
+        self.inner.abandon(why)
+    }
+}
+
+#[test]
+fn two_threads_of_a_rank_pair_their_records_as_they_launch_under_async() {
+    // Both ranks post A's record, then B's; on rank 0, A reaches the backend only
+    // after B's call returned (or `HOLD`). The record and the launch are one step per
+    // handle, so B waits for A's launch: no call returns another thread's data.
+    let (b_done_tx, b_done_rx) = std::sync::mpsc::channel::<()>();
+    let mut b_done_rx = Some(b_done_rx);
+    let mut a_inside_rx = Vec::new();
+    let world: Vec<_> = (HostBackend::world(HostConfig::new(2).with_timeout(TIMEOUT)).unwrap())
+        .into_iter()
+        .map(|b| {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            a_inside_rx.push(std::sync::Mutex::new(rx));
+            let b_done = (b.rank() == 0).then(|| std::sync::Mutex::new(b_done_rx.take().unwrap()));
+            b.with_collectives(|inner| {
+                std::sync::Arc::new(HoldA {
+                    inner,
+                    a_inside: tx,
+                    b_done,
+                })
+            })
+        })
+        .collect();
+    let config = PoolConfig::default()
+        .with_timeout(TIMEOUT)
+        .with_check(CheckMode::Async);
+    let pools = SymmPool::group(world, &config).unwrap();
+    let b_done_tx = std::sync::Mutex::new(Some(b_done_tx));
+    let wrong: usize = thread::scope(|sc| {
+        let hs: Vec<_> = (pools.iter())
+            .map(|p| {
+                let (b_done_tx, a_inside) = (&b_done_tx, &a_inside_rx[p.rank()]);
+                sc.spawn(move || {
+                    let coll = Coll::new(p).unwrap();
+                    let rank = p.rank();
+                    let bufs: Vec<_> = (0..2)
+                        .map(|_| p.alloc(2 * 4 * 64, &Stream::host()).unwrap())
+                        .collect();
+                    let wrong = thread::scope(|s2| {
+                        let hs: Vec<_> = (0..2)
+                            .map(|th| {
+                                let (coll, buf) = (coll.clone(), &bufs[th]);
+                                let name = ["A", "B"][th].to_string();
+                                let body = move || {
+                                    buf.write(&vec![(rank * 10 + th) as f32; 128]).unwrap();
+                                    if th == 1 {
+                                        // B starts once A is inside the backend.
+                                        let rx = a_inside.lock().unwrap();
+                                        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+                                    }
+                                    let r = (coll.tagged(th as u64))
+                                        .all_gather_in_place::<f32>(buf, &Stream::host());
+                                    if th == 1 && rank == 0 {
+                                        drop(b_done_tx.lock().unwrap().take());
+                                    }
+                                    let peer = buf.read::<f32>().unwrap()[(1 - rank) * 64];
+                                    usize::from(r.is_ok() && peer != ((1 - rank) * 10 + th) as f32)
+                                };
+                                thread::Builder::new()
+                                    .name(name)
+                                    .spawn_scoped(s2, body)
+                                    .unwrap()
+                            })
+                            .collect();
+                        hs.into_iter().map(|h| h.join().unwrap()).sum::<usize>()
+                    });
+                    let _ = coll.end_step();
+                    wrong
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    assert_eq!(wrong, 0, "calls returned Ok with another thread's data");
+}
+
+#[test]
+fn a_new_handle_keeps_refusing_untagged_calls_on_a_pool_that_saw_tags() {
+    let out = each_rank(2, PoolConfig::default(), |_, pool, coll| {
+        let stream = Stream::host();
+        let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+        coll.tagged(3)
+            .all_gather_in_place::<f32>(&buf, &stream)
+            .unwrap();
+        coll.end_step().unwrap();
+        buf
+    });
+    // (`each_rank`'s handles are gone: make new ones on the same pools.)
+    let pools: Vec<SymmPool> = out.iter().map(|b| b.pool().clone()).collect();
+    let colls = Coll::group(&pools).unwrap();
+    let stream = Stream::host();
+    for (coll, buf) in colls.iter().zip(&out) {
+        let e = coll.all_gather_in_place::<f32>(buf, &stream).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Untagged {
+                    required: false,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+}
+
+#[test]
+fn close_right_after_an_async_divergence_names_it_on_every_rank() {
+    // No end_step: close itself compares what is still in flight first, so every rank
+    // learns the divergence and closes without a round, promptly.
+    for _ in 0..10 {
+        let out = each_rank(
+            2,
+            PoolConfig::default().with_check(CheckMode::Async),
+            |rank, pool, coll| {
+                let stream = Stream::host();
+                let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+                let _ = coll
+                    .tagged(rank as u64)
+                    .all_gather_in_place::<f32>(&buf, &stream);
+                drop(buf);
+                let started = Instant::now();
+                let closed = pool.close();
+                (started.elapsed(), closed)
+            },
+        );
+        for (took, closed) in out {
+            assert!(took < PROMPT, "{took:?}");
+            assert!(
+                matches!(&closed, Err(Error::PoolBroken { reason }) if reason.contains("tag differs")),
+                "{closed:?}"
+            );
+        }
+    }
+}

@@ -406,7 +406,7 @@ fn call<T: Element>(
             Error::ForeignBuffer { allocation_seq },
         ));
     };
-    if tag.is_none() && entry.tags_required.load(Ordering::Relaxed) {
+    if tag.is_none() && entry.tags_required() {
         return Err(failed(first.pool(), untagged(name, first.pool())));
     }
     let pool = match bufs {
@@ -529,8 +529,10 @@ impl Coll {
         };
         let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows)
             .with_caller(pool.channel().ordinal());
-        // Strict: the record's round and the launch are one step on this pool.
-        let mut strict = (mode == CheckMode::Strict).then(|| checker.strict_lock());
+        // The record and the launch are one step on this handle (Strict: the record's
+        // round; Async: its post), so that the records' order is the launches' order
+        // even when several threads of a rank call.
+        let mut launch = (mode != CheckMode::Off).then(|| checker.launch_lock());
         if mode != CheckMode::Off {
             let record = self.record(
                 entry,
@@ -542,7 +544,7 @@ impl Coll {
                 tag,
             );
             let deadline = || Deadline::after(pool.config().timeout);
-            if let Err(e) = checker.submit(strict.as_mut(), record, deadline) {
+            if let Err(e) = checker.submit(launch.as_mut(), record, deadline) {
                 return Err(failed(pool, e));
             }
         }
@@ -551,7 +553,7 @@ impl Coll {
             CollOp::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
             CollOp::AllReduce(_) => backend.collectives().all_reduce(&args),
         };
-        drop(strict);
+        drop(launch);
         if let Err(e) = ran {
             // A call ended by a failed check reports the divergence.
             let deadline = || Deadline::after(pool.config().timeout.saturating_mul(2));

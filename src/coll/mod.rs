@@ -70,7 +70,8 @@
 //!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
 //!   naming the first differing field and each rank's value, and **no data moves**.
 //!   Costs one control-plane round per collective on the calling thread; the round
-//!   and the launch are one step per handle (a second thread waits).
+//!   and the launch are one step per handle (a second thread waits; under `Async`
+//!   the post and the launch are, so the records' order is the launches' order).
 //! * [`CheckMode::Async`] (the default): the calling thread posts the record and
 //!   returns; a background thread of the handle exchanges the posted records in
 //!   batches and compares them. A difference breaks the pool on every rank: the next
@@ -183,7 +184,7 @@ use arc_swap::ArcSwap;
 use call::invalid;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The collectives of one rank on the buffers of one pool (or of several pools over the
 /// same communicators; one handle per communicator set): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
@@ -251,10 +252,6 @@ struct PoolColl {
     pool: SymmPool,
     /// Collectives issued on this pool (the records' pool collective number).
     collectives: AtomicU64,
-    /// Whether an untagged collective on this pool is refused: the pool requires
-    /// tags ([`PoolConfig::require_tags`](crate::PoolConfig::require_tags)) or has
-    /// seen a tagged one.
-    tags_required: AtomicBool,
     counters: PathCounters,
 }
 
@@ -408,7 +405,6 @@ impl Coll {
             .map(|pool| PoolColl {
                 pool: pool.clone(),
                 collectives: AtomicU64::new(0),
-                tags_required: AtomicBool::new(pool.config().require_tags),
                 counters: PathCounters::default(),
             })
             .collect();
@@ -490,33 +486,8 @@ impl Coll {
     /// # Errors
     /// As [`wait_checks`](Self::wait_checks).
     pub fn end_step(&self) -> Result<()> {
-        let checker = &self.inner.checker;
-        if checker.mode() == CheckMode::Off {
-            return Ok(());
-        }
-        checker.check()?;
         let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
-        let mut strict = (checker.mode() == CheckMode::Strict).then(|| checker.strict_lock());
-        for entry in &self.inner.pools {
-            // One record per communicator: its sequence count, with the pool's
-            // collective count and call hash (so a rank behind or ahead on any of
-            // them fails here, on every rank, in this round).
-            let head = entry.pool.call_head();
-            let pool_collectives = entry.collectives.load(Ordering::Relaxed);
-            let comms = &self.inner.comm_seqs;
-            for comm in 0..comms.len().max(1) {
-                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
-                let record = CollectiveRecord::step(
-                    entry.pool.channel().ordinal(),
-                    pool_collectives,
-                    (comm as u64, seq),
-                    head,
-                );
-                checker.submit(strict.as_mut(), record, || deadline)?;
-            }
-        }
-        drop(strict);
-        checker.wait_compared(deadline)
+        self.inner.step_boundary(deadline)
     }
 
     /// The path thresholds the collectives use now ([`PathPolicy::default`] until
@@ -561,12 +532,52 @@ impl Coll {
 }
 
 impl PoolColl {
-    /// Note a tagged collective: untagged ones are refused from now on.
+    /// Whether an untagged collective on the pool is refused (it requires tags or
+    /// has seen a tagged one; the pool keeps this, whichever handle saw the tag).
+    #[inline]
+    fn tags_required(&self) -> bool {
+        self.pool.tags_required().load(Ordering::Relaxed)
+    }
+
+    /// Note a tagged collective: untagged ones on the pool are refused from now on.
     #[inline]
     fn saw_tag(&self) {
-        if !self.tags_required.load(Ordering::Relaxed) {
-            self.tags_required.store(true, Ordering::Relaxed);
+        let required = self.pool.tags_required();
+        if !required.load(Ordering::Relaxed) {
+            required.store(true, Ordering::Relaxed);
         }
+    }
+}
+
+impl CollInner {
+    /// A step boundary ([`Coll::end_step`]), its waits until `deadline`.
+    fn step_boundary(&self, deadline: Deadline) -> Result<()> {
+        let checker = &self.checker;
+        if checker.mode() == CheckMode::Off {
+            return Ok(());
+        }
+        checker.check()?;
+        let mut launch = Some(checker.launch_lock());
+        for entry in &self.pools {
+            // One record per communicator: its sequence count, with the pool's
+            // collective count and call hash (so a rank behind or ahead on any of
+            // them fails here, on every rank, in this round).
+            let head = entry.pool.call_head();
+            let pool_collectives = entry.collectives.load(Ordering::Relaxed);
+            let comms = &self.comm_seqs;
+            for comm in 0..comms.len().max(1) {
+                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
+                let record = CollectiveRecord::step(
+                    entry.pool.channel().ordinal(),
+                    pool_collectives,
+                    (comm as u64, seq),
+                    head,
+                );
+                checker.submit(launch.as_mut(), record, || deadline)?;
+            }
+        }
+        drop(launch);
+        checker.wait_compared(deadline)
     }
 }
 
@@ -588,10 +599,17 @@ impl GrowthCheck for CollInner {
         checker.check()?;
         let collectives = entry.collectives.load(Ordering::Relaxed);
         let record = CollectiveRecord::growth(growth, collectives);
-        let mut strict = (checker.mode() == CheckMode::Strict).then(|| checker.strict_lock());
-        checker.submit(strict.as_mut(), record, || deadline)?;
-        drop(strict);
+        let mut launch = Some(checker.launch_lock());
+        checker.submit(launch.as_mut(), record, || deadline)?;
+        drop(launch);
         checker.wait_compared(deadline)
+    }
+
+    /// The pool is about to close: a step boundary first, so that every record still
+    /// to be compared meets the peers' (a divergence found now lets `close` skip its
+    /// round on every rank, as after any divergence).
+    fn before_close(&self, deadline: Deadline) -> Result<()> {
+        self.step_boundary(deadline)
     }
 }
 

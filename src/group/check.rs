@@ -233,9 +233,9 @@ pub(crate) struct Checker {
     mode: CheckMode,
     site: Arc<CheckSite>,
     verdict: Arc<Verdict>,
-    /// Strict mode: held from a record's round to its collective's launch; counts the
-    /// records compared.
-    strict: Mutex<u64>,
+    /// Held from a record's round (Strict) or post (Async) to its collective's launch;
+    /// counts the records compared under Strict.
+    launch: Mutex<u64>,
     queue: Arc<Queue>,
 }
 
@@ -293,7 +293,7 @@ impl Checker {
                 detached: AtomicBool::new(false),
             }),
             site: Arc::new(site),
-            strict: Mutex::new(0),
+            launch: Mutex::new(0),
             queue: Arc::new(Queue {
                 capacity,
                 state: Mutex::new(QueueState {
@@ -356,28 +356,29 @@ impl Checker {
         e
     }
 
-    /// The strict lock: held by the caller from the record's round to the launch.
-    pub(crate) fn strict_lock(&self) -> MutexGuard<'_, u64> {
-        self.strict.lock()
+    /// The launch lock: held by the caller from the record's round (Strict) or post
+    /// (Async) to the launch, so the records' order is the launches' order.
+    pub(crate) fn launch_lock(&self) -> MutexGuard<'_, u64> {
+        self.launch.lock()
     }
 
     /// Check `record` as the mode says: under `Strict` one round before returning
-    /// (the caller holds [`strict_lock`](Self::strict_lock) until its launch), under
+    /// (the caller holds [`launch_lock`](Self::launch_lock) until its launch), under
     /// `Async` posted to the checker thread, under `Off` nothing.
     ///
     /// `deadline` makes the call's deadline when a wait needs it (a strict round, a
     /// full queue), so that an async post that finds room does not read the clock.
     pub(crate) fn submit(
         &self,
-        strict: Option<&mut MutexGuard<'_, u64>>,
+        launch: Option<&mut MutexGuard<'_, u64>>,
         record: CollectiveRecord,
         deadline: impl FnOnce() -> Deadline,
     ) -> Result<()> {
-        match (self.mode, strict) {
+        match (self.mode, launch) {
             (CheckMode::Off, _) => Ok(()),
             (CheckMode::Strict, Some(compared)) => self.strict_round(compared, &record, deadline()),
             (CheckMode::Strict, None) => {
-                let mut compared = self.strict_lock();
+                let mut compared = self.launch_lock();
                 self.strict_round(&mut compared, &record, deadline())
             }
             (CheckMode::Async, _) => self.post(record, deadline),

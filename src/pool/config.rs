@@ -54,7 +54,7 @@ pub struct PoolConfig {
     /// divergence. A caller that would exceed it waits for the check (at most twice
     /// the pool's timeout). Larger values let a rank's host run further ahead of its
     /// peers' records, at that cost in the bound. The default of the handles made from
-    /// the pool.
+    /// the pool; 0 counts as 1.
     pub check_queue: usize,
     /// Whether every collective on the pool must carry a tag
     /// ([`Coll::tagged`](crate::coll::Coll::tagged)): an untagged one fails with

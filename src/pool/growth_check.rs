@@ -1,4 +1,5 @@
-//! The checks that layers above the pool run before it grows ([`GrowthCheck`]).
+//! The checks that layers above the pool run before it grows or closes
+//! ([`GrowthCheck`]).
 
 use super::SymmPool;
 use crate::deadline::Deadline;
@@ -18,6 +19,13 @@ pub(crate) trait GrowthCheck: Send + Sync {
     /// [`Error::CollectiveDivergence`](crate::Error::CollectiveDivergence) naming
     /// where each rank is; the check's errors.
     fn before_growth(&self, growth: &GrowthPoint, deadline: Deadline) -> Result<()>;
+
+    /// The pool is about to close: compare what is still to be compared with the
+    /// peers, waiting for them until `deadline` (what it finds breaks the pool).
+    ///
+    /// # Errors
+    /// The check's errors.
+    fn before_close(&self, deadline: Deadline) -> Result<()>;
 }
 
 impl SymmPool {
@@ -26,6 +34,18 @@ impl SymmPool {
         let mut checks = self.inner.growth_checks.lock();
         checks.retain(|c| c.strong_count() > 0);
         checks.push(check);
+    }
+
+    /// Run the close checks of the layers above (see [`GrowthCheck::before_close`]).
+    /// Their outcome is in the pool's state afterwards (a divergence breaks it), so
+    /// their errors are not returned.
+    pub(crate) fn check_close(&self, deadline: Deadline) {
+        let checks: Vec<Arc<dyn GrowthCheck>> = (self.inner.growth_checks.lock().iter())
+            .filter_map(Weak::upgrade)
+            .collect();
+        for check in checks {
+            let _ = check.before_close(deadline);
+        }
     }
 
     /// Run the growth checks of the layers above (see [`GrowthCheck`]).

@@ -87,6 +87,10 @@ pub(crate) struct PoolInner {
     /// The layers above that check a growth against the peers' calls first (the
     /// collectives handles made from the pool), held weakly.
     growth_checks: PlMutex<Vec<Weak<dyn GrowthCheck>>>,
+    /// Whether an untagged collective on the pool is refused: it requires tags
+    /// ([`PoolConfig::require_tags`]) or has seen a tagged one (set by the collectives
+    /// handles, read on every collective).
+    tags_required: AtomicBool,
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
@@ -241,6 +245,7 @@ impl SymmPool {
                 outside_failure: Arc::new(OnceLock::new()),
                 call_head,
                 growth_checks: PlMutex::new(Vec::new()),
+                tags_required: AtomicBool::new(config.require_tags),
                 config,
             }),
         })
@@ -323,6 +328,12 @@ impl SymmPool {
     /// wins; every later call fails with [`Error::PoolBroken`]).
     pub(crate) fn outside_failure(&self) -> Arc<OnceLock<Failure>> {
         self.inner.outside_failure.clone()
+    }
+
+    /// Whether an untagged collective on the pool is refused (see the field).
+    #[inline]
+    pub(crate) fn tags_required(&self) -> &AtomicBool {
+        &self.inner.tags_required
     }
 
     /// Whether two handles are the same pool.

@@ -161,7 +161,10 @@ impl SymmPool {
     }
 
     /// Close the pool: drain the device, deregister every window, free every segment.
-    /// Later calls fail with [`Error::PoolClosed`]; closing again is a no-op.
+    /// Later calls fail with [`Error::PoolClosed`]; closing again is a no-op. Under
+    /// checked collectives it first makes a step boundary of the collectives handles
+    /// on the pool ([`Coll::end_step`](crate::coll::Coll::end_step)), so that a
+    /// divergence still in flight is found, on every rank, before the close decides.
     ///
     /// # Collective
     /// Every rank calls it at the same point of its call sequence. If any rank still
@@ -180,12 +183,18 @@ impl SymmPool {
     /// are not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let deadline = Deadline::after(self.inner.config.timeout);
+        // The collectives' checks first (a step boundary of the handles on the pool):
+        // a divergence still in flight decides, on every rank, that there is no round.
+        self.check_close(deadline);
         let mut st = self.state();
         if st.closed {
             return Ok(());
         }
         let live = st.core.stats().allocated_blocks.current;
-        let deadline = Deadline::after(self.inner.config.timeout);
         if let Some(Failure::Diverged(d)) = &st.broken {
             let reason = d.to_string();
             return self.close_diverged(st, live, reason, deadline);
