@@ -628,16 +628,19 @@ fn wait_device(w: &World, stream: &Stream) -> Outcome<bool> {
     Ok(true)
 }
 
-/// The documented bound on a survivor's error after `sig`, plus
+/// The documented bound on a survivor's error after `sig` (inside a window
+/// registration, `registration`: 2 s more, for the abort that ends it), plus
 /// `SYMMPOOL_WORLD_SLACK_MS` (0 by default; a busy CI machine's allowance).
-fn bound(w: &World, sig: &str) -> Duration {
+fn bound(w: &World, sig: &str, registration: bool) -> Duration {
     let interval = Duration::from_millis(100); // NcclConfig::default().watchdog_interval
     let (heartbeat, timeout) = w.heartbeat;
     let slack = std::env::var("SYMMPOOL_WORLD_SLACK_MS")
         .ok()
         .and_then(|v| v.parse().ok())
         .map_or(Duration::ZERO, Duration::from_millis);
+    let abort = Duration::from_secs(2 * u64::from(registration));
     slack
+        + abort
         + match sig {
             "STOP" => timeout + heartbeat + interval + Duration::from_secs(1),
             _ => heartbeat / 2 + interval + Duration::from_secs(1),
@@ -728,7 +731,7 @@ fn fault_trial(kind: Kind, registration: bool) -> Outcome {
     };
     let now = now_epoch();
     let took = signalled_at(w.dir.as_deref()).map(|t| Duration::from_secs_f64((now - t).max(0.0)));
-    let bound = bound(&w, &sig);
+    let bound = bound(&w, &sig, registration);
     let named = match &error {
         Error::PeerLost { rank, .. } => Some(*rank),
         _ => None,
