@@ -39,8 +39,8 @@ impl StreamOps for Capturing {
     }
 }
 
-#[test]
-fn reserve_refuses_during_capture_and_reserve_small_serves_small_requests() {
+/// Two host ranks whose streams report capture while the flag is set.
+fn capturing_world() -> (Arc<AtomicBool>, Vec<SymmPool>) {
     let capturing = Arc::new(AtomicBool::new(false));
     let backends: Vec<_> = HostBackend::world(HostConfig::new(2))
         .unwrap()
@@ -51,12 +51,21 @@ fn reserve_refuses_during_capture_and_reserve_small_serves_small_requests() {
         })
         .collect();
     let pools = SymmPool::group(backends, &PoolConfig::default()).unwrap();
-    let run = |f: &(dyn Fn(&SymmPool) -> Result<()> + Sync)| -> Vec<Result<()>> {
-        std::thread::scope(|s| {
-            let hs: Vec<_> = pools.iter().map(|p| s.spawn(move || f(p))).collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    };
+    (capturing, pools)
+}
+
+/// `f` on every rank, a thread each; the results in rank order.
+fn on_ranks(pools: &[SymmPool], f: &(dyn Fn(&SymmPool) -> Result<()> + Sync)) -> Vec<Result<()>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = pools.iter().map(|p| s.spawn(move || f(p))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn reserve_refuses_during_capture_and_reserve_small_serves_small_requests() {
+    let (capturing, pools) = capturing_world();
+    let run = |f: &(dyn Fn(&SymmPool) -> Result<()> + Sync)| on_ranks(&pools, f);
     // Before capture: the pool serves a stream, then pre-grows for small requests.
     let out = run(&|p| {
         drop(p.alloc(4 << 20, &Stream::host())?);
@@ -85,22 +94,8 @@ fn reserve_refuses_during_capture_and_reserve_small_serves_small_requests() {
 
 #[test]
 fn fit_to_peak_refuses_during_capture_on_every_rank() {
-    let capturing = Arc::new(AtomicBool::new(false));
-    let backends: Vec<_> = HostBackend::world(HostConfig::new(2))
-        .unwrap()
-        .into_iter()
-        .map(|b| {
-            let capturing = capturing.clone();
-            b.with_streams(move |inner| Arc::new(Capturing { inner, capturing }))
-        })
-        .collect();
-    let pools = SymmPool::group(backends, &PoolConfig::default()).unwrap();
-    let run = |f: &(dyn Fn(&SymmPool) -> Result<()> + Sync)| -> Vec<Result<()>> {
-        std::thread::scope(|s| {
-            let hs: Vec<_> = pools.iter().map(|p| s.spawn(move || f(p))).collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    };
+    let (capturing, pools) = capturing_world();
+    let run = |f: &(dyn Fn(&SymmPool) -> Result<()> + Sync)| on_ranks(&pools, f);
     // A warm-up step: its buffers grow the pool, and are freed.
     let step = |p: &SymmPool| -> Result<()> {
         let stream = Stream::host();
