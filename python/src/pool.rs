@@ -265,6 +265,7 @@ impl Pool {
     #[staticmethod]
     #[pyo3(signature = (world_size, name = "symmpool", timeout_s = 60.0, exchanges = None,
         check = None, check_queue = None, require_tags = false))]
+    #[allow(clippy::too_many_arguments)]
     fn host_group(
         py: Python<'_>,
         world_size: usize,
