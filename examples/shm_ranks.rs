@@ -52,12 +52,16 @@ fn rank_main() -> symmpool::Result<()> {
     let params = pool.alloc((world * n * 4) as u64, &stream)?;
     let mine = params.view::<f32>()?.slice(rank * n, n)?;
     mine.copy_from_host(&vec![rank as f32; n])?;
-    coll.all_gather_in_place::<f32>(&params, &stream)?;
+    // Each collective carries its identity (a tag), so that ranks making different
+    // calls of the same shape fail at that call.
+    coll.tagged(1)
+        .all_gather_in_place::<f32>(&params, &stream)?;
     let all = params.read::<f32>()?;
     assert!((0..world).all(|r| all[r * n] == r as f32 && all[r * n + n - 1] == r as f32));
     // And back: every rank's sum of the gathered buffers, scattered.
-    coll.reduce_scatter_in_place::<f32>(&params, ReduceOp::Sum, &stream)?;
+    (coll.tagged(2)).reduce_scatter_in_place::<f32>(&params, ReduceOp::Sum, &stream)?;
     assert_eq!(params.read::<f32>()?[rank * n], (world * rank) as f32);
+    coll.end_step()?; // the end of a step: the ranks compare how many calls each made
     println!("rank {rank}/{world}: gathered and reduced through the peers' shared memory");
     drop((params, coll));
     pool.close()

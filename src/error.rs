@@ -162,8 +162,8 @@ pub enum Error {
     /// an untagged one among them has no identity). Nothing ran. Tag the call
     /// ([`Coll::tagged`](crate::coll::Coll::tagged)).
     #[error(
-        "untagged collective {op} on pool {pool:?}, which {}: tag it with coll.tagged(tag) (every u64 is a tag, 0 included)",
-        if *.required { "requires tags (PoolConfig::require_tags)" } else { "has seen tagged collectives" }
+        "untagged collective {op} on pool {pool:?}, which {}: tag it (Rust: coll.tagged(tag); Python: tag=; every u64 is a tag, 0 included)",
+        if *.required { "requires tags (PoolConfig::require_tags; Python: require_tags=)" } else { "has seen tagged collectives" }
     )]
     Untagged {
         /// The collective.
@@ -511,8 +511,9 @@ pub struct CollectiveDivergence {
     pub pool: String,
     /// Which check found it: `"strict check"`, `"async check"`.
     pub found_by: &'static str,
-    /// Position (1-based) of the differing record among the records this pool's
-    /// ranks compared (collectives and step boundaries together).
+    /// Position (1-based) of the differing record among the records the handle's ranks
+    /// compared: its collectives, its pools' growths, and at each step boundary one
+    /// record per pool and communicator.
     pub record: u64,
     /// The first field that differs (for example `"count"`, `"reduction"`,
     /// `"output offset"`, `"pool call hash"`).

@@ -35,18 +35,21 @@ for step in range(args.steps):
     params = pool.alloc(4 * n * world)
     mine = struct.pack(f"<{n}f", *([float(rank + step)] * n))
     params.write(bytes(4 * n * rank) + mine)
-    params.all_gather()  # in place: every shard everywhere
+    # Each collective carries its identity (tag=: here (step, op)), so that ranks
+    # making different calls of the same shape fail at that call.
+    params.all_gather(tag=2 * step)  # in place: every shard everywhere
     got = struct.unpack(f"<{n * world}f", params.read())
     assert all(got[r * n] == float(r + step) for r in range(world)), got[:: n]
     # Gradients: every rank holds a full buffer; after the reduce-scatter its shard
     # holds the sum over ranks.
     grads = pool.alloc(4 * n * world)
     grads.write(struct.pack(f"<{n * world}f", *([float(rank + 1)] * (n * world))))
-    grads.reduce_scatter(dtype, "sum")
+    grads.reduce_scatter(dtype, "sum", tag=2 * step + 1)
     total = struct.unpack_from("<f", grads.read(), 4 * n * rank)[0]
     assert total == world * (world + 1) / 2, total
     params.free()
     grads.free()
+    pool.end_step()  # every rank, once per step: the ranks compare their calls
 
 stats = pool.memory_stats()
 pool.close()  # collective: every rank, after its buffers are gone
