@@ -16,7 +16,7 @@
 //! | core | [`core`] | deterministic best-fit caching allocator; pure data structures, no unsafe |
 //! | control | [`control`] | the control plane the ranks agree over: [`Exchange`] with channels and deadlines, [`LocalExchange`] (threads), [`StoreExchange`] (one process per rank, a TCP rendezvous store), launcher environment ([`Launch`]) |
 //! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), [`ShmBackend`] (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
-//! | group | (internal) | what the ranks compare: call history and hash, agreement records, the collective checker, the registration-order round |
+//! | group | (internal) | what the ranks compare: the ledger (one ordered stream of agreements and collective records per communicator set, one verdict), call history and hash, the registration-order round |
 //! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
 //! | collectives | [`coll`] | a [`Coll`] handle made from a pool, whose [`CollectiveCalls`] (import the trait) run all-gather / reduce-scatter / all-reduce on its buffers, checked, with the path reported |
 //! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots, memory-map SVGs |

@@ -127,7 +127,7 @@ fn a_loop_of_cache_hits_is_caught_by_the_light_agreement() {
 }
 
 #[test]
-fn ranks_with_different_check_modes_fail_when_they_make_their_handles() {
+fn ranks_with_different_check_modes_fail_when_they_make_their_pools() {
     let bs = backends(2);
     let errs: Vec<Error> = thread::scope(|sc| {
         let hs: Vec<_> = bs
@@ -140,8 +140,7 @@ fn ranks_with_different_check_modes_fail_when_they_make_their_handles() {
                     } else {
                         CheckMode::Strict
                     };
-                    let pool = SymmPool::new(b, config(mode)).unwrap();
-                    Coll::new(&pool).unwrap_err()
+                    SymmPool::new(b, config(mode)).unwrap_err()
                 })
             })
             .collect();

@@ -813,8 +813,8 @@ fn pools_created_in_different_orders_are_a_divergence_on_every_rank() {
     for e in errs {
         match e {
             Error::ChannelMismatch { opened } => {
-                assert_eq!(opened[0].2, "pool:params");
-                assert_eq!(opened[1].2, "pool:grads");
+                assert_eq!(opened[0].2, "pool:params:checks:async");
+                assert_eq!(opened[1].2, "pool:grads:checks:async");
             }
             other => panic!("{other:?}"),
         }

@@ -231,7 +231,7 @@ pub struct Pool {
 }
 
 /// A value dropped without the GIL. Python drops its objects holding the GIL, and a
-/// pool's last handle joins its check thread, which may be inside a Python store's
+/// pool's last handle joins its ledger's thread, which may be inside a Python store's
 /// call waiting for the GIL: dropped with it held, both would wait until the
 /// exchange's timeout.
 pub(crate) struct GilFree<T: Send>(Option<T>);

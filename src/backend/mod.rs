@@ -270,6 +270,9 @@ pub struct Backend {
     /// Whether a collectives handle holds these communicators (see
     /// [`claim_collectives`](Self::claim_collectives)).
     collectives_claimed: Arc<AtomicBool>,
+    /// The ledger of these communicators (made by the first pool over them, shared by
+    /// every pool over them; see [`ledger_slot`](Self::ledger_slot)).
+    ledger: Arc<parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -350,6 +353,7 @@ impl Backend {
             registering: Arc::new(parking_lot::Mutex::new(())),
             users: Arc::default(),
             collectives_claimed: Arc::default(),
+            ledger: Arc::default(),
             exchange,
             segments: parts.clone(),
             streams,
@@ -523,6 +527,13 @@ impl Backend {
             .map(|_| CollectivesClaim(claimed.clone()))
     }
 
+    /// The slot of the ledger of these communicators: the layer above keeps it here,
+    /// typed as it likes, so that every pool over the communicators shares it and it
+    /// lives as long as they do. Clones share the slot; a split backend has its own.
+    pub(crate) fn ledger_slot(&self) -> &parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>> {
+        &self.ledger
+    }
+
     /// Whether `other` is this backend over the same communicators (a clone, or a
     /// variant with parts replaced), not one split off it.
     pub(crate) fn same_communicators(&self, other: &Backend) -> bool {
@@ -567,6 +578,11 @@ impl Backend {
     /// The collectives on regions.
     pub fn collectives(&self) -> &dyn Collectives {
         self.collectives.as_ref()
+    }
+
+    /// The collectives part, shared.
+    pub(crate) fn collectives_handle(&self) -> Arc<dyn Collectives> {
+        self.collectives.clone()
     }
 
     /// The value the backend was made from (for example the `NcclBackend`, for its

@@ -498,9 +498,8 @@ impl Coll {
             )
         })?;
         let registered = |c: usize| (send_buf.in_window(c), recv_buf.in_window(c));
-        let checker = &self.inner.checker;
-        let mode = checker.mode();
-        if let Err(e) = checker.check() {
+        let (ledger, mode) = (pool.ledger(), pool.check_mode());
+        if let Err(e) = ledger.check() {
             return Err(failed(pool, e));
         }
         // The policy is read in place, without a lock (a snapshot of the handle's
@@ -532,7 +531,7 @@ impl Coll {
         // The record and the launch are one step on this handle (Strict: the record's
         // round; Async: its post), so that the records' order is the launches' order
         // even when several threads of a rank call.
-        let mut launch = (mode != CheckMode::Off).then(|| checker.launch_lock());
+        let launch = (mode != CheckMode::Off).then(|| ledger.launch_lock());
         if mode != CheckMode::Off {
             let record = self.record(
                 entry,
@@ -544,7 +543,7 @@ impl Coll {
                 tag,
             );
             let deadline = || Deadline::after(pool.config().timeout);
-            if let Err(e) = checker.submit(launch.as_mut(), record, deadline) {
+            if let Err(e) = ledger.submit(mode, record, deadline) {
                 return Err(failed(pool, e));
             }
         }
@@ -557,7 +556,7 @@ impl Coll {
         if let Err(e) = ran {
             // A call ended by a failed check reports the divergence.
             let deadline = || Deadline::after(pool.config().timeout.saturating_mul(2));
-            return Err(failed(pool, checker.call_failed(e, deadline)));
+            return Err(failed(pool, ledger.call_failed(e, deadline)));
         }
         let report = CollectiveReport {
             path,

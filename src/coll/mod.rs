@@ -4,10 +4,10 @@
 //! of the backend's paths for the size, as calibrated (on NCCL the calls themselves
 //! carry the cost of non-blocking communicators; BENCHMARKS.md has the figures).
 //!
-//! They run through a [`Coll`] handle made from a pool (`Coll::new(&pool)`, collective:
-//! every rank makes it at the same point), which owns what the collectives keep: the
-//! path policy, the checker, the path counters and the per-communicator sequence
-//! numbers. The pool knows nothing of it. The calls are the methods of the
+//! They run through a [`Coll`] handle made from a pool (`Coll::new(&pool)`, local: no
+//! round), which owns what the collectives keep: the path policy, the path counters
+//! and the per-communicator sequence numbers; their checks are records of the pool's
+//! ledger. The pool knows nothing of the handle. The calls are the methods of the
 //! [`CollectiveCalls`] trait (import it with the handle).
 //!
 //! Each call checks its buffers first (same pool, open, sizes consistent), picks a
@@ -27,9 +27,9 @@
 //! call count and hash are atomics, the path policy is a snapshot read without a lock
 //! ([`Coll::set_path_policy`] replaces it whole), and a buffer used on the stream it
 //! was last used on records nothing (its first use on another stream takes the pool's
-//! lock once). [`CheckMode::Async`] adds the record's post into a queue allocated when
-//! the handle is made: one short lock, shared only with the check thread, and no
-//! allocation; the exchange runs on the check thread. To bound the damage of a
+//! lock once). [`CheckMode::Async`] adds the record's post into the ledger's queue,
+//! allocated when the pool is made: one short lock, shared only with the ledger's
+//! thread, and no allocation; the exchange runs on that thread. To bound the damage of a
 //! divergence, a call waits while more than
 //! [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default 1) of this
 //! rank's records are unchecked: back-to-back calls run at about two per control-plane
@@ -46,7 +46,7 @@
 //!
 //! | field | what |
 //! |---|---|
-//! | record kind | collective, step boundary ([`Coll::end_step`]), or growth (the pool is about to grow: checked before the pool's own agreement, so a rank whose extra allocation grows the pool while its peers make a collective fails on every rank within one round) |
+//! | record kind | collective, step boundary ([`Coll::end_step`]), or one of the pool's agreements (a growth, `trim`, `close`...: the same ledger carries them, so a rank whose extra allocation grows the pool while its peers make a collective fails on every rank within the growth's own round) |
 //! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
 //! | tag | the caller's identity of the call ([`Coll::tagged`]: any `u64`, 0 included; "no tag" when untagged) |
 //! | pool collective number | collectives issued on this pool so far |
@@ -56,15 +56,18 @@
 //! | input and output: allocation, segment, offset, bytes | the buffers (allocation sequence numbers are the same on every rank for the same call sequence) |
 //! | pool call count and hash | the pool's running hash of every allocation and free before the call |
 //!
-//! The ranks compare their records on a channel of the handle's own, opened when the
-//! handle is made (the mode is part of its name, so ranks with different modes fail
-//! there): the records of all the handle's pools form one sequence, so a rank that
-//! reaches the communicators through two pools in crossed order differs from its peers
-//! at the first crossed call ("pool"). A rank has one handle per communicator set (a
-//! second is refused; clone the handle, or see [`Coll::with_pools`]), so every
-//! collective on the communicators is in that one sequence. What happens depends on
-//! [`PoolConfig::check`](crate::PoolConfig::check), the mode of the handles made from
-//! the pool (`Off` at world size 1, below):
+//! The ranks compare their records in the **ledger** of the communicators: one
+//! ordered stream of records on one exchange channel, made with the first pool over
+//! them and shared by every pool over them (the mode is part of the pool's channel
+//! name, so ranks with different modes fail when they make the pool). The records of
+//! all those pools, their collectives and their agreements, form one sequence, so a
+//! rank that reaches the communicators through two pools in crossed order differs from
+//! its peers at the first crossed call ("pool"). A rank has one handle per
+//! communicator set (a second is refused; clone the handle, or see
+//! [`Coll::with_pools`]), so the per-communicator sequence numbers count every
+//! collective on them. What happens depends on
+//! [`PoolConfig::check`](crate::PoolConfig::check), the pool's mode (`Off` at world
+//! size 1, below):
 //!
 //! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and
 //!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
@@ -73,7 +76,7 @@
 //!   and the launch are one step per handle (a second thread waits; under `Async`
 //!   the post and the launch are, so the records' order is the launches' order).
 //! * [`CheckMode::Async`] (the default): the calling thread posts the record and
-//!   returns; a background thread of the handle exchanges the posted records in
+//!   returns; the ledger's background thread exchanges the posted records in
 //!   batches and compares them. A difference breaks the pool on every rank: the next
 //!   collective and the next local pool call (an allocation) fail with
 //!   [`Error::CollectiveDivergence`]. **Bound on the damage**: a rank launches a collective only
@@ -177,9 +180,9 @@ pub(crate) use path::{PATHS, path_index};
 use crate::backend::CollectivesClaim;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CheckMode, CheckSite, Checker, CollectiveRecord, GrowthPoint};
+use crate::group::{CheckMode, CollectiveRecord, Ledger};
 use crate::observe::{MemoryStats, StatValue};
-use crate::pool::{GrowthCheck, SymmPool};
+use crate::pool::SymmPool;
 use arc_swap::ArcSwap;
 use call::invalid;
 use std::fmt;
@@ -195,9 +198,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// [`tagged`](Self::tagged) form implement: `use symmpool::CollectiveCalls;`.
 ///
 /// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
-/// collective checker of its pools (one sequence of records; under
-/// [`CheckMode::Async`], its background thread), the per-path counters and the
-/// per-communicator sequence numbers.
+/// per-path counters and the per-communicator sequence numbers; its collectives'
+/// records go to the pools' ledger.
 ///
 /// # Example
 ///
@@ -229,10 +231,6 @@ pub struct Coll {
 struct CollInner {
     /// The pools, each with its counters (usually one).
     pools: Vec<PoolColl>,
-    /// The checks of every collective of the handle, over all its pools: one ordered
-    /// stream of records, so that a rank reaching the communicators through two pools
-    /// in crossed order differs from its peers at the first crossed call.
-    checker: Checker,
     /// The path policy: read on every collective without a lock (a snapshot of the
     /// current `Arc`), replaced whole by [`Coll::set_path_policy`].
     policy: ArcSwap<PathPolicy>,
@@ -241,9 +239,7 @@ struct CollInner {
     comm_seqs: Box<[AtomicU64]>,
     /// This handle's hold on the backend's communicators (one handle per communicator
     /// set, so one sequence per communicator); `None` for calibration's handle, which
-    /// runs inside a call of the handle holding them. Declared last, so released after
-    /// the checker's drop (which waits for its thread at most 2 s, then detaches it:
-    /// a detached thread's verdict no longer touches the pools).
+    /// runs inside a call of the handle holding them.
     _claim: Option<CollectivesClaim>,
 }
 
@@ -285,24 +281,14 @@ impl Coll {
     /// or give a pool used from another thread communicators of its own
     /// ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators)).
     ///
-    /// # Collective
-    /// Every rank makes its handle at the same point (after the same pools and
-    /// handles): the ranks open the handle's check channel, whose name carries the
-    /// check mode. With ranks as threads of one process, make them concurrently
-    /// ([`Coll::group`]); within a rank, make handles in program order, not from two
-    /// threads at once (the ranks would open the channels in different orders:
-    /// [`Error::ChannelMismatch`]).
+    /// Local: no round with the peers (the checks are the pool's ledger, made with the
+    /// pool), so ranks may make their handles at different times.
     ///
     /// # Errors
     /// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if the pool's communicators
     /// already have a handle on this rank (with what to do instead);
     /// [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
-    /// the pool's configuration was made (and the code did not set the mode);
-    /// [`Error::ChannelMismatch`] on every rank if the ranks' pools or check modes
-    /// differ, or if they made their handles in different orders; [`Error::Timeout`] / [`Error::PeerLost`] if a rank
-    /// does not make its handle within the pool's timeout; [`Error::Internal`] if the
-    /// [`CheckMode::Async`] check thread (started here, not by a collective) cannot be
-    /// started.
+    /// the pool's configuration was made (and the code did not set the mode).
     pub fn new(pool: &SymmPool) -> Result<Coll> {
         Self::claimed(std::slice::from_ref(pool), "Coll::new")
     }
@@ -311,16 +297,13 @@ impl Coll {
     /// share the per-communicator sequence numbers and form one sequence of checked
     /// records, so a rank that uses two pools in crossed order fails at the first
     /// crossed call, on the field "pool" (under `Strict` before data moves). Each pool
-    /// keeps its counters; the checks, their mode and the path policy are the
-    /// handle's.
-    ///
-    /// # Collective
-    /// As [`new`](Self::new).
+    /// keeps its counters and its check mode; the path policy is the handle's. Local,
+    /// as [`new`](Self::new).
     ///
     /// # Errors
-    /// As [`new`](Self::new); [`Error::InvalidCollective`] if `pools` is empty, if the
-    /// pools are not over the same communicators (a pool with communicators of its
-    /// own has a handle of its own), or if their check modes differ.
+    /// As [`new`](Self::new); [`Error::InvalidCollective`] if `pools` is empty, or if
+    /// the pools are not over the same communicators (a pool with communicators of its
+    /// own has a handle of its own).
     pub fn with_pools(pools: &[SymmPool]) -> Result<Coll> {
         Self::claimed(pools, "Coll::with_pools")
     }
@@ -354,7 +337,6 @@ impl Coll {
     /// The handle of `pools`, holding `claim` (see [`with_pools`](Self::with_pools)).
     fn build(pools: &[SymmPool], claim: Option<CollectivesClaim>) -> Result<Coll> {
         let first = &pools[0];
-        let config = first.config();
         for pool in pools {
             pool.check_open()?;
             if let Some(e) = pool.config().check_env_error() {
@@ -367,40 +349,7 @@ impl Coll {
                         .into(),
                 ));
             }
-            if pool.config().check != config.check {
-                return Err(invalid(
-                    "Coll::with_pools",
-                    format!(
-                        "pools {:?} and {:?} have different check modes: one handle checks its \
-                         pools' collectives as one sequence, with one mode",
-                        config.name,
-                        pool.config().name
-                    ),
-                ));
-            }
         }
-        let names = (pools.iter().map(|p| p.config().name.as_str()))
-            .collect::<Vec<_>>()
-            .join("+");
-        // The check mode is part of the name: ranks with different modes fail here.
-        let channel = first.backend().exchange().open_channel(
-            &format!("pool:{names}:checks:{}", config.check.name()),
-            config.timeout,
-        )?;
-        let site = CheckSite {
-            pool: names,
-            channel,
-            exchange: first.backend().exchange_handle(),
-            timeout: config.timeout,
-            failures: pools.iter().map(SymmPool::outside_failure).collect(),
-            abandon: Some(abandon_on(first)),
-        };
-        // One rank has nobody to compare with: no records, no check thread.
-        let mode = if first.world_size() == 1 {
-            CheckMode::Off
-        } else {
-            config.check
-        };
         let entries = (pools.iter())
             .map(|pool| PoolColl {
                 pool: pool.clone(),
@@ -411,16 +360,10 @@ impl Coll {
         let comms = first.backend().communicators().len();
         let inner = Arc::new(CollInner {
             pools: entries,
-            checker: Checker::new(mode, site, config.check_queue)?,
             policy: ArcSwap::from_pointee(PathPolicy::default()),
             comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
             _claim: claim,
         });
-        // Every growth of the pools is checked among the collectives' records first.
-        let weak: std::sync::Weak<CollInner> = Arc::downgrade(&inner);
-        for pool in pools {
-            pool.add_growth_check(weak.clone());
-        }
         Ok(Coll { inner })
     }
 
@@ -430,13 +373,13 @@ impl Coll {
         Self::build(std::slice::from_ref(tmp), None)
     }
 
-    /// One handle per pool, for ranks that are threads of this process: made
-    /// concurrently (making one is collective), in the pools' order.
+    /// One handle per pool, in the pools' order (for ranks that are threads of this
+    /// process).
     ///
     /// # Errors
     /// The first rank's error, as [`new`](Self::new).
     pub fn group(pools: &[SymmPool]) -> Result<Vec<Coll>> {
-        crate::error::in_threads(pools, "a handle-making thread", Coll::new)
+        pools.iter().map(Coll::new).collect()
     }
 
     /// The (first) pool of the handle.
@@ -448,7 +391,13 @@ impl Coll {
     /// [`PoolConfig::check`](crate::PoolConfig::check), or [`CheckMode::Off`] at world
     /// size 1 (one rank has no peer to compare with).
     pub fn check_mode(&self) -> CheckMode {
-        self.inner.checker.mode()
+        self.pool().check_mode()
+    }
+
+    /// The ledger of the handle's communicators (its pools share it).
+    #[inline]
+    fn ledger(&self) -> &Ledger {
+        self.pool().ledger()
     }
 
     /// Wait until every collective record this rank posted has been compared with the
@@ -465,7 +414,7 @@ impl Coll {
     /// timeout.
     pub fn wait_checks(&self) -> Result<()> {
         let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
-        self.inner.checker.wait_compared(deadline)
+        self.ledger().wait_compared(deadline)
     }
 
     /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`] (never at
@@ -552,12 +501,12 @@ impl PoolColl {
 impl CollInner {
     /// A step boundary ([`Coll::end_step`]), its waits until `deadline`.
     fn step_boundary(&self, deadline: Deadline) -> Result<()> {
-        let checker = &self.checker;
-        if checker.mode() == CheckMode::Off {
+        let (ledger, mode) = (self.pools[0].pool.ledger(), self.pools[0].pool.check_mode());
+        if mode == CheckMode::Off {
             return Ok(());
         }
-        checker.check()?;
-        let mut launch = Some(checker.launch_lock());
+        ledger.check()?;
+        let launch = ledger.launch_lock();
         for entry in &self.pools {
             // One record per communicator: its sequence count, with the pool's
             // collective count and call hash (so a rank behind or ahead on any of
@@ -573,55 +522,12 @@ impl CollInner {
                     (comm as u64, seq),
                     head,
                 );
-                checker.submit(launch.as_mut(), record, || deadline)?;
+                ledger.submit(mode, record, || deadline)?;
             }
         }
         drop(launch);
-        checker.wait_compared(deadline)
+        ledger.wait_compared(deadline)
     }
-}
-
-impl GrowthCheck for CollInner {
-    /// Check the growth among the pool's collective records: a growth record (the
-    /// pool's collective count, call count and hash, the segment's bytes) compared
-    /// like a collective's (under `Strict` in one round here; under `Async` posted,
-    /// then waited for until compared), so that a rank growing where its peers make a
-    /// collective fails on every rank within one round.
-    fn before_growth(&self, growth: &GrowthPoint, deadline: Deadline) -> Result<()> {
-        let pool = growth.pool;
-        let Some(entry) = (self.pools.iter()).find(|e| e.pool.channel().ordinal() == pool) else {
-            return Ok(());
-        };
-        let checker = &self.checker;
-        if checker.mode() == CheckMode::Off {
-            return Ok(());
-        }
-        checker.check()?;
-        let collectives = entry.collectives.load(Ordering::Relaxed);
-        let record = CollectiveRecord::growth(growth, collectives);
-        let mut launch = Some(checker.launch_lock());
-        checker.submit(launch.as_mut(), record, || deadline)?;
-        drop(launch);
-        checker.wait_compared(deadline)
-    }
-
-    /// The pool is about to close: a step boundary first, so that every record still
-    /// to be compared meets the peers' (a divergence found now lets `close` skip its
-    /// round on every rank, as after any divergence).
-    fn before_close(&self, deadline: Deadline) -> Result<()> {
-        self.step_boundary(deadline)
-    }
-}
-
-/// What a failed check does to `pool`'s collectives that wait for their peers: ends
-/// them (the backend's [`Collectives::abandon`](crate::backend::Collectives::abandon)).
-fn abandon_on(pool: &SymmPool) -> Arc<dyn Fn() + Send + Sync> {
-    let backend = pool.backend().clone();
-    Arc::new(move || {
-        backend
-            .collectives()
-            .abandon("a collective check that failed")
-    })
 }
 
 /// Collectives run on each path: calls and bytes per rank.

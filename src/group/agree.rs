@@ -12,8 +12,8 @@
 //! first differing call.
 
 use super::history::{CallRecord, History};
-use super::record::{self, Fields, Value, first_difference};
-use crate::control::{ChannelId, Exchange};
+use super::ledger::Ledger;
+use super::record::{Fields, Value, first_difference};
 use crate::deadline::Deadline;
 use crate::error::{Divergence, Error, Result};
 use serde::{Deserialize, Serialize};
@@ -73,6 +73,9 @@ impl Readiness {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct AgreementRecord {
     pub(crate) op: Op,
+    /// The pool (the ordinal of its exchange channel): pools over one communicator
+    /// set share a ledger.
+    pub(crate) pool: u64,
     pub(crate) seq: u64,
     pub(crate) size: u64,
     pub(crate) hash: u64,
@@ -111,7 +114,7 @@ pub(crate) const MAX_LIVE_NAMED: usize = 16;
 impl AgreementRecord {
     pub(crate) fn new(
         history: &History,
-        op: Op,
+        (pool, op): (u64, Op),
         size: u64,
         state: u64,
         extra: u64,
@@ -119,6 +122,7 @@ impl AgreementRecord {
     ) -> Self {
         AgreementRecord {
             op,
+            pool,
             seq: history.seq(),
             size,
             hash: history.hash(),
@@ -132,6 +136,18 @@ impl AgreementRecord {
 
     /// The same record naming `live` buffers (a `close`'s), the first
     /// [`MAX_LIVE_NAMED`] of them.
+    /// The record's kind with where the rank is, as a divergence of record kinds
+    /// names it.
+    pub(crate) fn describe_kind(&self) -> String {
+        match self.op {
+            Op::Grow => format!(
+                "a growth of the pool by {} bytes (at its call #{})",
+                self.size, self.seq
+            ),
+            op => format!("a {} of the pool (at its call #{})", op.name(), self.seq),
+        }
+    }
+
     pub(crate) fn with_live(mut self, live: impl IntoIterator<Item = LiveBuffer>) -> Self {
         self.live = live.into_iter().take(MAX_LIVE_NAMED).collect();
         self
@@ -141,6 +157,7 @@ impl AgreementRecord {
 impl Fields for AgreementRecord {
     const NAMES: &'static [&'static str] = &[
         "operation",
+        "pool (channel ordinal)",
         "pool call count",
         "size",
         "pool call hash",
@@ -150,82 +167,57 @@ impl Fields for AgreementRecord {
     fn field(&self, i: usize) -> Value {
         match i {
             0 => Value::Name(self.op.name()),
-            1 => Value::Number(self.seq),
-            2 => Value::Number(self.size),
-            3 => Value::Hex(self.hash),
+            1 => Value::Number(self.pool),
+            2 => Value::Number(self.seq),
+            3 => Value::Number(self.size),
+            4 => Value::Hex(self.hash),
             _ => Value::Hex(self.state),
         }
     }
 }
 
-/// Exchange this rank's record with all ranks and check they agree; every rank's
-/// record (`None`: unreadable, possible only when a broken rank or a close with live
-/// buffers skipped the comparison).
+/// Append this rank's record to `ledger` and judge every rank's record: they come
+/// back in rank order with their `extra` values, which may differ.
 ///
-/// `during` names the round for errors. The records come back in rank order with
-/// their `extra` values, which may differ.
+/// `during` names the round for errors.
 ///
 /// # Errors
-/// [`Error::Timeout`] if a rank does not arrive by `deadline`; [`Error::PoolBroken`]
-/// (with a reason naming the first broken rank) if any rank's pool is broken, unless
-/// the operation is [`Op::Close`], which then skips the comparison;
-/// [`Error::Divergence`] if records differ in operation, call count, size, hash or
-/// allocator state (but for a `close` on every rank where some rank has live
-/// buffers: the close fails on them, and a buffer dropped late on one rank shows in
-/// its history, not as a divergence).
+/// The ledger's errors ([`Error::Timeout`] if a rank does not arrive by `deadline`,
+/// [`Error::CollectiveDivergence`] if a rank's record is of another kind, a
+/// collective where this is an agreement); [`Error::PoolBroken`] (with a reason naming
+/// the first broken rank) if any rank's pool is broken, unless the operation is
+/// [`Op::Close`], which then skips the comparison; [`Error::Divergence`] if records
+/// differ in operation, pool, call count, size, hash or allocator state (but for a
+/// `close` on every rank where some rank has live buffers: the close fails on them,
+/// and a buffer dropped late on one rank shows in its history, not as a divergence).
 pub(crate) fn agree_records(
-    exchange: &dyn Exchange,
-    channel: ChannelId,
+    ledger: &Ledger,
     during: &'static str,
-    mine: &AgreementRecord,
+    mine: AgreementRecord,
     deadline: Deadline,
-) -> Result<Vec<Option<AgreementRecord>>> {
-    let span = tracing::debug_span!(target: "symmpool::pool", "agreement", rank = exchange.rank(), during, size = mine.size);
+) -> Result<Vec<AgreementRecord>> {
+    let span = tracing::debug_span!(target: "symmpool::pool", "agreement", during, size = mine.size);
     let _entered = span.enter();
     let started = std::time::Instant::now();
-    let all = exchange.all_gather(
-        channel,
-        during,
-        &record::encode(mine)?,
-        deadline.remaining(),
-    )?;
-    let me = exchange.rank();
-    let records: Vec<Option<AgreementRecord>> = all.iter().map(|b| record::decode(b)).collect();
-    if records.len() != exchange.world_size() || records.get(me) != Some(&Some(mine.clone())) {
-        return Err(Error::Internal {
-            what: format!(
-                "the exchange returned {} records for {} ranks, or not this rank's own record",
-                records.len(),
-                exchange.world_size()
-            ),
-        });
-    }
+    let op = mine.op;
+    let records = ledger.agree(mine, during, deadline)?;
     // A broken rank refuses calls without recording them: its history says nothing
     // about the peers', so brokenness wins over any difference of the records.
-    if let Some(rank) = records
-        .iter()
-        .position(|r| r.as_ref().is_some_and(|r| r.broken))
-    {
-        if mine.op == Op::Close {
+    if let Some(rank) = records.iter().position(|r| r.broken) {
+        if op == Op::Close {
             return Ok(records);
         }
         return Err(Error::PoolBroken {
             reason: format!("rank {rank}'s pool is broken"),
         });
     }
-    let decoded: Option<Vec<&AgreementRecord>> = records.iter().map(Option::as_ref).collect();
-    if let Some(decoded) = &decoded
-        && decoded.iter().all(|r| r.op == Op::Close)
-        && decoded.iter().any(|r| r.extra > 0)
-    {
+    if records.iter().all(|r| r.op == Op::Close) && records.iter().any(|r| r.extra > 0) {
         // Every rank closes and some hold live buffers: the close fails on them (a
         // buffer dropped late on one rank is a free in its history alone).
         return Ok(records);
     }
-    if let Some(decoded) = decoded
-        && first_difference(&decoded).is_none()
-    {
-        tracing::debug!(target: "symmpool::pool", rank = me, during, world = records.len(),
+    if first_difference(&records).is_none() {
+        tracing::debug!(target: "symmpool::pool", during, world = records.len(),
             seconds = started.elapsed().as_secs_f64(), "ranks agreed");
         return Ok(records);
     }
@@ -233,27 +225,7 @@ pub(crate) fn agree_records(
 }
 
 /// Find the first call where the ranks' histories differ.
-fn explain(records: &[Option<AgreementRecord>], during: &'static str) -> Divergence {
-    let decoded: Vec<&AgreementRecord> = records.iter().flatten().collect();
-    if decoded.len() != records.len() {
-        return Divergence {
-            during,
-            first_differing_call: None,
-            history_gone: None,
-            calls: records
-                .iter()
-                .enumerate()
-                .map(|(r, x)| {
-                    (
-                        r,
-                        x.as_ref()
-                            .map(|_| "valid record".to_string())
-                            .or(Some("unreadable agreement record".into())),
-                    )
-                })
-                .collect(),
-        };
-    }
+fn explain(decoded: &[AgreementRecord], during: &'static str) -> Divergence {
     // The calls every rank still remembers start at the largest oldest-seq.
     let lo = decoded
         .iter()
@@ -343,8 +315,8 @@ mod tests {
     use super::*;
     use crate::group::history::CallKind;
 
-    fn rec(h: &History, op: Op, size: u64) -> Option<AgreementRecord> {
-        Some(AgreementRecord::new(h, op, size, 0, 0, false))
+    fn rec(h: &History, op: Op, size: u64) -> AgreementRecord {
+        AgreementRecord::new(h, (0, op), size, 0, 0, false)
     }
 
     /// How two ranks with these histories diverge at a growth.
@@ -415,19 +387,11 @@ mod tests {
     #[test]
     fn same_calls_different_state_is_a_divergence_without_a_call() {
         let a = History::new(4);
-        let x = Some(AgreementRecord::new(&a, Op::Grow, 1, 7, 0, false));
-        let y = Some(AgreementRecord::new(&a, Op::Grow, 1, 8, 0, false));
+        let x = AgreementRecord::new(&a, (0, Op::Grow), 1, 7, 0, false);
+        let y = AgreementRecord::new(&a, (0, Op::Grow), 1, 8, 0, false);
         let d = explain(&[x, y], "growth");
         assert_eq!(d.first_differing_call, None);
         assert!(d.to_string().contains("state digest"), "{d}");
-    }
-
-    #[test]
-    fn an_unreadable_record_is_named_not_a_panic() {
-        let a = History::new(4);
-        let d = explain(&[rec(&a, Op::Grow, 1), None], "growth");
-        assert_eq!(d.first_differing_call, None);
-        assert!(d.to_string().contains("unreadable"), "{d}");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The record of one collective (or of a growth among them), as the ranks compare it:
+//! The record of one collective (or of a step boundary), as the ranks compare it:
 //! what the call is, on which buffers, on which communicator and at which sequence
 //! number, with the names the divergence report gives its fields.
 
@@ -14,9 +14,6 @@ pub(crate) enum RecordKind {
     /// A step boundary ([`end_step`](crate::coll::Coll::end_step)): the pool's call
     /// count and hash, so that pool calls without collectives cannot drift unseen.
     Step,
-    /// The pool is about to grow (a collective pool operation): a rank that grows
-    /// where its peers make a collective is named at once, not after a timeout.
-    Growth,
 }
 
 /// The collective a record is of.
@@ -125,29 +122,6 @@ impl CollectiveRecord {
     }
 }
 
-/// Where a pool is about to grow, as its growth record carries it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct GrowthPoint {
-    /// The pool (the ordinal of its exchange channel).
-    pub(crate) pool: u64,
-    /// Its call count and running hash, the growing allocation included.
-    pub(crate) call: (u64, u64),
-    /// The size of the segment it adds.
-    pub(crate) segment_bytes: u64,
-}
-
-impl CollectiveRecord {
-    /// The growth record of `growth`, on a pool that has issued `pool_collectives`
-    /// collectives (the segment's bytes in the count).
-    pub(crate) fn growth(growth: &GrowthPoint, pool_collectives: u64) -> Self {
-        CollectiveRecord {
-            kind: RecordKind::Growth,
-            count: growth.segment_bytes,
-            ..CollectiveRecord::step(growth.pool, pool_collectives, (0, 0), growth.call)
-        }
-    }
-}
-
 impl Fields for CollectiveRecord {
     const NAMES: &'static [&'static str] = &[
         "record kind",
@@ -186,7 +160,6 @@ impl Fields for CollectiveRecord {
             0 => Value::Name(match self.kind {
                 RecordKind::Collective => "collective",
                 RecordKind::Step => "step boundary",
-                RecordKind::Growth => "growth",
             }),
             1 => Value::Number(self.pool),
             2 => Value::Tag(self.tag),
@@ -223,10 +196,6 @@ impl Fields for CollectiveRecord {
             (0, RecordKind::Step) => format!(
                 "a step boundary (after {} collectives on the pool)",
                 self.pool_collective
-            ),
-            (0, RecordKind::Growth) => format!(
-                "a growth of the pool by {} bytes (at its call #{}, after {} collectives on the pool)",
-                self.count, self.call_seq, self.pool_collective
             ),
             _ => self.field(i).show(),
         }

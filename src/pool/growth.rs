@@ -43,9 +43,8 @@ impl SymmPool {
         let _entered = span.enter();
         let started = Instant::now();
         let out = self.shared_use(|| {
-            // The collectives' checks first: a rank that grows where its peers make a
-            // collective is named there, within a round.
-            self.check_growth(growth.segment_bytes, deadline)?;
+            // The agreement is a record of the ledger: a rank that grows where its
+            // peers make a collective is named there, within the round.
             let ready = self.readiness(st, Some(stream))?;
             let size = growth.segment_bytes;
             let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
@@ -178,7 +177,7 @@ impl SymmPool {
         let records = self.agree_naming(st, (op, during), size, extra, Vec::new(), deadline)?;
         Ok(records
             .iter()
-            .map(|r| r.as_ref().map_or(0, |r| r.extra))
+            .map(|r| r.extra)
             .collect())
     }
 
@@ -192,7 +191,7 @@ impl SymmPool {
         extra: u64,
         live: Vec<group::LiveBuffer>,
         deadline: Deadline,
-    ) -> Result<Vec<Option<AgreementRecord>>> {
+    ) -> Result<Vec<AgreementRecord>> {
         st.counters.agreements += 1;
         let c = st.core.stats();
         let state = group::state_digest(&[
@@ -202,15 +201,17 @@ impl SymmPool {
             c.num_allocs,
             c.num_frees,
         ]);
-        let mine = AgreementRecord::new(&st.history, op, size, state, extra, st.broken.is_some())
-            .with_live(live);
-        let out = group::agree_records(
-            self.inner.backend.exchange(),
-            self.inner.channel,
-            during,
-            &mine,
-            deadline,
-        );
+        let pool = self.inner.channel.ordinal();
+        let broken = st.broken.is_some();
+        let mine =
+            AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken).with_live(live);
+        if let Some(failure) = self.inner.ledger.failure() {
+            // The ranks are out of step: no round (the pool is broken on every rank).
+            return Err(Error::PoolBroken {
+                reason: failure.reason(),
+            });
+        }
+        let out = group::agree_records(&self.inner.ledger, during, mine, deadline);
         match out {
             Err(Error::Divergence(d)) => {
                 st.diverged = Some(d.clone());

@@ -31,7 +31,6 @@ pub(crate) mod events;
 mod fit;
 mod free;
 mod growth;
-mod growth_check;
 mod release;
 mod scope;
 mod state;
@@ -44,7 +43,6 @@ pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
 pub(crate) use events::role_name;
 pub use fit::FitReport;
-pub(crate) use growth_check::GrowthCheck;
 pub use scope::{alloc, alloc_aligned, current};
 pub use stats::PoolStats;
 
@@ -53,14 +51,14 @@ use crate::control::ChannelId;
 use crate::core::{AllocError, AllocRequest, Allocator, BlockId, Wait};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallHead, CallKind, Failure, History};
+use crate::group::{CallHead, CallKind, Failure, History, Ledger, LedgerConfig};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
 pub(crate) use state::{Counters, PoolState};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 pub(crate) use state::SegmentEntry;
 
@@ -78,15 +76,15 @@ pub(crate) struct PoolInner {
     config: PoolConfig,
     /// The exchange channel of this pool's agreements.
     pub(crate) channel: ChannelId,
-    /// Set once a layer above found the ranks out of step (a collective check that
-    /// failed, a collective that timed out): the pool is broken from then on (copied
-    /// into the state's `broken` by `state()`).
-    pub(crate) outside_failure: Arc<OnceLock<Failure>>,
+    /// The ledger of the pool's communicators (shared with the other pools over
+    /// them): its agreements and its collectives' records, one verdict. A failure
+    /// there breaks the pool (copied into the state's `broken` by `state()`).
+    pub(crate) ledger: Arc<Ledger>,
+    /// How its collectives are checked: the configuration's mode, or
+    /// [`CheckMode::Off`](crate::CheckMode::Off) at world size 1.
+    mode: crate::CheckMode,
     /// The call count and running hash, read without the state's lock.
     call_head: Arc<CallHead>,
-    /// The layers above that check a growth against the peers' calls first (the
-    /// collectives handles made from the pool), held weakly.
-    growth_checks: PlMutex<Vec<Weak<dyn GrowthCheck>>>,
     /// Whether an untagged collective on the pool is refused: it requires tags
     /// ([`PoolConfig::require_tags`]) or has seen a tagged one (set by the collectives
     /// handles, read on every collective).
@@ -226,10 +224,20 @@ impl SymmPool {
             backend
         };
         let comms = backend.communicators().len();
-        let channel = backend
-            .exchange()
-            .open_channel(&format!("pool:{}", config.name), config.timeout)?;
+        // The check mode is part of the name: ranks with different modes fail here.
+        let channel = backend.exchange().open_channel(
+            &format!("pool:{}:checks:{}", config.name, config.check.name()),
+            config.timeout,
+        )?;
         backend.note_user(channel.ordinal(), &config.name, false);
+        let mode = if backend.world_size() == 1 {
+            // One rank has nobody to compare with.
+            crate::CheckMode::Off
+        } else {
+            config.check
+        };
+        let ledger = ledger_of(&backend, &config, mode)?;
+        ledger.name_pool(channel.ordinal(), &config.name);
         let history = History::new(config.history_len);
         let call_head = history.head();
         let state = PoolState::new(core, history, comms);
@@ -242,9 +250,9 @@ impl SymmPool {
                 deferred_error: PlMutex::new(None),
                 counters: Default::default(),
                 channel,
-                outside_failure: Arc::new(OnceLock::new()),
+                ledger,
+                mode,
                 call_head,
-                growth_checks: PlMutex::new(Vec::new()),
                 tags_required: AtomicBool::new(config.require_tags),
                 config,
             }),
@@ -324,10 +332,17 @@ impl SymmPool {
         self.inner.call_head.load()
     }
 
-    /// The slot through which a layer above marks the pool broken (the first reason
-    /// wins; every later call fails with [`Error::PoolBroken`]).
-    pub(crate) fn outside_failure(&self) -> Arc<OnceLock<Failure>> {
-        self.inner.outside_failure.clone()
+    /// The ledger of the pool's communicators.
+    #[inline]
+    pub(crate) fn ledger(&self) -> &Ledger {
+        &self.inner.ledger
+    }
+
+    /// How the pool's collectives are checked: [`PoolConfig::check`], or
+    /// [`CheckMode::Off`](crate::CheckMode::Off) at world size 1.
+    #[inline]
+    pub(crate) fn check_mode(&self) -> crate::CheckMode {
+        self.inner.mode
     }
 
     /// Whether an untagged collective on the pool is refused (see the field).
@@ -347,7 +362,7 @@ impl SymmPool {
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         if st.broken.is_none()
-            && let Some(failure) = self.inner.outside_failure.get()
+            && let Some(failure) = self.inner.ledger.failure()
         {
             st.broken = Some(failure.clone());
         }
@@ -479,4 +494,35 @@ impl SymmPool {
             Ok(())
         }
     }
+}
+
+/// The ledger of `backend`'s communicators: the one its first pool made, or a new one
+/// (opening its channel: collective, as pool creation is); with its thread started
+/// if `mode` is [`CheckMode::Async`](crate::CheckMode::Async).
+///
+/// # Errors
+/// The errors of opening a channel and of [`Ledger::start`].
+fn ledger_of(backend: &Backend, config: &PoolConfig, mode: crate::CheckMode) -> Result<Arc<Ledger>> {
+    let mut slot = backend.ledger_slot().lock();
+    let ledger = match slot.as_ref().and_then(|l| Arc::clone(l).downcast::<Ledger>().ok()) {
+        Some(ledger) => ledger,
+        None => {
+            let exchange = backend.exchange_handle();
+            let channel = exchange.open_channel(&format!("ledger:{}", config.name), config.timeout)?;
+            let collectives = backend.collectives_handle();
+            let ledger = Arc::new(Ledger::new(LedgerConfig {
+                exchange,
+                channel,
+                timeout: config.timeout,
+                capacity: config.check_queue,
+                abandon: Box::new(move || collectives.abandon("a collective check that failed")),
+            }));
+            *slot = Some(ledger.clone());
+            ledger
+        }
+    };
+    if mode == crate::CheckMode::Async {
+        ledger.start()?;
+    }
+    Ok(ledger)
 }

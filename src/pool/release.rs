@@ -162,9 +162,9 @@ impl SymmPool {
 
     /// Close the pool: drain the device, deregister every window, free every segment.
     /// Later calls fail with [`Error::PoolClosed`]; closing again is a no-op. Under
-    /// checked collectives it first makes a step boundary of the collectives handles
-    /// on the pool ([`Coll::end_step`](crate::coll::Coll::end_step)), so that a
-    /// divergence still in flight is found, on every rank, before the close decides.
+    /// checked collectives its agreement follows every collective record in the
+    /// ledger, so that a divergence still in flight is found, on every rank, before
+    /// the close decides.
     ///
     /// # Collective
     /// Every rank calls it at the same point of its call sequence. If any rank still
@@ -173,46 +173,50 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
-    /// errors. After the collective checks found the ranks diverged
-    /// ([`Error::CollectiveDivergence`]: every rank learns it from the same records)
-    /// the pool closes without a round, at once: it releases this rank's memory and
-    /// returns [`Error::PoolBroken`] naming the divergence (the pool is closed; a
-    /// second `close` returns `Ok`), or, while buffers of this rank are alive,
-    /// [`Error::BuffersAlive`] with this rank's buffers (the peers' are not asked). A pool broken otherwise (on any rank) still closes on
-    /// every rank through the round (its memory is released; the ranks' call histories
-    /// are not compared then).
+    /// errors. After the ledger broke (the collective checks found the ranks diverged,
+    /// [`Error::CollectiveDivergence`], which every rank learns from the same records;
+    /// or one of its rounds timed out or lost a peer) the pool closes without a
+    /// round, at once: it releases this rank's memory and returns
+    /// [`Error::PoolBroken`] naming the cause (the pool is closed; a second `close`
+    /// returns `Ok`), or, while buffers of this rank are alive,
+    /// [`Error::BuffersAlive`] with this rank's buffers (the peers' are not asked). A
+    /// pool broken on this rank alone (a panic under its lock) still closes on every
+    /// rank through the round (its memory is released; the ranks' call histories are
+    /// not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
         if self.inner.closed.load(Ordering::Acquire) {
             return Ok(());
         }
         let deadline = Deadline::after(self.inner.config.timeout);
-        // The collectives' checks first (a step boundary of the handles on the pool):
-        // a divergence still in flight decides, on every rank, that there is no round.
-        self.check_close(deadline);
         let mut st = self.state();
         if st.closed {
             return Ok(());
         }
         let live = st.core.stats().allocated_blocks.current;
-        if let Some(Failure::Diverged(d)) = &st.broken {
-            let reason = d.to_string();
-            return self.close_diverged(st, live, reason, deadline);
+        let ledger = &self.inner.ledger;
+        if let Some(failure) = ledger.failure() {
+            return self.close_alone(st, live, failure.reason(), deadline);
         }
         let named = if live > 0 {
             live_buffers(&st)
         } else {
             Vec::new()
         };
-        let records = self.agree_naming(&mut st, (Op::Close, "close"), 0, live, named, deadline)?;
-        let live_per_rank: Vec<u64> = (records.iter())
-            .map(|r| r.as_ref().map_or(0, |r| r.extra))
-            .collect();
+        // The close's agreement follows every record of this rank in the ledger: a
+        // divergence still in flight is found in its rounds, on every rank.
+        let records =
+            match self.agree_naming(&mut st, (Op::Close, "close"), 0, live, named, deadline) {
+                Err(Error::CollectiveDivergence(d)) => {
+                    return self.close_alone(st, live, d.to_string(), deadline);
+                }
+                out => out?,
+            };
+        let live_per_rank: Vec<u64> = records.iter().map(|r| r.extra).collect();
         if live_per_rank.iter().any(|&l| l > 0) {
             let buffers = (records.iter().enumerate())
                 .flat_map(|(rank, r)| {
-                    let live = r.as_ref().map_or(&[][..], |r| &r.live[..]);
-                    live.iter().map(move |b| (rank, b.to_string()))
+                    r.live.iter().map(move |b| (rank, b.to_string()))
                 })
                 .collect();
             return Err(Error::BuffersAlive {
@@ -236,12 +240,12 @@ impl SymmPool {
         self.take_deferred_error()
     }
 
-    /// `close` of a pool whose collective checks found the ranks diverged (`reason`):
-    /// every rank learns that from the same records, and the ranks are out of step, so
-    /// no round (a peer may never join it: one blocked in a collective that timed out,
-    /// its exchange broken); this rank releases its memory alone (deregistration and
-    /// free are local) and reports the divergence.
-    fn close_diverged(
+    /// `close` of a pool whose ledger broke (`reason`: the ranks diverged, a round
+    /// timed out, a peer was lost): the ranks are out of step, so no round (a peer may
+    /// never join it: one blocked in a collective that timed out, its exchange
+    /// broken); this rank releases its memory alone (deregistration and free are
+    /// local) and reports why.
+    fn close_alone(
         &self,
         mut st: MutexGuard<'_, PoolState>,
         live: u64,
