@@ -825,3 +825,90 @@ fn close_right_after_an_async_divergence_names_it_on_every_rank() {
         }
     }
 }
+
+/// An exchange that names every round it runs (its operation), so a test can count
+/// the rounds of one pool call.
+#[derive(Debug)]
+struct Counting {
+    inner: std::sync::Arc<dyn symmpool::Exchange>,
+    rounds: std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>,
+}
+
+impl symmpool::Exchange for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather_until(
+        &self,
+        channel: symmpool::ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        deadline: symmpool::Deadline,
+    ) -> symmpool::Result<Vec<Vec<u8>>> {
+        self.rounds.lock().unwrap().push(op);
+        self.inner.all_gather_until(channel, op, payload, deadline)
+    }
+    fn open_channel_until(
+        &self,
+        name: &str,
+        deadline: symmpool::Deadline,
+    ) -> symmpool::Result<symmpool::ChannelId> {
+        self.inner.open_channel_until(name, deadline)
+    }
+}
+
+#[test]
+fn a_checked_growth_takes_its_agreement_round_and_no_other_check_round() {
+    // A growth among checked collectives: the growth's agreement is a record of the
+    // ledger, compared with the peers' collective records in its own round (no
+    // separate check round before it, as when the checks had a channel of their own).
+    let rounds = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let backends: Vec<_> = HostBackend::world(HostConfig::new(2).with_timeout(TIMEOUT))
+        .unwrap()
+        .into_iter()
+        .map(|b| {
+            let rounds = rounds.clone();
+            b.with_exchange(move |inner| std::sync::Arc::new(Counting { inner, rounds }))
+                .unwrap()
+        })
+        .collect();
+    let config = PoolConfig::default()
+        .with_check(CheckMode::Strict)
+        .with_timeout(TIMEOUT);
+    let pools = SymmPool::group(backends, &config).unwrap();
+    let stream = Stream::host();
+    let per_rank: Vec<Vec<&'static str>> = thread::scope(|s| {
+        let hs: Vec<_> = (pools.iter())
+            .map(|pool| {
+                s.spawn(|| {
+                    let coll = Coll::new(pool).unwrap();
+                    let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
+                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                    buf
+                })
+            })
+            .collect();
+        let bufs: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        rounds.lock().unwrap().clear();
+        let hs: Vec<_> = (pools.iter())
+            .map(|pool| s.spawn(|| pool.alloc(64 << 20, &stream).map(drop)))
+            .collect();
+        for h in hs {
+            h.join().unwrap().unwrap();
+        }
+        drop(bufs);
+        vec![rounds.lock().unwrap().clone()]
+    });
+    let all = &per_rank[0];
+    println!("rounds of one growth on both ranks: {all:?}");
+    let checks = all.iter().filter(|op| op.contains("check")).count();
+    assert_eq!(checks, 0, "{all:?}");
+    assert_eq!(
+        all.iter().filter(|op| **op == "growth").count(),
+        2,
+        "{all:?}"
+    );
+}

@@ -196,7 +196,8 @@ pub(crate) fn agree_records(
     mine: AgreementRecord,
     deadline: Deadline,
 ) -> Result<Vec<AgreementRecord>> {
-    let span = tracing::debug_span!(target: "symmpool::pool", "agreement", during, size = mine.size);
+    let span =
+        tracing::debug_span!(target: "symmpool::pool", "agreement", during, size = mine.size);
     let _entered = span.enter();
     let started = std::time::Instant::now();
     let op = mine.op;

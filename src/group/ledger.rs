@@ -299,7 +299,12 @@ impl Ledger {
         during: &'static str,
         deadline: Deadline,
     ) -> Result<Vec<AgreementRecord>> {
-        let n = self.settle(Some(Entry::Agreement(Box::new(mine))), deadline, during, false)?;
+        let n = self.settle(
+            Some(Entry::Agreement(Box::new(mine))),
+            deadline,
+            during,
+            false,
+        )?;
         let mut q = self.shared.queue.lock();
         let at = q.agreed.iter().position(|(k, _)| *k == n);
         at.map(|i| q.agreed.swap_remove(i).1)
@@ -358,7 +363,9 @@ impl Ledger {
             let deadline = room().cap(patience);
             while q.posted - q.compared > capacity && !q.done {
                 self.check()?;
-                if s.progress.wait_until(&mut q, deadline.instant()).timed_out()
+                if s.progress
+                    .wait_until(&mut q, deadline.instant())
+                    .timed_out()
                     && q.posted - q.compared > capacity
                 {
                     drop(q);
@@ -439,7 +446,10 @@ impl Drop for Ledger {
         s.posted.notify_all();
         if q.started {
             while !q.done {
-                if s.progress.wait_until(&mut q, deadline.instant()).timed_out() {
+                if s.progress
+                    .wait_until(&mut q, deadline.instant())
+                    .timed_out()
+                {
                     s.detached.store(true, Ordering::Release);
                     break;
                 }
@@ -533,7 +543,11 @@ impl Shared {
             .all_gather(c.channel, what, &payload, deadline.remaining())?;
         let me = c.exchange.rank();
         if all.len() != rounds.seen.len() {
-            self.fail(format!("{} payloads for {} ranks", all.len(), rounds.seen.len()));
+            self.fail(format!(
+                "{} payloads for {} ranks",
+                all.len(),
+                rounds.seen.len()
+            ));
             return Err(self.error());
         }
         for (rank, p) in all.iter().enumerate() {
@@ -551,7 +565,11 @@ impl Shared {
             }
         }
         while rounds.seen.iter().all(|q| !q.is_empty()) {
-            let heads: Vec<Entry> = rounds.seen.iter_mut().filter_map(VecDeque::pop_front).collect();
+            let heads: Vec<Entry> = rounds
+                .seen
+                .iter_mut()
+                .filter_map(VecDeque::pop_front)
+                .collect();
             rounds.compared += 1;
             let number = rounds.compared;
             if let Some(d) = self.compare(&heads, number) {

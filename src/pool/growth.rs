@@ -175,10 +175,7 @@ impl SymmPool {
         deadline: Deadline,
     ) -> Result<Vec<u64>> {
         let records = self.agree_naming(st, (op, during), size, extra, Vec::new(), deadline)?;
-        Ok(records
-            .iter()
-            .map(|r| r.extra)
-            .collect())
+        Ok(records.iter().map(|r| r.extra).collect())
     }
 
     /// [`agree`](Self::agree), naming this rank's `live` buffers in its record (a
@@ -203,8 +200,8 @@ impl SymmPool {
         ]);
         let pool = self.inner.channel.ordinal();
         let broken = st.broken.is_some();
-        let mine =
-            AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken).with_live(live);
+        let mine = AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken)
+            .with_live(live);
         if let Some(failure) = self.inner.ledger.failure() {
             // The ranks are out of step: no round (the pool is broken on every rank).
             return Err(Error::PoolBroken {

@@ -502,13 +502,21 @@ impl SymmPool {
 ///
 /// # Errors
 /// The errors of opening a channel and of [`Ledger::start`].
-fn ledger_of(backend: &Backend, config: &PoolConfig, mode: crate::CheckMode) -> Result<Arc<Ledger>> {
+fn ledger_of(
+    backend: &Backend,
+    config: &PoolConfig,
+    mode: crate::CheckMode,
+) -> Result<Arc<Ledger>> {
     let mut slot = backend.ledger_slot().lock();
-    let ledger = match slot.as_ref().and_then(|l| Arc::clone(l).downcast::<Ledger>().ok()) {
+    let ledger = match slot
+        .as_ref()
+        .and_then(|l| Arc::clone(l).downcast::<Ledger>().ok())
+    {
         Some(ledger) => ledger,
         None => {
             let exchange = backend.exchange_handle();
-            let channel = exchange.open_channel(&format!("ledger:{}", config.name), config.timeout)?;
+            let channel =
+                exchange.open_channel(&format!("ledger:{}", config.name), config.timeout)?;
             let collectives = backend.collectives_handle();
             let ledger = Arc::new(Ledger::new(LedgerConfig {
                 exchange,

@@ -215,9 +215,7 @@ impl SymmPool {
         let live_per_rank: Vec<u64> = records.iter().map(|r| r.extra).collect();
         if live_per_rank.iter().any(|&l| l > 0) {
             let buffers = (records.iter().enumerate())
-                .flat_map(|(rank, r)| {
-                    r.live.iter().map(move |b| (rank, b.to_string()))
-                })
+                .flat_map(|(rank, r)| r.live.iter().map(move |b| (rank, b.to_string())))
                 .collect();
             return Err(Error::BuffersAlive {
                 live_per_rank,
