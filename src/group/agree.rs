@@ -43,30 +43,44 @@ impl Op {
 /// A rank's readiness for a collective pool operation, carried in the agreement (as
 /// its per-rank value) so that a rank-local obstacle fails every rank the same way
 /// instead of leaving the others to time out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u64)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Readiness {
     /// Nothing stands in the way.
-    Ready = 1,
+    Ready,
     /// A stream of the operation is capturing a CUDA graph: no registration now.
-    Capturing = 2,
+    Capturing,
     /// A window registration failed earlier (on some rank; every rank learnt it in
     /// the growth's outcome round): the ranks' windows may be out of step.
-    RegistrationBroken = 3,
+    RegistrationBroken,
     /// This rank's pool is broken (a panic under its lock, an internal error).
-    PoolBroken = 4,
+    PoolBroken,
 }
 
-impl Readiness {
-    pub(crate) fn from_u64(x: u64) -> Option<Self> {
-        Some(match x {
-            1 => Readiness::Ready,
-            2 => Readiness::Capturing,
-            3 => Readiness::RegistrationBroken,
-            4 => Readiness::PoolBroken,
-            _ => return None,
-        })
-    }
+/// What a rank says in an agreement beside what the ranks compare: it may differ
+/// between ranks, and comes back to every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Note {
+    /// Before an operation: whether this rank can make it.
+    Ready(Readiness),
+    /// A growth's confirmation: whether this rank got its segment.
+    Allocated(bool),
+    /// After a registration: how it went on this rank.
+    Registration(Registered),
+    /// A `close`: this rank's live buffers.
+    Live(u64),
+}
+
+/// How a window registration went on a rank (its growth's outcome round).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Registered {
+    Yes,
+    /// It failed on this rank.
+    Failed,
+    /// The communicator has no symmetric support (no window, no failure).
+    NoWindow,
+    /// It waited for peers that did not come (a peer that failed before its round):
+    /// blamed only if no rank failed on its own.
+    Waited,
 }
 
 /// One rank's record of an agreement.
@@ -80,8 +94,8 @@ pub(crate) struct AgreementRecord {
     pub(crate) size: u64,
     pub(crate) hash: u64,
     pub(crate) state: u64,
-    /// A per-rank value that may differ (readiness, an outcome): returned, not compared.
-    pub(crate) extra: u64,
+    /// What the rank says beside the compared fields: returned, not compared.
+    pub(crate) extra: Note,
     /// The rank's pool is broken.
     pub(crate) broken: bool,
     pub(crate) recent: Vec<CallRecord>,
@@ -117,7 +131,7 @@ impl AgreementRecord {
         (pool, op): (u64, Op),
         size: u64,
         state: u64,
-        extra: u64,
+        extra: Note,
         broken: bool,
     ) -> Self {
         AgreementRecord {
@@ -212,7 +226,9 @@ pub(crate) fn agree_records(
             reason: format!("rank {rank}'s pool is broken"),
         });
     }
-    if records.iter().all(|r| r.op == Op::Close) && records.iter().any(|r| r.extra > 0) {
+    if records.iter().all(|r| r.op == Op::Close)
+        && (records.iter()).any(|r| matches!(r.extra, Note::Live(n) if n > 0))
+    {
         // Every rank closes and some hold live buffers: the close fails on them (a
         // buffer dropped late on one rank is a free in its history alone).
         return Ok(records);
@@ -317,7 +333,7 @@ mod tests {
     use crate::group::history::CallKind;
 
     fn rec(h: &History, op: Op, size: u64) -> AgreementRecord {
-        AgreementRecord::new(h, (0, op), size, 0, 0, false)
+        AgreementRecord::new(h, (0, op), size, 0, Note::Live(0), false)
     }
 
     /// How two ranks with these histories diverge at a growth.
@@ -388,8 +404,8 @@ mod tests {
     #[test]
     fn same_calls_different_state_is_a_divergence_without_a_call() {
         let a = History::new(4);
-        let x = AgreementRecord::new(&a, (0, Op::Grow), 1, 7, 0, false);
-        let y = AgreementRecord::new(&a, (0, Op::Grow), 1, 8, 0, false);
+        let x = AgreementRecord::new(&a, (0, Op::Grow), 1, 7, Note::Live(0), false);
+        let y = AgreementRecord::new(&a, (0, Op::Grow), 1, 8, Note::Live(0), false);
         let d = explain(&[x, y], "growth");
         assert_eq!(d.first_differing_call, None);
         assert!(d.to_string().contains("state digest"), "{d}");

@@ -15,7 +15,9 @@ mod ledger;
 mod record;
 mod registration;
 
-pub(crate) use agree::{AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Op, Readiness, agree_records};
+pub(crate) use agree::{
+    AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Note, Op, Readiness, Registered, agree_records,
+};
 pub(crate) use collective::{
     BufferRecord, CollKind, CollectiveRecord, RecordKind, dtype_code, reduce_code,
 };

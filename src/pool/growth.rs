@@ -10,7 +10,7 @@ use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{self, AgreementRecord, CallKind, Failure, Op, Readiness};
+use crate::group::{self, AgreementRecord, CallKind, Failure, Note, Op, Readiness, Registered};
 use crate::stream::Stream;
 use std::sync::Arc;
 use std::time::Instant;
@@ -131,10 +131,10 @@ impl SymmPool {
     /// without a stream of its own (`reserve`, `fit_to_peak`), if any stream the pool
     /// has allocated on, or any the backend knows (a pool that never allocated has none
     /// of its own), is.
-    pub(super) fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<u64> {
+    pub(super) fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<Note> {
         let ready = st.readiness();
         if ready != Readiness::Ready {
-            return Ok(ready as u64);
+            return Ok(Note::Ready(ready));
         }
         let streams = self.inner.backend.streams();
         let capturing = match stream {
@@ -146,7 +146,7 @@ impl SymmPool {
         } else {
             Readiness::Ready
         };
-        Ok(ready as u64)
+        Ok(Note::Ready(ready))
     }
 
     /// Whether any stream the pool has allocated on is capturing a CUDA graph; for a
@@ -171,9 +171,9 @@ impl SymmPool {
         op: Op,
         during: &'static str,
         size: u64,
-        extra: u64,
+        extra: Note,
         deadline: Deadline,
-    ) -> Result<Vec<u64>> {
+    ) -> Result<Vec<Note>> {
         let records = self.agree_naming(st, (op, during), size, extra, Vec::new(), deadline)?;
         Ok(records.iter().map(|r| r.extra).collect())
     }
@@ -185,7 +185,7 @@ impl SymmPool {
         st: &mut PoolState,
         (op, during): (Op, &'static str),
         size: u64,
-        extra: u64,
+        extra: Note,
         live: Vec<group::LiveBuffer>,
         deadline: Deadline,
     ) -> Result<Vec<AgreementRecord>> {
@@ -242,11 +242,13 @@ impl SymmPool {
             Op::Grow,
             "growth confirmation",
             size_bytes,
-            u64::from(local.is_ok()),
+            Note::Allocated(local.is_ok()),
             deadline,
         );
         let failed: Vec<usize> = match &confirmed {
-            Ok(flags) => (0..flags.len()).filter(|&r| flags[r] != 1).collect(),
+            Ok(notes) => (0..notes.len())
+                .filter(|&r| notes[r] != Note::Allocated(true))
+                .collect(),
             Err(_) => Vec::new(),
         };
         let segment = match (local, confirmed) {
@@ -338,26 +340,20 @@ impl SymmPool {
         local: Result<()>,
         deadline: Deadline,
     ) -> Result<()> {
-        const REGISTERED: u64 = 1;
-        const FAILED: u64 = 2;
-        const NO_WINDOW: u64 = 3;
-        // The registration waited for peers that did not come (a peer that failed
-        // before its round): blamed only if no rank failed on its own.
-        const WAITED: u64 = 4;
         let mine = match &local {
-            Ok(()) => REGISTERED,
-            Err(Error::NoSymmetricSupport { .. }) => NO_WINDOW,
+            Ok(()) => Registered::Yes,
+            Err(Error::NoSymmetricSupport { .. }) => Registered::NoWindow,
             Err(Error::Timeout { .. } | Error::NcclTimeout { .. } | Error::GroupBroken { .. }) => {
-                WAITED
+                Registered::Waited
             }
-            Err(_) => FAILED,
+            Err(_) => Registered::Failed,
         };
         let flags = match self.agree(
             st,
             Op::Grow,
             "growth registration outcome",
             size_bytes,
-            mine,
+            Note::Registration(mine),
             deadline,
         ) {
             Ok(flags) => flags,
@@ -369,14 +365,19 @@ impl SymmPool {
                 return Err(error);
             }
         };
-        let failed = flags.iter().position(|&f| f == FAILED);
-        let waited = flags.iter().position(|&f| f == WAITED);
-        let unknown = flags
-            .iter()
-            .position(|&f| f != REGISTERED && f != NO_WINDOW);
-        if let Some(rank) = failed.or(waited).or(unknown) {
+        let find = |r: Registered| flags.iter().position(|&f| f == Note::Registration(r));
+        let unknown = (flags.iter()).position(|&f| {
+            !matches!(
+                f,
+                Note::Registration(Registered::Yes | Registered::NoWindow)
+            )
+        });
+        if let Some(rank) = find(Registered::Failed)
+            .or(find(Registered::Waited))
+            .or(unknown)
+        {
             let (error, reason) = match local {
-                Err(e) if mine == FAILED || rank == self.rank() => {
+                Err(e) if mine == Registered::Failed || rank == self.rank() => {
                     let reason = e.to_string();
                     (e, reason)
                 }
@@ -394,7 +395,7 @@ impl SymmPool {
             st.registration_broken = Some((rank, reason));
             return Err(error);
         }
-        if flags.contains(&NO_WINDOW) {
+        if flags.contains(&Note::Registration(Registered::NoWindow)) {
             return Err(local.err().unwrap_or(Error::NoSymmetricSupport { comm }));
         }
         Ok(())

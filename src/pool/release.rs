@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::core::SegmentId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Op};
+use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
 use crate::observe::MemoryAction;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
@@ -152,7 +152,7 @@ impl SymmPool {
     pub fn trim(&self) -> Result<u64> {
         let mut st = self.begin(CallKind::Trim)?;
         let deadline = Deadline::after(self.inner.config.timeout);
-        let ready = st.readiness() as u64;
+        let ready = Note::Ready(st.readiness());
         let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
         st.all_ready(&flags)?;
         let released = st.core.release_free_segments();
@@ -205,14 +205,25 @@ impl SymmPool {
         };
         // The close's agreement follows every record of this rank in the ledger: a
         // divergence still in flight is found in its rounds, on every rank.
-        let records =
-            match self.agree_naming(&mut st, (Op::Close, "close"), 0, live, named, deadline) {
-                Err(Error::CollectiveDivergence(d)) => {
-                    return self.close_alone(st, live, d.to_string(), deadline);
-                }
-                out => out?,
-            };
-        let live_per_rank: Vec<u64> = records.iter().map(|r| r.extra).collect();
+        let records = match self.agree_naming(
+            &mut st,
+            (Op::Close, "close"),
+            0,
+            Note::Live(live),
+            named,
+            deadline,
+        ) {
+            Err(Error::CollectiveDivergence(d)) => {
+                return self.close_alone(st, live, d.to_string(), deadline);
+            }
+            out => out?,
+        };
+        let live_per_rank: Vec<u64> = (records.iter())
+            .map(|r| match r.extra {
+                Note::Live(n) => n,
+                _ => 0,
+            })
+            .collect();
         if live_per_rank.iter().any(|&l| l > 0) {
             let buffers = (records.iter().enumerate())
                 .flat_map(|(rank, r)| r.live.iter().map(move |b| (rank, b.to_string())))

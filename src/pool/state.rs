@@ -4,7 +4,7 @@
 use crate::backend::{Segment, Window};
 use crate::core::{Allocator, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
-use crate::group::{Failure, History, Readiness};
+use crate::group::{Failure, History, Note, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -134,11 +134,16 @@ impl PoolState {
 
     /// Turn the ranks' readiness flags into the same error on every rank. A peer's
     /// broken pool breaks this rank's too: the ranks can no longer make the same calls.
-    pub(crate) fn all_ready(&mut self, flags: &[u64]) -> Result<()> {
-        let flags: Vec<Option<Readiness>> = flags.iter().map(|&f| Readiness::from_u64(f)).collect();
+    pub(crate) fn all_ready(&mut self, notes: &[Note]) -> Result<()> {
+        let flags: Vec<Option<Readiness>> = (notes.iter())
+            .map(|n| match n {
+                Note::Ready(r) => Some(*r),
+                _ => None,
+            })
+            .collect();
         if let Some(rank) = flags.iter().position(Option::is_none) {
             return Err(Error::Internal {
-                what: format!("rank {rank} sent an unknown readiness flag"),
+                what: format!("rank {rank} sent no readiness in its agreement"),
             });
         }
         let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
