@@ -21,7 +21,7 @@ mod fsdp_trace;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use fsdp_trace::{TraceOp, buffers, layer_sizes, random_layer_sizes, trace_of};
 use std::hint::black_box;
-use symmpool::core::{AllocError, AllocRequest, Allocator, CoreConfig, Placement, StreamId};
+use symmpool::__core::{AllocError, AllocRequest, Allocator, CoreConfig, Placement, StreamId};
 
 const LIVE: [usize; 3] = [1_000, 10_000, 100_000];
 /// Sizes cycled through by the timed pair.

@@ -20,8 +20,6 @@
 //! median of 5 repetitions; modes are interleaved within a repetition.
 //!
 //! Run: `cargo bench --bench gpu_collectives -- [alloc] [regcost] [ag] [rs] [ar] [overlap]`
-// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
-#![allow(deprecated)]
 
 #[cfg(feature = "nccl")]
 #[path = "../tests/common/fsdp_trace.rs"]
@@ -45,7 +43,7 @@ mod gpu {
     use std::ffi::c_void;
     use std::sync::{Arc, Barrier};
     use std::time::Instant;
-    use symmpool::backend::{NcclBackend, NcclWorldConfig};
+    use symmpool::backend::{NcclBackend, NcclConfig};
     use symmpool::coll::{self, Path};
     use symmpool::{
         Coll, CollectiveCalls, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16,
@@ -609,6 +607,14 @@ mod gpu {
         }
     }
 
+    /// Window registrations made by `pool`, over its communicators.
+    fn registrations(pool: &SymmPool) -> u64 {
+        (pool.memory_stats().iter())
+            .filter(|(k, _)| k.starts_with("registrations."))
+            .filter_map(|(_, v)| v.as_u64())
+            .sum()
+    }
+
     fn section_alloc(r: &Rank, backend: &symmpool::Backend) {
         let lead = r.backend_rank() == 0;
         let ops = fsdp_trace::trace(1);
@@ -620,7 +626,7 @@ mod gpu {
         let mut calls = 0usize;
         for s in 0..steps {
             r.barrier.wait();
-            let before = pool.stats().registrations.iter().sum::<u64>();
+            let before = registrations(&pool);
             let start = Instant::now();
             for op in &ops {
                 match *op {
@@ -632,12 +638,12 @@ mod gpu {
                 calls += 1;
             }
             step_times.push(start.elapsed().as_secs_f64());
-            let added = pool.stats().registrations.iter().sum::<u64>() - before;
+            let added = registrations(&pool) - before;
             if s > 0 {
                 regs_after_first += added;
             }
         }
-        let stats = pool.stats();
+        let registered = registrations(&pool);
         let first = step_times[0];
         let rest: f64 = step_times[1..].iter().sum();
         let rest_calls = (steps - 1) * ops.len();
@@ -693,7 +699,7 @@ mod gpu {
             println!(
                 "{:<34} {:>14} {:>11.2} us {:>13.1} ms",
                 "pool, first step (warm-up)",
-                stats.registrations.iter().sum::<u64>() - regs_after_first,
+                registered - regs_after_first,
                 first / ops.len() as f64 * 1e6,
                 first * 1e3
             );
@@ -739,7 +745,7 @@ mod gpu {
         let version = symmpool::backend::nccl::nccl_version().unwrap();
         // Every visible GPU (2 on the project's machine; 4 or 8 for the scaling run).
         let devices: Vec<usize> = (0..count).collect();
-        let backends = match NcclBackend::local_world(&devices, NcclWorldConfig::default()) {
+        let backends = match NcclBackend::local_world(&devices, NcclConfig::default()) {
             Ok(b) => b,
             Err(e) => {
                 println!("skipped: {e}");

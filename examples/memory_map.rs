@@ -10,7 +10,11 @@
 //! `PATH.json`), drawn side by side with `render_ranks` (the snapshots of the first
 //! pool name, ordered by rank).
 
-use symmpool::observe::{PoolSnapshot, render_ranks, render_svg};
+#[path = "support/render.rs"]
+mod render;
+
+use render::{render_ranks, render_svg};
+use symmpool::observe::PoolSnapshot;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -44,7 +44,7 @@ fn launch(world: usize) -> std::io::Result<bool> {
 fn rank_main() -> symmpool::Result<()> {
     let exchange = Arc::new(StoreExchange::from_env()?);
     let backend = ShmBackend::join(exchange, ShmConfig::default())?;
-    let pool = SymmPool::new(backend, PoolConfig::default())?;
+    let pool = SymmPool::new(backend, PoolConfig::from_env())?;
     let coll = Coll::new(&pool)?;
     let (rank, world, n) = (pool.rank(), pool.world_size(), 1 << 16);
     let stream = Stream::host();

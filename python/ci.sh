@@ -41,6 +41,9 @@ for sym in symmpool_alloc symmpool_free PyInit__ext; do
 done
 echo "   $(basename "$whl"): symmpool_alloc, symmpool_free exported"
 
+echo "== cargo test: PyTorch's snapshot format (python/src/torch.rs, no Python needed)"
+(cd "$root" && cargo test -p symmpool-python --test torch_snapshot)
+
 echo "== pytest"
 cd "$root"
 set +e

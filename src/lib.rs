@@ -11,15 +11,18 @@
 //! few registered segments, registers each segment once per communicator, and makes
 //! exactly the same placement decision on every rank. That pool is this crate.
 //!
+//! The modules are floors, each importing only those above it in this table
+//! (`docs/ARCHITECTURE.md` in the repository has the picture; a test checks it):
+//!
 //! | layer | module | what |
 //! |---|---|---|
-//! | core | [`core`] | deterministic best-fit caching allocator; pure data structures, no unsafe |
+//! | core | (internal; [`CoreConfig`], [`SegmentId`], … re-exported) | deterministic best-fit caching allocator; pure data structures, no unsafe |
 //! | control | [`control`] | the control plane the ranks agree over: [`Exchange`] with channels and deadlines, [`LocalExchange`] (threads), [`StoreExchange`] (one process per rank, a TCP rendezvous store), launcher environment ([`Launch`]) |
 //! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), [`ShmBackend`] (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
 //! | group | (internal) | what the ranks compare: the ledger (one ordered stream of agreements and collective records per communicator set, one verdict), call history and hash, the registration-order round |
-//! | pool | [`SymmPool`] | core + backend + windows; agreement among ranks; `scope`; trim/close |
+//! | pool | (internal; [`SymmPool`], [`PoolConfig`], … re-exported) | core + backend + windows; agreement among ranks; `scope`; trim/close; the allocation history |
 //! | collectives | [`coll`] | a [`Coll`] handle made from a pool, whose [`CollectiveCalls`] (import the trait) run all-gather / reduce-scatter / all-reduce on its buffers, checked, with the path reported |
-//! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots, memory-map SVGs |
+//! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots (it only reads the pool) |
 //!
 //! ```
 //! use symmpool::{PoolConfig, Stream, SymmPool};
@@ -75,7 +78,7 @@
 pub mod backend;
 pub mod coll;
 pub mod control;
-pub mod core;
+mod core;
 mod deadline;
 mod dtype;
 mod error;
@@ -86,14 +89,18 @@ mod stream;
 
 pub use backend::{Backend, HostBackend, HostConfig};
 #[cfg(feature = "nccl")]
-pub use backend::{NcclBackend, NcclConfig, NcclWorldConfig};
+pub use backend::{NcclBackend, NcclConfig};
 #[cfg(target_os = "linux")]
 pub use backend::{ShmBackend, ShmConfig};
 pub use coll::{Coll, CollectiveCalls};
 pub use control::{
     ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
 };
-pub use core::{CoreStats, Snapshot};
+// The core's types that the public API names (the core itself is internal).
+pub use core::{
+    AllocError, BlockId, CoreConfig, Fence, Growth, GrowthPolicy, InvariantViolation, SegmentId,
+    SizeClass, StreamId,
+};
 pub use deadline::Deadline;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CollectiveDivergence, Divergence, Error, ErrorKind, NcclVersion, Result};
@@ -102,10 +109,19 @@ pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::CudaView;
 pub use pool::{
-    FitReport, MAX_HISTORY, PoolConfig, PoolStats, SymmBuffer, SymmPool, TypedView, alloc,
-    alloc_aligned, current,
+    FitReport, MAX_HISTORY, PoolConfig, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned,
+    current,
 };
 pub use stream::Stream;
+
+/// The allocator core, whole, for the crate's own tests, benchmarks and fuzz target
+/// (which drive [`Allocator`](crate::__core::Allocator) directly). **Not public API**:
+/// hidden from the documentation, with no stability promise; it may change or go in
+/// any release. Users name the core's types from the crate root.
+#[doc(hidden)]
+pub mod __core {
+    pub use crate::core::*;
+}
 
 /// The README's Rust examples, compiled and run as doctests.
 #[cfg(doctest)]

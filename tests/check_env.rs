@@ -1,5 +1,6 @@
-//! `SYMMPOOL_CHECK` (issue 26, item 3): the environment sets the default check mode of
-//! the collectives handles, code that sets the mode beats it, and a value that names no
+//! `SYMMPOOL_CHECK` (issue 26, item 3): the environment sets the check mode of the
+//! collectives handles through `PoolConfig::from_env` (never `default`), code that sets
+//! the mode beats it, and a value that names no
 //! mode is a typed configuration error when the handle is made. One test, so that the
 //! process environment changes in one thread only.
 
@@ -33,7 +34,8 @@ fn modes(config: PoolConfig) -> Result<Vec<CheckMode>, Error> {
 #[test]
 fn the_environment_sets_the_default_check_mode() {
     set(None);
-    assert_eq!(PoolConfig::default().check, CheckMode::Async);
+    assert_eq!(PoolConfig::from_env().check, CheckMode::Async);
+    assert_eq!(PoolConfig::from_env(), PoolConfig::default());
     assert_eq!(modes(PoolConfig::default()).unwrap(), [CheckMode::Async; 2]);
     for (value, mode) in [
         ("strict", CheckMode::Strict),
@@ -42,18 +44,21 @@ fn the_environment_sets_the_default_check_mode() {
         ("", CheckMode::Async),
     ] {
         set(Some(value));
-        assert_eq!(PoolConfig::default().check, mode, "{value:?}");
+        assert_eq!(PoolConfig::from_env().check, mode, "{value:?}");
+        // `default()` reads no environment.
+        assert_eq!(PoolConfig::default().check, CheckMode::Async, "{value:?}");
         assert_eq!(
-            modes(PoolConfig::default()).unwrap(),
+            modes(PoolConfig::from_env()).unwrap(),
             [mode; 2],
             "{value:?}"
         );
         // Code beats the environment.
-        let coded = PoolConfig::default().with_check(CheckMode::Off);
+        let coded = PoolConfig::from_env().with_check(CheckMode::Off);
         assert_eq!(modes(coded).unwrap(), [CheckMode::Off; 2]);
     }
     set(Some("paranoid"));
-    let err = modes(PoolConfig::default()).unwrap_err();
+    assert_eq!(modes(PoolConfig::default()).unwrap(), [CheckMode::Async; 2]);
+    let err = modes(PoolConfig::from_env()).unwrap_err();
     assert!(
         matches!(
             err,
@@ -67,7 +72,7 @@ fn the_environment_sets_the_default_check_mode() {
     assert_eq!(err.kind(), ErrorKind::Configuration);
     assert!(err.to_string().contains("paranoid"), "{err}");
     // A mode set in code makes the bad value harmless.
-    let coded = PoolConfig::default().with_check(CheckMode::Strict);
+    let coded = PoolConfig::from_env().with_check(CheckMode::Strict);
     assert_eq!(modes(coded).unwrap(), [CheckMode::Strict; 2]);
     set(None);
 }

@@ -1,8 +1,6 @@
 //! Collectives on the host backend: real data movement and summation against a
 //! host-computed reference, for every element type, both placements, odd sizes, and
 //! the paths reported; plus the errors for inconsistent calls.
-// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
-#![allow(deprecated)]
 
 use std::thread;
 use std::time::Duration;
@@ -261,7 +259,12 @@ fn a_pool_that_does_not_register_runs_plain() {
         let stream = Stream::host();
         let buf = pool.alloc(2 * (64 << 20), &stream).unwrap();
         let p = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap().path;
-        (p, pool.stats().registrations)
+        let stats = pool.memory_stats();
+        let role = |r: &str| stats[&format!("registrations.{r}")].as_u64().unwrap();
+        (
+            p,
+            vec![role("symmetric"), role("copy_engine"), role("plain")],
+        )
     });
     for (p, regs) in paths {
         assert_eq!(p, Path::PlainKernel);
@@ -479,7 +482,7 @@ fn duration_max_timeouts_work_in_every_public_call() {
             pool.fit_to_peak().unwrap();
             pool.trim().unwrap();
             pool.close().unwrap();
-            pool.stats().calls
+            pool.memory_stats()["calls"].as_u64().unwrap()
         });
         assert_eq!(reports[0], reports[1], "{mode:?}");
     }

@@ -14,7 +14,7 @@
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::FileFailurePersistence;
-use symmpool::core::{
+use symmpool::__core::{
     AllocError, AllocRequest, Allocator, BlockId, CoreConfig, Fence, Placement, Snapshot, StreamId,
     Wait,
 };
@@ -109,13 +109,13 @@ struct Rank {
 #[derive(Debug, PartialEq, Eq)]
 enum Outcome {
     Alloc {
-        growth: Option<symmpool::core::Growth>,
+        growth: Option<symmpool::__core::Growth>,
         result: Result<Placement, AllocError>,
     },
     Free(Vec<StreamId>),
     Record(Vec<StreamId>),
-    Released(Vec<(symmpool::core::SegmentId, u64)>),
-    Fitted(symmpool::core::FitPlan, Vec<symmpool::core::SegmentId>),
+    Released(Vec<(symmpool::__core::SegmentId, u64)>),
+    Fitted(symmpool::__core::FitPlan, Vec<symmpool::__core::SegmentId>),
     None,
 }
 
@@ -277,7 +277,7 @@ fn layout(s: &Snapshot) -> Vec<(u32, u64, Vec<BlockLayout>)> {
                             b.offset_bytes,
                             b.size_bytes,
                             b.requested_bytes,
-                            b.state == symmpool::core::BlockState::Allocated,
+                            b.state == symmpool::__core::BlockState::Allocated,
                         )
                     })
                     .collect(),

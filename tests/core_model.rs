@@ -5,7 +5,7 @@
 //! the segments with their class and size, and the free ranges *between* live blocks
 //! (each with the fences freed into it). It has no size-class index, no slab and no
 //! neighbour links: best fit is a sort of all free ranges on every call, and it follows
-//! the algorithm and growth table written in `symmpool::core`'s documentation.
+//! the algorithm and growth table written in the allocator core's documentation (`src/core/`).
 //!
 //! Every transition is checked twice: against properties that need no model (ranges
 //! aligned, inside their segment, disjoint from every live range; waits never name the
@@ -19,7 +19,7 @@ use proptest::strategy::Union;
 use proptest::test_runner::FileFailurePersistence;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use std::collections::{BTreeMap, BTreeSet};
-use symmpool::core::{
+use symmpool::__core::{
     AllocError, AllocRequest, Allocator, BlockId, BlockSnapshot, BlockState, CoreConfig, CoreStats,
     Fence, FitPlan, Growth, SegmentId, SegmentSnapshot, SizeClass, Stat, StreamId, Wait,
 };
@@ -214,7 +214,7 @@ fn stat_sub(s: &mut Stat, x: u64) {
     s.current -= x;
 }
 
-fn class_stats(s: &mut CoreStats, class: SizeClass) -> &mut symmpool::core::ClassStats {
+fn class_stats(s: &mut CoreStats, class: SizeClass) -> &mut symmpool::__core::ClassStats {
     match class {
         SizeClass::Small => &mut s.small,
         SizeClass::Large => &mut s.large,
@@ -906,7 +906,7 @@ impl Sut {
     /// Checks that need no model: the new range is aligned, whole units, inside its
     /// segment and disjoint from every live range; the waits are sorted, one per
     /// stream, and never name the allocating stream.
-    fn check_placement(&self, req: AllocRequest, p: &symmpool::core::Placement) {
+    fn check_placement(&self, req: AllocRequest, p: &symmpool::__core::Placement) {
         let align = req.align_bytes.max(UNIT);
         assert_eq!(p.offset_bytes % align, 0, "misaligned: {p:?} for {req:?}");
         assert_eq!(p.size_bytes % UNIT, 0, "{p:?}");

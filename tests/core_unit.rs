@@ -1,7 +1,7 @@
 //! Unit tests of the core through its public API: rounding, exact fit, split,
 //! coalescing, alignment, stale handles, size limits, streams and growth.
 
-use symmpool::core::*;
+use symmpool::__core::*;
 
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);

@@ -6,7 +6,7 @@ mod common;
 use common::fsdp_trace::{
     TraceOp, buffers, example, layer_sizes, random_layer_sizes, trace, trace_of,
 };
-use symmpool::core::{
+use symmpool::__core::{
     AllocError, AllocRequest, Allocator, CoreConfig, CoreStats, Placement, StreamId,
 };
 

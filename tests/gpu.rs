@@ -18,8 +18,6 @@
 //! outside the crate, set-up (control communicator, blocking data communicators,
 //! warm-up) under deadlines, the watchdog, raw streams. Two GPUs: set-up in two processes with collectives, and `kill -9` of one
 //! rank inside a window registration and inside a collective.
-// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
-#![allow(deprecated)]
 
 #[cfg(not(feature = "nccl"))]
 fn main() {
@@ -48,6 +46,7 @@ mod gpu_tests {
     use super::common;
     use super::gpu_math;
 
+    use common::figures::{count, per_comm, segments};
     use common::gpu::{on_ranks, trial};
     use std::time::{Duration, SystemTime};
     use symmpool::coll::Path;
@@ -98,33 +97,33 @@ mod gpu_tests {
                     .collect::<Vec<_>>()
             };
             let first_places = step();
-            let first = pool.stats();
+            let first = pool.memory_stats();
             let later_places = step();
-            let later = pool.stats();
+            let later = pool.memory_stats();
             assert_eq!(first_places, later_places);
+            let per = |m: &symmpool::observe::MemoryStats, what: &str| per_comm(pool, m, what);
+            let first = (
+                count(&first, "segment.all.current"),
+                per(&first, "registrations"),
+                per(&first, "windows"),
+                first["growth_seconds"].as_f64(),
+            );
+            let later_registrations = per(&later, "registrations");
             pool.close().unwrap();
-            (first, later, first_places)
+            (first, later_registrations, first_places)
         });
-        for (first, later, places) in &out {
-            let segs = first.core.segments.current;
+        for ((segs, registrations, windows, growth_seconds), later, places) in &out {
+            let segs = *segs;
             eprintln!(
-                "registrations {:?} segments {segs} growth {:.1} ms",
-                first.registrations,
-                first.growth_seconds * 1e3
+                "registrations {registrations:?} segments {segs} growth {:.1} ms",
+                growth_seconds * 1e3
             );
             // Six buffers (432 MiB and a page) in at least one large segment and the
             // small-block segment; the registered growth policy packs them into few.
             assert!((2..=6).contains(&segs), "{segs} segments");
-            assert_eq!(first.registrations, vec![segs, segs, 0]);
-            assert_eq!(
-                first.windows,
-                vec![segs, segs, 0],
-                "NCCL gave non-NULL windows"
-            );
-            assert_eq!(
-                later.registrations, first.registrations,
-                "second step registered"
-            );
+            assert_eq!(registrations, &vec![segs, segs, 0]);
+            assert_eq!(windows, &vec![segs, segs, 0], "NCCL gave non-NULL windows");
+            assert_eq!(later, registrations, "second step registered");
             assert_eq!(places, &out[0].2, "ranks placed differently");
         }
     }
@@ -521,8 +520,12 @@ mod gpu_tests {
             .iter()
             .map(|&b| pool.alloc(b, &stream).unwrap())
             .collect();
-        let stats = pool.stats();
-        let segs = stats.core.segments.current;
+        let stats = pool.memory_stats();
+        let segs = count(&stats, "segment.all.current");
+        let (registrations, windows) = (
+            per_comm(pool, &stats, "registrations"),
+            per_comm(pool, &stats, "windows"),
+        );
         let registering: Vec<bool> = pool
             .backend()
             .communicators()
@@ -530,15 +533,15 @@ mod gpu_tests {
             .map(|c| c.registers)
             .collect();
         eprintln!(
-            "roles {:?} registrations {:?} windows {:?} segments {segs} granularity {} B",
-            stats.roles,
-            stats.registrations,
-            stats.windows,
+            "roles {:?} registrations {registrations:?} windows {windows:?} segments {segs} granularity {} B",
+            (pool.backend().communicators().iter())
+                .map(|c| c.role)
+                .collect::<Vec<_>>(),
             pool.backend().granularity_bytes()
         );
         for (c, &r) in registering.iter().enumerate() {
-            assert_eq!(stats.registrations[c], if r { segs } else { 0 });
-            assert!(stats.windows[c] <= stats.registrations[c]);
+            assert_eq!(registrations[c], if r { segs } else { 0 });
+            assert!(windows[c] <= registrations[c]);
         }
         for b in &bufs {
             let p = b.device_ptr().unwrap();
@@ -550,10 +553,11 @@ mod gpu_tests {
         }
         drop(bufs);
         pool.close().unwrap();
-        let after = pool.stats();
-        assert_eq!(after.core.segments.current, 0);
-        assert_eq!(after.windows, vec![0; after.windows.len()]);
-        assert_eq!(after.deregistrations, stats.windows);
+        let after = pool.memory_stats();
+        assert_eq!(count(&after, "segment.all.current"), 0);
+        let after_windows = per_comm(pool, &after, "windows");
+        assert_eq!(after_windows, vec![0; after_windows.len()]);
+        assert_eq!(per_comm(pool, &after, "deregistrations"), windows);
     }
 
     /// A host function that holds its stream until released (or 60 s pass).
@@ -930,7 +934,7 @@ mod gpu_tests {
         let ag_out = pool.alloc(bytes, &stream).unwrap();
         let rs_in = pool.alloc(bytes, &stream).unwrap();
         let rs_out = pool.alloc(bytes, &stream).unwrap();
-        let segments = pool.stats().core.segments.current;
+        let before = segments(pool);
         let cs = stream.cuda_stream().unwrap().clone();
         cs.synchronize().unwrap();
         cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
@@ -947,7 +951,7 @@ mod gpu_tests {
         let graph = cs.end_capture(CUgraphInstantiate_flags(0));
         captured.expect("collectives under capture");
         let graph = graph.unwrap().expect("a graph with the collectives");
-        assert_eq!(pool.stats().core.segments.current, segments);
+        assert_eq!(segments(pool), before);
         for replay in 0..10 {
             let a: Vec<f32> = (0..count).map(|i| (i * 3 + replay) as f32).collect();
             let b: Vec<f32> = (0..count).map(|i| (i * 7 + 2 * replay) as f32).collect();
@@ -1022,9 +1026,9 @@ mod gpu_tests {
     /// `Strict` is for.
     fn gpu_checked_collectives_catch_every_divergence_on_nccl() {
         use common::checked::{ALL, Scenario, check_async, check_strict};
-        use symmpool::backend::{NcclBackend, NcclWorldConfig};
+        use symmpool::backend::{NcclBackend, NcclConfig};
         let timeout = Duration::from_secs(5);
-        let world = || NcclBackend::local_world(&[0, 1], NcclWorldConfig::default()).unwrap();
+        let world = || NcclBackend::local_world(&[0, 1], NcclConfig::default()).unwrap();
         for s in ALL {
             let started = std::time::Instant::now();
             check_strict(world(), timeout, s);
@@ -1425,13 +1429,9 @@ mod gpu_tests {
             .iter()
             .map(|&b| pool.alloc(b, &stream).unwrap())
             .collect();
-        let stats = pool.stats();
-        eprintln!(
-            "registrations {:?} in {:?}",
-            stats.registrations,
-            started.elapsed()
-        );
-        assert!(stats.registrations.iter().any(|&r| r > 0));
+        let registrations = per_comm(&pool, &pool.memory_stats(), "registrations");
+        eprintln!("registrations {registrations:?} in {:?}", started.elapsed());
+        assert!(registrations.iter().any(|&r| r > 0));
         let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
         assert!(nccl.health().is_ok());
         let roles = pool.backend().communicators();

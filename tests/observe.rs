@@ -1,23 +1,22 @@
 //! Observability: tracing events of the slow paths (captured by a small layer),
 //! silence when off, the flat statistics against a recount, snapshots through JSON,
-//! and the memory-map pictures.
-// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
-#![allow(deprecated)]
+//! and the memory-map pictures (the examples' renderer, `examples/support/render.rs`).
 
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, Once};
-use symmpool::core::{SegmentId, SizeClass, StreamId};
-use symmpool::observe::{
-    BlockStatus, BlockView, PoolSnapshot, SegmentView, StatValue, WindowView, render_ranks,
-    render_svg,
-};
+use symmpool::observe::{BlockStatus, BlockView, PoolSnapshot, SegmentView, StatValue, WindowView};
 use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
+use symmpool::{SegmentId, SizeClass, StreamId};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::{Layer, Registry};
+
+#[path = "../examples/support/render.rs"]
+mod render;
+use render::{render_ranks, render_svg};
 
 /// One captured event or span: level, kind, name (the message of an event), fields.
 #[derive(Debug, Clone)]
@@ -388,10 +387,6 @@ proptest! {
                 all[6]
             );
             prop_assert_eq!(count(s, "num_ooms"), 0);
-            // The same figures as the plain statistics.
-            let plain = pool.stats();
-            prop_assert_eq!(plain.core.allocated_bytes.current, all[0]);
-            prop_assert_eq!(count(s, "agreements"), plain.agreements);
         }
         drop(live);
         pool.close().unwrap();
@@ -495,6 +490,7 @@ fn known(rank: usize) -> PoolSnapshot {
                 id: SegmentId(0),
                 class: SizeClass::Small,
                 size_bytes: 2 << 20,
+                address: None,
                 windows: windows.clone(),
                 blocks: vec![
                     block(0, 1024, Some(7), BlockStatus::Allocated),
@@ -507,6 +503,7 @@ fn known(rank: usize) -> PoolSnapshot {
                 id: SegmentId(1),
                 class: SizeClass::Large,
                 size_bytes: 1 << 30,
+                address: None,
                 windows,
                 blocks: vec![
                     block(0, 1 << 29, Some(11), BlockStatus::Allocated),
@@ -542,7 +539,7 @@ fn the_picture_has_one_element_per_block_and_segment() {
         .unwrap()
         .parse()
         .unwrap();
-    assert!(width >= symmpool::observe::MIN_BLOCK_PX, "{width}");
+    assert!(width >= render::MIN_BLOCK_PX, "{width}");
 }
 
 #[test]

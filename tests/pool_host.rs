@@ -1,15 +1,13 @@
 //! The pool on the host backend: determinism across 2, 4 and 8 ranks, registration
 //! counts, divergence, bad input, scopes, trim and close.
-// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
-#![allow(deprecated)]
-
 mod common;
 
+use common::figures::{count, per_comm, segments};
 use common::rng::Rng;
 use std::sync::Barrier;
 use std::thread;
 use std::time::Duration;
-use symmpool::core::SegmentId;
+use symmpool::SegmentId;
 use symmpool::{
     Coll, CollectiveCalls, Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll,
 };
@@ -21,7 +19,7 @@ const MIB: u64 = 1 << 20;
 fn config() -> PoolConfig {
     PoolConfig::default()
         .with_timeout(Duration::from_secs(5))
-        .with_core(symmpool::core::CoreConfig::default())
+        .with_core(symmpool::CoreConfig::default())
 }
 
 /// Run `f(pool)` on one thread per rank and collect the results in rank order.
@@ -90,9 +88,9 @@ fn placements(world: usize, seed: u64) {
             pool.check_invariants().unwrap();
         }
         drop(live);
-        let stats = pool.stats();
+        let registrations = per_comm(pool, &pool.memory_stats(), "registrations");
         pool.close().unwrap();
-        (seen, stats.registrations, pool.snapshot())
+        (seen, registrations)
     });
     for (rank, o) in out.iter().enumerate() {
         assert_eq!(o.0, out[0].0, "rank {rank} placed differently from rank 0");
@@ -130,23 +128,26 @@ fn registers_once_per_segment_and_communicator() {
             drop(bufs);
         };
         step();
-        let first = pool.stats();
+        let first = pool.memory_stats();
         step();
         step();
-        let later = pool.stats();
-        (first, later)
+        let later = pool.memory_stats();
+        let per = |m: &symmpool::observe::MemoryStats, what: &str| per_comm(pool, m, what);
+        (
+            count(&first, "segment.all.current"),
+            [&first, &later].map(|m| per(m, "registrations")),
+            per(&first, "windows"),
+            [&first, &later].map(|m| count(m, "num_device_alloc")),
+            [&first, &later].map(|m| count(m, "agreements")),
+        )
     });
-    for (first, later) in out {
+    for (segments, registrations, windows, growths, agreements) in out {
         // Symmetric and copy-engine communicators register, the plain one never.
-        let segments = first.core.segments.current;
-        assert_eq!(first.registrations, vec![segments, segments, 0]);
-        assert_eq!(first.windows, vec![segments, segments, 0]);
-        assert_eq!(
-            later.registrations, first.registrations,
-            "no new registrations"
-        );
-        assert_eq!(later.core.num_growths, first.core.num_growths);
-        assert_eq!(later.agreements, first.agreements);
+        assert_eq!(registrations[0], vec![segments, segments, 0]);
+        assert_eq!(windows, vec![segments, segments, 0]);
+        assert_eq!(registrations[1], registrations[0], "no new registrations");
+        assert_eq!(growths[1], growths[0]);
+        assert_eq!(agreements[1], agreements[0]);
     }
 }
 
@@ -278,9 +279,9 @@ fn bad_sizes_and_alignments_are_clear_errors_and_change_nothing() {
         pool.reserve(u64::MAX),
         Err(Error::TooLarge { .. })
     ));
-    let s = pool.stats();
-    assert_eq!(s.core.segments.current, 0);
-    assert_eq!(s.calls, 0, "refused calls are not recorded");
+    let s = pool.memory_stats();
+    assert_eq!(count(&s, "segment.all.current"), 0);
+    assert_eq!(count(&s, "calls"), 0, "refused calls are not recorded");
     // Past the host backend's memory: an out-of-memory error, nothing lost.
     let small = SymmPool::host_group_with(
         HostConfig::new(1).with_max_reserved_bytes(64 * MIB),
@@ -335,9 +336,12 @@ fn use_after_close_is_an_error() {
         assert!(matches!(pool.alloc(4096, &stream), Err(Error::PoolClosed)));
         assert!(matches!(pool.reserve(MIB), Err(Error::PoolClosed)));
         assert!(matches!(pool.trim(), Err(Error::PoolClosed)));
-        let s = pool.stats();
-        assert_eq!(s.core.segments.current, 0);
-        assert_eq!(s.deregistrations, s.registrations);
+        let s = pool.memory_stats();
+        assert_eq!(count(&s, "segment.all.current"), 0);
+        assert_eq!(
+            per_comm(pool, &s, "deregistrations"),
+            per_comm(pool, &s, "registrations")
+        );
         kept
     });
 }
@@ -367,7 +371,7 @@ fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
         let stream = Stream::host();
         let buf = pool.alloc(8 * MIB, &stream).unwrap();
         let r = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
-        (r.path, pool.stats().windows)
+        (r.path, per_comm(pool, &pool.memory_stats(), "windows"))
     });
     for (path, windows) in reports {
         assert_eq!(path, coll::Path::PlainKernel);
@@ -408,9 +412,9 @@ fn trim_releases_free_segments_collectively() {
         drop(big);
         let released = pool.trim().unwrap();
         assert_eq!(released, 100 * MIB);
-        let s = pool.stats();
-        assert_eq!(s.core.segments.current, 1);
-        assert_eq!(s.deregistrations, vec![1, 1, 0]);
+        let s = pool.memory_stats();
+        assert_eq!(count(&s, "segment.all.current"), 1);
+        assert_eq!(per_comm(pool, &s, "deregistrations"), vec![1, 1, 0]);
         drop(keep);
     });
 }
@@ -421,14 +425,15 @@ fn reserve_pre_grows_so_later_allocations_do_not_register() {
     on_ranks(&pools, |pool| {
         let stream = Stream::host();
         assert_eq!(pool.reserve(300 * MIB).unwrap(), SegmentId(0));
-        let before = pool.stats().registrations;
+        let registrations = || per_comm(pool, &pool.memory_stats(), "registrations");
+        let before = registrations();
         // A reserved segment serves any large request, even small ones.
         let bufs: Vec<_> = [2 * MIB, 50 * MIB, 200 * MIB]
             .iter()
             .map(|&b| pool.alloc(b, &stream).unwrap())
             .collect();
         assert!(bufs.iter().all(|b| b.segment() == SegmentId(0)));
-        assert_eq!(pool.stats().registrations, before);
+        assert_eq!(registrations(), before);
     });
 }
 
@@ -569,21 +574,18 @@ impl symmpool::backend::StreamOps for Capturing {
     fn new_stream(&self) -> symmpool::Result<Stream> {
         self.0.new_stream()
     }
-    fn record_fence(&self, s: &Stream) -> symmpool::Result<symmpool::core::Fence> {
+    fn record_fence(&self, s: &Stream) -> symmpool::Result<symmpool::Fence> {
         self.0.record_fence(s)
     }
     fn wait_fence(
         &self,
         s: &Stream,
-        on: symmpool::core::StreamId,
-        f: symmpool::core::Fence,
+        on: symmpool::StreamId,
+        f: symmpool::Fence,
     ) -> symmpool::Result<()> {
         self.0.wait_fence(s, on, f)
     }
-    fn completed_fence(
-        &self,
-        s: symmpool::core::StreamId,
-    ) -> symmpool::Result<Option<symmpool::core::Fence>> {
+    fn completed_fence(&self, s: symmpool::StreamId) -> symmpool::Result<Option<symmpool::Fence>> {
         self.0.completed_fence(s)
     }
     fn is_capturing(&self, _: &Stream) -> symmpool::Result<bool> {
@@ -633,7 +635,7 @@ fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
         assert!(matches!(grower.join().unwrap(), Err(Error::Timeout { .. })));
     });
     // The deferred free is applied, in order, by the next call on the pool.
-    assert_eq!(pool0.stats().core.allocated_blocks.current, 0);
+    assert_eq!(count(&pool0.memory_stats(), "allocation.all.current"), 0);
     pool0.check_invariants().unwrap();
     drop(buf1);
 }
@@ -788,8 +790,9 @@ fn pools_growing_in_different_orders_fail_before_any_window_pairs_wrongly() {
     }
     for (a, b) in &per_rank {
         for p in [a, b] {
-            let s = p.stats();
-            assert_eq!(s.windows[0], s.core.segments.current, "{s:?}");
+            let s = p.memory_stats();
+            let windows = per_comm(p, &s, "windows");
+            assert_eq!(windows[0], count(&s, "segment.all.current"), "{s:?}");
         }
     }
 }
@@ -845,26 +848,21 @@ fn fit_to_peak_replaces_growth_with_one_segment_and_the_next_step_does_not_grow(
             drop((live, small));
         };
         step(p);
-        let before = p.stats();
+        let figures = || (segments(p), per_comm(p, &p.memory_stats(), "registrations"));
+        let before = figures();
         let report = p.fit_to_peak().unwrap();
-        let after = p.stats();
+        let after = figures();
         step(p);
-        let again = p.stats();
+        let again = figures();
         p.check_invariants().unwrap();
         drop(shard);
         (before, report, after, again)
     });
     for (before, report, after, again) in &out {
-        assert!(
-            after.core.segments.current <= before.core.segments.current,
-            "{report:?}"
-        );
-        assert!(after.core.segments.current <= 3, "{report:?}: {after:?}");
-        assert_eq!(
-            again.registrations, after.registrations,
-            "the next step registered nothing"
-        );
-        assert_eq!(again.core.segments.current, after.core.segments.current);
+        assert!(after.0 <= before.0, "{report:?}");
+        assert!(after.0 <= 3, "{report:?}: {after:?}");
+        assert_eq!(again.1, after.1, "the next step registered nothing");
+        assert_eq!(again.0, after.0);
     }
     assert_eq!(out[0].1, out[1].1, "every rank fitted alike");
 }
@@ -1054,8 +1052,11 @@ fn reserve_on_a_never_used_pool_during_capture_is_refused_on_every_rank() {
         "no rank waited"
     );
     for p in &pools {
-        let s = p.stats();
-        assert_eq!(s.core.segments.current, 0, "{s:?}");
-        assert!(s.registrations.iter().all(|&r| r == 0), "{s:?}");
+        let s = p.memory_stats();
+        assert_eq!(count(&s, "segment.all.current"), 0, "{s:?}");
+        assert!(
+            per_comm(p, &s, "registrations").iter().all(|&r| r == 0),
+            "{s:?}"
+        );
     }
 }

@@ -2,18 +2,21 @@
 //! a host backend: bounded teardown, true statistics, the configuration in effect,
 //! failures inside `Drop`, a panic under the pool's lock, and out-of-memory errors
 //! that say whose memory ran out.
-// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
-#![allow(deprecated)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
-use symmpool::core::{Fence, StreamId};
 use symmpool::{Coll, Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
+use symmpool::{Fence, StreamId};
 
 const MIB: u64 = 1 << 20;
+
+/// The count under `key` in `pool`'s statistics now.
+fn stat(pool: &SymmPool, key: &str) -> u64 {
+    pool.memory_stats()[key].as_u64().unwrap()
+}
 
 fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Vec<R> {
     thread::scope(|s| {
@@ -108,7 +111,7 @@ fn a_pool_dropped_on_a_device_that_never_drains_returns_within_its_timeout() {
     });
     let stream = Stream::host();
     drop(pool.alloc(4 * MIB, &stream).unwrap());
-    assert_eq!(pool.stats().core.segments.current, 1);
+    assert_eq!(stat(&pool, "segment.all.current"), 1);
     let started = Instant::now();
     drop(pool);
     let took = started.elapsed();
@@ -133,7 +136,11 @@ fn trim_on_a_device_that_never_drains_times_out_and_keeps_the_segment() {
     }
     // The memory is still owned (not freed under running work), and a later trim on a
     // device that drains would release it.
-    assert_eq!(pool.stats().windows.iter().sum::<u64>(), 2);
+    let m = pool.memory_stats();
+    let windows: u64 = (["windows.symmetric", "windows.copy_engine", "windows.plain"].iter())
+        .map(|k| m[*k].as_u64().unwrap())
+        .sum();
+    assert_eq!(windows, 2);
 }
 
 #[test]
@@ -144,14 +151,14 @@ fn active_bytes_fall_back_to_the_live_figure_once_the_streams_are_done() {
     let keep = pool.alloc(MIB, &stream).unwrap();
     let gone = pool.alloc(MIB, &stream).unwrap();
     drop(gone);
-    let stats = pool.stats().core;
-    assert_eq!(stats.allocated_bytes.current, MIB);
+    assert_eq!(stat(pool, "allocated_bytes.all.current"), MIB);
     assert_eq!(
-        stats.active_bytes.current, stats.allocated_bytes.current,
+        stat(pool, "active_bytes.all.current"),
+        MIB,
         "host work is synchronous: the freed block's fence is complete"
     );
     drop(keep);
-    assert_eq!(pool.stats().core.active_bytes.current, 0);
+    assert_eq!(stat(pool, "active_bytes.all.current"), 0);
 }
 
 #[test]
@@ -162,11 +169,11 @@ fn active_bytes_count_freed_blocks_until_their_fences_complete() {
     });
     let stream = Stream::host();
     drop(pool.alloc(MIB, &stream).unwrap());
-    let stats = pool.stats().core;
-    assert_eq!(stats.allocated_bytes.current, 0);
+    let stats = pool.memory_stats();
+    assert_eq!(stats["allocated_bytes.all.current"].as_u64(), Some(0));
     // The freed block (merged with the free rest of its segment) still counts.
     assert!(
-        stats.active_bytes.current >= MIB,
+        stats["active_bytes.all.current"].as_u64() >= Some(MIB),
         "the fence is not complete yet: {stats:?}"
     );
 }
@@ -218,7 +225,7 @@ fn a_failure_inside_drop_is_returned_by_the_next_call() {
         other => panic!("{other:?}"),
     }
     // Reported once; the block was freed in step with the peers, so the pool goes on.
-    assert_eq!(pool.stats().core.allocated_blocks.current, 0);
+    assert_eq!(stat(&pool, "allocation.all.current"), 0);
     let again = pool.alloc(MIB, &stream).unwrap();
     assert_eq!(again.offset_bytes(), 0);
 }
@@ -240,7 +247,8 @@ fn a_panic_under_the_pools_lock_breaks_the_pool_on_every_rank() {
     let bufs = on_ranks(&pools, |p| p.alloc(MIB, &stream).unwrap());
     drop(bufs);
     // Rank 0 panics inside `stats()`, while it holds its pool's state.
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pools[0].stats()));
+    let panicked =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pools[0].memory_stats()));
     assert!(panicked.is_err());
     // Locally, every later call fails instead of using a half-mutated core.
     assert!(matches!(
@@ -317,10 +325,10 @@ fn out_of_memory_says_whose_memory_ran_out() {
     );
     // Nothing grew on either rank, and the ranks are still in step.
     for p in &pools {
-        assert_eq!(p.stats().core.segments.current, 0);
+        assert_eq!(stat(p, "segment.all.current"), 0);
     }
     let limit = PoolConfig::default()
-        .with_core(symmpool::core::CoreConfig::default().with_max_reserved_bytes(2 * MIB));
+        .with_core(symmpool::CoreConfig::default().with_max_reserved_bytes(2 * MIB));
     let small = SymmPool::host_group(1, limit).unwrap().remove(0);
     let _first = small.alloc(MIB, &Stream::host()).unwrap();
     match small.alloc(4 * MIB, &Stream::host()) {
@@ -333,8 +341,7 @@ fn out_of_memory_says_whose_memory_ran_out() {
 
 #[test]
 fn a_double_free_is_reported_as_such() {
-    let e: Error =
-        symmpool::core::AllocError::StaleBlock(symmpool::core::BlockId { slot: 0, seq: 7 }).into();
+    let e: Error = symmpool::AllocError::StaleBlock(symmpool::BlockId { slot: 0, seq: 7 }).into();
     assert!(
         matches!(e, Error::DoubleFree { allocation_seq: 7 }),
         "{e:?}"

@@ -139,8 +139,6 @@
 //! `fuzz/fuzz_targets/core_ops.rs` checks the allocator core alone (placement,
 //! statistics, invariants); this test uses the core only as a shadow and checks the
 //! protocol around it. They share no property, so they share no oracle.
-// The typed `PoolStats` of the deprecated `SymmPool::stats()`.
-#![allow(deprecated)]
 
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
@@ -148,11 +146,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
-use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
-use symmpool::control::{ChannelId, Exchange};
-use symmpool::core::{
+use symmpool::__core::{
     AllocError, AllocRequest, Allocator, BlockId, Fence, Growth, SegmentId, StreamId, Wait,
 };
+use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
+use symmpool::control::{ChannelId, Exchange};
 use symmpool::{Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmBuffer, SymmPool};
 
 const KIB: u64 = 1 << 10;
@@ -170,6 +168,37 @@ const SHORT: Duration = Duration::from_millis(50);
 const STEP_BOUND: Duration = Duration::from_secs(10);
 /// The host backend's communicators: symmetric and copy-engine register, plain does not.
 const COMMS: usize = 3;
+
+/// A rank's figures the model checks, from `SymmPool::memory_stats` (the host
+/// backend's communicators have one role each: symmetric, copy-engine, plain).
+struct Figures {
+    segments: u64,
+    allocations: u64,
+    agreements: u64,
+    registrations: Vec<u64>,
+    deregistrations: Vec<u64>,
+    windows: Vec<u64>,
+}
+
+impl Figures {
+    fn of(pool: &SymmPool) -> Self {
+        let m = pool.memory_stats();
+        let count = |k: &str| m[k].as_u64().unwrap();
+        let per_comm = |what: &str| {
+            (["symmetric", "copy_engine", "plain"].iter())
+                .map(|role| count(&format!("{what}.{role}")))
+                .collect()
+        };
+        Figures {
+            segments: count("segment.all.current"),
+            allocations: count("allocation.all.current"),
+            agreements: count("agreements"),
+            registrations: per_comm("registrations"),
+            deregistrations: per_comm("deregistrations"),
+            windows: per_comm("windows"),
+        }
+    }
+}
 const REGISTERING: [usize; 2] = [0, 1];
 /// Small (2 MiB segments), large shared (20 MiB segments) and dedicated sizes.
 const SIZES: [u64; 6] = [4 * KIB, 256 * KIB, 768 * KIB, 3 * MIB, 6 * MIB, 12 * MIB];
@@ -1233,7 +1262,7 @@ fn run_op(rank: &mut Rank, op: Op) -> Got {
         Op::PanicInStats => {
             rank.faults.panic_once.store(true, Ordering::SeqCst);
             let pool = rank.pool.clone();
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.stats()));
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.memory_stats()));
             let armed = rank.faults.panic_once.swap(false, Ordering::SeqCst);
             Ok(match (r, armed) {
                 (Err(_), false) => Got::Panicked,
@@ -1407,14 +1436,9 @@ fn run_case(case: &Case) -> std::result::Result<Vec<Vec<Got>>, TestCaseError> {
             );
         }
         for (i, (rank, rm)) in ranks.iter().zip(&model.ranks).enumerate() {
-            let st = rank.pool.stats();
+            let st = Figures::of(&rank.pool);
             let expect_segments = rm.shadow.stats().segments.current;
-            prop_assert_eq!(
-                st.core.segments.current,
-                expect_segments,
-                "rank {} segments",
-                i
-            );
+            prop_assert_eq!(st.segments, expect_segments, "rank {} segments", i);
             prop_assert_eq!(&st.windows[..], &rm.windows[..], "rank {} windows", i);
             prop_assert_eq!(
                 &st.registrations[..],
@@ -1435,12 +1459,7 @@ fn run_case(case: &Case) -> std::result::Result<Vec<Vec<Got>>, TestCaseError> {
                 "rank {} registration-order rounds",
                 i
             );
-            prop_assert_eq!(
-                st.core.allocated_blocks.current as usize,
-                rm.live.len(),
-                "rank {} live",
-                i
-            );
+            prop_assert_eq!(st.allocations as usize, rm.live.len(), "rank {} live", i);
             prop_assert_eq!(rank.bufs.len(), rm.live.len(), "rank {} buffers", i);
             prop_assert_eq!(
                 rank.faults.live_segments.load(Ordering::SeqCst),
@@ -1592,8 +1611,8 @@ fn fail_register(ranks: &[Rank], rank: usize, comm: usize, join: bool) {
 /// No rank holds a segment, a window or a buffer.
 fn nothing_held(ranks: &[Rank]) {
     for (i, r) in ranks.iter().enumerate() {
-        let st = r.pool.stats();
-        assert_eq!(st.core.segments.current, 0, "rank {i} segments");
+        let st = Figures::of(&r.pool);
+        assert_eq!(st.segments, 0, "rank {i} segments");
         assert_eq!(st.windows, vec![0; COMMS], "rank {i} windows");
         assert_eq!(r.faults.live_segments.load(Ordering::SeqCst), 0, "rank {i}");
         assert!(r.bufs.is_empty(), "rank {i} buffers");
@@ -1618,7 +1637,7 @@ fn a_late_registration_failure_on_the_last_communicator_fails_the_growth_on_ever
         assert_eq!(first, expected);
         nothing_held(&ranks);
         for (i, r) in ranks.iter().enumerate() {
-            let st = r.pool.stats();
+            let st = Figures::of(&r.pool);
             // Rank 1's second registration did not count (it failed).
             let second = u64::from(i != 1);
             assert_eq!(st.registrations[..2], [1, second], "rank {i}");
@@ -1652,7 +1671,7 @@ fn a_late_registration_failure_on_the_first_communicator_stops_every_rank_there(
     assert_eq!(first, vec![Got::Nccl, Got::RegistrationBroken { rank: 0 }]);
     nothing_held(&ranks);
     for (i, r) in ranks.iter().enumerate() {
-        let st = r.pool.stats();
+        let st = Figures::of(&r.pool);
         assert_eq!(st.registrations[..2], [u64::from(i == 1), 0], "rank {i}");
         assert_eq!(st.agreements, 3, "rank {i}");
     }

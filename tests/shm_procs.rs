@@ -48,7 +48,7 @@ fn child() -> symmpool::Result<i32> {
     // the divergence test sees one at call 3.
     let config = PoolConfig::default()
         .with_timeout(Duration::from_secs(60))
-        .with_core(symmpool::core::CoreConfig::default());
+        .with_core(symmpool::CoreConfig::default());
     let pool = SymmPool::new(backend, config)?;
     let stream = Stream::host();
     match var("CHILD_ROLE").as_deref() {

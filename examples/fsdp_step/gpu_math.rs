@@ -13,7 +13,7 @@ use cudarc::driver::{CudaEvent, CudaStream, DeviceSlice, DriverError};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
-use symmpool::backend::{NcclBackend, NcclWorldConfig};
+use symmpool::backend::{NcclBackend, NcclConfig};
 use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
 
 /// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each, and
@@ -210,7 +210,7 @@ impl Math for GpuMath {
 /// Train on `args.ranks` local GPUs, a thread per rank; returns rank 0's summaries.
 pub fn run(args: &Args) -> Result<Vec<Summary>> {
     let devices: Vec<usize> = (0..args.ranks).collect();
-    let backends = NcclBackend::local_world(&devices, NcclWorldConfig::default())?;
+    let backends = NcclBackend::local_world(&devices, NcclConfig::default())?;
     let barrier = StepBarrier::new(args.ranks);
     on_rank_threads(backends, &barrier, |b| {
         let nccl = b.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;

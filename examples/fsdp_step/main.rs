@@ -39,6 +39,8 @@ mod gpu_math;
 mod host_math;
 pub mod launch;
 mod ranks;
+#[path = "../support/render.rs"]
+mod render;
 mod report;
 pub mod trace;
 mod trainer;
@@ -176,7 +178,7 @@ fn write_memory_map(path: &std::path::Path, first: Mode) -> std::io::Result<()> 
         .filter(|(m, _)| *m == first)
         .map(|(_, s)| s.clone())
         .collect();
-    std::fs::write(path, symmpool::observe::render_ranks(&ranks))?;
+    std::fs::write(path, render::render_ranks(&ranks))?;
     let snapshots: Vec<&PoolSnapshot> = all.iter().map(|(_, s)| s).collect();
     let json = serde_json::to_string_pretty(&snapshots).map_err(std::io::Error::other)?;
     let mut json_path = path.as_os_str().to_owned();

@@ -13,7 +13,7 @@
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use std::collections::BTreeMap;
-use symmpool::core::{
+use symmpool::__core::{
     AllocError, AllocRequest, Allocator, BlockId, CoreConfig, Fence, Growth, SegmentId, SizeClass,
     StreamId, Wait,
 };
@@ -381,7 +381,7 @@ impl Harness {
             SizeClass::Large
         };
         let bad = size == 0
-            || size > symmpool::core::MAX_SEGMENT_BYTES
+            || size > symmpool::__core::MAX_SEGMENT_BYTES
             || !size.is_multiple_of(self.cfg.granularity_bytes)
             || (small && size < self.cfg.small_request_max_bytes);
         let reserved = self.core.stats().reserved_bytes.current;

@@ -25,7 +25,11 @@ mod errors;
 mod live;
 mod logs;
 mod pool;
+// The memory-map pictures, shared with the crate's examples.
+#[path = "../../examples/support/render.rs"]
+mod render;
 mod store;
+mod torch;
 
 use pyo3::prelude::*;
 

@@ -3,6 +3,7 @@
 
 use crate::dtype::DType;
 use crate::errors::{seconds, to_py, usage};
+use crate::render::{render_ranks, render_svg};
 use crate::store::{AnyExchange, StoreExchange};
 use crate::{dlpack, live};
 use parking_lot::Mutex;
@@ -15,7 +16,7 @@ use symmpool::backend::CommRole;
 use symmpool::backend::nccl::{CUstream, ncclComm_t};
 use symmpool::backend::shm::{ShmBackend, ShmConfig};
 use symmpool::coll::{CollectiveReport, path_name};
-use symmpool::observe::{PoolSnapshot, StatValue, render_ranks, render_svg};
+use symmpool::observe::{PoolSnapshot, StatValue};
 use symmpool::{
     Backend, CheckMode, Coll, CollectiveCalls, Exchange, HostBackend, HostConfig, NcclBackend,
     NcclConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
@@ -77,7 +78,8 @@ fn pool_config(
     check_queue: Option<usize>,
     require_tags: bool,
 ) -> PyResult<PoolConfig> {
-    let mut config = PoolConfig::default()
+    // The environment's `SYMMPOOL_CHECK` unless `check` is given.
+    let mut config = PoolConfig::from_env()
         .with_timeout(seconds("timeout_s", timeout_s)?)
         .with_name(name)
         .with_require_tags(require_tags);
@@ -739,7 +741,10 @@ impl Pool {
     fn torch_memory_snapshot(&self, py: Python<'_>) -> PyResult<PyObject> {
         let device = self.handle.device().unwrap_or(0) as u64;
         let handle = self.handle.clone();
-        let snap = py.allow_threads(move || handle.pool.torch_memory_snapshot(device));
+        let snap = py.allow_threads(move || {
+            let (snap, history) = handle.pool.memory_snapshot_with_history();
+            crate::torch::torch_snapshot(&snap, &history, device)
+        });
         let text =
             serde_json::to_string(&snap).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok(py.import("json")?.call_method1("loads", (text,))?.unbind())

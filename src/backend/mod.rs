@@ -43,7 +43,7 @@ pub use handles::{Refused, Region, Segment, SegmentMemory, Window};
 pub use host::{HostBackend, HostConfig};
 pub use info::{BackendInfo, BackendKind, CommInfo, CommRole};
 #[cfg(feature = "nccl")]
-pub use nccl::{NcclBackend, NcclConfig, NcclWorldConfig};
+pub use nccl::{NcclBackend, NcclConfig};
 pub use parts::{DataMover, SegmentProvider, StreamOps};
 #[cfg(target_os = "linux")]
 pub use shm::{ShmBackend, ShmConfig};

@@ -78,8 +78,8 @@ pub(super) struct Segment {
 /// and fence completion ([`complete_fences`](Self::complete_fences)) only updates the
 /// `active_bytes` statistic.
 ///
-/// See the [module documentation](super) for the algorithm and the invariants that
-/// [`check_invariants`](Self::check_invariants) verifies.
+/// See the core's module documentation (`src/core/mod.rs`) for the algorithm and the
+/// invariants that [`check_invariants`](Self::check_invariants) verifies.
 #[derive(Debug, Clone)]
 pub struct Allocator {
     pub(super) config: CoreConfig,

@@ -44,7 +44,7 @@
 //! # Example
 //!
 //! ```
-//! use symmpool::core::{Allocator, AllocError, AllocRequest, CoreConfig, StreamId};
+//! use symmpool::__core::{Allocator, AllocError, AllocRequest, CoreConfig, StreamId};
 //!
 //! let mut core = Allocator::new(CoreConfig::default())?;
 //! let req = AllocRequest::new(3 << 20, StreamId(0));

@@ -1,10 +1,10 @@
 //! Every rank's snapshot in one collective call.
 
 use super::snapshot::{PoolSnapshot, SegmentView};
-use super::stats::{MemoryStats, StatValue};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::pool::SymmPool;
+use crate::pool::{MemoryStats, StatValue};
 use serde::{Deserialize, Serialize};
 
 /// A statistic on the wire (postcard cannot read the untagged [`StatValue`]).
@@ -70,7 +70,7 @@ impl WireSnapshot {
 impl SymmPool {
     /// Every rank's [`memory_snapshot`](Self::memory_snapshot), in rank order, on every
     /// rank: one round on the pool's channel, waiting for the peers until the pool's
-    /// timeout. Draw them with [`render_ranks`](crate::observe::render_ranks).
+    /// timeout. The `memory_map` example draws them side by side.
     ///
     /// # Collective
     /// Every rank calls it at the same point of its sequence of collective pool calls

@@ -1,5 +1,7 @@
-//! Observability: `tracing` spans and events, flat statistics, snapshots and
-//! memory-map pictures.
+//! Observability: `tracing` spans and events, flat statistics, snapshots and the
+//! allocation history. This module only reads the pool (see docs/ARCHITECTURE.md):
+//! the history's ring buffer and the statistics' value types live in the pool, and
+//! are re-exported here.
 //!
 //! # Tracing
 //!
@@ -64,18 +66,18 @@
 //! | `calls` | pool calls recorded in the call history (alloc, free, reserve, trim, close) |
 //! | `growth_seconds` (real) | time spent allocating and registering segments |
 //!
-//! # Snapshots and pictures
+//! # Snapshots
 //!
 //! [`SymmPool::memory_snapshot`](crate::SymmPool::memory_snapshot) returns a
-//! [`PoolSnapshot`]: every segment with its size class and its window per
+//! [`PoolSnapshot`]: every segment with its size class, device address and window per
 //! communicator, every block with its allocation number, requested and rounded
 //! size, stream and state ([`BlockStatus`]), and the statistics. It serialises with
-//! serde (JSON, say) and loads back. [`render_svg`] draws one as a self-contained
-//! SVG, [`render_ranks`] draws every rank's side by side with differing blocks
-//! outlined in red.
+//! serde (JSON, say) and loads back. The `memory_map` example (and the Python
+//! package's `memory_map_svg`) draws one as a self-contained SVG, or every rank's side
+//! by side with differing blocks outlined in red.
 //!
 //! ```
-//! use symmpool::{PoolConfig, Stream, SymmPool, observe};
+//! use symmpool::{PoolConfig, Stream, SymmPool};
 //!
 //! let pool = SymmPool::host_group(1, PoolConfig::default())?.remove(0);
 //! let buf = pool.alloc(3 << 20, &Stream::host())?;
@@ -83,8 +85,8 @@
 //! assert_eq!(stats["allocated_bytes.all.current"].as_u64(), Some(3 << 20));
 //! let snapshot = pool.memory_snapshot();
 //! assert_eq!(snapshot.segments[0].blocks[0].allocation_seq, Some(buf.allocation_seq()));
-//! let svg = observe::render_svg(&snapshot);
-//! assert!(svg.starts_with("<svg"));
+//! let json = serde_json::to_string(&snapshot).unwrap();
+//! assert!(json.contains("allocation_seq"));
 //! # drop(buf); pool.close()?;
 //! # Ok::<(), symmpool::Error>(())
 //! ```
@@ -96,29 +98,18 @@
 //! PyTorch's `_record_memory_history(max_entries=…)`: a ring buffer of this rank's
 //! alloc, free, segment-allocation and segment-release events ([`MemoryEvent`]: sizes,
 //! stream, segment and offset, allocation number, a sequence number, a time stamp),
-//! read with [`memory_history`](crate::SymmPool::memory_history).
-//! [`torch_memory_snapshot`](crate::SymmPool::torch_memory_snapshot) exports the
-//! snapshot and the history as the dictionary `torch.cuda.memory._snapshot()`
-//! returns ([`TorchSnapshot`]: `segments` with their `blocks`, `device_traces`):
-//! serialised to JSON and pickled, `pytorch.org/memory_viz` opens it.
+//! read with [`memory_history`](crate::SymmPool::memory_history), or with the
+//! snapshot taken under the same lock by
+//! [`memory_snapshot_with_history`](crate::SymmPool::memory_snapshot_with_history).
+//! The Python package's `torch_memory_snapshot()` exports that pair as the dictionary
+//! `torch.cuda.memory._snapshot()` returns (`segments` with their `blocks`,
+//! `device_traces`): pickled, `pytorch.org/memory_viz` opens it.
 //! [`gather_memory_snapshots`](crate::SymmPool::gather_memory_snapshots) brings every
-//! rank's snapshot to every rank in one collective call, for
-//! [`render_ranks`].
-//!
-//! [`memory_stats`](crate::SymmPool::memory_stats) and
-//! [`memory_snapshot`](crate::SymmPool::memory_snapshot) are the statistics and
-//! snapshot APIs; the older `stats()` and `snapshot()` are deprecated.
+//! rank's snapshot to every rank in one collective call, to draw them side by side.
 
 mod gather;
-mod history;
-mod render;
 mod snapshot;
 mod stats;
-mod torch;
 
-pub(crate) use history::MemoryHistory;
-pub use history::{MemoryAction, MemoryEvent};
-pub use render::{MIN_BLOCK_PX, render_ranks, render_svg};
+pub use crate::pool::{MemoryAction, MemoryEvent, MemoryStats, StatValue};
 pub use snapshot::{BlockStatus, BlockView, PoolSnapshot, SegmentView, WindowView};
-pub use stats::{MemoryStats, StatValue};
-pub use torch::{TorchBlock, TorchFrame, TorchSegment, TorchSnapshot, TorchTraceEntry};

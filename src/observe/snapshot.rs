@@ -1,10 +1,10 @@
 //! A pool's snapshot for observers: every segment with its windows and every block
 //! with its allocation number, sizes, stream and state.
 
-use super::stats::{MemoryStats, build_stats};
+use super::stats::build_stats;
 use crate::core::{BlockState, SegmentId, SizeClass, StreamId};
-use crate::pool::SymmPool;
-use crate::pool::role_name;
+use crate::pool::MemoryStats;
+use crate::pool::{MemoryEvent, SymmPool, role_name};
 use serde::{Deserialize, Serialize};
 
 /// State of a block in a [`PoolSnapshot`].
@@ -74,6 +74,9 @@ pub struct SegmentView {
     pub class: SizeClass,
     /// Its size in bytes.
     pub size_bytes: u64,
+    /// Its device address (NCCL backend); `None` on the host backends.
+    #[serde(default)]
+    pub address: Option<u64>,
     /// One entry per communicator of the backend, in the backend's order.
     pub windows: Vec<WindowView>,
     /// Blocks tiling `[0, size_bytes)` in address order.
@@ -81,7 +84,7 @@ pub struct SegmentView {
 }
 
 /// Everything one rank's pool holds, with its [statistics](SymmPool::memory_stats):
-/// what [`render_svg`](super::render_svg) draws. Serialisable and loadable with serde.
+/// what the `memory_map` example draws. Serialisable and loadable with serde.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PoolSnapshot {
     /// The pool's name ([`PoolConfig::name`](crate::PoolConfig)).
@@ -109,11 +112,24 @@ impl SymmPool {
     /// This rank's segments, windows and blocks with their allocation numbers and
     /// states, and the flat statistics, taken under one lock. Local; O(blocks).
     ///
-    /// Draw it with [`render_svg`](crate::observe::render_svg), compare ranks with
-    /// [`render_ranks`](crate::observe::render_ranks), save it with serde.
+    /// Save it with serde; the `memory_map` example draws it.
     pub fn memory_snapshot(&self) -> PoolSnapshot {
         let (segments, stats) = self.observe_now();
         self.snapshot_of(segments, stats)
+    }
+
+    /// [`memory_snapshot`](Self::memory_snapshot) and the recorded
+    /// [`memory_history`](Self::memory_history) (oldest first), taken under one lock:
+    /// the history ends where the snapshot was taken (what PyTorch's
+    /// `torch.cuda.memory._snapshot()` returns; the Python package exports it in that
+    /// format). Local; O(blocks + history).
+    pub fn memory_snapshot_with_history(&self) -> (PoolSnapshot, Vec<MemoryEvent>) {
+        let (segments, stats, history) = self.observe_with(|st, _, _| {
+            (st.memory_history.as_ref())
+                .map(|h| h.events())
+                .unwrap_or_default()
+        });
+        (self.snapshot_of(segments, stats), history)
     }
 
     pub(crate) fn snapshot_of(
@@ -190,13 +206,27 @@ impl SymmPool {
                     id: seg.id,
                     class: seg.class,
                     size_bytes: seg.size_bytes,
+                    address: entry.and_then(|e| e.segment.device_ptr()),
                     windows,
                     blocks,
                 }
             })
             .collect();
         let totals = (&st.counters, st.history.seq());
-        let stats = build_stats(&snap.stats, totals, &segments, comms, &self.inner.counters);
+        let mut windows = vec![0u64; comms.len()];
+        for entry in st.segments.values() {
+            for (c, w) in entry.windows.iter().enumerate() {
+                windows[c] += u64::from(w.is_some());
+            }
+        }
+        let stats = build_stats(
+            &snap.stats,
+            totals,
+            &segments,
+            &windows,
+            comms,
+            &self.inner.counters,
+        );
         let extra = also(&mut st, &segments, &stats);
         drop(st);
         (segments, stats, extra)

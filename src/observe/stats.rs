@@ -3,50 +3,7 @@
 use super::snapshot::{BlockStatus, SegmentView};
 use crate::backend::CommInfo;
 use crate::core::{CoreStats, SizeClass, Stat};
-use crate::pool::{Counters, PoolCounters, role_name};
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use std::fmt;
-
-/// One value of the flat statistics: a count (bytes, calls) or a real (seconds).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum StatValue {
-    /// A count or a size in bytes.
-    Count(u64),
-    /// A real number (seconds).
-    Real(f64),
-}
-
-impl StatValue {
-    /// The count, or `None` for a real.
-    pub fn as_u64(self) -> Option<u64> {
-        match self {
-            StatValue::Count(n) => Some(n),
-            StatValue::Real(_) => None,
-        }
-    }
-
-    /// The value as a real.
-    pub fn as_f64(self) -> f64 {
-        match self {
-            StatValue::Count(n) => n as f64,
-            StatValue::Real(x) => x,
-        }
-    }
-}
-
-impl fmt::Display for StatValue {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            StatValue::Count(n) => write!(f, "{n}"),
-            StatValue::Real(x) => write!(f, "{x}"),
-        }
-    }
-}
-
-/// The flat statistics: key → value, keys as in the table of [`observe`](super).
-pub type MemoryStats = BTreeMap<String, StatValue>;
+use crate::pool::{Counters, MemoryStats, PoolCounters, StatValue, role_name};
 
 /// Per size class (`all`, `small_pool`, `large_pool`), counted from the blocks.
 #[derive(Default, Clone, Copy)]
@@ -96,11 +53,14 @@ fn count(segments: &[SegmentView], class: Option<SizeClass>) -> ClassCount {
 }
 
 /// The flat map, from the core's statistics, the pool's counters and call count
-/// (`totals`, `calls`, read under its lock), its segments and its lock-free counters.
+/// (`totals`, `calls`, read under its lock), its segments, the windows its segment
+/// entries hold per communicator (with a segment the core let go of whose release
+/// timed out), and its lock-free counters.
 pub(crate) fn build_stats(
     core: &CoreStats,
     (totals, calls): (&Counters, u64),
     segments: &[SegmentView],
+    windows: &[u64],
     comms: &[CommInfo],
     counters: &PoolCounters,
 ) -> MemoryStats {
@@ -192,12 +152,6 @@ pub(crate) fn build_stats(
     put("agreements".into(), totals.agreements);
     put("calls".into(), calls);
     // Per communicator role (communicators of one role add up).
-    let mut windows = vec![0u64; comms.len()];
-    for s in segments {
-        for w in &s.windows {
-            windows[w.comm] += u64::from(w.registered);
-        }
-    }
     for (c, info) in comms.iter().enumerate() {
         let role = role_name(info.role);
         for (name, v) in [
@@ -209,7 +163,7 @@ pub(crate) fn build_stats(
                 "deregistrations",
                 totals.deregistrations.get(c).copied().unwrap_or(0),
             ),
-            ("windows", windows[c]),
+            ("windows", windows.get(c).copied().unwrap_or(0)),
         ] {
             let slot = m
                 .entry(format!("{name}.{role}"))

@@ -1,10 +1,10 @@
 //! What a segment's arrival counts and reports: the reserved-bytes total, the memory
 //! history's segment event, the log line (its departure is accounted in `release.rs`).
 
+use super::MemoryAction;
 use super::SymmPool;
 use super::state::PoolState;
 use crate::core::{SegmentId, SizeClass};
-use crate::observe::MemoryAction;
 
 impl SymmPool {
     /// Account for, and report, a segment just added (growth or `reserve`).

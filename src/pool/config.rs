@@ -35,15 +35,13 @@ pub struct PoolConfig {
     /// The pool's name (default `"pool"`): with its creation order, what identifies it
     /// to the other ranks (its agreements run on a channel of its own).
     pub name: String,
-    /// How collectives on the pool are checked across ranks (default: the
+    /// How collectives on the pool are checked across ranks (default
+    /// [`CheckMode::Async`]; [`from_env`](Self::from_env) reads it from the
     /// `SYMMPOOL_CHECK` environment variable, `strict`, `async` or `off`, when it is
-    /// set, else [`CheckMode::Async`]): the mode of the collectives handles made from
-    /// the pool ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
+    /// set): the mode of the collectives handles made from the pool
+    /// ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
     /// collective. Code that sets it ([`with_check`](Self::with_check), or this field)
-    /// beats the environment. A `SYMMPOOL_CHECK` of another value makes
-    /// [`Coll::new`](crate::coll::Coll::new) fail with
-    /// [`Error::Config`](crate::Error::Config) unless
-    /// [`with_check`](Self::with_check) set the mode. At world size 1 there is no peer
+    /// beats the environment. At world size 1 there is no peer
     /// to compare with: the handles run as [`CheckMode::Off`], so that a one-GPU job
     /// pays nothing for the checks.
     pub check: CheckMode,
@@ -71,7 +69,7 @@ pub struct PoolConfig {
     /// pools that share communicators must make their growths and collectives in the
     /// same order on every rank, which two threads do not.
     pub own_communicators: bool,
-    /// A `SYMMPOOL_CHECK` value that names no mode, read by `default()` and cleared
+    /// A `SYMMPOOL_CHECK` value that names no mode, read by `from_env()` and cleared
     /// by `with_check`: reported by `Coll::new`.
     pub(crate) bad_check_env: Option<String>,
 }
@@ -102,13 +100,9 @@ fn check_from_env() -> Result<Option<CheckMode>, String> {
 }
 
 impl Default for PoolConfig {
-    /// The defaults of the fields' documentation; the check mode from
-    /// `SYMMPOOL_CHECK` when it is set.
+    /// The defaults of the fields' documentation. Reads no environment variable (see
+    /// [`from_env`](Self::from_env)).
     fn default() -> Self {
-        let (check, bad_check_env) = match check_from_env() {
-            Ok(mode) => (mode.unwrap_or_default(), None),
-            Err(bad) => (CheckMode::default(), Some(bad)),
-        };
         PoolConfig {
             // Few large registered segments (see `CoreConfig::registered`): each
             // segment is a collective registration on every communicator.
@@ -118,16 +112,32 @@ impl Default for PoolConfig {
             register: true,
             require_symmetric: false,
             name: "pool".into(),
-            check,
+            check: CheckMode::default(),
             check_queue: 1,
             require_tags: false,
-            bad_check_env,
+            bad_check_env: None,
             own_communicators: false,
         }
     }
 }
 
 impl PoolConfig {
+    /// The [defaults](Self::default), with the check mode from the `SYMMPOOL_CHECK`
+    /// environment variable (`strict`, `async` or `off`, any case) when it is set: what
+    /// a program's entry point uses, so that the mode can be switched without touching
+    /// the code (the crate's examples and the Python package do). A value that names
+    /// no mode is not an error here: [`Coll::new`](crate::coll::Coll::new) fails with
+    /// [`Error::Config`](crate::Error::Config) naming `SYMMPOOL_CHECK`, unless
+    /// [`with_check`](Self::with_check) sets the mode.
+    pub fn from_env() -> Self {
+        let mut config = PoolConfig::default();
+        match check_from_env() {
+            Ok(mode) => config.check = mode.unwrap_or_default(),
+            Err(bad) => config.bad_check_env = Some(bad),
+        }
+        config
+    }
+
     /// Set the timeout of waits on other ranks.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;

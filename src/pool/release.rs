@@ -2,6 +2,7 @@
 //! dropped without `close`. Order (NCCL's): drain the device, deregister every window,
 //! free the segment.
 
+use super::MemoryAction;
 use super::state::{PoolState, SegmentEntry};
 use super::{PoolInner, SymmPool};
 use crate::backend::Backend;
@@ -9,7 +10,6 @@ use crate::core::SegmentId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
-use crate::observe::MemoryAction;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 

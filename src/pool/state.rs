@@ -63,7 +63,7 @@ pub(crate) struct PoolState {
     /// Streams the pool has allocated on: `reserve` refuses while any is capturing.
     pub(crate) known_streams: Vec<crate::stream::Stream>,
     /// The allocation history, while recording (`record_memory_history`).
-    pub(crate) memory_history: Option<Box<crate::observe::MemoryHistory>>,
+    pub(crate) memory_history: Option<Box<super::MemoryHistory>>,
 }
 
 impl PoolState {

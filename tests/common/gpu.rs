@@ -7,7 +7,7 @@
 
 use libtest_mimic::{Completion, Failed, Trial};
 use std::sync::OnceLock;
-use symmpool::backend::{NcclBackend, NcclWorldConfig};
+use symmpool::backend::{NcclBackend, NcclConfig};
 use symmpool::{PoolConfig, Stream, SymmPool};
 
 /// GPUs visible with a working driver and NCCL, or why none are usable.
@@ -54,8 +54,7 @@ pub fn trial(name: &str, need: usize, f: fn()) -> Trial {
 /// If NCCL cannot build the world (the trial checked the GPUs first).
 pub fn world(n: usize, config: PoolConfig) -> Vec<SymmPool> {
     let devices: Vec<usize> = (0..n).collect();
-    let backends =
-        NcclBackend::local_world(&devices, NcclWorldConfig::default()).expect("NCCL world");
+    let backends = NcclBackend::local_world(&devices, NcclConfig::default()).expect("NCCL world");
     SymmPool::group(backends, &config).expect("pools")
 }
 

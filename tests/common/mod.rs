@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests and benchmarks.
 #![allow(dead_code)]
 pub mod checked;
+pub mod figures;
 pub mod fsdp_trace;
 #[cfg(feature = "nccl")]
 pub mod gpu;

@@ -118,10 +118,6 @@ impl NcclConfig {
     }
 }
 
-/// The former name of [`NcclConfig`], kept for
-/// [`NcclBackend::local_world`](super::NcclBackend::local_world) callers.
-pub type NcclWorldConfig = NcclConfig;
-
 /// The device a rank uses: the configured one, else the launcher's local rank, else 0
 /// when only one device is visible (a launcher that sets `CUDA_VISIBLE_DEVICES` per
 /// rank). A pure function, for tests.

@@ -124,7 +124,7 @@ mod streams;
 mod warmup;
 mod watchdog;
 
-pub use config::{NcclConfig, NcclWorldConfig};
+pub use config::NcclConfig;
 pub use warmup::{WarmCollective, WarmedPath};
 
 use super::{

@@ -8,11 +8,17 @@
 //! sizes, offset and stream. Blocks are `<rect class="block STATE">` (`allocated`,
 //! `free`, `free_fenced`; `diverged` added in [`render_ranks`]) and segments
 //! `<rect class="segment">`.
+//!
+//! Used by the `memory_map` and `fsdp_step` examples, `tests/observe.rs` and the
+//! Python package (`memory_map_svg`, `render_ranks_svg`), each including this file
+//! with `#[path]`; it reads the public [`symmpool::observe`] types only.
 
-use super::snapshot::{BlockStatus, BlockView, PoolSnapshot, SegmentView};
-use crate::core::SizeClass;
+#![allow(dead_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
+use symmpool::SizeClass;
+use symmpool::observe::{BlockStatus, BlockView, PoolSnapshot, SegmentView};
 
 /// Smallest width of a block in the pictures, in pixels.
 pub const MIN_BLOCK_PX: f64 = 2.0;
@@ -46,7 +52,7 @@ const STYLE: &str = "
 ";
 
 /// `n` bytes for people: `512 B`, `1.5 KiB`, `4.00 MiB`, `1.00 GiB`.
-pub(crate) fn format_bytes(n: u64) -> String {
+pub fn format_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut x = n as f64;
     let mut u = 0;

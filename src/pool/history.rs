@@ -1,8 +1,8 @@
 //! The allocation history, PyTorch's `_record_memory_history`: a ring buffer of the
 //! pool's alloc, free and segment events on this rank.
 
+use super::SymmPool;
 use crate::core::{Placement, SegmentId, StreamId};
-use crate::pool::SymmPool;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -212,11 +212,11 @@ impl SymmPool {
     /// history. Local (not collective); while recording, each event costs a clock
     /// read and a push under the pool's lock.
     ///
-    /// Read it with [`memory_history`](Self::memory_history), or exported with the
-    /// snapshot in PyTorch's format by
-    /// [`torch_memory_snapshot`](Self::torch_memory_snapshot). Failed allocations
-    /// (PyTorch's `oom` entries) are not recorded: they are errors, counted in
-    /// `num_ooms`.
+    /// Read it with [`memory_history`](Self::memory_history), or with the snapshot
+    /// taken under the same lock by
+    /// [`memory_snapshot_with_history`](Self::memory_snapshot_with_history) (the Python
+    /// package exports that pair in PyTorch's format). Failed allocations (PyTorch's
+    /// `oom` entries) are not recorded: they are errors, counted in `num_ooms`.
     pub fn record_memory_history(&self, max_entries: usize) {
         let mut st = self.state();
         match (&mut st.memory_history, max_entries) {

@@ -1,13 +1,15 @@
 //! The snapshot and the allocation history in PyTorch's format: the dictionary
 //! `torch.cuda.memory._snapshot()` returns, which PyTorch's memory viewer
 //! (`pytorch.org/memory_viz`, `torch/cuda/_memory_viz.py`) reads once pickled.
+//!
+//! Built from the public types of `symmpool::observe` only
+//! ([`SymmPool::memory_snapshot_with_history`](symmpool::SymmPool::memory_snapshot_with_history));
+//! `python/tests/torch_snapshot.rs` includes this file to test it against PyTorch's
+//! format.
 
-use super::history::{MemoryAction, MemoryEvent};
-use super::snapshot::{BlockStatus, PoolSnapshot};
-use crate::core::{SegmentId, SizeClass};
-use crate::pool::SymmPool;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use symmpool::observe::{BlockStatus, MemoryAction, MemoryEvent, PoolSnapshot};
+use symmpool::{SegmentId, SizeClass};
 
 /// A stack frame. The crate records none (`frames` are empty lists); the type is there
 /// so that the lists have PyTorch's element type.
@@ -40,7 +42,7 @@ pub struct TorchBlock {
 /// A segment (PyTorch's `Segment`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TorchSegment {
-    /// The device index given to [`SymmPool::torch_memory_snapshot`].
+    /// The device index given to [`torch_snapshot`].
     pub device: u64,
     /// The segment's device address (NCCL backend), or a stand-in on the host
     /// backends: `(segment id + 1) · 2⁴⁴`, distinct for every segment of the pool.
@@ -110,19 +112,17 @@ fn class_name(class: SizeClass) -> &'static str {
     }
 }
 
-/// The snapshot `snap` and the `history` in PyTorch's format, on device `device`.
-/// `addresses` maps a segment id to its device address where it has one.
-pub(crate) fn torch_snapshot(
-    snap: &PoolSnapshot,
-    history: &[MemoryEvent],
-    device: u64,
-    addresses: &dyn Fn(SegmentId) -> Option<u64>,
-) -> TorchSnapshot {
+/// The snapshot `snap` and the `history` in PyTorch's format (as
+/// [`SymmPool::memory_snapshot_with_history`](symmpool::SymmPool::memory_snapshot_with_history)
+/// returns them), reported as CUDA device `device` (the device the rank uses, at most
+/// 127; PyTorch's viewer shows one device at a time). No stack frames are recorded.
+/// O(blocks + history).
+pub fn torch_snapshot(snap: &PoolSnapshot, history: &[MemoryEvent], device: u64) -> TorchSnapshot {
     let segments = snap
         .segments
         .iter()
         .map(|s| {
-            let base = addresses(s.id).unwrap_or_else(|| stand_in_address(s.id));
+            let base = s.address.unwrap_or_else(|| stand_in_address(s.id));
             let mut seg = TorchSegment {
                 device,
                 address: base,
@@ -188,6 +188,8 @@ pub(crate) fn torch_snapshot(
             }
             MemoryAction::SegmentAlloc => trace.push(entry("segment_alloc", e.size_bytes)),
             MemoryAction::SegmentFree => trace.push(entry("segment_free", e.size_bytes)),
+            // An event of a kind PyTorch's trace has no action for: left out.
+            _ => {}
         }
     }
     // A CUDA device index (PyTorch's is an `int8_t`): a larger one lists the trace
@@ -204,32 +206,3 @@ pub(crate) fn torch_snapshot(
 /// The largest device index an export lists a trace under (PyTorch's device index is
 /// an `int8_t`).
 const MAX_DEVICE: u64 = i8::MAX as u64;
-
-impl SymmPool {
-    /// This rank's [`memory_snapshot`](Self::memory_snapshot) and recorded
-    /// [`memory_history`](Self::memory_history) in PyTorch's format: the dictionary
-    /// `torch.cuda.memory._snapshot()` returns (`segments` with their `blocks`,
-    /// `device_traces`), reported as CUDA device `device` (the device the rank
-    /// uses, at most 127; PyTorch's viewer shows one device at a time). Serialise it to JSON and
-    /// pickle the loaded dictionary: `pytorch.org/memory_viz` and
-    /// `torch.cuda._memory_viz` open the file. No stack frames are recorded. Local;
-    /// O(blocks + history).
-    pub fn torch_memory_snapshot(&self, device: u64) -> TorchSnapshot {
-        // One lock: the history ends where the snapshot was taken.
-        let (segments, stats, (history, addresses)) = self.observe_with(|st, _, _| {
-            let history = st
-                .memory_history
-                .as_ref()
-                .map(|h| h.events())
-                .unwrap_or_default();
-            let addresses: BTreeMap<SegmentId, u64> = st
-                .segments
-                .iter()
-                .filter_map(|(&id, e)| Some((id, e.segment.device_ptr()?)))
-                .collect();
-            (history, addresses)
-        });
-        let snap = self.snapshot_of(segments, stats);
-        torch_snapshot(&snap, &history, device, &|id| addresses.get(&id).copied())
-    }
-}
