@@ -243,6 +243,27 @@ pub(crate) fn agree_records(
 
 /// Find the first call where the ranks' histories differ.
 fn explain(decoded: &[AgreementRecord], during: &'static str) -> Divergence {
+    if decoded.windows(2).any(|w| w[0].pool != w[1].pool) {
+        // Pools over one communicator set share a ledger: one rank's agreement met
+        // another pool's (the pools are used in different orders, or from threads).
+        return Divergence {
+            during,
+            first_differing_call: None,
+            history_gone: None,
+            calls: (decoded.iter().enumerate())
+                .map(|(rank, r)| {
+                    let what = format!(
+                        "{} of the pool with channel ordinal {} ({} B, at its call #{}; pools sharing communicators must make their collective operations in the same order on every rank)",
+                        r.op.name(),
+                        r.pool,
+                        r.size,
+                        r.seq
+                    );
+                    (rank, Some(what))
+                })
+                .collect(),
+        };
+    }
     // The calls every rank still remembers start at the largest oldest-seq.
     let lo = decoded
         .iter()

@@ -58,7 +58,8 @@ impl SymmPool {
     /// Run the collective pool operation `f`, noting this thread as the pool's user of
     /// the backend's communicators. A failure of the kind that communicators shared
     /// with pools used from other threads cause (a wait that timed out, registrations
-    /// out of order) becomes [`Error::SharedCommunicators`] naming those pools.
+    /// out of order, the pools' agreements paired across pools in their shared
+    /// ledger) becomes [`Error::SharedCommunicators`] naming those pools.
     pub(super) fn shared_use<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let backend = &self.inner.backend;
         let (pool, name) = (self.inner.channel.ordinal(), &self.inner.config.name);
@@ -71,6 +72,8 @@ impl SymmPool {
                     | Error::RegistrationOrder { .. }
                     | Error::RegistrationMismatch { .. }
                     | Error::RegistrationBroken { .. }
+                    | Error::Divergence(_)
+                    | Error::CollectiveDivergence(_)
             );
             let others = if shared {
                 backend.users_on_other_threads(pool)
