@@ -3,7 +3,7 @@
 
 use super::path::{AVG, CollOp, Inputs, select};
 use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
-use crate::backend::{CollArgs, Region};
+use crate::backend::{CallDeadline, CollArgs, Region};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
@@ -527,8 +527,13 @@ impl Coll {
         } else {
             (send_buf.window(comm), recv_buf.window(comm))
         };
-        let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows)
-            .with_caller(pool.channel().ordinal());
+        // The call's one deadline, for its check and its backend's waits alike; the
+        // clock is read only if one of them waits.
+        let deadline = CallDeadline::from_first_wait(pool.config().timeout);
+        let args = CollArgs::new(
+            comm, send, recv, count, dtype, op, stream, windows, deadline,
+        )
+        .with_caller(pool.channel().ordinal());
         // The record and the launch are one step on this handle (Strict: the record's
         // round; Async: its post), so that the records' order is the launches' order
         // even when several threads of a rank call.
@@ -543,8 +548,7 @@ impl Coll {
                 (comm, path),
                 tag,
             );
-            let deadline = || Deadline::after(pool.config().timeout);
-            if let Err(e) = checker.submit(launch.as_mut(), record, deadline) {
+            if let Err(e) = checker.submit(launch.as_mut(), record, || args.deadline()) {
                 return Err(failed(pool, e));
             }
         }

@@ -385,7 +385,7 @@ impl Coll {
         // The check mode is part of the name: ranks with different modes fail here.
         let channel = first.backend().exchange().open_channel(
             &format!("pool:{names}:checks:{}", config.check.name()),
-            config.timeout,
+            Deadline::after(config.timeout),
         )?;
         let site = CheckSite {
             pool: names,

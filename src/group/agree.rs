@@ -183,12 +183,7 @@ pub(crate) fn agree_records(
     let span = tracing::debug_span!(target: "symmpool::pool", "agreement", rank = exchange.rank(), during, size = mine.size);
     let _entered = span.enter();
     let started = std::time::Instant::now();
-    let all = exchange.all_gather(
-        channel,
-        during,
-        &record::encode(mine)?,
-        deadline.remaining(),
-    )?;
+    let all = exchange.all_gather(channel, during, &record::encode(mine)?, deadline)?;
     let me = exchange.rank();
     let records: Vec<Option<AgreementRecord>> = all.iter().map(|b| record::decode(b)).collect();
     if records.len() != exchange.world_size() || records.get(me) != Some(&Some(mine.clone())) {

@@ -398,7 +398,7 @@ impl Checker {
             self.site.channel,
             "strict collective check",
             &payload,
-            deadline.remaining(),
+            deadline,
         ) {
             Ok(all) => all,
             Err(e) => {
@@ -577,7 +577,7 @@ impl Worker {
                 self.site.channel,
                 "async collective check",
                 &payload,
-                self.site.timeout,
+                Deadline::after(self.site.timeout),
             ) {
                 Ok(all) => all,
                 Err(e) => {

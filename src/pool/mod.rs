@@ -226,9 +226,10 @@ impl SymmPool {
             backend
         };
         let comms = backend.communicators().len();
-        let channel = backend
-            .exchange()
-            .open_channel(&format!("pool:{}", config.name), config.timeout)?;
+        let channel = backend.exchange().open_channel(
+            &format!("pool:{}", config.name),
+            Deadline::after(config.timeout),
+        )?;
         backend.note_user(channel.ordinal(), &config.name, false);
         let history = History::new(config.history_len);
         let call_head = history.head();
@@ -257,7 +258,7 @@ impl SymmPool {
     /// # Errors
     /// As [`HostBackend::world`] and [`SymmPool::new`].
     pub fn host_group(world_size: usize, config: PoolConfig) -> Result<Vec<SymmPool>> {
-        let host = HostConfig::new(world_size).with_timeout(config.timeout);
+        let host = HostConfig::new(world_size);
         Self::host_group_with(host, config)
     }
 
