@@ -447,10 +447,10 @@ impl SegmentProvider for NcclBackend {
                 error,
             });
         }
+        let deadline = self.shared.call_deadline().min(deadline);
         // SAFETY: the window was registered on this communicator by `register` (the
         // caller's contract) and is consumed here; the caller guarantees no work uses
         // it.
-        let deadline = self.shared.call_deadline().min(deadline);
         unsafe { self.shared.deregister(comm, raw_window, deadline) }.map_err(|(w, error)| {
             Refused {
                 handle: Window::new(comm, ordinal, Box::new(w)),
