@@ -128,6 +128,7 @@ fn bench(c: &mut Criterion) {
             symmpool::ReduceOp::Sum,
             stream,
             (None, None),
+            symmpool::Deadline::after(Duration::from_secs(60)),
         );
         b.iter(|| pool.backend().collectives().all_gather(black_box(&args)))
     });

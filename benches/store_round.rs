@@ -16,6 +16,7 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use symmpool::Deadline;
 use symmpool::control::{Exchange, StoreConfig, StoreExchange, StoreServer};
 
 #[path = "common/quiet.rs"]
@@ -54,18 +55,22 @@ fn child() {
     let port = env_or("STORE_BENCH_PORT", 0) as u16;
     let rounds = env_or("STORE_BENCH_ROUNDS", 5000);
     let ex = StoreExchange::connect(config(rank, world, port)).unwrap();
-    let ch = ex.open_channel("bench", Duration::from_secs(60)).unwrap();
+    let ch = ex
+        .open_channel("bench", Deadline::after(Duration::from_secs(60)))
+        .unwrap();
     let payload = [rank as u8; 64];
     let timeout = Duration::from_secs(60);
     for _ in 0..rounds / 10 {
-        ex.all_gather(ch, "bench warm-up", &payload, timeout)
+        ex.all_gather(ch, "bench warm-up", &payload, Deadline::after(timeout))
             .unwrap();
     }
     let mut lat = Vec::with_capacity(rounds);
     let all = Instant::now();
     for _ in 0..rounds {
         let t = Instant::now();
-        let out = ex.all_gather(ch, "bench round", &payload, timeout).unwrap();
+        let out = ex
+            .all_gather(ch, "bench round", &payload, Deadline::after(timeout))
+            .unwrap();
         lat.push(t.elapsed());
         assert_eq!(out.len(), world);
     }

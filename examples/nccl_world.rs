@@ -39,8 +39,8 @@ use symmpool::backend::{Refused, Segment, SegmentProvider, Window};
 use symmpool::coll::Path;
 use symmpool::control::{ChannelId, Exchange, StoreConfig, StoreExchange};
 use symmpool::{
-    Backend, CheckMode, Coll, CollectiveCalls, Element, Error, ErrorKind, PoolConfig, ReduceOp,
-    Stream, SymmBuffer, SymmPool, bf16, f16,
+    Backend, CheckMode, Coll, CollectiveCalls, Deadline, Element, Error, ErrorKind, PoolConfig,
+    ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
 };
 
 /// What to run.
@@ -157,7 +157,10 @@ impl World {
         };
         let barrier = ok(
             "opening the barrier's channel",
-            exchange.open_channel("nccl_world:barrier", Duration::from_secs(120)),
+            exchange.open_channel(
+                "nccl_world:barrier",
+                Deadline::after(Duration::from_secs(120)),
+            ),
         )?;
         Ok(World {
             rank: exchange.rank(),
@@ -173,9 +176,12 @@ impl World {
 
     /// Every rank meets here.
     fn barrier(&self, what: &'static str) -> Outcome {
-        let r = self
-            .exchange
-            .all_gather(self.barrier, what, &[], Duration::from_secs(120));
+        let r = self.exchange.all_gather(
+            self.barrier,
+            what,
+            &[],
+            Deadline::after(Duration::from_secs(120)),
+        );
         ok(what, r).map(|_| ())
     }
 
@@ -591,9 +597,13 @@ impl SegmentProvider for StopAtRegister {
         // SAFETY: the caller's contract is passed on unchanged.
         unsafe { self.inner.register(segment, comm, deadline) }
     }
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+    unsafe fn deregister(
+        &self,
+        window: Window,
+        deadline: Deadline,
+    ) -> std::result::Result<(), Refused<Window>> {
         // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { self.inner.deregister(window) }
+        unsafe { self.inner.deregister(window, deadline) }
     }
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
         // SAFETY: the caller's contract is passed on unchanged.

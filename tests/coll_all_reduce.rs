@@ -387,7 +387,7 @@ fn child_process_entry() {
 /// A rank of the job: every case on the symmetric and the plain path, large buffers
 /// moved through the control plane in pieces, a bad call, a strict check.
 fn child() -> symmpool::Result<()> {
-    let (_, _, backend) = common::shm::join(Duration::from_secs(60))?;
+    let (_, _, backend) = common::shm::join()?;
     let pool = SymmPool::new(
         backend,
         PoolConfig::default()

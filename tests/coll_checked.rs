@@ -34,7 +34,7 @@ fn on_each<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Ve
 }
 
 fn backends(world: usize) -> Vec<symmpool::Backend> {
-    HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap()
+    HostBackend::world(HostConfig::new(world)).unwrap()
 }
 
 #[test]

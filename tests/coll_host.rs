@@ -3,11 +3,11 @@
 //! the paths reported; plus the errors for inconsistent calls.
 
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use symmpool::coll::Path;
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16,
-    f16,
+    CheckMode, Coll, CollectiveCalls, Element, Error, HostBackend, HostConfig, PoolConfig,
+    ReduceOp, Stream, SymmPool, bf16, f16,
 };
 
 fn pools(world: usize) -> Vec<SymmPool> {
@@ -209,7 +209,9 @@ fn eight_ranks_gather_and_reduce() {
 
 #[test]
 fn paths_follow_size_type_and_operation() {
-    let pools = pools(2);
+    // A call's deadline covers its data movement too: 64 MiB reductions on the host,
+    // unoptimised, on a busy machine, get the default timeout.
+    let pools = SymmPool::host_group(2, PoolConfig::default()).unwrap();
     let paths = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let small = pool.alloc(2 * (64 << 10), &stream).unwrap();
@@ -384,6 +386,32 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
         "{:?}",
         errs[1]
     );
+}
+
+#[test]
+fn a_failed_collective_ends_within_the_pool_timeout_in_every_check_mode() {
+    // The backend has no timeout of its own: the pool's deadline ends every wait of
+    // the call (its check, the backend's rounds), however many there are.
+    const TIMEOUT: Duration = Duration::from_secs(2);
+    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
+        let backends = HostBackend::world(HostConfig::new(2)).unwrap();
+        let pools = SymmPool::group(backends, &config).unwrap();
+        let colls = Coll::group(&pools).unwrap();
+        let bufs = pool_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
+        // Rank 1 never makes the collective.
+        let started = Instant::now();
+        let r = colls[0].all_gather_in_place::<f32>(&bufs[0], &Stream::host());
+        let took = started.elapsed();
+        assert!(
+            matches!(r, Err(Error::Timeout { .. } | Error::PoolBroken { .. })),
+            "{mode:?}: {r:?}"
+        );
+        assert!(
+            took < TIMEOUT + Duration::from_secs(1),
+            "{mode:?}: the call took {took:?} with a pool timeout of {TIMEOUT:?}"
+        );
+    }
 }
 
 #[test]

@@ -22,13 +22,13 @@ use symmpool::{
     SymmPool,
 };
 
-/// The pools' and the host backend's timeout.
+/// The pools' timeout (their collectives' waits in the host backend end with it).
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// What "within one exchange round" means here: well under the timeout.
 const PROMPT: Duration = Duration::from_millis(1500);
 
 fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
-    let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
+    let bs = HostBackend::world(HostConfig::new(world)).unwrap();
     let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
     SymmPool::group(bs, &config).unwrap()
 }
@@ -363,7 +363,7 @@ fn each_rank<R: Send>(
     config: PoolConfig,
     body: impl Fn(usize, &SymmPool, &Coll) -> R + Sync,
 ) -> Vec<R> {
-    let bs = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
+    let bs = HostBackend::world(HostConfig::new(world)).unwrap();
     let pools = SymmPool::group(bs, &config.with_timeout(TIMEOUT)).unwrap();
     thread::scope(|sc| {
         let hs: Vec<_> = (pools.iter())
@@ -538,7 +538,7 @@ fn a_second_handle_on_the_same_communicators_is_refused_with_advice() {
 #[test]
 fn pools_used_in_crossed_order_through_one_handle_diverge_on_the_pool() {
     for mode in [CheckMode::Strict, CheckMode::Async] {
-        let bs = HostBackend::world(HostConfig::new(2).with_timeout(TIMEOUT)).unwrap();
+        let bs = HostBackend::world(HostConfig::new(2)).unwrap();
         let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
         let out = thread::scope(|sc| {
             let hs: Vec<_> = (bs.into_iter())
@@ -623,7 +623,7 @@ impl symmpool::backend::Collectives for Alone {
 fn dropping_a_handle_whose_check_waits_forever_is_bounded() {
     // Timeouts of Duration::MAX everywhere; rank 0's collective returns at once, its
     // record waits for a peer that never posts one.
-    let mut bs = HostBackend::world(HostConfig::new(2).with_timeout(Duration::MAX)).unwrap();
+    let mut bs = HostBackend::world(HostConfig::new(2)).unwrap();
     let b1 = bs.pop().unwrap();
     let b0 = bs
         .pop()
@@ -698,7 +698,7 @@ fn two_threads_of_a_rank_pair_their_records_as_they_launch_under_async() {
     let (b_done_tx, b_done_rx) = std::sync::mpsc::channel::<()>();
     let mut b_done_rx = Some(b_done_rx);
     let mut a_inside_rx = Vec::new();
-    let world: Vec<_> = (HostBackend::world(HostConfig::new(2).with_timeout(TIMEOUT)).unwrap())
+    let world: Vec<_> = (HostBackend::world(HostConfig::new(2)).unwrap())
         .into_iter()
         .map(|b| {
             let (tx, rx) = std::sync::mpsc::sync_channel(1);
@@ -841,7 +841,7 @@ impl symmpool::Exchange for Counting {
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
-    fn all_gather_until(
+    fn all_gather(
         &self,
         channel: symmpool::ChannelId,
         op: &'static str,
@@ -849,14 +849,14 @@ impl symmpool::Exchange for Counting {
         deadline: symmpool::Deadline,
     ) -> symmpool::Result<Vec<Vec<u8>>> {
         self.rounds.lock().unwrap().push(op);
-        self.inner.all_gather_until(channel, op, payload, deadline)
+        self.inner.all_gather(channel, op, payload, deadline)
     }
-    fn open_channel_until(
+    fn open_channel(
         &self,
         name: &str,
         deadline: symmpool::Deadline,
     ) -> symmpool::Result<symmpool::ChannelId> {
-        self.inner.open_channel_until(name, deadline)
+        self.inner.open_channel(name, deadline)
     }
 }
 
@@ -866,7 +866,7 @@ fn a_checked_growth_takes_its_agreement_round_and_no_other_check_round() {
     // ledger, compared with the peers' collective records in its own round (no
     // separate check round before it, as when the checks had a channel of their own).
     let rounds = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let backends: Vec<_> = HostBackend::world(HostConfig::new(2).with_timeout(TIMEOUT))
+    let backends: Vec<_> = HostBackend::world(HostConfig::new(2))
         .unwrap()
         .into_iter()
         .map(|b| {

@@ -94,8 +94,13 @@ const LONG: Duration = Duration::from_secs(30);
 fn rank_order<E: Exchange>(group: Vec<E>) {
     let out = on_all(&group, |x| {
         let payload = vec![x.rank() as u8; x.rank() + 1];
-        x.all_gather(ChannelId::CONTROL, "rank order", &payload, LONG)
-            .unwrap()
+        x.all_gather(
+            ChannelId::CONTROL,
+            "rank order",
+            &payload,
+            Deadline::after(LONG),
+        )
+        .unwrap()
     });
     let expected: Vec<Vec<u8>> = (0..group.len()).map(|r| vec![r as u8; r + 1]).collect();
     for o in out {
@@ -107,8 +112,8 @@ fn rank_order<E: Exchange>(group: Vec<E>) {
 
 fn channels_never_pair_across<E: Exchange>(group: Vec<E>) {
     let chans = on_all(&group, |x| {
-        let a = x.open_channel("a", LONG).unwrap();
-        let b = x.open_channel("b", LONG).unwrap();
+        let a = x.open_channel("a", Deadline::after(LONG)).unwrap();
+        let b = x.open_channel("b", Deadline::after(LONG)).unwrap();
         (a, b)
     });
     let (a, b) = chans[0];
@@ -121,7 +126,12 @@ fn channels_never_pair_across<E: Exchange>(group: Vec<E>) {
                 s.spawn(move || {
                     for round in 0..25u8 {
                         let out = x
-                            .all_gather(ch, "interleaved", &[tag, round, x.rank() as u8], LONG)
+                            .all_gather(
+                                ch,
+                                "interleaved",
+                                &[tag, round, x.rank() as u8],
+                                Deadline::after(LONG),
+                            )
                             .unwrap();
                         for (r, p) in out.iter().enumerate() {
                             assert_eq!(p, &vec![tag, round, r as u8]);
@@ -136,12 +146,21 @@ fn channels_never_pair_across<E: Exchange>(group: Vec<E>) {
 
 fn a_timeout_breaks_every_rank_and_channel<E: Exchange>(group: Vec<E>) {
     assert_eq!(group.len(), 3);
-    let ch = on_all(&group, |x| x.open_channel("work", LONG).unwrap())[0];
+    let ch = on_all(&group, |x| {
+        x.open_channel("work", Deadline::after(LONG)).unwrap()
+    })[0];
     let started = Instant::now();
     // Rank 1 waits (long timeout) with rank 0 (short); rank 2 never comes.
     let (a, b) = thread::scope(|s| {
-        let a = s.spawn(|| group[0].all_gather(ch, "lonely", &[0], Duration::from_millis(300)));
-        let b = s.spawn(|| group[1].all_gather(ch, "lonely", &[1], LONG));
+        let a = s.spawn(|| {
+            group[0].all_gather(
+                ch,
+                "lonely",
+                &[0],
+                Deadline::after(Duration::from_millis(300)),
+            )
+        });
+        let b = s.spawn(|| group[1].all_gather(ch, "lonely", &[1], Deadline::after(LONG)));
         (a.join().unwrap(), b.join().unwrap())
     });
     match a {
@@ -159,13 +178,13 @@ fn a_timeout_breaks_every_rank_and_channel<E: Exchange>(group: Vec<E>) {
     // Every later call, on every channel and rank, fails.
     for x in &group {
         for c in [ch, ChannelId::CONTROL] {
-            let r = x.all_gather(c, "lonely", &[9], LONG);
+            let r = x.all_gather(c, "lonely", &[9], Deadline::after(LONG));
             assert!(
                 matches!(r, Err(Error::GroupBroken { rank: 0, .. })),
                 "{r:?}"
             );
         }
-        let r = x.open_channel("later", LONG);
+        let r = x.open_channel("later", Deadline::after(LONG));
         assert!(
             matches!(r, Err(Error::GroupBroken { rank: 0, .. })),
             "{r:?}"
@@ -176,17 +195,19 @@ fn a_timeout_breaks_every_rank_and_channel<E: Exchange>(group: Vec<E>) {
 
 fn an_endless_timeout_does_not_overflow<E: Exchange>(group: Vec<E>) {
     let out = on_all(&group, |x| {
-        x.all_gather(ChannelId::CONTROL, "forever", &[5], Duration::MAX)
+        x.all_gather(ChannelId::CONTROL, "forever", &[5], Deadline::never())
             .unwrap()
     });
     assert!(out.iter().all(|o| o.iter().all(|p| p == &[5])));
     // The same through a channel opened without a deadline, and a deadline that never
     // passes.
     let out = on_all(&group, |x| {
-        let ch = x.open_channel("forever", Duration::MAX).unwrap();
-        let first = x.all_gather(ch, "forever", &[6], Duration::MAX).unwrap();
+        let ch = x.open_channel("forever", Deadline::never()).unwrap();
+        let first = x
+            .all_gather(ch, "forever", &[6], Deadline::never())
+            .unwrap();
         let second = x
-            .all_gather_until(ch, "forever", &[7], Deadline::never())
+            .all_gather(ch, "forever", &[7], Deadline::never())
             .unwrap();
         (first, second)
     });
@@ -205,7 +226,7 @@ fn open_channel_in_different_orders_fails_everywhere<E: Exchange>(group: Vec<E>)
         } else {
             ["b", "a"]
         };
-        names.map(|n| x.open_channel(n, LONG))
+        names.map(|n| x.open_channel(n, Deadline::after(LONG)))
     });
     for (rank, results) in out.into_iter().enumerate() {
         for (i, r) in results.into_iter().enumerate() {
@@ -225,7 +246,7 @@ fn open_channel_in_different_orders_fails_everywhere<E: Exchange>(group: Vec<E>)
     }
     // The mismatch is reported, not a break: the control channel still works.
     on_all(&group, |x| {
-        x.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
+        x.all_gather(ChannelId::CONTROL, "after", &[1], Deadline::after(LONG))
             .unwrap()
     });
     drop_group(group);
@@ -272,7 +293,9 @@ fn store_dropping_a_rank_mid_round_is_peer_lost_for_the_others() {
     let out = thread::scope(|s| {
         let hs: Vec<_> = group
             .iter()
-            .map(|x| s.spawn(move || x.all_gather(ch, "waiting for 2", &[1], LONG)))
+            .map(|x| {
+                s.spawn(move || x.all_gather(ch, "waiting for 2", &[1], Deadline::after(LONG)))
+            })
             .collect();
         drop(gone);
         hs.into_iter()
@@ -303,14 +326,14 @@ fn store_ranks_leaving_right_after_the_last_round_cost_no_one_its_result() {
             for x in group {
                 s.spawn(move || {
                     for i in 0..rounds {
-                        let out = x.all_gather(ch, "last rounds", &[i], LONG);
+                        let out = x.all_gather(ch, "last rounds", &[i], Deadline::after(LONG));
                         assert_eq!(out.unwrap(), vec![vec![i]; 4], "attempt {attempt}");
                     }
                     drop(x); // at once: its goodbye races the others' last results
                 });
             }
             for i in 0..rounds {
-                let out = host.all_gather(ch, "last rounds", &[i], LONG);
+                let out = host.all_gather(ch, "last rounds", &[i], Deadline::after(LONG));
                 assert_eq!(out.unwrap(), vec![vec![i]; 4], "attempt {attempt}");
             }
             drop(host);
@@ -324,12 +347,17 @@ fn store_refuses_oversized_payloads_without_using_a_round() {
     let max = store_config(0, 2, 0).max_payload_bytes();
     let big = vec![0u8; max + 1];
     assert!(matches!(
-        group[0].all_gather(ChannelId::CONTROL, "big", &big, LONG),
+        group[0].all_gather(ChannelId::CONTROL, "big", &big, Deadline::after(LONG)),
         Err(Error::PayloadTooLarge { .. })
     ));
     let out = on_all(&group, |x| {
-        x.all_gather(ChannelId::CONTROL, "ok", &vec![7u8; max], LONG)
-            .unwrap()
+        x.all_gather(
+            ChannelId::CONTROL,
+            "ok",
+            &vec![7u8; max],
+            Deadline::after(LONG),
+        )
+        .unwrap()
     });
     assert_eq!(out[1][0].len(), max);
     drop_group(group);
@@ -463,7 +491,7 @@ fn a_late_rank_is_named_while_the_others_wait_and_once_more_when_it_comes() {
     let patience = Duration::from_secs(60);
     let round = |ex: &StoreExchange| {
         let mine = [ex.rank() as u8];
-        ex.all_gather(ChannelId::CONTROL, op, &mine, patience)
+        ex.all_gather(ChannelId::CONTROL, op, &mine, Deadline::after(patience))
     };
     let all = vec![vec![0], vec![1], vec![2]];
     let (ex0, ex1, ex2) = thread::scope(|s| {
@@ -498,7 +526,11 @@ fn a_late_rank_is_named_while_the_others_wait_and_once_more_when_it_comes() {
     thread::scope(|s| {
         let hs: Vec<_> = [&ex0, &ex1, &ex2]
             .into_iter()
-            .map(|ex| s.spawn(move || ex.all_gather(ChannelId::CONTROL, quiet, &[], patience)))
+            .map(|ex| {
+                s.spawn(move || {
+                    ex.all_gather(ChannelId::CONTROL, quiet, &[], Deadline::after(patience))
+                })
+            })
             .collect();
         for h in hs {
             h.join().unwrap().unwrap();
@@ -636,7 +668,12 @@ fn child_main() -> i32 {
                 None => 1,
             };
             let out = ex
-                .all_gather(ChannelId::CONTROL, "flood round", &[more], LONG)
+                .all_gather(
+                    ChannelId::CONTROL,
+                    "flood round",
+                    &[more],
+                    Deadline::after(LONG),
+                )
                 .unwrap();
             rounds += 1;
             fds_max = fds_max.max(open_fds());
@@ -658,11 +695,16 @@ fn child_main() -> i32 {
     }
     let rounds: usize = var("CHILD_ROUNDS").map_or(20, |r| r.parse().unwrap());
     let victim: Option<usize> = var("CHILD_VICTIM").map(|v| v.parse().unwrap());
-    let ch = ex.open_channel("child", LONG).unwrap();
+    let ch = ex.open_channel("child", Deadline::after(LONG)).unwrap();
     for i in 0..rounds {
         let c = if i % 2 == 0 { ch } else { ChannelId::CONTROL };
         let out = ex
-            .all_gather(c, "child round", &[i as u8, rank as u8], LONG)
+            .all_gather(
+                c,
+                "child round",
+                &[i as u8, rank as u8],
+                Deadline::after(LONG),
+            )
             .unwrap();
         for (r, p) in out.iter().enumerate() {
             assert_eq!(p, &vec![i as u8, r as u8]);
@@ -678,7 +720,7 @@ fn child_main() -> i32 {
         // Every round's result reached this rank: losing the victim now (even the
         // server's host) can only show up in the next call.
         println!("@@waiting");
-        return match ex.all_gather(ch, "waiting for the victim", &[0], t) {
+        return match ex.all_gather(ch, "waiting for the victim", &[0], Deadline::after(t)) {
             Err(Error::PeerLost { rank, op, detail }) => {
                 println!("@@lost rank={rank} op={op} detail={detail}");
                 0
@@ -1163,7 +1205,7 @@ fn a_rank_of_another_job_and_a_second_claim_of_a_rank_are_told_what_they_are() {
     }
     // The group is unaffected.
     on_all(&group, |ex| {
-        ex.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
+        ex.all_gather(ChannelId::CONTROL, "after", &[1], Deadline::after(LONG))
             .unwrap()
     });
     drop_group(group);
@@ -1191,7 +1233,7 @@ fn once_every_rank_joined_a_host_running_none_of_them_is_refused_without_a_hands
     let after = server.stats();
     assert_eq!(after.connections_rejected, before.connections_rejected + 1);
     on_all(&group, |ex| {
-        ex.all_gather(ChannelId::CONTROL, "after", &[1], LONG)
+        ex.all_gather(ChannelId::CONTROL, "after", &[1], Deadline::after(LONG))
             .unwrap()
     });
     drop_group(group);

@@ -1159,9 +1159,13 @@ mod gpu_tests {
             eprintln!("[rank 1] kill -9 inside the window registration");
             kill_myself()
         }
-        unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+        unsafe fn deregister(
+            &self,
+            window: Window,
+            deadline: symmpool::Deadline,
+        ) -> std::result::Result<(), Refused<Window>> {
             // SAFETY: the caller's contract is passed on unchanged.
-            unsafe { self.0.deregister(window) }
+            unsafe { self.0.deregister(window, deadline) }
         }
         unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
             // SAFETY: the caller's contract is passed on unchanged.
@@ -1233,6 +1237,7 @@ mod gpu_tests {
                 ReduceOp::Sum,
                 &stream,
                 (None, None),
+                symmpool::Deadline::after(Duration::from_secs(60)),
             ))
         };
         // Warm-up: connections made, both ranks alive.
@@ -1240,11 +1245,19 @@ mod gpu_tests {
         stream.cuda_stream().unwrap().synchronize().unwrap();
         let barrier = backend
             .exchange()
-            .open_channel("test:barrier", Duration::from_secs(60))
+            .open_channel(
+                "test:barrier",
+                symmpool::Deadline::after(Duration::from_secs(60)),
+            )
             .unwrap();
         backend
             .exchange()
-            .all_gather(barrier, "barrier", &[], Duration::from_secs(60))
+            .all_gather(
+                barrier,
+                "barrier",
+                &[],
+                symmpool::Deadline::after(Duration::from_secs(60)),
+            )
             .unwrap();
         if rank == 1 {
             eprintln!("[rank 1] kill -9 before the next all-gather");

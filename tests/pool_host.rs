@@ -362,9 +362,7 @@ fn buffers_kept_past_close_report_pool_closed() {
 
 #[test]
 fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
-    let host = HostConfig::new(2)
-        .with_symmetric(false)
-        .with_timeout(Duration::from_secs(5));
+    let host = HostConfig::new(2).with_symmetric(false);
     let pools = SymmPool::host_group_with(host.clone(), config()).unwrap();
     let reports = on_ranks(&pools, |pool| {
         let coll = Coll::new(pool).unwrap();
@@ -388,9 +386,7 @@ fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
 
 #[test]
 fn older_nccl_rules_pick_older_paths() {
-    let host = HostConfig::new(2)
-        .with_nccl_version(symmpool::NcclVersion::new(2, 27, 3))
-        .with_timeout(Duration::from_secs(5));
+    let host = HostConfig::new(2).with_nccl_version(symmpool::NcclVersion::new(2, 27, 3));
     let pools = SymmPool::host_group_with(host, config()).unwrap();
     let paths = on_ranks(&pools, |pool| {
         let coll = Coll::new(pool).unwrap();
@@ -536,7 +532,7 @@ impl symmpool::Exchange for Announcing {
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
-    fn all_gather_until(
+    fn all_gather(
         &self,
         channel: symmpool::ChannelId,
         op: &'static str,
@@ -544,20 +540,20 @@ impl symmpool::Exchange for Announcing {
         deadline: symmpool::Deadline,
     ) -> symmpool::Result<Vec<Vec<u8>>> {
         let _ = self.entered.try_send(());
-        self.inner.all_gather_until(channel, op, payload, deadline)
+        self.inner.all_gather(channel, op, payload, deadline)
     }
-    fn open_channel_until(
+    fn open_channel(
         &self,
         name: &str,
         deadline: symmpool::Deadline,
     ) -> symmpool::Result<symmpool::ChannelId> {
-        self.inner.open_channel_until(name, deadline)
+        self.inner.open_channel(name, deadline)
     }
 }
 
 /// Two host ranks whose rank 0 reports every stream as capturing a CUDA graph.
 fn rank_0_capturing(timeout: Duration) -> Vec<SymmPool> {
-    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
     let b1 = world.pop().unwrap();
     let b0 = world
         .pop()
@@ -602,7 +598,7 @@ impl symmpool::backend::StreamOps for Capturing {
 #[test]
 fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
     let timeout = Duration::from_secs(2);
-    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
     let b1 = world.pop().unwrap();
     let (tx, rx) = std::sync::mpsc::sync_channel(16);
     let b0 = world
@@ -1019,7 +1015,7 @@ fn a_registration_failure_names_the_rank_that_failed() {
     // Rank 1 fails before its round; rank 0 waits out its registration. Every rank
     // names rank 1, now and in the growth refused later.
     let timeout = Duration::from_millis(600);
-    let mut world = symmpool::HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let mut world = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
     let b1 = world
         .pop()
         .unwrap()

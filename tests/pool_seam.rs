@@ -94,7 +94,7 @@ impl StreamOps for Streams {
 }
 
 fn one_rank(timeout: Duration, f: impl FnOnce(Arc<dyn StreamOps>) -> Streams) -> SymmPool {
-    let backend = HostBackend::world(HostConfig::new(1).with_timeout(timeout))
+    let backend = HostBackend::world(HostConfig::new(1))
         .unwrap()
         .pop()
         .unwrap()
@@ -233,7 +233,7 @@ fn a_failure_inside_drop_is_returned_by_the_next_call() {
 #[test]
 fn a_panic_under_the_pools_lock_breaks_the_pool_on_every_rank() {
     let timeout = Duration::from_secs(10);
-    let mut world = HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let mut world = HostBackend::world(HostConfig::new(2)).unwrap();
     let b1 = world.pop().unwrap();
     let b0 = world.pop().unwrap().with_streams(|inner| {
         Arc::new(Streams {
@@ -292,9 +292,13 @@ impl SegmentProvider for Full {
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { self.0.register(segment, comm, deadline) }
     }
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+    unsafe fn deregister(
+        &self,
+        window: Window,
+        deadline: symmpool::Deadline,
+    ) -> std::result::Result<(), Refused<Window>> {
         // SAFETY: forwarded with the caller's guarantees.
-        unsafe { self.0.deregister(window) }
+        unsafe { self.0.deregister(window, deadline) }
     }
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
         // SAFETY: forwarded with the caller's guarantees.
@@ -305,7 +309,7 @@ impl SegmentProvider for Full {
 #[test]
 fn out_of_memory_says_whose_memory_ran_out() {
     let timeout = Duration::from_secs(10);
-    let mut world = HostBackend::world(HostConfig::new(2).with_timeout(timeout)).unwrap();
+    let mut world = HostBackend::world(HostConfig::new(2)).unwrap();
     let b1 = world
         .pop()
         .unwrap()

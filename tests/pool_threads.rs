@@ -16,7 +16,7 @@ const ITERATIONS: usize = 20;
 /// Per rank (a thread each): a parameter pool and a gradient pool, made in that order
 /// (creation is collective), with `config`.
 fn pools_per_rank(world: usize, config: &PoolConfig) -> Vec<(SymmPool, SymmPool)> {
-    let backends = HostBackend::world(HostConfig::new(world).with_timeout(TIMEOUT)).unwrap();
+    let backends = HostBackend::world(HostConfig::new(world)).unwrap();
     thread::scope(|s| {
         let hs: Vec<_> = backends
             .into_iter()
@@ -88,7 +88,7 @@ fn two_pools_with_their_own_communicators_on_two_threads_per_rank_stay_correct()
 
 #[test]
 fn a_pool_split_twice_with_different_names_is_a_channel_mismatch_on_every_rank() {
-    let backends = HostBackend::world(HostConfig::new(2).with_timeout(TIMEOUT)).unwrap();
+    let backends = HostBackend::world(HostConfig::new(2)).unwrap();
     let errs: Vec<Error> = thread::scope(|s| {
         let hs: Vec<_> = backends
             .into_iter()

@@ -281,7 +281,7 @@ impl Exchange for Exchanges {
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
-    fn all_gather_until(
+    fn all_gather(
         &self,
         channel: ChannelId,
         op: &'static str,
@@ -290,7 +290,7 @@ impl Exchange for Exchanges {
     ) -> Result<Vec<Vec<u8>>> {
         let deadline = Caps::cap(self.caps.agreement.load(Ordering::SeqCst), deadline);
         if op != ORDER_ROUND {
-            return self.inner.all_gather_until(channel, op, payload, deadline);
+            return self.inner.all_gather(channel, op, payload, deadline);
         }
         self.faults.order_rounds.fetch_add(1, Ordering::SeqCst);
         let mut payload = payload.to_vec();
@@ -306,10 +306,10 @@ impl Exchange for Exchanges {
             order.pool = "another pool".into();
             payload = postcard::to_allocvec(&order).expect("encodes");
         }
-        self.inner.all_gather_until(channel, op, &payload, deadline)
+        self.inner.all_gather(channel, op, &payload, deadline)
     }
-    fn open_channel_until(&self, name: &str, deadline: symmpool::Deadline) -> Result<ChannelId> {
-        self.inner.open_channel_until(name, deadline)
+    fn open_channel(&self, name: &str, deadline: symmpool::Deadline) -> Result<ChannelId> {
+        self.inner.open_channel(name, deadline)
     }
 }
 
@@ -350,7 +350,7 @@ impl SegmentProvider for Provider {
                 // SAFETY: forwarded with the caller's guarantees.
                 if let Some(w) = unsafe { self.inner.register(segment, comm, deadline) }? {
                     // SAFETY: made just now by the inner provider; nothing uses it.
-                    unsafe { self.inner.deregister(w) }.map_err(|r| r.error)?;
+                    unsafe { self.inner.deregister(w, deadline) }.map_err(|r| r.error)?;
                 }
             }
             return Err(Error::Nccl {
@@ -362,9 +362,13 @@ impl SegmentProvider for Provider {
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { self.inner.register(segment, comm, deadline) }
     }
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+    unsafe fn deregister(
+        &self,
+        window: Window,
+        deadline: symmpool::Deadline,
+    ) -> std::result::Result<(), Refused<Window>> {
         // SAFETY: forwarded with the caller's guarantees.
-        unsafe { self.inner.deregister(window) }
+        unsafe { self.inner.deregister(window, deadline) }
     }
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
         // SAFETY: forwarded with the caller's guarantees.
@@ -1307,7 +1311,7 @@ fn world_with_timeout(n: usize, timeout: Duration) -> Vec<Rank> {
     let config = PoolConfig::default().with_timeout(timeout);
     let faults: Vec<Arc<Faults>> = (0..n).map(|_| Arc::new(Faults::default())).collect();
     let caps = Arc::new(Caps::default());
-    let backends = HostBackend::world(HostConfig::new(n).with_timeout(timeout))
+    let backends = HostBackend::world(HostConfig::new(n))
         .unwrap()
         .into_iter()
         .zip(&faults)

@@ -45,12 +45,7 @@ fn var(name: &str) -> Option<String> {
 
 fn child() -> symmpool::Result<i32> {
     let role = var("CHILD_ROLE");
-    let timeout = if role.as_deref() == Some("identity") {
-        IDENTITY_TIMEOUT
-    } else {
-        TIMEOUT
-    };
-    let (rank, world, backend) = join(timeout)?;
+    let (rank, world, backend) = join()?;
     match role.as_deref() {
         Some("two_pools") => two_pools_child(backend),
         Some("identity") => identity_child(rank, world, backend),

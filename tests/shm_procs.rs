@@ -37,7 +37,7 @@ fn var(name: &str) -> Option<String> {
 }
 
 fn child() -> symmpool::Result<i32> {
-    let (rank, world, backend) = join(Duration::from_secs(60))?;
+    let (rank, world, backend) = join()?;
     match var("CHILD_ROLE").as_deref() {
         Some("checked") => return checked_child(rank, world, backend),
         Some("strict_cost") => return strict_cost_child(rank, backend),

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use symmpool::control::{ChannelId, Exchange, StoreExchange};
-use symmpool::{Error, Launch, Result};
+use symmpool::{Deadline, Error, Launch, Result};
 
 /// Set in the processes `--nproc` starts: they report to their parent.
 const CHILD_VAR: &str = "SYMMPOOL_FSDP_CHILD";
@@ -50,7 +50,12 @@ struct ExchangeBarrier {
 impl StepSync for ExchangeBarrier {
     fn wait(&self) -> Result<()> {
         self.exchange
-            .all_gather(self.channel, "fsdp_step step", &[], self.timeout)
+            .all_gather(
+                self.channel,
+                "fsdp_step step",
+                &[],
+                Deadline::after(self.timeout),
+            )
             .map(|_| ())
     }
 }
@@ -65,13 +70,13 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
         BackendChoice::Nccl => super::gpu_math::process_backend(exchange.clone(), args.sm_margin)?,
         _ => symmpool::backend::ShmBackend::join(
             exchange.clone(),
-            symmpool::backend::ShmConfig::default().with_timeout(timeout),
+            symmpool::backend::ShmConfig::default(),
         )?,
     };
     // Making pools is collective: every rank makes them in the same order.
     let pools = make_pools(&args.modes, args.check, &backend)?;
     let barrier = ExchangeBarrier {
-        channel: exchange.open_channel("fsdp_step:steps", timeout)?,
+        channel: exchange.open_channel("fsdp_step:steps", Deadline::after(timeout))?,
         exchange: exchange.clone(),
         timeout,
     };

@@ -312,7 +312,7 @@ pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
     // Each mode gets a host "world" of its own: one backend per rank, sharing memory.
     let mut per_rank: Vec<Vec<(Mode, Backend)>> = (0..args.ranks).map(|_| Vec::new()).collect();
     for &mode in &args.modes {
-        let host = HostConfig::new(args.ranks).with_timeout(PoolConfig::default().timeout);
+        let host = HostConfig::new(args.ranks);
         for (rank, backend) in HostBackend::world(host)?.into_iter().enumerate() {
             per_rank[rank].push((mode, backend));
         }
@@ -440,16 +440,9 @@ pub fn gather_memory_map(exchange: &dyn symmpool::Exchange, args: &Args) -> Resu
     let json = serde_json::to_vec(&mine).map_err(|e| symmpool::Error::Internal {
         what: format!("encoding a snapshot: {e}"),
     })?;
-    let channel = exchange.open_channel(
-        "fsdp_step:memory-map",
-        symmpool::PoolConfig::default().timeout,
-    )?;
-    let all = exchange.all_gather(
-        channel,
-        "memory map",
-        &json,
-        symmpool::PoolConfig::default().timeout,
-    )?;
+    let deadline = symmpool::Deadline::after(PoolConfig::default().timeout);
+    let channel = exchange.open_channel("fsdp_step:memory-map", deadline)?;
+    let all = exchange.all_gather(channel, "memory map", &json, deadline)?;
     if exchange.rank() == 0 {
         let mut maps = MEMORY_MAPS.lock();
         for bytes in all {

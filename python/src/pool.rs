@@ -279,7 +279,7 @@ impl Pool {
         require_tags: bool,
     ) -> PyResult<Vec<Pool>> {
         let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
-        let host = HostConfig::new(world_size).with_timeout(config.timeout);
+        let host = HostConfig::new(world_size);
         let mut backends = HostBackend::world(host).map_err(to_py)?;
         if let Some(exchanges) = exchanges {
             if exchanges.len() != world_size {
@@ -351,9 +351,7 @@ impl Pool {
                 tcp
             }
         };
-        let mut shm = ShmConfig::default()
-            .with_timeout(config.timeout)
-            .with_symmetric(symmetric);
+        let mut shm = ShmConfig::default().with_symmetric(symmetric);
         if let Some(bytes) = max_reserved_bytes {
             shm = shm.with_max_reserved_bytes(bytes);
         }

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use symmpool::control::{KvConfig, KvExchange, KvStore};
-use symmpool::{ChannelId, Error, Exchange, Result};
+use symmpool::{ChannelId, Deadline, Error, Exchange, Result};
 
 /// A Python store object, called with the GIL held (acquired per call: the exchange
 /// runs with the GIL released).
@@ -147,7 +147,7 @@ impl Channels {
         let exchange = self.exchange.clone();
         let name = name.to_owned();
         let ch = py
-            .allow_threads(move || exchange.open_channel(&name, timeout))
+            .allow_threads(move || exchange.open_channel(&name, Deadline::after(timeout)))
             .map_err(to_py)?;
         self.open.lock().insert(ch.ordinal(), ch);
         Ok(ch.ordinal())
@@ -168,7 +168,9 @@ impl Channels {
             .ok_or_else(|| PyValueError::new_err(format!("channel {channel} is not open")))?;
         let exchange = self.exchange.clone();
         let all = py
-            .allow_threads(move || exchange.all_gather(ch, "python", &payload, timeout))
+            .allow_threads(move || {
+                exchange.all_gather(ch, "python", &payload, Deadline::after(timeout))
+            })
             .map_err(to_py)?;
         Ok(all.iter().map(|p| PyBytes::new(py, p)).collect())
     }

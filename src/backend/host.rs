@@ -1,7 +1,8 @@
 //! The host backend: N ranks as threads of one process, segments in host memory.
 //!
 //! It is not a mock. Registration is a real barrier among the ranks with NCCL's
-//! ordering rule (windows pair by call order, sizes must match) and a timeout;
+//! ordering rule (windows pair by call order, sizes must match) and its caller's
+//! deadline;
 //! collectives move and reduce real data between the ranks' segments, at the offsets
 //! each rank passed (bounds checked), and end in a barrier. Like NCCL, the backend
 //! does not compare the ranks' arguments: the checked collectives of
@@ -23,7 +24,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Settings of a host world.
 #[derive(Debug, Clone)]
@@ -35,9 +36,6 @@ pub struct HostConfig {
     /// communicator without symmetric support: registration succeeds with a NULL
     /// window (no [`Window`]).
     pub symmetric: bool,
-    /// How long each round of a registration or collective waits for the other ranks
-    /// ([`Duration::MAX`]: forever); a registration also stops at its caller's deadline.
-    pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
     /// Most host memory one rank may reserve, in bytes (default 64 GiB; pages are only
@@ -54,7 +52,6 @@ impl HostConfig {
         HostConfig {
             world_size,
             symmetric: true,
-            timeout: Duration::from_secs(60),
             granularity_bytes: 2 << 20,
             max_reserved_bytes: 64 << 30,
             nccl_version: NcclVersion::new(2, 28, 3),
@@ -64,12 +61,6 @@ impl HostConfig {
     /// Set whether registration gives symmetric windows.
     pub fn with_symmetric(mut self, symmetric: bool) -> Self {
         self.symmetric = symmetric;
-        self
-    }
-
-    /// Set the timeout for waits on other ranks.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
         self
     }
 
@@ -307,9 +298,10 @@ impl HostBackend {
     /// communicators, shared by the ranks that split under the same channel; the
     /// memory limit and stream operations stay this rank's.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let channel = backend
-            .exchange()
-            .open_channel(&format!("backend:split:{name}"), super::SETUP_TIMEOUT)?;
+        let channel = backend.exchange().open_channel(
+            &format!("backend:split:{name}"),
+            Deadline::after(super::SETUP_TIMEOUT),
+        )?;
         let n = self.config.world_size;
         let comms = self.world.take_split(channel.ordinal(), n);
         let parts = Arc::new(HostBackend {
@@ -344,7 +336,8 @@ impl HostBackend {
         }
     }
 
-    /// Run one collective: post, check agreement, move data with `body`, barrier.
+    /// Run one collective: post, check agreement, move data with `body`, barrier;
+    /// every round waits until the call's deadline ([`CollArgs::deadline`]).
     fn collective(
         &self,
         args: &CollArgs<'_>,
@@ -366,7 +359,7 @@ impl HostBackend {
         };
         let _serial = comm.serial[self.rank].lock();
         let round = self.next_round(args.comm, false);
-        let deadline = Deadline::after(self.config.timeout);
+        let deadline = args.deadline();
         let gathered = comm
             .collectives
             .gather(op, self.rank, round, Some(post), deadline)?;
@@ -387,7 +380,6 @@ impl HostBackend {
         };
         // Second round: nobody returns (and reuses its input) before all are done.
         let round = self.next_round(args.comm, false);
-        let deadline = Deadline::after(self.config.timeout);
         comm.collectives
             .gather(op, self.rank, round, None, deadline)?;
         verdict
@@ -446,7 +438,7 @@ impl SegmentProvider for HostBackend {
             self.rank,
             ordinal,
             size,
-            deadline.cap(self.config.timeout),
+            deadline,
         )?;
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
@@ -623,10 +615,7 @@ impl Collectives for HostBackend {
                 .collect::<Result<Vec<_>>>()
                 .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
             let round = self.next_round(args.comm, false);
-            let deadline = Deadline::after(self.config.timeout);
-            let middle = comm
-                .collectives
-                .gather(OP, self.rank, round, None, deadline)?;
+            let middle = (comm.collectives).gather(OP, self.rank, round, None, args.deadline())?;
             if middle.iter().any(Option::is_some) {
                 return Err(Error::CollectiveMismatch {
                     op: OP,

@@ -49,6 +49,8 @@ pub use parts::{DataMover, SegmentProvider, StreamOps};
 pub use shm::{ShmBackend, ShmConfig};
 
 use crate::control::{ChannelId, Exchange};
+pub use crate::deadline::CallDeadline;
+use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
@@ -87,10 +89,17 @@ pub struct CollArgs<'a> {
     /// ranks' calls (the host backends) compare it, so that two pools whose threads
     /// share the communicators cannot pair each other's collectives unnoticed.
     pub caller: u64,
+    /// When the call must end: the calling pool's deadline (from
+    /// [`PoolConfig::timeout`](crate::PoolConfig::timeout), shared with its checks).
+    /// Backends that wait for their peers on the host (the host backends) wait until
+    /// [`deadline`](Self::deadline) and no longer: the whole call, the host backends'
+    /// data movement included, ends by it.
+    deadline: CallDeadline,
 }
 
 impl<'a> CollArgs<'a> {
-    /// Arguments for communicator `comm`.
+    /// Arguments for communicator `comm`, to end by `deadline` (a [`Deadline`], or a
+    /// [`CallDeadline`] made at the first wait).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         comm: usize,
@@ -101,6 +110,7 @@ impl<'a> CollArgs<'a> {
         op: ReduceOp,
         stream: &'a Stream,
         windows: (Option<&'a Window>, Option<&'a Window>),
+        deadline: impl Into<CallDeadline>,
     ) -> Self {
         CollArgs {
             comm,
@@ -112,7 +122,14 @@ impl<'a> CollArgs<'a> {
             stream,
             windows,
             caller: 0,
+            deadline: deadline.into(),
         }
+    }
+
+    /// When the call must end (fixed by the first call of this method if the
+    /// arguments were made with a [`CallDeadline::from_first_wait`]).
+    pub fn deadline(&self) -> Deadline {
+        self.deadline.get()
     }
 
     /// The same arguments, made by pool `caller` (see [`caller`](Self::caller)).
@@ -163,11 +180,13 @@ impl<'a> CollArgs<'a> {
 /// Every rank calls them in the same order on the same communicator, with matching
 /// counts, types, operations and (on the symmetric path) offsets.
 pub trait Collectives: Send + Sync + fmt::Debug {
-    /// All-gather `count` elements per rank from `send` into `recv`.
+    /// All-gather `count` elements per rank from `send` into `recv`. A backend that
+    /// waits for its peers on the host waits until [`CollArgs::deadline`] at most.
     ///
     /// # Errors
-    /// [`Error::InvalidCollective`]; [`Error::Nccl`]; on the host backend also
-    /// [`Error::CollectiveMismatch`], [`Error::Timeout`] and [`Error::GroupBroken`].
+    /// [`Error::InvalidCollective`]; [`Error::Nccl`]; on the host backends also
+    /// [`Error::CollectiveMismatch`], [`Error::Timeout`] (at the deadline) and
+    /// [`Error::GroupBroken`].
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()>;
     /// Reduce-scatter: `recv` gets `count` elements, the reduction over ranks of this
     /// rank's chunk of `send`.
@@ -346,7 +365,8 @@ impl Backend {
                 expected: "the backend's rank and world size",
             });
         }
-        let registrations = exchange.open_channel("backend:registrations", SETUP_TIMEOUT)?;
+        let registrations =
+            exchange.open_channel("backend:registrations", Deadline::after(SETUP_TIMEOUT))?;
         Ok(Backend {
             info: Arc::new(info),
             registrations,

@@ -51,16 +51,23 @@ pub trait SegmentProvider: Send + Sync + fmt::Debug {
         deadline: Deadline,
     ) -> Result<Option<Window>>;
 
-    /// Deregister a window (local in NCCL). The default drops it: enough for a
-    /// provider whose windows own everything they hold.
+    /// Deregister a window (local in NCCL), waiting inside the provider (NCCL's call,
+    /// an abort still running) until `deadline` at most, the caller's. The default
+    /// drops it: enough for a provider whose windows own everything they hold.
     ///
     /// # Safety
     /// `window` was made by this provider's [`register`](Self::register), and no work
     /// that uses its segment through that communicator is pending on the device.
     ///
     /// # Errors
-    /// The window back, with [`Error::Nccl`].
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+    /// The window back, with [`Error::Nccl`] (or [`Error::NcclTimeout`] past
+    /// `deadline`).
+    unsafe fn deregister(
+        &self,
+        window: Window,
+        deadline: Deadline,
+    ) -> std::result::Result<(), Refused<Window>> {
+        let _ = deadline;
         drop(window);
         Ok(())
     }

@@ -38,7 +38,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Settings of a shared-memory rank.
 #[derive(Debug, Clone)]
@@ -47,10 +47,6 @@ pub struct ShmConfig {
     /// Whether registration yields windows (`false`: like an NCCL communicator
     /// without symmetric support, registration succeeds with no window).
     pub symmetric: bool,
-    /// How long each round of a registration or collective waits for the other ranks
-    /// (default 60 s; [`Duration::MAX`]: forever); a registration also stops at its
-    /// caller's deadline.
-    pub timeout: Duration,
     /// Segment granularity in bytes (default 2 MiB, as `ncclMemAlloc` on H200).
     pub granularity_bytes: u64,
     /// Most shared memory this rank may reserve, in bytes (default 16 GiB; pages are
@@ -64,7 +60,6 @@ impl Default for ShmConfig {
     fn default() -> Self {
         ShmConfig {
             symmetric: true,
-            timeout: Duration::from_secs(60),
             granularity_bytes: 2 << 20,
             max_reserved_bytes: 16 << 30,
             nccl_version: NcclVersion::new(2, 28, 3),
@@ -73,12 +68,6 @@ impl Default for ShmConfig {
 }
 
 impl ShmConfig {
-    /// Set the timeout of waits on other ranks.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
     /// Set whether registration gives windows.
     pub fn with_symmetric(mut self, symmetric: bool) -> Self {
         self.symmetric = symmetric;
@@ -182,9 +171,10 @@ fn open_comms(
     prefix: &str,
     count: usize,
 ) -> Result<Vec<(ChannelId, Mutex<()>)>> {
+    let deadline = Deadline::after(super::SETUP_TIMEOUT);
     (0..count)
         .map(|c| {
-            let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), super::SETUP_TIMEOUT)?;
+            let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
             Ok((ch, Mutex::new(())))
         })
         .collect()
@@ -272,16 +262,11 @@ impl ShmBackend {
     }
 
     /// One round of `mine` on communicator `c`'s channel, waiting for the other ranks
-    /// up to the backend's timeout: every rank's record, in rank order.
+    /// until `deadline`: every rank's record, in rank order.
     ///
     /// # Errors
     /// The exchange's; [`Error::Protocol`] naming a rank whose record does not decode.
-    fn round(&self, c: usize, op: &'static str, mine: &Step) -> Result<Vec<Step>> {
-        self.round_until(c, op, mine, Deadline::after(self.config.timeout))
-    }
-
-    /// [`round`](Self::round), waiting until `deadline`.
-    fn round_until(
+    fn round(
         &self,
         c: usize,
         op: &'static str,
@@ -293,7 +278,7 @@ impl ShmBackend {
     }
 
     /// Run one collective: the opening round, the data moved by `body`, the closing
-    /// barrier.
+    /// barrier; every round waits until the call's deadline ([`CollArgs::deadline`]).
     fn collective(
         &self,
         args: &CollArgs<'_>,
@@ -307,7 +292,8 @@ impl ShmBackend {
         // (the arguments are compared by the checked collectives of `coll`, the same
         // way on every backend; like NCCL, the backend itself does not).
         let caller = args.caller;
-        let posts = self.round(args.comm, op, &Step::Post { reduce, caller })?;
+        let deadline = args.deadline();
+        let posts = self.round(args.comm, op, &Step::Post { reduce, caller }, deadline)?;
         let verdict = at_step(op, posts, |s| match s {
             Step::Post { caller, .. } => Some(caller),
             _ => None,
@@ -315,7 +301,7 @@ impl ShmBackend {
         .and_then(|callers| super::callers_differ(op, &callers))
         .and_then(|()| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
-        let done = self.round(args.comm, op, &Step::Done)?;
+        let done = self.round(args.comm, op, &Step::Done, deadline)?;
         at_step(op, done, |s| matches!(s, Step::Done).then_some(()))?;
         verdict
     }
@@ -421,7 +407,7 @@ impl SegmentProvider for ShmBackend {
             fd: mem.file.as_raw_fd(),
             size_bytes,
         };
-        let all = self.round_until(comm, OP, &mine, deadline.cap(self.config.timeout))?;
+        let all = self.round(comm, OP, &mine, deadline)?;
         let ordinal = {
             let mut o = self.ordinals.lock();
             o[comm] += 1;
@@ -497,15 +483,22 @@ impl DataMover for ShmBackend {
 }
 
 impl ShmBackend {
-    /// Every rank's `len` bytes, moved through the control plane in pieces.
-    fn gather_bytes(&self, c: usize, op: &'static str, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    /// Every rank's `len` bytes, moved through the control plane in pieces, waiting
+    /// until `deadline`.
+    fn gather_bytes(
+        &self,
+        c: usize,
+        op: &'static str,
+        mine: &[u8],
+        deadline: Deadline,
+    ) -> Result<Vec<Vec<u8>>> {
         let mut out: Vec<Vec<u8>> = vec![Vec::with_capacity(mine.len()); self.world];
         let pieces = mine.len().div_ceil(DATA_PIECE_BYTES).max(1);
         for k in 0..pieces {
             let lo = (k * DATA_PIECE_BYTES).min(mine.len());
             let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
             let piece = Step::Data(mine[lo..hi].to_vec());
-            let got = self.round(c, op, &piece)?;
+            let got = self.round(c, op, &piece, deadline)?;
             let got = at_step(op, got, |s| match s {
                 Step::Data(bytes) => Some(bytes),
                 _ => None,
@@ -550,7 +543,7 @@ impl Collectives for ShmBackend {
                     }
                 }
                 None => {
-                    let chunks = self.gather_bytes(args.comm, OP, &mine)?;
+                    let chunks = self.gather_bytes(args.comm, OP, &mine, args.deadline())?;
                     for (r, data) in chunks.iter().enumerate() {
                         write_local(&args.recv.sub(r as u64 * chunk, chunk)?, data)?;
                     }
@@ -587,7 +580,7 @@ impl Collectives for ShmBackend {
                     let mut mine = vec![0u8; whole as usize];
                     read_local(&args.send.sub(0, whole)?, &mut mine)?;
                     let lo = (me * chunk) as usize;
-                    self.gather_bytes(args.comm, OP, &mine)?
+                    self.gather_bytes(args.comm, OP, &mine, args.deadline())?
                         .into_iter()
                         .map(|v| v[lo..lo + chunk as usize].to_vec())
                         .collect()
@@ -618,13 +611,13 @@ impl Collectives for ShmBackend {
                             }
                         })
                         .collect::<Result<Vec<_>>>();
-                    let read_all = self.round(args.comm, OP, &Step::Read)?;
+                    let read_all = self.round(args.comm, OP, &Step::Read, args.deadline())?;
                     at_step(OP, read_all, |s| matches!(s, Step::Read).then_some(()))?;
                     read?
                 }
                 // Through the control plane: every rank has read its input before it
                 // posts it, so none is overwritten early.
-                _ => self.gather_bytes(args.comm, OP, &mine)?,
+                _ => self.gather_bytes(args.comm, OP, &mine, args.deadline())?,
             };
             let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
             write_local(&args.recv.sub(0, bytes)?, &acc)

@@ -249,7 +249,7 @@ fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<C
         tmp.channel(),
         "calibration",
         &crate::group::encode(&measurements)?,
-        deadline.remaining(),
+        deadline,
     )?;
     let Some(measurements) = all
         .first()

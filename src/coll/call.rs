@@ -3,8 +3,7 @@
 
 use super::path::{AVG, CollOp, Inputs, select};
 use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
-use crate::backend::{CollArgs, Region};
-use crate::deadline::Deadline;
+use crate::backend::{CallDeadline, CollArgs, Region};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::group::{
@@ -526,8 +525,13 @@ impl Coll {
         } else {
             (send_buf.window(comm), recv_buf.window(comm))
         };
-        let args = CollArgs::new(comm, send, recv, count, dtype, op, stream, windows)
-            .with_caller(pool.channel().ordinal());
+        // The call's one deadline, for its check and its backend's waits alike; the
+        // clock is read only if one of them waits.
+        let deadline = CallDeadline::from_first_wait(pool.config().timeout);
+        let args = CollArgs::new(
+            comm, send, recv, count, dtype, op, stream, windows, deadline,
+        )
+        .with_caller(pool.channel().ordinal());
         // The record and the launch are one step on this handle (Strict: the record's
         // round; Async: its post), so that the records' order is the launches' order
         // even when several threads of a rank call.
@@ -542,8 +546,7 @@ impl Coll {
                 (comm, path),
                 tag,
             );
-            let deadline = || Deadline::after(pool.config().timeout);
-            if let Err(e) = ledger.submit(mode, record, deadline) {
+            if let Err(e) = ledger.submit(mode, record, || args.deadline()) {
                 return Err(failed(pool, e));
             }
         }
@@ -554,9 +557,9 @@ impl Coll {
         };
         drop(launch);
         if let Err(e) = ran {
-            // A call ended by a failed check reports the divergence.
-            let deadline = || Deadline::after(pool.config().timeout.saturating_mul(2));
-            return Err(failed(pool, ledger.call_failed(e, deadline)));
+            // A call ended by a failed check reports the divergence (found by the
+            // call's deadline).
+            return Err(failed(pool, ledger.call_failed(e, || args.deadline())));
         }
         let report = CollectiveReport {
             path,

@@ -406,19 +406,26 @@ mod tests {
         std::thread::scope(|s| {
             for e in &ex {
                 s.spawn(move || {
-                    let ch = e.open_channel("pool:a", Duration::from_secs(5)).unwrap();
+                    let ch = e
+                        .open_channel("pool:a", Deadline::after(Duration::from_secs(5)))
+                        .unwrap();
                     assert_eq!(ch.ordinal(), 1);
                     for round in 0..5u8 {
                         let got = e
-                            .all_gather(ch, "t", &[e.rank() as u8, round], Duration::from_secs(5))
+                            .all_gather(
+                                ch,
+                                "t",
+                                &[e.rank() as u8, round],
+                                Deadline::after(Duration::from_secs(5)),
+                            )
                             .unwrap();
                         let want: Vec<Vec<u8>> = (0..3).map(|r| vec![r as u8, round]).collect();
                         assert_eq!(got, want);
                     }
                     // Endless timeouts: a channel opened and a round gathered with
                     // `Duration::MAX` return once every rank is there.
-                    let endless = e.open_channel("pool:endless", Duration::MAX).unwrap();
-                    let got = e.all_gather(endless, "t", &[e.rank() as u8], Duration::MAX);
+                    let endless = e.open_channel("pool:endless", Deadline::never()).unwrap();
+                    let got = e.all_gather(endless, "t", &[e.rank() as u8], Deadline::never());
                     assert_eq!(got.unwrap(), vec![vec![0], vec![1], vec![2]]);
                 });
             }
@@ -446,7 +453,7 @@ mod tests {
                 ChannelId::CONTROL,
                 op,
                 &[e.rank() as u8],
-                Duration::from_secs(60),
+                Deadline::after(Duration::from_secs(60)),
             )
         };
         std::thread::scope(|s| {
@@ -473,10 +480,17 @@ mod tests {
         std::thread::scope(|s| {
             // Rank 2 never comes; rank 0 times out first, rank 1 learns of it.
             let e0 = &ex[0];
-            let h0 = s.spawn(move || e0.all_gather(ChannelId::CONTROL, "grow", b"x", short));
+            let h0 = s.spawn(move || {
+                e0.all_gather(ChannelId::CONTROL, "grow", b"x", Deadline::after(short))
+            });
             let e1 = &ex[1];
             let h1 = s.spawn(move || {
-                e1.all_gather(ChannelId::CONTROL, "grow", b"y", Duration::from_secs(30))
+                e1.all_gather(
+                    ChannelId::CONTROL,
+                    "grow",
+                    b"y",
+                    Deadline::after(Duration::from_secs(30)),
+                )
             });
             match h0.join().unwrap() {
                 Err(Error::Timeout { missing_ranks, .. }) => assert_eq!(missing_ranks, vec![2]),
@@ -492,7 +506,7 @@ mod tests {
         });
         // A late rank fails too, on any channel.
         assert!(matches!(
-            ex[2].all_gather(ChannelId::CONTROL, "grow", b"z", short),
+            ex[2].all_gather(ChannelId::CONTROL, "grow", b"z", Deadline::after(short)),
             Err(Error::GroupBroken { rank: 0, .. })
         ));
     }

@@ -59,6 +59,7 @@ impl GatherRounds for LocalExchange {
 mod tests {
     use super::*;
     use crate::control::Exchange;
+    use crate::deadline::Deadline;
     use crate::error::Error;
     use std::thread;
     use std::time::Duration;
@@ -68,11 +69,11 @@ mod tests {
         let group = LocalExchange::group(2);
         let ch = ChannelId::CONTROL;
         assert!(matches!(
-            group[0].all_gather(ch, "t", &[7], Duration::from_millis(20)),
+            group[0].all_gather(ch, "t", &[7], Deadline::after(Duration::from_millis(20))),
             Err(Error::Timeout { .. })
         ));
         assert!(matches!(
-            group[1].all_gather(ch, "t", &[8], Duration::from_secs(5)),
+            group[1].all_gather(ch, "t", &[8], Deadline::after(Duration::from_secs(5))),
             Err(Error::GroupBroken { rank: 0, .. })
         ));
         assert_eq!(group[0].shared.rounds_held(), 0);
@@ -86,9 +87,9 @@ mod tests {
                 .iter()
                 .map(|ex| {
                     s.spawn(move || {
-                        let ch = ex.open_channel("endless", Duration::MAX)?;
+                        let ch = ex.open_channel("endless", Deadline::never())?;
                         let mine = [ex.rank() as u8];
-                        ex.all_gather(ch, "endless", &mine, Duration::MAX)
+                        ex.all_gather(ch, "endless", &mine, Deadline::never())
                     })
                 })
                 .collect();
@@ -106,7 +107,7 @@ mod tests {
                 .iter()
                 .map(|ex| {
                     let name = if ex.rank() == 0 { "a" } else { "b" };
-                    s.spawn(move || ex.open_channel(name, Duration::from_secs(5)))
+                    s.spawn(move || ex.open_channel(name, Deadline::after(Duration::from_secs(5))))
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -126,13 +127,14 @@ mod tests {
     fn an_undecodable_opening_is_an_error_naming_the_rank() {
         let group = LocalExchange::group(2);
         let got = thread::scope(|s| {
-            let opener = s.spawn(|| group[0].open_channel("a", Duration::from_secs(5)));
+            let opener =
+                s.spawn(|| group[0].open_channel("a", Deadline::after(Duration::from_secs(5))));
             let garbage = s.spawn(|| {
                 group[1].all_gather(
                     ChannelId::CONTROL,
                     "open_channel",
                     &[0xff; 3],
-                    Duration::from_secs(5),
+                    Deadline::after(Duration::from_secs(5)),
                 )
             });
             (opener.join().unwrap(), garbage.join().unwrap())

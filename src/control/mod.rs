@@ -73,7 +73,7 @@ use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 pub use admission::REFUSAL_LOG_INTERVAL;
 pub use client::StoreExchange;
@@ -108,10 +108,8 @@ impl ChannelId {
 /// An all-gather of small byte payloads among the ranks of a group, on independent
 /// channels, with deadlines.
 ///
-/// Implementations provide [`all_gather_until`](Self::all_gather_until) and
-/// [`open_channel_until`](Self::open_channel_until), which wait until a [`Deadline`];
-/// [`all_gather`](Self::all_gather) and [`open_channel`](Self::open_channel) take a
-/// timeout instead and make the deadline from it.
+/// Both calls wait until a [`Deadline`], the calling operation's: one public call
+/// makes it once from its timeout and hands it to every round it makes.
 ///
 /// # Collective
 /// On each channel, every rank calls [`all_gather`](Self::all_gather) the same number
@@ -146,28 +144,13 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// [`Error::PeerLost`] once the group is broken; [`Error::PayloadTooLarge`] if
     /// `payload` is over the implementation's limit (nothing is sent, no round is
     /// used).
-    fn all_gather_until(
+    fn all_gather(
         &self,
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
         deadline: Deadline,
     ) -> Result<Vec<Vec<u8>>>;
-
-    /// [`all_gather_until`](Self::all_gather_until) with a deadline `timeout` from now;
-    /// a `timeout` of [`Duration::MAX`] waits forever.
-    ///
-    /// # Errors
-    /// As [`all_gather_until`](Self::all_gather_until).
-    fn all_gather(
-        &self,
-        channel: ChannelId,
-        op: &'static str,
-        payload: &[u8],
-        timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>> {
-        self.all_gather_until(channel, op, payload, Deadline::after(timeout))
-    }
 
     /// Open the next channel, waiting for the other ranks until `deadline`. A
     /// per-exchange counter gives its ordinal (1, 2, ...); the ranks agree, in one
@@ -178,17 +161,8 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// [`Error::ChannelMismatch`] on every rank, naming each rank's (ordinal, name),
     /// when they differ (the counter has still moved on, so later opens keep failing
     /// the same way); [`Error::Protocol`] naming a rank whose opening does not decode;
-    /// the errors of [`all_gather_until`](Self::all_gather_until).
-    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId>;
-
-    /// [`open_channel_until`](Self::open_channel_until) with a deadline `timeout` from
-    /// now; a `timeout` of [`Duration::MAX`] waits forever.
-    ///
-    /// # Errors
-    /// As [`open_channel_until`](Self::open_channel_until).
-    fn open_channel(&self, name: &str, timeout: Duration) -> Result<ChannelId> {
-        self.open_channel_until(name, Deadline::after(timeout))
-    }
+    /// the errors of [`all_gather`](Self::all_gather).
+    fn open_channel(&self, name: &str, deadline: Deadline) -> Result<ChannelId>;
 
     /// The rank this exchange knows to be lost, if any: its process ended, it closed
     /// its exchange, or it stopped answering heartbeats (see the [failure detection
@@ -233,7 +207,7 @@ impl LostPeer {
 /// and every rank's record comes back decoded, in rank order.
 ///
 /// # Errors
-/// The errors of [`Exchange::all_gather_until`]; [`Error::Protocol`] naming the first
+/// The errors of [`Exchange::all_gather`]; [`Error::Protocol`] naming the first
 /// rank whose payload does not decode as a `T` (a rank of another version).
 pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
     exchange: &dyn Exchange,
@@ -245,7 +219,7 @@ pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
     let payload = postcard::to_allocvec(record).map_err(|e| Error::Internal {
         what: format!("encoding the payload of {op}: {e}"),
     })?;
-    let all = exchange.all_gather_until(channel, op, &payload, deadline)?;
+    let all = exchange.all_gather(channel, op, &payload, deadline)?;
     all.iter()
         .enumerate()
         .map(|(rank, p)| {
@@ -260,7 +234,7 @@ pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
         .collect()
 }
 
-/// What a rank opens in [`Exchange::open_channel_until`]'s round.
+/// What a rank opens in [`Exchange::open_channel`]'s round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct ChannelOpening {
     ordinal: u64,
@@ -291,7 +265,7 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     fn rounds(&self) -> &Rounds;
 
     /// Contribute `round.payload` to `round` and return every rank's payload of it, in
-    /// rank order; the errors are those of [`Exchange::all_gather_until`].
+    /// rank order; the errors are those of [`Exchange::all_gather`].
     fn gather_round(&self, round: Round<'_>) -> Result<Vec<Vec<u8>>>;
 
     /// [`Exchange::lost_peer`].
@@ -309,7 +283,7 @@ impl<T: GatherRounds> Exchange for T {
         self.rounds().world_size
     }
 
-    fn all_gather_until(
+    fn all_gather(
         &self,
         channel: ChannelId,
         op: &'static str,
@@ -334,7 +308,7 @@ impl<T: GatherRounds> Exchange for T {
         })
     }
 
-    fn open_channel_until(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
+    fn open_channel(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
         self.rounds().open(self, name, deadline)
     }
 
@@ -376,7 +350,7 @@ impl Rounds {
         *r
     }
 
-    /// [`Exchange::open_channel_until`] for any implementation.
+    /// [`Exchange::open_channel`] for any implementation.
     fn open(&self, ex: &dyn Exchange, name: &str, deadline: Deadline) -> Result<ChannelId> {
         let mut opened = self.opened.lock();
         *opened += 1;

@@ -538,9 +538,7 @@ impl Shared {
         let c = &self.config;
         let payload = record::encode_sized(&batch, 16 + batch.len() * MAX_RECORD_BYTES)?;
         rounds.batch = batch;
-        let all = c
-            .exchange
-            .all_gather(c.channel, what, &payload, deadline.remaining())?;
+        let all = c.exchange.all_gather(c.channel, what, &payload, deadline)?;
         let me = c.exchange.rank();
         if all.len() != rounds.seen.len() {
             self.fail(format!(

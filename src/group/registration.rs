@@ -50,7 +50,7 @@ pub(crate) fn agree_registration_order(
         channel,
         "window registration order",
         &record::encode(&mine)?,
-        deadline.remaining(),
+        deadline,
     )?;
     let records: Vec<Option<RegistrationRecord>> = all.iter().map(|b| record::decode(b)).collect();
     let decoded: Option<Vec<&RegistrationRecord>> = records.iter().map(Option::as_ref).collect();

@@ -95,7 +95,7 @@ impl SymmPool {
             })?;
             // Under the pool's lock, as an agreement: no other round of this rank on
             // the pool's channel runs meanwhile.
-            exchange.all_gather_until(channel, "memory snapshot", &payload, deadline)
+            exchange.all_gather(channel, "memory snapshot", &payload, deadline)
         });
         let gathered = gathered?;
         let mut out = Vec::with_capacity(gathered.len());

@@ -17,7 +17,7 @@ pub(crate) fn role_name(role: CommRole) -> &'static str {
 }
 
 /// A window registration of one segment on one communicator finished.
-pub(crate) fn registered(
+pub(super) fn registered(
     rank: usize,
     comm: usize,
     role: CommRole,

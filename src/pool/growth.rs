@@ -123,7 +123,7 @@ impl SymmPool {
                 Err(Error::Internal { what })
             }
             Err(e) => {
-                self.undo_segment(st, entry);
+                self.undo_segment(st, entry, deadline);
                 Err(e.into())
             }
         }
@@ -318,7 +318,7 @@ impl SymmPool {
                     Err(e) => Err(e),
                 };
                 if let Err(e) = self.agree_registered(st, c, size_bytes, local, deadline) {
-                    self.undo_segment(st, entry);
+                    self.undo_segment(st, entry, deadline);
                     return Err(e);
                 }
             }
@@ -434,14 +434,15 @@ impl SymmPool {
         }
     }
 
-    /// Deregister and free a segment that the core does not hold (failed growth).
-    pub(super) fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry) {
+    /// Deregister and free a segment that the core does not hold (failed growth),
+    /// waiting in the provider until `deadline` at most.
+    pub(super) fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry, deadline: Deadline) {
         let SegmentEntry { segment, windows } = entry;
         for (c, w) in windows.into_iter().enumerate() {
             if let Some(w) = w {
                 // SAFETY: the window was made by this provider's `register` for this
                 // segment moments ago; no block of it was handed out, so no work uses it.
-                match unsafe { self.inner.backend.segments().deregister(w) } {
+                match unsafe { self.inner.backend.segments().deregister(w, deadline) } {
                     Ok(()) => st.counters.deregistrations[c] += 1,
                     Err(refused) => {
                         // Freeing under a live window is not allowed: leak both.

@@ -230,7 +230,7 @@ impl SymmPool {
         // The check mode is part of the name: ranks with different modes fail here.
         let channel = backend.exchange().open_channel(
             &format!("pool:{}:checks:{}", config.name, config.check.name()),
-            config.timeout,
+            Deadline::after(config.timeout),
         )?;
         backend.note_user(channel.ordinal(), &config.name, false);
         let mode = if backend.world_size() == 1 {
@@ -268,7 +268,7 @@ impl SymmPool {
     /// # Errors
     /// As [`HostBackend::world`] and [`SymmPool::new`].
     pub fn host_group(world_size: usize, config: PoolConfig) -> Result<Vec<SymmPool>> {
-        let host = HostConfig::new(world_size).with_timeout(config.timeout);
+        let host = HostConfig::new(world_size);
         Self::host_group_with(host, config)
     }
 
@@ -518,8 +518,10 @@ fn ledger_of(
         Some(ledger) => ledger,
         None => {
             let exchange = backend.exchange_handle();
-            let channel =
-                exchange.open_channel(&format!("ledger:{}", config.name), config.timeout)?;
+            let channel = exchange.open_channel(
+                &format!("ledger:{}", config.name),
+                Deadline::after(config.timeout),
+            )?;
             let collectives = backend.collectives_handle();
             let ledger = Arc::new(Ledger::new(LedgerConfig {
                 exchange,

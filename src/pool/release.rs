@@ -13,12 +13,14 @@ use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
-/// Deregister and free one entry. On failure the entry comes back with what is left
-/// of it (windows that would not deregister, the segment) for a later retry.
+/// Deregister and free one entry, waiting in the provider until `deadline` at most.
+/// On failure the entry comes back with what is left of it (windows that would not
+/// deregister, the segment) for a later retry.
 fn release_entry(
     backend: &Backend,
     mut entry: SegmentEntry,
     deregistrations: &mut [u64],
+    deadline: Deadline,
 ) -> std::result::Result<(), (SegmentEntry, Error)> {
     let mut first_err = None;
     for (slot, count) in entry.windows.iter_mut().zip(deregistrations.iter_mut()) {
@@ -28,7 +30,7 @@ fn release_entry(
         // SAFETY: the window was made by this backend's provider for this entry's
         // segment; the caller drained the device, and no buffer holds the entry
         // (it was unwrapped from its `Arc`), so no work uses it.
-        match unsafe { backend.segments().deregister(w) } {
+        match unsafe { backend.segments().deregister(w, deadline) } {
             Ok(()) => *count += 1,
             Err(refused) => {
                 *slot = Some(refused.handle);
@@ -121,7 +123,7 @@ impl SymmPool {
             let bytes = entry.segment.size_bytes();
             tracing::info!(target: "symmpool::pool", rank = self.rank(), segment = id.0, segment_bytes = bytes, "releasing segment");
             let address = entry.segment.device_ptr();
-            match release_entry(backend, entry, &mut st.counters.deregistrations) {
+            match release_entry(backend, entry, &mut st.counters.deregistrations, deadline) {
                 Ok(()) => {
                     if let Some(h) = st.memory_history.as_deref_mut() {
                         h.segment(MemoryAction::SegmentFree, id, address, bytes);
@@ -313,10 +315,8 @@ impl Drop for PoolInner {
         }
         // Never wait without bound in a drop: if the device does not drain in time
         // (a peer died in a collective, say), leak the memory on purpose.
-        let drained = self
-            .backend
-            .streams()
-            .drain(Deadline::after(self.config.timeout));
+        let deadline = Deadline::after(self.config.timeout);
+        let drained = self.backend.streams().drain(deadline);
         if !matches!(drained, Ok(true)) {
             let why = match drained {
                 Err(e) => e.to_string(),
@@ -343,7 +343,8 @@ impl Drop for PoolInner {
                 );
                 continue;
             };
-            if let Err((_, e)) = release_entry(&self.backend, entry, &mut deregistrations) {
+            if let Err((_, e)) = release_entry(&self.backend, entry, &mut deregistrations, deadline)
+            {
                 tracing::error!(
                     "symmpool: releasing segment {} at teardown failed ({e}); leaked",
                     id.0

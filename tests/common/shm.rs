@@ -2,17 +2,16 @@
 //! state of `/dev/shm` to check that a job left nothing behind.
 
 use std::sync::Arc;
-use std::time::Duration;
 use symmpool::backend::{ShmBackend, ShmConfig};
 use symmpool::control::{StoreConfig, StoreExchange, StoreServer};
 
 /// Join the job from the launcher's environment: rank 0 hosts the store (and prints
 /// its port as `@@port`), everyone connects; the rank, the world size and the
-/// rank's shared-memory backend (its waits bounded by `timeout`).
+/// rank's shared-memory backend (its collectives wait until their pool's deadline).
 ///
 /// # Errors
 /// The store's and the backend's.
-pub fn join(timeout: Duration) -> symmpool::Result<(usize, usize, symmpool::Backend)> {
+pub fn join() -> symmpool::Result<(usize, usize, symmpool::Backend)> {
     let mut cfg = StoreConfig::from_env()?;
     let rank = cfg.launch.rank;
     let world = cfg.launch.world_size;
@@ -25,7 +24,7 @@ pub fn join(timeout: Duration) -> symmpool::Result<(usize, usize, symmpool::Back
         cfg.host_server = false;
         StoreExchange::connect(cfg)?
     };
-    let backend = ShmBackend::join(Arc::new(ex), ShmConfig::default().with_timeout(timeout))?;
+    let backend = ShmBackend::join(Arc::new(ex), ShmConfig::default())?;
     Ok((rank, world, backend))
 }
 

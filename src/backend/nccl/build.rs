@@ -302,14 +302,15 @@ impl NcclBackend {
         };
         let config = self.shared.config;
         // The ranks agree on the split (its name and place) before NCCL is called.
+        let deadline = Deadline::after(config.setup_timeout);
         backend
             .exchange()
-            .open_channel(&format!("backend:split:{name}"), config.setup_timeout)?;
+            .open_channel(&format!("backend:split:{name}"), deadline)?;
         let b = Builder {
             version: backend.nccl_version(),
             nccl: self.shared.nccl,
             config,
-            deadline: Deadline::after(config.setup_timeout),
+            deadline,
         };
         self.shared
             .device

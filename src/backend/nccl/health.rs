@@ -222,7 +222,7 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     /// From 20 µs up to `max`.
-    pub(crate) fn new(max: Duration) -> Self {
+    pub(super) fn new(max: Duration) -> Self {
         Backoff {
             next: Duration::from_micros(20).min(max),
             max,
@@ -230,7 +230,7 @@ impl Backoff {
     }
 
     /// The next pause, no later than `deadline` (from `now`).
-    pub(crate) fn pause(&mut self, now: Instant, deadline: Instant) -> Duration {
+    pub(super) fn pause(&mut self, now: Instant, deadline: Instant) -> Duration {
         let p = self.next.min(deadline.saturating_duration_since(now));
         self.next = (self.next * 2).min(self.max);
         p
@@ -294,7 +294,7 @@ pub(crate) struct Swept<E> {
 /// Query every collective of `pending` (taken with [`Watch::take`]): which are
 /// complete, and whether one is older than `timeout` and not complete, or the device
 /// failed.
-pub(crate) fn sweep<E: Completion>(
+pub(super) fn sweep<E: Completion>(
     pending: VecDeque<Enqueued<E>>,
     now: Instant,
     timeout: Duration,
@@ -375,7 +375,7 @@ impl<E: Completion> Watch<E> {
     /// [`take`](Self::take), [`sweep`], [`restore`](Self::restore), so that the lock on
     /// the list is not held across the queries.)
     #[cfg(test)]
-    pub(crate) fn sweep(&mut self, now: Instant, timeout: Duration) -> Option<Cause> {
+    pub(super) fn sweep(&mut self, now: Instant, timeout: Duration) -> Option<Cause> {
         let swept = sweep(self.take(), now, timeout);
         self.restore(swept.kept, swept.complete);
         swept.cause

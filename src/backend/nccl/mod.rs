@@ -61,7 +61,7 @@
 //! | split of each data communicator | polled through the non-blocking parent | the same set-up deadline | the same |
 //! | warm-up (registration, collectives, device wait) | blocking (default) | the set-up deadline: the watchdog sees the thread inside NCCL | revoke, abort, [`Error::NcclTimeout`] |
 //! | window registration (collective: every rank must call) | blocking | [`NcclConfig::call_timeout`], through the watchdog | revoke, then abort; the call returns [`Error::NcclTimeout`] within `call_timeout` + interval + 0.5 s (`LEAVE_WAIT`) |
-//! | window deregistration (local in NCCL 2.28–2.30) | blocking | `call_timeout`, through the watchdog | as registration |
+//! | window deregistration (local in NCCL 2.28–2.30) | blocking | the caller's deadline (the pool's release), capped by `call_timeout`, through the watchdog | as registration |
 //! | collective enqueue | blocking | watched collectives: nothing of its own (the enqueue waits on peers only when work is stuck, NCCL's work FIFO full, which the completion watch below catches); unwatched ones (under CUDA graph capture, or `watchdog_timeout = Duration::MAX`): `call_timeout`, through the watchdog | revoke, abort, [`Error::NcclTimeout`] |
 //! | collective completion (device) | — | [`NcclConfig::watchdog_timeout`] after the enqueue, seen within `watchdog_interval` | revoke, abort, [`Error::NcclWatchdog`] |
 //! | any NCCL call or collective waiting on a lost peer (its process ended, or it stopped answering heartbeats: the exchange's verdict, [`Exchange::lost_peer`](crate::control::Exchange::lost_peer)) | — | the verdict (a dead process: at once, or within half the store's heartbeat interval, 0.5 s by default, on a rank in no exchange call; a frozen one, e.g. `SIGSTOP`: the heartbeat timeout + interval, 6 s by default), seen within `watchdog_interval`, + `LEAVE_WAIT` for a thread inside NCCL (`ncclCommRevoke` does not end a registration: the abort does), + the abort | revoke, abort, [`Error::PeerLost`] naming the rank |
@@ -423,7 +423,11 @@ impl SegmentProvider for NcclBackend {
         Ok(win.map(|w| Window::new(comm, ordinals[comm], Box::new(w))))
     }
 
-    unsafe fn deregister(&self, window: Window) -> std::result::Result<(), Refused<Window>> {
+    unsafe fn deregister(
+        &self,
+        window: Window,
+        deadline: Deadline,
+    ) -> std::result::Result<(), Refused<Window>> {
         let comm = window.comm();
         let ordinal = window.ordinal();
         let raw_window = match window.into_handle::<RawWindow>() {
@@ -443,12 +447,15 @@ impl SegmentProvider for NcclBackend {
                 error,
             });
         }
+        let deadline = self.shared.call_deadline().min(deadline);
         // SAFETY: the window was registered on this communicator by `register` (the
         // caller's contract) and is consumed here; the caller guarantees no work uses
         // it.
-        unsafe { self.shared.deregister(comm, raw_window) }.map_err(|(w, error)| Refused {
-            handle: Window::new(comm, ordinal, Box::new(w)),
-            error,
+        unsafe { self.shared.deregister(comm, raw_window, deadline) }.map_err(|(w, error)| {
+            Refused {
+                handle: Window::new(comm, ordinal, Box::new(w)),
+                error,
+            }
         })
     }
 

@@ -48,11 +48,11 @@ pub(crate) const CHANNEL: &str = "nccl:setup";
 /// The exchange's errors; [`Error::Config`] on every rank when ranks run
 /// different NCCL versions, or rank 0's payload is malformed.
 pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) -> Result<Agreed> {
-    let channel = exchange.open_channel(CHANNEL, deadline.remaining())?;
+    let channel = exchange.open_channel(CHANNEL, deadline)?;
     let payload = postcard::to_allocvec(hello).map_err(|e| Error::Internal {
         what: format!("encoding the NCCL set-up payload: {e}"),
     })?;
-    let all = exchange.all_gather(channel, "NCCL set-up", &payload, deadline.remaining())?;
+    let all = exchange.all_gather(channel, "NCCL set-up", &payload, deadline)?;
     let hellos = all
         .iter()
         .enumerate()

@@ -179,7 +179,7 @@ impl<D: Device> Shared<D> {
         for (c, w) in windows {
             if let Some(w) = w {
                 // SAFETY: registered on `c` above; the stream is idle.
-                if let Err((_, e)) = unsafe { self.deregister(c, w) } {
+                if let Err((_, e)) = unsafe { self.deregister(c, w, deadline) } {
                     // Not deregistered: the window (and so the segment) is leaked.
                     released = Err(e);
                 }

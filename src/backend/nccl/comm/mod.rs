@@ -711,9 +711,10 @@ impl<D: Device> Shared<D> {
         Ok(window)
     }
 
-    /// Deregister `window` from data communicator `c`, unless the communicator was
-    /// aborted: then NCCL destroyed the window with it, and nothing is called (once the
-    /// abort returned; before that the window is handed back, to be leaked with its
+    /// Deregister `window` from data communicator `c` by `deadline`, unless the
+    /// communicator was aborted: then NCCL destroyed the window with it, and nothing is
+    /// called (once the abort returned, waiting for it until `deadline`, at most
+    /// [`ABORT_WAIT`]; before that the window is handed back, to be leaked with its
     /// segment).
     ///
     /// # Safety
@@ -726,13 +727,14 @@ impl<D: Device> Shared<D> {
         &self,
         c: usize,
         window: RawWindow,
+        deadline: Deadline,
     ) -> std::result::Result<(), (RawWindow, Error)> {
         let op = "ncclCommWindowDeregister";
         let comm = match self.comm(c, op) {
             Ok(comm) => comm,
             Err(e) => return Err((window, e)),
         };
-        match comm.aborted_by(Deadline::after(ABORT_WAIT)) {
+        match comm.aborted_by(deadline.cap(ABORT_WAIT)) {
             // The window went with its communicator (ncclCommAbort releases it).
             Some(true) => return Ok(()),
             Some(false) => {
@@ -740,7 +742,7 @@ impl<D: Device> Shared<D> {
                     window,
                     Error::NcclAborted {
                         reason: format!(
-                            "ncclCommAbort of communicator {c} had not returned after {ABORT_WAIT:?}; the window and its segment are leaked"
+                            "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
                         ),
                     },
                 ));
@@ -748,7 +750,7 @@ impl<D: Device> Shared<D> {
             None => {}
         }
         let handle = window.0;
-        let result = self.call(comm, op, Bound::By(self.call_deadline()), |raw| {
+        let result = self.call(comm, op, Bound::By(deadline), |raw| {
             // SAFETY: the caller's contract; `raw` is live and held by `call`.
             unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }.map(|st| ((), st))
         });

@@ -449,7 +449,7 @@ fn after_an_abort_no_window_is_deregistered() {
     let _ = s.fail(Cause::Failed("a test breaks it".into()));
     aborted(&s);
     // SAFETY: registered on communicator 0 above.
-    assert!(unsafe { s.deregister(0, w) }.is_ok());
+    assert!(unsafe { s.deregister(0, w, s.call_deadline()) }.is_ok());
     let names: Vec<_> = comm(s.comms[0].raw)
         .calls()
         .into_iter()
@@ -658,7 +658,7 @@ impl Exchange for Verdict {
     fn world_size(&self) -> usize {
         2
     }
-    fn all_gather_until(
+    fn all_gather(
         &self,
         _channel: ChannelId,
         op: &'static str,
@@ -669,7 +669,7 @@ impl Exchange for Verdict {
             what: format!("{op}: this test exchange runs no rounds"),
         })
     }
-    fn open_channel_until(&self, _name: &str, _deadline: Deadline) -> Result<ChannelId> {
+    fn open_channel(&self, _name: &str, _deadline: Deadline) -> Result<ChannelId> {
         Err(Error::Internal {
             what: "this test exchange opens no channels".into(),
         })
