@@ -1,7 +1,7 @@
 //! [`Deadline`]: the one point in time a public call must finish by, made once from its
 //! configured timeout and handed down to every wait inside it.
 
-use std::sync::OnceLock;
+use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 /// Far enough to mean "no deadline": about a century. `Instant` has no maximum, and
@@ -85,7 +85,9 @@ impl Deadline {
 pub struct CallDeadline {
     /// Used once, when `at` is first read and still unset.
     timeout: Duration,
-    at: OnceLock<Deadline>,
+    /// A `Cell`, not a lock: a call's arguments live on its thread (a `Cell` costs
+    /// nothing to make or drop on the call path).
+    at: Cell<Option<Deadline>>,
 }
 
 impl CallDeadline {
@@ -94,13 +96,18 @@ impl CallDeadline {
     pub fn from_first_wait(timeout: Duration) -> Self {
         CallDeadline {
             timeout,
-            at: OnceLock::new(),
+            at: Cell::new(None),
         }
     }
 
     /// The deadline: fixed now if no wait asked for it before.
     pub fn get(&self) -> Deadline {
-        *self.at.get_or_init(|| Deadline::after(self.timeout))
+        if let Some(at) = self.at.get() {
+            return at;
+        }
+        let at = Deadline::after(self.timeout);
+        self.at.set(Some(at));
+        at
     }
 }
 
@@ -108,7 +115,7 @@ impl From<Deadline> for CallDeadline {
     fn from(deadline: Deadline) -> Self {
         CallDeadline {
             timeout: Duration::ZERO,
-            at: OnceLock::from(deadline),
+            at: Cell::new(Some(deadline)),
         }
     }
 }
