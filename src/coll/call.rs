@@ -501,11 +501,9 @@ impl Coll {
         if let Err(e) = ledger.check() {
             return Err(failed(pool, e));
         }
-        // The policy is read in place, without a lock (a snapshot of the handle's
-        // `Arc`; a clone per call cost as much as the rest of the call); only a forced
-        // path, which calibration uses, builds one of its own.
-        let (comm, path) = {
-            let shared = self.inner.policy.load();
+        // The policy is read in place, without a lock or a reference count; only a
+        // forced path, which calibration uses, builds one of its own.
+        let (comm, path) = self.inner.policy.with(|shared| {
             let forced = force.map(|p| shared.forcing(p));
             select(&Inputs {
                 coll,
@@ -516,9 +514,9 @@ impl Coll {
                 nodes: backend.info().nodes,
                 comms: backend.communicators(),
                 registered: &registered,
-                policy: forced.as_ref().unwrap_or(&shared),
+                policy: forced.as_ref().unwrap_or(shared),
             })
-        };
+        });
         let op = coll.reduction();
         let windows = if path == Path::PlainKernel {
             (None, None)
