@@ -104,12 +104,12 @@
 //! |---|---|
 //! | `build.rs` | the constructors, all through one builder: load, device, set-up round, control and data communicators, warm-up, assembly |
 //! | `setup.rs` | the set-up round (versions, nodes, unique id) over the exchange |
-//! | `comm.rs` | the communicators: blocking calls inline with their gate, polling of non-blocking ones, revoke and abort, the `Device` seam |
+//! | `comm/` | the communicators: blocking calls inline with their gate, the `Device` seam (`mod.rs`), polling of non-blocking ones and creation (`poll.rs`), revoke and abort (`abort.rs`) |
 //! | `warmup.rs` | the warm-up: every (data communicator, collective) the path policy can choose, at set-up |
 //! | `watchdog.rs` | the watchdog thread |
 //! | `health.rs` | the backend's health, the polling backoff, the watch list (device-free) |
 //! | `streams.rs` | `Stream`'s CUDA side, fences as events, drains, copies, timing |
-//! | `ffi/` | every NCCL call (`mod.rs`), NCCL's loader and function table (`table.rs`), raw CUDA driver calls (`cuda.rs`) |
+//! | `ffi/` | every NCCL call: communicators and collectives (`mod.rs`), memory and windows (`window.rs`), NCCL's loader and function table (`table.rs`), raw CUDA driver calls (`cuda.rs`) |
 //! | `mod.rs` | [`NcclBackend`]: segments, windows and collectives, teardown |
 
 mod build;

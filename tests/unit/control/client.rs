@@ -1,6 +1,8 @@
 use super::*;
+use crate::control::wire::PREFACE_BYTES;
 use crate::control::{Exchange, Launch};
-use std::io::Read;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 
 /// Rank `rank` of `world` on the store at `port` (127.0.0.1).
 fn config(rank: usize, world: usize, port: u16, timeout: Duration) -> StoreConfig {
