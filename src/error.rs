@@ -4,7 +4,9 @@ use crate::core::AllocError;
 use std::fmt;
 use std::time::Duration;
 
+mod divergence;
 mod kind;
+pub use divergence::{CollectiveDivergence, Divergence};
 pub use kind::ErrorKind;
 
 /// Result with the crate's [`Error`].
@@ -504,38 +506,6 @@ pub enum Error {
     CollectiveDivergence(Box<CollectiveDivergence>),
 }
 
-/// Details of a [`Error::CollectiveDivergence`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CollectiveDivergence {
-    /// The pool's name.
-    pub pool: String,
-    /// Which check found it: `"strict check"`, `"async check"`.
-    pub found_by: &'static str,
-    /// Position (1-based) of the differing record among the records the handle's ranks
-    /// compared: its collectives, its pools' growths, and at each step boundary one
-    /// record per pool and communicator.
-    pub record: u64,
-    /// The first field that differs (for example `"count"`, `"reduction"`,
-    /// `"output offset"`, `"pool call hash"`).
-    pub field: &'static str,
-    /// Each rank's value of that field, in rank order.
-    pub values: Vec<(usize, String)>,
-}
-
-impl fmt::Display for CollectiveDivergence {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "ranks diverged at checked record #{} of pool {:?} (found by the {}): {} differs:",
-            self.record, self.pool, self.found_by, self.field
-        )?;
-        for (rank, v) in &self.values {
-            write!(f, " rank {rank} has {v};")?;
-        }
-        write!(f, " the pool is broken: drop it and build a new one")
-    }
-}
-
 /// `items`, each as `f` writes it, separated by `sep` (for the error messages that
 /// list every rank's value).
 fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
@@ -639,55 +609,6 @@ impl NcclVersion {
 impl fmt::Display for NcclVersion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
-    }
-}
-
-/// Details of a divergence between ranks, found when they agree before a collective
-/// pool operation (growth, `reserve`, `trim`, `close`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Divergence {
-    /// The operation being agreed on when the divergence was found.
-    pub during: &'static str,
-    /// Sequence number (1-based count of pool calls) of the first call that differs,
-    /// when the ranks' histories show it.
-    pub first_differing_call: Option<u64>,
-    /// For each rank, its description of that call (`None`: the rank had not made it),
-    /// or of where it is (call count, hash, latest call) when the first differing
-    /// call is older than the history.
-    pub calls: Vec<(usize, Option<String>)>,
-    /// When the first differing call is older than every call the ranks remember: how
-    /// many calls a rank remembers ([`PoolConfig::history_len`](crate::PoolConfig::history_len)).
-    pub history_gone: Option<usize>,
-}
-
-impl fmt::Display for Divergence {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.first_differing_call {
-            Some(k) => write!(
-                f,
-                "ranks diverged (found during {}): first differing call is #{k}:",
-                self.during
-            )?,
-            None => match self.history_gone {
-                Some(n) => write!(
-                    f,
-                    "ranks diverged (found during {}): the first differing call is older than the {n} calls each rank remembers, gone from the history (raise PoolConfig::history_len, at most 65 536, to name it); where each rank is:",
-                    self.during
-                )?,
-                None => write!(
-                    f,
-                    "ranks diverged (found during {}) before the recorded history:",
-                    self.during
-                )?,
-            },
-        }
-        for (rank, call) in &self.calls {
-            match call {
-                Some(c) => write!(f, " rank {rank}: {c};")?,
-                None => write!(f, " rank {rank}: (no such call);")?,
-            }
-        }
-        Ok(())
     }
 }
 

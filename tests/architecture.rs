@@ -10,10 +10,11 @@
 //! which imports none of them. `lib.rs` (the crate root, which re-exports) may use
 //! anything.
 //!
-//! The test reads the sources as text: it drops comments, strings and character
-//! literals, follows `mod NAME { … }` blocks, and resolves every path that starts with
-//! `crate::`, `$crate::` or `super::` to the folder (or leaf) it names, through the
-//! crate root's re-exports for `crate::Name`. Any reference that points up, or from a
+//! The test reads the sources as text, and with them the unit tests under `tests/unit/`
+//! that `src/` includes through `#[path]`, as the modules they are: it drops comments,
+//! strings and character literals, follows `mod NAME { … }` blocks, and resolves every
+//! path that starts with `crate::`, `$crate::` or `super::` to the folder (or leaf) it
+//! names, through the crate root's re-exports for `crate::Name`. Any reference that points up, or from a
 //! leaf to a folder other than `core`, fails the test with its file and line.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -241,11 +242,10 @@ fn module_path(src: &Path, file: &Path) -> Vec<String> {
     parts
 }
 
-/// Every top-level module the file's code refers to, with the line.
-fn references(src: &Path, file: &Path, root: &BTreeMap<String, String>) -> Vec<Reference> {
+/// Every top-level module the code of `file` (module `base`) refers to, with the line.
+fn references(base: &[String], file: &Path, root: &BTreeMap<String, String>) -> Vec<Reference> {
     let text = fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
     let toks = tokens(&text);
-    let base = module_path(src, file);
     // Inline `mod NAME {` blocks: (name, brace depth at which it closes).
     let mut inline: Vec<(String, usize)> = Vec::new();
     let mut depth = 0usize;
@@ -288,7 +288,7 @@ fn references(src: &Path, file: &Path, root: &BTreeMap<String, String>) -> Vec<R
             }
             Tok::Ident(s) if s == "super" && !prev_is_path => {
                 // Climb from the module the `super` is written in.
-                let mut here: Vec<String> = base.clone();
+                let mut here: Vec<String> = base.to_vec();
                 here.extend(inline.iter().map(|(n, _)| n.clone()));
                 let mut j = i;
                 while toks.get(j).map(|(_, t)| t) == Some(&Tok::Ident("super".into()))
@@ -309,6 +309,46 @@ fn references(src: &Path, file: &Path, root: &BTreeMap<String, String>) -> Vec<R
         }
     }
     out
+}
+
+/// The files that `files` (of `src/`) bring into the crate from outside `src/` (the
+/// unit tests under `tests/unit/`), with their module paths: `#[path = "…"] mod NAME;`
+/// in any of them, and `mod NAME;` in such a file named `mod.rs` (its `NAME.rs`).
+fn included_from_outside(src: &Path, files: &[PathBuf]) -> BTreeMap<PathBuf, Vec<String>> {
+    let mut found = BTreeMap::new();
+    let mut todo: Vec<(PathBuf, Vec<String>)> = (files.iter())
+        .map(|f| (f.clone(), module_path(src, f)))
+        .collect();
+    while let Some((file, module)) = todo.pop() {
+        let text = fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let mut path = None;
+        for line in text.lines().map(str::trim) {
+            if let Some(p) = (line.strip_prefix("#[path = \"")).and_then(|l| l.strip_suffix("\"]"))
+            {
+                path = Some(p.to_string());
+                continue;
+            }
+            if line.starts_with("#[") {
+                continue;
+            }
+            let decl = line.strip_prefix("pub(crate) ").unwrap_or(line);
+            let name = decl.strip_prefix("mod ").and_then(|l| l.strip_suffix(';'));
+            let target = match (name, path.take()) {
+                (Some(_), Some(p)) => file.parent().unwrap().join(p),
+                (Some(n), None) if found.contains_key(&file) && file.ends_with("mod.rs") => {
+                    file.with_file_name(format!("{n}.rs"))
+                }
+                _ => continue,
+            };
+            let target = (target.canonicalize())
+                .unwrap_or_else(|e| panic!("{}: {}: {e}", file.display(), target.display()));
+            let mut m = module.clone();
+            m.push(name.unwrap().to_string());
+            found.insert(target.clone(), m.clone());
+            todo.push((target, m));
+        }
+    }
+    found
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -368,14 +408,27 @@ fn folders_import_only_the_floors_below_them() {
             );
         }
     }
+    // The unit tests (`tests/unit/`, compiled into the library under `cfg(test)`) are
+    // read as the modules they are; every file there is one of them.
+    let unit = included_from_outside(&src, &files);
+    let mut unit_files = Vec::new();
+    rust_files(&src.with_file_name("tests").join("unit"), &mut unit_files);
+    for f in &unit_files {
+        assert!(
+            unit.contains_key(&f.canonicalize().unwrap()),
+            "{}: no `#[path]` in src/ includes it",
+            f.display()
+        );
+    }
+    let modules = (files.iter().map(|f| (f.clone(), module_path(&src, f)))).chain(unit);
     let mut edges: BTreeMap<(String, String), (PathBuf, usize)> = BTreeMap::new();
     let mut bad = Vec::new();
-    for f in &files {
-        let m = module_path(&src, f);
+    for (f, m) in modules {
         let Some(from) = m.first().cloned() else {
             continue; // lib.rs
         };
-        for r in references(&src, f, &root) {
+        let f = &f;
+        for r in references(&m, f, &root) {
             edges
                 .entry((from.clone(), r.target.clone()))
                 .or_insert((f.clone(), r.line));
@@ -442,7 +495,7 @@ fn the_reader_finds_paths_in_code_only() {
     fs::create_dir_all(dir.join("pool")).unwrap();
     let path = dir.join("pool").join("x.rs");
     fs::write(&path, src).unwrap();
-    let found: Vec<(usize, String)> = references(&dir, &path, &root)
+    let found: Vec<(usize, String)> = references(&module_path(&dir, &path), &path, &root)
         .into_iter()
         .map(|r| (r.line, r.target))
         .collect();

@@ -1,21 +1,17 @@
 //! [`StoreExchange`]: an [`Exchange`](super::Exchange) over the TCP store, one process per rank.
 
-use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
+use super::join::{join_store, transport};
 use super::store::{CLOSED, StoreServer};
 use super::waiting::{WaitWarnings, Who, ranks};
-use super::wire::{
-    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError, Refusal,
-    SharedStream, ToClient, ToServer,
-};
+use super::wire::{self, Broken, Cause, FrameReader, ReadError, SharedStream, ToClient, ToServer};
 use super::{GatherRounds, LostPeer, Round, Rounds};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
-use std::io::Write;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
@@ -320,10 +316,6 @@ fn background_loop(shared: &ClientShared) {
     }
 }
 
-fn transport(op: &'static str, detail: String) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Transport { op, detail, source }
-}
-
 impl StoreExchange {
     /// Connect to the store described by `config`, hosting the server first when
     /// `config.host_server` (rank 0 by default), and wait until every rank has
@@ -514,181 +506,6 @@ impl StoreExchange {
     }
 }
 
-/// This host's name, for the store's messages about this process.
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown".into())
-}
-
-/// Connect to the store at `target` and complete the handshake, retrying while the
-/// server cannot be reached or is busy (too many handshakes in flight), until
-/// `deadline`. The connection (one descriptor) and its reader.
-///
-/// # Errors
-/// As [`StoreExchange::connect`]: [`Error::JobMismatch`], [`Error::RankTaken`] and
-/// [`Error::StoreRejected`] for refusals, [`Error::Protocol`] for a server that does
-/// not speak the protocol, [`Error::Transport`] when it cannot be reached in time.
-fn join_store(
-    config: &StoreConfig,
-    target: &str,
-    deadline: Deadline,
-    warnings: &mut WaitWarnings,
-) -> Result<(SharedStream, FrameReader<SharedStream>)> {
-    let launch = &config.launch;
-    let job = config.job_id.clone().unwrap_or_default();
-    let mut hello = wire::preface().to_vec();
-    hello.extend(wire::encode(&ToServer::Hello {
-        token: config.token.clone().unwrap_or_default().into_bytes(),
-        job: job.clone(),
-        rank: launch.rank as u32,
-        world_size: launch.world_size as u32,
-        host: host_name(),
-        pid: std::process::id(),
-    }));
-    let proto = |detail: String| Error::Protocol {
-        op: "store handshake",
-        detail,
-    };
-    let mut busy_delay = Duration::from_millis(5);
-    loop {
-        let stream = SharedStream::new(connect_retrying(config, target, deadline, warnings)?);
-        let _ = stream.set_nodelay(true);
-        // Writes to a server that stops reading fail after a heartbeat timeout.
-        stream
-            .set_write_timeout(Some(config.heartbeat_timeout))
-            .map_err(transport(
-                "configuring the store connection",
-                target.to_string(),
-            ))?;
-        // Handshake: preface and hello in one write; the server's preface and verdict.
-        (&*stream)
-            .write_all(&hello)
-            .map_err(transport("store handshake", format!("writing to {target}")))?;
-        let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
-        let hs_deadline = deadline.cap(config.handshake_timeout);
-        let preface = wire::read_until(&stream, hs_deadline, || reader.raw(PREFACE_BYTES))
-            .map_err(|e| proto(format!("reading the server's preface from {target}: {e}")))?
-            .ok_or_else(|| {
-                proto(format!(
-                    "no reply from {target} within the handshake timeout"
-                ))
-            })?;
-        wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
-        let verdict = wire::read_until(&stream, hs_deadline, || reader.frame())
-            .map_err(|e| proto(format!("reading the server's verdict from {target}: {e}")))?
-            .ok_or_else(|| {
-                proto(format!(
-                    "no verdict from {target} within the handshake timeout"
-                ))
-            })?;
-        let (reason, kind, store_job) = match wire::decode::<ToClient>(&verdict).map_err(proto)? {
-            ToClient::Welcome => {
-                reader.max_frame_bytes = config.max_frame_bytes;
-                return Ok((stream, reader));
-            }
-            ToClient::Reject { reason, kind, job } => (reason, kind, job),
-            other => return Err(proto(format!("expected a welcome, got {other:?}"))),
-        };
-        match kind {
-            Refusal::Busy if !deadline.expired() => {
-                // Other handshakes hold the server's slots; they end within its
-                // handshake timeout.
-                tracing::debug!("symmpool store: {target} is busy ({reason}); retrying");
-                drop(reader);
-                thread::sleep(busy_delay.min(deadline.remaining()));
-                busy_delay = (busy_delay * 2).min(Duration::from_millis(500));
-            }
-            Refusal::RankTaken {
-                rank,
-                holder,
-                claimant,
-            } => {
-                return Err(Error::RankTaken {
-                    rank: rank as usize,
-                    holder: holder.to_string(),
-                    claimant: claimant.to_string(),
-                });
-            }
-            _ if store_job != job => {
-                return Err(Error::JobMismatch { job, store_job });
-            }
-            _ => return Err(Error::StoreRejected { reason }),
-        }
-    }
-}
-
-/// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`, with
-/// `warnings` while the server cannot be reached.
-fn connect_retrying(
-    config: &StoreConfig,
-    target: &str,
-    deadline: Deadline,
-    warnings: &mut WaitWarnings,
-) -> Result<TcpStream> {
-    let startup = config.startup_timeout;
-    let who = Who {
-        rank: config.launch.rank,
-        on: "store",
-        at: target,
-    };
-    let mut delay = Duration::from_millis(20);
-    loop {
-        let err = match target.to_socket_addrs() {
-            Ok(addrs) => {
-                let mut last = std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "the address resolved to nothing",
-                );
-                let mut got = None;
-                for a in addrs {
-                    let left = deadline.remaining();
-                    let limit = left.clamp(Duration::from_millis(1), Duration::from_secs(10));
-                    match TcpStream::connect_timeout(&a, limit) {
-                        Ok(s) => {
-                            got = Some(s);
-                            break;
-                        }
-                        Err(e) if out_of_descriptors(&e) => {
-                            // Not something waiting mends: say what it is at once.
-                            return Err(Error::Transport {
-                                op: "connecting to the store",
-                                detail: format!("{target}: {}", describe_io(&e)),
-                                source: e,
-                            });
-                        }
-                        Err(e) => last = e,
-                    }
-                }
-                match got {
-                    Some(s) => return Ok(s),
-                    None => last,
-                }
-            }
-            Err(e) => e,
-        };
-        let left = deadline.remaining();
-        if left.is_zero() {
-            return Err(Error::Transport {
-                op: "connecting to the store",
-                detail: format!(
-                    "{target} could not be reached within the start-up timeout of {startup:?}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
-                ),
-                source: err,
-            });
-        }
-        if warnings.due() {
-            let server = "the store server (rank 0 hosts it)".to_string();
-            warnings.warn(&who, server, deadline);
-        }
-        thread::sleep(delay.min(left));
-        delay = (delay * 2).min(Duration::from_secs(1));
-    }
-}
-
 impl GatherRounds for StoreExchange {
     fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
         self.remember(r.op);
@@ -826,114 +643,5 @@ impl Drop for StoreExchange {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::control::{Exchange, Launch};
-    use std::io::Read;
-
-    /// Rank `rank` of `world` on the store at `port` (127.0.0.1).
-    fn config(rank: usize, world: usize, port: u16, timeout: Duration) -> StoreConfig {
-        let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
-        c.host_server = false;
-        c.token = Some("lost-peer".into());
-        c.job_id = Some("lost-peer-job".into());
-        c.startup_timeout = Duration::from_secs(30);
-        c.heartbeat_interval = Duration::from_millis(200);
-        c.heartbeat_timeout = timeout;
-        c.linger = Duration::ZERO;
-        c
-    }
-
-    /// Rank 0 (hosting) and the real ranks `1..real` of a world of `world`, joined
-    /// with `join_rest` standing in for the other ranks.
-    fn start<T: Send>(
-        world: usize,
-        real: usize,
-        timeout: Duration,
-        join_rest: impl FnOnce(u16) -> T + Send,
-    ) -> (Vec<StoreExchange>, T) {
-        let server = StoreServer::bind("127.0.0.1:0", &config(0, world, 0, timeout)).unwrap();
-        let port = server.local_addr().port();
-        let server = Mutex::new(Some(server));
-        thread::scope(|s| {
-            let hs: Vec<_> = (0..real)
-                .map(|rank| {
-                    let server = &server;
-                    s.spawn(move || {
-                        let cfg = config(rank, world, port, timeout);
-                        match rank {
-                            0 => StoreExchange::connect_hosting(cfg, server.lock().take().unwrap()),
-                            _ => StoreExchange::connect(cfg),
-                        }
-                    })
-                })
-                .collect();
-            let rest = join_rest(port);
-            let exchanges = hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
-            (exchanges, rest)
-        })
-    }
-
-    /// Poll `ex.lost_peer()` (no exchange call) for up to 20 s.
-    fn lost(ex: &StoreExchange) -> (LostPeer, Duration) {
-        let t0 = Instant::now();
-        let deadline = Deadline::after(Duration::from_secs(20));
-        loop {
-            if let Some(l) = Exchange::lost_peer(ex) {
-                return (l, t0.elapsed());
-            }
-            assert!(!deadline.expired(), "no verdict after 20 s");
-            thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    #[test]
-    fn an_idle_rank_learns_of_a_frozen_peer_from_the_heartbeats() {
-        // Rank 1 joins and then says nothing, its socket open: a frozen process
-        // (SIGSTOP). Rank 0 makes no exchange call, as when it is blocked inside
-        // NCCL; the server's verdict still reaches it.
-        let timeout = Duration::from_secs(1);
-        let (group, _frozen) = start(2, 1, timeout, |port| {
-            let c = config(1, 2, port, timeout);
-            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-            let mut hello = wire::preface().to_vec();
-            hello.extend(wire::encode(&ToServer::Hello {
-                token: c.token.clone().unwrap().into_bytes(),
-                job: c.job_id.clone().unwrap(),
-                rank: 1,
-                world_size: 2,
-                host: "frozen".into(),
-                pid: 1,
-            }));
-            s.write_all(&hello).unwrap();
-            let mut preface = [0u8; PREFACE_BYTES];
-            s.read_exact(&mut preface).unwrap();
-            s
-        });
-        assert_eq!(Exchange::lost_peer(&group[0]), None);
-        let (loss, took) = lost(&group[0]);
-        assert_eq!(loss.rank, 1);
-        assert!(!loss.left);
-        assert!(loss.detail.contains("no heartbeat"), "{}", loss.detail);
-        // Declared at the first look after the timeout: timeout..timeout + interval,
-        // with slack for a busy machine.
-        assert!(took < timeout + Duration::from_secs(5), "{took:?}");
-    }
-
-    #[test]
-    fn an_idle_rank_learns_of_a_peer_that_left_and_of_the_servers_end() {
-        let timeout = Duration::from_secs(5);
-        let (mut group, ()) = start(2, 2, timeout, |_| ());
-        // Rank 1 closes its exchange: it left (a finished rank), said so.
-        drop(group.pop());
-        let (loss, _) = lost(&group[0]);
-        assert_eq!((loss.rank, loss.left), (1, true), "{loss:?}");
-        drop(group);
-        // Rank 0, the server's host, closes its exchange (and stops the server).
-        let (mut group, ()) = start(2, 2, timeout, |_| ());
-        let idle = group.pop().unwrap();
-        drop(group);
-        let (loss, _) = lost(&idle);
-        assert_eq!(loss.rank, 0, "{loss:?}");
-    }
-}
+#[path = "../../tests/unit/control/client.rs"]
+mod tests;

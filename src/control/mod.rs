@@ -59,6 +59,7 @@ mod admission;
 mod client;
 mod config;
 mod env;
+mod join;
 mod kv;
 mod local;
 mod mailbox;

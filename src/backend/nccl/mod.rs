@@ -104,18 +104,19 @@
 //! |---|---|
 //! | `build.rs` | the constructors, all through one builder: load, device, set-up round, control and data communicators, warm-up, assembly |
 //! | `setup.rs` | the set-up round (versions, nodes, unique id) over the exchange |
-//! | `comm.rs` | the communicators: blocking calls inline with their gate, polling of non-blocking ones, revoke and abort, the `Device` seam |
+//! | `comm/` | the communicators: blocking calls inline with their gate, the `Device` seam (`mod.rs`), polling of non-blocking ones and creation (`poll.rs`), revoke and abort (`abort.rs`) |
 //! | `warmup.rs` | the warm-up: every (data communicator, collective) the path policy can choose, at set-up |
 //! | `watchdog.rs` | the watchdog thread |
 //! | `health.rs` | the backend's health, the polling backoff, the watch list (device-free) |
 //! | `streams.rs` | `Stream`'s CUDA side, fences as events, drains, copies, timing |
-//! | `ffi/` | every NCCL call (`mod.rs`), NCCL's loader and function table (`table.rs`), raw CUDA driver calls (`cuda.rs`) |
+//! | `ffi/` | every NCCL call: communicators and collectives (`mod.rs`), memory and windows (`window.rs`), NCCL's loader and function table (`table.rs`), raw CUDA driver calls (`cuda.rs`) |
 //! | `mod.rs` | [`NcclBackend`]: segments, windows and collectives, teardown |
 
 mod build;
 mod comm;
 mod config;
 #[cfg(test)]
+#[path = "../../../tests/unit/backend/nccl/fake/mod.rs"]
 mod fake;
 mod ffi;
 mod health;
@@ -563,39 +564,5 @@ impl Drop for NcclBackend {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::build::context;
-    use super::*;
-    use crate::control::{Exchange, LocalExchange};
-
-    #[test]
-    fn no_driver_is_an_error_not_a_panic() {
-        // On a machine without a driver every entry point returns LibraryUnavailable; on
-        // a GPU machine they may succeed. Either way nothing panics.
-        if ffi::driver_present() {
-            return;
-        }
-        assert!(matches!(
-            device_count(),
-            Err(Error::LibraryUnavailable { .. })
-        ));
-        assert!(matches!(
-            nccl_version(),
-            Err(Error::LibraryUnavailable { .. })
-        ));
-        assert!(matches!(context(0), Err(Error::LibraryUnavailable { .. })));
-        let ex: Arc<dyn Exchange> = Arc::new(LocalExchange::group(1).remove(0));
-        assert!(matches!(
-            NcclBackend::from_env(ex.clone(), NcclConfig::default()),
-            Err(Error::LibraryUnavailable { .. })
-        ));
-        assert!(matches!(
-            NcclBackend::local_world(&[0], NcclConfig::default()),
-            Err(Error::LibraryUnavailable { .. })
-        ));
-        // SAFETY: fails before the handle is looked at (no driver).
-        let adopted =
-            unsafe { NcclBackend::adopt(std::ptr::null_mut(), 0, ex, NcclConfig::default()) };
-        assert!(matches!(adopted, Err(Error::LibraryUnavailable { .. })));
-    }
-}
+#[path = "../../../tests/unit/backend/nccl.rs"]
+mod tests;

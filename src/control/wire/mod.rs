@@ -12,6 +12,7 @@
 
 mod frames;
 #[cfg(test)]
+#[path = "../../../tests/unit/control/wire.rs"]
 mod tests;
 
 pub use frames::fuzz_frames;

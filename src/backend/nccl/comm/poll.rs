@@ -1,0 +1,126 @@
+//! Non-blocking calls: polling one until it is done, and finishing a communicator's
+//! creation (polled, then aborted on failure).
+
+use super::{ABORT_WAIT, Comm};
+use crate::backend::nccl::ffi::{self, RawComm, Status, Syms};
+use crate::backend::nccl::health::poll_until;
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use std::time::{Duration, Instant};
+
+/// How polling a non-blocking call ended.
+#[derive(Debug)]
+pub(super) enum Waited {
+    Done,
+    Failed(Error),
+    /// The deadline passed after polling this long.
+    Timeout(Duration),
+    Broken,
+}
+
+/// Poll a non-blocking call on `comm` until it is done, fails, `deadline` passes, or
+/// `broken()` says to stop.
+///
+/// # Safety
+/// `comm` is live and the caller has exclusive use of it (holds its calls lock, or
+/// made it and shares it with nobody yet).
+pub(super) unsafe fn poll(
+    nccl: &Syms,
+    comm: RawComm,
+    op: &'static str,
+    deadline: Deadline,
+    broken: &dyn Fn() -> bool,
+) -> Waited {
+    // A call that answered `ncclSuccess` may still be running: on a non-blocking
+    // communicator NCCL 2.28 ends calls such as `ncclCommWindowRegister` with an
+    // internal group end whose `ncclInProgress` it does not return, and writes the
+    // window handle when the job finishes. So the communicator's asynchronous state is
+    // always read until it is no longer in progress (seen on NCCL 2.28.3: a NULL window
+    // read too early, then a late write into freed memory).
+    let started = Instant::now();
+    let answer = poll_until(deadline, || {
+        // SAFETY: the caller's contract.
+        let state = unsafe { ffi::async_state(nccl, op, comm) };
+        match state {
+            Ok(Status::Done) => Some(Waited::Done),
+            Ok(Status::InProgress) => broken().then_some(Waited::Broken),
+            Err(e) => Some(Waited::Failed(e)),
+        }
+    });
+    answer.unwrap_or_else(|| Waited::Timeout(started.elapsed()))
+}
+
+/// Finish making a communicator (`blocking` as configured): poll until `deadline` (no
+/// backend exists yet), abort it on failure.
+///
+/// For a split off a non-blocking parent the parent is what is polled, and the child is
+/// read only once the poll ended. On a timeout the parent (`parent`, when the crate made
+/// it) is aborted, which also ends the child's initialisation (`setCommAbortFlags`,
+/// src/init.cc 2.28.3 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort
+/// returned, the child, if NCCL wrote one, is aborted too. Otherwise (a runtime's
+/// parent, or an abort that did not return) the child and the boxes are leaked.
+pub(in crate::backend::nccl) fn finish_creation(
+    nccl: &'static Syms,
+    starting: Result<ffi::Starting>,
+    op: &'static str,
+    blocking: bool,
+    deadline: Deadline,
+    parent: Option<&Comm>,
+) -> Result<Comm> {
+    let starting = starting?;
+    // SAFETY: the communicator (or the parent of a split) is used by this thread only
+    // until the call is done.
+    match unsafe { poll(nccl, starting.poll, op, deadline, &|| false) } {
+        // SAFETY: the poll says the call is done: NCCL writes the slot no more.
+        Waited::Done => match unsafe { starting.finish() } {
+            Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
+            None => Err(Error::Nccl {
+                op,
+                code: 0,
+                message: "NCCL returned no communicator".into(),
+            }),
+        },
+        Waited::Failed(e) => {
+            // Dropping the `Comm` aborts it.
+            // SAFETY: the poll says the call ended (failed): the slot is final.
+            if let Some(raw) = unsafe { starting.finish() } {
+                drop(Comm::new(nccl, raw, true, blocking));
+            }
+            Err(e)
+        }
+        timeout => {
+            // (`Broken` cannot happen here: nothing breaks a communicator being made.)
+            let waited = match timeout {
+                Waited::Timeout(waited) => waited,
+                _ => Duration::ZERO,
+            };
+            let making = starting.making;
+            let polled = starting.poll;
+            let slot = starting.abandon();
+            match making {
+                // The polled handle is the new communicator: its abort ends NCCL's work
+                // on it; the boxes are leaked.
+                ffi::Making::Init
+                | ffi::Making::Split {
+                    parent_blocking: true,
+                } => drop(Comm::new(nccl, polled, true, blocking)),
+                ffi::Making::Split {
+                    parent_blocking: false,
+                } => {
+                    let ended =
+                        parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
+                    // SAFETY: the parent's abort returned, so NCCL's split job ended and
+                    // writes the slot no more.
+                    match ended.then(|| unsafe { slot.read() }) {
+                        Some(Some(child)) => drop(Comm::new(nccl, child, true, blocking)),
+                        Some(None) => {}
+                        None => tracing::warn!(
+                            "symmpool: {op} timed out and its parent's abort did not end it; the new communicator, if any, is leaked"
+                        ),
+                    }
+                }
+            }
+            Err(Error::NcclTimeout { op, waited })
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! Joining the store: connecting to the server (with retries while it cannot be
+//! reached) and the handshake (preface, hello, the server's verdict).
+
+use super::admission::{describe_io, out_of_descriptors};
+use super::config::StoreConfig;
+use super::waiting::{WaitWarnings, Who};
+use super::wire::{
+    self, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, Refusal, SharedStream, ToClient,
+    ToServer,
+};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use std::io::Write;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::thread;
+use std::time::Duration;
+
+/// This host's name, for the store's messages about this process.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Connect to the store at `target` and complete the handshake, retrying while the
+/// server cannot be reached or is busy (too many handshakes in flight), until
+/// `deadline`. The connection (one descriptor) and its reader.
+///
+/// # Errors
+/// As [`StoreExchange::connect`]: [`Error::JobMismatch`], [`Error::RankTaken`] and
+/// [`Error::StoreRejected`] for refusals, [`Error::Protocol`] for a server that does
+/// not speak the protocol, [`Error::Transport`] when it cannot be reached in time.
+pub(super) fn join_store(
+    config: &StoreConfig,
+    target: &str,
+    deadline: Deadline,
+    warnings: &mut WaitWarnings,
+) -> Result<(SharedStream, FrameReader<SharedStream>)> {
+    let launch = &config.launch;
+    let job = config.job_id.clone().unwrap_or_default();
+    let mut hello = wire::preface().to_vec();
+    hello.extend(wire::encode(&ToServer::Hello {
+        token: config.token.clone().unwrap_or_default().into_bytes(),
+        job: job.clone(),
+        rank: launch.rank as u32,
+        world_size: launch.world_size as u32,
+        host: host_name(),
+        pid: std::process::id(),
+    }));
+    let proto = |detail: String| Error::Protocol {
+        op: "store handshake",
+        detail,
+    };
+    let mut busy_delay = Duration::from_millis(5);
+    loop {
+        let stream = SharedStream::new(connect_retrying(config, target, deadline, warnings)?);
+        let _ = stream.set_nodelay(true);
+        // Writes to a server that stops reading fail after a heartbeat timeout.
+        stream
+            .set_write_timeout(Some(config.heartbeat_timeout))
+            .map_err(transport(
+                "configuring the store connection",
+                target.to_string(),
+            ))?;
+        // Handshake: preface and hello in one write; the server's preface and verdict.
+        (&*stream)
+            .write_all(&hello)
+            .map_err(transport("store handshake", format!("writing to {target}")))?;
+        let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
+        let hs_deadline = deadline.cap(config.handshake_timeout);
+        let preface = wire::read_until(&stream, hs_deadline, || reader.raw(PREFACE_BYTES))
+            .map_err(|e| proto(format!("reading the server's preface from {target}: {e}")))?
+            .ok_or_else(|| {
+                proto(format!(
+                    "no reply from {target} within the handshake timeout"
+                ))
+            })?;
+        wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
+        let verdict = wire::read_until(&stream, hs_deadline, || reader.frame())
+            .map_err(|e| proto(format!("reading the server's verdict from {target}: {e}")))?
+            .ok_or_else(|| {
+                proto(format!(
+                    "no verdict from {target} within the handshake timeout"
+                ))
+            })?;
+        let (reason, kind, store_job) = match wire::decode::<ToClient>(&verdict).map_err(proto)? {
+            ToClient::Welcome => {
+                reader.max_frame_bytes = config.max_frame_bytes;
+                return Ok((stream, reader));
+            }
+            ToClient::Reject { reason, kind, job } => (reason, kind, job),
+            other => return Err(proto(format!("expected a welcome, got {other:?}"))),
+        };
+        match kind {
+            Refusal::Busy if !deadline.expired() => {
+                // Other handshakes hold the server's slots; they end within its
+                // handshake timeout.
+                tracing::debug!("symmpool store: {target} is busy ({reason}); retrying");
+                drop(reader);
+                thread::sleep(busy_delay.min(deadline.remaining()));
+                busy_delay = (busy_delay * 2).min(Duration::from_millis(500));
+            }
+            Refusal::RankTaken {
+                rank,
+                holder,
+                claimant,
+            } => {
+                return Err(Error::RankTaken {
+                    rank: rank as usize,
+                    holder: holder.to_string(),
+                    claimant: claimant.to_string(),
+                });
+            }
+            _ if store_job != job => {
+                return Err(Error::JobMismatch { job, store_job });
+            }
+            _ => return Err(Error::StoreRejected { reason }),
+        }
+    }
+}
+
+/// Connect to `target`, retrying (with backoff up to 1 s) until `deadline`, with
+/// `warnings` while the server cannot be reached.
+fn connect_retrying(
+    config: &StoreConfig,
+    target: &str,
+    deadline: Deadline,
+    warnings: &mut WaitWarnings,
+) -> Result<TcpStream> {
+    let startup = config.startup_timeout;
+    let who = Who {
+        rank: config.launch.rank,
+        on: "store",
+        at: target,
+    };
+    let mut delay = Duration::from_millis(20);
+    loop {
+        let err = match target.to_socket_addrs() {
+            Ok(addrs) => {
+                let mut last = std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "the address resolved to nothing",
+                );
+                let mut got = None;
+                for a in addrs {
+                    let left = deadline.remaining();
+                    let limit = left.clamp(Duration::from_millis(1), Duration::from_secs(10));
+                    match TcpStream::connect_timeout(&a, limit) {
+                        Ok(s) => {
+                            got = Some(s);
+                            break;
+                        }
+                        Err(e) if out_of_descriptors(&e) => {
+                            // Not something waiting mends: say what it is at once.
+                            return Err(Error::Transport {
+                                op: "connecting to the store",
+                                detail: format!("{target}: {}", describe_io(&e)),
+                                source: e,
+                            });
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                match got {
+                    Some(s) => return Ok(s),
+                    None => last,
+                }
+            }
+            Err(e) => e,
+        };
+        let left = deadline.remaining();
+        if left.is_zero() {
+            return Err(Error::Transport {
+                op: "connecting to the store",
+                detail: format!(
+                    "{target} could not be reached within the start-up timeout of {startup:?}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
+                ),
+                source: err,
+            });
+        }
+        if warnings.due() {
+            let server = "the store server (rank 0 hosts it)".to_string();
+            warnings.warn(&who, server, deadline);
+        }
+        thread::sleep(delay.min(left));
+        delay = (delay * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// A [`Error::Transport`] for an I/O error of `op` (`detail`: where).
+pub(super) fn transport(op: &'static str, detail: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Transport { op, detail, source }
+}

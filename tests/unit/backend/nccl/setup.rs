@@ -1,0 +1,94 @@
+use super::*;
+use crate::control::LocalExchange;
+
+fn id(b: u8) -> Vec<u8> {
+    (0..128u8).map(|i| i.wrapping_mul(b)).collect()
+}
+
+#[test]
+fn unique_ids_reach_every_rank_over_an_exchange() {
+    let ids = vec![id(3), id(7), id(11)];
+    let results: Vec<Result<Agreed>> = std::thread::scope(|s| {
+        let hs: Vec<_> = LocalExchange::group(3)
+            .into_iter()
+            .map(|ex| {
+                let ids = ids.clone();
+                s.spawn(move || {
+                    let rank = ex.rank();
+                    let hello = Hello {
+                        version: 22809,
+                        node: format!("node{}", rank / 2),
+                        unique_ids: if rank == 0 { ids } else { Vec::new() },
+                        plan: "p".into(),
+                    };
+                    agree(
+                        &ex,
+                        &hello,
+                        Deadline::after(std::time::Duration::from_secs(10)),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in results {
+        let a = r.unwrap();
+        assert_eq!(a.version, NcclVersion::new(2, 28, 9));
+        assert_eq!(a.nodes, 2);
+        assert_eq!(a.unique_ids.len(), 3);
+        for (got, want) in a.unique_ids.iter().zip(&ids) {
+            assert_eq!(&got[..], &want[..]);
+        }
+    }
+}
+
+#[test]
+fn different_versions_fail_on_every_rank() {
+    let h = |version| Hello {
+        version,
+        node: "n".into(),
+        unique_ids: vec![],
+        plan: "p".into(),
+    };
+    match settle(&[h(22803), h(22809)]) {
+        Err(Error::Config { value: m, .. }) => {
+            assert!(
+                m.contains("rank 0: 2.28.3") && m.contains("rank 1: 2.28.9"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    let bad = Hello {
+        unique_ids: vec![vec![0; 12]],
+        ..h(22803)
+    };
+    assert!(matches!(settle(&[bad]), Err(Error::Protocol { .. })));
+    let other = Hello {
+        plan: "q".into(),
+        ..h(22803)
+    };
+    assert!(matches!(
+        settle(&[h(22803), other]),
+        Err(Error::Config { value: m, .. }) if m.contains("different data communicators")
+    ));
+    let one = settle(&[h(22803)]).unwrap();
+    assert_eq!((one.nodes, one.unique_ids.len()), (1, 0));
+}
+
+#[test]
+fn node_identity_follows_nccl() {
+    let none = |_: &str| None;
+    assert_eq!(node_identity(&none, "gpu01\n", Some("abc\n")), "gpu01/abc");
+    assert_eq!(node_identity(&none, "gpu01", None), "gpu01");
+    let hostid = |k: &str| (k == "NCCL_HOSTID").then(|| "rack7".to_string());
+    assert_eq!(node_identity(&hostid, "gpu01", Some("abc")), "hostid:rack7");
+    let empty = |k: &str| (k == "NCCL_HOSTID").then(String::new);
+    assert_eq!(node_identity(&empty, "gpu01", Some("abc")), "gpu01/abc");
+    // Same host name on two hosts (containers): the boot id tells them apart.
+    let a = node_identity(&none, "worker", Some("boot-a"));
+    let b = node_identity(&none, "worker", Some("boot-b"));
+    assert_eq!(count_nodes([a.as_str(), b.as_str(), a.as_str()]), 2);
+    assert_eq!(count_nodes(std::iter::empty()), 1);
+    assert!(!this_node().is_empty());
+}
