@@ -516,3 +516,106 @@ fn the_reader_finds_paths_in_code_only() {
     assert!(allowed("error", "pool").is_err());
     assert!(allowed("core", "error").is_err());
 }
+
+/// The folders whose crate-internal functions are the seams between floors: a deadline
+/// crosses them as a `Deadline`, never as a `Duration` (the budget is fixed once, where
+/// a public call starts, and every floor below spends what is left of it).
+const DEADLINE_SEAMS: &[&str] = &["pool", "group", "coll", "backend"];
+
+/// The `fn` signatures of `src` (tokens up to the body or `;`) that are seams: declared
+/// `pub(crate)`, or declared in a trait. Returns (line, name, signature tokens).
+fn seam_signatures(src: &str) -> Vec<(usize, String, Vec<Tok>)> {
+    let toks = tokens(src);
+    let (mut out, mut blocks, mut header_is_trait) = (Vec::new(), Vec::new(), false);
+    let ident = |i: usize, s: &str| matches!(toks.get(i), Some((_, Tok::Ident(x))) if x == s);
+    for i in 0..toks.len() {
+        match &toks[i].1 {
+            Tok::Ident(x) if x == "trait" => header_is_trait = true,
+            Tok::Punct('{') => blocks.push(std::mem::take(&mut header_is_trait)),
+            Tok::Punct('}') => {
+                blocks.pop();
+            }
+            Tok::Punct(';') => header_is_trait = false,
+            Tok::Ident(x) if x == "fn" => {
+                // `pub(crate) [const|async|unsafe|extern]* fn`
+                let mut v = i;
+                while v > 0
+                    && ["const", "async", "unsafe", "extern"]
+                        .iter()
+                        .any(|q| ident(v - 1, q))
+                {
+                    v -= 1;
+                }
+                let crate_visible = v >= 4
+                    && ident(v - 4, "pub")
+                    && toks[v - 3].1 == Tok::Punct('(')
+                    && ident(v - 2, "crate")
+                    && toks[v - 1].1 == Tok::Punct(')');
+                let in_trait = blocks.last() == Some(&true);
+                if !(crate_visible || in_trait) {
+                    continue;
+                }
+                let Some((line, Tok::Ident(name))) = toks.get(i + 1).cloned() else {
+                    continue;
+                };
+                let sig = toks[i..]
+                    .iter()
+                    .map(|(_, t)| t.clone())
+                    .take_while(|t| *t != Tok::Punct('{') && *t != Tok::Punct(';'))
+                    .collect();
+                out.push((line, name, sig));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn no_seam_between_the_floors_takes_a_duration() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let (mut seams, mut bad) = (0, Vec::new());
+    for folder in DEADLINE_SEAMS {
+        let mut files = Vec::new();
+        rust_files(&src.join(folder), &mut files);
+        for f in files {
+            for (line, name, sig) in seam_signatures(&fs::read_to_string(&f).unwrap()) {
+                seams += 1;
+                if sig.contains(&Tok::Ident("Duration".into())) {
+                    bad.push(format!("{}:{line}: fn {name}", f.display()));
+                }
+            }
+        }
+    }
+    // The reader found the seams it is meant to judge (a broken reader finds none).
+    assert!(seams > 100, "only {seams} seam functions found");
+    assert!(
+        bad.is_empty(),
+        "these seams take a Duration; pass a Deadline (src/deadline.rs) instead:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_seam_reader_sees_crate_functions_and_trait_methods_only() {
+    let src = "pub(crate) fn a(t: Duration) {}\n\
+               pub(crate) const unsafe fn b() -> Duration { x }\n\
+               pub fn public(t: Duration) {}\n\
+               fn private(t: Duration) {}\n\
+               pub trait Seam { fn c(&self, d: Deadline); fn e(&self) {} }\n\
+               impl Seam for X { fn c(&self, d: Deadline) {} }\n\
+               // pub(crate) fn commented(t: Duration) {}\n";
+    let found: Vec<(String, bool)> = seam_signatures(src)
+        .into_iter()
+        .map(|(_, n, s)| (n, s.contains(&Tok::Ident("Duration".into()))))
+        .collect();
+    assert_eq!(
+        found,
+        [
+            ("a".to_string(), true),
+            ("b".to_string(), true),
+            ("c".to_string(), false),
+            ("e".to_string(), false),
+        ]
+    );
+}
