@@ -826,40 +826,6 @@ fn close_right_after_an_async_divergence_names_it_on_every_rank() {
     }
 }
 
-/// An exchange that names every round it runs (its operation), so a test can count
-/// the rounds of one pool call.
-#[derive(Debug)]
-struct Counting {
-    inner: std::sync::Arc<dyn symmpool::Exchange>,
-    rounds: std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>,
-}
-
-impl symmpool::Exchange for Counting {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(
-        &self,
-        channel: symmpool::ChannelId,
-        op: &'static str,
-        payload: &[u8],
-        deadline: symmpool::Deadline,
-    ) -> symmpool::Result<Vec<Vec<u8>>> {
-        self.rounds.lock().unwrap().push(op);
-        self.inner.all_gather(channel, op, payload, deadline)
-    }
-    fn open_channel(
-        &self,
-        name: &str,
-        deadline: symmpool::Deadline,
-    ) -> symmpool::Result<symmpool::ChannelId> {
-        self.inner.open_channel(name, deadline)
-    }
-}
-
 #[test]
 fn a_checked_growth_takes_its_agreement_round_and_no_other_check_round() {
     // A growth among checked collectives: the growth's agreement is a record of the
@@ -871,8 +837,10 @@ fn a_checked_growth_takes_its_agreement_round_and_no_other_check_round() {
         .into_iter()
         .map(|b| {
             let rounds = rounds.clone();
-            b.with_exchange(move |inner| std::sync::Arc::new(Counting { inner, rounds }))
-                .unwrap()
+            b.with_exchange(move |inner| {
+                common::watched::Watched::wrap(inner, move |op| rounds.lock().unwrap().push(op))
+            })
+            .unwrap()
         })
         .collect();
     let config = PoolConfig::default()

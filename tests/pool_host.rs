@@ -517,40 +517,6 @@ fn a_close_that_times_out_on_one_rank_closes_no_rank() {
     assert!(!pools[0].is_closed() && !pools[1].is_closed());
 }
 
-/// An exchange that reports when an agreement starts, so a test can act while the
-/// pool is inside one (no sleeps).
-#[derive(Debug)]
-struct Announcing {
-    inner: std::sync::Arc<dyn symmpool::Exchange>,
-    entered: std::sync::mpsc::SyncSender<()>,
-}
-
-impl symmpool::Exchange for Announcing {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(
-        &self,
-        channel: symmpool::ChannelId,
-        op: &'static str,
-        payload: &[u8],
-        deadline: symmpool::Deadline,
-    ) -> symmpool::Result<Vec<Vec<u8>>> {
-        let _ = self.entered.try_send(());
-        self.inner.all_gather(channel, op, payload, deadline)
-    }
-    fn open_channel(
-        &self,
-        name: &str,
-        deadline: symmpool::Deadline,
-    ) -> symmpool::Result<symmpool::ChannelId> {
-        self.inner.open_channel(name, deadline)
-    }
-}
-
 /// Two host ranks whose rank 0 reports every stream as capturing a CUDA graph.
 fn rank_0_capturing(timeout: Duration) -> Vec<SymmPool> {
     let mut world = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
@@ -604,7 +570,11 @@ fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
     let b0 = world
         .pop()
         .unwrap()
-        .with_exchange(|inner| std::sync::Arc::new(Announcing { inner, entered: tx }))
+        .with_exchange(|inner| {
+            common::watched::Watched::wrap(inner, move |_| {
+                let _ = tx.try_send(());
+            })
+        })
         .unwrap();
     let mut pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
     let pool1 = pools.pop().unwrap();

@@ -11,3 +11,4 @@ pub mod rng;
 #[cfg(target_os = "linux")]
 pub mod shm;
 pub mod two_pools;
+pub mod watched;
