@@ -174,3 +174,216 @@ fn without_the_stores_host_a_shrink_fails_at_once() {
     }
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+// ---------------------------------------------------------------------------------
+// One process per rank on the shared-memory backend: a rank killed in a collective,
+// the survivors shrink the pool and train on.
+
+use common::procs::{CHILD, Job};
+use common::shm::{join, shm_entries};
+use std::time::Instant;
+use symmpool::{Coll, CollectiveCalls, PoolConfig, ReduceOp, Stream, SymmPool};
+
+const ENTRY: &str = "child_process_entry";
+/// Parameters of the toy model: divisible by 4 and by 3.
+const N: usize = 12 * 256;
+const STEPS: usize = 6;
+/// The step in whose reduce-scatter the victim is killed.
+const KILL_AT: usize = 3;
+
+#[test]
+fn child_process_entry() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let code = match child() {
+        Ok(code) => code,
+        Err(e) => {
+            println!("@@error {e}");
+            2
+        }
+    };
+    std::process::exit(code);
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// One data-parallel step of a toy model, sharded as FSDP shards it: every rank's
+/// gradient (a function of the parameters, its rank and the step) is reduce-scattered,
+/// each rank updates its shard, and the shards are all-gathered. `w` changes only if
+/// every collective succeeded.
+fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, step: usize) -> symmpool::Result<()> {
+    let (rank, world) = (pool.rank(), pool.world_size());
+    let stream = Stream::host();
+    let n = N / world;
+    let g: Vec<f32> = (w.iter().enumerate())
+        .map(|(i, x)| {
+            x * 0.5 + (rank + 1) as f32 * 0.01 + step as f32 * 0.001 + (i % 7) as f32 * 1e-4
+        })
+        .collect();
+    let grads = pool.alloc((N * 4) as u64, &stream)?;
+    grads.write(&g)?;
+    let shard = pool.alloc((n * 4) as u64, &stream)?;
+    coll.reduce_scatter::<f32>(&grads, &shard, ReduceOp::Sum, &stream)?;
+    let s = shard.read::<f32>()?;
+    let params = pool.alloc((N * 4) as u64, &stream)?;
+    let mine: Vec<f32> = (0..n)
+        .map(|i| w[rank * n + i] - 0.1 * s[i] / world as f32)
+        .collect();
+    params
+        .view::<f32>()?
+        .slice(rank * n, n)?
+        .copy_from_host(&mine)?;
+    coll.all_gather_in_place::<f32>(&params, &stream)?;
+    *w = params.read::<f32>()?;
+    coll.end_step()
+}
+
+fn digest(w: &[f32]) -> u64 {
+    w.iter().fold(0xcbf2_9ce4_8422_2325, |h, x| {
+        (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn child() -> symmpool::Result<i32> {
+    let (_, _, backend) = join()?;
+    let victim: Option<usize> = var("CHILD_VICTIM").and_then(|v| v.parse().ok());
+    let state_file = var("CHILD_STATE").unwrap();
+    let config = PoolConfig::default().with_timeout(Duration::from_secs(60));
+    let mut pool = SymmPool::new(backend, config)?;
+    let mut coll = Coll::new(&pool)?;
+    // A fresh job starts from the survivors' state; the first job from the start.
+    let (mut w, mut at) = match var("CHILD_FROM_STATE") {
+        Some(_) => {
+            let text = std::fs::read_to_string(&state_file).unwrap();
+            let mut words = text.split_whitespace();
+            let at: usize = words.next().unwrap().parse().unwrap();
+            let w: Vec<f32> = words.map(|x| f32::from_bits(x.parse().unwrap())).collect();
+            (w, at)
+        }
+        None => ((0..N).map(|i| i as f32 * 1e-3).collect(), 0),
+    };
+    let mut shrunk_at: Option<Instant> = None;
+    let job_rank = pool.rank();
+    // A buffer of the old world that lives across the shrink.
+    let kept = pool.alloc((N * 4) as u64, &Stream::host())?;
+    let w0 = w.clone();
+    kept.write(&w0)?;
+    while at < STEPS {
+        if victim.is_some() && at == KILL_AT && pool.world_size() == 4 {
+            if victim == Some(job_rank) {
+                println!("@@stalled");
+                loop {
+                    thread::park();
+                }
+            }
+            println!("@@waiting");
+        }
+        match step(&pool, &coll, &mut w, at) {
+            Ok(()) => {
+                if let Some(t) = shrunk_at.take() {
+                    println!("@@first_step_ms {}", t.elapsed().as_millis());
+                }
+                at += 1;
+            }
+            Err(e @ (Error::PeerLost { .. } | Error::PoolBroken { .. })) => {
+                println!("@@lost {e}");
+                let t = Instant::now();
+                let (next, report) = pool.shrink()?;
+                drop(coll);
+                pool = next;
+                coll = Coll::new(&pool)?;
+                shrunk_at = Some(t);
+                // Its memory is still this rank's to read; no collective takes it.
+                assert_eq!(kept.read::<f32>()?, w0);
+                let refused = coll.all_gather_in_place::<f32>(&kept, &Stream::host());
+                assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
+                println!(
+                    "@@shrunk rank={} world={} lost={:?} segments={} registrations={} live={} ms={}",
+                    report.rank,
+                    report.world_size,
+                    report.lost_ranks,
+                    report.segments,
+                    report.registrations,
+                    report.live_buffers,
+                    report.took.as_millis()
+                );
+                if report.rank == 0 {
+                    let words: Vec<String> = w.iter().map(|x| x.to_bits().to_string()).collect();
+                    std::fs::write(&state_file, format!("{at} {}", words.join(" "))).unwrap();
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    println!("@@final {:016x}", digest(&w));
+    drop((coll, kept));
+    pool.close()?;
+    Ok(0)
+}
+
+#[test]
+fn a_rank_killed_in_a_collective_leaves_three_survivors_that_shrink_and_train_on() {
+    let before = shm_entries();
+    let dir = std::env::temp_dir().join(format!("symmpool-shrink-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("state").display().to_string();
+    let (world, victim) = (4, 2);
+    let env = |extra: Vec<(&'static str, String)>| {
+        let state = state.clone();
+        move |_| {
+            let mut v = vec![("CHILD_STATE", state.clone())];
+            v.extend(extra.clone());
+            v
+        }
+    };
+    let mut job = Job::start(
+        ENTRY,
+        world,
+        env(vec![("CHILD_VICTIM", victim.to_string())]),
+    );
+    job.expect(victim, "@@stalled", Duration::from_secs(120));
+    let survivors: Vec<usize> = (0..world).filter(|&r| r != victim).collect();
+    for &r in &survivors {
+        job.expect(r, "@@waiting", Duration::from_secs(60));
+    }
+    job.children[victim].kill().unwrap();
+    let codes = job.wait(&survivors, Duration::from_secs(120));
+    assert_eq!(codes, vec![0; survivors.len()], "{:?}", job.seen);
+    let mut finals = Vec::new();
+    for (new_rank, &r) in survivors.iter().enumerate() {
+        let lost = job.expect(r, "@@lost ", Duration::from_secs(5));
+        assert!(lost.contains("rank 2"), "{lost}");
+        let shrunk = job.expect(r, "@@shrunk ", Duration::from_secs(5));
+        // Dense ranks; one segment kept, registered once per new communicator.
+        assert!(
+            shrunk.starts_with(&format!(
+                "rank={new_rank} world=3 lost=[2] segments=1 registrations=2 live=1 "
+            )),
+            "{shrunk}"
+        );
+        let took_ms: u64 = job
+            .expect(r, "@@first_step_ms ", Duration::from_secs(5))
+            .parse()
+            .unwrap();
+        println!("rank {r}: {shrunk}; first step at world size 3 after {took_ms} ms");
+        finals.push(job.expect(r, "@@final ", Duration::from_secs(5)));
+    }
+    assert!(finals.iter().all(|f| *f == finals[0]), "{finals:?}");
+    drop(job);
+    // A fresh 3-rank job from the survivors' state ends where they did.
+    let mut fresh = Job::start(ENTRY, 3, env(vec![("CHILD_FROM_STATE", "1".into())]));
+    let codes = fresh.wait(&[0, 1, 2], Duration::from_secs(120));
+    assert_eq!(codes, vec![0; 3], "{:?}", fresh.seen);
+    for r in 0..3 {
+        assert_eq!(
+            fresh.expect(r, "@@final ", Duration::from_secs(5)),
+            finals[0]
+        );
+    }
+    drop(fresh);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
+}

@@ -458,6 +458,32 @@ impl Backend {
         })
     }
 
+    /// The backend of this rank in the group that survives a loss: the exchange shrunk
+    /// ([`Exchange::shrink`]: the survivors, numbered densely in their old order), and
+    /// new communicators among the survivors (new channels on the shared-memory
+    /// backend) of the same kinds and order. Its stream operations, memory limit and
+    /// device are this backend's; segments of this backend may be registered on it.
+    /// No window of this backend is valid on it.
+    ///
+    /// # Collective
+    /// Every surviving rank calls it after the loss (a [`Error::PeerLost`]), for its
+    /// backends in the same order, waiting for the others until `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkFailed`] for a backend that cannot shrink (the host backend's
+    /// threads, NCCL, one assembled from parts of its own) and as
+    /// [`Exchange::shrink`] says; the exchange's errors on the new group.
+    pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
+        #[cfg(target_os = "linux")]
+        if let Some(shm) = self.downcast_ref::<ShmBackend>() {
+            let exchange = self.exchange.shrink(deadline)?;
+            return shm.shrink(self, exchange, deadline);
+        }
+        Err(Error::ShrinkFailed {
+            reason: format!("a {:?} backend cannot shrink yet", self.info.kind),
+        })
+    }
+
     /// A backend with this one's identity, exchange and stream operations, and `parts`
     /// (communicators of their own) for the rest: what [`split`](Self::split) returns
     /// on the host backends.
@@ -474,6 +500,11 @@ impl Backend {
             parts,
             self.streams.clone(),
         )
+    }
+
+    /// The stream operations, shared.
+    pub(crate) fn streams_handle(&self) -> Arc<dyn StreamOps> {
+        self.streams.clone()
     }
 
     /// Who this backend is.
