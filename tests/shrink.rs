@@ -181,15 +181,60 @@ fn without_the_stores_host_a_shrink_fails_at_once() {
 
 use common::procs::{CHILD, Job};
 use common::shm::{join, shm_entries};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+use symmpool::backend::{Refused, Segment, SegmentProvider, Window};
 use symmpool::{Coll, CollectiveCalls, PoolConfig, ReduceOp, Stream, SymmPool};
 
 const ENTRY: &str = "child_process_entry";
 /// Parameters of the toy model: divisible by 4 and by 3.
 const N: usize = 12 * 256;
 const STEPS: usize = 6;
-/// The step in whose reduce-scatter the victim is killed.
+/// The step in which the victim is killed (in its reduce-scatter, or in the window
+/// registration of the growth every rank makes at its start).
 const KILL_AT: usize = 3;
+/// The registrations before the step `KILL_AT` (the first segment, on the two
+/// communicators that register).
+const REGISTRATIONS_BEFORE: usize = 2;
+
+/// The victim's segments in the registration scenario: it stops inside its registration
+/// of the growth at step `KILL_AT`, where the test kills it.
+#[derive(Debug)]
+struct StopInRegistration(Arc<dyn SegmentProvider>, AtomicUsize);
+
+impl SegmentProvider for StopInRegistration {
+    fn allocate(&self, size_bytes: u64) -> symmpool::Result<Segment> {
+        self.0.allocate(size_bytes)
+    }
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> symmpool::Result<Option<Window>> {
+        if self.1.fetch_add(1, Ordering::SeqCst) == REGISTRATIONS_BEFORE {
+            println!("@@stalled");
+            loop {
+                thread::park();
+            }
+        }
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { self.0.register(segment, comm, deadline) }
+    }
+    unsafe fn deregister(
+        &self,
+        window: Window,
+        deadline: Deadline,
+    ) -> std::result::Result<(), Refused<Window>> {
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { self.0.deregister(window, deadline) }
+    }
+    unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { self.0.free(segment) }
+    }
+}
 
 #[test]
 fn child_process_entry() {
@@ -214,10 +259,20 @@ fn var(name: &str) -> Option<String> {
 /// gradient (a function of the parameters, its rank and the step) is reduce-scattered,
 /// each rank updates its shard, and the shards are all-gathered. `w` changes only if
 /// every collective succeeded.
-fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, step: usize) -> symmpool::Result<()> {
+fn step(
+    pool: &SymmPool,
+    coll: &Coll,
+    w: &mut Vec<f32>,
+    step: usize,
+    stop_before_collective: bool,
+) -> symmpool::Result<()> {
     let (rank, world) = (pool.rank(), pool.world_size());
     let stream = Stream::host();
     let n = N / world;
+    // Every rank grows the pool at this step (a registration on every communicator).
+    let _grown = (step == KILL_AT)
+        .then(|| pool.alloc(48 << 20, &stream))
+        .transpose()?;
     let g: Vec<f32> = (w.iter().enumerate())
         .map(|(i, x)| {
             x * 0.5 + (rank + 1) as f32 * 0.01 + step as f32 * 0.001 + (i % 7) as f32 * 1e-4
@@ -225,6 +280,12 @@ fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, step: usize) -> symmpool
         .collect();
     let grads = pool.alloc((N * 4) as u64, &stream)?;
     grads.write(&g)?;
+    if stop_before_collective {
+        println!("@@stalled");
+        loop {
+            thread::park();
+        }
+    }
     let shard = pool.alloc((n * 4) as u64, &stream)?;
     coll.reduce_scatter::<f32>(&grads, &shard, ReduceOp::Sum, &stream)?;
     let s = shard.read::<f32>()?;
@@ -248,8 +309,14 @@ fn digest(w: &[f32]) -> u64 {
 }
 
 fn child() -> symmpool::Result<i32> {
-    let (_, _, backend) = join()?;
+    let (rank, _, backend) = join()?;
     let victim: Option<usize> = var("CHILD_VICTIM").and_then(|v| v.parse().ok());
+    let in_registration = var("CHILD_PHASE").as_deref() == Some("registration");
+    let backend = if in_registration && victim == Some(rank) {
+        backend.with_segments(|inner| Arc::new(StopInRegistration(inner, AtomicUsize::new(0))))
+    } else {
+        backend
+    };
     let state_file = var("CHILD_STATE").unwrap();
     let config = PoolConfig::default().with_timeout(Duration::from_secs(60));
     let mut pool = SymmPool::new(backend, config)?;
@@ -272,16 +339,12 @@ fn child() -> symmpool::Result<i32> {
     let w0 = w.clone();
     kept.write(&w0)?;
     while at < STEPS {
-        if victim.is_some() && at == KILL_AT && pool.world_size() == 4 {
-            if victim == Some(job_rank) {
-                println!("@@stalled");
-                loop {
-                    thread::park();
-                }
-            }
+        let killed_here = victim.is_some() && at == KILL_AT && pool.world_size() == 4;
+        if killed_here && victim != Some(job_rank) {
             println!("@@waiting");
         }
-        match step(&pool, &coll, &mut w, at) {
+        let stop = killed_here && victim == Some(job_rank) && !in_registration;
+        match step(&pool, &coll, &mut w, at, stop) {
             Ok(()) => {
                 if let Some(t) = shrunk_at.take() {
                     println!("@@first_step_ms {}", t.elapsed().as_millis());
@@ -326,8 +389,19 @@ fn child() -> symmpool::Result<i32> {
 
 #[test]
 fn a_rank_killed_in_a_collective_leaves_three_survivors_that_shrink_and_train_on() {
+    killed_in("collective");
+}
+
+#[test]
+fn a_rank_killed_in_a_window_registration_leaves_three_survivors_that_shrink_and_train_on() {
+    killed_in("registration");
+}
+
+/// A 4-rank job whose rank 2 is killed in `phase` at step `KILL_AT`: the survivors
+/// shrink, finish the training, and end where a fresh 3-rank job from their state does.
+fn killed_in(phase: &'static str) {
     let before = shm_entries();
-    let dir = std::env::temp_dir().join(format!("symmpool-shrink-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("symmpool-shrink-{phase}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let state = dir.join("state").display().to_string();
     let (world, victim) = (4, 2);
@@ -342,7 +416,10 @@ fn a_rank_killed_in_a_collective_leaves_three_survivors_that_shrink_and_train_on
     let mut job = Job::start(
         ENTRY,
         world,
-        env(vec![("CHILD_VICTIM", victim.to_string())]),
+        env(vec![
+            ("CHILD_VICTIM", victim.to_string()),
+            ("CHILD_PHASE", phase.to_string()),
+        ]),
     );
     job.expect(victim, "@@stalled", Duration::from_secs(120));
     let survivors: Vec<usize> = (0..world).filter(|&r| r != victim).collect();
@@ -357,10 +434,17 @@ fn a_rank_killed_in_a_collective_leaves_three_survivors_that_shrink_and_train_on
         let lost = job.expect(r, "@@lost ", Duration::from_secs(5));
         assert!(lost.contains("rank 2"), "{lost}");
         let shrunk = job.expect(r, "@@shrunk ", Duration::from_secs(5));
-        // Dense ranks; one segment kept, registered once per new communicator.
+        // Dense ranks; every segment kept, registered once per new communicator that
+        // registers (two); the growth of step KILL_AT went through before a kill in
+        // the collective, and was undone everywhere after one in its registration.
+        let (segments, registrations) = if phase == "collective" {
+            (2, 4)
+        } else {
+            (1, 2)
+        };
         assert!(
             shrunk.starts_with(&format!(
-                "rank={new_rank} world=3 lost=[2] segments=1 registrations=2 live=1 "
+                "rank={new_rank} world=3 lost=[2] segments={segments} registrations={registrations} live=1 "
             )),
             "{shrunk}"
         );
