@@ -461,9 +461,10 @@ impl Backend {
     /// The backend of this rank in the group that survives a loss: the exchange shrunk
     /// ([`Exchange::shrink`]: the survivors, numbered densely in their old order), and
     /// new communicators among the survivors (new channels on the shared-memory
-    /// backend) of the same kinds and order. Its stream operations, memory limit and
-    /// device are this backend's; segments of this backend may be registered on it.
-    /// No window of this backend is valid on it.
+    /// backend, a new set made from the store on NCCL, this backend's aborted) of the
+    /// same kinds and order. Its device, memory limit (and on the host backends its
+    /// stream operations) are this backend's; segments of this backend may be
+    /// registered on it. No window of this backend is valid on it.
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss (a [`Error::PeerLost`]), for its
@@ -471,13 +472,19 @@ impl Backend {
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`] for a backend that cannot shrink (the host backend's
-    /// threads, NCCL, one assembled from parts of its own) and as
-    /// [`Exchange::shrink`] says; the exchange's errors on the new group.
+    /// threads, one assembled from parts of its own) and as [`Exchange::shrink`]
+    /// says; the exchange's errors on the new group; on NCCL those of
+    /// [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
         #[cfg(target_os = "linux")]
         if let Some(shm) = self.downcast_ref::<ShmBackend>() {
             let exchange = self.exchange.shrink(deadline)?;
             return shm.shrink(self, exchange, deadline);
+        }
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
+            let exchange = self.exchange.shrink(deadline)?;
+            return nccl.shrink(exchange);
         }
         Err(Error::ShrinkFailed {
             reason: format!("a {:?} backend cannot shrink yet", self.info.kind),
