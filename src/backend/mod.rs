@@ -292,6 +292,9 @@ pub struct Backend {
     /// The ledger of these communicators (made by the first pool over them, shared by
     /// every pool over them; see [`ledger_slot`](Self::ledger_slot)).
     ledger: Arc<parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>>>,
+    /// The backend a shrink made of this one (see [`shrink`](Self::shrink)): every
+    /// pool over these communicators gets the same.
+    shrunk: Arc<parking_lot::Mutex<Option<Backend>>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -374,6 +377,7 @@ impl Backend {
             users: Arc::default(),
             collectives_claimed: Arc::default(),
             ledger: Arc::default(),
+            shrunk: Arc::default(),
             exchange,
             segments: parts.clone(),
             streams,
@@ -468,7 +472,8 @@ impl Backend {
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss (a [`Error::PeerLost`]), for its
-    /// backends in the same order, waiting for the others until `deadline`.
+    /// backends in the same order, waiting for the others until `deadline`. Asking
+    /// again (another pool over the same communicators) returns the same backend.
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`] for a backend that cannot shrink (the host backend's
@@ -476,6 +481,16 @@ impl Backend {
     /// says; the exchange's errors on the new group; on NCCL those of
     /// [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
+        let mut shrunk = self.shrunk.lock();
+        if let Some(next) = &*shrunk {
+            return Ok(next.clone());
+        }
+        let next = self.shrink_once(deadline)?;
+        *shrunk = Some(next.clone());
+        Ok(next)
+    }
+
+    fn shrink_once(&self, deadline: Deadline) -> Result<Backend> {
         #[cfg(target_os = "linux")]
         if let Some(shm) = self.downcast_ref::<ShmBackend>() {
             let exchange = self.exchange.shrink(deadline)?;

@@ -454,7 +454,11 @@ impl Shared {
     fn deliver(&self, mut st: MutexGuard<'_, State>, me: &Link, frame: Vec<u8>) {
         let frame = Arc::new(frame);
         let mut failed = Vec::new();
-        for other in st.alive.clone().into_iter().filter(|r| *r != me.rank) {
+        for i in 0..st.alive.len() {
+            let other = st.alive[i];
+            if other == me.rank {
+                continue;
+            }
             let handed = st.conns[other]
                 .as_ref()
                 .is_some_and(|c| c.mailbox.hand_over(&frame));
