@@ -53,8 +53,8 @@ impl Segment {
         }
     }
 
-    /// Whether another [`Segment`] holds the same memory (see [`share`](Self::share)):
-    /// a provider must not free it then.
+    /// Whether another [`Segment`] holds the same memory (the pool a shrink made and
+    /// a buffer of the pool before it): a provider must not free it then.
     pub fn is_shared(&self) -> bool {
         std::sync::Arc::strong_count(&self.memory) > 1
     }

@@ -51,8 +51,12 @@ pub struct ShrinkReport {
 impl SymmPool {
     /// Go on without the lost ranks: a pool of the survivors, over their shrunk backend
     /// ([`Backend::shrink`](crate::Backend::shrink)), with this pool's memory, blocks
-    /// and history; see the [module](self) for what becomes of the old pool and its
-    /// buffers. Call it on every survivor after a collective or pool call failed with
+    /// and history, each segment registered once on each new communicator that
+    /// registers. This pool is closed (its calls fail with [`Error::Shrunk`]) and
+    /// sends the frees of its buffers to the new pool. Its live buffers stay readable
+    /// and writable on this rank, but no collective takes them ([`Error::Shrunk`]):
+    /// their layout was made for the old world size; allocate anew from the new pool.
+    /// Call it on every survivor after a collective or pool call failed with
     /// [`Error::PeerLost`] (or [`Error::PoolBroken`] naming a loss). Every wait ends
     /// by the pool's timeout.
     ///
@@ -95,7 +99,7 @@ impl SymmPool {
         }
         let backend = self.inner.backend.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
-        let fresh = Allocator::new(config.core.clone())?;
+        let fresh = Allocator::new(config.core)?;
         let pool = SymmPool::over(backend, config.clone(), || {
             let core = std::mem::replace(&mut old.core, fresh);
             let history = std::mem::replace(&mut old.history, History::new(config.history_len));

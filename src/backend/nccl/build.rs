@@ -289,7 +289,7 @@ impl NcclBackend {
     /// As [`from_env`](Self::from_env).
     pub(in crate::backend) fn shrink(&self, exchange: Arc<dyn Exchange>) -> Result<Backend> {
         self.abort("the survivors of a lost rank shrink the group");
-        let config = self.config().clone().with_device(self.device());
+        let config = (*self.config()).with_device(self.device());
         Self::from_env(exchange, config)
     }
 
