@@ -56,6 +56,8 @@ enum Trial {
     FaultCollective,
     /// A rank lost inside a registration (`--fault` of the script)
     FaultRegistration,
+    /// A rank lost inside a collective; the survivors shrink and all-gather again
+    FaultShrink,
     /// Host time per all-gather call: crate (blocking, non-blocking), raw NCCL
     Hostcost,
     /// Compare `fsdp_step --json` runs (no world)
@@ -657,7 +659,8 @@ fn bound(w: &World, sig: &str, registration: bool) -> Duration {
         }
 }
 
-fn fault_trial(kind: Kind, registration: bool) -> Outcome {
+fn fault_trial(kind: Kind, trial: Trial) -> Outcome {
+    let registration = trial == Trial::FaultRegistration;
     let (sig, victim) = fault()?;
     let armed = Arc::new(AtomicBool::new(false));
     let dir = std::env::var_os("SYMMPOOL_WORLD_DIR").map(PathBuf::from);
@@ -758,6 +761,12 @@ fn fault_trial(kind: Kind, registration: bool) -> Outcome {
         )),
     };
     let version = w.backend.nccl_version();
+    if trial == Trial::FaultShrink {
+        verdict?;
+        drop(kept);
+        drop((input, output, coll));
+        return survive(&w, &pool, count, &sig, victim);
+    }
     // Everything dropped: a broken backend's teardown is bounded too.
     let dropping = Instant::now();
     drop(kept);
@@ -784,6 +793,48 @@ fn fault_trial(kind: Kind, registration: bool) -> Outcome {
         dropped.as_secs_f64(),
     );
     verdict
+}
+
+/// The survivors of `fault-shrink`: shrink the pool, all-gather at the new size, check
+/// every element, and report the time from the shrink's start to the gathered data.
+fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -> Outcome {
+    let started = Instant::now();
+    let (pool, report) = ok("SymmPool::shrink", pool.shrink())?;
+    let shrunk_in = started.elapsed();
+    let coll = ok("Coll::new", Coll::new(&pool))?;
+    let stream = ok("new_stream", pool.new_stream())?;
+    let n = report.world_size;
+    let input = ok("alloc", pool.alloc(4 * count as u64, &stream))?;
+    let output = ok("alloc", pool.alloc(4 * (n * count) as u64, &stream))?;
+    ok("write", input.write(&values::<f32>(report.rank, count, 1)))?;
+    ok(
+        "all_gather after the shrink",
+        coll.all_gather::<f32>(&input, &output, &stream),
+    )?;
+    let gathered: Vec<f32> = (0..n).flat_map(|s| values::<f32>(s, count, 1)).collect();
+    same(
+        "all-gather after the shrink",
+        &ok("read", output.read())?,
+        &gathered,
+    )?;
+    let first = started.elapsed();
+    drop((input, output, coll));
+    ok("close", pool.close())?;
+    println!(
+        "[rank {}] RESULT fault-shrink SIG{sig} of rank {victim}: ok rank={}->{} world={}->{} lost={:?} segments={} registrations={} shrink={:.3}s first_all_gather={:.3}s nccl={}",
+        w.rank,
+        report.old_rank,
+        report.rank,
+        report.old_world_size,
+        n,
+        report.lost_ranks,
+        report.segments,
+        report.registrations,
+        shrunk_in.as_secs_f64(),
+        first.as_secs_f64(),
+        w.backend.nccl_version(),
+    );
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------
@@ -1093,13 +1144,18 @@ pub fn run(cli: &Cli) -> Outcome {
         return compare_losses(&cli.losses, cli.tolerance);
     }
     let faults = (cli.trials.iter())
-        .filter(|t| matches!(t, Trial::FaultCollective | Trial::FaultRegistration))
+        .filter(|t| {
+            matches!(
+                t,
+                Trial::FaultCollective | Trial::FaultRegistration | Trial::FaultShrink
+            )
+        })
         .count();
     if faults > 0 {
         if cli.trials.len() != 1 {
             return Err("a fault trial runs alone (it ends the world)".into());
         }
-        return fault_trial(cli.backend, cli.trials[0] == Trial::FaultRegistration);
+        return fault_trial(cli.backend, cli.trials[0]);
     }
     let w = World::join(cli.backend, None)?;
     w.say(&format!(
@@ -1121,7 +1177,10 @@ pub fn run(cli: &Cli) -> Outcome {
             Trial::Hostcost => hostcost::run(&w)?,
             #[cfg(not(feature = "nccl"))]
             Trial::Hostcost => w.say("RESULT hostcost skipped: built without the `nccl` feature"),
-            Trial::FaultCollective | Trial::FaultRegistration | Trial::CompareLosses => {
+            Trial::FaultCollective
+            | Trial::FaultRegistration
+            | Trial::FaultShrink
+            | Trial::CompareLosses => {
                 unreachable!("handled above")
             }
         }

@@ -236,6 +236,8 @@ for d in site.getsitepackages():
   done
   fsdp 2 off async strict
   one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph
+  # A rank killed in a collective; the two survivors shrink and all-gather again.
+  one fault-shrink-KILL-1 -n 3 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
   fsdp 3 off
   echo "== world: $([ "$status" = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s" | tee -a "$log"
   exit $status

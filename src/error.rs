@@ -356,7 +356,8 @@ pub enum Error {
     /// [`control`](crate::control); the group is broken for good afterwards.
     #[error(
         "rank {rank} was lost while this rank was in {op}: {detail}; the group is broken for good \
-         (look at rank {rank}'s log, the OOM killer or its host, then restart the job)"
+         (look at rank {rank}'s log, the OOM killer or its host; then restart the job, or carry on \
+         without it: SymmPool::shrink on every survivor)"
     )]
     PeerLost {
         /// The rank that was lost.
@@ -365,6 +366,27 @@ pub enum Error {
         op: &'static str,
         /// How the loss was noticed.
         detail: String,
+    },
+    /// The call was made on something of the world before a shrink (a pool, its
+    /// collectives, an exchange) that [`SymmPool::shrink`](crate::SymmPool::shrink)
+    /// replaced: its communicators are gone. Nothing was done.
+    #[error(
+        "{what} belongs to the world before a shrink; use the pool that SymmPool::shrink returned"
+    )]
+    Shrunk {
+        /// What the call was made on.
+        what: &'static str,
+    },
+    /// The surviving ranks could not shrink the group after a loss: the store's host
+    /// (rank 0's process) is gone, another rank was lost while they agreed, a survivor
+    /// did not come, or fewer ranks survived than the caller needs. Every survivor
+    /// that called [`SymmPool::shrink`](crate::SymmPool::shrink) gets it; the pool and
+    /// its buffers stay as they were (broken). Restart the job, or call `shrink` again
+    /// on every survivor where a later loss is the reason.
+    #[error("the surviving ranks could not shrink the group: {reason}")]
+    ShrinkFailed {
+        /// Why, naming the ranks involved.
+        reason: String,
     },
     /// A control-plane socket operation failed (resolving, connecting, reading or
     /// writing) other than by a peer going away.

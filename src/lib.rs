@@ -109,8 +109,8 @@ pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::CudaView;
 pub use pool::{
-    FitReport, MAX_HISTORY, PoolConfig, SymmBuffer, SymmPool, TypedView, alloc, alloc_aligned,
-    current,
+    FitReport, MAX_HISTORY, PoolConfig, ShrinkReport, SymmBuffer, SymmPool, TypedView, alloc,
+    alloc_aligned, current,
 };
 pub use stream::Stream;
 

@@ -311,6 +311,18 @@ fn a_lost_rank_ends_the_others_calls_with_peer_lost_naming_it() {
 }
 
 #[test]
+fn the_survivors_of_a_rank_killed_in_a_collective_shrink_and_gather_again() {
+    let (dir, out) = trials("fault-shrink-KILL-1", 3, "fault-shrink", Some("KILL:1"));
+    for (r, new) in [(0, 0), (2, 1)] {
+        let log = dir.log(r);
+        let want = format!(
+            "RESULT fault-shrink SIGKILL of rank 1: ok rank={r}->{new} world=3->2 lost=[1] "
+        );
+        assert!(log.contains(&want), "{want:?} in\n{log}\n{out}");
+    }
+}
+
+#[test]
 fn compare_losses_accepts_equal_runs_and_names_a_diverging_one() {
     let dir = Folder::new("losses");
     let line = |backend: &str, mode: &str, losses: &[f64]| {

@@ -26,7 +26,9 @@ pub trait SegmentMemory: Send + Sync + fmt::Debug + Any {
 /// cannot drain in time.
 #[derive(Debug)]
 pub struct Segment {
-    memory: Box<dyn SegmentMemory>,
+    /// Shared only between a pool and the pool a shrink makes of it (the same memory,
+    /// registered on the new communicators): see [`share`](Self::share).
+    memory: std::sync::Arc<dyn SegmentMemory>,
     /// `memory.size_bytes()`, read once: every collective call checks its regions.
     size_bytes: u64,
 }
@@ -35,7 +37,26 @@ impl Segment {
     /// Wrap a provider's memory.
     pub fn new(memory: Box<dyn SegmentMemory>) -> Self {
         let size_bytes = memory.size_bytes();
-        Segment { memory, size_bytes }
+        Segment {
+            memory: memory.into(),
+            size_bytes,
+        }
+    }
+
+    /// The same memory, for the pool that a shrink makes of this segment's pool: the
+    /// two entries then hold it together, and it may be freed only once the other
+    /// holder is gone ([`is_shared`](Self::is_shared)).
+    pub(crate) fn share(&self) -> Segment {
+        Segment {
+            memory: self.memory.clone(),
+            size_bytes: self.size_bytes,
+        }
+    }
+
+    /// Whether another [`Segment`] holds the same memory (the pool a shrink made and
+    /// a buffer of the pool before it): a provider must not free it then.
+    pub fn is_shared(&self) -> bool {
+        std::sync::Arc::strong_count(&self.memory) > 1
     }
 
     /// Size in bytes.

@@ -292,6 +292,9 @@ pub struct Backend {
     /// The ledger of these communicators (made by the first pool over them, shared by
     /// every pool over them; see [`ledger_slot`](Self::ledger_slot)).
     ledger: Arc<parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>>>,
+    /// The backend a shrink made of this one (see [`shrink`](Self::shrink)): every
+    /// pool over these communicators gets the same.
+    shrunk: Arc<parking_lot::Mutex<Option<Backend>>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -374,6 +377,7 @@ impl Backend {
             users: Arc::default(),
             collectives_claimed: Arc::default(),
             ledger: Arc::default(),
+            shrunk: Arc::default(),
             exchange,
             segments: parts.clone(),
             streams,
@@ -458,6 +462,50 @@ impl Backend {
         })
     }
 
+    /// The backend of this rank in the group that survives a loss: the exchange shrunk
+    /// ([`Exchange::shrink`]: the survivors, numbered densely in their old order), and
+    /// new communicators among the survivors (new channels on the shared-memory
+    /// backend, a new set made from the store on NCCL, this backend's aborted) of the
+    /// same kinds and order. Its device, memory limit (and on the host backends its
+    /// stream operations) are this backend's; segments of this backend may be
+    /// registered on it. No window of this backend is valid on it.
+    ///
+    /// # Collective
+    /// Every surviving rank calls it after the loss (a [`Error::PeerLost`]), for its
+    /// backends in the same order, waiting for the others until `deadline`. Asking
+    /// again (another pool over the same communicators) returns the same backend.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkFailed`] for a backend that cannot shrink (the host backend's
+    /// threads, one assembled from parts of its own) and as [`Exchange::shrink`]
+    /// says; the exchange's errors on the new group; on NCCL those of
+    /// [`NcclBackend::from_env`].
+    pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
+        let mut shrunk = self.shrunk.lock();
+        if let Some(next) = &*shrunk {
+            return Ok(next.clone());
+        }
+        let next = self.shrink_once(deadline)?;
+        *shrunk = Some(next.clone());
+        Ok(next)
+    }
+
+    fn shrink_once(&self, deadline: Deadline) -> Result<Backend> {
+        #[cfg(target_os = "linux")]
+        if let Some(shm) = self.downcast_ref::<ShmBackend>() {
+            let exchange = self.exchange.shrink(deadline)?;
+            return shm.shrink(self, exchange, deadline);
+        }
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
+            let exchange = self.exchange.shrink(deadline)?;
+            return nccl.shrink(exchange);
+        }
+        Err(Error::ShrinkFailed {
+            reason: format!("a {:?} backend cannot shrink yet", self.info.kind),
+        })
+    }
+
     /// A backend with this one's identity, exchange and stream operations, and `parts`
     /// (communicators of their own) for the rest: what [`split`](Self::split) returns
     /// on the host backends.
@@ -474,6 +522,11 @@ impl Backend {
             parts,
             self.streams.clone(),
         )
+    }
+
+    /// The stream operations, shared.
+    pub(crate) fn streams_handle(&self) -> Arc<dyn StreamOps> {
+        self.streams.clone()
     }
 
     /// Who this backend is.

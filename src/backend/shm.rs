@@ -170,8 +170,8 @@ fn open_comms(
     exchange: &dyn Exchange,
     prefix: &str,
     count: usize,
+    deadline: Deadline,
 ) -> Result<Vec<(ChannelId, Mutex<()>)>> {
-    let deadline = Deadline::after(super::SETUP_TIMEOUT);
     (0..count)
         .map(|c| {
             let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
@@ -191,6 +191,8 @@ pub struct ShmBackend {
     world: usize,
     config: ShmConfig,
     exchange: Arc<dyn Exchange>,
+    /// The start of its communicators' channel names (`shm`, `shm:NAME` when split).
+    prefix: String,
     /// Per communicator: the channel of its registrations and collectives, and the
     /// lock that keeps one call at a time on it on this rank.
     comms: Vec<(ChannelId, Mutex<()>)>,
@@ -222,12 +224,14 @@ impl ShmBackend {
             config.granularity_bytes,
             infos.clone(),
         )?;
-        let comms = open_comms(&*exchange, "shm", infos.len())?;
+        let setup = Deadline::after(super::SETUP_TIMEOUT);
+        let comms = open_comms(&*exchange, "shm", infos.len(), setup)?;
         let parts = Arc::new(ShmBackend {
             rank,
             world,
             config,
             exchange: exchange.clone(),
+            prefix: "shm".into(),
             comms,
             ordinals: Mutex::new(vec![0; infos.len()]),
             reserved: Arc::new(AtomicU64::new(0)),
@@ -241,17 +245,46 @@ impl ShmBackend {
     /// operations stay this rank's.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let count = self.comms.len();
-        let comms = open_comms(&*self.exchange, &format!("shm:{name}"), count)?;
+        let prefix = format!("shm:{name}");
+        let setup = Deadline::after(super::SETUP_TIMEOUT);
+        let comms = open_comms(&*self.exchange, &prefix, count, setup)?;
         let parts = Arc::new(ShmBackend {
             rank: self.rank,
             world: self.world,
             config: self.config.clone(),
             exchange: self.exchange.clone(),
+            prefix,
             comms,
             ordinals: Mutex::new(vec![0; count]),
             reserved: self.reserved.clone(),
         });
         backend.sibling(parts)
+    }
+
+    /// [`Backend::shrink`] on the shared-memory backend, with the shrunk `exchange`:
+    /// the same communicators on channels of the new group (the same names), no
+    /// registrations yet; the memory limit and stream operations stay this rank's.
+    pub(super) fn shrink(
+        &self,
+        backend: &Backend,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+    ) -> Result<Backend> {
+        let count = self.comms.len();
+        let comms = open_comms(&*exchange, &self.prefix, count, deadline)?;
+        let parts = Arc::new(ShmBackend {
+            rank: exchange.rank(),
+            world: exchange.world_size(),
+            config: self.config.clone(),
+            exchange: exchange.clone(),
+            prefix: self.prefix.clone(),
+            comms,
+            ordinals: Mutex::new(vec![0; count]),
+            reserved: self.reserved.clone(),
+        });
+        let mut info = BackendInfo::clone(backend.info());
+        (info.rank, info.world_size) = (exchange.rank(), exchange.world_size());
+        Backend::with_stream_ops(info, exchange, parts, backend.streams_handle())
     }
 
     fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {

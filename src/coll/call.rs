@@ -399,11 +399,15 @@ fn call<T: Element>(
     // The handle's entry and the tag rule first: a refused call touches nothing.
     let (Buffers::OutOfPlace(first, _) | Buffers::InPlace(first)) = bufs;
     let Some(entry) = handle.entry(first.pool()) else {
-        let allocation_seq = first.allocation_seq();
-        return Err(failed(
-            first.pool(),
-            Error::ForeignBuffer { allocation_seq },
-        ));
+        let pool = first.pool();
+        let error = match pool.check_open() {
+            // A buffer of a pool that a shrink replaced: say so, not only "foreign".
+            Err(e @ Error::Shrunk { .. }) => e,
+            _ => Error::ForeignBuffer {
+                allocation_seq: first.allocation_seq(),
+            },
+        };
+        return Err(failed(pool, error));
     };
     if tag.is_none() && entry.tags_required() {
         return Err(failed(first.pool(), untagged(name, first.pool())));

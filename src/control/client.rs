@@ -1,5 +1,7 @@
 //! [`StoreExchange`]: an [`Exchange`](super::Exchange) over the TCP store, one process per rank.
 
+mod shrink;
+
 use super::config::StoreConfig;
 use super::join::{join_store, transport};
 use super::store::{CLOSED, StoreServer};
@@ -37,11 +39,25 @@ use std::time::{Duration, Instant};
 /// [`StoreConfig::wait_warning_interval`], and once more when they come.
 pub struct StoreExchange {
     shared: Arc<ClientShared>,
-    reader: Option<JoinHandle<()>>,
-    server: Option<StoreServer>,
+    /// The connection, shared by the exchanges a shrink makes of this one.
+    connection: Arc<Connection>,
     /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
     ops: Mutex<Vec<&'static str>>,
+    /// The rank this process joined the store as.
+    job_rank: usize,
+    /// The group's epoch (0 at start, one more per shrink).
+    epoch: u64,
+    /// The exchange of the group this one shrank into (see [`StoreExchange::shrink`]).
+    successor: Mutex<Option<Arc<StoreExchange>>>,
+}
+
+/// What a rank's exchanges share and the last of them closes: the background thread,
+/// the server it hosts, the goodbye.
+struct Connection {
+    shared: Arc<ClientShared>,
+    reader: Option<JoinHandle<()>>,
+    server: Option<StoreServer>,
     linger: Duration,
 }
 
@@ -88,6 +104,12 @@ struct Inbox {
     last_read: Instant,
     /// The socket's current read timeout (set only when it changes).
     read_timeout: Duration,
+    /// The group's epoch and its job ranks, as the server last said
+    /// ([`ToClient::Shrunk`]); epoch 0 is the whole job.
+    epoch: u64,
+    survivors: Vec<u32>,
+    /// Why this rank's latest request to shrink failed, as the server said.
+    shrink_failed: Option<String>,
 }
 
 impl Inbox {
@@ -104,6 +126,9 @@ impl Inbox {
             last_heard: now,
             last_read: now,
             read_timeout: Duration::ZERO,
+            epoch: 0,
+            survivors: Vec::new(),
+            shrink_failed: None,
         }
     }
 
@@ -128,7 +153,8 @@ impl fmt::Debug for StoreExchange {
             .field("rank", &self.rounds.rank)
             .field("world_size", &self.rounds.world_size)
             .field("server", &self.shared.server)
-            .field("hosting", &self.server.is_some())
+            .field("epoch", &self.epoch)
+            .field("hosting", &self.connection.server.is_some())
             .finish()
     }
 }
@@ -201,6 +227,14 @@ impl ClientShared {
                         inbox.waiting.insert((channel, round), missing);
                     }
                     Ok(ToClient::AllJoined) => inbox.all_joined = true,
+                    Ok(ToClient::Shrunk { epoch, survivors }) => {
+                        // Everything of the old group came before, on this connection.
+                        inbox.results.clear();
+                        inbox.waiting.clear();
+                        inbox.broken = None;
+                        (inbox.epoch, inbox.survivors) = (epoch, survivors);
+                    }
+                    Ok(ToClient::ShrinkFailed { reason }) => inbox.shrink_failed = Some(reason),
                     Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
                     Ok(ToClient::Reject { reason, .. }) => {
                         inbox.reader_done = true;
@@ -365,7 +399,7 @@ impl StoreExchange {
 
     /// The server this rank hosts, if any.
     pub fn server(&self) -> Option<&StoreServer> {
-        self.server.as_ref()
+        self.connection.server.as_ref()
     }
 
     fn start(config: StoreConfig, server: Option<StoreServer>) -> Result<StoreExchange> {
@@ -412,12 +446,18 @@ impl StoreExchange {
                 "starting the reader thread".into(),
             ))?;
         let ex = StoreExchange {
+            connection: Arc::new(Connection {
+                shared: shared.clone(),
+                reader: Some(handle),
+                server,
+                linger: config.linger,
+            }),
             shared,
-            reader: Some(handle),
-            server,
             rounds: Rounds::new(launch.rank, launch.world_size, config.max_payload_bytes()),
             ops: Mutex::new(vec!["store start-up", "open_channel"]),
-            linger: config.linger,
+            job_rank: launch.rank,
+            epoch: 0,
+            successor: Mutex::new(None),
         };
         // Wait for every rank to join, naming the missing ones while waiting long.
         let inbox = loop {
@@ -509,8 +549,16 @@ impl StoreExchange {
 impl GatherRounds for StoreExchange {
     fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
         self.remember(r.op);
-        if let Some(b) = &self.shared.inbox.lock().broken {
-            return Err(self.error_for(b, r.op));
+        {
+            let inbox = self.shared.inbox.lock();
+            if inbox.epoch != self.epoch {
+                return Err(Error::Shrunk {
+                    what: "an exchange",
+                });
+            }
+            if let Some(b) = &inbox.broken {
+                return Err(self.error_for(b, r.op));
+            }
         }
         let round = r.number;
         let key = (r.channel.ordinal(), round);
@@ -601,8 +649,15 @@ impl GatherRounds for StoreExchange {
         &self.rounds
     }
 
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {
+        Ok(StoreExchange::shrink(self, deadline)?)
+    }
+
     fn lost_peer(&self) -> Option<LostPeer> {
         let inbox = self.shared.inbox.lock();
+        if inbox.epoch != self.epoch {
+            return None;
+        }
         match &inbox.broken {
             Some(Broken {
                 rank,
@@ -618,7 +673,7 @@ impl GatherRounds for StoreExchange {
     }
 }
 
-impl Drop for StoreExchange {
+impl Drop for Connection {
     fn drop(&mut self) {
         self.shared.closing.store(true, Ordering::SeqCst);
         self.shared.cv.notify_all();

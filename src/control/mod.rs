@@ -177,6 +177,25 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     fn lost_peer(&self) -> Option<LostPeer> {
         None
     }
+
+    /// The exchange of the ranks that survive a loss, numbered densely in the order of
+    /// their ranks here; this exchange fails every later call with [`Error::Shrunk`].
+    /// Asking again returns the same exchange. A [`StoreExchange`] can
+    /// ([`StoreExchange::shrink`]); the default cannot.
+    ///
+    /// # Collective
+    /// Every surviving rank calls it after the loss, waiting for the others until
+    /// `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkFailed`] (the default: this exchange cannot shrink); those of
+    /// [`StoreExchange::shrink`].
+    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
+        let _ = deadline;
+        Err(Error::ShrinkFailed {
+            reason: format!("{self:?} cannot shrink (only a StoreExchange can)"),
+        })
+    }
 }
 
 /// A rank an [`Exchange`] knows to be lost ([`Exchange::lost_peer`]).
@@ -273,6 +292,14 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     fn lost_peer(&self) -> Option<LostPeer> {
         None
     }
+
+    /// [`Exchange::shrink`].
+    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
+        let _ = deadline;
+        Err(Error::ShrinkFailed {
+            reason: format!("{self:?} cannot shrink (only a StoreExchange can)"),
+        })
+    }
 }
 
 impl<T: GatherRounds> Exchange for T {
@@ -315,6 +342,10 @@ impl<T: GatherRounds> Exchange for T {
 
     fn lost_peer(&self) -> Option<LostPeer> {
         GatherRounds::lost_peer(self)
+    }
+
+    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
+        GatherRounds::shrink(self, deadline)
     }
 }
 

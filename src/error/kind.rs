@@ -108,6 +108,7 @@ impl Error {
             | Error::DoubleFree { .. }
             | Error::WrongStream
             | Error::PoolClosed
+            | Error::Shrunk { .. }
             | Error::BuffersAlive { .. }
             | Error::InvalidCollective { .. }
             | Error::Untagged { .. }
@@ -141,9 +142,10 @@ impl Error {
             Error::Timeout { .. } | Error::NcclTimeout { .. } | Error::NcclWatchdog { .. } => {
                 K::Timeout
             }
-            Error::PeerLost { .. } | Error::GroupBroken { .. } | Error::NcclAborted { .. } => {
-                K::PeerLost
-            }
+            Error::PeerLost { .. }
+            | Error::GroupBroken { .. }
+            | Error::NcclAborted { .. }
+            | Error::ShrinkFailed { .. } => K::PeerLost,
             Error::PoolBroken { .. } | Error::RegistrationBroken { .. } => K::Broken,
             Error::Nccl { .. } | Error::Cuda { .. } | Error::SharedMemory { .. } => K::System,
             Error::Internal { .. } => K::Internal,

@@ -26,6 +26,7 @@ pub(crate) enum Op {
     Trim,
     Close,
     FitToPeak,
+    Shrink,
 }
 
 impl Op {
@@ -36,6 +37,7 @@ impl Op {
             Op::Trim => "trim",
             Op::Close => "close",
             Op::FitToPeak => "fit_to_peak",
+            Op::Shrink => "shrink",
         }
     }
 }
@@ -68,6 +70,8 @@ pub(crate) enum Note {
     Registration(Registered),
     /// A `close`: this rank's live buffers.
     Live(u64),
+    /// A shrink: this rank's rank before it.
+    Was(u64),
 }
 
 /// How a window registration went on a rank (its growth's outcome round).

@@ -536,7 +536,7 @@ impl<'a, T: Element> TypedView<'a, T> {
     }
 
     fn write_bytes(&self, at_bytes: u64, data: &[u8]) -> Result<()> {
-        self.buf.pool.check_open()?;
+        self.buf.pool.check_memory()?;
         let region = self.region()?;
         let target = region.sub(at_bytes, data.len() as u64).map_err(|_| {
             Error::BadView(format!(
@@ -566,7 +566,7 @@ impl<'a, T: Element> TypedView<'a, T> {
     /// # Errors
     /// [`Error::PoolClosed`]; backend errors.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        self.buf.pool.check_open()?;
+        self.buf.pool.check_memory()?;
         let mut out = vec![T::zeroed(); self.len];
         self.buf.pool.backend().data().read(
             self.region()?,

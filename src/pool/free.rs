@@ -84,6 +84,10 @@ impl SymmPool {
     /// returned by the next fallible call.
     pub(crate) fn release_block(&self, buf: &SymmBuffer) {
         if self.is_closed() {
+            // A shrink moved the core to a new pool: the block is that pool's now.
+            if let Some(next) = self.inner.successor.get() {
+                next.release_block(buf);
+            }
             return;
         }
         let mut fences: SmallVec<[Wait; 3]> = SmallVec::new();
@@ -125,6 +129,11 @@ impl SymmPool {
                     .deferred_frees
                     .fetch_add(1, Ordering::Relaxed);
                 self.inner.deferred.lock().push((buf.block, fences));
+                // A shrink that closed the pool meanwhile may have moved the queue
+                // before this free joined it: move what is left.
+                if self.is_closed() {
+                    self.forward_deferred();
+                }
             }
         }
     }

@@ -266,65 +266,79 @@ impl SymmPool {
             }
             (Err(e), _) => return Err(e),
         };
-        let registers =
-            self.inner.config.register && backend.communicators().iter().any(|c| c.registers);
-        // One step on this rank: the agreement and every registration of the segment.
-        let (channel, _registering) = backend.registration_channel();
-        if registers && let Err(e) = self.agree_registration(channel, size_bytes, deadline) {
-            self.free_unused(segment);
-            return Err(e);
-        }
         let mut entry = SegmentEntry {
             segment,
             windows: (0..backend.communicators().len()).map(|_| None).collect(),
         };
-        if registers {
-            for (c, info) in backend.communicators().iter().enumerate() {
-                if !info.registers {
-                    continue;
-                }
-                let registering = Instant::now();
-                // The registration gets half the time left, the outcome round the
-                // rest: a rank whose registration failed before joining it waits in
-                // the outcome round for peers that first wait out the registration.
-                let register_by = if deadline.is_never() {
-                    deadline
-                } else {
-                    Deadline::after(deadline.remaining() / 2)
-                };
-                // SAFETY: every rank reaches this point for the same growth (the two
-                // agreements above matched call sequences and confirmed the memory on
-                // every rank, and the outcome rounds below confirmed every earlier
-                // communicator's registration on every rank) and registers the same
-                // communicators in the backend's order, so the registration pairs the
-                // same segments; the segment is new, so not registered on `c`;
-                // `readiness` refused growth on every rank if the allocating stream
-                // was capturing.
-                let local = match unsafe {
-                    backend.segments().register(&entry.segment, c, register_by)
-                } {
-                    Ok(window) => {
-                        let (took, got) = (registering.elapsed(), window.is_some());
-                        super::events::registered(self.rank(), c, info.role, size_bytes, took, got);
-                        st.counters.registrations[c] += 1;
-                        let missing = window.is_none();
-                        entry.windows[c] = window;
-                        if missing && self.inner.config.require_symmetric {
-                            Err(Error::NoSymmetricSupport { comm: c })
-                        } else {
-                            Ok(())
-                        }
-                    }
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = self.agree_registered(st, c, size_bytes, local, deadline) {
-                    self.undo_segment(st, entry, deadline);
-                    return Err(e);
-                }
-            }
+        if let Err(e) = self.register_segment(st, &mut entry, deadline) {
+            self.undo_segment(st, entry, deadline);
+            return Err(e);
         }
         st.counters.growth_time += started.elapsed();
         Ok(entry)
+    }
+
+    /// Register `entry`'s segment on every communicator that registers, in the
+    /// backend's order: after agreeing on the backend's registration order, one
+    /// registration and one outcome round per communicator, every wait until
+    /// `deadline`. On error the windows made so far stay in `entry`, for the caller
+    /// to undo.
+    pub(super) fn register_segment(
+        &self,
+        st: &mut PoolState,
+        entry: &mut SegmentEntry,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let backend = &self.inner.backend;
+        let size_bytes = entry.segment.size_bytes();
+        let registers =
+            self.inner.config.register && backend.communicators().iter().any(|c| c.registers);
+        if !registers {
+            return Ok(());
+        }
+        // One step on this rank: the agreement and every registration of the segment.
+        let (channel, _registering) = backend.registration_channel();
+        self.agree_registration(channel, size_bytes, deadline)?;
+        for (c, info) in backend.communicators().iter().enumerate() {
+            if !info.registers {
+                continue;
+            }
+            let registering = Instant::now();
+            // The registration gets half the time left, the outcome round the rest: a
+            // rank whose registration failed before joining it waits in the outcome
+            // round for peers that first wait out the registration.
+            let register_by = if deadline.is_never() {
+                deadline
+            } else {
+                Deadline::after(deadline.remaining() / 2)
+            };
+            // SAFETY: every rank reaches this point for the same segment (the
+            // agreements before matched call sequences and, for a growth, confirmed
+            // the memory on every rank, and the outcome rounds below confirmed every
+            // earlier communicator's registration on every rank) and registers the
+            // same communicators in the backend's order, so the registration pairs
+            // the same segments; the segment is not registered on `c` (new, or new to
+            // the communicators of a shrunk backend); `readiness` refused growth on
+            // every rank if the allocating stream was capturing.
+            let local = match unsafe { backend.segments().register(&entry.segment, c, register_by) }
+            {
+                Ok(window) => {
+                    let (took, got) = (registering.elapsed(), window.is_some());
+                    super::events::registered(self.rank(), c, info.role, size_bytes, took, got);
+                    st.counters.registrations[c] += 1;
+                    let missing = window.is_none();
+                    entry.windows[c] = window;
+                    if missing && self.inner.config.require_symmetric {
+                        Err(Error::NoSymmetricSupport { comm: c })
+                    } else {
+                        Ok(())
+                    }
+                }
+                Err(e) => Err(e),
+            };
+            self.agree_registered(st, c, size_bytes, local, deadline)?;
+        }
+        Ok(())
     }
 
     /// The outcome round after registering on communicator `comm`: every rank says

@@ -34,6 +34,7 @@ mod growth;
 mod history;
 mod release;
 mod scope;
+mod shrink;
 mod state;
 mod stats;
 
@@ -47,6 +48,7 @@ pub use fit::FitReport;
 pub(crate) use history::MemoryHistory;
 pub use history::{MemoryAction, MemoryEvent};
 pub use scope::{alloc, alloc_aligned, current};
+pub use shrink::ShrinkReport;
 pub use stats::{MemoryStats, StatValue};
 
 use crate::backend::{Backend, HostBackend, HostConfig};
@@ -95,6 +97,9 @@ pub(crate) struct PoolInner {
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: counters::PoolCounters,
     state: Mutex<PoolState>,
+    /// The pool a shrink made of this one (`shrink.rs`): it holds the core now, so
+    /// the frees of this pool's buffers go there.
+    successor: std::sync::OnceLock<SymmPool>,
 }
 
 /// A symmetric-memory caching pool for one rank.
@@ -226,6 +231,21 @@ impl SymmPool {
         } else {
             backend
         };
+        let history = History::new(config.history_len);
+        Self::over(backend, config, || (core, history))
+    }
+
+    /// A pool over `backend` (its own communicators already split off where the
+    /// configuration asks): the pool's channel, its ledger, and its state with the core
+    /// and history that `state` gives once nothing can fail any more.
+    ///
+    /// # Collective
+    /// As [`new`](Self::new).
+    fn over(
+        backend: Backend,
+        config: PoolConfig,
+        state: impl FnOnce() -> (Allocator, History),
+    ) -> Result<Self> {
         let comms = backend.communicators().len();
         // The check mode is part of the name: ranks with different modes fail here.
         let channel = backend.exchange().open_channel(
@@ -241,7 +261,7 @@ impl SymmPool {
         };
         let ledger = ledger_of(&backend, &config, mode)?;
         ledger.name_pool(channel.ordinal(), &config.name);
-        let history = History::new(config.history_len);
+        let (core, history) = state();
         let call_head = history.head();
         let state = PoolState::new(core, history, comms);
         Ok(SymmPool {
@@ -257,6 +277,7 @@ impl SymmPool {
                 mode,
                 call_head,
                 tags_required: AtomicBool::new(config.require_tags),
+                successor: std::sync::OnceLock::new(),
                 config,
             }),
         })
@@ -490,11 +511,31 @@ impl SymmPool {
     }
 
     /// Fail if the pool is closed (lock-free).
+    #[inline]
     pub(crate) fn check_open(&self) -> Result<()> {
         if self.is_closed() {
+            Err(self.closed_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Fail unless the pool's buffers may be read and written on this rank: the pool is
+    /// open, or a shrink replaced it (the memory lives on in the new pool).
+    pub(crate) fn check_memory(&self) -> Result<()> {
+        if self.is_closed() && self.inner.successor.get().is_none() {
             Err(Error::PoolClosed)
         } else {
             Ok(())
+        }
+    }
+
+    /// Why a closed pool refuses calls: closed, or replaced by a shrink.
+    #[cold]
+    pub(crate) fn closed_error(&self) -> Error {
+        match self.inner.successor.get() {
+            Some(_) => Error::Shrunk { what: "a pool" },
+            None => Error::PoolClosed,
         }
     }
 }

@@ -113,9 +113,14 @@ impl SymmPool {
                 continue;
             };
             let entry = match Arc::try_unwrap(shared) {
+                // A buffer of it is still being dropped on another thread (one of the
+                // pool before a shrink holds the memory through its own entry).
+                Ok(entry) if entry.segment.is_shared() => {
+                    st.segments.insert(id, Arc::new(entry));
+                    continue;
+                }
                 Ok(entry) => entry,
                 Err(shared) => {
-                    // A buffer of it is still being dropped on another thread.
                     st.segments.insert(id, shared);
                     continue;
                 }
@@ -336,7 +341,10 @@ impl Drop for PoolInner {
         let mut deregistrations = st.counters.deregistrations.clone();
         for (id, shared) in std::mem::take(&mut st.segments) {
             // No buffer is alive (buffers keep the pool alive), so the entry is ours.
-            let Ok(entry) = Arc::try_unwrap(shared) else {
+            let Some(entry) = Arc::try_unwrap(shared)
+                .ok()
+                .filter(|e| !e.segment.is_shared())
+            else {
                 tracing::error!(
                     "symmpool: segment {} still shared at teardown; leaked",
                     id.0

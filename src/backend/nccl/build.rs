@@ -278,6 +278,21 @@ impl Builder {
 }
 
 impl NcclBackend {
+    /// [`Backend::shrink`] on NCCL, with the shrunk `exchange`: this backend's
+    /// communicators are aborted first (their windows are never deregistered: an
+    /// aborted communicator releases them itself), then the survivors make a new
+    /// set from the store, as [`from_env`](Self::from_env) does, on this rank's
+    /// device and configuration. A fresh set rather than `ncclCommShrink`, which needs
+    /// the parent communicator alive: the watchdog aborts it when a peer is lost.
+    ///
+    /// # Errors
+    /// As [`from_env`](Self::from_env).
+    pub(in crate::backend) fn shrink(&self, exchange: Arc<dyn Exchange>) -> Result<Backend> {
+        self.abort("the survivors of a lost rank shrink the group");
+        let config = (*self.config()).with_device(self.device());
+        Self::from_env(exchange, config)
+    }
+
     /// [`Backend::split`] on NCCL: the data communicators split again off this rank's
     /// control communicator (the same roles, blocking unless configured otherwise),
     /// warmed up, with a watchdog of their own, by [`NcclConfig::setup_timeout`]. A

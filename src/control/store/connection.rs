@@ -332,13 +332,17 @@ pub(super) fn serve(
                     }
                     continue;
                 }
-                let (world, interval) = (shared.world, shared.wait_warning_interval);
+                let Some(place) = st.place(rank) else {
+                    let why = "protocol error: contributed to a round of a group it is not in (shrunk without it)";
+                    return shared.depart(&mut st, rank, Some(id), why);
+                };
+                let (world, interval) = (st.alive.len(), shared.wait_warning_interval);
                 let posted = &mut st
                     .rounds
                     .entry((channel, round))
                     .or_insert_with(|| Pending::new(world, heard, interval))
                     .posted;
-                if posted[rank].is_some() {
+                if posted[place].is_some() {
                     return shared.depart(
                         &mut st,
                         rank,
@@ -346,7 +350,7 @@ pub(super) fn serve(
                         &format!("protocol error: contributed twice to round {round} of channel {channel}"),
                     );
                 }
-                posted[rank] = Some(payload);
+                posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
                     let payloads = st
                         .rounds
@@ -377,10 +381,11 @@ pub(super) fn serve(
             ToServer::Abandon { channel, round, op } => {
                 let missing =
                     (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
+                let rank = st.place(rank).unwrap_or(rank) as u32;
                 shared.break_group(
                     &mut st,
                     Broken {
-                        rank: rank as u32,
+                        rank,
                         op,
                         cause: Cause::Timeout { missing },
                     },
@@ -389,6 +394,7 @@ pub(super) fn serve(
             ToServer::Bye => {
                 return shared.depart(&mut st, rank, Some(id), CLOSED);
             }
+            ToServer::Shrink { epoch } => shared.vote_shrink(&mut st, rank, epoch),
             ToServer::Hello { .. } => {
                 return shared.depart(&mut st, rank, Some(id), "protocol error: a second hello");
             }

@@ -27,6 +27,7 @@
 //! rank to contribute.
 
 mod connection;
+mod shrink;
 
 use super::admission::{
     HandshakeSlot, RefusalKind, RefusalLog, canonical, describe_io, out_of_descriptors,
@@ -106,12 +107,27 @@ struct Shared {
 }
 
 struct State {
+    /// By job rank (the rank a process joined as).
     conns: Vec<Option<Conn>>,
     /// Who joined as each rank (kept after it leaves: a group cannot be rejoined).
     members: Vec<Option<Member>>,
+    /// Rounds of the current epoch; a round's payloads are in the order of `alive`.
     rounds: HashMap<(u64, u64), Pending>,
     broken: Option<Broken>,
     next_conn_id: u64,
+    /// How many times the group shrank (`shrink.rs`).
+    epoch: u64,
+    /// The job ranks of the group now, ascending: a rank of the group is its place here.
+    alive: Vec<usize>,
+    /// The job ranks that asked to shrink the current epoch.
+    votes: std::collections::BTreeSet<usize>,
+}
+
+impl State {
+    /// The rank in the current group of job rank `rank`, if it is in it.
+    fn place(&self, rank: usize) -> Option<usize> {
+        self.alive.binary_search(&rank).ok()
+    }
 }
 
 /// A round some ranks have contributed to.
@@ -223,6 +239,9 @@ impl StoreServer {
                 rounds: HashMap::new(),
                 broken: None,
                 next_conn_id: 0,
+                epoch: 0,
+                alive: (0..world).collect(),
+                votes: Default::default(),
             }),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -416,10 +435,11 @@ impl Shared {
         if !self.shutdown.load(Ordering::SeqCst) {
             tracing::info!("symmpool store: rank {rank} departed: {why}");
         }
+        self.lost_during_shrink(st, rank, why);
         self.break_group(
             st,
             Broken {
-                rank: rank as u32,
+                rank: st.place(rank).unwrap_or(rank) as u32,
                 op: String::new(),
                 cause: Cause::Lost {
                     detail: why.to_string(),
@@ -434,7 +454,11 @@ impl Shared {
     fn deliver(&self, mut st: MutexGuard<'_, State>, me: &Link, frame: Vec<u8>) {
         let frame = Arc::new(frame);
         let mut failed = Vec::new();
-        for other in (0..self.world).filter(|r| *r != me.rank) {
+        for i in 0..st.alive.len() {
+            let other = st.alive[i];
+            if other == me.rank {
+                continue;
+            }
             let handed = st.conns[other]
                 .as_ref()
                 .is_some_and(|c| c.mailbox.hand_over(&frame));
@@ -631,8 +655,9 @@ impl Shared {
         for (&(channel, round), pending) in &mut st.rounds {
             if pending.notice <= now {
                 pending.notice = Deadline::after_from(now, self.wait_warning_interval).instant();
-                let waiting: Vec<usize> = (0..self.world)
+                let waiting: Vec<usize> = (0..pending.posted.len())
                     .filter(|r| pending.posted[*r].is_some())
+                    .map(|r| st.alive[r])
                     .collect();
                 let missing = pending.missing();
                 tracing::debug!(

@@ -26,8 +26,9 @@ pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// The protocol version; a peer speaking another is refused. Version 2: the hello
 /// carries the job identity and the process (host, pid), a refusal says why in a form
 /// the client can act on. Version 3: the server tells the ranks waiting in a long round
-/// who has not contributed ([`ToClient::Waiting`]).
-pub(crate) const VERSION: u16 = 3;
+/// who has not contributed ([`ToClient::Waiting`]). Version 4: the survivors of a loss
+/// shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]).
+pub(crate) const VERSION: u16 = 4;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -95,6 +96,10 @@ pub(crate) enum ToServer {
     Heartbeat,
     /// Orderly goodbye.
     Bye,
+    /// This rank asks to go on without the lost ranks: the group of `epoch` (0 at
+    /// start, one more per shrink) becomes the ranks still connected, once every one
+    /// of them has asked.
+    Shrink { epoch: u64 },
 }
 
 /// Why a group broke.
@@ -219,6 +224,13 @@ pub(crate) enum ToClient {
         round: u64,
         missing: Vec<u32>,
     },
+    /// Every connected rank asked to shrink: the group of `epoch` is `survivors` (job
+    /// ranks, ascending; a survivor's new rank is its place in the list). Rounds start
+    /// again from 1 on every channel.
+    Shrunk { epoch: u64, survivors: Vec<u32> },
+    /// This rank's request to shrink failed (a rank was lost while the survivors
+    /// asked, or it asked for an epoch that is over).
+    ShrinkFailed { reason: String },
 }
 
 /// Byte vectors as postcard byte strings (a length, then the bytes copied at once), not

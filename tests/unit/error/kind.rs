@@ -56,9 +56,11 @@ fn variant(e: &Error) -> usize {
         Error::CollectiveDivergence(_) => 46,
         Error::SharedCommunicators { .. } => 47,
         Error::Untagged { .. } => 48,
+        Error::Shrunk { .. } => 49,
+        Error::ShrinkFailed { .. } => 50,
     }
 }
-const VARIANTS: usize = 49;
+const VARIANTS: usize = 51;
 
 fn io() -> std::io::Error {
     std::io::Error::other("test")
@@ -152,6 +154,8 @@ fn one_of_each() -> Vec<(Error, K)> {
             K::Timeout,
         ),
         (Error::GroupBroken { rank: 1, op: "x" }, K::PeerLost),
+        (Error::Shrunk { what: "a pool" }, K::Usage),
+        (Error::ShrinkFailed { reason: "x".into() }, K::PeerLost),
         (
             Error::CollectiveMismatch {
                 op: "x",

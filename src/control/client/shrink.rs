@@ -1,0 +1,110 @@
+//! [`StoreExchange::shrink`]: this rank's side of a shrink (the server's is in
+//! `store/shrink.rs`).
+
+use super::{Rounds, StoreExchange};
+use crate::control::wire::{self, ToServer};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl StoreExchange {
+    /// The exchange of the group that survives a loss: every rank of this group that
+    /// is still connected to the store asks, and once all have, the group is those
+    /// ranks, numbered densely in the order of their ranks here (rank 0 stays rank 0:
+    /// it hosts the store). The new exchange shares this one's connection and starts
+    /// with no channel open but [`ChannelId::CONTROL`](super::super::ChannelId::CONTROL)
+    /// and its rounds from 1. This exchange fails every later call with
+    /// [`Error::Shrunk`]. Asking again returns the same exchange (so every backend and
+    /// pool of a rank that share this exchange may ask).
+    ///
+    /// # Collective
+    /// Every surviving rank calls it, after the loss (a [`Error::PeerLost`] from any
+    /// call); it waits for them until `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkFailed`] at once when the store's host (rank 0) is gone, and when
+    /// a rank of the group is lost while the survivors ask (they may ask again);
+    /// [`Error::Shrunk`] on an exchange that is itself replaced already;
+    /// [`Error::Timeout`] if a connected rank does not ask by `deadline`.
+    pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
+        let mut successor = self.successor.lock();
+        if let Some(next) = &*successor {
+            return Ok(next.clone());
+        }
+        let started = Instant::now();
+        let server_gone = |detail: Option<String>| Error::ShrinkFailed {
+            reason: format!(
+                "the store's host, job rank 0, is gone ({}): the survivors cannot agree without it",
+                detail.unwrap_or_else(|| "its connection closed".into())
+            ),
+        };
+        let lost_detail = |ib: &super::Inbox| {
+            ib.broken.as_ref().map(|b| match &b.cause {
+                wire::Cause::Lost { detail } => detail.clone(),
+                wire::Cause::Timeout { .. } => format!("the group broke in {}", b.op),
+            })
+        };
+        {
+            let mut inbox = self.shared.inbox.lock();
+            if inbox.epoch != self.epoch {
+                return Err(Error::Shrunk {
+                    what: "an exchange",
+                });
+            }
+            if inbox.reader_done {
+                return Err(server_gone(lost_detail(&inbox)));
+            }
+            inbox.shrink_failed = None;
+        }
+        let ask = wire::encode(&ToServer::Shrink { epoch: self.epoch });
+        if let Err(e) = self.shared.send(&ask) {
+            return Err(server_gone(Some(format!("writing to it failed: {e}"))));
+        }
+        let mut inbox = self.shared.wait_until(deadline, |ib| {
+            ib.epoch != self.epoch || ib.shrink_failed.is_some() || ib.reader_done
+        });
+        if inbox.epoch != self.epoch {
+            let survivors: Vec<usize> = inbox.survivors.iter().map(|&r| r as usize).collect();
+            let epoch = inbox.epoch;
+            drop(inbox);
+            let Some(rank) = survivors.iter().position(|&r| r == self.job_rank) else {
+                return Err(Error::ShrinkFailed {
+                    reason: format!(
+                        "the store shrank the group to job ranks {survivors:?}, without this one ({})",
+                        self.job_rank
+                    ),
+                });
+            };
+            tracing::warn!(
+                "symmpool store: job rank {} is rank {rank} of {} after the shrink (epoch {epoch}, {:?})",
+                self.job_rank,
+                survivors.len(),
+                started.elapsed()
+            );
+            let next = Arc::new(StoreExchange {
+                shared: self.shared.clone(),
+                connection: self.connection.clone(),
+                rounds: Rounds::new(rank, survivors.len(), self.rounds.max_payload_bytes),
+                ops: Mutex::new(self.ops.lock().clone()),
+                job_rank: self.job_rank,
+                epoch,
+                successor: Mutex::new(None),
+            });
+            *successor = Some(next.clone());
+            return Ok(next);
+        }
+        if let Some(reason) = inbox.shrink_failed.take() {
+            return Err(Error::ShrinkFailed { reason });
+        }
+        if inbox.reader_done {
+            return Err(server_gone(lost_detail(&inbox)));
+        }
+        Err(Error::Timeout {
+            op: "shrink",
+            waited: started.elapsed(),
+            missing_ranks: Vec::new(),
+        })
+    }
+}

@@ -1,0 +1,85 @@
+//! The server's side of a shrink: the survivors of a loss go on as a smaller group.
+//!
+//! The group of epoch *e* (0 at start) is the list `alive` of job ranks; a rank of the
+//! group is its place in that list, and a round's payloads come in that order. When a
+//! rank of the group asks to shrink ([`ToServer::Shrink`](super::wire::ToServer)) the
+//! server notes its vote. Once every rank of the group that is still connected has
+//! voted, the group of epoch *e* + 1 is those ranks: the server forgets the rounds of
+//! epoch *e*, clears the broken state (the loss belongs to the old group), and tells
+//! each survivor the new list ([`ToClient::Shrunk`]), after everything it sent them
+//! before (one connection, in order), so a client never mixes rounds of two epochs.
+//!
+//! A rank of the group lost while votes are pending fails the shrink for the ranks
+//! that voted ([`ToClient::ShrinkFailed`], naming it): a second loss during a shrink is
+//! a clear error on every survivor, never a smaller group that some of them did not
+//! see coming. They may ask again; the next attempt starts from no votes.
+//!
+//! The server lives in rank 0's process, so the survivors can shrink past the loss of
+//! any rank but rank 0 (job rank 0, the host). When the host is lost, every other
+//! rank's connection closes and its shrink fails at once
+//! ([`Error::ShrinkFailed`](crate::Error::ShrinkFailed)).
+
+use super::{Shared, State};
+use crate::control::wire::{self, ToClient};
+
+impl Shared {
+    /// Job rank `rank` asks to shrink the group of `epoch`.
+    pub(super) fn vote_shrink(&self, st: &mut State, rank: usize, epoch: u64) {
+        if epoch != st.epoch || st.place(rank).is_none() {
+            let reason = format!(
+                "job rank {rank} asked to shrink the group of epoch {epoch}, but the store's group is of epoch {} (ranks {:?})",
+                st.epoch, st.alive
+            );
+            self.tell(st, &[rank], &ToClient::ShrinkFailed { reason });
+            return;
+        }
+        st.votes.insert(rank);
+        let connected: Vec<usize> = (st.alive.iter().copied())
+            .filter(|r| st.conns[*r].is_some())
+            .collect();
+        if !connected.iter().all(|r| st.votes.contains(r)) {
+            return;
+        }
+        st.epoch += 1;
+        tracing::warn!(
+            "symmpool store: the group shrank from job ranks {:?} to {connected:?} (epoch {})",
+            st.alive,
+            st.epoch
+        );
+        st.alive = connected;
+        st.votes.clear();
+        st.rounds.clear();
+        st.broken = None;
+        let shrunk = ToClient::Shrunk {
+            epoch: st.epoch,
+            survivors: st.alive.iter().map(|&r| r as u32).collect(),
+        };
+        let alive = st.alive.clone();
+        self.tell(st, &alive, &shrunk);
+    }
+
+    /// Job rank `rank` of the group departed (`why`): a shrink being voted on fails for
+    /// the ranks that voted.
+    pub(super) fn lost_during_shrink(&self, st: &mut State, rank: usize, why: &str) {
+        if st.votes.is_empty() || st.place(rank).is_none() {
+            return;
+        }
+        let voters: Vec<usize> = std::mem::take(&mut st.votes).into_iter().collect();
+        let reason = format!(
+            "job rank {rank} was lost while the survivors agreed to shrink ({why}); ask again to go on without it"
+        );
+        self.tell(st, &voters, &ToClient::ShrinkFailed { reason });
+    }
+
+    /// Send `msg` to the job ranks `to`; a rank that cannot be written to departs.
+    fn tell(&self, st: &mut State, to: &[usize], msg: &ToClient) {
+        let frame = wire::encode(msg);
+        let mut failed = Vec::new();
+        for &rank in to {
+            self.write_to(st, rank, &frame, &mut failed);
+        }
+        for (rank, why) in failed {
+            self.depart(st, rank, None, &why);
+        }
+    }
+}
