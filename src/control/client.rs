@@ -5,7 +5,7 @@ use super::join::{join_store, transport};
 use super::store::{CLOSED, StoreServer};
 use super::waiting::{WaitWarnings, Who, ranks};
 use super::wire::{self, Broken, Cause, FrameReader, ReadError, SharedStream, ToClient, ToServer};
-use super::{GatherRounds, LostPeer, Round, Rounds};
+use super::{GatherRounds, LostPeer, Round, Rounds, intern_op};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -41,7 +41,6 @@ pub struct StoreExchange {
     server: Option<StoreServer>,
     /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
-    ops: Mutex<Vec<&'static str>>,
     linger: Duration,
 }
 
@@ -140,8 +139,7 @@ impl ClientShared {
     }
 
     fn send(&self, frame: &[u8]) -> std::io::Result<()> {
-        let mut w = self.writer.lock();
-        wire::send(&mut *w, frame)
+        self.writer.lock().send(frame)
     }
 
     /// Read one frame (polling for up to `spin` first, then waiting at most `limit`)
@@ -159,83 +157,84 @@ impl ClientShared {
         let set_timeout = (inbox.read_timeout != limit).then_some(limit);
         inbox.read_timeout = limit;
         drop(inbox);
-        let got = {
+        let (got, progressed) = {
             let mut reader = self.reader.lock();
-            let before = reader.bytes_read();
+            let before = reader.bytes_read;
             let got = match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
-                Ok(()) => match reader.spin_frame(spin) {
-                    Ok(None) => reader.frame(),
-                    polled => polled,
-                },
+                Ok(()) => reader.spin_frame(spin),
                 Err(e) => Err(ReadError::Io(e)),
             };
-            (got, reader.bytes_read() > before)
+            (got, reader.bytes_read > before)
         };
-        let (got, progressed) = got;
         let mut inbox = self.inbox.lock();
         inbox.reader_busy = false;
         let now = Instant::now();
         inbox.last_read = now;
-        if progressed {
-            // Bytes of a large frame still arriving: the server is alive.
+        // (Bytes of a large frame still arriving: the server is alive.)
+        if progressed || matches!(got, Ok(Some(_))) {
             inbox.last_heard = now;
         }
+        // Why the connection ended, if it did.
+        let mut ended = None;
         match got {
-            Ok(Some(body)) => {
-                inbox.last_heard = now;
-                match wire::decode::<ToClient>(&body) {
-                    Ok(ToClient::Result {
-                        channel,
-                        round,
-                        payloads,
-                    }) => {
-                        inbox.results.insert((channel, round), payloads);
-                    }
-                    Ok(ToClient::Broken(b)) => inbox.set_broken(b),
-                    Ok(ToClient::Joined { present }) => inbox.present = present,
-                    Ok(ToClient::Waiting {
-                        channel,
-                        round,
-                        missing,
-                    }) => {
-                        inbox.waiting.insert((channel, round), missing);
-                    }
-                    Ok(ToClient::AllJoined) => inbox.all_joined = true,
-                    Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
-                    Ok(ToClient::Reject { reason, .. }) => {
-                        inbox.reader_done = true;
-                        inbox.server_lost(format!("the store server dropped this rank: {reason}"));
-                    }
-                    Err(why) => {
-                        inbox.reader_done = true;
-                        inbox.server_lost(format!("the store server sent garbage: {why}"));
-                    }
+            Ok(Some(body)) => match wire::decode::<ToClient>(&body) {
+                Ok(ToClient::Result {
+                    channel,
+                    round,
+                    payloads,
+                }) => {
+                    inbox.results.insert((channel, round), payloads);
                 }
-            }
+                Ok(ToClient::Broken(b)) => inbox.set_broken(b),
+                Ok(ToClient::Joined { present }) => inbox.present = present,
+                Ok(ToClient::Waiting {
+                    channel,
+                    round,
+                    missing,
+                }) => {
+                    inbox.waiting.insert((channel, round), missing);
+                }
+                Ok(ToClient::AllJoined) => inbox.all_joined = true,
+                Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
+                Ok(ToClient::Reject { reason, .. }) => {
+                    ended = Some(format!("the store server dropped this rank: {reason}"));
+                }
+                Err(why) => ended = Some(format!("the store server sent garbage: {why}")),
+            },
             Ok(None) => {}
             Err(e) => {
-                inbox.reader_done = true;
-                if !self.closing.load(Ordering::SeqCst) {
-                    let why = match e {
-                        ReadError::Eof { .. } => "closed".to_string(),
-                        e => format!("failed: {e}"),
-                    };
-                    inbox.server_lost(format!(
-                        "the connection to the store server at {} {why} (rank 0 exited, was killed or closed its exchange)",
-                        self.server
-                    ));
-                }
+                let why = match e {
+                    ReadError::Eof { .. } => "closed".to_string(),
+                    e => format!("failed: {e}"),
+                };
+                ended = Some(format!(
+                    "the connection to the store server at {} {why} (rank 0 exited, was killed or closed its exchange)",
+                    self.server
+                ));
             }
         }
+        if let Some(detail) = ended {
+            inbox.reader_done = true;
+            // (Closing, this rank ends the connection itself.)
+            if !self.closing.load(Ordering::SeqCst) {
+                inbox.server_lost(detail);
+            }
+        }
+        self.note_silence(&mut inbox, now);
+        self.cv.notify_all();
+        inbox
+    }
+
+    /// Declare the server lost once it has been silent for over the heartbeat timeout.
+    fn note_silence(&self, inbox: &mut Inbox, now: Instant) {
         let silent = now.saturating_duration_since(inbox.last_heard);
-        if silent > self.heartbeat_timeout {
+        if silent > self.heartbeat_timeout && inbox.broken.is_none() {
             inbox.server_lost(format!(
                 "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
                 self.server
             ));
+            self.cv.notify_all();
         }
-        self.cv.notify_all();
-        inbox
     }
 
     /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
@@ -295,14 +294,7 @@ fn background_loop(shared: &ClientShared) {
             inbox = shared.inbox.lock();
             continue;
         }
-        let silent = now.saturating_duration_since(inbox.last_heard);
-        if silent > shared.heartbeat_timeout && inbox.broken.is_none() {
-            inbox.server_lost(format!(
-                "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
-                shared.server
-            ));
-            shared.cv.notify_all();
-        }
+        shared.note_silence(&mut inbox, now);
         let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
         let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
         if !inbox.reader_busy && unattended {
@@ -372,7 +364,7 @@ impl StoreExchange {
         let started = Instant::now();
         let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;
-        let targets: Vec<String> = match &server {
+        let target = match &server {
             Some(s) => {
                 let mut a = s.local_addr();
                 if a.ip().is_unspecified() {
@@ -381,11 +373,10 @@ impl StoreExchange {
                         IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
                     });
                 }
-                vec![a.to_string()]
+                a.to_string()
             }
-            None => vec![format!("{}:{}", launch.master_addr, launch.master_port)],
+            None => format!("{}:{}", launch.master_addr, launch.master_port),
         };
-        let target = targets[0].clone();
         // One wait, warned about every interval: for the server, then for the ranks.
         let mut warnings =
             WaitWarnings::new("store start-up", started, config.wait_warning_interval);
@@ -416,7 +407,6 @@ impl StoreExchange {
             reader: Some(handle),
             server,
             rounds: Rounds::new(launch.rank, launch.world_size, config.max_payload_bytes()),
-            ops: Mutex::new(vec!["store start-up", "open_channel"]),
             linger: config.linger,
         };
         // Wait for every rank to join, naming the missing ones while waiting long.
@@ -433,22 +423,18 @@ impl StoreExchange {
                 warnings.warn(&ex.who(), ranks(&missing), deadline);
             }
         };
-        if inbox.all_joined {
-            warnings.arrived(&ex.who());
-        }
         if !inbox.all_joined {
             if let Some(b) = &inbox.broken {
-                return Err(ex.error_for(b, "store start-up"));
+                return Err(error_for(b, "store start-up"));
             }
-            let missing = ex.missing(&inbox.present);
-            drop(inbox);
             return Err(Error::Timeout {
                 op: "store start-up",
                 waited: config.startup_timeout,
-                missing_ranks: missing,
+                missing_ranks: ex.missing(&inbox.present),
             });
         }
         drop(inbox);
+        warnings.arrived(&ex.who());
         tracing::debug!(
             "symmpool store: rank {} of {} joined after {:?}",
             ex.rounds.rank,
@@ -473,44 +459,27 @@ impl StoreExchange {
             at: &self.shared.server,
         }
     }
+}
 
-    /// A static name for a remote op name, when this rank has used the same one (all
-    /// ranks run the same program, so it almost always has).
-    fn intern(&self, op: &str) -> &'static str {
-        let ops = self.ops.lock();
-        ops.iter()
-            .copied()
-            .find(|o| *o == op)
-            .unwrap_or("an operation on another rank")
-    }
-
-    fn remember(&self, op: &'static str) {
-        let mut ops = self.ops.lock();
-        if !ops.contains(&op) {
-            ops.push(op);
-        }
-    }
-
-    fn error_for(&self, b: &Broken, op: &'static str) -> Error {
-        match &b.cause {
-            Cause::Lost { detail } => Error::PeerLost {
-                rank: b.rank as usize,
-                op,
-                detail: detail.clone(),
-            },
-            Cause::Timeout { .. } => Error::GroupBroken {
-                rank: b.rank as usize,
-                op: self.intern(&b.op),
-            },
-        }
+/// The error a call in `op` reports on a group broken by `b`.
+fn error_for(b: &Broken, op: &'static str) -> Error {
+    match &b.cause {
+        Cause::Lost { detail } => Error::PeerLost {
+            rank: b.rank as usize,
+            op,
+            detail: detail.clone(),
+        },
+        Cause::Timeout { .. } => Error::GroupBroken {
+            rank: b.rank as usize,
+            op: intern_op(&b.op),
+        },
     }
 }
 
 impl GatherRounds for StoreExchange {
     fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
-        self.remember(r.op);
         if let Some(b) = &self.shared.inbox.lock().broken {
-            return Err(self.error_for(b, r.op));
+            return Err(error_for(b, r.op));
         }
         let round = r.number;
         let key = (r.channel.ordinal(), round);
@@ -555,7 +524,7 @@ impl GatherRounds for StoreExchange {
             return Ok(result);
         }
         if let Some(b) = &inbox.broken {
-            return Err(self.error_for(b, r.op));
+            return Err(error_for(b, r.op));
         }
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
@@ -569,31 +538,28 @@ impl GatherRounds for StoreExchange {
             Deadline::after(self.shared.heartbeat_timeout + self.shared.heartbeat_interval);
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
-        if let Some(b) = inbox.broken.clone() {
-            return Err(match b.cause {
-                Cause::Timeout { missing } if b.rank as usize == self.rounds.rank => {
-                    Error::Timeout {
-                        op: r.op,
-                        waited: r.started.elapsed(),
-                        missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
-                    }
-                }
-                _ => self.error_for(&b, r.op),
-            });
-        }
-        // No answer from the server: break the group here.
-        inbox.set_broken(Broken {
-            rank: self.rounds.rank as u32,
-            op: r.op.to_string(),
-            cause: Cause::Timeout {
-                missing: Vec::new(),
-            },
-        });
-        self.shared.cv.notify_all();
+        let missing = match &inbox.broken {
+            Some(Broken {
+                rank,
+                cause: Cause::Timeout { missing },
+                ..
+            }) if *rank as usize == self.rounds.rank => missing.clone(),
+            Some(b) => return Err(error_for(b, r.op)),
+            None => {
+                // No answer from the server: break the group here.
+                inbox.set_broken(Broken {
+                    rank: self.rounds.rank as u32,
+                    op: r.op.to_string(),
+                    cause: Cause::Timeout { missing: vec![] },
+                });
+                self.shared.cv.notify_all();
+                vec![]
+            }
+        };
         Err(Error::Timeout {
             op: r.op,
             waited: r.started.elapsed(),
-            missing_ranks: Vec::new(),
+            missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
         })
     }
 

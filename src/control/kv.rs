@@ -25,12 +25,10 @@
 //! round trip of that moment. A timeout on any rank breaks the group for good.
 
 use super::waiting::{WAIT_WARNING_INTERVAL, WaitWarnings, Who, ranks};
-use super::{ChannelId, GatherRounds, Round, Rounds};
+use super::{ChannelId, GatherRounds, Round, Rounds, intern_op};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
-use std::collections::HashSet;
 use std::fmt;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 /// The key-value store a [`KvExchange`] runs over: the operations of PyTorch's
@@ -160,22 +158,6 @@ impl<S: KvStore> fmt::Debug for KvExchange<S> {
     }
 }
 
-/// Operation names read back from the store, as `&'static str` (a small, bounded set:
-/// the names the crate's own calls use).
-fn intern(name: &str) -> &'static str {
-    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
-    let mut names = NAMES.get_or_init(Default::default).lock();
-    if let Some(n) = names.get(name) {
-        return n;
-    }
-    if names.len() >= 256 {
-        return "an exchange round";
-    }
-    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
-    names.insert(leaked);
-    leaked
-}
-
 impl<S: KvStore> KvExchange<S> {
     /// Rank `rank` of `world_size` over `store`.
     ///
@@ -240,7 +222,7 @@ impl<S: KvStore> KvExchange<S> {
             let reason = self.store.get(&self.reason_key())?;
             let text = String::from_utf8_lossy(&reason);
             let (rank, op) = text.split_once(' ').unwrap_or(("0", "an exchange round"));
-            let found = (rank.parse().unwrap_or(0), intern(op));
+            let found = (rank.parse().unwrap_or(0), intern_op(op));
             *broken = Some(found);
             return Err(Error::GroupBroken {
                 rank: found.0,

@@ -1,7 +1,7 @@
 //! [`Mailbox`]: how a round's result reaches the store server's thread of a rank that
 //! polls for it, so that the results of a round are written in parallel.
 
-use super::wire::{self, SharedStream};
+use super::wire::SharedStream;
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -106,9 +106,9 @@ pub(super) fn write_after_result(
     writer: &Mutex<SharedStream>,
     frame: Option<&[u8]>,
 ) -> std::io::Result<()> {
-    let mut w = writer.lock();
+    let w = writer.lock();
     if let Some(result) = mailbox.take_delivered() {
-        wire::send(&mut *w, &result)?;
+        w.send(&result)?;
     }
-    frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
+    frame.map_or(Ok(()), |f| w.send(f))
 }

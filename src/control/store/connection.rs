@@ -11,7 +11,6 @@ use crate::control::wire::{
 };
 use crate::deadline::Deadline;
 use parking_lot::Mutex;
-use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -49,13 +48,13 @@ struct Hello {
     member: Member,
 }
 
-/// Read and check the preface and the hello, until the handshake deadline.
+/// Read and check the preface and the hello from `sock`, until the handshake deadline.
 fn handshake(
     shared: &Shared,
+    sock: &SharedStream,
     reader: &mut FrameReader<SharedStream>,
     peer: SocketAddr,
 ) -> std::result::Result<Hello, Box<Refused>> {
-    let sock = reader.get_ref().clone();
     let until = Deadline::after(shared.handshake_timeout);
     let failed = |e: ReadError| {
         let kind = match &e {
@@ -70,7 +69,7 @@ fn handshake(
             format!("no {what} within {:?}", shared.handshake_timeout),
         )
     };
-    let preface = wire::read_until(&sock, until, || reader.raw(PREFACE_BYTES))
+    let preface = wire::read_until(sock, until, || reader.raw(PREFACE_BYTES))
         .map_err(failed)?
         .ok_or_else(|| slow("handshake"))?;
     if let Err(why) = wire::check_preface(&preface) {
@@ -80,7 +79,7 @@ fn handshake(
             Refused::silent(RefusalKind::Garbage, why)
         });
     }
-    let body = wire::read_until(&sock, until, || reader.frame())
+    let body = wire::read_until(sock, until, || reader.frame())
         .map_err(|e| {
             let mut refused = failed(e);
             refused.tell = Some(Refusal::Other);
@@ -88,17 +87,17 @@ fn handshake(
         })?
         .ok_or_else(|| slow("hello"))?;
     let garbage = |why: String| Refused::new(RefusalKind::Garbage, why);
-    let (token, job, rank, world_size, host, pid) = match wire::decode::<ToServer>(&body) {
-        Ok(ToServer::Hello {
-            token,
-            job,
-            rank,
-            world_size,
-            host,
-            pid,
-        }) => (token, job, rank, world_size, host, pid),
-        Ok(other) => return Err(garbage(format!("expected a hello, got {other:?}"))),
-        Err(why) => return Err(garbage(why)),
+    let hello = wire::decode::<ToServer>(&body).map_err(garbage)?;
+    let ToServer::Hello {
+        token,
+        job,
+        rank,
+        world_size,
+        host,
+        pid,
+    } = hello
+    else {
+        return Err(garbage(format!("expected a hello, got {hello:?}")));
     };
     if !wire::constant_time_eq(&token, &shared.token) {
         return Err(Refused::new(
@@ -175,11 +174,11 @@ pub(super) fn serve(
     let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
     let refuse = |refused: Box<Refused>| {
         if let Some(kind) = refused.tell {
-            let _ = (&*stream).write_all(&shared.verdict(kind, refused.why.clone()));
+            let _ = stream.send(&shared.verdict(kind, refused.why.clone()));
         }
         shared.reject(peer, refused.kind, &refused.why);
     };
-    let hello = match handshake(shared, &mut reader, peer) {
+    let hello = match handshake(shared, &stream, &mut reader, peer) {
         Ok(h) => h,
         Err(refused) => return refuse(refused),
     };
@@ -214,9 +213,7 @@ pub(super) fn serve(
             drop(st);
             return refuse(Refused::new(RefusalKind::Closed, why));
         }
-        let mut welcome = wire::preface().to_vec();
-        welcome.extend(wire::encode(&ToClient::Welcome));
-        if let Err(e) = (&*stream).write_all(&welcome) {
+        if let Err(e) = stream.send(&wire::with_preface(&ToClient::Welcome)) {
             drop(st);
             let why = format!("writing the welcome failed: {}", describe_io(&e));
             return shared.reject(peer, RefusalKind::Garbage, &why);
@@ -248,62 +245,35 @@ pub(super) fn serve(
                 .collect();
             let _ = shared.rank_hosts.set(hosts);
         }
-        shared.broadcast(&mut st, &wire::encode(&joined));
+        shared.send_to(&mut st, 0..shared.world, &wire::encode(&joined));
         me
     };
     drop(slot);
     let id = me.id;
     reader.max_frame_bytes = shared.max_frame_bytes;
+    // This connection ends, saying why (with the state lock not held).
+    let depart = |why: &str| shared.depart(&mut shared.state.lock(), rank, Some(id), why);
     if stream
         .set_read_timeout(Some(shared.heartbeat_interval))
         .is_err()
     {
-        let mut st = shared.state.lock();
-        return shared.depart(&mut st, rank, Some(id), "could not set a read timeout");
+        return depart("could not set a read timeout");
     }
     loop {
-        let before = reader.bytes_read();
-        let got = match reader.spin_frame(shared.server_spin) {
-            Ok(None) => reader.frame(),
-            polled => polled,
-        };
-        let msg = match got {
-            Ok(None) => {
-                if shared.shutdown.load(Ordering::SeqCst) {
-                    return;
-                }
-                if reader.bytes_read() > before {
-                    // Bytes of a large frame still arriving: the rank is alive.
-                    let mut st = shared.state.lock();
-                    match st.conns[rank].as_mut() {
-                        Some(c) if c.id == id => c.last_heard = Instant::now(),
-                        _ => return,
-                    }
-                }
-                continue;
-            }
+        let before = reader.bytes_read;
+        let msg = match reader.spin_frame(shared.server_spin) {
+            Ok(None) if shared.shutdown.load(Ordering::SeqCst) => return,
+            // Bytes of a large frame still arriving: the rank is alive.
+            Ok(None) if reader.bytes_read > before => None,
+            Ok(None) => continue,
             Ok(Some(body)) => match wire::decode::<ToServer>(&body) {
-                Ok(m) => m,
-                Err(why) => {
-                    let mut st = shared.state.lock();
-                    return shared.depart(
-                        &mut st,
-                        rank,
-                        Some(id),
-                        &format!("protocol error: {why}"),
-                    );
-                }
+                Ok(m) => Some(m),
+                Err(why) => return depart(&format!("protocol error: {why}")),
             },
-            Err(e) => {
-                let why = match e {
-                    ReadError::Eof { partial: false } => {
-                        "its connection closed (the process exited or was killed)".to_string()
-                    }
-                    e => format!("its connection failed: {e}"),
-                };
-                let mut st = shared.state.lock();
-                return shared.depart(&mut st, rank, Some(id), &why);
+            Err(ReadError::Eof { partial: false }) => {
+                return depart("its connection closed (the process exited or was killed)");
             }
+            Err(e) => return depart(&format!("its connection failed: {e}")),
         };
         let mut st = shared.state.lock();
         let heard = Instant::now();
@@ -311,6 +281,7 @@ pub(super) fn serve(
             Some(c) if c.id == id => c.last_heard = heard,
             _ => return,
         }
+        let Some(msg) = msg else { continue };
         match msg {
             ToServer::Heartbeat => {}
             ToServer::Contribute {
@@ -320,16 +291,8 @@ pub(super) fn serve(
                 payload,
             } => {
                 if let Some(b) = st.broken.clone() {
-                    let mut failed = Vec::new();
-                    shared.write_to(
-                        &mut st,
-                        rank,
-                        &wire::encode(&ToClient::Broken(b)),
-                        &mut failed,
-                    );
-                    if let Some((_, why)) = failed.pop() {
-                        return shared.depart(&mut st, rank, Some(id), &why);
-                    }
+                    // (A rank this fails for departs, and its next read ends the loop.)
+                    shared.send_to(&mut st, [rank], &wire::encode(&ToClient::Broken(b)));
                     continue;
                 }
                 let (world, interval) = (shared.world, shared.wait_warning_interval);
@@ -369,8 +332,7 @@ pub(super) fn serve(
                     me.mailbox.start_waiting();
                     drop(st);
                     if let Err(why) = shared.await_result(&me) {
-                        let mut st = shared.state.lock();
-                        return shared.depart(&mut st, rank, Some(id), &why);
+                        return depart(&why);
                     }
                 }
             }

@@ -32,10 +32,13 @@ use super::admission::{
     HandshakeSlot, RefusalKind, RefusalLog, canonical, describe_io, out_of_descriptors,
 };
 use super::config::StoreConfig;
+use super::join::transport;
 use super::mailbox::{Mailbox, write_after_result};
 use super::wire::{self, Broken, Cause, Member, Refusal, SharedStream, ToClient};
 use crate::deadline::Deadline;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use connection::serve;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
@@ -188,20 +191,16 @@ impl StoreServer {
         config: &StoreConfig,
     ) -> Result<StoreServer> {
         config.check()?;
-        let detail = format!("binding the store server to {addr:?}");
-        let listener = TcpListener::bind(&addr).map_err(|source| Error::Transport {
-            op: "starting the store server",
-            detail: detail.clone(),
-            source,
-        })?;
-        let local = listener
-            .local_addr()
-            .and_then(|a| listener.set_nonblocking(true).map(|()| a))
-            .map_err(|source| Error::Transport {
-                op: "starting the store server",
-                detail,
-                source,
-            })?;
+        let bound = || -> std::io::Result<_> {
+            let listener = TcpListener::bind(&addr)?;
+            let local = listener.local_addr()?;
+            listener.set_nonblocking(true)?;
+            Ok((listener, local))
+        };
+        let (listener, local) = bound().map_err(transport(
+            "starting the store server",
+            format!("binding the store server to {addr:?}"),
+        ))?;
         let world = config.launch.world_size;
         let shared = Arc::new(Shared {
             world,
@@ -315,14 +314,8 @@ fn server_spin_in_effect(config: &StoreConfig, cores: usize) -> Duration {
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
-    thread::Builder::new()
-        .name(name.to_string())
-        .spawn(f)
-        .map_err(|source| Error::Transport {
-            op: "starting a store thread",
-            detail: name.to_string(),
-            source,
-        })
+    (thread::Builder::new().name(name.to_string()).spawn(f))
+        .map_err(transport("starting a store thread", name.to_string()))
 }
 
 impl Shared {
@@ -345,13 +338,11 @@ impl Shared {
 
     /// The server's preface and a refusal, as one write.
     fn verdict(&self, kind: Refusal, reason: String) -> Vec<u8> {
-        let mut reply = wire::preface().to_vec();
-        reply.extend(wire::encode(&ToClient::Reject {
+        wire::with_preface(&ToClient::Reject {
             reason,
             kind,
             job: self.job.clone(),
-        }));
-        reply
+        })
     }
 
     /// Write `frame` to `rank`; on failure the rank departs (by the caller, who gets it
@@ -370,11 +361,17 @@ impl Shared {
         }
     }
 
-    fn broadcast(&self, st: &mut State, frame: &[u8]) {
+    /// Write `frame` to each of `ranks`; those it fails for depart, after all writes.
+    fn send_to(&self, st: &mut State, ranks: impl IntoIterator<Item = usize>, frame: &[u8]) {
         let mut failed = Vec::new();
-        for rank in 0..self.world {
+        for rank in ranks {
             self.write_to(st, rank, frame, &mut failed);
         }
+        self.depart_all(st, failed);
+    }
+
+    /// The ranks of `failed` depart, each with why.
+    fn depart_all(&self, st: &mut State, failed: Vec<(usize, String)>) {
         for (rank, why) in failed {
             self.depart(st, rank, None, &why);
         }
@@ -396,7 +393,7 @@ impl Shared {
         }
         st.rounds.clear();
         st.broken = Some(broken.clone());
-        self.broadcast(st, &wire::encode(&ToClient::Broken(broken)));
+        self.send_to(st, 0..self.world, &wire::encode(&ToClient::Broken(broken)));
     }
 
     /// `rank` (connection `id`, or any) left or was declared lost: close it and break
@@ -445,9 +442,7 @@ impl Shared {
         // This rank's own copy goes through its mailbox too, so that whatever another
         // thread writes to it once the lock is released comes after it.
         me.mailbox.put_own(frame);
-        for (other, why) in failed {
-            self.depart(&mut st, other, None, &why);
-        }
+        self.depart_all(&mut st, failed);
         drop(st);
         if let Err(e) = write_after_result(&me.mailbox, &me.writer, None) {
             let mut st = self.state.lock();
@@ -516,12 +511,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                         RefusalKind::Garbage
                     };
                     let why = format!("accepting failed: {}", describe_io(&e));
-                    shared.rejected.fetch_add(1, Ordering::Relaxed);
-                    let unknown = SocketAddr::from(([0, 0, 0, 0], 0));
-                    shared
-                        .refusals
-                        .lock()
-                        .note(Instant::now(), kind, unknown, &why);
+                    shared.reject(SocketAddr::from(([0, 0, 0, 0], 0)), kind, &why);
                 } else {
                     shared.refusals.lock().tick(Instant::now());
                 }
@@ -616,9 +606,7 @@ impl Shared {
                 self.write_to(st, rank, heartbeat, &mut failed);
             }
         }
-        for (rank, why) in failed {
-            self.depart(st, rank, None, &why);
-        }
+        self.depart_all(st, failed);
     }
 
     /// Tell the ranks waiting in each round whose notice is due which ranks have not
@@ -647,14 +635,8 @@ impl Shared {
             }
             earliest = Some(earliest.map_or(pending.notice, |e| e.min(pending.notice)));
         }
-        let mut failed = Vec::new();
         for (waiting, frame) in notices {
-            for rank in waiting {
-                self.write_to(st, rank, &frame, &mut failed);
-            }
-        }
-        for (rank, why) in failed {
-            self.depart(st, rank, None, &why);
+            self.send_to(st, waiting, &frame);
         }
         earliest
     }

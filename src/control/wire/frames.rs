@@ -9,38 +9,22 @@ use crate::deadline::Deadline;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Why reading a frame failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub(crate) enum ReadError {
     /// The peer closed the connection (`partial`: in the middle of a frame).
+    #[error("connection closed{}", if *.partial { " in the middle of a frame" } else { "" })]
     Eof { partial: bool },
     /// A length over the limit.
+    #[error("frame length {len_bytes} bytes exceeds the limit of {max_bytes} bytes")]
     TooLarge { len_bytes: usize, max_bytes: usize },
     /// Any other I/O error.
+    #[error("{0}")]
     Io(io::Error),
-}
-
-impl std::fmt::Display for ReadError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ReadError::Eof { partial: false } => write!(f, "connection closed"),
-            ReadError::Eof { partial: true } => {
-                write!(f, "connection closed in the middle of a frame")
-            }
-            ReadError::TooLarge {
-                len_bytes,
-                max_bytes,
-            } => write!(
-                f,
-                "frame length {len_bytes} bytes exceeds the limit of {max_bytes} bytes"
-            ),
-            ReadError::Io(e) => write!(f, "{e}"),
-        }
-    }
 }
 
 /// Reads frames from a socket that has a read timeout, keeping partial frames across
@@ -53,7 +37,7 @@ pub(crate) struct FrameReader<R> {
     /// Largest frame body accepted.
     pub(crate) max_frame_bytes: usize,
     /// Bytes read so far: progress inside a large frame also shows the peer is alive.
-    bytes_read: u64,
+    pub(crate) bytes_read: u64,
 }
 
 impl<R: Read> FrameReader<R> {
@@ -66,16 +50,6 @@ impl<R: Read> FrameReader<R> {
             max_frame_bytes,
             bytes_read: 0,
         }
-    }
-
-    /// The reader's source.
-    pub(crate) fn get_ref(&self) -> &R {
-        &self.inner
-    }
-
-    /// Bytes read from the peer so far (complete frames or not).
-    pub(crate) fn bytes_read(&self) -> u64 {
-        self.bytes_read
     }
 
     /// Make room for `need` bytes from `start`, growing by at most doubling.
@@ -205,57 +179,39 @@ impl Read for SharedStream {
     }
 }
 
-impl Write for SharedStream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        (&*self.0).write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        (&*self.0).flush()
+impl SharedStream {
+    /// Write one pre-encoded frame (or preface) in a single `write_all`.
+    pub(crate) fn send(&self, bytes: &[u8]) -> io::Result<()> {
+        (&*self.0).write_all(bytes)
     }
 }
 
-impl AsFd for SharedStream {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-}
-
-impl<R: Read + AsFd> FrameReader<R> {
-    /// The next frame's body if its bytes are already here, else `None` at once (a
-    /// partial frame is kept). Reads with `MSG_DONTWAIT`, which leaves the socket's
-    /// own blocking mode alone: other threads write to clones of it.
-    pub(crate) fn frame_now(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
-        self.next_frame(&mut |s, b| {
-            rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
-                .map(|(n, _)| n)
-                .map_err(io::Error::from)
-        })
-    }
-
-    /// Poll for the next frame for up to `spin`, then give up (`None`; the caller
-    /// blocks instead). Waking a blocked thread costs tens of microseconds on an idle
-    /// core; a round among ranks that arrive together is over sooner than that.
+impl FrameReader<SharedStream> {
+    /// The next frame's body: polled for up to `spin` first (waking a blocked thread
+    /// costs tens of microseconds on an idle core; a round among ranks that arrive
+    /// together is over sooner than that), then read blocking, up to the socket's read
+    /// timeout (`None` then; a partial frame is kept). Polling reads with
+    /// `MSG_DONTWAIT`, which leaves the socket's own blocking mode alone: other threads
+    /// write to clones of it.
     pub(crate) fn spin_frame(&mut self, spin: Duration) -> Result<Option<Vec<u8>>, ReadError> {
-        if spin.is_zero() {
-            return Ok(None);
-        }
         let until = Instant::now() + spin;
-        loop {
-            if let Some(body) = self.frame_now()? {
-                return Ok(Some(body));
+        while !spin.is_zero() {
+            let polled = self.next_frame(&mut |s, b| {
+                rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
+                    .map(|(n, _)| n)
+                    .map_err(io::Error::from)
+            })?;
+            if polled.is_some() {
+                return Ok(polled);
             }
             if Instant::now() >= until {
-                return Ok(None);
+                break;
             }
             // Let the thread this one waits for run, where cores are short.
             std::thread::yield_now();
         }
+        self.frame()
     }
-}
-
-/// Write one pre-encoded frame (or preface) in a single `write_all`.
-pub(crate) fn send(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
-    w.write_all(bytes)
 }
 
 /// Read until `deadline`: `None` when it passes.

@@ -16,7 +16,7 @@ mod frames;
 mod tests;
 
 pub use frames::fuzz_frames;
-pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until, send};
+pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until};
 
 use serde::{Deserialize, Serialize};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -43,6 +43,13 @@ pub(crate) fn preface() -> [u8; PREFACE_BYTES] {
     p[..8].copy_from_slice(&MAGIC);
     p[8..10].copy_from_slice(&VERSION.to_le_bytes());
     p
+}
+
+/// The preface and `msg`'s frame, for one write: a connection's first bytes.
+pub(crate) fn with_preface<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut out = preface().to_vec();
+    out.extend(encode(msg));
+    out
 }
 
 /// Check a peer's preface; `Err` says what is wrong.
