@@ -14,23 +14,18 @@ use std::time::{Duration, Instant};
 /// first refusal of a kind in an interval is logged in full, the others counted.
 pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Kinds of refused connections, for the rate-limited log.
+/// Kinds of refused connections, for the rate-limited log (each in words:
+/// [`describe`](Self::describe)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum RefusalKind {
-    /// Too many handshakes in flight.
     Busy,
-    /// No (complete) handshake in time.
     Slow,
     /// Not the protocol: wrong magic, undecodable or oversized frames, a close or a
     /// reset mid-handshake.
     Garbage,
-    /// Another protocol version.
     Version,
-    /// Wrong token.
     Token,
-    /// Another job identity.
     OtherJob,
-    /// A world size or rank that does not fit this job.
     Misfit,
     /// A rank already held (or held before).
     RankTaken,
@@ -110,9 +105,15 @@ impl RefusalLog {
         lines
     }
 
-    /// Sum up the interval once it is over.
-    pub(super) fn tick(&mut self, now: Instant) {
-        if let Some(line) = self.summary_if_over(now) {
+    /// Log the counts of the refusals not logged in full: once the interval is over,
+    /// or (`now_anyway`: on shutdown) at once.
+    pub(super) fn sum_up(&mut self, now: Instant, now_anyway: bool) {
+        let line = if now_anyway {
+            self.summary(now)
+        } else {
+            self.summary_if_over(now)
+        };
+        if let Some(line) = line {
             tracing::warn!("{line}");
         }
     }
@@ -122,13 +123,6 @@ impl RefusalLog {
             self.summary(now)
         } else {
             None
-        }
-    }
-
-    /// Log what is left to sum up (on shutdown).
-    pub(super) fn flush(&mut self, now: Instant) {
-        if let Some(line) = self.summary(now) {
-            tracing::warn!("{line}");
         }
     }
 

@@ -1,13 +1,14 @@
 //! [`StoreConfig`]: the settings of a [`StoreExchange`] and of the [`StoreServer`] that
 //! rank 0 hosts, with their reading from the environment.
 
-use super::env::Launch;
+use super::env::{Launch, env_err, parse_var};
 use super::wire::{FRAME_OVERHEAD_BYTES, MAX_HANDSHAKE_FRAME_BYTES, PER_PAYLOAD_OVERHEAD_BYTES};
 #[cfg(doc)]
 use super::{StoreExchange, StoreServer};
 use crate::error::{Error, Result};
 use std::fmt;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 /// Settings of a [`StoreExchange`] (and of the [`StoreServer`] that rank 0 hosts).
@@ -161,31 +162,21 @@ impl StoreConfig {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
         cfg.job_id = job_id_from_vars(get);
-        let whole = |name: &str, unit: &str| -> Result<Option<u64>> {
-            get(name)
-                .map(|v| {
-                    v.trim().parse().map_err(|_| Error::LaunchEnv {
-                        variable: name.to_string(),
-                        detail: format!("{v:?} is not a whole number of {unit}"),
-                    })
-                })
-                .transpose()
-        };
         let ms = |name: &str, slot: &mut Duration| -> Result<()> {
-            if let Some(n) = whole(name, "milliseconds")? {
+            if let Some(n) = parse_var(get, name, "a whole number of milliseconds")? {
                 *slot = Duration::from_millis(n);
             }
             Ok(())
         };
         let spin = |name: &str| -> Result<Option<Duration>> {
-            match whole(name, "microseconds")? {
-                Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(Error::LaunchEnv {
-                    variable: name.to_string(),
-                    detail: format!(
+            match parse_var(get, name, "a whole number of microseconds")? {
+                Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(env_err(
+                    name,
+                    format!(
                         "{n} µs is more than the largest accepted, {} µs",
                         Self::MAX_SPIN.as_micros()
                     ),
-                }),
+                )),
                 n => Ok(n.map(Duration::from_micros)),
             }
         };
@@ -201,15 +192,9 @@ impl StoreConfig {
         )?;
         ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
         ms("SYMMPOOL_WAIT_WARNING_MS", &mut cfg.wait_warning_interval)?;
-        if let Some(n) = whole("SYMMPOOL_MAX_HANDSHAKES", "handshakes")? {
-            cfg.max_handshakes =
-                usize::try_from(n)
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .ok_or_else(|| Error::LaunchEnv {
-                        variable: "SYMMPOOL_MAX_HANDSHAKES".into(),
-                        detail: format!("{n} is not a positive number of handshakes"),
-                    })?;
+        let handshakes = "a positive number of handshakes";
+        if let Some(n) = parse_var::<NonZeroUsize>(get, "SYMMPOOL_MAX_HANDSHAKES", handshakes)? {
+            cfg.max_handshakes = n.get();
         }
         Ok(cfg)
     }

@@ -1,28 +1,7 @@
-//! [`KvExchange`]: an [`Exchange`](super::Exchange) over a key-value store a runtime already has, such
-//! as PyTorch's `c10d.Store` (`set`, `get`, `add`, `wait`), so that the crate's
-//! agreement runs wherever the runtime runs, under any launcher.
-//!
-//! # Protocol
-//!
-//! Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
-//! waits (in slices of [`KvConfig::poll`]) until every rank's key of the round exists,
-//! then reads them. After round `r` completes, every rank has finished reading round
-//! `r - 1`, so a rank deletes its own key of round `r - 1` (where the store can delete).
-//!
-//! A rank whose wait reaches its deadline breaks the group: it writes its rank and
-//! operation to `PREFIX/broken/reason`, then increments `PREFIX/broken` (so the reason
-//! exists whenever the counter is non-zero), withdraws its key and fails with
-//! [`Error::Timeout`]. Every rank checks the counter before each round and between
-//! slices of a wait, and fails with [`Error::GroupBroken`] once it is set.
-//!
-//! # Failure-detection bound
-//!
-//! The store has no heartbeat, so a rank that dies or freezes is noticed only through
-//! deadlines: a rank waiting for it fails with [`Error::Timeout`] when its own call's
-//! timeout passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout),
-//! 60 s by default; the NCCL set-up's, 10 min), and every other rank then fails with
-//! [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
-//! round trip of that moment. A timeout on any rank breaks the group for good.
+//! [`KvExchange`]: an [`Exchange`](super::Exchange) over a key-value store a runtime already
+//! has, such as PyTorch's `c10d.Store` (`set`, `get`, `add`, `wait`), so that the crate's
+//! agreement runs wherever the runtime runs, under any launcher. Its protocol and
+//! failure-detection bound are on [`KvExchange`].
 
 use super::waiting::{WAIT_WARNING_INTERVAL, WaitWarnings, Who, ranks};
 use super::{ChannelId, GatherRounds, Round, Rounds, intern_op};
@@ -123,10 +102,12 @@ impl KvConfig {
 /// # Protocol
 /// Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
 /// waits (in slices of [`KvConfig::poll`]) until every rank's key of the round exists,
-/// then reads them, and deletes its own key of round `r - 1` (every rank has read it).
+/// then reads them. Once round `r` completes every rank has read round `r - 1`, so a
+/// rank then deletes its own key of round `r - 1` (where the store can delete).
 /// A rank whose wait reaches its deadline writes its rank and operation to
-/// `PREFIX/broken/reason`, increments `PREFIX/broken`, withdraws its key and fails
-/// with [`Error::Timeout`]; every rank checks the counter before each round and between
+/// `PREFIX/broken/reason`, then increments `PREFIX/broken` (so the reason exists
+/// whenever the counter is non-zero), withdraws its key and fails with
+/// [`Error::Timeout`]; every rank checks the counter before each round and between
 /// slices, and fails with [`Error::GroupBroken`] once it is set. A rank waiting long
 /// logs a warning naming the ranks whose keys are missing every
 /// [`KvConfig::wait_warning_interval`], and once more when they come.
@@ -135,9 +116,9 @@ impl KvConfig {
 /// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
 /// only. A rank waiting for it fails with [`Error::Timeout`] when its own call's timeout
 /// passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout), 60 s by
-/// default), and every other rank fails with [`Error::GroupBroken`] within
-/// [`KvConfig::poll`] (1 s) plus a store round trip after that. A timeout on any rank
-/// breaks the group for good.
+/// default; the NCCL set-up's, 10 min), and every other rank fails with
+/// [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
+/// round trip of that moment. A timeout on any rank breaks the group for good.
 pub struct KvExchange<S: KvStore> {
     store: S,
     config: KvConfig,

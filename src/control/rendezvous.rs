@@ -53,13 +53,6 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
         }
     }
 
-    /// Warn every `interval` (instead of [`WAIT_WARNING_INTERVAL`]) in a long wait.
-    #[cfg(test)]
-    pub(crate) fn with_wait_warning_interval(mut self, interval: Duration) -> Self {
-        self.warn_every = interval;
-        self
-    }
-
     /// Post `value` for `rank` in the round `key` and wait until every rank has posted
     /// in that round, or `deadline` passes; every rank's value, in rank order. A long
     /// wait warns, naming the ranks not posted (see [`Rendezvous`]).
@@ -161,12 +154,6 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 state.rounds.remove(&key);
             }
         }
-    }
-
-    /// Rounds still held (for tests: nothing leaks after timeouts).
-    #[cfg(test)]
-    pub(crate) fn rounds_held(&self) -> usize {
-        self.state.lock().rounds.len()
     }
 }
 

@@ -297,7 +297,7 @@ impl Drop for StoreServer {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        self.shared.refusals.lock().flush(Instant::now());
+        self.shared.refusals.lock().sum_up(Instant::now(), true);
     }
 }
 
@@ -513,7 +513,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                     let why = format!("accepting failed: {}", describe_io(&e));
                     shared.reject(SocketAddr::from(([0, 0, 0, 0], 0)), kind, &why);
                 } else {
-                    shared.refusals.lock().tick(Instant::now());
+                    shared.refusals.lock().sum_up(Instant::now(), false);
                 }
                 let mut st = shared.state.lock();
                 if shared.shutdown.load(Ordering::SeqCst) {
