@@ -55,7 +55,7 @@ fn handshake(
     reader: &mut FrameReader<SharedStream>,
     peer: SocketAddr,
 ) -> std::result::Result<Hello, Box<Refused>> {
-    let until = Deadline::after(shared.handshake_timeout);
+    let until = Deadline::after(shared.config.handshake_timeout);
     let failed = |e: ReadError| {
         let kind = match &e {
             ReadError::Io(io) if out_of_descriptors(io) => RefusalKind::Resources,
@@ -66,7 +66,7 @@ fn handshake(
     let slow = |what: &str| {
         Refused::silent(
             RefusalKind::Slow,
-            format!("no {what} within {:?}", shared.handshake_timeout),
+            format!("no {what} within {:?}", shared.config.handshake_timeout),
         )
     };
     let preface = wire::read_until(sock, until, || reader.raw(PREFACE_BYTES))
@@ -167,7 +167,7 @@ pub(super) fn serve(
     // A rank that stops reading must not block the server's writes (most made under
     // its state lock) without bound: a write that makes no progress for a heartbeat
     // timeout fails, and that rank departs.
-    if let Err(e) = stream.set_write_timeout(Some(shared.heartbeat_timeout)) {
+    if let Err(e) = stream.set_write_timeout(Some(shared.config.heartbeat_timeout)) {
         let why = format!("could not set a write timeout: {}", describe_io(&e));
         return shared.reject(peer, RefusalKind::Resources, &why);
     }
@@ -228,10 +228,8 @@ pub(super) fn serve(
         tracing::info!("symmpool store: rank {rank} joined: {}", hello.member);
         st.members[rank] = Some(hello.member);
         st.conns[rank] = Some(Conn {
-            id: me.id,
-            writer: me.writer.clone(),
+            link: me.clone(),
             sock: stream.clone(),
-            mailbox: me.mailbox.clone(),
             last_heard: Instant::now(),
         });
         let joined = shared.joined_message(&st);
@@ -250,11 +248,11 @@ pub(super) fn serve(
     };
     drop(slot);
     let id = me.id;
-    reader.max_frame_bytes = shared.max_frame_bytes;
+    reader.max_frame_bytes = shared.config.max_frame_bytes;
     // This connection ends, saying why (with the state lock not held).
     let depart = |why: &str| shared.depart(&mut shared.state.lock(), rank, Some(id), why);
     if stream
-        .set_read_timeout(Some(shared.heartbeat_interval))
+        .set_read_timeout(Some(shared.config.heartbeat_interval))
         .is_err()
     {
         return depart("could not set a read timeout");
@@ -278,7 +276,7 @@ pub(super) fn serve(
         let mut st = shared.state.lock();
         let heard = Instant::now();
         match st.conns[rank].as_mut() {
-            Some(c) if c.id == id => c.last_heard = heard,
+            Some(c) if c.link.id == id => c.last_heard = heard,
             _ => return,
         }
         let Some(msg) = msg else { continue };
@@ -295,7 +293,7 @@ pub(super) fn serve(
                     shared.send_to(&mut st, [rank], &wire::encode(&ToClient::Broken(b)));
                     continue;
                 }
-                let (world, interval) = (shared.world, shared.wait_warning_interval);
+                let (world, interval) = (shared.world, shared.config.wait_warning_interval);
                 let posted = &mut st
                     .rounds
                     .entry((channel, round))
@@ -319,7 +317,7 @@ pub(super) fn serve(
                         .into_iter()
                         .flatten()
                         .collect();
-                    shared.rounds.fetch_add(1, Ordering::Relaxed);
+                    shared.stats.lock().rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {
                         channel,
                         round,

@@ -45,7 +45,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -81,24 +81,15 @@ struct Shared {
     token: Vec<u8>,
     /// The job identity (empty: none).
     job: String,
-    heartbeat_interval: Duration,
-    heartbeat_timeout: Duration,
-    handshake_timeout: Duration,
-    max_handshakes: usize,
-    max_frame_bytes: usize,
+    /// The settings (heartbeats, handshakes, frame limit, wait warnings).
+    config: StoreConfig,
     /// [`StoreConfig::server_spin`] in effect.
     server_spin: Duration,
-    /// [`StoreConfig::wait_warning_interval`].
-    wait_warning_interval: Duration,
     state: Mutex<State>,
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
     shutdown: AtomicBool,
-    accepted: AtomicU64,
-    rejected: AtomicU64,
-    refused_busy: AtomicU64,
-    departed: AtomicU64,
-    rounds: AtomicU64,
+    stats: Mutex<ServerStats>,
     /// Handshakes in flight.
     handshakes: AtomicUsize,
     /// The hosts of the ranks, set once every rank has joined: later connections from
@@ -145,24 +136,24 @@ impl Pending {
     }
 }
 
+/// A rank's connection, in the state.
 struct Conn {
-    id: u64,
-    /// Writes to the rank (a frame at a time); also held by its connection thread.
-    writer: Arc<Mutex<SharedStream>>,
+    /// What its thread holds of it too.
+    link: Link,
     /// The same socket (the same descriptor), for shutting it down without waiting
     /// for a writer.
     sock: SharedStream,
-    /// Results handed to the connection's thread; also held by that thread.
-    mailbox: Arc<Mailbox>,
     last_heard: Instant,
 }
 
-/// What a connection's thread holds of its connection (the `Conn` in the state has
-/// the same writer and mailbox).
+/// What a connection's thread holds of its connection.
+#[derive(Clone)]
 struct Link {
     rank: usize,
     id: u64,
+    /// Writes to the rank (a frame at a time).
     writer: Arc<Mutex<SharedStream>>,
+    /// Results handed to the connection's thread.
     mailbox: Arc<Mailbox>,
 }
 
@@ -206,16 +197,11 @@ impl StoreServer {
             world,
             token: config.token.clone().unwrap_or_default().into_bytes(),
             job: config.job_id.clone().unwrap_or_default(),
-            heartbeat_interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-            handshake_timeout: config.handshake_timeout,
-            max_handshakes: config.max_handshakes,
-            max_frame_bytes: config.max_frame_bytes,
+            config: config.clone(),
             server_spin: server_spin_in_effect(
                 config,
                 thread::available_parallelism().map_or(1, |n| n.get()),
             ),
-            wait_warning_interval: config.wait_warning_interval,
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 members: vec![None; world],
@@ -225,11 +211,7 @@ impl StoreServer {
             }),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
-            accepted: AtomicU64::new(0),
-            rejected: AtomicU64::new(0),
-            refused_busy: AtomicU64::new(0),
-            departed: AtomicU64::new(0),
-            rounds: AtomicU64::new(0),
+            stats: Mutex::default(),
             handshakes: AtomicUsize::new(0),
             rank_hosts: OnceLock::new(),
             refusals: Mutex::new(RefusalLog::new(Instant::now())),
@@ -243,10 +225,11 @@ impl StoreServer {
         server.threads.push(spawn("symmpool-store-accept", move || {
             accept_loop(&s, &listener)
         })?);
-        let s = shared;
         server
             .threads
-            .push(spawn("symmpool-store-monitor", move || monitor_loop(&s))?);
+            .push(spawn("symmpool-store-monitor", move || {
+                monitor_loop(&shared)
+            })?);
         tracing::info!("symmpool store listening on {local} for {world} ranks");
         Ok(server)
     }
@@ -258,14 +241,7 @@ impl StoreServer {
 
     /// The server's counters.
     pub fn stats(&self) -> ServerStats {
-        let s = &self.shared;
-        ServerStats {
-            connections_accepted: s.accepted.load(Ordering::Relaxed),
-            connections_rejected: s.rejected.load(Ordering::Relaxed),
-            connections_refused_busy: s.refused_busy.load(Ordering::Relaxed),
-            ranks_departed: s.departed.load(Ordering::Relaxed),
-            rounds_completed: s.rounds.load(Ordering::Relaxed),
-        }
+        *self.shared.stats.lock()
     }
 
     /// Wait until no rank is connected, or `timeout` passes; `true` if none is.
@@ -321,10 +297,10 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 impl Shared {
     /// Count a refused connection and log it (rate-limited).
     fn reject(&self, peer: SocketAddr, kind: RefusalKind, why: &str) {
-        self.rejected.fetch_add(1, Ordering::Relaxed);
-        if kind == RefusalKind::Busy {
-            self.refused_busy.fetch_add(1, Ordering::Relaxed);
-        }
+        let mut stats = self.stats.lock();
+        stats.connections_rejected += 1;
+        stats.connections_refused_busy += u64::from(kind == RefusalKind::Busy);
+        drop(stats);
         self.refusals.lock().note(Instant::now(), kind, peer, why);
     }
 
@@ -355,7 +331,7 @@ impl Shared {
         failed: &mut Vec<(usize, String)>,
     ) {
         if let Some(c) = st.conns[rank].as_mut()
-            && let Err(e) = write_after_result(&c.mailbox, &c.writer, Some(frame))
+            && let Err(e) = write_after_result(&c.link.mailbox, &c.link.writer, Some(frame))
         {
             failed.push((rank, format!("writing to it failed: {e}")));
         }
@@ -401,14 +377,14 @@ impl Shared {
     fn depart(&self, st: &mut State, rank: usize, id: Option<u64>, why: &str) {
         let matches = st.conns[rank]
             .as_ref()
-            .is_some_and(|c| id.is_none_or(|id| c.id == id));
+            .is_some_and(|c| id.is_none_or(|id| c.link.id == id));
         if !matches {
             return;
         }
         if let Some(c) = st.conns[rank].take() {
             let _ = c.sock.shutdown(Shutdown::Both);
         }
-        self.departed.fetch_add(1, Ordering::Relaxed);
+        self.stats.lock().ranks_departed += 1;
         self.cv.notify_all();
         if !self.shutdown.load(Ordering::SeqCst) {
             tracing::info!("symmpool store: rank {rank} departed: {why}");
@@ -434,7 +410,7 @@ impl Shared {
         for other in (0..self.world).filter(|r| *r != me.rank) {
             let handed = st.conns[other]
                 .as_ref()
-                .is_some_and(|c| c.mailbox.hand_over(&frame));
+                .is_some_and(|c| c.link.mailbox.hand_over(&frame));
             if !handed {
                 self.write_to(&mut st, other, &frame, &mut failed);
             }
@@ -498,7 +474,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     while !shared.shutdown.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
-                shared.accepted.fetch_add(1, Ordering::Relaxed);
+                shared.stats.lock().connections_accepted += 1;
                 admit(shared, stream, peer);
             }
             Err(e) => {
@@ -539,11 +515,11 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         return shared.refuse_now(stream, peer, RefusalKind::Closed, why);
     }
     let in_flight = shared.handshakes.fetch_add(1, Ordering::AcqRel);
-    if in_flight >= shared.max_handshakes {
+    if in_flight >= shared.config.max_handshakes {
         shared.handshakes.fetch_sub(1, Ordering::AcqRel);
         let why = format!(
             "busy: {} handshakes in flight (StoreConfig::max_handshakes); try again",
-            shared.max_handshakes
+            shared.config.max_handshakes
         );
         return shared.refuse_now(stream, peer, RefusalKind::Busy, why);
     }
@@ -571,12 +547,12 @@ fn monitor_loop(shared: &Arc<Shared>) {
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = Instant::now();
         if now >= next_heartbeat {
-            next_heartbeat = Deadline::after_from(now, shared.heartbeat_interval).instant();
+            next_heartbeat = Deadline::after_from(now, shared.config.heartbeat_interval).instant();
             shared.heartbeats(&mut st, now, &heartbeat);
         }
         // Awake at least every wait-warning interval too, so that a round that
         // begins while this thread sleeps gets its first notice on time.
-        let look = Deadline::after_from(now, shared.wait_warning_interval).instant();
+        let look = Deadline::after_from(now, shared.config.wait_warning_interval).instant();
         let mut wake = next_heartbeat.min(look);
         if let Some(notice) = shared.tell_the_waiting(&mut st, now) {
             wake = wake.min(notice);
@@ -595,7 +571,7 @@ impl Shared {
                 continue;
             };
             let silent = now.saturating_duration_since(c.last_heard);
-            if silent > self.heartbeat_timeout {
+            if silent > self.config.heartbeat_timeout {
                 failed.push((
                     rank,
                     format!(
@@ -618,7 +594,8 @@ impl Shared {
         let mut earliest: Option<Instant> = None;
         for (&(channel, round), pending) in &mut st.rounds {
             if pending.notice <= now {
-                pending.notice = Deadline::after_from(now, self.wait_warning_interval).instant();
+                pending.notice =
+                    Deadline::after_from(now, self.config.wait_warning_interval).instant();
                 let waiting: Vec<usize> = (0..self.world)
                     .filter(|r| pending.posted[*r].is_some())
                     .collect();
