@@ -41,27 +41,22 @@ pub struct StoreExchange {
     server: Option<StoreServer>,
     /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
-    linger: Duration,
 }
 
 struct ClientShared {
     server: String,
-    /// The socket (one descriptor, shared with `reader` and `sock`), for writing.
+    /// The socket (one descriptor, shared with `reader`), for writing.
     writer: Mutex<SharedStream>,
     /// The socket's reader; whoever sets `Inbox::reader_busy` reads from it.
     reader: Mutex<FrameReader<SharedStream>>,
-    /// The socket, for setting read timeouts.
-    sock: SharedStream,
     inbox: Mutex<Inbox>,
     /// Signalled when the inbox changes (callers wait on it).
     cv: Condvar,
     /// Signalled only on close (the background thread waits on it, so that it is not
     /// woken by every frame).
     bg_cv: Condvar,
-    heartbeat_interval: Duration,
-    heartbeat_timeout: Duration,
-    /// [`StoreConfig::spin`].
-    spin: Duration,
+    /// The settings (heartbeats, spin, linger).
+    config: StoreConfig,
     closing: AtomicBool,
 }
 
@@ -106,14 +101,8 @@ impl Inbox {
         }
     }
 
-    fn set_broken(&mut self, b: Broken) {
-        if self.broken.is_none() {
-            self.broken = Some(b);
-        }
-    }
-
     fn server_lost(&mut self, detail: String) {
-        self.set_broken(Broken {
+        self.broken.get_or_insert(Broken {
             rank: 0,
             op: String::new(),
             cause: Cause::Lost { detail },
@@ -160,7 +149,7 @@ impl ClientShared {
         let (got, progressed) = {
             let mut reader = self.reader.lock();
             let before = reader.bytes_read;
-            let got = match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
+            let got = match set_timeout.map_or(Ok(()), |t| reader.inner.set_read_timeout(Some(t))) {
                 Ok(()) => reader.spin_frame(spin),
                 Err(e) => Err(ReadError::Io(e)),
             };
@@ -185,7 +174,7 @@ impl ClientShared {
                 }) => {
                     inbox.results.insert((channel, round), payloads);
                 }
-                Ok(ToClient::Broken(b)) => inbox.set_broken(b),
+                Ok(ToClient::Broken(b)) => _ = inbox.broken.get_or_insert(b),
                 Ok(ToClient::Joined { present }) => inbox.present = present,
                 Ok(ToClient::Waiting {
                     channel,
@@ -228,7 +217,7 @@ impl ClientShared {
     /// Declare the server lost once it has been silent for over the heartbeat timeout.
     fn note_silence(&self, inbox: &mut Inbox, now: Instant) {
         let silent = now.saturating_duration_since(inbox.last_heard);
-        if silent > self.heartbeat_timeout && inbox.broken.is_none() {
+        if silent > self.config.heartbeat_timeout && inbox.broken.is_none() {
             inbox.server_lost(format!(
                 "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
                 self.server
@@ -257,8 +246,9 @@ impl ClientShared {
                 // The blocking read waits only for what polling leaves of `left`, so
                 // the deadline is overshot by at most the socket timeout's floor of
                 // one millisecond.
-                let spin = self.spin.min(left);
-                inbox = self.read_once(inbox, spin, (left - spin).min(self.heartbeat_interval));
+                let spin = self.config.spin.min(left);
+                let limit = (left - spin).min(self.config.heartbeat_interval);
+                inbox = self.read_once(inbox, spin, limit);
             } else {
                 self.cv.wait_for(&mut inbox, left);
             }
@@ -271,7 +261,7 @@ impl ClientShared {
 /// caller has read for half a heartbeat interval.
 fn background_loop(shared: &ClientShared) {
     let heartbeat = wire::encode(&ToServer::Heartbeat);
-    let interval = shared.heartbeat_interval;
+    let interval = shared.config.heartbeat_interval;
     let mut last_sent = Instant::now();
     let mut inbox = shared.inbox.lock();
     loop {
@@ -383,15 +373,12 @@ impl StoreExchange {
         let (stream, reader) = join_store(&config, &target, deadline, &mut warnings)?;
         let shared = Arc::new(ClientShared {
             server: target,
-            writer: Mutex::new(stream.clone()),
+            writer: Mutex::new(stream),
             reader: Mutex::new(reader),
-            sock: stream,
             inbox: Mutex::new(Inbox::new()),
             cv: Condvar::new(),
             bg_cv: Condvar::new(),
-            heartbeat_interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-            spin: config.spin,
+            config: config.clone(),
             closing: AtomicBool::new(false),
         });
         let s = shared.clone();
@@ -407,7 +394,6 @@ impl StoreExchange {
             reader: Some(handle),
             server,
             rounds: Rounds::new(launch.rank, launch.world_size, config.max_payload_bytes()),
-            linger: config.linger,
         };
         // Wait for every rank to join, naming the missing ones while waiting long.
         let inbox = loop {
@@ -534,8 +520,8 @@ impl GatherRounds for StoreExchange {
             round,
             op: wire_op,
         }));
-        let answer_by =
-            Deadline::after(self.shared.heartbeat_timeout + self.shared.heartbeat_interval);
+        let config = &self.shared.config;
+        let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
         let missing = match &inbox.broken {
@@ -547,7 +533,7 @@ impl GatherRounds for StoreExchange {
             Some(b) => return Err(error_for(b, r.op)),
             None => {
                 // No answer from the server: break the group here.
-                inbox.set_broken(Broken {
+                inbox.broken.get_or_insert(Broken {
                     rank: self.rounds.rank as u32,
                     op: r.op.to_string(),
                     cause: Cause::Timeout { missing: vec![] },
@@ -590,19 +576,16 @@ impl Drop for StoreExchange {
         self.shared.cv.notify_all();
         self.shared.bg_cv.notify_all();
         let _ = self.shared.send(&wire::encode(&ToServer::Bye));
-        {
-            let w = self.shared.writer.lock();
-            let _ = w.shutdown(Shutdown::Write);
-        }
+        let _ = self.shared.writer.lock().shutdown(Shutdown::Write);
         if let Some(h) = self.reader.take() {
             let _ = h.join();
         }
         if let Some(server) = self.server.take()
-            && !server.wait_until_empty(self.linger)
+            && !server.wait_until_empty(self.shared.config.linger)
         {
             tracing::warn!(
                 "symmpool store: stopping the server with ranks still connected after {:?}",
-                self.linger
+                self.shared.config.linger
             );
         }
     }

@@ -25,36 +25,26 @@ struct Refused {
 }
 
 impl Refused {
+    /// Told to the client.
     fn new(kind: RefusalKind, why: String) -> Box<Self> {
-        Box::new(Refused {
-            kind,
-            why,
-            tell: Some(kind.refusal()),
-        })
+        let tell = Some(kind.refusal());
+        Box::new(Refused { kind, why, tell })
     }
 
     fn silent(kind: RefusalKind, why: String) -> Box<Self> {
-        Box::new(Refused {
-            kind,
-            why,
-            tell: None,
-        })
+        let tell = None;
+        Box::new(Refused { kind, why, tell })
     }
 }
 
-/// What a client said in its hello.
-struct Hello {
-    rank: usize,
-    member: Member,
-}
-
-/// Read and check the preface and the hello from `sock`, until the handshake deadline.
+/// Read and check the preface and the hello from `sock`, until the handshake deadline:
+/// the rank the client asks for, and who it is.
 fn handshake(
     shared: &Shared,
     sock: &SharedStream,
     reader: &mut FrameReader<SharedStream>,
     peer: SocketAddr,
-) -> std::result::Result<Hello, Box<Refused>> {
+) -> std::result::Result<(usize, Member), Box<Refused>> {
     let until = Deadline::after(shared.config.handshake_timeout);
     let failed = |e: ReadError| {
         let kind = match &e {
@@ -133,15 +123,13 @@ fn handshake(
             ),
         ));
     }
-    Ok(Hello {
-        rank: rank as usize,
-        member: Member {
-            host,
-            pid,
-            addr: peer.to_string(),
-            at_unix_ms: wire::unix_ms_now(),
-        },
-    })
+    let member = Member {
+        host,
+        pid,
+        addr: peer.to_string(),
+        at_unix_ms: wire::unix_ms_now(),
+    };
+    Ok((rank as usize, member))
 }
 
 /// A job identity for messages.
@@ -178,16 +166,15 @@ pub(super) fn serve(
         }
         shared.reject(peer, refused.kind, &refused.why);
     };
-    let hello = match handshake(shared, &stream, &mut reader, peer) {
-        Ok(h) => h,
+    let (rank, member) = match handshake(shared, &stream, &mut reader, peer) {
+        Ok(hello) => hello,
         Err(refused) => return refuse(refused),
     };
-    let rank = hello.rank;
     // Join.
     let me = {
         let mut st = shared.state.lock();
         if let Some(holder) = &st.members[rank] {
-            let (holder, claimant) = (holder.clone(), hello.member);
+            let (holder, claimant) = (holder.clone(), member);
             let why = if st.conns[rank].is_some() {
                 format!(
                     "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
@@ -225,8 +212,8 @@ pub(super) fn serve(
             mailbox: Arc::default(),
         };
         st.next_conn_id += 1;
-        tracing::info!("symmpool store: rank {rank} joined: {}", hello.member);
-        st.members[rank] = Some(hello.member);
+        tracing::info!("symmpool store: rank {rank} joined: {member}");
+        st.members[rank] = Some(member);
         st.conns[rank] = Some(Conn {
             link: me.clone(),
             sock: stream.clone(),

@@ -30,7 +30,8 @@ pub(crate) enum ReadError {
 /// Reads frames from a socket that has a read timeout, keeping partial frames across
 /// timeouts.
 pub(crate) struct FrameReader<R> {
-    inner: R,
+    /// The source.
+    pub(crate) inner: R,
     pub(super) buf: Vec<u8>,
     start: usize,
     end: usize,
