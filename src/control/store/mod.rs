@@ -108,6 +108,16 @@ struct State {
     next_conn_id: u64,
 }
 
+impl State {
+    /// Write `frame` to `rank` if it is connected; on failure, the rank and why (it is
+    /// for the caller to make it depart).
+    fn write_to(&self, rank: usize, frame: &[u8]) -> Option<(usize, String)> {
+        let c = self.conns[rank].as_ref()?;
+        let written = write_after_result(&c.link.mailbox, &c.link.writer, Some(frame));
+        (written.err()).map(|e| (rank, format!("writing to it failed: {e}")))
+    }
+}
+
 /// A round some ranks have contributed to.
 struct Pending {
     /// Each rank's payload, once contributed.
@@ -321,28 +331,10 @@ impl Shared {
         })
     }
 
-    /// Write `frame` to `rank`; on failure the rank departs (by the caller, who gets it
-    /// back in `failed`).
-    fn write_to(
-        &self,
-        st: &mut State,
-        rank: usize,
-        frame: &[u8],
-        failed: &mut Vec<(usize, String)>,
-    ) {
-        if let Some(c) = st.conns[rank].as_mut()
-            && let Err(e) = write_after_result(&c.link.mailbox, &c.link.writer, Some(frame))
-        {
-            failed.push((rank, format!("writing to it failed: {e}")));
-        }
-    }
-
     /// Write `frame` to each of `ranks`; those it fails for depart, after all writes.
     fn send_to(&self, st: &mut State, ranks: impl IntoIterator<Item = usize>, frame: &[u8]) {
-        let mut failed = Vec::new();
-        for rank in ranks {
-            self.write_to(st, rank, frame, &mut failed);
-        }
+        let failed = ranks.into_iter().filter_map(|r| st.write_to(r, frame));
+        let failed: Vec<_> = failed.collect();
         self.depart_all(st, failed);
     }
 
@@ -375,15 +367,11 @@ impl Shared {
     /// `rank` (connection `id`, or any) left or was declared lost: close it and break
     /// the group, naming it.
     fn depart(&self, st: &mut State, rank: usize, id: Option<u64>, why: &str) {
-        let matches = st.conns[rank]
-            .as_ref()
-            .is_some_and(|c| id.is_none_or(|id| c.link.id == id));
-        if !matches {
+        let this = |c: &mut Conn| id.is_none_or(|id| c.link.id == id);
+        let Some(c) = st.conns[rank].take_if(this) else {
             return;
-        }
-        if let Some(c) = st.conns[rank].take() {
-            let _ = c.sock.shutdown(Shutdown::Both);
-        }
+        };
+        let _ = c.sock.shutdown(Shutdown::Both);
         self.stats.lock().ranks_departed += 1;
         self.cv.notify_all();
         if !self.shutdown.load(Ordering::SeqCst) {
@@ -412,7 +400,7 @@ impl Shared {
                 .as_ref()
                 .is_some_and(|c| c.link.mailbox.hand_over(&frame));
             if !handed {
-                self.write_to(&mut st, other, &frame, &mut failed);
+                failed.extend(st.write_to(other, &frame));
             }
         }
         // This rank's own copy goes through its mailbox too, so that whatever another
@@ -553,11 +541,10 @@ fn monitor_loop(shared: &Arc<Shared>) {
         // Awake at least every wait-warning interval too, so that a round that
         // begins while this thread sleeps gets its first notice on time.
         let look = Deadline::after_from(now, shared.config.wait_warning_interval).instant();
-        let mut wake = next_heartbeat.min(look);
-        if let Some(notice) = shared.tell_the_waiting(&mut st, now) {
-            wake = wake.min(notice);
-        }
-        shared.cv.wait_until(&mut st, wake);
+        let notice = shared.tell_the_waiting(&mut st, now).unwrap_or(look);
+        shared
+            .cv
+            .wait_until(&mut st, next_heartbeat.min(look).min(notice));
     }
 }
 
@@ -579,7 +566,7 @@ impl Shared {
                     ),
                 ));
             } else {
-                self.write_to(st, rank, heartbeat, &mut failed);
+                failed.extend(st.write_to(rank, heartbeat));
             }
         }
         self.depart_all(st, failed);
@@ -591,7 +578,6 @@ impl Shared {
     /// is pending.
     fn tell_the_waiting(&self, st: &mut State, now: Instant) -> Option<Instant> {
         let mut notices = Vec::new();
-        let mut earliest: Option<Instant> = None;
         for (&(channel, round), pending) in &mut st.rounds {
             if pending.notice <= now {
                 pending.notice =
@@ -610,8 +596,8 @@ impl Shared {
                 });
                 notices.push((waiting, frame));
             }
-            earliest = Some(earliest.map_or(pending.notice, |e| e.min(pending.notice)));
         }
+        let earliest = st.rounds.values().map(|p| p.notice).min();
         for (waiting, frame) in notices {
             self.send_to(st, waiting, &frame);
         }

@@ -127,9 +127,8 @@ impl<R: Read> FrameReader<R> {
         loop {
             let have = self.end - self.start;
             if have >= 4 {
-                let mut len = [0u8; 4];
-                len.copy_from_slice(&self.buf[self.start..self.start + 4]);
-                let len = u32::from_le_bytes(len) as usize;
+                let len = &self.buf[self.start..self.start + 4];
+                let len = u32::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
                 if len > self.max_frame_bytes {
                     return Err(ReadError::TooLarge {
                         len_bytes: len,
@@ -247,34 +246,27 @@ pub fn fuzz_frames(data: &[u8]) {
     let Some((&mode, stream)) = data.split_first() else {
         return;
     };
-    let chunk = usize::from(mode & 0x0f) + 1;
-    let all_at_once = mode & 0x10 != 0;
+    let chunk = if mode & 0x10 != 0 {
+        usize::MAX
+    } else {
+        usize::from(mode & 0x0f) + 1
+    };
     let max_frame_bytes = if mode & 0x20 != 0 {
         MAX_HANDSHAKE_FRAME_BYTES
     } else {
         64
     };
-    /// A peer that sends at most `chunk` bytes a read.
-    struct Peer<'a> {
-        bytes: &'a [u8],
-        chunk: usize,
-    }
+    /// A peer that sends its bytes, at most `.1` a read.
+    struct Peer<'a>(&'a [u8], usize);
     impl Read for Peer<'_> {
         fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-            let n = out.len().min(self.chunk).min(self.bytes.len());
-            out[..n].copy_from_slice(&self.bytes[..n]);
-            self.bytes = &self.bytes[n..];
+            let n = out.len().min(self.1).min(self.0.len());
+            out[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
             Ok(n)
         }
     }
-    let chunk = if all_at_once { usize::MAX } else { chunk };
-    let mut reader = FrameReader::new(
-        Peer {
-            bytes: stream,
-            chunk,
-        },
-        max_frame_bytes,
-    );
+    let mut reader = FrameReader::new(Peer(stream, chunk), max_frame_bytes);
     match reader.raw(PREFACE_BYTES) {
         Ok(Some(p)) => {
             let ok = p[..8] == MAGIC && p[8..10] == VERSION.to_le_bytes();
