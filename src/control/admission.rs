@@ -92,7 +92,7 @@ impl RefusalLog {
         peer: SocketAddr,
         why: &str,
     ) -> Vec<String> {
-        let mut lines = self.summary_if_over(now).into_iter().collect::<Vec<_>>();
+        let mut lines = self.summary_due(now, false).into_iter().collect::<Vec<_>>();
         match self.kinds.get_mut(&kind) {
             Some(more) => *more += 1,
             None => {
@@ -108,22 +108,15 @@ impl RefusalLog {
     /// Log the counts of the refusals not logged in full: once the interval is over,
     /// or (`now_anyway`: on shutdown) at once.
     pub(super) fn sum_up(&mut self, now: Instant, now_anyway: bool) {
-        let line = if now_anyway {
-            self.summary(now)
-        } else {
-            self.summary_if_over(now)
-        };
-        if let Some(line) = line {
+        if let Some(line) = self.summary_due(now, now_anyway) {
             tracing::warn!("{line}");
         }
     }
 
-    fn summary_if_over(&mut self, now: Instant) -> Option<String> {
-        if now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL {
-            self.summary(now)
-        } else {
-            None
-        }
+    /// The [`summary`](Self::summary), once the interval is over or `anyway`.
+    fn summary_due(&mut self, now: Instant, anyway: bool) -> Option<String> {
+        let over = now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL;
+        (anyway || over).then(|| self.summary(now)).flatten()
     }
 
     /// The counts of refusals not logged in full, if any; starts a new interval.

@@ -314,7 +314,6 @@ impl StoreExchange {
     /// `"store start-up"`, naming the ranks that never joined) or
     /// [`Error::PeerLost`] if the group does not assemble.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
-        config.check()?;
         let server = if config.host_server {
             let addr = config.bind_addr.unwrap_or(SocketAddr::new(
                 IpAddr::V4(Ipv4Addr::UNSPECIFIED),
@@ -333,7 +332,6 @@ impl StoreExchange {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub fn connect_hosting(config: StoreConfig, server: StoreServer) -> Result<StoreExchange> {
-        config.check()?;
         Self::start(config, Some(server))
     }
 
@@ -351,6 +349,7 @@ impl StoreExchange {
     }
 
     fn start(config: StoreConfig, server: Option<StoreServer>) -> Result<StoreExchange> {
+        config.check()?;
         let started = Instant::now();
         let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;

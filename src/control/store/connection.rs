@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// A refused handshake: what to log, and what to tell the client (if anything).
 struct Refused {
@@ -127,7 +127,8 @@ fn handshake(
         host,
         pid,
         addr: peer.to_string(),
-        at_unix_ms: wire::unix_ms_now(),
+        at_unix_ms: (SystemTime::now().duration_since(UNIX_EPOCH))
+            .map_or(0, |d| d.as_millis() as u64),
     };
     Ok((rank as usize, member))
 }
@@ -219,8 +220,12 @@ pub(super) fn serve(
             sock: stream.clone(),
             last_heard: Instant::now(),
         });
-        let joined = shared.joined_message(&st);
-        if matches!(joined, ToClient::AllJoined) {
+        let present: Vec<u32> = (0..shared.world as u32)
+            .filter(|r| st.members[*r as usize].is_some())
+            .collect();
+        let joined = if present.len() < shared.world {
+            ToClient::Joined { present }
+        } else {
             let hosts = st
                 .members
                 .iter()
@@ -229,7 +234,8 @@ pub(super) fn serve(
                 .map(|a| canonical(a.ip()))
                 .collect();
             let _ = shared.rank_hosts.set(hosts);
-        }
+            ToClient::AllJoined
+        };
         shared.send_to(&mut st, 0..shared.world, &wire::encode(&joined));
         me
     };

@@ -444,18 +444,6 @@ impl Shared {
         write_after_result(mailbox, &me.writer, None)
             .map_err(|e| format!("writing to it failed: {e}"))
     }
-
-    fn joined_message(&self, st: &State) -> ToClient {
-        if st.members.iter().all(Option::is_some) {
-            ToClient::AllJoined
-        } else {
-            ToClient::Joined {
-                present: (0..self.world as u32)
-                    .filter(|r| st.members[*r as usize].is_some())
-                    .collect(),
-            }
-        }
-    }
 }
 
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {

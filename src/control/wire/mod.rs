@@ -19,7 +19,6 @@ pub use frames::fuzz_frames;
 pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until};
 
 use serde::{Deserialize, Serialize};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
@@ -143,13 +142,6 @@ impl std::fmt::Display for Member {
             utc(self.at_unix_ms)
         )
     }
-}
-
-/// Milliseconds since the Unix epoch now.
-pub(crate) fn unix_ms_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// `ms` since the Unix epoch as a UTC time, `2026-12-01 10:47:20.123 UTC`.
