@@ -19,22 +19,19 @@ use std::time::{Duration, Instant};
 
 /// An [`Exchange`](super::Exchange) among processes over the crate's TCP store.
 ///
-/// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it as a client.
-/// A waiting caller reads the socket itself when no other thread is reading (so a round
-/// costs no extra thread wake-up); a background thread per rank sends heartbeats, and
-/// reads when nobody has for half a heartbeat interval, to watch the server's
-/// heartbeats. See [`control`](super) for the failure-detection bound.
-/// Dropping the exchange says goodbye to the server. The hosting rank's drop then
-/// waits up to [`StoreConfig::linger`] for the other ranks to leave before stopping
-/// the server, so that they can read the last results; when several ranks live in one
-/// process (tests), drop the hosting rank's exchange last.
+/// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it. A waiting
+/// caller reads the socket itself when no other thread is (a round costs no thread
+/// wake-up); a background thread per rank sends heartbeats and, when nobody has read
+/// for half a heartbeat interval, reads, to watch the server's (the failure-detection
+/// bound: [`control`](super)). A rank waiting long (for the server, for the others to
+/// join, in a round) warns every [`StoreConfig::wait_warning_interval`], naming the
+/// ranks it waits for, and once more when they come.
 ///
-/// Later calls after any rank has left fail with [`Error::PeerLost`] naming it: leaving
-/// is final, like a crash, for the ranks still using the group.
-///
-/// A rank waiting long (for the server, for the others to join, in a round) logs a
-/// warning naming the ranks it waits for every
-/// [`StoreConfig::wait_warning_interval`], and once more when they come.
+/// Dropping the exchange says goodbye to the server: later calls on the other ranks
+/// fail with [`Error::PeerLost`] naming it (leaving is final, like a crash). The
+/// hosting rank's drop waits up to [`StoreConfig::linger`] for the others to leave
+/// before stopping the server, so that they can read the last results; with several
+/// ranks in one process (tests), drop the hosting rank's exchange last.
 pub struct StoreExchange {
     shared: Arc<ClientShared>,
     reader: Option<JoinHandle<()>>,
@@ -52,8 +49,7 @@ struct ClientShared {
     inbox: Mutex<Inbox>,
     /// Signalled when the inbox changes (callers wait on it).
     cv: Condvar,
-    /// Signalled only on close (the background thread waits on it, so that it is not
-    /// woken by every frame).
+    /// Signalled only on close: the background thread waits on it, not woken by frames.
     bg_cv: Condvar,
     /// The settings (heartbeats, spin, linger).
     config: StoreConfig,
@@ -64,9 +60,9 @@ struct ClientShared {
 ///
 /// Reading is leader/follower: a thread that needs a frame (a caller waiting for its
 /// round, or the background thread when nobody has read for half a heartbeat
-/// interval) reads one frame itself when nobody else is reading, and dispatches it
-/// here; otherwise it waits on the condition variable. In a busy loop the callers read
-/// their results directly, without waking another thread.
+/// interval) reads and dispatches one itself when nobody else is reading, and
+/// otherwise waits on the condition variable; so callers in a busy loop read their
+/// results without waking another thread.
 struct Inbox {
     results: HashMap<(u64, u64), Vec<Vec<u8>>>,
     /// The server's word on rounds that wait long: the ranks that have not

@@ -196,21 +196,16 @@ impl<S: KvStore> KvExchange<S> {
     /// The group's broken state: this rank's memory first, then the store's counter.
     fn check_broken(&self) -> Result<()> {
         let mut broken = self.broken.lock();
-        if let Some((rank, op)) = *broken {
-            return Err(Error::GroupBroken { rank, op });
-        }
-        if self.store.add(&self.broken_key(), 0)? > 0 {
+        if broken.is_none() && self.store.add(&self.broken_key(), 0)? > 0 {
             let reason = self.store.get(&self.reason_key())?;
             let text = String::from_utf8_lossy(&reason);
             let (rank, op) = text.split_once(' ').unwrap_or(("0", "an exchange round"));
-            let found = (rank.parse().unwrap_or(0), intern_op(op));
-            *broken = Some(found);
-            return Err(Error::GroupBroken {
-                rank: found.0,
-                op: found.1,
-            });
+            *broken = Some((rank.parse().unwrap_or(0), intern_op(op)));
         }
-        Ok(())
+        match *broken {
+            Some((rank, op)) => Err(Error::GroupBroken { rank, op }),
+            None => Ok(()),
+        }
     }
 
     /// The ranks whose keys of a round (`keys`, by rank) are missing.
@@ -259,36 +254,30 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
                 break;
             }
             self.check_broken()?;
-            if warnings.due() && !r.deadline.expired() {
-                let missing = self.missing(&keys)?;
-                if !missing.is_empty() {
-                    warnings.warn(&who, ranks(&missing), r.deadline);
-                }
-            }
-            if r.deadline.expired() {
+            let expired = r.deadline.expired();
+            if expired || warnings.due() {
                 let missing = self.missing(&keys)?;
                 if missing.is_empty() {
                     break;
                 }
-                self.break_group(r.op, own);
-                return Err(Error::Timeout {
-                    op: r.op,
-                    waited: r.started.elapsed(),
-                    missing_ranks: missing,
-                });
+                if expired {
+                    self.break_group(r.op, own);
+                    return Err(Error::Timeout {
+                        op: r.op,
+                        waited: r.started.elapsed(),
+                        missing_ranks: missing,
+                    });
+                }
+                warnings.warn(&who, ranks(&missing), r.deadline);
             }
         }
         warnings.arrived(&who);
         // A rank that timed out may have posted before it gave up: do not pair with it.
         self.check_broken()?;
-        let mut out = Vec::with_capacity(self.rounds.world_size);
-        for (k, key) in keys.iter().enumerate() {
-            if k == self.rounds.rank {
-                out.push(r.payload.to_vec());
-            } else {
-                out.push(self.store.get(key)?);
-            }
-        }
+        let mine = |k: usize| (k == self.rounds.rank).then(|| r.payload.to_vec());
+        let out = (keys.iter().enumerate())
+            .map(|(k, key)| mine(k).map_or_else(|| self.store.get(key), Ok))
+            .collect::<Result<Vec<_>>>()?;
         if round > 0 {
             self.store
                 .delete(&self.key(r.channel, round - 1, self.rounds.rank))?;

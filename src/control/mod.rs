@@ -73,7 +73,7 @@ use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 pub use admission::REFUSAL_LOG_INTERVAL;
@@ -238,17 +238,17 @@ pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
 /// An operation name that another rank sent (a store's broken-group notice), as
 /// `&'static str`: a small, bounded set, the names the crate's own calls use.
 fn intern_op(name: &str) -> &'static str {
-    static NAMES: std::sync::OnceLock<Mutex<HashSet<&'static str>>> = std::sync::OnceLock::new();
-    let mut names = NAMES.get_or_init(Default::default).lock();
-    if let Some(n) = names.get(name) {
-        return n;
+    static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+    let mut names = NAMES.lock();
+    match names.get(name).copied() {
+        Some(n) => n,
+        None if names.len() >= 256 => "an exchange round",
+        None => {
+            let leaked: &'static str = Box::leak(name.into());
+            names.insert(leaked);
+            leaked
+        }
     }
-    if names.len() >= 256 {
-        return "an exchange round";
-    }
-    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
-    names.insert(leaked);
-    leaked
 }
 
 /// What a rank opens in [`Exchange::open_channel`]'s round.

@@ -1,11 +1,12 @@
 //! [`StoreServer`]: the TCP rendezvous store that rank 0 hosts.
 //!
-//! One thread accepts connections, one thread per connection does the handshake and
-//! then reads that rank's frames, and one monitor thread sends heartbeats and declares
-//! silent ranks lost.
-//!
-//! This file holds the server, its shared state and the rounds; `connection.rs` holds a
-//! connection's thread: the handshake, then that rank's frames.
+//! One thread accepts connections; one per connection does the handshake, then reads
+//! that rank's frames (`connection.rs`); a monitor thread sends heartbeats and declares
+//! silent ranks lost. All state is behind one mutex; every write to a rank goes through
+//! its own writer lock, so frames never interleave. A round's result is encoded once
+//! and written to every rank with one write each: to a rank whose thread still polls
+//! for it (up to [`StoreConfig::server_spin`] after contributing) by that thread, in
+//! parallel with the others; to the rest by the thread of the last contributor.
 //!
 //! # What a client that is not one of the job's ranks can cost
 //!
@@ -18,13 +19,7 @@
 //! ([`Error::JobMismatch`]), a rank already held ([`Error::RankTaken`], naming both
 //! processes). Refusals are counted ([`ServerStats`]) and logged at most one line per
 //! kind per [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then one line with
-//! the counts. All state is behind one mutex; every write to a rank goes
-//! through that rank's own writer lock, so frames never interleave. A round's result
-//! is encoded once and written to every rank with one write each: to a rank whose
-//! thread is still polling for it (for up to [`StoreConfig::server_spin`] after
-//! contributing)
-//! by that thread, in parallel with the others; to the rest by the thread of the last
-//! rank to contribute.
+//! the counts.
 
 mod connection;
 
