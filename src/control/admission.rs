@@ -6,7 +6,7 @@
 use super::StoreConfig;
 use super::wire::Refusal;
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -167,14 +167,6 @@ pub(super) struct HandshakeSlot<'a>(pub(super) &'a AtomicUsize);
 impl Drop for HandshakeSlot<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// An address as compared among the ranks' hosts (IPv4-mapped IPv6 as IPv4).
-pub(super) fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
     }
 }
 

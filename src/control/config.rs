@@ -24,39 +24,35 @@ pub struct StoreConfig {
     /// Shared secret every rank must present (env `SYMMPOOL_TOKEN`); `None`: none.
     pub token: Option<String>,
     /// The job's identity, presented in every rank's handshake: a rank of another job
-    /// (another identity) is refused, on both sides, with [`Error::JobMismatch`]
-    /// naming the two identities, so two jobs that reach one store never merge.
+    /// is refused, on both sides, with [`Error::JobMismatch`] naming the two
+    /// identities, so two jobs that reach one store never merge.
     ///
     /// [`from_env`](Self::from_env) takes it from, in this order: `SYMMPOOL_JOB_ID`;
-    /// torchrun's run id `TORCHELASTIC_RUN_ID` (with `TORCHELASTIC_RESTART_COUNT`, so
-    /// a straggler of an earlier attempt is refused too; torchrun's default run id
-    /// `none` is not an identity); Open MPI's job id (`OMPI_MCA_ess_base_jobid`, or
-    /// the PMIx namespace `PMIX_NAMESPACE` of Open MPI 5); slurm's job and step ids
-    /// (`SLURM_JOB_ID`, `SLURM_STEP_ID`).
+    /// torchrun's `TORCHELASTIC_RUN_ID` with `TORCHELASTIC_RESTART_COUNT` (so a
+    /// straggler of an earlier attempt is refused too; torchrun's default `none` is no
+    /// identity); Open MPI's `OMPI_MCA_ess_base_jobid`, or Open MPI 5's PMIx namespace
+    /// `PMIX_NAMESPACE`; slurm's `SLURM_JOB_ID` and `SLURM_STEP_ID`.
     ///
-    /// `None` (no launcher identity; [`new`](Self::new)'s default): ranks of any job
-    /// whose handshake also carries none are accepted. The store then still refuses a
-    /// second claim of a rank (naming both processes, [`Error::RankTaken`]), a
-    /// different world size, and any client after every rank has joined; but a rank
-    /// of another job on the same port that connects *before* this job's own rank
-    /// takes its place (this job's rank is then refused, naming the holder). Set
-    /// `SYMMPOOL_JOB_ID` (any string the ranks of one job share, e.g. a random one
-    /// from the launcher) or [`token`](Self::token) where that matters.
+    /// `None` ([`new`](Self::new)'s default): ranks of any job whose handshake carries
+    /// none either are accepted. The store still refuses a second claim of a rank
+    /// ([`Error::RankTaken`], naming both processes), a different world size, and any
+    /// client after every rank has joined; but a rank of another job on the same port
+    /// that connects *before* this job's own rank takes its place (this job's rank is
+    /// then refused, naming the holder). Where that matters set `SYMMPOOL_JOB_ID` (any
+    /// string the ranks of one job share) or [`token`](Self::token).
     pub job_id: Option<String>,
     /// How long connecting, the handshake and the wait for every rank to join may take
     /// (ranks of real jobs start minutes apart; default 10 min). Connecting is retried
     /// until then. Env `SYMMPOOL_STARTUP_TIMEOUT_MS`.
     pub startup_timeout: Duration,
-    /// How long the server waits for a new connection to complete its handshake
-    /// before closing it, and a rank for the server's verdict (default 5 s; a rank
-    /// sends its whole handshake in one write as soon as it connects). Env
-    /// `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
+    /// How long the server waits for a new connection's handshake before closing it,
+    /// and a rank for the server's verdict (default 5 s; a rank sends its handshake in
+    /// one write on connecting). Env `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
     pub handshake_timeout: Duration,
-    /// Most handshakes the server runs at once (default 64; each holds a thread and
-    /// a descriptor for at most [`handshake_timeout`](Self::handshake_timeout)). A
-    /// connection beyond it is refused at once as busy, and a rank refused so retries
-    /// until [`startup_timeout`](Self::startup_timeout). Env
-    /// `SYMMPOOL_MAX_HANDSHAKES`.
+    /// Most handshakes the server runs at once (default 64; each holds a thread and a
+    /// descriptor for at most [`handshake_timeout`](Self::handshake_timeout)); one
+    /// beyond is refused as busy, and its rank retries until
+    /// [`startup_timeout`](Self::startup_timeout). Env `SYMMPOOL_MAX_HANDSHAKES`.
     pub max_handshakes: usize,
     /// How often clients and server send heartbeats (default 1 s). Env
     /// `SYMMPOOL_HEARTBEAT_INTERVAL_MS`.
@@ -78,12 +74,11 @@ pub struct StoreConfig {
     /// ranks arrive together. Env `SYMMPOOL_SPIN_US`.
     pub spin: Duration,
     /// How long the hosting rank's server polls in each rank's thread: for a round's
-    /// result after the rank contributed, and for the rank's next frame before each
-    /// blocking read (so up to twice this per round). `None`
-    /// (default): [`spin`](Self::spin) where the ranks number at most half of the
-    /// host's cores, else zero (polling threads would take the cores of the threads
-    /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
-    /// `SYMMPOOL_SERVER_SPIN_US`.
+    /// result after the rank contributed, and for its next frame before each blocking
+    /// read (so up to twice this per round). `None` (default): [`spin`](Self::spin)
+    /// where the ranks number at most half of the host's cores, else zero (polling
+    /// threads would take the cores of the threads they wait for). At most
+    /// [`MAX_SPIN`](Self::MAX_SPIN). Env `SYMMPOOL_SERVER_SPIN_US`.
     pub server_spin: Option<Duration>,
     /// How often a rank waiting for other ranks (to join at start-up, or to contribute
     /// to a round) logs a warning naming them (default
@@ -118,9 +113,8 @@ impl fmt::Debug for StoreConfig {
 
 impl StoreConfig {
     /// The largest [`spin`](Self::spin) and [`server_spin`](Self::server_spin)
-    /// accepted: a rank's server thread does not read
-    /// its socket while it polls for a result, so polling must stay far below the
-    /// heartbeat interval.
+    /// accepted: a rank's server thread does not read its socket while it polls for a
+    /// result, so polling must stay far below the heartbeat interval.
     pub const MAX_SPIN: Duration = Duration::from_millis(1);
 
     /// Defaults for `launch` (see the fields).

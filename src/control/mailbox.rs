@@ -1,5 +1,4 @@
-//! [`Mailbox`]: how a round's result reaches the store server's thread of a rank that
-//! polls for it, so that the results of a round are written in parallel.
+//! [`Mailbox`]: a round's result on its way to the store server's thread of a rank.
 
 use super::wire::SharedStream;
 use parking_lot::{Mutex, MutexGuard};

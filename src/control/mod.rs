@@ -166,14 +166,13 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     fn open_channel(&self, name: &str, deadline: Deadline) -> Result<ChannelId>;
 
     /// The rank this exchange knows to be lost, if any: its process ended, it closed
-    /// its exchange, or it stopped answering heartbeats (see the [failure detection
-    /// bound](self#failure-detection-bound)). A look at what the exchange already
-    /// knows, with no round and no wait, for watchdogs that must end work blocked on
-    /// the lost rank outside the exchange (the NCCL backend's watchdog asks every
-    /// interval, and aborts its communicators). A [`StoreExchange`] learns of a loss
-    /// while no call waits on it too (its background thread reads the server's word);
-    /// exchanges without failure detection ([`LocalExchange`], [`KvExchange`]) answer
-    /// `None` (the default).
+    /// its exchange, or it stopped answering heartbeats (the [failure detection
+    /// bound](self#failure-detection-bound)). What the exchange already knows, with no
+    /// round and no wait, for watchdogs that must end work blocked on the lost rank
+    /// outside the exchange (the NCCL backend's aborts its communicators). A
+    /// [`StoreExchange`] learns of a loss while no call waits too (its background
+    /// thread reads the server's word); exchanges without failure detection
+    /// ([`LocalExchange`], [`KvExchange`]) answer `None` (the default).
     fn lost_peer(&self) -> Option<LostPeer> {
         None
     }
@@ -258,8 +257,8 @@ struct ChannelOpening {
     name: String,
 }
 
-/// One round of one of the crate's exchanges, numbered and checked by the
-/// [`Exchange`] implementation that [`GatherRounds`] gives.
+/// One round of one of the crate's exchanges, numbered and checked by [`GatherRounds`]'
+/// [`Exchange`] implementation.
 #[derive(Debug, Clone, Copy)]
 struct Round<'a> {
     channel: ChannelId,
@@ -273,10 +272,9 @@ struct Round<'a> {
     started: Instant,
 }
 
-/// What each of the crate's exchanges provides; [`Exchange`] follows from it, with the
-/// checks and the round bookkeeping every implementation needs done once: the payload
-/// limit (before anything is sent or a round is used), the round numbers per channel,
-/// and the channel openings.
+/// What each of the crate's exchanges provides; [`Exchange`] follows, with what every
+/// implementation needs done once: the payload limit (checked before anything is sent
+/// or a round is used), the round numbers per channel, the channel openings.
 trait GatherRounds: Send + Sync + std::fmt::Debug {
     /// This rank's place in the group and its round counters.
     fn rounds(&self) -> &Rounds;

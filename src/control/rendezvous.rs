@@ -139,10 +139,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
     /// already): every gather waiting now or later fails with [`Error::GroupBroken`].
     /// For a caller that learnt otherwise that the ranks are out of step.
     pub(crate) fn abandon(&self, rank: usize, op: &'static str) {
-        let mut state = self.state.lock();
-        if state.broken.is_none() {
-            state.broken = Some((rank, op));
-        }
+        self.state.lock().broken.get_or_insert((rank, op));
         self.cv.notify_all();
     }
 

@@ -2,9 +2,7 @@
 //! then that rank's frames until it leaves.
 
 use super::{CLOSED, Conn, Link, Pending, Shared};
-use crate::control::admission::{
-    HandshakeSlot, RefusalKind, canonical, describe_io, out_of_descriptors,
-};
+use crate::control::admission::{HandshakeSlot, RefusalKind, describe_io, out_of_descriptors};
 use crate::control::wire::{
     self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
     Refusal, SharedStream, ToClient, ToServer,
@@ -231,7 +229,7 @@ pub(super) fn serve(
                 .iter()
                 .flatten()
                 .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
-                .map(|a| canonical(a.ip()))
+                .map(|a| a.ip().to_canonical())
                 .collect();
             let _ = shared.rank_hosts.set(hosts);
             ToClient::AllJoined

@@ -23,9 +23,7 @@
 
 mod connection;
 
-use super::admission::{
-    HandshakeSlot, RefusalKind, RefusalLog, canonical, describe_io, out_of_descriptors,
-};
+use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, describe_io, out_of_descriptors};
 use super::config::StoreConfig;
 use super::join::transport;
 use super::mailbox::{Mailbox, write_after_result};
@@ -87,8 +85,8 @@ struct Shared {
     stats: Mutex<ServerStats>,
     /// Handshakes in flight.
     handshakes: AtomicUsize,
-    /// The hosts of the ranks, set once every rank has joined: later connections from
-    /// elsewhere are refused without a handshake.
+    /// The hosts of the ranks (`to_canonical`: IPv4-mapped IPv6 as IPv4), set once every
+    /// rank has joined: later connections from elsewhere are refused without a handshake.
     rank_hosts: OnceLock<Vec<IpAddr>>,
     /// Rate-limited refusal warnings (its own lock: never taken on a round's path).
     refusals: Mutex<RefusalLog>,
@@ -477,7 +475,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
 /// handshakes in flight), else handed to a thread of its own for the handshake.
 fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     if let Some(hosts) = shared.rank_hosts.get()
-        && !hosts.contains(&canonical(peer.ip()))
+        && !hosts.contains(&peer.ip().to_canonical())
     {
         let why = format!(
             "every rank has joined, and {} runs none of them (a rank cannot rejoin)",

@@ -240,12 +240,8 @@ mod byte_lists {
 
 /// Encode `msg` as one frame (length prefix and body), ready for a single write.
 pub(crate) fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
-    let mut out = vec![0u8; 4];
     // Serialising plain enums of integers, strings and byte vectors cannot fail.
-    out = match postcard::to_extend(msg, out) {
-        Ok(v) => v,
-        Err(_) => vec![0u8; 4],
-    };
+    let mut out = postcard::to_extend(msg, vec![0u8; 4]).unwrap_or_else(|_| vec![0u8; 4]);
     let len = (out.len() - 4) as u32;
     out[..4].copy_from_slice(&len.to_le_bytes());
     out
