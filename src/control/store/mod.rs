@@ -26,7 +26,7 @@ mod connection;
 use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, describe_io, out_of_descriptors};
 use super::config::StoreConfig;
 use super::join::transport;
-use super::mailbox::{Mailbox, write_after_result};
+use super::mailbox::Mailbox;
 use super::wire::{self, Broken, Cause, Member, Refusal, SharedStream, ToClient};
 use crate::deadline::Deadline;
 #[cfg(doc)]
@@ -106,8 +106,7 @@ impl State {
     /// for the caller to make it depart).
     fn write_to(&self, rank: usize, frame: &[u8]) -> Option<(usize, String)> {
         let c = self.conns[rank].as_ref()?;
-        let written = write_after_result(&c.link.mailbox, &c.link.writer, Some(frame));
-        (written.err()).map(|e| (rank, format!("writing to it failed: {e}")))
+        c.link.write(Some(frame)).err().map(|why| (rank, why))
     }
 }
 
@@ -158,6 +157,20 @@ struct Link {
     writer: Arc<Mutex<SharedStream>>,
     /// Results handed to the connection's thread.
     mailbox: Arc<Mailbox>,
+}
+
+impl Link {
+    /// Under the writer lock: write the result waiting in the mailbox, if any, then
+    /// `frame`. Every write to a rank goes through here, so nothing written to it later
+    /// (the next round's result, a broken-group notice after the last round) overtakes
+    /// a result handed to its mailbox. `Err`: why writing failed.
+    fn write(&self, frame: Option<&[u8]>) -> std::result::Result<(), String> {
+        let w = self.writer.lock();
+        let result = self.mailbox.take_delivered();
+        (result.map_or(Ok(()), |r| w.send(&r)))
+            .and_then(|()| frame.map_or(Ok(()), |f| w.send(f)))
+            .map_err(|e| format!("writing to it failed: {e}"))
+    }
 }
 
 impl fmt::Debug for StoreServer {
@@ -401,14 +414,8 @@ impl Shared {
         me.mailbox.put_own(frame);
         self.depart_all(&mut st, failed);
         drop(st);
-        if let Err(e) = write_after_result(&me.mailbox, &me.writer, None) {
-            let mut st = self.state.lock();
-            self.depart(
-                &mut st,
-                me.rank,
-                Some(me.id),
-                &format!("writing to it failed: {e}"),
-            );
+        if let Err(why) = me.write(None) {
+            self.depart(&mut self.state.lock(), me.rank, Some(me.id), &why);
         }
     }
 
@@ -434,8 +441,7 @@ impl Shared {
         // Stop polling: from now on the last contributor writes the result itself.
         mailbox.stop_waiting();
         // A result delivered meanwhile (and not yet written by another writer).
-        write_after_result(mailbox, &me.writer, None)
-            .map_err(|e| format!("writing to it failed: {e}"))
+        me.write(None)
     }
 }
 
@@ -447,8 +453,9 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 admit(shared, stream, peer);
             }
             Err(e) => {
-                let idle = e.kind() == std::io::ErrorKind::WouldBlock;
-                if !idle {
+                if e.kind() == std::io::ErrorKind::WouldBlock {
+                    shared.refusals.lock().sum_up(Instant::now(), false);
+                } else {
                     // The connection stays queued; try again after the pause below.
                     let kind = if out_of_descriptors(&e) {
                         RefusalKind::Resources
@@ -457,8 +464,6 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                     };
                     let why = format!("accepting failed: {}", describe_io(&e));
                     shared.reject(SocketAddr::from(([0, 0, 0, 0], 0)), kind, &why);
-                } else {
-                    shared.refusals.lock().sum_up(Instant::now(), false);
                 }
                 let mut st = shared.state.lock();
                 if shared.shutdown.load(Ordering::SeqCst) {

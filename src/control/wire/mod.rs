@@ -255,11 +255,7 @@ pub(crate) fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, String
 
 /// Compare two secrets in time that depends only on their lengths.
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= x ^ y;
-    }
-    diff == 0
+    let at = |s: &[u8], i: usize| s.get(i).copied().unwrap_or(0);
+    let diff = (0..a.len().max(b.len())).fold(0, |d, i| d | (at(a, i) ^ at(b, i)));
+    diff == 0 && a.len() == b.len()
 }
