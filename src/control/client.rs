@@ -98,11 +98,7 @@ impl Inbox {
     }
 
     fn server_lost(&mut self, detail: String) {
-        self.broken.get_or_insert(Broken {
-            rank: 0,
-            op: String::new(),
-            cause: Cause::Lost { detail },
-        });
+        self.broken.get_or_insert(Broken::lost(0, detail));
     }
 }
 
@@ -442,19 +438,24 @@ impl StoreExchange {
     }
 }
 
+/// The loss that broke the group `b`, if it was one.
+fn lost(b: &Broken) -> Option<LostPeer> {
+    let Cause::Lost { detail } = &b.cause else {
+        return None;
+    };
+    let (rank, left) = (b.rank as usize, detail.starts_with(CLOSED));
+    let detail = detail.clone();
+    Some(LostPeer { rank, detail, left })
+}
+
 /// The error a call in `op` reports on a group broken by `b`.
 fn error_for(b: &Broken, op: &'static str) -> Error {
-    match &b.cause {
-        Cause::Lost { detail } => Error::PeerLost {
-            rank: b.rank as usize,
-            op,
-            detail: detail.clone(),
-        },
-        Cause::Timeout { .. } => Error::GroupBroken {
-            rank: b.rank as usize,
-            op: intern_op(&b.op),
-        },
-    }
+    let rank = b.rank as usize;
+    let timeout = || Error::GroupBroken {
+        rank,
+        op: intern_op(&b.op),
+    };
+    lost(b).map_or_else(timeout, |l| l.error(op))
 }
 
 impl GatherRounds for StoreExchange {
@@ -549,19 +550,7 @@ impl GatherRounds for StoreExchange {
     }
 
     fn lost_peer(&self) -> Option<LostPeer> {
-        let inbox = self.shared.inbox.lock();
-        match &inbox.broken {
-            Some(Broken {
-                rank,
-                cause: Cause::Lost { detail },
-                ..
-            }) => Some(LostPeer {
-                rank: *rank as usize,
-                detail: detail.clone(),
-                left: detail.starts_with(CLOSED),
-            }),
-            _ => None,
-        }
+        self.shared.inbox.lock().broken.as_ref().and_then(lost)
     }
 }
 

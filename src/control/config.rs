@@ -237,27 +237,21 @@ fn job_id_from_vars(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
             .map(|v| v.trim().to_string())
             .filter(|v| !v.is_empty())
     };
-    if let Some(id) = set("SYMMPOOL_JOB_ID") {
-        return Some(id);
-    }
     // torchrun without `--rdzv-id` (and without `--standalone`) sets "none".
-    if let Some(run) = set("TORCHELASTIC_RUN_ID").filter(|r| r != "none") {
-        let attempt = set("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
-        return Some(format!("torchrun:{run}/restart:{attempt}"));
-    }
-    if let Some(job) = set("OMPI_MCA_ess_base_jobid") {
-        return Some(format!("openmpi:{job}"));
-    }
-    if let Some(ns) = set("PMIX_NAMESPACE") {
-        return Some(format!("pmix:{ns}"));
-    }
-    if let Some(job) = set("SLURM_JOB_ID") {
-        return Some(match set("SLURM_STEP_ID") {
-            Some(step) => format!("slurm:{job}.{step}"),
-            None => format!("slurm:{job}"),
+    let torchrun = set("TORCHELASTIC_RUN_ID")
+        .filter(|r| r != "none")
+        .map(|run| {
+            let attempt = set("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+            format!("torchrun:{run}/restart:{attempt}")
         });
-    }
-    None
+    let slurm = |job| match set("SLURM_STEP_ID") {
+        Some(step) => format!("slurm:{job}.{step}"),
+        None => format!("slurm:{job}"),
+    };
+    (set("SYMMPOOL_JOB_ID").or(torchrun))
+        .or_else(|| set("OMPI_MCA_ess_base_jobid").map(|job| format!("openmpi:{job}")))
+        .or_else(|| set("PMIX_NAMESPACE").map(|ns| format!("pmix:{ns}")))
+        .or_else(|| set("SLURM_JOB_ID").map(slurm))
 }
 
 #[cfg(test)]

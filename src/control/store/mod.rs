@@ -383,16 +383,7 @@ impl Shared {
         if !self.shutdown.load(Ordering::SeqCst) {
             tracing::info!("symmpool store: rank {rank} departed: {why}");
         }
-        self.break_group(
-            st,
-            Broken {
-                rank: rank as u32,
-                op: String::new(),
-                cause: Cause::Lost {
-                    detail: why.to_string(),
-                },
-            },
-        );
+        self.break_group(st, Broken::lost(rank as u32, why.to_string()));
     }
 
     /// Send a completed round's `frame` to every rank (the caller, `me`'s thread,

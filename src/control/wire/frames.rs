@@ -7,6 +7,7 @@ use super::{
 };
 use crate::deadline::Deadline;
 use serde::{Deserialize, Serialize};
+use std::io::ErrorKind::{Interrupted, TimedOut, WouldBlock};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
@@ -77,24 +78,16 @@ impl<R: Read> FrameReader<R> {
         loop {
             match read(&mut self.inner, &mut self.buf[self.end..]) {
                 Ok(0) => {
-                    return Err(ReadError::Eof {
-                        partial: self.end > self.start,
-                    });
+                    let partial = self.end > self.start;
+                    return Err(ReadError::Eof { partial });
                 }
                 Ok(n) => {
                     self.end += n;
                     self.bytes_read += n as u64;
                     return Ok(true);
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Ok(false);
-                }
+                Err(e) if e.kind() == Interrupted => {}
+                Err(e) if matches!(e.kind(), WouldBlock | TimedOut) => return Ok(false),
                 Err(e) => return Err(ReadError::Io(e)),
             }
         }

@@ -120,6 +120,14 @@ pub(crate) struct Broken {
     pub(crate) cause: Cause,
 }
 
+impl Broken {
+    /// `rank` was lost, as `detail` says.
+    pub(crate) fn lost(rank: u32, detail: String) -> Broken {
+        let (op, cause) = (String::new(), Cause::Lost { detail });
+        Broken { rank, op, cause }
+    }
+}
+
 /// A process that joined (or asked to join) the store: where, which, when.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) struct Member {
