@@ -81,22 +81,6 @@ struct Inbox {
 }
 
 impl Inbox {
-    fn new() -> Inbox {
-        let now = Instant::now();
-        Inbox {
-            results: HashMap::new(),
-            waiting: HashMap::new(),
-            broken: None,
-            present: Vec::new(),
-            all_joined: false,
-            reader_busy: false,
-            reader_done: false,
-            last_heard: now,
-            last_read: now,
-            read_timeout: Duration::ZERO,
-        }
-    }
-
     fn server_lost(&mut self, detail: String) {
         self.broken.get_or_insert(Broken::lost(0, detail));
     }
@@ -362,11 +346,23 @@ impl StoreExchange {
         let mut warnings =
             WaitWarnings::new("store start-up", started, config.wait_warning_interval);
         let (stream, reader) = join_store(&config, &target, deadline, &mut warnings)?;
+        let now = Instant::now();
         let shared = Arc::new(ClientShared {
             server: target,
             writer: Mutex::new(stream),
             reader: Mutex::new(reader),
-            inbox: Mutex::new(Inbox::new()),
+            inbox: Mutex::new(Inbox {
+                results: HashMap::new(),
+                waiting: HashMap::new(),
+                broken: None,
+                present: Vec::new(),
+                all_joined: false,
+                reader_busy: false,
+                reader_done: false,
+                last_heard: now,
+                last_read: now,
+                read_timeout: Duration::ZERO,
+            }),
             cv: Condvar::new(),
             bg_cv: Condvar::new(),
             config: config.clone(),
@@ -529,11 +525,8 @@ impl GatherRounds for StoreExchange {
             Some(b) => return Err(error_for(b, r.op)),
             None => {
                 // No answer from the server: break the group here.
-                inbox.broken.get_or_insert(Broken {
-                    rank: self.rounds.rank as u32,
-                    op: r.op.to_string(),
-                    cause: Cause::Timeout { missing: vec![] },
-                });
+                let broken = Broken::timeout(self.rounds.rank as u32, r.op.into(), vec![]);
+                inbox.broken.get_or_insert(broken);
                 self.shared.cv.notify_all();
                 vec![]
             }

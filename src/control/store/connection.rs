@@ -4,7 +4,7 @@
 use super::{CLOSED, Conn, Link, Pending, Shared};
 use crate::control::admission::{HandshakeSlot, RefusalKind, describe_io, out_of_descriptors};
 use crate::control::wire::{
-    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
+    self, Broken, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
     Refusal, SharedStream, ToClient, ToServer,
 };
 use crate::deadline::Deadline;
@@ -103,23 +103,17 @@ fn handshake(
             ),
         ));
     }
-    if world_size as usize != shared.world {
-        return Err(Refused::new(
-            RefusalKind::Misfit,
-            format!(
-                "world size {world_size} differs from the store's {} (check WORLD_SIZE on every rank)",
-                shared.world
-            ),
-        ));
-    }
-    if rank as usize >= shared.world {
-        return Err(Refused::new(
-            RefusalKind::Misfit,
-            format!(
-                "rank {rank} is out of range for world size {}",
-                shared.world
-            ),
-        ));
+    let world = shared.world;
+    let misfit = if world_size as usize != world {
+        Some(format!(
+            "world size {world_size} differs from the store's {world} (check WORLD_SIZE on every rank)"
+        ))
+    } else {
+        (rank as usize >= world)
+            .then(|| format!("rank {rank} is out of range for world size {world}"))
+    };
+    if let Some(why) = misfit {
+        return Err(Refused::new(RefusalKind::Misfit, why));
     }
     let member = Member {
         host,
@@ -328,14 +322,7 @@ pub(super) fn serve(
             ToServer::Abandon { channel, round, op } => {
                 let missing =
                     (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
-                shared.break_group(
-                    &mut st,
-                    Broken {
-                        rank: rank as u32,
-                        op,
-                        cause: Cause::Timeout { missing },
-                    },
-                );
+                shared.break_group(&mut st, Broken::timeout(rank as u32, op, missing));
             }
             ToServer::Bye => {
                 return shared.depart(&mut st, rank, Some(id), CLOSED);

@@ -238,16 +238,18 @@ impl StoreServer {
             threads: Vec::new(),
         };
         let s = shared.clone();
-        server.threads.push(spawn("symmpool-store-accept", move || {
-            accept_loop(&s, &listener)
-        })?);
-        server
-            .threads
-            .push(spawn("symmpool-store-monitor", move || {
-                monitor_loop(&shared)
-            })?);
+        server.spawn("symmpool-store-accept", move || accept_loop(&s, &listener))?;
+        server.spawn("symmpool-store-monitor", move || monitor_loop(&shared))?;
         tracing::info!("symmpool store listening on {local} for {world} ranks");
         Ok(server)
+    }
+
+    /// Start a thread of the server's, `name`, running `f`.
+    fn spawn(&mut self, name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let started = thread::Builder::new().name(name.to_string()).spawn(f);
+        let fail = transport("starting a store thread", name.to_string());
+        self.threads.push(started.map_err(fail)?);
+        Ok(())
     }
 
     /// The address the server listens on.
@@ -303,11 +305,6 @@ fn server_spin_in_effect(config: &StoreConfig, cores: usize) -> Duration {
         } else {
             Duration::ZERO
         })
-}
-
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
-    (thread::Builder::new().name(name.to_string()).spawn(f))
-        .map_err(transport("starting a store thread", name.to_string()))
 }
 
 impl Shared {

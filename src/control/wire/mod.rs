@@ -126,6 +126,12 @@ impl Broken {
         let (op, cause) = (String::new(), Cause::Lost { detail });
         Broken { rank, op, cause }
     }
+
+    /// `rank` gave up waiting in `op` for the ranks `missing`.
+    pub(crate) fn timeout(rank: u32, op: String, missing: Vec<u32>) -> Broken {
+        let cause = Cause::Timeout { missing };
+        Broken { rank, op, cause }
+    }
 }
 
 /// A process that joined (or asked to join) the store: where, which, when.
