@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
@@ -291,10 +291,8 @@ impl StoreExchange {
     /// [`Error::PeerLost`] if the group does not assemble.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
         let server = if config.host_server {
-            let addr = config.bind_addr.unwrap_or(SocketAddr::new(
-                IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-                config.launch.master_port,
-            ));
+            let every_interface = (Ipv4Addr::UNSPECIFIED, config.launch.master_port).into();
+            let addr = config.bind_addr.unwrap_or(every_interface);
             Some(StoreServer::bind(addr, &config)?)
         } else {
             None
@@ -329,17 +327,14 @@ impl StoreExchange {
         let started = Instant::now();
         let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;
-        let target = match &server {
-            Some(s) => {
-                let mut a = s.local_addr();
-                if a.ip().is_unspecified() {
-                    a.set_ip(match a.ip() {
-                        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
-                    });
-                }
-                a.to_string()
-            }
+        // A server on every interface is reached on the loopback one.
+        let loopback = |a: SocketAddr| match a {
+            SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::LOCALHOST, a.port())),
+            SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::LOCALHOST, a.port())),
+        };
+        let target = match server.as_ref().map(StoreServer::local_addr) {
+            Some(a) if a.ip().is_unspecified() => loopback(a).to_string(),
+            Some(a) => a.to_string(),
             None => format!("{}:{}", launch.master_addr, launch.master_port),
         };
         // One wait, warned about every interval: for the server, then for the ranks.

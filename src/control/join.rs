@@ -11,6 +11,7 @@ use super::wire::{
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
@@ -54,7 +55,9 @@ pub(super) fn join_store(
     };
     let mut busy_delay = Duration::from_millis(5);
     loop {
-        let stream = SharedStream::new(connect_retrying(config, target, deadline, warnings)?);
+        let stream = SharedStream(Arc::new(connect_retrying(
+            config, target, deadline, warnings,
+        )?));
         let _ = stream.set_nodelay(true);
         // Writes to a server that stops reading fail after a heartbeat timeout.
         stream

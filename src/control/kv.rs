@@ -178,26 +178,20 @@ impl<S: KvStore> KvExchange<S> {
     }
 
     fn key(&self, channel: ChannelId, round: u64, rank: usize) -> String {
-        format!(
-            "{}/{}/{round}/{rank}",
-            self.config.prefix,
-            channel.ordinal()
-        )
+        let (prefix, channel) = (&self.config.prefix, channel.ordinal());
+        format!("{prefix}/{channel}/{round}/{rank}")
     }
 
-    fn broken_key(&self) -> String {
-        format!("{}/broken", self.config.prefix)
-    }
-
-    fn reason_key(&self) -> String {
-        format!("{}/broken/reason", self.config.prefix)
+    /// The key of the group's broken counter, then `tail` (`/reason`: of its reason).
+    fn broken_key(&self, tail: &str) -> String {
+        format!("{}/broken{tail}", self.config.prefix)
     }
 
     /// The group's broken state: this rank's memory first, then the store's counter.
     fn check_broken(&self) -> Result<()> {
         let mut broken = self.broken.lock();
-        if broken.is_none() && self.store.add(&self.broken_key(), 0)? > 0 {
-            let reason = self.store.get(&self.reason_key())?;
+        if broken.is_none() && self.store.add(&self.broken_key(""), 0)? > 0 {
+            let reason = self.store.get(&self.broken_key("/reason"))?;
             let text = String::from_utf8_lossy(&reason);
             let (rank, op) = text.split_once(' ').unwrap_or(("0", "an exchange round"));
             *broken = Some((rank.parse().unwrap_or(0), intern_op(op)));
@@ -224,8 +218,10 @@ impl<S: KvStore> KvExchange<S> {
         *self.broken.lock() = Some((self.rounds.rank, op));
         let reason = format!("{} {op}", self.rounds.rank);
         // Best effort: the timeout is what this rank reports either way.
-        let _ = self.store.set(&self.reason_key(), reason.as_bytes());
-        let _ = self.store.add(&self.broken_key(), 1);
+        let _ = self
+            .store
+            .set(&self.broken_key("/reason"), reason.as_bytes());
+        let _ = self.store.add(&self.broken_key(""), 1);
         let _ = self.store.delete(own_key);
     }
 }

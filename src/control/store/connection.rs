@@ -144,7 +144,7 @@ pub(super) fn serve(
     let _ = stream.set_nodelay(true);
     // One descriptor for the connection: the reader, the writer and the closer share
     // it.
-    let stream = SharedStream::new(stream);
+    let stream = SharedStream(Arc::new(stream));
     // A rank that stops reading must not block the server's writes (most made under
     // its state lock) without bound: a write that makes no progress for a heartbeat
     // timeout fails, and that rank departs.

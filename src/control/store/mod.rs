@@ -266,27 +266,24 @@ impl StoreServer {
     pub(crate) fn wait_until_empty(&self, timeout: Duration) -> bool {
         let deadline = Deadline::after(timeout);
         let mut st = self.shared.state.lock();
-        loop {
-            if st.conns.iter().all(Option::is_none) {
-                return true;
-            }
+        while st.conns.iter().any(Option::is_some) {
             if deadline.expired() {
                 return false;
             }
             self.shared.cv.wait_until(&mut st, deadline.instant());
         }
+        true
     }
 }
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        {
-            let mut st = self.shared.state.lock();
-            for c in st.conns.iter_mut().filter_map(Option::take) {
-                let _ = c.sock.shutdown(Shutdown::Both);
-            }
+        let mut st = self.shared.state.lock();
+        for c in st.conns.iter_mut().filter_map(Option::take) {
+            let _ = c.sock.shutdown(Shutdown::Both);
         }
+        drop(st);
         self.shared.cv.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();

@@ -153,12 +153,6 @@ impl<R: Read> FrameReader<R> {
 #[derive(Debug, Clone)]
 pub(crate) struct SharedStream(pub(crate) Arc<TcpStream>);
 
-impl SharedStream {
-    pub(crate) fn new(stream: TcpStream) -> Self {
-        SharedStream(Arc::new(stream))
-    }
-}
-
 impl std::ops::Deref for SharedStream {
     type Target = TcpStream;
     fn deref(&self) -> &TcpStream {
