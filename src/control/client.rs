@@ -403,12 +403,8 @@ impl StoreExchange {
         }
         drop(inbox);
         warnings.arrived(&ex.who());
-        tracing::debug!(
-            "symmpool store: rank {} of {} joined after {:?}",
-            ex.rounds.rank,
-            ex.rounds.world_size,
-            started.elapsed()
-        );
+        let (rank, world, took) = (ex.rounds.rank, ex.rounds.world_size, started.elapsed());
+        tracing::debug!("symmpool store: rank {rank} of {world} joined after {took:?}");
         Ok(ex)
     }
 

@@ -207,17 +207,13 @@ impl Launch {
     }
 
     fn validate(&self, rank_var: &str) -> Result<()> {
-        if self.world_size == 0 {
+        let (rank, world) = (self.rank, self.world_size);
+        if world == 0 {
             return Err(env_err(rank_var, "the world size is 0"));
         }
-        if self.rank >= self.world_size {
-            return Err(env_err(
-                rank_var,
-                format!(
-                    "rank {} is not below the world size {}",
-                    self.rank, self.world_size
-                ),
-            ));
+        if rank >= world {
+            let why = format!("rank {rank} is not below the world size {world}");
+            return Err(env_err(rank_var, why));
         }
         Ok(())
     }

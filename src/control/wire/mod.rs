@@ -171,14 +171,9 @@ pub(crate) fn utc(ms: u64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    let s = ms_of_day / 1000;
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03} UTC",
-        s / 3600,
-        s / 60 % 60,
-        s % 60,
-        ms_of_day % 1000
-    )
+    let (s, milli) = (ms_of_day / 1000, ms_of_day % 1000);
+    let (hour, min, sec) = (s / 3600, s / 60 % 60, s % 60);
+    format!("{year:04}-{month:02}-{day:02} {hour:02}:{min:02}:{sec:02}.{milli:03} UTC")
 }
 
 /// Why a handshake was refused, in a form the client acts on.
