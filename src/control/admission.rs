@@ -6,7 +6,7 @@
 use super::StoreConfig;
 use super::wire::Refusal;
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -14,23 +14,18 @@ use std::time::{Duration, Instant};
 /// first refusal of a kind in an interval is logged in full, the others counted.
 pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Kinds of refused connections, for the rate-limited log.
+/// Kinds of refused connections, for the rate-limited log (each in words:
+/// [`describe`](Self::describe)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum RefusalKind {
-    /// Too many handshakes in flight.
     Busy,
-    /// No (complete) handshake in time.
     Slow,
     /// Not the protocol: wrong magic, undecodable or oversized frames, a close or a
     /// reset mid-handshake.
     Garbage,
-    /// Another protocol version.
     Version,
-    /// Wrong token.
     Token,
-    /// Another job identity.
     OtherJob,
-    /// A world size or rank that does not fit this job.
     Misfit,
     /// A rank already held (or held before).
     RankTaken,
@@ -97,7 +92,7 @@ impl RefusalLog {
         peer: SocketAddr,
         why: &str,
     ) -> Vec<String> {
-        let mut lines = self.summary_if_over(now).into_iter().collect::<Vec<_>>();
+        let mut lines = self.summary_due(now, false).into_iter().collect::<Vec<_>>();
         match self.kinds.get_mut(&kind) {
             Some(more) => *more += 1,
             None => {
@@ -110,26 +105,18 @@ impl RefusalLog {
         lines
     }
 
-    /// Sum up the interval once it is over.
-    pub(super) fn tick(&mut self, now: Instant) {
-        if let Some(line) = self.summary_if_over(now) {
+    /// Log the counts of the refusals not logged in full: once the interval is over,
+    /// or (`now_anyway`: on shutdown) at once.
+    pub(super) fn sum_up(&mut self, now: Instant, now_anyway: bool) {
+        if let Some(line) = self.summary_due(now, now_anyway) {
             tracing::warn!("{line}");
         }
     }
 
-    fn summary_if_over(&mut self, now: Instant) -> Option<String> {
-        if now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL {
-            self.summary(now)
-        } else {
-            None
-        }
-    }
-
-    /// Log what is left to sum up (on shutdown).
-    pub(super) fn flush(&mut self, now: Instant) {
-        if let Some(line) = self.summary(now) {
-            tracing::warn!("{line}");
-        }
+    /// The [`summary`](Self::summary), once the interval is over or `anyway`.
+    fn summary_due(&mut self, now: Instant, anyway: bool) -> Option<String> {
+        let over = now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL;
+        (anyway || over).then(|| self.summary(now)).flatten()
     }
 
     /// The counts of refusals not logged in full, if any; starts a new interval.
@@ -180,14 +167,6 @@ pub(super) struct HandshakeSlot<'a>(pub(super) &'a AtomicUsize);
 impl Drop for HandshakeSlot<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// An address as compared among the ranks' hosts (IPv4-mapped IPv6 as IPv4).
-pub(super) fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
     }
 }
 

@@ -7,13 +7,13 @@ use super::join::{join_store, transport};
 use super::store::{CLOSED, StoreServer};
 use super::waiting::{WaitWarnings, Who, ranks};
 use super::wire::{self, Broken, Cause, FrameReader, ReadError, SharedStream, ToClient, ToServer};
-use super::{GatherRounds, LostPeer, Round, Rounds};
+use super::{GatherRounds, LostPeer, Round, Rounds, intern_op};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
@@ -21,29 +21,25 @@ use std::time::{Duration, Instant};
 
 /// An [`Exchange`](super::Exchange) among processes over the crate's TCP store.
 ///
-/// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it as a client.
-/// A waiting caller reads the socket itself when no other thread is reading (so a round
-/// costs no extra thread wake-up); a background thread per rank sends heartbeats, and
-/// reads when nobody has for half a heartbeat interval, to watch the server's
-/// heartbeats. See [`control`](super) for the failure-detection bound.
-/// Dropping the exchange says goodbye to the server. The hosting rank's drop then
-/// waits up to [`StoreConfig::linger`] for the other ranks to leave before stopping
-/// the server, so that they can read the last results; when several ranks live in one
-/// process (tests), drop the hosting rank's exchange last.
+/// Rank 0 hosts a [`StoreServer`]; every rank, rank 0 too, connects to it. A waiting
+/// caller reads the socket itself when no other thread is (a round costs no thread
+/// wake-up); a background thread per rank sends heartbeats and, when nobody has read
+/// for half a heartbeat interval, reads, to watch the server's (the failure-detection
+/// bound: [`control`](super)). A rank waiting long (for the server, for the others to
+/// join, in a round) warns every [`StoreConfig::wait_warning_interval`], naming the
+/// ranks it waits for, and once more when they come.
 ///
-/// Later calls after any rank has left fail with [`Error::PeerLost`] naming it: leaving
-/// is final, like a crash, for the ranks still using the group.
-///
-/// A rank waiting long (for the server, for the others to join, in a round) logs a
-/// warning naming the ranks it waits for every
-/// [`StoreConfig::wait_warning_interval`], and once more when they come.
+/// Dropping the exchange says goodbye to the server: later calls on the other ranks
+/// fail with [`Error::PeerLost`] naming it (leaving is final, like a crash). The
+/// hosting rank's drop waits up to [`StoreConfig::linger`] for the others to leave
+/// before stopping the server, so that they can read the last results; with several
+/// ranks in one process (tests), drop the hosting rank's exchange last.
 pub struct StoreExchange {
     shared: Arc<ClientShared>,
     /// The connection, shared by the exchanges a shrink makes of this one.
     connection: Arc<Connection>,
     /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
-    ops: Mutex<Vec<&'static str>>,
     /// The rank this process joined the store as.
     job_rank: usize,
     /// The group's epoch (0 at start, one more per shrink).
@@ -58,27 +54,21 @@ struct Connection {
     shared: Arc<ClientShared>,
     reader: Option<JoinHandle<()>>,
     server: Option<StoreServer>,
-    linger: Duration,
 }
 
 struct ClientShared {
     server: String,
-    /// The socket (one descriptor, shared with `reader` and `sock`), for writing.
+    /// The socket (one descriptor, shared with `reader`), for writing.
     writer: Mutex<SharedStream>,
     /// The socket's reader; whoever sets `Inbox::reader_busy` reads from it.
     reader: Mutex<FrameReader<SharedStream>>,
-    /// The socket, for setting read timeouts.
-    sock: SharedStream,
     inbox: Mutex<Inbox>,
     /// Signalled when the inbox changes (callers wait on it).
     cv: Condvar,
-    /// Signalled only on close (the background thread waits on it, so that it is not
-    /// woken by every frame).
+    /// Signalled only on close: the background thread waits on it, not woken by frames.
     bg_cv: Condvar,
-    heartbeat_interval: Duration,
-    heartbeat_timeout: Duration,
-    /// [`StoreConfig::spin`].
-    spin: Duration,
+    /// The settings (heartbeats, spin, linger).
+    config: StoreConfig,
     closing: AtomicBool,
 }
 
@@ -86,9 +76,9 @@ struct ClientShared {
 ///
 /// Reading is leader/follower: a thread that needs a frame (a caller waiting for its
 /// round, or the background thread when nobody has read for half a heartbeat
-/// interval) reads one frame itself when nobody else is reading, and dispatches it
-/// here; otherwise it waits on the condition variable. In a busy loop the callers read
-/// their results directly, without waking another thread.
+/// interval) reads and dispatches one itself when nobody else is reading, and
+/// otherwise waits on the condition variable; so callers in a busy loop read their
+/// results without waking another thread.
 struct Inbox {
     results: HashMap<(u64, u64), Vec<Vec<u8>>>,
     /// The server's word on rounds that wait long: the ranks that have not
@@ -113,37 +103,8 @@ struct Inbox {
 }
 
 impl Inbox {
-    fn new() -> Inbox {
-        let now = Instant::now();
-        Inbox {
-            results: HashMap::new(),
-            waiting: HashMap::new(),
-            broken: None,
-            present: Vec::new(),
-            all_joined: false,
-            reader_busy: false,
-            reader_done: false,
-            last_heard: now,
-            last_read: now,
-            read_timeout: Duration::ZERO,
-            epoch: 0,
-            survivors: Vec::new(),
-            shrink_failed: None,
-        }
-    }
-
-    fn set_broken(&mut self, b: Broken) {
-        if self.broken.is_none() {
-            self.broken = Some(b);
-        }
-    }
-
     fn server_lost(&mut self, detail: String) {
-        self.set_broken(Broken {
-            rank: 0,
-            op: String::new(),
-            cause: Cause::Lost { detail },
-        });
+        self.broken.get_or_insert(Broken::lost(0, detail));
     }
 }
 
@@ -166,8 +127,7 @@ impl ClientShared {
     }
 
     fn send(&self, frame: &[u8]) -> std::io::Result<()> {
-        let mut w = self.writer.lock();
-        wire::send(&mut *w, frame)
+        self.writer.lock().send(frame)
     }
 
     /// Read one frame (polling for up to `spin` first, then waiting at most `limit`)
@@ -185,91 +145,92 @@ impl ClientShared {
         let set_timeout = (inbox.read_timeout != limit).then_some(limit);
         inbox.read_timeout = limit;
         drop(inbox);
-        let got = {
+        let (got, progressed) = {
             let mut reader = self.reader.lock();
-            let before = reader.bytes_read();
-            let got = match set_timeout.map_or(Ok(()), |t| self.sock.set_read_timeout(Some(t))) {
-                Ok(()) => match reader.spin_frame(spin) {
-                    Ok(None) => reader.frame(),
-                    polled => polled,
-                },
+            let before = reader.bytes_read;
+            let got = match set_timeout.map_or(Ok(()), |t| reader.inner.set_read_timeout(Some(t))) {
+                Ok(()) => reader.spin_frame(spin),
                 Err(e) => Err(ReadError::Io(e)),
             };
-            (got, reader.bytes_read() > before)
+            (got, reader.bytes_read > before)
         };
-        let (got, progressed) = got;
         let mut inbox = self.inbox.lock();
         inbox.reader_busy = false;
         let now = Instant::now();
         inbox.last_read = now;
-        if progressed {
-            // Bytes of a large frame still arriving: the server is alive.
+        // (Bytes of a large frame still arriving: the server is alive.)
+        if progressed || matches!(got, Ok(Some(_))) {
             inbox.last_heard = now;
         }
+        // Why the connection ended, if it did.
+        let mut ended = None;
         match got {
-            Ok(Some(body)) => {
-                inbox.last_heard = now;
-                match wire::decode::<ToClient>(&body) {
-                    Ok(ToClient::Result {
-                        channel,
-                        round,
-                        payloads,
-                    }) => {
-                        inbox.results.insert((channel, round), payloads);
-                    }
-                    Ok(ToClient::Broken(b)) => inbox.set_broken(b),
-                    Ok(ToClient::Joined { present }) => inbox.present = present,
-                    Ok(ToClient::Waiting {
-                        channel,
-                        round,
-                        missing,
-                    }) => {
-                        inbox.waiting.insert((channel, round), missing);
-                    }
-                    Ok(ToClient::AllJoined) => inbox.all_joined = true,
-                    Ok(ToClient::Shrunk { epoch, survivors }) => {
-                        // Everything of the old group came before, on this connection.
-                        inbox.results.clear();
-                        inbox.waiting.clear();
-                        inbox.broken = None;
-                        (inbox.epoch, inbox.survivors) = (epoch, survivors);
-                    }
-                    Ok(ToClient::ShrinkFailed { reason }) => inbox.shrink_failed = Some(reason),
-                    Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
-                    Ok(ToClient::Reject { reason, .. }) => {
-                        inbox.reader_done = true;
-                        inbox.server_lost(format!("the store server dropped this rank: {reason}"));
-                    }
-                    Err(why) => {
-                        inbox.reader_done = true;
-                        inbox.server_lost(format!("the store server sent garbage: {why}"));
-                    }
+            Ok(Some(body)) => match wire::decode::<ToClient>(&body) {
+                Ok(ToClient::Result {
+                    channel,
+                    round,
+                    payloads,
+                }) => {
+                    inbox.results.insert((channel, round), payloads);
                 }
-            }
+                Ok(ToClient::Broken(b)) => _ = inbox.broken.get_or_insert(b),
+                Ok(ToClient::Joined { present }) => inbox.present = present,
+                Ok(ToClient::Waiting {
+                    channel,
+                    round,
+                    missing,
+                }) => {
+                    inbox.waiting.insert((channel, round), missing);
+                }
+                Ok(ToClient::AllJoined) => inbox.all_joined = true,
+                Ok(ToClient::Shrunk { epoch, survivors }) => {
+                    // Everything of the old group came before, on this connection.
+                    inbox.results.clear();
+                    inbox.waiting.clear();
+                    inbox.broken = None;
+                    (inbox.epoch, inbox.survivors) = (epoch, survivors);
+                }
+                Ok(ToClient::ShrinkFailed { reason }) => inbox.shrink_failed = Some(reason),
+                Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
+                Ok(ToClient::Reject { reason, .. }) => {
+                    ended = Some(format!("the store server dropped this rank: {reason}"));
+                }
+                Err(why) => ended = Some(format!("the store server sent garbage: {why}")),
+            },
             Ok(None) => {}
             Err(e) => {
-                inbox.reader_done = true;
-                if !self.closing.load(Ordering::SeqCst) {
-                    let why = match e {
-                        ReadError::Eof { .. } => "closed".to_string(),
-                        e => format!("failed: {e}"),
-                    };
-                    inbox.server_lost(format!(
-                        "the connection to the store server at {} {why} (rank 0 exited, was killed or closed its exchange)",
-                        self.server
-                    ));
-                }
+                let why = match e {
+                    ReadError::Eof { .. } => "closed".to_string(),
+                    e => format!("failed: {e}"),
+                };
+                ended = Some(format!(
+                    "the connection to the store server at {} {why} (rank 0 exited, was killed or closed its exchange)",
+                    self.server
+                ));
             }
         }
+        if let Some(detail) = ended {
+            inbox.reader_done = true;
+            // (Closing, this rank ends the connection itself.)
+            if !self.closing.load(Ordering::SeqCst) {
+                inbox.server_lost(detail);
+            }
+        }
+        self.note_silence(&mut inbox, now);
+        self.cv.notify_all();
+        inbox
+    }
+
+    /// Declare the server lost once it has been silent for over the heartbeat timeout.
+    fn note_silence(&self, inbox: &mut Inbox, now: Instant) {
         let silent = now.saturating_duration_since(inbox.last_heard);
-        if silent > self.heartbeat_timeout {
+        if silent > self.config.heartbeat_timeout && inbox.broken.is_none() {
             inbox.server_lost(format!(
                 "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
                 self.server
             ));
+            self.cv.notify_all();
         }
-        self.cv.notify_all();
-        inbox
     }
 
     /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
@@ -292,8 +253,9 @@ impl ClientShared {
                 // The blocking read waits only for what polling leaves of `left`, so
                 // the deadline is overshot by at most the socket timeout's floor of
                 // one millisecond.
-                let spin = self.spin.min(left);
-                inbox = self.read_once(inbox, spin, (left - spin).min(self.heartbeat_interval));
+                let spin = self.config.spin.min(left);
+                let limit = (left - spin).min(self.config.heartbeat_interval);
+                inbox = self.read_once(inbox, spin, limit);
             } else {
                 self.cv.wait_for(&mut inbox, left);
             }
@@ -306,7 +268,7 @@ impl ClientShared {
 /// caller has read for half a heartbeat interval.
 fn background_loop(shared: &ClientShared) {
     let heartbeat = wire::encode(&ToServer::Heartbeat);
-    let interval = shared.heartbeat_interval;
+    let interval = shared.config.heartbeat_interval;
     let mut last_sent = Instant::now();
     let mut inbox = shared.inbox.lock();
     loop {
@@ -329,14 +291,7 @@ fn background_loop(shared: &ClientShared) {
             inbox = shared.inbox.lock();
             continue;
         }
-        let silent = now.saturating_duration_since(inbox.last_heard);
-        if silent > shared.heartbeat_timeout && inbox.broken.is_none() {
-            inbox.server_lost(format!(
-                "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
-                shared.server
-            ));
-            shared.cv.notify_all();
-        }
+        shared.note_silence(&mut inbox, now);
         let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
         let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
         if !inbox.reader_busy && unattended {
@@ -366,12 +321,9 @@ impl StoreExchange {
     /// `"store start-up"`, naming the ranks that never joined) or
     /// [`Error::PeerLost`] if the group does not assemble.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
-        config.check()?;
         let server = if config.host_server {
-            let addr = config.bind_addr.unwrap_or(SocketAddr::new(
-                IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-                config.launch.master_port,
-            ));
+            let every_interface = (Ipv4Addr::UNSPECIFIED, config.launch.master_port).into();
+            let addr = config.bind_addr.unwrap_or(every_interface);
             Some(StoreServer::bind(addr, &config)?)
         } else {
             None
@@ -385,7 +337,6 @@ impl StoreExchange {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub fn connect_hosting(config: StoreConfig, server: StoreServer) -> Result<StoreExchange> {
-        config.check()?;
         Self::start(config, Some(server))
     }
 
@@ -403,38 +354,47 @@ impl StoreExchange {
     }
 
     fn start(config: StoreConfig, server: Option<StoreServer>) -> Result<StoreExchange> {
+        config.check()?;
         let started = Instant::now();
         let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;
-        let targets: Vec<String> = match &server {
-            Some(s) => {
-                let mut a = s.local_addr();
-                if a.ip().is_unspecified() {
-                    a.set_ip(match a.ip() {
-                        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
-                    });
-                }
-                vec![a.to_string()]
-            }
-            None => vec![format!("{}:{}", launch.master_addr, launch.master_port)],
+        // A server on every interface is reached on the loopback one.
+        let loopback = |a: SocketAddr| match a {
+            SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::LOCALHOST, a.port())),
+            SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::LOCALHOST, a.port())),
         };
-        let target = targets[0].clone();
+        let target = match server.as_ref().map(StoreServer::local_addr) {
+            Some(a) if a.ip().is_unspecified() => loopback(a).to_string(),
+            Some(a) => a.to_string(),
+            None => format!("{}:{}", launch.master_addr, launch.master_port),
+        };
         // One wait, warned about every interval: for the server, then for the ranks.
         let mut warnings =
             WaitWarnings::new("store start-up", started, config.wait_warning_interval);
         let (stream, reader) = join_store(&config, &target, deadline, &mut warnings)?;
+        let now = Instant::now();
         let shared = Arc::new(ClientShared {
             server: target,
-            writer: Mutex::new(stream.clone()),
+            writer: Mutex::new(stream),
             reader: Mutex::new(reader),
-            sock: stream,
-            inbox: Mutex::new(Inbox::new()),
+            inbox: Mutex::new(Inbox {
+                results: HashMap::new(),
+                waiting: HashMap::new(),
+                broken: None,
+                present: Vec::new(),
+                all_joined: false,
+                reader_busy: false,
+                reader_done: false,
+                last_heard: now,
+                last_read: now,
+                read_timeout: Duration::ZERO,
+                epoch: 0,
+                survivors: Vec::new(),
+                shrink_failed: None,
+            }),
             cv: Condvar::new(),
             bg_cv: Condvar::new(),
-            heartbeat_interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-            spin: config.spin,
+            config: config.clone(),
             closing: AtomicBool::new(false),
         });
         let s = shared.clone();
@@ -450,11 +410,9 @@ impl StoreExchange {
                 shared: shared.clone(),
                 reader: Some(handle),
                 server,
-                linger: config.linger,
             }),
             shared,
             rounds: Rounds::new(launch.rank, launch.world_size, config.max_payload_bytes()),
-            ops: Mutex::new(vec!["store start-up", "open_channel"]),
             job_rank: launch.rank,
             epoch: 0,
             successor: Mutex::new(None),
@@ -473,28 +431,20 @@ impl StoreExchange {
                 warnings.warn(&ex.who(), ranks(&missing), deadline);
             }
         };
-        if inbox.all_joined {
-            warnings.arrived(&ex.who());
-        }
         if !inbox.all_joined {
             if let Some(b) = &inbox.broken {
-                return Err(ex.error_for(b, "store start-up"));
+                return Err(error_for(b, "store start-up"));
             }
-            let missing = ex.missing(&inbox.present);
-            drop(inbox);
             return Err(Error::Timeout {
                 op: "store start-up",
                 waited: config.startup_timeout,
-                missing_ranks: missing,
+                missing_ranks: ex.missing(&inbox.present),
             });
         }
         drop(inbox);
-        tracing::debug!(
-            "symmpool store: rank {} of {} joined after {:?}",
-            ex.rounds.rank,
-            ex.rounds.world_size,
-            started.elapsed()
-        );
+        warnings.arrived(&ex.who());
+        let (rank, world, took) = (ex.rounds.rank, ex.rounds.world_size, started.elapsed());
+        tracing::debug!("symmpool store: rank {rank} of {world} joined after {took:?}");
         Ok(ex)
     }
 
@@ -513,42 +463,30 @@ impl StoreExchange {
             at: &self.shared.server,
         }
     }
+}
 
-    /// A static name for a remote op name, when this rank has used the same one (all
-    /// ranks run the same program, so it almost always has).
-    fn intern(&self, op: &str) -> &'static str {
-        let ops = self.ops.lock();
-        ops.iter()
-            .copied()
-            .find(|o| *o == op)
-            .unwrap_or("an operation on another rank")
-    }
+/// The loss that broke the group `b`, if it was one.
+fn lost(b: &Broken) -> Option<LostPeer> {
+    let Cause::Lost { detail } = &b.cause else {
+        return None;
+    };
+    let (rank, left) = (b.rank as usize, detail.starts_with(CLOSED));
+    let detail = detail.clone();
+    Some(LostPeer { rank, detail, left })
+}
 
-    fn remember(&self, op: &'static str) {
-        let mut ops = self.ops.lock();
-        if !ops.contains(&op) {
-            ops.push(op);
-        }
-    }
-
-    fn error_for(&self, b: &Broken, op: &'static str) -> Error {
-        match &b.cause {
-            Cause::Lost { detail } => Error::PeerLost {
-                rank: b.rank as usize,
-                op,
-                detail: detail.clone(),
-            },
-            Cause::Timeout { .. } => Error::GroupBroken {
-                rank: b.rank as usize,
-                op: self.intern(&b.op),
-            },
-        }
-    }
+/// The error a call in `op` reports on a group broken by `b`.
+fn error_for(b: &Broken, op: &'static str) -> Error {
+    let rank = b.rank as usize;
+    let timeout = || Error::GroupBroken {
+        rank,
+        op: intern_op(&b.op),
+    };
+    lost(b).map_or_else(timeout, |l| l.error(op))
 }
 
 impl GatherRounds for StoreExchange {
     fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
-        self.remember(r.op);
         {
             let inbox = self.shared.inbox.lock();
             if inbox.epoch != self.epoch {
@@ -557,7 +495,7 @@ impl GatherRounds for StoreExchange {
                 });
             }
             if let Some(b) = &inbox.broken {
-                return Err(self.error_for(b, r.op));
+                return Err(error_for(b, r.op));
             }
         }
         let round = r.number;
@@ -603,7 +541,7 @@ impl GatherRounds for StoreExchange {
             return Ok(result);
         }
         if let Some(b) = &inbox.broken {
-            return Err(self.error_for(b, r.op));
+            return Err(error_for(b, r.op));
         }
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
@@ -613,35 +551,29 @@ impl GatherRounds for StoreExchange {
             round,
             op: wire_op,
         }));
-        let answer_by =
-            Deadline::after(self.shared.heartbeat_timeout + self.shared.heartbeat_interval);
+        let config = &self.shared.config;
+        let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
-        if let Some(b) = inbox.broken.clone() {
-            return Err(match b.cause {
-                Cause::Timeout { missing } if b.rank as usize == self.rounds.rank => {
-                    Error::Timeout {
-                        op: r.op,
-                        waited: r.started.elapsed(),
-                        missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
-                    }
-                }
-                _ => self.error_for(&b, r.op),
-            });
-        }
-        // No answer from the server: break the group here.
-        inbox.set_broken(Broken {
-            rank: self.rounds.rank as u32,
-            op: r.op.to_string(),
-            cause: Cause::Timeout {
-                missing: Vec::new(),
-            },
-        });
-        self.shared.cv.notify_all();
+        let missing = match &inbox.broken {
+            Some(Broken {
+                rank,
+                cause: Cause::Timeout { missing },
+                ..
+            }) if *rank as usize == self.rounds.rank => missing.clone(),
+            Some(b) => return Err(error_for(b, r.op)),
+            None => {
+                // No answer from the server: break the group here.
+                let broken = Broken::timeout(self.rounds.rank as u32, r.op.into(), vec![]);
+                inbox.broken.get_or_insert(broken);
+                self.shared.cv.notify_all();
+                vec![]
+            }
+        };
         Err(Error::Timeout {
             op: r.op,
             waited: r.started.elapsed(),
-            missing_ranks: Vec::new(),
+            missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
         })
     }
 
@@ -649,27 +581,16 @@ impl GatherRounds for StoreExchange {
         &self.rounds
     }
 
-    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {
-        Ok(StoreExchange::shrink(self, deadline)?)
-    }
-
     fn lost_peer(&self) -> Option<LostPeer> {
         let inbox = self.shared.inbox.lock();
         if inbox.epoch != self.epoch {
             return None;
         }
-        match &inbox.broken {
-            Some(Broken {
-                rank,
-                cause: Cause::Lost { detail },
-                ..
-            }) => Some(LostPeer {
-                rank: *rank as usize,
-                detail: detail.clone(),
-                left: detail.starts_with(CLOSED),
-            }),
-            _ => None,
-        }
+        inbox.broken.as_ref().and_then(lost)
+    }
+
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {
+        Ok(StoreExchange::shrink(self, deadline)?)
     }
 }
 
@@ -679,19 +600,16 @@ impl Drop for Connection {
         self.shared.cv.notify_all();
         self.shared.bg_cv.notify_all();
         let _ = self.shared.send(&wire::encode(&ToServer::Bye));
-        {
-            let w = self.shared.writer.lock();
-            let _ = w.shutdown(Shutdown::Write);
-        }
+        let _ = self.shared.writer.lock().shutdown(Shutdown::Write);
         if let Some(h) = self.reader.take() {
             let _ = h.join();
         }
         if let Some(server) = self.server.take()
-            && !server.wait_until_empty(self.linger)
+            && !server.wait_until_empty(self.shared.config.linger)
         {
             tracing::warn!(
                 "symmpool store: stopping the server with ranks still connected after {:?}",
-                self.linger
+                self.shared.config.linger
             );
         }
     }

@@ -1,13 +1,14 @@
 //! [`StoreConfig`]: the settings of a [`StoreExchange`] and of the [`StoreServer`] that
 //! rank 0 hosts, with their reading from the environment.
 
-use super::env::Launch;
+use super::env::{Launch, env_err, parse_var};
 use super::wire::{FRAME_OVERHEAD_BYTES, MAX_HANDSHAKE_FRAME_BYTES, PER_PAYLOAD_OVERHEAD_BYTES};
 #[cfg(doc)]
 use super::{StoreExchange, StoreServer};
 use crate::error::{Error, Result};
 use std::fmt;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 /// Settings of a [`StoreExchange`] (and of the [`StoreServer`] that rank 0 hosts).
@@ -23,39 +24,35 @@ pub struct StoreConfig {
     /// Shared secret every rank must present (env `SYMMPOOL_TOKEN`); `None`: none.
     pub token: Option<String>,
     /// The job's identity, presented in every rank's handshake: a rank of another job
-    /// (another identity) is refused, on both sides, with [`Error::JobMismatch`]
-    /// naming the two identities, so two jobs that reach one store never merge.
+    /// is refused, on both sides, with [`Error::JobMismatch`] naming the two
+    /// identities, so two jobs that reach one store never merge.
     ///
     /// [`from_env`](Self::from_env) takes it from, in this order: `SYMMPOOL_JOB_ID`;
-    /// torchrun's run id `TORCHELASTIC_RUN_ID` (with `TORCHELASTIC_RESTART_COUNT`, so
-    /// a straggler of an earlier attempt is refused too; torchrun's default run id
-    /// `none` is not an identity); Open MPI's job id (`OMPI_MCA_ess_base_jobid`, or
-    /// the PMIx namespace `PMIX_NAMESPACE` of Open MPI 5); slurm's job and step ids
-    /// (`SLURM_JOB_ID`, `SLURM_STEP_ID`).
+    /// torchrun's `TORCHELASTIC_RUN_ID` with `TORCHELASTIC_RESTART_COUNT` (so a
+    /// straggler of an earlier attempt is refused too; torchrun's default `none` is no
+    /// identity); Open MPI's `OMPI_MCA_ess_base_jobid`, or Open MPI 5's PMIx namespace
+    /// `PMIX_NAMESPACE`; slurm's `SLURM_JOB_ID` and `SLURM_STEP_ID`.
     ///
-    /// `None` (no launcher identity; [`new`](Self::new)'s default): ranks of any job
-    /// whose handshake also carries none are accepted. The store then still refuses a
-    /// second claim of a rank (naming both processes, [`Error::RankTaken`]), a
-    /// different world size, and any client after every rank has joined; but a rank
-    /// of another job on the same port that connects *before* this job's own rank
-    /// takes its place (this job's rank is then refused, naming the holder). Set
-    /// `SYMMPOOL_JOB_ID` (any string the ranks of one job share, e.g. a random one
-    /// from the launcher) or [`token`](Self::token) where that matters.
+    /// `None` ([`new`](Self::new)'s default): ranks of any job whose handshake carries
+    /// none either are accepted. The store still refuses a second claim of a rank
+    /// ([`Error::RankTaken`], naming both processes), a different world size, and any
+    /// client after every rank has joined; but a rank of another job on the same port
+    /// that connects *before* this job's own rank takes its place (this job's rank is
+    /// then refused, naming the holder). Where that matters set `SYMMPOOL_JOB_ID` (any
+    /// string the ranks of one job share) or [`token`](Self::token).
     pub job_id: Option<String>,
     /// How long connecting, the handshake and the wait for every rank to join may take
     /// (ranks of real jobs start minutes apart; default 10 min). Connecting is retried
     /// until then. Env `SYMMPOOL_STARTUP_TIMEOUT_MS`.
     pub startup_timeout: Duration,
-    /// How long the server waits for a new connection to complete its handshake
-    /// before closing it, and a rank for the server's verdict (default 5 s; a rank
-    /// sends its whole handshake in one write as soon as it connects). Env
-    /// `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
+    /// How long the server waits for a new connection's handshake before closing it,
+    /// and a rank for the server's verdict (default 5 s; a rank sends its handshake in
+    /// one write on connecting). Env `SYMMPOOL_HANDSHAKE_TIMEOUT_MS`.
     pub handshake_timeout: Duration,
-    /// Most handshakes the server runs at once (default 64; each holds a thread and
-    /// a descriptor for at most [`handshake_timeout`](Self::handshake_timeout)). A
-    /// connection beyond it is refused at once as busy, and a rank refused so retries
-    /// until [`startup_timeout`](Self::startup_timeout). Env
-    /// `SYMMPOOL_MAX_HANDSHAKES`.
+    /// Most handshakes the server runs at once (default 64; each holds a thread and a
+    /// descriptor for at most [`handshake_timeout`](Self::handshake_timeout)); one
+    /// beyond is refused as busy, and its rank retries until
+    /// [`startup_timeout`](Self::startup_timeout). Env `SYMMPOOL_MAX_HANDSHAKES`.
     pub max_handshakes: usize,
     /// How often clients and server send heartbeats (default 1 s). Env
     /// `SYMMPOOL_HEARTBEAT_INTERVAL_MS`.
@@ -77,12 +74,11 @@ pub struct StoreConfig {
     /// ranks arrive together. Env `SYMMPOOL_SPIN_US`.
     pub spin: Duration,
     /// How long the hosting rank's server polls in each rank's thread: for a round's
-    /// result after the rank contributed, and for the rank's next frame before each
-    /// blocking read (so up to twice this per round). `None`
-    /// (default): [`spin`](Self::spin) where the ranks number at most half of the
-    /// host's cores, else zero (polling threads would take the cores of the threads
-    /// they wait for). At most [`MAX_SPIN`](Self::MAX_SPIN). Env
-    /// `SYMMPOOL_SERVER_SPIN_US`.
+    /// result after the rank contributed, and for its next frame before each blocking
+    /// read (so up to twice this per round). `None` (default): [`spin`](Self::spin)
+    /// where the ranks number at most half of the host's cores, else zero (polling
+    /// threads would take the cores of the threads they wait for). At most
+    /// [`MAX_SPIN`](Self::MAX_SPIN). Env `SYMMPOOL_SERVER_SPIN_US`.
     pub server_spin: Option<Duration>,
     /// How often a rank waiting for other ranks (to join at start-up, or to contribute
     /// to a round) logs a warning naming them (default
@@ -117,9 +113,8 @@ impl fmt::Debug for StoreConfig {
 
 impl StoreConfig {
     /// The largest [`spin`](Self::spin) and [`server_spin`](Self::server_spin)
-    /// accepted: a rank's server thread does not read
-    /// its socket while it polls for a result, so polling must stay far below the
-    /// heartbeat interval.
+    /// accepted: a rank's server thread does not read its socket while it polls for a
+    /// result, so polling must stay far below the heartbeat interval.
     pub const MAX_SPIN: Duration = Duration::from_millis(1);
 
     /// Defaults for `launch` (see the fields).
@@ -161,31 +156,21 @@ impl StoreConfig {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
         cfg.job_id = job_id_from_vars(get);
-        let whole = |name: &str, unit: &str| -> Result<Option<u64>> {
-            get(name)
-                .map(|v| {
-                    v.trim().parse().map_err(|_| Error::LaunchEnv {
-                        variable: name.to_string(),
-                        detail: format!("{v:?} is not a whole number of {unit}"),
-                    })
-                })
-                .transpose()
-        };
         let ms = |name: &str, slot: &mut Duration| -> Result<()> {
-            if let Some(n) = whole(name, "milliseconds")? {
+            if let Some(n) = parse_var(get, name, "a whole number of milliseconds")? {
                 *slot = Duration::from_millis(n);
             }
             Ok(())
         };
         let spin = |name: &str| -> Result<Option<Duration>> {
-            match whole(name, "microseconds")? {
-                Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(Error::LaunchEnv {
-                    variable: name.to_string(),
-                    detail: format!(
+            match parse_var(get, name, "a whole number of microseconds")? {
+                Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(env_err(
+                    name,
+                    format!(
                         "{n} µs is more than the largest accepted, {} µs",
                         Self::MAX_SPIN.as_micros()
                     ),
-                }),
+                )),
                 n => Ok(n.map(Duration::from_micros)),
             }
         };
@@ -201,15 +186,9 @@ impl StoreConfig {
         )?;
         ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
         ms("SYMMPOOL_WAIT_WARNING_MS", &mut cfg.wait_warning_interval)?;
-        if let Some(n) = whole("SYMMPOOL_MAX_HANDSHAKES", "handshakes")? {
-            cfg.max_handshakes =
-                usize::try_from(n)
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .ok_or_else(|| Error::LaunchEnv {
-                        variable: "SYMMPOOL_MAX_HANDSHAKES".into(),
-                        detail: format!("{n} is not a positive number of handshakes"),
-                    })?;
+        let handshakes = "a positive number of handshakes";
+        if let Some(n) = parse_var::<NonZeroUsize>(get, "SYMMPOOL_MAX_HANDSHAKES", handshakes)? {
+            cfg.max_handshakes = n.get();
         }
         Ok(cfg)
     }
@@ -258,27 +237,21 @@ fn job_id_from_vars(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
             .map(|v| v.trim().to_string())
             .filter(|v| !v.is_empty())
     };
-    if let Some(id) = set("SYMMPOOL_JOB_ID") {
-        return Some(id);
-    }
     // torchrun without `--rdzv-id` (and without `--standalone`) sets "none".
-    if let Some(run) = set("TORCHELASTIC_RUN_ID").filter(|r| r != "none") {
-        let attempt = set("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
-        return Some(format!("torchrun:{run}/restart:{attempt}"));
-    }
-    if let Some(job) = set("OMPI_MCA_ess_base_jobid") {
-        return Some(format!("openmpi:{job}"));
-    }
-    if let Some(ns) = set("PMIX_NAMESPACE") {
-        return Some(format!("pmix:{ns}"));
-    }
-    if let Some(job) = set("SLURM_JOB_ID") {
-        return Some(match set("SLURM_STEP_ID") {
-            Some(step) => format!("slurm:{job}.{step}"),
-            None => format!("slurm:{job}"),
+    let torchrun = set("TORCHELASTIC_RUN_ID")
+        .filter(|r| r != "none")
+        .map(|run| {
+            let attempt = set("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+            format!("torchrun:{run}/restart:{attempt}")
         });
-    }
-    None
+    let slurm = |job| match set("SLURM_STEP_ID") {
+        Some(step) => format!("slurm:{job}.{step}"),
+        None => format!("slurm:{job}"),
+    };
+    (set("SYMMPOOL_JOB_ID").or(torchrun))
+        .or_else(|| set("OMPI_MCA_ess_base_jobid").map(|job| format!("openmpi:{job}")))
+        .or_else(|| set("PMIX_NAMESPACE").map(|ns| format!("pmix:{ns}")))
+        .or_else(|| set("SLURM_JOB_ID").map(slurm))
 }
 
 #[cfg(test)]

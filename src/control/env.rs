@@ -2,6 +2,7 @@
 //! environment.
 
 use crate::error::{Error, Result};
+use std::str::FromStr;
 
 /// Which launcher's variables a [`Launch`] came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,27 +58,25 @@ pub struct Launch {
     pub source: LaunchSource,
 }
 
-fn env_err(variable: &str, detail: impl Into<String>) -> Error {
+pub(super) fn env_err(variable: &str, detail: impl Into<String>) -> Error {
     Error::LaunchEnv {
         variable: variable.to_string(),
         detail: detail.into(),
     }
 }
 
-fn parse_usize(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
-    match get(name) {
-        None => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse::<usize>()
-            .map(Some)
-            .map_err(|_| env_err(name, format!("{v:?} is not a non-negative integer"))),
-    }
-}
-
-fn required(get: &dyn Fn(&str) -> Option<String>, name: &str, launcher: &str) -> Result<usize> {
-    parse_usize(get, name)?
-        .ok_or_else(|| env_err(name, format!("not set, but {launcher} variables are")))
+/// The variable `name` read through `get` and parsed (`None`: not set).
+///
+/// # Errors
+/// [`Error::LaunchEnv`] naming it, saying it is not `what`.
+pub(super) fn parse_var<T: FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    what: &str,
+) -> Result<Option<T>> {
+    let parse =
+        |v: String| (v.trim().parse()).map_err(|_| env_err(name, format!("{v:?} is not {what}")));
+    get(name).map(parse).transpose()
 }
 
 impl Launch {
@@ -141,10 +140,15 @@ impl Launch {
             ),
             _ => ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
         };
-        let rank = required(get, rank_var, launcher)?;
-        let world_size = required(get, size_var, launcher)?;
-        let local_rank = parse_usize(get, local_var)?;
-        let local_world_size = parse_usize(get, local_size_var)?;
+        let count = |name: &str| parse_var::<usize>(get, name, "a non-negative integer");
+        let required = |name: &str| {
+            count(name)?
+                .ok_or_else(|| env_err(name, format!("not set, but {launcher} variables are")))
+        };
+        let rank = required(rank_var)?;
+        let world_size = required(size_var)?;
+        let local_rank = count(local_var)?;
+        let local_world_size = count(local_size_var)?;
         let master_addr = get("MASTER_ADDR")
             .map(|a| a.trim().to_string())
             .filter(|a| !a.is_empty())
@@ -154,38 +158,32 @@ impl Launch {
                     "not set: set it to the host name or address of rank 0's node",
                 )
             })?;
-        let store_port = get("SYMMPOOL_STORE_PORT");
-        let master_port = match (get("MASTER_PORT"), &store_port) {
+        let port = |name: &str| parse_var::<u16>(get, name, "a port number");
+        let master_port = match port("SYMMPOOL_STORE_PORT")? {
             // The store's own port is given: MASTER_PORT is not needed (nor read).
-            (_, Some(_)) => 0,
-            (Some(port), None) => port
-                .trim()
-                .parse::<u16>()
-                .map_err(|_| env_err("MASTER_PORT", format!("{port:?} is not a port number")))?,
-            (None, None) => {
-                return Err(env_err(
-                    "MASTER_PORT",
-                    "not set: set it to a free TCP port on rank 0's node, the same on every \
-                     rank (or set SYMMPOOL_STORE_PORT)",
-                ));
-            }
-        };
-        let master_port = match store_port {
-            Some(p) => p.trim().parse::<u16>().map_err(|_| {
-                env_err("SYMMPOOL_STORE_PORT", format!("{p:?} is not a port number"))
-            })?,
-            // torchrun's agent already serves its own store on MASTER_PORT: this
-            // crate's goes on the next port.
-            None if source == LaunchSource::Torchrun && get("TORCHELASTIC_RUN_ID").is_some() => {
-                master_port.checked_add(1).ok_or_else(|| {
+            Some(p) => p,
+            None => {
+                let p = port("MASTER_PORT")?.ok_or_else(|| {
                     env_err(
                         "MASTER_PORT",
-                        "65535 leaves no port above it for symmpool's store under torchrun; \
-                         set SYMMPOOL_STORE_PORT",
+                        "not set: set it to a free TCP port on rank 0's node, the same on every \
+                         rank (or set SYMMPOOL_STORE_PORT)",
                     )
-                })?
+                })?;
+                // torchrun's agent already serves its own store on MASTER_PORT: this
+                // crate's goes on the next port.
+                if source != LaunchSource::Torchrun || get("TORCHELASTIC_RUN_ID").is_none() {
+                    p
+                } else {
+                    p.checked_add(1).ok_or_else(|| {
+                        env_err(
+                            "MASTER_PORT",
+                            "65535 leaves no port above it for symmpool's store under torchrun; \
+                             set SYMMPOOL_STORE_PORT",
+                        )
+                    })?
+                }
             }
-            None => master_port,
         };
         let l = Launch {
             rank,
@@ -209,17 +207,13 @@ impl Launch {
     }
 
     fn validate(&self, rank_var: &str) -> Result<()> {
-        if self.world_size == 0 {
+        let (rank, world) = (self.rank, self.world_size);
+        if world == 0 {
             return Err(env_err(rank_var, "the world size is 0"));
         }
-        if self.rank >= self.world_size {
-            return Err(env_err(
-                rank_var,
-                format!(
-                    "rank {} is not below the world size {}",
-                    self.rank, self.world_size
-                ),
-            ));
+        if rank >= world {
+            let why = format!("rank {rank} is not below the world size {world}");
+            return Err(env_err(rank_var, why));
         }
         Ok(())
     }

@@ -5,13 +5,13 @@ use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
 use super::waiting::{WaitWarnings, Who};
 use super::wire::{
-    self, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, Refusal, SharedStream, ToClient,
-    ToServer,
+    self, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError, Refusal, SharedStream,
+    ToClient, ToServer,
 };
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use std::io::Write;
 use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
@@ -41,22 +41,23 @@ pub(super) fn join_store(
 ) -> Result<(SharedStream, FrameReader<SharedStream>)> {
     let launch = &config.launch;
     let job = config.job_id.clone().unwrap_or_default();
-    let mut hello = wire::preface().to_vec();
-    hello.extend(wire::encode(&ToServer::Hello {
+    let hello = wire::with_preface(&ToServer::Hello {
         token: config.token.clone().unwrap_or_default().into_bytes(),
         job: job.clone(),
         rank: launch.rank as u32,
         world_size: launch.world_size as u32,
         host: host_name(),
         pid: std::process::id(),
-    }));
+    });
     let proto = |detail: String| Error::Protocol {
         op: "store handshake",
         detail,
     };
     let mut busy_delay = Duration::from_millis(5);
     loop {
-        let stream = SharedStream::new(connect_retrying(config, target, deadline, warnings)?);
+        let stream = SharedStream(Arc::new(connect_retrying(
+            config, target, deadline, warnings,
+        )?));
         let _ = stream.set_nodelay(true);
         // Writes to a server that stops reading fail after a heartbeat timeout.
         stream
@@ -66,26 +67,25 @@ pub(super) fn join_store(
                 target.to_string(),
             ))?;
         // Handshake: preface and hello in one write; the server's preface and verdict.
-        (&*stream)
-            .write_all(&hello)
+        (stream.send(&hello))
             .map_err(transport("store handshake", format!("writing to {target}")))?;
         let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
         let hs_deadline = deadline.cap(config.handshake_timeout);
-        let preface = wire::read_until(&stream, hs_deadline, || reader.raw(PREFACE_BYTES))
-            .map_err(|e| proto(format!("reading the server's preface from {target}: {e}")))?
-            .ok_or_else(|| {
-                proto(format!(
-                    "no reply from {target} within the handshake timeout"
-                ))
-            })?;
+        let failed = |what: &str, got: std::result::Result<Option<Vec<u8>>, ReadError>| {
+            got.map_err(|e| proto(format!("reading the server's {what} from {target}: {e}")))?
+                .ok_or_else(|| {
+                    proto(format!(
+                        "no {what} from {target} within the handshake timeout"
+                    ))
+                })
+        };
+        let preface = wire::read_until(&stream, hs_deadline, || reader.raw(PREFACE_BYTES));
+        let preface = failed("preface", preface)?;
         wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
-        let verdict = wire::read_until(&stream, hs_deadline, || reader.frame())
-            .map_err(|e| proto(format!("reading the server's verdict from {target}: {e}")))?
-            .ok_or_else(|| {
-                proto(format!(
-                    "no verdict from {target} within the handshake timeout"
-                ))
-            })?;
+        let verdict = failed(
+            "verdict",
+            wire::read_until(&stream, hs_deadline, || reader.frame()),
+        )?;
         let (reason, kind, store_job) = match wire::decode::<ToClient>(&verdict).map_err(proto)? {
             ToClient::Welcome => {
                 reader.max_frame_bytes = config.max_frame_bytes;
@@ -144,42 +144,29 @@ fn connect_retrying(
                     std::io::ErrorKind::NotFound,
                     "the address resolved to nothing",
                 );
-                let mut got = None;
                 for a in addrs {
-                    let left = deadline.remaining();
-                    let limit = left.clamp(Duration::from_millis(1), Duration::from_secs(10));
+                    let limit = (deadline.remaining())
+                        .clamp(Duration::from_millis(1), Duration::from_secs(10));
                     match TcpStream::connect_timeout(&a, limit) {
-                        Ok(s) => {
-                            got = Some(s);
-                            break;
-                        }
+                        Ok(s) => return Ok(s),
                         Err(e) if out_of_descriptors(&e) => {
                             // Not something waiting mends: say what it is at once.
-                            return Err(Error::Transport {
-                                op: "connecting to the store",
-                                detail: format!("{target}: {}", describe_io(&e)),
-                                source: e,
-                            });
+                            let detail = format!("{target}: {}", describe_io(&e));
+                            return Err(transport("connecting to the store", detail)(e));
                         }
                         Err(e) => last = e,
                     }
                 }
-                match got {
-                    Some(s) => return Ok(s),
-                    None => last,
-                }
+                last
             }
             Err(e) => e,
         };
         let left = deadline.remaining();
         if left.is_zero() {
-            return Err(Error::Transport {
-                op: "connecting to the store",
-                detail: format!(
-                    "{target} could not be reached within the start-up timeout of {startup:?}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
-                ),
-                source: err,
-            });
+            let detail = format!(
+                "{target} could not be reached within the start-up timeout of {startup:?}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
+            );
+            return Err(transport("connecting to the store", detail)(err));
         }
         if warnings.due() {
             let server = "the store server (rank 0 hosts it)".to_string();

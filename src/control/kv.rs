@@ -1,36 +1,13 @@
-//! [`KvExchange`]: an [`Exchange`](super::Exchange) over a key-value store a runtime already has, such
-//! as PyTorch's `c10d.Store` (`set`, `get`, `add`, `wait`), so that the crate's
-//! agreement runs wherever the runtime runs, under any launcher.
-//!
-//! # Protocol
-//!
-//! Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
-//! waits (in slices of [`KvConfig::poll`]) until every rank's key of the round exists,
-//! then reads them. After round `r` completes, every rank has finished reading round
-//! `r - 1`, so a rank deletes its own key of round `r - 1` (where the store can delete).
-//!
-//! A rank whose wait reaches its deadline breaks the group: it writes its rank and
-//! operation to `PREFIX/broken/reason`, then increments `PREFIX/broken` (so the reason
-//! exists whenever the counter is non-zero), withdraws its key and fails with
-//! [`Error::Timeout`]. Every rank checks the counter before each round and between
-//! slices of a wait, and fails with [`Error::GroupBroken`] once it is set.
-//!
-//! # Failure-detection bound
-//!
-//! The store has no heartbeat, so a rank that dies or freezes is noticed only through
-//! deadlines: a rank waiting for it fails with [`Error::Timeout`] when its own call's
-//! timeout passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout),
-//! 60 s by default; the NCCL set-up's, 10 min), and every other rank then fails with
-//! [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
-//! round trip of that moment. A timeout on any rank breaks the group for good.
+//! [`KvExchange`]: an [`Exchange`](super::Exchange) over a key-value store a runtime already
+//! has, such as PyTorch's `c10d.Store` (`set`, `get`, `add`, `wait`), so that the crate's
+//! agreement runs wherever the runtime runs, under any launcher. Its protocol and
+//! failure-detection bound are on [`KvExchange`].
 
 use super::waiting::{WAIT_WARNING_INTERVAL, WaitWarnings, Who, ranks};
-use super::{ChannelId, GatherRounds, Round, Rounds};
+use super::{ChannelId, GatherRounds, Round, Rounds, intern_op};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
-use std::collections::HashSet;
 use std::fmt;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 /// The key-value store a [`KvExchange`] runs over: the operations of PyTorch's
@@ -125,10 +102,12 @@ impl KvConfig {
 /// # Protocol
 /// Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
 /// waits (in slices of [`KvConfig::poll`]) until every rank's key of the round exists,
-/// then reads them, and deletes its own key of round `r - 1` (every rank has read it).
+/// then reads them. Once round `r` completes every rank has read round `r - 1`, so a
+/// rank then deletes its own key of round `r - 1` (where the store can delete).
 /// A rank whose wait reaches its deadline writes its rank and operation to
-/// `PREFIX/broken/reason`, increments `PREFIX/broken`, withdraws its key and fails
-/// with [`Error::Timeout`]; every rank checks the counter before each round and between
+/// `PREFIX/broken/reason`, then increments `PREFIX/broken` (so the reason exists
+/// whenever the counter is non-zero), withdraws its key and fails with
+/// [`Error::Timeout`]; every rank checks the counter before each round and between
 /// slices, and fails with [`Error::GroupBroken`] once it is set. A rank waiting long
 /// logs a warning naming the ranks whose keys are missing every
 /// [`KvConfig::wait_warning_interval`], and once more when they come.
@@ -137,9 +116,9 @@ impl KvConfig {
 /// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
 /// only. A rank waiting for it fails with [`Error::Timeout`] when its own call's timeout
 /// passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout), 60 s by
-/// default), and every other rank fails with [`Error::GroupBroken`] within
-/// [`KvConfig::poll`] (1 s) plus a store round trip after that. A timeout on any rank
-/// breaks the group for good.
+/// default; the NCCL set-up's, 10 min), and every other rank fails with
+/// [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
+/// round trip of that moment. A timeout on any rank breaks the group for good.
 pub struct KvExchange<S: KvStore> {
     store: S,
     config: KvConfig,
@@ -158,22 +137,6 @@ impl<S: KvStore> fmt::Debug for KvExchange<S> {
             .field("store", &self.store)
             .finish_non_exhaustive()
     }
-}
-
-/// Operation names read back from the store, as `&'static str` (a small, bounded set:
-/// the names the crate's own calls use).
-fn intern(name: &str) -> &'static str {
-    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
-    let mut names = NAMES.get_or_init(Default::default).lock();
-    if let Some(n) = names.get(name) {
-        return n;
-    }
-    if names.len() >= 256 {
-        return "an exchange round";
-    }
-    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
-    names.insert(leaked);
-    leaked
 }
 
 impl<S: KvStore> KvExchange<S> {
@@ -215,39 +178,28 @@ impl<S: KvStore> KvExchange<S> {
     }
 
     fn key(&self, channel: ChannelId, round: u64, rank: usize) -> String {
-        format!(
-            "{}/{}/{round}/{rank}",
-            self.config.prefix,
-            channel.ordinal()
-        )
+        let (prefix, channel) = (&self.config.prefix, channel.ordinal());
+        format!("{prefix}/{channel}/{round}/{rank}")
     }
 
-    fn broken_key(&self) -> String {
-        format!("{}/broken", self.config.prefix)
-    }
-
-    fn reason_key(&self) -> String {
-        format!("{}/broken/reason", self.config.prefix)
+    /// The key of the group's broken counter, then `tail` (`/reason`: of its reason).
+    fn broken_key(&self, tail: &str) -> String {
+        format!("{}/broken{tail}", self.config.prefix)
     }
 
     /// The group's broken state: this rank's memory first, then the store's counter.
     fn check_broken(&self) -> Result<()> {
         let mut broken = self.broken.lock();
-        if let Some((rank, op)) = *broken {
-            return Err(Error::GroupBroken { rank, op });
-        }
-        if self.store.add(&self.broken_key(), 0)? > 0 {
-            let reason = self.store.get(&self.reason_key())?;
+        if broken.is_none() && self.store.add(&self.broken_key(""), 0)? > 0 {
+            let reason = self.store.get(&self.broken_key("/reason"))?;
             let text = String::from_utf8_lossy(&reason);
             let (rank, op) = text.split_once(' ').unwrap_or(("0", "an exchange round"));
-            let found = (rank.parse().unwrap_or(0), intern(op));
-            *broken = Some(found);
-            return Err(Error::GroupBroken {
-                rank: found.0,
-                op: found.1,
-            });
+            *broken = Some((rank.parse().unwrap_or(0), intern_op(op)));
         }
-        Ok(())
+        match *broken {
+            Some((rank, op)) => Err(Error::GroupBroken { rank, op }),
+            None => Ok(()),
+        }
     }
 
     /// The ranks whose keys of a round (`keys`, by rank) are missing.
@@ -266,8 +218,10 @@ impl<S: KvStore> KvExchange<S> {
         *self.broken.lock() = Some((self.rounds.rank, op));
         let reason = format!("{} {op}", self.rounds.rank);
         // Best effort: the timeout is what this rank reports either way.
-        let _ = self.store.set(&self.reason_key(), reason.as_bytes());
-        let _ = self.store.add(&self.broken_key(), 1);
+        let _ = self
+            .store
+            .set(&self.broken_key("/reason"), reason.as_bytes());
+        let _ = self.store.add(&self.broken_key(""), 1);
         let _ = self.store.delete(own_key);
     }
 }
@@ -296,36 +250,30 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
                 break;
             }
             self.check_broken()?;
-            if warnings.due() && !r.deadline.expired() {
-                let missing = self.missing(&keys)?;
-                if !missing.is_empty() {
-                    warnings.warn(&who, ranks(&missing), r.deadline);
-                }
-            }
-            if r.deadline.expired() {
+            let expired = r.deadline.expired();
+            if expired || warnings.due() {
                 let missing = self.missing(&keys)?;
                 if missing.is_empty() {
                     break;
                 }
-                self.break_group(r.op, own);
-                return Err(Error::Timeout {
-                    op: r.op,
-                    waited: r.started.elapsed(),
-                    missing_ranks: missing,
-                });
+                if expired {
+                    self.break_group(r.op, own);
+                    return Err(Error::Timeout {
+                        op: r.op,
+                        waited: r.started.elapsed(),
+                        missing_ranks: missing,
+                    });
+                }
+                warnings.warn(&who, ranks(&missing), r.deadline);
             }
         }
         warnings.arrived(&who);
         // A rank that timed out may have posted before it gave up: do not pair with it.
         self.check_broken()?;
-        let mut out = Vec::with_capacity(self.rounds.world_size);
-        for (k, key) in keys.iter().enumerate() {
-            if k == self.rounds.rank {
-                out.push(r.payload.to_vec());
-            } else {
-                out.push(self.store.get(key)?);
-            }
-        }
+        let mine = |k: usize| (k == self.rounds.rank).then(|| r.payload.to_vec());
+        let out = (keys.iter().enumerate())
+            .map(|(k, key)| mine(k).map_or_else(|| self.store.get(key), Ok))
+            .collect::<Result<Vec<_>>>()?;
         if round > 0 {
             self.store
                 .delete(&self.key(r.channel, round - 1, self.rounds.rank))?;

@@ -1,7 +1,5 @@
-//! [`Mailbox`]: how a round's result reaches the store server's thread of a rank that
-//! polls for it, so that the results of a round are written in parallel.
+//! [`Mailbox`]: a round's result on its way to the store server's thread of a rank.
 
-use super::wire::{self, SharedStream};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,7 +52,7 @@ impl Mailbox {
     }
 
     /// The rank's own thread, the round's last contributor, leaves its own copy of
-    /// the result for [`write_after_result`].
+    /// the result for the thread to write after the lock is released.
     pub(super) fn put_own(&self, frame: Arc<Vec<u8>>) {
         self.fill(&mut self.idle_slot(), frame);
     }
@@ -95,20 +93,4 @@ impl Mailbox {
             Slot::Idle | Slot::Waiting => None,
         }
     }
-}
-
-/// Under a rank's writer lock: write the result waiting in its mailbox, if any, then
-/// `frame`. Every write to a rank goes through here, so nothing written to it later
-/// (the next round's result, a broken-group notice after the last round) overtakes a
-/// result handed to its mailbox.
-pub(super) fn write_after_result(
-    mailbox: &Mailbox,
-    writer: &Mutex<SharedStream>,
-    frame: Option<&[u8]>,
-) -> std::io::Result<()> {
-    let mut w = writer.lock();
-    if let Some(result) = mailbox.take_delivered() {
-        wire::send(&mut *w, &result)?;
-    }
-    frame.map_or(Ok(()), |f| wire::send(&mut *w, f))
 }

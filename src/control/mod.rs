@@ -73,7 +73,7 @@ use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 pub use admission::REFUSAL_LOG_INTERVAL;
@@ -166,14 +166,13 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     fn open_channel(&self, name: &str, deadline: Deadline) -> Result<ChannelId>;
 
     /// The rank this exchange knows to be lost, if any: its process ended, it closed
-    /// its exchange, or it stopped answering heartbeats (see the [failure detection
-    /// bound](self#failure-detection-bound)). A look at what the exchange already
-    /// knows, with no round and no wait, for watchdogs that must end work blocked on
-    /// the lost rank outside the exchange (the NCCL backend's watchdog asks every
-    /// interval, and aborts its communicators). A [`StoreExchange`] learns of a loss
-    /// while no call waits on it too (its background thread reads the server's word);
-    /// exchanges without failure detection ([`LocalExchange`], [`KvExchange`]) answer
-    /// `None` (the default).
+    /// its exchange, or it stopped answering heartbeats (the [failure detection
+    /// bound](self#failure-detection-bound)). What the exchange already knows, with no
+    /// round and no wait, for watchdogs that must end work blocked on the lost rank
+    /// outside the exchange (the NCCL backend's aborts its communicators). A
+    /// [`StoreExchange`] learns of a loss while no call waits too (its background
+    /// thread reads the server's word); exchanges without failure detection
+    /// ([`LocalExchange`], [`KvExchange`]) answer `None` (the default).
     fn lost_peer(&self) -> Option<LostPeer> {
         None
     }
@@ -254,6 +253,22 @@ pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
         .collect()
 }
 
+/// An operation name that another rank sent (a store's broken-group notice), as
+/// `&'static str`: a small, bounded set, the names the crate's own calls use.
+fn intern_op(name: &str) -> &'static str {
+    static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+    let mut names = NAMES.lock();
+    match names.get(name).copied() {
+        Some(n) => n,
+        None if names.len() >= 256 => "an exchange round",
+        None => {
+            let leaked: &'static str = Box::leak(name.into());
+            names.insert(leaked);
+            leaked
+        }
+    }
+}
+
 /// What a rank opens in [`Exchange::open_channel`]'s round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct ChannelOpening {
@@ -261,8 +276,8 @@ struct ChannelOpening {
     name: String,
 }
 
-/// One round of one of the crate's exchanges, numbered and checked by the
-/// [`Exchange`] implementation that [`GatherRounds`] gives.
+/// One round of one of the crate's exchanges, numbered and checked by [`GatherRounds`]'
+/// [`Exchange`] implementation.
 #[derive(Debug, Clone, Copy)]
 struct Round<'a> {
     channel: ChannelId,
@@ -276,10 +291,9 @@ struct Round<'a> {
     started: Instant,
 }
 
-/// What each of the crate's exchanges provides; [`Exchange`] follows from it, with the
-/// checks and the round bookkeeping every implementation needs done once: the payload
-/// limit (before anything is sent or a round is used), the round numbers per channel,
-/// and the channel openings.
+/// What each of the crate's exchanges provides; [`Exchange`] follows, with what every
+/// implementation needs done once: the payload limit (checked before anything is sent
+/// or a round is used), the round numbers per channel, the channel openings.
 trait GatherRounds: Send + Sync + std::fmt::Debug {
     /// This rank's place in the group and its round counters.
     fn rounds(&self) -> &Rounds;

@@ -53,13 +53,6 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
         }
     }
 
-    /// Warn every `interval` (instead of [`WAIT_WARNING_INTERVAL`]) in a long wait.
-    #[cfg(test)]
-    pub(crate) fn with_wait_warning_interval(mut self, interval: Duration) -> Self {
-        self.warn_every = interval;
-        self
-    }
-
     /// Post `value` for `rank` in the round `key` and wait until every rank has posted
     /// in that round, or `deadline` passes; every rank's value, in rank order. A long
     /// wait warns, naming the ranks not posted (see [`Rendezvous`]).
@@ -146,10 +139,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
     /// already): every gather waiting now or later fails with [`Error::GroupBroken`].
     /// For a caller that learnt otherwise that the ranks are out of step.
     pub(crate) fn abandon(&self, rank: usize, op: &'static str) {
-        let mut state = self.state.lock();
-        if state.broken.is_none() {
-            state.broken = Some((rank, op));
-        }
+        self.state.lock().broken.get_or_insert((rank, op));
         self.cv.notify_all();
     }
 
@@ -161,12 +151,6 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 state.rounds.remove(&key);
             }
         }
-    }
-
-    /// Rounds still held (for tests: nothing leaks after timeouts).
-    #[cfg(test)]
-    pub(crate) fn rounds_held(&self) -> usize {
-        self.state.lock().rounds.len()
     }
 }
 

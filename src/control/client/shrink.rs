@@ -87,7 +87,6 @@ impl StoreExchange {
                 shared: self.shared.clone(),
                 connection: self.connection.clone(),
                 rounds: Rounds::new(rank, survivors.len(), self.rounds.max_payload_bytes),
-                ops: Mutex::new(self.ops.lock().clone()),
                 job_rank: self.job_rank,
                 epoch,
                 successor: Mutex::new(None),

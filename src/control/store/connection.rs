@@ -2,20 +2,17 @@
 //! then that rank's frames until it leaves.
 
 use super::{CLOSED, Conn, Link, Pending, Shared};
-use crate::control::admission::{
-    HandshakeSlot, RefusalKind, canonical, describe_io, out_of_descriptors,
-};
+use crate::control::admission::{HandshakeSlot, RefusalKind, describe_io, out_of_descriptors};
 use crate::control::wire::{
-    self, Broken, Cause, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
+    self, Broken, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
     Refusal, SharedStream, ToClient, ToServer,
 };
 use crate::deadline::Deadline;
 use parking_lot::Mutex;
-use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// A refused handshake: what to log, and what to tell the client (if anything).
 struct Refused {
@@ -26,37 +23,27 @@ struct Refused {
 }
 
 impl Refused {
+    /// Told to the client.
     fn new(kind: RefusalKind, why: String) -> Box<Self> {
-        Box::new(Refused {
-            kind,
-            why,
-            tell: Some(kind.refusal()),
-        })
+        let tell = Some(kind.refusal());
+        Box::new(Refused { kind, why, tell })
     }
 
     fn silent(kind: RefusalKind, why: String) -> Box<Self> {
-        Box::new(Refused {
-            kind,
-            why,
-            tell: None,
-        })
+        let tell = None;
+        Box::new(Refused { kind, why, tell })
     }
 }
 
-/// What a client said in its hello.
-struct Hello {
-    rank: usize,
-    member: Member,
-}
-
-/// Read and check the preface and the hello, until the handshake deadline.
+/// Read and check the preface and the hello from `sock`, until the handshake deadline:
+/// the rank the client asks for, and who it is.
 fn handshake(
     shared: &Shared,
+    sock: &SharedStream,
     reader: &mut FrameReader<SharedStream>,
     peer: SocketAddr,
-) -> std::result::Result<Hello, Box<Refused>> {
-    let sock = reader.get_ref().clone();
-    let until = Deadline::after(shared.handshake_timeout);
+) -> std::result::Result<(usize, Member), Box<Refused>> {
+    let until = Deadline::after(shared.config.handshake_timeout);
     let failed = |e: ReadError| {
         let kind = match &e {
             ReadError::Io(io) if out_of_descriptors(io) => RefusalKind::Resources,
@@ -67,10 +54,10 @@ fn handshake(
     let slow = |what: &str| {
         Refused::silent(
             RefusalKind::Slow,
-            format!("no {what} within {:?}", shared.handshake_timeout),
+            format!("no {what} within {:?}", shared.config.handshake_timeout),
         )
     };
-    let preface = wire::read_until(&sock, until, || reader.raw(PREFACE_BYTES))
+    let preface = wire::read_until(sock, until, || reader.raw(PREFACE_BYTES))
         .map_err(failed)?
         .ok_or_else(|| slow("handshake"))?;
     if let Err(why) = wire::check_preface(&preface) {
@@ -80,7 +67,7 @@ fn handshake(
             Refused::silent(RefusalKind::Garbage, why)
         });
     }
-    let body = wire::read_until(&sock, until, || reader.frame())
+    let body = wire::read_until(sock, until, || reader.frame())
         .map_err(|e| {
             let mut refused = failed(e);
             refused.tell = Some(Refusal::Other);
@@ -88,17 +75,17 @@ fn handshake(
         })?
         .ok_or_else(|| slow("hello"))?;
     let garbage = |why: String| Refused::new(RefusalKind::Garbage, why);
-    let (token, job, rank, world_size, host, pid) = match wire::decode::<ToServer>(&body) {
-        Ok(ToServer::Hello {
-            token,
-            job,
-            rank,
-            world_size,
-            host,
-            pid,
-        }) => (token, job, rank, world_size, host, pid),
-        Ok(other) => return Err(garbage(format!("expected a hello, got {other:?}"))),
-        Err(why) => return Err(garbage(why)),
+    let hello = wire::decode::<ToServer>(&body).map_err(garbage)?;
+    let ToServer::Hello {
+        token,
+        job,
+        rank,
+        world_size,
+        host,
+        pid,
+    } = hello
+    else {
+        return Err(garbage(format!("expected a hello, got {hello:?}")));
     };
     if !wire::constant_time_eq(&token, &shared.token) {
         return Err(Refused::new(
@@ -116,33 +103,26 @@ fn handshake(
             ),
         ));
     }
-    if world_size as usize != shared.world {
-        return Err(Refused::new(
-            RefusalKind::Misfit,
-            format!(
-                "world size {world_size} differs from the store's {} (check WORLD_SIZE on every rank)",
-                shared.world
-            ),
-        ));
+    let world = shared.world;
+    let misfit = if world_size as usize != world {
+        Some(format!(
+            "world size {world_size} differs from the store's {world} (check WORLD_SIZE on every rank)"
+        ))
+    } else {
+        (rank as usize >= world)
+            .then(|| format!("rank {rank} is out of range for world size {world}"))
+    };
+    if let Some(why) = misfit {
+        return Err(Refused::new(RefusalKind::Misfit, why));
     }
-    if rank as usize >= shared.world {
-        return Err(Refused::new(
-            RefusalKind::Misfit,
-            format!(
-                "rank {rank} is out of range for world size {}",
-                shared.world
-            ),
-        ));
-    }
-    Ok(Hello {
-        rank: rank as usize,
-        member: Member {
-            host,
-            pid,
-            addr: peer.to_string(),
-            at_unix_ms: wire::unix_ms_now(),
-        },
-    })
+    let member = Member {
+        host,
+        pid,
+        addr: peer.to_string(),
+        at_unix_ms: (SystemTime::now().duration_since(UNIX_EPOCH))
+            .map_or(0, |d| d.as_millis() as u64),
+    };
+    Ok((rank as usize, member))
 }
 
 /// A job identity for messages.
@@ -164,31 +144,30 @@ pub(super) fn serve(
     let _ = stream.set_nodelay(true);
     // One descriptor for the connection: the reader, the writer and the closer share
     // it.
-    let stream = SharedStream::new(stream);
+    let stream = SharedStream(Arc::new(stream));
     // A rank that stops reading must not block the server's writes (most made under
     // its state lock) without bound: a write that makes no progress for a heartbeat
     // timeout fails, and that rank departs.
-    if let Err(e) = stream.set_write_timeout(Some(shared.heartbeat_timeout)) {
+    if let Err(e) = stream.set_write_timeout(Some(shared.config.heartbeat_timeout)) {
         let why = format!("could not set a write timeout: {}", describe_io(&e));
         return shared.reject(peer, RefusalKind::Resources, &why);
     }
     let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
     let refuse = |refused: Box<Refused>| {
         if let Some(kind) = refused.tell {
-            let _ = (&*stream).write_all(&shared.verdict(kind, refused.why.clone()));
+            let _ = stream.send(&shared.verdict(kind, refused.why.clone()));
         }
         shared.reject(peer, refused.kind, &refused.why);
     };
-    let hello = match handshake(shared, &mut reader, peer) {
-        Ok(h) => h,
+    let (rank, member) = match handshake(shared, &stream, &mut reader, peer) {
+        Ok(hello) => hello,
         Err(refused) => return refuse(refused),
     };
-    let rank = hello.rank;
     // Join.
     let me = {
         let mut st = shared.state.lock();
         if let Some(holder) = &st.members[rank] {
-            let (holder, claimant) = (holder.clone(), hello.member);
+            let (holder, claimant) = (holder.clone(), member);
             let why = if st.conns[rank].is_some() {
                 format!(
                     "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
@@ -214,9 +193,7 @@ pub(super) fn serve(
             drop(st);
             return refuse(Refused::new(RefusalKind::Closed, why));
         }
-        let mut welcome = wire::preface().to_vec();
-        welcome.extend(wire::encode(&ToClient::Welcome));
-        if let Err(e) = (&*stream).write_all(&welcome) {
+        if let Err(e) = stream.send(&wire::with_preface(&ToClient::Welcome)) {
             drop(st);
             let why = format!("writing the welcome failed: {}", describe_io(&e));
             return shared.reject(peer, RefusalKind::Garbage, &why);
@@ -228,89 +205,66 @@ pub(super) fn serve(
             mailbox: Arc::default(),
         };
         st.next_conn_id += 1;
-        tracing::info!("symmpool store: rank {rank} joined: {}", hello.member);
-        st.members[rank] = Some(hello.member);
+        tracing::info!("symmpool store: rank {rank} joined: {member}");
+        st.members[rank] = Some(member);
         st.conns[rank] = Some(Conn {
-            id: me.id,
-            writer: me.writer.clone(),
+            link: me.clone(),
             sock: stream.clone(),
-            mailbox: me.mailbox.clone(),
             last_heard: Instant::now(),
         });
-        let joined = shared.joined_message(&st);
-        if matches!(joined, ToClient::AllJoined) {
+        let present: Vec<u32> = (0..shared.world as u32)
+            .filter(|r| st.members[*r as usize].is_some())
+            .collect();
+        let joined = if present.len() < shared.world {
+            ToClient::Joined { present }
+        } else {
             let hosts = st
                 .members
                 .iter()
                 .flatten()
                 .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
-                .map(|a| canonical(a.ip()))
+                .map(|a| a.ip().to_canonical())
                 .collect();
             let _ = shared.rank_hosts.set(hosts);
-        }
-        shared.broadcast(&mut st, &wire::encode(&joined));
+            ToClient::AllJoined
+        };
+        shared.send_to(&mut st, 0..shared.world, &wire::encode(&joined));
         me
     };
     drop(slot);
     let id = me.id;
-    reader.max_frame_bytes = shared.max_frame_bytes;
+    reader.max_frame_bytes = shared.config.max_frame_bytes;
+    // This connection ends, saying why (with the state lock not held).
+    let depart = |why: &str| shared.depart(&mut shared.state.lock(), rank, Some(id), why);
     if stream
-        .set_read_timeout(Some(shared.heartbeat_interval))
+        .set_read_timeout(Some(shared.config.heartbeat_interval))
         .is_err()
     {
-        let mut st = shared.state.lock();
-        return shared.depart(&mut st, rank, Some(id), "could not set a read timeout");
+        return depart("could not set a read timeout");
     }
     loop {
-        let before = reader.bytes_read();
-        let got = match reader.spin_frame(shared.server_spin) {
-            Ok(None) => reader.frame(),
-            polled => polled,
-        };
-        let msg = match got {
-            Ok(None) => {
-                if shared.shutdown.load(Ordering::SeqCst) {
-                    return;
-                }
-                if reader.bytes_read() > before {
-                    // Bytes of a large frame still arriving: the rank is alive.
-                    let mut st = shared.state.lock();
-                    match st.conns[rank].as_mut() {
-                        Some(c) if c.id == id => c.last_heard = Instant::now(),
-                        _ => return,
-                    }
-                }
-                continue;
-            }
+        let before = reader.bytes_read;
+        let msg = match reader.spin_frame(shared.server_spin) {
+            Ok(None) if shared.shutdown.load(Ordering::SeqCst) => return,
+            // Bytes of a large frame still arriving: the rank is alive.
+            Ok(None) if reader.bytes_read > before => None,
+            Ok(None) => continue,
             Ok(Some(body)) => match wire::decode::<ToServer>(&body) {
-                Ok(m) => m,
-                Err(why) => {
-                    let mut st = shared.state.lock();
-                    return shared.depart(
-                        &mut st,
-                        rank,
-                        Some(id),
-                        &format!("protocol error: {why}"),
-                    );
-                }
+                Ok(m) => Some(m),
+                Err(why) => return depart(&format!("protocol error: {why}")),
             },
-            Err(e) => {
-                let why = match e {
-                    ReadError::Eof { partial: false } => {
-                        "its connection closed (the process exited or was killed)".to_string()
-                    }
-                    e => format!("its connection failed: {e}"),
-                };
-                let mut st = shared.state.lock();
-                return shared.depart(&mut st, rank, Some(id), &why);
+            Err(ReadError::Eof { partial: false }) => {
+                return depart("its connection closed (the process exited or was killed)");
             }
+            Err(e) => return depart(&format!("its connection failed: {e}")),
         };
         let mut st = shared.state.lock();
         let heard = Instant::now();
         match st.conns[rank].as_mut() {
-            Some(c) if c.id == id => c.last_heard = heard,
+            Some(c) if c.link.id == id => c.last_heard = heard,
             _ => return,
         }
+        let Some(msg) = msg else { continue };
         match msg {
             ToServer::Heartbeat => {}
             ToServer::Contribute {
@@ -320,23 +274,15 @@ pub(super) fn serve(
                 payload,
             } => {
                 if let Some(b) = st.broken.clone() {
-                    let mut failed = Vec::new();
-                    shared.write_to(
-                        &mut st,
-                        rank,
-                        &wire::encode(&ToClient::Broken(b)),
-                        &mut failed,
-                    );
-                    if let Some((_, why)) = failed.pop() {
-                        return shared.depart(&mut st, rank, Some(id), &why);
-                    }
+                    // (A rank this fails for departs, and its next read ends the loop.)
+                    shared.send_to(&mut st, [rank], &wire::encode(&ToClient::Broken(b)));
                     continue;
                 }
                 let Some(place) = st.place(rank) else {
                     let why = "protocol error: contributed to a round of a group it is not in (shrunk without it)";
                     return shared.depart(&mut st, rank, Some(id), why);
                 };
-                let (world, interval) = (st.alive.len(), shared.wait_warning_interval);
+                let (world, interval) = (st.alive.len(), shared.config.wait_warning_interval);
                 let posted = &mut st
                     .rounds
                     .entry((channel, round))
@@ -360,7 +306,7 @@ pub(super) fn serve(
                         .into_iter()
                         .flatten()
                         .collect();
-                    shared.rounds.fetch_add(1, Ordering::Relaxed);
+                    shared.stats.lock().rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {
                         channel,
                         round,
@@ -373,8 +319,7 @@ pub(super) fn serve(
                     me.mailbox.start_waiting();
                     drop(st);
                     if let Err(why) = shared.await_result(&me) {
-                        let mut st = shared.state.lock();
-                        return shared.depart(&mut st, rank, Some(id), &why);
+                        return depart(&why);
                     }
                 }
             }
@@ -382,14 +327,7 @@ pub(super) fn serve(
                 let missing =
                     (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
                 let rank = st.place(rank).unwrap_or(rank) as u32;
-                shared.break_group(
-                    &mut st,
-                    Broken {
-                        rank,
-                        op,
-                        cause: Cause::Timeout { missing },
-                    },
-                );
+                shared.break_group(&mut st, Broken::timeout(rank, op, missing));
             }
             ToServer::Bye => {
                 return shared.depart(&mut st, rank, Some(id), CLOSED);

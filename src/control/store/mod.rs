@@ -1,11 +1,12 @@
 //! [`StoreServer`]: the TCP rendezvous store that rank 0 hosts.
 //!
-//! One thread accepts connections, one thread per connection does the handshake and
-//! then reads that rank's frames, and one monitor thread sends heartbeats and declares
-//! silent ranks lost.
-//!
-//! This file holds the server, its shared state and the rounds; `connection.rs` holds a
-//! connection's thread: the handshake, then that rank's frames.
+//! One thread accepts connections; one per connection does the handshake, then reads
+//! that rank's frames (`connection.rs`); a monitor thread sends heartbeats and declares
+//! silent ranks lost. All state is behind one mutex; every write to a rank goes through
+//! its own writer lock, so frames never interleave. A round's result is encoded once
+//! and written to every rank with one write each: to a rank whose thread still polls
+//! for it (up to [`StoreConfig::server_spin`] after contributing) by that thread, in
+//! parallel with the others; to the rest by the thread of the last contributor.
 //!
 //! # What a client that is not one of the job's ranks can cost
 //!
@@ -18,32 +19,27 @@
 //! ([`Error::JobMismatch`]), a rank already held ([`Error::RankTaken`], naming both
 //! processes). Refusals are counted ([`ServerStats`]) and logged at most one line per
 //! kind per [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then one line with
-//! the counts. All state is behind one mutex; every write to a rank goes
-//! through that rank's own writer lock, so frames never interleave. A round's result
-//! is encoded once and written to every rank with one write each: to a rank whose
-//! thread is still polling for it (for up to [`StoreConfig::server_spin`] after
-//! contributing)
-//! by that thread, in parallel with the others; to the rest by the thread of the last
-//! rank to contribute.
+//! the counts.
 
 mod connection;
 mod shrink;
 
-use super::admission::{
-    HandshakeSlot, RefusalKind, RefusalLog, canonical, describe_io, out_of_descriptors,
-};
+use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, describe_io, out_of_descriptors};
 use super::config::StoreConfig;
-use super::mailbox::{Mailbox, write_after_result};
+use super::join::transport;
+use super::mailbox::Mailbox;
 use super::wire::{self, Broken, Cause, Member, Refusal, SharedStream, ToClient};
 use crate::deadline::Deadline;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use connection::serve;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -79,28 +75,19 @@ struct Shared {
     token: Vec<u8>,
     /// The job identity (empty: none).
     job: String,
-    heartbeat_interval: Duration,
-    heartbeat_timeout: Duration,
-    handshake_timeout: Duration,
-    max_handshakes: usize,
-    max_frame_bytes: usize,
+    /// The settings (heartbeats, handshakes, frame limit, wait warnings).
+    config: StoreConfig,
     /// [`StoreConfig::server_spin`] in effect.
     server_spin: Duration,
-    /// [`StoreConfig::wait_warning_interval`].
-    wait_warning_interval: Duration,
     state: Mutex<State>,
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
     shutdown: AtomicBool,
-    accepted: AtomicU64,
-    rejected: AtomicU64,
-    refused_busy: AtomicU64,
-    departed: AtomicU64,
-    rounds: AtomicU64,
+    stats: Mutex<ServerStats>,
     /// Handshakes in flight.
     handshakes: AtomicUsize,
-    /// The hosts of the ranks, set once every rank has joined: later connections from
-    /// elsewhere are refused without a handshake.
+    /// The hosts of the ranks (`to_canonical`: IPv4-mapped IPv6 as IPv4), set once every
+    /// rank has joined: later connections from elsewhere are refused without a handshake.
     rank_hosts: OnceLock<Vec<IpAddr>>,
     /// Rate-limited refusal warnings (its own lock: never taken on a round's path).
     refusals: Mutex<RefusalLog>,
@@ -127,6 +114,15 @@ impl State {
     /// The rank in the current group of job rank `rank`, if it is in it.
     fn place(&self, rank: usize) -> Option<usize> {
         self.alive.binary_search(&rank).ok()
+    }
+}
+
+impl State {
+    /// Write `frame` to `rank` if it is connected; on failure, the rank and why (it is
+    /// for the caller to make it depart).
+    fn write_to(&self, rank: usize, frame: &[u8]) -> Option<(usize, String)> {
+        let c = self.conns[rank].as_ref()?;
+        c.link.write(Some(frame)).err().map(|why| (rank, why))
     }
 }
 
@@ -158,25 +154,39 @@ impl Pending {
     }
 }
 
+/// A rank's connection, in the state.
 struct Conn {
-    id: u64,
-    /// Writes to the rank (a frame at a time); also held by its connection thread.
-    writer: Arc<Mutex<SharedStream>>,
+    /// What its thread holds of it too.
+    link: Link,
     /// The same socket (the same descriptor), for shutting it down without waiting
     /// for a writer.
     sock: SharedStream,
-    /// Results handed to the connection's thread; also held by that thread.
-    mailbox: Arc<Mailbox>,
     last_heard: Instant,
 }
 
-/// What a connection's thread holds of its connection (the `Conn` in the state has
-/// the same writer and mailbox).
+/// What a connection's thread holds of its connection.
+#[derive(Clone)]
 struct Link {
     rank: usize,
     id: u64,
+    /// Writes to the rank (a frame at a time).
     writer: Arc<Mutex<SharedStream>>,
+    /// Results handed to the connection's thread.
     mailbox: Arc<Mailbox>,
+}
+
+impl Link {
+    /// Under the writer lock: write the result waiting in the mailbox, if any, then
+    /// `frame`. Every write to a rank goes through here, so nothing written to it later
+    /// (the next round's result, a broken-group notice after the last round) overtakes
+    /// a result handed to its mailbox. `Err`: why writing failed.
+    fn write(&self, frame: Option<&[u8]>) -> std::result::Result<(), String> {
+        let w = self.writer.lock();
+        let result = self.mailbox.take_delivered();
+        (result.map_or(Ok(()), |r| w.send(&r)))
+            .and_then(|()| frame.map_or(Ok(()), |f| w.send(f)))
+            .map_err(|e| format!("writing to it failed: {e}"))
+    }
 }
 
 impl fmt::Debug for StoreServer {
@@ -204,35 +214,26 @@ impl StoreServer {
         config: &StoreConfig,
     ) -> Result<StoreServer> {
         config.check()?;
-        let detail = format!("binding the store server to {addr:?}");
-        let listener = TcpListener::bind(&addr).map_err(|source| Error::Transport {
-            op: "starting the store server",
-            detail: detail.clone(),
-            source,
-        })?;
-        let local = listener
-            .local_addr()
-            .and_then(|a| listener.set_nonblocking(true).map(|()| a))
-            .map_err(|source| Error::Transport {
-                op: "starting the store server",
-                detail,
-                source,
-            })?;
+        let bound = || -> std::io::Result<_> {
+            let listener = TcpListener::bind(&addr)?;
+            let local = listener.local_addr()?;
+            listener.set_nonblocking(true)?;
+            Ok((listener, local))
+        };
+        let (listener, local) = bound().map_err(transport(
+            "starting the store server",
+            format!("binding the store server to {addr:?}"),
+        ))?;
         let world = config.launch.world_size;
         let shared = Arc::new(Shared {
             world,
             token: config.token.clone().unwrap_or_default().into_bytes(),
             job: config.job_id.clone().unwrap_or_default(),
-            heartbeat_interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-            handshake_timeout: config.handshake_timeout,
-            max_handshakes: config.max_handshakes,
-            max_frame_bytes: config.max_frame_bytes,
+            config: config.clone(),
             server_spin: server_spin_in_effect(
                 config,
                 thread::available_parallelism().map_or(1, |n| n.get()),
             ),
-            wait_warning_interval: config.wait_warning_interval,
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 members: vec![None; world],
@@ -245,11 +246,7 @@ impl StoreServer {
             }),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
-            accepted: AtomicU64::new(0),
-            rejected: AtomicU64::new(0),
-            refused_busy: AtomicU64::new(0),
-            departed: AtomicU64::new(0),
-            rounds: AtomicU64::new(0),
+            stats: Mutex::default(),
             handshakes: AtomicUsize::new(0),
             rank_hosts: OnceLock::new(),
             refusals: Mutex::new(RefusalLog::new(Instant::now())),
@@ -260,15 +257,18 @@ impl StoreServer {
             threads: Vec::new(),
         };
         let s = shared.clone();
-        server.threads.push(spawn("symmpool-store-accept", move || {
-            accept_loop(&s, &listener)
-        })?);
-        let s = shared;
-        server
-            .threads
-            .push(spawn("symmpool-store-monitor", move || monitor_loop(&s))?);
+        server.spawn("symmpool-store-accept", move || accept_loop(&s, &listener))?;
+        server.spawn("symmpool-store-monitor", move || monitor_loop(&shared))?;
         tracing::info!("symmpool store listening on {local} for {world} ranks");
         Ok(server)
+    }
+
+    /// Start a thread of the server's, `name`, running `f`.
+    fn spawn(&mut self, name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let started = thread::Builder::new().name(name.to_string()).spawn(f);
+        let fail = transport("starting a store thread", name.to_string());
+        self.threads.push(started.map_err(fail)?);
+        Ok(())
     }
 
     /// The address the server listens on.
@@ -278,46 +278,36 @@ impl StoreServer {
 
     /// The server's counters.
     pub fn stats(&self) -> ServerStats {
-        let s = &self.shared;
-        ServerStats {
-            connections_accepted: s.accepted.load(Ordering::Relaxed),
-            connections_rejected: s.rejected.load(Ordering::Relaxed),
-            connections_refused_busy: s.refused_busy.load(Ordering::Relaxed),
-            ranks_departed: s.departed.load(Ordering::Relaxed),
-            rounds_completed: s.rounds.load(Ordering::Relaxed),
-        }
+        *self.shared.stats.lock()
     }
 
     /// Wait until no rank is connected, or `timeout` passes; `true` if none is.
     pub(crate) fn wait_until_empty(&self, timeout: Duration) -> bool {
         let deadline = Deadline::after(timeout);
         let mut st = self.shared.state.lock();
-        loop {
-            if st.conns.iter().all(Option::is_none) {
-                return true;
-            }
+        while st.conns.iter().any(Option::is_some) {
             if deadline.expired() {
                 return false;
             }
             self.shared.cv.wait_until(&mut st, deadline.instant());
         }
+        true
     }
 }
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        {
-            let mut st = self.shared.state.lock();
-            for c in st.conns.iter_mut().filter_map(Option::take) {
-                let _ = c.sock.shutdown(Shutdown::Both);
-            }
+        let mut st = self.shared.state.lock();
+        for c in st.conns.iter_mut().filter_map(Option::take) {
+            let _ = c.sock.shutdown(Shutdown::Both);
         }
+        drop(st);
         self.shared.cv.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        self.shared.refusals.lock().flush(Instant::now());
+        self.shared.refusals.lock().sum_up(Instant::now(), true);
     }
 }
 
@@ -333,24 +323,13 @@ fn server_spin_in_effect(config: &StoreConfig, cores: usize) -> Duration {
         })
 }
 
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
-    thread::Builder::new()
-        .name(name.to_string())
-        .spawn(f)
-        .map_err(|source| Error::Transport {
-            op: "starting a store thread",
-            detail: name.to_string(),
-            source,
-        })
-}
-
 impl Shared {
     /// Count a refused connection and log it (rate-limited).
     fn reject(&self, peer: SocketAddr, kind: RefusalKind, why: &str) {
-        self.rejected.fetch_add(1, Ordering::Relaxed);
-        if kind == RefusalKind::Busy {
-            self.refused_busy.fetch_add(1, Ordering::Relaxed);
-        }
+        let mut stats = self.stats.lock();
+        stats.connections_rejected += 1;
+        stats.connections_refused_busy += u64::from(kind == RefusalKind::Busy);
+        drop(stats);
         self.refusals.lock().note(Instant::now(), kind, peer, why);
     }
 
@@ -364,36 +343,22 @@ impl Shared {
 
     /// The server's preface and a refusal, as one write.
     fn verdict(&self, kind: Refusal, reason: String) -> Vec<u8> {
-        let mut reply = wire::preface().to_vec();
-        reply.extend(wire::encode(&ToClient::Reject {
+        wire::with_preface(&ToClient::Reject {
             reason,
             kind,
             job: self.job.clone(),
-        }));
-        reply
+        })
     }
 
-    /// Write `frame` to `rank`; on failure the rank departs (by the caller, who gets it
-    /// back in `failed`).
-    fn write_to(
-        &self,
-        st: &mut State,
-        rank: usize,
-        frame: &[u8],
-        failed: &mut Vec<(usize, String)>,
-    ) {
-        if let Some(c) = st.conns[rank].as_mut()
-            && let Err(e) = write_after_result(&c.mailbox, &c.writer, Some(frame))
-        {
-            failed.push((rank, format!("writing to it failed: {e}")));
-        }
+    /// Write `frame` to each of `ranks`; those it fails for depart, after all writes.
+    fn send_to(&self, st: &mut State, ranks: impl IntoIterator<Item = usize>, frame: &[u8]) {
+        let failed = ranks.into_iter().filter_map(|r| st.write_to(r, frame));
+        let failed: Vec<_> = failed.collect();
+        self.depart_all(st, failed);
     }
 
-    fn broadcast(&self, st: &mut State, frame: &[u8]) {
-        let mut failed = Vec::new();
-        for rank in 0..self.world {
-            self.write_to(st, rank, frame, &mut failed);
-        }
+    /// The ranks of `failed` depart, each with why.
+    fn depart_all(&self, st: &mut State, failed: Vec<(usize, String)>) {
         for (rank, why) in failed {
             self.depart(st, rank, None, &why);
         }
@@ -415,37 +380,25 @@ impl Shared {
         }
         st.rounds.clear();
         st.broken = Some(broken.clone());
-        self.broadcast(st, &wire::encode(&ToClient::Broken(broken)));
+        self.send_to(st, 0..self.world, &wire::encode(&ToClient::Broken(broken)));
     }
 
     /// `rank` (connection `id`, or any) left or was declared lost: close it and break
     /// the group, naming it.
     fn depart(&self, st: &mut State, rank: usize, id: Option<u64>, why: &str) {
-        let matches = st.conns[rank]
-            .as_ref()
-            .is_some_and(|c| id.is_none_or(|id| c.id == id));
-        if !matches {
+        let this = |c: &mut Conn| id.is_none_or(|id| c.link.id == id);
+        let Some(c) = st.conns[rank].take_if(this) else {
             return;
-        }
-        if let Some(c) = st.conns[rank].take() {
-            let _ = c.sock.shutdown(Shutdown::Both);
-        }
-        self.departed.fetch_add(1, Ordering::Relaxed);
+        };
+        let _ = c.sock.shutdown(Shutdown::Both);
+        self.stats.lock().ranks_departed += 1;
         self.cv.notify_all();
         if !self.shutdown.load(Ordering::SeqCst) {
             tracing::info!("symmpool store: rank {rank} departed: {why}");
         }
         self.lost_during_shrink(st, rank, why);
-        self.break_group(
-            st,
-            Broken {
-                rank: st.place(rank).unwrap_or(rank) as u32,
-                op: String::new(),
-                cause: Cause::Lost {
-                    detail: why.to_string(),
-                },
-            },
-        );
+        let place = st.place(rank).unwrap_or(rank) as u32;
+        self.break_group(st, Broken::lost(place, why.to_string()));
     }
 
     /// Send a completed round's `frame` to every rank (the caller, `me`'s thread,
@@ -461,26 +414,18 @@ impl Shared {
             }
             let handed = st.conns[other]
                 .as_ref()
-                .is_some_and(|c| c.mailbox.hand_over(&frame));
+                .is_some_and(|c| c.link.mailbox.hand_over(&frame));
             if !handed {
-                self.write_to(&mut st, other, &frame, &mut failed);
+                failed.extend(st.write_to(other, &frame));
             }
         }
         // This rank's own copy goes through its mailbox too, so that whatever another
         // thread writes to it once the lock is released comes after it.
         me.mailbox.put_own(frame);
-        for (other, why) in failed {
-            self.depart(&mut st, other, None, &why);
-        }
+        self.depart_all(&mut st, failed);
         drop(st);
-        if let Err(e) = write_after_result(&me.mailbox, &me.writer, None) {
-            let mut st = self.state.lock();
-            self.depart(
-                &mut st,
-                me.rank,
-                Some(me.id),
-                &format!("writing to it failed: {e}"),
-            );
+        if let Err(why) = me.write(None) {
+            self.depart(&mut self.state.lock(), me.rank, Some(me.id), &why);
         }
     }
 
@@ -506,20 +451,7 @@ impl Shared {
         // Stop polling: from now on the last contributor writes the result itself.
         mailbox.stop_waiting();
         // A result delivered meanwhile (and not yet written by another writer).
-        write_after_result(mailbox, &me.writer, None)
-            .map_err(|e| format!("writing to it failed: {e}"))
-    }
-
-    fn joined_message(&self, st: &State) -> ToClient {
-        if st.members.iter().all(Option::is_some) {
-            ToClient::AllJoined
-        } else {
-            ToClient::Joined {
-                present: (0..self.world as u32)
-                    .filter(|r| st.members[*r as usize].is_some())
-                    .collect(),
-            }
-        }
+        me.write(None)
     }
 }
 
@@ -527,12 +459,13 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     while !shared.shutdown.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
-                shared.accepted.fetch_add(1, Ordering::Relaxed);
+                shared.stats.lock().connections_accepted += 1;
                 admit(shared, stream, peer);
             }
             Err(e) => {
-                let idle = e.kind() == std::io::ErrorKind::WouldBlock;
-                if !idle {
+                if e.kind() == std::io::ErrorKind::WouldBlock {
+                    shared.refusals.lock().sum_up(Instant::now(), false);
+                } else {
                     // The connection stays queued; try again after the pause below.
                     let kind = if out_of_descriptors(&e) {
                         RefusalKind::Resources
@@ -540,14 +473,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                         RefusalKind::Garbage
                     };
                     let why = format!("accepting failed: {}", describe_io(&e));
-                    shared.rejected.fetch_add(1, Ordering::Relaxed);
-                    let unknown = SocketAddr::from(([0, 0, 0, 0], 0));
-                    shared
-                        .refusals
-                        .lock()
-                        .note(Instant::now(), kind, unknown, &why);
-                } else {
-                    shared.refusals.lock().tick(Instant::now());
+                    shared.reject(SocketAddr::from(([0, 0, 0, 0], 0)), kind, &why);
                 }
                 let mut st = shared.state.lock();
                 if shared.shutdown.load(Ordering::SeqCst) {
@@ -564,7 +490,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
 /// handshakes in flight), else handed to a thread of its own for the handshake.
 fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     if let Some(hosts) = shared.rank_hosts.get()
-        && !hosts.contains(&canonical(peer.ip()))
+        && !hosts.contains(&peer.ip().to_canonical())
     {
         let why = format!(
             "every rank has joined, and {} runs none of them (a rank cannot rejoin)",
@@ -573,11 +499,11 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         return shared.refuse_now(stream, peer, RefusalKind::Closed, why);
     }
     let in_flight = shared.handshakes.fetch_add(1, Ordering::AcqRel);
-    if in_flight >= shared.max_handshakes {
+    if in_flight >= shared.config.max_handshakes {
         shared.handshakes.fetch_sub(1, Ordering::AcqRel);
         let why = format!(
             "busy: {} handshakes in flight (StoreConfig::max_handshakes); try again",
-            shared.max_handshakes
+            shared.config.max_handshakes
         );
         return shared.refuse_now(stream, peer, RefusalKind::Busy, why);
     }
@@ -605,17 +531,16 @@ fn monitor_loop(shared: &Arc<Shared>) {
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = Instant::now();
         if now >= next_heartbeat {
-            next_heartbeat = Deadline::after_from(now, shared.heartbeat_interval).instant();
+            next_heartbeat = Deadline::after_from(now, shared.config.heartbeat_interval).instant();
             shared.heartbeats(&mut st, now, &heartbeat);
         }
         // Awake at least every wait-warning interval too, so that a round that
         // begins while this thread sleeps gets its first notice on time.
-        let look = Deadline::after_from(now, shared.wait_warning_interval).instant();
-        let mut wake = next_heartbeat.min(look);
-        if let Some(notice) = shared.tell_the_waiting(&mut st, now) {
-            wake = wake.min(notice);
-        }
-        shared.cv.wait_until(&mut st, wake);
+        let look = Deadline::after_from(now, shared.config.wait_warning_interval).instant();
+        let notice = shared.tell_the_waiting(&mut st, now).unwrap_or(look);
+        shared
+            .cv
+            .wait_until(&mut st, next_heartbeat.min(look).min(notice));
     }
 }
 
@@ -629,7 +554,7 @@ impl Shared {
                 continue;
             };
             let silent = now.saturating_duration_since(c.last_heard);
-            if silent > self.heartbeat_timeout {
+            if silent > self.config.heartbeat_timeout {
                 failed.push((
                     rank,
                     format!(
@@ -637,12 +562,10 @@ impl Shared {
                     ),
                 ));
             } else {
-                self.write_to(st, rank, heartbeat, &mut failed);
+                failed.extend(st.write_to(rank, heartbeat));
             }
         }
-        for (rank, why) in failed {
-            self.depart(st, rank, None, &why);
-        }
+        self.depart_all(st, failed);
     }
 
     /// Tell the ranks waiting in each round whose notice is due which ranks have not
@@ -651,10 +574,10 @@ impl Shared {
     /// is pending.
     fn tell_the_waiting(&self, st: &mut State, now: Instant) -> Option<Instant> {
         let mut notices = Vec::new();
-        let mut earliest: Option<Instant> = None;
         for (&(channel, round), pending) in &mut st.rounds {
             if pending.notice <= now {
-                pending.notice = Deadline::after_from(now, self.wait_warning_interval).instant();
+                pending.notice =
+                    Deadline::after_from(now, self.config.wait_warning_interval).instant();
                 let waiting: Vec<usize> = (0..pending.posted.len())
                     .filter(|r| pending.posted[*r].is_some())
                     .map(|r| st.alive[r])
@@ -670,16 +593,10 @@ impl Shared {
                 });
                 notices.push((waiting, frame));
             }
-            earliest = Some(earliest.map_or(pending.notice, |e| e.min(pending.notice)));
         }
-        let mut failed = Vec::new();
+        let earliest = st.rounds.values().map(|p| p.notice).min();
         for (waiting, frame) in notices {
-            for rank in waiting {
-                self.write_to(st, rank, &frame, &mut failed);
-            }
-        }
-        for (rank, why) in failed {
-            self.depart(st, rank, None, &why);
+            self.send_to(st, waiting, &frame);
         }
         earliest
     }

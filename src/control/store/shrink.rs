@@ -30,7 +30,11 @@ impl Shared {
                 "job rank {rank} asked to shrink the group of epoch {epoch}, but the store's group is of epoch {} (ranks {:?})",
                 st.epoch, st.alive
             );
-            self.tell(st, &[rank], &ToClient::ShrinkFailed { reason });
+            self.send_to(
+                st,
+                [rank],
+                &wire::encode(&ToClient::ShrinkFailed { reason }),
+            );
             return;
         }
         st.votes.insert(rank);
@@ -55,7 +59,7 @@ impl Shared {
             survivors: st.alive.iter().map(|&r| r as u32).collect(),
         };
         let alive = st.alive.clone();
-        self.tell(st, &alive, &shrunk);
+        self.send_to(st, alive, &wire::encode(&shrunk));
     }
 
     /// Job rank `rank` of the group departed (`why`): a shrink being voted on fails for
@@ -68,18 +72,10 @@ impl Shared {
         let reason = format!(
             "job rank {rank} was lost while the survivors agreed to shrink ({why}); ask again to go on without it"
         );
-        self.tell(st, &voters, &ToClient::ShrinkFailed { reason });
-    }
-
-    /// Send `msg` to the job ranks `to`; a rank that cannot be written to departs.
-    fn tell(&self, st: &mut State, to: &[usize], msg: &ToClient) {
-        let frame = wire::encode(msg);
-        let mut failed = Vec::new();
-        for &rank in to {
-            self.write_to(st, rank, &frame, &mut failed);
-        }
-        for (rank, why) in failed {
-            self.depart(st, rank, None, &why);
-        }
+        self.send_to(
+            st,
+            voters,
+            &wire::encode(&ToClient::ShrinkFailed { reason }),
+        );
     }
 }

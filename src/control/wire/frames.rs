@@ -7,53 +7,39 @@ use super::{
 };
 use crate::deadline::Deadline;
 use serde::{Deserialize, Serialize};
+use std::io::ErrorKind::{Interrupted, TimedOut, WouldBlock};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Why reading a frame failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub(crate) enum ReadError {
     /// The peer closed the connection (`partial`: in the middle of a frame).
+    #[error("connection closed{}", if *.partial { " in the middle of a frame" } else { "" })]
     Eof { partial: bool },
     /// A length over the limit.
+    #[error("frame length {len_bytes} bytes exceeds the limit of {max_bytes} bytes")]
     TooLarge { len_bytes: usize, max_bytes: usize },
     /// Any other I/O error.
+    #[error("{0}")]
     Io(io::Error),
-}
-
-impl std::fmt::Display for ReadError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ReadError::Eof { partial: false } => write!(f, "connection closed"),
-            ReadError::Eof { partial: true } => {
-                write!(f, "connection closed in the middle of a frame")
-            }
-            ReadError::TooLarge {
-                len_bytes,
-                max_bytes,
-            } => write!(
-                f,
-                "frame length {len_bytes} bytes exceeds the limit of {max_bytes} bytes"
-            ),
-            ReadError::Io(e) => write!(f, "{e}"),
-        }
-    }
 }
 
 /// Reads frames from a socket that has a read timeout, keeping partial frames across
 /// timeouts.
 pub(crate) struct FrameReader<R> {
-    inner: R,
+    /// The source.
+    pub(crate) inner: R,
     pub(super) buf: Vec<u8>,
     start: usize,
     end: usize,
     /// Largest frame body accepted.
     pub(crate) max_frame_bytes: usize,
     /// Bytes read so far: progress inside a large frame also shows the peer is alive.
-    bytes_read: u64,
+    pub(crate) bytes_read: u64,
 }
 
 impl<R: Read> FrameReader<R> {
@@ -66,16 +52,6 @@ impl<R: Read> FrameReader<R> {
             max_frame_bytes,
             bytes_read: 0,
         }
-    }
-
-    /// The reader's source.
-    pub(crate) fn get_ref(&self) -> &R {
-        &self.inner
-    }
-
-    /// Bytes read from the peer so far (complete frames or not).
-    pub(crate) fn bytes_read(&self) -> u64 {
-        self.bytes_read
     }
 
     /// Make room for `need` bytes from `start`, growing by at most doubling.
@@ -102,24 +78,16 @@ impl<R: Read> FrameReader<R> {
         loop {
             match read(&mut self.inner, &mut self.buf[self.end..]) {
                 Ok(0) => {
-                    return Err(ReadError::Eof {
-                        partial: self.end > self.start,
-                    });
+                    let partial = self.end > self.start;
+                    return Err(ReadError::Eof { partial });
                 }
                 Ok(n) => {
                     self.end += n;
                     self.bytes_read += n as u64;
                     return Ok(true);
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Ok(false);
-                }
+                Err(e) if e.kind() == Interrupted => {}
+                Err(e) if matches!(e.kind(), WouldBlock | TimedOut) => return Ok(false),
                 Err(e) => return Err(ReadError::Io(e)),
             }
         }
@@ -152,9 +120,8 @@ impl<R: Read> FrameReader<R> {
         loop {
             let have = self.end - self.start;
             if have >= 4 {
-                let mut len = [0u8; 4];
-                len.copy_from_slice(&self.buf[self.start..self.start + 4]);
-                let len = u32::from_le_bytes(len) as usize;
+                let len = &self.buf[self.start..self.start + 4];
+                let len = u32::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
                 if len > self.max_frame_bytes {
                     return Err(ReadError::TooLarge {
                         len_bytes: len,
@@ -186,12 +153,6 @@ impl<R: Read> FrameReader<R> {
 #[derive(Debug, Clone)]
 pub(crate) struct SharedStream(pub(crate) Arc<TcpStream>);
 
-impl SharedStream {
-    pub(crate) fn new(stream: TcpStream) -> Self {
-        SharedStream(Arc::new(stream))
-    }
-}
-
 impl std::ops::Deref for SharedStream {
     type Target = TcpStream;
     fn deref(&self) -> &TcpStream {
@@ -205,57 +166,39 @@ impl Read for SharedStream {
     }
 }
 
-impl Write for SharedStream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        (&*self.0).write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        (&*self.0).flush()
+impl SharedStream {
+    /// Write one pre-encoded frame (or preface) in a single `write_all`.
+    pub(crate) fn send(&self, bytes: &[u8]) -> io::Result<()> {
+        (&*self.0).write_all(bytes)
     }
 }
 
-impl AsFd for SharedStream {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-}
-
-impl<R: Read + AsFd> FrameReader<R> {
-    /// The next frame's body if its bytes are already here, else `None` at once (a
-    /// partial frame is kept). Reads with `MSG_DONTWAIT`, which leaves the socket's
-    /// own blocking mode alone: other threads write to clones of it.
-    pub(crate) fn frame_now(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
-        self.next_frame(&mut |s, b| {
-            rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
-                .map(|(n, _)| n)
-                .map_err(io::Error::from)
-        })
-    }
-
-    /// Poll for the next frame for up to `spin`, then give up (`None`; the caller
-    /// blocks instead). Waking a blocked thread costs tens of microseconds on an idle
-    /// core; a round among ranks that arrive together is over sooner than that.
+impl FrameReader<SharedStream> {
+    /// The next frame's body: polled for up to `spin` first (waking a blocked thread
+    /// costs tens of microseconds on an idle core; a round among ranks that arrive
+    /// together is over sooner than that), then read blocking, up to the socket's read
+    /// timeout (`None` then; a partial frame is kept). Polling reads with
+    /// `MSG_DONTWAIT`, which leaves the socket's own blocking mode alone: other threads
+    /// write to clones of it.
     pub(crate) fn spin_frame(&mut self, spin: Duration) -> Result<Option<Vec<u8>>, ReadError> {
-        if spin.is_zero() {
-            return Ok(None);
-        }
         let until = Instant::now() + spin;
-        loop {
-            if let Some(body) = self.frame_now()? {
-                return Ok(Some(body));
+        while !spin.is_zero() {
+            let polled = self.next_frame(&mut |s, b| {
+                rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
+                    .map(|(n, _)| n)
+                    .map_err(io::Error::from)
+            })?;
+            if polled.is_some() {
+                return Ok(polled);
             }
             if Instant::now() >= until {
-                return Ok(None);
+                break;
             }
             // Let the thread this one waits for run, where cores are short.
             std::thread::yield_now();
         }
+        self.frame()
     }
-}
-
-/// Write one pre-encoded frame (or preface) in a single `write_all`.
-pub(crate) fn send(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
-    w.write_all(bytes)
 }
 
 /// Read until `deadline`: `None` when it passes.
@@ -290,34 +233,27 @@ pub fn fuzz_frames(data: &[u8]) {
     let Some((&mode, stream)) = data.split_first() else {
         return;
     };
-    let chunk = usize::from(mode & 0x0f) + 1;
-    let all_at_once = mode & 0x10 != 0;
+    let chunk = if mode & 0x10 != 0 {
+        usize::MAX
+    } else {
+        usize::from(mode & 0x0f) + 1
+    };
     let max_frame_bytes = if mode & 0x20 != 0 {
         MAX_HANDSHAKE_FRAME_BYTES
     } else {
         64
     };
-    /// A peer that sends at most `chunk` bytes a read.
-    struct Peer<'a> {
-        bytes: &'a [u8],
-        chunk: usize,
-    }
+    /// A peer that sends its bytes, at most `.1` a read.
+    struct Peer<'a>(&'a [u8], usize);
     impl Read for Peer<'_> {
         fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-            let n = out.len().min(self.chunk).min(self.bytes.len());
-            out[..n].copy_from_slice(&self.bytes[..n]);
-            self.bytes = &self.bytes[n..];
+            let n = out.len().min(self.1).min(self.0.len());
+            out[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
             Ok(n)
         }
     }
-    let chunk = if all_at_once { usize::MAX } else { chunk };
-    let mut reader = FrameReader::new(
-        Peer {
-            bytes: stream,
-            chunk,
-        },
-        max_frame_bytes,
-    );
+    let mut reader = FrameReader::new(Peer(stream, chunk), max_frame_bytes);
     match reader.raw(PREFACE_BYTES) {
         Ok(Some(p)) => {
             let ok = p[..8] == MAGIC && p[8..10] == VERSION.to_le_bytes();

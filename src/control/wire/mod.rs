@@ -16,10 +16,9 @@ mod frames;
 mod tests;
 
 pub use frames::fuzz_frames;
-pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until, send};
+pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until};
 
 use serde::{Deserialize, Serialize};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
@@ -44,6 +43,13 @@ pub(crate) fn preface() -> [u8; PREFACE_BYTES] {
     p[..8].copy_from_slice(&MAGIC);
     p[8..10].copy_from_slice(&VERSION.to_le_bytes());
     p
+}
+
+/// The preface and `msg`'s frame, for one write: a connection's first bytes.
+pub(crate) fn with_preface<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut out = preface().to_vec();
+    out.extend(encode(msg));
+    out
 }
 
 /// Check a peer's preface; `Err` says what is wrong.
@@ -119,6 +125,20 @@ pub(crate) struct Broken {
     pub(crate) cause: Cause,
 }
 
+impl Broken {
+    /// `rank` was lost, as `detail` says.
+    pub(crate) fn lost(rank: u32, detail: String) -> Broken {
+        let (op, cause) = (String::new(), Cause::Lost { detail });
+        Broken { rank, op, cause }
+    }
+
+    /// `rank` gave up waiting in `op` for the ranks `missing`.
+    pub(crate) fn timeout(rank: u32, op: String, missing: Vec<u32>) -> Broken {
+        let cause = Cause::Timeout { missing };
+        Broken { rank, op, cause }
+    }
+}
+
 /// A process that joined (or asked to join) the store: where, which, when.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) struct Member {
@@ -143,13 +163,6 @@ impl std::fmt::Display for Member {
     }
 }
 
-/// Milliseconds since the Unix epoch now.
-pub(crate) fn unix_ms_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 /// `ms` since the Unix epoch as a UTC time, `2026-12-01 10:47:20.123 UTC`.
 pub(crate) fn utc(ms: u64) -> String {
     let (days, ms_of_day) = (ms / 86_400_000, ms % 86_400_000);
@@ -163,14 +176,9 @@ pub(crate) fn utc(ms: u64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    let s = ms_of_day / 1000;
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03} UTC",
-        s / 3600,
-        s / 60 % 60,
-        s % 60,
-        ms_of_day % 1000
-    )
+    let (s, milli) = (ms_of_day / 1000, ms_of_day % 1000);
+    let (hour, min, sec) = (s / 3600, s / 60 % 60, s % 60);
+    format!("{year:04}-{month:02}-{day:02} {hour:02}:{min:02}:{sec:02}.{milli:03} UTC")
 }
 
 /// Why a handshake was refused, in a form the client acts on.
@@ -253,12 +261,8 @@ mod byte_lists {
 
 /// Encode `msg` as one frame (length prefix and body), ready for a single write.
 pub(crate) fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
-    let mut out = vec![0u8; 4];
     // Serialising plain enums of integers, strings and byte vectors cannot fail.
-    out = match postcard::to_extend(msg, out) {
-        Ok(v) => v,
-        Err(_) => vec![0u8; 4],
-    };
+    let mut out = postcard::to_extend(msg, vec![0u8; 4]).unwrap_or_else(|_| vec![0u8; 4]);
     let len = (out.len() - 4) as u32;
     out[..4].copy_from_slice(&len.to_le_bytes());
     out
@@ -272,11 +276,7 @@ pub(crate) fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, String
 
 /// Compare two secrets in time that depends only on their lengths.
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= x ^ y;
-    }
-    diff == 0
+    let at = |s: &[u8], i: usize| s.get(i).copied().unwrap_or(0);
+    let diff = (0..a.len().max(b.len())).fold(0, |d, i| d | (at(a, i) ^ at(b, i)));
+    diff == 0 && a.len() == b.len()
 }

@@ -2,6 +2,19 @@ use super::*;
 use std::thread;
 use std::time::Duration;
 
+impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
+    /// Warn every `interval` (instead of [`WAIT_WARNING_INTERVAL`]) in a long wait.
+    pub(crate) fn with_wait_warning_interval(mut self, interval: Duration) -> Self {
+        self.warn_every = interval;
+        self
+    }
+
+    /// Rounds still held (nothing leaks after timeouts).
+    pub(crate) fn rounds_held(&self) -> usize {
+        self.state.lock().rounds.len()
+    }
+}
+
 #[test]
 fn a_timeout_breaks_the_rendezvous_and_leaves_nothing_behind() {
     let rv = Rendezvous::new(2);
