@@ -506,7 +506,10 @@ impl Backend {
             return nccl.shrink(exchange);
         }
         Err(Error::ShrinkFailed {
-            reason: format!("a {:?} backend cannot shrink yet", self.info.kind),
+            reason: format!(
+                "a {:?} backend assembled from parts of its own cannot shrink",
+                self.info.kind
+            ),
         })
     }
 
