@@ -284,20 +284,16 @@ impl HostBackend {
         backend.sibling(self.beside(&self.exchange, comms))
     }
 
-    /// [`Backend::shrink`] on the host backend, with the shrunk `exchange` (this rank's
-    /// exchange shrunk, or a wrapper of it): a new set of the standard communicators
-    /// among the survivors, no registrations yet; the settings, memory limit and
-    /// stream operations stay this rank's.
+    /// [`Backend::shrink`] on the host backend: `backend`'s exchange shrunk (this
+    /// rank's, or a wrapper of it) and a new set of the standard communicators among
+    /// the survivors, no registrations yet; the settings, memory limit and stream
+    /// operations stay this rank's.
     ///
     /// # Collective
     /// Every survivor, for its backends in the same order (the ranks open a channel
     /// of the new group, `backend:shrink`, under which they find the communicators).
-    pub(super) fn shrink(
-        &self,
-        backend: &Backend,
-        exchange: Arc<dyn Exchange>,
-        deadline: Deadline,
-    ) -> Result<Backend> {
+    pub(super) fn shrink(&self, backend: &Backend, deadline: Deadline) -> Result<Backend> {
+        let exchange = backend.exchange().shrink(deadline)?;
         let next = self.exchange.shrink(deadline)?;
         let channel = exchange.open_channel("backend:shrink", deadline)?;
         let comms = HostComm::take(&next, channel)?;

@@ -492,8 +492,7 @@ impl Backend {
 
     fn shrink_once(&self, deadline: Deadline) -> Result<Backend> {
         if let Some(host) = self.downcast_ref::<HostBackend>() {
-            let exchange = self.exchange.shrink(deadline)?;
-            return host.shrink(self, exchange, deadline);
+            return host.shrink(self, deadline);
         }
         #[cfg(target_os = "linux")]
         if let Some(shm) = self.downcast_ref::<ShmBackend>() {

@@ -23,7 +23,8 @@ use std::time::Instant;
 ///
 /// Made for a whole group at once with [`LocalExchange::group`]; hand one to each
 /// rank's thread. Payloads have no size limit beyond memory. Dropping a rank's
-/// exchange while the others go on loses the rank (see the [module](self)).
+/// exchange while the others go on loses the rank: their waits end with
+/// [`Error::PeerLost`] at once, and they may [`shrink`](Self::shrink).
 pub struct LocalExchange {
     group: Arc<Group>,
     rounds: Rounds,
