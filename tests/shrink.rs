@@ -3,7 +3,9 @@
 //! The store's side runs with ranks as threads (one `StoreExchange` each; a rank that
 //! drops its exchange is lost to the others, as a killed process is); the pool's side
 //! runs with one process per rank on the shared-memory backend, one of them killed
-//! with `kill -9` in the middle of a collective.
+//! with `kill -9` in the middle of a collective or a window registration, and with
+//! ranks as threads of one host world, one of them panicking there (a second one
+//! while the survivors shrink).
 
 use std::sync::Mutex;
 use std::thread;
@@ -179,33 +181,84 @@ fn without_the_stores_host_a_shrink_fails_at_once() {
 // One process per rank on the shared-memory backend: a rank killed in a collective,
 // the survivors shrink the pool and train on.
 
+// ---------------------------------------------------------------------------------
+// A toy training that survives a lost rank: one process per rank on the shared-memory
+// backend (one of them killed with `kill -9`), and ranks as threads of one host world
+// (one of them panicking); the survivors shrink the pool and train on.
+
 use common::procs::{CHILD, Job};
 use common::shm::{join, shm_entries};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
-use symmpool::backend::{Refused, Segment, SegmentProvider, Window};
-use symmpool::{Coll, CollectiveCalls, PoolConfig, ReduceOp, Stream, SymmPool};
+use symmpool::backend::{CollArgs, Collectives, Refused, Segment, SegmentProvider, Window};
+use symmpool::{
+    Backend, Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, ReduceOp, ShrinkReport,
+    Stream, SymmPool,
+};
 
 const ENTRY: &str = "child_process_entry";
 /// Parameters of the toy model: divisible by 4 and by 3.
 const N: usize = 12 * 256;
 const STEPS: usize = 6;
-/// The step in which the victim is killed (in its reduce-scatter, or in the window
+/// The step in which the victim is lost (in its reduce-scatter, or in the window
 /// registration of the growth every rank makes at its start).
 const KILL_AT: usize = 3;
 /// The registrations before the step `KILL_AT` (the first segment, on the two
 /// communicators that register).
 const REGISTRATIONS_BEFORE: usize = 2;
+/// The pools' timeout: every wait of a test ends by it.
+const POOL_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The victim's segments in the registration scenario: it stops inside its registration
-/// of the growth at step `KILL_AT`, where the test kills it.
+/// How a victim stops where [`StopAt`] stops it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// Say `@@stalled` and park for good (the test kills the process).
+    Park,
+    /// Panic: the rank's thread unwinds and drops its exchange.
+    Panic,
+}
+
+/// A victim's segments or collectives (`P`): it stops in its call number `at` (from
+/// 0) of window registration, or of reduce-scatter.
 #[derive(Debug)]
-struct StopInRegistration(Arc<dyn SegmentProvider>, AtomicUsize);
+struct StopAt<P: ?Sized> {
+    inner: Arc<P>,
+    at: usize,
+    stop: Stop,
+    calls: AtomicUsize,
+}
 
-impl SegmentProvider for StopInRegistration {
+impl<P: ?Sized> StopAt<P> {
+    fn new(inner: Arc<P>, at: usize, stop: Stop) -> Arc<Self> {
+        Arc::new(StopAt {
+            inner,
+            at,
+            stop,
+            calls: AtomicUsize::new(0),
+        })
+    }
+
+    /// Count a call; stop in call `at`.
+    fn call(&self) {
+        if self.calls.fetch_add(1, Ordering::SeqCst) != self.at {
+            return;
+        }
+        match self.stop {
+            Stop::Panic => panic!("the victim's thread crashes here"),
+            Stop::Park => {
+                println!("@@stalled");
+                loop {
+                    thread::park();
+                }
+            }
+        }
+    }
+}
+
+impl SegmentProvider for StopAt<dyn SegmentProvider> {
     fn allocate(&self, size_bytes: u64) -> symmpool::Result<Segment> {
-        self.0.allocate(size_bytes)
+        self.inner.allocate(size_bytes)
     }
     unsafe fn register(
         &self,
@@ -213,14 +266,9 @@ impl SegmentProvider for StopInRegistration {
         comm: usize,
         deadline: Deadline,
     ) -> symmpool::Result<Option<Window>> {
-        if self.1.fetch_add(1, Ordering::SeqCst) == REGISTRATIONS_BEFORE {
-            println!("@@stalled");
-            loop {
-                thread::park();
-            }
-        }
+        self.call();
         // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { self.0.register(segment, comm, deadline) }
+        unsafe { self.inner.register(segment, comm, deadline) }
     }
     unsafe fn deregister(
         &self,
@@ -228,11 +276,37 @@ impl SegmentProvider for StopInRegistration {
         deadline: Deadline,
     ) -> std::result::Result<(), Refused<Window>> {
         // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { self.0.deregister(window, deadline) }
+        unsafe { self.inner.deregister(window, deadline) }
     }
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
         // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { self.0.free(segment) }
+        unsafe { self.inner.free(segment) }
+    }
+}
+
+impl Collectives for StopAt<dyn Collectives> {
+    fn all_gather(&self, args: &CollArgs<'_>) -> symmpool::Result<()> {
+        self.inner.all_gather(args)
+    }
+    fn reduce_scatter(&self, args: &CollArgs<'_>) -> symmpool::Result<()> {
+        self.call();
+        self.inner.reduce_scatter(args)
+    }
+    fn all_reduce(&self, args: &CollArgs<'_>) -> symmpool::Result<()> {
+        self.inner.all_reduce(args)
+    }
+    fn abandon(&self, why: &'static str) {
+        self.inner.abandon(why)
+    }
+}
+
+/// `backend` as the victim's in `phase`: it stops (`stop`) in its reduce-scatter of
+/// step `KILL_AT` (`"collective"`), or in its window registration of the growth of
+/// that step (`"registration"`).
+fn victim(backend: Backend, phase: &str, stop: Stop) -> Backend {
+    match phase {
+        "collective" => backend.with_collectives(|c| StopAt::new(c, KILL_AT, stop)),
+        _ => backend.with_segments(|s| StopAt::new(s, REGISTRATIONS_BEFORE, stop)),
     }
 }
 
@@ -259,13 +333,7 @@ fn var(name: &str) -> Option<String> {
 /// gradient (a function of the parameters, its rank and the step) is reduce-scattered,
 /// each rank updates its shard, and the shards are all-gathered. `w` changes only if
 /// every collective succeeded.
-fn step(
-    pool: &SymmPool,
-    coll: &Coll,
-    w: &mut Vec<f32>,
-    step: usize,
-    stop_before_collective: bool,
-) -> symmpool::Result<()> {
+fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, step: usize) -> symmpool::Result<()> {
     let (rank, world) = (pool.rank(), pool.world_size());
     let stream = Stream::host();
     let n = N / world;
@@ -280,12 +348,6 @@ fn step(
         .collect();
     let grads = pool.alloc((N * 4) as u64, &stream)?;
     grads.write(&g)?;
-    if stop_before_collective {
-        println!("@@stalled");
-        loop {
-            thread::park();
-        }
-    }
     let shard = pool.alloc((n * 4) as u64, &stream)?;
     coll.reduce_scatter::<f32>(&grads, &shard, ReduceOp::Sum, &stream)?;
     let s = shard.read::<f32>()?;
@@ -308,21 +370,92 @@ fn digest(w: &[f32]) -> u64 {
     })
 }
 
-fn child() -> symmpool::Result<i32> {
-    let (rank, _, backend) = join()?;
-    let victim: Option<usize> = var("CHILD_VICTIM").and_then(|v| v.parse().ok());
-    let in_registration = var("CHILD_PHASE").as_deref() == Some("registration");
-    let backend = if in_registration && victim == Some(rank) {
-        backend.with_segments(|inner| Arc::new(StopInRegistration(inner, AtomicUsize::new(0))))
-    } else {
-        backend
-    };
-    let state_file = var("CHILD_STATE").unwrap();
-    let config = PoolConfig::default().with_timeout(Duration::from_secs(60));
+/// The toy model's parameters at the start.
+fn initial() -> (Vec<f32>, usize) {
+    ((0..N).map(|i| i as f32 * 1e-3).collect(), 0)
+}
+
+/// What one rank's training did.
+struct Trained {
+    /// The error that told it of the loss, and its shrink.
+    lost: Option<(String, ShrinkReport)>,
+    /// The step and parameters it went on from at the new size.
+    state: Option<(Vec<f32>, usize)>,
+    /// From the loss's error to the first step done at the new size.
+    first_step: Option<Duration>,
+    /// The final parameters' digest.
+    digest: u64,
+}
+
+/// Train from parameters `w` at step `at` until `STEPS` on `backend`, shrinking the
+/// pool when a rank is lost; `before` is told of each step before it runs.
+fn train(
+    backend: Backend,
+    (mut w, mut at): (Vec<f32>, usize),
+    before: &dyn Fn(&SymmPool, usize),
+) -> symmpool::Result<Trained> {
+    let config = PoolConfig::default().with_timeout(POOL_TIMEOUT);
     let mut pool = SymmPool::new(backend, config)?;
     let mut coll = Coll::new(&pool)?;
+    let mut trained = Trained {
+        lost: None,
+        state: None,
+        first_step: None,
+        digest: 0,
+    };
+    let mut lost_at: Option<Instant> = None;
+    // A buffer of the old world that lives across the shrink.
+    let kept = pool.alloc((N * 4) as u64, &Stream::host())?;
+    let w0 = w.clone();
+    kept.write(&w0)?;
+    while at < STEPS {
+        before(&pool, at);
+        match step(&pool, &coll, &mut w, at) {
+            Ok(()) => {
+                if let Some(t) = lost_at.take() {
+                    trained.first_step = Some(t.elapsed());
+                }
+                at += 1;
+            }
+            Err(e @ (Error::PeerLost { .. } | Error::PoolBroken { .. })) => {
+                lost_at = Some(Instant::now());
+                let (next, report) = pool.shrink()?;
+                // Nothing of the old world answers with its data: its collectives and
+                // its pool refuse; its memory is still this rank's to read.
+                let refused = coll.all_gather_in_place::<f32>(&kept, &Stream::host());
+                assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
+                let refused = pool.alloc(4096, &Stream::host()).map(|_| ());
+                let closed = matches!(refused, Err(Error::Shrunk { .. } | Error::PoolClosed));
+                assert!(closed, "{refused:?}");
+                drop(coll);
+                pool = next;
+                coll = Coll::new(&pool)?;
+                assert_eq!(kept.read::<f32>()?, w0);
+                let refused = coll.all_gather_in_place::<f32>(&kept, &Stream::host());
+                assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
+                trained.lost = Some((e.to_string(), report));
+                trained.state = Some((w.clone(), at));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    trained.digest = digest(&w);
+    drop((coll, kept));
+    pool.close()?;
+    Ok(trained)
+}
+
+fn child() -> symmpool::Result<i32> {
+    let (rank, _, backend) = join()?;
+    let victim_rank: Option<usize> = var("CHILD_VICTIM").and_then(|v| v.parse().ok());
+    let phase = var("CHILD_PHASE").unwrap_or_default();
+    let backend = match victim_rank == Some(rank) {
+        true => victim(backend, &phase, Stop::Park),
+        false => backend,
+    };
+    let state_file = var("CHILD_STATE").unwrap();
     // A fresh job starts from the survivors' state; the first job from the start.
-    let (mut w, mut at) = match var("CHILD_FROM_STATE") {
+    let start = match var("CHILD_FROM_STATE") {
         Some(_) => {
             let text = std::fs::read_to_string(&state_file).unwrap();
             let mut words = text.split_whitespace();
@@ -330,61 +463,48 @@ fn child() -> symmpool::Result<i32> {
             let w: Vec<f32> = words.map(|x| f32::from_bits(x.parse().unwrap())).collect();
             (w, at)
         }
-        None => ((0..N).map(|i| i as f32 * 1e-3).collect(), 0),
+        None => initial(),
     };
-    let mut shrunk_at: Option<Instant> = None;
-    let job_rank = pool.rank();
-    // A buffer of the old world that lives across the shrink.
-    let kept = pool.alloc((N * 4) as u64, &Stream::host())?;
-    let w0 = w.clone();
-    kept.write(&w0)?;
-    while at < STEPS {
-        let killed_here = victim.is_some() && at == KILL_AT && pool.world_size() == 4;
-        if killed_here && victim != Some(job_rank) {
+    let waiting = |pool: &SymmPool, at: usize| {
+        if victim_rank.is_some_and(|v| v != pool.rank()) && at == KILL_AT && pool.world_size() == 4
+        {
             println!("@@waiting");
         }
-        let stop = killed_here && victim == Some(job_rank) && !in_registration;
-        match step(&pool, &coll, &mut w, at, stop) {
-            Ok(()) => {
-                if let Some(t) = shrunk_at.take() {
-                    println!("@@first_step_ms {}", t.elapsed().as_millis());
-                }
-                at += 1;
-            }
-            Err(e @ (Error::PeerLost { .. } | Error::PoolBroken { .. })) => {
-                println!("@@lost {e}");
-                let t = Instant::now();
-                let (next, report) = pool.shrink()?;
-                drop(coll);
-                pool = next;
-                coll = Coll::new(&pool)?;
-                shrunk_at = Some(t);
-                // Its memory is still this rank's to read; no collective takes it.
-                assert_eq!(kept.read::<f32>()?, w0);
-                let refused = coll.all_gather_in_place::<f32>(&kept, &Stream::host());
-                assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
-                println!(
-                    "@@shrunk rank={} world={} lost={:?} segments={} registrations={} live={} ms={}",
-                    report.rank,
-                    report.world_size,
-                    report.lost_ranks,
-                    report.segments,
-                    report.registrations,
-                    report.live_buffers,
-                    report.took.as_millis()
-                );
-                if report.rank == 0 {
-                    let words: Vec<String> = w.iter().map(|x| x.to_bits().to_string()).collect();
-                    std::fs::write(&state_file, format!("{at} {}", words.join(" "))).unwrap();
-                }
-            }
-            Err(e) => return Err(e),
+    };
+    let trained = train(backend, start, &waiting)?;
+    if let Some((lost, report)) = &trained.lost {
+        println!("@@lost {lost}");
+        println!(
+            "@@shrunk rank={} world={} lost={:?} segments={} registrations={} live={} ms={}",
+            report.rank,
+            report.world_size,
+            report.lost_ranks,
+            report.segments,
+            report.registrations,
+            report.live_buffers,
+            report.took.as_millis()
+        );
+        if let Some(t) = trained.first_step {
+            println!("@@first_step_ms {}", t.as_millis());
+        }
+        if let (0, Some((w, at))) = (report.rank, &trained.state) {
+            let words: Vec<String> = w.iter().map(|x| x.to_bits().to_string()).collect();
+            std::fs::write(&state_file, format!("{at} {}", words.join(" "))).unwrap();
         }
     }
-    println!("@@final {:016x}", digest(&w));
-    drop((coll, kept));
-    pool.close()?;
+    println!("@@final {:016x}", trained.digest);
     Ok(0)
+}
+
+/// The segments and registrations a survivor's shrink keeps in `phase`: every segment,
+/// registered once per new communicator that registers (two); the growth of step
+/// `KILL_AT` went through before a loss in the collective, and was undone everywhere
+/// after one in its registration.
+fn kept_in(phase: &str) -> (usize, u64) {
+    match phase {
+        "collective" => (2, 4),
+        _ => (1, 2),
+    }
 }
 
 #[test]
@@ -430,18 +550,11 @@ fn killed_in(phase: &'static str) {
     let codes = job.wait(&survivors, Duration::from_secs(120));
     assert_eq!(codes, vec![0; survivors.len()], "{:?}", job.seen);
     let mut finals = Vec::new();
+    let (segments, registrations) = kept_in(phase);
     for (new_rank, &r) in survivors.iter().enumerate() {
         let lost = job.expect(r, "@@lost ", Duration::from_secs(5));
         assert!(lost.contains("rank 2"), "{lost}");
         let shrunk = job.expect(r, "@@shrunk ", Duration::from_secs(5));
-        // Dense ranks; every segment kept, registered once per new communicator that
-        // registers (two); the growth of step KILL_AT went through before a kill in
-        // the collective, and was undone everywhere after one in its registration.
-        let (segments, registrations) = if phase == "collective" {
-            (2, 4)
-        } else {
-            (1, 2)
-        };
         assert!(
             shrunk.starts_with(&format!(
                 "rank={new_rank} world=3 lost=[2] segments={segments} registrations={registrations} live=1 "
@@ -470,4 +583,231 @@ fn killed_in(phase: &'static str) {
     drop(fresh);
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
+}
+
+/// Run `train` on each backend's thread from `start` (the backends `wrap` rewraps by
+/// rank); every thread's outcome, in rank order (`Err` for a thread that panicked).
+fn train_threads(
+    backends: Vec<Backend>,
+    start: &(Vec<f32>, usize),
+    wrap: impl Fn(usize, Backend) -> Backend,
+) -> Vec<thread::Result<symmpool::Result<Trained>>> {
+    thread::scope(|s| {
+        let hs: Vec<_> = (backends.into_iter().enumerate())
+            .map(|(rank, b)| {
+                let b = wrap(rank, b);
+                s.spawn(move || train(b, start.clone(), &|_, _| ()))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join()).collect()
+    })
+}
+
+#[test]
+fn a_thread_that_panics_in_a_collective_leaves_three_survivors_that_shrink_and_train_on() {
+    panicked_in("collective");
+}
+
+#[test]
+fn a_thread_that_panics_in_a_window_registration_leaves_three_survivors_that_shrink_and_train_on() {
+    panicked_in("registration");
+}
+
+/// A 4-rank host world whose rank 2's thread panics in `phase` at step `KILL_AT`: the
+/// others learn of it at once (not at the pool timeout), shrink, finish the training,
+/// and end bit for bit where a fresh 3-rank world from their state does.
+fn panicked_in(phase: &'static str) {
+    let started = Instant::now();
+    let backends = HostBackend::world(HostConfig::new(4)).unwrap();
+    let out = train_threads(backends, &initial(), |rank, b| match rank {
+        2 => victim(b, phase, Stop::Panic),
+        _ => b,
+    });
+    let mut out = out.into_iter();
+    let mut survivors: Vec<Trained> = Vec::new();
+    for (rank, o) in (0..4).zip(&mut out) {
+        match (rank, o) {
+            (2, Err(_)) => {}
+            (2, Ok(r)) => panic!("the victim did not panic: {:?}", r.map(|t| t.digest)),
+            (_, Ok(t)) => survivors.push(t.unwrap()),
+            (_, Err(_)) => panic!("survivor {rank} panicked"),
+        }
+    }
+    assert!(
+        started.elapsed() < POOL_TIMEOUT / 2,
+        "the loss was seen late: {:?}",
+        started.elapsed()
+    );
+    let (segments, registrations) = kept_in(phase);
+    for (new_rank, t) in survivors.iter().enumerate() {
+        let (lost, report) = t.lost.as_ref().expect("a shrink");
+        assert!(lost.contains("rank 2"), "{lost}");
+        let got = (report.rank, report.world_size, &report.lost_ranks[..]);
+        assert_eq!(got, (new_rank, 3, &[2][..]));
+        assert_eq!(
+            (report.segments, report.registrations),
+            (segments, registrations)
+        );
+        assert_eq!(report.live_buffers, 1);
+        let first = t.first_step.expect("a step at the new size");
+        println!(
+            "rank {new_rank} of 3: shrunk in {:?}, first step at world size 3 {first:?} after the loss ({phase})",
+            report.took
+        );
+    }
+    assert!(survivors.iter().all(|t| t.digest == survivors[0].digest));
+    let states: Vec<_> = survivors.iter().map(|t| t.state.clone()).collect();
+    assert!(states.iter().all(|s| *s == states[0]));
+    // A fresh 3-rank world from the survivors' state ends where they did.
+    let fresh = HostBackend::world(HostConfig::new(3)).unwrap();
+    for o in train_threads(fresh, &states[0].clone().unwrap(), |_, b| b) {
+        let t = o.unwrap().unwrap();
+        assert!(t.lost.is_none());
+        assert_eq!(t.digest, survivors[0].digest);
+    }
+}
+
+/// A rank's exchange that counts its rank's asks to shrink in `asks` and, for the
+/// second victim (`panics`), panics in its ask: before asking the group (once two other
+/// ranks ask), or right after (the group shrank with it).
+#[derive(Debug)]
+struct Asking {
+    inner: Arc<dyn Exchange>,
+    asks: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    panics: Option<When>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum When {
+    BeforeAsking,
+    AfterAsking,
+}
+
+impl Exchange for Asking {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(
+        &self,
+        channel: ChannelId,
+        op: &'static str,
+        payload: &[u8],
+        deadline: Deadline,
+    ) -> symmpool::Result<Vec<Vec<u8>>> {
+        self.inner.all_gather(channel, op, payload, deadline)
+    }
+    fn open_channel(&self, name: &str, deadline: Deadline) -> symmpool::Result<ChannelId> {
+        self.inner.open_channel(name, deadline)
+    }
+    fn lost_peer(&self) -> Option<symmpool::control::LostPeer> {
+        self.inner.lost_peer()
+    }
+    fn shrink(&self, deadline: Deadline) -> symmpool::Result<Arc<dyn Exchange>> {
+        let (count, cv) = &*self.asks;
+        match self.panics {
+            None => {
+                *count.lock().unwrap() += 1;
+                cv.notify_all();
+                self.inner.shrink(deadline)
+            }
+            Some(When::BeforeAsking) => {
+                let asked = cv.wait_timeout_while(count.lock().unwrap(), LONG, |n| *n < 2);
+                assert!(!asked.unwrap().1.timed_out());
+                panic!("the second victim's thread crashes before it asks to shrink");
+            }
+            Some(When::AfterAsking) => {
+                let _next = self.inner.shrink(deadline);
+                panic!("the second victim's thread crashes after the group shrank");
+            }
+        }
+    }
+}
+
+/// A 4-rank host world: rank 3's thread panics in a collective, rank 2's in its shrink
+/// (`when`). Ranks 0 and 1 shrink, asking again once if it failed; each one's two
+/// answers: the world size of its new pool, or the error.
+fn second_loss(when: When) -> Vec<Vec<symmpool::Result<usize>>> {
+    let asks = Arc::new((Mutex::new(0), std::sync::Condvar::new()));
+    let backends = HostBackend::world(HostConfig::new(4)).unwrap();
+    thread::scope(|s| {
+        let hs: Vec<_> = (backends.into_iter().enumerate())
+            .map(|(rank, b)| {
+                let asking = Asking {
+                    inner: b.exchange_handle(),
+                    asks: asks.clone(),
+                    panics: (rank == 2).then_some(when),
+                };
+                let b = b.with_exchange(|_| Arc::new(asking)).unwrap();
+                let b = match rank {
+                    3 => victim(b, "collective", Stop::Panic),
+                    _ => b,
+                };
+                s.spawn(move || {
+                    let config = PoolConfig::default().with_timeout(POOL_TIMEOUT);
+                    let pool = SymmPool::new(b, config).unwrap();
+                    let coll = Coll::new(&pool).unwrap();
+                    let mut w = initial().0;
+                    let lost = (0..STEPS).find_map(|at| step(&pool, &coll, &mut w, at).err());
+                    let lost = lost.expect("a lost rank");
+                    assert!(lost.to_string().contains("rank 3"), "{lost}");
+                    drop(coll);
+                    let mut answers = Vec::new();
+                    for _ in 0..2 {
+                        let shrunk = pool.shrink().map(|(next, _)| next.world_size());
+                        let done = shrunk.is_ok();
+                        answers.push(shrunk);
+                        if done {
+                            break;
+                        }
+                    }
+                    answers
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().ok()).collect()
+    })
+}
+
+#[test]
+fn a_thread_lost_while_the_survivors_ask_to_shrink_fails_their_ask_and_they_ask_again() {
+    let started = Instant::now();
+    let answers = second_loss(When::BeforeAsking);
+    assert_eq!(answers.len(), 2, "ranks 0 and 1 alone return");
+    for a in &answers {
+        // Told of the second loss while asking, they ask again; or it came before their
+        // ask reached the group, and the group shrank without it at once.
+        let (last, failed) = a.split_last().unwrap();
+        assert!(matches!(last, Ok(2)), "{a:?}");
+        for f in failed {
+            match f {
+                Err(Error::ShrinkFailed { reason }) => {
+                    assert!(reason.contains("rank 2 was lost"), "{reason}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert!(started.elapsed() < POOL_TIMEOUT / 2);
+}
+
+#[test]
+fn a_thread_lost_right_after_the_group_shrank_fails_the_shrink_cleanly() {
+    let started = Instant::now();
+    let answers = second_loss(When::AfterAsking);
+    assert_eq!(answers.len(), 2, "ranks 0 and 1 alone return");
+    for a in &answers {
+        // The new group lost its rank 2 before it could agree: a clear error, and the
+        // same again when asked again; never a hang.
+        assert_eq!(a.len(), 2, "{a:?}");
+        for e in a {
+            match e {
+                Err(Error::PeerLost { rank: 2, .. }) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert!(started.elapsed() < POOL_TIMEOUT / 2);
 }

@@ -8,12 +8,16 @@
 //! does not compare the ranks' arguments: the checked collectives of
 //! [`coll`](crate::coll) do, the same way on every backend. Host work is synchronous,
 //! so streams are tags and fences are counters.
+//!
+//! A rank whose thread ends or panics drops its [`LocalExchange`]: the others' waits,
+//! in the exchange and in the communicators, fail with [`Error::PeerLost`] at once, and
+//! the survivors may shrink ([`Backend::shrink`]).
 
 use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Region, Segment,
     SegmentMemory, SegmentProvider, StreamOps, Window,
 };
-use crate::control::{LocalExchange, Rendezvous};
+use crate::control::{ChannelId, Exchange, LocalExchange, Rendezvous};
 use crate::core::{Fence, StreamId};
 use crate::deadline::Deadline;
 use crate::dtype;
@@ -175,55 +179,27 @@ struct HostComm {
     /// Held by one rank's calls on this communicator for the whole of each call, so
     /// that two threads of a rank cannot interleave their rounds.
     serial: Vec<Mutex<()>>,
-    registrations: Rendezvous<u64, u64>,
-    collectives: Rendezvous<u64, Option<Post>>,
+    registrations: Arc<Rendezvous<u64, u64>>,
+    collectives: Arc<Rendezvous<u64, Option<Post>>>,
 }
 
 impl HostComm {
-    /// One communicator's shared state for `world_size` ranks.
-    fn new(world_size: usize) -> Self {
-        HostComm {
-            serial: (0..world_size).map(|_| Mutex::new(())).collect(),
-            registrations: Rendezvous::new(world_size),
-            collectives: Rendezvous::new(world_size),
-        }
+    /// The standard communicators among the ranks of `group`, whose waits fail once a
+    /// rank of the group is lost.
+    fn standard(group: &LocalExchange) -> Vec<HostComm> {
+        (CommInfo::STANDARD.iter())
+            .map(|_| HostComm {
+                serial: (0..group.world_size()).map(|_| Mutex::new(())).collect(),
+                registrations: group.rendezvous(),
+                collectives: group.rendezvous(),
+            })
+            .collect()
     }
 
-    /// The standard communicators of a world of `world_size` ranks.
-    fn standard(world_size: usize) -> Arc<Vec<HostComm>> {
-        Arc::new(
-            (CommInfo::STANDARD.iter())
-                .map(|_| HostComm::new(world_size))
-                .collect(),
-        )
-    }
-}
-
-/// What the ranks of one host world share beyond their communicators: the sets of
-/// communicators split off for pools ([`Backend::split`]), found by each rank under the
-/// split's channel ordinal until every rank has taken its handle.
-#[derive(Default)]
-struct HostWorld {
-    splits: Mutex<BTreeMap<u64, Split>>,
-}
-
-/// A split's communicators, and how many ranks have taken them.
-type Split = (Arc<Vec<HostComm>>, usize);
-
-impl HostWorld {
-    /// The communicators of split `ordinal`: made by the first rank to ask, dropped
-    /// from the table when the last of `world_size` ranks has taken them.
-    fn take_split(&self, ordinal: u64, world_size: usize) -> Arc<Vec<HostComm>> {
-        let mut splits = self.splits.lock();
-        let (comms, taken) = splits
-            .entry(ordinal)
-            .or_insert_with(|| (HostComm::standard(world_size), 0));
-        let comms = comms.clone();
-        *taken += 1;
-        if *taken >= world_size {
-            splits.remove(&ordinal);
-        }
-        comms
+    /// The standard communicators of the ranks of `group` that opened `channel`
+    /// together (split or shrunk): made by the first rank to ask.
+    fn take(group: &LocalExchange, channel: ChannelId) -> Result<Arc<Vec<HostComm>>> {
+        group.take_shared(channel.ordinal(), || HostComm::standard(group))
     }
 }
 
@@ -233,7 +209,8 @@ pub struct HostBackend {
     rank: usize,
     config: HostConfig,
     comms: Arc<Vec<HostComm>>,
-    world: Arc<HostWorld>,
+    /// The rank's exchange, whose ranks share the communicators.
+    exchange: Arc<LocalExchange>,
     reserved: Arc<AtomicU64>,
     /// Per communicator: registration ordinal and collective round of this rank.
     counters: Mutex<Vec<(u64, u64)>>,
@@ -268,10 +245,10 @@ impl HostBackend {
         }
         let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;
-        let comms = HostComm::standard(n);
-        let world = Arc::new(HostWorld::default());
+        let group = LocalExchange::group(n);
+        let comms = Arc::new(HostComm::standard(&group[0]));
         // Making a backend is collective: one thread per rank.
-        let ranks = LocalExchange::group(n).into_iter().enumerate();
+        let ranks = group.into_iter().enumerate();
         in_threads(ranks, "a host rank's set-up thread", |(rank, exchange)| {
             let info = BackendInfo::new(
                 BackendKind::Host,
@@ -281,16 +258,17 @@ impl HostBackend {
                 config.granularity_bytes,
                 infos.clone(),
             )?;
+            let exchange = Arc::new(exchange);
             let parts = Arc::new(HostBackend {
                 rank,
                 config: config.clone(),
                 comms: comms.clone(),
-                world: world.clone(),
+                exchange: exchange.clone(),
                 reserved: Arc::new(AtomicU64::new(0)),
                 counters: Mutex::new(vec![(0, 0); infos.len()]),
             });
             let streams = Arc::new(HostStreams::default());
-            Backend::with_stream_ops(info, Arc::new(exchange), parts, streams)
+            Backend::with_stream_ops(info, exchange, parts, streams)
         })
     }
 
@@ -302,17 +280,39 @@ impl HostBackend {
             &format!("backend:split:{name}"),
             Deadline::after(super::SETUP_TIMEOUT),
         )?;
-        let n = self.config.world_size;
-        let comms = self.world.take_split(channel.ordinal(), n);
-        let parts = Arc::new(HostBackend {
-            rank: self.rank,
-            config: self.config.clone(),
+        let comms = HostComm::take(&self.exchange, channel)?;
+        backend.sibling(self.beside(&self.exchange, comms))
+    }
+
+    /// [`Backend::shrink`] on the host backend: `backend`'s exchange shrunk (this
+    /// rank's, or a wrapper of it) and a new set of the standard communicators among
+    /// the survivors, no registrations yet; the settings, memory limit and stream
+    /// operations stay this rank's.
+    ///
+    /// # Collective
+    /// Every survivor, for its backends in the same order (the ranks open a channel
+    /// of the new group, `backend:shrink`, under which they find the communicators).
+    pub(super) fn shrink(&self, backend: &Backend, deadline: Deadline) -> Result<Backend> {
+        let exchange = backend.exchange().shrink(deadline)?;
+        let next = self.exchange.shrink(deadline)?;
+        let channel = exchange.open_channel("backend:shrink", deadline)?;
+        let comms = HostComm::take(&next, channel)?;
+        backend.survivor(exchange, self.beside(&next, comms))
+    }
+
+    /// This rank's parts over `comms`, the communicators of the ranks of `group`.
+    fn beside(&self, group: &Arc<LocalExchange>, comms: Arc<Vec<HostComm>>) -> Arc<Self> {
+        Arc::new(HostBackend {
+            rank: group.rank(),
+            config: HostConfig {
+                world_size: group.world_size(),
+                ..self.config.clone()
+            },
             counters: Mutex::new(vec![(0, 0); comms.len()]),
             comms,
-            world: self.world.clone(),
+            exchange: group.clone(),
             reserved: self.reserved.clone(),
-        });
-        backend.sibling(parts)
+        })
     }
 
     fn comm(&self, comm: usize) -> Result<&HostComm> {

@@ -464,8 +464,9 @@ impl Backend {
 
     /// The backend of this rank in the group that survives a loss: the exchange shrunk
     /// ([`Exchange::shrink`]: the survivors, numbered densely in their old order), and
-    /// new communicators among the survivors (new channels on the shared-memory
-    /// backend, a new set made from the store on NCCL, this backend's aborted) of the
+    /// new communicators among the survivors (a new set on the host backend's threads,
+    /// new channels on the shared-memory backend, a new set made from the store on
+    /// NCCL, this backend's aborted) of the
     /// same kinds and order. Its device, memory limit (and on the host backends its
     /// stream operations) are this backend's; segments of this backend may be
     /// registered on it. No window of this backend is valid on it.
@@ -476,9 +477,8 @@ impl Backend {
     /// again (another pool over the same communicators) returns the same backend.
     ///
     /// # Errors
-    /// [`Error::ShrinkFailed`] for a backend that cannot shrink (the host backend's
-    /// threads, one assembled from parts of its own) and as [`Exchange::shrink`]
-    /// says; the exchange's errors on the new group; on NCCL those of
+    /// [`Error::ShrinkFailed`] for a backend that cannot shrink (one assembled from
+    /// parts of its own) and as [`Exchange::shrink`] says; the exchange's errors on the new group; on NCCL those of
     /// [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
         let mut shrunk = self.shrunk.lock();
@@ -491,6 +491,9 @@ impl Backend {
     }
 
     fn shrink_once(&self, deadline: Deadline) -> Result<Backend> {
+        if let Some(host) = self.downcast_ref::<HostBackend>() {
+            return host.shrink(self, deadline);
+        }
         #[cfg(target_os = "linux")]
         if let Some(shm) = self.downcast_ref::<ShmBackend>() {
             let exchange = self.exchange.shrink(deadline)?;
@@ -502,7 +505,10 @@ impl Backend {
             return nccl.shrink(exchange);
         }
         Err(Error::ShrinkFailed {
-            reason: format!("a {:?} backend cannot shrink yet", self.info.kind),
+            reason: format!(
+                "a {:?} backend assembled from parts of its own cannot shrink",
+                self.info.kind
+            ),
         })
     }
 
@@ -524,9 +530,20 @@ impl Backend {
         )
     }
 
-    /// The stream operations, shared.
-    pub(crate) fn streams_handle(&self) -> Arc<dyn StreamOps> {
-        self.streams.clone()
+    /// A backend of the survivors of a loss: this one's identity at the rank and world
+    /// size of the shrunk `exchange`, its stream operations, and `parts`
+    /// (communicators among the survivors) for the rest: what
+    /// [`shrink`](Self::shrink) returns on the host backends.
+    ///
+    /// # Collective
+    /// As [`new`](Self::new).
+    pub(crate) fn survivor<T>(&self, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Backend>
+    where
+        T: SegmentProvider + DataMover + Collectives + 'static,
+    {
+        let mut info = BackendInfo::clone(&self.info);
+        (info.rank, info.world_size) = (exchange.rank(), exchange.world_size());
+        Self::with_stream_ops(info, exchange, parts, self.streams.clone())
     }
 
     /// Who this backend is.

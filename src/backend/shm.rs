@@ -282,9 +282,7 @@ impl ShmBackend {
             ordinals: Mutex::new(vec![0; count]),
             reserved: self.reserved.clone(),
         });
-        let mut info = BackendInfo::clone(backend.info());
-        (info.rank, info.world_size) = (exchange.rank(), exchange.world_size());
-        Backend::with_stream_ops(info, exchange, parts, backend.streams_handle())
+        backend.survivor(exchange, parts)
     }
 
     fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {

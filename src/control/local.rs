@@ -1,18 +1,66 @@
 //! [`LocalExchange`]: the ranks are threads of one process.
+//!
+//! A rank is lost when its exchange is dropped (its thread ended, or unwound from a
+//! panic, without it): the group's rendezvous, and those the layers above made
+//! through it ([`LocalExchange::rendezvous`]: the host backend's communicators), fail
+//! every waiting and later gather with [`Error::PeerLost`] at once, and the survivors
+//! may [`shrink`](LocalExchange::shrink).
 
-use super::{ChannelId, GatherRounds, Rendezvous, Round, Rounds};
-use crate::error::Result;
+use super::rendezvous::Lose;
+use super::store::CLOSED;
+use super::{ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex};
+use std::any::Any;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
 
 /// An [`Exchange`](super::Exchange) among ranks that are threads of one process.
 ///
 /// Made for a whole group at once with [`LocalExchange::group`]; hand one to each
-/// rank's thread. Payloads have no size limit beyond memory.
+/// rank's thread. Payloads have no size limit beyond memory. Dropping a rank's
+/// exchange while the others go on loses the rank: their waits end with
+/// [`Error::PeerLost`] at once, and they may [`shrink`](Self::shrink).
 pub struct LocalExchange {
-    /// The group's rounds, matched by (channel, round).
-    shared: Arc<Rendezvous<(ChannelId, u64), Vec<u8>>>,
+    group: Arc<Group>,
     rounds: Rounds,
+    /// The exchange of the survivors this one shrank into.
+    successor: Mutex<Option<Arc<LocalExchange>>>,
+}
+
+/// What the ranks of one group share.
+struct Group {
+    /// The group's rounds, matched by (channel, round).
+    rounds: Rendezvous<(ChannelId, u64), Vec<u8>>,
+    state: Mutex<GroupState>,
+    /// Notified when a rank asks to shrink, a shrink succeeds or fails.
+    cv: Condvar,
+    /// The group shrank: its exchanges fail with [`Error::Shrunk`].
+    shrunk: AtomicBool,
+}
+
+/// Values the ranks share under a key, with how many ranks took them.
+type Shared = BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>;
+
+#[derive(Default)]
+struct GroupState {
+    /// Per rank: its exchange is not dropped.
+    alive: Vec<bool>,
+    /// The first rank lost.
+    lost: Option<LostPeer>,
+    /// The other rendezvous of these ranks, told of a loss.
+    told: Vec<Weak<dyn Lose>>,
+    shared: Shared,
+    /// The ranks asking to shrink now.
+    votes: BTreeSet<usize>,
+    /// The survivors' exchanges once they all asked, by old rank, until taken.
+    made: BTreeMap<usize, LocalExchange>,
+    /// Why a rank's ask failed (a loss while they asked), until it reads it.
+    failed: BTreeMap<usize, String>,
 }
 
 impl LocalExchange {
@@ -23,13 +71,173 @@ impl LocalExchange {
     #[track_caller]
     pub fn group(world_size: usize) -> Vec<LocalExchange> {
         assert!(world_size > 0, "a group needs at least one rank");
-        let shared = Arc::new(Rendezvous::new(world_size));
+        let group = Arc::new(Group {
+            rounds: Rendezvous::new(world_size),
+            state: Mutex::new(GroupState {
+                alive: vec![true; world_size],
+                ..GroupState::default()
+            }),
+            cv: Condvar::new(),
+            shrunk: AtomicBool::new(false),
+        });
         (0..world_size)
             .map(|rank| LocalExchange {
-                shared: shared.clone(),
+                group: group.clone(),
                 rounds: Rounds::new(rank, world_size, usize::MAX),
+                successor: Mutex::new(None),
             })
             .collect()
+    }
+
+    /// A rendezvous of this group's ranks for the layers above (the host backend's
+    /// communicators) that fails with [`Error::PeerLost`] once a rank of the group
+    /// is lost, as the exchange's own rounds do.
+    pub(crate) fn rendezvous<K, T>(&self) -> Arc<Rendezvous<K, T>>
+    where
+        K: Ord + Copy + Send + 'static,
+        T: Clone + Send + 'static,
+    {
+        let rv = Arc::new(Rendezvous::new(self.rounds.world_size));
+        let lost = {
+            let mut st = self.group.state.lock();
+            st.told.retain(|w| w.strong_count() > 0);
+            st.told.push(Arc::downgrade(&rv) as Weak<dyn Lose>);
+            st.lost.clone()
+        };
+        if let Some(peer) = lost {
+            rv.lose(&peer);
+        }
+        rv
+    }
+
+    /// The value the ranks of this group share under `key` (the ordinal of a channel
+    /// they opened together): made by `make` on the first rank to ask, forgotten once
+    /// every rank took it.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the value under `key` is of another type.
+    pub(crate) fn take_shared<T: Any + Send + Sync>(
+        &self,
+        key: u64,
+        make: impl FnOnce() -> T,
+    ) -> Result<Arc<T>> {
+        let held = self
+            .group
+            .state
+            .lock()
+            .shared
+            .get(&key)
+            .map(|v| v.0.clone());
+        // Made without the lock: `make` may ask the group for rendezvous.
+        let made = held.unwrap_or_else(|| Arc::new(make()));
+        let mut st = self.group.state.lock();
+        let (value, taken) = st.shared.entry(key).or_insert((made, 0));
+        let value = value.clone();
+        *taken += 1;
+        if *taken >= self.rounds.world_size {
+            st.shared.remove(&key);
+        }
+        value.downcast().map_err(|_| Error::Internal {
+            what: format!("the value the ranks share under key {key} is of another type"),
+        })
+    }
+
+    /// The exchange of the ranks that survive a loss: every rank whose exchange is not
+    /// dropped asks, and once all have, the group is those ranks, numbered densely in
+    /// the order of their ranks here, with no channel open but
+    /// [`ChannelId::CONTROL`] and rounds from 1. This exchange (and every exchange of
+    /// its group) then fails every later call with [`Error::Shrunk`]. Asking again
+    /// returns the same exchange. Asking with no rank lost gives a group of the same
+    /// size.
+    ///
+    /// # Collective
+    /// Every surviving rank calls it after the loss; it waits for them until
+    /// `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkFailed`] naming the rank when a rank is lost while the survivors
+    /// ask (they may ask again); [`Error::Timeout`] naming the ranks that did not ask
+    /// by `deadline` (this rank's ask is withdrawn).
+    pub fn shrink(&self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
+        let mut successor = self.successor.lock();
+        if let Some(next) = &*successor {
+            return Ok(next.clone());
+        }
+        let (started, rank, group) = (Instant::now(), self.rounds.rank, &*self.group);
+        let mut st = group.state.lock();
+        st.failed.remove(&rank);
+        st.votes.insert(rank);
+        let alive: Vec<usize> = (0..st.alive.len()).filter(|&r| st.alive[r]).collect();
+        if alive.iter().all(|r| st.votes.contains(r)) {
+            tracing::warn!(
+                "symmpool: a group of {} threads shrank to its ranks {alive:?}",
+                st.alive.len()
+            );
+            let next = LocalExchange::group(alive.len());
+            st.made.extend(alive.iter().copied().zip(next));
+            st.votes.clear();
+            group.shrunk.store(true, Ordering::Release);
+        }
+        group.cv.notify_all();
+        loop {
+            if let Some(next) = st.made.remove(&rank) {
+                let next = Arc::new(next);
+                *successor = Some(next.clone());
+                return Ok(next);
+            }
+            if let Some(reason) = st.failed.remove(&rank) {
+                return Err(Error::ShrinkFailed { reason });
+            }
+            if deadline.expired() {
+                st.votes.remove(&rank);
+                return Err(Error::Timeout {
+                    op: "shrink",
+                    waited: started.elapsed(),
+                    missing_ranks: (0..st.alive.len())
+                        .filter(|r| st.alive[*r] && !st.votes.contains(r) && *r != rank)
+                        .collect(),
+                });
+            }
+            group.cv.wait_until(&mut st, deadline.instant());
+        }
+    }
+}
+
+impl Group {
+    /// Rank `rank`'s exchange is dropped: the rank is lost to the others (it left, or
+    /// its thread panicked), and a shrink they are asking for fails.
+    fn lose(&self, rank: usize) {
+        let (left, detail) = match std::thread::panicking() {
+            false => (true, CLOSED.to_string()),
+            true => (false, "its thread panicked".to_string()),
+        };
+        let peer = LostPeer { rank, detail, left };
+        let told: Vec<Arc<dyn Lose>> = {
+            let mut st = self.state.lock();
+            st.alive[rank] = false;
+            st.lost.get_or_insert_with(|| peer.clone());
+            if !st.votes.is_empty() {
+                let reason = format!(
+                    "rank {rank} was lost while the survivors agreed to shrink ({}); ask again to go on without it",
+                    peer.detail
+                );
+                for voter in std::mem::take(&mut st.votes) {
+                    st.failed.insert(voter, reason.clone());
+                }
+                self.cv.notify_all();
+            }
+            st.told.iter().filter_map(Weak::upgrade).collect()
+        };
+        self.rounds.lose(&peer);
+        for rv in told {
+            rv.lose(&peer);
+        }
+    }
+}
+
+impl Drop for LocalExchange {
+    fn drop(&mut self) {
+        self.group.lose(self.rounds.rank);
     }
 }
 
@@ -48,10 +256,22 @@ impl GatherRounds for LocalExchange {
     }
 
     fn gather_round(&self, round: Round<'_>) -> Result<Vec<Vec<u8>>> {
+        if self.group.shrunk.load(Ordering::Acquire) {
+            return Err(Error::Shrunk {
+                what: "an exchange",
+            });
+        }
         let key = (round.channel, round.number);
         let (rank, payload) = (self.rounds.rank, round.payload.to_vec());
-        self.shared
-            .gather(round.op, rank, key, payload, round.deadline)
+        (self.group.rounds).gather(round.op, rank, key, payload, round.deadline)
+    }
+
+    fn lost_peer(&self) -> Option<LostPeer> {
+        self.group.state.lock().lost.clone()
+    }
+
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {
+        Ok(LocalExchange::shrink(self, deadline)?)
     }
 }
 

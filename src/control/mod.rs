@@ -34,6 +34,10 @@
 //! NCCL backend's watchdog asks it every interval and aborts the communicators a
 //! collective may be blocked on (see the NCCL backend's table of waits).
 //!
+//! For a [`LocalExchange`] a rank is lost when its thread drops its exchange (the
+//! thread ended, or unwound from a panic, without it): the other ranks fail with
+//! [`Error::PeerLost`] at once, in its rounds and in the host backend's communicators.
+//!
 //! # A rank that does not come
 //!
 //! A rank that is alive but does not arrive (still starting, stuck elsewhere, never
@@ -171,16 +175,18 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// round and no wait, for watchdogs that must end work blocked on the lost rank
     /// outside the exchange (the NCCL backend's aborts its communicators). A
     /// [`StoreExchange`] learns of a loss while no call waits too (its background
-    /// thread reads the server's word); exchanges without failure detection
-    /// ([`LocalExchange`], [`KvExchange`]) answer `None` (the default).
+    /// thread reads the server's word), a [`LocalExchange`] when a rank's thread drops
+    /// its exchange; exchanges without failure detection ([`KvExchange`]) answer `None`
+    /// (the default).
     fn lost_peer(&self) -> Option<LostPeer> {
         None
     }
 
     /// The exchange of the ranks that survive a loss, numbered densely in the order of
     /// their ranks here; this exchange fails every later call with [`Error::Shrunk`].
-    /// Asking again returns the same exchange. A [`StoreExchange`] can
-    /// ([`StoreExchange::shrink`]); the default cannot.
+    /// Asking again returns the same exchange. A [`StoreExchange`]
+    /// ([`StoreExchange::shrink`]) and a [`LocalExchange`] ([`LocalExchange::shrink`])
+    /// can; the default cannot.
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss, waiting for the others until
@@ -188,11 +194,11 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`] (the default: this exchange cannot shrink); those of
-    /// [`StoreExchange::shrink`].
+    /// [`StoreExchange::shrink`] and [`LocalExchange::shrink`].
     fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
         let _ = deadline;
         Err(Error::ShrinkFailed {
-            reason: format!("{self:?} cannot shrink (only a StoreExchange can)"),
+            reason: format!("{self:?} cannot shrink (a StoreExchange or a LocalExchange can)"),
         })
     }
 }
@@ -311,7 +317,7 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
         let _ = deadline;
         Err(Error::ShrinkFailed {
-            reason: format!("{self:?} cannot shrink (only a StoreExchange can)"),
+            reason: format!("{self:?} cannot shrink (a StoreExchange or a LocalExchange can)"),
         })
     }
 }

@@ -1,6 +1,7 @@
 //! [`Rendezvous`]: rounds of a gather among the threads of one process, what
 //! [`LocalExchange`](super::LocalExchange) and the host backend pair their ranks with.
 
+use super::LostPeer;
 use super::waiting::{WAIT_WARNING_INTERVAL, WaitWarnings, Who, ranks};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -18,6 +19,10 @@ use std::time::{Duration, Instant};
 /// are out of step, and pairing later rounds would match different calls with each
 /// other.
 ///
+/// A lost rank ([`Lose::lose`]: its thread dropped its exchange) breaks it too: every
+/// later or still-waiting gather fails with [`Error::PeerLost`] naming it, but for a
+/// round that every rank had posted in before.
+///
 /// A gather that waits longer than [`WAIT_WARNING_INTERVAL`] logs a warning naming the
 /// ranks not yet posted, again every interval, and once more when they post.
 pub(crate) struct Rendezvous<K, T> {
@@ -32,6 +37,25 @@ struct RvState<K, T> {
     rounds: BTreeMap<K, Round<T>>,
     /// The rank that timed out first, and in what.
     broken: Option<(usize, &'static str)>,
+    /// The first rank lost.
+    lost: Option<LostPeer>,
+}
+
+impl<K, T> RvState<K, T> {
+    /// The error of a gather `op` on a broken rendezvous (a loss named first), if it is.
+    fn broken(&self, op: &'static str) -> Option<Error> {
+        match (&self.lost, self.broken) {
+            (Some(lost), _) => Some(lost.error(op)),
+            (None, Some((by, what))) => Some(Error::GroupBroken { rank: by, op: what }),
+            (None, None) => None,
+        }
+    }
+}
+
+/// What learns that a rank of its group was lost: the rendezvous of a group of threads.
+pub(crate) trait Lose: Send + Sync {
+    /// `peer` is lost: waiting and later gathers fail with [`Error::PeerLost`].
+    fn lose(&self, peer: &LostPeer);
 }
 
 struct Round<T> {
@@ -47,6 +71,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
             state: Mutex::new(RvState {
                 rounds: BTreeMap::new(),
                 broken: None,
+                lost: None,
             }),
             cv: Condvar::new(),
             warn_every: WAIT_WARNING_INTERVAL,
@@ -60,7 +85,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
     /// # Errors
     /// [`Error::Timeout`] once `deadline` passes (which breaks the group; `waited` is
     /// how long this call waited); [`Error::GroupBroken`] if a rank timed out before or
-    /// while waiting.
+    /// while waiting; [`Error::PeerLost`] if a rank was lost.
     pub(crate) fn gather(
         &self,
         op: &'static str,
@@ -71,8 +96,8 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
     ) -> Result<Vec<T>> {
         let started = Instant::now();
         let mut state = self.state.lock();
-        if let Some((by, what)) = state.broken {
-            return Err(Error::GroupBroken { rank: by, op: what });
+        if let Some(e) = state.broken(op) {
+            return Err(e);
         }
         let world = self.world;
         let entry = state.rounds.entry(key).or_insert_with(|| Round {
@@ -99,9 +124,9 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 warnings.arrived(&who);
                 return Ok(out);
             }
-            if let Some((by, what)) = state.broken {
+            if let Some(e) = state.broken(op) {
                 Self::withdraw(&mut state, key, rank);
-                return Err(Error::GroupBroken { rank: by, op: what });
+                return Err(e);
             }
             if deadline.expired() {
                 let missing = Self::missing(&state, key);
@@ -151,6 +176,13 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 state.rounds.remove(&key);
             }
         }
+    }
+}
+
+impl<K: Ord + Copy + Send, T: Clone + Send> Lose for Rendezvous<K, T> {
+    fn lose(&self, peer: &LostPeer) {
+        self.state.lock().lost.get_or_insert_with(|| peer.clone());
+        self.cv.notify_all();
     }
 }
 

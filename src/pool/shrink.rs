@@ -70,8 +70,8 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`]: the store's host is gone, a second rank was lost while
-    /// the survivors agreed (call it again), or the backend cannot shrink (the
-    /// threads' host backend, NCCL); [`Error::Shrunk`] / [`Error::PoolClosed`] on a
+    /// the survivors agreed (call it again), or the backend cannot shrink (one
+    /// assembled from parts of its own); [`Error::Shrunk`] / [`Error::PoolClosed`] on a
     /// pool already replaced or closed; [`Error::Divergence`] if the survivors' pools
     /// differ; [`Error::Timeout`] / [`Error::PeerLost`] if a survivor does not come or
     /// is lost while the segments are registered anew, and the registration errors of

@@ -9,10 +9,10 @@
 //! its watchdog and warm the data communicators up. The whole set-up has one
 //! deadline, [`NcclConfig::setup_timeout`] from the public call.
 
-use super::comm::{Comm, Shared, abort_together, finish_creation};
+use super::comm::{ABORT_WAIT, Comm, Device, Shared, abort_together, finish_creation};
 use super::config::{self, NcclConfig};
 use super::ffi::{self, RawComm, Syms};
-use super::health::Health;
+use super::health::{Cause, Health};
 use super::streams::FenceTable;
 use super::watchdog::Watchdog;
 use super::{Cuda, NcclBackend, device_count, ncclComm_t, setup};
@@ -103,11 +103,11 @@ struct Seat {
 
 /// What every way of making a backend shares: the NCCL found, the configuration and
 /// the set-up's deadline.
-struct Builder {
-    version: NcclVersion,
-    nccl: &'static Syms,
-    config: NcclConfig,
-    deadline: Deadline,
+pub(super) struct Builder {
+    pub(super) version: NcclVersion,
+    pub(super) nccl: &'static Syms,
+    pub(super) config: NcclConfig,
+    pub(super) deadline: Deadline,
 }
 
 impl Builder {
@@ -152,6 +152,60 @@ impl Builder {
         setup::agree(exchange, &hello, self.deadline)
     }
 
+    /// A new set among the ranks of `exchange`: rank 0 makes the control
+    /// communicator's `ncclUniqueId` and sends it in the set-up round, every rank then
+    /// makes the control communicator and splits the data ones off it; with the number
+    /// of nodes.
+    ///
+    /// # Collective
+    /// Every rank of `exchange`, at the same point.
+    fn communicators(&self, exchange: &dyn Exchange) -> Result<(Comm, DataComms, usize)> {
+        let (rank, world) = (exchange.rank(), exchange.world_size());
+        let id = if rank == 0 {
+            Some(ffi::unique_id(self.nccl)?)
+        } else {
+            None
+        };
+        let agreed = self.agree(exchange, id)?;
+        let [id] = agreed.unique_ids[..] else {
+            return Err(Error::Protocol {
+                op: "NCCL set-up",
+                detail: format!("rank 0 sent {} unique ids, not 1", agreed.unique_ids.len()),
+            });
+        };
+        let control = self.control_init(world, &id, rank)?;
+        let comms = self.data(&control, rank, true)?;
+        Ok((control, comms, agreed.nodes))
+    }
+
+    /// What [`NcclBackend::shrink`] does but for the device: `old`'s communicators
+    /// aborted (each on a thread of its own, a blocking one revoked first where NCCL
+    /// has `ncclCommRevoke`) and their aborts waited for (at most [`ABORT_WAIT`]: an
+    /// abort still running after that is left to its thread), then a new set among
+    /// the survivors, the ranks of the shrunk `exchange`.
+    ///
+    /// # Collective
+    /// Every survivor, at the same point.
+    pub(super) fn survivors<D: Device>(
+        &self,
+        old: &Shared<D>,
+        exchange: &dyn Exchange,
+    ) -> Result<(Comm, DataComms, usize)> {
+        let why = "aborted by the application: the survivors of a lost rank shrink the group";
+        let _ = old.fail(Cause::Failed(why.into()));
+        let aborted = Deadline::after(ABORT_WAIT);
+        if old
+            .all_comms()
+            .any(|c| c.aborted_by(aborted) == Some(false))
+        {
+            tracing::warn!(
+                "symmpool: rank {}: an ncclCommAbort had not returned after {ABORT_WAIT:?}; the survivors go on without waiting for it",
+                old.rank
+            );
+        }
+        self.communicators(exchange)
+    }
+
     /// Create the non-blocking control communicator from `unique_id`, by the set-up's
     /// deadline.
     fn control_init(&self, world: usize, unique_id: &[u8; 128], rank: usize) -> Result<Comm> {
@@ -166,12 +220,7 @@ impl Builder {
     /// the set-up's deadline. A failure aborts the ones made before it and, when
     /// `abort_control` (a set-up's own control communicator), the control communicator
     /// together ([`abort_together`]).
-    fn data(
-        &self,
-        control: &Comm,
-        rank: usize,
-        abort_control: bool,
-    ) -> Result<Vec<(CommInfo, Comm)>> {
+    fn data(&self, control: &Comm, rank: usize, abort_control: bool) -> Result<DataComms> {
         let blocking = self.config.data_blocking;
         let roles = self.roles();
         let mut comms = Vec::with_capacity(roles.len());
@@ -277,20 +326,34 @@ impl Builder {
     }
 }
 
+/// The data communicators of a set, each with what the pools learn of it.
+type DataComms = Vec<(CommInfo, Comm)>;
+
 impl NcclBackend {
     /// [`Backend::shrink`] on NCCL, with the shrunk `exchange`: this backend's
-    /// communicators are aborted first (their windows are never deregistered: an
-    /// aborted communicator releases them itself), then the survivors make a new
-    /// set from the store, as [`from_env`](Self::from_env) does, on this rank's
-    /// device and configuration. A fresh set rather than `ncclCommShrink`, which needs
-    /// the parent communicator alive: the watchdog aborts it when a peer is lost.
+    /// communicators are aborted first, and their aborts waited for, boundedly (their
+    /// windows are never deregistered: an aborted communicator releases them itself),
+    /// then the survivors make a new set over the exchange, as
+    /// [`from_env`](Self::from_env) does, on this rank's device and configuration. A
+    /// fresh set rather than `ncclCommShrink`, which needs the parent communicator
+    /// alive: the watchdog aborts it when a peer is lost.
     ///
     /// # Errors
     /// As [`from_env`](Self::from_env).
     pub(in crate::backend) fn shrink(&self, exchange: Arc<dyn Exchange>) -> Result<Backend> {
-        self.abort("the survivors of a lost rank shrink the group");
-        let config = (*self.config()).with_device(self.device());
-        Self::from_env(exchange, config)
+        let b = Builder::new(*self.config())?;
+        self.bind()?;
+        let (control, comms, nodes) = b.survivors(&self.shared, exchange.as_ref())?;
+        let (rank, world) = (exchange.rank(), exchange.world_size());
+        let ctx = self.shared.device.ctx.clone();
+        b.assemble(
+            Seat { rank, world, ctx },
+            Some(control),
+            comms,
+            nodes,
+            exchange,
+            true,
+        )
     }
 
     /// [`Backend::split`] on NCCL: the data communicators split again off this rank's
@@ -381,22 +444,9 @@ impl NcclBackend {
             })?;
         let ctx = context(device)?;
         let (rank, world) = (exchange.rank(), exchange.world_size());
-        let id = if rank == 0 {
-            Some(ffi::unique_id(b.nccl)?)
-        } else {
-            None
-        };
-        let agreed = b.agree(exchange.as_ref(), id)?;
-        let [id] = agreed.unique_ids[..] else {
-            return Err(Error::Protocol {
-                op: "NCCL set-up",
-                detail: format!("rank 0 sent {} unique ids, not 1", agreed.unique_ids.len()),
-            });
-        };
-        let control = b.control_init(world, &id, rank)?;
-        let comms = b.data(&control, rank, true)?;
+        let (control, comms, nodes) = b.communicators(exchange.as_ref())?;
         let seat = Seat { rank, world, ctx };
-        b.assemble(seat, Some(control), comms, agreed.nodes, exchange, true)
+        b.assemble(seat, Some(control), comms, nodes, exchange, true)
     }
 
     /// [`from_env`](Self::from_env) over a [`StoreExchange`] made from the environment

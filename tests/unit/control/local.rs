@@ -17,7 +17,7 @@ fn nothing_is_left_behind_after_a_timeout() {
         group[1].all_gather(ch, "t", &[8], Deadline::after(Duration::from_secs(5))),
         Err(Error::GroupBroken { rank: 0, .. })
     ));
-    assert_eq!(group[0].shared.rounds_held(), 0);
+    assert_eq!(group[0].group.rounds.rounds_held(), 0);
 }
 
 #[test]
@@ -85,4 +85,144 @@ fn an_undecodable_opening_is_an_error_naming_the_rank() {
         other => panic!("{other:?}"),
     }
     assert!(got.1.is_ok());
+}
+
+impl LocalExchange {
+    /// Wait until `n` ranks ask to shrink, or `deadline`; whether they do.
+    fn wait_for_asks(&self, n: usize, deadline: Deadline) -> bool {
+        let mut st = self.group.state.lock();
+        let g = &self.group;
+        g.cv.wait_while_until(&mut st, |st| st.votes.len() < n, deadline.instant());
+        st.votes.len() >= n
+    }
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn round(ex: &dyn Exchange, payload: u8) -> crate::error::Result<Vec<Vec<u8>>> {
+    ex.all_gather(
+        ChannelId::CONTROL,
+        "a round",
+        &[payload],
+        Deadline::after(LONG),
+    )
+}
+
+#[test]
+fn a_dropped_rank_is_lost_to_the_others_at_once() {
+    let mut group = LocalExchange::group(3);
+    let third = group.remove(2);
+    let started = std::time::Instant::now();
+    let lost = thread::scope(|s| {
+        let waiting = s.spawn(|| round(&group[0], 0));
+        // Rank 0 may be waiting already or not yet: it fails either way, long before
+        // its deadline.
+        drop(third);
+        waiting.join().unwrap()
+    });
+    assert!(
+        matches!(lost, Err(Error::PeerLost { rank: 2, .. })),
+        "{lost:?}"
+    );
+    assert!(matches!(
+        round(&group[1], 1),
+        Err(Error::PeerLost { rank: 2, .. })
+    ));
+    assert!(started.elapsed() < LONG / 2);
+    let peer = Exchange::lost_peer(&group[1]).expect("a lost peer");
+    assert_eq!((peer.rank, peer.left), (2, true));
+}
+
+#[test]
+fn a_rank_whose_thread_panics_is_lost_and_did_not_leave() {
+    let mut group = LocalExchange::group(2);
+    let victim = group.remove(1);
+    let panicked = thread::spawn(move || {
+        let _held = victim;
+        panic!("a rank's thread panics");
+    })
+    .join();
+    assert!(panicked.is_err());
+    let peer = Exchange::lost_peer(&group[0]).expect("a lost peer");
+    assert_eq!((peer.rank, peer.left), (1, false));
+    assert!(peer.detail.contains("panicked"), "{}", peer.detail);
+}
+
+#[test]
+fn the_survivors_shrink_into_a_dense_group_and_the_old_one_is_shrunk() {
+    let mut group = LocalExchange::group(4);
+    drop(group.remove(1));
+    let shrunk: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = (group.iter())
+            .map(|x| s.spawn(|| x.shrink(Deadline::after(LONG)).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ranks: Vec<_> = shrunk.iter().map(|x| (x.rank(), x.world_size())).collect();
+    assert_eq!(ranks, [(0, 3), (1, 3), (2, 3)]);
+    assert!(Arc::ptr_eq(
+        &group[2].shrink(Deadline::after(LONG)).unwrap(),
+        &shrunk[2]
+    ));
+    let out: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = (shrunk.iter())
+            .map(|x| s.spawn(|| round(x.as_ref(), 10 + x.rank() as u8)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in out {
+        assert_eq!(r.unwrap(), vec![vec![10], vec![11], vec![12]]);
+    }
+    assert!(matches!(round(&group[0], 0), Err(Error::Shrunk { .. })));
+    assert!(Exchange::lost_peer(shrunk[0].as_ref()).is_none());
+}
+
+#[test]
+fn a_loss_while_the_survivors_ask_fails_their_shrink_and_they_can_ask_again() {
+    let mut group = LocalExchange::group(3);
+    let third = group.remove(2);
+    let (first, again) = thread::scope(|s| {
+        let hs: Vec<_> = (group.iter())
+            .map(|x| {
+                s.spawn(|| {
+                    let first = x.shrink(Deadline::after(LONG)).map(|_| ());
+                    let again = x.shrink(Deadline::after(LONG)).map(|n| n.world_size());
+                    (first, again)
+                })
+            })
+            .collect();
+        // Both survivors are asking when rank 2 goes.
+        assert!(group[0].wait_for_asks(2, Deadline::after(LONG)));
+        drop(third);
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .unzip::<_, _, Vec<_>, Vec<_>>()
+    });
+    for f in first {
+        match f {
+            Err(Error::ShrinkFailed { reason }) => {
+                assert!(reason.contains("rank 2 was lost"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(again.iter().all(|a| matches!(a, Ok(2))), "{again:?}");
+}
+
+#[test]
+fn a_survivor_that_does_not_ask_times_the_shrink_out_naming_it() {
+    let group = LocalExchange::group(2);
+    let out = group[0].shrink(Deadline::after(Duration::from_millis(50)));
+    match out.map(|_| ()) {
+        Err(Error::Timeout { missing_ranks, .. }) => assert_eq!(missing_ranks, [1]),
+        other => panic!("{other:?}"),
+    }
+    // The ask was withdrawn: both asking now shrink the group whole.
+    let sizes: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = (group.iter())
+            .map(|x| s.spawn(|| x.shrink(Deadline::after(LONG)).map(|n| n.world_size())))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(sizes.iter().all(|s| matches!(s, Ok(2))), "{sizes:?}");
 }

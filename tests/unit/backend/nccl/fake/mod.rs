@@ -28,11 +28,15 @@ use std::time::Duration;
 /// One call the fake saw: the function and the thread that called it.
 pub(super) type Call = (&'static str, ThreadId);
 
+/// Orders the calls on every fake communicator: each call's stamp is the next tick.
+static CLOCK: AtomicU64 = AtomicU64::new(0);
+
 /// A fake communicator; its address is the `ncclComm_t`.
 #[derive(Default)]
 pub(super) struct FakeComm {
     pub(super) blocking: bool,
-    log: Mutex<Vec<Call>>,
+    /// Each call with its stamp ([`CLOCK`]).
+    log: Mutex<Vec<(Call, u64)>>,
     /// Registrations block until the communicator is revoked or aborted.
     pub(super) stuck_register: AtomicBool,
     /// Registrations succeed with a NULL window (NCCL 2.29+ across `NCCL_HOSTID`
@@ -91,7 +95,9 @@ impl FakeComm {
         if !self.ready.load(Ordering::SeqCst) {
             self.used_unready.store(true, Ordering::SeqCst);
         }
-        self.log.lock().push((name, std::thread::current().id()));
+        let stamp = CLOCK.fetch_add(1, Ordering::SeqCst);
+        let call = (name, std::thread::current().id());
+        self.log.lock().push((call, stamp));
     }
 
     /// A collective `name`: noted, then blocked while `stuck_collective` is set, else
@@ -152,7 +158,17 @@ impl FakeComm {
 
     /// The calls made on it so far.
     pub(super) fn calls(&self) -> Vec<Call> {
-        self.log.lock().clone()
+        self.log.lock().iter().map(|(call, _)| *call).collect()
+    }
+
+    /// The names of the calls made on it so far, each with its stamp: calls on
+    /// different communicators are ordered by their stamps.
+    pub(super) fn stamped(&self) -> Vec<(&'static str, u64)> {
+        self.log
+            .lock()
+            .iter()
+            .map(|((name, _), t)| (*name, *t))
+            .collect()
     }
 
     /// The names of the calls made on it by `thread`.

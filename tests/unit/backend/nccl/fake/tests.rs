@@ -3,14 +3,15 @@
 
 use super::*;
 use crate::backend::CommRole;
+use crate::backend::nccl::build::Builder;
 use crate::backend::nccl::comm::Bound;
 use crate::backend::nccl::ffi::{CollCall, CollKind};
 use crate::backend::nccl::health::{Cause, POLLS};
 use crate::backend::nccl::warmup::{WARM_LARGE_BYTES, WARM_SMALL_BYTES};
 use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
 use crate::backend::nccl::watchdog::Watchdog;
-use crate::control::{ChannelId, Exchange, LostPeer};
-use crate::error::Error;
+use crate::control::{ChannelId, Exchange, LocalExchange, LostPeer};
+use crate::error::{Error, NcclVersion};
 use std::time::Instant;
 
 fn call(kind: CollKind) -> CollCall {
@@ -906,4 +907,81 @@ fn an_asynchronous_error_that_beats_the_verdict_is_blamed_on_the_lost_peer() {
         Err(Error::PeerLost { rank: 1, .. })
     ));
     aborted(&s);
+}
+
+#[test]
+fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
+    // One rank of one (the fake's world): its exchange shrinks into a group of the
+    // same size, which is all a shrink needs here. With and without `ncclCommRevoke`.
+    for with_revoke in [true, false] {
+        let old: Arc<dyn Exchange> = Arc::new(LocalExchange::group(1).remove(0));
+        let health = Health::watching(&old);
+        let config = NcclConfig::default();
+        let s = shared_with(with_revoke, &CommInfo::STANDARD, config, health).unwrap();
+        // A window on each communicator that registers, as the old pool holds them.
+        let windows: Vec<_> = (0..2)
+            .map(|c| {
+                // SAFETY: the fake never touches the address.
+                let w = unsafe { s.register(c, 0x1000, 2 << 20, s.call_deadline()) };
+                (c, w.unwrap().expect("a window"))
+            })
+            .collect();
+        let old_comms: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
+        old_comms.iter().for_each(|f| f.clear());
+        let next = old
+            .shrink(Deadline::after(Duration::from_secs(10)))
+            .unwrap();
+        let b = Builder {
+            version: NcclVersion::new(2, 28, 9),
+            nccl: syms(with_revoke),
+            config,
+            deadline: Deadline::after(Duration::from_secs(10)),
+        };
+        let (control, comms, nodes) = b.survivors(&s, next.as_ref()).unwrap();
+        // The old pool's windows go with their communicators: nothing is called.
+        for (c, w) in windows {
+            // SAFETY: registered on `c` above; no work uses it.
+            assert!(unsafe { s.deregister(c, w, s.call_deadline()) }.is_ok());
+        }
+        // Every old communicator was aborted, a blocking data one revoked first where
+        // NCCL can; no window was deregistered on any of them.
+        let revoke_first: &[&str] = match with_revoke {
+            true => &["ncclCommRevoke", "ncclCommAbort"],
+            false => &["ncclCommAbort"],
+        };
+        let (data, control_old) = old_comms.split_at(s.comms.len());
+        for f in data {
+            let names: Vec<_> = f.stamped().into_iter().map(|(n, _)| n).collect();
+            assert_eq!(names, revoke_first, "with_revoke: {with_revoke}");
+        }
+        let names: Vec<_> = control_old[0]
+            .stamped()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(names, ["ncclCommAbort"]);
+        // The new set: a control communicator of its own, the data ones split off it
+        // after every old abort returned.
+        let last_abort = (old_comms.iter().flat_map(|f| f.stamped()))
+            .map(|(_, t)| t)
+            .max()
+            .unwrap();
+        let new_control = comm(control.raw);
+        let made: Vec<_> = new_control.stamped();
+        let splits = made.iter().filter(|(n, _)| *n == "ncclCommSplit").count();
+        assert_eq!(splits, comms.len());
+        assert!(made.iter().all(|(_, t)| *t > last_abort), "{made:?}");
+        assert_eq!(comms.len(), s.comms.len());
+        for (new, old) in comms.iter().map(|(_, c)| c).zip(&s.comms) {
+            assert!(!new.is_aborted());
+            assert_ne!(new.raw.0, old.raw.0);
+        }
+        assert_eq!(nodes, 1);
+        // The set-up round went over the shrunk exchange (its first channel); the old
+        // exchange refuses every call.
+        let after = next.open_channel("after", Deadline::after(Duration::from_secs(10)));
+        assert_eq!(after.unwrap().ordinal(), 2);
+        let refused = old.all_gather(ChannelId::CONTROL, "t", &[], Deadline::never());
+        assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
+    }
 }
