@@ -7,7 +7,7 @@
 //! with `PeerLost` ([`is_loss`]); they shrink their pools (`go_on_without` in
 //! `main.rs`: `SymmPool::shrink`), agree on the last step whose whole parameters they
 //! all kept ([`agree`]; the lost rank's shards are gone with it, so each rank keeps the
-//! parameters its all-gathers brought, see `Trainer::kept`), and cut that [`State`]
+//! parameters its all-gathers brought, [`Kept`]), and cut that [`State`]
 //! into shards for the new world size.
 //!
 //! The code is the same on every backend: on the shared-memory backend the shrink
