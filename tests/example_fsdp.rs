@@ -482,3 +482,222 @@ fn the_sm_margin_option_reaches_the_args() {
     let margin = |m: Mode| results.iter().find(|r| r.mode == m).unwrap().sm_margin;
     assert_eq!((margin(Mode::Auto), margin(Mode::None)), (5, 0));
 }
+
+/// The example program, built as `cargo build --example fsdp_step` builds it with this
+/// test's profile and features (nothing to do when it is up to date): its path.
+fn example_program() -> std::path::PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.args([
+        "build",
+        "--example",
+        "fsdp_step",
+        "--manifest-path",
+        manifest,
+    ])
+    .args(["--message-format", "json-render-diagnostics"]);
+    if !cfg!(feature = "nccl") {
+        cmd.arg("--no-default-features");
+    }
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let out = cmd.output().expect("cargo runs");
+    assert!(
+        out.status.success(),
+        "cargo build --example fsdp_step failed"
+    );
+    // The last artifact of the example names its executable.
+    (String::from_utf8_lossy(&out.stdout).lines())
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "fsdp_step")
+        .find_map(|v| v["executable"].as_str().map(std::path::PathBuf::from))
+        .expect("cargo names the example's executable")
+}
+
+/// What a run of the example printed, and how it ended.
+struct Ran {
+    status: std::process::ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+/// Run the example with `args`, bounded by `limit`: killed past it (with its ranks,
+/// which die with their launcher), and the test fails.
+fn run_example(program: &std::path::Path, args: &[&str], limit: Duration) -> Ran {
+    use std::io::Read;
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Killed(
+        std::process::Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the example starts"),
+    );
+    let read = |mut from: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = from.read_to_string(&mut text);
+            text
+        })
+    };
+    let stdout = read(Box::new(child.0.stdout.take().unwrap()));
+    let stderr = read(Box::new(child.0.stderr.take().unwrap()));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "fsdp_step {args:?} did not end within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    drop(child);
+    Ran {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
+
+/// The summary of a `--json` run (one mode).
+fn json_summary(ran: &Ran) -> Summary {
+    let line = (ran.stdout.lines().find(|l| l.starts_with('{')))
+        .unwrap_or_else(|| panic!("no summary: {}\n{}", ran.stdout, ran.stderr));
+    serde_json::from_str(line).unwrap()
+}
+
+#[test]
+fn the_example_survives_a_lost_rank_and_trains_on_as_a_fresh_smaller_job_would() {
+    let program = example_program();
+    let dir = std::env::temp_dir().join(format!("fsdp-survive-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("state");
+    let state = state.to_str().unwrap();
+    let limit = Duration::from_secs(300);
+    let common = ["--backend", "host", "--steps", "10", "--json"];
+    // Rank 3 of 4 kills itself (SIGKILL) inside a reduce-scatter of step 3; the launcher
+    // expects that death, so the job succeeds when the survivors do.
+    let survive = [
+        &common[..],
+        &["--nproc", "4", "--survive", "--save-state", state],
+    ]
+    .concat();
+    let ran = run_example(&program, &survive, limit);
+    assert!(ran.status.success(), "{:?}: {}", ran.status, ran.stderr);
+    assert!(
+        ran.stderr.contains("rank 3 kills itself (SIGKILL)"),
+        "{}",
+        ran.stderr
+    );
+    let r = json_summary(&ran);
+    check(std::slice::from_ref(&r)).unwrap();
+    let s = r.survival.clone().expect("a lost rank survived");
+    assert_eq!(s.lost_ranks, [3]);
+    assert_eq!((s.world_size_before, s.world_size_after), (4, 3));
+    assert_eq!((s.rank_before, s.rank_after, s.lost_in_step), (0, 0, 3));
+    assert!(s.error.contains("rank 3 was lost"), "{}", s.error);
+    // Step 3's parameters were being kept when the rank was lost (a step's are whole
+    // once its end has synchronised): the survivors go on from step 2.
+    assert_eq!(s.resumed_at_step, 2);
+    assert!(
+        0.0 < s.shrink_ms && s.shrink_ms < s.first_collective_ms,
+        "{s:?}"
+    );
+    assert!(s.first_collective_ms < s.first_step_ms, "{s:?}");
+    // Every segment kept; the registered pools registered each anew on the survivors'
+    // communicators, the data pool (unregistered) none; nothing more registered later.
+    let shrunk: Vec<(&str, bool, bool)> = (s.pools.iter())
+        .map(|p| (p.pool.as_str(), p.segments > 0, p.registrations > 0))
+        .collect();
+    assert_eq!(
+        shrunk,
+        [
+            ("parameters", true, true),
+            ("gradients", true, true),
+            ("data", true, false)
+        ]
+    );
+    assert_eq!(s.registrations_first_step_after, 0);
+    assert_eq!(r.registrations_after_first_step, 0);
+    // The losses: one per step, those of steps 0-1 at world size 4 and of steps 2-9
+    // at world size 3, falling at both sizes.
+    assert_eq!(r.losses.len(), 10);
+    let (before, after) = r.losses_around_the_loss();
+    assert_eq!((before.len(), after.len()), (2, 8));
+    assert!(before[1] < before[0], "{before:?}");
+    assert!(after.iter().all(|l| l.is_finite()), "{after:?}");
+    assert!(after[7] < after[0] / 2.0, "{after:?}");
+    let lines = fsdp_step::survival_lines(&r).join("\n");
+    for want in [
+        "lost: rank 3 of 4, in step 3: rank 3 was lost",
+        "went on from step 2",
+        "losses at world size 4: steps 0-1: ",
+        "losses at world size 3: steps 2-9: ",
+    ] {
+        assert!(lines.contains(want), "{want:?} in {lines}");
+    }
+    // A fresh 3-rank job from the state the survivors went on from: the same losses,
+    // to the bit (f32 on the host, the same sums in the same order); so the survivors'
+    // shards, data and gradient scale after the shrink are those of a 3-rank job.
+    let resume = [&common[..], &["--nproc", "3", "--resume", state]].concat();
+    let fresh = run_example(&program, &resume, limit);
+    assert!(
+        fresh.status.success(),
+        "{:?}: {}",
+        fresh.status,
+        fresh.stderr
+    );
+    let f = json_summary(&fresh);
+    assert!(f.survival.is_none());
+    assert_eq!(f.first_step, 2);
+    assert_eq!(f.losses, after);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_survive_options_resolve_and_refuse_what_cannot_survive() {
+    use clap::Parser;
+    let resolve = |argv: &[&str]| {
+        let argv = [&["fsdp_step", "--backend", "host"][..], argv].concat();
+        fsdp_step::Cli::try_parse_from(argv).map(|c| c.resolve(0))
+    };
+    // The last rank, in step 3; hidden 64 grows to 66, whose square splits over 4 and 3.
+    let args = resolve(&["--nproc", "4", "--survive"]).unwrap();
+    let s = args.survive.clone().unwrap();
+    assert_eq!((s.victim, s.kill_at_step, args.hidden), (3, 3, 66));
+    let args = resolve(&["--nproc", "3", "--survive", "--victim", "1"]).unwrap();
+    assert_eq!((args.survive.unwrap().victim, args.hidden), (1, 66));
+    let args = resolve(&["--nproc", "2", "--survive", "--kill-at-step", "5"]).unwrap();
+    let s = args.survive.unwrap();
+    assert_eq!((s.victim, s.kill_at_step, args.hidden), (1, 5, 64));
+    // Options that need --survive, or that cannot go with it.
+    assert!(resolve(&["--nproc", "4", "--victim", "2"]).is_err());
+    assert!(resolve(&["--nproc", "4", "--survive", "--compare"]).is_err());
+    assert!(resolve(&["--nproc", "4", "--survive", "--trace", "t.json"]).is_err());
+    // What the resolved arguments are checked for (a usage error, exit status 2).
+    let refused = |change: &dyn Fn(&mut Args, &mut fsdp_step::Survive), processes| {
+        let mut args = resolve(&["--nproc", "4", "--survive"]).unwrap();
+        let mut s = args.survive.clone().unwrap();
+        change(&mut args, &mut s);
+        s.check(&args, processes).unwrap_err()
+    };
+    assert!(refused(&|_, _| {}, false).contains("ranks as processes"));
+    assert!(refused(&|_, s| s.victim = 0, true).contains("rank 0 hosts the store"));
+    assert!(refused(&|_, s| s.victim = 4, true).contains("from 1 to 3"));
+    assert!(refused(&|_, s| s.kill_at_step = 30, true).contains("--steps 30"));
+    assert!(refused(&|a, _| a.modes = vec![Mode::None], true).contains("communicates"));
+    assert!(refused(&|a, _| a.hidden = 64, true).contains("pass --hidden 66"));
+    assert!(refused(&|a, _| a.ranks = 1, true).contains("at least 2 ranks"));
+}

@@ -121,7 +121,18 @@ Streams: compute, all-gather, reduce-scatter (the SGD update of the shards runs 
           last step of rank 0 per mode); the summary on stderr gives per mode each
           stream's busy time, the communication left exposed (compute stream idle) and
           hidden, the host's µs per call and its wait at the end of the step. Tracing
-          adds two event records per operation.";
+          adds two event records per operation.
+--survive: ranks as processes (--nproc N, or a launcher), N >= 2. The victim's backend
+          raises SIGKILL on entering its reduce-scatter of layer <layers>/2 in step
+          --kill-at-step; the launcher of --nproc expects that death, and no other. The
+          survivors shrink their three pools (parameters, gradients, data), agree on the
+          last step whose parameters they all hold in full (each rank keeps the whole
+          parameters gathered in its last two steps: 2 x layers x hidden² elements more
+          memory), re-shard them for the new world size and train on from there; the summary says what was lost, when, what the
+          shrink did and the losses before and after. hidden² must split over N and N-1
+          ranks (without --hidden, the default grows to the next size that does).
+          `--save-state F`, then `--nproc N-1 --resume F`: a fresh job at the smaller
+          size from the same state, whose losses equal the survivors'.";
 
 /// FSDP-style training of a stack of linear layers: parameters sharded over the ranks,
 /// all-gathered into symmpool buffers before use, gradients reduce-scattered.
@@ -195,6 +206,29 @@ pub struct Cli {
     /// device, and the host calls; a summary of it goes to stderr
     #[arg(long, value_name = "FILE")]
     pub trace: Option<std::path::PathBuf>,
+    /// Lose a rank on purpose and go on without it: in step --kill-at-step, rank
+    /// --victim kills itself (SIGKILL) inside a reduce-scatter; the others get
+    /// `PeerLost`, shrink their pools (`SymmPool::shrink`) and train on to the end at
+    /// one rank fewer, from the parameters of the last step they all hold in full.
+    /// Ranks as processes only (--nproc or a launcher), one mode; see below
+    #[arg(long, conflicts_with_all = ["compare", "trace"])]
+    pub survive: bool,
+    /// With --survive: the step in which the victim kills itself (after the first, and
+    /// before the last)
+    #[arg(long, default_value_t = 3, requires = "survive", value_parser = at_least::<1>)]
+    pub kill_at_step: usize,
+    /// With --survive: the rank that kills itself [default: the last]; not rank 0,
+    /// which hosts the store
+    #[arg(long, requires = "survive")]
+    pub victim: Option<usize>,
+    /// With --survive: the survivors' rank 0 writes the state they went on from (its
+    /// step and every layer's parameters) to this file, for --resume
+    #[arg(long, value_name = "FILE", requires = "survive")]
+    pub save_state: Option<std::path::PathBuf>,
+    /// Start from a state written by --save-state (its step, its parameters) at this
+    /// run's world size, instead of from the first step
+    #[arg(long, value_name = "FILE")]
+    pub resume: Option<std::path::PathBuf>,
     // `cargo test` and `cargo bench` pass these to targets without a harness.
     #[arg(long, hide = true)]
     bench: bool,
@@ -255,6 +289,29 @@ pub struct Args {
     pub memory_map: Option<std::path::PathBuf>,
     /// Where to write the timeline (Chrome-trace JSON).
     pub trace: Option<std::path::PathBuf>,
+    /// Lose a rank and go on without it (`--survive`).
+    pub survive: Option<Survive>,
+    /// Start from this state file (`--resume`).
+    pub resume: Option<std::path::PathBuf>,
+}
+
+/// What `--survive` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Survive {
+    /// The step in which the victim kills itself.
+    pub kill_at_step: usize,
+    /// The rank that kills itself (never 0, which hosts the store).
+    pub victim: usize,
+    /// Where the survivors' rank 0 writes the state they go on from.
+    pub save_state: Option<std::path::PathBuf>,
+}
+
+impl Survive {
+    /// The layer in whose reduce-scatter the victim dies: `layers / 2`, which the
+    /// backward pass reaches half-way.
+    pub fn layer(layers: usize) -> usize {
+        layers / 2
+    }
 }
 
 impl Args {
@@ -277,8 +334,15 @@ impl Args {
             quiet: true,
             memory_map: None,
             trace: None,
+            survive: None,
+            resume: None,
         }
     }
+}
+
+/// Whether hidden² splits evenly over `ranks`.
+fn splits(hidden: usize, ranks: usize) -> bool {
+    (hidden * hidden).is_multiple_of(ranks)
 }
 
 impl Cli {
@@ -297,6 +361,12 @@ impl Cli {
             (BackendChoice::Nccl, true) => (8, 16384, 1024, 20),
             _ => (4, 64, 32, 30),
         };
+        // After a loss the parameters are re-sharded over one rank fewer: the default
+        // size grows to the next one whose square splits both ways.
+        let after = if self.survive { ranks - 1 } else { ranks };
+        let hidden = (hidden..)
+            .find(|&h| splits(h, ranks) && splits(h, after.max(1)))
+            .unwrap_or(hidden);
         let args = Args {
             ranks,
             layers: self.layers.unwrap_or(layers),
@@ -322,19 +392,79 @@ impl Cli {
             quiet: self.quiet,
             memory_map: self.memory_map.clone(),
             trace: self.trace.clone(),
+            survive: self.survive.then(|| Survive {
+                kill_at_step: self.kill_at_step,
+                victim: self.victim.unwrap_or(ranks.saturating_sub(1)),
+                save_state: self.save_state.clone(),
+            }),
+            resume: self.resume.clone(),
         };
-        let square = args.hidden * args.hidden;
-        if !square.is_multiple_of(ranks) {
-            // A hidden size that is a multiple of the ranks always splits.
-            let fit = args.hidden.div_ceil(ranks) * ranks;
-            let msg = format!(
-                "hidden² = {square} must split evenly over {ranks} ranks: pass --hidden {fit} \
-                 (or another multiple of {ranks})"
-            );
+        let usage = |msg: String| -> ! {
             Cli::command()
                 .error(clap::error::ErrorKind::ValueValidation, msg)
-                .exit();
+                .exit()
+        };
+        if !splits(args.hidden, ranks) {
+            // A hidden size that is a multiple of the ranks always splits.
+            let fit = args.hidden.div_ceil(ranks) * ranks;
+            usage(format!(
+                "hidden² = {} must split evenly over {ranks} ranks: pass --hidden {fit} \
+                 (or another multiple of {ranks})",
+                args.hidden * args.hidden
+            ));
+        }
+        if let Some(s) = &args.survive {
+            let processes = launched.is_some() || self.nproc.is_some();
+            if let Err(msg) = s.check(&args, processes) {
+                usage(msg);
+            }
         }
         args
+    }
+}
+
+impl Survive {
+    /// Whether `args` (this `--survive` among them) can lose a rank and go on;
+    /// `processes`: the ranks are processes. The reason when not.
+    pub fn check(&self, args: &Args, processes: bool) -> Result<(), String> {
+        let (ranks, hidden) = (args.ranks, args.hidden);
+        if !processes {
+            return Err(
+                "--survive needs ranks as processes (--nproc N or a launcher): \
+                        ranks as threads cannot lose one"
+                    .into(),
+            );
+        }
+        if ranks < 2 {
+            return Err("--survive needs at least 2 ranks: one is lost".into());
+        }
+        if self.victim == 0 || self.victim >= ranks {
+            return Err(format!(
+                "--victim {} must be a rank from 1 to {} (rank 0 hosts the store)",
+                self.victim,
+                ranks - 1
+            ));
+        }
+        if self.kill_at_step >= args.steps {
+            return Err(format!(
+                "--kill-at-step {} must come before the end of --steps {}",
+                self.kill_at_step, args.steps
+            ));
+        }
+        if args.modes.len() != 1 || !args.modes[0].communicates() {
+            return Err("--survive needs one mode that communicates (not --comm none)".into());
+        }
+        if !splits(hidden, ranks - 1) {
+            let fit = (hidden..)
+                .find(|&h| splits(h, ranks) && splits(h, ranks - 1))
+                .unwrap_or(hidden);
+            return Err(format!(
+                "hidden² = {} must split evenly over {ranks} ranks and, after the loss, \
+                 over {}: pass --hidden {fit}",
+                hidden * hidden,
+                ranks - 1
+            ));
+        }
+        Ok(())
     }
 }

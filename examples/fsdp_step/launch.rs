@@ -7,18 +7,22 @@
 //! backend otherwise. `--nproc N` does the launcher's job on this machine: it starts
 //! N processes of this program with those variables on 127.0.0.1 and prints rank 0's
 //! results; it gives them a random job identity (`SYMMPOOL_JOB_ID`), so two runs that
-//! happen to share a port never merge.
+//! happen to share a port never merge. With `--survive` one rank is lost on purpose
+//! (`survive.rs`): the launcher expects that rank's death by SIGKILL, and no other.
 
 #[cfg(feature = "nccl")]
 use super::BackendChoice;
-use super::{Args, Summary, make_pools, ranks::StepSync, run_one_rank};
+use super::{Args, Summary, make_pools, ranks::StepSync, run_one_rank, survive};
+use parking_lot::Mutex;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use symmpool::control::{ChannelId, Exchange, StoreExchange};
-use symmpool::{Deadline, Error, Launch, Result};
+use symmpool::{Backend, Deadline, Error, Launch, Result};
 
 /// Set in the processes `--nproc` starts: they report to their parent.
 const CHILD_VAR: &str = "SYMMPOOL_FSDP_CHILD";
@@ -40,23 +44,42 @@ pub fn is_child() -> bool {
     std::env::var_os(CHILD_VAR).is_some()
 }
 
-/// A step barrier over the control plane: a round on a channel of its own.
+/// A step barrier over the control plane: a round on a channel of its own, on the
+/// survivors' exchange once a rank is lost. On the victim of `--survive`, the barrier
+/// before the fatal step arms its backend.
 struct ExchangeBarrier {
-    exchange: Arc<dyn Exchange>,
-    channel: ChannelId,
+    /// The exchange and the barrier's channel on it.
+    on: Mutex<(Arc<dyn Exchange>, ChannelId)>,
     timeout: Duration,
+    /// The victim's: the step to arm its backend before, and the switch.
+    arm: Option<(usize, Arc<AtomicBool>)>,
+}
+
+impl ExchangeBarrier {
+    /// The exchange the ranks use now.
+    fn exchange(&self) -> Arc<dyn Exchange> {
+        self.on.lock().0.clone()
+    }
 }
 
 impl StepSync for ExchangeBarrier {
-    fn wait(&self) -> Result<()> {
-        self.exchange
-            .all_gather(
-                self.channel,
-                "fsdp_step step",
-                &[],
-                Deadline::after(self.timeout),
-            )
-            .map(|_| ())
+    fn wait(&self, step: usize) -> Result<()> {
+        let (exchange, channel) = self.on.lock().clone();
+        let deadline = Deadline::after(self.timeout);
+        exchange.all_gather(channel, "fsdp_step step", &[], deadline)?;
+        if let Some((at, armed)) = &self.arm
+            && *at == step
+        {
+            armed.store(true, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    fn shrunk(&self, backend: &Backend) -> Result<()> {
+        let exchange = backend.exchange_handle();
+        let channel = exchange.open_channel("fsdp_step:steps", Deadline::after(self.timeout))?;
+        *self.on.lock() = (exchange, channel);
+        Ok(())
     }
 }
 
@@ -73,12 +96,22 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
             symmpool::backend::ShmConfig::default(),
         )?,
     };
+    // `--survive`: the victim's backend kills the process inside a reduce-scatter of
+    // the fatal step, once the barrier before that step has armed it.
+    let (backend, arm) = match &args.survive {
+        Some(s) if s.victim == rank => {
+            let (backend, armed) = survive::victim(backend, args.layers, s.kill_at_step);
+            (backend, Some((s.kill_at_step, armed)))
+        }
+        _ => (backend, None),
+    };
     // Making pools is collective: every rank makes them in the same order.
     let pools = make_pools(&args.modes, args.check, &backend)?;
+    let channel = exchange.open_channel("fsdp_step:steps", Deadline::after(timeout))?;
     let barrier = ExchangeBarrier {
-        channel: exchange.open_channel("fsdp_step:steps", Deadline::after(timeout))?,
-        exchange: exchange.clone(),
+        on: Mutex::new((exchange.clone(), channel)),
         timeout,
+        arm,
     };
     let summaries = match args.backend {
         #[cfg(feature = "nccl")]
@@ -90,6 +123,8 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
             &barrier,
         )?,
     };
+    // After a loss, the survivors' exchange.
+    let exchange = barrier.exchange();
     super::gather_memory_map(exchange.as_ref(), args)?;
     super::trace::gather(exchange.as_ref(), args)?;
     Ok((rank == 0).then_some(summaries))
@@ -153,9 +188,15 @@ fn random_job_id() -> String {
     }
 }
 
+/// Whether `status` is the planned end of the victim of `--survive`: killed by SIGKILL.
+fn lost_as_planned(status: ExitStatus) -> bool {
+    status.signal() == Some(libc::SIGKILL)
+}
+
 /// Start `n` processes of this program, one rank each, on 127.0.0.1; return rank 0's
-/// results once every rank has finished.
-pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
+/// results once every rank has finished. `victim`: the rank `--survive` loses on
+/// purpose, whose death by SIGKILL is expected (and any other end of it a failure).
+pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
     let io = |op: &'static str| {
         move |source: std::io::Error| Error::Transport {
             op,
@@ -226,12 +267,19 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
     let started = Instant::now();
     let mut codes: Vec<Option<i32>> = vec![None; n];
     let mut first_failure: Option<Instant> = None;
+    let mut planned_loss = false;
     while codes.iter().any(Option::is_none) {
         for (rank, c) in children.0.iter_mut().enumerate() {
             if codes[rank].is_none()
                 && let Ok(Some(status)) = c.try_wait()
             {
-                let code = status.code().unwrap_or(-1);
+                let planned = victim == Some(rank) && lost_as_planned(status);
+                planned_loss |= planned;
+                let code = if planned {
+                    0
+                } else {
+                    status.code().unwrap_or(-1)
+                };
                 codes[rank] = Some(code);
                 if code != 0 && first_failure.is_none() {
                     first_failure = Some(Instant::now());
@@ -283,6 +331,11 @@ pub fn spawn_ranks(n: usize) -> Result<Vec<Summary>> {
             rank: lost,
             op: "fsdp_step --nproc",
             detail: format!("{} (see the ranks' messages above)", failed.join(", ")),
+        });
+    }
+    if let Some(v) = victim.filter(|_| !planned_loss) {
+        return Err(Error::Internal {
+            what: format!("rank {v} was to kill itself (--survive) but exited with 0"),
         });
     }
     results.ok_or_else(|| Error::InvalidConfig("rank 0 reported no results".into()))

@@ -8,10 +8,11 @@
 //!
 //! | file | what |
 //! |---|---|
-//! | `main.rs` | pools, `scope`, `alloc`, the two collectives on a stream, statistics, `main` |
+//! | `main.rs` | pools, `scope`, `alloc`, the two collectives on a stream, statistics, the shrink after a lost rank, `main` |
 //! | `trainer.rs` | the FSDP step, written once over a `Math` trait; each collective's tag, `end_step` |
 //! | `host_math.rs`, `gpu_math.rs` | `Math` with f32 loops on the host, bf16 cuBLAS on GPUs |
 //! | `ranks.rs` | ranks as threads, and a barrier a failing rank breaks |
+//! | `survive.rs` | `--survive`: a rank lost on purpose; the survivors' agreement, the state they go on from |
 //! | `report.rs` | the summary (`--json`), the table, the check |
 //! | `trace.rs` | the timeline (`--trace`): device and host spans, Chrome-trace JSON |
 //! | `cli.rs` | the command line |
@@ -26,6 +27,7 @@
 //! cargo run --release --example fsdp_step -- --balanced --compare   # comm ≈ compute (GPUs)
 //! cargo run --release --example fsdp_step -- --memory-map map.svg  # every rank's pool, drawn
 //! cargo run --release --example fsdp_step -- --trace step.json     # the timeline (Perfetto)
+//! cargo run --release --example fsdp_step -- --nproc 4 --survive   # lose a rank, shrink, go on
 //! RUST_LOG=symmpool=debug cargo run --release --example fsdp_step   # the pool's life, traced
 //! cargo run --release --example fsdp_step -- --help
 //! ```
@@ -42,11 +44,14 @@ mod ranks;
 #[path = "../support/render.rs"]
 mod render;
 mod report;
+pub mod survive;
 pub mod trace;
 mod trainer;
 
-pub use cli::{Args, BackendChoice, Check, Cli, Mode};
-pub use report::{Log, Spread, Summary, check, identity_line, loss_disagreement, print};
+pub use cli::{Args, BackendChoice, Check, Cli, Mode, Survive};
+pub use report::{
+    Log, Spread, Summary, check, identity_line, loss_disagreement, print, survival_lines,
+};
 
 use clap::Parser;
 use parking_lot::Mutex;
@@ -54,6 +59,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
+use std::time::Instant;
 use symmpool::coll::{Choice, Path, PathPolicy, TaggedColl};
 use symmpool::observe::{MemoryStats, PoolSnapshot, StatValue};
 use symmpool::{
@@ -190,79 +196,99 @@ fn write_memory_map(path: &std::path::Path, first: Mode) -> std::io::Result<()> 
 // 3. One rank: data, a trainer per mode, the steps, the statistics. How the rank
 //    was started (a thread here) does not matter to it.
 
+/// One mode's run on this rank: its pools (parameters, gradients), trainer and log.
+type Run<'m, M> = (Mode, [SymmPool; 2], Trainer<'m, M>, Log);
+
+/// A trainer of `mode` over `pools` (parameters, gradients) at their rank and world
+/// size, on `data` in `data_pool`; from `state` when given (`--resume`, or the
+/// survivors' state after a loss).
+fn start_run<'m, M: Math>(
+    math: &'m M,
+    (mode, pools): (Mode, [SymmPool; 2]),
+    (data_pool, data): (&SymmPool, &trainer::Data),
+    args: &Args,
+    state: Option<&survive::State>,
+) -> Result<Run<'m, M>> {
+    let [pool, grads] = &pools;
+    let place = (pool.rank(), pool.world_size());
+    // The weight gradients in a pool of their own, as FSDP2's gradients and parameters
+    // never share blocks (see `Trainer::grad_pool`); one collectives handle for both.
+    let coll = make_coll(mode, &[pool.clone(), grads.clone()])?;
+    let communicate = mode.communicates().then_some(coll);
+    let mut trainer = pool.scope(|| {
+        Trainer::new(
+            math,
+            data.clone(),
+            data_pool,
+            grads,
+            args,
+            place,
+            communicate,
+        )
+    })?;
+    if let Some(state) = state {
+        trainer.load(state)?;
+    }
+    let log = Log {
+        first_step: state.map_or(0, |s| s.step),
+        ..Log::default()
+    };
+    Ok((mode, pools, trainer, log))
+}
+
 /// Train every mode of `pools` (this rank's, one per mode) for `args.steps` steps,
 /// interleaved step by step so that they see the same machine; returns a summary per
-/// mode. Every rank calls this with the same arguments.
+/// mode. Every rank calls this with the same arguments. With `--survive`, a lost rank
+/// is survived once ([`go_on_without`]).
 pub fn run_one_rank<M: Math>(
     math: &M,
     pools: Vec<(Mode, SymmPool)>,
     args: &Args,
     barrier: &dyn StepSync,
 ) -> Result<Vec<Summary>> {
+    // `--resume`: the state a run saved, cut for this run's world size.
+    let resumed = args
+        .resume
+        .as_deref()
+        .map(survive::State::load)
+        .transpose()?;
     let first = &pools[0].1;
-    let (rank, world) = (first.rank(), first.world_size());
     // The data, and what no collective touches (activations, their gradients), live
     // in a pool of their own, unregistered: each mode's pool holds only the buffers
     // its collectives use, so its statistics count those alone.
     let data_config = PoolConfig::default()
         .with_register(false)
         .with_timeout(first.config().timeout);
-    let data_pool = SymmPool::new(first.backend().clone(), data_config)?;
-    let data = data_pool.scope(|| trainer::make_data(math, args, rank))?;
-
+    let mut data_pool = SymmPool::new(first.backend().clone(), data_config)?;
+    let mut data = data_pool.scope(|| trainer::make_data(math, args, first.rank()))?;
+    let start = resumed.as_ref().map_or(0, |s| s.step);
     let mut runs = Vec::new();
     for (mode, pool) in pools {
-        // The weight gradients in a pool of their own, as FSDP2's gradients and
-        // parameters never share blocks (see `Trainer::grad_pool`); one collectives handle
-        // for both.
         let grads = make_pool(mode, args.check, pool.backend().clone())?;
-        let coll = make_coll(mode, &[pool.clone(), grads.clone()])?;
-        let trainer = pool.scope(|| {
-            let data = data.clone();
-            let communicate = mode.communicates().then_some(coll);
-            Trainer::new(
-                math,
-                data,
-                &data_pool,
-                &grads,
-                args,
-                (rank, world),
-                communicate,
-            )
-        })?;
+        let run = start_run(
+            math,
+            (mode, [pool, grads]),
+            (&data_pool, &data),
+            args,
+            resumed.as_ref(),
+        )?;
         // The warm-up step's peak is what `fit_to_peak` sizes the pools from.
-        pool.reset_peak();
-        grads.reset_peak();
-        runs.push((mode, [pool, grads], trainer, Log::default()));
+        run.1.iter().for_each(SymmPool::reset_peak);
+        runs.push(run);
     }
-    for step in 0..args.steps {
-        for i in mode_order(step, runs.len()) {
-            let (mode, pools, trainer, log) = &mut runs[i];
-            if step == 1 && args.trace.is_some() {
-                // The timeline leaves out the warm-up step.
-                trainer.trace = Some(trace::Recorder::new(rank, *mode));
+    let mut step = start;
+    while step < args.steps {
+        match run_step(&mut runs, step, start, args, barrier) {
+            Ok(()) => step += 1,
+            // One lost rank is survived (`--survive`; one mode, so one run).
+            Err(lost) if args.survive.is_some() && survive::is_loss(&lost) => {
+                let Some(run) = runs.pop().filter(|r| r.3.survival.is_none()) else {
+                    return Err(lost);
+                };
+                let went_on = go_on_without(math, run, data_pool, data, args, barrier, lost)?;
+                (runs, data_pool, data, step) = went_on;
             }
-            barrier.wait()?;
-            let out = pools[0].scope(|| trainer.step(step))?;
-            log.losses.push(out.loss);
-            log.step_ms.push(out.ms);
-            if step == 0 {
-                log.segments_first_step = stats(pools)["segment.all.current"].as_u64().unwrap_or(0);
-                // Warm-up sizing (collective): the step's temporaries are free now, but
-                // for layer 0's parameters gathered for the next step (the trainer holds
-                // them, and their segment stays); segments sized to the step's peak
-                // replace the others growth made on the way.
-                for pool in pools.iter() {
-                    pool.fit_to_peak()?;
-                }
-            }
-            log.registrations = registrations(&stats(pools));
-            if step == 0 {
-                log.registrations_first_step = log.registrations;
-            }
-            if rank == 0 && !args.quiet && !args.json {
-                report::step_line(*mode, step, out.loss, out.ms);
-            }
+            Err(e) => return Err(e),
         }
     }
     let mut summaries = Vec::new();
@@ -278,6 +304,7 @@ pub fn run_one_rank<M: Math>(
         }
         let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
         let stats = stats(&pools);
+        let rank = pools[0].rank();
         summaries.push(Summary::new(args, mode, rank, log, &stats, ag, rs));
         // Release the pools on every rank (collective); dropping one unclosed warns.
         drop(trainer);
@@ -289,6 +316,124 @@ pub fn run_one_rank<M: Math>(
     data_pool.close()?;
     report::add_ratios(&mut summaries);
     Ok(summaries)
+}
+
+/// Step `step` of every run, the modes in [`mode_order`], each after the step barrier;
+/// `start`: the run's first step (the warm-up).
+fn run_step<M: Math>(
+    runs: &mut [Run<'_, M>],
+    step: usize,
+    start: usize,
+    args: &Args,
+    barrier: &dyn StepSync,
+) -> Result<()> {
+    for i in mode_order(step, runs.len()) {
+        let (mode, pools, trainer, log) = &mut runs[i];
+        let rank = pools[0].rank();
+        if step == start + 1 && args.trace.is_some() {
+            // The timeline leaves out the warm-up step.
+            trainer.trace = Some(trace::Recorder::new(rank, *mode));
+        }
+        barrier.wait(step)?;
+        let out = pools[0].scope(|| trainer.step(step))?;
+        log.losses.push(out.loss);
+        log.step_ms.push(out.ms);
+        if step == start {
+            log.segments_first_step = stats(pools)["segment.all.current"].as_u64().unwrap_or(0);
+            // Warm-up sizing (collective): the step's temporaries are free now, but
+            // for layer 0's parameters gathered for the next step (the trainer holds
+            // them, and their segment stays); segments sized to the step's peak
+            // replace the others growth made on the way.
+            for pool in pools.iter() {
+                pool.fit_to_peak()?;
+            }
+        }
+        let now = registrations(&stats(pools));
+        log.registrations = log.registrations_before_loss + now;
+        if step == start {
+            log.registrations_first_step = log.registrations;
+        }
+        if let (Some(s), Some(t0)) = (&mut log.survival, log.lost_at.take()) {
+            // The first step at the new world size.
+            s.first_step_ms = ms_since(t0, Instant::now());
+            s.first_collective_ms = trainer.first_collective.map_or(0.0, |t| ms_since(t0, t));
+            s.registrations_first_step_after = now.saturating_sub(s.registrations_shrink());
+        }
+        if rank == 0 && !args.quiet && !args.json {
+            report::step_line(*mode, step, out.loss, out.ms);
+        }
+    }
+    Ok(())
+}
+
+fn ms_since(t0: Instant, t: Instant) -> f64 {
+    t.saturating_duration_since(t0).as_secs_f64() * 1e3
+}
+
+/// A run, its data pool and data after the step-`lost` error told this rank that a rank
+/// was lost: the run rebuilt among the survivors, the new data pool and data, and the
+/// step to go on from.
+type WentOn<'m, M> = (Vec<Run<'m, M>>, SymmPool, trainer::Data, usize);
+
+/// Go on without the lost rank (`--survive`), on every survivor: shrink the pools, in
+/// the same order everywhere (`SymmPool::shrink`: the same memory, its segments
+/// registered once on the survivors' new communicators); move the step barrier to the
+/// survivors; agree on the last step whose whole parameters every survivor kept (the
+/// lost rank's shards are gone with it); rebuild what depends on the world size and on
+/// this rank's place in it (the shards, cut anew from that state; the data; the
+/// collectives handle) and go on from that step.
+///
+/// # Errors
+/// The shrink's errors ([`symmpool::Error::ShrinkFailed`] among them: a loss of rank
+/// 0, which hosts the store, cannot be survived), and those of the rebuild.
+fn go_on_without<'m, M: Math>(
+    math: &'m M,
+    (mode, pools, trainer, mut log): Run<'m, M>,
+    data_pool: SymmPool,
+    data: trainer::Data,
+    args: &Args,
+    barrier: &dyn StepSync,
+    lost: symmpool::Error,
+) -> Result<WentOn<'m, M>> {
+    let t0 = Instant::now();
+    let (params, params_report) = pools[0].shrink()?;
+    let (grads, grads_report) = pools[1].shrink()?;
+    let (new_data_pool, data_report) = data_pool.shrink()?;
+    barrier.shrunk(params.backend())?;
+    let shrink_ms = ms_since(t0, Instant::now());
+    let timeout = params.config().timeout;
+    let at = survive::agree(params.backend().exchange(), &trainer.kept_steps(), timeout)?;
+    let state = trainer.kept(at)?;
+    // The old buffers' blocks go back to the new pools, for the new ones to reuse.
+    drop((trainer, pools, data, data_pool));
+    let rank = params.rank();
+    let data = new_data_pool.scope(|| trainer::make_data(math, args, rank))?;
+    let run = start_run(
+        math,
+        (mode, [params, grads]),
+        (&new_data_pool, &data),
+        args,
+        Some(&state),
+    )?;
+    let save = args.survive.as_ref().and_then(|s| s.save_state.as_ref());
+    if let Some(path) = save.filter(|_| rank == 0) {
+        state.save(path)?;
+    }
+    // The step the loss came in; the losses and times of the steps the survivors run
+    // again are dropped.
+    let lost_in = log.first_step + log.losses.len();
+    log.losses.truncate(at - log.first_step);
+    log.step_ms.truncate(at - log.first_step);
+    let pools = [
+        ("parameters", &params_report),
+        ("gradients", &grads_report),
+        ("data", &data_report),
+    ];
+    log.survival = Some(report::Survival::new(&lost, lost_in, at, shrink_ms, pools));
+    log.registrations_before_loss = log.registrations;
+    log.lost_at = Some(t0);
+    let (_, pools, trainer, _) = run;
+    Ok((vec![(mode, pools, trainer, log)], new_data_pool, data, at))
 }
 
 // ---------------------------------------------------------------------------------
@@ -348,6 +493,10 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let mut args = cli.resolve(gpu_count());
+    if let Some(path) = &args.resume {
+        // Before any rank starts: a state that does not fit is a configuration error.
+        survive::State::check_file(path, &args).unwrap_or_else(|err| fail(&err));
+    }
     let rank_process = launch::is_rank_process(cli.nproc);
     args.processes = rank_process || cli.nproc.is_some();
     let results = if rank_process {
@@ -358,7 +507,8 @@ fn main() {
             Err(err) => fail(&err),
         }
     } else if let Some(n) = cli.nproc {
-        launch::spawn_ranks(n).unwrap_or_else(|err| fail(&err))
+        let victim = args.survive.as_ref().map(|s| s.victim);
+        launch::spawn_ranks(n, victim).unwrap_or_else(|err| fail(&err))
     } else {
         run_threads(&cli, &args).unwrap_or_else(|err| fail(&err))
     };

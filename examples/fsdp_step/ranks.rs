@@ -3,20 +3,33 @@
 //! `launch.rs` beside this, calling the same `run_one_rank`.)
 
 use parking_lot::{Condvar, Mutex};
-use symmpool::{Deadline, Error, Result};
+use symmpool::{Backend, Deadline, Error, Result};
 
 /// What lines the ranks up before each step: a [`StepBarrier`] for threads, a round
 /// on the control plane for processes (`launch.rs`).
 pub trait StepSync: Sync {
-    /// Wait for every rank.
+    /// Wait for every rank, before step `step`.
     ///
     /// # Errors
     /// The barrier is broken (a rank failed, or was lost).
-    fn wait(&self) -> Result<()>;
+    fn wait(&self, step: usize) -> Result<()>;
+
+    /// Go on among the survivors of a lost rank, whose shrunk `backend` the pools now
+    /// use (collective: every survivor, once its pools are shrunk).
+    ///
+    /// # Errors
+    /// [`Error::ShrinkFailed`] where the ranks cannot lose one (threads); the
+    /// exchange's errors.
+    fn shrunk(&self, backend: &Backend) -> Result<()> {
+        let _ = backend;
+        Err(Error::ShrinkFailed {
+            reason: "ranks as threads cannot lose one".into(),
+        })
+    }
 }
 
 impl StepSync for StepBarrier {
-    fn wait(&self) -> Result<()> {
+    fn wait(&self, _step: usize) -> Result<()> {
         StepBarrier::wait(self)
     }
 }

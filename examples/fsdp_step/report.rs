@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use symmpool::coll::Path;
 use symmpool::observe::MemoryStats;
+use symmpool::{Error, ShrinkReport};
 
 /// Print a line to stdout; a closed pipe (`| head`) is not an error worth a panic.
 macro_rules! out {
@@ -56,6 +57,8 @@ impl Spread {
 /// A mode's losses and times, step by step, as `run_one_rank` records them.
 #[derive(Debug, Clone, Default)]
 pub struct Log {
+    /// The first step run (0, or the step of a `--resume` state): the warm-up.
+    pub first_step: usize,
     /// Loss per step.
     pub losses: Vec<f32>,
     /// Step time per step, in ms.
@@ -66,6 +69,109 @@ pub struct Log {
     pub registrations: u64,
     /// Segments after the first (warm-up) step, before `fit_to_peak`.
     pub segments_first_step: u64,
+    /// Window registrations of the pools a shrink replaced, at the loss (0 without one).
+    pub registrations_before_loss: u64,
+    /// The lost rank survived (`--survive`).
+    pub survival: Option<Survival>,
+    /// When this rank learnt of the loss, until the first step at the new size ends.
+    pub lost_at: Option<std::time::Instant>,
+}
+
+/// What one pool's shrink did ([`ShrinkReport`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShrunkPool {
+    /// Which pool: `parameters`, `gradients` or `data`.
+    pub pool: String,
+    /// Segments kept (no reallocation).
+    pub segments: usize,
+    /// Window registrations made on the survivors' communicators.
+    pub registrations: u64,
+    /// Buffers of the old pool alive at the shrink.
+    pub live_buffers: u64,
+    /// Bytes of those buffers.
+    pub live_bytes: u64,
+    /// How long the shrink took, in ms.
+    pub ms: f64,
+}
+
+/// How this rank survived a lost rank (`--survive`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Survival {
+    /// The ranks lost, in the old numbering.
+    pub lost_ranks: Vec<usize>,
+    /// The world size before the loss.
+    pub world_size_before: usize,
+    /// The world size after it.
+    pub world_size_after: usize,
+    /// This rank before the loss.
+    pub rank_before: usize,
+    /// This rank after the loss.
+    pub rank_after: usize,
+    /// The step in which the loss was reported.
+    pub lost_in_step: usize,
+    /// The error that reported it.
+    pub error: String,
+    /// The step the survivors went on from: the last one whose whole parameters every
+    /// survivor kept. Its loss and the later ones are at the new world size.
+    pub resumed_at_step: usize,
+    /// From the error to every pool shrunk (and the step barrier among the survivors),
+    /// in ms.
+    pub shrink_ms: f64,
+    /// From the error to the first collective call at the new world size returning
+    /// (the all-gather of the first layer; on GPUs, enqueued), in ms.
+    pub first_collective_ms: f64,
+    /// From the error to the end of the first step at the new world size, in ms.
+    pub first_step_ms: f64,
+    /// What each pool's shrink did.
+    pub pools: Vec<ShrunkPool>,
+    /// Window registrations the first step at the new size made beyond the shrink's
+    /// (growth for the larger shards, if the segments held no room).
+    pub registrations_first_step_after: u64,
+}
+
+impl Survival {
+    /// The survival reported by `pools`' shrinks (parameters first) after `lost`, in
+    /// step `lost_in_step`, going on from `resumed_at_step`; the shrinks took
+    /// `shrink_ms` from the error. The times to the first collective and step are
+    /// filled in once it ends.
+    pub fn new(
+        lost: &Error,
+        lost_in_step: usize,
+        resumed_at_step: usize,
+        shrink_ms: f64,
+        pools: [(&str, &ShrinkReport); 3],
+    ) -> Survival {
+        let first = pools[0].1;
+        Survival {
+            lost_ranks: first.lost_ranks.clone(),
+            world_size_before: first.old_world_size,
+            world_size_after: first.world_size,
+            rank_before: first.old_rank,
+            rank_after: first.rank,
+            lost_in_step,
+            error: lost.to_string(),
+            resumed_at_step,
+            shrink_ms,
+            first_collective_ms: 0.0,
+            first_step_ms: 0.0,
+            pools: (pools.iter())
+                .map(|(name, r)| ShrunkPool {
+                    pool: name.to_string(),
+                    segments: r.segments,
+                    registrations: r.registrations,
+                    live_buffers: r.live_buffers,
+                    live_bytes: r.live_bytes,
+                    ms: r.took.as_secs_f64() * 1e3,
+                })
+                .collect(),
+            registrations_first_step_after: 0,
+        }
+    }
+
+    /// The window registrations the shrinks made.
+    pub fn registrations_shrink(&self) -> u64 {
+        self.pools.iter().map(|p| p.registrations).sum()
+    }
 }
 
 /// What one mode did on one rank: the `--json` object. It deserialises too, so that a
@@ -88,6 +194,10 @@ pub struct Summary {
     pub batch: usize,
     /// Steps.
     pub steps: usize,
+    /// The first step run (0, or the step of a `--resume` state): `losses[i]` is step
+    /// `first_step + i`'s.
+    #[serde(default)]
+    pub first_step: usize,
     /// SMs the GEMMs left to the communication (`--sm-margin`; 0 on the host and in
     /// `none`, where nothing communicates).
     #[serde(default)]
@@ -108,7 +218,9 @@ pub struct Summary {
     pub registrations_per_communicator: BTreeMap<String, u64>,
     /// Window registrations by the end of the first step.
     pub registrations_first_step: u64,
-    /// Window registrations after the first step (a warm pool makes none).
+    /// Window registrations after the first step (a warm pool makes none); after a
+    /// lost rank, not counting the shrink's nor those of the first step at the new size
+    /// (see [`Survival`]).
     pub registrations_after_first_step: u64,
     /// Segments after the first step, before the warm-up sizing (`fit_to_peak`).
     pub segments_first_step: u64,
@@ -146,6 +258,9 @@ pub struct Summary {
     /// when `none` did not run): 1 is a step that hides all its communication.
     #[serde(default)]
     pub over_none: Option<f64>,
+    /// The lost rank survived (`--survive`), if one was.
+    #[serde(default)]
+    pub survival: Option<Survival>,
 }
 
 /// Fill in every summary's `over_ring` and `over_none` from the others' median step
@@ -200,6 +315,9 @@ impl Summary {
         } else {
             vec![0.0; log.losses.len()]
         };
+        let expected_later = (log.survival.as_ref()).map_or(0, |s| {
+            s.registrations_shrink() + s.registrations_first_step_after
+        });
         Summary {
             backend: args.backend,
             rank,
@@ -209,6 +327,7 @@ impl Summary {
             hidden: args.hidden,
             batch: args.batch,
             steps: args.steps,
+            first_step: log.first_step,
             sm_margin: if mode.communicates() {
                 args.sm_margin
             } else {
@@ -219,10 +338,11 @@ impl Summary {
             max_step_ms: later.max,
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
             last_loss: losses.last().copied().unwrap_or(f32::NAN),
-            registrations: per_comm.values().sum(),
+            registrations: log.registrations_before_loss + per_comm.values().sum::<u64>(),
             registrations_per_communicator: per_comm,
             registrations_first_step: log.registrations_first_step,
-            registrations_after_first_step: log.registrations - log.registrations_first_step,
+            registrations_after_first_step: (log.registrations)
+                .saturating_sub(log.registrations_first_step + expected_later),
             segments_first_step: log.segments_first_step,
             segments: get("segment.all.current"),
             segments_small: get("segment.small_pool.current"),
@@ -242,8 +362,90 @@ impl Summary {
             step_ms: log.step_ms,
             over_ring: None,
             over_none: None,
+            survival: log.survival,
         }
     }
+
+    /// The losses before a lost rank (at the old world size) and after it (at the new
+    /// one, from the step the survivors went on from); all of them before, without a
+    /// loss.
+    pub fn losses_around_the_loss(&self) -> (&[f32], &[f32]) {
+        let at = (self.survival.as_ref())
+            .map_or(self.losses.len(), |s| s.resumed_at_step - self.first_step);
+        self.losses.split_at(at.min(self.losses.len()))
+    }
+}
+
+/// What the summary says of a lost rank survived (`--survive`), line by line.
+pub fn survival_lines(r: &Summary) -> Vec<String> {
+    let Some(s) = &r.survival else {
+        return Vec::new();
+    };
+    let (before, after) = r.losses_around_the_loss();
+    // Up to 12 values a line: the first 6 and the last 6 of more (`--json` has all).
+    let losses = |from: usize, l: &[f32]| {
+        let value = |x: &f32| format!("{x:.4e}");
+        let mut values: Vec<String> = l.iter().take(6).map(value).collect();
+        if l.len() > 12 {
+            values.push("…".into());
+        }
+        values.extend(l.iter().skip(6.max(l.len().saturating_sub(6))).map(value));
+        match l.len() {
+            0 => "none".to_string(),
+            n => format!("steps {from}-{}: {}", from + n - 1, values.join(" ")),
+        }
+    };
+    let mut lines = vec![
+        format!(
+            "lost: rank {} of {}, in step {}: {}",
+            (s.lost_ranks.iter())
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            s.world_size_before,
+            s.lost_in_step,
+            s.error
+        ),
+        format!(
+            "shrink: every pool {:.1} ms after the error; the first collective at world size \
+             {} returned after {:.1} ms, its first step ended after {:.1} ms; went on from \
+             step {} (the last whose parameters every survivor kept whole), rank {} → {}",
+            s.shrink_ms,
+            s.world_size_after,
+            s.first_collective_ms,
+            s.first_step_ms,
+            s.resumed_at_step,
+            s.rank_before,
+            s.rank_after
+        ),
+    ];
+    for p in &s.pools {
+        lines.push(format!(
+            "  {:<10} {} segments kept, {} window registrations on the new communicators, \
+             {} live buffers ({:.1} KiB), {:.1} ms",
+            p.pool,
+            p.segments,
+            p.registrations,
+            p.live_buffers,
+            p.live_bytes as f64 / 1024.0,
+            p.ms
+        ));
+    }
+    lines.push(format!(
+        "  registrations of the first step at world size {} beyond the shrink's: {}",
+        s.world_size_after, s.registrations_first_step_after
+    ));
+    lines.push(format!(
+        "losses at world size {}: {}",
+        s.world_size_before,
+        losses(r.first_step, before)
+    ));
+    lines.push(format!(
+        "losses at world size {}: {}",
+        s.world_size_after,
+        losses(s.resumed_at_step, after)
+    ));
+    lines
 }
 
 /// The identity of a mode that runs no collectives (`none`).
@@ -455,6 +657,11 @@ pub fn print(args: &Args, results: &[Summary]) {
             ratio(auto.over_ring)
         );
     }
+    for r in results {
+        for l in survival_lines(r) {
+            out!("{l}");
+        }
+    }
     if results.len() > 1 {
         // The trajectories must agree across modes (up to bf16 rounding on GPUs).
         let worst = loss_disagreement(results);
@@ -470,6 +677,7 @@ pub fn check(results: &[Summary]) -> Result<(), String> {
         if r.mode.communicates() && (!last.is_finite() || last >= first) {
             return Err(format!("{mode}: loss did not fall ({first} -> {last})"));
         }
+
         if r.registrations_after_first_step != 0 {
             let n = r.registrations_after_first_step;
             return Err(format!("{mode}: {n} registrations after the first step"));

@@ -29,6 +29,11 @@
 //! Every buffer comes from `symmpool::alloc`, that is from the pool of the caller's
 //! `SymmPool::scope`.
 //!
+//! With `--survive` each rank also keeps the whole parameters its forward all-gathers
+//! brought, for its last two steps (a device copy on the all-gather stream;
+//! `survive::Kept`): after a lost rank, the survivors cut the newest step they all hold into
+//! shards for their new world size ([`Trainer::kept`], [`Trainer::load`]).
+//!
 //! Every collective carries its identity ([`tag`]: the step it belongs to, its layer,
 //! all-gather or reduce-scatter), and every step ends with `Coll::end_step` on every
 //! rank, once the step's device work is queued: under `--check strict` or `async` a
@@ -36,6 +41,7 @@
 //! its step at the latest), on every rank, naming what differs.
 
 use super::cli::Args;
+use super::survive::{Held, Kept, State};
 use super::trace::{self, Recorder};
 use super::{all_gather, reduce_scatter_in_place};
 use rand::rngs::StdRng;
@@ -236,6 +242,11 @@ pub struct Trainer<'m, M: Math> {
     prefetch: usize,
     /// Steps of the run: the last one gathers nothing for a next step.
     steps: usize,
+    /// With `--survive`: the whole parameters of this rank's last two steps.
+    kept: Option<Kept>,
+    /// When this trainer's first collective call returned (after a shrink: the first
+    /// at the new world size).
+    pub first_collective: Option<Instant>,
 }
 
 /// What one step did.
@@ -294,6 +305,16 @@ impl<'m, M: Math> Trainer<'m, M> {
         ];
         let sums = state.alloc(4 * 4, cs)?;
         sums.write(&[0f32; 4])?;
+        let kept = (args.survive.as_ref())
+            .map(|_| {
+                Kept::new(
+                    state,
+                    args.layers,
+                    bytes::<M>(h * h),
+                    math.stream(On::AllGather),
+                )
+            })
+            .transpose()?;
         Ok(Trainer {
             math,
             h,
@@ -315,7 +336,61 @@ impl<'m, M: Math> Trainer<'m, M> {
             trace: None,
             prefetch: args.prefetch.max(1),
             steps: args.steps,
+            kept,
+            first_collective: None,
         })
+    }
+
+    /// Start from `state`: this rank's shard of each of its layers, for this trainer's
+    /// world size (the shards of a state saved at another size, or gathered before a
+    /// loss, are cut anew).
+    ///
+    /// # Errors
+    /// [`symmpool::Error::InvalidConfig`] if the state has other layers or sizes; the
+    /// buffers' write errors.
+    pub fn load(&mut self, state: &State) -> Result<()> {
+        let square = self.h * self.h;
+        if state.layers.len() != self.layers || state.layers.iter().any(|w| w.len() != square) {
+            return Err(symmpool::Error::InvalidConfig(format!(
+                "the state of step {} is not {} layers of {}²",
+                state.step, self.layers, self.h
+            )));
+        }
+        let len = square / self.world;
+        for (shard, whole) in self.shards.iter().zip(&state.layers) {
+            shard.write(&to_e::<M>(&whole[self.rank * len..(self.rank + 1) * len]))?;
+        }
+        self.first = None;
+        Ok(())
+    }
+
+    /// The steps whose whole parameters this rank holds (`--survive`).
+    pub fn kept_steps(&self) -> Vec<Held> {
+        self.kept.as_ref().map_or_else(Vec::new, Kept::held)
+    }
+
+    /// The whole parameters of `step` (one of [`kept_steps`](Self::kept_steps)), read
+    /// back to the host once every stream is done.
+    ///
+    /// # Errors
+    /// [`symmpool::Error::InvalidConfig`] if this rank does not hold that step; the
+    /// streams' and buffers' errors.
+    pub fn kept(&self, step: usize) -> Result<State> {
+        let Some(layers) = self.kept.as_ref().and_then(|k| k.layers(step)) else {
+            return Err(symmpool::Error::InvalidConfig(format!(
+                "the parameters of step {step} are not kept whole on this rank"
+            )));
+        };
+        self.math.sync()?;
+        let layers = (layers.iter())
+            .map(|b| {
+                Ok(b.read::<M::E>()?
+                    .iter()
+                    .map(|x| x.to_f64() as f32)
+                    .collect())
+            })
+            .collect::<Result<Vec<Vec<f32>>>>()?;
+        Ok(State { step, layers })
     }
 
     /// Gather layer `l`'s parameters for step `k` on the all-gather stream, counting
@@ -327,6 +402,9 @@ impl<'m, M: Math> Trainer<'m, M> {
         l: usize,
     ) -> Result<(SymmBuffer, M::Ev)> {
         let (full, arrived, path) = self.gather(tr, k, l)?;
+        if path.is_some() {
+            self.first_collective.get_or_insert_with(Instant::now);
+        }
         self.ag_paths.extend(path);
         Ok((full, arrived))
     }
@@ -364,9 +442,13 @@ impl<'m, M: Math> Trainer<'m, M> {
         self.lr / (curvature * self.layers as f32)
     }
 
-    /// One training step on batch `k`.
+    /// One training step on batch `k`, called once every rank has ended the step
+    /// before (after the step barrier).
     pub fn step(&mut self, k: usize) -> Result<StepOut> {
         let start = Instant::now();
+        if let Some(kept) = &mut self.kept {
+            kept.begin(k);
+        }
         let (h, b, layers) = (self.h, self.batch, self.layers);
         let m = self.math;
         let data = self.data.clone();
@@ -393,6 +475,9 @@ impl<'m, M: Math> Trainer<'m, M> {
         let mut cur = None;
         for l in 0..layers {
             let (params, arrived) = ahead.pop_front().expect("fetched");
+            if let Some(kept) = &mut self.kept {
+                m.copy(On::AllGather, &params, kept.slot(k, l))?;
+            }
             trace::op(&mut tr, m, On::Compute, "wait", Some(l), || {
                 m.wait_for(On::Compute, &arrived)
             })?;
@@ -575,6 +660,9 @@ impl<'m, M: Math> Trainer<'m, M> {
             trace::host(&mut tr, "end_step", None, || coll.end_step())?;
         }
         trace::host(&mut tr, "sync", None, || m.sync())?;
+        if let Some(kept) = &mut self.kept {
+            kept.end(k);
+        }
         let sumsq = m.read_sums(&self.sums)?[0] as f64;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         trace::end_step(&mut tr, m, start)?;
