@@ -164,10 +164,7 @@ pub fn nccl_version() -> Result<NcclVersion> {
 /// [`Error::LibraryUnavailable`], [`Error::Cuda`].
 pub fn device_count() -> Result<usize> {
     if !ffi::driver_present() {
-        return Err(Error::LibraryUnavailable {
-            library: "libcuda (CUDA driver)",
-            hint: "no NVIDIA driver on this machine; use the host backend",
-        });
+        return Err(ffi::NO_DRIVER);
     }
     CudaContext::device_count()
         .map(|n| n.max(0) as usize)

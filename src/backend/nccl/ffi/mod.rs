@@ -28,7 +28,7 @@ mod window;
 pub(crate) use cuda::*;
 #[cfg(test)]
 pub(crate) use table::RevokeFn;
-pub(crate) use table::{Syms, api, load, require};
+pub(crate) use table::{NO_DRIVER, Syms, api, load};
 pub(crate) use window::*;
 
 use crate::error::{Error, Result};

@@ -247,22 +247,27 @@ const NO_NCCL: Error = Error::LibraryUnavailable {
     hint: "install NCCL >= 2.27 so that libnccl.so.2 (or libnccl.so) is on the loader path, or name it in SYMMPOOL_NCCL_LIBRARY",
 };
 
-/// The resolved functions, or why there are none.
+/// The resolved functions, or why there are none ([`Error::NcclTooOld`] before 2.27).
 pub(crate) fn api() -> Result<&'static Syms> {
     let l = loaded().ok_or(NO_NCCL)?;
-    l.syms.as_ref().ok_or(if l.version < NcclVersion::WINDOWS {
-        Error::NcclTooOld {
+    if l.version < NcclVersion::WINDOWS {
+        return Err(Error::NcclTooOld {
             found: l.version,
             required: NcclVersion::WINDOWS,
             feature: "symmetric windows",
-        }
-    } else {
-        Error::LibraryUnavailable {
-            library: "libnccl",
-            hint: "the NCCL found lacks a function symmpool needs (the log names it)",
-        }
+        });
+    }
+    l.syms.as_ref().ok_or(Error::LibraryUnavailable {
+        library: "libnccl",
+        hint: "the NCCL found lacks a function symmpool needs (the log names it)",
     })
 }
+
+/// The error of a machine without the CUDA driver.
+pub(crate) const NO_DRIVER: Error = Error::LibraryUnavailable {
+    library: "libcuda (CUDA driver)",
+    hint: "no NVIDIA driver on this machine; use the host backend",
+};
 
 /// Load NCCL (see the module documentation) and read its version; checks the CUDA
 /// driver first.
@@ -271,31 +276,9 @@ pub(crate) fn api() -> Result<&'static Syms> {
 /// [`Error::LibraryUnavailable`] if either library cannot be loaded.
 pub(crate) fn load() -> Result<NcclVersion> {
     if !driver_present() {
-        return Err(Error::LibraryUnavailable {
-            library: "libcuda (CUDA driver)",
-            hint: "no NVIDIA driver on this machine; use the host backend",
-        });
+        return Err(NO_DRIVER);
     }
     loaded().map(|l| l.version).ok_or(NO_NCCL)
-}
-
-/// Refuse versions older than `required` for `feature`.
-///
-/// # Errors
-/// [`Error::NcclTooOld`].
-pub(crate) fn require(
-    found: NcclVersion,
-    required: NcclVersion,
-    feature: &'static str,
-) -> Result<()> {
-    if found < required {
-        return Err(Error::NcclTooOld {
-            found,
-            required,
-            feature,
-        });
-    }
-    Ok(())
 }
 
 #[cfg(test)]
