@@ -74,11 +74,7 @@ pub(in crate::backend::nccl) fn finish_creation(
         // SAFETY: the poll says the call is done: NCCL writes the slot no more.
         Waited::Done => match unsafe { starting.finish() } {
             Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
-            None => Err(Error::Nccl {
-                op,
-                code: 0,
-                message: "NCCL returned no communicator".into(),
-            }),
+            None => Err(ffi::no_comm(op, 0)),
         },
         Waited::Failed(e) => {
             // Dropping the `Comm` aborts it.

@@ -250,13 +250,7 @@ const NO_NCCL: Error = Error::LibraryUnavailable {
 /// The resolved functions, or why there are none ([`Error::NcclTooOld`] before 2.27).
 pub(crate) fn api() -> Result<&'static Syms> {
     let l = loaded().ok_or(NO_NCCL)?;
-    if l.version < NcclVersion::WINDOWS {
-        return Err(Error::NcclTooOld {
-            found: l.version,
-            required: NcclVersion::WINDOWS,
-            feature: "symmetric windows",
-        });
-    }
+    require(l.version, NcclVersion::WINDOWS, "symmetric windows")?;
     l.syms.as_ref().ok_or(Error::LibraryUnavailable {
         library: "libnccl",
         hint: "the NCCL found lacks a function symmpool needs (the log names it)",
@@ -279,6 +273,25 @@ pub(crate) fn load() -> Result<NcclVersion> {
         return Err(NO_DRIVER);
     }
     loaded().map(|l| l.version).ok_or(NO_NCCL)
+}
+
+/// Refuse versions older than `required` for `feature`.
+///
+/// # Errors
+/// [`Error::NcclTooOld`].
+pub(crate) fn require(
+    found: NcclVersion,
+    required: NcclVersion,
+    feature: &'static str,
+) -> Result<()> {
+    if found < required {
+        return Err(Error::NcclTooOld {
+            found,
+            required,
+            feature,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! NCCL's symmetric memory: `ncclMemAlloc`/`ncclMemFree` and window registration.
 
 use super::{
-    NCCL_WIN_COLL_SYMMETRIC, RawComm, SUCCESS, Status, Syms, check, nccl_err, status, to_usize,
+    NCCL_WIN_COLL_SYMMETRIC, RawComm, SUCCESS, Status, Syms, check, fit, nccl_err, status,
 };
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
@@ -109,7 +109,7 @@ pub(crate) unsafe fn window_register(
     size: u64,
 ) -> Result<(Registering, Status)> {
     let op = "ncclCommWindowRegister";
-    let size = to_usize(op, size)?;
+    let size = fit(op, size)?;
     let mut slot: Box<sys::ncclWindow_t> = Box::new(std::ptr::null_mut());
     // SAFETY: the caller guarantees the communicator and the allocation; the box stays
     // valid until the call completes (or is leaked, see `Registering`).
