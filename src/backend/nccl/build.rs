@@ -1,13 +1,7 @@
-//! Making a backend. Every way ([`NcclBackend::from_env`] and
-//! [`launch`](NcclBackend::launch), [`adopt`](NcclBackend::adopt),
-//! [`local_world`](NcclBackend::local_world), [`from_raw`](NcclBackend::from_raw))
-//! goes one path through a [`Builder`]: load NCCL and check its version, take the
-//! device, agree with the other ranks (the set-up round of [`setup`]), make the
-//! non-blocking control communicator (created from a unique id, or split off a
-//! runtime's), split the data communicators off it (blocking unless configured
-//! otherwise), or adopt communicators as they are; then assemble the backend, start
-//! its watchdog and warm the data communicators up. The whole set-up has one
-//! deadline, [`NcclConfig::setup_timeout`] from the public call.
+//! Making a backend: every constructor goes through one [`Builder`] (NCCL and its
+//! version, the set-up round of [`setup`], the control and data communicators, the
+//! assembly with its watchdog and warm-up), under one deadline,
+//! [`NcclConfig::setup_timeout`] from the public call.
 
 use super::comm::{Comm, Shared, abort_together, finish_creation};
 use super::config::{self, NcclConfig};
@@ -326,11 +320,7 @@ impl NcclBackend {
             config,
             deadline,
         };
-        self.shared
-            .device
-            .ctx
-            .bind_to_thread()
-            .map_err(ffi::cuda("cuCtxSetCurrent"))?;
+        self.bind()?;
         self.shared.health.check()?;
         let comms = control.splitting("ncclCommSplit", || b.data(control, self.rank, false))?;
         let seat = Seat {
@@ -436,10 +426,8 @@ impl NcclBackend {
     /// - `exchange` groups the same processes, with the same rank numbers, as `comm`.
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`]; [`Error::Config`] if
-    /// the communicator disagrees with the exchange on rank or size, or with `device`;
-    /// the exchange's errors; [`Error::NcclTimeout`] if a split does not finish in time;
-    /// [`Error::Nccl`] / [`Error::Cuda`].
+    /// As [`from_env`](Self::from_env); [`Error::Config`] also if the communicator
+    /// disagrees with the exchange on rank or size, or with `device`.
     pub unsafe fn adopt(
         comm: ncclComm_t,
         device: usize,
@@ -481,10 +469,8 @@ impl NcclBackend {
     /// backend to its own thread. [`NcclConfig::device`] is ignored.
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
-    /// before NCCL 2.27; [`Error::Config`] for no devices, a device listed twice
-    /// or one that is not present; [`Error::NcclTimeout`]; [`Error::Cuda`] /
-    /// [`Error::Nccl`] from initialisation.
+    /// As [`from_env`](Self::from_env) (no exchange errors); [`Error::Config`] also for
+    /// no devices or a device listed twice.
     pub fn local_world(devices: &[usize], config: NcclConfig) -> Result<Vec<Backend>> {
         let b = Builder::new(config)?;
         if devices.is_empty() {
@@ -554,9 +540,8 @@ impl NcclBackend {
     ///   `CTAPolicy = NCCL_CTA_POLICY_ZERO` (else the reported path is wrong).
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`], [`Error::Config`]
-    /// for no communicators, or one that disagrees with the exchange on rank or size,
-    /// or is not on `device`; the exchange's errors.
+    /// As [`adopt`](Self::adopt) but for [`Error::NcclTimeout`]; [`Error::Config`] also for no
+    /// communicators.
     pub unsafe fn from_raw(
         device: usize,
         comms: Vec<(ncclComm_t, CommRole, i32)>,
