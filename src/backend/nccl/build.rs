@@ -540,8 +540,8 @@ impl NcclBackend {
     ///   `CTAPolicy = NCCL_CTA_POLICY_ZERO` (else the reported path is wrong).
     ///
     /// # Errors
-    /// As [`adopt`](Self::adopt) but for [`Error::NcclTimeout`]; [`Error::Config`] also for no
-    /// communicators.
+    /// As [`adopt`](Self::adopt) but for [`Error::NcclTimeout`]; [`Error::Config`] also
+    /// for no communicators.
     pub unsafe fn from_raw(
         device: usize,
         comms: Vec<(ncclComm_t, CommRole, i32)>,
