@@ -93,24 +93,6 @@
 //! no completion event (an event recorded during capture is a node of the graph, not a
 //! completion the watchdog can query), so replays are not watched. The pool's growth
 //! stays refused while its stream captures.
-//!
-//! Communicators passed to [`NcclBackend::from_raw`] are never aborted by the crate
-//! (they are not its own), and a blocking one is not bounded by any deadline: a call
-//! on it can wait forever.
-//!
-//! # Layout
-//!
-//! | file | what |
-//! |---|---|
-//! | `build.rs` | the constructors, all through one builder: load, device, set-up round, control and data communicators, warm-up, assembly |
-//! | `setup.rs` | the set-up round (versions, nodes, unique id) over the exchange |
-//! | `comm/` | the communicators: blocking calls inline with their gate, the `Device` seam (`mod.rs`), polling of non-blocking ones and creation (`poll.rs`), revoke and abort (`abort.rs`) |
-//! | `warmup.rs` | the warm-up: every (data communicator, collective) the path policy can choose, at set-up |
-//! | `watchdog.rs` | the watchdog thread |
-//! | `health.rs` | the backend's health, the polling backoff, the watch list (device-free) |
-//! | `streams.rs` | `Stream`'s CUDA side, fences as events, drains, copies, timing |
-//! | `ffi/` | every NCCL call: communicators and collectives (`mod.rs`), memory and windows (`window.rs`), NCCL's loader and function table (`table.rs`), raw CUDA driver calls (`cuda.rs`) |
-//! | `mod.rs` | [`NcclBackend`]: segments, windows and collectives, teardown |
 
 mod build;
 mod comm;
@@ -191,6 +173,13 @@ impl SegmentMemory for NcclMemory {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+/// The error of `what` (a handle of another backend) reaching the NCCL backend.
+fn foreign(what: &str) -> Error {
+    Error::Internal {
+        what: format!("{what} reached the NCCL backend"),
     }
 }
 
@@ -351,15 +340,11 @@ impl NcclBackend {
 
     /// The device address of a region's first byte.
     fn ptr(region: &Region<'_>) -> Result<u64> {
-        region.device_ptr().ok_or(Error::Internal {
-            what: "a host segment reached the NCCL backend".into(),
-        })
+        region.device_ptr().ok_or_else(|| foreign("a host segment"))
     }
 
     fn memory(segment: &Segment) -> Result<&NcclMemory> {
-        segment.memory::<NcclMemory>().ok_or(Error::Internal {
-            what: "a segment of another backend reached the NCCL backend".into(),
-        })
+        (segment.memory::<NcclMemory>()).ok_or_else(|| foreign("a segment of another backend"))
     }
 
     /// Enqueue a collective: checks, then the communicator layer's call (inline on a
@@ -426,63 +411,33 @@ impl SegmentProvider for NcclBackend {
         window: Window,
         deadline: Deadline,
     ) -> std::result::Result<(), Refused<Window>> {
-        let comm = window.comm();
-        let ordinal = window.ordinal();
-        let raw_window = match window.into_handle::<RawWindow>() {
-            Ok(w) => *w,
-            Err(window) => {
-                return Err(Refused {
-                    handle: window,
-                    error: Error::Internal {
-                        what: "a window of another backend reached the NCCL backend".into(),
-                    },
-                });
-            }
-        };
-        if let Err(error) = self.bind() {
-            return Err(Refused {
-                handle: Window::new(comm, ordinal, Box::new(raw_window)),
-                error,
-            });
-        }
+        let (comm, ordinal) = (window.comm(), window.ordinal());
+        let raw = window
+            .into_handle::<RawWindow>()
+            .map_err(|w| Refused::new(w, foreign("a window of another backend")))?;
+        let back = |(w, error)| Refused::new(Window::new(comm, ordinal, Box::new(w)), error);
         let deadline = self.shared.call_deadline().min(deadline);
-        // SAFETY: the window was registered on this communicator by `register` (the
-        // caller's contract) and is consumed here; the caller guarantees no work uses
-        // it.
-        unsafe { self.shared.deregister(comm, raw_window, deadline) }.map_err(|(w, error)| {
-            Refused {
-                handle: Window::new(comm, ordinal, Box::new(w)),
-                error,
-            }
-        })
+        match self.bind() {
+            // SAFETY: the window was registered on this communicator by `register` (the
+            // caller's contract) and is consumed here; the caller guarantees no work
+            // uses it.
+            Ok(()) => unsafe { self.shared.deregister(comm, *raw, deadline) }.map_err(back),
+            Err(error) => Err(back((*raw, error))),
+        }
     }
 
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
-        let ptr = match Self::memory(&segment) {
-            Ok(m) => m.ptr,
-            Err(error) => {
-                return Err(Refused {
-                    handle: segment,
-                    error,
-                });
-            }
-        };
         // An abort still running may still release a window on this memory (one being
         // registered when the backend broke is in no pool's list): never free under it.
-        let result = self
-            .shared
-            .may_free()
-            .and_then(|()| self.bind())
-            .and_then(|()| {
-                // SAFETY: the caller guarantees the segment came from `allocate` (so `ptr`
-                // is an ncclMemAlloc pointer), that no window covers it and no work uses
-                // it; it is consumed here, so freed once.
-                unsafe { ffi::mem_free(self.shared.nccl, ptr) }
-            });
-        result.map_err(|error| Refused {
-            handle: segment,
-            error,
-        })
+        let freed = Self::memory(&segment).and_then(|m| {
+            self.shared.may_free()?;
+            self.bind()?;
+            // SAFETY: the caller guarantees the segment came from `allocate` (so `m.ptr`
+            // is an ncclMemAlloc pointer), that no window covers it and no work uses
+            // it; it is consumed here, so freed once.
+            unsafe { ffi::mem_free(self.shared.nccl, m.ptr) }
+        });
+        freed.map_err(|error| Refused::new(segment, error))
     }
 }
 
