@@ -1,35 +1,21 @@
-//! A rank's communicators and what bounds their NCCL calls.
-//!
-//! Two kinds (see the [module](super) for the whole table of waits):
-//!
-//! - the **control** communicator, non-blocking, made under the set-up deadline: every
-//!   call on it returns at once and is polled ([`poll`]) until done, failed, past its
-//!   [`Deadline`] or the backend broke;
-//! - the **data** communicators (symmetric, copy-engine, plain), split off the control
-//!   one, **blocking** by default: a call on them runs inline on the caller's thread and
-//!   returns when NCCL is done. Nothing polls them. While a thread is inside NCCL on one,
-//!   its [`Gate`] says since when, in which call, and until which deadline; the watchdog
-//!   reads that, and on a deadline (or a stuck collective, an asynchronous error, a
-//!   failed device) revokes the data communicators (`ncclCommRevoke`, NCCL ≥ 2.28.7),
-//!   waits (boundedly) for the thread to leave NCCL, and aborts each communicator on a
-//!   thread of its own.
+//! A rank's communicators and what bounds their NCCL calls (the two kinds and the
+//! table of waits: see the [module](super)). A call on a non-blocking communicator is
+//! polled ([`poll`]); while a thread is inside NCCL on a blocking one, the
+//! communicator's [`Gate`] says since when, in which call and until which deadline,
+//! for the watchdog.
 //!
 //! **Serialisation.** NCCL needs the calls on one communicator not to overlap
 //! ("NCCL primitives are generally not thread-safe", user guide, *Thread Safety*). Each
-//! communicator has one lock, `calls`, held across the call, taken only by callers of
-//! this backend (collectives, registration, deregistration): in the usual case of one
-//! thread driving a rank it is never contended. The watchdog and the aborts never take
-//! it: they read and set the communicator's gate, a second lock held only briefly
-//! (entering and leaving NCCL, never across the call; the watchdog holds it across one
-//! `ncclCommGetAsyncError` every interval, which on a blocking communicator reads two
-//! fields).
+//! communicator has one lock, `calls`, held across the call and taken only by the
+//! backend's callers. The watchdog and the aborts never take it: they read and set the
+//! gate, a second lock held only briefly (never across a call, but for the watchdog's
+//! `ncclCommGetAsyncError`, which on a blocking communicator reads two fields).
 //!
-//! The little CUDA this layer touches (the completion event, whether a stream is
-//! capturing, binding the device to a thread) is behind [`Device`], so that the layer
-//! runs in tests on a fake NCCL and a fake device.
+//! The little CUDA this layer touches is behind [`Device`], so that it runs in tests
+//! on a fake NCCL and a fake device.
 
 use super::config::NcclConfig;
-use super::ffi::{self, CollCall, RawComm, RawWindow, Registering, Status, Syms};
+use super::ffi::{self, CollCall, RawComm, RawWindow, Status, Syms};
 use super::health::{Cause, Completion, Enqueued, Health, Watch};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -380,23 +366,12 @@ impl<D: Device> Shared<D> {
         })
     }
 
-    /// Run the NCCL call `start` on `comm`, holding its calls lock. On a blocking
-    /// communicator the call runs inline, marked in the gate with `bound`'s deadline
-    /// for the watchdog; on a non-blocking one it is then polled until done or its
-    /// deadline. What `start` returned is leaked, never dropped, when the call did not
-    /// finish (NCCL may still write into it).
-    pub(super) fn call<S>(
-        &self,
-        comm: &Comm,
-        op: &'static str,
-        bound: Bound,
-        start: impl FnOnce(RawComm) -> Result<(S, Status)>,
-    ) -> Result<S> {
-        self.call_at(comm, op, bound, Instant::now(), start)
-    }
-
-    /// [`call`](Self::call), with the time it starts (`now`) read by the caller.
-    fn call_at<S>(
+    /// Run the NCCL call `start` on `comm`, holding its calls lock, from `now`. On a
+    /// blocking communicator the call runs inline, marked in the gate with `bound`'s
+    /// deadline for the watchdog; on a non-blocking one it is then polled until done or
+    /// its deadline. What `start` returned is leaked, never dropped, when the call did
+    /// not finish (NCCL may still write into it).
+    fn call<S>(
         &self,
         comm: &Comm,
         op: &'static str,
@@ -404,15 +379,15 @@ impl<D: Device> Shared<D> {
         now: Instant,
         start: impl FnOnce(RawComm) -> Result<(S, Status)>,
     ) -> Result<S> {
+        let until = || match bound {
+            Bound::By(d) => d,
+            Bound::Watchdog => self.call_deadline(),
+        };
         let _serial = match comm.calls.try_lock() {
             Some(g) => g,
             None => {
                 let started = Instant::now();
-                let until = match bound {
-                    Bound::By(d) => d,
-                    Bound::Watchdog => self.call_deadline(),
-                };
-                match comm.calls.try_lock_until(until.instant()) {
+                match comm.calls.try_lock_until(until().instant()) {
                     Some(g) => g,
                     None if self.health.is_broken() => return Err(self.error_for(op)),
                     None => {
@@ -434,29 +409,20 @@ impl<D: Device> Shared<D> {
         }
         let started = start(comm.raw);
         let waited = match &started {
-            Err(_) => None,
-            Ok(_) if comm.blocking => Some(Waited::Done),
-            Ok(_) => {
-                let deadline = match bound {
-                    Bound::By(d) => d,
-                    Bound::Watchdog => self.call_deadline(),
-                };
-                // SAFETY: the communicator is live (not aborted: checked in `enter`,
-                // and aborts do not free it while we are inside) and we hold its calls
-                // lock.
-                Some(unsafe {
-                    poll(self.nccl, comm.raw, op, deadline, &|| {
-                        self.health.is_broken()
-                    })
+            // SAFETY: the communicator is live (not aborted: checked in `enter`, and
+            // aborts do not free it while we are inside) and we hold its calls lock.
+            Ok(_) if !comm.blocking => unsafe {
+                poll(self.nccl, comm.raw, op, until(), &|| {
+                    self.health.is_broken()
                 })
-            }
+            },
+            _ => Waited::Done,
         };
         comm.leave();
-        let (s, waited) = match (started, waited) {
-            (Err(e), _) if self.health.is_broken() => return Err(self.with_cause(op, e)),
-            (Err(e), _) => return Err(self.on_error(e)),
-            (Ok((s, _)), Some(w)) => (s, w),
-            (Ok((s, _)), None) => (s, Waited::Done),
+        let s = match started {
+            Err(e) if self.health.is_broken() => return Err(self.with_cause(op, e)),
+            Err(e) => return Err(self.on_error(e)),
+            Ok((s, _)) => s,
         };
         let result = match waited {
             Waited::Done if comm.blocking && self.health.is_broken() => Err(self.error_for(op)),
@@ -519,7 +485,7 @@ impl<D: Device> Shared<D> {
             }
             b => b,
         };
-        self.call_at(comm, call.name(), bound, now, |raw| {
+        self.call(comm, call.name(), bound, now, |raw| {
             // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
             // and `call` holds its calls lock.
             unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }.map(|st| ((), st))
@@ -580,13 +546,13 @@ impl<D: Device> Shared<D> {
         deadline: Deadline,
     ) -> Result<Option<RawWindow>> {
         self.health.check()?;
-        let comm = self.comm(c, "ncclCommWindowRegister")?;
-        let registering: Registering =
-            self.call(comm, "ncclCommWindowRegister", Bound::By(deadline), |raw| {
-                // SAFETY: `raw` is live and held by `call`; the caller guarantees the
-                // allocation and the order.
-                unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
-            })?;
+        let op = "ncclCommWindowRegister";
+        let comm = self.comm(c, op)?;
+        let registering = self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
+            // SAFETY: `raw` is live and held by `call`; the caller guarantees the
+            // allocation and the order.
+            unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
+        })?;
         let window = registering.finish(comm.blocking);
         if window.is_none() && !comm.null_window_seen.swap(true, Ordering::Relaxed) {
             tracing::warn!(
@@ -636,7 +602,7 @@ impl<D: Device> Shared<D> {
             None => {}
         }
         let handle = window.0;
-        let result = self.call(comm, op, Bound::By(deadline), |raw| {
+        let result = self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
             // SAFETY: the caller's contract; `raw` is live and held by `call`.
             unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }.map(|st| ((), st))
         });

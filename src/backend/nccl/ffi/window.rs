@@ -84,11 +84,6 @@ impl Registering {
         };
         (!w.is_null()).then_some(RawWindow(w))
     }
-
-    /// The registration never completed: leak the box NCCL may still write into.
-    pub(crate) fn abandon(self) {
-        std::mem::forget(self.slot);
-    }
 }
 
 /// Start `ncclCommWindowRegister(comm, ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC)`. On a
@@ -122,12 +117,11 @@ pub(crate) unsafe fn window_register(
             NCCL_WIN_COLL_SYMMETRIC,
         )
     };
-    let registering = Registering { slot };
     match status(s, op, code, Some(&comm)) {
-        Ok(st) => Ok((registering, st)),
+        Ok(st) => Ok((Registering { slot }, st)),
         Err(e) => {
-            // NCCL may have written the slot before failing; nobody reads it.
-            registering.abandon();
+            // NCCL may have written the slot before failing: leaked, nobody reads it.
+            std::mem::forget(slot);
             Err(e)
         }
     }
