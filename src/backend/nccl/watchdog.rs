@@ -18,17 +18,9 @@
 //!   thread may be inside NCCL on it, as PyTorch's watchdog does; on a non-blocking one
 //!   only when no call holds it);
 //!
-//! and breaks the backend on the first of these: it revokes the blocking data
-//! communicators (`ncclCommRevoke`, NCCL ≥ 2.28.7), waits at most
-//! `LEAVE_WAIT` (0.5 s) for a thread inside NCCL to leave, and aborts
-//! every communicator on a thread of its own. Without `ncclCommRevoke` (NCCL < 2.28.7)
-//! it aborts directly, PyTorch's behaviour: a thread still inside NCCL on a blocking
-//! communicator then races with the abort that frees it (NCCL documents abort-from-
-//! another-thread as safe only on non-blocking communicators, user guide,
-//! *Communicators*, "Fault tolerance"). The thread runs when the watchdog timeout is
-//! [`Duration::MAX`] too (then it watches no collective, only calls inside NCCL).
-//!
-//! The device-free bookkeeping ([`Watch`](super::health::Watch)) is tested without GPUs.
+//! and breaks the backend on the first of these (revoke, then abort: see the
+//! [module](super)). It runs when the watchdog timeout is [`Duration::MAX`] too,
+//! watching no collective then, only calls inside NCCL.
 
 use super::comm::{Device, Shared};
 use super::ffi;
