@@ -2,6 +2,7 @@
 //! and accessors, fences as CUDA events, drains, and the copies and timing that wait
 //! on a stream.
 
+use super::comm::Device;
 use super::health::poll_until;
 use super::{CUstream, NcclBackend, ffi};
 use crate::backend::Backend;
@@ -31,12 +32,8 @@ const PER_THREAD: usize = 0x2;
 /// when no wrapper of the old one is left, and the new stream gets a new id.
 impl Stream {
     /// Wrap a cudarc stream (for the NCCL backend). Use non-blocking streams: NCCL
-    /// 2.28's copy-engine collectives fail on the legacy NULL stream.
-    ///
-    /// Wrapping the same CUDA stream again (another `Arc` of it, or a borrowed
-    /// wrapper of its handle) gives the same [`id`](Self::id) while a wrapper lives;
-    /// the per-thread default stream (`CU_STREAM_PER_THREAD`, a different stream on
-    /// each thread) gets a new id each time.
+    /// 2.28's copy-engine collectives fail on the legacy NULL stream. The per-thread
+    /// default stream (`CU_STREAM_PER_THREAD`) gets a new [`id`](Self::id) each time.
     pub fn cuda(stream: Arc<CudaStream>) -> Self {
         Stream::on_device(KIND, cuda_key(&stream), stream)
     }
@@ -52,10 +49,8 @@ impl Stream {
         Stream::known_id(KIND, cuda_key(stream)?)
     }
 
-    /// The stream of a runtime without cudarc, by its raw `CUstream` (for example
-    /// PyTorch's `torch.cuda.current_stream().cuda_stream`), on an NCCL backend. The same
-    /// handle always gives the same stream, with the same [`id`](Self::id), so there are
-    /// no spurious cross-stream waits. See [`NcclBackend::stream_from_raw`].
+    /// The stream of a runtime without cudarc, by its raw `CUstream`, on an NCCL
+    /// backend: [`NcclBackend::stream_from_raw`].
     ///
     /// # Safety
     /// `cu_stream` is a live stream of `backend`'s device, in its primary context, and
@@ -300,16 +295,7 @@ impl StreamOps for NcclBackend {
     fn record_fence(&self, stream: &Stream) -> Result<Fence> {
         let cs = self.cuda_of(stream)?;
         let mut t = self.fences.lock();
-        let event = match t.spare.pop() {
-            Some(e) => e,
-            None => self
-                .shared
-                .device
-                .ctx
-                .new_event(None)
-                .map_err(ffi::cuda("cuEventCreate"))?,
-        };
-        event.record(cs).map_err(ffi::cuda("cuEventRecord"))?;
+        let event = self.shared.device.record(cs, t.spare.pop())?;
         let sid = stream.id();
         t.streams.entry(sid).or_insert_with(|| cs.clone());
         let next = t.next.entry(sid).or_insert(0);
