@@ -312,6 +312,22 @@ impl fmt::Debug for Backend {
     }
 }
 
+/// [`Error::Config`] unless `exchange` has `info`'s rank and world size.
+fn check_exchange(exchange: &dyn Exchange, info: &BackendInfo) -> Result<()> {
+    let (rank, world) = (exchange.rank(), exchange.world_size());
+    if (rank, world) == (info.rank, info.world_size) {
+        return Ok(());
+    }
+    Err(Error::Config {
+        setting: "exchange",
+        value: format!(
+            "rank {rank} of {world}, the backend rank {} of {}",
+            info.rank, info.world_size
+        ),
+        expected: "the backend's rank and world size",
+    })
+}
+
 /// `Backend::with_*`: the same backend with one part replaced by `f(part)`.
 macro_rules! with_part {
     ($($(#[$doc:meta])* $name:ident: $field:ident, $part:ident;)*) => {$(
@@ -355,19 +371,7 @@ impl Backend {
     where
         T: SegmentProvider + DataMover + Collectives + 'static,
     {
-        if exchange.rank() != info.rank || exchange.world_size() != info.world_size {
-            return Err(Error::Config {
-                setting: "exchange",
-                value: format!(
-                    "rank {} of {}, the backend rank {} of {}",
-                    exchange.rank(),
-                    exchange.world_size(),
-                    info.rank,
-                    info.world_size
-                ),
-                expected: "the backend's rank and world size",
-            });
-        }
+        check_exchange(&*exchange, &info)?;
         let registrations =
             exchange.open_channel("backend:registrations", Deadline::after(SETUP_TIMEOUT))?;
         Ok(Backend {
@@ -408,13 +412,7 @@ impl Backend {
         f: impl FnOnce(Arc<dyn Exchange>) -> Arc<dyn Exchange>,
     ) -> Result<Self> {
         let exchange = f(self.exchange.clone());
-        if exchange.rank() != self.info.rank || exchange.world_size() != self.info.world_size {
-            return Err(Error::Config {
-                setting: "exchange",
-                value: format!("rank {} of {}", exchange.rank(), exchange.world_size()),
-                expected: "the backend's rank and world size",
-            });
-        }
+        check_exchange(&*exchange, &self.info)?;
         self.exchange = exchange;
         Ok(self)
     }
