@@ -161,25 +161,6 @@ fn at_step<T>(
         .collect()
 }
 
-/// The channels of `count` communicators, `PREFIX:comm0`, `PREFIX:comm1`, ..., each
-/// with the lock that keeps one call at a time on it on this rank.
-///
-/// # Errors
-/// The errors of [`Exchange::open_channel`].
-fn open_comms(
-    exchange: &dyn Exchange,
-    prefix: &str,
-    count: usize,
-    deadline: Deadline,
-) -> Result<Vec<(ChannelId, Mutex<()>)>> {
-    (0..count)
-        .map(|c| {
-            let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
-            Ok((ch, Mutex::new(())))
-        })
-        .collect()
-}
-
 /// Bytes of control-plane payload per data round on the plain path.
 const DATA_PIECE_BYTES: usize = 1 << 20;
 
@@ -214,51 +195,61 @@ impl ShmBackend {
     /// [`Error::Config`] for a granularity that is not a power of two; the
     /// errors of [`Exchange::open_channel`].
     pub fn join(exchange: Arc<dyn Exchange>, config: ShmConfig) -> Result<Backend> {
-        let (rank, world) = (exchange.rank(), exchange.world_size());
-        let infos = CommInfo::STANDARD.to_vec();
         let info = BackendInfo::new(
             BackendKind::Host,
-            rank,
-            world,
+            exchange.rank(),
+            exchange.world_size(),
             config.nccl_version,
             config.granularity_bytes,
-            infos.clone(),
+            CommInfo::STANDARD.to_vec(),
         )?;
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let comms = open_comms(&*exchange, "shm", infos.len(), setup)?;
-        let parts = Arc::new(ShmBackend {
-            rank,
-            world,
-            config,
-            exchange: exchange.clone(),
-            prefix: "shm".into(),
-            comms,
-            ordinals: Mutex::new(vec![0; infos.len()]),
-            reserved: Arc::new(AtomicU64::new(0)),
-        });
+        let (ex, reserved) = (exchange.clone(), Arc::default());
+        let parts = Self::open(ex, &config, "shm", reserved, setup)?;
         let streams = Arc::new(HostStreams::default());
         Backend::with_stream_ops(info, exchange, parts, streams)
+    }
+
+    /// The parts of this process's rank of the world of `exchange`: the standard
+    /// communicators on channels `PREFIX:comm0`, `PREFIX:comm1`, ... (opened by
+    /// `deadline`), no registrations yet, memory counted in `reserved`.
+    ///
+    /// # Errors
+    /// The errors of [`Exchange::open_channel`].
+    fn open(
+        exchange: Arc<dyn Exchange>,
+        config: &ShmConfig,
+        prefix: &str,
+        reserved: Arc<AtomicU64>,
+        deadline: Deadline,
+    ) -> Result<Arc<Self>> {
+        let count = CommInfo::STANDARD.len();
+        let comms = (0..count)
+            .map(|c| {
+                let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
+                Ok((ch, Mutex::new(())))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Arc::new(ShmBackend {
+            rank: exchange.rank(),
+            world: exchange.world_size(),
+            config: config.clone(),
+            exchange,
+            prefix: prefix.into(),
+            comms,
+            ordinals: Mutex::new(vec![0; count]),
+            reserved,
+        }))
     }
 
     /// [`Backend::split`] on the shared-memory backend: the same communicators on
     /// channels of their own (`shm:NAME:commC`); the memory limit and stream
     /// operations stay this rank's.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let count = self.comms.len();
-        let prefix = format!("shm:{name}");
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let comms = open_comms(&*self.exchange, &prefix, count, setup)?;
-        let parts = Arc::new(ShmBackend {
-            rank: self.rank,
-            world: self.world,
-            config: self.config.clone(),
-            exchange: self.exchange.clone(),
-            prefix,
-            comms,
-            ordinals: Mutex::new(vec![0; count]),
-            reserved: self.reserved.clone(),
-        });
-        backend.sibling(parts)
+        let (ex, reserved) = (self.exchange.clone(), self.reserved.clone());
+        let prefix = format!("shm:{name}");
+        backend.sibling(Self::open(ex, &self.config, &prefix, reserved, setup)?)
     }
 
     /// [`Backend::shrink`] on the shared-memory backend, with the shrunk `exchange`:
@@ -270,18 +261,8 @@ impl ShmBackend {
         exchange: Arc<dyn Exchange>,
         deadline: Deadline,
     ) -> Result<Backend> {
-        let count = self.comms.len();
-        let comms = open_comms(&*exchange, &self.prefix, count, deadline)?;
-        let parts = Arc::new(ShmBackend {
-            rank: exchange.rank(),
-            world: exchange.world_size(),
-            config: self.config.clone(),
-            exchange: exchange.clone(),
-            prefix: self.prefix.clone(),
-            comms,
-            ordinals: Mutex::new(vec![0; count]),
-            reserved: self.reserved.clone(),
-        });
+        let (ex, reserved) = (exchange.clone(), self.reserved.clone());
+        let parts = Self::open(ex, &self.config, &self.prefix, reserved, deadline)?;
         let mut info = BackendInfo::clone(backend.info());
         (info.rank, info.world_size) = (exchange.rank(), exchange.world_size());
         Backend::with_stream_ops(info, exchange, parts, backend.streams_handle())
