@@ -320,68 +320,105 @@ impl ShmBackend {
         verdict
     }
 
-    /// `len` bytes of peer `peer`'s segment in `window`, at `offset`.
-    fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
-        let map = peer_map(window, peer)?;
-        let range = bounds(map.len() as u64, offset, len)?;
-        let mut out = vec![0u8; range.len()];
-        // SAFETY: `range` lies inside the peer's mapping (checked by `bounds`); the
-        // mapping stays alive while `window` is borrowed; the peer writes only other
-        // bytes of it until the collective's closing barrier (the posts agreed that
-        // every rank reads the same, disjoint chunks), or, in an all-reduce, none
-        // before the middle barrier that follows these reads; `out` is a fresh buffer.
-        let src = map.as_ptr().wrapping_add(range.start);
-        // SAFETY: `src..src + range.len()` lies inside the peer's mapping (see above).
-        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), range.len()) };
+    /// Every rank's `len` bytes, moved through the control plane in pieces, waiting
+    /// until `deadline`.
+    fn gather_bytes(
+        &self,
+        c: usize,
+        op: &'static str,
+        mine: &[u8],
+        deadline: Deadline,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut out: Vec<Vec<u8>> = vec![Vec::with_capacity(mine.len()); self.world];
+        let pieces = mine.len().div_ceil(DATA_PIECE_BYTES).max(1);
+        for k in 0..pieces {
+            let lo = (k * DATA_PIECE_BYTES).min(mine.len());
+            let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
+            let piece = Step::Data(mine[lo..hi].to_vec());
+            let got = self.round(c, op, &piece, deadline)?;
+            let got = at_step(op, got, |s| match s {
+                Step::Data(bytes) => Some(bytes),
+                _ => None,
+            })?;
+            for (r, piece) in got.into_iter().enumerate() {
+                if piece.len() != hi - lo {
+                    return Err(Error::CollectiveMismatch {
+                        op,
+                        detail: format!(
+                            "rank {r} sent {} bytes, expected {}",
+                            piece.len(),
+                            hi - lo
+                        ),
+                    });
+                }
+                out[r].extend_from_slice(&piece);
+            }
+        }
         Ok(out)
     }
 }
 
-impl ShmBackend {
-    /// Write `data` into peer `peer`'s segment in `window`, at `offset`.
-    fn peer_write(window: &Window, peer: usize, offset: u64, data: &[u8]) -> Result<()> {
-        let map = peer_map(window, peer)?;
-        let range = bounds(map.len() as u64, offset, data.len() as u64)?;
-        let dst = map.as_mut_ptr().wrapping_add(range.start);
-        // SAFETY: `dst..dst + data.len()` lies inside the peer's live mapping (checked
-        // by `bounds`; the window is borrowed); during this collective only this rank
-        // writes this chunk of the peer's output (the posts agreed on the offsets) and
-        // the peer reads it only after the closing barrier.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-        Ok(())
-    }
+/// Copy the `out.len()` bytes at `offset` of `map` (this rank's mapping of a segment,
+/// or of a peer's) into `out`.
+///
+/// # Safety
+/// No rank writes those bytes during the copy.
+unsafe fn copy_out(map: &MmapRaw, offset: u64, out: &mut [u8]) -> Result<()> {
+    let range = bounds(map.len() as u64, offset, out.len() as u64)?;
+    let src = map.as_ptr().wrapping_add(range.start);
+    // SAFETY: `src..src + out.len()` lies inside the live mapping (checked by `bounds`;
+    // `map` is borrowed), nobody writes it meanwhile (the caller's contract), and `out`
+    // is distinct memory.
+    unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+    Ok(())
 }
 
-/// This rank's mapping of a region's bytes.
-fn local_ptr(region: &Region<'_>) -> Result<(*mut u8, std::ops::Range<usize>)> {
-    let mem = memory_of::<ShmMemory>(region.segment())?;
-    let range = bounds(
-        region.segment().size_bytes(),
-        region.offset_bytes(),
-        region.len_bytes(),
-    )?;
-    Ok((mem.map.as_mut_ptr(), range))
+/// Copy `data` into the bytes at `offset` of `map`.
+///
+/// # Safety
+/// No other rank reads or writes those bytes during the copy.
+unsafe fn copy_in(map: &MmapRaw, offset: u64, data: &[u8]) -> Result<()> {
+    let range = bounds(map.len() as u64, offset, data.len() as u64)?;
+    let dst = map.as_mut_ptr().wrapping_add(range.start);
+    // SAFETY: `dst..dst + data.len()` lies inside the live mapping (checked by
+    // `bounds`), nobody else touches it meanwhile (the caller's contract), and `data`
+    // is distinct memory.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+    Ok(())
+}
+
+/// `len` bytes of peer `peer`'s segment in `window`, at `offset`.
+fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; len as usize];
+    // SAFETY: the peer writes only other bytes of its segment until the collective's
+    // closing barrier (the posts agreed that every rank reads the same, disjoint
+    // chunks), or, in an all-reduce, none before the middle barrier after these reads.
+    unsafe { copy_out(peer_map(window, peer)?, offset, &mut out) }?;
+    Ok(out)
+}
+
+/// Write `data` into peer `peer`'s segment in `window`, at `offset`.
+fn peer_write(window: &Window, peer: usize, offset: u64, data: &[u8]) -> Result<()> {
+    // SAFETY: during this collective only this rank writes this chunk of the peer's
+    // output (the posts agreed on the offsets); the peer reads it after the closing
+    // barrier.
+    unsafe { copy_in(peer_map(window, peer)?, offset, data) }
 }
 
 fn read_local(region: &Region<'_>, out: &mut [u8]) -> Result<()> {
-    let (ptr, range) = local_ptr(&region.sub(0, out.len() as u64)?)?;
-    // SAFETY: `range` lies inside this rank's live mapping of the segment (the region
-    // borrows the segment); peers only read this rank's memory during collectives,
-    // which are ordered with this call by the pool's stream rules; `out` is distinct.
-    let src = ptr.wrapping_add(range.start);
-    // SAFETY: (as above) `src..src + out.len()` is inside the mapping.
-    unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), range.len()) };
-    Ok(())
+    let region = region.sub(0, out.len() as u64)?;
+    let map = &memory_of::<ShmMemory>(region.segment())?.map;
+    // SAFETY: peers read this rank's memory only during collectives, which the pool's
+    // stream rules order with this call.
+    unsafe { copy_out(map, region.offset_bytes(), out) }
 }
 
 fn write_local(region: &Region<'_>, data: &[u8]) -> Result<()> {
-    let (ptr, range) = local_ptr(&region.sub(0, data.len() as u64)?)?;
-    // SAFETY: as in `read_local`; the bytes written are this rank's own block (or the
-    // chunk of a collective output that only this rank writes).
-    let dst = ptr.wrapping_add(range.start);
-    // SAFETY: (as above) `dst..dst + data.len()` is inside the mapping.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, range.len()) };
-    Ok(())
+    let region = region.sub(0, data.len() as u64)?;
+    let map = &memory_of::<ShmMemory>(region.segment())?.map;
+    // SAFETY: as in `read_local`; the bytes are this rank's own block, or the chunk of
+    // a collective's output that only this rank writes.
+    unsafe { copy_in(map, region.offset_bytes(), data) }
 }
 
 impl SegmentProvider for ShmBackend {
@@ -496,45 +533,6 @@ impl DataMover for ShmBackend {
     }
 }
 
-impl ShmBackend {
-    /// Every rank's `len` bytes, moved through the control plane in pieces, waiting
-    /// until `deadline`.
-    fn gather_bytes(
-        &self,
-        c: usize,
-        op: &'static str,
-        mine: &[u8],
-        deadline: Deadline,
-    ) -> Result<Vec<Vec<u8>>> {
-        let mut out: Vec<Vec<u8>> = vec![Vec::with_capacity(mine.len()); self.world];
-        let pieces = mine.len().div_ceil(DATA_PIECE_BYTES).max(1);
-        for k in 0..pieces {
-            let lo = (k * DATA_PIECE_BYTES).min(mine.len());
-            let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
-            let piece = Step::Data(mine[lo..hi].to_vec());
-            let got = self.round(c, op, &piece, deadline)?;
-            let got = at_step(op, got, |s| match s {
-                Step::Data(bytes) => Some(bytes),
-                _ => None,
-            })?;
-            for (r, piece) in got.into_iter().enumerate() {
-                if piece.len() != hi - lo {
-                    return Err(Error::CollectiveMismatch {
-                        op,
-                        detail: format!(
-                            "rank {r} sent {} bytes, expected {}",
-                            piece.len(),
-                            hi - lo
-                        ),
-                    });
-                }
-                out[r].extend_from_slice(&piece);
-            }
-        }
-        Ok(out)
-    }
-}
-
 impl Collectives for ShmBackend {
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()> {
         const OP: &str = "all_gather";
@@ -552,7 +550,7 @@ impl Collectives for ShmBackend {
                         if p == self.rank {
                             write_local(&args.recv.sub(me * chunk, chunk)?, &mine)?;
                         } else {
-                            Self::peer_write(recv_window, p, at, &mine)?;
+                            peer_write(recv_window, p, at, &mine)?;
                         }
                     }
                 }
@@ -580,12 +578,7 @@ impl Collectives for ShmBackend {
                             read_local(&args.send.sub(me * chunk, chunk)?, &mut v)?;
                             Ok(v)
                         } else {
-                            Self::peer_bytes(
-                                send_window,
-                                p,
-                                args.send.offset_bytes() + me * chunk,
-                                chunk,
-                            )
+                            peer_bytes(send_window, p, args.send.offset_bytes() + me * chunk, chunk)
                         }
                     })
                     .collect::<Result<_>>()?,
@@ -621,7 +614,7 @@ impl Collectives for ShmBackend {
                             if p == self.rank {
                                 Ok(mine.clone())
                             } else {
-                                Self::peer_bytes(send_window, p, args.send.offset_bytes(), bytes)
+                                peer_bytes(send_window, p, args.send.offset_bytes(), bytes)
                             }
                         })
                         .collect::<Result<Vec<_>>>();
