@@ -249,10 +249,6 @@ pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
     })
 }
 
-/// What [`Collectives::abandon`] is called with when a collective check failed: the
-/// operation a call it ends names ([`Error::GroupBroken`] on the host backend).
-pub const ABANDONED: &str = "a collective check that failed";
-
 /// How long making a backend waits for the other ranks (ranks of real jobs start
 /// minutes apart): 10 minutes. A lost peer ends the wait sooner (see
 /// [`control`](crate::control)).

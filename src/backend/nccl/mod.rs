@@ -203,13 +203,8 @@ impl Device for Cuda {
     }
 
     fn record(&self, stream: &CudaStream, spare: Option<CudaEvent>) -> Result<CudaEvent> {
-        let event = match spare {
-            Some(e) => e,
-            None => self
-                .ctx
-                .new_event(None)
-                .map_err(ffi::cuda("cuEventCreate"))?,
-        };
+        let event = (spare.map_or_else(|| self.ctx.new_event(None), Ok))
+            .map_err(ffi::cuda("cuEventCreate"))?;
         event.record(stream).map_err(ffi::cuda("cuEventRecord"))?;
         Ok(event)
     }
@@ -229,14 +224,10 @@ impl Device for Cuda {
     }
 }
 
-/// One rank of NCCL: a device context and its communicators. Segments and windows
-/// belong to the pools (as owned handles); this type keeps no table of them.
-///
-/// Make it with [`NcclBackend::from_env`] (one process per GPU),
-/// [`NcclBackend::adopt`] (a runtime's communicator), [`NcclBackend::local_world`]
-/// (one thread per GPU) or [`NcclBackend::from_raw`]. All return [`Backend`](super::Backend)s;
-/// reach this type again through [`Backend::downcast_ref`](super::Backend::downcast_ref). See the [module](self) for the
-/// deadlines and the watchdog.
+/// One rank of NCCL: a device context and its communicators (segments and windows
+/// belong to the pools). Its constructors (see the [module](self)) return
+/// [`Backend`](super::Backend)s; reach this type again through
+/// [`Backend::downcast_ref`](super::Backend::downcast_ref).
 pub struct NcclBackend {
     rank: usize,
     world: usize,

@@ -86,15 +86,11 @@ pub(super) fn warm_segment_bytes(world: usize, granularity: u64) -> u64 {
 }
 
 impl<D: Device> Shared<D> {
-    /// Everything NCCL does lazily at a first collective, done now: one registered
-    /// segment ([`warm_segment_bytes`], of whole `granularity` granules) on `stream`,
-    /// and on each data communicator the collectives of [`warm_plan`] at a small and a
-    /// large size per rank ([`WARM_SMALL_BYTES`], [`WARM_LARGE_BYTES`]), all in place on
-    /// the segment (on the window for the registering communicators — the copy
-    /// engine's first call runs `ncclCeInit`, which registers a window of its own — and
-    /// as plain memory for the plain one); then a wait for the device, the windows
-    /// deregistered and the segment freed; all by `deadline` (the watchdog sees the
-    /// calls inside NCCL).
+    /// Everything NCCL does lazily at a first collective, done now (see the
+    /// [module](super), *Warm-up*): the collectives of [`warm_plan`] at both sizes on
+    /// `stream`, in place on one segment of [`warm_segment_bytes`] registered on the
+    /// registering communicators; then a wait for the device and the release; all by
+    /// `deadline` (the watchdog sees the calls inside NCCL).
     ///
     /// # Collective
     /// Every rank, at the same point of set-up.

@@ -235,15 +235,7 @@ impl Drop for Comm {
         // Communicators made during a set-up that then failed end here (NCCL binds the
         // device itself in `ncclCommAbort`); the backend's own drop has marked the
         // others aborted already.
-        if let Some(taken) = self.take_for_abort() {
-            let state = taken.state.clone();
-            abort_off_thread(self.nccl, None, vec![taken], AbortThreads::One);
-            if !state.done.wait(Deadline::after(ABORT_WAIT)) {
-                tracing::warn!(
-                    "symmpool: ncclCommAbort of a communicator from a failed set-up had not returned after {ABORT_WAIT:?}; it is leaked"
-                );
-            }
-        }
+        abort_together([&*self]);
     }
 }
 
@@ -444,20 +436,12 @@ impl<D: Device> Shared<D> {
 
     /// Enqueue one collective on data communicator `c` and `stream`: the NCCL call
     /// (inline on a blocking communicator) and, unless the watchdog is off or the
-    /// stream is capturing a CUDA graph, the completion event the watchdog looks at.
-    ///
-    /// Whether the stream captures is asked before the enqueue: once NCCL took the
-    /// collective, nothing may fail the call (the other ranks' collectives would then
-    /// have no match on this rank's next call).
-    ///
-    /// Under capture NCCL's call is the same (it is captured into the graph); an event
-    /// recorded during capture would be a node of the graph, not a completion the
-    /// watchdog can query, so none is recorded: a captured collective is bounded by
-    /// whoever launches the graph. A collective that records no event (under capture,
-    /// or with [`NcclConfig::watchdog_timeout`] `= Duration::MAX`) is marked in the
-    /// gate with [`NcclConfig::call_timeout`] as its deadline instead, so that an
-    /// enqueue stuck inside NCCL (its work FIFO full behind stuck work) is still ended
-    /// by the watchdog.
+    /// stream is capturing a CUDA graph (see the [module](super), *CUDA graphs*), the
+    /// completion event the watchdog looks at. Whether the stream captures is asked
+    /// before the enqueue: once NCCL took the collective, nothing may fail the call
+    /// (the other ranks would have no match for their next call). A collective that
+    /// records no event is marked in the gate with [`NcclConfig::call_timeout`] as its
+    /// deadline instead, so that an enqueue stuck inside NCCL is still ended.
     ///
     /// # Safety
     /// The addresses of `call` are live device memory of this rank, of the sizes the
