@@ -35,9 +35,8 @@ use poll::{Waited, poll};
 /// A function that binds the rank's device to the calling thread (best effort).
 pub(super) type Binder = Arc<dyn Fn() + Send + Sync>;
 
-/// The CUDA the communicator layer needs: a stream's raw handle, whether it is
-/// capturing a graph, a completion event recorded on it, and waiting for it with a
-/// deadline. The real one is `Cuda` (in `mod.rs`); tests use a fake.
+/// The CUDA the communicator layer needs (its errors are [`Error::Cuda`]). The real one
+/// is `Cuda` (in `mod.rs`); tests use a fake.
 pub(super) trait Device: Send + Sync + 'static {
     /// A stream work is enqueued on.
     type Stream: ?Sized + Sync;
@@ -46,21 +45,12 @@ pub(super) trait Device: Send + Sync + 'static {
     /// The raw stream handle NCCL takes.
     fn raw_stream(&self, stream: &Self::Stream) -> sys::cudaStream_t;
     /// Whether `stream` is capturing a CUDA graph (`cuStreamIsCapturing`).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     fn capturing(&self, stream: &Self::Stream) -> Result<bool>;
     /// Record a completion event after the work enqueued on `stream` so far (reusing
     /// `spare` when given).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     fn record(&self, stream: &Self::Stream, spare: Option<Self::Event>) -> Result<Self::Event>;
     /// Wait until the work enqueued on `stream` so far is done, polling, by `deadline`;
     /// whether it finished.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     fn wait_idle(&self, stream: &Self::Stream, deadline: Deadline) -> Result<bool>;
     /// What binds this device to a thread (abort threads, the watchdog).
     fn binder(&self) -> Binder;
@@ -169,10 +159,8 @@ impl Comm {
 
     /// Run `f` (a split off this communicator, polled through it) holding its calls
     /// lock and marked as inside NCCL as `op`: two splits on one rank never overlap,
-    /// and an abort waits (boundedly) for the thread to leave, as for any call.
-    ///
-    /// # Errors
-    /// [`Error::NcclAborted`] if the communicator was aborted; `f`'s errors.
+    /// and an abort waits (boundedly) for the thread to leave, as for any call. Fails
+    /// with [`Error::NcclAborted`] if the communicator was aborted.
     pub(super) fn splitting<T>(
         &self,
         op: &'static str,
@@ -344,10 +332,7 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Data communicator `c`, for the call `op`.
-    ///
-    /// # Errors
-    /// [`Error::InvalidCollective`] naming `op` and the index if there is none.
+    /// Data communicator `c`, for the call `op` ([`Error::InvalidCollective`] if none).
     pub(super) fn comm(&self, c: usize, op: &'static str) -> Result<&Comm> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
             op,
@@ -447,10 +432,6 @@ impl<D: Device> Shared<D> {
     /// The addresses of `call` are live device memory of this rank, of the sizes the
     /// collective touches, that stays allocated until `stream` passes; `stream` is a
     /// live stream of the rank's device.
-    ///
-    /// # Errors
-    /// [`Error::InvalidCollective`] for no such communicator; [`Error::Nccl`];
-    /// [`Error::Cuda`]; the backend's error once it is broken.
     pub(super) unsafe fn collective(
         &self,
         c: usize,
@@ -504,24 +485,15 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
-    /// Register `ptr..ptr + size_bytes` (one whole `ncclMemAlloc` allocation) on data
-    /// communicator `c`, bounded by [`NcclConfig::call_timeout`] (or `deadline`).
-    /// `None`: NCCL answered with a NULL window (no symmetric memory on the
-    /// communicator: NCCL 2.29+ across `NCCL_HOSTID` "nodes", for one); the segment is
-    /// not registered there and its collectives take the plain path. The first one per
-    /// communicator is logged as a warning.
-    ///
-    /// # Collective
-    /// Every rank, same order.
+    /// Register `ptr..ptr + size_bytes` on data communicator `c` by `deadline`
+    /// (collective: every rank, same order). `None`: NCCL answered with a NULL window
+    /// (no symmetric memory on the communicator: NCCL 2.29+ across `NCCL_HOSTID`
+    /// "nodes", for one), logged once per communicator; the segment is not registered
+    /// there and its collectives take the plain path.
     ///
     /// # Safety
     /// The allocation is one whole `ncclMemAlloc` allocation of this rank's device,
     /// not registered on `c` yet.
-    ///
-    /// # Errors
-    /// [`Error::NcclTimeout`] past the deadline (the watchdog revokes and aborts);
-    /// [`Error::PeerLost`] when the exchange found a peer lost meanwhile; [`Error::Nccl`];
-    /// the backend's error once it is broken.
     pub(super) unsafe fn register(
         &self,
         c: usize,
@@ -549,16 +521,12 @@ impl<D: Device> Shared<D> {
 
     /// Deregister `window` from data communicator `c` by `deadline`, unless the
     /// communicator was aborted: then NCCL destroyed the window with it, and nothing is
-    /// called (once the abort returned, waiting for it until `deadline`, at most
-    /// [`ABORT_WAIT`]; before that the window is handed back, to be leaked with its
-    /// segment).
+    /// called once the abort returned (waited for until `deadline`, at most
+    /// [`ABORT_WAIT`]; before that the window comes back with [`Error::NcclAborted`],
+    /// to be leaked with its segment).
     ///
     /// # Safety
     /// `window` was registered on `c` (and is consumed); no device work uses it.
-    ///
-    /// # Errors
-    /// The window back with [`Error::NcclAborted`] while an abort still runs, or the
-    /// call's error.
     pub(super) unsafe fn deregister(
         &self,
         c: usize,
@@ -570,19 +538,15 @@ impl<D: Device> Shared<D> {
             Ok(comm) => comm,
             Err(e) => return Err((window, e)),
         };
+        let leaked = || Error::NcclAborted {
+            reason: format!(
+                "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
+            ),
+        };
         match comm.aborted_by(deadline.cap(ABORT_WAIT)) {
             // The window went with its communicator (ncclCommAbort releases it).
             Some(true) => return Ok(()),
-            Some(false) => {
-                return Err((
-                    window,
-                    Error::NcclAborted {
-                        reason: format!(
-                            "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
-                        ),
-                    },
-                ));
-            }
+            Some(false) => return Err((window, leaked())),
             None => {}
         }
         let handle = window.0;
