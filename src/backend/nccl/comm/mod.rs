@@ -65,30 +65,58 @@ pub(super) struct Inside {
     pub(super) deadline: Option<Deadline>,
 }
 
-/// A communicator's gate: whether it was aborted (no call may start after that), and
-/// who is inside NCCL on it.
+/// A communicator's gate: whether it was aborted (no call may start after that), who
+/// is inside NCCL on it, and whether its abort returned.
 #[derive(Debug, Default)]
 struct Gate {
     aborted: bool,
     inside: Option<Inside>,
+    /// Its `ncclCommAbort` returned: what must not touch what the abort releases (its
+    /// windows, and so their segments) waits for this.
+    abort_returned: bool,
+    /// Waits for the abort end here at the latest (`None`: not handed off yet):
+    /// [`ABORT_WAIT`] after it was handed to a thread, at once if no thread could run
+    /// it, so that a release of many windows does not wait for each in turn.
+    give_up_at: Option<Deadline>,
 }
 
 /// What a communicator shares with the threads that abort it.
 #[derive(Default)]
 struct CommState {
     gate: Mutex<Gate>,
-    /// Notified when a thread leaves NCCL.
-    left: Condvar,
-    done: AbortDone,
+    /// Notified when a thread leaves NCCL, and when the abort returns.
+    changed: Condvar,
 }
 
 impl CommState {
     /// Wait until nobody is inside NCCL on it, or `deadline`; whether it is free.
     fn wait_left(&self, deadline: Deadline) -> bool {
         let mut gate = self.gate.lock();
-        self.left
+        self.changed
             .wait_while_until(&mut gate, |g| g.inside.is_some(), deadline.instant());
         gate.inside.is_none()
+    }
+
+    /// Wait until its abort returned, or `deadline` or the give-up time passes;
+    /// whether it returned.
+    fn wait_aborted(&self, deadline: Deadline) -> bool {
+        let mut gate = self.gate.lock();
+        let until = gate.give_up_at.map_or(deadline, |g| g.min(deadline));
+        self.changed
+            .wait_while_until(&mut gate, |g| !g.abort_returned, until.instant());
+        gate.abort_returned
+    }
+
+    /// Waits for the abort give up `after` from now (it was handed to a thread, or no
+    /// thread could run it).
+    fn give_up_after(&self, after: Duration) {
+        self.gate.lock().give_up_at = Some(Deadline::after(after));
+    }
+
+    /// The abort returned.
+    fn abort_returned(&self) {
+        self.gate.lock().abort_returned = true;
+        self.changed.notify_all();
     }
 }
 
@@ -137,7 +165,7 @@ impl Comm {
     /// The thread left NCCL.
     fn leave(&self) {
         self.state.gate.lock().inside = None;
-        self.state.left.notify_all();
+        self.state.changed.notify_all();
     }
 
     /// Whether it was aborted (or handed over for its abort).
@@ -214,7 +242,7 @@ impl Comm {
         if !self.state.gate.lock().aborted {
             return None;
         }
-        Some(self.state.done.wait(deadline))
+        Some(self.state.wait_aborted(deadline))
     }
 }
 
