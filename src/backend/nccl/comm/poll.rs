@@ -105,9 +105,9 @@ pub(in crate::backend::nccl) fn finish_creation(
                 } => {
                     let ended =
                         parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
-                    // SAFETY: the parent's abort returned, so NCCL's split job ended and
-                    // writes the slot no more.
-                    match ended.then(|| unsafe { slot.read() }) {
+                    // SAFETY: the slot is leaked, so it stays valid; the parent's abort
+                    // returned, so NCCL's split job ended and writes it no more.
+                    match ended.then(|| unsafe { ffi::read_slot(slot) }) {
                         Some(Some(child)) => drop(Comm::new(nccl, child, true, blocking)),
                         Some(None) => {}
                         None => tracing::warn!(

@@ -130,7 +130,7 @@ pub(crate) fn no_comm(op: &'static str, code: c_int) -> Error {
 ///
 /// # Safety
 /// `slot` is valid for reads, and no thread of NCCL writes it any more.
-unsafe fn read_slot(slot: *const sys::ncclComm_t) -> Option<RawComm> {
+pub(crate) unsafe fn read_slot(slot: *const sys::ncclComm_t) -> Option<RawComm> {
     // SAFETY: the caller's contract; volatile, as NCCL's thread may have written it.
     let c = unsafe { std::ptr::read_volatile(slot) };
     (!c.is_null()).then_some(RawComm(c))
@@ -197,10 +197,8 @@ pub(crate) enum Making {
     /// `ncclCommInitRankConfig`: the new communicator is written before the call
     /// returns and is what is polled.
     Init,
-    /// `ncclCommSplit`. Off a non-blocking parent NCCL runs the split on a thread of its
-    /// own and writes the child only when that job ends: the parent is polled and the
-    /// child read once the poll says done. Off a blocking parent the split is done on
-    /// return and the child is polled.
+    /// `ncclCommSplit`: off a non-blocking parent the parent is polled, off a blocking
+    /// one the child (see [`comm_split`]).
     Split {
         /// Whether the parent is blocking.
         parent_blocking: bool,
@@ -234,28 +232,11 @@ impl Starting {
     }
 
     /// The call never completed: leak the boxes, which NCCL may still write into, and
-    /// hand back the slot, to be read only once NCCL's job ended (the parent's abort
-    /// returned).
-    pub(crate) fn abandon(self) -> Abandoned {
+    /// hand back the slot, to be read ([`read_slot`]) only once NCCL's job ended (the
+    /// parent's abort returned).
+    pub(crate) fn abandon(self) -> *const sys::ncclComm_t {
         std::mem::forget(self.config);
-        Abandoned(Box::into_raw(self.slot))
-    }
-}
-
-/// The leaked slot of a communicator creation that never completed.
-#[derive(Debug)]
-pub(crate) struct Abandoned(*mut sys::ncclComm_t);
-
-impl Abandoned {
-    /// What NCCL wrote into the slot, if anything.
-    ///
-    /// # Safety
-    /// NCCL no longer writes it: the job that makes the communicator ended (for a split
-    /// off a non-blocking parent, the parent's `ncclCommAbort` returned).
-    pub(crate) unsafe fn read(&self) -> Option<RawComm> {
-        // SAFETY: the slot is leaked, so it stays valid; NCCL writes it no more (the
-        // caller's contract).
-        unsafe { read_slot(self.0) }
+        Box::into_raw(self.slot)
     }
 }
 
