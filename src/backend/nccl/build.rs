@@ -88,13 +88,6 @@ fn same_rank(
     Ok((rank, world))
 }
 
-/// Where a backend sits: its rank, the number of ranks, and its device's context.
-struct Seat {
-    rank: usize,
-    world: usize,
-    ctx: Arc<CudaContext>,
-}
-
 /// What every way of making a backend shares: the NCCL found, the configuration and
 /// the set-up's deadline.
 struct Builder {
@@ -210,20 +203,21 @@ impl Builder {
         Ok(comms)
     }
 
-    /// The backend at `seat` over `comms` (each with what the pools learn of it, in
-    /// registration order) and `control`, on a job of `nodes` nodes, with its watchdog
-    /// running; warmed up when `warm_up` (the crate's own communicators).
+    /// The backend of `exchange`'s rank on device `ctx` over `comms` (each with what the
+    /// pools learn of it, in registration order) and `control`, on a job of `nodes`
+    /// nodes, with its watchdog running; warmed up when `warm_up` (the crate's own
+    /// communicators).
     #[allow(clippy::too_many_arguments)]
     fn assemble(
         &self,
-        seat: Seat,
+        ctx: Arc<CudaContext>,
         control: Option<Comm>,
         comms: Vec<(CommInfo, Comm)>,
         nodes: usize,
         exchange: Arc<dyn Exchange>,
         warm_up: bool,
     ) -> Result<Backend> {
-        let Seat { rank, world, ctx } = seat;
+        let (rank, world) = (exchange.rank(), exchange.world_size());
         let (infos, comms): (Vec<CommInfo>, Vec<Comm>) = comms.into_iter().unzip();
         let granularity = ffi::segment_granularity(ctx.ordinal());
         let info = BackendInfo::new(
@@ -323,13 +317,8 @@ impl NcclBackend {
         self.bind()?;
         self.shared.health.check()?;
         let comms = control.splitting("ncclCommSplit", || b.data(control, self.rank, false))?;
-        let seat = Seat {
-            rank: self.rank,
-            world: self.world,
-            ctx: self.shared.device.ctx.clone(),
-        };
         b.assemble(
-            seat,
+            self.shared.device.ctx.clone(),
             None,
             comms,
             backend.info().nodes,
@@ -384,8 +373,7 @@ impl NcclBackend {
         };
         let control = b.control_init(world, &id, rank)?;
         let comms = b.data(&control, rank, true)?;
-        let seat = Seat { rank, world, ctx };
-        b.assemble(seat, Some(control), comms, agreed.nodes, exchange, true)
+        b.assemble(ctx, Some(control), comms, agreed.nodes, exchange, true)
     }
 
     /// [`from_env`](Self::from_env) over a [`StoreExchange`] made from the environment
@@ -439,7 +427,7 @@ impl NcclBackend {
         let parent = RawComm(comm);
         // SAFETY: the caller guarantees a live communicator nothing else uses now.
         let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
-        let (rank, world) = same_rank(found, device, exchange.as_ref())?;
+        let (rank, _) = same_rank(found, device, exchange.as_ref())?;
         let agreed = b.agree(exchange.as_ref(), None)?;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
@@ -458,8 +446,7 @@ impl NcclBackend {
         };
         let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline, None)?;
         let comms = b.data(&control, rank, true)?;
-        let seat = Seat { rank, world, ctx };
-        b.assemble(seat, Some(control), comms, agreed.nodes, exchange, true)
+        b.assemble(ctx, Some(control), comms, agreed.nodes, exchange, true)
     }
 
     /// One backend per listed GPU of this process, in rank order: rank `i` drives
@@ -480,10 +467,7 @@ impl NcclBackend {
                 expected: "at least one device",
             });
         }
-        let mut sorted = devices.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.len() != devices.len() {
+        if (1..devices.len()).any(|i| devices[..i].contains(&devices[i])) {
             return Err(Error::Config {
                 setting: "devices",
                 value: format!("{devices:?}"),
@@ -502,8 +486,7 @@ impl NcclBackend {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let control = b.control_init(world, &id, rank)?;
             let comms = b.data(&control, rank, true)?;
-            let seat = Seat { rank, world, ctx };
-            b.assemble(seat, Some(control), comms, 1, Arc::new(exchange), true)
+            b.assemble(ctx, Some(control), comms, 1, Arc::new(exchange), true)
         };
         let one_rank = &one_rank;
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
@@ -550,13 +533,12 @@ impl NcclBackend {
     ) -> Result<Backend> {
         let b = Builder::new(config)?;
         let ctx = context(device)?;
-        let mut rank_world = None;
         let mut adopted = Vec::with_capacity(comms.len());
         for (raw, role, policy) in comms {
             let raw = RawComm(raw);
             // SAFETY: the caller guarantees a live communicator nobody else uses now.
             let found = unsafe { ffi::comm_rank_size_device(b.nccl, raw) }?;
-            rank_world = Some(same_rank(found, device, exchange.as_ref())?);
+            same_rank(found, device, exchange.as_ref())?;
             let info = CommInfo {
                 role,
                 cta_policy: effective_policy(policy),
@@ -564,16 +546,15 @@ impl NcclBackend {
             };
             adopted.push((info, Comm::new(b.nccl, raw, false, false)));
         }
-        let Some((rank, world)) = rank_world else {
+        if adopted.is_empty() {
             return Err(Error::Config {
                 setting: "communicators",
                 value: "none".into(),
                 expected: "at least one communicator",
             });
-        };
+        }
         let agreed = b.agree(exchange.as_ref(), None)?;
-        let seat = Seat { rank, world, ctx };
-        b.assemble(seat, None, adopted, agreed.nodes, exchange, false)
+        b.assemble(ctx, None, adopted, agreed.nodes, exchange, false)
     }
 }
 
