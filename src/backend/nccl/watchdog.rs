@@ -1,25 +1,9 @@
 //! The watchdog: one thread per backend that looks every
-//! [`NcclConfig::watchdog_interval`](super::NcclConfig::watchdog_interval) at
-//!
-//! - the collectives enqueued (a completion event recorded after each, unless the
-//!   stream was capturing a CUDA graph): one incomplete past
-//!   [`NcclConfig::watchdog_timeout`](super::NcclConfig::watchdog_timeout), or a failed
-//!   device;
-//! - the threads inside NCCL on each communicator (registration, deregistration,
-//!   warm-up on a blocking data communicator): one past its deadline
-//!   ([`NcclConfig::call_timeout`](super::NcclConfig::call_timeout), or the set-up's);
-//! - the exchange's word on lost peers ([`Exchange::lost_peer`](crate::control::Exchange::lost_peer):
-//!   a rank whose process ended, or that stopped answering heartbeats, e.g. frozen by
-//!   `SIGSTOP`), so that a collective or a registration blocked on a lost rank ends
-//!   within the heartbeat's bound plus an interval, not after the watchdog timeout (a
-//!   rank that closed its exchange itself counts only while work is in flight here);
-//! - every communicator's asynchronous error (`ncclCommGetAsyncError`: on a blocking
-//!   communicator it only reads the communicator's state, so it is asked while another
-//!   thread may be inside NCCL on it, as PyTorch's watchdog does; on a non-blocking one
-//!   only when no call holds it);
-//!
-//! and breaks the backend on the first of these (revoke, then abort: see the
-//! [module](super)). It runs when the watchdog timeout is [`Duration::MAX`] too,
+//! [`NcclConfig::watchdog_interval`](super::NcclConfig::watchdog_interval) at the
+//! collectives enqueued (their completion events), the threads inside NCCL (their
+//! deadlines), the exchange's word on lost peers and every communicator's asynchronous
+//! error, and breaks the backend on the first that fails (see the [module](super)'s
+//! table of waits). It runs when the watchdog timeout is [`Duration::MAX`] too,
 //! watching no collective then, only calls inside NCCL.
 
 use super::comm::{Device, Shared};
