@@ -25,34 +25,22 @@ pub(crate) const PEER_VERDICT_WAIT: Duration = Duration::from_secs(1);
 /// Why a backend broke, kept to describe it on every later call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Cause {
-    /// An NCCL call ran past its deadline.
-    Timeout {
-        /// The call.
-        op: &'static str,
-        /// How long it was polled.
-        waited: Duration,
-    },
-    /// A collective did not complete within the watchdog timeout.
+    /// The NCCL call `op` ran past its deadline, after `waited`.
+    Timeout { op: &'static str, waited: Duration },
+    /// A collective `op` on communicator `comm` did not complete within the watchdog
+    /// timeout (enqueued `waited` before the watchdog saw it).
     Watchdog {
-        /// The collective.
         op: &'static str,
-        /// The communicator.
         comm: usize,
-        /// How long it had been enqueued when the watchdog saw it.
         waited: Duration,
     },
     /// NCCL or CUDA reported an error (an asynchronous one, or a failed call after
     /// which the communicators cannot be trusted).
     Failed(String),
-    /// The exchange knows a peer is lost (its process ended, or it stopped answering
-    /// heartbeats; see [`Exchange::lost_peer`]): work on the communicators may wait on
-    /// it for ever.
-    PeerLost {
-        /// The lost rank.
-        rank: usize,
-        /// How the exchange noticed.
-        detail: String,
-    },
+    /// The exchange knows rank `rank` is lost (`detail`: its process ended, or it
+    /// stopped answering heartbeats; see [`Exchange::lost_peer`]): work on the
+    /// communicators may wait on it for ever.
+    PeerLost { rank: usize, detail: String },
 }
 
 impl Cause {
