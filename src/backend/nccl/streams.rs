@@ -216,9 +216,6 @@ impl NcclBackend {
     /// Make `cs` wait (device-side) for each of `waits`, fences recorded on this
     /// backend's streams: a stream the caller may not have wrapped as a [`Stream`]
     /// (see `CudaView`).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn wait_fences_on(&self, cs: &CudaStream, waits: &[Wait]) -> Result<()> {
         if waits.is_empty() {
             return Ok(());
@@ -237,26 +234,17 @@ impl NcclBackend {
     }
 
     /// Whether `cs` is capturing a CUDA graph.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn capturing_cuda(cs: &CudaStream) -> Result<bool> {
         (cs.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))?;
         ffi::is_capturing(cs)
     }
 
     /// A new event (without timing) in `cs`'s context, to record on `cs`.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn event_for(cs: &CudaStream) -> Result<CudaEvent> {
         (cs.context().new_event(None)).map_err(ffi::cuda("cuEventCreate"))
     }
 
     /// Make `cs` wait (device-side) for `event`'s last record.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn wait_event(cs: &CudaStream, event: &CudaEvent) -> Result<()> {
         cs.wait(event).map_err(ffi::cuda("cuStreamWaitEvent"))
     }

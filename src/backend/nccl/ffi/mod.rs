@@ -2,7 +2,9 @@
 //! module that calls NCCL or the driver's raw API (the loader and function table in
 //! [`table`], memory and windows in [`window`], the driver in [`cuda`]). Every function
 //! takes the function table ([`Syms`]) it calls through: the real NCCL ([`api`]) or, in
-//! the crate's tests, a fake one.
+//! the crate's tests, a fake one. A failed call is [`Error::Nccl`] naming it, with
+//! NCCL's code and message ([`Error::Cuda`] in [`cuda`]), unless a function says
+//! otherwise.
 //!
 //! A call on a non-blocking communicator may answer [`Status::InProgress`]: the caller
 //! polls [`async_state`]. Out-parameters that NCCL may write after that answer (the new
@@ -240,10 +242,8 @@ impl Starting {
     }
 }
 
-/// Start `ncclCommInitRankConfig` on a non-blocking config (the control communicator).
-///
-/// # Errors
-/// The NCCL error (after aborting the half-made communicator).
+/// Start `ncclCommInitRankConfig` on a non-blocking config (the control communicator);
+/// a half-made communicator is aborted on failure.
 pub(crate) fn comm_init(
     s: &Syms,
     nranks: usize,
@@ -299,9 +299,6 @@ pub(crate) fn comm_init(
 /// `parent` is a live communicator that nothing else calls NCCL on during this call
 /// (and, on a non-blocking parent, until the split is done), and every rank of it
 /// makes the same call at the same point.
-///
-/// # Errors
-/// The NCCL error.
 pub(crate) unsafe fn comm_split(
     s: &Syms,
     parent: RawComm,
@@ -337,12 +334,11 @@ pub(crate) unsafe fn comm_split(
 /// group job to join), which is what a watchdog may do while another thread is inside
 /// NCCL on it (PyTorch's watchdog does).
 ///
+/// The asynchronous error is reported as [`Error::Nccl`] naming `op`.
+///
 /// # Safety
 /// `comm` is live (not aborted); on a non-blocking communicator the caller has
 /// exclusive use of it (the call joins NCCL's thread of the previous call).
-///
-/// # Errors
-/// The asynchronous error, as [`Error::Nccl`] naming `op`.
 pub(crate) unsafe fn async_state(s: &Syms, op: &'static str, comm: RawComm) -> Result<Status> {
     let mut state: c_int = SUCCESS;
     // SAFETY: the caller guarantees a live communicator; `state` is a valid out-pointer
@@ -401,9 +397,6 @@ pub(crate) unsafe fn comm_abort(s: &Syms, comm: RawComm) -> Result<()> {
 /// # Safety
 /// `comm` is a live communicator created by this crate, not yet aborted. Another
 /// thread may be inside an NCCL call on it (that is what revoking is for).
-///
-/// # Errors
-/// The NCCL error.
 pub(crate) unsafe fn comm_revoke(s: &Syms, comm: RawComm) -> Result<bool> {
     let Some(revoke) = s.revoke else {
         return Ok(false);
