@@ -302,9 +302,7 @@ impl ShmBackend {
     ) -> Result<()> {
         let (_, serial) = self.comm(args.comm)?;
         let _serial = serial.lock();
-        // The opening round: every rank is at this collective on this communicator
-        // (the arguments are compared by the checked collectives of `coll`, the same
-        // way on every backend; like NCCL, the backend itself does not).
+        // The opening round: every rank is at this collective on this communicator.
         let caller = args.caller;
         let deadline = args.deadline();
         let posts = self.round(args.comm, op, &Step::Post { reduce, caller }, deadline)?;

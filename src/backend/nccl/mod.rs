@@ -40,19 +40,15 @@
 //!
 //! # Warm-up
 //!
-//! NCCL does some work lazily at a communicator's first collective, and some of it
-//! waits on peers: connecting an algorithm's channels (`NCCL_RUNTIME_CONNECT=1`, the
-//! default since 2.22) and the copy engine's first all-gather (`ncclCeInit` allocates
-//! and registers a window, a collective step). So set-up ends with a warm-up, under the
-//! set-up deadline: one registered segment, and on each data communicator the
-//! collectives the path policy can choose there (all-gather on the copy-engine one,
-//! all-gather, reduce-scatter and all-reduce on the symmetric and plain ones), each at
-//! a small (4 KiB) and a large (4 MiB) size per rank, as NCCL picks its algorithms and
-//! protocols by size; then the segment is released (world × 4 MiB, in whole granules,
-//! for the duration of set-up). [`NcclBackend::warmed`] lists what ran. Setting `NCCL_RUNTIME_CONNECT=0`
-//! before NCCL is loaded would connect every algorithm inside communicator creation
-//! instead, but for every communicator of the process (PyTorch's too), and it cannot
-//! be changed once NCCL read it; the crate does not set it.
+//! NCCL connects an algorithm's channels at a communicator's first collective
+//! (`NCCL_RUNTIME_CONNECT=1`, the default since 2.22), and the copy engine's first
+//! all-gather registers a window (`ncclCeInit`): lazy work that waits on peers. So
+//! set-up ends with a warm-up under the set-up deadline: on one registered segment
+//! (world × 4 MiB, released after), every collective the path policy can choose on each
+//! data communicator, at 4 KiB and 4 MiB per rank (NCCL picks its algorithms by size);
+//! [`NcclBackend::warmed`] lists them. `NCCL_RUNTIME_CONNECT=0` would connect at
+//! creation instead, but for every communicator of the process (PyTorch's too), and
+//! only if set before NCCL is loaded; the crate does not set it.
 //!
 //! # What bounds each wait
 //!
@@ -70,21 +66,17 @@
 //! | abort (`ncclCommAbort` can block: NVIDIA/nccl issue 1777) | its own thread | not waited for; releases wait ≤ 10 s | window and segment leaked |
 //! | drop | — | idle device: ≤ 10 s for the aborts; work in flight: not waited for | communicators leaked |
 //!
-//! The watchdog is one thread per backend. On a deadline, a lost peer, an
-//! asynchronous NCCL error or a failed device it **revokes** the blocking data communicators
+//! The watchdog (one thread per backend), on a deadline, a lost peer, an asynchronous
+//! NCCL error or a failed device, **revokes** the blocking data communicators
 //! (`ncclCommRevoke`, NCCL ≥ 2.28.7: stops their in-flight work and frees nothing, so a
-//! thread stuck inside NCCL returns), waits at most 0.5 s (`LEAVE_WAIT`)
-//! for such a thread to leave NCCL, then aborts every communicator on a thread of its
-//! own. NCCL < 2.28.7 has no `ncclCommRevoke`: the watchdog aborts directly (what
-//! PyTorch does), and a thread still inside NCCL on a blocking communicator then races
-//! with the abort that frees it; NCCL documents abort from another thread as safe only
-//! on non-blocking communicators (user guide, *Communicators*, fault tolerance). After
-//! an abort the backend is broken for good: every later call fails with
-//! [`Error::NcclWatchdog`] or [`Error::NcclAborted`], or [`Error::PeerLost`] naming the
-//! rank whenever the exchange knows of a lost peer (it is what broke the backend,
-//! whatever NCCL reported); windows of an aborted
-//! communicator are never deregistered (NCCL destroyed them), and segments are freed
-//! only once the aborts returned (after 10 s they are leaked instead).
+//! thread stuck inside NCCL returns), waits at most 0.5 s (`LEAVE_WAIT`) for such a
+//! thread to leave, then aborts every communicator on a thread of its own. Before
+//! 2.28.7 it aborts directly (as PyTorch does): a thread still inside NCCL on a blocking
+//! communicator then races with the abort, which NCCL documents as safe only on
+//! non-blocking ones (user guide, *Communicators*, fault tolerance). After an abort the
+//! backend is broken for good ([`NcclBackend::health`] says with which error); windows
+//! of an aborted communicator are never deregistered (NCCL destroyed them), and
+//! segments are freed only once the aborts returned (after 10 s they are leaked).
 //!
 //! # CUDA graphs
 //!
