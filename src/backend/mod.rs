@@ -90,10 +90,8 @@ pub struct CollArgs<'a> {
     /// share the communicators cannot pair each other's collectives unnoticed.
     pub caller: u64,
     /// When the call must end: the calling pool's deadline (from
-    /// [`PoolConfig::timeout`](crate::PoolConfig::timeout), shared with its checks).
-    /// Backends that wait for their peers on the host (the host backends) wait until
-    /// [`deadline`](Self::deadline) and no longer: the whole call, the host backends'
-    /// data movement included, ends by it.
+    /// [`PoolConfig::timeout`](crate::PoolConfig::timeout), shared with its checks). The
+    /// host backends' whole call, their waits for peers included, ends by it.
     deadline: CallDeadline,
 }
 
@@ -180,8 +178,8 @@ impl<'a> CollArgs<'a> {
 /// Every rank calls them in the same order on the same communicator, with matching
 /// counts, types, operations and (on the symmetric path) offsets.
 pub trait Collectives: Send + Sync + fmt::Debug {
-    /// All-gather `count` elements per rank from `send` into `recv`. A backend that
-    /// waits for its peers on the host waits until [`CollArgs::deadline`] at most.
+    /// All-gather `count` elements per rank from `send` into `recv`, by
+    /// [`CollArgs::deadline`] where the backend waits for its peers on the host.
     ///
     /// # Errors
     /// [`Error::InvalidCollective`]; [`Error::Nccl`]; on the host backends also
@@ -278,18 +276,14 @@ pub struct Backend {
     /// Held from that agreement to the last registration of the segment, so that two
     /// pools of this rank cannot interleave their registrations.
     registering: Arc<parking_lot::Mutex<()>>,
-    /// The pools on this backend's communicators, by pool channel ordinal: the pool's
-    /// name and the thread of its latest collective pool operation (to name pools
-    /// shared between threads when one fails).
+    /// The pools on these communicators, by pool channel ordinal (to name pools shared
+    /// between threads when one fails).
     users: Arc<parking_lot::Mutex<BTreeMap<u64, PoolUser>>>,
-    /// Whether a collectives handle holds these communicators (see
-    /// [`claim_collectives`](Self::claim_collectives)).
+    /// See [`claim_collectives`](Self::claim_collectives).
     collectives_claimed: Arc<AtomicBool>,
-    /// The ledger of these communicators (made by the first pool over them, shared by
-    /// every pool over them; see [`ledger_slot`](Self::ledger_slot)).
+    /// See [`ledger_slot`](Self::ledger_slot).
     ledger: Arc<parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>>>,
-    /// The backend a shrink made of this one (see [`shrink`](Self::shrink)): every
-    /// pool over these communicators gets the same.
+    /// The backend a [`shrink`](Self::shrink) made of this one.
     shrunk: Arc<parking_lot::Mutex<Option<Backend>>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
