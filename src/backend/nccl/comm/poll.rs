@@ -50,15 +50,12 @@ pub(super) unsafe fn poll(
     answer.unwrap_or_else(|| Waited::Timeout(started.elapsed()))
 }
 
-/// Finish making a communicator (`blocking` as configured): poll until `deadline` (no
-/// backend exists yet), abort it on failure.
-///
-/// For a split off a non-blocking parent the parent is what is polled, and the child is
-/// read only once the poll ended. On a timeout the parent (`parent`, when the crate made
-/// it) is aborted, which also ends the child's initialisation (`setCommAbortFlags`,
-/// src/init.cc 2.28.3 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort
-/// returned, the child, if NCCL wrote one, is aborted too. Otherwise (a runtime's
-/// parent, or an abort that did not return) the child and the boxes are leaked.
+/// Finish making a communicator (`blocking` as configured): poll what
+/// [`ffi::Starting::poll`] names until `deadline`, abort it on failure. On a timeout of
+/// a split off a non-blocking `parent` (one the crate made), the parent is aborted,
+/// which also ends the child's initialisation (`setCommAbortFlags`, src/init.cc 2.28.3
+/// 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort returned, the child, if
+/// NCCL wrote one, is aborted too. Otherwise the child and the boxes are leaked.
 pub(in crate::backend::nccl) fn finish_creation(
     nccl: &'static Syms,
     starting: Result<ffi::Starting>,
