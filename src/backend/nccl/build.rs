@@ -250,8 +250,6 @@ impl Builder {
             Vec::new()
         };
         let parts = Arc::new(NcclBackend {
-            rank,
-            world,
             shared,
             ordinals: Mutex::new(vec![0; n]),
             fences: Mutex::new(FenceTable::default()),
@@ -316,7 +314,8 @@ impl NcclBackend {
         };
         self.bind()?;
         self.shared.health.check()?;
-        let comms = control.splitting("ncclCommSplit", || b.data(control, self.rank, false))?;
+        let rank = self.shared.rank;
+        let comms = control.splitting("ncclCommSplit", || b.data(control, rank, false))?;
         b.assemble(
             self.shared.device.ctx.clone(),
             None,

@@ -117,6 +117,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use streams::FenceTable;
 pub(crate) use streams::{cuda_key, same_cuda_stream};
@@ -221,8 +222,6 @@ impl Device for Cuda {
 /// [`Backend`](super::Backend)s; reach this type again through
 /// [`Backend::downcast_ref`](super::Backend::downcast_ref).
 pub struct NcclBackend {
-    rank: usize,
-    world: usize,
     shared: Arc<Shared<Cuda>>,
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
@@ -233,7 +232,7 @@ pub struct NcclBackend {
     warmed: Vec<WarmedPath>,
     watchdog: Watchdog,
     /// A drain ran out of time: some stream is stuck, so the drop does not wait again.
-    drain_timed_out: std::sync::atomic::AtomicBool,
+    drain_timed_out: AtomicBool,
 }
 
 impl fmt::Debug for NcclBackend {
@@ -243,8 +242,8 @@ impl fmt::Debug for NcclBackend {
         write!(
             f,
             "NcclBackend(rank {} of {}, device {}, {} data communicators{broken})",
-            self.rank,
-            self.world,
+            s.rank,
+            s.world,
             s.device.ctx.ordinal(),
             s.comms.len()
         )
@@ -339,7 +338,7 @@ impl NcclBackend {
         let world = if matches!(kind, CollKind::AllReduce(_)) {
             1
         } else {
-            self.world
+            self.shared.world
         };
         let call = CollCall {
             kind,
@@ -453,29 +452,22 @@ impl Drop for NcclBackend {
         self.watchdog.stop();
         let _ = self.bind();
         self.fences.lock().clear();
-        self.shared.watch.lock().clear();
         // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
         // resources; with work still running (a stuck collective, a kernel that never
         // ends) the aborts wait for the device, so leave them to their thread at once.
         // Work just enqueued gets `DROP_DRAIN_WAIT` to finish (an idle device answers at
         // once; a zero deadline would make the last collectives look stuck).
-        let busy = self
-            .drain_timed_out
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let wait = if busy {
-            Duration::ZERO
-        } else {
-            DROP_DRAIN_WAIT
-        };
+        let rank = self.shared.rank;
+        let busy = self.drain_timed_out.load(Ordering::Relaxed);
+        let wait = (!busy).then_some(DROP_DRAIN_WAIT).unwrap_or_default();
         let drained = self.drain(Deadline::after(wait));
         if let Err(e) = &drained {
-            tracing::warn!("symmpool: rank {}: draining at drop failed: {e}", self.rank);
+            tracing::warn!("symmpool: rank {rank}: draining at drop failed: {e}");
         }
         let idle = matches!(drained, Ok(true));
         if !idle {
             tracing::warn!(
-                "symmpool: rank {}: device work still in flight; aborting its communicators in the background",
-                self.rank
+                "symmpool: rank {rank}: device work still in flight; aborting its communicators in the background"
             );
         }
         let (threads, wait) = if idle {
@@ -492,8 +484,7 @@ impl Drop for NcclBackend {
             .count();
         if pending > 0 && idle {
             tracing::warn!(
-                "symmpool: rank {}: {pending} ncclCommAbort calls had not returned after {wait:?}; they go on in the background and their communicators are leaked",
-                self.rank
+                "symmpool: rank {rank}: {pending} ncclCommAbort calls had not returned after {wait:?}; they go on in the background and their communicators are leaked"
             );
         }
     }

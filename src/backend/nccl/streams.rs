@@ -14,6 +14,7 @@ use crate::stream::Stream;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// What [`Stream`] carries on the NCCL backend, and how `Debug` names it.
@@ -342,7 +343,7 @@ impl StreamOps for NcclBackend {
             .collect::<Result<Vec<CudaEvent>>>()?;
         let drained = all_complete(&events, deadline);
         if matches!(drained, Ok(false)) {
-            (self.drain_timed_out).store(true, std::sync::atomic::Ordering::Relaxed);
+            (self.drain_timed_out).store(true, Ordering::Relaxed);
         }
         drained
     }
