@@ -49,9 +49,6 @@ pub(crate) const IN_PROGRESS: c_int = 7;
 /// `NCCL_REVOKE_DEFAULT` (nccl.h.in, 2.28.7+).
 const REVOKE_DEFAULT: c_int = 0;
 
-// ---------------------------------------------------------------------------------------
-// Results
-
 /// How a call on a non-blocking communicator went, when it did not fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Status {
@@ -137,9 +134,6 @@ pub(crate) unsafe fn read_slot(slot: *const sys::ncclComm_t) -> Option<RawComm> 
     let c = unsafe { std::ptr::read_volatile(slot) };
     (!c.is_null()).then_some(RawComm(c))
 }
-
-// ---------------------------------------------------------------------------------------
-// Communicators
 
 /// A fresh `ncclUniqueId`, as its 128 bytes.
 pub(crate) fn unique_id(s: &Syms) -> Result<[u8; 128]> {
