@@ -155,11 +155,7 @@ pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> Result<b
         }
         Some(Ok(()))
     });
-    match answer {
-        Some(Ok(())) => Ok(true),
-        Some(Err(e)) => Err(e),
-        None => Ok(false),
-    }
+    answer.transpose().map(|done| done.is_some())
 }
 
 impl NcclBackend {
