@@ -33,7 +33,6 @@ use crate::stream::Stream;
 use memmap2::MmapRaw;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -82,18 +81,10 @@ impl ShmConfig {
 }
 
 /// One segment: a memfd and this rank's mapping of it.
+#[derive(Debug)]
 struct ShmMemory {
     file: File,
     map: MmapRaw,
-}
-
-impl fmt::Debug for ShmMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmMemory")
-            .field("fd", &self.file.as_raw_fd())
-            .field("len_bytes", &self.map.len())
-            .finish()
-    }
 }
 
 /// A window: this rank's mappings of every peer's segment registered at the same
