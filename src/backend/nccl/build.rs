@@ -147,6 +147,27 @@ impl Builder {
         finish_creation(self.nccl, starting, op, false, self.deadline, None)
     }
 
+    /// Split a communicator of `cta_policy` off `parent` (polled as non-blocking: right
+    /// for both kinds) by the set-up's deadline; `owner` is the parent when the crate
+    /// made it (aborted on a timeout, see [`finish_creation`]).
+    ///
+    /// # Safety
+    /// As [`ffi::comm_split`].
+    unsafe fn split(
+        &self,
+        parent: RawComm,
+        owner: Option<&Comm>,
+        rank: usize,
+        cta_policy: i32,
+        blocking: bool,
+    ) -> Result<Comm> {
+        // SAFETY: the caller's contract.
+        let starting =
+            unsafe { ffi::comm_split(self.nccl, parent, false, rank, cta_policy, blocking) };
+        let op = "ncclCommSplit";
+        finish_creation(self.nccl, starting, op, blocking, self.deadline, owner)
+    }
+
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
     /// unless configured otherwise), each polled through the control communicator by
     /// the set-up's deadline. A failure aborts the ones made before it and, when
@@ -166,24 +187,8 @@ impl Builder {
             // (during set-up; for `Backend::split`, under its calls lock, see
             // `Comm::splitting`); every rank splits the same roles in the same order
             // (the plan is checked by the set-up round, a split's name by its channel).
-            let starting = unsafe {
-                ffi::comm_split(
-                    self.nccl,
-                    control.raw,
-                    false,
-                    rank,
-                    role.cta_policy,
-                    blocking,
-                )
-            };
-            let made = finish_creation(
-                self.nccl,
-                starting,
-                "ncclCommSplit",
-                blocking,
-                self.deadline,
-                Some(control),
-            );
+            let made =
+                unsafe { self.split(control.raw, Some(control), rank, role.cta_policy, blocking) };
             let comm = match made {
                 Ok(comm) => comm,
                 Err(e) => {
@@ -430,20 +435,9 @@ impl NcclBackend {
         let agreed = b.agree(exchange.as_ref(), None)?;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
-        // set-up round).
-        let starting = unsafe {
-            // The runtime's communicator may be blocking or not: polled as non-blocking
-            // (right for both), and never aborted by the crate.
-            ffi::comm_split(
-                b.nccl,
-                parent,
-                false,
-                rank,
-                ffi::NCCL_CTA_POLICY_DEFAULT,
-                false,
-            )
-        };
-        let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline, None)?;
+        // set-up round). The runtime's communicator is never aborted by the crate.
+        let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
+        let control = unsafe { b.split(parent, None, rank, policy, false) }?;
         let comms = b.data(&control, rank, true)?;
         b.assemble(ctx, Some(control), comms, agreed.nodes, exchange, true)
     }
