@@ -496,10 +496,7 @@ impl Backend {
 
     /// A backend with this one's identity, exchange and stream operations, and `parts`
     /// (communicators of their own) for the rest: what [`split`](Self::split) returns
-    /// on the host backends.
-    ///
-    /// # Collective
-    /// As [`new`](Self::new).
+    /// on the host backends. Collective, as [`new`](Self::new).
     pub(crate) fn sibling<T>(&self, parts: Arc<T>) -> Result<Backend>
     where
         T: SegmentProvider + DataMover + Collectives + 'static,

@@ -127,11 +127,8 @@ enum Step {
     Read,
 }
 
-/// Every rank's record of a round as `pick` reads it.
-///
-/// # Errors
-/// [`Error::CollectiveMismatch`] naming the first rank whose record `pick` refuses (a
-/// rank at another step of its calls on this communicator).
+/// Every rank's record of a round as `pick` reads it, or [`Error::CollectiveMismatch`]
+/// naming the first rank whose record `pick` refuses (at another step of its calls).
 fn at_step<T>(
     op: &'static str,
     steps: Vec<Step>,
@@ -266,11 +263,8 @@ impl ShmBackend {
         })
     }
 
-    /// One round of `mine` on communicator `c`'s channel, waiting for the other ranks
-    /// until `deadline`: every rank's record, in rank order.
-    ///
-    /// # Errors
-    /// The exchange's; [`Error::Protocol`] naming a rank whose record does not decode.
+    /// One round of `mine` on communicator `c`'s channel, by `deadline`: every rank's
+    /// record, in rank order (as [`gather_records`]).
     fn round(
         &self,
         c: usize,

@@ -269,14 +269,10 @@ impl Builder {
 
 impl NcclBackend {
     /// [`Backend::shrink`] on NCCL, with the shrunk `exchange`: this backend's
-    /// communicators are aborted first (their windows are never deregistered: an
-    /// aborted communicator releases them itself), then the survivors make a new
-    /// set from the store, as [`from_env`](Self::from_env) does, on this rank's
-    /// device and configuration. A fresh set rather than `ncclCommShrink`, which needs
-    /// the parent communicator alive: the watchdog aborts it when a peer is lost.
-    ///
-    /// # Errors
-    /// As [`from_env`](Self::from_env).
+    /// communicators aborted (they release their windows themselves), a new set made
+    /// as [`from_env`](Self::from_env) does (and with its errors), on this rank's device
+    /// and configuration. Not `ncclCommShrink`, which needs the parent communicator
+    /// alive: the watchdog aborts it when a peer is lost.
     pub(in crate::backend) fn shrink(&self, exchange: Arc<dyn Exchange>) -> Result<Backend> {
         self.abort("the survivors of a lost rank shrink the group");
         let config = (*self.config()).with_device(self.device());
@@ -287,16 +283,12 @@ impl NcclBackend {
     /// control communicator (the same roles, blocking unless configured otherwise),
     /// warmed up, with a watchdog of their own, by [`NcclConfig::setup_timeout`]. A
     /// failed split aborts the communicators it made, not this backend's. The split
-    /// backend has no control communicator of its own: split the original again for
-    /// another pool.
-    ///
-    /// Splits on one rank are serialised (by the control communicator's calls lock).
+    /// backend has no control communicator of its own (split the original again), and
+    /// splits on one rank are serialised (by the control communicator's calls lock).
     ///
     /// # Errors
-    /// [`Error::Config`] for communicators adopted without a control communicator
-    /// ([`from_raw`](Self::from_raw)) or a backend that was itself split off; the
-    /// exchange's errors; [`Error::Nccl`], [`Error::NcclTimeout`]; the backend's error
-    /// once it is broken, [`Error::NcclAborted`] once its control communicator is.
+    /// As [`Backend::split`]; the backend's error once it is broken,
+    /// [`Error::NcclAborted`] once its control communicator is.
     pub(in crate::backend) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let Some(control) = self.shared.control.as_ref() else {
             return Err(Error::Config {
