@@ -5,6 +5,7 @@ use super::*;
 
 /// A communicator handed over for its abort.
 pub(super) struct Taken {
+    pub(super) nccl: &'static Syms,
     pub(super) raw: RawComm,
     pub(super) blocking: bool,
     pub(super) state: Arc<CommState>,
@@ -39,17 +40,9 @@ pub(in crate::backend::nccl) enum AbortThreads {
 /// the cleanup of a failed set-up, which must not wait [`ABORT_WAIT`] per
 /// communicator in turn.
 pub(in crate::backend::nccl) fn abort_together<'a>(comms: impl IntoIterator<Item = &'a Comm>) {
-    let mut nccl = None;
-    let taken: Vec<Taken> = comms
-        .into_iter()
-        .filter_map(|c| {
-            nccl = Some(c.nccl);
-            c.take_for_abort()
-        })
-        .collect();
-    let Some(nccl) = nccl else { return };
+    let taken: Vec<Taken> = comms.into_iter().filter_map(Comm::take_for_abort).collect();
     let states: Vec<Arc<CommState>> = taken.iter().map(|t| t.state.clone()).collect();
-    abort_off_thread(nccl, None, taken, AbortThreads::Apart);
+    abort_off_thread(None, taken, AbortThreads::Apart);
     let deadline = Deadline::after(ABORT_WAIT);
     let pending = states.iter().filter(|s| !s.wait_aborted(deadline)).count();
     if pending > 0 {
@@ -69,14 +62,14 @@ pub(super) const REVOKE_AGAIN: Duration = Duration::from_millis(20);
 /// revoke may end before that thread's call starts; and `ncclCommRevoke` clears NCCL's
 /// abort flags when it is done, so that call would then block. So the revoke is
 /// repeated, every [`REVOKE_AGAIN`], until the thread left or [`LEAVE_WAIT`] passed.
-pub(super) fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
+pub(super) fn revoke_then_abort(t: &Taken, revoke: bool) {
     if revoke && t.blocking {
         let until = Deadline::after(LEAVE_WAIT);
         loop {
             // SAFETY: the crate made this communicator and it is not aborted yet (this
             // thread runs its abort, after this); another thread may be inside NCCL on
             // it, which is what revoking is for.
-            match unsafe { ffi::comm_revoke(nccl, t.raw) } {
+            match unsafe { ffi::comm_revoke(t.nccl, t.raw) } {
                 Ok(true) => {}
                 Ok(false) => {
                     if t.state.gate.lock().inside.is_some() {
@@ -110,7 +103,7 @@ pub(super) fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
     // the documented race of aborting a blocking communicator from another thread.
     // Its windows are deregistered by nobody but this abort (`deregister` waits for
     // `done`), so their segments stay mapped.
-    if let Err(e) = unsafe { ffi::comm_abort(nccl, t.raw) } {
+    if let Err(e) = unsafe { ffi::comm_abort(t.nccl, t.raw) } {
         tracing::error!("symmpool: ncclCommAbort failed: {e}");
     }
     t.state.abort_returned();
@@ -129,12 +122,7 @@ pub(super) fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
 /// block without bound on its own (it joins NCCL's proxy threads; NVIDIA/nccl issue
 /// 1777), so nobody waits for it without a deadline; a thread that never returns only
 /// leaks its communicators.
-pub(super) fn abort_off_thread(
-    nccl: &'static Syms,
-    bind: Option<Binder>,
-    comms: Vec<Taken>,
-    threads: AbortThreads,
-) {
+pub(super) fn abort_off_thread(bind: Option<Binder>, comms: Vec<Taken>, threads: AbortThreads) {
     let revoke = threads == AbortThreads::PerCommunicator;
     let batches: Vec<Vec<Taken>> = match threads {
         AbortThreads::One if comms.is_empty() => Vec::new(),
@@ -161,7 +149,7 @@ pub(super) fn abort_off_thread(
                 }
                 let _running = running;
                 for t in &batch {
-                    revoke_then_abort(nccl, t, revoke);
+                    revoke_then_abort(t, revoke);
                 }
             });
         if let Err(e) = spawned {

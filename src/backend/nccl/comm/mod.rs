@@ -218,6 +218,7 @@ impl Comm {
         if self.owned && !gate.aborted {
             gate.aborted = true;
             Some(Taken {
+                nccl: self.nccl,
                 raw: self.raw,
                 blocking: self.blocking,
                 state: self.state.clone(),
@@ -232,7 +233,7 @@ impl Comm {
     /// returned. For set-up, where nobody is inside NCCL on it.
     fn abort_and_wait(&self, deadline: Deadline) -> bool {
         if let Some(taken) = self.take_for_abort() {
-            abort_off_thread(self.nccl, None, vec![taken], AbortThreads::One);
+            abort_off_thread(None, vec![taken], AbortThreads::One);
         }
         self.aborted_by(deadline).unwrap_or(false)
     }
@@ -308,7 +309,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn abort_all(&self, threads: AbortThreads) {
         let taken: Vec<Taken> = self.all_comms().filter_map(Comm::take_for_abort).collect();
         self.watch.lock().clear();
-        abort_off_thread(self.nccl, Some(self.device.binder()), taken, threads);
+        abort_off_thread(Some(self.device.binder()), taken, threads);
     }
 
     /// Break the backend with `cause` (aborting the communicators if this is the first
