@@ -425,10 +425,10 @@ impl NcclBackend {
         let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
         let (rank, _) = same_rank(found, device, exchange.as_ref())?;
         let agreed = b.agree(exchange.as_ref(), None)?;
+        let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
         // set-up round). The runtime's communicator is never aborted by the crate.
-        let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         let control = unsafe { b.split(parent, None, rank, policy, false) }?;
         let comms = b.data(&control, rank, true)?;
         b.assemble(ctx, Some(control), comms, agreed.nodes, exchange, true)

@@ -459,7 +459,11 @@ impl Drop for NcclBackend {
         // once; a zero deadline would make the last collectives look stuck).
         let rank = self.shared.rank;
         let busy = self.drain_timed_out.load(Ordering::Relaxed);
-        let wait = (!busy).then_some(DROP_DRAIN_WAIT).unwrap_or_default();
+        let wait = if busy {
+            Duration::ZERO
+        } else {
+            DROP_DRAIN_WAIT
+        };
         let drained = self.drain(Deadline::after(wait));
         if let Err(e) = &drained {
             tracing::warn!("symmpool: rank {rank}: draining at drop failed: {e}");
