@@ -149,13 +149,6 @@ pub struct Refused<T> {
     pub error: Error,
 }
 
-impl<T> Refused<T> {
-    /// `handle`, given back with `error`.
-    pub(crate) fn new(handle: T, error: Error) -> Self {
-        Refused { handle, error }
-    }
-}
-
 /// A byte range of a segment. Made only through [`Segment::region`], so it always lies
 /// inside its segment.
 #[derive(Debug, Clone, Copy)]
