@@ -352,23 +352,6 @@ impl<E: Completion> Watch<E> {
         self.pending.push_back(e);
     }
 
-    /// Number of collectives not yet seen complete.
-    #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
-        self.pending.len()
-    }
-
-    /// Drop the completed collectives; `Some(cause)` if one is older than `timeout` and
-    /// not complete, or the device failed. (The watchdog does the same in three steps,
-    /// [`take`](Self::take), [`sweep`], [`restore`](Self::restore), so that the lock on
-    /// the list is not held across the queries.)
-    #[cfg(test)]
-    pub(super) fn sweep(&mut self, now: Instant, timeout: Duration) -> Option<Cause> {
-        let swept = sweep(self.take(), now, timeout);
-        self.restore(swept.kept, swept.complete);
-        swept.cause
-    }
-
     /// The collectives pending so far, taken out of the list (to be queried without
     /// holding its lock, then handed back with [`restore`](Self::restore)).
     pub(crate) fn take(&mut self) -> VecDeque<Enqueued<E>> {
