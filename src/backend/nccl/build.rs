@@ -55,14 +55,10 @@ fn roles_for(version: NcclVersion, config: &NcclConfig) -> Vec<CommInfo> {
 /// The CTA policy NCCL will apply: `NCCL_CTA_POLICY` in the environment overrides the
 /// config (NCCL `init.cc`, "Comm config CTAPolicy reset to NCCL_CTA_POLICY").
 fn effective_policy(requested: i32) -> i32 {
-    match std::env::var("NCCL_CTA_POLICY")
-        .ok()
-        .as_deref()
-        .map(str::trim)
-    {
-        Some("2") | Some("ZERO") => ffi::NCCL_CTA_POLICY_ZERO,
-        Some("0") | Some("DEFAULT") => ffi::NCCL_CTA_POLICY_DEFAULT,
-        Some("1") | Some("EFFICIENCY") => 1,
+    match std::env::var("NCCL_CTA_POLICY").unwrap_or_default().trim() {
+        "2" | "ZERO" => ffi::NCCL_CTA_POLICY_ZERO,
+        "0" | "DEFAULT" => ffi::NCCL_CTA_POLICY_DEFAULT,
+        "1" | "EFFICIENCY" => 1,
         _ => requested,
     }
 }
@@ -122,18 +118,16 @@ impl Builder {
         exchange: &dyn Exchange,
         unique_id: Option<[u8; 128]>,
     ) -> Result<setup::Agreed> {
+        let roles: Vec<_> = self
+            .roles()
+            .iter()
+            .map(|r| (r.role, r.cta_policy))
+            .collect();
         let hello = setup::Hello {
             version: version_code(self.version),
             node: setup::this_node(),
             unique_ids: unique_id.iter().map(|id| id.to_vec()).collect(),
-            plan: format!(
-                "{:?}, blocking: {}",
-                self.roles()
-                    .iter()
-                    .map(|r| (r.role, r.cta_policy))
-                    .collect::<Vec<_>>(),
-                self.config.data_blocking
-            ),
+            plan: format!("{roles:?}, blocking: {}", self.config.data_blocking),
         };
         setup::agree(exchange, &hello, self.deadline)
     }

@@ -178,13 +178,7 @@ fn open(candidate: &Candidate) -> Option<libloading::os::unix::Library> {
             Library::open(Some(name.as_str()), RTLD_NOW | RTLD_LOCAL)
         },
     };
-    match result {
-        Ok(lib) => Some(lib),
-        Err(e) => {
-            tracing::debug!("symmpool: NCCL candidate {candidate:?}: {e}");
-            None
-        }
-    }
+    (result.inspect_err(|e| tracing::debug!("symmpool: NCCL candidate {candidate:?}: {e}"))).ok()
 }
 
 fn loaded() -> Option<&'static Loaded> {
@@ -230,13 +224,8 @@ fn loaded() -> Option<&'static Loaded> {
                     revoke: unsafe { sym(lib, "ncclCommRevoke") }.ok(),
                 })
             })();
-            let syms = match syms {
-                Ok(s) => Some(s),
-                Err(missing) => {
-                    tracing::warn!("symmpool: NCCL {version} lacks {missing}");
-                    None
-                }
-            };
+            let syms =
+                (syms.inspect_err(|m| tracing::warn!("symmpool: NCCL {version} lacks {m}"))).ok();
             Some(Loaded { version, syms })
         })
         .as_ref()
