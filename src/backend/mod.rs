@@ -577,12 +577,8 @@ impl Backend {
     pub(crate) fn note_user(&self, pool: u64, name: &str, used: bool) {
         let thread = used.then(|| std::thread::current().id());
         let mut users = self.users.lock();
-        match users.get_mut(&pool) {
-            Some(user) => user.1 = thread.or(user.1),
-            None => {
-                users.insert(pool, (name.to_string(), thread));
-            }
-        }
+        let user = users.entry(pool).or_insert_with(|| (name.to_string(), None));
+        user.1 = thread.or(user.1);
     }
 
     /// Claim these communicators for one collectives handle (`coll::Coll`), which numbers
