@@ -82,20 +82,20 @@ struct ShmMemory {
     map: MmapRaw,
 }
 
-/// A window: this rank's mappings of every peer's segment registered at the same
-/// position (`None` at this rank's own index).
+/// A window: this rank's mappings of every rank's segment registered at the same
+/// position (its own too, mapped a second time).
 struct ShmWindow {
-    peers: Vec<Option<MmapRaw>>,
+    peers: Vec<MmapRaw>,
 }
 
-/// This rank's mapping of peer `peer`'s segment in `window`.
+/// This rank's mapping of rank `peer`'s segment in `window`.
 fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
     let w = window.handle::<ShmWindow>().ok_or(Error::Internal {
         what: "a window of another backend reached the shared-memory backend".into(),
     })?;
     match w.peers.get(peer) {
-        Some(Some(map)) => Ok(map),
-        _ => Err(Error::Internal {
+        Some(map) => Ok(map),
+        None => Err(Error::Internal {
             what: format!("window {} has no mapping of rank {peer}", window.ordinal()),
         }),
     }
@@ -365,21 +365,22 @@ unsafe fn copy_in(map: &MmapRaw, offset: u64, data: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// `len` bytes of peer `peer`'s segment in `window`, at `offset`.
+/// `len` bytes of rank `peer`'s segment in `window`, at `offset`.
 fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
     let mut out = vec![0u8; len as usize];
-    // SAFETY: the peer writes only other bytes of its segment until the collective's
-    // closing barrier (the posts agreed that every rank reads the same, disjoint
-    // chunks), or, in an all-reduce, none before the middle barrier after these reads.
+    // SAFETY: rank `peer` (this one too) writes only other bytes of its segment until
+    // the collective's closing barrier (the posts agreed that every rank reads the
+    // same, disjoint chunks), or, in an all-reduce, none before the middle barrier
+    // after these reads.
     unsafe { copy_out(peer_map(window, peer)?, offset, &mut out) }?;
     Ok(out)
 }
 
-/// Write `data` into peer `peer`'s segment in `window`, at `offset`.
+/// Write `data` into rank `peer`'s segment in `window`, at `offset`.
 fn peer_write(window: &Window, peer: usize, offset: u64, data: &[u8]) -> Result<()> {
-    // SAFETY: during this collective only this rank writes this chunk of the peer's
-    // output (the posts agreed on the offsets); the peer reads it after the closing
-    // barrier.
+    // SAFETY: during this collective only this rank writes this chunk of rank
+    // `peer`'s output (the posts agreed on the offsets); `peer` reads it after the
+    // closing barrier.
     unsafe { copy_in(peer_map(window, peer)?, offset, data) }
 }
 
@@ -459,10 +460,6 @@ impl SegmentProvider for ShmBackend {
         }
         let mut peers = Vec::with_capacity(self.world);
         for (r, (pid, fd, _)) in all.iter().enumerate() {
-            if r == self.rank {
-                peers.push(None);
-                continue;
-            }
             let path = format!("/proc/{pid}/fd/{fd}");
             let file = std::fs::OpenOptions::new()
                 .read(true)
@@ -476,7 +473,7 @@ impl SegmentProvider for ShmBackend {
             if map.len() as u64 != size_bytes {
                 return Err(Error::RegistrationMismatch { ordinal, sizes });
             }
-            peers.push(Some(map));
+            peers.push(map);
         }
         Ok(Some(Window::new(
             comm,
@@ -525,11 +522,7 @@ impl Collectives for ShmBackend {
                     // output offset (the symmetric path).
                     let at = args.recv.offset_bytes() + me * chunk;
                     for p in 0..self.world {
-                        if p == self.rank {
-                            write_local(&args.recv.sub(me * chunk, chunk)?, &mine)?;
-                        } else {
-                            peer_write(recv_window, p, at, &mine)?;
-                        }
+                        peer_write(recv_window, p, at, &mine)?;
                     }
                 }
                 None => {
@@ -549,17 +542,11 @@ impl Collectives for ShmBackend {
         let me = self.rank as u64;
         self.collective(args, OP, true, || {
             let inputs: Vec<Vec<u8>> = match args.windows {
-                (Some(send_window), _) => (0..self.world)
-                    .map(|p| {
-                        if p == self.rank {
-                            let mut v = vec![0u8; chunk as usize];
-                            read_local(&args.send.sub(me * chunk, chunk)?, &mut v)?;
-                            Ok(v)
-                        } else {
-                            peer_bytes(send_window, p, args.send.offset_bytes() + me * chunk, chunk)
-                        }
-                    })
-                    .collect::<Result<_>>()?,
+                (Some(send_window), _) => {
+                    let at = args.send.offset_bytes() + me * chunk;
+                    let read = (0..self.world).map(|p| peer_bytes(send_window, p, at, chunk));
+                    read.collect::<Result<_>>()?
+                }
                 _ => {
                     let whole = chunk * self.world as u64;
                     let mut mine = vec![0u8; whole as usize];
@@ -587,14 +574,9 @@ impl Collectives for ShmBackend {
                     // Pull the peers' inputs through their windows, then a middle
                     // round, so that no rank overwrites its input (in place: its
                     // output) while a peer reads it.
+                    let at = args.send.offset_bytes();
                     let read = (0..self.world)
-                        .map(|p| {
-                            if p == self.rank {
-                                Ok(mine.clone())
-                            } else {
-                                peer_bytes(send_window, p, args.send.offset_bytes(), bytes)
-                            }
-                        })
+                        .map(|p| peer_bytes(send_window, p, at, bytes))
                         .collect::<Result<Vec<_>>>();
                     let read_all = self.round(args.comm, OP, &Step::Read, args.deadline())?;
                     at_step(OP, read_all, |s| matches!(s, Step::Read).then_some(()))?;
