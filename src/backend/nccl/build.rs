@@ -308,7 +308,7 @@ impl NcclBackend {
         let rank = self.shared.rank;
         let comms = control.splitting("ncclCommSplit", || b.data(control, rank, false))?;
         b.assemble(
-            self.shared.device.ctx.clone(),
+            self.context().clone(),
             None,
             comms,
             backend.info().nodes,

@@ -288,7 +288,7 @@ impl NcclBackend {
 
     /// The CUDA device ordinal.
     pub fn device(&self) -> usize {
-        self.shared.device.ctx.ordinal()
+        self.context().ordinal()
     }
 
     /// The configuration the backend was made with.
@@ -319,9 +319,7 @@ impl NcclBackend {
     }
 
     fn bind(&self) -> Result<()> {
-        self.shared
-            .device
-            .ctx
+        self.context()
             .bind_to_thread()
             .map_err(ffi::cuda("cuCtxSetCurrent"))
     }

@@ -164,9 +164,7 @@ impl NcclBackend {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn cuda_stream(&self) -> Result<Arc<CudaStream>> {
-        self.shared
-            .device
-            .ctx
+        self.context()
             .new_stream()
             .map_err(ffi::cuda("cuStreamCreate"))
     }
@@ -198,13 +196,13 @@ impl NcclBackend {
         self.bind()?;
         // SAFETY: the caller guarantees a live stream handle.
         let ctx = unsafe { ffi::stream_context(cu_stream) }?;
-        if ctx != self.shared.device.ctx.cu_ctx() {
+        if ctx != self.context().cu_ctx() {
             // A stream of another context (not the primary context of this device).
             return Err(Error::WrongStream);
         }
         // SAFETY: the stream belongs to this context (checked above) and the caller keeps
         // it alive as long as this backend, which holds every wrapper it hands out.
-        let wrapped = unsafe { self.shared.device.ctx.wrap_borrowed_stream(cu_stream) };
+        let wrapped = unsafe { self.context().wrap_borrowed_stream(cu_stream) };
         let stream = Stream::cuda(wrapped);
         streams.insert(cu_stream as usize, stream.clone());
         Ok(stream)

@@ -41,10 +41,7 @@ impl Watchdog {
         let (stop, stopped) = mpsc::channel::<()>();
         let weak: Weak<Shared<D>> = Arc::downgrade(shared);
         let bind = shared.device.binder();
-        let interval = shared
-            .config
-            .watchdog_interval
-            .max(Duration::from_millis(1));
+        let interval = (shared.config.watchdog_interval).max(Duration::from_millis(1));
         let spawned = std::thread::Builder::new()
             .name(format!("symmpool-watchdog-{}", shared.rank))
             .spawn(move || {
