@@ -577,9 +577,7 @@ impl Backend {
     pub(crate) fn note_user(&self, pool: u64, name: &str, used: bool) {
         let thread = used.then(|| std::thread::current().id());
         let mut users = self.users.lock();
-        let user = users
-            .entry(pool)
-            .or_insert_with(|| (name.to_string(), None));
+        let user = (users.entry(pool)).or_insert_with(|| (name.to_string(), None));
         user.1 = thread.or(user.1);
     }
 

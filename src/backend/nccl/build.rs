@@ -118,9 +118,7 @@ impl Builder {
         exchange: &dyn Exchange,
         unique_id: Option<[u8; 128]>,
     ) -> Result<setup::Agreed> {
-        let roles: Vec<_> = self
-            .roles()
-            .iter()
+        let roles: Vec<_> = (self.roles().into_iter())
             .map(|r| (r.role, r.cta_policy))
             .collect();
         let hello = setup::Hello {

@@ -208,9 +208,7 @@ impl Device for Cuda {
     }
 
     fn wait_idle(&self, stream: &CudaStream, deadline: Deadline) -> Result<bool> {
-        let event = stream
-            .record_event(None)
-            .map_err(ffi::cuda("cuEventRecord"))?;
+        let event = (stream.record_event(None)).map_err(ffi::cuda("cuEventRecord"))?;
         streams::all_complete(&[event], deadline)
     }
 
@@ -319,9 +317,7 @@ impl NcclBackend {
     }
 
     fn bind(&self) -> Result<()> {
-        self.context()
-            .bind_to_thread()
-            .map_err(ffi::cuda("cuCtxSetCurrent"))
+        (self.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))
     }
 
     /// The device address of a region's first byte.

@@ -591,11 +591,7 @@ impl<D: Device> Shared<D> {
     /// running after [`ABORT_WAIT`].
     pub(super) fn may_free(&self) -> Result<()> {
         let deadline = Deadline::after(ABORT_WAIT);
-        match self
-            .comms
-            .iter()
-            .position(|c| c.aborted_by(deadline) == Some(false))
-        {
+        match (self.comms.iter()).position(|c| c.aborted_by(deadline) == Some(false)) {
             Some(c) => Err(Error::NcclAborted {
                 reason: format!(
                     "ncclCommAbort of communicator {c} had not returned after {ABORT_WAIT:?}; the segment is leaked"
