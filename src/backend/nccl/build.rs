@@ -204,7 +204,6 @@ impl Builder {
     /// pools learn of it, in registration order) and `control`, on a job of `nodes`
     /// nodes, with its watchdog running; warmed up when `warm_up` (the crate's own
     /// communicators).
-    #[allow(clippy::too_many_arguments)]
     fn assemble(
         &self,
         ctx: Arc<CudaContext>,

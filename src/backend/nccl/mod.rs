@@ -332,12 +332,11 @@ impl NcclBackend {
     /// Enqueue a collective: checks, then the communicator layer's call (inline on a
     /// blocking communicator) and the watchdog's event.
     fn collective(&self, a: &CollArgs<'_>, kind: CollKind) -> Result<()> {
-        let reduce = !matches!(kind, CollKind::AllGather);
         // An all-reduce has `count` elements on both sides (a world of one chunk).
-        let world = if matches!(kind, CollKind::AllReduce(_)) {
-            1
-        } else {
-            self.shared.world
+        let (world, reduce) = match kind {
+            CollKind::AllGather => (self.shared.world, false),
+            CollKind::ReduceScatter(_) => (self.shared.world, true),
+            CollKind::AllReduce(_) => (1, true),
         };
         let call = CollCall {
             kind,

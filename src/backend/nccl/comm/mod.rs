@@ -346,16 +346,10 @@ impl<D: Device> Shared<D> {
             Error::Nccl { code: 4 | 5, .. } => e,
             Error::Nccl { op, .. } => {
                 let op = *op;
-                match self.health.failure(e.to_string()) {
-                    Cause::Failed(m) => {
-                        let _ = self.fail(Cause::Failed(m));
-                        e
-                    }
-                    lost => {
-                        let _ = self.fail(lost);
-                        self.error_for(op)
-                    }
-                }
+                let cause = self.health.failure(e.to_string());
+                let lost = !matches!(cause, Cause::Failed(_));
+                let _ = self.fail(cause);
+                if lost { self.error_for(op) } else { e }
             }
             _ => e,
         }
