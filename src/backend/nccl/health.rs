@@ -88,12 +88,10 @@ impl Cause {
     }
 }
 
-/// A backend's health: fine until the first [`Cause`], broken for good afterwards.
+/// A backend's health: fine until the first [`Cause`], broken for good afterwards. A
+/// break is reported as the lost peer the exchange knows of, if any ([`report`]).
 ///
-/// With the backend's exchange to ask ([`watching`](Self::watching)), a break is
-/// reported as [`Error::PeerLost`] naming the rank whenever the exchange knows of a
-/// lost peer, whatever the cause NCCL gave (an asynchronous error, a timeout, the
-/// watchdog): the lost rank is what broke it, and what the caller must act on.
+/// [`report`]: Self::report
 #[derive(Debug, Default)]
 pub(crate) struct Health {
     cause: OnceLock<Cause>,
@@ -268,14 +266,11 @@ pub(crate) struct Enqueued<E> {
     pub(crate) done: E,
 }
 
-/// What [`sweep`] found.
+/// What [`sweep`] found: the collectives not complete (`kept`, oldest first), the
+/// markers of those complete, and why the backend must break, if it must.
 pub(crate) struct Swept<E> {
-    /// The collectives not complete, oldest first.
     pub(crate) kept: VecDeque<Enqueued<E>>,
-    /// The markers of those complete.
     pub(crate) complete: Vec<E>,
-    /// Why the backend must break, if it must: a collective older than the timeout and
-    /// not complete, or a failed device.
     pub(crate) cause: Option<Cause>,
 }
 

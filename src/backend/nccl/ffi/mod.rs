@@ -421,19 +421,15 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// One collective call, as NCCL takes it (device addresses and a raw stream).
+/// One collective call, as NCCL takes it: which one (with its reduction), the `send`
+/// and `recv` device addresses, and `count` elements per rank (as
+/// [`CollArgs::count`](crate::backend::CollArgs::count)) of `dtype`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CollCall {
-    /// All-gather, or reduce-scatter or all-reduce with its reduction.
     pub(crate) kind: CollKind,
-    /// Input address.
     pub(crate) send: u64,
-    /// Output address.
     pub(crate) recv: u64,
-    /// Elements per rank (the all-gather input, the reduce-scatter output, the
-    /// all-reduce buffer).
     pub(crate) count: u64,
-    /// Element type.
     pub(crate) dtype: sys::ncclDataType_t,
 }
 
