@@ -70,10 +70,7 @@ pub(crate) unsafe fn stream_context(
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     // SAFETY: the caller guarantees the stream handle; `ctx` is a valid out-pointer.
     let r = unsafe { cu::cuStreamGetCtx(stream, &mut ctx) };
-    if r != cu::cudaError_enum::CUDA_SUCCESS {
-        return Err(cuda("cuStreamGetCtx")(DriverError(r)));
-    }
-    Ok(ctx)
+    r.result().map(|()| ctx).map_err(cuda("cuStreamGetCtx"))
 }
 
 /// Whether a stream is capturing a CUDA graph (`cuStreamIsCapturing`).

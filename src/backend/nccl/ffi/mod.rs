@@ -201,14 +201,13 @@ pub(crate) enum Making {
     },
 }
 
-/// A communicator being made: the handle to poll (the new communicator for an init,
-/// the parent for a split that NCCL runs in the background), and the boxes NCCL may
-/// still write into while the call is in progress.
+/// A communicator being made: which call makes it, the handle to poll with
+/// [`async_state`] until the call is done (the new communicator for an init, the
+/// parent for a split that NCCL runs in the background), and the boxes NCCL may still
+/// write into while the call is in progress.
 #[derive(Debug)]
 pub(crate) struct Starting {
-    /// What to poll with [`async_state`] until the call is done.
     pub(crate) poll: RawComm,
-    /// Which call it is.
     pub(crate) making: Making,
     slot: Box<sys::ncclComm_t>,
     config: Box<sys::ncclConfig_t>,
