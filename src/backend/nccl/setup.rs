@@ -65,8 +65,7 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
         value: "0".into(),
         expected: "at least one rank",
     })?;
-    let versions: BTreeSet<i32> = hellos.iter().map(|h| h.version).collect();
-    if versions.len() > 1 {
+    if hellos.iter().any(|h| h.version != first.version) {
         let per_rank = hellos
             .iter()
             .enumerate()

@@ -118,7 +118,7 @@ impl<D: Device> Shared<D> {
                 if info.registers {
                     // SAFETY: one whole ncclMemAlloc allocation of this device, fresh.
                     let w = unsafe { self.register(c, ptr, segment_bytes, deadline) }?;
-                    windows.push((c, w));
+                    windows.extend(w.map(|w| (c, w)));
                 }
             }
             for bytes_per_rank in [WARM_SMALL_BYTES, WARM_LARGE_BYTES] {
@@ -173,12 +173,10 @@ impl<D: Device> Shared<D> {
         // destroyed the window), handing the window back while the abort still runs.
         let mut released = Ok(());
         for (c, w) in windows {
-            if let Some(w) = w {
-                // SAFETY: registered on `c` above; the stream is idle.
-                if let Err((_, e)) = unsafe { self.deregister(c, w, deadline) } {
-                    // Not deregistered: the window (and so the segment) is leaked.
-                    released = Err(e);
-                }
+            // SAFETY: registered on `c` above; the stream is idle.
+            if let Err((_, e)) = unsafe { self.deregister(c, w, deadline) } {
+                // Not deregistered: the window (and so the segment) is leaked.
+                released = Err(e);
             }
         }
         let released = released.and_then(|()| self.may_free());

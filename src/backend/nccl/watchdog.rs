@@ -48,10 +48,8 @@ impl Watchdog {
                 bind();
                 drop(bind);
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
-                    match weak.upgrade() {
-                        Some(s) => s.tick(),
-                        None => break,
-                    }
+                    let Some(s) = weak.upgrade() else { break };
+                    s.tick();
                 }
             });
         if let Err(e) = spawned {
