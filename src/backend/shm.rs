@@ -37,7 +37,6 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::Instant;
 
 /// Settings of a shared-memory rank.
 #[derive(Debug, Clone)]
@@ -499,12 +498,6 @@ impl DataMover for ShmBackend {
             return Err(Error::WrongStream);
         }
         read_local(&region, out)
-    }
-
-    fn time_ms(&self, _stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-        let start = Instant::now();
-        f()?;
-        Ok(start.elapsed().as_secs_f64() * 1e3)
     }
 }
 

@@ -316,15 +316,10 @@ impl StreamOps for NcclBackend {
         self.bind()?;
         let fenced: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
         let adopted: Vec<Stream> = self.raw_streams.lock().values().cloned().collect();
-        for cs in fenced
+        let mut streams = fenced
             .iter()
-            .chain(adopted.iter().filter_map(Stream::cuda_stream))
-        {
-            if ffi::is_capturing(cs)? {
-                return Ok(true);
-            }
-        }
-        Ok(false)
+            .chain(adopted.iter().filter_map(Stream::cuda_stream));
+        streams.try_fold(false, |any, cs| Ok(any || ffi::is_capturing(cs)?))
     }
 
     fn drain(&self, deadline: Deadline) -> Result<bool> {
