@@ -106,11 +106,6 @@ impl Builder {
         })
     }
 
-    /// The data communicators to split, in registration order.
-    fn roles(&self) -> Vec<CommInfo> {
-        roles_for(self.version, &self.config)
-    }
-
     /// The set-up round over `exchange` (rank 0 sends the control communicator's
     /// `unique_id`).
     fn agree(
@@ -118,9 +113,8 @@ impl Builder {
         exchange: &dyn Exchange,
         unique_id: Option<[u8; 128]>,
     ) -> Result<setup::Agreed> {
-        let roles: Vec<_> = (self.roles().into_iter())
-            .map(|r| (r.role, r.cta_policy))
-            .collect();
+        let roles = roles_for(self.version, &self.config);
+        let roles: Vec<_> = roles.iter().map(|r| (r.role, r.cta_policy)).collect();
         let hello = setup::Hello {
             version: version_code(self.version),
             node: setup::this_node(),
@@ -172,7 +166,7 @@ impl Builder {
         abort_control: bool,
     ) -> Result<Vec<(CommInfo, Comm)>> {
         let blocking = self.config.data_blocking;
-        let roles = self.roles();
+        let roles = roles_for(self.version, &self.config);
         let mut comms = Vec::with_capacity(roles.len());
         for role in &roles {
             // SAFETY: the control communicator is live and used by this thread only
