@@ -65,11 +65,8 @@ fn c_str(ptr: *const c_char) -> Option<String> {
     // SAFETY: NCCL returns NUL-terminated strings that live at least until the next
     // call on the same communicator (ncclGetLastError) or forever (ncclGetErrorString);
     // the text is copied out at once.
-    Some(
-        unsafe { CStr::from_ptr(ptr) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    let text = unsafe { CStr::from_ptr(ptr) };
+    Some(text.to_string_lossy().into_owned())
 }
 
 /// The error for result `code` of `op`, with NCCL's last error message on `comm`.
