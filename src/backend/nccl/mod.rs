@@ -147,9 +147,7 @@ pub fn device_count() -> Result<usize> {
         .map_err(ffi::cuda("cuDeviceGetCount"))
 }
 
-/// The memory of one `ncclMemAlloc` segment. Dropping it without
-/// [`SegmentProvider::free`] leaks the device memory on purpose (a pool does that when
-/// its device cannot drain in time).
+/// The memory of one `ncclMemAlloc` segment (leaked when dropped, as a [`Segment`] says).
 #[derive(Debug)]
 struct NcclMemory {
     ptr: u64,
@@ -437,8 +435,7 @@ impl Collectives for NcclBackend {
 }
 
 /// How long a drop waits for the device work already enqueued before it decides the
-/// device is busy (and leaves the aborts to their threads); nothing when an earlier
-/// drain (a pool's release) already ran out of time.
+/// device is busy (see the drop).
 const DROP_DRAIN_WAIT: Duration = Duration::from_millis(500);
 
 impl Drop for NcclBackend {
