@@ -30,18 +30,6 @@
 //! backend.segments().free(segment); // error[E0133]: call to unsafe function
 //! ```
 
-/// Builder methods of a settings struct: `name: field, Type;` is a method `name` that
-/// sets `field`.
-macro_rules! setters {
-    ($($(#[$doc:meta])* $name:ident: $field:ident, $ty:ty;)*) => {$(
-        $(#[$doc])*
-        pub fn $name(mut self, $field: $ty) -> Self {
-            self.$field = $field;
-            self
-        }
-    )*};
-}
-
 mod handles;
 pub mod host;
 mod info;
