@@ -509,11 +509,6 @@ impl Backend {
         )
     }
 
-    /// The stream operations, shared.
-    pub(crate) fn streams_handle(&self) -> Arc<dyn StreamOps> {
-        self.streams.clone()
-    }
-
     /// Who this backend is.
     pub fn info(&self) -> &BackendInfo {
         &self.info

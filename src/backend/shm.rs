@@ -252,7 +252,7 @@ impl ShmBackend {
         let parts = Self::open(ex, &self.config, &self.prefix, reserved, deadline)?;
         let mut info = BackendInfo::clone(backend.info());
         (info.rank, info.world_size) = (exchange.rank(), exchange.world_size());
-        Backend::with_stream_ops(info, exchange, parts, backend.streams_handle())
+        Backend::with_stream_ops(info, exchange, parts, backend.streams.clone())
     }
 
     fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {
