@@ -308,15 +308,13 @@ impl NcclBackend {
         )
     }
 
-    /// This process's rank of a job launched with one process per GPU: the device is
-    /// [`NcclConfig::device`], else the launcher's local rank (`LOCAL_RANK`,
-    /// `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), else 0 when the process sees a
-    /// single GPU. Rank 0 creates the control communicator's `ncclUniqueId` and
-    /// publishes it over `exchange` (channel `"nccl:setup"`, with every rank's NCCL
-    /// version, node identity and data communicators); every rank then creates its
-    /// non-blocking control communicator, splits the data communicators off it
-    /// (blocking by default) and warms them up. The whole set-up ends within
-    /// [`NcclConfig::setup_timeout`].
+    /// This process's rank of a job launched with one process per GPU, on
+    /// [`NcclConfig::device`] (by default picked by the launcher's local rank). Rank 0
+    /// creates the control communicator's `ncclUniqueId` and publishes it over
+    /// `exchange` (channel `"nccl:setup"`, with every rank's NCCL version, node identity
+    /// and data communicators); every rank then creates its non-blocking control
+    /// communicator, splits the data communicators off it (blocking by default) and
+    /// warms them up. The whole set-up ends within [`NcclConfig::setup_timeout`].
     ///
     /// # Collective
     /// Every rank of `exchange` calls it at the same point with the same `config`
