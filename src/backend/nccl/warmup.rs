@@ -109,8 +109,7 @@ impl<D: Device> Shared<D> {
         let started = Instant::now();
         let segment_bytes = warm_segment_bytes(self.world, granularity);
         let ptr = ffi::mem_alloc(self.nccl, segment_bytes)?;
-        let mut windows = Vec::new();
-        let mut warmed = Vec::new();
+        let (mut windows, mut warmed) = (Vec::new(), Vec::new());
         let world = self.world.max(1) as u64;
         let plan = warm_plan(infos);
         let mut run = || -> Result<()> {

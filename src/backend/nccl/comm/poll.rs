@@ -87,8 +87,7 @@ pub(in crate::backend::nccl) fn finish_creation(
                 Waited::Timeout(waited) => waited,
                 _ => Duration::ZERO,
             };
-            let making = starting.making;
-            let polled = starting.poll;
+            let (making, polled) = (starting.making, starting.poll);
             let slot = starting.abandon();
             match making {
                 // The polled handle is the new communicator: its abort ends NCCL's work
