@@ -86,12 +86,7 @@ impl Segment {
                 offset_bytes,
                 len_bytes,
             }),
-            _ => Err(outside(
-                offset_bytes,
-                len_bytes,
-                "segment",
-                self.size_bytes(),
-            )),
+            _ => Err(outside(offset_bytes, len_bytes, "segment", self.size_bytes)),
         }
     }
 }
@@ -139,16 +134,8 @@ impl Window {
     /// # Errors
     /// The window, unchanged, if the handle is of another type.
     pub fn into_handle<T: Any>(self) -> std::result::Result<Box<T>, Window> {
-        let Window {
-            comm,
-            ordinal,
-            handle,
-        } = self;
-        handle.downcast::<T>().map_err(|handle| Window {
-            comm,
-            ordinal,
-            handle,
-        })
+        let (comm, ordinal) = (self.comm, self.ordinal);
+        (self.handle.downcast::<T>()).map_err(|handle| Window::new(comm, ordinal, handle))
     }
 }
 

@@ -90,10 +90,8 @@ pub struct CollArgs<'a> {
     /// share the communicators cannot pair each other's collectives unnoticed.
     pub caller: u64,
     /// When the call must end: the calling pool's deadline (from
-    /// [`PoolConfig::timeout`](crate::PoolConfig::timeout), shared with its checks).
-    /// Backends that wait for their peers on the host (the host backends) wait until
-    /// [`deadline`](Self::deadline) and no longer: the whole call, the host backends'
-    /// data movement included, ends by it.
+    /// [`PoolConfig::timeout`](crate::PoolConfig::timeout), shared with its checks). The
+    /// host backends' whole call, their waits for peers included, ends by it.
     deadline: CallDeadline,
 }
 
@@ -180,8 +178,8 @@ impl<'a> CollArgs<'a> {
 /// Every rank calls them in the same order on the same communicator, with matching
 /// counts, types, operations and (on the symmetric path) offsets.
 pub trait Collectives: Send + Sync + fmt::Debug {
-    /// All-gather `count` elements per rank from `send` into `recv`. A backend that
-    /// waits for its peers on the host waits until [`CollArgs::deadline`] at most.
+    /// All-gather `count` elements per rank from `send` into `recv`, by
+    /// [`CollArgs::deadline`] where the backend waits for its peers on the host.
     ///
     /// # Errors
     /// [`Error::InvalidCollective`]; [`Error::Nccl`]; on the host backends also
@@ -249,10 +247,6 @@ pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
     })
 }
 
-/// What [`Collectives::abandon`] is called with when a collective check failed: the
-/// operation a call it ends names ([`Error::GroupBroken`] on the host backend).
-pub const ABANDONED: &str = "a collective check that failed";
-
 /// How long making a backend waits for the other ranks (ranks of real jobs start
 /// minutes apart): 10 minutes. A lost peer ends the wait sooner (see
 /// [`control`](crate::control)).
@@ -282,18 +276,14 @@ pub struct Backend {
     /// Held from that agreement to the last registration of the segment, so that two
     /// pools of this rank cannot interleave their registrations.
     registering: Arc<parking_lot::Mutex<()>>,
-    /// The pools on this backend's communicators, by pool channel ordinal: the pool's
-    /// name and the thread of its latest collective pool operation (to name pools
-    /// shared between threads when one fails).
+    /// The pools on these communicators, by pool channel ordinal (to name pools shared
+    /// between threads when one fails).
     users: Arc<parking_lot::Mutex<BTreeMap<u64, PoolUser>>>,
-    /// Whether a collectives handle holds these communicators (see
-    /// [`claim_collectives`](Self::claim_collectives)).
+    /// See [`claim_collectives`](Self::claim_collectives).
     collectives_claimed: Arc<AtomicBool>,
-    /// The ledger of these communicators (made by the first pool over them, shared by
-    /// every pool over them; see [`ledger_slot`](Self::ledger_slot)).
+    /// See [`ledger_slot`](Self::ledger_slot).
     ledger: Arc<parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>>>,
-    /// The backend a shrink made of this one (see [`shrink`](Self::shrink)): every
-    /// pool over these communicators gets the same.
+    /// The backend a [`shrink`](Self::shrink) made of this one.
     shrunk: Arc<parking_lot::Mutex<Option<Backend>>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
@@ -310,6 +300,22 @@ impl fmt::Debug for Backend {
             .field("streams", &self.streams)
             .finish_non_exhaustive()
     }
+}
+
+/// [`Error::Config`] unless `exchange` has `info`'s rank and world size.
+fn check_exchange(exchange: &dyn Exchange, info: &BackendInfo) -> Result<()> {
+    let (rank, world) = (exchange.rank(), exchange.world_size());
+    if (rank, world) == (info.rank, info.world_size) {
+        return Ok(());
+    }
+    Err(Error::Config {
+        setting: "exchange",
+        value: format!(
+            "rank {rank} of {world}, the backend rank {} of {}",
+            info.rank, info.world_size
+        ),
+        expected: "the backend's rank and world size",
+    })
 }
 
 /// `Backend::with_*`: the same backend with one part replaced by `f(part)`.
@@ -355,19 +361,7 @@ impl Backend {
     where
         T: SegmentProvider + DataMover + Collectives + 'static,
     {
-        if exchange.rank() != info.rank || exchange.world_size() != info.world_size {
-            return Err(Error::Config {
-                setting: "exchange",
-                value: format!(
-                    "rank {} of {}, the backend rank {} of {}",
-                    exchange.rank(),
-                    exchange.world_size(),
-                    info.rank,
-                    info.world_size
-                ),
-                expected: "the backend's rank and world size",
-            });
-        }
+        check_exchange(&*exchange, &info)?;
         let registrations =
             exchange.open_channel("backend:registrations", Deadline::after(SETUP_TIMEOUT))?;
         Ok(Backend {
@@ -408,13 +402,7 @@ impl Backend {
         f: impl FnOnce(Arc<dyn Exchange>) -> Arc<dyn Exchange>,
     ) -> Result<Self> {
         let exchange = f(self.exchange.clone());
-        if exchange.rank() != self.info.rank || exchange.world_size() != self.info.world_size {
-            return Err(Error::Config {
-                setting: "exchange",
-                value: format!("rank {} of {}", exchange.rank(), exchange.world_size()),
-                expected: "the backend's rank and world size",
-            });
-        }
+        check_exchange(&*exchange, &self.info)?;
         self.exchange = exchange;
         Ok(self)
     }
@@ -514,10 +502,7 @@ impl Backend {
 
     /// A backend with this one's identity, exchange and stream operations, and `parts`
     /// (communicators of their own) for the rest: what [`split`](Self::split) returns
-    /// on the host backends.
-    ///
-    /// # Collective
-    /// As [`new`](Self::new).
+    /// on the host backends. Collective, as [`new`](Self::new).
     pub(crate) fn sibling<T>(&self, parts: Arc<T>) -> Result<Backend>
     where
         T: SegmentProvider + DataMover + Collectives + 'static,
@@ -597,12 +582,8 @@ impl Backend {
     pub(crate) fn note_user(&self, pool: u64, name: &str, used: bool) {
         let thread = used.then(|| std::thread::current().id());
         let mut users = self.users.lock();
-        match users.get_mut(&pool) {
-            Some(user) => user.1 = thread.or(user.1),
-            None => {
-                users.insert(pool, (name.to_string(), thread));
-            }
-        }
+        let user = (users.entry(pool)).or_insert_with(|| (name.to_string(), None));
+        user.1 = thread.or(user.1);
     }
 
     /// Claim these communicators for one collectives handle (`coll::Coll`), which numbers

@@ -33,12 +33,10 @@ use crate::stream::Stream;
 use memmap2::MmapRaw;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::Instant;
 
 /// Settings of a shared-memory rank.
 #[derive(Debug, Clone)]
@@ -82,34 +80,26 @@ impl ShmConfig {
 }
 
 /// One segment: a memfd and this rank's mapping of it.
+#[derive(Debug)]
 struct ShmMemory {
     file: File,
     map: MmapRaw,
 }
 
-impl fmt::Debug for ShmMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmMemory")
-            .field("fd", &self.file.as_raw_fd())
-            .field("len_bytes", &self.map.len())
-            .finish()
-    }
-}
-
-/// A window: this rank's mappings of every peer's segment registered at the same
-/// position (`None` at this rank's own index).
+/// A window: this rank's mappings of every rank's segment registered at the same
+/// position (its own too, mapped a second time).
 struct ShmWindow {
-    peers: Vec<Option<MmapRaw>>,
+    peers: Vec<MmapRaw>,
 }
 
-/// This rank's mapping of peer `peer`'s segment in `window`.
+/// This rank's mapping of rank `peer`'s segment in `window`.
 fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
     let w = window.handle::<ShmWindow>().ok_or(Error::Internal {
         what: "a window of another backend reached the shared-memory backend".into(),
     })?;
     match w.peers.get(peer) {
-        Some(Some(map)) => Ok(map),
-        _ => Err(Error::Internal {
+        Some(map) => Ok(map),
+        None => Err(Error::Internal {
             what: format!("window {} has no mapping of rank {peer}", window.ordinal()),
         }),
     }
@@ -136,11 +126,8 @@ enum Step {
     Read,
 }
 
-/// Every rank's record of a round as `pick` reads it.
-///
-/// # Errors
-/// [`Error::CollectiveMismatch`] naming the first rank whose record `pick` refuses (a
-/// rank at another step of its calls on this communicator).
+/// Every rank's record of a round as `pick` reads it, or [`Error::CollectiveMismatch`]
+/// naming the first rank whose record `pick` refuses (at another step of its calls).
 fn at_step<T>(
     op: &'static str,
     steps: Vec<Step>,
@@ -157,25 +144,6 @@ fn at_step<T>(
                     super::OUT_OF_STEP_HINT
                 ),
             })
-        })
-        .collect()
-}
-
-/// The channels of `count` communicators, `PREFIX:comm0`, `PREFIX:comm1`, ..., each
-/// with the lock that keeps one call at a time on it on this rank.
-///
-/// # Errors
-/// The errors of [`Exchange::open_channel`].
-fn open_comms(
-    exchange: &dyn Exchange,
-    prefix: &str,
-    count: usize,
-    deadline: Deadline,
-) -> Result<Vec<(ChannelId, Mutex<()>)>> {
-    (0..count)
-        .map(|c| {
-            let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
-            Ok((ch, Mutex::new(())))
         })
         .collect()
 }
@@ -214,51 +182,61 @@ impl ShmBackend {
     /// [`Error::Config`] for a granularity that is not a power of two; the
     /// errors of [`Exchange::open_channel`].
     pub fn join(exchange: Arc<dyn Exchange>, config: ShmConfig) -> Result<Backend> {
-        let (rank, world) = (exchange.rank(), exchange.world_size());
-        let infos = CommInfo::STANDARD.to_vec();
         let info = BackendInfo::new(
             BackendKind::Host,
-            rank,
-            world,
+            exchange.rank(),
+            exchange.world_size(),
             config.nccl_version,
             config.granularity_bytes,
-            infos.clone(),
+            CommInfo::STANDARD.to_vec(),
         )?;
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let comms = open_comms(&*exchange, "shm", infos.len(), setup)?;
-        let parts = Arc::new(ShmBackend {
-            rank,
-            world,
-            config,
-            exchange: exchange.clone(),
-            prefix: "shm".into(),
-            comms,
-            ordinals: Mutex::new(vec![0; infos.len()]),
-            reserved: Arc::new(AtomicU64::new(0)),
-        });
+        let (ex, reserved) = (exchange.clone(), Arc::default());
+        let parts = Self::open(ex, &config, "shm", reserved, setup)?;
         let streams = Arc::new(HostStreams::default());
         Backend::with_stream_ops(info, exchange, parts, streams)
+    }
+
+    /// The parts of this process's rank of the world of `exchange`: the standard
+    /// communicators on channels `PREFIX:comm0`, `PREFIX:comm1`, ... (opened by
+    /// `deadline`), no registrations yet, memory counted in `reserved`.
+    ///
+    /// # Errors
+    /// The errors of [`Exchange::open_channel`].
+    fn open(
+        exchange: Arc<dyn Exchange>,
+        config: &ShmConfig,
+        prefix: &str,
+        reserved: Arc<AtomicU64>,
+        deadline: Deadline,
+    ) -> Result<Arc<Self>> {
+        let count = CommInfo::STANDARD.len();
+        let comms = (0..count)
+            .map(|c| {
+                let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
+                Ok((ch, Mutex::new(())))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Arc::new(ShmBackend {
+            rank: exchange.rank(),
+            world: exchange.world_size(),
+            config: config.clone(),
+            exchange,
+            prefix: prefix.into(),
+            comms,
+            ordinals: Mutex::new(vec![0; count]),
+            reserved,
+        }))
     }
 
     /// [`Backend::split`] on the shared-memory backend: the same communicators on
     /// channels of their own (`shm:NAME:commC`); the memory limit and stream
     /// operations stay this rank's.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let count = self.comms.len();
-        let prefix = format!("shm:{name}");
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let comms = open_comms(&*self.exchange, &prefix, count, setup)?;
-        let parts = Arc::new(ShmBackend {
-            rank: self.rank,
-            world: self.world,
-            config: self.config.clone(),
-            exchange: self.exchange.clone(),
-            prefix,
-            comms,
-            ordinals: Mutex::new(vec![0; count]),
-            reserved: self.reserved.clone(),
-        });
-        backend.sibling(parts)
+        let (ex, reserved) = (self.exchange.clone(), self.reserved.clone());
+        let prefix = format!("shm:{name}");
+        backend.sibling(Self::open(ex, &self.config, &prefix, reserved, setup)?)
     }
 
     /// [`Backend::shrink`] on the shared-memory backend, with the shrunk `exchange`:
@@ -270,18 +248,8 @@ impl ShmBackend {
         exchange: Arc<dyn Exchange>,
         deadline: Deadline,
     ) -> Result<Backend> {
-        let count = self.comms.len();
-        let comms = open_comms(&*exchange, &self.prefix, count, deadline)?;
-        let parts = Arc::new(ShmBackend {
-            rank: exchange.rank(),
-            world: exchange.world_size(),
-            config: self.config.clone(),
-            exchange: exchange.clone(),
-            prefix: self.prefix.clone(),
-            comms,
-            ordinals: Mutex::new(vec![0; count]),
-            reserved: self.reserved.clone(),
-        });
+        let (ex, reserved) = (exchange.clone(), self.reserved.clone());
+        let parts = Self::open(ex, &self.config, &self.prefix, reserved, deadline)?;
         backend.survivor(exchange, parts)
     }
 
@@ -292,11 +260,8 @@ impl ShmBackend {
         })
     }
 
-    /// One round of `mine` on communicator `c`'s channel, waiting for the other ranks
-    /// until `deadline`: every rank's record, in rank order.
-    ///
-    /// # Errors
-    /// The exchange's; [`Error::Protocol`] naming a rank whose record does not decode.
+    /// One round of `mine` on communicator `c`'s channel, by `deadline`: every rank's
+    /// record, in rank order (as [`gather_records`]).
     fn round(
         &self,
         c: usize,
@@ -319,9 +284,7 @@ impl ShmBackend {
     ) -> Result<()> {
         let (_, serial) = self.comm(args.comm)?;
         let _serial = serial.lock();
-        // The opening round: every rank is at this collective on this communicator
-        // (the arguments are compared by the checked collectives of `coll`, the same
-        // way on every backend; like NCCL, the backend itself does not).
+        // The opening round: every rank is at this collective on this communicator.
         let caller = args.caller;
         let deadline = args.deadline();
         let posts = self.round(args.comm, op, &Step::Post { reduce, caller }, deadline)?;
@@ -337,68 +300,106 @@ impl ShmBackend {
         verdict
     }
 
-    /// `len` bytes of peer `peer`'s segment in `window`, at `offset`.
-    fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
-        let map = peer_map(window, peer)?;
-        let range = bounds(map.len() as u64, offset, len)?;
-        let mut out = vec![0u8; range.len()];
-        // SAFETY: `range` lies inside the peer's mapping (checked by `bounds`); the
-        // mapping stays alive while `window` is borrowed; the peer writes only other
-        // bytes of it until the collective's closing barrier (the posts agreed that
-        // every rank reads the same, disjoint chunks), or, in an all-reduce, none
-        // before the middle barrier that follows these reads; `out` is a fresh buffer.
-        let src = map.as_ptr().wrapping_add(range.start);
-        // SAFETY: `src..src + range.len()` lies inside the peer's mapping (see above).
-        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), range.len()) };
+    /// Every rank's `len` bytes, moved through the control plane in pieces, waiting
+    /// until `deadline`.
+    fn gather_bytes(
+        &self,
+        c: usize,
+        op: &'static str,
+        mine: &[u8],
+        deadline: Deadline,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut out: Vec<Vec<u8>> = vec![Vec::with_capacity(mine.len()); self.world];
+        let pieces = mine.len().div_ceil(DATA_PIECE_BYTES).max(1);
+        for k in 0..pieces {
+            let lo = (k * DATA_PIECE_BYTES).min(mine.len());
+            let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
+            let piece = Step::Data(mine[lo..hi].to_vec());
+            let got = self.round(c, op, &piece, deadline)?;
+            let got = at_step(op, got, |s| match s {
+                Step::Data(bytes) => Some(bytes),
+                _ => None,
+            })?;
+            for (r, piece) in got.into_iter().enumerate() {
+                if piece.len() != hi - lo {
+                    return Err(Error::CollectiveMismatch {
+                        op,
+                        detail: format!(
+                            "rank {r} sent {} bytes, expected {}",
+                            piece.len(),
+                            hi - lo
+                        ),
+                    });
+                }
+                out[r].extend_from_slice(&piece);
+            }
+        }
         Ok(out)
     }
 }
 
-impl ShmBackend {
-    /// Write `data` into peer `peer`'s segment in `window`, at `offset`.
-    fn peer_write(window: &Window, peer: usize, offset: u64, data: &[u8]) -> Result<()> {
-        let map = peer_map(window, peer)?;
-        let range = bounds(map.len() as u64, offset, data.len() as u64)?;
-        let dst = map.as_mut_ptr().wrapping_add(range.start);
-        // SAFETY: `dst..dst + data.len()` lies inside the peer's live mapping (checked
-        // by `bounds`; the window is borrowed); during this collective only this rank
-        // writes this chunk of the peer's output (the posts agreed on the offsets) and
-        // the peer reads it only after the closing barrier.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-        Ok(())
-    }
+/// Copy the `out.len()` bytes at `offset` of `map` (this rank's mapping of a segment,
+/// or of a peer's) into `out`.
+///
+/// # Safety
+/// No rank writes those bytes during the copy.
+unsafe fn copy_out(map: &MmapRaw, offset: u64, out: &mut [u8]) -> Result<()> {
+    let range = bounds(map.len() as u64, offset, out.len() as u64)?;
+    let src = map.as_ptr().wrapping_add(range.start);
+    // SAFETY: `src..src + out.len()` lies inside the live mapping (checked by `bounds`;
+    // `map` is borrowed), nobody writes it meanwhile (the caller's contract), and `out`
+    // is distinct memory.
+    unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+    Ok(())
 }
 
-/// This rank's mapping of a region's bytes.
-fn local_ptr(region: &Region<'_>) -> Result<(*mut u8, std::ops::Range<usize>)> {
-    let mem = memory_of::<ShmMemory>(region.segment())?;
-    let range = bounds(
-        region.segment().size_bytes(),
-        region.offset_bytes(),
-        region.len_bytes(),
-    )?;
-    Ok((mem.map.as_mut_ptr(), range))
+/// Copy `data` into the bytes at `offset` of `map`.
+///
+/// # Safety
+/// No other rank reads or writes those bytes during the copy.
+unsafe fn copy_in(map: &MmapRaw, offset: u64, data: &[u8]) -> Result<()> {
+    let range = bounds(map.len() as u64, offset, data.len() as u64)?;
+    let dst = map.as_mut_ptr().wrapping_add(range.start);
+    // SAFETY: `dst..dst + data.len()` lies inside the live mapping (checked by
+    // `bounds`), nobody else touches it meanwhile (the caller's contract), and `data`
+    // is distinct memory.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+    Ok(())
+}
+
+/// `len` bytes of rank `peer`'s segment in `window`, at `offset`.
+fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; len as usize];
+    // SAFETY: rank `peer` (this one too) writes only other bytes of its segment until
+    // the collective's closing barrier (the posts agreed that every rank reads the
+    // same, disjoint chunks), or, in an all-reduce, none before the middle barrier
+    // after these reads.
+    unsafe { copy_out(peer_map(window, peer)?, offset, &mut out) }?;
+    Ok(out)
+}
+
+/// Write `data` into rank `peer`'s segment in `window`, at `offset`.
+fn peer_write(window: &Window, peer: usize, offset: u64, data: &[u8]) -> Result<()> {
+    // SAFETY: during this collective only this rank writes this chunk of rank
+    // `peer`'s output (the posts agreed on the offsets); `peer` reads it after the
+    // closing barrier.
+    unsafe { copy_in(peer_map(window, peer)?, offset, data) }
 }
 
 fn read_local(region: &Region<'_>, out: &mut [u8]) -> Result<()> {
-    let (ptr, range) = local_ptr(&region.sub(0, out.len() as u64)?)?;
-    // SAFETY: `range` lies inside this rank's live mapping of the segment (the region
-    // borrows the segment); peers only read this rank's memory during collectives,
-    // which are ordered with this call by the pool's stream rules; `out` is distinct.
-    let src = ptr.wrapping_add(range.start);
-    // SAFETY: (as above) `src..src + out.len()` is inside the mapping.
-    unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), range.len()) };
-    Ok(())
+    let region = region.sub(0, out.len() as u64)?;
+    let map = &memory_of::<ShmMemory>(region.segment())?.map;
+    // SAFETY: peers read this rank's memory only during collectives, which the pool's
+    // stream rules order with this call.
+    unsafe { copy_out(map, region.offset_bytes(), out) }
 }
 
 fn write_local(region: &Region<'_>, data: &[u8]) -> Result<()> {
-    let (ptr, range) = local_ptr(&region.sub(0, data.len() as u64)?)?;
-    // SAFETY: as in `read_local`; the bytes written are this rank's own block (or the
-    // chunk of a collective output that only this rank writes).
-    let dst = ptr.wrapping_add(range.start);
-    // SAFETY: (as above) `dst..dst + data.len()` is inside the mapping.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, range.len()) };
-    Ok(())
+    let region = region.sub(0, data.len() as u64)?;
+    let map = &memory_of::<ShmMemory>(region.segment())?.map;
+    // SAFETY: as in `read_local`; the bytes are this rank's own block, or the chunk of
+    // a collective's output that only this rank writes.
+    unsafe { copy_in(map, region.offset_bytes(), data) }
 }
 
 impl SegmentProvider for ShmBackend {
@@ -461,10 +462,6 @@ impl SegmentProvider for ShmBackend {
         }
         let mut peers = Vec::with_capacity(self.world);
         for (r, (pid, fd, _)) in all.iter().enumerate() {
-            if r == self.rank {
-                peers.push(None);
-                continue;
-            }
             let path = format!("/proc/{pid}/fd/{fd}");
             let file = std::fs::OpenOptions::new()
                 .read(true)
@@ -478,7 +475,7 @@ impl SegmentProvider for ShmBackend {
             if map.len() as u64 != size_bytes {
                 return Err(Error::RegistrationMismatch { ordinal, sizes });
             }
-            peers.push(Some(map));
+            peers.push(map);
         }
         Ok(Some(Window::new(
             comm,
@@ -505,51 +502,6 @@ impl DataMover for ShmBackend {
         }
         read_local(&region, out)
     }
-
-    fn time_ms(&self, _stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-        let start = Instant::now();
-        f()?;
-        Ok(start.elapsed().as_secs_f64() * 1e3)
-    }
-}
-
-impl ShmBackend {
-    /// Every rank's `len` bytes, moved through the control plane in pieces, waiting
-    /// until `deadline`.
-    fn gather_bytes(
-        &self,
-        c: usize,
-        op: &'static str,
-        mine: &[u8],
-        deadline: Deadline,
-    ) -> Result<Vec<Vec<u8>>> {
-        let mut out: Vec<Vec<u8>> = vec![Vec::with_capacity(mine.len()); self.world];
-        let pieces = mine.len().div_ceil(DATA_PIECE_BYTES).max(1);
-        for k in 0..pieces {
-            let lo = (k * DATA_PIECE_BYTES).min(mine.len());
-            let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
-            let piece = Step::Data(mine[lo..hi].to_vec());
-            let got = self.round(c, op, &piece, deadline)?;
-            let got = at_step(op, got, |s| match s {
-                Step::Data(bytes) => Some(bytes),
-                _ => None,
-            })?;
-            for (r, piece) in got.into_iter().enumerate() {
-                if piece.len() != hi - lo {
-                    return Err(Error::CollectiveMismatch {
-                        op,
-                        detail: format!(
-                            "rank {r} sent {} bytes, expected {}",
-                            piece.len(),
-                            hi - lo
-                        ),
-                    });
-                }
-                out[r].extend_from_slice(&piece);
-            }
-        }
-        Ok(out)
-    }
 }
 
 impl Collectives for ShmBackend {
@@ -566,11 +518,7 @@ impl Collectives for ShmBackend {
                     // output offset (the symmetric path).
                     let at = args.recv.offset_bytes() + me * chunk;
                     for p in 0..self.world {
-                        if p == self.rank {
-                            write_local(&args.recv.sub(me * chunk, chunk)?, &mine)?;
-                        } else {
-                            Self::peer_write(recv_window, p, at, &mine)?;
-                        }
+                        peer_write(recv_window, p, at, &mine)?;
                     }
                 }
                 None => {
@@ -590,22 +538,11 @@ impl Collectives for ShmBackend {
         let me = self.rank as u64;
         self.collective(args, OP, true, || {
             let inputs: Vec<Vec<u8>> = match args.windows {
-                (Some(send_window), _) => (0..self.world)
-                    .map(|p| {
-                        if p == self.rank {
-                            let mut v = vec![0u8; chunk as usize];
-                            read_local(&args.send.sub(me * chunk, chunk)?, &mut v)?;
-                            Ok(v)
-                        } else {
-                            Self::peer_bytes(
-                                send_window,
-                                p,
-                                args.send.offset_bytes() + me * chunk,
-                                chunk,
-                            )
-                        }
-                    })
-                    .collect::<Result<_>>()?,
+                (Some(send_window), _) => {
+                    let at = args.send.offset_bytes() + me * chunk;
+                    let read = (0..self.world).map(|p| peer_bytes(send_window, p, at, chunk));
+                    read.collect::<Result<_>>()?
+                }
                 _ => {
                     let whole = chunk * self.world as u64;
                     let mut mine = vec![0u8; whole as usize];
@@ -633,14 +570,9 @@ impl Collectives for ShmBackend {
                     // Pull the peers' inputs through their windows, then a middle
                     // round, so that no rank overwrites its input (in place: its
                     // output) while a peer reads it.
+                    let at = args.send.offset_bytes();
                     let read = (0..self.world)
-                        .map(|p| {
-                            if p == self.rank {
-                                Ok(mine.clone())
-                            } else {
-                                Self::peer_bytes(send_window, p, args.send.offset_bytes(), bytes)
-                            }
-                        })
+                        .map(|p| peer_bytes(send_window, p, at, bytes))
                         .collect::<Result<Vec<_>>>();
                     let read_all = self.round(args.comm, OP, &Step::Read, args.deadline())?;
                     at_step(OP, read_all, |s| matches!(s, Step::Read).then_some(()))?;

@@ -173,6 +173,8 @@ impl Job {
                     e.insert(st.code().unwrap_or(-1));
                 }
             }
+            // Lines read meanwhile are kept, to explain a failure.
+            self.seen.extend(self.lines.try_iter());
             assert!(
                 Instant::now() < deadline,
                 "ranks {ranks:?} did not all exit within {timeout:?} (exited: {codes:?})"

@@ -1,13 +1,7 @@
-//! Making a backend. Every way ([`NcclBackend::from_env`] and
-//! [`launch`](NcclBackend::launch), [`adopt`](NcclBackend::adopt),
-//! [`local_world`](NcclBackend::local_world), [`from_raw`](NcclBackend::from_raw))
-//! goes one path through a [`Builder`]: load NCCL and check its version, take the
-//! device, agree with the other ranks (the set-up round of [`setup`]), make the
-//! non-blocking control communicator (created from a unique id, or split off a
-//! runtime's), split the data communicators off it (blocking unless configured
-//! otherwise), or adopt communicators as they are; then assemble the backend, start
-//! its watchdog and warm the data communicators up. The whole set-up has one
-//! deadline, [`NcclConfig::setup_timeout`] from the public call.
+//! Making a backend: every constructor goes through one [`Builder`] (NCCL and its
+//! version, the set-up round of [`setup`], the control and data communicators, the
+//! assembly with its watchdog and warm-up), under one deadline,
+//! [`NcclConfig::setup_timeout`] from the public call.
 
 use super::comm::{ABORT_WAIT, Comm, Device, Shared, abort_together, finish_creation};
 use super::config::{self, NcclConfig};
@@ -61,14 +55,10 @@ fn roles_for(version: NcclVersion, config: &NcclConfig) -> Vec<CommInfo> {
 /// The CTA policy NCCL will apply: `NCCL_CTA_POLICY` in the environment overrides the
 /// config (NCCL `init.cc`, "Comm config CTAPolicy reset to NCCL_CTA_POLICY").
 fn effective_policy(requested: i32) -> i32 {
-    match std::env::var("NCCL_CTA_POLICY")
-        .ok()
-        .as_deref()
-        .map(str::trim)
-    {
-        Some("2") | Some("ZERO") => ffi::NCCL_CTA_POLICY_ZERO,
-        Some("0") | Some("DEFAULT") => ffi::NCCL_CTA_POLICY_DEFAULT,
-        Some("1") | Some("EFFICIENCY") => 1,
+    match std::env::var("NCCL_CTA_POLICY").unwrap_or_default().trim() {
+        "2" | "ZERO" => ffi::NCCL_CTA_POLICY_ZERO,
+        "0" | "DEFAULT" => ffi::NCCL_CTA_POLICY_DEFAULT,
+        "1" | "EFFICIENCY" => 1,
         _ => requested,
     }
 }
@@ -94,13 +84,6 @@ fn same_rank(
     Ok((rank, world))
 }
 
-/// Where a backend sits: its rank, the number of ranks, and its device's context.
-struct Seat {
-    rank: usize,
-    world: usize,
-    ctx: Arc<CudaContext>,
-}
-
 /// What every way of making a backend shares: the NCCL found, the configuration and
 /// the set-up's deadline.
 pub(super) struct Builder {
@@ -115,18 +98,12 @@ impl Builder {
     fn new(config: NcclConfig) -> Result<Self> {
         let deadline = Deadline::after(config.setup_timeout);
         let version = ffi::load()?;
-        ffi::require(version, NcclVersion::WINDOWS, "symmetric windows")?;
         Ok(Builder {
             version,
             nccl: ffi::api()?,
             config,
             deadline,
         })
-    }
-
-    /// The data communicators to split, in registration order.
-    fn roles(&self) -> Vec<CommInfo> {
-        roles_for(self.version, &self.config)
     }
 
     /// The set-up round over `exchange` (rank 0 sends the control communicator's
@@ -136,18 +113,13 @@ impl Builder {
         exchange: &dyn Exchange,
         unique_id: Option<[u8; 128]>,
     ) -> Result<setup::Agreed> {
+        let roles = roles_for(self.version, &self.config);
+        let roles: Vec<_> = roles.iter().map(|r| (r.role, r.cta_policy)).collect();
         let hello = setup::Hello {
             version: version_code(self.version),
             node: setup::this_node(),
             unique_ids: unique_id.iter().map(|id| id.to_vec()).collect(),
-            plan: format!(
-                "{:?}, blocking: {}",
-                self.roles()
-                    .iter()
-                    .map(|r| (r.role, r.cta_policy))
-                    .collect::<Vec<_>>(),
-                self.config.data_blocking
-            ),
+            plan: format!("{roles:?}, blocking: {}", self.config.data_blocking),
         };
         setup::agree(exchange, &hello, self.deadline)
     }
@@ -215,6 +187,27 @@ impl Builder {
         finish_creation(self.nccl, starting, op, false, self.deadline, None)
     }
 
+    /// Split a communicator of `cta_policy` off `parent` (polled as non-blocking: right
+    /// for both kinds) by the set-up's deadline; `owner` is the parent when the crate
+    /// made it (aborted on a timeout, see [`finish_creation`]).
+    ///
+    /// # Safety
+    /// As [`ffi::comm_split`].
+    unsafe fn split(
+        &self,
+        parent: RawComm,
+        owner: Option<&Comm>,
+        rank: usize,
+        cta_policy: i32,
+        blocking: bool,
+    ) -> Result<Comm> {
+        // SAFETY: the caller's contract.
+        let starting =
+            unsafe { ffi::comm_split(self.nccl, parent, false, rank, cta_policy, blocking) };
+        let op = "ncclCommSplit";
+        finish_creation(self.nccl, starting, op, blocking, self.deadline, owner)
+    }
+
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
     /// unless configured otherwise), each polled through the control communicator by
     /// the set-up's deadline. A failure aborts the ones made before it and, when
@@ -222,31 +215,15 @@ impl Builder {
     /// together ([`abort_together`]).
     fn data(&self, control: &Comm, rank: usize, abort_control: bool) -> Result<DataComms> {
         let blocking = self.config.data_blocking;
-        let roles = self.roles();
+        let roles = roles_for(self.version, &self.config);
         let mut comms = Vec::with_capacity(roles.len());
         for role in &roles {
             // SAFETY: the control communicator is live and used by this thread only
             // (during set-up; for `Backend::split`, under its calls lock, see
             // `Comm::splitting`); every rank splits the same roles in the same order
             // (the plan is checked by the set-up round, a split's name by its channel).
-            let starting = unsafe {
-                ffi::comm_split(
-                    self.nccl,
-                    control.raw,
-                    false,
-                    rank,
-                    role.cta_policy,
-                    blocking,
-                )
-            };
-            let made = finish_creation(
-                self.nccl,
-                starting,
-                "ncclCommSplit",
-                blocking,
-                self.deadline,
-                Some(control),
-            );
+            let made =
+                unsafe { self.split(control.raw, Some(control), rank, role.cta_policy, blocking) };
             let comm = match made {
                 Ok(comm) => comm,
                 Err(e) => {
@@ -266,20 +243,20 @@ impl Builder {
         Ok(comms)
     }
 
-    /// The backend at `seat` over `comms` (each with what the pools learn of it, in
-    /// registration order) and `control`, on a job of `nodes` nodes, with its watchdog
-    /// running; warmed up when `warm_up` (the crate's own communicators).
-    #[allow(clippy::too_many_arguments)]
+    /// The backend of `exchange`'s rank on device `ctx` over `comms` (each with what the
+    /// pools learn of it, in registration order) and `control`, on a job of `nodes`
+    /// nodes, with its watchdog running; warmed up when `warm_up` (the crate's own
+    /// communicators).
     fn assemble(
         &self,
-        seat: Seat,
+        ctx: Arc<CudaContext>,
         control: Option<Comm>,
         comms: Vec<(CommInfo, Comm)>,
         nodes: usize,
         exchange: Arc<dyn Exchange>,
         warm_up: bool,
     ) -> Result<Backend> {
-        let Seat { rank, world, ctx } = seat;
+        let (rank, world) = (exchange.rank(), exchange.world_size());
         let (infos, comms): (Vec<CommInfo>, Vec<Comm>) = comms.into_iter().unzip();
         let granularity = ffi::segment_granularity(ctx.ordinal());
         let info = BackendInfo::new(
@@ -312,8 +289,6 @@ impl Builder {
             Vec::new()
         };
         let parts = Arc::new(NcclBackend {
-            rank,
-            world,
             shared,
             ordinals: Mutex::new(vec![0; n]),
             fences: Mutex::new(FenceTable::default()),
@@ -331,45 +306,29 @@ type DataComms = Vec<(CommInfo, Comm)>;
 
 impl NcclBackend {
     /// [`Backend::shrink`] on NCCL, with the shrunk `exchange`: this backend's
-    /// communicators are aborted first, and their aborts waited for, boundedly (their
-    /// windows are never deregistered: an aborted communicator releases them itself),
-    /// then the survivors make a new set over the exchange, as
-    /// [`from_env`](Self::from_env) does, on this rank's device and configuration. A
-    /// fresh set rather than `ncclCommShrink`, which needs the parent communicator
-    /// alive: the watchdog aborts it when a peer is lost.
-    ///
-    /// # Errors
-    /// As [`from_env`](Self::from_env).
+    /// communicators aborted and their aborts waited for, boundedly (they release
+    /// their windows themselves), then a new set among the survivors of `exchange`,
+    /// as [`from_env`](Self::from_env) makes one (and with its errors), on this rank's
+    /// device and configuration. Not `ncclCommShrink`, which needs the parent
+    /// communicator alive: the watchdog aborts it when a peer is lost.
     pub(in crate::backend) fn shrink(&self, exchange: Arc<dyn Exchange>) -> Result<Backend> {
         let b = Builder::new(*self.config())?;
         self.bind()?;
         let (control, comms, nodes) = b.survivors(&self.shared, exchange.as_ref())?;
-        let (rank, world) = (exchange.rank(), exchange.world_size());
         let ctx = self.shared.device.ctx.clone();
-        b.assemble(
-            Seat { rank, world, ctx },
-            Some(control),
-            comms,
-            nodes,
-            exchange,
-            true,
-        )
+        b.assemble(ctx, Some(control), comms, nodes, exchange, true)
     }
 
     /// [`Backend::split`] on NCCL: the data communicators split again off this rank's
     /// control communicator (the same roles, blocking unless configured otherwise),
     /// warmed up, with a watchdog of their own, by [`NcclConfig::setup_timeout`]. A
     /// failed split aborts the communicators it made, not this backend's. The split
-    /// backend has no control communicator of its own: split the original again for
-    /// another pool.
-    ///
-    /// Splits on one rank are serialised (by the control communicator's calls lock).
+    /// backend has no control communicator of its own (split the original again), and
+    /// splits on one rank are serialised (by the control communicator's calls lock).
     ///
     /// # Errors
-    /// [`Error::Config`] for communicators adopted without a control communicator
-    /// ([`from_raw`](Self::from_raw)) or a backend that was itself split off; the
-    /// exchange's errors; [`Error::Nccl`], [`Error::NcclTimeout`]; the backend's error
-    /// once it is broken, [`Error::NcclAborted`] once its control communicator is.
+    /// As [`Backend::split`]; the backend's error once it is broken,
+    /// [`Error::NcclAborted`] once its control communicator is.
     pub(in crate::backend) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let Some(control) = self.shared.control.as_ref() else {
             return Err(Error::Config {
@@ -390,20 +349,12 @@ impl NcclBackend {
             config,
             deadline,
         };
-        self.shared
-            .device
-            .ctx
-            .bind_to_thread()
-            .map_err(ffi::cuda("cuCtxSetCurrent"))?;
+        self.bind()?;
         self.shared.health.check()?;
-        let comms = control.splitting("ncclCommSplit", || b.data(control, self.rank, false))?;
-        let seat = Seat {
-            rank: self.rank,
-            world: self.world,
-            ctx: self.shared.device.ctx.clone(),
-        };
+        let rank = self.shared.rank;
+        let comms = control.splitting("ncclCommSplit", || b.data(control, rank, false))?;
         b.assemble(
-            seat,
+            self.context().clone(),
             None,
             comms,
             backend.info().nodes,
@@ -412,15 +363,13 @@ impl NcclBackend {
         )
     }
 
-    /// This process's rank of a job launched with one process per GPU: the device is
-    /// [`NcclConfig::device`], else the launcher's local rank (`LOCAL_RANK`,
-    /// `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), else 0 when the process sees a
-    /// single GPU. Rank 0 creates the control communicator's `ncclUniqueId` and
-    /// publishes it over `exchange` (channel `"nccl:setup"`, with every rank's NCCL
-    /// version, node identity and data communicators); every rank then creates its
-    /// non-blocking control communicator, splits the data communicators off it
-    /// (blocking by default) and warms them up. The whole set-up ends within
-    /// [`NcclConfig::setup_timeout`].
+    /// This process's rank of a job launched with one process per GPU, on
+    /// [`NcclConfig::device`] (by default picked by the launcher's local rank). Rank 0
+    /// creates the control communicator's `ncclUniqueId` and publishes it over
+    /// `exchange` (channel `"nccl:setup"`, with every rank's NCCL version, node identity
+    /// and data communicators); every rank then creates its non-blocking control
+    /// communicator, splits the data communicators off it (blocking by default) and
+    /// warms them up. The whole set-up ends within [`NcclConfig::setup_timeout`].
     ///
     /// # Collective
     /// Every rank of `exchange` calls it at the same point with the same `config`
@@ -443,10 +392,8 @@ impl NcclBackend {
                 expected: "a visible device, given or picked by the local rank",
             })?;
         let ctx = context(device)?;
-        let (rank, world) = (exchange.rank(), exchange.world_size());
         let (control, comms, nodes) = b.communicators(exchange.as_ref())?;
-        let seat = Seat { rank, world, ctx };
-        b.assemble(seat, Some(control), comms, nodes, exchange, true)
+        b.assemble(ctx, Some(control), comms, nodes, exchange, true)
     }
 
     /// [`from_env`](Self::from_env) over a [`StoreExchange`] made from the environment
@@ -487,10 +434,8 @@ impl NcclBackend {
     /// - `exchange` groups the same processes, with the same rank numbers, as `comm`.
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`]; [`Error::Config`] if
-    /// the communicator disagrees with the exchange on rank or size, or with `device`;
-    /// the exchange's errors; [`Error::NcclTimeout`] if a split does not finish in time;
-    /// [`Error::Nccl`] / [`Error::Cuda`].
+    /// As [`from_env`](Self::from_env); [`Error::Config`] also if the communicator
+    /// disagrees with the exchange on rank or size, or with `device`.
     pub unsafe fn adopt(
         comm: ncclComm_t,
         device: usize,
@@ -502,27 +447,15 @@ impl NcclBackend {
         let parent = RawComm(comm);
         // SAFETY: the caller guarantees a live communicator nothing else uses now.
         let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
-        let (rank, world) = same_rank(found, device, exchange.as_ref())?;
+        let (rank, _) = same_rank(found, device, exchange.as_ref())?;
         let agreed = b.agree(exchange.as_ref(), None)?;
+        let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
-        // set-up round).
-        let starting = unsafe {
-            // The runtime's communicator may be blocking or not: polled as non-blocking
-            // (right for both), and never aborted by the crate.
-            ffi::comm_split(
-                b.nccl,
-                parent,
-                false,
-                rank,
-                ffi::NCCL_CTA_POLICY_DEFAULT,
-                false,
-            )
-        };
-        let control = finish_creation(b.nccl, starting, "ncclCommSplit", false, b.deadline, None)?;
+        // set-up round). The runtime's communicator is never aborted by the crate.
+        let control = unsafe { b.split(parent, None, rank, policy, false) }?;
         let comms = b.data(&control, rank, true)?;
-        let seat = Seat { rank, world, ctx };
-        b.assemble(seat, Some(control), comms, agreed.nodes, exchange, true)
+        b.assemble(ctx, Some(control), comms, agreed.nodes, exchange, true)
     }
 
     /// One backend per listed GPU of this process, in rank order: rank `i` drives
@@ -532,10 +465,8 @@ impl NcclBackend {
     /// backend to its own thread. [`NcclConfig::device`] is ignored.
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`] without a driver or NCCL; [`Error::NcclTooOld`]
-    /// before NCCL 2.27; [`Error::Config`] for no devices, a device listed twice
-    /// or one that is not present; [`Error::NcclTimeout`]; [`Error::Cuda`] /
-    /// [`Error::Nccl`] from initialisation.
+    /// As [`from_env`](Self::from_env) (no exchange errors); [`Error::Config`] also for
+    /// no devices or a device listed twice.
     pub fn local_world(devices: &[usize], config: NcclConfig) -> Result<Vec<Backend>> {
         let b = Builder::new(config)?;
         if devices.is_empty() {
@@ -545,10 +476,7 @@ impl NcclBackend {
                 expected: "at least one device",
             });
         }
-        let mut sorted = devices.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.len() != devices.len() {
+        if (1..devices.len()).any(|i| devices[..i].contains(&devices[i])) {
             return Err(Error::Config {
                 setting: "devices",
                 value: format!("{devices:?}"),
@@ -567,8 +495,7 @@ impl NcclBackend {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let control = b.control_init(world, &id, rank)?;
             let comms = b.data(&control, rank, true)?;
-            let seat = Seat { rank, world, ctx };
-            b.assemble(seat, Some(control), comms, 1, Arc::new(exchange), true)
+            b.assemble(ctx, Some(control), comms, 1, Arc::new(exchange), true)
         };
         let one_rank = &one_rank;
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
@@ -605,9 +532,8 @@ impl NcclBackend {
     ///   `CTAPolicy = NCCL_CTA_POLICY_ZERO` (else the reported path is wrong).
     ///
     /// # Errors
-    /// [`Error::LibraryUnavailable`], [`Error::NcclTooOld`], [`Error::Config`]
-    /// for no communicators, or one that disagrees with the exchange on rank or size,
-    /// or is not on `device`; the exchange's errors.
+    /// As [`adopt`](Self::adopt) but for [`Error::NcclTimeout`]; [`Error::Config`] also
+    /// for no communicators.
     pub unsafe fn from_raw(
         device: usize,
         comms: Vec<(ncclComm_t, CommRole, i32)>,
@@ -616,13 +542,12 @@ impl NcclBackend {
     ) -> Result<Backend> {
         let b = Builder::new(config)?;
         let ctx = context(device)?;
-        let mut rank_world = None;
         let mut adopted = Vec::with_capacity(comms.len());
         for (raw, role, policy) in comms {
             let raw = RawComm(raw);
             // SAFETY: the caller guarantees a live communicator nobody else uses now.
             let found = unsafe { ffi::comm_rank_size_device(b.nccl, raw) }?;
-            rank_world = Some(same_rank(found, device, exchange.as_ref())?);
+            same_rank(found, device, exchange.as_ref())?;
             let info = CommInfo {
                 role,
                 cta_policy: effective_policy(policy),
@@ -630,16 +555,15 @@ impl NcclBackend {
             };
             adopted.push((info, Comm::new(b.nccl, raw, false, false)));
         }
-        let Some((rank, world)) = rank_world else {
+        if adopted.is_empty() {
             return Err(Error::Config {
                 setting: "communicators",
                 value: "none".into(),
                 expected: "at least one communicator",
             });
-        };
+        }
         let agreed = b.agree(exchange.as_ref(), None)?;
-        let seat = Seat { rank, world, ctx };
-        b.assemble(seat, None, adopted, agreed.nodes, exchange, false)
+        b.assemble(ctx, None, adopted, agreed.nodes, exchange, false)
     }
 }
 

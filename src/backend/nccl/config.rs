@@ -5,15 +5,8 @@ use crate::backend::SETUP_TIMEOUT;
 use std::time::Duration;
 
 /// Which communicators an NCCL backend makes, on which device, and how long its NCCL
-/// calls may wait on other ranks.
-///
-/// The crate makes one **non-blocking** control communicator per rank
-/// (`ncclConfig_t::blocking = 0`, polled with `ncclCommGetAsyncError` until done or the
-/// set-up deadline) and splits the data communicators off it, **blocking** by default
-/// ([`data_blocking`](Self::data_blocking)): their calls run inline, and the watchdog
-/// bounds those that can wait on peers. On a deadline the rank revokes and aborts its
-/// communicators and fails with [`Error::NcclTimeout`](crate::Error::NcclTimeout); the
-/// backend is unusable from then on. See the [module](super) for the table of waits.
+/// calls may wait on other ranks (see the [module](super) for the two kinds of
+/// communicator and the table of waits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct NcclConfig {
@@ -26,13 +19,9 @@ pub struct NcclConfig {
     /// Create the unregistered communicator for ring collectives.
     pub plain: bool,
     /// Split the data communicators off the control one as blocking communicators
-    /// (default `true`): a collective is the NCCL call and a completion event on the
-    /// caller's thread (about 10 µs a call at 64 KiB on two H200s, one process per
-    /// GPU). `false` makes them non-blocking, for callers that need every NCCL call to
-    /// be abortable at any point: NCCL then starts a thread for every `ncclGroupEnd`
-    /// (every collective) and the next call on the communicator must wait for it, so
-    /// each collective is polled to completion, about 100 µs a call at 64 KiB on two
-    /// GPUs (NCCL src/group.cc, `groupLaunchNonBlocking`, 2.28.3–2.31).
+    /// (default `true`: about 10 µs a collective). `false` makes them non-blocking, for
+    /// callers that need every NCCL call abortable at any point, at about 100 µs a
+    /// collective (see the [module](super), *Two kinds of communicator*).
     pub data_blocking: bool,
     /// Deadline of communicator creation (`ncclCommInitRankConfig`, `ncclCommSplit`)
     /// and of the exchange rounds of set-up (default [`SETUP_TIMEOUT`], 10 minutes: ranks

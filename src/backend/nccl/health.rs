@@ -25,34 +25,22 @@ pub(crate) const PEER_VERDICT_WAIT: Duration = Duration::from_secs(1);
 /// Why a backend broke, kept to describe it on every later call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Cause {
-    /// An NCCL call ran past its deadline.
-    Timeout {
-        /// The call.
-        op: &'static str,
-        /// How long it was polled.
-        waited: Duration,
-    },
-    /// A collective did not complete within the watchdog timeout.
+    /// The NCCL call `op` ran past its deadline, after `waited`.
+    Timeout { op: &'static str, waited: Duration },
+    /// A collective `op` on communicator `comm` did not complete within the watchdog
+    /// timeout (enqueued `waited` before the watchdog saw it).
     Watchdog {
-        /// The collective.
         op: &'static str,
-        /// The communicator.
         comm: usize,
-        /// How long it had been enqueued when the watchdog saw it.
         waited: Duration,
     },
     /// NCCL or CUDA reported an error (an asynchronous one, or a failed call after
     /// which the communicators cannot be trusted).
     Failed(String),
-    /// The exchange knows a peer is lost (its process ended, or it stopped answering
-    /// heartbeats; see [`Exchange::lost_peer`]): work on the communicators may wait on
-    /// it for ever.
-    PeerLost {
-        /// The lost rank.
-        rank: usize,
-        /// How the exchange noticed.
-        detail: String,
-    },
+    /// The exchange knows rank `rank` is lost (`detail`: its process ended, or it
+    /// stopped answering heartbeats; see [`Exchange::lost_peer`]): work on the
+    /// communicators may wait on it for ever.
+    PeerLost { rank: usize, detail: String },
 }
 
 impl Cause {
@@ -100,12 +88,10 @@ impl Cause {
     }
 }
 
-/// A backend's health: fine until the first [`Cause`], broken for good afterwards.
+/// A backend's health: fine until the first [`Cause`], broken for good afterwards. A
+/// break is reported as the lost peer the exchange knows of, if any ([`report`]).
 ///
-/// With the backend's exchange to ask ([`watching`](Self::watching)), a break is
-/// reported as [`Error::PeerLost`] naming the rank whenever the exchange knows of a
-/// lost peer, whatever the cause NCCL gave (an asynchronous error, a timeout, the
-/// watchdog): the lost rank is what broke it, and what the caller must act on.
+/// [`report`]: Self::report
 #[derive(Debug, Default)]
 pub(crate) struct Health {
     cause: OnceLock<Cause>,
@@ -280,14 +266,11 @@ pub(crate) struct Enqueued<E> {
     pub(crate) done: E,
 }
 
-/// What [`sweep`] found.
+/// What [`sweep`] found: the collectives not complete (`kept`, oldest first), the
+/// markers of those complete, and why the backend must break, if it must.
 pub(crate) struct Swept<E> {
-    /// The collectives not complete, oldest first.
     pub(crate) kept: VecDeque<Enqueued<E>>,
-    /// The markers of those complete.
     pub(crate) complete: Vec<E>,
-    /// Why the backend must break, if it must: a collective older than the timeout and
-    /// not complete, or a failed device.
     pub(crate) cause: Option<Cause>,
 }
 
@@ -362,23 +345,6 @@ impl<E: Completion> Watch<E> {
     /// Track a collective.
     pub(crate) fn push(&mut self, e: Enqueued<E>) {
         self.pending.push_back(e);
-    }
-
-    /// Number of collectives not yet seen complete.
-    #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
-        self.pending.len()
-    }
-
-    /// Drop the completed collectives; `Some(cause)` if one is older than `timeout` and
-    /// not complete, or the device failed. (The watchdog does the same in three steps,
-    /// [`take`](Self::take), [`sweep`], [`restore`](Self::restore), so that the lock on
-    /// the list is not held across the queries.)
-    #[cfg(test)]
-    pub(super) fn sweep(&mut self, now: Instant, timeout: Duration) -> Option<Cause> {
-        let swept = sweep(self.take(), now, timeout);
-        self.restore(swept.kept, swept.complete);
-        swept.cause
     }
 
     /// The collectives pending so far, taken out of the list (to be queried without

@@ -22,8 +22,9 @@
 //!
 //! On a **non-blocking** communicator NCCL creates a thread for every `ncclGroupEnd`,
 //! so for every collective, and the next call must wait for it (src/group.cc,
-//! `groupLaunchNonBlocking`, NCCL 2.28.3 to 2.31): about 100 µs a call on two GPUs,
-//! against about 10 µs on a blocking one. So the crate uses each kind where it pays:
+//! `groupLaunchNonBlocking`, NCCL 2.28.3 to 2.31): about 100 µs a call at 64 KiB on two
+//! H200s, against about 10 µs on a blocking one. So the crate uses each kind where it
+//! pays:
 //!
 //! - the **control** communicator is non-blocking, created (or split) and polled under
 //!   the set-up deadline; nothing runs on it after set-up but the splits;
@@ -39,19 +40,15 @@
 //!
 //! # Warm-up
 //!
-//! NCCL does some work lazily at a communicator's first collective, and some of it
-//! waits on peers: connecting an algorithm's channels (`NCCL_RUNTIME_CONNECT=1`, the
-//! default since 2.22) and the copy engine's first all-gather (`ncclCeInit` allocates
-//! and registers a window, a collective step). So set-up ends with a warm-up, under the
-//! set-up deadline: one registered segment, and on each data communicator the
-//! collectives the path policy can choose there (all-gather on the copy-engine one,
-//! all-gather, reduce-scatter and all-reduce on the symmetric and plain ones), each at
-//! a small (4 KiB) and a large (4 MiB) size per rank, as NCCL picks its algorithms and
-//! protocols by size; then the segment is released (world × 4 MiB, in whole granules,
-//! for the duration of set-up). [`NcclBackend::warmed`] lists what ran. Setting `NCCL_RUNTIME_CONNECT=0`
-//! before NCCL is loaded would connect every algorithm inside communicator creation
-//! instead, but for every communicator of the process (PyTorch's too), and it cannot
-//! be changed once NCCL read it; the crate does not set it.
+//! NCCL connects an algorithm's channels at a communicator's first collective
+//! (`NCCL_RUNTIME_CONNECT=1`, the default since 2.22), and the copy engine's first
+//! all-gather registers a window (`ncclCeInit`): lazy work that waits on peers. So
+//! set-up ends with a warm-up under the set-up deadline: on one registered segment
+//! (world × 4 MiB, released after), every collective the path policy can choose on each
+//! data communicator, at 4 KiB and 4 MiB per rank (NCCL picks its algorithms by size);
+//! [`NcclBackend::warmed`] lists them. `NCCL_RUNTIME_CONNECT=0` would connect at
+//! creation instead, but for every communicator of the process (PyTorch's too), and
+//! only if set before NCCL is loaded; the crate does not set it.
 //!
 //! # What bounds each wait
 //!
@@ -69,21 +66,17 @@
 //! | abort (`ncclCommAbort` can block: NVIDIA/nccl issue 1777) | its own thread | not waited for; releases wait ≤ 10 s | window and segment leaked |
 //! | drop | — | idle device: ≤ 10 s for the aborts; work in flight: not waited for | communicators leaked |
 //!
-//! The watchdog is one thread per backend. On a deadline, a lost peer, an
-//! asynchronous NCCL error or a failed device it **revokes** the blocking data communicators
+//! The watchdog (one thread per backend), on a deadline, a lost peer, an asynchronous
+//! NCCL error or a failed device, **revokes** the blocking data communicators
 //! (`ncclCommRevoke`, NCCL ≥ 2.28.7: stops their in-flight work and frees nothing, so a
-//! thread stuck inside NCCL returns), waits at most 0.5 s (`LEAVE_WAIT`)
-//! for such a thread to leave NCCL, then aborts every communicator on a thread of its
-//! own. NCCL < 2.28.7 has no `ncclCommRevoke`: the watchdog aborts directly (what
-//! PyTorch does), and a thread still inside NCCL on a blocking communicator then races
-//! with the abort that frees it; NCCL documents abort from another thread as safe only
-//! on non-blocking communicators (user guide, *Communicators*, fault tolerance). After
-//! an abort the backend is broken for good: every later call fails with
-//! [`Error::NcclWatchdog`] or [`Error::NcclAborted`], or [`Error::PeerLost`] naming the
-//! rank whenever the exchange knows of a lost peer (it is what broke the backend,
-//! whatever NCCL reported); windows of an aborted
-//! communicator are never deregistered (NCCL destroyed them), and segments are freed
-//! only once the aborts returned (after 10 s they are leaked instead).
+//! thread stuck inside NCCL returns), waits at most 0.5 s (`LEAVE_WAIT`) for such a
+//! thread to leave, then aborts every communicator on a thread of its own. Before
+//! 2.28.7 it aborts directly (as PyTorch does): a thread still inside NCCL on a blocking
+//! communicator then races with the abort, which NCCL documents as safe only on
+//! non-blocking ones (user guide, *Communicators*, fault tolerance). After an abort the
+//! backend is broken for good ([`NcclBackend::health`] says with which error); windows
+//! of an aborted communicator are never deregistered (NCCL destroyed them), and
+//! segments are freed only once the aborts returned (after 10 s they are leaked).
 //!
 //! # CUDA graphs
 //!
@@ -93,24 +86,6 @@
 //! no completion event (an event recorded during capture is a node of the graph, not a
 //! completion the watchdog can query), so replays are not watched. The pool's growth
 //! stays refused while its stream captures.
-//!
-//! Communicators passed to [`NcclBackend::from_raw`] are never aborted by the crate
-//! (they are not its own), and a blocking one is not bounded by any deadline: a call
-//! on it can wait forever.
-//!
-//! # Layout
-//!
-//! | file | what |
-//! |---|---|
-//! | `build.rs` | the constructors, all through one builder: load, device, set-up round, control and data communicators, warm-up, assembly |
-//! | `setup.rs` | the set-up round (versions, nodes, unique id) over the exchange |
-//! | `comm/` | the communicators: blocking calls inline with their gate, the `Device` seam (`mod.rs`), polling of non-blocking ones and creation (`poll.rs`), revoke and abort (`abort.rs`) |
-//! | `warmup.rs` | the warm-up: every (data communicator, collective) the path policy can choose, at set-up |
-//! | `watchdog.rs` | the watchdog thread |
-//! | `health.rs` | the backend's health, the polling backoff, the watch list (device-free) |
-//! | `streams.rs` | `Stream`'s CUDA side, fences as events, drains, copies, timing |
-//! | `ffi/` | every NCCL call: communicators and collectives (`mod.rs`), memory and windows (`window.rs`), NCCL's loader and function table (`table.rs`), raw CUDA driver calls (`cuda.rs`) |
-//! | `mod.rs` | [`NcclBackend`]: segments, windows and collectives, teardown |
 
 mod build;
 mod comm;
@@ -142,6 +117,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use streams::FenceTable;
 pub(crate) use streams::{cuda_key, same_cuda_stream};
@@ -164,19 +140,14 @@ pub fn nccl_version() -> Result<NcclVersion> {
 /// [`Error::LibraryUnavailable`], [`Error::Cuda`].
 pub fn device_count() -> Result<usize> {
     if !ffi::driver_present() {
-        return Err(Error::LibraryUnavailable {
-            library: "libcuda (CUDA driver)",
-            hint: "no NVIDIA driver on this machine; use the host backend",
-        });
+        return Err(ffi::NO_DRIVER);
     }
     CudaContext::device_count()
         .map(|n| n.max(0) as usize)
         .map_err(ffi::cuda("cuDeviceGetCount"))
 }
 
-/// The memory of one `ncclMemAlloc` segment. Dropping it without
-/// [`SegmentProvider::free`] leaks the device memory on purpose (a pool does that when
-/// its device cannot drain in time).
+/// The memory of one `ncclMemAlloc` segment (leaked when dropped, as a [`Segment`] says).
 #[derive(Debug)]
 struct NcclMemory {
     ptr: u64,
@@ -194,6 +165,18 @@ impl SegmentMemory for NcclMemory {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+/// `handle`, given back with `error`.
+fn refused<T>(handle: T, error: Error) -> Refused<T> {
+    Refused { handle, error }
+}
+
+/// The error of `what` (a handle of another backend) reaching the NCCL backend.
+fn foreign(what: &str) -> Error {
+    Error::Internal {
+        what: format!("{what} reached the NCCL backend"),
     }
 }
 
@@ -216,21 +199,14 @@ impl Device for Cuda {
     }
 
     fn record(&self, stream: &CudaStream, spare: Option<CudaEvent>) -> Result<CudaEvent> {
-        let event = match spare {
-            Some(e) => e,
-            None => self
-                .ctx
-                .new_event(None)
-                .map_err(ffi::cuda("cuEventCreate"))?,
-        };
+        let event = (spare.map_or_else(|| self.ctx.new_event(None), Ok))
+            .map_err(ffi::cuda("cuEventCreate"))?;
         event.record(stream).map_err(ffi::cuda("cuEventRecord"))?;
         Ok(event)
     }
 
     fn wait_idle(&self, stream: &CudaStream, deadline: Deadline) -> Result<bool> {
-        let event = stream
-            .record_event(None)
-            .map_err(ffi::cuda("cuEventRecord"))?;
+        let event = (stream.record_event(None)).map_err(ffi::cuda("cuEventRecord"))?;
         streams::all_complete(&[event], deadline)
     }
 
@@ -242,17 +218,11 @@ impl Device for Cuda {
     }
 }
 
-/// One rank of NCCL: a device context and its communicators. Segments and windows
-/// belong to the pools (as owned handles); this type keeps no table of them.
-///
-/// Make it with [`NcclBackend::from_env`] (one process per GPU),
-/// [`NcclBackend::adopt`] (a runtime's communicator), [`NcclBackend::local_world`]
-/// (one thread per GPU) or [`NcclBackend::from_raw`]. All return [`Backend`](super::Backend)s;
-/// reach this type again through [`Backend::downcast_ref`](super::Backend::downcast_ref). See the [module](self) for the
-/// deadlines and the watchdog.
+/// One rank of NCCL: a device context and its communicators (segments and windows
+/// belong to the pools). Its constructors (see the [module](self)) return
+/// [`Backend`](super::Backend)s; reach this type again through
+/// [`Backend::downcast_ref`](super::Backend::downcast_ref).
 pub struct NcclBackend {
-    rank: usize,
-    world: usize,
     shared: Arc<Shared<Cuda>>,
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
@@ -263,7 +233,7 @@ pub struct NcclBackend {
     warmed: Vec<WarmedPath>,
     watchdog: Watchdog,
     /// A drain ran out of time: some stream is stuck, so the drop does not wait again.
-    drain_timed_out: std::sync::atomic::AtomicBool,
+    drain_timed_out: AtomicBool,
 }
 
 impl fmt::Debug for NcclBackend {
@@ -273,8 +243,8 @@ impl fmt::Debug for NcclBackend {
         write!(
             f,
             "NcclBackend(rank {} of {}, device {}, {} data communicators{broken})",
-            self.rank,
-            self.world,
+            s.rank,
+            s.world,
             s.device.ctx.ordinal(),
             s.comms.len()
         )
@@ -314,7 +284,7 @@ impl NcclBackend {
 
     /// The CUDA device ordinal.
     pub fn device(&self) -> usize {
-        self.shared.device.ctx.ordinal()
+        self.context().ordinal()
     }
 
     /// The configuration the backend was made with.
@@ -345,35 +315,26 @@ impl NcclBackend {
     }
 
     fn bind(&self) -> Result<()> {
-        self.shared
-            .device
-            .ctx
-            .bind_to_thread()
-            .map_err(ffi::cuda("cuCtxSetCurrent"))
+        (self.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))
     }
 
     /// The device address of a region's first byte.
     fn ptr(region: &Region<'_>) -> Result<u64> {
-        region.device_ptr().ok_or(Error::Internal {
-            what: "a host segment reached the NCCL backend".into(),
-        })
+        region.device_ptr().ok_or_else(|| foreign("a host segment"))
     }
 
     fn memory(segment: &Segment) -> Result<&NcclMemory> {
-        segment.memory::<NcclMemory>().ok_or(Error::Internal {
-            what: "a segment of another backend reached the NCCL backend".into(),
-        })
+        (segment.memory::<NcclMemory>()).ok_or_else(|| foreign("a segment of another backend"))
     }
 
     /// Enqueue a collective: checks, then the communicator layer's call (inline on a
     /// blocking communicator) and the watchdog's event.
     fn collective(&self, a: &CollArgs<'_>, kind: CollKind) -> Result<()> {
-        let reduce = !matches!(kind, CollKind::AllGather);
         // An all-reduce has `count` elements on both sides (a world of one chunk).
-        let world = if matches!(kind, CollKind::AllReduce(_)) {
-            1
-        } else {
-            self.world
+        let (world, reduce) = match kind {
+            CollKind::AllGather => (self.shared.world, false),
+            CollKind::ReduceScatter(_) => (self.shared.world, true),
+            CollKind::AllReduce(_) => (1, true),
         };
         let call = CollCall {
             kind,
@@ -429,63 +390,33 @@ impl SegmentProvider for NcclBackend {
         window: Window,
         deadline: Deadline,
     ) -> std::result::Result<(), Refused<Window>> {
-        let comm = window.comm();
-        let ordinal = window.ordinal();
-        let raw_window = match window.into_handle::<RawWindow>() {
-            Ok(w) => *w,
-            Err(window) => {
-                return Err(Refused {
-                    handle: window,
-                    error: Error::Internal {
-                        what: "a window of another backend reached the NCCL backend".into(),
-                    },
-                });
-            }
-        };
-        if let Err(error) = self.bind() {
-            return Err(Refused {
-                handle: Window::new(comm, ordinal, Box::new(raw_window)),
-                error,
-            });
-        }
+        let (comm, ordinal) = (window.comm(), window.ordinal());
+        let raw = window
+            .into_handle::<RawWindow>()
+            .map_err(|w| refused(w, foreign("a window of another backend")))?;
+        let back = |(w, error)| refused(Window::new(comm, ordinal, Box::new(w)), error);
         let deadline = self.shared.call_deadline().min(deadline);
-        // SAFETY: the window was registered on this communicator by `register` (the
-        // caller's contract) and is consumed here; the caller guarantees no work uses
-        // it.
-        unsafe { self.shared.deregister(comm, raw_window, deadline) }.map_err(|(w, error)| {
-            Refused {
-                handle: Window::new(comm, ordinal, Box::new(w)),
-                error,
-            }
-        })
+        match self.bind() {
+            // SAFETY: the window was registered on this communicator by `register` (the
+            // caller's contract) and is consumed here; the caller guarantees no work
+            // uses it.
+            Ok(()) => unsafe { self.shared.deregister(comm, *raw, deadline) }.map_err(back),
+            Err(error) => Err(back((*raw, error))),
+        }
     }
 
     unsafe fn free(&self, segment: Segment) -> std::result::Result<(), Refused<Segment>> {
-        let ptr = match Self::memory(&segment) {
-            Ok(m) => m.ptr,
-            Err(error) => {
-                return Err(Refused {
-                    handle: segment,
-                    error,
-                });
-            }
-        };
         // An abort still running may still release a window on this memory (one being
         // registered when the backend broke is in no pool's list): never free under it.
-        let result = self
-            .shared
-            .may_free()
-            .and_then(|()| self.bind())
-            .and_then(|()| {
-                // SAFETY: the caller guarantees the segment came from `allocate` (so `ptr`
-                // is an ncclMemAlloc pointer), that no window covers it and no work uses
-                // it; it is consumed here, so freed once.
-                unsafe { ffi::mem_free(self.shared.nccl, ptr) }
-            });
-        result.map_err(|error| Refused {
-            handle: segment,
-            error,
-        })
+        let freed = Self::memory(&segment).and_then(|m| {
+            self.shared.may_free()?;
+            self.bind()?;
+            // SAFETY: the caller guarantees the segment came from `allocate` (so `m.ptr`
+            // is an ncclMemAlloc pointer), that no window covers it and no work uses
+            // it; it is consumed here, so freed once.
+            unsafe { ffi::mem_free(self.shared.nccl, m.ptr) }
+        });
+        freed.map_err(|error| refused(segment, error))
     }
 }
 
@@ -504,8 +435,7 @@ impl Collectives for NcclBackend {
 }
 
 /// How long a drop waits for the device work already enqueued before it decides the
-/// device is busy (and leaves the aborts to their threads); nothing when an earlier
-/// drain (a pool's release) already ran out of time.
+/// device is busy (see the drop).
 const DROP_DRAIN_WAIT: Duration = Duration::from_millis(500);
 
 impl Drop for NcclBackend {
@@ -517,15 +447,13 @@ impl Drop for NcclBackend {
         self.watchdog.stop();
         let _ = self.bind();
         self.fences.lock().clear();
-        self.shared.watch.lock().clear();
         // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
         // resources; with work still running (a stuck collective, a kernel that never
         // ends) the aborts wait for the device, so leave them to their thread at once.
         // Work just enqueued gets `DROP_DRAIN_WAIT` to finish (an idle device answers at
         // once; a zero deadline would make the last collectives look stuck).
-        let busy = self
-            .drain_timed_out
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let rank = self.shared.rank;
+        let busy = self.drain_timed_out.load(Ordering::Relaxed);
         let wait = if busy {
             Duration::ZERO
         } else {
@@ -533,13 +461,12 @@ impl Drop for NcclBackend {
         };
         let drained = self.drain(Deadline::after(wait));
         if let Err(e) = &drained {
-            tracing::warn!("symmpool: rank {}: draining at drop failed: {e}", self.rank);
+            tracing::warn!("symmpool: rank {rank}: draining at drop failed: {e}");
         }
         let idle = matches!(drained, Ok(true));
         if !idle {
             tracing::warn!(
-                "symmpool: rank {}: device work still in flight; aborting its communicators in the background",
-                self.rank
+                "symmpool: rank {rank}: device work still in flight; aborting its communicators in the background"
             );
         }
         let (threads, wait) = if idle {
@@ -556,8 +483,7 @@ impl Drop for NcclBackend {
             .count();
         if pending > 0 && idle {
             tracing::warn!(
-                "symmpool: rank {}: {pending} ncclCommAbort calls had not returned after {wait:?}; they go on in the background and their communicators are leaked",
-                self.rank
+                "symmpool: rank {rank}: {pending} ncclCommAbort calls had not returned after {wait:?}; they go on in the background and their communicators are leaked"
             );
         }
     }

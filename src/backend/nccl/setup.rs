@@ -3,7 +3,7 @@
 //! node identity and the data communicators it will split, and rank 0 also the
 //! control communicator's `ncclUniqueId`. Pure logic over an [`Exchange`], tested without GPUs.
 
-use crate::control::Exchange;
+use crate::control::{Exchange, gather_records};
 use crate::deadline::Deadline;
 use crate::error::{Error, NcclVersion, Result};
 use serde::{Deserialize, Serialize};
@@ -45,25 +45,17 @@ pub(crate) const CHANNEL: &str = "nccl:setup";
 /// Every rank of `exchange`, at the same point.
 ///
 /// # Errors
-/// The exchange's errors; [`Error::Config`] on every rank when ranks run
-/// different NCCL versions, or rank 0's payload is malformed.
+/// As [`gather_records`]; [`Error::Config`] on every rank when ranks run different
+/// NCCL versions, or rank 0's payload is malformed.
 pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) -> Result<Agreed> {
     let channel = exchange.open_channel(CHANNEL, deadline)?;
-    let payload = postcard::to_allocvec(hello).map_err(|e| Error::Internal {
-        what: format!("encoding the NCCL set-up payload: {e}"),
-    })?;
-    let all = exchange.all_gather(channel, "NCCL set-up", &payload, deadline)?;
-    let hellos = all
-        .iter()
-        .enumerate()
-        .map(|(rank, p)| {
-            postcard::from_bytes::<Hello>(p).map_err(|e| Error::Protocol {
-                op: "NCCL set-up",
-                detail: format!("rank {rank}'s payload does not decode: {e}"),
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    settle(&hellos)
+    settle(&gather_records(
+        exchange,
+        channel,
+        "NCCL set-up",
+        hello,
+        deadline,
+    )?)
 }
 
 /// What every rank concludes from all ranks' hellos (a pure function).
@@ -73,8 +65,7 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
         value: "0".into(),
         expected: "at least one rank",
     })?;
-    let versions: BTreeSet<i32> = hellos.iter().map(|h| h.version).collect();
-    if versions.len() > 1 {
+    if hellos.iter().any(|h| h.version != first.version) {
         let per_rank = hellos
             .iter()
             .enumerate()

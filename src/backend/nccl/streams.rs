@@ -2,6 +2,7 @@
 //! and accessors, fences as CUDA events, drains, and the copies and timing that wait
 //! on a stream.
 
+use super::comm::Device;
 use super::health::poll_until;
 use super::{CUstream, NcclBackend, ffi};
 use crate::backend::Backend;
@@ -13,6 +14,7 @@ use crate::stream::Stream;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// What [`Stream`] carries on the NCCL backend, and how `Debug` names it.
@@ -31,12 +33,8 @@ const PER_THREAD: usize = 0x2;
 /// when no wrapper of the old one is left, and the new stream gets a new id.
 impl Stream {
     /// Wrap a cudarc stream (for the NCCL backend). Use non-blocking streams: NCCL
-    /// 2.28's copy-engine collectives fail on the legacy NULL stream.
-    ///
-    /// Wrapping the same CUDA stream again (another `Arc` of it, or a borrowed
-    /// wrapper of its handle) gives the same [`id`](Self::id) while a wrapper lives;
-    /// the per-thread default stream (`CU_STREAM_PER_THREAD`, a different stream on
-    /// each thread) gets a new id each time.
+    /// 2.28's copy-engine collectives fail on the legacy NULL stream. The per-thread
+    /// default stream (`CU_STREAM_PER_THREAD`) gets a new [`id`](Self::id) each time.
     pub fn cuda(stream: Arc<CudaStream>) -> Self {
         Stream::on_device(KIND, cuda_key(&stream), stream)
     }
@@ -52,10 +50,8 @@ impl Stream {
         Stream::known_id(KIND, cuda_key(stream)?)
     }
 
-    /// The stream of a runtime without cudarc, by its raw `CUstream` (for example
-    /// PyTorch's `torch.cuda.current_stream().cuda_stream`), on an NCCL backend. The same
-    /// handle always gives the same stream, with the same [`id`](Self::id), so there are
-    /// no spurious cross-stream waits. See [`NcclBackend::stream_from_raw`].
+    /// The stream of a runtime without cudarc, by its raw `CUstream`, on an NCCL
+    /// backend: [`NcclBackend::stream_from_raw`].
     ///
     /// # Safety
     /// `cu_stream` is a live stream of `backend`'s device, in its primary context, and
@@ -159,11 +155,7 @@ pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> Result<b
         }
         Some(Ok(()))
     });
-    match answer {
-        Some(Ok(())) => Ok(true),
-        Some(Err(e)) => Err(e),
-        None => Ok(false),
-    }
+    answer.transpose().map(|done| done.is_some())
 }
 
 impl NcclBackend {
@@ -172,9 +164,7 @@ impl NcclBackend {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn cuda_stream(&self) -> Result<Arc<CudaStream>> {
-        self.shared
-            .device
-            .ctx
+        self.context()
             .new_stream()
             .map_err(ffi::cuda("cuStreamCreate"))
     }
@@ -206,13 +196,13 @@ impl NcclBackend {
         self.bind()?;
         // SAFETY: the caller guarantees a live stream handle.
         let ctx = unsafe { ffi::stream_context(cu_stream) }?;
-        if ctx != self.shared.device.ctx.cu_ctx() {
+        if ctx != self.context().cu_ctx() {
             // A stream of another context (not the primary context of this device).
             return Err(Error::WrongStream);
         }
         // SAFETY: the stream belongs to this context (checked above) and the caller keeps
         // it alive as long as this backend, which holds every wrapper it hands out.
-        let wrapped = unsafe { self.shared.device.ctx.wrap_borrowed_stream(cu_stream) };
+        let wrapped = unsafe { self.context().wrap_borrowed_stream(cu_stream) };
         let stream = Stream::cuda(wrapped);
         streams.insert(cu_stream as usize, stream.clone());
         Ok(stream)
@@ -221,9 +211,6 @@ impl NcclBackend {
     /// Make `cs` wait (device-side) for each of `waits`, fences recorded on this
     /// backend's streams: a stream the caller may not have wrapped as a [`Stream`]
     /// (see `CudaView`).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn wait_fences_on(&self, cs: &CudaStream, waits: &[Wait]) -> Result<()> {
         if waits.is_empty() {
             return Ok(());
@@ -242,26 +229,17 @@ impl NcclBackend {
     }
 
     /// Whether `cs` is capturing a CUDA graph.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn capturing_cuda(cs: &CudaStream) -> Result<bool> {
         (cs.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))?;
         ffi::is_capturing(cs)
     }
 
     /// A new event (without timing) in `cs`'s context, to record on `cs`.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn event_for(cs: &CudaStream) -> Result<CudaEvent> {
         (cs.context().new_event(None)).map_err(ffi::cuda("cuEventCreate"))
     }
 
     /// Make `cs` wait (device-side) for `event`'s last record.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     pub(crate) fn wait_event(cs: &CudaStream, event: &CudaEvent) -> Result<()> {
         cs.wait(event).map_err(ffi::cuda("cuStreamWaitEvent"))
     }
@@ -300,16 +278,7 @@ impl StreamOps for NcclBackend {
     fn record_fence(&self, stream: &Stream) -> Result<Fence> {
         let cs = self.cuda_of(stream)?;
         let mut t = self.fences.lock();
-        let event = match t.spare.pop() {
-            Some(e) => e,
-            None => self
-                .shared
-                .device
-                .ctx
-                .new_event(None)
-                .map_err(ffi::cuda("cuEventCreate"))?,
-        };
-        event.record(cs).map_err(ffi::cuda("cuEventRecord"))?;
+        let event = self.shared.device.record(cs, t.spare.pop())?;
         let sid = stream.id();
         t.streams.entry(sid).or_insert_with(|| cs.clone());
         let next = t.next.entry(sid).or_insert(0);
@@ -347,15 +316,10 @@ impl StreamOps for NcclBackend {
         self.bind()?;
         let fenced: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
         let adopted: Vec<Stream> = self.raw_streams.lock().values().cloned().collect();
-        for cs in fenced
+        let mut streams = fenced
             .iter()
-            .chain(adopted.iter().filter_map(Stream::cuda_stream))
-        {
-            if ffi::is_capturing(cs)? {
-                return Ok(true);
-            }
-        }
-        Ok(false)
+            .chain(adopted.iter().filter_map(Stream::cuda_stream));
+        streams.try_fold(false, |any, cs| Ok(any || ffi::is_capturing(cs)?))
     }
 
     fn drain(&self, deadline: Deadline) -> Result<bool> {
@@ -368,7 +332,7 @@ impl StreamOps for NcclBackend {
             .collect::<Result<Vec<CudaEvent>>>()?;
         let drained = all_complete(&events, deadline);
         if matches!(drained, Ok(false)) {
-            (self.drain_timed_out).store(true, std::sync::atomic::Ordering::Relaxed);
+            (self.drain_timed_out).store(true, Ordering::Relaxed);
         }
         drained
     }

@@ -86,15 +86,11 @@ pub(super) fn warm_segment_bytes(world: usize, granularity: u64) -> u64 {
 }
 
 impl<D: Device> Shared<D> {
-    /// Everything NCCL does lazily at a first collective, done now: one registered
-    /// segment ([`warm_segment_bytes`], of whole `granularity` granules) on `stream`,
-    /// and on each data communicator the collectives of [`warm_plan`] at a small and a
-    /// large size per rank ([`WARM_SMALL_BYTES`], [`WARM_LARGE_BYTES`]), all in place on
-    /// the segment (on the window for the registering communicators — the copy
-    /// engine's first call runs `ncclCeInit`, which registers a window of its own — and
-    /// as plain memory for the plain one); then a wait for the device, the windows
-    /// deregistered and the segment freed; all by `deadline` (the watchdog sees the
-    /// calls inside NCCL).
+    /// Everything NCCL does lazily at a first collective, done now (see the
+    /// [module](super), *Warm-up*): the collectives of [`warm_plan`] at both sizes on
+    /// `stream`, in place on one segment of [`warm_segment_bytes`] registered on the
+    /// registering communicators; then a wait for the device and the release; all by
+    /// `deadline` (the watchdog sees the calls inside NCCL).
     ///
     /// # Collective
     /// Every rank, at the same point of set-up.
@@ -113,8 +109,7 @@ impl<D: Device> Shared<D> {
         let started = Instant::now();
         let segment_bytes = warm_segment_bytes(self.world, granularity);
         let ptr = ffi::mem_alloc(self.nccl, segment_bytes)?;
-        let mut windows = Vec::new();
-        let mut warmed = Vec::new();
+        let (mut windows, mut warmed) = (Vec::new(), Vec::new());
         let world = self.world.max(1) as u64;
         let plan = warm_plan(infos);
         let mut run = || -> Result<()> {
@@ -122,7 +117,7 @@ impl<D: Device> Shared<D> {
                 if info.registers {
                     // SAFETY: one whole ncclMemAlloc allocation of this device, fresh.
                     let w = unsafe { self.register(c, ptr, segment_bytes, deadline) }?;
-                    windows.push((c, w));
+                    windows.extend(w.map(|w| (c, w)));
                 }
             }
             for bytes_per_rank in [WARM_SMALL_BYTES, WARM_LARGE_BYTES] {
@@ -177,12 +172,10 @@ impl<D: Device> Shared<D> {
         // destroyed the window), handing the window back while the abort still runs.
         let mut released = Ok(());
         for (c, w) in windows {
-            if let Some(w) = w {
-                // SAFETY: registered on `c` above; the stream is idle.
-                if let Err((_, e)) = unsafe { self.deregister(c, w, deadline) } {
-                    // Not deregistered: the window (and so the segment) is leaked.
-                    released = Err(e);
-                }
+            // SAFETY: registered on `c` above; the stream is idle.
+            if let Err((_, e)) = unsafe { self.deregister(c, w, deadline) } {
+                // Not deregistered: the window (and so the segment) is leaked.
+                released = Err(e);
             }
         }
         let released = released.and_then(|()| self.may_free());

@@ -1,34 +1,10 @@
 //! The watchdog: one thread per backend that looks every
-//! [`NcclConfig::watchdog_interval`](super::NcclConfig::watchdog_interval) at
-//!
-//! - the collectives enqueued (a completion event recorded after each, unless the
-//!   stream was capturing a CUDA graph): one incomplete past
-//!   [`NcclConfig::watchdog_timeout`](super::NcclConfig::watchdog_timeout), or a failed
-//!   device;
-//! - the threads inside NCCL on each communicator (registration, deregistration,
-//!   warm-up on a blocking data communicator): one past its deadline
-//!   ([`NcclConfig::call_timeout`](super::NcclConfig::call_timeout), or the set-up's);
-//! - the exchange's word on lost peers ([`Exchange::lost_peer`](crate::control::Exchange::lost_peer):
-//!   a rank whose process ended, or that stopped answering heartbeats, e.g. frozen by
-//!   `SIGSTOP`), so that a collective or a registration blocked on a lost rank ends
-//!   within the heartbeat's bound plus an interval, not after the watchdog timeout (a
-//!   rank that closed its exchange itself counts only while work is in flight here);
-//! - every communicator's asynchronous error (`ncclCommGetAsyncError`: on a blocking
-//!   communicator it only reads the communicator's state, so it is asked while another
-//!   thread may be inside NCCL on it, as PyTorch's watchdog does; on a non-blocking one
-//!   only when no call holds it);
-//!
-//! and breaks the backend on the first of these: it revokes the blocking data
-//! communicators (`ncclCommRevoke`, NCCL ≥ 2.28.7), waits at most
-//! `LEAVE_WAIT` (0.5 s) for a thread inside NCCL to leave, and aborts
-//! every communicator on a thread of its own. Without `ncclCommRevoke` (NCCL < 2.28.7)
-//! it aborts directly, PyTorch's behaviour: a thread still inside NCCL on a blocking
-//! communicator then races with the abort that frees it (NCCL documents abort-from-
-//! another-thread as safe only on non-blocking communicators, user guide,
-//! *Communicators*, "Fault tolerance"). The thread runs when the watchdog timeout is
-//! [`Duration::MAX`] too (then it watches no collective, only calls inside NCCL).
-//!
-//! The device-free bookkeeping ([`Watch`](super::health::Watch)) is tested without GPUs.
+//! [`NcclConfig::watchdog_interval`](super::NcclConfig::watchdog_interval) at the
+//! collectives enqueued (their completion events), the threads inside NCCL (their
+//! deadlines), the exchange's word on lost peers and every communicator's asynchronous
+//! error, and breaks the backend on the first that fails (see the [module](super)'s
+//! table of waits). It runs when the watchdog timeout is [`Duration::MAX`] too,
+//! watching no collective then, only calls inside NCCL.
 
 use super::comm::{Device, Shared};
 use super::ffi;
@@ -65,20 +41,15 @@ impl Watchdog {
         let (stop, stopped) = mpsc::channel::<()>();
         let weak: Weak<Shared<D>> = Arc::downgrade(shared);
         let bind = shared.device.binder();
-        let interval = shared
-            .config
-            .watchdog_interval
-            .max(Duration::from_millis(1));
+        let interval = (shared.config.watchdog_interval).max(Duration::from_millis(1));
         let spawned = std::thread::Builder::new()
             .name(format!("symmpool-watchdog-{}", shared.rank))
             .spawn(move || {
                 bind();
                 drop(bind);
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
-                    match weak.upgrade() {
-                        Some(s) => s.tick(),
-                        None => break,
-                    }
+                    let Some(s) = weak.upgrade() else { break };
+                    s.tick();
                 }
             });
         if let Err(e) = spawned {

@@ -3,53 +3,9 @@
 
 use super::*;
 
-/// Whether a communicator's `ncclCommAbort` has returned, for those that must not
-/// touch what the abort releases before then (its windows, and so their segments).
-/// Its waits share one deadline, [`ABORT_WAIT`] after the abort was handed off: past
-/// it (or when no thread could run the abort) every wait answers "not returned" at
-/// once, so a release of many windows does not wait for each in turn.
-#[derive(Default)]
-pub(super) struct AbortDone {
-    pub(super) state: Mutex<AbortState>,
-    pub(super) cv: Condvar,
-}
-
-#[derive(Default)]
-pub(super) struct AbortState {
-    pub(super) done: bool,
-    /// Waits end here at the latest (`None`: not handed off yet).
-    pub(super) give_up_at: Option<Deadline>,
-}
-
-impl AbortDone {
-    /// The abort was handed to a thread now.
-    pub(super) fn handed_off(&self) {
-        self.state.lock().give_up_at = Some(Deadline::after(ABORT_WAIT));
-    }
-
-    /// No thread will run the abort: waits give up at once.
-    pub(super) fn abandoned(&self) {
-        self.state.lock().give_up_at = Some(Deadline::after(Duration::ZERO));
-    }
-
-    pub(super) fn set(&self) {
-        self.state.lock().done = true;
-        self.cv.notify_all();
-    }
-
-    /// Wait until the abort returned, `deadline` or its own give-up time passes;
-    /// whether it returned.
-    pub(super) fn wait(&self, deadline: Deadline) -> bool {
-        let mut st = self.state.lock();
-        let until = st.give_up_at.map_or(deadline, |g| g.min(deadline));
-        self.cv
-            .wait_while_until(&mut st, |st| !st.done, until.instant());
-        st.done
-    }
-}
-
 /// A communicator handed over for its abort.
 pub(super) struct Taken {
+    pub(super) nccl: &'static Syms,
     pub(super) raw: RawComm,
     pub(super) blocking: bool,
     pub(super) state: Arc<CommState>,
@@ -84,19 +40,11 @@ pub(in crate::backend::nccl) enum AbortThreads {
 /// the cleanup of a failed set-up, which must not wait [`ABORT_WAIT`] per
 /// communicator in turn.
 pub(in crate::backend::nccl) fn abort_together<'a>(comms: impl IntoIterator<Item = &'a Comm>) {
-    let mut nccl = None;
-    let taken: Vec<Taken> = comms
-        .into_iter()
-        .filter_map(|c| {
-            nccl = Some(c.nccl);
-            c.take_for_abort()
-        })
-        .collect();
-    let Some(nccl) = nccl else { return };
+    let taken: Vec<Taken> = comms.into_iter().filter_map(Comm::take_for_abort).collect();
     let states: Vec<Arc<CommState>> = taken.iter().map(|t| t.state.clone()).collect();
-    abort_off_thread(nccl, None, taken, AbortThreads::Apart);
+    abort_off_thread(None, taken, AbortThreads::Apart);
     let deadline = Deadline::after(ABORT_WAIT);
-    let pending = states.iter().filter(|s| !s.done.wait(deadline)).count();
+    let pending = states.iter().filter(|s| !s.wait_aborted(deadline)).count();
     if pending > 0 {
         tracing::warn!(
             "symmpool: {pending} ncclCommAbort calls of a failed set-up had not returned after {ABORT_WAIT:?}; their communicators are leaked"
@@ -114,14 +62,14 @@ pub(super) const REVOKE_AGAIN: Duration = Duration::from_millis(20);
 /// revoke may end before that thread's call starts; and `ncclCommRevoke` clears NCCL's
 /// abort flags when it is done, so that call would then block. So the revoke is
 /// repeated, every [`REVOKE_AGAIN`], until the thread left or [`LEAVE_WAIT`] passed.
-pub(super) fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
+pub(super) fn revoke_then_abort(t: &Taken, revoke: bool) {
     if revoke && t.blocking {
         let until = Deadline::after(LEAVE_WAIT);
         loop {
             // SAFETY: the crate made this communicator and it is not aborted yet (this
             // thread runs its abort, after this); another thread may be inside NCCL on
             // it, which is what revoking is for.
-            match unsafe { ffi::comm_revoke(nccl, t.raw) } {
+            match unsafe { ffi::comm_revoke(t.nccl, t.raw) } {
                 Ok(true) => {}
                 Ok(false) => {
                     if t.state.gate.lock().inside.is_some() {
@@ -155,14 +103,14 @@ pub(super) fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
     // the documented race of aborting a blocking communicator from another thread.
     // Its windows are deregistered by nobody but this abort (`deregister` waits for
     // `done`), so their segments stay mapped.
-    if let Err(e) = unsafe { ffi::comm_abort(nccl, t.raw) } {
+    if let Err(e) = unsafe { ffi::comm_abort(t.nccl, t.raw) } {
         tracing::error!("symmpool: ncclCommAbort failed: {e}");
     }
-    t.state.done.set();
+    t.state.abort_returned();
 }
 
 /// Abort `comms` (from [`Comm::take_for_abort`]) off the calling thread (each thread
-/// binds the device first); each sets its communicator's [`AbortDone`] when its abort
+/// binds the device first); each marks its communicator's gate when its abort
 /// returned, which is what callers wait on, boundedly.
 ///
 /// `ncclCommAbort` sets the communicator's abort flag (which ends its kernels) and
@@ -174,12 +122,7 @@ pub(super) fn revoke_then_abort(nccl: &'static Syms, t: &Taken, revoke: bool) {
 /// block without bound on its own (it joins NCCL's proxy threads; NVIDIA/nccl issue
 /// 1777), so nobody waits for it without a deadline; a thread that never returns only
 /// leaks its communicators.
-pub(super) fn abort_off_thread(
-    nccl: &'static Syms,
-    bind: Option<Binder>,
-    comms: Vec<Taken>,
-    threads: AbortThreads,
-) {
+pub(super) fn abort_off_thread(bind: Option<Binder>, comms: Vec<Taken>, threads: AbortThreads) {
     let revoke = threads == AbortThreads::PerCommunicator;
     let batches: Vec<Vec<Taken>> = match threads {
         AbortThreads::One if comms.is_empty() => Vec::new(),
@@ -193,7 +136,7 @@ pub(super) fn abort_off_thread(
     }
     for batch in batches {
         for t in &batch {
-            t.state.done.handed_off();
+            t.state.give_up_after(ABORT_WAIT);
         }
         let running = Running::start();
         let states: Vec<Arc<CommState>> = batch.iter().map(|t| t.state.clone()).collect();
@@ -206,11 +149,11 @@ pub(super) fn abort_off_thread(
                 }
                 let _running = running;
                 for t in &batch {
-                    revoke_then_abort(nccl, t, revoke);
+                    revoke_then_abort(t, revoke);
                 }
             });
         if let Err(e) = spawned {
-            states.iter().for_each(|s| s.done.abandoned());
+            states.iter().for_each(|s| s.give_up_after(Duration::ZERO));
             tracing::error!(
                 "symmpool: could not start an abort thread ({e}); communicators leaked"
             );

@@ -1,35 +1,21 @@
-//! A rank's communicators and what bounds their NCCL calls.
-//!
-//! Two kinds (see the [module](super) for the whole table of waits):
-//!
-//! - the **control** communicator, non-blocking, made under the set-up deadline: every
-//!   call on it returns at once and is polled ([`poll`]) until done, failed, past its
-//!   [`Deadline`] or the backend broke;
-//! - the **data** communicators (symmetric, copy-engine, plain), split off the control
-//!   one, **blocking** by default: a call on them runs inline on the caller's thread and
-//!   returns when NCCL is done. Nothing polls them. While a thread is inside NCCL on one,
-//!   its [`Gate`] says since when, in which call, and until which deadline; the watchdog
-//!   reads that, and on a deadline (or a stuck collective, an asynchronous error, a
-//!   failed device) revokes the data communicators (`ncclCommRevoke`, NCCL ≥ 2.28.7),
-//!   waits (boundedly) for the thread to leave NCCL, and aborts each communicator on a
-//!   thread of its own.
+//! A rank's communicators and what bounds their NCCL calls (the two kinds and the
+//! table of waits: see the [module](super)). A call on a non-blocking communicator is
+//! polled ([`poll`]); while a thread is inside NCCL on a blocking one, the
+//! communicator's [`Gate`] says since when, in which call and until which deadline,
+//! for the watchdog.
 //!
 //! **Serialisation.** NCCL needs the calls on one communicator not to overlap
 //! ("NCCL primitives are generally not thread-safe", user guide, *Thread Safety*). Each
-//! communicator has one lock, `calls`, held across the call, taken only by callers of
-//! this backend (collectives, registration, deregistration): in the usual case of one
-//! thread driving a rank it is never contended. The watchdog and the aborts never take
-//! it: they read and set the communicator's gate, a second lock held only briefly
-//! (entering and leaving NCCL, never across the call; the watchdog holds it across one
-//! `ncclCommGetAsyncError` every interval, which on a blocking communicator reads two
-//! fields).
+//! communicator has one lock, `calls`, held across the call and taken only by the
+//! backend's callers. The watchdog and the aborts never take it: they read and set the
+//! gate, a second lock held only briefly (never across a call, but for the watchdog's
+//! `ncclCommGetAsyncError`, which on a blocking communicator reads two fields).
 //!
-//! The little CUDA this layer touches (the completion event, whether a stream is
-//! capturing, binding the device to a thread) is behind [`Device`], so that the layer
-//! runs in tests on a fake NCCL and a fake device.
+//! The little CUDA this layer touches is behind [`Device`], so that it runs in tests
+//! on a fake NCCL and a fake device.
 
 use super::config::NcclConfig;
-use super::ffi::{self, CollCall, RawComm, RawWindow, Registering, Status, Syms};
+use super::ffi::{self, CollCall, RawComm, RawWindow, Status, Syms};
 use super::health::{Cause, Completion, Enqueued, Health, Watch};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -49,9 +35,8 @@ use poll::{Waited, poll};
 /// A function that binds the rank's device to the calling thread (best effort).
 pub(super) type Binder = Arc<dyn Fn() + Send + Sync>;
 
-/// The CUDA the communicator layer needs: a stream's raw handle, whether it is
-/// capturing a graph, a completion event recorded on it, and waiting for it with a
-/// deadline. The real one is `Cuda` (in `mod.rs`); tests use a fake.
+/// The CUDA the communicator layer needs (its errors are [`Error::Cuda`]). The real one
+/// is `Cuda` (in `mod.rs`); tests use a fake.
 pub(super) trait Device: Send + Sync + 'static {
     /// A stream work is enqueued on.
     type Stream: ?Sized + Sync;
@@ -60,21 +45,12 @@ pub(super) trait Device: Send + Sync + 'static {
     /// The raw stream handle NCCL takes.
     fn raw_stream(&self, stream: &Self::Stream) -> sys::cudaStream_t;
     /// Whether `stream` is capturing a CUDA graph (`cuStreamIsCapturing`).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     fn capturing(&self, stream: &Self::Stream) -> Result<bool>;
     /// Record a completion event after the work enqueued on `stream` so far (reusing
     /// `spare` when given).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     fn record(&self, stream: &Self::Stream, spare: Option<Self::Event>) -> Result<Self::Event>;
     /// Wait until the work enqueued on `stream` so far is done, polling, by `deadline`;
     /// whether it finished.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
     fn wait_idle(&self, stream: &Self::Stream, deadline: Deadline) -> Result<bool>;
     /// What binds this device to a thread (abort threads, the watchdog).
     fn binder(&self) -> Binder;
@@ -89,30 +65,58 @@ pub(super) struct Inside {
     pub(super) deadline: Option<Deadline>,
 }
 
-/// A communicator's gate: whether it was aborted (no call may start after that), and
-/// who is inside NCCL on it.
+/// A communicator's gate: whether it was aborted (no call may start after that), who
+/// is inside NCCL on it, and whether its abort returned.
 #[derive(Debug, Default)]
 struct Gate {
     aborted: bool,
     inside: Option<Inside>,
+    /// Its `ncclCommAbort` returned: what must not touch what the abort releases (its
+    /// windows, and so their segments) waits for this.
+    abort_returned: bool,
+    /// Waits for the abort end here at the latest (`None`: not handed off yet):
+    /// [`ABORT_WAIT`] after it was handed to a thread, at once if no thread could run
+    /// it, so that a release of many windows does not wait for each in turn.
+    give_up_at: Option<Deadline>,
 }
 
 /// What a communicator shares with the threads that abort it.
 #[derive(Default)]
 struct CommState {
     gate: Mutex<Gate>,
-    /// Notified when a thread leaves NCCL.
-    left: Condvar,
-    done: AbortDone,
+    /// Notified when a thread leaves NCCL, and when the abort returns.
+    changed: Condvar,
 }
 
 impl CommState {
     /// Wait until nobody is inside NCCL on it, or `deadline`; whether it is free.
     fn wait_left(&self, deadline: Deadline) -> bool {
         let mut gate = self.gate.lock();
-        self.left
+        self.changed
             .wait_while_until(&mut gate, |g| g.inside.is_some(), deadline.instant());
         gate.inside.is_none()
+    }
+
+    /// Wait until its abort returned, or `deadline` or the give-up time passes;
+    /// whether it returned.
+    fn wait_aborted(&self, deadline: Deadline) -> bool {
+        let mut gate = self.gate.lock();
+        let until = gate.give_up_at.map_or(deadline, |g| g.min(deadline));
+        self.changed
+            .wait_while_until(&mut gate, |g| !g.abort_returned, until.instant());
+        gate.abort_returned
+    }
+
+    /// Waits for the abort give up `after` from now (it was handed to a thread, or no
+    /// thread could run it).
+    fn give_up_after(&self, after: Duration) {
+        self.gate.lock().give_up_at = Some(Deadline::after(after));
+    }
+
+    /// The abort returned.
+    fn abort_returned(&self) {
+        self.gate.lock().abort_returned = true;
+        self.changed.notify_all();
     }
 }
 
@@ -161,7 +165,7 @@ impl Comm {
     /// The thread left NCCL.
     fn leave(&self) {
         self.state.gate.lock().inside = None;
-        self.state.left.notify_all();
+        self.state.changed.notify_all();
     }
 
     /// Whether it was aborted (or handed over for its abort).
@@ -183,10 +187,8 @@ impl Comm {
 
     /// Run `f` (a split off this communicator, polled through it) holding its calls
     /// lock and marked as inside NCCL as `op`: two splits on one rank never overlap,
-    /// and an abort waits (boundedly) for the thread to leave, as for any call.
-    ///
-    /// # Errors
-    /// [`Error::NcclAborted`] if the communicator was aborted; `f`'s errors.
+    /// and an abort waits (boundedly) for the thread to leave, as for any call. Fails
+    /// with [`Error::NcclAborted`] if the communicator was aborted.
     pub(super) fn splitting<T>(
         &self,
         op: &'static str,
@@ -216,6 +218,7 @@ impl Comm {
         if self.owned && !gate.aborted {
             gate.aborted = true;
             Some(Taken {
+                nccl: self.nccl,
                 raw: self.raw,
                 blocking: self.blocking,
                 state: self.state.clone(),
@@ -230,7 +233,7 @@ impl Comm {
     /// returned. For set-up, where nobody is inside NCCL on it.
     fn abort_and_wait(&self, deadline: Deadline) -> bool {
         if let Some(taken) = self.take_for_abort() {
-            abort_off_thread(self.nccl, None, vec![taken], AbortThreads::One);
+            abort_off_thread(None, vec![taken], AbortThreads::One);
         }
         self.aborted_by(deadline).unwrap_or(false)
     }
@@ -240,7 +243,7 @@ impl Comm {
         if !self.state.gate.lock().aborted {
             return None;
         }
-        Some(self.state.done.wait(deadline))
+        Some(self.state.wait_aborted(deadline))
     }
 }
 
@@ -249,15 +252,7 @@ impl Drop for Comm {
         // Communicators made during a set-up that then failed end here (NCCL binds the
         // device itself in `ncclCommAbort`); the backend's own drop has marked the
         // others aborted already.
-        if let Some(taken) = self.take_for_abort() {
-            let state = taken.state.clone();
-            abort_off_thread(self.nccl, None, vec![taken], AbortThreads::One);
-            if !state.done.wait(Deadline::after(ABORT_WAIT)) {
-                tracing::warn!(
-                    "symmpool: ncclCommAbort of a communicator from a failed set-up had not returned after {ABORT_WAIT:?}; it is leaked"
-                );
-            }
-        }
+        abort_together([&*self]);
     }
 }
 
@@ -314,7 +309,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn abort_all(&self, threads: AbortThreads) {
         let taken: Vec<Taken> = self.all_comms().filter_map(Comm::take_for_abort).collect();
         self.watch.lock().clear();
-        abort_off_thread(self.nccl, Some(self.device.binder()), taken, threads);
+        abort_off_thread(Some(self.device.binder()), taken, threads);
     }
 
     /// Break the backend with `cause` (aborting the communicators if this is the first
@@ -351,25 +346,16 @@ impl<D: Device> Shared<D> {
             Error::Nccl { code: 4 | 5, .. } => e,
             Error::Nccl { op, .. } => {
                 let op = *op;
-                match self.health.failure(e.to_string()) {
-                    Cause::Failed(m) => {
-                        let _ = self.fail(Cause::Failed(m));
-                        e
-                    }
-                    lost => {
-                        let _ = self.fail(lost);
-                        self.error_for(op)
-                    }
-                }
+                let cause = self.health.failure(e.to_string());
+                let lost = !matches!(cause, Cause::Failed(_));
+                let _ = self.fail(cause);
+                if lost { self.error_for(op) } else { e }
             }
             _ => e,
         }
     }
 
-    /// Data communicator `c`, for the call `op`.
-    ///
-    /// # Errors
-    /// [`Error::InvalidCollective`] naming `op` and the index if there is none.
+    /// Data communicator `c`, for the call `op` ([`Error::InvalidCollective`] if none).
     pub(super) fn comm(&self, c: usize, op: &'static str) -> Result<&Comm> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
             op,
@@ -380,23 +366,12 @@ impl<D: Device> Shared<D> {
         })
     }
 
-    /// Run the NCCL call `start` on `comm`, holding its calls lock. On a blocking
-    /// communicator the call runs inline, marked in the gate with `bound`'s deadline
-    /// for the watchdog; on a non-blocking one it is then polled until done or its
-    /// deadline. What `start` returned is leaked, never dropped, when the call did not
-    /// finish (NCCL may still write into it).
-    pub(super) fn call<S>(
-        &self,
-        comm: &Comm,
-        op: &'static str,
-        bound: Bound,
-        start: impl FnOnce(RawComm) -> Result<(S, Status)>,
-    ) -> Result<S> {
-        self.call_at(comm, op, bound, Instant::now(), start)
-    }
-
-    /// [`call`](Self::call), with the time it starts (`now`) read by the caller.
-    fn call_at<S>(
+    /// Run the NCCL call `start` on `comm`, holding its calls lock, from `now`. On a
+    /// blocking communicator the call runs inline, marked in the gate with `bound`'s
+    /// deadline for the watchdog; on a non-blocking one it is then polled until done or
+    /// its deadline. What `start` returned is leaked, never dropped, when the call did
+    /// not finish (NCCL may still write into it).
+    fn call<S>(
         &self,
         comm: &Comm,
         op: &'static str,
@@ -404,15 +379,15 @@ impl<D: Device> Shared<D> {
         now: Instant,
         start: impl FnOnce(RawComm) -> Result<(S, Status)>,
     ) -> Result<S> {
+        let until = || match bound {
+            Bound::By(d) => d,
+            Bound::Watchdog => self.call_deadline(),
+        };
         let _serial = match comm.calls.try_lock() {
             Some(g) => g,
             None => {
                 let started = Instant::now();
-                let until = match bound {
-                    Bound::By(d) => d,
-                    Bound::Watchdog => self.call_deadline(),
-                };
-                match comm.calls.try_lock_until(until.instant()) {
+                match comm.calls.try_lock_until(until().instant()) {
                     Some(g) => g,
                     None if self.health.is_broken() => return Err(self.error_for(op)),
                     None => {
@@ -434,29 +409,20 @@ impl<D: Device> Shared<D> {
         }
         let started = start(comm.raw);
         let waited = match &started {
-            Err(_) => None,
-            Ok(_) if comm.blocking => Some(Waited::Done),
-            Ok(_) => {
-                let deadline = match bound {
-                    Bound::By(d) => d,
-                    Bound::Watchdog => self.call_deadline(),
-                };
-                // SAFETY: the communicator is live (not aborted: checked in `enter`,
-                // and aborts do not free it while we are inside) and we hold its calls
-                // lock.
-                Some(unsafe {
-                    poll(self.nccl, comm.raw, op, deadline, &|| {
-                        self.health.is_broken()
-                    })
+            // SAFETY: the communicator is live (not aborted: checked in `enter`, and
+            // aborts do not free it while we are inside) and we hold its calls lock.
+            Ok(_) if !comm.blocking => unsafe {
+                poll(self.nccl, comm.raw, op, until(), &|| {
+                    self.health.is_broken()
                 })
-            }
+            },
+            _ => Waited::Done,
         };
         comm.leave();
-        let (s, waited) = match (started, waited) {
-            (Err(e), _) if self.health.is_broken() => return Err(self.with_cause(op, e)),
-            (Err(e), _) => return Err(self.on_error(e)),
-            (Ok((s, _)), Some(w)) => (s, w),
-            (Ok((s, _)), None) => (s, Waited::Done),
+        let s = match started {
+            Err(e) if self.health.is_broken() => return Err(self.with_cause(op, e)),
+            Err(e) => return Err(self.on_error(e)),
+            Ok((s, _)) => s,
         };
         let result = match waited {
             Waited::Done if comm.blocking && self.health.is_broken() => Err(self.error_for(op)),
@@ -478,29 +444,17 @@ impl<D: Device> Shared<D> {
 
     /// Enqueue one collective on data communicator `c` and `stream`: the NCCL call
     /// (inline on a blocking communicator) and, unless the watchdog is off or the
-    /// stream is capturing a CUDA graph, the completion event the watchdog looks at.
-    ///
-    /// Whether the stream captures is asked before the enqueue: once NCCL took the
-    /// collective, nothing may fail the call (the other ranks' collectives would then
-    /// have no match on this rank's next call).
-    ///
-    /// Under capture NCCL's call is the same (it is captured into the graph); an event
-    /// recorded during capture would be a node of the graph, not a completion the
-    /// watchdog can query, so none is recorded: a captured collective is bounded by
-    /// whoever launches the graph. A collective that records no event (under capture,
-    /// or with [`NcclConfig::watchdog_timeout`] `= Duration::MAX`) is marked in the
-    /// gate with [`NcclConfig::call_timeout`] as its deadline instead, so that an
-    /// enqueue stuck inside NCCL (its work FIFO full behind stuck work) is still ended
-    /// by the watchdog.
+    /// stream is capturing a CUDA graph (see the [module](super), *CUDA graphs*), the
+    /// completion event the watchdog looks at. Whether the stream captures is asked
+    /// before the enqueue: once NCCL took the collective, nothing may fail the call
+    /// (the other ranks would have no match for their next call). A collective that
+    /// records no event is marked in the gate with [`NcclConfig::call_timeout`] as its
+    /// deadline instead, so that an enqueue stuck inside NCCL is still ended.
     ///
     /// # Safety
     /// The addresses of `call` are live device memory of this rank, of the sizes the
     /// collective touches, that stays allocated until `stream` passes; `stream` is a
     /// live stream of the rank's device.
-    ///
-    /// # Errors
-    /// [`Error::InvalidCollective`] for no such communicator; [`Error::Nccl`];
-    /// [`Error::Cuda`]; the backend's error once it is broken.
     pub(super) unsafe fn collective(
         &self,
         c: usize,
@@ -519,7 +473,7 @@ impl<D: Device> Shared<D> {
             }
             b => b,
         };
-        self.call_at(comm, call.name(), bound, now, |raw| {
+        self.call(comm, call.name(), bound, now, |raw| {
             // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
             // and `call` holds its calls lock.
             unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }.map(|st| ((), st))
@@ -554,24 +508,15 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
-    /// Register `ptr..ptr + size_bytes` (one whole `ncclMemAlloc` allocation) on data
-    /// communicator `c`, bounded by [`NcclConfig::call_timeout`] (or `deadline`).
-    /// `None`: NCCL answered with a NULL window (no symmetric memory on the
-    /// communicator: NCCL 2.29+ across `NCCL_HOSTID` "nodes", for one); the segment is
-    /// not registered there and its collectives take the plain path. The first one per
-    /// communicator is logged as a warning.
-    ///
-    /// # Collective
-    /// Every rank, same order.
+    /// Register `ptr..ptr + size_bytes` on data communicator `c` by `deadline`
+    /// (collective: every rank, same order). `None`: NCCL answered with a NULL window
+    /// (no symmetric memory on the communicator: NCCL 2.29+ across `NCCL_HOSTID`
+    /// "nodes", for one), logged once per communicator; the segment is not registered
+    /// there and its collectives take the plain path.
     ///
     /// # Safety
     /// The allocation is one whole `ncclMemAlloc` allocation of this rank's device,
     /// not registered on `c` yet.
-    ///
-    /// # Errors
-    /// [`Error::NcclTimeout`] past the deadline (the watchdog revokes and aborts);
-    /// [`Error::PeerLost`] when the exchange found a peer lost meanwhile; [`Error::Nccl`];
-    /// the backend's error once it is broken.
     pub(super) unsafe fn register(
         &self,
         c: usize,
@@ -580,13 +525,13 @@ impl<D: Device> Shared<D> {
         deadline: Deadline,
     ) -> Result<Option<RawWindow>> {
         self.health.check()?;
-        let comm = self.comm(c, "ncclCommWindowRegister")?;
-        let registering: Registering =
-            self.call(comm, "ncclCommWindowRegister", Bound::By(deadline), |raw| {
-                // SAFETY: `raw` is live and held by `call`; the caller guarantees the
-                // allocation and the order.
-                unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
-            })?;
+        let op = "ncclCommWindowRegister";
+        let comm = self.comm(c, op)?;
+        let registering = self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
+            // SAFETY: `raw` is live and held by `call`; the caller guarantees the
+            // allocation and the order.
+            unsafe { ffi::window_register(self.nccl, raw, ptr, size_bytes) }
+        })?;
         let window = registering.finish(comm.blocking);
         if window.is_none() && !comm.null_window_seen.swap(true, Ordering::Relaxed) {
             tracing::warn!(
@@ -599,16 +544,12 @@ impl<D: Device> Shared<D> {
 
     /// Deregister `window` from data communicator `c` by `deadline`, unless the
     /// communicator was aborted: then NCCL destroyed the window with it, and nothing is
-    /// called (once the abort returned, waiting for it until `deadline`, at most
-    /// [`ABORT_WAIT`]; before that the window is handed back, to be leaked with its
-    /// segment).
+    /// called once the abort returned (waited for until `deadline`, at most
+    /// [`ABORT_WAIT`]; before that the window comes back with [`Error::NcclAborted`],
+    /// to be leaked with its segment).
     ///
     /// # Safety
     /// `window` was registered on `c` (and is consumed); no device work uses it.
-    ///
-    /// # Errors
-    /// The window back with [`Error::NcclAborted`] while an abort still runs, or the
-    /// call's error.
     pub(super) unsafe fn deregister(
         &self,
         c: usize,
@@ -620,23 +561,19 @@ impl<D: Device> Shared<D> {
             Ok(comm) => comm,
             Err(e) => return Err((window, e)),
         };
+        let leaked = || Error::NcclAborted {
+            reason: format!(
+                "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
+            ),
+        };
         match comm.aborted_by(deadline.cap(ABORT_WAIT)) {
             // The window went with its communicator (ncclCommAbort releases it).
             Some(true) => return Ok(()),
-            Some(false) => {
-                return Err((
-                    window,
-                    Error::NcclAborted {
-                        reason: format!(
-                            "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
-                        ),
-                    },
-                ));
-            }
+            Some(false) => return Err((window, leaked())),
             None => {}
         }
         let handle = window.0;
-        let result = self.call(comm, op, Bound::By(deadline), |raw| {
+        let result = self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
             // SAFETY: the caller's contract; `raw` is live and held by `call`.
             unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }.map(|st| ((), st))
         });
@@ -648,11 +585,7 @@ impl<D: Device> Shared<D> {
     /// running after [`ABORT_WAIT`].
     pub(super) fn may_free(&self) -> Result<()> {
         let deadline = Deadline::after(ABORT_WAIT);
-        match self
-            .comms
-            .iter()
-            .position(|c| c.aborted_by(deadline) == Some(false))
-        {
+        match (self.comms.iter()).position(|c| c.aborted_by(deadline) == Some(false)) {
             Some(c) => Err(Error::NcclAborted {
                 reason: format!(
                     "ncclCommAbort of communicator {c} had not returned after {ABORT_WAIT:?}; the segment is leaked"

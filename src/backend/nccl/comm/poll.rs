@@ -50,15 +50,12 @@ pub(super) unsafe fn poll(
     answer.unwrap_or_else(|| Waited::Timeout(started.elapsed()))
 }
 
-/// Finish making a communicator (`blocking` as configured): poll until `deadline` (no
-/// backend exists yet), abort it on failure.
-///
-/// For a split off a non-blocking parent the parent is what is polled, and the child is
-/// read only once the poll ended. On a timeout the parent (`parent`, when the crate made
-/// it) is aborted, which also ends the child's initialisation (`setCommAbortFlags`,
-/// src/init.cc 2.28.3 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort
-/// returned, the child, if NCCL wrote one, is aborted too. Otherwise (a runtime's
-/// parent, or an abort that did not return) the child and the boxes are leaked.
+/// Finish making a communicator (`blocking` as configured): poll what
+/// [`ffi::Starting::poll`] names until `deadline`, abort it on failure. On a timeout of
+/// a split off a non-blocking `parent` (one the crate made), the parent is aborted,
+/// which also ends the child's initialisation (`setCommAbortFlags`, src/init.cc 2.28.3
+/// 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort returned, the child, if
+/// NCCL wrote one, is aborted too. Otherwise the child and the boxes are leaked.
 pub(in crate::backend::nccl) fn finish_creation(
     nccl: &'static Syms,
     starting: Result<ffi::Starting>,
@@ -74,11 +71,7 @@ pub(in crate::backend::nccl) fn finish_creation(
         // SAFETY: the poll says the call is done: NCCL writes the slot no more.
         Waited::Done => match unsafe { starting.finish() } {
             Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
-            None => Err(Error::Nccl {
-                op,
-                code: 0,
-                message: "NCCL returned no communicator".into(),
-            }),
+            None => Err(ffi::no_comm(op, 0)),
         },
         Waited::Failed(e) => {
             // Dropping the `Comm` aborts it.
@@ -94,8 +87,7 @@ pub(in crate::backend::nccl) fn finish_creation(
                 Waited::Timeout(waited) => waited,
                 _ => Duration::ZERO,
             };
-            let making = starting.making;
-            let polled = starting.poll;
+            let (making, polled) = (starting.making, starting.poll);
             let slot = starting.abandon();
             match making {
                 // The polled handle is the new communicator: its abort ends NCCL's work
@@ -109,9 +101,9 @@ pub(in crate::backend::nccl) fn finish_creation(
                 } => {
                     let ended =
                         parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
-                    // SAFETY: the parent's abort returned, so NCCL's split job ended and
-                    // writes the slot no more.
-                    match ended.then(|| unsafe { slot.read() }) {
+                    // SAFETY: the slot is leaked, so it stays valid; the parent's abort
+                    // returned, so NCCL's split job ended and writes it no more.
+                    match ended.then(|| unsafe { ffi::read_slot(slot) }) {
                         Some(Some(child)) => drop(Comm::new(nccl, child, true, blocking)),
                         Some(None) => {}
                         None => tracing::warn!(

@@ -63,9 +63,6 @@ pub(crate) fn segment_granularity(ordinal: usize) -> u64 {
 ///
 /// # Safety
 /// `stream` is a live stream handle (or one of the special handles `0`, `0x1`, `0x2`).
-///
-/// # Errors
-/// [`Error::Cuda`].
 pub(crate) unsafe fn stream_context(
     stream: cudarc::driver::sys::CUstream,
 ) -> Result<cudarc::driver::sys::CUcontext> {
@@ -73,16 +70,10 @@ pub(crate) unsafe fn stream_context(
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     // SAFETY: the caller guarantees the stream handle; `ctx` is a valid out-pointer.
     let r = unsafe { cu::cuStreamGetCtx(stream, &mut ctx) };
-    if r != cu::cudaError_enum::CUDA_SUCCESS {
-        return Err(cuda("cuStreamGetCtx")(DriverError(r)));
-    }
-    Ok(ctx)
+    r.result().map(|()| ctx).map_err(cuda("cuStreamGetCtx"))
 }
 
 /// Whether a stream is capturing a CUDA graph (`cuStreamIsCapturing`).
-///
-/// # Errors
-/// [`Error::Cuda`].
 pub(crate) fn is_capturing(stream: &cudarc::driver::CudaStream) -> Result<bool> {
     use cudarc::driver::sys as cu;
     // SAFETY: `stream` is a live cudarc stream (it owns the handle for this borrow).
@@ -97,9 +88,6 @@ pub(crate) fn is_capturing(stream: &cudarc::driver::CudaStream) -> Result<bool> 
 ///
 /// # Safety
 /// `dst..dst + data.len()` is live device memory of `stream`'s context.
-///
-/// # Errors
-/// [`Error::Cuda`].
 pub(crate) unsafe fn copy_to_device(
     dst: u64,
     data: &[u8],
@@ -119,9 +107,6 @@ pub(crate) unsafe fn copy_to_device(
 ///
 /// # Safety
 /// `src..src + out.len()` is live device memory of `stream`'s context.
-///
-/// # Errors
-/// [`Error::Cuda`].
 pub(crate) unsafe fn copy_to_host(
     src: u64,
     out: &mut [u8],

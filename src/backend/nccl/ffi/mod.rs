@@ -1,21 +1,13 @@
-//! The NCCL and raw CUDA driver calls the crate makes, with checked results.
+//! The NCCL and raw CUDA driver calls the crate makes, with checked results: the only
+//! module that calls NCCL or the driver's raw API (the loader and function table in
+//! [`table`], memory and windows in [`window`], the driver in [`cuda`]). Every function
+//! takes the function table ([`Syms`]) it calls through: the real NCCL ([`api`]) or, in
+//! the crate's tests, a fake one. A failed call is [`Error::Nccl`] naming it, with
+//! NCCL's code and message ([`Error::Cuda`] in [`cuda`]), unless a function says
+//! otherwise.
 //!
-//! This is the only module that calls NCCL or the driver's raw API.
-//!
-//! The loader and function table are in [`table`], NCCL's memory and windows in
-//! [`window`], the CUDA driver calls in [`cuda`].
-//!
-//! Every function takes the function table ([`Syms`]) it calls through: the real NCCL
-//! ([`api`]) or, in the crate's tests, a fake one.
-//!
-//! # Blocking and non-blocking communicators
-//!
-//! The control communicator is non-blocking (`config.blocking = 0`): the calls that
-//! wait on peers return [`Status::InProgress`] and the caller polls [`async_state`]
-//! until it is done or its deadline passes, then aborts ([`comm_abort`]). The data
-//! communicators are blocking by default (`config.blocking = 1`): their calls return
-//! when done, and the watchdog bounds them ([`comm_revoke`], then [`comm_abort`]).
-//! Out-parameters that NCCL may write after returning `ncclInProgress` (the new
+//! A call on a non-blocking communicator may answer [`Status::InProgress`]: the caller
+//! polls [`async_state`]. Out-parameters that NCCL may write after that answer (the new
 //! communicator, the window) live in boxes that are leaked, not freed, if the call
 //! never completes.
 
@@ -28,7 +20,7 @@ mod window;
 pub(crate) use cuda::*;
 #[cfg(test)]
 pub(crate) use table::RevokeFn;
-pub(crate) use table::{Syms, api, load, require};
+pub(crate) use table::{NO_DRIVER, Syms, api, load};
 pub(crate) use window::*;
 
 use crate::error::{Error, Result};
@@ -57,9 +49,6 @@ pub(crate) const IN_PROGRESS: c_int = 7;
 /// `NCCL_REVOKE_DEFAULT` (nccl.h.in, 2.28.7+).
 const REVOKE_DEFAULT: c_int = 0;
 
-// ---------------------------------------------------------------------------------------
-// Results
-
 /// How a call on a non-blocking communicator went, when it did not fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Status {
@@ -76,11 +65,8 @@ fn c_str(ptr: *const c_char) -> Option<String> {
     // SAFETY: NCCL returns NUL-terminated strings that live at least until the next
     // call on the same communicator (ncclGetLastError) or forever (ncclGetErrorString);
     // the text is copied out at once.
-    Some(
-        unsafe { CStr::from_ptr(ptr) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    let text = unsafe { CStr::from_ptr(ptr) };
+    Some(text.to_string_lossy().into_owned())
 }
 
 /// The error for result `code` of `op`, with NCCL's last error message on `comm`.
@@ -118,26 +104,33 @@ fn check(s: &Syms, op: &'static str, code: c_int, comm: Option<&RawComm>) -> Res
     }
 }
 
-/// `x` as a `usize` for NCCL, or an error naming the call (only on 32-bit targets).
-fn to_usize(op: &'static str, x: u64) -> Result<usize> {
-    usize::try_from(x).map_err(|_| Error::Nccl {
+/// `x` as the `T` (a `usize`, a C `int`) NCCL takes, or an error naming the call.
+fn fit<T: TryFrom<U>, U: Copy + std::fmt::Display>(op: &'static str, x: U) -> Result<T> {
+    T::try_from(x).map_err(|_| Error::Nccl {
         op,
         code: INVALID_ARGUMENT,
-        message: format!("{x} does not fit the address space"),
+        message: format!("{x} does not fit a {}", std::any::type_name::<T>()),
     })
 }
 
-/// `x` as a C `int` for NCCL, or an error naming the call.
-fn to_int(op: &'static str, x: usize) -> Result<c_int> {
-    c_int::try_from(x).map_err(|_| Error::Nccl {
+/// The error of a call that made no communicator.
+pub(crate) fn no_comm(op: &'static str, code: c_int) -> Error {
+    Error::Nccl {
         op,
-        code: INVALID_ARGUMENT,
-        message: format!("{x} does not fit a C int"),
-    })
+        code,
+        message: "NCCL returned no communicator".into(),
+    }
 }
 
-// ---------------------------------------------------------------------------------------
-// Communicators
+/// The communicator NCCL wrote into `slot`, if any.
+///
+/// # Safety
+/// `slot` is valid for reads, and no thread of NCCL writes it any more.
+pub(crate) unsafe fn read_slot(slot: *const sys::ncclComm_t) -> Option<RawComm> {
+    // SAFETY: the caller's contract; volatile, as NCCL's thread may have written it.
+    let c = unsafe { std::ptr::read_volatile(slot) };
+    (!c.is_null()).then_some(RawComm(c))
+}
 
 /// A fresh `ncclUniqueId`, as its 128 bytes.
 pub(crate) fn unique_id(s: &Syms) -> Result<[u8; 128]> {
@@ -197,24 +190,21 @@ pub(crate) enum Making {
     /// `ncclCommInitRankConfig`: the new communicator is written before the call
     /// returns and is what is polled.
     Init,
-    /// `ncclCommSplit`. Off a non-blocking parent NCCL runs the split on a thread of its
-    /// own and writes the child only when that job ends: the parent is polled and the
-    /// child read once the poll says done. Off a blocking parent the split is done on
-    /// return and the child is polled.
+    /// `ncclCommSplit`: off a non-blocking parent the parent is polled, off a blocking
+    /// one the child (see [`comm_split`]).
     Split {
         /// Whether the parent is blocking.
         parent_blocking: bool,
     },
 }
 
-/// A communicator being made: the handle to poll (the new communicator for an init,
-/// the parent for a split that NCCL runs in the background), and the boxes NCCL may
-/// still write into while the call is in progress.
+/// A communicator being made: which call makes it, the handle to poll with
+/// [`async_state`] until the call is done (the new communicator for an init, the
+/// parent for a split that NCCL runs in the background), and the boxes NCCL may still
+/// write into while the call is in progress.
 #[derive(Debug)]
 pub(crate) struct Starting {
-    /// What to poll with [`async_state`] until the call is done.
     pub(crate) poll: RawComm,
-    /// Which call it is.
     pub(crate) making: Making,
     slot: Box<sys::ncclComm_t>,
     config: Box<sys::ncclConfig_t>,
@@ -228,44 +218,22 @@ impl Starting {
     /// NCCL no longer writes into the boxes: the poll of [`Starting::poll`] said the
     /// call is done or failed.
     pub(crate) unsafe fn finish(self) -> Option<RawComm> {
-        // SAFETY: the slot is a live box and, by the caller's contract, NCCL's thread
-        // has stopped writing it; a volatile read, as it was written by another thread
-        // through a raw pointer.
-        let c = unsafe { std::ptr::read_volatile(&raw const *self.slot) };
-        (!c.is_null()).then_some(RawComm(c))
+        // SAFETY: the slot is a live box, and NCCL writes it no more (the caller's
+        // contract).
+        unsafe { read_slot(&raw const *self.slot) }
     }
 
     /// The call never completed: leak the boxes, which NCCL may still write into, and
-    /// hand back the slot, to be read only once NCCL's job ended (the parent's abort
-    /// returned).
-    pub(crate) fn abandon(self) -> Abandoned {
+    /// hand back the slot, to be read ([`read_slot`]) only once NCCL's job ended (the
+    /// parent's abort returned).
+    pub(crate) fn abandon(self) -> *const sys::ncclComm_t {
         std::mem::forget(self.config);
-        Abandoned(Box::into_raw(self.slot))
+        Box::into_raw(self.slot)
     }
 }
 
-/// The leaked slot of a communicator creation that never completed.
-#[derive(Debug)]
-pub(crate) struct Abandoned(*mut sys::ncclComm_t);
-
-impl Abandoned {
-    /// What NCCL wrote into the slot, if anything.
-    ///
-    /// # Safety
-    /// NCCL no longer writes it: the job that makes the communicator ended (for a split
-    /// off a non-blocking parent, the parent's `ncclCommAbort` returned).
-    pub(crate) unsafe fn read(&self) -> Option<RawComm> {
-        // SAFETY: the slot is leaked, so it stays valid; the caller's contract says no
-        // thread writes it any more.
-        let c = unsafe { std::ptr::read_volatile(self.0) };
-        (!c.is_null()).then_some(RawComm(c))
-    }
-}
-
-/// Start `ncclCommInitRankConfig` on a non-blocking config (the control communicator).
-///
-/// # Errors
-/// The NCCL error (after aborting the half-made communicator).
+/// Start `ncclCommInitRankConfig` on a non-blocking config (the control communicator);
+/// a half-made communicator is aborted on failure.
 pub(crate) fn comm_init(
     s: &Syms,
     nranks: usize,
@@ -274,7 +242,7 @@ pub(crate) fn comm_init(
     cta_policy: c_int,
 ) -> Result<Starting> {
     let op = "ncclCommInitRankConfig";
-    let (nranks, rank) = (to_int(op, nranks)?, to_int(op, rank)?);
+    let (nranks, rank) = (fit(op, nranks)?, fit(op, rank)?);
     let id = sys::ncclUniqueId {
         internal: id.map(|b| b as c_char),
     };
@@ -286,14 +254,7 @@ pub(crate) fn comm_init(
     let code = unsafe { (s.init_rank_config)(&mut *slot, nranks, id, rank, &mut *config) };
     let comm = RawComm(*slot);
     if comm.0.is_null() {
-        return match status(s, op, code, None) {
-            Err(e) => Err(e),
-            Ok(_) => Err(Error::Nccl {
-                op,
-                code,
-                message: "NCCL returned no communicator".into(),
-            }),
-        };
+        return Err(status(s, op, code, None).err().unwrap_or(no_comm(op, code)));
     }
     match status(s, op, code, Some(&comm)) {
         Ok(_) => Ok(Starting {
@@ -328,9 +289,6 @@ pub(crate) fn comm_init(
 /// `parent` is a live communicator that nothing else calls NCCL on during this call
 /// (and, on a non-blocking parent, until the split is done), and every rank of it
 /// makes the same call at the same point.
-///
-/// # Errors
-/// The NCCL error.
 pub(crate) unsafe fn comm_split(
     s: &Syms,
     parent: RawComm,
@@ -340,35 +298,22 @@ pub(crate) unsafe fn comm_split(
     blocking: bool,
 ) -> Result<Starting> {
     let op = "ncclCommSplit";
-    let key = to_int(op, key)?;
+    let key = fit(op, key)?;
     let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
     let mut config = Box::new(config(cta_policy, blocking));
     // SAFETY: the caller guarantees the parent; the boxes outlive the call's completion
     // (see `Starting`).
     let code = unsafe { (s.split)(parent.0, 0, key, &raw mut *slot, &raw mut *config) };
-    let status = status(s, op, code, Some(&parent))?;
-    let making = Making::Split { parent_blocking };
-    if parent_blocking && status == Status::Done {
+    let poll = if status(s, op, code, Some(&parent))? == Status::Done && parent_blocking {
         // SAFETY: a blocking parent's split ran to its end inside the call, so NCCL
-        // writes the slot no more.
-        let child = unsafe { std::ptr::read_volatile(&raw const *slot) };
-        if child.is_null() {
-            return Err(Error::Nccl {
-                op,
-                code,
-                message: "NCCL returned no communicator".into(),
-            });
-        }
-        return Ok(Starting {
-            poll: RawComm(child),
-            making,
-            slot,
-            config,
-        });
-    }
+        // writes the live box no more.
+        unsafe { read_slot(&raw const *slot) }.ok_or(no_comm(op, code))?
+    } else {
+        parent
+    };
     Ok(Starting {
-        poll: parent,
-        making,
+        poll,
+        making: Making::Split { parent_blocking },
         slot,
         config,
     })
@@ -379,12 +324,11 @@ pub(crate) unsafe fn comm_split(
 /// group job to join), which is what a watchdog may do while another thread is inside
 /// NCCL on it (PyTorch's watchdog does).
 ///
+/// The asynchronous error is reported as [`Error::Nccl`] naming `op`.
+///
 /// # Safety
 /// `comm` is live (not aborted); on a non-blocking communicator the caller has
 /// exclusive use of it (the call joins NCCL's thread of the previous call).
-///
-/// # Errors
-/// The asynchronous error, as [`Error::Nccl`] naming `op`.
 pub(crate) unsafe fn async_state(s: &Syms, op: &'static str, comm: RawComm) -> Result<Status> {
     let mut state: c_int = SUCCESS;
     // SAFETY: the caller guarantees a live communicator; `state` is a valid out-pointer
@@ -402,18 +346,19 @@ pub(crate) unsafe fn comm_rank_size_device(
     s: &Syms,
     comm: RawComm,
 ) -> Result<(usize, usize, usize)> {
-    let (mut rank, mut size, mut dev) = (0 as c_int, 0 as c_int, 0 as c_int);
-    // SAFETY: `comm.0` is live (the caller's contract); out-pointers are valid.
-    let code = unsafe { (s.user_rank)(comm.0, &mut rank) };
-    check(s, "ncclCommUserRank", code, Some(&comm))?;
-    // SAFETY: as above.
-    let code = unsafe { (s.count)(comm.0, &mut size) };
-    check(s, "ncclCommCount", code, Some(&comm))?;
-    // SAFETY: as above.
-    let code = unsafe { (s.cu_device)(comm.0, &mut dev) };
-    check(s, "ncclCommCuDevice", code, Some(&comm))?;
-    let u = |x: c_int| usize::try_from(x).unwrap_or(usize::MAX);
-    Ok((u(rank), u(size), u(dev)))
+    let mut found = [0usize; 3];
+    let queries = [
+        (s.user_rank, "ncclCommUserRank"),
+        (s.count, "ncclCommCount"),
+        (s.cu_device, "ncclCommCuDevice"),
+    ];
+    for ((query, op), out) in queries.into_iter().zip(&mut found) {
+        let mut x: c_int = 0;
+        // SAFETY: `comm.0` is live (the caller's contract); `x` is a valid out-pointer.
+        check(s, op, unsafe { query(comm.0, &mut x) }, Some(&comm))?;
+        *out = usize::try_from(x).unwrap_or(usize::MAX);
+    }
+    Ok((found[0], found[1], found[2]))
 }
 
 /// `ncclCommAbort`: local teardown; also ends the calls and device work still in
@@ -430,10 +375,7 @@ pub(crate) unsafe fn comm_abort(s: &Syms, comm: RawComm) -> Result<()> {
     // SAFETY: the caller guarantees `comm.0` is live, owned and never used again.
     let code = unsafe { (s.abort)(comm.0) };
     // An abort is complete when it returns, even on a non-blocking communicator.
-    match code {
-        SUCCESS | IN_PROGRESS => Ok(()),
-        other => Err(nccl_err(s, "ncclCommAbort", other, None)),
-    }
+    status(s, "ncclCommAbort", code, None).map(drop)
 }
 
 /// `ncclCommRevoke(comm, NCCL_REVOKE_DEFAULT)`: "stops all in-flight operations" on
@@ -445,19 +387,13 @@ pub(crate) unsafe fn comm_abort(s: &Syms, comm: RawComm) -> Result<()> {
 /// # Safety
 /// `comm` is a live communicator created by this crate, not yet aborted. Another
 /// thread may be inside an NCCL call on it (that is what revoking is for).
-///
-/// # Errors
-/// The NCCL error.
 pub(crate) unsafe fn comm_revoke(s: &Syms, comm: RawComm) -> Result<bool> {
     let Some(revoke) = s.revoke else {
         return Ok(false);
     };
     // SAFETY: the caller guarantees a live communicator of the crate's.
     let code = unsafe { revoke(comm.0, REVOKE_DEFAULT) };
-    match code {
-        SUCCESS | IN_PROGRESS => Ok(true),
-        other => Err(nccl_err(s, "ncclCommRevoke", other, None)),
-    }
+    status(s, "ncclCommRevoke", code, None).map(|_| true)
 }
 
 pub(crate) fn dtype(d: crate::dtype::DType) -> sys::ncclDataType_t {
@@ -481,19 +417,15 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// One collective call, as NCCL takes it (device addresses and a raw stream).
+/// One collective call, as NCCL takes it: which one (with its reduction), the `send`
+/// and `recv` device addresses, and `count` elements per rank (as
+/// [`CollArgs::count`](crate::backend::CollArgs::count)) of `dtype`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CollCall {
-    /// All-gather, or reduce-scatter or all-reduce with its reduction.
     pub(crate) kind: CollKind,
-    /// Input address.
     pub(crate) send: u64,
-    /// Output address.
     pub(crate) recv: u64,
-    /// Elements per rank (the all-gather input, the reduce-scatter output, the
-    /// all-reduce buffer).
     pub(crate) count: u64,
-    /// Element type.
     pub(crate) dtype: sys::ncclDataType_t,
 }
 
@@ -538,7 +470,7 @@ pub(crate) unsafe fn collective(
     stream: sys::cudaStream_t,
 ) -> Result<Status> {
     let op = call.name();
-    let n = to_usize(op, call.count)?;
+    let n = fit(op, call.count)?;
     let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
     let code = match call.kind {
         // SAFETY: the caller upholds this function's contract.

@@ -178,13 +178,7 @@ fn open(candidate: &Candidate) -> Option<libloading::os::unix::Library> {
             Library::open(Some(name.as_str()), RTLD_NOW | RTLD_LOCAL)
         },
     };
-    match result {
-        Ok(lib) => Some(lib),
-        Err(e) => {
-            tracing::debug!("symmpool: NCCL candidate {candidate:?}: {e}");
-            None
-        }
-    }
+    (result.inspect_err(|e| tracing::debug!("symmpool: NCCL candidate {candidate:?}: {e}"))).ok()
 }
 
 fn loaded() -> Option<&'static Loaded> {
@@ -230,13 +224,8 @@ fn loaded() -> Option<&'static Loaded> {
                     revoke: unsafe { sym(lib, "ncclCommRevoke") }.ok(),
                 })
             })();
-            let syms = match syms {
-                Ok(s) => Some(s),
-                Err(missing) => {
-                    tracing::warn!("symmpool: NCCL {version} lacks {missing}");
-                    None
-                }
-            };
+            let syms =
+                (syms.inspect_err(|m| tracing::warn!("symmpool: NCCL {version} lacks {m}"))).ok();
             Some(Loaded { version, syms })
         })
         .as_ref()
@@ -247,22 +236,21 @@ const NO_NCCL: Error = Error::LibraryUnavailable {
     hint: "install NCCL >= 2.27 so that libnccl.so.2 (or libnccl.so) is on the loader path, or name it in SYMMPOOL_NCCL_LIBRARY",
 };
 
-/// The resolved functions, or why there are none.
+/// The resolved functions, or why there are none ([`Error::NcclTooOld`] before 2.27).
 pub(crate) fn api() -> Result<&'static Syms> {
     let l = loaded().ok_or(NO_NCCL)?;
-    l.syms.as_ref().ok_or(if l.version < NcclVersion::WINDOWS {
-        Error::NcclTooOld {
-            found: l.version,
-            required: NcclVersion::WINDOWS,
-            feature: "symmetric windows",
-        }
-    } else {
-        Error::LibraryUnavailable {
-            library: "libnccl",
-            hint: "the NCCL found lacks a function symmpool needs (the log names it)",
-        }
+    require(l.version, NcclVersion::WINDOWS, "symmetric windows")?;
+    l.syms.as_ref().ok_or(Error::LibraryUnavailable {
+        library: "libnccl",
+        hint: "the NCCL found lacks a function symmpool needs (the log names it)",
     })
 }
+
+/// The error of a machine without the CUDA driver.
+pub(crate) const NO_DRIVER: Error = Error::LibraryUnavailable {
+    library: "libcuda (CUDA driver)",
+    hint: "no NVIDIA driver on this machine; use the host backend",
+};
 
 /// Load NCCL (see the module documentation) and read its version; checks the CUDA
 /// driver first.
@@ -271,10 +259,7 @@ pub(crate) fn api() -> Result<&'static Syms> {
 /// [`Error::LibraryUnavailable`] if either library cannot be loaded.
 pub(crate) fn load() -> Result<NcclVersion> {
     if !driver_present() {
-        return Err(Error::LibraryUnavailable {
-            library: "libcuda (CUDA driver)",
-            hint: "no NVIDIA driver on this machine; use the host backend",
-        });
+        return Err(NO_DRIVER);
     }
     loaded().map(|l| l.version).ok_or(NO_NCCL)
 }

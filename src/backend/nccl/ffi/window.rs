@@ -1,7 +1,7 @@
 //! NCCL's symmetric memory: `ncclMemAlloc`/`ncclMemFree` and window registration.
 
 use super::{
-    NCCL_WIN_COLL_SYMMETRIC, RawComm, SUCCESS, Status, Syms, check, nccl_err, status, to_usize,
+    NCCL_WIN_COLL_SYMMETRIC, RawComm, SUCCESS, Status, Syms, check, fit, nccl_err, status,
 };
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
@@ -84,11 +84,6 @@ impl Registering {
         };
         (!w.is_null()).then_some(RawWindow(w))
     }
-
-    /// The registration never completed: leak the box NCCL may still write into.
-    pub(crate) fn abandon(self) {
-        std::mem::forget(self.slot);
-    }
 }
 
 /// Start `ncclCommWindowRegister(comm, ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC)`. On a
@@ -109,7 +104,7 @@ pub(crate) unsafe fn window_register(
     size: u64,
 ) -> Result<(Registering, Status)> {
     let op = "ncclCommWindowRegister";
-    let size = to_usize(op, size)?;
+    let size = fit(op, size)?;
     let mut slot: Box<sys::ncclWindow_t> = Box::new(std::ptr::null_mut());
     // SAFETY: the caller guarantees the communicator and the allocation; the box stays
     // valid until the call completes (or is leaked, see `Registering`).
@@ -122,12 +117,11 @@ pub(crate) unsafe fn window_register(
             NCCL_WIN_COLL_SYMMETRIC,
         )
     };
-    let registering = Registering { slot };
     match status(s, op, code, Some(&comm)) {
-        Ok(st) => Ok((registering, st)),
+        Ok(st) => Ok((Registering { slot }, st)),
         Err(e) => {
-            // NCCL may have written the slot before failing; nobody reads it.
-            registering.abandon();
+            // NCCL may have written the slot before failing: leaked, nobody reads it.
+            std::mem::forget(slot);
             Err(e)
         }
     }

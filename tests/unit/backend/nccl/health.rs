@@ -2,6 +2,23 @@ use super::*;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+impl<E: Completion> Watch<E> {
+    /// Number of collectives not yet seen complete.
+    pub(crate) fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Drop the completed collectives; `Some(cause)` if one is older than `timeout` and
+    /// not complete, or the device failed. (The watchdog does the same in three steps,
+    /// [`take`](Self::take), [`sweep`], [`restore`](Self::restore), so that the lock on
+    /// the list is not held across the queries.)
+    fn sweep(&mut self, now: Instant, timeout: Duration) -> Option<Cause> {
+        let swept = sweep(self.take(), now, timeout);
+        self.restore(swept.kept, swept.complete);
+        swept.cause
+    }
+}
+
 /// 0 pending, 1 complete, 2 failed.
 #[derive(Debug, Clone)]
 struct Fake(Arc<AtomicU8>);
