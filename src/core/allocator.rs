@@ -179,21 +179,8 @@ impl Allocator {
                 0
             };
             let growth = self.config.growth_with(size, align, class_allocated)?;
-            let would = self
-                .stats
-                .reserved_bytes
-                .current
-                .checked_add(growth.segment_bytes);
-            return match would {
-                Some(w) if w <= self.config.max_reserved_bytes => {
-                    Err(AllocError::NeedsGrowth(growth))
-                }
-                _ => Err(AllocError::OutOfMemory {
-                    segment_bytes: growth.segment_bytes,
-                    would_reserve_bytes: would.unwrap_or(u64::MAX),
-                    max_reserved_bytes: self.config.max_reserved_bytes,
-                }),
-            };
+            self.check_reserve(growth.segment_bytes)?;
+            return Err(AllocError::NeedsGrowth(growth));
         };
         let seq = self.next_seq;
         let next_seq = seq.checked_add(1).ok_or(AllocError::Exhausted)?;
@@ -226,6 +213,36 @@ impl Allocator {
             pad.checked_add(size)
                 .is_some_and(|need| need <= bsize)
                 .then_some(pad)
+        })
+    }
+
+    /// Check that a new segment of `segment_bytes` keeps reserved memory within
+    /// `max_reserved_bytes`.
+    ///
+    /// # Errors
+    /// [`AllocError::OutOfMemory`] if it does not.
+    pub(super) fn check_reserve(&self, segment_bytes: u64) -> Result<(), AllocError> {
+        let would = self.stats.reserved_bytes.current.checked_add(segment_bytes);
+        match would {
+            Some(w) if w <= self.config.max_reserved_bytes => Ok(()),
+            _ => Err(AllocError::OutOfMemory {
+                segment_bytes,
+                would_reserve_bytes: would.unwrap_or(u64::MAX),
+                max_reserved_bytes: self.config.max_reserved_bytes,
+            }),
+        }
+    }
+
+    /// Whether `seg` is one free block, all of it.
+    pub(super) fn entirely_free(&self, seg: &Segment) -> bool {
+        let b = &self.blocks[seg.first as usize];
+        b.is_free() && b.size == seg.size
+    }
+
+    /// The blocks of `seg`, in address order.
+    pub(super) fn blocks_of<'a>(&'a self, seg: &Segment) -> impl Iterator<Item = &'a Block> {
+        std::iter::successors(Some(&self.blocks[seg.first as usize]), |b| {
+            b.next.map(|n| &self.blocks[n as usize])
         })
     }
 
@@ -557,10 +574,7 @@ impl Allocator {
             .segments
             .iter()
             .map(|(id, seg)| {
-                let mut blocks = Vec::new();
-                let mut cur = Some(seg.first);
-                while let Some(slot) = cur {
-                    let b = &self.blocks[slot as usize];
+                let blocks = self.blocks_of(seg).map(|b| {
                     let (state, requested_bytes, stream, other_streams) = match &b.usage {
                         BlockUse::Allocated {
                             requested_bytes,
@@ -580,21 +594,20 @@ impl Allocator {
                             fences.iter().skip(1).map(|w| w.stream).collect(),
                         ),
                     };
-                    blocks.push(BlockSnapshot {
+                    BlockSnapshot {
                         offset_bytes: b.offset,
                         size_bytes: b.size,
                         requested_bytes,
                         state,
                         stream,
                         other_streams,
-                    });
-                    cur = b.next;
-                }
+                    }
+                });
                 SegmentSnapshot {
                     id: *id,
                     class: seg.class,
                     size_bytes: seg.size,
-                    blocks,
+                    blocks: blocks.collect(),
                 }
             })
             .collect();

@@ -13,6 +13,17 @@ const MIB: u64 = 1 << 20;
 /// would take the Llama-like trace of `tests/fsdp_trace.rs` past its 1.15 floor).
 const REGISTERED_SMALL_SEGMENT_BYTES: u64 = 32 * MIB;
 
+/// Builder methods that each set one field of the same name to their argument.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($field:ident: $t:ty);)*) => {$(
+        $(#[$doc])*
+        pub fn $name(mut self, $field: $t) -> Self {
+            self.$field = $field;
+            self
+        }
+    )*};
+}
+
 /// The largest segment (and request) the core handles: 16 TiB, so that sizes and
 /// offsets fit the free index's packed keys.
 pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
@@ -210,99 +221,68 @@ impl CoreConfig {
         c
     }
 
-    /// Set the growth policy.
-    pub fn with_growth(mut self, growth: GrowthPolicy) -> Self {
-        self.growth = growth;
-        self
-    }
-
     /// Set the chunk bounds of the registered policy, in bytes. The policy becomes
     /// [`GrowthPolicy::Registered`] (with default percentages) if it was not already.
-    pub fn with_chunk_bytes(mut self, min_chunk_bytes: u64, max_chunk_bytes: u64) -> Self {
-        let mut g = self.registered_policy();
-        if let GrowthPolicy::Registered {
-            min_chunk_bytes: lo,
-            max_chunk_bytes: hi,
-            ..
-        } = &mut g
-        {
-            *lo = min_chunk_bytes;
-            *hi = max_chunk_bytes;
-        }
-        self.growth = g;
-        self
+    pub fn with_chunk_bytes(self, min_chunk_bytes: u64, max_chunk_bytes: u64) -> Self {
+        self.with_registered(|lo, hi, _, _| (*lo, *hi) = (min_chunk_bytes, max_chunk_bytes))
     }
 
     /// Set the growth percentage of the registered policy (100: a new chunk as large
     /// as the class's allocated bytes). The policy becomes
     /// [`GrowthPolicy::Registered`] if it was not already.
-    pub fn with_growth_percent(mut self, percent: u64) -> Self {
-        let mut g = self.registered_policy();
-        if let GrowthPolicy::Registered { growth_percent, .. } = &mut g {
-            *growth_percent = percent;
-        }
-        self.growth = g;
-        self
+    pub fn with_growth_percent(self, percent: u64) -> Self {
+        self.with_registered(|_, _, growth, _| *growth = percent)
     }
 
     /// Set the headroom of [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak)
     /// under the registered policy, in percent of the observed peak. The policy becomes
     /// [`GrowthPolicy::Registered`] if it was not already.
-    pub fn with_fit_headroom_percent(mut self, percent: u64) -> Self {
-        let mut g = self.registered_policy();
+    pub fn with_fit_headroom_percent(self, percent: u64) -> Self {
+        self.with_registered(|_, _, _, headroom| *headroom = percent)
+    }
+
+    /// Change the registered policy's fields with `f` (in their order), the policy
+    /// made [`GrowthPolicy::registered()`] first if it was another.
+    fn with_registered(mut self, f: impl FnOnce(&mut u64, &mut u64, &mut u64, &mut u64)) -> Self {
+        if !self.growth.is_registered() {
+            self.growth = GrowthPolicy::registered();
+        }
         if let GrowthPolicy::Registered {
+            min_chunk_bytes,
+            max_chunk_bytes,
+            growth_percent,
             fit_headroom_percent,
-            ..
-        } = &mut g
+        } = &mut self.growth
         {
-            *fit_headroom_percent = percent;
+            f(
+                min_chunk_bytes,
+                max_chunk_bytes,
+                growth_percent,
+                fit_headroom_percent,
+            );
         }
-        self.growth = g;
         self
     }
 
-    fn registered_policy(&self) -> GrowthPolicy {
-        if self.growth.is_registered() {
-            self.growth
-        } else {
-            GrowthPolicy::registered()
-        }
-    }
-
-    /// Set the segment granularity (and the largest alignment), in bytes.
-    pub fn with_granularity_bytes(mut self, bytes: u64) -> Self {
-        self.granularity_bytes = bytes;
-        self
-    }
-
-    /// Set the size of shared large segments, in bytes.
-    pub fn with_large_segment_bytes(mut self, bytes: u64) -> Self {
-        self.large_segment_bytes = bytes;
-        self
-    }
-
-    /// Set the threshold above which large requests get a dedicated segment, in bytes.
-    pub fn with_dedicated_min_bytes(mut self, bytes: u64) -> Self {
-        self.dedicated_min_bytes = bytes;
-        self
+    setters! {
+        /// Set the growth policy.
+        with_growth(growth: GrowthPolicy);
+        /// Set the segment granularity (and the largest alignment), in bytes.
+        with_granularity_bytes(granularity_bytes: u64);
+        /// Set the size of shared large segments, in bytes.
+        with_large_segment_bytes(large_segment_bytes: u64);
+        /// Set the threshold above which large requests get a dedicated segment, in bytes.
+        with_dedicated_min_bytes(dedicated_min_bytes: u64);
+        /// Set the largest accepted request, in bytes.
+        with_max_request_bytes(max_request_bytes: u64);
+        /// Set the limit on reserved bytes (sum of segment sizes).
+        with_max_reserved_bytes(max_reserved_bytes: u64);
     }
 
     /// Set the largest small request and the small segment size, in bytes.
     pub fn with_small(mut self, request_max_bytes: u64, segment_bytes: u64) -> Self {
         self.small_request_max_bytes = request_max_bytes;
         self.small_segment_bytes = segment_bytes;
-        self
-    }
-
-    /// Set the largest accepted request, in bytes.
-    pub fn with_max_request_bytes(mut self, bytes: u64) -> Self {
-        self.max_request_bytes = bytes;
-        self
-    }
-
-    /// Set the limit on reserved bytes (sum of segment sizes).
-    pub fn with_max_reserved_bytes(mut self, bytes: u64) -> Self {
-        self.max_reserved_bytes = bytes;
         self
     }
 

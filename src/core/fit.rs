@@ -103,20 +103,16 @@ impl Allocator {
         let mut old_live = [0u64; 2];
         for (&id, seg) in &self.segments {
             let c = seg.class.index();
-            let first = &self.blocks[seg.first as usize];
-            if first.is_free() && first.size == seg.size {
+            if self.entirely_free(seg) {
                 release[c].push((id, seg.size));
                 continue;
             }
-            let mut cur = Some(seg.first);
-            while let Some(slot) = cur {
-                let b = &self.blocks[slot as usize];
+            for b in self.blocks_of(seg) {
                 if let BlockUse::Allocated { seq, .. } = b.usage
                     && seq < self.window_seq
                 {
                     old_live[c] += b.size;
                 }
-                cur = b.next;
             }
         }
         let window_peak = self
@@ -166,10 +162,8 @@ impl Allocator {
     /// exist or is not entirely free (the plan is stale); nothing changes then.
     pub fn release_planned(&mut self, plan: &FitPlan) -> Result<Vec<(SegmentId, u64)>, AllocError> {
         for &(id, size) in &plan.release {
-            let ok = self.segments.get(&id).is_some_and(|seg| {
-                let b = &self.blocks[seg.first as usize];
-                seg.size == size && b.is_free() && b.size == seg.size
-            });
+            let ok = (self.segments.get(&id))
+                .is_some_and(|seg| seg.size == size && self.entirely_free(seg));
             if !ok {
                 return Err(AllocError::UnknownSegment(id));
             }

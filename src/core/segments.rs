@@ -56,17 +56,7 @@ impl Allocator {
         {
             return Err(AllocError::BadSegmentSize { size_bytes: size });
         }
-        let reserved = self.stats.reserved_bytes.current;
-        match reserved.checked_add(size) {
-            Some(r) if r <= self.config.max_reserved_bytes => {}
-            would => {
-                return Err(AllocError::OutOfMemory {
-                    segment_bytes: size,
-                    would_reserve_bytes: would.unwrap_or(u64::MAX),
-                    max_reserved_bytes: self.config.max_reserved_bytes,
-                });
-            }
-        }
+        self.check_reserve(size)?;
         if self.next_segment == u32::MAX || self.blocks.len() >= u32::MAX as usize {
             return Err(AllocError::Exhausted);
         }
@@ -108,14 +98,8 @@ impl Allocator {
     /// Remove every segment that is entirely free, in ascending id order, and return
     /// them with their sizes. The caller releases their memory.
     pub fn release_free_segments(&mut self) -> Vec<(SegmentId, u64)> {
-        let empty: Vec<SegmentId> = self
-            .segments
-            .iter()
-            .filter(|(_, seg)| {
-                let b = &self.blocks[seg.first as usize];
-                b.is_free() && b.size == seg.size
-            })
-            .map(|(id, _)| *id)
+        let empty: Vec<SegmentId> = (self.segments.iter())
+            .filter_map(|(id, seg)| self.entirely_free(seg).then_some(*id))
             .collect();
         empty
             .into_iter()
@@ -129,12 +113,11 @@ impl Allocator {
     /// [`AllocError::UnknownSegment`] if the segment does not exist or is not entirely
     /// free. Nothing changes then.
     pub fn release_segment(&mut self, id: SegmentId) -> Result<u64, AllocError> {
-        let seg = self
+        if !self
             .segments
             .get(&id)
-            .ok_or(AllocError::UnknownSegment(id))?;
-        let b = &self.blocks[seg.first as usize];
-        if !(b.is_free() && b.size == seg.size) {
+            .is_some_and(|s| self.entirely_free(s))
+        {
             return Err(AllocError::UnknownSegment(id));
         }
         let Some(seg) = self.segments.remove(&id) else {
