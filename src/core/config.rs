@@ -38,65 +38,43 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
 /// # Growth policy
 ///
 /// When no free block of the request's size class fits, the core asks for one new
-/// segment ([`Growth`]) whose size depends only on the request:
+/// segment ([`Growth`]) for the request (rounded up to `min_block_bytes`):
 ///
-/// | request (rounded up to `min_block_bytes`)   | class | new segment                          |
-/// |---------------------------------------------|-------|--------------------------------------|
-/// | ≤ `small_request_max_bytes`                 | small | `small_segment_bytes`                |
-/// | ≤ `dedicated_min_bytes`                     | large | `large_segment_bytes`                |
-/// | larger                                      | large | a dedicated segment: the request rounded up to a multiple of `max(granularity_bytes, 2^⌊log2 request⌋ / dedicated_round_steps)` |
+/// | request | class | [`GrowthPolicy::Caching`] ([`default()`](Self::default)) | [`GrowthPolicy::Registered`] ([`registered()`](Self::registered)) |
+/// |---|---|---|---|
+/// | ≤ `small_request_max_bytes` | small | `small_segment_bytes` | `small_chunk` |
+/// | ≤ `dedicated_min_bytes` | large | `large_segment_bytes` | `max(chunk, fit)` |
+/// | larger | large | `fit`, dedicated | `max(chunk, fit)` |
 ///
-/// Rounding dedicated segments to 1/16 of their power of two (at most 6.25 % more than
-/// asked for) lets requests of nearby sizes (a 250 MiB embedding, 255 MiB MLP blocks)
-/// share segments. A dedicated segment serves only requests of at least
-/// 1/`dedicated_reuse_ratio` of its size, so small requests never fragment it.
+/// - `fit`: the request rounded up to a multiple of `max(granularity_bytes,
+///   2^⌊log2 request⌋ / dedicated_round_steps)` (at most 6.25 % more with the default
+///   16 steps, so that requests of nearby sizes, a 250 MiB embedding and 255 MiB MLP
+///   blocks, share segments); under the registered policy, requests up to
+///   `dedicated_min_bytes` only to `granularity_bytes`.
+/// - `chunk = clamp(⌈allocated · growth_percent / 100⌉, min_chunk_bytes,
+///   max_chunk_bytes)` rounded up to `granularity_bytes`, `allocated` being the bytes
+///   of the class's live blocks when the request misses; `small_chunk` the same
+///   between `small_segment_bytes` and `max(max_chunk_bytes, small_segment_bytes)`.
 ///
-/// That is [`GrowthPolicy::Caching`], the policy of [`CoreConfig::default()`]. For
-/// memory whose segments are expensive (registered collectively with NCCL, each taking
-/// symmetric address space on every peer), [`CoreConfig::registered()`] selects
-/// [`GrowthPolicy::Registered`], which starts each size class with one chunk and keeps
-/// the number of segments of each class logarithmic in its peak working set:
+/// A dedicated segment serves only requests of at least 1/`dedicated_reuse_ratio` of
+/// its size, so small requests never fragment it. The registered policy is for memory
+/// whose segments are expensive (registered collectively with NCCL, each taking
+/// symmetric address space on every peer): every segment is shared (best fit, no
+/// dedicated-segment rule), and the chunk grows with the live data, not with what is
+/// reserved, so the over-reserve of earlier growths does not compound. With its
+/// defaults (448 MiB to 4 GiB chunks, 50 %, 32 MiB small segments) each growth adds at
+/// least half of what the class has live: the segments of a class stay logarithmic in
+/// its peak working set, and right after a growth a class reserves at most about 1.5
+/// times its live bytes (plus fragments). 1 000 live tensors of 64 KiB–4 MiB (2 GiB)
+/// take 8 segments, 1.07 × their bytes (`tests/pool_small_growth.rs`). The defaults
+/// come from a sweep over the FSDP-like traces of `tests/fsdp_trace.rs` (figures in
+/// `BENCHMARKS.md`): a Llama-like model (peak 814 MiB: two large segments), random
+/// layer sizes and the `fsdp_step` example.
 ///
-/// | request (rounded up to `min_block_bytes`)   | class | new segment (registered policy)      |
-/// |---------------------------------------------|-------|--------------------------------------|
-/// | ≤ `small_request_max_bytes`                 | small | `small_chunk`                        |
-/// | larger                                      | large | `max(chunk, fit)`, shared (no dedicated-segment rule) |
-///
-/// where `chunk = clamp(⌈large_allocated · growth_percent / 100⌉, min_chunk_bytes,
-/// max_chunk_bytes)` rounded up to `granularity_bytes`, with `large_allocated` the
-/// bytes of the large class's live blocks when the request misses (defaults: 448 MiB
-/// minimum chunk, 4 GiB maximum chunk, 50 %), and `fit` the request rounded up as a
-/// dedicated segment of the table above (requests up to `dedicated_min_bytes` to
-/// `granularity_bytes`). So a request larger than the chunk still gets a segment that
-/// fits it. The small class grows the same way from its own live bytes:
-/// `small_chunk = clamp(⌈small_allocated · growth_percent / 100⌉, small_segment_bytes,
-/// max(max_chunk_bytes, small_segment_bytes))` rounded up to `granularity_bytes`
-/// ([`CoreConfig::registered()`] sets `small_segment_bytes` to 32 MiB). The chunk grows
-/// with the live data, not with what is reserved: the over-reserve of earlier growths
-/// (free space, fragments) does not compound. With the defaults the first large
-/// segment is 448 MiB (or the first request's fit), the first small one 32 MiB, and
-/// each later growth adds at least half of what the class has live (while chunks are
-/// below 4 GiB), so the number of segments stays logarithmic in the peak working set
-/// and right after a growth a class reserves about 1.5 times its live bytes at most
-/// (plus fragments). 1 000 live
-/// tensors of 64 KiB–4 MiB (2 GiB) take 8 segments, 1.07 × their bytes
-/// (`tests/pool_small_growth.rs`).
-///
-/// The defaults were picked by a sweep over the FSDP-like traces of the tests
-/// (`tests/fsdp_trace.rs`, figures in `BENCHMARKS.md`): a Llama-like model (peak
-/// 814 MiB: two large segments), random layer sizes and the `fsdp_step` example; the
-/// growth of 50 % (rather than 100 %) and the small chunk for the floor of
-/// `tests/pool_small_growth.rs` (at most 8 segments, at most 1.5 × the peak).
-///
-/// Under the registered policy every large segment is shared: large requests of any
-/// size are split out of them by best fit (remainders of at least
-/// `large_split_min_bytes` stay free), and `dedicated_reuse_ratio` is not applied.
-/// Small requests still never touch large segments, so they cannot pin one; a large
-/// request of a few MiB can keep a big segment from being trimmed, which is what
-/// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) is for.
-///
-/// Growth that would take reserved memory past `max_reserved_bytes` fails with
-/// [`AllocError::OutOfMemory`].
+/// Small requests never touch large segments, so they cannot pin one; a large request
+/// of a few MiB can keep a big shared segment from being trimmed, which is what
+/// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) is for. Growth
+/// past `max_reserved_bytes` fails with [`AllocError::OutOfMemory`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct CoreConfig {
@@ -141,10 +119,7 @@ pub struct CoreConfig {
     pub growth: GrowthPolicy,
 }
 
-/// How the core sizes new large segments (see the tables of [`CoreConfig`]).
-///
-/// Small segments are `small_segment_bytes` under the caching policy; under the
-/// registered policy that is the smallest small segment.
+/// How the core sizes new segments (see the table of [`CoreConfig`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum GrowthPolicy {
@@ -394,13 +369,11 @@ impl CoreConfig {
         align_up(size_bytes, self.min_block_bytes).ok_or(too_large)
     }
 
-    /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the request's size class has
-    /// allocated nothing (see the tables above). Under [`GrowthPolicy::Caching`] that is the only
-    /// case.
+    /// [`growth_with`](Self::growth_with) for a size class that has allocated nothing
+    /// (under [`GrowthPolicy::Caching`], the only case).
     ///
     /// # Errors
-    /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
+    /// As [`growth_with`](Self::growth_with).
     pub fn growth_for(&self, rounded_bytes: u64, align_bytes: u64) -> Result<Growth, AllocError> {
         self.growth_with(rounded_bytes, align_bytes, 0)
     }
