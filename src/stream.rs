@@ -95,12 +95,14 @@ impl Stream {
             Some((a, b)) => Self::id_for((kind, a, b), wrapped),
             None => Self::fresh_id(),
         };
+        Self::with_handle(id, kind, stream)
+    }
+
+    fn with_handle<S: Any + Send + Sync>(id: StreamId, kind: &'static str, stream: Arc<S>) -> Self {
+        let handle = Arc::new(stream);
         Stream {
             id,
-            device: Some(DevicePart {
-                kind,
-                handle: Arc::new(stream),
-            }),
+            device: Some(DevicePart { kind, handle }),
         }
     }
 
@@ -141,14 +143,7 @@ impl Stream {
         let known = KNOWN.lock();
         let k = known.get(&(kind, key.0, key.1))?;
         let handle = k.wrappers.iter().find_map(Weak::upgrade)?;
-        let stream = handle.downcast::<S>().ok()?;
-        Some(Stream {
-            id: k.id,
-            device: Some(DevicePart {
-                kind,
-                handle: Arc::new(stream),
-            }),
-        })
+        Some(Self::with_handle(k.id, kind, handle.downcast::<S>().ok()?))
     }
 
     /// The device backend's handle, if this is a device stream carrying a `T` (`None`

@@ -31,20 +31,17 @@ pub(crate) struct CallRecord {
 
 impl CallRecord {
     pub(crate) fn describe(&self) -> String {
-        match self.kind {
-            CallKind::Alloc => format!(
-                "call #{}: alloc({} B, align {} B)",
-                self.seq, self.a, self.b
-            ),
-            CallKind::Free => format!("call #{}: free(buffer of call #{})", self.seq, self.a),
-            CallKind::Reserve if self.b == 1 => {
-                format!("call #{}: reserve_small({} B)", self.seq, self.a)
-            }
-            CallKind::Reserve => format!("call #{}: reserve({} B)", self.seq, self.a),
-            CallKind::Trim => format!("call #{}: trim()", self.seq),
-            CallKind::Close => format!("call #{}: close()", self.seq),
-            CallKind::FitToPeak => format!("call #{}: fit_to_peak()", self.seq),
-        }
+        let (a, b) = (self.a, self.b);
+        let call = match self.kind {
+            CallKind::Alloc => format!("alloc({a} B, align {b} B)"),
+            CallKind::Free => format!("free(buffer of call #{a})"),
+            CallKind::Reserve if b == 1 => format!("reserve_small({a} B)"),
+            CallKind::Reserve => format!("reserve({a} B)"),
+            CallKind::Trim => "trim()".into(),
+            CallKind::Close => "close()".into(),
+            CallKind::FitToPeak => "fit_to_peak()".into(),
+        };
+        format!("call #{}: {call}", self.seq)
     }
 }
 

@@ -1,17 +1,12 @@
 //! The ledger: everything the ranks of one communicator set compare, as one ordered
-//! stream of typed records on one exchange channel, with one verdict.
+//! stream of typed records ([`Entry`]) on one exchange channel, with one verdict.
 //!
-//! Each rank appends its records ([`Entry`]) in its call order: the collectives of
-//! every pool over the communicators with their identity, step boundaries, and the
-//! agreements of the pools' collective operations (growth, `reserve`, `trim`,
-//! `close`, `fit_to_peak`). Rounds of the exchange carry batches of them; every rank
-//! sees every rank's records, keeps the same per-rank queues of records not yet
-//! compared, and compares the heads of the queues in lock-step, so every rank finds
-//! the same first difference at the same record. Collectives are compared field by
-//! field here; agreements go back to their pool, which judges them (its broken
-//! flags, a `close` with live buffers, the call history); a rank whose record is of
-//! another kind than its peers' (a growth where they make a collective, a step
-//! boundary where they make one more collective) is a divergence at once.
+//! Each rank appends its records in its call order; rounds of the exchange carry
+//! batches of them, and every rank compares the heads of the same per-rank queues in
+//! lock-step, so every rank finds the same first difference at the same record.
+//! Collectives and step boundaries are compared field by field here; agreements go
+//! back to their pool, which judges them ([`agree_records`](super::agree_records)); a
+//! rank whose record is of another kind than its peers' is a divergence at once.
 //!
 //! Who drives the rounds: under [`CheckMode::Async`] a background thread (callers
 //! post and return, at most `capacity` records of theirs uncompared); otherwise the
@@ -19,7 +14,7 @@
 
 use super::agree::AgreementRecord;
 use super::collective::CollectiveRecord;
-use super::record::{self, first_difference};
+use super::record::{self, Fields, first_difference};
 use crate::control::{ChannelId, Exchange};
 use crate::deadline::Deadline;
 use crate::error::{CollectiveDivergence, Error, ErrorKind, Result};
@@ -612,10 +607,15 @@ impl Shared {
             Some(records) => first_difference(&records)?,
             None if heads.iter().all(|e| matches!(e, Entry::Agreement(_))) => return None,
             None => {
-                let values = (heads.iter().enumerate())
-                    .map(|(rank, e)| (rank, describe(e)))
-                    .collect();
-                ("record kind", values)
+                // The record kind with where the rank is.
+                let describe = |e: &Entry| match e {
+                    Entry::Collective(r) => r.describe(0),
+                    Entry::Agreement(a) => a.describe_kind(),
+                };
+                (
+                    "record kind",
+                    heads.iter().map(describe).enumerate().collect(),
+                )
             }
         };
         let pool = match &heads[me] {
@@ -676,15 +676,6 @@ impl Shared {
                 return;
             }
         }
-    }
-}
-
-/// A record as the divergence report names it, with where the rank is.
-fn describe(entry: &Entry) -> String {
-    use super::record::Fields;
-    match entry {
-        Entry::Collective(r) => r.describe(0),
-        Entry::Agreement(a) => a.describe_kind(),
     }
 }
 
