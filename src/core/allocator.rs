@@ -277,7 +277,7 @@ impl Allocator {
         let mut len = bsize;
         if pad > 0 {
             // Keep the padding in front as its own free block; `slot` keeps it.
-            let new = self.split_off_tail(slot, pad, &fences, fenced, class);
+            let new = self.split_off_tail(slot, pad, &fences, fenced);
             self.insert_free(slot, class);
             slot = new;
             start += pad;
@@ -286,7 +286,7 @@ impl Allocator {
         }
         let remainder = len - size;
         let block_len = if remainder >= self.split_min(class) && remainder > 0 {
-            let tail = self.split_off_tail(slot, size, &fences, fenced, class);
+            let tail = self.split_off_tail(slot, size, &fences, fenced);
             self.insert_free(tail, class);
             self.stats.num_splits += 1;
             size
@@ -327,14 +327,7 @@ impl Allocator {
 
     /// Cut block `slot` (free, not in the index) at `at` bytes; the tail becomes a new
     /// free block with the given fences, linked after it. Returns the tail's slot.
-    fn split_off_tail(
-        &mut self,
-        slot: u32,
-        at: u64,
-        fences: &Fences,
-        fenced: bool,
-        _class: SizeClass,
-    ) -> u32 {
+    fn split_off_tail(&mut self, slot: u32, at: u64, fences: &Fences, fenced: bool) -> u32 {
         let (segment, class, offset, size, next) = {
             let b = &self.blocks[slot as usize];
             (b.segment, b.class, b.offset, b.size, b.next)
@@ -389,14 +382,21 @@ impl Allocator {
         a.peak = a.peak.max(active);
     }
 
-    fn live(&self, id: BlockId) -> Result<&Block, AllocError> {
+    /// A live block and its allocation's requested bytes, stream and other streams.
+    fn live(&self, id: BlockId) -> Result<(&Block, u64, StreamId, &[StreamId]), AllocError> {
         match self.blocks.get(id.slot as usize) {
             Some(
                 b @ Block {
-                    usage: BlockUse::Allocated { seq, .. },
+                    usage:
+                        BlockUse::Allocated {
+                            seq,
+                            requested_bytes,
+                            stream,
+                            others,
+                        },
                     ..
                 },
-            ) if *seq == id.seq => Ok(b),
+            ) if *seq == id.seq => Ok((b, *requested_bytes, *stream, others)),
             _ => Err(AllocError::StaleBlock(id)),
         }
     }
@@ -408,15 +408,10 @@ impl Allocator {
     /// # Errors
     /// [`AllocError::StaleBlock`] if `id` is not a live block.
     pub fn streams_of(&self, id: BlockId) -> Result<SmallVec<[StreamId; 3]>, AllocError> {
-        match &self.live(id)?.usage {
-            BlockUse::Allocated { stream, others, .. } => {
-                let mut v = SmallVec::new();
-                v.push(*stream);
-                v.extend(others.iter().copied());
-                Ok(v)
-            }
-            BlockUse::Free { .. } => Err(AllocError::StaleBlock(id)),
-        }
+        let (_, _, stream, others) = self.live(id)?;
+        Ok(std::iter::once(stream)
+            .chain(others.iter().copied())
+            .collect())
     }
 
     /// Note that a live block is also used on `stream` (like PyTorch's
@@ -450,18 +445,13 @@ impl Allocator {
     /// [`AllocError::StaleBlock`] if `id` is not a live block (double free, stale or
     /// foreign handle). Nothing changes then.
     pub fn free(&mut self, id: BlockId, fences: &[Wait]) -> Result<(), AllocError> {
-        let block = self.live(id)?;
-        let (size, requested, class) = match &block.usage {
-            BlockUse::Allocated {
-                requested_bytes, ..
-            } => (block.size, *requested_bytes, block.class),
-            BlockUse::Free { .. } => return Err(AllocError::StaleBlock(id)),
-        };
+        let (block, requested, ..) = self.live(id)?;
+        let (size, class) = (block.size, block.class);
         let mut own = Fences::new();
         for w in fences {
             merge_fence(&mut own, *w);
         }
-        let fenced = self.is_fenced(&own);
+        let fenced = outstanding(&self.completed, &own);
         let slot = id.slot;
         self.blocks[slot as usize].usage = BlockUse::Free {
             fences: own,
@@ -523,12 +513,6 @@ impl Allocator {
         self.stats.num_merges += 1;
     }
 
-    fn is_fenced(&self, fences: &Fences) -> bool {
-        fences
-            .iter()
-            .any(|w| self.completed.get(&w.stream).is_none_or(|&c| w.fence > c))
-    }
-
     /// Report that all work on `stream` up to `fence` has finished.
     ///
     /// This only updates the `active_bytes` statistic: placement and the waits returned
@@ -541,9 +525,7 @@ impl Allocator {
         for (_, b) in self.blocks.iter_mut() {
             if let BlockUse::Free { fences, fenced } = &mut b.usage {
                 if *fenced {
-                    *fenced = fences
-                        .iter()
-                        .any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c));
+                    *fenced = outstanding(completed, fences);
                 }
                 if *fenced {
                     fenced_bytes += b.size;
@@ -564,7 +546,7 @@ impl Allocator {
     /// # Errors
     /// [`AllocError::StaleBlock`] if `id` is not a live block.
     pub fn locate(&self, id: BlockId) -> Result<(SegmentId, u64, u64), AllocError> {
-        let b = self.live(id)?;
+        let (b, ..) = self.live(id)?;
         Ok((b.segment, b.offset, b.size))
     }
 
@@ -616,6 +598,11 @@ impl Allocator {
             stats: self.stats,
         }
     }
+}
+
+/// Whether a fence of `fences` is above its stream's `completed` one.
+fn outstanding(completed: &BTreeMap<StreamId, Fence>, fences: &[Wait]) -> bool {
+    (fences.iter()).any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c))
 }
 
 /// Insert `w` into a stream-sorted fence list, keeping the largest fence per stream.
