@@ -1,15 +1,8 @@
 //! The agreement ranks reach before every collective pool operation (growth,
-//! `reserve`, `trim`, `close`, `fit_to_peak`), and the readiness flags it carries.
-//!
-//! The ranks exchange one [`AgreementRecord`] each: the operation, the pool's call
-//! count, requested size, call hash, allocator state digest, the recent calls, and
-//! whether the rank's pool is broken. A broken pool on any rank is
-//! [`Error::PoolBroken`] on every rank, before the records are compared (a broken
-//! rank's refused calls are not in its history, so its record differs for that reason
-//! alone); `close` goes on regardless, to release the memory. Otherwise identical
-//! records mean identical allocator states, so the registrations that follow pair the
-//! right segments. Any difference is [`Error::Divergence`] on every rank, naming the
-//! first differing call.
+//! `reserve`, `trim`, `close`, `fit_to_peak`): one [`AgreementRecord`] per rank (the
+//! operation, the pool's call count, hash, recent calls and allocator state digest,
+//! its readiness), judged by [`agree_records`]. Identical records mean identical
+//! allocator states, so the registrations that follow pair the right segments.
 
 use super::history::{CallRecord, History};
 use super::ledger::Ledger;
