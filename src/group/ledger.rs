@@ -171,8 +171,6 @@ struct Queue {
 struct Rounds {
     seen: Vec<VecDeque<Entry>>,
     compared: u64,
-    /// This rank's records of the current batch, as posted (never decoded again).
-    batch: Vec<Entry>,
 }
 
 impl Ledger {
@@ -194,7 +192,6 @@ impl Ledger {
             rounds: Mutex::new(Rounds {
                 seen: vec![VecDeque::new(); world],
                 compared: 0,
-                batch: Vec::new(),
             }),
             config,
         });
@@ -532,30 +529,20 @@ impl Shared {
     ) -> Result<()> {
         let c = &self.config;
         let payload = record::encode_sized(&batch, 16 + batch.len() * MAX_RECORD_BYTES)?;
-        rounds.batch = batch;
         let all = c.exchange.all_gather(c.channel, what, &payload, deadline)?;
-        let me = c.exchange.rank();
-        if all.len() != rounds.seen.len() {
-            self.fail(format!(
-                "{} payloads for {} ranks",
-                all.len(),
-                rounds.seen.len()
-            ));
+        let (me, world) = (c.exchange.rank(), rounds.seen.len());
+        if all.len() != world {
+            self.fail(format!("{} payloads for {world} ranks", all.len()));
             return Err(self.error());
         }
-        for (rank, p) in all.iter().enumerate() {
-            if rank == me {
-                let mine = std::mem::take(&mut rounds.batch);
-                rounds.seen[me].extend(mine);
-                continue;
-            }
-            match record::decode::<Vec<Entry>>(p) {
-                Some(entries) => rounds.seen[rank].extend(entries),
-                None => {
-                    self.fail(format!("rank {rank} sent an unreadable check record"));
-                    return Err(self.error());
-                }
-            }
+        // This rank's records as posted, never decoded again.
+        rounds.seen[me].extend(batch);
+        for (rank, p) in all.iter().enumerate().filter(|(rank, _)| *rank != me) {
+            let Some(entries) = record::decode::<Vec<Entry>>(p) else {
+                self.fail(format!("rank {rank} sent an unreadable check record"));
+                return Err(self.error());
+            };
+            rounds.seen[rank].extend(entries);
         }
         while rounds.seen.iter().all(|q| !q.is_empty()) {
             let heads: Vec<Entry> = rounds
@@ -582,7 +569,6 @@ impl Shared {
             }
             q.compared = number;
         }
-        let me = self.config.exchange.rank();
         self.queue.lock().ahead = !rounds.seen[me].is_empty();
         self.progress.notify_all();
         Ok(())
