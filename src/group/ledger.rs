@@ -269,7 +269,7 @@ impl Ledger {
             CheckMode::Off => Ok(()),
             CheckMode::Strict => {
                 let entry = Entry::Collective(record);
-                self.settle(Some(entry), deadline(), "strict collective check", true)
+                self.settle(Some(entry), deadline(), "strict collective check")
                     .map(drop)
             }
             CheckMode::Async => self.post(Entry::Collective(record), deadline),
@@ -291,12 +291,7 @@ impl Ledger {
         during: &'static str,
         deadline: Deadline,
     ) -> Result<Vec<AgreementRecord>> {
-        let n = self.settle(
-            Some(Entry::Agreement(Box::new(mine))),
-            deadline,
-            during,
-            false,
-        )?;
+        let n = self.settle(Some(Entry::Agreement(Box::new(mine))), deadline, during)?;
         let mut q = self.shared.queue.lock();
         let at = q.agreed.iter().position(|(k, _)| *k == n);
         at.map(|i| q.agreed.swap_remove(i).1)
@@ -311,7 +306,7 @@ impl Ledger {
     /// # Errors
     /// The ledger's failure; [`Error::Timeout`] by `deadline`.
     pub(crate) fn wait_compared(&self, deadline: Deadline) -> Result<()> {
-        self.settle(None, deadline, "waiting for the collective checks", true)
+        self.settle(None, deadline, "waiting for the collective checks")
             .map(drop)
     }
 
@@ -380,15 +375,10 @@ impl Ledger {
     /// Append `entry` (if any) and drive the rounds on this thread until it (or, with
     /// none, every record of this rank posted so far) is compared, or the ledger
     /// broke, or `deadline`; the record's number among this rank's records. The
-    /// exchange's rounds are named `what`; with `breaks`, a round that fails breaks
-    /// the ledger (its records were collectives' checks, now out of step).
-    fn settle(
-        &self,
-        entry: Option<Entry>,
-        deadline: Deadline,
-        what: &'static str,
-        breaks: bool,
-    ) -> Result<u64> {
+    /// exchange's rounds are named `what`; but for an agreement's, a round that fails
+    /// breaks the ledger (its records were collectives' checks, now out of step).
+    fn settle(&self, entry: Option<Entry>, deadline: Deadline, what: &'static str) -> Result<u64> {
+        let breaks = !matches!(entry, Some(Entry::Agreement(_)));
         let s = &self.shared;
         self.check()?;
         let Some(mut rounds) = s.rounds.try_lock_until(deadline.instant()) else {
