@@ -94,15 +94,11 @@ pub struct CoreConfig {
     /// (default 10 MiB).
     pub dedicated_min_bytes: u64,
     /// A large free block is split only if the remainder is at least this big
-    /// (default 1 MiB); otherwise the whole block is handed out. Small blocks split
-    /// whenever the remainder is at least `min_block_bytes`.
+    /// (default 1 MiB); otherwise the whole block is handed out.
     pub large_split_min_bytes: u64,
-    /// A request may use a dedicated segment (a large-class segment larger than
-    /// `large_segment_bytes`), or any free block in it,
-    /// only if it is at least 1/`dedicated_reuse_ratio` of the segment's size
-    /// (default 4; 0 disables the rule; 1 is refused by [`validate`](Self::validate):
-    /// a dedicated segment is rounded up past the request that caused it, so with
-    /// ratio 1 that request could never use it).
+    /// A request may use a block of a dedicated segment only if it is at least
+    /// 1/`dedicated_reuse_ratio` of the segment's size (default 4; 0 disables the rule;
+    /// 1 is refused: a dedicated segment is rounded up past the request that caused it).
     pub dedicated_reuse_ratio: u64,
     /// Dedicated segments are rounded up to 1/`dedicated_round_steps` of their power
     /// of two (default 16; a power of two; 0 rounds to the granularity only).
@@ -113,8 +109,8 @@ pub struct CoreConfig {
     /// Growth beyond this many reserved bytes is refused with
     /// [`AllocError::OutOfMemory`] (default `u64::MAX`, no limit).
     pub max_reserved_bytes: u64,
-    /// How large segments are sized (default [`GrowthPolicy::Caching`]; absent in
-    /// serialised configs from before it existed, which then get the default).
+    /// How segments are sized (default [`GrowthPolicy::Caching`], also when absent
+    /// from older serialised configs).
     #[serde(default)]
     pub growth: GrowthPolicy,
 }
@@ -123,28 +119,26 @@ pub struct CoreConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum GrowthPolicy {
-    /// PyTorch's caching-allocator policy: shared `large_segment_bytes` (20 MiB)
-    /// segments for requests up to `dedicated_min_bytes` (10 MiB), a dedicated segment
-    /// of about its own size for every larger request.
+    /// PyTorch's caching-allocator policy: shared `large_segment_bytes` segments, and a
+    /// dedicated segment of about its own size for every request over
+    /// `dedicated_min_bytes`.
     #[default]
     Caching,
     /// For registered (symmetric) memory, where every segment is expensive: a new
-    /// segment is at least a chunk that grows with the bytes its size class has
-    /// allocated, so the number of segments is logarithmic in the peak working set.
+    /// segment is at least a chunk that grows with its size class's live bytes.
     Registered {
         /// Smallest new large segment, in bytes (default 448 MiB; a non-zero multiple
-        /// of `granularity_bytes`). The first large segment is at least this.
+        /// of `granularity_bytes`).
         min_chunk_bytes: u64,
         /// Largest chunk, in bytes (default 4 GiB; at least `min_chunk_bytes`, a
-        /// multiple of `granularity_bytes`). A larger request still gets a segment that
-        /// fits it.
+        /// multiple of `granularity_bytes`); a larger request still gets its fit.
         max_chunk_bytes: u64,
         /// A chunk is this percentage of the bytes the request's class has allocated
         /// (live blocks) when the request misses (default 50; at most 10 000).
         growth_percent: u64,
-        /// Extra room the segment planned by
-        /// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) gets on
-        /// top of the observed peak, in percent of the peak (default 10, at most 100), against
+        /// Extra room of the segment that
+        /// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) plans,
+        /// in percent of the observed peak (default 10, at most 100), against
         /// fragmentation when the next step's placement differs from the observed one.
         fit_headroom_percent: u64,
     },

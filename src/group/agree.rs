@@ -187,20 +187,14 @@ impl Fields for AgreementRecord {
     }
 }
 
-/// Append this rank's record to `ledger` and judge every rank's record: they come
-/// back in rank order with their `extra` values, which may differ.
-///
-/// `during` names the round for errors.
+/// Append this rank's record to `ledger` (the round named `during`) and judge every
+/// rank's record: they come back in rank order with their `extra` values.
 ///
 /// # Errors
-/// The ledger's errors ([`Error::Timeout`] if a rank does not arrive by `deadline`,
-/// [`Error::CollectiveDivergence`] if a rank's record is of another kind, a
-/// collective where this is an agreement); [`Error::PoolBroken`] (with a reason naming
-/// the first broken rank) if any rank's pool is broken, unless the operation is
-/// [`Op::Close`], which then skips the comparison; [`Error::Divergence`] if records
-/// differ in operation, pool, call count, size, hash or allocator state (but for a
-/// `close` on every rank where some rank has live buffers: the close fails on them,
-/// and a buffer dropped late on one rank shows in its history, not as a divergence).
+/// As [`Ledger::agree`]; [`Error::PoolBroken`] naming the first broken rank if any
+/// rank's pool is broken (but for a `close`, which skips the comparison);
+/// [`Error::Divergence`] if records differ in a compared field (but for a `close` on
+/// every rank where some rank has live buffers: the close fails on them).
 pub(crate) fn agree_records(
     ledger: &Ledger,
     during: &'static str,
