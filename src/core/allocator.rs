@@ -70,16 +70,14 @@ pub(super) struct Segment {
     pub(super) dedicated: bool,
 }
 
-/// The deterministic caching allocator: carves blocks out of segments given to it.
+/// The deterministic caching allocator: carves blocks out of segments given to it
+/// (see the core's module documentation, `src/core/mod.rs`, for the algorithm).
 ///
 /// It never allocates device memory. Every decision (which block, which offset, when
 /// to grow and by how much) is a pure function of the sequence of calls made on it:
 /// ordered containers only, ties broken by (segment, offset), no clocks, no hashing,
 /// and fence completion ([`complete_fences`](Self::complete_fences)) only updates the
 /// `active_bytes` statistic.
-///
-/// See the core's module documentation (`src/core/mod.rs`) for the algorithm and the
-/// invariants that [`check_invariants`](Self::check_invariants) verifies.
 #[derive(Debug, Clone)]
 pub struct Allocator {
     pub(super) config: CoreConfig,
@@ -109,7 +107,7 @@ impl Allocator {
             config,
             blocks: Slab::new(),
             segments: BTreeMap::new(),
-            free: [FreeIndex::default(), FreeIndex::default()],
+            free: Default::default(),
             next_segment: 0,
             next_seq: 1,
             stats: CoreStats::default(),

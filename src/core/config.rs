@@ -391,58 +391,42 @@ impl CoreConfig {
         // request alone decides the size.
         let _ = align_bytes;
         let class = self.class_of(rounded_bytes);
-        let too_large = AllocError::TooLarge {
+        let too_large = || AllocError::TooLarge {
             requested_bytes: rounded_bytes,
             max_bytes: self.max_request_bytes,
         };
-        let segment_bytes = match (class, self.growth) {
-            (SizeClass::Small, GrowthPolicy::Caching) => self.small_segment_bytes,
-            (
-                SizeClass::Small,
-                GrowthPolicy::Registered {
-                    max_chunk_bytes,
-                    growth_percent,
-                    ..
-                },
-            ) => {
-                // A small request fits `small_segment_bytes` (validated), the floor.
+        let to_granularity = |bytes| align_up(bytes, self.granularity_bytes).ok_or_else(too_large);
+        let dedicated = || self.dedicated_size(rounded_bytes).ok_or_else(too_large);
+        let shared = rounded_bytes <= self.dedicated_min_bytes;
+        let segment_bytes = match self.growth {
+            GrowthPolicy::Caching => match class {
+                SizeClass::Small => self.small_segment_bytes,
+                SizeClass::Large if shared => self.large_segment_bytes,
+                SizeClass::Large => dedicated()?,
+            },
+            GrowthPolicy::Registered {
+                min_chunk_bytes,
+                max_chunk_bytes,
+                growth_percent,
+                ..
+            } => {
                 let chunk = self.chunk(class_allocated_bytes, growth_percent);
-                let chunk = chunk.clamp(
-                    self.small_segment_bytes,
-                    max_chunk_bytes.max(self.small_segment_bytes),
-                );
-                align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?
-            }
-            (SizeClass::Large, GrowthPolicy::Caching)
-                if rounded_bytes <= self.dedicated_min_bytes =>
-            {
-                self.large_segment_bytes
-            }
-            (SizeClass::Large, GrowthPolicy::Caching) => {
-                self.dedicated_size(rounded_bytes).ok_or(too_large)?
-            }
-            (
-                SizeClass::Large,
-                GrowthPolicy::Registered {
-                    min_chunk_bytes,
-                    max_chunk_bytes,
-                    growth_percent,
-                    ..
-                },
-            ) => {
-                let fit = if rounded_bytes <= self.dedicated_min_bytes {
-                    align_up(rounded_bytes, self.granularity_bytes)
-                } else {
-                    self.dedicated_size(rounded_bytes)
+                let floor = self.small_segment_bytes;
+                match class {
+                    // A small request fits `small_segment_bytes` (validated), the floor.
+                    SizeClass::Small => {
+                        to_granularity(chunk.clamp(floor, max_chunk_bytes.max(floor)))?
+                    }
+                    SizeClass::Large => {
+                        let fit = if shared {
+                            to_granularity(rounded_bytes)?
+                        } else {
+                            dedicated()?
+                        };
+                        // max_chunk_bytes is a multiple of the granularity: no overflow.
+                        to_granularity(chunk.clamp(min_chunk_bytes, max_chunk_bytes))?.max(fit)
+                    }
                 }
-                .ok_or_else(|| too_large.clone())?;
-                let chunk = self
-                    .chunk(class_allocated_bytes, growth_percent)
-                    .clamp(min_chunk_bytes, max_chunk_bytes);
-                // max_chunk_bytes is a multiple of the granularity, so this cannot overflow.
-                let chunk =
-                    align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?;
-                chunk.max(fit)
             }
         };
         Ok(Growth {
