@@ -573,9 +573,9 @@ impl Shared {
         } else {
             "strict check"
         };
-        let collectives: Option<Vec<&CollectiveRecord>> = (heads.iter())
+        let collectives: Option<Vec<CollectiveRecord>> = (heads.iter())
             .map(|e| match e {
-                Entry::Collective(r) => Some(r),
+                Entry::Collective(r) => Some(*r),
                 Entry::Agreement(_) => None,
             })
             .collect();

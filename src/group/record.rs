@@ -49,16 +49,6 @@ pub(crate) trait Fields {
     }
 }
 
-impl<R: Fields> Fields for &R {
-    const NAMES: &'static [&'static str] = R::NAMES;
-    fn field(&self, i: usize) -> Value {
-        (*self).field(i)
-    }
-    fn describe(&self, i: usize) -> String {
-        (*self).describe(i)
-    }
-}
-
 /// The first field where the ranks' records differ: its name and each rank's value.
 pub(crate) fn first_difference<R: Fields + PartialEq>(
     records: &[R],
