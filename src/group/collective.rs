@@ -144,14 +144,6 @@ impl Fields for CollectiveRecord {
     ];
 
     fn field(&self, i: usize) -> Value {
-        let buffer = |b: &BufferRecord, j: usize| {
-            Value::Number(match j {
-                0 => b.allocation,
-                1 => u64::from(b.segment),
-                2 => b.offset_bytes,
-                _ => b.len_bytes,
-            })
-        };
         match i {
             0 => Value::Name(match self.kind {
                 RecordKind::Collective => "collective",
@@ -172,8 +164,11 @@ impl Fields for CollectiveRecord {
             8 => Value::Number(self.comm),
             9 => Value::Number(self.comm_seq),
             10 => named(&PATHS, self.path, "none"),
-            11..=14 => buffer(&self.input, i - 11),
-            15..=18 => buffer(&self.output, i - 15),
+            11..=18 => {
+                let b = if i < 15 { &self.input } else { &self.output };
+                let fields = [b.allocation, b.segment.into(), b.offset_bytes, b.len_bytes];
+                Value::Number(fields[(i - 11) % 4])
+            }
             19 => Value::Number(self.call_seq),
             _ => Value::Hex(self.call_hash),
         }

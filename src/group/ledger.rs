@@ -442,7 +442,6 @@ impl Drop for Ledger {
 
 impl Shared {
     fn divergence(&self) -> Option<&CollectiveDivergence> {
-        #[allow(clippy::borrowed_box)]
         match self.failure.get() {
             Some(Failure::Diverged(d)) => Some(d),
             _ => None,
