@@ -70,8 +70,7 @@ pub enum Error {
         /// What the library said.
         message: String,
     },
-    /// Other ranks could not allocate their copy of a segment, so this rank released its
-    /// own and the pool did not grow on any rank.
+    /// Other ranks could not allocate their copy of a segment; this rank released its own.
     #[error(
         "ranks {ranks:?} could not allocate a segment of {segment_bytes} bytes; the pool did not grow on any rank (see those ranks' errors)"
     )]
@@ -403,9 +402,8 @@ pub enum Error {
         /// The server's reason.
         reason: String,
     },
-    /// The store on this port serves another job: its job identity differs from this
-    /// rank's ([`StoreConfig::job_id`](crate::control::StoreConfig::job_id)). Reported
-    /// on the refused rank; the store's job goes on.
+    /// The store on this port serves another job (its
+    /// [`StoreConfig::job_id`](crate::control::StoreConfig::job_id) differs); it goes on.
     #[error(
         "the store serves another job: this rank's job is {job:?}, the store's is {store_job:?} (two jobs on one port: give each its own MASTER_PORT or SYMMPOOL_STORE_PORT)"
     )]

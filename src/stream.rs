@@ -27,10 +27,8 @@ impl Known {
     }
 }
 
-/// Device streams by key: one id per stream however often it is wrapped. An entry
-/// whose wrappers are all gone is dead: its key is met again only by a new stream
-/// (see [`Stream::on_device`]) and gets a new id; dead entries go when a new stream
-/// is added.
+/// Device streams by key, one id per stream however often it is wrapped. An entry whose
+/// wrappers are all gone is dead ([`Stream::on_device`]), gone when a stream is added.
 static KNOWN: Mutex<BTreeMap<StreamKey, Known>> = Mutex::new(BTreeMap::new());
 
 /// A stream of device work that buffers are allocated on and collectives run on.

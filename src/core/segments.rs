@@ -11,8 +11,7 @@ impl Allocator {
     /// Add a segment, as asked for by [`AllocError::NeedsGrowth`] (or to pre-grow).
     /// Its id is the next in sequence; it starts as one free block. Under
     /// [`GrowthPolicy::Caching`] a large segment larger than `large_segment_bytes` is
-    /// dedicated (it serves only requests of at least 1/`dedicated_reuse_ratio` of its
-    /// size); under [`GrowthPolicy::Registered`] every segment is shared.
+    /// dedicated; under [`GrowthPolicy::Registered`] every segment is shared.
     ///
     /// # Errors
     /// [`AllocError::BadSegmentSize`] unless the size is a non-zero multiple of the

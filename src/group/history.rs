@@ -45,14 +45,11 @@ impl CallRecord {
     }
 }
 
-/// The call count and running hash, readable without the pool's lock: what a
-/// collective's record carries.
-///
-/// Written under the pool's lock by [`History::record`]; read by one lock-free
-/// [`load`](Self::load). The two words are stored hash first, count last (release) and
-/// loaded count first (acquire), so a reader sees a hash at least as new as its count;
-/// a pair that mixes two calls needs a pool call on another thread racing the
-/// collective, which is a divergence the checks report anyway.
+/// The call count and running hash that a collective's record carries, written under
+/// the pool's lock by [`History::record`] and read lock-free by [`load`](Self::load).
+/// Stored hash first, count last (release), loaded count first (acquire): a reader sees
+/// a hash at least as new as its count; a pair that mixes two calls needs a pool call
+/// on another thread racing the collective, a divergence the checks report anyway.
 #[derive(Debug)]
 pub(crate) struct CallHead {
     seq: AtomicU64,

@@ -69,12 +69,10 @@ pub(crate) enum Entry {
 /// Why the ledger broke: what later calls on its pools report.
 #[derive(Debug, Clone)]
 pub(crate) enum Failure {
-    /// The ranks' records differed: later calls fail with
-    /// [`Error::CollectiveDivergence`].
+    /// The ranks' records differed: later calls fail with [`Error::CollectiveDivergence`].
     Diverged(Box<CollectiveDivergence>),
     /// Another failure (a round that timed out or lost a peer, a collective that
-    /// failed, a payload that does not decode): later calls fail with
-    /// [`Error::PoolBroken`].
+    /// failed, an unreadable payload): later calls fail with [`Error::PoolBroken`].
     Broken(String),
 }
 
