@@ -1,5 +1,4 @@
-//! [`Deadline`]: the one point in time a public call must finish by, made once from its
-//! configured timeout and handed down to every wait inside it.
+//! [`Deadline`], and [`CallDeadline`] that makes one at a call's first wait.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};

@@ -50,10 +50,6 @@ pub enum ReduceOp {
 
 mod sealed {
     pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::f16 {}
-    impl Sealed for half::bf16 {}
-    impl Sealed for u8 {}
 }
 
 /// An element type the collectives and typed views accept: `f32`, [`struct@f16`], [`bf16`]
@@ -70,84 +66,64 @@ pub trait Element:
     fn from_f64(x: f64) -> Self;
 }
 
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-    fn from_f64(x: f64) -> Self {
-        x as f32
-    }
-}
-
-/// The half-precision types, which convert through their own `to_f64`/`from_f64`.
-macro_rules! half_element {
-    ($($t:ident => $dtype:ident),*) => {$(
+/// [`Element`] for each type: its [`DType`] and its conversions to and from `f64`.
+macro_rules! element {
+    ($($t:ty => $dtype:ident, $to:expr, $from:expr;)*) => {$(
+        impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = DType::$dtype;
             fn to_f64(self) -> f64 {
-                $t::to_f64(self)
+                ($to)(self)
             }
             fn from_f64(x: f64) -> Self {
-                $t::from_f64(x)
+                ($from)(x)
             }
         }
     )*};
 }
 
-half_element!(f16 => F16, bf16 => BF16);
-
-impl Element for u8 {
-    const DTYPE: DType = DType::U8;
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-    fn from_f64(x: f64) -> Self {
-        (x as i64).rem_euclid(256) as u8
-    }
+element! {
+    f32 => F32, f64::from, |x: f64| x as f32;
+    f16 => F16, f16::to_f64, f16::from_f64;
+    bf16 => BF16, bf16::to_f64, bf16::from_f64;
+    u8 => U8, f64::from, |x: f64| (x as i64).rem_euclid(256) as u8;
 }
 
-/// Reduce element `i` of each rank's chunk, in place into `acc`, in the element type's
-/// own arithmetic (as NCCL does: f16/bf16 round after each addition).
-pub(crate) fn reduce_into(dtype: DType, op: ReduceOp, acc: &mut [u8], other: &[u8]) {
-    fn go<T: Element>(op: ReduceOp, acc: &mut [u8], other: &[u8]) {
-        let n = acc.len() / std::mem::size_of::<T>();
-        for i in 0..n {
-            let r = i * std::mem::size_of::<T>()..(i + 1) * std::mem::size_of::<T>();
-            let a: T = bytemuck::pod_read_unaligned(&acc[r.clone()]);
-            let b: T = bytemuck::pod_read_unaligned(&other[r.clone()]);
-            let (x, y) = (a.to_f64(), b.to_f64());
-            let v = match op {
-                ReduceOp::Sum | ReduceOp::Avg => x + y,
-                ReduceOp::Prod => x * y,
-                ReduceOp::Max => x.max(y),
-                ReduceOp::Min => x.min(y),
-            };
-            acc[r].copy_from_slice(bytemuck::bytes_of(&T::from_f64(v)));
+/// Replace each element `a` of `acc` by `f(a, b)`, `b` the element of `other` at the
+/// same place (`a` itself without `other`), in the element type's own arithmetic (as
+/// NCCL does: f16/bf16 round after each operation).
+fn combine(dtype: DType, acc: &mut [u8], other: Option<&[u8]>, f: impl Fn(f64, f64) -> f64) {
+    fn go<T: Element>(acc: &mut [u8], other: Option<&[u8]>, f: impl Fn(f64, f64) -> f64) {
+        let n = std::mem::size_of::<T>();
+        for (i, c) in acc.chunks_exact_mut(n).enumerate() {
+            let a = bytemuck::pod_read_unaligned::<T>(c).to_f64();
+            let b = other.map_or(a, |o| {
+                bytemuck::pod_read_unaligned::<T>(&o[i * n..(i + 1) * n]).to_f64()
+            });
+            c.copy_from_slice(bytemuck::bytes_of(&T::from_f64(f(a, b))));
         }
     }
     match dtype {
-        DType::F32 => go::<f32>(op, acc, other),
-        DType::F16 => go::<f16>(op, acc, other),
-        DType::BF16 => go::<bf16>(op, acc, other),
-        DType::U8 => go::<u8>(op, acc, other),
+        DType::F32 => go::<f32>(acc, other, f),
+        DType::F16 => go::<f16>(acc, other, f),
+        DType::BF16 => go::<bf16>(acc, other, f),
+        DType::U8 => go::<u8>(acc, other, f),
     }
+}
+
+/// Reduce `other` into `acc` element by element (see [`combine`]).
+pub(crate) fn reduce_into(dtype: DType, op: ReduceOp, acc: &mut [u8], other: &[u8]) {
+    combine(dtype, acc, Some(other), |x, y| match op {
+        ReduceOp::Sum | ReduceOp::Avg => x + y,
+        ReduceOp::Prod => x * y,
+        ReduceOp::Max => x.max(y),
+        ReduceOp::Min => x.min(y),
+    })
 }
 
 /// Divide every element by `n` (the last step of `Avg`).
 pub(crate) fn divide(dtype: DType, acc: &mut [u8], n: usize) {
-    fn go<T: Element>(acc: &mut [u8], n: usize) {
-        for c in acc.chunks_exact_mut(std::mem::size_of::<T>()) {
-            let a: T = bytemuck::pod_read_unaligned(c);
-            c.copy_from_slice(bytemuck::bytes_of(&T::from_f64(a.to_f64() / n as f64)));
-        }
-    }
-    match dtype {
-        DType::F32 => go::<f32>(acc, n),
-        DType::F16 => go::<f16>(acc, n),
-        DType::BF16 => go::<bf16>(acc, n),
-        DType::U8 => go::<u8>(acc, n),
-    }
+    combine(dtype, acc, None, |x, _| x / n as f64)
 }
 
 /// The reduction over ranks, in rank order, with NCCL's averages: floating-point

@@ -43,8 +43,7 @@ pub enum Error {
     },
     /// Growth would take the pool past its own reserved-memory limit
     /// ([`CoreConfig::max_reserved_bytes`](crate::core::CoreConfig::max_reserved_bytes), or
-    /// a host backend's per-rank limit). Nothing was allocated; free buffers, `trim`, or
-    /// raise the limit.
+    /// a host backend's per-rank limit). Nothing was allocated.
     #[error(
         "pool limit: a segment of {segment_bytes} bytes would take reserved memory to {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} bytes (free buffers, call trim(), or raise the limit)"
     )]
@@ -71,8 +70,7 @@ pub enum Error {
         /// What the library said.
         message: String,
     },
-    /// Other ranks could not allocate their copy of a segment, so this rank released its
-    /// own and the pool did not grow on any rank.
+    /// Other ranks could not allocate their copy of a segment; this rank released its own.
     #[error(
         "ranks {ranks:?} could not allocate a segment of {segment_bytes} bytes; the pool did not grow on any rank (see those ranks' errors)"
     )]
@@ -112,12 +110,10 @@ pub enum Error {
         /// rank, in rank order.
         buffers: Vec<(usize, String)>,
     },
-    /// Ranks' pool call sequences differ. Reported on every rank that takes part in the
-    /// agreement, naming the first differing call. The ranks' allocators now differ, so
-    /// every later allocation fails with this error on every rank, cache hits included
-    /// (a hit could place the buffer at an offset the peers do not share), and so do
-    /// later agreements (`reserve`, `trim`, `close`). Drop the pool (its memory is
-    /// released locally) and build a new one.
+    /// Ranks' pool call sequences differ, found by an agreement: reported on every rank
+    /// that takes part. Every later allocation (cache hits included: a hit could place
+    /// the buffer at an offset the peers do not share) and agreement fails with it on
+    /// every rank. Drop the pool (its memory is released locally) and build a new one.
     #[error("{0}")]
     Divergence(Box<Divergence>),
     /// A wait on other ranks ran out of time.
@@ -132,7 +128,6 @@ pub enum Error {
     },
     /// An earlier wait timed out on `rank`, so the ranks are out of step: every later
     /// collective pool operation or collective on the same group fails with this.
-    /// Drop the pool (its memory is released locally) and start again.
     #[error(
         "rank {rank} timed out in {op} earlier; the ranks are out of step (drop the pool and start again)"
     )]
@@ -158,11 +153,10 @@ pub enum Error {
         /// What is wrong.
         detail: String,
     },
-    /// An untagged collective on a pool that refuses them: the pool requires tags
-    /// ([`PoolConfig::require_tags`](crate::PoolConfig::require_tags)), or it has seen
-    /// a tagged collective (calls of the same shape are told apart by their tags, so
-    /// an untagged one among them has no identity). Nothing ran. Tag the call
-    /// ([`Coll::tagged`](crate::coll::Coll::tagged)).
+    /// An untagged collective (nothing ran) on a pool that requires tags
+    /// ([`PoolConfig::require_tags`](crate::PoolConfig::require_tags)) or has seen a
+    /// tagged collective (among calls told apart by their tags, an untagged one has no
+    /// identity). Tag it with [`Coll::tagged`](crate::coll::Coll::tagged).
     #[error(
         "untagged collective {op} on pool {pool:?}, which {}: tag it (Rust: coll.tagged(tag); Python: tag=; every u64 is a tag, 0 included)",
         if *.required { "requires tags (PoolConfig::require_tags; Python: require_tags=)" } else { "has seen tagged collectives" }
@@ -179,11 +173,9 @@ pub enum Error {
     /// out of bounds.
     #[error("bad view: {0}")]
     BadView(String),
-    /// Growth or a reservation (registration) was attempted while a stream of the pool
-    /// is capturing a CUDA graph. Before capturing, pre-grow the pool for every size the
-    /// captured code allocates: [`SymmPool::reserve`](crate::SymmPool::reserve) for large
-    /// requests (over `small_request_max_bytes`, 1 MiB by default),
-    /// [`SymmPool::reserve_small`](crate::SymmPool::reserve_small) for small ones.
+    /// Growth or a reservation (a registration) while a stream of the pool captures a
+    /// CUDA graph: pre-grow before capture with [`SymmPool::reserve`](crate::SymmPool::reserve)
+    /// and [`SymmPool::reserve_small`](crate::SymmPool::reserve_small).
     #[error(
         "cannot register memory while a stream is capturing a CUDA graph; before capture, \
          call reserve(bytes) for large requests and reserve_small(bytes) for small ones (<= 1 MiB by default)"
@@ -218,11 +210,9 @@ pub enum Error {
         /// Index of the communicator in the backend's list.
         comm: usize,
     },
-    /// A segment's window registration failed on `rank`. Every rank learns it in the
-    /// growth's outcome round and undoes that growth (nothing is allocated on any rank);
-    /// from then on the pool refuses growth, `reserve` and `trim` on every rank with
-    /// this error, because the ranks' windows may be out of step. Cache hits still
-    /// work, and `close` releases everything.
+    /// A segment's window registration failed on `rank`. Every rank undoes that growth
+    /// and from then on refuses growth, `reserve` and `trim` with this error (the
+    /// ranks' windows may be out of step); cache hits and `close` still work.
     #[error(
         "a window registration failed earlier on rank {rank}; the pool cannot grow any more: {reason}"
     )]
@@ -233,8 +223,7 @@ pub enum Error {
         reason: String,
     },
     /// Ranks were about to register windows of different pools or sizes at the same
-    /// position on their communicators (pools sharing a backend grew in different
-    /// orders); nothing was registered, on any rank.
+    /// position on their communicators; nothing was registered, on any rank.
     #[error(
         "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split): {}",
         describe_registrations(.order)
@@ -244,11 +233,10 @@ pub enum Error {
         order: Vec<(usize, String, u64)>,
     },
     /// A collective pool operation failed while other pools on the same communicators
-    /// were being used from other threads of this rank: the threads reach the shared
-    /// communicators in different orders on different ranks, which pairs the wrong
-    /// calls. Give each thread's pool communicators of its own
-    /// ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators),
-    /// or a backend from [`Backend::split`](crate::backend::Backend::split)).
+    /// were used from other threads of this rank, which reach the communicators in
+    /// different orders on different ranks. Give each thread's pool communicators of
+    /// its own ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators),
+    /// [`Backend::split`](crate::backend::Backend::split)).
     #[error(
         "{error} (pools {pools:?} share this backend's communicators and were used from different threads: give each thread's pool communicators of its own with PoolConfig::with_own_communicators(true) or Backend::split)"
     )]
@@ -309,12 +297,9 @@ pub enum Error {
     },
     /// The pool is unusable: a thread panicked while it held the pool's state, an
     /// internal invariant broke, or a peer reported its pool broken. Every later call
-    /// on the broken rank fails with this error; its peers learn it at the next
-    /// agreement the broken rank takes part in (`reserve`, `trim`), which fails with
-    /// this error on every rank and breaks their pools too. (Until then the peers'
-    /// cache hits succeed, and a growth of theirs that the broken rank does not join
-    /// times out.) `close` still releases the memory on every rank. Drop the pool and
-    /// build a new one.
+    /// on the broken rank fails with this; its peers learn it (and break) at the next
+    /// agreement it takes part in (until then their cache hits succeed, and a growth it
+    /// does not join times out). `close` still releases the memory on every rank.
     #[error("the pool is broken ({reason}); drop it and build a new one")]
     PoolBroken {
         /// Why, as this rank knows it.
@@ -367,9 +352,8 @@ pub enum Error {
         /// How the loss was noticed.
         detail: String,
     },
-    /// The call was made on something of the world before a shrink (a pool, its
-    /// collectives, an exchange) that [`SymmPool::shrink`](crate::SymmPool::shrink)
-    /// replaced: its communicators are gone. Nothing was done.
+    /// The call was made on something (a pool, its collectives, an exchange) that
+    /// [`SymmPool::shrink`](crate::SymmPool::shrink) replaced. Nothing was done.
     #[error(
         "{what} belongs to the world before a shrink; use the pool that SymmPool::shrink returned"
     )]
@@ -377,12 +361,10 @@ pub enum Error {
         /// What the call was made on.
         what: &'static str,
     },
-    /// The surviving ranks could not shrink the group after a loss: the store's host
-    /// (rank 0's process) is gone, another rank was lost while they agreed, a survivor
-    /// did not come, or fewer ranks survived than the caller needs. Every survivor
-    /// that called [`SymmPool::shrink`](crate::SymmPool::shrink) gets it; the pool and
-    /// its buffers stay as they were (broken). Restart the job, or call `shrink` again
-    /// on every survivor where a later loss is the reason.
+    /// The surviving ranks could not shrink the group after a loss (the store's host
+    /// is gone, another rank was lost meanwhile, a survivor did not come, too few
+    /// survived): every survivor in [`SymmPool::shrink`](crate::SymmPool::shrink) gets
+    /// it, its pool left as it was (broken). Restart, or shrink again after a later loss.
     #[error("the surviving ranks could not shrink the group: {reason}")]
     ShrinkFailed {
         /// Why, naming the ranks involved.
@@ -420,9 +402,8 @@ pub enum Error {
         /// The server's reason.
         reason: String,
     },
-    /// The store on this port serves another job: its job identity differs from this
-    /// rank's ([`StoreConfig::job_id`](crate::control::StoreConfig::job_id)). Reported
-    /// on the refused rank; the store's job goes on.
+    /// The store on this port serves another job (its
+    /// [`StoreConfig::job_id`](crate::control::StoreConfig::job_id) differs); it goes on.
     #[error(
         "the store serves another job: this rank's job is {job:?}, the store's is {store_job:?} (two jobs on one port: give each its own MASTER_PORT or SYMMPOOL_STORE_PORT)"
     )]
@@ -476,9 +457,8 @@ pub enum Error {
     // NCCL processes
     /// An NCCL call that waits on other ranks (communicator creation or split, window
     /// registration or deregistration, a collective's enqueue) did not finish within its
-    /// deadline ([`NcclConfig`](crate::backend::nccl::NcclConfig)): a peer is missing,
-    /// frozen or diverged. This rank aborted its NCCL communicators; the backend is
-    /// unusable (later calls fail with [`Error::NcclAborted`]).
+    /// deadline ([`NcclConfig`](crate::backend::nccl::NcclConfig)). Later calls fail
+    /// with [`Error::NcclAborted`].
     #[error(
         "{op} did not finish within {waited:?} (a peer rank is missing, frozen or diverged); \
          this rank aborted its NCCL communicators: drop the pools and the backend and restart"
@@ -490,9 +470,8 @@ pub enum Error {
         waited: Duration,
     },
     /// A collective enqueued on this backend had not completed on the device within
-    /// the watchdog timeout (a peer died or froze inside it). The watchdog aborted the
-    /// backend's NCCL communicators (which ends the stuck kernels); every later call on
-    /// the backend fails with this.
+    /// the watchdog timeout; aborting the communicators ended the stuck kernels. Every
+    /// later call on the backend fails with this.
     #[error(
         "watchdog: a {op} on communicator {comm} had not completed {waited:?} after it was \
          enqueued; the NCCL communicators were aborted: drop the pools and the backend and restart"
@@ -513,17 +492,12 @@ pub enum Error {
         reason: String,
     },
     // checked collectives
-    /// The ranks' records of a collective (or of a step boundary) differ:
-    /// they are not making the same call on the same buffers (see
-    /// [`coll`](crate::coll), "Checked collectives"). Reported on every rank, naming
-    /// the first differing field and each rank's value. Under
-    /// [`CheckMode::Strict`](crate::CheckMode::Strict) no data moved; under
-    /// [`CheckMode::Async`](crate::CheckMode::Async) the diverging collectives may
-    /// already have run. Either way the pool is broken from then on: every later
-    /// collective and local pool call (an allocation) fails with this error, every
-    /// collective pool operation with [`Error::PoolBroken`], and `close` releases the
-    /// memory at once, returning [`Error::PoolBroken`] with this cause. Drop the pool
-    /// and build a new one.
+    /// The ranks' records of a collective (or of a step boundary) differ (see
+    /// [`coll`](crate::coll), "Checked collectives"), on every rank. Under
+    /// [`CheckMode::Async`](crate::CheckMode::Async) the diverging collectives may have
+    /// run. From then on every collective and allocation fails with this, every
+    /// collective pool operation (and `close`, which still releases the memory) with
+    /// [`Error::PoolBroken`].
     #[error("{0}")]
     CollectiveDivergence(Box<CollectiveDivergence>),
 }

@@ -11,18 +11,15 @@
 //! few registered segments, registers each segment once per communicator, and makes
 //! exactly the same placement decision on every rank. That pool is this crate.
 //!
-//! The modules are floors, each importing only those above it in this table
-//! (`docs/ARCHITECTURE.md` in the repository has the picture; a test checks it):
-//!
-//! | layer | module | what |
-//! |---|---|---|
-//! | core | (internal; [`CoreConfig`], [`SegmentId`], … re-exported) | deterministic best-fit caching allocator; pure data structures, no unsafe |
-//! | control | [`control`] | the control plane the ranks agree over: [`Exchange`] with channels and deadlines, [`LocalExchange`] (threads), [`StoreExchange`] (one process per rank, a TCP rendezvous store), launcher environment ([`Launch`]) |
-//! | backend | [`backend`] | where segments come from and how they register: [`HostBackend`] (threads, host memory), [`ShmBackend`] (processes, shared memory) and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`) |
-//! | group | (internal) | what the ranks compare: the ledger (one ordered stream of agreements and collective records per communicator set, one verdict), call history and hash, the registration-order round |
-//! | pool | (internal; [`SymmPool`], [`PoolConfig`], … re-exported) | core + backend + windows; agreement among ranks; `scope`; trim/close; the allocation history |
-//! | collectives | [`coll`] | a [`Coll`] handle made from a pool, whose [`CollectiveCalls`] (import the trait) run all-gather / reduce-scatter / all-reduce on its buffers, checked, with the path reported |
-//! | observability | [`observe`] | `tracing` spans and events, flat statistics, snapshots (it only reads the pool) |
+//! The pool ([`SymmPool`], [`PoolConfig`]) and the allocator core's types
+//! ([`CoreConfig`], [`SegmentId`], …) are re-exported here; the public modules are
+//! [`control`] (what the ranks agree over: [`Exchange`], [`LocalExchange`] for threads,
+//! [`StoreExchange`] for one process per rank, [`Launch`]), [`backend`] (where segments
+//! come from: [`HostBackend`], [`ShmBackend`], `NcclBackend` with `ncclMemAlloc` and
+//! `ncclCommWindowRegister`), [`coll`] (a [`Coll`] handle whose [`CollectiveCalls`]
+//! run checked all-gather, reduce-scatter and all-reduce on pool buffers) and
+//! [`observe`] (`tracing`, statistics, snapshots). `docs/ARCHITECTURE.md` in the
+//! repository shows how the modules stack (a test checks it).
 //!
 //! ```
 //! use symmpool::{PoolConfig, Stream, SymmPool};

@@ -27,21 +27,17 @@ impl Known {
     }
 }
 
-/// Device streams by key: one id per stream however often it is wrapped. An entry
-/// whose wrappers are all gone is dead: its key is met again only by a new stream
-/// (see [`Stream::on_device`]) and gets a new id; dead entries go when a new stream
-/// is added.
+/// Device streams by key, one id per stream however often it is wrapped. An entry whose
+/// wrappers are all gone is dead ([`Stream::on_device`]), gone when a stream is added.
 static KNOWN: Mutex<BTreeMap<StreamKey, Known>> = Mutex::new(BTreeMap::new());
 
 /// A stream of device work that buffers are allocated on and collectives run on.
 ///
-/// Cheap to clone. On the host backends a stream is only a tag (host work is
-/// synchronous): each [`Stream::host`] gets a process-unique id. On a device backend
-/// it also carries that backend's stream handle, which only the backend reads (the
-/// NCCL backend's constructors and accessors, such as `Stream::cuda`, are defined
-/// beside it), and its id names the device stream: wrapping one device stream twice
-/// gives the same id, so a pool keeps one set of per-stream state for it. Clones
-/// share the id.
+/// Cheap to clone (clones share the id). On the host backends a stream is only a tag
+/// (host work is synchronous): each [`Stream::host`] gets a process-unique id. On a
+/// device backend it also carries that backend's stream handle (the NCCL backend's
+/// constructors and accessors, such as `Stream::cuda`, are defined beside it), and its
+/// id names the device stream: wrapping one device stream twice gives the same id.
 #[derive(Clone)]
 pub struct Stream {
     id: StreamId,
@@ -71,19 +67,15 @@ impl Stream {
     }
 
     /// A device stream carrying `stream`, the device backend's own stream value, which
-    /// only that backend reads back (as `Arc<S>`, with [`device`](Self::device)). `kind`
-    /// names it in `Debug` (for example `"cuda"`). For a backend's constructors; the
-    /// NCCL backend's is `Stream::cuda`.
+    /// only that backend reads back (as `Arc<S>`, with [`device`](Self::device)); `kind`
+    /// names it in `Debug` (for example `"cuda"`). For a backend's constructors.
     ///
     /// `key` names the device stream within `kind` (for CUDA: the context and the raw
-    /// handle). While any value wrapped under a key lives, every wrapping under that
-    /// key gets the same [`id`](Self::id). A key may only name one stream while a
-    /// value wrapped under it lives: the value must hold its stream alive (an owned
-    /// stream is destroyed only when its last holder drops it; a borrowed one must by
-    /// its contract outlive its wrappers). Then a handle that is destroyed and reused
-    /// for a new stream finds no live wrapper, and the new stream gets a new id.
-    /// `None` (a handle that names no single stream, such as CUDA's per-thread
-    /// default stream) gives a fresh id each time.
+    /// handle): while any value wrapped under a key lives, every wrapping under that
+    /// key gets the same [`id`](Self::id). So the value must hold its stream alive (a
+    /// borrowed one must by its contract outlive its wrappers); a handle destroyed and
+    /// reused for a new stream then finds no live wrapper, and gets a new id. `None`
+    /// (no single stream, such as CUDA's per-thread default stream) gives a fresh id.
     pub fn on_device<S: Any + Send + Sync>(
         kind: &'static str,
         key: Option<(usize, usize)>,
@@ -95,12 +87,14 @@ impl Stream {
             Some((a, b)) => Self::id_for((kind, a, b), wrapped),
             None => Self::fresh_id(),
         };
+        Self::with_handle(id, kind, stream)
+    }
+
+    fn with_handle<S: Any + Send + Sync>(id: StreamId, kind: &'static str, stream: Arc<S>) -> Self {
+        let handle = Arc::new(stream);
         Stream {
             id,
-            device: Some(DevicePart {
-                kind,
-                handle: Arc::new(stream),
-            }),
+            device: Some(DevicePart { kind, handle }),
         }
     }
 
@@ -141,14 +135,7 @@ impl Stream {
         let known = KNOWN.lock();
         let k = known.get(&(kind, key.0, key.1))?;
         let handle = k.wrappers.iter().find_map(Weak::upgrade)?;
-        let stream = handle.downcast::<S>().ok()?;
-        Some(Stream {
-            id: k.id,
-            device: Some(DevicePart {
-                kind,
-                handle: Arc::new(stream),
-            }),
-        })
+        Some(Self::with_handle(k.id, kind, handle.downcast::<S>().ok()?))
     }
 
     /// The device backend's handle, if this is a device stream carrying a `T` (`None`

@@ -70,16 +70,14 @@ pub(super) struct Segment {
     pub(super) dedicated: bool,
 }
 
-/// The deterministic caching allocator: carves blocks out of segments given to it.
+/// The deterministic caching allocator: carves blocks out of segments given to it
+/// (see the core's module documentation, `src/core/mod.rs`, for the algorithm).
 ///
 /// It never allocates device memory. Every decision (which block, which offset, when
 /// to grow and by how much) is a pure function of the sequence of calls made on it:
 /// ordered containers only, ties broken by (segment, offset), no clocks, no hashing,
 /// and fence completion ([`complete_fences`](Self::complete_fences)) only updates the
 /// `active_bytes` statistic.
-///
-/// See the core's module documentation (`src/core/mod.rs`) for the algorithm and the
-/// invariants that [`check_invariants`](Self::check_invariants) verifies.
 #[derive(Debug, Clone)]
 pub struct Allocator {
     pub(super) config: CoreConfig,
@@ -109,7 +107,7 @@ impl Allocator {
             config,
             blocks: Slab::new(),
             segments: BTreeMap::new(),
-            free: [FreeIndex::default(), FreeIndex::default()],
+            free: Default::default(),
             next_segment: 0,
             next_seq: 1,
             stats: CoreStats::default(),
@@ -179,21 +177,8 @@ impl Allocator {
                 0
             };
             let growth = self.config.growth_with(size, align, class_allocated)?;
-            let would = self
-                .stats
-                .reserved_bytes
-                .current
-                .checked_add(growth.segment_bytes);
-            return match would {
-                Some(w) if w <= self.config.max_reserved_bytes => {
-                    Err(AllocError::NeedsGrowth(growth))
-                }
-                _ => Err(AllocError::OutOfMemory {
-                    segment_bytes: growth.segment_bytes,
-                    would_reserve_bytes: would.unwrap_or(u64::MAX),
-                    max_reserved_bytes: self.config.max_reserved_bytes,
-                }),
-            };
+            self.check_reserve(growth.segment_bytes)?;
+            return Err(AllocError::NeedsGrowth(growth));
         };
         let seq = self.next_seq;
         let next_seq = seq.checked_add(1).ok_or(AllocError::Exhausted)?;
@@ -229,6 +214,36 @@ impl Allocator {
         })
     }
 
+    /// Check that a new segment of `segment_bytes` keeps reserved memory within
+    /// `max_reserved_bytes`.
+    ///
+    /// # Errors
+    /// [`AllocError::OutOfMemory`] if it does not.
+    pub(super) fn check_reserve(&self, segment_bytes: u64) -> Result<(), AllocError> {
+        let would = self.stats.reserved_bytes.current.checked_add(segment_bytes);
+        match would {
+            Some(w) if w <= self.config.max_reserved_bytes => Ok(()),
+            _ => Err(AllocError::OutOfMemory {
+                segment_bytes,
+                would_reserve_bytes: would.unwrap_or(u64::MAX),
+                max_reserved_bytes: self.config.max_reserved_bytes,
+            }),
+        }
+    }
+
+    /// Whether `seg` is one free block, all of it.
+    pub(super) fn entirely_free(&self, seg: &Segment) -> bool {
+        let b = &self.blocks[seg.first as usize];
+        b.is_free() && b.size == seg.size
+    }
+
+    /// The blocks of `seg`, in address order.
+    pub(super) fn blocks_of<'a>(&'a self, seg: &Segment) -> impl Iterator<Item = &'a Block> {
+        std::iter::successors(Some(&self.blocks[seg.first as usize]), |b| {
+            b.next.map(|n| &self.blocks[n as usize])
+        })
+    }
+
     /// Split threshold for a size class: the smallest remainder worth keeping.
     fn split_min(&self, class: SizeClass) -> u64 {
         match class {
@@ -260,7 +275,7 @@ impl Allocator {
         let mut len = bsize;
         if pad > 0 {
             // Keep the padding in front as its own free block; `slot` keeps it.
-            let new = self.split_off_tail(slot, pad, &fences, fenced, class);
+            let new = self.split_off_tail(slot, pad, &fences, fenced);
             self.insert_free(slot, class);
             slot = new;
             start += pad;
@@ -269,7 +284,7 @@ impl Allocator {
         }
         let remainder = len - size;
         let block_len = if remainder >= self.split_min(class) && remainder > 0 {
-            let tail = self.split_off_tail(slot, size, &fences, fenced, class);
+            let tail = self.split_off_tail(slot, size, &fences, fenced);
             self.insert_free(tail, class);
             self.stats.num_splits += 1;
             size
@@ -310,14 +325,7 @@ impl Allocator {
 
     /// Cut block `slot` (free, not in the index) at `at` bytes; the tail becomes a new
     /// free block with the given fences, linked after it. Returns the tail's slot.
-    fn split_off_tail(
-        &mut self,
-        slot: u32,
-        at: u64,
-        fences: &Fences,
-        fenced: bool,
-        _class: SizeClass,
-    ) -> u32 {
+    fn split_off_tail(&mut self, slot: u32, at: u64, fences: &Fences, fenced: bool) -> u32 {
         let (segment, class, offset, size, next) = {
             let b = &self.blocks[slot as usize];
             (b.segment, b.class, b.offset, b.size, b.next)
@@ -372,14 +380,21 @@ impl Allocator {
         a.peak = a.peak.max(active);
     }
 
-    fn live(&self, id: BlockId) -> Result<&Block, AllocError> {
+    /// A live block and its allocation's requested bytes, stream and other streams.
+    fn live(&self, id: BlockId) -> Result<(&Block, u64, StreamId, &[StreamId]), AllocError> {
         match self.blocks.get(id.slot as usize) {
             Some(
                 b @ Block {
-                    usage: BlockUse::Allocated { seq, .. },
+                    usage:
+                        BlockUse::Allocated {
+                            seq,
+                            requested_bytes,
+                            stream,
+                            others,
+                        },
                     ..
                 },
-            ) if *seq == id.seq => Ok(b),
+            ) if *seq == id.seq => Ok((b, *requested_bytes, *stream, others)),
             _ => Err(AllocError::StaleBlock(id)),
         }
     }
@@ -391,15 +406,10 @@ impl Allocator {
     /// # Errors
     /// [`AllocError::StaleBlock`] if `id` is not a live block.
     pub fn streams_of(&self, id: BlockId) -> Result<SmallVec<[StreamId; 3]>, AllocError> {
-        match &self.live(id)?.usage {
-            BlockUse::Allocated { stream, others, .. } => {
-                let mut v = SmallVec::new();
-                v.push(*stream);
-                v.extend(others.iter().copied());
-                Ok(v)
-            }
-            BlockUse::Free { .. } => Err(AllocError::StaleBlock(id)),
-        }
+        let (_, _, stream, others) = self.live(id)?;
+        Ok(std::iter::once(stream)
+            .chain(others.iter().copied())
+            .collect())
     }
 
     /// Note that a live block is also used on `stream` (like PyTorch's
@@ -433,18 +443,13 @@ impl Allocator {
     /// [`AllocError::StaleBlock`] if `id` is not a live block (double free, stale or
     /// foreign handle). Nothing changes then.
     pub fn free(&mut self, id: BlockId, fences: &[Wait]) -> Result<(), AllocError> {
-        let block = self.live(id)?;
-        let (size, requested, class) = match &block.usage {
-            BlockUse::Allocated {
-                requested_bytes, ..
-            } => (block.size, *requested_bytes, block.class),
-            BlockUse::Free { .. } => return Err(AllocError::StaleBlock(id)),
-        };
+        let (block, requested, ..) = self.live(id)?;
+        let (size, class) = (block.size, block.class);
         let mut own = Fences::new();
         for w in fences {
             merge_fence(&mut own, *w);
         }
-        let fenced = self.is_fenced(&own);
+        let fenced = outstanding(&self.completed, &own);
         let slot = id.slot;
         self.blocks[slot as usize].usage = BlockUse::Free {
             fences: own,
@@ -506,12 +511,6 @@ impl Allocator {
         self.stats.num_merges += 1;
     }
 
-    fn is_fenced(&self, fences: &Fences) -> bool {
-        fences
-            .iter()
-            .any(|w| self.completed.get(&w.stream).is_none_or(|&c| w.fence > c))
-    }
-
     /// Report that all work on `stream` up to `fence` has finished.
     ///
     /// This only updates the `active_bytes` statistic: placement and the waits returned
@@ -524,9 +523,7 @@ impl Allocator {
         for (_, b) in self.blocks.iter_mut() {
             if let BlockUse::Free { fences, fenced } = &mut b.usage {
                 if *fenced {
-                    *fenced = fences
-                        .iter()
-                        .any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c));
+                    *fenced = outstanding(completed, fences);
                 }
                 if *fenced {
                     fenced_bytes += b.size;
@@ -547,7 +544,7 @@ impl Allocator {
     /// # Errors
     /// [`AllocError::StaleBlock`] if `id` is not a live block.
     pub fn locate(&self, id: BlockId) -> Result<(SegmentId, u64, u64), AllocError> {
-        let b = self.live(id)?;
+        let (b, ..) = self.live(id)?;
         Ok((b.segment, b.offset, b.size))
     }
 
@@ -557,10 +554,7 @@ impl Allocator {
             .segments
             .iter()
             .map(|(id, seg)| {
-                let mut blocks = Vec::new();
-                let mut cur = Some(seg.first);
-                while let Some(slot) = cur {
-                    let b = &self.blocks[slot as usize];
+                let blocks = self.blocks_of(seg).map(|b| {
                     let (state, requested_bytes, stream, other_streams) = match &b.usage {
                         BlockUse::Allocated {
                             requested_bytes,
@@ -580,21 +574,20 @@ impl Allocator {
                             fences.iter().skip(1).map(|w| w.stream).collect(),
                         ),
                     };
-                    blocks.push(BlockSnapshot {
+                    BlockSnapshot {
                         offset_bytes: b.offset,
                         size_bytes: b.size,
                         requested_bytes,
                         state,
                         stream,
                         other_streams,
-                    });
-                    cur = b.next;
-                }
+                    }
+                });
                 SegmentSnapshot {
                     id: *id,
                     class: seg.class,
                     size_bytes: seg.size,
-                    blocks,
+                    blocks: blocks.collect(),
                 }
             })
             .collect();
@@ -603,6 +596,11 @@ impl Allocator {
             stats: self.stats,
         }
     }
+}
+
+/// Whether a fence of `fences` is above its stream's `completed` one.
+fn outstanding(completed: &BTreeMap<StreamId, Fence>, fences: &[Wait]) -> bool {
+    (fences.iter()).any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c))
 }
 
 /// Insert `w` into a stream-sorted fence list, keeping the largest fence per stream.

@@ -13,6 +13,17 @@ const MIB: u64 = 1 << 20;
 /// would take the Llama-like trace of `tests/fsdp_trace.rs` past its 1.15 floor).
 const REGISTERED_SMALL_SEGMENT_BYTES: u64 = 32 * MIB;
 
+/// Builder methods that each set one field of the same name to their argument.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($field:ident: $t:ty);)*) => {$(
+        $(#[$doc])*
+        pub fn $name(mut self, $field: $t) -> Self {
+            self.$field = $field;
+            self
+        }
+    )*};
+}
+
 /// The largest segment (and request) the core handles: 16 TiB, so that sizes and
 /// offsets fit the free index's packed keys.
 pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
@@ -27,65 +38,43 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
 /// # Growth policy
 ///
 /// When no free block of the request's size class fits, the core asks for one new
-/// segment ([`Growth`]) whose size depends only on the request:
+/// segment ([`Growth`]) for the request (rounded up to `min_block_bytes`):
 ///
-/// | request (rounded up to `min_block_bytes`)   | class | new segment                          |
-/// |---------------------------------------------|-------|--------------------------------------|
-/// | ≤ `small_request_max_bytes`                 | small | `small_segment_bytes`                |
-/// | ≤ `dedicated_min_bytes`                     | large | `large_segment_bytes`                |
-/// | larger                                      | large | a dedicated segment: the request rounded up to a multiple of `max(granularity_bytes, 2^⌊log2 request⌋ / dedicated_round_steps)` |
+/// | request | class | [`GrowthPolicy::Caching`] ([`default()`](Self::default)) | [`GrowthPolicy::Registered`] ([`registered()`](Self::registered)) |
+/// |---|---|---|---|
+/// | ≤ `small_request_max_bytes` | small | `small_segment_bytes` | `small_chunk` |
+/// | ≤ `dedicated_min_bytes` | large | `large_segment_bytes` | `max(chunk, fit)` |
+/// | larger | large | `fit`, dedicated | `max(chunk, fit)` |
 ///
-/// Rounding dedicated segments to 1/16 of their power of two (at most 6.25 % more than
-/// asked for) lets requests of nearby sizes (a 250 MiB embedding, 255 MiB MLP blocks)
-/// share segments. A dedicated segment serves only requests of at least
-/// 1/`dedicated_reuse_ratio` of its size, so small requests never fragment it.
+/// - `fit`: the request rounded up to a multiple of `max(granularity_bytes,
+///   2^⌊log2 request⌋ / dedicated_round_steps)` (at most 6.25 % more with the default
+///   16 steps, so that requests of nearby sizes, a 250 MiB embedding and 255 MiB MLP
+///   blocks, share segments); under the registered policy, requests up to
+///   `dedicated_min_bytes` only to `granularity_bytes`.
+/// - `chunk = clamp(⌈allocated · growth_percent / 100⌉, min_chunk_bytes,
+///   max_chunk_bytes)` rounded up to `granularity_bytes`, `allocated` being the bytes
+///   of the class's live blocks when the request misses; `small_chunk` the same
+///   between `small_segment_bytes` and `max(max_chunk_bytes, small_segment_bytes)`.
 ///
-/// That is [`GrowthPolicy::Caching`], the policy of [`CoreConfig::default()`]. For
-/// memory whose segments are expensive (registered collectively with NCCL, each taking
-/// symmetric address space on every peer), [`CoreConfig::registered()`] selects
-/// [`GrowthPolicy::Registered`], which starts each size class with one chunk and keeps
-/// the number of segments of each class logarithmic in its peak working set:
+/// A dedicated segment serves only requests of at least 1/`dedicated_reuse_ratio` of
+/// its size, so small requests never fragment it. The registered policy is for memory
+/// whose segments are expensive (registered collectively with NCCL, each taking
+/// symmetric address space on every peer): every segment is shared (best fit, no
+/// dedicated-segment rule), and the chunk grows with the live data, not with what is
+/// reserved, so the over-reserve of earlier growths does not compound. With its
+/// defaults (448 MiB to 4 GiB chunks, 50 %, 32 MiB small segments) each growth adds at
+/// least half of what the class has live: the segments of a class stay logarithmic in
+/// its peak working set, and right after a growth a class reserves at most about 1.5
+/// times its live bytes (plus fragments). 1 000 live tensors of 64 KiB–4 MiB (2 GiB)
+/// take 8 segments, 1.07 × their bytes (`tests/pool_small_growth.rs`). The defaults
+/// come from a sweep over the FSDP-like traces of `tests/fsdp_trace.rs` (figures in
+/// `BENCHMARKS.md`): a Llama-like model (peak 814 MiB: two large segments), random
+/// layer sizes and the `fsdp_step` example.
 ///
-/// | request (rounded up to `min_block_bytes`)   | class | new segment (registered policy)      |
-/// |---------------------------------------------|-------|--------------------------------------|
-/// | ≤ `small_request_max_bytes`                 | small | `small_chunk`                        |
-/// | larger                                      | large | `max(chunk, fit)`, shared (no dedicated-segment rule) |
-///
-/// where `chunk = clamp(⌈large_allocated · growth_percent / 100⌉, min_chunk_bytes,
-/// max_chunk_bytes)` rounded up to `granularity_bytes`, with `large_allocated` the
-/// bytes of the large class's live blocks when the request misses (defaults: 448 MiB
-/// minimum chunk, 4 GiB maximum chunk, 50 %), and `fit` the request rounded up as a
-/// dedicated segment of the table above (requests up to `dedicated_min_bytes` to
-/// `granularity_bytes`). So a request larger than the chunk still gets a segment that
-/// fits it. The small class grows the same way from its own live bytes:
-/// `small_chunk = clamp(⌈small_allocated · growth_percent / 100⌉, small_segment_bytes,
-/// max(max_chunk_bytes, small_segment_bytes))` rounded up to `granularity_bytes`
-/// ([`CoreConfig::registered()`] sets `small_segment_bytes` to 32 MiB). The chunk grows
-/// with the live data, not with what is reserved: the over-reserve of earlier growths
-/// (free space, fragments) does not compound. With the defaults the first large
-/// segment is 448 MiB (or the first request's fit), the first small one 32 MiB, and
-/// each later growth adds at least half of what the class has live (while chunks are
-/// below 4 GiB), so the number of segments stays logarithmic in the peak working set
-/// and right after a growth a class reserves about 1.5 times its live bytes at most
-/// (plus fragments). 1 000 live
-/// tensors of 64 KiB–4 MiB (2 GiB) take 8 segments, 1.07 × their bytes
-/// (`tests/pool_small_growth.rs`).
-///
-/// The defaults were picked by a sweep over the FSDP-like traces of the tests
-/// (`tests/fsdp_trace.rs`, figures in `BENCHMARKS.md`): a Llama-like model (peak
-/// 814 MiB: two large segments), random layer sizes and the `fsdp_step` example; the
-/// growth of 50 % (rather than 100 %) and the small chunk for the floor of
-/// `tests/pool_small_growth.rs` (at most 8 segments, at most 1.5 × the peak).
-///
-/// Under the registered policy every large segment is shared: large requests of any
-/// size are split out of them by best fit (remainders of at least
-/// `large_split_min_bytes` stay free), and `dedicated_reuse_ratio` is not applied.
-/// Small requests still never touch large segments, so they cannot pin one; a large
-/// request of a few MiB can keep a big segment from being trimmed, which is what
-/// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) is for.
-///
-/// Growth that would take reserved memory past `max_reserved_bytes` fails with
-/// [`AllocError::OutOfMemory`].
+/// Small requests never touch large segments, so they cannot pin one; a large request
+/// of a few MiB can keep a big shared segment from being trimmed, which is what
+/// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) is for. Growth
+/// past `max_reserved_bytes` fails with [`AllocError::OutOfMemory`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct CoreConfig {
@@ -105,15 +94,11 @@ pub struct CoreConfig {
     /// (default 10 MiB).
     pub dedicated_min_bytes: u64,
     /// A large free block is split only if the remainder is at least this big
-    /// (default 1 MiB); otherwise the whole block is handed out. Small blocks split
-    /// whenever the remainder is at least `min_block_bytes`.
+    /// (default 1 MiB); otherwise the whole block is handed out.
     pub large_split_min_bytes: u64,
-    /// A request may use a dedicated segment (a large-class segment larger than
-    /// `large_segment_bytes`), or any free block in it,
-    /// only if it is at least 1/`dedicated_reuse_ratio` of the segment's size
-    /// (default 4; 0 disables the rule; 1 is refused by [`validate`](Self::validate):
-    /// a dedicated segment is rounded up past the request that caused it, so with
-    /// ratio 1 that request could never use it).
+    /// A request may use a block of a dedicated segment only if it is at least
+    /// 1/`dedicated_reuse_ratio` of the segment's size (default 4; 0 disables the rule;
+    /// 1 is refused: a dedicated segment is rounded up past the request that caused it).
     pub dedicated_reuse_ratio: u64,
     /// Dedicated segments are rounded up to 1/`dedicated_round_steps` of their power
     /// of two (default 16; a power of two; 0 rounds to the granularity only).
@@ -124,41 +109,36 @@ pub struct CoreConfig {
     /// Growth beyond this many reserved bytes is refused with
     /// [`AllocError::OutOfMemory`] (default `u64::MAX`, no limit).
     pub max_reserved_bytes: u64,
-    /// How large segments are sized (default [`GrowthPolicy::Caching`]; absent in
-    /// serialised configs from before it existed, which then get the default).
+    /// How segments are sized (default [`GrowthPolicy::Caching`], also when absent
+    /// from older serialised configs).
     #[serde(default)]
     pub growth: GrowthPolicy,
 }
 
-/// How the core sizes new large segments (see the tables of [`CoreConfig`]).
-///
-/// Small segments are `small_segment_bytes` under the caching policy; under the
-/// registered policy that is the smallest small segment.
+/// How the core sizes new segments (see the table of [`CoreConfig`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum GrowthPolicy {
-    /// PyTorch's caching-allocator policy: shared `large_segment_bytes` (20 MiB)
-    /// segments for requests up to `dedicated_min_bytes` (10 MiB), a dedicated segment
-    /// of about its own size for every larger request.
+    /// PyTorch's caching-allocator policy: shared `large_segment_bytes` segments, and a
+    /// dedicated segment of about its own size for every request over
+    /// `dedicated_min_bytes`.
     #[default]
     Caching,
     /// For registered (symmetric) memory, where every segment is expensive: a new
-    /// segment is at least a chunk that grows with the bytes its size class has
-    /// allocated, so the number of segments is logarithmic in the peak working set.
+    /// segment is at least a chunk that grows with its size class's live bytes.
     Registered {
         /// Smallest new large segment, in bytes (default 448 MiB; a non-zero multiple
-        /// of `granularity_bytes`). The first large segment is at least this.
+        /// of `granularity_bytes`).
         min_chunk_bytes: u64,
         /// Largest chunk, in bytes (default 4 GiB; at least `min_chunk_bytes`, a
-        /// multiple of `granularity_bytes`). A larger request still gets a segment that
-        /// fits it.
+        /// multiple of `granularity_bytes`); a larger request still gets its fit.
         max_chunk_bytes: u64,
         /// A chunk is this percentage of the bytes the request's class has allocated
         /// (live blocks) when the request misses (default 50; at most 10 000).
         growth_percent: u64,
-        /// Extra room the segment planned by
-        /// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) gets on
-        /// top of the observed peak, in percent of the peak (default 10, at most 100), against
+        /// Extra room of the segment that
+        /// [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak) plans,
+        /// in percent of the observed peak (default 10, at most 100), against
         /// fragmentation when the next step's placement differs from the observed one.
         fit_headroom_percent: u64,
     },
@@ -210,99 +190,68 @@ impl CoreConfig {
         c
     }
 
-    /// Set the growth policy.
-    pub fn with_growth(mut self, growth: GrowthPolicy) -> Self {
-        self.growth = growth;
-        self
-    }
-
     /// Set the chunk bounds of the registered policy, in bytes. The policy becomes
     /// [`GrowthPolicy::Registered`] (with default percentages) if it was not already.
-    pub fn with_chunk_bytes(mut self, min_chunk_bytes: u64, max_chunk_bytes: u64) -> Self {
-        let mut g = self.registered_policy();
-        if let GrowthPolicy::Registered {
-            min_chunk_bytes: lo,
-            max_chunk_bytes: hi,
-            ..
-        } = &mut g
-        {
-            *lo = min_chunk_bytes;
-            *hi = max_chunk_bytes;
-        }
-        self.growth = g;
-        self
+    pub fn with_chunk_bytes(self, min_chunk_bytes: u64, max_chunk_bytes: u64) -> Self {
+        self.with_registered(|lo, hi, _, _| (*lo, *hi) = (min_chunk_bytes, max_chunk_bytes))
     }
 
     /// Set the growth percentage of the registered policy (100: a new chunk as large
     /// as the class's allocated bytes). The policy becomes
     /// [`GrowthPolicy::Registered`] if it was not already.
-    pub fn with_growth_percent(mut self, percent: u64) -> Self {
-        let mut g = self.registered_policy();
-        if let GrowthPolicy::Registered { growth_percent, .. } = &mut g {
-            *growth_percent = percent;
-        }
-        self.growth = g;
-        self
+    pub fn with_growth_percent(self, percent: u64) -> Self {
+        self.with_registered(|_, _, growth, _| *growth = percent)
     }
 
     /// Set the headroom of [`Allocator::plan_fit_to_peak`](super::Allocator::plan_fit_to_peak)
     /// under the registered policy, in percent of the observed peak. The policy becomes
     /// [`GrowthPolicy::Registered`] if it was not already.
-    pub fn with_fit_headroom_percent(mut self, percent: u64) -> Self {
-        let mut g = self.registered_policy();
+    pub fn with_fit_headroom_percent(self, percent: u64) -> Self {
+        self.with_registered(|_, _, _, headroom| *headroom = percent)
+    }
+
+    /// Change the registered policy's fields with `f` (in their order), the policy
+    /// made [`GrowthPolicy::registered()`] first if it was another.
+    fn with_registered(mut self, f: impl FnOnce(&mut u64, &mut u64, &mut u64, &mut u64)) -> Self {
+        if !self.growth.is_registered() {
+            self.growth = GrowthPolicy::registered();
+        }
         if let GrowthPolicy::Registered {
+            min_chunk_bytes,
+            max_chunk_bytes,
+            growth_percent,
             fit_headroom_percent,
-            ..
-        } = &mut g
+        } = &mut self.growth
         {
-            *fit_headroom_percent = percent;
+            f(
+                min_chunk_bytes,
+                max_chunk_bytes,
+                growth_percent,
+                fit_headroom_percent,
+            );
         }
-        self.growth = g;
         self
     }
 
-    fn registered_policy(&self) -> GrowthPolicy {
-        if self.growth.is_registered() {
-            self.growth
-        } else {
-            GrowthPolicy::registered()
-        }
-    }
-
-    /// Set the segment granularity (and the largest alignment), in bytes.
-    pub fn with_granularity_bytes(mut self, bytes: u64) -> Self {
-        self.granularity_bytes = bytes;
-        self
-    }
-
-    /// Set the size of shared large segments, in bytes.
-    pub fn with_large_segment_bytes(mut self, bytes: u64) -> Self {
-        self.large_segment_bytes = bytes;
-        self
-    }
-
-    /// Set the threshold above which large requests get a dedicated segment, in bytes.
-    pub fn with_dedicated_min_bytes(mut self, bytes: u64) -> Self {
-        self.dedicated_min_bytes = bytes;
-        self
+    setters! {
+        /// Set the growth policy.
+        with_growth(growth: GrowthPolicy);
+        /// Set the segment granularity (and the largest alignment), in bytes.
+        with_granularity_bytes(granularity_bytes: u64);
+        /// Set the size of shared large segments, in bytes.
+        with_large_segment_bytes(large_segment_bytes: u64);
+        /// Set the threshold above which large requests get a dedicated segment, in bytes.
+        with_dedicated_min_bytes(dedicated_min_bytes: u64);
+        /// Set the largest accepted request, in bytes.
+        with_max_request_bytes(max_request_bytes: u64);
+        /// Set the limit on reserved bytes (sum of segment sizes).
+        with_max_reserved_bytes(max_reserved_bytes: u64);
     }
 
     /// Set the largest small request and the small segment size, in bytes.
     pub fn with_small(mut self, request_max_bytes: u64, segment_bytes: u64) -> Self {
         self.small_request_max_bytes = request_max_bytes;
         self.small_segment_bytes = segment_bytes;
-        self
-    }
-
-    /// Set the largest accepted request, in bytes.
-    pub fn with_max_request_bytes(mut self, bytes: u64) -> Self {
-        self.max_request_bytes = bytes;
-        self
-    }
-
-    /// Set the limit on reserved bytes (sum of segment sizes).
-    pub fn with_max_reserved_bytes(mut self, bytes: u64) -> Self {
-        self.max_reserved_bytes = bytes;
         self
     }
 
@@ -414,13 +363,11 @@ impl CoreConfig {
         align_up(size_bytes, self.min_block_bytes).ok_or(too_large)
     }
 
-    /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the request's size class has
-    /// allocated nothing (see the tables above). Under [`GrowthPolicy::Caching`] that is the only
-    /// case.
+    /// [`growth_with`](Self::growth_with) for a size class that has allocated nothing
+    /// (under [`GrowthPolicy::Caching`], the only case).
     ///
     /// # Errors
-    /// [`AllocError::TooLarge`] if rounding to the granularity overflows.
+    /// As [`growth_with`](Self::growth_with).
     pub fn growth_for(&self, rounded_bytes: u64, align_bytes: u64) -> Result<Growth, AllocError> {
         self.growth_with(rounded_bytes, align_bytes, 0)
     }
@@ -444,58 +391,42 @@ impl CoreConfig {
         // request alone decides the size.
         let _ = align_bytes;
         let class = self.class_of(rounded_bytes);
-        let too_large = AllocError::TooLarge {
+        let too_large = || AllocError::TooLarge {
             requested_bytes: rounded_bytes,
             max_bytes: self.max_request_bytes,
         };
-        let segment_bytes = match (class, self.growth) {
-            (SizeClass::Small, GrowthPolicy::Caching) => self.small_segment_bytes,
-            (
-                SizeClass::Small,
-                GrowthPolicy::Registered {
-                    max_chunk_bytes,
-                    growth_percent,
-                    ..
-                },
-            ) => {
-                // A small request fits `small_segment_bytes` (validated), the floor.
+        let to_granularity = |bytes| align_up(bytes, self.granularity_bytes).ok_or_else(too_large);
+        let dedicated = || self.dedicated_size(rounded_bytes).ok_or_else(too_large);
+        let shared = rounded_bytes <= self.dedicated_min_bytes;
+        let segment_bytes = match self.growth {
+            GrowthPolicy::Caching => match class {
+                SizeClass::Small => self.small_segment_bytes,
+                SizeClass::Large if shared => self.large_segment_bytes,
+                SizeClass::Large => dedicated()?,
+            },
+            GrowthPolicy::Registered {
+                min_chunk_bytes,
+                max_chunk_bytes,
+                growth_percent,
+                ..
+            } => {
                 let chunk = self.chunk(class_allocated_bytes, growth_percent);
-                let chunk = chunk.clamp(
-                    self.small_segment_bytes,
-                    max_chunk_bytes.max(self.small_segment_bytes),
-                );
-                align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?
-            }
-            (SizeClass::Large, GrowthPolicy::Caching)
-                if rounded_bytes <= self.dedicated_min_bytes =>
-            {
-                self.large_segment_bytes
-            }
-            (SizeClass::Large, GrowthPolicy::Caching) => {
-                self.dedicated_size(rounded_bytes).ok_or(too_large)?
-            }
-            (
-                SizeClass::Large,
-                GrowthPolicy::Registered {
-                    min_chunk_bytes,
-                    max_chunk_bytes,
-                    growth_percent,
-                    ..
-                },
-            ) => {
-                let fit = if rounded_bytes <= self.dedicated_min_bytes {
-                    align_up(rounded_bytes, self.granularity_bytes)
-                } else {
-                    self.dedicated_size(rounded_bytes)
+                let floor = self.small_segment_bytes;
+                match class {
+                    // A small request fits `small_segment_bytes` (validated), the floor.
+                    SizeClass::Small => {
+                        to_granularity(chunk.clamp(floor, max_chunk_bytes.max(floor)))?
+                    }
+                    SizeClass::Large => {
+                        let fit = if shared {
+                            to_granularity(rounded_bytes)?
+                        } else {
+                            dedicated()?
+                        };
+                        // max_chunk_bytes is a multiple of the granularity: no overflow.
+                        to_granularity(chunk.clamp(min_chunk_bytes, max_chunk_bytes))?.max(fit)
+                    }
                 }
-                .ok_or_else(|| too_large.clone())?;
-                let chunk = self
-                    .chunk(class_allocated_bytes, growth_percent)
-                    .clamp(min_chunk_bytes, max_chunk_bytes);
-                // max_chunk_bytes is a multiple of the granularity, so this cannot overflow.
-                let chunk =
-                    align_up(chunk, self.granularity_bytes).ok_or_else(|| too_large.clone())?;
-                chunk.max(fit)
             }
         };
         Ok(Growth {

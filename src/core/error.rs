@@ -6,8 +6,7 @@ use super::types::{BlockId, Growth, SegmentId};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum AllocError {
-    /// A request of zero bytes. Zero-size requests are always refused: they never take
-    /// memory and never cause growth.
+    /// A request of zero bytes, always refused (it never takes memory or grows).
     #[error("zero-size allocation requested")]
     ZeroSize,
     /// A request above the configured maximum (or one whose rounding overflows `u64`).

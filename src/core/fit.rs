@@ -49,45 +49,34 @@ impl Allocator {
 
     /// Plan a refit of the segments to the peak observed since the last
     /// [`reset_peak`](Self::reset_peak) (the core half of a collective "fit to peak"
-    /// call, made when the ranks agree to, typically after the first training step).
+    /// call, typically after the first training step).
     ///
-    /// Per size class, when at least one of its segments is entirely free:
-    /// - every entirely free segment of the class is released (segments holding a live
-    ///   block are kept, whatever their size);
-    /// - one segment is added, of `need` plus `fit_headroom_percent` of it under the
-    ///   registered policy, at most `R - L_c` (below), rounded up to
-    ///   `granularity_bytes` (small: at least `small_segment_bytes`); nothing is added
-    ///   when `need` is 0. `need` bounds what the class's blocks allocated in the
-    ///   window took at its peak: `need = min(P - L, R - L_c)`, where `P` is the peak of
-    ///   `allocated_bytes` in the window, `L` the bytes of the blocks (of both classes)
-    ///   that are live now and were allocated before the window (they were live
-    ///   throughout it and stay where they are), `L_c` the part of `L` in the class, and
-    ///   `R` the peak of the class's `reserved_bytes` in the window. The allocator keeps
-    ///   no per-class allocated peak, so that the alloc and free paths stay free of
-    ///   per-class bookkeeping: both terms are upper bounds of the class's own peak less
-    ///   `L_c`. The first over-counts the other class's window blocks live at the
-    ///   overall peak (usually a few small ones); the second is what the class held the
-    ///   window in, so the headroom never takes the segment past it.
+    /// Per size class with at least one entirely free segment (others are left as they
+    /// are): every entirely free segment of the class is released, and one segment is
+    /// added of `need` plus `fit_headroom_percent` of it (registered policy), at most
+    /// `R - L_c`, rounded up to `granularity_bytes` (small: at least
+    /// `small_segment_bytes`; none when `need` is 0). Here `need = min(P - L, R - L_c)`
+    /// bounds what the class's blocks allocated in the window took at its peak: `P` is
+    /// the peak of `allocated_bytes` in the window, `L` the bytes of the blocks live now
+    /// that were allocated before the window (live throughout it, they stay where they
+    /// are), `L_c` their part in the class, and `R` the peak of the class's
+    /// `reserved_bytes` in the window. Both terms bound the class's own peak less `L_c`
+    /// (the alloc and free paths keep no per-class allocated peak): the first
+    /// over-counts the other class's window blocks live at the overall peak, the second
+    /// is what the class held the window in. Conservative: the kept segments' free
+    /// space counts as zero, and window blocks still live count in full.
     ///
-    /// A class with no entirely free segment is left as it is. The kept segments'
-    /// free space is counted as zero, and blocks allocated inside the window that are
-    /// still live count in full: conservative, the plan may over-reserve by those bytes.
+    /// Replaying the window's calls (the next identical step) then needs no growth when
+    /// the new segment holds the window's blocks without fragmentation (each class's
+    /// peak reached with no hole in between, as in the FSDP traces of the tests);
+    /// otherwise `fit_headroom_percent` gives room, and growth stays possible.
     ///
-    /// The guarantee aimed at: replaying the window's calls again (the next identical
-    /// step) needs no growth when the new segment holds the window's blocks without
-    /// fragmentation: exactly when each class's peak is reached with no hole in between,
-    /// as in the FSDP traces of the tests; otherwise `fit_headroom_percent` gives room
-    /// against it, and growth stays possible (never an error).
-    ///
-    /// The plan is a pure function of the call sequence. Carry it out with
-    /// [`release_planned`](Self::release_planned), then (after the backend work)
-    /// [`add_planned`](Self::add_planned) for each growth in order, or all at once with
-    /// [`apply_fit_plan`](Self::apply_fit_plan). Compared with
-    /// [`release_free_segments`](Self::release_free_segments) (trim), this releases only
-    /// in classes it refills; segments added with
-    /// [`add_shared_segment`](Self::add_shared_segment) (a reserve) are released like
-    /// any other when entirely free, so a pool that reserved ahead may want to skip the
-    /// call.
+    /// Carry the plan out with [`release_planned`](Self::release_planned), then (after
+    /// the backend work) [`add_planned`](Self::add_planned) for each growth in order, or
+    /// all at once with [`apply_fit_plan`](Self::apply_fit_plan). Unlike
+    /// [`release_free_segments`](Self::release_free_segments) (trim), this releases
+    /// only in classes it refills, but there it releases reserved segments
+    /// ([`add_shared_segment`](Self::add_shared_segment)) too.
     pub fn plan_fit_to_peak(&self) -> FitPlan {
         let mut plan = FitPlan::default();
         let headroom = match self.config.growth {
@@ -103,20 +92,16 @@ impl Allocator {
         let mut old_live = [0u64; 2];
         for (&id, seg) in &self.segments {
             let c = seg.class.index();
-            let first = &self.blocks[seg.first as usize];
-            if first.is_free() && first.size == seg.size {
+            if self.entirely_free(seg) {
                 release[c].push((id, seg.size));
                 continue;
             }
-            let mut cur = Some(seg.first);
-            while let Some(slot) = cur {
-                let b = &self.blocks[slot as usize];
+            for b in self.blocks_of(seg) {
                 if let BlockUse::Allocated { seq, .. } = b.usage
                     && seq < self.window_seq
                 {
                     old_live[c] += b.size;
                 }
-                cur = b.next;
             }
         }
         let window_peak = self
@@ -166,10 +151,8 @@ impl Allocator {
     /// exist or is not entirely free (the plan is stale); nothing changes then.
     pub fn release_planned(&mut self, plan: &FitPlan) -> Result<Vec<(SegmentId, u64)>, AllocError> {
         for &(id, size) in &plan.release {
-            let ok = self.segments.get(&id).is_some_and(|seg| {
-                let b = &self.blocks[seg.first as usize];
-                seg.size == size && b.is_free() && b.size == seg.size
-            });
+            let ok = (self.segments.get(&id))
+                .is_some_and(|seg| seg.size == size && self.entirely_free(seg));
             if !ok {
                 return Err(AllocError::UnknownSegment(id));
             }

@@ -1,14 +1,10 @@
-//! The ordered free index of one size class, split into size bins.
-//!
-//! Logically it is the set of free blocks of the class ordered by
-//! (size, segment, offset), and [`find_first`](FreeIndex::find_first) returns the
-//! smallest key at or above a start key that a predicate accepts: exactly what one
-//! `BTreeSet` scanned from the start key gives. Physically the keys are spread over
-//! bins by size, TLSF-style (32 bins per power of two), each bin an ordered set, and a
-//! bitmap marks the non-empty bins. Bin numbers grow with sizes, so bin order followed
-//! by key order is the logical order, and every decision still depends only on the set
-//! of free blocks. Each bin holds a small part of the blocks, so the searches, inserts
-//! and removes of an alloc + free pair walk shallow trees (one leaf, usually).
+//! The ordered free index of one size class: logically the set of its free blocks
+//! ordered by (size, segment, offset), where [`find_first`](FreeIndex::find_first)
+//! returns the smallest key at or above a start key that a predicate accepts.
+//! Physically the keys are spread over bins by size, TLSF-style (32 bins per power of
+//! two), each an ordered set, with a bitmap of the non-empty bins; bin order followed
+//! by key order is the logical order. An alloc + free pair walks shallow trees (one
+//! leaf, usually).
 
 use super::allocator::FreeKey;
 use super::types::SegmentId;

@@ -166,29 +166,27 @@ impl Allocator {
             ("allocated_blocks", s.allocated_blocks.current, nalloc),
             ("free_blocks", s.free_blocks, nfree),
         ];
+        let checks =
+            (checks.into_iter()).map(|(name, have, want)| (format!("stat {name}"), have, want));
         let class_checks = [SizeClass::Small, SizeClass::Large]
             .into_iter()
             .flat_map(|class| {
-                let (c, recount) = (s.class(class), by_class[class.index()]);
+                let (c, (segments, reserved, allocated)) =
+                    (s.class(class), by_class[class.index()]);
                 [
-                    ("segments", c.segments.current, recount.0),
-                    ("reserved_bytes", c.reserved_bytes.current, recount.1),
+                    ("segments", c.segments.current, segments),
+                    ("reserved_bytes", c.reserved_bytes.current, reserved),
                     (
                         "allocated bytes",
                         self.class_allocated_bytes(class),
-                        recount.2,
+                        allocated,
                     ),
                 ]
-                .map(|(what, have, want)| (class, what, have, want))
+                .map(|(name, have, want)| (format!("{class:?} {name}"), have, want))
             });
-        for (name, have, want) in checks {
+        for (name, have, want) in checks.chain(class_checks) {
             if have != want {
-                return fail(format!("stat {name} is {have}, recount {want}"), None);
-            }
-        }
-        for (class, name, have, want) in class_checks {
-            if have != want {
-                return fail(format!("{class:?} {name} is {have}, recount {want}"), None);
+                return fail(format!("{name} is {have}, recount {want}"), None);
             }
         }
         // A copy of the statistics, read through the one list of their gauges.

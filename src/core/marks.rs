@@ -1,7 +1,7 @@
 //! What a [`Snapshot`](super::Snapshot) does not say about a block, for observers: the
 //! allocation's sequence number and whether a free block is still fenced.
 
-use super::allocator::{Allocator, BlockUse};
+use super::allocator::{Allocator, Block, BlockUse};
 use serde::{Deserialize, Serialize};
 
 /// Per block of [`Allocator::snapshot`], what only the allocator knows.
@@ -23,23 +23,17 @@ impl Allocator {
         self.segments
             .values()
             .map(|seg| {
-                let mut marks = Vec::new();
-                let mut cur = Some(seg.first);
-                while let Some(slot) = cur {
-                    let b = &self.blocks[slot as usize];
-                    marks.push(match &b.usage {
-                        BlockUse::Allocated { seq, .. } => BlockMark {
-                            allocation_seq: Some(*seq),
-                            fenced: false,
-                        },
-                        BlockUse::Free { fenced, .. } => BlockMark {
-                            allocation_seq: None,
-                            fenced: *fenced,
-                        },
-                    });
-                    cur = b.next;
-                }
-                marks
+                let mark = |b: &Block| match &b.usage {
+                    BlockUse::Allocated { seq, .. } => BlockMark {
+                        allocation_seq: Some(*seq),
+                        fenced: false,
+                    },
+                    BlockUse::Free { fenced, .. } => BlockMark {
+                        allocation_seq: None,
+                        fenced: *fenced,
+                    },
+                };
+                self.blocks_of(seg).map(mark).collect()
             })
             .collect()
     }

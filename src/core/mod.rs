@@ -7,39 +7,26 @@
 //!
 //! # Algorithm
 //!
-//! - **Rounding.** A request is rounded up to a multiple of
-//!   [`CoreConfig::min_block_bytes`] (512 B). Zero bytes is refused
-//!   ([`AllocError::ZeroSize`]); so is anything above `max_request_bytes`
-//!   ([`AllocError::TooLarge`]). All arithmetic is checked.
-//! - **Size classes.** Requests up to `small_request_max_bytes` (1 MiB) are served only
-//!   from small segments, larger ones only from large segments, each class with its own
-//!   free index. A small request therefore never splits and pins a large segment.
-//! - **Best fit.** Each class keeps an ordered index of free blocks keyed by
-//!   (size, segment, offset). The first block at least as large as the request whose
-//!   offset can be aligned wins: the smallest that fits, ties broken by segment then
-//!   offset.
-//! - **Split.** The padding in front of an aligned block stays free. A remainder is
-//!   split off when it is worth keeping: at least `min_block_bytes` in small segments,
-//!   at least `large_split_min_bytes` (1 MiB) in large ones; otherwise the block keeps it.
-//! - **Coalesce.** A freed block merges with free neighbours in the same segment
+//! - **Rounding** ([`CoreConfig::round_request`]) up to a multiple of `min_block_bytes`
+//!   (512 B), all arithmetic checked.
+//! - **Size classes** ([`SizeClass`]), each with its own segments and free index.
+//! - **Best fit**: the smallest free block of the class that holds the request at an
+//!   aligned offset, ties broken by segment then offset.
+//! - **Split**: the padding in front of an aligned block stays free; a remainder is
+//!   split off when worth keeping (`min_block_bytes` in small segments,
+//!   `large_split_min_bytes` in large ones).
+//! - **Coalesce**: a freed block merges with its free neighbours in the same segment
 //!   (never across segments, which are separate device allocations).
-//! - **Growth.** When nothing fits, [`Allocator::alloc`] returns
-//!   [`AllocError::NeedsGrowth`] with the segment to add, chosen by the policy in
-//!   [`CoreConfig`]; the caller adds it with [`Allocator::add_segment`] and retries.
-//!   Segment ids count up from 0 and are never reused.
-//! - **Streams.** A block remembers its allocating stream and the streams recorded on
-//!   it. When it is freed the caller gives one [`Fence`] per such stream; when the
-//!   memory is handed out again on a *different* stream, [`Placement::waits`] lists the
-//!   fences to wait for (device-side). Placement itself never looks at streams or at
-//!   fence completion. A merged free block keeps the latest fence per stream of all
-//!   its parts: conservative (a reuse may wait for work that touched a neighbouring
-//!   part), never unsafe.
+//! - **Growth**: when nothing fits, [`Allocator::alloc`] returns
+//!   [`AllocError::NeedsGrowth`] with the segment to add ([`CoreConfig`]'s policy); the
+//!   caller adds it with [`Allocator::add_segment`] and retries. Segment ids count up
+//!   from 0 and are never reused.
+//! - **Streams**: placement never looks at streams or fence completion; memory handed
+//!   out on another stream than its last users' comes with their fences to wait for
+//!   ([`Placement::waits`]). A merged free block keeps the latest fence per stream of
+//!   all its parts: conservative, never unsafe.
 //!
-//! # Invariants ([`Allocator::check_invariants`])
-//!
-//! Per segment the blocks tile the segment exactly, in address order, in whole
-//! 512-byte units, with no two free blocks adjacent; the free index holds exactly the
-//! free blocks; every statistic equals a recount.
+//! [`Allocator::check_invariants`] recounts everything and lists the invariants.
 //!
 //! # Example
 //!

@@ -11,8 +11,7 @@ impl Allocator {
     /// Add a segment, as asked for by [`AllocError::NeedsGrowth`] (or to pre-grow).
     /// Its id is the next in sequence; it starts as one free block. Under
     /// [`GrowthPolicy::Caching`] a large segment larger than `large_segment_bytes` is
-    /// dedicated (it serves only requests of at least 1/`dedicated_reuse_ratio` of its
-    /// size); under [`GrowthPolicy::Registered`] every segment is shared.
+    /// dedicated; under [`GrowthPolicy::Registered`] every segment is shared.
     ///
     /// # Errors
     /// [`AllocError::BadSegmentSize`] unless the size is a non-zero multiple of the
@@ -56,17 +55,7 @@ impl Allocator {
         {
             return Err(AllocError::BadSegmentSize { size_bytes: size });
         }
-        let reserved = self.stats.reserved_bytes.current;
-        match reserved.checked_add(size) {
-            Some(r) if r <= self.config.max_reserved_bytes => {}
-            would => {
-                return Err(AllocError::OutOfMemory {
-                    segment_bytes: size,
-                    would_reserve_bytes: would.unwrap_or(u64::MAX),
-                    max_reserved_bytes: self.config.max_reserved_bytes,
-                });
-            }
-        }
+        self.check_reserve(size)?;
         if self.next_segment == u32::MAX || self.blocks.len() >= u32::MAX as usize {
             return Err(AllocError::Exhausted);
         }
@@ -108,14 +97,8 @@ impl Allocator {
     /// Remove every segment that is entirely free, in ascending id order, and return
     /// them with their sizes. The caller releases their memory.
     pub fn release_free_segments(&mut self) -> Vec<(SegmentId, u64)> {
-        let empty: Vec<SegmentId> = self
-            .segments
-            .iter()
-            .filter(|(_, seg)| {
-                let b = &self.blocks[seg.first as usize];
-                b.is_free() && b.size == seg.size
-            })
-            .map(|(id, _)| *id)
+        let empty: Vec<SegmentId> = (self.segments.iter())
+            .filter_map(|(id, seg)| self.entirely_free(seg).then_some(*id))
             .collect();
         empty
             .into_iter()
@@ -129,12 +112,11 @@ impl Allocator {
     /// [`AllocError::UnknownSegment`] if the segment does not exist or is not entirely
     /// free. Nothing changes then.
     pub fn release_segment(&mut self, id: SegmentId) -> Result<u64, AllocError> {
-        let seg = self
+        if !self
             .segments
             .get(&id)
-            .ok_or(AllocError::UnknownSegment(id))?;
-        let b = &self.blocks[seg.first as usize];
-        if !(b.is_free() && b.size == seg.size) {
+            .is_some_and(|s| self.entirely_free(s))
+        {
             return Err(AllocError::UnknownSegment(id));
         }
         let Some(seg) = self.segments.remove(&id) else {

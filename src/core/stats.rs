@@ -16,9 +16,7 @@ pub struct Stat {
 impl Stat {
     pub(crate) fn add(&mut self, x: u64) {
         self.current += x;
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
+        self.peak = self.peak.max(self.current);
     }
 
     pub(crate) fn sub(&mut self, x: u64) {
@@ -40,14 +38,10 @@ pub struct CoreStats {
     pub requested_bytes: Stat,
     /// Bytes in all segments.
     pub reserved_bytes: Stat,
-    /// Allocated bytes plus free bytes that may still be in use by device work: free
-    /// blocks carrying a fence not yet reported complete through
-    /// [`Allocator::complete_fences`](super::Allocator::complete_fences).
-    /// (PyTorch's "active" also counts blocks awaiting their events.) A freed block
-    /// merges with its free neighbours and the merged block carries the union of their
-    /// fences, so this counts the whole merged block: an over-estimate, just as the
-    /// waits handed out for the merged block are a conservative superset of what each
-    /// of its bytes needs.
+    /// Allocated bytes plus free blocks carrying a fence not yet reported complete
+    /// through [`Allocator::complete_fences`](super::Allocator::complete_fences), like
+    /// PyTorch's "active". A merged free block counts whole (an over-estimate, as its
+    /// waits are).
     pub active_bytes: Stat,
     /// Number of segments.
     pub segments: Stat,
@@ -71,11 +65,10 @@ pub struct CoreStats {
     pub num_waits: u64,
     /// Requests refused because no block fitted (each is followed by growth or an error).
     pub num_misses: u64,
-    /// The small class alone: its segments and reserved bytes. (Absent in serialised
-    /// stats from before it existed, which then read as zero.)
+    /// The small class alone (zero when absent from older serialised stats).
     #[serde(default)]
     pub small: ClassStats,
-    /// The large class alone: its segments and reserved bytes.
+    /// The large class alone.
     #[serde(default)]
     pub large: ClassStats,
 }
@@ -114,14 +107,10 @@ impl CoreStats {
     }
 }
 
-/// Gauges of one size class ([`CoreStats::small`], [`CoreStats::large`]). The two
-/// classes add up to the allocator-wide `segments` and `reserved_bytes` (the peaks need
-/// not: each class has its own high-water mark).
-///
-/// Both change only when a segment is added or released, never on an allocation or a
-/// free, so the cache-hit path keeps no per-class figure. A class's allocated bytes are
-/// computed on demand by
-/// [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes).
+/// Gauges of one size class ([`CoreStats::small`], [`CoreStats::large`]), changed only
+/// when a segment is added or released. The two classes add up to the allocator-wide
+/// `segments` and `reserved_bytes` (their peaks need not). A class's allocated bytes
+/// come from [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClassStats {
     /// Number of segments of the class.

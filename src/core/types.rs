@@ -16,33 +16,26 @@ impl fmt::Display for SegmentId {
     }
 }
 
-/// A generation-checked handle to a block.
-///
-/// `slot` is the block's index in the allocator's slab (slots are reused); `seq` is the
-/// sequence number of the allocation that produced the handle (never reused). A handle
-/// whose `seq` no longer matches the block in its slot is stale: using it is an
-/// error ([`AllocError::StaleBlock`](super::AllocError::StaleBlock)), not corruption.
+/// A generation-checked handle to a block: a handle whose `seq` no longer matches the
+/// block in its slot is stale, and using it is an error
+/// ([`AllocError::StaleBlock`](super::AllocError::StaleBlock)), not corruption.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct BlockId {
-    /// Slab slot of the block.
+    /// Slab slot of the block (slots are reused).
     pub slot: u32,
     /// Allocation sequence number (1-based, unique for the allocator's lifetime).
     pub seq: u64,
 }
 
-/// Identifies a stream to the core. The core never looks inside: it only compares ids.
-///
-/// The pool derives it from the backend's stream handle; the host backend uses small
-/// integers. Stream ids need not agree across ranks: placement never depends on them.
+/// Identifies a stream to the core, which only compares ids. Stream ids need not agree
+/// across ranks: placement never depends on them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct StreamId(pub u64);
 
-/// A point in one stream's work, given by the caller when a block is freed.
-///
-/// Fences on one stream must increase with time: waiting for fence `f` on stream `s`
-/// also waits for every earlier fence on `s`. The pool turns a fence into a CUDA event
-/// recorded on the stream; the core only stores, merges (keeping the largest per stream)
-/// and returns them.
+/// A point in one stream's work, given by the caller when a block is freed (the pool
+/// records a CUDA event there). Fences on one stream increase with time: waiting for
+/// one waits for every earlier one. The core only stores, merges (keeping the largest
+/// per stream) and returns them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Fence(pub u64);
 
@@ -56,11 +49,9 @@ pub struct Wait {
     pub fence: Fence,
 }
 
-/// Which family of segments a request is served from.
-///
-/// Small requests (at most [`CoreConfig::small_request_max_bytes`](super::CoreConfig))
-/// live in small segments only and large ones in large segments only, so a small
-/// request can never pin a large segment.
+/// Which family of segments a request is served from: small requests (at most
+/// [`CoreConfig::small_request_max_bytes`](super::CoreConfig)) from small segments only,
+/// large ones from large segments only, so a small request never pins a large segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum SizeClass {
     /// Requests up to `small_request_max_bytes`.

@@ -23,24 +23,14 @@ pub struct Divergence {
 
 impl fmt::Display for Divergence {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.first_differing_call {
-            Some(k) => write!(
+        write!(f, "ranks diverged (found during {})", self.during)?;
+        match (self.first_differing_call, self.history_gone) {
+            (Some(k), _) => write!(f, ": first differing call is #{k}:")?,
+            (None, Some(n)) => write!(
                 f,
-                "ranks diverged (found during {}): first differing call is #{k}:",
-                self.during
+                ": the first differing call is older than the {n} calls each rank remembers, gone from the history (raise PoolConfig::history_len, at most 65 536, to name it); where each rank is:"
             )?,
-            None => match self.history_gone {
-                Some(n) => write!(
-                    f,
-                    "ranks diverged (found during {}): the first differing call is older than the {n} calls each rank remembers, gone from the history (raise PoolConfig::history_len, at most 65 536, to name it); where each rank is:",
-                    self.during
-                )?,
-                None => write!(
-                    f,
-                    "ranks diverged (found during {}) before the recorded history:",
-                    self.during
-                )?,
-            },
+            (None, None) => f.write_str(" before the recorded history:")?,
         }
         for (rank, call) in &self.calls {
             match call {

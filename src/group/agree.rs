@@ -1,15 +1,8 @@
 //! The agreement ranks reach before every collective pool operation (growth,
-//! `reserve`, `trim`, `close`, `fit_to_peak`), and the readiness flags it carries.
-//!
-//! The ranks exchange one [`AgreementRecord`] each: the operation, the pool's call
-//! count, requested size, call hash, allocator state digest, the recent calls, and
-//! whether the rank's pool is broken. A broken pool on any rank is
-//! [`Error::PoolBroken`] on every rank, before the records are compared (a broken
-//! rank's refused calls are not in its history, so its record differs for that reason
-//! alone); `close` goes on regardless, to release the memory. Otherwise identical
-//! records mean identical allocator states, so the registrations that follow pair the
-//! right segments. Any difference is [`Error::Divergence`] on every rank, naming the
-//! first differing call.
+//! `reserve`, `trim`, `close`, `fit_to_peak`): one [`AgreementRecord`] per rank (the
+//! operation, the pool's call count, hash, recent calls and allocator state digest,
+//! its readiness), judged by [`agree_records`]. Identical records mean identical
+//! allocator states, so the registrations that follow pair the right segments.
 
 use super::history::{CallRecord, History};
 use super::ledger::Ledger;
@@ -152,8 +145,6 @@ impl AgreementRecord {
         }
     }
 
-    /// The same record naming `live` buffers (a `close`'s), the first
-    /// [`MAX_LIVE_NAMED`] of them.
     /// The record's kind with where the rank is, as a divergence of record kinds
     /// names it.
     pub(crate) fn describe_kind(&self) -> String {
@@ -166,6 +157,8 @@ impl AgreementRecord {
         }
     }
 
+    /// The same record naming `live` buffers (a `close`'s), the first
+    /// [`MAX_LIVE_NAMED`] of them.
     pub(crate) fn with_live(mut self, live: impl IntoIterator<Item = LiveBuffer>) -> Self {
         self.live = live.into_iter().take(MAX_LIVE_NAMED).collect();
         self
@@ -194,20 +187,14 @@ impl Fields for AgreementRecord {
     }
 }
 
-/// Append this rank's record to `ledger` and judge every rank's record: they come
-/// back in rank order with their `extra` values, which may differ.
-///
-/// `during` names the round for errors.
+/// Append this rank's record to `ledger` (the round named `during`) and judge every
+/// rank's record: they come back in rank order with their `extra` values.
 ///
 /// # Errors
-/// The ledger's errors ([`Error::Timeout`] if a rank does not arrive by `deadline`,
-/// [`Error::CollectiveDivergence`] if a rank's record is of another kind, a
-/// collective where this is an agreement); [`Error::PoolBroken`] (with a reason naming
-/// the first broken rank) if any rank's pool is broken, unless the operation is
-/// [`Op::Close`], which then skips the comparison; [`Error::Divergence`] if records
-/// differ in operation, pool, call count, size, hash or allocator state (but for a
-/// `close` on every rank where some rank has live buffers: the close fails on them,
-/// and a buffer dropped late on one rank shows in its history, not as a divergence).
+/// As [`Ledger::agree`]; [`Error::PoolBroken`] naming the first broken rank if any
+/// rank's pool is broken (but for a `close`, which skips the comparison);
+/// [`Error::Divergence`] if records differ in a compared field (but for a `close` on
+/// every rank where some rank has live buffers: the close fails on them).
 pub(crate) fn agree_records(
     ledger: &Ledger,
     during: &'static str,
@@ -247,26 +234,29 @@ pub(crate) fn agree_records(
 
 /// Find the first call where the ranks' histories differ.
 fn explain(decoded: &[AgreementRecord], during: &'static str) -> Divergence {
+    let diverged = |first_differing_call, history_gone, calls| Divergence {
+        during,
+        first_differing_call,
+        history_gone,
+        calls,
+    };
+    // Every rank's record, as `what` describes it.
+    let each = |what: &dyn Fn(&AgreementRecord) -> String| {
+        (decoded.iter().map(|r| Some(what(r))).enumerate()).collect()
+    };
     if decoded.windows(2).any(|w| w[0].pool != w[1].pool) {
         // Pools over one communicator set share a ledger: one rank's agreement met
         // another pool's (the pools are used in different orders, or from threads).
-        return Divergence {
-            during,
-            first_differing_call: None,
-            history_gone: None,
-            calls: (decoded.iter().enumerate())
-                .map(|(rank, r)| {
-                    let what = format!(
-                        "{} of the pool with channel ordinal {} ({} B, at its call #{}; pools sharing communicators must make their collective operations in the same order on every rank)",
-                        r.op.name(),
-                        r.pool,
-                        r.size,
-                        r.seq
-                    );
-                    (rank, Some(what))
-                })
-                .collect(),
+        let order = |r: &AgreementRecord| {
+            format!(
+                "{} of the pool with channel ordinal {} ({} B, at its call #{}; pools sharing communicators must make their collective operations in the same order on every rank)",
+                r.op.name(),
+                r.pool,
+                r.size,
+                r.seq
+            )
         };
+        return diverged(None, None, each(&order));
     }
     // The calls every rank still remembers start at the largest oldest-seq.
     let lo = decoded
@@ -287,16 +277,8 @@ fn explain(decoded: &[AgreementRecord], during: &'static str) -> Divergence {
             _ => false,
         });
         if !same {
-            return Divergence {
-                during,
-                first_differing_call: Some(seq),
-                history_gone: None,
-                calls: calls
-                    .iter()
-                    .enumerate()
-                    .map(|(r, c)| (r, c.map(|c| c.describe())))
-                    .collect(),
-            };
+            let calls = calls.iter().map(|c| c.map(|c| c.describe()));
+            return diverged(Some(seq), None, calls.enumerate().collect());
         }
     }
     // Every remembered call matches: the difference is older than the history, or it
@@ -310,46 +292,22 @@ fn explain(decoded: &[AgreementRecord], during: &'static str) -> Divergence {
     if same_history && same_request {
         // Same calls, different allocator states: something outside the recorded
         // calls changed one rank's allocator (a bug, or memory released on one rank).
-        return Divergence {
-            during,
-            first_differing_call: None,
-            history_gone: None,
-            calls: decoded
-                .iter()
-                .enumerate()
-                .map(|(rank, r)| {
-                    (
-                        rank,
-                        Some(format!("allocator state digest {:#018x}", r.state)),
-                    )
-                })
-                .collect(),
-        };
+        let digest = |r: &AgreementRecord| format!("allocator state digest {:#018x}", r.state);
+        return diverged(None, None, each(&digest));
     }
     // Unless only the operation differs, the first differing call is older than
     // every call the ranks remember: say where each rank is.
     let remembered = decoded.iter().map(|r| r.recent.len()).max().unwrap_or(0);
-    Divergence {
-        during,
-        first_differing_call: if same_history { Some(hi + 1) } else { None },
-        history_gone: (!same_history).then_some(remembered),
-        calls: decoded
-            .iter()
-            .enumerate()
-            .map(|(rank, r)| {
-                let what = if same_history {
-                    format!("{} ({} B)", r.op.name(), r.size)
-                } else {
-                    let latest = r
-                        .recent
-                        .last()
-                        .map_or("no calls".into(), |c| format!("latest {}", c.describe()));
-                    format!("pool call count {}, hash {:#018x}, {latest}", r.seq, r.hash)
-                };
-                (rank, Some(what))
-            })
-            .collect(),
-    }
+    let calls = each(&|r| {
+        if same_history {
+            return format!("{} ({} B)", r.op.name(), r.size);
+        }
+        let latest =
+            (r.recent.last()).map_or("no calls".into(), |c| format!("latest {}", c.describe()));
+        format!("pool call count {}, hash {:#018x}, {latest}", r.seq, r.hash)
+    });
+    let gone = (!same_history).then_some(remembered);
+    diverged(same_history.then_some(hi + 1), gone, calls)
 }
 
 #[cfg(test)]

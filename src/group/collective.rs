@@ -48,8 +48,9 @@ pub(crate) struct CollectiveRecord {
     /// Collectives issued on this pool so far.
     pub(crate) pool_collective: u64,
     pub(crate) collective: CollKind,
-    pub(crate) dtype: Option<DTypeCode>,
-    pub(crate) reduction: Option<ReduceCode>,
+    /// The element type and reduction as their wire codes.
+    pub(crate) dtype: Option<u8>,
+    pub(crate) reduction: Option<u8>,
     pub(crate) count: u64,
     /// The communicator the path chose, and the collectives issued on it over every
     /// pool of the handle.
@@ -64,18 +65,13 @@ pub(crate) struct CollectiveRecord {
     pub(crate) call_hash: u64,
 }
 
-/// An element type on the wire.
-pub(crate) type DTypeCode = u8;
-/// A reduction on the wire.
-pub(crate) type ReduceCode = u8;
-
-/// The wire code of `dtype`.
-pub(crate) fn dtype_code(dtype: DType) -> DTypeCode {
+/// The wire code of `dtype` (its index in the names below).
+pub(crate) fn dtype_code(dtype: DType) -> u8 {
     dtype as u8
 }
 
-/// The wire code of `op`.
-pub(crate) fn reduce_code(op: ReduceOp) -> ReduceCode {
+/// The wire code of `op` (its index in the names below).
+pub(crate) fn reduce_code(op: ReduceOp) -> u8 {
     op as u8
 }
 
@@ -148,14 +144,6 @@ impl Fields for CollectiveRecord {
     ];
 
     fn field(&self, i: usize) -> Value {
-        let buffer = |b: &BufferRecord, j: usize| {
-            Value::Number(match j {
-                0 => b.allocation,
-                1 => u64::from(b.segment),
-                2 => b.offset_bytes,
-                _ => b.len_bytes,
-            })
-        };
         match i {
             0 => Value::Name(match self.kind {
                 RecordKind::Collective => "collective",
@@ -176,8 +164,11 @@ impl Fields for CollectiveRecord {
             8 => Value::Number(self.comm),
             9 => Value::Number(self.comm_seq),
             10 => named(&PATHS, self.path, "none"),
-            11..=14 => buffer(&self.input, i - 11),
-            15..=18 => buffer(&self.output, i - 15),
+            11..=18 => {
+                let b = if i < 15 { &self.input } else { &self.output };
+                let fields = [b.allocation, b.segment.into(), b.offset_bytes, b.len_bytes];
+                Value::Number(fields[(i - 11) % 4])
+            }
             19 => Value::Number(self.call_seq),
             _ => Value::Hex(self.call_hash),
         }

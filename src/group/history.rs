@@ -31,31 +31,25 @@ pub(crate) struct CallRecord {
 
 impl CallRecord {
     pub(crate) fn describe(&self) -> String {
-        match self.kind {
-            CallKind::Alloc => format!(
-                "call #{}: alloc({} B, align {} B)",
-                self.seq, self.a, self.b
-            ),
-            CallKind::Free => format!("call #{}: free(buffer of call #{})", self.seq, self.a),
-            CallKind::Reserve if self.b == 1 => {
-                format!("call #{}: reserve_small({} B)", self.seq, self.a)
-            }
-            CallKind::Reserve => format!("call #{}: reserve({} B)", self.seq, self.a),
-            CallKind::Trim => format!("call #{}: trim()", self.seq),
-            CallKind::Close => format!("call #{}: close()", self.seq),
-            CallKind::FitToPeak => format!("call #{}: fit_to_peak()", self.seq),
-        }
+        let (a, b) = (self.a, self.b);
+        let call = match self.kind {
+            CallKind::Alloc => format!("alloc({a} B, align {b} B)"),
+            CallKind::Free => format!("free(buffer of call #{a})"),
+            CallKind::Reserve if b == 1 => format!("reserve_small({a} B)"),
+            CallKind::Reserve => format!("reserve({a} B)"),
+            CallKind::Trim => "trim()".into(),
+            CallKind::Close => "close()".into(),
+            CallKind::FitToPeak => "fit_to_peak()".into(),
+        };
+        format!("call #{}: {call}", self.seq)
     }
 }
 
-/// The call count and running hash, readable without the pool's lock: what a
-/// collective's record carries.
-///
-/// Written under the pool's lock by [`History::record`]; read by one lock-free
-/// [`load`](Self::load). The two words are stored hash first, count last (release) and
-/// loaded count first (acquire), so a reader sees a hash at least as new as its count;
-/// a pair that mixes two calls needs a pool call on another thread racing the
-/// collective, which is a divergence the checks report anyway.
+/// The call count and running hash that a collective's record carries, written under
+/// the pool's lock by [`History::record`] and read lock-free by [`load`](Self::load).
+/// Stored hash first, count last (release), loaded count first (acquire): a reader sees
+/// a hash at least as new as its count; a pair that mixes two calls needs a pool call
+/// on another thread racing the collective, a divergence the checks report anyway.
 #[derive(Debug)]
 pub(crate) struct CallHead {
     seq: AtomicU64,

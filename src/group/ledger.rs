@@ -1,17 +1,12 @@
 //! The ledger: everything the ranks of one communicator set compare, as one ordered
-//! stream of typed records on one exchange channel, with one verdict.
+//! stream of typed records ([`Entry`]) on one exchange channel, with one verdict.
 //!
-//! Each rank appends its records ([`Entry`]) in its call order: the collectives of
-//! every pool over the communicators with their identity, step boundaries, and the
-//! agreements of the pools' collective operations (growth, `reserve`, `trim`,
-//! `close`, `fit_to_peak`). Rounds of the exchange carry batches of them; every rank
-//! sees every rank's records, keeps the same per-rank queues of records not yet
-//! compared, and compares the heads of the queues in lock-step, so every rank finds
-//! the same first difference at the same record. Collectives are compared field by
-//! field here; agreements go back to their pool, which judges them (its broken
-//! flags, a `close` with live buffers, the call history); a rank whose record is of
-//! another kind than its peers' (a growth where they make a collective, a step
-//! boundary where they make one more collective) is a divergence at once.
+//! Each rank appends its records in its call order; rounds of the exchange carry
+//! batches of them, and every rank compares the heads of the same per-rank queues in
+//! lock-step, so every rank finds the same first difference at the same record.
+//! Collectives and step boundaries are compared field by field here; agreements go
+//! back to their pool, which judges them ([`agree_records`](super::agree_records)); a
+//! rank whose record is of another kind than its peers' is a divergence at once.
 //!
 //! Who drives the rounds: under [`CheckMode::Async`] a background thread (callers
 //! post and return, at most `capacity` records of theirs uncompared); otherwise the
@@ -19,7 +14,7 @@
 
 use super::agree::AgreementRecord;
 use super::collective::CollectiveRecord;
-use super::record::{self, first_difference};
+use super::record::{self, Fields, first_difference};
 use crate::control::{ChannelId, Exchange};
 use crate::deadline::Deadline;
 use crate::error::{CollectiveDivergence, Error, ErrorKind, Result};
@@ -74,12 +69,10 @@ pub(crate) enum Entry {
 /// Why the ledger broke: what later calls on its pools report.
 #[derive(Debug, Clone)]
 pub(crate) enum Failure {
-    /// The ranks' records differed: later calls fail with
-    /// [`Error::CollectiveDivergence`].
+    /// The ranks' records differed: later calls fail with [`Error::CollectiveDivergence`].
     Diverged(Box<CollectiveDivergence>),
     /// Another failure (a round that timed out or lost a peer, a collective that
-    /// failed, a payload that does not decode): later calls fail with
-    /// [`Error::PoolBroken`].
+    /// failed, an unreadable payload): later calls fail with [`Error::PoolBroken`].
     Broken(String),
 }
 
@@ -176,8 +169,6 @@ struct Queue {
 struct Rounds {
     seen: Vec<VecDeque<Entry>>,
     compared: u64,
-    /// This rank's records of the current batch, as posted (never decoded again).
-    batch: Vec<Entry>,
 }
 
 impl Ledger {
@@ -199,7 +190,6 @@ impl Ledger {
             rounds: Mutex::new(Rounds {
                 seen: vec![VecDeque::new(); world],
                 compared: 0,
-                batch: Vec::new(),
             }),
             config,
         });
@@ -277,7 +267,7 @@ impl Ledger {
             CheckMode::Off => Ok(()),
             CheckMode::Strict => {
                 let entry = Entry::Collective(record);
-                self.settle(Some(entry), deadline(), "strict collective check", true)
+                self.settle(Some(entry), deadline(), "strict collective check")
                     .map(drop)
             }
             CheckMode::Async => self.post(Entry::Collective(record), deadline),
@@ -299,12 +289,7 @@ impl Ledger {
         during: &'static str,
         deadline: Deadline,
     ) -> Result<Vec<AgreementRecord>> {
-        let n = self.settle(
-            Some(Entry::Agreement(Box::new(mine))),
-            deadline,
-            during,
-            false,
-        )?;
+        let n = self.settle(Some(Entry::Agreement(Box::new(mine))), deadline, during)?;
         let mut q = self.shared.queue.lock();
         let at = q.agreed.iter().position(|(k, _)| *k == n);
         at.map(|i| q.agreed.swap_remove(i).1)
@@ -319,7 +304,7 @@ impl Ledger {
     /// # Errors
     /// The ledger's failure; [`Error::Timeout`] by `deadline`.
     pub(crate) fn wait_compared(&self, deadline: Deadline) -> Result<()> {
-        self.settle(None, deadline, "waiting for the collective checks", true)
+        self.settle(None, deadline, "waiting for the collective checks")
             .map(drop)
     }
 
@@ -388,15 +373,10 @@ impl Ledger {
     /// Append `entry` (if any) and drive the rounds on this thread until it (or, with
     /// none, every record of this rank posted so far) is compared, or the ledger
     /// broke, or `deadline`; the record's number among this rank's records. The
-    /// exchange's rounds are named `what`; with `breaks`, a round that fails breaks
-    /// the ledger (its records were collectives' checks, now out of step).
-    fn settle(
-        &self,
-        entry: Option<Entry>,
-        deadline: Deadline,
-        what: &'static str,
-        breaks: bool,
-    ) -> Result<u64> {
+    /// exchange's rounds are named `what`; but for an agreement's, a round that fails
+    /// breaks the ledger (its records were collectives' checks, now out of step).
+    fn settle(&self, entry: Option<Entry>, deadline: Deadline, what: &'static str) -> Result<u64> {
+        let breaks = !matches!(entry, Some(Entry::Agreement(_)));
         let s = &self.shared;
         self.check()?;
         let Some(mut rounds) = s.rounds.try_lock_until(deadline.instant()) else {
@@ -460,7 +440,6 @@ impl Drop for Ledger {
 
 impl Shared {
     fn divergence(&self) -> Option<&CollectiveDivergence> {
-        #[allow(clippy::borrowed_box)]
         match self.failure.get() {
             Some(Failure::Diverged(d)) => Some(d),
             _ => None,
@@ -537,30 +516,20 @@ impl Shared {
     ) -> Result<()> {
         let c = &self.config;
         let payload = record::encode_sized(&batch, 16 + batch.len() * MAX_RECORD_BYTES)?;
-        rounds.batch = batch;
         let all = c.exchange.all_gather(c.channel, what, &payload, deadline)?;
-        let me = c.exchange.rank();
-        if all.len() != rounds.seen.len() {
-            self.fail(format!(
-                "{} payloads for {} ranks",
-                all.len(),
-                rounds.seen.len()
-            ));
+        let (me, world) = (c.exchange.rank(), rounds.seen.len());
+        if all.len() != world {
+            self.fail(format!("{} payloads for {world} ranks", all.len()));
             return Err(self.error());
         }
-        for (rank, p) in all.iter().enumerate() {
-            if rank == me {
-                let mine = std::mem::take(&mut rounds.batch);
-                rounds.seen[me].extend(mine);
-                continue;
-            }
-            match record::decode::<Vec<Entry>>(p) {
-                Some(entries) => rounds.seen[rank].extend(entries),
-                None => {
-                    self.fail(format!("rank {rank} sent an unreadable check record"));
-                    return Err(self.error());
-                }
-            }
+        // This rank's records as posted, never decoded again.
+        rounds.seen[me].extend(batch);
+        for (rank, p) in all.iter().enumerate().filter(|(rank, _)| *rank != me) {
+            let Some(entries) = record::decode::<Vec<Entry>>(p) else {
+                self.fail(format!("rank {rank} sent an unreadable check record"));
+                return Err(self.error());
+            };
+            rounds.seen[rank].extend(entries);
         }
         while rounds.seen.iter().all(|q| !q.is_empty()) {
             let heads: Vec<Entry> = rounds
@@ -587,7 +556,6 @@ impl Shared {
             }
             q.compared = number;
         }
-        let me = self.config.exchange.rank();
         self.queue.lock().ahead = !rounds.seen[me].is_empty();
         self.progress.notify_all();
         Ok(())
@@ -602,9 +570,9 @@ impl Shared {
         } else {
             "strict check"
         };
-        let collectives: Option<Vec<&CollectiveRecord>> = (heads.iter())
+        let collectives: Option<Vec<CollectiveRecord>> = (heads.iter())
             .map(|e| match e {
-                Entry::Collective(r) => Some(r),
+                Entry::Collective(r) => Some(*r),
                 Entry::Agreement(_) => None,
             })
             .collect();
@@ -612,10 +580,15 @@ impl Shared {
             Some(records) => first_difference(&records)?,
             None if heads.iter().all(|e| matches!(e, Entry::Agreement(_))) => return None,
             None => {
-                let values = (heads.iter().enumerate())
-                    .map(|(rank, e)| (rank, describe(e)))
-                    .collect();
-                ("record kind", values)
+                // The record kind with where the rank is.
+                let describe = |e: &Entry| match e {
+                    Entry::Collective(r) => r.describe(0),
+                    Entry::Agreement(a) => a.describe_kind(),
+                };
+                (
+                    "record kind",
+                    heads.iter().map(describe).enumerate().collect(),
+                )
             }
         };
         let pool = match &heads[me] {
@@ -676,15 +649,6 @@ impl Shared {
                 return;
             }
         }
-    }
-}
-
-/// A record as the divergence report names it, with where the rank is.
-fn describe(entry: &Entry) -> String {
-    use super::record::Fields;
-    match entry {
-        Entry::Collective(r) => r.describe(0),
-        Entry::Agreement(a) => a.describe_kind(),
     }
 }
 

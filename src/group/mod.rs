@@ -1,12 +1,6 @@
-//! What the ranks compare, between the backend and the pool: the ledger (one ordered
-//! stream of records per communicator set, one verdict), the records it carries
-//! (agreements, collectives with their identity, step boundaries) with one
-//! first-differing-field diff, the call history and its running hash, the agreement
-//! and its readiness flags, and the cross-pool registration-order round.
-//!
-//! Records travel as serde values (`postcard`) over the
-//! [`Exchange`](crate::Exchange). This floor imports the backend, the control plane
-//! and the core, never the pool or the collectives.
+//! What the ranks compare, between the backend and the pool: the ledger, the records
+//! it carries with their first-differing-field diff, the call history and its hash,
+//! the agreement, and the registration-order round (`docs/ARCHITECTURE.md`).
 
 mod agree;
 mod collective;

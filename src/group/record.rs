@@ -17,8 +17,6 @@ pub(crate) enum Value {
     Hex(u64),
     /// A named choice (an operation, a type, a path).
     Name(&'static str),
-    /// Free text (a pool's name).
-    Text(String),
     /// A caller's tag of a call (`None`: untagged), shown in decimal and hexadecimal.
     Tag(Option<u64>),
 }
@@ -32,7 +30,6 @@ impl Value {
             Value::Number(v) => v.to_string(),
             Value::Hex(v) => format!("{v:#018x}"),
             Value::Name(s) => (*s).to_string(),
-            Value::Text(s) => format!("{s:?}"),
         }
     }
 }
@@ -49,16 +46,6 @@ pub(crate) trait Fields {
     /// may say more here than it compares.
     fn describe(&self, i: usize) -> String {
         self.field(i).show()
-    }
-}
-
-impl<R: Fields> Fields for &R {
-    const NAMES: &'static [&'static str] = R::NAMES;
-    fn field(&self, i: usize) -> Value {
-        (*self).field(i)
-    }
-    fn describe(&self, i: usize) -> String {
-        (*self).describe(i)
     }
 }
 

@@ -4,7 +4,7 @@
 //! different orders would otherwise pair one pool's window with another's (NCCL pairs
 //! windows by call order and checks nothing).
 
-use super::record::{self, Fields, Value, first_difference};
+use super::record;
 use crate::control::{ChannelId, Exchange};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -15,17 +15,6 @@ use serde::{Deserialize, Serialize};
 struct RegistrationRecord {
     pool: String,
     size_bytes: u64,
-}
-
-impl Fields for RegistrationRecord {
-    const NAMES: &'static [&'static str] = &["pool", "segment bytes"];
-
-    fn field(&self, i: usize) -> Value {
-        match i {
-            0 => Value::Text(self.pool.clone()),
-            _ => Value::Number(self.size_bytes),
-        }
-    }
 }
 
 /// Agree that every rank's next registration is pool `pool`'s segment of
@@ -53,8 +42,7 @@ pub(crate) fn agree_registration_order(
         deadline,
     )?;
     let records: Vec<Option<RegistrationRecord>> = all.iter().map(|b| record::decode(b)).collect();
-    let decoded: Option<Vec<&RegistrationRecord>> = records.iter().map(Option::as_ref).collect();
-    if decoded.is_some_and(|d| first_difference(&d).is_none()) {
+    if records.iter().all(|r| r.is_some() && *r == records[0]) {
         return Ok(());
     }
     let order = records
