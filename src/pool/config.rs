@@ -4,6 +4,20 @@ use crate::core::CoreConfig;
 use crate::group::CheckMode;
 use std::time::Duration;
 
+/// Builder setters, one a line: `with_field(field: Type);` writes
+/// `pub fn with_field(mut self, field: Type) -> Self`, which sets `self.field`, with the
+/// doc "Set [`field`](Self::field)." (the field's documentation says the rest).
+macro_rules! setters {
+    ($($name:ident($field:ident: $ty:ty);)*) => {$(
+        #[doc = concat!("Set [`", stringify!($field), "`](Self::", stringify!($field), ").")]
+        pub fn $name(mut self, $field: $ty) -> Self {
+            self.$field = $field;
+            self
+        }
+    )*};
+}
+pub(crate) use setters;
+
 /// Largest accepted [`PoolConfig::history_len`].
 pub const MAX_HISTORY: usize = 1 << 16;
 
@@ -138,38 +152,17 @@ impl PoolConfig {
         config
     }
 
-    /// Set the timeout of waits on other ranks.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
+    setters! {
+        with_timeout(timeout: Duration);
+        with_require_tags(require_tags: bool);
+        with_register(register: bool);
+        with_require_symmetric(require_symmetric: bool);
+        with_core(core: CoreConfig);
+        with_own_communicators(own_communicators: bool);
+        with_history_len(history_len: usize);
     }
 
-    /// Set whether every collective on the pool must carry a tag
-    /// ([`require_tags`](Self::require_tags)).
-    pub fn with_require_tags(mut self, require: bool) -> Self {
-        self.require_tags = require;
-        self
-    }
-
-    /// Set whether segments are registered.
-    pub fn with_register(mut self, register: bool) -> Self {
-        self.register = register;
-        self
-    }
-
-    /// Set whether a missing symmetric window is an error.
-    pub fn with_require_symmetric(mut self, require: bool) -> Self {
-        self.require_symmetric = require;
-        self
-    }
-
-    /// Set the core's configuration.
-    pub fn with_core(mut self, core: CoreConfig) -> Self {
-        self.core = core;
-        self
-    }
-
-    /// Set the pool's name.
+    /// Set the pool's [name](Self::name).
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
         self
@@ -183,6 +176,12 @@ impl PoolConfig {
         self
     }
 
+    /// Set [`check_queue`](Self::check_queue) (at least 1).
+    pub fn with_check_queue(mut self, records: usize) -> Self {
+        self.check_queue = records.max(1);
+        self
+    }
+
     /// The error for a `SYMMPOOL_CHECK` that names no mode, when the mode was not set
     /// with [`with_check`](Self::with_check).
     pub(crate) fn check_env_error(&self) -> Option<crate::Error> {
@@ -191,25 +190,5 @@ impl PoolConfig {
             value: format!("{v:?}"),
             expected: "strict, async or off (or unset: async)",
         })
-    }
-
-    /// Set how many collectives an `Async` handle may launch past one whose check has
-    /// not come back ([`check_queue`](Self::check_queue); at least 1).
-    pub fn with_check_queue(mut self, records: usize) -> Self {
-        self.check_queue = records.max(1);
-        self
-    }
-
-    /// Set whether the pool gets communicators of its own (see
-    /// [`own_communicators`](Self::own_communicators)).
-    pub fn with_own_communicators(mut self, own: bool) -> Self {
-        self.own_communicators = own;
-        self
-    }
-
-    /// Set how many recent calls a divergence report can name.
-    pub fn with_history_len(mut self, history_len: usize) -> Self {
-        self.history_len = history_len;
-        self
     }
 }

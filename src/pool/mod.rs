@@ -41,6 +41,7 @@ mod stats;
 #[cfg(feature = "nccl")]
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
+pub(crate) use config::setters;
 pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use counters::PoolCounters;
 pub(crate) use events::role_name;
@@ -338,10 +339,7 @@ impl SymmPool {
     /// [`Error::Cuda`].
     pub fn new_stream(&self) -> Result<Stream> {
         let out = self.inner.backend.streams().new_stream();
-        if let Err(e) = &out {
-            events::call_failed(self, "new_stream", e);
-        }
-        out
+        out.inspect_err(|e| events::call_failed(self, "new_stream", e))
     }
 
     /// The exchange channel of this pool's agreements.
@@ -431,10 +429,7 @@ impl SymmPool {
         stream: &Stream,
     ) -> Result<SymmBuffer> {
         let out = self.alloc_unlogged(size_bytes, align_bytes, stream);
-        if let Err(e) = &out {
-            events::call_failed(self, "alloc", e);
-        }
-        out
+        out.inspect_err(|e| events::call_failed(self, "alloc", e))
     }
 
     fn alloc_unlogged(

@@ -78,11 +78,8 @@ impl SymmPool {
     /// a growth. On error the old pool keeps its memory and state (broken), and the
     /// new communicators are dropped.
     pub fn shrink(&self) -> Result<(SymmPool, ShrinkReport)> {
-        let out = self.shrink_unlogged();
-        if let Err(e) = &out {
-            events::call_failed(self, "shrink", e);
-        }
-        out
+        self.shrink_unlogged()
+            .inspect_err(|e| events::call_failed(self, "shrink", e))
     }
 
     fn shrink_unlogged(&self) -> Result<(SymmPool, ShrinkReport)> {
