@@ -4,7 +4,6 @@
 use crate::backend::CommRole;
 use crate::error::Error;
 use crate::pool::SymmPool;
-use std::time::Duration;
 
 /// The name of a communicator role in statistics keys and events: `symmetric`,
 /// `copy_engine`, `plain`.
@@ -14,27 +13,6 @@ pub(crate) fn role_name(role: CommRole) -> &'static str {
         CommRole::CopyEngine => "copy_engine",
         CommRole::Plain => "plain",
     }
-}
-
-/// A window registration of one segment on one communicator finished.
-pub(super) fn registered(
-    rank: usize,
-    comm: usize,
-    role: CommRole,
-    segment_bytes: u64,
-    took: Duration,
-    window: bool,
-) {
-    tracing::info!(
-        target: "symmpool::pool",
-        rank,
-        comm,
-        role = role_name(role),
-        segment_bytes,
-        seconds = took.as_secs_f64(),
-        window,
-        "window registered"
-    );
 }
 
 /// A public pool or collective call is about to return `error`.

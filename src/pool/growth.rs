@@ -3,8 +3,8 @@
 //! registration followed by an outcome round, so that a failure on any rank undoes
 //! the growth on every rank), add it to the core. Also `reserve`, which pre-grows.
 
-use super::SymmPool;
 use super::state::{PoolState, SegmentEntry};
+use super::{MemoryAction, SymmPool};
 use crate::backend::Segment;
 use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId, SizeClass};
@@ -110,8 +110,23 @@ impl SymmPool {
         };
         match added {
             Ok(got) if got == id => {
+                // Accounted for and reported (its departure is, in `release.rs`).
+                let bytes = entry.segment.size_bytes();
+                let windows = entry.windows.iter().flatten().count();
+                let address = entry.segment.device_ptr();
                 st.segments.insert(id, Arc::new(entry));
-                self.segment_added(st, id);
+                st.counters.reserved_bytes_total += bytes;
+                if let Some(h) = st.memory_history.as_deref_mut() {
+                    h.segment(MemoryAction::SegmentAlloc, id, address, bytes);
+                }
+                let class = match growth.class {
+                    SizeClass::Small => "small",
+                    SizeClass::Large => "large",
+                };
+                tracing::info!(target: "symmpool::pool", rank = self.rank(),
+                    pool = %self.config().name, segment = id.0, class, segment_bytes = bytes,
+                    windows, reserved_bytes = st.core.stats().reserved_bytes.current,
+                    "segment allocated");
                 Ok(id)
             }
             Ok(got) => {
@@ -323,8 +338,10 @@ impl SymmPool {
             let local = match unsafe { backend.segments().register(&entry.segment, c, register_by) }
             {
                 Ok(window) => {
-                    let (took, got) = (registering.elapsed(), window.is_some());
-                    super::events::registered(self.rank(), c, info.role, size_bytes, took, got);
+                    tracing::info!(target: "symmpool::pool", rank = self.rank(), comm = c,
+                        role = super::role_name(info.role), segment_bytes = size_bytes,
+                        seconds = registering.elapsed().as_secs_f64(), window = window.is_some(),
+                        "window registered");
                     st.counters.registrations[c] += 1;
                     let missing = window.is_none();
                     entry.windows[c] = window;

@@ -23,10 +23,8 @@
 //!   call on that rank fails, and so does the next agreement on every rank
 //!   ([`Error::PoolBroken`]).
 
-mod accounting;
 mod buffer;
 mod config;
-mod counters;
 pub(crate) mod events;
 mod fit;
 mod free;
@@ -43,7 +41,6 @@ pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
 pub(crate) use config::setters;
 pub use config::{MAX_HISTORY, PoolConfig};
-pub(crate) use counters::PoolCounters;
 pub(crate) use events::role_name;
 pub use fit::FitReport;
 pub(crate) use history::MemoryHistory;
@@ -61,12 +58,10 @@ use crate::group::{CallHead, CallKind, Failure, History, Ledger, LedgerConfig};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
-pub(crate) use state::{Counters, PoolState};
+pub(crate) use state::{Counters, PoolCounters, PoolState, SegmentEntry};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-
-pub(crate) use state::SegmentEntry;
 
 type DeferredFree = (BlockId, SmallVec<[Wait; 3]>);
 
@@ -96,7 +91,7 @@ pub(crate) struct PoolInner {
     /// handles, read on every collective).
     tags_required: AtomicBool,
     /// Lock-free counters for [`SymmPool::memory_stats`].
-    pub(crate) counters: counters::PoolCounters,
+    pub(crate) counters: PoolCounters,
     state: Mutex<PoolState>,
     /// The pool a shrink made of this one (`shrink.rs`): it holds the core now, so
     /// the frees of this pool's buffers go there.
