@@ -50,23 +50,18 @@ pub struct PoolConfig {
     /// to the other ranks (its agreements run on a channel of its own).
     pub name: String,
     /// How collectives on the pool are checked across ranks (default
-    /// [`CheckMode::Async`]; [`from_env`](Self::from_env) reads it from the
-    /// `SYMMPOOL_CHECK` environment variable, `strict`, `async` or `off`, when it is
-    /// set): the mode of the collectives handles made from the pool
+    /// [`CheckMode::Async`]; [`from_env`](Self::from_env) reads it from
+    /// `SYMMPOOL_CHECK`): the mode of the collectives handles made from the pool
     /// ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
     /// collective. Code that sets it ([`with_check`](Self::with_check), or this field)
-    /// beats the environment. At world size 1 there is no peer
-    /// to compare with: the handles run as [`CheckMode::Off`], so that a one-GPU job
-    /// pays nothing for the checks.
+    /// beats the environment. At world size 1 there is no peer to compare with: the
+    /// handles run as [`CheckMode::Off`], so that a one-GPU job pays nothing for it.
     pub check: CheckMode,
     /// Under [`CheckMode::Async`], how many collectives a rank may launch after one
-    /// whose check has not yet come back (default 1): after a mismatch at a rank's
-    /// collective *k*, at most this many further collectives of that rank run (and
-    /// may return `Ok`); collective *k* + `check_queue` + 1 fails with the
-    /// divergence. A caller that would exceed it waits for the check (at most twice
-    /// the pool's timeout). Larger values let a rank's host run further ahead of its
-    /// peers' records, at that cost in the bound. The default of the handles made from
-    /// the pool; 0 counts as 1.
+    /// whose check has not yet come back (default 1; 0 counts as 1): the bound on the
+    /// damage of a divergence ([`coll`](crate::coll), "Checked collectives"). Larger
+    /// values let a rank's host run further ahead of its peers' records, at that cost
+    /// in the bound.
     pub check_queue: usize,
     /// Whether every collective on the pool must carry a tag
     /// ([`Coll::tagged`](crate::coll::Coll::tagged)): an untagged one fails with
