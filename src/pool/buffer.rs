@@ -270,7 +270,7 @@ impl SymmBuffer {
     /// backend errors.
     pub fn write<T: Element>(&self, data: &[T]) -> Result<()> {
         self.view::<u8>()?
-            .write_bytes(0, bytemuck::cast_slice(data))
+            .copy_from_host(bytemuck::cast_slice(data))
     }
 
     /// Copy the whole buffer to a host vector of `T`, waiting for the buffer's stream.
@@ -481,11 +481,10 @@ impl<'a, T: Element> TypedView<'a, T> {
     /// # Errors
     /// [`Error::BadView`] if the range is out of bounds.
     pub fn slice(&self, start: usize, len: usize) -> Result<TypedView<'a, T>> {
-        let end = start
-            .checked_add(len)
-            .filter(|&e| e <= self.len)
-            .ok_or_else(|| Error::BadView(format!("{start}..{start}+{len} beyond {}", self.len)))?;
-        let _ = end;
+        if start.checked_add(len).is_none_or(|end| end > self.len) {
+            let beyond = format!("{start}..{start}+{len} beyond {}", self.len);
+            return Err(Error::BadView(beyond));
+        }
         Ok(TypedView {
             buf: self.buf,
             offset_bytes: self.offset_bytes + (start * std::mem::size_of::<T>()) as u64,
@@ -535,30 +534,21 @@ impl<'a, T: Element> TypedView<'a, T> {
             })
     }
 
-    fn write_bytes(&self, at_bytes: u64, data: &[u8]) -> Result<()> {
-        self.buf.pool.check_memory()?;
-        let region = self.region()?;
-        let target = region.sub(at_bytes, data.len() as u64).map_err(|_| {
-            Error::BadView(format!(
-                "writing {} bytes at {at_bytes} into a view of {} bytes",
-                data.len(),
-                region.len_bytes()
-            ))
-        })?;
-        self.buf
-            .pool
-            .backend()
-            .data()
-            .write(target, data, &self.buf.stream)
-    }
-
     /// Copy `data` into the first `data.len()` elements, ordered on the buffer's stream.
     ///
     /// # Errors
     /// [`Error::BadView`] if `data` is longer than the view; [`Error::PoolClosed`];
     /// backend errors.
     pub fn copy_from_host(&self, data: &[T]) -> Result<()> {
-        self.write_bytes(0, bytemuck::cast_slice(data))
+        let data: &[u8] = bytemuck::cast_slice(data);
+        self.buf.pool.check_memory()?;
+        let region = self.region()?;
+        let target = region.sub(0, data.len() as u64).map_err(|_| {
+            let (n, len) = (data.len(), region.len_bytes());
+            Error::BadView(format!("writing {n} bytes at 0 into a view of {len} bytes"))
+        })?;
+        let mover = self.buf.pool.backend().data();
+        mover.write(target, data, &self.buf.stream)
     }
 
     /// Copy the view to a host vector, waiting for the buffer's stream.
