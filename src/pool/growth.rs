@@ -6,7 +6,6 @@
 use super::state::{PoolState, SegmentEntry};
 use super::{MemoryAction, SymmPool};
 use crate::backend::Segment;
-use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -159,12 +158,11 @@ impl SymmPool {
             Some(s) => streams.is_capturing(s)?,
             None => self.any_known_capturing(st)?,
         };
-        let ready = if capturing {
+        Ok(Note::Ready(if capturing {
             Readiness::Capturing
         } else {
             Readiness::Ready
-        };
-        Ok(Note::Ready(ready))
+        }))
     }
 
     /// Whether any stream the pool has allocated on is capturing a CUDA graph; for a
@@ -313,7 +311,9 @@ impl SymmPool {
         }
         // One step on this rank: the agreement and every registration of the segment.
         let (channel, _registering) = backend.registration_channel();
-        self.agree_registration(channel, size_bytes, deadline)?;
+        // Every rank's next registration is this pool's segment of `size_bytes`.
+        let (exchange, name) = (backend.exchange(), &self.inner.config.name);
+        group::agree_registration_order(exchange, channel, name, size_bytes, deadline)?;
         for (c, info) in backend.communicators().iter().enumerate() {
             if !info.registers {
                 continue;
@@ -433,24 +433,6 @@ impl SymmPool {
             return Err(local.err().unwrap_or(Error::NoSymmetricSupport { comm }));
         }
         Ok(())
-    }
-
-    /// Agree with the other ranks, on the backend's registration channel, that every
-    /// rank's next registration is this pool's segment of `size_bytes` (see
-    /// `group::agree_registration_order`).
-    fn agree_registration(
-        &self,
-        channel: ChannelId,
-        size_bytes: u64,
-        deadline: Deadline,
-    ) -> Result<()> {
-        group::agree_registration_order(
-            self.inner.backend.exchange(),
-            channel,
-            &self.inner.config.name,
-            size_bytes,
-            deadline,
-        )
     }
 
     /// Free a segment no window covers and no work has used (a failed growth).
