@@ -285,8 +285,7 @@ impl SymmPool {
     /// # Errors
     /// As [`HostBackend::world`] and [`SymmPool::new`].
     pub fn host_group(world_size: usize, config: PoolConfig) -> Result<Vec<SymmPool>> {
-        let host = HostConfig::new(world_size);
-        Self::host_group_with(host, config)
+        Self::host_group_with(HostConfig::new(world_size), config)
     }
 
     /// As [`host_group`](Self::host_group), with explicit host settings.

@@ -332,10 +332,8 @@ impl Drop for PoolInner {
                 self.backend.rank(),
                 st.segments.len()
             );
-            for (_, entry) in std::mem::take(&mut st.segments) {
-                // Device memory is not freed by dropping its handle: leaked, as said.
-                drop(entry);
-            }
+            // Device memory is not freed by dropping its handle: leaked, as said.
+            st.segments.clear();
             return;
         }
         let mut deregistrations = st.counters.deregistrations.clone();
