@@ -84,27 +84,22 @@ pub struct PoolConfig {
 }
 
 /// The environment variable that sets [`PoolConfig::check`]'s default.
-pub(crate) const CHECK_ENV: &str = "SYMMPOOL_CHECK";
+const CHECK_ENV: &str = "SYMMPOOL_CHECK";
 
-/// The check mode `value` names (`strict`, `async`, `off`, any case, surrounding
-/// blanks ignored), or `None`.
-pub(crate) fn parse_check_mode(value: &str) -> Option<CheckMode> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "strict" => Some(CheckMode::Strict),
-        "async" => Some(CheckMode::Async),
-        "off" => Some(CheckMode::Off),
-        _ => None,
-    }
-}
-
-/// `SYMMPOOL_CHECK`: unset or empty → `Ok(None)`; a mode → `Ok(Some(mode))`; anything
-/// else → `Err(value)`.
+/// `SYMMPOOL_CHECK`: unset or empty → `Ok(None)`; `strict`, `async` or `off` (any
+/// case, surrounding blanks ignored) → `Ok(Some(mode))`; anything else → `Err(value)`.
 fn check_from_env() -> Result<Option<CheckMode>, String> {
-    match std::env::var(CHECK_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
-        Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => parse_check_mode(&v).map(Some).ok_or(v),
+    let value = match std::env::var(CHECK_ENV) {
+        Err(std::env::VarError::NotPresent) => return Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => return Err(v.to_string_lossy().into_owned()),
+        Ok(v) => v,
+    };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" => Ok(None),
+        "strict" => Ok(Some(CheckMode::Strict)),
+        "async" => Ok(Some(CheckMode::Async)),
+        "off" => Ok(Some(CheckMode::Off)),
+        _ => Err(value),
     }
 }
 
