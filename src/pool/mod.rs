@@ -1,23 +1,15 @@
 //! [`SymmPool`]: the allocator core, a backend, and the segment entries that own the
 //! memory and its windows.
 //!
-//! # Life of a pool
-//!
 //! - **Allocation** ([`SymmPool::alloc`]) is served from the core's cache: a mutex, a
-//!   best-fit lookup, no NCCL call. When nothing fits, the pool *grows*
-//!   (`growth.rs`): the ranks agree (call count, requested size, running hash of all
-//!   calls; see [`Error::Divergence`]), each allocates the segment, they confirm every
-//!   rank got it, then each registers it as a symmetric window on every communicator
-//!   that registers, in the backend's order.
-//! - **Free** happens when a [`SymmBuffer`] is dropped: the block goes back to the
-//!   cache with one fence per stream that used it. Never a collective, never a wait.
-//! - **Reuse across streams**: a block last used on other streams comes with device-side
-//!   waits that the pool enqueues on the allocating stream (`cuStreamWaitEvent`).
+//!   best-fit lookup, no NCCL call. When nothing fits, the pool grows (`growth.rs`).
+//! - **Free** (`free.rs`) happens when a [`SymmBuffer`] is dropped: never a collective,
+//!   never a wait. A block last used on other streams comes with device-side waits
+//!   that the pool enqueues on the allocating stream (`cuStreamWaitEvent`).
 //! - **Release** (`release.rs`) only through the collective calls [`SymmPool::trim`]
-//!   and [`SymmPool::close`]: drain, deregister, free (NCCL's teardown order). Dropping
-//!   the last handle to a pool that was not closed releases its memory locally
-//!   (deregistration and free are local in NCCL) after draining the device for at most
-//!   the pool's timeout; memory that cannot be released in time is leaked on purpose.
+//!   and [`SymmPool::close`]; dropping the last handle to a pool that was not closed
+//!   releases its memory locally (deregistration and free are local in NCCL) after
+//!   draining the device for at most the pool's timeout, or leaks it on purpose.
 //! - **Failures**: a failure inside `Drop` is returned by the next fallible call on the
 //!   pool; a panic while the pool's state is held marks the pool broken: every later
 //!   call on that rank fails, and so does the next agreement on every rank
