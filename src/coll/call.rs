@@ -385,7 +385,9 @@ fn call<T: Element>(
         };
         return Err(failed(pool, error));
     };
-    if tag.is_none() && entry.tags_required() {
+    // The pool keeps whether it refuses untagged calls (it requires tags, or has seen a
+    // tagged one, whichever handle saw it).
+    if tag.is_none() && entry.pool.tags_required().load(Ordering::Relaxed) {
         return Err(failed(first.pool(), untagged(name, first.pool())));
     }
     let pool = match bufs {
@@ -432,9 +434,9 @@ fn call<T: Element>(
             }
         }
     };
-    if tag.is_some() {
+    if tag.is_some() && !entry.pool.tags_required().load(Ordering::Relaxed) {
         // A valid tagged call: untagged ones are refused from now on.
-        entry.saw_tag();
+        entry.pool.tags_required().store(true, Ordering::Relaxed);
     }
     handle.dispatch(entry, coll, send, recv, count, T::DTYPE, stream, None, tag)
 }

@@ -163,12 +163,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The collectives of one rank on the buffers of one pool (or of several pools over the
-/// same communicators; one handle per communicator set): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
-/// across ranks (see the module documentation).
-///
-/// The collectives themselves (`all_gather`, `reduce_scatter`, `all_reduce`, each also
-/// `_in_place`) are methods of the [`CollectiveCalls`] trait, which `Coll` and its
-/// [`tagged`](Self::tagged) form implement: `use symmpool::CollectiveCalls;`.
+/// same communicators; one handle per communicator set), with the path chosen per
+/// call, checked across ranks (see the [module documentation](self)): the methods of
+/// [`CollectiveCalls`] (`use symmpool::CollectiveCalls;`), on the handle or its
+/// [`tagged`](Self::tagged) form.
 ///
 /// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
 /// per-path counters and the per-communicator sequence numbers; its collectives'
@@ -433,24 +431,6 @@ impl Coll {
     #[inline]
     fn entry(&self, pool: &SymmPool) -> Option<&PoolColl> {
         self.inner.pools.iter().find(|e| e.pool.same_pool(pool))
-    }
-}
-
-impl PoolColl {
-    /// Whether an untagged collective on the pool is refused (it requires tags or
-    /// has seen a tagged one; the pool keeps this, whichever handle saw the tag).
-    #[inline]
-    fn tags_required(&self) -> bool {
-        self.pool.tags_required().load(Ordering::Relaxed)
-    }
-
-    /// Note a tagged collective: untagged ones on the pool are refused from now on.
-    #[inline]
-    fn saw_tag(&self) {
-        let required = self.pool.tags_required();
-        if !required.load(Ordering::Relaxed) {
-            required.store(true, Ordering::Relaxed);
-        }
     }
 }
 
