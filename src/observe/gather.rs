@@ -25,36 +25,27 @@ struct WireSnapshot {
 }
 
 impl WireSnapshot {
-    fn of(snap: &PoolSnapshot) -> Self {
+    fn of(snap: PoolSnapshot) -> Self {
+        let stats = (snap.stats.into_iter())
+            .map(|(k, v)| match v {
+                StatValue::Count(n) => (k, WireStat::Count(n)),
+                StatValue::Real(x) => (k, WireStat::Real(x)),
+            })
+            .collect();
         WireSnapshot {
-            pool: snap.pool.clone(),
+            pool: snap.pool,
             rank: snap.rank,
             world_size: snap.world_size,
-            segments: snap.segments.clone(),
-            stats: snap
-                .stats
-                .iter()
-                .map(|(k, v)| {
-                    let v = match *v {
-                        StatValue::Count(n) => WireStat::Count(n),
-                        StatValue::Real(x) => WireStat::Real(x),
-                    };
-                    (k.clone(), v)
-                })
-                .collect(),
+            segments: snap.segments,
+            stats,
         }
     }
 
     fn into_snapshot(self) -> PoolSnapshot {
-        let stats: MemoryStats = self
-            .stats
-            .into_iter()
-            .map(|(k, v)| {
-                let v = match v {
-                    WireStat::Count(n) => StatValue::Count(n),
-                    WireStat::Real(x) => StatValue::Real(x),
-                };
-                (k, v)
+        let stats: MemoryStats = (self.stats.into_iter())
+            .map(|(k, v)| match v {
+                WireStat::Count(n) => (k, StatValue::Count(n)),
+                WireStat::Real(x) => (k, StatValue::Real(x)),
             })
             .collect();
         PoolSnapshot {
@@ -89,7 +80,7 @@ impl SymmPool {
         let exchange = self.backend().exchange();
         let channel = self.inner.channel;
         let (segments, stats, gathered) = self.observe_with(|_, segments, stats| {
-            let mine = WireSnapshot::of(&self.snapshot_of(segments.to_vec(), stats.clone()));
+            let mine = WireSnapshot::of(self.snapshot_of(segments.to_vec(), stats.clone()));
             let payload = postcard::to_allocvec(&mine).map_err(|e| Error::Internal {
                 what: format!("encoding a snapshot: {e}"),
             })?;
