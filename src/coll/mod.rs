@@ -390,7 +390,28 @@ impl Coll {
     /// As [`wait_checks`](Self::wait_checks).
     pub fn end_step(&self) -> Result<()> {
         let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
-        self.inner.step_boundary(deadline)
+        let (ledger, mode) = (self.pool().ledger(), self.check_mode());
+        if mode == CheckMode::Off {
+            return Ok(());
+        }
+        ledger.check()?;
+        let launch = ledger.launch_lock();
+        let comms = &self.inner.comm_seqs;
+        for entry in &self.inner.pools {
+            // One record per communicator: its sequence count, with the pool's
+            // collective count and call hash (so a rank behind or ahead on any of
+            // them fails here, on every rank, in this round).
+            let (pool, head) = (entry.pool.channel().ordinal(), entry.pool.call_head());
+            let collectives = entry.collectives.load(Ordering::Relaxed);
+            for comm in 0..comms.len().max(1) {
+                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
+                let comm = (comm as u64, seq);
+                let record = CollectiveRecord::step(pool, collectives, comm, head);
+                ledger.submit(mode, record, || deadline)?;
+            }
+        }
+        drop(launch);
+        ledger.wait_compared(deadline)
     }
 
     /// The path thresholds the collectives use now ([`PathPolicy::default`] until
@@ -431,38 +452,6 @@ impl Coll {
     #[inline]
     fn entry(&self, pool: &SymmPool) -> Option<&PoolColl> {
         self.inner.pools.iter().find(|e| e.pool.same_pool(pool))
-    }
-}
-
-impl CollInner {
-    /// A step boundary ([`Coll::end_step`]), its waits until `deadline`.
-    fn step_boundary(&self, deadline: Deadline) -> Result<()> {
-        let (ledger, mode) = (self.pools[0].pool.ledger(), self.pools[0].pool.check_mode());
-        if mode == CheckMode::Off {
-            return Ok(());
-        }
-        ledger.check()?;
-        let launch = ledger.launch_lock();
-        for entry in &self.pools {
-            // One record per communicator: its sequence count, with the pool's
-            // collective count and call hash (so a rank behind or ahead on any of
-            // them fails here, on every rank, in this round).
-            let head = entry.pool.call_head();
-            let pool_collectives = entry.collectives.load(Ordering::Relaxed);
-            let comms = &self.comm_seqs;
-            for comm in 0..comms.len().max(1) {
-                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
-                let record = CollectiveRecord::step(
-                    entry.pool.channel().ordinal(),
-                    pool_collectives,
-                    (comm as u64, seq),
-                    head,
-                );
-                ledger.submit(mode, record, || deadline)?;
-            }
-        }
-        drop(launch);
-        ledger.wait_compared(deadline)
     }
 }
 
