@@ -265,18 +265,11 @@ fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
         (Some(_), None) => true,
         _ => false,
     };
-    let mut first = None;
-    for (i, m) in ms.iter().enumerate().rev() {
-        if ce_wins(m) {
-            first = Some(i);
-        } else {
-            break;
-        }
-    }
-    policy.ce_all_gather_min_bytes = match first {
-        Some(0) => 0,
-        Some(i) => ms[i].bytes,
-        None => u64::MAX,
+    let wins = ms.iter().rev().take_while(|m| ce_wins(m)).count();
+    policy.ce_all_gather_min_bytes = match ms.len() - wins {
+        _ if wins == 0 => u64::MAX,
+        0 => 0,
+        first => ms[first].bytes,
     };
     policy.symmetric_reduce_scatter_bands = symmetric_bands(ms, |m| m.reduce_scatter);
     policy.symmetric_all_reduce_bands = symmetric_bands(ms, |m| m.all_reduce);
