@@ -4,6 +4,7 @@
 use crate::backend::CommRole;
 use crate::error::Error;
 use crate::pool::SymmPool;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// The name of a communicator role in statistics keys and events: `symmetric`,
 /// `copy_engine`, `plain`.
@@ -24,10 +25,7 @@ pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
         Error::PoolLimit { .. } | Error::DeviceOutOfMemory { .. } | Error::PeerOutOfMemory { .. }
     ) && op == "alloc"
     {
-        pool.inner
-            .counters
-            .ooms
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        pool.inner.counters.ooms.fetch_add(1, Relaxed);
     }
     tracing::error!(
         target: "symmpool",

@@ -11,7 +11,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
+use std::sync::{Arc, MutexGuard, PoisonError};
 
 /// Deregister and free one entry, waiting in the provider until `deadline` at most.
 /// On failure the entry comes back with what is left of it (windows that would not
@@ -305,10 +305,7 @@ fn live_buffers(st: &PoolState) -> Vec<LiveBuffer> {
 impl Drop for PoolInner {
     fn drop(&mut self) {
         self.backend.forget_user(self.channel.ordinal());
-        let st = match self.state.get_mut() {
-            Ok(st) => st,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         if st.segments.is_empty() {
             return;
         }
