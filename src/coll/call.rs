@@ -418,20 +418,15 @@ fn call<T: Element>(
         }
         InPlace(buffer) => {
             let whole = buffer.region()?;
-            match coll {
-                AllGather => {
-                    let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
-                    ((buffer, own), (buffer, whole), count)
-                }
-                ReduceScatter(_) => {
-                    let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
-                    ((buffer, whole), (buffer, own), count)
-                }
-                AllReduce(_) => {
-                    let count = elements::<T>(name, "buffer", buffer.len_bytes())?;
-                    ((buffer, whole), (buffer, whole), count)
-                }
-            }
+            let (own, count) = match coll {
+                AllReduce(_) => (whole, elements::<T>(name, "buffer", buffer.len_bytes())?),
+                _ => own_chunk::<T>(name, pool, buffer, whole)?,
+            };
+            let (send, recv) = match coll {
+                AllGather => (own, whole),
+                _ => (whole, own),
+            };
+            ((buffer, send), (buffer, recv), count)
         }
     };
     if tag.is_some() && !entry.pool.tags_required().load(Ordering::Relaxed) {
@@ -517,15 +512,33 @@ impl Coll {
         // even when several threads of a rank call.
         let launch = (mode != CheckMode::Off).then(|| ledger.launch_lock());
         if mode != CheckMode::Off {
-            let record = self.record(
-                entry,
-                coll,
-                (send_buf, recv_buf),
-                count,
-                dtype,
-                (comm, path),
+            // This rank's record, counting the collective on its pool and communicator.
+            let (collective, reduction) = match coll {
+                AllGather => (CollKind::AllGather, None),
+                ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
+                AllReduce(op) => (CollKind::AllReduce, Some(reduce_code(op))),
+            };
+            let comm_seqs = self.inner.comm_seqs.get(comm);
+            let comm_seq = comm_seqs.map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1);
+            // The pool's call count and hash, in one lock-free read.
+            let (call_seq, call_hash) = pool.call_head();
+            let record = CollectiveRecord {
+                kind: RecordKind::Collective,
+                pool: pool.channel().ordinal(),
                 tag,
-            );
+                pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
+                collective,
+                dtype: Some(dtype_code(dtype)),
+                reduction,
+                count,
+                comm: comm as u64,
+                comm_seq,
+                path: Some(path_index(path) as u8),
+                input: buffer_record(send_buf),
+                output: buffer_record(recv_buf),
+                call_seq,
+                call_hash,
+            };
             if let Err(e) = ledger.submit(mode, record, || args.deadline()) {
                 return Err(failed(pool, e));
             }
@@ -552,49 +565,5 @@ impl Coll {
             path::collective(pool, coll, &report);
         }
         Ok(report)
-    }
-
-    /// This rank's record of a collective (counting it on its pool and communicator).
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    fn record(
-        &self,
-        entry: &PoolColl,
-        coll: CollOp,
-        (send_buf, recv_buf): (&SymmBuffer, &SymmBuffer),
-        count: u64,
-        dtype: DType,
-        (comm, path): (usize, Path),
-        tag: Option<u64>,
-    ) -> CollectiveRecord {
-        let (collective, reduction) = match coll {
-            AllGather => (CollKind::AllGather, None),
-            ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
-            AllReduce(op) => (CollKind::AllReduce, Some(reduce_code(op))),
-        };
-        let comm_seq = self
-            .inner
-            .comm_seqs
-            .get(comm)
-            .map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1);
-        // The pool's call count and hash, in one lock-free read.
-        let (call_seq, call_hash) = entry.pool.call_head();
-        CollectiveRecord {
-            kind: RecordKind::Collective,
-            pool: entry.pool.channel().ordinal(),
-            tag,
-            pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
-            collective,
-            dtype: Some(dtype_code(dtype)),
-            reduction,
-            count,
-            comm: comm as u64,
-            comm_seq,
-            path: Some(path_index(path) as u8),
-            input: buffer_record(send_buf),
-            output: buffer_record(recv_buf),
-            call_seq,
-            call_hash,
-        }
     }
 }

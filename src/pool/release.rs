@@ -71,17 +71,6 @@ impl SymmPool {
         Ok(st)
     }
 
-    /// The start of a pool call of `kind` without arguments (`trim`,
-    /// `fit_to_peak`): [`lock_open`](Self::lock_open), and the call recorded.
-    ///
-    /// # Errors
-    /// As [`lock_open`](Self::lock_open).
-    pub(super) fn begin(&self, kind: CallKind) -> Result<MutexGuard<'_, PoolState>> {
-        let mut st = self.lock_open()?;
-        st.history.record(kind, 0, 0);
-        Ok(st)
-    }
-
     /// Deregister and free the segments this rank still holds but the core no longer
     /// does (released by `trim`/`close`, or left over from a failed release); drains
     /// the device first, until `deadline`. A segment whose release fails
@@ -157,7 +146,8 @@ impl SymmPool {
     /// rank deregisters any until [`close`](Self::close), which releases everything).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret, err(Display))]
     pub fn trim(&self) -> Result<u64> {
-        let mut st = self.begin(CallKind::Trim)?;
+        let mut st = self.lock_open()?;
+        st.history.record(CallKind::Trim, 0, 0);
         let deadline = Deadline::after(self.inner.config.timeout);
         let ready = Note::Ready(st.readiness());
         let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
