@@ -254,7 +254,7 @@ impl Coll {
     /// [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
     /// the pool's configuration was made (and the code did not set the mode).
     pub fn new(pool: &SymmPool) -> Result<Coll> {
-        Self::claimed(std::slice::from_ref(pool), "Coll::new")
+        Self::build(std::slice::from_ref(pool), Some("Coll::new"))
     }
 
     /// One handle for several pools over the same communicators: their collectives
@@ -269,40 +269,36 @@ impl Coll {
     /// the pools are not over the same communicators (a pool with communicators of its
     /// own has a handle of its own).
     pub fn with_pools(pools: &[SymmPool]) -> Result<Coll> {
-        Self::claimed(pools, "Coll::with_pools")
+        Self::build(pools, Some("Coll::with_pools"))
     }
 
     /// The handle of `pools`, holding their communicators (`op` names the call in
-    /// errors).
-    fn claimed(pools: &[SymmPool], op: &'static str) -> Result<Coll> {
+    /// errors); without `op`, calibration's handle of its temporary pool, which claims
+    /// nothing (it is made inside a call of the handle that holds the communicators).
+    fn build(pools: &[SymmPool], op: Option<&'static str>) -> Result<Coll> {
         let Some(first) = pools.first() else {
             return Err(Error::InvalidCollective {
-                op,
+                op: op.unwrap_or("Coll::with_pools"),
                 detail: "no pool".into(),
             });
         };
-        let claim = first.backend().claim_collectives().ok_or_else(|| {
-            invalid(
-                op,
-                format!(
-                    "the communicators of pool {:?} already have a collectives handle on this rank; \
-                     a second one would number their collectives apart from the first, and a \
-                     rank using the two in crossed order would pair the wrong calls: clone the \
-                     handle (it is cheap), make one handle for several pools with \
-                     Coll::with_pools, or give a pool used from another thread communicators \
-                     of its own (PoolConfig::with_own_communicators(true))",
-                    first.config().name
-                ),
-            )
-        })?;
-        Self::build(pools, Some(claim))
-    }
-
-    /// The handle of `pools`, holding `claim` (see [`with_pools`](Self::with_pools));
-    /// calibration's temporary pool claims nothing (its handle is made inside a call
-    /// of the handle that holds the communicators).
-    fn build(pools: &[SymmPool], claim: Option<CollectivesClaim>) -> Result<Coll> {
-        let first = &pools[0];
+        let claim = op.map(|op| {
+            let name = &first.config().name;
+            first.backend().claim_collectives().ok_or_else(|| {
+                invalid(
+                    op,
+                    format!(
+                        "the communicators of pool {name:?} already have a collectives handle on \
+                         this rank; a second one would number their collectives apart from the \
+                         first, and a rank using the two in crossed order would pair the wrong \
+                         calls: clone the handle (it is cheap), make one handle for several pools \
+                         with Coll::with_pools, or give a pool used from another thread \
+                         communicators of its own (PoolConfig::with_own_communicators(true))"
+                    ),
+                )
+            })
+        });
+        let claim = claim.transpose()?;
         for pool in pools {
             pool.check_open()?;
             if let Some(e) = pool.config().check_env_error() {
