@@ -79,7 +79,7 @@ impl SymmPool {
         let deadline = Deadline::after(self.config().timeout);
         let exchange = self.backend().exchange();
         let channel = self.inner.channel;
-        let (segments, stats, gathered) = self.observe_with(|_, segments, stats| {
+        let (_, _, gathered) = self.observe_with(|_, segments, stats| {
             let mine = WireSnapshot::of(self.snapshot_of(segments.to_vec(), stats.clone()));
             let payload = postcard::to_allocvec(&mine).map_err(|e| Error::Internal {
                 what: format!("encoding a snapshot: {e}"),
@@ -88,19 +88,14 @@ impl SymmPool {
             // the pool's channel runs meanwhile.
             exchange.all_gather(channel, "memory snapshot", &payload, deadline)
         });
-        let gathered = gathered?;
-        let mut out = Vec::with_capacity(gathered.len());
-        for (rank, bytes) in gathered.into_iter().enumerate() {
-            if rank == self.rank() {
-                out.push(self.snapshot_of(segments.clone(), stats.clone()));
-                continue;
-            }
+        // This rank's own comes back decoded too, the same as the peers'.
+        let decode = |(rank, bytes): (usize, Vec<u8>)| {
             let wire: WireSnapshot = postcard::from_bytes(&bytes).map_err(|e| Error::Protocol {
                 op: "memory snapshot",
                 detail: format!("rank {rank}'s snapshot does not decode: {e}"),
             })?;
-            out.push(wire.into_snapshot());
-        }
-        Ok(out)
+            Ok(wire.into_snapshot())
+        };
+        gathered?.into_iter().enumerate().map(decode).collect()
     }
 }

@@ -222,7 +222,6 @@ impl SymmPool {
             &self.inner.counters,
         );
         let extra = also(&mut st, &segments, &stats);
-        drop(st);
         (segments, stats, extra)
     }
 }
