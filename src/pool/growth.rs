@@ -64,20 +64,15 @@ impl SymmPool {
         let (pool, name) = (self.inner.channel.ordinal(), &self.inner.config.name);
         backend.note_user(pool, name, true);
         f().map_err(|error| {
-            let shared = matches!(
-                error,
+            let others = match error {
                 Error::Timeout { .. }
-                    | Error::GroupBroken { .. }
-                    | Error::RegistrationOrder { .. }
-                    | Error::RegistrationMismatch { .. }
-                    | Error::RegistrationBroken { .. }
-                    | Error::Divergence(_)
-                    | Error::CollectiveDivergence(_)
-            );
-            let others = if shared {
-                backend.users_on_other_threads(pool)
-            } else {
-                Vec::new()
+                | Error::GroupBroken { .. }
+                | Error::RegistrationOrder { .. }
+                | Error::RegistrationMismatch { .. }
+                | Error::RegistrationBroken { .. }
+                | Error::Divergence(_)
+                | Error::CollectiveDivergence(_) => backend.users_on_other_threads(pool),
+                _ => Vec::new(),
             };
             if others.is_empty() {
                 return error;
