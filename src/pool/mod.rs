@@ -119,10 +119,9 @@ pub(crate) struct PoolInner {
 /// # Two pools, two streams
 ///
 /// FSDP gathers parameters on one stream and reduce-scatters gradients on another,
-/// each driven by a thread of its own. Give each thread's pool communicators of its
-/// own ([`PoolConfig::with_own_communicators`], collective at creation): pools that
-/// share communicators must reach them in the same order on every rank, which two
-/// threads do not (their failures say so, [`Error::SharedCommunicators`]).
+/// each driven by a thread of its own: give each thread's pool communicators of its
+/// own ([`PoolConfig::own_communicators`] says why; without, the failures say so:
+/// [`Error::SharedCommunicators`]).
 ///
 /// ```
 /// use symmpool::{
