@@ -3,8 +3,8 @@
 use super::snapshot::{PoolSnapshot, SegmentView};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::pool::StatValue;
 use crate::pool::SymmPool;
-use crate::pool::{MemoryStats, StatValue};
 use serde::{Deserialize, Serialize};
 
 /// A statistic on the wire (postcard cannot read the untagged [`StatValue`]).
@@ -42,18 +42,17 @@ impl WireSnapshot {
     }
 
     fn into_snapshot(self) -> PoolSnapshot {
-        let stats: MemoryStats = (self.stats.into_iter())
-            .map(|(k, v)| match v {
-                WireStat::Count(n) => (k, StatValue::Count(n)),
-                WireStat::Real(x) => (k, StatValue::Real(x)),
-            })
-            .collect();
         PoolSnapshot {
             pool: self.pool,
             rank: self.rank,
             world_size: self.world_size,
             segments: self.segments,
-            stats,
+            stats: (self.stats.into_iter())
+                .map(|(k, v)| match v {
+                    WireStat::Count(n) => (k, StatValue::Count(n)),
+                    WireStat::Real(x) => (k, StatValue::Real(x)),
+                })
+                .collect(),
         }
     }
 }
