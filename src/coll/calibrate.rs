@@ -1,8 +1,8 @@
 //! Measure the paths on this machine and derive a [`PathPolicy`] from them.
 
 use super::Coll;
-use super::path::{CollOp, CollectiveReport, Path, PathPolicy};
-use crate::backend::CommRole;
+use super::path::{CollOp, Path, PathPolicy};
+use crate::backend::{Backend, CommRole};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -87,12 +87,14 @@ const TIMED: [(CollOp, Path); 7] = [
     (CollOp::AllReduce(ReduceOp::Sum), RS_PATHS[1]),
 ];
 
-fn role_of(path: Path) -> CommRole {
-    match path {
+/// Whether `backend` has a communicator of the role that `path` runs on.
+fn has_role(backend: &Backend, path: Path) -> bool {
+    let role = match path {
         Path::SymmetricKernel => CommRole::Symmetric,
         Path::CopyEngine => CommRole::CopyEngine,
         Path::PlainKernel => CommRole::Plain,
-    }
+    };
+    backend.communicators().iter().any(|c| c.role == role)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -125,146 +127,133 @@ impl Coll {
     /// growth errors (out of memory for world × `max_bytes`); collective errors;
     /// [`Error::Timeout`] if ranks do not arrive.
     pub fn calibrate(&self, stream: &Stream, config: &CalibrateConfig) -> Result<Calibration> {
-        calibrate(self, stream, config)
-    }
-}
-
-fn calibrate(coll: &Coll, stream: &Stream, config: &CalibrateConfig) -> Result<Calibration> {
-    let pool = coll.pool();
-    pool.check_open()?;
-    if config.min_bytes < 4
-        || config.min_bytes > config.max_bytes
-        || config.max_bytes > MAX_CALIBRATE_BYTES
-        || config.reps == 0
-        || config.reps > 1000
-        || config.bytes_per_rep == 0
-    {
-        return Err(Error::Config {
-            setting: "CalibrateConfig",
-            value: format!("{config:?}"),
-            expected: "4 <= min_bytes <= max_bytes <= MAX_CALIBRATE_BYTES, 1..=1000 reps and bytes_per_rep > 0",
-        });
-    }
-    let backend = pool.backend().clone();
-    let world = backend.world_size() as u64;
-    let has_role = |p: Path| backend.communicators().iter().any(|c| c.role == role_of(p));
-    // The caller's settings (core sizes, timeout, registration); default paths.
-    let tmp = SymmPool::new(backend.clone(), pool.config().clone())?;
-    let tmp_coll = Coll::for_calibration(&tmp)?;
-    let mut sizes = Vec::new();
-    let mut s = config.min_bytes.next_power_of_two();
-    while s <= config.max_bytes {
-        sizes.push(s);
-        s *= 2; // no overflow: max_bytes <= MAX_CALIBRATE_BYTES
-    }
-    let mut measurements = Vec::new();
-    let result = (|| -> Result<()> {
-        for &bytes in &sizes {
-            let whole = tmp.alloc(world * bytes, stream)?;
-            let out = tmp.alloc(bytes, stream)?;
-            let iters = (config.bytes_per_rep / bytes).clamp(3, 500) as usize;
-            let mut timed: [Vec<f64>; TIMED.len()] = Default::default();
-            for rep in 0..config.reps {
-                // Rotate so no path always runs right after the same other one.
-                for k in 0..TIMED.len() {
-                    let i = (k + rep) % TIMED.len();
-                    let (coll_op, path) = TIMED[i];
-                    if !has_role(path) {
-                        continue;
-                    }
-                    // The same dispatch as the public collectives, with the path forced.
-                    let run = || -> Result<CollectiveReport> {
-                        let whole_r = whole.region()?;
-                        let (send, recv, count, dtype) = match coll_op {
-                            CollOp::AllGather => (
-                                whole_r.sub(backend.rank() as u64 * bytes, bytes)?,
-                                whole_r,
-                                bytes,
-                                DType::U8,
-                            ),
-                            CollOp::ReduceScatter(_) => {
-                                (whole_r, out.region()?, bytes / 2, DType::BF16)
-                            }
-                            CollOp::AllReduce(_) => (
-                                whole_r.sub(0, bytes)?,
-                                out.region()?,
-                                bytes / 2,
-                                DType::BF16,
-                            ),
-                        };
-                        let recv_buf = if coll_op == CollOp::AllGather {
-                            &whole
-                        } else {
-                            &out
-                        };
-                        tmp_coll.dispatch(
-                            &tmp_coll.inner.pools[0],
-                            coll_op,
-                            (&whole, send),
-                            (recv_buf, recv),
-                            count,
-                            dtype,
-                            stream,
-                            Some(path),
-                            None,
-                        )
-                    };
-                    // Warm-up; a path that is not available for these buffers falls back
-                    // (the same on every rank) and is not measured.
-                    if run()?.path != path {
-                        continue;
-                    }
-                    let ms = backend.data().time_ms(stream, &mut || {
-                        for _ in 0..iters {
-                            run()?;
-                        }
-                        Ok(())
-                    })? / iters as f64;
-                    // An all-reduce moves 2 (world - 1) / world of its bytes per rank.
-                    let moved = match coll_op {
-                        CollOp::AllReduce(_) => 2.0 * (world - 1) as f64 / world as f64,
-                        _ => (world - 1) as f64,
-                    };
-                    timed[i].push(bytes as f64 * moved / (ms * 1e-3) / 1e9);
-                }
-            }
-            let fold = |i: usize| (!timed[i].is_empty()).then(|| median(timed[i].clone()));
-            measurements.push(Measurement {
-                bytes,
-                all_gather: [fold(0), fold(1), fold(2)],
-                reduce_scatter: [fold(3), fold(4)],
-                all_reduce: [fold(5), fold(6)],
+        let pool = self.pool();
+        pool.check_open()?;
+        if config.min_bytes < 4
+            || config.min_bytes > config.max_bytes
+            || config.max_bytes > MAX_CALIBRATE_BYTES
+            || config.reps == 0
+            || config.reps > 1000
+            || config.bytes_per_rep == 0
+        {
+            return Err(Error::Config {
+                setting: "CalibrateConfig",
+                value: format!("{config:?}"),
+                expected: "4 <= min_bytes <= max_bytes <= MAX_CALIBRATE_BYTES, 1..=1000 reps and bytes_per_rep > 0",
             });
         }
-        Ok(())
-    })();
-    drop(tmp_coll);
-    let closed = tmp.close();
-    result?;
-    closed?;
-    // Everyone adopts rank 0's figures, exchanged on the temporary pool's own
-    // channel, which nothing else uses.
-    let deadline = Deadline::after(pool.config().timeout);
-    let all = backend.exchange().all_gather(
-        tmp.channel(),
-        "calibration",
-        &crate::group::encode(&measurements)?,
-        deadline,
-    )?;
-    let Some(measurements) = all
-        .first()
-        .and_then(|b| crate::group::decode::<Vec<Measurement>>(b))
-        .filter(|m| m.len() == sizes.len())
-    else {
-        return Err(Error::CollectiveMismatch {
-            op: "calibrate",
-            detail: "rank 0's measurements do not match this rank's sizes (did the ranks calibrate different ranges?)".into(),
-        });
-    };
-    Ok(Calibration {
-        policy: derive(&measurements, &coll.path_policy()),
-        measurements,
-    })
+        let backend = pool.backend();
+        // The caller's settings (core sizes, timeout, registration); default paths.
+        let tmp = SymmPool::new(backend.clone(), pool.config().clone())?;
+        let tmp_coll = Coll::build(std::slice::from_ref(&tmp), None)?;
+        // Powers of two; no overflow: max_bytes <= MAX_CALIBRATE_BYTES.
+        let first = config.min_bytes.next_power_of_two();
+        let sizes = std::iter::successors(Some(first), |s| Some(s * 2));
+        let sizes: Vec<u64> = sizes.take_while(|&s| s <= config.max_bytes).collect();
+        let measured: Result<Vec<Measurement>> = (sizes.iter())
+            .map(|&bytes| tmp_coll.measure(bytes, stream, config))
+            .collect();
+        drop(tmp_coll);
+        let closed = tmp.close();
+        let measurements = measured?;
+        closed?;
+        // Everyone adopts rank 0's figures, exchanged on the temporary pool's own
+        // channel, which nothing else uses.
+        let deadline = Deadline::after(pool.config().timeout);
+        let mine = crate::group::encode(&measurements)?;
+        let all = (backend.exchange()).all_gather(tmp.channel(), "calibration", &mine, deadline)?;
+        let Some(measurements) = all
+            .first()
+            .and_then(|b| crate::group::decode::<Vec<Measurement>>(b))
+            .filter(|m| m.len() == sizes.len())
+        else {
+            return Err(Error::CollectiveMismatch {
+                op: "calibrate",
+                detail: "rank 0's measurements do not match this rank's sizes (did the ranks \
+                         calibrate different ranges?)"
+                    .into(),
+            });
+        };
+        Ok(Calibration {
+            policy: derive(&measurements, &self.path_policy()),
+            measurements,
+        })
+    }
+
+    /// Time every available path of each collective of [`TIMED`] at `bytes` per rank,
+    /// on this handle (calibration's, of its temporary pool).
+    fn measure(&self, bytes: u64, stream: &Stream, c: &CalibrateConfig) -> Result<Measurement> {
+        let (pool, entry) = (self.pool(), &self.inner.pools[0]);
+        let (backend, world) = (pool.backend(), pool.world_size() as u64);
+        let whole = pool.alloc(world * bytes, stream)?;
+        let out = pool.alloc(bytes, stream)?;
+        let (all, one) = (whole.region()?, out.region()?);
+        let iters = (c.bytes_per_rep / bytes).clamp(3, 500) as usize;
+        let mut timed: [Vec<f64>; TIMED.len()] = Default::default();
+        for rep in 0..c.reps {
+            // Rotate so no path always runs right after the same other one.
+            for k in 0..TIMED.len() {
+                let i = (k + rep) % TIMED.len();
+                let (coll, path) = TIMED[i];
+                if !has_role(backend, path) {
+                    continue;
+                }
+                let (send, recv, count, dtype) = match coll {
+                    CollOp::AllGather => {
+                        let own = all.sub(pool.rank() as u64 * bytes, bytes)?;
+                        ((&whole, own), (&whole, all), bytes, DType::U8)
+                    }
+                    CollOp::ReduceScatter(_) => {
+                        ((&whole, all), (&out, one), bytes / 2, DType::BF16)
+                    }
+                    CollOp::AllReduce(_) => (
+                        (&whole, all.sub(0, bytes)?),
+                        (&out, one),
+                        bytes / 2,
+                        DType::BF16,
+                    ),
+                };
+                // The same dispatch as the public collectives, with the path forced.
+                let run = || {
+                    self.dispatch(
+                        entry,
+                        coll,
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                        stream,
+                        Some(path),
+                        None,
+                    )
+                };
+                // Warm-up; a path that is not available for these buffers falls back
+                // (the same on every rank) and is not measured.
+                if run()?.path != path {
+                    continue;
+                }
+                let ms = backend.data().time_ms(stream, &mut || {
+                    for _ in 0..iters {
+                        run()?;
+                    }
+                    Ok(())
+                })? / iters as f64;
+                // An all-reduce moves 2 (world - 1) / world of its bytes per rank.
+                let moved = match coll {
+                    CollOp::AllReduce(_) => 2.0 * (world - 1) as f64 / world as f64,
+                    _ => (world - 1) as f64,
+                };
+                timed[i].push(bytes as f64 * moved / (ms * 1e-3) / 1e9);
+            }
+        }
+        let fold = |i: usize| (!timed[i].is_empty()).then(|| median(timed[i].clone()));
+        Ok(Measurement {
+            bytes,
+            all_gather: [fold(0), fold(1), fold(2)],
+            reduce_scatter: [fold(3), fold(4)],
+            all_reduce: [fold(5), fold(6)],
+        })
+    }
 }
 
 /// Thresholds from measurements (see [`Coll::calibrate`]).
@@ -276,18 +265,11 @@ fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
         (Some(_), None) => true,
         _ => false,
     };
-    let mut first = None;
-    for (i, m) in ms.iter().enumerate().rev() {
-        if ce_wins(m) {
-            first = Some(i);
-        } else {
-            break;
-        }
-    }
-    policy.ce_all_gather_min_bytes = match first {
-        Some(0) => 0,
-        Some(i) => ms[i].bytes,
-        None => u64::MAX,
+    let wins = ms.iter().rev().take_while(|m| ce_wins(m)).count();
+    policy.ce_all_gather_min_bytes = match ms.len() - wins {
+        _ if wins == 0 => u64::MAX,
+        0 => 0,
+        first => ms[first].bytes,
     };
     policy.symmetric_reduce_scatter_bands = symmetric_bands(ms, |m| m.reduce_scatter);
     policy.symmetric_all_reduce_bands = symmetric_bands(ms, |m| m.all_reduce);

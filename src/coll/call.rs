@@ -1,7 +1,8 @@
 //! The collective calls of a [`Coll`] handle: argument checks, the path choice, the
 //! record, the launch.
 
-use super::path::{AVG, CollOp, Inputs, select};
+use super::path::CollOp::{self, AllGather, AllReduce, ReduceScatter};
+use super::path::{AVG, Inputs, select};
 use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
 use crate::backend::{CallDeadline, CollArgs, Region};
 use crate::dtype::{DType, Element, ReduceOp};
@@ -15,29 +16,18 @@ use std::sync::atomic::Ordering;
 
 /// Check that the buffers are this pool's, the pool is open, and note `stream` on
 /// buffers allocated elsewhere (so their reuse waits for this collective).
-pub(super) fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
+fn prepare<'a>(bufs: &[&'a SymmBuffer], stream: &Stream) -> Result<&'a SymmPool> {
     let pool = bufs[0].pool();
-    for b in bufs {
-        if !b.pool().same_pool(pool) {
-            return Err(failed(
-                pool,
-                Error::ForeignBuffer {
-                    allocation_seq: b.allocation_seq(),
-                },
-            ));
+    let checked = (|| {
+        if let Some(b) = bufs.iter().find(|b| !b.pool().same_pool(pool)) {
+            let allocation_seq = b.allocation_seq();
+            return Err(Error::ForeignBuffer { allocation_seq });
         }
-    }
-    if let Err(e) = pool.check_open() {
-        return Err(failed(pool, e));
-    }
-    if let Err(e) = pool.backend().check_stream(stream) {
-        return Err(failed(pool, e));
-    }
-    for b in bufs {
-        if let Err(e) = b.use_on(stream) {
-            return Err(failed(pool, e));
-        }
-    }
+        pool.check_open()?;
+        pool.backend().check_stream(stream)?;
+        bufs.iter().try_for_each(|b| b.use_on(stream))
+    })();
+    checked.map_err(|e| failed(pool, e))?;
     Ok(pool)
 }
 
@@ -170,6 +160,7 @@ enum Buffers<'a> {
     OutOfPlace(&'a SymmBuffer, &'a SymmBuffer),
     InPlace(&'a SymmBuffer),
 }
+use Buffers::{InPlace, OutOfPlace};
 
 /// The size error of an out-of-place call: `what` is not `factor` × the other side's
 /// `per_bytes` (out of line: the error path).
@@ -256,14 +247,7 @@ pub trait CollectiveCalls: sealed::Handle {
         output: &SymmBuffer,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        let bufs = Buffers::OutOfPlace(input, output);
-        call::<T>(
-            self.coll_and_tag(),
-            "all_gather",
-            CollOp::AllGather,
-            bufs,
-            stream,
-        )
+        call::<T>(self, AllGather, OutOfPlace(input, output), stream)
     }
 
     /// In-place all-gather, FSDP style: `buffer` holds world × N elements of `T`, this
@@ -281,9 +265,7 @@ pub trait CollectiveCalls: sealed::Handle {
         buffer: &SymmBuffer,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        let bufs = Buffers::InPlace(buffer);
-        let op = CollOp::AllGather;
-        call::<T>(self.coll_and_tag(), "all_gather_in_place", op, bufs, stream)
+        call::<T>(self, AllGather, InPlace(buffer), stream)
     }
 
     /// Out-of-place reduce-scatter: `output` (N elements of `T`) gets the reduction over
@@ -304,9 +286,7 @@ pub trait CollectiveCalls: sealed::Handle {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        let bufs = Buffers::OutOfPlace(input, output);
-        let op = CollOp::ReduceScatter(op);
-        call::<T>(self.coll_and_tag(), "reduce_scatter", op, bufs, stream)
+        call::<T>(self, ReduceScatter(op), OutOfPlace(input, output), stream)
     }
 
     /// In-place reduce-scatter: `buffer` holds world × N elements of `T`; afterwards
@@ -324,15 +304,7 @@ pub trait CollectiveCalls: sealed::Handle {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        let bufs = Buffers::InPlace(buffer);
-        let op = CollOp::ReduceScatter(op);
-        call::<T>(
-            self.coll_and_tag(),
-            "reduce_scatter_in_place",
-            op,
-            bufs,
-            stream,
-        )
+        call::<T>(self, ReduceScatter(op), InPlace(buffer), stream)
     }
 
     /// Out-of-place all-reduce: every rank's `output` (N elements of `T`) gets the
@@ -355,9 +327,7 @@ pub trait CollectiveCalls: sealed::Handle {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        let bufs = Buffers::OutOfPlace(input, output);
-        let op = CollOp::AllReduce(op);
-        call::<T>(self.coll_and_tag(), "all_reduce", op, bufs, stream)
+        call::<T>(self, AllReduce(op), OutOfPlace(input, output), stream)
     }
 
     /// In-place all-reduce: `buffer` (N elements of `T`) becomes the reduction `op`
@@ -375,29 +345,35 @@ pub trait CollectiveCalls: sealed::Handle {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<CollectiveReport> {
-        let bufs = Buffers::InPlace(buffer);
-        let op = CollOp::AllReduce(op);
-        call::<T>(self.coll_and_tag(), "all_reduce_in_place", op, bufs, stream)
+        call::<T>(self, AllReduce(op), InPlace(buffer), stream)
     }
 }
 
-/// The one body of the public collectives: check the buffers for `coll` (named
-/// `name` in errors), then [`Coll::dispatch`] on `handle` with `tag`. Out of place, the side of N
+/// The one body of the public collectives: check the buffers for `coll`, then
+/// [`Coll::dispatch`] on the handle with its tag. Out of place, the side of N
 /// elements is the all-gather's input, the reduce-scatter's output and the
 /// all-reduce's input, the other side world × N (N for all-reduce); in place, the
 /// all-gather sends and the reduce-scatter receives this rank's chunk of the
 /// buffer, the all-reduce uses the whole. Inlined into each public call, so the
-/// operation's choices fold away.
+/// operation's choices (its name in errors among them) fold away.
 #[inline(always)]
 fn call<T: Element>(
-    (handle, tag): (&Coll, Option<u64>),
-    name: &'static str,
+    handle: &(impl sealed::Handle + ?Sized),
     coll: CollOp,
     bufs: Buffers<'_>,
     stream: &Stream,
 ) -> Result<CollectiveReport> {
+    let (handle, tag) = handle.coll_and_tag();
+    let name = match (coll, bufs) {
+        (AllGather, OutOfPlace(..)) => "all_gather",
+        (AllGather, InPlace(_)) => "all_gather_in_place",
+        (ReduceScatter(_), OutOfPlace(..)) => "reduce_scatter",
+        (ReduceScatter(_), InPlace(_)) => "reduce_scatter_in_place",
+        (AllReduce(_), OutOfPlace(..)) => "all_reduce",
+        (AllReduce(_), InPlace(_)) => "all_reduce_in_place",
+    };
     // The handle's entry and the tag rule first: a refused call touches nothing.
-    let (Buffers::OutOfPlace(first, _) | Buffers::InPlace(first)) = bufs;
+    let (OutOfPlace(first, _) | InPlace(first)) = bufs;
     let Some(entry) = handle.entry(first.pool()) else {
         let pool = first.pool();
         let error = match pool.check_open() {
@@ -409,14 +385,16 @@ fn call<T: Element>(
         };
         return Err(failed(pool, error));
     };
-    if tag.is_none() && entry.tags_required() {
+    // The pool keeps whether it refuses untagged calls (it requires tags, or has seen a
+    // tagged one, whichever handle saw it).
+    if tag.is_none() && entry.pool.tags_required().load(Ordering::Relaxed) {
         return Err(failed(first.pool(), untagged(name, first.pool())));
     }
     let pool = match bufs {
-        Buffers::OutOfPlace(input, output) => prepare(&[input, output], stream)?,
-        Buffers::InPlace(buffer) => prepare(&[buffer], stream)?,
+        OutOfPlace(input, output) => prepare(&[input, output], stream)?,
+        InPlace(buffer) => prepare(&[buffer], stream)?,
     };
-    if let CollOp::AllReduce(ReduceOp::Avg) = coll {
+    if let AllReduce(ReduceOp::Avg) = coll {
         let version = pool.backend().nccl_version();
         if version < AVG {
             return Err(missing_op(name, version));
@@ -424,12 +402,12 @@ fn call<T: Element>(
     }
     let world = pool.world_size() as u64;
     let (send, recv, count) = match bufs {
-        Buffers::OutOfPlace(input, output) => {
+        OutOfPlace(input, output) => {
             // (the side of N elements, its name, the other side, its name, world or 1)
             let (per, per_name, all, all_name, factor) = match coll {
-                CollOp::AllGather => (input, "input", output, "output", world),
-                CollOp::ReduceScatter(_) => (output, "output", input, "input", world),
-                CollOp::AllReduce(_) => (input, "input", output, "output", 1),
+                AllGather => (input, "input", output, "output", world),
+                ReduceScatter(_) => (output, "output", input, "input", world),
+                AllReduce(_) => (input, "input", output, "output", 1),
             };
             let count = elements::<T>(name, per_name, per.len_bytes())?;
             if per.len_bytes().checked_mul(factor) != Some(all.len_bytes()) {
@@ -438,27 +416,22 @@ fn call<T: Element>(
             }
             ((input, input.region()?), (output, output.region()?), count)
         }
-        Buffers::InPlace(buffer) => {
+        InPlace(buffer) => {
             let whole = buffer.region()?;
-            match coll {
-                CollOp::AllGather => {
-                    let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
-                    ((buffer, own), (buffer, whole), count)
-                }
-                CollOp::ReduceScatter(_) => {
-                    let (own, count) = own_chunk::<T>(name, pool, buffer, whole)?;
-                    ((buffer, whole), (buffer, own), count)
-                }
-                CollOp::AllReduce(_) => {
-                    let count = elements::<T>(name, "buffer", buffer.len_bytes())?;
-                    ((buffer, whole), (buffer, whole), count)
-                }
-            }
+            let (own, count) = match coll {
+                AllReduce(_) => (whole, elements::<T>(name, "buffer", buffer.len_bytes())?),
+                _ => own_chunk::<T>(name, pool, buffer, whole)?,
+            };
+            let (send, recv) = match coll {
+                AllGather => (own, whole),
+                _ => (whole, own),
+            };
+            ((buffer, send), (buffer, recv), count)
         }
     };
-    if tag.is_some() {
+    if tag.is_some() && !entry.pool.tags_required().load(Ordering::Relaxed) {
         // A valid tagged call: untagged ones are refused from now on.
-        entry.saw_tag();
+        entry.pool.tags_required().store(true, Ordering::Relaxed);
     }
     handle.dispatch(entry, coll, send, recv, count, T::DTYPE, stream, None, tag)
 }
@@ -539,23 +512,41 @@ impl Coll {
         // even when several threads of a rank call.
         let launch = (mode != CheckMode::Off).then(|| ledger.launch_lock());
         if mode != CheckMode::Off {
-            let record = self.record(
-                entry,
-                coll,
-                (send_buf, recv_buf),
-                count,
-                dtype,
-                (comm, path),
+            // This rank's record, counting the collective on its pool and communicator.
+            let (collective, reduction) = match coll {
+                AllGather => (CollKind::AllGather, None),
+                ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
+                AllReduce(op) => (CollKind::AllReduce, Some(reduce_code(op))),
+            };
+            let comm_seqs = self.inner.comm_seqs.get(comm);
+            let comm_seq = comm_seqs.map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1);
+            // The pool's call count and hash, in one lock-free read.
+            let (call_seq, call_hash) = pool.call_head();
+            let record = CollectiveRecord {
+                kind: RecordKind::Collective,
+                pool: pool.channel().ordinal(),
                 tag,
-            );
+                pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
+                collective,
+                dtype: Some(dtype_code(dtype)),
+                reduction,
+                count,
+                comm: comm as u64,
+                comm_seq,
+                path: Some(path_index(path) as u8),
+                input: buffer_record(send_buf),
+                output: buffer_record(recv_buf),
+                call_seq,
+                call_hash,
+            };
             if let Err(e) = ledger.submit(mode, record, || args.deadline()) {
                 return Err(failed(pool, e));
             }
         }
         let ran = match coll {
-            CollOp::AllGather => backend.collectives().all_gather(&args),
-            CollOp::ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
-            CollOp::AllReduce(_) => backend.collectives().all_reduce(&args),
+            AllGather => backend.collectives().all_gather(&args),
+            ReduceScatter(_) => backend.collectives().reduce_scatter(&args),
+            AllReduce(_) => backend.collectives().all_reduce(&args),
         };
         drop(launch);
         if let Err(e) = ran {
@@ -574,49 +565,5 @@ impl Coll {
             path::collective(pool, coll, &report);
         }
         Ok(report)
-    }
-
-    /// This rank's record of a collective (counting it on its pool and communicator).
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    fn record(
-        &self,
-        entry: &PoolColl,
-        coll: CollOp,
-        (send_buf, recv_buf): (&SymmBuffer, &SymmBuffer),
-        count: u64,
-        dtype: DType,
-        (comm, path): (usize, Path),
-        tag: Option<u64>,
-    ) -> CollectiveRecord {
-        let (collective, reduction) = match coll {
-            CollOp::AllGather => (CollKind::AllGather, None),
-            CollOp::ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
-            CollOp::AllReduce(op) => (CollKind::AllReduce, Some(reduce_code(op))),
-        };
-        let comm_seq = self
-            .inner
-            .comm_seqs
-            .get(comm)
-            .map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1);
-        // The pool's call count and hash, in one lock-free read.
-        let (call_seq, call_hash) = entry.pool.call_head();
-        CollectiveRecord {
-            kind: RecordKind::Collective,
-            pool: entry.pool.channel().ordinal(),
-            tag,
-            pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
-            collective,
-            dtype: Some(dtype_code(dtype)),
-            reduction,
-            count,
-            comm: comm as u64,
-            comm_seq,
-            path: Some(path_index(path) as u8),
-            input: buffer_record(send_buf),
-            output: buffer_record(recv_buf),
-            call_seq,
-            call_hash,
-        }
     }
 }

@@ -1,20 +1,14 @@
 //! Collectives on pool buffers: all-gather (copy engine or symmetric kernel),
-//! reduce-scatter and all-reduce (symmetric kernel or NCCL's ordinary kernels), with
-//! a per-call path choice: the fastest
-//! of the backend's paths for the size, as calibrated (on NCCL the calls themselves
-//! carry the cost of non-blocking communicators; BENCHMARKS.md has the figures).
+//! reduce-scatter and all-reduce (symmetric kernel or NCCL's ordinary kernels), each
+//! on the fastest of the backend's paths for its size, as calibrated (on NCCL the
+//! calls carry the cost of non-blocking communicators; BENCHMARKS.md has the figures).
 //!
-//! They run through a [`Coll`] handle made from a pool (`Coll::new(&pool)`, local: no
-//! round), which owns what the collectives keep: the path policy, the path counters
-//! and the per-communicator sequence numbers; their checks are records of the pool's
-//! ledger. The pool knows nothing of the handle. The calls are the methods of the
-//! [`CollectiveCalls`] trait (import it with the handle).
-//!
-//! Each call checks its buffers first (same pool, open, sizes consistent), picks a
-//! communicator and path from the NCCL version, the communicators' CTA policies, the
-//! buffers' registrations and the size ([`PathPolicy`]), runs it, and returns a
-//! [`CollectiveReport`] naming the path. A call never falls back silently to something
-//! that could corrupt data: an inconsistent call is an error.
+//! They are the methods of [`CollectiveCalls`] on a [`Coll`] handle made from a pool
+//! (local: no round; the pool knows nothing of the handle). Each call checks its
+//! buffers (same pool, open, sizes consistent), picks a communicator and path from the
+//! NCCL version, the communicators' CTA policies, the buffers' registrations and the
+//! size ([`PathPolicy`]), runs it, and returns a [`CollectiveReport`] naming the path.
+//! An inconsistent call is an error, never a silent fallback that could corrupt data.
 //!
 //! # Collective
 //! Every function here is collective: every rank calls it in the same order, with
@@ -23,18 +17,14 @@
 //! # Cost of a call
 //! Under [`CheckMode::Off`] a collective takes no lock and allocates nothing on the
 //! calling thread: the pool's open state, the ledger's verdict and the pool's call
-//! count and hash are atomics, the path policy is the thread's copy of it, checked
-//! against the handle's generation of it (read again only after
-//! [`Coll::set_path_policy`] replaced it whole, or after a call on another handle),
-//! and a buffer used on the stream it
-//! was last used on records nothing (its first use on another stream takes the pool's
-//! lock once). [`CheckMode::Async`] adds the record's post into the ledger's queue,
-//! allocated when the pool is made: one short lock, shared only with the ledger's
-//! thread, and no allocation; the exchange runs on that thread. To bound the damage of a
-//! divergence, a call waits while more than
-//! [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default 1) of this
-//! rank's records are unchecked: back-to-back calls run at about two per control-plane
-//! round; calls further apart than a round never wait. [`CheckMode::Strict`] makes one
+//! count and hash are atomics, the path policy is the thread's copy of it (read again
+//! only after [`Coll::set_path_policy`] replaced it, or after a call on another
+//! handle), and a buffer used on the stream it was last used on records nothing (its
+//! first use on another stream takes the pool's lock once). [`CheckMode::Async`] adds
+//! the record's post into the ledger's queue (one short lock, shared only with the
+//! ledger's thread, which runs the exchange; no allocation), and waits while the queue
+//! is full (the bound below): back-to-back calls run at about two per control-plane
+//! round, calls further apart never wait. [`CheckMode::Strict`] makes one
 //! control-plane round per call. Then the backend's call: on NCCL the enqueue and the
 //! completion event, on the caller's thread. BENCHMARKS.md counts the instructions.
 //!
@@ -58,80 +48,63 @@
 //! | pool call count and hash | the pool's running hash of every allocation and free before the call |
 //!
 //! The ranks compare their records in the **ledger** of the communicators: one
-//! ordered stream of records on one exchange channel, made with the first pool over
-//! them and shared by every pool over them (the mode is part of the pool's channel
-//! name, so ranks with different modes fail when they make the pool). The records of
-//! all those pools, their collectives and their agreements, form one sequence, so a
-//! rank that reaches the communicators through two pools in crossed order differs from
-//! its peers at the first crossed call ("pool"). A rank has one handle per
-//! communicator set (a second is refused; clone the handle, or see
-//! [`Coll::with_pools`]), so the per-communicator sequence numbers count every
-//! collective on them. What happens depends on
-//! [`PoolConfig::check`](crate::PoolConfig::check), the pool's mode (`Off` at world
-//! size 1, below):
+//! ordered stream of records on one exchange channel, shared by every pool over them
+//! (the mode is part of the pool's channel name, so ranks with different modes fail
+//! when they make the pool). The records of all those pools, collectives and
+//! agreements, form one sequence, so a rank that reaches the communicators through two
+//! pools in crossed order differs from its peers at the first crossed call ("pool").
+//! What happens depends on the pool's [`PoolConfig::check`](crate::PoolConfig::check):
 //!
 //! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and
 //!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
 //!   naming the first differing field and each rank's value, and **no data moves**.
 //!   Costs one control-plane round per collective on the calling thread; the round
-//!   and the launch are one step per handle (a second thread waits; under `Async`
-//!   the post and the launch are, so the records' order is the launches' order).
+//!   (under `Async`, the post) and the launch are one step per handle, so the records'
+//!   order is the launches' order (a second thread waits).
 //! * [`CheckMode::Async`] (the default): the calling thread posts the record and
-//!   returns; the ledger's background thread exchanges the posted records in
-//!   batches and compares them. A difference breaks the pool on every rank: the next
-//!   collective and the next local pool call (an allocation) fail with
-//!   [`Error::CollectiveDivergence`]. **Bound on the damage**: a rank launches a collective only
-//!   once at most [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default
-//!   **1**) of its earlier records are still to be compared, so after a mismatch at
-//!   this rank's collective *k*, at most `check_queue` further collectives of the rank
-//!   run and return `Ok` (with the default, *k* + 1), and collective
-//!   *k* + `check_queue` + 1 fails with the divergence: with one persistent gather
-//!   buffer, at most `check_queue` + 1 calls of a rank return `Ok` with another call's
-//!   data. (A caller that is further ahead waits for the check, at most twice the
-//!   pool's timeout.) In time, a divergence is reported within one
+//!   returns; the ledger's thread exchanges the posted records in batches and compares
+//!   them. A difference breaks the pool on every rank: the next collective and the
+//!   next local pool call fail with [`Error::CollectiveDivergence`]. **Bound on the
+//!   damage**: a rank launches a collective only while at most
+//!   [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default **1**) of
+//!   its earlier records are uncompared, so after a mismatch at this rank's collective
+//!   *k*, at most `check_queue` further collectives of the rank run and return `Ok`,
+//!   and collective *k* + `check_queue` + 1 fails with the divergence: with one
+//!   persistent gather buffer, at most `check_queue` + 1 calls of a rank return `Ok`
+//!   with another call's data (a caller further ahead waits for the check, at most
+//!   twice the pool's timeout). In time, a divergence is reported within one
 //!   control-plane round after the last rank posted record *k*; a rank that skipped
-//!   the last collective of a step is reported when it reaches [`Coll::end_step`] (its
-//!   step record meets the peers' collective record), within one round; without a
-//!   step boundary, after the pool's timeout ([`Error::Timeout`] breaks the exchange). [`Coll::wait_checks`] waits
-//!   until everything posted is compared. The diverging collectives themselves may have run
-//!   (and moved wrong data, or timed out).
-//! * [`CheckMode::Off`]: no record: a divergence is what it is
-//!   without the crate (silent corruption on the symmetric paths, a hang or an NCCL
-//!   error otherwise; the host backends move the data at the offsets given, bounds
-//!   checked, and time out on mismatched rounds).
-//!
-//! At world size 1 every handle runs as [`CheckMode::Off`]: one rank has no peer to
-//! diverge from, and a one-GPU step then pays nothing for the check (BENCHMARKS.md,
-//! one-GPU run 23: `async` took 2.6 µs more host time per all-gather than `off`, and
-//! about 1 % of the example's small step).
+//!   the last collective of a step, when it reaches [`Coll::end_step`], within one
+//!   round; without a step boundary, after the pool's timeout ([`Error::Timeout`]
+//!   breaks the exchange). [`Coll::wait_checks`] waits until everything posted is
+//!   compared. The diverging collectives themselves may have run (and moved wrong
+//!   data, or timed out).
+//! * [`CheckMode::Off`]: no record: a divergence is what it is without the crate
+//!   (silent corruption on the symmetric paths, a hang or an NCCL error otherwise; the
+//!   host backends move the data at the offsets given, bounds checked, and time out on
+//!   mismatched rounds). At world size 1 every handle runs so: one rank has no peer
+//!   to diverge from (BENCHMARKS.md, one-GPU run 23: `async` took 2.6 µs more host
+//!   time per all-gather than `off`, about 1 % of the example's small step).
 //!
 //! **Calls that know who they are**: calls of the same shape (one persistent gather
 //! buffer for every layer) make the same record, so a rank that skips one layer's
-//! gather pairs its next layer's call with the peers' call for the skipped layer. Give
-//! each call its identity with [`Coll::tagged`] (a `u64`: a hash of the layer, the
-//! parameter group, the step): the records then differ in the field `tag` at the
-//! skipped call (under `Strict` before data moves; under `Async` within the bound
-//! above). Once a pool has seen a tagged collective, an untagged one on it fails with
-//! [`Error::Untagged`] (nothing runs), so a loop cannot lose its identity half-way;
-//! [`PoolConfig::require_tags`](crate::PoolConfig::require_tags) refuses every
-//! untagged collective on the pool. Untagged calls of the same shape are caught at
-//! the step boundary at the latest. The crate's example (`fsdp_step`) and Python
-//! package (`symmpool.fsdp.install`) tag every collective and mark every step.
+//! gather pairs its next layer's call with the peers' call for the skipped layer.
+//! [`Coll::tagged`] gives each call its identity, and the records then differ at the
+//! skipped call, in the field `tag` (see [`TaggedColl`]); untagged calls of the same
+//! shape are caught at the step boundary at the latest. The crate's example
+//! (`fsdp_step`) and Python package (`symmpool.fsdp.install`) tag every collective and
+//! mark every step.
 //!
-//! **Step boundary**: under `Async` and `Strict`, [`Coll::end_step`] (every rank, at
-//! the end of a step) checks, per pool and per communicator, a record of the pool's
-//! collective count, the communicator's sequence count and the pool's call count and
-//! running hash. So a skipped or extra collective (tagged or not), an extra
-//! allocation, or a loop of cache hits without collectives fails on every rank at the
-//! end of its step at the latest, with the same [`Error::CollectiveDivergence`] on
-//! every rank, within one exchange round: a rank that made more collectives than
+//! **Step boundary**: [`Coll::end_step`] catches a skipped or extra collective (tagged
+//! or not), an extra allocation, or a loop of cache hits without collectives, on every
+//! rank, at the end of its step at the latest: a rank that made more collectives than
 //! another shows "a collective (this rank's collective #8 on the pool)" where the rank
 //! behind shows "a step boundary (after 7 collectives on the pool)"; an extra
 //! allocation shows in "pool call count". (Under `Async` a collective that a peer
-//! never joins waits for it on a backend whose collectives block: on the host threads backend this rank's failed check ends the
-//! wait, and the call returns the divergence, within a round; on the shared-memory
-//! backend the rank ahead gets that collective's [`Error::Timeout`], then the
-//! divergence from `end_step`.)
+//! never joins waits for it on a backend whose collectives block: on the host threads
+//! backend this rank's failed check ends the wait, and the call returns the
+//! divergence, within a round; on the shared-memory backend the rank ahead gets that
+//! collective's [`Error::Timeout`], then the divergence from `end_step`.)
 //!
 //! **Breakage is consistent**: after a mismatch, or a collective that timed out or
 //! lost a peer, every later collective and every later pool call of that pool fails on
@@ -181,7 +154,7 @@ pub(crate) use path::{PATHS, path_index};
 use crate::backend::CollectivesClaim;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CheckMode, CollectiveRecord, Ledger};
+use crate::group::{CheckMode, CollectiveRecord};
 use crate::pool::{MemoryStats, StatValue, SymmPool};
 use arc_swap::ArcSwap;
 use call::invalid;
@@ -190,12 +163,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The collectives of one rank on the buffers of one pool (or of several pools over the
-/// same communicators; one handle per communicator set): all-gather, reduce-scatter and all-reduce with the path chosen per call, checked
-/// across ranks (see the module documentation).
-///
-/// The collectives themselves (`all_gather`, `reduce_scatter`, `all_reduce`, each also
-/// `_in_place`) are methods of the [`CollectiveCalls`] trait, which `Coll` and its
-/// [`tagged`](Self::tagged) form implement: `use symmpool::CollectiveCalls;`.
+/// same communicators; one handle per communicator set), with the path chosen per
+/// call, checked across ranks (see the [module documentation](self)): the methods of
+/// [`CollectiveCalls`] (`use symmpool::CollectiveCalls;`), on the handle or its
+/// [`tagged`](Self::tagged) form.
 ///
 /// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
 /// per-path counters and the per-communicator sequence numbers; its collectives'
@@ -253,16 +224,9 @@ struct PoolColl {
 
 impl fmt::Debug for Coll {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let pools = self.inner.pools.iter().map(|p| &p.pool.config().name);
         f.debug_struct("Coll")
-            .field(
-                "pools",
-                &self
-                    .inner
-                    .pools
-                    .iter()
-                    .map(|p| p.pool.config().name.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .field("pools", &pools.collect::<Vec<_>>())
             .field("check", &self.check_mode())
             .finish_non_exhaustive()
     }
@@ -290,7 +254,7 @@ impl Coll {
     /// [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
     /// the pool's configuration was made (and the code did not set the mode).
     pub fn new(pool: &SymmPool) -> Result<Coll> {
-        Self::claimed(std::slice::from_ref(pool), "Coll::new")
+        Self::build(std::slice::from_ref(pool), Some("Coll::new"))
     }
 
     /// One handle for several pools over the same communicators: their collectives
@@ -305,38 +269,36 @@ impl Coll {
     /// the pools are not over the same communicators (a pool with communicators of its
     /// own has a handle of its own).
     pub fn with_pools(pools: &[SymmPool]) -> Result<Coll> {
-        Self::claimed(pools, "Coll::with_pools")
+        Self::build(pools, Some("Coll::with_pools"))
     }
 
     /// The handle of `pools`, holding their communicators (`op` names the call in
-    /// errors).
-    fn claimed(pools: &[SymmPool], op: &'static str) -> Result<Coll> {
+    /// errors); without `op`, calibration's handle of its temporary pool, which claims
+    /// nothing (it is made inside a call of the handle that holds the communicators).
+    fn build(pools: &[SymmPool], op: Option<&'static str>) -> Result<Coll> {
         let Some(first) = pools.first() else {
             return Err(Error::InvalidCollective {
-                op,
+                op: op.unwrap_or("Coll::with_pools"),
                 detail: "no pool".into(),
             });
         };
-        let claim = first.backend().claim_collectives().ok_or_else(|| {
-            invalid(
-                op,
-                format!(
-                    "the communicators of pool {:?} already have a collectives handle on this rank; \
-                     a second one would number their collectives apart from the first, and a \
-                     rank using the two in crossed order would pair the wrong calls: clone the \
-                     handle (it is cheap), make one handle for several pools with \
-                     Coll::with_pools, or give a pool used from another thread communicators \
-                     of its own (PoolConfig::with_own_communicators(true))",
-                    first.config().name
-                ),
-            )
-        })?;
-        Self::build(pools, Some(claim))
-    }
-
-    /// The handle of `pools`, holding `claim` (see [`with_pools`](Self::with_pools)).
-    fn build(pools: &[SymmPool], claim: Option<CollectivesClaim>) -> Result<Coll> {
-        let first = &pools[0];
+        let claim = op.map(|op| {
+            let name = &first.config().name;
+            first.backend().claim_collectives().ok_or_else(|| {
+                invalid(
+                    op,
+                    format!(
+                        "the communicators of pool {name:?} already have a collectives handle on \
+                         this rank; a second one would number their collectives apart from the \
+                         first, and a rank using the two in crossed order would pair the wrong \
+                         calls: clone the handle (it is cheap), make one handle for several pools \
+                         with Coll::with_pools, or give a pool used from another thread \
+                         communicators of its own (PoolConfig::with_own_communicators(true))"
+                    ),
+                )
+            })
+        });
+        let claim = claim.transpose()?;
         for pool in pools {
             pool.check_open()?;
             if let Some(e) = pool.config().check_env_error() {
@@ -367,12 +329,6 @@ impl Coll {
         Ok(Coll { inner })
     }
 
-    /// The handle of calibration's temporary pool, made inside a call of this handle
-    /// (which holds the communicators: it claims nothing).
-    fn for_calibration(tmp: &SymmPool) -> Result<Coll> {
-        Self::build(std::slice::from_ref(tmp), None)
-    }
-
     /// One handle per pool, in the pools' order (for ranks that are threads of this
     /// process).
     ///
@@ -394,12 +350,6 @@ impl Coll {
         self.pool().check_mode()
     }
 
-    /// The ledger of the handle's communicators (its pools share it).
-    #[inline]
-    fn ledger(&self) -> &Ledger {
-        self.pool().ledger()
-    }
-
     /// Wait until every collective record this rank posted has been compared with the
     /// peers' (under [`CheckMode::Async`]; at once otherwise), and return the
     /// verdict: for example before reading results that must be trusted.
@@ -414,7 +364,7 @@ impl Coll {
     /// timeout.
     pub fn wait_checks(&self) -> Result<()> {
         let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
-        self.ledger().wait_compared(deadline)
+        self.pool().ledger().wait_compared(deadline)
     }
 
     /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`] (never at
@@ -436,7 +386,28 @@ impl Coll {
     /// As [`wait_checks`](Self::wait_checks).
     pub fn end_step(&self) -> Result<()> {
         let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
-        self.inner.step_boundary(deadline)
+        let (ledger, mode) = (self.pool().ledger(), self.check_mode());
+        if mode == CheckMode::Off {
+            return Ok(());
+        }
+        ledger.check()?;
+        let launch = ledger.launch_lock();
+        let comms = &self.inner.comm_seqs;
+        for entry in &self.inner.pools {
+            // One record per communicator: its sequence count, with the pool's
+            // collective count and call hash (so a rank behind or ahead on any of
+            // them fails here, on every rank, in this round).
+            let (pool, head) = (entry.pool.channel().ordinal(), entry.pool.call_head());
+            let collectives = entry.collectives.load(Ordering::Relaxed);
+            for comm in 0..comms.len().max(1) {
+                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
+                let comm = (comm as u64, seq);
+                let record = CollectiveRecord::step(pool, collectives, comm, head);
+                ledger.submit(mode, record, || deadline)?;
+            }
+        }
+        drop(launch);
+        ledger.wait_compared(deadline)
     }
 
     /// The path thresholds the collectives use now ([`PathPolicy::default`] until
@@ -477,56 +448,6 @@ impl Coll {
     #[inline]
     fn entry(&self, pool: &SymmPool) -> Option<&PoolColl> {
         self.inner.pools.iter().find(|e| e.pool.same_pool(pool))
-    }
-}
-
-impl PoolColl {
-    /// Whether an untagged collective on the pool is refused (it requires tags or
-    /// has seen a tagged one; the pool keeps this, whichever handle saw the tag).
-    #[inline]
-    fn tags_required(&self) -> bool {
-        self.pool.tags_required().load(Ordering::Relaxed)
-    }
-
-    /// Note a tagged collective: untagged ones on the pool are refused from now on.
-    #[inline]
-    fn saw_tag(&self) {
-        let required = self.pool.tags_required();
-        if !required.load(Ordering::Relaxed) {
-            required.store(true, Ordering::Relaxed);
-        }
-    }
-}
-
-impl CollInner {
-    /// A step boundary ([`Coll::end_step`]), its waits until `deadline`.
-    fn step_boundary(&self, deadline: Deadline) -> Result<()> {
-        let (ledger, mode) = (self.pools[0].pool.ledger(), self.pools[0].pool.check_mode());
-        if mode == CheckMode::Off {
-            return Ok(());
-        }
-        ledger.check()?;
-        let launch = ledger.launch_lock();
-        for entry in &self.pools {
-            // One record per communicator: its sequence count, with the pool's
-            // collective count and call hash (so a rank behind or ahead on any of
-            // them fails here, on every rank, in this round).
-            let head = entry.pool.call_head();
-            let pool_collectives = entry.collectives.load(Ordering::Relaxed);
-            let comms = &self.comm_seqs;
-            for comm in 0..comms.len().max(1) {
-                let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
-                let record = CollectiveRecord::step(
-                    entry.pool.channel().ordinal(),
-                    pool_collectives,
-                    (comm as u64, seq),
-                    head,
-                );
-                ledger.submit(mode, record, || deadline)?;
-            }
-        }
-        drop(launch);
-        ledger.wait_compared(deadline)
     }
 }
 

@@ -3,6 +3,7 @@
 use crate::backend::{CommInfo, CommRole};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::NcclVersion;
+use crate::pool::setters;
 use serde::Serialize;
 
 /// How NCCL will run a collective. On the host backend it is the path NCCL would take
@@ -95,34 +96,17 @@ impl Default for PathPolicy {
 }
 
 impl PathPolicy {
-    /// Set the copy-engine all-gather threshold.
-    pub fn with_ce_all_gather_min_bytes(mut self, bytes: u64) -> Self {
-        self.ce_all_gather_min_bytes = bytes;
-        self
-    }
-
-    /// Set the sizes where reduce-scatter uses the symmetric kernel.
-    pub fn with_symmetric_reduce_scatter_bands(mut self, bands: Vec<(u64, u64)>) -> Self {
-        self.symmetric_reduce_scatter_bands = bands;
-        self
+    setters! {
+        with_ce_all_gather_min_bytes(ce_all_gather_min_bytes: u64);
+        with_symmetric_reduce_scatter_bands(symmetric_reduce_scatter_bands: Vec<(u64, u64)>);
+        with_symmetric_all_reduce_bands(symmetric_all_reduce_bands: Vec<(u64, u64)>);
+        with_all_reduce(all_reduce: Choice);
     }
 
     /// Prefer paths for all-gather and reduce-scatter.
     pub fn with_choices(mut self, all_gather: Choice, reduce_scatter: Choice) -> Self {
         self.all_gather = all_gather;
         self.reduce_scatter = reduce_scatter;
-        self
-    }
-
-    /// Set the sizes where all-reduce uses the symmetric kernel.
-    pub fn with_symmetric_all_reduce_bands(mut self, bands: Vec<(u64, u64)>) -> Self {
-        self.symmetric_all_reduce_bands = bands;
-        self
-    }
-
-    /// Prefer a path for all-reduce.
-    pub fn with_all_reduce(mut self, all_reduce: Choice) -> Self {
-        self.all_reduce = all_reduce;
         self
     }
 
@@ -321,13 +305,10 @@ pub(crate) fn one_nvlink_domain_needed(version: NcclVersion) -> (bool, bool) {
 /// Every [`Path`], in the order of [`path_index`].
 pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
 
-/// Index of `path` in [`PATHS`]: the pool's per-path counters are numbered so.
+/// Index of `path` in [`PATHS`] (its place in [`Path`]'s declaration): the handle's
+/// per-path counters are numbered so.
 pub(crate) fn path_index(path: Path) -> usize {
-    match path {
-        Path::CopyEngine => 0,
-        Path::SymmetricKernel => 1,
-        Path::PlainKernel => 2,
-    }
+    path as usize
 }
 
 /// The name of a path in statistics keys and events: `copy_engine`,

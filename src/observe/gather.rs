@@ -3,8 +3,8 @@
 use super::snapshot::{PoolSnapshot, SegmentView};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::pool::StatValue;
 use crate::pool::SymmPool;
-use crate::pool::{MemoryStats, StatValue};
 use serde::{Deserialize, Serialize};
 
 /// A statistic on the wire (postcard cannot read the untagged [`StatValue`]).
@@ -25,44 +25,34 @@ struct WireSnapshot {
 }
 
 impl WireSnapshot {
-    fn of(snap: &PoolSnapshot) -> Self {
+    fn of(snap: PoolSnapshot) -> Self {
+        let stats = (snap.stats.into_iter())
+            .map(|(k, v)| match v {
+                StatValue::Count(n) => (k, WireStat::Count(n)),
+                StatValue::Real(x) => (k, WireStat::Real(x)),
+            })
+            .collect();
         WireSnapshot {
-            pool: snap.pool.clone(),
+            pool: snap.pool,
             rank: snap.rank,
             world_size: snap.world_size,
-            segments: snap.segments.clone(),
-            stats: snap
-                .stats
-                .iter()
-                .map(|(k, v)| {
-                    let v = match *v {
-                        StatValue::Count(n) => WireStat::Count(n),
-                        StatValue::Real(x) => WireStat::Real(x),
-                    };
-                    (k.clone(), v)
-                })
-                .collect(),
+            segments: snap.segments,
+            stats,
         }
     }
 
     fn into_snapshot(self) -> PoolSnapshot {
-        let stats: MemoryStats = self
-            .stats
-            .into_iter()
-            .map(|(k, v)| {
-                let v = match v {
-                    WireStat::Count(n) => StatValue::Count(n),
-                    WireStat::Real(x) => StatValue::Real(x),
-                };
-                (k, v)
-            })
-            .collect();
         PoolSnapshot {
             pool: self.pool,
             rank: self.rank,
             world_size: self.world_size,
             segments: self.segments,
-            stats,
+            stats: (self.stats.into_iter())
+                .map(|(k, v)| match v {
+                    WireStat::Count(n) => (k, StatValue::Count(n)),
+                    WireStat::Real(x) => (k, StatValue::Real(x)),
+                })
+                .collect(),
         }
     }
 }
@@ -88,8 +78,8 @@ impl SymmPool {
         let deadline = Deadline::after(self.config().timeout);
         let exchange = self.backend().exchange();
         let channel = self.inner.channel;
-        let (segments, stats, gathered) = self.observe_with(|_, segments, stats| {
-            let mine = WireSnapshot::of(&self.snapshot_of(segments.to_vec(), stats.clone()));
+        let (_, _, gathered) = self.observe_with(|_, segments, stats| {
+            let mine = WireSnapshot::of(self.snapshot_of(segments.to_vec(), stats.clone()));
             let payload = postcard::to_allocvec(&mine).map_err(|e| Error::Internal {
                 what: format!("encoding a snapshot: {e}"),
             })?;
@@ -97,19 +87,14 @@ impl SymmPool {
             // the pool's channel runs meanwhile.
             exchange.all_gather(channel, "memory snapshot", &payload, deadline)
         });
-        let gathered = gathered?;
-        let mut out = Vec::with_capacity(gathered.len());
-        for (rank, bytes) in gathered.into_iter().enumerate() {
-            if rank == self.rank() {
-                out.push(self.snapshot_of(segments.clone(), stats.clone()));
-                continue;
-            }
+        // This rank's own comes back decoded too, the same as the peers'.
+        let decode = |(rank, bytes): (usize, Vec<u8>)| {
             let wire: WireSnapshot = postcard::from_bytes(&bytes).map_err(|e| Error::Protocol {
                 op: "memory snapshot",
                 detail: format!("rank {rank}'s snapshot does not decode: {e}"),
             })?;
-            out.push(wire.into_snapshot());
-        }
-        Ok(out)
+            Ok(wire.into_snapshot())
+        };
+        gathered?.into_iter().enumerate().map(decode).collect()
     }
 }

@@ -90,7 +90,6 @@
 //! # drop(buf); pool.close()?;
 //! # Ok::<(), symmpool::Error>(())
 //! ```
-
 //!
 //! # History and PyTorch's memory viewer
 //!

@@ -114,7 +114,7 @@ impl SymmPool {
     ///
     /// Save it with serde; the `memory_map` example draws it.
     pub fn memory_snapshot(&self) -> PoolSnapshot {
-        let (segments, stats) = self.observe_now();
+        let (segments, stats, ()) = self.observe_with(|_, _, _| ());
         self.snapshot_of(segments, stats)
     }
 
@@ -150,13 +150,7 @@ impl SymmPool {
     /// (see the table in [`observe`](crate::observe)). Local; O(blocks) (the per-class
     /// and split figures are counted from the blocks).
     pub fn memory_stats(&self) -> MemoryStats {
-        self.observe_now().1
-    }
-
-    /// Segments and statistics under one lock.
-    fn observe_now(&self) -> (Vec<SegmentView>, MemoryStats) {
-        let (segments, stats, _) = self.observe_with(|_, _, _| ());
-        (segments, stats)
+        self.observe_with(|_, _, _| ()).1
     }
 
     /// Segments, statistics and `also(state, segments, statistics)` under one lock.
@@ -228,7 +222,6 @@ impl SymmPool {
             &self.inner.counters,
         );
         let extra = also(&mut st, &segments, &stats);
-        drop(st);
         (segments, stats, extra)
     }
 }

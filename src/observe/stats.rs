@@ -2,8 +2,9 @@
 
 use super::snapshot::{BlockStatus, SegmentView};
 use crate::backend::CommInfo;
-use crate::core::{CoreStats, SizeClass, Stat};
+use crate::core::{CoreStats, SizeClass};
 use crate::pool::{Counters, MemoryStats, PoolCounters, StatValue, role_name};
+use std::sync::atomic::Ordering::Relaxed;
 
 /// Per size class (`all`, `small_pool`, `large_pool`), counted from the blocks.
 #[derive(Default, Clone, Copy)]
@@ -69,37 +70,30 @@ pub(crate) fn build_stats(
         m.insert(k, StatValue::Count(v));
     };
     // Gauges with peaks and cumulative totals, PyTorch style.
-    let gauge = |put: &mut dyn FnMut(String, u64), name: &str, s: Stat, total: u64| {
+    for (name, s, total) in [
+        (
+            "allocated_bytes",
+            core.allocated_bytes,
+            totals.allocated_bytes_total,
+        ),
+        (
+            "requested_bytes",
+            core.requested_bytes,
+            totals.requested_bytes_total,
+        ),
+        (
+            "reserved_bytes",
+            core.reserved_bytes,
+            totals.reserved_bytes_total,
+        ),
+        ("segment", core.segments, core.num_growths),
+        ("allocation", core.allocated_blocks, core.num_allocs),
+    ] {
         put(format!("{name}.all.current"), s.current);
         put(format!("{name}.all.peak"), s.peak);
         put(format!("{name}.all.allocated"), total);
         put(format!("{name}.all.freed"), total.saturating_sub(s.current));
-    };
-    gauge(
-        &mut put,
-        "allocated_bytes",
-        core.allocated_bytes,
-        totals.allocated_bytes_total,
-    );
-    gauge(
-        &mut put,
-        "requested_bytes",
-        core.requested_bytes,
-        totals.requested_bytes_total,
-    );
-    gauge(
-        &mut put,
-        "reserved_bytes",
-        core.reserved_bytes,
-        totals.reserved_bytes_total,
-    );
-    gauge(&mut put, "segment", core.segments, core.num_growths);
-    gauge(
-        &mut put,
-        "allocation",
-        core.allocated_blocks,
-        core.num_allocs,
-    );
+    }
     put("active_bytes.all.current".into(), core.active_bytes.current);
     put("active_bytes.all.peak".into(), core.active_bytes.peak);
     let all = count(segments, None);
@@ -134,10 +128,7 @@ pub(crate) fn build_stats(
     // `num_cache_misses`.
     put("num_alloc_retries".into(), 0);
     put("num_cache_misses".into(), core.num_misses);
-    put(
-        "num_ooms".into(),
-        counters.ooms.load(std::sync::atomic::Ordering::Relaxed),
-    );
+    put("num_ooms".into(), counters.ooms.load(Relaxed));
     put("num_device_alloc".into(), core.num_growths);
     put("num_device_free".into(), core.num_releases);
     put("num_splits".into(), core.num_splits);
@@ -145,25 +136,18 @@ pub(crate) fn build_stats(
     put("num_stream_waits".into(), core.num_waits);
     put(
         "deferred_frees".into(),
-        counters
-            .deferred_frees
-            .load(std::sync::atomic::Ordering::Relaxed),
+        counters.deferred_frees.load(Relaxed),
     );
     put("agreements".into(), totals.agreements);
     put("calls".into(), calls);
     // Per communicator role (communicators of one role add up).
     for (c, info) in comms.iter().enumerate() {
         let role = role_name(info.role);
+        let at = |counts: &[u64]| counts.get(c).copied().unwrap_or(0);
         for (name, v) in [
-            (
-                "registrations",
-                totals.registrations.get(c).copied().unwrap_or(0),
-            ),
-            (
-                "deregistrations",
-                totals.deregistrations.get(c).copied().unwrap_or(0),
-            ),
-            ("windows", windows.get(c).copied().unwrap_or(0)),
+            ("registrations", at(&totals.registrations)),
+            ("deregistrations", at(&totals.deregistrations)),
+            ("windows", at(windows)),
         ] {
             let slot = m
                 .entry(format!("{name}.{role}"))

@@ -1,6 +1,8 @@
 //! [`SymmBuffer`]: an RAII block of a pool, and typed views of it.
 
 use super::{SegmentEntry, SymmPool};
+#[cfg(feature = "nccl")]
+use crate::backend::NcclBackend;
 use crate::backend::{Region, Window};
 use crate::core::{BlockId, Placement, SegmentId};
 #[cfg(feature = "nccl")]
@@ -8,12 +10,16 @@ use crate::core::{StreamId, Wait};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
+#[cfg(feature = "nccl")]
+use cudarc::driver::{CudaEvent, CudaStream, SyncOnDrop, sys::CUdeviceptr};
 use parking_lot::Mutex;
 #[cfg(feature = "nccl")]
 use smallvec::SmallVec;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
+#[cfg(feature = "nccl")]
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A block of symmetric memory from a [`SymmPool`].
@@ -53,7 +59,7 @@ pub struct SymmBuffer {
     /// stream, recorded after each use, that the buffer's stream waits for when the
     /// buffer is freed (made at the first such use).
     #[cfg(feature = "nccl")]
-    foreign: std::sync::OnceLock<Box<[std::sync::OnceLock<Foreign>; FOREIGN_STREAMS]>>,
+    foreign: OnceLock<Box<[OnceLock<Foreign>; FOREIGN_STREAMS]>>,
 }
 
 /// How many streams that no [`Stream`] wraps a buffer records [`CudaView`] uses on
@@ -67,7 +73,7 @@ const FOREIGN_STREAMS: usize = 4;
 struct Foreign {
     /// The stream's context and raw handle.
     key: (usize, usize),
-    event: cudarc::driver::CudaEvent,
+    event: CudaEvent,
 }
 
 impl fmt::Debug for SymmBuffer {
@@ -108,7 +114,7 @@ impl SymmBuffer {
             #[cfg(feature = "nccl")]
             view_streams: Mutex::new(SmallVec::new()),
             #[cfg(feature = "nccl")]
-            foreign: std::sync::OnceLock::new(),
+            foreign: OnceLock::new(),
             stream,
             others: Mutex::new(Vec::new()),
         }
@@ -270,7 +276,7 @@ impl SymmBuffer {
     /// backend errors.
     pub fn write<T: Element>(&self, data: &[T]) -> Result<()> {
         self.view::<u8>()?
-            .write_bytes(0, bytemuck::cast_slice(data))
+            .copy_from_host(bytemuck::cast_slice(data))
     }
 
     /// Copy the whole buffer to a host vector of `T`, waiting for the buffer's stream.
@@ -297,26 +303,16 @@ impl SymmBuffer {
     /// cudarc asks for the memory on `cs` through a view whose home is the buffer's
     /// stream `home`: order the use (see [`CudaView`]); what to do once it is enqueued.
     #[inline]
-    fn cuda_use<'b>(
-        &'b self,
-        home: &cudarc::driver::CudaStream,
-        cs: &'b cudarc::driver::CudaStream,
-    ) -> cudarc::driver::SyncOnDrop<'b> {
+    fn cuda_use<'b>(&'b self, home: &CudaStream, cs: &'b CudaStream) -> SyncOnDrop<'b> {
         if crate::backend::nccl::same_cuda_stream(home, cs) {
-            return cudarc::driver::SyncOnDrop::Sync(None);
+            return SyncOnDrop::Sync(None);
         }
         self.cuda_use_elsewhere(home, cs)
     }
 
     #[cold]
     #[inline(never)]
-    fn cuda_use_elsewhere<'b>(
-        &'b self,
-        home: &cudarc::driver::CudaStream,
-        cs: &'b cudarc::driver::CudaStream,
-    ) -> cudarc::driver::SyncOnDrop<'b> {
-        use crate::backend::NcclBackend;
-        use cudarc::driver::SyncOnDrop;
+    fn cuda_use_elsewhere<'b>(&'b self, home: &CudaStream, cs: &'b CudaStream) -> SyncOnDrop<'b> {
         // The caller took over the ordering between streams (cudarc's unsafe
         // `disable_event_tracking`): nothing, as cudarc's own views do.
         if !cs.context().is_event_tracking() {
@@ -363,12 +359,7 @@ impl SymmBuffer {
     /// A use on `cs`, a stream no [`Stream`] wraps: an event recorded after it
     /// (cudarc's `SyncOnDrop::Record`), which the buffer's stream waits for when it is
     /// freed; or, where that cannot be, a synchronisation of `cs` after the use.
-    fn foreign_use<'b>(
-        &'b self,
-        cs: &'b cudarc::driver::CudaStream,
-    ) -> cudarc::driver::SyncOnDrop<'b> {
-        use crate::backend::NcclBackend;
-        use cudarc::driver::SyncOnDrop;
+    fn foreign_use<'b>(&'b self, cs: &'b CudaStream) -> SyncOnDrop<'b> {
         // cudarc records nothing in single-stream mode; the per-thread default stream
         // is a different stream on each thread.
         let key = crate::backend::nccl::cuda_key(cs);
@@ -389,14 +380,10 @@ impl SymmBuffer {
 
     /// The event for uses on the stream `key` (made in `cs`'s context if new); `None`
     /// when every slot holds another stream's or no event can be made.
-    fn foreign_slot(
-        &self,
-        key: (usize, usize),
-        cs: &cudarc::driver::CudaStream,
-    ) -> Option<&Foreign> {
+    fn foreign_slot(&self, key: (usize, usize), cs: &CudaStream) -> Option<&Foreign> {
         let slots = self
             .foreign
-            .get_or_init(|| Box::new(std::array::from_fn(|_| std::sync::OnceLock::new())));
+            .get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
         for slot in slots.iter() {
             if let Some(f) = slot.get() {
                 if f.key == key {
@@ -404,7 +391,7 @@ impl SymmBuffer {
                 }
                 continue;
             }
-            let event = match crate::backend::NcclBackend::event_for(cs) {
+            let event = match NcclBackend::event_for(cs) {
                 Ok(e) => e,
                 Err(e) => {
                     self.view_failed("making an event", e);
@@ -426,8 +413,8 @@ impl SymmBuffer {
         let (Some(slots), Some(home)) = (self.foreign.get(), self.stream.cuda_stream()) else {
             return;
         };
-        for f in slots.iter().filter_map(std::sync::OnceLock::get) {
-            if let Err(e) = crate::backend::NcclBackend::wait_event(home, &f.event) {
+        for f in slots.iter().filter_map(OnceLock::get) {
+            if let Err(e) = NcclBackend::wait_event(home, &f.event) {
                 self.view_failed("ordering the free after uses on other streams", e);
             }
         }
@@ -481,11 +468,10 @@ impl<'a, T: Element> TypedView<'a, T> {
     /// # Errors
     /// [`Error::BadView`] if the range is out of bounds.
     pub fn slice(&self, start: usize, len: usize) -> Result<TypedView<'a, T>> {
-        let end = start
-            .checked_add(len)
-            .filter(|&e| e <= self.len)
-            .ok_or_else(|| Error::BadView(format!("{start}..{start}+{len} beyond {}", self.len)))?;
-        let _ = end;
+        if start.checked_add(len).is_none_or(|end| end > self.len) {
+            let beyond = format!("{start}..{start}+{len} beyond {}", self.len);
+            return Err(Error::BadView(beyond));
+        }
         Ok(TypedView {
             buf: self.buf,
             offset_bytes: self.offset_bytes + (start * std::mem::size_of::<T>()) as u64,
@@ -535,30 +521,21 @@ impl<'a, T: Element> TypedView<'a, T> {
             })
     }
 
-    fn write_bytes(&self, at_bytes: u64, data: &[u8]) -> Result<()> {
-        self.buf.pool.check_memory()?;
-        let region = self.region()?;
-        let target = region.sub(at_bytes, data.len() as u64).map_err(|_| {
-            Error::BadView(format!(
-                "writing {} bytes at {at_bytes} into a view of {} bytes",
-                data.len(),
-                region.len_bytes()
-            ))
-        })?;
-        self.buf
-            .pool
-            .backend()
-            .data()
-            .write(target, data, &self.buf.stream)
-    }
-
     /// Copy `data` into the first `data.len()` elements, ordered on the buffer's stream.
     ///
     /// # Errors
     /// [`Error::BadView`] if `data` is longer than the view; [`Error::PoolClosed`];
     /// backend errors.
     pub fn copy_from_host(&self, data: &[T]) -> Result<()> {
-        self.write_bytes(0, bytemuck::cast_slice(data))
+        let data: &[u8] = bytemuck::cast_slice(data);
+        self.buf.pool.check_memory()?;
+        let region = self.region()?;
+        let target = region.sub(0, data.len() as u64).map_err(|_| {
+            let (n, len) = (data.len(), region.len_bytes());
+            Error::BadView(format!("writing {n} bytes at 0 into a view of {len} bytes"))
+        })?;
+        let mover = self.buf.pool.backend().data();
+        mover.write(target, data, &self.buf.stream)
     }
 
     /// Copy the view to a host vector, waiting for the buffer's stream.
@@ -618,7 +595,7 @@ pub struct CudaView<'a, T> {
     buf: &'a SymmBuffer,
     ptr: u64,
     len: usize,
-    stream: &'a std::sync::Arc<cudarc::driver::CudaStream>,
+    stream: &'a Arc<CudaStream>,
     _view: PhantomData<&'a [T]>,
 }
 
@@ -628,7 +605,7 @@ impl<T> cudarc::driver::DeviceSlice<T> for CudaView<'_, T> {
         self.len
     }
 
-    fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+    fn stream(&self) -> &Arc<CudaStream> {
         self.stream
     }
 }
@@ -636,13 +613,7 @@ impl<T> cudarc::driver::DeviceSlice<T> for CudaView<'_, T> {
 /// The pointer, with the use on `stream` ordered as [`CudaView`] says.
 #[cfg(feature = "nccl")]
 impl<T> cudarc::driver::DevicePtr<T> for CudaView<'_, T> {
-    fn device_ptr<'b>(
-        &'b self,
-        stream: &'b cudarc::driver::CudaStream,
-    ) -> (
-        cudarc::driver::sys::CUdeviceptr,
-        cudarc::driver::SyncOnDrop<'b>,
-    ) {
+    fn device_ptr<'b>(&'b self, stream: &'b CudaStream) -> (CUdeviceptr, SyncOnDrop<'b>) {
         (self.ptr, self.buf.cuda_use(self.stream, stream))
     }
 }
@@ -650,13 +621,7 @@ impl<T> cudarc::driver::DevicePtr<T> for CudaView<'_, T> {
 /// As [`DevicePtr`](cudarc::driver::DevicePtr): reads and writes are ordered alike.
 #[cfg(feature = "nccl")]
 impl<T> cudarc::driver::DevicePtrMut<T> for CudaView<'_, T> {
-    fn device_ptr_mut<'b>(
-        &'b mut self,
-        stream: &'b cudarc::driver::CudaStream,
-    ) -> (
-        cudarc::driver::sys::CUdeviceptr,
-        cudarc::driver::SyncOnDrop<'b>,
-    ) {
+    fn device_ptr_mut<'b>(&'b mut self, stream: &'b CudaStream) -> (CUdeviceptr, SyncOnDrop<'b>) {
         (self.ptr, self.buf.cuda_use(self.stream, stream))
     }
 }

@@ -4,6 +4,20 @@ use crate::core::CoreConfig;
 use crate::group::CheckMode;
 use std::time::Duration;
 
+/// Builder setters, one a line: `with_field(field: Type);` writes
+/// `pub fn with_field(mut self, field: Type) -> Self`, which sets `self.field`, with the
+/// doc "Set [`field`](Self::field)." (the field's documentation says the rest).
+macro_rules! setters {
+    ($($name:ident($field:ident: $ty:ty);)*) => {$(
+        #[doc = concat!("Set [`", stringify!($field), "`](Self::", stringify!($field), ").")]
+        pub fn $name(mut self, $field: $ty) -> Self {
+            self.$field = $field;
+            self
+        }
+    )*};
+}
+pub(crate) use setters;
+
 /// Largest accepted [`PoolConfig::history_len`].
 pub const MAX_HISTORY: usize = 1 << 16;
 
@@ -36,23 +50,18 @@ pub struct PoolConfig {
     /// to the other ranks (its agreements run on a channel of its own).
     pub name: String,
     /// How collectives on the pool are checked across ranks (default
-    /// [`CheckMode::Async`]; [`from_env`](Self::from_env) reads it from the
-    /// `SYMMPOOL_CHECK` environment variable, `strict`, `async` or `off`, when it is
-    /// set): the mode of the collectives handles made from the pool
+    /// [`CheckMode::Async`]; [`from_env`](Self::from_env) reads it from
+    /// `SYMMPOOL_CHECK`): the mode of the collectives handles made from the pool
     /// ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
     /// collective. Code that sets it ([`with_check`](Self::with_check), or this field)
-    /// beats the environment. At world size 1 there is no peer
-    /// to compare with: the handles run as [`CheckMode::Off`], so that a one-GPU job
-    /// pays nothing for the checks.
+    /// beats the environment. At world size 1 there is no peer to compare with: the
+    /// handles run as [`CheckMode::Off`], so that a one-GPU job pays nothing for it.
     pub check: CheckMode,
     /// Under [`CheckMode::Async`], how many collectives a rank may launch after one
-    /// whose check has not yet come back (default 1): after a mismatch at a rank's
-    /// collective *k*, at most this many further collectives of that rank run (and
-    /// may return `Ok`); collective *k* + `check_queue` + 1 fails with the
-    /// divergence. A caller that would exceed it waits for the check (at most twice
-    /// the pool's timeout). Larger values let a rank's host run further ahead of its
-    /// peers' records, at that cost in the bound. The default of the handles made from
-    /// the pool; 0 counts as 1.
+    /// whose check has not yet come back (default 1; 0 counts as 1): the bound on the
+    /// damage of a divergence ([`coll`](crate::coll), "Checked collectives"). Larger
+    /// values let a rank's host run further ahead of its peers' records, at that cost
+    /// in the bound.
     pub check_queue: usize,
     /// Whether every collective on the pool must carry a tag
     /// ([`Coll::tagged`](crate::coll::Coll::tagged)): an untagged one fails with
@@ -75,27 +84,22 @@ pub struct PoolConfig {
 }
 
 /// The environment variable that sets [`PoolConfig::check`]'s default.
-pub(crate) const CHECK_ENV: &str = "SYMMPOOL_CHECK";
+const CHECK_ENV: &str = "SYMMPOOL_CHECK";
 
-/// The check mode `value` names (`strict`, `async`, `off`, any case, surrounding
-/// blanks ignored), or `None`.
-pub(crate) fn parse_check_mode(value: &str) -> Option<CheckMode> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "strict" => Some(CheckMode::Strict),
-        "async" => Some(CheckMode::Async),
-        "off" => Some(CheckMode::Off),
-        _ => None,
-    }
-}
-
-/// `SYMMPOOL_CHECK`: unset or empty → `Ok(None)`; a mode → `Ok(Some(mode))`; anything
-/// else → `Err(value)`.
+/// `SYMMPOOL_CHECK`: unset or empty → `Ok(None)`; `strict`, `async` or `off` (any
+/// case, surrounding blanks ignored) → `Ok(Some(mode))`; anything else → `Err(value)`.
 fn check_from_env() -> Result<Option<CheckMode>, String> {
-    match std::env::var(CHECK_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
-        Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => parse_check_mode(&v).map(Some).ok_or(v),
+    let value = match std::env::var(CHECK_ENV) {
+        Err(std::env::VarError::NotPresent) => return Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => return Err(v.to_string_lossy().into_owned()),
+        Ok(v) => v,
+    };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" => Ok(None),
+        "strict" => Ok(Some(CheckMode::Strict)),
+        "async" => Ok(Some(CheckMode::Async)),
+        "off" => Ok(Some(CheckMode::Off)),
+        _ => Err(value),
     }
 }
 
@@ -138,38 +142,17 @@ impl PoolConfig {
         config
     }
 
-    /// Set the timeout of waits on other ranks.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
+    setters! {
+        with_timeout(timeout: Duration);
+        with_require_tags(require_tags: bool);
+        with_register(register: bool);
+        with_require_symmetric(require_symmetric: bool);
+        with_core(core: CoreConfig);
+        with_own_communicators(own_communicators: bool);
+        with_history_len(history_len: usize);
     }
 
-    /// Set whether every collective on the pool must carry a tag
-    /// ([`require_tags`](Self::require_tags)).
-    pub fn with_require_tags(mut self, require: bool) -> Self {
-        self.require_tags = require;
-        self
-    }
-
-    /// Set whether segments are registered.
-    pub fn with_register(mut self, register: bool) -> Self {
-        self.register = register;
-        self
-    }
-
-    /// Set whether a missing symmetric window is an error.
-    pub fn with_require_symmetric(mut self, require: bool) -> Self {
-        self.require_symmetric = require;
-        self
-    }
-
-    /// Set the core's configuration.
-    pub fn with_core(mut self, core: CoreConfig) -> Self {
-        self.core = core;
-        self
-    }
-
-    /// Set the pool's name.
+    /// Set the pool's [name](Self::name).
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
         self
@@ -183,6 +166,12 @@ impl PoolConfig {
         self
     }
 
+    /// Set [`check_queue`](Self::check_queue) (at least 1).
+    pub fn with_check_queue(mut self, records: usize) -> Self {
+        self.check_queue = records.max(1);
+        self
+    }
+
     /// The error for a `SYMMPOOL_CHECK` that names no mode, when the mode was not set
     /// with [`with_check`](Self::with_check).
     pub(crate) fn check_env_error(&self) -> Option<crate::Error> {
@@ -191,25 +180,5 @@ impl PoolConfig {
             value: format!("{v:?}"),
             expected: "strict, async or off (or unset: async)",
         })
-    }
-
-    /// Set how many collectives an `Async` handle may launch past one whose check has
-    /// not come back ([`check_queue`](Self::check_queue); at least 1).
-    pub fn with_check_queue(mut self, records: usize) -> Self {
-        self.check_queue = records.max(1);
-        self
-    }
-
-    /// Set whether the pool gets communicators of its own (see
-    /// [`own_communicators`](Self::own_communicators)).
-    pub fn with_own_communicators(mut self, own: bool) -> Self {
-        self.own_communicators = own;
-        self
-    }
-
-    /// Set how many recent calls a divergence report can name.
-    pub fn with_history_len(mut self, history_len: usize) -> Self {
-        self.history_len = history_len;
-        self
     }
 }

@@ -4,7 +4,7 @@
 use crate::backend::CommRole;
 use crate::error::Error;
 use crate::pool::SymmPool;
-use std::time::Duration;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// The name of a communicator role in statistics keys and events: `symmetric`,
 /// `copy_engine`, `plain`.
@@ -16,27 +16,6 @@ pub(crate) fn role_name(role: CommRole) -> &'static str {
     }
 }
 
-/// A window registration of one segment on one communicator finished.
-pub(super) fn registered(
-    rank: usize,
-    comm: usize,
-    role: CommRole,
-    segment_bytes: u64,
-    took: Duration,
-    window: bool,
-) {
-    tracing::info!(
-        target: "symmpool::pool",
-        rank,
-        comm,
-        role = role_name(role),
-        segment_bytes,
-        seconds = took.as_secs_f64(),
-        window,
-        "window registered"
-    );
-}
-
 /// A public pool or collective call is about to return `error`.
 #[cold]
 #[inline(never)]
@@ -46,10 +25,7 @@ pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
         Error::PoolLimit { .. } | Error::DeviceOutOfMemory { .. } | Error::PeerOutOfMemory { .. }
     ) && op == "alloc"
     {
-        pool.inner
-            .counters
-            .ooms
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        pool.inner.counters.ooms.fetch_add(1, Relaxed);
     }
     tracing::error!(
         target: "symmpool",

@@ -41,7 +41,8 @@ impl SymmPool {
     /// the pool has allocated on is capturing a CUDA graph, as for
     /// [`reserve`](Self::reserve) (nothing is released or added then).
     pub fn fit_to_peak(&self) -> Result<FitReport> {
-        let mut st = self.begin(CallKind::FitToPeak)?;
+        let mut st = self.lock_open()?;
+        st.history.record(CallKind::FitToPeak, 0, 0);
         let plan = st.core.plan_fit_to_peak();
         let planned_bytes = plan
             .add

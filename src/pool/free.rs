@@ -8,16 +8,14 @@ use crate::core::{BlockId, Wait};
 use crate::error::{Error, Result};
 use crate::group::CallKind;
 use smallvec::SmallVec;
+use std::sync::TryLockError;
 use std::sync::atomic::Ordering;
 
 impl SymmPool {
     /// The error a `Drop` recorded, if any (taken: reported once).
     pub(crate) fn take_deferred_error(&self) -> Result<()> {
         let taken = self.inner.deferred_error.lock().take();
-        match taken {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        taken.map_or(Ok(()), Err)
     }
 
     /// Record a failure inside a `Drop` for the next fallible call (the first one
@@ -111,17 +109,10 @@ impl SymmPool {
         // Never wait for the state: another thread may hold it through a whole
         // agreement (up to the timeout). Then the free is queued and applied, in
         // order, by the next pool call.
-        match self.inner.state.try_lock() {
-            Ok(mut st) => {
-                self.apply_deferred(&mut st);
-                self.apply_free(&mut st, buf.block, &fences);
-            }
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                let mut st = PoolState::poisoned(p);
-                self.apply_deferred(&mut st);
-                self.apply_free(&mut st, buf.block, &fences);
-            }
-            Err(std::sync::TryLockError::WouldBlock) => {
+        let mut st = match self.inner.state.try_lock() {
+            Ok(st) => st,
+            Err(TryLockError::Poisoned(p)) => PoolState::poisoned(p),
+            Err(TryLockError::WouldBlock) => {
                 tracing::debug!(target: "symmpool::pool", rank = self.rank(),
                     allocation = buf.block.seq, "free deferred: the pool is busy");
                 self.inner
@@ -134,7 +125,10 @@ impl SymmPool {
                 if self.is_closed() {
                     self.forward_deferred();
                 }
+                return;
             }
-        }
+        };
+        self.apply_deferred(&mut st);
+        self.apply_free(&mut st, buf.block, &fences);
     }
 }

@@ -3,10 +3,9 @@
 //! registration followed by an outcome round, so that a failure on any rank undoes
 //! the growth on every rank), add it to the core. Also `reserve`, which pre-grows.
 
-use super::SymmPool;
 use super::state::{PoolState, SegmentEntry};
+use super::{MemoryAction, SymmPool};
 use crate::backend::Segment;
-use crate::control::ChannelId;
 use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -65,20 +64,15 @@ impl SymmPool {
         let (pool, name) = (self.inner.channel.ordinal(), &self.inner.config.name);
         backend.note_user(pool, name, true);
         f().map_err(|error| {
-            let shared = matches!(
-                error,
+            let others = match error {
                 Error::Timeout { .. }
-                    | Error::GroupBroken { .. }
-                    | Error::RegistrationOrder { .. }
-                    | Error::RegistrationMismatch { .. }
-                    | Error::RegistrationBroken { .. }
-                    | Error::Divergence(_)
-                    | Error::CollectiveDivergence(_)
-            );
-            let others = if shared {
-                backend.users_on_other_threads(pool)
-            } else {
-                Vec::new()
+                | Error::GroupBroken { .. }
+                | Error::RegistrationOrder { .. }
+                | Error::RegistrationMismatch { .. }
+                | Error::RegistrationBroken { .. }
+                | Error::Divergence(_)
+                | Error::CollectiveDivergence(_) => backend.users_on_other_threads(pool),
+                _ => Vec::new(),
             };
             if others.is_empty() {
                 return error;
@@ -110,8 +104,23 @@ impl SymmPool {
         };
         match added {
             Ok(got) if got == id => {
+                // Accounted for and reported (its departure is, in `release.rs`).
+                let bytes = entry.segment.size_bytes();
+                let windows = entry.windows.iter().flatten().count();
+                let address = entry.segment.device_ptr();
                 st.segments.insert(id, Arc::new(entry));
-                self.segment_added(st, id);
+                st.counters.reserved_bytes_total += bytes;
+                if let Some(h) = st.memory_history.as_deref_mut() {
+                    h.segment(MemoryAction::SegmentAlloc, id, address, bytes);
+                }
+                let class = match growth.class {
+                    SizeClass::Small => "small",
+                    SizeClass::Large => "large",
+                };
+                tracing::info!(target: "symmpool::pool", rank = self.rank(),
+                    pool = %self.config().name, segment = id.0, class, segment_bytes = bytes,
+                    windows, reserved_bytes = st.core.stats().reserved_bytes.current,
+                    "segment allocated");
                 Ok(id)
             }
             Ok(got) => {
@@ -144,12 +153,11 @@ impl SymmPool {
             Some(s) => streams.is_capturing(s)?,
             None => self.any_known_capturing(st)?,
         };
-        let ready = if capturing {
+        Ok(Note::Ready(if capturing {
             Readiness::Capturing
         } else {
             Readiness::Ready
-        };
-        Ok(Note::Ready(ready))
+        }))
     }
 
     /// Whether any stream the pool has allocated on is capturing a CUDA graph; for a
@@ -298,7 +306,9 @@ impl SymmPool {
         }
         // One step on this rank: the agreement and every registration of the segment.
         let (channel, _registering) = backend.registration_channel();
-        self.agree_registration(channel, size_bytes, deadline)?;
+        // Every rank's next registration is this pool's segment of `size_bytes`.
+        let (exchange, name) = (backend.exchange(), &self.inner.config.name);
+        group::agree_registration_order(exchange, channel, name, size_bytes, deadline)?;
         for (c, info) in backend.communicators().iter().enumerate() {
             if !info.registers {
                 continue;
@@ -323,8 +333,10 @@ impl SymmPool {
             let local = match unsafe { backend.segments().register(&entry.segment, c, register_by) }
             {
                 Ok(window) => {
-                    let (took, got) = (registering.elapsed(), window.is_some());
-                    super::events::registered(self.rank(), c, info.role, size_bytes, took, got);
+                    tracing::info!(target: "symmpool::pool", rank = self.rank(), comm = c,
+                        role = super::role_name(info.role), segment_bytes = size_bytes,
+                        seconds = registering.elapsed().as_secs_f64(), window = window.is_some(),
+                        "window registered");
                     st.counters.registrations[c] += 1;
                     let missing = window.is_none();
                     entry.windows[c] = window;
@@ -416,24 +428,6 @@ impl SymmPool {
             return Err(local.err().unwrap_or(Error::NoSymmetricSupport { comm }));
         }
         Ok(())
-    }
-
-    /// Agree with the other ranks, on the backend's registration channel, that every
-    /// rank's next registration is this pool's segment of `size_bytes` (see
-    /// `group::agree_registration_order`).
-    fn agree_registration(
-        &self,
-        channel: ChannelId,
-        size_bytes: u64,
-        deadline: Deadline,
-    ) -> Result<()> {
-        group::agree_registration_order(
-            self.inner.backend.exchange(),
-            channel,
-            &self.inner.config.name,
-            size_bytes,
-            deadline,
-        )
     }
 
     /// Free a segment no window covers and no work has used (a failed growth).

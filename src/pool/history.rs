@@ -97,40 +97,16 @@ impl MemoryHistory {
         }
     }
 
-    /// Keep at most `max_entries` (at least 1), dropping the oldest.
-    fn resize(&mut self, max_entries: usize) {
-        self.max_entries = max_entries.max(1);
-        while self.events.len() > self.max_entries {
-            self.events.pop_front();
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn push(
-        &mut self,
-        action: MemoryAction,
-        segment: SegmentId,
-        segment_address: Option<u64>,
-        offset_bytes: u64,
-        size_bytes: u64,
-        requested_bytes: u64,
-        allocation_seq: Option<u64>,
-        stream: Option<StreamId>,
-    ) {
+    /// Append `event` (numbered and timed here), dropping the oldest when full.
+    fn push(&mut self, event: MemoryEvent) {
         if self.events.len() == self.max_entries {
             self.events.pop_front();
         }
+        let (seq, time_us) = (self.next_seq, now_us());
         self.events.push_back(MemoryEvent {
-            seq: self.next_seq,
-            action,
-            segment,
-            segment_address,
-            offset_bytes,
-            size_bytes,
-            requested_bytes,
-            allocation_seq,
-            stream,
-            time_us: now_us(),
+            seq,
+            time_us,
+            ..event
         });
         self.next_seq += 1;
     }
@@ -144,16 +120,18 @@ impl MemoryHistory {
         stream: StreamId,
     ) {
         self.requested.insert(p.block.seq, requested_bytes);
-        self.push(
-            MemoryAction::Alloc,
-            p.segment,
+        self.push(MemoryEvent {
+            seq: 0,
+            action: MemoryAction::Alloc,
+            segment: p.segment,
             segment_address,
-            p.offset_bytes,
-            p.size_bytes,
+            offset_bytes: p.offset_bytes,
+            size_bytes: p.size_bytes,
             requested_bytes,
-            Some(p.block.seq),
-            Some(stream),
-        );
+            allocation_seq: Some(p.block.seq),
+            stream: Some(stream),
+            time_us: 0,
+        });
     }
 
     /// A block, located at `(segment, offset_bytes, size_bytes)`, was freed.
@@ -164,17 +142,19 @@ impl MemoryHistory {
         segment_address: Option<u64>,
         stream: Option<StreamId>,
     ) {
-        let requested = self.requested.remove(&allocation_seq).unwrap_or(0);
-        self.push(
-            MemoryAction::Free,
+        let requested_bytes = self.requested.remove(&allocation_seq).unwrap_or(0);
+        self.push(MemoryEvent {
+            seq: 0,
+            action: MemoryAction::Free,
             segment,
             segment_address,
             offset_bytes,
             size_bytes,
-            requested,
-            Some(allocation_seq),
+            requested_bytes,
+            allocation_seq: Some(allocation_seq),
             stream,
-        );
+            time_us: 0,
+        });
     }
 
     /// A segment was added (`SegmentAlloc`) or released (`SegmentFree`).
@@ -185,16 +165,18 @@ impl MemoryHistory {
         segment_address: Option<u64>,
         size_bytes: u64,
     ) {
-        self.push(
+        self.push(MemoryEvent {
+            seq: 0,
             action,
             segment,
             segment_address,
-            0,
+            offset_bytes: 0,
             size_bytes,
-            0,
-            None,
-            None,
-        );
+            requested_bytes: 0,
+            allocation_seq: None,
+            stream: None,
+            time_us: 0,
+        });
     }
 
     pub(crate) fn events(&self) -> Vec<MemoryEvent> {
@@ -221,7 +203,12 @@ impl SymmPool {
         let mut st = self.state();
         match (&mut st.memory_history, max_entries) {
             (history, 0) => *history = None,
-            (Some(h), n) => h.resize(n),
+            (Some(h), n) => {
+                // Keep the newest `n`.
+                h.max_entries = n;
+                let dropped = h.events.len().saturating_sub(n);
+                h.events.drain(..dropped);
+            }
             (history, n) => *history = Some(Box::new(MemoryHistory::new(n))),
         }
     }

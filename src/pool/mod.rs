@@ -1,32 +1,22 @@
 //! [`SymmPool`]: the allocator core, a backend, and the segment entries that own the
 //! memory and its windows.
 //!
-//! # Life of a pool
-//!
 //! - **Allocation** ([`SymmPool::alloc`]) is served from the core's cache: a mutex, a
-//!   best-fit lookup, no NCCL call. When nothing fits, the pool *grows*
-//!   (`growth.rs`): the ranks agree (call count, requested size, running hash of all
-//!   calls; see [`Error::Divergence`]), each allocates the segment, they confirm every
-//!   rank got it, then each registers it as a symmetric window on every communicator
-//!   that registers, in the backend's order.
-//! - **Free** happens when a [`SymmBuffer`] is dropped: the block goes back to the
-//!   cache with one fence per stream that used it. Never a collective, never a wait.
-//! - **Reuse across streams**: a block last used on other streams comes with device-side
-//!   waits that the pool enqueues on the allocating stream (`cuStreamWaitEvent`).
+//!   best-fit lookup, no NCCL call. When nothing fits, the pool grows (`growth.rs`).
+//! - **Free** (`free.rs`) happens when a [`SymmBuffer`] is dropped: never a collective,
+//!   never a wait. A block last used on other streams comes with device-side waits
+//!   that the pool enqueues on the allocating stream (`cuStreamWaitEvent`).
 //! - **Release** (`release.rs`) only through the collective calls [`SymmPool::trim`]
-//!   and [`SymmPool::close`]: drain, deregister, free (NCCL's teardown order). Dropping
-//!   the last handle to a pool that was not closed releases its memory locally
-//!   (deregistration and free are local in NCCL) after draining the device for at most
-//!   the pool's timeout; memory that cannot be released in time is leaked on purpose.
+//!   and [`SymmPool::close`]; dropping the last handle to a pool that was not closed
+//!   releases its memory locally (deregistration and free are local in NCCL) after
+//!   draining the device for at most the pool's timeout, or leaks it on purpose.
 //! - **Failures**: a failure inside `Drop` is returned by the next fallible call on the
 //!   pool; a panic while the pool's state is held marks the pool broken: every later
 //!   call on that rank fails, and so does the next agreement on every rank
 //!   ([`Error::PoolBroken`]).
 
-mod accounting;
 mod buffer;
 mod config;
-mod counters;
 pub(crate) mod events;
 mod fit;
 mod free;
@@ -41,8 +31,8 @@ mod stats;
 #[cfg(feature = "nccl")]
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
+pub(crate) use config::setters;
 pub use config::{MAX_HISTORY, PoolConfig};
-pub(crate) use counters::PoolCounters;
 pub(crate) use events::role_name;
 pub use fit::FitReport;
 pub(crate) use history::MemoryHistory;
@@ -60,12 +50,10 @@ use crate::group::{CallHead, CallKind, Failure, History, Ledger, LedgerConfig};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
-pub(crate) use state::{Counters, PoolState};
+pub(crate) use state::{Counters, PoolCounters, PoolState, SegmentEntry};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-
-pub(crate) use state::SegmentEntry;
 
 type DeferredFree = (BlockId, SmallVec<[Wait; 3]>);
 
@@ -95,7 +83,7 @@ pub(crate) struct PoolInner {
     /// handles, read on every collective).
     tags_required: AtomicBool,
     /// Lock-free counters for [`SymmPool::memory_stats`].
-    pub(crate) counters: counters::PoolCounters,
+    pub(crate) counters: PoolCounters,
     state: Mutex<PoolState>,
     /// The pool a shrink made of this one (`shrink.rs`): it holds the core now, so
     /// the frees of this pool's buffers go there.
@@ -131,10 +119,9 @@ pub(crate) struct PoolInner {
 /// # Two pools, two streams
 ///
 /// FSDP gathers parameters on one stream and reduce-scatters gradients on another,
-/// each driven by a thread of its own. Give each thread's pool communicators of its
-/// own ([`PoolConfig::with_own_communicators`], collective at creation): pools that
-/// share communicators must reach them in the same order on every rank, which two
-/// threads do not (their failures say so, [`Error::SharedCommunicators`]).
+/// each driven by a thread of its own: give each thread's pool communicators of its
+/// own ([`PoolConfig::own_communicators`] says why; without, the failures say so:
+/// [`Error::SharedCommunicators`]).
 ///
 /// ```
 /// use symmpool::{
@@ -289,8 +276,7 @@ impl SymmPool {
     /// # Errors
     /// As [`HostBackend::world`] and [`SymmPool::new`].
     pub fn host_group(world_size: usize, config: PoolConfig) -> Result<Vec<SymmPool>> {
-        let host = HostConfig::new(world_size);
-        Self::host_group_with(host, config)
+        Self::host_group_with(HostConfig::new(world_size), config)
     }
 
     /// As [`host_group`](Self::host_group), with explicit host settings.
@@ -338,10 +324,7 @@ impl SymmPool {
     /// [`Error::Cuda`].
     pub fn new_stream(&self) -> Result<Stream> {
         let out = self.inner.backend.streams().new_stream();
-        if let Err(e) = &out {
-            events::call_failed(self, "new_stream", e);
-        }
-        out
+        out.inspect_err(|e| events::call_failed(self, "new_stream", e))
     }
 
     /// The exchange channel of this pool's agreements.
@@ -431,10 +414,7 @@ impl SymmPool {
         stream: &Stream,
     ) -> Result<SymmBuffer> {
         let out = self.alloc_unlogged(size_bytes, align_bytes, stream);
-        if let Err(e) = &out {
-            events::call_failed(self, "alloc", e);
-        }
-        out
+        out.inspect_err(|e| events::call_failed(self, "alloc", e))
     }
 
     fn alloc_unlogged(

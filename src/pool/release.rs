@@ -11,7 +11,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
+use std::sync::{Arc, MutexGuard, PoisonError};
 
 /// Deregister and free one entry, waiting in the provider until `deadline` at most.
 /// On failure the entry comes back with what is left of it (windows that would not
@@ -68,17 +68,6 @@ impl SymmPool {
         if st.closed {
             return Err(Error::PoolClosed);
         }
-        Ok(st)
-    }
-
-    /// The start of a pool call of `kind` without arguments (`trim`,
-    /// `fit_to_peak`): [`lock_open`](Self::lock_open), and the call recorded.
-    ///
-    /// # Errors
-    /// As [`lock_open`](Self::lock_open).
-    pub(super) fn begin(&self, kind: CallKind) -> Result<MutexGuard<'_, PoolState>> {
-        let mut st = self.lock_open()?;
-        st.history.record(kind, 0, 0);
         Ok(st)
     }
 
@@ -157,7 +146,8 @@ impl SymmPool {
     /// rank deregisters any until [`close`](Self::close), which releases everything).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret, err(Display))]
     pub fn trim(&self) -> Result<u64> {
-        let mut st = self.begin(CallKind::Trim)?;
+        let mut st = self.lock_open()?;
+        st.history.record(CallKind::Trim, 0, 0);
         let deadline = Deadline::after(self.inner.config.timeout);
         let ready = Note::Ready(st.readiness());
         let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
@@ -305,10 +295,7 @@ fn live_buffers(st: &PoolState) -> Vec<LiveBuffer> {
 impl Drop for PoolInner {
     fn drop(&mut self) {
         self.backend.forget_user(self.channel.ordinal());
-        let st = match self.state.get_mut() {
-            Ok(st) => st,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         if st.segments.is_empty() {
             return;
         }
@@ -332,10 +319,8 @@ impl Drop for PoolInner {
                 self.backend.rank(),
                 st.segments.len()
             );
-            for (_, entry) in std::mem::take(&mut st.segments) {
-                // Device memory is not freed by dropping its handle: leaked, as said.
-                drop(entry);
-            }
+            // Device memory is not freed by dropping its handle: leaked, as said.
+            st.segments.clear();
             return;
         }
         let mut deregistrations = st.counters.deregistrations.clone();

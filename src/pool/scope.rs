@@ -15,9 +15,8 @@ struct ScopeGuard;
 
 impl Drop for ScopeGuard {
     fn drop(&mut self) {
-        ACTIVE.with(|a| {
-            a.borrow_mut().pop();
-        });
+        // The pool leaves the list before it is dropped, out of the borrow.
+        drop(ACTIVE.with_borrow_mut(Vec::pop));
     }
 }
 

@@ -1,14 +1,5 @@
 //! [`SymmPool::shrink`]: after a lost rank, the survivors go on with a pool of their
 //! own over smaller communicators, keeping the memory they have.
-//!
-//! The new pool gets the old one's core (every block, live or cached, where it was),
-//! its call history and its segments; each segment is registered once on each new
-//! communicator that registers, in segment order (windows do not survive the loss of
-//! a communicator). The old pool is closed and forwards the frees of its buffers to
-//! the new one. Its buffers stay readable and writable on this rank (their memory is
-//! the new pool's too), but no collective takes them: their layout was made for the
-//! old world size (a shard of a quarter is not a shard of a third), so the crate
-//! cannot know what they mean now. They are reported, and freed when dropped.
 
 use super::state::{PoolState, SegmentEntry};
 use super::{History, SymmPool, events};
@@ -24,11 +15,11 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShrinkReport {
-    /// This rank before and after.
+    /// This rank before the shrink.
     pub old_rank: usize,
     /// This rank in the new group (the survivors, numbered densely in their old order).
     pub rank: usize,
-    /// The world size before and after.
+    /// The world size before the shrink.
     pub old_world_size: usize,
     /// The world size after.
     pub world_size: usize,
@@ -38,9 +29,9 @@ pub struct ShrinkReport {
     pub segments: usize,
     /// Window registrations made on the new communicators.
     pub registrations: u64,
-    /// Buffers of the old pool still alive on this rank, and their bytes: readable and
-    /// writable here, refused by every collective ([`Error::Shrunk`]); their blocks
-    /// return to the new pool when they are dropped.
+    /// Buffers of the old pool still alive on this rank: readable and writable here,
+    /// refused by every collective ([`Error::Shrunk`]); their blocks return to the new
+    /// pool when they are dropped.
     pub live_buffers: u64,
     /// Bytes of those buffers' blocks.
     pub live_bytes: u64,
@@ -51,11 +42,14 @@ pub struct ShrinkReport {
 impl SymmPool {
     /// Go on without the lost ranks: a pool of the survivors, over their shrunk backend
     /// ([`Backend::shrink`](crate::Backend::shrink)), with this pool's memory, blocks
-    /// and history, each segment registered once on each new communicator that
-    /// registers. This pool is closed (its calls fail with [`Error::Shrunk`]) and
-    /// sends the frees of its buffers to the new pool. Its live buffers stay readable
-    /// and writable on this rank, but no collective takes them ([`Error::Shrunk`]):
-    /// their layout was made for the old world size; allocate anew from the new pool.
+    /// (live or cached, where they were) and history, each segment registered once on
+    /// each new communicator that registers, in segment order (windows do not survive
+    /// the loss of a communicator). This pool is closed (its calls fail with
+    /// [`Error::Shrunk`]) and sends the frees of its buffers to the new pool. Its live
+    /// buffers stay readable and writable on this rank (their memory is the new
+    /// pool's too), but no collective takes them ([`Error::Shrunk`]): their layout was
+    /// made for the old world size (a shard of a quarter is not a shard of a third);
+    /// allocate anew from the new pool.
     /// Call it on every survivor after a collective or pool call failed with
     /// [`Error::PeerLost`] (or [`Error::PoolBroken`] naming a loss). Every wait ends
     /// by the pool's timeout.
@@ -78,11 +72,8 @@ impl SymmPool {
     /// a growth. On error the old pool keeps its memory and state (broken), and the
     /// new communicators are dropped.
     pub fn shrink(&self) -> Result<(SymmPool, ShrinkReport)> {
-        let out = self.shrink_unlogged();
-        if let Err(e) = &out {
-            events::call_failed(self, "shrink", e);
-        }
-        out
+        self.shrink_unlogged()
+            .inspect_err(|e| events::call_failed(self, "shrink", e))
     }
 
     fn shrink_unlogged(&self) -> Result<(SymmPool, ShrinkReport)> {
@@ -170,16 +161,9 @@ impl SymmPool {
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
         let segments = old.segments.len() as u64;
-        let was = self.agree(
-            st,
-            Op::Shrink,
-            "shrink",
-            segments,
-            Note::Was(old_rank as u64),
-            deadline,
-        )?;
-        let was = was
-            .iter()
+        let was = Note::Was(old_rank as u64);
+        let was = self.agree(st, Op::Shrink, "shrink", segments, was, deadline)?;
+        let was = (was.iter())
             .map(|n| match n {
                 Note::Was(r) => *r as usize,
                 _ => usize::MAX,

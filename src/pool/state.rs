@@ -6,6 +6,7 @@ use crate::core::{Allocator, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
 use crate::group::{Failure, History, Note, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -26,6 +27,15 @@ impl SegmentEntry {
     pub(crate) fn window(&self, comm: usize) -> Option<&Window> {
         self.windows.get(comm).and_then(Option::as_ref)
     }
+}
+
+/// Counters a pool keeps beside its state, updated without its lock.
+#[derive(Debug, Default)]
+pub(crate) struct PoolCounters {
+    /// Allocation calls that failed for want of memory (pool limit, device, peer).
+    pub(crate) ooms: AtomicU64,
+    /// Frees queued because the pool's state was busy (applied by the next call).
+    pub(crate) deferred_frees: AtomicU64,
 }
 
 /// Counters of what the pool did, beside the core's statistics.
