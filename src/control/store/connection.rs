@@ -283,10 +283,11 @@ pub(super) fn serve(
                     return shared.depart(&mut st, rank, Some(id), why);
                 };
                 let (world, interval) = (st.alive.len(), shared.config.wait_warning_interval);
-                let posted = &mut st
-                    .rounds
-                    .entry((channel, round))
-                    .or_insert_with(|| Pending::new(world, heard, interval))
+                let posted = &mut (st.rounds.entry((channel, round)))
+                    .or_insert_with(|| Pending {
+                        posted: vec![None; world],
+                        notice: Deadline::after_from(heard, interval).instant(),
+                    })
                     .posted;
                 if posted[place].is_some() {
                     return shared.depart(
@@ -306,7 +307,7 @@ pub(super) fn serve(
                         .into_iter()
                         .flatten()
                         .collect();
-                    shared.stats.lock().rounds_completed += 1;
+                    st.rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {
                         channel,
                         round,

@@ -83,6 +83,7 @@ struct Shared {
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
     shutdown: AtomicBool,
+    /// The counters but `rounds_completed` (in the state, whose lock a round holds).
     stats: Mutex<ServerStats>,
     /// Handshakes in flight.
     handshakes: AtomicUsize,
@@ -108,6 +109,8 @@ struct State {
     alive: Vec<usize>,
     /// The job ranks that asked to shrink the current epoch.
     votes: std::collections::BTreeSet<usize>,
+    /// [`ServerStats::rounds_completed`].
+    rounds_completed: u64,
 }
 
 impl State {
@@ -115,9 +118,7 @@ impl State {
     fn place(&self, rank: usize) -> Option<usize> {
         self.alive.binary_search(&rank).ok()
     }
-}
 
-impl State {
     /// Write `frame` to `rank` if it is connected; on failure, the rank and why (it is
     /// for the caller to make it depart).
     fn write_to(&self, rank: usize, frame: &[u8]) -> Option<(usize, String)> {
@@ -137,15 +138,6 @@ struct Pending {
 }
 
 impl Pending {
-    /// A round `world` ranks will contribute to, whose first contribution came at
-    /// `start`.
-    fn new(world: usize, start: Instant, interval: Duration) -> Pending {
-        Pending {
-            posted: vec![None; world],
-            notice: Deadline::after_from(start, interval).instant(),
-        }
-    }
-
     /// The ranks that have not contributed.
     fn missing(&self) -> Vec<u32> {
         (0..self.posted.len() as u32)
@@ -243,6 +235,7 @@ impl StoreServer {
                 epoch: 0,
                 alive: (0..world).collect(),
                 votes: Default::default(),
+                rounds_completed: 0,
             }),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -278,7 +271,11 @@ impl StoreServer {
 
     /// The server's counters.
     pub fn stats(&self) -> ServerStats {
-        *self.shared.stats.lock()
+        let rounds_completed = self.shared.state.lock().rounds_completed;
+        ServerStats {
+            rounds_completed,
+            ..*self.shared.stats.lock()
+        }
     }
 
     /// Wait until no rank is connected, or `timeout` passes; `true` if none is.
