@@ -2,7 +2,7 @@
 //! then that rank's frames until it leaves.
 
 use super::{CLOSED, Conn, Link, Pending, Shared};
-use crate::control::admission::{HandshakeSlot, RefusalKind, describe_io, out_of_descriptors};
+use crate::control::admission::{HandshakeSlot, RefusalKind, describe_io};
 use crate::control::wire::{
     self, Broken, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
     Refusal, SharedStream, ToClient, ToServer,
@@ -46,7 +46,7 @@ fn handshake(
     let until = Deadline::after(shared.config.handshake_timeout);
     let failed = |e: ReadError| {
         let kind = match &e {
-            ReadError::Io(io) if out_of_descriptors(io) => RefusalKind::Resources,
+            ReadError::Io(io) => RefusalKind::of_io(io),
             _ => RefusalKind::Garbage,
         };
         Refused::silent(kind, format!("during the handshake: {e}"))

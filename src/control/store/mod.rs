@@ -24,7 +24,7 @@
 mod connection;
 mod shrink;
 
-use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, describe_io, out_of_descriptors};
+use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, describe_io};
 use super::config::StoreConfig;
 use super::join::transport;
 use super::mailbox::Mailbox;
@@ -464,12 +464,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                     shared.refusals.lock().sum_up(Instant::now(), false);
                 } else {
                     // The connection stays queued; try again after the pause below.
-                    let kind = if out_of_descriptors(&e) {
-                        RefusalKind::Resources
-                    } else {
-                        RefusalKind::Garbage
-                    };
                     let why = format!("accepting failed: {}", describe_io(&e));
+                    let kind = RefusalKind::of_io(&e);
                     shared.reject(SocketAddr::from(([0, 0, 0, 0], 0)), kind, &why);
                 }
                 let mut st = shared.state.lock();
