@@ -22,17 +22,10 @@ struct Refused {
     tell: Option<Refusal>,
 }
 
-impl Refused {
-    /// Told to the client.
-    fn new(kind: RefusalKind, why: String) -> Box<Self> {
-        let tell = Some(kind.refusal());
-        Box::new(Refused { kind, why, tell })
-    }
-
-    fn silent(kind: RefusalKind, why: String) -> Box<Self> {
-        let tell = None;
-        Box::new(Refused { kind, why, tell })
-    }
+/// A refusal of `kind`, told to the client if `told`.
+fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
+    let tell = told.then(|| kind.refusal());
+    Box::new(Refused { kind, why, tell })
 }
 
 /// Read and check the preface and the hello from `sock`, until the handshake deadline:
@@ -49,10 +42,11 @@ fn handshake(
             ReadError::Io(io) => RefusalKind::of_io(io),
             _ => RefusalKind::Garbage,
         };
-        Refused::silent(kind, format!("during the handshake: {e}"))
+        refused(false, kind, format!("during the handshake: {e}"))
     };
     let slow = |what: &str| {
-        Refused::silent(
+        refused(
+            false,
             RefusalKind::Slow,
             format!("no {what} within {:?}", shared.config.handshake_timeout),
         )
@@ -62,9 +56,9 @@ fn handshake(
         .ok_or_else(|| slow("handshake"))?;
     if let Err(why) = wire::check_preface(&preface) {
         return Err(if preface[..8] == wire::MAGIC {
-            Refused::new(RefusalKind::Version, why)
+            refused(true, RefusalKind::Version, why)
         } else {
-            Refused::silent(RefusalKind::Garbage, why)
+            refused(false, RefusalKind::Garbage, why)
         });
     }
     let body = wire::read_until(sock, until, || reader.frame())
@@ -74,7 +68,7 @@ fn handshake(
             refused
         })?
         .ok_or_else(|| slow("hello"))?;
-    let garbage = |why: String| Refused::new(RefusalKind::Garbage, why);
+    let garbage = |why: String| refused(true, RefusalKind::Garbage, why);
     let hello = wire::decode::<ToServer>(&body).map_err(garbage)?;
     let ToServer::Hello {
         token,
@@ -88,13 +82,15 @@ fn handshake(
         return Err(garbage(format!("expected a hello, got {hello:?}")));
     };
     if !wire::constant_time_eq(&token, &shared.token) {
-        return Err(Refused::new(
+        return Err(refused(
+            true,
             RefusalKind::Token,
             "wrong job token (set the same SYMMPOOL_TOKEN on every rank)".into(),
         ));
     }
     if job != shared.job {
-        return Err(Refused::new(
+        return Err(refused(
+            true,
             RefusalKind::OtherJob,
             format!(
                 "a client of job {} (pid {pid} on host {host:?}) reached the store of job {}: two jobs on one port (give each its own MASTER_PORT or SYMMPOOL_STORE_PORT)",
@@ -113,7 +109,7 @@ fn handshake(
             .then(|| format!("rank {rank} is out of range for world size {world}"))
     };
     if let Some(why) = misfit {
-        return Err(Refused::new(RefusalKind::Misfit, why));
+        return Err(refused(true, RefusalKind::Misfit, why));
     }
     let member = Member {
         host,
@@ -191,7 +187,7 @@ pub(super) fn serve(
         if let Some(b) = &st.broken {
             let why = format!("the group is already broken ({b:?}); restart the job");
             drop(st);
-            return refuse(Refused::new(RefusalKind::Closed, why));
+            return refuse(refused(true, RefusalKind::Closed, why));
         }
         if let Err(e) = stream.send(&wire::with_preface(&ToClient::Welcome)) {
             drop(st);
@@ -299,14 +295,8 @@ pub(super) fn serve(
                 }
                 posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
-                    let payloads = st
-                        .rounds
-                        .remove(&(channel, round))
-                        .map(|p| p.posted)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .flatten()
-                        .collect();
+                    let payloads = posted.iter_mut().filter_map(Option::take).collect();
+                    st.rounds.remove(&(channel, round));
                     st.rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {
                         channel,

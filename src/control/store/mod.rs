@@ -10,16 +10,12 @@
 //!
 //! # What a client that is not one of the job's ranks can cost
 //!
-//! At most [`StoreConfig::max_handshakes`] handshakes run at once, each for at most
-//! [`StoreConfig::handshake_timeout`], each with one thread and one descriptor; a
-//! connection beyond the cap is refused at once (its rank retries). Once every rank
-//! has joined, a connection from a host that runs none of the job's ranks is refused
-//! at once, without a handshake; from the job's hosts every handshake is refused (a
-//! rank cannot rejoin), with a reason the client can act on: another job
-//! ([`Error::JobMismatch`]), a rank already held ([`Error::RankTaken`], naming both
-//! processes). Refusals are counted ([`ServerStats`]) and logged at most one line per
-//! kind per [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then one line with
-//! the counts.
+//! A handshake slot ([`StoreConfig::max_handshakes`]) for at most
+//! [`StoreConfig::handshake_timeout`]. Once every rank has joined, a connection from a
+//! host that runs none of them is refused without a handshake, and from the job's hosts
+//! every handshake is refused (a rank cannot rejoin). Refusals are counted
+//! ([`ServerStats`]) and logged at most once per kind per
+//! [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then summed up in one line.
 
 mod connection;
 mod shrink;
@@ -94,6 +90,7 @@ struct Shared {
     refusals: Mutex<RefusalLog>,
 }
 
+#[derive(Default)]
 struct State {
     /// By job rank (the rank a process joined as).
     conns: Vec<Option<Conn>>,
@@ -229,13 +226,8 @@ impl StoreServer {
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 members: vec![None; world],
-                rounds: HashMap::new(),
-                broken: None,
-                next_conn_id: 0,
-                epoch: 0,
                 alive: (0..world).collect(),
-                votes: Default::default(),
-                rounds_completed: 0,
+                ..State::default()
             }),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -350,8 +342,7 @@ impl Shared {
     /// Write `frame` to each of `ranks`; those it fails for depart, after all writes.
     fn send_to(&self, st: &mut State, ranks: impl IntoIterator<Item = usize>, frame: &[u8]) {
         let failed = ranks.into_iter().filter_map(|r| st.write_to(r, frame));
-        let failed: Vec<_> = failed.collect();
-        self.depart_all(st, failed);
+        self.depart_all(st, failed.collect());
     }
 
     /// The ranks of `failed` depart, each with why.
