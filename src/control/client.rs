@@ -418,11 +418,10 @@ impl StoreExchange {
             successor: Mutex::new(None),
         };
         // Wait for every rank to join, naming the missing ones while waiting long.
+        let joined = |ib: &mut Inbox| ib.all_joined || ib.broken.is_some();
         let inbox = loop {
-            let inbox = (ex.shared).wait_until(warnings.until(deadline), |ib| {
-                ib.all_joined || ib.broken.is_some()
-            });
-            if inbox.all_joined || inbox.broken.is_some() || deadline.expired() {
+            let mut inbox = (ex.shared).wait_until(warnings.until(deadline), joined);
+            if joined(&mut inbox) || deadline.expired() {
                 break inbox;
             }
             if warnings.due() {
@@ -453,6 +452,20 @@ impl StoreExchange {
         (0..self.rounds.world_size)
             .filter(|r| *r != self.rounds.rank && !present.contains(&(*r as u32)))
             .collect()
+    }
+
+    /// The inbox, while this exchange is the group's current one.
+    ///
+    /// # Errors
+    /// [`Error::Shrunk`] once the group has shrunk past it.
+    fn inbox(&self) -> Result<MutexGuard<'_, Inbox>> {
+        let inbox = self.shared.inbox.lock();
+        if inbox.epoch != self.epoch {
+            return Err(Error::Shrunk {
+                what: "an exchange",
+            });
+        }
+        Ok(inbox)
     }
 
     /// This rank, as a warning names it.
@@ -487,16 +500,8 @@ fn error_for(b: &Broken, op: &'static str) -> Error {
 
 impl GatherRounds for StoreExchange {
     fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
-        {
-            let inbox = self.shared.inbox.lock();
-            if inbox.epoch != self.epoch {
-                return Err(Error::Shrunk {
-                    what: "an exchange",
-                });
-            }
-            if let Some(b) = &inbox.broken {
-                return Err(error_for(b, r.op));
-            }
+        if let Some(b) = &self.inbox()?.broken {
+            return Err(error_for(b, r.op));
         }
         let round = r.number;
         let key = (r.channel.ordinal(), round);
@@ -582,11 +587,7 @@ impl GatherRounds for StoreExchange {
     }
 
     fn lost_peer(&self) -> Option<LostPeer> {
-        let inbox = self.shared.inbox.lock();
-        if inbox.epoch != self.epoch {
-            return None;
-        }
-        inbox.broken.as_ref().and_then(lost)
+        self.inbox().ok()?.broken.as_ref().and_then(lost)
     }
 
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {
