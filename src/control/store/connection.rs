@@ -28,14 +28,14 @@ fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
     Box::new(Refused { kind, why, tell })
 }
 
-/// Read and check the preface and the hello from `sock`, until the handshake deadline:
-/// the rank the client asks for, and who it is.
-fn handshake(
+/// Read and check the preface and the hello from `sock`, until the handshake deadline,
+/// then join the rank the client asks for: its link.
+fn join(
     shared: &Shared,
     sock: &SharedStream,
     reader: &mut FrameReader<SharedStream>,
     peer: SocketAddr,
-) -> std::result::Result<(usize, Member), Box<Refused>> {
+) -> std::result::Result<Link, Box<Refused>> {
     let until = Deadline::after(shared.config.handshake_timeout);
     let failed = |e: ReadError| {
         let kind = match &e {
@@ -118,7 +118,70 @@ fn handshake(
         at_unix_ms: (SystemTime::now().duration_since(UNIX_EPOCH))
             .map_or(0, |d| d.as_millis() as u64),
     };
-    Ok((rank as usize, member))
+    let rank = rank as usize;
+    // Join.
+    let mut st = shared.state.lock();
+    if let Some(holder) = &st.members[rank] {
+        let (holder, claimant) = (holder.clone(), member);
+        let why = if st.conns[rank].is_some() {
+            format!(
+                "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
+            )
+        } else {
+            format!(
+                "rank {rank} was held by {holder}, which left, and a group cannot be rejoined; the claim of {claimant} is refused"
+            )
+        };
+        return Err(Box::new(Refused {
+            kind: RefusalKind::RankTaken,
+            why,
+            tell: Some(Refusal::RankTaken {
+                rank: rank as u32,
+                holder,
+                claimant,
+            }),
+        }));
+    }
+    if let Some(b) = &st.broken {
+        let why = format!("the group is already broken ({b:?}); restart the job");
+        return Err(refused(true, RefusalKind::Closed, why));
+    }
+    if let Err(e) = sock.send(&wire::with_preface(&ToClient::Welcome)) {
+        let why = format!("writing the welcome failed: {}", describe_io(&e));
+        return Err(refused(false, RefusalKind::Garbage, why));
+    }
+    let me = Link {
+        rank,
+        id: st.next_conn_id,
+        writer: Arc::new(Mutex::new(sock.clone())),
+        mailbox: Arc::default(),
+    };
+    st.next_conn_id += 1;
+    tracing::info!("symmpool store: rank {rank} joined: {member}");
+    st.members[rank] = Some(member);
+    st.conns[rank] = Some(Conn {
+        link: me.clone(),
+        sock: sock.clone(),
+        last_heard: Instant::now(),
+    });
+    let present: Vec<u32> = (0..shared.world as u32)
+        .filter(|r| st.members[*r as usize].is_some())
+        .collect();
+    let joined = if present.len() < shared.world {
+        ToClient::Joined { present }
+    } else {
+        let hosts = st
+            .members
+            .iter()
+            .flatten()
+            .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
+            .map(|a| a.ip().to_canonical())
+            .collect();
+        let _ = shared.rank_hosts.set(hosts);
+        ToClient::AllJoined
+    };
+    shared.send_to(&mut st, 0..shared.world, &wire::encode(&joined));
+    Ok(me)
 }
 
 /// A job identity for messages.
@@ -155,78 +218,11 @@ pub(super) fn serve(
         }
         shared.reject(peer, refused.kind, &refused.why);
     };
-    let (rank, member) = match handshake(shared, &stream, &mut reader, peer) {
-        Ok(hello) => hello,
+    let me = match join(shared, &stream, &mut reader, peer) {
+        Ok(me) => me,
         Err(refused) => return refuse(refused),
     };
-    // Join.
-    let me = {
-        let mut st = shared.state.lock();
-        if let Some(holder) = &st.members[rank] {
-            let (holder, claimant) = (holder.clone(), member);
-            let why = if st.conns[rank].is_some() {
-                format!(
-                    "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
-                )
-            } else {
-                format!(
-                    "rank {rank} was held by {holder}, which left, and a group cannot be rejoined; the claim of {claimant} is refused"
-                )
-            };
-            drop(st);
-            return refuse(Box::new(Refused {
-                kind: RefusalKind::RankTaken,
-                why,
-                tell: Some(Refusal::RankTaken {
-                    rank: rank as u32,
-                    holder,
-                    claimant,
-                }),
-            }));
-        }
-        if let Some(b) = &st.broken {
-            let why = format!("the group is already broken ({b:?}); restart the job");
-            drop(st);
-            return refuse(refused(true, RefusalKind::Closed, why));
-        }
-        if let Err(e) = stream.send(&wire::with_preface(&ToClient::Welcome)) {
-            drop(st);
-            let why = format!("writing the welcome failed: {}", describe_io(&e));
-            return shared.reject(peer, RefusalKind::Garbage, &why);
-        }
-        let me = Link {
-            rank,
-            id: st.next_conn_id,
-            writer: Arc::new(Mutex::new(stream.clone())),
-            mailbox: Arc::default(),
-        };
-        st.next_conn_id += 1;
-        tracing::info!("symmpool store: rank {rank} joined: {member}");
-        st.members[rank] = Some(member);
-        st.conns[rank] = Some(Conn {
-            link: me.clone(),
-            sock: stream.clone(),
-            last_heard: Instant::now(),
-        });
-        let present: Vec<u32> = (0..shared.world as u32)
-            .filter(|r| st.members[*r as usize].is_some())
-            .collect();
-        let joined = if present.len() < shared.world {
-            ToClient::Joined { present }
-        } else {
-            let hosts = st
-                .members
-                .iter()
-                .flatten()
-                .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
-                .map(|a| a.ip().to_canonical())
-                .collect();
-            let _ = shared.rank_hosts.set(hosts);
-            ToClient::AllJoined
-        };
-        shared.send_to(&mut st, 0..shared.world, &wire::encode(&joined));
-        me
-    };
+    let rank = me.rank;
     drop(slot);
     let id = me.id;
     reader.max_frame_bytes = shared.config.max_frame_bytes;
