@@ -470,11 +470,7 @@ impl StoreExchange {
 
     /// This rank, as a warning names it.
     fn who(&self) -> Who<'_> {
-        Who {
-            rank: self.rounds.rank,
-            on: "store",
-            at: &self.shared.server,
-        }
+        Who(self.rounds.rank, "store", &self.shared.server)
     }
 }
 

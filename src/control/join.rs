@@ -131,11 +131,7 @@ fn connect_retrying(
     warnings: &mut WaitWarnings,
 ) -> Result<TcpStream> {
     let startup = config.startup_timeout;
-    let who = Who {
-        rank: config.launch.rank,
-        on: "store",
-        at: target,
-    };
+    let who = Who(config.launch.rank, "store", target);
     let mut delay = Duration::from_millis(20);
     loop {
         let err = match target.to_socket_addrs() {

@@ -227,11 +227,7 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
         let own = &keys[self.rounds.rank];
         self.store.set(own, r.payload)?;
         let mut warnings = WaitWarnings::new(r.op, r.started, self.config.wait_warning_interval);
-        let who = Who {
-            rank: self.rounds.rank,
-            on: "key-value store",
-            at: &self.config.prefix,
-        };
+        let who = Who(self.rounds.rank, "key-value store", &self.config.prefix);
         loop {
             let slice = (warnings.until(r.deadline).remaining())
                 .min(self.config.poll)

@@ -87,23 +87,21 @@ impl WaitWarnings {
     }
 }
 
-/// A waiting rank as a warning names it: `rank 1`, or with where it waits, `rank 1
-/// (store 10.0.0.1:29500)` (formatted only when a warning is logged).
+/// A waiting rank as a warning names it: the rank, what it waits on (`store`, or empty)
+/// and which one (an address, a key prefix): `rank 1`, or `rank 1 (store
+/// 10.0.0.1:29500)` (formatted only when a warning is logged).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Who<'a> {
-    /// The rank.
-    pub(crate) rank: usize,
-    /// What it waits on (`store`), or empty.
-    pub(crate) on: &'static str,
-    /// Which one (an address, a key prefix).
-    pub(crate) at: &'a str,
-}
+pub(crate) struct Who<'a>(
+    pub(crate) usize,
+    pub(crate) &'static str,
+    pub(crate) &'a str,
+);
 
 impl fmt::Display for Who<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {}", self.rank)?;
-        if !self.on.is_empty() {
-            write!(f, " ({} {})", self.on, self.at)?;
+        write!(f, "rank {}", self.0)?;
+        if !self.1.is_empty() {
+            write!(f, " ({} {})", self.1, self.2)?;
         }
         Ok(())
     }
