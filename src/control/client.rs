@@ -321,14 +321,10 @@ impl StoreExchange {
     /// `"store start-up"`, naming the ranks that never joined) or
     /// [`Error::PeerLost`] if the group does not assemble.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
-        let server = if config.host_server {
-            let every_interface = (Ipv4Addr::UNSPECIFIED, config.launch.master_port).into();
-            let addr = config.bind_addr.unwrap_or(every_interface);
-            Some(StoreServer::bind(addr, &config)?)
-        } else {
-            None
-        };
-        Self::start(config, server)
+        let every_interface = (Ipv4Addr::UNSPECIFIED, config.launch.master_port).into();
+        let addr = config.bind_addr.unwrap_or(every_interface);
+        let server = (config.host_server).then(|| StoreServer::bind(addr, &config));
+        Self::start(config, server.transpose()?)
     }
 
     /// Connect to `server` (already bound, e.g. on port 0 to learn its port first),

@@ -222,9 +222,8 @@ pub(super) fn serve(
         Ok(me) => me,
         Err(refused) => return refuse(refused),
     };
-    let rank = me.rank;
     drop(slot);
-    let id = me.id;
+    let (rank, id) = (me.rank, me.id);
     reader.max_frame_bytes = shared.config.max_frame_bytes;
     // This connection ends, saying why (with the state lock not held).
     let depart = |why: &str| shared.depart(&mut shared.state.lock(), rank, Some(id), why);
@@ -282,12 +281,10 @@ pub(super) fn serve(
                     })
                     .posted;
                 if posted[place].is_some() {
-                    return shared.depart(
-                        &mut st,
-                        rank,
-                        Some(id),
-                        &format!("protocol error: contributed twice to round {round} of channel {channel}"),
+                    let why = format!(
+                        "protocol error: contributed twice to round {round} of channel {channel}"
                     );
+                    return shared.depart(&mut st, rank, Some(id), &why);
                 }
                 posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
