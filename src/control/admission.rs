@@ -70,6 +70,20 @@ impl RefusalKind {
     }
 }
 
+/// A refused connection: what to log, and what to tell the client (if anything).
+pub(super) struct Refused {
+    pub(super) kind: RefusalKind,
+    pub(super) why: String,
+    /// Tell the client (not for garbage that does not even speak the protocol).
+    pub(super) tell: Option<Refusal>,
+}
+
+/// A refusal of `kind`, told to the client if `told`.
+pub(super) fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
+    let tell = told.then(|| kind.refusal());
+    Box::new(Refused { kind, why, tell })
+}
+
 /// Refusals logged at most once per kind per [`REFUSAL_LOG_INTERVAL`], the rest
 /// counted and summed up in one line.
 pub(super) struct RefusalLog {

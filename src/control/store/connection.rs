@@ -2,7 +2,7 @@
 //! then that rank's frames until it leaves.
 
 use super::{CLOSED, Conn, Link, Pending, Shared};
-use crate::control::admission::{HandshakeSlot, RefusalKind, describe_io};
+use crate::control::admission::{HandshakeSlot, RefusalKind, Refused, describe_io, refused};
 use crate::control::wire::{
     self, Broken, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
     Refusal, SharedStream, ToClient, ToServer,
@@ -13,20 +13,6 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-
-/// A refused handshake: what to log, and what to tell the client (if anything).
-struct Refused {
-    kind: RefusalKind,
-    why: String,
-    /// Tell the client (not for garbage that does not even speak the protocol).
-    tell: Option<Refusal>,
-}
-
-/// A refusal of `kind`, told to the client if `told`.
-fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
-    let tell = told.then(|| kind.refusal());
-    Box::new(Refused { kind, why, tell })
-}
 
 /// Read and check the preface and the hello from `sock`, until the handshake deadline,
 /// then join the rank the client asks for: its link.
@@ -212,15 +198,9 @@ pub(super) fn serve(
         return shared.reject(peer, RefusalKind::Resources, &why);
     }
     let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
-    let refuse = |refused: Box<Refused>| {
-        if let Some(kind) = refused.tell {
-            let _ = stream.send(&shared.verdict(kind, refused.why.clone()));
-        }
-        shared.reject(peer, refused.kind, &refused.why);
-    };
     let me = match join(shared, &stream, &mut reader, peer) {
         Ok(me) => me,
-        Err(refused) => return refuse(refused),
+        Err(refused) => return shared.refuse(&stream, peer, refused),
     };
     drop(slot);
     let (rank, id) = (me.rank, me.id);

@@ -20,11 +20,11 @@
 mod connection;
 mod shrink;
 
-use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, describe_io};
+use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, Refused, describe_io, refused};
 use super::config::StoreConfig;
 use super::join::transport;
 use super::mailbox::Mailbox;
-use super::wire::{self, Broken, Cause, Member, Refusal, SharedStream, ToClient};
+use super::wire::{self, Broken, Cause, Member, SharedStream, ToClient};
 use crate::deadline::Deadline;
 #[cfg(doc)]
 use crate::error::Error;
@@ -322,21 +322,21 @@ impl Shared {
         self.refusals.lock().note(Instant::now(), kind, peer, why);
     }
 
+    /// Refuse `stream`: tell the client why (its preface and the verdict in one write),
+    /// unless the refusal is silent; then count and log it.
+    fn refuse(&self, mut stream: &TcpStream, peer: SocketAddr, refused: Box<Refused>) {
+        if let Some(kind) = refused.tell {
+            let (reason, job) = (refused.why.clone(), self.job.clone());
+            let _ = stream.write_all(&wire::with_preface(&ToClient::Reject { reason, kind, job }));
+        }
+        self.reject(peer, refused.kind, &refused.why);
+    }
+
     /// Refuse `stream` at once, without a handshake: one non-blocking write of the
     /// verdict (a client that does not read it loses nothing), then close.
     fn refuse_now(&self, stream: TcpStream, peer: SocketAddr, kind: RefusalKind, why: String) {
         let _ = stream.set_nonblocking(true);
-        let _ = (&stream).write_all(&self.verdict(kind.refusal(), why.clone()));
-        self.reject(peer, kind, &why);
-    }
-
-    /// The server's preface and a refusal, as one write.
-    fn verdict(&self, kind: Refusal, reason: String) -> Vec<u8> {
-        wire::with_preface(&ToClient::Reject {
-            reason,
-            kind,
-            job: self.job.clone(),
-        })
+        self.refuse(&stream, peer, refused(true, kind, why));
     }
 
     /// Write `frame` to each of `ranks`; those it fails for depart, after all writes.
