@@ -162,7 +162,6 @@ impl ClientShared {
         if progressed || matches!(got, Ok(Some(_))) {
             inbox.last_heard = now;
         }
-        // Why the connection ended, if it did.
         let mut ended = None;
         match got {
             Ok(Some(body)) => match wire::decode::<ToClient>(&body) {

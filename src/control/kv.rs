@@ -208,9 +208,7 @@ impl<S: KvStore> KvExchange<S> {
         *self.broken.lock() = Some((self.rounds.rank, op));
         let reason = format!("{} {op}", self.rounds.rank);
         // Best effort: the timeout is what this rank reports either way.
-        let _ = self
-            .store
-            .set(&self.broken_key("/reason"), reason.as_bytes());
+        let _ = (self.store).set(&self.broken_key("/reason"), reason.as_bytes());
         let _ = self.store.add(&self.broken_key(""), 1);
         let _ = self.store.delete(own_key);
     }
@@ -261,8 +259,7 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
             .map(|(k, key)| mine(k).map_or_else(|| self.store.get(key), Ok))
             .collect::<Result<Vec<_>>>()?;
         if round > 0 {
-            self.store
-                .delete(&self.key(r.channel, round - 1, self.rounds.rank))?;
+            (self.store).delete(&self.key(r.channel, round - 1, self.rounds.rank))?;
         }
         Ok(out)
     }

@@ -232,18 +232,14 @@ pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
         what: format!("encoding the payload of {op}: {e}"),
     })?;
     let all = exchange.all_gather(channel, op, &payload, deadline)?;
-    all.iter()
-        .enumerate()
-        .map(|(rank, p)| {
-            postcard::from_bytes(p).map_err(|e| Error::Protocol {
-                op,
-                detail: format!(
-                    "rank {rank}'s payload of {} bytes does not decode: {e}",
-                    p.len()
-                ),
-            })
+    let decode = |(rank, p): (usize, &Vec<u8>)| {
+        postcard::from_bytes(p).map_err(|e| {
+            let len = p.len();
+            let detail = format!("rank {rank}'s payload of {len} bytes does not decode: {e}");
+            Error::Protocol { op, detail }
         })
-        .collect()
+    };
+    all.iter().enumerate().map(decode).collect()
 }
 
 /// An operation name that another rank sent (a store's broken-group notice), as

@@ -105,7 +105,6 @@ fn join(
             .map_or(0, |d| d.as_millis() as u64),
     };
     let rank = rank as usize;
-    // Join.
     let mut st = shared.state.lock();
     if let Some(holder) = &st.members[rank] {
         let (holder, claimant) = (holder.clone(), member);

@@ -539,12 +539,10 @@ impl Shared {
             };
             let silent = now.saturating_duration_since(c.last_heard);
             if silent > self.config.heartbeat_timeout {
-                failed.push((
-                    rank,
-                    format!(
-                        "no heartbeat for {silent:?} (frozen or stopped, e.g. SIGSTOP, or its host is unreachable)"
-                    ),
-                ));
+                let why = format!(
+                    "no heartbeat for {silent:?} (frozen or stopped, e.g. SIGSTOP, or its host is unreachable)"
+                );
+                failed.push((rank, why));
             } else {
                 failed.extend(st.write_to(rank, heartbeat));
             }
