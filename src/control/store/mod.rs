@@ -560,11 +560,9 @@ impl Shared {
             if pending.notice <= now {
                 pending.notice =
                     Deadline::after_from(now, self.config.wait_warning_interval).instant();
-                let waiting: Vec<usize> = (0..pending.posted.len())
-                    .filter(|r| pending.posted[*r].is_some())
-                    .map(|r| st.alive[r])
-                    .collect();
-                let missing = pending.missing();
+                let (waiting, missing): (Vec<_>, _) = (0..pending.posted.len() as u32)
+                    .partition(|r| pending.posted[*r as usize].is_some());
+                let waiting: Vec<usize> = waiting.iter().map(|&r| st.alive[r as usize]).collect();
                 tracing::debug!(
                     "symmpool store: round {round} of channel {channel} waits for ranks {missing:?}"
                 );
