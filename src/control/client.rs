@@ -25,9 +25,7 @@ use std::time::{Duration, Instant};
 /// caller reads the socket itself when no other thread is (a round costs no thread
 /// wake-up); a background thread per rank sends heartbeats and, when nobody has read
 /// for half a heartbeat interval, reads, to watch the server's (the failure-detection
-/// bound: [`control`](super)). A rank waiting long (for the server, for the others to
-/// join, in a round) warns every [`StoreConfig::wait_warning_interval`], naming the
-/// ranks it waits for, and once more when they come.
+/// bound: [`control`](super)). A long wait warns ([`StoreConfig::wait_warning_interval`]).
 ///
 /// Dropping the exchange says goodbye to the server: later calls on the other ranks
 /// fail with [`Error::PeerLost`] naming it (leaving is final, like a crash). The

@@ -108,9 +108,8 @@ impl KvConfig {
 /// `PREFIX/broken/reason`, then increments `PREFIX/broken` (so the reason exists
 /// whenever the counter is non-zero), withdraws its key and fails with
 /// [`Error::Timeout`]; every rank checks the counter before each round and between
-/// slices, and fails with [`Error::GroupBroken`] once it is set. A rank waiting long
-/// logs a warning naming the ranks whose keys are missing every
-/// [`KvConfig::wait_warning_interval`], and once more when they come.
+/// slices, and fails with [`Error::GroupBroken`] once it is set. A long wait warns
+/// ([`KvConfig::wait_warning_interval`]).
 ///
 /// # Failure-detection bound
 /// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
