@@ -533,10 +533,8 @@ impl Shared {
     /// the heartbeat timeout.
     fn heartbeats(&self, st: &mut State, now: Instant, heartbeat: &[u8]) {
         let mut failed = Vec::new();
-        for rank in 0..self.world {
-            let Some(c) = st.conns[rank].as_ref() else {
-                continue;
-            };
+        for (rank, c) in st.conns.iter().enumerate() {
+            let Some(c) = c else { continue };
             let silent = now.saturating_duration_since(c.last_heard);
             if silent > self.config.heartbeat_timeout {
                 let why = format!(
