@@ -146,10 +146,9 @@ impl ClientShared {
         let (got, progressed) = {
             let mut reader = self.reader.lock();
             let before = reader.bytes_read;
-            let got = match set_timeout.map_or(Ok(()), |t| reader.inner.set_read_timeout(Some(t))) {
-                Ok(()) => reader.spin_frame(spin),
-                Err(e) => Err(ReadError::Io(e)),
-            };
+            let got = (set_timeout.map_or(Ok(()), |t| reader.inner.set_read_timeout(Some(t))))
+                .map_err(ReadError::Io)
+                .and_then(|()| reader.spin_frame(spin));
             (got, reader.bytes_read > before)
         };
         let mut inbox = self.inbox.lock();
@@ -239,11 +238,8 @@ impl ClientShared {
     ) -> MutexGuard<'_, Inbox> {
         let mut inbox = self.inbox.lock();
         loop {
-            if done(&mut inbox) {
-                return inbox;
-            }
             let left = deadline.remaining();
-            if left.is_zero() {
+            if done(&mut inbox) || left.is_zero() {
                 return inbox;
             }
             if !inbox.reader_busy && !inbox.reader_done {
