@@ -186,8 +186,6 @@ pub(super) fn serve(
     slot: HandshakeSlot<'_>,
 ) {
     let _ = stream.set_nodelay(true);
-    // One descriptor for the connection: the reader, the writer and the closer share
-    // it.
     let stream = SharedStream(Arc::new(stream));
     // A rank that stops reading must not block the server's writes (most made under
     // its state lock) without bound: a write that makes no progress for a heartbeat
