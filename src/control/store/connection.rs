@@ -197,7 +197,7 @@ pub(super) fn serve(
     let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
     let me = match join(shared, &stream, &mut reader, peer) {
         Ok(me) => me,
-        Err(refused) => return shared.refuse(&stream, peer, refused),
+        Err(refused) => return shared.refuse(&stream, peer, &refused),
     };
     drop(slot);
     let (rank, id) = (me.rank, me.id);

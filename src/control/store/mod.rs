@@ -324,8 +324,8 @@ impl Shared {
 
     /// Refuse `stream`: tell the client why (its preface and the verdict in one write),
     /// unless the refusal is silent; then count and log it.
-    fn refuse(&self, mut stream: &TcpStream, peer: SocketAddr, refused: Box<Refused>) {
-        if let Some(kind) = refused.tell {
+    fn refuse(&self, mut stream: &TcpStream, peer: SocketAddr, refused: &Refused) {
+        if let Some(kind) = refused.tell.clone() {
             let (reason, job) = (refused.why.clone(), self.job.clone());
             let _ = stream.write_all(&wire::with_preface(&ToClient::Reject { reason, kind, job }));
         }
@@ -336,7 +336,7 @@ impl Shared {
     /// verdict (a client that does not read it loses nothing), then close.
     fn refuse_now(&self, stream: TcpStream, peer: SocketAddr, kind: RefusalKind, why: String) {
         let _ = stream.set_nonblocking(true);
-        self.refuse(&stream, peer, refused(true, kind, why));
+        self.refuse(&stream, peer, &refused(true, kind, why));
     }
 
     /// Write `frame` to each of `ranks`; those it fails for depart, after all writes.
