@@ -45,6 +45,15 @@ impl RefusalKind {
         }
     }
 
+    /// The kind of a refusal for the I/O error `e`: out of descriptors, or garbage.
+    pub(super) fn of_io(e: &std::io::Error) -> RefusalKind {
+        if out_of_descriptors(e) {
+            RefusalKind::Resources
+        } else {
+            RefusalKind::Garbage
+        }
+    }
+
     fn describe(self) -> &'static str {
         match self {
             RefusalKind::Busy => "too many handshakes in flight",
@@ -59,6 +68,20 @@ impl RefusalKind {
             RefusalKind::Resources => "out of descriptors or threads",
         }
     }
+}
+
+/// A refused connection: what to log, and what to tell the client (if anything).
+pub(super) struct Refused {
+    pub(super) kind: RefusalKind,
+    pub(super) why: String,
+    /// Tell the client (not for garbage that does not even speak the protocol).
+    pub(super) tell: Option<Refusal>,
+}
+
+/// A refusal of `kind`, told to the client if `told`.
+pub(super) fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
+    let tell = told.then(|| kind.refusal());
+    Box::new(Refused { kind, why, tell })
 }
 
 /// Refusals logged at most once per kind per [`REFUSAL_LOG_INTERVAL`], the rest
@@ -92,7 +115,7 @@ impl RefusalLog {
         peer: SocketAddr,
         why: &str,
     ) -> Vec<String> {
-        let mut lines = self.summary_due(now, false).into_iter().collect::<Vec<_>>();
+        let mut lines = self.summary(now, false).into_iter().collect::<Vec<_>>();
         match self.kinds.get_mut(&kind) {
             Some(more) => *more += 1,
             None => {
@@ -108,19 +131,17 @@ impl RefusalLog {
     /// Log the counts of the refusals not logged in full: once the interval is over,
     /// or (`now_anyway`: on shutdown) at once.
     pub(super) fn sum_up(&mut self, now: Instant, now_anyway: bool) {
-        if let Some(line) = self.summary_due(now, now_anyway) {
+        if let Some(line) = self.summary(now, now_anyway) {
             tracing::warn!("{line}");
         }
     }
 
-    /// The [`summary`](Self::summary), once the interval is over or `anyway`.
-    fn summary_due(&mut self, now: Instant, anyway: bool) -> Option<String> {
-        let over = now.saturating_duration_since(self.since) >= REFUSAL_LOG_INTERVAL;
-        (anyway || over).then(|| self.summary(now)).flatten()
-    }
-
-    /// The counts of refusals not logged in full, if any; starts a new interval.
-    fn summary(&mut self, now: Instant) -> Option<String> {
+    /// Once the interval is over (or `anyway`): the counts of refusals not logged in
+    /// full, if any, and a new interval.
+    fn summary(&mut self, now: Instant, anyway: bool) -> Option<String> {
+        if !anyway && now.saturating_duration_since(self.since) < REFUSAL_LOG_INTERVAL {
+            return None;
+        }
         let counted: Vec<String> = self
             .kinds
             .iter()

@@ -25,9 +25,7 @@ use std::time::{Duration, Instant};
 /// caller reads the socket itself when no other thread is (a round costs no thread
 /// wake-up); a background thread per rank sends heartbeats and, when nobody has read
 /// for half a heartbeat interval, reads, to watch the server's (the failure-detection
-/// bound: [`control`](super)). A rank waiting long (for the server, for the others to
-/// join, in a round) warns every [`StoreConfig::wait_warning_interval`], naming the
-/// ranks it waits for, and once more when they come.
+/// bound: [`control`](super)). A long wait warns ([`StoreConfig::wait_warning_interval`]).
 ///
 /// Dropping the exchange says goodbye to the server: later calls on the other ranks
 /// fail with [`Error::PeerLost`] naming it (leaving is final, like a crash). The
@@ -148,10 +146,9 @@ impl ClientShared {
         let (got, progressed) = {
             let mut reader = self.reader.lock();
             let before = reader.bytes_read;
-            let got = match set_timeout.map_or(Ok(()), |t| reader.inner.set_read_timeout(Some(t))) {
-                Ok(()) => reader.spin_frame(spin),
-                Err(e) => Err(ReadError::Io(e)),
-            };
+            let got = (set_timeout.map_or(Ok(()), |t| reader.inner.set_read_timeout(Some(t))))
+                .map_err(ReadError::Io)
+                .and_then(|()| reader.spin_frame(spin));
             (got, reader.bytes_read > before)
         };
         let mut inbox = self.inbox.lock();
@@ -162,7 +159,6 @@ impl ClientShared {
         if progressed || matches!(got, Ok(Some(_))) {
             inbox.last_heard = now;
         }
-        // Why the connection ended, if it did.
         let mut ended = None;
         match got {
             Ok(Some(body)) => match wire::decode::<ToClient>(&body) {
@@ -242,11 +238,8 @@ impl ClientShared {
     ) -> MutexGuard<'_, Inbox> {
         let mut inbox = self.inbox.lock();
         loop {
-            if done(&mut inbox) {
-                return inbox;
-            }
             let left = deadline.remaining();
-            if left.is_zero() {
+            if done(&mut inbox) || left.is_zero() {
                 return inbox;
             }
             if !inbox.reader_busy && !inbox.reader_done {
@@ -321,14 +314,10 @@ impl StoreExchange {
     /// `"store start-up"`, naming the ranks that never joined) or
     /// [`Error::PeerLost`] if the group does not assemble.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
-        let server = if config.host_server {
-            let every_interface = (Ipv4Addr::UNSPECIFIED, config.launch.master_port).into();
-            let addr = config.bind_addr.unwrap_or(every_interface);
-            Some(StoreServer::bind(addr, &config)?)
-        } else {
-            None
-        };
-        Self::start(config, server)
+        let every_interface = (Ipv4Addr::UNSPECIFIED, config.launch.master_port).into();
+        let addr = config.bind_addr.unwrap_or(every_interface);
+        let server = (config.host_server).then(|| StoreServer::bind(addr, &config));
+        Self::start(config, server.transpose()?)
     }
 
     /// Connect to `server` (already bound, e.g. on port 0 to learn its port first),
@@ -418,11 +407,10 @@ impl StoreExchange {
             successor: Mutex::new(None),
         };
         // Wait for every rank to join, naming the missing ones while waiting long.
+        let joined = |ib: &mut Inbox| ib.all_joined || ib.broken.is_some();
         let inbox = loop {
-            let inbox = (ex.shared).wait_until(warnings.until(deadline), |ib| {
-                ib.all_joined || ib.broken.is_some()
-            });
-            if inbox.all_joined || inbox.broken.is_some() || deadline.expired() {
+            let mut inbox = (ex.shared).wait_until(warnings.until(deadline), joined);
+            if joined(&mut inbox) || deadline.expired() {
                 break inbox;
             }
             if warnings.due() {
@@ -455,13 +443,23 @@ impl StoreExchange {
             .collect()
     }
 
+    /// The inbox, while this exchange is the group's current one.
+    ///
+    /// # Errors
+    /// [`Error::Shrunk`] once the group has shrunk past it.
+    fn inbox(&self) -> Result<MutexGuard<'_, Inbox>> {
+        let inbox = self.shared.inbox.lock();
+        if inbox.epoch != self.epoch {
+            return Err(Error::Shrunk {
+                what: "an exchange",
+            });
+        }
+        Ok(inbox)
+    }
+
     /// This rank, as a warning names it.
     fn who(&self) -> Who<'_> {
-        Who {
-            rank: self.rounds.rank,
-            on: "store",
-            at: &self.shared.server,
-        }
+        Who(self.rounds.rank, "store", &self.shared.server)
     }
 }
 
@@ -487,16 +485,8 @@ fn error_for(b: &Broken, op: &'static str) -> Error {
 
 impl GatherRounds for StoreExchange {
     fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
-        {
-            let inbox = self.shared.inbox.lock();
-            if inbox.epoch != self.epoch {
-                return Err(Error::Shrunk {
-                    what: "an exchange",
-                });
-            }
-            if let Some(b) = &inbox.broken {
-                return Err(error_for(b, r.op));
-            }
+        if let Some(b) = &self.inbox()?.broken {
+            return Err(error_for(b, r.op));
         }
         let round = r.number;
         let key = (r.channel.ordinal(), round);
@@ -582,11 +572,7 @@ impl GatherRounds for StoreExchange {
     }
 
     fn lost_peer(&self) -> Option<LostPeer> {
-        let inbox = self.shared.inbox.lock();
-        if inbox.epoch != self.epoch {
-            return None;
-        }
-        inbox.broken.as_ref().and_then(lost)
+        self.inbox().ok()?.broken.as_ref().and_then(lost)
     }
 
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {

@@ -156,12 +156,6 @@ impl StoreConfig {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
         cfg.job_id = job_id_from_vars(get);
-        let ms = |name: &str, slot: &mut Duration| -> Result<()> {
-            if let Some(n) = parse_var(get, name, "a whole number of milliseconds")? {
-                *slot = Duration::from_millis(n);
-            }
-            Ok(())
-        };
         let spin = |name: &str| -> Result<Option<Duration>> {
             match parse_var(get, name, "a whole number of microseconds")? {
                 Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(env_err(
@@ -174,22 +168,25 @@ impl StoreConfig {
                 n => Ok(n.map(Duration::from_micros)),
             }
         };
-        if let Some(d) = spin("SYMMPOOL_SPIN_US")? {
-            cfg.spin = d;
-        }
+        cfg.spin = spin("SYMMPOOL_SPIN_US")?.unwrap_or(cfg.spin);
         cfg.server_spin = spin("SYMMPOOL_SERVER_SPIN_US")?;
-        ms("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout)?;
-        ms("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout)?;
-        ms(
-            "SYMMPOOL_HEARTBEAT_INTERVAL_MS",
-            &mut cfg.heartbeat_interval,
-        )?;
-        ms("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout)?;
-        ms("SYMMPOOL_WAIT_WARNING_MS", &mut cfg.wait_warning_interval)?;
-        let handshakes = "a positive number of handshakes";
-        if let Some(n) = parse_var::<NonZeroUsize>(get, "SYMMPOOL_MAX_HANDSHAKES", handshakes)? {
-            cfg.max_handshakes = n.get();
+        for (name, slot) in [
+            ("SYMMPOOL_STARTUP_TIMEOUT_MS", &mut cfg.startup_timeout),
+            ("SYMMPOOL_HANDSHAKE_TIMEOUT_MS", &mut cfg.handshake_timeout),
+            (
+                "SYMMPOOL_HEARTBEAT_INTERVAL_MS",
+                &mut cfg.heartbeat_interval,
+            ),
+            ("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", &mut cfg.heartbeat_timeout),
+            ("SYMMPOOL_WAIT_WARNING_MS", &mut cfg.wait_warning_interval),
+        ] {
+            if let Some(n) = parse_var(get, name, "a whole number of milliseconds")? {
+                *slot = Duration::from_millis(n);
+            }
         }
+        let handshakes = "a positive number of handshakes";
+        let handshakes = parse_var::<NonZeroUsize>(get, "SYMMPOOL_MAX_HANDSHAKES", handshakes)?;
+        cfg.max_handshakes = handshakes.map_or(cfg.max_handshakes, NonZeroUsize::get);
         Ok(cfg)
     }
 
@@ -201,31 +198,28 @@ impl StoreConfig {
     }
 
     pub(crate) fn check(&self) -> Result<()> {
-        let bad = |what: &str| Err(Error::InvalidConfig(format!("store: {what}")));
-        if self.heartbeat_interval.is_zero() || self.heartbeat_timeout <= self.heartbeat_interval {
-            return bad("heartbeat_timeout must exceed a non-zero heartbeat_interval");
-        }
-        if self.max_frame_bytes < MAX_HANDSHAKE_FRAME_BYTES
-            || self.max_frame_bytes > u32::MAX as usize
+        let frame_bytes = MAX_HANDSHAKE_FRAME_BYTES..=u32::MAX as usize;
+        let problem = if self.heartbeat_interval.is_zero()
+            || self.heartbeat_timeout <= self.heartbeat_interval
         {
-            return bad("max_frame_bytes must be between 4 KiB and 4 GiB");
-        }
-        if self.handshake_timeout.is_zero() {
-            return bad("handshake_timeout must not be zero");
-        }
-        if self.max_handshakes == 0 {
-            return bad("max_handshakes must not be zero");
-        }
-        if self.wait_warning_interval.is_zero() {
-            return bad("wait_warning_interval (SYMMPOOL_WAIT_WARNING_MS) must not be zero");
-        }
-        if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
-            return bad(&format!(
+            "heartbeat_timeout must exceed a non-zero heartbeat_interval".into()
+        } else if !frame_bytes.contains(&self.max_frame_bytes) {
+            "max_frame_bytes must be between 4 KiB and 4 GiB".into()
+        } else if self.handshake_timeout.is_zero() {
+            "handshake_timeout must not be zero".into()
+        } else if self.max_handshakes == 0 {
+            "max_handshakes must not be zero".into()
+        } else if self.wait_warning_interval.is_zero() {
+            "wait_warning_interval (SYMMPOOL_WAIT_WARNING_MS) must not be zero".into()
+        } else if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
+            format!(
                 "spin (SYMMPOOL_SPIN_US) and server_spin (SYMMPOOL_SERVER_SPIN_US) must be at most {} µs",
                 Self::MAX_SPIN.as_micros()
-            ));
-        }
-        Ok(())
+            )
+        } else {
+            return Ok(());
+        };
+        Err(Error::InvalidConfig(format!("store: {problem}")))
     }
 }
 

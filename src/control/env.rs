@@ -172,17 +172,13 @@ impl Launch {
                 })?;
                 // torchrun's agent already serves its own store on MASTER_PORT: this
                 // crate's goes on the next port.
-                if source != LaunchSource::Torchrun || get("TORCHELASTIC_RUN_ID").is_none() {
-                    p
-                } else {
-                    p.checked_add(1).ok_or_else(|| {
-                        env_err(
-                            "MASTER_PORT",
-                            "65535 leaves no port above it for symmpool's store under torchrun; \
-                             set SYMMPOOL_STORE_PORT",
-                        )
-                    })?
-                }
+                let torchrun =
+                    source == LaunchSource::Torchrun && get("TORCHELASTIC_RUN_ID").is_some();
+                p.checked_add(u16::from(torchrun)).ok_or_else(|| {
+                    let why = "65535 leaves no port above it for symmpool's store under torchrun; \
+                               set SYMMPOOL_STORE_PORT";
+                    env_err("MASTER_PORT", why)
+                })?
             }
         };
         let l = Launch {

@@ -30,9 +30,7 @@ fn host_name() -> String {
 /// `deadline`. The connection (one descriptor) and its reader.
 ///
 /// # Errors
-/// As [`StoreExchange::connect`]: [`Error::JobMismatch`], [`Error::RankTaken`] and
-/// [`Error::StoreRejected`] for refusals, [`Error::Protocol`] for a server that does
-/// not speak the protocol, [`Error::Transport`] when it cannot be reached in time.
+/// As [`StoreExchange::connect`](super::StoreExchange::connect).
 pub(super) fn join_store(
     config: &StoreConfig,
     target: &str,
@@ -94,31 +92,27 @@ pub(super) fn join_store(
             ToClient::Reject { reason, kind, job } => (reason, kind, job),
             other => return Err(proto(format!("expected a welcome, got {other:?}"))),
         };
-        match kind {
+        return Err(match kind {
             Refusal::Busy if !deadline.expired() => {
                 // Other handshakes hold the server's slots; they end within its
                 // handshake timeout.
                 tracing::debug!("symmpool store: {target} is busy ({reason}); retrying");
-                drop(reader);
                 thread::sleep(busy_delay.min(deadline.remaining()));
                 busy_delay = (busy_delay * 2).min(Duration::from_millis(500));
+                continue;
             }
             Refusal::RankTaken {
                 rank,
                 holder,
                 claimant,
-            } => {
-                return Err(Error::RankTaken {
-                    rank: rank as usize,
-                    holder: holder.to_string(),
-                    claimant: claimant.to_string(),
-                });
-            }
-            _ if store_job != job => {
-                return Err(Error::JobMismatch { job, store_job });
-            }
-            _ => return Err(Error::StoreRejected { reason }),
-        }
+            } => Error::RankTaken {
+                rank: rank as usize,
+                holder: holder.to_string(),
+                claimant: claimant.to_string(),
+            },
+            _ if store_job != job => Error::JobMismatch { job, store_job },
+            _ => Error::StoreRejected { reason },
+        });
     }
 }
 
@@ -131,11 +125,7 @@ fn connect_retrying(
     warnings: &mut WaitWarnings,
 ) -> Result<TcpStream> {
     let startup = config.startup_timeout;
-    let who = Who {
-        rank: config.launch.rank,
-        on: "store",
-        at: target,
-    };
+    let who = Who(config.launch.rank, "store", target);
     let mut delay = Duration::from_millis(20);
     loop {
         let err = match target.to_socket_addrs() {
@@ -169,8 +159,7 @@ fn connect_retrying(
             return Err(transport("connecting to the store", detail)(err));
         }
         if warnings.due() {
-            let server = "the store server (rank 0 hosts it)".to_string();
-            warnings.warn(&who, server, deadline);
+            warnings.warn(&who, "the store server (rank 0 hosts it)".into(), deadline);
         }
         thread::sleep(delay.min(left));
         delay = (delay * 2).min(Duration::from_secs(1));

@@ -108,9 +108,8 @@ impl KvConfig {
 /// `PREFIX/broken/reason`, then increments `PREFIX/broken` (so the reason exists
 /// whenever the counter is non-zero), withdraws its key and fails with
 /// [`Error::Timeout`]; every rank checks the counter before each round and between
-/// slices, and fails with [`Error::GroupBroken`] once it is set. A rank waiting long
-/// logs a warning naming the ranks whose keys are missing every
-/// [`KvConfig::wait_warning_interval`], and once more when they come.
+/// slices, and fails with [`Error::GroupBroken`] once it is set. A long wait warns
+/// ([`KvConfig::wait_warning_interval`]).
 ///
 /// # Failure-detection bound
 /// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
@@ -167,16 +166,6 @@ impl<S: KvStore> KvExchange<S> {
         })
     }
 
-    /// The store.
-    pub fn store(&self) -> &S {
-        &self.store
-    }
-
-    /// The settings.
-    pub fn config(&self) -> &KvConfig {
-        &self.config
-    }
-
     fn key(&self, channel: ChannelId, round: u64, rank: usize) -> String {
         let (prefix, channel) = (&self.config.prefix, channel.ordinal());
         format!("{prefix}/{channel}/{round}/{rank}")
@@ -218,9 +207,7 @@ impl<S: KvStore> KvExchange<S> {
         *self.broken.lock() = Some((self.rounds.rank, op));
         let reason = format!("{} {op}", self.rounds.rank);
         // Best effort: the timeout is what this rank reports either way.
-        let _ = self
-            .store
-            .set(&self.broken_key("/reason"), reason.as_bytes());
+        let _ = (self.store).set(&self.broken_key("/reason"), reason.as_bytes());
         let _ = self.store.add(&self.broken_key(""), 1);
         let _ = self.store.delete(own_key);
     }
@@ -237,11 +224,7 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
         let own = &keys[self.rounds.rank];
         self.store.set(own, r.payload)?;
         let mut warnings = WaitWarnings::new(r.op, r.started, self.config.wait_warning_interval);
-        let who = Who {
-            rank: self.rounds.rank,
-            on: "key-value store",
-            at: &self.config.prefix,
-        };
+        let who = Who(self.rounds.rank, "key-value store", &self.config.prefix);
         loop {
             let slice = (warnings.until(r.deadline).remaining())
                 .min(self.config.poll)
@@ -275,8 +258,7 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
             .map(|(k, key)| mine(k).map_or_else(|| self.store.get(key), Ok))
             .collect::<Result<Vec<_>>>()?;
         if round > 0 {
-            self.store
-                .delete(&self.key(r.channel, round - 1, self.rounds.rank))?;
+            (self.store).delete(&self.key(r.channel, round - 1, self.rounds.rank))?;
         }
         Ok(out)
     }

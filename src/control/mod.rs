@@ -3,12 +3,14 @@
 //!
 //! NCCL cannot report divergence, a dead peer or a frozen one: a collective simply
 //! hangs. So before every collective pool operation the ranks agree over an
-//! [`Exchange`]. Two implementations ship with the crate:
+//! [`Exchange`]. Three implementations ship with the crate:
 //!
 //! * [`LocalExchange`]: ranks are threads of one process;
 //! * [`StoreExchange`]: one process per rank (torchrun, `srun`, `mpirun`), over a small
 //!   TCP rendezvous store that rank 0 hosts ([`StoreServer`]) and every rank (rank 0
-//!   too) connects to. [`Launch`] reads the launcher's environment.
+//!   too) connects to. [`Launch`] reads the launcher's environment;
+//! * [`KvExchange`]: over a key-value store the runtime already has ([`KvStore`], such
+//!   as PyTorch's `c10d.Store`).
 //!
 //! # Failure detection bound
 //!
@@ -42,22 +44,15 @@
 //!
 //! A rank that is alive but does not arrive (still starting, stuck elsewhere, never
 //! launched) is not a loss: the others wait for it until their deadline (10 min at
-//! start-up). While they wait, every wait on other ranks (the store's start-up and
-//! rounds, a [`KvExchange`]'s rounds, a [`LocalExchange`]'s and the host backend's)
-//! logs a warning (`tracing`, target `symmpool::control`) naming the ranks not yet
-//! arrived and how long it has waited, every [`WAIT_WARNING_INTERVAL`] (30 s;
-//! [`StoreConfig::wait_warning_interval`], [`KvConfig::wait_warning_interval`]), and
-//! once more when they arrive. A wait shorter than that logs nothing.
+//! start-up), naming it in a warning every [`WAIT_WARNING_INTERVAL`].
 //!
 //! # Why blocking sockets and threads
 //!
 //! The store carries a few hundred bytes per pool operation among at most a few
-//! thousand ranks, and its callers block anyway (an agreement is a barrier). Blocking
-//! `std::net` sockets with one reader thread per connection are the simplest design
-//! that gives deterministic, small latencies, read deadlines on every socket and no
-//! runtime to embed in a host application that may have its own (or none).
-//! An async runtime would add a large dependency and its own threads for no gain at
-//! this scale.
+//! thousand ranks, whose callers block anyway (an agreement is a barrier). Blocking
+//! `std::net` sockets with one reader thread per connection give small deterministic
+//! latencies and read deadlines on every socket, with no runtime to embed in a host
+//! application that may have its own (or none).
 
 mod admission;
 mod client;
@@ -197,9 +192,7 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// [`StoreExchange::shrink`] and [`LocalExchange::shrink`].
     fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
         let _ = deadline;
-        Err(Error::ShrinkFailed {
-            reason: format!("{self:?} cannot shrink (a StoreExchange or a LocalExchange can)"),
-        })
+        Err(cannot_shrink(self))
     }
 }
 
@@ -245,18 +238,14 @@ pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
         what: format!("encoding the payload of {op}: {e}"),
     })?;
     let all = exchange.all_gather(channel, op, &payload, deadline)?;
-    all.iter()
-        .enumerate()
-        .map(|(rank, p)| {
-            postcard::from_bytes(p).map_err(|e| Error::Protocol {
-                op,
-                detail: format!(
-                    "rank {rank}'s payload of {} bytes does not decode: {e}",
-                    p.len()
-                ),
-            })
+    let decode = |(rank, p): (usize, &Vec<u8>)| {
+        postcard::from_bytes(p).map_err(|e| {
+            let len = p.len();
+            let detail = format!("rank {rank}'s payload of {len} bytes does not decode: {e}");
+            Error::Protocol { op, detail }
         })
-        .collect()
+    };
+    all.iter().enumerate().map(decode).collect()
 }
 
 /// An operation name that another rank sent (a store's broken-group notice), as
@@ -273,6 +262,12 @@ fn intern_op(name: &str) -> &'static str {
             leaked
         }
     }
+}
+
+/// [`Exchange::shrink`]'s error for an exchange `ex` that cannot shrink.
+fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
+    let reason = format!("{ex:?} cannot shrink (a StoreExchange or a LocalExchange can)");
+    Error::ShrinkFailed { reason }
 }
 
 /// What a rank opens in [`Exchange::open_channel`]'s round.
@@ -316,9 +311,7 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     /// [`Exchange::shrink`].
     fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
         let _ = deadline;
-        Err(Error::ShrinkFailed {
-            reason: format!("{self:?} cannot shrink (a StoreExchange or a LocalExchange can)"),
-        })
+        Err(cannot_shrink(self))
     }
 }
 

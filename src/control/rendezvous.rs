@@ -107,11 +107,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
         entry.posted[rank] = Some(value);
         self.cv.notify_all();
         let mut warnings = WaitWarnings::new(op, started, self.warn_every);
-        let who = Who {
-            rank,
-            on: "",
-            at: "",
-        };
+        let who = Who(rank, "", "");
         loop {
             if let Some(r) = state.rounds.get_mut(&key)
                 && let Some(out) = r.posted.iter().cloned().collect::<Option<Vec<T>>>()

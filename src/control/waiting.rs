@@ -1,18 +1,18 @@
-//! [`WaitWarnings`]: a wait on other ranks that lasts says so, naming the ranks not yet
-//! arrived, at least every [`WAIT_WARNING_INTERVAL`], and once more when they arrive;
-//! so that a rank that never comes is seen while the others wait for it, not only at
-//! the end of a start-up timeout of minutes.
+//! [`WaitWarnings`]: a wait on other ranks that lasts says so
+//! ([`WAIT_WARNING_INTERVAL`]), so that a rank that never comes is seen while the
+//! others wait for it, not only at the end of a start-up timeout of minutes.
 
 use crate::deadline::Deadline;
 use std::fmt;
 use std::time::{Duration, Instant};
 
-/// How often a wait on other ranks that lasts logs a warning (`tracing`, target
-/// `symmpool::control`) naming the ranks not yet arrived: the default of
-/// [`StoreConfig::wait_warning_interval`](super::StoreConfig::wait_warning_interval)
-/// and [`KvConfig::wait_warning_interval`](super::KvConfig::wait_warning_interval),
-/// and the interval of the in-process exchanges ([`LocalExchange`](super::LocalExchange)
-/// and the host backend's rendezvous).
+/// How often a wait on other ranks that lasts (the store's start-up and rounds, a
+/// [`KvExchange`](super::KvExchange)'s rounds, a [`LocalExchange`](super::LocalExchange)'s
+/// and the host backend's) logs a warning (`tracing`, target `symmpool::control`) naming
+/// the ranks not yet arrived and how long it has waited; once more when they arrive. A
+/// shorter wait logs nothing. The default of
+/// [`StoreConfig::wait_warning_interval`](super::StoreConfig::wait_warning_interval) and
+/// [`KvConfig::wait_warning_interval`](super::KvConfig::wait_warning_interval).
 pub const WAIT_WARNING_INTERVAL: Duration = Duration::from_secs(30);
 
 /// The warnings of one wait on other ranks: made when the wait starts (no allocation,
@@ -87,23 +87,21 @@ impl WaitWarnings {
     }
 }
 
-/// A waiting rank as a warning names it: `rank 1`, or with where it waits, `rank 1
-/// (store 10.0.0.1:29500)` (formatted only when a warning is logged).
+/// A waiting rank as a warning names it: the rank, what it waits on (`store`, or empty)
+/// and which one (an address, a key prefix): `rank 1`, or `rank 1 (store
+/// 10.0.0.1:29500)` (formatted only when a warning is logged).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Who<'a> {
-    /// The rank.
-    pub(crate) rank: usize,
-    /// What it waits on (`store`), or empty.
-    pub(crate) on: &'static str,
-    /// Which one (an address, a key prefix).
-    pub(crate) at: &'a str,
-}
+pub(crate) struct Who<'a>(
+    pub(crate) usize,
+    pub(crate) &'static str,
+    pub(crate) &'a str,
+);
 
 impl fmt::Display for Who<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {}", self.rank)?;
-        if !self.on.is_empty() {
-            write!(f, " ({} {})", self.on, self.at)?;
+        write!(f, "rank {}", self.0)?;
+        if !self.1.is_empty() {
+            write!(f, " ({} {})", self.1, self.2)?;
         }
         Ok(())
     }

@@ -10,14 +10,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 impl StoreExchange {
-    /// The exchange of the group that survives a loss: every rank of this group that
-    /// is still connected to the store asks, and once all have, the group is those
-    /// ranks, numbered densely in the order of their ranks here (rank 0 stays rank 0:
-    /// it hosts the store). The new exchange shares this one's connection and starts
-    /// with no channel open but [`ChannelId::CONTROL`](super::super::ChannelId::CONTROL)
-    /// and its rounds from 1. This exchange fails every later call with
-    /// [`Error::Shrunk`]. Asking again returns the same exchange (so every backend and
-    /// pool of a rank that share this exchange may ask).
+    /// [`Exchange::shrink`](super::super::Exchange::shrink): every rank of this group
+    /// that is still connected to the store asks, and once all have, the group is those
+    /// ranks (rank 0 stays rank 0: it hosts the store). The new exchange shares this
+    /// one's connection and starts with no channel open but
+    /// [`ChannelId::CONTROL`](super::super::ChannelId::CONTROL) and its rounds from 1.
+    /// Every backend and pool of a rank that share this exchange may ask.
     ///
     /// # Collective
     /// Every surviving rank calls it, after the loss (a [`Error::PeerLost`] from any
@@ -47,12 +45,7 @@ impl StoreExchange {
             })
         };
         {
-            let mut inbox = self.shared.inbox.lock();
-            if inbox.epoch != self.epoch {
-                return Err(Error::Shrunk {
-                    what: "an exchange",
-                });
-            }
+            let mut inbox = self.inbox()?;
             if inbox.reader_done {
                 return Err(server_gone(lost_detail(&inbox)));
             }

@@ -2,7 +2,7 @@
 //! then that rank's frames until it leaves.
 
 use super::{CLOSED, Conn, Link, Pending, Shared};
-use crate::control::admission::{HandshakeSlot, RefusalKind, describe_io, out_of_descriptors};
+use crate::control::admission::{HandshakeSlot, RefusalKind, Refused, describe_io, refused};
 use crate::control::wire::{
     self, Broken, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
     Refusal, SharedStream, ToClient, ToServer,
@@ -14,45 +14,25 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-/// A refused handshake: what to log, and what to tell the client (if anything).
-struct Refused {
-    kind: RefusalKind,
-    why: String,
-    /// Tell the client (not for garbage that does not even speak the protocol).
-    tell: Option<Refusal>,
-}
-
-impl Refused {
-    /// Told to the client.
-    fn new(kind: RefusalKind, why: String) -> Box<Self> {
-        let tell = Some(kind.refusal());
-        Box::new(Refused { kind, why, tell })
-    }
-
-    fn silent(kind: RefusalKind, why: String) -> Box<Self> {
-        let tell = None;
-        Box::new(Refused { kind, why, tell })
-    }
-}
-
-/// Read and check the preface and the hello from `sock`, until the handshake deadline:
-/// the rank the client asks for, and who it is.
-fn handshake(
+/// Read and check the preface and the hello from `sock`, until the handshake deadline,
+/// then join the rank the client asks for: its link.
+fn join(
     shared: &Shared,
     sock: &SharedStream,
     reader: &mut FrameReader<SharedStream>,
     peer: SocketAddr,
-) -> std::result::Result<(usize, Member), Box<Refused>> {
+) -> std::result::Result<Link, Box<Refused>> {
     let until = Deadline::after(shared.config.handshake_timeout);
     let failed = |e: ReadError| {
         let kind = match &e {
-            ReadError::Io(io) if out_of_descriptors(io) => RefusalKind::Resources,
+            ReadError::Io(io) => RefusalKind::of_io(io),
             _ => RefusalKind::Garbage,
         };
-        Refused::silent(kind, format!("during the handshake: {e}"))
+        refused(false, kind, format!("during the handshake: {e}"))
     };
     let slow = |what: &str| {
-        Refused::silent(
+        refused(
+            false,
             RefusalKind::Slow,
             format!("no {what} within {:?}", shared.config.handshake_timeout),
         )
@@ -62,9 +42,9 @@ fn handshake(
         .ok_or_else(|| slow("handshake"))?;
     if let Err(why) = wire::check_preface(&preface) {
         return Err(if preface[..8] == wire::MAGIC {
-            Refused::new(RefusalKind::Version, why)
+            refused(true, RefusalKind::Version, why)
         } else {
-            Refused::silent(RefusalKind::Garbage, why)
+            refused(false, RefusalKind::Garbage, why)
         });
     }
     let body = wire::read_until(sock, until, || reader.frame())
@@ -74,7 +54,7 @@ fn handshake(
             refused
         })?
         .ok_or_else(|| slow("hello"))?;
-    let garbage = |why: String| Refused::new(RefusalKind::Garbage, why);
+    let garbage = |why: String| refused(true, RefusalKind::Garbage, why);
     let hello = wire::decode::<ToServer>(&body).map_err(garbage)?;
     let ToServer::Hello {
         token,
@@ -88,13 +68,15 @@ fn handshake(
         return Err(garbage(format!("expected a hello, got {hello:?}")));
     };
     if !wire::constant_time_eq(&token, &shared.token) {
-        return Err(Refused::new(
+        return Err(refused(
+            true,
             RefusalKind::Token,
             "wrong job token (set the same SYMMPOOL_TOKEN on every rank)".into(),
         ));
     }
     if job != shared.job {
-        return Err(Refused::new(
+        return Err(refused(
+            true,
             RefusalKind::OtherJob,
             format!(
                 "a client of job {} (pid {pid} on host {host:?}) reached the store of job {}: two jobs on one port (give each its own MASTER_PORT or SYMMPOOL_STORE_PORT)",
@@ -113,7 +95,7 @@ fn handshake(
             .then(|| format!("rank {rank} is out of range for world size {world}"))
     };
     if let Some(why) = misfit {
-        return Err(Refused::new(RefusalKind::Misfit, why));
+        return Err(refused(true, RefusalKind::Misfit, why));
     }
     let member = Member {
         host,
@@ -122,7 +104,69 @@ fn handshake(
         at_unix_ms: (SystemTime::now().duration_since(UNIX_EPOCH))
             .map_or(0, |d| d.as_millis() as u64),
     };
-    Ok((rank as usize, member))
+    let rank = rank as usize;
+    let mut st = shared.state.lock();
+    if let Some(holder) = &st.members[rank] {
+        let (holder, claimant) = (holder.clone(), member);
+        let why = if st.conns[rank].is_some() {
+            format!(
+                "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
+            )
+        } else {
+            format!(
+                "rank {rank} was held by {holder}, which left, and a group cannot be rejoined; the claim of {claimant} is refused"
+            )
+        };
+        return Err(Box::new(Refused {
+            kind: RefusalKind::RankTaken,
+            why,
+            tell: Some(Refusal::RankTaken {
+                rank: rank as u32,
+                holder,
+                claimant,
+            }),
+        }));
+    }
+    if let Some(b) = &st.broken {
+        let why = format!("the group is already broken ({b:?}); restart the job");
+        return Err(refused(true, RefusalKind::Closed, why));
+    }
+    if let Err(e) = sock.send(&wire::with_preface(&ToClient::Welcome)) {
+        let why = format!("writing the welcome failed: {}", describe_io(&e));
+        return Err(refused(false, RefusalKind::Garbage, why));
+    }
+    let me = Link {
+        rank,
+        id: st.next_conn_id,
+        writer: Arc::new(Mutex::new(sock.clone())),
+        mailbox: Arc::default(),
+    };
+    st.next_conn_id += 1;
+    tracing::info!("symmpool store: rank {rank} joined: {member}");
+    st.members[rank] = Some(member);
+    st.conns[rank] = Some(Conn {
+        link: me.clone(),
+        sock: sock.clone(),
+        last_heard: Instant::now(),
+    });
+    let present: Vec<u32> = (0..shared.world as u32)
+        .filter(|r| st.members[*r as usize].is_some())
+        .collect();
+    let joined = if present.len() < shared.world {
+        ToClient::Joined { present }
+    } else {
+        let hosts = st
+            .members
+            .iter()
+            .flatten()
+            .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
+            .map(|a| a.ip().to_canonical())
+            .collect();
+        let _ = shared.rank_hosts.set(hosts);
+        ToClient::AllJoined
+    };
+    shared.send_to(&mut st, 0..shared.world, &wire::encode(&joined));
+    Ok(me)
 }
 
 /// A job identity for messages.
@@ -142,8 +186,6 @@ pub(super) fn serve(
     slot: HandshakeSlot<'_>,
 ) {
     let _ = stream.set_nodelay(true);
-    // One descriptor for the connection: the reader, the writer and the closer share
-    // it.
     let stream = SharedStream(Arc::new(stream));
     // A rank that stops reading must not block the server's writes (most made under
     // its state lock) without bound: a write that makes no progress for a heartbeat
@@ -153,86 +195,12 @@ pub(super) fn serve(
         return shared.reject(peer, RefusalKind::Resources, &why);
     }
     let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
-    let refuse = |refused: Box<Refused>| {
-        if let Some(kind) = refused.tell {
-            let _ = stream.send(&shared.verdict(kind, refused.why.clone()));
-        }
-        shared.reject(peer, refused.kind, &refused.why);
-    };
-    let (rank, member) = match handshake(shared, &stream, &mut reader, peer) {
-        Ok(hello) => hello,
-        Err(refused) => return refuse(refused),
-    };
-    // Join.
-    let me = {
-        let mut st = shared.state.lock();
-        if let Some(holder) = &st.members[rank] {
-            let (holder, claimant) = (holder.clone(), member);
-            let why = if st.conns[rank].is_some() {
-                format!(
-                    "rank {rank} is already connected: held by {holder}; the claim of {claimant} is refused (check RANK)"
-                )
-            } else {
-                format!(
-                    "rank {rank} was held by {holder}, which left, and a group cannot be rejoined; the claim of {claimant} is refused"
-                )
-            };
-            drop(st);
-            return refuse(Box::new(Refused {
-                kind: RefusalKind::RankTaken,
-                why,
-                tell: Some(Refusal::RankTaken {
-                    rank: rank as u32,
-                    holder,
-                    claimant,
-                }),
-            }));
-        }
-        if let Some(b) = &st.broken {
-            let why = format!("the group is already broken ({b:?}); restart the job");
-            drop(st);
-            return refuse(Refused::new(RefusalKind::Closed, why));
-        }
-        if let Err(e) = stream.send(&wire::with_preface(&ToClient::Welcome)) {
-            drop(st);
-            let why = format!("writing the welcome failed: {}", describe_io(&e));
-            return shared.reject(peer, RefusalKind::Garbage, &why);
-        }
-        let me = Link {
-            rank,
-            id: st.next_conn_id,
-            writer: Arc::new(Mutex::new(stream.clone())),
-            mailbox: Arc::default(),
-        };
-        st.next_conn_id += 1;
-        tracing::info!("symmpool store: rank {rank} joined: {member}");
-        st.members[rank] = Some(member);
-        st.conns[rank] = Some(Conn {
-            link: me.clone(),
-            sock: stream.clone(),
-            last_heard: Instant::now(),
-        });
-        let present: Vec<u32> = (0..shared.world as u32)
-            .filter(|r| st.members[*r as usize].is_some())
-            .collect();
-        let joined = if present.len() < shared.world {
-            ToClient::Joined { present }
-        } else {
-            let hosts = st
-                .members
-                .iter()
-                .flatten()
-                .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
-                .map(|a| a.ip().to_canonical())
-                .collect();
-            let _ = shared.rank_hosts.set(hosts);
-            ToClient::AllJoined
-        };
-        shared.send_to(&mut st, 0..shared.world, &wire::encode(&joined));
-        me
+    let me = match join(shared, &stream, &mut reader, peer) {
+        Ok(me) => me,
+        Err(refused) => return shared.refuse(&stream, peer, &refused),
     };
     drop(slot);
-    let id = me.id;
+    let (rank, id) = (me.rank, me.id);
     reader.max_frame_bytes = shared.config.max_frame_bytes;
     // This connection ends, saying why (with the state lock not held).
     let depart = |why: &str| shared.depart(&mut shared.state.lock(), rank, Some(id), why);
@@ -283,30 +251,23 @@ pub(super) fn serve(
                     return shared.depart(&mut st, rank, Some(id), why);
                 };
                 let (world, interval) = (st.alive.len(), shared.config.wait_warning_interval);
-                let posted = &mut st
-                    .rounds
-                    .entry((channel, round))
-                    .or_insert_with(|| Pending::new(world, heard, interval))
+                let posted = &mut (st.rounds.entry((channel, round)))
+                    .or_insert_with(|| Pending {
+                        posted: vec![None; world],
+                        notice: Deadline::after_from(heard, interval).instant(),
+                    })
                     .posted;
                 if posted[place].is_some() {
-                    return shared.depart(
-                        &mut st,
-                        rank,
-                        Some(id),
-                        &format!("protocol error: contributed twice to round {round} of channel {channel}"),
+                    let why = format!(
+                        "protocol error: contributed twice to round {round} of channel {channel}"
                     );
+                    return shared.depart(&mut st, rank, Some(id), &why);
                 }
                 posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
-                    let payloads = st
-                        .rounds
-                        .remove(&(channel, round))
-                        .map(|p| p.posted)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .flatten()
-                        .collect();
-                    shared.stats.lock().rounds_completed += 1;
+                    let payloads = posted.iter_mut().filter_map(Option::take).collect();
+                    st.rounds.remove(&(channel, round));
+                    st.rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {
                         channel,
                         round,

@@ -10,25 +10,21 @@
 //!
 //! # What a client that is not one of the job's ranks can cost
 //!
-//! At most [`StoreConfig::max_handshakes`] handshakes run at once, each for at most
-//! [`StoreConfig::handshake_timeout`], each with one thread and one descriptor; a
-//! connection beyond the cap is refused at once (its rank retries). Once every rank
-//! has joined, a connection from a host that runs none of the job's ranks is refused
-//! at once, without a handshake; from the job's hosts every handshake is refused (a
-//! rank cannot rejoin), with a reason the client can act on: another job
-//! ([`Error::JobMismatch`]), a rank already held ([`Error::RankTaken`], naming both
-//! processes). Refusals are counted ([`ServerStats`]) and logged at most one line per
-//! kind per [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then one line with
-//! the counts.
+//! A handshake slot ([`StoreConfig::max_handshakes`]) for at most
+//! [`StoreConfig::handshake_timeout`]. Once every rank has joined, a connection from a
+//! host that runs none of them is refused without a handshake, and from the job's hosts
+//! every handshake is refused (a rank cannot rejoin). Refusals are counted
+//! ([`ServerStats`]) and logged at most once per kind per
+//! [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then summed up in one line.
 
 mod connection;
 mod shrink;
 
-use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, describe_io, out_of_descriptors};
+use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, Refused, describe_io, refused};
 use super::config::StoreConfig;
 use super::join::transport;
 use super::mailbox::Mailbox;
-use super::wire::{self, Broken, Cause, Member, Refusal, SharedStream, ToClient};
+use super::wire::{self, Broken, Cause, Member, SharedStream, ToClient};
 use crate::deadline::Deadline;
 #[cfg(doc)]
 use crate::error::Error;
@@ -83,6 +79,7 @@ struct Shared {
     /// Signalled on shutdown and when a rank departs.
     cv: Condvar,
     shutdown: AtomicBool,
+    /// The counters but `rounds_completed` (in the state, whose lock a round holds).
     stats: Mutex<ServerStats>,
     /// Handshakes in flight.
     handshakes: AtomicUsize,
@@ -93,6 +90,7 @@ struct Shared {
     refusals: Mutex<RefusalLog>,
 }
 
+#[derive(Default)]
 struct State {
     /// By job rank (the rank a process joined as).
     conns: Vec<Option<Conn>>,
@@ -108,6 +106,8 @@ struct State {
     alive: Vec<usize>,
     /// The job ranks that asked to shrink the current epoch.
     votes: std::collections::BTreeSet<usize>,
+    /// [`ServerStats::rounds_completed`].
+    rounds_completed: u64,
 }
 
 impl State {
@@ -115,9 +115,7 @@ impl State {
     fn place(&self, rank: usize) -> Option<usize> {
         self.alive.binary_search(&rank).ok()
     }
-}
 
-impl State {
     /// Write `frame` to `rank` if it is connected; on failure, the rank and why (it is
     /// for the caller to make it depart).
     fn write_to(&self, rank: usize, frame: &[u8]) -> Option<(usize, String)> {
@@ -137,15 +135,6 @@ struct Pending {
 }
 
 impl Pending {
-    /// A round `world` ranks will contribute to, whose first contribution came at
-    /// `start`.
-    fn new(world: usize, start: Instant, interval: Duration) -> Pending {
-        Pending {
-            posted: vec![None; world],
-            notice: Deadline::after_from(start, interval).instant(),
-        }
-    }
-
     /// The ranks that have not contributed.
     fn missing(&self) -> Vec<u32> {
         (0..self.posted.len() as u32)
@@ -237,12 +226,8 @@ impl StoreServer {
             state: Mutex::new(State {
                 conns: (0..world).map(|_| None).collect(),
                 members: vec![None; world],
-                rounds: HashMap::new(),
-                broken: None,
-                next_conn_id: 0,
-                epoch: 0,
                 alive: (0..world).collect(),
-                votes: Default::default(),
+                ..State::default()
             }),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -278,7 +263,11 @@ impl StoreServer {
 
     /// The server's counters.
     pub fn stats(&self) -> ServerStats {
-        *self.shared.stats.lock()
+        let rounds_completed = self.shared.state.lock().rounds_completed;
+        ServerStats {
+            rounds_completed,
+            ..*self.shared.stats.lock()
+        }
     }
 
     /// Wait until no rank is connected, or `timeout` passes; `true` if none is.
@@ -333,28 +322,27 @@ impl Shared {
         self.refusals.lock().note(Instant::now(), kind, peer, why);
     }
 
+    /// Refuse `stream`: tell the client why (its preface and the verdict in one write),
+    /// unless the refusal is silent; then count and log it.
+    fn refuse(&self, mut stream: &TcpStream, peer: SocketAddr, refused: &Refused) {
+        if let Some(kind) = refused.tell.clone() {
+            let (reason, job) = (refused.why.clone(), self.job.clone());
+            let _ = stream.write_all(&wire::with_preface(&ToClient::Reject { reason, kind, job }));
+        }
+        self.reject(peer, refused.kind, &refused.why);
+    }
+
     /// Refuse `stream` at once, without a handshake: one non-blocking write of the
     /// verdict (a client that does not read it loses nothing), then close.
     fn refuse_now(&self, stream: TcpStream, peer: SocketAddr, kind: RefusalKind, why: String) {
         let _ = stream.set_nonblocking(true);
-        let _ = (&stream).write_all(&self.verdict(kind.refusal(), why.clone()));
-        self.reject(peer, kind, &why);
-    }
-
-    /// The server's preface and a refusal, as one write.
-    fn verdict(&self, kind: Refusal, reason: String) -> Vec<u8> {
-        wire::with_preface(&ToClient::Reject {
-            reason,
-            kind,
-            job: self.job.clone(),
-        })
+        self.refuse(&stream, peer, &refused(true, kind, why));
     }
 
     /// Write `frame` to each of `ranks`; those it fails for depart, after all writes.
     fn send_to(&self, st: &mut State, ranks: impl IntoIterator<Item = usize>, frame: &[u8]) {
         let failed = ranks.into_iter().filter_map(|r| st.write_to(r, frame));
-        let failed: Vec<_> = failed.collect();
-        self.depart_all(st, failed);
+        self.depart_all(st, failed.collect());
     }
 
     /// The ranks of `failed` depart, each with why.
@@ -467,12 +455,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                     shared.refusals.lock().sum_up(Instant::now(), false);
                 } else {
                     // The connection stays queued; try again after the pause below.
-                    let kind = if out_of_descriptors(&e) {
-                        RefusalKind::Resources
-                    } else {
-                        RefusalKind::Garbage
-                    };
                     let why = format!("accepting failed: {}", describe_io(&e));
+                    let kind = RefusalKind::of_io(&e);
                     shared.reject(SocketAddr::from(([0, 0, 0, 0], 0)), kind, &why);
                 }
                 let mut st = shared.state.lock();
@@ -549,18 +533,14 @@ impl Shared {
     /// the heartbeat timeout.
     fn heartbeats(&self, st: &mut State, now: Instant, heartbeat: &[u8]) {
         let mut failed = Vec::new();
-        for rank in 0..self.world {
-            let Some(c) = st.conns[rank].as_ref() else {
-                continue;
-            };
+        for (rank, c) in st.conns.iter().enumerate() {
+            let Some(c) = c else { continue };
             let silent = now.saturating_duration_since(c.last_heard);
             if silent > self.config.heartbeat_timeout {
-                failed.push((
-                    rank,
-                    format!(
-                        "no heartbeat for {silent:?} (frozen or stopped, e.g. SIGSTOP, or its host is unreachable)"
-                    ),
-                ));
+                let why = format!(
+                    "no heartbeat for {silent:?} (frozen or stopped, e.g. SIGSTOP, or its host is unreachable)"
+                );
+                failed.push((rank, why));
             } else {
                 failed.extend(st.write_to(rank, heartbeat));
             }
@@ -578,11 +558,9 @@ impl Shared {
             if pending.notice <= now {
                 pending.notice =
                     Deadline::after_from(now, self.config.wait_warning_interval).instant();
-                let waiting: Vec<usize> = (0..pending.posted.len())
-                    .filter(|r| pending.posted[*r].is_some())
-                    .map(|r| st.alive[r])
-                    .collect();
-                let missing = pending.missing();
+                let (waiting, missing): (Vec<_>, _) = (0..pending.posted.len() as u32)
+                    .partition(|r| pending.posted[*r as usize].is_some());
+                let waiting: Vec<usize> = waiting.iter().map(|&r| st.alive[r as usize]).collect();
                 tracing::debug!(
                     "symmpool store: round {round} of channel {channel} waits for ranks {missing:?}"
                 );

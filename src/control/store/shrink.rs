@@ -30,12 +30,8 @@ impl Shared {
                 "job rank {rank} asked to shrink the group of epoch {epoch}, but the store's group is of epoch {} (ranks {:?})",
                 st.epoch, st.alive
             );
-            self.send_to(
-                st,
-                [rank],
-                &wire::encode(&ToClient::ShrinkFailed { reason }),
-            );
-            return;
+            let failed = wire::encode(&ToClient::ShrinkFailed { reason });
+            return self.send_to(st, [rank], &failed);
         }
         st.votes.insert(rank);
         let connected: Vec<usize> = (st.alive.iter().copied())
@@ -72,10 +68,7 @@ impl Shared {
         let reason = format!(
             "job rank {rank} was lost while the survivors agreed to shrink ({why}); ask again to go on without it"
         );
-        self.send_to(
-            st,
-            voters,
-            &wire::encode(&ToClient::ShrinkFailed { reason }),
-        );
+        let failed = wire::encode(&ToClient::ShrinkFailed { reason });
+        self.send_to(st, voters, &failed);
     }
 }

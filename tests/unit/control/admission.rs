@@ -28,5 +28,5 @@ fn refusals_are_logged_once_per_kind_per_interval_then_counted() {
     );
     assert!(next[1].contains("busy"));
     // Nothing more to sum up: one refusal of a kind is its own line.
-    assert_eq!(log.summary(later + REFUSAL_LOG_INTERVAL), None);
+    assert_eq!(log.summary(later + REFUSAL_LOG_INTERVAL, false), None);
 }

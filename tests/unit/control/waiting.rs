@@ -67,7 +67,7 @@ fn ranks_are_named_in_words() {
     assert_eq!(ranks(&[2]), "rank 2");
     assert_eq!(ranks(&[0, 3]), "ranks 0, 3");
     assert_eq!(ranks(&[]), "the other ranks");
-    let at = |on, at| Who { rank: 1, on, at }.to_string();
+    let at = |on, at| Who(1, on, at).to_string();
     assert_eq!(at("", ""), "rank 1");
     assert_eq!(
         at("store", "10.0.0.1:29500"),
