@@ -166,6 +166,11 @@ impl<S: KvStore> KvExchange<S> {
         })
     }
 
+    /// The settings.
+    pub fn config(&self) -> &KvConfig {
+        &self.config
+    }
+
     fn key(&self, channel: ChannelId, round: u64, rank: usize) -> String {
         let (prefix, channel) = (&self.config.prefix, channel.ordinal());
         format!("{prefix}/{channel}/{round}/{rank}")
