@@ -388,8 +388,8 @@ impl SymmPool {
     /// must make the same sequence of pool calls, so that all reach the same growth.
     ///
     /// # Errors
-    /// [`Error::ZeroSize`]; [`Error::TooLarge`]; [`Error::PoolClosed`];
-    /// [`Error::PoolBroken`]; [`Error::WrongStream`]; [`Error::Deferred`] (an earlier
+    /// [`Error::ZeroSize`]; [`Error::TooLarge`]; [`Error::PoolClosed`] ([`Error::Shrunk`]
+    /// after a shrink); [`Error::PoolBroken`]; [`Error::WrongStream`]; [`Error::Deferred`] (an earlier
     /// failure inside a drop; nothing else was done); on growth also
     /// [`Error::PoolLimit`], [`Error::DeviceOutOfMemory`], [`Error::PeerOutOfMemory`],
     /// [`Error::Divergence`], [`Error::Timeout`], [`Error::GraphCapture`],
@@ -426,6 +426,9 @@ impl SymmPool {
         self.take_deferred_error()?;
         self.inner.backend.check_stream(stream)?;
         let mut st = self.state();
+        if st.closed {
+            return Err(self.closed_error());
+        }
         st.check_usable()?;
         if !st.known_streams.iter().any(|s| s.id() == stream.id()) {
             st.known_streams.push(stream.clone());
