@@ -16,7 +16,9 @@ pub struct Stat {
 impl Stat {
     pub(crate) fn add(&mut self, x: u64) {
         self.current += x;
-        self.peak = self.peak.max(self.current);
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
     }
 
     pub(crate) fn sub(&mut self, x: u64) {
