@@ -72,6 +72,20 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 #![warn(unreachable_pub, clippy::multiple_unsafe_ops_per_block)]
 
+/// Builder setters, one a line: `with_x(field: Type);` writes
+/// `pub fn with_x(mut self, field: Type) -> Self`, which sets `self.field`, documented
+/// "Set [`field`](Self::field)." and then any doc attributes written before it.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($field:ident: $ty:ty);)*) => {$(
+        #[doc = concat!("Set [`", stringify!($field), "`](Self::", stringify!($field), ").")]
+        $(#[$doc])*
+        pub fn $name(mut self, $field: $ty) -> Self {
+            self.$field = $field;
+            self
+        }
+    )*};
+}
+
 pub mod backend;
 pub mod coll;
 pub mod control;

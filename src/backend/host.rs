@@ -62,22 +62,10 @@ impl HostConfig {
         }
     }
 
-    /// Set whether registration gives symmetric windows.
-    pub fn with_symmetric(mut self, symmetric: bool) -> Self {
-        self.symmetric = symmetric;
-        self
-    }
-
-    /// Set the per-rank memory limit in bytes.
-    pub fn with_max_reserved_bytes(mut self, bytes: u64) -> Self {
-        self.max_reserved_bytes = bytes;
-        self
-    }
-
-    /// Set the NCCL version whose rules are reported.
-    pub fn with_nccl_version(mut self, version: NcclVersion) -> Self {
-        self.nccl_version = version;
-        self
+    setters! {
+        with_symmetric(symmetric: bool);
+        with_max_reserved_bytes(max_reserved_bytes: u64);
+        with_nccl_version(nccl_version: NcclVersion);
     }
 }
 

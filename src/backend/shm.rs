@@ -66,16 +66,9 @@ impl Default for ShmConfig {
 }
 
 impl ShmConfig {
-    /// Set whether registration gives windows.
-    pub fn with_symmetric(mut self, symmetric: bool) -> Self {
-        self.symmetric = symmetric;
-        self
-    }
-
-    /// Set the per-rank memory limit in bytes.
-    pub fn with_max_reserved_bytes(mut self, bytes: u64) -> Self {
-        self.max_reserved_bytes = bytes;
-        self
+    setters! {
+        with_symmetric(symmetric: bool);
+        with_max_reserved_bytes(max_reserved_bytes: u64);
     }
 }
 

@@ -3,7 +3,6 @@
 use crate::backend::{CommInfo, CommRole};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::NcclVersion;
-use crate::pool::setters;
 use serde::Serialize;
 
 /// How NCCL will run a collective. On the host backend it is the path NCCL would take

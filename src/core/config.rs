@@ -13,17 +13,6 @@ const MIB: u64 = 1 << 20;
 /// would take the Llama-like trace of `tests/fsdp_trace.rs` past its 1.15 floor).
 const REGISTERED_SMALL_SEGMENT_BYTES: u64 = 32 * MIB;
 
-/// Builder methods that each set one field of the same name to their argument.
-macro_rules! setters {
-    ($($(#[$doc:meta])* $name:ident($field:ident: $t:ty);)*) => {$(
-        $(#[$doc])*
-        pub fn $name(mut self, $field: $t) -> Self {
-            self.$field = $field;
-            self
-        }
-    )*};
-}
-
 /// The largest segment (and request) the core handles: 16 TiB, so that sizes and
 /// offsets fit the free index's packed keys.
 pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
@@ -234,17 +223,11 @@ impl CoreConfig {
     }
 
     setters! {
-        /// Set the growth policy.
         with_growth(growth: GrowthPolicy);
-        /// Set the segment granularity (and the largest alignment), in bytes.
         with_granularity_bytes(granularity_bytes: u64);
-        /// Set the size of shared large segments, in bytes.
         with_large_segment_bytes(large_segment_bytes: u64);
-        /// Set the threshold above which large requests get a dedicated segment, in bytes.
         with_dedicated_min_bytes(dedicated_min_bytes: u64);
-        /// Set the largest accepted request, in bytes.
         with_max_request_bytes(max_request_bytes: u64);
-        /// Set the limit on reserved bytes (sum of segment sizes).
         with_max_reserved_bytes(max_reserved_bytes: u64);
     }
 

@@ -4,20 +4,6 @@ use crate::core::CoreConfig;
 use crate::group::CheckMode;
 use std::time::Duration;
 
-/// Builder setters, one a line: `with_field(field: Type);` writes
-/// `pub fn with_field(mut self, field: Type) -> Self`, which sets `self.field`, with the
-/// doc "Set [`field`](Self::field)." (the field's documentation says the rest).
-macro_rules! setters {
-    ($($name:ident($field:ident: $ty:ty);)*) => {$(
-        #[doc = concat!("Set [`", stringify!($field), "`](Self::", stringify!($field), ").")]
-        pub fn $name(mut self, $field: $ty) -> Self {
-            self.$field = $field;
-            self
-        }
-    )*};
-}
-pub(crate) use setters;
-
 /// Largest accepted [`PoolConfig::history_len`].
 pub const MAX_HISTORY: usize = 1 << 16;
 

@@ -31,7 +31,6 @@ mod stats;
 #[cfg(feature = "nccl")]
 pub use buffer::CudaView;
 pub use buffer::{SymmBuffer, TypedView};
-pub(crate) use config::setters;
 pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use events::role_name;
 pub use fit::FitReport;

@@ -71,34 +71,12 @@ impl NcclConfig {
         self
     }
 
-    /// Make the data communicators blocking (the default) or non-blocking.
-    pub fn with_data_blocking(mut self, blocking: bool) -> Self {
-        self.data_blocking = blocking;
-        self
-    }
-
-    /// Set the deadline of communicator creation.
-    pub fn with_setup_timeout(mut self, timeout: Duration) -> Self {
-        self.setup_timeout = timeout;
-        self
-    }
-
-    /// Set the deadline of window registration, deregistration and collective enqueue.
-    pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
-        self.call_timeout = timeout;
-        self
-    }
-
-    /// Set the watchdog timeout ([`Duration::MAX`]: no watchdog).
-    pub fn with_watchdog(mut self, timeout: Duration) -> Self {
-        self.watchdog_timeout = timeout;
-        self
-    }
-
-    /// Set how often the watchdog looks.
-    pub fn with_watchdog_interval(mut self, interval: Duration) -> Self {
-        self.watchdog_interval = interval;
-        self
+    setters! {
+        with_data_blocking(data_blocking: bool);
+        with_setup_timeout(setup_timeout: Duration);
+        with_call_timeout(call_timeout: Duration);
+        with_watchdog(watchdog_timeout: Duration);
+        with_watchdog_interval(watchdog_interval: Duration);
     }
 
     /// Whether the watchdog watches collectives (records their completion events).
