@@ -86,14 +86,11 @@
 //!   to diverge from (BENCHMARKS.md, one-GPU run 23: `async` took 2.6 µs more host
 //!   time per all-gather than `off`, about 1 % of the example's small step).
 //!
-//! **Calls that know who they are**: calls of the same shape (one persistent gather
-//! buffer for every layer) make the same record, so a rank that skips one layer's
-//! gather pairs its next layer's call with the peers' call for the skipped layer.
-//! [`Coll::tagged`] gives each call its identity, and the records then differ at the
-//! skipped call, in the field `tag` (see [`TaggedColl`]); untagged calls of the same
-//! shape are caught at the step boundary at the latest. The crate's example
-//! (`fsdp_step`) and Python package (`symmpool.fsdp.install`) tag every collective and
-//! mark every step.
+//! **Calls that know who they are**: calls of the same shape make the same record;
+//! [`Coll::tagged`] gives each call its identity, so a skipped call differs in the
+//! field `tag` ([`TaggedColl`]); untagged ones are caught at the step boundary at the
+//! latest. The crate's example (`fsdp_step`) and Python package
+//! (`symmpool.fsdp.install`) tag every collective and mark every step.
 //!
 //! **Step boundary**: [`Coll::end_step`] catches a skipped or extra collective (tagged
 //! or not), an extra allocation, or a loop of cache hits without collectives, on every
@@ -170,30 +167,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 ///
 /// Cheap to clone (a handle); it keeps its pools alive. It owns the path policy, the
 /// per-path counters and the per-communicator sequence numbers; its collectives'
-/// records go to the pools' ledger.
-///
-/// # Example
-///
-/// ```
-/// use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
-///
-/// let pools = SymmPool::host_group(2, PoolConfig::default())?;
-/// std::thread::scope(|s| {
-///     for pool in &pools {
-///         s.spawn(move || {
-///             let coll = Coll::new(pool).unwrap();
-///             let stream = Stream::host();
-///             let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
-///             for layer in 0..4u64 {
-///                 // Each call's identity: here its layer.
-///                 coll.tagged(layer).all_gather_in_place::<f32>(&buf, &stream).unwrap();
-///             }
-///             coll.end_step().unwrap(); // every rank, once per step
-///         });
-///     }
-/// });
-/// # Ok::<(), symmpool::Error>(())
-/// ```
+/// records go to the pools' ledger. Examples: the [module's](self) and [`TaggedColl`]'s.
 #[derive(Clone)]
 pub struct Coll {
     inner: Arc<CollInner>,
