@@ -358,13 +358,7 @@ impl HostBackend {
                 let callers: Vec<u64> = posts.iter().map(|p| p.caller).collect();
                 super::callers_differ(op, &callers).and_then(|()| body(&posts))
             }
-            None => Err(Error::CollectiveMismatch {
-                op,
-                detail: format!(
-                    "a peer is at another step of its calls on this communicator {}",
-                    super::OUT_OF_STEP_HINT
-                ),
-            }),
+            None => Err(super::out_of_step(op, "a peer")),
         };
         // Second round: nobody returns (and reuses its input) before all are done.
         let round = self.next_round(args.comm, false);
@@ -605,13 +599,7 @@ impl Collectives for HostBackend {
             let round = self.next_round(args.comm, false);
             let middle = (comm.collectives).gather(OP, self.rank, round, None, args.deadline())?;
             if middle.iter().any(Option::is_some) {
-                return Err(Error::CollectiveMismatch {
-                    op: OP,
-                    detail: format!(
-                        "a peer is at another step of its calls on this communicator {}",
-                        super::OUT_OF_STEP_HINT
-                    ),
-                });
+                return Err(super::out_of_step(OP, "a peer"));
             }
             let acc = reduced?;
             let (recv, recv_off, _) = &posts[self.rank].recv;

@@ -218,9 +218,15 @@ pub trait Collectives: Send + Sync + fmt::Debug {
     }
 }
 
-/// What a backend's error for ranks at different steps of their calls on a
-/// communicator adds: the remedy when two threads share the communicators.
-pub(crate) const OUT_OF_STEP_HINT: &str = "(pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split)";
+/// [`Error::CollectiveMismatch`] for `who` ("a peer", "rank 3") found at another step
+/// of its calls on a communicator, with the remedy when two threads share the
+/// communicators.
+pub(crate) fn out_of_step(op: &'static str, who: impl std::fmt::Display) -> Error {
+    let detail = format!(
+        "{who} is at another step of its calls on this communicator (pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split)"
+    );
+    Error::CollectiveMismatch { op, detail }
+}
 
 /// The ranks' calls of one collective round came from different pools (`callers`,
 /// in rank order, see [`CollArgs::caller`]): one rank's pool paired another pool's

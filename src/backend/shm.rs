@@ -126,19 +126,10 @@ fn at_step<T>(
     steps: Vec<Step>,
     pick: impl Fn(Step) -> Option<T>,
 ) -> Result<Vec<T>> {
-    steps
-        .into_iter()
-        .enumerate()
-        .map(|(rank, step)| {
-            pick(step).ok_or_else(|| Error::CollectiveMismatch {
-                op,
-                detail: format!(
-                    "rank {rank} is at another step of its calls on this communicator {}",
-                    super::OUT_OF_STEP_HINT
-                ),
-            })
-        })
-        .collect()
+    let each = |(rank, step)| {
+        pick(step).ok_or_else(|| super::out_of_step(op, format_args!("rank {rank}")))
+    };
+    steps.into_iter().enumerate().map(each).collect()
 }
 
 /// Bytes of control-plane payload per data round on the plain path.
@@ -254,16 +245,18 @@ impl ShmBackend {
     }
 
     /// One round of `mine` on communicator `c`'s channel, by `deadline`: every rank's
-    /// record, in rank order (as [`gather_records`]).
-    fn round(
+    /// record, in rank order (as [`gather_records`]), as `pick` reads it ([`at_step`]).
+    fn round<T>(
         &self,
         c: usize,
         op: &'static str,
         mine: &Step,
         deadline: Deadline,
-    ) -> Result<Vec<Step>> {
+        pick: impl Fn(Step) -> Option<T>,
+    ) -> Result<Vec<T>> {
         let (ch, _) = self.comm(c)?;
-        gather_records(&*self.exchange, *ch, op, mine, deadline)
+        let all = gather_records(&*self.exchange, *ch, op, mine, deadline)?;
+        at_step(op, all, pick)
     }
 
     /// Run one collective: the opening round, the data moved by `body`, the closing
@@ -280,7 +273,13 @@ impl ShmBackend {
         // The opening round: every rank is at this collective on this communicator.
         let caller = args.caller;
         let deadline = args.deadline();
-        let posts = self.round(args.comm, op, &Step::Post { reduce, caller }, deadline)?;
+        let posts = self.round(
+            args.comm,
+            op,
+            &Step::Post { reduce, caller },
+            deadline,
+            Some,
+        )?;
         let verdict = at_step(op, posts, |s| match s {
             Step::Post { caller, .. } => Some(caller),
             _ => None,
@@ -288,8 +287,9 @@ impl ShmBackend {
         .and_then(|callers| super::callers_differ(op, &callers))
         .and_then(|()| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
-        let done = self.round(args.comm, op, &Step::Done, deadline)?;
-        at_step(op, done, |s| matches!(s, Step::Done).then_some(()))?;
+        self.round(args.comm, op, &Step::Done, deadline, |s| {
+            matches!(s, Step::Done).then_some(())
+        })?;
         verdict
     }
 
@@ -308,8 +308,7 @@ impl ShmBackend {
             let lo = (k * DATA_PIECE_BYTES).min(mine.len());
             let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
             let piece = Step::Data(mine[lo..hi].to_vec());
-            let got = self.round(c, op, &piece, deadline)?;
-            let got = at_step(op, got, |s| match s {
+            let got = self.round(c, op, &piece, deadline, |s| match s {
                 Step::Data(bytes) => Some(bytes),
                 _ => None,
             })?;
@@ -432,7 +431,7 @@ impl SegmentProvider for ShmBackend {
             fd: mem.file.as_raw_fd(),
             size_bytes,
         };
-        let all = self.round(comm, OP, &mine, deadline)?;
+        let all = self.round(comm, OP, &mine, deadline, Some)?;
         let ordinal = {
             let mut o = self.ordinals.lock();
             o[comm] += 1;
@@ -567,8 +566,8 @@ impl Collectives for ShmBackend {
                     let read = (0..self.world)
                         .map(|p| peer_bytes(send_window, p, at, bytes))
                         .collect::<Result<Vec<_>>>();
-                    let read_all = self.round(args.comm, OP, &Step::Read, args.deadline())?;
-                    at_step(OP, read_all, |s| matches!(s, Step::Read).then_some(()))?;
+                    let barrier = |s| matches!(s, Step::Read).then_some(());
+                    self.round(args.comm, OP, &Step::Read, args.deadline(), barrier)?;
                     read?
                 }
                 // Through the control plane: every rank has read its input before it
