@@ -28,7 +28,6 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 /// Settings of a host world.
 #[derive(Debug, Clone)]
@@ -269,7 +268,10 @@ impl HostBackend {
             Deadline::after(super::SETUP_TIMEOUT),
         )?;
         let comms = HostComm::take(&self.exchange, channel)?;
-        backend.sibling(self.beside(&self.exchange, comms))
+        backend.with_parts(
+            backend.exchange_handle(),
+            self.beside(&self.exchange, comms),
+        )
     }
 
     /// [`Backend::shrink`] on the host backend: `backend`'s exchange shrunk (this
@@ -285,7 +287,7 @@ impl HostBackend {
         let next = self.exchange.shrink(deadline)?;
         let channel = exchange.open_channel("backend:shrink", deadline)?;
         let comms = HostComm::take(&next, channel)?;
-        backend.survivor(exchange, self.beside(&next, comms))
+        backend.with_parts(exchange, self.beside(&next, comms))
     }
 
     /// This rank's parts over `comms`, the communicators of the ranks of `group`.
@@ -531,12 +533,6 @@ impl DataMover for HostBackend {
         let range = bounds(bytes.len() as u64, region.offset_bytes(), out.len() as u64)?;
         out.copy_from_slice(&bytes[range]);
         Ok(())
-    }
-
-    fn time_ms(&self, _stream: &Stream, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-        let start = Instant::now();
-        f()?;
-        Ok(start.elapsed().as_secs_f64() * 1e3)
     }
 }
 

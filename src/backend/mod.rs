@@ -506,29 +506,18 @@ impl Backend {
         })
     }
 
-    /// A backend with this one's identity, exchange and stream operations, and `parts`
-    /// (communicators of their own) for the rest: what [`split`](Self::split) returns
-    /// on the host backends. Collective, as [`new`](Self::new).
-    pub(crate) fn sibling<T>(&self, parts: Arc<T>) -> Result<Backend>
-    where
-        T: SegmentProvider + DataMover + Collectives + 'static,
-    {
-        Self::with_stream_ops(
-            BackendInfo::clone(&self.info),
-            self.exchange.clone(),
-            parts,
-            self.streams.clone(),
-        )
-    }
-
-    /// A backend of the survivors of a loss: this one's identity at the rank and world
-    /// size of the shrunk `exchange`, its stream operations, and `parts`
-    /// (communicators among the survivors) for the rest: what
-    /// [`shrink`](Self::shrink) returns on the host backends.
+    /// A backend with this one's identity at the rank and world size of `exchange`
+    /// (this one's for a [`split`](Self::split), the shrunk one's for a
+    /// [`shrink`](Self::shrink)), its stream operations, and `parts` (communicators of
+    /// their own) for the rest: what those two return on the host backends.
     ///
     /// # Collective
     /// As [`new`](Self::new).
-    pub(crate) fn survivor<T>(&self, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Backend>
+    pub(crate) fn with_parts<T>(
+        &self,
+        exchange: Arc<dyn Exchange>,
+        parts: Arc<T>,
+    ) -> Result<Backend>
     where
         T: SegmentProvider + DataMover + Collectives + 'static,
     {

@@ -220,7 +220,8 @@ impl ShmBackend {
         let setup = Deadline::after(super::SETUP_TIMEOUT);
         let (ex, reserved) = (self.exchange.clone(), self.reserved.clone());
         let prefix = format!("shm:{name}");
-        backend.sibling(Self::open(ex, &self.config, &prefix, reserved, setup)?)
+        let parts = Self::open(ex, &self.config, &prefix, reserved, setup)?;
+        backend.with_parts(backend.exchange_handle(), parts)
     }
 
     /// [`Backend::shrink`] on the shared-memory backend, with the shrunk `exchange`:
@@ -234,7 +235,7 @@ impl ShmBackend {
     ) -> Result<Backend> {
         let (ex, reserved) = (exchange.clone(), self.reserved.clone());
         let parts = Self::open(ex, &self.config, &self.prefix, reserved, deadline)?;
-        backend.survivor(exchange, parts)
+        backend.with_parts(exchange, parts)
     }
 
     fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {
