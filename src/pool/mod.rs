@@ -94,26 +94,8 @@ pub(crate) struct PoolInner {
 /// Cheap to clone (a handle); buffers keep their pool alive. Every rank of a
 /// communicator owns one pool over its backend, and the ranks make the same sequence
 /// of pool calls; placement then agrees on every rank, which NCCL's symmetric kernels
-/// and copy engines require (they address peers at the local offset).
-///
-/// # Example
-///
-/// ```
-/// use symmpool::{PoolConfig, Stream, SymmPool};
-///
-/// // Two ranks as threads, on the host backend.
-/// let pools = SymmPool::host_group(2, PoolConfig::default())?;
-/// std::thread::scope(|s| {
-///     for pool in &pools {
-///         s.spawn(move || {
-///             let stream = Stream::host();
-///             let buf = pool.scope(|| symmpool::alloc(1 << 20, &stream)).unwrap();
-///             assert_eq!((buf.segment().0, buf.offset_bytes()), (0, 0)); // same on both ranks
-///         });
-///     }
-/// });
-/// # Ok::<(), symmpool::Error>(())
-/// ```
+/// and copy engines require (they address peers at the local offset). The
+/// [crate documentation](crate) shows one pool per rank.
 ///
 /// # Two pools, two streams
 ///
