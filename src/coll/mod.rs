@@ -94,21 +94,17 @@
 //!
 //! **Step boundary**: [`Coll::end_step`] catches a skipped or extra collective (tagged
 //! or not), an extra allocation, or a loop of cache hits without collectives, on every
-//! rank, at the end of its step at the latest: a rank that made more collectives than
-//! another shows "a collective (this rank's collective #8 on the pool)" where the rank
-//! behind shows "a step boundary (after 7 collectives on the pool)"; an extra
-//! allocation shows in "pool call count". (Under `Async` a collective that a peer
-//! never joins waits for it on a backend whose collectives block: on the host threads
-//! backend this rank's failed check ends the wait, and the call returns the
-//! divergence, within a round; on the shared-memory backend the rank ahead gets that
+//! rank, at the end of its step at the latest: an extra collective shows in "record
+//! kind" (against a peer's step boundary), an extra allocation in "pool call count".
+//! (Under `Async` a collective that a peer never joins waits for it on a backend whose
+//! collectives block: on the host threads backend this rank's failed check ends the
+//! wait within a round; on the shared-memory backend the rank ahead gets that
 //! collective's [`Error::Timeout`], then the divergence from `end_step`.)
 //!
 //! **Breakage is consistent**: after a mismatch, or a collective that timed out or
-//! lost a peer, every later collective and every later pool call of that pool fails on
-//! this rank (after a divergence with [`Error::CollectiveDivergence`], else
-//! [`Error::PoolBroken`]), and every collective pool operation (`reserve`, `trim`,
-//! growth) fails on every rank; `close` still releases the memory (after a divergence
-//! at once and without a round, returning [`Error::PoolBroken`] with the divergence).
+//! lost a peer, the pool fails every later call on this rank and every collective
+//! pool operation on every rank (as [`Error::CollectiveDivergence`] says); `close`
+//! still releases the memory.
 //!
 //! **NCCL's own check**: NCCL ≥ 2.29.7 has `NCCL_CHECK_MODE=DEBUG_GLOBAL`, which checks
 //! each collective's registration and offsets across ranks (not skipped calls: a

@@ -1,10 +1,4 @@
 //! [`LocalExchange`]: the ranks are threads of one process.
-//!
-//! A rank is lost when its exchange is dropped (its thread ended, or unwound from a
-//! panic, without it): the group's rendezvous, and those the layers above made
-//! through it ([`LocalExchange::rendezvous`]: the host backend's communicators), fail
-//! every waiting and later gather with [`Error::PeerLost`] at once, and the survivors
-//! may [`shrink`](LocalExchange::shrink).
 
 use super::rendezvous::Lose;
 use super::store::CLOSED;
@@ -23,7 +17,9 @@ use std::time::Instant;
 ///
 /// Made for a whole group at once with [`LocalExchange::group`]; hand one to each
 /// rank's thread. Payloads have no size limit beyond memory. Dropping a rank's
-/// exchange while the others go on loses the rank: their waits end with
+/// exchange while the others go on (its thread ended, or unwound from a panic) loses
+/// the rank: their waits, and those of the rendezvous made through
+/// [`rendezvous`](Self::rendezvous) (the host backend's communicators), end with
 /// [`Error::PeerLost`] at once, and they may [`shrink`](Self::shrink).
 pub struct LocalExchange {
     group: Arc<Group>,
