@@ -376,6 +376,11 @@ fn read_region(seg: &Mutex<Box<[u8]>>, offset: u64, len: u64) -> Result<Vec<u8>>
     Ok(data[range].to_vec())
 }
 
+/// Fail with [`Error::WrongStream`] unless `stream` is a host stream.
+pub(super) fn host_stream(stream: &Stream) -> Result<()> {
+    stream.is_host().then_some(()).ok_or(Error::WrongStream)
+}
+
 /// The bytes `offset..offset + len` of a segment of `seg_len` bytes, as an index range.
 ///
 /// # Errors
@@ -451,9 +456,7 @@ impl StreamOps for HostStreams {
     }
 
     fn record_fence(&self, stream: &Stream) -> Result<Fence> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
+        host_stream(stream)?;
         let mut f = self.fences.lock();
         let c = f.entry(stream.id()).or_insert(0);
         *c += 1;
@@ -462,10 +465,7 @@ impl StreamOps for HostStreams {
 
     fn wait_fence(&self, stream: &Stream, _on: StreamId, _fence: Fence) -> Result<()> {
         // Host work is synchronous: every fence is complete when it is recorded.
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
-        Ok(())
+        host_stream(stream)
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
@@ -473,10 +473,7 @@ impl StreamOps for HostStreams {
     }
 
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
-        Ok(false)
+        host_stream(stream).map(|()| false)
     }
 
     fn drain(&self, _deadline: Deadline) -> Result<bool> {
@@ -512,9 +509,7 @@ pub(super) fn reserve(
 
 impl DataMover for HostBackend {
     fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
+        host_stream(stream)?;
         let region = region.sub(0, data.len() as u64)?;
         let mem = memory_of::<HostMemory>(region.segment())?;
         let mut bytes = mem.data.lock();
@@ -524,9 +519,7 @@ impl DataMover for HostBackend {
     }
 
     fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
+        host_stream(stream)?;
         let region = region.sub(0, out.len() as u64)?;
         let mem = memory_of::<HostMemory>(region.segment())?;
         let bytes = mem.data.lock();

@@ -20,7 +20,7 @@
 //! Linux only (memfd and `/proc`). Host work is synchronous: streams are tags and
 //! fences counters, as on the threads backend.
 
-use super::host::{HostSegment, HostStreams, bounds, memory_of, reserve};
+use super::host::{HostSegment, HostStreams, bounds, host_stream, memory_of, reserve};
 use super::{
     Backend, BackendInfo, BackendKind, CollArgs, Collectives, CommInfo, DataMover, Region, Segment,
     SegmentProvider, Window,
@@ -483,17 +483,11 @@ impl SegmentProvider for ShmBackend {
 
 impl DataMover for ShmBackend {
     fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
-        write_local(&region, data)
+        host_stream(stream).and_then(|()| write_local(&region, data))
     }
 
     fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()> {
-        if !stream.is_host() {
-            return Err(Error::WrongStream);
-        }
-        read_local(&region, out)
+        host_stream(stream).and_then(|()| read_local(&region, out))
     }
 }
 
