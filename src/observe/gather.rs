@@ -1,8 +1,11 @@
 //! Every rank's snapshot in one collective call.
 
 use super::snapshot::{PoolSnapshot, SegmentView};
+use crate::control::gather_records;
 use crate::deadline::Deadline;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::pool::StatValue;
 use crate::pool::SymmPool;
 use serde::{Deserialize, Serialize};
@@ -80,21 +83,13 @@ impl SymmPool {
         let channel = self.inner.channel;
         let (_, _, gathered) = self.observe_with(|_, segments, stats| {
             let mine = WireSnapshot::of(self.snapshot_of(segments.to_vec(), stats.clone()));
-            let payload = postcard::to_allocvec(&mine).map_err(|e| Error::Internal {
-                what: format!("encoding a snapshot: {e}"),
-            })?;
             // Under the pool's lock, as an agreement: no other round of this rank on
-            // the pool's channel runs meanwhile.
-            exchange.all_gather(channel, "memory snapshot", &payload, deadline)
+            // the pool's channel runs meanwhile. This rank's own comes back decoded too.
+            gather_records(exchange, channel, "memory snapshot", &mine, deadline)
         });
-        // This rank's own comes back decoded too, the same as the peers'.
-        let decode = |(rank, bytes): (usize, Vec<u8>)| {
-            let wire: WireSnapshot = postcard::from_bytes(&bytes).map_err(|e| Error::Protocol {
-                op: "memory snapshot",
-                detail: format!("rank {rank}'s snapshot does not decode: {e}"),
-            })?;
-            Ok(wire.into_snapshot())
-        };
-        gathered?.into_iter().enumerate().map(decode).collect()
+        Ok(gathered?
+            .into_iter()
+            .map(WireSnapshot::into_snapshot)
+            .collect())
     }
 }
