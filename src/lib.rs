@@ -46,21 +46,8 @@
 //! | one process per rank, no GPU (`torchrun` on a CPU machine) | [`ShmBackend`]: segments in shared memory every rank maps | `ShmBackend::join(Arc::new(StoreExchange::from_env()?), ShmConfig::default())`, then [`SymmPool::new`] |
 //! | one process per GPU | `NcclBackend` (feature `nccl`) | `NcclBackend::launch(NcclConfig::default())` |
 //!
-//! One process per rank without a GPU, as a launcher starts it (`examples/shm_ranks.rs`
-//! runs this under `torchrun --no-python`, or starts its own ranks):
-//!
-//! ```no_run
-//! # #[cfg(target_os = "linux")] {
-//! use std::sync::Arc;
-//! use symmpool::{Coll, PoolConfig, ShmBackend, ShmConfig, StoreExchange, SymmPool};
-//!
-//! // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher.
-//! let exchange = Arc::new(StoreExchange::from_env()?);
-//! let pool = SymmPool::new(ShmBackend::join(exchange, ShmConfig::default())?, PoolConfig::default())?;
-//! let coll = Coll::new(&pool)?;
-//! # }
-//! # Ok::<(), symmpool::Error>(())
-//! ```
+//! `examples/shm_ranks.rs` is a whole program of the second kind: it runs under
+//! `torchrun --no-python`, or starts its own ranks.
 //!
 //! # Threads and safety
 //!
