@@ -267,11 +267,8 @@ impl HostBackend {
             &format!("backend:split:{name}"),
             Deadline::after(super::SETUP_TIMEOUT),
         )?;
-        let comms = HostComm::take(&self.exchange, channel)?;
-        backend.with_parts(
-            backend.exchange_handle(),
-            self.beside(&self.exchange, comms),
-        )
+        let parts = self.beside(&self.exchange, HostComm::take(&self.exchange, channel)?);
+        backend.with_parts(backend.exchange_handle(), parts)
     }
 
     /// [`Backend::shrink`] on the host backend: `backend`'s exchange shrunk (this

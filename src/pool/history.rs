@@ -37,8 +37,7 @@ impl MemoryAction {
     }
 }
 
-/// One entry of the allocation history
-/// ([`SymmPool::record_memory_history`]).
+/// One entry of the allocation history ([`SymmPool::record_memory_history`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryEvent {
     /// Position in the history, from 1, counting every event recorded since the

@@ -58,10 +58,7 @@ fn release_entry(
 
 impl SymmPool {
     /// The pool's lock for a collective pool call: a deferred error first, then the
-    /// lock, refused once closed.
-    ///
-    /// # Errors
-    /// The deferred error; [`Error::PoolClosed`].
+    /// lock, refused once closed ([`Error::PoolClosed`]).
     pub(super) fn lock_open(&self) -> Result<MutexGuard<'_, PoolState>> {
         self.take_deferred_error()?;
         let st = self.state();
@@ -246,11 +243,9 @@ impl SymmPool {
         self.take_deferred_error()
     }
 
-    /// `close` of a pool whose ledger broke (`reason`: the ranks diverged, a round
-    /// timed out, a peer was lost): the ranks are out of step, so no round (a peer may
-    /// never join it: one blocked in a collective that timed out, its exchange
-    /// broken); this rank releases its memory alone (deregistration and free are
-    /// local) and reports why.
+    /// `close` of a pool whose ledger broke (`reason`): no round, as
+    /// [`close`](Self::close) says (a peer may never join it); this rank releases its
+    /// memory alone (deregistration and free are local) and reports why.
     fn close_alone(
         &self,
         mut st: MutexGuard<'_, PoolState>,
