@@ -102,7 +102,8 @@ pub enum Error {
     PoolClosed,
     /// [`SymmPool::close`](crate::SymmPool::close) found live buffers on some rank;
     /// nothing was released.
-    #[error("cannot close: live buffers per rank {live_per_rank:?}{}", describe_buffers(.buffers))]
+    #[error("cannot close: live buffers per rank {live_per_rank:?}{}",
+        joined(.buffers, "", |(rank, buffer)| format!("; rank {rank}: {buffer}")))]
     BuffersAlive {
         /// Live buffers on each rank, in rank order.
         live_per_rank: Vec<u64>,
@@ -226,7 +227,7 @@ pub enum Error {
     /// position on their communicators; nothing was registered, on any rank.
     #[error(
         "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split): {}",
-        describe_registrations(.order)
+        joined(.order, "; ", |(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
     )]
     RegistrationOrder {
         /// Per rank, in rank order: (rank, pool name, segment bytes).
@@ -429,7 +430,7 @@ pub enum Error {
     /// round; reported on every rank.
     #[error(
         "ranks opened different channels: {} (every rank makes its backends, pools and collectives handles in the same order; ranks that are threads of one process make them with SymmPool::group and Coll::group; a rank never makes them from two threads at once)",
-        describe_channels(.opened)
+        joined(.opened, ", ", |(rank, ordinal, name)| format!("rank {rank} opened #{ordinal} {name:?}"))
     )]
     ChannelMismatch {
         /// For each rank, in rank order: (rank, channel ordinal, channel name).
@@ -506,18 +507,6 @@ pub enum Error {
 /// list every rank's value).
 fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
     items.iter().map(f).collect::<Vec<_>>().join(sep)
-}
-
-fn describe_channels(opened: &[(usize, u64, String)]) -> String {
-    joined(opened, ", ", |(rank, ordinal, name)| {
-        format!("rank {rank} opened #{ordinal} {name:?}")
-    })
-}
-
-fn describe_registrations(order: &[(usize, String, u64)]) -> String {
-    joined(order, "; ", |(rank, pool, bytes)| {
-        format!("rank {rank}: {pool} segment of {bytes} bytes")
-    })
 }
 
 impl From<AllocError> for Error {
@@ -606,12 +595,6 @@ impl fmt::Display for NcclVersion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
     }
-}
-
-fn describe_buffers(buffers: &[(usize, String)]) -> String {
-    (buffers.iter())
-        .map(|(rank, buffer)| format!("; rank {rank}: {buffer}"))
-        .collect()
 }
 
 /// Run `f` on every item in a thread of its own (one per rank of this process, since
