@@ -371,14 +371,6 @@ fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec
     Ok(out)
 }
 
-/// Write `data` into rank `peer`'s segment in `window`, at `offset`.
-fn peer_write(window: &Window, peer: usize, offset: u64, data: &[u8]) -> Result<()> {
-    // SAFETY: during this collective only this rank writes this chunk of rank
-    // `peer`'s output (the posts agreed on the offsets); `peer` reads it after the
-    // closing barrier.
-    unsafe { copy_in(peer_map(window, peer)?, offset, data) }
-}
-
 fn read_local(region: &Region<'_>, out: &mut [u8]) -> Result<()> {
     let region = region.sub(0, out.len() as u64)?;
     let map = &memory_of::<ShmMemory>(region.segment())?.map;
@@ -505,7 +497,10 @@ impl Collectives for ShmBackend {
                     // output offset (the symmetric path).
                     let at = args.recv.offset_bytes() + me * chunk;
                     for p in 0..self.world {
-                        peer_write(recv_window, p, at, &mine)?;
+                        // SAFETY: during this collective only this rank writes this
+                        // chunk of rank `p`'s output (the posts agreed on the offsets);
+                        // `p` reads it after the closing barrier.
+                        unsafe { copy_in(peer_map(recv_window, p)?, at, &mine) }?;
                     }
                 }
                 None => {

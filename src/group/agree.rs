@@ -156,13 +156,6 @@ impl AgreementRecord {
             op => format!("a {} of the pool (at its call #{})", op.name(), self.seq),
         }
     }
-
-    /// The same record naming `live` buffers (a `close`'s), the first
-    /// [`MAX_LIVE_NAMED`] of them.
-    pub(crate) fn with_live(mut self, live: impl IntoIterator<Item = LiveBuffer>) -> Self {
-        self.live = live.into_iter().take(MAX_LIVE_NAMED).collect();
-        self
-    }
 }
 
 impl Fields for AgreementRecord {

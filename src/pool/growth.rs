@@ -211,8 +211,8 @@ impl SymmPool {
         ]);
         let pool = self.inner.channel.ordinal();
         let broken = st.broken.is_some();
-        let mine = AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken)
-            .with_live(live);
+        let mut mine = AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken);
+        mine.live = live; // at most MAX_LIVE_NAMED: `live_buffers` takes no more
         if let Some(failure) = self.inner.ledger.failure() {
             // The ranks are out of step: no round (the pool is broken on every rank).
             return Err(Error::PoolBroken {
