@@ -222,7 +222,7 @@ impl Allocator {
     ///
     /// # Errors
     /// [`AllocError::OutOfMemory`] if it does not.
-    pub(super) fn check_reserve(&self, segment_bytes: u64) -> Result<(), AllocError> {
+    pub(crate) fn check_reserve(&self, segment_bytes: u64) -> Result<(), AllocError> {
         let would = self.stats.reserved_bytes.current.checked_add(segment_bytes);
         match would {
             Some(w) if w <= self.config.max_reserved_bytes => Ok(()),

@@ -520,17 +520,7 @@ impl SymmPool {
             SizeClass::Large => size,
         };
         // The reserve limit is the same on every rank: check it before agreeing.
-        let reserved = st.core.stats().reserved_bytes.current;
-        match reserved.checked_add(size) {
-            Some(total) if total <= config.max_reserved_bytes => {}
-            total => {
-                return Err(Error::PoolLimit {
-                    segment_bytes: size,
-                    would_reserve_bytes: total.unwrap_or(u64::MAX),
-                    max_reserved_bytes: config.max_reserved_bytes,
-                });
-            }
-        }
+        st.core.check_reserve(size)?;
         st.history.record(
             CallKind::Reserve,
             size_bytes,
