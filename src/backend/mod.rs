@@ -460,10 +460,9 @@ impl Backend {
     /// ([`Exchange::shrink`]: the survivors, numbered densely in their old order), and
     /// new communicators among the survivors (a new set on the host backend's threads,
     /// new channels on the shared-memory backend, a new set made from the store on
-    /// NCCL, this backend's aborted) of the
-    /// same kinds and order. Its device, memory limit (and on the host backends its
-    /// stream operations) are this backend's; segments of this backend may be
-    /// registered on it. No window of this backend is valid on it.
+    /// NCCL, this backend's aborted) of the same kinds and order. Its device, memory
+    /// limit (and on the host backends its stream operations) are this backend's;
+    /// segments of this backend may be registered on it, but none of its windows.
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss (a [`Error::PeerLost`]), for its
@@ -472,8 +471,8 @@ impl Backend {
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`] for a backend that cannot shrink (one assembled from
-    /// parts of its own) and as [`Exchange::shrink`] says; the exchange's errors on the new group; on NCCL those of
-    /// [`NcclBackend::from_env`].
+    /// parts of its own) and as [`Exchange::shrink`] says; the exchange's errors on the
+    /// new group; on NCCL those of [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
         let mut shrunk = self.shrunk.lock();
         if let Some(next) = &*shrunk {

@@ -338,15 +338,12 @@ impl Coll {
     }
 
     /// A step boundary: under [`CheckMode::Async`] and [`CheckMode::Strict`] (never at
-    /// world size 1, where the handle runs as [`CheckMode::Off`]), check,
-    /// for each pool and each communicator, a record of the collectives issued on the
-    /// pool, the collectives the handle issued on the communicator, and the pool's
-    /// call count and running hash (so that a skipped or extra collective, an extra
-    /// allocation, or pool calls made without collectives, a loop of cache hits say,
-    /// cannot drift unseen past the step), then [`wait_checks`](Self::wait_checks).
-    /// A rank whose peer made a collective more fails here within one exchange round
-    /// (its step record meets the peer's collective record: "record kind" differs,
-    /// each rank's value naming where it is), not after a timeout.
+    /// world size 1), check for each pool and communicator a record of the collectives
+    /// issued on the pool and on the communicator and of the pool's call count and
+    /// hash, then [`wait_checks`](Self::wait_checks): a skipped or extra collective, an
+    /// extra allocation, or pool calls without collectives (a loop of cache hits)
+    /// cannot drift past the step. A rank whose peer made one collective more fails
+    /// here within one exchange round ("record kind" differs), not after a timeout.
     ///
     /// # Collective
     /// Every rank calls it at the same point of its call sequence (its record pairs

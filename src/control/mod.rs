@@ -168,11 +168,8 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// its exchange, or it stopped answering heartbeats (the [failure detection
     /// bound](self#failure-detection-bound)). What the exchange already knows, with no
     /// round and no wait, for watchdogs that must end work blocked on the lost rank
-    /// outside the exchange (the NCCL backend's aborts its communicators). A
-    /// [`StoreExchange`] learns of a loss while no call waits too (its background
-    /// thread reads the server's word), a [`LocalExchange`] when a rank's thread drops
-    /// its exchange; exchanges without failure detection ([`KvExchange`]) answer `None`
-    /// (the default).
+    /// outside the exchange (the NCCL backend's aborts its communicators). Exchanges
+    /// without failure detection ([`KvExchange`]) answer `None` (the default).
     fn lost_peer(&self) -> Option<LostPeer> {
         None
     }

@@ -6,8 +6,7 @@ use crate::deadline::Deadline;
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
-use crate::pool::StatValue;
-use crate::pool::SymmPool;
+use crate::pool::{StatValue, SymmPool};
 use serde::{Deserialize, Serialize};
 
 /// A statistic on the wire (postcard cannot read the untagged [`StatValue`]).

@@ -3,8 +3,7 @@
 
 use super::stats::build_stats;
 use crate::core::{BlockState, SegmentId, SizeClass, StreamId};
-use crate::pool::MemoryStats;
-use crate::pool::{MemoryEvent, SymmPool, role_name};
+use crate::pool::{MemoryEvent, MemoryStats, SymmPool, role_name};
 use serde::{Deserialize, Serialize};
 
 /// State of a block in a [`PoolSnapshot`].

@@ -169,8 +169,8 @@ impl SymmPool {
     /// # Errors
     /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`], or if the pool
     /// should own its communicators and the backend cannot split; the errors of
-    /// [`Backend::split`]; [`Error::Core`] if
-    /// the core configuration (with the backend's granularity) is invalid;
+    /// [`Backend::split`]; [`Error::Core`] if the core configuration (with the
+    /// backend's granularity) is invalid;
     /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
     /// orders or with different names; [`Error::Timeout`] / [`Error::PeerLost`] if a
     /// rank does not create its pool within the timeout.

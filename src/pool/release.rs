@@ -2,9 +2,8 @@
 //! dropped without `close`. Order (NCCL's): drain the device, deregister every window,
 //! free the segment.
 
-use super::MemoryAction;
 use super::state::{PoolState, SegmentEntry};
-use super::{PoolInner, SymmPool};
+use super::{MemoryAction, PoolInner, SymmPool};
 use crate::backend::Backend;
 use crate::core::SegmentId;
 use crate::deadline::Deadline;

@@ -5,8 +5,7 @@
 use super::comm::Device;
 use super::health::poll_until;
 use super::{CUstream, NcclBackend, ffi};
-use crate::backend::Backend;
-use crate::backend::{DataMover, Region, StreamOps};
+use crate::backend::{Backend, DataMover, Region, StreamOps};
 use crate::core::{Fence, StreamId, Wait};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};

@@ -44,9 +44,7 @@ pub(super) const WARM_SMALL_BYTES: u64 = 4 << 10;
 pub(super) const WARM_LARGE_BYTES: u64 = 4 << 20;
 
 /// The collectives the warm-up runs on a communicator of `role`: those the path policy
-/// can choose there (copy engine: all-gather on the copy-engine communicator; symmetric
-/// kernel: all-gather, reduce-scatter and all-reduce on the symmetric one; plain
-/// kernels: all three on the plain one).
+/// can choose there.
 pub(super) fn warm_collectives(role: CommRole) -> &'static [WarmCollective] {
     match role {
         CommRole::CopyEngine => &[WarmCollective::AllGather],
