@@ -367,10 +367,19 @@ impl HostBackend {
     }
 }
 
-fn read_region(seg: &Mutex<Box<[u8]>>, offset: u64, len: u64) -> Result<Vec<u8>> {
+/// The `len` bytes `at` bytes into a rank's side of a collective.
+fn read_side((seg, offset, _): &Side, at: u64, len: u64) -> Result<Vec<u8>> {
     let data = seg.lock();
-    let range = bounds(data.len() as u64, offset, len)?;
+    let range = bounds(data.len() as u64, offset.saturating_add(at), len)?;
     Ok(data[range].to_vec())
+}
+
+/// Write `data` `at` bytes into a rank's side of a collective.
+fn write_side((seg, off, _): &Side, at: u64, data: &[u8]) -> Result<()> {
+    let mut out = seg.lock();
+    let range = bounds(out.len() as u64, off.saturating_add(at), data.len() as u64)?;
+    out[range].copy_from_slice(data);
+    Ok(())
 }
 
 /// Fail with [`Error::WrongStream`] unless `stream` is a host stream.
@@ -531,16 +540,9 @@ impl Collectives for HostBackend {
         let chunk = args.check_counts("all_gather", self.config.world_size, false)?;
         self.collective(args, "all_gather", |posts| {
             // Pull: read every rank's chunk, write it into this rank's output.
-            let (recv, recv_off, _) = &posts[self.rank].recv;
             for (r, p) in posts.iter().enumerate() {
-                let data = read_region(&p.send.0, p.send.1, chunk)?;
-                let mut out = recv.lock();
-                let range = bounds(
-                    out.len() as u64,
-                    recv_off.saturating_add(r as u64 * chunk),
-                    chunk,
-                )?;
-                out[range].copy_from_slice(&data);
+                let data = read_side(&p.send, 0, chunk)?;
+                write_side(&posts[self.rank].recv, r as u64 * chunk, &data)?;
             }
             Ok(())
         })
@@ -553,14 +555,10 @@ impl Collectives for HostBackend {
             // Pull: reduce this rank's chunk of every rank's input, in rank order.
             let inputs = posts
                 .iter()
-                .map(|p| read_region(&p.send.0, p.send.1.saturating_add(me * chunk), chunk))
+                .map(|p| read_side(&p.send, me * chunk, chunk))
                 .collect::<Result<Vec<_>>>()?;
             let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
-            let (recv, recv_off, _) = &posts[self.rank].recv;
-            let mut out = recv.lock();
-            let range = bounds(out.len() as u64, *recv_off, chunk)?;
-            out[range].copy_from_slice(&acc);
-            Ok(())
+            write_side(&posts[self.rank].recv, 0, &acc)
         })
     }
 
@@ -579,7 +577,7 @@ impl Collectives for HostBackend {
             // rank overwrites its input (in place: its output) while a peer reads it.
             let reduced = posts
                 .iter()
-                .map(|p| read_region(&p.send.0, p.send.1, bytes))
+                .map(|p| read_side(&p.send, 0, bytes))
                 .collect::<Result<Vec<_>>>()
                 .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
             let round = self.next_round(args.comm, false);
@@ -587,12 +585,7 @@ impl Collectives for HostBackend {
             if middle.iter().any(Option::is_some) {
                 return Err(super::out_of_step(OP, "a peer"));
             }
-            let acc = reduced?;
-            let (recv, recv_off, _) = &posts[self.rank].recv;
-            let mut out = recv.lock();
-            let range = bounds(out.len() as u64, *recv_off, bytes)?;
-            out[range].copy_from_slice(&acc);
-            Ok(())
+            write_side(&posts[self.rank].recv, 0, &reduced?)
         })
     }
 }

@@ -138,13 +138,10 @@ impl LocalExchange {
         })
     }
 
-    /// The exchange of the ranks that survive a loss: every rank whose exchange is not
-    /// dropped asks, and once all have, the group is those ranks, numbered densely in
-    /// the order of their ranks here, with no channel open but
-    /// [`ChannelId::CONTROL`] and rounds from 1. This exchange (and every exchange of
-    /// its group) then fails every later call with [`Error::Shrunk`]. Asking again
-    /// returns the same exchange. Asking with no rank lost gives a group of the same
-    /// size.
+    /// [`Exchange::shrink`](super::Exchange::shrink): every rank whose exchange is not
+    /// dropped asks, and once all have, the group is those ranks, with no channel open
+    /// but [`ChannelId::CONTROL`] and rounds from 1 (every exchange of the old group
+    /// fails with [`Error::Shrunk`]). With no rank lost, the group keeps its size.
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss; it waits for them until

@@ -14,10 +14,8 @@
 //! a clear error on every survivor, never a smaller group that some of them did not
 //! see coming. They may ask again; the next attempt starts from no votes.
 //!
-//! The server lives in rank 0's process, so the survivors can shrink past the loss of
-//! any rank but rank 0 (job rank 0, the host). When the host is lost, every other
-//! rank's connection closes and its shrink fails at once
-//! ([`Error::ShrinkFailed`](crate::Error::ShrinkFailed)).
+//! The server lives in job rank 0's process, so the survivors can shrink past the loss
+//! of any rank but that one ([`StoreExchange::shrink`](super::super::StoreExchange::shrink)).
 
 use super::{Shared, State};
 use crate::control::wire::{self, ToClient};
