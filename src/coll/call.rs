@@ -106,11 +106,9 @@ fn own_chunk<'a, T: Element>(
 /// data moves, under `Async` within the documented bound. Under [`CheckMode::Off`]
 /// the tag is ignored. Every `u64` is a tag, 0 included.
 ///
-/// Once a pool has seen a tagged collective, an untagged one on it is refused
-/// ([`Error::Untagged`]), in every check mode: a loop that tags some calls and not
-/// others would leave the untagged ones without identity. With
-/// [`PoolConfig::require_tags`](crate::PoolConfig::require_tags) every untagged
-/// collective on the pool is refused.
+/// Once a pool has seen a tagged collective (or with
+/// [`PoolConfig::require_tags`](crate::PoolConfig::require_tags)), an untagged one on it
+/// is refused ([`Error::Untagged`]), in every check mode.
 ///
 /// ```
 /// use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};

@@ -16,17 +16,14 @@
 //!
 //! # Cost of a call
 //! Under [`CheckMode::Off`] a collective takes no lock and allocates nothing on the
-//! calling thread: the pool's open state, the ledger's verdict and the pool's call
-//! count and hash are atomics, the path policy is the thread's copy of it (read again
-//! only after [`Coll::set_path_policy`] replaced it, or after a call on another
-//! handle), and a buffer used on the stream it was last used on records nothing (its
-//! first use on another stream takes the pool's lock once). [`CheckMode::Async`] adds
-//! the record's post into the ledger's queue (one short lock, shared only with the
-//! ledger's thread, which runs the exchange; no allocation), and waits while the queue
-//! is full (the bound below): back-to-back calls run at about two per control-plane
-//! round, calls further apart never wait. [`CheckMode::Strict`] makes one
-//! control-plane round per call. Then the backend's call: on NCCL the enqueue and the
-//! completion event, on the caller's thread. BENCHMARKS.md counts the instructions.
+//! calling thread: the pool's state is read from atomics, the path policy from the
+//! thread's copy of it, and a buffer used on the stream it was last used on records
+//! nothing. [`CheckMode::Async`] adds the record's post into the ledger's queue (one
+//! short lock, no allocation), and waits while the queue is full (the bound below):
+//! back-to-back calls run at about two per control-plane round, calls further apart
+//! never wait. [`CheckMode::Strict`] makes one control-plane round per call. Then the
+//! backend's call: on NCCL the enqueue and the completion event, on the caller's
+//! thread. BENCHMARKS.md counts the instructions.
 //!
 //! # Checked collectives
 //! NCCL's symmetric kernels and copy engines read and write peers at the caller's
@@ -83,8 +80,7 @@
 //!   (silent corruption on the symmetric paths, a hang or an NCCL error otherwise; the
 //!   host backends move the data at the offsets given, bounds checked, and time out on
 //!   mismatched rounds). At world size 1 every handle runs so: one rank has no peer
-//!   to diverge from (BENCHMARKS.md, one-GPU run 23: `async` took 2.6 µs more host
-//!   time per all-gather than `off`, about 1 % of the example's small step).
+//!   to diverge from.
 //!
 //! **Calls that know who they are**: calls of the same shape make the same record;
 //! [`Coll::tagged`] gives each call its identity, so a skipped call differs in the

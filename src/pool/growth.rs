@@ -84,11 +84,9 @@ impl SymmPool {
         })
     }
 
-    /// Add one segment of `growth` to the pool, after the ranks agreed on it: allocate
-    /// it, confirm every rank did, register it on each communicator that registers,
-    /// hand it to the core (`how`), and account for it (statistics, the
-    /// segment-allocated event). The one way a segment enters a pool (growth,
-    /// `reserve`, `fit_to_peak`); on failure nothing is left of it.
+    /// Add one segment of `growth` after the ranks agreed on it: provide it
+    /// ([`provide_segment`](Self::provide_segment)), hand it to the core (`how`) and
+    /// account for it. The one way a segment enters a pool; on failure nothing is left.
     pub(super) fn add_segment(
         &self,
         st: &mut PoolState,
@@ -139,10 +137,8 @@ impl SymmPool {
     }
 
     /// This rank's readiness for a collective pool operation that may register memory:
-    /// capturing if its `stream` is capturing a CUDA graph, or, for an operation
-    /// without a stream of its own (`reserve`, `fit_to_peak`), if any stream the pool
-    /// has allocated on, or any the backend knows (a pool that never allocated has none
-    /// of its own), is.
+    /// capturing if its `stream` is capturing a CUDA graph, or, without one (`reserve`,
+    /// `fit_to_peak`), as [`any_known_capturing`](Self::any_known_capturing) says.
     pub(super) fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<Note> {
         let ready = st.readiness();
         if ready != Readiness::Ready {

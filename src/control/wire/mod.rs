@@ -22,11 +22,9 @@ use serde::{Deserialize, Serialize};
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
-/// The protocol version; a peer speaking another is refused. Version 2: the hello
-/// carries the job identity and the process (host, pid), a refusal says why in a form
-/// the client can act on. Version 3: the server tells the ranks waiting in a long round
-/// who has not contributed ([`ToClient::Waiting`]). Version 4: the survivors of a loss
-/// shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]).
+/// The protocol version; a peer speaking another is refused. 2: the hello names the job
+/// and the process, a refusal says why; 3: [`ToClient::Waiting`]; 4: the survivors of a
+/// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]).
 pub(crate) const VERSION: u16 = 4;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
