@@ -45,20 +45,16 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << super::free_index::SIZE_BITS;
 ///   of the class's live blocks when the request misses; `small_chunk` the same
 ///   between `small_segment_bytes` and `max(max_chunk_bytes, small_segment_bytes)`.
 ///
-/// A dedicated segment serves only requests of at least 1/`dedicated_reuse_ratio` of
-/// its size, so small requests never fragment it. The registered policy is for memory
-/// whose segments are expensive (registered collectively with NCCL, each taking
-/// symmetric address space on every peer): every segment is shared (best fit, no
-/// dedicated-segment rule), and the chunk grows with the live data, not with what is
-/// reserved, so the over-reserve of earlier growths does not compound. With its
-/// defaults (448 MiB to 4 GiB chunks, 50 %, 32 MiB small segments) each growth adds at
-/// least half of what the class has live: the segments of a class stay logarithmic in
-/// its peak working set, and right after a growth a class reserves at most about 1.5
-/// times its live bytes (plus fragments). 1 000 live tensors of 64 KiB–4 MiB (2 GiB)
-/// take 8 segments, 1.07 × their bytes (`tests/pool_small_growth.rs`). The defaults
-/// come from a sweep over the FSDP-like traces of `tests/fsdp_trace.rs` (figures in
-/// `BENCHMARKS.md`): a Llama-like model (peak 814 MiB: two large segments), random
-/// layer sizes and the `fsdp_step` example.
+/// The registered policy is for memory whose segments are expensive (registered
+/// collectively with NCCL, each taking symmetric address space on every peer): every
+/// segment is shared (best fit, no dedicated-segment rule), and the chunk grows with
+/// the live data, not with what is reserved, so the over-reserve of earlier growths
+/// does not compound. With its defaults each growth adds at least half of what the
+/// class has live: the segments of a class stay logarithmic in its peak working set,
+/// and right after a growth a class reserves at most about 1.5 times its live bytes
+/// (plus fragments). 1 000 live tensors of 64 KiB–4 MiB (2 GiB) take 8 segments, 1.07
+/// × their bytes (`tests/pool_small_growth.rs`). The defaults come from a sweep over
+/// the FSDP-like traces of `tests/fsdp_trace.rs` (figures in `BENCHMARKS.md`).
 ///
 /// Small requests never touch large segments, so they cannot pin one; a large request
 /// of a few MiB can keep a big shared segment from being trimmed, which is what

@@ -95,10 +95,9 @@
 //!
 //! [`SymmPool::record_memory_history`](crate::SymmPool::record_memory_history) starts
 //! PyTorch's `_record_memory_history(max_entries=…)`: a ring buffer of this rank's
-//! alloc, free, segment-allocation and segment-release events ([`MemoryEvent`]: sizes,
-//! stream, segment and offset, allocation number, a sequence number, a time stamp),
-//! read with [`memory_history`](crate::SymmPool::memory_history), or with the
-//! snapshot taken under the same lock by
+//! allocation events ([`MemoryEvent`]), read with
+//! [`memory_history`](crate::SymmPool::memory_history), or with the snapshot taken
+//! under the same lock by
 //! [`memory_snapshot_with_history`](crate::SymmPool::memory_snapshot_with_history).
 //! The Python package's `torch_memory_snapshot()` exports that pair as the dictionary
 //! `torch.cuda.memory._snapshot()` returns (`segments` with their `blocks`,

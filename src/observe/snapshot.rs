@@ -108,10 +108,8 @@ impl PoolSnapshot {
 }
 
 impl SymmPool {
-    /// This rank's segments, windows and blocks with their allocation numbers and
-    /// states, and the flat statistics, taken under one lock. Local; O(blocks).
-    ///
-    /// Save it with serde; the `memory_map` example draws it.
+    /// This rank's [`PoolSnapshot`]: its segments, windows and blocks, and the flat
+    /// statistics, taken under one lock. Local; O(blocks).
     pub fn memory_snapshot(&self) -> PoolSnapshot {
         let (segments, stats, ()) = self.observe_with(|_, _, _| ());
         self.snapshot_of(segments, stats)

@@ -37,11 +37,9 @@ pub struct PoolConfig {
     pub name: String,
     /// How collectives on the pool are checked across ranks (default
     /// [`CheckMode::Async`]; [`from_env`](Self::from_env) reads it from
-    /// `SYMMPOOL_CHECK`): the mode of the collectives handles made from the pool
-    /// ([`Coll::new`](crate::coll::Coll::new)); the pool itself never checks a
-    /// collective. Code that sets it ([`with_check`](Self::with_check), or this field)
-    /// beats the environment. At world size 1 there is no peer to compare with: the
-    /// handles run as [`CheckMode::Off`], so that a one-GPU job pays nothing for it.
+    /// `SYMMPOOL_CHECK`, code that sets it beats the environment): the mode of the
+    /// collectives handles made from the pool ([`Coll::new`](crate::coll::Coll::new)).
+    /// At world size 1 the handles run as [`CheckMode::Off`]: no peer to compare with.
     pub check: CheckMode,
     /// Under [`CheckMode::Async`], how many collectives a rank may launch after one
     /// whose check has not yet come back (default 1; 0 counts as 1): the bound on the
@@ -144,8 +142,7 @@ impl PoolConfig {
         self
     }
 
-    /// Set the collective check mode (beats `SYMMPOOL_CHECK`, whatever its value; at
-    /// world size 1 the handles run as [`CheckMode::Off`] all the same).
+    /// Set the collective [check](Self::check) mode (beats `SYMMPOOL_CHECK`).
     pub fn with_check(mut self, check: CheckMode) -> Self {
         self.check = check;
         self.bad_check_env = None;

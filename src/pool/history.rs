@@ -193,11 +193,9 @@ impl SymmPool {
     /// history. Local (not collective); while recording, each event costs a clock
     /// read and a push under the pool's lock.
     ///
-    /// Read it with [`memory_history`](Self::memory_history), or with the snapshot
-    /// taken under the same lock by
-    /// [`memory_snapshot_with_history`](Self::memory_snapshot_with_history) (the Python
-    /// package exports that pair in PyTorch's format). Failed allocations (PyTorch's
-    /// `oom` entries) are not recorded: they are errors, counted in `num_ooms`.
+    /// Read it with [`memory_history`](Self::memory_history) or
+    /// [`memory_snapshot_with_history`](Self::memory_snapshot_with_history). Failed
+    /// allocations (PyTorch's `oom` entries) are errors, counted in `num_ooms`.
     pub fn record_memory_history(&self, max_entries: usize) {
         let mut st = self.state();
         match (&mut st.memory_history, max_entries) {
