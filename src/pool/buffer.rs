@@ -510,12 +510,9 @@ impl<'a, T: Element> TypedView<'a, T> {
     /// # Errors
     /// [`Error::Internal`] if the view leaves its segment (a bug).
     pub(crate) fn region(&self) -> Result<Region<'a>> {
-        self.buf
-            .region()?
-            .sub(
-                self.offset_bytes,
-                (self.len * std::mem::size_of::<T>()) as u64,
-            )
+        let len_bytes = (self.len * std::mem::size_of::<T>()) as u64;
+        (self.buf.region()?)
+            .sub(self.offset_bytes, len_bytes)
             .map_err(|e| Error::Internal {
                 what: format!("a view of allocation #{}: {e}", self.buf.block.seq),
             })

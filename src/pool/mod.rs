@@ -1,19 +1,11 @@
 //! [`SymmPool`]: the allocator core, a backend, and the segment entries that own the
-//! memory and its windows.
-//!
-//! - **Allocation** ([`SymmPool::alloc`]) is served from the core's cache: a mutex, a
-//!   best-fit lookup, no NCCL call. When nothing fits, the pool grows (`growth.rs`).
-//! - **Free** (`free.rs`) happens when a [`SymmBuffer`] is dropped: never a collective,
-//!   never a wait. A block last used on other streams comes with device-side waits
-//!   that the pool enqueues on the allocating stream (`cuStreamWaitEvent`).
-//! - **Release** (`release.rs`) only through the collective calls [`SymmPool::trim`]
-//!   and [`SymmPool::close`]; dropping the last handle to a pool that was not closed
-//!   releases its memory locally (deregistration and free are local in NCCL) after
-//!   draining the device for at most the pool's timeout, or leaks it on purpose.
-//! - **Failures**: a failure inside `Drop` is returned by the next fallible call on the
-//!   pool; a panic while the pool's state is held marks the pool broken: every later
-//!   call on that rank fails, and so does the next agreement on every rank
-//!   ([`Error::PoolBroken`]).
+//! memory and its windows. [`SymmPool::alloc`] is served from the core's cache (a
+//! mutex, a best-fit lookup, no NCCL call) and grows the pool when nothing fits
+//! (`growth.rs`); a dropped [`SymmBuffer`] frees its block (`free.rs`: never a
+//! collective, never a wait); memory is released by the collective [`SymmPool::trim`]
+//! and [`SymmPool::close`] (`release.rs`), or locally when the last handle to a pool
+//! that was not closed goes. A failure inside `Drop` is returned by the next fallible
+//! call; a panic under the pool's lock breaks it ([`Error::PoolBroken`]).
 
 mod buffer;
 mod config;

@@ -67,10 +67,9 @@ impl SymmPool {
         Ok(st)
     }
 
-    /// Deregister and free the segments this rank still holds but the core no longer
-    /// does (released by `trim`/`close`, or left over from a failed release); drains
-    /// the device first, until `deadline`. A segment whose release fails
-    /// stays listed, and the next `trim`, `close` or drop of the pool tries again.
+    /// Deregister and free the segments this rank holds but the core no longer does
+    /// (released by `trim`/`close`, or a failed release's), after draining the device
+    /// until `deadline`; one whose release fails stays listed for the next try.
     pub(super) fn release_segments(&self, st: &mut PoolState, deadline: Deadline) -> Result<()> {
         let held: std::collections::BTreeSet<SegmentId> =
             st.core.segments().map(|(id, _, _)| id).collect();

@@ -19,9 +19,8 @@ pub struct NcclConfig {
     /// Create the unregistered communicator for ring collectives.
     pub plain: bool,
     /// Split the data communicators off the control one as blocking communicators
-    /// (default `true`: about 10 µs a collective). `false` makes them non-blocking, for
-    /// callers that need every NCCL call abortable at any point, at about 100 µs a
-    /// collective (see the [module](super), *Two kinds of communicator*).
+    /// (default `true`); `false` makes them non-blocking, abortable at any point but ten
+    /// times slower a call (see the [module](super), *Two kinds of communicator*).
     pub data_blocking: bool,
     /// Deadline of communicator creation (`ncclCommInitRankConfig`, `ncclCommSplit`)
     /// and of the exchange rounds of set-up (default [`SETUP_TIMEOUT`], 10 minutes: ranks

@@ -14,8 +14,7 @@
 //! [`StoreConfig::handshake_timeout`]. Once every rank has joined, a connection from a
 //! host that runs none of them is refused without a handshake, and from the job's hosts
 //! every handshake is refused (a rank cannot rejoin). Refusals are counted
-//! ([`ServerStats`]) and logged at most once per kind per
-//! [`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL), then summed up in one line.
+//! ([`ServerStats`]) and logged, rate-limited ([`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL)).
 
 mod connection;
 mod shrink;
