@@ -2,10 +2,9 @@
 //!
 //! It is not a mock. Registration is a real barrier among the ranks with NCCL's
 //! ordering rule (windows pair by call order, sizes must match) and its caller's
-//! deadline;
-//! collectives move and reduce real data between the ranks' segments, at the offsets
-//! each rank passed (bounds checked), and end in a barrier. Like NCCL, the backend
-//! does not compare the ranks' arguments: the checked collectives of
+//! deadline; collectives move and reduce real data between the ranks' segments, at
+//! the offsets each rank passed (bounds checked), and end in a barrier. Like NCCL,
+//! the backend does not compare the ranks' arguments: the checked collectives of
 //! [`coll`](crate::coll) do, the same way on every backend. Host work is synchronous,
 //! so streams are tags and fences are counters.
 //!

@@ -108,9 +108,8 @@ impl Coll {
     /// automatic choice from rank 0's figures: the copy engine from the smallest size
     /// from which it beats the symmetric kernel at every larger size measured, and the
     /// symmetric reduce-scatter and all-reduce wherever they beat NCCL's ordinary
-    /// kernels. Apply the result with
-    /// [`set_path_policy`](Self::set_path_policy); the thresholds not measured are
-    /// this handle's.
+    /// kernels. Apply the result with [`set_path_policy`](Self::set_path_policy); the
+    /// thresholds not measured are this handle's.
     ///
     /// The measurements use a temporary pool on the same backend as the handle's
     /// (first) pool, with its configuration (its segments are registered and released

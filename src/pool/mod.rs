@@ -154,18 +154,16 @@ impl SymmPool {
     /// so that rounds of different pools never pair). With ranks as threads of one
     /// process, create them concurrently ([`SymmPool::group`]).
     ///
-    /// With [`PoolConfig::own_communicators`], the ranks also split communicators for
-    /// the pool off the backend's ([`Backend::split`]): pools made so can be used from
-    /// different threads of a rank.
+    /// With [`PoolConfig::own_communicators`] the ranks also split the pool's
+    /// communicators off the backend's ([`Backend::split`]).
     ///
     /// # Errors
     /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`], or if the pool
     /// should own its communicators and the backend cannot split; the errors of
     /// [`Backend::split`]; [`Error::Core`] if the core configuration (with the
-    /// backend's granularity) is invalid;
-    /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
-    /// orders or with different names; [`Error::Timeout`] / [`Error::PeerLost`] if a
-    /// rank does not create its pool within the timeout.
+    /// backend's granularity) is invalid; [`Error::ChannelMismatch`] on every rank if
+    /// the ranks create pools in different orders or with different names;
+    /// [`Error::Timeout`] / [`Error::PeerLost`] if a rank does not create its pool in time.
     pub fn new(backend: Backend, config: PoolConfig) -> Result<Self> {
         let (rank, name) = (backend.rank(), config.name.clone());
         Self::create(backend, config).inspect_err(|error| {
@@ -362,12 +360,12 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::ZeroSize`]; [`Error::TooLarge`]; [`Error::PoolClosed`] ([`Error::Shrunk`]
-    /// after a shrink); [`Error::PoolBroken`]; [`Error::WrongStream`]; [`Error::Deferred`] (an earlier
-    /// failure inside a drop; nothing else was done); on growth also
-    /// [`Error::PoolLimit`], [`Error::DeviceOutOfMemory`], [`Error::PeerOutOfMemory`],
-    /// [`Error::Divergence`], [`Error::Timeout`], [`Error::GraphCapture`],
-    /// [`Error::NoSymmetricSupport`], [`Error::RegistrationBroken`] and backend
-    /// errors. Nothing is allocated on error.
+    /// after a shrink); [`Error::PoolBroken`]; [`Error::WrongStream`];
+    /// [`Error::Deferred`] (an earlier failure inside a drop; nothing else was done); on
+    /// growth also [`Error::PoolLimit`], [`Error::DeviceOutOfMemory`],
+    /// [`Error::PeerOutOfMemory`], [`Error::Divergence`], [`Error::Timeout`],
+    /// [`Error::GraphCapture`], [`Error::NoSymmetricSupport`],
+    /// [`Error::RegistrationBroken`] and backend errors. Nothing is allocated on error.
     pub fn alloc(&self, size_bytes: u64, stream: &Stream) -> Result<SymmBuffer> {
         self.alloc_aligned(size_bytes, 1, stream)
     }

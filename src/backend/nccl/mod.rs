@@ -253,9 +253,9 @@ impl fmt::Debug for NcclBackend {
 
 impl NcclBackend {
     /// The raw handle of data communicator `comm` (index into
-    /// [`BackendInfo::communicators`](super::BackendInfo::communicators)), for calling NCCL directly beside the pool
-    /// (benchmarks, interop); `None` if there is no such communicator or it was
-    /// aborted.
+    /// [`BackendInfo::communicators`](super::BackendInfo::communicators)), for calling
+    /// NCCL directly beside the pool (benchmarks, interop); `None` if there is no such
+    /// communicator or it was aborted.
     ///
     /// Using the handle is `unsafe` on the caller's side: NCCL calls on it must not
     /// overlap with this backend's (it serialises its own calls only), and it must not

@@ -452,9 +452,9 @@ impl CollCall {
 }
 
 /// Enqueue `call` on `comm` and `stream`: `ncclAllGather`, `ncclReduceScatter` or
-/// `ncclAllReduce`, and nothing else. On a blocking communicator it returns once the work is on the stream;
-/// on a non-blocking one it may answer [`Status::InProgress`] (poll before the next
-/// call on it).
+/// `ncclAllReduce`, and nothing else. On a blocking communicator it returns once the
+/// work is on the stream; on a non-blocking one it may answer [`Status::InProgress`]
+/// (poll before the next call on it).
 ///
 /// # Safety
 /// - for an all-gather `send` holds `count` elements and `recv` `count × nranks`
