@@ -580,11 +580,9 @@ impl Backend {
         user.1 = thread.or(user.1);
     }
 
-    /// Claim these communicators for one collectives handle (`coll::Coll`), which numbers
-    /// the collectives issued on each of them: `None` while another handle holds them.
-    /// One sequence per communicator set is what lets the checks see a rank that
-    /// reaches the communicators through two pools in crossed order. Released when the
-    /// claim is dropped.
+    /// Claim these communicators for one collectives handle (`coll::Coll`, which numbers
+    /// the collectives issued on each, see `Coll::new`): `None` while another handle
+    /// holds them; released when the claim is dropped.
     pub(crate) fn claim_collectives(&self) -> Option<CollectivesClaim> {
         let claimed = &self.collectives_claimed;
         (claimed.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire))

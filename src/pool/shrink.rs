@@ -29,9 +29,8 @@ pub struct ShrinkReport {
     pub segments: usize,
     /// Window registrations made on the new communicators.
     pub registrations: u64,
-    /// Buffers of the old pool still alive on this rank: readable and writable here,
-    /// refused by every collective ([`Error::Shrunk`]); their blocks return to the new
-    /// pool when they are dropped.
+    /// Buffers of the old pool still alive on this rank (readable and writable, but no
+    /// collective's: see [`SymmPool::shrink`]).
     pub live_buffers: u64,
     /// Bytes of those buffers' blocks.
     pub live_bytes: u64,

@@ -133,11 +133,7 @@ impl Builder {
     /// Every rank of `exchange`, at the same point.
     fn communicators(&self, exchange: &dyn Exchange) -> Result<(Comm, DataComms, usize)> {
         let (rank, world) = (exchange.rank(), exchange.world_size());
-        let id = if rank == 0 {
-            Some(ffi::unique_id(self.nccl)?)
-        } else {
-            None
-        };
+        let id = (rank == 0).then(|| ffi::unique_id(self.nccl)).transpose()?;
         let agreed = self.agree(exchange, id)?;
         let [id] = agreed.unique_ids[..] else {
             return Err(Error::Protocol {

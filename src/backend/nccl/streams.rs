@@ -23,13 +23,10 @@ const KIND: &str = "cuda";
 /// stream on each thread.
 const PER_THREAD: usize = 0x2;
 
-/// A stream of the NCCL backend: a cudarc `CudaStream`. One CUDA stream has one
-/// [`id`](Stream::id) however often it is wrapped (by [`Stream::cuda`] or
-/// [`Stream::from_raw_cuda`]), as long as a wrapper of it lives: it is keyed by its
-/// context and raw handle (see [`Stream::on_device`]). A wrapper holds its stream: a
-/// cudarc stream is destroyed only when its last `Arc` goes, and a raw stream must
-/// outlive the backend that adopted it, so a handle is reused for a new stream only
-/// when no wrapper of the old one is left, and the new stream gets a new id.
+/// A stream of the NCCL backend: a cudarc `CudaStream`, keyed by its context and raw
+/// handle, so that one CUDA stream has one [`id`](Stream::id) however often it is
+/// wrapped, as long as a wrapper of it lives ([`Stream::on_device`] says why that is
+/// sound: a cudarc stream lives while its `Arc` does, a raw one outlives its backend).
 impl Stream {
     /// Wrap a cudarc stream (for the NCCL backend). Use non-blocking streams: NCCL
     /// 2.28's copy-engine collectives fail on the legacy NULL stream. The per-thread
