@@ -45,7 +45,7 @@ pub(crate) enum Cause {
 
 impl Cause {
     /// The error this cause is reported as, on the call that found it (`first`) and on
-    /// every later call.
+    /// every later call, when no lost peer explains it ([`Health::report`]).
     pub(crate) fn error(&self, first: bool) -> Error {
         match (self, first) {
             (Cause::Timeout { op, waited }, true) => Error::NcclTimeout {
@@ -56,11 +56,6 @@ impl Cause {
                 op,
                 comm: *comm,
                 waited: *waited,
-            },
-            (Cause::PeerLost { rank, detail }, _) => Error::PeerLost {
-                rank: *rank,
-                op: AN_NCCL_CALL,
-                detail: detail.clone(),
             },
             _ => Error::NcclAborted {
                 reason: self.describe(),
@@ -117,25 +112,19 @@ impl Health {
     /// The error of `cause` for a call `op` (`first`: the call that found it): the lost
     /// peer the exchange knows of, if any; else the cause's own error.
     pub(crate) fn report(&self, cause: &Cause, op: &'static str, first: bool) -> Error {
-        if let Cause::PeerLost { rank, detail } = cause {
-            return Error::PeerLost {
-                rank: *rank,
-                op,
-                detail: detail.clone(),
-            };
-        }
-        match self.lost_peer() {
-            Some(loss) => Error::PeerLost {
-                rank: loss.rank,
-                op,
-                detail: format!(
-                    "{}; this rank's NCCL backend then broke: {}",
-                    loss.detail,
-                    cause.describe()
-                ),
-            },
-            None => cause.error(first),
-        }
+        let (rank, detail) = if let Cause::PeerLost { rank, detail } = cause {
+            (*rank, detail.clone())
+        } else if let Some(loss) = self.lost_peer() {
+            let broke = cause.describe();
+            let detail = format!(
+                "{}; this rank's NCCL backend then broke: {broke}",
+                loss.detail
+            );
+            (loss.rank, detail)
+        } else {
+            return cause.error(first);
+        };
+        Error::PeerLost { rank, op, detail }
     }
 
     /// The cause of an NCCL failure `what` (an asynchronous error, a failed call):
