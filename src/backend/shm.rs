@@ -214,8 +214,7 @@ impl ShmBackend {
     }
 
     /// [`Backend::split`] on the shared-memory backend: the same communicators on
-    /// channels of their own (`shm:NAME:commC`); the memory limit and stream
-    /// operations stay this rank's.
+    /// channels of their own (`shm:NAME:commC`), as on the host backend.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let setup = Deadline::after(super::SETUP_TIMEOUT);
         let (ex, reserved) = (self.exchange.clone(), self.reserved.clone());
@@ -225,8 +224,7 @@ impl ShmBackend {
     }
 
     /// [`Backend::shrink`] on the shared-memory backend, with the shrunk `exchange`:
-    /// the same communicators on channels of the new group (the same names), no
-    /// registrations yet; the memory limit and stream operations stay this rank's.
+    /// the same communicators on channels of the new group, no registrations yet.
     pub(super) fn shrink(
         &self,
         backend: &Backend,
