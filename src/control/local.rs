@@ -18,9 +18,9 @@ use std::time::Instant;
 /// Made for a whole group at once with [`LocalExchange::group`]; hand one to each
 /// rank's thread. Payloads have no size limit beyond memory. Dropping a rank's
 /// exchange while the others go on (its thread ended, or unwound from a panic) loses
-/// the rank: their waits, and those of the rendezvous made through
-/// [`rendezvous`](Self::rendezvous) (the host backend's communicators), end with
-/// [`Error::PeerLost`] at once, and they may [`shrink`](Self::shrink).
+/// the rank: their waits, and those of the rendezvous made through the group (the host
+/// backend's communicators), end with [`Error::PeerLost`] at once, and they may
+/// [`shrink`](Self::shrink).
 pub struct LocalExchange {
     group: Arc<Group>,
     rounds: Rounds,
