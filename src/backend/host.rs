@@ -425,22 +425,16 @@ impl SegmentProvider for HostBackend {
     ) -> Result<Option<Window>> {
         memory_of::<HostMemory>(segment)?;
         let size = segment.size_bytes();
-        let _serial = self.comm(comm)?.serial[self.rank].lock();
+        let c = self.comm(comm)?;
+        let _serial = c.serial[self.rank].lock();
         let ordinal = self.next_round(comm, true);
-        let sizes = self.comm(comm)?.registrations.gather(
-            "window registration",
-            self.rank,
-            ordinal,
-            size,
-            deadline,
-        )?;
+        let op = "window registration";
+        let sizes = (c.registrations).gather(op, self.rank, ordinal, size, deadline)?;
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
         }
-        Ok(self
-            .config
-            .symmetric
-            .then(|| Window::new(comm, ordinal, Box::new(()))))
+        let window = || Window::new(comm, ordinal, Box::new(()));
+        Ok(self.config.symmetric.then(window))
     }
 
     // deregister and free: the defaults (dropping the handle releases the memory).

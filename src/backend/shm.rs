@@ -460,11 +460,8 @@ impl SegmentProvider for ShmBackend {
             }
             peers.push(map);
         }
-        Ok(Some(Window::new(
-            comm,
-            ordinal,
-            Box::new(ShmWindow { peers }),
-        )))
+        let window = Window::new(comm, ordinal, Box::new(ShmWindow { peers }));
+        Ok(Some(window))
     }
 
     // deregister and free: the defaults. Unmapping the peers' segments is local; their

@@ -49,13 +49,8 @@ pub(crate) const CHANNEL: &str = "nccl:setup";
 /// NCCL versions, or rank 0's payload is malformed.
 pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) -> Result<Agreed> {
     let channel = exchange.open_channel(CHANNEL, deadline)?;
-    settle(&gather_records(
-        exchange,
-        channel,
-        "NCCL set-up",
-        hello,
-        deadline,
-    )?)
+    let all = gather_records(exchange, channel, "NCCL set-up", hello, deadline)?;
+    settle(&all)
 }
 
 /// What every rank concludes from all ranks' hellos (a pure function).
