@@ -270,15 +270,9 @@ impl ShmBackend {
         let (_, serial) = self.comm(args.comm)?;
         let _serial = serial.lock();
         // The opening round: every rank is at this collective on this communicator.
-        let caller = args.caller;
-        let deadline = args.deadline();
-        let posts = self.round(
-            args.comm,
-            op,
-            &Step::Post { reduce, caller },
-            deadline,
-            Some,
-        )?;
+        let (caller, deadline) = (args.caller, args.deadline());
+        let post = Step::Post { reduce, caller };
+        let posts = self.round(args.comm, op, &post, deadline, Some)?;
         let verdict = at_step(op, posts, |s| match s {
             Step::Post { caller, .. } => Some(caller),
             _ => None,
@@ -286,9 +280,8 @@ impl ShmBackend {
         .and_then(|callers| super::callers_differ(op, &callers))
         .and_then(|()| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
-        self.round(args.comm, op, &Step::Done, deadline, |s| {
-            matches!(s, Step::Done).then_some(())
-        })?;
+        let done = |s| matches!(s, Step::Done).then_some(());
+        self.round(args.comm, op, &Step::Done, deadline, done)?;
         verdict
     }
 
@@ -312,15 +305,10 @@ impl ShmBackend {
                 _ => None,
             })?;
             for (r, piece) in got.into_iter().enumerate() {
-                if piece.len() != hi - lo {
-                    return Err(Error::CollectiveMismatch {
-                        op,
-                        detail: format!(
-                            "rank {r} sent {} bytes, expected {}",
-                            piece.len(),
-                            hi - lo
-                        ),
-                    });
+                let (sent, want) = (piece.len(), hi - lo);
+                if sent != want {
+                    let detail = format!("rank {r} sent {sent} bytes, expected {want}");
+                    return Err(Error::CollectiveMismatch { op, detail });
                 }
                 out[r].extend_from_slice(&piece);
             }
