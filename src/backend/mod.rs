@@ -241,16 +241,11 @@ pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
     let who: Vec<String> = (callers.iter().enumerate())
         .map(|(rank, c)| format!("rank {rank}: pool #{c}"))
         .collect();
-    Err(Error::SharedCommunicators {
-        pools,
-        error: Box::new(Error::CollectiveMismatch {
-            op,
-            detail: format!(
-                "the ranks' calls paired on this communicator come from different pools ({})",
-                who.join(", ")
-            ),
-        }),
-    })
+    let who = who.join(", ");
+    let detail =
+        format!("the ranks' calls paired on this communicator come from different pools ({who})");
+    let error = Box::new(Error::CollectiveMismatch { op, detail });
+    Err(Error::SharedCommunicators { pools, error })
 }
 
 /// How long making a backend waits for the other ranks (ranks of real jobs start
@@ -497,12 +492,9 @@ impl Backend {
             let exchange = self.exchange.shrink(deadline)?;
             return nccl.shrink(exchange);
         }
-        Err(Error::ShrinkFailed {
-            reason: format!(
-                "a {:?} backend assembled from parts of its own cannot shrink",
-                self.info.kind
-            ),
-        })
+        let kind = self.info.kind;
+        let reason = format!("a {kind:?} backend assembled from parts of its own cannot shrink");
+        Err(Error::ShrinkFailed { reason })
     }
 
     /// A backend with this one's identity at the rank and world size of `exchange`

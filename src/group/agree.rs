@@ -148,12 +148,10 @@ impl AgreementRecord {
     /// The record's kind with where the rank is, as a divergence of record kinds
     /// names it.
     pub(crate) fn describe_kind(&self) -> String {
+        let (size, seq) = (self.size, self.seq);
         match self.op {
-            Op::Grow => format!(
-                "a growth of the pool by {} bytes (at its call #{})",
-                self.size, self.seq
-            ),
-            op => format!("a {} of the pool (at its call #{})", op.name(), self.seq),
+            Op::Grow => format!("a growth of the pool by {size} bytes (at its call #{seq})"),
+            op => format!("a {} of the pool (at its call #{seq})", op.name()),
         }
     }
 }

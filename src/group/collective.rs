@@ -179,15 +179,12 @@ impl Fields for CollectiveRecord {
     /// the pool" on the rank ahead, "step boundary after 7 collectives of the pool" on
     /// the rank behind.
     fn describe(&self, i: usize) -> String {
+        let n = self.pool_collective;
         match (i, self.kind) {
-            (0, RecordKind::Collective) => format!(
-                "a collective (this rank's collective #{} on the pool)",
-                self.pool_collective
-            ),
-            (0, RecordKind::Step) => format!(
-                "a step boundary (after {} collectives on the pool)",
-                self.pool_collective
-            ),
+            (0, RecordKind::Collective) => {
+                format!("a collective (this rank's collective #{n} on the pool)")
+            }
+            (0, RecordKind::Step) => format!("a step boundary (after {n} collectives on the pool)"),
             _ => self.field(i).show(),
         }
     }

@@ -254,12 +254,10 @@ impl SymmBuffer {
     /// # Errors
     /// [`Error::BadView`] if `T`'s size does not divide `len_bytes()`.
     pub fn view<T: Element>(&self) -> Result<TypedView<'_, T>> {
-        let size = std::mem::size_of::<T>() as u64;
-        if !self.len_bytes.is_multiple_of(size) {
-            return Err(Error::BadView(format!(
-                "{} bytes is not a whole number of {size}-byte elements",
-                self.len_bytes
-            )));
+        let (size, len) = (std::mem::size_of::<T>() as u64, self.len_bytes);
+        if !len.is_multiple_of(size) {
+            let why = format!("{len} bytes is not a whole number of {size}-byte elements");
+            return Err(Error::BadView(why));
         }
         Ok(TypedView {
             buf: self,

@@ -316,23 +316,19 @@ impl Drop for PoolInner {
             return;
         }
         let mut deregistrations = st.counters.deregistrations.clone();
-        for (id, shared) in std::mem::take(&mut st.segments) {
+        for (SegmentId(id), shared) in std::mem::take(&mut st.segments) {
             // No buffer is alive (buffers keep the pool alive), so the entry is ours.
             let Some(entry) = Arc::try_unwrap(shared)
                 .ok()
                 .filter(|e| !e.segment.is_shared())
             else {
-                tracing::error!(
-                    "symmpool: segment {} still shared at teardown; leaked",
-                    id.0
-                );
+                tracing::error!("symmpool: segment {id} still shared at teardown; leaked");
                 continue;
             };
             if let Err((_, e)) = release_entry(&self.backend, entry, &mut deregistrations, deadline)
             {
                 tracing::error!(
-                    "symmpool: releasing segment {} at teardown failed ({e}); leaked",
-                    id.0
+                    "symmpool: releasing segment {id} at teardown failed ({e}); leaked"
                 );
             }
         }

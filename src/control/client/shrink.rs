@@ -63,12 +63,11 @@ impl StoreExchange {
             let epoch = inbox.epoch;
             drop(inbox);
             let Some(rank) = survivors.iter().position(|&r| r == self.job_rank) else {
-                return Err(Error::ShrinkFailed {
-                    reason: format!(
-                        "the store shrank the group to job ranks {survivors:?}, without this one ({})",
-                        self.job_rank
-                    ),
-                });
+                let me = self.job_rank;
+                let reason = format!(
+                    "the store shrank the group to job ranks {survivors:?}, without this one ({me})"
+                );
+                return Err(Error::ShrinkFailed { reason });
             };
             tracing::warn!(
                 "symmpool store: job rank {} is rank {rank} of {} after the shrink (epoch {epoch}, {:?})",
