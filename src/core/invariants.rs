@@ -68,10 +68,8 @@ impl Allocator {
                     return fail(format!("slot {slot} has a wrong prev link"), sid);
                 }
                 if b.offset != offset {
-                    return fail(
-                        format!("gap or overlap at offset {offset} (block at {})", b.offset),
-                        sid,
-                    );
+                    let what = format!("gap or overlap at offset {offset} (block at {})", b.offset);
+                    return fail(what, sid);
                 }
                 if b.size == 0 || !b.size.is_multiple_of(unit) || !b.offset.is_multiple_of(unit) {
                     return fail(format!("block at {} not in whole units", b.offset), sid);
@@ -120,13 +118,10 @@ impl Allocator {
                 cur = b.next;
             }
             if offset != seg.size || live_bytes + free_bytes != seg.size {
-                return fail(
-                    format!(
-                        "blocks cover {offset} of {} bytes (live {live_bytes} + free {free_bytes})",
-                        seg.size
-                    ),
-                    sid,
-                );
+                let (size, live, free) = (seg.size, live_bytes, free_bytes);
+                let what =
+                    format!("blocks cover {offset} of {size} bytes (live {live} + free {free})");
+                return fail(what, sid);
             }
             allocated += live_bytes;
             let c = &mut by_class[seg.class.index()];
@@ -135,13 +130,8 @@ impl Allocator {
             c.2 += live_bytes;
         }
         if seen_slots.len() != self.blocks.len() {
-            return fail(
-                format!(
-                    "{} slab slots belong to no segment",
-                    self.blocks.len() - seen_slots.len()
-                ),
-                None,
-            );
+            let n = self.blocks.len() - seen_slots.len();
+            return fail(format!("{n} slab slots belong to no segment"), None);
         }
         for (class, expected) in expected_free.iter().enumerate() {
             let indexed = match self.free[class].to_set() {
@@ -149,10 +139,8 @@ impl Allocator {
                 Err(what) => return fail(what, None),
             };
             if *expected != indexed {
-                return fail(
-                    format!("free index of class {class} differs from the free blocks"),
-                    None,
-                );
+                let what = format!("free index of class {class} differs from the free blocks");
+                return fail(what, None);
             }
         }
         let s = &self.stats;

@@ -239,12 +239,9 @@ fn explain(decoded: &[AgreementRecord], during: &'static str) -> Divergence {
         // Pools over one communicator set share a ledger: one rank's agreement met
         // another pool's (the pools are used in different orders, or from threads).
         let order = |r: &AgreementRecord| {
+            let (op, pool, size, seq) = (r.op.name(), r.pool, r.size, r.seq);
             format!(
-                "{} of the pool with channel ordinal {} ({} B, at its call #{}; pools sharing communicators must make their collective operations in the same order on every rank)",
-                r.op.name(),
-                r.pool,
-                r.size,
-                r.seq
+                "{op} of the pool with channel ordinal {pool} ({size} B, at its call #{seq}; pools sharing communicators must make their collective operations in the same order on every rank)"
             )
         };
         return diverged(None, None, each(&order));
