@@ -69,11 +69,9 @@ impl StoreExchange {
                 );
                 return Err(Error::ShrinkFailed { reason });
             };
+            let (job_rank, world, took) = (self.job_rank, survivors.len(), started.elapsed());
             tracing::warn!(
-                "symmpool store: job rank {} is rank {rank} of {} after the shrink (epoch {epoch}, {:?})",
-                self.job_rank,
-                survivors.len(),
-                started.elapsed()
+                "symmpool store: job rank {job_rank} is rank {rank} of {world} after the shrink (epoch {epoch}, {took:?})"
             );
             let next = Arc::new(StoreExchange {
                 shared: self.shared.clone(),

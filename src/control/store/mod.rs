@@ -475,19 +475,17 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     if let Some(hosts) = shared.rank_hosts.get()
         && !hosts.contains(&peer.ip().to_canonical())
     {
-        let why = format!(
-            "every rank has joined, and {} runs none of them (a rank cannot rejoin)",
-            peer.ip()
-        );
+        let ip = peer.ip();
+        let why =
+            format!("every rank has joined, and {ip} runs none of them (a rank cannot rejoin)");
         return shared.refuse_now(stream, peer, RefusalKind::Closed, why);
     }
     let in_flight = shared.handshakes.fetch_add(1, Ordering::AcqRel);
     if in_flight >= shared.config.max_handshakes {
         shared.handshakes.fetch_sub(1, Ordering::AcqRel);
-        let why = format!(
-            "busy: {} handshakes in flight (StoreConfig::max_handshakes); try again",
-            shared.config.max_handshakes
-        );
+        let n = shared.config.max_handshakes;
+        let why =
+            format!("busy: {n} handshakes in flight (StoreConfig::max_handshakes); try again");
         return shared.refuse_now(stream, peer, RefusalKind::Busy, why);
     }
     // The thread owns the slot taken above (released when its handshake ends).
