@@ -8,7 +8,7 @@ use std::sync::Barrier;
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::{
-    Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, ShrinkReport, Stream, SymmBuffer, SymmPool,
+    Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
 };
 
 mod common;
@@ -215,5 +215,190 @@ fn survivors_that_diverged_before_the_loss_all_get_a_divergence() {
     for (first, second) in out {
         assert!(matches!(first, Err(Error::Divergence(_))), "{first:?}");
         assert!(matches!(second, Err(Error::Divergence(_))), "{second:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Processes on the shared-memory backend: a rank killed with `kill -9`, then a second
+// one killed while the survivors agree or register their segments anew, or the
+// store's host killed.
+
+use common::procs::{CHILD, HEARTBEAT_TIMEOUT_MS, Job};
+use common::watched::{Watch, Watched};
+use std::sync::Arc;
+use symmpool::{Deadline, Exchange};
+
+const ENTRY: &str = "attack_child";
+/// The processes' pool timeout: every answer comes well before it.
+const PROCESS_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Where the second victim stops for good (the test kills it there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stall {
+    /// In its ask to shrink, before it asks.
+    Agreeing,
+    /// In the first round of the new group that agrees on a window registration.
+    Registering,
+}
+
+fn stall_here() -> ! {
+    println!("@@stalled");
+    loop {
+        thread::park();
+    }
+}
+
+impl Watch for Stall {
+    fn shrink(
+        &self,
+        inner: &dyn Exchange,
+        deadline: Deadline,
+    ) -> symmpool::Result<Arc<dyn Exchange>> {
+        if *self == Stall::Agreeing {
+            stall_here();
+        }
+        let next = inner.shrink(deadline)?;
+        Ok(Watched::wrap(next, |op| {
+            if op == "window registration order" {
+                stall_here();
+            }
+        }))
+    }
+}
+
+#[test]
+fn attack_child() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let code = match child() {
+        Ok(()) => 0,
+        Err(e) => {
+            println!("@@error {e:?}");
+            2
+        }
+    };
+    std::process::exit(code);
+}
+
+/// A rank of a job of `ATTACK` (`agreeing`, `registering`: rank 2 stalls there after
+/// the first loss; `host`: the first victim is rank 0): set up, say `@@ready`, then
+/// wait in a collective for the first victim (killed by the test), ask to shrink up
+/// to three times, and say what each ask answered.
+fn child() -> symmpool::Result<()> {
+    let (rank, _, backend) = common::shm::join()?;
+    let attack = std::env::var("ATTACK").unwrap();
+    let stall = match attack.as_str() {
+        "agreeing" => Some(Stall::Agreeing),
+        "registering" => Some(Stall::Registering),
+        _ => None,
+    };
+    let backend = match (rank, stall) {
+        (2, Some(stall)) => backend.with_exchange(|x| Watched::with(x, stall))?,
+        _ => backend,
+    };
+    let pool = SymmPool::new(backend, PoolConfig::default().with_timeout(PROCESS_TIMEOUT))?;
+    let coll = Coll::new(&pool)?;
+    let kept = pool.alloc(4096, &Stream::host())?;
+    kept.write(&[rank as f32; 1024])?;
+    sum_of_ranks(&pool, &coll)?;
+    println!("@@ready");
+    let lost = sum_of_ranks(&pool, &coll).map(|_| ());
+    let lost_at = Instant::now();
+    println!("@@lost {lost:?}");
+    drop(coll);
+    println!("@@asking");
+    for _ in 0..3 {
+        match pool.shrink() {
+            Ok((next, report)) => {
+                let coll = Coll::new(&next)?;
+                let sum = sum_of_ranks(&next, &coll)?;
+                println!(
+                    "@@answer Ok world={} lost={:?} sum={sum}",
+                    report.world_size, report.lost_ranks
+                );
+                assert_eq!(kept.read::<f32>()?, [rank as f32; 1024]);
+                drop((coll, kept));
+                next.close()?;
+                break;
+            }
+            Err(e) => println!("@@answer Err {e:?} ms={}", lost_at.elapsed().as_millis()),
+        }
+    }
+    Ok(())
+}
+
+/// A 4-rank job of `attack`: the test kills `first` once every rank is ready, then
+/// (where `second`) that rank once it stalled and the others ask; every other rank's
+/// answers, in order, each job rank's after it exited.
+fn job_of(attack: &str, first: usize, second: Option<usize>) -> Vec<Vec<String>> {
+    let before = common::shm::shm_entries();
+    let world = 4;
+    let mut job = Job::start(ENTRY, world, |_| vec![("ATTACK", attack.to_string())]);
+    for r in 0..world {
+        job.expect(r, "@@ready", Duration::from_secs(60));
+    }
+    job.children[first].kill().unwrap();
+    let killed_at = Instant::now();
+    let survivors: Vec<usize> = (0..world)
+        .filter(|r| *r != first && Some(*r) != second)
+        .collect();
+    if let Some(second) = second {
+        job.expect(second, "@@stalled", Duration::from_secs(60));
+        for &r in &survivors {
+            job.expect(r, "@@asking", Duration::from_secs(60));
+        }
+        job.children[second].kill().unwrap();
+    }
+    let codes = job.wait(&survivors, PROCESS_TIMEOUT / 2);
+    assert_eq!(codes, vec![0; survivors.len()], "{:?}", job.seen);
+    assert!(killed_at.elapsed() < PROCESS_TIMEOUT / 2);
+    let answers = survivors
+        .iter()
+        .map(|&r| {
+            (job.seen.iter())
+                .filter(|(at, l)| *at == r && l.starts_with("@@answer "))
+                .map(|(_, l)| l["@@answer ".len()..].to_string())
+                .collect()
+        })
+        .collect();
+    drop(job);
+    assert_eq!(common::shm::shm_entries(), before, "nothing left in /dev/shm");
+    answers
+}
+
+#[test]
+fn a_second_process_killed_while_the_survivors_agree_fails_their_ask_and_they_ask_again() {
+    for answers in job_of("agreeing", 3, Some(2)) {
+        let (last, failed) = answers.split_last().expect("an answer");
+        assert!(last.starts_with("Ok world=2 lost=[2, 3] sum=3"), "{answers:?}");
+        for f in failed {
+            assert!(f.starts_with("Err ShrinkFailed"), "{answers:?}");
+            assert!(f.contains("job rank 2 was lost"), "{answers:?}");
+        }
+    }
+}
+
+#[test]
+fn a_second_process_killed_while_the_survivors_register_anew_fails_their_ask_and_they_ask_again()
+{
+    for answers in job_of("registering", 3, Some(2)) {
+        // The new group lost its rank 2: said once, then the survivors of both go on.
+        assert_eq!(answers.len(), 2, "{answers:?}");
+        assert!(answers[0].starts_with("Err PeerLost { rank: 2"), "{answers:?}");
+        assert!(answers[1].starts_with("Ok world=2 lost=[2, 3] sum=3"), "{answers:?}");
+    }
+}
+
+#[test]
+fn without_the_stores_host_every_survivor_fails_its_shrink_at_once() {
+    for answers in job_of("host", 0, None) {
+        assert_eq!(answers.len(), 3, "{answers:?}");
+        for a in &answers {
+            assert!(a.starts_with("Err ShrinkFailed"), "{answers:?}");
+            assert!(a.contains("job rank 0, is gone"), "{answers:?}");
+        }
+        let ms: u64 = answers[0].rsplit("ms=").next().unwrap().parse().unwrap();
+        assert!(ms < HEARTBEAT_TIMEOUT_MS, "{answers:?}");
     }
 }

@@ -15,7 +15,9 @@ impl StoreExchange {
     /// ranks (rank 0 stays rank 0: it hosts the store). The new exchange shares this
     /// one's connection and starts with no channel open but
     /// [`ChannelId::CONTROL`](super::super::ChannelId::CONTROL) and its rounds from 1.
-    /// Every backend and pool of a rank that share this exchange may ask.
+    /// Every backend and pool of a rank that share this exchange may ask: asking again
+    /// returns the same exchange, or, once its group lost a rank too or shrank in
+    /// turn, its shrink.
     ///
     /// # Collective
     /// Every surviving rank calls it, after the loss (a [`Error::PeerLost`] from any
@@ -28,8 +30,13 @@ impl StoreExchange {
     /// [`Error::Timeout`] if a connected rank does not ask by `deadline`.
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
         let mut successor = self.successor.lock();
-        if let Some(next) = &*successor {
-            return Ok(next.clone());
+        if let Some(next) = successor.clone() {
+            drop(successor);
+            // The survivors lost a rank too, or went on past such a loss: from there.
+            if super::super::Exchange::lost_peer(&*next).is_some() || next.successor.lock().is_some() {
+                return next.shrink(deadline);
+            }
+            return Ok(next);
         }
         let started = Instant::now();
         let server_gone = |detail: Option<String>| Error::ShrinkFailed {
