@@ -237,6 +237,8 @@ const PROCESS_TIMEOUT: Duration = Duration::from_secs(60);
 enum Stall {
     /// In its ask to shrink, before it asks.
     Agreeing,
+    /// Right after the group shrank, before the backend's new communicators.
+    Shrunk,
     /// In the first round of the new group that agrees on a window registration.
     Registering,
 }
@@ -258,6 +260,9 @@ impl Watch for Stall {
             stall_here();
         }
         let next = inner.shrink(deadline)?;
+        if *self == Stall::Shrunk {
+            stall_here();
+        }
         Ok(Watched::wrap(next, |op| {
             if op == "window registration order" {
                 stall_here();
@@ -281,7 +286,7 @@ fn attack_child() {
     std::process::exit(code);
 }
 
-/// A rank of a job of `ATTACK` (`agreeing`, `registering`: rank 2 stalls there after
+/// A rank of a job of `ATTACK` (`agreeing`, `shrunk`, `registering`: rank 2 stalls there after
 /// the first loss; `host`: the first victim is rank 0): set up, say `@@ready`, then
 /// wait in a collective for the first victim (killed by the test), ask to shrink up
 /// to three times, and say what each ask answered.
@@ -290,6 +295,7 @@ fn child() -> symmpool::Result<()> {
     let attack = std::env::var("ATTACK").unwrap();
     let stall = match attack.as_str() {
         "agreeing" => Some(Stall::Agreeing),
+        "shrunk" => Some(Stall::Shrunk),
         "registering" => Some(Stall::Registering),
         _ => None,
     };
@@ -376,6 +382,15 @@ fn a_second_process_killed_while_the_survivors_agree_fails_their_ask_and_they_as
             assert!(f.starts_with("Err ShrinkFailed"), "{answers:?}");
             assert!(f.contains("job rank 2 was lost"), "{answers:?}");
         }
+    }
+}
+
+#[test]
+fn a_second_process_killed_right_after_the_group_shrank_fails_their_ask_and_they_ask_again() {
+    for answers in job_of("shrunk", 3, Some(2)) {
+        assert_eq!(answers.len(), 2, "{answers:?}");
+        assert!(answers[0].starts_with("Err PeerLost { rank: 2"), "{answers:?}");
+        assert!(answers[1].starts_with("Ok world=2 lost=[2, 3] sum=3"), "{answers:?}");
     }
 }
 
