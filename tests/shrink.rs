@@ -769,7 +769,10 @@ fn a_thread_lost_right_after_the_group_shrank_fails_the_shrink_cleanly() {
         // The new group lost its rank 2 before it could agree: a clear error, then,
         // asked again, the survivors of both losses go on; never a hang.
         assert_eq!(a.len(), 2, "{a:?}");
-        assert!(matches!(a[0], Err(Error::PeerLost { rank: 2, .. })), "{a:?}");
+        assert!(
+            matches!(a[0], Err(Error::PeerLost { rank: 2, .. })),
+            "{a:?}"
+        );
         assert!(matches!(a[1], Ok(2)), "{a:?}");
     }
 }

@@ -7,9 +7,7 @@
 use std::sync::Barrier;
 use std::thread;
 use std::time::{Duration, Instant};
-use symmpool::{
-    Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
-};
+use symmpool::{Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool};
 
 mod common;
 
@@ -21,10 +19,7 @@ fn host_pools(world: usize, timeout: Duration) -> Vec<SymmPool> {
 }
 
 /// Run `f(rank, pool)` on one thread per pool; the results in rank order.
-fn on_ranks<R: Send>(
-    pools: Vec<SymmPool>,
-    f: impl Fn(usize, SymmPool) -> R + Sync,
-) -> Vec<R> {
+fn on_ranks<R: Send>(pools: Vec<SymmPool>, f: impl Fn(usize, SymmPool) -> R + Sync) -> Vec<R> {
     thread::scope(|s| {
         let f = &f;
         let hs: Vec<_> = (pools.into_iter().enumerate())
@@ -159,13 +154,19 @@ fn after_a_shrink_the_old_pool_and_handle_refuse_and_its_buffers_live_on() {
         )));
         let fresh = next.alloc(4096, &stream).unwrap();
         let foreign = coll.all_reduce_in_place::<f32>(&fresh, ReduceOp::Sum, &stream);
-        assert!(matches!(foreign, Err(Error::ForeignBuffer { .. })), "{foreign:?}");
+        assert!(
+            matches!(foreign, Err(Error::ForeignBuffer { .. })),
+            "{foreign:?}"
+        );
         let step = coll.end_step();
         assert!(step.is_err(), "{step:?}");
         // The new pool's handle with an old buffer on either side.
         let new_coll = Coll::new(&next).unwrap();
         let mixed = new_coll.all_reduce::<f32>(&fresh, &kept[1], ReduceOp::Sum, &stream);
-        assert!(matches!(mixed, Err(Error::ForeignBuffer { .. })), "{mixed:?}");
+        assert!(
+            matches!(mixed, Err(Error::ForeignBuffer { .. })),
+            "{mixed:?}"
+        );
         let mixed = new_coll.all_reduce::<f32>(&kept[1], &fresh, ReduceOp::Sum, &stream);
         assert!(is_shrunk(mixed));
         // The old buffers: readable, writable, their data kept.
@@ -187,7 +188,10 @@ fn after_a_shrink_the_old_pool_and_handle_refuse_and_its_buffers_live_on() {
         let sum = sum_of_ranks(&newer, &newer_coll).unwrap();
         // Closing with old buffers alive is refused; once they are gone it closes.
         let refused = newer.close();
-        assert!(matches!(refused, Err(Error::BuffersAlive { .. })), "{refused:?}");
+        assert!(
+            matches!(refused, Err(Error::BuffersAlive { .. })),
+            "{refused:?}"
+        );
         drop((kept, newer_coll));
         newer.close().unwrap();
         assert!(next.close().is_ok());
@@ -216,6 +220,50 @@ fn survivors_that_diverged_before_the_loss_all_get_a_divergence() {
         assert!(matches!(first, Err(Error::Divergence(_))), "{first:?}");
         assert!(matches!(second, Err(Error::Divergence(_))), "{second:?}");
     }
+}
+
+#[test]
+fn pools_with_communicators_of_their_own_shrink_one_after_the_other() {
+    let started = Instant::now();
+    let backends = symmpool::HostBackend::world(symmpool::HostConfig::new(3)).unwrap();
+    let out = thread::scope(|s| {
+        let hs: Vec<_> = (backends.into_iter().enumerate())
+            .map(|(rank, b)| {
+                s.spawn(move || {
+                    let config = |name: &str| {
+                        (PoolConfig::default().with_timeout(TIMEOUT))
+                            .with_name(name)
+                            .with_own_communicators(true)
+                    };
+                    let a = SymmPool::new(b.clone(), config("a")).unwrap();
+                    let z = SymmPool::new(b, config("z")).unwrap();
+                    if rank == 2 {
+                        return None;
+                    }
+                    let colls = [Coll::new(&a).unwrap(), Coll::new(&z).unwrap()];
+                    learn_of_loss(&a, &colls[0]);
+                    learn_of_loss(&z, &colls[1]);
+                    drop(colls);
+                    let sums: Vec<f32> = [a, z]
+                        .iter()
+                        .map(|p| {
+                            let (next, report) = p.shrink().unwrap();
+                            assert_eq!(report.lost_ranks, [2]);
+                            let sum = sum_of_ranks(&next, &Coll::new(&next).unwrap()).unwrap();
+                            next.close().unwrap();
+                            sum
+                        })
+                        .collect();
+                    Some(sums)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(out, [Some(vec![3.0, 3.0]), Some(vec![3.0, 3.0]), None]);
+    assert!(started.elapsed() < TIMEOUT / 2);
 }
 
 // ---------------------------------------------------------------------------------
@@ -369,7 +417,11 @@ fn job_of(attack: &str, first: usize, second: Option<usize>) -> Vec<Vec<String>>
         })
         .collect();
     drop(job);
-    assert_eq!(common::shm::shm_entries(), before, "nothing left in /dev/shm");
+    assert_eq!(
+        common::shm::shm_entries(),
+        before,
+        "nothing left in /dev/shm"
+    );
     answers
 }
 
@@ -377,7 +429,10 @@ fn job_of(attack: &str, first: usize, second: Option<usize>) -> Vec<Vec<String>>
 fn a_second_process_killed_while_the_survivors_agree_fails_their_ask_and_they_ask_again() {
     for answers in job_of("agreeing", 3, Some(2)) {
         let (last, failed) = answers.split_last().expect("an answer");
-        assert!(last.starts_with("Ok world=2 lost=[2, 3] sum=3"), "{answers:?}");
+        assert!(
+            last.starts_with("Ok world=2 lost=[2, 3] sum=3"),
+            "{answers:?}"
+        );
         for f in failed {
             assert!(f.starts_with("Err ShrinkFailed"), "{answers:?}");
             assert!(f.contains("job rank 2 was lost"), "{answers:?}");
@@ -389,19 +444,30 @@ fn a_second_process_killed_while_the_survivors_agree_fails_their_ask_and_they_as
 fn a_second_process_killed_right_after_the_group_shrank_fails_their_ask_and_they_ask_again() {
     for answers in job_of("shrunk", 3, Some(2)) {
         assert_eq!(answers.len(), 2, "{answers:?}");
-        assert!(answers[0].starts_with("Err PeerLost { rank: 2"), "{answers:?}");
-        assert!(answers[1].starts_with("Ok world=2 lost=[2, 3] sum=3"), "{answers:?}");
+        assert!(
+            answers[0].starts_with("Err PeerLost { rank: 2"),
+            "{answers:?}"
+        );
+        assert!(
+            answers[1].starts_with("Ok world=2 lost=[2, 3] sum=3"),
+            "{answers:?}"
+        );
     }
 }
 
 #[test]
-fn a_second_process_killed_while_the_survivors_register_anew_fails_their_ask_and_they_ask_again()
-{
+fn a_second_process_killed_while_the_survivors_register_anew_fails_their_ask_and_they_ask_again() {
     for answers in job_of("registering", 3, Some(2)) {
         // The new group lost its rank 2: said once, then the survivors of both go on.
         assert_eq!(answers.len(), 2, "{answers:?}");
-        assert!(answers[0].starts_with("Err PeerLost { rank: 2"), "{answers:?}");
-        assert!(answers[1].starts_with("Ok world=2 lost=[2, 3] sum=3"), "{answers:?}");
+        assert!(
+            answers[0].starts_with("Err PeerLost { rank: 2"),
+            "{answers:?}"
+        );
+        assert!(
+            answers[1].starts_with("Ok world=2 lost=[2, 3] sum=3"),
+            "{answers:?}"
+        );
     }
 }
 
@@ -415,5 +481,229 @@ fn without_the_stores_host_every_survivor_fails_its_shrink_at_once() {
         }
         let ms: u64 = answers[0].rsplit("ms=").next().unwrap().parse().unwrap();
         assert!(ms < HEARTBEAT_TIMEOUT_MS, "{answers:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// A raw client as one rank of the store's group: stale and future epochs, a vote
+// before the others ask, and a frame that is not one.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use symmpool::control::{Launch, StoreConfig, StoreExchange, StoreServer};
+
+/// The client's messages, in the store's order (variant index, then fields, postcard).
+#[derive(serde::Serialize)]
+#[allow(dead_code)]
+enum ToServer {
+    Hello {
+        #[serde(with = "serde_bytes")]
+        token: Vec<u8>,
+        job: String,
+        rank: u32,
+        world_size: u32,
+        host: String,
+        pid: u32,
+    },
+    Contribute,
+    Abandon,
+    Heartbeat,
+    Bye,
+    Shrink {
+        epoch: u64,
+    },
+    Withdraw {
+        epoch: u64,
+    },
+}
+
+/// The server's message indices a raw client reads here.
+const WELCOME: u8 = 0;
+const SHRUNK: u8 = 8;
+const SHRINK_FAILED: u8 = 9;
+
+fn store_config(rank: usize, world: usize, port: u16) -> StoreConfig {
+    let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
+    c.host_server = false;
+    c.token = Some("attack".into());
+    c.startup_timeout = TIMEOUT;
+    c.heartbeat_interval = Duration::from_millis(200);
+    // The raw client sends no heartbeat: it stays a member for the whole test.
+    c.heartbeat_timeout = TIMEOUT;
+    c.linger = Duration::from_millis(200);
+    c
+}
+
+struct Raw(TcpStream);
+
+impl Raw {
+    fn send_bytes(&mut self, body: &[u8]) {
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend(body);
+        self.0.write_all(&frame).unwrap();
+    }
+
+    fn send(&mut self, msg: &ToServer) {
+        self.send_bytes(&postcard::to_allocvec(msg).unwrap());
+    }
+
+    /// The body of the next frame of message `index` (others skipped), within the
+    /// socket's read timeout.
+    fn expect(&mut self, index: u8) -> Vec<u8> {
+        loop {
+            let mut len = [0u8; 4];
+            self.0.read_exact(&mut len).unwrap();
+            let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+            self.0.read_exact(&mut body).unwrap();
+            if body[0] == index {
+                return body[1..].to_vec();
+            }
+        }
+    }
+
+    fn refused_because(&mut self) -> String {
+        postcard::from_bytes(&self.expect(SHRINK_FAILED)).unwrap()
+    }
+
+    /// Join as `rank` of `world`: the preface and hello, then the welcome.
+    fn join(port: u16, rank: u32, world_size: u32) -> Raw {
+        let mut raw = Raw(TcpStream::connect(("127.0.0.1", port)).unwrap());
+        raw.0.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let mut preface = b"SYMMPOOL".to_vec();
+        preface.extend(5u16.to_le_bytes());
+        preface.extend([0, 0]);
+        raw.0.write_all(&preface).unwrap();
+        raw.send(&ToServer::Hello {
+            token: b"attack".to_vec(),
+            job: String::new(),
+            rank,
+            world_size,
+            host: "raw".into(),
+            pid: 1,
+        });
+        let mut theirs = [0u8; 12];
+        raw.0.read_exact(&mut theirs).unwrap();
+        assert_eq!(theirs, preface.as_slice());
+        raw.expect(WELCOME);
+        raw
+    }
+}
+
+#[test]
+fn a_raw_client_sending_stale_epochs_and_garbage_gets_clear_answers_and_the_others_go_on() {
+    let world = 3;
+    let server = StoreServer::bind("127.0.0.1:0", &store_config(0, world, 0)).unwrap();
+    let port = server.local_addr().port();
+    thread::scope(|s| {
+        let host = s.spawn(|| StoreExchange::connect_hosting(store_config(0, world, port), server));
+        let one = s.spawn(|| StoreExchange::connect(store_config(1, world, port)));
+        let mut raw = Raw::join(port, 2, world as u32);
+        let group = [host.join().unwrap().unwrap(), one.join().unwrap().unwrap()];
+        let shrink_all = |group: &[StoreExchange]| {
+            thread::scope(|s| {
+                let hs: Vec<_> = (group.iter())
+                    .map(|x| s.spawn(|| x.shrink(Deadline::after(TIMEOUT)).unwrap()))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        // An epoch that has not come: refused, to this rank alone.
+        raw.send(&ToServer::Shrink { epoch: 5 });
+        let why = raw.refused_because();
+        assert!(why.contains("epoch 5") && why.contains("epoch 0"), "{why}");
+        // A vote before the others ask counts: the group of three shrinks to itself.
+        raw.send(&ToServer::Shrink { epoch: 0 });
+        let next = shrink_all(&group);
+        let (epoch, survivors): (u64, Vec<u32>) =
+            postcard::from_bytes(&raw.expect(SHRUNK)).unwrap();
+        assert_eq!((epoch, survivors), (1, vec![0, 1, 2]));
+        assert!(next.iter().all(|x| x.world_size() == 3));
+        // An epoch that is over: refused.
+        raw.send(&ToServer::Shrink { epoch: 0 });
+        let why = raw.refused_because();
+        assert!(why.contains("epoch 0") && why.contains("epoch 1"), "{why}");
+        // A frame that is no message: the raw rank is lost, and the others go on.
+        raw.send_bytes(&[200, 1, 2, 3]);
+        let lost = thread::scope(|s| {
+            let hs: Vec<_> = (next.iter())
+                .map(|x| s.spawn(|| common::round::round(x.as_ref(), 1)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for l in lost {
+            assert!(matches!(l, Err(Error::PeerLost { rank: 2, .. })), "{l:?}");
+        }
+        let last: Vec<_> = next.iter().map(|x| x.as_ref()).collect();
+        let last = thread::scope(|s| {
+            let hs: Vec<_> = (last.iter())
+                .map(|x| s.spawn(|| x.shrink(Deadline::after(TIMEOUT)).unwrap()))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        let rounds = thread::scope(|s| {
+            let hs: Vec<_> = (last.iter())
+                .map(|x| s.spawn(|| common::round::round(x.as_ref(), x.rank() as u8)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for r in rounds {
+            assert_eq!(r.unwrap(), [[0], [1]]);
+        }
+        drop((last, next, group));
+    });
+}
+
+/// `f` on every exchange's thread; the results in order.
+fn on_each<E: Sync, R: Send>(group: &[E], f: impl Fn(&E) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let hs: Vec<_> = group.iter().map(|x| s.spawn(|| f(x))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn an_ask_to_shrink_that_timed_out_is_withdrawn_from_the_store() {
+    let world = 3;
+    let server = StoreServer::bind("127.0.0.1:0", &store_config(0, world, 0)).unwrap();
+    let port = server.local_addr().port();
+    let server = std::sync::Mutex::new(Some(server));
+    let group = on_each(&[0, 1, 2], |&rank| {
+        let config = store_config(rank, world, port);
+        match rank {
+            0 => StoreExchange::connect_hosting(config, server.lock().unwrap().take().unwrap()),
+            _ => StoreExchange::connect(config),
+        }
+        .unwrap()
+    });
+    let briefly = || Deadline::after(Duration::from_millis(300));
+    let alone = group[1].shrink(briefly()).map(|_| ());
+    assert!(matches!(alone, Err(Error::Timeout { .. })), "{alone:?}");
+    // Rank 1 gave up: the others' asks do not count it as asking.
+    let others = on_each(&group[..], |x| match x.rank() {
+        1 => None,
+        _ => Some(x.shrink(briefly()).map(|_| ())),
+    });
+    for o in others.into_iter().flatten() {
+        assert!(matches!(o, Err(Error::Timeout { .. })), "{o:?}");
+    }
+    // The group of epoch 0 is as it was.
+    for r in on_each(&group[..], |x| common::round::round(x, 1)) {
+        assert_eq!(r.unwrap(), [[1], [1], [1]]);
+    }
+    // All three ask: the group of three goes on.
+    let next = on_each(&group[..], |x| x.shrink(Deadline::after(TIMEOUT)).unwrap());
+    let rounds = on_each(&next[..], |x| {
+        common::round::round(x.as_ref(), x.rank() as u8)
+    });
+    for r in rounds {
+        assert_eq!(r.unwrap(), [[0], [1], [2]]);
     }
 }

@@ -27,13 +27,16 @@ impl StoreExchange {
     /// [`Error::ShrinkFailed`] at once when the store's host (rank 0) is gone, and when
     /// a rank of the group is lost while the survivors ask (they may ask again);
     /// [`Error::Shrunk`] on an exchange that is itself replaced already;
-    /// [`Error::Timeout`] if a connected rank does not ask by `deadline`.
+    /// [`Error::Timeout`] if a connected rank does not ask by `deadline` (this rank's
+    /// ask is withdrawn).
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
         let mut successor = self.successor.lock();
         if let Some(next) = successor.clone() {
             drop(successor);
             // The survivors lost a rank too, or went on past such a loss: from there.
-            if super::super::Exchange::lost_peer(&*next).is_some() || next.successor.lock().is_some() {
+            if super::super::Exchange::lost_peer(&*next).is_some()
+                || next.successor.lock().is_some()
+            {
                 return next.shrink(deadline);
             }
             return Ok(next);
@@ -100,6 +103,10 @@ impl StoreExchange {
         if inbox.reader_done {
             return Err(server_gone(lost_detail(&inbox)));
         }
+        drop(inbox);
+        // The others' asks must not shrink the group with this rank counted as asking
+        // (the server ignores this once the group of this epoch is over).
+        let _ = (self.shared).send(&wire::encode(&ToServer::Withdraw { epoch: self.epoch }));
         Err(Error::Timeout {
             op: "shrink",
             waited: started.elapsed(),

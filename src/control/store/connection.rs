@@ -294,6 +294,7 @@ pub(super) fn serve(
                 return shared.depart(&mut st, rank, Some(id), CLOSED);
             }
             ToServer::Shrink { epoch } => shared.vote_shrink(&mut st, rank, epoch),
+            ToServer::Withdraw { epoch } => shared.withdraw_shrink(&mut st, rank, epoch),
             ToServer::Hello { .. } => {
                 return shared.depart(&mut st, rank, Some(id), "protocol error: a second hello");
             }

@@ -26,8 +26,9 @@ pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// carries the job identity and the process (host, pid), a refusal says why in a form
 /// the client can act on. Version 3: the server tells the ranks waiting in a long round
 /// who has not contributed ([`ToClient::Waiting`]). Version 4: the survivors of a loss
-/// shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]).
-pub(crate) const VERSION: u16 = 4;
+/// shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]). Version 5: an ask to
+/// shrink that timed out is withdrawn ([`ToServer::Withdraw`]).
+pub(crate) const VERSION: u16 = 5;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -106,6 +107,9 @@ pub(crate) enum ToServer {
     /// start, one more per shrink) becomes the ranks still connected, once every one
     /// of them has asked.
     Shrink { epoch: u64 },
+    /// This rank's ask to shrink the group of `epoch` timed out: it no longer counts
+    /// (the others' asks must not shrink the group with a rank that gave up).
+    Withdraw { epoch: u64 },
 }
 
 /// Why a group broke.
