@@ -505,8 +505,20 @@ enum ToServer {
         host: String,
         pid: u32,
     },
-    Contribute,
-    Abandon,
+    Contribute {
+        epoch: u64,
+        channel: u64,
+        round: u64,
+        op: String,
+        #[serde(with = "serde_bytes")]
+        payload: Vec<u8>,
+    },
+    Abandon {
+        epoch: u64,
+        channel: u64,
+        round: u64,
+        op: String,
+    },
     Heartbeat,
     Bye,
     Shrink {
@@ -599,23 +611,13 @@ fn a_raw_client_sending_stale_epochs_and_garbage_gets_clear_answers_and_the_othe
         let one = s.spawn(|| StoreExchange::connect(store_config(1, world, port)));
         let mut raw = Raw::join(port, 2, world as u32);
         let group = [host.join().unwrap().unwrap(), one.join().unwrap().unwrap()];
-        let shrink_all = |group: &[StoreExchange]| {
-            thread::scope(|s| {
-                let hs: Vec<_> = (group.iter())
-                    .map(|x| s.spawn(|| x.shrink(Deadline::after(TIMEOUT)).unwrap()))
-                    .collect();
-                hs.into_iter()
-                    .map(|h| h.join().unwrap())
-                    .collect::<Vec<_>>()
-            })
-        };
         // An epoch that has not come: refused, to this rank alone.
         raw.send(&ToServer::Shrink { epoch: 5 });
         let why = raw.refused_because();
         assert!(why.contains("epoch 5") && why.contains("epoch 0"), "{why}");
         // A vote before the others ask counts: the group of three shrinks to itself.
         raw.send(&ToServer::Shrink { epoch: 0 });
-        let next = shrink_all(&group);
+        let next = on_each(&group, |x| x.shrink(Deadline::after(TIMEOUT)).unwrap());
         let (epoch, survivors): (u64, Vec<u32>) =
             postcard::from_bytes(&raw.expect(SHRUNK)).unwrap();
         assert_eq!((epoch, survivors), (1, vec![0, 1, 2]));
@@ -624,37 +626,40 @@ fn a_raw_client_sending_stale_epochs_and_garbage_gets_clear_answers_and_the_othe
         raw.send(&ToServer::Shrink { epoch: 0 });
         let why = raw.refused_because();
         assert!(why.contains("epoch 0") && why.contains("epoch 1"), "{why}");
+        // A round of the group that shrank, given up or contributed to late: ignored;
+        // the new group's first round has the raw rank's own payload.
+        let (channel, round, op) = (0, 1, "a round".to_string());
+        raw.send(&ToServer::Abandon {
+            epoch: 0,
+            channel,
+            round,
+            op: op.clone(),
+        });
+        for (epoch, payload) in [(0, 9), (1, 2)] {
+            let op = op.clone();
+            let payload = vec![payload];
+            raw.send(&ToServer::Contribute {
+                epoch,
+                channel,
+                round,
+                op,
+                payload,
+            });
+        }
+        for r in on_each(&next[..], |x| {
+            common::round::round(x.as_ref(), x.rank() as u8)
+        }) {
+            assert_eq!(r.unwrap(), [[0], [1], [2]]);
+        }
         // A frame that is no message: the raw rank is lost, and the others go on.
         raw.send_bytes(&[200, 1, 2, 3]);
-        let lost = thread::scope(|s| {
-            let hs: Vec<_> = (next.iter())
-                .map(|x| s.spawn(|| common::round::round(x.as_ref(), 1)))
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
-        });
-        for l in lost {
+        for l in on_each(&next[..], |x| common::round::round(x.as_ref(), 1)) {
             assert!(matches!(l, Err(Error::PeerLost { rank: 2, .. })), "{l:?}");
         }
-        let last: Vec<_> = next.iter().map(|x| x.as_ref()).collect();
-        let last = thread::scope(|s| {
-            let hs: Vec<_> = (last.iter())
-                .map(|x| s.spawn(|| x.shrink(Deadline::after(TIMEOUT)).unwrap()))
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
-        });
-        let rounds = thread::scope(|s| {
-            let hs: Vec<_> = (last.iter())
-                .map(|x| s.spawn(|| common::round::round(x.as_ref(), x.rank() as u8)))
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
-        });
-        for r in rounds {
+        let last = on_each(&next[..], |x| x.shrink(Deadline::after(TIMEOUT)).unwrap());
+        for r in on_each(&last[..], |x| {
+            common::round::round(x.as_ref(), x.rank() as u8)
+        }) {
             assert_eq!(r.unwrap(), [[0], [1]]);
         }
         drop((last, next, group));
@@ -705,5 +710,36 @@ fn an_ask_to_shrink_that_timed_out_is_withdrawn_from_the_store() {
     });
     for r in rounds {
         assert_eq!(r.unwrap(), [[0], [1], [2]]);
+    }
+}
+
+#[test]
+fn a_round_under_which_the_group_shrinks_ends_with_shrunk_at_once() {
+    let world = 2;
+    let server = StoreServer::bind("127.0.0.1:0", &store_config(0, world, 0)).unwrap();
+    let port = server.local_addr().port();
+    let server = std::sync::Mutex::new(Some(server));
+    let group = on_each(&[0, 1], |&rank| {
+        let config = store_config(rank, world, port);
+        match rank {
+            0 => StoreExchange::connect_hosting(config, server.lock().unwrap().take().unwrap()),
+            _ => StoreExchange::connect(config),
+        }
+        .unwrap()
+    });
+    let started = Instant::now();
+    // On rank 1, one thread waits in a round that rank 0 never joins while another
+    // asks to shrink (as two pools of one rank may); rank 0 asks too.
+    let (waited, next) = thread::scope(|s| {
+        let waiting = s.spawn(|| common::round::round(&group[1], 7));
+        let next = on_each(&group[..], |x| x.shrink(Deadline::after(TIMEOUT)).unwrap());
+        (waiting.join().unwrap(), next)
+    });
+    assert!(matches!(waited, Err(Error::Shrunk { .. })), "{waited:?}");
+    assert!(started.elapsed() < TIMEOUT / 2, "{:?}", started.elapsed());
+    for r in on_each(&next[..], |x| {
+        common::round::round(x.as_ref(), x.rank() as u8)
+    }) {
+        assert_eq!(r.unwrap(), [[0], [1]]);
     }
 }
