@@ -29,6 +29,14 @@ fn on_ranks<R: Send>(pools: Vec<SymmPool>, f: impl Fn(usize, SymmPool) -> R + Sy
     })
 }
 
+/// `f` on every item's thread (an exchange, a rank); the results in order.
+fn on_each<E: Sync, R: Send>(group: &[E], f: impl Fn(&E) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let hs: Vec<_> = group.iter().map(|x| s.spawn(|| f(x))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Every rank's `rank + 1` summed over the pool's ranks, in a fresh buffer.
 fn sum_of_ranks(pool: &SymmPool, coll: &Coll) -> symmpool::Result<f32> {
     let stream = Stream::host();
@@ -664,14 +672,6 @@ fn a_raw_client_sending_stale_epochs_and_garbage_gets_clear_answers_and_the_othe
         }
         drop((last, next, group));
     });
-}
-
-/// `f` on every exchange's thread; the results in order.
-fn on_each<E: Sync, R: Send>(group: &[E], f: impl Fn(&E) -> R + Sync) -> Vec<R> {
-    thread::scope(|s| {
-        let hs: Vec<_> = group.iter().map(|x| s.spawn(|| f(x))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 #[test]
