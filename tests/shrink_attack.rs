@@ -4,12 +4,17 @@
 //! and a raw client that sends the store's shrink protocol nonsense. Every attack ends
 //! in a clear error or a consistent success, well within the pools' timeout.
 
-use std::sync::Barrier;
+use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
-use symmpool::{Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool};
+use symmpool::{
+    Coll, CollectiveCalls, Deadline, Error, Exchange, HostBackend, HostConfig, PoolConfig,
+    ReduceOp, Stream, SymmBuffer, SymmPool,
+};
 
 mod common;
+
+use common::watched::{Watch, Watched};
 
 /// The pools' timeout where every wait should succeed: no wait of a test comes near it.
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -230,10 +235,72 @@ fn survivors_that_diverged_before_the_loss_all_get_a_divergence() {
     }
 }
 
+/// At a rank's ask to shrink (its old pool's state held by the shrink): let the
+/// dropper go, and wait until it dropped every old buffer.
+struct DropDuring {
+    go: mpsc::Sender<()>,
+    dropped: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Watch for DropDuring {
+    fn shrink(
+        &self,
+        inner: &dyn Exchange,
+        deadline: Deadline,
+    ) -> symmpool::Result<Arc<dyn Exchange>> {
+        self.go.send(()).unwrap();
+        self.dropped.lock().unwrap().recv_timeout(TIMEOUT).unwrap();
+        inner.shrink(deadline)
+    }
+}
+
+#[test]
+fn old_buffers_dropped_on_another_thread_during_the_shrink_all_return_to_the_new_pool() {
+    let backends = HostBackend::world(HostConfig::new(3)).unwrap();
+    let out = thread::scope(|s| {
+        let hs: Vec<_> = (backends.into_iter().enumerate())
+            .map(|(rank, b)| {
+                s.spawn(move || {
+                    let (go, go_rx) = mpsc::channel();
+                    let (dropped_tx, dropped) = mpsc::channel();
+                    let dropped = Mutex::new(dropped);
+                    let b = b.with_exchange(|x| Watched::with(x, DropDuring { go, dropped }));
+                    let config = PoolConfig::default().with_timeout(TIMEOUT);
+                    let pool = SymmPool::new(b.unwrap(), config).unwrap();
+                    let kept: Vec<_> = (0..100)
+                        .map(|_| pool.alloc(512, &Stream::host()).unwrap())
+                        .collect();
+                    if rank == 2 {
+                        return None;
+                    }
+                    let coll = Coll::new(&pool).unwrap();
+                    learn_of_loss(&pool, &coll);
+                    drop(coll);
+                    let (next, report) = thread::scope(|s| {
+                        s.spawn(move || {
+                            go_rx.recv().unwrap();
+                            drop(kept);
+                            dropped_tx.send(()).unwrap();
+                        });
+                        pool.shrink().unwrap()
+                    });
+                    drop(pool);
+                    // The frees queued while the shrink held the old pool reach the new one.
+                    Some((report.live_buffers, next.close().map_err(|e| e.to_string())))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(out, [Some((100, Ok(()))), Some((100, Ok(()))), None]);
+}
+
 #[test]
 fn pools_with_communicators_of_their_own_shrink_one_after_the_other() {
     let started = Instant::now();
-    let backends = symmpool::HostBackend::world(symmpool::HostConfig::new(3)).unwrap();
+    let backends = HostBackend::world(HostConfig::new(3)).unwrap();
     let out = thread::scope(|s| {
         let hs: Vec<_> = (backends.into_iter().enumerate())
             .map(|(rank, b)| {
@@ -280,9 +347,6 @@ fn pools_with_communicators_of_their_own_shrink_one_after_the_other() {
 // store's host killed.
 
 use common::procs::{CHILD, HEARTBEAT_TIMEOUT_MS, Job};
-use common::watched::{Watch, Watched};
-use std::sync::Arc;
-use symmpool::{Deadline, Exchange};
 
 const ENTRY: &str = "attack_child";
 /// The processes' pool timeout: every answer comes well before it.
@@ -679,7 +743,7 @@ fn an_ask_to_shrink_that_timed_out_is_withdrawn_from_the_store() {
     let world = 3;
     let server = StoreServer::bind("127.0.0.1:0", &store_config(0, world, 0)).unwrap();
     let port = server.local_addr().port();
-    let server = std::sync::Mutex::new(Some(server));
+    let server = Mutex::new(Some(server));
     let group = on_each(&[0, 1, 2], |&rank| {
         let config = store_config(rank, world, port);
         match rank {
@@ -718,7 +782,7 @@ fn a_round_under_which_the_group_shrinks_ends_with_shrunk_at_once() {
     let world = 2;
     let server = StoreServer::bind("127.0.0.1:0", &store_config(0, world, 0)).unwrap();
     let port = server.local_addr().port();
-    let server = std::sync::Mutex::new(Some(server));
+    let server = Mutex::new(Some(server));
     let group = on_each(&[0, 1], |&rank| {
         let config = store_config(rank, world, port);
         match rank {
