@@ -61,11 +61,18 @@ impl Shared {
     }
 
     /// Job rank `rank` gave up its ask to shrink the group of `epoch` (its deadline
-    /// passed): the vote is forgotten, unless that group is over already.
+    /// passed): the vote is forgotten, and the rank told so
+    /// ([`ToClient::ShrinkFailed`]), unless that group is over already (the rank was
+    /// told of the new one first).
     pub(super) fn withdraw_shrink(&self, st: &mut State, rank: usize, epoch: u64) {
-        if epoch == st.epoch {
-            st.votes.remove(&rank);
+        if epoch != st.epoch {
+            // The rank was sent the new group before this: its answer.
+            return;
         }
+        st.votes.remove(&rank);
+        let reason = format!("job rank {rank} withdrew its ask to shrink (its deadline passed)");
+        let withdrawn = wire::encode(&ToClient::ShrinkFailed { reason });
+        self.send_to(st, [rank], &withdrawn);
     }
 
     /// Job rank `rank` of the group departed (`why`): a shrink being voted on fails for

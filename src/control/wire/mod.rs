@@ -113,7 +113,9 @@ pub(crate) enum ToServer {
     /// of them has asked.
     Shrink { epoch: u64 },
     /// This rank's ask to shrink the group of `epoch` timed out: it no longer counts
-    /// (the others' asks must not shrink the group with a rank that gave up).
+    /// (the others' asks must not shrink the group with a rank that gave up). The
+    /// answer is [`ToClient::ShrinkFailed`], or nothing where that group is over (the
+    /// rank was sent [`ToClient::Shrunk`] first).
     Withdraw { epoch: u64 },
 }
 
