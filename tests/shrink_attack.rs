@@ -298,6 +298,60 @@ fn old_buffers_dropped_on_another_thread_during_the_shrink_all_return_to_the_new
 }
 
 #[test]
+fn the_last_survivor_shrinks_to_a_world_of_one() {
+    let out = with_a_loss(
+        2,
+        1,
+        |_, _| Vec::new(),
+        |_, pool, coll, _| {
+            drop(coll);
+            let (next, report) = pool.shrink().unwrap();
+            let sum = sum_of_ranks(&next, &Coll::new(&next).unwrap()).unwrap();
+            next.close().unwrap();
+            (report.world_size, report.lost_ranks, sum)
+        },
+    );
+    assert_eq!(out, [(1, vec![1], 1.0)]);
+}
+
+#[test]
+fn pools_shrunk_in_crossed_orders_fail_on_every_rank_then_go_on_in_one_order() {
+    let backends = HostBackend::world(HostConfig::new(3)).unwrap();
+    let out = thread::scope(|s| {
+        let hs: Vec<_> = (backends.into_iter().enumerate())
+            .map(|(rank, b)| {
+                s.spawn(move || {
+                    let config =
+                        |name: &str| (PoolConfig::default().with_timeout(TIMEOUT)).with_name(name);
+                    let a = SymmPool::new(b.clone(), config("a")).unwrap();
+                    let z = SymmPool::new(b, config("z")).unwrap();
+                    if rank == 2 {
+                        return None;
+                    }
+                    let coll = Coll::with_pools(&[a.clone(), z.clone()]).unwrap();
+                    learn_of_loss(&a, &coll);
+                    drop(coll);
+                    let crossed = if rank == 0 { [&a, &z] } else { [&z, &a] };
+                    for p in crossed {
+                        let e = p.shrink().map(|_| ());
+                        assert!(matches!(e, Err(Error::ChannelMismatch { .. })), "{e:?}");
+                    }
+                    let sizes: Vec<usize> = [&a, &z]
+                        .iter()
+                        .map(|p| p.shrink().unwrap().0.world_size())
+                        .collect();
+                    Some(sizes)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(out, [Some(vec![2, 2]), Some(vec![2, 2]), None]);
+}
+
+#[test]
 fn pools_with_communicators_of_their_own_shrink_one_after_the_other() {
     let started = Instant::now();
     let backends = HostBackend::world(HostConfig::new(3)).unwrap();
