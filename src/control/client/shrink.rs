@@ -28,8 +28,9 @@ impl StoreExchange {
     /// a rank of the group is lost while the survivors ask (they may ask again);
     /// [`Error::Shrunk`] on an exchange that is itself replaced already;
     /// [`Error::Timeout`] if a connected rank does not ask by `deadline`: this rank's
-    /// ask is withdrawn, and the store confirms it (had the group shrunk before the
-    /// withdrawal reached the store, the new exchange is returned instead).
+    /// ask is withdrawn, and the store confirms it, within a heartbeat timeout and
+    /// interval more (as for a round that times out); had the group shrunk before the
+    /// withdrawal reached the store, the new exchange is returned instead.
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
         let mut successor = self.successor.lock();
         if let Some(next) = successor.clone() {
