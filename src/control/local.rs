@@ -147,8 +147,8 @@ impl LocalExchange {
     /// the order of their ranks here, with no channel open but
     /// [`ChannelId::CONTROL`] and rounds from 1. This exchange (and every exchange of
     /// its group) then fails every later call with [`Error::Shrunk`]. Asking again
-    /// returns the same exchange. Asking with no rank lost gives a group of the same
-    /// size.
+    /// returns the same exchange, or, once that group lost a rank too or shrank in
+    /// turn, its shrink. Asking with no rank lost gives a group of the same size.
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss; it waits for them until
@@ -160,8 +160,13 @@ impl LocalExchange {
     /// by `deadline` (this rank's ask is withdrawn).
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
         let mut successor = self.successor.lock();
-        if let Some(next) = &*successor {
-            return Ok(next.clone());
+        if let Some(next) = successor.clone() {
+            drop(successor);
+            // The survivors lost a rank too, or went on past such a loss: from there.
+            if next.lost_peer().is_some() || next.successor.lock().is_some() {
+                return next.shrink(deadline);
+            }
+            return Ok(next);
         }
         let (started, rank, group) = (Instant::now(), self.rounds.rank, &*self.group);
         let mut st = group.state.lock();

@@ -61,12 +61,13 @@ impl SymmPool {
     /// lock, refused once closed.
     ///
     /// # Errors
-    /// The deferred error; [`Error::PoolClosed`].
+    /// The deferred error; [`Error::PoolClosed`], or [`Error::Shrunk`] once a shrink
+    /// replaced the pool.
     pub(super) fn lock_open(&self) -> Result<MutexGuard<'_, PoolState>> {
         self.take_deferred_error()?;
         let st = self.state();
         if st.closed {
-            return Err(Error::PoolClosed);
+            return Err(self.closed_error());
         }
         Ok(st)
     }
@@ -140,7 +141,8 @@ impl SymmPool {
     /// first, so they release the same segments).
     ///
     /// # Errors
-    /// [`Error::PoolClosed`], [`Error::PoolBroken`], [`Error::Divergence`],
+    /// [`Error::PoolClosed`] ([`Error::Shrunk`] once a shrink replaced the pool),
+    /// [`Error::PoolBroken`], [`Error::Divergence`],
     /// [`Error::Timeout`], backend errors; [`Error::RegistrationBroken`] on every rank
     /// once a registration has failed (the ranks' windows may be out of step, so no
     /// rank deregisters any until [`close`](Self::close), which releases everything).

@@ -26,8 +26,10 @@ pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// carries the job identity and the process (host, pid), a refusal says why in a form
 /// the client can act on. Version 3: the server tells the ranks waiting in a long round
 /// who has not contributed ([`ToClient::Waiting`]). Version 4: the survivors of a loss
-/// shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]).
-pub(crate) const VERSION: u16 = 4;
+/// shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]). Version 5: an ask to
+/// shrink that timed out is withdrawn ([`ToServer::Withdraw`]), and a round's
+/// contribution and abandonment name their group's epoch.
+pub(crate) const VERSION: u16 = 5;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -84,16 +86,20 @@ pub(crate) enum ToServer {
         host: String,
         pid: u32,
     },
-    /// This rank's payload for a round.
+    /// This rank's payload for a round of the group of `epoch` (one that is over is
+    /// ignored: the rank was told the group shrank).
     Contribute {
+        epoch: u64,
         channel: u64,
         round: u64,
         op: String,
         #[serde(with = "serde_bytes")]
         payload: Vec<u8>,
     },
-    /// This rank gave up waiting for a round: break the group.
+    /// This rank gave up waiting for a round of the group of `epoch`: break the group
+    /// (ignored once that group is over).
     Abandon {
+        epoch: u64,
         channel: u64,
         round: u64,
         op: String,
@@ -106,6 +112,11 @@ pub(crate) enum ToServer {
     /// start, one more per shrink) becomes the ranks still connected, once every one
     /// of them has asked.
     Shrink { epoch: u64 },
+    /// This rank's ask to shrink the group of `epoch` timed out: it no longer counts
+    /// (the others' asks must not shrink the group with a rank that gave up). The
+    /// answer is [`ToClient::ShrinkFailed`], or nothing where that group is over (the
+    /// rank was sent [`ToClient::Shrunk`] first).
+    Withdraw { epoch: u64 },
 }
 
 /// Why a group broke.
