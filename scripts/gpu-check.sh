@@ -21,7 +21,8 @@
 #           (collectives, two pools, CUDA graph, host cost per call), kill -9 of rank 1
 #           and of rank 0 inside a collective and inside a registration, SIGSTOP of a
 #           rank, and fsdp_step in every mode and check mode, its losses compared with
-#           the host backend's; fails if any check fails. On torch's NCCL when it is
+#           the host backend's, and `fsdp_step --survive` on 4 ranks (one lost, three
+#           shrink and train on); fails if any check fails. On torch's NCCL when it is
 #           installed (WORLD_NCCL=system keeps the system's); WORLD_BUDGET_S skips what
 #           would start after that many seconds (reported as not run, a failure)
 #   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, test_gpu_world.py as
@@ -204,7 +205,7 @@ for d in site.getsitepackages():
     {
       echo "-- $name: exit $code in $((SECONDS - t0)) s"
       grep '^nccl-world: \(SIG\|rank\|the world\)' "$w.out"
-      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|FAILED|HOSTCOST|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool' | sed 's/^/   /'
+      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|FAILED|HOSTCOST|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|^(lost|shrink|summary):|^losses at|^  (parameters|gradients|data) ' | sed 's/^/   /'
     } | tee -a "$log"
     { echo "==== $name (exit $code)"; cat "$w.out"
       for f in "$w"/rank*.log; do echo "---- $(basename "$f")"; grep -v 'NCCL INFO' "$f"; done
@@ -238,6 +239,10 @@ for d in site.getsitepackages():
   one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph
   # A rank killed in a collective; the two survivors shrink and all-gather again.
   one fault-shrink-KILL-1 -n 3 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
+  # The example loses rank 3 of 4 in a reduce-scatter; the three survivors shrink their
+  # pools and train on at world size 3.
+  one fsdp-survive-4 -n 4 -t 150 --dies 3 -- "$bin/fsdp_step" --backend nccl --survive \
+    --layers 2 --hidden 384 --batch 64 --steps 6 --quiet
   fsdp 3 off
   echo "== world: $([ "$status" = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s" | tee -a "$log"
   exit $status

@@ -19,6 +19,8 @@
 #                   STOP, ...) to rank R's own process. The ranks see the fault in
 #                   SYMMPOOL_WORLD_FAULT=SIG:R. Rank R is then expected to die (KILL) or
 #                   stay stopped (STOP: killed once the others are done)
+#   --dies R        rank R is expected to end by SIGKILL on its own (a rank that kills
+#                   itself on purpose, e.g. `fsdp_step --survive`)
 #
 # Every rank also gets SYMMPOOL_WORLD_DIR=DIR and SYMMPOOL_JOB_ID (a fresh one, so that
 # a stray rank of another world on the same port is refused). The script waits for the
@@ -28,8 +30,8 @@
 # 2 on bad usage.
 set -uo pipefail
 
-ranks=2 dir="" bound=300 port="" hostid=1 fault=""
-usage() { sed -n '2,27p' "$0" >&2; exit 2; }
+ranks=2 dir="" bound=300 port="" hostid=1 fault="" dies=""
+usage() { sed -n '2,30p' "$0" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -n) ranks="${2:?}"; shift 2 ;;
@@ -38,6 +40,7 @@ while [ $# -gt 0 ]; do
     -p) port="${2:?}"; shift 2 ;;
     --same-node) hostid=0; shift ;;
     --fault) fault="${2:?}"; shift 2 ;;
+    --dies) dies="${2:?}"; shift 2 ;;
     --) shift; break ;;
     -h|--help) usage ;;
     *) echo "nccl-world: unknown option $1" >&2; usage ;;
@@ -99,6 +102,11 @@ expired() { [ $((SECONDS - start)) -ge "$bound" ]; }
 alive() { kill -0 "$1" 2>/dev/null; }
 signalled=0
 status=0
+if [ -n "$dies" ]; then
+  [[ "$dies" =~ ^[0-9]+$ ]] && [ "$dies" -lt "$ranks" ] && [ -z "$fault" ] ||
+    { echo "nccl-world: --dies wants a rank below $ranks, and no --fault" >&2; exit 2; }
+  victim="$dies" signalled=1
+fi
 if [ -n "$fault" ]; then
   while [ ! -e "$dir/fault-point" ] && ! expired && alive "${pids[$victim]}"; do sleep 0.05; done
   if [ -e "$dir/fault-point" ] && alive "${pids[$victim]}"; then
@@ -125,7 +133,7 @@ expired && timed_out=1
 for r in "${!pids[@]}"; do
   p="${pids[$r]}"
   if alive "$p"; then
-    if [ "$signalled" = 1 ] && [ "$r" = "$victim" ]; then
+    if [ "$signalled" = 1 ] && [ "$r" = "$victim" ] && [ -z "$dies" ]; then
       what="still stopped once the others were done; killed"
     else
       what="still running after ${bound} s; killed"
@@ -138,7 +146,7 @@ for r in "${!pids[@]}"; do
   [ -n "${what:-}" ] || what="exit $code"
   if [ "$code" -gt 128 ] && [ -z "${what##exit*}" ]; then what="killed by SIG$(kill -l $((code - 128)))"; fi
   if [ "$signalled" = 1 ] && [ "$r" = "$victim" ]; then
-    case "$what" in exit*) status=1; what="$what (expected the signal)" ;; esac
+    case "$what" in "killed by SIGKILL"|"still stopped"*) ;; *) status=1; what="$what (expected SIGKILL)" ;; esac
   elif [ "$code" != 0 ]; then
     status=1
   fi

@@ -1,4 +1,4 @@
-//! `SYMMPOOL_CHECK` (issue 26, item 3): the environment sets the check mode of the
+//! `SYMMPOOL_CHECK`: the environment sets the check mode of the
 //! collectives handles through `PoolConfig::from_env` (never `default`), code that sets
 //! the mode beats it, and a value that names no
 //! mode is a typed configuration error when the handle is made. One test, so that the

@@ -380,7 +380,7 @@ fn store_start_up_times_out_naming_the_missing_ranks() {
 }
 
 // ---------------------------------------------------------------------------------
-// A rank that does not come is named while the others wait (issue "Safe by default").
+// A rank that does not come is named while the others wait.
 
 /// The warnings of this test binary, kept by one global subscriber.
 mod capture {
@@ -877,7 +877,7 @@ fn preface(version: u16) -> Vec<u8> {
 }
 
 /// The store's protocol version.
-const VERSION: u16 = 4;
+const VERSION: u16 = 5;
 
 /// A hello frame as postcard encodes it (all numbers and lengths below 128): token,
 /// job identity (none), rank, world size, host name, pid 1.
@@ -955,7 +955,7 @@ fn bad_clients_on_the_store_port_do_not_disturb_a_running_job() {
 }
 
 // ---------------------------------------------------------------------------------
-// A store that a hostile or careless client cannot break (issue 25).
+// A store that a hostile or careless client cannot break.
 
 /// The first line of `rank` (from `job`) starting with `prefix` and containing
 /// every one of `parts`, waiting up to `within`.

@@ -211,7 +211,7 @@ fn growth_registration_agreement_and_path_each_leave_their_trace() {
     assert_eq!(paths.len(), 2);
     assert_eq!(paths[0].field("op"), Some("all_gather"));
     assert_eq!(paths[0].field("path"), Some("symmetric_kernel"));
-    // Which rank and pool ran it (issue 26).
+    // Which rank and pool ran it.
     assert_eq!(paths[0].field("rank"), Some("0"));
     assert_eq!(paths[0].field("pool"), Some("pool"));
     assert_eq!(paths[1].field("op"), Some("reduce_scatter"));

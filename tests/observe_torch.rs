@@ -1,4 +1,4 @@
-//! PyTorch's memory tools on the pool (issue 26, item 4): the allocation history
+//! PyTorch's memory tools on the pool: the allocation history
 //! (`record_memory_history`, and with the snapshot under one lock), every rank's
 //! snapshot in one collective call, and the statistics keys that keep PyTorch's
 //! meaning. The export in the format of `torch.cuda.memory._snapshot()` is the Python

@@ -606,6 +606,41 @@ fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
     drop(buf1);
 }
 
+/// Notes the name of the thread that drops it: inside a watched exchange, the thread
+/// that drops the exchange.
+struct DroppedOn(std::sync::Arc<std::sync::Mutex<Vec<Option<String>>>>);
+
+impl common::watched::Watch for DroppedOn {}
+
+impl Drop for DroppedOn {
+    fn drop(&mut self) {
+        let me = thread::current().name().map(String::from);
+        self.0.lock().unwrap().push(me);
+    }
+}
+
+#[test]
+fn the_thread_that_drops_a_pool_drops_its_exchange_before_it_goes_on() {
+    // The checks' background thread (`CheckMode::Async`) holds the exchange too; the
+    // pool's drop joins it, so the exchange is gone when the drop returns, dropped by
+    // the caller (a hosting rank's exchange waits there for its peers' goodbyes,
+    // which the process must not exit before), not by that thread some time later.
+    let dropped = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let backends: Vec<_> = (symmpool::HostBackend::world(HostConfig::new(2)).unwrap())
+        .into_iter()
+        .map(|b| {
+            let watch = DroppedOn(dropped.clone());
+            (b.with_exchange(|x| common::watched::Watched::with(x, watch))).unwrap()
+        })
+        .collect();
+    let config = config().with_check(symmpool::CheckMode::Async);
+    let pools = SymmPool::group(backends, &config).unwrap();
+    on_ranks(&pools, |p| p.close().unwrap());
+    drop(pools);
+    let me = thread::current().name().map(String::from);
+    assert_eq!(*dropped.lock().unwrap(), vec![me.clone(), me]);
+}
+
 #[test]
 fn alloc_and_alloc_aligned_to_the_default_are_the_same_call() {
     let pools = SymmPool::host_group(2, config()).unwrap();

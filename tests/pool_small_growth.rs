@@ -1,4 +1,4 @@
-//! Issue 26, item 1: a registered pool's small class grows logarithmically like the
+//! A registered pool's small class grows logarithmically like the
 //! large class, so many small live tensors take few segments and few windows.
 
 mod common;

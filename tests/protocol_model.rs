@@ -140,8 +140,10 @@
 //! statistics, invariants); this test uses the core only as a shadow and checks the
 //! protocol around it. They share no property, so they share no oracle.
 
+use common::watched::{Watch, Watched};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::thread;
@@ -150,8 +152,9 @@ use symmpool::__core::{
     AllocError, AllocRequest, Allocator, BlockId, Fence, Growth, SegmentId, StreamId, Wait,
 };
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
-use symmpool::control::{ChannelId, Exchange};
 use symmpool::{Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmBuffer, SymmPool};
+
+mod common;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -262,11 +265,9 @@ impl Caps {
     }
 }
 
-/// The rank's exchange, counting the registration-order rounds and able to disguise
-/// one of them.
-#[derive(Debug)]
-struct Exchanges {
-    inner: Arc<dyn Exchange>,
+/// The rank's exchange rounds: their deadlines capped while `caps` says so, the
+/// registration-order rounds counted and one of them disguised when `faults` says so.
+struct Rounds {
     faults: Arc<Faults>,
     caps: Arc<Caps>,
 }
@@ -274,26 +275,18 @@ struct Exchanges {
 /// The `op` of the backend's registration-order round.
 const ORDER_ROUND: &str = "window registration order";
 
-impl Exchange for Exchanges {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(
+impl Watch for Rounds {
+    fn round(
         &self,
-        channel: ChannelId,
         op: &'static str,
-        payload: &[u8],
-        deadline: symmpool::Deadline,
-    ) -> Result<Vec<Vec<u8>>> {
-        let deadline = Caps::cap(self.caps.agreement.load(Ordering::SeqCst), deadline);
+        payload: &mut Cow<'_, [u8]>,
+        deadline: &mut symmpool::Deadline,
+    ) {
+        *deadline = Caps::cap(self.caps.agreement.load(Ordering::SeqCst), *deadline);
         if op != ORDER_ROUND {
-            return self.inner.all_gather(channel, op, payload, deadline);
+            return;
         }
         self.faults.order_rounds.fetch_add(1, Ordering::SeqCst);
-        let mut payload = payload.to_vec();
         if self.faults.other_pool_first.swap(false, Ordering::SeqCst) {
             // The round's record (pool name, segment bytes, as serde encodes it): keep
             // the size, change the name.
@@ -302,14 +295,10 @@ impl Exchange for Exchanges {
                 pool: String,
                 size_bytes: u64,
             }
-            let mut order: Order = postcard::from_bytes(&payload).expect("an order record");
+            let mut order: Order = postcard::from_bytes(payload).expect("an order record");
             order.pool = "another pool".into();
-            payload = postcard::to_allocvec(&order).expect("encodes");
+            *payload = Cow::Owned(postcard::to_allocvec(&order).expect("encodes"));
         }
-        self.inner.all_gather(channel, op, &payload, deadline)
-    }
-    fn open_channel(&self, name: &str, deadline: symmpool::Deadline) -> Result<ChannelId> {
-        self.inner.open_channel(name, deadline)
     }
 }
 
@@ -1327,11 +1316,11 @@ fn world_with_timeout(n: usize, timeout: Duration) -> Vec<Rank> {
             })
             .with_streams(|inner| Arc::new(Streams { inner, faults: f2 }))
             .with_exchange(|inner| {
-                Arc::new(Exchanges {
-                    inner,
+                let rounds = Rounds {
                     faults: f3,
                     caps: c2,
-                })
+                };
+                Watched::with(inner, rounds)
             })
             .unwrap()
         })

@@ -10,12 +10,12 @@
 use std::sync::Mutex;
 use std::thread;
 use std::time::Duration;
-use symmpool::control::{ChannelId, Exchange, Launch, StoreConfig, StoreExchange, StoreServer};
+use symmpool::control::{Exchange, Launch, StoreConfig, StoreExchange, StoreServer};
 use symmpool::{Deadline, Error};
 
 mod common;
 
-const LONG: Duration = Duration::from_secs(30);
+use common::round::{LONG, round};
 
 fn store_config(rank: usize, world: usize, port: u16) -> StoreConfig {
     let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
@@ -59,15 +59,6 @@ fn on_all<E: Sync, R: Send>(group: &[E], f: impl Fn(&E) -> R + Sync) -> Vec<R> {
         let hs: Vec<_> = group.iter().map(|x| s.spawn(|| f(x))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
-}
-
-fn round(ex: &dyn Exchange, payload: u8) -> symmpool::Result<Vec<Vec<u8>>> {
-    ex.all_gather(
-        ChannelId::CONTROL,
-        "a round",
-        &[payload],
-        Deadline::after(LONG),
-    )
 }
 
 #[test]
@@ -178,16 +169,13 @@ fn without_the_stores_host_a_shrink_fails_at_once() {
 }
 
 // ---------------------------------------------------------------------------------
-// One process per rank on the shared-memory backend: a rank killed in a collective,
-// the survivors shrink the pool and train on.
-
-// ---------------------------------------------------------------------------------
 // A toy training that survives a lost rank: one process per rank on the shared-memory
 // backend (one of them killed with `kill -9`), and ranks as threads of one host world
 // (one of them panicking); the survivors shrink the pool and train on.
 
 use common::procs::{CHILD, Job};
 use common::shm::{join, shm_entries};
+use common::watched::{Watch, Watched};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -666,12 +654,10 @@ fn panicked_in(phase: &'static str) {
     }
 }
 
-/// A rank's exchange that counts its rank's asks to shrink in `asks` and, for the
-/// second victim (`panics`), panics in its ask: before asking the group (once two other
-/// ranks ask), or right after (the group shrank with it).
-#[derive(Debug)]
+/// A rank's ask to shrink, counted in `asks`; for the second victim (`panics`), a
+/// panic in its ask: before asking the group (once two other ranks ask), or right after
+/// (the group shrank with it).
 struct Asking {
-    inner: Arc<dyn Exchange>,
     asks: Arc<(Mutex<usize>, std::sync::Condvar)>,
     panics: Option<When>,
 }
@@ -682,35 +668,18 @@ enum When {
     AfterAsking,
 }
 
-impl Exchange for Asking {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(
+impl Watch for Asking {
+    fn shrink(
         &self,
-        channel: ChannelId,
-        op: &'static str,
-        payload: &[u8],
+        inner: &dyn Exchange,
         deadline: Deadline,
-    ) -> symmpool::Result<Vec<Vec<u8>>> {
-        self.inner.all_gather(channel, op, payload, deadline)
-    }
-    fn open_channel(&self, name: &str, deadline: Deadline) -> symmpool::Result<ChannelId> {
-        self.inner.open_channel(name, deadline)
-    }
-    fn lost_peer(&self) -> Option<symmpool::control::LostPeer> {
-        self.inner.lost_peer()
-    }
-    fn shrink(&self, deadline: Deadline) -> symmpool::Result<Arc<dyn Exchange>> {
+    ) -> symmpool::Result<Arc<dyn Exchange>> {
         let (count, cv) = &*self.asks;
         match self.panics {
             None => {
                 *count.lock().unwrap() += 1;
                 cv.notify_all();
-                self.inner.shrink(deadline)
+                inner.shrink(deadline)
             }
             Some(When::BeforeAsking) => {
                 let asked = cv.wait_timeout_while(count.lock().unwrap(), LONG, |n| *n < 2);
@@ -718,7 +687,7 @@ impl Exchange for Asking {
                 panic!("the second victim's thread crashes before it asks to shrink");
             }
             Some(When::AfterAsking) => {
-                let _next = self.inner.shrink(deadline);
+                let _next = inner.shrink(deadline);
                 panic!("the second victim's thread crashes after the group shrank");
             }
         }
@@ -726,20 +695,21 @@ impl Exchange for Asking {
 }
 
 /// A 4-rank host world: rank 3's thread panics in a collective, rank 2's in its shrink
-/// (`when`). Ranks 0 and 1 shrink, asking again once if it failed; each one's two
-/// answers: the world size of its new pool, or the error.
+/// (`when`). Ranks 0 and 1 shrink, asking again once if it failed; each one's answers
+/// (two at most): the world size of its new pool, or the error. They alone return,
+/// and well before the pools' timeout.
 fn second_loss(when: When) -> Vec<Vec<symmpool::Result<usize>>> {
+    let started = Instant::now();
     let asks = Arc::new((Mutex::new(0), std::sync::Condvar::new()));
     let backends = HostBackend::world(HostConfig::new(4)).unwrap();
-    thread::scope(|s| {
+    let answers = thread::scope(|s| {
         let hs: Vec<_> = (backends.into_iter().enumerate())
             .map(|(rank, b)| {
                 let asking = Asking {
-                    inner: b.exchange_handle(),
                     asks: asks.clone(),
                     panics: (rank == 2).then_some(when),
                 };
-                let b = b.with_exchange(|_| Arc::new(asking)).unwrap();
+                let b = b.with_exchange(|x| Watched::with(x, asking)).unwrap();
                 let b = match rank {
                     3 => victim(b, "collective", Stop::Panic),
                     _ => b,
@@ -766,16 +736,18 @@ fn second_loss(when: When) -> Vec<Vec<symmpool::Result<usize>>> {
                 })
             })
             .collect();
-        hs.into_iter().filter_map(|h| h.join().ok()).collect()
-    })
+        hs.into_iter()
+            .filter_map(|h| h.join().ok())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(answers.len(), 2, "ranks 0 and 1 alone return");
+    assert!(started.elapsed() < POOL_TIMEOUT / 2);
+    answers
 }
 
 #[test]
 fn a_thread_lost_while_the_survivors_ask_to_shrink_fails_their_ask_and_they_ask_again() {
-    let started = Instant::now();
-    let answers = second_loss(When::BeforeAsking);
-    assert_eq!(answers.len(), 2, "ranks 0 and 1 alone return");
-    for a in &answers {
+    for a in &second_loss(When::BeforeAsking) {
         // Told of the second loss while asking, they ask again; or it came before their
         // ask reached the group, and the group shrank without it at once.
         let (last, failed) = a.split_last().unwrap();
@@ -789,24 +761,18 @@ fn a_thread_lost_while_the_survivors_ask_to_shrink_fails_their_ask_and_they_ask_
             }
         }
     }
-    assert!(started.elapsed() < POOL_TIMEOUT / 2);
 }
 
 #[test]
 fn a_thread_lost_right_after_the_group_shrank_fails_the_shrink_cleanly() {
-    let started = Instant::now();
-    let answers = second_loss(When::AfterAsking);
-    assert_eq!(answers.len(), 2, "ranks 0 and 1 alone return");
-    for a in &answers {
-        // The new group lost its rank 2 before it could agree: a clear error, and the
-        // same again when asked again; never a hang.
+    for a in &second_loss(When::AfterAsking) {
+        // The new group lost its rank 2 before it could agree: a clear error, then,
+        // asked again, the survivors of both losses go on; never a hang.
         assert_eq!(a.len(), 2, "{a:?}");
-        for e in a {
-            match e {
-                Err(Error::PeerLost { rank: 2, .. }) => {}
-                other => panic!("{other:?}"),
-            }
-        }
+        assert!(
+            matches!(a[0], Err(Error::PeerLost { rank: 2, .. })),
+            "{a:?}"
+        );
+        assert!(matches!(a[1], Ok(2)), "{a:?}");
     }
-    assert!(started.elapsed() < POOL_TIMEOUT / 2);
 }

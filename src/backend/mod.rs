@@ -462,7 +462,8 @@ impl Backend {
     /// # Collective
     /// Every surviving rank calls it after the loss (a [`Error::PeerLost`]), for its
     /// backends in the same order, waiting for the others until `deadline`. Asking
-    /// again (another pool over the same communicators) returns the same backend.
+    /// again (another pool over the same communicators) returns the same backend, or,
+    /// once that one lost a rank too or shrank in turn, that one's shrink.
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`] for a backend that cannot shrink (one assembled from
@@ -470,11 +471,18 @@ impl Backend {
     /// new group; on NCCL those of [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
         let mut shrunk = self.shrunk.lock();
-        if let Some(next) = &*shrunk {
-            return Ok(next.clone());
+        let Some(next) = shrunk.clone() else {
+            let next = self.shrink_once(deadline)?;
+            *shrunk = Some(next.clone());
+            return Ok(next);
+        };
+        drop(shrunk);
+        // Asked again after the survivors lost a rank too (a pool's shrink failed with
+        // `PeerLost` on them), or after another pool went on past such a loss: go on
+        // from there, or the survivors could never leave the group that lost it.
+        if next.exchange.lost_peer().is_some() || next.shrunk.lock().is_some() {
+            return next.shrink(deadline);
         }
-        let next = self.shrink_once(deadline)?;
-        *shrunk = Some(next.clone());
         Ok(next)
     }
 

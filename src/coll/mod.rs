@@ -215,7 +215,8 @@ impl Coll {
     /// pool), so ranks may make their handles at different times.
     ///
     /// # Errors
-    /// [`Error::PoolClosed`]; [`Error::InvalidCollective`] if the pool's communicators
+    /// [`Error::PoolClosed`] ([`Error::Shrunk`] on a pool a shrink replaced, whatever
+    /// handle it has); [`Error::InvalidCollective`] if the pool's communicators
     /// already have a handle on this rank (with what to do instead);
     /// [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
     /// the pool's configuration was made (and the code did not set the mode).
@@ -248,6 +249,20 @@ impl Coll {
                 detail: "no pool".into(),
             });
         };
+        // Before the claim: a pool a shrink replaced says so, whatever handle it has.
+        for pool in pools {
+            pool.check_open()?;
+            if let Some(e) = pool.config().check_env_error() {
+                return Err(e);
+            }
+            if !pool.backend().same_communicators(first.backend()) {
+                return Err(invalid(
+                    "Coll::with_pools",
+                    "the pools are on different communicators: make a handle per communicator set"
+                        .into(),
+                ));
+            }
+        }
         let claim = op.map(|op| {
             let name = &first.config().name;
             first.backend().claim_collectives().ok_or_else(|| {
@@ -265,19 +280,6 @@ impl Coll {
             })
         });
         let claim = claim.transpose()?;
-        for pool in pools {
-            pool.check_open()?;
-            if let Some(e) = pool.config().check_env_error() {
-                return Err(e);
-            }
-            if !pool.backend().same_communicators(first.backend()) {
-                return Err(invalid(
-                    "Coll::with_pools",
-                    "the pools are on different communicators: make a handle per communicator set"
-                        .into(),
-                ));
-            }
-        }
         let entries = (pools.iter())
             .map(|pool| PoolColl {
                 pool: pool.clone(),

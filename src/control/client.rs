@@ -492,6 +492,7 @@ impl GatherRounds for StoreExchange {
         let key = (r.channel.ordinal(), round);
         let wire_op: String = r.op.chars().take(200).collect();
         let frame = wire::encode(&ToServer::Contribute {
+            epoch: self.epoch,
             channel: key.0,
             round,
             op: wire_op.clone(),
@@ -511,6 +512,7 @@ impl GatherRounds for StoreExchange {
                 ib.results.contains_key(&key)
                     || ib.broken.is_some()
                     || ib.waiting.contains_key(&key)
+                    || ib.epoch != self.epoch
             });
             // (An empty map is not hashed into: nothing on a round's usual path.)
             let notice = (!inbox.waiting.is_empty())
@@ -525,6 +527,12 @@ impl GatherRounds for StoreExchange {
                 _ => break inbox,
             }
         };
+        if inbox.epoch != self.epoch {
+            // The group shrank (another pool of this rank asked) under this round.
+            return Err(Error::Shrunk {
+                what: "an exchange",
+            });
+        }
         if let Some(result) = inbox.results.remove(&key) {
             drop(inbox);
             warnings.arrived(&self.who());
@@ -537,6 +545,7 @@ impl GatherRounds for StoreExchange {
         // names the ranks that had not contributed.
         drop(inbox);
         let _ = self.shared.send(&wire::encode(&ToServer::Abandon {
+            epoch: self.epoch,
             channel: key.0,
             round,
             op: wire_op,

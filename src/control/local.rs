@@ -141,7 +141,9 @@ impl LocalExchange {
     /// [`Exchange::shrink`](super::Exchange::shrink): every rank whose exchange is not
     /// dropped asks, and once all have, the group is those ranks, with no channel open
     /// but [`ChannelId::CONTROL`] and rounds from 1 (every exchange of the old group
-    /// fails with [`Error::Shrunk`]). With no rank lost, the group keeps its size.
+    /// fails with [`Error::Shrunk`]). Asking again returns the same exchange, or, once
+    /// that group lost a rank too or shrank in turn, its shrink. With no rank lost, the
+    /// group keeps its size.
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss; it waits for them until
@@ -153,8 +155,13 @@ impl LocalExchange {
     /// by `deadline` (this rank's ask is withdrawn).
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
         let mut successor = self.successor.lock();
-        if let Some(next) = &*successor {
-            return Ok(next.clone());
+        if let Some(next) = successor.clone() {
+            drop(successor);
+            // The survivors lost a rank too, or went on past such a loss: from there.
+            if next.lost_peer().is_some() || next.successor.lock().is_some() {
+                return next.shrink(deadline);
+            }
+            return Ok(next);
         }
         let (started, rank, group) = (Instant::now(), self.rounds.rank, &*self.group);
         let mut st = group.state.lock();

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// How the ranks check that they make the same collectives on the same buffers (see
@@ -116,6 +117,9 @@ pub(crate) struct Ledger {
     /// Held from a collective's record (its round under `Strict`, its post under
     /// `Async`) to its launch, so that the records' order is the launches' order.
     launch: Mutex<()>,
+    /// The background thread, once started: joined on drop, so that its handles on
+    /// the exchange are gone when the ledger is.
+    worker: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// What the callers and the background thread share.
@@ -195,6 +199,7 @@ impl Ledger {
         Ledger {
             shared,
             launch: Mutex::new(()),
+            worker: Mutex::new(None),
         }
     }
 
@@ -214,12 +219,13 @@ impl Ledger {
         q.pending
             .reserve(s.config.capacity.min(PREALLOCATED_RECORDS));
         let worker = Arc::clone(s);
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("symmpool-ledger".into())
             .spawn(move || worker.run())
             .map_err(|e| Error::Internal {
                 what: format!("could not start the ledger's thread: {e}"),
             })?;
+        *self.worker.lock() = Some(handle);
         q.started = true;
         s.threaded.store(true, Ordering::Release);
         Ok(())
@@ -430,9 +436,18 @@ impl Drop for Ledger {
                     .timed_out()
                 {
                     s.detached.store(true, Ordering::Release);
-                    break;
+                    return;
                 }
             }
+        }
+        drop(q);
+        // Done: the thread only lets go of its handles (not the last: this ledger
+        // holds one) and exits. Joined, so that whoever drops the ledger drops the
+        // exchange too, at once (a hosting rank's exchange then waits for the others'
+        // goodbyes before the process may exit), not the thread some time later.
+        let worker = self.worker.get_mut().take();
+        if let Some(h) = worker.filter(|h| h.thread().id() != std::thread::current().id()) {
+            let _ = h.join();
         }
     }
 }

@@ -77,16 +77,20 @@ impl SymmPool {
         }
     }
 
+    /// Hand `buf`'s block to the pool a shrink replaced this closed one with: the
+    /// core is that pool's now (after a `close` there is none, and the block goes).
+    fn release_to_successor(&self, buf: &SymmBuffer) {
+        if let Some(next) = self.inner.successor.get() {
+            next.release_block(buf);
+        }
+    }
+
     /// Return a block to the cache (from `SymmBuffer::drop`): record a fence on every
     /// stream that used it. Never collective, never waits for the state; failures are
     /// returned by the next fallible call.
     pub(crate) fn release_block(&self, buf: &SymmBuffer) {
         if self.is_closed() {
-            // A shrink moved the core to a new pool: the block is that pool's now.
-            if let Some(next) = self.inner.successor.get() {
-                next.release_block(buf);
-            }
-            return;
+            return self.release_to_successor(buf);
         }
         let mut fences: SmallVec<[Wait; 3]> = SmallVec::new();
         for s in &buf.streams() {
@@ -128,6 +132,12 @@ impl SymmPool {
                 return;
             }
         };
+        if st.closed {
+            // Closed since the check above (by a shrink: applied to this state, the
+            // free would be lost).
+            drop(st);
+            return self.release_to_successor(buf);
+        }
         self.apply_deferred(&mut st);
         self.apply_free(&mut st, buf.block, &fences);
     }

@@ -476,8 +476,8 @@ impl SymmPool {
     /// Every rank calls it at the same point of its call sequence with the same size.
     ///
     /// # Errors
-    /// [`Error::ZeroSize`], [`Error::TooLarge`], [`Error::PoolClosed`],
-    /// [`Error::PoolLimit`], and the growth errors of [`alloc`](Self::alloc).
+    /// [`Error::ZeroSize`], [`Error::TooLarge`], [`Error::PoolClosed`] ([`Error::Shrunk`]
+    /// once a shrink replaced the pool), [`Error::PoolLimit`], and the growth errors of [`alloc`](Self::alloc).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
     pub fn reserve(&self, size_bytes: u64) -> Result<SegmentId> {
         self.reserve_class(size_bytes, SizeClass::Large)

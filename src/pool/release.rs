@@ -57,12 +57,13 @@ fn release_entry(
 
 impl SymmPool {
     /// The pool's lock for a collective pool call: a deferred error first, then the
-    /// lock, refused once closed ([`Error::PoolClosed`]).
+    /// lock, refused once closed ([`Error::PoolClosed`], or [`Error::Shrunk`] once a
+    /// shrink replaced the pool).
     pub(super) fn lock_open(&self) -> Result<MutexGuard<'_, PoolState>> {
         self.take_deferred_error()?;
         let st = self.state();
         if st.closed {
-            return Err(Error::PoolClosed);
+            return Err(self.closed_error());
         }
         Ok(st)
     }
@@ -135,7 +136,8 @@ impl SymmPool {
     /// first, so they release the same segments).
     ///
     /// # Errors
-    /// [`Error::PoolClosed`], [`Error::PoolBroken`], [`Error::Divergence`],
+    /// [`Error::PoolClosed`] ([`Error::Shrunk`] once a shrink replaced the pool),
+    /// [`Error::PoolBroken`], [`Error::Divergence`],
     /// [`Error::Timeout`], backend errors; [`Error::RegistrationBroken`] on every rank
     /// once a registration has failed (the ranks' windows may be out of step, so no
     /// rank deregisters any until [`close`](Self::close), which releases everything).

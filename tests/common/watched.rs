@@ -1,24 +1,62 @@
 //! An exchange that tells a test of every round before it runs, so the test can count
-//! the rounds of one pool call or act while a pool is inside one (no sleeps).
+//! the rounds of one pool call, act while a pool is inside one (no sleeps), change a
+//! round's payload or deadline, or act in a rank's ask to shrink.
 
+use std::borrow::Cow;
 use std::sync::Arc;
+use symmpool::control::LostPeer;
 use symmpool::{ChannelId, Deadline, Exchange, Result};
 
-/// Wraps an exchange; calls `on_round(op)` before each all-gather it forwards.
+/// What a test does at a watched exchange's calls; each default passes the call on
+/// unchanged.
+pub trait Watch: Send + Sync + 'static {
+    /// Before the all-gather `op` goes on: it may change the `payload` this rank sends
+    /// and the `deadline` it waits by.
+    fn round(&self, op: &'static str, payload: &mut Cow<'_, [u8]>, deadline: &mut Deadline) {
+        let _ = (op, payload, deadline);
+    }
+
+    /// This rank's ask to shrink, which `inner` (the watched exchange) answers by
+    /// default.
+    ///
+    /// # Errors
+    /// Those of [`Exchange::shrink`].
+    fn shrink(&self, inner: &dyn Exchange, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
+        inner.shrink(deadline)
+    }
+}
+
+/// A closure told of each round's `op`.
+struct OnRound<F>(F);
+
+impl<F: Fn(&'static str) + Send + Sync + 'static> Watch for OnRound<F> {
+    fn round(&self, op: &'static str, _: &mut Cow<'_, [u8]>, _: &mut Deadline) {
+        (self.0)(op)
+    }
+}
+
+/// Wraps an exchange; its [`Watch`] sees each all-gather and ask to shrink, every
+/// other call goes to the exchange as it is.
 pub struct Watched {
     inner: Arc<dyn Exchange>,
-    on_round: Box<dyn Fn(&'static str) + Send + Sync>,
+    watch: Box<dyn Watch>,
 }
 
 impl Watched {
-    /// `inner` watched by `on_round`, ready for `Backend::with_exchange`.
+    /// `inner` watched by `on_round(op)` before each all-gather it forwards, ready for
+    /// `Backend::with_exchange`.
     pub fn wrap(
         inner: Arc<dyn Exchange>,
         on_round: impl Fn(&'static str) + Send + Sync + 'static,
     ) -> Arc<dyn Exchange> {
+        Watched::with(inner, OnRound(on_round))
+    }
+
+    /// `inner` watched by `watch`, ready for `Backend::with_exchange`.
+    pub fn with(inner: Arc<dyn Exchange>, watch: impl Watch) -> Arc<dyn Exchange> {
         Arc::new(Watched {
             inner,
-            on_round: Box::new(on_round),
+            watch: Box::new(watch),
         })
     }
 }
@@ -43,12 +81,19 @@ impl Exchange for Watched {
         channel: ChannelId,
         op: &'static str,
         payload: &[u8],
-        deadline: Deadline,
+        mut deadline: Deadline,
     ) -> Result<Vec<Vec<u8>>> {
-        (self.on_round)(op);
-        self.inner.all_gather(channel, op, payload, deadline)
+        let mut payload = Cow::Borrowed(payload);
+        self.watch.round(op, &mut payload, &mut deadline);
+        self.inner.all_gather(channel, op, &payload, deadline)
     }
     fn open_channel(&self, name: &str, deadline: Deadline) -> Result<ChannelId> {
         self.inner.open_channel(name, deadline)
+    }
+    fn lost_peer(&self) -> Option<LostPeer> {
+        self.inner.lost_peer()
+    }
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
+        self.watch.shrink(&*self.inner, deadline)
     }
 }

@@ -15,7 +15,9 @@ impl StoreExchange {
     /// ranks (rank 0 stays rank 0: it hosts the store). The new exchange shares this
     /// one's connection and starts with no channel open but
     /// [`ChannelId::CONTROL`](super::super::ChannelId::CONTROL) and its rounds from 1.
-    /// Every backend and pool of a rank that share this exchange may ask.
+    /// Every backend and pool of a rank that share this exchange may ask: asking again
+    /// returns the same exchange, or, once its group lost a rank too or shrank in
+    /// turn, its shrink.
     ///
     /// # Collective
     /// Every surviving rank calls it, after the loss (a [`Error::PeerLost`] from any
@@ -25,11 +27,21 @@ impl StoreExchange {
     /// [`Error::ShrinkFailed`] at once when the store's host (rank 0) is gone, and when
     /// a rank of the group is lost while the survivors ask (they may ask again);
     /// [`Error::Shrunk`] on an exchange that is itself replaced already;
-    /// [`Error::Timeout`] if a connected rank does not ask by `deadline`.
+    /// [`Error::Timeout`] if a connected rank does not ask by `deadline`: this rank's
+    /// ask is withdrawn, and the store confirms it, within a heartbeat timeout and
+    /// interval more (as for a round that times out); had the group shrunk before the
+    /// withdrawal reached the store, the new exchange is returned instead.
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
         let mut successor = self.successor.lock();
-        if let Some(next) = &*successor {
-            return Ok(next.clone());
+        if let Some(next) = successor.clone() {
+            drop(successor);
+            // The survivors lost a rank too, or went on past such a loss: from there.
+            if super::super::Exchange::lost_peer(&*next).is_some()
+                || next.successor.lock().is_some()
+            {
+                return next.shrink(deadline);
+            }
+            return Ok(next);
         }
         let started = Instant::now();
         let server_gone = |detail: Option<String>| Error::ShrinkFailed {
@@ -55,45 +67,79 @@ impl StoreExchange {
         if let Err(e) = self.shared.send(&ask) {
             return Err(server_gone(Some(format!("writing to it failed: {e}"))));
         }
-        let mut inbox = self.shared.wait_until(deadline, |ib| {
+        let answered = |ib: &mut super::Inbox| {
             ib.epoch != self.epoch || ib.shrink_failed.is_some() || ib.reader_done
-        });
-        if inbox.epoch != self.epoch {
-            let survivors: Vec<usize> = inbox.survivors.iter().map(|&r| r as usize).collect();
-            let epoch = inbox.epoch;
-            drop(inbox);
-            let Some(rank) = survivors.iter().position(|&r| r == self.job_rank) else {
-                let me = self.job_rank;
-                let reason = format!(
-                    "the store shrank the group to job ranks {survivors:?}, without this one ({me})"
-                );
+        };
+        let mut inbox = self.shared.wait_until(deadline, answered);
+        let mut withdrawn = false;
+        loop {
+            if inbox.epoch != self.epoch {
+                let next = self.in_new_group(inbox, started)?;
+                *successor = Some(next.clone());
+                return Ok(next);
+            }
+            if let Some(reason) = inbox.shrink_failed.take() {
+                if withdrawn {
+                    // The server's word that the ask no longer counts.
+                    break;
+                }
                 return Err(Error::ShrinkFailed { reason });
-            };
-            let (job_rank, world, took) = (self.job_rank, survivors.len(), started.elapsed());
-            tracing::warn!(
-                "symmpool store: job rank {job_rank} is rank {rank} of {world} after the shrink (epoch {epoch}, {took:?})"
-            );
-            let next = Arc::new(StoreExchange {
-                shared: self.shared.clone(),
-                connection: self.connection.clone(),
-                rounds: Rounds::new(rank, survivors.len(), self.rounds.max_payload_bytes),
-                job_rank: self.job_rank,
-                epoch,
-                successor: Mutex::new(None),
-            });
-            *successor = Some(next.clone());
-            return Ok(next);
-        }
-        if let Some(reason) = inbox.shrink_failed.take() {
-            return Err(Error::ShrinkFailed { reason });
-        }
-        if inbox.reader_done {
-            return Err(server_gone(lost_detail(&inbox)));
+            }
+            if inbox.reader_done {
+                return Err(server_gone(lost_detail(&inbox)));
+            }
+            if withdrawn {
+                break;
+            }
+            drop(inbox);
+            // Timed out: withdraw the ask, so that the others' asks never shrink the
+            // group with this rank counted as asking, and wait for the server's word
+            // (on this connection, in order): withdrawn, or the group had shrunk.
+            let withdraw = wire::encode(&ToServer::Withdraw { epoch: self.epoch });
+            if self.shared.send(&withdraw).is_err() {
+                break;
+            }
+            withdrawn = true;
+            let config = &self.shared.config;
+            let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
+            inbox = self.shared.wait_until(answer_by, answered);
         }
         Err(Error::Timeout {
             op: "shrink",
             waited: started.elapsed(),
             missing_ranks: Vec::new(),
         })
+    }
+
+    /// This rank's exchange in the group the store shrank to (`inbox` shows it).
+    ///
+    /// # Errors
+    /// [`Error::ShrinkFailed`] if the group goes on without this rank.
+    fn in_new_group(
+        &self,
+        inbox: parking_lot::MutexGuard<'_, super::Inbox>,
+        started: Instant,
+    ) -> Result<Arc<StoreExchange>> {
+        let survivors: Vec<usize> = inbox.survivors.iter().map(|&r| r as usize).collect();
+        let epoch = inbox.epoch;
+        drop(inbox);
+        let (job_rank, world, took) = (self.job_rank, survivors.len(), started.elapsed());
+        let Some(rank) = survivors.iter().position(|&r| r == job_rank) else {
+            let reason = format!(
+                "the store shrank the group to job ranks {survivors:?}, without this one ({job_rank})"
+            );
+            return Err(Error::ShrinkFailed { reason });
+        };
+        tracing::warn!(
+            "symmpool store: job rank {job_rank} is rank {rank} of {world} after the shrink (epoch {epoch}, {took:?})"
+        );
+        Ok(Arc::new(StoreExchange {
+            shared: self.shared.clone(),
+            connection: self.connection.clone(),
+            rounds: Rounds::new(rank, survivors.len(), self.rounds.max_payload_bytes),
+            job_rank: self.job_rank,
+            epoch,
+            successor: Mutex::new(None),
+        }))
     }
 }

@@ -236,11 +236,17 @@ pub(super) fn serve(
         match msg {
             ToServer::Heartbeat => {}
             ToServer::Contribute {
+                epoch,
                 channel,
                 round,
                 op: _,
                 payload,
             } => {
+                if epoch != st.epoch {
+                    // A round of a group that shrank (with this rank in it, or its
+                    // connection would be gone): never paired with the new group's.
+                    continue;
+                }
                 if let Some(b) = st.broken.clone() {
                     // (A rank this fails for departs, and its next read ends the loop.)
                     shared.send_to(&mut st, [rank], &wire::encode(&ToClient::Broken(b)));
@@ -284,7 +290,15 @@ pub(super) fn serve(
                     }
                 }
             }
-            ToServer::Abandon { channel, round, op } => {
+            ToServer::Abandon {
+                epoch,
+                channel,
+                round,
+                op,
+            } => {
+                if epoch != st.epoch {
+                    continue;
+                }
                 let missing =
                     (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
                 let rank = st.place(rank).unwrap_or(rank) as u32;
@@ -294,6 +308,7 @@ pub(super) fn serve(
                 return shared.depart(&mut st, rank, Some(id), CLOSED);
             }
             ToServer::Shrink { epoch } => shared.vote_shrink(&mut st, rank, epoch),
+            ToServer::Withdraw { epoch } => shared.withdraw_shrink(&mut st, rank, epoch),
             ToServer::Hello { .. } => {
                 return shared.depart(&mut st, rank, Some(id), "protocol error: a second hello");
             }

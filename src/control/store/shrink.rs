@@ -12,7 +12,9 @@
 //! A rank of the group lost while votes are pending fails the shrink for the ranks
 //! that voted ([`ToClient::ShrinkFailed`], naming it): a second loss during a shrink is
 //! a clear error on every survivor, never a smaller group that some of them did not
-//! see coming. They may ask again; the next attempt starts from no votes.
+//! see coming. They may ask again; the next attempt starts from no votes. A rank
+//! whose ask timed out withdraws it ([`ToServer::Withdraw`](super::wire::ToServer)), so
+//! that the others' asks do not shrink the group on its behalf.
 //!
 //! The server lives in job rank 0's process, so the survivors can shrink past the loss
 //! of any rank but that one ([`StoreExchange::shrink`](super::super::StoreExchange::shrink)).
@@ -54,6 +56,21 @@ impl Shared {
         };
         let alive = st.alive.clone();
         self.send_to(st, alive, &wire::encode(&shrunk));
+    }
+
+    /// Job rank `rank` gave up its ask to shrink the group of `epoch` (its deadline
+    /// passed): the vote is forgotten, and the rank told so
+    /// ([`ToClient::ShrinkFailed`]), unless that group is over already (the rank was
+    /// told of the new one first).
+    pub(super) fn withdraw_shrink(&self, st: &mut State, rank: usize, epoch: u64) {
+        if epoch != st.epoch {
+            // The rank was sent the new group before this: its answer.
+            return;
+        }
+        st.votes.remove(&rank);
+        let reason = format!("job rank {rank} withdrew its ask to shrink (its deadline passed)");
+        let withdrawn = wire::encode(&ToClient::ShrinkFailed { reason });
+        self.send_to(st, [rank], &withdrawn);
     }
 
     /// Job rank `rank` of the group departed (`why`): a shrink being voted on fails for

@@ -24,8 +24,10 @@ use serde::{Deserialize, Serialize};
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// The protocol version; a peer speaking another is refused. 2: the hello names the job
 /// and the process, a refusal says why; 3: [`ToClient::Waiting`]; 4: the survivors of a
-/// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]).
-pub(crate) const VERSION: u16 = 4;
+/// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]); 5: an ask to
+/// shrink that timed out is withdrawn ([`ToServer::Withdraw`]), and a round's
+/// contribution and abandonment name their group's epoch.
+pub(crate) const VERSION: u16 = 5;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -82,16 +84,20 @@ pub(crate) enum ToServer {
         host: String,
         pid: u32,
     },
-    /// This rank's payload for a round.
+    /// This rank's payload for a round of the group of `epoch` (one that is over is
+    /// ignored: the rank was told the group shrank).
     Contribute {
+        epoch: u64,
         channel: u64,
         round: u64,
         op: String,
         #[serde(with = "serde_bytes")]
         payload: Vec<u8>,
     },
-    /// This rank gave up waiting for a round: break the group.
+    /// This rank gave up waiting for a round of the group of `epoch`: break the group
+    /// (ignored once that group is over).
     Abandon {
+        epoch: u64,
         channel: u64,
         round: u64,
         op: String,
@@ -104,6 +110,11 @@ pub(crate) enum ToServer {
     /// start, one more per shrink) becomes the ranks still connected, once every one
     /// of them has asked.
     Shrink { epoch: u64 },
+    /// This rank's ask to shrink the group of `epoch` timed out: it no longer counts
+    /// (the others' asks must not shrink the group with a rank that gave up). The
+    /// answer is [`ToClient::ShrinkFailed`], or nothing where that group is over (the
+    /// rank was sent [`ToClient::Shrunk`] first).
+    Withdraw { epoch: u64 },
 }
 
 /// Why a group broke.

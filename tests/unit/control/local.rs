@@ -97,16 +97,9 @@ impl LocalExchange {
     }
 }
 
-const LONG: Duration = Duration::from_secs(30);
-
-fn round(ex: &dyn Exchange, payload: u8) -> crate::error::Result<Vec<Vec<u8>>> {
-    ex.all_gather(
-        ChannelId::CONTROL,
-        "a round",
-        &[payload],
-        Deadline::after(LONG),
-    )
-}
+#[path = "../../common/round.rs"]
+mod round;
+use round::{LONG, round};
 
 #[test]
 fn a_dropped_rank_is_lost_to_the_others_at_once() {

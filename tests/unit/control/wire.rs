@@ -11,6 +11,7 @@ fn byte_strings_keep_the_wire_format() {
     enum PlainServer {
         _Hello,
         Contribute {
+            epoch: u64,
             channel: u64,
             round: u64,
             op: String,
@@ -46,6 +47,7 @@ fn byte_strings_keep_the_wire_format() {
         other => panic!("{other:?}"),
     }
     let contribute = |payload: Vec<u8>| ToServer::Contribute {
+        epoch: 0,
         channel: 1,
         round: 2,
         op: "op".into(),
@@ -53,6 +55,7 @@ fn byte_strings_keep_the_wire_format() {
     };
     let ours = encode(&contribute(payloads[1].clone()));
     let plain = encode(&PlainServer::Contribute {
+        epoch: 0,
         channel: 1,
         round: 2,
         op: "op".into(),
