@@ -306,15 +306,13 @@ impl fmt::Debug for Backend {
 /// [`Error::Config`] unless `exchange` has `info`'s rank and world size.
 fn check_exchange(exchange: &dyn Exchange, info: &BackendInfo) -> Result<()> {
     let (rank, world) = (exchange.rank(), exchange.world_size());
-    if (rank, world) == (info.rank, info.world_size) {
+    let (r, w) = (info.rank, info.world_size);
+    if (rank, world) == (r, w) {
         return Ok(());
     }
     Err(Error::Config {
         setting: "exchange",
-        value: format!(
-            "rank {rank} of {world}, the backend rank {} of {}",
-            info.rank, info.world_size
-        ),
+        value: format!("rank {rank} of {world}, the backend rank {r} of {w}"),
         expected: "the backend's rank and world size",
     })
 }

@@ -499,9 +499,9 @@ impl GatherRounds for StoreExchange {
             payload: r.payload.to_vec(),
         });
         if let Err(e) = self.shared.send(&frame) {
-            self.shared.server_lost(format!(
-                "writing to the store server at {} failed: {e}",
-                self.shared.server
+            let server = &self.shared.server;
+            (self.shared).server_lost(format!(
+                "writing to the store server at {server} failed: {e}"
             ));
         }
         // The server says when the round has waited long, naming who has not

@@ -169,10 +169,8 @@ impl LocalExchange {
         st.votes.insert(rank);
         let alive: Vec<usize> = (0..st.alive.len()).filter(|&r| st.alive[r]).collect();
         if alive.iter().all(|r| st.votes.contains(r)) {
-            tracing::warn!(
-                "symmpool: a group of {} threads shrank to its ranks {alive:?}",
-                st.alive.len()
-            );
+            let n = st.alive.len();
+            tracing::warn!("symmpool: a group of {n} threads shrank to its ranks {alive:?}");
             let next = LocalExchange::group(alive.len());
             st.made.extend(alive.iter().copied().zip(next));
             st.votes.clear();

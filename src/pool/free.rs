@@ -101,13 +101,11 @@ impl SymmPool {
                 }),
                 // The device is failing (a fence is an event record). Free the block
                 // anyway, so that this rank's calls stay in step with its peers'.
-                Err(e) => self.record_deferred_error(
-                    format!(
-                        "recording a fence for allocation #{} on {s:?}",
-                        buf.allocation_seq()
-                    ),
-                    e,
-                ),
+                Err(e) => {
+                    let seq = buf.allocation_seq();
+                    let during = format!("recording a fence for allocation #{seq} on {s:?}");
+                    self.record_deferred_error(during, e);
+                }
             }
         }
         // Never wait for the state: another thread may hold it through a whole

@@ -122,10 +122,8 @@ impl SymmPool {
                 Ok(id)
             }
             Ok(got) => {
-                let what = format!(
-                    "the core numbered a new segment {} instead of {}",
-                    got.0, id.0
-                );
+                let (got, want) = (got.0, id.0);
+                let what = format!("the core numbered a new segment {got} instead of {want}");
                 st.broken = Some(Failure::Broken(what.clone()));
                 Err(Error::Internal { what })
             }

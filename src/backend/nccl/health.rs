@@ -115,11 +115,8 @@ impl Health {
         let (rank, detail) = if let Cause::PeerLost { rank, detail } = cause {
             (*rank, detail.clone())
         } else if let Some(loss) = self.lost_peer() {
-            let broke = cause.describe();
-            let detail = format!(
-                "{}; this rank's NCCL backend then broke: {broke}",
-                loss.detail
-            );
+            let (lost, broke) = (loss.detail, cause.describe());
+            let detail = format!("{lost}; this rank's NCCL backend then broke: {broke}");
             (loss.rank, detail)
         } else {
             return cause.error(first);
