@@ -117,13 +117,7 @@ impl LocalExchange {
         key: u64,
         make: impl FnOnce() -> T,
     ) -> Result<Arc<T>> {
-        let held = self
-            .group
-            .state
-            .lock()
-            .shared
-            .get(&key)
-            .map(|v| v.0.clone());
+        let held = (self.group.state.lock().shared.get(&key)).map(|v| v.0.clone());
         // Made without the lock: `make` may ask the group for rendezvous.
         let made = held.unwrap_or_else(|| Arc::new(make()));
         let mut st = self.group.state.lock();

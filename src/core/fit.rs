@@ -40,11 +40,8 @@ impl Allocator {
     pub fn class_allocated_bytes(&self, class: SizeClass) -> u64 {
         // Saturating only so that `check_invariants` reports a broken reserved figure
         // instead of panicking here.
-        self.stats
-            .class(class)
-            .reserved_bytes
-            .current
-            .saturating_sub(self.free[class.index()].total_bytes())
+        let reserved = self.stats.class(class).reserved_bytes.current;
+        reserved.saturating_sub(self.free[class.index()].total_bytes())
     }
 
     /// Plan a refit of the segments to the peak observed since the last
@@ -104,11 +101,8 @@ impl Allocator {
                 }
             }
         }
-        let window_peak = self
-            .stats
-            .allocated_bytes
-            .peak
-            .saturating_sub(old_live[0] + old_live[1]);
+        let peak = self.stats.allocated_bytes.peak;
+        let window_peak = peak.saturating_sub(old_live[0] + old_live[1]);
         for class in [SizeClass::Small, SizeClass::Large] {
             let c = class.index();
             let release = std::mem::take(&mut release[c]);
@@ -116,12 +110,8 @@ impl Allocator {
                 continue;
             }
             plan.release.extend(release);
-            let held = self
-                .stats
-                .class(class)
-                .reserved_bytes
-                .peak
-                .saturating_sub(old_live[c]);
+            let class_peak = self.stats.class(class).reserved_bytes.peak;
+            let held = class_peak.saturating_sub(old_live[c]);
             let need = window_peak.min(held);
             if need == 0 {
                 continue;

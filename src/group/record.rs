@@ -63,12 +63,8 @@ pub(crate) fn first_difference<R: Fields + PartialEq>(
         if records.iter().all(|r| r.field(i) == mine) {
             return None;
         }
-        let values = records
-            .iter()
-            .enumerate()
-            .map(|(rank, r)| (rank, r.describe(i)))
-            .collect();
-        Some((R::NAMES[i], values))
+        let values = (records.iter().enumerate()).map(|(rank, r)| (rank, r.describe(i)));
+        Some((R::NAMES[i], values.collect()))
     })
 }
 

@@ -23,13 +23,8 @@ impl SymmPool {
     pub(crate) fn record_deferred_error(&self, during: String, error: Error) {
         tracing::error!(target: "symmpool::pool", rank = self.rank(), during = %during,
             error = %error, "failure inside a drop, returned by the next call");
-        self.inner
-            .deferred_error
-            .lock()
-            .get_or_insert(Error::Deferred {
-                during,
-                source: Box::new(error),
-            });
+        let source = Box::new(error);
+        (self.inner.deferred_error.lock()).get_or_insert(Error::Deferred { during, source });
     }
 
     /// Apply frees that found the state busy, in the order they were made.
@@ -52,11 +47,7 @@ impl SymmPool {
         // recording).
         let seen = st.memory_history.is_some().then(|| {
             let at = st.core.locate(block).ok();
-            let stream = st
-                .core
-                .streams_of(block)
-                .ok()
-                .and_then(|s| s.first().copied());
+            let stream = (st.core.streams_of(block).ok()).and_then(|s| s.first().copied());
             (at, stream)
         });
         match st.core.free(block, fences) {
