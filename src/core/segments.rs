@@ -112,11 +112,11 @@ impl Allocator {
     /// [`AllocError::UnknownSegment`] if the segment does not exist or is not entirely
     /// free. Nothing changes then.
     pub fn release_segment(&mut self, id: SegmentId) -> Result<u64, AllocError> {
-        if !self
+        let releasable = self
             .segments
             .get(&id)
-            .is_some_and(|s| self.entirely_free(s))
-        {
+            .is_some_and(|s| self.entirely_free(s));
+        if !releasable {
             return Err(AllocError::UnknownSegment(id));
         }
         let Some(seg) = self.segments.remove(&id) else {

@@ -86,9 +86,7 @@ impl SymmPool {
             // the pool's channel runs meanwhile. This rank's own comes back decoded too.
             gather_records(exchange, channel, "memory snapshot", &mine, deadline)
         });
-        Ok(gathered?
-            .into_iter()
-            .map(WireSnapshot::into_snapshot)
-            .collect())
+        let all = gathered?.into_iter();
+        Ok(all.map(WireSnapshot::into_snapshot).collect())
     }
 }

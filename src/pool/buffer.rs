@@ -238,10 +238,8 @@ impl SymmBuffer {
 
     /// Device address of the first byte (NCCL backend); `None` on the host backend.
     pub fn device_ptr(&self) -> Option<u64> {
-        self.entry
-            .segment
-            .device_ptr()
-            .map(|p| p + self.offset_bytes)
+        let segment_ptr = self.entry.segment.device_ptr();
+        segment_ptr.map(|p| p + self.offset_bytes)
     }
 
     /// Whether the buffer's segment has a symmetric window on communicator `comm`.

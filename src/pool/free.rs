@@ -108,10 +108,8 @@ impl SymmPool {
             Err(TryLockError::WouldBlock) => {
                 tracing::debug!(target: "symmpool::pool", rank = self.rank(),
                     allocation = buf.block.seq, "free deferred: the pool is busy");
-                self.inner
-                    .counters
-                    .deferred_frees
-                    .fetch_add(1, Ordering::Relaxed);
+                let counters = &self.inner.counters;
+                counters.deferred_frees.fetch_add(1, Ordering::Relaxed);
                 self.inner.deferred.lock().push((buf.block, fences));
                 // A shrink that closed the pool meanwhile may have moved the queue
                 // before this free joined it: move what is left.

@@ -73,11 +73,7 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
             expected: "the same NCCL on every rank",
         });
     }
-    if let Some((r, h)) = hellos
-        .iter()
-        .enumerate()
-        .find(|(_, h)| h.plan != first.plan)
-    {
+    if let Some((r, h)) = (hellos.iter().enumerate()).find(|(_, h)| h.plan != first.plan) {
         return Err(Error::Config {
             setting: "NcclConfig",
             value: format!(
