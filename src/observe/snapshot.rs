@@ -121,11 +121,7 @@ impl SymmPool {
     /// `torch.cuda.memory._snapshot()` returns; the Python package exports it in that
     /// format). Local; O(blocks + history).
     pub fn memory_snapshot_with_history(&self) -> (PoolSnapshot, Vec<MemoryEvent>) {
-        let (segments, stats, history) = self.observe_with(|st, _, _| {
-            (st.memory_history.as_ref())
-                .map(|h| h.events())
-                .unwrap_or_default()
-        });
+        let (segments, stats, history) = self.observe_with(|st, _, _| st.history_events());
         (self.snapshot_of(segments, stats), history)
     }
 

@@ -177,9 +177,13 @@ impl MemoryHistory {
             time_us: 0,
         });
     }
+}
 
-    pub(crate) fn events(&self) -> Vec<MemoryEvent> {
-        self.events.iter().cloned().collect()
+impl super::PoolState {
+    /// The recorded allocation history, oldest first (empty when not recording).
+    pub(crate) fn history_events(&self) -> Vec<MemoryEvent> {
+        let recorded = self.memory_history.iter().flat_map(|h| h.events.iter());
+        recorded.cloned().collect()
     }
 }
 
@@ -213,10 +217,6 @@ impl SymmPool {
     /// The recorded allocation history, oldest first (empty when not recording; see
     /// [`record_memory_history`](Self::record_memory_history)). Local.
     pub fn memory_history(&self) -> Vec<MemoryEvent> {
-        self.state()
-            .memory_history
-            .as_ref()
-            .map(|h| h.events())
-            .unwrap_or_default()
+        self.state().history_events()
     }
 }
