@@ -142,9 +142,7 @@ impl RefusalLog {
         if !anyway && now.saturating_duration_since(self.since) < REFUSAL_LOG_INTERVAL {
             return None;
         }
-        let counted: Vec<String> = self
-            .kinds
-            .iter()
+        let counted: Vec<String> = (self.kinds.iter())
             .filter(|(_, more)| **more > 0)
             .map(|(kind, more)| format!("{more} {}", kind.describe()))
             .collect();

@@ -45,9 +45,7 @@ pub(crate) fn agree_registration_order(
     if records.iter().all(|r| r.is_some() && *r == records[0]) {
         return Ok(());
     }
-    let order = records
-        .iter()
-        .enumerate()
+    let order = (records.iter().enumerate())
         .map(|(rank, r)| match r {
             Some(r) => (rank, format!("pool {:?}", r.pool), r.size_bytes),
             None => (rank, "an unreadable registration record".to_string(), 0),

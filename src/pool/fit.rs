@@ -44,10 +44,7 @@ impl SymmPool {
         let mut st = self.lock_open()?;
         st.history.record(CallKind::FitToPeak, 0, 0);
         let plan = st.core.plan_fit_to_peak();
-        let planned_bytes = plan
-            .add
-            .iter()
-            .map(|g| g.segment_bytes)
+        let planned_bytes = (plan.add.iter().map(|g| g.segment_bytes))
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
         let deadline = Deadline::after(self.inner.config.timeout);

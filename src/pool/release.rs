@@ -74,11 +74,8 @@ impl SymmPool {
     pub(super) fn release_segments(&self, st: &mut PoolState, deadline: Deadline) -> Result<()> {
         let held: std::collections::BTreeSet<SegmentId> =
             st.core.segments().map(|(id, _, _)| id).collect();
-        let gone: Vec<SegmentId> = st
-            .segments
-            .keys()
+        let gone: Vec<SegmentId> = (st.segments.keys().copied())
             .filter(|id| !held.contains(id))
-            .copied()
             .collect();
         if gone.is_empty() {
             return Ok(());

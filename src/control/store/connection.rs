@@ -155,10 +155,7 @@ fn join(
     let joined = if present.len() < shared.world {
         ToClient::Joined { present }
     } else {
-        let hosts = st
-            .members
-            .iter()
-            .flatten()
+        let hosts = (st.members.iter().flatten())
             .filter_map(|m| m.addr.parse::<SocketAddr>().ok())
             .map(|a| a.ip().to_canonical())
             .collect();
