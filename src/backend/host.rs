@@ -301,13 +301,11 @@ impl HostBackend {
         })
     }
 
-    fn comm(&self, comm: usize) -> Result<&HostComm> {
-        self.comms
-            .get(comm)
-            .ok_or_else(|| Error::InvalidCollective {
-                op: "host collective",
-                detail: format!("no communicator {comm}"),
-            })
+    fn comm(&self, c: usize) -> Result<&HostComm> {
+        self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
+            op: "host collective",
+            detail: format!("no communicator {c}"),
+        })
     }
 
     fn next_round(&self, comm: usize, registration: bool) -> u64 {

@@ -68,8 +68,9 @@ impl SymmPool {
     /// pool already replaced or closed; [`Error::Divergence`] if the survivors' pools
     /// differ; [`Error::Timeout`] / [`Error::PeerLost`] if a survivor does not come or
     /// is lost while the segments are registered anew (after a loss, call it again:
-    /// the survivors of both losses go on), and the registration errors of a growth. On error the old pool keeps its memory and state (broken), and the
-    /// new communicators are dropped.
+    /// the survivors of both losses go on), and the registration errors of a growth.
+    /// On error the old pool keeps its memory and state (broken), and the new
+    /// communicators are dropped.
     pub fn shrink(&self) -> Result<(SymmPool, ShrinkReport)> {
         self.shrink_unlogged()
             .inspect_err(|e| events::call_failed(self, "shrink", e))
