@@ -509,6 +509,19 @@ fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
     items.iter().map(f).collect::<Vec<_>>().join(sep)
 }
 
+impl Error {
+    /// [`Error::Timeout`] of a wait in `op` that began at `started` and names no rank.
+    #[cold]
+    pub(crate) fn timeout_since(op: &'static str, started: std::time::Instant) -> Error {
+        let (waited, missing_ranks) = (started.elapsed(), Vec::new());
+        Error::Timeout {
+            op,
+            waited,
+            missing_ranks,
+        }
+    }
+}
+
 impl From<AllocError> for Error {
     fn from(e: AllocError) -> Self {
         match e {

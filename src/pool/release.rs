@@ -83,11 +83,8 @@ impl SymmPool {
         let backend = &self.inner.backend;
         let started = std::time::Instant::now();
         if !backend.streams().drain(deadline)? {
-            return Err(Error::Timeout {
-                op: "draining the device before releasing segments",
-                waited: started.elapsed(),
-                missing_ranks: Vec::new(),
-            });
+            let op = "draining the device before releasing segments";
+            return Err(Error::timeout_since(op, started));
         }
         let mut first_err = None;
         for id in gone {

@@ -257,11 +257,7 @@ impl NcclBackend {
         if all_complete(&[event], self.shared.call_deadline())? {
             return Ok(cs);
         }
-        Err(Error::Timeout {
-            op,
-            waited: started.elapsed(),
-            missing_ranks: Vec::new(),
-        })
+        Err(Error::timeout_since(op, started))
     }
 }
 

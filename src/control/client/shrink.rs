@@ -104,11 +104,7 @@ impl StoreExchange {
             let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
             inbox = self.shared.wait_until(answer_by, answered);
         }
-        Err(Error::Timeout {
-            op: "shrink",
-            waited: started.elapsed(),
-            missing_ranks: Vec::new(),
-        })
+        Err(Error::timeout_since("shrink", started))
     }
 
     /// This rank's exchange in the group the store shrank to (`inbox` shows it).
