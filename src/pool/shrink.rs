@@ -52,7 +52,8 @@ impl SymmPool {
     /// allocate anew from the new pool.
     /// Call it on every survivor after a collective or pool call failed with
     /// [`Error::PeerLost`] (or [`Error::PoolBroken`] naming a loss). Every wait ends
-    /// by the pool's timeout.
+    /// by the pool's timeout. Called with no rank lost (every rank asks), it makes a
+    /// group of the same size: the same ranks over new communicators.
     ///
     /// The survivors must have made the same pool calls (allocations, frees, growths)
     /// before the loss: their pools are compared first, and a difference is
