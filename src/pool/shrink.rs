@@ -6,7 +6,7 @@ use super::{History, SymmPool, events};
 use crate::core::Allocator;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{Note, Op};
+use crate::group::{Failure, Note, Op};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -68,7 +68,8 @@ impl SymmPool {
     /// the survivors agreed (call it again), or the backend cannot shrink (one
     /// assembled from parts of its own); [`Error::Shrunk`] / [`Error::PoolClosed`] on a
     /// pool already replaced or closed; [`Error::Divergence`] if the survivors' pools
-    /// differ; [`Error::Timeout`] / [`Error::PeerLost`] if a survivor does not come or
+    /// differ; [`Error::CollectiveDivergence`] if the ranks' collectives did (a bug to
+    /// fix, not a loss to survive); [`Error::Timeout`] / [`Error::PeerLost`] if a survivor does not come or
     /// is lost while the segments are registered anew (after a loss, call it again:
     /// the survivors of both losses go on), and the registration errors of a growth. On error the old pool keeps its memory and state (broken), and the
     /// new communicators are dropped.
@@ -88,6 +89,10 @@ impl SymmPool {
         }
         if let Some(d) = &old.diverged {
             return Err(Error::Divergence(d.clone()));
+        }
+        // Ranks that made different collectives are a bug to fix, not a loss to survive.
+        if let Some(Failure::Diverged(d)) = self.inner.ledger.failure() {
+            return Err(Error::CollectiveDivergence(d.clone()));
         }
         let backend = self.inner.backend.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
