@@ -346,7 +346,7 @@ pub enum Error {
     #[error(
         "rank {rank} was lost while this rank was in {op}: {detail}; the group is broken for good \
          (look at rank {rank}'s log, the OOM killer or its host; then restart the job, or carry on \
-         without it: SymmPool::shrink on every survivor)"
+         without it unless it hosted the store: SymmPool::shrink on every survivor)"
     )]
     PeerLost {
         /// The rank that was lost.
@@ -359,7 +359,7 @@ pub enum Error {
     /// The call was made on something (a pool, its collectives, an exchange) that
     /// [`SymmPool::shrink`](crate::SymmPool::shrink) replaced. Nothing was done.
     #[error(
-        "{what} belongs to the world before a shrink; use the pool that SymmPool::shrink returned"
+        "{what} belongs to the world before a shrink; use the pool that SymmPool::shrink returned, and buffers allocated from it anew (an old buffer's layout was made for the old world size; its data stays readable)"
     )]
     Shrunk {
         /// What the call was made on.
