@@ -339,11 +339,15 @@ pub enum Error {
     /// A peer rank of a control-plane exchange disconnected, died or stopped sending
     /// heartbeats (for rank 0, the rank hosting the store server, the connection to the
     /// server broke). Delivered to every surviving rank within the bound stated in
-    /// [`control`](crate::control); the group is broken for good afterwards.
+    /// [`control`](crate::control); the group is broken for good afterwards: restart the
+    /// job, or go on without the lost rank with
+    /// [`SymmPool::shrink`](crate::SymmPool::shrink) on every survivor (not when the
+    /// lost rank hosted the store, rank 0 of a [`StoreExchange`](crate::StoreExchange):
+    /// that shrink is [`Error::ShrinkFailed`]).
     #[error(
         "rank {rank} was lost while this rank was in {op}: {detail}; the group is broken for good \
          (look at rank {rank}'s log, the OOM killer or its host; then restart the job, or carry on \
-         without it: SymmPool::shrink on every survivor)"
+         without it unless it hosted the store: SymmPool::shrink on every survivor)"
     )]
     PeerLost {
         /// The rank that was lost.
@@ -356,16 +360,19 @@ pub enum Error {
     /// The call was made on something (a pool, its collectives, an exchange) that
     /// [`SymmPool::shrink`](crate::SymmPool::shrink) replaced. Nothing was done.
     #[error(
-        "{what} belongs to the world before a shrink; use the pool that SymmPool::shrink returned"
+        "{what} belongs to the world before a shrink; use the pool that SymmPool::shrink returned, and buffers allocated from it anew (an old buffer's layout was made for the old world size; its data stays readable)"
     )]
     Shrunk {
         /// What the call was made on.
         what: &'static str,
     },
-    /// The surviving ranks could not shrink the group after a loss (the store's host
-    /// is gone, another rank was lost meanwhile, a survivor did not come, too few
-    /// survived): every survivor in [`SymmPool::shrink`](crate::SymmPool::shrink) gets
-    /// it, its pool left as it was (broken). Restart, or shrink again after a later loss.
+    /// The surviving ranks could not shrink the group after a loss (the store's host,
+    /// rank 0, is gone; another rank was lost while the survivors agreed; the store
+    /// went on without this rank; the backend or its exchange cannot shrink): every
+    /// survivor in [`SymmPool::shrink`](crate::SymmPool::shrink) gets it, its pool left
+    /// as it was (broken). After a second loss while the survivors agreed, call
+    /// `shrink` again (the reason says so); otherwise restart. A survivor that does not
+    /// ask in time is [`Error::Timeout`] instead.
     #[error("the surviving ranks could not shrink the group: {reason}")]
     ShrinkFailed {
         /// Why, naming the ranks involved.

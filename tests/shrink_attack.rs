@@ -8,8 +8,8 @@ use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::{
-    Coll, CollectiveCalls, Deadline, Error, Exchange, HostBackend, HostConfig, PoolConfig,
-    ReduceOp, Stream, SymmBuffer, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Deadline, Error, Exchange, HostBackend, HostConfig,
+    PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
 };
 
 mod common;
@@ -233,6 +233,65 @@ fn survivors_that_diverged_before_the_loss_all_get_a_divergence() {
         assert!(matches!(first, Err(Error::Divergence(_))), "{first:?}");
         assert!(matches!(second, Err(Error::Divergence(_))), "{second:?}");
     }
+}
+
+#[test]
+fn ranks_whose_collectives_diverged_cannot_shrink_past_it() {
+    let config = PoolConfig::default()
+        .with_timeout(TIMEOUT)
+        .with_check(CheckMode::Strict);
+    let pools = SymmPool::host_group(3, config).unwrap();
+    let out = on_ranks(pools, |rank, pool| {
+        let coll = Coll::new(&pool).unwrap();
+        // Rank 1 takes the maximum where the others sum: a bug, not a loss.
+        let b = pool.alloc(4096, &Stream::host()).unwrap();
+        let op = if rank == 1 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        let reduced = coll.all_reduce_in_place::<f32>(&b, op, &Stream::host());
+        let shrunk = pool.shrink().map(|(_, report)| report);
+        drop((coll, b));
+        let closed = pool.close();
+        (reduced, shrunk, closed)
+    });
+    for (reduced, shrunk, closed) in out {
+        assert!(
+            matches!(reduced, Err(Error::CollectiveDivergence(_))),
+            "{reduced:?}"
+        );
+        assert!(
+            matches!(shrunk, Err(Error::CollectiveDivergence(_))),
+            "{shrunk:?}"
+        );
+        assert!(
+            matches!(closed, Err(Error::PoolBroken { .. })),
+            "{closed:?}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_lost_just_before_close_leaves_the_others_closed_alone() {
+    let started = Instant::now();
+    let out = on_ranks(host_pools(3, TIMEOUT), |rank, pool| {
+        let coll = Coll::new(&pool).unwrap();
+        assert_eq!(sum_of_ranks(&pool, &coll).unwrap(), 6.0);
+        drop(coll);
+        if rank == 2 {
+            drop(pool);
+            return None;
+        }
+        let first = pool.close();
+        let second = pool.close();
+        Some((first, second))
+    });
+    for (first, second) in out.into_iter().flatten() {
+        assert!(matches!(first, Err(Error::PoolBroken { .. })), "{first:?}");
+        assert!(second.is_ok(), "{second:?}");
+    }
+    assert!(started.elapsed() < TIMEOUT / 2, "{:?}", started.elapsed());
 }
 
 /// At a rank's ask to shrink (its old pool's state held by the shrink): let the

@@ -236,8 +236,11 @@ pub trait CollectiveCalls: sealed::Handle {
     /// disagree (see "Checked collectives" in [`coll`](crate::coll); a different tag
     /// is named as the field `tag`), and on every later call after that;
     /// [`Error::Untagged`] for an untagged call on a pool that has seen a tagged one or
-    /// requires tags (nothing ran); [`Error::PoolBroken`] after a collective timed out
-    /// or lost a peer.
+    /// requires tags (nothing ran); [`Error::PeerLost`] when a peer is lost during the
+    /// call (every survivor may then [`SymmPool::shrink`](crate::SymmPool::shrink)),
+    /// and [`Error::PoolBroken`] from later calls after a collective timed out or lost
+    /// a peer; [`Error::Shrunk`] for a handle or buffer of a pool that a shrink
+    /// replaced (allocate anew from the new pool).
     #[inline]
     fn all_gather<T: Element>(
         &self,

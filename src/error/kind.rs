@@ -42,11 +42,15 @@ pub enum ErrorKind {
     Timeout,
     /// A peer rank died or the group (or the NCCL backend) broke earlier: nothing on
     /// this group can succeed any more. Restart the job (an elastic runtime restarts
-    /// the ranks from the last checkpoint).
+    /// the ranks from the last checkpoint), or, after [`Error::PeerLost`], go on
+    /// without the lost rank: [`SymmPool::shrink`](crate::SymmPool::shrink) on every
+    /// survivor ([`Error::ShrinkFailed`], also of this kind, when that cannot be done).
     PeerLost,
     /// This pool is unusable (broken, or unable to grow after a failed registration)
     /// while the process and the group may still be fine: drop the pool (after
-    /// `close`) and build a new one, or restart.
+    /// `close`) and build a new one, or restart. An [`Error::PoolBroken`] whose reason
+    /// names a lost rank is a loss seen through the pool: the survivors may
+    /// [`shrink`](crate::SymmPool::shrink) it, as after [`Error::PeerLost`].
     Broken,
     /// A call into CUDA, NCCL or the operating system failed. Read the message; the
     /// device or the process is usually not worth continuing with: restart.
@@ -76,7 +80,9 @@ impl ErrorKind {
     /// Whether restarting the job (every rank) is the way on: the group, the backend
     /// or the process cannot go on ([`Timeout`](Self::Timeout),
     /// [`PeerLost`](Self::PeerLost), [`Divergence`](Self::Divergence),
-    /// [`System`](Self::System), [`Internal`](Self::Internal)).
+    /// [`System`](Self::System), [`Internal`](Self::Internal)). A runtime that goes on
+    /// after a lost rank checks for [`PeerLost`](Self::PeerLost) first and shrinks
+    /// ([`SymmPool::shrink`](crate::SymmPool::shrink)).
     pub fn needs_restart(self) -> bool {
         matches!(
             self,

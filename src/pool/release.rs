@@ -163,13 +163,14 @@ impl SymmPool {
     /// [`Error::BuffersAlive`], [`Error::Divergence`], [`Error::Timeout`], backend
     /// errors. After the ledger broke (the collective checks found the ranks diverged,
     /// [`Error::CollectiveDivergence`], which every rank learns from the same records;
-    /// or one of its rounds timed out or lost a peer) the pool closes without a round,
-    /// at once: it releases this rank's memory and returns [`Error::PoolBroken`]
-    /// naming the cause (the pool is closed; a second `close` returns `Ok`), or, while
-    /// buffers of this rank are alive, [`Error::BuffersAlive`] with this rank's
-    /// buffers (the peers' are not asked). A pool broken on this rank alone (a panic
-    /// under its lock) still closes on every rank through the round (its memory is
-    /// released; the ranks' call histories are not compared then).
+    /// or one of its rounds timed out or lost a peer; or the close's own round lost
+    /// one) the pool closes without a round, at once: it releases this rank's memory
+    /// and returns [`Error::PoolBroken`] naming the cause (the pool is closed; a second
+    /// `close` returns `Ok`), or, while buffers of this rank are alive,
+    /// [`Error::BuffersAlive`] with this rank's buffers (the peers' are not asked). A
+    /// pool broken on this rank alone (a panic under its lock) still closes on every
+    /// rank through the round (its memory is released; the ranks' call histories are
+    /// not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
         if self.inner.closed.load(Ordering::Acquire) {
@@ -202,6 +203,10 @@ impl SymmPool {
         ) {
             Err(Error::CollectiveDivergence(d)) => {
                 return self.close_alone(st, live, d.to_string(), deadline);
+            }
+            // A peer gone for good never agrees: close alone, as after a broken ledger.
+            Err(e @ Error::PeerLost { .. }) => {
+                return self.close_alone(st, live, e.to_string(), deadline);
             }
             out => out?,
         };

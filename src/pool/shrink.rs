@@ -6,7 +6,7 @@ use super::{History, SymmPool, events};
 use crate::core::Allocator;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{Note, Op};
+use crate::group::{Failure, Note, Op};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -51,7 +51,8 @@ impl SymmPool {
     /// allocate anew from the new pool.
     /// Call it on every survivor after a collective or pool call failed with
     /// [`Error::PeerLost`] (or [`Error::PoolBroken`] naming a loss). Every wait ends
-    /// by the pool's timeout.
+    /// by the pool's timeout. Called with no rank lost (every rank asks), it makes a
+    /// group of the same size: the same ranks over new communicators.
     ///
     /// The survivors must have made the same pool calls (allocations, frees, growths)
     /// before the loss: their pools are compared first, and a difference is
@@ -66,7 +67,8 @@ impl SymmPool {
     /// the survivors agreed (call it again), or the backend cannot shrink (one
     /// assembled from parts of its own); [`Error::Shrunk`] / [`Error::PoolClosed`] on a
     /// pool already replaced or closed; [`Error::Divergence`] if the survivors' pools
-    /// differ; [`Error::Timeout`] / [`Error::PeerLost`] if a survivor does not come or
+    /// differ; [`Error::CollectiveDivergence`] if the ranks' collectives did (a bug to
+    /// fix, not a loss to survive); [`Error::Timeout`] / [`Error::PeerLost`] if a survivor does not come or
     /// is lost while the segments are registered anew (after a loss, call it again:
     /// the survivors of both losses go on), and the registration errors of a growth.
     /// On error the old pool keeps its memory and state (broken), and the new
@@ -87,6 +89,10 @@ impl SymmPool {
         }
         if let Some(d) = &old.diverged {
             return Err(Error::Divergence(d.clone()));
+        }
+        // Ranks that made different collectives are a bug to fix, not a loss to survive.
+        if let Some(Failure::Diverged(d)) = self.inner.ledger.failure() {
+            return Err(Error::CollectiveDivergence(d.clone()));
         }
         let backend = self.inner.backend.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());

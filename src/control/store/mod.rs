@@ -363,7 +363,15 @@ impl Shared {
         if clean_end {
             tracing::debug!("symmpool store: rank {} left: {broken:?}", broken.rank);
         } else {
-            tracing::warn!("symmpool store: group broken: {broken:?}");
+            let (rank, op) = (broken.rank, &broken.op);
+            match &broken.cause {
+                Cause::Lost { detail } => {
+                    tracing::warn!("symmpool store: group broken: rank {rank} was lost: {detail}");
+                }
+                Cause::Timeout { missing } => tracing::warn!(
+                    "symmpool store: group broken: rank {rank} timed out in {op} waiting for ranks {missing:?}"
+                ),
+            }
         }
         st.rounds.clear();
         st.broken = Some(broken.clone());
