@@ -544,10 +544,8 @@ impl Collectives for HostBackend {
         let me = self.rank as u64;
         self.collective(args, "reduce_scatter", |posts| {
             // Pull: reduce this rank's chunk of every rank's input, in rank order.
-            let inputs = posts
-                .iter()
-                .map(|p| read_side(&p.send, me * chunk, chunk))
-                .collect::<Result<Vec<_>>>()?;
+            let read = posts.iter().map(|p| read_side(&p.send, me * chunk, chunk));
+            let inputs = read.collect::<Result<Vec<_>>>()?;
             let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
             write_side(&posts[self.rank].recv, 0, &acc)
         })
@@ -566,10 +564,8 @@ impl Collectives for HostBackend {
         self.collective(args, OP, |posts| {
             // Pull every rank's input, in rank order; then a middle round, so that no
             // rank overwrites its input (in place: its output) while a peer reads it.
-            let reduced = posts
-                .iter()
-                .map(|p| read_side(&p.send, 0, bytes))
-                .collect::<Result<Vec<_>>>()
+            let read = posts.iter().map(|p| read_side(&p.send, 0, bytes));
+            let reduced = (read.collect::<Result<Vec<_>>>())
                 .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
             let round = self.next_round(args.comm, false);
             let middle = (comm.collectives).gather(OP, self.rank, round, None, args.deadline())?;

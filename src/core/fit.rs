@@ -179,11 +179,8 @@ impl Allocator {
         plan: &FitPlan,
     ) -> Result<(Released, Vec<SegmentId>), AllocError> {
         let released = self.release_planned(plan)?;
-        let added = plan
-            .add
-            .iter()
-            .map(|&g| self.add_planned(g))
-            .collect::<Result<Vec<_>, _>>()?;
+        let add = plan.add.iter().map(|&g| self.add_planned(g));
+        let added = add.collect::<Result<Vec<_>, _>>()?;
         Ok((released, added))
     }
 }

@@ -175,9 +175,7 @@ impl Fields for CollectiveRecord {
     }
 
     /// The record kind with where the rank is, so that a rank that skipped a
-    /// collective (or made an extra one) is named in the message: "collective #8 of
-    /// the pool" on the rank ahead, "step boundary after 7 collectives of the pool" on
-    /// the rank behind.
+    /// collective (or made an extra one) is named in the message.
     fn describe(&self, i: usize) -> String {
         let n = self.pool_collective;
         match (i, self.kind) {

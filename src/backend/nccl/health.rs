@@ -128,10 +128,8 @@ impl Health {
     /// [`Cause::PeerLost`] if the exchange knows of a lost peer by [`PEER_VERDICT_WAIT`]
     /// (polled; without an exchange, not waited for), else [`Cause::Failed`].
     pub(crate) fn failure(&self, what: String) -> Cause {
-        let loss = self
-            .peers
-            .as_ref()
-            .and_then(|_| poll_until(Deadline::after(PEER_VERDICT_WAIT), || self.lost_peer()));
+        let verdict_by = Deadline::after(PEER_VERDICT_WAIT);
+        let loss = (self.peers.as_ref()).and_then(|_| poll_until(verdict_by, || self.lost_peer()));
         match loss {
             Some(loss) => Cause::PeerLost {
                 rank: loss.rank,
