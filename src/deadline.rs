@@ -93,10 +93,8 @@ impl CallDeadline {
     /// A deadline `timeout` after the first [`get`](Self::get) ([`Duration::MAX`]:
     /// never).
     pub fn from_first_wait(timeout: Duration) -> Self {
-        CallDeadline {
-            timeout,
-            at: Cell::new(None),
-        }
+        let at = Cell::new(None);
+        CallDeadline { timeout, at }
     }
 
     /// The deadline: fixed now if no wait asked for it before.
@@ -112,10 +110,8 @@ impl CallDeadline {
 
 impl From<Deadline> for CallDeadline {
     fn from(deadline: Deadline) -> Self {
-        CallDeadline {
-            timeout: Duration::ZERO,
-            at: Cell::new(Some(deadline)),
-        }
+        let (timeout, at) = (Duration::ZERO, Cell::new(Some(deadline)));
+        CallDeadline { timeout, at }
     }
 }
 

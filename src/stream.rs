@@ -60,10 +60,8 @@ impl Stream {
 
     /// A host stream (for the host backends).
     pub fn host() -> Self {
-        Stream {
-            id: Self::fresh_id(),
-            device: None,
-        }
+        let (id, device) = (Self::fresh_id(), None);
+        Stream { id, device }
     }
 
     /// A device stream carrying `stream`, the device backend's own stream value, which
@@ -92,10 +90,8 @@ impl Stream {
 
     fn with_handle<S: Any + Send + Sync>(id: StreamId, kind: &'static str, stream: Arc<S>) -> Self {
         let handle = Arc::new(stream);
-        Stream {
-            id,
-            device: Some(DevicePart { kind, handle }),
-        }
+        let device = Some(DevicePart { kind, handle });
+        Stream { id, device }
     }
 
     /// The id of the stream named `key`, noting `wrapped` as one more of its wrappers.

@@ -37,20 +37,16 @@ impl Segment {
     /// Wrap a provider's memory.
     pub fn new(memory: Box<dyn SegmentMemory>) -> Self {
         let size_bytes = memory.size_bytes();
-        Segment {
-            memory: memory.into(),
-            size_bytes,
-        }
+        let memory = memory.into();
+        Segment { memory, size_bytes }
     }
 
     /// The same memory, for the pool that a shrink makes of this segment's pool: the
     /// two entries then hold it together, and it may be freed only once the other
     /// holder is gone ([`is_shared`](Self::is_shared)).
     pub(crate) fn share(&self) -> Segment {
-        Segment {
-            memory: self.memory.clone(),
-            size_bytes: self.size_bytes,
-        }
+        let (memory, size_bytes) = (self.memory.clone(), self.size_bytes);
+        Segment { memory, size_bytes }
     }
 
     /// Whether another [`Segment`] holds the same memory (the pool a shrink made and

@@ -93,11 +93,9 @@ pub(super) struct RefusalLog {
 }
 
 impl RefusalLog {
-    pub(super) fn new(now: Instant) -> Self {
-        RefusalLog {
-            since: now,
-            kinds: BTreeMap::new(),
-        }
+    pub(super) fn new(since: Instant) -> Self {
+        let kinds = BTreeMap::new();
+        RefusalLog { since, kinds }
     }
 
     pub(super) fn note(&mut self, now: Instant, kind: RefusalKind, peer: SocketAddr, why: &str) {

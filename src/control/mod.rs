@@ -396,10 +396,8 @@ impl Rounds {
     fn open(&self, ex: &dyn Exchange, name: &str, deadline: Deadline) -> Result<ChannelId> {
         let mut opened = self.opened.lock();
         *opened += 1;
-        let mine = ChannelOpening {
-            ordinal: *opened,
-            name: name.to_owned(),
-        };
+        let (ordinal, name) = (*opened, name.to_owned());
+        let mine = ChannelOpening { ordinal, name };
         let all = gather_records(ex, ChannelId::CONTROL, "open_channel", &mine, deadline)?;
         if all.iter().all(|o| *o == mine) {
             return Ok(ChannelId(mine.ordinal));

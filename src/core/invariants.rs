@@ -15,10 +15,8 @@ pub struct InvariantViolation {
 }
 
 fn fail<T>(what: impl Into<String>, segment: Option<SegmentId>) -> Result<T, InvariantViolation> {
-    Err(InvariantViolation {
-        what: what.into(),
-        segment,
-    })
+    let what = what.into();
+    Err(InvariantViolation { what, segment })
 }
 
 impl Allocator {

@@ -31,16 +31,9 @@ pub(crate) fn agree_registration_order(
     size_bytes: u64,
     deadline: Deadline,
 ) -> Result<()> {
-    let mine = RegistrationRecord {
-        pool: pool.to_string(),
-        size_bytes,
-    };
-    let all = exchange.all_gather(
-        channel,
-        "window registration order",
-        &record::encode(&mine)?,
-        deadline,
-    )?;
+    let pool = pool.to_string();
+    let mine = record::encode(&RegistrationRecord { pool, size_bytes })?;
+    let all = exchange.all_gather(channel, "window registration order", &mine, deadline)?;
     let records: Vec<Option<RegistrationRecord>> = all.iter().map(|b| record::decode(b)).collect();
     if records.iter().all(|r| r.is_some() && *r == records[0]) {
         return Ok(());

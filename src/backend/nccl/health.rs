@@ -193,10 +193,8 @@ pub(crate) struct Backoff {
 impl Backoff {
     /// From 20 µs up to `max`.
     pub(super) fn new(max: Duration) -> Self {
-        Backoff {
-            next: Duration::from_micros(20).min(max),
-            max,
-        }
+        let next = Duration::from_micros(20).min(max);
+        Backoff { next, max }
     }
 
     /// The next pause, no later than `deadline` (from `now`).

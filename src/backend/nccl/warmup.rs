@@ -155,10 +155,8 @@ impl<D: Device> Shared<D> {
         match self.device.wait_idle(stream, deadline) {
             Ok(true) => {}
             Ok(false) => {
-                let e = self.fail(Cause::Timeout {
-                    op,
-                    waited: started.elapsed(),
-                });
+                let waited = started.elapsed();
+                let e = self.fail(Cause::Timeout { op, waited });
                 return Err(ran.err().unwrap_or(e));
             }
             Err(e) => return Err(ran.err().unwrap_or(e)),
