@@ -59,10 +59,8 @@ pub struct Launch {
 }
 
 pub(super) fn env_err(variable: &str, detail: impl Into<String>) -> Error {
-    Error::LaunchEnv {
-        variable: variable.to_string(),
-        detail: detail.into(),
-    }
+    let (variable, detail) = (variable.to_string(), detail.into());
+    Error::LaunchEnv { variable, detail }
 }
 
 /// The variable `name` read through `get` and parsed (`None`: not set).

@@ -210,11 +210,8 @@ pub struct LostPeer {
 impl LostPeer {
     /// The loss, as the error a call `op` that it ends reports.
     pub fn error(&self, op: &'static str) -> Error {
-        Error::PeerLost {
-            rank: self.rank,
-            op,
-            detail: self.detail.clone(),
-        }
+        let (rank, detail) = (self.rank, self.detail.clone());
+        Error::PeerLost { rank, op, detail }
     }
 }
 

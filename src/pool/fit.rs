@@ -67,9 +67,7 @@ impl SymmPool {
             let id = self.add_segment(&mut st, *growth, SegmentUse::Reserved, deadline)?;
             added.push((id.0, growth.segment_bytes));
         }
-        Ok(FitReport {
-            released: released.into_iter().map(|(id, b)| (id.0, b)).collect(),
-            added,
-        })
+        let released = released.into_iter().map(|(id, b)| (id.0, b)).collect();
+        Ok(FitReport { released, added })
     }
 }

@@ -268,10 +268,8 @@ impl SymmPool {
             }
             (Err(e), _) => return Err(e),
         };
-        let mut entry = SegmentEntry {
-            segment,
-            windows: (0..backend.communicators().len()).map(|_| None).collect(),
-        };
+        let windows = (0..backend.communicators().len()).map(|_| None).collect();
+        let mut entry = SegmentEntry { segment, windows };
         if let Err(e) = self.register_segment(st, &mut entry, deadline) {
             self.undo_segment(st, entry, deadline);
             return Err(e);

@@ -95,10 +95,8 @@ impl<D: Device> Shared<D> {
         if let Some(loss) = self.health.lost_peer()
             && (!loss.left || in_flight || self.all_comms().any(|c| c.inside().is_some()))
         {
-            let _ = self.fail(Cause::PeerLost {
-                rank: loss.rank,
-                detail: loss.detail,
-            });
+            let (rank, detail) = (loss.rank, loss.detail);
+            let _ = self.fail(Cause::PeerLost { rank, detail });
             return;
         }
         for c in self.all_comms().filter(|c| c.owned) {
@@ -106,10 +104,8 @@ impl<D: Device> Shared<D> {
                 && let Some(deadline) = inside.deadline
                 && deadline.instant() <= now
             {
-                let _ = self.fail(Cause::Timeout {
-                    op: inside.op,
-                    waited: now.saturating_duration_since(inside.since),
-                });
+                let (op, waited) = (inside.op, now.saturating_duration_since(inside.since));
+                let _ = self.fail(Cause::Timeout { op, waited });
                 return;
             }
             // A non-blocking communicator busy in a call is looked at next time (the

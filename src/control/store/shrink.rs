@@ -50,9 +50,10 @@ impl Shared {
         st.votes.clear();
         st.rounds.clear();
         st.broken = None;
+        let survivors = st.alive.iter().map(|&r| r as u32).collect();
         let shrunk = ToClient::Shrunk {
             epoch: st.epoch,
-            survivors: st.alive.iter().map(|&r| r as u32).collect(),
+            survivors,
         };
         let alive = st.alive.clone();
         self.send_to(st, alive, &wire::encode(&shrunk));
