@@ -98,6 +98,8 @@ struct Inbox {
     survivors: Vec<u32>,
     /// Why this rank's latest request to shrink failed, as the server said.
     shrink_failed: Option<String>,
+    /// The ranks that had not asked when this rank withdrew its ask to shrink.
+    shrink_withdrawn: Option<Vec<u32>>,
 }
 
 impl Inbox {
@@ -187,6 +189,7 @@ impl ClientShared {
                     (inbox.epoch, inbox.survivors) = (epoch, survivors);
                 }
                 Ok(ToClient::ShrinkFailed { reason }) => inbox.shrink_failed = Some(reason),
+                Ok(ToClient::Withdrawn { missing }) => inbox.shrink_withdrawn = Some(missing),
                 Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
                 Ok(ToClient::Reject { reason, .. }) => {
                     ended = Some(format!("the store server dropped this rank: {reason}"));
@@ -380,6 +383,7 @@ impl StoreExchange {
                 epoch: 0,
                 survivors: Vec::new(),
                 shrink_failed: None,
+                shrink_withdrawn: None,
             }),
             cv: Condvar::new(),
             bg_cv: Condvar::new(),

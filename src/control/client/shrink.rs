@@ -28,9 +28,10 @@ impl StoreExchange {
     /// a rank of the group is lost while the survivors ask (they may ask again);
     /// [`Error::Shrunk`] on an exchange that is itself replaced already;
     /// [`Error::Timeout`] if a connected rank does not ask by `deadline`: this rank's
-    /// ask is withdrawn, and the store confirms it, within a heartbeat timeout and
-    /// interval more (as for a round that times out); had the group shrunk before the
-    /// withdrawal reached the store, the new exchange is returned instead.
+    /// ask is withdrawn, and the store confirms it, naming the ranks that had not asked
+    /// (`missing_ranks`, ranks of this group), within a heartbeat timeout and interval
+    /// more (as for a round that times out); had the group shrunk before the withdrawal
+    /// reached the store, the new exchange is returned instead.
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
         let mut successor = self.successor.lock();
         if let Some(next) = successor.clone() {
@@ -61,14 +62,17 @@ impl StoreExchange {
             if inbox.reader_done {
                 return Err(server_gone(lost_detail(&inbox)));
             }
-            inbox.shrink_failed = None;
+            (inbox.shrink_failed, inbox.shrink_withdrawn) = (None, None);
         }
         let ask = wire::encode(&ToServer::Shrink { epoch: self.epoch });
         if let Err(e) = self.shared.send(&ask) {
             return Err(server_gone(Some(format!("writing to it failed: {e}"))));
         }
         let answered = |ib: &mut super::Inbox| {
-            ib.epoch != self.epoch || ib.shrink_failed.is_some() || ib.reader_done
+            ib.epoch != self.epoch
+                || ib.shrink_failed.is_some()
+                || ib.shrink_withdrawn.is_some()
+                || ib.reader_done
         };
         let mut inbox = self.shared.wait_until(deadline, answered);
         let mut withdrawn = false;
@@ -78,11 +82,17 @@ impl StoreExchange {
                 *successor = Some(next.clone());
                 return Ok(next);
             }
+            if let Some(missing) = inbox.shrink_withdrawn.take() {
+                // The server's word that the ask no longer counts, and who had not asked.
+                let waited = started.elapsed();
+                let missing_ranks = missing.into_iter().map(|r| r as usize).collect();
+                return Err(Error::Timeout {
+                    op: "shrink",
+                    waited,
+                    missing_ranks,
+                });
+            }
             if let Some(reason) = inbox.shrink_failed.take() {
-                if withdrawn {
-                    // The server's word that the ask no longer counts.
-                    break;
-                }
                 return Err(Error::ShrinkFailed { reason });
             }
             if inbox.reader_done {

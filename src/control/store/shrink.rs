@@ -60,18 +60,20 @@ impl Shared {
     }
 
     /// Job rank `rank` gave up its ask to shrink the group of `epoch` (its deadline
-    /// passed): the vote is forgotten, and the rank told so
-    /// ([`ToClient::ShrinkFailed`]), unless that group is over already (the rank was
-    /// told of the new one first).
+    /// passed): the vote is forgotten, and the rank told so with the ranks that had
+    /// not asked ([`ToClient::Withdrawn`]), unless that group is over already (the
+    /// rank was told of the new one first).
     pub(super) fn withdraw_shrink(&self, st: &mut State, rank: usize, epoch: u64) {
         if epoch != st.epoch {
             // The rank was sent the new group before this: its answer.
             return;
         }
         st.votes.remove(&rank);
-        let reason = format!("job rank {rank} withdrew its ask to shrink (its deadline passed)");
-        let withdrawn = wire::encode(&ToClient::ShrinkFailed { reason });
-        self.send_to(st, [rank], &withdrawn);
+        let missing = (st.alive.iter().enumerate())
+            .filter(|&(_, &r)| r != rank && st.conns[r].is_some() && !st.votes.contains(&r))
+            .map(|(place, _)| place as u32)
+            .collect();
+        self.send_to(st, [rank], &wire::encode(&ToClient::Withdrawn { missing }));
     }
 
     /// Job rank `rank` of the group departed (`why`): a shrink being voted on fails for

@@ -25,8 +25,8 @@ pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// The protocol version; a peer speaking another is refused. 2: the hello names the job
 /// and the process, a refusal says why; 3: [`ToClient::Waiting`]; 4: the survivors of a
 /// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]); 5: an ask to
-/// shrink that timed out is withdrawn ([`ToServer::Withdraw`]), and a round's
-/// contribution and abandonment name their group's epoch.
+/// shrink that timed out is withdrawn ([`ToServer::Withdraw`], [`ToClient::Withdrawn`]),
+/// and a round's contribution and abandonment name their group's epoch.
 pub(crate) const VERSION: u16 = 5;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
@@ -112,7 +112,7 @@ pub(crate) enum ToServer {
     Shrink { epoch: u64 },
     /// This rank's ask to shrink the group of `epoch` timed out: it no longer counts
     /// (the others' asks must not shrink the group with a rank that gave up). The
-    /// answer is [`ToClient::ShrinkFailed`], or nothing where that group is over (the
+    /// answer is [`ToClient::Withdrawn`], or nothing where that group is over (the
     /// rank was sent [`ToClient::Shrunk`] first).
     Withdraw { epoch: u64 },
 }
@@ -248,6 +248,10 @@ pub(crate) enum ToClient {
     /// This rank's request to shrink failed (a rank was lost while the survivors
     /// asked, or it asked for an epoch that is over).
     ShrinkFailed { reason: String },
+    /// This rank's ask to shrink no longer counts ([`ToServer::Withdraw`]); `missing`
+    /// are the ranks of the group (places in its list) still connected that had not
+    /// asked.
+    Withdrawn { missing: Vec<u32> },
 }
 
 /// Byte vectors as postcard byte strings (a length, then the bytes copied at once), not
