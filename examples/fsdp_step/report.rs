@@ -421,8 +421,8 @@ pub fn survival_lines(r: &Summary) -> Vec<String> {
     ];
     for p in &s.pools {
         lines.push(format!(
-            "  {:<10} {} segments kept, {} window registrations on the new communicators, \
-             {} live buffers ({:.1} KiB), {:.1} ms",
+            "  {:<10} segments kept: {}, window registrations on the new communicators: {}, \
+             live buffers: {} ({:.1} KiB), {:.1} ms",
             p.pool,
             p.segments,
             p.registrations,
