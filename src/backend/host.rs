@@ -281,6 +281,13 @@ impl HostBackend {
     pub(super) fn shrink(&self, backend: &Backend, deadline: Deadline) -> Result<Backend> {
         let exchange = backend.exchange().shrink(deadline)?;
         let next = self.exchange.shrink(deadline)?;
+        // The new group lost a rank between the two asks, and the second went past it.
+        if let Some(lost) = exchange
+            .lost_peer()
+            .filter(|_| next.world_size() != exchange.world_size())
+        {
+            return Err(lost.error("shrink"));
+        }
         let channel = exchange.open_channel("backend:shrink", deadline)?;
         let comms = HostComm::take(&next, channel)?;
         backend.with_parts(exchange, self.beside(&next, comms))
