@@ -2,7 +2,7 @@
 
 use crate::core::AllocError;
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 mod divergence;
 mod kind;
@@ -517,10 +517,11 @@ fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
 }
 
 impl Error {
-    /// [`Error::Timeout`] of a wait in `op` that began at `started` and names no rank.
+    /// [`Error::Timeout`] of a wait in `op` that began at `started`, naming `missing`.
     #[cold]
-    pub(crate) fn timeout_since(op: &'static str, started: std::time::Instant) -> Error {
-        let (waited, missing_ranks) = (started.elapsed(), Vec::new());
+    pub(crate) fn timeout_since(op: &'static str, started: Instant, missing: &[u32]) -> Error {
+        let waited = started.elapsed();
+        let missing_ranks = missing.iter().map(|&r| r as usize).collect();
         Error::Timeout {
             op,
             waited,

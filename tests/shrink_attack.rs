@@ -767,7 +767,7 @@ impl Raw {
         let mut raw = Raw(TcpStream::connect(("127.0.0.1", port)).unwrap());
         raw.0.set_read_timeout(Some(TIMEOUT)).unwrap();
         let mut preface = b"SYMMPOOL".to_vec();
-        preface.extend(5u16.to_le_bytes());
+        preface.extend(6u16.to_le_bytes());
         preface.extend([0, 0]);
         raw.0.write_all(&preface).unwrap();
         raw.send(&ToServer::Hello {
@@ -841,7 +841,16 @@ fn a_raw_client_sending_stale_epochs_and_garbage_gets_clear_answers_and_the_othe
         for l in on_each(&next[..], |x| common::round::round(x.as_ref(), 1)) {
             assert!(matches!(l, Err(Error::PeerLost { rank: 2, .. })), "{l:?}");
         }
-        let last = on_each(&next[..], |x| x.shrink(Deadline::after(TIMEOUT)).unwrap());
+        let deadline = Deadline::after(TIMEOUT);
+        // Asked before the store saw the departure, a shrink fails with it: ask again.
+        let last = on_each(&next[..], |x| {
+            loop {
+                match x.shrink(deadline) {
+                    Err(Error::ShrinkFailed { reason }) if reason.contains("job rank 1") => {}
+                    other => break other.unwrap(),
+                }
+            }
+        });
         for r in on_each(&last[..], |x| {
             common::round::round(x.as_ref(), x.rank() as u8)
         }) {
@@ -853,11 +862,11 @@ fn a_raw_client_sending_stale_epochs_and_garbage_gets_clear_answers_and_the_othe
 
 #[test]
 fn an_ask_to_shrink_that_timed_out_is_withdrawn_from_the_store() {
-    let world = 3;
+    let world = 4;
     let server = StoreServer::bind("127.0.0.1:0", &store_config(0, world, 0)).unwrap();
     let port = server.local_addr().port();
     let server = Mutex::new(Some(server));
-    let group = on_each(&[0, 1, 2], |&rank| {
+    let mut group = on_each(&[0, 1, 2, 3], |&rank| {
         let config = store_config(rank, world, port);
         match rank {
             0 => StoreExchange::connect_hosting(config, server.lock().unwrap().take().unwrap()),
@@ -866,36 +875,44 @@ fn an_ask_to_shrink_that_timed_out_is_withdrawn_from_the_store() {
         .unwrap()
     });
     let briefly = || Deadline::after(Duration::from_millis(300));
+    let missing = |r: symmpool::Result<Arc<StoreExchange>>| match r {
+        Err(Error::Timeout { missing_ranks, .. }) => missing_ranks,
+        other => panic!("{other:?}"),
+    };
     // The store names the ranks that had not asked.
-    let alone = group[1].shrink(briefly()).map(|_| ());
-    assert!(
-        matches!(&alone, Err(Error::Timeout { missing_ranks, .. }) if missing_ranks == &[0, 2]),
-        "{alone:?}"
-    );
+    assert_eq!(missing(group[1].shrink(briefly())), [0, 2, 3]);
     // Rank 1 gave up: the others' asks do not count it as asking.
-    let others = on_each(&group[..], |x| match x.rank() {
-        1 => None,
-        _ => Some(x.shrink(briefly()).map(|_| ())),
-    });
-    for o in others.into_iter().flatten() {
-        // Whichever of ranks 0 and 2 withdrew first saw the other still asking.
-        let Err(Error::Timeout { missing_ranks, .. }) = &o else {
-            panic!("{o:?}")
-        };
-        assert!(missing_ranks.contains(&1), "{o:?}");
+    let others = on_each(&group[..], |x| (x.rank() != 1).then(|| x.shrink(briefly())));
+    for (rank, o) in others.into_iter().enumerate() {
+        let Some(o) = o else { continue };
+        // The first to withdraw may still see the others asking.
+        let m = missing(o);
+        assert!(m.contains(&1) && !m.contains(&rank), "rank {rank}: {m:?}");
     }
     // The group of epoch 0 is as it was.
     for r in on_each(&group[..], |x| common::round::round(x, 1)) {
-        assert_eq!(r.unwrap(), [[1], [1], [1]]);
+        assert_eq!(r.unwrap(), [[1]; 4]);
     }
-    // All three ask: the group of three goes on.
-    let next = on_each(&group[..], |x| x.shrink(Deadline::after(TIMEOUT)).unwrap());
-    let rounds = on_each(&next[..], |x| {
+    // All four ask: the group of four goes on.
+    let mut next = on_each(&group[..], |x| x.shrink(Deadline::after(TIMEOUT)).unwrap());
+    for r in on_each(&next[..], |x| {
         common::round::round(x.as_ref(), x.rank() as u8)
-    });
-    for r in rounds {
-        assert_eq!(r.unwrap(), [[0], [1], [2]]);
+    }) {
+        assert_eq!(r.unwrap(), [[0], [1], [2], [3]]);
     }
+    // Job rank 1 leaves; the group of job ranks 0, 2 and 3 names its ranks by place.
+    drop((group.remove(1), next.remove(1)));
+    let deadline = Deadline::after(TIMEOUT);
+    // Asked before the store saw the departure, a shrink fails with it: ask again.
+    let last = on_each(&next[..], |x| {
+        loop {
+            match x.shrink(deadline) {
+                Err(Error::ShrinkFailed { reason }) if reason.contains("job rank 1") => {}
+                other => break other.unwrap(),
+            }
+        }
+    });
+    assert_eq!(missing(last[2].shrink(briefly())), [0, 1]);
 }
 
 #[test]

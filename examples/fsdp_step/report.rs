@@ -422,7 +422,7 @@ pub fn survival_lines(r: &Summary) -> Vec<String> {
     for p in &s.pools {
         lines.push(format!(
             "  {:<10} segments kept: {}, window registrations on the new communicators: {}, \
-             live buffers: {} ({:.1} KiB), {:.1} ms",
+             live buffers: {} ({:.1} KiB), shrink: {:.1} ms",
             p.pool,
             p.segments,
             p.registrations,

@@ -454,12 +454,14 @@ impl PolicyCell {
     }
 
     /// `f` of the current policy: this thread's copy while it is current, the
-    /// policy itself on a thread whose copy is gone (it is exiting).
+    /// policy itself on a thread whose copy is gone (it is exiting). `f` must not read
+    /// a policy: this thread's copy is borrowed while it runs.
     #[inline]
     fn with<R>(&self, f: impl Fn(&PathPolicy) -> R) -> R {
         let generation = self.generation.load(Ordering::Acquire);
-        // `try_with`, not `with`: `with` was not always inlined into the call path
-        // (about 28 instructions a call more, as unrelated code changed).
+        // `try_with`: `LocalKey::with` (under `with_borrow_mut`) was not always inlined
+        // into the call path (about 28 instructions a call more, as unrelated code
+        // changed).
         LAST_POLICY
             .try_with(|last| {
                 let mut last = last.borrow_mut();

@@ -98,8 +98,9 @@ struct Inbox {
     survivors: Vec<u32>,
     /// Why this rank's latest request to shrink failed, as the server said.
     shrink_failed: Option<String>,
-    /// The ranks that had not asked when this rank withdrew its ask to shrink.
+    /// A withdrawn ask's answer (the group's ranks that had not asked); whether it is due.
     shrink_withdrawn: Option<Vec<u32>>,
+    withdraw_pending: bool,
 }
 
 impl Inbox {
@@ -187,9 +188,13 @@ impl ClientShared {
                     inbox.waiting.clear();
                     inbox.broken = None;
                     (inbox.epoch, inbox.survivors) = (epoch, survivors);
+                    // A withdrawal the server had not read by then is not answered.
+                    inbox.withdraw_pending = false;
                 }
                 Ok(ToClient::ShrinkFailed { reason }) => inbox.shrink_failed = Some(reason),
-                Ok(ToClient::Withdrawn { missing }) => inbox.shrink_withdrawn = Some(missing),
+                Ok(ToClient::Withdrawn { missing }) => {
+                    (inbox.shrink_withdrawn, inbox.withdraw_pending) = (Some(missing), false);
+                }
                 Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
                 Ok(ToClient::Reject { reason, .. }) => {
                     ended = Some(format!("the store server dropped this rank: {reason}"));
@@ -384,6 +389,7 @@ impl StoreExchange {
                 survivors: Vec::new(),
                 shrink_failed: None,
                 shrink_withdrawn: None,
+                withdraw_pending: false,
             }),
             cv: Condvar::new(),
             bg_cv: Condvar::new(),

@@ -243,9 +243,8 @@ impl SymmBuffer {
     }
 
     /// Whether the buffer's segment has a symmetric window on communicator `comm`.
-    /// A buffer of a pool replaced by [`SymmPool::shrink`] still answers for the old
-    /// pool's communicators (their windows are not deregistered, and every collective
-    /// of that pool fails with [`Error::Shrunk`]).
+    /// A buffer of a pool replaced by [`SymmPool::shrink`] answers for the old pool's
+    /// communicators (windows kept; that pool's collectives fail with [`Error::Shrunk`]).
     pub fn in_window(&self, comm: usize) -> bool {
         self.entry.window(comm).is_some()
     }

@@ -84,7 +84,7 @@ impl SymmPool {
         let started = std::time::Instant::now();
         if !backend.streams().drain(deadline)? {
             let op = "draining the device before releasing segments";
-            return Err(Error::timeout_since(op, started));
+            return Err(Error::timeout_since(op, started, &[]));
         }
         let mut first_err = None;
         for id in gone {

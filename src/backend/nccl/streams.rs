@@ -257,7 +257,7 @@ impl NcclBackend {
         if all_complete(&[event], self.shared.call_deadline())? {
             return Ok(cs);
         }
-        Err(Error::timeout_since(op, started))
+        Err(Error::timeout_since(op, started, &[]))
     }
 }
 

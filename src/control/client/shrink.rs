@@ -28,10 +28,11 @@ impl StoreExchange {
     /// a rank of the group is lost while the survivors ask (they may ask again);
     /// [`Error::Shrunk`] on an exchange that is itself replaced already;
     /// [`Error::Timeout`] if a connected rank does not ask by `deadline`: this rank's
-    /// ask is withdrawn, and the store confirms it, naming the ranks that had not asked
-    /// (`missing_ranks`, ranks of this group), within a heartbeat timeout and interval
-    /// more (as for a round that times out); had the group shrunk before the withdrawal
-    /// reached the store, the new exchange is returned instead.
+    /// ask is withdrawn, and the store confirms it, naming the connected ranks of this
+    /// group that had not asked (`missing_ranks`; empty if the confirmation does not
+    /// come), within a heartbeat timeout and interval more (as for a round that times
+    /// out); had the group shrunk before the withdrawal reached the store, the new
+    /// exchange is returned instead.
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
         let mut successor = self.successor.lock();
         if let Some(next) = successor.clone() {
@@ -57,64 +58,48 @@ impl StoreExchange {
                 wire::Cause::Timeout { .. } => format!("the group broke in {}", b.op),
             })
         };
-        {
-            let mut inbox = self.inbox()?;
-            if inbox.reader_done {
-                return Err(server_gone(lost_detail(&inbox)));
-            }
-            (inbox.shrink_failed, inbox.shrink_withdrawn) = (None, None);
+        drop(self.inbox()?);
+        // An earlier ask's withdrawal not confirmed yet: its answer is not this ask's.
+        let pending_done = |ib: &mut super::Inbox| !ib.withdraw_pending || ib.reader_done;
+        let mut inbox = self.shared.wait_until(deadline, pending_done);
+        if inbox.reader_done {
+            return Err(server_gone(lost_detail(&inbox)));
+        } else if inbox.withdraw_pending {
+            return Err(Error::timeout_since("shrink", started, &[]));
         }
+        (inbox.shrink_failed, inbox.shrink_withdrawn) = (None, None);
+        drop(inbox);
         let ask = wire::encode(&ToServer::Shrink { epoch: self.epoch });
         if let Err(e) = self.shared.send(&ask) {
             return Err(server_gone(Some(format!("writing to it failed: {e}"))));
         }
-        let answered = |ib: &mut super::Inbox| {
-            ib.epoch != self.epoch
-                || ib.shrink_failed.is_some()
-                || ib.shrink_withdrawn.is_some()
-                || ib.reader_done
-        };
+        let over = |ib: &super::Inbox| ib.epoch != self.epoch || ib.reader_done;
+        let answered = |ib: &mut super::Inbox| over(ib) || ib.shrink_failed.is_some();
         let mut inbox = self.shared.wait_until(deadline, answered);
-        let mut withdrawn = false;
-        loop {
-            if inbox.epoch != self.epoch {
-                let next = self.in_new_group(inbox, started)?;
-                *successor = Some(next.clone());
-                return Ok(next);
-            }
-            if let Some(missing) = inbox.shrink_withdrawn.take() {
-                // The server's word that the ask no longer counts, and who had not asked.
-                let waited = started.elapsed();
-                let missing_ranks = missing.into_iter().map(|r| r as usize).collect();
-                return Err(Error::Timeout {
-                    op: "shrink",
-                    waited,
-                    missing_ranks,
-                });
-            }
-            if let Some(reason) = inbox.shrink_failed.take() {
-                return Err(Error::ShrinkFailed { reason });
-            }
-            if inbox.reader_done {
-                return Err(server_gone(lost_detail(&inbox)));
-            }
-            if withdrawn {
-                break;
-            }
-            drop(inbox);
+        if !answered(&mut inbox) {
             // Timed out: withdraw the ask, so that the others' asks never shrink the
             // group with this rank counted as asking, and wait for the server's word
             // (on this connection, in order): withdrawn, or the group had shrunk.
+            inbox.withdraw_pending = true;
+            drop(inbox);
             let withdraw = wire::encode(&ToServer::Withdraw { epoch: self.epoch });
-            if self.shared.send(&withdraw).is_err() {
-                break;
-            }
-            withdrawn = true;
+            let sent = self.shared.send(&withdraw).is_ok();
             let config = &self.shared.config;
             let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
-            inbox = self.shared.wait_until(answer_by, answered);
+            let confirmed = |ib: &mut super::Inbox| !sent || over(ib) || !ib.withdraw_pending;
+            inbox = self.shared.wait_until(answer_by, confirmed);
         }
-        Err(Error::timeout_since("shrink", started))
+        if inbox.epoch != self.epoch {
+            let next = self.in_new_group(inbox, started)?;
+            *successor = Some(next.clone());
+            return Ok(next);
+        } else if let Some(reason) = inbox.shrink_failed.take() {
+            return Err(Error::ShrinkFailed { reason });
+        } else if inbox.reader_done {
+            return Err(server_gone(lost_detail(&inbox)));
+        }
+        let missing = inbox.shrink_withdrawn.take().unwrap_or_default();
+        Err(Error::timeout_since("shrink", started, &missing))
     }
 
     /// This rank's exchange in the group the store shrank to (`inbox` shows it).

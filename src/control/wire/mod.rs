@@ -25,9 +25,10 @@ pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// The protocol version; a peer speaking another is refused. 2: the hello names the job
 /// and the process, a refusal says why; 3: [`ToClient::Waiting`]; 4: the survivors of a
 /// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]); 5: an ask to
-/// shrink that timed out is withdrawn ([`ToServer::Withdraw`], [`ToClient::Withdrawn`]),
-/// and a round's contribution and abandonment name their group's epoch.
-pub(crate) const VERSION: u16 = 5;
+/// shrink that timed out is withdrawn ([`ToServer::Withdraw`]), and a round's
+/// contribution and abandonment name their group's epoch; 6: the withdrawal is confirmed
+/// with the ranks that had not asked ([`ToClient::Withdrawn`]).
+pub(crate) const VERSION: u16 = 6;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.

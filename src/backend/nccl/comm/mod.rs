@@ -390,7 +390,7 @@ impl<D: Device> Shared<D> {
                 match comm.calls.try_lock_until(until().instant()) {
                     Some(g) => g,
                     None if self.health.is_broken() => return Err(self.error_for(op)),
-                    None => return Err(Error::timeout_since(op, started)),
+                    None => return Err(Error::timeout_since(op, started, &[])),
                 }
             }
         };
