@@ -370,13 +370,15 @@ pub enum Error {
     /// rank 0, is gone; another rank was lost while the survivors agreed; the store
     /// went on without this rank; the backend or its exchange cannot shrink): every
     /// survivor in [`SymmPool::shrink`](crate::SymmPool::shrink) gets it, its pool left
-    /// as it was (broken). After a second loss while the survivors agreed, call
-    /// `shrink` again (the reason says so); otherwise restart. A survivor that does not
-    /// ask in time is [`Error::Timeout`] instead.
+    /// as it was (broken). `retry`: a second rank was lost while the survivors agreed,
+    /// call `shrink` again; otherwise restart. A survivor that does not ask in time is
+    /// [`Error::Timeout`] instead.
     #[error("the surviving ranks could not shrink the group: {reason}")]
     ShrinkFailed {
         /// Why, naming the ranks involved.
         reason: String,
+        /// Whether `shrink` again can succeed (only after a second loss while agreeing).
+        retry: bool,
     },
     /// A control-plane socket operation failed (resolving, connecting, reading or
     /// writing) other than by a peer going away.
@@ -517,6 +519,11 @@ fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
 }
 
 impl Error {
+    /// [`Error::ShrinkFailed`] for `reason`; `retry`: after a second loss while agreeing.
+    pub(crate) fn shrink_failed(reason: String, retry: bool) -> Error {
+        Error::ShrinkFailed { reason, retry }
+    }
+
     /// [`Error::Timeout`] of a wait in `op` that began at `started`, naming `missing`.
     #[cold]
     pub(crate) fn timeout_since(op: &'static str, started: Instant, missing: &[u32]) -> Error {

@@ -701,3 +701,44 @@ fn the_survive_options_resolve_and_refuse_what_cannot_survive() {
     assert!(refused(&|a, _| a.hidden = 64, true).contains("pass --hidden 66"));
     assert!(refused(&|a, _| a.ranks = 1, true).contains("at least 2 ranks"));
 }
+
+#[test]
+fn a_resumed_job_takes_its_model_shape_from_the_state_unless_given() {
+    use clap::Parser;
+    let resolve = |argv: &[&str]| {
+        let argv = [&["fsdp_step", "--backend", "host"][..], argv].concat();
+        let cli = fsdp_step::Cli::try_parse_from(argv).unwrap();
+        (cli.resolve(0), (cli.layers, cli.hidden))
+    };
+    let dir = std::env::temp_dir().join(format!("fsdp-fit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("state");
+    // A state of 3 layers of 66² values (a 3-rank survive run's hidden size), at step 2.
+    let layers = vec![vec![0.5f32; 66 * 66]; 3];
+    (fsdp_step::survive::State { step: 2, layers })
+        .save(&path)
+        .unwrap();
+    let fit = |argv: &[&str]| {
+        let (mut args, given) = resolve(argv);
+        fsdp_step::survive::State::fit_file(&path, &mut args, given).map(|()| args)
+    };
+    // Two ranks default to hidden 64 and 4 layers; the state's shape wins.
+    let args = fit(&["--nproc", "2"]).unwrap();
+    assert_eq!((args.layers, args.hidden), (3, 66));
+    // Given explicitly, a different shape is refused, naming what the state holds.
+    let err = fit(&["--nproc", "2", "--hidden", "64"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("3 layers of 4356 values, not 3 of 64²"),
+        "{err}"
+    );
+    let err = fit(&["--nproc", "2", "--layers", "4"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not 4 of 66²"), "{err}");
+    // 66² does not split over 5 ranks: a configuration error, not a failed run.
+    let err = fit(&["--nproc", "5"]).unwrap_err().to_string();
+    assert!(err.contains("do not split over 5 ranks"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

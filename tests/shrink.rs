@@ -122,7 +122,10 @@ fn a_second_loss_while_the_survivors_agree_fails_their_shrink_and_they_can_ask_a
             .map(|x| {
                 let failures = &failures;
                 s.spawn(move || match x.shrink(Deadline::after(LONG)) {
-                    Err(Error::ShrinkFailed { reason }) => {
+                    Err(Error::ShrinkFailed {
+                        reason,
+                        retry: true,
+                    }) => {
                         failures.lock().unwrap().push(reason);
                         x.shrink(Deadline::after(LONG)).map(|n| n.world_size())
                     }
@@ -159,7 +162,10 @@ fn without_the_stores_host_a_shrink_fails_at_once() {
     let started = std::time::Instant::now();
     for out in on_all(&group, |x| x.shrink(Deadline::after(LONG)).map(|_| ())) {
         match out {
-            Err(Error::ShrinkFailed { reason }) => {
+            Err(Error::ShrinkFailed {
+                reason,
+                retry: false,
+            }) => {
                 assert!(reason.contains("job rank 0, is gone"), "{reason}")
             }
             other => panic!("{other:?}"),
@@ -754,7 +760,10 @@ fn a_thread_lost_while_the_survivors_ask_to_shrink_fails_their_ask_and_they_ask_
         assert!(matches!(last, Ok(2)), "{a:?}");
         for f in failed {
             match f {
-                Err(Error::ShrinkFailed { reason }) => {
+                Err(Error::ShrinkFailed {
+                    reason,
+                    retry: true,
+                }) => {
                     assert!(reason.contains("rank 2 was lost"), "{reason}")
                 }
                 other => panic!("{other:?}"),

@@ -621,6 +621,7 @@ fn a_second_process_killed_while_the_survivors_agree_fails_their_ask_and_they_as
         for f in failed {
             assert!(f.starts_with("Err ShrinkFailed"), "{answers:?}");
             assert!(f.contains("job rank 2 was lost"), "{answers:?}");
+            assert!(f.contains("retry: true"), "{answers:?}");
         }
     }
 }
@@ -663,6 +664,7 @@ fn without_the_stores_host_every_survivor_fails_its_shrink_at_once() {
         for a in &answers {
             assert!(a.starts_with("Err ShrinkFailed"), "{answers:?}");
             assert!(a.contains("job rank 0, is gone"), "{answers:?}");
+            assert!(a.contains("retry: false"), "{answers:?}");
         }
         let ms: u64 = answers[0].rsplit("ms=").next().unwrap().parse().unwrap();
         assert!(ms < HEARTBEAT_TIMEOUT_MS, "{answers:?}");
@@ -767,7 +769,7 @@ impl Raw {
         let mut raw = Raw(TcpStream::connect(("127.0.0.1", port)).unwrap());
         raw.0.set_read_timeout(Some(TIMEOUT)).unwrap();
         let mut preface = b"SYMMPOOL".to_vec();
-        preface.extend(6u16.to_le_bytes());
+        preface.extend(7u16.to_le_bytes());
         preface.extend([0, 0]);
         raw.0.write_all(&preface).unwrap();
         raw.send(&ToServer::Hello {
@@ -846,7 +848,10 @@ fn a_raw_client_sending_stale_epochs_and_garbage_gets_clear_answers_and_the_othe
         let last = on_each(&next[..], |x| {
             loop {
                 match x.shrink(deadline) {
-                    Err(Error::ShrinkFailed { reason }) if reason.contains("job rank 1") => {}
+                    Err(Error::ShrinkFailed {
+                        reason,
+                        retry: true,
+                    }) if reason.contains("job rank 1") => {}
                     other => break other.unwrap(),
                 }
             }
@@ -907,7 +912,10 @@ fn an_ask_to_shrink_that_timed_out_is_withdrawn_from_the_store() {
     let last = on_each(&next[..], |x| {
         loop {
             match x.shrink(deadline) {
-                Err(Error::ShrinkFailed { reason }) if reason.contains("job rank 1") => {}
+                Err(Error::ShrinkFailed {
+                    reason,
+                    retry: true,
+                }) if reason.contains("job rank 1") => {}
                 other => break other.unwrap(),
             }
         }

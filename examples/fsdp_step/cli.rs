@@ -213,8 +213,8 @@ pub struct Cli {
     /// Ranks as processes only (--nproc or a launcher), one mode; see below
     #[arg(long, conflicts_with_all = ["compare", "trace"])]
     pub survive: bool,
-    /// With --survive: the step in which the victim kills itself (after the first, and
-    /// before the last)
+    /// With --survive: the step in which the victim kills itself (from 1 to --steps
+    /// minus 1)
     #[arg(long, default_value_t = 3, requires = "survive", value_parser = at_least::<1>)]
     pub kill_at_step: usize,
     /// With --survive: the rank that kills itself [default: the last]; not rank 0,

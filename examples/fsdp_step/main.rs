@@ -386,6 +386,17 @@ type WentOn<'m, M> = (Vec<Run<'m, M>>, SymmPool, trainer::Data, usize);
 /// # Errors
 /// The shrink's errors ([`symmpool::Error::ShrinkFailed`] among them: a loss of rank
 /// 0, which hosts the store, cannot be survived), and those of the rebuild.
+/// `pool.shrink()`, asked again after a second loss while the survivors agreed
+/// (`retry`: each retry follows a new loss, so there are fewer than the ranks).
+fn shrink(pool: &SymmPool) -> Result<(SymmPool, symmpool::ShrinkReport)> {
+    loop {
+        match pool.shrink() {
+            Err(symmpool::Error::ShrinkFailed { retry: true, .. }) => continue,
+            other => return other,
+        }
+    }
+}
+
 fn go_on_without<'m, M: Math>(
     math: &'m M,
     (mode, pools, trainer, mut log): Run<'m, M>,
@@ -396,9 +407,9 @@ fn go_on_without<'m, M: Math>(
     lost: symmpool::Error,
 ) -> Result<WentOn<'m, M>> {
     let t0 = Instant::now();
-    let (params, params_report) = pools[0].shrink()?;
-    let (grads, grads_report) = pools[1].shrink()?;
-    let (new_data_pool, data_report) = data_pool.shrink()?;
+    let (params, params_report) = shrink(&pools[0])?;
+    let (grads, grads_report) = shrink(&pools[1])?;
+    let (new_data_pool, data_report) = shrink(&data_pool)?;
     barrier.shrunk(params.backend())?;
     let shrink_ms = ms_since(t0, Instant::now());
     let timeout = params.config().timeout;
@@ -493,9 +504,11 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let mut args = cli.resolve(gpu_count());
-    if let Some(path) = &args.resume {
-        // Before any rank starts: a state that does not fit is a configuration error.
-        survive::State::check_file(path, &args).unwrap_or_else(|err| fail(&err));
+    if let Some(path) = args.resume.clone() {
+        // Before any rank starts: the model's shape is the state's unless given, and a
+        // state that does not fit is a configuration error.
+        let given = (cli.layers, cli.hidden);
+        survive::State::fit_file(&path, &mut args, given).unwrap_or_else(|err| fail(&err));
     }
     let rank_process = launch::is_rank_process(cli.nproc);
     args.processes = rank_process || cli.nproc.is_some();

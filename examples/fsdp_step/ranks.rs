@@ -24,6 +24,7 @@ pub trait StepSync: Sync {
         let _ = backend;
         Err(Error::ShrinkFailed {
             reason: "ranks as threads cannot lose one".into(),
+            retry: false,
         })
     }
 }

@@ -84,13 +84,19 @@ impl State {
         Ok(State { step, layers })
     }
 
-    /// Whether the state in `path` fits `args` (its layers and sizes, a step before the
-    /// last, and before `--kill-at-step`), reading its header only: before any rank
-    /// starts.
+    /// Fits `args` to the state in `path`, reading its header only, before any rank
+    /// starts: the layers and hidden size not given (`given`: `--layers`, `--hidden`)
+    /// are the state's; then whether it fits (its layers and sizes, hidden² split over
+    /// the ranks and, with `--survive`, over one fewer, a step before the last and
+    /// before `--kill-at-step`).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] saying what does not fit.
-    pub fn check_file(path: &Path, args: &super::Args) -> Result<()> {
+    pub fn fit_file(
+        path: &Path,
+        args: &mut super::Args,
+        given: (Option<usize>, Option<usize>),
+    ) -> Result<()> {
         let mut bytes = [0u8; HEADER_BYTES];
         let len = std::fs::File::open(path)
             .and_then(|mut f| {
@@ -100,13 +106,23 @@ impl State {
             .map_err(|e| not_a_state(path, e.to_string()))?
             .len();
         let (step, layers, per_layer) = header(path, &bytes, len)?;
-        let h = args.hidden;
+        args.layers = given.0.unwrap_or(layers);
+        let side = per_layer.isqrt();
+        if side * side == per_layer {
+            args.hidden = given.1.unwrap_or(side);
+        }
+        let (h, ranks) = (args.hidden, args.ranks);
         let kill = args.survive.as_ref().map(|s| s.kill_at_step);
+        let survive = args.survive.as_ref().map(|s| s.check(args, true));
         let why = if (layers, per_layer) != (args.layers, h * h) {
             format!(
                 "{layers} layers of {per_layer} values, not {} of {h}²",
                 args.layers
             )
+        } else if !(h * h).is_multiple_of(ranks) {
+            format!("{h}² values per layer, which do not split over {ranks} ranks")
+        } else if let Some(Err(msg)) = survive {
+            return Err(Error::InvalidConfig(msg));
         } else if step >= args.steps {
             format!("step {step}, not before the end of --steps {}", args.steps)
         } else if kill.is_some_and(|k| k <= step) {
@@ -278,6 +294,7 @@ pub fn agree(exchange: &dyn Exchange, kept: &[Held], timeout: Duration) -> Resul
                 "the survivors kept the whole parameters of no step in common (each \
                  rank's: {each:?})"
             ),
+            retry: false,
         })
 }
 

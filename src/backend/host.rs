@@ -219,8 +219,7 @@ impl HostBackend {
     /// copy-engine, plain; see [`CommRole`](super::CommRole)) so path selection behaves the same.
     ///
     /// # Errors
-    /// [`Error::Config`] for zero ranks or a granularity that is not a power of
-    /// two.
+    /// [`Error::Config`] for zero ranks or a granularity that is not a power of two.
     pub fn world(config: HostConfig) -> Result<Vec<Backend>> {
         if config.world_size == 0 {
             return Err(Error::Config {

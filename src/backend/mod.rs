@@ -500,7 +500,7 @@ impl Backend {
         }
         let kind = self.info.kind;
         let reason = format!("a {kind:?} backend assembled from parts of its own cannot shrink");
-        Err(Error::ShrinkFailed { reason })
+        Err(Error::shrink_failed(reason, false))
     }
 
     /// A backend with this one's identity at the rank and world size of `exchange`

@@ -159,8 +159,7 @@ impl ShmBackend {
     /// environment). The world has the same three communicators as the NCCL backend.
     ///
     /// # Collective
-    /// Every rank calls it at the same point (the ranks open the communicators'
-    /// channels).
+    /// Every rank calls it at the same point (the ranks open the communicators' channels).
     ///
     /// # Errors
     /// [`Error::Config`] for a granularity that is not a power of two; the

@@ -328,8 +328,7 @@ impl Coll {
     ///
     /// # Errors
     /// [`Error::CollectiveDivergence`] or [`Error::PoolBroken`] if a check failed;
-    /// [`Error::Timeout`] if the records are not compared within twice the pool's
-    /// timeout.
+    /// [`Error::Timeout`] if the records are not compared within twice the pool's timeout.
     pub fn wait_checks(&self) -> Result<()> {
         let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
         self.pool().ledger().wait_compared(deadline)
@@ -498,8 +497,7 @@ impl PathCounters {
     /// A load and a store, not a locked read-modify-write (this is on every
     /// collective's path): exact because one rank's collectives on a pool are ordered
     /// (every rank must issue them in the same order, so calls from several threads
-    /// are synchronised by the caller, and that synchronisation orders these
-    /// accesses too).
+    /// are synchronised by the caller, and that synchronisation orders these accesses too).
     #[inline]
     fn add(&self, path: usize, bytes_per_rank: u64) {
         let Some((count, bytes)) = self.paths.get(path) else {

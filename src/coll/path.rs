@@ -285,8 +285,7 @@ fn symmetric(i: &Inputs<'_>) -> Option<usize> {
     (send && recv).then_some(c)
 }
 
-/// The unregistered communicator; without one, NCCL runs its ordinary kernels on the
-/// first.
+/// The unregistered communicator; without one, NCCL runs its ordinary kernels on the first.
 fn plain(i: &Inputs<'_>) -> usize {
     find(i, CommRole::Plain).unwrap_or(0)
 }

@@ -29,8 +29,7 @@ pub(super) enum RefusalKind {
     Misfit,
     /// A rank already held (or held before).
     RankTaken,
-    /// After every rank joined, from a host that runs none of them; or the group is
-    /// broken.
+    /// After every rank joined, from a host that runs none of them; or the group is broken.
     Closed,
     /// Out of descriptors, threads or another resource of this process.
     Resources,

@@ -97,7 +97,7 @@ struct Inbox {
     epoch: u64,
     survivors: Vec<u32>,
     /// Why this rank's latest request to shrink failed, as the server said.
-    shrink_failed: Option<String>,
+    shrink_failed: Option<(String, bool)>,
     /// A withdrawn ask's answer (the group's ranks that had not asked); whether it is due.
     shrink_withdrawn: Option<Vec<u32>>,
     withdraw_pending: bool,
@@ -191,7 +191,9 @@ impl ClientShared {
                     // A withdrawal the server had not read by then is not answered.
                     inbox.withdraw_pending = false;
                 }
-                Ok(ToClient::ShrinkFailed { reason }) => inbox.shrink_failed = Some(reason),
+                Ok(ToClient::ShrinkFailed { reason, retry }) => {
+                    inbox.shrink_failed = Some((reason, retry))
+                }
                 Ok(ToClient::Withdrawn { missing }) => {
                     (inbox.shrink_withdrawn, inbox.withdraw_pending) = (Some(missing), false);
                 }

@@ -1,5 +1,4 @@
-//! [`Launch`]: who this rank is and where the store is, from the launcher's
-//! environment.
+//! [`Launch`]: who this rank is and where the store is, from the launcher's environment.
 
 use crate::error::{Error, Result};
 use std::str::FromStr;

@@ -178,7 +178,7 @@ impl LocalExchange {
                 return Ok(next);
             }
             if let Some(reason) = st.failed.remove(&rank) {
-                return Err(Error::ShrinkFailed { reason });
+                return Err(Error::shrink_failed(reason, true));
             }
             if deadline.expired() {
                 st.votes.remove(&rank);

@@ -142,8 +142,7 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// [`Error::Timeout`] if some rank does not contribute by `deadline` (which breaks
     /// the group; `waited` is how long this call waited); [`Error::GroupBroken`] or
     /// [`Error::PeerLost`] once the group is broken; [`Error::PayloadTooLarge`] if
-    /// `payload` is over the implementation's limit (nothing is sent, no round is
-    /// used).
+    /// `payload` is over the implementation's limit (nothing is sent, no round is used).
     fn all_gather(
         &self,
         channel: ChannelId,
@@ -261,7 +260,7 @@ fn intern_op(name: &str) -> &'static str {
 /// [`Exchange::shrink`]'s error for an exchange `ex` that cannot shrink.
 fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
     let reason = format!("{ex:?} cannot shrink (a StoreExchange or a LocalExchange can)");
-    Error::ShrinkFailed { reason }
+    Error::shrink_failed(reason, false)
 }
 
 /// What a rank opens in [`Exchange::open_channel`]'s round.

@@ -61,8 +61,7 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    /// The kind's name, in lower snake case (`"out_of_memory"`), for logs and
-    /// bindings.
+    /// The kind's name, in lower snake case (`"out_of_memory"`), for logs and bindings.
     pub fn name(self) -> &'static str {
         match self {
             ErrorKind::Usage => "usage",

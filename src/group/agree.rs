@@ -145,8 +145,7 @@ impl AgreementRecord {
         }
     }
 
-    /// The record's kind with where the rank is, as a divergence of record kinds
-    /// names it.
+    /// The record's kind with where the rank is, as a divergence of record kinds names it.
     pub(crate) fn describe_kind(&self) -> String {
         let (size, seq) = (self.size, self.seq);
         match self.op {

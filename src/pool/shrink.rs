@@ -64,7 +64,7 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`]: the store's host is gone, a second rank was lost while
-    /// the survivors agreed (call it again), or the backend cannot shrink (one
+    /// the survivors agreed (`retry`: call it again), or the backend cannot shrink (one
     /// assembled from parts of its own); [`Error::Shrunk`] / [`Error::PoolClosed`] on a
     /// pool already replaced or closed; [`Error::Divergence`] if the survivors' pools
     /// differ; [`Error::CollectiveDivergence`] if the ranks' collectives did (a bug to

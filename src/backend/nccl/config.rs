@@ -1,5 +1,4 @@
-//! [`NcclConfig`]: which communicators a backend makes, on which device, and its
-//! deadlines.
+//! [`NcclConfig`]: which communicators a backend makes, on which device, and its deadlines.
 
 use crate::backend::SETUP_TIMEOUT;
 use std::time::Duration;

@@ -46,11 +46,12 @@ impl StoreExchange {
             return Ok(next);
         }
         let started = Instant::now();
-        let server_gone = |detail: Option<String>| Error::ShrinkFailed {
-            reason: format!(
-                "the store's host, job rank 0, is gone ({}): the survivors cannot agree without it",
-                detail.unwrap_or_else(|| "its connection closed".into())
-            ),
+        let server_gone = |detail: Option<String>| {
+            let detail = detail.unwrap_or_else(|| "its connection closed".into());
+            let reason = format!(
+                "the store's host, job rank 0, is gone ({detail}): the survivors cannot agree without it"
+            );
+            Error::shrink_failed(reason, false)
         };
         let lost_detail = |ib: &super::Inbox| {
             ib.broken.as_ref().map(|b| match &b.cause {
@@ -93,8 +94,8 @@ impl StoreExchange {
             let next = self.in_new_group(inbox, started)?;
             *successor = Some(next.clone());
             return Ok(next);
-        } else if let Some(reason) = inbox.shrink_failed.take() {
-            return Err(Error::ShrinkFailed { reason });
+        } else if let Some((reason, retry)) = inbox.shrink_failed.take() {
+            return Err(Error::ShrinkFailed { reason, retry });
         } else if inbox.reader_done {
             return Err(server_gone(lost_detail(&inbox)));
         }
@@ -119,7 +120,7 @@ impl StoreExchange {
             let reason = format!(
                 "the store shrank the group to job ranks {survivors:?}, without this one ({job_rank})"
             );
-            return Err(Error::ShrinkFailed { reason });
+            return Err(Error::shrink_failed(reason, false));
         };
         tracing::warn!(
             "symmpool store: job rank {job_rank} is rank {rank} of {world} after the shrink (epoch {epoch}, {took:?})"

@@ -30,8 +30,7 @@ impl Shared {
                 "job rank {rank} asked to shrink the group of epoch {epoch}, but the store's group is of epoch {} (ranks {:?})",
                 st.epoch, st.alive
             );
-            let failed = wire::encode(&ToClient::ShrinkFailed { reason });
-            return self.send_to(st, [rank], &failed);
+            return self.send_to(st, [rank], &shrink_failed(reason, false));
         }
         st.votes.insert(rank);
         let connected: Vec<usize> = (st.alive.iter().copied())
@@ -86,7 +85,11 @@ impl Shared {
         let reason = format!(
             "job rank {rank} was lost while the survivors agreed to shrink ({why}); ask again to go on without it"
         );
-        let failed = wire::encode(&ToClient::ShrinkFailed { reason });
-        self.send_to(st, voters, &failed);
+        self.send_to(st, voters, &shrink_failed(reason, true));
     }
+}
+
+/// [`ToClient::ShrinkFailed`], encoded.
+fn shrink_failed(reason: String, retry: bool) -> Vec<u8> {
+    wire::encode(&ToClient::ShrinkFailed { reason, retry })
 }

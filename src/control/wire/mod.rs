@@ -28,7 +28,7 @@ pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// shrink that timed out is withdrawn ([`ToServer::Withdraw`]), and a round's
 /// contribution and abandonment name their group's epoch; 6: the withdrawal is confirmed
 /// with the ranks that had not asked ([`ToClient::Withdrawn`]).
-pub(crate) const VERSION: u16 = 6;
+pub(crate) const VERSION: u16 = 7;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -246,9 +246,9 @@ pub(crate) enum ToClient {
     /// ranks, ascending; a survivor's new rank is its place in the list). Rounds start
     /// again from 1 on every channel.
     Shrunk { epoch: u64, survivors: Vec<u32> },
-    /// This rank's request to shrink failed (a rank was lost while the survivors
-    /// asked, or it asked for an epoch that is over).
-    ShrinkFailed { reason: String },
+    /// This rank's request to shrink failed: a rank was lost while the survivors asked
+    /// (`retry`), or it asked for an epoch that is over.
+    ShrinkFailed { reason: String, retry: bool },
     /// This rank's ask to shrink no longer counts ([`ToServer::Withdraw`]); `missing`
     /// are the ranks of the group (places in its list) still connected that had not
     /// asked.

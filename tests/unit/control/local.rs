@@ -193,7 +193,10 @@ fn a_loss_while_the_survivors_ask_fails_their_shrink_and_they_can_ask_again() {
     });
     for f in first {
         match f {
-            Err(Error::ShrinkFailed { reason }) => {
+            Err(Error::ShrinkFailed {
+                reason,
+                retry: true,
+            }) => {
                 assert!(reason.contains("rank 2 was lost"), "{reason}")
             }
             other => panic!("{other:?}"),

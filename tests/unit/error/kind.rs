@@ -155,7 +155,13 @@ fn one_of_each() -> Vec<(Error, K)> {
         ),
         (Error::GroupBroken { rank: 1, op: "x" }, K::PeerLost),
         (Error::Shrunk { what: "a pool" }, K::Usage),
-        (Error::ShrinkFailed { reason: "x".into() }, K::PeerLost),
+        (
+            Error::ShrinkFailed {
+                reason: "x".into(),
+                retry: true,
+            },
+            K::PeerLost,
+        ),
         (
             Error::CollectiveMismatch {
                 op: "x",

@@ -24,8 +24,7 @@ pub(in crate::backend::nccl) const LEAVE_WAIT: Duration = Duration::from_millis(
 pub(in crate::backend::nccl) enum AbortThreads {
     /// One thread, the communicators one after another, no revoke: a teardown with no
     /// device work in flight and nobody inside NCCL (what ran in the two-GPU trials
-    /// with ranks as threads; one thread per communicator there was not shown to be
-    /// safe).
+    /// with ranks as threads; one thread per communicator there was not shown to be safe).
     One,
     /// A thread per communicator, started together; blocking ones are revoked first:
     /// device work may be stuck, a thread may be inside NCCL.

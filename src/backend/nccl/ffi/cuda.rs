@@ -1,5 +1,4 @@
-//! The CUDA driver calls the crate makes beyond cudarc's safe layer, with checked
-//! results.
+//! The CUDA driver calls the crate makes beyond cudarc's safe layer, with checked results.
 
 use crate::error::{Error, Result};
 use cudarc::driver::DriverError;

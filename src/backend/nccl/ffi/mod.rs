@@ -3,8 +3,7 @@
 //! [`table`], memory and windows in [`window`], the driver in [`cuda`]). Every function
 //! takes the function table ([`Syms`]) it calls through: the real NCCL ([`api`]) or, in
 //! the crate's tests, a fake one. A failed call is [`Error::Nccl`] naming it, with
-//! NCCL's code and message ([`Error::Cuda`] in [`cuda`]), unless a function says
-//! otherwise.
+//! NCCL's code and message ([`Error::Cuda`] in [`cuda`]), unless a function says otherwise.
 //!
 //! A call on a non-blocking communicator may answer [`Status::InProgress`]: the caller
 //! polls [`async_state`]. Out-parameters that NCCL may write after that answer (the new
