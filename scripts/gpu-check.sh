@@ -24,7 +24,8 @@
 #           the host backend's, and `fsdp_step --survive` on 4 ranks (one lost, three
 #           shrink and train on); fails if any check fails. On torch's NCCL when it is
 #           installed (WORLD_NCCL=system keeps the system's); WORLD_BUDGET_S skips what
-#           would start after that many seconds (reported as not run, a failure)
+#           would start after that many seconds (reported as not run, a failure);
+#           WORLD_REPEAT=N runs the kill and SIGSTOP trials N times
 #   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, test_gpu_world.py as
 #           two NCCL ranks on one GPU (simulated nodes), then with two GPUs FSDP2
 #           three ways (python/bench/fsdp2_compare.py under torchrun)
@@ -230,10 +231,13 @@ for d in site.getsitepackages():
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   }
   one trials-2 -n 2 -t 100 -- "$bin/nccl_world" collectives two-pools graph hostcost
-  local f
-  for f in collective:KILL:1 collective:KILL:0 collective:STOP:1 registration:KILL:1 \
-    registration:KILL:0 registration:STOP:1; do
-    one "fault-${f//:/-}" -n 2 -t 45 --fault "${f#*:}" -- "$bin/nccl_world" "fault-${f%%:*}"
+  local f r reps="${WORLD_REPEAT:-1}"
+  for r in $(seq "$reps"); do
+    for f in collective:KILL:1 collective:KILL:0 collective:STOP:1 registration:KILL:1 \
+      registration:KILL:0 registration:STOP:1; do
+      one "fault-${f//:/-}$([ "$reps" = 1 ] || echo "-$r")" -n 2 -t 45 --fault "${f#*:}" \
+        -- "$bin/nccl_world" "fault-${f%%:*}"
+    done
   done
   fsdp 2 off async strict
   one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph

@@ -197,8 +197,7 @@ pub trait Collectives: Send + Sync + fmt::Debug {
     /// it: a backend without all-reduce.
     ///
     /// # Errors
-    /// As [`all_gather`](Self::all_gather); the default
-    /// [`Error::InvalidCollective`].
+    /// As [`all_gather`](Self::all_gather); the default [`Error::InvalidCollective`].
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
         let _ = args;
         Err(Error::InvalidCollective {

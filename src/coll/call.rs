@@ -212,10 +212,9 @@ impl sealed::Handle for TaggedColl<'_> {
 impl CollectiveCalls for Coll {}
 impl CollectiveCalls for TaggedColl<'_> {}
 
-/// The collective calls of a [`Coll`] handle, untagged on the handle itself, carrying
-/// a tag on a [`TaggedColl`] (`coll.tagged(tag)`): bring the trait into scope
-/// (`use symmpool::CollectiveCalls`) to call them. Sealed: only those two types
-/// implement it.
+/// The collective calls of a [`Coll`] handle, untagged on the handle itself, carrying a
+/// tag on a [`TaggedColl`] (`coll.tagged(tag)`); bring the trait into scope to call
+/// them (`use symmpool::CollectiveCalls`). Sealed: only those two types implement it.
 ///
 /// # Collective
 /// Every method is collective: every rank makes the same calls, in the same order,
@@ -450,9 +449,8 @@ fn untagged(op: &'static str, pool: &SymmPool) -> Error {
 }
 
 impl Coll {
-    /// Pick the path and run one collective: the one dispatch of the public
-    /// collectives and of calibration. `force` replaces the policy's preference for
-    /// this call.
+    /// Pick the path and run one collective: the one dispatch of the public collectives
+    /// and of calibration. `force` replaces the policy's preference for this call.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn dispatch(
         &self,

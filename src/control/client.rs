@@ -300,9 +300,13 @@ fn background_loop(shared: &ClientShared) {
         if !inbox.reader_busy && unattended {
             inbox = shared.read_once(inbox, Duration::ZERO, until_heartbeat);
         } else {
-            let nap = until_heartbeat
-                .min(interval / 2)
-                .max(Duration::from_millis(1));
+            // Until the socket has gone unread for half an interval (while another
+            // thread reads: half an interval): a frame waits at most that long.
+            let nap = match inbox.reader_busy {
+                true => interval / 2,
+                false => (inbox.last_read + interval / 2).saturating_duration_since(now),
+            };
+            let nap = until_heartbeat.min(nap).max(Duration::from_millis(1));
             shared.bg_cv.wait_for(&mut inbox, nap);
         }
     }
@@ -593,6 +597,10 @@ impl GatherRounds for StoreExchange {
     }
 
     fn lost_peer(&self) -> Option<LostPeer> {
+        // What has arrived is read first (when nobody else is reading), so that a
+        // failure seen outside the exchange has the verdict as soon as it is here.
+        let read_by = Deadline::after(Duration::from_millis(1));
+        drop(self.shared.wait_until(read_by, |ib| ib.broken.is_some()));
         self.inbox().ok()?.broken.as_ref().and_then(lost)
     }
 

@@ -165,10 +165,10 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
 
     /// The rank this exchange knows to be lost, if any: its process ended, it closed
     /// its exchange, or it stopped answering heartbeats (the [failure detection
-    /// bound](self#failure-detection-bound)). What the exchange already knows, with no
-    /// round and no wait, for watchdogs that must end work blocked on the lost rank
-    /// outside the exchange (the NCCL backend's aborts its communicators). Exchanges
-    /// without failure detection ([`KvExchange`]) answer `None` (the default).
+    /// bound](self#failure-detection-bound)). No round; a [`StoreExchange`] reads what
+    /// its server sent (a millisecond at most). For watchdogs that must end work blocked
+    /// on the lost rank outside the exchange (the NCCL backend's aborts its
+    /// communicators). Exchanges without failure detection ([`KvExchange`]) answer `None`.
     fn lost_peer(&self) -> Option<LostPeer> {
         None
     }

@@ -339,10 +339,9 @@ impl Ledger {
 
     /// Async: post `entry` and return, once at most `capacity` of this rank's earlier
     /// records are still to be compared (waiting for that until the deadline `room`
-    /// makes, capped at twice the round timeout). So the verdict on record *k* is
-    /// known before record *k* + `capacity` + 1 is posted: after a mismatch, at most
-    /// `capacity` further collectives of this rank are launched (and may return
-    /// `Ok`).
+    /// makes, capped at twice the round timeout). So the verdict on record *k* is known
+    /// before record *k* + `capacity` + 1 is posted: after a mismatch, at most
+    /// `capacity` further collectives of this rank are launched (and may return `Ok`).
     fn post(&self, entry: Entry, room: impl FnOnce() -> Deadline) -> Result<()> {
         let s = &self.shared;
         let mut q = s.queue.lock();

@@ -17,8 +17,7 @@ struct RegistrationRecord {
     size_bytes: u64,
 }
 
-/// Agree that every rank's next registration is pool `pool`'s segment of
-/// `size_bytes`.
+/// Agree that every rank's next registration is pool `pool`'s segment of `size_bytes`.
 ///
 /// # Errors
 /// [`Error::RegistrationOrder`] naming each rank's pool and size if they differ (an

@@ -40,9 +40,8 @@ impl MemoryAction {
 /// One entry of the allocation history ([`SymmPool::record_memory_history`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryEvent {
-    /// Position in the history, from 1, counting every event recorded since the
-    /// history was started (so the first entry kept says how many the ring buffer
-    /// dropped).
+    /// Position in the history, from 1, counting every event recorded since the history
+    /// was started (so the first entry kept says how many the ring buffer dropped).
     pub seq: u64,
     /// What happened.
     pub action: MemoryAction,

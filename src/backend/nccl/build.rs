@@ -124,10 +124,9 @@ impl Builder {
         setup::agree(exchange, &hello, self.deadline)
     }
 
-    /// A new set among the ranks of `exchange`: rank 0 makes the control
-    /// communicator's `ncclUniqueId` and sends it in the set-up round, every rank then
-    /// makes the control communicator and splits the data ones off it; with the number
-    /// of nodes.
+    /// A new set among the ranks of `exchange`: rank 0 makes the control communicator's
+    /// `ncclUniqueId` and sends it in the set-up round, every rank then makes the
+    /// control communicator and splits the data ones off it; with the number of nodes.
     ///
     /// # Collective
     /// Every rank of `exchange`, at the same point.

@@ -17,9 +17,8 @@ pub(crate) const AN_NCCL_CALL: &str = "an NCCL call";
 /// How long an NCCL failure (an asynchronous error, a failed call) waits for the
 /// exchange's verdict on a lost peer before it is taken for NCCL's own: a peer's death
 /// reaches NCCL's connections and the exchange in either order (on one H200, NCCL's
-/// socket error came 26 ms before the store's), and a rank not in an exchange call
-/// hears the store's word within half a heartbeat interval (0.5 s by default). The lost
-/// rank is what the caller needs to know.
+/// socket error came 26 ms before the store's); each poll reads what the store has
+/// sent ([`Exchange::lost_peer`]). The lost rank is what the caller needs to know.
 pub(crate) const PEER_VERDICT_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a backend broke, kept to describe it on every later call.
@@ -104,7 +103,7 @@ impl Health {
         }
     }
 
-    /// The peer the exchange knows to be lost, if any (a lock and a look: no round).
+    /// The peer the exchange knows to be lost, if any (no round).
     pub(crate) fn lost_peer(&self) -> Option<LostPeer> {
         self.peers.as_ref()?.upgrade()?.lost_peer()
     }

@@ -4,14 +4,15 @@ use crate::control::{Exchange, Launch};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
-/// Rank `rank` of `world` on the store at `port` (127.0.0.1).
+/// Rank `rank` of `world` on the store at `port` (127.0.0.1), its heartbeats every
+/// fifth of `timeout`.
 fn config(rank: usize, world: usize, port: u16, timeout: Duration) -> StoreConfig {
     let mut c = StoreConfig::new(Launch::explicit(rank, world, "127.0.0.1", port).unwrap());
     c.host_server = false;
     c.token = Some("lost-peer".into());
     c.job_id = Some("lost-peer-job".into());
     c.startup_timeout = Duration::from_secs(30);
-    c.heartbeat_interval = Duration::from_millis(200);
+    c.heartbeat_interval = timeout / 5;
     c.heartbeat_timeout = timeout;
     c.linger = Duration::ZERO;
     c
@@ -108,4 +109,17 @@ fn an_idle_rank_learns_of_a_peer_that_left_and_of_the_servers_end() {
     drop(group);
     let (loss, _) = lost(&idle);
     assert_eq!(loss.rank, 0, "{loss:?}");
+}
+
+#[test]
+fn asking_for_a_lost_peer_reads_the_verdict_itself() {
+    // Heartbeats every 24 s: the background thread reads an idle socket only after
+    // 12 s. Rank 1 dies; rank 0, in no exchange call (blocked in NCCL, whose call then
+    // fails), asks for the verdict: it reads the server's word itself, long before.
+    let timeout = Duration::from_secs(120);
+    let (mut group, ()) = start(2, 2, timeout, |_| ());
+    drop(group.pop());
+    let (loss, took) = lost(&group[0]);
+    assert_eq!((loss.rank, loss.left), (1, true), "{loss:?}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
 }

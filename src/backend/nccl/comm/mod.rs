@@ -1,8 +1,7 @@
-//! A rank's communicators and what bounds their NCCL calls (the two kinds and the
-//! table of waits: see the [module](super)). A call on a non-blocking communicator is
-//! polled ([`poll`]); while a thread is inside NCCL on a blocking one, the
-//! communicator's [`Gate`] says since when, in which call and until which deadline,
-//! for the watchdog.
+//! A rank's communicators and what bounds their NCCL calls (the two kinds and the table
+//! of waits: see the [module](super)). A call on a non-blocking communicator is polled
+//! ([`poll`]); while a thread is inside NCCL on a blocking one, the communicator's
+//! [`Gate`] says since when, in which call and until which deadline, for the watchdog.
 //!
 //! **Serialisation.** NCCL needs the calls on one communicator not to overlap
 //! ("NCCL primitives are generally not thread-safe", user guide, *Thread Safety*). Each
