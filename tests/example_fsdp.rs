@@ -603,6 +603,7 @@ fn the_example_survives_a_lost_rank_and_trains_on_as_a_fresh_smaller_job_would()
     );
     let r = json_summary(&ran);
     check(std::slice::from_ref(&r)).unwrap();
+    assert_eq!(r.backend, "shm", "ranks as processes on the host");
     let s = r.survival.clone().expect("a lost rank survived");
     assert_eq!(s.lost_ranks, [3]);
     assert_eq!((s.world_size_before, s.world_size_after), (4, 3));

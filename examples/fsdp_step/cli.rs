@@ -315,6 +315,15 @@ impl Survive {
 }
 
 impl Args {
+    /// The backend that runs, as the summary names it: `host`, `shm` (ranks as
+    /// processes on the host share memory through the shm backend) or `nccl`.
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            BackendChoice::Host if self.processes => "shm",
+            b => b.name(),
+        }
+    }
+
     /// The host defaults, for `modes`.
     pub fn host(modes: Vec<Mode>) -> Args {
         Args {

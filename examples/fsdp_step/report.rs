@@ -178,8 +178,8 @@ impl Survival {
 /// launcher of rank processes can gather the ranks' summaries from their output.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
-    /// `host` or `nccl`.
-    pub backend: BackendChoice,
+    /// `host`, `shm` or `nccl` ([`Args::backend_name`]).
+    pub backend: String,
     /// The rank that reports.
     pub rank: usize,
     /// Ranks.
@@ -319,7 +319,7 @@ impl Summary {
             s.registrations_shrink() + s.registrations_first_step_after
         });
         Summary {
-            backend: args.backend,
+            backend: args.backend_name().into(),
             rank,
             ranks: args.ranks,
             mode,
@@ -532,14 +532,9 @@ pub fn print(args: &Args, results: &[Summary]) {
         Some(x) if gpu => format!("{x:.3}"),
         _ => "-".into(),
     };
-    let backend = match args.backend {
-        // Ranks as processes on the host share memory through the shm backend.
-        BackendChoice::Host if args.processes => "shm",
-        b => b.name(),
-    };
     out!(
         "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps{}",
-        backend,
+        args.backend_name(),
         args.ranks,
         args.layers,
         args.hidden,
