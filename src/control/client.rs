@@ -131,27 +131,28 @@ impl ClientShared {
         self.writer.lock().send(frame)
     }
 
-    /// Read one frame (polling for up to `spin` first, then waiting at most `limit`)
-    /// and dispatch it. The caller has checked that nobody else is reading.
+    /// Read one frame (polling for up to `spin` first, then waiting at most `limit`;
+    /// `None`: only what has arrived) and dispatch it. The caller has checked that
+    /// nobody else is reading.
     fn read_once<'a>(
         &'a self,
         mut inbox: MutexGuard<'a, Inbox>,
         spin: Duration,
-        limit: Duration,
+        limit: Option<Duration>,
     ) -> MutexGuard<'a, Inbox> {
         inbox.reader_busy = true;
         // Whole milliseconds (truncated, at least one), so that the socket option
         // rarely changes.
-        let limit = Duration::from_millis(limit.as_millis().max(1) as u64);
-        let set_timeout = (inbox.read_timeout != limit).then_some(limit);
-        inbox.read_timeout = limit;
+        let limit = limit.map(|l| Duration::from_millis(l.as_millis().max(1) as u64));
+        let set_timeout = limit.filter(|l| inbox.read_timeout != *l);
+        inbox.read_timeout = set_timeout.unwrap_or(inbox.read_timeout);
         drop(inbox);
         let (got, progressed) = {
             let mut reader = self.reader.lock();
             let before = reader.bytes_read;
             let got = (set_timeout.map_or(Ok(()), |t| reader.inner.set_read_timeout(Some(t))))
                 .map_err(ReadError::Io)
-                .and_then(|()| reader.spin_frame(spin));
+                .and_then(|()| reader.spin_frame(spin, limit.is_some()));
             (got, reader.bytes_read > before)
         };
         let mut inbox = self.inbox.lock();
@@ -254,11 +255,11 @@ impl ClientShared {
             }
             if !inbox.reader_busy && !inbox.reader_done {
                 // The blocking read waits only for what polling leaves of `left`, so
-                // the deadline is overshot by at most the socket timeout's floor of
-                // one millisecond.
+                // the deadline is overshot by at most the socket timeout's floor (one
+                // millisecond, which the kernel rounds up to a clock tick).
                 let spin = self.config.spin.min(left);
                 let limit = (left - spin).min(self.config.heartbeat_interval);
-                inbox = self.read_once(inbox, spin, limit);
+                inbox = self.read_once(inbox, spin, Some(limit));
             } else {
                 self.cv.wait_for(&mut inbox, left);
             }
@@ -298,14 +299,12 @@ fn background_loop(shared: &ClientShared) {
         let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
         let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
         if !inbox.reader_busy && unattended {
-            inbox = shared.read_once(inbox, Duration::ZERO, until_heartbeat);
+            inbox = shared.read_once(inbox, Duration::ZERO, Some(until_heartbeat));
         } else {
             // Until the socket has gone unread for half an interval (while another
             // thread reads: half an interval): a frame waits at most that long.
-            let nap = match inbox.reader_busy {
-                true => interval / 2,
-                false => (inbox.last_read + interval / 2).saturating_duration_since(now),
-            };
+            let unread = Some(inbox.last_read).filter(|_| !inbox.reader_busy);
+            let nap = (unread.unwrap_or(now) + interval / 2).saturating_duration_since(now);
             let nap = until_heartbeat.min(nap).max(Duration::from_millis(1));
             shared.bg_cv.wait_for(&mut inbox, nap);
         }
@@ -597,11 +596,13 @@ impl GatherRounds for StoreExchange {
     }
 
     fn lost_peer(&self) -> Option<LostPeer> {
-        // What has arrived is read first (when nobody else is reading), so that a
-        // failure seen outside the exchange has the verdict as soon as it is here.
-        let read_by = Deadline::after(Duration::from_millis(1));
-        drop(self.shared.wait_until(read_by, |ib| ib.broken.is_some()));
-        self.inbox().ok()?.broken.as_ref().and_then(lost)
+        // A frame that has arrived is read first, without waiting (if nobody else
+        // reads): a failure polling for the verdict has it as soon as it is here.
+        let mut inbox = self.inbox().ok()?;
+        if !inbox.reader_busy && !inbox.reader_done {
+            inbox = self.shared.read_once(inbox, Duration::ZERO, None);
+        }
+        inbox.broken.as_ref().and_then(lost)
     }
 
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {

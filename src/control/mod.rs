@@ -31,9 +31,9 @@
 //!
 //! So a surviving rank waiting in an exchange fails within **`T + I`** (6 s with the
 //! defaults) of the loss, plus scheduling delays, whatever its own per-call timeout.
-//! A rank that is not in an exchange call learns of the loss in the same time too (its
-//! background thread reads the server's word), and [`Exchange::lost_peer`] says so: the
-//! NCCL backend's watchdog asks it every interval and aborts the communicators a
+//! A rank in no exchange call learns of the loss in the same time: its background
+//! thread reads the server's word, and [`Exchange::lost_peer`] reads what has arrived.
+//! The NCCL backend's watchdog asks it every interval and aborts the communicators a
 //! collective may be blocked on (see the NCCL backend's table of waits).
 //!
 //! For a [`LocalExchange`] a rank is lost when its thread drops its exchange (the
@@ -165,8 +165,8 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
 
     /// The rank this exchange knows to be lost, if any: its process ended, it closed
     /// its exchange, or it stopped answering heartbeats (the [failure detection
-    /// bound](self#failure-detection-bound)). No round; a [`StoreExchange`] reads what
-    /// its server sent (a millisecond at most). For watchdogs that must end work blocked
+    /// bound](self#failure-detection-bound)). No round and no wait (a [`StoreExchange`]
+    /// reads what its server has sent). For watchdogs that must end work blocked
     /// on the lost rank outside the exchange (the NCCL backend's aborts its
     /// communicators). Exchanges without failure detection ([`KvExchange`]) answer `None`.
     fn lost_peer(&self) -> Option<LostPeer> {

@@ -13,10 +13,9 @@ use std::time::{Duration, Instant};
 /// caller's (a channel and round, a round number). A round is dropped once every rank
 /// has read it.
 ///
-/// A timeout breaks the group for good (as [`Exchange`](super::Exchange) explains):
-/// the rank that timed out withdraws its post (so no late peer pairs with it) and
-/// every later or still-waiting gather, under any key, fails with
-/// [`Error::GroupBroken`].
+/// A timeout breaks the group for good (as [`Exchange`](super::Exchange) explains): the
+/// rank that timed out withdraws its post (so no late peer pairs with it) and every
+/// later or still-waiting gather, under any key, fails with [`Error::GroupBroken`].
 ///
 /// A lost rank ([`Lose::lose`]: its thread dropped its exchange) breaks it too: every
 /// later or still-waiting gather fails with [`Error::PeerLost`] naming it, but for a

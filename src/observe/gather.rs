@@ -71,11 +71,10 @@ impl SymmPool {
     ///
     /// # Errors
     /// [`Error::PayloadTooLarge`] if this rank's encoded snapshot is over the
-    /// exchange's payload limit (16 MiB shared by the ranks on the TCP store: some
-    /// ten thousand blocks per rank with 8 ranks); [`Error::Timeout`],
-    /// [`Error::PeerLost`], [`Error::GroupBroken`] from the exchange;
-    /// [`Error::Protocol`] if a peer's answer does not decode (a peer in another
-    /// collective pool call at this point).
+    /// exchange's payload limit (16 MiB shared by the ranks on the TCP store: some ten
+    /// thousand blocks per rank with 8 ranks); [`Error::Timeout`], [`Error::PeerLost`],
+    /// [`Error::GroupBroken`] from the exchange; [`Error::Protocol`] if a peer's answer
+    /// does not decode (a peer in another collective pool call at this point).
     pub fn gather_memory_snapshots(&self) -> Result<Vec<PoolSnapshot>> {
         let deadline = Deadline::after(self.config().timeout);
         let exchange = self.backend().exchange();

@@ -209,7 +209,7 @@ pub(super) fn serve(
     }
     loop {
         let before = reader.bytes_read;
-        let msg = match reader.spin_frame(shared.server_spin) {
+        let msg = match reader.spin_frame(shared.server_spin, true) {
             Ok(None) if shared.shutdown.load(Ordering::SeqCst) => return,
             // Bytes of a large frame still arriving: the rank is alive.
             Ok(None) if reader.bytes_read > before => None,

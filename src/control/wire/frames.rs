@@ -94,7 +94,7 @@ impl<R: Read> FrameReader<R> {
     }
 
     /// The next `n` raw bytes (the preface), or `None` on a read timeout.
-    pub(crate) fn raw(&mut self, n: usize) -> Result<Option<Vec<u8>>, ReadError> {
+    pub(crate) fn raw(&mut self, n: usize) -> FrameResult {
         loop {
             if self.end - self.start >= n {
                 let out = self.buf[self.start..self.start + n].to_vec();
@@ -109,14 +109,14 @@ impl<R: Read> FrameReader<R> {
     }
 
     /// The next frame's body, or `None` on a read timeout (a partial frame is kept).
-    pub(crate) fn frame(&mut self) -> Result<Option<Vec<u8>>, ReadError> {
+    pub(crate) fn frame(&mut self) -> FrameResult {
         self.next_frame(&mut |r, b| r.read(b))
     }
 
     fn next_frame(
         &mut self,
         read: &mut impl FnMut(&mut R, &mut [u8]) -> io::Result<usize>,
-    ) -> Result<Option<Vec<u8>>, ReadError> {
+    ) -> FrameResult {
         loop {
             let have = self.end - self.start;
             if have >= 4 {
@@ -148,6 +148,9 @@ impl<R: Read> FrameReader<R> {
     }
 }
 
+/// A frame's body, `None` on a read timeout, or why reading failed.
+type FrameResult = Result<Option<Vec<u8>>, ReadError>;
+
 /// One socket shared by a connection's reader, writer and closer: one descriptor per
 /// connection (not a `try_clone` each), read and written through `&TcpStream`.
 #[derive(Debug, Clone)]
@@ -177,21 +180,21 @@ impl FrameReader<SharedStream> {
     /// The next frame's body: polled for up to `spin` first (waking a blocked thread
     /// costs tens of microseconds on an idle core; a round among ranks that arrive
     /// together is over sooner than that), then read blocking, up to the socket's read
-    /// timeout (`None` then; a partial frame is kept). Polling reads with
-    /// `MSG_DONTWAIT`, which leaves the socket's own blocking mode alone: other threads
-    /// write to clones of it.
-    pub(crate) fn spin_frame(&mut self, spin: Duration) -> Result<Option<Vec<u8>>, ReadError> {
+    /// timeout (`None` then; a partial frame is kept); with `block` false, only polled
+    /// (at least once). Polling reads with `MSG_DONTWAIT`, which leaves the socket's own
+    /// blocking mode alone: other threads write to clones of it.
+    pub(crate) fn spin_frame(&mut self, spin: Duration, block: bool) -> FrameResult {
         let until = Instant::now() + spin;
-        while !spin.is_zero() {
+        while !spin.is_zero() || !block {
             let polled = self.next_frame(&mut |s, b| {
                 rustix::net::recv(s.as_fd(), b, rustix::net::RecvFlags::DONTWAIT)
                     .map(|(n, _)| n)
                     .map_err(io::Error::from)
             })?;
-            if polled.is_some() {
+            let over = Instant::now() >= until;
+            if polled.is_some() || (over && !block) {
                 return Ok(polled);
-            }
-            if Instant::now() >= until {
+            } else if over {
                 break;
             }
             // Let the thread this one waits for run, where cores are short.
