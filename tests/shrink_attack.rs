@@ -521,8 +521,8 @@ fn attack_child() {
 
 /// A rank of a job of `ATTACK` (`agreeing`, `shrunk`, `registering`: rank 2 stalls there after
 /// the first loss; `host`: the first victim is rank 0): set up, say `@@ready`, then
-/// wait in a collective for the first victim (killed by the test), ask to shrink up
-/// to three times, and say what each ask answered.
+/// (the first victim, `VICTIM`, stalls) wait in a collective for the first victim
+/// (killed by the test), ask to shrink up to three times, and say what each ask answered.
 fn child() -> symmpool::Result<()> {
     let (rank, _, backend) = common::shm::join()?;
     let attack = std::env::var("ATTACK").unwrap();
@@ -542,6 +542,11 @@ fn child() -> symmpool::Result<()> {
     kept.write(&[rank as f32; 1024])?;
     sum_of_ranks(&pool, &coll)?;
     println!("@@ready");
+    if std::env::var("VICTIM").is_ok_and(|v| v == rank.to_string()) {
+        // The first victim takes no part in the collective the others then wait in:
+        // it is killed while they wait, never after the collective completed.
+        stall_here();
+    }
     let lost = sum_of_ranks(&pool, &coll).map(|_| ());
     let lost_at = Instant::now();
     println!("@@lost {lost:?}");
@@ -573,7 +578,13 @@ fn child() -> symmpool::Result<()> {
 fn job_of(attack: &str, first: usize, second: Option<usize>) -> Vec<Vec<String>> {
     let before = common::shm::shm_entries();
     let world = 4;
-    let mut job = Job::start(ENTRY, world, |_| vec![("ATTACK", attack.to_string())]);
+    let env = |_| {
+        vec![
+            ("ATTACK", attack.to_string()),
+            ("VICTIM", first.to_string()),
+        ]
+    };
+    let mut job = Job::start(ENTRY, world, env);
     for r in 0..world {
         job.expect(r, "@@ready", Duration::from_secs(60));
     }

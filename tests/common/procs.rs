@@ -23,6 +23,8 @@ pub struct Job {
     tx: mpsc::Sender<(usize, String)>,
     /// Lines read and not yet consumed.
     pub seen: Vec<(usize, String)>,
+    /// The threads reading each child's output, by rank (they end at its end).
+    readers: Vec<Vec<thread::JoinHandle<()>>>,
     /// The store port rank 0 reported.
     pub port: u16,
 }
@@ -54,6 +56,7 @@ impl Job {
             lines,
             tx,
             seen: Vec::new(),
+            readers: Vec::new(),
             port: 0,
         };
         job.spawn(0, world, &env(0));
@@ -83,6 +86,7 @@ impl Job {
             lines,
             tx,
             seen: Vec::new(),
+            readers: Vec::new(),
             port,
         };
         for rank in 0..world {
@@ -114,18 +118,19 @@ impl Job {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().unwrap();
+        let mut readers = Vec::new();
         // A child's standard error is kept, marked, to explain a failure.
         if let Some(err) = child.stderr.take() {
             let tx = self.tx.clone();
-            thread::spawn(move || {
+            readers.push(thread::spawn(move || {
                 for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
                     let _ = tx.send((rank, format!("stderr: {line}")));
                 }
-            });
+            }));
         }
         let out = child.stdout.take().unwrap();
         let tx = self.tx.clone();
-        thread::spawn(move || {
+        readers.push(thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
                 // libtest prints "test child_process_entry ... " before the first line.
                 // Lines with a `@@` marker are kept from the marker on; others whole.
@@ -135,8 +140,9 @@ impl Job {
                 };
                 let _ = tx.send((rank, kept));
             }
-        });
+        }));
         self.children.push(child);
+        self.readers.push(readers);
     }
 
     /// The rest of `rank`'s first line starting with `prefix`, waiting up to `timeout`.
@@ -161,11 +167,15 @@ impl Job {
         }
     }
 
-    /// Wait for the given ranks to exit; their exit codes.
+    /// Wait for the given ranks to exit and for all they printed to be read (the
+    /// readers end at the end of their output, which may come after the exit is seen);
+    /// their exit codes.
     pub fn wait(&mut self, ranks: &[usize], timeout: Duration) -> Vec<i32> {
         let deadline = Instant::now() + timeout;
         let mut codes: HashMap<usize, i32> = HashMap::new();
-        while codes.len() < ranks.len() {
+        let read =
+            |job: &Self| (ranks.iter()).all(|&r| job.readers[r].iter().all(|h| h.is_finished()));
+        while codes.len() < ranks.len() || !read(self) {
             for &r in ranks {
                 if let std::collections::hash_map::Entry::Vacant(e) = codes.entry(r)
                     && let Some(st) = self.children[r].try_wait().unwrap()
@@ -177,10 +187,11 @@ impl Job {
             self.seen.extend(self.lines.try_iter());
             assert!(
                 Instant::now() < deadline,
-                "ranks {ranks:?} did not all exit within {timeout:?} (exited: {codes:?})"
+                "ranks {ranks:?} did not all exit and end their output within {timeout:?} (exited: {codes:?})"
             );
             thread::sleep(Duration::from_millis(10));
         }
+        self.seen.extend(self.lines.try_iter());
         ranks.iter().map(|r| codes[r]).collect()
     }
 }
