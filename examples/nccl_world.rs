@@ -7,6 +7,7 @@
 //! bash scripts/nccl-world.sh -n 2 -- target/release/examples/nccl_world collectives two-pools graph
 //! bash scripts/nccl-world.sh -n 2 --fault KILL:1 -- target/release/examples/nccl_world fault-collective
 //! bash scripts/nccl-world.sh -n 2 -- target/release/examples/nccl_world hostcost
+//! bash scripts/nccl-world.sh -n 2 -- target/release/examples/nccl_world paths   # PATHBENCH lines
 //! nccl_world compare-losses --tolerance 0.1 host.log nccl.log   # no world: fsdp_step --json lines
 //! ```
 //!
@@ -17,10 +18,11 @@
 //! | `graph` | a step's all-gather and reduce-scatter captured in a CUDA graph (NCCL only) and replayed ten times with fresh inputs, every replay checked |
 //! | `fault-collective`, `fault-registration` | with `--fault SIG:RANK` of the script: after a barrier the victim stops taking part (at its next registration, for the second); the others loop collectives (or growths, so registrations); the script signals the victim's own process (`KILL` or `STOP`) once a survivor is inside the collective (or the victim inside its registration). Each survivor prints the error, its kind, the rank it names and the time from the signal to it, and passes if it is `PeerLost` naming the victim within the documented bound, then drops everything and exits |
 //! | `hostcost` | host time of one all-gather call (call to return) on the crate's blocking data communicator, on a non-blocking one (`NcclConfig::data_blocking = false`), and of raw `ncclAllGather` on the same blocking communicator, 64 KiB–4 MiB per rank, median of many calls (NCCL only) |
+//! | `paths` | the crate against raw NCCL on the same path, communicator, registered buffers and stream, interleaved in one sitting (NCCL only): all-gather (in place), reduce-scatter and all-reduce (sum), bf16 and f32, 64 KiB–256 MiB per rank (`SYMMPOOL_PATHS_MAX_BYTES`, in bytes, caps it), on every path the backend has a communicator for, the crate's call forced onto it (a cell whose call falls back is reported so, without raw); the crate's defaults for safety (`async` checks, every call tagged, `end_step` after each of its batches, untimed). Per cell 2 warm-up calls each, then 5 repetitions of a crate batch and a raw batch (which first alternates) of 256 MiB ÷ size calls within [3, 200] (fewer where a batch would pass 0.1 s at the warm-up's pace), each timed from its first call to the stream's synchronisation: bus bandwidth, the median ratio crate ÷ raw, the median host time per call of each; one checked call of each at the end. Rank 0 prints `PATHBENCH` lines and a summary against the floors (ratio ≥ 0.97, host time ≤ raw + 2 µs), which it reports and does not enforce; cells past `SYMMPOOL_PATHS_BUDGET_S` (240) are not run. It fails on a wrong result or an error |
 //! | `compare-losses` | no world: the `--json` lines of `fsdp_step` runs (rank 0's logs): within each run every mode's losses equal (relative 1e-3), and every run's equal, step by step, to the first run's within `--tolerance` (the first being the host backend's at the same sizes) |
 //!
 //! `--backend shm` runs the trials that need no GPU on the shared-memory backend (the
-//! machine's CI runs them so); `graph` and `hostcost` say they were skipped there.
+//! machine's CI runs them so); `graph`, `hostcost` and `paths` say they were skipped there.
 //!
 //! The bounds of the fault trials are the documented ones (README, *On GPUs*; the
 //! `control` module): a killed rank is known within half the store's heartbeat
@@ -36,7 +38,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use symmpool::backend::{Refused, Segment, SegmentProvider, Window};
-use symmpool::coll::Path;
+use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::control::{ChannelId, Exchange, StoreConfig, StoreExchange};
 use symmpool::{
     Backend, CheckMode, Coll, CollectiveCalls, Deadline, Element, Error, ErrorKind, PoolConfig,
@@ -60,8 +62,21 @@ enum Trial {
     FaultShrink,
     /// Host time per all-gather call: crate (blocking, non-blocking), raw NCCL
     Hostcost,
+    /// The crate against raw NCCL on each path, same buffers and communicator
+    Paths,
     /// Compare `fsdp_step --json` runs (no world)
     CompareLosses,
+}
+
+/// A fault trial's all-gather path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FaultPath {
+    /// NCCL's symmetric kernel
+    Symm,
+    /// The copy engine
+    Ce,
+    /// NCCL's ring
+    Plain,
 }
 
 /// Where the ranks run.
@@ -87,6 +102,10 @@ pub struct Cli {
     /// losses and the first run's, step by step
     #[arg(long, default_value_t = 0.1)]
     tolerance: f64,
+    /// The fault trials: the path of the survivors' all-gather (default: the automatic
+    /// choice, the symmetric kernel for its 1 MiB per rank where the ranks have one)
+    #[arg(long, value_enum)]
+    path: Option<FaultPath>,
     /// `compare-losses`: the logs holding `fsdp_step --json` lines, the reference first
     #[arg(long = "losses", value_name = "FILE")]
     losses: Vec<PathBuf>,
@@ -659,7 +678,7 @@ fn bound(w: &World, sig: &str, registration: bool) -> Duration {
         }
 }
 
-fn fault_trial(kind: Kind, trial: Trial) -> Outcome {
+fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
     let registration = trial == Trial::FaultRegistration;
     let (sig, victim) = fault()?;
     let armed = Arc::new(AtomicBool::new(false));
@@ -684,16 +703,27 @@ fn fault_trial(kind: Kind, trial: Trial) -> Outcome {
     // Checks off: a survivor then waits inside NCCL, not in a check's round.
     let pool = w.pool(config("fault", CheckMode::Off))?;
     let coll = ok("Coll::new", Coll::new(&pool))?;
+    if let Some(p) = path {
+        let p = match p {
+            FaultPath::Symm => Path::SymmetricKernel,
+            FaultPath::Ce => Path::CopyEngine,
+            FaultPath::Plain => Path::PlainKernel,
+        };
+        coll.set_path_policy(
+            PathPolicy::default().with_choices(Choice::Prefer(p), Choice::Prefer(p)),
+        );
+    }
     let stream = ok("new_stream", pool.new_stream())?;
     let count = 256 * 1024;
     let input = ok("alloc", pool.alloc(4 * count as u64, &stream))?;
     let output = ok("alloc", pool.alloc(4 * (w.size * count) as u64, &stream))?;
     // Everything connected and registered once, every rank alive.
     ok("write", input.write(&values::<f32>(w.rank, count, 0)))?;
-    ok(
+    let taken = ok(
         "warm-up all_gather",
         coll.all_gather::<f32>(&input, &output, &stream),
-    )?;
+    )?
+    .path;
     let gathered: Vec<f32> = (0..w.size)
         .flat_map(|s| values::<f32>(s, count, 0))
         .collect();
@@ -784,7 +814,7 @@ fn fault_trial(kind: Kind, trial: Trial) -> Outcome {
         "collective"
     };
     println!(
-        "[rank {me}] RESULT fault-{op} SIG{sig} of rank {victim}: {} kind={} names={} took={} bound={:.1}s dropped_in={:.2}s nccl={version} error=\"{error}\"",
+        "[rank {me}] RESULT fault-{op} SIG{sig} of rank {victim}: {} kind={} names={} took={} bound={:.1}s dropped_in={:.2}s nccl={version} all_gather_path={taken:?} error=\"{error}\"",
         if verdict.is_ok() { "ok" } else { "FAILED" },
         error.kind(),
         named.map_or("-".into(), |r| r.to_string()),
@@ -838,27 +868,47 @@ fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -
 }
 
 // ---------------------------------------------------------------------------------
-// hostcost
+// raw NCCL beside the crate, and host timing (hostcost, paths)
 
 #[cfg(feature = "nccl")]
-mod hostcost {
+mod raw {
     use super::*;
-    use symmpool::backend::{NcclBackend, NcclConfig};
+    use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
+    use std::ffi::c_void;
 
-    /// `ncclAllGather`, from the `libnccl.so.2` the crate loaded.
+    /// `ncclAllGather` (nccl.h, `ncclResult_t` as int).
     type AllGather = unsafe extern "C" fn(
-        *const std::ffi::c_void,
-        *mut std::ffi::c_void,
+        *const c_void,
+        *mut c_void,
         usize,
-        cudarc::nccl::sys::ncclDataType_t,
-        cudarc::nccl::sys::ncclComm_t,
-        cudarc::nccl::sys::cudaStream_t,
+        ncclDataType_t,
+        ncclComm_t,
+        cudaStream_t,
     ) -> i32;
+
+    /// `ncclReduceScatter` and `ncclAllReduce`.
+    type Reduce = unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ncclDataType_t,
+        ncclRedOp_t,
+        ncclComm_t,
+        cudaStream_t,
+    ) -> i32;
+
+    /// The collectives of the `libnccl.so.2` the crate loaded, valid while this lives.
+    pub(super) struct Nccl {
+        pub(super) all_gather: AllGather,
+        pub(super) reduce_scatter: Reduce,
+        pub(super) all_reduce: Reduce,
+        _lib: libloading::os::unix::Library,
+    }
 
     /// The raw NCCL the crate loaded: its own symbol table (`backend::nccl::ffi`) is
     /// private, so the same library is opened again without loading anything
     /// (`RTLD_NOLOAD`): `$SYMMPOOL_NCCL_LIBRARY` when set, else `libnccl.so.2`.
-    fn raw_all_gather() -> Outcome<(libloading::os::unix::Library, AllGather)> {
+    pub(super) fn nccl() -> Outcome<Nccl> {
         let names: Vec<String> = std::env::var("SYMMPOOL_NCCL_LIBRARY")
             .ok()
             .into_iter()
@@ -874,43 +924,87 @@ mod hostcost {
                 )
             };
             if let Ok(lib) = lib {
-                // SAFETY: the signature is nccl.h's (ncclResult_t as int); the library
-                // stays loaded while the caller holds it.
-                let f: AllGather = *unsafe { lib.get::<AllGather>(b"ncclAllGather") }
+                let reduce = |name: &str| {
+                    // SAFETY: the signature is nccl.h's; the pointer is used only while
+                    // `_lib` keeps the library loaded.
+                    unsafe { lib.get::<Reduce>(name.as_bytes()) }
+                        .map(|f| *f)
+                        .map_err(|e| format!("{name}: {e}"))
+                };
+                // SAFETY: as above.
+                let all_gather = *unsafe { lib.get::<AllGather>(b"ncclAllGather") }
                     .map_err(|e| format!("ncclAllGather: {e}"))?;
-                return Ok((lib, f));
+                let (reduce_scatter, all_reduce) =
+                    (reduce("ncclReduceScatter")?, reduce("ncclAllReduce")?);
+                return Ok(Nccl {
+                    all_gather,
+                    reduce_scatter,
+                    all_reduce,
+                    _lib: lib,
+                });
             }
         }
         Err("the crate's libnccl.so.2 is not loaded".into())
     }
 
-    /// Median, 10th and 90th percentile, in µs.
-    fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    /// An NCCL call's result code as an outcome.
+    pub(super) fn check(what: &str, code: i32) -> Outcome {
+        match code {
+            0 => Ok(()),
+            _ => Err(format!("{what} returned {code}")),
+        }
+    }
+
+    /// Median, 10th and 90th percentile (of 5 values: median, least, greatest).
+    pub(super) fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
         v.sort_by(f64::total_cmp);
         let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
         (at(0.5), at(0.1), at(0.9))
     }
 
-    /// Host time of `calls` calls of `call` (each waited for on the device after the
-    /// clock stopped), after 3 untimed ones.
-    fn time(
+    /// `calls` calls of `call` after `warm` untimed ones: the host time of each (call
+    /// to return, µs), and the seconds from before the first timed call to the end of
+    /// the stream's work after the last. With `each`, the stream is synchronised after
+    /// every call too (outside the call's time).
+    pub(super) fn time(
         calls: usize,
+        warm: usize,
+        each: bool,
         stream: &Stream,
         mut call: impl FnMut() -> Outcome,
-    ) -> Outcome<(f64, f64, f64)> {
+    ) -> Outcome<(Vec<f64>, f64)> {
         let cs = stream.cuda_stream().ok_or("not a CUDA stream")?;
+        let sync = || cs.synchronize().map_err(|e| format!("{e:?}"));
         let mut us = Vec::with_capacity(calls);
-        for i in 0..calls + 3 {
-            let t0 = Instant::now();
+        let mut t0 = Instant::now();
+        for i in 0..warm + calls {
+            if i == warm {
+                sync()?;
+                t0 = Instant::now();
+            }
+            let t = Instant::now();
             call()?;
-            let dt = t0.elapsed();
-            cs.synchronize().map_err(|e| format!("{e:?}"))?;
-            if i >= 3 {
+            let dt = t.elapsed();
+            if each {
+                sync()?;
+            }
+            if i >= warm {
                 us.push(dt.as_secs_f64() * 1e6);
             }
         }
-        Ok(spread(us))
+        sync()?;
+        Ok((us, t0.elapsed().as_secs_f64()))
     }
+}
+
+// ---------------------------------------------------------------------------------
+// hostcost
+
+#[cfg(feature = "nccl")]
+mod hostcost {
+    use super::raw::{self, spread, time};
+    use super::*;
+    use symmpool::backend::{NcclBackend, NcclConfig};
 
     pub(super) fn run(w: &World) -> Outcome {
         if w.kind != Kind::Nccl {
@@ -928,7 +1022,7 @@ mod hostcost {
             return Err("the plain data communicator is not blocking".into());
         }
         let raw_comm = blocking.raw_comm(plain).ok_or("no raw communicator")?;
-        let (_lib, raw) = raw_all_gather()?;
+        let nccl = raw::nccl()?;
         // A second backend over the same exchange, with non-blocking data
         // communicators (collective: every rank makes it here).
         let nb_backend = ok(
@@ -977,14 +1071,18 @@ mod hostcost {
             );
             ok("write", input.write(&values::<f32>(w.rank, count, 0)))?;
             ok("write", nb_in.write(&values::<f32>(w.rank, count, 0)))?;
-            let crate_b = time(calls, &stream, || {
+            // µs per call, median [p10, p90], after 3 untimed calls.
+            let per_call = |s: &Stream, call: &mut dyn FnMut() -> Outcome| {
+                time(calls, 3, true, s, call).map(|(us, _)| spread(us))
+            };
+            let crate_b = per_call(&stream, &mut || {
                 ok(
                     "all_gather",
                     coll.all_gather::<f32>(&input, &output, &stream),
                 )
                 .map(|_| ())
             })?;
-            let crate_nb = time(calls, &nb_stream, || {
+            let crate_nb = per_call(&nb_stream, &mut || {
                 ok(
                     "all_gather",
                     nb_coll.all_gather::<f32>(&nb_in, &nb_out, &nb_stream),
@@ -995,13 +1093,13 @@ mod hostcost {
             let recv = output.device_ptr().ok_or("no device pointer")? as *mut std::ffi::c_void;
             let cu =
                 stream.raw_cuda().ok_or("not a CUDA stream")? as cudarc::nccl::sys::cudaStream_t;
-            let raw_t = time(calls, &stream, || {
+            let raw_t = per_call(&stream, &mut || {
                 // SAFETY: `send` and `recv` are live pool buffers of `count` and `n` ×
                 // `count` f32s on this device, kept until the stream is synchronised;
                 // `raw_comm` is the backend's live blocking plain communicator, which
                 // nothing else calls meanwhile (this thread drives the rank).
                 let code = unsafe {
-                    raw(
+                    (nccl.all_gather)(
                         send,
                         recv,
                         count,
@@ -1010,11 +1108,7 @@ mod hostcost {
                         cu,
                     )
                 };
-                if code == 0 {
-                    Ok(())
-                } else {
-                    Err(format!("ncclAllGather returned {code}"))
-                }
+                raw::check("ncclAllGather", code)
             })?;
             let gathered: Vec<f32> = (0..n).flat_map(|s| values::<f32>(s, count, 0)).collect();
             same(
@@ -1055,6 +1149,487 @@ mod hostcost {
             }
         }
         w.say("RESULT hostcost ok: measured, results checked");
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// paths
+
+#[cfg(feature = "nccl")]
+mod paths {
+    use super::raw::{self, spread, time};
+    use super::*;
+    use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
+    use std::cell::Cell;
+    use symmpool::DType;
+    use symmpool::backend::{CommRole, NcclBackend};
+    use symmpool::coll::{Choice, CollectiveReport, PathPolicy, path_name};
+
+    /// Bytes per rank measured (those up to `SYMMPOOL_PATHS_MAX_BYTES`).
+    const SIZES: [usize; 7] = [
+        64 << 10,
+        256 << 10,
+        1 << 20,
+        4 << 20,
+        16 << 20,
+        64 << 20,
+        256 << 20,
+    ];
+    /// Repetitions of (crate batch, raw batch) per cell.
+    const REPS: usize = 5;
+    /// A batch's calls: 256 MiB ÷ bytes, and no more than fill this many seconds at
+    /// the warm-up's pace (two ranks time-slicing one GPU pay 2–3 ms a small call),
+    /// within [3, 200].
+    const BATCH_S: f64 = 0.1;
+    /// The floors the summary reports (and does not enforce).
+    const RATIO_FLOOR: f64 = 0.97;
+    const HOST_FLOOR_US: f64 = 2.0;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Op {
+        AllGather,
+        ReduceScatter,
+        AllReduce,
+    }
+
+    impl Op {
+        fn name(self) -> &'static str {
+            match self {
+                Op::AllGather => "all_gather",
+                Op::ReduceScatter => "reduce_scatter",
+                Op::AllReduce => "all_reduce",
+            }
+        }
+
+        /// Bus bytes per byte per rank among `g` ranks (nccl-tests' busbw).
+        fn bus(self, g: usize) -> f64 {
+            let g = g as f64;
+            match self {
+                Op::AllReduce => 2.0 * (g - 1.0) / g,
+                _ => g - 1.0,
+            }
+        }
+    }
+
+    /// One (collective, type, size)'s buffers, shared by its paths: the all-gather's
+    /// gathered buffer (this rank's slice written), or the reductions' input (written)
+    /// and output; the raw call's arguments; what the checked calls must give.
+    struct Bufs<T> {
+        input: SymmBuffer,
+        output: Option<SymmBuffer>,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: ncclDataType_t,
+        /// Device ranges filled with 0xFF (NaN in f32 and bf16) before a checked call:
+        /// whatever the call does not write fails the check.
+        poison: Vec<(u64, usize)>,
+        want: Vec<T>,
+    }
+
+    impl<T> Bufs<T> {
+        /// The buffer holding the result (the all-gather's is its input).
+        fn output(&self) -> &SymmBuffer {
+            self.output.as_ref().unwrap_or(&self.input)
+        }
+    }
+
+    /// The sitting: the handle, the raw NCCL, the tally.
+    struct Bench<'a> {
+        w: &'a World,
+        coll: Coll,
+        stream: Stream,
+        cu: cudaStream_t,
+        nccl: raw::Nccl,
+        /// The next call's tag.
+        tag: Cell<u64>,
+        started: Instant,
+        budget_s: f64,
+        /// (cell, ratio crate ÷ raw, host µs crate − raw) of every measured cell.
+        measured: Vec<(String, f64, f64)>,
+        fell_back: usize,
+        not_run: usize,
+    }
+
+    /// `name` from the environment, or `default`.
+    fn env<T: std::str::FromStr>(name: &str, default: T) -> Outcome<T> {
+        match std::env::var(name) {
+            Err(_) => Ok(default),
+            Ok(v) => (v.trim().parse()).map_err(|_| format!("{name}={v}: not a number")),
+        }
+    }
+
+    fn size(bytes: usize) -> String {
+        match bytes {
+            b if b < 1 << 20 => format!("{}KiB", b >> 10),
+            b => format!("{}MiB", b >> 20),
+        }
+    }
+
+    /// A cell's line: `cols` after the cell's name (collective, type, size, path).
+    fn row(cell: [&str; 4], cols: &str) -> String {
+        let [op, dtype, size, path] = cell;
+        format!("{op:<14} {dtype:<4} {size:>6} {path:<16} {cols}")
+    }
+
+    impl Bench<'_> {
+        /// A `PATHBENCH` line, on rank 0.
+        fn say(&self, line: &str) {
+            if self.w.rank == 0 {
+                println!("PATHBENCH {line}");
+            }
+        }
+
+        /// The largest `x` of the ranks (the ranks decide alike: they make the same
+        /// calls).
+        fn max_over_ranks(&self, what: &'static str, x: f64) -> Outcome<f64> {
+            let deadline = Deadline::after(Duration::from_secs(120));
+            let all =
+                (self.w.exchange).all_gather(self.w.barrier, what, &x.to_le_bytes(), deadline);
+            ok(what, all)?.iter().try_fold(x, |m, b| {
+                let b = <[u8; 8]>::try_from(b.as_slice()).map_err(|_| format!("{what}: {b:?}"))?;
+                Ok(m.max(f64::from_le_bytes(b)))
+            })
+        }
+
+        /// Whether any rank is past the budget.
+        fn over_budget(&self) -> Outcome<bool> {
+            let elapsed = self.started.elapsed().as_secs_f64();
+            Ok(self.max_over_ranks("paths: budget", elapsed)? > self.budget_s)
+        }
+
+        /// The crate's call, tagged with a tag of its own.
+        fn crate_call<T: Element>(&self, op: Op, b: &Bufs<T>) -> Outcome<CollectiveReport> {
+            let tag = self.tag.replace(self.tag.get() + 1);
+            let (c, s) = (self.coll.tagged(tag), &self.stream);
+            let r = match op {
+                Op::AllGather => c.all_gather_in_place::<T>(&b.input, s),
+                Op::ReduceScatter => c.reduce_scatter::<T>(&b.input, b.output(), ReduceOp::Sum, s),
+                Op::AllReduce => c.all_reduce::<T>(&b.input, b.output(), ReduceOp::Sum, s),
+            };
+            ok(op.name(), r)
+        }
+
+        /// The raw NCCL call on `comm`, with the crate's pointers and stream.
+        fn raw_call<T>(&self, op: Op, b: &Bufs<T>, comm: ncclComm_t) -> Outcome {
+            let (send, recv) = (b.send as *const _, b.recv as *mut _);
+            let (n, dt, sum, cu) = (b.count, b.dtype, ncclRedOp_t::ncclSum, self.cu);
+            // SAFETY: `send` and `recv` lie in live pool buffers of this device, sized
+            // for `n` elements of `dt` per rank (as the crate's call on them), kept
+            // until the stream is synchronised; `comm` is the backend's live blocking
+            // data communicator, which nothing else calls meanwhile (this thread drives
+            // the rank); `cu` is the pool's live stream.
+            let code = unsafe {
+                match op {
+                    Op::AllGather => (self.nccl.all_gather)(send, recv, n, dt, comm, cu),
+                    Op::ReduceScatter => {
+                        (self.nccl.reduce_scatter)(send, recv, n, dt, sum, comm, cu)
+                    }
+                    Op::AllReduce => (self.nccl.all_reduce)(send, recv, n, dt, sum, comm, cu),
+                }
+            };
+            raw::check(op.name(), code)
+        }
+
+        /// Fill `b`'s poison ranges with 0xFF, on the stream.
+        fn poison<T>(&self, b: &Bufs<T>) -> Outcome {
+            let cs = self.stream.cuda_stream().ok_or("not a CUDA stream")?;
+            let cuda = |e| format!("cuMemsetD8Async: {e:?}");
+            cs.context().bind_to_thread().map_err(cuda)?;
+            for &(ptr, len) in b.poison.iter().filter(|p| p.1 > 0) {
+                // SAFETY: the range lies in a live pool buffer of this device, which the
+                // stream orders before and after the collectives on it.
+                unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, len, cs.cu_stream()) }
+                    .map_err(cuda)?;
+            }
+            Ok(())
+        }
+
+        /// The buffers of `op` at `bytes` per rank, inputs written.
+        fn buffers<T: Element>(&self, op: Op, bytes: usize) -> Outcome<Bufs<T>> {
+            let (r, n, count) = (self.w.rank, self.w.size, bytes / size_of::<T>());
+            let pool = self.coll.pool();
+            let alloc = |b: usize| ok("alloc", pool.alloc(b as u64, &self.stream));
+            let ptr = |b: &SymmBuffer| b.device_ptr().ok_or("no device pointer");
+            let dtype = match T::DTYPE {
+                DType::BF16 => ncclDataType_t::ncclBfloat16,
+                DType::F32 => ncclDataType_t::ncclFloat32,
+                d => return Err(format!("{d:?} is not measured")),
+            };
+            if op == Op::AllGather {
+                let input = alloc(n * bytes)?;
+                let view = ok("view", input.view::<T>())?;
+                let mine = ok("slice", view.slice(r * count, count))?;
+                ok("write", mine.copy_from_host(&values::<T>(r, count, 0)))?;
+                let p = ptr(&input)?;
+                let (at, after) = ((r * bytes) as u64, ((r + 1) * bytes) as u64);
+                return Ok(Bufs {
+                    send: p + at,
+                    recv: p,
+                    count,
+                    dtype,
+                    poison: vec![(p, r * bytes), (p + after, (n - r - 1) * bytes)],
+                    want: (0..n).flat_map(|s| values::<T>(s, count, 0)).collect(),
+                    input,
+                    output: None,
+                });
+            }
+            // Reduce-scatter: world × count in, this rank's chunk of the sum out;
+            // all-reduce: count in, the sum out. Out of place: repeated calls give the
+            // same result.
+            let (whole, from, salt) = match op {
+                Op::ReduceScatter => (n * count, r * count, 1),
+                _ => (count, 0, 2),
+            };
+            let (input, output) = (alloc(whole * size_of::<T>())?, alloc(bytes)?);
+            ok("write", input.write(&values::<T>(r, whole, salt)))?;
+            let (send, recv) = (ptr(&input)?, ptr(&output)?);
+            Ok(Bufs {
+                send,
+                recv,
+                count,
+                dtype,
+                poison: vec![(recv, bytes)],
+                want: summed::<T>(n, count, from, salt),
+                input,
+                output: Some(output),
+            })
+        }
+
+        /// Every path's cell of `op` on `T` at `bytes` per rank: (path, communicator
+        /// index, its raw handle). The buffers are made at the first cell run and
+        /// freed after the last.
+        fn group<T: Element>(
+            &mut self,
+            op: Op,
+            bytes: usize,
+            paths: &[(Path, usize, ncclComm_t)],
+        ) -> Outcome {
+            let (dtype, size) = (format!("{:?}", T::DTYPE).to_lowercase(), size(bytes));
+            let mut bufs = None;
+            for &target in paths {
+                let cell = [op.name(), &dtype, &size, path_name(target.0)];
+                if self.over_budget()? {
+                    self.not_run += 1;
+                    self.say(&row(cell, "not run (budget)"));
+                    continue;
+                }
+                let b = match &mut bufs {
+                    Some(b) => b,
+                    None => bufs.insert(self.buffers::<T>(op, bytes)?),
+                };
+                match self.cell(op, b, target, cell)? {
+                    Some((ratio, host)) => (self.measured).push((cell.join(" "), ratio, host)),
+                    None => self.fell_back += 1,
+                }
+            }
+            Ok(())
+        }
+
+        /// One cell: the crate's call forced onto `path` against raw NCCL on that
+        /// path's communicator, same buffers and stream. `None` if the crate's call
+        /// falls back to another path (raw is not run then).
+        fn cell<T: Element>(
+            &self,
+            op: Op,
+            b: &Bufs<T>,
+            (path, index, comm): (Path, usize, ncclComm_t),
+            cell: [&str; 4],
+        ) -> Outcome<Option<(f64, f64)>> {
+            let name = cell.join(" ");
+            let prefer = Choice::Prefer(path);
+            let policy = PathPolicy::default().with_choices(prefer, prefer);
+            self.coll.set_path_policy(policy.with_all_reduce(prefer));
+            let end_step = || ok("end_step", self.coll.end_step());
+            let stream = &self.stream;
+            // Warm-up, 2 calls each; the first says whether the crate takes the path.
+            let first = self.crate_call(op, b)?;
+            if first.path != path {
+                end_step()?;
+                let fell = format!("n/a (fell back to {})", path_name(first.path));
+                self.say(&row(cell, &fell));
+                return Ok(None);
+            }
+            if first.comm != index {
+                let used = first.comm;
+                return Err(format!(
+                    "{name}: the crate used communicator {used}, not {index}"
+                ));
+            }
+            let (_, c) = time(1, 0, false, stream, || self.crate_call(op, b).map(drop))?;
+            let (_, r) = time(2, 0, false, stream, || self.raw_call(op, b, comm))?;
+            end_step()?;
+            let per_call = self.max_over_ranks("paths: warm-up", c.max(r / 2.0))?;
+            let bytes = b.count * size_of::<T>();
+            let fill = (BATCH_S / per_call) as usize;
+            let iters = ((256 << 20) / bytes).min(fill).clamp(3, 200);
+            // Side 0 is the crate, side 1 raw; which goes first alternates.
+            let bus = bytes as f64 * op.bus(self.w.size) * iters as f64 / 1e9;
+            let (mut ratios, mut bw, mut host) = (vec![], [vec![], vec![]], [vec![], vec![]]);
+            for rep in 0..REPS {
+                let mut secs = [0.0; 2];
+                for side in [rep % 2, 1 - rep % 2] {
+                    let (us, s) = match side {
+                        0 => time(iters, 0, false, stream, || self.crate_call(op, b).map(drop))?,
+                        _ => time(iters, 0, false, stream, || self.raw_call(op, b, comm))?,
+                    };
+                    if side == 0 {
+                        end_step()?;
+                    }
+                    host[side].extend(us);
+                    bw[side].push(bus / s);
+                    secs[side] = s;
+                }
+                ratios.push(secs[1] / secs[0]);
+            }
+            // One checked call of each, onto poisoned results.
+            for side in ["crate", "raw"] {
+                self.poison(b)?;
+                if side == "crate" {
+                    self.crate_call(op, b)?;
+                    end_step()?;
+                } else {
+                    self.raw_call(op, b, comm)?;
+                }
+                let got = ok("read", b.output().read::<T>())?;
+                same(&format!("{name}, {side}"), &got, &b.want)?;
+            }
+            let med = |v: &[f64]| spread(v.to_vec()).0;
+            let (ratio, lo, hi) = spread(ratios);
+            let (hc, hr) = (med(&host[0]), med(&host[1]));
+            let (bc, br) = (med(&bw[0]), med(&bw[1]));
+            let range = format!("[{lo:.3}, {hi:.3}]");
+            let cols = format!(
+                "{iters:>5} {bc:>10.2} {br:>10.2} {ratio:>6.3} {range:<14} {hc:>8.1} {hr:>8.1} {:>+8.1}",
+                hc - hr
+            );
+            self.say(&row(cell, &cols));
+            Ok(Some((ratio, hc - hr)))
+        }
+    }
+
+    pub(super) fn run(w: &World) -> Outcome {
+        if w.kind != Kind::Nccl {
+            w.say("RESULT paths skipped: it measures NCCL");
+            return Ok(());
+        }
+        let backend = (w.backend.downcast_ref::<NcclBackend>()).ok_or("not an NCCL backend")?;
+        let max_bytes = env("SYMMPOOL_PATHS_MAX_BYTES", 256usize << 20)?;
+        let budget_s = env("SYMMPOOL_PATHS_BUDGET_S", 240.0)?;
+        let sizes: Vec<usize> = SIZES.into_iter().filter(|&s| s <= max_bytes).collect();
+        // Each path the backend has a communicator for: the first of its role (the
+        // one the crate's choice takes), which must be blocking, and its raw handle.
+        let comms = w.backend.communicators();
+        let mut paths: Vec<(Path, usize, ncclComm_t)> = Vec::new();
+        for (i, c) in comms.iter().enumerate() {
+            let path = match c.role {
+                CommRole::Symmetric => Path::SymmetricKernel,
+                CommRole::CopyEngine => Path::CopyEngine,
+                CommRole::Plain => Path::PlainKernel,
+            };
+            if paths.iter().any(|p| p.0 == path) {
+                continue;
+            }
+            if backend.is_blocking(i) != Some(true) {
+                return Err(format!(
+                    "data communicator {i} ({:?}) is not blocking",
+                    c.role
+                ));
+            }
+            paths.push((path, i, backend.raw_comm(i).ok_or("no raw communicator")?));
+        }
+        // A registered pool under the crate's default checks, with room for the
+        // largest cell (the reduce-scatter's world + 1 chunks) registered before any
+        // timing; smaller buffers come from it or from small segments made outside
+        // the timed batches.
+        let pool = w.pool(config("paths", CheckMode::default()))?;
+        if let Some(top) = sizes.last() {
+            ok("reserve", pool.reserve(((w.size + 1) * top) as u64))?;
+        }
+        let coll = ok("Coll::new", Coll::new(&pool))?;
+        let stream = ok("new_stream", pool.new_stream())?;
+        let cu = stream.raw_cuda().ok_or("not a CUDA stream")? as cudaStream_t;
+        let mut bench = Bench {
+            w,
+            coll,
+            stream,
+            cu,
+            nccl: raw::nccl()?,
+            tag: Cell::new(0),
+            started: Instant::now(),
+            budget_s,
+            measured: Vec::new(),
+            fell_back: 0,
+            not_run: 0,
+        };
+        let hostid = std::env::var("NCCL_HOSTID").map_or_else(
+            |_| "NCCL_HOSTID unset".into(),
+            |v| format!("NCCL_HOSTID={v}"),
+        );
+        bench.say(&format!(
+            "NCCL {}, {} ranks on {} node(s) ({hostid}), communicators {:?}; the crate: check {:?}, every call tagged, end_step after each of its batches (untimed); per cell {REPS} repetitions of a crate batch and a raw batch (which first alternates), each timed from its first call to the stream's synchronisation; GB/s: bus bandwidth; ratio: median over the repetitions of crate/raw [least, greatest]; us: host time per call (call to return), median; budget {budget_s} s",
+            w.backend.nccl_version(),
+            w.size,
+            w.backend.info().nodes,
+            comms.iter().map(|c| c.role).collect::<Vec<_>>(),
+            bench.coll.check_mode(),
+        ));
+        let names = ["iters", "crate_GB/s", "raw_GB/s", "ratio", "[min, max]"];
+        let [iters, c, r, ratio, range] = names;
+        let (hc, hr, hd) = ("crate_us", "raw_us", "diff_us");
+        let cols =
+            format!("{iters:>5} {c:>10} {r:>10} {ratio:>6} {range:<14} {hc:>8} {hr:>8} {hd:>8}");
+        bench.say(&row(["collective", "type", "size", "path"], &cols));
+        for op in [Op::AllGather, Op::ReduceScatter, Op::AllReduce] {
+            // The copy engine runs all-gathers only.
+            let paths: Vec<_> = (paths.iter().copied())
+                .filter(|p| op == Op::AllGather || p.0 != Path::CopyEngine)
+                .collect();
+            for &bytes in &sizes {
+                bench.group::<bf16>(op, bytes, &paths)?;
+            }
+            for &bytes in &sizes {
+                bench.group::<f32>(op, bytes, &paths)?;
+            }
+        }
+        let m = &bench.measured;
+        let below = m.iter().filter(|c| c.1 < RATIO_FLOOR).count();
+        let over = m.iter().filter(|c| c.2 > HOST_FLOOR_US).count();
+        let met = |bad: usize| if bad == 0 { "met" } else { "NOT met" };
+        match (
+            m.iter().min_by(|a, b| a.1.total_cmp(&b.1)),
+            m.iter().max_by(|a, b| a.2.total_cmp(&b.2)),
+        ) {
+            (Some(low), Some(high)) => {
+                bench.say(&format!(
+                    "summary ratio: min {:.3} at {}; every ratio >= {RATIO_FLOOR}: {} ({below} of {} below)",
+                    low.1,
+                    low.0,
+                    met(below),
+                    m.len()
+                ));
+                bench.say(&format!(
+                    "summary host: max crate - raw {:+.1} us at {}; every difference <= {HOST_FLOOR_US} us: {} ({over} of {} over)",
+                    high.2,
+                    high.0,
+                    met(over),
+                    m.len()
+                ));
+            }
+            _ => bench.say("summary ratio: no cell measured; summary host: no cell measured"),
+        }
+        let tally = format!(
+            "{} cells measured, {} fell back (n/a), {} not run (budget), {:.1} s",
+            m.len(),
+            bench.fell_back,
+            bench.not_run,
+            bench.started.elapsed().as_secs_f64()
+        );
+        bench.say(&format!("summary cells: {tally}"));
+        drop(bench);
+        ok("close", pool.close())?;
+        w.say(&format!("RESULT paths ok: {tally}, every result checked"));
         Ok(())
     }
 }
@@ -1155,7 +1730,7 @@ pub fn run(cli: &Cli) -> Outcome {
         if cli.trials.len() != 1 {
             return Err("a fault trial runs alone (it ends the world)".into());
         }
-        return fault_trial(cli.backend, cli.trials[0]);
+        return fault_trial(cli.backend, cli.trials[0], cli.path);
     }
     let w = World::join(cli.backend, None)?;
     w.say(&format!(
@@ -1177,6 +1752,10 @@ pub fn run(cli: &Cli) -> Outcome {
             Trial::Hostcost => hostcost::run(&w)?,
             #[cfg(not(feature = "nccl"))]
             Trial::Hostcost => w.say("RESULT hostcost skipped: built without the `nccl` feature"),
+            #[cfg(feature = "nccl")]
+            Trial::Paths => paths::run(&w)?,
+            #[cfg(not(feature = "nccl"))]
+            Trial::Paths => w.say("RESULT paths skipped: built without the `nccl` feature"),
             Trial::FaultCollective
             | Trial::FaultRegistration
             | Trial::FaultShrink

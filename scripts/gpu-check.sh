@@ -29,9 +29,66 @@
 #   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, test_gpu_world.py as
 #           two NCCL ranks on one GPU (simulated nodes), then with two GPUs FSDP2
 #           three ways (python/bench/fsdp2_compare.py under torchrun)
+#   same:   two NCCL ranks on this one GPU as ONE node (NCCL >= 2.30,
+#           NCCL_MULTI_RANK_GPU_ENABLE=1, no NCCL_HOSTID; the NCCL 2.32.6 of the wheel, below):
+#           NCCL links them by P2P, so windows, the symmetric kernels and the copy-engine
+#           all-gather run with a real peer. The `world` trials there (collectives, two
+#           pools, CUDA graph, host cost, `paths`: crate vs raw NCCL path by path), kill -9
+#           and SIGSTOP inside a symmetric kernel, inside a copy-engine all-gather and inside
+#           a registration, fsdp_step in every mode and check mode, a shrink from 2 to 1;
+#           then 2.32 with one NCCL_HOSTID per rank (NCCL answers windows with NULL there:
+#           handled, logged, never used). world-same.log says which paths NCCL logged.
+#           The python section runs test_gpu_world.py in this world too.
+#
+# NCCL 2.32.6 (the machine has 2.28 only). `build` downloads the registry's wheel
+# nvidia-nccl-cu13==2.32.6 (206.6 MB) with pip, checks its sha256 and splits it into
+# four pieces of at most 50 MiB in gpu-nccl/ (git ignores it). The GPU machine takes in
+# at most 64 MiB a transfer but keeps /tmp while it stays warm, so send one piece per
+# transfer, one right after another, each with
+#   bash scripts/gpu-check.sh receive      # moves gpu-nccl/* there into /tmp/symmpool-nccl
+# and `run` joins the pieces, checks the sha256 and extracts libnccl.so.2 (once). The crate
+# loads it through SYMMPOOL_NCCL_LIBRARY, PyTorch through LD_PRELOAD. Without all four
+# pieces the `same` section is reported as not run (a failure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle
+NCCL_WHEEL=nvidia_nccl_cu13-2.32.6-py3-none-manylinux_2_27_x86_64.whl
+NCCL_SHA256=76e7aad00482092baf01e13e66f441d54c96b5cf1e3f143dee27db7f731d41ba
+NCCL_PIECES=gpu-nccl NCCL_TMP=/tmp/symmpool-nccl
+
+# The NCCL wheel in pieces (see the top); the download is skipped when its pieces exist.
+nccl_pieces() {
+  [ -f "$NCCL_PIECES/SHA256" ] && [ "$(cat "$NCCL_PIECES/SHA256")" = "$NCCL_SHA256" ] && return 0
+  rm -rf "$NCCL_PIECES" && mkdir -p "$NCCL_PIECES"
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$NCCL_PIECES" nvidia-nccl-cu13==2.32.6
+  echo "$NCCL_SHA256  $NCCL_PIECES/$NCCL_WHEEL" | sha256sum -c -
+  split -b 50M -d "$NCCL_PIECES/$NCCL_WHEEL" "$NCCL_PIECES/piece."
+  rm "$NCCL_PIECES/$NCCL_WHEEL"
+  echo "$NCCL_SHA256" >"$NCCL_PIECES/SHA256"
+  ls -l "$NCCL_PIECES"
+}
+
+# On the GPU machine: keep the pieces that came with this transfer.
+receive() {
+  mkdir -p "$NCCL_TMP"
+  local f n=0
+  for f in "$NCCL_PIECES"/piece.*; do [ -f "$f" ] && mv -f "$f" "$NCCL_TMP/" && n=$((n + 1)); done
+  echo "received $n piece(s); $NCCL_TMP has: $(cd "$NCCL_TMP" && ls piece.* 2>/dev/null | tr '\n' ' ')"
+}
+
+# On the GPU machine: the path of NCCL 2.32.6's libnccl.so.2, joined, checked and
+# extracted from the pieces once; fails when a piece is missing or the sum is wrong.
+nccl232() {
+  local lib="$NCCL_TMP/nvidia/nccl/lib/libnccl.so.2"
+  if [ ! -f "$lib" ]; then
+    [ "$(ls "$NCCL_TMP"/piece.* 2>/dev/null | wc -l)" = 4 ] || { echo "gpu-check: NCCL 2.32.6: not all four pieces are in $NCCL_TMP" >&2; return 1; }
+    cat "$NCCL_TMP"/piece.* >"$NCCL_TMP/$NCCL_WHEEL"
+    echo "$NCCL_SHA256  $NCCL_TMP/$NCCL_WHEEL" | sha256sum -c - >&2 || return 1
+    python3 -m zipfile -e "$NCCL_TMP/$NCCL_WHEEL" "$NCCL_TMP" >&2 || return 1
+    rm -f "$NCCL_TMP/$NCCL_WHEEL"
+  fi
+  echo "$lib"
+}
 
 build() {
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin"
@@ -57,13 +114,14 @@ build() {
   if [ -n "$anchors" ] && [ -d "$anchors" ]; then mkdir -p "$BUNDLE/anchors" && cp "$anchors"/* "$BUNDLE/anchors/"; fi
   ls -la "$BUNDLE" "$BUNDLE/bin"
   du -sh "$BUNDLE"
+  nccl_pieces
 }
 
 run() {
   local out="${OUT:-./gpu-out}"
   mkdir -p "$out"
   local want=("$@")
-  [ ${#want[@]} -eq 0 ] && want=(tests paths bench example anchor procs nodes world python)
+  [ ${#want[@]} -eq 0 ] && want=(tests paths bench example anchor procs nodes world same python)
   has() { local x; for x in "${want[@]}"; do [ "$x" = "$1" ] && return 0; done; return 1; }
   # Keep NVLink multicast off (it can take a shared host down).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -144,6 +202,10 @@ run() {
     world "$out" || status=1
     cat "$out/world.log"
   fi
+  if has same; then
+    world "$out" same || status=1
+    cat "$out/world-same.log"
+  fi
   if has python; then
     # The wheel, then each step on its own (a failure of any fails the section):
     # pytest's one-GPU tests; python/tests/test_gpu_world.py as two NCCL ranks on one
@@ -160,6 +222,22 @@ run() {
         --standalone --nproc-per-node 2 --tee 3 --no-python bash -c \
         'NCCL_HOSTID=simnode$LOCAL_RANK exec python3 -m pytest -rA -q -p no:cacheprovider "$@"' \
         pytest python/tests/test_gpu_world.py || status=1
+      # The same as one node on NCCL 2.32.6 (PyTorch loads it first, through
+      # LD_PRELOAD; the crate uses the NCCL its process already has): P2P, windows,
+      # symmetric kernels under PyTorch's communicators too.
+      local lib
+      if lib="$(nccl232)"; then
+        echo "== test_gpu_world.py: 2 NCCL ranks on one GPU as one node, NCCL 2.32.6"
+        PYTHONPATH="$site" CUDA_VISIBLE_DEVICES="${gpu%%,*}" LD_PRELOAD="$lib" NCCL_MULTI_RANK_GPU_ENABLE=1 \
+          NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout -k 30 600 python3 -m torch.distributed.run \
+          --standalone --nproc-per-node 2 --tee 3 --no-python python3 -m pytest -rA -q -p no:cacheprovider \
+          python/tests/test_gpu_world.py >"/tmp/symmpool-pysame.log" 2>&1 || status=1
+        grep -v 'NCCL INFO' /tmp/symmpool-pysame.log
+        echo "-- NCCL on rank 0: $(grep -c '^\[default0\].*NCCL INFO.* via P2P' /tmp/symmpool-pysame.log) P2P channel lines;" \
+          "$(grep '^\[default0\]' /tmp/symmpool-pysame.log | grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine)\]' | sort | uniq -c | tr -s ' \n' ' ')"
+      else
+        echo "== test_gpu_world.py as one node: not run (no NCCL 2.32.6)"; status=1
+      fi
       if [ "${GPUS:-2}" -ge 2 ]; then
         echo "== fsdp2_compare"
         PYTHONPATH="$site" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
@@ -171,12 +249,24 @@ run() {
   return $status
 }
 
-# The `world` section: NCCL ranks sharing this machine's one GPU (see the top). Writes
-# $1/world.log (what ran, each check's verdict, the figures) and $1/world-ranks.log
-# (every rank's output, each world under a header).
+# The `world` and `same` sections: NCCL ranks sharing this machine's one GPU (see the
+# top). `world OUT` runs them as simulated nodes (one NCCL_HOSTID each) on torch's NCCL,
+# `world OUT same` as one node on NCCL 2.32.6. Writes OUT/world[-same].log (what ran,
+# each check's verdict, the figures, the paths NCCL logged) and OUT/world[-same]-ranks.log
+# (every rank's output but NCCL's INFO lines, each world under a header).
 world() (
-  local out="$1" bin="$BUNDLE/bin" dir=/tmp/symmpool-world start=$SECONDS status=0
-  local log="$out/world.log" ranks="$out/world-ranks.log" budget="${WORLD_BUDGET_S:-0}"
+  local out="$1" same="${2:-}" bin="$BUNDLE/bin" dir=/tmp/symmpool-world start=$SECONDS status=0
+  local tag="" budget="${WORLD_BUDGET_S:-0}" sn=()
+  if [ "$same" = same ]; then
+    tag=-same sn=(--same-node) dir=/tmp/symmpool-world-same
+    local lib
+    lib="$(nccl232)" || { echo "== world (same node): not run: no NCCL 2.32.6" | tee "$out/world$tag.log"; exit 1; }
+    # Two ranks per GPU (experimental in NCCL 2.30+), and NCCL's own account of each
+    # call's path (`[Symmetric]`, `[Copy Engine]`, `Algo RING`) in every rank's log.
+    export SYMMPOOL_NCCL_LIBRARY="$lib" NCCL_MULTI_RANK_GPU_ENABLE=1 \
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING
+  fi
+  local log="$out/world$tag.log" ranks="$out/world$tag-ranks.log"
   : >"$log"; : >"$ranks"
   # One GPU for every rank (the first visible one).
   local visible="${CUDA_VISIBLE_DEVICES:-0}"
@@ -191,10 +281,11 @@ for d in site.getsitepackages():
         print(f); raise SystemExit' 2>/dev/null)" || true
     [ -n "$torch_nccl" ] && export SYMMPOOL_NCCL_LIBRARY="$torch_nccl"
   fi
-  echo "== world: $(date -u), NCCL ${SYMMPOOL_NCCL_LIBRARY:-from the system path}" | tee -a "$log"
+  echo "== world${same:+ (one node, NCCL_MULTI_RANK_GPU_ENABLE=1)}: $(date -u), NCCL ${SYMMPOOL_NCCL_LIBRARY:-from the system path}" | tee -a "$log"
   # One world: a name, then the script's options and command. Its summary lines and
-  # the ranks' RESULT/HOSTCOST/FAILED lines go to world.log, all output to
-  # world-ranks.log; a failed world fails the section.
+  # the ranks' RESULT/HOSTCOST/PATHBENCH/FAILED lines go to the log, all output but
+  # NCCL's INFO lines to the ranks' log, and, where NCCL logged them, how many of
+  # rank 0's calls took each path; a failed world fails the section.
   one() {
     local name="$1"; shift
     if [ "$budget" -gt 0 ] && [ $((SECONDS - start)) -ge "$budget" ]; then
@@ -202,11 +293,17 @@ for d in site.getsitepackages():
     fi
     local t0=$SECONDS code=0 w="$dir/$name" f
     rm -rf "$w"
-    bash scripts/nccl-world.sh -d "$w" "$@" >"$w.out" 2>&1 || code=$?
+    bash scripts/nccl-world.sh "${sn[@]}" -d "$w" "$@" >"$w.out" 2>&1 || code=$?
     {
       echo "-- $name: exit $code in $((SECONDS - t0)) s"
       grep '^nccl-world: \(SIG\|rank\|the world\)' "$w.out"
-      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|FAILED|HOSTCOST|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|^(lost|shrink|summary):|^losses at|^  (parameters|gradients|data) ' | sed 's/^/   /'
+      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|FAILED|HOSTCOST|PATHBENCH|calibrat|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|NULL window|^(lost|shrink|summary):|^losses at|^  (parameters|gradients|data|mode) |^ *(ring|symm|ce|auto|none) ' | sed 's/^/   /'
+      if grep -q 'NCCL INFO' "$w/rank0.log" 2>/dev/null; then
+        echo "   NCCL on rank 0: $(grep -c 'NCCL INFO.* via P2P' "$w/rank0.log") P2P and $(grep -c 'NCCL INFO.* via NET' "$w/rank0.log") NET channel lines; calls:" \
+          "$(grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine)\]|(AllGather|ReduceScatter|AllReduce): .*Algo [A-Z_]+' "$w/rank0.log" \
+            | sed -E 's/: .*Algo ([A-Z_]+)/ [\1]/' | sort | uniq -c | awk '{c=$1; $1=""; printf "%s%s %d", (n++ ? ", " : ""), substr($0, 2), c}')"
+        grep -ohE '\[(Symmetric|Copy Engine)\].*(Kernel|cudaMemcpy|CE)[^ ]*( [A-Za-z_]+)?' "$w/rank0.log" | sed -E 's/.*(Kernel [A-Za-z_]+|cudaMemcpy[A-Za-z]*).*/\1/' | sort | uniq -c | sed 's/^/     /' | head -n 12
+      fi
     } | tee -a "$log"
     { echo "==== $name (exit $code)"; cat "$w.out"
       for f in "$w"/rank*.log; do echo "---- $(basename "$f")"; grep -v 'NCCL INFO' "$f"; done
@@ -230,30 +327,52 @@ for d in site.getsitepackages():
     "$bin/nccl_world" compare-losses --tolerance 0.1 "${files[@]}" 2>&1 | sed 's/^/   /' | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   }
-  one trials-2 -n 2 -t 100 -- "$bin/nccl_world" collectives two-pools graph hostcost
-  local f r reps="${WORLD_REPEAT:-1}"
+  local f r reps="${WORLD_REPEAT:-1}" faults
+  faults=(collective:KILL:1 collective:KILL:0 collective:STOP:1 registration:KILL:1 registration:KILL:0 registration:STOP:1)
+  if [ "$same" = same ]; then
+    # Every path with a real peer; the crate against raw NCCL path by path (`paths`).
+    one trials-2 -n 2 -t 500 -- "$bin/nccl_world" collectives two-pools graph hostcost paths
+    # The survivor inside a symmetric kernel (the default path of the trial's 1 MiB
+    # all-gather) and inside a copy-engine all-gather.
+    faults+=(collective-ce:KILL:1 collective-ce:STOP:1)
+  else
+    one trials-2 -n 2 -t 100 -- "$bin/nccl_world" collectives two-pools graph hostcost
+  fi
   for r in $(seq "$reps"); do
-    for f in collective:KILL:1 collective:KILL:0 collective:STOP:1 registration:KILL:1 \
-      registration:KILL:0 registration:STOP:1; do
+    for f in "${faults[@]}"; do
+      local trial="${f%%:*}" path=()
+      [ "$trial" = collective-ce ] && trial=collective path=(--path ce)
       one "fault-${f//:/-}$([ "$reps" = 1 ] || echo "-$r")" -n 2 -t 45 --fault "${f#*:}" \
-        -- "$bin/nccl_world" "fault-${f%%:*}"
+        -- "$bin/nccl_world" "${path[@]}" "fault-$trial"
     done
   done
   fsdp 2 off async strict
-  one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph
-  # A rank killed in a collective; the two survivors shrink and all-gather again.
-  one fault-shrink-KILL-1 -n 3 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
-  # The example loses rank 3 of 4 in a reduce-scatter; the three survivors shrink their
-  # pools and train on at world size 3.
-  one fsdp-survive-4 -n 4 -t 150 --dies 3 -- "$bin/fsdp_step" --backend nccl --survive \
-    --layers 2 --hidden 384 --batch 64 --steps 6 --quiet
-  fsdp 3 off
-  echo "== world: $([ "$status" = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s" | tee -a "$log"
+  if [ "$same" = same ]; then
+    # A rank killed in an all-gather; the survivor shrinks to a world of one.
+    one fault-shrink-KILL-1 -n 2 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
+    # The example at its GPU sizes, every mode interleaved: auto (calibrated on this
+    # machine) against the best fixed path.
+    one example-compare -n 2 -t 300 -- "$bin/fsdp_step" --backend nccl --compare
+    # NCCL 2.32 across simulated nodes: windows come back NULL, and are never used.
+    sn=()
+    one nodes-2.32 -n 2 -t 100 -- "$bin/nccl_world" collectives
+  else
+    one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph
+    # A rank killed in a collective; the two survivors shrink and all-gather again.
+    one fault-shrink-KILL-1 -n 3 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
+    # The example loses rank 3 of 4 in a reduce-scatter; the three survivors shrink their
+    # pools and train on at world size 3.
+    one fsdp-survive-4 -n 4 -t 150 --dies 3 -- "$bin/fsdp_step" --backend nccl --survive \
+      --layers 2 --hidden 384 --batch 64 --steps 6 --quiet
+    fsdp 3 off
+  fi
+  echo "== world$tag: $([ "$status" = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s" | tee -a "$log"
   exit $status
 )
 
 case "${1:-}" in
   build) build ;;
+  receive) receive ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 build | run [tests] [paths] [bench] [example] [anchor] [procs] [nodes] [world] [python]" >&2; exit 2 ;;
+  *) echo "usage: $0 build | receive | run [tests] [paths] [bench] [example] [anchor] [procs] [nodes] [world] [same] [python]" >&2; exit 2 ;;
 esac

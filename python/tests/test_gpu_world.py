@@ -9,7 +9,10 @@ symmetric kernels, no copy engine), and the crate counts the nodes the same way:
         'NCCL_HOSTID=simnode$LOCAL_RANK exec python3 -m pytest -ra -q -p no:cacheprovider "$@"' \\
         pytest python/tests/test_gpu_world.py
 
-(``scripts/gpu-check.sh run python`` does this.) Every rank runs the same tests in the
+(``scripts/gpu-check.sh run python`` does this, and runs the same tests again as one
+node: two ranks on one GPU with NCCL 2.32's ``NCCL_MULTI_RANK_GPU_ENABLE=1`` and no
+``NCCL_HOSTID``, linked by P2P, where windows, symmetric kernels and the copy engine
+run.) Every rank runs the same tests in the
 same order, each rank on device ``LOCAL_RANK % device_count``. Launched any other way
 (plain pytest, no GPU, no torch) every test is skipped with the reason; with
 ``SYMMPOOL_REQUIRE_GPU=1`` such a skip is a failure.
@@ -97,8 +100,13 @@ def _why_not():
     if int(os.environ["WORLD_SIZE"]) < 2:
         return "needs a world of 2 or more ranks: " + LAUNCH
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    if local > torch.cuda.device_count() and not os.environ.get("NCCL_HOSTID"):
-        return f"{local} ranks on {torch.cuda.device_count()} GPU(s) need a distinct NCCL_HOSTID per rank: " + LAUNCH
+    # Two ranks per GPU as one node: NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1.
+    shared = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" and local <= 2 * torch.cuda.device_count()
+    if local > torch.cuda.device_count() and not os.environ.get("NCCL_HOSTID") and not shared:
+        return (
+            f"{local} ranks on {torch.cuda.device_count()} GPU(s) need a distinct NCCL_HOSTID per rank "
+            "(or, two per GPU, NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1): " + LAUNCH
+        )
     return None
 
 
