@@ -256,11 +256,13 @@ mod gpu {
                 );
             }
             println!(
-                "policy: copy-engine all-gather from {} B/rank; symmetric reduce-scatter bands {:?}; symmetric all-reduce bands {:?}",
+                "policy: copy-engine all-gather from {} B/rank; symmetric reduce-scatter bands {:?}; symmetric all-reduce bands {:?}; plain all-gather bands {:?}",
                 cal.policy.ce_all_gather_min_bytes,
                 cal.policy.symmetric_reduce_scatter_bands,
-                cal.policy.symmetric_all_reduce_bands
+                cal.policy.symmetric_all_reduce_bands,
+                cal.policy.plain_all_gather_bands
             );
+            println!("policy: {}", cal.policy);
         }
         r.coll.set_path_policy(cal.policy);
     }

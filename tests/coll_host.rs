@@ -4,7 +4,7 @@
 
 use std::thread;
 use std::time::{Duration, Instant};
-use symmpool::coll::Path;
+use symmpool::coll::{Path, PathPolicy};
 use symmpool::{
     CheckMode, Coll, CollectiveCalls, Element, Error, HostBackend, HostConfig, PoolConfig,
     ReduceOp, Stream, SymmPool, bf16, f16,
@@ -249,6 +249,54 @@ fn paths_follow_size_type_and_operation() {
                 Path::PlainKernel,
                 Path::PlainKernel,
                 Path::PlainKernel,
+            ]
+        );
+    }
+}
+
+#[test]
+fn a_calibrated_policy_steers_every_path_and_moves_the_same_data() {
+    // A policy as calibration derives it where the ring is fastest for small
+    // all-gathers (two ranks sharing a GPU, say): plain up to 64 KiB, symmetric
+    // kernel above, copy engine from 1 MiB; the ring for every reduce-scatter.
+    let pools = pools(2);
+    let policy = PathPolicy::default()
+        .with_plain_all_gather_bands(vec![(0, 64 << 10)])
+        .with_ce_all_gather_min_bytes(1 << 20)
+        .with_symmetric_reduce_scatter_bands(vec![]);
+    let got = on_ranks(&pools, |pool, coll| {
+        coll.set_path_policy(policy.clone());
+        let stream = Stream::host();
+        let rank = pool.rank();
+        [64 << 10, 256 << 10, 1 << 20]
+            .map(|per_rank: u64| {
+                let buf = pool.alloc(2 * per_rank, &stream).unwrap();
+                let n = (per_rank / 4) as usize;
+                let mut mine = vec![0f32; 2 * n];
+                mine[rank * n..(rank + 1) * n].fill(rank as f32 + 1.0);
+                buf.write(&mine).unwrap();
+                let ag = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap().path;
+                let all = buf.read::<f32>().unwrap();
+                assert!(all[..n].iter().all(|&x| x == 1.0) && all[n..].iter().all(|&x| x == 2.0));
+                let rs = (coll.reduce_scatter_in_place::<f32>(&buf, ReduceOp::Sum, &stream))
+                    .unwrap()
+                    .path;
+                let sum = buf.read::<f32>().unwrap();
+                // Every rank holds the gathered buffer: chunk r sums to 2 (r + 1).
+                let own = &sum[rank * n..(rank + 1) * n];
+                let want = 2.0 * (rank as f32 + 1.0);
+                assert!(own.iter().all(|&x| x == want), "rank {rank}");
+                (ag, rs)
+            })
+            .to_vec()
+    });
+    for paths in got {
+        assert_eq!(
+            paths,
+            vec![
+                (Path::PlainKernel, Path::PlainKernel),
+                (Path::SymmetricKernel, Path::PlainKernel),
+                (Path::CopyEngine, Path::PlainKernel),
             ]
         );
     }

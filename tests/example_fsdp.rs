@@ -6,7 +6,7 @@
 #[allow(dead_code, unreachable_pub)]
 mod fsdp_step;
 
-use fsdp_step::{Args, Check, Mode, Spread, Summary, check, run_host};
+use fsdp_step::{Args, Calibrate, Check, Mode, Spread, Summary, check, run_host};
 
 #[test]
 fn every_mode_learns_the_same_trajectory() {
@@ -45,6 +45,75 @@ fn every_mode_learns_the_same_trajectory() {
     assert_eq!(paths(Mode::Symm).0, "SymmetricKernel");
     assert_eq!(paths(Mode::Ce).0, "CopyEngine");
     assert!(paths(Mode::Auto).2 > 0);
+}
+
+#[test]
+fn auto_calibrates_when_asked_and_the_fixed_modes_do_not() {
+    // On the host backend symmpool says no calibration is needed: none by default.
+    let args = Args {
+        steps: 4,
+        ..Args::host(Mode::COMPARED.to_vec())
+    };
+    let results = run_host(&args).unwrap();
+    assert!(results.iter().all(|r| r.calibration.is_none()));
+    // `--calibrate always`: auto measures the paths over the run's one size (the
+    // shard, hidden² / ranks f32s) and takes the fastest; the others keep theirs.
+    let args = Args {
+        calibrate: Calibrate::Always,
+        ..args
+    };
+    let results = run_host(&args).unwrap();
+    check(&results).unwrap();
+    for r in &results {
+        let Some(c) = &r.calibration else {
+            assert_ne!(r.mode, Mode::Auto);
+            continue;
+        };
+        assert_eq!(r.mode, Mode::Auto);
+        let shard = (args.hidden * args.hidden / args.ranks * 4) as u64;
+        assert_eq!(
+            (c.reason.as_str(), c.min_bytes, c.max_bytes),
+            ("asked", shard, shard)
+        );
+        assert!(
+            c.line().starts_with("calibrated (asked): all-gather: "),
+            "{}",
+            c.line()
+        );
+        // One size measured: each collective takes one path at every size.
+        assert!(matches!(c.plain_all_gather_bands[..], [] | [(0, u64::MAX)]));
+        let json = serde_json::to_string(r).unwrap();
+        assert!(
+            json.contains("\"calibration\":{\"reason\":\"asked\""),
+            "{json}"
+        );
+    }
+    let paths = |m: Mode| {
+        let r = results.iter().find(|r| r.mode == m).unwrap();
+        (r.all_gather_paths.clone(), r.reduce_scatter_paths.clone())
+    };
+    assert_eq!(
+        paths(Mode::Ring),
+        ("PlainKernel".into(), "PlainKernel".into())
+    );
+    assert_eq!(paths(Mode::Symm).0, "SymmetricKernel");
+    assert_eq!(paths(Mode::Ce).0, "CopyEngine");
+    // Auto's paths are those its calibrated policy picks at the shard's size.
+    let auto = results.iter().find(|r| r.mode == Mode::Auto).unwrap();
+    let c = auto.calibration.as_ref().unwrap();
+    let want_ag = if !c.plain_all_gather_bands.is_empty() {
+        "PlainKernel"
+    } else if c.ce_all_gather_min_bytes == 0 {
+        "CopyEngine"
+    } else {
+        "SymmetricKernel"
+    };
+    let want_rs = if c.symmetric_reduce_scatter_bands.is_empty() {
+        "PlainKernel"
+    } else {
+        "SymmetricKernel"
+    };
+    assert_eq!(paths(Mode::Auto), (want_ag.into(), want_rs.into()));
 }
 
 #[test]
@@ -107,9 +176,12 @@ fn json_summary_has_every_field() {
         "peak_allocated_bytes",
         "all_gather_paths",
         "reduce_scatter_paths",
+        "calibration",
     ] {
         assert!(v.get(key).is_some(), "missing {key}");
     }
+    // No calibration on the host backend unless asked (`--calibrate always`).
+    assert_eq!(v["calibration"], serde_json::Value::Null);
     assert_eq!(v["backend"], "host");
     assert_eq!(v["mode"], "auto");
     assert_eq!(v["registrations_after_first_step"], 0);

@@ -38,6 +38,21 @@ impl Check {
     }
 }
 
+/// Whether `auto` calibrates its path choice before training (`--calibrate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Calibrate {
+    /// When symmpool says the default thresholds are not known to hold here
+    /// (`Coll::needs_calibration`: NCCL with ranks sharing a GPU or spanning nodes)
+    #[default]
+    Auto,
+    /// Always, on any backend (on the host it measures host copies: a test of the
+    /// mechanics, not of a machine)
+    Always,
+    /// Never: auto keeps symmpool's default thresholds
+    Never,
+}
+
 /// How the collectives run (`--comm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -122,6 +137,12 @@ Streams: compute, all-gather, reduce-scatter (the SGD update of the shards runs 
           stream's busy time, the communication left exposed (compute stream idle) and
           hidden, the host's µs per call and its wait at the end of the step. Tracing
           adds two event records per operation.
+--calibrate auto|always|never: before training, auto's path thresholds are measured
+          over this run's collective sizes (the all-gather shard and reduce-scatter output,
+          hidden²/ranks elements: every path, 3 repetitions of 3 calls) and the fastest path
+          per size is used (`Coll::calibrate`); auto does so where symmpool says the
+          default thresholds (measured on 2 GPUs of one node) may not hold: NCCL with
+          ranks that share a GPU or span several nodes. One line says what was chosen.
 --survive: ranks as processes (--nproc N, or a launcher), N >= 2. The victim's backend
           raises SIGKILL on entering its reduce-scatter of layer <layers>/2 in step
           --kill-at-step; the launcher of --nproc expects that death, and no other. The
@@ -178,6 +199,11 @@ pub struct Cli {
     /// How the collectives are checked across ranks (off, async, strict)
     #[arg(long, value_enum, default_value_t = Check::Async)]
     pub check: Check,
+    /// Whether `auto` measures every path over this run's collective sizes before
+    /// training and uses the fastest per size (auto: where symmpool says the default
+    /// thresholds may not hold; see below)
+    #[arg(long, value_enum, default_value_t = Calibrate::Auto)]
+    pub calibrate: Calibrate,
     /// GPU sizes where communication takes about as long as computation (see below)
     #[arg(long)]
     pub balanced: bool,
@@ -279,6 +305,8 @@ pub struct Args {
     pub modes: Vec<Mode>,
     /// How every pool checks its collectives across the ranks.
     pub check: Check,
+    /// Whether `auto` calibrates its path choice before training.
+    pub calibrate: Calibrate,
     /// Print one JSON object per mode instead of the table.
     pub json: bool,
     /// Where to run: `Host` or `Nccl` (never `Auto` once resolved).
@@ -338,6 +366,7 @@ impl Args {
             processes: false,
             modes,
             check: Check::Async,
+            calibrate: Calibrate::Auto,
             json: false,
             backend: BackendChoice::Host,
             quiet: true,
@@ -396,6 +425,7 @@ impl Cli {
                 vec![self.comm]
             },
             check: self.check,
+            calibrate: self.calibrate,
             json: self.json,
             backend,
             quiet: self.quiet,

@@ -48,9 +48,10 @@ pub mod survive;
 pub mod trace;
 mod trainer;
 
-pub use cli::{Args, BackendChoice, Check, Cli, Mode, Survive};
+pub use cli::{Args, BackendChoice, Calibrate, Check, Cli, Mode, Survive};
 pub use report::{
-    Log, Spread, Summary, check, identity_line, loss_disagreement, print, survival_lines,
+    Calibrated, Log, Spread, Summary, check, identity_line, loss_disagreement, print,
+    survival_lines,
 };
 
 use clap::Parser;
@@ -60,13 +61,13 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use ranks::{StepBarrier, StepSync, on_rank_threads};
 use std::time::Instant;
-use symmpool::coll::{Choice, Path, PathPolicy, TaggedColl};
+use symmpool::coll::{CalibrateConfig, Choice, Path, PathPolicy, TaggedColl};
 use symmpool::observe::{MemoryStats, PoolSnapshot, StatValue};
 use symmpool::{
     Backend, Coll, CollectiveCalls, Element, ErrorKind, HostBackend, HostConfig, PoolConfig,
     ReduceOp, Result, Stream, SymmBuffer, SymmPool,
 };
-use trainer::{Math, Trainer};
+use trainer::{Math, On, Trainer};
 
 // ---------------------------------------------------------------------------------
 // 1. A pool per mode. A pool carves buffers out of a few segments and registers each
@@ -83,13 +84,15 @@ fn pool_config(mode: Mode, check: Check) -> PoolConfig {
         .with_check(check.mode())
 }
 
-/// The collectives' path preferences of `mode`.
-fn path_policy(mode: Mode) -> PathPolicy {
+/// The collectives' path preferences of `mode`; `auto` takes `calibrated` when given
+/// (the thresholds measured on this machine, [`calibrate`]).
+fn path_policy(mode: Mode, calibrated: Option<&PathPolicy>) -> PathPolicy {
     let symm = Choice::Prefer(Path::SymmetricKernel);
     match mode {
         Mode::Symm => PathPolicy::default().with_choices(symm, symm),
         Mode::Ce => PathPolicy::default().with_choices(Choice::Prefer(Path::CopyEngine), symm),
-        Mode::Ring | Mode::Auto | Mode::None => PathPolicy::default(),
+        Mode::Auto => calibrated.cloned().unwrap_or_default(),
+        Mode::Ring | Mode::None => PathPolicy::default(),
     }
 }
 
@@ -111,11 +114,56 @@ fn make_pools(modes: &[Mode], check: Check, backend: &Backend) -> Result<Vec<(Mo
 }
 
 /// The collectives handle of `mode`'s pool, with the mode's path preferences
-/// (collective: every rank makes it at the same point).
-fn make_coll(mode: Mode, pools: &[SymmPool]) -> Result<Coll> {
+/// (`calibrated`: auto's measured thresholds, if any; collective: every rank makes it
+/// at the same point).
+fn make_coll(mode: Mode, pools: &[SymmPool], calibrated: Option<&PathPolicy>) -> Result<Coll> {
     let coll = Coll::with_pools(pools)?;
-    coll.set_path_policy(path_policy(mode));
+    coll.set_path_policy(path_policy(mode, calibrated));
     Ok(coll)
+}
+
+/// The bytes per rank of this run's collectives: (all-gather input, the shard;
+/// reduce-scatter output, the gradient's shard), both hidden² / ranks elements.
+fn collective_bytes<M: Math>(args: &Args, world: usize) -> (u64, u64) {
+    let shard = (args.hidden * args.hidden / world * std::mem::size_of::<M::E>()) as u64;
+    (shard, shard)
+}
+
+/// `auto`'s path thresholds measured on this machine, over exactly the sizes this
+/// run's collectives use, when `--calibrate` asks (`auto`: where symmpool says the
+/// defaults are not known to hold, [`Coll::needs_calibration`]); `None` otherwise, or
+/// without an `auto` mode. The measurement runs on `auto`'s communicators, in a
+/// temporary pool, with cheap settings (3 repetitions of 3 calls per path).
+///
+/// Collective: every rank calls it at the same point (every rank reaches the same
+/// decision: it depends on the arguments and on what the ranks agreed at set-up).
+fn calibrate<M: Math>(
+    math: &M,
+    pools: &[(Mode, SymmPool)],
+    args: &Args,
+) -> Result<Option<(PathPolicy, Calibrated)>> {
+    let Some((_, pool)) = pools.iter().find(|(m, _)| *m == Mode::Auto) else {
+        return Ok(None);
+    };
+    // A handle of its own, dropped before the trainer makes the mode's handle.
+    let coll = Coll::new(pool)?;
+    let reason = match args.calibrate {
+        Calibrate::Never => None,
+        Calibrate::Auto => coll.calibration_reason(),
+        Calibrate::Always => Some(coll.calibration_reason().unwrap_or("asked")),
+    };
+    let Some(reason) = reason else {
+        return Ok(None);
+    };
+    let (ag, rs) = collective_bytes::<M>(args, pool.world_size());
+    // At least 4 bytes: the smallest size calibration measures.
+    let (lo, hi) = (ag.min(rs).max(4), ag.max(rs).max(4));
+    let t0 = Instant::now();
+    let calibration =
+        coll.calibrate(math.stream(On::AllGather), &CalibrateConfig::quick(lo, hi))?;
+    let ms = ms_since(t0, Instant::now());
+    let note = Calibrated::new(reason, &calibration.policy, (lo, hi), ms);
+    Ok(Some((calibration.policy, note)))
 }
 
 // ---------------------------------------------------------------------------------
@@ -201,19 +249,20 @@ type Run<'m, M> = (Mode, [SymmPool; 2], Trainer<'m, M>, Log);
 
 /// A trainer of `mode` over `pools` (parameters, gradients) at their rank and world
 /// size, on `data` in `data_pool`; from `state` when given (`--resume`, or the
-/// survivors' state after a loss).
+/// survivors' state after a loss); `auto` with the `calibrated` thresholds, if any.
 fn start_run<'m, M: Math>(
     math: &'m M,
     (mode, pools): (Mode, [SymmPool; 2]),
     (data_pool, data): (&SymmPool, &trainer::Data),
     args: &Args,
     state: Option<&survive::State>,
+    calibrated: Option<&PathPolicy>,
 ) -> Result<Run<'m, M>> {
     let [pool, grads] = &pools;
     let place = (pool.rank(), pool.world_size());
     // The weight gradients in a pool of their own, as FSDP2's gradients and parameters
     // never share blocks (see `Trainer::grad_pool`); one collectives handle for both.
-    let coll = make_coll(mode, &[pool.clone(), grads.clone()])?;
+    let coll = make_coll(mode, &[pool.clone(), grads.clone()], calibrated)?;
     let communicate = mode.communicates().then_some(coll);
     let mut trainer = pool.scope(|| {
         Trainer::new(
@@ -261,6 +310,9 @@ pub fn run_one_rank<M: Math>(
         .with_timeout(first.config().timeout);
     let mut data_pool = SymmPool::new(first.backend().clone(), data_config)?;
     let mut data = data_pool.scope(|| trainer::make_data(math, args, first.rank()))?;
+    // Before training: `auto`'s thresholds measured here, when `--calibrate` says so.
+    let calibrated = calibrate(math, &pools, args)?;
+    let auto_policy = calibrated.as_ref().map(|(p, _)| p);
     let start = resumed.as_ref().map_or(0, |s| s.step);
     let mut runs = Vec::new();
     for (mode, pool) in pools {
@@ -271,6 +323,7 @@ pub fn run_one_rank<M: Math>(
             (&data_pool, &data),
             args,
             resumed.as_ref(),
+            auto_policy,
         )?;
         // The warm-up step's peak is what `fit_to_peak` sizes the pools from.
         run.1.iter().for_each(SymmPool::reset_peak);
@@ -285,7 +338,15 @@ pub fn run_one_rank<M: Math>(
                 let Some(run) = runs.pop().filter(|r| r.3.survival.is_none()) else {
                     return Err(lost);
                 };
-                let went_on = go_on_without(math, run, data_pool, data, args, barrier, lost)?;
+                let went_on = go_on_without(
+                    math,
+                    run,
+                    (data_pool, data),
+                    args,
+                    barrier,
+                    lost,
+                    auto_policy,
+                )?;
                 (runs, data_pool, data, step) = went_on;
             }
             Err(e) => return Err(e),
@@ -305,7 +366,11 @@ pub fn run_one_rank<M: Math>(
         let (ag, rs) = (&trainer.ag_paths, &trainer.rs_paths);
         let stats = stats(&pools);
         let rank = pools[0].rank();
-        summaries.push(Summary::new(args, mode, rank, log, &stats, ag, rs));
+        let mut summary = Summary::new(args, mode, rank, log, &stats, ag, rs);
+        if mode == Mode::Auto {
+            summary.calibration = calibrated.as_ref().map(|(_, note)| note.clone());
+        }
+        summaries.push(summary);
         // Release the pools on every rank (collective); dropping one unclosed warns.
         drop(trainer);
         for pool in pools {
@@ -400,11 +465,11 @@ fn shrink(pool: &SymmPool) -> Result<(SymmPool, symmpool::ShrinkReport)> {
 fn go_on_without<'m, M: Math>(
     math: &'m M,
     (mode, pools, trainer, mut log): Run<'m, M>,
-    data_pool: SymmPool,
-    data: trainer::Data,
+    (data_pool, data): (SymmPool, trainer::Data),
     args: &Args,
     barrier: &dyn StepSync,
     lost: symmpool::Error,
+    calibrated: Option<&PathPolicy>,
 ) -> Result<WentOn<'m, M>> {
     let t0 = Instant::now();
     let (params, params_report) = shrink(&pools[0])?;
@@ -425,6 +490,7 @@ fn go_on_without<'m, M: Math>(
         (&new_data_pool, &data),
         args,
         Some(&state),
+        calibrated,
     )?;
     let save = args.survive.as_ref().and_then(|s| s.save_state.as_ref());
     if let Some(path) = save.filter(|_| rank == 0) {

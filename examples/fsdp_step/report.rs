@@ -5,7 +5,7 @@ use super::cli::{Args, BackendChoice, Check, Mode};
 use super::trainer::IDENTITY;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use symmpool::coll::Path;
+use symmpool::coll::{Path, PathPolicy};
 use symmpool::observe::MemoryStats;
 use symmpool::{Error, ShrinkReport};
 
@@ -261,6 +261,62 @@ pub struct Summary {
     /// The lost rank survived (`--survive`), if one was.
     #[serde(default)]
     pub survival: Option<Survival>,
+    /// What `auto`'s calibration chose (`--calibrate`), on `auto`'s summary when it
+    /// calibrated; `null` otherwise.
+    #[serde(default)]
+    pub calibration: Option<Calibrated>,
+}
+
+/// What `auto`'s calibration (`--calibrate`, `Coll::calibrate`) measured and chose.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Calibrated {
+    /// Why it ran: symmpool's reason (`shared GPU`, `several nodes`;
+    /// `Coll::calibration_reason`), or `asked` (`--calibrate always` elsewhere).
+    pub reason: String,
+    /// The sizes measured, bytes per rank: the smallest and largest of the run's
+    /// collectives (and the powers of two between).
+    pub min_bytes: u64,
+    /// See `min_bytes`.
+    pub max_bytes: u64,
+    /// The thresholds chosen, as one line (`PathPolicy`'s `Display`).
+    pub policy: String,
+    /// All-gathers of at least this many bytes per rank take the copy engine
+    /// (`u64::MAX`: none), outside `plain_all_gather_bands`.
+    pub ce_all_gather_min_bytes: u64,
+    /// Inclusive ranges of bytes per rank where all-gather takes the plain ring.
+    pub plain_all_gather_bands: Vec<(u64, u64)>,
+    /// Inclusive ranges where reduce-scatter takes the symmetric kernel (else ring).
+    pub symmetric_reduce_scatter_bands: Vec<(u64, u64)>,
+    /// Inclusive ranges where all-reduce takes the symmetric kernel (else ring).
+    pub symmetric_all_reduce_bands: Vec<(u64, u64)>,
+    /// How long the calibration took (wall clock, ms).
+    pub ms: f64,
+}
+
+impl Calibrated {
+    /// The note of a calibration that ran for `reason` over `(min, max)` bytes per
+    /// rank in `ms`, choosing `policy`.
+    pub fn new(reason: &str, policy: &PathPolicy, (min, max): (u64, u64), ms: f64) -> Self {
+        Calibrated {
+            reason: reason.into(),
+            min_bytes: min,
+            max_bytes: max,
+            policy: policy.to_string(),
+            ce_all_gather_min_bytes: policy.ce_all_gather_min_bytes,
+            plain_all_gather_bands: policy.plain_all_gather_bands.clone(),
+            symmetric_reduce_scatter_bands: policy.symmetric_reduce_scatter_bands.clone(),
+            symmetric_all_reduce_bands: policy.symmetric_all_reduce_bands.clone(),
+            ms,
+        }
+    }
+
+    /// The summary's line: `calibrated (REASON): THRESHOLDS; took N ms`.
+    pub fn line(&self) -> String {
+        format!(
+            "calibrated ({}): {}; took {:.0} ms",
+            self.reason, self.policy, self.ms
+        )
+    }
 }
 
 /// Fill in every summary's `over_ring` and `over_none` from the others' median step
@@ -363,6 +419,7 @@ impl Summary {
             over_ring: None,
             over_none: None,
             survival: log.survival,
+            calibration: None,
         }
     }
 
@@ -547,6 +604,9 @@ pub fn print(args: &Args, results: &[Summary]) {
         }
     );
     out!("identity: {}", identity_line(results));
+    if let Some(c) = results.iter().find_map(|r| r.calibration.as_ref()) {
+        out!("{}", c.line());
+    }
     out!(
         "{:<5} {:>8} {:>7} {:>7} {:>11} {:>11} {:>14} {:>15} {:>9} {:>9}  {:<w$}  {}",
         "",

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use symmpool::backend::CommRole;
 use symmpool::backend::nccl::{CUstream, ncclComm_t};
 use symmpool::backend::shm::{ShmBackend, ShmConfig};
-use symmpool::coll::{CollectiveReport, path_name};
+use symmpool::coll::{CalibrateConfig, CollectiveReport, path_name};
 use symmpool::observe::{PoolSnapshot, StatValue};
 use symmpool::{
     Backend, CheckMode, Coll, CollectiveCalls, Exchange, HostBackend, HostConfig, NcclBackend,
@@ -690,6 +690,93 @@ impl Pool {
     #[getter]
     fn check(&self) -> &'static str {
         self.handle.coll.check_mode().name()
+    }
+
+    /// Whether this job should calibrate the automatic path choice (`calibrate()`):
+    /// the crate's rule (`Coll::needs_calibration`): on NCCL with more than one rank,
+    /// when ranks share a GPU or span several nodes (the default thresholds were
+    /// measured with every rank on its own GPU of one node); never on the host and
+    /// shared-memory backends. The same on every rank.
+    #[getter]
+    fn needs_calibration(&self) -> bool {
+        self.handle.coll.needs_calibration()
+    }
+
+    /// Why calibration is needed (`"shared GPU"`, `"several nodes"`), or `None`.
+    #[getter]
+    fn calibration_reason(&self) -> Option<&'static str> {
+        self.handle.coll.calibration_reason()
+    }
+
+    /// The automatic path choice in use, as one line (per collective, the path of
+    /// each size range).
+    #[getter]
+    fn path_policy(&self) -> String {
+        self.handle.coll.path_policy().to_string()
+    }
+
+    /// Measure every path of all-gather, reduce-scatter and all-reduce at
+    /// `min_bytes`, the powers of two between and `max_bytes` per rank (`reps`
+    /// repetitions, each of `bytes_per_rep` / size calls, 3 to 500; `None`: about 3
+    /// calls at `max_bytes`, at most 8 at `min_bytes`), on the raw stream `stream`,
+    /// in a temporary pool on this pool's communicators, and derive the automatic
+    /// choice from rank 0's figures: the fastest path at each size. With `apply`
+    /// (the default) the pool's collectives use it from the next call. Returns a
+    /// dict: `policy` (the line, as `path_policy`), `ce_all_gather_min_bytes`,
+    /// `plain_all_gather_bands`, `symmetric_reduce_scatter_bands`,
+    /// `symmetric_all_reduce_bands` (inclusive `[lo, hi]` byte ranges),
+    /// `min_bytes`, `max_bytes`, `ms` (the time it took) and `measurements` (rank
+    /// 0's bus bandwidths in GB/s per size: `all_gather` `[symmetric, copy engine,
+    /// plain]`, `reduce_scatter` and `all_reduce` `[symmetric, plain]`, `None`
+    /// where the path did not run). Collective: every rank at the same point with
+    /// the same arguments; every rank gets the same policy.
+    #[pyo3(signature = (min_bytes = 64 << 10, max_bytes = 64 << 20, *, reps = 3,
+        bytes_per_rep = None, stream = 0, apply = true))]
+    #[allow(clippy::too_many_arguments)]
+    fn calibrate(
+        &self,
+        py: Python<'_>,
+        min_bytes: u64,
+        max_bytes: u64,
+        reps: usize,
+        bytes_per_rep: Option<u64>,
+        stream: usize,
+        apply: bool,
+    ) -> PyResult<PyObject> {
+        let mut config = CalibrateConfig::quick(min_bytes, max_bytes).with_reps(reps);
+        if let Some(bytes) = bytes_per_rep {
+            config = config.with_bytes_per_rep(bytes);
+        }
+        let handle = self.handle.clone();
+        let t0 = std::time::Instant::now();
+        let calibration = py
+            .allow_threads(move || {
+                // SAFETY: the Python caller passes a stream of the pool's device that
+                // outlives the pool (documented on `symmpool.Pool`).
+                let s = unsafe { handle.stream(stream) }?;
+                let calibration = handle.coll.calibrate(&s, &config)?;
+                if apply {
+                    handle.coll.set_path_policy(calibration.policy.clone());
+                }
+                Ok(calibration)
+            })
+            .map_err(to_py)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let p = &calibration.policy;
+        let out = serde_json::json!({
+            "policy": p.to_string(),
+            "ce_all_gather_min_bytes": p.ce_all_gather_min_bytes,
+            "plain_all_gather_bands": p.plain_all_gather_bands,
+            "symmetric_reduce_scatter_bands": p.symmetric_reduce_scatter_bands,
+            "symmetric_all_reduce_bands": p.symmetric_all_reduce_bands,
+            "min_bytes": min_bytes,
+            "max_bytes": max_bytes,
+            "ms": ms,
+            "measurements": calibration.measurements,
+        });
+        let text = out.to_string();
+        let json = py.import("json")?;
+        Ok(json.call_method1("loads", (text,))?.unbind())
     }
 
     /// The flat statistics (PyTorch's key names where they mean the same), as a dict.

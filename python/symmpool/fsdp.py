@@ -70,6 +70,14 @@ with another module's:
   boundary: call :meth:`Installed.end_step`). Under the pool's ``check="off"``
   neither does anything.
 
+Path choice: each collective takes the path the pool's automatic choice gives its size.
+Its default thresholds were measured with every rank on its own GPU of one node; where
+the crate says they may not hold (``Pool.needs_calibration``: NCCL with ranks that
+share a GPU or span several nodes), :func:`install` first measures every path over
+the sizes of the FSDP modules' all-gathers and reduce-scatters and keeps the fastest
+per size (``calibrate="auto"``, the default; ``True``: always; ``False``: never), and
+logs the thresholds chosen at INFO on the ``"symmpool.fsdp"`` logger.
+
 Without a GPU (a pool on the shared-memory or host backend, ``pool.device`` is
 None, and FSDP2 on CPU over gloo), ``allocate`` returns FSDP an ordinary CPU tensor
 and each collective copies through a pool buffer (allocated, written, run, read,
@@ -87,6 +95,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils.dlpack import from_dlpack
 
+from ._calibrate import check_choice, collective_range, maybe_calibrate
 from .errors import SymmpoolError
 
 try:  # torch >= 2.10
@@ -439,7 +448,7 @@ class Installed:
     (by its fully-qualified name, ``""`` for the root), their tags and the step
     boundary."""
 
-    def __init__(self, pool, all_gathers, reduce_scatters, modules, tags, step=None, trace=None):
+    def __init__(self, pool, all_gathers, reduce_scatters, modules, tags, step=None, trace=None, calibration=None):
         self.pool = pool
         #: ``{fqn: AllGather}``, one per FSDP module (installed or not).
         self.all_gathers = all_gathers
@@ -453,6 +462,9 @@ class Installed:
         self.step = step
         #: The :class:`Trace` (``install(..., trace=True)``), or None.
         self.trace = trace
+        #: What the calibration chose (``Pool.calibrate``'s dict, with ``reason``),
+        #: or None when ``install`` did not calibrate.
+        self.calibration = calibration
 
     def end_step(self):
         """A step boundary, now: ``pool.end_step()`` (collective: every rank at the
@@ -500,6 +512,13 @@ def _fsdp_modules(model):
     return out
 
 
+def _param_group(module):
+    """The ``FSDPParamGroup`` of an FSDP2 module (None: no parameters, or a torch
+    without that private attribute)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    return getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
+
+
 def install(
     model,
     group=None,
@@ -511,6 +530,7 @@ def install(
     trace=False,
     tags=True,
     end_step=True,
+    calibrate="auto",
     **pool_kwargs,
 ):
     """Install symmpool's comm objects on every FSDP2 module of ``model``.
@@ -522,7 +542,17 @@ def install(
     calls carry :func:`module_tag` of the module's fully-qualified name (``tags=False``:
     untagged) and mark the step boundary at the end of each backward pass
     (``end_step=False``: not; see the module's documentation). ``trace``: time every
-    allocation and collective (``Installed.write_trace``). Returns an
+    allocation and collective (``Installed.write_trace``).
+
+    ``calibrate``: ``"auto"`` (the default) measures the pool's paths before the
+    first step where the crate says the default thresholds may not hold
+    (``pool.needs_calibration``: NCCL with ranks that share a GPU or span several
+    nodes), ``True`` always, ``False`` never. It measures every path at the smallest
+    and largest per-rank size of the FSDP modules' all-gathers and reduce-scatters
+    (from FSDP2's parameter groups; 64 KiB to 64 MiB where they cannot be read) and
+    the powers of two between, with cheap settings, in a temporary pool of (world + 1)
+    x the largest size, applies the fastest path per size to the pool's collectives
+    and logs the thresholds at INFO (``Installed.calibration`` has them). Returns an
     :class:`Installed`.
 
     Collective: every rank installs on the same model at the same point.
@@ -532,8 +562,12 @@ def install(
     modules = _fsdp_modules(model)
     if not modules:
         raise ValueError("the model has no FSDP2 module (apply fully_shard first)")
+    check_choice(calibrate)
     if pool is None:
         pool = from_group(group, mode="adopt", name=name, **pool_kwargs)
+    sizes = collective_range(_param_group(m) for _, m in modules)
+    stream = _stream(pool.device) if pool.device is not None else 0
+    calibration = maybe_calibrate(pool, calibrate, sizes, stream)
     timeline = Trace(pool.rank) if trace else None
     step = StepBoundary(pool) if end_step else None
     ags, rss, tag_of = {}, {}, {}
@@ -545,4 +579,4 @@ def install(
             m.set_custom_all_gather(ag)
         if reduce_scatter:
             m.set_custom_reduce_scatter(rs)
-    return Installed(pool, ags, rss, [m for _, m in modules], tag_of, step, timeline)
+    return Installed(pool, ags, rss, [m for _, m in modules], tag_of, step, timeline, calibration)

@@ -84,6 +84,10 @@ pub struct BackendInfo {
     /// identities at set-up; path selection avoids the paths that need one NVLink
     /// domain when it is above 1.
     pub nodes: usize,
+    /// Whether two or more ranks drive the same GPU (time-sharing it), false unless
+    /// set with [`with_shared_devices`](Self::with_shared_devices). The NCCL backend
+    /// compares the ranks' device UUIDs at set-up.
+    pub shared_devices: bool,
 }
 
 impl BackendInfo {
@@ -129,12 +133,20 @@ impl BackendInfo {
             granularity_bytes,
             communicators,
             nodes: 1,
+            shared_devices: false,
         })
     }
 
     /// The same identity, with the ranks spread over `nodes` nodes (at least 1).
     pub fn with_nodes(mut self, nodes: usize) -> Self {
         self.nodes = nodes.max(1);
+        self
+    }
+
+    /// The same identity, with `shared` saying whether two or more ranks drive the
+    /// same GPU.
+    pub fn with_shared_devices(mut self, shared: bool) -> Self {
+        self.shared_devices = shared;
         self
     }
 }

@@ -1,23 +1,31 @@
 //! Measure the paths on this machine and derive a [`PathPolicy`] from them.
 
 use super::Coll;
-use super::path::{CollOp, Path, PathPolicy};
-use crate::backend::{Backend, CommRole};
+use super::path::{CollOp, Path, PathPolicy, in_bands};
+use crate::backend::{Backend, BackendInfo, BackendKind, CommRole};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::group::CheckMode;
 use crate::pool::SymmPool;
 use crate::stream::Stream;
 use serde::{Deserialize, Serialize};
 
 /// Settings of [`Coll::calibrate`]. Every rank must pass the same values.
+///
+/// The sizes measured are `min_bytes`, the powers of two between, and `max_bytes`:
+/// give the range of the sizes the job's collectives use (`with_range(s, s)` measures
+/// the one size `s`). The time it takes is about 7 paths × `reps` × (iterations + 1)
+/// calls per size, the iterations `bytes_per_rep` / size (3 to 500): the defaults
+/// suit a benchmark; a job calibrating at start-up wants a few sizes, `reps` 3 and a
+/// `bytes_per_rep` of about three times the largest size (3 iterations each).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CalibrateConfig {
     /// Smallest size measured, in bytes per rank (default 64 KiB, at least 4).
     pub min_bytes: u64,
     /// Largest size measured, in bytes per rank (default 256 MiB). The calibration
-    /// allocates world × this many bytes in a temporary pool.
+    /// allocates (world + 1) × this many bytes in a temporary pool.
     pub max_bytes: u64,
     /// Repetitions per size and path, interleaved; the median counts (default 5).
     pub reps: usize,
@@ -38,11 +46,49 @@ impl Default for CalibrateConfig {
 }
 
 impl CalibrateConfig {
-    /// Set the range of sizes measured (bytes per rank; powers of two in between).
+    setters! {
+        with_reps(reps: usize);
+        with_bytes_per_rep(bytes_per_rep: u64);
+    }
+
+    /// Set the range of sizes measured (bytes per rank): `min_bytes`, the powers of
+    /// two in between, and `max_bytes`.
     pub fn with_range(mut self, min_bytes: u64, max_bytes: u64) -> Self {
         self.min_bytes = min_bytes;
         self.max_bytes = max_bytes;
         self
+    }
+
+    /// Cheap settings for a job that calibrates at start-up over the sizes its
+    /// collectives use, `min_bytes` to `max_bytes` per rank: 3 repetitions of 3
+    /// iterations at the largest size (more at smaller ones, at most 8 at
+    /// `min_bytes`). One size is then 7 × 3 × 4 = 84 calls: a quarter of a second
+    /// where a call takes 3 ms (two ranks time-sharing one GPU).
+    pub fn quick(min_bytes: u64, max_bytes: u64) -> Self {
+        let per_rep = max_bytes
+            .saturating_mul(3)
+            .min(min_bytes.saturating_mul(8))
+            .max(1);
+        CalibrateConfig::default()
+            .with_range(min_bytes, max_bytes)
+            .with_reps(3)
+            .with_bytes_per_rep(per_rep)
+    }
+
+    /// The sizes measured: `min_bytes`, the powers of two strictly between, and
+    /// `max_bytes` (once when equal). The range is checked first.
+    fn sizes(&self) -> Vec<u64> {
+        let mut sizes = vec![self.min_bytes];
+        // No overflow: max_bytes <= MAX_CALIBRATE_BYTES.
+        let mut s = (self.min_bytes + 1).next_power_of_two();
+        while s < self.max_bytes {
+            sizes.push(s);
+            s *= 2;
+        }
+        if self.max_bytes > self.min_bytes {
+            sizes.push(self.max_bytes);
+        }
+        sizes
     }
 }
 
@@ -104,16 +150,26 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 impl Coll {
     /// Measure all-gather, reduce-scatter and all-reduce on every available path for
-    /// sizes from `min_bytes` to `max_bytes` per rank, and derive the thresholds of the
-    /// automatic choice from rank 0's figures: the copy engine from the smallest size
-    /// from which it beats the symmetric kernel at every larger size measured, and the
-    /// symmetric reduce-scatter and all-reduce wherever they beat NCCL's ordinary
-    /// kernels. Apply the result with [`set_path_policy`](Self::set_path_policy); the
-    /// thresholds not measured are this handle's.
+    /// the sizes of `config` ([`CalibrateConfig`]: `min_bytes`, the powers of two
+    /// between, `max_bytes`), and derive the thresholds of the automatic choice from
+    /// rank 0's figures, the fastest median at each size winning (a tie goes to this
+    /// handle's current choice):
+    /// - all-gather: the plain ring at the sizes where it beats the path the other
+    ///   two thresholds pick ([`PathPolicy::plain_all_gather_bands`]); among the
+    ///   other sizes, the copy engine from the smallest one from which it beats the
+    ///   symmetric kernel at every larger one, the symmetric kernel below;
+    /// - reduce-scatter and all-reduce: the symmetric kernel wherever it beats NCCL's
+    ///   ordinary kernels.
     ///
-    /// The measurements use a temporary pool on the same backend as the handle's
-    /// (first) pool, with its configuration (its segments are registered and released
-    /// again), so the handle's own segments are untouched.
+    /// A band covers the run of measured sizes it won, extended to 0 below the
+    /// smallest and to `u64::MAX` above the largest. Apply the result with
+    /// [`set_path_policy`](Self::set_path_policy); the preferences
+    /// ([`Choice`](super::Choice)) are this handle's.
+    /// [`needs_calibration`](Self::needs_calibration) says when a job should.
+    ///
+    /// The measurements use a temporary pool on the same communicators as the
+    /// handle's (first) pool, with its configuration but unchecked (its segments are
+    /// registered and released again), so the handle's own segments are untouched.
     ///
     /// # Collective
     /// Every rank calls it at the same point with the same `config`: it grows and
@@ -142,13 +198,18 @@ impl Coll {
             });
         }
         let backend = pool.backend();
-        // The caller's settings (core sizes, timeout, registration); default paths.
-        let tmp = SymmPool::new(backend.clone(), pool.config().clone())?;
+        // The caller's settings (core sizes, timeout, registration) on the handle's
+        // communicators (never split again: a pool's own communicators are the
+        // backend's here), unchecked (the checks cost the same on every path, and
+        // under `Async` they pace back-to-back calls), under a name of its own;
+        // default paths.
+        let tmp_config = (pool.config().clone())
+            .with_own_communicators(false)
+            .with_check(CheckMode::Off)
+            .with_name(format!("{}:calibrate", pool.config().name));
+        let tmp = SymmPool::new(backend.clone(), tmp_config)?;
         let tmp_coll = Coll::build(std::slice::from_ref(&tmp), None)?;
-        // Powers of two; no overflow: max_bytes <= MAX_CALIBRATE_BYTES.
-        let first = config.min_bytes.next_power_of_two();
-        let sizes = std::iter::successors(Some(first), |s| Some(s * 2));
-        let sizes: Vec<u64> = sizes.take_while(|&s| s <= config.max_bytes).collect();
+        let sizes = config.sizes();
         let measured: Result<Vec<Measurement>> = (sizes.iter())
             .map(|&bytes| tmp_coll.measure(bytes, stream, config))
             .collect();
@@ -177,6 +238,25 @@ impl Coll {
             policy: derive(&measurements, &self.path_policy()),
             measurements,
         })
+    }
+
+    /// Whether this job should [`calibrate`](Self::calibrate) before relying on the
+    /// automatic path choice: whether [`calibration_reason`](Self::calibration_reason)
+    /// gives a reason. Local and cheap (it reads the backend's identity, which the
+    /// ranks agreed at set-up): the same answer on every rank.
+    pub fn needs_calibration(&self) -> bool {
+        self.calibration_reason().is_some()
+    }
+
+    /// Why this job's machine is not known to match [`PathPolicy::default`], which
+    /// was measured on NCCL with every rank on its own GPU of one node: on NCCL with
+    /// more than one rank, `Some("shared GPU")` when two or more ranks drive the same
+    /// GPU (the ranks compare their GPUs' UUIDs at set-up), else `Some("several
+    /// nodes")` when the ranks span several nodes ([`BackendInfo::nodes`](crate::backend::BackendInfo::nodes)).
+    /// `None` on the host and shared-memory backends (their paths move the same
+    /// bytes), at world size 1, and for ranks each on its own GPU of one node.
+    pub fn calibration_reason(&self) -> Option<&'static str> {
+        reason(self.pool().backend().info())
     }
 
     /// Time every available path of each collective of [`TIMED`] at `bytes` per rank,
@@ -255,37 +335,83 @@ impl Coll {
     }
 }
 
-/// Thresholds from measurements (see [`Coll::calibrate`]).
+/// [`Coll::calibration_reason`] of a backend of identity `info`.
+fn reason(info: &BackendInfo) -> Option<&'static str> {
+    if info.kind != BackendKind::Nccl || info.world_size <= 1 {
+        None
+    } else if info.shared_devices {
+        Some("shared GPU")
+    } else if info.nodes > 1 {
+        Some("several nodes")
+    } else {
+        None
+    }
+}
+
+/// Whether `a` beats `b` (busbw, `None`: not available); a tie goes to `a` when it is
+/// the base policy's choice (`a_is_base`).
+fn beats(a: Option<f64>, b: Option<f64>, a_is_base: bool) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => a > b || (a == b && a_is_base),
+        (Some(_), None) => true,
+        (None, _) => false,
+    }
+}
+
+/// Thresholds from measurements (see [`Coll::calibrate`]); ties go to `base`'s choice.
 fn derive(ms: &[Measurement], base: &PathPolicy) -> PathPolicy {
     let mut policy = base.clone();
-    // Copy engine from the smallest size where it wins at every larger size too.
-    let ce_wins = |m: &Measurement| match (m.all_gather[1], m.all_gather[0]) {
-        (Some(ce), Some(symm)) => ce >= symm,
-        (Some(_), None) => true,
-        _ => false,
+    // All-gather figures are [symmetric, copy engine, plain].
+    let base_plain = |m: &Measurement| in_bands(&base.plain_all_gather_bands, m.bytes);
+    let base_ce = |m: &Measurement| !base_plain(m) && m.bytes >= base.ce_all_gather_min_bytes;
+    // The sizes where the plain ring is the fastest of the three do not count for the
+    // copy engine's threshold.
+    let plain_fastest = |m: &Measurement| {
+        let [symm, ce, plain] = m.all_gather;
+        beats(plain, symm, base_plain(m)) && beats(plain, ce, base_plain(m))
     };
-    let wins = ms.iter().rev().take_while(|m| ce_wins(m)).count();
-    policy.ce_all_gather_min_bytes = match ms.len() - wins {
+    let others: Vec<&Measurement> = ms.iter().filter(|m| !plain_fastest(m)).collect();
+    // Copy engine from the smallest of those sizes where it wins at every larger one.
+    let ce_wins = |m: &Measurement| beats(m.all_gather[1], m.all_gather[0], base_ce(m));
+    let wins = others.iter().rev().take_while(|m| ce_wins(m)).count();
+    policy.ce_all_gather_min_bytes = match others.len() - wins {
+        // Every size plain: the threshold stays.
+        _ if others.is_empty() => base.ce_all_gather_min_bytes,
         _ if wins == 0 => u64::MAX,
         0 => 0,
-        first => ms[first].bytes,
+        first => others[first].bytes,
     };
-    policy.symmetric_reduce_scatter_bands = symmetric_bands(ms, |m| m.reduce_scatter);
-    policy.symmetric_all_reduce_bands = symmetric_bands(ms, |m| m.all_reduce);
+    // The plain ring wherever it beats what that threshold picks (after the fallback
+    // of a path that did not run).
+    let threshold = policy.ce_all_gather_min_bytes;
+    policy.plain_all_gather_bands = bands(ms, |m| {
+        let [symm, ce, plain] = m.all_gather;
+        let picked = if m.bytes >= threshold {
+            ce.or(symm)
+        } else {
+            symm.or(ce)
+        };
+        beats(plain, picked, base_plain(m))
+    });
+    let symmetric = |pick: fn(&Measurement) -> [Option<f64>; 2], base_bands: &[(u64, u64)]| {
+        bands(ms, |m| {
+            let [symm, plain] = pick(m);
+            beats(symm, plain, in_bands(base_bands, m.bytes))
+        })
+    };
+    policy.symmetric_reduce_scatter_bands =
+        symmetric(|m| m.reduce_scatter, &base.symmetric_reduce_scatter_bands);
+    policy.symmetric_all_reduce_bands =
+        symmetric(|m| m.all_reduce, &base.symmetric_all_reduce_bands);
     policy
 }
 
-/// The runs of sizes where the symmetric kernel (`[symmetric, plain]` of `pick`)
-/// beats the ordinary kernels.
-fn symmetric_bands(
-    ms: &[Measurement],
-    pick: impl Fn(&Measurement) -> [Option<f64>; 2],
-) -> Vec<(u64, u64)> {
+/// The runs of measured sizes where `wins`, as inclusive bands: from 0 below the
+/// smallest size, to `u64::MAX` above the largest.
+fn bands(ms: &[Measurement], wins: impl Fn(&Measurement) -> bool) -> Vec<(u64, u64)> {
     let mut bands: Vec<(u64, u64)> = Vec::new();
     for (i, m) in ms.iter().enumerate() {
-        let wins =
-            matches!(pick(m), [Some(s), Some(r)] if s > r) || matches!(pick(m), [Some(_), None]);
-        if !wins {
+        if !wins(m) {
             continue;
         }
         let lo = if i == 0 { 0 } else { m.bytes };

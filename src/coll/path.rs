@@ -49,7 +49,8 @@ pub enum Choice {
 /// Thresholds of the automatic path choice, in bytes per rank.
 ///
 /// The defaults come from the collectives benchmark on two H200s linked by NVLink
-/// without NVLink multicast (figures and dates in the repository's `BENCHMARKS.md`):
+/// without NVLink multicast, each rank on its own GPU of one node (figures and dates in
+/// the repository's `BENCHMARKS.md`):
 /// - all-gather: the symmetric kernel beats ring at every size and the copy engine up
 ///   to about 16 MiB per rank; the copy engine wins from about 64 MiB.
 /// - reduce-scatter: the symmetric kernel wins for small outputs (its LL kernel) and
@@ -58,13 +59,31 @@ pub enum Choice {
 /// - all-reduce: the symmetric kernel wherever NCCL has one for the call (no
 ///   measurement yet: calibrate to narrow it).
 ///
-/// [`Coll::calibrate`](super::Coll::calibrate) measures them on the machine at hand.
+/// Elsewhere they can be far from the best path (two ranks time-sharing one GPU: auto
+/// 1.34 × ring with these defaults). [`Coll::calibrate`](super::Coll::calibrate)
+/// measures every path on the machine at hand and derives a policy in which each
+/// collective takes, at each size measured, its fastest path (the plain ring
+/// included); [`Coll::needs_calibration`](super::Coll::needs_calibration) says when
+/// the defaults are not known to hold.
+///
+/// The automatic choice per call: an all-gather whose size is in
+/// [`plain_all_gather_bands`](Self::plain_all_gather_bands) runs on the plain ring,
+/// else on the copy engine from [`ce_all_gather_min_bytes`](Self::ce_all_gather_min_bytes)
+/// and on the symmetric kernel below; a reduce-scatter or all-reduce runs on the
+/// symmetric kernel inside its bands and on the plain ring outside. A path that is
+/// not available for the call falls back (see [`Path`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct PathPolicy {
     /// All-gathers of at least this many bytes per rank use the copy engine; smaller
-    /// ones the symmetric kernel (default 32 MiB).
+    /// ones the symmetric kernel (default 32 MiB). Sizes in
+    /// [`plain_all_gather_bands`](Self::plain_all_gather_bands) come first.
     pub ce_all_gather_min_bytes: u64,
+    /// Inclusive ranges of input bytes per rank where all-gather uses NCCL's ring on
+    /// the unregistered communicator, whatever the other thresholds say (default
+    /// empty: the symmetric kernel and the copy engine beat it at every size on the
+    /// reference machine).
+    pub plain_all_gather_bands: Vec<(u64, u64)>,
     /// Inclusive ranges of output bytes per rank where reduce-scatter uses the
     /// symmetric kernel; other sizes use NCCL's ring on the unregistered communicator
     /// (default `[(0, 128 KiB), (1 MiB, 4 MiB)]`).
@@ -85,6 +104,7 @@ impl Default for PathPolicy {
     fn default() -> Self {
         PathPolicy {
             ce_all_gather_min_bytes: 32 << 20,
+            plain_all_gather_bands: Vec::new(),
             symmetric_reduce_scatter_bands: vec![(0, 128 << 10), (1 << 20, 4 << 20)],
             symmetric_all_reduce_bands: vec![(0, u64::MAX)],
             all_gather: Choice::Auto,
@@ -97,6 +117,7 @@ impl Default for PathPolicy {
 impl PathPolicy {
     setters! {
         with_ce_all_gather_min_bytes(ce_all_gather_min_bytes: u64);
+        with_plain_all_gather_bands(plain_all_gather_bands: Vec<(u64, u64)>);
         with_symmetric_reduce_scatter_bands(symmetric_reduce_scatter_bands: Vec<(u64, u64)>);
         with_symmetric_all_reduce_bands(symmetric_all_reduce_bands: Vec<(u64, u64)>);
         with_all_reduce(all_reduce: Choice);
@@ -117,6 +138,95 @@ impl PathPolicy {
         self.clone()
             .with_choices(Choice::Prefer(path), Choice::Prefer(path))
             .with_all_reduce(Choice::Prefer(path))
+    }
+}
+
+/// One line of the automatic choice, for logs: per collective the path of each size
+/// range, for example (the defaults)
+/// `all-gather: symm < 32 MiB, ce ≥ 32 MiB; reduce-scatter: symm ≤ 128 KiB, 1 MiB–4 MiB,
+/// else plain; all-reduce: symm`, and, with plain bands,
+/// `all-gather: plain ≤ 64 KiB, else symm < 32 MiB, ce ≥ 32 MiB`. A preference other
+/// than [`Choice::Auto`] is added as `(prefers ce)`.
+impl std::fmt::Display for PathPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ag = match self.ce_all_gather_min_bytes {
+            0 => "ce".to_string(),
+            u64::MAX => "symm".to_string(),
+            t => format!("symm < {b}, ce ≥ {b}", b = Bytes(t)),
+        };
+        let ag = match &self.plain_all_gather_bands[..] {
+            [] => ag,
+            [(0, u64::MAX)] => "plain".to_string(),
+            bands => format!("plain {}, else {ag}", Bands(bands)),
+        };
+        let banded = |bands: &[(u64, u64)]| match bands {
+            [] => "plain".to_string(),
+            [(0, u64::MAX)] => "symm".to_string(),
+            bands => format!("symm {}, else plain", Bands(bands)),
+        };
+        let prefers = |c: Choice| match c {
+            Choice::Auto => String::new(),
+            Choice::Prefer(p) => format!(" (prefers {})", short_name(p)),
+        };
+        write!(
+            f,
+            "all-gather: {ag}{}; reduce-scatter: {}{}; all-reduce: {}{}",
+            prefers(self.all_gather),
+            banded(&self.symmetric_reduce_scatter_bands),
+            prefers(self.reduce_scatter),
+            banded(&self.symmetric_all_reduce_bands),
+            prefers(self.all_reduce),
+        )
+    }
+}
+
+/// A path's short name in [`PathPolicy`]'s line: `ce`, `symm`, `plain`.
+fn short_name(path: Path) -> &'static str {
+    match path {
+        Path::CopyEngine => "ce",
+        Path::SymmetricKernel => "symm",
+        Path::PlainKernel => "plain",
+    }
+}
+
+/// A byte count in the largest binary unit that divides it (`u64::MAX`: `∞`).
+struct Bytes(u64);
+
+impl std::fmt::Display for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = self.0;
+        if b == u64::MAX {
+            return f.write_str("∞");
+        }
+        let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+        match units
+            .iter()
+            .find(|(s, _)| b != 0 && b.trailing_zeros() >= *s)
+        {
+            Some((s, unit)) => write!(f, "{} {unit}", b >> s),
+            None => write!(f, "{b} B"),
+        }
+    }
+}
+
+/// Inclusive bands: `≤ hi` from 0, `≥ lo` to the top, `lo–hi`, or one size.
+struct Bands<'a>(&'a [(u64, u64)]);
+
+impl std::fmt::Display for Bands<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, &(lo, hi)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            match (lo, hi) {
+                (0, u64::MAX) => f.write_str("every size")?,
+                (0, hi) => write!(f, "≤ {}", Bytes(hi))?,
+                (lo, u64::MAX) => write!(f, "≥ {}", Bytes(lo))?,
+                (lo, hi) if lo == hi => write!(f, "{}", Bytes(lo))?,
+                (lo, hi) => write!(f, "{}–{}", Bytes(lo), Bytes(hi))?,
+            }
+        }
+        Ok(())
     }
 }
 
@@ -190,7 +300,10 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     let (choice, auto) = match i.coll {
         CollOp::AllGather => (
             i.policy.all_gather,
-            if i.bytes_per_rank >= i.policy.ce_all_gather_min_bytes {
+            // The plain bands are empty unless calibrated: one length check.
+            if in_bands(&i.policy.plain_all_gather_bands, i.bytes_per_rank) {
+                [Path::PlainKernel, Path::PlainKernel]
+            } else if i.bytes_per_rank >= i.policy.ce_all_gather_min_bytes {
                 [Path::CopyEngine, Path::SymmetricKernel]
             } else {
                 [Path::SymmetricKernel, Path::CopyEngine]
@@ -204,9 +317,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
                     i.policy.reduce_scatter,
                 ),
             };
-            let symmetric = bands
-                .iter()
-                .any(|&(lo, hi)| (lo..=hi).contains(&i.bytes_per_rank));
+            let symmetric = in_bands(bands, i.bytes_per_rank);
             (
                 choice,
                 if symmetric {
@@ -228,6 +339,12 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
         }
     }
     (plain(i), Path::PlainKernel)
+}
+
+/// Whether `bytes` lies in one of the inclusive ranges `bands`.
+#[inline]
+pub(crate) fn in_bands(bands: &[(u64, u64)], bytes: u64) -> bool {
+    bands.iter().any(|&(lo, hi)| (lo..=hi).contains(&bytes))
 }
 
 /// The communicator of `path` for the call, if the path is available for it.

@@ -7,6 +7,7 @@ use super::comm::{ABORT_WAIT, Comm, Device, Shared, abort_together, finish_creat
 use super::config::{self, NcclConfig};
 use super::ffi::{self, RawComm, Syms};
 use super::health::{Cause, Health};
+use super::setup::Placement;
 use super::streams::FenceTable;
 use super::watchdog::Watchdog;
 use super::{Cuda, NcclBackend, device_count, ncclComm_t, setup};
@@ -33,6 +34,14 @@ pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
     let ctx = CudaContext::new(device).map_err(ffi::cuda("cuDevicePrimaryCtxRetain"))?;
     ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
     Ok(ctx)
+}
+
+/// The UUID of the GPU of `ctx` (`cuDeviceGetUuid`), empty if the driver does not say:
+/// the set-up round compares them to find ranks that share a GPU.
+fn device_uuid(ctx: &CudaContext) -> Vec<u8> {
+    ctx.uuid()
+        .map(|u| u.bytes.iter().map(|&b| b as u8).collect())
+        .unwrap_or_default()
 }
 
 /// `ncclGetVersion`'s code for a version.
@@ -107,17 +116,19 @@ impl Builder {
     }
 
     /// The set-up round over `exchange` (rank 0 sends the control communicator's
-    /// `unique_id`).
+    /// `unique_id`), for this rank's GPU `device` (its UUID, [`device_uuid`]).
     fn agree(
         &self,
         exchange: &dyn Exchange,
         unique_id: Option<[u8; 128]>,
+        device: &[u8],
     ) -> Result<setup::Agreed> {
         let roles = roles_for(self.version, &self.config);
         let roles: Vec<_> = roles.iter().map(|r| (r.role, r.cta_policy)).collect();
         let hello = setup::Hello {
             version: version_code(self.version),
             node: setup::this_node(),
+            device: device.to_vec(),
             unique_ids: unique_id.iter().map(|id| id.to_vec()).collect(),
             plan: format!("{roles:?}, blocking: {}", self.config.data_blocking),
         };
@@ -126,14 +137,19 @@ impl Builder {
 
     /// A new set among the ranks of `exchange`: rank 0 makes the control communicator's
     /// `ncclUniqueId` and sends it in the set-up round, every rank then makes the
-    /// control communicator and splits the data ones off it; with the number of nodes.
+    /// control communicator and splits the data ones off it; with where the ranks run
+    /// (this one on the GPU of UUID `device`).
     ///
     /// # Collective
     /// Every rank of `exchange`, at the same point.
-    fn communicators(&self, exchange: &dyn Exchange) -> Result<(Comm, DataComms, usize)> {
+    fn communicators(
+        &self,
+        exchange: &dyn Exchange,
+        device: &[u8],
+    ) -> Result<(Comm, DataComms, Placement)> {
         let (rank, world) = (exchange.rank(), exchange.world_size());
         let id = (rank == 0).then(|| ffi::unique_id(self.nccl)).transpose()?;
-        let agreed = self.agree(exchange, id)?;
+        let agreed = self.agree(exchange, id, device)?;
         let [id] = agreed.unique_ids[..] else {
             return Err(Error::Protocol {
                 op: "NCCL set-up",
@@ -142,7 +158,7 @@ impl Builder {
         };
         let control = self.control_init(world, &id, rank)?;
         let comms = self.data(&control, rank, true)?;
-        Ok((control, comms, agreed.nodes))
+        Ok((control, comms, agreed.placement))
     }
 
     /// What [`NcclBackend::shrink`] does but for the device: `old`'s communicators
@@ -157,7 +173,8 @@ impl Builder {
         &self,
         old: &Shared<D>,
         exchange: &dyn Exchange,
-    ) -> Result<(Comm, DataComms, usize)> {
+        device: &[u8],
+    ) -> Result<(Comm, DataComms, Placement)> {
         let why = "aborted by the application: the survivors of a lost rank shrink the group";
         let _ = old.fail(Cause::Failed(why.into()));
         let aborted = Deadline::after(ABORT_WAIT);
@@ -170,7 +187,7 @@ impl Builder {
                 old.rank
             );
         }
-        self.communicators(exchange)
+        self.communicators(exchange, device)
     }
 
     /// Create the non-blocking control communicator from `unique_id`, by the set-up's
@@ -239,15 +256,15 @@ impl Builder {
     }
 
     /// The backend of `exchange`'s rank on device `ctx` over `comms` (each with what the
-    /// pools learn of it, in registration order) and `control`, on a job of `nodes`
-    /// nodes, with its watchdog running; warmed up when `warm_up` (the crate's own
+    /// pools learn of it, in registration order) and `control`, on a job placed as
+    /// `placement`, with its watchdog running; warmed up when `warm_up` (the crate's own
     /// communicators).
     fn assemble(
         &self,
         ctx: Arc<CudaContext>,
         control: Option<Comm>,
         comms: Vec<(CommInfo, Comm)>,
-        nodes: usize,
+        placement: Placement,
         exchange: Arc<dyn Exchange>,
         warm_up: bool,
     ) -> Result<Backend> {
@@ -262,7 +279,8 @@ impl Builder {
             granularity,
             infos.clone(),
         )?
-        .with_nodes(nodes);
+        .with_nodes(placement.nodes)
+        .with_shared_devices(placement.shared_devices);
         let n = comms.len();
         let shared = Arc::new(Shared {
             rank,
@@ -309,9 +327,10 @@ impl NcclBackend {
     pub(in crate::backend) fn shrink(&self, exchange: Arc<dyn Exchange>) -> Result<Backend> {
         let b = Builder::new(*self.config())?;
         self.bind()?;
-        let (control, comms, nodes) = b.survivors(&self.shared, exchange.as_ref())?;
         let ctx = self.shared.device.ctx.clone();
-        b.assemble(ctx, Some(control), comms, nodes, exchange, true)
+        let uuid = device_uuid(&ctx);
+        let (control, comms, placement) = b.survivors(&self.shared, exchange.as_ref(), &uuid)?;
+        b.assemble(ctx, Some(control), comms, placement, exchange, true)
     }
 
     /// [`Backend::split`] on NCCL: the data communicators split again off this rank's
@@ -352,7 +371,10 @@ impl NcclBackend {
             self.context().clone(),
             None,
             comms,
-            backend.info().nodes,
+            Placement {
+                nodes: backend.info().nodes,
+                shared_devices: backend.info().shared_devices,
+            },
             backend.exchange_handle(),
             true,
         )
@@ -361,8 +383,8 @@ impl NcclBackend {
     /// This process's rank of a job launched with one process per GPU, on
     /// [`NcclConfig::device`] (by default picked by the launcher's local rank). Rank 0
     /// creates the control communicator's `ncclUniqueId` and publishes it over
-    /// `exchange` (channel `"nccl:setup"`, with every rank's NCCL version, node identity
-    /// and data communicators); every rank then creates its non-blocking control
+    /// `exchange` (channel `"nccl:setup"`, with every rank's NCCL version, node identity,
+    /// GPU UUID and data communicators); every rank then creates its non-blocking control
     /// communicator, splits the data communicators off it (blocking by default) and
     /// warms them up. The whole set-up ends within [`NcclConfig::setup_timeout`].
     ///
@@ -387,8 +409,8 @@ impl NcclBackend {
                 expected: "a visible device, given or picked by the local rank",
             })?;
         let ctx = context(device)?;
-        let (control, comms, nodes) = b.communicators(exchange.as_ref())?;
-        b.assemble(ctx, Some(control), comms, nodes, exchange, true)
+        let (control, comms, placement) = b.communicators(exchange.as_ref(), &device_uuid(&ctx))?;
+        b.assemble(ctx, Some(control), comms, placement, exchange, true)
     }
 
     /// [`from_env`](Self::from_env) over a [`StoreExchange`] made from the environment
@@ -443,14 +465,14 @@ impl NcclBackend {
         // SAFETY: the caller guarantees a live communicator nothing else uses now.
         let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
         let (rank, _) = same_rank(found, device, exchange.as_ref())?;
-        let agreed = b.agree(exchange.as_ref(), None)?;
+        let agreed = b.agree(exchange.as_ref(), None, &device_uuid(&ctx))?;
         let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
         // set-up round). The runtime's communicator is never aborted by the crate.
         let control = unsafe { b.split(parent, None, rank, policy, false) }?;
         let comms = b.data(&control, rank, true)?;
-        b.assemble(ctx, Some(control), comms, agreed.nodes, exchange, true)
+        b.assemble(ctx, Some(control), comms, agreed.placement, exchange, true)
     }
 
     /// One backend per listed GPU of this process, in rank order: rank `i` drives
@@ -490,7 +512,15 @@ impl NcclBackend {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let control = b.control_init(world, &id, rank)?;
             let comms = b.data(&control, rank, true)?;
-            b.assemble(ctx, Some(control), comms, 1, Arc::new(exchange), true)
+            let placement = Placement::ONE_NODE;
+            b.assemble(
+                ctx,
+                Some(control),
+                comms,
+                placement,
+                Arc::new(exchange),
+                true,
+            )
         };
         let one_rank = &one_rank;
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
@@ -557,8 +587,8 @@ impl NcclBackend {
                 expected: "at least one communicator",
             });
         }
-        let agreed = b.agree(exchange.as_ref(), None)?;
-        b.assemble(ctx, None, adopted, agreed.nodes, exchange, false)
+        let agreed = b.agree(exchange.as_ref(), None, &device_uuid(&ctx))?;
+        b.assemble(ctx, None, adopted, agreed.placement, exchange, false)
     }
 }
 

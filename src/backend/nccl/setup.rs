@@ -1,6 +1,6 @@
 //! What the ranks agree on before they make their communicators: one round on a
-//! channel of its own (`"nccl:setup"`), in which every rank sends its NCCL version and
-//! node identity and the data communicators it will split, and rank 0 also the
+//! channel of its own (`"nccl:setup"`), in which every rank sends its NCCL version,
+//! node identity, GPU and the data communicators it will split, and rank 0 also the
 //! control communicator's `ncclUniqueId`. Pure logic over an [`Exchange`], tested without GPUs.
 
 use crate::control::{Exchange, gather_records};
@@ -16,6 +16,9 @@ pub(crate) struct Hello {
     pub(crate) version: i32,
     /// See [`node_identity`].
     pub(crate) node: String,
+    /// The UUID of this rank's GPU (`cuDeviceGetUuid`; empty if unknown): ranks with
+    /// the same one time-share a GPU.
+    pub(crate) device: Vec<u8>,
     /// Rank 0: the control communicator's `ncclUniqueId` (128 bytes); empty on the
     /// other ranks, and on every rank when the control communicator is split from a
     /// runtime's.
@@ -32,8 +35,25 @@ pub(crate) struct Agreed {
     pub(crate) version: NcclVersion,
     /// Rank 0's unique ids.
     pub(crate) unique_ids: Vec<[u8; 128]>,
+    /// Where the ranks run.
+    pub(crate) placement: Placement,
+}
+
+/// Where the ranks of a backend run: how many nodes, and whether some share a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Placement {
     /// Number of distinct node identities.
     pub(crate) nodes: usize,
+    /// Whether two ranks named the same GPU.
+    pub(crate) shared_devices: bool,
+}
+
+impl Placement {
+    /// Every rank on its own GPU of one node (the devices of one process).
+    pub(crate) const ONE_NODE: Placement = Placement {
+        nodes: 1,
+        shared_devices: false,
+    };
 }
 
 /// The channel's name.
@@ -96,8 +116,17 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
     Ok(Agreed {
         version: NcclVersion::from_code(first.version),
         unique_ids,
-        nodes: count_nodes(hellos.iter().map(|h| h.node.as_str())),
+        placement: Placement {
+            nodes: count_nodes(hellos.iter().map(|h| h.node.as_str())),
+            shared_devices: shared_devices(hellos.iter().map(|h| h.device.as_slice())),
+        },
     })
+}
+
+/// Whether two of the GPU identities are the same (empty ones, unknown, never match).
+pub(crate) fn shared_devices<'a>(ids: impl IntoIterator<Item = &'a [u8]>) -> bool {
+    let mut seen = BTreeSet::new();
+    ids.into_iter().any(|id| !id.is_empty() && !seen.insert(id))
 }
 
 /// Number of distinct node identities.

@@ -266,3 +266,34 @@ fn across_nodes_the_single_domain_paths_fall_back() {
         (false, false)
     );
 }
+
+#[test]
+fn plain_all_gather_bands_come_first() {
+    let k = 1u64 << 10;
+    let p =
+        PathPolicy::default().with_plain_all_gather_bands(vec![(0, 64 * k), (64 * MIB, u64::MAX)]);
+    let ce = p
+        .clone()
+        .with_choices(Choice::Prefer(Path::CopyEngine), Choice::Auto);
+    expect(&[
+        (AG, 64 * k, DType::BF16, V228, BOTH, &p, PK),
+        (AG, 64 * k + 2, DType::BF16, V228, BOTH, &p, SK),
+        (AG, 32 * MIB, DType::BF16, V228, BOTH, &p, CE),
+        (AG, 64 * MIB, DType::BF16, V228, BOTH, &p, PK),
+        (AG, 256 * MIB, DType::BF16, V228, BOTH, &p, PK),
+        // Not registered: plain either way.
+        (AG, MIB, DType::BF16, V228, (false, false), &p, PK),
+        // A preference beats the bands.
+        (AG, 64 * k, DType::BF16, V228, BOTH, &ce, CE),
+        // They steer all-gather only.
+        (
+            CollOp::ReduceScatter(ReduceOp::Sum),
+            64 * k,
+            DType::BF16,
+            V228,
+            BOTH,
+            &p,
+            SK,
+        ),
+    ]);
+}

@@ -18,6 +18,9 @@ fn unique_ids_reach_every_rank_over_an_exchange() {
                     let hello = Hello {
                         version: 22809,
                         node: format!("node{}", rank / 2),
+                        // Ranks 0 and 2 on one GPU (on different nodes: a UUID is
+                        // unique over every host).
+                        device: vec![(rank % 2) as u8; 16],
                         unique_ids: if rank == 0 { ids } else { Vec::new() },
                         plan: "p".into(),
                     };
@@ -34,7 +37,8 @@ fn unique_ids_reach_every_rank_over_an_exchange() {
     for r in results {
         let a = r.unwrap();
         assert_eq!(a.version, NcclVersion::new(2, 28, 9));
-        assert_eq!(a.nodes, 2);
+        assert_eq!(a.placement.nodes, 2);
+        assert!(a.placement.shared_devices);
         assert_eq!(a.unique_ids.len(), 3);
         for (got, want) in a.unique_ids.iter().zip(&ids) {
             assert_eq!(&got[..], &want[..]);
@@ -47,6 +51,7 @@ fn different_versions_fail_on_every_rank() {
     let h = |version| Hello {
         version,
         node: "n".into(),
+        device: Vec::new(),
         unique_ids: vec![],
         plan: "p".into(),
     };
@@ -73,7 +78,10 @@ fn different_versions_fail_on_every_rank() {
         Err(Error::Config { value: m, .. }) if m.contains("different data communicators")
     ));
     let one = settle(&[h(22803)]).unwrap();
-    assert_eq!((one.nodes, one.unique_ids.len()), (1, 0));
+    assert_eq!(
+        (one.placement, one.unique_ids.len()),
+        (Placement::ONE_NODE, 0)
+    );
 }
 
 #[test]
@@ -91,4 +99,14 @@ fn node_identity_follows_nccl() {
     assert_eq!(count_nodes([a.as_str(), b.as_str(), a.as_str()]), 2);
     assert_eq!(count_nodes(std::iter::empty()), 1);
     assert!(!this_node().is_empty());
+}
+
+#[test]
+fn ranks_on_one_gpu_are_told_apart_by_its_uuid() {
+    let (a, b) = (vec![1u8; 16], vec![2u8; 16]);
+    assert!(!shared_devices([a.as_slice(), b.as_slice()]));
+    assert!(shared_devices([a.as_slice(), b.as_slice(), a.as_slice()]));
+    // Unknown (empty) identities never match.
+    assert!(!shared_devices([&[][..], &[][..]]));
+    assert!(!shared_devices(std::iter::empty()));
 }

@@ -7,6 +7,7 @@ use crate::backend::nccl::build::Builder;
 use crate::backend::nccl::comm::Bound;
 use crate::backend::nccl::ffi::{CollCall, CollKind};
 use crate::backend::nccl::health::{Cause, POLLS};
+use crate::backend::nccl::setup::Placement;
 use crate::backend::nccl::warmup::{WARM_LARGE_BYTES, WARM_SMALL_BYTES};
 use crate::backend::nccl::warmup::{WarmCollective, WarmedPath};
 use crate::backend::nccl::watchdog::Watchdog;
@@ -937,7 +938,7 @@ fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
             config,
             deadline: Deadline::after(Duration::from_secs(10)),
         };
-        let (control, comms, nodes) = b.survivors(&s, next.as_ref()).unwrap();
+        let (control, comms, placement) = b.survivors(&s, next.as_ref(), &[7; 16]).unwrap();
         // The old pool's windows go with their communicators: nothing is called.
         for (c, w) in windows {
             // SAFETY: registered on `c` above; no work uses it.
@@ -976,7 +977,7 @@ fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
             assert!(!new.is_aborted());
             assert_ne!(new.raw.0, old.raw.0);
         }
-        assert_eq!(nodes, 1);
+        assert_eq!(placement, Placement::ONE_NODE, "one rank, one GPU");
         // The set-up round went over the shrunk exchange (its first channel); the old
         // exchange refuses every call.
         let after = next.open_channel("after", Deadline::after(Duration::from_secs(10)));
