@@ -107,6 +107,8 @@ build() {
   # The Python package, for the `python` section (maturin from $MATURIN or PATH).
   if command -v "${MATURIN:-maturin}" >/dev/null; then
     (cd python && "${MATURIN:-maturin}" build --release --out "../$BUNDLE/wheels")
+    # Its tests as they were when the wheel was built: the run uses these.
+    cp -r python/tests "$BUNDLE/python-tests"
   fi
   strip "$BUNDLE"/bin/gpu_collectives "$BUNDLE"/bin/fsdp_step "$BUNDLE"/bin/nccl_world 2>/dev/null || true
   # The raw-NCCL anchor benchmark, when a copy is given in $ANCHORS.
@@ -216,12 +218,12 @@ run() {
     rm -rf "$site" && python3 -m pip install -q --no-index --no-deps --target "$site" "$BUNDLE"/wheels/symmpool-*.whl
     local gpu="${CUDA_VISIBLE_DEVICES:-0}"
     {
-      PYTHONPATH="$site" python3 -m pytest -ra -q -p no:cacheprovider python/tests/test_gpu.py || status=1
+      PYTHONPATH="$site" python3 -m pytest -ra -q -p no:cacheprovider "$BUNDLE/python-tests/test_gpu.py" || status=1
       echo "== test_gpu_world.py: 2 NCCL ranks on one GPU"
       PYTHONPATH="$site" CUDA_VISIBLE_DEVICES="${gpu%%,*}" timeout -k 30 600 python3 -m torch.distributed.run \
         --standalone --nproc-per-node 2 --tee 3 --no-python bash -c \
         'NCCL_HOSTID=simnode$LOCAL_RANK exec python3 -m pytest -rA -q -p no:cacheprovider "$@"' \
-        pytest python/tests/test_gpu_world.py || status=1
+        pytest "$BUNDLE/python-tests/test_gpu_world.py" || status=1
       # The same as one node on NCCL 2.32.6 (PyTorch loads it first, through
       # LD_PRELOAD; the crate uses the NCCL its process already has): P2P, windows,
       # symmetric kernels under PyTorch's communicators too.
@@ -231,7 +233,7 @@ run() {
         PYTHONPATH="$site" CUDA_VISIBLE_DEVICES="${gpu%%,*}" LD_PRELOAD="$lib" NCCL_MULTI_RANK_GPU_ENABLE=1 \
           NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout -k 30 600 python3 -m torch.distributed.run \
           --standalone --nproc-per-node 2 --tee 3 --no-python python3 -m pytest -rA -q -p no:cacheprovider \
-          python/tests/test_gpu_world.py >"/tmp/symmpool-pysame.log" 2>&1 || status=1
+          "$BUNDLE/python-tests/test_gpu_world.py" >"/tmp/symmpool-pysame.log" 2>&1 || status=1
         grep -v 'NCCL INFO' /tmp/symmpool-pysame.log
         echo "-- NCCL on rank 0: $(grep -c '^\[default0\].*NCCL INFO.* via P2P' /tmp/symmpool-pysame.log) P2P channel lines;" \
           "$(grep '^\[default0\]' /tmp/symmpool-pysame.log | grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine)\]' | sort | uniq -c | tr -s ' \n' ' ')"
