@@ -4,7 +4,8 @@
 //!
 //! Instruction counts (BENCHMARKS.md, "Lean call path"): with `SYMMPOOL_CALL_PAIRS=N`
 //! set, the binary skips criterion and makes N pairs of `all_gather_in_place` +
-//! `reduce_scatter` on the same set-up as `collective_call`, for `valgrind
+//! `reduce_scatter` on the same set-up as `collective_call`, each call tagged (as every
+//! collective must be on a pool with the default settings), for `valgrind
 //! --tool=callgrind`; (Ir(11 000) − Ir(1 000)) / 10 000 is one pair, set-up and exit
 //! cancelling.
 
@@ -88,15 +89,17 @@ fn null_rank() -> NullRank {
     }
 }
 
-/// `pairs` pairs of `all_gather_in_place` + `reduce_scatter` on [`null_rank`]: the
-/// loop whose instructions BENCHMARKS.md counts.
+/// `pairs` pairs of tagged `all_gather_in_place` + `reduce_scatter` on [`null_rank`]:
+/// the loop whose instructions BENCHMARKS.md counts.
 fn call_pairs(pairs: u64) {
     let r = null_rank();
     for _ in 0..pairs {
         r.colls[0]
+            .tagged(0)
             .all_gather_in_place::<u8>(black_box(&r.buf), &r.stream)
             .expect("call");
         r.colls[0]
+            .tagged(0)
             .reduce_scatter::<symmpool::bf16>(
                 black_box(&r.buf),
                 &r.out,
@@ -134,19 +137,21 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function("all_gather_in_place", |b| {
         b.iter(|| {
-            coll.all_gather_in_place::<u8>(black_box(buf), stream)
+            coll.tagged(0)
+                .all_gather_in_place::<u8>(black_box(buf), stream)
                 .expect("call")
         })
     });
     g.bench_function("reduce_scatter", |b| {
         b.iter(|| {
-            coll.reduce_scatter::<symmpool::bf16>(
-                black_box(buf),
-                out,
-                symmpool::ReduceOp::Sum,
-                stream,
-            )
-            .expect("call")
+            coll.tagged(0)
+                .reduce_scatter::<symmpool::bf16>(
+                    black_box(buf),
+                    out,
+                    symmpool::ReduceOp::Sum,
+                    stream,
+                )
+                .expect("call")
         })
     });
     g.finish();
@@ -181,7 +186,8 @@ fn bench_checks(c: &mut Criterion) {
                 let stream = Stream::host();
                 for n in rx {
                     for _ in 0..n {
-                        peer.all_gather_in_place::<u8>(peer_buf, &stream)
+                        peer.tagged(0)
+                            .all_gather_in_place::<u8>(peer_buf, &stream)
                             .expect("peer call");
                     }
                 }
@@ -194,6 +200,7 @@ fn bench_checks(c: &mut Criterion) {
                     let t = Instant::now();
                     for _ in 0..iters {
                         colls[0]
+                            .tagged(0)
                             .all_gather_in_place::<u8>(black_box(&bufs[0]), &stream)
                             .expect("call");
                     }

@@ -345,6 +345,7 @@ mod gpu {
                 _ => r.time(iters, || {
                     path = r
                         .coll
+                        .tagged(0)
                         .all_gather_in_place::<u8>(&reg, &r.stream)
                         .unwrap()
                         .path;
@@ -391,6 +392,7 @@ mod gpu {
                 _ => r.time(iters, || {
                     path = r
                         .coll
+                        .tagged(0)
                         .reduce_scatter::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
                         .unwrap()
                         .path;
@@ -440,6 +442,7 @@ mod gpu {
                 _ => r.time(iters, || {
                     path = r
                         .coll
+                        .tagged(0)
                         .all_reduce::<bf16>(&ri, &ro, ReduceOp::Sum, &r.stream)
                         .unwrap()
                         .path;
@@ -496,7 +499,10 @@ mod gpu {
                         "symm" => raw_ag(r, &reg, bytes, SYMM),
                         "ce" => raw_ag(r, &reg, bytes, CE),
                         _ => {
-                            r.coll.all_gather_in_place::<u8>(&reg, &r.stream).unwrap();
+                            r.coll
+                                .tagged(0)
+                                .all_gather_in_place::<u8>(&reg, &r.stream)
+                                .unwrap();
                         }
                     }
                 }

@@ -282,7 +282,7 @@ fn collectives_of<T: Element>(
     ok("write", output.write(&vec![T::from_f64(99.0); n * count]))?;
     let rep = ok(
         &what("all_gather"),
-        coll.all_gather::<T>(&input, &output, stream),
+        coll.tagged(0).all_gather::<T>(&input, &output, stream),
     )?;
     same(&what("all_gather"), &read(&output)?, &gathered)?;
     paths.push(("all_gather", rep.path));
@@ -293,7 +293,7 @@ fn collectives_of<T: Element>(
     ok("write", mine.copy_from_host(&values::<T>(r, count, 0)))?;
     let rep = ok(
         &what("all_gather_in_place"),
-        coll.all_gather_in_place::<T>(&buf, stream),
+        coll.tagged(0).all_gather_in_place::<T>(&buf, stream),
     )?;
     same(&what("all_gather_in_place"), &read(&buf)?, &gathered)?;
     paths.push(("all_gather_in_place", rep.path));
@@ -305,7 +305,8 @@ fn collectives_of<T: Element>(
     ok("write", input.write(&whole))?;
     let rep = ok(
         &what("reduce_scatter"),
-        coll.reduce_scatter::<T>(&input, &output, ReduceOp::Sum, stream),
+        coll.tagged(0)
+            .reduce_scatter::<T>(&input, &output, ReduceOp::Sum, stream),
     )?;
     same(&what("reduce_scatter"), &read(&output)?, &want)?;
     paths.push(("reduce_scatter", rep.path));
@@ -313,7 +314,8 @@ fn collectives_of<T: Element>(
     ok("write", buf.write(&whole))?;
     let rep = ok(
         &what("reduce_scatter_in_place"),
-        coll.reduce_scatter_in_place::<T>(&buf, ReduceOp::Sum, stream),
+        coll.tagged(0)
+            .reduce_scatter_in_place::<T>(&buf, ReduceOp::Sum, stream),
     )?;
     let got = read(&buf)?;
     same(
@@ -330,7 +332,8 @@ fn collectives_of<T: Element>(
     ok("write", input.write(&data))?;
     let rep = ok(
         &what("all_reduce"),
-        coll.all_reduce::<T>(&input, &output, ReduceOp::Sum, stream),
+        coll.tagged(0)
+            .all_reduce::<T>(&input, &output, ReduceOp::Sum, stream),
     )?;
     same(&what("all_reduce"), &read(&output)?, &want)?;
     paths.push(("all_reduce", rep.path));
@@ -338,7 +341,8 @@ fn collectives_of<T: Element>(
     ok("write", buf.write(&data))?;
     let rep = ok(
         &what("all_reduce_in_place"),
-        coll.all_reduce_in_place::<T>(&buf, ReduceOp::Sum, stream),
+        coll.tagged(0)
+            .all_reduce_in_place::<T>(&buf, ReduceOp::Sum, stream),
     )?;
     same(&what("all_reduce_in_place"), &read(&buf)?, &want)?;
     paths.push(("all_reduce_in_place", rep.path));
@@ -418,7 +422,10 @@ fn two_pools(w: &World) -> Outcome {
                         let view = ok("view", buf.view::<f32>())?;
                         let mine = ok("slice", view.slice(r * count, count))?;
                         ok("write", mine.copy_from_host(&vec![(i + r) as f32; count]))?;
-                        ok("all_gather", coll.all_gather_in_place::<f32>(&buf, &stream))?;
+                        ok(
+                            "all_gather",
+                            coll.tagged(0).all_gather_in_place::<f32>(&buf, &stream),
+                        )?;
                         let want: Vec<f32> =
                             (0..n).flat_map(|s| vec![(i + s) as f32; count]).collect();
                         same(
@@ -428,7 +435,8 @@ fn two_pools(w: &World) -> Outcome {
                         )?;
                         ok(
                             "all_reduce",
-                            coll.all_reduce_in_place::<f32>(&buf, ReduceOp::Sum, &stream),
+                            coll.tagged(0)
+                                .all_reduce_in_place::<f32>(&buf, ReduceOp::Sum, &stream),
                         )?;
                         let want: Vec<f32> = want.iter().map(|x| x * n as f32).collect();
                         same(
@@ -484,8 +492,9 @@ fn graph(w: &World) -> Outcome {
     cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .map_err(|e| format!("begin_capture: {e:?}"))?;
     let captured = (|| -> symmpool::Result<()> {
-        coll.all_gather::<f32>(&ag_in, &ag_out, &stream)?;
-        coll.reduce_scatter::<f32>(&rs_in, &rs_out, ReduceOp::Sum, &stream)?;
+        coll.tagged(0).all_gather::<f32>(&ag_in, &ag_out, &stream)?;
+        coll.tagged(0)
+            .reduce_scatter::<f32>(&rs_in, &rs_out, ReduceOp::Sum, &stream)?;
         Ok(())
     })();
     let graph = cs.end_capture(CUgraphInstantiate_flags(0));
@@ -721,7 +730,7 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
     ok("write", input.write(&values::<f32>(w.rank, count, 0)))?;
     let taken = ok(
         "warm-up all_gather",
-        coll.all_gather::<f32>(&input, &output, &stream),
+        coll.tagged(0).all_gather::<f32>(&input, &output, &stream),
     )?
     .path;
     let gathered: Vec<f32> = (0..w.size)
@@ -762,7 +771,7 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
                 w.say("survivor: entering the all-gather the victim never joins");
                 at_point(w.dir.as_deref());
             }
-            if let Err(e) = coll.all_gather::<f32>(&input, &output, &stream) {
+            if let Err(e) = coll.tagged(0).all_gather::<f32>(&input, &output, &stream) {
                 break e;
             }
             wait_device(&w, &stream)?;
@@ -839,7 +848,7 @@ fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -
     ok("write", input.write(&values::<f32>(report.rank, count, 1)))?;
     ok(
         "all_gather after the shrink",
-        coll.all_gather::<f32>(&input, &output, &stream),
+        coll.tagged(0).all_gather::<f32>(&input, &output, &stream),
     )?;
     let gathered: Vec<f32> = (0..n).flat_map(|s| values::<f32>(s, count, 1)).collect();
     same(
@@ -1078,14 +1087,16 @@ mod hostcost {
             let crate_b = per_call(&stream, &mut || {
                 ok(
                     "all_gather",
-                    coll.all_gather::<f32>(&input, &output, &stream),
+                    coll.tagged(0).all_gather::<f32>(&input, &output, &stream),
                 )
                 .map(|_| ())
             })?;
             let crate_nb = per_call(&nb_stream, &mut || {
                 ok(
                     "all_gather",
-                    nb_coll.all_gather::<f32>(&nb_in, &nb_out, &nb_stream),
+                    nb_coll
+                        .tagged(0)
+                        .all_gather::<f32>(&nb_in, &nb_out, &nb_stream),
                 )
                 .map(|_| ())
             })?;

@@ -11,7 +11,7 @@
 # 8 log files into $OUT (default ./gpu-out). GPUS=1 runs what one GPU can check.
 # NCCL_CHECK=1 sets NCCL_CHECK_MODE=DEBUG_GLOBAL (NCCL >= 2.29.7 only).
 #
-# Sections of `run` (default all): tests paths bench example anchor procs nodes world python
+# Sections of `run` (default all): tests paths bench example anchor procs nodes world same python
 #   procs:  the example as two processes (`--nproc 2`), `--balanced --compare`, three
 #           sittings, then its no-communication mode
 #   nodes:  two simulated nodes on one host (each rank its own NCCL_HOSTID, under
@@ -234,9 +234,9 @@ run() {
           NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout -k 30 600 python3 -m torch.distributed.run \
           --standalone --nproc-per-node 2 --tee 3 --no-python python3 -m pytest -rA -q -p no:cacheprovider \
           "$BUNDLE/python-tests/test_gpu_world.py" >"/tmp/symmpool-pysame.log" 2>&1 || status=1
-        grep -v 'NCCL INFO' /tmp/symmpool-pysame.log
+        grep -v 'NCCL INFO' /tmp/symmpool-pysame.log || true
         echo "-- NCCL on rank 0: $(grep -c '^\[default0\].*NCCL INFO.* via P2P' /tmp/symmpool-pysame.log) P2P channel lines;" \
-          "$(grep '^\[default0\]' /tmp/symmpool-pysame.log | grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine)\]' | sort | uniq -c | tr -s ' \n' ' ')"
+          "$(grep '^\[default0\]' /tmp/symmpool-pysame.log | grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine|Hierarchical CE)\]' | sort | uniq -c | tr -s ' \n' ' ')"
       else
         echo "== test_gpu_world.py as one node: not run (no NCCL 2.32.6)"; status=1
       fi
@@ -302,9 +302,9 @@ for d in site.getsitepackages():
       cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|FAILED|HOSTCOST|PATHBENCH|calibrat|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|NULL window|^(lost|shrink|summary):|^losses at|^  (parameters|gradients|data|mode) |^ *(ring|symm|ce|auto|none) ' | sed 's/^/   /'
       if grep -q 'NCCL INFO' "$w/rank0.log" 2>/dev/null; then
         echo "   NCCL on rank 0: $(grep -c 'NCCL INFO.* via P2P' "$w/rank0.log") P2P and $(grep -c 'NCCL INFO.* via NET' "$w/rank0.log") NET channel lines; calls:" \
-          "$(grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine)\]|(AllGather|ReduceScatter|AllReduce): .*Algo [A-Z_]+' "$w/rank0.log" \
+          "$(grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine|Hierarchical CE)\]|(AllGather|ReduceScatter|AllReduce): .*Algo [A-Z_]+' "$w/rank0.log" \
             | sed -E 's/: .*Algo ([A-Z_]+)/ [\1]/' | sort | uniq -c | awk '{c=$1; $1=""; printf "%s%s %d", (n++ ? ", " : ""), substr($0, 2), c}')"
-        grep -ohE '\[(Symmetric|Copy Engine)\].*(Kernel|cudaMemcpy|CE)[^ ]*( [A-Za-z_]+)?' "$w/rank0.log" | sed -E 's/.*(Kernel [A-Za-z_]+|cudaMemcpy[A-Za-z]*).*/\1/' | sort | uniq -c | sed 's/^/     /' | head -n 12
+        grep -ohE '\[(Symmetric|Copy Engine|Hierarchical CE)\].*(Kernel|cudaMemcpy|CE)[^ ]*( [A-Za-z_]+)?' "$w/rank0.log" | sed -E 's/.*(Kernel [A-Za-z_]+|cudaMemcpy[A-Za-z]*).*/\1/' | sort | uniq -c | sed 's/^/     /' | head -n 12
       fi
     } | tee -a "$log"
     { echo "==== $name (exit $code)"; cat "$w.out"
@@ -333,7 +333,9 @@ for d in site.getsitepackages():
   faults=(collective:KILL:1 collective:KILL:0 collective:STOP:1 registration:KILL:1 registration:KILL:0 registration:STOP:1)
   if [ "$same" = same ]; then
     # Every path with a real peer; the crate against raw NCCL path by path (`paths`).
-    one trials-2 -n 2 -t 500 -- "$bin/nccl_world" collectives two-pools graph hostcost paths
+    one trials-2 -n 2 -t 100 -- "$bin/nccl_world" collectives two-pools graph
+    # Timings without NCCL's line per call (rank 0 writes one under TUNING).
+    NCCL_DEBUG=WARN one bench-2 -n 2 -t 400 -- "$bin/nccl_world" hostcost paths
     # The survivor inside a symmetric kernel (the default path of the trial's 1 MiB
     # all-gather) and inside a copy-engine all-gather.
     faults+=(collective-ce:KILL:1 collective-ce:STOP:1)
@@ -354,7 +356,7 @@ for d in site.getsitepackages():
     one fault-shrink-KILL-1 -n 2 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
     # The example at its GPU sizes, every mode interleaved: auto (calibrated on this
     # machine) against the best fixed path.
-    one example-compare -n 2 -t 300 -- "$bin/fsdp_step" --backend nccl --compare
+    NCCL_DEBUG=WARN one example-compare -n 2 -t 300 -- "$bin/fsdp_step" --backend nccl --compare
     # NCCL 2.32 across simulated nodes: windows come back NULL, and are never used.
     sn=()
     one nodes-2.32 -n 2 -t 100 -- "$bin/nccl_world" collectives

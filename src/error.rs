@@ -154,21 +154,18 @@ pub enum Error {
         /// What is wrong.
         detail: String,
     },
-    /// An untagged collective (nothing ran) on a pool that requires tags
-    /// ([`PoolConfig::require_tags`](crate::PoolConfig::require_tags)) or has seen a
-    /// tagged collective (among calls told apart by their tags, an untagged one has no
-    /// identity). Tag it with [`Coll::tagged`](crate::coll::Coll::tagged).
+    /// A collective without an identity (nothing ran): every collective carries a tag,
+    /// [`Coll::tagged`](crate::coll::Coll::tagged), unless its pool was made for
+    /// untagged collectives
+    /// ([`PoolConfig::with_untagged_collectives`](crate::PoolConfig::with_untagged_collectives)).
     #[error(
-        "untagged collective {op} on pool {pool:?}, which {}: tag it (Rust: coll.tagged(tag); Python: tag=; every u64 is a tag, 0 included)",
-        if *.required { "requires tags (PoolConfig::require_tags; Python: require_tags=)" } else { "has seen tagged collectives" }
+        "collective {op} on pool {pool:?} has no identity: tag it, coll.tagged(tag).{op}(...) in Rust, tag= in Python (any u64, 0 included: a hash of the layer and step, say), so that a rank skipping a call fails at that call instead of moving another call's data; or make the pool, on every rank, for untagged collectives, checked by shape only (PoolConfig::with_untagged_collectives(true); Python: untagged_collectives=True)"
     )]
     Untagged {
         /// The collective.
         op: &'static str,
         /// The pool's name.
         pool: String,
-        /// Whether the pool requires tags; otherwise it has seen a tagged one.
-        required: bool,
     },
     /// A typed view whose element size does not divide the buffer or whose range is
     /// out of bounds.
@@ -438,7 +435,7 @@ pub enum Error {
     /// Ranks opened different channels (a different ordinal or name) in the same
     /// round; reported on every rank.
     #[error(
-        "ranks opened different channels: {} (every rank makes its backends, pools and collectives handles in the same order; ranks that are threads of one process make them with SymmPool::group and Coll::group; a rank never makes them from two threads at once)",
+        "ranks opened different channels: {} (every rank makes its backends, pools and collectives handles in the same order, its pools with the same names and settings: a pool's channel is pool:NAME:checks:MODE, with :untagged_collectives where PoolConfig::untagged_collectives is set; ranks that are threads of one process make them with SymmPool::group and Coll::group; a rank never makes them from two threads at once)",
         joined(.opened, ", ", |(rank, ordinal, name)| format!("rank {rank} opened #{ordinal} {name:?}"))
     )]
     ChannelMismatch {

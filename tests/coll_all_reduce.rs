@@ -100,13 +100,19 @@ fn one_rank<T: Element>(
     let buf = pool.alloc(bytes, &stream).unwrap();
     buf.write(&mine).unwrap();
     let (report, got) = if in_place {
-        let report = coll.all_reduce_in_place::<T>(&buf, op, &stream).unwrap();
+        let report = coll
+            .tagged(0)
+            .all_reduce_in_place::<T>(&buf, op, &stream)
+            .unwrap();
         (report, buf.read::<T>().unwrap())
     } else {
         let out = pool.alloc(bytes, &stream).unwrap();
         // Poison the output so unwritten elements show.
         out.write(&vec![T::from_f64(99.0); count]).unwrap();
-        let report = coll.all_reduce::<T>(&buf, &out, op, &stream).unwrap();
+        let report = coll
+            .tagged(0)
+            .all_reduce::<T>(&buf, &out, op, &stream)
+            .unwrap();
         assert_eq!(buf.read::<T>().unwrap(), mine, "the input is left alone");
         (report, out.read::<T>().unwrap())
     };
@@ -219,6 +225,7 @@ fn bad_input_is_a_clear_error_and_the_pool_stays_usable() {
         let a = pool.alloc(4096, &stream).unwrap();
         let b = pool.alloc(2048, &stream).unwrap();
         let err = coll
+            .tagged(0)
             .all_reduce::<f32>(&a, &b, ReduceOp::Sum, &stream)
             .unwrap_err();
         assert!(
@@ -227,9 +234,11 @@ fn bad_input_is_a_clear_error_and_the_pool_stays_usable() {
         );
         let foreign = others[pool.rank()].alloc(4096, &stream).unwrap();
         for err in [
-            coll.all_reduce::<f32>(&a, &foreign, ReduceOp::Sum, &stream)
+            coll.tagged(0)
+                .all_reduce::<f32>(&a, &foreign, ReduceOp::Sum, &stream)
                 .unwrap_err(),
-            coll.all_reduce_in_place::<f32>(&foreign, ReduceOp::Sum, &stream)
+            coll.tagged(0)
+                .all_reduce_in_place::<f32>(&foreign, ReduceOp::Sum, &stream)
                 .unwrap_err(),
         ] {
             assert!(matches!(err, Error::ForeignBuffer { .. }), "{err}");
@@ -237,6 +246,7 @@ fn bad_input_is_a_clear_error_and_the_pool_stays_usable() {
         // 6 bytes are not a whole number of f32s.
         let odd = pool.alloc(6, &stream).unwrap();
         let err = coll
+            .tagged(0)
             .all_reduce_in_place::<f32>(&odd, ReduceOp::Max, &stream)
             .unwrap_err();
         assert!(matches!(err, Error::InvalidCollective { .. }), "{err}");
@@ -260,6 +270,7 @@ fn avg_needs_an_nccl_with_ncclavg() {
         let stream = Stream::host();
         let buf = pool.alloc(64, &stream).unwrap();
         let err = coll
+            .tagged(0)
             .all_reduce_in_place::<f32>(&buf, ReduceOp::Avg, &stream)
             .unwrap_err();
         assert!(
@@ -294,24 +305,30 @@ fn strict_checks_catch_a_different_reduction_size_or_collective() {
             } else {
                 ReduceOp::Max
             };
-            coll.all_reduce_in_place::<f32>(buf, op, stream).map(drop)
+            coll.tagged(0)
+                .all_reduce_in_place::<f32>(buf, op, stream)
+                .map(drop)
         }),
         ("collective", |coll, buf, rank, stream| {
             if rank == 0 {
-                coll.all_reduce_in_place::<f32>(buf, ReduceOp::Sum, stream)
+                coll.tagged(0)
+                    .all_reduce_in_place::<f32>(buf, ReduceOp::Sum, stream)
                     .map(drop)
             } else {
-                coll.reduce_scatter_in_place::<f32>(buf, ReduceOp::Sum, stream)
+                coll.tagged(0)
+                    .reduce_scatter_in_place::<f32>(buf, ReduceOp::Sum, stream)
                     .map(drop)
             }
         }),
         ("count", |coll, buf, rank, stream| {
             // Rank 1 reads the same bytes as bf16: twice the elements.
             if rank == 0 {
-                coll.all_reduce_in_place::<f32>(buf, ReduceOp::Sum, stream)
+                coll.tagged(0)
+                    .all_reduce_in_place::<f32>(buf, ReduceOp::Sum, stream)
                     .map(drop)
             } else {
-                coll.all_reduce_in_place::<bf16>(buf, ReduceOp::Sum, stream)
+                coll.tagged(0)
+                    .all_reduce_in_place::<bf16>(buf, ReduceOp::Sum, stream)
                     .map(drop)
             }
         }),
@@ -354,7 +371,7 @@ fn async_checks_compare_all_reduce_records() {
         } else {
             ReduceOp::Min
         };
-        let _ = coll.all_reduce_in_place::<f32>(&buf, op, &stream);
+        let _ = coll.tagged(0).all_reduce_in_place::<f32>(&buf, op, &stream);
         coll.wait_checks().unwrap_err()
     });
     for err in verdicts {
@@ -407,7 +424,10 @@ fn child() -> symmpool::Result<()> {
     let stream = Stream::host();
     let a = pool.alloc(64, &stream)?;
     let b = pool.alloc(32, &stream)?;
-    match coll.all_reduce::<u8>(&a, &b, ReduceOp::Sum, &stream) {
+    match coll
+        .tagged(0)
+        .all_reduce::<u8>(&a, &b, ReduceOp::Sum, &stream)
+    {
         Err(Error::InvalidCollective { .. }) => {}
         other => panic!("mismatched sizes: {other:?}"),
     }
@@ -417,7 +437,7 @@ fn child() -> symmpool::Result<()> {
     } else {
         ReduceOp::Max
     };
-    match coll.all_reduce_in_place::<u8>(&a, op, &stream) {
+    match coll.tagged(0).all_reduce_in_place::<u8>(&a, op, &stream) {
         Err(Error::CollectiveDivergence(d)) if d.field == "reduction" => {}
         other => panic!("divergence: {other:?}"),
     }

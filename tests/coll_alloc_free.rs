@@ -103,11 +103,17 @@ fn allocations_per_rank(mode: CheckMode) -> Vec<u64> {
                     let whole = pool.alloc(2 << 20, &own).expect("buffer");
                     let part = pool.alloc(1 << 20, &own).expect("buffer");
                     let round = |stream: &Stream| {
-                        coll.all_gather_in_place::<u8>(&whole, stream).expect("ag");
-                        coll.all_gather::<f32>(&part, &whole, stream).expect("ag");
-                        coll.reduce_scatter::<symmpool::bf16>(&whole, &part, ReduceOp::Sum, stream)
+                        coll.tagged(0)
+                            .all_gather_in_place::<u8>(&whole, stream)
+                            .expect("ag");
+                        coll.tagged(0)
+                            .all_gather::<f32>(&part, &whole, stream)
+                            .expect("ag");
+                        coll.tagged(0)
+                            .reduce_scatter::<symmpool::bf16>(&whole, &part, ReduceOp::Sum, stream)
                             .expect("rs");
-                        coll.reduce_scatter_in_place::<f32>(&whole, ReduceOp::Max, stream)
+                        coll.tagged(0)
+                            .reduce_scatter_in_place::<f32>(&whole, ReduceOp::Max, stream)
                             .expect("rs");
                     };
                     // Each stream once: the first use on a stream records it.

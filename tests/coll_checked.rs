@@ -82,8 +82,8 @@ fn after_a_divergence_every_later_call_fails_on_every_rank() {
         drop(pool.alloc(1 << 20, &stream).unwrap());
         let n = if pool.rank() == 0 { 1024 } else { 2048 };
         let buf = pool.alloc(2 * n * 4, &stream).unwrap();
-        let first = coll.all_gather_in_place::<f32>(&buf, &stream);
-        let second = coll.all_gather_in_place::<f32>(&buf, &stream);
+        let first = coll.tagged(0).all_gather_in_place::<f32>(&buf, &stream);
+        let second = coll.tagged(0).all_gather_in_place::<f32>(&buf, &stream);
         let alloc = pool.alloc(512, &stream);
         let reserve = pool.reserve(2 << 20);
         let trim = pool.trim();
@@ -285,7 +285,7 @@ fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
             }
             Op::Gather { slot } => {
                 if let Some((pool, id, b)) = &slots[slot] {
-                    let r = coll.all_gather_in_place::<f32>(b, &stream);
+                    let r = coll.tagged(0).all_gather_in_place::<f32>(b, &stream);
                     collective(&mut trace, *pool, format!("gather #{id}"), &r);
                     r?;
                 }
@@ -293,7 +293,9 @@ fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
             Op::Reduce { slot, max } => {
                 if let Some((pool, id, b)) = &slots[slot] {
                     let op = if max { ReduceOp::Max } else { ReduceOp::Sum };
-                    let r = coll.reduce_scatter_in_place::<f32>(b, op, &stream);
+                    let r = coll
+                        .tagged(0)
+                        .reduce_scatter_in_place::<f32>(b, op, &stream);
                     collective(&mut trace, *pool, format!("reduce #{id} {max}"), &r);
                     r?;
                 }
@@ -308,7 +310,7 @@ fn play(pools: &[SymmPool], ops: &[Op]) -> (Trace, bool) {
         // A final collective on each pool, then the verdict.
         for p in pools {
             let b = p.alloc(4096, &stream)?;
-            coll.all_gather_in_place::<f32>(&b, &stream)?;
+            coll.tagged(0).all_gather_in_place::<f32>(&b, &stream)?;
         }
         coll.wait_checks()?;
         Ok(())

@@ -74,11 +74,15 @@ fn check_all_gather<T: Element>(world: usize, count: usize, in_place: bool) {
                 .unwrap()
                 .copy_from_host(&mine)
                 .unwrap();
-            coll.all_gather_in_place::<T>(&out, &stream).unwrap()
+            coll.tagged(0)
+                .all_gather_in_place::<T>(&out, &stream)
+                .unwrap()
         } else {
             let input = pool.alloc((count * size) as u64, &stream).unwrap();
             input.write(&mine).unwrap();
-            coll.all_gather::<T>(&input, &out, &stream).unwrap()
+            coll.tagged(0)
+                .all_gather::<T>(&input, &out, &stream)
+                .unwrap()
         };
         (report, out.read::<T>().unwrap())
     });
@@ -110,6 +114,7 @@ fn check_reduce_scatter<T: Element>(world: usize, count: usize, in_place: bool, 
         input.write(&data).unwrap();
         if in_place {
             let report = coll
+                .tagged(0)
                 .reduce_scatter_in_place::<T>(&input, op, &stream)
                 .unwrap();
             let all = input.read::<T>().unwrap();
@@ -117,7 +122,10 @@ fn check_reduce_scatter<T: Element>(world: usize, count: usize, in_place: bool, 
         } else {
             let out = pool.alloc((count * size) as u64, &stream).unwrap();
             out.write(&vec![T::from_f64(99.0); count]).unwrap();
-            let report = coll.reduce_scatter::<T>(&input, &out, op, &stream).unwrap();
+            let report = coll
+                .tagged(0)
+                .reduce_scatter::<T>(&input, &out, op, &stream)
+                .unwrap();
             (report, out.read::<T>().unwrap())
         }
     });
@@ -192,7 +200,8 @@ fn f16_average_does_not_overflow_where_the_mean_fits() {
         let input = pool.alloc(2 * 2, &stream).unwrap();
         input.write(&[f16::from_f32(60000.0); 2]).unwrap();
         let out = pool.alloc(2, &stream).unwrap();
-        coll.reduce_scatter::<f16>(&input, &out, ReduceOp::Avg, &stream)
+        coll.tagged(0)
+            .reduce_scatter::<f16>(&input, &out, ReduceOp::Avg, &stream)
             .unwrap();
         out.read::<f16>().unwrap()[0]
     });
@@ -219,22 +228,28 @@ fn paths_follow_size_type_and_operation() {
         let big_out = pool.alloc(64 << 20, &stream).unwrap();
         let small_out = pool.alloc(64 << 10, &stream).unwrap();
         vec![
-            coll.all_gather_in_place::<bf16>(&small, &stream)
+            coll.tagged(0)
+                .all_gather_in_place::<bf16>(&small, &stream)
                 .unwrap()
                 .path,
-            coll.all_gather_in_place::<bf16>(&big, &stream)
+            coll.tagged(0)
+                .all_gather_in_place::<bf16>(&big, &stream)
                 .unwrap()
                 .path,
-            coll.reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Sum, &stream)
+            coll.tagged(0)
+                .reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Sum, &stream)
                 .unwrap()
                 .path,
-            coll.reduce_scatter::<bf16>(&big, &big_out, ReduceOp::Sum, &stream)
+            coll.tagged(0)
+                .reduce_scatter::<bf16>(&big, &big_out, ReduceOp::Sum, &stream)
                 .unwrap()
                 .path,
-            coll.reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Max, &stream)
+            coll.tagged(0)
+                .reduce_scatter::<bf16>(&small, &small_out, ReduceOp::Max, &stream)
                 .unwrap()
                 .path,
-            coll.reduce_scatter::<u8>(&small, &small_out, ReduceOp::Sum, &stream)
+            coll.tagged(0)
+                .reduce_scatter::<u8>(&small, &small_out, ReduceOp::Sum, &stream)
                 .unwrap()
                 .path,
         ]
@@ -275,10 +290,17 @@ fn a_calibrated_policy_steers_every_path_and_moves_the_same_data() {
                 let mut mine = vec![0f32; 2 * n];
                 mine[rank * n..(rank + 1) * n].fill(rank as f32 + 1.0);
                 buf.write(&mine).unwrap();
-                let ag = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap().path;
+                let ag = coll
+                    .tagged(0)
+                    .all_gather_in_place::<f32>(&buf, &stream)
+                    .unwrap()
+                    .path;
                 let all = buf.read::<f32>().unwrap();
                 assert!(all[..n].iter().all(|&x| x == 1.0) && all[n..].iter().all(|&x| x == 2.0));
-                let rs = (coll.reduce_scatter_in_place::<f32>(&buf, ReduceOp::Sum, &stream))
+                let rs =
+                    (coll
+                        .tagged(0)
+                        .reduce_scatter_in_place::<f32>(&buf, ReduceOp::Sum, &stream))
                     .unwrap()
                     .path;
                 let sum = buf.read::<f32>().unwrap();
@@ -308,7 +330,11 @@ fn a_pool_that_does_not_register_runs_plain() {
     let paths = on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let buf = pool.alloc(2 * (64 << 20), &stream).unwrap();
-        let p = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap().path;
+        let p = coll
+            .tagged(0)
+            .all_gather_in_place::<f32>(&buf, &stream)
+            .unwrap()
+            .path;
         let stats = pool.memory_stats();
         let role = |r: &str| stats[&format!("registrations.{r}")].as_u64().unwrap();
         (
@@ -331,17 +357,25 @@ fn inconsistent_sizes_are_refused_before_launch() {
         let b = pool.alloc(4096, &stream).unwrap();
         let odd = pool.alloc(4097, &stream).unwrap();
         for e in [
-            coll.all_gather::<f32>(&a, &b, &stream).unwrap_err(),
-            coll.reduce_scatter::<f32>(&a, &b, ReduceOp::Sum, &stream)
+            coll.tagged(0)
+                .all_gather::<f32>(&a, &b, &stream)
                 .unwrap_err(),
-            coll.all_gather_in_place::<f32>(&odd, &stream).unwrap_err(),
-            coll.all_gather::<f32>(&odd, &b, &stream).unwrap_err(),
+            coll.tagged(0)
+                .reduce_scatter::<f32>(&a, &b, ReduceOp::Sum, &stream)
+                .unwrap_err(),
+            coll.tagged(0)
+                .all_gather_in_place::<f32>(&odd, &stream)
+                .unwrap_err(),
+            coll.tagged(0)
+                .all_gather::<f32>(&odd, &b, &stream)
+                .unwrap_err(),
         ] {
             assert!(matches!(e, Error::InvalidCollective { .. }), "{e:?}");
         }
         let three = pool.alloc(12, &stream).unwrap();
         assert!(matches!(
-            coll.reduce_scatter_in_place::<f32>(&three, ReduceOp::Sum, &stream),
+            coll.tagged(0)
+                .reduce_scatter_in_place::<f32>(&three, ReduceOp::Sum, &stream),
             Err(Error::InvalidCollective { .. })
         ));
     });
@@ -359,7 +393,9 @@ fn diverged_offsets_are_caught_at_the_collective() {
         drop(warm);
         let _extra = (pool.rank() == 1).then(|| pool.alloc(512, &stream).unwrap());
         let buf = pool.alloc(8192, &stream).unwrap();
-        coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
+        coll.tagged(0)
+            .all_gather_in_place::<f32>(&buf, &stream)
+            .unwrap_err()
     });
     for e in errs {
         assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
@@ -375,7 +411,9 @@ fn mismatched_counts_across_ranks_are_errors_not_hangs() {
         drop(pool.alloc(1 << 20, &stream).unwrap()); // grow together first
         let n = if pool.rank() == 0 { 1024 } else { 2048 };
         let buf = pool.alloc(2 * n * 4, &stream).unwrap();
-        coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err()
+        coll.tagged(0)
+            .all_gather_in_place::<f32>(&buf, &stream)
+            .unwrap_err()
     });
     for e in errs {
         assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
@@ -408,7 +446,9 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
     let stream = Stream::host();
     // Rank 0 alone: times out.
     assert!(matches!(
-        colls[0].all_gather_in_place::<f32>(&bufs[0], &stream),
+        colls[0]
+            .tagged(0)
+            .all_gather_in_place::<f32>(&bufs[0], &stream),
         Err(Error::Timeout { .. })
     ));
     // Then both ranks make the same call: an error on both, no panic, no stale pairing.
@@ -416,7 +456,12 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
         let hs: Vec<_> = bufs
             .iter()
             .zip(&colls)
-            .map(|(b, coll)| s.spawn(|| coll.all_gather_in_place::<f32>(b, &Stream::host())))
+            .map(|(b, coll)| {
+                s.spawn(|| {
+                    coll.tagged(0)
+                        .all_gather_in_place::<f32>(b, &Stream::host())
+                })
+            })
             .collect();
         hs.into_iter()
             .map(|h| h.join().unwrap())
@@ -449,7 +494,9 @@ fn a_failed_collective_ends_within_the_pool_timeout_in_every_check_mode() {
         let bufs = pool_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
         // Rank 1 never makes the collective.
         let started = Instant::now();
-        let r = colls[0].all_gather_in_place::<f32>(&bufs[0], &Stream::host());
+        let r = colls[0]
+            .tagged(0)
+            .all_gather_in_place::<f32>(&bufs[0], &Stream::host());
         let took = started.elapsed();
         assert!(
             matches!(r, Err(Error::Timeout { .. } | Error::PoolBroken { .. })),
@@ -475,7 +522,9 @@ fn same_offset_in_another_window_is_caught() {
         let _extra = (pool.rank() == 1).then(|| pool.alloc(20 << 20, &stream).unwrap());
         let b = pool.alloc(2 << 20, &stream).unwrap();
         assert_eq!(b.offset_bytes(), 0);
-        coll.all_gather_in_place::<f32>(&b, &stream).unwrap_err()
+        coll.tagged(0)
+            .all_gather_in_place::<f32>(&b, &stream)
+            .unwrap_err()
     });
     for e in errs {
         assert!(matches!(e, Error::CollectiveDivergence(_)), "{e:?}");
@@ -502,17 +551,20 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
         let (r0, r1) = thread::scope(|s| {
             let c0 = &colls[0];
             let a = s.spawn(|| {
-                c0.all_gather_in_place::<f32>(&b0[0], &Stream::host())
+                c0.tagged(0)
+                    .all_gather_in_place::<f32>(&b0[0], &Stream::host())
                     .is_ok()
             });
             let b = s.spawn(|| {
-                c0.all_gather_in_place::<f32>(&b0[1], &Stream::host())
+                c0.tagged(0)
+                    .all_gather_in_place::<f32>(&b0[1], &Stream::host())
                     .is_ok()
             });
             let c = s.spawn(|| {
                 b1.iter()
                     .map(|b| {
                         colls[1]
+                            .tagged(0)
                             .all_gather_in_place::<f32>(b, &Stream::host())
                             .is_ok()
                     })
@@ -543,11 +595,17 @@ fn duration_max_timeouts_work_in_every_public_call() {
             let out = pool.alloc(4 * 1024, &stream).unwrap();
             pool.reserve(2 << 20).unwrap();
             pool.reserve_small(1 << 20).unwrap();
-            coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
-            coll.all_gather::<f32>(&out, &buf, &stream).unwrap();
-            coll.reduce_scatter::<f32>(&buf, &out, ReduceOp::Sum, &stream)
+            coll.tagged(0)
+                .all_gather_in_place::<f32>(&buf, &stream)
                 .unwrap();
-            coll.reduce_scatter_in_place::<f32>(&buf, ReduceOp::Max, &stream)
+            coll.tagged(0)
+                .all_gather::<f32>(&out, &buf, &stream)
+                .unwrap();
+            coll.tagged(0)
+                .reduce_scatter::<f32>(&buf, &out, ReduceOp::Sum, &stream)
+                .unwrap();
+            coll.tagged(0)
+                .reduce_scatter_in_place::<f32>(&buf, ReduceOp::Max, &stream)
                 .unwrap();
             coll.wait_checks().unwrap();
             coll.end_step().unwrap();
@@ -575,7 +633,9 @@ fn a_world_of_one_rank_checks_nothing() {
     let input = pools[0].alloc(16, &stream).unwrap();
     let output = pools[0].alloc(16, &stream).unwrap();
     input.write(&[1.0f32, 2.0, 3.0, 4.0]).unwrap();
-    coll.all_gather::<f32>(&input, &output, &stream).unwrap();
+    coll.tagged(0)
+        .all_gather::<f32>(&input, &output, &stream)
+        .unwrap();
     assert_eq!(output.read::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
     coll.wait_checks().unwrap();
     let two = strict_pools(2);

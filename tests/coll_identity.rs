@@ -7,6 +7,11 @@
 //! message on every rank, naming where each rank is, within one exchange round rather
 //! than a timeout.
 //!
+//! Every collective needs its tag by default: untagged calls are refused before
+//! anything runs (a careless user's untagged loop never returns another layer's data),
+//! and the tests of untagged calls' checks make their pools for them
+//! (`PoolConfig::with_untagged_collectives`), which every rank must set alike.
+//!
 //! The last rank is the perturbed one. Pool and backend timeouts are a few seconds;
 //! nothing sleeps. Under `Async`, a collective that waits for a peer who stopped
 //! joining them (it learnt of the divergence first) ends when this rank's check
@@ -27,17 +32,21 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 /// What "within one exchange round" means here: well under the timeout.
 const PROMPT: Duration = Duration::from_millis(1500);
 
-fn pools(world: usize, mode: CheckMode) -> Vec<SymmPool> {
-    let bs = HostBackend::world(HostConfig::new(world)).unwrap();
+/// The pools' settings under `mode`: the defaults (every collective needs a tag), or
+/// for plans whose calls are untagged a pool made for them (the explicit opt-out,
+/// [`PoolConfig::with_untagged_collectives`]).
+fn config(mode: CheckMode, tagged: bool) -> PoolConfig {
     let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
-    SymmPool::group(bs, &config).unwrap()
+    config.with_untagged_collectives(!tagged)
 }
 
-/// `plan(rank)` on every rank, a thread each, then `close`; the results in rank
-/// order. Every rank's close returns within `PROMPT`: after a divergence with
-/// [`Error::PoolBroken`] naming it (the memory released without a round), else `Ok`.
-fn run(world: usize, mode: CheckMode, plan: impl Fn(usize) -> Plan + Sync) -> Vec<Seen> {
-    let pools = pools(world, mode);
+/// `plan(rank)` on every rank, a thread each, on pools of `config`, then `close`; the
+/// results in rank order. Every rank's close returns within `PROMPT`: after a
+/// divergence with [`Error::PoolBroken`] naming it (the memory released without a
+/// round), else `Ok`.
+fn run(world: usize, config: PoolConfig, plan: impl Fn(usize) -> Plan + Sync) -> Vec<Seen> {
+    let bs = HostBackend::world(HostConfig::new(world)).unwrap();
+    let pools = SymmPool::group(bs, &config).unwrap();
     let out: Vec<(Seen, Duration, symmpool::Result<()>)> = thread::scope(|sc| {
         let hs: Vec<_> = pools
             .iter()
@@ -102,7 +111,7 @@ fn strict_tagged_skipped_layer_fails_on_the_tag_before_data_moves() {
             skip: Some(3),
             ..normal
         };
-        let all = run(world, CheckMode::Strict, |r| {
+        let all = run(world, config(CheckMode::Strict, normal.tagged), |r| {
             perturbed(world, r, skip, normal)
         });
         let msg = same_divergence_everywhere(&all, "tag");
@@ -128,7 +137,7 @@ fn strict_untagged_skipped_layer_fails_by_the_step_boundary_naming_each_rank() {
             skip: Some(3),
             ..normal
         };
-        let all = run(world, CheckMode::Strict, |r| {
+        let all = run(world, config(CheckMode::Strict, normal.tagged), |r| {
             perturbed(world, r, skip, normal)
         });
         let msg = same_divergence_everywhere(&all, "record kind");
@@ -164,7 +173,9 @@ fn strict_skipped_last_collective_fails_at_the_step_boundary_not_by_timeout() {
             skip: Some(LAYERS - 1),
             ..normal
         };
-        let all = run(2, CheckMode::Strict, |r| perturbed(2, r, skip, normal));
+        let all = run(2, config(CheckMode::Strict, tagged), |r| {
+            perturbed(2, r, skip, normal)
+        });
         let msg = same_divergence_everywhere(&all, "record kind");
         assert!(msg.contains("rank 1 has a step boundary (after 7"), "{msg}");
         for seen in &all {
@@ -178,7 +189,7 @@ fn strict_skipped_last_collective_fails_at_the_step_boundary_not_by_timeout() {
 fn uneven_layer_counts_fail_on_every_rank() {
     for mode in [CheckMode::Strict, CheckMode::Async] {
         for tagged in [false, true] {
-            let all = run(2, mode, |r| {
+            let all = run(2, config(mode, tagged), |r| {
                 Plan::layers(if r == 0 { 10 } else { 8 }, tagged)
             });
             let msg = same_divergence_everywhere(&all, "record kind");
@@ -202,12 +213,12 @@ fn an_extra_allocation_fails_on_the_call_count_naming_each_rank() {
     for mode in [CheckMode::Strict, CheckMode::Async] {
         // Before a layer: the next collective's record; after the last: the step's.
         for before in [2, LAYERS] {
-            let normal = Plan::layers(LAYERS, false);
+            let normal = Plan::layers(LAYERS, true);
             let extra = Plan {
                 extra_alloc_before: Some(before),
                 ..normal
             };
-            let all = run(2, mode, |r| perturbed(2, r, extra, normal));
+            let all = run(2, config(mode, true), |r| perturbed(2, r, extra, normal));
             let msg = same_divergence_everywhere(&all, "pool call count");
             // Under Async a divergence inside the loop lets the rank that learns it
             // first stop joining the host backend's blocking collectives; the failed
@@ -233,7 +244,9 @@ fn async_skipped_layer_fails_by_the_step_boundary() {
             skip: Some(3),
             ..normal
         };
-        let all = run(2, CheckMode::Async, |r| perturbed(2, r, skip, normal));
+        let all = run(2, config(CheckMode::Async, tagged), |r| {
+            perturbed(2, r, skip, normal)
+        });
         let field = if tagged { "tag" } else { "record kind" };
         same_divergence_everywhere(&all, field);
         // Every rank's end_step fails: no clean exit with wrong data.
@@ -257,7 +270,7 @@ fn async_skipped_layer_fails_by_the_step_boundary() {
 #[test]
 fn matching_tagged_steps_pass() {
     for mode in [CheckMode::Strict, CheckMode::Async] {
-        let all = run(2, mode, |_| Plan::layers(LAYERS, true));
+        let all = run(2, config(mode, true), |_| Plan::layers(LAYERS, true));
         for seen in &all {
             assert!(seen.first.is_none(), "{mode:?}: {:?}", seen.first);
             assert!(seen.end.is_none(), "{mode:?}: {:?}", seen.end);
@@ -270,7 +283,7 @@ fn async_divergence_ends_a_blocked_host_collective_well_before_the_timeout() {
     // Rank 0 runs two layers more: its ninth gather waits in the host backend for a
     // peer that is at its step boundary. The failed check ends the wait; the call
     // reports the divergence.
-    let all = run(2, CheckMode::Async, |r| {
+    let all = run(2, config(CheckMode::Async, true), |r| {
         Plan::layers(if r == 0 { LAYERS + 2 } else { LAYERS }, true)
     });
     same_divergence_everywhere(&all, "record kind");
@@ -288,12 +301,14 @@ fn an_extra_allocation_that_grows_the_pool_names_the_rank_within_a_round() {
     // its growth record meets their collective record, on every rank, at once.
     for mode in [CheckMode::Strict, CheckMode::Async] {
         for world in [2, 3] {
-            let normal = Plan::layers(LAYERS, false);
+            let normal = Plan::layers(LAYERS, true);
             let grow = Plan {
                 extra_growth_before: Some(2),
                 ..normal
             };
-            let all = run(world, mode, |r| perturbed(world, r, grow, normal));
+            let all = run(world, config(mode, true), |r| {
+                perturbed(world, r, grow, normal)
+            });
             let msg = same_divergence_everywhere(&all, "record kind");
             assert!(
                 msg.contains(&format!("rank {} has a growth of the pool by", world - 1)),
@@ -330,7 +345,9 @@ fn no_tagged_call_returns_ok_with_another_layers_data() {
                 skip: Some(3),
                 ..normal
             };
-            let all = run(world, mode, |r| perturbed(world, r, skip, normal));
+            let all = run(world, config(mode, true), |r| {
+                perturbed(world, r, skip, normal)
+            });
             same_divergence_everywhere(&all, "tag");
             for (rank, seen) in all.iter().enumerate() {
                 let (at, _) = seen.first.as_ref().expect("a call fails");
@@ -349,7 +366,9 @@ fn no_tagged_call_returns_ok_with_another_layers_data() {
         }
         // Uneven layer counts: the layers both ranks run match; the rank ahead fails
         // at its first extra layer, without a wrong result.
-        let all = run(2, mode, |r| Plan::layers(if r == 0 { 10 } else { 8 }, true));
+        let all = run(2, config(mode, true), |r| {
+            Plan::layers(if r == 0 { 10 } else { 8 }, true)
+        });
         same_divergence_everywhere(&all, "record kind");
         for seen in &all {
             assert_eq!(seen.wrong_ok, 0, "{mode:?}: {seen:?}");
@@ -379,74 +398,197 @@ fn each_rank<R: Send>(
     })
 }
 
+/// Every collective of `coll` on `pool`'s buffers, untagged (in place and out of
+/// place): their results, with whether each left the buffers as this rank wrote them.
+fn every_untagged_call(pool: &SymmPool, coll: &Coll) -> Vec<(symmpool::Result<()>, bool)> {
+    let (rank, world) = (pool.rank(), pool.world_size());
+    let stream = Stream::host();
+    let whole = pool.alloc((world * 4 * 256) as u64, &stream).unwrap();
+    let part = pool.alloc(4 * 256, &stream).unwrap();
+    let other = pool.alloc(4 * 256, &stream).unwrap();
+    let calls: [&dyn Fn() -> symmpool::Result<()>; 6] = [
+        &|| coll.all_gather_in_place::<f32>(&whole, &stream).map(drop),
+        &|| coll.all_gather::<f32>(&part, &whole, &stream).map(drop),
+        &|| (coll.reduce_scatter_in_place::<f32>(&whole, ReduceOp::Sum, &stream)).map(drop),
+        &|| (coll.reduce_scatter::<f32>(&whole, &part, ReduceOp::Sum, &stream)).map(drop),
+        &|| (coll.all_reduce_in_place::<f32>(&part, ReduceOp::Sum, &stream)).map(drop),
+        &|| (coll.all_reduce::<f32>(&part, &other, ReduceOp::Max, &stream)).map(drop),
+    ];
+    calls
+        .iter()
+        .map(|call| {
+            let (w, p) = (
+                vec![rank as f32 + 1.0; world * 256],
+                vec![rank as f32 + 7.0; 256],
+            );
+            whole.write(&w).unwrap();
+            part.write(&p).unwrap();
+            let r = call();
+            let untouched = whole.read::<f32>().unwrap() == w && part.read::<f32>().unwrap() == p;
+            (r, untouched)
+        })
+        .collect()
+}
+
 #[test]
-fn an_untagged_call_on_a_pool_that_has_seen_tags_is_refused_in_every_mode() {
-    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
-        let out = each_rank(
-            2,
-            PoolConfig::default().with_check(mode),
-            |rank, pool, coll| {
+fn an_untagged_call_is_refused_by_default_in_every_mode_and_world_size() {
+    for world in [1, 2] {
+        for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+            let config = PoolConfig::default().with_check(mode);
+            let out = each_rank(world, config, |_, pool, coll| {
+                let refused = every_untagged_call(pool, coll);
+                // A refused call touches nothing: tagged calls go on, and the step ends
+                // clean on every rank.
                 let stream = Stream::host();
-                let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
-                // Untagged calls are fine until the pool sees a tagged one.
-                coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                let buf = pool.alloc((world * 4 * 256) as u64, &stream).unwrap();
                 coll.tagged(0)
                     .all_gather_in_place::<f32>(&buf, &stream)
                     .unwrap();
-                buf.write(&vec![rank as f32; 512]).unwrap();
-                let e = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err();
-                // Nothing ran: the buffer holds what this rank wrote.
-                let untouched = buf.read::<f32>().unwrap() == vec![rank as f32; 512];
-                coll.tagged(1)
-                    .all_gather_in_place::<f32>(&buf, &stream)
-                    .unwrap();
                 coll.end_step().unwrap();
-                (e, untouched)
-            },
-        );
-        for (e, untouched) in out {
-            assert!(
-                matches!(
-                    &e,
-                    Error::Untagged {
-                        op: "all_gather_in_place",
-                        required: false,
-                        ..
+                refused
+            });
+            for (rank, refused) in out.iter().enumerate() {
+                for (n, (r, untouched)) in refused.iter().enumerate() {
+                    let what = format!("world {world}, {mode:?}, rank {rank}, call {n}");
+                    let e = r.as_ref().expect_err(&what);
+                    assert!(matches!(e, Error::Untagged { .. }), "{what}: {e:?}");
+                    assert_eq!(e.kind(), symmpool::ErrorKind::Usage, "{what}");
+                    let msg = e.to_string();
+                    for says in [
+                        "coll.tagged(tag)",
+                        "tag= in Python",
+                        "PoolConfig::with_untagged_collectives(true)",
+                        "untagged_collectives=True",
+                    ] {
+                        assert!(msg.contains(says), "{what}: {msg:?} lacks {says:?}");
                     }
-                ),
-                "{mode:?}: {e:?}"
-            );
-            assert_eq!(e.kind(), symmpool::ErrorKind::Usage);
-            assert!(e.to_string().contains("has seen tagged collectives"), "{e}");
-            assert!(untouched, "{mode:?}");
+                    assert!(untouched, "{what}: data moved");
+                }
+                let names: Vec<_> = (refused.iter())
+                    .map(|(r, _)| match r {
+                        Err(Error::Untagged { op, pool }) => (*op, pool.as_str()),
+                        other => panic!("{other:?}"),
+                    })
+                    .collect();
+                assert_eq!(
+                    names,
+                    [
+                        ("all_gather_in_place", "pool"),
+                        ("all_gather", "pool"),
+                        ("reduce_scatter_in_place", "pool"),
+                        ("reduce_scatter", "pool"),
+                        ("all_reduce_in_place", "pool"),
+                        ("all_reduce", "pool"),
+                    ]
+                );
+            }
         }
     }
 }
 
 #[test]
-fn require_tags_refuses_every_untagged_call() {
-    let config = PoolConfig::default().with_require_tags(true);
-    let out = each_rank(2, config, |_, pool, coll| {
-        let stream = Stream::host();
-        let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
-        let out = pool.alloc(4 * 256, &stream).unwrap();
-        let refused = [
-            coll.all_gather_in_place::<f32>(&buf, &stream).unwrap_err(),
-            (coll.reduce_scatter::<f32>(&buf, &out, ReduceOp::Sum, &stream)).unwrap_err(),
-            (coll.all_reduce_in_place::<f32>(&out, ReduceOp::Sum, &stream)).unwrap_err(),
-        ];
-        coll.tagged(7)
-            .all_gather_in_place::<f32>(&buf, &stream)
-            .unwrap();
-        coll.end_step().unwrap();
-        refused
-    });
-    for refused in out.iter().flatten() {
-        assert!(
-            matches!(refused, Error::Untagged { required: true, .. }),
-            "{refused:?}"
-        );
-        assert!(refused.to_string().contains("requires tags"), "{refused}");
+fn a_pool_made_for_untagged_collectives_runs_them_in_every_mode() {
+    for world in [1, 2] {
+        for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+            let config = PoolConfig::default()
+                .with_check(mode)
+                .with_untagged_collectives(true);
+            let out = each_rank(world, config, |rank, pool, coll| {
+                let ran = every_untagged_call(pool, coll);
+                let stream = Stream::host();
+                let buf = pool.alloc((world * 4 * 256) as u64, &stream).unwrap();
+                buf.write(&vec![rank as f32; world * 256]).unwrap();
+                coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                let gathered = buf.read::<f32>().unwrap();
+                // Tagged calls run on it too.
+                coll.tagged(9)
+                    .all_gather_in_place::<f32>(&buf, &stream)
+                    .unwrap();
+                (ran, gathered, coll.end_step())
+            });
+            for (rank, (ran, gathered, end)) in out.iter().enumerate() {
+                let what = format!("world {world}, {mode:?}, rank {rank}");
+                for (n, (r, _)) in ran.iter().enumerate() {
+                    assert!(r.is_ok(), "{what}, call {n}: {r:?}");
+                }
+                let expected: Vec<f32> = (0..world)
+                    .flat_map(|r| std::iter::repeat_n(r as f32, 256))
+                    .collect();
+                assert_eq!(gathered, &expected, "{what}");
+                assert!(end.is_ok(), "{what}: {end:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_that_differ_about_untagged_collectives_fail_when_they_make_the_pool() {
+    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+        let bs = HostBackend::world(HostConfig::new(2)).unwrap();
+        let errs: Vec<Error> = thread::scope(|sc| {
+            let hs: Vec<_> = (bs.into_iter())
+                .map(|b| {
+                    sc.spawn(move || {
+                        let untagged = b.rank() == 1;
+                        let config = PoolConfig::default()
+                            .with_timeout(TIMEOUT)
+                            .with_check(mode)
+                            .with_untagged_collectives(untagged);
+                        SymmPool::new(b, config).unwrap_err()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let m = mode.name();
+        for e in errs {
+            match &e {
+                Error::ChannelMismatch { opened } => {
+                    assert_eq!(opened[0].2, format!("pool:pool:checks:{m}"));
+                    assert_eq!(
+                        opened[1].2,
+                        format!("pool:pool:checks:{m}:untagged_collectives")
+                    );
+                }
+                other => panic!("{mode:?}: {other:?}"),
+            }
+            assert!(e.to_string().contains("untagged_collectives"), "{e}");
+        }
+    }
+}
+
+/// A careless user's layer loop (`common::identity`, untagged, on a pool with the
+/// default settings): the last rank skips layer 3 of the one persistent gather buffer,
+/// or rank 0 runs two layers more. Every untagged call is refused before anything
+/// moves, so no call returns `Ok` with another call's data, in every check mode (`Off`
+/// included) and at every world size.
+#[test]
+fn a_careless_untagged_layer_loop_never_returns_another_layers_data() {
+    for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
+        for world in [2, 4] {
+            let normal = Plan::layers(LAYERS, false);
+            let skip = Plan {
+                skip: Some(3),
+                ..normal
+            };
+            let uneven = |r: usize| Plan::layers(if r == 0 { LAYERS + 2 } else { LAYERS }, false);
+            let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
+            let skipped = run(world, config.clone(), |r| perturbed(world, r, skip, normal));
+            let uneven = run(world, config, uneven);
+            for (case, all) in [("skip", skipped), ("uneven", uneven)] {
+                for (rank, seen) in all.iter().enumerate() {
+                    let what = format!("{case}, {mode:?}, world {world}, rank {rank}");
+                    assert_eq!(seen.wrong_ok, 0, "{what}: {seen:?}");
+                    let (at, e) = seen.first.as_ref().expect(&what);
+                    assert_eq!(*at, 1, "{what}: the first call is refused");
+                    assert!(matches!(e, Error::Untagged { .. }), "{what}: {e:?}");
+                    assert!(e.to_string().contains("coll.tagged(tag)"), "{what}: {e}");
+                    assert!(seen.untouched, "{what}: data moved");
+                    // No collective ran on any rank: the step boundary agrees.
+                    assert!(seen.end.is_none(), "{what}: {:?}", seen.end);
+                }
+            }
+        }
     }
 }
 
@@ -464,10 +606,13 @@ fn tag_zero_is_a_tag() {
         },
     );
     assert!(out.iter().all(Result::is_ok), "{out:?}");
-    // Tag 0 against no tag: a difference in the tag, named as such.
+    // Tag 0 against no tag (on a pool made for untagged calls): a difference in the
+    // tag, named as such.
     let out = each_rank(
         2,
-        PoolConfig::default().with_check(CheckMode::Strict),
+        (PoolConfig::default())
+            .with_check(CheckMode::Strict)
+            .with_untagged_collectives(true),
         |rank, pool, coll| {
             let stream = Stream::host();
             let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
@@ -557,7 +702,10 @@ fn pools_used_in_crossed_order_through_one_handle_diverge_on_the_pool() {
                         let mut wrong_ok = 0;
                         for (n, &i) in order.iter().enumerate() {
                             bufs[i].write(&vec![(rank * 10 + i) as f32; 512]).unwrap();
-                            match coll.all_gather_in_place::<f32>(&bufs[i], &stream) {
+                            // Tagged with its place in the rank's sequence: the same
+                            // on both ranks, so the pools differ, not the tags.
+                            let tagged = coll.tagged(n as u64);
+                            match tagged.all_gather_in_place::<f32>(&bufs[i], &stream) {
                                 Ok(_) => {
                                     let got = bufs[i].read::<f32>().unwrap();
                                     if got[256..] != vec![(10 * (1 - rank) + i) as f32; 256][..]
@@ -645,6 +793,7 @@ fn dropping_a_handle_whose_check_waits_forever_is_bounded() {
     });
     let colls = Coll::group(&pools).unwrap();
     colls[0]
+        .tagged(0)
         .all_gather_in_place::<f32>(&bufs[0], &stream)
         .unwrap();
     let mut colls = colls.into_iter();
@@ -767,36 +916,6 @@ fn two_threads_of_a_rank_pair_their_records_as_they_launch_under_async() {
 }
 
 #[test]
-fn a_new_handle_keeps_refusing_untagged_calls_on_a_pool_that_saw_tags() {
-    let out = each_rank(2, PoolConfig::default(), |_, pool, coll| {
-        let stream = Stream::host();
-        let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
-        coll.tagged(3)
-            .all_gather_in_place::<f32>(&buf, &stream)
-            .unwrap();
-        coll.end_step().unwrap();
-        buf
-    });
-    // (`each_rank`'s handles are gone: make new ones on the same pools.)
-    let pools: Vec<SymmPool> = out.iter().map(|b| b.pool().clone()).collect();
-    let colls = Coll::group(&pools).unwrap();
-    let stream = Stream::host();
-    for (coll, buf) in colls.iter().zip(&out) {
-        let e = coll.all_gather_in_place::<f32>(buf, &stream).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::Untagged {
-                    required: false,
-                    ..
-                }
-            ),
-            "{e:?}"
-        );
-    }
-}
-
-#[test]
 fn close_right_after_an_async_divergence_names_it_on_every_rank() {
     // No end_step: close itself compares what is still in flight first, so every rank
     // learns the divergence and closes without a round, promptly.
@@ -854,7 +973,9 @@ fn a_checked_growth_takes_its_agreement_round_and_no_other_check_round() {
                 s.spawn(|| {
                     let coll = Coll::new(pool).unwrap();
                     let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
-                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                    coll.tagged(0)
+                        .all_gather_in_place::<f32>(&buf, &stream)
+                        .unwrap();
                     buf
                 })
             })

@@ -153,11 +153,15 @@ mod gpu_tests {
                     .unwrap()
                     .copy_from_host(&mine)
                     .unwrap();
-                coll.all_gather_in_place::<T>(&output, stream).unwrap()
+                coll.tagged(0)
+                    .all_gather_in_place::<T>(&output, stream)
+                    .unwrap()
             } else {
                 let input = pool.alloc((count * size) as u64, stream).unwrap();
                 input.write(&mine).unwrap();
-                coll.all_gather::<T>(&input, &output, stream).unwrap()
+                coll.tagged(0)
+                    .all_gather::<T>(&input, &output, stream)
+                    .unwrap()
             };
             (report.path, output.read::<T>().unwrap())
         });
@@ -203,6 +207,7 @@ mod gpu_tests {
             input.write(&data(r)).unwrap();
             if in_place {
                 let rep = coll
+                    .tagged(0)
                     .reduce_scatter_in_place::<T>(&input, op, stream)
                     .unwrap();
                 (
@@ -213,6 +218,7 @@ mod gpu_tests {
                 let output = pool.alloc((count * size) as u64, stream).unwrap();
                 output.write(&vec![T::from_f64(99.0); count]).unwrap();
                 let rep = coll
+                    .tagged(0)
                     .reduce_scatter::<T>(&input, &output, op, stream)
                     .unwrap();
                 (rep.path, output.read::<T>().unwrap())
@@ -288,12 +294,18 @@ mod gpu_tests {
             let input = pool.alloc((count * size) as u64, stream).unwrap();
             input.write(&data(pool.rank())).unwrap();
             if in_place {
-                let rep = coll.all_reduce_in_place::<T>(&input, op, stream).unwrap();
+                let rep = coll
+                    .tagged(0)
+                    .all_reduce_in_place::<T>(&input, op, stream)
+                    .unwrap();
                 (rep.path, input.read::<T>().unwrap())
             } else {
                 let output = pool.alloc((count * size) as u64, stream).unwrap();
                 output.write(&vec![T::from_f64(99.0); count]).unwrap();
-                let rep = coll.all_reduce::<T>(&input, &output, op, stream).unwrap();
+                let rep = coll
+                    .tagged(0)
+                    .all_reduce::<T>(&input, &output, op, stream)
+                    .unwrap();
                 (rep.path, output.read::<T>().unwrap())
             }
         });
@@ -878,8 +890,11 @@ mod gpu_tests {
                         let n = 1024 << (i % 8);
                         let buf = pool.alloc(4 * n as u64, &stream).unwrap();
                         buf.write(&vec![i as f32; n]).unwrap();
-                        coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
-                        coll.all_reduce_in_place::<f32>(&buf, ReduceOp::Sum, &stream)
+                        coll.tagged(0)
+                            .all_gather_in_place::<f32>(&buf, &stream)
+                            .unwrap();
+                        coll.tagged(0)
+                            .all_reduce_in_place::<f32>(&buf, ReduceOp::Sum, &stream)
                             .unwrap();
                         assert_eq!(buf.read::<f32>().unwrap(), vec![i as f32; n], "{i}");
                         kept.push(buf); // grow the pool now and then
@@ -944,8 +959,9 @@ mod gpu_tests {
             "growth is refused while the stream captures"
         );
         let captured = (|| -> symmpool::Result<()> {
-            coll.all_gather::<f32>(&ag_in, &ag_out, &stream)?;
-            coll.reduce_scatter::<f32>(&rs_in, &rs_out, ReduceOp::Sum, &stream)?;
+            coll.tagged(0).all_gather::<f32>(&ag_in, &ag_out, &stream)?;
+            coll.tagged(0)
+                .reduce_scatter::<f32>(&rs_in, &rs_out, ReduceOp::Sum, &stream)?;
             Ok(())
         })();
         let graph = cs.end_capture(CUgraphInstantiate_flags(0));
@@ -1116,7 +1132,10 @@ mod gpu_tests {
             let output = pool.alloc((world * n * 4) as u64, &stream).unwrap();
             let mine: Vec<f32> = (0..n).map(|i| (rank * n + i) as f32).collect();
             input.write(&mine).unwrap();
-            let rep = coll.all_gather::<f32>(&input, &output, &stream).unwrap();
+            let rep = coll
+                .tagged(0)
+                .all_gather::<f32>(&input, &output, &stream)
+                .unwrap();
             let want: Vec<f32> = (0..world * n).map(|i| i as f32).collect();
             assert_eq!(output.read::<f32>().unwrap(), want, "all-gather of {n}");
             eprintln!("[rank {rank}] all_gather x{n}: {:?}", rep.path);
@@ -1130,6 +1149,7 @@ mod gpu_tests {
                 )
                 .unwrap();
             let rep = coll
+                .tagged(0)
                 .reduce_scatter::<f32>(&whole, &chunk, ReduceOp::Sum, &stream)
                 .unwrap();
             let want: Vec<f32> = (0..n)
@@ -1482,7 +1502,8 @@ mod gpu_tests {
         let output = pool.alloc(4096, &stream).unwrap();
         let gate = stuck_stream(&stream);
         let started = std::time::Instant::now();
-        coll.all_gather::<f32>(&input, &output, &stream)
+        coll.tagged(0)
+            .all_gather::<f32>(&input, &output, &stream)
             .expect("enqueued behind the host function");
         let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
         let error = loop {
@@ -1499,7 +1520,7 @@ mod gpu_tests {
         eprintln!("watchdog after {took:?}: {error}");
         assert!(matches!(error, Error::NcclWatchdog { .. }), "{error:?}");
         assert!(took >= watchdog, "{took:?}");
-        let next = coll.all_gather::<f32>(&input, &output, &stream);
+        let next = coll.tagged(0).all_gather::<f32>(&input, &output, &stream);
         assert!(
             matches!(
                 next,
@@ -1541,7 +1562,7 @@ mod gpu_tests {
         let x = pool.alloc(MIB, &s1).unwrap();
         let y = pool.alloc(MIB, &s2).unwrap();
         x.write(&vec![1.5f32; 1024]).unwrap();
-        coll.all_gather::<f32>(&x, &y, &s2).unwrap();
+        coll.tagged(0).all_gather::<f32>(&x, &y, &s2).unwrap();
         assert_eq!(y.read::<f32>().unwrap()[..1024], vec![1.5f32; 1024][..]);
         drop((x, y));
         pool.close().unwrap();

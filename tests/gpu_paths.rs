@@ -100,9 +100,14 @@ mod paths {
             let seen = log(0).1;
             barrier.wait();
             let report = match name {
-                "AllGather" => coll.all_gather_in_place::<bf16>(&big, stream),
-                "ReduceScatter" => coll.reduce_scatter::<bf16>(&big, &small, ReduceOp::Sum, stream),
-                _ => coll.reduce_scatter::<bf16>(&big, &small, ReduceOp::Max, stream),
+                "AllGather" => coll.tagged(0).all_gather_in_place::<bf16>(&big, stream),
+                "ReduceScatter" => {
+                    coll.tagged(0)
+                        .reduce_scatter::<bf16>(&big, &small, ReduceOp::Sum, stream)
+                }
+                _ => coll
+                    .tagged(0)
+                    .reduce_scatter::<bf16>(&big, &small, ReduceOp::Max, stream),
             }
             .unwrap();
             stream.cuda_stream().unwrap().synchronize().unwrap();

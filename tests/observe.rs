@@ -152,8 +152,11 @@ fn workload(level: LevelFilter) -> Vec<Seen> {
                     let coll = Coll::new(pool).unwrap();
                     let stream = Stream::host();
                     let buf = pool.alloc(4 << 20, &stream).unwrap();
-                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
-                    coll.reduce_scatter_in_place::<f32>(&buf, symmpool::ReduceOp::Sum, &stream)
+                    coll.tagged(0)
+                        .all_gather_in_place::<f32>(&buf, &stream)
+                        .unwrap();
+                    coll.tagged(0)
+                        .reduce_scatter_in_place::<f32>(&buf, symmpool::ReduceOp::Sum, &stream)
                         .unwrap();
                     drop(buf);
                     pool.trim().unwrap();
@@ -403,7 +406,9 @@ fn collectives_are_counted_per_path() {
                 let stream = Stream::host();
                 let buf = pool.alloc(1 << 20, &stream).unwrap();
                 for _ in 0..3 {
-                    coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+                    coll.tagged(0)
+                        .all_gather_in_place::<f32>(&buf, &stream)
+                        .unwrap();
                 }
                 let stats = coll.memory_stats();
                 assert_eq!(count(&stats, "collectives.symmetric_kernel.count"), 3);

@@ -307,11 +307,12 @@ fn buffers_of_another_pool_are_refused() {
     let y = b[0].alloc(4096, &stream).unwrap();
     let coll = Coll::new(&a[0]).unwrap();
     assert!(matches!(
-        coll.all_gather::<f32>(&x, &y, &stream),
+        coll.tagged(0).all_gather::<f32>(&x, &y, &stream),
         Err(Error::ForeignBuffer { .. })
     ));
     assert!(matches!(
-        coll.reduce_scatter::<f32>(&x, &y, symmpool::ReduceOp::Sum, &stream),
+        coll.tagged(0)
+            .reduce_scatter::<f32>(&x, &y, symmpool::ReduceOp::Sum, &stream),
         Err(Error::ForeignBuffer { .. })
     ));
 }
@@ -368,7 +369,10 @@ fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
         let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
         let buf = pool.alloc(8 * MIB, &stream).unwrap();
-        let r = coll.all_gather_in_place::<f32>(&buf, &stream).unwrap();
+        let r = coll
+            .tagged(0)
+            .all_gather_in_place::<f32>(&buf, &stream)
+            .unwrap();
         (r.path, per_comm(pool, &pool.memory_stats(), "windows"))
     });
     for (path, windows) in reports {
@@ -392,7 +396,10 @@ fn older_nccl_rules_pick_older_paths() {
         let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
         let buf = pool.alloc(64 * MIB, &stream).unwrap();
-        coll.all_gather_in_place::<u8>(&buf, &stream).unwrap().path
+        coll.tagged(0)
+            .all_gather_in_place::<u8>(&buf, &stream)
+            .unwrap()
+            .path
     });
     // 2.27 has windows but no copy engine.
     assert_eq!(paths, vec![coll::Path::SymmetricKernel; 2]);

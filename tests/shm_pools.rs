@@ -81,13 +81,18 @@ fn two_pools_child(backend: symmpool::Backend) -> symmpool::Result<i32> {
 fn identity_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmpool::Result<i32> {
     let mode = match var("CHECK_MODE").as_deref() {
         Some("strict") => CheckMode::Strict,
+        Some("off") => CheckMode::Off,
         _ => CheckMode::Async,
     };
+    let (tagged, careless) = (var("TAGGED").is_some(), var("CARELESS").is_some());
+    // Untagged calls run on a pool made for them (the explicit opt-out), except for
+    // the careless user's, on the defaults.
     let config = PoolConfig::default()
         .with_timeout(IDENTITY_TIMEOUT)
-        .with_check(mode);
+        .with_check(mode)
+        .with_untagged_collectives(!tagged && !careless);
     let pool = SymmPool::new(backend, config)?;
-    let normal = Plan::layers(LAYERS, var("TAGGED").is_some());
+    let normal = Plan::layers(LAYERS, tagged);
     let last = rank == world - 1;
     let plan = match var("SCENARIO").as_deref() {
         Some("skip") if last => Plan {
@@ -113,6 +118,19 @@ fn identity_child(rank: usize, world: usize, backend: symmpool::Backend) -> symm
         _ => normal,
     };
     let seen = step(&pool, plan);
+    if careless {
+        let first = seen.first.as_ref();
+        let refused = first.is_some_and(|(_, e)| matches!(e, Error::Untagged { .. }));
+        let closed = pool.close();
+        println!(
+            "@@careless first={:?} refused={refused} untouched={} wrong_ok={} end={:?} closed={closed:?}",
+            first.map(|f| f.0),
+            seen.untouched,
+            seen.wrong_ok,
+            seen.end
+        );
+        return Ok(0);
+    }
     let divergence = (seen.first.iter().map(|(_, e)| e))
         .chain(seen.end.iter())
         .find_map(|e| match e {
@@ -327,6 +345,33 @@ fn identity_cases_between_processes() {
             "{p:?}"
         );
         all_within(&p, PROMPT, "skip last strict");
+    }
+    assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
+}
+
+/// A careless user's layer loop between processes: untagged calls on a pool with the
+/// default settings, the last rank skipping layer 3 of the one persistent gather
+/// buffer, or rank 0 running two layers more. Every call is refused before anything
+/// moves, in every check mode (`off` included): no call returns another layer's data.
+#[test]
+fn careless_untagged_layer_loops_between_processes_are_refused() {
+    let before = shm_entries();
+    for mode in ["strict", "async", "off"] {
+        for scenario in ["skip", "uneven"] {
+            let extra = vec![
+                ("CHECK_MODE", mode.to_string()),
+                ("SCENARIO", scenario.to_string()),
+                ("CARELESS", "1".to_string()),
+            ];
+            let [lines] = job_lines(2, "identity", extra, ["@@careless "]);
+            for (rank, line) in lines.iter().enumerate() {
+                assert_eq!(
+                    line,
+                    "first=Some(1) refused=true untouched=true wrong_ok=0 end=None closed=Ok(())",
+                    "{scenario} {mode}: rank {rank}"
+                );
+            }
+        }
     }
     assert_eq!(shm_entries(), before, "nothing left in /dev/shm");
 }

@@ -81,7 +81,9 @@ fn child() -> symmpool::Result<i32> {
                 .view::<f32>()?
                 .slice(rank * n, n)?
                 .copy_from_host(&shard)?;
-            let report = coll.all_gather_in_place::<f32>(&params, &stream)?;
+            let report = coll
+                .tagged(0)
+                .all_gather_in_place::<f32>(&params, &stream)?;
             let all = params.read::<f32>()?;
             for r in 0..world {
                 for i in [0, n / 2, n - 1] {
@@ -107,7 +109,9 @@ fn child() -> symmpool::Result<i32> {
                     },
                 );
                 coll.set_path_policy(policy);
-                let rs = coll.reduce_scatter::<f32>(&input, &out, ReduceOp::Sum, &stream)?;
+                let rs =
+                    coll.tagged(0)
+                        .reduce_scatter::<f32>(&input, &out, ReduceOp::Sum, &stream)?;
                 let got = out.read::<f32>()?;
                 let ranks_sum = (world * (world - 1) / 2) as f32;
                 for i in [0, n / 3, n - 1] {
@@ -236,7 +240,7 @@ fn checked_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmp
             .map(|i| ((rank * 37 + i + calls) % 251) as u8 + 1)
             .collect();
         buf.write(&pattern).unwrap();
-        match coll.all_gather_in_place::<f32>(buf, &stream) {
+        match coll.tagged(0).all_gather_in_place::<f32>(buf, &stream) {
             Ok(_) => true,
             Err(e) => {
                 let untouched = buf.read::<u8>().unwrap() == pattern;
@@ -356,7 +360,9 @@ fn strict_cost_child(rank: usize, backend: symmpool::Backend) -> symmpool::Resul
         let buf = pool.alloc(64 << 10, &stream)?;
         for _ in 0..n {
             let t = Instant::now();
-            colls[mode].all_gather_in_place::<f32>(&buf, &stream)?;
+            colls[mode]
+                .tagged(0)
+                .all_gather_in_place::<f32>(&buf, &stream)?;
             calls_us[mode].push(t.elapsed().as_secs_f64() * 1e6);
         }
     }

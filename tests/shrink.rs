@@ -343,7 +343,8 @@ fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, step: usize) -> symmpool
     let grads = pool.alloc((N * 4) as u64, &stream)?;
     grads.write(&g)?;
     let shard = pool.alloc((n * 4) as u64, &stream)?;
-    coll.reduce_scatter::<f32>(&grads, &shard, ReduceOp::Sum, &stream)?;
+    coll.tagged(0)
+        .reduce_scatter::<f32>(&grads, &shard, ReduceOp::Sum, &stream)?;
     let s = shard.read::<f32>()?;
     let params = pool.alloc((N * 4) as u64, &stream)?;
     let mine: Vec<f32> = (0..n)
@@ -353,7 +354,8 @@ fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, step: usize) -> symmpool
         .view::<f32>()?
         .slice(rank * n, n)?
         .copy_from_host(&mine)?;
-    coll.all_gather_in_place::<f32>(&params, &stream)?;
+    coll.tagged(0)
+        .all_gather_in_place::<f32>(&params, &stream)?;
     *w = params.read::<f32>()?;
     coll.end_step()
 }
@@ -416,7 +418,9 @@ fn train(
                 let (next, report) = pool.shrink()?;
                 // Nothing of the old world answers with its data: its collectives and
                 // its pool refuse; its memory is still this rank's to read.
-                let refused = coll.all_gather_in_place::<f32>(&kept, &Stream::host());
+                let refused = coll
+                    .tagged(0)
+                    .all_gather_in_place::<f32>(&kept, &Stream::host());
                 assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
                 let refused = pool.alloc(4096, &Stream::host()).map(|_| ());
                 assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
@@ -424,7 +428,9 @@ fn train(
                 pool = next;
                 coll = Coll::new(&pool)?;
                 assert_eq!(kept.read::<f32>()?, w0);
-                let refused = coll.all_gather_in_place::<f32>(&kept, &Stream::host());
+                let refused = coll
+                    .tagged(0)
+                    .all_gather_in_place::<f32>(&kept, &Stream::host());
                 assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
                 trained.lost = Some((e.to_string(), report));
                 trained.state = Some((w.clone(), at));

@@ -47,7 +47,8 @@ fn sum_of_ranks(pool: &SymmPool, coll: &Coll) -> symmpool::Result<f32> {
     let stream = Stream::host();
     let b = pool.alloc(1024, &stream)?;
     b.write(&vec![(pool.rank() + 1) as f32; 256])?;
-    coll.all_reduce_in_place::<f32>(&b, ReduceOp::Sum, &stream)?;
+    coll.tagged(0)
+        .all_reduce_in_place::<f32>(&b, ReduceOp::Sum, &stream)?;
     Ok(b.read::<f32>()?[0])
 }
 
@@ -160,13 +161,15 @@ fn after_a_shrink_the_old_pool_and_handle_refuse_and_its_buffers_live_on() {
         let again = Coll::new(&pool).map(|_| ());
         assert!(matches!(again, Err(Error::Shrunk { .. })), "{again:?}");
         assert!(is_shrunk(Coll::with_pools(&[next.clone(), pool.clone()])));
-        assert!(is_shrunk(coll.all_reduce_in_place::<f32>(
+        assert!(is_shrunk(coll.tagged(0).all_reduce_in_place::<f32>(
             &kept[0],
             ReduceOp::Sum,
             &stream
         )));
         let fresh = next.alloc(4096, &stream).unwrap();
-        let foreign = coll.all_reduce_in_place::<f32>(&fresh, ReduceOp::Sum, &stream);
+        let foreign = coll
+            .tagged(0)
+            .all_reduce_in_place::<f32>(&fresh, ReduceOp::Sum, &stream);
         assert!(
             matches!(foreign, Err(Error::ForeignBuffer { .. })),
             "{foreign:?}"
@@ -175,12 +178,16 @@ fn after_a_shrink_the_old_pool_and_handle_refuse_and_its_buffers_live_on() {
         assert!(step.is_err(), "{step:?}");
         // The new pool's handle with an old buffer on either side.
         let new_coll = Coll::new(&next).unwrap();
-        let mixed = new_coll.all_reduce::<f32>(&fresh, &kept[1], ReduceOp::Sum, &stream);
+        let mixed = new_coll
+            .tagged(0)
+            .all_reduce::<f32>(&fresh, &kept[1], ReduceOp::Sum, &stream);
         assert!(
             matches!(mixed, Err(Error::ForeignBuffer { .. })),
             "{mixed:?}"
         );
-        let mixed = new_coll.all_reduce::<f32>(&kept[1], &fresh, ReduceOp::Sum, &stream);
+        let mixed = new_coll
+            .tagged(0)
+            .all_reduce::<f32>(&kept[1], &fresh, ReduceOp::Sum, &stream);
         assert!(is_shrunk(mixed));
         // The old buffers: readable, writable, their data kept.
         assert_eq!(kept[0].read::<f32>().unwrap(), [(10 * rank) as f32; 1024]);
@@ -250,7 +257,9 @@ fn ranks_whose_collectives_diverged_cannot_shrink_past_it() {
         } else {
             ReduceOp::Sum
         };
-        let reduced = coll.all_reduce_in_place::<f32>(&b, op, &Stream::host());
+        let reduced = coll
+            .tagged(0)
+            .all_reduce_in_place::<f32>(&b, op, &Stream::host());
         let shrunk = pool.shrink().map(|(_, report)| report);
         drop((coll, b));
         let closed = pool.close();

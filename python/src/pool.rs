@@ -70,19 +70,20 @@ impl Handle {
 /// The pool's settings from the constructors' arguments: `check` is `"strict"`,
 /// `"async"`, `"off"` or `None` (the `SYMMPOOL_CHECK` variable, else async);
 /// `check_queue` the async check's bound in records (`None`: the crate's default, 1);
-/// `require_tags` refuses every untagged collective (`UsageError`).
+/// `untagged_collectives` accepts collectives without `tag=` (by default they raise
+/// `UsageError`).
 fn pool_config(
     name: &str,
     timeout_s: Option<f64>,
     check: Option<&str>,
     check_queue: Option<usize>,
-    require_tags: bool,
+    untagged_collectives: bool,
 ) -> PyResult<PoolConfig> {
     // The environment's `SYMMPOOL_CHECK` unless `check` is given.
     let mut config = PoolConfig::from_env()
         .with_timeout(seconds("timeout_s", timeout_s)?)
         .with_name(name)
-        .with_require_tags(require_tags);
+        .with_untagged_collectives(untagged_collectives);
     if let Some(check) = check {
         config = config.with_check(check_mode(check)?);
     }
@@ -223,10 +224,11 @@ impl Call<'_> {
 /// every rank, at the latest `check_queue` + 1 collectives later, or from
 /// `end_step()` / `wait_checks()`; the diverging calls may have moved data);
 /// `"off"` checks nothing. Each collective takes `tag=`, an int that identifies the
-/// call (a hash of the layer, say; 0 is a tag like any other, `None` an untagged
-/// call): calls of the same shape for different layers then differ in the field
-/// `"tag"`, so a rank that skips one is caught at that call. `end_step()` marks a
-/// step boundary.
+/// call (a hash of the layer, say; 0 is a tag like any other): calls of the same shape
+/// for different layers then differ in the field `"tag"`, so a rank that skips one is
+/// caught at that call. A collective without `tag=` raises `UsageError` (nothing runs)
+/// unless the pool was made with `untagged_collectives=True` (every constructor takes
+/// it; every rank alike). `end_step()` marks a step boundary.
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Pool {
     pub(crate) handle: GilFree<Arc<Handle>>,
@@ -266,7 +268,7 @@ impl Pool {
     /// over those instead of in memory.
     #[staticmethod]
     #[pyo3(signature = (world_size, name = "symmpool", timeout_s = 60.0, exchanges = None,
-        check = None, check_queue = None, require_tags = false))]
+        check = None, check_queue = None, untagged_collectives = false))]
     #[allow(clippy::too_many_arguments)]
     fn host_group(
         py: Python<'_>,
@@ -276,9 +278,9 @@ impl Pool {
         exchanges: Option<Vec<Py<StoreExchange>>>,
         check: Option<&str>,
         check_queue: Option<usize>,
-        require_tags: bool,
+        untagged_collectives: bool,
     ) -> PyResult<Vec<Pool>> {
-        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
+        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let host = HostConfig::new(world_size);
         let mut backends = HostBackend::world(host).map_err(to_py)?;
         if let Some(exchanges) = exchanges {
@@ -327,7 +329,7 @@ impl Pool {
     /// by default; pages are backed only when written).
     #[staticmethod]
     #[pyo3(signature = (exchange = None, name = "symmpool", timeout_s = 60.0, symmetric = true,
-        max_reserved_bytes = None, check = None, check_queue = None, require_tags = false))]
+        max_reserved_bytes = None, check = None, check_queue = None, untagged_collectives = false))]
     #[allow(clippy::too_many_arguments)]
     fn shm(
         py: Python<'_>,
@@ -338,9 +340,9 @@ impl Pool {
         max_reserved_bytes: Option<u64>,
         check: Option<&str>,
         check_queue: Option<usize>,
-        require_tags: bool,
+        untagged_collectives: bool,
     ) -> PyResult<Pool> {
-        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
+        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let ex = match exchange {
             Some(ex) => ex.exchange(),
             None => {
@@ -379,7 +381,7 @@ impl Pool {
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", copy_engine = true,
         plain = true, timeout_s = 60.0, setup_timeout_s = 600.0, call_timeout_s = 60.0,
-        watchdog_timeout_s = 600.0, check = None, check_queue = None, require_tags = false))]
+        watchdog_timeout_s = 600.0, check = None, check_queue = None, untagged_collectives = false))]
     #[allow(clippy::too_many_arguments)]
     fn nccl_adopt(
         py: Python<'_>,
@@ -395,14 +397,14 @@ impl Pool {
         watchdog_timeout_s: Option<f64>,
         check: Option<&str>,
         check_queue: Option<usize>,
-        require_tags: bool,
+        untagged_collectives: bool,
     ) -> PyResult<Pool> {
         if comm_ptr == 0 {
             return Err(PyValueError::new_err(
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
+        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let nccl = NcclConfig::default()
             .with_communicators(copy_engine, plain)
             .with_setup_timeout(seconds("setup_timeout_s", setup_timeout_s)?)
@@ -436,7 +438,7 @@ impl Pool {
     /// all-gather). Collective over the group.
     #[staticmethod]
     #[pyo3(signature = (comm_ptr, device, exchange, name = "symmpool", cta_policy = 0,
-        timeout_s = 60.0, check = None, check_queue = None, require_tags = false))]
+        timeout_s = 60.0, check = None, check_queue = None, untagged_collectives = false))]
     #[allow(clippy::too_many_arguments)]
     fn nccl_wrap(
         py: Python<'_>,
@@ -448,14 +450,14 @@ impl Pool {
         timeout_s: Option<f64>,
         check: Option<&str>,
         check_queue: Option<usize>,
-        require_tags: bool,
+        untagged_collectives: bool,
     ) -> PyResult<Pool> {
         if comm_ptr == 0 {
             return Err(PyValueError::new_err(
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s, check, check_queue, require_tags)?;
+        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let role = if cta_policy == CTA_POLICY_ZERO {
             CommRole::CopyEngine
         } else {
@@ -552,8 +554,9 @@ impl Pool {
 
     /// In-place all-gather (FSDP layout) of the `nbytes` at device address `ptr`, which
     /// must be a whole buffer of this pool (a tensor from `alloc_dlpack`), on the raw
-    /// stream `stream`, carrying `tag` (an int; `None`: untagged). Returns the path
-    /// taken. Collective: every rank, same order, same size and tag.
+    /// stream `stream`, carrying `tag` (an int; `None`: untagged, a `UsageError` unless
+    /// the pool was made with `untagged_collectives=True`). Returns the path taken.
+    /// Collective: every rank, same order, same size and tag.
     ///
     /// An address that is not the start of a live buffer of this pool, or a size that
     /// is not the buffer's, is a `ValueError` (the FSDP comm objects then hand the call
@@ -690,6 +693,13 @@ impl Pool {
     #[getter]
     fn check(&self) -> &'static str {
         self.handle.coll.check_mode().name()
+    }
+
+    /// Whether the pool accepts collectives without `tag=` (made with
+    /// `untagged_collectives=True`); otherwise they raise `UsageError`.
+    #[getter]
+    fn untagged_collectives(&self) -> bool {
+        self.handle.pool.config().untagged_collectives
     }
 
     /// Whether this job should calibrate the automatic path choice (`calibrate()`):
@@ -1023,7 +1033,8 @@ impl Buffer {
         py.allow_threads(move || buf.read::<u8>()).map_err(to_py)
     }
 
-    /// All-gather, carrying `tag` (an int from 0 to 2**64 - 1; `None`: untagged). In
+    /// All-gather, carrying `tag` (an int from 0 to 2**64 - 1; `None`: untagged, a
+    /// `UsageError` unless the pool was made with `untagged_collectives=True`). In
     /// place by default: the buffer holds world equal chunks, this rank's at `rank`;
     /// afterwards every chunk holds its rank's. With `out` (a buffer of world times
     /// this one's bytes, of the same pool): this buffer lands at chunk `rank` of every

@@ -6,7 +6,8 @@
   pool, and :func:`symmpool.fsdp.install` (a tag per FSDP module on every collective,
   a step boundary at the end of each backward pass).
 - Collectives (``Buffer.all_gather`` / ``reduce_scatter`` / ``all_reduce``, or by
-  address ``Pool.all_gather_at``, ...) take ``tag=`` (an int; None: untagged) and are
+  address ``Pool.all_gather_at``, ...) take ``tag=`` (an int; without one, a
+  ``UsageError`` unless the pool was made with ``untagged_collectives=True``) and are
   checked across ranks as the pool's ``check`` says (``"strict"``, ``"async"``,
   ``"off"``); ``Pool.end_step()`` marks a step boundary.
 - :mod:`symmpool.allocator`: the pool as a ``torch.cuda.MemPool`` through

@@ -64,9 +64,9 @@ with another module's:
   pass. A divergence that the checks found is raised from ``loss.backward()``. A
   forward-only loop (evaluation) has no backward pass: call
   :meth:`Installed.end_step` there yourself, once per step on every rank.
-- Turn either off with ``install(model, tags=False)`` (untagged calls: a skipped
-  module is caught only by the other fields of the records, for example a size, or
-  at the step boundary) or ``install(model, end_step=False)`` (no automatic
+- Turn either off with ``install(model, tags=False)`` (untagged calls, on a pool made
+  with ``untagged_collectives=True``: a skipped module is caught only by the other
+  fields of the records, for example a size, or at the step boundary) or ``install(model, end_step=False)`` (no automatic
   boundary: call :meth:`Installed.end_step`). Under the pool's ``check="off"``
   neither does anything.
 
@@ -540,7 +540,8 @@ def install(
     collective over the group; ``check="strict"`` among ``pool_kwargs`` checks each
     call before it runs). Each FSDP module gets its own pair of comm objects, whose
     calls carry :func:`module_tag` of the module's fully-qualified name (``tags=False``:
-    untagged) and mark the step boundary at the end of each backward pass
+    untagged, which needs a pool made with ``untagged_collectives=True``: the pool made
+    here is, a ``pool`` given without it is a ``ValueError``) and mark the step boundary at the end of each backward pass
     (``end_step=False``: not; see the module's documentation). ``trace``: time every
     allocation and collective (``Installed.write_trace``).
 
@@ -564,7 +565,15 @@ def install(
         raise ValueError("the model has no FSDP2 module (apply fully_shard first)")
     check_choice(calibrate)
     if pool is None:
+        if not tags:
+            # Untagged calls: the pool is made for them (on every rank alike).
+            pool_kwargs.setdefault("untagged_collectives", True)
         pool = from_group(group, mode="adopt", name=name, **pool_kwargs)
+    if not tags and not pool.untagged_collectives:
+        raise ValueError(
+            "install(tags=False) makes untagged collectives: give a pool made with "
+            "untagged_collectives=True (on every rank), or keep tags=True"
+        )
     sizes = collective_range(_param_group(m) for _, m in modules)
     stream = _stream(pool.device) if pool.device is not None else 0
     calibration = maybe_calibrate(pool, calibrate, sizes, stream)

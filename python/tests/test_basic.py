@@ -128,7 +128,7 @@ def test_host_pools_over_the_store_place_alike_and_gather():
         if r == 1:  # rank 1's shard sits in the second half
             data = bytes(3 << 19) + bytes([2]) * (3 << 19)
             big.write(data)
-        path = big.all_gather()
+        path = big.all_gather(tag=0)
         got = big.read()
         return (small.segment, small.offset), (big.segment, big.offset), path, got[0], got[-1]
 
@@ -162,7 +162,7 @@ def test_host_reduce_scatter_and_freed_buffers():
 
         buf = pools[r].alloc(4 * 4)
         buf.write(struct.pack("<4f", *(float(r + 1),) * 4))
-        path = buf.reduce_scatter("f32", "sum")
+        path = buf.reduce_scatter("f32", "sum", tag=0)
         values = struct.unpack("<4f", buf.read())
         buf.free()
         with pytest.raises(symmpool.UsageError, match="freed"):
@@ -184,11 +184,11 @@ def test_dlpack_needs_a_gpu_pool():
 def test_bad_arguments():
     (pool,) = symmpool.Pool.host_group(1)
     with pytest.raises(ValueError, match="not the start of a symmpool buffer"):
-        pool.all_gather_at(0xDEAD000, 1024)
+        pool.all_gather_at(0xDEAD000, 1024, tag=0)
     with pytest.raises(ValueError, match="not the start of a symmpool buffer"):
-        pool.reduce_scatter_into(0xDEAD000, 1024, 0xBEEF000, 512, "f32")
+        pool.reduce_scatter_into(0xDEAD000, 1024, 0xBEEF000, 512, "f32", tag=0)
     with pytest.raises(ValueError, match="unknown reduction"):
-        pool.alloc(1024).reduce_scatter("f32", "xor")
+        pool.alloc(1024).reduce_scatter("f32", "xor", tag=0)
     with pytest.raises(symmpool.SymmpoolError):
         pool.alloc(0)
     with pytest.raises(symmpool.SymmpoolError):

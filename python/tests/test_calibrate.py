@@ -62,7 +62,7 @@ def test_calibrate_on_host_pools_agrees_and_applies(caplog):
     def gather(r):
         buf = pools[r].alloc(64 * KIB * WORLD)
         buf.write(bytes([r + 1]) * (64 * KIB * WORLD))
-        path = buf.all_gather()
+        path = buf.all_gather(tag=0)
         data = buf.read()
         buf.free()
         return path, data[:1] + data[64 * KIB : 64 * KIB + 1]

@@ -1,5 +1,6 @@
 """Collectives from Python on host pools (ranks as threads, no torch, no GPU): tags
-(0 a tag like any other, None untagged), end_step and wait_checks, the check modes,
+(0 a tag like any other; untagged calls refused unless the pool was made for them),
+end_step and wait_checks, the check modes,
 all-reduce in and out of place, freed buffers, the exception classes from the one
 table of the crate's error kinds."""
 
@@ -145,7 +146,10 @@ def test_strict_moves_no_data_on_a_divergence():
 
 @pytest.mark.parametrize("tag", [7, None])
 def test_same_tags_pass_and_untagged_calls_too(tag):
-    pools = symmpool.Pool.host_group(WORLD, check="strict", timeout_s=30.0)
+    # Untagged calls on a pool made for them.
+    untagged = tag is None
+    pools = symmpool.Pool.host_group(WORLD, check="strict", timeout_s=30.0, untagged_collectives=untagged)
+    assert all(p.untagged_collectives == untagged for p in pools)
     for e, got in _gather_with_tags(pools, {0: tag, 1: tag}):
         assert e is None and got == b"".join(bytes([q + 1]) * 4 for q in range(WORLD))
     _close(pools)
@@ -210,10 +214,10 @@ def test_a_freed_buffer_is_a_usage_error():
         lambda: buf.nbytes,
         lambda: buf.read(),
         lambda: buf.write(b"x"),
-        lambda: buf.all_gather(),
-        lambda: buf.reduce_scatter("f32"),
+        lambda: buf.all_gather(tag=0),
+        lambda: buf.reduce_scatter("f32", tag=0),
         lambda: buf.all_reduce("f32", tag=0),
-        lambda: other.all_reduce("u8", out=buf),
+        lambda: other.all_reduce("u8", out=buf, tag=0),
     ):
         with pytest.raises(errors.UsageError, match="freed") as e:
             use()
@@ -251,26 +255,53 @@ def test_error_classes_come_from_one_table_of_kinds():
     assert e.value.kind == "usage"
 
 
+@pytest.mark.parametrize("world", [1, WORLD])
 @pytest.mark.parametrize("check", ["strict", "async", "off"])
-def test_untagged_after_tagged_and_require_tags_raise_usage_error(check):
-    # A pool that has seen a tagged collective refuses an untagged one; with
-    # require_tags=True every untagged collective is refused. Nothing runs either way.
-    for require in (False, True):
-        pools = symmpool.Pool.host_group(WORLD, check=check, timeout_s=30.0, require_tags=require)
+def test_untagged_collectives_raise_usage_error_by_default(check, world):
+    # Every collective needs tag= on a pool with the default settings; nothing runs.
+    pools = symmpool.Pool.host_group(world, check=check, timeout_s=30.0)
+    assert not any(p.untagged_collectives for p in pools)
 
-        def rank(r):
-            buf = pools[r].alloc(8 * WORLD)
-            if not require:
-                assert buf.all_gather()  # untagged: fine until a tag is seen
-            assert buf.all_gather(tag=0)
-            mine = bytes([r + 7]) * (8 * WORLD)
+    def rank(r):
+        buf = pools[r].alloc(8 * world)
+        out = pools[r].alloc(8 * world)
+        mine = bytes([r + 7]) * (8 * world)
+        for call in (
+            lambda: buf.all_gather(),
+            lambda: buf.reduce_scatter("f32"),
+            lambda: buf.all_reduce("f32", out=out),
+            lambda: buf.all_reduce("u8", "max"),
+        ):
             buf.write(mine)
-            with pytest.raises(errors.UsageError, match="untagged collective"):
-                buf.all_gather()
+            with pytest.raises(errors.UsageError, match="has no identity") as e:
+                call()
+            assert e.value.kind == "usage"
+            assert "tag=" in str(e.value) and "untagged_collectives=True" in str(e.value)
             assert buf.read() == mine  # nothing ran
-            assert buf.all_gather(tag=1)
-            pools[r].end_step()
-            buf.free()
+        assert buf.all_gather(tag=1)
+        pools[r].end_step()
+        buf.free()
+        out.free()
 
-        run_ranks(WORLD, rank)
-        _close(pools)
+    run_ranks(world, rank)
+    _close(pools)
+
+
+@pytest.mark.parametrize("check", ["strict", "async", "off"])
+def test_a_pool_made_for_untagged_collectives_runs_them(check):
+    pools = symmpool.Pool.host_group(WORLD, check=check, timeout_s=30.0, untagged_collectives=True)
+    assert all(p.untagged_collectives for p in pools)
+
+    def rank(r):
+        buf = pools[r].alloc(8 * WORLD)
+        buf.write(bytes(8 * r) + bytes([r + 1]) * 8 + bytes(8 * (WORLD - 1 - r)))
+        assert buf.all_gather()
+        got = buf.read()
+        assert buf.all_gather(tag=3)  # tagged calls too
+        pools[r].end_step()
+        buf.free()
+        return got
+
+    for got in run_ranks(WORLD, rank):
+        assert got == b"".join(bytes([q + 1]) * 8 for q in range(WORLD))
+    _close(pools)

@@ -148,7 +148,7 @@ def test_dtypes_as_strings_and_torch_dtypes(dtype):
     def rank(r):
         buf = pools[r].alloc(4 * 4)
         buf.write(struct.pack("<4f", *(float(r + 1),) * 4))
-        buf.reduce_scatter(dtype, "sum")
+        buf.reduce_scatter(dtype, "sum", tag=0)
         return struct.unpack("<4f", buf.read())[2 * r : 2 * r + 2]
 
     assert run_ranks(2, rank) == [(3.0, 3.0)] * 2
@@ -159,11 +159,11 @@ def test_unsupported_dtypes_are_refused_clearly():
     (pool,) = symmpool.Pool.host_group(1)
     buf = pool.alloc(64)
     with pytest.raises(ValueError, match=r"unsupported dtype torch\.float64: supported are float32"):
-        buf.reduce_scatter(_fake("float64"))
+        buf.reduce_scatter(_fake("float64"), tag=0)
     with pytest.raises(ValueError, match="unsupported dtype int7"):
-        buf.reduce_scatter("int7")
+        buf.reduce_scatter("int7", tag=0)
     with pytest.raises(TypeError, match="string or a torch.dtype"):
-        buf.reduce_scatter(32)
+        buf.reduce_scatter(32, tag=0)
     buf.free()
     pool.close()
 
@@ -177,7 +177,7 @@ def test_shm_pools_as_threads_over_a_store():
         assert (pool.rank, pool.world_size, pool.device) == (r, 2, None)
         buf = pool.alloc(8)
         buf.write(bytes(4 * r) + bytes([r + 1]) * 4)
-        path = buf.all_gather()
+        path = buf.all_gather(tag=0)
         got = buf.read()
         buf.free()
         pool.close()

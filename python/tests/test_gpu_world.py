@@ -355,7 +355,7 @@ def pool(world):
     """A pool adopted from the group's communicator (``from_group``), every call
     checked before it runs and tagged."""
     p = symmpool.from_group(
-        world.group, mode="adopt", name="world-coll", check="strict", require_tags=True, timeout_s=POOL_TIMEOUT_S
+        world.group, mode="adopt", name="world-coll", check="strict", timeout_s=POOL_TIMEOUT_S
     )
     yield p
     gc.collect()
@@ -399,7 +399,6 @@ def test_adopt_the_groups_communicator(world):
         store_exchange(world.group, name="world-adopt"),
         name="world-adopt",
         check="strict",
-        require_tags=True,
         timeout_s=POOL_TIMEOUT_S,
     )
     assert (p.rank, p.world_size, p.device) == (world.rank, world.size, world.device.index)

@@ -106,9 +106,10 @@ fn own_chunk<'a, T: Element>(
 /// data moves, under `Async` within the documented bound. Under [`CheckMode::Off`]
 /// the tag is ignored. Every `u64` is a tag, 0 included.
 ///
-/// Once a pool has seen a tagged collective (or with
-/// [`PoolConfig::require_tags`](crate::PoolConfig::require_tags)), an untagged one on it
-/// is refused ([`Error::Untagged`]), in every check mode.
+/// Every collective needs its tag: an untagged one (a call on the [`Coll`] itself) is
+/// refused with [`Error::Untagged`], in every check mode and at every world size,
+/// unless its pool was made for untagged collectives
+/// ([`PoolConfig::with_untagged_collectives`](crate::PoolConfig::with_untagged_collectives)).
 ///
 /// ```
 /// use symmpool::{Coll, CollectiveCalls, PoolConfig, Stream, SymmPool};
@@ -212,9 +213,11 @@ impl sealed::Handle for TaggedColl<'_> {
 impl CollectiveCalls for Coll {}
 impl CollectiveCalls for TaggedColl<'_> {}
 
-/// The collective calls of a [`Coll`] handle, untagged on the handle itself, carrying a
-/// tag on a [`TaggedColl`] (`coll.tagged(tag)`); bring the trait into scope to call
-/// them (`use symmpool::CollectiveCalls`). Sealed: only those two types implement it.
+/// The collective calls of a [`Coll`] handle, carrying a tag on a [`TaggedColl`]
+/// (`coll.tagged(tag)`), untagged on the handle itself (refused unless the pool accepts
+/// them: [`PoolConfig::untagged_collectives`](crate::PoolConfig::untagged_collectives));
+/// bring the trait into scope to call them (`use symmpool::CollectiveCalls`). Sealed:
+/// only those two types implement it.
 ///
 /// # Collective
 /// Every method is collective: every rank makes the same calls, in the same order,
@@ -234,8 +237,8 @@ pub trait CollectiveCalls: sealed::Handle {
     /// [`Error::CollectiveDivergence`] when the pool's collective check finds the ranks
     /// disagree (see "Checked collectives" in [`coll`](crate::coll); a different tag
     /// is named as the field `tag`), and on every later call after that;
-    /// [`Error::Untagged`] for an untagged call on a pool that has seen a tagged one or
-    /// requires tags (nothing ran); [`Error::PeerLost`] when a peer is lost during the
+    /// [`Error::Untagged`] for an untagged call on a pool that does not accept them
+    /// (nothing ran); [`Error::PeerLost`] when a peer is lost during the
     /// call (every survivor may then [`SymmPool::shrink`](crate::SymmPool::shrink)),
     /// and [`Error::PoolBroken`] from later calls after a collective timed out or lost
     /// a peer; [`Error::Shrunk`] for a handle or buffer of a pool that a shrink
@@ -385,9 +388,8 @@ fn call<T: Element>(
         };
         return Err(failed(pool, error));
     };
-    // The pool keeps whether it refuses untagged calls (it requires tags, or has seen a
-    // tagged one, whichever handle saw it).
-    if tag.is_none() && entry.pool.tags_required().load(Ordering::Relaxed) {
+    // A call without an identity, unless the pool was made for them.
+    if tag.is_none() && !entry.pool.untagged_allowed() {
         return Err(failed(first.pool(), untagged(name, first.pool())));
     }
     let pool = match bufs {
@@ -429,10 +431,6 @@ fn call<T: Element>(
             ((buffer, send), (buffer, recv), count)
         }
     };
-    if tag.is_some() && !entry.pool.tags_required().load(Ordering::Relaxed) {
-        // A valid tagged call: untagged ones are refused from now on.
-        entry.pool.tags_required().store(true, Ordering::Relaxed);
-    }
     handle.dispatch(entry, coll, send, recv, count, T::DTYPE, stream, None, tag)
 }
 
@@ -444,7 +442,6 @@ fn untagged(op: &'static str, pool: &SymmPool) -> Error {
     Error::Untagged {
         op,
         pool: pool.config().name.clone(),
-        required: pool.config().require_tags,
     }
 }
 

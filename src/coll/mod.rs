@@ -36,7 +36,7 @@
 //! |---|---|
 //! | record kind | collective, step boundary ([`Coll::end_step`]), or one of the pool's agreements (a growth, `trim`, `close`...: the same ledger carries them, so a rank whose extra allocation grows the pool while its peers make a collective fails on every rank within the growth's own round) |
 //! | pool | the ordinal of the pool's exchange channel (its identity among the ranks) |
-//! | tag | the caller's identity of the call ([`Coll::tagged`]: any `u64`, 0 included; "no tag" when untagged) |
+//! | tag | the caller's identity of the call ([`Coll::tagged`]: any `u64`, 0 included; "no tag" on a pool made for untagged calls) |
 //! | pool collective number | collectives issued on this pool so far |
 //! | collective, element type, reduction, count | the call |
 //! | communicator, communicator sequence number | the communicator the path chose, and the collectives the handle issued on it over *every* pool of the handle (one handle per communicator set: see [`Coll::with_pools`]) |
@@ -82,11 +82,16 @@
 //!   mismatched rounds). At world size 1 every handle runs so: one rank has no peer
 //!   to diverge from.
 //!
-//! **Calls that know who they are**: calls of the same shape make the same record;
-//! [`Coll::tagged`] gives each call its identity, so a skipped call differs in the
-//! field `tag` ([`TaggedColl`]); untagged ones are caught at the step boundary at the
-//! latest. The crate's example (`fsdp_step`) and Python package
-//! (`symmpool.fsdp.install`) tag every collective and mark every step.
+//! **Calls that know who they are**: calls of the same shape make the same record, so
+//! every collective carries its identity, [`Coll::tagged`], and a skipped call differs
+//! in the field `tag` ([`TaggedColl`]). A collective without a tag is refused
+//! ([`Error::Untagged`], nothing runs), in every mode and at every world size, unless
+//! its pool was made for untagged collectives
+//! ([`PoolConfig::with_untagged_collectives`](crate::PoolConfig::with_untagged_collectives),
+//! alike on every rank: compared when the pool is made); those are compared by shape
+//! only, and a skipped one is caught at the step boundary at the latest. The crate's
+//! example (`fsdp_step`) and Python package (`symmpool.fsdp.install`) tag every
+//! collective and mark every step.
 //!
 //! **Step boundary**: [`Coll::end_step`] catches a skipped or extra collective (tagged
 //! or not), an extra allocation, or a loop of cache hits without collectives, on every
@@ -121,7 +126,8 @@
 //!             let params = pool.alloc(2 * 4 * 1024, &stream).unwrap();
 //!             let shard = params.view::<f32>().unwrap().slice(rank * 1024, 1024).unwrap();
 //!             shard.copy_from_host(&vec![rank as f32; 1024]).unwrap();
-//!             let report = coll.all_gather_in_place::<f32>(&params, &stream).unwrap();
+//!             // Every collective carries its identity: here layer 0's gather.
+//!             let report = coll.tagged(0).all_gather_in_place::<f32>(&params, &stream).unwrap();
 //!             assert_eq!(report.path, coll::Path::SymmetricKernel);
 //!             let all = params.read::<f32>().unwrap();
 //!             assert_eq!((all[0], all[1024]), (0.0, 1.0));

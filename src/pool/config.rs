@@ -47,13 +47,17 @@ pub struct PoolConfig {
     /// values let a rank's host run further ahead of its peers' records, at that cost
     /// in the bound.
     pub check_queue: usize,
-    /// Whether every collective on the pool must carry a tag
-    /// ([`Coll::tagged`](crate::coll::Coll::tagged)): an untagged one fails with
-    /// [`Error::Untagged`](crate::Error::Untagged) (default `false`; a pool that has
-    /// seen a tagged collective refuses untagged ones anyway). Tags give calls of the
-    /// same shape an identity, so that a rank skipping one of them is caught at that
-    /// call, not at the end of the step.
-    pub require_tags: bool,
+    /// Whether collectives on the pool may be made without an identity (default
+    /// `false`: every collective needs one, [`Coll::tagged`](crate::coll::Coll::tagged),
+    /// and an untagged call fails with [`Error::Untagged`](crate::Error::Untagged)
+    /// before anything runs). A tag tells calls of the same shape apart, so that a rank
+    /// skipping one of them (one persistent gather buffer for every layer) fails at that
+    /// call instead of moving another call's data; untagged calls are compared by shape
+    /// only. Set only in code ([`with_untagged_collectives`](Self::with_untagged_collectives);
+    /// no environment variable reads it), alike on every rank: ranks that differ fail
+    /// when they make the pool ([`Error::ChannelMismatch`](crate::Error::ChannelMismatch),
+    /// the pool's channel name ending in `untagged_collectives` on the ranks that set it).
+    pub untagged_collectives: bool,
     /// Whether the pool gets communicators of its own, split for it from the
     /// backend's when it is created ([`Backend::split`](crate::backend::Backend::split),
     /// under the pool's name; default `false`: the pool uses the backend's). Pools
@@ -102,7 +106,7 @@ impl Default for PoolConfig {
             name: "pool".into(),
             check: CheckMode::default(),
             check_queue: 1,
-            require_tags: false,
+            untagged_collectives: false,
             bad_check_env: None,
             own_communicators: false,
         }
@@ -116,7 +120,9 @@ impl PoolConfig {
     /// the code (the crate's examples and the Python package do). A value that names
     /// no mode is not an error here: [`Coll::new`](crate::coll::Coll::new) fails with
     /// [`Error::Config`](crate::Error::Config) naming `SYMMPOOL_CHECK`, unless
-    /// [`with_check`](Self::with_check) sets the mode.
+    /// [`with_check`](Self::with_check) sets the mode. Nothing else is read:
+    /// [`untagged_collectives`](Self::untagged_collectives) in particular is a property
+    /// of the code's calls, set in the code.
     pub fn from_env() -> Self {
         let mut config = PoolConfig::default();
         match check_from_env() {
@@ -128,7 +134,7 @@ impl PoolConfig {
 
     setters! {
         with_timeout(timeout: Duration);
-        with_require_tags(require_tags: bool);
+        with_untagged_collectives(untagged_collectives: bool);
         with_register(register: bool);
         with_require_symmetric(require_symmetric: bool);
         with_core(core: CoreConfig);

@@ -69,10 +69,6 @@ pub(crate) struct PoolInner {
     mode: crate::CheckMode,
     /// The call count and running hash, read without the state's lock.
     call_head: Arc<CallHead>,
-    /// Whether an untagged collective on the pool is refused: it requires tags
-    /// ([`PoolConfig::require_tags`]) or has seen a tagged one (set by the collectives
-    /// handles, read on every collective).
-    tags_required: AtomicBool,
     /// Lock-free counters for [`SymmPool::memory_stats`].
     pub(crate) counters: PoolCounters,
     state: Mutex<PoolState>,
@@ -115,14 +111,15 @@ pub(crate) struct PoolInner {
 ///                 t.spawn(|| {
 ///                     let stream = Stream::host();
 ///                     let full = params.alloc(2 * 4 * 1024, &stream).unwrap();
-///                     gather.all_gather_in_place::<f32>(&full, &stream).unwrap();
+///                     gather.tagged(0).all_gather_in_place::<f32>(&full, &stream).unwrap();
 ///                 });
 ///                 // The reduce-scatter stream's thread: gradients.
 ///                 t.spawn(|| {
 ///                     let stream = Stream::host();
 ///                     let g = grads.alloc(2 * 4 * 1024, &stream).unwrap();
 ///                     let shard = grads.alloc(4 * 1024, &stream).unwrap();
-///                     reduce.reduce_scatter::<f32>(&g, &shard, ReduceOp::Sum, &stream).unwrap();
+///                     let grad0 = reduce.tagged(0); // layer 0's gradients
+///                     grad0.reduce_scatter::<f32>(&g, &shard, ReduceOp::Sum, &stream).unwrap();
 ///                 });
 ///             });
 ///             gather.end_step().unwrap();
@@ -162,7 +159,8 @@ impl SymmPool {
     /// should own its communicators and the backend cannot split; the errors of
     /// [`Backend::split`]; [`Error::Core`] if the core configuration (with the
     /// backend's granularity) is invalid; [`Error::ChannelMismatch`] on every rank if
-    /// the ranks create pools in different orders or with different names;
+    /// the ranks create pools in different orders, with different names, check modes
+    /// ([`PoolConfig::check`]) or [`PoolConfig::untagged_collectives`];
     /// [`Error::Timeout`] / [`Error::PeerLost`] if a rank does not create its pool in time.
     pub fn new(backend: Backend, config: PoolConfig) -> Result<Self> {
         let (rank, name) = (backend.rank(), config.name.clone());
@@ -205,9 +203,19 @@ impl SymmPool {
         state: impl FnOnce() -> (Allocator, History),
     ) -> Result<Self> {
         let comms = backend.communicators().len();
-        // The check mode is part of the name: ranks with different modes fail here.
+        // The check mode and the untagged opt-out are part of the name: ranks that set
+        // them differently fail here.
+        let untagged = if config.untagged_collectives {
+            ":untagged_collectives"
+        } else {
+            ""
+        };
         let channel = backend.exchange().open_channel(
-            &format!("pool:{}:checks:{}", config.name, config.check.name()),
+            &format!(
+                "pool:{}:checks:{}{untagged}",
+                config.name,
+                config.check.name()
+            ),
             Deadline::after(config.timeout),
         )?;
         backend.note_user(channel.ordinal(), &config.name, false);
@@ -234,7 +242,6 @@ impl SymmPool {
                 ledger,
                 mode,
                 call_head,
-                tags_required: AtomicBool::new(config.require_tags),
                 successor: std::sync::OnceLock::new(),
                 config,
             }),
@@ -323,10 +330,11 @@ impl SymmPool {
         self.inner.mode
     }
 
-    /// Whether an untagged collective on the pool is refused (see the field).
+    /// Whether the pool accepts collectives without a tag
+    /// ([`PoolConfig::untagged_collectives`]).
     #[inline]
-    pub(crate) fn tags_required(&self) -> &AtomicBool {
-        &self.inner.tags_required
+    pub(crate) fn untagged_allowed(&self) -> bool {
+        self.inner.config.untagged_collectives
     }
 
     /// Whether two handles are the same pool.

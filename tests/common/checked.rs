@@ -120,7 +120,7 @@ pub fn rank_body(s: Scenario, pools: &[SymmPool], perturbed: bool, stream: &Stre
     let mut seen = Seen::default();
     // One handle for the rank's pools: crossed pools share its communicator numbers.
     let coll = Coll::with_pools(pools).unwrap();
-    let ag = |b: &SymmBuffer| coll.all_gather_in_place::<f32>(b, stream);
+    let ag = |b: &SymmBuffer| coll.tagged(0).all_gather_in_place::<f32>(b, stream);
     // Grow together first (a small segment serves every size below).
     drop(pool.alloc(1 << 20, stream).unwrap());
     if s == Scenario::CrossedPools {
@@ -212,7 +212,10 @@ pub fn rank_body(s: Scenario, pools: &[SymmPool], perturbed: bool, stream: &Stre
                 ReduceOp::Sum
             };
             for _ in 0..MORE {
-                let f = || coll.reduce_scatter_in_place::<f32>(&buf, op, stream);
+                let f = || {
+                    coll.tagged(0)
+                        .reduce_scatter_in_place::<f32>(&buf, op, stream)
+                };
                 if !seen.call(rank, &[&buf], f) {
                     break;
                 }

@@ -42,7 +42,8 @@ fn params_thread(pool: &SymmPool, coll: &Coll, iterations: usize) -> Result<(), 
         };
         fill().map_err(|e| format!("params iteration {i}: write: {e}"))?;
         shuffle((rank + i) % 3);
-        coll.all_gather_in_place::<f32>(&buf, &stream)
+        coll.tagged(0)
+            .all_gather_in_place::<f32>(&buf, &stream)
             .map_err(|e| format!("params iteration {i}: all-gather: {e}"))?;
         let all = buf
             .read::<f32>()
@@ -85,7 +86,8 @@ fn grads_thread(pool: &SymmPool, coll: &Coll, iterations: usize) -> Result<(), S
         let mine: Vec<f32> = (0..world * n).map(|k| (k % 89 + rank + i) as f32).collect();
         input.write(&mine).map_err(|e| step("write", e))?;
         shuffle((rank * 3 + i) % 4);
-        coll.reduce_scatter::<f32>(&input, &output, ReduceOp::Sum, &stream)
+        coll.tagged(0)
+            .reduce_scatter::<f32>(&input, &output, ReduceOp::Sum, &stream)
             .map_err(|e| step("reduce-scatter", e))?;
         let got = output.read::<f32>().map_err(|e| step("read", e))?;
         let ranks = (world * (world - 1) / 2) as f32;

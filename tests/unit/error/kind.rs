@@ -76,7 +76,6 @@ fn one_of_each() -> Vec<(Error, K)> {
             Error::Untagged {
                 op: "all_gather",
                 pool: s(),
-                required: true,
             },
             K::Usage,
         ),
