@@ -712,12 +712,12 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
     // Checks off: a survivor then waits inside NCCL, not in a check's round.
     let pool = w.pool(config("fault", CheckMode::Off))?;
     let coll = ok("Coll::new", Coll::new(&pool))?;
-    if let Some(p) = path {
-        let p = match p {
-            FaultPath::Symm => Path::SymmetricKernel,
-            FaultPath::Ce => Path::CopyEngine,
-            FaultPath::Plain => Path::PlainKernel,
-        };
+    let wanted = path.map(|p| match p {
+        FaultPath::Symm => Path::SymmetricKernel,
+        FaultPath::Ce => Path::CopyEngine,
+        FaultPath::Plain => Path::PlainKernel,
+    });
+    if let Some(p) = wanted {
         coll.set_path_policy(
             PathPolicy::default().with_choices(Choice::Prefer(p), Choice::Prefer(p)),
         );
@@ -733,6 +733,9 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
         coll.tagged(0).all_gather::<f32>(&input, &output, &stream),
     )?
     .path;
+    if wanted.is_some_and(|p| p != taken) {
+        return Err(format!("--path {path:?}: the all-gather took {taken:?}"));
+    }
     let gathered: Vec<f32> = (0..w.size)
         .flat_map(|s| values::<f32>(s, count, 0))
         .collect();
@@ -1454,6 +1457,14 @@ mod paths {
             self.coll.set_path_policy(policy.with_all_reduce(prefer));
             let end_step = || ok("end_step", self.coll.end_step());
             let stream = &self.stream;
+            // A timed crate call on another path or communicator fails the cell.
+            let checked = || {
+                let r = self.crate_call(op, b)?;
+                match (r.path, r.comm) {
+                    (p, c) if p == path && c == index => Ok(()),
+                    (p, c) => Err(format!("{name}: a call took {p:?} on communicator {c}")),
+                }
+            };
             // Warm-up, 2 calls each; the first says whether the crate takes the path.
             let first = self.crate_call(op, b)?;
             if first.path != path {
@@ -1468,7 +1479,7 @@ mod paths {
                     "{name}: the crate used communicator {used}, not {index}"
                 ));
             }
-            let (_, c) = time(1, 0, false, stream, || self.crate_call(op, b).map(drop))?;
+            let (_, c) = time(1, 0, false, stream, &checked)?;
             let (_, r) = time(2, 0, false, stream, || self.raw_call(op, b, comm))?;
             end_step()?;
             let per_call = self.max_over_ranks("paths: warm-up", c.max(r / 2.0))?;
@@ -1482,7 +1493,7 @@ mod paths {
                 let mut secs = [0.0; 2];
                 for side in [rep % 2, 1 - rep % 2] {
                     let (us, s) = match side {
-                        0 => time(iters, 0, false, stream, || self.crate_call(op, b).map(drop))?,
+                        0 => time(iters, 0, false, stream, &checked)?,
                         _ => time(iters, 0, false, stream, || self.raw_call(op, b, comm))?,
                     };
                     if side == 0 {
