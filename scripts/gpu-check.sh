@@ -58,7 +58,8 @@ NCCL_PIECES=gpu-nccl NCCL_TMP=/tmp/symmpool-nccl
 
 # The NCCL wheel in pieces (see the top); the download is skipped when its pieces exist.
 nccl_pieces() {
-  [ -f "$NCCL_PIECES/SHA256" ] && [ "$(cat "$NCCL_PIECES/SHA256")" = "$NCCL_SHA256" ] && return 0
+  [ -f "$NCCL_PIECES/SHA256" ] && [ "$(cat "$NCCL_PIECES/SHA256")" = "$NCCL_SHA256" ] \
+    && [ "$(ls "$NCCL_PIECES"/piece.* | wc -l)" = 4 ] && return 0
   rm -rf "$NCCL_PIECES" && mkdir -p "$NCCL_PIECES"
   python3 -m pip download -q --no-deps --only-binary=:all: -d "$NCCL_PIECES" nvidia-nccl-cu13==2.32.6
   echo "$NCCL_SHA256  $NCCL_PIECES/$NCCL_WHEEL" | sha256sum -c -
@@ -81,11 +82,13 @@ receive() {
 nccl232() {
   local lib="$NCCL_TMP/nvidia/nccl/lib/libnccl.so.2"
   if [ ! -f "$lib" ]; then
-    [ "$(ls "$NCCL_TMP"/piece.* 2>/dev/null | wc -l)" = 4 ] || { echo "gpu-check: NCCL 2.32.6: not all four pieces are in $NCCL_TMP" >&2; return 1; }
-    cat "$NCCL_TMP"/piece.* >"$NCCL_TMP/$NCCL_WHEEL"
-    echo "$NCCL_SHA256  $NCCL_TMP/$NCCL_WHEEL" | sha256sum -c - >&2 || return 1
-    python3 -m zipfile -e "$NCCL_TMP/$NCCL_WHEEL" "$NCCL_TMP" >&2 || return 1
-    rm -f "$NCCL_TMP/$NCCL_WHEEL"
+    # Joined and checked (a missing piece fails the sum), extracted aside, then moved
+    # into place: an interrupted extraction leaves no library behind.
+    cat "$NCCL_TMP"/piece.* >"$NCCL_TMP/$NCCL_WHEEL" 2>/dev/null
+    echo "$NCCL_SHA256  $NCCL_TMP/$NCCL_WHEEL" | sha256sum -c - >&2 \
+      || { echo "gpu-check: NCCL 2.32.6: the pieces in $NCCL_TMP do not make the wheel" >&2; return 1; }
+    rm -rf "$NCCL_TMP/x" && python3 -m zipfile -e "$NCCL_TMP/$NCCL_WHEEL" "$NCCL_TMP/x" >&2 || return 1
+    rm -rf "$NCCL_TMP/nvidia" && mv "$NCCL_TMP/x/nvidia" "$NCCL_TMP/nvidia" && rm -rf "$NCCL_TMP/x" "$NCCL_TMP/$NCCL_WHEEL"
   fi
   echo "$lib"
 }
@@ -116,7 +119,8 @@ build() {
   if [ -n "$anchors" ] && [ -d "$anchors" ]; then mkdir -p "$BUNDLE/anchors" && cp "$anchors"/* "$BUNDLE/anchors/"; fi
   ls -la "$BUNDLE" "$BUNDLE/bin"
   du -sh "$BUNDLE"
-  nccl_pieces
+  # Without the pieces the `same` section reports itself not run.
+  nccl_pieces || echo "gpu-check: NCCL 2.32.6 could not be fetched: the same-node world will not run" >&2
 }
 
 run() {

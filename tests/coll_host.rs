@@ -642,3 +642,23 @@ fn a_world_of_one_rank_checks_nothing() {
     let modes = on_ranks(&two, |_, c| c.check_mode());
     assert_eq!(modes, [CheckMode::Strict; 2]);
 }
+
+#[test]
+fn ranks_that_calibrate_different_sizes_fail_before_any_collective() {
+    // Rank 1 asks for twice rank 0's sizes: the temporary pool's name carries the
+    // configuration, so making it fails on both ranks, and nothing is measured.
+    let pools = SymmPool::host_group(2, PoolConfig::default()).unwrap();
+    let errors = on_ranks(&pools, |pool, coll| {
+        let stream = Stream::host();
+        let top = (8 << 10) << pool.rank();
+        let cal = symmpool::coll::CalibrateConfig::default()
+            .with_range(4 << 10, top)
+            .with_reps(1);
+        let err = coll.calibrate(&stream, &cal).unwrap_err();
+        pool.close().unwrap();
+        err
+    });
+    for e in errors {
+        assert!(matches!(e, Error::ChannelMismatch { .. }), "{e}");
+    }
+}

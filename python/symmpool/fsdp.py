@@ -553,7 +553,8 @@ def install(
     (from FSDP2's parameter groups; 64 KiB to 64 MiB where they cannot be read) and
     the powers of two between, with cheap settings, in a temporary pool of (world + 1)
     x the largest size, applies the fastest path per size to the pool's collectives
-    and logs the thresholds at INFO (``Installed.calibration`` has them). Returns an
+    (a ``pool`` passed in included: its policy changes too) and logs the thresholds
+    at INFO (``Installed.calibration`` has them). Returns an
     :class:`Installed`.
 
     Collective: every rank installs on the same model at the same point.

@@ -179,7 +179,9 @@ impl Coll {
     /// # Errors
     /// [`Error::PoolClosed`]; [`Error::Config`] for an empty or inverted range, a
     /// range above [`MAX_CALIBRATE_BYTES`], or no repetitions;
-    /// growth errors (out of memory for world × `max_bytes`); collective errors;
+    /// [`Error::ChannelMismatch`] when the ranks' `config`s differ (nothing runs);
+    /// growth errors (out of memory for (world + 1) × `max_bytes`); collective
+    /// errors; [`Error::CollectiveMismatch`] if rank 0 measured other sizes;
     /// [`Error::Timeout`] if ranks do not arrive.
     pub fn calibrate(&self, stream: &Stream, config: &CalibrateConfig) -> Result<Calibration> {
         let pool = self.pool();
@@ -201,12 +203,21 @@ impl Coll {
         // The caller's settings (core sizes, timeout, registration) on the handle's
         // communicators (never split again: a pool's own communicators are the
         // backend's here), unchecked (the checks cost the same on every path, and
-        // under `Async` they pace back-to-back calls), under a name of its own;
-        // default paths.
+        // under `Async` they pace back-to-back calls), under a name of its own that
+        // carries `config`: ranks that calibrate differently fail in `SymmPool::new`
+        // (`Error::ChannelMismatch`) before any collective; default paths.
+        let c = config;
         let tmp_config = (pool.config().clone())
             .with_own_communicators(false)
             .with_check(CheckMode::Off)
-            .with_name(format!("{}:calibrate", pool.config().name));
+            .with_name(format!(
+                "{}:calibrate:{}-{}:{}x{}",
+                pool.config().name,
+                c.min_bytes,
+                c.max_bytes,
+                c.reps,
+                c.bytes_per_rep
+            ));
         let tmp = SymmPool::new(backend.clone(), tmp_config)?;
         let tmp_coll = Coll::build(std::slice::from_ref(&tmp), None)?;
         let sizes = config.sizes();
