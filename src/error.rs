@@ -117,7 +117,9 @@ pub enum Error {
     /// every rank. Drop the pool (its memory is released locally) and build a new one.
     #[error("{0}")]
     Divergence(Box<Divergence>),
-    /// A wait on other ranks ran out of time.
+    /// A wait on other ranks ran out of time (and, over a store, no loss explains it:
+    /// a rank the store declares lost by the heartbeat timeout and interval past the
+    /// wait's start is reported as [`Error::PeerLost`] instead).
     #[error("timed out after {waited:?} in {op}: ranks {missing_ranks:?} did not arrive")]
     Timeout {
         /// What was being waited for.
@@ -128,7 +130,10 @@ pub enum Error {
         missing_ranks: Vec<usize>,
     },
     /// An earlier wait timed out on `rank`, so the ranks are out of step: every later
-    /// collective pool operation or collective on the same group fails with this.
+    /// collective pool operation or collective on the same group fails with this. Where
+    /// the store declares a rank lost that explains the timeout (a frozen rank), the
+    /// calls report that loss instead ([`Error::PeerLost`]): a call that meets the
+    /// broken group waits for the verdict up to the heartbeat timeout and interval.
     #[error(
         "rank {rank} timed out in {op} earlier; the ranks are out of step (drop the pool and start again)"
     )]
@@ -354,6 +359,21 @@ pub enum Error {
         /// How the loss was noticed.
         detail: String,
     },
+    /// The store declared this rank lost: it sent nothing for longer than the heartbeat
+    /// timeout (frozen, e.g. `SIGSTOP`, or cut off from rank 0's host), so the store
+    /// closed its connection and the other ranks went on without it (they may have
+    /// shrunk the group). This process cannot rejoin: end it (restart the job, or let
+    /// an elastic launcher start the rank anew). Every later call on the group fails
+    /// with this, as does [`SymmPool::shrink`](crate::SymmPool::shrink).
+    #[error(
+        "this rank ({rank}) was declared lost by the store: {detail}; the other ranks no longer wait for it (they may go on without it) and it cannot rejoin the group: end this process (restart the job, or let the launcher start this rank anew)"
+    )]
+    DeclaredLost {
+        /// This rank, in its group.
+        rank: usize,
+        /// The store's reason.
+        detail: String,
+    },
     /// The call was made on something (a pool, its collectives, an exchange) that
     /// [`SymmPool::shrink`](crate::SymmPool::shrink) replaced. Nothing was done.
     #[error(
@@ -368,8 +388,10 @@ pub enum Error {
     /// went on without this rank; the backend or its exchange cannot shrink): every
     /// survivor in [`SymmPool::shrink`](crate::SymmPool::shrink) gets it, its pool left
     /// as it was (broken). `retry`: a second rank was lost while the survivors agreed,
-    /// call `shrink` again; otherwise restart. A survivor that does not ask in time is
-    /// [`Error::Timeout`] instead.
+    /// call `shrink` again (kind [`PeerLost`](crate::ErrorKind::PeerLost)); otherwise
+    /// restart (kind [`GroupLost`](crate::ErrorKind::GroupLost): shrinking again
+    /// cannot help). A survivor that does not ask in time is [`Error::Timeout`]
+    /// instead.
     #[error("the surviving ranks could not shrink the group: {reason}")]
     ShrinkFailed {
         /// Why, naming the ranks involved.

@@ -662,3 +662,39 @@ fn ranks_that_calibrate_different_sizes_fail_before_any_collective() {
         assert!(matches!(e, Error::ChannelMismatch { .. }), "{e}");
     }
 }
+
+#[test]
+fn making_a_collectives_handle_is_local_a_lone_rank_gets_it_at_once() {
+    // `Coll::new` makes no round with the peers (the pool is what the ranks make
+    // together): rank 0 gets its handle, under every check mode, while rank 1 makes
+    // none until later; their collectives then pair.
+    for mode in [CheckMode::Strict, CheckMode::Async, CheckMode::Off] {
+        let config = PoolConfig::default()
+            .with_timeout(Duration::from_secs(10))
+            .with_check(mode);
+        let pools = SymmPool::host_group(2, config).unwrap();
+        let started = Instant::now();
+        let first = Coll::new(&pools[0]).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(1), "{mode:?}");
+        let second = Coll::new(&pools[1]).unwrap();
+        let sums = thread::scope(|s| {
+            let hs: Vec<_> = [(&pools[0], &first), (&pools[1], &second)]
+                .into_iter()
+                .map(|(pool, coll)| {
+                    s.spawn(move || {
+                        let b = pool.alloc(1024, &Stream::host()).unwrap();
+                        b.write(&[(pool.rank() + 1) as f32; 256]).unwrap();
+                        (coll.tagged(0))
+                            .all_reduce_in_place::<f32>(&b, ReduceOp::Sum, &Stream::host())
+                            .unwrap();
+                        b.read::<f32>().unwrap()[0]
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(sums, [3.0, 3.0], "{mode:?}");
+    }
+}

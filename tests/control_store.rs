@@ -877,7 +877,7 @@ fn preface(version: u16) -> Vec<u8> {
 }
 
 /// The store's protocol version.
-const VERSION: u16 = 7;
+const VERSION: u16 = 8;
 
 /// A hello frame as postcard encodes it (all numbers and lengths below 128): token,
 /// job identity (none), rank, world size, host name, pid 1.

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::thread;
 use std::time::Duration;
 use symmpool::control::{Exchange, Launch, StoreConfig, StoreExchange, StoreServer};
-use symmpool::{Deadline, Error};
+use symmpool::{Deadline, Error, ErrorKind};
 
 mod common;
 
@@ -162,11 +162,18 @@ fn without_the_stores_host_a_shrink_fails_at_once() {
     let started = std::time::Instant::now();
     for out in on_all(&group, |x| x.shrink(Deadline::after(LONG)).map(|_| ())) {
         match out {
-            Err(Error::ShrinkFailed {
-                reason,
-                retry: false,
-            }) => {
-                assert!(reason.contains("job rank 0, is gone"), "{reason}")
+            Err(e) => {
+                let Error::ShrinkFailed {
+                    retry: false,
+                    reason,
+                } = &e
+                else {
+                    panic!("{e:?}");
+                };
+                assert!(reason.contains("job rank 0, is gone"), "{reason}");
+                // Shrinking again cannot help: a kind whose advice is a restart.
+                assert_eq!(e.kind(), ErrorKind::GroupLost, "{e}");
+                assert!(e.kind().needs_restart());
             }
             other => panic!("{other:?}"),
         }
@@ -413,7 +420,8 @@ fn train(
                 }
                 at += 1;
             }
-            Err(e @ (Error::PeerLost { .. } | Error::PoolBroken { .. })) => {
+            // A loss, as the README's loop sorts it: by kind.
+            Err(e) if e.kind() == ErrorKind::PeerLost => {
                 lost_at = Some(Instant::now());
                 let (next, report) = pool.shrink()?;
                 // Nothing of the old world answers with its data: its collectives and

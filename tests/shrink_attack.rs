@@ -8,8 +8,8 @@ use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Deadline, Error, Exchange, HostBackend, HostConfig,
-    PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Deadline, Error, ErrorKind, Exchange, HostBackend,
+    HostConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
 };
 
 mod common;
@@ -52,11 +52,11 @@ fn sum_of_ranks(pool: &SymmPool, coll: &Coll) -> symmpool::Result<f32> {
     Ok(b.read::<f32>()?[0])
 }
 
-/// A survivor learns of the loss: the collective fails with `PeerLost` (or the pool
-/// reports it broken by the loss).
+/// A survivor learns of the loss: the collective fails with an error of kind
+/// `PeerLost` (as the README's loop matches it).
 fn learn_of_loss(pool: &SymmPool, coll: &Coll) {
     match sum_of_ranks(pool, coll) {
-        Err(Error::PeerLost { .. } | Error::PoolBroken { .. }) => {}
+        Err(e) if e.kind() == ErrorKind::PeerLost => {}
         other => panic!("rank {}: {other:?}", pool.rank()),
     }
 }
@@ -221,6 +221,48 @@ fn after_a_shrink_the_old_pool_and_handle_refuse_and_its_buffers_live_on() {
 }
 
 #[test]
+fn after_a_loss_every_later_call_reports_it_with_the_kind_of_a_loss() {
+    // A runtime sorts by kind: whichever call meets the loss first (here a collective,
+    // under each check mode), the later ones (a collective, a growth, a step's end)
+    // say `PeerLost` too, never a broken pool of another kind; and the shrink goes on.
+    for mode in [CheckMode::Strict, CheckMode::Async, CheckMode::Off] {
+        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
+        let pools = SymmPool::host_group(3, config).unwrap();
+        let out = on_ranks(pools, |rank, pool| {
+            let coll = Coll::new(&pool).unwrap();
+            assert_eq!(sum_of_ranks(&pool, &coll).unwrap(), 6.0);
+            if rank == 2 {
+                drop((coll, pool));
+                return None;
+            }
+            learn_of_loss(&pool, &coll);
+            let kinds = [
+                sum_of_ranks(&pool, &coll).map(drop),
+                pool.alloc(64 << 20, &Stream::host()).map(drop),
+                coll.end_step(),
+            ]
+            .map(|r| r.map_err(|e| (e.kind(), e.to_string())));
+            drop(coll);
+            let (next, report) = pool.shrink().unwrap();
+            drop(pool);
+            next.close().unwrap();
+            Some((kinds, report.world_size))
+        });
+        for (kinds, world) in out.into_iter().flatten() {
+            for (i, k) in kinds.iter().enumerate() {
+                // (Unchecked, a step's end compares nothing.)
+                let unchecked_end = mode == CheckMode::Off && i == 2;
+                assert!(
+                    matches!(k, Err((ErrorKind::PeerLost, _))) || (unchecked_end && k.is_ok()),
+                    "{mode:?}: {kinds:?}"
+                );
+            }
+            assert_eq!(world, 2);
+        }
+    }
+}
+
+#[test]
 fn survivors_that_diverged_before_the_loss_all_get_a_divergence() {
     let extra = |rank: usize, pool: &SymmPool| {
         let mut kept = three_buffers(rank, pool);
@@ -363,6 +405,55 @@ fn old_buffers_dropped_on_another_thread_during_the_shrink_all_return_to_the_new
             .collect::<Vec<_>>()
     });
     assert_eq!(out, [Some((100, Ok(()))), Some((100, Ok(()))), None]);
+}
+
+#[test]
+fn a_collective_waiting_on_another_thread_when_the_group_shrinks_ends_with_shrunk() {
+    // On ranks 0 and 1 a helper thread enters a collective that rank 2 never joins,
+    // while every rank's main thread shrinks the pool with no rank lost; rank 2 then
+    // drops its old pool at once. The helpers' collective ends with `Shrunk` (the
+    // group it waits in is over), not with `PeerLost` naming rank 2, which lives on
+    // in the new group; and the new group's collectives run.
+    for mode in [CheckMode::Strict, CheckMode::Async, CheckMode::Off] {
+        let started = Instant::now();
+        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
+        let pools = SymmPool::host_group(3, config).unwrap();
+        let out = on_ranks(pools, |rank, pool| {
+            let coll = Coll::new(&pool).unwrap();
+            let buf = pool.alloc(1024, &Stream::host()).unwrap();
+            let (entering, entered) = mpsc::channel();
+            let (helper, next) = thread::scope(|s| {
+                let helper = (rank != 2).then(|| {
+                    s.spawn(|| {
+                        entering.send(()).unwrap();
+                        (coll.tagged(1))
+                            .all_reduce_in_place::<f32>(&buf, ReduceOp::Sum, &Stream::host())
+                            .map(drop)
+                    })
+                });
+                if helper.is_some() {
+                    entered.recv_timeout(TIMEOUT).unwrap();
+                }
+                let next = pool.shrink().unwrap().0;
+                (helper.map(|h| h.join().unwrap()), next)
+            });
+            drop((coll, buf, pool));
+            let coll = Coll::new(&next).unwrap();
+            let sum = sum_of_ranks(&next, &coll).unwrap();
+            drop(coll);
+            next.close().unwrap();
+            (helper, sum)
+        });
+        for (rank, (helper, sum)) in out.into_iter().enumerate() {
+            match helper {
+                None => assert_eq!(rank, 2),
+                Some(Err(Error::Shrunk { .. })) => {}
+                Some(other) => panic!("{mode:?}: rank {rank}'s helper: {other:?}"),
+            }
+            assert_eq!(sum, 6.0);
+        }
+        assert!(started.elapsed() < TIMEOUT / 2, "{:?}", started.elapsed());
+    }
 }
 
 #[test]
@@ -789,7 +880,7 @@ impl Raw {
         let mut raw = Raw(TcpStream::connect(("127.0.0.1", port)).unwrap());
         raw.0.set_read_timeout(Some(TIMEOUT)).unwrap();
         let mut preface = b"SYMMPOOL".to_vec();
-        preface.extend(7u16.to_le_bytes());
+        preface.extend(8u16.to_le_bytes());
         preface.extend([0, 0]);
         raw.0.write_all(&preface).unwrap();
         raw.send(&ToServer::Hello {

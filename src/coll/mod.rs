@@ -119,7 +119,7 @@
 //! std::thread::scope(|s| {
 //!     for pool in &pools {
 //!         s.spawn(move || {
-//!             let coll = Coll::new(pool).unwrap(); // collective: every rank
+//!             let coll = Coll::new(pool).unwrap(); // local: no round with the peers
 //!             let stream = Stream::host();
 //!             let rank = pool.rank();
 //!             // FSDP style: each rank holds its shard inside the gathered buffer.

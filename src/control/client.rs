@@ -83,6 +83,20 @@ struct Inbox {
     /// contributed, by (channel, round) (see [`ToClient::Waiting`]).
     waiting: HashMap<(u64, u64), Vec<u32>>,
     broken: Option<Broken>,
+    /// When this rank learnt that the group broke (the verdict's wait counts from it).
+    broken_at: Option<Instant>,
+    /// The first loss the server told of, even after a timeout broke the group first:
+    /// the store's verdict, which explains that timeout.
+    lost: Option<Broken>,
+    /// The store declared this rank lost and closed its connection (its reason).
+    expelled: Option<String>,
+    /// How this rank lost the store's server, if it did.
+    server_gone: Option<String>,
+    /// A call has waited out the verdict's window after the group broke (or read all
+    /// that had arrived): later calls report what is known at once.
+    settled: bool,
+    /// Frames read and dispatched.
+    frames: u64,
     present: Vec<u32>,
     all_joined: bool,
     reader_busy: bool,
@@ -105,7 +119,33 @@ struct Inbox {
 
 impl Inbox {
     fn server_lost(&mut self, detail: String) {
-        self.broken.get_or_insert(Broken::lost(0, detail));
+        self.server_gone.get_or_insert_with(|| detail.clone());
+        self.note_broken(Broken::lost(0, detail));
+    }
+
+    /// The group is broken by `b`: the first cause stays the group's; the first loss is
+    /// kept too (it explains a timeout that came first).
+    fn note_broken(&mut self, b: Broken) {
+        if matches!(b.cause, Cause::Lost { .. }) && self.lost.is_none() {
+            self.lost = Some(b.clone());
+        }
+        if self.broken.is_none() {
+            self.broken = Some(b);
+            self.broken_at = Some(Instant::now());
+        }
+    }
+
+    /// Whether the store's word on a loss has come: a lost rank, or this rank expelled.
+    fn verdict(&self) -> bool {
+        self.lost.is_some() || self.expelled.is_some()
+    }
+
+    /// The group's state as of a new epoch (a shrink): nothing broken.
+    fn fresh_epoch(&mut self) {
+        self.results.clear();
+        self.waiting.clear();
+        (self.broken, self.broken_at, self.lost) = (None, None, None);
+        self.settled = false;
     }
 }
 
@@ -122,9 +162,46 @@ impl fmt::Debug for StoreExchange {
 }
 
 impl ClientShared {
-    fn server_lost(&self, detail: String) {
-        self.inbox.lock().server_lost(detail);
+    /// Writing to the server failed (`detail`): the server is lost, unless what it
+    /// sent before says otherwise. What has arrived is read first ([`drain`]): a rank
+    /// the store declared lost finds its word there ([`ToClient::Expelled`]), and the
+    /// reader then the connection's end.
+    ///
+    /// [`drain`]: Self::drain
+    fn write_failed(&self, detail: String) {
+        let inbox = self.inbox.lock();
+        let mut inbox = self.drain(inbox, Deadline::after(self.config.heartbeat_interval));
+        inbox.server_lost(detail);
+        drop(inbox);
         self.cv.notify_all();
+    }
+
+    /// Read and dispatch what has arrived, without waiting for more: polling while
+    /// nobody else reads, and while another thread reads, waiting for it (until
+    /// `deadline`: it dispatches what has arrived at once).
+    fn drain<'a>(
+        &'a self,
+        mut inbox: MutexGuard<'a, Inbox>,
+        deadline: Deadline,
+    ) -> MutexGuard<'a, Inbox> {
+        // Bounded: what has arrived is a few frames.
+        for _ in 0..256 {
+            if inbox.reader_done {
+                break;
+            } else if inbox.reader_busy {
+                if deadline.expired() {
+                    break;
+                }
+                self.cv.wait_until(&mut inbox, deadline.instant());
+                continue;
+            }
+            let before = inbox.frames;
+            inbox = self.read_once(inbox, Duration::ZERO, None);
+            if inbox.frames == before {
+                break;
+            }
+        }
+        inbox
     }
 
     fn send(&self, frame: &[u8]) -> std::io::Result<()> {
@@ -164,6 +241,7 @@ impl ClientShared {
             inbox.last_heard = now;
         }
         let mut ended = None;
+        inbox.frames += u64::from(matches!(got, Ok(Some(_))));
         match got {
             Ok(Some(body)) => match wire::decode::<ToClient>(&body) {
                 Ok(ToClient::Result {
@@ -173,7 +251,8 @@ impl ClientShared {
                 }) => {
                     inbox.results.insert((channel, round), payloads);
                 }
-                Ok(ToClient::Broken(b)) => _ = inbox.broken.get_or_insert(b),
+                Ok(ToClient::Broken(b)) => inbox.note_broken(b),
+                Ok(ToClient::Expelled { reason }) => inbox.expelled = Some(reason),
                 Ok(ToClient::Joined { present }) => inbox.present = present,
                 Ok(ToClient::Waiting {
                     channel,
@@ -185,9 +264,7 @@ impl ClientShared {
                 Ok(ToClient::AllJoined) => inbox.all_joined = true,
                 Ok(ToClient::Shrunk { epoch, survivors }) => {
                     // Everything of the old group came before, on this connection.
-                    inbox.results.clear();
-                    inbox.waiting.clear();
-                    inbox.broken = None;
+                    inbox.fresh_epoch();
                     (inbox.epoch, inbox.survivors) = (epoch, survivors);
                     // A withdrawal the server had not read by then is not answered.
                     inbox.withdraw_pending = false;
@@ -228,10 +305,12 @@ impl ClientShared {
         inbox
     }
 
-    /// Declare the server lost once it has been silent for over the heartbeat timeout.
+    /// Declare the server lost once it has been silent for over the heartbeat timeout
+    /// (also after a timeout broke the group: a frozen server explains it). Called
+    /// after a read, which took whatever had arrived.
     fn note_silence(&self, inbox: &mut Inbox, now: Instant) {
         let silent = now.saturating_duration_since(inbox.last_heard);
-        if silent > self.config.heartbeat_timeout && inbox.broken.is_none() {
+        if silent > self.config.heartbeat_timeout && !inbox.verdict() && !inbox.reader_done {
             inbox.server_lost(format!(
                 "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
                 self.server
@@ -285,7 +364,7 @@ fn background_loop(shared: &ClientShared) {
             last_sent = now;
             if let Err(e) = shared.send(&heartbeat) {
                 if !shared.closing.load(Ordering::SeqCst) {
-                    shared.server_lost(format!(
+                    shared.write_failed(format!(
                         "sending a heartbeat to the store server at {} failed: {e}",
                         shared.server
                     ));
@@ -295,7 +374,9 @@ fn background_loop(shared: &ClientShared) {
             inbox = shared.inbox.lock();
             continue;
         }
-        shared.note_silence(&mut inbox, now);
+        // (The server's silence is noticed by whoever reads, after reading: before
+        // it, a long silence may be this process's own freeze, with the server's word
+        // waiting in the socket.)
         let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
         let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
         if !inbox.reader_busy && unattended {
@@ -383,6 +464,12 @@ impl StoreExchange {
                 results: HashMap::new(),
                 waiting: HashMap::new(),
                 broken: None,
+                broken_at: None,
+                lost: None,
+                expelled: None,
+                server_gone: None,
+                settled: false,
+                frames: 0,
                 present: Vec::new(),
                 all_joined: false,
                 reader_busy: false,
@@ -435,8 +522,8 @@ impl StoreExchange {
             }
         };
         if !inbox.all_joined {
-            if let Some(b) = &inbox.broken {
-                return Err(error_for(b, "store start-up"));
+            if inbox.broken.is_some() {
+                return Err(error_for(&inbox, launch.rank, "store start-up"));
             }
             return Err(Error::Timeout {
                 op: "store start-up",
@@ -476,32 +563,112 @@ impl StoreExchange {
     fn who(&self) -> Who<'_> {
         Who(self.rounds.rank, "store", &self.shared.server)
     }
+
+    /// What a call `op` that began waiting at `started` reports on the broken group of
+    /// `inbox`: [`Error::Timeout`] naming `missing` where its own wait timed out, else
+    /// the error of the group's cause ([`error_for`]); but the store's verdict on a
+    /// loss wins over a timeout it explains. A timeout is often the first sign of a
+    /// frozen rank: the store declares it lost within the heartbeat timeout of its
+    /// last word (`T`; its monitor looks when that passes), so a rank that froze
+    /// before this wait began is named by `started` + `T` + the heartbeat interval
+    /// (for the word to arrive), or, if the group broke before this call, that long
+    /// after this rank learnt of it. So, unless the verdict is here, this waits for it
+    /// until then, and then reads what has arrived (a rank resumed after a freeze finds
+    /// the store's word on itself there; [`DRAIN_WAIT`]). Only the first call after
+    /// the group broke waits; the later ones report what is known by then at once.
+    fn explained<'a>(
+        &'a self,
+        mut inbox: MutexGuard<'a, Inbox>,
+        op: &'static str,
+        started: Instant,
+        missing: Option<Vec<u32>>,
+    ) -> Error {
+        if !inbox.verdict() && !inbox.settled {
+            let c = &self.shared.config;
+            let since = inbox.broken_at.map_or(started, |seen| seen.min(started));
+            let window = Deadline::after_from(since, c.heartbeat_timeout + c.heartbeat_interval);
+            drop(inbox);
+            let epoch = self.epoch;
+            inbox = (self.shared).wait_until(window, |ib| {
+                ib.verdict() || ib.reader_done || ib.epoch != epoch
+            });
+            let read_by = Deadline::after(DRAIN_WAIT.min(c.heartbeat_interval));
+            inbox = self.shared.drain(inbox, read_by);
+            inbox.settled = true;
+        }
+        if inbox.epoch != self.epoch {
+            return Error::Shrunk {
+                what: "an exchange",
+            };
+        }
+        match missing {
+            Some(missing) if !inbox.verdict() => Error::Timeout {
+                op,
+                waited: started.elapsed(),
+                missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
+            },
+            _ => error_for(&inbox, self.rounds.rank, op),
+        }
+    }
 }
 
-/// The loss that broke the group `b`, if it was one.
-fn lost(b: &Broken) -> Option<LostPeer> {
+/// The longest a call reporting a broken group waits for another thread to dispatch
+/// what has arrived (it does so at once, when it runs).
+const DRAIN_WAIT: Duration = Duration::from_millis(100);
+
+/// The loss the store told of in `inbox`, if any: this rank (`me`) expelled, or
+/// another rank lost.
+fn lost(inbox: &Inbox, me: usize) -> Option<LostPeer> {
+    if let Some(reason) = &inbox.expelled {
+        let detail = reason.clone();
+        let (left, this_rank) = (false, true);
+        return Some(LostPeer {
+            rank: me,
+            detail,
+            left,
+            this_rank,
+        });
+    }
+    let b = inbox.lost.as_ref()?;
     let Cause::Lost { detail } = &b.cause else {
         return None;
     };
     let (rank, left) = (b.rank as usize, detail.starts_with(CLOSED));
     let detail = detail.clone();
-    Some(LostPeer { rank, detail, left })
+    let this_rank = false;
+    Some(LostPeer {
+        rank,
+        detail,
+        left,
+        this_rank,
+    })
 }
 
-/// The error a call in `op` reports on a group broken by `b`.
-fn error_for(b: &Broken, op: &'static str) -> Error {
-    let rank = b.rank as usize;
-    let timeout = || Error::GroupBroken {
-        rank,
-        op: intern_op(&b.op),
-    };
-    lost(b).map_or_else(timeout, |l| l.error(op))
+/// The error a call in `op` on rank `me` reports on the broken group of `inbox`: the
+/// store's verdict on a loss where it has one ([`Error::PeerLost`],
+/// [`Error::DeclaredLost`]), else the timeout that broke it ([`Error::GroupBroken`]).
+fn error_for(inbox: &Inbox, me: usize, op: &'static str) -> Error {
+    if let Some(loss) = lost(inbox, me) {
+        return loss.error(op);
+    }
+    match &inbox.broken {
+        Some(b) => Error::GroupBroken {
+            rank: b.rank as usize,
+            op: intern_op(&b.op),
+        },
+        None => Error::Internal {
+            what: format!("{op}: the group was reported broken without a cause"),
+        },
+    }
 }
 
 impl GatherRounds for StoreExchange {
     fn gather_round(&self, r: Round<'_>) -> Result<Vec<Vec<u8>>> {
-        if let Some(b) = &self.inbox()?.broken {
-            return Err(error_for(b, r.op));
+        {
+            let inbox = self.inbox()?;
+            if inbox.broken.is_some() {
+                return Err(self.explained(inbox, r.op, r.started, None));
+            }
         }
         let round = r.number;
         let key = (r.channel.ordinal(), round);
@@ -515,7 +682,7 @@ impl GatherRounds for StoreExchange {
         });
         if let Err(e) = self.shared.send(&frame) {
             let server = &self.shared.server;
-            (self.shared).server_lost(format!(
+            (self.shared).write_failed(format!(
                 "writing to the store server at {server} failed: {e}"
             ));
         }
@@ -553,8 +720,8 @@ impl GatherRounds for StoreExchange {
             warnings.arrived(&self.who());
             return Ok(result);
         }
-        if let Some(b) = &inbox.broken {
-            return Err(error_for(b, r.op));
+        if inbox.broken.is_some() {
+            return Err(self.explained(inbox, r.op, r.started, None));
         }
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
@@ -575,20 +742,16 @@ impl GatherRounds for StoreExchange {
                 cause: Cause::Timeout { missing },
                 ..
             }) if *rank as usize == self.rounds.rank => missing.clone(),
-            Some(b) => return Err(error_for(b, r.op)),
+            Some(_) => return Err(self.explained(inbox, r.op, r.started, None)),
             None => {
                 // No answer from the server: break the group here.
                 let broken = Broken::timeout(self.rounds.rank as u32, r.op.into(), vec![]);
-                inbox.broken.get_or_insert(broken);
+                inbox.note_broken(broken);
                 self.shared.cv.notify_all();
                 vec![]
             }
         };
-        Err(Error::Timeout {
-            op: r.op,
-            waited: r.started.elapsed(),
-            missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
-        })
+        Err(self.explained(inbox, r.op, r.started, Some(missing)))
     }
 
     fn rounds(&self) -> &Rounds {
@@ -602,7 +765,7 @@ impl GatherRounds for StoreExchange {
         if !inbox.reader_busy && !inbox.reader_done {
             inbox = self.shared.read_once(inbox, Duration::ZERO, None);
         }
-        inbox.broken.as_ref().and_then(lost)
+        lost(&inbox, self.rounds.rank)
     }
 
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {

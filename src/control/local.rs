@@ -164,11 +164,18 @@ impl LocalExchange {
         let alive: Vec<usize> = (0..st.alive.len()).filter(|&r| st.alive[r]).collect();
         if alive.iter().all(|r| st.votes.contains(r)) {
             let n = st.alive.len();
-            tracing::warn!("symmpool: a group of {n} threads shrank to its ranks {alive:?}");
+            tracing::info!("symmpool: a group of {n} threads shrank to its ranks {alive:?}");
             let next = LocalExchange::group(alive.len());
             st.made.extend(alive.iter().copied().zip(next));
             st.votes.clear();
             group.shrunk.store(true, Ordering::Release);
+            // Calls still waiting in the old group (another thread's collective) end
+            // with `Shrunk`, not with the loss of a rank that merely leaves the old
+            // group for the new one.
+            group.rounds.shrink();
+            for rv in st.told.iter().filter_map(Weak::upgrade) {
+                rv.shrink();
+            }
         }
         group.cv.notify_all();
         loop {
@@ -203,10 +210,20 @@ impl Group {
             false => (true, CLOSED.to_string()),
             true => (false, "its thread panicked".to_string()),
         };
-        let peer = LostPeer { rank, detail, left };
+        let peer = LostPeer {
+            rank,
+            detail,
+            left,
+            this_rank: false,
+        };
         let told: Vec<Arc<dyn Lose>> = {
             let mut st = self.state.lock();
             st.alive[rank] = false;
+            if self.shrunk.load(Ordering::Acquire) {
+                // The group is over: its ranks went on in the new one, where this is
+                // no loss; every wait here ends with `Shrunk` already.
+                return;
+            }
             st.lost.get_or_insert_with(|| peer.clone());
             if !st.votes.is_empty() {
                 let reason = format!(

@@ -23,14 +23,22 @@
 //!   or later enters, an exchange call gets [`Error::PeerLost`] naming it within
 //!   milliseconds;
 //! * a rank that stops without closing its socket (`SIGSTOP`, a hung host, a cut
-//!   cable) stops sending heartbeats; the server declares it lost at most `T + I` after
-//!   its last heartbeat, and every waiting rank gets [`Error::PeerLost`] then;
+//!   cable) stops sending heartbeats; the server declares it lost once `T` has passed
+//!   since the last it heard from it (its monitor looks then; at most `T + I` after its
+//!   last heartbeat), and every waiting rank gets [`Error::PeerLost`] then. It tells
+//!   the frozen rank too, before closing its connection: resumed, that rank's calls
+//!   fail with [`Error::DeclaredLost`] (it cannot rejoin);
 //! * if rank 0, the server's host, dies, every other rank sees its connection close and
 //!   fails with [`Error::PeerLost`] `{ rank: 0, .. }` at once; if rank 0 freezes, the
 //!   others notice the missing server heartbeats within `T + I`.
 //!
 //! So a surviving rank waiting in an exchange fails within **`T + I`** (6 s with the
 //! defaults) of the loss, plus scheduling delays, whatever its own per-call timeout.
+//! And it fails naming the loss whatever the order of the timeouts: a wait that runs
+//! out first (a per-call timeout no longer than `T`), or that learns of another rank's
+//! timeout, waits for the store's verdict until `T + I` past its start, and reports
+//! the loss that explains the timeout ([`Error::PeerLost`]) rather than
+//! [`Error::Timeout`] or [`Error::GroupBroken`] naming a rank that is alive.
 //! A rank in no exchange call learns of the loss in the same time: its background
 //! thread reads the server's word, and [`Exchange::lost_peer`] reads what has arrived.
 //! The NCCL backend's watchdog asks it every interval and aborts the communicators a
@@ -204,12 +212,20 @@ pub struct LostPeer {
     /// exchange early) rather than dying or freezing. Such a rank takes part in
     /// nothing any more either, but work that no longer needs it is not lost.
     pub left: bool,
+    /// Whether the rank lost is this one: the store declared it lost (it sent nothing
+    /// for longer than the heartbeat timeout, e.g. frozen by `SIGSTOP`) and closed its
+    /// connection; the others go on without it ([`Error::DeclaredLost`]).
+    pub this_rank: bool,
 }
 
 impl LostPeer {
-    /// The loss, as the error a call `op` that it ends reports.
+    /// The loss, as the error a call `op` that it ends reports: [`Error::PeerLost`],
+    /// or [`Error::DeclaredLost`] where the rank lost is this one.
     pub fn error(&self, op: &'static str) -> Error {
         let (rank, detail) = (self.rank, self.detail.clone());
+        if self.this_rank {
+            return Error::DeclaredLost { rank, detail };
+        }
         Error::PeerLost { rank, op, detail }
     }
 }

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 ///
 /// A lost rank ([`Lose::lose`]: its thread dropped its exchange) breaks it too: every
 /// later or still-waiting gather fails with [`Error::PeerLost`] naming it, but for a
-/// round that every rank had posted in before.
+/// round that every rank had posted in before. Once the group shrank
+/// ([`Lose::shrink`]) they fail with [`Error::Shrunk`].
 ///
 /// A gather that waits longer than [`WAIT_WARNING_INTERVAL`] logs a warning naming the
 /// ranks not yet posted, again every interval, and once more when they post.
@@ -37,11 +38,19 @@ struct RvState<K, T> {
     broken: Option<(usize, &'static str)>,
     /// The first rank lost.
     lost: Option<LostPeer>,
+    /// The group shrank: this rendezvous belongs to the world before.
+    shrunk: bool,
 }
 
 impl<K, T> RvState<K, T> {
-    /// The error of a gather `op` on a broken rendezvous (a loss named first), if it is.
+    /// The error of a gather `op` on a broken rendezvous (the group shrank; a loss
+    /// named first), if it is.
     fn broken(&self, op: &'static str) -> Option<Error> {
+        if self.shrunk {
+            return Some(Error::Shrunk {
+                what: "an exchange or communicator",
+            });
+        }
         match (&self.lost, self.broken) {
             (Some(lost), _) => Some(lost.error(op)),
             (None, Some((by, what))) => Some(Error::GroupBroken { rank: by, op: what }),
@@ -50,10 +59,16 @@ impl<K, T> RvState<K, T> {
     }
 }
 
-/// What learns that a rank of its group was lost: the rendezvous of a group of threads.
+/// What learns that a rank of its group was lost, or that the group shrank: the
+/// rendezvous of a group of threads.
 pub(crate) trait Lose: Send + Sync {
     /// `peer` is lost: waiting and later gathers fail with [`Error::PeerLost`].
     fn lose(&self, peer: &LostPeer);
+
+    /// The group shrank (the survivors of a loss, or every rank, went on as a new
+    /// group): waiting and later gathers fail with [`Error::Shrunk`], whatever the
+    /// ranks of the old group do after (drop their exchanges, say).
+    fn shrink(&self);
 }
 
 struct Round<T> {
@@ -70,6 +85,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 rounds: BTreeMap::new(),
                 broken: None,
                 lost: None,
+                shrunk: false,
             }),
             cv: Condvar::new(),
             warn_every: WAIT_WARNING_INTERVAL,
@@ -176,6 +192,11 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
 impl<K: Ord + Copy + Send, T: Clone + Send> Lose for Rendezvous<K, T> {
     fn lose(&self, peer: &LostPeer) {
         self.state.lock().lost.get_or_insert_with(|| peer.clone());
+        self.cv.notify_all();
+    }
+
+    fn shrink(&self) {
+        self.state.lock().shrunk = true;
         self.cv.notify_all();
     }
 }

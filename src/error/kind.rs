@@ -40,17 +40,25 @@ pub enum ErrorKind {
     /// as [`Error::GroupBroken`]); restart the job, or raise the timeout if the peers
     /// were merely slow.
     Timeout,
-    /// A peer rank died or the group (or the NCCL backend) broke earlier: nothing on
-    /// this group can succeed any more. Restart the job (an elastic runtime restarts
-    /// the ranks from the last checkpoint), or, after [`Error::PeerLost`], go on
-    /// without the lost rank: [`SymmPool::shrink`](crate::SymmPool::shrink) on every
-    /// survivor ([`Error::ShrinkFailed`], also of this kind, when that cannot be done).
+    /// A peer rank died or froze, or the group (or the NCCL backend) broke earlier:
+    /// nothing on this group can succeed any more. Restart the job (an elastic runtime
+    /// restarts the ranks from the last checkpoint), or go on without the lost rank:
+    /// [`SymmPool::shrink`](crate::SymmPool::shrink) on every survivor, for each of its
+    /// pools. Every error of a loss seen by this rank has this kind, whichever call
+    /// saw it ([`Error::PeerLost`], [`Error::GroupBroken`], [`Error::NcclAborted`],
+    /// and [`Error::ShrinkFailed`] with `retry`: shrink again). Where a shrink cannot
+    /// help, the kind is [`GroupLost`](Self::GroupLost).
     PeerLost,
+    /// This rank cannot go on in its group, and no shrink can help: the store's host
+    /// (rank 0) is gone ([`Error::ShrinkFailed`] without `retry`), or the store
+    /// declared this rank lost and the others went on without it
+    /// ([`Error::DeclaredLost`]). Restart the job (or, under an elastic launcher, this
+    /// rank's process).
+    GroupLost,
     /// This pool is unusable (broken, or unable to grow after a failed registration)
     /// while the process and the group may still be fine: drop the pool (after
-    /// `close`) and build a new one, or restart. An [`Error::PoolBroken`] whose reason
-    /// names a lost rank is a loss seen through the pool: the survivors may
-    /// [`shrink`](crate::SymmPool::shrink) it, as after [`Error::PeerLost`].
+    /// `close`) and build a new one, or restart. (A loss that broke the pool is
+    /// reported with the loss's kind, [`PeerLost`](Self::PeerLost).)
     Broken,
     /// A call into CUDA, NCCL or the operating system failed. Read the message; the
     /// device or the process is usually not worth continuing with: restart.
@@ -70,6 +78,7 @@ impl ErrorKind {
             ErrorKind::OutOfMemory => "out_of_memory",
             ErrorKind::Timeout => "timeout",
             ErrorKind::PeerLost => "peer_lost",
+            ErrorKind::GroupLost => "group_lost",
             ErrorKind::Broken => "broken",
             ErrorKind::System => "system",
             ErrorKind::Internal => "internal",
@@ -78,15 +87,18 @@ impl ErrorKind {
 
     /// Whether restarting the job (every rank) is the way on: the group, the backend
     /// or the process cannot go on ([`Timeout`](Self::Timeout),
-    /// [`PeerLost`](Self::PeerLost), [`Divergence`](Self::Divergence),
-    /// [`System`](Self::System), [`Internal`](Self::Internal)). A runtime that goes on
-    /// after a lost rank checks for [`PeerLost`](Self::PeerLost) first and shrinks
-    /// ([`SymmPool::shrink`](crate::SymmPool::shrink)).
+    /// [`PeerLost`](Self::PeerLost), [`GroupLost`](Self::GroupLost),
+    /// [`Divergence`](Self::Divergence), [`System`](Self::System),
+    /// [`Internal`](Self::Internal)). A runtime that goes on after a lost rank checks
+    /// for [`PeerLost`](Self::PeerLost) first and shrinks
+    /// ([`SymmPool::shrink`](crate::SymmPool::shrink)); of the others, only a restart
+    /// helps.
     pub fn needs_restart(self) -> bool {
         matches!(
             self,
             ErrorKind::Timeout
                 | ErrorKind::PeerLost
+                | ErrorKind::GroupLost
                 | ErrorKind::Divergence
                 | ErrorKind::System
                 | ErrorKind::Internal
@@ -150,7 +162,8 @@ impl Error {
             Error::PeerLost { .. }
             | Error::GroupBroken { .. }
             | Error::NcclAborted { .. }
-            | Error::ShrinkFailed { .. } => K::PeerLost,
+            | Error::ShrinkFailed { retry: true, .. } => K::PeerLost,
+            Error::ShrinkFailed { retry: false, .. } | Error::DeclaredLost { .. } => K::GroupLost,
             Error::PoolBroken { .. } | Error::RegistrationBroken { .. } => K::Broken,
             Error::Nccl { .. } | Error::Cuda { .. } | Error::SharedMemory { .. } => K::System,
             Error::Internal { .. } => K::Internal,

@@ -71,9 +71,69 @@ pub(crate) enum Entry {
 pub(crate) enum Failure {
     /// The ranks' records differed: later calls fail with [`Error::CollectiveDivergence`].
     Diverged(Box<CollectiveDivergence>),
-    /// Another failure (a round that timed out or lost a peer, a collective that
-    /// failed, an unreadable payload): later calls fail with [`Error::PoolBroken`].
+    /// A peer was lost, or the group broke (a round or a collective saw it): later
+    /// calls fail with the same error, of the same kind, so that a runtime sorting by
+    /// kind sees a loss as a loss whichever call met it first.
+    Peer(PeerFailure),
+    /// Another failure (a round that timed out, a collective that failed, an
+    /// unreadable payload): later calls fail with [`Error::PoolBroken`].
     Broken(String),
+}
+
+/// An error of the group that broke a ledger (a loss, of kind [`ErrorKind::PeerLost`]
+/// or [`ErrorKind::GroupLost`]; or the group shrank under it), kept to be reported
+/// again.
+#[derive(Debug, Clone)]
+pub(crate) enum PeerFailure {
+    /// [`Error::PeerLost`].
+    Lost {
+        rank: usize,
+        op: &'static str,
+        detail: String,
+    },
+    /// [`Error::GroupBroken`].
+    GroupBroken { rank: usize, op: &'static str },
+    /// [`Error::DeclaredLost`].
+    DeclaredLost { rank: usize, detail: String },
+    /// [`Error::NcclAborted`].
+    NcclAborted { reason: String },
+    /// [`Error::Shrunk`]: the group shrank under a round (another thread's shrink).
+    Shrunk { what: &'static str },
+}
+
+impl PeerFailure {
+    /// `e` (or the error it defers) as a failure of the group, if it is one.
+    pub(crate) fn of(e: &Error) -> Option<PeerFailure> {
+        Some(match e {
+            Error::PeerLost { rank, op, detail } => PeerFailure::Lost {
+                rank: *rank,
+                op,
+                detail: detail.clone(),
+            },
+            Error::GroupBroken { rank, op } => PeerFailure::GroupBroken { rank: *rank, op },
+            Error::DeclaredLost { rank, detail } => PeerFailure::DeclaredLost {
+                rank: *rank,
+                detail: detail.clone(),
+            },
+            Error::NcclAborted { reason } => PeerFailure::NcclAborted {
+                reason: reason.clone(),
+            },
+            Error::Shrunk { what } => PeerFailure::Shrunk { what },
+            Error::Deferred { source, .. } => return Self::of(source),
+            _ => return None,
+        })
+    }
+
+    /// The error again.
+    pub(crate) fn error(&self) -> Error {
+        match self.clone() {
+            PeerFailure::Lost { rank, op, detail } => Error::PeerLost { rank, op, detail },
+            PeerFailure::GroupBroken { rank, op } => Error::GroupBroken { rank, op },
+            PeerFailure::DeclaredLost { rank, detail } => Error::DeclaredLost { rank, detail },
+            PeerFailure::NcclAborted { reason } => Error::NcclAborted { reason },
+            PeerFailure::Shrunk { what } => Error::Shrunk { what },
+        }
+    }
 }
 
 impl Failure {
@@ -81,7 +141,20 @@ impl Failure {
     pub(crate) fn reason(&self) -> String {
         match self {
             Failure::Diverged(d) => d.to_string(),
+            Failure::Peer(p) => p.error().to_string(),
             Failure::Broken(reason) => reason.clone(),
+        }
+    }
+
+    /// The error later calls report: the divergence, the group's failure again, or
+    /// [`Error::PoolBroken`].
+    pub(crate) fn error(&self) -> Error {
+        match self {
+            Failure::Diverged(d) => Error::CollectiveDivergence(d.clone()),
+            Failure::Peer(p) => p.error(),
+            Failure::Broken(reason) => Error::PoolBroken {
+                reason: reason.clone(),
+            },
         }
     }
 }
@@ -133,9 +206,6 @@ struct Shared {
     /// checks are the async checks, whoever drives a round.
     threaded: AtomicBool,
     failure: OnceLock<Failure>,
-    /// The peer whose loss failed a round (rank, how it was noticed): reported as
-    /// [`Error::PeerLost`], which a runtime restarts on.
-    lost: OnceLock<(usize, String)>,
     /// The ledger was dropped while its thread was still in a round: what that round
     /// finds no longer counts.
     detached: AtomicBool,
@@ -185,7 +255,6 @@ impl Ledger {
             broken: AtomicBool::new(false),
             threaded: AtomicBool::new(false),
             failure: OnceLock::new(),
-            lost: OnceLock::new(),
             detached: AtomicBool::new(false),
             queue: Mutex::default(),
             posted: Condvar::new(),
@@ -330,7 +399,9 @@ impl Ledger {
         if let Some(d) = self.shared.divergence() {
             return Error::CollectiveDivergence(Box::new(d.clone()));
         }
-        if peers || matches!(e, Error::Nccl { .. }) {
+        if let Some(p) = PeerFailure::of(&e) {
+            self.shared.break_with(Failure::Peer(p));
+        } else if peers || matches!(e, Error::Nccl { .. }) {
             self.shared
                 .fail(format!("a collective on this pool failed: {e}"));
         }
@@ -461,15 +532,10 @@ impl Shared {
 
     /// The error a broken ledger's calls return.
     fn error(&self) -> Error {
-        match (self.failure.get(), self.lost.get()) {
-            (Some(Failure::Diverged(d)), _) => Error::CollectiveDivergence(d.clone()),
-            (_, Some((rank, detail))) => Error::PeerLost {
-                rank: *rank,
-                op: "async collective check",
-                detail: detail.clone(),
-            },
-            (failure, None) => Error::PoolBroken {
-                reason: failure.map_or_else(|| "a check failed".into(), Failure::reason),
+        match self.failure.get() {
+            Some(failure) => failure.error(),
+            None => Error::PoolBroken {
+                reason: "a check failed".into(),
             },
         }
     }
@@ -481,12 +547,15 @@ impl Shared {
             return;
         }
         let diverged = matches!(failure, Failure::Diverged(_));
+        // Every call on the pools returns the failure from now on: the caller decides
+        // what it deserves (a loss may be shrunk past). A divergence, a bug of the
+        // program that a background thread may find, is a warning.
         match &failure {
             Failure::Diverged(d) => {
-                tracing::error!(target: "symmpool::coll", divergence = %d, "collective check failed");
+                tracing::warn!(target: "symmpool::coll", divergence = %d, "collective check failed");
             }
-            Failure::Broken(reason) => {
-                tracing::error!(target: "symmpool::coll", reason = %reason, "pool broken");
+            f => {
+                tracing::debug!(target: "symmpool::coll", reason = %f.reason(), "pool broken");
             }
         }
         let first = self.failure.set(failure).is_ok();
@@ -502,13 +571,13 @@ impl Shared {
         self.break_with(Failure::Broken(reason));
     }
 
-    /// A round named `what` failed with `e`: break the ledger, keeping a lost peer to
-    /// report as [`Error::PeerLost`].
+    /// A round named `what` failed with `e`: break the ledger, keeping a failure of
+    /// the group (a lost peer, above all) to report again as it was.
     fn failed_by(&self, what: &str, e: &Error) {
-        if let Error::PeerLost { rank, detail, .. } = e {
-            let _ = self.lost.set((*rank, detail.clone()));
+        match PeerFailure::of(e) {
+            Some(p) => self.break_with(Failure::Peer(p)),
+            None => self.fail(format!("{what} failed: {e}")),
         }
-        self.fail(format!("{what} failed: {e}"));
     }
 
     /// The next batch of this rank's records (at most [`MAX_BATCH`]).

@@ -186,10 +186,14 @@ impl SymmBuffer {
     ///
     /// # Errors
     /// [`Error::ForeignBuffer`] if the pool no longer knows the block (after `close`:
-    /// [`Error::PoolClosed`]).
+    /// [`Error::PoolClosed`]; after a shrink replaced the pool: [`Error::Shrunk`]).
     pub fn record_stream(&self, stream: &Stream) -> Result<()> {
         self.pool.backend().check_stream(stream)?;
         let mut st = self.pool.state();
+        if st.closed {
+            // Closed, or replaced by a shrink (`Shrunk`): say which.
+            return Err(self.pool.closed_error());
+        }
         st.check_usable()?;
         st.core.record_stream(self.block, stream.id())?;
         drop(st);

@@ -209,8 +209,10 @@ impl SymmPool {
         mine.live = live; // at most MAX_LIVE_NAMED: `live_buffers` takes no more
         if let Some(failure) = self.inner.ledger.failure() {
             // The ranks are out of step: no round (the pool is broken on every rank).
-            return Err(Error::PoolBroken {
-                reason: failure.reason(),
+            // A loss is reported as the loss it is (the survivors may shrink).
+            return Err(match failure {
+                Failure::Peer(p) => p.error(),
+                f => Error::PoolBroken { reason: f.reason() },
             });
         }
         let out = group::agree_records(&self.inner.ledger, during, mine, deadline);

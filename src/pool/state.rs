@@ -114,14 +114,10 @@ impl PoolState {
         if self.closed {
             return Err(Error::PoolClosed);
         }
-        match &self.broken {
-            Some(Failure::Diverged(d)) => return Err(Error::CollectiveDivergence(d.clone())),
-            Some(Failure::Broken(reason)) => {
-                return Err(Error::PoolBroken {
-                    reason: reason.clone(),
-                });
-            }
-            None => {}
+        // A divergence, a loss (with its kind: the survivors may shrink), or a broken
+        // pool.
+        if let Some(failure) = &self.broken {
+            return Err(failure.error());
         }
         if let Some(d) = &self.diverged {
             // The ranks' allocators differ: a cache hit would place this buffer at an
@@ -158,6 +154,9 @@ impl PoolState {
         }
         let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
         if let Some(rank) = find(Readiness::PoolBroken) {
+            if let Some(f @ Failure::Peer(_)) = &self.broken {
+                return Err(f.error());
+            }
             let reason = match (&self.broken, &self.diverged) {
                 (Some(why), _) => why.reason(),
                 (None, Some(d)) => d.to_string(),

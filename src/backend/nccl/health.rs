@@ -111,9 +111,14 @@ impl Health {
     /// The error of `cause` for a call `op` (`first`: the call that found it): the lost
     /// peer the exchange knows of, if any; else the cause's own error.
     pub(crate) fn report(&self, cause: &Cause, op: &'static str, first: bool) -> Error {
+        // This rank was declared lost itself (it froze): no peer to name.
+        let loss = self.lost_peer();
+        if let Some(declared) = loss.as_ref().filter(|l| l.this_rank) {
+            return declared.error(op);
+        }
         let (rank, detail) = if let Cause::PeerLost { rank, detail } = cause {
             (*rank, detail.clone())
-        } else if let Some(loss) = self.lost_peer() {
+        } else if let Some(loss) = loss {
             let (lost, broke) = (loss.detail, cause.describe());
             let detail = format!("{lost}; this rank's NCCL backend then broke: {broke}");
             (loss.rank, detail)
@@ -174,8 +179,14 @@ impl Health {
     pub(crate) fn break_with(&self, cause: Cause) -> bool {
         let description = cause.describe();
         let broke = self.cause.set(cause).is_ok();
-        if broke {
-            tracing::error!("symmpool: NCCL backend broken: {description}");
+        // A lost peer is what its callers are told (they may shrink and go on): a
+        // warning, once per rank; anything else is the backend's own failure.
+        match (broke, &self.cause.get()) {
+            (true, Some(Cause::PeerLost { .. })) => {
+                tracing::warn!("symmpool: NCCL backend broken: {description}");
+            }
+            (true, _) => tracing::error!("symmpool: NCCL backend broken: {description}"),
+            (false, _) => {}
         }
         broke
     }

@@ -26,6 +26,7 @@ impl StoreExchange {
     /// # Errors
     /// [`Error::ShrinkFailed`] at once when the store's host (rank 0) is gone, and when
     /// a rank of the group is lost while the survivors ask (they may ask again);
+    /// [`Error::DeclaredLost`] at once on a rank the store declared lost;
     /// [`Error::Shrunk`] on an exchange that is itself replaced already;
     /// [`Error::Timeout`] if a connected rank does not ask by `deadline`: this rank's
     /// ask is withdrawn, and the store confirms it, naming the connected ranks of this
@@ -54,17 +55,26 @@ impl StoreExchange {
             Error::shrink_failed(reason, false)
         };
         let lost_detail = |ib: &super::Inbox| {
-            ib.broken.as_ref().map(|b| match &b.cause {
+            let cause = ib.broken.as_ref().map(|b| match &b.cause {
                 wire::Cause::Lost { detail } => detail.clone(),
                 wire::Cause::Timeout { .. } => format!("the group broke in {}", b.op),
-            })
+            });
+            ib.server_gone.clone().or(cause)
+        };
+        // This rank declared lost itself: no group to shrink with.
+        let gone = |ib: &super::Inbox| match &ib.expelled {
+            Some(reason) => Error::DeclaredLost {
+                rank: self.rounds.rank,
+                detail: reason.clone(),
+            },
+            None => server_gone(lost_detail(ib)),
         };
         drop(self.inbox()?);
         // An earlier ask's withdrawal not confirmed yet: its answer is not this ask's.
         let pending_done = |ib: &mut super::Inbox| !ib.withdraw_pending || ib.reader_done;
         let mut inbox = self.shared.wait_until(deadline, pending_done);
         if inbox.reader_done {
-            return Err(server_gone(lost_detail(&inbox)));
+            return Err(gone(&inbox));
         } else if inbox.withdraw_pending {
             return Err(Error::timeout_since("shrink", started, &[]));
         }
@@ -72,7 +82,11 @@ impl StoreExchange {
         drop(inbox);
         let ask = wire::encode(&ToServer::Shrink { epoch: self.epoch });
         if let Err(e) = self.shared.send(&ask) {
-            return Err(server_gone(Some(format!("writing to it failed: {e}"))));
+            let server = &self.shared.server;
+            (self.shared).write_failed(format!(
+                "writing to the store server at {server} failed: {e}"
+            ));
+            return Err(gone(&self.shared.inbox.lock()));
         }
         let over = |ib: &super::Inbox| ib.epoch != self.epoch || ib.reader_done;
         let answered = |ib: &mut super::Inbox| over(ib) || ib.shrink_failed.is_some();
@@ -97,7 +111,7 @@ impl StoreExchange {
         } else if let Some((reason, retry)) = inbox.shrink_failed.take() {
             return Err(Error::ShrinkFailed { reason, retry });
         } else if inbox.reader_done {
-            return Err(server_gone(lost_detail(&inbox)));
+            return Err(gone(&inbox));
         }
         let missing = inbox.shrink_withdrawn.take().unwrap_or_default();
         Err(Error::timeout_since("shrink", started, &missing))
@@ -122,7 +136,7 @@ impl StoreExchange {
             );
             return Err(Error::shrink_failed(reason, false));
         };
-        tracing::warn!(
+        tracing::info!(
             "symmpool store: job rank {job_rank} is rank {rank} of {world} after the shrink (epoch {epoch}, {took:?})"
         );
         Ok(Arc::new(StoreExchange {

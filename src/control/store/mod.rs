@@ -34,6 +34,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle};
@@ -98,6 +99,9 @@ struct State {
     /// Rounds of the current epoch; a round's payloads are in the order of `alive`.
     rounds: HashMap<(u64, u64), Pending>,
     broken: Option<Broken>,
+    /// A loss was told since the group broke (the cause itself, or the first loss
+    /// after a timeout: it explains that timeout).
+    lost_told: bool,
     next_conn_id: u64,
     /// How many times the group shrank (`shrink.rs`).
     epoch: u64,
@@ -164,6 +168,16 @@ struct Link {
 }
 
 impl Link {
+    /// Write `frame` now or never: only if no other write is under way and the
+    /// socket's buffer takes it whole at once (for a last word to a rank that may
+    /// not be reading, e.g. one that is frozen). A partial write is left as it is:
+    /// the connection closes next.
+    fn tell_now(&self, frame: &[u8]) {
+        if let Some(w) = self.writer.try_lock() {
+            let _ = rustix::net::send(w.as_fd(), frame, rustix::net::SendFlags::DONTWAIT);
+        }
+    }
+
     /// Under the writer lock: write the result waiting in the mailbox, if any, then
     /// `frame`. Every write to a rank goes through here, so nothing written to it later
     /// (the next round's result, a broken-group notice after the last round) overtakes
@@ -351,15 +365,21 @@ impl Shared {
         }
     }
 
-    /// Break the group (once) and tell every connected rank.
+    /// Break the group (once) and tell every connected rank; a rank that dies or
+    /// freezes after a timeout broke it is told of too (once: the first), since it
+    /// explains that timeout, and the ranks' calls report the loss rather than the
+    /// timeout (not a rank that closes its exchange then: that is its end, not why the
+    /// group broke).
     fn break_group(&self, st: &mut State, broken: Broken) {
-        if st.broken.is_some() {
+        let left = matches!(&broken.cause, Cause::Lost { detail } if detail.starts_with(CLOSED));
+        let loss = matches!(broken.cause, Cause::Lost { .. });
+        if st.broken.is_some() && (st.lost_told || !loss || left) {
             return;
         }
+        st.lost_told |= loss;
         // A rank that closes its exchange when no round is pending is the normal end of
         // a job (ranks finish one by one): not worth a warning.
-        let clean_end = st.rounds.is_empty()
-            && matches!(&broken.cause, Cause::Lost { detail } if detail.starts_with(CLOSED));
+        let clean_end = st.rounds.is_empty() && left;
         if clean_end {
             tracing::debug!("symmpool store: rank {} left: {broken:?}", broken.rank);
         } else {
@@ -374,7 +394,7 @@ impl Shared {
             }
         }
         st.rounds.clear();
-        st.broken = Some(broken.clone());
+        st.broken.get_or_insert_with(|| broken.clone());
         self.send_to(st, 0..self.world, &wire::encode(&ToClient::Broken(broken)));
     }
 
@@ -519,25 +539,37 @@ fn monitor_loop(shared: &Arc<Shared>) {
     let mut next_heartbeat = Instant::now();
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = Instant::now();
-        if now >= next_heartbeat {
+        let beat = now >= next_heartbeat;
+        if beat {
             next_heartbeat = Deadline::after_from(now, shared.config.heartbeat_interval).instant();
-            shared.heartbeats(&mut st, now, &heartbeat);
         }
+        // Silent ranks are declared lost as soon as the timeout passes, not at the
+        // next heartbeat: a rank waiting on a frozen one learns of it within the
+        // heartbeat timeout of the rank's last word.
+        let silent = (shared.heartbeats(&mut st, now, beat.then_some(&heartbeat[..])))
+            .unwrap_or(next_heartbeat);
         // Awake at least every wait-warning interval too, so that a round that
         // begins while this thread sleeps gets its first notice on time.
         let look = Deadline::after_from(now, shared.config.wait_warning_interval).instant();
         let notice = shared.tell_the_waiting(&mut st, now).unwrap_or(look);
-        shared
-            .cv
-            .wait_until(&mut st, next_heartbeat.min(look).min(notice));
+        let wake = next_heartbeat.min(look).min(notice).min(silent);
+        shared.cv.wait_until(&mut st, wake);
     }
 }
 
 impl Shared {
-    /// Send `heartbeat` to every rank, declaring lost those silent for longer than
-    /// the heartbeat timeout.
-    fn heartbeats(&self, st: &mut State, now: Instant, heartbeat: &[u8]) {
+    /// Declare lost the ranks silent for longer than the heartbeat timeout (each told
+    /// so, if its socket takes the word at once: [`ToClient::Expelled`]); with
+    /// `heartbeat`, send it to the others. When the next rank would fall silent for
+    /// that long, if any rank is connected.
+    fn heartbeats(
+        &self,
+        st: &mut State,
+        now: Instant,
+        heartbeat: Option<&[u8]>,
+    ) -> Option<Instant> {
         let mut failed = Vec::new();
+        let mut next_silent: Option<Instant> = None;
         for (rank, c) in st.conns.iter().enumerate() {
             let Some(c) = c else { continue };
             let silent = now.saturating_duration_since(c.last_heard);
@@ -545,12 +577,21 @@ impl Shared {
                 let why = format!(
                     "no heartbeat for {silent:?} (frozen or stopped, e.g. SIGSTOP, or its host is unreachable)"
                 );
+                let reason = format!("job rank {rank}: {why}");
+                c.link
+                    .tell_now(&wire::encode(&ToClient::Expelled { reason }));
                 failed.push((rank, why));
-            } else {
+                continue;
+            }
+            // Just past the timeout (`silent > timeout`).
+            let due = c.last_heard + self.config.heartbeat_timeout + Duration::from_millis(1);
+            next_silent = Some(next_silent.map_or(due, |n| n.min(due)));
+            if let Some(heartbeat) = heartbeat {
                 failed.extend(st.write_to(rank, heartbeat));
             }
         }
         self.depart_all(st, failed);
+        next_silent
     }
 
     /// Tell the ranks waiting in each round whose notice is due which ranks have not

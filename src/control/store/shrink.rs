@@ -40,7 +40,7 @@ impl Shared {
             return;
         }
         st.epoch += 1;
-        tracing::warn!(
+        tracing::info!(
             "symmpool store: the group shrank from job ranks {:?} to {connected:?} (epoch {})",
             st.alive,
             st.epoch
@@ -48,7 +48,7 @@ impl Shared {
         st.alive = connected;
         st.votes.clear();
         st.rounds.clear();
-        st.broken = None;
+        (st.broken, st.lost_told) = (None, false);
         let survivors = st.alive.iter().map(|&r| r as u32).collect();
         let shrunk = ToClient::Shrunk {
             epoch: st.epoch,

@@ -27,8 +27,11 @@ pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]); 5: an ask to
 /// shrink that timed out is withdrawn ([`ToServer::Withdraw`]), and a round's
 /// contribution and abandonment name their group's epoch; 6: the withdrawal is confirmed
-/// with the ranks that had not asked ([`ToClient::Withdrawn`]).
-pub(crate) const VERSION: u16 = 7;
+/// with the ranks that had not asked ([`ToClient::Withdrawn`]); 7: a failed shrink says
+/// whether to ask again; 8: a rank declared lost is told so before its connection
+/// closes ([`ToClient::Expelled`]), and a loss is told even where a timeout broke the
+/// group first (a second [`ToClient::Broken`], of cause [`Cause::Lost`]).
+pub(crate) const VERSION: u16 = 8;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -230,7 +233,9 @@ pub(crate) enum ToClient {
         #[serde(with = "byte_lists")]
         payloads: Vec<Vec<u8>>,
     },
-    /// The group is broken for good.
+    /// The group is broken for good. Sent once with the first cause; where that was a
+    /// timeout, once more with the first loss that follows ([`Cause::Lost`]), which
+    /// explains the timeout.
     Broken(Broken),
     /// Liveness.
     Heartbeat,
@@ -253,6 +258,10 @@ pub(crate) enum ToClient {
     /// are the ranks of the group (places in its list) still connected that had not
     /// asked.
     Withdrawn { missing: Vec<u32> },
+    /// The store declared this rank lost (`reason`: it sent nothing for longer than the
+    /// heartbeat timeout) and closes its connection: the others go on without it. The
+    /// last frame before the close, if it fits in the socket's buffer at once.
+    Expelled { reason: String },
 }
 
 /// Byte vectors as postcard byte strings (a length, then the bytes copied at once), not

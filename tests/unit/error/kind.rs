@@ -58,9 +58,10 @@ fn variant(e: &Error) -> usize {
         Error::Untagged { .. } => 48,
         Error::Shrunk { .. } => 49,
         Error::ShrinkFailed { .. } => 50,
+        Error::DeclaredLost { .. } => 51,
     }
 }
-const VARIANTS: usize = 51;
+const VARIANTS: usize = 52;
 
 fn io() -> std::io::Error {
     std::io::Error::other("test")
@@ -160,6 +161,21 @@ fn one_of_each() -> Vec<(Error, K)> {
                 retry: true,
             },
             K::PeerLost,
+        ),
+        // Shrinking again cannot help: restart.
+        (
+            Error::ShrinkFailed {
+                reason: "x".into(),
+                retry: false,
+            },
+            K::GroupLost,
+        ),
+        (
+            Error::DeclaredLost {
+                rank: 2,
+                detail: s(),
+            },
+            K::GroupLost,
         ),
         (
             Error::CollectiveMismatch {
@@ -400,4 +416,38 @@ fn core_errors_have_kinds() {
         }
     }
     assert!(K::PeerLost.needs_restart() && !K::OutOfMemory.needs_restart());
+}
+
+#[test]
+fn a_shrink_that_cannot_be_retried_and_a_rank_declared_lost_advise_a_restart() {
+    // A runtime following the kinds shrinks on `PeerLost`; these must not send it
+    // round that loop again.
+    let failed = Error::ShrinkFailed {
+        reason: "the store's host, job rank 0, is gone".into(),
+        retry: false,
+    };
+    let declared = Error::DeclaredLost {
+        rank: 2,
+        detail: "no heartbeat for 5.2s".into(),
+    };
+    for e in [&failed, &declared] {
+        assert_eq!(e.kind(), K::GroupLost, "{e}");
+        assert!(e.kind().needs_restart());
+        assert_eq!(e.kind().name(), "group_lost");
+    }
+    let retry = Error::ShrinkFailed {
+        reason: "x".into(),
+        retry: true,
+    };
+    assert_eq!(retry.kind(), K::PeerLost);
+    let told = declared.to_string();
+    assert!(
+        told.starts_with("this rank (2) was declared lost by the store: no heartbeat")
+            && told.contains("cannot rejoin"),
+        "{told}"
+    );
+    assert!(
+        !told.contains("store's host") && !told.contains("shrink"),
+        "{told}"
+    );
 }

@@ -649,6 +649,7 @@ impl Verdict {
             rank,
             detail: detail.into(),
             left,
+            this_rank: false,
         });
     }
 }
