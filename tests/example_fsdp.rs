@@ -609,6 +609,8 @@ fn run_example(program: &std::path::Path, args: &[&str], limit: Duration) -> Ran
     let mut child = Killed(
         std::process::Command::new(program)
             .args(args)
+            // The example's own default log level (warn), whatever the test's is.
+            .env_remove("RUST_LOG")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
@@ -676,11 +678,17 @@ fn the_example_survives_a_lost_rank_and_trains_on_as_a_fresh_smaller_job_would()
     let r = json_summary(&ran);
     check(std::slice::from_ref(&r)).unwrap();
     assert_eq!(r.backend, "shm", "ranks as processes on the host");
+    // The world size at the start and at the end.
+    assert_eq!((r.ranks, r.ranks_at_end), (4, 3));
+    // A loss the survivors go on past is no failure: no ERROR line.
+    assert!(!ran.stderr.contains("ERROR"), "{}", ran.stderr);
     let s = r.survival.clone().expect("a lost rank survived");
     assert_eq!(s.lost_ranks, [3]);
     assert_eq!((s.world_size_before, s.world_size_after), (4, 3));
     assert_eq!((s.rank_before, s.rank_after, s.lost_in_step), (0, 0, 3));
     assert!(s.error.contains("rank 3 was lost"), "{}", s.error);
+    // What happened, without the advice for a job that stops there.
+    assert!(!s.error.contains("broken for good"), "{}", s.error);
     // Step 3's parameters were being kept when the rank was lost (a step's are whole
     // once its end has synchronised): the survivors go on from step 2.
     assert_eq!(s.resumed_at_step, 2);
@@ -737,6 +745,63 @@ fn the_example_survives_a_lost_rank_and_trains_on_as_a_fresh_smaller_job_would()
     assert_eq!(f.first_step, 2);
     assert_eq!(f.losses, after);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_survive_demo_says_what_happened_in_a_few_lines_and_no_error() {
+    let program = example_program();
+    let args = [
+        "--backend",
+        "host",
+        "--steps",
+        "6",
+        "--nproc",
+        "4",
+        "--survive",
+    ];
+    let ran = run_example(&program, &args, Duration::from_secs(300));
+    assert!(ran.status.success(), "{:?}: {}", ran.status, ran.stderr);
+    let all = format!("{}\n{}", ran.stdout, ran.stderr);
+    // No ERROR, and no advice to restart a job that went on; the loss at WARN once at
+    // most (the store's host), or not at all.
+    assert!(!all.contains("ERROR"), "{all}");
+    assert!(
+        !all.contains("broken for good") && !all.contains("restart"),
+        "{all}"
+    );
+    assert!(all.matches("WARN").count() <= 1, "{all}");
+    // The loss, the shrink and the new world size, as they happen (rank 0's lines).
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    let at = |prefix: &str| {
+        (lines.iter().position(|l| l.starts_with(prefix)))
+            .unwrap_or_else(|| panic!("no {prefix:?} line in {all}"))
+    };
+    let (lost, shrunk) = (
+        at("lost: rank 3 of 4, in step 3: rank 3 was lost"),
+        at("shrunk: "),
+    );
+    assert_eq!(shrunk, lost + 1, "{all}");
+    assert!(
+        lines[shrunk].contains("world size 4 → 3") && lines[shrunk].contains("from step 2"),
+        "{}",
+        lines[shrunk]
+    );
+    // Step 2 runs again, marked, at the new world size; step 3 once, after it.
+    let again: Vec<&&str> = (lines.iter())
+        .filter(|l| l.contains(" step   2 "))
+        .collect();
+    assert_eq!(again.len(), 2, "{all}");
+    assert!(!again[0].contains("again"), "{}", again[0]);
+    assert!(again[1].ends_with("(again, world 3)"), "{}", again[1]);
+    assert_eq!(at("[auto] step   2"), lost - 1, "{all}");
+    let third: Vec<&&str> = lines.iter().filter(|l| l.contains(" step   3 ")).collect();
+    assert!(third.len() == 1 && !third[0].contains("again"), "{all}");
+    // The summary says the world size at the end and at the start.
+    assert!(
+        ran.stdout
+            .contains("summary: shm backend, 3 ranks (4 at the start; rank 3 lost in step 3), "),
+        "{all}"
+    );
 }
 
 #[test]

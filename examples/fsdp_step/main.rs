@@ -114,8 +114,8 @@ fn make_pools(modes: &[Mode], check: Check, backend: &Backend) -> Result<Vec<(Mo
 }
 
 /// The collectives handle of `mode`'s pool, with the mode's path preferences
-/// (`calibrated`: auto's measured thresholds, if any; collective: every rank makes it
-/// at the same point).
+/// (`calibrated`: auto's measured thresholds, if any). Local: no round with the peers
+/// (each rank makes its own; their collectives are what pair).
 fn make_coll(mode: Mode, pools: &[SymmPool], calibrated: Option<&PathPolicy>) -> Result<Coll> {
     let coll = Coll::with_pools(pools)?;
     coll.set_path_policy(path_policy(mode, calibrated));
@@ -348,6 +348,15 @@ pub fn run_one_rank<M: Math>(
                     auto_policy,
                 )?;
                 (runs, data_pool, data, step) = went_on;
+                let survival = runs.iter().find_map(|r| r.3.survival.as_ref());
+                let show = |s: &&report::Survival| s.rank_after == 0 && !args.quiet && !args.json;
+                if let Some(s) = survival.filter(show) {
+                    // What happened, in the run's own words (the crate logs the errors it
+                    // returns at debug: the caller decides what they deserve).
+                    report::survival_notice(s)
+                        .iter()
+                        .for_each(|l| report::line(l));
+                }
             }
             Err(e) => return Err(e),
         }
@@ -425,7 +434,11 @@ fn run_step<M: Math>(
             s.registrations_first_step_after = now.saturating_sub(s.registrations_shrink());
         }
         if rank == 0 && !args.quiet && !args.json {
-            report::step_line(*mode, step, out.loss, out.ms);
+            // A step run again after a lost rank is marked, with the new world size.
+            let again = (log.survival.as_ref())
+                .filter(|s| step < s.lost_in_step)
+                .map(|s| s.world_size_after);
+            report::step_line(*mode, step, out.loss, out.ms, again);
         }
     }
     Ok(())
@@ -636,7 +649,7 @@ fn main() {
 /// | 65 | `Divergence` | fix the program (the ranks made different calls) |
 /// | 78 | `Configuration` | fix the settings or the environment |
 /// | 75 | `OutOfMemory` | retry with less (a smaller model or batch) |
-/// | 69 | `Timeout`, `PeerLost` | restart the job |
+/// | 69 | `Timeout`, `PeerLost`, `GroupLost` | restart the job (after `PeerLost`, `--survive` shrinks instead) |
 /// | 71 | `System` | restart; look at the device or the host |
 /// | 70 | `Broken`, `Internal`, others | restart; report an internal error |
 ///
@@ -653,7 +666,7 @@ pub fn exit_code(kind: ErrorKind) -> i32 {
         ErrorKind::Divergence => 65,
         ErrorKind::Configuration => 78,
         ErrorKind::OutOfMemory => 75,
-        ErrorKind::Timeout | ErrorKind::PeerLost => 69,
+        ErrorKind::Timeout | ErrorKind::PeerLost | ErrorKind::GroupLost => 69,
         ErrorKind::System => 71,
         _ => 70,
     }

@@ -109,7 +109,8 @@ pub struct Survival {
     pub rank_after: usize,
     /// The step in which the loss was reported.
     pub lost_in_step: usize,
-    /// The error that reported it.
+    /// The loss, as the error that reported it says (without the advice for a job that
+    /// stops there: this one went on).
     pub error: String,
     /// The step the survivors went on from: the last one whose whole parameters every
     /// survivor kept. Its loss and the later ones are at the new world size.
@@ -149,7 +150,7 @@ impl Survival {
             rank_before: first.old_rank,
             rank_after: first.rank,
             lost_in_step,
-            error: lost.to_string(),
+            error: super::survive::loss_words(lost),
             resumed_at_step,
             shrink_ms,
             first_collective_ms: 0.0,
@@ -182,8 +183,11 @@ pub struct Summary {
     pub backend: String,
     /// The rank that reports.
     pub rank: usize,
-    /// Ranks.
+    /// Ranks at the start.
     pub ranks: usize,
+    /// Ranks at the end: fewer after a lost rank survived (`--survive`).
+    #[serde(default)]
+    pub ranks_at_end: usize,
     /// The mode.
     pub mode: Mode,
     /// Layers.
@@ -378,6 +382,7 @@ impl Summary {
             backend: args.backend_name().into(),
             rank,
             ranks: args.ranks,
+            ranks_at_end: (log.survival.as_ref()).map_or(args.ranks, |s| s.world_size_after),
             mode,
             layers: args.layers,
             hidden: args.hidden,
@@ -527,12 +532,40 @@ pub fn identity_line(results: &[Summary]) -> String {
     }
 }
 
-/// One line per step and mode (rank 0, without `--quiet`).
-pub fn step_line(mode: Mode, step: usize, loss: f32, ms: f64) {
+/// One line per step and mode (rank 0, without `--quiet`); `again`: the step runs
+/// again after a lost rank, at this world size.
+pub fn step_line(mode: Mode, step: usize, loss: f32, ms: f64, again: Option<usize>) {
+    let again = again.map_or_else(String::new, |w| format!("  (again, world {w})"));
     out!(
-        "[{:>4}] step {step:>3}  loss {loss:.6e}  {ms:>9.2} ms",
+        "[{:>4}] step {step:>3}  loss {loss:.6e}  {ms:>9.2} ms{again}",
         mode.name()
     );
+}
+
+/// What rank 0 prints when the survivors of a lost rank go on (`--survive`): the loss,
+/// the shrink and the new world size, in two lines.
+pub fn survival_notice(s: &Survival) -> [String; 2] {
+    let lost = (s.lost_ranks.iter())
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    [
+        format!(
+            "lost: rank {lost} of {}, in step {}: {}",
+            s.world_size_before, s.lost_in_step, s.error
+        ),
+        format!(
+            "shrunk: {} pools in {:.1} ms, world size {} → {} (this rank {} → {}); going on \
+             from step {}, the last whose parameters every survivor kept whole",
+            s.pools.len(),
+            s.shrink_ms,
+            s.world_size_before,
+            s.world_size_after,
+            s.rank_before,
+            s.rank_after,
+            s.resumed_at_step
+        ),
+    ]
 }
 
 /// A path as the table shows it. On the host backend there are no kernels and no
@@ -567,6 +600,24 @@ pub fn loss_disagreement(results: &[Summary]) -> f64 {
     Spread::of(&diffs).max
 }
 
+/// The world size as the summary says it: the ranks at the end, and, if a rank was lost
+/// on the way (`--survive`), the ranks at the start and which were lost.
+pub fn ranks_words(args: &Args, results: &[Summary]) -> String {
+    match results.iter().find_map(|r| r.survival.as_ref()) {
+        Some(s) => {
+            let lost = (s.lost_ranks.iter())
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "{} ranks ({} at the start; rank {lost} lost in step {})",
+                s.world_size_after, s.world_size_before, s.lost_in_step
+            )
+        }
+        None => format!("{} ranks", args.ranks),
+    }
+}
+
 /// Print the summaries: one JSON object per line with `--json`, else the table.
 pub fn print(args: &Args, results: &[Summary]) {
     if args.json {
@@ -590,9 +641,9 @@ pub fn print(args: &Args, results: &[Summary]) {
         _ => "-".into(),
     };
     out!(
-        "\nsummary: {} backend, {} ranks, {} layers, hidden {}, batch {}, {} steps{}",
+        "\nsummary: {} backend, {}, {} layers, hidden {}, batch {}, {} steps{}",
         args.backend_name(),
-        args.ranks,
+        ranks_words(args, results),
         args.layers,
         args.hidden,
         args.batch,

@@ -25,9 +25,24 @@ use symmpool::{
 };
 
 /// Whether `e` says that a rank was lost, so that the survivors may shrink: an error of
-/// kind `PeerLost`, or a pool broken by the loss (as the crate's README matches them).
+/// kind `PeerLost`, whichever call met the loss and whatever its variant (as the
+/// crate's README matches it).
 pub fn is_loss(e: &Error) -> bool {
-    e.kind() == ErrorKind::PeerLost || matches!(e, Error::PoolBroken { .. })
+    e.kind() == ErrorKind::PeerLost
+}
+
+/// The loss `e` reports, in words for a run that went on past it: what happened, not
+/// the advice for a job that stops there (the error's own message ends with it).
+pub fn loss_words(e: &Error) -> String {
+    match e {
+        Error::PeerLost { rank, op, detail } => {
+            format!("rank {rank} was lost while this rank was in {op}: {detail}")
+        }
+        Error::GroupBroken { rank, op } => {
+            format!("rank {rank} timed out in {op}, which broke the group")
+        }
+        e => e.to_string(),
+    }
 }
 
 /// The whole parameters at the start of a step: every layer's h × h values,

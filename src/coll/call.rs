@@ -40,7 +40,7 @@ fn failed(pool: &SymmPool, e: Error) -> Error {
 }
 
 pub(super) fn invalid(op: &'static str, detail: String) -> Error {
-    tracing::error!(target: "symmpool::coll", op, error = %detail, "symmpool call failed");
+    tracing::debug!(target: "symmpool::coll", op, error = %detail, "symmpool call failed");
     Error::InvalidCollective { op, detail }
 }
 

@@ -25,7 +25,10 @@
 //! | `alloc` (a cache hit or after growth) | event | trace | `rank`, `size_bytes`, `segment`, `offset_bytes`, `allocation` |
 //! | `free deferred` / `deferred frees applied` | event | debug | `rank`, `allocation` / `count` |
 //! | `collective` (path choice) | event | debug | `rank`, `pool`, `op`, `path`, `comm`, `bytes_per_rank` |
-//! | `symmpool call failed` (before a public pool or collective call returns an error) | event | error | `rank`, `pool`, `op`, `error` |
+//! | `symmpool call failed` (before a public pool or collective call returns an error: the caller decides what it deserves) | event | debug | `rank`, `pool`, `op`, `error` |
+//! | `collective check failed` (the ranks' collectives differ; also returned by the pools' calls) | event | warn | `divergence` |
+//! | `pool broken` (a loss or a failure broke the pools' checks; returned by their calls) | event | debug | `reason` |
+//! | `pool shrunk` ([`SymmPool::shrink`](crate::SymmPool::shrink)) | event | info | `pool`, `old_rank`, `rank`, `world_size`, `lost`, `seconds` |
 //! | `POOL DROPPED WITHOUT close()` | event | warn (and standard error when neither `tracing` nor `log` is set up) | `rank`, `pool`, `segments`, `bytes` |
 //! | `broken pool dropped (…)` (a broken pool, which cannot be closed) | event | warn (and standard error likewise) | `rank`, `pool`, `segments`, `bytes` |
 //!

@@ -16,7 +16,9 @@ pub(crate) fn role_name(role: CommRole) -> &'static str {
     }
 }
 
-/// A public pool or collective call is about to return `error`.
+/// A public pool or collective call is about to return `error`: logged at `debug`,
+/// since the caller decides what it deserves (a loss the survivors shrink past, a
+/// usage error it catches, is no failure of the job).
 #[cold]
 #[inline(never)]
 pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
@@ -27,7 +29,7 @@ pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
     {
         pool.inner.counters.ooms.fetch_add(1, Relaxed);
     }
-    tracing::error!(
+    tracing::debug!(
         target: "symmpool",
         rank = pool.rank(),
         pool = %pool.config().name,

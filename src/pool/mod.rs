@@ -165,7 +165,7 @@ impl SymmPool {
     pub fn new(backend: Backend, config: PoolConfig) -> Result<Self> {
         let (rank, name) = (backend.rank(), config.name.clone());
         Self::create(backend, config).inspect_err(|error| {
-            tracing::error!(target: "symmpool", rank, pool = %name, op = "new", error = %error,
+            tracing::debug!(target: "symmpool", rank, pool = %name, op = "new", error = %error,
                 "symmpool call failed");
         })
     }

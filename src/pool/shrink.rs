@@ -139,7 +139,7 @@ impl SymmPool {
         self.inner.closed.store(true, Ordering::Release);
         drop(old);
         self.forward_deferred();
-        tracing::warn!(target: "symmpool::pool", pool = %config.name, old_rank,
+        tracing::info!(target: "symmpool::pool", pool = %config.name, old_rank,
             rank = report.rank, world_size = report.world_size, lost = ?report.lost_ranks,
             seconds = report.took.as_secs_f64(), "pool shrunk");
         Ok((pool, report))
