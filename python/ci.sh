@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# CI for the Python package (no GPU, no torch needed): build the wheel with maturin,
-# install it into a fresh virtual environment, run python/tests with pytest.
-# Tests that need torch or CUDA are reported as skipped, with their reason.
-# python/tests/test_shm_ranks.py runs python/examples/train_cpu.py as 4 processes
-# (torchrun where torch is installed in the venv, `python -m symmpool.launch`
-# otherwise), each job under a timeout, every rank killed when its launcher returns.
+# CI for the Python package (no GPU): build the wheel with maturin, install it into a
+# virtual environment with PyTorch (the registry's CPU-capable `torch` wheel; it runs
+# without a GPU), run python/tests with pytest. The torch tests (FSDP2 on CPU over
+# gloo: test_fsdp_cpu.py, test_torch_cpu.py) must run: SYMMPOOL_REQUIRE_TORCH=1 makes
+# a skip in them a failure. Tests that need CUDA are reported as skipped, with their
+# reason. python/tests/test_shm_ranks.py runs python/examples/train_cpu.py as 4
+# processes (torchrun, as torch is installed), each job under a timeout, every rank
+# killed when its launcher returns.
+#
+# The venv is kept in target/python-ci/venv and reused: torch (about 4.8 GB installed
+# with its CUDA runtime packages) is installed once, then found already satisfied.
 #
 #   bash python/ci.sh                 # from the repository root (or anywhere)
 #   PYTHON=python3.12 bash python/ci.sh
 #   SYMMPOOL_CI_RELEASE=1 bash python/ci.sh   # build the release wheel instead
+#   SYMMPOOL_CI_TORCH=0 bash python/ci.sh     # no torch (a machine without the
+#                                             # registry): the torch tests are skipped
+#   SYMMPOOL_CI_TORCH_SPEC='torch==2.12.0' bash python/ci.sh   # another torch
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -24,6 +32,21 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null
 "$venv/bin/python" -m pip install --quiet "maturin>=1.5,<2" pytest
+
+# PyTorch, pinned to the version the GPU check runs (scripts/gpu-check.sh), and numpy
+# (torch warns on import without it).
+torch_spec="${SYMMPOOL_CI_TORCH_SPEC:-torch==2.11.0}"
+if [ "${SYMMPOOL_CI_TORCH:-1}" = 1 ]; then
+    echo "== $torch_spec (CPU use; kept in $venv)"
+    t0=$SECONDS
+    "$venv/bin/python" -m pip install --quiet "$torch_spec" numpy
+    "$venv/bin/python" -c "import torch, torch.distributed as d; assert d.is_gloo_available(); print('   torch', torch.__version__, '(gloo)')"
+    echo "   torch install step: $((SECONDS - t0)) s"
+    export SYMMPOOL_REQUIRE_TORCH=1
+else
+    echo "== no torch (SYMMPOOL_CI_TORCH=0): the torch tests are skipped"
+    export SYMMPOOL_REQUIRE_TORCH=0
+fi
 
 profile=()
 if [ "${SYMMPOOL_CI_RELEASE:-0}" = 1 ]; then profile=(--release); fi
@@ -41,10 +64,10 @@ for sym in symmpool_alloc symmpool_free PyInit__ext; do
 done
 echo "   $(basename "$whl"): symmpool_alloc, symmpool_free exported"
 
-echo "== cargo test: PyTorch's snapshot format (python/src/torch.rs, no Python needed)"
-(cd "$root" && cargo test -p symmpool-python --test torch_snapshot)
+echo "== cargo test: the binding's unit tests (errors' attributes and words) and PyTorch's snapshot format (python/src/torch.rs)"
+(cd "$root" && PYO3_PYTHON="$venv/bin/python" cargo test -p symmpool-python --lib --test torch_snapshot)
 
-echo "== pytest"
+echo "== pytest (SYMMPOOL_REQUIRE_TORCH=$SYMMPOOL_REQUIRE_TORCH)"
 cd "$root"
 set +e
 "$venv/bin/python" -m pytest -ra -q python/tests

@@ -48,6 +48,9 @@ pub(crate) struct Details {
     pub(crate) field: Option<String>,
     /// A divergence: each rank's value of it, in rank order.
     pub(crate) values: Vec<(usize, String)>,
+    /// A failed shrink ([`Error::ShrinkFailed`]): whether `shrink` again can succeed.
+    /// Its exception is `symmpool.errors.ShrinkFailed`, whatever its kind.
+    pub(crate) retry: Option<bool>,
 }
 
 /// The attributes of `e` (its class is its kind's: see `symmpool.errors.CLASSES`).
@@ -130,14 +133,35 @@ pub(crate) fn details(e: &Error) -> Details {
         Error::RegistrationBroken { rank, .. } => {
             with(Some(*rank), vec![*rank], Some("window registration"))
         }
+        Error::ShrinkFailed { retry, .. } => Details {
+            operation: Some("shrink".to_owned()),
+            retry: Some(*retry),
+            ..Details::default()
+        },
         _ => Details::default(),
     }
 }
 
-/// The message of `e`, with its advice said once: an error that wraps another (a
-/// broken pool, a deferred failure) repeats the inner error's advice, which goes.
+/// The message of `e`, with its advice said once (an error that wraps another, a
+/// broken pool or a deferred failure, repeats the inner error's advice, which goes)
+/// and in Python's words (the methods it names are the `Pool`'s).
 pub(crate) fn message(e: &Error) -> String {
-    dedupe_advice(&e.to_string())
+    in_python_words(&dedupe_advice(&e.to_string()))
+}
+
+/// The crate's method names the messages use, and the binding's for each.
+const PYTHON_NAMES: [(&str, &str); 2] = [
+    ("SymmPool::shrink", "Pool.shrink()"),
+    ("SymmPool::close", "Pool.close()"),
+];
+
+/// `text` with the crate's method names of [`PYTHON_NAMES`] as Python calls them.
+pub(crate) fn in_python_words(text: &str) -> String {
+    let mut out = text.to_owned();
+    for (rust, python) in PYTHON_NAMES {
+        out = out.replace(rust, python);
+    }
+    out
 }
 
 /// The advice the crate's messages end with (after `; ` or in parentheses).
@@ -220,6 +244,7 @@ fn exception(kind: ErrorKind, text: String, details: &Details) -> PyErr {
                     details.operation.clone(),
                     details.field.clone(),
                     details.values.clone(),
+                    details.retry,
                 ),
             )
         });
@@ -294,6 +319,43 @@ mod tests {
         let d = details(&late);
         assert_eq!((d.rank, d.ranks, d.field), (Some(2), vec![2], None));
         assert_eq!(late.kind(), ErrorKind::PeerLost);
+    }
+
+    #[test]
+    fn a_failed_shrink_says_whether_to_ask_again() {
+        for retry in [true, false] {
+            let e = Error::ShrinkFailed {
+                reason: "rank 2 was lost while the survivors agreed".into(),
+                retry,
+            };
+            let d = details(&e);
+            assert_eq!(d.retry, Some(retry));
+            assert_eq!(d.operation.as_deref(), Some("shrink"));
+        }
+        assert_eq!(
+            details(&Error::GroupBroken { rank: 1, op: "x" }).retry,
+            None
+        );
+    }
+
+    #[test]
+    fn messages_name_the_python_methods() {
+        let lost = Error::PeerLost {
+            rank: 3,
+            op: "all_gather",
+            detail: "the process ended".into(),
+        };
+        let text = message(&lost);
+        assert!(!text.contains("SymmPool::"), "{text}");
+        // Whatever the crate's words around it, the advice names Python's method.
+        if lost.to_string().contains("SymmPool::shrink") {
+            assert!(text.contains("Pool.shrink()"), "{text}");
+        }
+        let shrunk = message(&Error::Shrunk { what: "the pool" });
+        assert!(
+            shrunk.contains("Pool.shrink()") && !shrunk.contains("SymmPool"),
+            "{shrunk}"
+        );
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! The crate's warnings and errors (its `tracing` events, forwarded to `log` when no
 //! `tracing` subscriber is set) delivered to Python, instead of standard error:
 //!
-//! - a warning about the pool the caller holds (target `symmpool::pool`, for example a
-//!   pool dropped without `close()`) as `warnings.warn(..., symmpool.SymmpoolWarning)`;
+//! - the warning about a pool the caller held and dropped without `close()` (target
+//!   `symmpool::pool`) as `warnings.warn(..., symmpool.SymmpoolWarning)`;
 //! - everything else at warning level or above to the `logging` logger named after
 //!   the target (`symmpool`, `symmpool.pool`, `symmpool.backend.nccl.comm`, …), except
-//!   the crate's "symmpool call failed" event, which the raised exception already
-//!   says: it goes to the `symmpool` logger at `INFO`.
+//!   the crate's "symmpool call failed" event (of any of its targets), which the
+//!   raised exception already says: the caller may catch it and carry on (a
+//!   `UsageError` it expects, a loss it shrinks past), so it goes to its logger at
+//!   `DEBUG`, never as a failure.
 //!
 //! A record is never delivered on the thread that emits it: that thread may hold a
 //! lock of the pool, and running Python there (which may release and take the GIL)
@@ -76,10 +78,7 @@ impl log::Log for PyLogger {
             level: record.level(),
             target: record.target().to_owned(),
             // The advice in Python's words.
-            message: record
-                .args()
-                .to_string()
-                .replace("SymmPool::close", "Pool.close()"),
+            message: crate::errors::in_python_words(&record.args().to_string()),
         };
         let mut st = STATE.lock();
         if st.stopped {
@@ -107,11 +106,21 @@ impl log::Log for PyLogger {
     fn flush(&self) {}
 }
 
-/// Whether `r` is the crate's event for a failed call (the exception says it).
+/// Whether `r` is the crate's event for a failed call (the exception says it), from
+/// the crate's root target or one of its modules' (`symmpool::coll`).
 fn is_call_failed(r: &Record) -> bool {
-    r.level == log::Level::Error
-        && r.target == "symmpool"
-        && r.message.starts_with("symmpool call failed")
+    let crate_target = r.target == "symmpool" || r.target.starts_with("symmpool::");
+    crate_target && r.message.starts_with("symmpool call failed")
+}
+
+/// Whether `r` is the crate's warning about a pool dropped without `close()` (or a
+/// broken one dropped): about a pool the caller holds, so a `SymmpoolWarning`. The
+/// pool's other records (a shrink done, ...) go to `logging`.
+fn is_pool_dropped(r: &Record) -> bool {
+    r.level == log::Level::Warn
+        && r.target == "symmpool::pool"
+        && (r.message.starts_with("POOL DROPPED WITHOUT close()")
+            || r.message.starts_with("broken pool dropped"))
 }
 
 /// Install the logger (once per process; a logger another library installed first
@@ -210,7 +219,7 @@ fn deliver(py: Python<'_>, records: Vec<Record>, dropped: u64) {
 }
 
 fn deliver_one(py: Python<'_>, r: &Record) -> PyResult<()> {
-    if r.level == log::Level::Warn && r.target == "symmpool::pool" {
+    if is_pool_dropped(r) {
         let category = crate::errors::class(py, "SymmpoolWarning")?;
         py.import("warnings")?
             .call_method1("warn", (r.message.as_str(), category))?;
@@ -218,11 +227,7 @@ fn deliver_one(py: Python<'_>, r: &Record) -> PyResult<()> {
     }
     let level: u8 = match r.level {
         // The exception raised for the call says it already.
-        log::Level::Error
-            if r.target == "symmpool" && r.message.starts_with("symmpool call failed") =>
-        {
-            20
-        }
+        _ if is_call_failed(r) => 10,
         log::Level::Error => 40,
         log::Level::Warn => 30,
         log::Level::Info => 20,

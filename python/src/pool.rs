@@ -139,6 +139,29 @@ impl<'py> FromPyObject<'py> for Tag {
     }
 }
 
+/// A byte count or address as Python gives it: an `int` from 0 to 2**64 - 1. Anything
+/// else is a plain `ValueError` (a negative or too large int) or `TypeError` (not an
+/// int), as the README promises for a bad argument (pyo3's own conversion would raise
+/// `OverflowError` for -1).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bytes(u64);
+
+impl<'py> FromPyObject<'py> for Bytes {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if !ob.is_instance_of::<PyInt>() || ob.is_instance_of::<PyBool>() {
+            return Err(PyTypeError::new_err(format!(
+                "a byte count or address must be an int, not {}",
+                ob.get_type().name()?
+            )));
+        }
+        ob.extract::<u64>().map(Bytes).map_err(|_| {
+            PyValueError::new_err(format!(
+                "a byte count or address must be from 0 to 2**64 - 1, not {ob}"
+            ))
+        })
+    }
+}
+
 /// A collective as the bindings call it: which one, on which buffers (`output`
 /// `None`: in place), of which element type.
 struct Call<'a> {
@@ -516,7 +539,8 @@ impl Pool {
     /// Allocate `nbytes` on the raw CUDA stream `stream` (ignored on a host or
     /// shared-memory pool) and return a `Buffer`. Collective when the pool grows.
     #[pyo3(signature = (nbytes, stream = 0))]
-    fn alloc(&self, py: Python<'_>, nbytes: u64, stream: usize) -> PyResult<Buffer> {
+    fn alloc(&self, py: Python<'_>, nbytes: Bytes, stream: usize) -> PyResult<Buffer> {
+        let Bytes(nbytes) = nbytes;
         let handle = self.handle.clone();
         let buf = py
             .allow_threads(move || {
@@ -536,7 +560,8 @@ impl Pool {
     /// a one-dimensional `uint8` CUDA tensor over the buffer; the block returns to the
     /// pool when the tensor dies. NCCL pools only. Collective when the pool grows.
     #[pyo3(signature = (nbytes, stream = 0))]
-    fn alloc_dlpack(&self, py: Python<'_>, nbytes: u64, stream: usize) -> PyResult<PyObject> {
+    fn alloc_dlpack(&self, py: Python<'_>, nbytes: Bytes, stream: usize) -> PyResult<PyObject> {
+        let Bytes(nbytes) = nbytes;
         let device = self
             .handle
             .device()
@@ -565,8 +590,8 @@ impl Pool {
     fn all_gather_at(
         &self,
         py: Python<'_>,
-        ptr: u64,
-        nbytes: u64,
+        ptr: Bytes,
+        nbytes: Bytes,
         stream: usize,
         tag: Option<Tag>,
     ) -> PyResult<&'static str> {
@@ -584,8 +609,8 @@ impl Pool {
     fn reduce_scatter_at(
         &self,
         py: Python<'_>,
-        ptr: u64,
-        nbytes: u64,
+        ptr: Bytes,
+        nbytes: Bytes,
         dtype: DType,
         op: &str,
         stream: usize,
@@ -608,10 +633,10 @@ impl Pool {
     fn reduce_scatter_into(
         &self,
         py: Python<'_>,
-        in_ptr: u64,
-        in_nbytes: u64,
-        out_ptr: u64,
-        out_nbytes: u64,
+        in_ptr: Bytes,
+        in_nbytes: Bytes,
+        out_ptr: Bytes,
+        out_nbytes: Bytes,
         dtype: DType,
         op: &str,
         stream: usize,
@@ -631,8 +656,8 @@ impl Pool {
     fn all_reduce_at(
         &self,
         py: Python<'_>,
-        ptr: u64,
-        nbytes: u64,
+        ptr: Bytes,
+        nbytes: Bytes,
         dtype: DType,
         op: &str,
         stream: usize,
@@ -651,9 +676,9 @@ impl Pool {
     fn all_reduce_into(
         &self,
         py: Python<'_>,
-        in_ptr: u64,
-        out_ptr: u64,
-        nbytes: u64,
+        in_ptr: Bytes,
+        out_ptr: Bytes,
+        nbytes: Bytes,
         dtype: DType,
         op: &str,
         stream: usize,
@@ -876,6 +901,47 @@ impl Pool {
         py.allow_threads(move || handle.pool.close()).map_err(to_py)
     }
 
+    /// Go on without the lost ranks, after a `PeerLostError` (or a broken pool whose
+    /// message names a lost rank): returns `(pool, report)`, the survivors' pool (this
+    /// rank numbered anew: `report.rank`, `report.world_size`) and a `ShrinkReport`.
+    /// Collective: every survivor calls it, for each of its pools in the same order.
+    ///
+    /// The new pool keeps this pool's memory, blocks and call history (no
+    /// reallocation: the segments are registered anew on the survivors'
+    /// communicators), its settings (check mode, tags required, timeout) and its
+    /// collectives run among the survivors. This pool is done: every call on it, and
+    /// every collective on a buffer allocated from it, is a `UsageError` saying so
+    /// (such a buffer's layout was made for the old world size; its data stays
+    /// readable and writable: allocate anew from the new pool and copy). Buffers of
+    /// this pool return their blocks to the new pool when freed; free them before
+    /// the new pool's `close()`.
+    ///
+    /// Raises `ShrinkFailed` when the group cannot shrink: `retry` `True` (a second
+    /// rank was lost while the survivors agreed: call it again, on every survivor) or
+    /// `False` (the rank lost hosted the crate's store, rank 0; the store went on
+    /// without this rank; the pool's exchange cannot shrink, such as one over torch's
+    /// store: restart); `PeerLostError` when a survivor is lost while the new pool is
+    /// set up (call it again); `SymmpoolTimeoutError` when a survivor does not ask in
+    /// time; `DivergenceError` when the survivors' pools differ. On error this pool is
+    /// left as it was (broken). A failure making the new pool's collectives (after a
+    /// successful shrink) is raised as it is, and the new pool is dropped.
+    fn shrink(&self, py: Python<'_>) -> PyResult<(Pool, ShrinkReport)> {
+        let handle = self.handle.clone();
+        let (pool, coll, report) = py
+            .allow_threads(move || {
+                let (pool, report) = handle.pool.shrink()?;
+                let coll = Coll::new(&pool)?;
+                Ok((pool, coll, report))
+            })
+            .map_err(to_py)?;
+        Ok((
+            Pool {
+                handle: GilFree::new(Handle::new(pool, coll)),
+            },
+            ShrinkReport::from(report),
+        ))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Pool(name={:?}, rank={}, world_size={}, device={:?})",
@@ -920,7 +986,8 @@ impl Pool {
     }
 
     /// The live buffer of this pool at `ptr`, `nbytes` long.
-    fn buffer_at(&self, ptr: u64, nbytes: u64) -> PyResult<Arc<SymmBuffer>> {
+    fn buffer_at(&self, ptr: Bytes, nbytes: Bytes) -> PyResult<Arc<SymmBuffer>> {
+        let (Bytes(ptr), Bytes(nbytes)) = (ptr, nbytes);
         let buf = live::get(ptr).ok_or_else(|| {
             PyValueError::new_err(format!(
                 "{ptr:#x} is not the start of a symmpool buffer (allocate it with the pool)"
@@ -939,6 +1006,71 @@ impl Pool {
     }
 }
 
+/// What `Pool.shrink()` did on this rank (the crate's `ShrinkReport`).
+#[pyclass(frozen, get_all, module = "symmpool._ext")]
+#[derive(Debug, Clone)]
+pub struct ShrinkReport {
+    /// This rank before the shrink.
+    old_rank: usize,
+    /// This rank in the new group (the survivors numbered densely in their old order).
+    rank: usize,
+    /// The world size before the shrink.
+    old_world_size: usize,
+    /// The world size after.
+    world_size: usize,
+    /// The ranks of the old group that are gone (old numbering), ascending.
+    lost_ranks: Vec<usize>,
+    /// Segments kept, each registered anew once on each new communicator that registers.
+    segments: usize,
+    /// Window registrations made on the new communicators.
+    registrations: u64,
+    /// Buffers of the old pool still alive on this rank (readable and writable; no
+    /// collective takes them).
+    live_buffers: u64,
+    /// Bytes of those buffers' blocks.
+    live_bytes: u64,
+    /// Seconds from the call to the new pool, ready (the collectives' set-up after it
+    /// not included).
+    took_s: f64,
+}
+
+impl From<symmpool::ShrinkReport> for ShrinkReport {
+    fn from(r: symmpool::ShrinkReport) -> Self {
+        ShrinkReport {
+            old_rank: r.old_rank,
+            rank: r.rank,
+            old_world_size: r.old_world_size,
+            world_size: r.world_size,
+            lost_ranks: r.lost_ranks,
+            segments: r.segments,
+            registrations: r.registrations,
+            live_buffers: r.live_buffers,
+            live_bytes: r.live_bytes,
+            took_s: r.took.as_secs_f64(),
+        }
+    }
+}
+
+#[pymethods]
+impl ShrinkReport {
+    fn __repr__(&self) -> String {
+        format!(
+            "ShrinkReport(rank {} of {} -> {} of {}, lost_ranks={:?}, segments={}, \
+             registrations={}, live_buffers={}, live_bytes={}, took_s={:.3})",
+            self.old_rank,
+            self.old_world_size,
+            self.rank,
+            self.world_size,
+            self.lost_ranks,
+            self.segments,
+            self.registrations,
+            self.live_buffers,
+            self.live_bytes,
+            self.took_s
+        )
+    }
+}
+
 /// Draw several ranks' snapshots (JSON strings from `memory_snapshot_json`) side by
 /// side, blocks placed differently outlined in red.
 #[pyfunction]
@@ -952,7 +1084,8 @@ pub(crate) fn render_ranks_svg(snapshots: Vec<String>) -> PyResult<String> {
 }
 
 /// A pool buffer held from Python (host pools in tests; any pool). Dropping it, or
-/// `free()`, returns the block to the pool; any use after `free()` is a `UsageError`.
+/// `free()`, returns the block to the pool; any use after `free()` (a second `free()`
+/// too) is a `UsageError`.
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Buffer {
     buf: Mutex<Option<Arc<SymmBuffer>>>,
@@ -1088,9 +1221,19 @@ impl Buffer {
         self.run(py, op, dtype, out.as_ref(), tag)
     }
 
-    /// Return the block to the pool now (a second call does nothing); any other use
-    /// of the buffer afterwards is a `UsageError`.
-    fn free(&self) {
-        self.buf.lock().take();
+    /// Return the block to the pool now. Any use of the buffer afterwards, a second
+    /// `free()` included, is a `UsageError` (nothing else happens).
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
+        let buf = self.buf.lock().take();
+        match buf {
+            // The pool's lock is taken without the GIL (see `memory_stats`).
+            Some(buf) => {
+                py.allow_threads(move || drop(buf));
+                Ok(())
+            }
+            None => Err(usage(
+                "the buffer was already freed (Buffer.free() twice): free each buffer once",
+            )),
+        }
     }
 }

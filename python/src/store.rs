@@ -14,15 +14,86 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use symmpool::control::{KvConfig, KvExchange, KvStore};
 use symmpool::{ChannelId, Deadline, Error, Exchange, Result};
 
 /// A Python store object, called with the GIL held (acquired per call: the exchange
 /// runs with the GIL released).
+///
+/// Each call runs on a client of the store that no other call is using at that moment:
+/// a clone of the store (`Store.clone()`, a connection of its own in c10d's
+/// `TCPStore`), kept for later calls once it is done. A c10d client runs one operation
+/// at a time: a rank's blocking `wait` on a shared client would hold up its other
+/// threads' calls (the async check's thread waiting for a round while the caller's
+/// thread posts its key for another) and torch's own calls on the default store until
+/// the wait ends. A store without `clone` (or whose `clone` fails) is called as it is,
+/// by every call: it must serve concurrent calls itself.
 #[derive(Debug)]
 pub(crate) struct PyStore {
     store: Py<PyAny>,
+    /// Clones of `store` not in use (at most as many as calls ever ran at once).
+    idle: Mutex<Vec<Py<PyAny>>>,
+    /// Whether `store` is cloned per call (it has `clone`, and no `clone` failed yet).
+    clones: AtomicBool,
+    /// Clones made so far.
+    made: Arc<AtomicUsize>,
+}
+
+impl PyStore {
+    fn new(py: Python<'_>, store: Py<PyAny>) -> PyResult<Self> {
+        let clones = store.bind(py).hasattr("clone")?;
+        Ok(PyStore {
+            store,
+            idle: Mutex::new(Vec::new()),
+            clones: AtomicBool::new(clones),
+            made: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// Run `f` with the GIL on a client of the store that no other call is using (see
+    /// the type's documentation); a failure is the crate's transport error of `op`.
+    fn call<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(Python<'_>, &Bound<'_, PyAny>) -> PyResult<T>,
+    ) -> Result<T> {
+        Python::with_gil(|py| {
+            let client = self.take(py);
+            let out = match &client {
+                Some(c) => f(py, c.bind(py)),
+                None => f(py, self.store.bind(py)),
+            };
+            if let Some(c) = client {
+                self.idle.lock().push(c);
+            }
+            out
+        })
+        .map_err(|e| store_error(op, e))
+    }
+
+    /// An idle clone, or a new one; `None`: call the store itself.
+    fn take(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        if let Some(c) = self.idle.lock().pop() {
+            return Some(c);
+        }
+        if !self.clones.load(Ordering::Relaxed) {
+            return None;
+        }
+        match self.store.call_method0(py, "clone") {
+            Ok(c) => {
+                self.made.fetch_add(1, Ordering::Relaxed);
+                Some(c)
+            }
+            Err(_) => {
+                // Not a store that clones (a Python subclass of c10d's Store without
+                // it): every call uses the store itself from now on.
+                self.clones.store(false, Ordering::Relaxed);
+                None
+            }
+        }
+    }
 }
 
 /// A Python exception raised by the store, as the crate's transport error.
@@ -65,41 +136,35 @@ fn timedelta<'py>(py: Python<'py>, d: Duration) -> PyResult<Bound<'py, PyAny>> {
 
 impl KvStore for PyStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        Python::with_gil(|py| {
-            self.store
-                .call_method1(py, "set", (key, PyBytes::new(py, value)))
-                .map(drop)
+        self.call("store.set", |py, store| {
+            store.call_method1("set", (key, PyBytes::new(py, value)))?;
+            Ok(())
         })
-        .map_err(|e| store_error("store.set", e))
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>> {
-        Python::with_gil(|py| bytes_of(self.store.call_method1(py, "get", (key,))?.bind(py)))
-            .map_err(|e| store_error("store.get", e))
+        self.call("store.get", |_, store| {
+            bytes_of(&store.call_method1("get", (key,))?)
+        })
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        Python::with_gil(|py| {
-            self.store
-                .call_method1(py, "add", (key, delta))?
-                .extract::<i64>(py)
+        self.call("store.add", |_, store| {
+            store.call_method1("add", (key, delta))?.extract::<i64>()
         })
-        .map_err(|e| store_error("store.add", e))
     }
 
+    /// One blocking `store.wait(keys, timeout)`: it returns as soon as every key
+    /// exists (c10d's server answers the waiting client then), nothing polls.
     fn wait(&self, keys: &[String], timeout: Duration) -> Result<bool> {
-        Python::with_gil(|py| {
+        self.call("store.wait", |py, store| {
             let list = PyList::new(py, keys)?;
-            match self
-                .store
-                .call_method1(py, "wait", (list, timedelta(py, timeout)?))
-            {
+            match store.call_method1("wait", (list, timedelta(py, timeout)?)) {
                 Ok(_) => Ok(true),
                 Err(e) if is_timeout(py, &e) => Ok(false),
                 Err(e) => Err(e),
             }
         })
-        .map_err(|e| store_error("store.wait", e))
     }
 
     fn check(&self, keys: &[String]) -> Result<bool> {
@@ -108,22 +173,19 @@ impl KvStore for PyStore {
         if !has_check {
             return self.wait(keys, Duration::from_millis(1));
         }
-        Python::with_gil(|py| {
+        self.call("store.check", |py, store| {
             let list = PyList::new(py, keys)?;
-            self.store.call_method1(py, "check", (list,))?.extract(py)
+            store.call_method1("check", (list,))?.extract()
         })
-        .map_err(|e| store_error("store.check", e))
     }
 
     fn delete(&self, key: &str) -> Result<()> {
-        Python::with_gil(|py| {
-            let store = self.store.bind(py);
+        self.call("store.delete_key", |_, store| {
             if store.hasattr("delete_key")? {
                 store.call_method1("delete_key", (key,))?;
             }
             Ok(())
         })
-        .map_err(|e| store_error("store.delete_key", e))
     }
 }
 
@@ -178,39 +240,77 @@ impl Channels {
 
 /// The crate's `Exchange` over a Python store: what the pool's agreement runs over.
 ///
-/// Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank that waits
-/// past its deadline breaks the group (the key `PREFIX/broken`); every other rank fails
-/// within `poll_s` of that. A rank that dies is noticed only through deadlines: the
-/// survivors fail when the first of them reaches its call's timeout (the pool's
-/// `timeout_s`, 60 s by default), plus `poll_s`.
+/// Round `r` of channel `c` on rank `k` is the key `PREFIX/c/r/k`. A rank sets its key,
+/// then waits for the round's keys with the store's own blocking `wait(keys,
+/// timeout)`, which returns as soon as every key exists: one wait up to the call's
+/// deadline (`poll_s=None`, the default; a wait is cut where the crate logs its
+/// warning naming the missing ranks, every 30 s), or waits of at most `poll_s`
+/// seconds, between which the rank looks whether another broke the group. Each call
+/// runs on a client of the store of its own (`store.clone()`), so that one thread's
+/// wait never holds up another's call. A rank that waits past its deadline fails with
+/// a timeout and breaks the group (the key `PREFIX/broken`): every other rank fails
+/// at its next round, or when its own wait ends (within `poll_s` where it is set, by
+/// its own deadline otherwise). A rank that dies is noticed only through deadlines
+/// (the store has no heartbeat): the survivors fail when their calls' timeouts pass
+/// (the pool's `timeout_s`, 60 s by default).
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct StoreExchange {
     kv: Arc<KvExchange<PyStore>>,
     channels: Channels,
+    /// The store's clients made so far (its clones).
+    clients: Arc<AtomicUsize>,
 }
 
 #[pymethods]
 impl StoreExchange {
-    /// `StoreExchange(store, rank, world_size, prefix="symmpool", poll_s=1.0)`.
+    /// `StoreExchange(store, rank, world_size, prefix="symmpool", poll_s=None)`.
+    ///
+    /// `store`: torch's `c10d.Store` (or any object with `set`, `get`, `add`, `wait`,
+    /// and optionally `check`, `delete_key`, `clone`). `poll_s`: `None` (each round's
+    /// keys waited for in one blocking `store.wait` up to the deadline) or the longest
+    /// single wait in seconds (> 0).
     #[new]
-    #[pyo3(signature = (store, rank, world_size, prefix = "symmpool".to_string(), poll_s = 1.0))]
+    #[pyo3(signature = (store, rank, world_size, prefix = "symmpool".to_string(), poll_s = None))]
     fn new(
+        py: Python<'_>,
         store: Py<PyAny>,
         rank: usize,
         world_size: usize,
         prefix: String,
-        poll_s: f64,
+        poll_s: Option<f64>,
     ) -> PyResult<Self> {
-        if !(poll_s.is_finite() && poll_s > 0.0) {
-            return Err(PyValueError::new_err("poll_s must be a positive number"));
-        }
-        let config = KvConfig::new(prefix).with_poll(Duration::from_secs_f64(poll_s));
-        let kv =
-            Arc::new(KvExchange::new(PyStore { store }, rank, world_size, config).map_err(to_py)?);
+        let poll = match poll_s {
+            None => Duration::MAX,
+            Some(s) if s.is_finite() && s > 0.0 => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(PyValueError::new_err(format!(
+                    "poll_s must be a positive number of seconds, or None (one wait up to the deadline), not {s}"
+                )));
+            }
+        };
+        let config = KvConfig::new(prefix).with_poll(poll);
+        let store = PyStore::new(py, store)?;
+        let clients = store.made.clone();
+        let kv = Arc::new(KvExchange::new(store, rank, world_size, config).map_err(to_py)?);
         Ok(StoreExchange {
             channels: Channels::new(kv.clone()),
             kv,
+            clients,
         })
+    }
+
+    /// The longest single wait on the store, in seconds (`None`: up to the deadline).
+    #[getter]
+    fn poll_s(&self) -> Option<f64> {
+        let poll = self.kv.config().poll;
+        (poll != Duration::MAX).then_some(poll.as_secs_f64())
+    }
+
+    /// How many clients of the store this exchange has made (`store.clone()`): at most
+    /// as many as its calls that ever ran at once; 0 for a store without `clone`.
+    #[getter]
+    fn store_clients(&self) -> usize {
+        self.clients.load(Ordering::Relaxed)
     }
 
     /// This rank.

@@ -16,6 +16,8 @@
 - :meth:`Pool.shm`: one pool per process without a GPU (torchrun or
   ``python -m symmpool.launch`` on a CPU machine), over the shared-memory backend and
   the crate's own store (:class:`TcpStoreExchange`) or a :class:`StoreExchange`.
+- :meth:`Pool.shrink`: after a lost rank (:class:`PeerLostError`), the survivors' pool
+  and a :class:`ShrinkReport` (:class:`ShrinkFailed` when the group cannot shrink).
 - :mod:`symmpool.errors`: the exception classes (:class:`SymmpoolError` and its
   subclasses, sorted by what the caller can do), also importable from here.
 - :func:`last_error`: the message of the last failure (PyTorch reports a failed
@@ -33,6 +35,7 @@ from . import _ext
 from ._ext import (
     Buffer,
     Pool,
+    ShrinkReport,
     StoreExchange,
     TcpStoreExchange,
     clear_error,
@@ -47,8 +50,10 @@ from ._maps import nccl_libraries, nccl_mappings
 from .errors import (
     ConfigurationError,
     DivergenceError,
+    GroupLostError,
     OutOfMemoryError,
     PeerLostError,
+    ShrinkFailed,
     SymmpoolError,
     SymmpoolTimeoutError,
     SymmpoolWarning,
@@ -61,9 +66,12 @@ __all__ = [
     "Buffer",
     "ConfigurationError",
     "DivergenceError",
+    "GroupLostError",
     "OutOfMemoryError",
     "PeerLostError",
     "Pool",
+    "ShrinkFailed",
+    "ShrinkReport",
     "StoreExchange",
     "SymmpoolError",
     "SymmpoolTimeoutError",
@@ -84,8 +92,10 @@ __all__ = [
 ]
 
 
-def store_exchange(group=None, *, name="symmpool", poll_s=1.0):
-    """A :class:`StoreExchange` over torch's default store for ``group``."""
+def store_exchange(group=None, *, name="symmpool", poll_s=None):
+    """A :class:`StoreExchange` over torch's default store for ``group`` (``poll_s``:
+    see :class:`StoreExchange`; None, the default, waits for each round's keys in one
+    blocking ``store.wait`` up to the call's deadline)."""
     from ._dist import store_exchange as _se
 
     return _se(group, name=name, poll_s=poll_s)

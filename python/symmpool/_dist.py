@@ -22,11 +22,13 @@ def _group_name(group):
     return getattr(group, "group_name", None) or "default"
 
 
-def store_exchange(group=None, *, name="symmpool", poll_s=1.0):
+def store_exchange(group=None, *, name="symmpool", poll_s=None):
     """A :class:`StoreExchange` over ``torch.distributed``'s default store for
     ``group``: keys ``symmpool/<group>/<name>/<n>/...``, ``n`` counting the exchanges
     this process made for that group and name (the same on every rank when ranks make
-    them in the same order)."""
+    them in the same order). Each call on it uses a connection of its own to the
+    store (``store.clone()``), so a rank's blocking wait never holds up its other
+    threads' calls or torch's own; ``poll_s``: see :class:`StoreExchange`."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     group = _group(group)
@@ -79,7 +81,7 @@ def group_cta_policy(group=None, device=None):
         return 0
 
 
-def pool_from_group(group=None, *, mode="adopt", name="symmpool", poll_s=1.0, **kwargs):
+def pool_from_group(group=None, *, mode="adopt", name="symmpool", poll_s=None, **kwargs):
     """See :func:`symmpool.from_group`."""
     group = _group(group)
     device = torch.cuda.current_device()

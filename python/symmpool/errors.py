@@ -15,15 +15,25 @@ Every error of the Rust crate reaches Python as the class of its kind (the crate
     │                                        time
     ├── PeerLostError                        peer_lost: a peer process died or stopped
     │                                        answering, or the group broke earlier (a
-    │                                        rank timed out: the ranks are out of step)
+    │                                        rank timed out: the ranks are out of step);
+    │                                        the survivors may go on: Pool.shrink()
+    ├── GroupLostError                       group_lost: this rank cannot go on in its
+    │                                        group and no shrink can help (the store's
+    │                                        host is gone, or the others went on
+    │                                        without this rank): restart
+    ├── ShrinkFailed                         Pool.shrink() could not shrink the group
+    │                                        (whatever its kind): ``retry`` says whether
+    │                                        to call it again
     ├── OutOfMemoryError (MemoryError)       out_of_memory: the pool's limit, the device
     │                                        or a peer had no memory for a segment
     └── ConfigurationError (ValueError)      configuration: a setting, the launcher's
                                              environment, the store's job or rank, the
                                              control plane's address, the libraries found
 
-Divergence, timeouts and lost peers leave the group unusable: drop the pool and start
-the job (or the group) again. An out-of-memory error leaves the pool as it was: free
+Divergence and timeouts leave the group unusable: drop the pool and start the job (or
+the group) again. After a lost peer (:class:`PeerLostError`) the same, or the
+survivors go on without it: ``pool, report = pool.shrink()`` on every survivor (see
+:class:`ShrinkFailed`). An out-of-memory error leaves the pool as it was: free
 buffers, ``trim()``, and retry.
 
 Attributes, ``None`` (or empty) where the error does not say:
@@ -38,7 +48,8 @@ Attributes, ``None`` (or empty) where the error does not say:
   ``"all_gather"``, the crate's name for a round or a check, an NCCL function);
 - on a :class:`DivergenceError`, ``field`` (what differs: a collective record's field
   such as ``"tag"`` or ``"count"``, ``"pool call"``, ``"channel"``) and ``values``
-  (each rank's value of it: ``{rank: text}``).
+  (each rank's value of it: ``{rank: text}``);
+- on a :class:`ShrinkFailed`, ``retry`` (whether ``shrink()`` again can succeed).
 """
 
 from types import MappingProxyType
@@ -47,8 +58,10 @@ __all__ = [
     "CLASSES",
     "ConfigurationError",
     "DivergenceError",
+    "GroupLostError",
     "OutOfMemoryError",
     "PeerLostError",
+    "ShrinkFailed",
     "SymmpoolError",
     "SymmpoolTimeoutError",
     "SymmpoolWarning",
@@ -101,7 +114,35 @@ class SymmpoolTimeoutError(SymmpoolError, TimeoutError):
 class PeerLostError(SymmpoolError):
     """Peer ``rank`` disconnected, died or stopped sending heartbeats while this rank
     was in ``operation``, or an earlier wait timed out on ``rank`` so the ranks are
-    out of step (or the NCCL backend was aborted); the group is broken for good."""
+    out of step (or the NCCL backend was aborted); the group is broken for good.
+
+    Restart the job, or go on without the lost rank: ``pool.shrink()`` on every
+    survivor, for each of its pools in the same order, returns the survivors' pool
+    (see :class:`ShrinkFailed` for when it cannot)."""
+
+
+class GroupLostError(SymmpoolError):
+    """This rank cannot go on in its group, and no shrink can help: the rank that
+    hosted the crate's store (rank 0) is gone, or the store declared this rank lost
+    (it stopped answering for a while) and the others went on without it. Restart the
+    job (or, under an elastic launcher, this rank's process)."""
+
+
+class ShrinkFailed(SymmpoolError):
+    """``Pool.shrink()`` could not shrink the group after a loss: the store's host
+    (rank 0 of the crate's store) is the rank lost, another rank was lost while the
+    survivors agreed, the store went on without this rank, or the pool's exchange
+    cannot shrink (a store outside the crate's, such as torch's). The pool is left
+    as it was (broken).
+
+    ``retry``: ``True`` when ``shrink()`` again can succeed (a second loss while the
+    survivors agreed: call it again, on every survivor); ``False``: restart the job.
+    Not a :class:`PeerLostError`, whatever its ``kind``: a loop that shrinks on
+    ``PeerLostError`` does not catch it, so a failure that says restart is never
+    asked again."""
+
+    #: Whether ``shrink()`` again can succeed.
+    retry = False
 
 
 class OutOfMemoryError(SymmpoolError, MemoryError):
@@ -132,16 +173,23 @@ CLASSES = {
     "out_of_memory": OutOfMemoryError,
     "timeout": SymmpoolTimeoutError,
     "peer_lost": PeerLostError,
+    "group_lost": GroupLostError,
     "broken": SymmpoolError,
     "system": SymmpoolError,
     "internal": SymmpoolError,
 }
 
 
-def _from_crate(kind, message, rank=None, ranks=(), operation=None, field=None, values=()):
+def _from_crate(kind, message, rank=None, ranks=(), operation=None, field=None, values=(), retry=None):
     """The exception for a crate error of ``kind`` (the extension calls this):
-    ``CLASSES[kind]`` with the attributes set. ``values``: ``(rank, text)`` pairs."""
-    e = CLASSES.get(kind, SymmpoolError)(message)
+    ``CLASSES[kind]`` with the attributes set, or :class:`ShrinkFailed` for a failed
+    shrink (``retry`` not None, whatever the kind). ``values``: ``(rank, text)``
+    pairs."""
+    if retry is not None:
+        e = ShrinkFailed(message)
+        e.retry = bool(retry)
+    else:
+        e = CLASSES.get(kind, SymmpoolError)(message)
     e.kind = kind
     e.rank = rank
     e.ranks = list(ranks)

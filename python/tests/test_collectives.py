@@ -209,8 +209,8 @@ def test_a_freed_buffer_is_a_usage_error():
     buf = pool.alloc(64)
     other = pool.alloc(64)
     buf.free()
-    buf.free()  # a second free does nothing
     for use in (
+        lambda: buf.free(),  # a second free (the README: a freed buffer is a UsageError)
         lambda: buf.nbytes,
         lambda: buf.read(),
         lambda: buf.write(b"x"),
@@ -229,10 +229,20 @@ def test_a_freed_buffer_is_a_usage_error():
 def test_error_classes_come_from_one_table_of_kinds():
     assert set(errors.CLASSES) == {
         "usage", "divergence", "configuration", "out_of_memory", "timeout", "peer_lost",
-        "broken", "system", "internal",
+        "group_lost", "broken", "system", "internal",
     }
     assert errors.CLASSES["usage"] is errors.UsageError
     assert errors.CLASSES["timeout"] is errors.SymmpoolTimeoutError
+    assert errors.CLASSES["peer_lost"] is errors.PeerLostError
+    assert errors.CLASSES["group_lost"] is errors.GroupLostError
+    # A failed shrink is ShrinkFailed whatever its kind (retry or not), never a
+    # PeerLostError: a loop that shrinks on PeerLostError does not ask again when the
+    # failure says restart.
+    for kind, retry in (("peer_lost", True), ("group_lost", False), ("peer_lost", False)):
+        e = errors._from_crate(kind, "m", None, [], "shrink", None, (), retry)
+        assert type(e) is errors.ShrinkFailed and (e.kind, e.retry) == (kind, retry)
+        assert not isinstance(e, errors.PeerLostError) and isinstance(e, symmpool.SymmpoolError)
+    assert symmpool.ShrinkFailed is errors.ShrinkFailed
     for kind in ("broken", "system", "internal"):
         assert errors.CLASSES[kind] is errors.SymmpoolError
     # A kind a newer crate adds is a SymmpoolError, with its kind kept.

@@ -2,7 +2,9 @@
 processes (``python -m symmpool.launch``): with the defaults of ``install`` (a tag per
 FSDP module, the step boundary at the end of each backward pass), a rank that skips
 a module's all-gather gets a DivergenceError on every rank before the optimizer step,
-under the strict and the async check. Skipped (with the reason) where torch or its
+under the strict and the async check: its parameter shards unchanged and no gradient
+reduced from the mismatched calls (under strict from the forward, before the call
+ran). Skipped (with the reason) where torch or its
 FSDP2 is not installed; each job runs under a timeout and the launcher kills its
 ranks."""
 
@@ -31,6 +33,7 @@ def test_a_rank_that_skips_a_modules_all_gather_gets_a_divergence(check):
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
+    assert "WRONG DATA" not in out.stdout, text
     for rank in range(world):
         assert f"rank {rank}: step ok" in out.stdout, text
         assert f"rank {rank}: divergence ok ({check}) in " in out.stdout, text

@@ -1,11 +1,14 @@
 """One process per rank on a CPU machine: the example as 4 ranks (torchrun where torch
-is installed, ``python -m symmpool.launch`` otherwise), a rank that dies, and a rank
-that skips a tagged all-gather. Each job runs under a timeout; the launcher kills
-every rank it started when it returns."""
+is installed, ``python -m symmpool.launch`` otherwise), a rank that dies, a rank
+killed in the middle of a step whose survivors shrink and go on, and a rank that
+skips a tagged all-gather. Each job runs under a timeout; the launcher kills every
+rank it started when it returns."""
 
 import os
 import pathlib
+import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -57,6 +60,46 @@ def test_a_dead_rank_is_a_peer_lost_error_on_the_others():
     assert out.returncode == 7, out.stdout + out.stderr
     for rank in range(3):
         assert f"rank {rank}: peer lost ok" in out.stdout, out.stdout + out.stderr
+
+
+def _shm_entries():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("check", ["strict", "async"])
+def test_survivors_of_a_killed_rank_shrink_and_go_on(check):
+    world = 4
+    before = _shm_entries()
+    out = _run([sys.executable, "-m", "symmpool.launch", "--nproc-per-node", str(world),
+                "--timeout-s", str(JOB_TIMEOUT_S - 30), "--grace-s", "90",
+                str(HERE / "ranks" / "shrink.py"), check])
+    text = out.stdout + out.stderr
+    # The launcher reports the killed rank (-9: SIGKILL) and no other failure.
+    assert f"rank {world - 1} exited with -{signal.SIGKILL.value}" in out.stderr, text
+    assert out.returncode == (-signal.SIGKILL.value) & 0xFF, text
+    assert "WRONG" not in out.stdout, text
+    # A shrink the program asked for is no warning to act on.
+    assert "SymmpoolWarning" not in out.stderr, text
+    for rank in range(world - 1):
+        assert f"rank {rank}: peer lost at step 2" in out.stdout, text
+        assert f"rank {rank}: shrunk ok: ShrinkReport(rank {rank} of {world} -> {rank} of {world - 1}, " \
+               f"lost_ranks=[{world - 1}]" in out.stdout, text
+        assert f"rank {rank}: 5 steps ok, world {world} -> {world - 1} ({check})" in out.stdout, text
+    # Nothing is left behind: every rank's process is gone, no shared-memory file stays.
+    pids = [int(pid) for pid in re.findall(r"rank \d+: pid (\d+)", out.stdout)]
+    assert len(pids) == world and all(_gone(pid) for pid in pids), (pids, text)
+    assert not {e for e in _shm_entries() - before if "symmpool" in e or "shrink" in e}
 
 
 @pytest.mark.parametrize("check", ["strict", "async"])

@@ -4,7 +4,10 @@ as argv[1] says ("strict" or "async"). One ordinary step (forward, backward,
 optimizer), which must mark one step boundary; then the last rank skips block 1 in
 its forward, so it never all-gathers that module. Every rank must get a
 DivergenceError naming the field "tag" and every rank, from its forward or its
-backward: before the optimizer uses any gradient. Then it exits 0."""
+backward (under strict from the forward: the skipped all-gather's call is refused
+before any data moves): before the optimizer uses any gradient, so every rank's
+parameter shards are still bit for bit those of the first step and no gradient was
+reduced from the mismatched calls. Then it exits 0."""
 
 import sys
 from datetime import timedelta
@@ -65,6 +68,17 @@ assert sum(paths["all_gather"].values()) > 0 and sum(paths["reduce_scatter"].val
 assert installed.fallbacks() == 0, installed.fallbacks()
 print(f"rank {rank}: step ok, loss {loss.item():.4f}, paths {paths}", flush=True)
 
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# This rank's parameter shards after the first step, as the optimizer holds them (the
+# sharded parameters; a module's attribute may be its unsharded parameter meanwhile):
+# no wrong data may reach them.
+sharded = [p for group in opt.param_groups for p in group["params"]]
+shards = [local(p).detach().clone() for p in sharded]
+
 if rank == world - 1:
     model.skip = 1
 stage = "forward"
@@ -77,6 +91,15 @@ except symmpool.DivergenceError as e:
     assert e.ranks == list(range(world)), (e.ranks, str(e))
     assert e.field == "tag", (e.field, str(e))
     assert len(set(e.values.values())) > 1, e.values
+    if mode == "strict":
+        assert stage == "forward", stage  # the first mismatched call, before it ran
+    for p, before in zip(sharded, shards):
+        if not torch.equal(local(p).detach(), before):
+            print(f"rank {rank}: WRONG DATA: a parameter shard changed after the divergence", flush=True)
+            sys.exit(3)
+        if p.grad is not None and torch.count_nonzero(local(p.grad)) > 0:
+            print(f"rank {rank}: WRONG DATA: a gradient reduced from the mismatched calls", flush=True)
+            sys.exit(3)
     print(f"rank {rank}: divergence ok ({mode}) in {stage}: {e.field} {e.values}", flush=True)
     dist.barrier()  # every rank is here: none leaves while a peer still uses the store
     dist.destroy_process_group()
