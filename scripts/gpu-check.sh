@@ -340,6 +340,9 @@ for d in site.getsitepackages():
     one trials-2 -n 2 -t 100 -- "$bin/nccl_world" collectives two-pools graph
     # Timings without NCCL's line per call (rank 0 writes one under TUNING).
     NCCL_DEBUG=WARN one bench-2 -n 2 -t 400 -- "$bin/nccl_world" hostcost paths
+    # The example at its GPU sizes, every mode interleaved: auto (calibrated on this
+    # machine) against the best fixed path.
+    NCCL_DEBUG=WARN one example-compare -n 2 -t 300 -- "$bin/fsdp_step" --backend nccl --compare
     # The survivor inside a symmetric kernel (the default path of the trial's 1 MiB
     # all-gather) and inside a copy-engine all-gather.
     faults+=(collective-ce:KILL:1 collective-ce:STOP:1)
@@ -358,9 +361,6 @@ for d in site.getsitepackages():
   if [ "$same" = same ]; then
     # A rank killed in an all-gather; the survivor shrinks to a world of one.
     one fault-shrink-KILL-1 -n 2 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
-    # The example at its GPU sizes, every mode interleaved: auto (calibrated on this
-    # machine) against the best fixed path.
-    NCCL_DEBUG=WARN one example-compare -n 2 -t 300 -- "$bin/fsdp_step" --backend nccl --compare
     # NCCL 2.32 across simulated nodes: windows come back NULL, and are never used.
     sn=()
     one nodes-2.32 -n 2 -t 100 -- "$bin/nccl_world" collectives
