@@ -133,7 +133,9 @@ pub enum Error {
     /// collective pool operation or collective on the same group fails with this. Where
     /// the store declares a rank lost that explains the timeout (a frozen rank), the
     /// calls report that loss instead ([`Error::PeerLost`]): a call that meets the
-    /// broken group waits for the verdict up to the heartbeat timeout and interval.
+    /// broken group waits for the verdict up to the heartbeat timeout and interval. So
+    /// this error means that nobody was lost (kind [`Timeout`](ErrorKind::Timeout):
+    /// restart; a shrink cannot help).
     #[error(
         "rank {rank} timed out in {op} earlier; the ranks are out of step (drop the pool and start again)"
     )]

@@ -35,18 +35,19 @@ pub enum ErrorKind {
     /// rank, or the pool's own limit was reached. Nothing was allocated on any rank;
     /// free buffers (`trim`, a smaller batch) and retry the call on every rank.
     OutOfMemory,
-    /// A wait on other ranks ran out of time: a peer is slow, stuck or gone. The ranks
-    /// are out of step (later calls fail with [`PeerLost`](Self::PeerLost) errors such
-    /// as [`Error::GroupBroken`]); restart the job, or raise the timeout if the peers
-    /// were merely slow.
+    /// A wait on other ranks ran out of time and the store declared no rank lost: a
+    /// peer is slow, stuck in a call the others did not make, or the ranks diverged.
+    /// The ranks are out of step (later calls fail with [`Error::GroupBroken`], of this
+    /// kind too); a shrink cannot help, as nobody was lost: restart the job, or raise
+    /// the timeout if the peers were merely slow.
     Timeout,
     /// A peer rank died or froze, or the group (or the NCCL backend) broke earlier:
     /// nothing on this group can succeed any more. Restart the job (an elastic runtime
     /// restarts the ranks from the last checkpoint), or go on without the lost rank:
     /// [`SymmPool::shrink`](crate::SymmPool::shrink) on every survivor, for each of its
     /// pools. Every error of a loss seen by this rank has this kind, whichever call
-    /// saw it ([`Error::PeerLost`], [`Error::GroupBroken`], [`Error::NcclAborted`],
-    /// and [`Error::ShrinkFailed`] with `retry`: shrink again). Where a shrink cannot
+    /// saw it ([`Error::PeerLost`], [`Error::NcclAborted`], and [`Error::ShrinkFailed`]
+    /// with `retry`: shrink again). Where a shrink cannot
     /// help, the kind is [`GroupLost`](Self::GroupLost).
     PeerLost,
     /// This rank cannot go on in its group, and no shrink can help: the store's host
@@ -156,11 +157,11 @@ impl Error {
             Error::PoolLimit { .. }
             | Error::DeviceOutOfMemory { .. }
             | Error::PeerOutOfMemory { .. } => K::OutOfMemory,
-            Error::Timeout { .. } | Error::NcclTimeout { .. } | Error::NcclWatchdog { .. } => {
-                K::Timeout
-            }
-            Error::PeerLost { .. }
+            Error::Timeout { .. }
             | Error::GroupBroken { .. }
+            | Error::NcclTimeout { .. }
+            | Error::NcclWatchdog { .. } => K::Timeout,
+            Error::PeerLost { .. }
             | Error::NcclAborted { .. }
             | Error::ShrinkFailed { retry: true, .. } => K::PeerLost,
             Error::ShrinkFailed { retry: false, .. } | Error::DeclaredLost { .. } => K::GroupLost,

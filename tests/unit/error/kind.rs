@@ -153,7 +153,7 @@ fn one_of_each() -> Vec<(Error, K)> {
             },
             K::Timeout,
         ),
-        (Error::GroupBroken { rank: 1, op: "x" }, K::PeerLost),
+        (Error::GroupBroken { rank: 1, op: "x" }, K::Timeout),
         (Error::Shrunk { what: "a pool" }, K::Usage),
         (
             Error::ShrinkFailed {
