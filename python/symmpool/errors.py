@@ -12,11 +12,11 @@ Every error of the Rust crate reaches Python as the class of its kind (the crate
     │                                        (pool calls, collectives, channels,
     │                                        registrations)
     ├── SymmpoolTimeoutError (TimeoutError)  timeout: a wait on other ranks ran out of
-    │                                        time
+    │                                        time, here or earlier on another rank (the
+    │                                        ranks are out of step): restart
     ├── PeerLostError                        peer_lost: a peer process died or stopped
-    │                                        answering, or the group broke earlier (a
-    │                                        rank timed out: the ranks are out of step);
-    │                                        the survivors may go on: Pool.shrink()
+    │                                        answering; the survivors may go on:
+    │                                        Pool.shrink()
     ├── GroupLostError                       group_lost: this rank cannot go on in its
     │                                        group and no shrink can help (the store's
     │                                        host is gone, or the others went on
@@ -107,14 +107,16 @@ class DivergenceError(SymmpoolError):
 
 
 class SymmpoolTimeoutError(SymmpoolError, TimeoutError):
-    """A wait on other ranks ran out of time (``ranks``: those that did not arrive).
+    """A wait on other ranks ran out of time (``ranks``: those that did not arrive),
+    or one did earlier on rank ``rank``, so the ranks are out of step and the group is
+    broken for good: restart (no rank was lost, so there is nothing to shrink past).
     Also a ``TimeoutError``."""
 
 
 class PeerLostError(SymmpoolError):
     """Peer ``rank`` disconnected, died or stopped sending heartbeats while this rank
-    was in ``operation``, or an earlier wait timed out on ``rank`` so the ranks are
-    out of step (or the NCCL backend was aborted); the group is broken for good.
+    was in ``operation`` (or the NCCL backend was aborted); the group is broken for
+    good.
 
     Restart the job, or go on without the lost rank: ``pool.shrink()`` on every
     survivor, for each of its pools in the same order, returns the survivors' pool

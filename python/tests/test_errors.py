@@ -86,11 +86,11 @@ def test_timeouts_are_timeout_errors_naming_the_ranks():
         exchanges[0].all_gather(0, b"x", 0.2)
     assert isinstance(e.value, errors.SymmpoolTimeoutError)
     assert e.value.ranks == [1] and e.value.operation
-    # The late rank: the group is out of step, because rank 0 timed out (the crate's
-    # kind peer_lost: restart, as for a lost peer).
-    with pytest.raises(errors.PeerLostError, match="out of step") as e:
+    # The late rank: the group is out of step, because rank 0 timed out (kind timeout:
+    # no rank was lost, so restart rather than shrink).
+    with pytest.raises(errors.SymmpoolTimeoutError, match="out of step") as e:
         exchanges[1].all_gather(0, b"y", 5.0)
-    assert e.value.rank == 0 and e.value.kind == "peer_lost"
+    assert e.value.rank == 0 and e.value.kind == "timeout"
     assert str(e.value).count("drop") == 1
 
 
