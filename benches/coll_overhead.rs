@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use symmpool::backend::{CollArgs, Collectives};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, Result, Stream,
-    SymmBuffer, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Group, GroupConfig, HostBackend, HostConfig, PoolConfig,
+    Result, Stream, SymmBuffer, SymmPool,
 };
 
 /// Collectives that do nothing: what remains is the crate's own cost per call.
@@ -57,8 +57,9 @@ fn null_rank() -> NullRank {
         .expect("rank 0")
         .with_collectives(|_| Arc::new(NullCollectives));
     // Rank 1 makes no collectives: no checks (see `bench_checks` for their cost).
-    let config = PoolConfig::default().with_check(CheckMode::Off);
-    let pools = SymmPool::group(vec![b0, b1], &config).expect("pools");
+    let config = GroupConfig::default().with_check(CheckMode::Off);
+    let groups = Group::world(vec![b0, b1], &config).expect("groups");
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).expect("pools");
     let colls = Coll::group(&pools).expect("collectives");
     let stream = Stream::host();
     let mut bufs = std::thread::scope(|s| {
@@ -169,8 +170,9 @@ fn bench_checks(c: &mut Criterion) {
             .into_iter()
             .map(|b| b.with_collectives(|_| Arc::new(NullCollectives)))
             .collect();
-        let config = PoolConfig::default().with_check(mode);
-        let pools = SymmPool::group(world, &config).expect("pools");
+        let config = GroupConfig::default().with_check(mode);
+        let groups = Group::world(world, &config).expect("groups");
+        let pools = SymmPool::world(&groups, &PoolConfig::default()).expect("pools");
         let colls = Coll::group(&pools).expect("collectives");
         let bufs: Vec<_> = std::thread::scope(|s| {
             let hs: Vec<_> = pools

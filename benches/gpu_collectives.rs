@@ -46,7 +46,8 @@ mod gpu {
     use symmpool::backend::{NcclBackend, NcclConfig};
     use symmpool::coll::{self, Path};
     use symmpool::{
-        Coll, CollectiveCalls, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16,
+        Coll, CollectiveCalls, Group, GroupConfig, PoolConfig, ReduceOp, Stream, SymmBuffer,
+        SymmPool, bf16,
     };
 
     const MIB: u64 = 1 << 20;
@@ -558,12 +559,13 @@ mod gpu {
         buf.write(&host).unwrap();
     }
 
-    fn section_regcost(r: &Rank, backend: &symmpool::Backend) {
+    fn section_regcost(r: &Rank, group: &Group) {
         let lead = r.backend_rank() == 0;
         if lead {
             println!(
                 "\n[regcost] growth by one segment: ncclMemAlloc + {} window registrations; median of 5 (ms, this rank)",
-                backend
+                group
+                    .backend()
                     .communicators()
                     .iter()
                     .filter(|c| c.registers)
@@ -574,7 +576,7 @@ mod gpu {
         for bytes in [2 * MIB, 64 * MIB, 1024 * MIB] {
             let mut t = Vec::new();
             for _ in 0..5 {
-                let pool = SymmPool::new(backend.clone(), PoolConfig::default()).unwrap();
+                let pool = SymmPool::new(group, PoolConfig::default()).unwrap();
                 r.barrier.wait();
                 let start = Instant::now();
                 pool.reserve(bytes).unwrap();
@@ -623,11 +625,11 @@ mod gpu {
             .sum()
     }
 
-    fn section_alloc(r: &Rank, backend: &symmpool::Backend) {
+    fn section_alloc(r: &Rank, group: &Group) {
         let lead = r.backend_rank() == 0;
         let ops = fsdp_trace::trace(1);
         let steps = 10_000usize.div_ceil(ops.len());
-        let pool = SymmPool::new(backend.clone(), PoolConfig::default()).unwrap();
+        let pool = SymmPool::new(group, PoolConfig::default()).unwrap();
         let mut live: Vec<Option<SymmBuffer>> = (0..fsdp_trace::buffers()).map(|_| None).collect();
         let mut step_times = Vec::new();
         let mut regs_after_first = 0;
@@ -658,7 +660,7 @@ mod gpu {
         // Raw: ncclMemAlloc + register on one communicator + deregister + free per
         // allocation, for the first 40 allocations of the trace.
         let comm = r.nccl().raw_comm(SYMM).unwrap();
-        let granularity = backend.granularity_bytes() as usize;
+        let granularity = group.backend().granularity_bytes() as usize;
         let mut raw_times = Vec::new();
         for op in ops
             .iter()
@@ -772,25 +774,24 @@ mod gpu {
                 let auto = auto.clone();
                 let want = &want;
                 s.spawn(move || {
-                    let backend = b;
-                    let reg = SymmPool::new(backend.clone(), auto).unwrap();
+                    // Every pool of the rank is on the backend's communicators: one group.
+                    let group = Group::new(b, GroupConfig::default()).unwrap();
+                    let backend = group.backend().clone();
+                    let reg = SymmPool::new(&group, auto).unwrap();
                     let r = Rank {
                         coll: Coll::new(&reg).unwrap(),
                         reg,
-                        plain: SymmPool::new(
-                            backend.clone(),
-                            PoolConfig::default().with_register(false),
-                        )
-                        .unwrap(),
+                        plain: SymmPool::new(&group, PoolConfig::default().with_register(false))
+                            .unwrap(),
                         stream: backend.streams().new_stream().unwrap(),
                         backend: backend.clone(),
                         barrier,
                     };
                     if want("alloc") {
-                        section_alloc(&r, &backend);
+                        section_alloc(&r, &group);
                     }
                     if want("regcost") {
-                        section_regcost(&r, &backend);
+                        section_regcost(&r, &group);
                     }
                     if want("ag") || want("rs") || want("ar") {
                         section_calibrate(&r);

@@ -41,8 +41,8 @@ use symmpool::backend::{Refused, Segment, SegmentProvider, Window};
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::control::{ChannelId, Exchange, StoreConfig, StoreExchange};
 use symmpool::{
-    Backend, CheckMode, Coll, CollectiveCalls, Deadline, Element, Error, ErrorKind, PoolConfig,
-    ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
+    Backend, CheckMode, Coll, CollectiveCalls, Deadline, Element, Error, ErrorKind, Group,
+    GroupConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
 };
 
 /// What to run.
@@ -211,18 +211,25 @@ impl World {
         println!("[rank {}] {line}", self.rank);
     }
 
-    /// A pool named `name` on this rank's backend.
-    fn pool(&self, config: PoolConfig) -> Outcome<SymmPool> {
-        ok("SymmPool::new", SymmPool::new(self.backend.clone(), config))
+    /// A pool of `config` in a group of its own on this rank's backend, checked as
+    /// `check` says, with a timeout of 60 s.
+    fn pool(&self, check: CheckMode, config: PoolConfig) -> Outcome<SymmPool> {
+        let group = ok(
+            "Group::new",
+            Group::new(self.backend.clone(), group_config(check)),
+        )?;
+        ok("SymmPool::new", SymmPool::new(&group, config))
     }
 }
 
-/// Every pool of the trials: checks as given, a timeout of 60 s.
-fn config(name: &str, check: CheckMode) -> PoolConfig {
-    PoolConfig::default()
-        .with_name(name)
-        .with_check(check)
-        .with_timeout(Duration::from_secs(60))
+/// Every group of the trials: checks as given, a timeout of 60 s.
+fn group_config(check: CheckMode) -> GroupConfig {
+    (GroupConfig::default().with_check(check)).with_timeout(Duration::from_secs(60))
+}
+
+/// A pool of the trials, named `name`.
+fn config(name: &str) -> PoolConfig {
+    PoolConfig::default().with_name(name)
 }
 
 // ---------------------------------------------------------------------------------
@@ -359,7 +366,7 @@ fn collectives(w: &World) -> Outcome {
         (CheckMode::Off, false),
     ] {
         let name = format!("collectives-{check:?}-{register}").to_lowercase();
-        let pool = w.pool(config(&name, check).with_register(register))?;
+        let pool = w.pool(check, config(&name).with_register(register))?;
         let coll = ok("Coll::new", Coll::new(&pool))?;
         let stream = ok("new_stream", pool.new_stream())?;
         let mut paths = BTreeSet::new();
@@ -400,9 +407,9 @@ fn collectives(w: &World) -> Outcome {
 // two-pools
 
 fn two_pools(w: &World) -> Outcome {
-    let params = w.pool(config("params", CheckMode::Async))?;
-    let own = config("grads", CheckMode::Async).with_own_communicators(true);
-    let grads = w.pool(own)?;
+    let params = w.pool(CheckMode::Async, config("params"))?;
+    let own = ok("Group::split", params.group().split("grads"))?;
+    let grads = ok("SymmPool::new", SymmPool::new(&own, config("grads")))?;
     let colls = [
         ok("Coll::new", Coll::new(&params))?,
         ok("Coll::new", Coll::new(&grads))?,
@@ -478,7 +485,7 @@ fn graph(w: &World) -> Outcome {
         return Ok(());
     }
     let (r, n) = (w.rank, w.size);
-    let pool = w.pool(config("graph", CheckMode::Off))?;
+    let pool = w.pool(CheckMode::Off, config("graph"))?;
     let coll = ok("Coll::new", Coll::new(&pool))?;
     let stream = ok("new_stream", pool.new_stream())?;
     ok("reserve", pool.reserve(16 << 20))?;
@@ -710,7 +717,7 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
         return Err(format!("the victim {victim} is not a rank of {}", w.size));
     }
     // Checks off: a survivor then waits inside NCCL, not in a check's round.
-    let pool = w.pool(config("fault", CheckMode::Off))?;
+    let pool = w.pool(CheckMode::Off, config("fault"))?;
     let coll = ok("Coll::new", Coll::new(&pool))?;
     let wanted = path.map(|p| match p {
         FaultPath::Symm => Path::SymmetricKernel,
@@ -1045,11 +1052,15 @@ mod hostcost {
             ),
         )?;
         // Unregistered pools, checks off: the plain path, the crate's call alone.
-        let cfg = |name: &str| config(name, CheckMode::Off).with_register(false);
-        let pool = w.pool(cfg("hostcost-blocking"))?;
+        let cfg = |name: &str| config(name).with_register(false);
+        let pool = w.pool(CheckMode::Off, cfg("hostcost-blocking"))?;
+        let nb_group = ok(
+            "Group::new",
+            Group::new(nb_backend.clone(), group_config(CheckMode::Off)),
+        )?;
         let nb_pool = ok(
             "SymmPool::new",
-            SymmPool::new(nb_backend.clone(), cfg("hostcost-non-blocking")),
+            SymmPool::new(&nb_group, cfg("hostcost-non-blocking")),
         )?;
         let coll = ok("Coll::new", Coll::new(&pool))?;
         let nb_coll = ok("Coll::new", Coll::new(&nb_pool))?;
@@ -1565,7 +1576,7 @@ mod paths {
         // largest cell (the reduce-scatter's world + 1 chunks) registered before any
         // timing; smaller buffers come from it or from small segments made outside
         // the timed batches.
-        let pool = w.pool(config("paths", CheckMode::default()))?;
+        let pool = w.pool(CheckMode::default(), config("paths"))?;
         if let Some(top) = sizes.last() {
             ok("reserve", pool.reserve(((w.size + 1) * top) as u64))?;
         }

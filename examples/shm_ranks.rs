@@ -13,7 +13,7 @@ use std::sync::Arc;
 use symmpool::{
     Coll, CollectiveCalls, ErrorKind, PoolConfig, ShmBackend, ShmConfig, StoreExchange, Stream,
 };
-use symmpool::{ReduceOp, SymmPool};
+use symmpool::{Group, GroupConfig, ReduceOp, SymmPool};
 
 /// Started without a launcher: run `world` copies of this program as the ranks.
 fn launch(world: usize) -> std::io::Result<bool> {
@@ -44,7 +44,10 @@ fn launch(world: usize) -> std::io::Result<bool> {
 fn rank_main() -> symmpool::Result<()> {
     let exchange = Arc::new(StoreExchange::from_env()?);
     let backend = ShmBackend::join(exchange, ShmConfig::default())?;
-    let pool = SymmPool::new(backend, PoolConfig::from_env())?;
+    // The group: this rank's communicators, checked as `SYMMPOOL_CHECK` says (async by
+    // default). Making it and the pool is collective: every rank, in the same order.
+    let group = Group::new(backend, GroupConfig::from_env())?;
+    let pool = SymmPool::new(&group, PoolConfig::default())?;
     let coll = Coll::new(&pool)?;
     let (rank, world, n) = (pool.rank(), pool.world_size(), 1 << 16);
     let stream = Stream::host();

@@ -230,7 +230,7 @@ pub enum Error {
     /// Ranks were about to register windows of different pools or sizes at the same
     /// position on their communicators; nothing was registered, on any rank.
     #[error(
-        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split): {}",
+        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank; pools used from different threads need groups of their own: Group::split): {}",
         joined(.order, "; ", |(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
     )]
     RegistrationOrder {
@@ -240,10 +240,9 @@ pub enum Error {
     /// A collective pool operation failed while other pools on the same communicators
     /// were used from other threads of this rank, which reach the communicators in
     /// different orders on different ranks. Give each thread's pool communicators of
-    /// its own ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators),
-    /// [`Backend::split`](crate::backend::Backend::split)).
+    /// its own, in a group of its own ([`Group::split`](crate::Group::split)).
     #[error(
-        "{error} (pools {pools:?} share this backend's communicators and were used from different threads: give each thread's pool communicators of its own with PoolConfig::with_own_communicators(true) or Backend::split)"
+        "{error} (pools {pools:?} share this backend's communicators and were used from different threads: give each thread's pool a group of its own with Group::split)"
     )]
     SharedCommunicators {
         /// The pools on the shared communicators: this one first, then those last
@@ -459,7 +458,7 @@ pub enum Error {
     /// Ranks opened different channels (a different ordinal or name) in the same
     /// round; reported on every rank.
     #[error(
-        "ranks opened different channels: {} (every rank makes its backends, pools and collectives handles in the same order, its pools with the same names and settings: a pool's channel is pool:NAME:checks:MODE, with :untagged_collectives where PoolConfig::untagged_collectives is set; ranks that are threads of one process make them with SymmPool::group and Coll::group; a rank never makes them from two threads at once)",
+        "ranks opened different channels: {} (every rank makes its groups and pools in the same order, with the same names and settings: a group's ledger channel is group:ledger:MODE, with its check mode; a pool's channel is pool:NAME, with :untagged_collectives where PoolConfig::untagged_collectives is set; ranks that are threads of one process make them with Group::world and SymmPool::world; a rank never makes them from two threads at once)",
         joined(.opened, ", ", |(rank, ordinal, name)| format!("rank {rank} opened #{ordinal} {name:?}"))
     )]
     ChannelMismatch {

@@ -11,7 +11,9 @@
 //! few registered segments, registers each segment once per communicator, and makes
 //! exactly the same placement decision on every rank. That pool is this crate.
 //!
-//! The pool ([`SymmPool`], [`PoolConfig`]) and the allocator core's types
+//! The communicator set ([`Group`], [`GroupConfig`]: one rank's backend, the ledger in
+//! which the ranks compare their calls, the timeout and check mode), the pool
+//! ([`SymmPool`], [`PoolConfig`]) and the allocator core's types
 //! ([`CoreConfig`], [`SegmentId`], …) are re-exported here; the public modules are
 //! [`control`] (what the ranks agree over: [`Exchange`], [`LocalExchange`] for threads,
 //! [`StoreExchange`] for one process per rank, [`Launch`]), [`backend`] (where segments
@@ -43,8 +45,8 @@
 //! | ranks | backend | made by |
 //! |---|---|---|
 //! | threads of one process, no GPU (tests, CI) | [`HostBackend`] | [`SymmPool::host_group`] |
-//! | one process per rank, no GPU (`torchrun` on a CPU machine) | [`ShmBackend`]: segments in shared memory every rank maps | `ShmBackend::join(Arc::new(StoreExchange::from_env()?), ShmConfig::default())`, then [`SymmPool::new`] |
-//! | one process per GPU | `NcclBackend` (feature `nccl`) | `NcclBackend::launch(NcclConfig::default())` |
+//! | one process per rank, no GPU (`torchrun` on a CPU machine) | [`ShmBackend`]: segments in shared memory every rank maps | `ShmBackend::join(Arc::new(StoreExchange::from_env()?), ShmConfig::default())`, then [`Group::new`] and [`SymmPool::new`] |
+//! | one process per GPU | `NcclBackend` (feature `nccl`) | `NcclBackend::launch(NcclConfig::default())`, then [`Group::new`] and [`SymmPool::new`] |
 //!
 //! `examples/shm_ranks.rs` is a whole program of the second kind: it runs under
 //! `torchrun --no-python`, or starts its own ranks.
@@ -102,7 +104,7 @@ pub use core::{
 pub use deadline::Deadline;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CollectiveDivergence, Divergence, Error, ErrorKind, NcclVersion, Result};
-pub use group::CheckMode;
+pub use group::{CheckMode, Group, GroupConfig};
 pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::CudaView;

@@ -14,8 +14,8 @@ use std::thread;
 use std::time::Duration;
 use symmpool::coll::{Choice, Path, PathPolicy};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, DType, Element, Error, HostConfig, NcclVersion, PoolConfig,
-    ReduceOp, Stream, SymmPool, bf16, f16,
+    CheckMode, Coll, CollectiveCalls, DType, Element, Error, Group, GroupConfig, HostBackend,
+    HostConfig, NcclVersion, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16,
 };
 
 const OPS: [ReduceOp; 5] = [
@@ -26,8 +26,20 @@ const OPS: [ReduceOp; 5] = [
     ReduceOp::Prod,
 ];
 
-fn config() -> PoolConfig {
-    PoolConfig::default().with_timeout(Duration::from_secs(30))
+fn config() -> GroupConfig {
+    GroupConfig::default().with_timeout(Duration::from_secs(30))
+}
+
+/// One pool per rank of a host world with `host`'s settings, in groups made with
+/// `config`.
+fn pools_with(host: HostConfig, config: GroupConfig) -> Vec<SymmPool> {
+    let groups = Group::world(HostBackend::world(host).unwrap(), &config).unwrap();
+    SymmPool::world(&groups, &PoolConfig::default()).unwrap()
+}
+
+/// As [`pools_with`], on `world` ranks with the default host settings.
+fn host_pools(world: usize, config: GroupConfig) -> Vec<SymmPool> {
+    pools_with(HostConfig::new(world), config)
 }
 
 /// Rank `r`'s input: values exact in bf16 ([-4, 4) in steps of 1/128; any byte for
@@ -158,7 +170,7 @@ fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool, &Coll) -> R + Syn
 #[test]
 fn threads_match_the_reference_for_every_op_type_and_placement() {
     for world in [1, 2, 3, 4] {
-        let pools = SymmPool::host_group(world, config()).unwrap();
+        let pools = host_pools(world, config());
         let paths = on_ranks(&pools, |pool, coll| {
             let mut paths = Vec::new();
             for count in [1, 999] {
@@ -184,7 +196,7 @@ fn threads_match_the_reference_for_every_op_type_and_placement() {
 
 #[test]
 fn threads_large_buffers_and_the_plain_path_in_place() {
-    let pools = SymmPool::host_group(3, config()).unwrap();
+    let pools = host_pools(3, config());
     on_ranks(&pools, |pool, coll| {
         assert_eq!(
             one_rank::<f32>(pool, coll, 300_001, ReduceOp::Sum, true, 7),
@@ -210,16 +222,15 @@ fn threads_large_buffers_and_the_plain_path_in_place() {
 
 #[test]
 fn unregistered_pools_take_the_plain_path() {
-    let pools =
-        SymmPool::host_group_with(HostConfig::new(2).with_symmetric(false), config()).unwrap();
+    let pools = pools_with(HostConfig::new(2).with_symmetric(false), config());
     let paths = on_ranks(&pools, |pool, coll| every_case(pool, coll, 77, 3));
     assert!(paths[0].iter().all(|p| *p == Path::PlainKernel));
 }
 
 #[test]
 fn bad_input_is_a_clear_error_and_the_pool_stays_usable() {
-    let pools = SymmPool::host_group(2, config()).unwrap();
-    let others = SymmPool::host_group(2, config()).unwrap();
+    let pools = host_pools(2, config());
+    let others = host_pools(2, config());
     on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let a = pool.alloc(4096, &stream).unwrap();
@@ -265,7 +276,7 @@ fn bad_input_is_a_clear_error_and_the_pool_stays_usable() {
 #[test]
 fn avg_needs_an_nccl_with_ncclavg() {
     let old = HostConfig::new(2).with_nccl_version(NcclVersion::new(2, 9, 9));
-    let pools = SymmPool::host_group_with(old, config()).unwrap();
+    let pools = pools_with(old, config());
     on_ranks(&pools, |pool, coll| {
         let stream = Stream::host();
         let buf = pool.alloc(64, &stream).unwrap();
@@ -285,7 +296,7 @@ fn avg_needs_an_nccl_with_ncclavg() {
     });
     // NCCL 2.30: the symmetric kernel averages too.
     let new = HostConfig::new(2).with_nccl_version(NcclVersion::new(2, 30, 0));
-    let pools = SymmPool::host_group_with(new, config()).unwrap();
+    let pools = pools_with(new, config());
     on_ranks(&pools, |pool, coll| {
         assert_eq!(
             one_rank::<bf16>(pool, coll, 100, ReduceOp::Avg, true, 6),
@@ -334,7 +345,7 @@ fn strict_checks_catch_a_different_reduction_size_or_collective() {
         }),
     ];
     for (field, call) in cases {
-        let pools = SymmPool::host_group(2, strict()).unwrap();
+        let pools = host_pools(2, strict());
         let errs = on_ranks(&pools, |pool, coll| {
             let stream = Stream::host();
             let buf = pool.alloc(1024, &stream).unwrap();
@@ -358,7 +369,7 @@ fn strict_checks_catch_a_different_reduction_size_or_collective() {
 
 #[test]
 fn async_checks_compare_all_reduce_records() {
-    let pools = SymmPool::host_group(2, config().with_check(CheckMode::Async)).unwrap();
+    let pools = host_pools(2, config().with_check(CheckMode::Async));
     let verdicts = on_ranks(&pools, |pool, coll| {
         // Matching calls pass.
         one_rank::<f32>(pool, coll, 64, ReduceOp::Min, false, 11);
@@ -405,12 +416,10 @@ fn child_process_entry() {
 /// moved through the control plane in pieces, a bad call, a strict check.
 fn child() -> symmpool::Result<()> {
     let (_, _, backend) = common::shm::join()?;
-    let pool = SymmPool::new(
-        backend,
-        PoolConfig::default()
-            .with_timeout(Duration::from_secs(60))
-            .with_check(CheckMode::Strict),
-    )?;
+    let group = GroupConfig::default()
+        .with_timeout(Duration::from_secs(60))
+        .with_check(CheckMode::Strict);
+    let pool = SymmPool::new(&Group::new(backend, group)?, PoolConfig::default())?;
     let coll = Coll::new(&pool)?;
     let paths = every_case(&pool, &coll, 333, 1);
     println!("@@paths {:?}", &paths[..4]);

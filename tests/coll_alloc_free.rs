@@ -13,8 +13,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 use symmpool::backend::{CollArgs, Collectives};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, ReduceOp, Result,
-    Stream, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Group, GroupConfig, HostBackend, HostConfig, PoolConfig,
+    ReduceOp, Result, Stream, SymmPool,
 };
 
 thread_local! {
@@ -87,10 +87,11 @@ fn allocations_per_rank(mode: CheckMode) -> Vec<u64> {
         .map(|b| b.with_collectives(|_| Arc::new(NullCollectives)))
         .collect();
     // Room for every record of the test: a post never waits for the checker thread.
-    let config = PoolConfig::default()
+    let config = GroupConfig::default()
         .with_check(mode)
         .with_check_queue(4 * (ROUNDS + 3));
-    let pools = SymmPool::group(world, &config).expect("pools");
+    let groups = Group::world(world, &config).expect("groups");
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).expect("pools");
     let colls = Coll::group(&pools).expect("collectives");
     std::thread::scope(|s| {
         let ranks: Vec<_> = pools

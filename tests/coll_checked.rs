@@ -12,8 +12,8 @@ use std::thread;
 use std::time::Duration;
 use symmpool::coll::CollectiveReport;
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream,
-    SymmBuffer, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Error, Group, GroupConfig, HostBackend, HostConfig,
+    PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
 };
 
 mod common;
@@ -21,8 +21,14 @@ use common::checked::{ALL, Q, Scenario, check_async, check_strict, run};
 
 const TIMEOUT: Duration = Duration::from_millis(400);
 
-fn config(mode: CheckMode) -> PoolConfig {
+fn config(mode: CheckMode) -> GroupConfig {
     common::checked::config(mode, TIMEOUT)
+}
+
+/// One pool per rank of a host world of `world` ranks, its group made with `config`.
+fn pools(world: usize, config: &GroupConfig) -> Vec<SymmPool> {
+    let groups = Group::world(backends(world), config).unwrap();
+    SymmPool::world(&groups, &PoolConfig::default()).unwrap()
 }
 
 /// `f` on every pool, a thread each; the results in rank order.
@@ -74,8 +80,7 @@ fn off_is_silent_as_documented() {
 
 #[test]
 fn after_a_divergence_every_later_call_fails_on_every_rank() {
-    let bs = backends(2);
-    let pools = SymmPool::group(bs, &config(CheckMode::Strict)).unwrap();
+    let pools = pools(2, &config(CheckMode::Strict));
     let errs: Vec<Vec<bool>> = on_each(&pools, |pool| {
         let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
@@ -106,7 +111,7 @@ fn a_loop_of_cache_hits_is_caught_by_the_light_agreement() {
     // No collective at all: rank 1 allocates other sizes from the cache. The step
     // boundary's record (`end_step`) catches the differing call hash.
     for mode in [CheckMode::Strict, CheckMode::Async] {
-        let pools = SymmPool::group(backends(2), &config(mode)).unwrap();
+        let pools = pools(2, &config(mode));
         let results: Vec<Option<Error>> = on_each(&pools, |pool| {
             let coll = Coll::new(pool).unwrap();
             let stream = Stream::host();
@@ -127,7 +132,8 @@ fn a_loop_of_cache_hits_is_caught_by_the_light_agreement() {
 }
 
 #[test]
-fn ranks_with_different_check_modes_fail_when_they_make_their_pools() {
+fn ranks_with_different_check_modes_fail_when_they_make_their_groups() {
+    // The check mode is part of the group's ledger channel's name.
     let bs = backends(2);
     let errs: Vec<Error> = thread::scope(|sc| {
         let hs: Vec<_> = bs
@@ -140,7 +146,7 @@ fn ranks_with_different_check_modes_fail_when_they_make_their_pools() {
                     } else {
                         CheckMode::Strict
                     };
-                    SymmPool::new(b, config(mode)).unwrap_err()
+                    Group::new(b, config(mode)).unwrap_err()
                 })
             })
             .collect();
@@ -324,8 +330,10 @@ fn property(mode: CheckMode, ops: Vec<Op>, p: Perturb) -> Result<(), TestCaseErr
     let world = 2;
     let bs = backends(world);
     let cfg = config(mode).with_timeout(Duration::from_millis(200));
-    let a = SymmPool::group(bs.clone(), &cfg.clone().with_name("a")).unwrap();
-    let b = SymmPool::group(bs, &cfg.with_name("b")).unwrap();
+    // Both pools of a rank in one group: one handle for the two.
+    let groups = Group::world(bs, &cfg).unwrap();
+    let a = SymmPool::world(&groups, &PoolConfig::default().with_name("a")).unwrap();
+    let b = SymmPool::world(&groups, &PoolConfig::default().with_name("b")).unwrap();
     let plans = [ops.clone(), apply(&ops, &p)];
     let out: Vec<(Trace, bool)> = thread::scope(|sc| {
         let hs: Vec<_> = (0..world)

@@ -6,27 +6,32 @@ use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::coll::{Path, PathPolicy};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Element, Error, HostBackend, HostConfig, PoolConfig,
-    ReduceOp, Stream, SymmPool, bf16, f16,
+    CheckMode, Coll, CollectiveCalls, Element, Error, Group, GroupConfig, HostBackend, HostConfig,
+    PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16,
 };
 
+/// One default pool per rank of a new host world of `world` ranks, in groups with
+/// `group`'s settings.
+fn host_pools(world: usize, group: GroupConfig) -> Vec<SymmPool> {
+    let groups = Group::host(world, &group).unwrap();
+    SymmPool::world(&groups, &PoolConfig::default()).unwrap()
+}
+
 fn pools(world: usize) -> Vec<SymmPool> {
-    SymmPool::host_group(
+    host_pools(
         world,
-        PoolConfig::default().with_timeout(Duration::from_secs(10)),
+        GroupConfig::default().with_timeout(Duration::from_secs(10)),
     )
-    .unwrap()
 }
 
 /// Pools whose collectives are checked before they launch.
 fn strict_pools(world: usize) -> Vec<SymmPool> {
-    SymmPool::host_group(
+    host_pools(
         world,
-        PoolConfig::default()
+        GroupConfig::default()
             .with_timeout(Duration::from_secs(10))
             .with_check(CheckMode::Strict),
     )
-    .unwrap()
 }
 
 /// `f` on every rank (a thread each) with its pool and a collectives handle made for
@@ -423,11 +428,10 @@ fn mismatched_counts_across_ranks_are_errors_not_hangs() {
 
 #[test]
 fn a_missing_rank_times_out() {
-    let pools = SymmPool::host_group(
+    let pools = host_pools(
         2,
-        PoolConfig::default().with_timeout(Duration::from_millis(300)),
-    )
-    .unwrap();
+        GroupConfig::default().with_timeout(Duration::from_millis(300)),
+    );
     let stream = Stream::host();
     let buf = pools[0].alloc(4096, &stream);
     // Growth needs both ranks: rank 0 alone times out.
@@ -436,11 +440,10 @@ fn a_missing_rank_times_out() {
 
 #[test]
 fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
-    let pools = SymmPool::host_group(
+    let pools = host_pools(
         2,
-        PoolConfig::default().with_timeout(Duration::from_millis(300)),
-    )
-    .unwrap();
+        GroupConfig::default().with_timeout(Duration::from_millis(300)),
+    );
     let colls = Coll::group(&pools).unwrap();
     let bufs = pool_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
     let stream = Stream::host();
@@ -483,13 +486,16 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
 
 #[test]
 fn a_failed_collective_ends_within_the_pool_timeout_in_every_check_mode() {
-    // The backend has no timeout of its own: the pool's deadline ends every wait of
+    // The backend has no timeout of its own: the group's timeout ends every wait of
     // the call (its check, the backend's rounds), however many there are.
     const TIMEOUT: Duration = Duration::from_secs(2);
     for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
-        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
+        let config = GroupConfig::default()
+            .with_timeout(TIMEOUT)
+            .with_check(mode);
         let backends = HostBackend::world(HostConfig::new(2)).unwrap();
-        let pools = SymmPool::group(backends, &config).unwrap();
+        let groups = Group::world(backends, &config).unwrap();
+        let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
         let colls = Coll::group(&pools).unwrap();
         let bufs = pool_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
         // Rank 1 never makes the collective.
@@ -504,7 +510,7 @@ fn a_failed_collective_ends_within_the_pool_timeout_in_every_check_mode() {
         );
         assert!(
             took < TIMEOUT + Duration::from_secs(1),
-            "{mode:?}: the call took {took:?} with a pool timeout of {TIMEOUT:?}"
+            "{mode:?}: the call took {took:?} with a group timeout of {TIMEOUT:?}"
         );
     }
 }
@@ -585,10 +591,10 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
 fn duration_max_timeouts_work_in_every_public_call() {
     // `Duration::MAX` means "never": no call may overflow making its deadline.
     for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
-        let config = PoolConfig::default()
+        let config = GroupConfig::default()
             .with_timeout(Duration::MAX)
             .with_check(mode);
-        let pools = SymmPool::host_group(2, config).unwrap();
+        let pools = host_pools(2, config);
         let reports = on_ranks(&pools, |pool, coll| {
             let stream = Stream::host();
             let buf = pool.alloc(2 * 4 * 1024, &stream).unwrap();
@@ -669,10 +675,10 @@ fn making_a_collectives_handle_is_local_a_lone_rank_gets_it_at_once() {
     // together): rank 0 gets its handle, under every check mode, while rank 1 makes
     // none until later; their collectives then pair.
     for mode in [CheckMode::Strict, CheckMode::Async, CheckMode::Off] {
-        let config = PoolConfig::default()
+        let config = GroupConfig::default()
             .with_timeout(Duration::from_secs(10))
             .with_check(mode);
-        let pools = SymmPool::host_group(2, config).unwrap();
+        let pools = host_pools(2, config);
         let started = Instant::now();
         let first = Coll::new(&pools[0]).unwrap();
         assert!(started.elapsed() < Duration::from_secs(1), "{mode:?}");

@@ -23,30 +23,41 @@ use common::identity::{LAYERS, Plan, Seen, divergence, step};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Error, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream,
-    SymmPool,
+    CheckMode, Coll, CollectiveCalls, Error, Group, GroupConfig, HostBackend, HostConfig,
+    PoolConfig, ReduceOp, Stream, SymmPool,
 };
 
-/// The pools' timeout (their collectives' waits in the host backend end with it).
+/// The groups' timeout (their collectives' waits in the host backend end with it).
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// What "within one exchange round" means here: well under the timeout.
 const PROMPT: Duration = Duration::from_millis(1500);
 
-/// The pools' settings under `mode`: the defaults (every collective needs a tag), or
-/// for plans whose calls are untagged a pool made for them (the explicit opt-out,
-/// [`PoolConfig::with_untagged_collectives`]).
-fn config(mode: CheckMode, tagged: bool) -> PoolConfig {
-    let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
-    config.with_untagged_collectives(!tagged)
+/// The groups' settings under `mode` (with [`TIMEOUT`]).
+fn group_config(mode: CheckMode) -> GroupConfig {
+    GroupConfig::default()
+        .with_timeout(TIMEOUT)
+        .with_check(mode)
 }
 
-/// `plan(rank)` on every rank, a thread each, on pools of `config`, then `close`; the
-/// results in rank order. Every rank's close returns within `PROMPT`: after a
-/// divergence with [`Error::PoolBroken`] naming it (the memory released without a
-/// round), else `Ok`.
-fn run(world: usize, config: PoolConfig, plan: impl Fn(usize) -> Plan + Sync) -> Vec<Seen> {
-    let bs = HostBackend::world(HostConfig::new(world)).unwrap();
-    let pools = SymmPool::group(bs, &config).unwrap();
+/// The groups' and pools' settings under `mode`: the defaults (every collective needs
+/// a tag), or for plans whose calls are untagged a pool made for them (the explicit
+/// opt-out, [`PoolConfig::with_untagged_collectives`]).
+fn config(mode: CheckMode, tagged: bool) -> (GroupConfig, PoolConfig) {
+    let pool = PoolConfig::default().with_untagged_collectives(!tagged);
+    (group_config(mode), pool)
+}
+
+/// `plan(rank)` on every rank, a thread each, on pools of `config` (groups', pools'
+/// settings), then `close`; the results in rank order. Every rank's close returns
+/// within `PROMPT`: after a divergence with [`Error::PoolBroken`] naming it (the memory
+/// released without a round), else `Ok`.
+fn run(
+    world: usize,
+    (group, config): (GroupConfig, PoolConfig),
+    plan: impl Fn(usize) -> Plan + Sync,
+) -> Vec<Seen> {
+    let groups = Group::host(world, &group).unwrap();
+    let pools = SymmPool::world(&groups, &config).unwrap();
     let out: Vec<(Seen, Duration, symmpool::Result<()>)> = thread::scope(|sc| {
         let hs: Vec<_> = pools
             .iter()
@@ -331,7 +342,7 @@ fn an_extra_allocation_that_grows_the_pool_names_the_rank_within_a_round() {
 }
 
 /// Under `Async`, after a mismatch at a rank's collective *k*, at most this many
-/// further collectives of the rank run ([`PoolConfig::check_queue`]'s default).
+/// further collectives of the rank run ([`GroupConfig::check_queue`]'s default).
 const ASYNC_FURTHER: usize = 1;
 
 #[test]
@@ -376,14 +387,16 @@ fn no_tagged_call_returns_ok_with_another_layers_data() {
     }
 }
 
-/// Ranks as threads: `body(rank, pool, coll)` on each, with a pool of `config`.
+/// Ranks as threads: `body(rank, pool, coll)` on each, with a pool of `config` in a
+/// group checked under `mode` (with [`TIMEOUT`]).
 fn each_rank<R: Send>(
     world: usize,
+    mode: CheckMode,
     config: PoolConfig,
     body: impl Fn(usize, &SymmPool, &Coll) -> R + Sync,
 ) -> Vec<R> {
-    let bs = HostBackend::world(HostConfig::new(world)).unwrap();
-    let pools = SymmPool::group(bs, &config.with_timeout(TIMEOUT)).unwrap();
+    let groups = Group::host(world, &group_config(mode)).unwrap();
+    let pools = SymmPool::world(&groups, &config).unwrap();
     thread::scope(|sc| {
         let hs: Vec<_> = (pools.iter())
             .map(|p| {
@@ -434,8 +447,7 @@ fn every_untagged_call(pool: &SymmPool, coll: &Coll) -> Vec<(symmpool::Result<()
 fn an_untagged_call_is_refused_by_default_in_every_mode_and_world_size() {
     for world in [1, 2] {
         for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
-            let config = PoolConfig::default().with_check(mode);
-            let out = each_rank(world, config, |_, pool, coll| {
+            let out = each_rank(world, mode, PoolConfig::default(), |_, pool, coll| {
                 let refused = every_untagged_call(pool, coll);
                 // A refused call touches nothing: tagged calls go on, and the step ends
                 // clean on every rank.
@@ -490,10 +502,8 @@ fn an_untagged_call_is_refused_by_default_in_every_mode_and_world_size() {
 fn a_pool_made_for_untagged_collectives_runs_them_in_every_mode() {
     for world in [1, 2] {
         for mode in [CheckMode::Off, CheckMode::Async, CheckMode::Strict] {
-            let config = PoolConfig::default()
-                .with_check(mode)
-                .with_untagged_collectives(true);
-            let out = each_rank(world, config, |rank, pool, coll| {
+            let config = PoolConfig::default().with_untagged_collectives(true);
+            let out = each_rank(world, mode, config, |rank, pool, coll| {
                 let ran = every_untagged_call(pool, coll);
                 let stream = Stream::host();
                 let buf = pool.alloc((world * 4 * 256) as u64, &stream).unwrap();
@@ -530,25 +540,19 @@ fn ranks_that_differ_about_untagged_collectives_fail_when_they_make_the_pool() {
                 .map(|b| {
                     sc.spawn(move || {
                         let untagged = b.rank() == 1;
-                        let config = PoolConfig::default()
-                            .with_timeout(TIMEOUT)
-                            .with_check(mode)
-                            .with_untagged_collectives(untagged);
-                        SymmPool::new(b, config).unwrap_err()
+                        let group = Group::new(b, group_config(mode)).unwrap();
+                        let config = PoolConfig::default().with_untagged_collectives(untagged);
+                        SymmPool::new(&group, config).unwrap_err()
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let m = mode.name();
         for e in errs {
             match &e {
                 Error::ChannelMismatch { opened } => {
-                    assert_eq!(opened[0].2, format!("pool:pool:checks:{m}"));
-                    assert_eq!(
-                        opened[1].2,
-                        format!("pool:pool:checks:{m}:untagged_collectives")
-                    );
+                    assert_eq!(opened[0].2, "pool:pool");
+                    assert_eq!(opened[1].2, "pool:pool:untagged_collectives");
                 }
                 other => panic!("{mode:?}: {other:?}"),
             }
@@ -572,7 +576,7 @@ fn a_careless_untagged_layer_loop_never_returns_another_layers_data() {
                 ..normal
             };
             let uneven = |r: usize| Plan::layers(if r == 0 { LAYERS + 2 } else { LAYERS }, false);
-            let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
+            let config = (group_config(mode), PoolConfig::default());
             let skipped = run(world, config.clone(), |r| perturbed(world, r, skip, normal));
             let uneven = run(world, config, uneven);
             for (case, all) in [("skip", skipped), ("uneven", uneven)] {
@@ -597,7 +601,8 @@ fn tag_zero_is_a_tag() {
     // Every rank tags 0: a valid identity, the step passes.
     let out = each_rank(
         2,
-        PoolConfig::default().with_check(CheckMode::Strict),
+        CheckMode::Strict,
+        PoolConfig::default(),
         |_, pool, coll| {
             let stream = Stream::host();
             let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
@@ -610,9 +615,8 @@ fn tag_zero_is_a_tag() {
     // tag, named as such.
     let out = each_rank(
         2,
-        (PoolConfig::default())
-            .with_check(CheckMode::Strict)
-            .with_untagged_collectives(true),
+        CheckMode::Strict,
+        PoolConfig::default().with_untagged_collectives(true),
         |rank, pool, coll| {
             let stream = Stream::host();
             let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
@@ -634,20 +638,16 @@ fn tag_zero_is_a_tag() {
 
 #[test]
 fn a_second_handle_on_the_same_communicators_is_refused_with_advice() {
-    let out = each_rank(2, PoolConfig::default(), |_, pool, coll| {
+    let mode = CheckMode::default();
+    let out = each_rank(2, mode, PoolConfig::default(), |_, pool, coll| {
         let second = Coll::new(pool).unwrap_err();
-        // Another pool on the same communicators: refused too.
-        let other = SymmPool::new(
-            pool.backend().clone(),
-            PoolConfig::default().with_name("other"),
-        )
-        .unwrap();
+        // Another pool in the same group (on the same communicators): refused too.
+        let other = SymmPool::new(pool.group(), PoolConfig::default().with_name("other")).unwrap();
         let on_other = Coll::new(&other).unwrap_err();
-        // A pool with communicators of its own has a handle of its own.
-        let own = PoolConfig::default()
-            .with_name("own")
-            .with_own_communicators(true);
-        let own = SymmPool::new(pool.backend().clone(), own).unwrap();
+        // A pool in a group of its own (communicators split for it) has a handle of
+        // its own.
+        let own = pool.group().split("own").unwrap();
+        let own = SymmPool::new(&own, PoolConfig::default().with_name("own")).unwrap();
         let own_coll = Coll::new(&own).map(drop);
         // A clone is the same handle; once the handle is gone, a new one is fine.
         let clone = coll.clone();
@@ -684,15 +684,16 @@ fn a_second_handle_on_the_same_communicators_is_refused_with_advice() {
 fn pools_used_in_crossed_order_through_one_handle_diverge_on_the_pool() {
     for mode in [CheckMode::Strict, CheckMode::Async] {
         let bs = HostBackend::world(HostConfig::new(2)).unwrap();
-        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
         let out = thread::scope(|sc| {
             let hs: Vec<_> = (bs.into_iter())
                 .map(|b| {
-                    let config = config.clone();
                     sc.spawn(move || {
                         let rank = b.rank();
-                        let a = SymmPool::new(b.clone(), config.clone().with_name("a")).unwrap();
-                        let c = SymmPool::new(b, config.with_name("b")).unwrap();
+                        // Both pools in the rank's one group (they share communicators).
+                        let group = Group::new(b, group_config(mode)).unwrap();
+                        let config = PoolConfig::default();
+                        let a = SymmPool::new(&group, config.clone().with_name("a")).unwrap();
+                        let c = SymmPool::new(&group, config.with_name("b")).unwrap();
                         let coll = Coll::with_pools(&[a.clone(), c.clone()]).unwrap();
                         let stream = Stream::host();
                         let bufs = [&a, &c].map(|p| p.alloc(2 * 4 * 256, &stream).unwrap());
@@ -777,10 +778,11 @@ fn dropping_a_handle_whose_check_waits_forever_is_bounded() {
         .pop()
         .unwrap()
         .with_collectives(|_| std::sync::Arc::new(Alone));
-    let config = PoolConfig::default()
+    let config = GroupConfig::default()
         .with_timeout(Duration::MAX)
         .with_check(CheckMode::Async);
-    let pools = SymmPool::group(vec![b0, b1], &config).unwrap();
+    let groups = Group::world(vec![b0, b1], &config).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let stream = Stream::host();
     // Both ranks allocate (the growth is collective), before the handles.
     let bufs = thread::scope(|sc| {
@@ -862,10 +864,8 @@ fn two_threads_of_a_rank_pair_their_records_as_they_launch_under_async() {
             })
         })
         .collect();
-    let config = PoolConfig::default()
-        .with_timeout(TIMEOUT)
-        .with_check(CheckMode::Async);
-    let pools = SymmPool::group(world, &config).unwrap();
+    let groups = Group::world(world, &group_config(CheckMode::Async)).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let b_done_tx = std::sync::Mutex::new(Some(b_done_tx));
     let wrong: usize = thread::scope(|sc| {
         let hs: Vec<_> = (pools.iter())
@@ -922,7 +922,8 @@ fn close_right_after_an_async_divergence_names_it_on_every_rank() {
     for _ in 0..10 {
         let out = each_rank(
             2,
-            PoolConfig::default().with_check(CheckMode::Async),
+            CheckMode::Async,
+            PoolConfig::default(),
             |rank, pool, coll| {
                 let stream = Stream::host();
                 let buf = pool.alloc(2 * 4 * 256, &stream).unwrap();
@@ -962,10 +963,8 @@ fn a_checked_growth_takes_its_agreement_round_and_no_other_check_round() {
             .unwrap()
         })
         .collect();
-    let config = PoolConfig::default()
-        .with_check(CheckMode::Strict)
-        .with_timeout(TIMEOUT);
-    let pools = SymmPool::group(backends, &config).unwrap();
+    let groups = Group::world(backends, &group_config(CheckMode::Strict)).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let stream = Stream::host();
     let per_rank: Vec<Vec<&'static str>> = thread::scope(|s| {
         let hs: Vec<_> = (pools.iter())

@@ -15,7 +15,7 @@
 //!
 //! Nothing sleeps to synchronise: ranks meet in the pool's own rounds, a stuck
 //! registration is released by the test through a channel, and every wait is bounded
-//! by a pool timeout of a few seconds. Process jobs kill and reap their children on
+//! by a group timeout of a few seconds. Process jobs kill and reap their children on
 //! every path and leave nothing in `/dev/shm`.
 
 mod common;
@@ -29,8 +29,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::backend::{Refused, Segment, SegmentProvider, Window};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Deadline, Error, HostBackend, HostConfig, PoolConfig, Stream,
-    SymmBuffer, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Deadline, Error, Group, GroupConfig, HostBackend, HostConfig,
+    PoolConfig, Stream, SymmBuffer, SymmPool,
 };
 
 const KIB: u64 = 1 << 10;
@@ -90,7 +90,7 @@ fn differing_field(e: &Error) -> Option<String> {
 
 /// Generation-1 buffers of the reuse test; the odd ones are freed.
 const GENERATION: usize = 8;
-/// The reuse test's pool timeout (what a process blocked in a collective its peer
+/// The reuse test's group timeout (what a process blocked in a collective its peer
 /// stopped joining waits, under `Async`).
 const REUSE_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -257,7 +257,7 @@ impl Outcome {
 // 2. Growth at run time on one rank (pytorch/pytorch#191955, sgl-project/sglang#36943)
 // ---------------------------------------------------------------------------------
 
-/// The growth tests' pool timeout: with ranks as threads, and as processes (above the
+/// The growth tests' group timeout: with ranks as threads, and as processes (above the
 /// store's heartbeat timeout there, so that it is what ends a wait on a live peer).
 const GROWTH_TIMEOUT: Duration = Duration::from_secs(2);
 const PROCESS_GROWTH_TIMEOUT: Duration = Duration::from_secs(4);
@@ -462,10 +462,10 @@ fn serving_loop(pool: &SymmPool) -> Grew {
 ///
 /// **The crate's answer**: a segment is never registered on one rank's decision. Every
 /// growth is first agreed by all ranks in a round of the control plane, bounded by the
-/// pool's timeout, and the agreement is a record of the same ledger as the collectives'
+/// group's timeout, and the agreement is a record of the same ledger as the collectives'
 /// checks: a rank that grows where its peers make a collective is named there, within
 /// the round (`strict`, `async`), and with the checks off the agreement and the peers'
-/// collective each end at the pool's timeout. Only after the agreement does any rank
+/// collective each end at the group's timeout. Only after the agreement does any rank
 /// allocate or register, so a refused growth leaves no window anywhere. (Two pools
 /// that share communicators agree on the order of their registrations too:
 /// `tests/pool_host.rs`, `pools_growing_in_different_orders_fail_before_any_window_pairs_wrongly`.)
@@ -476,20 +476,21 @@ fn serving_loop(pool: &SymmPool) -> Grew {
 /// that step, the growing rank in its allocation and the others in their collective:
 /// under `strict` and `async` the same divergence naming the growth, within a round;
 /// under `off` a timeout (or `GroupBroken`, where a rank learns of a peer's timeout
-/// first) within the pool's timeout plus a round; none returns another step's data;
+/// first) within the group's timeout plus a round; none returns another step's data;
 /// every rank still has the segments and registrations it had before the loop (the
 /// lone growth registered nothing, on any rank); and every rank's `close` returns
 /// within a round, reporting the failure.
 #[test]
 fn growth_at_run_time_on_one_rank_fails_every_rank_within_the_timeout() {
     for mode in [CheckMode::Strict, CheckMode::Async, CheckMode::Off] {
-        let config = PoolConfig::default()
+        let config = GroupConfig::default()
             .with_timeout(GROWTH_TIMEOUT)
             .with_check(mode);
-        let pools = SymmPool::host_group(3, config).unwrap();
+        let groups = Group::host(3, &config).unwrap();
+        let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
         let lines: Vec<String> = on_ranks(&pools, |p| serving_loop(p).line(2));
         // Under the checks the divergence is found within a round; without them, the
-        // waits end at the pool's timeout.
+        // waits end at the group's timeout.
         let bound = match mode {
             CheckMode::Off => GROWTH_TIMEOUT + PROMPT,
             _ => PROMPT,
@@ -553,7 +554,7 @@ impl SegmentProvider for StuckRegistration {
 /// without a timeout, forever, with nothing logged.
 ///
 /// **The crate's answer**: a registration's wait is bounded by the growth's deadline
-/// (half of what is left of the pool's timeout; on NCCL through the watchdog, which
+/// (half of what is left of the group's timeout; on NCCL through the watchdog, which
 /// revokes and aborts a call stuck inside NCCL: README, *On GPUs*), and the outcome of
 /// every registration is agreed in a round of its own, so a registration that did not
 /// complete somewhere fails the growth on every rank, and every later collective pool
@@ -564,7 +565,7 @@ impl SegmentProvider for StuckRegistration {
 /// registration does not complete (its provider blocks until the test releases it, as
 /// a thread of the host backend has no watchdog to end it). Asserted: rank 0, which
 /// is inside the real registration round, returns a timeout naming rank 1 within the
-/// pool's timeout plus a round, while rank 1 is still stuck (the test releases it
+/// group's timeout plus a round, while rank 1 is still stuck (the test releases it
 /// only then); released, rank 1 fails too, learning that rank 0 timed out; each
 /// rank's next growth fails within a round with [`Error::GroupBroken`]; and neither
 /// rank holds a segment or a window of the failed growths.
@@ -583,8 +584,9 @@ fn a_registration_that_never_completes_on_one_rank_holds_no_other_rank() {
         })
     });
     world.push(last);
-    let config = PoolConfig::default().with_timeout(GROWTH_TIMEOUT);
-    let pools = SymmPool::group(world, &config).unwrap();
+    let config = GroupConfig::default().with_timeout(GROWTH_TIMEOUT);
+    let groups = Group::world(world, &config).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let stream = Stream::host();
     let run = |p: &SymmPool| {
         let warm = p.alloc(MIB, &stream).unwrap();
@@ -740,8 +742,9 @@ fn the_same_allocation_is_never_registered_twice() {
             b.with_segments(move |inner| Arc::new(Counting { inner, ledger }))
         })
         .collect();
-    let config = PoolConfig::default().with_timeout(Duration::from_secs(10));
-    let pools = SymmPool::group(world, &config).unwrap();
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
+    let groups = Group::world(world, &config).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let allocated = on_ranks(&pools, |pool| {
         let ledger = &ledgers[pool.rank()];
         let stream = Stream::host();
@@ -880,10 +883,11 @@ mod procs {
         let mode = mode_of(var("CHECK_MODE").as_deref());
         let swapped = var("SCENARIO").as_deref() == Some("swapped");
         let last = rank == world - 1;
-        let config = PoolConfig::default()
+        let config = GroupConfig::default()
             .with_timeout(REUSE_TIMEOUT)
             .with_check(mode);
-        let pool = SymmPool::new(backend, config)?;
+        let group = Group::new(backend, config)?;
+        let pool = SymmPool::new(&group, PoolConfig::default())?;
         let coll = Coll::new(&pool)?;
         let stream = Stream::host();
         let bytes = (world * CHUNK * 4) as u64;
@@ -958,10 +962,11 @@ mod procs {
     /// [`Grew::line`] after `@@grow `.
     fn grow_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmpool::Result<i32> {
         let mode = mode_of(var("CHECK_MODE").as_deref());
-        let config = PoolConfig::default()
+        let config = GroupConfig::default()
             .with_timeout(PROCESS_GROWTH_TIMEOUT)
             .with_check(mode);
-        let pool = SymmPool::new(backend, config)?;
+        let group = Group::new(backend, config)?;
+        let pool = SymmPool::new(&group, PoolConfig::default())?;
         let grew = serving_loop(&pool);
         println!("@@grow {}", grew.line(world - 1));
         if let Some((_, _, e)) = &grew.first {
@@ -1016,7 +1021,7 @@ fn child_process_entry() {
 /// registration publishes each segment and maps every peer's (the symmetric heap's
 /// file-descriptor exchange). Asserted, in every check mode, as on threads: every
 /// process reports an error at the lone growth's step (the divergence naming the
-/// growth within a round, or with the checks off a timeout within the pool's timeout
+/// growth within a round, or with the checks off a timeout within the group's timeout
 /// plus a round), keeps the segments and registrations it had, closes within a round
 /// and exits on its own (the job's bound); nothing is left in `/dev/shm`.
 #[cfg(target_os = "linux")]
@@ -1028,7 +1033,7 @@ fn growth_at_run_time_on_one_process_fails_every_process_within_the_timeout() {
         let extra = vec![
             ("CHECK_MODE", mode_name(mode).to_string()),
             // Past this the store declares a silent process lost; below the pool's
-            // timeout, so that a wait on a live peer ends at the pool's timeout.
+            // timeout, so that a wait on a live peer ends at the group's timeout.
             ("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", "3000".to_string()),
         ];
         let [lines] = job_lines(2, "grow", extra, ["@@grow "]);

@@ -51,13 +51,23 @@ mod gpu_tests {
     use std::time::{Duration, SystemTime};
     use symmpool::coll::Path;
     use symmpool::{
-        Coll, CollectiveCalls, Element, Error, PoolConfig, ReduceOp, Stream, SymmPool, bf16, f16,
+        Coll, CollectiveCalls, Element, Error, Group, GroupConfig, PoolConfig, ReduceOp, Stream,
+        SymmPool, bf16, f16,
     };
 
     const MIB: u64 = 1 << 20;
 
+    fn group() -> GroupConfig {
+        GroupConfig::default().with_timeout(Duration::from_secs(60))
+    }
+
     fn config() -> PoolConfig {
-        PoolConfig::default().with_timeout(Duration::from_secs(60))
+        PoolConfig::default()
+    }
+
+    /// A pool with [`config`] on `backend`, in a group of its own made with `group`.
+    fn pool_on(backend: symmpool::Backend, group: GroupConfig) -> symmpool::Result<SymmPool> {
+        SymmPool::new(&Group::new(backend, group)?, config())
     }
 
     /// SplitMix64, seeded per run (printed) so every run checks fresh data.
@@ -85,7 +95,7 @@ mod gpu_tests {
     }
 
     fn gpu_registers_once_per_segment_and_communicator() {
-        let pools = common::gpu::world(2, config());
+        let pools = common::gpu::world(2, &group(), config());
         let out = on_ranks(&pools, |pool, stream| {
             let step = || {
                 let bufs: Vec<_> = [3 * MIB, 64 * MIB, 4096, 100 * MIB, 3 * MIB, 256 * MIB]
@@ -342,7 +352,7 @@ mod gpu_tests {
     }
 
     fn gpu_collectives_match_a_host_reference() {
-        let pools = common::gpu::world(2, config());
+        let pools = common::gpu::world(2, &group(), config());
         let seed = seed();
         // Element counts whose byte sizes are not multiples of 512, small (symmetric
         // kernel) and large (copy engine / ring) per rank.
@@ -393,7 +403,7 @@ mod gpu_tests {
     }
 
     fn gpu_block_freed_under_a_long_kernel_is_not_overwritten_early() {
-        let pools = common::gpu::world(2, config());
+        let pools = common::gpu::world(2, &group(), config());
         let results = on_ranks(&pools, |pool, stream_a| {
             let stream_b = pool.new_stream().unwrap();
             let cuda_a = stream_a.cuda_stream().unwrap().clone();
@@ -488,7 +498,7 @@ mod gpu_tests {
     }
 
     fn gpu_bad_input_is_a_clear_error_and_the_pool_stays_usable() {
-        let pools = common::gpu::world(2, config());
+        let pools = common::gpu::world(2, &group(), config());
         let out = on_ranks(&pools, |pool, stream| {
             assert!(matches!(pool.alloc(0, stream), Err(Error::ZeroSize)));
             assert!(matches!(
@@ -525,7 +535,7 @@ mod gpu_tests {
     /// One GPU: segments come from `ncclMemAlloc`, are registered once per registering
     /// communicator, and `close` deregisters and frees them all.
     fn one_gpu_segments_windows_and_close() {
-        let pools = common::gpu::world(1, config());
+        let pools = common::gpu::world(1, &group(), config());
         let pool = &pools[0];
         let stream = pool.new_stream().unwrap();
         let bufs: Vec<_> = [3 * MIB, 64 * MIB, 4096]
@@ -633,7 +643,7 @@ mod gpu_tests {
     /// purpose instead of freeing it under running work.
     fn one_gpu_drop_on_a_stuck_stream_returns_within_the_timeout() {
         let timeout = Duration::from_secs(2);
-        let pools = common::gpu::world(1, PoolConfig::default().with_timeout(timeout));
+        let pools = common::gpu::world(1, &group().with_timeout(timeout), config());
         let pool = pools.into_iter().next().unwrap();
         let stream = pool.new_stream().unwrap();
         let buf = pool.alloc(8 * MIB, &stream).unwrap();
@@ -658,7 +668,7 @@ mod gpu_tests {
     /// One GPU: cudarc reads and writes pool buffers through `DevicePtr`/`DevicePtrMut`,
     /// with no raw address in the caller's code.
     fn one_gpu_cudarc_reads_and_writes_pool_buffers() {
-        let pools = common::gpu::world(1, config());
+        let pools = common::gpu::world(1, &group(), config());
         let pool = &pools[0];
         let stream = pool.new_stream().unwrap();
         let cs = stream.cuda_stream().unwrap().clone();
@@ -732,7 +742,7 @@ mod gpu_tests {
     /// after that work. Controls through raw addresses show both races on this device.
     /// One CUDA stream has one id however it is wrapped.
     fn one_gpu_cuda_views_order_uses_on_other_streams() {
-        let pools = common::gpu::world(1, config());
+        let pools = common::gpu::world(1, &group(), config());
         let pool = &pools[0];
         let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
         let home = pool.new_stream().unwrap(); // the buffers' stream
@@ -859,7 +869,7 @@ mod gpu_tests {
 
     /// One GPU: the collectives run through NCCL's one-rank path and move the data.
     fn one_gpu_collectives_at_world_size_one() {
-        let pools = common::gpu::world(1, config());
+        let pools = common::gpu::world(1, &group(), config());
         let seed = seed();
         for count in [1, 1000, 123_457] {
             for in_place in [false, true] {
@@ -872,14 +882,14 @@ mod gpu_tests {
     }
 
     /// One GPU: FSDP's two pools (parameters, gradients) on one backend, the gradient
-    /// pool with communicators of its own (split off the control communicator and
-    /// warmed up when it is made), each used from its own thread with its own stream
+    /// pool in a group of its own, over communicators of its own (`Group::split`: split
+    /// off the control communicator and warmed up when it is made), each used from its own thread with its own stream
     /// and collectives handle: 20 interleaved rounds of growth and collectives, every
     /// one right.
     fn one_gpu_two_pools_on_two_threads_with_their_own_communicators() {
-        let params = common::gpu::world(1, config()).remove(0);
-        let own = config().with_name("grads").with_own_communicators(true);
-        let grads = SymmPool::new(params.backend().clone(), own).unwrap();
+        let params = common::gpu::world(1, &group(), config()).remove(0);
+        let own = params.group().split("grads").unwrap();
+        let grads = SymmPool::new(&own, config().with_name("grads")).unwrap();
         let colls = [Coll::new(&params).unwrap(), Coll::new(&grads).unwrap()];
         std::thread::scope(|s| {
             for (pool, coll) in [&params, &grads].into_iter().zip(&colls) {
@@ -911,7 +921,7 @@ mod gpu_tests {
     /// type, both placements, on the symmetric kernel's path (sum on floating point)
     /// and the plain one.
     fn one_gpu_all_reduce_at_world_size_one() {
-        let pools = common::gpu::world(1, config());
+        let pools = common::gpu::world(1, &group(), config());
         let seed = seed();
         for count in [1, 1000, 123_457] {
             all_reduce_cases(&pools, count, seed);
@@ -933,7 +943,7 @@ mod gpu_tests {
     /// completion event is recorded under capture (the watchdog stays quiet).
     fn one_gpu_captures_a_steps_collectives_in_a_cuda_graph_and_replays_them() {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        let pools = common::gpu::world(1, config());
+        let pools = common::gpu::world(1, &group(), config());
         let pool = &pools[0];
         let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
         assert!(
@@ -1124,7 +1134,7 @@ mod gpu_tests {
             backend.communicators(),
             backend.nccl_version()
         );
-        let pool = SymmPool::new(backend, config()).expect("pool");
+        let pool = pool_on(backend, group()).expect("pool");
         let coll = Coll::new(&pool).expect("collectives");
         let stream = pool.new_stream().unwrap();
         for n in [1usize, 1000, 3_000_001] {
@@ -1203,7 +1213,7 @@ mod gpu_tests {
         } else {
             backend
         };
-        let pool = SymmPool::new(backend, config().with_timeout(Duration::from_secs(20))).unwrap();
+        let pool = pool_on(backend, group().with_timeout(Duration::from_secs(20))).unwrap();
         let stream = pool.new_stream().unwrap();
         let started = std::time::Instant::now();
         let first = pool.alloc(4 * MIB, &stream);
@@ -1409,7 +1419,7 @@ mod gpu_tests {
         assert!((0..backend.communicators().len()).all(|c| split.is_blocking(c) == Some(true)));
         eprintln!("warmed: {:?}", split.warmed());
         assert!(!split.warmed().is_empty());
-        let pools = vec![SymmPool::new(backend, config()).unwrap()];
+        let pools = vec![pool_on(backend, group()).unwrap()];
         let seed = seed();
         for count in [1, 1000, 123_457] {
             all_gather_case::<f32>(&pools, count, false, seed);
@@ -1455,7 +1465,7 @@ mod gpu_tests {
         let config_nccl = NcclConfig::default().with_call_timeout(Duration::from_secs(10));
         let backends =
             NcclBackend::local_world(&[0], config_nccl).expect("a world after the timeout");
-        let pool = SymmPool::new(backends.into_iter().next().unwrap(), config()).unwrap();
+        let pool = pool_on(backends.into_iter().next().unwrap(), group()).unwrap();
         let stream = pool.new_stream().unwrap();
         let started = std::time::Instant::now();
         let bufs: Vec<_> = [3 * MIB, 64 * MIB]
@@ -1495,7 +1505,7 @@ mod gpu_tests {
         let backend = NcclBackend::local_world(&[0], nccl_config)
             .unwrap()
             .remove(0);
-        let pool = SymmPool::new(backend, config()).unwrap();
+        let pool = pool_on(backend, group()).unwrap();
         let coll = Coll::new(&pool).unwrap();
         let stream = pool.new_stream().unwrap();
         let input = pool.alloc(4096, &stream).unwrap();
@@ -1557,7 +1567,7 @@ mod gpu_tests {
         assert_eq!(s1.id(), s2.id(), "one id per raw stream");
         assert_ne!(s1.id(), s3.id());
         assert_eq!(s1.raw_cuda(), Some(raw_a));
-        let pool = SymmPool::new(backend, config()).unwrap();
+        let pool = pool_on(backend, group()).unwrap();
         let coll = Coll::new(&pool).unwrap();
         let x = pool.alloc(MIB, &s1).unwrap();
         let y = pool.alloc(MIB, &s2).unwrap();

@@ -30,7 +30,7 @@ mod paths {
     use std::sync::Barrier;
     use std::time::Duration;
     use symmpool::coll::Path;
-    use symmpool::{Coll, CollectiveCalls, PoolConfig, ReduceOp, bf16};
+    use symmpool::{Coll, CollectiveCalls, GroupConfig, PoolConfig, ReduceOp, bf16};
 
     const MIB: u64 = 1 << 20;
 
@@ -77,10 +77,8 @@ mod paths {
         if file.is_empty() || file.contains('%') {
             return Err("NCCL_DEBUG_FILE must be a plain path".into());
         }
-        let pools = common::gpu::world(
-            2,
-            PoolConfig::default().with_timeout(Duration::from_secs(60)),
-        );
+        let group = GroupConfig::default().with_timeout(Duration::from_secs(60));
+        let pools = common::gpu::world(2, &group, PoolConfig::default());
         let barrier = Barrier::new(2);
         let log = |from: usize| -> (Vec<String>, usize) {
             let text = std::fs::read_to_string(&file).unwrap_or_default();

@@ -15,7 +15,8 @@ use common::procs::{CHILD, Job};
 use common::shm::{join, shm_entries};
 use std::time::Duration;
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Error, ErrorKind, PoolConfig, ReduceOp, Stream, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Error, ErrorKind, Group, GroupConfig, PoolConfig, ReduceOp,
+    Stream, SymmPool,
 };
 
 const ENTRY: &str = "child_process_entry";
@@ -80,10 +81,10 @@ fn child() -> symmpool::Result<i32> {
     let timeout_ms: u64 = (std::env::var("CHILD_POOL_TIMEOUT_MS").ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(HEARTBEAT_TIMEOUT_MS);
-    let config = PoolConfig::default()
+    let config = GroupConfig::default()
         .with_timeout(Duration::from_millis(timeout_ms))
         .with_check(CheckMode::Async);
-    let mut pool = SymmPool::new(backend, config)?;
+    let mut pool = SymmPool::new(&Group::new(backend, config)?, PoolConfig::default())?;
     let mut coll = Coll::new(&pool)?;
     let (mut at, mut after, mut first_error) = (0u64, 0, true);
     loop {

@@ -7,16 +7,17 @@
 use std::thread;
 use std::time::Duration;
 use symmpool::observe::{MemoryAction, PoolSnapshot};
-use symmpool::{PoolConfig, Stream, SymmPool};
+use symmpool::{Group, GroupConfig, PoolConfig, Stream, SymmPool};
 
 const MIB: u64 = 1 << 20;
 
 fn pools(world: usize) -> Vec<SymmPool> {
-    SymmPool::host_group(
+    let groups = Group::host(
         world,
-        PoolConfig::default().with_timeout(Duration::from_secs(10)),
+        &GroupConfig::default().with_timeout(Duration::from_secs(10)),
     )
-    .unwrap()
+    .unwrap();
+    SymmPool::world(&groups, &PoolConfig::default()).unwrap()
 }
 
 fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool) -> R + Sync) -> Vec<R> {

@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use symmpool::backend::StreamOps;
-use symmpool::{Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool};
+use symmpool::{
+    Error, Group, GroupConfig, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool,
+};
 use symmpool::{Fence, StreamId};
 
 /// Stream operations that report every stream capturing while `capturing` is set.
@@ -48,7 +50,8 @@ fn capturing_world() -> (Arc<AtomicBool>, Vec<SymmPool>) {
             b.with_streams(move |inner| Arc::new(Capturing { inner, capturing }))
         })
         .collect();
-    let pools = SymmPool::group(backends, &PoolConfig::default()).unwrap();
+    let groups = Group::world(backends, &GroupConfig::default()).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     (capturing, pools)
 }
 

@@ -9,17 +9,41 @@ use std::thread;
 use std::time::Duration;
 use symmpool::SegmentId;
 use symmpool::{
-    Coll, CollectiveCalls, Error, HostConfig, PoolConfig, Stream, SymmBuffer, SymmPool, coll,
+    Coll, CollectiveCalls, Error, Group, GroupConfig, HostBackend, HostConfig, PoolConfig, Stream,
+    SymmBuffer, SymmPool, coll,
 };
 
 const MIB: u64 = 1 << 20;
 
+/// The groups' timeout, where a test sets none of its own.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
 /// These tests count segments as PyTorch's caching policy grows them (a dedicated
 /// segment per large request), so they pin it; the registered policy has its own tests.
 fn config() -> PoolConfig {
-    PoolConfig::default()
-        .with_timeout(Duration::from_secs(5))
-        .with_core(symmpool::CoreConfig::default())
+    PoolConfig::default().with_core(symmpool::CoreConfig::default())
+}
+
+/// The groups' settings: waits on the other ranks end after `timeout`.
+fn group_config(timeout: Duration) -> GroupConfig {
+    GroupConfig::default().with_timeout(timeout)
+}
+
+/// One pool of `config` per rank of a new host world with `host`'s settings, in
+/// groups whose timeout is `timeout`, in rank order.
+fn host_pools_with(
+    host: HostConfig,
+    timeout: Duration,
+    config: PoolConfig,
+) -> symmpool::Result<Vec<SymmPool>> {
+    let groups = Group::world(HostBackend::world(host)?, &group_config(timeout))?;
+    SymmPool::world(&groups, &config)
+}
+
+/// One pool of `config` per rank of a new host world of `world` ranks (timeout
+/// [`TIMEOUT`]).
+fn host_pools(world: usize, config: PoolConfig) -> symmpool::Result<Vec<SymmPool>> {
+    host_pools_with(HostConfig::new(world), TIMEOUT, config)
 }
 
 /// Run `f(pool)` on one thread per rank and collect the results in rank order.
@@ -61,7 +85,7 @@ fn random_ops(seed: u64, n: usize) -> Vec<Op> {
 /// Each rank runs the same calls; between calls it spins a rank- and call-dependent
 /// amount, so frees happen at different wall-clock moments on different ranks.
 fn placements(world: usize, seed: u64) {
-    let pools = SymmPool::host_group(world, config()).unwrap();
+    let pools = host_pools(world, config()).unwrap();
     let ops = random_ops(seed, 300);
     let out = on_ranks(&pools, |pool| {
         let stream = Stream::host();
@@ -117,7 +141,7 @@ fn identical_placement_on_8_ranks() {
 
 #[test]
 fn registers_once_per_segment_and_communicator() {
-    let pools = SymmPool::host_group(2, config()).unwrap();
+    let pools = host_pools(2, config()).unwrap();
     let out = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         let step = || {
@@ -163,7 +187,7 @@ fn expect_divergence(e: &Error, call: u64) -> &symmpool::Divergence {
 
 #[test]
 fn different_size_at_call_k_is_a_divergence_on_every_rank() {
-    let pools = SymmPool::host_group(3, config()).unwrap();
+    let pools = host_pools(3, config()).unwrap();
     let out = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         let a = pool.alloc(3 * MIB, &stream).unwrap(); // call 1: grows
@@ -192,7 +216,7 @@ fn different_size_at_call_k_is_a_divergence_on_every_rank() {
 
 #[test]
 fn an_extra_allocation_on_one_rank_is_an_error_on_every_rank() {
-    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_millis(500))).unwrap();
+    let pools = host_pools_with(HostConfig::new(2), Duration::from_millis(500), config()).unwrap();
     let out = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         let a = pool.alloc(3 * MIB, &stream).unwrap(); // call 1
@@ -233,7 +257,7 @@ fn an_extra_allocation_on_one_rank_is_an_error_on_every_rank() {
 
 #[test]
 fn one_rank_growing_alone_times_out_instead_of_hanging() {
-    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_millis(300))).unwrap();
+    let pools = host_pools_with(HostConfig::new(2), Duration::from_millis(300), config()).unwrap();
     let stream = Stream::host();
     let started = std::time::Instant::now();
     let err = pools[0].alloc(MIB, &stream).unwrap_err();
@@ -254,7 +278,7 @@ fn one_rank_growing_alone_times_out_instead_of_hanging() {
 
 #[test]
 fn bad_sizes_and_alignments_are_clear_errors_and_change_nothing() {
-    let pools = SymmPool::host_group(1, config()).unwrap();
+    let pools = host_pools(1, config()).unwrap();
     let pool = &pools[0];
     let stream = Stream::host();
     assert!(matches!(pool.alloc(0, &stream), Err(Error::ZeroSize)));
@@ -283,8 +307,9 @@ fn bad_sizes_and_alignments_are_clear_errors_and_change_nothing() {
     assert_eq!(count(&s, "segment.all.current"), 0);
     assert_eq!(count(&s, "calls"), 0, "refused calls are not recorded");
     // Past the host backend's memory: an out-of-memory error, nothing lost.
-    let small = SymmPool::host_group_with(
+    let small = host_pools_with(
         HostConfig::new(1).with_max_reserved_bytes(64 * MIB),
+        TIMEOUT,
         config(),
     )
     .unwrap();
@@ -300,8 +325,8 @@ fn bad_sizes_and_alignments_are_clear_errors_and_change_nothing() {
 
 #[test]
 fn buffers_of_another_pool_are_refused() {
-    let a = SymmPool::host_group(1, config()).unwrap();
-    let b = SymmPool::host_group(1, config()).unwrap();
+    let a = host_pools(1, config()).unwrap();
+    let b = host_pools(1, config()).unwrap();
     let stream = Stream::host();
     let x = a[0].alloc(4096, &stream).unwrap();
     let y = b[0].alloc(4096, &stream).unwrap();
@@ -319,7 +344,7 @@ fn buffers_of_another_pool_are_refused() {
 
 #[test]
 fn use_after_close_is_an_error() {
-    let pools = SymmPool::host_group(2, config()).unwrap();
+    let pools = host_pools(2, config()).unwrap();
     on_ranks(&pools, |pool| {
         let stream = Stream::host();
         let buf = pool.alloc(4096, &stream).unwrap();
@@ -349,7 +374,7 @@ fn use_after_close_is_an_error() {
 
 #[test]
 fn buffers_kept_past_close_report_pool_closed() {
-    let pools = SymmPool::host_group(1, config()).unwrap();
+    let pools = host_pools(1, config()).unwrap();
     let pool = &pools[0];
     let stream = Stream::host();
     let buf = pool.alloc(4096, &stream).unwrap();
@@ -357,14 +382,14 @@ fn buffers_kept_past_close_report_pool_closed() {
     drop(buf);
     pool.close().unwrap();
     // A second pool's buffer still works while this one is closed.
-    let other = SymmPool::host_group(1, config()).unwrap();
+    let other = host_pools(1, config()).unwrap();
     assert!(other[0].alloc(4096, &stream).is_ok());
 }
 
 #[test]
 fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
     let host = HostConfig::new(2).with_symmetric(false);
-    let pools = SymmPool::host_group_with(host.clone(), config()).unwrap();
+    let pools = host_pools_with(host.clone(), TIMEOUT, config()).unwrap();
     let reports = on_ranks(&pools, |pool| {
         let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
@@ -379,7 +404,7 @@ fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
         assert_eq!(path, coll::Path::PlainKernel);
         assert_eq!(windows, vec![0, 0, 0]);
     }
-    let strict = SymmPool::host_group_with(host, config().with_require_symmetric(true)).unwrap();
+    let strict = host_pools_with(host, TIMEOUT, config().with_require_symmetric(true)).unwrap();
     let errs = on_ranks(&strict, |pool| {
         pool.alloc(8 * MIB, &Stream::host()).unwrap_err()
     });
@@ -391,7 +416,7 @@ fn no_symmetric_support_degrades_to_plain_or_errors_when_required() {
 #[test]
 fn older_nccl_rules_pick_older_paths() {
     let host = HostConfig::new(2).with_nccl_version(symmpool::NcclVersion::new(2, 27, 3));
-    let pools = SymmPool::host_group_with(host, config()).unwrap();
+    let pools = host_pools_with(host, TIMEOUT, config()).unwrap();
     let paths = on_ranks(&pools, |pool| {
         let coll = Coll::new(pool).unwrap();
         let stream = Stream::host();
@@ -407,7 +432,7 @@ fn older_nccl_rules_pick_older_paths() {
 
 #[test]
 fn trim_releases_free_segments_collectively() {
-    let pools = SymmPool::host_group(2, config()).unwrap();
+    let pools = host_pools(2, config()).unwrap();
     on_ranks(&pools, |pool| {
         let stream = Stream::host();
         let keep = pool.alloc(4096, &stream).unwrap();
@@ -424,7 +449,7 @@ fn trim_releases_free_segments_collectively() {
 
 #[test]
 fn reserve_pre_grows_so_later_allocations_do_not_register() {
-    let pools = SymmPool::host_group(2, config()).unwrap();
+    let pools = host_pools(2, config()).unwrap();
     on_ranks(&pools, |pool| {
         let stream = Stream::host();
         assert_eq!(pool.reserve(300 * MIB).unwrap(), SegmentId(0));
@@ -442,8 +467,8 @@ fn reserve_pre_grows_so_later_allocations_do_not_register() {
 
 #[test]
 fn scopes_nest_restore_on_panic_and_are_per_thread() {
-    let pools = SymmPool::host_group(1, config()).unwrap();
-    let others = SymmPool::host_group(1, config()).unwrap();
+    let pools = host_pools(1, config()).unwrap();
+    let others = host_pools(1, config()).unwrap();
     let (a, b) = (&pools[0], &others[0]);
     let stream = Stream::host();
     assert!(symmpool::current().is_none());
@@ -499,7 +524,7 @@ fn scopes_nest_restore_on_panic_and_are_per_thread() {
 
 #[test]
 fn dropping_a_pool_without_close_never_blocks() {
-    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_secs(30))).unwrap();
+    let pools = host_pools_with(HostConfig::new(2), Duration::from_secs(30), config()).unwrap();
     let stream = Stream::host();
     let started = std::time::Instant::now();
     // Rank 0 only: no growth, so nothing collective; drop everything.
@@ -513,7 +538,7 @@ fn dropping_a_pool_without_close_never_blocks() {
 
 #[test]
 fn a_close_that_times_out_on_one_rank_closes_no_rank() {
-    let pools = SymmPool::host_group(2, config().with_timeout(Duration::from_millis(200))).unwrap();
+    let pools = host_pools_with(HostConfig::new(2), Duration::from_millis(200), config()).unwrap();
     let stream = Stream::host();
     on_ranks(&pools, |p| drop(p.alloc(4096, &stream).unwrap()));
     assert!(matches!(pools[0].close(), Err(Error::Timeout { .. })));
@@ -532,7 +557,8 @@ fn rank_0_capturing(timeout: Duration) -> Vec<SymmPool> {
         .pop()
         .unwrap()
         .with_streams(|inner| std::sync::Arc::new(Capturing(inner)));
-    SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap()
+    let groups = Group::world(vec![b0, b1], &group_config(timeout)).unwrap();
+    SymmPool::world(&groups, &config()).unwrap()
 }
 
 /// A host rank whose streams all pretend to capture a CUDA graph.
@@ -583,7 +609,8 @@ fn dropping_a_buffer_never_waits_for_an_agreement_in_progress() {
             })
         })
         .unwrap();
-    let mut pools = SymmPool::group(vec![b0, b1], &config().with_timeout(timeout)).unwrap();
+    let groups = Group::world(vec![b0, b1], &group_config(timeout)).unwrap();
+    let mut pools = SymmPool::world(&groups, &config()).unwrap();
     let pool1 = pools.pop().unwrap();
     let pool0 = pools.pop().unwrap();
     let stream = Stream::host();
@@ -629,9 +656,10 @@ impl Drop for DroppedOn {
 #[test]
 fn the_thread_that_drops_a_pool_drops_its_exchange_before_it_goes_on() {
     // The checks' background thread (`CheckMode::Async`) holds the exchange too; the
-    // pool's drop joins it, so the exchange is gone when the drop returns, dropped by
-    // the caller (a hosting rank's exchange waits there for its peers' goodbyes,
-    // which the process must not exit before), not by that thread some time later.
+    // drop of the group's last pool (the last holder of the group) joins it, so the
+    // exchange is gone when the drop returns, dropped by the caller (a hosting rank's
+    // exchange waits there for its peers' goodbyes, which the process must not exit
+    // before), not by that thread some time later.
     let dropped = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let backends: Vec<_> = (symmpool::HostBackend::world(HostConfig::new(2)).unwrap())
         .into_iter()
@@ -640,8 +668,10 @@ fn the_thread_that_drops_a_pool_drops_its_exchange_before_it_goes_on() {
             (b.with_exchange(|x| common::watched::Watched::with(x, watch))).unwrap()
         })
         .collect();
-    let config = config().with_check(symmpool::CheckMode::Async);
-    let pools = SymmPool::group(backends, &config).unwrap();
+    // No group outlives the pools: the pools hold the rank's group, which holds the
+    // ledger and its thread.
+    let group = group_config(TIMEOUT).with_check(symmpool::CheckMode::Async);
+    let pools = SymmPool::world(&Group::world(backends, &group).unwrap(), &config()).unwrap();
     on_ranks(&pools, |p| p.close().unwrap());
     drop(pools);
     let me = thread::current().name().map(String::from);
@@ -650,7 +680,7 @@ fn the_thread_that_drops_a_pool_drops_its_exchange_before_it_goes_on() {
 
 #[test]
 fn alloc_and_alloc_aligned_to_the_default_are_the_same_call() {
-    let pools = SymmPool::host_group(2, config()).unwrap();
+    let pools = host_pools(2, config()).unwrap();
     let out = on_ranks(&pools, |p| {
         let stream = Stream::host();
         let a = if p.rank() == 0 {
@@ -673,12 +703,9 @@ fn alloc_and_alloc_aligned_to_the_default_are_the_same_call() {
 fn absurd_settings_are_refused_or_handled() {
     let mut cfg = config();
     cfg.history_len = usize::MAX;
-    assert!(matches!(
-        SymmPool::host_group(1, cfg),
-        Err(Error::Config { .. })
-    ));
+    assert!(matches!(host_pools(1, cfg), Err(Error::Config { .. })));
     // A timeout of Duration::MAX means "wait as long as it takes", without overflow.
-    let pools = SymmPool::host_group(1, config().with_timeout(Duration::MAX)).unwrap();
+    let pools = host_pools_with(HostConfig::new(1), Duration::MAX, config()).unwrap();
     let b = pools[0].alloc(4096, &Stream::host()).unwrap();
     assert_eq!(b.offset_bytes(), 0);
 }
@@ -706,7 +733,7 @@ fn one_rank_capturing_fails_growth_on_every_rank_without_a_timeout() {
     assert_eq!(trimmed[0], trimmed[1]);
 }
 
-/// Two pools per rank on one backend: (a, b).
+/// Two pools per rank in one group (on one backend's communicators): (a, b).
 fn two_pools_per_rank() -> Vec<(SymmPool, SymmPool)> {
     let backends = symmpool::HostBackend::world(HostConfig::new(2)).unwrap();
     thread::scope(|s| {
@@ -714,8 +741,9 @@ fn two_pools_per_rank() -> Vec<(SymmPool, SymmPool)> {
             .into_iter()
             .map(|b| {
                 s.spawn(move || {
-                    let a = SymmPool::new(b.clone(), config().with_name("a")).unwrap();
-                    let bb = SymmPool::new(b, config().with_name("b")).unwrap();
+                    let group = Group::new(b, group_config(TIMEOUT)).unwrap();
+                    let a = SymmPool::new(&group, config().with_name("a")).unwrap();
+                    let bb = SymmPool::new(&group, config().with_name("b")).unwrap();
                     (a, bb)
                 })
             })
@@ -823,7 +851,8 @@ fn pools_created_in_different_orders_are_a_divergence_on_every_rank() {
             .map(|(rank, b)| {
                 s.spawn(move || {
                     let name = if rank == 0 { "params" } else { "grads" };
-                    SymmPool::new(b, config().with_name(name)).unwrap_err()
+                    let group = Group::new(b, group_config(TIMEOUT)).unwrap();
+                    SymmPool::new(&group, config().with_name(name)).unwrap_err()
                 })
             })
             .collect();
@@ -832,8 +861,8 @@ fn pools_created_in_different_orders_are_a_divergence_on_every_rank() {
     for e in errs {
         match e {
             Error::ChannelMismatch { opened } => {
-                assert_eq!(opened[0].2, "pool:params:checks:async");
-                assert_eq!(opened[1].2, "pool:grads:checks:async");
+                assert_eq!(opened[0].2, "pool:params");
+                assert_eq!(opened[1].2, "pool:grads");
             }
             other => panic!("{other:?}"),
         }
@@ -843,11 +872,7 @@ fn pools_created_in_different_orders_are_a_divergence_on_every_rank() {
 #[test]
 fn fit_to_peak_replaces_growth_with_one_segment_and_the_next_step_does_not_grow() {
     // The registered policy (the default), two ranks, an FSDP-like step.
-    let pools = SymmPool::host_group(
-        2,
-        PoolConfig::default().with_timeout(Duration::from_secs(5)),
-    )
-    .unwrap();
+    let pools = host_pools(2, PoolConfig::default()).unwrap();
     let out = on_ranks(&pools, |p| {
         let stream = Stream::host();
         let shard = p.alloc(16 * MIB, &stream).unwrap(); // persistent
@@ -886,10 +911,10 @@ fn fit_to_peak_replaces_growth_with_one_segment_and_the_next_step_does_not_grow(
 #[test]
 fn growth_under_a_dead_peer_returns_within_the_timeout() {
     // Rank 1 never arrives: every collective pool call of rank 0 (a growth, a
-    // reservation) fails within the pool's timeout and a second, however many
+    // reservation) fails within the group's timeout and a second, however many
     // rounds it would make.
     let timeout = Duration::from_millis(400);
-    let pools = SymmPool::host_group(2, config().with_timeout(timeout)).unwrap();
+    let pools = host_pools_with(HostConfig::new(2), timeout, config()).unwrap();
     let stream = Stream::host();
     let started = std::time::Instant::now();
     let grown = pools[0].alloc(4096, &stream);
@@ -927,7 +952,7 @@ fn a_stalled_registration_fails_within_its_deadline() {
 
 #[test]
 fn a_buffer_dropped_late_on_one_rank_at_close_is_buffers_alive_naming_it() {
-    let pools = SymmPool::host_group(2, config()).unwrap();
+    let pools = host_pools(2, config()).unwrap();
     let out = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         let early = pool.alloc(4096, &stream).unwrap();
@@ -968,7 +993,7 @@ fn a_buffer_dropped_late_on_one_rank_at_close_is_buffers_alive_naming_it() {
 
 #[test]
 fn a_divergence_older_than_the_history_says_so_and_how_to_raise_it() {
-    let pools = SymmPool::host_group(2, config().with_history_len(4)).unwrap();
+    let pools = host_pools(2, config().with_history_len(4)).unwrap();
     let out = on_ranks(&pools, |pool| {
         let stream = Stream::host();
         // Calls 1 and 2 grow the pool together; call 3 differs (a cache hit: no
@@ -1033,8 +1058,8 @@ fn a_registration_failure_names_the_rank_that_failed() {
         .unwrap()
         .with_segments(|inner| std::sync::Arc::new(RegistrationFails(inner)));
     world.push(b1);
-    let config = PoolConfig::default().with_timeout(timeout);
-    let pools = SymmPool::group(world, &config).unwrap();
+    let groups = Group::world(world, &group_config(timeout)).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let out = on_ranks(&pools, |p| {
         let first = p.alloc(MIB, &Stream::host()).unwrap_err();
         let later = p.alloc(MIB, &Stream::host()).unwrap_err();

@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
-use symmpool::{Coll, Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool, coll};
+use symmpool::{
+    Coll, Error, Group, GroupConfig, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool,
+    coll,
+};
 use symmpool::{Fence, StreamId};
 
 const MIB: u64 = 1 << 20;
@@ -99,7 +102,8 @@ fn one_rank(timeout: Duration, f: impl FnOnce(Arc<dyn StreamOps>) -> Streams) ->
         .pop()
         .unwrap()
         .with_streams(|inner| Arc::new(f(inner)));
-    SymmPool::new(backend, PoolConfig::default().with_timeout(timeout)).unwrap()
+    let group = Group::new(backend, GroupConfig::default().with_timeout(timeout)).unwrap();
+    SymmPool::new(&group, PoolConfig::default()).unwrap()
 }
 
 #[test]
@@ -180,12 +184,9 @@ fn active_bytes_count_freed_blocks_until_their_fences_complete() {
 
 #[test]
 fn config_reports_what_is_in_effect() {
-    let host = HostConfig::new(1);
     let mut requested = PoolConfig::default();
     requested.core = requested.core.with_granularity_bytes(64 << 10);
-    let pool = SymmPool::host_group_with(host, requested)
-        .unwrap()
-        .remove(0);
+    let pool = SymmPool::host_group(1, requested).unwrap().remove(0);
     assert_eq!(
         pool.config().core.granularity_bytes,
         pool.backend().granularity_bytes(),
@@ -241,8 +242,9 @@ fn a_panic_under_the_pools_lock_breaks_the_pool_on_every_rank() {
             ..Streams::wrap(inner)
         })
     });
-    let config = PoolConfig::default().with_timeout(timeout);
-    let pools = SymmPool::group(vec![b0, b1], &config).unwrap();
+    let config = GroupConfig::default().with_timeout(timeout);
+    let groups = Group::world(vec![b0, b1], &config).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let stream = Stream::host();
     let bufs = on_ranks(&pools, |p| p.alloc(MIB, &stream).unwrap());
     drop(bufs);
@@ -315,8 +317,9 @@ fn out_of_memory_says_whose_memory_ran_out() {
         .unwrap()
         .with_segments(|inner| Arc::new(Full(inner)));
     let b0 = world.pop().unwrap();
-    let config = PoolConfig::default().with_timeout(timeout);
-    let pools = SymmPool::group(vec![b0, b1], &config).unwrap();
+    let config = GroupConfig::default().with_timeout(timeout);
+    let groups = Group::world(vec![b0, b1], &config).unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let errs = on_ranks(&pools, |p| p.alloc(MIB, &Stream::host()).unwrap_err());
     match &errs[0] {
         Error::PeerOutOfMemory { ranks, .. } => assert_eq!(ranks, &[1]),

@@ -6,7 +6,7 @@ mod common;
 use common::rng::Rng;
 use std::thread;
 use std::time::Duration;
-use symmpool::{PoolConfig, Stream, SymmBuffer, SymmPool};
+use symmpool::{Group, GroupConfig, PoolConfig, Stream, SymmBuffer, SymmPool};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -25,11 +25,12 @@ struct Outcome {
 /// sequence on every rank), allocated straight from a pool with the default
 /// (registered) configuration on the host backend.
 fn thousand_tensors(world: usize, seed: u64) -> Vec<Outcome> {
-    let pools = SymmPool::host_group(
+    let groups = Group::host(
         world,
-        PoolConfig::default().with_timeout(Duration::from_secs(30)),
+        &GroupConfig::default().with_timeout(Duration::from_secs(30)),
     )
     .unwrap();
+    let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     let mut rng = Rng(seed);
     let sizes: Vec<u64> = (0..1000)
         .map(|_| 64 * KIB + rng.next() % (4 * MIB - 64 * KIB + 1))

@@ -1,6 +1,6 @@
 //! Pools per thread on ranks as threads (host backend): a parameter pool and a
 //! gradient pool on one backend, each with communicators of its own
-//! ([`PoolConfig::own_communicators`]), used from two threads per rank (FSDP's
+//! (a group of its own, [`Group::split`]), used from two threads per rank (FSDP's
 //! all-gather stream and reduce-scatter stream), alternating allocations that grow the
 //! pools and collectives, in interleavings that differ between ranks.
 
@@ -8,22 +8,28 @@ mod common;
 
 use std::thread;
 use std::time::Duration;
-use symmpool::{CheckMode, Error, HostBackend, HostConfig, PoolConfig, SymmPool};
+use symmpool::{CheckMode, Error, Group, GroupConfig, PoolConfig, SymmPool};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 const ITERATIONS: usize = 20;
 
 /// Per rank (a thread each): a parameter pool and a gradient pool, made in that order
-/// (creation is collective), with `config`.
-fn pools_per_rank(world: usize, config: &PoolConfig) -> Vec<(SymmPool, SymmPool)> {
-    let backends = HostBackend::world(HostConfig::new(world)).unwrap();
+/// (creation is collective), in groups made with `config`: each in a group of its own
+/// split off the rank's group ([`Group::split`]) if `own`, else both in the rank's group.
+fn pools_per_rank(world: usize, config: &GroupConfig, own: bool) -> Vec<(SymmPool, SymmPool)> {
+    let groups = Group::host(world, config).unwrap();
     thread::scope(|s| {
-        let hs: Vec<_> = backends
+        let hs: Vec<_> = groups
             .into_iter()
-            .map(|b| {
+            .map(|g| {
                 s.spawn(move || {
-                    let params = SymmPool::new(b.clone(), config.clone().with_name("params"));
-                    let grads = SymmPool::new(b, config.clone().with_name("grads"));
+                    let (gp, gg) = match own {
+                        true => (g.split("params").unwrap(), g.split("grads").unwrap()),
+                        false => (g.clone(), g),
+                    };
+                    let config = PoolConfig::default();
+                    let params = SymmPool::new(&gp, config.clone().with_name("params"));
+                    let grads = SymmPool::new(&gg, config.with_name("grads"));
                     (params.unwrap(), grads.unwrap())
                 })
             })
@@ -39,11 +45,10 @@ fn two_pools_with_their_own_communicators_on_two_threads_per_rank_stay_correct()
         (2, CheckMode::Strict),
         (3, CheckMode::Async),
     ] {
-        let config = PoolConfig::default()
+        let config = GroupConfig::default()
             .with_timeout(TIMEOUT)
-            .with_check(mode)
-            .with_own_communicators(true);
-        let per_rank = pools_per_rank(world, &config);
+            .with_check(mode);
+        let per_rank = pools_per_rank(world, &config, true);
         let outcomes = thread::scope(|s| {
             let hs: Vec<_> = per_rank
                 .iter()
@@ -88,15 +93,15 @@ fn two_pools_with_their_own_communicators_on_two_threads_per_rank_stay_correct()
 
 #[test]
 fn a_pool_split_twice_with_different_names_is_a_channel_mismatch_on_every_rank() {
-    let backends = HostBackend::world(HostConfig::new(2)).unwrap();
+    let groups = Group::host(2, &GroupConfig::default()).unwrap();
     let errs: Vec<Error> = thread::scope(|s| {
-        let hs: Vec<_> = backends
+        let hs: Vec<_> = groups
             .into_iter()
             .enumerate()
-            .map(|(rank, b)| {
+            .map(|(rank, g)| {
                 s.spawn(move || {
                     let name = if rank == 0 { "params" } else { "grads" };
-                    b.split(name).unwrap_err()
+                    g.split(name).unwrap_err()
                 })
             })
             .collect();
@@ -111,8 +116,8 @@ fn a_pool_split_twice_with_different_names_is_a_channel_mismatch_on_every_rank()
 fn two_pools_sharing_communicators_on_two_threads_fail_naming_the_remedy() {
     // The same pattern on the backend's communicators: the threads reach them in
     // different orders on the two ranks. Whatever fails says what to do.
-    let config = PoolConfig::default().with_timeout(Duration::from_secs(3));
-    let per_rank = pools_per_rank(2, &config);
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(3));
+    let per_rank = pools_per_rank(2, &config, false);
     let outcomes = thread::scope(|s| {
         let hs: Vec<_> = per_rank
             .iter()
@@ -134,9 +139,6 @@ fn two_pools_sharing_communicators_on_two_threads_fail_naming_the_remedy() {
     // the test's own check of the data never sees wrong data.
     for e in failures {
         assert!(!e.contains("wrong data"), "{e}");
-        assert!(
-            e.contains("PoolConfig::with_own_communicators(true)"),
-            "{e}"
-        );
+        assert!(e.contains("Group::split"), "{e}");
     }
 }

@@ -40,7 +40,7 @@
 //!   registration → [`Error::RegistrationBroken`] naming the first such rank;
 //! - growth allocates on every rank and confirms: a rank that failed gets
 //!   [`Error::DeviceOutOfMemory`], every other [`Error::PeerOutOfMemory`] naming it;
-//! - then the backend's registration-order round (a channel of the same exchange,
+//! - then the group's registration-order round (a channel of the same exchange,
 //!   not one of the pool's agreements): every rank names the pool and segment size it
 //!   is about to register; a difference is [`Error::RegistrationOrder`] on every rank
 //!   and nothing is registered;
@@ -89,7 +89,7 @@
 //!   registration) or after joining it (its peers succeed);
 //! - **capture**: one rank's stream reports capturing for one step;
 //! - **other pool first**: one rank's registration-order payload names another pool
-//!   (as if another pool of its backend were growing at that point);
+//!   (as if another pool of its group were growing at that point);
 //! - **panic**: a panic while one rank's pool state is held.
 //!
 //! # Findings, now the documented behaviour
@@ -152,7 +152,10 @@ use symmpool::__core::{
     AllocError, AllocRequest, Allocator, BlockId, Fence, Growth, SegmentId, StreamId, Wait,
 };
 use symmpool::backend::{Refused, Segment, SegmentProvider, StreamOps, Window};
-use symmpool::{Error, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmBuffer, SymmPool};
+use symmpool::{
+    Error, Group, GroupConfig, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmBuffer,
+    SymmPool,
+};
 
 mod common;
 
@@ -225,10 +228,10 @@ struct Faults {
     capturing: AtomicBool,
     /// `completed_fence` panics once.
     panic_once: AtomicBool,
-    /// Rounds of the backend's registration-order agreement this rank contributed to.
+    /// Rounds of the group's registration-order agreement this rank contributed to.
     order_rounds: AtomicU64,
     /// This rank's next registration-order payload names another pool (as if another
-    /// pool of its backend were growing first).
+    /// pool of its group were growing first).
     other_pool_first: AtomicBool,
 }
 
@@ -272,7 +275,7 @@ struct Rounds {
     caps: Arc<Caps>,
 }
 
-/// The `op` of the backend's registration-order round.
+/// The `op` of the group's registration-order round.
 const ORDER_ROUND: &str = "window registration order";
 
 impl Watch for Rounds {
@@ -703,7 +706,7 @@ struct RankModel {
     deregistrations: [u64; COMMS],
     windows: [u64; COMMS],
     agreements: u64,
-    /// Rounds of the backend's registration-order agreement.
+    /// Rounds of the group's registration-order agreement.
     order_rounds: u64,
     /// The first failing rank of the failed registration, as every rank recorded it.
     registration_broken: Option<usize>,
@@ -1090,7 +1093,7 @@ impl Model {
             }
             return out;
         }
-        // The backend's registration-order round (on its own channel of the same
+        // The group's registration-order round (on its own channel of the same
         // exchange, not counted among the pool's agreements): every rank names the pool
         // and segment size it is about to register; any difference fails the growth on
         // every rank before anything is registered.
@@ -1297,7 +1300,7 @@ fn world(n: usize) -> Vec<Rank> {
 
 /// As [`world`], every wait on peers giving up after `timeout`.
 fn world_with_timeout(n: usize, timeout: Duration) -> Vec<Rank> {
-    let config = PoolConfig::default().with_timeout(timeout);
+    let config = GroupConfig::default().with_timeout(timeout);
     let faults: Vec<Arc<Faults>> = (0..n).map(|_| Arc::new(Faults::default())).collect();
     let caps = Arc::new(Caps::default());
     let backends = HostBackend::world(HostConfig::new(n))
@@ -1325,7 +1328,8 @@ fn world_with_timeout(n: usize, timeout: Duration) -> Vec<Rank> {
             .unwrap()
         })
         .collect();
-    SymmPool::group(backends, &config)
+    let groups = Group::world(backends, &config).unwrap();
+    SymmPool::world(&groups, &PoolConfig::default())
         .unwrap()
         .into_iter()
         .zip(faults)

@@ -1,6 +1,6 @@
 //! Pools per thread and calls that know who they are, with one process per rank on the
-//! shared-memory backend: two pools with communicators of their own on two threads per
-//! rank, and the identity cases of `tests/coll_identity.rs` (a skipped layer with a
+//! shared-memory backend: two pools in groups of their own (communicators of their own)
+//! on two threads per rank, and the identity cases of `tests/coll_identity.rs` (a skipped layer with a
 //! persistent buffer, uneven layer counts, an extra allocation, a skipped last
 //! collective). Every job is bounded and leaves no process (the job kills and reaps
 //! its children on every path) and no `/dev/shm` file.
@@ -12,10 +12,10 @@ use common::identity::{LAYERS, Plan, step};
 use common::procs::{CHILD, Job};
 use common::shm::{join, shm_entries};
 use std::time::Duration;
-use symmpool::{CheckMode, Error, PoolConfig, SymmPool};
+use symmpool::{CheckMode, Error, Group, GroupConfig, PoolConfig, SymmPool};
 
 const ENTRY: &str = "child_process_entry";
-/// The pools' and the backend's timeout.
+/// The groups' and the backend's timeout.
 const TIMEOUT: Duration = Duration::from_secs(20);
 /// The identity cases' timeouts: what a rank blocked in a shared-memory collective
 /// its peer never joins waits (under `Async`).
@@ -56,18 +56,25 @@ fn child() -> symmpool::Result<i32> {
     }
 }
 
-/// A parameter pool and a gradient pool with communicators of their own, used from
-/// two threads (`common::two_pools`); prints each thread's outcome.
+/// A parameter pool and a gradient pool in groups of their own, over communicators of
+/// their own (`Group::split`), used from two threads (`common::two_pools`); prints each
+/// thread's outcome.
 fn two_pools_child(backend: symmpool::Backend) -> symmpool::Result<i32> {
-    let config = PoolConfig::default()
-        .with_timeout(TIMEOUT)
-        .with_check(match var("CHECK_MODE").as_deref() {
+    let config = GroupConfig::default().with_timeout(TIMEOUT).with_check(
+        match var("CHECK_MODE").as_deref() {
             Some("strict") => CheckMode::Strict,
             _ => CheckMode::Async,
-        })
-        .with_own_communicators(true);
-    let params = SymmPool::new(backend.clone(), config.clone().with_name("params"))?;
-    let grads = SymmPool::new(backend, config.with_name("grads"))?;
+        },
+    );
+    let group = Group::new(backend, config)?;
+    let params = SymmPool::new(
+        &group.split("params")?,
+        PoolConfig::default().with_name("params"),
+    )?;
+    let grads = SymmPool::new(
+        &group.split("grads")?,
+        PoolConfig::default().with_name("grads"),
+    )?;
     let [p, g] = common::two_pools::params_and_grads(&params, &grads, 20);
     println!("@@two_pools params={p:?} grads={g:?}");
     params.close()?;
@@ -87,11 +94,11 @@ fn identity_child(rank: usize, world: usize, backend: symmpool::Backend) -> symm
     let (tagged, careless) = (var("TAGGED").is_some(), var("CARELESS").is_some());
     // Untagged calls run on a pool made for them (the explicit opt-out), except for
     // the careless user's, on the defaults.
-    let config = PoolConfig::default()
+    let group = GroupConfig::default()
         .with_timeout(IDENTITY_TIMEOUT)
-        .with_check(mode)
-        .with_untagged_collectives(!tagged && !careless);
-    let pool = SymmPool::new(backend, config)?;
+        .with_check(mode);
+    let config = PoolConfig::default().with_untagged_collectives(!tagged && !careless);
+    let pool = SymmPool::new(&Group::new(backend, group)?, config)?;
     let normal = Plan::layers(LAYERS, tagged);
     let last = rank == world - 1;
     let plan = match var("SCENARIO").as_deref() {

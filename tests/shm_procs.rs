@@ -11,7 +11,8 @@ use common::rng::Rng;
 use common::shm::{join, shm_entries};
 use std::time::{Duration, Instant};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmPool, coll,
+    CheckMode, Coll, CollectiveCalls, Error, Group, GroupConfig, PoolConfig, ReduceOp, Stream,
+    SymmPool, coll,
 };
 
 const MIB: u64 = 1 << 20;
@@ -46,10 +47,10 @@ fn child() -> symmpool::Result<i32> {
     }
     // PyTorch's caching policy: every large request grows the pool (an agreement), so
     // the divergence test sees one at call 3.
-    let config = PoolConfig::default()
-        .with_timeout(Duration::from_secs(60))
-        .with_core(symmpool::CoreConfig::default());
-    let pool = SymmPool::new(backend, config)?;
+    let group = GroupConfig::default().with_timeout(Duration::from_secs(60));
+    let group = Group::new(backend, group)?;
+    let config = PoolConfig::default().with_core(symmpool::CoreConfig::default());
+    let pool = SymmPool::new(&group, config)?;
     let stream = Stream::host();
     match var("CHILD_ROLE").as_deref() {
         Some("collectives") => {
@@ -186,8 +187,11 @@ const STALL_TIMEOUT: Duration = Duration::from_millis(500);
 /// Rank 1 makes the pool, then stalls (alive, connected, never arriving); rank 0's
 /// growth or a registration of its own (`CHILD_STALL`) fails within its timeout + 1 s.
 fn stall_child(rank: usize, backend: symmpool::Backend) -> symmpool::Result<i32> {
-    let config = PoolConfig::default().with_timeout(STALL_TIMEOUT);
-    let pool = SymmPool::new(backend.clone(), config)?;
+    let group = Group::new(
+        backend.clone(),
+        GroupConfig::default().with_timeout(STALL_TIMEOUT),
+    )?;
+    let pool = SymmPool::new(&group, PoolConfig::default())?;
     if rank == 1 {
         println!("@@stalled");
         std::thread::sleep(Duration::from_secs(300));
@@ -221,12 +225,14 @@ fn checked_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmp
         Some("strict") => CheckMode::Strict,
         _ => CheckMode::Async,
     };
-    let config = PoolConfig::default()
+    let config = GroupConfig::default()
         .with_timeout(Duration::from_secs(5))
         .with_check(mode)
         .with_check_queue(CHECK_QUEUE);
-    let a = SymmPool::new(backend.clone(), config.clone().with_name("a"))?;
-    let b = SymmPool::new(backend, config.with_name("b"))?;
+    // Both pools in the rank's one group (they share communicators).
+    let group = Group::new(backend, config)?;
+    let a = SymmPool::new(&group, PoolConfig::default().with_name("a"))?;
+    let b = SymmPool::new(&group, PoolConfig::default().with_name("b"))?;
     let coll = Coll::with_pools(&[a.clone(), b.clone()])?;
     let stream = Stream::host();
     let perturbed = rank == world - 1;
@@ -335,22 +341,22 @@ fn checked_child(rank: usize, world: usize, backend: symmpool::Backend) -> symmp
     Ok(0)
 }
 
-/// The async check queue (`PoolConfig::check_queue`'s default).
+/// The async check queue (`GroupConfig::check_queue`'s default).
 const CHECK_QUEUE: usize = 1;
 
 /// The cost of the strict check: the same all-gathers on an `Off` pool and on a
 /// `Strict` pool of one backend; rank 0 prints microseconds per call of each.
 fn strict_cost_child(rank: usize, backend: symmpool::Backend) -> symmpool::Result<i32> {
-    let config = PoolConfig::default().with_timeout(Duration::from_secs(30));
-    let off = SymmPool::new(
-        backend.clone(),
-        config.clone().with_name("off").with_check(CheckMode::Off),
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(30));
+    let off = Group::new(backend.clone(), config.clone().with_check(CheckMode::Off))?;
+    let off = SymmPool::new(&off, PoolConfig::default().with_name("off"))?;
+    // Communicators of its own (one handle per communicator set), split off the
+    // backend's, in a group of another check mode (`Group::split` keeps the mode).
+    let strict = Group::new(
+        backend.split("strict")?,
+        config.with_check(CheckMode::Strict),
     )?;
-    let strict = SymmPool::new(
-        backend,
-        // Communicators of its own: one handle per communicator set.
-        (config.with_name("strict").with_check(CheckMode::Strict)).with_own_communicators(true),
-    )?;
+    let strict = SymmPool::new(&strict, PoolConfig::default().with_name("strict"))?;
     let colls = [Coll::new(&off)?, Coll::new(&strict)?];
     let stream = Stream::host();
     let n: usize = var("CALLS").and_then(|v| v.parse().ok()).unwrap_or(300);

@@ -194,8 +194,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 use symmpool::backend::{CollArgs, Collectives, Refused, Segment, SegmentProvider, Window};
 use symmpool::{
-    Backend, Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, ReduceOp, ShrinkReport,
-    Stream, SymmPool,
+    Backend, Coll, CollectiveCalls, Group, GroupConfig, HostBackend, HostConfig, PoolConfig,
+    ReduceOp, ShrinkReport, Stream, SymmPool,
 };
 
 const ENTRY: &str = "child_process_entry";
@@ -397,8 +397,8 @@ fn train(
     (mut w, mut at): (Vec<f32>, usize),
     before: &dyn Fn(&SymmPool, usize),
 ) -> symmpool::Result<Trained> {
-    let config = PoolConfig::default().with_timeout(POOL_TIMEOUT);
-    let mut pool = SymmPool::new(backend, config)?;
+    let group = Group::new(backend, GroupConfig::default().with_timeout(POOL_TIMEOUT))?;
+    let mut pool = SymmPool::new(&group, PoolConfig::default())?;
     let mut coll = Coll::new(&pool)?;
     let mut trained = Trained {
         lost: None,
@@ -735,8 +735,9 @@ fn second_loss(when: When) -> Vec<Vec<symmpool::Result<usize>>> {
                     _ => b,
                 };
                 s.spawn(move || {
-                    let config = PoolConfig::default().with_timeout(POOL_TIMEOUT);
-                    let pool = SymmPool::new(b, config).unwrap();
+                    let config = GroupConfig::default().with_timeout(POOL_TIMEOUT);
+                    let group = Group::new(b, config).unwrap();
+                    let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
                     let coll = Coll::new(&pool).unwrap();
                     let mut w = initial().0;
                     let lost = (0..STEPS).find_map(|at| step(&pool, &coll, &mut w, at).err());

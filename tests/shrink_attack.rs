@@ -8,19 +8,26 @@ use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Deadline, Error, ErrorKind, Exchange, HostBackend,
-    HostConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Deadline, Error, ErrorKind, Exchange, Group, GroupConfig,
+    HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool,
 };
 
 mod common;
 
 use common::watched::{Watch, Watched};
 
-/// The pools' timeout where every wait should succeed: no wait of a test comes near it.
+/// The groups' timeout where every wait should succeed: no wait of a test comes near it.
 const TIMEOUT: Duration = Duration::from_secs(30);
 
+/// One default pool per rank of a new host world of `world` ranks, in groups with
+/// `group`'s settings.
+fn host_pools_of(world: usize, group: &GroupConfig) -> Vec<SymmPool> {
+    let groups = Group::host(world, group).unwrap();
+    SymmPool::world(&groups, &PoolConfig::default()).unwrap()
+}
+
 fn host_pools(world: usize, timeout: Duration) -> Vec<SymmPool> {
-    SymmPool::host_group(world, PoolConfig::default().with_timeout(timeout)).unwrap()
+    host_pools_of(world, &GroupConfig::default().with_timeout(timeout))
 }
 
 /// Run `f(rank, pool)` on one thread per pool; the results in rank order.
@@ -226,8 +233,10 @@ fn after_a_loss_every_later_call_reports_it_with_the_kind_of_a_loss() {
     // under each check mode), the later ones (a collective, a growth, a step's end)
     // say `PeerLost` too, never a broken pool of another kind; and the shrink goes on.
     for mode in [CheckMode::Strict, CheckMode::Async, CheckMode::Off] {
-        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
-        let pools = SymmPool::host_group(3, config).unwrap();
+        let config = GroupConfig::default()
+            .with_timeout(TIMEOUT)
+            .with_check(mode);
+        let pools = host_pools_of(3, &config);
         let out = on_ranks(pools, |rank, pool| {
             let coll = Coll::new(&pool).unwrap();
             assert_eq!(sum_of_ranks(&pool, &coll).unwrap(), 6.0);
@@ -286,10 +295,10 @@ fn survivors_that_diverged_before_the_loss_all_get_a_divergence() {
 
 #[test]
 fn ranks_whose_collectives_diverged_cannot_shrink_past_it() {
-    let config = PoolConfig::default()
+    let config = GroupConfig::default()
         .with_timeout(TIMEOUT)
         .with_check(CheckMode::Strict);
-    let pools = SymmPool::host_group(3, config).unwrap();
+    let pools = host_pools_of(3, &config);
     let out = on_ranks(pools, |rank, pool| {
         let coll = Coll::new(&pool).unwrap();
         // Rank 1 takes the maximum where the others sum: a bug, not a loss.
@@ -375,8 +384,9 @@ fn old_buffers_dropped_on_another_thread_during_the_shrink_all_return_to_the_new
                     let (dropped_tx, dropped) = mpsc::channel();
                     let dropped = Mutex::new(dropped);
                     let b = b.with_exchange(|x| Watched::with(x, DropDuring { go, dropped }));
-                    let config = PoolConfig::default().with_timeout(TIMEOUT);
-                    let pool = SymmPool::new(b.unwrap(), config).unwrap();
+                    let config = GroupConfig::default().with_timeout(TIMEOUT);
+                    let group = Group::new(b.unwrap(), config).unwrap();
+                    let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
                     let kept: Vec<_> = (0..100)
                         .map(|_| pool.alloc(512, &Stream::host()).unwrap())
                         .collect();
@@ -416,8 +426,10 @@ fn a_collective_waiting_on_another_thread_when_the_group_shrinks_ends_with_shrun
     // in the new group; and the new group's collectives run.
     for mode in [CheckMode::Strict, CheckMode::Async, CheckMode::Off] {
         let started = Instant::now();
-        let config = PoolConfig::default().with_timeout(TIMEOUT).with_check(mode);
-        let pools = SymmPool::host_group(3, config).unwrap();
+        let config = GroupConfig::default()
+            .with_timeout(TIMEOUT)
+            .with_check(mode);
+        let pools = host_pools_of(3, &config);
         let out = on_ranks(pools, |rank, pool| {
             let coll = Coll::new(&pool).unwrap();
             let buf = pool.alloc(1024, &Stream::host()).unwrap();
@@ -480,10 +492,12 @@ fn pools_shrunk_in_crossed_orders_fail_on_every_rank_then_go_on_in_one_order() {
         let hs: Vec<_> = (backends.into_iter().enumerate())
             .map(|(rank, b)| {
                 s.spawn(move || {
-                    let config =
-                        |name: &str| (PoolConfig::default().with_timeout(TIMEOUT)).with_name(name);
-                    let a = SymmPool::new(b.clone(), config("a")).unwrap();
-                    let z = SymmPool::new(b, config("z")).unwrap();
+                    // Both pools in the rank's one group (they share communicators).
+                    let group =
+                        Group::new(b, GroupConfig::default().with_timeout(TIMEOUT)).unwrap();
+                    let config = |name: &str| PoolConfig::default().with_name(name);
+                    let a = SymmPool::new(&group, config("a")).unwrap();
+                    let z = SymmPool::new(&group, config("z")).unwrap();
                     if rank == 2 {
                         return None;
                     }
@@ -518,13 +532,15 @@ fn pools_with_communicators_of_their_own_shrink_one_after_the_other() {
         let hs: Vec<_> = (backends.into_iter().enumerate())
             .map(|(rank, b)| {
                 s.spawn(move || {
-                    let config = |name: &str| {
-                        (PoolConfig::default().with_timeout(TIMEOUT))
-                            .with_name(name)
-                            .with_own_communicators(true)
+                    // Each pool in a group of its own, split off the rank's.
+                    let group =
+                        Group::new(b, GroupConfig::default().with_timeout(TIMEOUT)).unwrap();
+                    let own = |name: &str| {
+                        let group = group.split(name).unwrap();
+                        SymmPool::new(&group, PoolConfig::default().with_name(name)).unwrap()
                     };
-                    let a = SymmPool::new(b.clone(), config("a")).unwrap();
-                    let z = SymmPool::new(b, config("z")).unwrap();
+                    let a = own("a");
+                    let z = own("z");
                     if rank == 2 {
                         return None;
                     }
@@ -562,8 +578,10 @@ fn pools_with_communicators_of_their_own_shrink_one_after_the_other() {
 use common::procs::{CHILD, HEARTBEAT_TIMEOUT_MS, Job};
 
 const ENTRY: &str = "attack_child";
-/// The processes' pool timeout: every answer comes well before it.
+/// The processes' group timeout: every answer comes well before it.
 const PROCESS_TIMEOUT: Duration = Duration::from_secs(60);
+/// The groups' timeout of the `frozen` attack, whose survivors wait for it.
+const FROZEN_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Where the second victim stops for good (the test kills it there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -627,7 +645,7 @@ fn child() -> symmpool::Result<()> {
     let (rank, _, backend) = common::shm::join()?;
     let attack = std::env::var("ATTACK").unwrap();
     let stall = match attack.as_str() {
-        "agreeing" => Some(Stall::Agreeing),
+        "agreeing" | "frozen" => Some(Stall::Agreeing),
         "shrunk" => Some(Stall::Shrunk),
         "registering" => Some(Stall::Registering),
         _ => None,
@@ -636,7 +654,12 @@ fn child() -> symmpool::Result<()> {
         (2, Some(stall)) => backend.with_exchange(|x| Watched::with(x, stall))?,
         _ => backend,
     };
-    let pool = SymmPool::new(backend, PoolConfig::default().with_timeout(PROCESS_TIMEOUT))?;
+    let timeout = match attack.as_str() {
+        "frozen" => FROZEN_TIMEOUT,
+        _ => PROCESS_TIMEOUT,
+    };
+    let group = Group::new(backend, GroupConfig::default().with_timeout(timeout))?;
+    let pool = SymmPool::new(&group, PoolConfig::default())?;
     let coll = Coll::new(&pool)?;
     let kept = pool.alloc(4096, &Stream::host())?;
     kept.write(&[rank as f32; 1024])?;
@@ -653,6 +676,7 @@ fn child() -> symmpool::Result<()> {
     drop(coll);
     println!("@@asking");
     for _ in 0..3 {
+        let asked = Instant::now();
         match pool.shrink() {
             Ok((next, report)) => {
                 let coll = Coll::new(&next)?;
@@ -666,7 +690,11 @@ fn child() -> symmpool::Result<()> {
                 next.close()?;
                 break;
             }
-            Err(e) => println!("@@answer Err {e:?} ms={}", lost_at.elapsed().as_millis()),
+            Err(e) => println!(
+                "@@answer Err {e:?} took={} ms={}",
+                asked.elapsed().as_millis(),
+                lost_at.elapsed().as_millis()
+            ),
         }
     }
     Ok(())
@@ -698,7 +726,11 @@ fn job_of(attack: &str, first: usize, second: Option<usize>) -> Vec<Vec<String>>
         for &r in &survivors {
             job.expect(r, "@@asking", Duration::from_secs(60));
         }
-        job.children[second].kill().unwrap();
+        // A frozen rank stays, alive to the store (its heartbeats go on), until the
+        // job ends.
+        if attack != "frozen" {
+            job.children[second].kill().unwrap();
+        }
     }
     let codes = job.wait(&survivors, PROCESS_TIMEOUT / 2);
     assert_eq!(codes, vec![0; survivors.len()], "{:?}", job.seen);
@@ -763,6 +795,32 @@ fn a_second_process_killed_while_the_survivors_register_anew_fails_their_ask_and
         );
         assert!(
             answers[1].starts_with("Ok world=2 lost=[2, 3] sum=3"),
+            "{answers:?}"
+        );
+    }
+}
+
+#[test]
+fn a_second_rank_frozen_inside_the_shrink_ends_every_ask_by_the_timeout() {
+    let bound = (FROZEN_TIMEOUT + Duration::from_secs(1)).as_millis();
+    for answers in job_of("frozen", 3, Some(2)) {
+        assert_eq!(answers.len(), 3, "{answers:?}");
+        for a in &answers {
+            assert!(a.starts_with("Err "), "{answers:?}");
+            let took: u128 = a
+                .split("took=")
+                .nth(1)
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(took <= bound, "an ask took {took} ms: {answers:?}");
+        }
+        // The frozen rank is named among those the survivors waited for.
+        assert!(
+            answers[0].contains(", 2]") || answers[0].contains("[2]"),
             "{answers:?}"
         );
     }

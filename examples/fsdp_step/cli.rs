@@ -378,6 +378,15 @@ impl Args {
     }
 }
 
+/// How many GPUs this machine has (none without the `nccl` feature): the defaults
+/// follow it ([`Cli::resolve`]).
+pub fn gpu_count() -> usize {
+    #[cfg(feature = "nccl")]
+    return symmpool::backend::nccl::device_count().unwrap_or(0);
+    #[cfg(not(feature = "nccl"))]
+    return 0;
+}
+
 /// Whether hidden² splits evenly over `ranks`.
 fn splits(hidden: usize, ranks: usize) -> bool {
     (hidden * hidden).is_multiple_of(ranks)
@@ -459,6 +468,16 @@ impl Cli {
             }
         }
         args
+    }
+
+    /// `--resume`, before any rank starts: the model's shape is the saved state's
+    /// unless given, and a state that does not fit is a configuration error.
+    pub fn fit_resumed(&self, args: &mut Args) -> symmpool::Result<()> {
+        let Some(path) = args.resume.clone() else {
+            return Ok(());
+        };
+        let given = (self.layers, self.hidden);
+        super::survive::State::fit_file(&path, args, given)
     }
 }
 

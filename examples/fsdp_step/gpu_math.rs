@@ -218,7 +218,7 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
         // to release.
         let math = GpuMath::new(nccl, args.sm_margin)?;
         let pools = super::make_pools(&args.modes, args.check, &b)?;
-        let out = super::run_one_rank(&math, pools, args, &barrier);
+        let out = super::run::run_one_rank(&math, pools, args, &barrier);
         math.sync()?;
         out
     })
@@ -297,7 +297,7 @@ pub fn run_process_rank(
 ) -> Result<Vec<Summary>> {
     let nccl = backend.downcast_ref::<NcclBackend>().ok_or_else(not_nccl)?;
     let math = GpuMath::new(nccl, args.sm_margin)?;
-    let out = super::run_one_rank(&math, pools, args, barrier);
+    let out = super::run::run_one_rank(&math, pools, args, barrier);
     math.sync()?;
     out
 }

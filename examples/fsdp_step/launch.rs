@@ -11,8 +11,9 @@
 //! (`survive.rs`): the launcher expects that rank's death by SIGKILL, and no other.
 
 #[cfg(feature = "nccl")]
-use super::BackendChoice;
-use super::{Args, Summary, make_pools, ranks::StepSync, run_one_rank, survive};
+use super::cli::BackendChoice;
+use super::run::run_one_rank;
+use super::{Args, Summary, make_pools, ranks::StepSync, survive};
 use parking_lot::Mutex;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -87,7 +88,7 @@ impl StepSync for ExchangeBarrier {
 pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
     let exchange: Arc<dyn Exchange> = Arc::new(StoreExchange::from_env()?);
     let rank = exchange.rank();
-    let timeout = symmpool::PoolConfig::default().timeout;
+    let timeout = symmpool::GroupConfig::default().timeout;
     let backend = match args.backend {
         #[cfg(feature = "nccl")]
         BackendChoice::Nccl => super::gpu_math::process_backend(exchange.clone(), args.sm_margin)?,
@@ -125,7 +126,7 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
     };
     // After a loss, the survivors' exchange.
     let exchange = barrier.exchange();
-    super::gather_memory_map(exchange.as_ref(), args)?;
+    super::report::gather_memory_map(exchange.as_ref(), args)?;
     super::trace::gather(exchange.as_ref(), args)?;
     Ok((rank == 0).then_some(summaries))
 }

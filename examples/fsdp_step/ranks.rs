@@ -1,9 +1,15 @@
-//! How ranks are started here: one thread per rank in this process, and a barrier
-//! that lines them up before each step. (Ranks as processes, `--nproc`, would go in a
-//! `launch.rs` beside this, calling the same `run_one_rank`.)
+//! How ranks are started here: one thread per rank in this process ([`run_threads`]:
+//! on the host backend, [`run_host`], or on local GPUs, `gpu_math::run`), and a barrier
+//! that lines them up before each step. (Ranks as processes, `--nproc`, are in
+//! `launch.rs` beside this, calling the same `run::run_one_rank`.)
 
+use super::cli::{Args, BackendChoice, Cli, Mode};
+use super::host_math::HostMath;
+use super::report::{self, Summary};
+use super::run::run_one_rank;
+use super::{make_group, pool_config};
 use parking_lot::{Condvar, Mutex};
-use symmpool::{Backend, Deadline, Error, Result};
+use symmpool::{Backend, Deadline, Error, HostBackend, HostConfig, Result, SymmPool};
 
 /// What lines the ranks up before each step: a [`StepBarrier`] for threads, a round
 /// on the control plane for processes (`launch.rs`).
@@ -62,7 +68,7 @@ impl StepBarrier {
             rank,
             op: "fsdp_step",
         };
-        let timeout = symmpool::PoolConfig::default().timeout;
+        let timeout = symmpool::GroupConfig::default().timeout;
         let deadline = Deadline::after(timeout);
         let mut st = self.state.lock();
         if let Some(rank) = st.2 {
@@ -135,4 +141,50 @@ pub fn on_rank_threads<T: Send, R: Send>(
         o?;
     }
     Ok(first)
+}
+
+/// Ranks as threads of this process (a test harness).
+pub fn run_threads(cli: &Cli, args: &Args) -> Result<Vec<Summary>> {
+    match args.backend {
+        #[cfg(feature = "nccl")]
+        BackendChoice::Nccl => super::gpu_math::run(args),
+        #[cfg(not(feature = "nccl"))]
+        BackendChoice::Nccl => {
+            eprintln!("fsdp_step: built without the `nccl` feature");
+            std::process::exit(2)
+        }
+        _ => {
+            if cli.backend == BackendChoice::Auto && !args.json && !args.quiet {
+                let n = args.ranks.max(2);
+                report::line(&format!(
+                    "no GPUs found (or fewer than {n}): running on the host backend"
+                ));
+            }
+            run_host(args)
+        }
+    }
+}
+
+/// Train on the host backend, a thread per rank; returns rank 0's summaries.
+pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
+    // Each mode gets a host "world" of its own: one backend per rank, sharing memory.
+    let mut per_rank: Vec<Vec<(Mode, Backend)>> = (0..args.ranks).map(|_| Vec::new()).collect();
+    for &mode in &args.modes {
+        let host = HostConfig::new(args.ranks);
+        for (rank, backend) in HostBackend::world(host)?.into_iter().enumerate() {
+            per_rank[rank].push((mode, backend));
+        }
+    }
+    let barrier = StepBarrier::new(args.ranks);
+    on_rank_threads(per_rank, &barrier, |backends| {
+        // Making a pool is collective: every rank makes its own, in the same order.
+        let pools = backends
+            .into_iter()
+            .map(|(mode, backend)| {
+                let group = make_group(args.check, backend)?;
+                Ok((mode, SymmPool::new(&group, pool_config(mode))?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        run_one_rank(&HostMath::default(), pools, args, &barrier)
+    })
 }

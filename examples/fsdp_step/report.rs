@@ -1,13 +1,16 @@
 //! What a run reports: a [`Summary`] per mode (the `--json` object), the table,
-//! and the check that the run did what it should.
+//! and the check that the run did what it should; the pools' statistics it is made
+//! from ([`stats`]), and the memory map (`--memory-map`, [`write_memory_map`]).
 
 use super::cli::{Args, BackendChoice, Check, Mode};
 use super::trainer::IDENTITY;
+use super::{render, trace};
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use symmpool::coll::{Path, PathPolicy};
-use symmpool::observe::MemoryStats;
-use symmpool::{Error, ShrinkReport};
+use symmpool::observe::{MemoryStats, PoolSnapshot, StatValue};
+use symmpool::{Error, ShrinkReport, SymmPool};
 
 /// Print a line to stdout; a closed pipe (`| head`) is not an error worth a panic.
 macro_rules! out {
@@ -788,6 +791,108 @@ pub fn check(results: &[Summary]) -> Result<(), String> {
             let n = r.registrations_after_first_step;
             return Err(format!("{mode}: {n} registrations after the first step"));
         }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------
+// The pools' statistics, and what is written to files after the run: the memory map
+// (`--memory-map`) here, the timeline (`--trace`) in `trace.rs`.
+
+/// A mode's statistics: its parameter pool's and its gradient pool's, summed key by
+/// key (peaks: the sum of the two pools' peaks).
+pub fn stats(pools: &[SymmPool; 2]) -> MemoryStats {
+    let mut all = pools[0].memory_stats();
+    for (key, value) in pools[1].memory_stats() {
+        let sum = match (all.get(&key), value) {
+            (Some(StatValue::Count(a)), StatValue::Count(b)) => StatValue::Count(a + b),
+            (Some(StatValue::Real(a)), StatValue::Real(b)) => StatValue::Real(a + b),
+            (_, v) => v,
+        };
+        all.insert(key, sum);
+    }
+    all
+}
+
+/// Window registrations on every communicator.
+pub fn registrations(stats: &MemoryStats) -> u64 {
+    (stats.iter())
+        .filter(|(k, _)| k.starts_with("registrations."))
+        .filter_map(|(_, v)| v.as_u64())
+        .sum()
+}
+
+/// Every rank's snapshot at the end of training (with `--memory-map`), per mode.
+static MEMORY_MAPS: Mutex<Vec<(Mode, PoolSnapshot)>> = Mutex::new(Vec::new());
+
+/// Draw rank by rank the pools of the first mode (`render_ranks` outlines any block
+/// placed differently on some rank) and save every snapshot beside it as JSON.
+fn write_memory_map(path: &std::path::Path, first: Mode) -> std::io::Result<()> {
+    let mut all = std::mem::take(&mut *MEMORY_MAPS.lock());
+    all.sort_by_key(|(m, s)| (*m != first, s.rank));
+    let ranks: Vec<PoolSnapshot> = (all.iter())
+        .filter(|(m, _)| *m == first)
+        .map(|(_, s)| s.clone())
+        .collect();
+    std::fs::write(path, render::render_ranks(&ranks))?;
+    let snapshots: Vec<&PoolSnapshot> = all.iter().map(|(_, s)| s).collect();
+    let json = serde_json::to_string_pretty(&snapshots).map_err(std::io::Error::other)?;
+    let mut json_path = path.as_os_str().to_owned();
+    json_path.push(".json");
+    std::fs::write(json_path, json)
+}
+
+/// Keep this rank's `snapshot` of `mode`'s parameter pool for the memory map.
+pub fn keep_memory_map(mode: Mode, snapshot: PoolSnapshot) {
+    MEMORY_MAPS.lock().push((mode, snapshot));
+}
+
+/// With ranks as processes: gather every rank's snapshots on rank 0, which writes the
+/// memory map.
+pub fn gather_memory_map(exchange: &dyn symmpool::Exchange, args: &Args) -> symmpool::Result<()> {
+    let Some(path) = &args.memory_map else {
+        return Ok(());
+    };
+    let mine = std::mem::take(&mut *MEMORY_MAPS.lock());
+    let json = serde_json::to_vec(&mine).map_err(|e| symmpool::Error::Internal {
+        what: format!("encoding a snapshot: {e}"),
+    })?;
+    let deadline = symmpool::Deadline::after(symmpool::GroupConfig::default().timeout);
+    let channel = exchange.open_channel("fsdp_step:memory-map", deadline)?;
+    let all = exchange.all_gather(channel, "memory map", &json, deadline)?;
+    if exchange.rank() == 0 {
+        let mut maps = MEMORY_MAPS.lock();
+        for bytes in all {
+            if let Ok(v) = serde_json::from_slice::<Vec<(Mode, PoolSnapshot)>>(&bytes) {
+                maps.extend(v);
+            }
+        }
+        drop(maps);
+        write_memory_map(path, args.modes[0]).map_err(|e| symmpool::Error::Internal {
+            what: format!("writing the memory map to {}: {e}", path.display()),
+        })?;
+    }
+    Ok(())
+}
+
+/// With ranks as threads, after the run: write every rank's memory map
+/// (`--memory-map`) and timeline (`--trace`). The error: what could not be written.
+pub fn write_files(args: &Args) -> Result<(), String> {
+    // With ranks as processes, rank 0 gathered every rank's snapshot and wrote it.
+    let threads = !args.processes;
+    if let Some(path) = args.memory_map.as_ref().filter(|_| threads) {
+        write_memory_map(path, args.modes[0])
+            .map_err(|e| format!("writing the memory map to {}: {e}", path.display()))?;
+        if !args.json {
+            line(&format!("memory map: {}", path.display()));
+        }
+    }
+    // With ranks as processes, rank 0 gathered every rank's spans and wrote them.
+    if let Some(path) = args.trace.as_ref().filter(|_| threads) {
+        let spans = trace::take();
+        trace::write(path, &spans)
+            .map_err(|e| format!("writing the trace to {}: {e}", path.display()))?;
+        eprintln!("trace: {}\n{}", path.display(), trace::summary(&spans, 0));
     }
     Ok(())
 }

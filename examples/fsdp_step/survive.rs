@@ -4,8 +4,8 @@
 //! `layers / 2` in the step `--kill-at-step` ([`victim`]): it dies inside the step's
 //! backward pass as a crashed process does, with no word to anyone; the store learns
 //! of it from the closed connection. The survivors' next call that needs it fails
-//! with `PeerLost` ([`is_loss`]); they shrink their pools (`go_on_without` in
-//! `main.rs`: `SymmPool::shrink`), agree on the last step whose whole parameters they
+//! with `PeerLost` ([`is_loss`]); they shrink their pools ([`go_on_without`]:
+//! `SymmPool::shrink`), agree on the last step whose whole parameters they
 //! all kept ([`agree`]; the lost rank's shards are gone with it, so each rank keeps the
 //! parameters its all-gathers brought, [`Kept`]), and cut that [`State`]
 //! into shards for the new world size.
@@ -14,12 +14,18 @@
 //! opens new channels among the survivors; on NCCL it aborts the old communicators and
 //! makes a new set from the store (`Backend::shrink`).
 
+use super::cli::Args;
+use super::ranks::StepSync;
+use super::report;
+use super::run::{Run, ms_since, start_run};
+use super::trainer::{self, Math};
 use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use symmpool::backend::{CollArgs, Collectives};
+use symmpool::coll::PathPolicy;
 use symmpool::{
     Backend, Deadline, Error, ErrorKind, Exchange, Result, Stream, SymmBuffer, SymmPool,
 };
@@ -377,4 +383,82 @@ pub fn victim(backend: Backend, layers: usize, step: usize) -> (Backend, Arc<Ato
         })
     });
     (backend, armed)
+}
+
+/// A run, its data pool and data after the step-`lost` error told this rank that a rank
+/// was lost: the run rebuilt among the survivors, the new data pool and data, and the
+/// step to go on from.
+type WentOn<'m, M> = (Vec<Run<'m, M>>, SymmPool, trainer::Data, usize);
+
+/// `pool.shrink()`, asked again after a second loss while the survivors agreed
+/// (`retry`: each retry follows a new loss, so there are fewer than the ranks).
+fn shrink(pool: &SymmPool) -> Result<(SymmPool, symmpool::ShrinkReport)> {
+    loop {
+        match pool.shrink() {
+            Err(symmpool::Error::ShrinkFailed { retry: true, .. }) => continue,
+            other => return other,
+        }
+    }
+}
+
+/// Go on without the lost rank (`--survive`), on every survivor: shrink the pools, in
+/// the same order everywhere (`SymmPool::shrink`: the same memory, its segments
+/// registered once on the survivors' new communicators); move the step barrier to the
+/// survivors; agree on the last step whose whole parameters every survivor kept (the
+/// lost rank's shards are gone with it); rebuild what depends on the world size and on
+/// this rank's place in it (the shards, cut anew from that state; the data; the
+/// collectives handle) and go on from that step.
+///
+/// # Errors
+/// The shrink's errors ([`symmpool::Error::ShrinkFailed`] among them: a loss of rank
+/// 0, which hosts the store, cannot be survived), and those of the rebuild.
+pub(super) fn go_on_without<'m, M: Math>(
+    math: &'m M,
+    (mode, pools, trainer, mut log): Run<'m, M>,
+    (data_pool, data): (SymmPool, trainer::Data),
+    args: &Args,
+    barrier: &dyn StepSync,
+    lost: symmpool::Error,
+    calibrated: Option<&PathPolicy>,
+) -> Result<WentOn<'m, M>> {
+    let t0 = Instant::now();
+    let (params, params_report) = shrink(&pools[0])?;
+    let (grads, grads_report) = shrink(&pools[1])?;
+    let (new_data_pool, data_report) = shrink(&data_pool)?;
+    barrier.shrunk(params.backend())?;
+    let shrink_ms = ms_since(t0, Instant::now());
+    let timeout = params.group().config().timeout;
+    let at = agree(params.backend().exchange(), &trainer.kept_steps(), timeout)?;
+    let state = trainer.kept(at)?;
+    // The old buffers' blocks go back to the new pools, for the new ones to reuse.
+    drop((trainer, pools, data, data_pool));
+    let rank = params.rank();
+    let data = new_data_pool.scope(|| trainer::make_data(math, args, rank))?;
+    let run = start_run(
+        math,
+        (mode, [params, grads]),
+        (&new_data_pool, &data),
+        args,
+        Some(&state),
+        calibrated,
+    )?;
+    let save = args.survive.as_ref().and_then(|s| s.save_state.as_ref());
+    if let Some(path) = save.filter(|_| rank == 0) {
+        state.save(path)?;
+    }
+    // The step the loss came in; the losses and times of the steps the survivors run
+    // again are dropped.
+    let lost_in = log.first_step + log.losses.len();
+    log.losses.truncate(at - log.first_step);
+    log.step_ms.truncate(at - log.first_step);
+    let pools = [
+        ("parameters", &params_report),
+        ("gradients", &grads_report),
+        ("data", &data_report),
+    ];
+    log.survival = Some(report::Survival::new(&lost, lost_in, at, shrink_ms, pools));
+    log.registrations_before_loss = log.registrations;
+    log.lost_at = Some(t0);
+    let (_, pools, trainer, _) = run;
+    Ok((vec![(mode, pools, trainer, log)], new_data_pool, data, at))
 }

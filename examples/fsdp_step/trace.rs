@@ -456,7 +456,7 @@ pub fn gather(exchange: &dyn symmpool::Exchange, args: &Args) -> Result<()> {
     };
     let internal = |what: String| symmpool::Error::Internal { what };
     let mine = serde_json::to_vec(&take()).map_err(|e| internal(format!("a trace: {e}")))?;
-    let deadline = symmpool::Deadline::after(symmpool::PoolConfig::default().timeout);
+    let deadline = symmpool::Deadline::after(symmpool::GroupConfig::default().timeout);
     let channel = exchange.open_channel("fsdp_step:trace", deadline)?;
     let all = exchange.all_gather(channel, "trace", &mine, deadline)?;
     if exchange.rank() == 0 {

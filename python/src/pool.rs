@@ -18,8 +18,9 @@ use symmpool::backend::shm::{ShmBackend, ShmConfig};
 use symmpool::coll::{CalibrateConfig, CollectiveReport, path_name};
 use symmpool::observe::{PoolSnapshot, StatValue};
 use symmpool::{
-    Backend, CheckMode, Coll, CollectiveCalls, Exchange, HostBackend, HostConfig, NcclBackend,
-    NcclConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
+    Backend, CheckMode, Coll, CollectiveCalls, Exchange, Group, GroupConfig, HostBackend,
+    HostConfig, NcclBackend, NcclConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16,
+    f16,
 };
 
 /// NCCL's `NCCL_CTA_POLICY_ZERO`.
@@ -67,7 +68,7 @@ impl Handle {
     }
 }
 
-/// The pool's settings from the constructors' arguments: `check` is `"strict"`,
+/// The pool's group's settings and its own, from the constructors' arguments: `check` is `"strict"`,
 /// `"async"`, `"off"` or `None` (the `SYMMPOOL_CHECK` variable, else async);
 /// `check_queue` the async check's bound in records (`None`: the crate's default, 1);
 /// `untagged_collectives` accepts collectives without `tag=` (by default they raise
@@ -78,12 +79,11 @@ fn pool_config(
     check: Option<&str>,
     check_queue: Option<usize>,
     untagged_collectives: bool,
-) -> PyResult<PoolConfig> {
+) -> PyResult<(GroupConfig, PoolConfig)> {
     // The environment's `SYMMPOOL_CHECK` unless `check` is given.
-    let mut config = PoolConfig::from_env()
-        .with_timeout(seconds("timeout_s", timeout_s)?)
-        .with_name(name)
-        .with_untagged_collectives(untagged_collectives);
+    let mut config = GroupConfig::from_env().with_timeout(seconds("timeout_s", timeout_s)?);
+    let pool =
+        (PoolConfig::default().with_name(name)).with_untagged_collectives(untagged_collectives);
     if let Some(check) = check {
         config = config.with_check(check_mode(check)?);
     }
@@ -95,7 +95,7 @@ fn pool_config(
         }
         config = config.with_check_queue(records);
     }
-    Ok(config)
+    Ok((config, pool))
 }
 
 fn check_mode(name: &str) -> PyResult<CheckMode> {
@@ -303,7 +303,8 @@ impl Pool {
         check_queue: Option<usize>,
         untagged_collectives: bool,
     ) -> PyResult<Vec<Pool>> {
-        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
+        let (group_config, config) =
+            pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let host = HostConfig::new(world_size);
         let mut backends = HostBackend::world(host).map_err(to_py)?;
         if let Some(exchanges) = exchanges {
@@ -322,7 +323,7 @@ impl Pool {
         }
         let (pools, colls) = py
             .allow_threads(|| {
-                let pools = SymmPool::group(backends, &config)?;
+                let pools = SymmPool::world(&Group::world(backends, &group_config)?, &config)?;
                 let colls = Coll::group(&pools)?;
                 Ok((pools, colls))
             })
@@ -365,7 +366,8 @@ impl Pool {
         check_queue: Option<usize>,
         untagged_collectives: bool,
     ) -> PyResult<Pool> {
-        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
+        let (group_config, config) =
+            pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let ex = match exchange {
             Some(ex) => ex.exchange(),
             None => {
@@ -383,7 +385,7 @@ impl Pool {
         let (pool, coll) = py
             .allow_threads(move || {
                 let backend = ShmBackend::join(ex, shm)?;
-                let pool = SymmPool::new(backend, config)?;
+                let pool = SymmPool::new(&Group::new(backend, group_config)?, config)?;
                 let coll = Coll::new(&pool)?;
                 Ok((pool, coll))
             })
@@ -427,7 +429,8 @@ impl Pool {
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
+        let (group_config, config) =
+            pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let nccl = NcclConfig::default()
             .with_communicators(copy_engine, plain)
             .with_setup_timeout(seconds("setup_timeout_s", setup_timeout_s)?)
@@ -442,7 +445,7 @@ impl Pool {
                 // here).
                 let backend =
                     unsafe { NcclBackend::adopt(comm_ptr as ncclComm_t, device, ex, nccl) }?;
-                let pool = SymmPool::new(backend, config)?;
+                let pool = SymmPool::new(&Group::new(backend, group_config)?, config)?;
                 let coll = Coll::new(&pool)?;
                 Ok((pool, coll))
             })
@@ -480,7 +483,8 @@ impl Pool {
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
-        let config = pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
+        let (group_config, config) =
+            pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let role = if cta_policy == CTA_POLICY_ZERO {
             CommRole::CopyEngine
         } else {
@@ -502,7 +506,7 @@ impl Pool {
                         NcclConfig::default(),
                     )
                 }?;
-                let pool = SymmPool::new(backend, config)?;
+                let pool = SymmPool::new(&Group::new(backend, group_config)?, config)?;
                 let coll = Coll::new(&pool)?;
                 Ok((pool, coll))
             })

@@ -9,17 +9,14 @@ mod torch;
 
 use serde_json::Value;
 use std::time::Duration;
-use symmpool::{PoolConfig, Stream, SymmPool};
+use symmpool::{Group, GroupConfig, PoolConfig, Stream, SymmPool};
 
 const MIB: u64 = 1 << 20;
 
 fn pool() -> SymmPool {
-    SymmPool::host_group(
-        1,
-        PoolConfig::default().with_timeout(Duration::from_secs(10)),
-    )
-    .unwrap()
-    .remove(0)
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
+    let group = Group::host(1, &config).unwrap().remove(0);
+    SymmPool::new(&group, PoolConfig::default()).unwrap()
 }
 
 /// The export of `pool`'s snapshot and history, as device `device`.

@@ -48,18 +48,16 @@ pub use parts::{DataMover, SegmentProvider, StreamOps};
 #[cfg(target_os = "linux")]
 pub use shm::{ShmBackend, ShmConfig};
 
-use crate::control::{ChannelId, Exchange};
+use crate::control::Exchange;
 pub use crate::deadline::CallDeadline;
 use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, NcclVersion, Result};
 use crate::stream::Stream;
 use std::any::Any;
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::ThreadId;
+
 /// Arguments of one collective call on one rank.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -90,7 +88,7 @@ pub struct CollArgs<'a> {
     /// share the communicators cannot pair each other's collectives unnoticed.
     pub caller: u64,
     /// When the call must end: the calling pool's deadline (from
-    /// [`PoolConfig::timeout`](crate::PoolConfig::timeout), shared with its checks). The
+    /// [`GroupConfig::timeout`](crate::GroupConfig::timeout), shared with its checks). The
     /// host backends' whole call, their waits for peers included, ends by it.
     deadline: CallDeadline,
 }
@@ -222,7 +220,7 @@ pub trait Collectives: Send + Sync + fmt::Debug {
 /// communicators.
 pub(crate) fn out_of_step(op: &'static str, who: impl std::fmt::Display) -> Error {
     let detail = format!(
-        "{who} is at another step of its calls on this communicator (pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need communicators of their own: PoolConfig::with_own_communicators(true) or Backend::split)"
+        "{who} is at another step of its calls on this communicator (pools that share communicators must make their collectives in the same order on every rank; pools used from different threads need groups of their own: Group::split)"
     );
     Error::CollectiveMismatch { op, detail }
 }
@@ -252,39 +250,11 @@ pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
 /// [`control`](crate::control)).
 pub const SETUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// A collectives handle's hold on a backend's communicators
-/// ([`Backend::claim_collectives`]); released on drop.
-pub(crate) struct CollectivesClaim(Arc<AtomicBool>);
-
-impl Drop for CollectivesClaim {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
-
-/// A pool on a backend's communicators: its name, and the thread of its latest
-/// collective pool operation (none yet: `None`).
-type PoolUser = (String, Option<ThreadId>);
-
 /// One rank's backend: its identity, its exchange, and the four parts. Cheap to
 /// clone (shared parts).
 #[derive(Clone)]
 pub struct Backend {
     info: Arc<BackendInfo>,
-    /// The channel on which pools agree before every window registration.
-    registrations: ChannelId,
-    /// Held from that agreement to the last registration of the segment, so that two
-    /// pools of this rank cannot interleave their registrations.
-    registering: Arc<parking_lot::Mutex<()>>,
-    /// The pools on these communicators, by pool channel ordinal (to name pools shared
-    /// between threads when one fails).
-    users: Arc<parking_lot::Mutex<BTreeMap<u64, PoolUser>>>,
-    /// See [`claim_collectives`](Self::claim_collectives).
-    collectives_claimed: Arc<AtomicBool>,
-    /// See [`ledger_slot`](Self::ledger_slot).
-    ledger: Arc<parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>>>,
-    /// The backend a [`shrink`](Self::shrink) made of this one.
-    shrunk: Arc<parking_lot::Mutex<Option<Backend>>>,
     exchange: Arc<dyn Exchange>,
     segments: Arc<dyn SegmentProvider>,
     streams: Arc<dyn StreamOps>,
@@ -331,16 +301,10 @@ impl Backend {
     /// A backend whose four parts are one value (as `NcclBackend` is; the host
     /// backends share their stream operations, see `with_stream_ops`).
     ///
-    /// # Collective
-    /// Every rank makes its backend at the same point: the ranks open the backend's
-    /// registration channel on `exchange` (waiting up to [`SETUP_TIMEOUT`] for late
-    /// ranks). Before each window registration the pools agree there on which pool
-    /// registers a segment of which size, so two pools sharing the communicators can
-    /// never pair one's window with the other's.
+    /// Local: the ranks meet when they make a [`Group`](crate::Group) of it.
     ///
     /// # Errors
-    /// [`Error::Config`] if `exchange` disagrees with `info` on rank or world size;
-    /// the errors of [`Exchange::open_channel`].
+    /// [`Error::Config`] if `exchange` disagrees with `info` on rank or world size.
     pub fn new<T>(info: BackendInfo, exchange: Arc<dyn Exchange>, parts: Arc<T>) -> Result<Self>
     where
         T: SegmentProvider + StreamOps + DataMover + Collectives + 'static,
@@ -360,16 +324,8 @@ impl Backend {
         T: SegmentProvider + DataMover + Collectives + 'static,
     {
         check_exchange(&*exchange, &info)?;
-        let registrations =
-            exchange.open_channel("backend:registrations", Deadline::after(SETUP_TIMEOUT))?;
         Ok(Backend {
             info: Arc::new(info),
-            registrations,
-            registering: Arc::new(parking_lot::Mutex::new(())),
-            users: Arc::default(),
-            collectives_claimed: Arc::default(),
-            ledger: Arc::default(),
-            shrunk: Arc::default(),
             exchange,
             segments: parts.clone(),
             streams,
@@ -412,8 +368,7 @@ impl Backend {
     /// a pool on this backend, so the two can be used from different threads, in any
     /// interleaving on each rank: the FSDP pattern of a parameter pool on the
     /// all-gather stream's thread and a gradient pool on the reduce-scatter stream's
-    /// ([`PoolConfig::own_communicators`](crate::PoolConfig::own_communicators) does it
-    /// when the pool is created).
+    /// ([`Group::split`](crate::Group::split) makes a group of it).
     ///
     /// The new backend's segments, data and collectives are the implementation's own
     /// (parts replaced with [`with_segments`](Self::with_segments) and the like are not
@@ -458,29 +413,15 @@ impl Backend {
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss (a [`Error::PeerLost`]), for its
-    /// backends in the same order, waiting for the others until `deadline`. Asking
-    /// again (another pool over the same communicators) returns the same backend, or,
-    /// once that one lost a rank too or shrank in turn, that one's shrink.
+    /// backends in the same order, waiting for the others until `deadline` (the
+    /// [`Group`](crate::Group) of the backend shrinks it once for all its pools).
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`] for a backend that cannot shrink (one assembled from
     /// parts of its own) and as [`Exchange::shrink`] says; the exchange's errors on the
     /// new group; on NCCL those of [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
-        let mut shrunk = self.shrunk.lock();
-        let Some(next) = shrunk.clone() else {
-            let next = self.shrink_once(deadline)?;
-            *shrunk = Some(next.clone());
-            return Ok(next);
-        };
-        drop(shrunk);
-        // Asked again after the survivors lost a rank too (a pool's shrink failed with
-        // `PeerLost` on them), or after another pool went on past such a loss: go on
-        // from there, or the survivors could never leave the group that lost it.
-        if next.exchange.lost_peer().is_some() || next.shrunk.lock().is_some() {
-            return next.shrink(deadline);
-        }
-        Ok(next)
+        self.shrink_once(deadline)
     }
 
     fn shrink_once(&self, deadline: Deadline) -> Result<Backend> {
@@ -495,7 +436,7 @@ impl Backend {
         #[cfg(feature = "nccl")]
         if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
             let exchange = self.exchange.shrink(deadline)?;
-            return nccl.shrink(exchange);
+            return nccl.shrink(exchange, deadline);
         }
         let kind = self.info.kind;
         let reason = format!("a {kind:?} backend assembled from parts of its own cannot shrink");
@@ -560,59 +501,6 @@ impl Backend {
     /// The host-side exchange the pool agrees over.
     pub fn exchange(&self) -> &dyn Exchange {
         self.exchange.as_ref()
-    }
-
-    /// The channel of the pre-registration agreement, and the lock that makes the
-    /// agreement and the registrations that follow one step on this rank.
-    pub(crate) fn registration_channel(&self) -> (ChannelId, parking_lot::MutexGuard<'_, ()>) {
-        (self.registrations, self.registering.lock())
-    }
-
-    /// Note pool `pool` (its channel ordinal), named `name`, on these communicators:
-    /// made (`used` false), or making a collective pool operation on this thread.
-    pub(crate) fn note_user(&self, pool: u64, name: &str, used: bool) {
-        let thread = used.then(|| std::thread::current().id());
-        let mut users = self.users.lock();
-        let user = (users.entry(pool)).or_insert_with(|| (name.to_string(), None));
-        user.1 = thread.or(user.1);
-    }
-
-    /// Claim these communicators for one collectives handle (`coll::Coll`, which numbers
-    /// the collectives issued on each, see `Coll::new`): `None` while another handle
-    /// holds them; released when the claim is dropped.
-    pub(crate) fn claim_collectives(&self) -> Option<CollectivesClaim> {
-        let claimed = &self.collectives_claimed;
-        (claimed.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire))
-            .ok()
-            .map(|_| CollectivesClaim(claimed.clone()))
-    }
-
-    /// The slot of the ledger of these communicators: the layer above keeps it here,
-    /// typed as it likes, so that every pool over the communicators shares it and it
-    /// lives as long as they do. Clones share the slot; a split backend has its own.
-    pub(crate) fn ledger_slot(&self) -> &parking_lot::Mutex<Option<Arc<dyn Any + Send + Sync>>> {
-        &self.ledger
-    }
-
-    /// Whether `other` is this backend over the same communicators (a clone, or a
-    /// variant with parts replaced), not one split off it.
-    pub(crate) fn same_communicators(&self, other: &Backend) -> bool {
-        Arc::ptr_eq(&self.collectives_claimed, &other.collectives_claimed)
-    }
-
-    /// Forget pool `pool` (dropped).
-    pub(crate) fn forget_user(&self, pool: u64) {
-        self.users.lock().remove(&pool);
-    }
-
-    /// The names of the other pools on these communicators whose latest collective
-    /// pool operation ran on another thread than this one.
-    pub(crate) fn users_on_other_threads(&self, pool: u64) -> Vec<String> {
-        let me = std::thread::current().id();
-        (self.users.lock().iter())
-            .filter(|(p, (_, thread))| **p != pool && thread.is_some_and(|t| t != me))
-            .map(|(_, (name, _))| name.clone())
-            .collect()
     }
 
     /// The exchange, shared (for another backend or a store-backed component).

@@ -200,25 +200,21 @@ impl Coll {
             });
         }
         let backend = pool.backend();
-        // The caller's settings (core sizes, timeout, registration) on the handle's
-        // communicators (never split again: a pool's own communicators are the
-        // backend's here), unchecked (the checks cost the same on every path, and
+        // The caller's settings (core sizes, registration) in the handle's group,
+        // unchecked (the checks cost the same on every path, and
         // under `Async` they pace back-to-back calls), under a name of its own that
-        // carries `config`: ranks that calibrate differently fail in `SymmPool::new`
+        // carries `config`: ranks that calibrate differently fail in `SymmPool::create`
         // (`Error::ChannelMismatch`) before any collective; default paths.
         let c = config;
-        let tmp_config = (pool.config().clone())
-            .with_own_communicators(false)
-            .with_check(CheckMode::Off)
-            .with_name(format!(
-                "{}:calibrate:{}-{}:{}x{}",
-                pool.config().name,
-                c.min_bytes,
-                c.max_bytes,
-                c.reps,
-                c.bytes_per_rep
-            ));
-        let tmp = SymmPool::new(backend.clone(), tmp_config)?;
+        let tmp_config = (pool.config().clone()).with_name(format!(
+            "{}:calibrate:{}-{}:{}x{}",
+            pool.config().name,
+            c.min_bytes,
+            c.max_bytes,
+            c.reps,
+            c.bytes_per_rep
+        ));
+        let tmp = SymmPool::create(pool.group(), tmp_config, CheckMode::Off)?;
         let tmp_coll = Coll::build(std::slice::from_ref(&tmp), None)?;
         let sizes = config.sizes();
         let measured: Result<Vec<Measurement>> = (sizes.iter())
@@ -230,7 +226,7 @@ impl Coll {
         closed?;
         // Everyone adopts rank 0's figures, exchanged on the temporary pool's own
         // channel, which nothing else uses.
-        let deadline = Deadline::after(pool.config().timeout);
+        let deadline = Deadline::after(pool.group().config().timeout);
         let mine = crate::group::encode(&measurements)?;
         let all = (backend.exchange()).all_gather(tmp.channel(), "calibration", &mine, deadline)?;
         let Some(measurements) = all

@@ -498,7 +498,7 @@ impl Coll {
         };
         // The call's one deadline, for its check and its backend's waits alike; the
         // clock is read only if one of them waits.
-        let deadline = CallDeadline::from_first_wait(pool.config().timeout);
+        let deadline = CallDeadline::from_first_wait(pool.group().config().timeout);
         let args = CollArgs::new(
             comm, send, recv, count, dtype, op, stream, windows, deadline,
         )

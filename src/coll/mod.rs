@@ -50,7 +50,7 @@
 //! when they make the pool). The records of all those pools, collectives and
 //! agreements, form one sequence, so a rank that reaches the communicators through two
 //! pools in crossed order differs from its peers at the first crossed call ("pool").
-//! What happens depends on the pool's [`PoolConfig::check`](crate::PoolConfig::check):
+//! What happens depends on the group's [`GroupConfig::check`](crate::GroupConfig::check):
 //!
 //! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and
 //!   compare the record. A difference is [`Error::CollectiveDivergence`] on every rank,
@@ -63,16 +63,16 @@
 //!   them. A difference breaks the pool on every rank: the next collective and the
 //!   next local pool call fail with [`Error::CollectiveDivergence`]. **Bound on the
 //!   damage**: a rank launches a collective only while at most
-//!   [`PoolConfig::check_queue`](crate::PoolConfig::check_queue) (default **1**) of
+//!   [`GroupConfig::check_queue`](crate::GroupConfig::check_queue) (default **1**) of
 //!   its earlier records are uncompared, so after a mismatch at this rank's collective
 //!   *k*, at most `check_queue` further collectives of the rank run and return `Ok`,
 //!   and collective *k* + `check_queue` + 1 fails with the divergence: with one
 //!   persistent gather buffer, at most `check_queue` + 1 calls of a rank return `Ok`
 //!   with another call's data (a caller further ahead waits for the check, at most
-//!   twice the pool's timeout). In time, a divergence is reported within one
+//!   twice the group's timeout). In time, a divergence is reported within one
 //!   control-plane round after the last rank posted record *k*; a rank that skipped
 //!   the last collective of a step, when it reaches [`Coll::end_step`], within one
-//!   round; without a step boundary, after the pool's timeout ([`Error::Timeout`]
+//!   round; without a step boundary, after the group's timeout ([`Error::Timeout`]
 //!   breaks the exchange). [`Coll::wait_checks`] waits until everything posted is
 //!   compared. The diverging collectives themselves may have run (and moved wrong
 //!   data, or timed out).
@@ -146,9 +146,9 @@ pub use call::{CollectiveCalls, TaggedColl};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
 pub(crate) use path::{PATHS, path_index};
 
-use crate::backend::CollectivesClaim;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::group::CollectivesClaim;
 use crate::group::{CheckMode, CollectiveRecord};
 use crate::pool::{MemoryStats, StatValue, SymmPool};
 use arc_swap::ArcSwap;
@@ -157,8 +157,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The collectives of one rank on the buffers of one pool (or of several pools over the
-/// same communicators; one handle per communicator set), with the path chosen per
+/// The collectives of one rank on the buffers of one pool (or of several pools of one
+/// [`Group`](crate::Group); one handle per group), with the path chosen per
 /// call, checked across ranks (see the [module documentation](self)): the methods of
 /// [`CollectiveCalls`] (`use symmpool::CollectiveCalls;`), on the handle or its
 /// [`tagged`](Self::tagged) form.
@@ -205,32 +205,30 @@ impl fmt::Debug for Coll {
 }
 
 impl Coll {
-    /// The collectives handle of `pool`, checked as the pool's configuration says
-    /// ([`PoolConfig::check`](crate::PoolConfig::check),
-    /// [`PoolConfig::check_queue`](crate::PoolConfig::check_queue)), with the default
+    /// The collectives handle of `pool`, checked as its group's settings say
+    /// ([`GroupConfig::check`](crate::GroupConfig::check),
+    /// [`GroupConfig::check_queue`](crate::GroupConfig::check_queue)), with the default
     /// [`PathPolicy`].
     ///
-    /// One handle per communicator set: while a handle (or a clone of it) lives, a
-    /// second on a pool over the same communicators is refused, since it would number
+    /// One handle per group: while a handle (or a clone of it) lives, a second on a
+    /// pool of the same group is refused, since it would number
     /// their collectives apart from the first. Clone the handle to use it from several
     /// places, make one handle for several pools with [`with_pools`](Self::with_pools),
-    /// or give a pool used from another thread communicators of its own
-    /// ([`PoolConfig::with_own_communicators`](crate::PoolConfig::with_own_communicators)).
+    /// or give a pool used from another thread a group of its own
+    /// ([`Group::split`](crate::Group::split)).
     ///
-    /// Local: no round with the peers (the checks are the pool's ledger, made with the
-    /// pool), so ranks may make their handles at different times.
+    /// Local: no round with the peers (the checks are the group's ledger, made with the
+    /// group), so ranks may make their handles at different times.
     ///
     /// # Errors
     /// [`Error::PoolClosed`] ([`Error::Shrunk`] on a pool a shrink replaced, whatever
-    /// handle it has); [`Error::InvalidCollective`] if the pool's communicators
-    /// already have a handle on this rank (with what to do instead);
-    /// [`Error::Config`] if `SYMMPOOL_CHECK` named no mode when
-    /// the pool's configuration was made (and the code did not set the mode).
+    /// handle it has); [`Error::InvalidCollective`] if the pool's group already has a
+    /// handle on this rank (with what to do instead).
     pub fn new(pool: &SymmPool) -> Result<Coll> {
         Self::build(std::slice::from_ref(pool), Some("Coll::new"))
     }
 
-    /// One handle for several pools over the same communicators: their collectives
+    /// One handle for several pools of one group: their collectives
     /// share the per-communicator sequence numbers and form one sequence of checked
     /// records, so a rank that uses two pools in crossed order fails at the first
     /// crossed call, on the field "pool" (under `Strict` before data moves). Each pool
@@ -239,8 +237,8 @@ impl Coll {
     ///
     /// # Errors
     /// As [`new`](Self::new); [`Error::InvalidCollective`] if `pools` is empty, or if
-    /// the pools are not over the same communicators (a pool with communicators of its
-    /// own has a handle of its own).
+    /// the pools are not all of one group (a pool in a group of its own has a handle of
+    /// its own).
     pub fn with_pools(pools: &[SymmPool]) -> Result<Coll> {
         Self::build(pools, Some("Coll::with_pools"))
     }
@@ -258,20 +256,16 @@ impl Coll {
         // Before the claim: a pool a shrink replaced says so, whatever handle it has.
         for pool in pools {
             pool.check_open()?;
-            if let Some(e) = pool.config().check_env_error() {
-                return Err(e);
-            }
-            if !pool.backend().same_communicators(first.backend()) {
+            if !pool.group().same_group(first.group()) {
                 return Err(invalid(
                     "Coll::with_pools",
-                    "the pools are on different communicators: make a handle per communicator set"
-                        .into(),
+                    "the pools are in different groups: make a handle per group".into(),
                 ));
             }
         }
         let claim = op.map(|op| {
             let name = &first.config().name;
-            first.backend().claim_collectives().ok_or_else(|| {
+            first.group().claim_collectives().ok_or_else(|| {
                 invalid(
                     op,
                     format!(
@@ -279,8 +273,8 @@ impl Coll {
                          this rank; a second one would number their collectives apart from the \
                          first, and a rank using the two in crossed order would pair the wrong \
                          calls: clone the handle (it is cheap), make one handle for several pools \
-                         with Coll::with_pools, or give a pool used from another thread \
-                         communicators of its own (PoolConfig::with_own_communicators(true))"
+                         with Coll::with_pools, or give a pool used from another thread a \
+                         group of its own (Group::split)"
                     ),
                 )
             })
@@ -317,8 +311,8 @@ impl Coll {
         &self.inner.pools[0].pool
     }
 
-    /// The check mode of the handle: its first pool's
-    /// [`PoolConfig::check`](crate::PoolConfig::check), or [`CheckMode::Off`] at world
+    /// The check mode of the handle: its group's
+    /// [`GroupConfig::check`](crate::GroupConfig::check), or [`CheckMode::Off`] at world
     /// size 1 (one rank has no peer to compare with).
     pub fn check_mode(&self) -> CheckMode {
         self.pool().check_mode()
@@ -334,9 +328,9 @@ impl Coll {
     ///
     /// # Errors
     /// [`Error::CollectiveDivergence`] or [`Error::PoolBroken`] if a check failed;
-    /// [`Error::Timeout`] if the records are not compared within twice the pool's timeout.
+    /// [`Error::Timeout`] if the records are not compared within twice the group's timeout.
     pub fn wait_checks(&self) -> Result<()> {
-        let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
+        let deadline = Deadline::after(self.pool().group().config().timeout.saturating_mul(2));
         self.pool().ledger().wait_compared(deadline)
     }
 
@@ -355,7 +349,7 @@ impl Coll {
     /// # Errors
     /// As [`wait_checks`](Self::wait_checks).
     pub fn end_step(&self) -> Result<()> {
-        let deadline = Deadline::after(self.pool().config().timeout.saturating_mul(2));
+        let deadline = Deadline::after(self.pool().group().config().timeout.saturating_mul(2));
         let (ledger, mode) = (self.pool().ledger(), self.check_mode());
         if mode == CheckMode::Off {
             return Ok(());

@@ -114,7 +114,7 @@ impl KvConfig {
 /// # Failure-detection bound
 /// The store has no heartbeat: a dead or frozen rank is noticed through deadlines
 /// only. A rank waiting for it fails with [`Error::Timeout`] when its own call's timeout
-/// passes (the pool's [`PoolConfig::timeout`](crate::PoolConfig::timeout), 60 s by
+/// passes (the pool's [`GroupConfig::timeout`](crate::GroupConfig::timeout), 60 s by
 /// default; the NCCL set-up's, 10 min), and every other rank fails with
 /// [`Error::GroupBroken`] within [`KvConfig::poll`] (1 s by default) plus one store
 /// round trip of that moment. A timeout on any rank breaks the group for good.

@@ -451,15 +451,15 @@ impl Ledger {
     /// exchange's rounds are named `what`; but for an agreement's, a round that fails
     /// breaks the ledger (its records were collectives' checks, now out of step).
     fn settle(&self, entry: Option<Entry>, deadline: Deadline, what: &'static str) -> Result<u64> {
-        let breaks = !matches!(entry, Some(Entry::Agreement(_)));
+        let agreement = matches!(entry, Some(Entry::Agreement(_)));
         let s = &self.shared;
         self.check()?;
+        let started = std::time::Instant::now();
         let Some(mut rounds) = s.rounds.try_lock_until(deadline.instant()) else {
-            return Err(Error::Timeout {
-                op: what,
-                waited: Duration::ZERO,
-                missing_ranks: Vec::new(),
-            });
+            // Another thread of this rank was in a round all along: its failure, if
+            // it failed, else how long this call waited for it.
+            self.check()?;
+            return Err(Error::timeout_since(what, started, &[]));
         };
         let n = {
             let mut q = s.queue.lock();
@@ -472,11 +472,15 @@ impl Ledger {
         while s.queue.lock().compared < n {
             self.check()?;
             let batch = s.take_batch();
+            // A round that fails loses the records it carried: if any was a
+            // collective's, its check can never be made, so the ledger breaks with
+            // the round's failure (an agreement's round alone fails only its call).
+            let carried = batch.iter().any(|e| matches!(e, Entry::Collective(_)));
             if let Err(e) = s.round(&mut rounds, batch, deadline, what) {
                 if s.broken.load(Ordering::Acquire) {
                     return Err(s.error());
                 }
-                if breaks {
+                if !agreement || carried {
                     s.failed_by(what, &e);
                 }
                 return Err(e);

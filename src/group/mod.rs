@@ -1,6 +1,7 @@
-//! What the ranks compare, between the backend and the pool: the ledger, the records
-//! it carries with their first-differing-field diff, the call history and its hash,
-//! the agreement, and the registration-order round (`docs/ARCHITECTURE.md`).
+//! The communicator set ([`Group`], `set.rs`) and what its ranks compare, between the
+//! backend and the pool: the ledger, the records it carries with their
+//! first-differing-field diff, the call history and its hash, the agreement, and the
+//! registration-order round (`docs/ARCHITECTURE.md`).
 
 mod agree;
 mod collective;
@@ -8,6 +9,7 @@ mod history;
 mod ledger;
 mod record;
 mod registration;
+mod set;
 
 pub(crate) use agree::{
     AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Note, Op, Readiness, Registered, agree_records,
@@ -20,3 +22,5 @@ pub use ledger::CheckMode;
 pub(crate) use ledger::{Failure, Ledger, LedgerConfig};
 pub(crate) use record::{decode, encode};
 pub(crate) use registration::agree_registration_order;
+pub(crate) use set::CollectivesClaim;
+pub use set::{Group, GroupConfig};

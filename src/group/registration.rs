@@ -1,5 +1,5 @@
 //! The cross-pool registration-order round: before a window registration, the ranks
-//! agree on the backend's registration channel that every rank's next registration is
+//! agree on the group's registration channel that every rank's next registration is
 //! the same pool's segment of the same size. Pools sharing a backend that grow in
 //! different orders would otherwise pair one pool's window with another's (NCCL pairs
 //! windows by call order and checks nothing).

@@ -76,7 +76,7 @@ impl SymmPool {
     /// [`Error::GroupBroken`] from the exchange; [`Error::Protocol`] if a peer's answer
     /// does not decode (a peer in another collective pool call at this point).
     pub fn gather_memory_snapshots(&self) -> Result<Vec<PoolSnapshot>> {
-        let deadline = Deadline::after(self.config().timeout);
+        let deadline = Deadline::after(self.group().config().timeout);
         let exchange = self.backend().exchange();
         let channel = self.inner.channel;
         let (_, _, gathered) = self.observe_with(|_, segments, stats| {

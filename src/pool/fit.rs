@@ -1,9 +1,11 @@
-//! `fit_to_peak`: size the pool from what a step actually used.
+//! Sizing the pool ahead: `reserve` and `reserve_small` (a segment before it is
+//! needed), `fit_to_peak` (the segments a step actually used).
 
 use super::SymmPool;
 use super::growth::SegmentUse;
+use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::group::{CallKind, Op};
 use serde::Serialize;
 
@@ -47,7 +49,7 @@ impl SymmPool {
         let planned_bytes = (plan.add.iter().map(|g| g.segment_bytes))
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
-        let deadline = Deadline::after(self.inner.config.timeout);
+        let deadline = Deadline::after(self.group().config().timeout);
         // The check growth and `reserve` make: no registration while a stream the pool
         // served captures a CUDA graph (refused on every rank alike).
         let ready = self.readiness(&st, None)?;
@@ -69,5 +71,75 @@ impl SymmPool {
         }
         let released = released.into_iter().map(|(id, b)| (id.0, b)).collect();
         Ok(FitReport { released, added })
+    }
+}
+
+impl SymmPool {
+    /// Pre-grow the pool by one segment of `size_bytes` (rounded up to the granularity)
+    /// that any large request (over 1 MiB) may use, so that later allocations hit the
+    /// cache and nothing registers on the hot path or during CUDA-graph capture.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point of its call sequence with the same size.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSize`], [`Error::TooLarge`], [`Error::PoolClosed`] ([`Error::Shrunk`]
+    /// once a shrink replaced the pool), [`Error::PoolLimit`], and the growth errors of [`alloc`](Self::alloc).
+    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
+    pub fn reserve(&self, size_bytes: u64) -> Result<SegmentId> {
+        self.reserve_class(size_bytes, SizeClass::Large)
+    }
+
+    /// Pre-grow the pool by one *small-block* segment of at least `size_bytes`
+    /// (rounded up to the granularity, and to at least `small_segment_bytes`): small
+    /// requests (up to `small_request_max_bytes`, 1 MiB by default) are served from
+    /// small segments only, so [`reserve`](Self::reserve) does not help them. Call it
+    /// before CUDA-graph capture for the small buffers the captured code allocates.
+    ///
+    /// # Collective
+    /// As [`reserve`](Self::reserve).
+    ///
+    /// # Errors
+    /// As [`reserve`](Self::reserve).
+    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
+    pub fn reserve_small(&self, size_bytes: u64) -> Result<SegmentId> {
+        self.reserve_class(size_bytes, SizeClass::Small)
+    }
+
+    fn reserve_class(&self, size_bytes: u64, class: SizeClass) -> Result<SegmentId> {
+        let mut st = self.lock_open()?;
+        let config = *st.core.config();
+        if size_bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        let size = crate::core::align_up(size_bytes, config.granularity_bytes)
+            .filter(|_| size_bytes <= config.max_request_bytes)
+            .ok_or(Error::TooLarge {
+                requested_bytes: size_bytes,
+                max_bytes: config.max_request_bytes,
+            })?;
+        let size = match class {
+            SizeClass::Small => size.max(config.small_segment_bytes),
+            SizeClass::Large => size,
+        };
+        // The reserve limit is the same on every rank: check it before agreeing.
+        st.core.check_reserve(size)?;
+        st.history.record(
+            CallKind::Reserve,
+            size_bytes,
+            u64::from(class == SizeClass::Small),
+        );
+        // Registration is refused while any stream the pool has served is capturing.
+        let deadline = Deadline::after(self.group().config().timeout);
+        self.shared_use(|| {
+            let ready = self.readiness(&st, None)?;
+            let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
+            st.all_ready(&flags)?;
+            let growth = Growth {
+                class,
+                segment_bytes: size,
+            };
+            self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
+        })
     }
 }

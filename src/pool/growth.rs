@@ -9,7 +9,7 @@ use crate::backend::Segment;
 use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{self, AgreementRecord, CallKind, Failure, Note, Op, Readiness, Registered};
+use crate::group::{self, AgreementRecord, Failure, Note, Op, Readiness, Registered};
 use crate::stream::Stream;
 use std::sync::Arc;
 use std::time::Instant;
@@ -60,9 +60,9 @@ impl SymmPool {
     /// out of order, the pools' agreements paired across pools in their shared
     /// ledger) becomes [`Error::SharedCommunicators`] naming those pools.
     pub(super) fn shared_use<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let backend = &self.inner.backend;
+        let group = &self.inner.group;
         let (pool, name) = (self.inner.channel.ordinal(), &self.inner.config.name);
-        backend.note_user(pool, name, true);
+        group.note_user(pool, name, true);
         f().map_err(|error| {
             let others = match error {
                 Error::Timeout { .. }
@@ -71,7 +71,7 @@ impl SymmPool {
                 | Error::RegistrationMismatch { .. }
                 | Error::RegistrationBroken { .. }
                 | Error::Divergence(_)
-                | Error::CollectiveDivergence(_) => backend.users_on_other_threads(pool),
+                | Error::CollectiveDivergence(_) => group.users_on_other_threads(pool),
                 _ => Vec::new(),
             };
             if others.is_empty() {
@@ -135,8 +135,11 @@ impl SymmPool {
     }
 
     /// This rank's readiness for a collective pool operation that may register memory:
-    /// capturing if its `stream` is capturing a CUDA graph, or, without one (`reserve`,
-    /// `fit_to_peak`), as [`any_known_capturing`](Self::any_known_capturing) says.
+    /// capturing if its `stream` or any stream the pool has allocated on is capturing a
+    /// CUDA graph (a registration is a synchronous device call, which a capture on any
+    /// stream of the device may not meet), or, without a stream (`reserve`,
+    /// `fit_to_peak`, `shrink`), as [`any_known_capturing`](Self::any_known_capturing)
+    /// says.
     pub(super) fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<Note> {
         let ready = st.readiness();
         if ready != Readiness::Ready {
@@ -144,7 +147,7 @@ impl SymmPool {
         }
         let streams = self.inner.backend.streams();
         let capturing = match stream {
-            Some(s) => streams.is_capturing(s)?,
+            Some(s) => streams.is_capturing(s)? || self.known_capturing(st)?,
             None => self.any_known_capturing(st)?,
         };
         Ok(Note::Ready(if capturing {
@@ -157,15 +160,21 @@ impl SymmPool {
     /// Whether any stream the pool has allocated on is capturing a CUDA graph; for a
     /// pool that never allocated, any stream the backend knows.
     fn any_known_capturing(&self, st: &PoolState) -> Result<bool> {
+        // Only a pool that never allocated asks about the backend's other streams: a
+        // capture on another pool's stream is none of this pool's business.
+        let streams = self.inner.backend.streams();
+        Ok(self.known_capturing(st)? || st.known_streams.is_empty() && streams.any_capturing()?)
+    }
+
+    /// Whether any stream the pool has allocated on is capturing a CUDA graph.
+    fn known_capturing(&self, st: &PoolState) -> Result<bool> {
         let streams = self.inner.backend.streams();
         for s in &st.known_streams {
             if streams.is_capturing(s)? {
                 return Ok(true);
             }
         }
-        // Only a pool that never allocated asks about the backend's other streams: a
-        // capture on another pool's stream is none of this pool's business.
-        Ok(st.known_streams.is_empty() && streams.any_capturing()?)
+        Ok(false)
     }
 
     /// One agreement round, waiting for the peers until `deadline`: the ranks' records
@@ -207,7 +216,7 @@ impl SymmPool {
         let broken = st.broken.is_some();
         let mut mine = AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken);
         mine.live = live; // at most MAX_LIVE_NAMED: `live_buffers` takes no more
-        if let Some(failure) = self.inner.ledger.failure() {
+        if let Some(failure) = self.inner.group.ledger().failure() {
             // The ranks are out of step: no round (the pool is broken on every rank).
             // A loss is reported as the loss it is (the survivors may shrink).
             return Err(match failure {
@@ -215,7 +224,7 @@ impl SymmPool {
                 f => Error::PoolBroken { reason: f.reason() },
             });
         }
-        let out = group::agree_records(&self.inner.ledger, during, mine, deadline);
+        let out = group::agree_records(self.inner.group.ledger(), during, mine, deadline);
         match out {
             Err(Error::Divergence(d)) => {
                 st.diverged = Some(d.clone());
@@ -299,7 +308,7 @@ impl SymmPool {
             return Ok(());
         }
         // One step on this rank: the agreement and every registration of the segment.
-        let (channel, _registering) = backend.registration_channel();
+        let (channel, _registering) = self.inner.group.registration_channel();
         // Every rank's next registration is this pool's segment of `size_bytes`.
         let (exchange, name) = (backend.exchange(), &self.inner.config.name);
         group::agree_registration_order(exchange, channel, name, size_bytes, deadline)?;
@@ -444,7 +453,13 @@ impl SymmPool {
             if let Some(w) = w {
                 // SAFETY: the window was made by this provider's `register` for this
                 // segment moments ago; no block of it was handed out, so no work uses it.
-                match unsafe { self.inner.backend.segments().deregister(w, deadline) } {
+                match unsafe {
+                    self.inner
+                        .group
+                        .backend()
+                        .segments()
+                        .deregister(w, deadline)
+                } {
                     Ok(()) => st.counters.deregistrations[c] += 1,
                     Err(refused) => {
                         // Freeing under a live window is not allowed: leak both.
@@ -464,73 +479,5 @@ impl SymmPool {
             }
         }
         self.free_unused(segment);
-    }
-
-    /// Pre-grow the pool by one segment of `size_bytes` (rounded up to the granularity)
-    /// that any large request (over 1 MiB) may use, so that later allocations hit the
-    /// cache and nothing registers on the hot path or during CUDA-graph capture.
-    ///
-    /// # Collective
-    /// Every rank calls it at the same point of its call sequence with the same size.
-    ///
-    /// # Errors
-    /// [`Error::ZeroSize`], [`Error::TooLarge`], [`Error::PoolClosed`] ([`Error::Shrunk`]
-    /// once a shrink replaced the pool), [`Error::PoolLimit`], and the growth errors of [`alloc`](Self::alloc).
-    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
-    pub fn reserve(&self, size_bytes: u64) -> Result<SegmentId> {
-        self.reserve_class(size_bytes, SizeClass::Large)
-    }
-
-    /// Pre-grow the pool by one *small-block* segment of at least `size_bytes`
-    /// (rounded up to the granularity, and to at least `small_segment_bytes`): small
-    /// requests (up to `small_request_max_bytes`, 1 MiB by default) are served from
-    /// small segments only, so [`reserve`](Self::reserve) does not help them. Call it
-    /// before CUDA-graph capture for the small buffers the captured code allocates.
-    ///
-    /// # Collective
-    /// As [`reserve`](Self::reserve).
-    ///
-    /// # Errors
-    /// As [`reserve`](Self::reserve).
-    #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), ret(Display), err(Display))]
-    pub fn reserve_small(&self, size_bytes: u64) -> Result<SegmentId> {
-        self.reserve_class(size_bytes, SizeClass::Small)
-    }
-
-    fn reserve_class(&self, size_bytes: u64, class: SizeClass) -> Result<SegmentId> {
-        let mut st = self.lock_open()?;
-        let config = *st.core.config();
-        if size_bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
-        let size = crate::core::align_up(size_bytes, config.granularity_bytes)
-            .filter(|_| size_bytes <= config.max_request_bytes)
-            .ok_or(Error::TooLarge {
-                requested_bytes: size_bytes,
-                max_bytes: config.max_request_bytes,
-            })?;
-        let size = match class {
-            SizeClass::Small => size.max(config.small_segment_bytes),
-            SizeClass::Large => size,
-        };
-        // The reserve limit is the same on every rank: check it before agreeing.
-        st.core.check_reserve(size)?;
-        st.history.record(
-            CallKind::Reserve,
-            size_bytes,
-            u64::from(class == SizeClass::Small),
-        );
-        // Registration is refused while any stream the pool has served is capturing.
-        let deadline = Deadline::after(self.inner.config.timeout);
-        self.shared_use(|| {
-            let ready = self.readiness(&st, None)?;
-            let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
-            st.all_ready(&flags)?;
-            let growth = Growth {
-                class,
-                segment_bytes: size,
-            };
-            self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
-        })
     }
 }

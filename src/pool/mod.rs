@@ -32,12 +32,13 @@ pub use scope::{alloc, alloc_aligned, current};
 pub use shrink::ShrinkReport;
 pub use stats::{MemoryStats, StatValue};
 
-use crate::backend::{Backend, HostBackend, HostConfig};
+use crate::backend::Backend;
 use crate::control::ChannelId;
 use crate::core::{AllocError, AllocRequest, Allocator, BlockId, Wait};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallHead, CallKind, Failure, History, Ledger, LedgerConfig};
+use crate::group::{CallHead, CallKind, CheckMode, Failure, History, Ledger};
+use crate::group::{Group, GroupConfig};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
 use smallvec::SmallVec;
@@ -49,7 +50,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 type DeferredFree = (BlockId, SmallVec<[Wait; 3]>);
 
 pub(crate) struct PoolInner {
-    pub(crate) backend: Backend,
+    /// The communicator set, shared with the other pools over it: the backend, the
+    /// ledger (its agreements and its collectives' records, one verdict: a failure
+    /// there breaks the pool, copied into the state's `broken` by `state()`), the
+    /// timeout.
+    pub(crate) group: Group,
+    /// The group's backend, here too: one pointer less on every collective's path.
+    backend: Backend,
     /// Mirrors `PoolState::closed` for lock-free checks on the collectives' path.
     closed: AtomicBool,
     /// Frees made by `Drop` while the state was busy; applied by the next call.
@@ -60,12 +67,8 @@ pub(crate) struct PoolInner {
     config: PoolConfig,
     /// The exchange channel of this pool's agreements.
     pub(crate) channel: ChannelId,
-    /// The ledger of the pool's communicators (shared with the other pools over
-    /// them): its agreements and its collectives' records, one verdict. A failure
-    /// there breaks the pool (copied into the state's `broken` by `state()`).
-    pub(crate) ledger: Arc<Ledger>,
-    /// How its collectives are checked: the configuration's mode, or
-    /// [`CheckMode::Off`](crate::CheckMode::Off) at world size 1.
+    /// How its collectives are checked: the group's mode (calibration's temporary
+    /// pool: [`CheckMode::Off`](crate::CheckMode::Off)).
     mode: crate::CheckMode,
     /// The call count and running hash, read without the state's lock.
     call_head: Arc<CallHead>,
@@ -88,23 +91,22 @@ pub(crate) struct PoolInner {
 /// # Two pools, two streams
 ///
 /// FSDP gathers parameters on one stream and reduce-scatters gradients on another,
-/// each driven by a thread of its own: give each thread's pool communicators of its
-/// own ([`PoolConfig::own_communicators`] says why; without, the failures say so:
-/// [`Error::SharedCommunicators`]).
+/// each driven by a thread of its own: give each thread's pool a group of its own,
+/// over communicators of its own ([`Group::split`]): pools that share communicators
+/// must make their growths and collectives in the same order on every rank, which two
+/// threads do not (the failures say so: [`Error::SharedCommunicators`]).
 ///
 /// ```
-/// use symmpool::{
-///     Coll, CollectiveCalls, HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmPool,
-/// };
+/// use symmpool::{Coll, CollectiveCalls, Group, GroupConfig, PoolConfig, ReduceOp, Stream, SymmPool};
 ///
-/// let backends = HostBackend::world(HostConfig::new(2))?;
+/// let groups = Group::host(2, &GroupConfig::default())?;
 /// std::thread::scope(|s| {
-///     for backend in backends {
+///     for group in groups {
 ///         s.spawn(move || {
-///             // Every rank makes both pools, in the same order.
-///             let own = PoolConfig::default().with_own_communicators(true);
-///             let params = SymmPool::new(backend.clone(), own.clone().with_name("params")).unwrap();
-///             let grads = SymmPool::new(backend, own.with_name("grads")).unwrap();
+///             // Every rank makes both groups and pools, in the same order.
+///             let (g0, g1) = (group.split("params").unwrap(), group.split("grads").unwrap());
+///             let params = SymmPool::new(&g0, PoolConfig::default().with_name("params")).unwrap();
+///             let grads = SymmPool::new(&g1, PoolConfig::default().with_name("grads")).unwrap();
 ///             let (gather, reduce) = (Coll::new(&params).unwrap(), Coll::new(&grads).unwrap());
 ///             std::thread::scope(|t| {
 ///                 // The all-gather stream's thread: parameters.
@@ -143,34 +145,35 @@ impl fmt::Debug for SymmPool {
 }
 
 impl SymmPool {
-    /// A pool over one rank's backend.
+    /// A pool in one rank's communicator set.
     ///
     /// # Collective
     /// Every rank creates its pools in the same order with the same names: the ranks
     /// agree on the pool's ordinal and name (and open the pool's own exchange channel,
     /// so that rounds of different pools never pair). With ranks as threads of one
-    /// process, create them concurrently ([`SymmPool::group`]).
+    /// process, create them concurrently ([`SymmPool::world`]).
     ///
-    /// With [`PoolConfig::own_communicators`] the ranks also split the pool's
-    /// communicators off the backend's ([`Backend::split`]).
+    /// The pool shares `group`'s settings (timeout, check mode) and ledger with the
+    /// other pools in it; pools used from different threads need groups of their own
+    /// ([`Group::split`]).
     ///
     /// # Errors
-    /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`], or if the pool
-    /// should own its communicators and the backend cannot split; the errors of
-    /// [`Backend::split`]; [`Error::Core`] if the core configuration (with the
-    /// backend's granularity) is invalid; [`Error::ChannelMismatch`] on every rank if
-    /// the ranks create pools in different orders, with different names, check modes
-    /// ([`PoolConfig::check`]) or [`PoolConfig::untagged_collectives`];
+    /// [`Error::Config`] if `history_len` exceeds [`MAX_HISTORY`]; [`Error::Core`] if
+    /// the core configuration (with the backend's granularity) is invalid;
+    /// [`Error::ChannelMismatch`] on every rank if the ranks create pools in different
+    /// orders, with different names or [`PoolConfig::untagged_collectives`];
     /// [`Error::Timeout`] / [`Error::PeerLost`] if a rank does not create its pool in time.
-    pub fn new(backend: Backend, config: PoolConfig) -> Result<Self> {
-        let (rank, name) = (backend.rank(), config.name.clone());
-        Self::create(backend, config).inspect_err(|error| {
+    pub fn new(group: &Group, config: PoolConfig) -> Result<Self> {
+        let (rank, name) = (group.rank(), config.name.clone());
+        Self::create(group, config, group.check_mode()).inspect_err(|error| {
             tracing::debug!(target: "symmpool", rank, pool = %name, op = "new", error = %error,
                 "symmpool call failed");
         })
     }
 
-    fn create(backend: Backend, mut config: PoolConfig) -> Result<Self> {
+    /// As [`new`](Self::new), its collectives checked under `mode` (calibration's
+    /// temporary pool: unchecked).
+    pub(crate) fn create(group: &Group, mut config: PoolConfig, mode: CheckMode) -> Result<Self> {
         if config.history_len > MAX_HISTORY {
             return Err(Error::Config {
                 setting: "PoolConfig::history_len",
@@ -178,68 +181,52 @@ impl SymmPool {
                 expected: "at most MAX_HISTORY (65 536) calls",
             });
         }
-        let granularity = backend.granularity_bytes();
+        let granularity = group.backend().granularity_bytes();
         config.core = config.core.with_granularity_bytes(granularity);
         config.core.small_segment_bytes = config.core.small_segment_bytes.max(granularity);
         let core = Allocator::new(config.core)?;
-        let backend = if config.own_communicators {
-            backend.split(&format!("pool:{}", config.name))?
-        } else {
-            backend
-        };
         let history = History::new(config.history_len);
-        Self::over(backend, config, || (core, history))
+        Self::over(group.clone(), config, mode, || (core, history))
     }
 
-    /// A pool over `backend` (its own communicators already split off where the
-    /// configuration asks): the pool's channel, its ledger, and its state with the core
-    /// and history that `state` gives once nothing can fail any more.
+    /// A pool in `group`, its collectives checked under `mode`: the pool's channel,
+    /// and its state with the core and history that `state` gives once nothing can
+    /// fail any more.
     ///
     /// # Collective
     /// As [`new`](Self::new).
-    fn over(
-        backend: Backend,
+    pub(crate) fn over(
+        group: Group,
         config: PoolConfig,
+        mode: CheckMode,
         state: impl FnOnce() -> (Allocator, History),
     ) -> Result<Self> {
-        let comms = backend.communicators().len();
-        // The check mode and the untagged opt-out are part of the name: ranks that set
-        // them differently fail here.
+        let comms = group.backend().communicators().len();
+        // The untagged opt-out is part of the name: ranks that set it differently
+        // fail here.
         let untagged = if config.untagged_collectives {
             ":untagged_collectives"
         } else {
             ""
         };
-        let channel = backend.exchange().open_channel(
-            &format!(
-                "pool:{}:checks:{}{untagged}",
-                config.name,
-                config.check.name()
-            ),
-            Deadline::after(config.timeout),
+        let channel = group.backend().exchange().open_channel(
+            &format!("pool:{}{untagged}", config.name),
+            Deadline::after(group.config().timeout),
         )?;
-        backend.note_user(channel.ordinal(), &config.name, false);
-        let mode = if backend.world_size() == 1 {
-            // One rank has nobody to compare with.
-            crate::CheckMode::Off
-        } else {
-            config.check
-        };
-        let ledger = ledger_of(&backend, &config, mode)?;
-        ledger.name_pool(channel.ordinal(), &config.name);
+        group.note_user(channel.ordinal(), &config.name, false);
         let (core, history) = state();
         let call_head = history.head();
         let state = PoolState::new(core, history, comms);
         Ok(SymmPool {
             inner: Arc::new(PoolInner {
                 state: Mutex::new(state),
-                backend,
+                backend: group.backend().clone(),
+                group,
                 closed: AtomicBool::new(false),
                 deferred: PlMutex::new(Vec::new()),
                 deferred_error: PlMutex::new(None),
                 counters: Default::default(),
                 channel,
-                ledger,
                 mode,
                 call_head,
                 successor: std::sync::OnceLock::new(),
@@ -248,32 +235,30 @@ impl SymmPool {
         })
     }
 
-    /// One pool per rank of a new host world of `world_size` ranks (threads), in rank
-    /// order: the embedded default where there is no GPU.
+    /// One pool per rank of a new host world of `world_size` ranks (threads), with
+    /// the default group settings, in rank order: the embedded default where there is
+    /// no GPU.
     ///
     /// # Errors
-    /// As [`HostBackend::world`] and [`SymmPool::new`].
+    /// As [`Group::host`] and [`SymmPool::new`].
     pub fn host_group(world_size: usize, config: PoolConfig) -> Result<Vec<SymmPool>> {
-        Self::host_group_with(HostConfig::new(world_size), config)
+        Self::world(&Group::host(world_size, &GroupConfig::default())?, &config)
     }
 
-    /// As [`host_group`](Self::host_group), with explicit host settings.
-    ///
-    /// # Errors
-    /// As [`HostBackend::world`] and [`SymmPool::new`].
-    pub fn host_group_with(host: HostConfig, config: PoolConfig) -> Result<Vec<SymmPool>> {
-        Self::group(HostBackend::world(host)?, &config)
-    }
-
-    /// One pool per backend, for ranks that are threads of this process: the pools are
+    /// One pool per group, for ranks that are threads of this process: the pools are
     /// created concurrently (creation is collective), in rank order.
     ///
     /// # Errors
     /// The first rank's error, as [`SymmPool::new`].
-    pub fn group(backends: Vec<Backend>, config: &PoolConfig) -> Result<Vec<SymmPool>> {
-        crate::error::in_threads(backends, "a pool-creating thread", |b| {
-            SymmPool::new(b, config.clone())
+    pub fn world(groups: &[Group], config: &PoolConfig) -> Result<Vec<SymmPool>> {
+        crate::error::in_threads(groups.to_vec(), "a pool-creating thread", |g| {
+            SymmPool::new(&g, config.clone())
         })
+    }
+
+    /// The communicator set the pool is in.
+    pub fn group(&self) -> &Group {
+        &self.inner.group
     }
 
     /// The backend.
@@ -320,11 +305,11 @@ impl SymmPool {
     /// The ledger of the pool's communicators.
     #[inline]
     pub(crate) fn ledger(&self) -> &Ledger {
-        &self.inner.ledger
+        self.inner.group.ledger()
     }
 
-    /// How the pool's collectives are checked: [`PoolConfig::check`], or
-    /// [`CheckMode::Off`](crate::CheckMode::Off) at world size 1.
+    /// How the pool's collectives are checked: the group's
+    /// [`check_mode`](Group::check_mode).
     #[inline]
     pub(crate) fn check_mode(&self) -> crate::CheckMode {
         self.inner.mode
@@ -348,7 +333,7 @@ impl SymmPool {
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         if st.broken.is_none()
-            && let Some(failure) = self.inner.ledger.failure()
+            && let Some(failure) = self.inner.group.ledger().failure()
         {
             st.broken = Some(failure.clone());
         }
@@ -427,7 +412,7 @@ impl SymmPool {
                     .record(CallKind::Alloc, size_bytes, effective_align);
                 // One deadline for the whole growth (made only when it grows: a cache
                 // hit does not read the clock).
-                let deadline = Deadline::after(self.inner.config.timeout);
+                let deadline = Deadline::after(self.group().config().timeout);
                 self.grow(&mut st, growth, stream, deadline)?;
                 st.core.alloc(req)?
             }
@@ -459,10 +444,7 @@ impl SymmPool {
         // it returns the block through the normal path instead of leaking it.
         let buffer = SymmBuffer::new(self.clone(), entry, placement, size_bytes, stream.clone());
         for w in &waits {
-            self.inner
-                .backend
-                .streams()
-                .wait_fence(stream, w.stream, w.fence)?;
+            (self.inner.backend.streams()).wait_fence(stream, w.stream, w.fence)?;
         }
         Ok(buffer)
     }
@@ -500,45 +482,4 @@ impl SymmPool {
             None => Error::PoolClosed,
         }
     }
-}
-
-/// The ledger of `backend`'s communicators: the one its first pool made, or a new one
-/// (opening its channel: collective, as pool creation is); with its thread started
-/// if `mode` is [`CheckMode::Async`](crate::CheckMode::Async).
-///
-/// # Errors
-/// The errors of opening a channel and of [`Ledger::start`].
-fn ledger_of(
-    backend: &Backend,
-    config: &PoolConfig,
-    mode: crate::CheckMode,
-) -> Result<Arc<Ledger>> {
-    let mut slot = backend.ledger_slot().lock();
-    let ledger = match slot
-        .as_ref()
-        .and_then(|l| Arc::clone(l).downcast::<Ledger>().ok())
-    {
-        Some(ledger) => ledger,
-        None => {
-            let exchange = backend.exchange_handle();
-            let channel = exchange.open_channel(
-                &format!("ledger:{}", config.name),
-                Deadline::after(config.timeout),
-            )?;
-            let collectives = backend.collectives_handle();
-            let ledger = Arc::new(Ledger::new(LedgerConfig {
-                exchange,
-                channel,
-                timeout: config.timeout,
-                capacity: config.check_queue,
-                abandon: Box::new(move || collectives.abandon("a collective check that failed")),
-            }));
-            *slot = Some(ledger.clone());
-            ledger
-        }
-    };
-    if mode == crate::CheckMode::Async {
-        ledger.start()?;
-    }
-    Ok(ledger)
 }

@@ -139,7 +139,7 @@ impl SymmPool {
     pub fn trim(&self) -> Result<u64> {
         let mut st = self.lock_open()?;
         st.history.record(CallKind::Trim, 0, 0);
-        let deadline = Deadline::after(self.inner.config.timeout);
+        let deadline = Deadline::after(self.group().config().timeout);
         let ready = Note::Ready(st.readiness());
         let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
         st.all_ready(&flags)?;
@@ -176,13 +176,13 @@ impl SymmPool {
         if self.inner.closed.load(Ordering::Acquire) {
             return Ok(());
         }
-        let deadline = Deadline::after(self.inner.config.timeout);
+        let deadline = Deadline::after(self.group().config().timeout);
         let mut st = self.state();
         if st.closed {
             return Ok(());
         }
         let live = st.core.stats().allocated_blocks.current;
-        let ledger = &self.inner.ledger;
+        let ledger = &self.inner.group.ledger();
         if let Some(failure) = ledger.failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
@@ -287,29 +287,30 @@ fn live_buffers(st: &PoolState) -> Vec<LiveBuffer> {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        self.backend.forget_user(self.channel.ordinal());
+        self.group.forget_user(self.channel.ordinal());
+        let timeout = self.group.config().timeout;
         let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         if st.segments.is_empty() {
             return;
         }
         let bytes: u64 = st.segments.values().map(|e| e.segment.size_bytes()).sum();
         if !st.closed {
-            let (rank, name, n) = (self.backend.rank(), &self.config.name, st.segments.len());
+            let (rank, name, n) = (self.group.rank(), &self.config.name, st.segments.len());
             let broken = st.broken.as_ref().map(Failure::reason);
             super::events::dropped_without_close(rank, name, n, bytes, broken.as_deref());
         }
         // Never wait without bound in a drop: if the device does not drain in time
         // (a peer died in a collective, say), leak the memory on purpose.
-        let deadline = Deadline::after(self.config.timeout);
-        let drained = self.backend.streams().drain(deadline);
+        let deadline = Deadline::after(timeout);
+        let drained = self.group.backend().streams().drain(deadline);
         if !matches!(drained, Ok(true)) {
             let why = match drained {
                 Err(e) => e.to_string(),
-                _ => format!("not drained within {:?}", self.config.timeout),
+                _ => format!("not drained within {timeout:?}"),
             };
             tracing::error!(
                 "symmpool: rank {}: the device did not drain ({why}); {} segments ({bytes} bytes) and their windows are leaked on purpose",
-                self.backend.rank(),
+                self.group.rank(),
                 st.segments.len()
             );
             // Device memory is not freed by dropping its handle: leaked, as said.
@@ -326,7 +327,8 @@ impl Drop for PoolInner {
                 tracing::error!("symmpool: segment {id} still shared at teardown; leaked");
                 continue;
             };
-            if let Err((_, e)) = release_entry(&self.backend, entry, &mut deregistrations, deadline)
+            if let Err((_, e)) =
+                release_entry(self.group.backend(), entry, &mut deregistrations, deadline)
             {
                 tracing::error!(
                     "symmpool: releasing segment {id} at teardown failed ({e}); leaked"

@@ -51,7 +51,7 @@ impl SymmPool {
     /// allocate anew from the new pool.
     /// Call it on every survivor after a collective or pool call failed with
     /// [`Error::PeerLost`] (or [`Error::PoolBroken`] naming a loss). Every wait ends
-    /// by the pool's timeout. Called with no rank lost (every rank asks), it makes a
+    /// by the group's timeout. Called with no rank lost (every rank asks), it makes a
     /// group of the same size: the same ranks over new communicators.
     ///
     /// The survivors must have made the same pool calls (allocations, frees, growths)
@@ -70,7 +70,9 @@ impl SymmPool {
     /// differ; [`Error::CollectiveDivergence`] if the ranks' collectives did (a bug to
     /// fix, not a loss to survive); [`Error::Timeout`] / [`Error::PeerLost`] if a survivor does not come or
     /// is lost while the segments are registered anew (after a loss, call it again:
-    /// the survivors of both losses go on), and the registration errors of a growth.
+    /// the survivors of both losses go on); [`Error::GraphCapture`] on every survivor
+    /// if a stream the pool has allocated on captures a CUDA graph on one of them (end
+    /// the capture, then call it again); the registration errors of a growth.
     /// On error the old pool keeps its memory and state (broken), and the new
     /// communicators are dropped.
     pub fn shrink(&self) -> Result<(SymmPool, ShrinkReport)> {
@@ -81,7 +83,7 @@ impl SymmPool {
     fn shrink_unlogged(&self) -> Result<(SymmPool, ShrinkReport)> {
         let started = Instant::now();
         let config = &self.inner.config;
-        let deadline = Deadline::after(config.timeout);
+        let deadline = Deadline::after(self.group().config().timeout);
         let mut old = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         self.apply_deferred(&mut old);
         if old.closed {
@@ -91,13 +93,14 @@ impl SymmPool {
             return Err(Error::Divergence(d.clone()));
         }
         // Ranks that made different collectives are a bug to fix, not a loss to survive.
-        if let Some(Failure::Diverged(d)) = self.inner.ledger.failure() {
+        if let Some(Failure::Diverged(d)) = self.inner.group.ledger().failure() {
             return Err(Error::CollectiveDivergence(d.clone()));
         }
-        let backend = self.inner.backend.shrink(deadline)?;
+        let group = self.inner.group.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
         let fresh = Allocator::new(config.core)?;
-        let pool = SymmPool::over(backend, config.clone(), || {
+        let mode = group.check_mode();
+        let pool = SymmPool::over(group, config.clone(), mode, || {
             let core = std::mem::replace(&mut old.core, fresh);
             let history = std::mem::replace(&mut old.history, History::new(config.history_len));
             (core, history)
@@ -175,6 +178,11 @@ impl SymmPool {
                 _ => usize::MAX,
             })
             .collect();
+        // No registration while a stream the pool knows captures a CUDA graph: every
+        // rank learns that any rank's does ([`Error::GraphCapture`] on every rank).
+        let ready = self.readiness(st, None)?;
+        let notes = self.agree(st, Op::Shrink, "shrink", segments, ready, deadline)?;
+        st.all_ready(&notes)?;
         let before: u64 = st.counters.registrations.iter().sum();
         let held: std::collections::BTreeSet<_> = st.core.segments().map(|(id, _, _)| id).collect();
         for (id, entry) in &old.segments {

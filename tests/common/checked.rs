@@ -6,16 +6,16 @@ use std::thread;
 use std::time::Duration;
 use symmpool::coll::{CollectiveReport, PathPolicy};
 use symmpool::{
-    Backend, CheckMode, Coll, CollectiveCalls, Error, PoolConfig, ReduceOp, Stream, SymmBuffer,
-    SymmPool,
+    Backend, CheckMode, Coll, CollectiveCalls, Error, Group, GroupConfig, PoolConfig, ReduceOp,
+    Stream, SymmBuffer, SymmPool,
 };
 
 /// Records an async pool may have posted and not yet seen compared.
 pub const Q: usize = 4;
 
-/// The pool configuration of the scenarios.
-pub fn config(mode: CheckMode, timeout: Duration) -> PoolConfig {
-    PoolConfig::default()
+/// The group configuration of the scenarios.
+pub fn config(mode: CheckMode, timeout: Duration) -> GroupConfig {
+    GroupConfig::default()
         .with_timeout(timeout)
         .with_check(mode)
         .with_check_queue(Q)
@@ -77,7 +77,7 @@ pub enum Scenario {
     FreeOrder,
     /// One rank skips one all-gather of a layer loop.
     Skip,
-    /// Two pools on one backend, used in crossed order on one rank.
+    /// Two pools in one group (on one backend), used in crossed order on one rank.
     CrossedPools,
     /// Two threads of one rank allocate in the other order (a race's outcome).
     Threads,
@@ -237,16 +237,17 @@ pub fn rank_body(s: Scenario, pools: &[SymmPool], perturbed: bool, stream: &Stre
 }
 
 /// Run scenario `s` under `mode` on the ranks `bs` (one thread each, a new stream
-/// each); what every rank saw.
+/// each; one group per rank, which the crossed pools share); what every rank saw.
 pub fn run(bs: Vec<Backend>, timeout: Duration, mode: CheckMode, s: Scenario) -> Vec<Seen> {
     let world = bs.len();
-    let config = config(mode, timeout);
-    let mut groups = vec![SymmPool::group(bs.clone(), &config.clone().with_name("a")).unwrap()];
+    let groups = Group::world(bs, &config(mode, timeout)).unwrap();
+    let config = PoolConfig::default();
+    let mut worlds = vec![SymmPool::world(&groups, &config.clone().with_name("a")).unwrap()];
     if s == Scenario::CrossedPools {
-        groups.push(SymmPool::group(bs, &config.with_name("b")).unwrap());
+        worlds.push(SymmPool::world(&groups, &config.with_name("b")).unwrap());
     }
     let per_rank: Vec<Vec<SymmPool>> = (0..world)
-        .map(|r| groups.iter().map(|g| g[r].clone()).collect())
+        .map(|r| worlds.iter().map(|w| w[r].clone()).collect())
         .collect();
     thread::scope(|sc| {
         let hs: Vec<_> = per_rank

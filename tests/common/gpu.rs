@@ -8,7 +8,7 @@
 use libtest_mimic::{Completion, Failed, Trial};
 use std::sync::OnceLock;
 use symmpool::backend::{NcclBackend, NcclConfig};
-use symmpool::{PoolConfig, Stream, SymmPool};
+use symmpool::{Group, GroupConfig, PoolConfig, Stream, SymmPool};
 
 /// GPUs visible with a working driver and NCCL, or why none are usable.
 pub fn gpus() -> Result<usize, String> {
@@ -48,14 +48,16 @@ pub fn trial(name: &str, need: usize, f: fn()) -> Trial {
     })
 }
 
-/// One pool per GPU `0..n` (one rank per GPU, threads of this process).
+/// One pool per GPU `0..n` (one rank per GPU, threads of this process), each in a
+/// group of its own rank made with `group` (`pool.group()`).
 ///
 /// # Panics
 /// If NCCL cannot build the world (the trial checked the GPUs first).
-pub fn world(n: usize, config: PoolConfig) -> Vec<SymmPool> {
+pub fn world(n: usize, group: &GroupConfig, config: PoolConfig) -> Vec<SymmPool> {
     let devices: Vec<usize> = (0..n).collect();
     let backends = NcclBackend::local_world(&devices, NcclConfig::default()).expect("NCCL world");
-    SymmPool::group(backends, &config).expect("pools")
+    let groups = Group::world(backends, group).expect("groups");
+    SymmPool::world(&groups, &config).expect("pools")
 }
 
 /// Run `f(pool, stream)` on one thread per rank with a fresh stream each.

@@ -100,19 +100,33 @@ pub(super) struct Builder {
     pub(super) nccl: &'static Syms,
     pub(super) config: NcclConfig,
     pub(super) deadline: Deadline,
+    /// The exchange whose lost-peer verdict ends a communicator's creation early (a
+    /// shrink's: a survivor lost while the new set is made never comes).
+    pub(super) watch: Option<Arc<dyn Exchange>>,
 }
 
 impl Builder {
     /// Load NCCL and check it has windows; the set-up's deadline starts now.
     fn new(config: NcclConfig) -> Result<Self> {
-        let deadline = Deadline::after(config.setup_timeout);
+        Self::until(config, Deadline::after(config.setup_timeout))
+    }
+
+    /// As [`new`](Self::new), the set-up ending by `deadline`.
+    fn until(config: NcclConfig, deadline: Deadline) -> Result<Self> {
         let version = ffi::load()?;
         Ok(Builder {
             version,
             nccl: ffi::api()?,
             config,
             deadline,
+            watch: None,
         })
+    }
+
+    /// The lost peer of the watched exchange, if any: what ends a creation early.
+    fn lost(&self) -> Option<Error> {
+        let lost = self.watch.as_ref()?.lost_peer()?;
+        Some(lost.error("making communicators"))
     }
 
     /// The set-up round over `exchange` (rank 0 sends the control communicator's
@@ -177,7 +191,7 @@ impl Builder {
     ) -> Result<(Comm, DataComms, Placement)> {
         let why = "aborted by the application: the survivors of a lost rank shrink the group";
         let _ = old.fail(Cause::Failed(why.into()));
-        let aborted = Deadline::after(ABORT_WAIT);
+        let aborted = self.deadline.cap(ABORT_WAIT);
         if old
             .all_comms()
             .any(|c| c.aborted_by(aborted) == Some(false))
@@ -196,7 +210,9 @@ impl Builder {
         let op = "ncclCommInitRankConfig";
         let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         let starting = ffi::comm_init(self.nccl, world, unique_id, rank, policy);
-        finish_creation(self.nccl, starting, op, false, self.deadline, None)
+        finish_creation(self.nccl, starting, op, false, self.deadline, None, &|| {
+            self.lost()
+        })
     }
 
     /// Split a communicator of `cta_policy` off `parent` (polled as non-blocking: right
@@ -217,7 +233,16 @@ impl Builder {
         let starting =
             unsafe { ffi::comm_split(self.nccl, parent, false, rank, cta_policy, blocking) };
         let op = "ncclCommSplit";
-        finish_creation(self.nccl, starting, op, blocking, self.deadline, owner)
+        let lost = &|| self.lost();
+        finish_creation(
+            self.nccl,
+            starting,
+            op,
+            blocking,
+            self.deadline,
+            owner,
+            lost,
+        )
     }
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
@@ -322,10 +347,16 @@ impl NcclBackend {
     /// communicators aborted and their aborts waited for, boundedly (they release
     /// their windows themselves), then a new set among the survivors of `exchange`,
     /// as [`from_env`](Self::from_env) makes one (and with its errors), on this rank's
-    /// device and configuration. Not `ncclCommShrink`, which needs the parent
-    /// communicator alive: the watchdog aborts it when a peer is lost.
-    pub(in crate::backend) fn shrink(&self, exchange: Arc<dyn Exchange>) -> Result<Backend> {
-        let b = Builder::new(*self.config())?;
+    /// device and configuration, every wait ending by `deadline` (a survivor lost
+    /// meanwhile ends NCCL's creation at once). Not `ncclCommShrink`, which needs the
+    /// parent communicator alive: the watchdog aborts it when a peer is lost.
+    pub(in crate::backend) fn shrink(
+        &self,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+    ) -> Result<Backend> {
+        let mut b = Builder::until(*self.config(), deadline)?;
+        b.watch = Some(exchange.clone());
         self.bind()?;
         let ctx = self.shared.device.ctx.clone();
         let uuid = device_uuid(&ctx);
@@ -362,6 +393,7 @@ impl NcclBackend {
             nccl: self.shared.nccl,
             config,
             deadline,
+            watch: None,
         };
         self.bind()?;
         self.shared.health.check()?;

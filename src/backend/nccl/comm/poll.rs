@@ -55,7 +55,8 @@ pub(super) unsafe fn poll(
 /// a split off a non-blocking `parent` (one the crate made), the parent is aborted,
 /// which also ends the child's initialisation (`setCommAbortFlags`, src/init.cc 2.28.3
 /// 2320–2329), waiting at most [`ABORT_WAIT`]; once that abort returned, the child, if
-/// NCCL wrote one, is aborted too. Otherwise the child and the boxes are leaked.
+/// NCCL wrote one, is aborted too. Otherwise the child and the boxes are leaked. A
+/// peer lost meanwhile (`lost`) ends the wait as a timeout does, reported as the loss.
 pub(in crate::backend::nccl) fn finish_creation(
     nccl: &'static Syms,
     starting: Result<ffi::Starting>,
@@ -63,11 +64,12 @@ pub(in crate::backend::nccl) fn finish_creation(
     blocking: bool,
     deadline: Deadline,
     parent: Option<&Comm>,
+    lost: &dyn Fn() -> Option<Error>,
 ) -> Result<Comm> {
     let starting = starting?;
     // SAFETY: the communicator (or the parent of a split) is used by this thread only
     // until the call is done.
-    match unsafe { poll(nccl, starting.poll, op, deadline, &|| false) } {
+    match unsafe { poll(nccl, starting.poll, op, deadline, &|| lost().is_some()) } {
         // SAFETY: the poll says the call is done: NCCL writes the slot no more.
         Waited::Done => match unsafe { starting.finish() } {
             Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
@@ -82,10 +84,10 @@ pub(in crate::backend::nccl) fn finish_creation(
             Err(e)
         }
         timeout => {
-            // (`Broken` cannot happen here: nothing breaks a communicator being made.)
-            let waited = match timeout {
-                Waited::Timeout(waited) => waited,
-                _ => Duration::ZERO,
+            // A peer lost (`Broken`) ends it as a timeout does, reported as the loss.
+            let (waited, lost) = match timeout {
+                Waited::Timeout(waited) => (waited, None),
+                _ => (Duration::ZERO, lost()),
             };
             let (making, polled) = (starting.making, starting.poll);
             let slot = starting.abandon();
@@ -112,7 +114,7 @@ pub(in crate::backend::nccl) fn finish_creation(
                     }
                 }
             }
-            Err(Error::NcclTimeout { op, waited })
+            Err(lost.unwrap_or(Error::NcclTimeout { op, waited }))
         }
     }
 }

@@ -609,6 +609,7 @@ pub(super) fn shared_with(
         false,
         deadline,
         None,
+        &|| None,
     )?;
     let blocking = config.data_blocking;
     let comms = infos
@@ -624,6 +625,7 @@ pub(super) fn shared_with(
                 blocking,
                 deadline,
                 Some(&control),
+                &|| None,
             )
         })
         .collect::<Result<Vec<Comm>>>()?;

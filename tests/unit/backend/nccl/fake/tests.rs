@@ -75,6 +75,7 @@ fn control() -> Comm {
         false,
         deadline,
         None,
+        &|| None,
     )
     .unwrap()
 }
@@ -99,6 +100,7 @@ fn split_blocking(control: &Comm, deadline: Deadline) -> Result<Comm> {
         true,
         deadline,
         Some(control),
+        &|| None,
     )
 }
 
@@ -160,6 +162,53 @@ fn a_split_that_times_out_aborts_the_parent_then_the_child() {
     let names: Vec<_> = child.calls().into_iter().map(|c| c.0).collect();
     assert_eq!(names, vec!["ncclCommAbort"]);
     assert!(!child.used_unready.load(Ordering::SeqCst));
+}
+
+#[test]
+fn a_creation_waiting_on_a_lost_peer_ends_with_the_loss_not_at_its_deadline() {
+    // A shrink's set-up: a survivor lost while NCCL makes the new communicators never
+    // comes; the exchange's verdict ends the wait, long before the deadline.
+    let control = control();
+    let parent = comm(control.raw);
+    parent.stuck_split.store(true, Ordering::SeqCst);
+    let nccl = syms(true);
+    let t0 = Instant::now();
+    // SAFETY: the fake control communicator, used by this thread only.
+    let starting = unsafe {
+        ffi::comm_split(
+            nccl,
+            control.raw,
+            false,
+            0,
+            ffi::NCCL_CTA_POLICY_DEFAULT,
+            true,
+        )
+    };
+    let lost = || {
+        Some(Error::PeerLost {
+            rank: 2,
+            op: "shrink",
+            detail: "frozen".into(),
+        })
+    };
+    let deadline = Deadline::after(Duration::from_secs(600));
+    let r = finish_creation(
+        nccl,
+        starting,
+        "ncclCommSplit",
+        true,
+        deadline,
+        Some(&control),
+        &lost,
+    );
+    assert!(
+        matches!(r, Err(Error::PeerLost { rank: 2, .. })),
+        "{:?}",
+        r.err()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // As after a timeout: the parent is aborted, which ends NCCL's job.
+    assert!(control.is_aborted());
 }
 
 #[test]
@@ -934,6 +983,7 @@ fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
             .shrink(Deadline::after(Duration::from_secs(10)))
             .unwrap();
         let b = Builder {
+            watch: None,
             version: NcclVersion::new(2, 28, 9),
             nccl: syms(with_revoke),
             config,

@@ -1,0 +1,261 @@
+//! The communicator set as a value (`Group`): it owns the ledger, so a broken group
+//! is dropped and made anew; each group's pools wait by its own timeout; the ranks
+//! agree on its check mode; a pool registers no window while a stream it knows
+//! captures a CUDA graph, in a growth or a shrink; one collectives handle per group.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+use symmpool::backend::StreamOps;
+use symmpool::{
+    CheckMode, Coll, CollectiveCalls, Error, Fence, Group, GroupConfig, HostBackend, HostConfig,
+    PoolConfig, Result, Stream, StreamId, SymmPool,
+};
+
+/// `f(rank, item)` on a thread per item; the results in rank order.
+fn on_ranks<T: Send, R: Send>(items: Vec<T>, f: impl Fn(usize, T) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = (items.into_iter().enumerate())
+            .map(|(rank, item)| s.spawn(move || f(rank, item)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn strict() -> GroupConfig {
+    GroupConfig::default()
+        .with_check(CheckMode::Strict)
+        .with_timeout(Duration::from_secs(20))
+}
+
+/// One all-reduce of `tag` of this rank's number: the sum of the ranks' numbers.
+fn sum(pool: &SymmPool, coll: &Coll, tag: u64) -> Result<f32> {
+    let stream = Stream::host();
+    let buf = pool.alloc(4 * 256, &stream)?;
+    buf.write(&[pool.rank() as f32; 256])?;
+    coll.tagged(tag)
+        .all_reduce_in_place::<f32>(&buf, symmpool::ReduceOp::Sum, &stream)?;
+    Ok(buf.read::<f32>()?[0])
+}
+
+#[test]
+fn a_group_broken_by_a_divergence_is_made_anew_and_its_pools_work() {
+    let groups = Group::host(2, &strict()).unwrap();
+    let rebuilt = on_ranks(groups, |rank, group| {
+        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
+        let coll = Coll::new(&pool).unwrap();
+        // The ranks make different collectives (tag 1 on rank 0, 2 on rank 1).
+        let diverged = sum(&pool, &coll, 1 + rank as u64);
+        assert!(
+            matches!(diverged, Err(Error::CollectiveDivergence(_))),
+            "rank {rank}: {diverged:?}"
+        );
+        // Every later call of the group's pools says it is broken...
+        assert!(pool.alloc(1 << 20, &Stream::host()).is_err());
+        // ...and so does a new pool in it: the verdict is the group's.
+        let late = SymmPool::new(&group, PoolConfig::default().with_name("late")).unwrap();
+        assert!(late.alloc(64 << 20, &Stream::host()).is_err());
+        // What the error says: drop the group and make a new one.
+        let backend = group.backend().split("again").unwrap();
+        drop((coll, pool, late, group));
+        let group = Group::new(backend, strict()).unwrap();
+        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
+        let coll = Coll::new(&pool).unwrap();
+        let total = sum(&pool, &coll, 7).unwrap();
+        drop(coll);
+        pool.close().unwrap();
+        total
+    });
+    assert_eq!(rebuilt, vec![1.0, 1.0]);
+}
+
+#[test]
+fn a_group_on_the_same_backend_after_a_divergence_starts_unbroken() {
+    let groups = Group::host(2, &strict()).unwrap();
+    let fresh = on_ranks(groups, |rank, group| {
+        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
+        let coll = Coll::new(&pool).unwrap();
+        assert!(sum(&pool, &coll, 1 + rank as u64).is_err());
+        let backend = group.backend().clone();
+        drop((coll, pool, group));
+        // Pool calls of a new group on the same backend (no collective: the backend's
+        // communicators were abandoned with the broken group's collectives).
+        let group = Group::new(backend, strict()).unwrap();
+        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
+        let buf = pool.alloc(4 << 20, &Stream::host()).unwrap();
+        let offset = buf.offset_bytes();
+        drop(buf);
+        pool.trim().unwrap();
+        pool.close().unwrap();
+        offset
+    });
+    assert_eq!(fresh, vec![0, 0]);
+}
+
+#[test]
+fn each_group_waits_by_its_own_timeout() {
+    let backends = HostBackend::world(HostConfig::new(2)).unwrap();
+    let quick = GroupConfig::default().with_timeout(Duration::from_millis(300));
+    // Rank 1 stays (its exchange open) until rank 0's wait is over.
+    let done = std::sync::Barrier::new(2);
+    let waited = on_ranks(backends, |rank, backend| {
+        // A patient group first, then a quick one, on the same communicators.
+        let patient = GroupConfig::default().with_timeout(Duration::from_secs(600));
+        let slow = Group::new(backend.clone(), patient).unwrap();
+        let fast = Group::new(backend, quick.clone()).unwrap();
+        let _slow_pool = SymmPool::new(&slow, PoolConfig::default().with_name("slow")).unwrap();
+        let pool = SymmPool::new(&fast, PoolConfig::default().with_name("fast")).unwrap();
+        assert_eq!(pool.group().config().timeout, Duration::from_millis(300));
+        // Rank 0 grows the quick group's pool alone: it waits by that group's timeout.
+        let started = Instant::now();
+        if rank == 0 {
+            let alone = pool.alloc(64 << 20, &Stream::host());
+            assert!(matches!(alone, Err(Error::Timeout { .. })), "{alone:?}");
+        }
+        let took = started.elapsed();
+        done.wait();
+        took
+    });
+    assert!(waited[0] < Duration::from_secs(10), "{waited:?}");
+}
+
+#[test]
+fn ranks_that_set_different_check_modes_fail_when_they_make_the_group() {
+    let backends = HostBackend::world(HostConfig::new(2)).unwrap();
+    let made = on_ranks(backends, |rank, backend| {
+        let mode = [CheckMode::Strict, CheckMode::Async][rank];
+        let config = GroupConfig::default()
+            .with_check(mode)
+            .with_timeout(Duration::from_secs(20));
+        Group::new(backend, config).map(|_| ())
+    });
+    for (rank, m) in made.iter().enumerate() {
+        let Err(Error::ChannelMismatch { .. }) = m else {
+            panic!("rank {rank}: {m:?}");
+        };
+        let text = m.as_ref().unwrap_err().to_string();
+        assert!(text.contains("strict") && text.contains("async"), "{text}");
+    }
+}
+
+#[test]
+fn a_handle_takes_the_pools_of_one_group_only() {
+    let groups = Group::host(2, &GroupConfig::default()).unwrap();
+    on_ranks(groups, |_, group| {
+        let own = group.split("own").unwrap();
+        let a = SymmPool::new(&group, PoolConfig::default().with_name("a")).unwrap();
+        let b = SymmPool::new(&group, PoolConfig::default().with_name("b")).unwrap();
+        let c = SymmPool::new(&own, PoolConfig::default().with_name("c")).unwrap();
+        let both = Coll::with_pools(&[a.clone(), b.clone()]).unwrap();
+        // A second handle on the group is refused; one on the split group is not.
+        let second = Coll::new(&a);
+        assert!(
+            matches!(second, Err(Error::InvalidCollective { .. })),
+            "{second:?}"
+        );
+        let across = Coll::with_pools(&[a.clone(), c.clone()]);
+        assert!(
+            matches!(across, Err(Error::InvalidCollective { .. })),
+            "{across:?}"
+        );
+        let of_c = Coll::new(&c).unwrap();
+        drop((both, of_c));
+        for p in [a, b, c] {
+            p.close().unwrap();
+        }
+    });
+}
+
+/// Stream operations that report the stream of id `capturing` (0: none) capturing.
+#[derive(Debug)]
+struct Capturing {
+    inner: Arc<dyn StreamOps>,
+    capturing: Arc<AtomicU64>,
+}
+
+impl StreamOps for Capturing {
+    fn new_stream(&self) -> Result<Stream> {
+        self.inner.new_stream()
+    }
+    fn record_fence(&self, s: &Stream) -> Result<Fence> {
+        self.inner.record_fence(s)
+    }
+    fn wait_fence(&self, s: &Stream, on: StreamId, f: Fence) -> Result<()> {
+        self.inner.wait_fence(s, on, f)
+    }
+    fn completed_fence(&self, s: StreamId) -> Result<Option<Fence>> {
+        self.inner.completed_fence(s)
+    }
+    fn is_capturing(&self, s: &Stream) -> Result<bool> {
+        Ok(self.capturing.load(Ordering::SeqCst) == s.id().0 || self.inner.is_capturing(s)?)
+    }
+    fn drain(&self, deadline: symmpool::Deadline) -> Result<bool> {
+        self.inner.drain(deadline)
+    }
+}
+
+/// Two host ranks whose stream of the id in the returned cell reports capture.
+fn capturing_groups() -> (Arc<AtomicU64>, Vec<Group>) {
+    let capturing = Arc::new(AtomicU64::new(0));
+    let backends = (HostBackend::world(HostConfig::new(2)).unwrap().into_iter())
+        .map(|b| {
+            let capturing = capturing.clone();
+            b.with_streams(move |inner| Arc::new(Capturing { inner, capturing }))
+        })
+        .collect();
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(20));
+    (capturing, Group::world(backends, &config).unwrap())
+}
+
+#[test]
+fn no_growth_registers_while_another_stream_the_pool_knows_captures() {
+    let (capturing, groups) = capturing_groups();
+    let capturing = &capturing;
+    on_ranks(groups, |rank, group| {
+        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
+        let (graph, other) = (pool.new_stream().unwrap(), pool.new_stream().unwrap());
+        drop(pool.alloc(1 << 20, &graph).unwrap());
+        // Rank 1's graph stream captures; both ranks grow on their other stream.
+        if rank == 1 {
+            capturing.store(graph.id().0, Ordering::SeqCst);
+        }
+        let grown = pool.alloc(256 << 20, &other);
+        assert!(
+            matches!(grown, Err(Error::GraphCapture)),
+            "rank {rank}: {grown:?}"
+        );
+        let grown = pool.memory_stats()["num_device_alloc"].as_u64();
+        assert_eq!(
+            grown,
+            Some(1),
+            "rank {rank}: nothing was allocated or registered"
+        );
+    });
+}
+
+#[test]
+fn no_shrink_registers_while_a_stream_the_pool_knows_captures_and_it_goes_on_after() {
+    let (capturing, groups) = capturing_groups();
+    let capturing = &capturing;
+    on_ranks(groups, |rank, group| {
+        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
+        let graph = pool.new_stream().unwrap();
+        drop(pool.alloc(1 << 20, &graph).unwrap());
+        if rank == 0 {
+            capturing.store(graph.id().0, Ordering::SeqCst);
+        }
+        // No rank is lost: every rank asks, and the group shrinks to the same size.
+        let refused = pool.shrink().map(|_| ());
+        assert!(
+            matches!(refused, Err(Error::GraphCapture)),
+            "rank {rank}: {refused:?}"
+        );
+        // Rank 0's refusal came after every rank's readiness was sent.
+        capturing.store(0, Ordering::SeqCst);
+        let (next, report) = pool.shrink().unwrap();
+        assert_eq!((report.world_size, report.segments), (2, 1));
+        next.close().unwrap();
+    });
+}
