@@ -60,7 +60,7 @@ fn null_rank() -> NullRank {
     let config = GroupConfig::default().with_check(CheckMode::Off);
     let groups = Group::world(vec![b0, b1], &config).expect("groups");
     let pools = SymmPool::world(&groups, &PoolConfig::default()).expect("pools");
-    let colls = Coll::group(&pools).expect("collectives");
+    let colls = Coll::world(&pools).expect("collectives");
     let stream = Stream::host();
     let mut bufs = std::thread::scope(|s| {
         let hs: Vec<_> = pools
@@ -173,7 +173,7 @@ fn bench_checks(c: &mut Criterion) {
         let config = GroupConfig::default().with_check(mode);
         let groups = Group::world(world, &config).expect("groups");
         let pools = SymmPool::world(&groups, &PoolConfig::default()).expect("pools");
-        let colls = Coll::group(&pools).expect("collectives");
+        let colls = Coll::world(&pools).expect("collectives");
         let bufs: Vec<_> = std::thread::scope(|s| {
             let hs: Vec<_> = pools
                 .iter()

@@ -230,7 +230,7 @@ pub enum Error {
     /// Ranks were about to register windows of different pools or sizes at the same
     /// position on their communicators; nothing was registered, on any rank.
     #[error(
-        "ranks disagree on the next window registration (pools sharing a backend must grow in the same order on every rank; pools used from different threads need groups of their own: Group::split): {}",
+        "ranks disagree on the next window registration (pools of one group must grow in the same order on every rank; pools used from different threads need groups of their own: Group::split): {}",
         joined(.order, "; ", |(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
     )]
     RegistrationOrder {
@@ -242,7 +242,7 @@ pub enum Error {
     /// different orders on different ranks. Give each thread's pool communicators of
     /// its own, in a group of its own ([`Group::split`](crate::Group::split)).
     #[error(
-        "{error} (pools {pools:?} share this backend's communicators and were used from different threads: give each thread's pool a group of its own with Group::split)"
+        "{error} (pools {pools:?} share their group's communicators and were used from different threads: give each thread's pool a group of its own with Group::split)"
     )]
     SharedCommunicators {
         /// The pools on the shared communicators: this one first, then those last

@@ -22,7 +22,7 @@ fn set(value: Option<&str>) {
 fn modes(config: GroupConfig) -> Result<Vec<CheckMode>, Error> {
     let groups = Group::host(2, &config.with_timeout(Duration::from_secs(10)))?;
     let pools = SymmPool::world(&groups, &PoolConfig::default())?;
-    let colls = Coll::group(&pools);
+    let colls = Coll::world(&pools);
     let out = colls.map(|cs| cs.iter().map(Coll::check_mode).collect());
     // Closing is collective: every rank at once.
     std::thread::scope(|s| {

@@ -156,7 +156,7 @@ fn every_case(pool: &SymmPool, coll: &Coll, count: usize, salt: u64) -> Vec<Path
 
 /// `f` on every rank (a thread each) with its pool and a handle; results in rank order.
 fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool, &Coll) -> R + Sync) -> Vec<R> {
-    let colls = Coll::group(pools).unwrap();
+    let colls = Coll::world(pools).unwrap();
     thread::scope(|s| {
         let hs: Vec<_> = pools
             .iter()

@@ -92,7 +92,7 @@ fn allocations_per_rank(mode: CheckMode) -> Vec<u64> {
         .with_check_queue(4 * (ROUNDS + 3));
     let groups = Group::world(world, &config).expect("groups");
     let pools = SymmPool::world(&groups, &PoolConfig::default()).expect("pools");
-    let colls = Coll::group(&pools).expect("collectives");
+    let colls = Coll::world(&pools).expect("collectives");
     std::thread::scope(|s| {
         let ranks: Vec<_> = pools
             .iter()

@@ -37,7 +37,7 @@ fn strict_pools(world: usize) -> Vec<SymmPool> {
 /// `f` on every rank (a thread each) with its pool and a collectives handle made for
 /// the call; the results in rank order.
 fn on_ranks<R: Send>(pools: &[SymmPool], f: impl Fn(&SymmPool, &Coll) -> R + Sync) -> Vec<R> {
-    let colls = Coll::group(pools).unwrap();
+    let colls = Coll::world(pools).unwrap();
     thread::scope(|s| {
         let hs: Vec<_> = pools
             .iter()
@@ -444,7 +444,7 @@ fn a_collective_that_timed_out_breaks_the_group_on_every_rank() {
         2,
         GroupConfig::default().with_timeout(Duration::from_millis(300)),
     );
-    let colls = Coll::group(&pools).unwrap();
+    let colls = Coll::world(&pools).unwrap();
     let bufs = pool_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
     let stream = Stream::host();
     // Rank 0 alone: times out.
@@ -496,7 +496,7 @@ fn a_failed_collective_ends_within_the_pool_timeout_in_every_check_mode() {
         let backends = HostBackend::world(HostConfig::new(2)).unwrap();
         let groups = Group::world(backends, &config).unwrap();
         let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
-        let colls = Coll::group(&pools).unwrap();
+        let colls = Coll::world(&pools).unwrap();
         let bufs = pool_ranks(&pools, |p| p.alloc(8192, &Stream::host()).unwrap());
         // Rank 1 never makes the collective.
         let started = Instant::now();
@@ -546,7 +546,7 @@ fn two_threads_of_one_rank_on_one_communicator_do_not_interleave_rounds() {
     // pairs (different offsets) fail on both sides (the strict check); never a panic
     // or a hang.
     let pools = strict_pools(2);
-    let colls = Coll::group(&pools).unwrap();
+    let colls = Coll::world(&pools).unwrap();
     let bufs = pool_ranks(&pools, |p| {
         (0..2)
             .map(|_| p.alloc(8192, &Stream::host()).unwrap())

@@ -675,9 +675,9 @@ fn a_second_handle_on_the_same_communicators_is_refused_with_advice() {
     }
     // Dropped, the handle frees the communicators for a new one.
     let pools = SymmPool::host_group(2, PoolConfig::default()).unwrap();
-    let first = Coll::group(&pools).unwrap();
+    let first = Coll::world(&pools).unwrap();
     drop(first);
-    Coll::group(&pools).unwrap();
+    Coll::world(&pools).unwrap();
 }
 
 #[test]
@@ -793,7 +793,7 @@ fn dropping_a_handle_whose_check_waits_forever_is_bounded() {
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
-    let colls = Coll::group(&pools).unwrap();
+    let colls = Coll::world(&pools).unwrap();
     colls[0]
         .tagged(0)
         .all_gather_in_place::<f32>(&bufs[0], &stream)

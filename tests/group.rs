@@ -101,10 +101,10 @@ fn each_group_waits_by_its_own_timeout() {
     // Rank 1 stays (its exchange open) until rank 0's wait is over.
     let done = std::sync::Barrier::new(2);
     let waited = on_ranks(backends, |rank, backend| {
-        // A patient group first, then a quick one, on the same communicators.
+        // A patient group first, then a quick one beside it.
         let patient = GroupConfig::default().with_timeout(Duration::from_secs(600));
-        let slow = Group::new(backend.clone(), patient).unwrap();
-        let fast = Group::new(backend, quick.clone()).unwrap();
+        let slow = Group::new(backend, patient).unwrap();
+        let fast = Group::new(slow.backend().split("fast").unwrap(), quick.clone()).unwrap();
         let _slow_pool = SymmPool::new(&slow, PoolConfig::default().with_name("slow")).unwrap();
         let pool = SymmPool::new(&fast, PoolConfig::default().with_name("fast")).unwrap();
         assert_eq!(pool.group().config().timeout, Duration::from_millis(300));
@@ -119,6 +119,24 @@ fn each_group_waits_by_its_own_timeout() {
         took
     });
     assert!(waited[0] < Duration::from_secs(10), "{waited:?}");
+}
+
+#[test]
+fn one_live_group_per_communicator_set() {
+    let backends = HostBackend::world(HostConfig::new(2)).unwrap();
+    on_ranks(backends, |_, backend| {
+        let group = Group::new(backend.clone(), GroupConfig::default()).unwrap();
+        // A second group over the same communicators would pair its pools' windows
+        // and collectives with the first's unseen: refused, at once, on each rank.
+        let second = Group::new(backend.clone(), GroupConfig::default());
+        let Err(Error::Config { expected, .. }) = &second else {
+            panic!("{second:?}");
+        };
+        assert!(expected.contains("Group::split"), "{expected}");
+        // Once the first is gone, the communicators take a new group.
+        drop(group);
+        Group::new(backend, GroupConfig::default()).unwrap();
+    });
 }
 
 #[test]

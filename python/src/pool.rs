@@ -324,7 +324,7 @@ impl Pool {
         let (pools, colls) = py
             .allow_threads(|| {
                 let pools = SymmPool::world(&Group::world(backends, &group_config)?, &config)?;
-                let colls = Coll::group(&pools)?;
+                let colls = Coll::world(&pools)?;
                 Ok((pools, colls))
             })
             .map_err(to_py)?;

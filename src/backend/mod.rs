@@ -57,6 +57,7 @@ use crate::stream::Stream;
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Arguments of one collective call on one rank.
 #[derive(Debug, Clone)]
@@ -261,6 +262,9 @@ pub struct Backend {
     data: Arc<dyn DataMover>,
     collectives: Arc<dyn Collectives>,
     origin: Arc<dyn Any + Send + Sync>,
+    /// Set while a live [`Group`](crate::Group) holds these communicators (shared by
+    /// clones and variants; a split or shrunk backend has its own).
+    grouped: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for Backend {
@@ -326,6 +330,7 @@ impl Backend {
         check_exchange(&*exchange, &info)?;
         Ok(Backend {
             info: Arc::new(info),
+            grouped: Arc::default(),
             exchange,
             segments: parts.clone(),
             streams,
@@ -421,10 +426,6 @@ impl Backend {
     /// parts of its own) and as [`Exchange::shrink`] says; the exchange's errors on the
     /// new group; on NCCL those of [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
-        self.shrink_once(deadline)
-    }
-
-    fn shrink_once(&self, deadline: Deadline) -> Result<Backend> {
         if let Some(host) = self.downcast_ref::<HostBackend>() {
             return host.shrink(self, deadline);
         }
@@ -446,10 +447,8 @@ impl Backend {
     /// A backend with this one's identity at the rank and world size of `exchange`
     /// (this one's for a [`split`](Self::split), the shrunk one's for a
     /// [`shrink`](Self::shrink)), its stream operations, and `parts` (communicators of
-    /// their own) for the rest: what those two return on the host backends.
-    ///
-    /// # Collective
-    /// As [`new`](Self::new).
+    /// their own) for the rest: what those two return on the host backends. Local,
+    /// as [`new`](Self::new).
     pub(crate) fn with_parts<T>(
         &self,
         exchange: Arc<dyn Exchange>,
@@ -501,6 +500,20 @@ impl Backend {
     /// The host-side exchange the pool agrees over.
     pub fn exchange(&self) -> &dyn Exchange {
         self.exchange.as_ref()
+    }
+
+    /// Claim these communicators for one live group: `false` while another holds
+    /// them. Released with [`release_group`](Self::release_group).
+    pub(crate) fn claim_group(&self) -> bool {
+        (self
+            .grouped
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire))
+        .is_ok()
+    }
+
+    /// Release the claim of [`claim_group`](Self::claim_group).
+    pub(crate) fn release_group(&self) {
+        self.grouped.store(false, Ordering::Release);
     }
 
     /// The exchange, shared (for another backend or a store-backed component).

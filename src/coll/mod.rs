@@ -180,8 +180,8 @@ struct CollInner {
     /// Per communicator: collectives issued on it through this handle, over every
     /// pool of the handle (the records' communicator sequence number).
     comm_seqs: Box<[AtomicU64]>,
-    /// This handle's hold on the backend's communicators (one handle per communicator
-    /// set, so one sequence per communicator); `None` for calibration's handle, which
+    /// This handle's hold on its group's communicators (one handle per group, so one
+    /// sequence per communicator); `None` for calibration's handle, which
     /// runs inside a call of the handle holding them.
     _claim: Option<CollectivesClaim>,
 }
@@ -302,7 +302,7 @@ impl Coll {
     ///
     /// # Errors
     /// The first rank's error, as [`new`](Self::new).
-    pub fn group(pools: &[SymmPool]) -> Result<Vec<Coll>> {
+    pub fn world(pools: &[SymmPool]) -> Result<Vec<Coll>> {
         pools.iter().map(Coll::new).collect()
     }
 

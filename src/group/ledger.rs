@@ -448,8 +448,9 @@ impl Ledger {
     /// Append `entry` (if any) and drive the rounds on this thread until it (or, with
     /// none, every record of this rank posted so far) is compared, or the ledger
     /// broke, or `deadline`; the record's number among this rank's records. The
-    /// exchange's rounds are named `what`; but for an agreement's, a round that fails
-    /// breaks the ledger (its records were collectives' checks, now out of step).
+    /// exchange's rounds are named `what`. A round that fails breaks the ledger unless
+    /// `entry` is an agreement and the round carried no collective's record (a
+    /// collective's check lost with the round could never be made).
     fn settle(&self, entry: Option<Entry>, deadline: Deadline, what: &'static str) -> Result<u64> {
         let agreement = matches!(entry, Some(Entry::Agreement(_)));
         let s = &self.shared;

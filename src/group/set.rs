@@ -26,7 +26,8 @@ pub struct GroupConfig {
     pub timeout: Duration,
     /// How the collectives of the group's pools are checked across ranks (default
     /// [`CheckMode::Async`]; [`from_env`](Self::from_env) reads it from
-    /// `SYMMPOOL_CHECK`, code that sets it beats the environment). At world size 1
+    /// `SYMMPOOL_CHECK`, and [`with_check`](GroupConfig::with_check) beats the
+    /// environment, a bad value included). At world size 1
     /// the group runs as [`CheckMode::Off`]: no peer to compare with.
     pub check: CheckMode,
     /// Under [`CheckMode::Async`], how many collectives a rank may launch after one
@@ -127,12 +128,13 @@ pub struct Group {
     inner: Arc<GroupInner>,
 }
 
+/// In drop order: the ledger first (its drop waits for its thread's last round, on
+/// the backend's exchange), the backend last (its claim released by `Drop`).
 struct GroupInner {
-    backend: Backend,
+    ledger: Ledger,
     config: GroupConfig,
     /// The configuration's check mode, or [`CheckMode::Off`] at world size 1.
     mode: CheckMode,
-    ledger: Ledger,
     /// The channel on which pools agree before every window registration.
     registrations: ChannelId,
     /// Held from that agreement to the last registration of the segment, so that two
@@ -145,6 +147,13 @@ struct GroupInner {
     collectives_claimed: Arc<AtomicBool>,
     /// The group a [`shrink`](Group::shrink) made of this one.
     shrunk: Mutex<Option<Group>>,
+    backend: Backend,
+}
+
+impl Drop for GroupInner {
+    fn drop(&mut self) {
+        self.backend.release_group();
+    }
 }
 
 impl fmt::Debug for Group {
@@ -171,6 +180,12 @@ impl Group {
     /// ledger channels on the backend's exchange (and, under [`CheckMode::Async`],
     /// starts the ledger's thread).
     ///
+    /// One live group per communicator set: NCCL pairs windows and collectives by
+    /// call order on each communicator, so two groups' pools over the same
+    /// communicators could pair one's calls with the other's unseen. Pools that share
+    /// communicators share their group; a pool used from another thread gets a group
+    /// of its own ([`split`](Self::split)).
+    ///
     /// # Collective
     /// Every rank makes its group over the same communicators at the same point, with
     /// the same check mode, waiting up to [`SETUP_TIMEOUT`] for late ranks (ranks of
@@ -178,7 +193,8 @@ impl Group {
     /// them concurrently ([`Group::world`]).
     ///
     /// # Errors
-    /// [`Error::Config`] naming `SYMMPOOL_CHECK` if [`GroupConfig::from_env`] read a
+    /// [`Error::Config`] if another live group holds `backend`'s communicators (a
+    /// clone of it), or naming `SYMMPOOL_CHECK` if [`GroupConfig::from_env`] read a
     /// value that names no mode; [`Error::ChannelMismatch`] on every rank if the ranks
     /// set different check modes or make their groups at different points;
     /// [`Error::Timeout`] / [`Error::PeerLost`] if a rank does not come in time;
@@ -196,6 +212,38 @@ impl Group {
                 expected: "strict, async or off (or unset: async)",
             });
         }
+        if !backend.claim_group() {
+            return Err(Error::Config {
+                setting: "Group::new",
+                value: "a backend whose communicators another live group holds".into(),
+                expected: "one live group per communicator set (Group::split gives communicators of their own)",
+            });
+        }
+        // Released by the group's drop, or here if it is not made.
+        let opened = Self::opened(&backend, &config, deadline);
+        let (registrations, ledger, mode) = opened.inspect_err(|_| backend.release_group())?;
+        Ok(Group {
+            inner: Arc::new(GroupInner {
+                backend,
+                config,
+                mode,
+                ledger,
+                registrations,
+                registering: Mutex::new(()),
+                users: Mutex::default(),
+                collectives_claimed: Arc::default(),
+                shrunk: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The group's channels and ledger on `backend` (its thread started under
+    /// [`CheckMode::Async`]), and its check mode.
+    fn opened(
+        backend: &Backend,
+        config: &GroupConfig,
+        deadline: Deadline,
+    ) -> Result<(ChannelId, Ledger, CheckMode)> {
         let exchange = backend.exchange_handle();
         let registrations = exchange.open_channel("group:registrations", deadline)?;
         // The check mode is part of the name: ranks that set it differently fail here.
@@ -217,23 +265,14 @@ impl Group {
         if mode == CheckMode::Async {
             ledger.start()?;
         }
-        Ok(Group {
-            inner: Arc::new(GroupInner {
-                backend,
-                config,
-                mode,
-                ledger,
-                registrations,
-                registering: Mutex::new(()),
-                users: Mutex::default(),
-                collectives_claimed: Arc::default(),
-                shrunk: Mutex::new(None),
-            }),
-        })
+        Ok((registrations, ledger, mode))
     }
 
     /// One group per backend, for ranks that are threads of this process: made
-    /// concurrently (making a group is collective), in rank order.
+    /// concurrently, in rank order.
+    ///
+    /// # Collective
+    /// As [`new`](Self::new): every rank's backend is here.
     ///
     /// # Errors
     /// The first rank's error, as [`Group::new`].
@@ -277,9 +316,18 @@ impl Group {
     /// Every surviving rank calls it after the loss.
     ///
     /// # Errors
-    /// As [`Backend::shrink`]; the errors of opening the new group's channels.
+    /// As [`Backend::shrink`]; the errors of opening the new group's channels;
+    /// [`Error::Timeout`] if another pool's shrink of this group holds it past
+    /// `deadline`.
     pub(crate) fn shrink(&self, deadline: Deadline) -> Result<Group> {
-        let mut shrunk = self.inner.shrunk.lock();
+        let started = std::time::Instant::now();
+        let until = deadline.instant();
+        let timeout = || Error::timeout_since("shrink", started, &[]);
+        let mut shrunk = self
+            .inner
+            .shrunk
+            .try_lock_until(until)
+            .ok_or_else(timeout)?;
         let Some(next) = shrunk.clone() else {
             let backend = self.inner.backend.shrink(deadline)?;
             let next = Self::open(backend, self.inner.config.clone(), deadline)?;
@@ -291,7 +339,14 @@ impl Group {
         // `PeerLost` on them), or after another pool went on past such a loss: go on
         // from there, or the survivors could never leave the group that lost it.
         let lost = next.inner.backend.exchange().lost_peer().is_some();
-        if lost || next.inner.shrunk.lock().is_some() {
+        if lost
+            || (next
+                .inner
+                .shrunk
+                .try_lock_until(until)
+                .ok_or_else(timeout)?)
+            .is_some()
+        {
             return next.shrink(deadline);
         }
         Ok(next)
@@ -342,9 +397,6 @@ impl Group {
     /// Note pool `pool` (its channel ordinal), named `name`, on these communicators:
     /// made (`used` false), or making a collective pool operation on this thread.
     pub(crate) fn note_user(&self, pool: u64, name: &str, used: bool) {
-        if !used {
-            self.inner.ledger.name_pool(pool, name);
-        }
         let thread = used.then(|| std::thread::current().id());
         let mut users = self.inner.users.lock();
         let user = (users.entry(pool)).or_insert_with(|| (name.to_string(), None));

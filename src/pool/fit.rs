@@ -52,7 +52,7 @@ impl SymmPool {
         let deadline = Deadline::after(self.group().config().timeout);
         // The check growth and `reserve` make: no registration while a stream the pool
         // served captures a CUDA graph (refused on every rank alike).
-        let ready = self.readiness(&st, None)?;
+        let ready = self.readiness(&st);
         let flags = self.agree(
             &mut st,
             Op::FitToPeak,
@@ -132,7 +132,7 @@ impl SymmPool {
         // Registration is refused while any stream the pool has served is capturing.
         let deadline = Deadline::after(self.group().config().timeout);
         self.shared_use(|| {
-            let ready = self.readiness(&st, None)?;
+            let ready = self.readiness(&st);
             let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
             st.all_ready(&flags)?;
             let growth = Growth {

@@ -10,7 +10,6 @@ use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{self, AgreementRecord, Failure, Note, Op, Readiness, Registered};
-use crate::stream::Stream;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -33,7 +32,6 @@ impl SymmPool {
         &self,
         st: &mut PoolState,
         growth: Growth,
-        stream: &Stream,
         deadline: Deadline,
     ) -> Result<SegmentId> {
         let span = tracing::info_span!(target: "symmpool::pool", "growth", rank = self.rank(),
@@ -44,7 +42,7 @@ impl SymmPool {
         let out = self.shared_use(|| {
             // The agreement is a record of the ledger: a rank that grows where its
             // peers make a collective is named there, within the round.
-            let ready = self.readiness(st, Some(stream))?;
+            let ready = self.readiness(st);
             let size = growth.segment_bytes;
             let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
             st.all_ready(&flags)?;
@@ -135,46 +133,30 @@ impl SymmPool {
     }
 
     /// This rank's readiness for a collective pool operation that may register memory:
-    /// capturing if its `stream` or any stream the pool has allocated on is capturing a
-    /// CUDA graph (a registration is a synchronous device call, which a capture on any
-    /// stream of the device may not meet), or, without a stream (`reserve`,
-    /// `fit_to_peak`, `shrink`), as [`any_known_capturing`](Self::any_known_capturing)
-    /// says.
-    pub(super) fn readiness(&self, st: &PoolState, stream: Option<&Stream>) -> Result<Note> {
+    /// capturing if a stream the pool has allocated on (the operation's among them) is
+    /// capturing a CUDA graph, or, for a pool that never allocated, any stream the
+    /// backend knows (a capture on another pool's stream is none of this pool's
+    /// business). Never an error, so that every rank takes part in the round: a
+    /// failed query is this rank's broken pool (logged).
+    pub(super) fn readiness(&self, st: &PoolState) -> Note {
         let ready = st.readiness();
         if ready != Readiness::Ready {
-            return Ok(Note::Ready(ready));
+            return Note::Ready(ready);
         }
         let streams = self.inner.backend.streams();
-        let capturing = match stream {
-            Some(s) => streams.is_capturing(s)? || self.known_capturing(st)?,
-            None => self.any_known_capturing(st)?,
-        };
-        Ok(Note::Ready(if capturing {
-            Readiness::Capturing
-        } else {
-            Readiness::Ready
-        }))
-    }
-
-    /// Whether any stream the pool has allocated on is capturing a CUDA graph; for a
-    /// pool that never allocated, any stream the backend knows.
-    fn any_known_capturing(&self, st: &PoolState) -> Result<bool> {
-        // Only a pool that never allocated asks about the backend's other streams: a
-        // capture on another pool's stream is none of this pool's business.
-        let streams = self.inner.backend.streams();
-        Ok(self.known_capturing(st)? || st.known_streams.is_empty() && streams.any_capturing()?)
-    }
-
-    /// Whether any stream the pool has allocated on is capturing a CUDA graph.
-    fn known_capturing(&self, st: &PoolState) -> Result<bool> {
-        let streams = self.inner.backend.streams();
-        for s in &st.known_streams {
-            if streams.is_capturing(s)? {
-                return Ok(true);
+        let known = &st.known_streams;
+        let capturing = (known.iter().map(|s| streams.is_capturing(s)))
+            .chain(known.is_empty().then(|| streams.any_capturing()))
+            .find(|c| !matches!(c, Ok(false)));
+        Note::Ready(match capturing {
+            None => Readiness::Ready,
+            Some(Ok(_)) => Readiness::Capturing,
+            Some(Err(e)) => {
+                tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
+                    "asking whether a stream captures a CUDA graph failed");
+                Readiness::PoolBroken
             }
-        }
-        Ok(false)
+        })
     }
 
     /// One agreement round, waiting for the peers until `deadline`: the ranks' records
@@ -290,7 +272,7 @@ impl SymmPool {
     }
 
     /// Register `entry`'s segment on every communicator that registers, in the
-    /// backend's order: after agreeing on the backend's registration order, one
+    /// backend's order: after agreeing on the group's registration order, one
     /// registration and one outcome round per communicator, every wait until
     /// `deadline`. On error the windows made so far stay in `entry`, for the caller
     /// to undo.

@@ -83,7 +83,7 @@ pub(crate) struct PoolInner {
 /// A symmetric-memory caching pool for one rank.
 ///
 /// Cheap to clone (a handle); buffers keep their pool alive. Every rank of a
-/// communicator owns one pool over its backend, and the ranks make the same sequence
+/// communicator set owns one pool in its [`Group`], and the ranks make the same sequence
 /// of pool calls; placement then agrees on every rank, which NCCL's symmetric kernels
 /// and copy engines require (they address peers at the local offset). The
 /// [crate documentation](crate) shows one pool per rank.
@@ -186,12 +186,13 @@ impl SymmPool {
         config.core.small_segment_bytes = config.core.small_segment_bytes.max(granularity);
         let core = Allocator::new(config.core)?;
         let history = History::new(config.history_len);
-        Self::over(group.clone(), config, mode, || (core, history))
+        let deadline = Deadline::after(group.config().timeout);
+        Self::over(group.clone(), config, mode, deadline, || (core, history))
     }
 
-    /// A pool in `group`, its collectives checked under `mode`: the pool's channel,
-    /// and its state with the core and history that `state` gives once nothing can
-    /// fail any more.
+    /// A pool in `group`, its collectives checked under `mode`: the pool's channel
+    /// (the ranks waited for until `deadline`), and its state with the core and
+    /// history that `state` gives once nothing can fail any more.
     ///
     /// # Collective
     /// As [`new`](Self::new).
@@ -199,6 +200,7 @@ impl SymmPool {
         group: Group,
         config: PoolConfig,
         mode: CheckMode,
+        deadline: Deadline,
         state: impl FnOnce() -> (Allocator, History),
     ) -> Result<Self> {
         let comms = group.backend().communicators().len();
@@ -209,11 +211,12 @@ impl SymmPool {
         } else {
             ""
         };
-        let channel = group.backend().exchange().open_channel(
-            &format!("pool:{}{untagged}", config.name),
-            Deadline::after(group.config().timeout),
-        )?;
+        let channel = group
+            .backend()
+            .exchange()
+            .open_channel(&format!("pool:{}{untagged}", config.name), deadline)?;
         group.note_user(channel.ordinal(), &config.name, false);
+        group.ledger().name_pool(channel.ordinal(), &config.name);
         let (core, history) = state();
         let call_head = history.head();
         let state = PoolState::new(core, history, comms);
@@ -413,7 +416,7 @@ impl SymmPool {
                 // One deadline for the whole growth (made only when it grows: a cache
                 // hit does not read the clock).
                 let deadline = Deadline::after(self.group().config().timeout);
-                self.grow(&mut st, growth, stream, deadline)?;
+                self.grow(&mut st, growth, deadline)?;
                 st.core.alloc(req)?
             }
             Err(e) => return Err(e.into()),

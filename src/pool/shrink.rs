@@ -6,7 +6,7 @@ use super::{History, SymmPool, events};
 use crate::core::Allocator;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{Failure, Note, Op};
+use crate::group::{Failure, Note, Op, Readiness};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -39,8 +39,10 @@ pub struct ShrinkReport {
 }
 
 impl SymmPool {
-    /// Go on without the lost ranks: a pool of the survivors, over their shrunk backend
-    /// ([`Backend::shrink`](crate::Backend::shrink)), with this pool's memory, blocks
+    /// Go on without the lost ranks: a pool of the survivors, in their shrunk group
+    /// (made once for every pool of this one's group, over the shrunk backend,
+    /// [`Backend::shrink`](crate::Backend::shrink): later pools are made from the new
+    /// pool's [`group`](SymmPool::group)), with this pool's memory, blocks
     /// (live or cached, where they were) and history, each segment registered once on
     /// each new communicator that registers, in segment order (windows do not survive
     /// the loss of a communicator). This pool is closed (its calls fail with
@@ -100,7 +102,7 @@ impl SymmPool {
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
         let fresh = Allocator::new(config.core)?;
         let mode = group.check_mode();
-        let pool = SymmPool::over(group, config.clone(), mode, || {
+        let pool = SymmPool::over(group, config.clone(), mode, deadline, || {
             let core = std::mem::replace(&mut old.core, fresh);
             let history = std::mem::replace(&mut old.history, History::new(config.history_len));
             (core, history)
@@ -170,19 +172,29 @@ impl SymmPool {
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
         let segments = old.segments.len() as u64;
-        let was = Note::Was(old_rank as u64);
-        let was = self.agree(st, Op::Shrink, "shrink", segments, was, deadline)?;
-        let was = (was.iter())
+        // Its old rank, or why it cannot register now (a stream the pool knows
+        // captures a CUDA graph): every rank learns that any rank cannot, in the one
+        // round ([`Error::GraphCapture`] on every rank). No segment, no registration.
+        let ready = match segments {
+            0 => Note::Ready(Readiness::Ready),
+            _ => self.readiness(st),
+        };
+        let mine = match ready {
+            Note::Ready(Readiness::Ready) => Note::Was(old_rank as u64),
+            not_ready => not_ready,
+        };
+        let notes = self.agree(st, Op::Shrink, "shrink", segments, mine, deadline)?;
+        let as_ready = |n: &Note| match n {
+            Note::Was(_) => Note::Ready(Readiness::Ready),
+            n => *n,
+        };
+        st.all_ready(&notes.iter().map(as_ready).collect::<Vec<_>>())?;
+        let was = (notes.iter())
             .map(|n| match n {
                 Note::Was(r) => *r as usize,
                 _ => usize::MAX,
             })
             .collect();
-        // No registration while a stream the pool knows captures a CUDA graph: every
-        // rank learns that any rank's does ([`Error::GraphCapture`] on every rank).
-        let ready = self.readiness(st, None)?;
-        let notes = self.agree(st, Op::Shrink, "shrink", segments, ready, deadline)?;
-        st.all_ready(&notes)?;
         let before: u64 = st.counters.registrations.iter().sum();
         let held: std::collections::BTreeSet<_> = st.core.segments().map(|(id, _, _)| id).collect();
         for (id, entry) in &old.segments {

@@ -108,18 +108,23 @@ pub(super) struct Builder {
 impl Builder {
     /// Load NCCL and check it has windows; the set-up's deadline starts now.
     fn new(config: NcclConfig) -> Result<Self> {
-        Self::until(config, Deadline::after(config.setup_timeout))
+        Self::until(config, Deadline::after(config.setup_timeout), None)
     }
 
-    /// As [`new`](Self::new), the set-up ending by `deadline`.
-    fn until(config: NcclConfig, deadline: Deadline) -> Result<Self> {
+    /// As [`new`](Self::new), the set-up ending by `deadline`, or at once when
+    /// `watch` (a shrink's exchange) has lost a peer.
+    fn until(
+        config: NcclConfig,
+        deadline: Deadline,
+        watch: Option<Arc<dyn Exchange>>,
+    ) -> Result<Self> {
         let version = ffi::load()?;
         Ok(Builder {
             version,
             nccl: ffi::api()?,
             config,
             deadline,
-            watch: None,
+            watch,
         })
     }
 
@@ -355,8 +360,7 @@ impl NcclBackend {
         exchange: Arc<dyn Exchange>,
         deadline: Deadline,
     ) -> Result<Backend> {
-        let mut b = Builder::until(*self.config(), deadline)?;
-        b.watch = Some(exchange.clone());
+        let b = Builder::until(*self.config(), deadline, Some(exchange.clone()))?;
         self.bind()?;
         let ctx = self.shared.device.ctx.clone();
         let uuid = device_uuid(&ctx);

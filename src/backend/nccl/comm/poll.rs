@@ -67,9 +67,19 @@ pub(in crate::backend::nccl) fn finish_creation(
     lost: &dyn Fn() -> Option<Error>,
 ) -> Result<Comm> {
     let starting = starting?;
+    let started = Instant::now();
+    // The loss that ended the wait, if one did.
+    let loss = std::cell::Cell::new(None);
+    let broken = || match lost() {
+        Some(e) => {
+            loss.set(Some(e));
+            true
+        }
+        None => false,
+    };
     // SAFETY: the communicator (or the parent of a split) is used by this thread only
     // until the call is done.
-    match unsafe { poll(nccl, starting.poll, op, deadline, &|| lost().is_some()) } {
+    match unsafe { poll(nccl, starting.poll, op, deadline, &broken) } {
         // SAFETY: the poll says the call is done: NCCL writes the slot no more.
         Waited::Done => match unsafe { starting.finish() } {
             Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
@@ -87,7 +97,7 @@ pub(in crate::backend::nccl) fn finish_creation(
             // A peer lost (`Broken`) ends it as a timeout does, reported as the loss.
             let (waited, lost) = match timeout {
                 Waited::Timeout(waited) => (waited, None),
-                _ => (Duration::ZERO, lost()),
+                _ => (started.elapsed(), loss.take()),
             };
             let (making, polled) = (starting.making, starting.poll);
             let slot = starting.abandon();
