@@ -196,8 +196,9 @@ pub struct Cli {
     /// table
     #[arg(long)]
     pub compare: bool,
-    /// How the collectives are checked across ranks (off, async, strict)
-    #[arg(long, value_enum, default_value_t = Check::Async)]
+    /// How the collectives are checked across ranks (off, async, strict; by default
+    /// `SYMMPOOL_CHECK`, else async)
+    #[arg(long, value_enum, default_value_t = Check::Async, env = "SYMMPOOL_CHECK", ignore_case = true)]
     pub check: Check,
     /// Whether `auto` measures every path over this run's collective sizes before
     /// training and uses the fastest per size (auto: where symmpool says the default

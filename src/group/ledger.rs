@@ -27,8 +27,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// How the ranks check that they make the same collectives on the same buffers (see
-/// [`coll`](crate::coll), "Checked collectives"). Ranks whose pools use different modes
-/// fail when they make them ([`Error::ChannelMismatch`](crate::Error::ChannelMismatch)).
+/// [`coll`](crate::coll), "Checked collectives"): a group's
+/// [`GroupConfig::check`](crate::GroupConfig::check). Ranks whose groups use different
+/// modes fail when they make them ([`Error::ChannelMismatch`](crate::Error::ChannelMismatch)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CheckMode {
     /// No per-collective check: a divergence is silent (NCCL reads peers at the

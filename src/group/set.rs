@@ -159,7 +159,6 @@ impl Drop for GroupInner {
 impl fmt::Debug for Group {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Group")
-            .field("backend", &self.inner.backend)
             .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
@@ -215,8 +214,9 @@ impl Group {
         if !backend.claim_group() {
             return Err(Error::Config {
                 setting: "Group::new",
-                value: "a backend whose communicators another live group holds".into(),
-                expected: "one live group per communicator set (Group::split gives communicators of their own)",
+                value: "a backend another live group holds (while a pool or handle of it lives)"
+                    .into(),
+                expected: "one live group per communicator set: pools on them share it; Group::split",
             });
         }
         // Released by the group's drop, or here if it is not made.
