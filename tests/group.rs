@@ -5,24 +5,15 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::thread;
 use std::time::{Duration, Instant};
-use symmpool::backend::StreamOps;
 use symmpool::{
-    CheckMode, Coll, CollectiveCalls, Error, Fence, Group, GroupConfig, HostBackend, HostConfig,
-    PoolConfig, Result, Stream, StreamId, SymmPool,
+    CheckMode, Coll, CollectiveCalls, Error, Group, GroupConfig, HostBackend, HostConfig,
+    PoolConfig, Result, Stream, SymmPool,
 };
 
-/// `f(rank, item)` on a thread per item; the results in rank order.
-fn on_ranks<T: Send, R: Send>(items: Vec<T>, f: impl Fn(usize, T) -> R + Sync) -> Vec<R> {
-    thread::scope(|s| {
-        let f = &f;
-        let hs: Vec<_> = (items.into_iter().enumerate())
-            .map(|(rank, item)| s.spawn(move || f(rank, item)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
+mod common;
+
+use common::on_ranks;
 
 fn strict() -> GroupConfig {
     GroupConfig::default()
@@ -40,18 +31,24 @@ fn sum(pool: &SymmPool, coll: &Coll, tag: u64) -> Result<f32> {
     Ok(buf.read::<f32>()?[0])
 }
 
+/// A pool of `group` and its handle, after the ranks made different collectives (tag
+/// 1 on rank 0, 2 on rank 1): the group is broken.
+fn diverged(rank: usize, group: &Group) -> (SymmPool, Coll) {
+    let pool = SymmPool::new(group, PoolConfig::default()).unwrap();
+    let coll = Coll::new(&pool).unwrap();
+    let diverged = sum(&pool, &coll, 1 + rank as u64);
+    assert!(
+        matches!(diverged, Err(Error::CollectiveDivergence(_))),
+        "rank {rank}: {diverged:?}"
+    );
+    (pool, coll)
+}
+
 #[test]
 fn a_group_broken_by_a_divergence_is_made_anew_and_its_pools_work() {
     let groups = Group::host(2, &strict()).unwrap();
     let rebuilt = on_ranks(groups, |rank, group| {
-        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
-        let coll = Coll::new(&pool).unwrap();
-        // The ranks make different collectives (tag 1 on rank 0, 2 on rank 1).
-        let diverged = sum(&pool, &coll, 1 + rank as u64);
-        assert!(
-            matches!(diverged, Err(Error::CollectiveDivergence(_))),
-            "rank {rank}: {diverged:?}"
-        );
+        let (pool, coll) = diverged(rank, &group);
         // Every later call of the group's pools says it is broken...
         assert!(pool.alloc(1 << 20, &Stream::host()).is_err());
         // ...and so does a new pool in it: the verdict is the group's.
@@ -75,9 +72,7 @@ fn a_group_broken_by_a_divergence_is_made_anew_and_its_pools_work() {
 fn a_group_on_the_same_backend_after_a_divergence_starts_unbroken() {
     let groups = Group::host(2, &strict()).unwrap();
     let fresh = on_ranks(groups, |rank, group| {
-        let pool = SymmPool::new(&group, PoolConfig::default()).unwrap();
-        let coll = Coll::new(&pool).unwrap();
-        assert!(sum(&pool, &coll, 1 + rank as u64).is_err());
+        let (pool, coll) = diverged(rank, &group);
         let backend = group.backend().clone();
         drop((coll, pool, group));
         // Pool calls of a new group on the same backend (no collective: the backend's
@@ -186,45 +181,10 @@ fn a_handle_takes_the_pools_of_one_group_only() {
     });
 }
 
-/// Stream operations that report the stream of id `capturing` (0: none) capturing.
-#[derive(Debug)]
-struct Capturing {
-    inner: Arc<dyn StreamOps>,
-    capturing: Arc<AtomicU64>,
-}
-
-impl StreamOps for Capturing {
-    fn new_stream(&self) -> Result<Stream> {
-        self.inner.new_stream()
-    }
-    fn record_fence(&self, s: &Stream) -> Result<Fence> {
-        self.inner.record_fence(s)
-    }
-    fn wait_fence(&self, s: &Stream, on: StreamId, f: Fence) -> Result<()> {
-        self.inner.wait_fence(s, on, f)
-    }
-    fn completed_fence(&self, s: StreamId) -> Result<Option<Fence>> {
-        self.inner.completed_fence(s)
-    }
-    fn is_capturing(&self, s: &Stream) -> Result<bool> {
-        Ok(self.capturing.load(Ordering::SeqCst) == s.id().0 || self.inner.is_capturing(s)?)
-    }
-    fn drain(&self, deadline: symmpool::Deadline) -> Result<bool> {
-        self.inner.drain(deadline)
-    }
-}
-
-/// Two host ranks whose stream of the id in the returned cell reports capture.
+/// Two host ranks whose streams report capture as the cell says.
 fn capturing_groups() -> (Arc<AtomicU64>, Vec<Group>) {
-    let capturing = Arc::new(AtomicU64::new(0));
-    let backends = (HostBackend::world(HostConfig::new(2)).unwrap().into_iter())
-        .map(|b| {
-            let capturing = capturing.clone();
-            b.with_streams(move |inner| Arc::new(Capturing { inner, capturing }))
-        })
-        .collect();
     let config = GroupConfig::default().with_timeout(Duration::from_secs(20));
-    (capturing, Group::world(backends, &config).unwrap())
+    common::capture::capturing_groups(2, &config)
 }
 
 #[test]

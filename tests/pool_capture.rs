@@ -4,53 +4,16 @@
 //! cache.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use symmpool::backend::StreamOps;
-use symmpool::{
-    Error, Group, GroupConfig, HostBackend, HostConfig, PoolConfig, Result, Stream, SymmPool,
-};
-use symmpool::{Fence, StreamId};
+use std::sync::atomic::{AtomicU64, Ordering};
+use symmpool::{Error, GroupConfig, PoolConfig, Result, Stream, SymmPool};
 
-/// Stream operations that report every stream capturing while `capturing` is set.
-#[derive(Debug)]
-struct Capturing {
-    inner: Arc<dyn StreamOps>,
-    capturing: Arc<AtomicBool>,
-}
+mod common;
 
-impl StreamOps for Capturing {
-    fn new_stream(&self) -> Result<Stream> {
-        self.inner.new_stream()
-    }
-    fn record_fence(&self, s: &Stream) -> Result<Fence> {
-        self.inner.record_fence(s)
-    }
-    fn wait_fence(&self, s: &Stream, on: StreamId, f: Fence) -> Result<()> {
-        self.inner.wait_fence(s, on, f)
-    }
-    fn completed_fence(&self, s: StreamId) -> Result<Option<Fence>> {
-        self.inner.completed_fence(s)
-    }
-    fn is_capturing(&self, s: &Stream) -> Result<bool> {
-        Ok(self.capturing.load(Ordering::SeqCst) || self.inner.is_capturing(s)?)
-    }
-    fn drain(&self, deadline: symmpool::Deadline) -> Result<bool> {
-        self.inner.drain(deadline)
-    }
-}
+use common::capture::{EVERY_STREAM, capturing_groups};
 
-/// Two host ranks whose streams report capture while the flag is set.
-fn capturing_world() -> (Arc<AtomicBool>, Vec<SymmPool>) {
-    let capturing = Arc::new(AtomicBool::new(false));
-    let backends: Vec<_> = HostBackend::world(HostConfig::new(2))
-        .unwrap()
-        .into_iter()
-        .map(|b| {
-            let capturing = capturing.clone();
-            b.with_streams(move |inner| Arc::new(Capturing { inner, capturing }))
-        })
-        .collect();
-    let groups = Group::world(backends, &GroupConfig::default()).unwrap();
+/// Two host ranks whose streams report capture as the cell says.
+fn capturing_world() -> (Arc<AtomicU64>, Vec<SymmPool>) {
+    let (capturing, groups) = capturing_groups(2, &GroupConfig::default());
     let pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     (capturing, pools)
 }
@@ -73,7 +36,7 @@ fn reserve_refuses_during_capture_and_reserve_small_serves_small_requests() {
         p.reserve_small(2 << 20).map(drop)
     });
     assert!(out.iter().all(Result::is_ok), "{out:?}");
-    capturing.store(true, Ordering::SeqCst);
+    capturing.store(EVERY_STREAM, Ordering::SeqCst);
     // During capture: reserving is refused on every rank, naming reserve_small.
     for r in run(&|p| p.reserve(4 << 20).map(drop)) {
         let e = r.unwrap_err();
@@ -122,7 +85,7 @@ fn fit_to_peak_refuses_during_capture_on_every_rank() {
         m
     };
     let before: Vec<_> = pools.iter().map(kept).collect();
-    capturing.store(true, Ordering::SeqCst);
+    capturing.store(EVERY_STREAM, Ordering::SeqCst);
     // During capture: refused on every rank, before anything is released or added.
     for r in run(&|p| p.fit_to_peak().map(drop)) {
         let e = r.unwrap_err();
@@ -132,7 +95,7 @@ fn fit_to_peak_refuses_during_capture_on_every_rank() {
         assert_eq!(&kept(p), b);
     }
     // After capture the ranks are still in step: the same call fits the pool.
-    capturing.store(false, Ordering::SeqCst);
+    capturing.store(0, Ordering::SeqCst);
     let out = run(&|p| p.fit_to_peak().map(drop));
     assert!(out.iter().all(Result::is_ok), "{out:?}");
     let out = run(&step);

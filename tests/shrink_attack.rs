@@ -14,6 +14,7 @@ use symmpool::{
 
 mod common;
 
+use common::on_ranks;
 use common::watched::{Watch, Watched};
 
 /// The groups' timeout where every wait should succeed: no wait of a test comes near it.
@@ -28,17 +29,6 @@ fn host_pools_of(world: usize, group: &GroupConfig) -> Vec<SymmPool> {
 
 fn host_pools(world: usize, timeout: Duration) -> Vec<SymmPool> {
     host_pools_of(world, &GroupConfig::default().with_timeout(timeout))
-}
-
-/// Run `f(rank, pool)` on one thread per pool; the results in rank order.
-fn on_ranks<R: Send>(pools: Vec<SymmPool>, f: impl Fn(usize, SymmPool) -> R + Sync) -> Vec<R> {
-    thread::scope(|s| {
-        let f = &f;
-        let hs: Vec<_> = (pools.into_iter().enumerate())
-            .map(|(rank, p)| s.spawn(move || f(rank, p)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 /// `f` on every item's thread (an exchange, a rank); the results in order.

@@ -251,6 +251,26 @@ pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
 /// [`control`](crate::control)).
 pub const SETUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// A hold on a flag that clones share (a backend's group, a group's collectives
+/// handle); released on drop.
+pub(crate) struct Claim(Arc<AtomicBool>);
+
+impl Claim {
+    /// The hold on `flag`: `None` while another holds it.
+    pub(crate) fn take(flag: &Arc<AtomicBool>) -> Option<Claim> {
+        (flag
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok())
+        .map(|_| Claim(flag.clone()))
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// One rank's backend: its identity, its exchange, and the four parts. Cheap to
 /// clone (shared parts).
 #[derive(Clone)]
@@ -502,18 +522,9 @@ impl Backend {
         self.exchange.as_ref()
     }
 
-    /// Claim these communicators for one live group: `false` while another holds
-    /// them. Released with [`release_group`](Self::release_group).
-    pub(crate) fn claim_group(&self) -> bool {
-        (self
-            .grouped
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire))
-        .is_ok()
-    }
-
-    /// Release the claim of [`claim_group`](Self::claim_group).
-    pub(crate) fn release_group(&self) {
-        self.grouped.store(false, Ordering::Release);
+    /// Claim these communicators for one live group: `None` while another holds them.
+    pub(crate) fn claim_group(&self) -> Option<Claim> {
+        Claim::take(&self.grouped)
     }
 
     /// The exchange, shared (for another backend or a store-backed component).

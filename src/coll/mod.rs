@@ -146,9 +146,9 @@ pub use call::{CollectiveCalls, TaggedColl};
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
 pub(crate) use path::{PATHS, path_index};
 
+use crate::backend::Claim;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::CollectivesClaim;
 use crate::group::{CheckMode, CollectiveRecord};
 use crate::pool::{MemoryStats, StatValue, SymmPool};
 use arc_swap::ArcSwap;
@@ -183,7 +183,7 @@ struct CollInner {
     /// This handle's hold on its group's communicators (one handle per group, so one
     /// sequence per communicator); `None` for calibration's handle, which
     /// runs inside a call of the handle holding them.
-    _claim: Option<CollectivesClaim>,
+    _claim: Option<Claim>,
 }
 
 /// What the handle keeps per pool.

@@ -22,5 +22,4 @@ pub use ledger::CheckMode;
 pub(crate) use ledger::{Failure, Ledger, LedgerConfig};
 pub(crate) use record::{decode, encode};
 pub(crate) use registration::agree_registration_order;
-pub(crate) use set::CollectivesClaim;
 pub use set::{Group, GroupConfig};

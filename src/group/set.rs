@@ -4,7 +4,7 @@
 //! settings every pool over the communicators shares ([`GroupConfig`]).
 
 use super::{CheckMode, Ledger, LedgerConfig};
-use crate::backend::{Backend, HostBackend, HostConfig, SETUP_TIMEOUT};
+use crate::backend::{Backend, Claim, HostBackend, HostConfig, SETUP_TIMEOUT};
 use crate::control::ChannelId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::thread::ThreadId;
 use std::time::Duration;
 
@@ -129,7 +129,7 @@ pub struct Group {
 }
 
 /// In drop order: the ledger first (its drop waits for its thread's last round, on
-/// the backend's exchange), the backend last (its claim released by `Drop`).
+/// the backend's exchange), the claim on the backend's communicators last.
 struct GroupInner {
     ledger: Ledger,
     config: GroupConfig,
@@ -148,12 +148,8 @@ struct GroupInner {
     /// The group a [`shrink`](Group::shrink) made of this one.
     shrunk: Mutex<Option<Group>>,
     backend: Backend,
-}
-
-impl Drop for GroupInner {
-    fn drop(&mut self) {
-        self.backend.release_group();
-    }
+    /// The group's hold on the backend's communicators.
+    _claim: Claim,
 }
 
 impl fmt::Debug for Group {
@@ -161,16 +157,6 @@ impl fmt::Debug for Group {
         f.debug_struct("Group")
             .field("config", &self.inner.config)
             .finish_non_exhaustive()
-    }
-}
-
-/// A collectives handle's hold on a group's communicators
-/// ([`Group::claim_collectives`]); released on drop.
-pub(crate) struct CollectivesClaim(Arc<AtomicBool>);
-
-impl Drop for CollectivesClaim {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -211,20 +197,19 @@ impl Group {
                 expected: "strict, async or off (or unset: async)",
             });
         }
-        if !backend.claim_group() {
+        let Some(claim) = backend.claim_group() else {
             return Err(Error::Config {
                 setting: "Group::new",
                 value: "a backend another live group holds (while a pool or handle of it lives)"
                     .into(),
                 expected: "one live group per communicator set: pools on them share it; Group::split",
             });
-        }
-        // Released by the group's drop, or here if it is not made.
-        let opened = Self::opened(&backend, &config, deadline);
-        let (registrations, ledger, mode) = opened.inspect_err(|_| backend.release_group())?;
+        };
+        let (registrations, ledger, mode) = Self::opened(&backend, &config, deadline)?;
         Ok(Group {
             inner: Arc::new(GroupInner {
                 backend,
+                _claim: claim,
                 config,
                 mode,
                 ledger,
@@ -421,10 +406,7 @@ impl Group {
     /// Claim these communicators for one collectives handle (`coll::Coll`, which numbers
     /// the collectives issued on each, see `Coll::new`): `None` while another handle
     /// holds them; released when the claim is dropped.
-    pub(crate) fn claim_collectives(&self) -> Option<CollectivesClaim> {
-        let claimed = &self.inner.collectives_claimed;
-        (claimed.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire))
-            .ok()
-            .map(|_| CollectivesClaim(claimed.clone()))
+    pub(crate) fn claim_collectives(&self) -> Option<Claim> {
+        Claim::take(&self.inner.collectives_claimed)
     }
 }

@@ -238,16 +238,10 @@ impl Builder {
         let starting =
             unsafe { ffi::comm_split(self.nccl, parent, false, rank, cta_policy, blocking) };
         let op = "ncclCommSplit";
-        let lost = &|| self.lost();
-        finish_creation(
-            self.nccl,
-            starting,
-            op,
-            blocking,
-            self.deadline,
-            owner,
-            lost,
-        )
+        let (nccl, deadline) = (self.nccl, self.deadline);
+        finish_creation(nccl, starting, op, blocking, deadline, owner, &|| {
+            self.lost()
+        })
     }
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking

@@ -81,6 +81,15 @@ fn control() -> Comm {
 }
 
 fn split_blocking(control: &Comm, deadline: Deadline) -> Result<Comm> {
+    split_blocking_watched(control, deadline, &|| None)
+}
+
+/// As [`split_blocking`], ended early by the loss `lost` says.
+fn split_blocking_watched(
+    control: &Comm,
+    deadline: Deadline,
+    lost: &dyn Fn() -> Option<Error>,
+) -> Result<Comm> {
     let nccl = syms(true);
     // SAFETY: the fake control communicator, used by this thread only.
     let starting = unsafe {
@@ -100,7 +109,7 @@ fn split_blocking(control: &Comm, deadline: Deadline) -> Result<Comm> {
         true,
         deadline,
         Some(control),
-        &|| None,
+        lost,
     )
 }
 
@@ -171,19 +180,7 @@ fn a_creation_waiting_on_a_lost_peer_ends_with_the_loss_not_at_its_deadline() {
     let control = control();
     let parent = comm(control.raw);
     parent.stuck_split.store(true, Ordering::SeqCst);
-    let nccl = syms(true);
     let t0 = Instant::now();
-    // SAFETY: the fake control communicator, used by this thread only.
-    let starting = unsafe {
-        ffi::comm_split(
-            nccl,
-            control.raw,
-            false,
-            0,
-            ffi::NCCL_CTA_POLICY_DEFAULT,
-            true,
-        )
-    };
     let lost = || {
         Some(Error::PeerLost {
             rank: 2,
@@ -191,16 +188,7 @@ fn a_creation_waiting_on_a_lost_peer_ends_with_the_loss_not_at_its_deadline() {
             detail: "frozen".into(),
         })
     };
-    let deadline = Deadline::after(Duration::from_secs(600));
-    let r = finish_creation(
-        nccl,
-        starting,
-        "ncclCommSplit",
-        true,
-        deadline,
-        Some(&control),
-        &lost,
-    );
+    let r = split_blocking_watched(&control, Deadline::after(Duration::from_secs(600)), &lost);
     assert!(
         matches!(r, Err(Error::PeerLost { rank: 2, .. })),
         "{:?}",
