@@ -25,10 +25,13 @@
 #           shrink and train on); fails if any check fails. On torch's NCCL when it is
 #           installed (WORLD_NCCL=system keeps the system's); WORLD_BUDGET_S skips what
 #           would start after that many seconds (reported as not run, a failure);
-#           WORLD_REPEAT=N runs the kill and SIGSTOP trials N times
+#           WORLD_REPEAT=N runs the kill and SIGSTOP trials N times; WORLD_ONLY=REGEX
+#           runs only the worlds whose names match (in `same` too)
 #   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, test_gpu_world.py as
-#           two NCCL ranks on one GPU (simulated nodes), then with two GPUs FSDP2
-#           three ways (python/bench/fsdp2_compare.py under torchrun)
+#           two NCCL ranks on one GPU (simulated nodes) and as one node (NCCL 2.32.6),
+#           then FSDP2 with symmpool against FSDP2 as it comes
+#           (python/bench/fsdp2_compare.py under torchrun): with two GPUs three ways, on
+#           one GPU as two ranks of one node
 #   same:   two NCCL ranks on this one GPU as ONE node (NCCL >= 2.30,
 #           NCCL_MULTI_RANK_GPU_ENABLE=1, no NCCL_HOSTID; the NCCL 2.32.6 of the wheel, below):
 #           NCCL links them by P2P, so windows, the symmetric kernels and the copy-engine
@@ -244,6 +247,14 @@ run() {
       else
         echo "== test_gpu_world.py as one node: not run (no NCCL 2.32.6)"; status=1
       fi
+      if [ "${GPUS:-2}" -lt 2 ] && lib="$(nccl232)"; then
+        # FSDP2 with symmpool against FSDP2 as it comes, two ranks on this GPU as one
+        # node, interleaved twice (time slicing: compare the modes, not with NVLink).
+        echo "== fsdp2_compare: 2 ranks on one GPU as one node, NCCL 2.32.6"
+        PYTHONPATH="$site" CUDA_VISIBLE_DEVICES="${gpu%%,*}" LD_PRELOAD="$lib" NCCL_MULTI_RANK_GPU_ENABLE=1 \
+          timeout -k 30 400 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+          python/bench/fsdp2_compare.py --modes default,symmpool,default,symmpool --json "$out/fsdp2-same.json" || status=1
+      fi
       if [ "${GPUS:-2}" -ge 2 ]; then
         echo "== fsdp2_compare"
         PYTHONPATH="$site" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
@@ -294,6 +305,8 @@ for d in site.getsitepackages():
   # rank 0's calls took each path; a failed world fails the section.
   one() {
     local name="$1"; shift
+    # WORLD_ONLY: a regular expression; worlds whose names do not match are left out.
+    [ -z "${WORLD_ONLY:-}" ] || [[ $name =~ $WORLD_ONLY ]] || return 0
     if [ "$budget" -gt 0 ] && [ $((SECONDS - start)) -ge "$budget" ]; then
       echo "-- $name: not run (WORLD_BUDGET_S=$budget spent)" | tee -a "$log"; status=1; return
     fi
@@ -322,6 +335,7 @@ for d in site.getsitepackages():
   fsdp() {
     local n="$1" check files=()
     shift
+    [ -z "${WORLD_ONLY:-}" ] || [[ fsdp-$n =~ $WORLD_ONLY ]] || return 0
     local sizes=(--layers 2 --hidden 384 --batch 64 --steps 6 --compare --json --quiet)
     "$bin/fsdp_step" --backend host --ranks "$n" --check off "${sizes[@]}" >"$dir/host-$n.log" 2>&1 \
       || { echo "-- fsdp_step host $n ranks: failed" | tee -a "$log"; status=1; }

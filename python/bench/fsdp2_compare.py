@@ -264,7 +264,8 @@ def run_mode(mode, a, group, device, rank):
 
 def main():
     a = parse()
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    # Two ranks may share one GPU (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1).
+    local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
