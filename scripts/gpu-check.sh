@@ -316,7 +316,7 @@ for d in site.getsitepackages():
     {
       echo "-- $name: exit $code in $((SECONDS - t0)) s"
       grep '^nccl-world: \(SIG\|rank\|the world\)' "$w.out"
-      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|FAILED|HOSTCOST|PATHBENCH|calibrat|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|NULL window|^(lost|shrink|summary):|^losses at|^  (parameters|gradients|data|mode) |^ *(ring|symm|ce|auto|none) ' | sed 's/^/   /'
+      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|TEARDOWN|FAILED|HOSTCOST|PATHBENCH|calibrat|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|NULL window|^(lost|shrink|summary):|^losses at|^  (parameters|gradients|data|mode) |^ *(ring|symm|ce|auto|none) ' | sed 's/^/   /'
       if grep -q 'NCCL INFO' "$w/rank0.log" 2>/dev/null; then
         echo "   NCCL on rank 0: $(grep -c 'NCCL INFO.* via P2P' "$w/rank0.log") P2P and $(grep -c 'NCCL INFO.* via NET' "$w/rank0.log") NET channel lines; calls:" \
           "$(grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine|Hierarchical CE)\]|(AllGather|ReduceScatter|AllReduce): .*Algo [A-Z_]+' "$w/rank0.log" \
