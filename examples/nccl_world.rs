@@ -819,7 +819,12 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
     // Everything dropped: a broken backend's teardown is bounded too.
     // Each step's end on stderr as it happens: a teardown that hangs shows where.
     let dropping = Instant::now();
-    let step = |what: &str| eprintln!("[rank {me}] TEARDOWN {what} dropped at {:.2}s", dropping.elapsed().as_secs_f64());
+    let step = |what: &str| {
+        eprintln!(
+            "[rank {me}] TEARDOWN {what} dropped at {:.2}s",
+            dropping.elapsed().as_secs_f64()
+        )
+    };
     drop(kept);
     drop((input, output, coll));
     step("buffers");
