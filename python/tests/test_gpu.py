@@ -211,7 +211,8 @@ def test_comm_objects_write_a_trace_at_world_size_one(group, tmp_path):
 
     pool = symmpool.from_group(group, mode="adopt", name="trace-test")
     trace = Trace(pool.rank)
-    ag, rs = AllGather(pool, trace), ReduceScatter(pool, trace)
+    # Tagged, as `install` tags them: untagged collectives are refused by default.
+    ag, rs = AllGather(pool, trace, tag=1), ReduceScatter(pool, trace, tag=2)
     n = 1 << 20
     out = ag.allocate((n,), dtype=torch.bfloat16, device="cuda")
     out.copy_(torch.arange(n, device="cuda", dtype=torch.float32).to(torch.bfloat16))

@@ -65,6 +65,7 @@
 //! | any call on a non-blocking data communicator ([`NcclConfig::data_blocking`] `= false`) | non-blocking | `call_timeout`, polled | abort, [`Error::NcclTimeout`] |
 //! | abort (`ncclCommAbort` can block: NVIDIA/nccl issue 1777) | its own thread | not waited for; releases wait ≤ 10 s | window and segment leaked |
 //! | drop | — | idle device: ≤ 10 s for the aborts; work in flight: not waited for | communicators leaked |
+//! | draining (a pool's release, close or drop) once the backend is broken | — | 0.5 s (`DROP_DRAIN_WAIT`): aborted kernels end at once, and a copy-engine all-gather waiting on a lost peer (stream memory waits, which no abort ends) never does | its segments and windows leaked, the stream stays blocked |
 //!
 //! The watchdog (one thread per backend), on a deadline, a lost peer, an asynchronous
 //! NCCL error or a failed device, **revokes** the blocking data communicators
@@ -434,8 +435,8 @@ impl Collectives for NcclBackend {
     }
 }
 
-/// How long a drop waits for the device work already enqueued before it decides the
-/// device is busy (see the drop).
+/// How long a drop, or a drain once the backend is broken, waits for the device work
+/// already enqueued before it decides the device is busy (see the drop).
 const DROP_DRAIN_WAIT: Duration = Duration::from_millis(500);
 
 impl Drop for NcclBackend {

@@ -316,6 +316,16 @@ impl StreamOps for NcclBackend {
 
     fn drain(&self, deadline: Deadline) -> Result<bool> {
         self.bind()?;
+        // A broken backend's communicators are revoked and aborted, so their kernels
+        // end at once; work still running after `DROP_DRAIN_WAIT` waits on a lost peer
+        // by means no abort ends (a copy-engine all-gather's stream memory waits on its
+        // peers' flags, NCCL 2.28+) and never drains: do not wait the caller's timeout.
+        let broken = self.shared.health.is_broken();
+        let deadline = if broken {
+            deadline.cap(super::DROP_DRAIN_WAIT)
+        } else {
+            deadline
+        };
         // One event after everything enqueued so far on every stream that fenced.
         let streams: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
         let events = streams
