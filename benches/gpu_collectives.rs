@@ -462,12 +462,13 @@ mod gpu {
         let compute = r.nccl().cuda_stream().unwrap();
         let blas = gpu_math::Blas::new(compute.clone()).unwrap();
         let compute_s = Stream::cuda(compute.clone());
-        let mats = r.plain.alloc((3 * n * n * 2) as u64, &compute_s).unwrap();
+        let mut mats = r.plain.alloc((3 * n * n * 2) as u64, &compute_s).unwrap();
         fill(r, &mats);
         // A, B and C: three n×n bf16 matrices inside `mats`.
-        let v = mats.view::<bf16>().unwrap();
-        let matrix = |i: usize| v.slice(i * n * n, n * n).unwrap().cuda().unwrap();
-        let (a, b, mut c) = (matrix(0), matrix(1), matrix(2));
+        let (ab, mut c) = (mats.cuda_mut::<bf16>().unwrap())
+            .split_at_mut(2 * n * n)
+            .unwrap();
+        let (a, b) = ab.split_at_mut(n * n).unwrap();
         let gemm = gpu_math::dense(false, false, n, n, n, 1.0, 0.0).unwrap();
         let reg = r.reg.alloc(r.world() * bytes, &r.stream).unwrap();
         let plain = r.plain.alloc(r.world() * bytes, &r.stream).unwrap();

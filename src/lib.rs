@@ -107,7 +107,7 @@ pub use error::{CollectiveDivergence, Divergence, Error, ErrorKind, NcclVersion,
 pub use group::{CheckMode, Group, GroupConfig};
 pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
-pub use pool::CudaView;
+pub use pool::{CudaView, CudaViewMut};
 pub use pool::{
     FitReport, MAX_HISTORY, PoolConfig, ShrinkReport, SymmBuffer, SymmPool, TypedView, alloc,
     alloc_aligned, current,

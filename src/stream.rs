@@ -114,7 +114,7 @@ impl Stream {
     }
 
     /// The id of the device stream named `key`, if a value wrapped under it lives.
-    #[cfg(any(feature = "nccl", test))]
+    #[cfg(test)]
     pub(crate) fn known_id(kind: &'static str, key: (usize, usize)) -> Option<StreamId> {
         let known = KNOWN.lock();
         let k = known.get(&(kind, key.0, key.1))?;

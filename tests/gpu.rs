@@ -2,8 +2,9 @@
 //! reported as ignored with the reason (a failure under `SYMMPOOL_REQUIRE_GPU=1`).
 //!
 //! One GPU (NCCL at world size 1): segments and windows, bounded teardown on a stream
-//! that never finishes, cudarc access through `DevicePtr` (uses on other streams than
-//! the buffer's ordered against its reuse), collectives (all-reduce
+//! that never finishes, cudarc access through `DevicePtr`/`DevicePtrMut` (every use on
+//! other streams than the buffer's ordered against the others and its reuse, uses under
+//! capture kept out of the buffer's events), collectives (all-reduce
 //! with every reduction and type included) on NCCL's one-rank path, a step's collectives captured in a CUDA graph and replayed. Two GPUs: registration once per segment, collectives against a
 //! host reference for every type, reduction and placement, stream-safe reuse under a
 //! long-running kernel, bad input, checked collectives (every divergence kind of
@@ -410,11 +411,12 @@ mod gpu_tests {
             let blas = gpu_math::Blas::new(cuda_a.clone()).unwrap();
             let n = 8192usize;
             // Scratch for a long GEMM chain on stream A (not from the pool's cached sizes).
-            let scratch = pool.alloc((3 * n * n * 2) as u64, stream_a).unwrap();
+            let mut scratch = pool.alloc((3 * n * n * 2) as u64, stream_a).unwrap();
             // A, B and C: three n×n bf16 matrices inside `scratch`.
-            let v = scratch.view::<bf16>().unwrap();
-            let matrix = |i: usize| v.slice(i * n * n, n * n).unwrap().cuda().unwrap();
-            let (a, b, mut c) = (matrix(0), matrix(1), matrix(2));
+            let (ab, mut c) = (scratch.cuda_mut::<bf16>().unwrap())
+                .split_at_mut(2 * n * n)
+                .unwrap();
+            let (a, b) = ab.split_at_mut(n * n).unwrap();
             let gemm = gpu_math::dense(false, false, n, n, n, 1.0, 0.0).unwrap();
             let len = 4 * MIB;
             let x = pool.alloc(len, stream_a).unwrap();
@@ -680,13 +682,8 @@ mod gpu_tests {
         cs.memcpy_dtoh(&view.cuda().unwrap(), &mut host).unwrap();
         cs.synchronize().unwrap();
         assert_eq!(host, data[1000..1096]);
-        let mut dst = buf
-            .view::<f32>()
-            .unwrap()
-            .slice(0, 96)
-            .unwrap()
-            .cuda()
-            .unwrap();
+        let mut buf = buf;
+        let (mut dst, _) = (buf.cuda_mut::<f32>().unwrap()).split_at_mut(96).unwrap();
         cs.memcpy_htod(&host, &mut dst).unwrap();
         cs.synchronize().unwrap();
         assert_eq!(buf.read::<f32>().unwrap()[..96], data[1000..1096]);
@@ -776,11 +773,10 @@ mod gpu_tests {
             copy_on(on, &x, &mut y, through);
             let (segment, offset) = (x.segment(), x.offset_bytes());
             drop(x);
-            let x2 = pool.alloc(len as u64, &reuse).unwrap();
+            let mut x2 = pool.alloc(len as u64, &reuse).unwrap();
             assert_eq!((x2.segment(), x2.offset_bytes()), (segment, offset));
             let cs = reuse.cuda_stream().unwrap();
-            cs.memset_zeros(&mut x2.view::<u8>().unwrap().cuda().unwrap())
-                .unwrap();
+            cs.memset_zeros(&mut x2.cuda_mut::<u8>().unwrap()).unwrap();
             let overwritten = cs.record_event(None).unwrap();
             // Ordered, the overwrite cannot complete while the read is held: a second
             // shows it does not. Unordered, it completes at once.
@@ -865,6 +861,136 @@ mod gpu_tests {
         pool.close().unwrap();
         drop(pools);
         drop((home, reuse, wrapped, bare, wrapped_cs));
+    }
+
+    /// One GPU: views order every use of a buffer across streams, not only a stream's
+    /// first, as cudarc's read and write events do. Each case holds the first use at a
+    /// host function: a read on B after a write on A waits for the write (and sees it);
+    /// a write on A after a read on B waits for the read (which sees the old data); a
+    /// pool call on the buffer's own stream after a write on A waits for it. Without
+    /// the ordering each later use completes at once and sees the wrong bytes.
+    fn one_gpu_cuda_views_order_every_use_across_streams() {
+        let pools = common::gpu::world(1, &group(), config());
+        let pool = &pools[0];
+        let nccl = pool.backend().downcast_ref::<NcclBackend>().unwrap();
+        let home = pool.new_stream().unwrap();
+        let (a, b) = (nccl.cuda_stream().unwrap(), nccl.cuda_stream().unwrap());
+        let len = 4 * MIB as usize;
+        let mut x = pool.alloc(len as u64, &home).unwrap();
+        x.write(&vec![7u8; len]).unwrap();
+        let filled = |v: u8| a.clone_htod(&vec![v; len]).unwrap();
+        let (src22, src33, src44) = (filled(0x22), filled(0x33), filled(0x44));
+        let mut y = b.alloc_zeros::<u8>(len).unwrap();
+        a.synchronize().unwrap();
+        b.synchronize().unwrap();
+        let all = |got: &[u8], v: u8| got.iter().all(|&g| g == v);
+        let copy_out = |y: &cudarc::driver::CudaSlice<u8>| {
+            let mut got = vec![0u8; len];
+            b.memcpy_dtoh(y, &mut got).unwrap();
+            b.synchronize().unwrap();
+            got
+        };
+
+        // Write on A (held), then read on B.
+        let gate = stuck_cuda(&a);
+        a.memcpy_dtod(&src22, &mut x.cuda_mut::<u8>().unwrap())
+            .unwrap();
+        b.memcpy_dtod(&x.view::<u8>().unwrap().cuda().unwrap(), &mut y)
+            .unwrap();
+        let read = b.record_event(None).unwrap();
+        let early = completes_within(&read, Duration::from_secs(1));
+        open(&gate);
+        a.synchronize().unwrap();
+        assert!(!early, "the read on B did not wait for the write on A");
+        assert!(all(&copy_out(&y), 0x22), "the read on B missed A's write");
+
+        // Read on B (held), then write on A.
+        let gate = stuck_cuda(&b);
+        b.memcpy_dtod(&x.view::<u8>().unwrap().cuda().unwrap(), &mut y)
+            .unwrap();
+        a.memcpy_dtod(&src33, &mut x.cuda_mut::<u8>().unwrap())
+            .unwrap();
+        let written = a.record_event(None).unwrap();
+        let early = completes_within(&written, Duration::from_secs(1));
+        open(&gate);
+        a.synchronize().unwrap();
+        assert!(!early, "the write on A did not wait for the read on B");
+        assert!(
+            all(&copy_out(&y), 0x22),
+            "the read on B saw A's later write"
+        );
+        assert!(all(&x.read::<u8>().unwrap(), 0x33));
+
+        // Write on A (held), then the pool's own read on the buffer's stream.
+        let gate = stuck_cuda(&a);
+        a.memcpy_dtod(&src44, &mut x.cuda_mut::<u8>().unwrap())
+            .unwrap();
+        let opener = {
+            let gate = gate.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(500));
+                open(&gate);
+            })
+        };
+        let started = std::time::Instant::now();
+        let got = x.read::<u8>().unwrap();
+        let waited = started.elapsed();
+        opener.join().unwrap();
+        assert!(all(&got, 0x44), "the pool's read missed A's write");
+        assert!(waited >= Duration::from_millis(400), "{waited:?}");
+
+        // Nothing failed on the way (a failure inside the views is returned here).
+        drop(pool.alloc(4096, &home).unwrap());
+        drop(x);
+        pool.close().unwrap();
+        drop(pools);
+        drop((home, a, b));
+    }
+
+    /// One GPU: a view used on a stream that captures a CUDA graph waits for no event
+    /// recorded outside the capture (CUDA would refuse the capture); the graph's
+    /// launches do the use, ordered by the stream they run on.
+    fn one_gpu_cuda_views_under_capture_keep_the_capture() {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let pools = common::gpu::world(1, &group(), config());
+        let pool = &pools[0];
+        let (home, capturing) = (pool.new_stream().unwrap(), pool.new_stream().unwrap());
+        let cs = capturing.cuda_stream().unwrap().clone();
+        let len = MIB as usize;
+        let x = pool.alloc(len as u64, &home).unwrap();
+        let mut y = pool.alloc(len as u64, &capturing).unwrap();
+        // Events of x's on other streams before the capture, which it must not wait for.
+        let other = pool.new_stream().unwrap();
+        let os = other.cuda_stream().unwrap();
+        let mut scratch = os.alloc_zeros::<u8>(len).unwrap();
+        os.memcpy_dtod(&x.view::<u8>().unwrap().cuda().unwrap(), &mut scratch)
+            .unwrap();
+        os.synchronize().unwrap();
+        cs.synchronize().unwrap();
+        cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        let copied = cs.memcpy_dtod(
+            &x.view::<u8>().unwrap().cuda().unwrap(),
+            &mut y.cuda_mut::<u8>().unwrap(),
+        );
+        let graph = cs.end_capture(CUgraphInstantiate_flags(0));
+        copied.unwrap();
+        let graph = graph.unwrap().expect("a graph with the copy");
+        for replay in 0..3u8 {
+            x.write(&vec![replay + 1; len]).unwrap();
+            home.cuda_stream().unwrap().synchronize().unwrap();
+            graph.launch().unwrap();
+            cs.synchronize().unwrap();
+            let got = y.read::<u8>().unwrap();
+            assert!(got.iter().all(|&v| v == replay + 1), "replay {replay}");
+        }
+        drop(graph);
+        // Nothing failed on the way (a failure inside the views is returned here).
+        drop(pool.alloc(4096, &home).unwrap());
+        drop((x, y, scratch));
+        pool.close().unwrap();
+        drop(pools);
+        drop((home, capturing, other));
     }
 
     /// One GPU: the collectives run through NCCL's one-rank path and move the data.
@@ -1633,6 +1759,16 @@ mod gpu_tests {
                 "one_gpu_cuda_views_order_uses_on_other_streams",
                 1,
                 one_gpu_cuda_views_order_uses_on_other_streams,
+            ),
+            trial(
+                "one_gpu_cuda_views_order_every_use_across_streams",
+                1,
+                one_gpu_cuda_views_order_every_use_across_streams,
+            ),
+            trial(
+                "one_gpu_cuda_views_under_capture_keep_the_capture",
+                1,
+                one_gpu_cuda_views_under_capture_keep_the_capture,
             ),
             trial(
                 "one_gpu_collectives_at_world_size_one",

@@ -14,7 +14,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclConfig};
-use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
+use symmpool::{
+    Backend, CudaView, CudaViewMut, Element, Result, Stream, SymmBuffer, SymmPool, bf16,
+};
 
 /// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each, and
 /// the events it records between them (made once, recorded again).
@@ -107,9 +109,17 @@ fn driver(op: &'static str) -> impl FnOnce(DriverError) -> symmpool::Error {
     }
 }
 
-/// The buffer's bf16 elements as a device view.
+/// The buffer's bf16 elements as a device view to read.
 fn bf16s(b: &SymmBuffer) -> Result<CudaView<'_, bf16>> {
     b.view::<bf16>()?.cuda()
+}
+
+/// The buffer's elements as a device view to write.
+fn written<T: Element>(b: &SymmBuffer) -> Result<CudaViewMut<'_, T>> {
+    // SAFETY: the `Math` calls take the buffers they write as shared borrows, but the
+    // trainer hands each call a buffer that no other view uses meanwhile: its streams'
+    // events order the calls on different streams.
+    unsafe { b.view::<T>()?.cuda_mut_unchecked() }
 }
 
 impl GpuMath {
@@ -142,19 +152,19 @@ impl Math for GpuMath {
     ) -> Result<()> {
         let cfg = cublas::dense(ta, tb, m, n, k, alpha, beta)?;
         self.blas(on)
-            .gemm_bf16(&cfg, &bf16s(a)?, &bf16s(b)?, &mut bf16s(c)?)
+            .gemm_bf16(&cfg, &bf16s(a)?, &bf16s(b)?, &mut written(c)?)
     }
     fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, chunk: usize, y: &SymmBuffer) -> Result<()> {
-        let mut y = bf16s(y)?;
+        let mut y = written(y)?;
         let n = y.len();
         let x = x.view::<bf16>()?.slice(chunk * n, n)?.cuda()?;
         self.blas(on).axpy_bf16(alpha, &x, &mut y)
     }
     fn scal(&self, on: On, alpha: f32, x: &SymmBuffer) -> Result<()> {
-        self.blas(on).scal_bf16(alpha, &mut bf16s(x)?)
+        self.blas(on).scal_bf16(alpha, &mut written(x)?)
     }
     fn copy(&self, on: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()> {
-        let (src, mut dst) = (src.view::<u8>()?.cuda()?, dst.view::<u8>()?.cuda()?);
+        let (src, mut dst) = (src.view::<u8>()?.cuda()?, written::<u8>(dst)?);
         if dst.len() < src.len() {
             return Err(symmpool::Error::BadView(format!(
                 "copying {} bytes into {}",
@@ -167,7 +177,8 @@ impl Math for GpuMath {
             .map_err(driver("cuMemcpyDtoDAsync"))
     }
     fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
-        let mut out = out.view::<f32>()?.slice(slot, 1)?.cuda()?;
+        let (_, out) = written::<f32>(out)?.split_at_mut(slot)?;
+        let (mut out, _) = out.split_at_mut(1)?;
         self.blas(on).sumsq_bf16(&bf16s(x)?, &mut out)
     }
     type Ev = Event;

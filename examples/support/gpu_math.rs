@@ -1,6 +1,7 @@
 //! cuBLAS (through cudarc) for the GPU parts of the example, tests and benchmarks:
 //! bf16 GEMMs with fp32 accumulation, axpy, scal and a sum of squares, on typed views
-//! of pool buffers ([`CudaView`], made by `TypedView::cuda`). Column-major, as cuBLAS
+//! of pool buffers (read through `CudaView`, made by `TypedView::cuda`, or any cudarc
+//! slice; written through `CudaViewMut`, made by `SymmBuffer::cuda_mut`). Column-major, as cuBLAS
 //! is; [`dense`] configures a GEMM of dense matrices (leading dimension = rows).
 //!
 //! The calls are safe: each checks its shapes against the views' lengths and the
@@ -23,7 +24,7 @@ use cudarc::cublas::{CudaBlas, GemmConfig, result, sys};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
-use symmpool::{CudaView, Error, Result, bf16};
+use symmpool::{CudaViewMut, Error, Result, bf16};
 
 /// A cuBLAS handle bound to one stream (default host pointer mode: alpha and beta are
 /// host scalars).
@@ -160,7 +161,7 @@ impl Blas {
     }
 
     /// [`Error::WrongStream`] unless `view` is memory of the handle's device (context).
-    fn same_device<T>(&self, view: &CudaView<'_, T>) -> Result<()> {
+    fn same_device<T>(&self, view: &impl DeviceSlice<T>) -> Result<()> {
         if view.stream().context() == self.stream.context() {
             Ok(())
         } else {
@@ -177,9 +178,9 @@ impl Blas {
     pub fn gemm_bf16(
         &self,
         cfg: &GemmConfig<f32>,
-        a: &CudaView<'_, bf16>,
-        b: &CudaView<'_, bf16>,
-        c: &mut CudaView<'_, bf16>,
+        a: &impl DevicePtr<bf16>,
+        b: &impl DevicePtr<bf16>,
+        c: &mut CudaViewMut<'_, bf16>,
     ) -> Result<()> {
         self.gemm_ex(cfg, a, b, c, "cublasGemmEx")
     }
@@ -192,7 +193,11 @@ impl Blas {
     /// [`Error::BadView`] if `out` is empty or `x` longer than an `int`;
     /// [`Error::WrongStream`] for a view of another device; [`Error::Cuda`] if cuBLAS
     /// fails.
-    pub fn sumsq_bf16(&self, x: &CudaView<'_, bf16>, out: &mut CudaView<'_, f32>) -> Result<()> {
+    pub fn sumsq_bf16(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
         let cfg = dense(true, false, 1, 1, x.len(), 1.0, 0.0)?;
         self.gemm_ex(&cfg, x, x, out, "cublasGemmEx (sum of squares)")
     }
@@ -202,9 +207,9 @@ impl Blas {
     fn gemm_ex<C: Output>(
         &self,
         cfg: &GemmConfig<f32>,
-        a: &CudaView<'_, bf16>,
-        b: &CudaView<'_, bf16>,
-        c: &mut CudaView<'_, C>,
+        a: &impl DevicePtr<bf16>,
+        b: &impl DevicePtr<bf16>,
+        c: &mut CudaViewMut<'_, C>,
         op: &'static str,
     ) -> Result<()> {
         let (a_rows, a_cols) = stored(cfg.transa, cfg.m, cfg.k);
@@ -264,8 +269,8 @@ impl Blas {
     pub fn axpy_bf16(
         &self,
         alpha: f32,
-        x: &CudaView<'_, bf16>,
-        y: &mut CudaView<'_, bf16>,
+        x: &impl DevicePtr<bf16>,
+        y: &mut CudaViewMut<'_, bf16>,
     ) -> Result<()> {
         if y.len() < x.len() {
             return Err(Error::BadView(format!(
@@ -306,7 +311,7 @@ impl Blas {
     /// # Errors
     /// [`Error::WrongStream`] for a view of another device; [`Error::Cuda`] if cuBLAS
     /// fails.
-    pub fn scal_bf16(&self, alpha: f32, x: &mut CudaView<'_, bf16>) -> Result<()> {
+    pub fn scal_bf16(&self, alpha: f32, x: &mut CudaViewMut<'_, bf16>) -> Result<()> {
         self.same_device(x)?;
         let n = element_count(x.len())?;
         let (x_ptr, _x) = x.device_ptr_mut(&self.stream);

@@ -3,25 +3,23 @@
 use super::{SegmentEntry, SymmPool};
 use crate::backend::{Region, Window};
 use crate::core::{BlockId, Placement, SegmentId};
-#[cfg(feature = "nccl")]
-use crate::core::{StreamId, Wait};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use parking_lot::Mutex;
-#[cfg(feature = "nccl")]
-use smallvec::SmallVec;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
+#[cfg(feature = "nccl")]
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 #[cfg(feature = "nccl")]
 mod cuda;
 #[cfg(feature = "nccl")]
-pub use cuda::CudaView;
+pub use cuda::{CudaView, CudaViewMut};
 #[cfg(feature = "nccl")]
-use cuda::{FOREIGN_STREAMS, Foreign};
+use cuda::{FOREIGN_STREAMS, Foreign, PENDING};
 #[cfg(feature = "nccl")]
 use std::sync::OnceLock;
 
@@ -48,21 +46,16 @@ pub struct SymmBuffer {
     others: Mutex<Vec<Stream>>,
     /// The id of the stream a collective last used the buffer on (at first its own
     /// stream): a collective on it again has nothing to record and takes no lock.
+    /// `PENDING` while uses through [`CudaView`]s on other streams wait to be joined.
     last_stream: AtomicU64,
-    /// Where the memory's earlier users were done: the fences the allocation waited
-    /// for, and the allocating stream's own. A use through a [`CudaView`] on another
-    /// stream waits for them first.
-    #[cfg(feature = "nccl")]
-    before: SmallVec<[Wait; 2]>,
-    /// The streams that [`CudaView`]s used the buffer on, with [`Stream`]s of theirs
-    /// (recorded in `others`, and ordered after `before`).
-    #[cfg(feature = "nccl")]
-    view_streams: Mutex<SmallVec<[StreamId; 2]>>,
-    /// Uses through [`CudaView`]s on streams that no [`Stream`] wraps: an event per
-    /// stream, recorded after each use, that the buffer's stream waits for when the
-    /// buffer is freed (made at the first such use).
+    /// Uses through [`CudaView`]s on streams other than the buffer's: an event per
+    /// stream, recorded after each use (made at the first such use).
     #[cfg(feature = "nccl")]
     foreign: OnceLock<Box<[OnceLock<Foreign>; FOREIGN_STREAMS]>>,
+    /// 1 + the slot of `foreign` that the last write on another stream recorded (0:
+    /// none).
+    #[cfg(feature = "nccl")]
+    writer: AtomicUsize,
 }
 
 impl fmt::Debug for SymmBuffer {
@@ -94,16 +87,9 @@ impl SymmBuffer {
             block_bytes: p.size_bytes,
             last_stream: AtomicU64::new(stream.id().0),
             #[cfg(feature = "nccl")]
-            before: (p.waits.iter().copied())
-                .chain(p.own_fence.map(|fence| Wait {
-                    stream: stream.id(),
-                    fence,
-                }))
-                .collect(),
-            #[cfg(feature = "nccl")]
-            view_streams: Mutex::new(SmallVec::new()),
-            #[cfg(feature = "nccl")]
             foreign: OnceLock::new(),
+            #[cfg(feature = "nccl")]
+            writer: AtomicUsize::new(0),
             stream,
             others: Mutex::new(Vec::new()),
         }
@@ -208,18 +194,43 @@ impl SymmBuffer {
         self.use_on_another(stream)
     }
 
-    /// A collective on a stream other than the last one: record it, unless it was
-    /// recorded before (then only the buffer's own lock is taken).
+    /// A collective on a stream other than the last one, or after uses through views
+    /// on other streams: join those, and record the stream unless it was recorded
+    /// before (then only the buffer's own lock is taken).
     #[cold]
     #[inline(never)]
     fn use_on_another(&self, stream: &Stream) -> Result<()> {
-        let id = stream.id();
-        let known = id == self.stream.id() || self.others.lock().iter().any(|s| s.id() == id);
-        if !known {
-            self.record_stream(stream)?;
+        self.join_views(stream);
+        self.note_stream(stream)?;
+        #[cfg(feature = "nccl")]
+        if self.last_stream.load(Ordering::Acquire) == PENDING {
+            return Ok(()); // not joined: `stream` captures
         }
         self.last_stream.store(stream.id().0, Ordering::Release);
         Ok(())
+    }
+
+    /// [`record_stream`](Self::record_stream), unless the stream is known already.
+    fn note_stream(&self, stream: &Stream) -> Result<()> {
+        let id = stream.id();
+        let known = id == self.stream.id() || self.others.lock().iter().any(|s| s.id() == id);
+        if known {
+            Ok(())
+        } else {
+            self.record_stream(stream)
+        }
+    }
+
+    /// Make `stream` wait for the uses through [`CudaView`]s on other streams that the
+    /// buffer's stream has not joined yet (see [`CudaView`]).
+    #[inline]
+    fn join_views(&self, stream: &Stream) {
+        #[cfg(feature = "nccl")]
+        if let Some(cs) = stream.cuda_stream() {
+            self.join_views_cuda(cs);
+        }
+        #[cfg(not(feature = "nccl"))]
+        let _ = stream;
     }
 
     /// The allocating stream and the recorded ones.
@@ -371,6 +382,7 @@ impl<'a, T: Element> TypedView<'a, T> {
             let (n, len) = (data.len(), region.len_bytes());
             Error::BadView(format!("writing {n} bytes at 0 into a view of {len} bytes"))
         })?;
+        self.buf.join_views(&self.buf.stream);
         let mover = self.buf.pool.backend().data();
         mover.write(target, data, &self.buf.stream)
     }
@@ -382,6 +394,7 @@ impl<'a, T: Element> TypedView<'a, T> {
     pub fn to_vec(&self) -> Result<Vec<T>> {
         self.buf.pool.check_memory()?;
         let mut out = vec![T::zeroed(); self.len];
+        self.buf.join_views(&self.buf.stream);
         self.buf.pool.backend().data().read(
             self.region()?,
             bytemuck::cast_slice_mut(&mut out),

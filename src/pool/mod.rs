@@ -21,7 +21,7 @@ mod state;
 mod stats;
 
 #[cfg(feature = "nccl")]
-pub use buffer::CudaView;
+pub use buffer::{CudaView, CudaViewMut};
 pub use buffer::{SymmBuffer, TypedView};
 pub use config::{MAX_HISTORY, PoolConfig};
 pub(crate) use events::role_name;

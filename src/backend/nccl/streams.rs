@@ -6,7 +6,7 @@ use super::comm::Device;
 use super::health::poll_until;
 use super::{CUstream, NcclBackend, ffi};
 use crate::backend::{Backend, DataMover, Region, StreamOps};
-use crate::core::{Fence, StreamId, Wait};
+use crate::core::{Fence, StreamId};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
@@ -39,11 +39,6 @@ impl Stream {
     /// [`Stream::cuda`] or [`Stream::from_raw_cuda`], and not dropped since).
     pub(crate) fn known_cuda(stream: &CudaStream) -> Option<Stream> {
         Stream::find::<CudaStream>(KIND, cuda_key(stream)?)
-    }
-
-    /// The id of [`known_cuda`](Self::known_cuda)'s stream, without making it.
-    pub(crate) fn known_cuda_id(stream: &CudaStream) -> Option<StreamId> {
-        Stream::known_id(KIND, cuda_key(stream)?)
     }
 
     /// The stream of a runtime without cudarc, by its raw `CUstream`, on an NCCL
@@ -204,24 +199,10 @@ impl NcclBackend {
         Ok(stream)
     }
 
-    /// Make `cs` wait (device-side) for each of `waits`, fences recorded on this
-    /// backend's streams: a stream the caller may not have wrapped as a [`Stream`]
-    /// (see `CudaView`).
-    pub(crate) fn wait_fences_on(&self, cs: &CudaStream, waits: &[Wait]) -> Result<()> {
-        if waits.is_empty() {
-            return Ok(());
-        }
-        let t = self.fences.lock();
-        for w in waits {
-            if t.done.get(&w.stream).is_some_and(|&d| w.fence.0 <= d) {
-                continue;
-            }
-            // Only collected events are missing, and those are complete.
-            if let Some(e) = t.events.get(&(w.stream, w.fence.0)) {
-                cs.wait(e).map_err(ffi::cuda("cuStreamWaitEvent"))?;
-            }
-        }
-        Ok(())
+    /// Make `cs` wait (device-side) for the work enqueued on `on` so far (see
+    /// `CudaView`).
+    pub(crate) fn join_cuda(cs: &CudaStream, on: &CudaStream) -> Result<()> {
+        cs.join(on).map_err(ffi::cuda("cuStreamWaitEvent"))
     }
 
     /// Whether `cs` is capturing a CUDA graph.
@@ -289,7 +270,16 @@ impl StreamOps for NcclBackend {
     }
 
     fn wait_fence(&self, stream: &Stream, on: StreamId, fence: Fence) -> Result<()> {
-        self.wait_fences_on(self.cuda_of(stream)?, &[Wait { stream: on, fence }])
+        let cs = self.cuda_of(stream)?;
+        let t = self.fences.lock();
+        if t.done.get(&on).is_some_and(|&d| fence.0 <= d) {
+            return Ok(());
+        }
+        // Only collected events are missing, and those are complete.
+        match t.events.get(&(on, fence.0)) {
+            Some(e) => cs.wait(e).map_err(ffi::cuda("cuStreamWaitEvent")),
+            None => Ok(()),
+        }
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {

@@ -1,31 +1,66 @@
-//! [`CudaView`]: a typed view of a pool buffer as a cudarc device slice, and how the
-//! buffer orders its uses on other streams than its own.
+//! [`CudaView`] and [`CudaViewMut`]: typed views of a pool buffer as cudarc device
+//! slices, and how the buffer orders their uses across streams.
+//!
+//! A write view needs the buffer borrowed mutably, so safe code never holds two write
+//! views of one buffer, nor a write view beside a read view:
+//!
+//! ```compile_fail,E0499
+//! fn two_writers(b: &mut symmpool::SymmBuffer) {
+//!     let w1 = b.cuda_mut::<f32>().unwrap();
+//!     let w2 = b.cuda_mut::<f32>().unwrap(); // error[E0499]
+//!     let _live = (w1, w2);
+//! }
+//! ```
+//!
+//! ```compile_fail,E0502
+//! fn reader_and_writer(b: &mut symmpool::SymmBuffer) {
+//!     let r = b.view::<f32>().unwrap().cuda().unwrap();
+//!     let w = b.cuda_mut::<f32>().unwrap(); // error[E0502]
+//!     let _live = (r, w);
+//! }
+//! ```
+//!
+//! and a read view is no `DevicePtrMut`:
+//!
+//! ```compile_fail,E0277
+//! fn write(_: &mut impl cudarc::driver::DevicePtrMut<f32>) {}
+//! fn through_a_reader(b: &symmpool::SymmBuffer) {
+//!     write(&mut b.view::<f32>().unwrap().cuda().unwrap()); // error[E0277]
+//! }
+//! ```
 
 use super::{SymmBuffer, TypedView};
 use crate::backend::NcclBackend;
+use crate::backend::nccl::{cuda_key, same_cuda_stream};
+use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
-use cudarc::driver::{CudaEvent, CudaStream, SyncOnDrop, sys::CUdeviceptr};
+use cudarc::driver::{CudaEvent, CudaStream, DeviceSlice, SyncOnDrop, sys::CUdeviceptr};
 use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
-/// How many streams that no [`Stream`] wraps a buffer records [`CudaView`] uses on
-/// with events; a use on one more synchronises that stream instead.
+/// How many streams other than its own a buffer keeps an event for; a view's use on
+/// one more synchronises that stream instead.
 pub(super) const FOREIGN_STREAMS: usize = 4;
 
-/// An event recorded after the uses through [`CudaView`]s on one stream that no
-/// [`Stream`] wraps.
+/// The buffer's `last_stream` while uses through views on other streams are not yet
+/// joined by its own stream (no stream has this id).
+pub(super) const PENDING: u64 = u64::MAX;
+
+/// The event recorded after each use through a view on one stream other than the
+/// buffer's.
 pub(super) struct Foreign {
     /// The stream's context and raw handle.
     key: (usize, usize),
     event: CudaEvent,
 }
 
-impl<'a, T: crate::dtype::Element> TypedView<'a, T> {
-    /// This view as a cudarc device slice ([`cudarc::driver::DevicePtr`] /
-    /// [`cudarc::driver::DevicePtrMut`]), for cuBLAS, kernels and cudarc's own calls,
-    /// with no raw address in the caller's code. Its stream is the buffer's
-    /// allocating stream; cudarc may use it on any stream (see [`CudaView`]).
+impl<'a, T: Element> TypedView<'a, T> {
+    /// This view as a cudarc device slice to read ([`cudarc::driver::DevicePtr`]),
+    /// for cuBLAS, kernels and cudarc's own calls, with no raw address in the caller's
+    /// code. Its stream is the buffer's allocating stream; cudarc may use it on any
+    /// stream (see [`CudaView`]). To write, see [`SymmBuffer::cuda_mut`].
     ///
     /// # Errors
     /// [`Error::WrongStream`] for a buffer of a host pool.
@@ -40,98 +75,146 @@ impl<'a, T: crate::dtype::Element> TypedView<'a, T> {
             _view: PhantomData,
         })
     }
+
+    /// This view as a cudarc device slice to write, from a shared borrow: what
+    /// [`SymmBuffer::cuda_mut`] gives, for callers that keep their buffers shared.
+    ///
+    /// # Errors
+    /// As [`cuda`](Self::cuda).
+    ///
+    /// # Safety
+    /// While the view lives, no other view of these elements is used (read or
+    /// written, through a view or a pool call) unless the caller orders it, as for
+    /// two `&mut` of one slice. The uses are ordered across streams as [`CudaView`]
+    /// says.
+    pub unsafe fn cuda_mut_unchecked(&self) -> Result<CudaViewMut<'a, T>> {
+        self.cuda().map(CudaViewMut)
+    }
 }
 
-/// Uses through [`CudaView`]s on other streams than the buffer's.
 impl SymmBuffer {
-    /// cudarc asks for the memory on `cs` through a view whose home is the buffer's
-    /// stream `home`: order the use (see [`CudaView`]); what to do once it is enqueued.
+    /// The whole buffer as a cudarc device slice to write
+    /// ([`cudarc::driver::DevicePtrMut`]; to read too), borrowing the buffer
+    /// exclusively; [`CudaViewMut::split_at_mut`] cuts it.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if `T`'s size does not divide `len_bytes()`;
+    /// [`Error::WrongStream`] for a buffer of a host pool.
+    pub fn cuda_mut<T: Element>(&mut self) -> Result<CudaViewMut<'_, T>> {
+        // SAFETY: the buffer is borrowed mutably for the view's life: no other view
+        // of it exists meanwhile.
+        unsafe { self.view::<T>()?.cuda_mut_unchecked() }
+    }
+
+    /// cudarc asks for the memory on `cs` (to write, if `write`) through a view whose
+    /// home is the buffer's stream `home`: order the use (see [`CudaView`]); what to
+    /// do once it is enqueued.
     #[inline]
-    fn cuda_use<'b>(&'b self, home: &CudaStream, cs: &'b CudaStream) -> SyncOnDrop<'b> {
-        if crate::backend::nccl::same_cuda_stream(home, cs) {
+    fn cuda_use<'b>(
+        &'b self,
+        home: &CudaStream,
+        cs: &'b CudaStream,
+        write: bool,
+    ) -> SyncOnDrop<'b> {
+        if same_cuda_stream(home, cs) && self.last_stream.load(Ordering::Acquire) != PENDING {
             return SyncOnDrop::Sync(None);
         }
-        self.cuda_use_elsewhere(home, cs)
+        self.cuda_use_elsewhere(home, cs, write)
     }
 
     #[cold]
     #[inline(never)]
-    fn cuda_use_elsewhere<'b>(&'b self, home: &CudaStream, cs: &'b CudaStream) -> SyncOnDrop<'b> {
+    fn cuda_use_elsewhere<'b>(
+        &'b self,
+        home: &CudaStream,
+        cs: &'b CudaStream,
+        write: bool,
+    ) -> SyncOnDrop<'b> {
         // The caller took over the ordering between streams (cudarc's unsafe
         // `disable_event_tracking`): nothing, as cudarc's own views do.
         if !cs.context().is_event_tracking() {
             return SyncOnDrop::Sync(None);
         }
-        let home_ctx = home.context().cu_ctx();
-        let wrapped = (cs.context().cu_ctx() == home_ctx)
-            .then(|| Stream::known_cuda_id(cs))
-            .flatten();
-        // A stream of this device that a `Stream` wraps, already recorded and ordered.
-        if let Some(id) = wrapped
-            && self.view_streams.lock().contains(&id)
-        {
+        if same_cuda_stream(home, cs) {
+            self.join_views_cuda(cs);
             return SyncOnDrop::Sync(None);
         }
-        let Some(nccl) = self.pool.backend().downcast_ref::<NcclBackend>() else {
-            // Not the NCCL backend's memory (no fences to wait for): synchronise.
-            return SyncOnDrop::Sync(Some(cs));
-        };
-        match NcclBackend::capturing_cuda(cs) {
-            // Captured work runs when its graph is launched, not now: nothing to order.
-            Ok(true) => return SyncOnDrop::Sync(None),
-            Ok(false) => {}
-            Err(e) => self.view_failed("asking whether a stream captures", e),
-        }
-        // Never touch the memory while its earlier users may still use it.
-        if let Err(e) = nccl.wait_fences_on(cs, &self.before) {
-            self.view_failed("waiting for the memory's earlier users", e);
-        }
-        if wrapped.is_some()
-            && let Some(stream) = Stream::known_cuda(cs)
-            && self.record_stream(&stream).is_ok()
-        {
-            // Freed, the buffer fences this stream; the memory is reused after it.
-            let mut seen = self.view_streams.lock();
-            if !seen.contains(&stream.id()) {
-                seen.push(stream.id());
+        if self.capturing(cs) {
+            // No event crosses a capture's edge. A stream a `Stream` wraps is recorded
+            // as a collective's is: the free fences it, after graphs launched there.
+            if let Some(stream) = Stream::known_cuda(cs)
+                && let Err(e) = self.note_stream(&stream)
+            {
+                self.view_failed("recording a captured use", e);
             }
             return SyncOnDrop::Sync(None);
         }
-        self.foreign_use(cs)
-    }
-
-    /// A use on `cs`, a stream no [`Stream`] wraps: an event recorded after it
-    /// (cudarc's `SyncOnDrop::Record`), which the buffer's stream waits for when it is
-    /// freed; or, where that cannot be, a synchronisation of `cs` after the use.
-    fn foreign_use<'b>(&'b self, cs: &'b CudaStream) -> SyncOnDrop<'b> {
+        // After the buffer's stream's work so far: the pool's calls, the memory's
+        // earlier users (the allocation waited for them there), and what it joined.
+        if !self.capturing(home)
+            && let Err(e) = NcclBackend::join_cuda(cs, home)
+        {
+            self.view_failed("ordering a use after the buffer's stream", e);
+        }
         // cudarc records nothing in single-stream mode; the per-thread default stream
         // is a different stream on each thread.
-        let key = crate::backend::nccl::cuda_key(cs);
-        let Some(key) = key.filter(|_| cs.context().is_managing_stream_synchronization()) else {
+        let key = cuda_key(cs).filter(|_| cs.context().is_managing_stream_synchronization());
+        let own = key.and_then(|key| self.foreign_slot(key, cs));
+        // A write after every use elsewhere; a read after the last write. The slot's
+        // last record may be from an earlier stream with this handle (destroyed since):
+        // waited for too, so that the next record covers it.
+        let (writer, own_i) = (self.writer.load(Ordering::Acquire), own.map(|o| o.0));
+        self.wait_foreign(cs, |i| write || Some(i) == own_i || i + 1 == writer);
+        let Some((i, foreign)) = own else {
             return SyncOnDrop::Sync(Some(cs));
         };
-        let Some(foreign) = self.foreign_slot(key, cs) else {
-            return SyncOnDrop::Sync(Some(cs));
-        };
-        // The event's last record may be from an earlier stream with this handle
-        // (destroyed since): this one waits for it, so that the next record covers it.
-        if let Err(e) = NcclBackend::wait_event(cs, &foreign.event) {
-            self.view_failed("ordering a stream after earlier uses", e);
-            return SyncOnDrop::Sync(Some(cs));
+        if write {
+            self.writer.store(i + 1, Ordering::Release);
         }
+        self.last_stream.store(PENDING, Ordering::Release);
         SyncOnDrop::Record(Some((&foreign.event, cs)))
     }
 
-    /// The event for uses on the stream `key` (made in `cs`'s context if new); `None`
-    /// when every slot holds another stream's or no event can be made.
-    fn foreign_slot(&self, key: (usize, usize), cs: &CudaStream) -> Option<&Foreign> {
+    /// Whether `cs` captures a CUDA graph (a failure to ask is recorded: no).
+    fn capturing(&self, cs: &CudaStream) -> bool {
+        (NcclBackend::capturing_cuda(cs))
+            .unwrap_or_else(|e| self.view_failed("asking whether a stream captures", e))
+    }
+
+    /// `cs` waits (device-side) for the events of the slots `which` picks.
+    fn wait_foreign(&self, cs: &CudaStream, which: impl Fn(usize) -> bool) {
+        let Some(slots) = self.foreign.get() else {
+            return;
+        };
+        for (_, slot) in slots.iter().enumerate().filter(|(i, _)| which(*i)) {
+            if let Some(f) = slot.get()
+                && let Err(e) = NcclBackend::wait_event(cs, &f.event)
+            {
+                self.view_failed("ordering a use after uses on other streams", e);
+            }
+        }
+    }
+
+    /// A use on the buffer's stream (`cs`, or a stream a collective runs on) after
+    /// uses through views on other streams: it waits for them all, unless it captures.
+    pub(super) fn join_views_cuda(&self, cs: &CudaStream) {
+        if self.last_stream.load(Ordering::Acquire) != PENDING || self.capturing(cs) {
+            return;
+        }
+        (self.last_stream).store(self.stream.id().0, Ordering::Release);
+        self.wait_foreign(cs, |_| true);
+    }
+
+    /// The slot and event for uses on the stream `key` (made in `cs`'s context if
+    /// new); `None` when every slot holds another stream's or no event can be made.
+    fn foreign_slot(&self, key: (usize, usize), cs: &CudaStream) -> Option<(usize, &Foreign)> {
         let slots = self
             .foreign
             .get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
-        for slot in slots.iter() {
+        for (i, slot) in slots.iter().enumerate() {
             if let Some(f) = slot.get() {
                 if f.key == key {
-                    return Some(f);
+                    return Some((i, f));
                 }
                 continue;
             }
@@ -145,69 +228,74 @@ impl SymmBuffer {
             // Another thread may take this slot first (the event made here goes).
             let f = slot.get_or_init(|| Foreign { key, event });
             if f.key == key {
-                return Some(f);
+                return Some((i, f));
             }
         }
         None
     }
 
-    /// Before the buffer is freed: its stream waits for the uses on streams that no
-    /// [`Stream`] wraps, so that the fence recorded on it at the free covers them.
+    /// Before the buffer is freed: its stream waits for the uses on other streams, so
+    /// that the fence recorded on it at the free covers them.
     pub(super) fn join_foreign(&self) {
-        let (Some(slots), Some(home)) = (self.foreign.get(), self.stream.cuda_stream()) else {
-            return;
-        };
-        for f in slots.iter().filter_map(OnceLock::get) {
-            if let Err(e) = NcclBackend::wait_event(home, &f.event) {
-                self.view_failed("ordering the free after uses on other streams", e);
-            }
+        if let Some(home) = self.stream.cuda_stream() {
+            self.wait_foreign(home, |_| true);
         }
     }
 
     /// A failure while ordering a view's use: returned by the pool's next call.
     #[cold]
-    fn view_failed(&self, what: &str, e: Error) {
+    fn view_failed(&self, what: &str, e: Error) -> bool {
         let during = format!("{what} (allocation #{})", self.block.seq);
         self.pool.record_deferred_error(during, e);
+        false
     }
 }
 
-/// A typed view of a pool buffer as a cudarc device slice; made by
-/// [`TypedView::cuda`]. It borrows the buffer, so the memory outlives it.
+/// A typed view of a pool buffer as a cudarc device slice to read
+/// ([`cudarc::driver::DevicePtr`]); made by [`TypedView::cuda`]. It borrows the
+/// buffer, so the memory outlives it. [`CudaViewMut`] writes.
 ///
 /// # Streams
 ///
-/// cudarc asks for the memory on the stream its call runs on, and the view orders that
-/// use as cudarc's own slices do, with the pool's fences:
+/// cudarc asks for the memory on the stream `S` its call runs on, and the view orders
+/// that use as cudarc's `CudaSlice` does with its read and write events, every use,
+/// with the buffer's stream `H` as the hub:
 ///
-/// - On the buffer's own stream: nothing to do (the pool orders the memory's reuse on
-///   that stream already). This is the cheap path: a comparison of two handles.
-/// - On another stream `S` of the device, the first time:
-///   1. `S` waits (device-side) for the memory's earlier users: the fences the
-///      allocation waited for, and the buffer's stream's own. So `S` never touches
-///      memory that another stream still uses from before this allocation.
-///   2. The use is recorded so that the memory is reused only after it. When a
-///      [`Stream`] wraps `S` ([`Stream::cuda`] or `Stream::from_raw_cuda`, still
-///      alive), as [`SymmBuffer::record_stream`] records it: a fence on `S` when the
-///      buffer is freed, device-side waits at reuse. Later uses on `S` cost a lookup.
-///   3. Otherwise (a cudarc stream never wrapped, or one of another device), an event
-///      is recorded on `S` after each use (cudarc's `SyncOnDrop::Record`), and the
-///      buffer's stream waits for it when the buffer is freed, so that the free's
-///      fence covers the use (what cudarc's `CudaSlice` does when dropped). This holds
-///      for up to four such streams per buffer; a use on a fifth, on the per-thread
-///      default stream, or in cudarc's single-stream mode (where cudarc records no
-///      events) synchronises `S` after the use instead (`SyncOnDrop::Sync`): correct
-///      but blocking. Wrap long-lived streams with [`Stream::cuda`] to avoid both.
+/// - On `H`: nothing (a comparison of two handles), unless views were used on other
+///   streams since `H` last joined them: then `H` waits for those uses first. The
+///   pool's own calls on the buffer (collectives, `write`, `read`) join them alike.
+/// - On another stream `S`:
+///   1. `S` waits (device-side) for the work enqueued on `H` so far (an event
+///      recorded there): the pool's calls, the memory's earlier users (which `H`
+///      waited for at the allocation), and the uses `H` joined.
+///   2. A read waits for the last write through a view on another stream; a write
+///      for every use on other streams (reads and writes).
+///   3. An event is recorded on `S` after the use (cudarc's `SyncOnDrop::Record`):
+///      later uses wait for it as above, and `H` waits for it before the fence of the
+///      buffer's free, so that the memory is reused only after it. This holds for up
+///      to four such streams per buffer; a use on a fifth, on the per-thread default
+///      stream, or in cudarc's single-stream mode (where cudarc records no events)
+///      synchronises `S` after the use instead (`SyncOnDrop::Sync`): correct but
+///      blocking.
 ///
-/// Not ordered: uses while `S` captures a CUDA graph (captured work runs when the graph
-/// is launched: keep the buffer alive while it may be), and any use once cudarc's event
-/// tracking is disabled (`CudaContext::disable_event_tracking`, whose `unsafe`
-/// contract puts the ordering between streams on the caller), as for cudarc's own
-/// views. Ordering between live uses of the buffer on different streams (a kernel on
-/// `S` reading what a collective on the buffer's stream writes) stays the caller's, as
-/// for the collectives: CUDA events or stream waits. Failures of the device calls
-/// above are returned by the pool's next call ([`Error::Deferred`]).
-#[derive(Debug)]
+/// # CUDA graphs
+///
+/// CUDA refuses a capturing stream's wait for an event recorded outside its capture,
+/// and any use outside it of an event last recorded in it (cudarc waits and records
+/// regardless, which breaks the capture unless its event tracking is disabled). So
+/// while `S` captures, the use neither waits for nor records the buffer's events: it
+/// is ordered inside the graph by the capture's streams, and against the buffer's
+/// other uses by the stream the graph is launched on (the caller's). It is recorded as
+/// a collective's use is: when a [`Stream`] wraps `S`, the buffer's free fences `S`,
+/// so the memory is reused after the graph launches enqueued on `S` before the free
+/// (keep the buffer alive while a launch elsewhere may run). Likewise `S` does not
+/// wait for `H` while `H` captures, and `H` joins no use while it captures.
+///
+/// Not ordered: any use once cudarc's event tracking is disabled
+/// (`CudaContext::disable_event_tracking`, whose `unsafe` contract puts the ordering
+/// between streams on the caller), as for cudarc's own views. Failures of the device
+/// calls above are returned by the pool's next call ([`Error::Deferred`]).
+#[derive(Debug, Clone, Copy)]
 pub struct CudaView<'a, T> {
     buf: &'a SymmBuffer,
     ptr: u64,
@@ -216,7 +304,34 @@ pub struct CudaView<'a, T> {
     _view: PhantomData<&'a [T]>,
 }
 
-impl<T> cudarc::driver::DeviceSlice<T> for CudaView<'_, T> {
+/// A typed view of a pool buffer as a cudarc device slice to write and read
+/// ([`cudarc::driver::DevicePtrMut`] and [`cudarc::driver::DevicePtr`]); made by
+/// [`SymmBuffer::cuda_mut`], which borrows the buffer exclusively. Its uses are
+/// ordered as [`CudaView`] says.
+#[derive(Debug)]
+pub struct CudaViewMut<'a, T>(CudaView<'a, T>);
+
+impl<'a, T> CudaViewMut<'a, T> {
+    /// Elements `[0, mid)` and `[mid, len)`, each a write view.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] if `mid` is beyond the view.
+    pub fn split_at_mut(self, mid: usize) -> Result<(Self, Self)> {
+        let v = self.0;
+        if mid > v.len {
+            return Err(Error::BadView(format!("split at {mid} beyond {}", v.len)));
+        }
+        let ptr = v.ptr + (mid * std::mem::size_of::<T>()) as u64;
+        let tail = CudaView {
+            ptr,
+            len: v.len - mid,
+            ..v
+        };
+        Ok((CudaViewMut(CudaView { len: mid, ..v }), CudaViewMut(tail)))
+    }
+}
+
+impl<T> DeviceSlice<T> for CudaView<'_, T> {
     fn len(&self) -> usize {
         self.len
     }
@@ -226,16 +341,34 @@ impl<T> cudarc::driver::DeviceSlice<T> for CudaView<'_, T> {
     }
 }
 
-/// The pointer, with the use on `stream` ordered as [`CudaView`] says.
-impl<T> cudarc::driver::DevicePtr<T> for CudaView<'_, T> {
-    fn device_ptr<'b>(&'b self, stream: &'b CudaStream) -> (CUdeviceptr, SyncOnDrop<'b>) {
-        (self.ptr, self.buf.cuda_use(self.stream, stream))
+impl<T> DeviceSlice<T> for CudaViewMut<'_, T> {
+    fn len(&self) -> usize {
+        self.0.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.0.stream
     }
 }
 
-/// As [`DevicePtr`](cudarc::driver::DevicePtr): reads and writes are ordered alike.
-impl<T> cudarc::driver::DevicePtrMut<T> for CudaView<'_, T> {
+/// The pointer, with the read on `stream` ordered as [`CudaView`] says.
+impl<T> cudarc::driver::DevicePtr<T> for CudaView<'_, T> {
+    fn device_ptr<'b>(&'b self, stream: &'b CudaStream) -> (CUdeviceptr, SyncOnDrop<'b>) {
+        (self.ptr, self.buf.cuda_use(self.stream, stream, false))
+    }
+}
+
+/// As [`CudaView`]'s.
+impl<T> cudarc::driver::DevicePtr<T> for CudaViewMut<'_, T> {
+    fn device_ptr<'b>(&'b self, stream: &'b CudaStream) -> (CUdeviceptr, SyncOnDrop<'b>) {
+        self.0.device_ptr(stream)
+    }
+}
+
+/// The pointer, with the write on `stream` ordered as [`CudaView`] says.
+impl<T> cudarc::driver::DevicePtrMut<T> for CudaViewMut<'_, T> {
     fn device_ptr_mut<'b>(&'b mut self, stream: &'b CudaStream) -> (CUdeviceptr, SyncOnDrop<'b>) {
-        (self.ptr, self.buf.cuda_use(self.stream, stream))
+        let v = &self.0;
+        (v.ptr, v.buf.cuda_use(v.stream, stream, true))
     }
 }
