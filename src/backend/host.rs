@@ -350,9 +350,9 @@ impl HostBackend {
         let _serial = comm.serial[self.rank].lock();
         let round = self.next_round(args.comm, false);
         let deadline = args.deadline();
-        let gathered = comm
-            .collectives
-            .gather(op, self.rank, round, Some(post), deadline)?;
+        let gathered =
+            comm.collectives
+                .gather(op, self.rank, round, Some(post), deadline, || false)?;
         // A `None` is a peer's closing round paired with this post: the ranks are not
         // making the same calls on this communicator.
         let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
@@ -365,7 +365,7 @@ impl HostBackend {
         // Second round: nobody returns (and reuses its input) before all are done.
         let round = self.next_round(args.comm, false);
         comm.collectives
-            .gather(op, self.rank, round, None, deadline)?;
+            .gather(op, self.rank, round, None, deadline, || false)?;
         verdict
     }
 }
@@ -433,7 +433,7 @@ impl SegmentProvider for HostBackend {
         let _serial = c.serial[self.rank].lock();
         let ordinal = self.next_round(comm, true);
         let op = "window registration";
-        let sizes = (c.registrations).gather(op, self.rank, ordinal, size, deadline)?;
+        let sizes = (c.registrations).gather(op, self.rank, ordinal, size, deadline, || false)?;
         if sizes.iter().any(|&s| s != size) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
         }
@@ -574,7 +574,8 @@ impl Collectives for HostBackend {
             let reduced = (read.collect::<Result<Vec<_>>>())
                 .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
             let round = self.next_round(args.comm, false);
-            let middle = (comm.collectives).gather(OP, self.rank, round, None, args.deadline())?;
+            let middle =
+                (comm.collectives).gather(OP, self.rank, round, None, args.deadline(), || false)?;
             if middle.iter().any(Option::is_some) {
                 return Err(super::out_of_step(OP, "a peer"));
             }

@@ -7,7 +7,7 @@ use super::join::{join_store, transport};
 use super::store::{CLOSED, StoreServer};
 use super::waiting::{WaitWarnings, Who, ranks};
 use super::wire::{self, Broken, Cause, FrameReader, ReadError, SharedStream, ToClient, ToServer};
-use super::{GatherRounds, LostPeer, Round, Rounds, intern_op};
+use super::{ChannelId, GatherRounds, LostPeer, Round, Rounds, intern_op};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -82,6 +82,8 @@ struct Inbox {
     /// The server's word on rounds that wait long: the ranks that have not
     /// contributed, by (channel, round) (see [`ToClient::Waiting`]).
     waiting: HashMap<(u64, u64), Vec<u32>>,
+    /// The channels this rank [abandoned](super::Exchange::abandon).
+    abandoned: Vec<u64>,
     broken: Option<Broken>,
     /// When this rank learnt that the group broke (the verdict's wait counts from it).
     broken_at: Option<Instant>,
@@ -463,6 +465,7 @@ impl StoreExchange {
             inbox: Mutex::new(Inbox {
                 results: HashMap::new(),
                 waiting: HashMap::new(),
+                abandoned: Vec::new(),
                 broken: None,
                 broken_at: None,
                 lost: None,
@@ -693,6 +696,7 @@ impl GatherRounds for StoreExchange {
             let mut inbox = self.shared.wait_until(r.deadline, |ib| {
                 ib.results.contains_key(&key)
                     || ib.broken.is_some()
+                    || ib.abandoned.contains(&key.0)
                     || ib.waiting.contains_key(&key)
                     || ib.epoch != self.epoch
             });
@@ -722,6 +726,9 @@ impl GatherRounds for StoreExchange {
         }
         if inbox.broken.is_some() {
             return Err(self.explained(inbox, r.op, r.started, None));
+        }
+        if inbox.abandoned.contains(&key.0) {
+            return Err(Error::timeout_since(r.op, r.started, &[]));
         }
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
@@ -756,6 +763,11 @@ impl GatherRounds for StoreExchange {
 
     fn rounds(&self) -> &Rounds {
         &self.rounds
+    }
+
+    fn abandon(&self, channel: ChannelId) {
+        self.shared.inbox.lock().abandoned.push(channel.ordinal());
+        self.shared.cv.notify_all();
     }
 
     fn lost_peer(&self) -> Option<LostPeer> {

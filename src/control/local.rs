@@ -26,6 +26,8 @@ pub struct LocalExchange {
     rounds: Rounds,
     /// The exchange of the survivors this one shrank into.
     successor: Mutex<Option<Arc<LocalExchange>>>,
+    /// The channels this rank [abandoned](super::Exchange::abandon).
+    abandoned: Mutex<Vec<ChannelId>>,
 }
 
 /// What the ranks of one group share.
@@ -81,6 +83,7 @@ impl LocalExchange {
                 group: group.clone(),
                 rounds: Rounds::new(rank, world_size, usize::MAX),
                 successor: Mutex::new(None),
+                abandoned: Mutex::default(),
             })
             .collect()
     }
@@ -272,7 +275,13 @@ impl GatherRounds for LocalExchange {
         }
         let key = (round.channel, round.number);
         let (rank, payload) = (self.rounds.rank, round.payload.to_vec());
-        (self.group.rounds).gather(round.op, rank, key, payload, round.deadline)
+        let abandoned = || self.abandoned.lock().contains(&round.channel);
+        (self.group.rounds).gather(round.op, rank, key, payload, round.deadline, abandoned)
+    }
+
+    fn abandon(&self, channel: ChannelId) {
+        self.abandoned.lock().push(channel);
+        self.group.rounds.wake();
     }
 
     fn lost_peer(&self) -> Option<LostPeer> {

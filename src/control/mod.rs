@@ -181,6 +181,15 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Stop waiting on `channel` on this rank: its round in progress, and every later
+    /// one, ends at once with [`Error::Timeout`] without breaking the group (what this
+    /// rank contributed stays; the peers' rounds go on). For the owner of a channel that
+    /// goes away while its thread waits ([`LocalExchange`] and [`StoreExchange`] can;
+    /// by default the wait runs to its deadline).
+    fn abandon(&self, channel: ChannelId) {
+        let _ = channel;
+    }
+
     /// The exchange of the ranks that survive a loss, numbered densely in the order of
     /// their ranks here; this exchange fails every later call with [`Error::Shrunk`].
     /// Asking again returns the same exchange. A [`StoreExchange`]
@@ -317,6 +326,11 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// [`Exchange::abandon`].
+    fn abandon(&self, channel: ChannelId) {
+        let _ = channel;
+    }
+
     /// [`Exchange::shrink`].
     fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
         let _ = deadline;
@@ -364,6 +378,10 @@ impl<T: GatherRounds> Exchange for T {
 
     fn lost_peer(&self) -> Option<LostPeer> {
         GatherRounds::lost_peer(self)
+    }
+
+    fn abandon(&self, channel: ChannelId) {
+        GatherRounds::abandon(self, channel);
     }
 
     fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {

@@ -99,7 +99,9 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
     /// # Errors
     /// [`Error::Timeout`] once `deadline` passes (which breaks the group; `waited` is
     /// how long this call waited); [`Error::GroupBroken`] if a rank timed out before or
-    /// while waiting; [`Error::PeerLost`] if a rank was lost.
+    /// while waiting; [`Error::PeerLost`] if a rank was lost; [`Error::Timeout`] at once,
+    /// the group unbroken and `value` left posted, once `abandoned` says so (looked at
+    /// when the rendezvous is [woken](Self::wake)).
     pub(crate) fn gather(
         &self,
         op: &'static str,
@@ -107,6 +109,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
         key: K,
         value: T,
         deadline: Deadline,
+        abandoned: impl Fn() -> bool,
     ) -> Result<Vec<T>> {
         let started = Instant::now();
         let mut state = self.state.lock();
@@ -137,6 +140,9 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
             if let Some(e) = state.broken(op) {
                 Self::withdraw(&mut state, key, rank);
                 return Err(e);
+            }
+            if abandoned() {
+                return Err(Error::timeout_since(op, started, &[]));
             }
             if deadline.expired() {
                 let missing = Self::missing(&state, key);
@@ -175,6 +181,12 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
     /// For a caller that learnt otherwise that the ranks are out of step.
     pub(crate) fn abandon(&self, rank: usize, op: &'static str) {
         self.state.lock().broken.get_or_insert((rank, op));
+        self.cv.notify_all();
+    }
+
+    /// Wake every gather, to look again at what ends it.
+    pub(crate) fn wake(&self) {
+        let _state = self.state.lock();
         self.cv.notify_all();
     }
 

@@ -18,13 +18,21 @@ use super::record::{self, Fields, first_difference};
 use crate::control::{ChannelId, Exchange};
 use crate::deadline::Deadline;
 use crate::error::{CollectiveDivergence, Error, ErrorKind, Result};
+#[cfg(not(all(test, shuttle)))]
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::thread::JoinHandle;
+#[cfg(not(all(test, shuttle)))]
+use std::thread::{self, JoinHandle};
+// The model check's locks and threads (tests/unit/group/ledger_model.rs).
 use std::time::Duration;
+#[cfg(all(test, shuttle))]
+use {
+    shuttle::thread::{self, JoinHandle},
+    tests::model::{Condvar, Mutex, MutexGuard},
+};
 
 /// How the ranks check that they make the same collectives on the same buffers (see
 /// [`coll`](crate::coll), "Checked collectives"): a group's
@@ -160,7 +168,8 @@ impl Failure {
     }
 }
 
-/// The longest a ledger's drop waits for its thread's last round.
+/// The longest a ledger's drop waits for its thread's last round, and then again for
+/// the round it abandons.
 const DROP_WAIT: Duration = Duration::from_secs(2);
 /// Most records one round carries per rank.
 const MAX_BATCH: usize = 256;
@@ -191,52 +200,47 @@ pub(crate) struct Ledger {
     /// Held from a collective's record (its round under `Strict`, its post under
     /// `Async`) to its launch, so that the records' order is the launches' order.
     launch: Mutex<()>,
-    /// The background thread, once started: joined on drop, so that its handles on
-    /// the exchange are gone when the ledger is.
-    worker: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// What the callers and the background thread share.
+/// What the callers and the background thread share: one state under one lock.
 struct Shared {
     config: LedgerConfig,
-    /// The pools' names, by pool (channel ordinal), for the divergence report.
-    names: Mutex<BTreeMap<u64, String>>,
-    /// Set with the first failure: read lock-free on every collective.
+    /// The verdict's mirror for the collectives' path: set (once, never cleared) under
+    /// the lock right after [`State::failure`], so that a call reads it without the lock.
     broken: AtomicBool,
-    /// The thread runs (a pool over the communicators is checked under `Async`): the
-    /// checks are the async checks, whoever drives a round.
-    threaded: AtomicBool,
-    failure: OnceLock<Failure>,
-    /// The ledger was dropped while its thread was still in a round: what that round
-    /// finds no longer counts.
-    detached: AtomicBool,
-    queue: Mutex<Queue>,
-    /// The background thread waits here for records.
-    posted: Condvar,
-    /// Callers wait here for room, or for their records to be compared.
-    progress: Condvar,
-    /// The rounds' state: one round at a time on this rank.
-    rounds: Mutex<Rounds>,
+    state: Mutex<State>,
+    /// Notified on every change of the state: records posted or compared, a round
+    /// begun or ended, the verdict, the drop, the thread's end.
+    changed: Condvar,
 }
 
-#[derive(Default)]
-struct Queue {
+struct State {
+    life: Life,
+    /// The one verdict, which every pool over the communicators reads: set once.
+    failure: Option<Failure>,
+    /// This rank's records not yet sent.
     pending: VecDeque<Entry>,
     /// Records of this rank posted, and compared, in total.
     posted: u64,
     compared: u64,
-    /// Agreements compared and not yet taken by their callers: (this rank's record
-    /// number, every rank's record).
-    agreed: Vec<(u64, Vec<AgreementRecord>)>,
-    /// This rank has records sent and not yet compared (the thread then joins the
-    /// next round at once).
-    ahead: bool,
-    /// The background thread waits on `posted` (only then does a post notify it).
-    idle: bool,
-    started: bool,
-    stop: bool,
-    /// The background thread has exited.
-    done: bool,
+    /// Every rank's records not yet compared; `None` while a thread of this rank is
+    /// in a round (it holds them: one round at a time).
+    rounds: Option<Rounds>,
+    /// The pools' names, by pool (channel ordinal), for the divergence report.
+    names: BTreeMap<u64, String>,
+}
+
+/// Who drives the rounds, from the ledger's making to the end of its thread.
+enum Life {
+    /// The callers that need a verdict (no thread: `Strict`, `Off`).
+    Callers,
+    /// The background thread (`Async`), and the callers that wait for a verdict.
+    Thread(JoinHandle<()>),
+    /// The ledger was dropped: the thread compares what this rank posted and ends
+    /// (its round abandoned if the peers do not come); what it finds no longer counts.
+    Dropped,
+    /// The thread has ended.
+    Ended,
 }
 
 /// Every rank's records not yet compared, and the comparisons made.
@@ -251,25 +255,27 @@ impl Ledger {
     pub(crate) fn new(mut config: LedgerConfig) -> Self {
         let world = config.exchange.world_size();
         config.capacity = config.capacity.max(1);
-        let shared = Arc::new(Shared {
-            names: Mutex::default(),
-            broken: AtomicBool::new(false),
-            threaded: AtomicBool::new(false),
-            failure: OnceLock::new(),
-            detached: AtomicBool::new(false),
-            queue: Mutex::default(),
-            posted: Condvar::new(),
-            progress: Condvar::new(),
-            rounds: Mutex::new(Rounds {
+        let state = State {
+            life: Life::Callers,
+            failure: None,
+            pending: VecDeque::new(),
+            posted: 0,
+            compared: 0,
+            rounds: Some(Rounds {
                 seen: vec![VecDeque::new(); world],
                 compared: 0,
             }),
+            names: BTreeMap::new(),
+        };
+        let shared = Shared {
             config,
-        });
+            broken: AtomicBool::new(false),
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+        };
         Ledger {
-            shared,
+            shared: Arc::new(shared),
             launch: Mutex::new(()),
-            worker: Mutex::new(None),
         }
     }
 
@@ -282,40 +288,46 @@ impl Ledger {
     /// [`Error::Internal`] if the thread cannot be started.
     pub(crate) fn start(&self) -> Result<()> {
         let s = &self.shared;
-        let mut q = s.queue.lock();
-        if q.started {
+        let mut st = s.state.lock();
+        if !matches!(st.life, Life::Callers) {
             return Ok(());
         }
-        q.pending
+        st.pending
             .reserve(s.config.capacity.min(PREALLOCATED_RECORDS));
         let worker = Arc::clone(s);
-        let handle = std::thread::Builder::new()
+        let handle = thread::Builder::new()
             .name("symmpool-ledger".into())
             .spawn(move || worker.run())
             .map_err(|e| Error::Internal {
                 what: format!("could not start the ledger's thread: {e}"),
             })?;
-        *self.worker.lock() = Some(handle);
-        q.started = true;
-        s.threaded.store(true, Ordering::Release);
+        st.life = Life::Thread(handle);
         Ok(())
     }
 
     /// Name pool `pool` (its channel ordinal) `name` in divergence reports.
     pub(crate) fn name_pool(&self, pool: u64, name: &str) {
-        self.shared.names.lock().insert(pool, name.to_string());
+        self.shared
+            .state
+            .lock()
+            .names
+            .insert(pool, name.to_string());
     }
 
     /// The failure that broke the ledger, if any.
-    pub(crate) fn failure(&self) -> Option<&Failure> {
-        self.shared.failure.get()
+    #[inline]
+    pub(crate) fn failure(&self) -> Option<Failure> {
+        if !self.shared.broken.load(Ordering::Acquire) {
+            return None;
+        }
+        self.shared.state.lock().failure.clone()
     }
 
     /// Fail if a comparison (or a collective that failed) broke the ledger.
     #[inline]
     pub(crate) fn check(&self) -> Result<()> {
         if self.shared.broken.load(Ordering::Acquire) {
-            return Err(self.shared.error());
+            return self.shared.state.lock().verdict();
         }
         Ok(())
     }
@@ -364,13 +376,10 @@ impl Ledger {
         during: &'static str,
         deadline: Deadline,
     ) -> Result<Vec<AgreementRecord>> {
-        let n = self.settle(Some(Entry::Agreement(Box::new(mine))), deadline, during)?;
-        let mut q = self.shared.queue.lock();
-        let at = q.agreed.iter().position(|(k, _)| *k == n);
-        at.map(|i| q.agreed.swap_remove(i).1)
-            .ok_or_else(|| Error::Internal {
-                what: format!("the ledger compared agreement #{n} but kept no records of it"),
-            })
+        let entry = Entry::Agreement(Box::new(mine));
+        (self.settle(Some(entry), deadline, during)?).ok_or_else(|| Error::Internal {
+            what: "the ledger compared an agreement but kept no records of it".into(),
+        })
     }
 
     /// Wait until every record this rank appended is compared, at most until
@@ -394,17 +403,20 @@ impl Ledger {
                 e,
                 Error::GroupBroken { .. } | Error::CollectiveMismatch { .. }
             );
-        if peers && self.shared.divergence().is_none() {
+        let diverged = |l: &Self| match l.failure() {
+            Some(Failure::Diverged(d)) => Some(Error::CollectiveDivergence(d)),
+            _ => None,
+        };
+        if peers && diverged(self).is_none() {
             let _ = self.wait_compared(deadline());
         }
-        if let Some(d) = self.shared.divergence() {
-            return Error::CollectiveDivergence(Box::new(d.clone()));
+        if let Some(d) = diverged(self) {
+            return d;
         }
         if let Some(p) = PeerFailure::of(&e) {
             self.shared.break_with(Failure::Peer(p));
         } else if peers || matches!(e, Error::Nccl { .. }) {
-            self.shared
-                .fail(format!("a collective on this pool failed: {e}"));
+            (self.shared).fail(format!("a collective on this pool failed: {e}"));
         }
         e
     }
@@ -416,143 +428,179 @@ impl Ledger {
     /// `capacity` further collectives of this rank are launched (and may return `Ok`).
     fn post(&self, entry: Entry, room: impl FnOnce() -> Deadline) -> Result<()> {
         let s = &self.shared;
-        let mut q = s.queue.lock();
-        self.check()?;
+        let mut st = s.state.lock();
+        st.verdict()?;
         let capacity = s.config.capacity as u64;
-        if q.posted - q.compared > capacity {
+        if st.posted - st.compared > capacity {
             let patience = s.config.timeout.saturating_mul(2);
             let deadline = room().cap(patience);
-            while q.posted - q.compared > capacity && !q.done {
-                self.check()?;
-                if s.progress
-                    .wait_until(&mut q, deadline.instant())
-                    .timed_out()
-                    && q.posted - q.compared > capacity
-                {
-                    drop(q);
-                    s.fail(format!(
-                        "the async collective check made no progress for {patience:?}"
-                    ));
-                    return Err(s.error());
+            while st.posted - st.compared > capacity {
+                let late = s
+                    .changed
+                    .wait_until(&mut st, deadline.instant())
+                    .timed_out();
+                st.verdict()?;
+                if late && st.posted - st.compared > capacity {
+                    drop(st);
+                    let why =
+                        format!("the async collective check made no progress for {patience:?}");
+                    return Err(s.fail(why));
                 }
             }
-            self.check()?;
         }
-        q.pending.push_back(entry);
-        q.posted += 1;
-        if q.idle {
-            s.posted.notify_one();
-        }
+        st.pending.push_back(entry);
+        st.posted += 1;
+        drop(st);
+        s.changed.notify_all();
         Ok(())
     }
 
     /// Append `entry` (if any) and drive the rounds on this thread until it (or, with
     /// none, every record of this rank posted so far) is compared, or the ledger
-    /// broke, or `deadline`; the record's number among this rank's records. The
-    /// exchange's rounds are named `what`. A round that fails breaks the ledger unless
-    /// `entry` is an agreement and the round carried no collective's record (a
-    /// collective's check lost with the round could never be made).
-    fn settle(&self, entry: Option<Entry>, deadline: Deadline, what: &'static str) -> Result<u64> {
+    /// broke, or `deadline`; every rank's records of the agreement `entry`, if it is
+    /// one. The caller holds the rounds from before it appends its record until it is
+    /// compared, so it compares its agreement itself. The exchange's rounds are named
+    /// `what`. A round that fails breaks the ledger unless `entry` is an agreement and
+    /// the round carried no collective's record (a collective's check lost with the
+    /// round could never be made).
+    fn settle(
+        &self,
+        entry: Option<Entry>,
+        deadline: Deadline,
+        what: &'static str,
+    ) -> Result<Option<Vec<AgreementRecord>>> {
         let agreement = matches!(entry, Some(Entry::Agreement(_)));
         let s = &self.shared;
-        self.check()?;
         let started = std::time::Instant::now();
-        let Some(mut rounds) = s.rounds.try_lock_until(deadline.instant()) else {
-            // Another thread of this rank was in a round all along: its failure, if
-            // it failed, else how long this call waited for it.
-            self.check()?;
-            return Err(Error::timeout_since(what, started, &[]));
-        };
-        let n = {
-            let mut q = s.queue.lock();
-            if let Some(entry) = entry {
-                q.pending.push_back(entry);
-                q.posted += 1;
+        let mut st = s.state.lock();
+        let posted = st.posted;
+        // Another thread of this rank may be in a round: wait for its rounds, or for
+        // it to compare what this call waits for.
+        let mut rounds = loop {
+            st.verdict()?;
+            if entry.is_none() && st.compared >= posted {
+                return Ok(None);
             }
-            q.posted
+            if let Some(rounds) = st.rounds.take() {
+                break rounds;
+            }
+            if s.changed
+                .wait_until(&mut st, deadline.instant())
+                .timed_out()
+            {
+                st.verdict()?;
+                return Err(Error::timeout_since(what, started, &[]));
+            }
         };
-        while s.queue.lock().compared < n {
-            self.check()?;
-            let batch = s.take_batch();
+        if let Some(entry) = entry {
+            st.pending.push_back(entry);
+            st.posted += 1;
+        }
+        let n = st.posted;
+        let mut agreed = None;
+        let out = loop {
+            if let Err(e) = st.verdict() {
+                break Err(e);
+            }
+            if st.compared >= n {
+                break Ok(agreed);
+            }
+            let batch = st.take_batch();
+            drop(st);
             // A round that fails loses the records it carried: if any was a
             // collective's, its check can never be made, so the ledger breaks with
             // the round's failure (an agreement's round alone fails only its call).
             let carried = batch.iter().any(|e| matches!(e, Entry::Collective(_)));
-            if let Err(e) = s.round(&mut rounds, batch, deadline, what) {
-                if s.broken.load(Ordering::Acquire) {
-                    return Err(s.error());
+            let round = s.round(&mut rounds, batch, deadline, what);
+            st = s.state.lock();
+            match round {
+                Ok(records) => agreed = records.or(agreed),
+                Err(e) if st.failure.is_some() => break Err(e),
+                Err(e) => {
+                    if !agreement || carried {
+                        drop(st);
+                        s.failed_by(what, &e);
+                        st = s.state.lock();
+                    }
+                    break Err(e);
                 }
-                if !agreement || carried {
-                    s.failed_by(what, &e);
-                }
-                return Err(e);
             }
-        }
-        self.check()?;
-        Ok(n)
+        };
+        st.rounds = Some(rounds);
+        drop(st);
+        s.changed.notify_all();
+        out
     }
 }
 
 impl Drop for Ledger {
     fn drop(&mut self) {
         // The thread finishes the rounds of the records already posted (the peers post
-        // theirs) and exits; wait for that, at most the timeout and `DROP_WAIT`, so
+        // theirs) and ends; wait for that, at most the timeout and `DROP_WAIT`, so
         // that its handle on the exchange is gone when the ledger is. A thread still
-        // in a round then (its peers gone, or far behind) is left to end it on its
-        // own, detached: what it finds no longer counts.
+        // in a round then (its peers gone, or far behind) has its round abandoned and
+        // is waited for once more; an exchange that cannot abandon a round leaves it
+        // to end on its own, detached.
         let s = &self.shared;
-        let deadline = Deadline::after(s.config.timeout.min(DROP_WAIT));
-        let mut q = s.queue.lock();
-        q.stop = true;
-        s.posted.notify_all();
-        if q.started {
-            while !q.done {
-                if s.progress
-                    .wait_until(&mut q, deadline.instant())
-                    .timed_out()
-                {
-                    s.detached.store(true, Ordering::Release);
+        let mut st = s.state.lock();
+        let Life::Thread(handle) = std::mem::replace(&mut st.life, Life::Dropped) else {
+            return;
+        };
+        s.changed.notify_all();
+        let mut deadline = Deadline::after(s.config.timeout.min(DROP_WAIT));
+        let mut abandoned = false;
+        while !matches!(st.life, Life::Ended) {
+            if s.changed
+                .wait_until(&mut st, deadline.instant())
+                .timed_out()
+            {
+                if abandoned {
                     return;
                 }
+                abandoned = true;
+                drop(st);
+                s.config.exchange.abandon(s.config.channel);
+                deadline = Deadline::after(DROP_WAIT);
+                st = s.state.lock();
             }
         }
-        drop(q);
-        // Done: the thread only lets go of its handles (not the last: this ledger
-        // holds one) and exits. Joined, so that whoever drops the ledger drops the
-        // exchange too, at once (a hosting rank's exchange then waits for the others'
-        // goodbyes before the process may exit), not the thread some time later.
-        let worker = self.worker.get_mut().take();
-        if let Some(h) = worker.filter(|h| h.thread().id() != std::thread::current().id()) {
-            let _ = h.join();
+        drop(st);
+        // Joined, so that whoever drops the ledger drops the exchange too, at once (a
+        // hosting rank's exchange then waits for the others' goodbyes before the
+        // process may exit), not the thread some time later.
+        if handle.thread().id() != thread::current().id() {
+            let _ = handle.join();
         }
     }
 }
 
+impl State {
+    /// The verdict: the failure's error, if the ledger broke.
+    #[cold]
+    fn verdict(&self) -> Result<()> {
+        self.failure.as_ref().map_or(Ok(()), |f| Err(f.error()))
+    }
+
+    /// The next batch of this rank's records (at most [`MAX_BATCH`]).
+    fn take_batch(&mut self) -> Vec<Entry> {
+        let n = self.pending.len().min(MAX_BATCH);
+        self.pending.drain(..n).collect()
+    }
+}
+
 impl Shared {
-    fn divergence(&self) -> Option<&CollectiveDivergence> {
-        match self.failure.get() {
-            Some(Failure::Diverged(d)) => Some(d),
-            _ => None,
+    /// Break the ledger with `failure` (the first wins; none once the ledger is
+    /// dropped), wake every waiter, and on a divergence end the collectives waiting
+    /// for peers who will not come; the verdict's error.
+    fn break_with(&self, failure: Failure) -> Error {
+        let mut st = self.state.lock();
+        if let Some(first) = &st.failure {
+            return first.error();
         }
-    }
-
-    /// The error a broken ledger's calls return.
-    fn error(&self) -> Error {
-        match self.failure.get() {
-            Some(failure) => failure.error(),
-            None => Error::PoolBroken {
-                reason: "a check failed".into(),
-            },
+        let e = failure.error();
+        if matches!(st.life, Life::Dropped | Life::Ended) {
+            return e;
         }
-    }
-
-    /// Break the ledger with `failure` (the first wins), wake every waiter, and on a
-    /// divergence end the collectives waiting for peers who will not come.
-    fn break_with(&self, failure: Failure) {
-        if self.detached.load(Ordering::Acquire) {
-            return;
-        }
-        let diverged = matches!(failure, Failure::Diverged(_));
         // Every call on the pools returns the failure from now on: the caller decides
         // what it deserves (a loss may be shrunk past). A divergence, a bug of the
         // program that a background thread may find, is a warning.
@@ -564,17 +612,19 @@ impl Shared {
                 tracing::debug!(target: "symmpool::coll", reason = %f.reason(), "pool broken");
             }
         }
-        let first = self.failure.set(failure).is_ok();
+        let diverged = matches!(failure, Failure::Diverged(_));
+        st.failure = Some(failure);
         self.broken.store(true, Ordering::Release);
-        if first && diverged {
+        drop(st);
+        self.changed.notify_all();
+        if diverged {
             (self.config.abandon)();
         }
-        let _q = self.queue.lock();
-        self.progress.notify_all();
+        e
     }
 
-    fn fail(&self, reason: String) {
-        self.break_with(Failure::Broken(reason));
+    fn fail(&self, reason: String) -> Error {
+        self.break_with(Failure::Broken(reason))
     }
 
     /// A round named `what` failed with `e`: break the ledger, keeping a failure of
@@ -583,42 +633,34 @@ impl Shared {
         match PeerFailure::of(e) {
             Some(p) => self.break_with(Failure::Peer(p)),
             None => self.fail(format!("{what} failed: {e}")),
-        }
-    }
-
-    /// The next batch of this rank's records (at most [`MAX_BATCH`]).
-    fn take_batch(&self) -> Vec<Entry> {
-        let mut q = self.queue.lock();
-        let n = q.pending.len().min(MAX_BATCH);
-        q.pending.drain(..n).collect()
+        };
     }
 
     /// One round: send `batch`, add every rank's records to the queues, compare what
-    /// every rank has.
+    /// every rank has; every rank's records of an agreement compared, if any.
     fn round(
         &self,
         rounds: &mut Rounds,
         batch: Vec<Entry>,
         deadline: Deadline,
         what: &'static str,
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<AgreementRecord>>> {
         let c = &self.config;
         let payload = record::encode_sized(&batch, 16 + batch.len() * MAX_RECORD_BYTES)?;
         let all = c.exchange.all_gather(c.channel, what, &payload, deadline)?;
         let (me, world) = (c.exchange.rank(), rounds.seen.len());
         if all.len() != world {
-            self.fail(format!("{} payloads for {world} ranks", all.len()));
-            return Err(self.error());
+            return Err(self.fail(format!("{} payloads for {world} ranks", all.len())));
         }
         // This rank's records as posted, never decoded again.
         rounds.seen[me].extend(batch);
         for (rank, p) in all.iter().enumerate().filter(|(rank, _)| *rank != me) {
             let Some(entries) = record::decode::<Vec<Entry>>(p) else {
-                self.fail(format!("rank {rank} sent an unreadable check record"));
-                return Err(self.error());
+                return Err(self.fail(format!("rank {rank} sent an unreadable check record")));
             };
             rounds.seen[rank].extend(entries);
         }
+        let mut agreed = None;
         while rounds.seen.iter().all(|q| !q.is_empty()) {
             let heads: Vec<Entry> = rounds
                 .seen
@@ -626,38 +668,26 @@ impl Shared {
                 .filter_map(VecDeque::pop_front)
                 .collect();
             rounds.compared += 1;
-            let number = rounds.compared;
-            if let Some(d) = self.compare(&heads, number) {
-                self.break_with(Failure::Diverged(d));
-                return Err(self.error());
+            if let Some(d) = self.compare(&heads, rounds.compared) {
+                return Err(self.break_with(Failure::Diverged(d)));
             }
-            let mut q = self.queue.lock();
             if let Some(Entry::Agreement(_)) = heads.first() {
-                let records = heads
-                    .into_iter()
-                    .filter_map(|e| match e {
-                        Entry::Agreement(a) => Some(*a),
-                        Entry::Collective(_) => None,
-                    })
-                    .collect();
-                q.agreed.push((number, records));
+                let records = heads.into_iter().filter_map(|e| match e {
+                    Entry::Agreement(a) => Some(*a),
+                    Entry::Collective(_) => None,
+                });
+                agreed = Some(records.collect());
             }
-            q.compared = number;
         }
-        self.queue.lock().ahead = !rounds.seen[me].is_empty();
-        self.progress.notify_all();
-        Ok(())
+        self.state.lock().compared = rounds.compared;
+        self.changed.notify_all();
+        Ok(agreed)
     }
 
     /// The first difference of the ranks' records `heads` (the `number`th compared),
     /// as a divergence; agreements of every rank are not compared here.
     fn compare(&self, heads: &[Entry], number: u64) -> Option<Box<CollectiveDivergence>> {
         let me = self.config.exchange.rank();
-        let found_by = if self.threaded.load(Ordering::Acquire) {
-            "async check"
-        } else {
-            "strict check"
-        };
         let collectives: Option<Vec<CollectiveRecord>> = (heads.iter())
             .map(|e| match e {
                 Entry::Collective(r) => Some(*r),
@@ -683,9 +713,13 @@ impl Shared {
             Entry::Collective(r) => r.pool,
             Entry::Agreement(a) => a.pool,
         };
-        let names = self.names.lock();
+        let st = self.state.lock();
+        let found_by = match st.life {
+            Life::Callers => "strict check",
+            _ => "async check",
+        };
         Some(Box::new(CollectiveDivergence {
-            pool: names.get(&pool).cloned().unwrap_or_default(),
+            pool: st.names.get(&pool).cloned().unwrap_or_default(),
             found_by,
             record: number,
             field,
@@ -693,59 +727,52 @@ impl Shared {
         }))
     }
 
-    /// The background thread of an `Async` ledger: rounds of posted records.
+    /// The background thread of an `Async` ledger: rounds of posted records, until the
+    /// ledger breaks or is dropped.
     ///
     /// A rank whose own queue of uncompared records is not empty (it is ahead) joins
     /// the next round at once, with whatever it has; the others join once they have
     /// a record to add. So no rank spins, and no round waits on a rank that has
     /// posted nothing unless a peer is ahead of it.
     fn run(self: Arc<Self>) {
-        let _done = DoneOnDrop(Arc::clone(&self));
         let me = self.config.exchange.rank();
         let what = "async collective check";
-        loop {
-            {
-                let mut q = self.queue.lock();
-                loop {
-                    if self.broken.load(Ordering::Acquire) {
-                        return;
-                    }
-                    if q.ahead || !q.pending.is_empty() {
-                        break;
-                    }
-                    if q.stop {
-                        return;
-                    }
-                    q.idle = true;
-                    self.posted.wait(&mut q);
-                    q.idle = false;
+        let mut st = self.state.lock();
+        while st.failure.is_none() {
+            // Work: this rank's records to send, or its records sent and not yet
+            // compared (`None` while a caller is in a round).
+            let rounds = st.rounds.as_ref();
+            let work = rounds.map(|r| !r.seen[me].is_empty() || !st.pending.is_empty());
+            match (work, &st.life) {
+                (Some(true), _) => {}
+                (Some(false), Life::Dropped) => break,
+                _ => {
+                    self.changed.wait(&mut st);
+                    continue;
                 }
             }
-            let mut rounds = self.rounds.lock();
-            // A caller may have driven the rounds meanwhile.
-            let ahead = !rounds.seen[me].is_empty();
-            let batch = self.take_batch();
-            if batch.is_empty() && !ahead {
+            let Some(mut rounds) = st.rounds.take() else {
                 continue;
-            }
-            self.progress.notify_all();
+            };
+            let batch = st.take_batch();
+            drop(st);
             let deadline = Deadline::after(self.config.timeout);
-            if let Err(e) = self.round(&mut rounds, batch, deadline, what) {
-                if !self.broken.load(Ordering::Acquire) {
-                    self.failed_by(what, &e);
-                }
-                return;
+            let round = self.round(&mut rounds, batch, deadline, what);
+            if let Err(e) = &round {
+                self.failed_by(what, e);
+            }
+            st = self.state.lock();
+            st.rounds = Some(rounds);
+            self.changed.notify_all();
+            if round.is_err() {
+                break;
             }
         }
+        st.life = Life::Ended;
+        self.changed.notify_all();
     }
 }
 
-/// Marks the background thread done, and wakes a drop waiting for it.
-struct DoneOnDrop(Arc<Shared>);
-
-impl Drop for DoneOnDrop {
-    fn drop(&mut self) {
-        self.0.queue.lock().done = true;
-        self.0.progress.notify_all();
-    }
-}
+#[cfg(test)]
+#[path = "../../tests/unit/group/ledger.rs"]
+mod tests;

@@ -24,12 +24,20 @@ fn a_timeout_breaks_the_rendezvous_and_leaves_nothing_behind() {
             0,
             1,
             7u64,
-            Deadline::after(Duration::from_millis(50))
+            Deadline::after(Duration::from_millis(50)),
+            || false
         ),
         Err(Error::Timeout { .. })
     ));
     assert!(matches!(
-        rv.gather("test", 1, 1, 8u64, Deadline::after(Duration::from_secs(5))),
+        rv.gather(
+            "test",
+            1,
+            1,
+            8u64,
+            Deadline::after(Duration::from_secs(5)),
+            || false
+        ),
         Err(Error::GroupBroken { rank: 0, .. })
     ));
     assert_eq!(rv.rounds_held(), 0, "nothing left behind");
@@ -42,7 +50,7 @@ fn gathers_in_rank_order() {
         let hs: Vec<_> = (0..3)
             .map(|r| {
                 let rv = &rv;
-                s.spawn(move || rv.gather("test", r, 1, r as u64 * 10, Deadline::never()))
+                s.spawn(move || rv.gather("test", r, 1, r as u64 * 10, Deadline::never(), || false))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()

@@ -36,7 +36,7 @@ fn a_late_rank_is_named_while_the_others_wait_and_once_more_when_it_comes() {
         let early: Vec<_> = (0..2)
             .map(|rank| {
                 let rv = &rv;
-                s.spawn(move || rv.gather(op, rank, 1u64, rank, deadline))
+                s.spawn(move || rv.gather(op, rank, 1u64, rank, deadline, || false))
             })
             .collect();
         // Each waiting rank names rank 2 at least twice before it comes.
@@ -44,7 +44,10 @@ fn a_late_rank_is_named_while_the_others_wait_and_once_more_when_it_comes() {
             let who = format!("rank {rank} has waited");
             capture::wait_for(&[op, &who, "for rank 2,"], 2, Duration::from_secs(60));
         }
-        assert_eq!(rv.gather(op, 2, 1u64, 2, deadline).unwrap(), vec![0, 1, 2]);
+        assert_eq!(
+            rv.gather(op, 2, 1u64, 2, deadline, || false).unwrap(),
+            vec![0, 1, 2]
+        );
         for h in early {
             assert_eq!(h.join().unwrap().unwrap(), vec![0, 1, 2]);
         }
