@@ -331,7 +331,9 @@ fn included_from_outside(src: &Path, files: &[PathBuf]) -> BTreeMap<PathBuf, Vec
             if line.starts_with("#[") {
                 continue;
             }
-            let decl = line.strip_prefix("pub(crate) ").unwrap_or(line);
+            let decl = (line.strip_prefix("pub(crate) "))
+                .or_else(|| line.strip_prefix("pub(super) "))
+                .unwrap_or(line);
             let name = decl.strip_prefix("mod ").and_then(|l| l.strip_suffix(';'));
             let target = match (name, path.take()) {
                 (Some(_), Some(p)) => file.parent().unwrap().join(p),
