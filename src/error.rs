@@ -2,6 +2,7 @@
 
 use crate::core::AllocError;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod divergence;
@@ -18,7 +19,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// documentation says otherwise. The request errors ([`ZeroSize`](Self::ZeroSize),
 /// [`TooLarge`](Self::TooLarge), [`BadAlignment`](Self::BadAlignment)) print exactly as
 /// the core's [`AllocError`]s of the same names, which convert to them.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A zero-byte allocation. Zero-size requests are always refused; they never take
@@ -262,7 +263,7 @@ pub enum Error {
         detail: String,
         /// The operating system's error.
         #[source]
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     /// Ranks registered segments of different sizes at the same position.
     #[error("ranks registered different segment sizes at registration #{ordinal}: {sizes:?}")]
@@ -412,7 +413,7 @@ pub enum Error {
         detail: String,
         /// The underlying error.
         #[source]
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     /// The other end of a control-plane connection broke the protocol: a wrong magic
     /// number or protocol version, a frame that is too large or does not decode.

@@ -202,7 +202,7 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
         move |source: std::io::Error| Error::Transport {
             op,
             detail: "fsdp_step --nproc".into(),
-            source,
+            source: source.into(),
         }
     };
     // A free port for rank 0's store (released just before rank 0 binds it).

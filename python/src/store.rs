@@ -102,7 +102,7 @@ fn store_error(op: &'static str, e: PyErr) -> Error {
     Error::Transport {
         op,
         detail: detail.clone(),
-        source: std::io::Error::other(detail),
+        source: std::io::Error::other(detail).into(),
     }
 }
 

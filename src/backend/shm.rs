@@ -99,7 +99,7 @@ fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
 }
 
 fn shm_error(op: &'static str, detail: String, source: std::io::Error) -> Error {
-    Error::SharedMemory { op, detail, source }
+    Error::SharedMemory { op, detail, source: source.into() }
 }
 
 /// A rank's record in one round of a communicator's channel: the step of its calls

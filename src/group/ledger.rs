@@ -80,77 +80,38 @@ pub(crate) enum Entry {
 pub(crate) enum Failure {
     /// The ranks' records differed: later calls fail with [`Error::CollectiveDivergence`].
     Diverged(Box<CollectiveDivergence>),
-    /// A peer was lost, or the group broke (a round or a collective saw it): later
-    /// calls fail with the same error, of the same kind, so that a runtime sorting by
-    /// kind sees a loss as a loss whichever call met it first.
-    Peer(PeerFailure),
+    /// A peer was lost, or the group broke (a round or a collective saw it), or the
+    /// group shrank under it: later calls fail with the same error ([`Failure::peer`]),
+    /// of the same kind, so that a runtime sorting by kind sees a loss as a loss
+    /// whichever call met it first.
+    Peer(Error),
     /// Another failure (a round that timed out, a collective that failed, an
     /// unreadable payload): later calls fail with [`Error::PoolBroken`].
     Broken(String),
 }
 
-/// An error of the group that broke a ledger (a loss, of kind [`ErrorKind::PeerLost`]
-/// or [`ErrorKind::GroupLost`]; or the group shrank under it), kept to be reported
-/// again.
-#[derive(Debug, Clone)]
-pub(crate) enum PeerFailure {
-    /// [`Error::PeerLost`].
-    Lost {
-        rank: usize,
-        op: &'static str,
-        detail: String,
-    },
-    /// [`Error::GroupBroken`].
-    GroupBroken { rank: usize, op: &'static str },
-    /// [`Error::DeclaredLost`].
-    DeclaredLost { rank: usize, detail: String },
-    /// [`Error::NcclAborted`].
-    NcclAborted { reason: String },
-    /// [`Error::Shrunk`]: the group shrank under a round (another thread's shrink).
-    Shrunk { what: &'static str },
-}
-
-impl PeerFailure {
-    /// `e` (or the error it defers) as a failure of the group, if it is one.
-    pub(crate) fn of(e: &Error) -> Option<PeerFailure> {
-        Some(match e {
-            Error::PeerLost { rank, op, detail } => PeerFailure::Lost {
-                rank: *rank,
-                op,
-                detail: detail.clone(),
-            },
-            Error::GroupBroken { rank, op } => PeerFailure::GroupBroken { rank: *rank, op },
-            Error::DeclaredLost { rank, detail } => PeerFailure::DeclaredLost {
-                rank: *rank,
-                detail: detail.clone(),
-            },
-            Error::NcclAborted { reason } => PeerFailure::NcclAborted {
-                reason: reason.clone(),
-            },
-            Error::Shrunk { what } => PeerFailure::Shrunk { what },
-            Error::Deferred { source, .. } => return Self::of(source),
-            _ => return None,
-        })
-    }
-
-    /// The error again.
-    pub(crate) fn error(&self) -> Error {
-        match self.clone() {
-            PeerFailure::Lost { rank, op, detail } => Error::PeerLost { rank, op, detail },
-            PeerFailure::GroupBroken { rank, op } => Error::GroupBroken { rank, op },
-            PeerFailure::DeclaredLost { rank, detail } => Error::DeclaredLost { rank, detail },
-            PeerFailure::NcclAborted { reason } => Error::NcclAborted { reason },
-            PeerFailure::Shrunk { what } => Error::Shrunk { what },
+impl Failure {
+    /// `e` (or the error it defers) as a failure of the group, if it is one: a loss (of
+    /// kind [`ErrorKind::PeerLost`] or [`ErrorKind::GroupLost`]: [`Error::PeerLost`],
+    /// [`Error::GroupBroken`], [`Error::DeclaredLost`], [`Error::NcclAborted`]), or
+    /// [`Error::Shrunk`] (another thread's shrink), kept to be reported again.
+    pub(crate) fn peer(e: &Error) -> Option<Failure> {
+        match e {
+            Error::PeerLost { .. }
+            | Error::GroupBroken { .. }
+            | Error::DeclaredLost { .. }
+            | Error::NcclAborted { .. }
+            | Error::Shrunk { .. } => Some(Failure::Peer(e.clone())),
+            Error::Deferred { source, .. } => Self::peer(source),
+            _ => None,
         }
     }
-}
 
-impl Failure {
     /// The failure as a reason ([`Error::PoolBroken`]'s).
     pub(crate) fn reason(&self) -> String {
         match self {
             Failure::Diverged(d) => d.to_string(),
-            Failure::Peer(p) => p.error().to_string(),
+            Failure::Peer(e) => e.to_string(),
             Failure::Broken(reason) => reason.clone(),
         }
     }
@@ -160,7 +121,7 @@ impl Failure {
     pub(crate) fn error(&self) -> Error {
         match self {
             Failure::Diverged(d) => Error::CollectiveDivergence(d.clone()),
-            Failure::Peer(p) => p.error(),
+            Failure::Peer(e) => e.clone(),
             Failure::Broken(reason) => Error::PoolBroken {
                 reason: reason.clone(),
             },
@@ -413,8 +374,8 @@ impl Ledger {
         if let Some(d) = diverged(self) {
             return d;
         }
-        if let Some(p) = PeerFailure::of(&e) {
-            self.shared.break_with(Failure::Peer(p));
+        if let Some(f) = Failure::peer(&e) {
+            self.shared.break_with(f);
         } else if peers || matches!(e, Error::Nccl { .. }) {
             (self.shared).fail(format!("a collective on this pool failed: {e}"));
         }
@@ -630,8 +591,8 @@ impl Shared {
     /// A round named `what` failed with `e`: break the ledger, keeping a failure of
     /// the group (a lost peer, above all) to report again as it was.
     fn failed_by(&self, what: &str, e: &Error) {
-        match PeerFailure::of(e) {
-            Some(p) => self.break_with(Failure::Peer(p)),
+        match Failure::peer(e) {
+            Some(f) => self.break_with(f),
             None => self.fail(format!("{what} failed: {e}")),
         };
     }

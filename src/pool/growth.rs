@@ -202,7 +202,7 @@ impl SymmPool {
             // The ranks are out of step: no round (the pool is broken on every rank).
             // A loss is reported as the loss it is (the survivors may shrink).
             return Err(match failure {
-                Failure::Peer(p) => p.error(),
+                Failure::Peer(e) => e,
                 f => Error::PoolBroken { reason: f.reason() },
             });
         }

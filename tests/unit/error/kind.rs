@@ -63,8 +63,8 @@ fn variant(e: &Error) -> usize {
 }
 const VARIANTS: usize = 52;
 
-fn io() -> std::io::Error {
-    std::io::Error::other("test")
+fn io() -> std::sync::Arc<std::io::Error> {
+    std::io::Error::other("test").into()
 }
 
 /// One value of every variant, with the kind a runtime should see.
