@@ -148,9 +148,7 @@ pub(crate) fn reduce_ranks(
         }
     }
     let Some(mut acc) = acc else {
-        return Err(crate::error::Error::Internal {
-            what: "a collective with no ranks".into(),
-        });
+        return Err(crate::error::Error::internal("a collective with no ranks"));
     };
     if op == ReduceOp::Avg && !premul {
         divide(dt, &mut acc, n);

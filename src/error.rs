@@ -540,6 +540,26 @@ fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
 }
 
 impl Error {
+    /// [`Error::Config`]: `setting` has `value`, where `expected` says what it may be.
+    pub(crate) fn config(
+        setting: &'static str,
+        value: impl Into<String>,
+        expected: &'static str,
+    ) -> Error {
+        let value = value.into();
+        Error::Config {
+            setting,
+            value,
+            expected,
+        }
+    }
+
+    /// [`Error::Internal`]: `what` was found (a bug in symmpool).
+    #[cold]
+    pub(crate) fn internal(what: impl Into<String>) -> Error {
+        Error::Internal { what: what.into() }
+    }
+
     /// [`Error::ShrinkFailed`] for `reason`; `retry`: after a second loss while agreeing.
     pub(crate) fn shrink_failed(reason: String, retry: bool) -> Error {
         Error::ShrinkFailed { reason, retry }
@@ -590,9 +610,9 @@ impl From<AllocError> for Error {
             },
             // An expected outcome of the core that the pool handles itself: reaching
             // the caller is a bug.
-            AllocError::NeedsGrowth(g) => Error::Internal {
-                what: format!("the core asked for growth ({g:?}) where the pool cannot grow"),
-            },
+            AllocError::NeedsGrowth(g) => Error::internal(format!(
+                "the core asked for growth ({g:?}) where the pool cannot grow"
+            )),
             other => Error::Core(other),
         }
     }
@@ -662,11 +682,8 @@ pub(crate) fn in_threads<T: Send, R: Send>(
         let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
         (handles.into_iter())
             .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::Internal {
-                        what: format!("{what} panicked"),
-                    })
-                })
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::internal(format!("{what} panicked"))))
             })
             .collect()
     })

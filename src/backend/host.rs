@@ -119,9 +119,9 @@ pub(super) fn memory_of<M: fmt::Debug + Send + Sync + 'static>(segment: &Segment
     segment
         .memory::<HostSegment<M>>()
         .map(|s| &s.memory)
-        .ok_or(Error::Internal {
-            what: "a segment of another provider reached a host backend".into(),
-        })
+        .ok_or(Error::internal(
+            "a segment of another provider reached a host backend",
+        ))
 }
 
 /// One segment's bytes on the threads backend, shared with peers during collectives.
@@ -222,11 +222,11 @@ impl HostBackend {
     /// [`Error::Config`] for zero ranks or a granularity that is not a power of two.
     pub fn world(config: HostConfig) -> Result<Vec<Backend>> {
         if config.world_size == 0 {
-            return Err(Error::Config {
-                setting: "HostConfig::world_size",
-                value: "0".into(),
-                expected: "at least one rank",
-            });
+            return Err(Error::config(
+                "HostConfig::world_size",
+                "0",
+                "at least one rank",
+            ));
         }
         let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;

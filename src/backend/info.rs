@@ -105,25 +105,25 @@ impl BackendInfo {
         communicators: Vec<CommInfo>,
     ) -> Result<Self> {
         if rank >= world_size {
-            return Err(Error::Config {
-                setting: "rank",
-                value: format!("{rank} in a world of {world_size}"),
-                expected: "a rank below the world size",
-            });
+            return Err(Error::config(
+                "rank",
+                format!("{rank} in a world of {world_size}"),
+                "a rank below the world size",
+            ));
         }
         if communicators.is_empty() || communicators.len() > 64 {
-            return Err(Error::Config {
-                setting: "communicators",
-                value: format!("{} communicators", communicators.len()),
-                expected: "1 to 64 communicators",
-            });
+            return Err(Error::config(
+                "communicators",
+                format!("{} communicators", communicators.len()),
+                "1 to 64 communicators",
+            ));
         }
         if !crate::core::is_pow2(granularity_bytes) {
-            return Err(Error::Config {
-                setting: "granularity_bytes",
-                value: granularity_bytes.to_string(),
-                expected: "a power of two",
-            });
+            return Err(Error::config(
+                "granularity_bytes",
+                granularity_bytes.to_string(),
+                "a power of two",
+            ));
         }
         Ok(BackendInfo {
             kind,

@@ -303,11 +303,11 @@ fn check_exchange(exchange: &dyn Exchange, info: &BackendInfo) -> Result<()> {
     if (rank, world) == (r, w) {
         return Ok(());
     }
-    Err(Error::Config {
-        setting: "exchange",
-        value: format!("rank {rank} of {world}, the backend rank {r} of {w}"),
-        expected: "the backend's rank and world size",
-    })
+    Err(Error::config(
+        "exchange",
+        format!("rank {rank} of {world}, the backend rank {r} of {w}"),
+        "the backend's rank and world size",
+    ))
 }
 
 /// `Backend::with_*`: the same backend with one part replaced by `f(part)`.
@@ -421,11 +421,11 @@ impl Backend {
         if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
             return nccl.split(self, name);
         }
-        Err(Error::Config {
-            setting: "Backend::split",
-            value: format!("{:?}", self.info.kind),
-            expected: "a backend made by HostBackend, ShmBackend or NcclBackend",
-        })
+        Err(Error::config(
+            "Backend::split",
+            format!("{:?}", self.info.kind),
+            "a backend made by HostBackend, ShmBackend or NcclBackend",
+        ))
     }
 
     /// The backend of this rank in the group that survives a loss: the exchange shrunk

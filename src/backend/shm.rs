@@ -87,19 +87,24 @@ struct ShmWindow {
 
 /// This rank's mapping of rank `peer`'s segment in `window`.
 fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
-    let w = window.handle::<ShmWindow>().ok_or(Error::Internal {
-        what: "a window of another backend reached the shared-memory backend".into(),
-    })?;
+    let w = window.handle::<ShmWindow>().ok_or(Error::internal(
+        "a window of another backend reached the shared-memory backend",
+    ))?;
     match w.peers.get(peer) {
         Some(map) => Ok(map),
-        None => Err(Error::Internal {
-            what: format!("window {} has no mapping of rank {peer}", window.ordinal()),
-        }),
+        None => Err(Error::internal(format!(
+            "window {} has no mapping of rank {peer}",
+            window.ordinal()
+        ))),
     }
 }
 
 fn shm_error(op: &'static str, detail: String, source: std::io::Error) -> Error {
-    Error::SharedMemory { op, detail, source: source.into() }
+    Error::SharedMemory {
+        op,
+        detail,
+        source: source.into(),
+    }
 }
 
 /// A rank's record in one round of a communicator's channel: the step of its calls

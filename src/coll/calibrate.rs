@@ -193,11 +193,11 @@ impl Coll {
             || config.reps > 1000
             || config.bytes_per_rep == 0
         {
-            return Err(Error::Config {
-                setting: "CalibrateConfig",
-                value: format!("{config:?}"),
-                expected: "4 <= min_bytes <= max_bytes <= MAX_CALIBRATE_BYTES, 1..=1000 reps and bytes_per_rep > 0",
-            });
+            return Err(Error::config(
+                "CalibrateConfig",
+                format!("{config:?}"),
+                "4 <= min_bytes <= max_bytes <= MAX_CALIBRATE_BYTES, 1..=1000 reps and bytes_per_rep > 0",
+            ));
         }
         let backend = pool.backend();
         // The caller's settings (core sizes, registration) in the handle's group,

@@ -659,9 +659,9 @@ fn error_for(inbox: &Inbox, me: usize, op: &'static str) -> Error {
             rank: b.rank as usize,
             op: intern_op(&b.op),
         },
-        None => Error::Internal {
-            what: format!("{op}: the group was reported broken without a cause"),
-        },
+        None => Error::internal(format!(
+            "{op}: the group was reported broken without a cause"
+        )),
     }
 }
 

@@ -168,5 +168,9 @@ fn connect_retrying(
 
 /// A [`Error::Transport`] for an I/O error of `op` (`detail`: where).
 pub(super) fn transport(op: &'static str, detail: String) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Transport { op, detail, source: source.into() }
+    move |source| Error::Transport {
+        op,
+        detail,
+        source: source.into(),
+    }
 }

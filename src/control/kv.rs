@@ -145,18 +145,18 @@ impl<S: KvStore> KvExchange<S> {
     /// [`Error::Config`] if `rank >= world_size` or the prefix is empty.
     pub fn new(store: S, rank: usize, world_size: usize, config: KvConfig) -> Result<Self> {
         if rank >= world_size {
-            return Err(Error::Config {
-                setting: "rank",
-                value: format!("{rank} in a world of {world_size}"),
-                expected: "a rank below the world size",
-            });
+            return Err(Error::config(
+                "rank",
+                format!("{rank} in a world of {world_size}"),
+                "a rank below the world size",
+            ));
         }
         if config.prefix.is_empty() {
-            return Err(Error::Config {
-                setting: "KvConfig::prefix",
-                value: "\"\"".into(),
-                expected: "a non-empty key prefix",
-            });
+            return Err(Error::config(
+                "KvConfig::prefix",
+                "\"\"",
+                "a non-empty key prefix",
+            ));
         }
         Ok(KvExchange {
             store,

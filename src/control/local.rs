@@ -130,8 +130,10 @@ impl LocalExchange {
         if *taken >= self.rounds.world_size {
             st.shared.remove(&key);
         }
-        value.downcast().map_err(|_| Error::Internal {
-            what: format!("the value the ranks share under key {key} is of another type"),
+        value.downcast().map_err(|_| {
+            Error::internal(format!(
+                "the value the ranks share under key {key} is of another type"
+            ))
         })
     }
 

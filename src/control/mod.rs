@@ -252,9 +252,8 @@ pub(crate) fn gather_records<T: Serialize + DeserializeOwned>(
     record: &T,
     deadline: Deadline,
 ) -> Result<Vec<T>> {
-    let payload = postcard::to_allocvec(record).map_err(|e| Error::Internal {
-        what: format!("encoding the payload of {op}: {e}"),
-    })?;
+    let payload = postcard::to_allocvec(record)
+        .map_err(|e| Error::internal(format!("encoding the payload of {op}: {e}")))?;
     let all = exchange.all_gather(channel, op, &payload, deadline)?;
     let decode = |(rank, p): (usize, &Vec<u8>)| {
         postcard::from_bytes(p).map_err(|e| {

@@ -259,9 +259,7 @@ impl Ledger {
         let handle = thread::Builder::new()
             .name("symmpool-ledger".into())
             .spawn(move || worker.run())
-            .map_err(|e| Error::Internal {
-                what: format!("could not start the ledger's thread: {e}"),
-            })?;
+            .map_err(|e| Error::internal(format!("could not start the ledger's thread: {e}")))?;
         st.life = Life::Thread(handle);
         Ok(())
     }
@@ -338,8 +336,8 @@ impl Ledger {
         deadline: Deadline,
     ) -> Result<Vec<AgreementRecord>> {
         let entry = Entry::Agreement(Box::new(mine));
-        (self.settle(Some(entry), deadline, during)?).ok_or_else(|| Error::Internal {
-            what: "the ledger compared an agreement but kept no records of it".into(),
+        (self.settle(Some(entry), deadline, during)?).ok_or_else(|| {
+            Error::internal("the ledger compared an agreement but kept no records of it")
         })
     }
 

@@ -70,9 +70,8 @@ pub(crate) fn first_difference<R: Fields + PartialEq>(
 
 /// A record as bytes for the exchange.
 pub(crate) fn encode<T: Serialize + ?Sized>(record: &T) -> Result<Vec<u8>> {
-    postcard::to_allocvec(record).map_err(|e| Error::Internal {
-        what: format!("encoding a record for the other ranks failed: {e}"),
-    })
+    postcard::to_allocvec(record)
+        .map_err(|e| Error::internal(format!("encoding a record for the other ranks failed: {e}")))
 }
 
 /// As [`encode`], into a buffer of `max_bytes` made at once (serialising into a slice

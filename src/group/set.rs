@@ -191,19 +191,18 @@ impl Group {
     /// As [`new`](Self::new), waiting for the other ranks until `deadline`.
     fn open(backend: Backend, config: GroupConfig, deadline: Deadline) -> Result<Group> {
         if let Some(v) = &config.bad_check_env {
-            return Err(Error::Config {
-                setting: CHECK_ENV,
-                value: format!("{v:?}"),
-                expected: "strict, async or off (or unset: async)",
-            });
+            return Err(Error::config(
+                CHECK_ENV,
+                format!("{v:?}"),
+                "strict, async or off (or unset: async)",
+            ));
         }
         let Some(claim) = backend.claim_group() else {
-            return Err(Error::Config {
-                setting: "Group::new",
-                value: "a backend another live group holds (while a pool or handle of it lives)"
-                    .into(),
-                expected: "one live group per communicator set: pools on them share it; Group::split",
-            });
+            return Err(Error::config(
+                "Group::new",
+                "a backend another live group holds (while a pool or handle of it lives)",
+                "one live group per communicator set: pools on them share it; Group::split",
+            ));
         };
         let (registrations, ledger, mode) = Self::opened(&backend, &config, deadline)?;
         Ok(Group {

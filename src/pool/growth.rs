@@ -123,7 +123,7 @@ impl SymmPool {
                 let (got, want) = (got.0, id.0);
                 let what = format!("the core numbered a new segment {got} instead of {want}");
                 st.broken = Some(Failure::Broken(what.clone()));
-                Err(Error::Internal { what })
+                Err(Error::internal(what))
             }
             Err(e) => {
                 self.undo_segment(st, entry, deadline);

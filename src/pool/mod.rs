@@ -175,11 +175,11 @@ impl SymmPool {
     /// temporary pool: unchecked).
     pub(crate) fn create(group: &Group, mut config: PoolConfig, mode: CheckMode) -> Result<Self> {
         if config.history_len > MAX_HISTORY {
-            return Err(Error::Config {
-                setting: "PoolConfig::history_len",
-                value: config.history_len.to_string(),
-                expected: "at most MAX_HISTORY (65 536) calls",
-            });
+            return Err(Error::config(
+                "PoolConfig::history_len",
+                config.history_len.to_string(),
+                "at most MAX_HISTORY (65 536) calls",
+            ));
         }
         let granularity = group.backend().granularity_bytes();
         config.core = config.core.with_granularity_bytes(granularity);
@@ -424,7 +424,7 @@ impl SymmPool {
         let Some(entry) = st.segments.get(&placement.segment).cloned() else {
             let what = format!("segment {} has no entry", placement.segment.0);
             st.broken = Some(Failure::Broken(what.clone()));
-            return Err(Error::Internal { what });
+            return Err(Error::internal(what));
         };
         st.counters.allocated_bytes_total += placement.size_bytes;
         st.counters.requested_bytes_total += size_bytes;

@@ -148,9 +148,9 @@ impl PoolState {
             })
             .collect();
         if let Some(rank) = flags.iter().position(Option::is_none) {
-            return Err(Error::Internal {
-                what: format!("rank {rank} sent no readiness in its agreement"),
-            });
+            return Err(Error::internal(format!(
+                "rank {rank} sent no readiness in its agreement"
+            )));
         }
         let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
         if let Some(rank) = find(Readiness::PoolBroken) {

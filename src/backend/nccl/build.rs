@@ -25,11 +25,11 @@ use std::sync::Arc;
 pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
     let count = device_count()?;
     if device >= count {
-        return Err(Error::Config {
-            setting: "device",
-            value: format!("{device} ({count} visible)"),
-            expected: "a visible device",
-        });
+        return Err(Error::config(
+            "device",
+            format!("{device} ({count} visible)"),
+            "a visible device",
+        ));
     }
     let ctx = CudaContext::new(device).map_err(ffi::cuda("cuDevicePrimaryCtxRetain"))?;
     ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
@@ -80,15 +80,15 @@ fn same_rank(
     exchange: &dyn Exchange,
 ) -> Result<(usize, usize)> {
     if (rank, world) != (exchange.rank(), exchange.world_size()) || dev != device {
-        return Err(Error::Config {
-            setting: "communicator",
-            value: format!(
+        return Err(Error::config(
+            "communicator",
+            format!(
                 "rank {rank} of {world} on device {dev}; the exchange rank {} of {}, the device given {device}",
                 exchange.rank(),
                 exchange.world_size()
             ),
-            expected: "the exchange's rank and world size on the device given",
-        });
+            "the exchange's rank and world size on the device given",
+        ));
     }
     Ok((rank, world))
 }
@@ -374,11 +374,11 @@ impl NcclBackend {
     /// [`Error::NcclAborted`] once its control communicator is.
     pub(in crate::backend) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let Some(control) = self.shared.control.as_ref() else {
-            return Err(Error::Config {
-                setting: "Backend::split",
-                value: "NCCL communicators adopted without a control communicator".into(),
-                expected: "a backend made by NcclBackend::from_env, launch or local_world",
-            });
+            return Err(Error::config(
+                "Backend::split",
+                "NCCL communicators adopted without a control communicator",
+                "a backend made by NcclBackend::from_env, launch or local_world",
+            ));
         };
         let config = self.shared.config;
         // The ranks agree on the split (its name and place) before NCCL is called.
@@ -432,12 +432,13 @@ impl NcclBackend {
         let b = Builder::new(config)?;
         let visible = device_count()?;
         let local = config::local_rank(&|k| std::env::var(k).ok());
-        let device =
-            config::pick_device(config.device, local, visible).map_err(|value| Error::Config {
-                setting: "NcclConfig::device",
+        let device = config::pick_device(config.device, local, visible).map_err(|value| {
+            Error::config(
+                "NcclConfig::device",
                 value,
-                expected: "a visible device, given or picked by the local rank",
-            })?;
+                "a visible device, given or picked by the local rank",
+            )
+        })?;
         let ctx = context(device)?;
         let (control, comms, placement) = b.communicators(exchange.as_ref(), &device_uuid(&ctx))?;
         b.assemble(ctx, Some(control), comms, placement, exchange, true)
@@ -517,18 +518,14 @@ impl NcclBackend {
     pub fn local_world(devices: &[usize], config: NcclConfig) -> Result<Vec<Backend>> {
         let b = Builder::new(config)?;
         if devices.is_empty() {
-            return Err(Error::Config {
-                setting: "devices",
-                value: "[]".into(),
-                expected: "at least one device",
-            });
+            return Err(Error::config("devices", "[]", "at least one device"));
         }
         if (1..devices.len()).any(|i| devices[..i].contains(&devices[i])) {
-            return Err(Error::Config {
-                setting: "devices",
-                value: format!("{devices:?}"),
-                expected: "distinct devices",
-            });
+            return Err(Error::config(
+                "devices",
+                format!("{devices:?}"),
+                "distinct devices",
+            ));
         }
         let id = ffi::unique_id(b.nccl)?;
         let world = devices.len();
@@ -611,11 +608,11 @@ impl NcclBackend {
             adopted.push((info, Comm::new(b.nccl, raw, false, false)));
         }
         if adopted.is_empty() {
-            return Err(Error::Config {
-                setting: "communicators",
-                value: "none".into(),
-                expected: "at least one communicator",
-            });
+            return Err(Error::config(
+                "communicators",
+                "none",
+                "at least one communicator",
+            ));
         }
         let agreed = b.agree(exchange.as_ref(), None, &device_uuid(&ctx))?;
         b.assemble(ctx, None, adopted, agreed.placement, exchange, false)

@@ -168,9 +168,7 @@ impl Health {
     pub(crate) fn error(&self) -> Error {
         match self.cause.get() {
             Some(c) => self.report(c, c.op(), false),
-            None => Error::Internal {
-                what: "asked for the error of a healthy NCCL backend".into(),
-            },
+            None => Error::internal("asked for the error of a healthy NCCL backend"),
         }
     }
 

@@ -176,9 +176,7 @@ fn refused<T>(handle: T, error: Error) -> Refused<T> {
 
 /// The error of `what` (a handle of another backend) reaching the NCCL backend.
 fn foreign(what: &str) -> Error {
-    Error::Internal {
-        what: format!("{what} reached the NCCL backend"),
-    }
+    Error::internal(format!("{what} reached the NCCL backend"))
 }
 
 /// The CUDA device of a rank, as the communicator layer sees it.

@@ -75,11 +75,9 @@ pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) 
 
 /// What every rank concludes from all ranks' hellos (a pure function).
 pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
-    let first = hellos.first().ok_or_else(|| Error::Config {
-        setting: "world_size",
-        value: "0".into(),
-        expected: "at least one rank",
-    })?;
+    let first = hellos
+        .first()
+        .ok_or_else(|| Error::config("world_size", "0", "at least one rank"))?;
     if hellos.iter().any(|h| h.version != first.version) {
         let per_rank = hellos
             .iter()
@@ -87,21 +85,21 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
             .map(|(r, h)| format!("rank {r}: {}", NcclVersion::from_code(h.version)))
             .collect::<Vec<_>>()
             .join(", ");
-        return Err(Error::Config {
-            setting: "NCCL version",
-            value: per_rank,
-            expected: "the same NCCL on every rank",
-        });
+        return Err(Error::config(
+            "NCCL version",
+            per_rank,
+            "the same NCCL on every rank",
+        ));
     }
     if let Some((r, h)) = (hellos.iter().enumerate()).find(|(_, h)| h.plan != first.plan) {
-        return Err(Error::Config {
-            setting: "NcclConfig",
-            value: format!(
+        return Err(Error::config(
+            "NcclConfig",
+            format!(
                 "ranks split different data communicators (rank 0: {}, rank {r}: {})",
                 first.plan, h.plan
             ),
-            expected: "the same NcclConfig on every rank",
-        });
+            "the same NcclConfig on every rank",
+        ));
     }
     let unique_ids = first
         .unique_ids
