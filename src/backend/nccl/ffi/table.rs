@@ -106,31 +106,55 @@ pub(crate) type AllReduceFn = ReduceScatterFn;
 /// `ncclCommRevoke(comm, revokeFlags)` (NCCL >= 2.28.7, `nccl.h.in`).
 pub(crate) type RevokeFn = unsafe extern "C" fn(sys::ncclComm_t, c_int) -> c_int;
 
-/// NCCL's function table: resolved once from the library [`candidates`] found, or
-/// (in the crate's tests) a fake NCCL of Rust `extern "C"` functions behind the same
-/// types. Every NCCL call of the crate goes through one of these fields; the
-/// communicator layer holds the table it was made with ([`api`] for the real one).
-pub(crate) struct Syms {
-    pub(crate) get_unique_id: GetUniqueIdFn,
-    pub(crate) init_rank_config: InitRankConfigFn,
-    pub(crate) split: SplitFn,
-    pub(crate) abort: CommFn,
-    pub(crate) get_async_error: CommIntFn,
-    pub(crate) count: CommIntFn,
-    pub(crate) user_rank: CommIntFn,
-    pub(crate) cu_device: CommIntFn,
-    pub(crate) error_string: ErrorStringFn,
-    pub(crate) last_error: LastErrorFn,
-    pub(crate) mem_alloc: MemAllocFn,
-    pub(crate) mem_free: MemFreeFn,
-    pub(crate) window_register: WindowRegisterFn,
-    pub(crate) window_deregister: WindowDeregisterFn,
-    pub(crate) all_gather: AllGatherFn,
-    pub(crate) reduce_scatter: ReduceScatterFn,
-    pub(crate) all_reduce: AllReduceFn,
-    /// `ncclCommRevoke`, NCCL >= 2.28.7 only (`None` before: the watchdog then aborts
-    /// directly).
-    pub(crate) revoke: Option<RevokeFn>,
+/// Declares [`Syms`], each field with the NCCL function it is resolved from, and
+/// [`resolve`], which resolves them all from a loaded library.
+macro_rules! syms {
+    ($($field:ident: $ty:ty = $name:literal,)*) => {
+        /// NCCL's function table: resolved once from the library [`candidates`] found,
+        /// or (in the crate's tests) a fake NCCL of Rust `extern "C"` functions behind
+        /// the same types. Every NCCL call of the crate goes through one of these
+        /// fields; the communicator layer holds the table it was made with ([`api`] for
+        /// the real one).
+        pub(crate) struct Syms {
+            $(pub(crate) $field: $ty,)*
+            /// `ncclCommRevoke`, NCCL >= 2.28.7 only (`None` before: the watchdog then
+            /// aborts directly).
+            pub(crate) revoke: Option<RevokeFn>,
+        }
+
+        /// Every function of [`Syms`] from `lib`, or the name of the first missing one.
+        fn resolve(lib: &'static libloading::os::unix::Library) -> Result<Syms, &'static str> {
+            Ok(Syms {
+                // SAFETY: every field of `Syms` has the C signature of its function in
+                // nccl.h 2.27 and 2.28 (`ncclResult_t` read as `int`), and the library
+                // is leaked.
+                $($field: unsafe { sym(lib, $name) }?,)*
+                // SAFETY: `ncclCommRevoke(ncclComm_t, int)` in nccl.h 2.28.7+; the
+                // library is leaked. Absent before 2.28.7, which is not an error.
+                revoke: unsafe { sym(lib, "ncclCommRevoke") }.ok(),
+            })
+        }
+    };
+}
+
+syms! {
+    get_unique_id: GetUniqueIdFn = "ncclGetUniqueId",
+    init_rank_config: InitRankConfigFn = "ncclCommInitRankConfig",
+    split: SplitFn = "ncclCommSplit",
+    abort: CommFn = "ncclCommAbort",
+    get_async_error: CommIntFn = "ncclCommGetAsyncError",
+    count: CommIntFn = "ncclCommCount",
+    user_rank: CommIntFn = "ncclCommUserRank",
+    cu_device: CommIntFn = "ncclCommCuDevice",
+    error_string: ErrorStringFn = "ncclGetErrorString",
+    last_error: LastErrorFn = "ncclGetLastError",
+    mem_alloc: MemAllocFn = "ncclMemAlloc",
+    mem_free: MemFreeFn = "ncclMemFree",
+    window_register: WindowRegisterFn = "ncclCommWindowRegister",
+    window_deregister: WindowDeregisterFn = "ncclCommWindowDeregister",
+    all_gather: AllGatherFn = "ncclAllGather",
+    reduce_scatter: ReduceScatterFn = "ncclReduceScatter",
+    all_reduce: AllReduceFn = "ncclAllReduce",
 }
 
 /// What loading found: the version, and the functions when all of them resolved.
@@ -153,15 +177,6 @@ unsafe fn sym<T: Copy>(
     unsafe { lib.get::<T>(name.as_bytes()) }
         .map(|s| *s)
         .map_err(|_| name)
-}
-
-/// A symbol of the leaked NCCL library, typed as the field it initialises.
-macro_rules! resolve {
-    ($lib:expr, $name:literal) => {{
-        // SAFETY: every field of `Syms` has the C signature of its function in nccl.h
-        // 2.27 and 2.28 (`ncclResult_t` read as `int`), and the library is leaked.
-        unsafe { sym($lib, $name) }?
-    }};
 }
 
 fn open(candidate: &Candidate) -> Option<libloading::os::unix::Library> {
@@ -200,30 +215,7 @@ fn loaded() -> Option<&'static Loaded> {
             }
             let version = NcclVersion::from_code(code);
             tracing::info!("symmpool: NCCL {version} from {candidate:?}");
-            let syms = (|| -> Result<Syms, &'static str> {
-                Ok(Syms {
-                    get_unique_id: resolve!(lib, "ncclGetUniqueId"),
-                    init_rank_config: resolve!(lib, "ncclCommInitRankConfig"),
-                    split: resolve!(lib, "ncclCommSplit"),
-                    abort: resolve!(lib, "ncclCommAbort"),
-                    get_async_error: resolve!(lib, "ncclCommGetAsyncError"),
-                    count: resolve!(lib, "ncclCommCount"),
-                    user_rank: resolve!(lib, "ncclCommUserRank"),
-                    cu_device: resolve!(lib, "ncclCommCuDevice"),
-                    error_string: resolve!(lib, "ncclGetErrorString"),
-                    last_error: resolve!(lib, "ncclGetLastError"),
-                    mem_alloc: resolve!(lib, "ncclMemAlloc"),
-                    mem_free: resolve!(lib, "ncclMemFree"),
-                    window_register: resolve!(lib, "ncclCommWindowRegister"),
-                    window_deregister: resolve!(lib, "ncclCommWindowDeregister"),
-                    all_gather: resolve!(lib, "ncclAllGather"),
-                    reduce_scatter: resolve!(lib, "ncclReduceScatter"),
-                    all_reduce: resolve!(lib, "ncclAllReduce"),
-                    // SAFETY: `ncclCommRevoke(ncclComm_t, int)` in nccl.h 2.28.7+; the
-                    // library is leaked. Absent before 2.28.7, which is not an error.
-                    revoke: unsafe { sym(lib, "ncclCommRevoke") }.ok(),
-                })
-            })();
+            let syms = resolve(lib);
             let syms =
                 (syms.inspect_err(|m| tracing::warn!("symmpool: NCCL {version} lacks {m}"))).ok();
             Some(Loaded { version, syms })
