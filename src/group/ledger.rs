@@ -200,8 +200,9 @@ enum Life {
     /// The ledger was dropped: the thread compares what this rank posted and ends
     /// (its round abandoned if the peers do not come); what it finds no longer counts.
     Dropped,
-    /// The thread has ended.
-    Ended,
+    /// The thread has ended; its handle, if it ended before the ledger was dropped
+    /// (the drop joins it).
+    Ended(Option<JoinHandle<()>>),
 }
 
 /// Every rank's records not yet compared, and the comparisons made.
@@ -502,13 +503,19 @@ impl Drop for Ledger {
         // to end on its own, detached.
         let s = &self.shared;
         let mut st = s.state.lock();
-        let Life::Thread(handle) = std::mem::replace(&mut st.life, Life::Dropped) else {
-            return;
+        let handle = match std::mem::replace(&mut st.life, Life::Dropped) {
+            Life::Thread(handle) => handle,
+            // Ended on its own (a failure): joined below, without waiting for a state.
+            Life::Ended(Some(handle)) => {
+                st.life = Life::Ended(None);
+                handle
+            }
+            _ => return,
         };
         s.changed.notify_all();
         let mut deadline = Deadline::after(s.config.timeout.min(DROP_WAIT));
         let mut abandoned = false;
-        while !matches!(st.life, Life::Ended) {
+        while !matches!(st.life, Life::Ended(_)) {
             if s.changed
                 .wait_until(&mut st, deadline.instant())
                 .timed_out()
@@ -557,7 +564,7 @@ impl Shared {
             return first.error();
         }
         let e = failure.error();
-        if matches!(st.life, Life::Dropped | Life::Ended) {
+        if matches!(st.life, Life::Dropped | Life::Ended(_)) {
             return e;
         }
         // Every call on the pools returns the failure from now on: the caller decides
@@ -727,7 +734,12 @@ impl Shared {
                 break;
             }
         }
-        st.life = Life::Ended;
+        // The handle stays for the drop to join (the thread may still hold the
+        // exchange when it gets there).
+        st.life = match std::mem::replace(&mut st.life, Life::Ended(None)) {
+            Life::Thread(handle) => Life::Ended(Some(handle)),
+            _ => Life::Ended(None),
+        };
         self.changed.notify_all();
     }
 }

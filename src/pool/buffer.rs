@@ -204,7 +204,7 @@ impl SymmBuffer {
         self.note_stream(stream)?;
         #[cfg(feature = "nccl")]
         if self.last_stream.load(Ordering::Acquire) == PENDING {
-            return Ok(()); // not joined: `stream` captures
+            return Ok(()); // not joined by the buffer's stream: `stream` is another, or captures
         }
         self.last_stream.store(stream.id().0, Ordering::Release);
         Ok(())

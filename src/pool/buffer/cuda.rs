@@ -197,11 +197,19 @@ impl SymmBuffer {
 
     /// A use on the buffer's stream (`cs`, or a stream a collective runs on) after
     /// uses through views on other streams: it waits for them all, unless it captures.
+    /// Only the buffer's own stream clears the mark: a later use there must wait for
+    /// the views' uses whichever other streams joined them.
     pub(super) fn join_views_cuda(&self, cs: &CudaStream) {
         if self.last_stream.load(Ordering::Acquire) != PENDING || self.capturing(cs) {
             return;
         }
-        (self.last_stream).store(self.stream.id().0, Ordering::Release);
+        if self
+            .stream
+            .cuda_stream()
+            .is_some_and(|h| same_cuda_stream(h, cs))
+        {
+            (self.last_stream).store(self.stream.id().0, Ordering::Release);
+        }
         self.wait_foreign(cs, |_| true);
     }
 
@@ -291,10 +299,23 @@ impl SymmBuffer {
 /// (keep the buffer alive while a launch elsewhere may run). Likewise `S` does not
 /// wait for `H` while `H` captures, and `H` joins no use while it captures.
 ///
-/// Not ordered: any use once cudarc's event tracking is disabled
-/// (`CudaContext::disable_event_tracking`, whose `unsafe` contract puts the ordering
-/// between streams on the caller), as for cudarc's own views. Failures of the device
-/// calls above are returned by the pool's next call ([`Error::Deferred`]).
+/// Not ordered, so the caller's to order:
+/// - any use once cudarc's event tracking is disabled
+///   (`CudaContext::disable_event_tracking`, whose `unsafe` contract puts the ordering
+///   between streams on the caller), as for cudarc's own views;
+/// - a use on `S` after a collective on a third stream `X` (`S` joins `H`, not `X`;
+///   a collective on `X` does wait for the views' uses, and `H` still joins them);
+/// - a use on `S` while `H` captures (`S` cannot wait for `H` then, so not for the
+///   memory's earlier users either), and the drop, while `H` captures, of a buffer used
+///   on other streams (`H`'s wait for those uses breaks the capture: an error, not a
+///   silent race);
+/// - views of one buffer used from several threads at once (two halves of
+///   [`CudaViewMut::split_at_mut`] written on two threads, say): the events that order
+///   them are recorded when cudarc's call returns, so a use racing another's record
+///   may miss it, as two threads writing one slice need the caller's ordering.
+///
+/// Failures of the device calls above are returned by the pool's next call
+/// ([`Error::Deferred`]).
 #[derive(Debug, Clone, Copy)]
 pub struct CudaView<'a, T> {
     buf: &'a SymmBuffer,
