@@ -10,7 +10,8 @@
 //!
 //! Who drives the rounds: under [`CheckMode::Async`] a background thread (callers
 //! post and return, at most `capacity` records of theirs uncompared); otherwise the
-//! caller whose record needs a verdict, under the rounds lock.
+//! caller whose record needs a verdict, holding the queues of records while it is in a
+//! round (one lock guards the life cycle, the queues and the verdict).
 
 use super::agree::AgreementRecord;
 use super::collective::CollectiveRecord;
