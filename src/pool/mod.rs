@@ -37,7 +37,7 @@ use crate::control::ChannelId;
 use crate::core::{AllocError, AllocRequest, Allocator, BlockId, Wait};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallHead, CallKind, CheckMode, Failure, History, Ledger};
+use crate::group::{CallHead, CallKind, CheckMode, History, Ledger};
 use crate::group::{Group, GroupConfig};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
@@ -423,7 +423,9 @@ impl SymmPool {
         };
         let Some(entry) = st.segments.get(&placement.segment).cloned() else {
             let what = format!("segment {} has no entry", placement.segment.0);
-            st.broken = Some(Failure::Broken(what.clone()));
+            st.broken = Some(Error::PoolBroken {
+                reason: what.clone(),
+            });
             return Err(Error::internal(what));
         };
         st.counters.allocated_bytes_total += placement.size_bytes;
