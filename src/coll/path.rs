@@ -231,7 +231,7 @@ impl std::fmt::Display for Bands<'_> {
 }
 
 /// Which collective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum CollOp {
     AllGather,
     ReduceScatter(ReduceOp),

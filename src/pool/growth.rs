@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// How the core takes a segment the pool adds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum SegmentUse {
     /// Grown for the request at hand (the core's growth policy decides whether it is
     /// dedicated to it).
