@@ -200,7 +200,7 @@ impl SymmPool {
         let broken = st.broken.is_some();
         let mut mine = AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken);
         mine.live = live; // at most MAX_LIVE_NAMED: `live_buffers` takes no more
-        if let Some(failure) = self.inner.group.ledger().failure() {
+        if let Some(failure) = self.ledger().failure() {
             // The ranks are out of step: no round (the pool is broken on every rank).
             // A loss is reported as the loss it is (the survivors may shrink).
             return Err(match failure {
@@ -210,7 +210,7 @@ impl SymmPool {
                 e => e,
             });
         }
-        let out = group::agree_records(self.inner.group.ledger(), during, mine, deadline);
+        let out = group::agree_records(self.ledger(), during, mine, deadline);
         match out {
             Err(Error::Divergence(d)) => {
                 st.diverged = Some(d.clone());

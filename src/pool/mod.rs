@@ -336,7 +336,7 @@ impl SymmPool {
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         if st.broken.is_none()
-            && let Some(failure) = self.inner.group.ledger().failure()
+            && let Some(failure) = self.ledger().failure()
         {
             st.broken = Some(failure.clone());
         }

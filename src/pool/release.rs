@@ -182,7 +182,7 @@ impl SymmPool {
             return Ok(());
         }
         let live = st.core.stats().allocated_blocks.current;
-        let ledger = &self.inner.group.ledger();
+        let ledger = &self.ledger();
         if let Some(failure) = ledger.failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }

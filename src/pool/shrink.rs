@@ -95,7 +95,7 @@ impl SymmPool {
             return Err(Error::Divergence(d.clone()));
         }
         // Ranks that made different collectives are a bug to fix, not a loss to survive.
-        if let Some(d @ Error::CollectiveDivergence(_)) = self.inner.group.ledger().failure() {
+        if let Some(d @ Error::CollectiveDivergence(_)) = self.ledger().failure() {
             return Err(d);
         }
         let group = self.inner.group.shrink(deadline)?;

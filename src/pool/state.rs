@@ -157,14 +157,15 @@ impl PoolState {
             if let Some(f) = self.broken.as_ref().and_then(Error::group_failure) {
                 return Err(f.clone());
             }
-            let reason = match (&self.broken, &self.diverged) {
-                (Some(why), _) => why.reason(),
-                (None, Some(d)) => d.to_string(),
-                (None, None) => format!("rank {rank}'s pool is broken"),
+            // A broken rank reports its own reason.
+            let reason = match &self.diverged {
+                Some(d) => d.to_string(),
+                None => format!("rank {rank}'s pool is broken"),
             };
-            (self.broken).get_or_insert_with(|| Error::PoolBroken {
-                reason: reason.clone(),
-            });
+            let reason = self
+                .broken
+                .get_or_insert(Error::PoolBroken { reason })
+                .reason();
             return Err(Error::PoolBroken { reason });
         }
         if find(Readiness::Capturing).is_some() {
