@@ -231,7 +231,7 @@ impl std::fmt::Display for Bands<'_> {
 }
 
 /// Which collective.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CollOp {
     AllGather,
     ReduceScatter(ReduceOp),
