@@ -560,6 +560,32 @@ impl Error {
         Error::Internal { what: what.into() }
     }
 
+    /// This error (or the one it defers) if it is a failure of the group, kept by the
+    /// ledger to report again as it was: a loss (of kind [`ErrorKind::PeerLost`] or
+    /// [`ErrorKind::GroupLost`]: [`Error::PeerLost`], [`Error::GroupBroken`],
+    /// [`Error::DeclaredLost`], [`Error::NcclAborted`]), or [`Error::Shrunk`] (another
+    /// thread's shrink).
+    pub(crate) fn group_failure(&self) -> Option<&Error> {
+        match self {
+            Error::PeerLost { .. }
+            | Error::GroupBroken { .. }
+            | Error::DeclaredLost { .. }
+            | Error::NcclAborted { .. }
+            | Error::Shrunk { .. } => Some(self),
+            Error::Deferred { source, .. } => source.group_failure(),
+            _ => None,
+        }
+    }
+
+    /// The error as a reason ([`Error::PoolBroken`]'s): that error's own reason, else
+    /// the message.
+    pub(crate) fn reason(&self) -> String {
+        match self {
+            Error::PoolBroken { reason } => reason.clone(),
+            e => e.to_string(),
+        }
+    }
+
     /// [`Error::ShrinkFailed`] for `reason`; `retry`: after a second loss while agreeing.
     pub(crate) fn shrink_failed(reason: String, retry: bool) -> Error {
         Error::ShrinkFailed { reason, retry }

@@ -290,7 +290,7 @@ fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
 }
 
 /// What a rank opens in [`Exchange::open_channel`]'s round.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 struct ChannelOpening {
     ordinal: u64,
     name: String,

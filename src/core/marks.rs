@@ -5,7 +5,7 @@ use super::allocator::{Allocator, Block, BlockUse};
 use serde::{Deserialize, Serialize};
 
 /// Per block of [`Allocator::snapshot`], what only the allocator knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) struct BlockMark {
     /// The allocation's sequence number ([`BlockId::seq`](super::BlockId)) of an
     /// allocated block; `None` for a free one.

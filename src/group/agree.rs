@@ -12,7 +12,7 @@ use crate::error::{Divergence, Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// The collective pool operation being agreed on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Op {
     Grow,
     Reserve,
@@ -38,7 +38,7 @@ impl Op {
 /// A rank's readiness for a collective pool operation, carried in the agreement (as
 /// its per-rank value) so that a rank-local obstacle fails every rank the same way
 /// instead of leaving the others to time out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Readiness {
     /// Nothing stands in the way.
     Ready,
@@ -53,7 +53,7 @@ pub(crate) enum Readiness {
 
 /// What a rank says in an agreement beside what the ranks compare: it may differ
 /// between ranks, and comes back to every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Note {
     /// Before an operation: whether this rank can make it.
     Ready(Readiness),
@@ -68,7 +68,7 @@ pub(crate) enum Note {
 }
 
 /// How a window registration went on a rank (its growth's outcome round).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Registered {
     Yes,
     /// It failed on this rank.
@@ -81,7 +81,7 @@ pub(crate) enum Registered {
 }
 
 /// One rank's record of an agreement.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct AgreementRecord {
     pub(crate) op: Op,
     /// The pool (the ordinal of its exchange channel): pools over one communicator
@@ -102,7 +102,7 @@ pub(crate) struct AgreementRecord {
 }
 
 /// A live buffer as a `close` that it refuses names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) struct LiveBuffer {
     pub(crate) segment: u32,
     pub(crate) offset_bytes: u64,

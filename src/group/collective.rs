@@ -7,7 +7,7 @@ use crate::dtype::{DType, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 /// What a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) enum RecordKind {
     /// One collective.
     Collective,
@@ -17,7 +17,7 @@ pub(crate) enum RecordKind {
 }
 
 /// The collective a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) enum CollKind {
     /// No collective (a step record).
     None,
@@ -27,7 +27,7 @@ pub(crate) enum CollKind {
 }
 
 /// One buffer of a collective: (allocation number, segment, offset, bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) struct BufferRecord {
     pub(crate) allocation: u64,
     pub(crate) segment: u32,
@@ -37,7 +37,7 @@ pub(crate) struct BufferRecord {
 
 /// One rank's record of one collective (or of a step boundary). `Copy`: posting one
 /// allocates nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) struct CollectiveRecord {
     pub(crate) kind: RecordKind,
     /// The ordinal of the pool's exchange channel (its identity among the ranks).

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a call was, for the history and the hash.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[repr(u64)]
 pub(crate) enum CallKind {
     Alloc = 1,
@@ -21,7 +21,7 @@ pub(crate) enum CallKind {
 
 /// One recorded call: `a` and `b` are its arguments (alloc: bytes, alignment; free:
 /// the freed allocation's call number, 0; reserve: bytes, 1 for a small segment).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) struct CallRecord {
     pub(crate) seq: u64,
     pub(crate) kind: CallKind,
@@ -66,7 +66,7 @@ impl CallHead {
 }
 
 /// Sequence number, running hash and the last `capacity` calls.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct History {
     seq: u64,
     hash: u64,

@@ -67,67 +67,13 @@ impl CheckMode {
 }
 
 /// One record of the ledger.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Entry {
     /// A collective, or a step boundary.
     Collective(CollectiveRecord),
     /// A collective pool operation's agreement: the ranks' records go back to the
     /// pool, which judges them.
     Agreement(Box<AgreementRecord>),
-}
-
-/// Why the ledger broke: what later calls on its pools report.
-#[derive(Debug, Clone)]
-pub(crate) enum Failure {
-    /// The ranks' records differed: later calls fail with [`Error::CollectiveDivergence`].
-    Diverged(Box<CollectiveDivergence>),
-    /// A peer was lost, or the group broke (a round or a collective saw it), or the
-    /// group shrank under it: later calls fail with the same error ([`Failure::peer`]),
-    /// of the same kind, so that a runtime sorting by kind sees a loss as a loss
-    /// whichever call met it first.
-    Peer(Error),
-    /// Another failure (a round that timed out, a collective that failed, an
-    /// unreadable payload): later calls fail with [`Error::PoolBroken`].
-    Broken(String),
-}
-
-impl Failure {
-    /// `e` (or the error it defers) as a failure of the group, if it is one: a loss (of
-    /// kind [`ErrorKind::PeerLost`] or [`ErrorKind::GroupLost`]: [`Error::PeerLost`],
-    /// [`Error::GroupBroken`], [`Error::DeclaredLost`], [`Error::NcclAborted`]), or
-    /// [`Error::Shrunk`] (another thread's shrink), kept to be reported again.
-    pub(crate) fn peer(e: &Error) -> Option<Failure> {
-        match e {
-            Error::PeerLost { .. }
-            | Error::GroupBroken { .. }
-            | Error::DeclaredLost { .. }
-            | Error::NcclAborted { .. }
-            | Error::Shrunk { .. } => Some(Failure::Peer(e.clone())),
-            Error::Deferred { source, .. } => Self::peer(source),
-            _ => None,
-        }
-    }
-
-    /// The failure as a reason ([`Error::PoolBroken`]'s).
-    pub(crate) fn reason(&self) -> String {
-        match self {
-            Failure::Diverged(d) => d.to_string(),
-            Failure::Peer(e) => e.to_string(),
-            Failure::Broken(reason) => reason.clone(),
-        }
-    }
-
-    /// The error later calls report: the divergence, the group's failure again, or
-    /// [`Error::PoolBroken`].
-    pub(crate) fn error(&self) -> Error {
-        match self {
-            Failure::Diverged(d) => Error::CollectiveDivergence(d.clone()),
-            Failure::Peer(e) => e.clone(),
-            Failure::Broken(reason) => Error::PoolBroken {
-                reason: reason.clone(),
-            },
-        }
-    }
 }
 
 /// The longest a ledger's drop waits for its thread's last round, and then again for
@@ -178,8 +124,13 @@ struct Shared {
 
 struct State {
     life: Life,
-    /// The one verdict, which every pool over the communicators reads: set once.
-    failure: Option<Failure>,
+    /// The one verdict, which every pool over the communicators reads: set once. What
+    /// later calls on its pools report: [`Error::CollectiveDivergence`] (the ranks'
+    /// records differed), a failure of the group again as it was ([`Error::group_failure`]:
+    /// a runtime sorting by kind sees a loss as a loss whichever call met it first), or
+    /// [`Error::PoolBroken`] (a round that timed out, a collective that failed, an
+    /// unreadable payload).
+    failure: Option<Error>,
     /// This rank's records not yet sent.
     pending: VecDeque<Entry>,
     /// Records of this rank posted, and compared, in total.
@@ -277,7 +228,7 @@ impl Ledger {
 
     /// The failure that broke the ledger, if any.
     #[inline]
-    pub(crate) fn failure(&self) -> Option<Failure> {
+    pub(crate) fn failure(&self) -> Option<Error> {
         if !self.shared.broken.load(Ordering::Acquire) {
             return None;
         }
@@ -364,9 +315,9 @@ impl Ledger {
                 e,
                 Error::GroupBroken { .. } | Error::CollectiveMismatch { .. }
             );
-        let diverged = |l: &Self| match l.failure() {
-            Some(Failure::Diverged(d)) => Some(Error::CollectiveDivergence(d)),
-            _ => None,
+        let diverged = |l: &Self| {
+            l.failure()
+                .filter(|e| matches!(e, Error::CollectiveDivergence(_)))
         };
         if peers && diverged(self).is_none() {
             let _ = self.wait_compared(deadline());
@@ -374,8 +325,8 @@ impl Ledger {
         if let Some(d) = diverged(self) {
             return d;
         }
-        if let Some(f) = Failure::peer(&e) {
-            self.shared.break_with(f);
+        if let Some(f) = e.group_failure() {
+            self.shared.break_with(f.clone());
         } else if peers || matches!(e, Error::Nccl { .. }) {
             (self.shared).fail(format!("a collective on this pool failed: {e}"));
         }
@@ -545,7 +496,7 @@ impl State {
     /// The verdict: the failure's error, if the ledger broke.
     #[cold]
     fn verdict(&self) -> Result<()> {
-        self.failure.as_ref().map_or(Ok(()), |f| Err(f.error()))
+        self.failure.clone().map_or(Ok(()), Err)
     }
 
     /// The next batch of this rank's records (at most [`MAX_BATCH`]).
@@ -559,46 +510,42 @@ impl Shared {
     /// Break the ledger with `failure` (the first wins; none once the ledger is
     /// dropped), wake every waiter, and on a divergence end the collectives waiting
     /// for peers who will not come; the verdict's error.
-    fn break_with(&self, failure: Failure) -> Error {
+    fn break_with(&self, failure: Error) -> Error {
         let mut st = self.state.lock();
         if let Some(first) = &st.failure {
-            return first.error();
+            return first.clone();
         }
-        let e = failure.error();
         if matches!(st.life, Life::Dropped | Life::Ended(_)) {
-            return e;
+            return failure;
         }
         // Every call on the pools returns the failure from now on: the caller decides
         // what it deserves (a loss may be shrunk past). A divergence, a bug of the
         // program that a background thread may find, is a warning.
-        match &failure {
-            Failure::Diverged(d) => {
-                tracing::warn!(target: "symmpool::coll", divergence = %d, "collective check failed");
-            }
-            f => {
-                tracing::debug!(target: "symmpool::coll", reason = %f.reason(), "pool broken");
-            }
+        let diverged = matches!(failure, Error::CollectiveDivergence(_));
+        if diverged {
+            tracing::warn!(target: "symmpool::coll", divergence = %failure, "collective check failed");
+        } else {
+            tracing::debug!(target: "symmpool::coll", reason = %failure.reason(), "pool broken");
         }
-        let diverged = matches!(failure, Failure::Diverged(_));
-        st.failure = Some(failure);
+        st.failure = Some(failure.clone());
         self.broken.store(true, Ordering::Release);
         drop(st);
         self.changed.notify_all();
         if diverged {
             (self.config.abandon)();
         }
-        e
+        failure
     }
 
     fn fail(&self, reason: String) -> Error {
-        self.break_with(Failure::Broken(reason))
+        self.break_with(Error::PoolBroken { reason })
     }
 
     /// A round named `what` failed with `e`: break the ledger, keeping a failure of
     /// the group (a lost peer, above all) to report again as it was.
     fn failed_by(&self, what: &str, e: &Error) {
-        match Failure::peer(e) {
-            Some(f) => self.break_with(f),
+        match e.group_failure() {
+            Some(f) => self.break_with(f.clone()),
             None => self.fail(format!("{what} failed: {e}")),
         };
     }
@@ -636,7 +583,7 @@ impl Shared {
                 .collect();
             rounds.compared += 1;
             if let Some(d) = self.compare(&heads, rounds.compared) {
-                return Err(self.break_with(Failure::Diverged(d)));
+                return Err(self.break_with(Error::CollectiveDivergence(d)));
             }
             if let Some(Entry::Agreement(_)) = heads.first() {
                 let records = heads.into_iter().filter_map(|e| match e {

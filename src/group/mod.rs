@@ -19,7 +19,7 @@ pub(crate) use collective::{
 };
 pub(crate) use history::{CallHead, CallKind, History, state_digest};
 pub use ledger::CheckMode;
-pub(crate) use ledger::{Failure, Ledger, LedgerConfig};
+pub(crate) use ledger::{Ledger, LedgerConfig};
 pub(crate) use record::{decode, encode};
 pub(crate) use registration::agree_registration_order;
 pub use set::{Group, GroupConfig};

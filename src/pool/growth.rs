@@ -9,12 +9,12 @@ use crate::backend::Segment;
 use crate::core::{Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{self, AgreementRecord, Failure, Note, Op, Readiness, Registered};
+use crate::group::{self, AgreementRecord, Note, Op, Readiness, Registered};
 use std::sync::Arc;
 use std::time::Instant;
 
 /// How the core takes a segment the pool adds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum SegmentUse {
     /// Grown for the request at hand (the core's growth policy decides whether it is
     /// dedicated to it).
@@ -122,7 +122,9 @@ impl SymmPool {
             Ok(got) => {
                 let (got, want) = (got.0, id.0);
                 let what = format!("the core numbered a new segment {got} instead of {want}");
-                st.broken = Some(Failure::Broken(what.clone()));
+                st.broken = Some(Error::PoolBroken {
+                    reason: what.clone(),
+                });
                 Err(Error::internal(what))
             }
             Err(e) => {
@@ -198,15 +200,17 @@ impl SymmPool {
         let broken = st.broken.is_some();
         let mut mine = AgreementRecord::new(&st.history, (pool, op), size, state, extra, broken);
         mine.live = live; // at most MAX_LIVE_NAMED: `live_buffers` takes no more
-        if let Some(failure) = self.inner.group.ledger().failure() {
+        if let Some(failure) = self.ledger().failure() {
             // The ranks are out of step: no round (the pool is broken on every rank).
             // A loss is reported as the loss it is (the survivors may shrink).
             return Err(match failure {
-                Failure::Peer(e) => e,
-                f => Error::PoolBroken { reason: f.reason() },
+                Error::CollectiveDivergence(d) => Error::PoolBroken {
+                    reason: d.to_string(),
+                },
+                e => e,
             });
         }
-        let out = group::agree_records(self.inner.group.ledger(), during, mine, deadline);
+        let out = group::agree_records(self.ledger(), during, mine, deadline);
         match out {
             Err(Error::Divergence(d)) => {
                 st.diverged = Some(d.clone());
@@ -215,7 +219,10 @@ impl SymmPool {
             // A peer's broken pool breaks this one too: the ranks can no longer make
             // the same calls. A broken rank reports its own reason.
             Err(Error::PoolBroken { reason }) => {
-                let reason = st.broken.get_or_insert(Failure::Broken(reason)).reason();
+                let reason = st
+                    .broken
+                    .get_or_insert(Error::PoolBroken { reason })
+                    .reason();
                 Err(Error::PoolBroken { reason })
             }
             out => out,

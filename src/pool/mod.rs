@@ -37,7 +37,7 @@ use crate::control::ChannelId;
 use crate::core::{AllocError, AllocRequest, Allocator, BlockId, Wait};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallHead, CallKind, CheckMode, Failure, History, Ledger};
+use crate::group::{CallHead, CallKind, CheckMode, History, Ledger};
 use crate::group::{Group, GroupConfig};
 use crate::stream::Stream;
 use parking_lot::Mutex as PlMutex;
@@ -336,7 +336,7 @@ impl SymmPool {
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         if st.broken.is_none()
-            && let Some(failure) = self.inner.group.ledger().failure()
+            && let Some(failure) = self.ledger().failure()
         {
             st.broken = Some(failure.clone());
         }
@@ -423,7 +423,9 @@ impl SymmPool {
         };
         let Some(entry) = st.segments.get(&placement.segment).cloned() else {
             let what = format!("segment {} has no entry", placement.segment.0);
-            st.broken = Some(Failure::Broken(what.clone()));
+            st.broken = Some(Error::PoolBroken {
+                reason: what.clone(),
+            });
             return Err(Error::internal(what));
         };
         st.counters.allocated_bytes_total += placement.size_bytes;

@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::core::SegmentId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{CallKind, Failure, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
+use crate::group::{CallKind, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard, PoisonError};
 
@@ -182,7 +182,7 @@ impl SymmPool {
             return Ok(());
         }
         let live = st.core.stats().allocated_blocks.current;
-        let ledger = &self.inner.group.ledger();
+        let ledger = &self.ledger();
         if let Some(failure) = ledger.failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
@@ -296,7 +296,7 @@ impl Drop for PoolInner {
         let bytes: u64 = st.segments.values().map(|e| e.segment.size_bytes()).sum();
         if !st.closed {
             let (rank, name, n) = (self.group.rank(), &self.config.name, st.segments.len());
-            let broken = st.broken.as_ref().map(Failure::reason);
+            let broken = st.broken.as_ref().map(Error::reason);
             super::events::dropped_without_close(rank, name, n, bytes, broken.as_deref());
         }
         // Never wait without bound in a drop: if the device does not drain in time

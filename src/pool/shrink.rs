@@ -6,7 +6,7 @@ use super::{History, SymmPool, events};
 use crate::core::Allocator;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{Failure, Note, Op, Readiness};
+use crate::group::{Note, Op, Readiness};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -95,8 +95,8 @@ impl SymmPool {
             return Err(Error::Divergence(d.clone()));
         }
         // Ranks that made different collectives are a bug to fix, not a loss to survive.
-        if let Some(Failure::Diverged(d)) = self.inner.group.ledger().failure() {
-            return Err(Error::CollectiveDivergence(d.clone()));
+        if let Some(d @ Error::CollectiveDivergence(_)) = self.ledger().failure() {
+            return Err(d);
         }
         let group = self.inner.group.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());

@@ -4,7 +4,7 @@
 use crate::backend::{Segment, Window};
 use crate::core::{Allocator, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
-use crate::group::{Failure, History, Note, Readiness};
+use crate::group::{History, Note, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, MutexGuard, PoisonError};
@@ -64,7 +64,7 @@ pub(crate) struct PoolState {
     /// The pool is unusable: local calls fail with [`Error::CollectiveDivergence`]
     /// after the collectives' checks found the ranks diverged, else with
     /// [`Error::PoolBroken`].
-    pub(crate) broken: Option<Failure>,
+    pub(crate) broken: Option<Error>,
     /// Set once an agreement found the ranks diverged: later calls fail.
     pub(crate) diverged: Option<Box<Divergence>>,
     /// Streams with fences recorded at frees: polled for completion by `stats`.
@@ -103,8 +103,8 @@ impl PoolState {
         poisoned: PoisonError<MutexGuard<'a, PoolState>>,
     ) -> MutexGuard<'a, PoolState> {
         let mut st = poisoned.into_inner();
-        st.broken.get_or_insert_with(|| {
-            Failure::Broken("a thread panicked while it held the pool's state".into())
+        st.broken.get_or_insert_with(|| Error::PoolBroken {
+            reason: "a thread panicked while it held the pool's state".into(),
         });
         st
     }
@@ -117,7 +117,7 @@ impl PoolState {
         // A divergence, a loss (with its kind: the survivors may shrink), or a broken
         // pool.
         if let Some(failure) = &self.broken {
-            return Err(failure.error());
+            return Err(failure.clone());
         }
         if let Some(d) = &self.diverged {
             // The ranks' allocators differ: a cache hit would place this buffer at an
@@ -154,15 +154,18 @@ impl PoolState {
         }
         let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
         if let Some(rank) = find(Readiness::PoolBroken) {
-            if let Some(f @ Failure::Peer(_)) = &self.broken {
-                return Err(f.error());
+            if let Some(f) = self.broken.as_ref().and_then(Error::group_failure) {
+                return Err(f.clone());
             }
-            let reason = match (&self.broken, &self.diverged) {
-                (Some(why), _) => why.reason(),
-                (None, Some(d)) => d.to_string(),
-                (None, None) => format!("rank {rank}'s pool is broken"),
+            // A broken rank reports its own reason.
+            let reason = match &self.diverged {
+                Some(d) => d.to_string(),
+                None => format!("rank {rank}'s pool is broken"),
             };
-            (self.broken).get_or_insert_with(|| Failure::Broken(reason.clone()));
+            let reason = self
+                .broken
+                .get_or_insert(Error::PoolBroken { reason })
+                .reason();
             return Err(Error::PoolBroken { reason });
         }
         if find(Readiness::Capturing).is_some() {

@@ -22,7 +22,7 @@ pub(crate) const AN_NCCL_CALL: &str = "an NCCL call";
 pub(crate) const PEER_VERDICT_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a backend broke, kept to describe it on every later call.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Cause {
     /// The NCCL call `op` ran past its deadline, after `waited`.
     Timeout { op: &'static str, waited: Duration },

@@ -180,7 +180,6 @@ fn foreign(what: &str) -> Error {
 }
 
 /// The CUDA device of a rank, as the communicator layer sees it.
-#[derive(Clone)]
 pub(super) struct Cuda {
     pub(super) ctx: Arc<CudaContext>,
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
 /// One rank's contribution to the set-up round.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Hello {
     /// `ncclGetVersion`'s code.
     pub(crate) version: i32,
@@ -29,7 +29,7 @@ pub(crate) struct Hello {
 }
 
 /// What the round settled, the same on every rank.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub(crate) struct Agreed {
     /// The NCCL version of every rank.
     pub(crate) version: NcclVersion,
@@ -40,7 +40,7 @@ pub(crate) struct Agreed {
 }
 
 /// Where the ranks of a backend run: how many nodes, and whether some share a GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Placement {
     /// Number of distinct node identities.
     pub(crate) nodes: usize,

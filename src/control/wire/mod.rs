@@ -74,7 +74,7 @@ pub(crate) fn check_preface(p: &[u8]) -> Result<(), String> {
 }
 
 /// Client to server.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) enum ToServer {
     /// The first frame: who this is.
     Hello {
@@ -122,7 +122,7 @@ pub(crate) enum ToServer {
 }
 
 /// Why a group broke.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) enum Cause {
     /// The rank timed out; these ranks had not contributed to its round.
     Timeout { missing: Vec<u32> },
@@ -131,7 +131,7 @@ pub(crate) enum Cause {
 }
 
 /// A broken group: who, in what, why.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) struct Broken {
     pub(crate) rank: u32,
     pub(crate) op: String,
@@ -153,7 +153,7 @@ impl Broken {
 }
 
 /// A process that joined (or asked to join) the store: where, which, when.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) struct Member {
     pub(crate) host: String,
     pub(crate) pid: u32,
@@ -195,7 +195,7 @@ pub(crate) fn utc(ms: u64) -> String {
 }
 
 /// Why a handshake was refused, in a form the client acts on.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) enum Refusal {
     /// Anything else; the reason says what.
     Other,
@@ -212,7 +212,7 @@ pub(crate) enum Refusal {
 }
 
 /// Server to client.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) enum ToClient {
     /// Handshake accepted.
     Welcome,

@@ -49,7 +49,7 @@ pub(crate) const IN_PROGRESS: c_int = 7;
 const REVOKE_DEFAULT: c_int = 0;
 
 /// How a call on a non-blocking communicator went, when it did not fail.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Status {
     /// Finished.
     Done,
@@ -184,7 +184,7 @@ unsafe impl Sync for RawComm {}
 
 /// Which call makes a communicator, and so what to poll and when the new handle may be
 /// read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Making {
     /// `ncclCommInitRankConfig`: the new communicator is written before the call
     /// returns and is what is polled.
@@ -429,7 +429,7 @@ pub(crate) struct CollCall {
 }
 
 /// Which collective a [`CollCall`] is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum CollKind {
     /// `ncclAllGather`.
     AllGather,

@@ -32,7 +32,7 @@ use std::sync::OnceLock;
 pub(crate) const LIBRARY_VAR: &str = "SYMMPOOL_NCCL_LIBRARY";
 
 /// One way of finding the NCCL library, in the order [`candidates`] lists them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub(crate) enum Candidate {
     /// `dlopen(name, RTLD_NOLOAD | RTLD_NOW)`: only a copy the process already has.
     AlreadyLoaded(&'static str),
