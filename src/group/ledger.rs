@@ -22,7 +22,7 @@ use crate::error::{CollectiveDivergence, Error, ErrorKind, Result};
 #[cfg(not(all(test, shuttle)))]
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 #[cfg(not(all(test, shuttle)))]
@@ -100,6 +100,8 @@ pub(crate) struct LedgerConfig {
     /// that wait for peers who will not come (the backend's
     /// [`Collectives::abandon`](crate::backend::Collectives::abandon)).
     pub(crate) abandon: Box<dyn Fn() + Send + Sync>,
+    /// The pools' names, by pool (channel ordinal), for the divergence report.
+    pub(crate) users: super::set::Users,
 }
 
 /// The ledger of one communicator set (see the module documentation).
@@ -139,8 +141,6 @@ struct State {
     /// Every rank's records not yet compared; `None` while a thread of this rank is
     /// in a round (it holds them: one round at a time).
     rounds: Option<Rounds>,
-    /// The pools' names, by pool (channel ordinal), for the divergence report.
-    names: BTreeMap<u64, String>,
 }
 
 /// Who drives the rounds, from the ledger's making to the end of its thread.
@@ -179,7 +179,6 @@ impl Ledger {
                 seen: vec![VecDeque::new(); world],
                 compared: 0,
             }),
-            names: BTreeMap::new(),
         };
         let shared = Shared {
             config,
@@ -215,15 +214,6 @@ impl Ledger {
             .map_err(|e| Error::internal(format!("could not start the ledger's thread: {e}")))?;
         st.life = Life::Thread(handle);
         Ok(())
-    }
-
-    /// Name pool `pool` (its channel ordinal) `name` in divergence reports.
-    pub(crate) fn name_pool(&self, pool: u64, name: &str) {
-        self.shared
-            .state
-            .lock()
-            .names
-            .insert(pool, name.to_string());
     }
 
     /// The failure that broke the ledger, if any.
@@ -633,7 +623,7 @@ impl Shared {
             _ => "async check",
         };
         Some(Box::new(CollectiveDivergence {
-            pool: st.names.get(&pool).cloned().unwrap_or_default(),
+            pool: (self.config.users.lock().get(&pool)).map_or_else(String::new, |u| u.0.clone()),
             found_by,
             record: number,
             field,

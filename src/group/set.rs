@@ -104,6 +104,10 @@ impl GroupConfig {
 /// pool operation (none yet: `None`).
 type PoolUser = (String, Option<ThreadId>);
 
+/// The pools on a group's communicators, by channel ordinal: shared with its ledger,
+/// whose divergence reports name them.
+pub(crate) type Users = Arc<Mutex<BTreeMap<u64, PoolUser>>>;
+
 /// One rank's communicator set: its [`Backend`] and what every pool over those
 /// communicators shares. The ledger in which the ranks compare their pool calls and
 /// collectives (one verdict: a divergence or a loss breaks the group, and every pool
@@ -142,7 +146,7 @@ struct GroupInner {
     registering: Mutex<()>,
     /// The pools on the communicators, by pool channel ordinal (to name pools shared
     /// between threads when one fails).
-    users: Mutex<BTreeMap<u64, PoolUser>>,
+    users: Users,
     /// See [`claim_collectives`](Group::claim_collectives).
     collectives_claimed: Arc<AtomicBool>,
     /// The group a [`shrink`](Group::shrink) made of this one.
@@ -204,7 +208,8 @@ impl Group {
                 "one live group per communicator set: pools on them share it; Group::split",
             ));
         };
-        let (registrations, ledger, mode) = Self::opened(&backend, &config, deadline)?;
+        let users = Users::default();
+        let (registrations, ledger, mode) = Self::opened(&backend, &config, &users, deadline)?;
         Ok(Group {
             inner: Arc::new(GroupInner {
                 backend,
@@ -214,7 +219,7 @@ impl Group {
                 ledger,
                 registrations,
                 registering: Mutex::new(()),
-                users: Mutex::default(),
+                users,
                 collectives_claimed: Arc::default(),
                 shrunk: Mutex::new(None),
             }),
@@ -226,6 +231,7 @@ impl Group {
     fn opened(
         backend: &Backend,
         config: &GroupConfig,
+        users: &Users,
         deadline: Deadline,
     ) -> Result<(ChannelId, Ledger, CheckMode)> {
         let exchange = backend.exchange_handle();
@@ -240,6 +246,7 @@ impl Group {
             timeout: config.timeout,
             capacity: config.check_queue,
             abandon: Box::new(move || collectives.abandon("a collective check that failed")),
+            users: users.clone(),
         });
         let mode = match backend.world_size() {
             // One rank has nobody to compare with.

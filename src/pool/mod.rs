@@ -216,7 +216,6 @@ impl SymmPool {
             .exchange()
             .open_channel(&format!("pool:{}{untagged}", config.name), deadline)?;
         group.note_user(channel.ordinal(), &config.name, false);
-        group.ledger().name_pool(channel.ordinal(), &config.name);
         let (core, history) = state();
         let call_head = history.head();
         let state = PoolState::new(core, history, comms);

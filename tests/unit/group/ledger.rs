@@ -16,6 +16,7 @@ fn rank0(timeout: Duration) -> (Ledger, Arc<dyn Exchange>, LocalExchange) {
         timeout,
         capacity: 8,
         abandon: Box::new(|| {}),
+        users: Default::default(),
     });
     (ledger, exchange, ranks.next().unwrap())
 }

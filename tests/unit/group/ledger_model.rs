@@ -134,6 +134,7 @@ fn ledger(hub: &std::sync::Arc<Hub>, rank: usize, thread: bool) -> Ledger {
         timeout: Duration::MAX,
         capacity: 1,
         abandon: Box::new(|| {}),
+        users: Default::default(),
     });
     if thread {
         ledger.start().unwrap();
