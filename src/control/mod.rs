@@ -184,10 +184,10 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// Stop waiting on `channel` on this rank: its round in progress, and every later
     /// one, ends with [`Error::Timeout`] (at once; on a [`StoreExchange`], within its
     /// heartbeat interval when the waiter is the one reading the socket) without
-    /// breaking the group (what this
-    /// rank contributed stays; the peers' rounds go on). For the owner of a channel that
-    /// goes away while its thread waits ([`LocalExchange`] and [`StoreExchange`] can;
-    /// by default the wait runs to its deadline).
+    /// breaking the group (what this rank contributed stays; the peers' rounds go on).
+    /// For the owner of a channel that goes away while its thread waits
+    /// ([`LocalExchange`] and [`StoreExchange`] can; by default the wait runs to its
+    /// deadline).
     fn abandon(&self, channel: ChannelId) {
         let _ = channel;
     }
