@@ -921,23 +921,25 @@ mod gpu_tests {
         );
         assert!(all(&x.read::<u8>().unwrap(), 0x33));
 
-        // Write on A (held), then the pool's own read on the buffer's stream.
+        // Write on A (held), then the pool's own read on the buffer's stream, on a
+        // thread of its own: still waiting a second later, and then it sees the write.
         let gate = stuck_cuda(&a);
         a.memcpy_dtod(&src44, &mut x.cuda_mut::<u8>().unwrap())
             .unwrap();
-        let opener = {
-            let gate = gate.clone();
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(500));
-                open(&gate);
-            })
-        };
-        let started = std::time::Instant::now();
-        let got = x.read::<u8>().unwrap();
-        let waited = started.elapsed();
-        opener.join().unwrap();
-        assert!(all(&got, 0x44), "the pool's read missed A's write");
-        assert!(waited >= Duration::from_millis(400), "{waited:?}");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (early, got) = std::thread::scope(|s| {
+            let x = &x;
+            s.spawn(move || tx.send(x.read::<u8>()).unwrap());
+            let early = rx.recv_timeout(Duration::from_secs(1)).ok();
+            open(&gate);
+            let waited = early.is_none();
+            let got = early.unwrap_or_else(|| {
+                (rx.recv_timeout(Duration::from_secs(60))).expect("the pool's read never returned")
+            });
+            (!waited, got)
+        });
+        assert!(!early, "the pool's read did not wait for A's write");
+        assert!(all(&got.unwrap(), 0x44), "the pool's read missed A's write");
 
         // Nothing failed on the way (a failure inside the views is returned here).
         drop(pool.alloc(4096, &home).unwrap());
