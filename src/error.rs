@@ -95,15 +95,18 @@ pub enum Error {
         /// The allocation number of the block.
         allocation_seq: u64,
     },
-    /// A host stream given to a GPU pool, or a CUDA stream to a host pool.
-    #[error("the stream does not belong to the pool's backend (host vs CUDA)")]
+    /// A host stream given to a GPU pool, a CUDA stream to a host pool, or a CUDA
+    /// view asked of a host pool's buffer.
+    #[error(
+        "the stream or view does not belong to the pool's backend (host vs CUDA): a host pool's buffers have no CUDA view"
+    )]
     WrongStream,
     /// The pool was closed with [`SymmPool::close`](crate::SymmPool::close).
     #[error("the pool is closed")]
     PoolClosed,
     /// [`SymmPool::close`](crate::SymmPool::close) found live buffers on some rank;
     /// nothing was released.
-    #[error("cannot close: live buffers per rank {live_per_rank:?}{}",
+    #[error("cannot close: live buffers per rank {live_per_rank:?}{}; drop them on every rank, then close again",
         joined(.buffers, "", |(rank, buffer)| format!("; rank {rank}: {buffer}")))]
     BuffersAlive {
         /// Live buffers on each rank, in rank order.

@@ -165,7 +165,9 @@ impl Coll {
     /// smallest and to `u64::MAX` above the largest. Apply the result with
     /// [`set_path_policy`](Self::set_path_policy); the preferences
     /// ([`Choice`](super::Choice)) are this handle's.
-    /// [`needs_calibration`](Self::needs_calibration) says when a job should.
+    /// [`needs_calibration`](Self::needs_calibration) says when a job should. On the
+    /// host and shared-memory backends every path is the same host copy: the result
+    /// there follows timing noise, not a machine's paths.
     ///
     /// The measurements use a temporary pool on the same communicators as the
     /// handle's (first) pool, with its configuration but unchecked (its segments are
