@@ -704,3 +704,40 @@ fn making_a_collectives_handle_is_local_a_lone_rank_gets_it_at_once() {
         assert_eq!(sums, [3.0, 3.0], "{mode:?}");
     }
 }
+
+/// A thread remembers the path of its last few calls' shapes (pool, operation, type,
+/// size, segments), only while the policy stands: the same call on the same buffer
+/// takes a new policy's path at once, and the old one's when it is back.
+#[test]
+fn a_remembered_path_choice_follows_every_new_policy() {
+    use symmpool::coll::Choice;
+    let pools = pools(2);
+    let got = on_ranks(&pools, |pool, coll| {
+        let stream = Stream::host();
+        let buf = pool.alloc(2 * 4096, &stream).unwrap();
+        let call = || {
+            let tagged = coll.tagged(0);
+            tagged
+                .all_gather_in_place::<f32>(&buf, &stream)
+                .unwrap()
+                .path
+        };
+        let (first, again) = (call(), call());
+        let plain = Choice::Prefer(Path::PlainKernel);
+        coll.set_path_policy(PathPolicy::default().with_choices(plain, plain));
+        let forced = call();
+        coll.set_path_policy(PathPolicy::default());
+        let back = call();
+        drop(buf);
+        coll.end_step().unwrap();
+        [first, again, forced, back]
+    });
+    for [first, again, forced, back] in got {
+        assert_ne!(
+            first,
+            Path::PlainKernel,
+            "the default path on registered buffers"
+        );
+        assert_eq!((again, forced, back), (first, Path::PlainKernel, first));
+    }
+}

@@ -476,7 +476,15 @@ impl Coll {
         }
         // The policy is read in place, without a lock or a reference count; only a
         // forced path, which calibration uses, builds one of its own.
-        let (comm, path) = self.inner.policy.with(|shared| {
+        // A call like one of this thread's last few takes its path again, unchosen.
+        let key = (
+            entry as *const PoolColl as usize,
+            coll,
+            dtype,
+            bytes_per_rank,
+        );
+        let segments = (send_buf.segment().0, recv_buf.segment().0);
+        let (comm, path) = self.inner.policy.choice((key, segments, force), |shared| {
             let forced = force.map(|p| shared.forcing(p));
             select(&Inputs {
                 coll,

@@ -420,7 +420,9 @@ impl Coll {
 /// no other policy of any handle ever has), and reads the shared one again only when
 /// the generation changed ([`Coll::set_path_policy`]) or it last read another
 /// handle's. An `ArcSwap` load on every call cost about a sixth of the crate's
-/// instructions per call.
+/// instructions per call. Beside its copy, each thread keeps the paths of its last
+/// few calls' shapes ([`PolicyCell::choice`]): a repeated call (every layer, every
+/// step) skips the choice, about 100 instructions.
 struct PolicyCell {
     current: ArcSwap<PathPolicy>,
     generation: AtomicU64,
@@ -429,9 +431,31 @@ struct PolicyCell {
 /// Generations of path policies, over every handle of the process.
 static GENERATIONS: AtomicU64 = AtomicU64::new(0);
 
+/// What a path choice depends on that varies from call to call on one handle: the
+/// pool (its entry's address), the operation, the element type, the bytes per rank;
+/// the two buffers' segments (whose windows are fixed for their lives); a forced path.
+/// The rest (the backend's NCCL version, world, nodes and communicators) is the
+/// handle's.
+type ChoiceKey = (
+    (usize, path::CollOp, crate::dtype::DType, u64),
+    (u32, u32),
+    Option<Path>,
+);
+
+/// How many recent path choices a thread keeps under its current policy.
+const CHOICES: usize = 4;
+
+/// The policy this thread last read, and its choices under it.
+struct LastPolicy {
+    generation: u64,
+    policy: Arc<PathPolicy>,
+    choices: [Option<(ChoiceKey, (usize, Path))>; CHOICES],
+    next: usize,
+}
+
 thread_local! {
-    /// The policy this thread last read: (its generation, the policy).
-    static LAST_POLICY: std::cell::RefCell<Option<(u64, Arc<PathPolicy>)>> =
+    /// The policy this thread last read.
+    static LAST_POLICY: std::cell::RefCell<Option<LastPolicy>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -452,36 +476,48 @@ impl PolicyCell {
         self.generation.store(generation, Ordering::Release);
     }
 
-    /// `f` of the current policy: this thread's copy while it is current, the
-    /// policy itself on a thread whose copy is gone (it is exiting). `f` must not read
-    /// a policy: this thread's copy is borrowed while it runs.
+    /// The path for a call of `key`: this thread's earlier choice under the current
+    /// policy, else `choose` of the policy (kept, the oldest of [`CHOICES`] dropped;
+    /// the policy itself on a thread whose copy is gone: it is exiting). A choice is a
+    /// function of the key and the policy, so the same key chooses the same path as
+    /// long as the policy stands. `choose` must not read a policy: this thread's copy
+    /// is borrowed while it runs. `try_with`: `LocalKey::with` was not always inlined
+    /// into the call path.
     #[inline]
-    fn with<R>(&self, f: impl Fn(&PathPolicy) -> R) -> R {
+    fn choice(
+        &self,
+        key: ChoiceKey,
+        choose: impl Fn(&PathPolicy) -> (usize, Path),
+    ) -> (usize, Path) {
         let generation = self.generation.load(Ordering::Acquire);
-        // `try_with`: `LocalKey::with` (under `with_borrow_mut`) was not always inlined
-        // into the call path (about 28 instructions a call more, as unrelated code
-        // changed).
         LAST_POLICY
             .try_with(|last| {
                 let mut last = last.borrow_mut();
-                let policy = match &mut *last {
-                    Some((g, policy)) if *g == generation => &**policy,
-                    stale => self.reload(stale, generation),
-                };
-                f(policy)
+                if last.as_ref().is_some_and(|l| l.generation != generation) {
+                    *last = None;
+                }
+                let last = last.get_or_insert_with(|| self.reload(generation));
+                if let Some((_, c)) = last.choices.iter().flatten().find(|(k, _)| *k == key) {
+                    return *c;
+                }
+                let c = choose(&last.policy);
+                last.choices[last.next] = Some((key, c));
+                last.next = (last.next + 1) % CHOICES;
+                c
             })
-            .unwrap_or_else(|_| f(&self.current.load_full()))
+            .unwrap_or_else(|_| choose(&self.current.load_full()))
     }
 
-    /// This thread's copy of the policy, read anew.
+    /// A copy of the policy, read anew, with no choices yet.
     #[cold]
     #[inline(never)]
-    fn reload<'a>(
-        &self,
-        last: &'a mut Option<(u64, Arc<PathPolicy>)>,
-        generation: u64,
-    ) -> &'a PathPolicy {
-        &last.insert((generation, self.current.load_full())).1
+    fn reload(&self, generation: u64) -> LastPolicy {
+        LastPolicy {
+            generation,
+            policy: self.current.load_full(),
+            choices: [None; CHOICES],
+            next: 0,
+        }
     }
 }
 
