@@ -26,7 +26,8 @@
 #           installed (WORLD_NCCL=system keeps the system's); WORLD_BUDGET_S skips what
 #           would start after that many seconds (reported as not run, a failure);
 #           WORLD_REPEAT=N runs the kill and SIGSTOP trials N times; WORLD_ONLY=REGEX
-#           runs only the worlds whose names match (in `same` too)
+#           runs only the worlds whose names match (in `same` too, and python's
+#           one-GPU FSDP2 comparison, named fsdp2)
 #   python: the wheel from gpu-bundle/wheels: pytest's GPU tests, test_gpu_world.py as
 #           two NCCL ranks on one GPU (simulated nodes) and as one node (NCCL 2.32.6),
 #           then FSDP2 with symmpool against FSDP2 as it comes
@@ -247,7 +248,8 @@ run() {
       else
         echo "== test_gpu_world.py as one node: not run (no NCCL 2.32.6)"; status=1
       fi
-      if [ "${GPUS:-2}" -lt 2 ] && lib="$(nccl232)"; then
+      # WORLD_ONLY set and not matching "fsdp2" leaves the comparison out.
+      if [ "${GPUS:-2}" -lt 2 ] && { [ -z "${WORLD_ONLY:-}" ] || [[ fsdp2 =~ $WORLD_ONLY ]]; } && lib="$(nccl232)"; then
         # FSDP2 with symmpool against FSDP2 as it comes, two ranks on this GPU as one
         # node, interleaved twice (time slicing: compare the modes, not with NVLink).
         echo "== fsdp2_compare: 2 ranks on one GPU as one node, NCCL 2.32.6"
