@@ -14,9 +14,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclConfig};
-use symmpool::{
-    Backend, CudaView, CudaViewMut, Element, Result, Stream, SymmBuffer, SymmPool, bf16,
-};
+use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
 
 /// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each, and
 /// the events it records between them (made once, recorded again).
@@ -114,14 +112,6 @@ fn bf16s(b: &SymmBuffer) -> Result<CudaView<'_, bf16>> {
     b.view::<bf16>()?.cuda()
 }
 
-/// The buffer's elements as a device view to write.
-fn written<T: Element>(b: &SymmBuffer) -> Result<CudaViewMut<'_, T>> {
-    // SAFETY: the `Math` calls take the buffers they write as shared borrows, but the
-    // trainer hands each call a buffer that no other view uses meanwhile: its streams'
-    // events order the calls on different streams.
-    unsafe { b.view::<T>()?.cuda_mut_unchecked() }
-}
-
 impl GpuMath {
     fn cuda(&self, on: On) -> &Arc<CudaStream> {
         self.stream(on).cuda_stream().expect("cuda stream")
@@ -148,23 +138,30 @@ impl Math for GpuMath {
         a: &SymmBuffer,
         b: &SymmBuffer,
         beta: f32,
-        c: &SymmBuffer,
+        c: &mut SymmBuffer,
     ) -> Result<()> {
         let cfg = cublas::dense(ta, tb, m, n, k, alpha, beta)?;
         self.blas(on)
-            .gemm_bf16(&cfg, &bf16s(a)?, &bf16s(b)?, &mut written(c)?)
+            .gemm_bf16(&cfg, &bf16s(a)?, &bf16s(b)?, &mut c.cuda_mut()?)
     }
-    fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, chunk: usize, y: &SymmBuffer) -> Result<()> {
-        let mut y = written(y)?;
+    fn axpy(
+        &self,
+        on: On,
+        alpha: f32,
+        x: &SymmBuffer,
+        chunk: usize,
+        y: &mut SymmBuffer,
+    ) -> Result<()> {
+        let mut y = y.cuda_mut::<bf16>()?;
         let n = y.len();
         let x = x.view::<bf16>()?.slice(chunk * n, n)?.cuda()?;
         self.blas(on).axpy_bf16(alpha, &x, &mut y)
     }
-    fn scal(&self, on: On, alpha: f32, x: &SymmBuffer) -> Result<()> {
-        self.blas(on).scal_bf16(alpha, &mut written(x)?)
+    fn scal(&self, on: On, alpha: f32, x: &mut SymmBuffer) -> Result<()> {
+        self.blas(on).scal_bf16(alpha, &mut x.cuda_mut()?)
     }
-    fn copy(&self, on: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()> {
-        let (src, mut dst) = (src.view::<u8>()?.cuda()?, written::<u8>(dst)?);
+    fn copy(&self, on: On, src: &SymmBuffer, dst: &mut SymmBuffer) -> Result<()> {
+        let (src, mut dst) = (src.view::<u8>()?.cuda()?, dst.cuda_mut::<u8>()?);
         if dst.len() < src.len() {
             return Err(symmpool::Error::BadView(format!(
                 "copying {} bytes into {}",
@@ -176,8 +173,8 @@ impl Math for GpuMath {
             .memcpy_dtod(&src, &mut dst)
             .map_err(driver("cuMemcpyDtoDAsync"))
     }
-    fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
-        let (_, out) = written::<f32>(out)?.split_at_mut(slot)?;
+    fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &mut SymmBuffer, slot: usize) -> Result<()> {
+        let (_, out) = out.cuda_mut::<f32>()?.split_at_mut(slot)?;
         let (mut out, _) = out.split_at_mut(1)?;
         self.blas(on).sumsq_bf16(&bf16s(x)?, &mut out)
     }

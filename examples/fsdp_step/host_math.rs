@@ -42,7 +42,7 @@ impl Math for HostMath {
         a: &SymmBuffer,
         b: &SymmBuffer,
         beta: f32,
-        c: &SymmBuffer,
+        c: &mut SymmBuffer,
     ) -> Result<()> {
         let (av, bv, mut cv) = (Self::get(a)?, Self::get(b)?, Self::get(c)?);
         // op(A)[i][p]: A is m×k (lda m) or, transposed, k×m (lda k).
@@ -64,20 +64,27 @@ impl Math for HostMath {
         }
         c.write(&cv)
     }
-    fn axpy(&self, _: On, alpha: f32, x: &SymmBuffer, chunk: usize, y: &SymmBuffer) -> Result<()> {
+    fn axpy(
+        &self,
+        _: On,
+        alpha: f32,
+        x: &SymmBuffer,
+        chunk: usize,
+        y: &mut SymmBuffer,
+    ) -> Result<()> {
         let (xv, mut yv) = (Self::get(x)?, Self::get(y)?);
         let xv = &xv[chunk * yv.len()..(chunk + 1) * yv.len()];
         yv.iter_mut().zip(xv).for_each(|(y, x)| *y += alpha * x);
         y.write(&yv)
     }
-    fn scal(&self, _: On, alpha: f32, x: &SymmBuffer) -> Result<()> {
+    fn scal(&self, _: On, alpha: f32, x: &mut SymmBuffer) -> Result<()> {
         let xv: Vec<f32> = Self::get(x)?.into_iter().map(|v| v * alpha).collect();
         x.write(&xv)
     }
-    fn copy(&self, _: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()> {
+    fn copy(&self, _: On, src: &SymmBuffer, dst: &mut SymmBuffer) -> Result<()> {
         dst.write(&Self::get(src)?)
     }
-    fn sumsq_into(&self, _: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()> {
+    fn sumsq_into(&self, _: On, x: &SymmBuffer, out: &mut SymmBuffer, slot: usize) -> Result<()> {
         let n = Self::get(x)?
             .iter()
             .map(|v| (*v as f64) * (*v as f64))

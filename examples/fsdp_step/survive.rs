@@ -246,9 +246,9 @@ impl Kept {
 
     /// Where layer `layer` of step `step` is to be copied: that step's slot, which
     /// holds no step until [`end`](Self::end).
-    pub fn slot(&mut self, step: usize, layer: usize) -> &SymmBuffer {
+    pub fn slot(&mut self, step: usize, layer: usize) -> &mut SymmBuffer {
         self.held[step % 2] = None;
-        &self.slots[step % 2][layer]
+        &mut self.slots[step % 2][layer]
     }
 
     /// Step `step` has ended on this rank (its streams synchronised).

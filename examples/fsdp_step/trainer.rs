@@ -118,17 +118,24 @@ pub trait Math {
         a: &SymmBuffer,
         b: &SymmBuffer,
         beta: f32,
-        c: &SymmBuffer,
+        c: &mut SymmBuffer,
     ) -> Result<()>;
     /// `y += alpha · x[chunk]`, where `x[chunk]` is the `chunk`-th run of `y`'s
     /// length in `x`.
-    fn axpy(&self, on: On, alpha: f32, x: &SymmBuffer, chunk: usize, y: &SymmBuffer) -> Result<()>;
+    fn axpy(
+        &self,
+        on: On,
+        alpha: f32,
+        x: &SymmBuffer,
+        chunk: usize,
+        y: &mut SymmBuffer,
+    ) -> Result<()>;
     /// `x *= alpha`.
-    fn scal(&self, on: On, alpha: f32, x: &SymmBuffer) -> Result<()>;
+    fn scal(&self, on: On, alpha: f32, x: &mut SymmBuffer) -> Result<()>;
     /// `dst = src`.
-    fn copy(&self, on: On, src: &SymmBuffer, dst: &SymmBuffer) -> Result<()>;
+    fn copy(&self, on: On, src: &SymmBuffer, dst: &mut SymmBuffer) -> Result<()>;
     /// Start computing ‖x‖² into f32 slot `slot` of `out` (read by `read_sums`).
-    fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &SymmBuffer, slot: usize) -> Result<()>;
+    fn sumsq_into(&self, on: On, x: &SymmBuffer, out: &mut SymmBuffer, slot: usize) -> Result<()>;
     /// A marker of the work enqueued so far on one stream.
     type Ev;
     /// Mark the work enqueued so far on `on`.
@@ -186,19 +193,19 @@ pub fn make_data<M: Math>(math: &M, args: &Args, rank: usize) -> Result<Data> {
         qb.write(&to_e::<M>(&q))?;
         teacher.push((pb, qb));
     }
-    let u = alloc(bytes::<M>(r * b), cs)?;
+    let mut u = alloc(bytes::<M>(r * b), cs)?;
     let mut data = Vec::new();
     for k in 0..BATCHES {
         let mut rng = StdRng::seed_from_u64(0xda7a ^ ((rank as u64) << 20) ^ k as u64);
         let xv: Vec<f32> = (0..h * b).map(|_| rng.random_range(-1.0..1.0)).collect();
         let x = alloc(bytes::<M>(h * b), cs)?;
-        let t = alloc(bytes::<M>(h * b), cs)?;
+        let mut t = alloc(bytes::<M>(h * b), cs)?;
         x.write(&to_e::<M>(&xv))?;
-        math.copy(On::Compute, &x, &t)?;
+        math.copy(On::Compute, &x, &mut t)?;
         for (p, q) in &teacher {
             // U = Qᵀ·T (r×b); T += c·P·U.
-            math.gemm(On::Compute, true, false, r, b, h, 1.0, q, &t, 0.0, &u)?;
-            math.gemm(On::Compute, false, false, h, b, r, c, p, &u, 1.0, &t)?;
+            math.gemm(On::Compute, true, false, r, b, h, 1.0, q, &t, 0.0, &mut u)?;
+            math.gemm(On::Compute, false, false, h, b, r, c, p, &u, 1.0, &mut t)?;
         }
         data.push((x, t));
     }
@@ -486,8 +493,9 @@ impl<'m, M: Math> Trainer<'m, M> {
                 ahead.push_back(self.fetch(&mut tr, k, fetched)?);
                 fetched += 1;
             }
-            let input = if l == 0 { x } else { &self.acts[l - 1] };
-            let out = &self.acts[l];
+            let (before, from_l) = self.acts.split_at_mut(l);
+            let input = if l == 0 { x } else { &before[l - 1] };
+            let out = &mut from_l[0];
             trace::op(&mut tr, m, On::Compute, "gemm", Some(l), || {
                 m.gemm(
                     On::Compute,
@@ -514,12 +522,12 @@ impl<'m, M: Math> Trainer<'m, M> {
         }
         let mut cur = cur.expect("at least one layer");
         // Loss = mean squared error; G = dLoss/dOutput = 2/(h·b) · (out − target).
-        let g_top = &self.grads[layers % 2];
+        let g_top = &mut self.grads[layers % 2];
         let top = &self.acts[layers - 1];
         trace::op(&mut tr, m, On::Compute, "copy", None, || {
             m.copy(On::Compute, top, g_top)
         })?;
-        let sums = &self.sums;
+        let sums = &mut self.sums;
         trace::op(&mut tr, m, On::Compute, "loss", None, || {
             m.axpy(On::Compute, -1.0, t, 0, g_top)?;
             m.sumsq_into(On::Compute, g_top, sums, 0)?;
@@ -552,8 +560,9 @@ impl<'m, M: Math> Trainer<'m, M> {
             }
             let next = ahead.pop_front();
             let input = if l == 0 { x } else { &self.acts[l - 1] };
-            let g_out = &self.grads[(l + 1) % 2];
-            let dw = match next_dw.take() {
+            let [g0, g1] = &mut self.grads;
+            let (g_in, g_out) = if l % 2 == 0 { (g0, &*g1) } else { (g1, &*g0) };
+            let mut dw = match next_dw.take() {
                 Some(dw) => dw,
                 None => self
                     .grad_pool
@@ -571,12 +580,11 @@ impl<'m, M: Math> Trainer<'m, M> {
                     g_out,
                     input,
                     0.0,
-                    &dw,
+                    &mut dw,
                 )
             })?;
             let dw_ready = m.record(On::Compute)?;
             if l > 0 {
-                let g_in = &self.grads[l % 2];
                 trace::op(&mut tr, m, On::Compute, "gemm dX", Some(l), || {
                     m.gemm(
                         On::Compute,
@@ -623,7 +631,7 @@ impl<'m, M: Math> Trainer<'m, M> {
             // stream. It writes the shard layer l's all-gather read: the compute stream
             // waited for that all-gather before the weight-gradient GEMM this stream
             // waited for.
-            let shard = &self.shards[l];
+            let shard = &mut self.shards[l];
             trace::op(&mut tr, m, On::ReduceScatter, "sgd", Some(l), || {
                 m.axpy(On::ReduceScatter, alpha, &dw, self.rank, shard)
             })?;
