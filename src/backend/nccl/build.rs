@@ -213,8 +213,7 @@ impl Builder {
     /// deadline.
     fn control_init(&self, world: usize, unique_id: &[u8; 128], rank: usize) -> Result<Comm> {
         let op = "ncclCommInitRankConfig";
-        let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
-        let starting = ffi::comm_init(self.nccl, world, unique_id, rank, policy);
+        let starting = ffi::comm_init(self.nccl, world, unique_id, rank);
         finish_creation(self.nccl, starting, op, false, self.deadline, None, &|| {
             self.lost()
         })
@@ -235,8 +234,7 @@ impl Builder {
         blocking: bool,
     ) -> Result<Comm> {
         // SAFETY: the caller's contract.
-        let starting =
-            unsafe { ffi::comm_split(self.nccl, parent, false, rank, cta_policy, blocking) };
+        let starting = unsafe { ffi::comm_split(self.nccl, parent, rank, cta_policy, blocking) };
         let op = "ncclCommSplit";
         let (nccl, deadline) = (self.nccl, self.deadline);
         finish_creation(nccl, starting, op, blocking, deadline, owner, &|| {

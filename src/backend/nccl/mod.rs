@@ -163,10 +163,6 @@ impl SegmentMemory for NcclMemory {
     fn device_ptr(&self) -> Option<u64> {
         Some(self.ptr)
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 /// `handle`, given back with `error`.

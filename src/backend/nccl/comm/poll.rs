@@ -104,13 +104,8 @@ pub(in crate::backend::nccl) fn finish_creation(
             match making {
                 // The polled handle is the new communicator: its abort ends NCCL's work
                 // on it; the boxes are leaked.
-                ffi::Making::Init
-                | ffi::Making::Split {
-                    parent_blocking: true,
-                } => drop(Comm::new(nccl, polled, true, blocking)),
-                ffi::Making::Split {
-                    parent_blocking: false,
-                } => {
+                ffi::Making::Init => drop(Comm::new(nccl, polled, true, blocking)),
+                ffi::Making::Split => {
                     let ended =
                         parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
                     // SAFETY: the slot is leaked, so it stays valid; the parent's abort
