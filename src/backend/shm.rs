@@ -109,7 +109,7 @@ fn shm_error(op: &'static str, detail: String, source: std::io::Error) -> Error 
 
 /// A rank's record in one round of a communicator's channel: the step of its calls
 /// the rank is at, so that rounds of different kinds never pass for each other.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 enum Step {
     /// A window registration: where the peers find the segment
     /// (`/proc/<pid>/fd/<fd>`), and its size.

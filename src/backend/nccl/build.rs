@@ -533,27 +533,22 @@ impl NcclBackend {
             .iter()
             .map(|&dev| context(dev))
             .collect::<Result<Vec<_>>>()?;
-        let one_rank = |rank: usize, ctx: Arc<CudaContext>, exchange: LocalExchange| {
+        let ranks = contexts.into_iter().zip(LocalExchange::group(world));
+        let init = "a rank's initialisation thread";
+        crate::error::in_threads(ranks.enumerate(), init, |(rank, (ctx, exchange))| {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let control = b.control_init(world, &id, rank)?;
             let comms = b.data(&control, rank, true)?;
-            let placement = Placement::ONE_NODE;
+            let exchange = Arc::new(exchange);
             b.assemble(
                 ctx,
                 Some(control),
                 comms,
-                placement,
-                Arc::new(exchange),
+                Placement::ONE_NODE,
+                exchange,
                 true,
             )
-        };
-        let one_rank = &one_rank;
-        let ranks = contexts.into_iter().zip(LocalExchange::group(world));
-        crate::error::in_threads(
-            ranks.enumerate(),
-            "a rank's initialisation thread",
-            |(rank, (ctx, exchange))| one_rank(rank, ctx, exchange),
-        )
+        })
     }
 
     /// Adopt communicators as they are (tests, interop): each with its role and the CTA

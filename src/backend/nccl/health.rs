@@ -86,7 +86,7 @@ impl Cause {
 /// break is reported as the lost peer the exchange knows of, if any ([`report`]).
 ///
 /// [`report`]: Self::report
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Health {
     cause: OnceLock<Cause>,
     /// The exchange whose word on lost peers names the rank behind a break (not kept
@@ -166,10 +166,8 @@ impl Health {
 
     /// The error of a broken backend (of a healthy one: an internal error).
     pub(crate) fn error(&self) -> Error {
-        match self.cause.get() {
-            Some(c) => self.report(c, c.op(), false),
-            None => Error::internal("asked for the error of a healthy NCCL backend"),
-        }
+        let healthy = || Error::internal("asked for the error of a healthy NCCL backend");
+        self.check().err().unwrap_or_else(healthy)
     }
 
     /// Record `cause` unless an earlier one is recorded; returns whether this call
@@ -192,7 +190,6 @@ impl Health {
 
 /// Sleeps between polls of a non-blocking call: short at first (most calls finish in
 /// microseconds to milliseconds), doubling to `max`. Never a busy loop.
-#[derive(Debug)]
 pub(crate) struct Backoff {
     next: Duration,
     max: Duration,
@@ -248,7 +245,6 @@ pub(crate) trait Completion {
 }
 
 /// One enqueued collective the watchdog waits for.
-#[derive(Debug)]
 pub(crate) struct Enqueued<E> {
     pub(crate) op: &'static str,
     pub(crate) comm: usize,
@@ -307,7 +303,6 @@ pub(super) fn sweep<E: Completion>(
 }
 
 /// The collectives enqueued and not yet seen complete, oldest first.
-#[derive(Debug)]
 pub(crate) struct Watch<E> {
     pending: VecDeque<Enqueued<E>>,
     /// Completed markers, for reuse.

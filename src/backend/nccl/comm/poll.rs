@@ -9,7 +9,6 @@ use crate::error::{Error, Result};
 use std::time::{Duration, Instant};
 
 /// How polling a non-blocking call ended.
-#[derive(Debug)]
 pub(super) enum Waited {
     Done,
     Failed(Error),

@@ -5,8 +5,8 @@
 //! the crate's tests, a fake one. A failed call is [`Error::Nccl`] naming it, with
 //! NCCL's code and message ([`Error::Cuda`] in [`cuda`]), unless a function says otherwise.
 //!
-//! A call on a non-blocking communicator may answer [`Status::InProgress`]: the caller
-//! polls [`async_state`]. Out-parameters that NCCL may write after that answer (the new
+//! A call on a non-blocking communicator may answer `ncclInProgress` (or succeed while
+//! it still runs): the caller polls [`async_state`] until it is done, whatever it answered. Out-parameters that NCCL may write after that answer (the new
 //! communicator, the window) live in boxes that are leaked, not freed, if the call
 //! never completes.
 
@@ -49,7 +49,7 @@ pub(crate) const IN_PROGRESS: c_int = 7;
 const REVOKE_DEFAULT: c_int = 0;
 
 /// How a call on a non-blocking communicator went, when it did not fail.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub(crate) enum Status {
     /// Finished.
     Done,
@@ -183,7 +183,7 @@ unsafe impl Send for RawComm {}
 unsafe impl Sync for RawComm {}
 
 /// Which call makes a communicator, and so what is polled.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 pub(crate) enum Making {
     /// `ncclCommInitRankConfig`: the new communicator is written before the call
     /// returns and is what is polled.
@@ -196,7 +196,6 @@ pub(crate) enum Making {
 /// [`async_state`] until the call is done (the new communicator for an init, the
 /// parent for a split that NCCL runs in the background), and the boxes NCCL may still
 /// write into while the call is in progress.
-#[derive(Debug)]
 pub(crate) struct Starting {
     pub(crate) poll: RawComm,
     pub(crate) making: Making,
@@ -400,7 +399,6 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
 /// One collective call, as NCCL takes it: which one (with its reduction), the `send`
 /// and `recv` device addresses, and `count` elements per rank (as
 /// [`CollArgs::count`](crate::backend::CollArgs::count)) of `dtype`.
-#[derive(Debug, Clone, Copy)]
 pub(crate) struct CollCall {
     pub(crate) kind: CollKind,
     pub(crate) send: u64,
@@ -410,7 +408,6 @@ pub(crate) struct CollCall {
 }
 
 /// Which collective a [`CollCall`] is.
-#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum CollKind {
     /// `ncclAllGather`.
     AllGather,
@@ -433,8 +430,8 @@ impl CollCall {
 
 /// Enqueue `call` on `comm` and `stream`: `ncclAllGather`, `ncclReduceScatter` or
 /// `ncclAllReduce`, and nothing else. On a blocking communicator it returns once the
-/// work is on the stream; on a non-blocking one it may answer [`Status::InProgress`]
-/// (poll before the next call on it).
+/// work is on the stream; on a non-blocking one it may still run when it returns
+/// (poll [`async_state`] before the next call on it).
 ///
 /// # Safety
 /// - for an all-gather `send` holds `count` elements and `recv` `count × nranks`
@@ -448,7 +445,7 @@ pub(crate) unsafe fn collective(
     comm: RawComm,
     call: &CollCall,
     stream: sys::cudaStream_t,
-) -> Result<Status> {
+) -> Result<()> {
     let op = call.name();
     let n = fit(op, call.count)?;
     let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
@@ -464,7 +461,7 @@ pub(crate) unsafe fn collective(
             (s.all_reduce)(send, recv, n, call.dtype, red, comm.0, stream)
         },
     };
-    status(s, op, code, Some(&comm))
+    status(s, op, code, Some(&comm)).map(drop)
 }
 
 /// Have `f` run at process exit (`atexit(3)`): after `main` returns or `exit` is
