@@ -290,14 +290,10 @@ impl HostBackend {
 
     fn next_round(&self, comm: usize, registration: bool) -> u64 {
         let mut c = self.counters.lock();
-        let slot = &mut c[comm];
-        if registration {
-            slot.0 += 1;
-            slot.0
-        } else {
-            slot.1 += 1;
-            slot.1
-        }
+        let (ordinal, round) = &mut c[comm];
+        let n = if registration { ordinal } else { round };
+        *n += 1;
+        *n
     }
 
     /// Run one collective: post, check agreement, move data with `body`, barrier;

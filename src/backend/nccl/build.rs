@@ -10,7 +10,7 @@ use super::health::{Cause, Health};
 use super::setup::Placement;
 use super::streams::FenceTable;
 use super::watchdog::Watchdog;
-use super::{Cuda, NcclBackend, device_count, ncclComm_t, setup};
+use super::{NcclBackend, device_count, ncclComm_t, setup};
 use crate::backend::{Backend, BackendInfo, BackendKind, CommInfo, CommRole};
 use crate::control::{Exchange, LocalExchange, StoreExchange};
 use crate::deadline::Deadline;
@@ -307,7 +307,7 @@ impl Builder {
         let shared = Arc::new(Shared {
             rank,
             world,
-            device: Cuda { ctx: ctx.clone() },
+            device: ctx.clone(),
             nccl: self.nccl,
             control,
             comms,
@@ -354,7 +354,7 @@ impl NcclBackend {
     ) -> Result<Backend> {
         let b = Builder::until(*self.config(), deadline, Some(exchange.clone()))?;
         self.bind()?;
-        let ctx = self.shared.device.ctx.clone();
+        let ctx = self.shared.device.clone();
         let uuid = device_uuid(&ctx);
         let (control, comms, placement) = b.survivors(&self.shared, exchange.as_ref(), &uuid)?;
         b.assemble(ctx, Some(control), comms, placement, exchange, true)

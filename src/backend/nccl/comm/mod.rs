@@ -35,7 +35,7 @@ use poll::{Waited, poll};
 pub(super) type Binder = Arc<dyn Fn() + Send + Sync>;
 
 /// The CUDA the communicator layer needs (its errors are [`Error::Cuda`]). The real one
-/// is `Cuda` (in `mod.rs`); tests use a fake.
+/// is the primary context, `Arc<CudaContext>` (in `mod.rs`); tests use a fake.
 pub(super) trait Device: Send + Sync + 'static {
     /// A stream work is enqueued on.
     type Stream: ?Sized + Sync;
