@@ -174,8 +174,7 @@ impl ShmBackend {
             CommInfo::STANDARD.to_vec(),
         )?;
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let (ex, reserved) = (exchange.clone(), Arc::default());
-        let parts = Self::open(ex, &config, "shm", reserved, setup)?;
+        let parts = Self::open(exchange.clone(), &config, "shm", Arc::default(), setup)?;
         let streams = Arc::new(HostStreams::default());
         Backend::with_stream_ops(info, exchange, parts, streams)
     }
@@ -216,9 +215,8 @@ impl ShmBackend {
     /// channels of their own (`shm:NAME:commC`), as on the host backend.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let (ex, reserved) = (self.exchange.clone(), self.reserved.clone());
-        let prefix = format!("shm:{name}");
-        let parts = Self::open(ex, &self.config, &prefix, reserved, setup)?;
+        let (ex, prefix) = (self.exchange.clone(), format!("shm:{name}"));
+        let parts = Self::open(ex, &self.config, &prefix, self.reserved.clone(), setup)?;
         backend.with_parts(backend.exchange_handle(), parts)
     }
 
@@ -230,8 +228,14 @@ impl ShmBackend {
         exchange: Arc<dyn Exchange>,
         deadline: Deadline,
     ) -> Result<Backend> {
-        let (ex, reserved) = (exchange.clone(), self.reserved.clone());
-        let parts = Self::open(ex, &self.config, &self.prefix, reserved, deadline)?;
+        let reserved = self.reserved.clone();
+        let parts = Self::open(
+            exchange.clone(),
+            &self.config,
+            &self.prefix,
+            reserved,
+            deadline,
+        )?;
         backend.with_parts(exchange, parts)
     }
 

@@ -8,7 +8,6 @@ use super::config::{self, NcclConfig};
 use super::ffi::{self, RawComm, Syms};
 use super::health::{Cause, Health};
 use super::setup::Placement;
-use super::streams::FenceTable;
 use super::watchdog::Watchdog;
 use super::{NcclBackend, device_count, ncclComm_t, setup};
 use crate::backend::{Backend, BackendInfo, BackendKind, CommInfo, CommRole};
@@ -17,7 +16,6 @@ use crate::deadline::Deadline;
 use crate::error::{Error, NcclVersion, Result};
 use cudarc::driver::CudaContext;
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The primary context of `device`, checked to exist first (cudarc panics without a
@@ -326,8 +324,8 @@ impl Builder {
         let parts = Arc::new(NcclBackend {
             shared,
             ordinals: Mutex::new(vec![0; n]),
-            fences: Mutex::new(FenceTable::default()),
-            raw_streams: Mutex::new(HashMap::new()),
+            fences: Mutex::default(),
+            raw_streams: Mutex::default(),
             warmed,
             watchdog,
             drain_timed_out: Default::default(),

@@ -413,7 +413,7 @@ impl<D: Device> Shared<D> {
             // aborts do not free it while we are inside) and we hold its calls lock.
             Ok(_) if !comm.blocking => unsafe {
                 poll(self.nccl, comm.raw, op, until(), &|| {
-                    self.health.is_broken()
+                    self.health.is_broken().then_some(())
                 })
             },
             _ => Waited::Done,
@@ -428,7 +428,7 @@ impl<D: Device> Shared<D> {
             Waited::Done => return Ok(s),
             Waited::Failed(e) => Err(self.failed(op, e)),
             Waited::Timeout(waited) => Err(self.fail(Cause::Timeout { op, waited })),
-            Waited::Broken => Err(self.error_for(op)),
+            Waited::Broken(()) => Err(self.error_for(op)),
         };
         std::mem::forget(s);
         result
