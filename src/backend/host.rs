@@ -218,14 +218,7 @@ impl HostBackend {
                 infos.clone(),
             )?;
             let exchange = Arc::new(exchange);
-            let parts = Arc::new(HostBackend {
-                rank,
-                config: config.clone(),
-                comms: comms.clone(),
-                exchange: exchange.clone(),
-                reserved: Arc::new(AtomicU64::new(0)),
-                counters: Mutex::new(vec![(0, 0); infos.len()]),
-            });
+            let parts = Self::parts(&config, &exchange, comms.clone(), Arc::default());
             let streams = Arc::new(HostStreams::default());
             Backend::with_stream_ops(info, exchange, parts, streams)
         })
@@ -239,7 +232,8 @@ impl HostBackend {
             &format!("backend:split:{name}"),
             Deadline::after(super::SETUP_TIMEOUT),
         )?;
-        let parts = self.beside(&self.exchange, HostComm::take(&self.exchange, channel)?);
+        let comms = HostComm::take(&self.exchange, channel)?;
+        let parts = Self::parts(&self.config, &self.exchange, comms, self.reserved.clone());
         backend.with_parts(backend.exchange_handle(), parts)
     }
 
@@ -263,21 +257,28 @@ impl HostBackend {
         }
         let channel = exchange.open_channel("backend:shrink", deadline)?;
         let comms = HostComm::take(&next, channel)?;
-        backend.with_parts(exchange, self.beside(&next, comms))
+        let parts = Self::parts(&self.config, &next, comms, self.reserved.clone());
+        backend.with_parts(exchange, parts)
     }
 
-    /// This rank's parts over `comms`, the communicators of the ranks of `group`.
-    fn beside(&self, group: &Arc<LocalExchange>, comms: Arc<Vec<HostComm>>) -> Arc<Self> {
+    /// The parts of the rank of `group` over `comms`, the communicators of its ranks,
+    /// with `config` (its world size `group`'s) and memory counted in `reserved`.
+    fn parts(
+        config: &HostConfig,
+        group: &Arc<LocalExchange>,
+        comms: Arc<Vec<HostComm>>,
+        reserved: Arc<AtomicU64>,
+    ) -> Arc<Self> {
         Arc::new(HostBackend {
             rank: group.rank(),
             config: HostConfig {
                 world_size: group.world_size(),
-                ..self.config.clone()
+                ..config.clone()
             },
             counters: Mutex::new(vec![(0, 0); comms.len()]),
             comms,
             exchange: group.clone(),
-            reserved: self.reserved.clone(),
+            reserved,
         })
     }
 

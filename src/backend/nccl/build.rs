@@ -70,13 +70,13 @@ fn effective_policy(requested: i32) -> i32 {
     }
 }
 
-/// The rank and size of a communicator found as `(rank, size, device)`, if it agrees
-/// with `exchange` and sits on `device`.
+/// The rank of a communicator found as `(rank, size, device)`, if it agrees with
+/// `exchange` on rank and size and sits on `device`.
 fn same_rank(
     (rank, world, dev): (usize, usize, usize),
     device: usize,
     exchange: &dyn Exchange,
-) -> Result<(usize, usize)> {
+) -> Result<usize> {
     if (rank, world) != (exchange.rank(), exchange.world_size()) || dev != device {
         return Err(Error::config(
             "communicator",
@@ -88,7 +88,7 @@ fn same_rank(
             "the exchange's rank and world size on the device given",
         ));
     }
-    Ok((rank, world))
+    Ok(rank)
 }
 
 /// What every way of making a backend shares: the NCCL found, the configuration and
@@ -491,7 +491,7 @@ impl NcclBackend {
         let parent = RawComm(comm);
         // SAFETY: the caller guarantees a live communicator nothing else uses now.
         let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
-        let (rank, _) = same_rank(found, device, exchange.as_ref())?;
+        let rank = same_rank(found, device, exchange.as_ref())?;
         let agreed = b.agree(exchange.as_ref(), None, &device_uuid(&ctx))?;
         let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
