@@ -202,7 +202,6 @@ impl HostBackend {
                 "at least one rank",
             ));
         }
-        let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;
         let group = LocalExchange::group(n);
         let comms = Arc::new(HostComm::standard(&group[0]));
@@ -215,7 +214,7 @@ impl HostBackend {
                 n,
                 config.nccl_version,
                 config.granularity_bytes,
-                infos.clone(),
+                CommInfo::STANDARD.to_vec(),
             )?;
             let exchange = Arc::new(exchange);
             let parts = Self::parts(&config, &exchange, comms.clone(), Arc::default());

@@ -173,16 +173,14 @@ impl Health {
     /// Record `cause` unless an earlier one is recorded; returns whether this call
     /// broke it (and so must abort the communicators).
     pub(crate) fn break_with(&self, cause: Cause) -> bool {
-        let description = cause.describe();
+        let (description, lost) = (cause.describe(), matches!(cause, Cause::PeerLost { .. }));
         let broke = self.cause.set(cause).is_ok();
         // A lost peer is what its callers are told (they may shrink and go on): a
         // warning, once per rank; anything else is the backend's own failure.
-        match (broke, &self.cause.get()) {
-            (true, Some(Cause::PeerLost { .. })) => {
-                tracing::warn!("symmpool: NCCL backend broken: {description}");
-            }
-            (true, _) => tracing::error!("symmpool: NCCL backend broken: {description}"),
-            (false, _) => {}
+        if broke && lost {
+            tracing::warn!("symmpool: NCCL backend broken: {description}");
+        } else if broke {
+            tracing::error!("symmpool: NCCL backend broken: {description}");
         }
         broke
     }
@@ -277,12 +275,9 @@ pub(super) fn sweep<E: Completion>(
             Ok(true) => complete.push(e.done),
             Ok(false) => {
                 let waited = now.saturating_duration_since(e.at);
-                if waited > timeout && expired.is_none() {
-                    expired = Some(Cause::Watchdog {
-                        op: e.op,
-                        comm: e.comm,
-                        waited,
-                    });
+                if waited > timeout {
+                    let (op, comm) = (e.op, e.comm);
+                    expired.get_or_insert(Cause::Watchdog { op, comm, waited });
                 }
                 kept.push_back(e);
             }

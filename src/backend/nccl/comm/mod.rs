@@ -214,17 +214,15 @@ impl Comm {
     /// only the gate: a thread inside NCCL on it is not waited for here.
     fn take_for_abort(&self) -> Option<Taken> {
         let mut gate = self.state.gate.lock();
-        if self.owned && !gate.aborted {
+        (self.owned && !gate.aborted).then(|| {
             gate.aborted = true;
-            Some(Taken {
+            Taken {
                 nccl: self.nccl,
                 raw: self.raw,
                 blocking: self.blocking,
                 state: self.state.clone(),
-            })
-        } else {
-            None
-        }
+            }
+        })
     }
 
     /// Abort it now on a thread of its own (if the crate made it and nobody did yet) and
