@@ -194,7 +194,7 @@ impl<'a> Region<'a> {
 /// above run on every collective call).
 #[cold]
 #[inline(never)]
-fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
+pub(super) fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
     Error::BadView(format!(
         "range {offset_bytes}+{len_bytes} outside a {what} of {size_bytes} bytes"
     ))

@@ -374,9 +374,7 @@ pub(super) fn host_stream(stream: &Stream) -> Result<()> {
 pub(super) fn bounds(seg_len: u64, offset: u64, len: u64) -> Result<std::ops::Range<usize>> {
     match offset.checked_add(len) {
         Some(end) if end <= seg_len => Ok(offset as usize..end as usize),
-        _ => Err(Error::BadView(format!(
-            "range {offset}+{len} outside a segment of {seg_len} bytes"
-        ))),
+        _ => Err(super::handles::outside(offset, len, "segment", seg_len)),
     }
 }
 
