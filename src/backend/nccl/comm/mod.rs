@@ -387,16 +387,15 @@ impl<D: Device> Shared<D> {
             Bound::By(d) => d,
             Bound::Watchdog => self.call_deadline(),
         };
-        let _serial = match comm.calls.try_lock() {
-            Some(g) => g,
-            None => {
-                let started = Instant::now();
-                match comm.calls.try_lock_until(until().instant()) {
-                    Some(g) => g,
-                    None if self.health.is_broken() => return Err(self.error_for(op)),
-                    None => return Err(Error::timeout_since(op, started, &[])),
-                }
-            }
+        // The deadline is read only when the lock is taken (rare: one thread drives a rank).
+        let serial = comm.calls.try_lock();
+        let Some(_serial) = serial.or_else(|| comm.calls.try_lock_until(until().instant())) else {
+            let broken = self.health.is_broken();
+            return Err(if broken {
+                self.error_for(op)
+            } else {
+                Error::timeout_since(op, now, &[])
+            });
         };
         let marker = match bound {
             Bound::By(d) if comm.blocking => Some(d),
