@@ -229,9 +229,8 @@ impl Comm {
     /// wait until `deadline` for that abort, or an earlier one, to return; whether it
     /// returned. For set-up, where nobody is inside NCCL on it.
     fn abort_and_wait(&self, deadline: Deadline) -> bool {
-        if let Some(taken) = self.take_for_abort() {
-            abort_off_thread(None, vec![taken], AbortThreads::One);
-        }
+        let taken = self.take_for_abort().into_iter().collect();
+        abort_off_thread(None, taken, AbortThreads::One);
         self.aborted_by(deadline).unwrap_or(false)
     }
 
@@ -416,10 +415,7 @@ impl<D: Device> Shared<D> {
             _ => Waited::Done,
         };
         comm.leave();
-        let s = match started {
-            Err(e) => return Err(self.failed(op, e)),
-            Ok(s) => s,
-        };
+        let s = started.map_err(|e| self.failed(op, e))?;
         let result = match waited {
             Waited::Done if comm.blocking && self.health.is_broken() => Err(self.error_for(op)),
             Waited::Done => return Ok(s),
