@@ -13,8 +13,6 @@ pub trait SegmentMemory: Send + Sync + fmt::Debug + Any {
     fn size_bytes(&self) -> u64;
     /// The device address of the first byte (NCCL), `None` for host memory.
     fn device_ptr(&self) -> Option<u64>;
-    /// For a provider to find its own type again.
-    fn as_any(&self) -> &dyn Any;
 }
 
 /// An owned segment: one whole allocation of a provider (one `ncclMemAlloc`), at
@@ -67,7 +65,7 @@ impl Segment {
 
     /// The provider's memory, as its own type.
     pub fn memory<T: SegmentMemory>(&self) -> Option<&T> {
-        self.memory.as_any().downcast_ref::<T>()
+        (&*self.memory as &dyn Any).downcast_ref::<T>()
     }
 
     /// The `len_bytes` bytes at `offset_bytes`, checked against the segment.
@@ -196,7 +194,7 @@ impl<'a> Region<'a> {
 /// above run on every collective call).
 #[cold]
 #[inline(never)]
-fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
+pub(super) fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
     Error::BadView(format!(
         "range {offset_bytes}+{len_bytes} outside a {what} of {size_bytes} bytes"
     ))

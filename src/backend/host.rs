@@ -107,10 +107,6 @@ impl<M: fmt::Debug + Send + Sync + 'static> SegmentMemory for HostSegment<M> {
     fn device_ptr(&self) -> Option<u64> {
         None
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 /// The `M` memory of a host-backend segment, or an error naming a segment from
@@ -125,31 +121,9 @@ pub(super) fn memory_of<M: fmt::Debug + Send + Sync + 'static>(segment: &Segment
 }
 
 /// One segment's bytes on the threads backend, shared with peers during collectives.
-#[derive(Debug)]
-struct HostMemory {
-    data: Arc<Mutex<Box<[u8]>>>,
-}
+type HostMemory = Arc<Mutex<Box<[u8]>>>;
 
-/// Allocate `n` zeroed bytes, or `None` if the allocator refuses. Large allocations
-/// come from the OS as untouched zero pages, so reserving costs nothing until written.
-fn try_zeroed(n: usize) -> Option<Box<[u8]>> {
-    if n == 0 {
-        return Some(Box::new([]));
-    }
-    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
-    // SAFETY: `layout` has a non-zero size (n > 0).
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-    if ptr.is_null() {
-        return None;
-    }
-    let slice = std::ptr::slice_from_raw_parts_mut(ptr, n);
-    // SAFETY: `ptr` is a fresh, zero-initialised allocation of exactly `n` bytes made
-    // with the layout of `[u8; n]` by the global allocator, which is the layout `Box<[u8]>`
-    // frees with; ownership passes to the box.
-    Some(unsafe { Box::from_raw(slice) })
-}
-
-type Side = (Arc<Mutex<Box<[u8]>>>, u64, u64);
+type Side = (HostMemory, u64, u64);
 
 /// One rank's sides of a collective, as its peers read them.
 #[derive(Clone)]
@@ -228,7 +202,6 @@ impl HostBackend {
                 "at least one rank",
             ));
         }
-        let infos = CommInfo::STANDARD.to_vec();
         let n = config.world_size;
         let group = LocalExchange::group(n);
         let comms = Arc::new(HostComm::standard(&group[0]));
@@ -241,17 +214,10 @@ impl HostBackend {
                 n,
                 config.nccl_version,
                 config.granularity_bytes,
-                infos.clone(),
+                CommInfo::STANDARD.to_vec(),
             )?;
             let exchange = Arc::new(exchange);
-            let parts = Arc::new(HostBackend {
-                rank,
-                config: config.clone(),
-                comms: comms.clone(),
-                exchange: exchange.clone(),
-                reserved: Arc::new(AtomicU64::new(0)),
-                counters: Mutex::new(vec![(0, 0); infos.len()]),
-            });
+            let parts = Self::parts(&config, &exchange, comms.clone(), Arc::default());
             let streams = Arc::new(HostStreams::default());
             Backend::with_stream_ops(info, exchange, parts, streams)
         })
@@ -265,7 +231,8 @@ impl HostBackend {
             &format!("backend:split:{name}"),
             Deadline::after(super::SETUP_TIMEOUT),
         )?;
-        let parts = self.beside(&self.exchange, HostComm::take(&self.exchange, channel)?);
+        let comms = HostComm::take(&self.exchange, channel)?;
+        let parts = Self::parts(&self.config, &self.exchange, comms, self.reserved.clone());
         backend.with_parts(backend.exchange_handle(), parts)
     }
 
@@ -289,21 +256,28 @@ impl HostBackend {
         }
         let channel = exchange.open_channel("backend:shrink", deadline)?;
         let comms = HostComm::take(&next, channel)?;
-        backend.with_parts(exchange, self.beside(&next, comms))
+        let parts = Self::parts(&self.config, &next, comms, self.reserved.clone());
+        backend.with_parts(exchange, parts)
     }
 
-    /// This rank's parts over `comms`, the communicators of the ranks of `group`.
-    fn beside(&self, group: &Arc<LocalExchange>, comms: Arc<Vec<HostComm>>) -> Arc<Self> {
+    /// The parts of the rank of `group` over `comms`, the communicators of its ranks,
+    /// with `config` (its world size `group`'s) and memory counted in `reserved`.
+    fn parts(
+        config: &HostConfig,
+        group: &Arc<LocalExchange>,
+        comms: Arc<Vec<HostComm>>,
+        reserved: Arc<AtomicU64>,
+    ) -> Arc<Self> {
         Arc::new(HostBackend {
             rank: group.rank(),
             config: HostConfig {
                 world_size: group.world_size(),
-                ..self.config.clone()
+                ..config.clone()
             },
             counters: Mutex::new(vec![(0, 0); comms.len()]),
             comms,
             exchange: group.clone(),
-            reserved: self.reserved.clone(),
+            reserved,
         })
     }
 
@@ -316,14 +290,10 @@ impl HostBackend {
 
     fn next_round(&self, comm: usize, registration: bool) -> u64 {
         let mut c = self.counters.lock();
-        let slot = &mut c[comm];
-        if registration {
-            slot.0 += 1;
-            slot.0
-        } else {
-            slot.1 += 1;
-            slot.1
-        }
+        let (ordinal, round) = &mut c[comm];
+        let n = if registration { ordinal } else { round };
+        *n += 1;
+        *n
     }
 
     /// Run one collective: post, check agreement, move data with `body`, barrier;
@@ -335,13 +305,6 @@ impl HostBackend {
         body: impl FnOnce(&[Post]) -> Result<()>,
     ) -> Result<()> {
         let comm = self.comm(args.comm)?;
-        let side = |r: &super::Region<'_>| -> Result<Side> {
-            Ok((
-                memory_of::<HostMemory>(r.segment())?.data.clone(),
-                r.offset_bytes(),
-                r.len_bytes(),
-            ))
-        };
         let post = Post {
             send: side(&args.send)?,
             recv: side(&args.recv)?,
@@ -370,19 +333,33 @@ impl HostBackend {
     }
 }
 
-/// The `len` bytes `at` bytes into a rank's side of a collective.
-fn read_side((seg, offset, _): &Side, at: u64, len: u64) -> Result<Vec<u8>> {
-    let data = seg.lock();
+/// This rank's side of a collective, or of a copy: the memory of `region`'s segment,
+/// the region's offset and length.
+fn side(region: &Region<'_>) -> Result<Side> {
+    let data = memory_of::<HostMemory>(region.segment())?.clone();
+    Ok((data, region.offset_bytes(), region.len_bytes()))
+}
+
+/// Run `f` on the `len` bytes `at` bytes into a rank's side.
+fn on_side<R>(
+    (seg, offset, _): &Side,
+    at: u64,
+    len: u64,
+    f: impl FnOnce(&mut [u8]) -> R,
+) -> Result<R> {
+    let mut data = seg.lock();
     let range = bounds(data.len() as u64, offset.saturating_add(at), len)?;
-    Ok(data[range].to_vec())
+    Ok(f(&mut data[range]))
+}
+
+/// The `len` bytes `at` bytes into a rank's side of a collective.
+fn read_side(side: &Side, at: u64, len: u64) -> Result<Vec<u8>> {
+    on_side(side, at, len, |b| b.to_vec())
 }
 
 /// Write `data` `at` bytes into a rank's side of a collective.
-fn write_side((seg, off, _): &Side, at: u64, data: &[u8]) -> Result<()> {
-    let mut out = seg.lock();
-    let range = bounds(out.len() as u64, off.saturating_add(at), data.len() as u64)?;
-    out[range].copy_from_slice(data);
-    Ok(())
+fn write_side(side: &Side, at: u64, data: &[u8]) -> Result<()> {
+    on_side(side, at, data.len() as u64, |b| b.copy_from_slice(data))
 }
 
 /// Fail with [`Error::WrongStream`] unless `stream` is a host stream.
@@ -397,27 +374,25 @@ pub(super) fn host_stream(stream: &Stream) -> Result<()> {
 pub(super) fn bounds(seg_len: u64, offset: u64, len: u64) -> Result<std::ops::Range<usize>> {
     match offset.checked_add(len) {
         Some(end) if end <= seg_len => Ok(offset as usize..end as usize),
-        _ => Err(Error::BadView(format!(
-            "range {offset}+{len} outside a segment of {seg_len} bytes"
-        ))),
+        _ => Err(super::handles::outside(offset, len, "segment", seg_len)),
     }
 }
 
 impl SegmentProvider for HostBackend {
     fn allocate(&self, size_bytes: u64) -> Result<Segment> {
         let reservation = reserve(&self.reserved, size_bytes, self.config.max_reserved_bytes)?;
-        let oom = |message: &str| Error::DeviceOutOfMemory {
-            segment_bytes: size_bytes,
-            op: "host allocation",
-            code: 0,
-            message: message.into(),
+        // Zeroed by the allocator: large allocations come from the OS as untouched zero
+        // pages, so reserving costs nothing until written.
+        let zeroed = usize::try_from(size_bytes).map_err(drop);
+        let Ok(data) = zeroed.and_then(bytemuck::allocation::try_zeroed_slice_box) else {
+            return Err(Error::DeviceOutOfMemory {
+                segment_bytes: size_bytes,
+                op: "host allocation",
+                code: 0,
+                message: "the host allocator refused".into(),
+            });
         };
-        let Some(data) = usize::try_from(size_bytes).ok().and_then(try_zeroed) else {
-            return Err(oom("the host allocator refused"));
-        };
-        let memory = HostMemory {
-            data: Arc::new(Mutex::new(data)),
-        };
+        let memory: HostMemory = Arc::new(Mutex::new(data));
         Ok(HostSegment::segment(memory, reservation))
     }
 
@@ -513,22 +488,15 @@ pub(super) fn reserve(
 impl DataMover for HostBackend {
     fn write(&self, region: Region<'_>, data: &[u8], stream: &Stream) -> Result<()> {
         host_stream(stream)?;
-        let region = region.sub(0, data.len() as u64)?;
-        let mem = memory_of::<HostMemory>(region.segment())?;
-        let mut bytes = mem.data.lock();
-        let range = bounds(bytes.len() as u64, region.offset_bytes(), data.len() as u64)?;
-        bytes[range].copy_from_slice(data);
-        Ok(())
+        write_side(&side(&region.sub(0, data.len() as u64)?)?, 0, data)
     }
 
     fn read(&self, region: Region<'_>, out: &mut [u8], stream: &Stream) -> Result<()> {
         host_stream(stream)?;
-        let region = region.sub(0, out.len() as u64)?;
-        let mem = memory_of::<HostMemory>(region.segment())?;
-        let bytes = mem.data.lock();
-        let range = bounds(bytes.len() as u64, region.offset_bytes(), out.len() as u64)?;
-        out.copy_from_slice(&bytes[range]);
-        Ok(())
+        let len = out.len() as u64;
+        on_side(&side(&region.sub(0, len)?)?, 0, len, |b| {
+            out.copy_from_slice(b)
+        })
     }
 }
 

@@ -134,11 +134,6 @@ impl<'a> CollArgs<'a> {
         CollArgs { caller, ..self }
     }
 
-    /// Whether the call expects NCCL's symmetric path (windows given).
-    pub fn symmetric(&self) -> bool {
-        self.windows.0.is_some() || self.windows.1.is_some()
-    }
-
     /// The regions must hold what the collective will touch: `count` elements on one
     /// side and `world × count` on the other (the input for a reduce-scatter, the
     /// output for an all-gather; `world` 1 for an all-reduce, `count` on both sides).

@@ -80,23 +80,18 @@ struct ShmMemory {
 }
 
 /// A window: this rank's mappings of every rank's segment registered at the same
-/// position (its own too, mapped a second time).
-struct ShmWindow {
-    peers: Vec<MmapRaw>,
-}
+/// position (its own too, mapped a second time), in rank order.
+type ShmWindow = Vec<MmapRaw>;
 
 /// This rank's mapping of rank `peer`'s segment in `window`.
 fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
     let w = window.handle::<ShmWindow>().ok_or(Error::internal(
         "a window of another backend reached the shared-memory backend",
     ))?;
-    match w.peers.get(peer) {
-        Some(map) => Ok(map),
-        None => Err(Error::internal(format!(
-            "window {} has no mapping of rank {peer}",
-            window.ordinal()
-        ))),
-    }
+    w.get(peer).ok_or_else(|| {
+        let ordinal = window.ordinal();
+        Error::internal(format!("window {ordinal} has no mapping of rank {peer}"))
+    })
 }
 
 fn shm_error(op: &'static str, detail: String, source: std::io::Error) -> Error {
@@ -109,13 +104,13 @@ fn shm_error(op: &'static str, detail: String, source: std::io::Error) -> Error 
 
 /// A rank's record in one round of a communicator's channel: the step of its calls
 /// the rank is at, so that rounds of different kinds never pass for each other.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 enum Step {
     /// A window registration: where the peers find the segment
     /// (`/proc/<pid>/fd/<fd>`), and its size.
     Register { pid: u32, fd: i32, size_bytes: u64 },
     /// The opening round of a collective, by pool `caller` ([`CollArgs::caller`]).
-    Post { reduce: bool, caller: u64 },
+    Post { caller: u64 },
     /// A piece of a collective's data on the plain path.
     Data(#[serde(with = "serde_bytes")] Vec<u8>),
     /// The closing barrier of a collective.
@@ -179,8 +174,7 @@ impl ShmBackend {
             CommInfo::STANDARD.to_vec(),
         )?;
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let (ex, reserved) = (exchange.clone(), Arc::default());
-        let parts = Self::open(ex, &config, "shm", reserved, setup)?;
+        let parts = Self::open(exchange.clone(), &config, "shm", Arc::default(), setup)?;
         let streams = Arc::new(HostStreams::default());
         Backend::with_stream_ops(info, exchange, parts, streams)
     }
@@ -221,9 +215,8 @@ impl ShmBackend {
     /// channels of their own (`shm:NAME:commC`), as on the host backend.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
         let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let (ex, reserved) = (self.exchange.clone(), self.reserved.clone());
-        let prefix = format!("shm:{name}");
-        let parts = Self::open(ex, &self.config, &prefix, reserved, setup)?;
+        let (ex, prefix) = (self.exchange.clone(), format!("shm:{name}"));
+        let parts = Self::open(ex, &self.config, &prefix, self.reserved.clone(), setup)?;
         backend.with_parts(backend.exchange_handle(), parts)
     }
 
@@ -235,8 +228,14 @@ impl ShmBackend {
         exchange: Arc<dyn Exchange>,
         deadline: Deadline,
     ) -> Result<Backend> {
-        let (ex, reserved) = (exchange.clone(), self.reserved.clone());
-        let parts = Self::open(ex, &self.config, &self.prefix, reserved, deadline)?;
+        let reserved = self.reserved.clone();
+        let parts = Self::open(
+            exchange.clone(),
+            &self.config,
+            &self.prefix,
+            reserved,
+            deadline,
+        )?;
         backend.with_parts(exchange, parts)
     }
 
@@ -268,17 +267,16 @@ impl ShmBackend {
         &self,
         args: &CollArgs<'_>,
         op: &'static str,
-        reduce: bool,
         body: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let (_, serial) = self.comm(args.comm)?;
         let _serial = serial.lock();
         // The opening round: every rank is at this collective on this communicator.
         let (caller, deadline) = (args.caller, args.deadline());
-        let post = Step::Post { reduce, caller };
+        let post = Step::Post { caller };
         let posts = self.round(args.comm, op, &post, deadline, Some)?;
         let verdict = at_step(op, posts, |s| match s {
-            Step::Post { caller, .. } => Some(caller),
+            Step::Post { caller } => Some(caller),
             _ => None,
         })
         .and_then(|callers| super::callers_differ(op, &callers))
@@ -299,22 +297,20 @@ impl ShmBackend {
         deadline: Deadline,
     ) -> Result<Vec<Vec<u8>>> {
         let mut out: Vec<Vec<u8>> = vec![Vec::with_capacity(mine.len()); self.world];
-        let pieces = mine.len().div_ceil(DATA_PIECE_BYTES).max(1);
-        for k in 0..pieces {
-            let lo = (k * DATA_PIECE_BYTES).min(mine.len());
-            let hi = ((k + 1) * DATA_PIECE_BYTES).min(mine.len());
-            let piece = Step::Data(mine[lo..hi].to_vec());
-            let got = self.round(c, op, &piece, deadline, |s| match s {
+        // One round at least: an empty payload is a round too.
+        let empty = mine.is_empty().then_some(mine);
+        for piece in mine.chunks(DATA_PIECE_BYTES).chain(empty) {
+            let got = self.round(c, op, &Step::Data(piece.to_vec()), deadline, |s| match s {
                 Step::Data(bytes) => Some(bytes),
                 _ => None,
             })?;
-            for (r, piece) in got.into_iter().enumerate() {
-                let (sent, want) = (piece.len(), hi - lo);
+            for (r, theirs) in got.into_iter().enumerate() {
+                let (sent, want) = (theirs.len(), piece.len());
                 if sent != want {
                     let detail = format!("rank {r} sent {sent} bytes, expected {want}");
                     return Err(Error::CollectiveMismatch { op, detail });
                 }
-                out[r].extend_from_slice(&piece);
+                out[r].extend_from_slice(&theirs);
             }
         }
         Ok(out)
@@ -452,7 +448,7 @@ impl SegmentProvider for ShmBackend {
             }
             peers.push(map);
         }
-        let window = Window::new(comm, ordinal, Box::new(ShmWindow { peers }));
+        let window = Window::new(comm, ordinal, Box::new(peers));
         Ok(Some(window))
     }
 
@@ -475,7 +471,7 @@ impl Collectives for ShmBackend {
         const OP: &str = "all_gather";
         let chunk = args.check_counts(OP, self.world, false)?;
         let me = self.rank as u64;
-        self.collective(args, OP, false, || {
+        self.collective(args, OP, || {
             let mut mine = vec![0u8; chunk as usize];
             read_local(&args.send, &mut mine)?;
             match args.windows.1 {
@@ -505,7 +501,7 @@ impl Collectives for ShmBackend {
         const OP: &str = "reduce_scatter";
         let chunk = args.check_counts(OP, self.world, true)?;
         let me = self.rank as u64;
-        self.collective(args, OP, true, || {
+        self.collective(args, OP, || {
             let inputs: Vec<Vec<u8>> = match args.windows {
                 (Some(send_window), _) => {
                     let at = args.send.offset_bytes() + me * chunk;
@@ -531,7 +527,7 @@ impl Collectives for ShmBackend {
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
         const OP: &str = "all_reduce";
         let bytes = args.check_counts(OP, 1, true)?;
-        self.collective(args, OP, true, || {
+        self.collective(args, OP, || {
             let mut mine = vec![0u8; bytes as usize];
             read_local(&args.send.sub(0, bytes)?, &mut mine)?;
             let inputs = match args.windows {

@@ -8,16 +8,14 @@ use super::config::{self, NcclConfig};
 use super::ffi::{self, RawComm, Syms};
 use super::health::{Cause, Health};
 use super::setup::Placement;
-use super::streams::FenceTable;
 use super::watchdog::Watchdog;
-use super::{Cuda, NcclBackend, device_count, ncclComm_t, setup};
+use super::{NcclBackend, device_count, ncclComm_t, setup};
 use crate::backend::{Backend, BackendInfo, BackendKind, CommInfo, CommRole};
 use crate::control::{Exchange, LocalExchange, StoreExchange};
 use crate::deadline::Deadline;
 use crate::error::{Error, NcclVersion, Result};
 use cudarc::driver::CudaContext;
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The primary context of `device`, checked to exist first (cudarc panics without a
@@ -72,13 +70,13 @@ fn effective_policy(requested: i32) -> i32 {
     }
 }
 
-/// The rank and size of a communicator found as `(rank, size, device)`, if it agrees
-/// with `exchange` and sits on `device`.
+/// The rank of a communicator found as `(rank, size, device)`, if it agrees with
+/// `exchange` on rank and size and sits on `device`.
 fn same_rank(
     (rank, world, dev): (usize, usize, usize),
     device: usize,
     exchange: &dyn Exchange,
-) -> Result<(usize, usize)> {
+) -> Result<usize> {
     if (rank, world) != (exchange.rank(), exchange.world_size()) || dev != device {
         return Err(Error::config(
             "communicator",
@@ -90,7 +88,7 @@ fn same_rank(
             "the exchange's rank and world size on the device given",
         ));
     }
-    Ok((rank, world))
+    Ok(rank)
 }
 
 /// What every way of making a backend shares: the NCCL found, the configuration and
@@ -213,8 +211,7 @@ impl Builder {
     /// deadline.
     fn control_init(&self, world: usize, unique_id: &[u8; 128], rank: usize) -> Result<Comm> {
         let op = "ncclCommInitRankConfig";
-        let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
-        let starting = ffi::comm_init(self.nccl, world, unique_id, rank, policy);
+        let starting = ffi::comm_init(self.nccl, world, unique_id, rank);
         finish_creation(self.nccl, starting, op, false, self.deadline, None, &|| {
             self.lost()
         })
@@ -235,8 +232,7 @@ impl Builder {
         blocking: bool,
     ) -> Result<Comm> {
         // SAFETY: the caller's contract.
-        let starting =
-            unsafe { ffi::comm_split(self.nccl, parent, false, rank, cta_policy, blocking) };
+        let starting = unsafe { ffi::comm_split(self.nccl, parent, rank, cta_policy, blocking) };
         let op = "ncclCommSplit";
         let (nccl, deadline) = (self.nccl, self.deadline);
         finish_creation(nccl, starting, op, blocking, deadline, owner, &|| {
@@ -309,7 +305,7 @@ impl Builder {
         let shared = Arc::new(Shared {
             rank,
             world,
-            device: Cuda { ctx: ctx.clone() },
+            device: ctx.clone(),
             nccl: self.nccl,
             control,
             comms,
@@ -328,8 +324,8 @@ impl Builder {
         let parts = Arc::new(NcclBackend {
             shared,
             ordinals: Mutex::new(vec![0; n]),
-            fences: Mutex::new(FenceTable::default()),
-            raw_streams: Mutex::new(HashMap::new()),
+            fences: Mutex::default(),
+            raw_streams: Mutex::default(),
             warmed,
             watchdog,
             drain_timed_out: Default::default(),
@@ -356,7 +352,7 @@ impl NcclBackend {
     ) -> Result<Backend> {
         let b = Builder::until(*self.config(), deadline, Some(exchange.clone()))?;
         self.bind()?;
-        let ctx = self.shared.device.ctx.clone();
+        let ctx = self.shared.device.clone();
         let uuid = device_uuid(&ctx);
         let (control, comms, placement) = b.survivors(&self.shared, exchange.as_ref(), &uuid)?;
         b.assemble(ctx, Some(control), comms, placement, exchange, true)
@@ -495,7 +491,7 @@ impl NcclBackend {
         let parent = RawComm(comm);
         // SAFETY: the caller guarantees a live communicator nothing else uses now.
         let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
-        let (rank, _) = same_rank(found, device, exchange.as_ref())?;
+        let rank = same_rank(found, device, exchange.as_ref())?;
         let agreed = b.agree(exchange.as_ref(), None, &device_uuid(&ctx))?;
         let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
@@ -535,27 +531,22 @@ impl NcclBackend {
             .iter()
             .map(|&dev| context(dev))
             .collect::<Result<Vec<_>>>()?;
-        let one_rank = |rank: usize, ctx: Arc<CudaContext>, exchange: LocalExchange| {
+        let ranks = contexts.into_iter().zip(LocalExchange::group(world));
+        let init = "a rank's initialisation thread";
+        crate::error::in_threads(ranks.enumerate(), init, |(rank, (ctx, exchange))| {
             ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
             let control = b.control_init(world, &id, rank)?;
             let comms = b.data(&control, rank, true)?;
-            let placement = Placement::ONE_NODE;
+            let exchange = Arc::new(exchange);
             b.assemble(
                 ctx,
                 Some(control),
                 comms,
-                placement,
-                Arc::new(exchange),
+                Placement::ONE_NODE,
+                exchange,
                 true,
             )
-        };
-        let one_rank = &one_rank;
-        let ranks = contexts.into_iter().zip(LocalExchange::group(world));
-        crate::error::in_threads(
-            ranks.enumerate(),
-            "a rank's initialisation thread",
-            |(rank, (ctx, exchange))| one_rank(rank, ctx, exchange),
-        )
+        })
     }
 
     /// Adopt communicators as they are (tests, interop): each with its role and the CTA

@@ -86,7 +86,7 @@ impl Cause {
 /// break is reported as the lost peer the exchange knows of, if any ([`report`]).
 ///
 /// [`report`]: Self::report
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Health {
     cause: OnceLock<Cause>,
     /// The exchange whose word on lost peers names the rank behind a break (not kept
@@ -166,25 +166,21 @@ impl Health {
 
     /// The error of a broken backend (of a healthy one: an internal error).
     pub(crate) fn error(&self) -> Error {
-        match self.cause.get() {
-            Some(c) => self.report(c, c.op(), false),
-            None => Error::internal("asked for the error of a healthy NCCL backend"),
-        }
+        let healthy = || Error::internal("asked for the error of a healthy NCCL backend");
+        self.check().err().unwrap_or_else(healthy)
     }
 
     /// Record `cause` unless an earlier one is recorded; returns whether this call
     /// broke it (and so must abort the communicators).
     pub(crate) fn break_with(&self, cause: Cause) -> bool {
-        let description = cause.describe();
+        let (description, lost) = (cause.describe(), matches!(cause, Cause::PeerLost { .. }));
         let broke = self.cause.set(cause).is_ok();
         // A lost peer is what its callers are told (they may shrink and go on): a
         // warning, once per rank; anything else is the backend's own failure.
-        match (broke, &self.cause.get()) {
-            (true, Some(Cause::PeerLost { .. })) => {
-                tracing::warn!("symmpool: NCCL backend broken: {description}");
-            }
-            (true, _) => tracing::error!("symmpool: NCCL backend broken: {description}"),
-            (false, _) => {}
+        if broke && lost {
+            tracing::warn!("symmpool: NCCL backend broken: {description}");
+        } else if broke {
+            tracing::error!("symmpool: NCCL backend broken: {description}");
         }
         broke
     }
@@ -192,7 +188,6 @@ impl Health {
 
 /// Sleeps between polls of a non-blocking call: short at first (most calls finish in
 /// microseconds to milliseconds), doubling to `max`. Never a busy loop.
-#[derive(Debug)]
 pub(crate) struct Backoff {
     next: Duration,
     max: Duration,
@@ -248,7 +243,6 @@ pub(crate) trait Completion {
 }
 
 /// One enqueued collective the watchdog waits for.
-#[derive(Debug)]
 pub(crate) struct Enqueued<E> {
     pub(crate) op: &'static str,
     pub(crate) comm: usize,
@@ -281,12 +275,9 @@ pub(super) fn sweep<E: Completion>(
             Ok(true) => complete.push(e.done),
             Ok(false) => {
                 let waited = now.saturating_duration_since(e.at);
-                if waited > timeout && expired.is_none() {
-                    expired = Some(Cause::Watchdog {
-                        op: e.op,
-                        comm: e.comm,
-                        waited,
-                    });
+                if waited > timeout {
+                    let (op, comm) = (e.op, e.comm);
+                    expired.get_or_insert(Cause::Watchdog { op, comm, waited });
                 }
                 kept.push_back(e);
             }
@@ -307,7 +298,6 @@ pub(super) fn sweep<E: Completion>(
 }
 
 /// The collectives enqueued and not yet seen complete, oldest first.
-#[derive(Debug)]
 pub(crate) struct Watch<E> {
     pending: VecDeque<Enqueued<E>>,
     /// Completed markers, for reuse.

@@ -163,10 +163,6 @@ impl SegmentMemory for NcclMemory {
     fn device_ptr(&self) -> Option<u64> {
         Some(self.ptr)
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 /// `handle`, given back with `error`.
@@ -179,12 +175,8 @@ fn foreign(what: &str) -> Error {
     Error::internal(format!("{what} reached the NCCL backend"))
 }
 
-/// The CUDA device of a rank, as the communicator layer sees it.
-pub(super) struct Cuda {
-    pub(super) ctx: Arc<CudaContext>,
-}
-
-impl Device for Cuda {
+/// The CUDA device of a rank (its primary context), as the communicator layer sees it.
+impl Device for Arc<CudaContext> {
     type Stream = CudaStream;
     type Event = CudaEvent;
 
@@ -197,8 +189,8 @@ impl Device for Cuda {
     }
 
     fn record(&self, stream: &CudaStream, spare: Option<CudaEvent>) -> Result<CudaEvent> {
-        let event = (spare.map_or_else(|| self.ctx.new_event(None), Ok))
-            .map_err(ffi::cuda("cuEventCreate"))?;
+        let event =
+            (spare.map_or_else(|| self.new_event(None), Ok)).map_err(ffi::cuda("cuEventCreate"))?;
         event.record(stream).map_err(ffi::cuda("cuEventRecord"))?;
         Ok(event)
     }
@@ -209,7 +201,7 @@ impl Device for Cuda {
     }
 
     fn binder(&self) -> Binder {
-        let ctx = self.ctx.clone();
+        let ctx = self.clone();
         Arc::new(move || {
             let _ = ctx.bind_to_thread();
         })
@@ -221,7 +213,7 @@ impl Device for Cuda {
 /// [`Backend`](super::Backend)s; reach this type again through
 /// [`Backend::downcast_ref`](super::Backend::downcast_ref).
 pub struct NcclBackend {
-    shared: Arc<Shared<Cuda>>,
+    shared: Arc<Shared<Arc<CudaContext>>>,
     /// Registrations made per communicator (window ordinals).
     ordinals: Mutex<Vec<u64>>,
     fences: Mutex<FenceTable>,
@@ -243,7 +235,7 @@ impl fmt::Debug for NcclBackend {
             "NcclBackend(rank {} of {}, device {}, {} data communicators{broken})",
             s.rank,
             s.world,
-            s.device.ctx.ordinal(),
+            s.device.ordinal(),
             s.comms.len()
         )
     }
@@ -277,7 +269,7 @@ impl NcclBackend {
 
     /// The device context.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.shared.device.ctx
+        &self.shared.device
     }
 
     /// The CUDA device ordinal.
@@ -461,27 +453,23 @@ impl Drop for NcclBackend {
         if let Err(e) = &drained {
             tracing::warn!("symmpool: rank {rank}: draining at drop failed: {e}");
         }
-        let idle = matches!(drained, Ok(true));
-        if !idle {
+        if !matches!(drained, Ok(true)) {
             tracing::warn!(
                 "symmpool: rank {rank}: device work still in flight; aborting its communicators in the background"
             );
+            self.shared.abort_all(AbortThreads::PerCommunicator);
+            return;
         }
-        let (threads, wait) = if idle {
-            (AbortThreads::One, ABORT_WAIT)
-        } else {
-            (AbortThreads::PerCommunicator, Duration::ZERO)
-        };
-        let deadline = Deadline::after(wait);
-        self.shared.abort_all(threads);
+        let deadline = Deadline::after(ABORT_WAIT);
+        self.shared.abort_all(AbortThreads::One);
         // These aborts and any started earlier (by a timeout, the watchdog or an NCCL
         // error) get the same bound.
         let pending = (self.shared.all_comms())
             .filter(|c| c.aborted_by(deadline) == Some(false))
             .count();
-        if pending > 0 && idle {
+        if pending > 0 {
             tracing::warn!(
-                "symmpool: rank {rank}: {pending} ncclCommAbort calls had not returned after {wait:?}; they go on in the background and their communicators are leaked"
+                "symmpool: rank {rank}: {pending} ncclCommAbort calls had not returned after {ABORT_WAIT:?}; they go on in the background and their communicators are leaked"
             );
         }
     }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
 /// One rank's contribution to the set-up round.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 pub(crate) struct Hello {
     /// `ncclGetVersion`'s code.
     pub(crate) version: i32,

@@ -234,8 +234,11 @@ impl NcclBackend {
         let cs = self.cuda_of(stream)?;
         self.bind()?;
         let started = Instant::now();
-        let event = cs.record_event(None).map_err(ffi::cuda("cuEventRecord"))?;
-        if all_complete(&[event], self.shared.call_deadline())? {
+        if self
+            .shared
+            .device
+            .wait_idle(cs, self.shared.call_deadline())?
+        {
             return Ok(cs);
         }
         Err(Error::timeout_since(op, started, &[]))

@@ -23,7 +23,6 @@ impl Completion for CudaEvent {
 
 /// A backend's watchdog thread, stopped when this is stopped or dropped (the thread
 /// also ends by itself once the backend's shared state is gone).
-#[derive(Debug)]
 pub(super) struct Watchdog {
     /// Dropping it wakes the thread, which then ends.
     stop: Option<mpsc::Sender<()>>,

@@ -20,7 +20,7 @@ pub(in crate::backend::nccl) const ABORT_WAIT: Duration = Duration::from_secs(10
 pub(in crate::backend::nccl) const LEAVE_WAIT: Duration = Duration::from_millis(500);
 
 /// How [`abort_off_thread`] spreads its aborts over threads.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq)]
 pub(in crate::backend::nccl) enum AbortThreads {
     /// One thread, the communicators one after another, no revoke: a teardown with no
     /// device work in flight and nobody inside NCCL (what ran in the two-GPU trials

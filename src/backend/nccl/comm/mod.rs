@@ -14,7 +14,7 @@
 //! on a fake NCCL and a fake device.
 
 use super::config::NcclConfig;
-use super::ffi::{self, CollCall, RawComm, RawWindow, Status, Syms};
+use super::ffi::{self, CollCall, RawComm, RawWindow, Syms};
 use super::health::{Cause, Completion, Enqueued, Health, Watch};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -35,7 +35,7 @@ use poll::{Waited, poll};
 pub(super) type Binder = Arc<dyn Fn() + Send + Sync>;
 
 /// The CUDA the communicator layer needs (its errors are [`Error::Cuda`]). The real one
-/// is `Cuda` (in `mod.rs`); tests use a fake.
+/// is the primary context, `Arc<CudaContext>` (in `mod.rs`); tests use a fake.
 pub(super) trait Device: Send + Sync + 'static {
     /// A stream work is enqueued on.
     type Stream: ?Sized + Sync;
@@ -57,7 +57,7 @@ pub(super) trait Device: Send + Sync + 'static {
 
 /// Who is inside NCCL on a communicator: the call, since when, and until when it may
 /// stay (`None`: a collective, bounded by the watchdog's completion events instead).
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub(super) struct Inside {
     pub(super) op: &'static str,
     pub(super) since: Instant,
@@ -66,7 +66,7 @@ pub(super) struct Inside {
 
 /// A communicator's gate: whether it was aborted (no call may start after that), who
 /// is inside NCCL on it, and whether its abort returned.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Gate {
     aborted: bool,
     inside: Option<Inside>,
@@ -214,26 +214,23 @@ impl Comm {
     /// only the gate: a thread inside NCCL on it is not waited for here.
     fn take_for_abort(&self) -> Option<Taken> {
         let mut gate = self.state.gate.lock();
-        if self.owned && !gate.aborted {
+        (self.owned && !gate.aborted).then(|| {
             gate.aborted = true;
-            Some(Taken {
+            Taken {
                 nccl: self.nccl,
                 raw: self.raw,
                 blocking: self.blocking,
                 state: self.state.clone(),
-            })
-        } else {
-            None
-        }
+            }
+        })
     }
 
     /// Abort it now on a thread of its own (if the crate made it and nobody did yet) and
     /// wait until `deadline` for that abort, or an earlier one, to return; whether it
     /// returned. For set-up, where nobody is inside NCCL on it.
     fn abort_and_wait(&self, deadline: Deadline) -> bool {
-        if let Some(taken) = self.take_for_abort() {
-            abort_off_thread(None, vec![taken], AbortThreads::One);
-        }
+        let taken = self.take_for_abort().into_iter().collect();
+        abort_off_thread(None, taken, AbortThreads::One);
         self.aborted_by(deadline).unwrap_or(false)
     }
 
@@ -256,7 +253,6 @@ impl Drop for Comm {
 }
 
 /// How long an NCCL call may stay inside NCCL.
-#[derive(Debug, Clone, Copy)]
 pub(super) enum Bound {
     /// A collective: the watchdog's completion events bound it (on a non-blocking
     /// communicator its enqueue is also polled until [`NcclConfig::call_timeout`]).
@@ -328,18 +324,26 @@ impl<D: Device> Shared<D> {
     /// else the backend's error.
     pub(super) fn error_for(&self, op: &'static str) -> Error {
         match self.health.cause() {
-            Some(c @ Cause::Timeout { op: o, .. }) if *o == op => self.health.report(c, op, true),
-            Some(c) => self.health.report(c, op, false),
+            Some(c) => {
+                let own = matches!(c, Cause::Timeout { op: o, .. } if *o == op);
+                self.health.report(c, op, own)
+            }
             None => self.health.error(),
         }
     }
 
-    /// A failed NCCL call: argument errors are reported as they are; anything else
-    /// means the communicator cannot be trusted, so the backend breaks, and the call
-    /// reports the lost peer behind it when the exchange learns of one within
+    /// The error of a call `op` that failed (`e`). Once the backend is broken, the
+    /// backend's error ([`error_for`](Self::error_for); `e` is only logged). Else
+    /// argument errors are reported as they are; anything else means the
+    /// communicator cannot be trusted, so the backend breaks, and the call reports the
+    /// lost peer behind it when the exchange learns of one within
     /// [`PEER_VERDICT_WAIT`](super::health::PEER_VERDICT_WAIT) (a dead peer's connections
     /// fail NCCL's call too), else NCCL's error.
-    fn on_error(&self, e: Error) -> Error {
+    fn failed(&self, op: &'static str, e: Error) -> Error {
+        if self.health.is_broken() {
+            tracing::debug!("symmpool: {op} failed after the backend broke: {e}");
+            return self.error_for(op);
+        }
         match &e {
             // ncclInvalidArgument, ncclInvalidUsage: nothing was started.
             Error::Nccl { code: 4 | 5, .. } => e,
@@ -376,22 +380,21 @@ impl<D: Device> Shared<D> {
         op: &'static str,
         bound: Bound,
         now: Instant,
-        start: impl FnOnce(RawComm) -> Result<(S, Status)>,
+        start: impl FnOnce(RawComm) -> Result<S>,
     ) -> Result<S> {
         let until = || match bound {
             Bound::By(d) => d,
             Bound::Watchdog => self.call_deadline(),
         };
-        let _serial = match comm.calls.try_lock() {
-            Some(g) => g,
-            None => {
-                let started = Instant::now();
-                match comm.calls.try_lock_until(until().instant()) {
-                    Some(g) => g,
-                    None if self.health.is_broken() => return Err(self.error_for(op)),
-                    None => return Err(Error::timeout_since(op, started, &[])),
-                }
-            }
+        // The deadline is read only when the lock is taken (rare: one thread drives a rank).
+        let serial = comm.calls.try_lock();
+        let Some(_serial) = serial.or_else(|| comm.calls.try_lock_until(until().instant())) else {
+            let broken = self.health.is_broken();
+            return Err(if broken {
+                self.error_for(op)
+            } else {
+                Error::timeout_since(op, now, &[])
+            });
         };
         let marker = match bound {
             Bound::By(d) if comm.blocking => Some(d),
@@ -406,33 +409,22 @@ impl<D: Device> Shared<D> {
             // aborts do not free it while we are inside) and we hold its calls lock.
             Ok(_) if !comm.blocking => unsafe {
                 poll(self.nccl, comm.raw, op, until(), &|| {
-                    self.health.is_broken()
+                    self.health.is_broken().then_some(())
                 })
             },
             _ => Waited::Done,
         };
         comm.leave();
-        let s = match started {
-            Err(e) if self.health.is_broken() => return Err(self.with_cause(op, e)),
-            Err(e) => return Err(self.on_error(e)),
-            Ok((s, _)) => s,
-        };
+        let s = started.map_err(|e| self.failed(op, e))?;
         let result = match waited {
             Waited::Done if comm.blocking && self.health.is_broken() => Err(self.error_for(op)),
             Waited::Done => return Ok(s),
-            Waited::Failed(e) if self.health.is_broken() => Err(self.with_cause(op, e)),
-            Waited::Failed(e) => Err(self.on_error(e)),
+            Waited::Failed(e) => Err(self.failed(op, e)),
             Waited::Timeout(waited) => Err(self.fail(Cause::Timeout { op, waited })),
-            Waited::Broken => Err(self.error_for(op)),
+            Waited::Broken(()) => Err(self.error_for(op)),
         };
         std::mem::forget(s);
         result
-    }
-
-    /// The error of a call `op` that failed (`e`) after the backend broke.
-    fn with_cause(&self, op: &'static str, e: Error) -> Error {
-        tracing::debug!("symmpool: {op} failed after the backend broke: {e}");
-        self.error_for(op)
     }
 
     /// Enqueue one collective on data communicator `c` and `stream`: the NCCL call
@@ -469,7 +461,7 @@ impl<D: Device> Shared<D> {
         self.call(comm, call.name(), bound, now, |raw| {
             // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
             // and `call` holds its calls lock.
-            unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }.map(|st| ((), st))
+            unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }
         })?;
         if watched && let Err(e) = self.watch(call.name(), c, stream, now) {
             // The collective is enqueued but unwatched: its completion can no longer be
@@ -568,7 +560,7 @@ impl<D: Device> Shared<D> {
         let handle = window.0;
         let result = self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
             // SAFETY: the caller's contract; `raw` is live and held by `call`.
-            unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }.map(|st| ((), st))
+            unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }
         });
         result.map_err(|e| (RawWindow(handle), e))
     }

@@ -9,28 +9,28 @@ use crate::error::{Error, Result};
 use std::time::{Duration, Instant};
 
 /// How polling a non-blocking call ended.
-#[derive(Debug)]
-pub(super) enum Waited {
+pub(super) enum Waited<B> {
     Done,
     Failed(Error),
     /// The deadline passed after polling this long.
     Timeout(Duration),
-    Broken,
+    /// What `broken()` said when it stopped the polling.
+    Broken(B),
 }
 
 /// Poll a non-blocking call on `comm` until it is done, fails, `deadline` passes, or
-/// `broken()` says to stop.
+/// `broken()` says to stop (with what it answers).
 ///
 /// # Safety
 /// `comm` is live and the caller has exclusive use of it (holds its calls lock, or
 /// made it and shares it with nobody yet).
-pub(super) unsafe fn poll(
+pub(super) unsafe fn poll<B>(
     nccl: &Syms,
     comm: RawComm,
     op: &'static str,
     deadline: Deadline,
-    broken: &dyn Fn() -> bool,
-) -> Waited {
+    broken: &dyn Fn() -> Option<B>,
+) -> Waited<B> {
     // A call that answered `ncclSuccess` may still be running: on a non-blocking
     // communicator NCCL 2.28 ends calls such as `ncclCommWindowRegister` with an
     // internal group end whose `ncclInProgress` it does not return, and writes the
@@ -43,7 +43,7 @@ pub(super) unsafe fn poll(
         let state = unsafe { ffi::async_state(nccl, op, comm) };
         match state {
             Ok(Status::Done) => Some(Waited::Done),
-            Ok(Status::InProgress) => broken().then_some(Waited::Broken),
+            Ok(Status::InProgress) => broken().map(Waited::Broken),
             Err(e) => Some(Waited::Failed(e)),
         }
     });
@@ -68,22 +68,13 @@ pub(in crate::backend::nccl) fn finish_creation(
 ) -> Result<Comm> {
     let starting = starting?;
     let started = Instant::now();
-    // The loss that ended the wait, if one did.
-    let loss = std::cell::Cell::new(None);
-    let broken = || match lost() {
-        Some(e) => {
-            loss.set(Some(e));
-            true
-        }
-        None => false,
-    };
     // SAFETY: the communicator (or the parent of a split) is used by this thread only
     // until the call is done.
-    match unsafe { poll(nccl, starting.poll, op, deadline, &broken) } {
+    let (waited, loss) = match unsafe { poll(nccl, starting.poll, op, deadline, lost) } {
         // SAFETY: the poll says the call is done: NCCL writes the slot no more.
         Waited::Done => match unsafe { starting.finish() } {
-            Some(raw) => Ok(Comm::new(nccl, raw, true, blocking)),
-            None => Err(ffi::no_comm(op, 0)),
+            Some(raw) => return Ok(Comm::new(nccl, raw, true, blocking)),
+            None => return Err(ffi::no_comm(op, 0)),
         },
         Waited::Failed(e) => {
             // Dropping the `Comm` aborts it.
@@ -91,40 +82,30 @@ pub(in crate::backend::nccl) fn finish_creation(
             if let Some(raw) = unsafe { starting.finish() } {
                 drop(Comm::new(nccl, raw, true, blocking));
             }
-            Err(e)
+            return Err(e);
         }
-        timeout => {
-            // A peer lost (`Broken`) ends it as a timeout does, reported as the loss.
-            let (waited, lost) = match timeout {
-                Waited::Timeout(waited) => (waited, None),
-                _ => (started.elapsed(), loss.take()),
-            };
-            let (making, polled) = (starting.making, starting.poll);
-            let slot = starting.abandon();
-            match making {
-                // The polled handle is the new communicator: its abort ends NCCL's work
-                // on it; the boxes are leaked.
-                ffi::Making::Init
-                | ffi::Making::Split {
-                    parent_blocking: true,
-                } => drop(Comm::new(nccl, polled, true, blocking)),
-                ffi::Making::Split {
-                    parent_blocking: false,
-                } => {
-                    let ended =
-                        parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
-                    // SAFETY: the slot is leaked, so it stays valid; the parent's abort
-                    // returned, so NCCL's split job ended and writes it no more.
-                    match ended.then(|| unsafe { ffi::read_slot(slot) }) {
-                        Some(Some(child)) => drop(Comm::new(nccl, child, true, blocking)),
-                        Some(None) => {}
-                        None => tracing::warn!(
-                            "symmpool: {op} timed out and its parent's abort did not end it; the new communicator, if any, is leaked"
-                        ),
-                    }
-                }
+        Waited::Timeout(waited) => (waited, None),
+        // A peer lost ends it as a timeout does, reported as the loss.
+        Waited::Broken(loss) => (started.elapsed(), Some(loss)),
+    };
+    let (making, polled) = (starting.making, starting.poll);
+    let slot = starting.abandon();
+    match making {
+        // The polled handle is the new communicator: its abort ends NCCL's work on it;
+        // the boxes are leaked.
+        ffi::Making::Init => drop(Comm::new(nccl, polled, true, blocking)),
+        ffi::Making::Split => {
+            let ended = parent.is_some_and(|p| p.abort_and_wait(Deadline::after(ABORT_WAIT)));
+            // SAFETY: the slot is leaked, so it stays valid; the parent's abort returned,
+            // so NCCL's split job ended and writes it no more.
+            match ended.then(|| unsafe { ffi::read_slot(slot) }) {
+                Some(Some(child)) => drop(Comm::new(nccl, child, true, blocking)),
+                Some(None) => {}
+                None => tracing::warn!(
+                    "symmpool: {op} timed out and its parent's abort did not end it; the new communicator, if any, is leaked"
+                ),
             }
-            Err(lost.unwrap_or(Error::NcclTimeout { op, waited }))
         }
     }
+    Err(loss.unwrap_or(Error::NcclTimeout { op, waited }))
 }

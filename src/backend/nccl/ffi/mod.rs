@@ -5,8 +5,8 @@
 //! the crate's tests, a fake one. A failed call is [`Error::Nccl`] naming it, with
 //! NCCL's code and message ([`Error::Cuda`] in [`cuda`]), unless a function says otherwise.
 //!
-//! A call on a non-blocking communicator may answer [`Status::InProgress`]: the caller
-//! polls [`async_state`]. Out-parameters that NCCL may write after that answer (the new
+//! A call on a non-blocking communicator may answer `ncclInProgress` (or succeed while
+//! it still runs): the caller polls [`async_state`] until it is done, whatever it answered. Out-parameters that NCCL may write after that answer (the new
 //! communicator, the window) live in boxes that are leaked, not freed, if the call
 //! never completes.
 
@@ -49,7 +49,7 @@ pub(crate) const IN_PROGRESS: c_int = 7;
 const REVOKE_DEFAULT: c_int = 0;
 
 /// How a call on a non-blocking communicator went, when it did not fail.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub(crate) enum Status {
     /// Finished.
     Done,
@@ -182,26 +182,20 @@ unsafe impl Send for RawComm {}
 // through the communicator layer, which serialises them.
 unsafe impl Sync for RawComm {}
 
-/// Which call makes a communicator, and so what to poll and when the new handle may be
-/// read.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Which call makes a communicator, and so what is polled.
+#[derive(Clone, Copy)]
 pub(crate) enum Making {
     /// `ncclCommInitRankConfig`: the new communicator is written before the call
     /// returns and is what is polled.
     Init,
-    /// `ncclCommSplit`: off a non-blocking parent the parent is polled, off a blocking
-    /// one the child (see [`comm_split`]).
-    Split {
-        /// Whether the parent is blocking.
-        parent_blocking: bool,
-    },
+    /// `ncclCommSplit`: the parent is polled (see [`comm_split`]).
+    Split,
 }
 
 /// A communicator being made: which call makes it, the handle to poll with
 /// [`async_state`] until the call is done (the new communicator for an init, the
 /// parent for a split that NCCL runs in the background), and the boxes NCCL may still
 /// write into while the call is in progress.
-#[derive(Debug)]
 pub(crate) struct Starting {
     pub(crate) poll: RawComm,
     pub(crate) making: Making,
@@ -231,22 +225,16 @@ impl Starting {
     }
 }
 
-/// Start `ncclCommInitRankConfig` on a non-blocking config (the control communicator);
-/// a half-made communicator is aborted on failure.
-pub(crate) fn comm_init(
-    s: &Syms,
-    nranks: usize,
-    id: &[u8; 128],
-    rank: usize,
-    cta_policy: c_int,
-) -> Result<Starting> {
+/// Start `ncclCommInitRankConfig` on a non-blocking config of the default CTA policy
+/// (the control communicator); a half-made communicator is aborted on failure.
+pub(crate) fn comm_init(s: &Syms, nranks: usize, id: &[u8; 128], rank: usize) -> Result<Starting> {
     let op = "ncclCommInitRankConfig";
     let (nranks, rank) = (fit(op, nranks)?, fit(op, rank)?);
     let id = sys::ncclUniqueId {
         internal: id.map(|b| b as c_char),
     };
     let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
-    let mut config = Box::new(config(cta_policy, false));
+    let mut config = Box::new(config(NCCL_CTA_POLICY_DEFAULT, false));
     // SAFETY: both boxes are valid for NCCL to write into until the call completes or
     // is aborted (they are leaked otherwise, see `Starting`); `id` is passed by value;
     // the caller made this rank's device current.
@@ -278,11 +266,10 @@ pub(crate) fn comm_init(
 /// 2.28.3 1567–1570), whatever it answered: `ncclInProgress` for a non-blocking child
 /// config, `ncclSuccess` at once for a blocking one (`ncclCommSplit`'s `NCCLCHECK` lets
 /// the group's `ncclInProgress` through; seen on NCCL 2.28.3, one H200). So the parent
-/// is always what is polled, and the child is read only once the poll says done
-/// ([`Starting::finish`]). Off a blocking parent the split is done on return and the
-/// child is polled (a non-blocking child may still be initialising). A parent whose
-/// kind is unknown (a runtime's communicator) is passed as non-blocking: polling it is
-/// right for both kinds.
+/// is what is polled, and the child is read only once the poll says done
+/// ([`Starting::finish`]). Every parent is treated so, whatever its kind (the crate's
+/// control communicator is non-blocking; a runtime's may be either): off a blocking
+/// parent the split is done on return, and polling the parent is right all the same.
 ///
 /// # Safety
 /// `parent` is a live communicator that nothing else calls NCCL on during this call
@@ -291,7 +278,6 @@ pub(crate) fn comm_init(
 pub(crate) unsafe fn comm_split(
     s: &Syms,
     parent: RawComm,
-    parent_blocking: bool,
     key: usize,
     cta_policy: c_int,
     blocking: bool,
@@ -303,16 +289,10 @@ pub(crate) unsafe fn comm_split(
     // SAFETY: the caller guarantees the parent; the boxes outlive the call's completion
     // (see `Starting`).
     let code = unsafe { (s.split)(parent.0, 0, key, &raw mut *slot, &raw mut *config) };
-    let poll = if status(s, op, code, Some(&parent))? == Status::Done && parent_blocking {
-        // SAFETY: a blocking parent's split ran to its end inside the call, so NCCL
-        // writes the live box no more.
-        unsafe { read_slot(&raw const *slot) }.ok_or(no_comm(op, code))?
-    } else {
-        parent
-    };
+    status(s, op, code, Some(&parent))?;
     Ok(Starting {
-        poll,
-        making: Making::Split { parent_blocking },
+        poll: parent,
+        making: Making::Split,
         slot,
         config,
     })
@@ -419,7 +399,6 @@ pub(crate) fn red_op(op: crate::dtype::ReduceOp) -> sys::ncclRedOp_t {
 /// One collective call, as NCCL takes it: which one (with its reduction), the `send`
 /// and `recv` device addresses, and `count` elements per rank (as
 /// [`CollArgs::count`](crate::backend::CollArgs::count)) of `dtype`.
-#[derive(Debug, Clone, Copy)]
 pub(crate) struct CollCall {
     pub(crate) kind: CollKind,
     pub(crate) send: u64,
@@ -429,7 +408,6 @@ pub(crate) struct CollCall {
 }
 
 /// Which collective a [`CollCall`] is.
-#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum CollKind {
     /// `ncclAllGather`.
     AllGather,
@@ -452,8 +430,8 @@ impl CollCall {
 
 /// Enqueue `call` on `comm` and `stream`: `ncclAllGather`, `ncclReduceScatter` or
 /// `ncclAllReduce`, and nothing else. On a blocking communicator it returns once the
-/// work is on the stream; on a non-blocking one it may answer [`Status::InProgress`]
-/// (poll before the next call on it).
+/// work is on the stream; on a non-blocking one it may still run when it returns
+/// (poll [`async_state`] before the next call on it).
 ///
 /// # Safety
 /// - for an all-gather `send` holds `count` elements and `recv` `count × nranks`
@@ -467,7 +445,7 @@ pub(crate) unsafe fn collective(
     comm: RawComm,
     call: &CollCall,
     stream: sys::cudaStream_t,
-) -> Result<Status> {
+) -> Result<()> {
     let op = call.name();
     let n = fit(op, call.count)?;
     let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
@@ -483,7 +461,7 @@ pub(crate) unsafe fn collective(
             (s.all_reduce)(send, recv, n, call.dtype, red, comm.0, stream)
         },
     };
-    status(s, op, code, Some(&comm))
+    status(s, op, code, Some(&comm)).map(drop)
 }
 
 /// Have `f` run at process exit (`atexit(3)`): after `main` returns or `exit` is

@@ -53,44 +53,7 @@ pub(crate) fn candidates(override_name: Option<&str>) -> Vec<Candidate> {
 }
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
-pub(crate) type GetUniqueIdFn = unsafe extern "C" fn(*mut sys::ncclUniqueId) -> c_int;
-pub(crate) type InitRankConfigFn = unsafe extern "C" fn(
-    *mut sys::ncclComm_t,
-    c_int,
-    sys::ncclUniqueId,
-    c_int,
-    *mut sys::ncclConfig_t,
-) -> c_int;
-pub(crate) type SplitFn = unsafe extern "C" fn(
-    sys::ncclComm_t,
-    c_int,
-    c_int,
-    *mut sys::ncclComm_t,
-    *mut sys::ncclConfig_t,
-) -> c_int;
-pub(crate) type CommFn = unsafe extern "C" fn(sys::ncclComm_t) -> c_int;
 pub(crate) type CommIntFn = unsafe extern "C" fn(sys::ncclComm_t, *mut c_int) -> c_int;
-pub(crate) type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
-pub(crate) type LastErrorFn = unsafe extern "C" fn(sys::ncclComm_t) -> *const c_char;
-pub(crate) type MemAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
-pub(crate) type MemFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
-pub(crate) type WindowRegisterFn = unsafe extern "C" fn(
-    sys::ncclComm_t,
-    *mut c_void,
-    usize,
-    *mut sys::ncclWindow_t,
-    c_int,
-) -> c_int;
-pub(crate) type WindowDeregisterFn =
-    unsafe extern "C" fn(sys::ncclComm_t, sys::ncclWindow_t) -> c_int;
-pub(crate) type AllGatherFn = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    sys::ncclDataType_t,
-    sys::ncclComm_t,
-    sys::cudaStream_t,
-) -> c_int;
 pub(crate) type ReduceScatterFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
@@ -100,9 +63,6 @@ pub(crate) type ReduceScatterFn = unsafe extern "C" fn(
     sys::ncclComm_t,
     sys::cudaStream_t,
 ) -> c_int;
-/// `ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)`: the shape
-/// of `ncclReduceScatter`.
-pub(crate) type AllReduceFn = ReduceScatterFn;
 /// `ncclCommRevoke(comm, revokeFlags)` (NCCL >= 2.28.7, `nccl.h.in`).
 pub(crate) type RevokeFn = unsafe extern "C" fn(sys::ncclComm_t, c_int) -> c_int;
 
@@ -138,23 +98,51 @@ macro_rules! syms {
 }
 
 syms! {
-    get_unique_id: GetUniqueIdFn = "ncclGetUniqueId",
-    init_rank_config: InitRankConfigFn = "ncclCommInitRankConfig",
-    split: SplitFn = "ncclCommSplit",
-    abort: CommFn = "ncclCommAbort",
+    get_unique_id: unsafe extern "C" fn(*mut sys::ncclUniqueId) -> c_int = "ncclGetUniqueId",
+    init_rank_config: unsafe extern "C" fn(
+        *mut sys::ncclComm_t,
+        c_int,
+        sys::ncclUniqueId,
+        c_int,
+        *mut sys::ncclConfig_t,
+    ) -> c_int = "ncclCommInitRankConfig",
+    split: unsafe extern "C" fn(
+        sys::ncclComm_t,
+        c_int,
+        c_int,
+        *mut sys::ncclComm_t,
+        *mut sys::ncclConfig_t,
+    ) -> c_int = "ncclCommSplit",
+    abort: unsafe extern "C" fn(sys::ncclComm_t) -> c_int = "ncclCommAbort",
     get_async_error: CommIntFn = "ncclCommGetAsyncError",
     count: CommIntFn = "ncclCommCount",
     user_rank: CommIntFn = "ncclCommUserRank",
     cu_device: CommIntFn = "ncclCommCuDevice",
-    error_string: ErrorStringFn = "ncclGetErrorString",
-    last_error: LastErrorFn = "ncclGetLastError",
-    mem_alloc: MemAllocFn = "ncclMemAlloc",
-    mem_free: MemFreeFn = "ncclMemFree",
-    window_register: WindowRegisterFn = "ncclCommWindowRegister",
-    window_deregister: WindowDeregisterFn = "ncclCommWindowDeregister",
-    all_gather: AllGatherFn = "ncclAllGather",
+    error_string: unsafe extern "C" fn(c_int) -> *const c_char = "ncclGetErrorString",
+    last_error: unsafe extern "C" fn(sys::ncclComm_t) -> *const c_char = "ncclGetLastError",
+    mem_alloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int = "ncclMemAlloc",
+    mem_free: unsafe extern "C" fn(*mut c_void) -> c_int = "ncclMemFree",
+    window_register: unsafe extern "C" fn(
+        sys::ncclComm_t,
+        *mut c_void,
+        usize,
+        *mut sys::ncclWindow_t,
+        c_int,
+    ) -> c_int = "ncclCommWindowRegister",
+    window_deregister: unsafe extern "C" fn(sys::ncclComm_t, sys::ncclWindow_t) -> c_int =
+        "ncclCommWindowDeregister",
+    all_gather: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        sys::ncclDataType_t,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> c_int = "ncclAllGather",
     reduce_scatter: ReduceScatterFn = "ncclReduceScatter",
-    all_reduce: AllReduceFn = "ncclAllReduce",
+    // `ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)`: the shape
+    // of `ncclReduceScatter`.
+    all_reduce: ReduceScatterFn = "ncclAllReduce",
 }
 
 /// What loading found: the version, and the functions when all of them resolved.

@@ -1,8 +1,6 @@
 //! NCCL's symmetric memory: `ncclMemAlloc`/`ncclMemFree` and window registration.
 
-use super::{
-    NCCL_WIN_COLL_SYMMETRIC, RawComm, SUCCESS, Status, Syms, check, fit, nccl_err, status,
-};
+use super::{NCCL_WIN_COLL_SYMMETRIC, RawComm, SUCCESS, Syms, check, fit, nccl_err, status};
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
 use std::ffi::c_void;
@@ -62,7 +60,6 @@ unsafe impl Send for RawWindow {}
 unsafe impl Sync for RawWindow {}
 
 /// A window registration in progress: the box NCCL writes the handle into.
-#[derive(Debug)]
 pub(crate) struct Registering {
     slot: Box<sys::ncclWindow_t>,
 }
@@ -88,7 +85,8 @@ impl Registering {
 
 /// Start `ncclCommWindowRegister(comm, ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC)`. On a
 /// blocking communicator it returns once every rank registered (it ends with a
-/// bootstrap barrier: src/dev_runtime.cc 2.28.3 543–594, 789–822).
+/// bootstrap barrier: src/dev_runtime.cc 2.28.3 543–594, 789–822); on a non-blocking
+/// one it may still run when it returns (poll [`async_state`](super::async_state)).
 ///
 /// # Collective
 /// Every rank of `comm`, same order.
@@ -102,7 +100,7 @@ pub(crate) unsafe fn window_register(
     comm: RawComm,
     ptr: u64,
     size: u64,
-) -> Result<(Registering, Status)> {
+) -> Result<Registering> {
     let op = "ncclCommWindowRegister";
     let size = fit(op, size)?;
     let mut slot: Box<sys::ncclWindow_t> = Box::new(std::ptr::null_mut());
@@ -118,7 +116,7 @@ pub(crate) unsafe fn window_register(
         )
     };
     match status(s, op, code, Some(&comm)) {
-        Ok(st) => Ok((Registering { slot }, st)),
+        Ok(_) => Ok(Registering { slot }),
         Err(e) => {
             // NCCL may have written the slot before failing: leaked, nobody reads it.
             std::mem::forget(slot);
@@ -127,15 +125,16 @@ pub(crate) unsafe fn window_register(
     }
 }
 
-/// Start `ncclCommWindowDeregister`.
+/// Start `ncclCommWindowDeregister` (polled as [`window_register`] on a non-blocking
+/// communicator).
 ///
 /// # Safety
 /// - `win` came from [`window_register`] on `comm` (consumed here);
 /// - `comm` is live, the caller has the exclusive use of it, and no device work uses
 ///   the window.
-pub(crate) unsafe fn window_deregister(s: &Syms, comm: RawComm, win: RawWindow) -> Result<Status> {
+pub(crate) unsafe fn window_deregister(s: &Syms, comm: RawComm, win: RawWindow) -> Result<()> {
     // SAFETY: the caller guarantees the window belongs to this live communicator and is
     // no longer in use.
     let code = unsafe { (s.window_deregister)(comm.0, win.0) };
-    status(s, "ncclCommWindowDeregister", code, Some(&comm))
+    status(s, "ncclCommWindowDeregister", code, Some(&comm)).map(drop)
 }

@@ -604,7 +604,7 @@ pub(super) fn shared_with(
     let id = ffi::unique_id(nccl)?;
     let control = finish_creation(
         nccl,
-        ffi::comm_init(nccl, 1, &id, 0, ffi::NCCL_CTA_POLICY_DEFAULT),
+        ffi::comm_init(nccl, 1, &id, 0),
         "ncclCommInitRankConfig",
         false,
         deadline,
@@ -617,7 +617,7 @@ pub(super) fn shared_with(
         .map(|info| {
             // SAFETY: the fake control communicator, used by this thread only.
             let starting =
-                unsafe { ffi::comm_split(nccl, control.raw, false, 0, info.cta_policy, blocking) };
+                unsafe { ffi::comm_split(nccl, control.raw, 0, info.cta_policy, blocking) };
             finish_creation(
                 nccl,
                 starting,

@@ -67,7 +67,7 @@ fn control() -> Comm {
     let nccl = syms(true);
     let id = ffi::unique_id(nccl).unwrap();
     let deadline = Deadline::after(Duration::from_secs(10));
-    let starting = ffi::comm_init(nccl, 1, &id, 0, ffi::NCCL_CTA_POLICY_DEFAULT);
+    let starting = ffi::comm_init(nccl, 1, &id, 0);
     finish_creation(
         nccl,
         starting,
@@ -92,16 +92,8 @@ fn split_blocking_watched(
 ) -> Result<Comm> {
     let nccl = syms(true);
     // SAFETY: the fake control communicator, used by this thread only.
-    let starting = unsafe {
-        ffi::comm_split(
-            nccl,
-            control.raw,
-            false,
-            0,
-            ffi::NCCL_CTA_POLICY_DEFAULT,
-            true,
-        )
-    };
+    let starting =
+        unsafe { ffi::comm_split(nccl, control.raw, 0, ffi::NCCL_CTA_POLICY_DEFAULT, true) };
     finish_creation(
         nccl,
         starting,
