@@ -6,7 +6,8 @@
 //! NCCL's code and message ([`Error::Cuda`] in [`cuda`]), unless a function says otherwise.
 //!
 //! A call on a non-blocking communicator may answer `ncclInProgress` (or succeed while
-//! it still runs): the caller polls [`async_state`] until it is done, whatever it answered. Out-parameters that NCCL may write after that answer (the new
+//! it still runs): the caller polls [`async_state`] until it is done, whatever it
+//! answered. Out-parameters that NCCL may write after that answer (the new
 //! communicator, the window) live in boxes that are leaked, not freed, if the call
 //! never completes.
 
