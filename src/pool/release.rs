@@ -14,8 +14,10 @@ use std::sync::{Arc, MutexGuard, PoisonError};
 
 /// Deregister and free one entry, waiting in the provider until `deadline` at most.
 /// On failure the entry comes back with what is left of it (windows that would not
-/// deregister, the segment) for a later retry.
-fn release_entry(
+/// deregister, the segment) for a later retry. The caller makes sure that no work
+/// uses the segment (drained device, or no block ever handed out) and that no buffer
+/// holds the entry.
+pub(super) fn release_entry(
     backend: &Backend,
     mut entry: SegmentEntry,
     deregistrations: &mut [u64],
@@ -27,8 +29,8 @@ fn release_entry(
             continue;
         };
         // SAFETY: the window was made by this backend's provider for this entry's
-        // segment; the caller drained the device, and no buffer holds the entry
-        // (it was unwrapped from its `Arc`), so no work uses it.
+        // segment; no work uses it and no buffer holds the entry (the caller's
+        // promise).
         match unsafe { backend.segments().deregister(w, deadline) } {
             Ok(()) => *count += 1,
             Err(refused) => {
@@ -41,8 +43,8 @@ fn release_entry(
         return Err((entry, e));
     }
     let SegmentEntry { segment, windows } = entry;
-    // SAFETY: every window of the segment is deregistered above, the device drained,
-    // and no buffer refers to the segment.
+    // SAFETY: every window of the segment is deregistered above, no work uses it and
+    // no buffer refers to the segment (the caller's promise).
     match unsafe { backend.segments().free(segment) } {
         Ok(()) => Ok(()),
         Err(refused) => Err((
