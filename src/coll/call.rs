@@ -7,9 +7,7 @@ use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
 use crate::backend::{CallDeadline, CollArgs, Region};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::group::{
-    BufferRecord, CheckMode, CollKind, CollectiveRecord, RecordKind, dtype_code, reduce_code,
-};
+use crate::group::{BufferRecord, CheckMode, CollKind, CollectiveRecord, RecordKind};
 use crate::pool::{SymmBuffer, SymmPool};
 use crate::stream::Stream;
 use std::sync::atomic::Ordering;
@@ -519,8 +517,8 @@ impl Coll {
             // This rank's record, counting the collective on its pool and communicator.
             let (collective, reduction) = match coll {
                 AllGather => (CollKind::AllGather, None),
-                ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
-                AllReduce(op) => (CollKind::AllReduce, Some(reduce_code(op))),
+                ReduceScatter(op) => (CollKind::ReduceScatter, Some(op as u8)),
+                AllReduce(op) => (CollKind::AllReduce, Some(op as u8)),
             };
             let comm_seqs = self.inner.comm_seqs.get(comm);
             let comm_seq = comm_seqs.map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1);
@@ -532,7 +530,7 @@ impl Coll {
                 tag,
                 pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
                 collective,
-                dtype: Some(dtype_code(dtype)),
+                dtype: Some(dtype as u8),
                 reduction,
                 count,
                 comm: comm as u64,

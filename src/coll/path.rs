@@ -135,9 +135,13 @@ impl PathPolicy {
     #[cold]
     #[inline(never)]
     pub(crate) fn forcing(&self, path: Path) -> Self {
-        self.clone()
-            .with_choices(Choice::Prefer(path), Choice::Prefer(path))
-            .with_all_reduce(Choice::Prefer(path))
+        let prefer = Choice::Prefer(path);
+        PathPolicy {
+            all_gather: prefer,
+            reduce_scatter: prefer,
+            all_reduce: prefer,
+            ..self.clone()
+        }
     }
 }
 

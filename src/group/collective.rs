@@ -3,7 +3,6 @@
 //! number, with the names the divergence report gives its fields.
 
 use super::record::{Fields, Value};
-use crate::dtype::{DType, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 /// What a record is of.
@@ -65,16 +64,8 @@ pub(crate) struct CollectiveRecord {
     pub(crate) call_hash: u64,
 }
 
-/// The wire code of `dtype` (its index in the names below).
-pub(crate) fn dtype_code(dtype: DType) -> u8 {
-    dtype as u8
-}
-
-/// The wire code of `op` (its index in the names below).
-pub(crate) fn reduce_code(op: ReduceOp) -> u8 {
-    op as u8
-}
-
+// The names of the element types, reductions and paths by their wire codes: a
+// `DType`, `ReduceOp` or path number (`coll::path_index`) `as u8`.
 const DTYPES: [&str; 4] = ["f32", "f16", "bf16", "u8"];
 const REDUCTIONS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
 const PATHS: [&str; 3] = ["copy engine", "symmetric kernel", "plain kernel"];

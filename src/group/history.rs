@@ -98,8 +98,8 @@ impl History {
         }
     }
 
-    /// Record a call and return its sequence number.
-    pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) -> u64 {
+    /// Record a call.
+    pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) {
         self.seq += 1;
         let seq = self.seq;
         self.hash = mix(self.hash ^ mix(seq ^ mix((kind as u64) ^ mix(a ^ mix(b)))));
@@ -111,7 +111,6 @@ impl History {
             }
             self.recent.push_back(CallRecord { seq, kind, a, b });
         }
-        seq
     }
 
     /// The running hash of every call recorded so far.

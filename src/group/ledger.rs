@@ -228,10 +228,7 @@ impl Ledger {
     /// Fail if a comparison (or a collective that failed) broke the ledger.
     #[inline]
     pub(crate) fn check(&self) -> Result<()> {
-        if self.shared.broken.load(Ordering::Acquire) {
-            return self.shared.state.lock().verdict();
-        }
-        Ok(())
+        self.failure().map_or(Ok(()), Err)
     }
 
     /// The launch lock: held by the caller from a collective's record to its launch.
@@ -305,14 +302,14 @@ impl Ledger {
                 e,
                 Error::GroupBroken { .. } | Error::CollectiveMismatch { .. }
             );
-        let diverged = |l: &Self| {
-            l.failure()
+        let diverged = || {
+            self.failure()
                 .filter(|e| matches!(e, Error::CollectiveDivergence(_)))
         };
-        if peers && diverged(self).is_none() {
+        if peers && diverged().is_none() {
             let _ = self.wait_compared(deadline());
         }
-        if let Some(d) = diverged(self) {
+        if let Some(d) = diverged() {
             return d;
         }
         if let Some(f) = e.group_failure() {

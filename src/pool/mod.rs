@@ -403,22 +403,21 @@ impl SymmPool {
         // Record the alignment that takes effect, so that `alloc(n)` and
         // `alloc_aligned(n, 512)` count as the same call on different ranks.
         let effective_align = align_bytes.max(st.core.config().min_block_bytes);
-        let placement = match st.core.alloc(req) {
-            Ok(p) => {
-                st.history
-                    .record(CallKind::Alloc, size_bytes, effective_align);
-                p
-            }
+        let first = st.core.alloc(req);
+        // A call that the core refuses (a bad request, the pool's limit) is not recorded.
+        if matches!(first, Ok(_) | Err(AllocError::NeedsGrowth(_))) {
+            st.history
+                .record(CallKind::Alloc, size_bytes, effective_align);
+        }
+        let placement = match first {
             Err(AllocError::NeedsGrowth(growth)) => {
-                st.history
-                    .record(CallKind::Alloc, size_bytes, effective_align);
                 // One deadline for the whole growth (made only when it grows: a cache
                 // hit does not read the clock).
                 let deadline = Deadline::after(self.group().config().timeout);
                 self.grow(&mut st, growth, deadline)?;
                 st.core.alloc(req)?
             }
-            Err(e) => return Err(e.into()),
+            out => out?,
         };
         let Some(entry) = st.segments.get(&placement.segment).cloned() else {
             let what = format!("segment {} has no entry", placement.segment.0);

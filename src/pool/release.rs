@@ -203,11 +203,8 @@ impl SymmPool {
             named,
             deadline,
         ) {
-            Err(Error::CollectiveDivergence(d)) => {
-                return self.close_alone(st, live, d.to_string(), deadline);
-            }
             // A peer gone for good never agrees: close alone, as after a broken ledger.
-            Err(e @ Error::PeerLost { .. }) => {
+            Err(e @ (Error::CollectiveDivergence(_) | Error::PeerLost { .. })) => {
                 return self.close_alone(st, live, e.to_string(), deadline);
             }
             out => out?,
@@ -319,7 +316,6 @@ impl Drop for PoolInner {
             st.segments.clear();
             return;
         }
-        let mut deregistrations = st.counters.deregistrations.clone();
         for (SegmentId(id), shared) in std::mem::take(&mut st.segments) {
             // No buffer is alive (buffers keep the pool alive), so the entry is ours.
             let Some(entry) = Arc::try_unwrap(shared)
@@ -329,9 +325,12 @@ impl Drop for PoolInner {
                 tracing::error!("symmpool: segment {id} still shared at teardown; leaked");
                 continue;
             };
-            if let Err((_, e)) =
-                release_entry(self.group.backend(), entry, &mut deregistrations, deadline)
-            {
+            if let Err((_, e)) = release_entry(
+                self.group.backend(),
+                entry,
+                &mut st.counters.deregistrations,
+                deadline,
+            ) {
                 tracing::error!(
                     "symmpool: releasing segment {id} at teardown failed ({e}); leaked"
                 );

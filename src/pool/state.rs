@@ -141,18 +141,12 @@ impl PoolState {
     /// Turn the ranks' readiness flags into the same error on every rank. A peer's
     /// broken pool breaks this rank's too: the ranks can no longer make the same calls.
     pub(crate) fn all_ready(&mut self, notes: &[Note]) -> Result<()> {
-        let flags: Vec<Option<Readiness>> = (notes.iter())
-            .map(|n| match n {
-                Note::Ready(r) => Some(*r),
-                _ => None,
-            })
-            .collect();
-        if let Some(rank) = flags.iter().position(Option::is_none) {
+        if let Some(rank) = notes.iter().position(|n| !matches!(n, Note::Ready(_))) {
             return Err(Error::internal(format!(
                 "rank {rank} sent no readiness in its agreement"
             )));
         }
-        let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
+        let find = |r: Readiness| notes.iter().position(|&n| n == Note::Ready(r));
         if let Some(rank) = find(Readiness::PoolBroken) {
             if let Some(f) = self.broken.as_ref().and_then(Error::group_failure) {
                 return Err(f.clone());
