@@ -137,19 +137,18 @@ pub(crate) fn reduce_ranks(
 ) -> crate::error::Result<Vec<u8>> {
     let n = inputs.len();
     let premul = op == ReduceOp::Avg && dt != DType::U8;
-    let mut acc: Option<Vec<u8>> = None;
-    for mut data in inputs {
+    let mut inputs = inputs.into_iter().map(|mut data| {
         if premul {
             divide(dt, &mut data, n);
         }
-        match &mut acc {
-            None => acc = Some(data),
-            Some(a) => reduce_into(dt, op, a, &data),
-        }
-    }
-    let Some(mut acc) = acc else {
+        data
+    });
+    let Some(mut acc) = inputs.next() else {
         return Err(crate::error::Error::internal("a collective with no ranks"));
     };
+    for data in inputs {
+        reduce_into(dt, op, &mut acc, &data);
+    }
     if op == ReduceOp::Avg && !premul {
         divide(dt, &mut acc, n);
     }

@@ -6,51 +6,52 @@ use crate::core::{CoreStats, SizeClass};
 use crate::pool::{Counters, MemoryStats, PoolCounters, StatValue, role_name};
 use std::sync::atomic::Ordering::Relaxed;
 
-/// Per size class (`all`, `small_pool`, `large_pool`), counted from the blocks.
-#[derive(Default, Clone, Copy)]
-struct ClassCount {
-    allocated_bytes: u64,
-    requested_bytes: u64,
-    reserved_bytes: u64,
-    active_bytes: u64,
-    inactive_split_bytes: u64,
-    segments: u64,
-    allocations: u64,
-    active: u64,
-    inactive_split: u64,
-}
-
-fn count(segments: &[SegmentView], class: Option<SizeClass>) -> ClassCount {
-    let mut c = ClassCount::default();
+/// The figures of one size class (`None`: every class) counted from the blocks,
+/// each with the name of its key; the three that the map has for every class too
+/// (`active`, `inactive_split`, `inactive_split_bytes`) last.
+fn count(segments: &[SegmentView], class: Option<SizeClass>) -> [(&'static str, u64); 9] {
+    let (mut allocated_bytes, mut requested_bytes, mut reserved_bytes) = (0, 0, 0);
+    let (mut active_bytes, mut segment, mut allocation) = (0, 0, 0);
+    let (mut active, mut inactive_split, mut inactive_split_bytes) = (0, 0, 0);
     for s in segments
         .iter()
         .filter(|s| class.is_none_or(|k| s.class == k))
     {
-        c.segments += 1;
-        c.reserved_bytes += s.size_bytes;
+        segment += 1;
+        reserved_bytes += s.size_bytes;
         let split = s.blocks.len() > 1;
         for b in &s.blocks {
             match b.state {
                 BlockStatus::Allocated => {
-                    c.allocated_bytes += b.size_bytes;
-                    c.requested_bytes += b.requested_bytes;
-                    c.allocations += 1;
-                    c.active_bytes += b.size_bytes;
-                    c.active += 1;
+                    allocated_bytes += b.size_bytes;
+                    requested_bytes += b.requested_bytes;
+                    allocation += 1;
+                    active_bytes += b.size_bytes;
+                    active += 1;
                 }
                 BlockStatus::FreeFenced => {
-                    c.active_bytes += b.size_bytes;
-                    c.active += 1;
+                    active_bytes += b.size_bytes;
+                    active += 1;
                 }
                 BlockStatus::Free => {}
             }
             if b.state != BlockStatus::Allocated && split {
-                c.inactive_split_bytes += b.size_bytes;
-                c.inactive_split += 1;
+                inactive_split_bytes += b.size_bytes;
+                inactive_split += 1;
             }
         }
     }
-    c
+    [
+        ("allocated_bytes", allocated_bytes),
+        ("requested_bytes", requested_bytes),
+        ("reserved_bytes", reserved_bytes),
+        ("active_bytes", active_bytes),
+        ("segment", segment),
+        ("allocation", allocation),
+        ("active", active),
+        ("inactive_split", inactive_split),
+        ("inactive_split_bytes", inactive_split_bytes),
+    ]
 }
 
 /// The flat map, from the core's statistics, the pool's counters and call count
@@ -96,29 +97,14 @@ pub(crate) fn build_stats(
     }
     put("active_bytes.all.current".into(), core.active_bytes.current);
     put("active_bytes.all.peak".into(), core.active_bytes.peak);
-    let all = count(segments, None);
-    put("active.all.current".into(), all.active);
-    put("inactive_split.all.current".into(), all.inactive_split);
-    put(
-        "inactive_split_bytes.all.current".into(),
-        all.inactive_split_bytes,
-    );
+    for (name, v) in &count(segments, None)[6..] {
+        put(format!("{name}.all.current"), *v);
+    }
     for (pool, class) in [
         ("small_pool", SizeClass::Small),
         ("large_pool", SizeClass::Large),
     ] {
-        let c = count(segments, Some(class));
-        for (name, v) in [
-            ("allocated_bytes", c.allocated_bytes),
-            ("requested_bytes", c.requested_bytes),
-            ("reserved_bytes", c.reserved_bytes),
-            ("active_bytes", c.active_bytes),
-            ("inactive_split_bytes", c.inactive_split_bytes),
-            ("segment", c.segments),
-            ("allocation", c.allocations),
-            ("active", c.active),
-            ("inactive_split", c.inactive_split),
-        ] {
+        for (name, v) in count(segments, Some(class)) {
             put(format!("{name}.{pool}.current"), v);
         }
     }

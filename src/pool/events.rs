@@ -50,28 +50,18 @@ pub(crate) fn dropped_without_close(
     broken: Option<&str>,
 ) {
     // A broken pool cannot be closed: say why it is released locally, without advice.
-    let (message, line) = match broken {
-        Some(why) => (
-            format!("broken pool dropped ({why}): releasing its segments locally"),
-            format!(
-                "symmpool: rank {rank}: broken pool {pool:?} dropped; releasing {segments} \
-                 segments ({bytes} bytes) locally"
-            ),
-        ),
-        None => (
-            "POOL DROPPED WITHOUT close(): releasing its segments locally, without \
-             agreement (call SymmPool::close on every rank before dropping the pool)"
-                .to_owned(),
-            format!(
-                "symmpool WARNING: rank {rank}: pool {pool:?} dropped without close(); \
-                 releasing {segments} segments ({bytes} bytes) locally"
-            ),
-        ),
+    let message = match broken {
+        Some(why) => format!("broken pool dropped ({why}): releasing its segments locally"),
+        None => "POOL DROPPED WITHOUT close(): releasing its segments locally, without \
+                 agreement (call SymmPool::close on every rank before dropping the pool)"
+            .to_owned(),
     };
     tracing::warn!(target: "symmpool::pool", rank, pool, segments, bytes, "{message}");
     // A program that set up `tracing` or `log` chose what it sees; one that set up
     // neither would see nothing.
     if !tracing::dispatcher::has_been_set() && log::max_level() < log::LevelFilter::Warn {
-        eprintln!("{line}");
+        eprintln!(
+            "symmpool: rank {rank}: pool {pool:?}: {message} ({segments} segments, {bytes} bytes)"
+        );
     }
 }

@@ -94,15 +94,12 @@ impl SymmPool {
                 continue;
             };
             let entry = match Arc::try_unwrap(shared) {
+                Ok(entry) if !entry.segment.is_shared() => entry,
                 // A buffer of it is still being dropped on another thread (one of the
                 // pool before a shrink holds the memory through its own entry).
-                Ok(entry) if entry.segment.is_shared() => {
-                    st.segments.insert(id, Arc::new(entry));
-                    continue;
-                }
-                Ok(entry) => entry,
-                Err(shared) => {
-                    st.segments.insert(id, shared);
+                held => {
+                    st.segments
+                        .insert(id, held.map_or_else(|shared| shared, Arc::new));
                     continue;
                 }
             };
