@@ -387,7 +387,7 @@ fn call<T: Element>(
         return Err(failed(pool, error));
     };
     // A call without an identity, unless the pool was made for them.
-    if tag.is_none() && !entry.pool.untagged_allowed() {
+    if tag.is_none() && !entry.pool.config().untagged_collectives {
         return Err(failed(first.pool(), untagged(name, first.pool())));
     }
     let pool = match bufs {

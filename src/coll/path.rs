@@ -158,16 +158,14 @@ impl std::fmt::Display for PathPolicy {
             u64::MAX => "symm".to_string(),
             t => format!("symm < {b}, ce ≥ {b}", b = Bytes(t)),
         };
-        let ag = match &self.plain_all_gather_bands[..] {
-            [] => ag,
-            [(0, u64::MAX)] => "plain".to_string(),
-            bands => format!("plain {}, else {ag}", Bands(bands)),
+        // The path `inside` the bands, else `outside`.
+        let banded = |bands: &[(u64, u64)], inside: &str, outside: String| match bands {
+            [] => outside,
+            [(0, u64::MAX)] => inside.to_string(),
+            bands => format!("{inside} {}, else {outside}", Bands(bands)),
         };
-        let banded = |bands: &[(u64, u64)]| match bands {
-            [] => "plain".to_string(),
-            [(0, u64::MAX)] => "symm".to_string(),
-            bands => format!("symm {}, else plain", Bands(bands)),
-        };
+        let ag = banded(&self.plain_all_gather_bands, "plain", ag);
+        let symm = |bands| banded(bands, "symm", "plain".into());
         let prefers = |c: Choice| match c {
             Choice::Auto => String::new(),
             Choice::Prefer(p) => format!(" (prefers {})", short_name(p)),
@@ -176,9 +174,9 @@ impl std::fmt::Display for PathPolicy {
             f,
             "all-gather: {ag}{}; reduce-scatter: {}{}; all-reduce: {}{}",
             prefers(self.all_gather),
-            banded(&self.symmetric_reduce_scatter_bands),
+            symm(&self.symmetric_reduce_scatter_bands),
             prefers(self.reduce_scatter),
-            banded(&self.symmetric_all_reduce_bands),
+            symm(&self.symmetric_all_reduce_bands),
             prefers(self.all_reduce),
         )
     }

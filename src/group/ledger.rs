@@ -312,10 +312,8 @@ impl Ledger {
         if let Some(d) = diverged() {
             return d;
         }
-        if let Some(f) = e.group_failure() {
-            self.shared.break_with(f.clone());
-        } else if peers || matches!(e, Error::Nccl { .. }) {
-            (self.shared).fail(format!("a collective on this pool failed: {e}"));
+        if peers || e.group_failure().is_some() || matches!(e, Error::Nccl { .. }) {
+            self.shared.failed_by("a collective on this pool", &e);
         }
         e
     }

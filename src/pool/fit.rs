@@ -4,7 +4,9 @@
 use super::SymmPool;
 use crate::core::{Allocator, Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::group::{CallKind, Op};
 use serde::Serialize;
 
@@ -99,15 +101,8 @@ impl SymmPool {
     fn reserve_class(&self, size_bytes: u64, class: SizeClass) -> Result<SegmentId> {
         let mut st = self.lock_open()?;
         let config = *st.core.config();
-        if size_bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
-        let size = crate::core::align_up(size_bytes, config.granularity_bytes)
-            .filter(|_| size_bytes <= config.max_request_bytes)
-            .ok_or(Error::TooLarge {
-                requested_bytes: size_bytes,
-                max_bytes: config.max_request_bytes,
-            })?;
+        // Checked as a request is, then whole segments (at most 16 TiB: no overflow).
+        let size = (config.round_request(size_bytes)?).next_multiple_of(config.granularity_bytes);
         let size = match class {
             SizeClass::Small => size.max(config.small_segment_bytes),
             SizeClass::Large => size,

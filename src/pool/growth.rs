@@ -5,7 +5,6 @@
 
 use super::state::{PoolState, SegmentEntry};
 use super::{MemoryAction, SymmPool};
-use crate::backend::Segment;
 use crate::core::{AllocError, Allocator, Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -260,7 +259,8 @@ impl SymmPool {
         let segment = match (local, confirmed) {
             (Ok(segment), Ok(_)) if failed.is_empty() => segment,
             (Ok(segment), confirmed) => {
-                self.free_unused(segment);
+                let windows = Vec::new();
+                self.undo_segment(st, SegmentEntry { segment, windows }, deadline);
                 confirmed?;
                 return Err(Error::PeerOutOfMemory {
                     segment_bytes: size_bytes,
@@ -323,24 +323,21 @@ impl SymmPool {
             // the same segments; the segment is not registered on `c` (new, or new to
             // the communicators of a shrunk backend); `readiness` refused growth on
             // every rank if the allocating stream was capturing.
-            let local = match unsafe { backend.segments().register(&entry.segment, c, register_by) }
-            {
-                Ok(window) => {
-                    tracing::info!(target: "symmpool::pool", rank = self.rank(), comm = c,
-                        role = super::role_name(info.role), segment_bytes = size_bytes,
-                        seconds = registering.elapsed().as_secs_f64(), window = window.is_some(),
-                        "window registered");
-                    st.counters.registrations[c] += 1;
-                    let missing = window.is_none();
-                    entry.windows[c] = window;
-                    if missing && self.inner.config.require_symmetric {
-                        Err(Error::NoSymmetricSupport { comm: c })
-                    } else {
-                        Ok(())
-                    }
+            let registered = unsafe { backend.segments().register(&entry.segment, c, register_by) };
+            let local = registered.and_then(|window| {
+                tracing::info!(target: "symmpool::pool", rank = self.rank(), comm = c,
+                    role = super::role_name(info.role), segment_bytes = size_bytes,
+                    seconds = registering.elapsed().as_secs_f64(), window = window.is_some(),
+                    "window registered");
+                st.counters.registrations[c] += 1;
+                let missing = window.is_none();
+                entry.windows[c] = window;
+                if missing && self.inner.config.require_symmetric {
+                    Err(Error::NoSymmetricSupport { comm: c })
+                } else {
+                    Ok(())
                 }
-                Err(e) => Err(e),
-            };
+            });
             self.agree_registered(st, c, size_bytes, local, deadline)?;
         }
         Ok(())
@@ -421,18 +418,6 @@ impl SymmPool {
             return Err(local.err().unwrap_or(Error::NoSymmetricSupport { comm }));
         }
         Ok(())
-    }
-
-    /// Free a segment no window covers and no work has used (a failed growth).
-    fn free_unused(&self, segment: Segment) {
-        // SAFETY: the segment was just allocated by this provider, never registered,
-        // and never handed out, so no work uses it.
-        if let Err(refused) = unsafe { self.inner.backend.segments().free(segment) } {
-            self.record_deferred_error(
-                "freeing a segment after a failed growth".into(),
-                refused.error,
-            );
-        }
     }
 
     /// Deregister and free a segment that the core does not hold (failed growth),

@@ -317,13 +317,6 @@ impl SymmPool {
         self.inner.mode
     }
 
-    /// Whether the pool accepts collectives without a tag
-    /// ([`PoolConfig::untagged_collectives`]).
-    #[inline]
-    pub(crate) fn untagged_allowed(&self) -> bool {
-        self.inner.config.untagged_collectives
-    }
-
     /// Whether two handles are the same pool.
     pub fn same_pool(&self, other: &SymmPool) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
