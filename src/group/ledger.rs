@@ -228,7 +228,11 @@ impl Ledger {
     /// Fail if a comparison (or a collective that failed) broke the ledger.
     #[inline]
     pub(crate) fn check(&self) -> Result<()> {
-        self.failure().map_or(Ok(()), Err)
+        // The verdict out of line (cold): a broken ledger is off the call path.
+        if self.shared.broken.load(Ordering::Acquire) {
+            return self.shared.state.lock().verdict();
+        }
+        Ok(())
     }
 
     /// The launch lock: held by the caller from a collective's record to its launch.

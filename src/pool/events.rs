@@ -2,7 +2,7 @@
 //! [`observe`](crate::observe)).
 
 use crate::backend::CommRole;
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::pool::SymmPool;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -22,11 +22,8 @@ pub(crate) fn role_name(role: CommRole) -> &'static str {
 #[cold]
 #[inline(never)]
 pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
-    if matches!(
-        error,
-        Error::PoolLimit { .. } | Error::DeviceOutOfMemory { .. } | Error::PeerOutOfMemory { .. }
-    ) && op == "alloc"
-    {
+    // An allocation refused for want of memory: the pool's limit, the device, a peer.
+    if op == "alloc" && error.kind() == ErrorKind::OutOfMemory {
         pool.inner.counters.ooms.fetch_add(1, Relaxed);
     }
     tracing::debug!(

@@ -172,17 +172,13 @@ impl SymmPool {
     /// not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Ok(());
-        }
         let deadline = Deadline::after(self.group().config().timeout);
         let mut st = self.state();
         if st.closed {
             return Ok(());
         }
         let live = st.core.stats().allocated_blocks.current;
-        let ledger = &self.ledger();
-        if let Some(failure) = ledger.failure() {
+        if let Some(failure) = self.ledger().failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
         let named = if live > 0 {
