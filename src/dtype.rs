@@ -94,7 +94,7 @@ element! {
 /// NCCL does: f16/bf16 round after each operation).
 fn combine(dtype: DType, acc: &mut [u8], other: Option<&[u8]>, f: impl Fn(f64, f64) -> f64) {
     fn go<T: Element>(acc: &mut [u8], other: Option<&[u8]>, f: impl Fn(f64, f64) -> f64) {
-        let n = std::mem::size_of::<T>();
+        let n = size_of::<T>();
         for (i, c) in acc.chunks_exact_mut(n).enumerate() {
             let a = bytemuck::pod_read_unaligned::<T>(c).to_f64();
             let b = other.map_or(a, |o| {

@@ -3,7 +3,7 @@
 
 use super::path::CollOp::{self, AllGather, AllReduce, ReduceScatter};
 use super::path::{AVG, Inputs, select};
-use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
+use super::{Coll, CollectiveReport, Path, PoolColl, path};
 use crate::backend::{CallDeadline, CollArgs, Region};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
@@ -44,7 +44,7 @@ pub(super) fn invalid(op: &'static str, detail: String) -> Error {
 
 /// Elements of `T` in `bytes`, or an error if `T` does not divide it.
 pub(super) fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64> {
-    let size = std::mem::size_of::<T>() as u64;
+    let size = size_of::<T>() as u64;
     if bytes == 0 || !bytes.is_multiple_of(size) {
         return Err(invalid(
             op,
@@ -86,7 +86,7 @@ fn own_chunk<'a, T: Element>(
         ));
     }
     let count = total / world;
-    let chunk_bytes = count * std::mem::size_of::<T>() as u64;
+    let chunk_bytes = count * size_of::<T>() as u64;
     let own = whole.sub(pool.rank() as u64 * chunk_bytes, chunk_bytes)?;
     Ok((own, count))
 }
@@ -535,7 +535,7 @@ impl Coll {
                 count,
                 comm: comm as u64,
                 comm_seq,
-                path: Some(path_index(path) as u8),
+                path: Some(path as u8),
                 input: buffer_record(send_buf),
                 output: buffer_record(recv_buf),
                 call_seq,
@@ -562,7 +562,7 @@ impl Coll {
             role: backend.communicators()[comm].role,
             bytes_per_rank,
         };
-        entry.counters.add(path_index(path), bytes_per_rank);
+        entry.counters.add(path as usize, bytes_per_rank);
         if tracing::level_enabled!(tracing::Level::DEBUG) {
             path::collective(pool, coll, &report);
         }

@@ -419,14 +419,9 @@ pub(crate) fn one_nvlink_domain_needed(version: NcclVersion) -> (bool, bool) {
     )
 }
 
-/// Every [`Path`], in the order of [`path_index`].
+/// Every [`Path`], in its declaration's order: a path's number (`path as usize`,
+/// its index here) numbers the handle's per-path counters and the records' path.
 pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
-
-/// Index of `path` in [`PATHS`] (its place in [`Path`]'s declaration): the handle's
-/// per-path counters are numbered so.
-pub(crate) fn path_index(path: Path) -> usize {
-    path as usize
-}
 
 /// The name of a path in statistics keys and events: `copy_engine`,
 /// `symmetric_kernel`, `plain_kernel`.

@@ -55,7 +55,7 @@ pub(crate) struct CollectiveRecord {
     /// pool of the handle.
     pub(crate) comm: u64,
     pub(crate) comm_seq: u64,
-    /// The path's number (see `coll::path_index`); `None` for a step.
+    /// The path's number (`Path as u8`, see `coll::PATHS`); `None` for a step.
     pub(crate) path: Option<u8>,
     pub(crate) input: BufferRecord,
     pub(crate) output: BufferRecord,
@@ -65,7 +65,7 @@ pub(crate) struct CollectiveRecord {
 }
 
 // The names of the element types, reductions and paths by their wire codes: a
-// `DType`, `ReduceOp` or path number (`coll::path_index`) `as u8`.
+// `DType`, `ReduceOp` or `Path` `as u8` (see `coll::PATHS`).
 const DTYPES: [&str; 4] = ["f32", "f16", "bf16", "u8"];
 const REDUCTIONS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
 const PATHS: [&str; 3] = ["copy engine", "symmetric kernel", "plain kernel"];

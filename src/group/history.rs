@@ -50,7 +50,6 @@ impl CallRecord {
 /// Stored hash first, count last (release), loaded count first (acquire): a reader sees
 /// a hash at least as new as its count; a pair that mixes two calls needs a pool call
 /// on another thread racing the collective, a divergence the checks report anyway.
-#[derive(Debug)]
 pub(crate) struct CallHead {
     seq: AtomicU64,
     hash: AtomicU64,
@@ -66,7 +65,6 @@ impl CallHead {
 }
 
 /// Sequence number, running hash and the last `capacity` calls.
-#[derive(Debug)]
 pub(crate) struct History {
     seq: u64,
     hash: u64,

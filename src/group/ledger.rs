@@ -67,7 +67,7 @@ impl CheckMode {
 }
 
 /// One record of the ledger.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Entry {
     /// A collective, or a step boundary.
     Collective(CollectiveRecord),

@@ -95,8 +95,6 @@ pub(crate) fn build_stats(
         put(format!("{name}.all.allocated"), total);
         put(format!("{name}.all.freed"), total.saturating_sub(s.current));
     }
-    put("active_bytes.all.current".into(), core.active_bytes.current);
-    put("active_bytes.all.peak".into(), core.active_bytes.peak);
     for (name, v) in &count(segments, None)[6..] {
         put(format!("{name}.all.current"), *v);
     }
@@ -108,24 +106,27 @@ pub(crate) fn build_stats(
             put(format!("{name}.{pool}.current"), v);
         }
     }
-    // PyTorch's meaning: failed device allocations followed by a cache flush and a
-    // retry. The pool never flushes its cache to retry a growth, so it is 0; the
-    // allocations that missed the cache (and grew the pool, or failed) are
-    // `num_cache_misses`.
-    put("num_alloc_retries".into(), 0);
-    put("num_cache_misses".into(), core.num_misses);
-    put("num_ooms".into(), counters.ooms.load(Relaxed));
-    put("num_device_alloc".into(), core.num_growths);
-    put("num_device_free".into(), core.num_releases);
-    put("num_splits".into(), core.num_splits);
-    put("num_merges".into(), core.num_merges);
-    put("num_stream_waits".into(), core.num_waits);
-    put(
-        "deferred_frees".into(),
-        counters.deferred_frees.load(Relaxed),
-    );
-    put("agreements".into(), totals.agreements);
-    put("calls".into(), calls);
+    for (key, v) in [
+        // PyTorch's meaning: failed device allocations followed by a cache flush and
+        // a retry. The pool never flushes its cache to retry a growth, so it is 0;
+        // the allocations that missed the cache (and grew the pool, or failed) are
+        // `num_cache_misses`.
+        ("num_alloc_retries", 0),
+        ("num_cache_misses", core.num_misses),
+        ("num_ooms", counters.ooms.load(Relaxed)),
+        ("num_device_alloc", core.num_growths),
+        ("num_device_free", core.num_releases),
+        ("num_splits", core.num_splits),
+        ("num_merges", core.num_merges),
+        ("num_stream_waits", core.num_waits),
+        ("deferred_frees", counters.deferred_frees.load(Relaxed)),
+        ("agreements", totals.agreements),
+        ("calls", calls),
+        ("active_bytes.all.current", core.active_bytes.current),
+        ("active_bytes.all.peak", core.active_bytes.peak),
+    ] {
+        put(key.into(), v);
+    }
     // Per communicator role (communicators of one role add up).
     for (c, info) in comms.iter().enumerate() {
         let role = role_name(info.role);

@@ -14,7 +14,6 @@ use std::time::Duration;
 ///
 /// Immutable while buffers use it (windows are made before the first block is handed
 /// out and released after the last is freed); buffers hold it through an `Arc`.
-#[derive(Debug)]
 pub(crate) struct SegmentEntry {
     /// The memory.
     pub(crate) segment: Segment,
@@ -30,7 +29,7 @@ impl SegmentEntry {
 }
 
 /// Counters a pool keeps beside its state, updated without its lock.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct PoolCounters {
     /// Allocation calls that failed for want of memory (pool limit, device, peer).
     pub(crate) ooms: AtomicU64,
@@ -39,7 +38,7 @@ pub(crate) struct PoolCounters {
 }
 
 /// Counters of what the pool did, beside the core's statistics.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Counters {
     pub(crate) registrations: Vec<u64>,
     pub(crate) deregistrations: Vec<u64>,
