@@ -141,7 +141,7 @@ fn has_role(backend: &Backend, path: Path) -> bool {
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
+    v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
