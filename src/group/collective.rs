@@ -70,9 +70,11 @@ const DTYPES: [&str; 4] = ["f32", "f16", "bf16", "u8"];
 const REDUCTIONS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
 const PATHS: [&str; 3] = ["copy engine", "symmetric kernel", "plain kernel"];
 
-fn named(names: &[&'static str], code: Option<u8>, none: &'static str) -> Value {
+/// A wire code as its name in `names` (a code beyond them as its number; no code:
+/// `none`).
+fn named(names: &[&'static str], code: Option<u8>) -> Value {
     match code {
-        None => Value::Name(none),
+        None => Value::Name("none"),
         Some(c) => names
             .get(usize::from(c))
             .map_or(Value::Number(u64::from(c)), |s| Value::Name(s)),
@@ -149,12 +151,12 @@ impl Fields for CollectiveRecord {
                 CollKind::ReduceScatter => "reduce_scatter",
                 CollKind::AllReduce => "all_reduce",
             }),
-            5 => named(&DTYPES, self.dtype, "none"),
-            6 => named(&REDUCTIONS, self.reduction, "none"),
+            5 => named(&DTYPES, self.dtype),
+            6 => named(&REDUCTIONS, self.reduction),
             7 => Value::Number(self.count),
             8 => Value::Number(self.comm),
             9 => Value::Number(self.comm_seq),
-            10 => named(&PATHS, self.path, "none"),
+            10 => named(&PATHS, self.path),
             11..=18 => {
                 let b = if i < 15 { &self.input } else { &self.output };
                 let fields = [b.allocation, b.segment.into(), b.offset_bytes, b.len_bytes];

@@ -327,10 +327,8 @@ impl SymmPool {
     /// place blocks differently from the peers); callers check it.
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
-        if st.broken.is_none()
-            && let Some(failure) = self.ledger().failure()
-        {
-            st.broken = Some(failure.clone());
+        if st.broken.is_none() {
+            st.broken = self.ledger().failure();
         }
         self.apply_deferred(&mut st);
         st
