@@ -30,10 +30,7 @@ impl Deadline {
 
     /// `timeout` from `start`, saturating as [`after`](Self::after) does.
     pub fn after_from(start: Instant, timeout: Duration) -> Self {
-        let at = start
-            .checked_add(timeout.min(FOREVER))
-            .or_else(|| start.checked_add(FOREVER))
-            .unwrap_or(start);
+        let at = start.checked_add(timeout.min(FOREVER)).unwrap_or(start);
         Deadline { at }
     }
 

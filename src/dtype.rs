@@ -94,7 +94,7 @@ element! {
 /// NCCL does: f16/bf16 round after each operation).
 fn combine(dtype: DType, acc: &mut [u8], other: Option<&[u8]>, f: impl Fn(f64, f64) -> f64) {
     fn go<T: Element>(acc: &mut [u8], other: Option<&[u8]>, f: impl Fn(f64, f64) -> f64) {
-        let n = std::mem::size_of::<T>();
+        let n = size_of::<T>();
         for (i, c) in acc.chunks_exact_mut(n).enumerate() {
             let a = bytemuck::pod_read_unaligned::<T>(c).to_f64();
             let b = other.map_or(a, |o| {
@@ -137,19 +137,18 @@ pub(crate) fn reduce_ranks(
 ) -> crate::error::Result<Vec<u8>> {
     let n = inputs.len();
     let premul = op == ReduceOp::Avg && dt != DType::U8;
-    let mut acc: Option<Vec<u8>> = None;
-    for mut data in inputs {
+    let mut inputs = inputs.into_iter().map(|mut data| {
         if premul {
             divide(dt, &mut data, n);
         }
-        match &mut acc {
-            None => acc = Some(data),
-            Some(a) => reduce_into(dt, op, a, &data),
-        }
-    }
-    let Some(mut acc) = acc else {
+        data
+    });
+    let Some(mut acc) = inputs.next() else {
         return Err(crate::error::Error::internal("a collective with no ranks"));
     };
+    for data in inputs {
+        reduce_into(dt, op, &mut acc, &data);
+    }
     if op == ReduceOp::Avg && !premul {
         divide(dt, &mut acc, n);
     }

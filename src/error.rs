@@ -672,11 +672,9 @@ impl NcclVersion {
     /// Decode `ncclGetVersion`'s integer (`NCCL_VERSION_CODE`).
     pub fn from_code(code: i32) -> Self {
         let code = code.max(0) as u32;
-        if code >= 10000 {
-            NcclVersion::new(code / 10000, (code % 10000) / 100, code % 100)
-        } else {
-            NcclVersion::new(code / 1000, (code % 1000) / 100, code % 100)
-        }
+        // Before 2.9: `major * 1000 + minor * 100 + patch`.
+        let major = if code >= 10000 { 10000 } else { 1000 };
+        NcclVersion::new(code / major, code % major / 100, code % 100)
     }
 
     /// Windows (`ncclCommWindowRegister`, symmetric kernels): NCCL 2.27.

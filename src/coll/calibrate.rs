@@ -118,19 +118,16 @@ pub struct Calibration {
 /// The largest size [`Coll::calibrate`] measures, in bytes per rank (16 GiB).
 pub const MAX_CALIBRATE_BYTES: u64 = 16 << 30;
 
-const AG_PATHS: [Path; 3] = [Path::SymmetricKernel, Path::CopyEngine, Path::PlainKernel];
-const RS_PATHS: [Path; 2] = [Path::SymmetricKernel, Path::PlainKernel];
-
 /// What is timed: (collective, path), all-gathers first, then reduce-scatters, then
 /// all-reduces (the order of [`Measurement`]'s fields).
 const TIMED: [(CollOp, Path); 7] = [
-    (CollOp::AllGather, AG_PATHS[0]),
-    (CollOp::AllGather, AG_PATHS[1]),
-    (CollOp::AllGather, AG_PATHS[2]),
-    (CollOp::ReduceScatter(ReduceOp::Sum), RS_PATHS[0]),
-    (CollOp::ReduceScatter(ReduceOp::Sum), RS_PATHS[1]),
-    (CollOp::AllReduce(ReduceOp::Sum), RS_PATHS[0]),
-    (CollOp::AllReduce(ReduceOp::Sum), RS_PATHS[1]),
+    (CollOp::AllGather, Path::SymmetricKernel),
+    (CollOp::AllGather, Path::CopyEngine),
+    (CollOp::AllGather, Path::PlainKernel),
+    (CollOp::ReduceScatter(ReduceOp::Sum), Path::SymmetricKernel),
+    (CollOp::ReduceScatter(ReduceOp::Sum), Path::PlainKernel),
+    (CollOp::AllReduce(ReduceOp::Sum), Path::SymmetricKernel),
+    (CollOp::AllReduce(ReduceOp::Sum), Path::PlainKernel),
 ];
 
 /// Whether `backend` has a communicator of the role that `path` runs on.
@@ -144,7 +141,7 @@ fn has_role(backend: &Backend, path: Path) -> bool {
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
+    v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 

@@ -3,13 +3,11 @@
 
 use super::path::CollOp::{self, AllGather, AllReduce, ReduceScatter};
 use super::path::{AVG, Inputs, select};
-use super::{Coll, CollectiveReport, Path, PoolColl, path, path_index};
+use super::{Coll, CollectiveReport, Path, PoolColl, path};
 use crate::backend::{CallDeadline, CollArgs, Region};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::group::{
-    BufferRecord, CheckMode, CollKind, CollectiveRecord, RecordKind, dtype_code, reduce_code,
-};
+use crate::group::{BufferRecord, CheckMode, CollKind, CollectiveRecord, RecordKind};
 use crate::pool::{SymmBuffer, SymmPool};
 use crate::stream::Stream;
 use std::sync::atomic::Ordering;
@@ -46,7 +44,7 @@ pub(super) fn invalid(op: &'static str, detail: String) -> Error {
 
 /// Elements of `T` in `bytes`, or an error if `T` does not divide it.
 pub(super) fn elements<T: Element>(op: &'static str, what: &str, bytes: u64) -> Result<u64> {
-    let size = std::mem::size_of::<T>() as u64;
+    let size = size_of::<T>() as u64;
     if bytes == 0 || !bytes.is_multiple_of(size) {
         return Err(invalid(
             op,
@@ -88,7 +86,7 @@ fn own_chunk<'a, T: Element>(
         ));
     }
     let count = total / world;
-    let chunk_bytes = count * std::mem::size_of::<T>() as u64;
+    let chunk_bytes = count * size_of::<T>() as u64;
     let own = whole.sub(pool.rank() as u64 * chunk_bytes, chunk_bytes)?;
     Ok((own, count))
 }
@@ -389,7 +387,7 @@ fn call<T: Element>(
         return Err(failed(pool, error));
     };
     // A call without an identity, unless the pool was made for them.
-    if tag.is_none() && !entry.pool.untagged_allowed() {
+    if tag.is_none() && !entry.pool.config().untagged_collectives {
         return Err(failed(first.pool(), untagged(name, first.pool())));
     }
     let pool = match bufs {
@@ -519,8 +517,8 @@ impl Coll {
             // This rank's record, counting the collective on its pool and communicator.
             let (collective, reduction) = match coll {
                 AllGather => (CollKind::AllGather, None),
-                ReduceScatter(op) => (CollKind::ReduceScatter, Some(reduce_code(op))),
-                AllReduce(op) => (CollKind::AllReduce, Some(reduce_code(op))),
+                ReduceScatter(op) => (CollKind::ReduceScatter, Some(op as u8)),
+                AllReduce(op) => (CollKind::AllReduce, Some(op as u8)),
             };
             let comm_seqs = self.inner.comm_seqs.get(comm);
             let comm_seq = comm_seqs.map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1);
@@ -532,12 +530,12 @@ impl Coll {
                 tag,
                 pool_collective: entry.collectives.fetch_add(1, Ordering::Relaxed) + 1,
                 collective,
-                dtype: Some(dtype_code(dtype)),
+                dtype: Some(dtype as u8),
                 reduction,
                 count,
                 comm: comm as u64,
                 comm_seq,
-                path: Some(path_index(path) as u8),
+                path: Some(path as u8),
                 input: buffer_record(send_buf),
                 output: buffer_record(recv_buf),
                 call_seq,
@@ -564,7 +562,7 @@ impl Coll {
             role: backend.communicators()[comm].role,
             bytes_per_rank,
         };
-        entry.counters.add(path_index(path), bytes_per_rank);
+        entry.counters.add(path as usize, bytes_per_rank);
         if tracing::level_enabled!(tracing::Level::DEBUG) {
             path::collective(pool, coll, &report);
         }

@@ -143,8 +143,8 @@ mod path;
 
 pub use calibrate::{CalibrateConfig, Calibration, MAX_CALIBRATE_BYTES, Measurement};
 pub use call::{CollectiveCalls, TaggedColl};
+pub(crate) use path::PATHS;
 pub use path::{Choice, CollectiveReport, Path, PathPolicy, path_name};
-pub(crate) use path::{PATHS, path_index};
 
 use crate::backend::Claim;
 use crate::deadline::Deadline;
@@ -400,7 +400,7 @@ impl Coll {
         let entry = &self.inner.pools[0];
         let mut m = entry.pool.memory_stats();
         for path in PATHS {
-            let (n, bytes) = entry.counters.get(path_index(path));
+            let (n, bytes) = entry.counters.get(path as usize);
             let p = path_name(path);
             m.insert(format!("collectives.{p}.count"), StatValue::Count(n));
             m.insert(format!("collectives.{p}.bytes"), StatValue::Count(bytes));

@@ -135,9 +135,13 @@ impl PathPolicy {
     #[cold]
     #[inline(never)]
     pub(crate) fn forcing(&self, path: Path) -> Self {
-        self.clone()
-            .with_choices(Choice::Prefer(path), Choice::Prefer(path))
-            .with_all_reduce(Choice::Prefer(path))
+        let prefer = Choice::Prefer(path);
+        PathPolicy {
+            all_gather: prefer,
+            reduce_scatter: prefer,
+            all_reduce: prefer,
+            ..self.clone()
+        }
     }
 }
 
@@ -154,16 +158,14 @@ impl std::fmt::Display for PathPolicy {
             u64::MAX => "symm".to_string(),
             t => format!("symm < {b}, ce ≥ {b}", b = Bytes(t)),
         };
-        let ag = match &self.plain_all_gather_bands[..] {
-            [] => ag,
-            [(0, u64::MAX)] => "plain".to_string(),
-            bands => format!("plain {}, else {ag}", Bands(bands)),
+        // The path `inside` the bands, else `outside`.
+        let banded = |bands: &[(u64, u64)], inside: &str, outside: String| match bands {
+            [] => outside,
+            [(0, u64::MAX)] => inside.to_string(),
+            bands => format!("{inside} {}, else {outside}", Bands(bands)),
         };
-        let banded = |bands: &[(u64, u64)]| match bands {
-            [] => "plain".to_string(),
-            [(0, u64::MAX)] => "symm".to_string(),
-            bands => format!("symm {}, else plain", Bands(bands)),
-        };
+        let ag = banded(&self.plain_all_gather_bands, "plain", ag);
+        let symm = |bands| banded(bands, "symm", "plain".into());
         let prefers = |c: Choice| match c {
             Choice::Auto => String::new(),
             Choice::Prefer(p) => format!(" (prefers {})", short_name(p)),
@@ -172,9 +174,9 @@ impl std::fmt::Display for PathPolicy {
             f,
             "all-gather: {ag}{}; reduce-scatter: {}{}; all-reduce: {}{}",
             prefers(self.all_gather),
-            banded(&self.symmetric_reduce_scatter_bands),
+            symm(&self.symmetric_reduce_scatter_bands),
             prefers(self.reduce_scatter),
-            banded(&self.symmetric_all_reduce_bands),
+            symm(&self.symmetric_all_reduce_bands),
             prefers(self.all_reduce),
         )
     }
@@ -417,14 +419,9 @@ pub(crate) fn one_nvlink_domain_needed(version: NcclVersion) -> (bool, bool) {
     )
 }
 
-/// Every [`Path`], in the order of [`path_index`].
+/// Every [`Path`], in its declaration's order: a path's number (`path as usize`,
+/// its index here) numbers the handle's per-path counters and the records' path.
 pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
-
-/// Index of `path` in [`PATHS`] (its place in [`Path`]'s declaration): the handle's
-/// per-path counters are numbered so.
-pub(crate) fn path_index(path: Path) -> usize {
-    path as usize
-}
 
 /// The name of a path in statistics keys and events: `copy_engine`,
 /// `symmetric_kernel`, `plain_kernel`.

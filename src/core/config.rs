@@ -170,9 +170,11 @@ impl CoreConfig {
     /// The default sizes with [`GrowthPolicy::registered()`] and 32 MiB as the smallest
     /// small segment: what a pool whose segments are registered with NCCL should use.
     pub fn registered() -> Self {
-        let mut c = CoreConfig::default().with_growth(GrowthPolicy::registered());
-        c.small_segment_bytes = REGISTERED_SMALL_SEGMENT_BYTES;
-        c
+        CoreConfig {
+            small_segment_bytes: REGISTERED_SMALL_SEGMENT_BYTES,
+            growth: GrowthPolicy::registered(),
+            ..CoreConfig::default()
+        }
     }
 
     /// Set the chunk bounds of the registered policy, in bytes. The policy becomes

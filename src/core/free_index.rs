@@ -180,14 +180,8 @@ impl FreeIndex {
     /// which the caller's comparison with the free blocks catches. O(bitmap + keys).
     pub(super) fn to_set(&self) -> Result<BTreeSet<FreeKey>, &'static str> {
         let mut all = BTreeSet::new();
-        let mut b = 0;
-        while b < BINS {
-            let word = self.nonempty[b / 64] >> (b % 64);
-            if word == 0 {
-                b = (b / 64 + 1) * 64;
-                continue;
-            }
-            b += word.trailing_zeros() as usize;
+        let first = (self.nonempty[0] & 1 != 0).then_some(0);
+        for b in std::iter::successors(first.or(self.next_bin(0)), |&b| self.next_bin(b)) {
             match self.bins.get(b) {
                 Some(bin) if !bin.is_empty() => {
                     let keys = bin.iter().map(|(&p, &slot)| unpack(p, slot));
@@ -198,7 +192,6 @@ impl FreeIndex {
                 }
                 _ => return Err("free index bitmap marks an empty bin"),
             }
-            b += 1;
         }
         Ok(all)
     }

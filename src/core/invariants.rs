@@ -19,6 +19,15 @@ fn fail<T>(what: impl Into<String>, segment: Option<SegmentId>) -> Result<T, Inv
     Err(InvariantViolation { what, segment })
 }
 
+/// Return the [`InvariantViolation`] `what` (formatted) about `segment` unless `ok`.
+macro_rules! ensure {
+    ($ok:expr, $segment:expr, $($what:tt)+) => {
+        if !$ok {
+            return fail(format!($($what)+), $segment);
+        }
+    };
+}
+
 impl Allocator {
     /// Recount everything and compare with the allocator's own bookkeeping.
     ///
@@ -43,9 +52,12 @@ impl Allocator {
         let mut by_class = [(0u64, 0u64, 0u64); 2];
         for (&id, seg) in &self.segments {
             let sid = Some(id);
-            if seg.size == 0 || !seg.size.is_multiple_of(self.config.granularity_bytes) {
-                return fail("segment size not a multiple of the granularity", sid);
-            }
+            let granular = seg.size != 0 && seg.size.is_multiple_of(self.config.granularity_bytes);
+            ensure!(
+                granular,
+                sid,
+                "segment size not a multiple of the granularity"
+            );
             reserved += seg.size;
             let mut cur = Some(seg.first);
             let mut prev: Option<u32> = None;
@@ -56,33 +68,26 @@ impl Allocator {
                 let Some(b) = self.blocks.get(slot as usize) else {
                     return fail(format!("link to empty slot {slot}"), sid);
                 };
-                if !seen_slots.insert(slot) {
-                    return fail(format!("slot {slot} reached twice"), sid);
-                }
-                if b.segment != id || b.class != seg.class {
-                    return fail(format!("slot {slot} names another segment or class"), sid);
-                }
-                if b.prev != prev {
-                    return fail(format!("slot {slot} has a wrong prev link"), sid);
-                }
-                if b.offset != offset {
-                    let what = format!("gap or overlap at offset {offset} (block at {})", b.offset);
-                    return fail(what, sid);
-                }
-                if b.size == 0 || !b.size.is_multiple_of(unit) || !b.offset.is_multiple_of(unit) {
-                    return fail(format!("block at {} not in whole units", b.offset), sid);
-                }
+                ensure!(seen_slots.insert(slot), sid, "slot {slot} reached twice");
+                let owner = b.segment == id && b.class == seg.class;
+                ensure!(owner, sid, "slot {slot} names another segment or class");
+                ensure!(b.prev == prev, sid, "slot {slot} has a wrong prev link");
+                let at = b.offset;
+                ensure!(
+                    at == offset,
+                    sid,
+                    "gap or overlap at offset {offset} (block at {at})"
+                );
+                let whole = b.size != 0 && b.size.is_multiple_of(unit) && at.is_multiple_of(unit);
+                ensure!(whole, sid, "block at {at} not in whole units");
                 match &b.usage {
                     BlockUse::Free {
                         fences,
                         fenced: is_fenced,
                     } => {
-                        if prev_free {
-                            return fail(format!("adjacent free blocks at {}", b.offset), sid);
-                        }
-                        if !fences.windows(2).all(|w| w[0].stream < w[1].stream) {
-                            return fail("fences not sorted by stream", sid);
-                        }
+                        ensure!(!prev_free, sid, "adjacent free blocks at {at}");
+                        let sorted = fences.windows(2).all(|w| w[0].stream < w[1].stream);
+                        ensure!(sorted, sid, "fences not sorted by stream");
                         expected_free[seg.class.index()].insert((b.size, id, b.offset, slot));
                         free_bytes += b.size;
                         nfree += 1;
@@ -96,50 +101,46 @@ impl Allocator {
                         seq,
                         ..
                     } => {
-                        if *requested_bytes == 0 || *requested_bytes > b.size {
-                            return fail("requested bytes outside (0, block size]", sid);
-                        }
-                        if *seq == 0 || *seq >= self.next_seq {
-                            return fail("allocation sequence number out of range", sid);
-                        }
+                        let within = (1..=b.size).contains(requested_bytes);
+                        ensure!(within, sid, "requested bytes outside (0, block size]");
+                        let numbered = (1..self.next_seq).contains(seq);
+                        ensure!(numbered, sid, "allocation sequence number out of range");
                         live_bytes += b.size;
                         requested += requested_bytes;
                         nalloc += 1;
                         prev_free = false;
                     }
                 }
-                offset = match offset.checked_add(b.size) {
-                    Some(o) => o,
-                    None => return fail("offset overflow", sid),
+                let Some(next) = offset.checked_add(b.size) else {
+                    return fail("offset overflow", sid);
                 };
+                offset = next;
                 prev = Some(slot);
                 cur = b.next;
             }
-            if offset != seg.size || live_bytes + free_bytes != seg.size {
-                let (size, live, free) = (seg.size, live_bytes, free_bytes);
-                let what =
-                    format!("blocks cover {offset} of {size} bytes (live {live} + free {free})");
-                return fail(what, sid);
-            }
+            let (size, live, free) = (seg.size, live_bytes, free_bytes);
+            let tiled = offset == size && live + free == size;
+            ensure!(
+                tiled,
+                sid,
+                "blocks cover {offset} of {size} bytes (live {live} + free {free})"
+            );
             allocated += live_bytes;
             let c = &mut by_class[seg.class.index()];
             c.0 += 1;
             c.1 += seg.size;
             c.2 += live_bytes;
         }
-        if seen_slots.len() != self.blocks.len() {
-            let n = self.blocks.len() - seen_slots.len();
-            return fail(format!("{n} slab slots belong to no segment"), None);
-        }
+        let n = self.blocks.len() - seen_slots.len();
+        ensure!(n == 0, None, "{n} slab slots belong to no segment");
         for (class, expected) in expected_free.iter().enumerate() {
-            let indexed = match self.free[class].to_set() {
-                Ok(set) => set,
-                Err(what) => return fail(what, None),
-            };
-            if *expected != indexed {
-                let what = format!("free index of class {class} differs from the free blocks");
-                return fail(what, None);
-            }
+            let indexed = self.free[class].to_set().or_else(|what| fail(what, None))?;
+            let same = indexed == *expected;
+            ensure!(
+                same,
+                None,
+                "free index of class {class} differs from the free blocks"
+            );
         }
         let s = &self.stats;
         let checks = [
@@ -171,20 +172,19 @@ impl Allocator {
                 .map(|(name, have, want)| (format!("{class:?} {name}"), have, want))
             });
         for (name, have, want) in checks.chain(class_checks) {
-            if have != want {
-                return fail(format!("{name} is {have}, recount {want}"), None);
-            }
+            ensure!(have == want, None, "{name} is {have}, recount {want}");
         }
         // A copy of the statistics, read through the one list of their gauges.
         let mut gauges = *s;
         for (name, stat) in gauges.gauges_mut() {
-            if stat.peak < stat.current {
-                return fail(format!("peak of {name} below current"), None);
-            }
+            ensure!(
+                stat.peak >= stat.current,
+                None,
+                "peak of {name} below current"
+            );
         }
-        if s.num_allocs - s.num_frees != nalloc {
-            return fail("allocs - frees differs from live blocks", None);
-        }
+        let live = s.num_allocs - s.num_frees == nalloc;
+        ensure!(live, None, "allocs - frees differs from live blocks");
         Ok(())
     }
 }

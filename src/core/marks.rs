@@ -2,10 +2,9 @@
 //! allocation's sequence number and whether a free block is still fenced.
 
 use super::allocator::{Allocator, Block, BlockUse};
-use serde::{Deserialize, Serialize};
 
 /// Per block of [`Allocator::snapshot`], what only the allocator knows.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct BlockMark {
     /// The allocation's sequence number ([`BlockId::seq`](super::BlockId)) of an
     /// allocated block; `None` for a free one.

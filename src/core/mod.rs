@@ -64,7 +64,7 @@ mod segments;
 mod stats;
 mod types;
 
-pub(crate) use align::{align_up, is_pow2};
+pub(crate) use align::is_pow2;
 pub use allocator::Allocator;
 pub use config::{CoreConfig, GrowthPolicy, MAX_SEGMENT_BYTES};
 pub use error::AllocError;

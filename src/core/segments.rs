@@ -112,16 +112,9 @@ impl Allocator {
     /// [`AllocError::UnknownSegment`] if the segment does not exist or is not entirely
     /// free. Nothing changes then.
     pub fn release_segment(&mut self, id: SegmentId) -> Result<u64, AllocError> {
-        let releasable = self
-            .segments
-            .get(&id)
-            .is_some_and(|s| self.entirely_free(s));
-        if !releasable {
-            return Err(AllocError::UnknownSegment(id));
-        }
-        let Some(seg) = self.segments.remove(&id) else {
-            return Err(AllocError::UnknownSegment(id));
-        };
+        let releasable = self.segments.get(&id).filter(|s| self.entirely_free(s));
+        let seg = releasable.cloned().ok_or(AllocError::UnknownSegment(id))?;
+        self.segments.remove(&id);
         self.remove_free(seg.first, seg.class);
         self.blocks.remove(seg.first as usize);
         let s = &mut self.stats;

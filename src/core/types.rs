@@ -61,11 +61,9 @@ pub enum SizeClass {
 }
 
 impl SizeClass {
+    /// The class's place in per-class arrays: `Small` 0, `Large` 1 (the declaration's order).
     pub(crate) fn index(self) -> usize {
-        match self {
-            SizeClass::Small => 0,
-            SizeClass::Large => 1,
-        }
+        self as usize
     }
 }
 

@@ -3,7 +3,6 @@
 //! number, with the names the divergence report gives its fields.
 
 use super::record::{Fields, Value};
-use crate::dtype::{DType, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 /// What a record is of.
@@ -56,7 +55,7 @@ pub(crate) struct CollectiveRecord {
     /// pool of the handle.
     pub(crate) comm: u64,
     pub(crate) comm_seq: u64,
-    /// The path's number (see `coll::path_index`); `None` for a step.
+    /// The path's number (`Path as u8`, see `coll::PATHS`); `None` for a step.
     pub(crate) path: Option<u8>,
     pub(crate) input: BufferRecord,
     pub(crate) output: BufferRecord,
@@ -65,23 +64,17 @@ pub(crate) struct CollectiveRecord {
     pub(crate) call_hash: u64,
 }
 
-/// The wire code of `dtype` (its index in the names below).
-pub(crate) fn dtype_code(dtype: DType) -> u8 {
-    dtype as u8
-}
-
-/// The wire code of `op` (its index in the names below).
-pub(crate) fn reduce_code(op: ReduceOp) -> u8 {
-    op as u8
-}
-
+// The names of the element types, reductions and paths by their wire codes: a
+// `DType`, `ReduceOp` or `Path` `as u8` (see `coll::PATHS`).
 const DTYPES: [&str; 4] = ["f32", "f16", "bf16", "u8"];
 const REDUCTIONS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
 const PATHS: [&str; 3] = ["copy engine", "symmetric kernel", "plain kernel"];
 
-fn named(names: &[&'static str], code: Option<u8>, none: &'static str) -> Value {
+/// A wire code as its name in `names` (a code beyond them as its number; no code:
+/// `none`).
+fn named(names: &[&'static str], code: Option<u8>) -> Value {
     match code {
-        None => Value::Name(none),
+        None => Value::Name("none"),
         Some(c) => names
             .get(usize::from(c))
             .map_or(Value::Number(u64::from(c)), |s| Value::Name(s)),
@@ -158,12 +151,12 @@ impl Fields for CollectiveRecord {
                 CollKind::ReduceScatter => "reduce_scatter",
                 CollKind::AllReduce => "all_reduce",
             }),
-            5 => named(&DTYPES, self.dtype, "none"),
-            6 => named(&REDUCTIONS, self.reduction, "none"),
+            5 => named(&DTYPES, self.dtype),
+            6 => named(&REDUCTIONS, self.reduction),
             7 => Value::Number(self.count),
             8 => Value::Number(self.comm),
             9 => Value::Number(self.comm_seq),
-            10 => named(&PATHS, self.path, "none"),
+            10 => named(&PATHS, self.path),
             11..=18 => {
                 let b = if i < 15 { &self.input } else { &self.output };
                 let fields = [b.allocation, b.segment.into(), b.offset_bytes, b.len_bytes];

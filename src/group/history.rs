@@ -50,7 +50,6 @@ impl CallRecord {
 /// Stored hash first, count last (release), loaded count first (acquire): a reader sees
 /// a hash at least as new as its count; a pair that mixes two calls needs a pool call
 /// on another thread racing the collective, a divergence the checks report anyway.
-#[derive(Debug)]
 pub(crate) struct CallHead {
     seq: AtomicU64,
     hash: AtomicU64,
@@ -66,7 +65,6 @@ impl CallHead {
 }
 
 /// Sequence number, running hash and the last `capacity` calls.
-#[derive(Debug)]
 pub(crate) struct History {
     seq: u64,
     hash: u64,
@@ -98,8 +96,8 @@ impl History {
         }
     }
 
-    /// Record a call and return its sequence number.
-    pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) -> u64 {
+    /// Record a call.
+    pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) {
         self.seq += 1;
         let seq = self.seq;
         self.hash = mix(self.hash ^ mix(seq ^ mix((kind as u64) ^ mix(a ^ mix(b)))));
@@ -111,7 +109,6 @@ impl History {
             }
             self.recent.push_back(CallRecord { seq, kind, a, b });
         }
-        seq
     }
 
     /// The running hash of every call recorded so far.

@@ -67,7 +67,7 @@ impl CheckMode {
 }
 
 /// One record of the ledger.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Entry {
     /// A collective, or a step boundary.
     Collective(CollectiveRecord),
@@ -228,6 +228,7 @@ impl Ledger {
     /// Fail if a comparison (or a collective that failed) broke the ledger.
     #[inline]
     pub(crate) fn check(&self) -> Result<()> {
+        // The verdict out of line (cold): a broken ledger is off the call path.
         if self.shared.broken.load(Ordering::Acquire) {
             return self.shared.state.lock().verdict();
         }
@@ -305,20 +306,18 @@ impl Ledger {
                 e,
                 Error::GroupBroken { .. } | Error::CollectiveMismatch { .. }
             );
-        let diverged = |l: &Self| {
-            l.failure()
+        let diverged = || {
+            self.failure()
                 .filter(|e| matches!(e, Error::CollectiveDivergence(_)))
         };
-        if peers && diverged(self).is_none() {
+        if peers && diverged().is_none() {
             let _ = self.wait_compared(deadline());
         }
-        if let Some(d) = diverged(self) {
+        if let Some(d) = diverged() {
             return d;
         }
-        if let Some(f) = e.group_failure() {
-            self.shared.break_with(f.clone());
-        } else if peers || matches!(e, Error::Nccl { .. }) {
-            (self.shared).fail(format!("a collective on this pool failed: {e}"));
+        if peers || e.group_failure().is_some() || matches!(e, Error::Nccl { .. }) {
+            self.shared.failed_by("a collective on this pool", &e);
         }
         e
     }

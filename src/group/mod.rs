@@ -14,9 +14,7 @@ mod set;
 pub(crate) use agree::{
     AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Note, Op, Readiness, Registered, agree_records,
 };
-pub(crate) use collective::{
-    BufferRecord, CollKind, CollectiveRecord, RecordKind, dtype_code, reduce_code,
-};
+pub(crate) use collective::{BufferRecord, CollKind, CollectiveRecord, RecordKind};
 pub(crate) use history::{CallHead, CallKind, History, state_digest};
 pub use ledger::CheckMode;
 pub(crate) use ledger::{Ledger, LedgerConfig};

@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// A value of one field, as compared and as shown in an error.
-#[derive(Debug, PartialEq)]
+#[derive(PartialEq)]
 pub(crate) enum Value {
     /// A count, a size, an offset.
     Number(u64),

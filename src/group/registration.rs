@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// One rank's next registration.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
+#[derive(PartialEq, Serialize, Deserialize)]
 struct RegistrationRecord {
     pool: String,
     size_bytes: u64,

@@ -208,38 +208,14 @@ impl Group {
                 "one live group per communicator set: pools on them share it; Group::split",
             ));
         };
-        let users = Users::default();
-        let (registrations, ledger, mode) = Self::opened(&backend, &config, &users, deadline)?;
-        Ok(Group {
-            inner: Arc::new(GroupInner {
-                backend,
-                _claim: claim,
-                config,
-                mode,
-                ledger,
-                registrations,
-                registering: Mutex::new(()),
-                users,
-                collectives_claimed: Arc::default(),
-                shrunk: Mutex::new(None),
-            }),
-        })
-    }
-
-    /// The group's channels and ledger on `backend` (its thread started under
-    /// [`CheckMode::Async`]), and its check mode.
-    fn opened(
-        backend: &Backend,
-        config: &GroupConfig,
-        users: &Users,
-        deadline: Deadline,
-    ) -> Result<(ChannelId, Ledger, CheckMode)> {
+        // The group's channels and ledger (its thread started under `Async`).
         let exchange = backend.exchange_handle();
         let registrations = exchange.open_channel("group:registrations", deadline)?;
         // The check mode is part of the name: ranks that set it differently fail here.
         let name = format!("group:ledger:{}", config.check.name());
         let channel = exchange.open_channel(&name, deadline)?;
         let collectives = backend.collectives_handle();
+        let users = Users::default();
         let ledger = Ledger::new(LedgerConfig {
             exchange,
             channel,
@@ -256,7 +232,20 @@ impl Group {
         if mode == CheckMode::Async {
             ledger.start()?;
         }
-        Ok((registrations, ledger, mode))
+        Ok(Group {
+            inner: Arc::new(GroupInner {
+                backend,
+                _claim: claim,
+                config,
+                mode,
+                ledger,
+                registrations,
+                registering: Mutex::new(()),
+                users,
+                collectives_claimed: Arc::default(),
+                shrunk: Mutex::new(None),
+            }),
+        })
     }
 
     /// One group per backend, for ranks that are threads of this process: made

@@ -16,48 +16,9 @@ enum WireStat {
     Real(f64),
 }
 
-/// A [`PoolSnapshot`] on the wire.
-#[derive(Serialize, Deserialize)]
-struct WireSnapshot {
-    pool: String,
-    rank: usize,
-    world_size: usize,
-    segments: Vec<SegmentView>,
-    stats: Vec<(String, WireStat)>,
-}
-
-impl WireSnapshot {
-    fn of(snap: PoolSnapshot) -> Self {
-        let stats = (snap.stats.into_iter())
-            .map(|(k, v)| match v {
-                StatValue::Count(n) => (k, WireStat::Count(n)),
-                StatValue::Real(x) => (k, WireStat::Real(x)),
-            })
-            .collect();
-        WireSnapshot {
-            pool: snap.pool,
-            rank: snap.rank,
-            world_size: snap.world_size,
-            segments: snap.segments,
-            stats,
-        }
-    }
-
-    fn into_snapshot(self) -> PoolSnapshot {
-        PoolSnapshot {
-            pool: self.pool,
-            rank: self.rank,
-            world_size: self.world_size,
-            segments: self.segments,
-            stats: (self.stats.into_iter())
-                .map(|(k, v)| match v {
-                    WireStat::Count(n) => (k, StatValue::Count(n)),
-                    WireStat::Real(x) => (k, StatValue::Real(x)),
-                })
-                .collect(),
-        }
-    }
-}
+/// A rank's [`PoolSnapshot`] on the wire: its segments and statistics (the pool's
+/// name and the world size are every rank's, the rank is its place among the answers).
+type Wire = (Vec<SegmentView>, Vec<(String, WireStat)>);
 
 impl SymmPool {
     /// Every rank's [`memory_snapshot`](Self::memory_snapshot), in rank order, on every
@@ -79,13 +40,28 @@ impl SymmPool {
         let deadline = Deadline::after(self.group().config().timeout);
         let exchange = self.backend().exchange();
         let channel = self.inner.channel;
-        let (_, _, gathered) = self.observe_with(|_, segments, stats| {
-            let mine = WireSnapshot::of(self.snapshot_of(segments.to_vec(), stats.clone()));
+        let (_, gathered) = self.observe_with(|_, mine| {
+            let stats = mine.stats.iter().map(|(k, v)| match *v {
+                StatValue::Count(n) => (k.clone(), WireStat::Count(n)),
+                StatValue::Real(x) => (k.clone(), WireStat::Real(x)),
+            });
+            let mine: Wire = (mine.segments.clone(), stats.collect());
             // Under the pool's lock, as an agreement: no other round of this rank on
             // the pool's channel runs meanwhile. This rank's own comes back decoded too.
             gather_records(exchange, channel, "memory snapshot", &mine, deadline)
         });
-        let all = gathered?.into_iter();
-        Ok(all.map(WireSnapshot::into_snapshot).collect())
+        let snapshot = |(rank, (segments, stats)): (usize, Wire)| PoolSnapshot {
+            pool: self.config().name.clone(),
+            rank,
+            world_size: self.world_size(),
+            segments,
+            stats: (stats.into_iter())
+                .map(|(k, v)| match v {
+                    WireStat::Count(n) => (k, StatValue::Count(n)),
+                    WireStat::Real(x) => (k, StatValue::Real(x)),
+                })
+                .collect(),
+        };
+        Ok(gathered?.into_iter().enumerate().map(snapshot).collect())
     }
 }

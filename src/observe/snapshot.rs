@@ -111,8 +111,7 @@ impl SymmPool {
     /// This rank's [`PoolSnapshot`]: its segments, windows and blocks, and the flat
     /// statistics, taken under one lock. Local; O(blocks).
     pub fn memory_snapshot(&self) -> PoolSnapshot {
-        let (segments, stats, ()) = self.observe_with(|_, _, _| ());
-        self.snapshot_of(segments, stats)
+        self.observe_with(|_, _| ()).0
     }
 
     /// [`memory_snapshot`](Self::memory_snapshot) and the recorded
@@ -121,36 +120,21 @@ impl SymmPool {
     /// `torch.cuda.memory._snapshot()` returns; the Python package exports it in that
     /// format). Local; O(blocks + history).
     pub fn memory_snapshot_with_history(&self) -> (PoolSnapshot, Vec<MemoryEvent>) {
-        let (segments, stats, history) = self.observe_with(|st, _, _| st.history_events());
-        (self.snapshot_of(segments, stats), history)
-    }
-
-    pub(crate) fn snapshot_of(
-        &self,
-        segments: Vec<SegmentView>,
-        stats: MemoryStats,
-    ) -> PoolSnapshot {
-        PoolSnapshot {
-            pool: self.config().name.clone(),
-            rank: self.rank(),
-            world_size: self.world_size(),
-            segments,
-            stats,
-        }
+        self.observe_with(|st, _| st.history_events())
     }
 
     /// The flat statistics, with PyTorch's key names where they mean the same thing
     /// (see the table in [`observe`](crate::observe)). Local; O(blocks) (the per-class
     /// and split figures are counted from the blocks).
     pub fn memory_stats(&self) -> MemoryStats {
-        self.observe_with(|_, _, _| ()).1
+        self.observe_with(|_, _| ()).0.stats
     }
 
-    /// Segments, statistics and `also(state, segments, statistics)` under one lock.
+    /// This rank's [`PoolSnapshot`] and `also(state, snapshot)` under one lock.
     pub(crate) fn observe_with<T>(
         &self,
-        also: impl FnOnce(&mut crate::pool::PoolState, &[SegmentView], &MemoryStats) -> T,
-    ) -> (Vec<SegmentView>, MemoryStats, T) {
+        also: impl FnOnce(&mut crate::pool::PoolState, &PoolSnapshot) -> T,
+    ) -> (PoolSnapshot, T) {
         let comms = self.backend().communicators();
         let mut st = self.state();
         self.refresh_fences(&mut st);
@@ -206,7 +190,14 @@ impl SymmPool {
             comms,
             &self.inner.counters,
         );
-        let extra = also(&mut st, &segments, &stats);
-        (segments, stats, extra)
+        let snapshot = PoolSnapshot {
+            pool: self.config().name.clone(),
+            rank: self.rank(),
+            world_size: self.world_size(),
+            segments,
+            stats,
+        };
+        let extra = also(&mut st, &snapshot);
+        (snapshot, extra)
     }
 }

@@ -6,51 +6,52 @@ use crate::core::{CoreStats, SizeClass};
 use crate::pool::{Counters, MemoryStats, PoolCounters, StatValue, role_name};
 use std::sync::atomic::Ordering::Relaxed;
 
-/// Per size class (`all`, `small_pool`, `large_pool`), counted from the blocks.
-#[derive(Default, Clone, Copy)]
-struct ClassCount {
-    allocated_bytes: u64,
-    requested_bytes: u64,
-    reserved_bytes: u64,
-    active_bytes: u64,
-    inactive_split_bytes: u64,
-    segments: u64,
-    allocations: u64,
-    active: u64,
-    inactive_split: u64,
-}
-
-fn count(segments: &[SegmentView], class: Option<SizeClass>) -> ClassCount {
-    let mut c = ClassCount::default();
+/// The figures of one size class (`None`: every class) counted from the blocks,
+/// each with the name of its key; the three that the map has for every class too
+/// (`active`, `inactive_split`, `inactive_split_bytes`) last.
+fn count(segments: &[SegmentView], class: Option<SizeClass>) -> [(&'static str, u64); 9] {
+    let (mut allocated_bytes, mut requested_bytes, mut reserved_bytes) = (0, 0, 0);
+    let (mut active_bytes, mut segment, mut allocation) = (0, 0, 0);
+    let (mut active, mut inactive_split, mut inactive_split_bytes) = (0, 0, 0);
     for s in segments
         .iter()
         .filter(|s| class.is_none_or(|k| s.class == k))
     {
-        c.segments += 1;
-        c.reserved_bytes += s.size_bytes;
+        segment += 1;
+        reserved_bytes += s.size_bytes;
         let split = s.blocks.len() > 1;
         for b in &s.blocks {
             match b.state {
                 BlockStatus::Allocated => {
-                    c.allocated_bytes += b.size_bytes;
-                    c.requested_bytes += b.requested_bytes;
-                    c.allocations += 1;
-                    c.active_bytes += b.size_bytes;
-                    c.active += 1;
+                    allocated_bytes += b.size_bytes;
+                    requested_bytes += b.requested_bytes;
+                    allocation += 1;
+                    active_bytes += b.size_bytes;
+                    active += 1;
                 }
                 BlockStatus::FreeFenced => {
-                    c.active_bytes += b.size_bytes;
-                    c.active += 1;
+                    active_bytes += b.size_bytes;
+                    active += 1;
                 }
                 BlockStatus::Free => {}
             }
             if b.state != BlockStatus::Allocated && split {
-                c.inactive_split_bytes += b.size_bytes;
-                c.inactive_split += 1;
+                inactive_split_bytes += b.size_bytes;
+                inactive_split += 1;
             }
         }
     }
-    c
+    [
+        ("allocated_bytes", allocated_bytes),
+        ("requested_bytes", requested_bytes),
+        ("reserved_bytes", reserved_bytes),
+        ("active_bytes", active_bytes),
+        ("segment", segment),
+        ("allocation", allocation),
+        ("active", active),
+        ("inactive_split", inactive_split),
+        ("inactive_split_bytes", inactive_split_bytes),
+    ]
 }
 
 /// The flat map, from the core's statistics, the pool's counters and call count
@@ -94,52 +95,38 @@ pub(crate) fn build_stats(
         put(format!("{name}.all.allocated"), total);
         put(format!("{name}.all.freed"), total.saturating_sub(s.current));
     }
-    put("active_bytes.all.current".into(), core.active_bytes.current);
-    put("active_bytes.all.peak".into(), core.active_bytes.peak);
-    let all = count(segments, None);
-    put("active.all.current".into(), all.active);
-    put("inactive_split.all.current".into(), all.inactive_split);
-    put(
-        "inactive_split_bytes.all.current".into(),
-        all.inactive_split_bytes,
-    );
+    for (name, v) in &count(segments, None)[6..] {
+        put(format!("{name}.all.current"), *v);
+    }
     for (pool, class) in [
         ("small_pool", SizeClass::Small),
         ("large_pool", SizeClass::Large),
     ] {
-        let c = count(segments, Some(class));
-        for (name, v) in [
-            ("allocated_bytes", c.allocated_bytes),
-            ("requested_bytes", c.requested_bytes),
-            ("reserved_bytes", c.reserved_bytes),
-            ("active_bytes", c.active_bytes),
-            ("inactive_split_bytes", c.inactive_split_bytes),
-            ("segment", c.segments),
-            ("allocation", c.allocations),
-            ("active", c.active),
-            ("inactive_split", c.inactive_split),
-        ] {
+        for (name, v) in count(segments, Some(class)) {
             put(format!("{name}.{pool}.current"), v);
         }
     }
-    // PyTorch's meaning: failed device allocations followed by a cache flush and a
-    // retry. The pool never flushes its cache to retry a growth, so it is 0; the
-    // allocations that missed the cache (and grew the pool, or failed) are
-    // `num_cache_misses`.
-    put("num_alloc_retries".into(), 0);
-    put("num_cache_misses".into(), core.num_misses);
-    put("num_ooms".into(), counters.ooms.load(Relaxed));
-    put("num_device_alloc".into(), core.num_growths);
-    put("num_device_free".into(), core.num_releases);
-    put("num_splits".into(), core.num_splits);
-    put("num_merges".into(), core.num_merges);
-    put("num_stream_waits".into(), core.num_waits);
-    put(
-        "deferred_frees".into(),
-        counters.deferred_frees.load(Relaxed),
-    );
-    put("agreements".into(), totals.agreements);
-    put("calls".into(), calls);
+    for (key, v) in [
+        // PyTorch's meaning: failed device allocations followed by a cache flush and
+        // a retry. The pool never flushes its cache to retry a growth, so it is 0;
+        // the allocations that missed the cache (and grew the pool, or failed) are
+        // `num_cache_misses`.
+        ("num_alloc_retries", 0),
+        ("num_cache_misses", core.num_misses),
+        ("num_ooms", counters.ooms.load(Relaxed)),
+        ("num_device_alloc", core.num_growths),
+        ("num_device_free", core.num_releases),
+        ("num_splits", core.num_splits),
+        ("num_merges", core.num_merges),
+        ("num_stream_waits", core.num_waits),
+        ("deferred_frees", counters.deferred_frees.load(Relaxed)),
+        ("agreements", totals.agreements),
+        ("calls", calls),
+        ("active_bytes.all.current", core.active_bytes.current),
+        ("active_bytes.all.peak", core.active_bytes.peak),
+    ] {
+        put(key.into(), v);
+    }
     // Per communicator role (communicators of one role add up).
     for (c, info) in comms.iter().enumerate() {
         let role = role_name(info.role);

@@ -145,9 +145,7 @@ impl SymmBuffer {
     #[cold]
     #[inline(never)]
     fn broken_region(&self, e: Error) -> Error {
-        Error::Internal {
-            what: format!("allocation #{}: {e}", self.block.seq),
-        }
+        Error::internal(format!("allocation #{}: {e}", self.block.seq))
     }
 
     /// The segment's window on communicator `comm`, if it is registered there.
@@ -258,7 +256,7 @@ impl SymmBuffer {
     /// # Errors
     /// [`Error::BadView`] if `T`'s size does not divide `len_bytes()`.
     pub fn view<T: Element>(&self) -> Result<TypedView<'_, T>> {
-        let (size, len) = (std::mem::size_of::<T>() as u64, self.len_bytes);
+        let (size, len) = (size_of::<T>() as u64, self.len_bytes);
         if !len.is_multiple_of(size) {
             let why = format!("{len} bytes is not a whole number of {size}-byte elements");
             return Err(Error::BadView(why));
@@ -345,7 +343,7 @@ impl<'a, T: Element> TypedView<'a, T> {
         }
         Ok(TypedView {
             buf: self.buf,
-            offset_bytes: self.offset_bytes + (start * std::mem::size_of::<T>()) as u64,
+            offset_bytes: self.offset_bytes + (start * size_of::<T>()) as u64,
             len,
             _t: PhantomData,
         })
@@ -361,11 +359,11 @@ impl<'a, T: Element> TypedView<'a, T> {
     /// # Errors
     /// [`Error::Internal`] if the view leaves its segment (a bug).
     pub(crate) fn region(&self) -> Result<Region<'a>> {
-        let len_bytes = (self.len * std::mem::size_of::<T>()) as u64;
+        let len_bytes = (self.len * size_of::<T>()) as u64;
         (self.buf.region()?)
             .sub(self.offset_bytes, len_bytes)
-            .map_err(|e| Error::Internal {
-                what: format!("a view of allocation #{}: {e}", self.buf.block.seq),
+            .map_err(|e| {
+                Error::internal(format!("a view of allocation #{}: {e}", self.buf.block.seq))
             })
     }
 

@@ -2,7 +2,7 @@
 //! [`observe`](crate::observe)).
 
 use crate::backend::CommRole;
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::pool::SymmPool;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -22,11 +22,8 @@ pub(crate) fn role_name(role: CommRole) -> &'static str {
 #[cold]
 #[inline(never)]
 pub(crate) fn call_failed(pool: &SymmPool, op: &'static str, error: &Error) {
-    if matches!(
-        error,
-        Error::PoolLimit { .. } | Error::DeviceOutOfMemory { .. } | Error::PeerOutOfMemory { .. }
-    ) && op == "alloc"
-    {
+    // An allocation refused for want of memory: the pool's limit, the device, a peer.
+    if op == "alloc" && error.kind() == ErrorKind::OutOfMemory {
         pool.inner.counters.ooms.fetch_add(1, Relaxed);
     }
     tracing::debug!(
@@ -50,28 +47,18 @@ pub(crate) fn dropped_without_close(
     broken: Option<&str>,
 ) {
     // A broken pool cannot be closed: say why it is released locally, without advice.
-    let (message, line) = match broken {
-        Some(why) => (
-            format!("broken pool dropped ({why}): releasing its segments locally"),
-            format!(
-                "symmpool: rank {rank}: broken pool {pool:?} dropped; releasing {segments} \
-                 segments ({bytes} bytes) locally"
-            ),
-        ),
-        None => (
-            "POOL DROPPED WITHOUT close(): releasing its segments locally, without \
-             agreement (call SymmPool::close on every rank before dropping the pool)"
-                .to_owned(),
-            format!(
-                "symmpool WARNING: rank {rank}: pool {pool:?} dropped without close(); \
-                 releasing {segments} segments ({bytes} bytes) locally"
-            ),
-        ),
+    let message = match broken {
+        Some(why) => format!("broken pool dropped ({why}): releasing its segments locally"),
+        None => "POOL DROPPED WITHOUT close(): releasing its segments locally, without \
+                 agreement (call SymmPool::close on every rank before dropping the pool)"
+            .to_owned(),
     };
     tracing::warn!(target: "symmpool::pool", rank, pool, segments, bytes, "{message}");
     // A program that set up `tracing` or `log` chose what it sees; one that set up
     // neither would see nothing.
     if !tracing::dispatcher::has_been_set() && log::max_level() < log::LevelFilter::Warn {
-        eprintln!("{line}");
+        eprintln!(
+            "symmpool: rank {rank}: pool {pool:?}: {message} ({segments} segments, {bytes} bytes)"
+        );
     }
 }

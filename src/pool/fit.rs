@@ -2,10 +2,11 @@
 //! needed), `fit_to_peak` (the segments a step actually used).
 
 use super::SymmPool;
-use super::growth::SegmentUse;
-use crate::core::{Growth, SegmentId, SizeClass};
+use crate::core::{Allocator, Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::group::{CallKind, Op};
 use serde::Serialize;
 
@@ -52,21 +53,12 @@ impl SymmPool {
         let deadline = Deadline::after(self.group().config().timeout);
         // The check growth and `reserve` make: no registration while a stream the pool
         // served captures a CUDA graph (refused on every rank alike).
-        let ready = self.readiness(&st);
-        let flags = self.agree(
-            &mut st,
-            Op::FitToPeak,
-            "fit_to_peak",
-            planned_bytes,
-            ready,
-            deadline,
-        )?;
-        st.all_ready(&flags)?;
+        self.agree_ready(&mut st, Op::FitToPeak, planned_bytes, deadline)?;
         let released = st.core.release_planned(&plan)?;
         self.release_segments(&mut st, deadline)?;
         let mut added = Vec::new();
         for growth in &plan.add {
-            let id = self.add_segment(&mut st, *growth, SegmentUse::Reserved, deadline)?;
+            let id = self.add_segment(&mut st, *growth, Allocator::add_planned, deadline)?;
             added.push((id.0, growth.segment_bytes));
         }
         let released = released.into_iter().map(|(id, b)| (id.0, b)).collect();
@@ -109,15 +101,8 @@ impl SymmPool {
     fn reserve_class(&self, size_bytes: u64, class: SizeClass) -> Result<SegmentId> {
         let mut st = self.lock_open()?;
         let config = *st.core.config();
-        if size_bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
-        let size = crate::core::align_up(size_bytes, config.granularity_bytes)
-            .filter(|_| size_bytes <= config.max_request_bytes)
-            .ok_or(Error::TooLarge {
-                requested_bytes: size_bytes,
-                max_bytes: config.max_request_bytes,
-            })?;
+        // Checked as a request is, then whole segments (at most 16 TiB: no overflow).
+        let size = (config.round_request(size_bytes)?).next_multiple_of(config.granularity_bytes);
         let size = match class {
             SizeClass::Small => size.max(config.small_segment_bytes),
             SizeClass::Large => size,
@@ -132,14 +117,12 @@ impl SymmPool {
         // Registration is refused while any stream the pool has served is capturing.
         let deadline = Deadline::after(self.group().config().timeout);
         self.shared_use(|| {
-            let ready = self.readiness(&st);
-            let flags = self.agree(&mut st, Op::Reserve, "reserve", size, ready, deadline)?;
-            st.all_ready(&flags)?;
+            self.agree_ready(&mut st, Op::Reserve, size, deadline)?;
             let growth = Growth {
                 class,
                 segment_bytes: size,
             };
-            self.add_segment(&mut st, growth, SegmentUse::Reserved, deadline)
+            self.add_segment(&mut st, growth, Allocator::add_planned, deadline)
         })
     }
 }

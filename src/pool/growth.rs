@@ -5,24 +5,12 @@
 
 use super::state::{PoolState, SegmentEntry};
 use super::{MemoryAction, SymmPool};
-use crate::backend::Segment;
-use crate::core::{Growth, SegmentId, SizeClass};
+use crate::core::{AllocError, Allocator, Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{self, AgreementRecord, Note, Op, Readiness, Registered};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// How the core takes a segment the pool adds.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum SegmentUse {
-    /// Grown for the request at hand (the core's growth policy decides whether it is
-    /// dedicated to it).
-    OnDemand,
-    /// Reserved ahead (`reserve`, `fit_to_peak`): a large segment any large request
-    /// may use, or a small-block segment.
-    Reserved,
-}
 
 impl SymmPool {
     /// Grow by one segment: agree, allocate, confirm, register, add to the core; every
@@ -42,11 +30,8 @@ impl SymmPool {
         let out = self.shared_use(|| {
             // The agreement is a record of the ledger: a rank that grows where its
             // peers make a collective is named there, within the round.
-            let ready = self.readiness(st);
-            let size = growth.segment_bytes;
-            let flags = self.agree(st, Op::Grow, "growth", size, ready, deadline)?;
-            st.all_ready(&flags)?;
-            self.add_segment(st, growth, SegmentUse::OnDemand, deadline)
+            self.agree_ready(st, Op::Grow, growth.segment_bytes, deadline)?;
+            self.add_segment(st, growth, Allocator::add_segment, deadline)
         });
         span.record("seconds", started.elapsed().as_secs_f64());
         out
@@ -83,22 +68,21 @@ impl SymmPool {
     }
 
     /// Add one segment of `growth` after the ranks agreed on it: provide it
-    /// ([`provide_segment`](Self::provide_segment)), hand it to the core (`how`) and
-    /// account for it. The one way a segment enters a pool; on failure nothing is left.
+    /// ([`provide_segment`](Self::provide_segment)), hand it to the core with `how`
+    /// ([`Allocator::add_segment`] for the request at hand, whose growth policy decides
+    /// whether it is dedicated to it; [`Allocator::add_planned`] for one reserved ahead
+    /// by `reserve` or `fit_to_peak`) and account for it. The one way a segment enters
+    /// a pool; on failure nothing is left.
     pub(super) fn add_segment(
         &self,
         st: &mut PoolState,
         growth: Growth,
-        how: SegmentUse,
+        how: fn(&mut Allocator, Growth) -> std::result::Result<SegmentId, AllocError>,
         deadline: Deadline,
     ) -> Result<SegmentId> {
         let id = st.core.next_segment_id();
         let entry = self.provide_segment(st, growth.segment_bytes, deadline)?;
-        let added = match how {
-            SegmentUse::OnDemand => st.core.add_segment(growth),
-            SegmentUse::Reserved => st.core.add_planned(growth),
-        };
-        match added {
+        match how(&mut st.core, growth) {
             Ok(got) if got == id => {
                 // Accounted for and reported (its departure is, in `release.rs`).
                 let bytes = entry.segment.size_bytes();
@@ -159,6 +143,22 @@ impl SymmPool {
                 Readiness::PoolBroken
             }
         })
+    }
+
+    /// The agreement on a collective pool operation `op` of `size` bytes that may
+    /// register memory (its round named after it), with this rank's
+    /// [`readiness`](Self::readiness): the ranks' obstacles become the same error on
+    /// every rank.
+    pub(super) fn agree_ready(
+        &self,
+        st: &mut PoolState,
+        op: Op,
+        size: u64,
+        deadline: Deadline,
+    ) -> Result<()> {
+        let ready = self.readiness(st);
+        let flags = self.agree(st, op, op.name(), size, ready, deadline)?;
+        st.all_ready(&flags)
     }
 
     /// One agreement round, waiting for the peers until `deadline`: the ranks' records
@@ -259,7 +259,8 @@ impl SymmPool {
         let segment = match (local, confirmed) {
             (Ok(segment), Ok(_)) if failed.is_empty() => segment,
             (Ok(segment), confirmed) => {
-                self.free_unused(segment);
+                let windows = Vec::new();
+                self.undo_segment(st, SegmentEntry { segment, windows }, deadline);
                 confirmed?;
                 return Err(Error::PeerOutOfMemory {
                     segment_bytes: size_bytes,
@@ -322,24 +323,21 @@ impl SymmPool {
             // the same segments; the segment is not registered on `c` (new, or new to
             // the communicators of a shrunk backend); `readiness` refused growth on
             // every rank if the allocating stream was capturing.
-            let local = match unsafe { backend.segments().register(&entry.segment, c, register_by) }
-            {
-                Ok(window) => {
-                    tracing::info!(target: "symmpool::pool", rank = self.rank(), comm = c,
-                        role = super::role_name(info.role), segment_bytes = size_bytes,
-                        seconds = registering.elapsed().as_secs_f64(), window = window.is_some(),
-                        "window registered");
-                    st.counters.registrations[c] += 1;
-                    let missing = window.is_none();
-                    entry.windows[c] = window;
-                    if missing && self.inner.config.require_symmetric {
-                        Err(Error::NoSymmetricSupport { comm: c })
-                    } else {
-                        Ok(())
-                    }
+            let registered = unsafe { backend.segments().register(&entry.segment, c, register_by) };
+            let local = registered.and_then(|window| {
+                tracing::info!(target: "symmpool::pool", rank = self.rank(), comm = c,
+                    role = super::role_name(info.role), segment_bytes = size_bytes,
+                    seconds = registering.elapsed().as_secs_f64(), window = window.is_some(),
+                    "window registered");
+                st.counters.registrations[c] += 1;
+                let missing = window.is_none();
+                entry.windows[c] = window;
+                if missing && self.inner.config.require_symmetric {
+                    Err(Error::NoSymmetricSupport { comm: c })
+                } else {
+                    Ok(())
                 }
-                Err(e) => Err(e),
-            };
+            });
             self.agree_registered(st, c, size_bytes, local, deadline)?;
         }
         Ok(())
@@ -422,51 +420,19 @@ impl SymmPool {
         Ok(())
     }
 
-    /// Free a segment no window covers and no work has used (a failed growth).
-    fn free_unused(&self, segment: Segment) {
-        // SAFETY: the segment was just allocated by this provider, never registered,
-        // and never handed out, so no work uses it.
-        if let Err(refused) = unsafe { self.inner.backend.segments().free(segment) } {
-            self.record_deferred_error(
-                "freeing a segment after a failed growth".into(),
-                refused.error,
-            );
-        }
-    }
-
     /// Deregister and free a segment that the core does not hold (failed growth),
-    /// waiting in the provider until `deadline` at most.
+    /// waiting in the provider until `deadline` at most. What will not deregister or
+    /// free is leaked (freeing under a live window is not allowed).
     pub(super) fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry, deadline: Deadline) {
-        let SegmentEntry { segment, windows } = entry;
-        for (c, w) in windows.into_iter().enumerate() {
-            if let Some(w) = w {
-                // SAFETY: the window was made by this provider's `register` for this
-                // segment moments ago; no block of it was handed out, so no work uses it.
-                match unsafe {
-                    self.inner
-                        .group
-                        .backend()
-                        .segments()
-                        .deregister(w, deadline)
-                } {
-                    Ok(()) => st.counters.deregistrations[c] += 1,
-                    Err(refused) => {
-                        // Freeing under a live window is not allowed: leak both.
-                        self.record_deferred_error(
-                            "deregistering a window after a failed growth".into(),
-                            refused.error,
-                        );
-                        std::mem::forget(refused.handle);
-                        tracing::error!(
-                            rank = self.rank(),
-                            "a segment of a failed growth is leaked"
-                        );
-                        std::mem::forget(segment);
-                        return;
-                    }
-                }
-            }
+        let backend = &self.inner.backend;
+        let deregistrations = &mut st.counters.deregistrations;
+        // No block of the segment was handed out, so no work uses it.
+        if let Err((left, e)) =
+            super::release::release_entry(backend, entry, deregistrations, deadline)
+        {
+            self.record_deferred_error("undoing a failed growth".into(), e);
+            tracing::error!(rank = self.rank(), "a segment of a failed growth is leaked");
+            std::mem::forget(left);
         }
-        self.free_unused(segment);
     }
 }

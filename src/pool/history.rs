@@ -79,12 +79,6 @@ pub(crate) struct MemoryHistory {
     requested: std::collections::HashMap<u64, u64>,
 }
 
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-}
-
 impl MemoryHistory {
     pub(crate) fn new(max_entries: usize) -> Self {
         MemoryHistory {
@@ -100,7 +94,9 @@ impl MemoryHistory {
         if self.events.len() == self.max_entries {
             self.events.pop_front();
         }
-        let (seq, time_us) = (self.next_seq, now_us());
+        let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH);
+        let time_us = since_epoch.map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        let seq = self.next_seq;
         self.events.push_back(MemoryEvent {
             seq,
             time_us,

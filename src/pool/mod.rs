@@ -317,13 +317,6 @@ impl SymmPool {
         self.inner.mode
     }
 
-    /// Whether the pool accepts collectives without a tag
-    /// ([`PoolConfig::untagged_collectives`]).
-    #[inline]
-    pub(crate) fn untagged_allowed(&self) -> bool {
-        self.inner.config.untagged_collectives
-    }
-
     /// Whether two handles are the same pool.
     pub fn same_pool(&self, other: &SymmPool) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -334,10 +327,8 @@ impl SymmPool {
     /// place blocks differently from the peers); callers check it.
     pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         let mut st = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
-        if st.broken.is_none()
-            && let Some(failure) = self.ledger().failure()
-        {
-            st.broken = Some(failure.clone());
+        if st.broken.is_none() {
+            st.broken = self.ledger().failure();
         }
         self.apply_deferred(&mut st);
         st
@@ -403,22 +394,21 @@ impl SymmPool {
         // Record the alignment that takes effect, so that `alloc(n)` and
         // `alloc_aligned(n, 512)` count as the same call on different ranks.
         let effective_align = align_bytes.max(st.core.config().min_block_bytes);
-        let placement = match st.core.alloc(req) {
-            Ok(p) => {
-                st.history
-                    .record(CallKind::Alloc, size_bytes, effective_align);
-                p
-            }
+        let first = st.core.alloc(req);
+        // A call that the core refuses (a bad request, the pool's limit) is not recorded.
+        if matches!(first, Ok(_) | Err(AllocError::NeedsGrowth(_))) {
+            st.history
+                .record(CallKind::Alloc, size_bytes, effective_align);
+        }
+        let placement = match first {
             Err(AllocError::NeedsGrowth(growth)) => {
-                st.history
-                    .record(CallKind::Alloc, size_bytes, effective_align);
                 // One deadline for the whole growth (made only when it grows: a cache
                 // hit does not read the clock).
                 let deadline = Deadline::after(self.group().config().timeout);
                 self.grow(&mut st, growth, deadline)?;
                 st.core.alloc(req)?
             }
-            Err(e) => return Err(e.into()),
+            out => out?,
         };
         let Some(entry) = st.segments.get(&placement.segment).cloned() else {
             let what = format!("segment {} has no entry", placement.segment.0);

@@ -14,8 +14,10 @@ use std::sync::{Arc, MutexGuard, PoisonError};
 
 /// Deregister and free one entry, waiting in the provider until `deadline` at most.
 /// On failure the entry comes back with what is left of it (windows that would not
-/// deregister, the segment) for a later retry.
-fn release_entry(
+/// deregister, the segment) for a later retry. The caller makes sure that no work
+/// uses the segment (drained device, or no block ever handed out) and that no buffer
+/// holds the entry.
+pub(super) fn release_entry(
     backend: &Backend,
     mut entry: SegmentEntry,
     deregistrations: &mut [u64],
@@ -27,8 +29,8 @@ fn release_entry(
             continue;
         };
         // SAFETY: the window was made by this backend's provider for this entry's
-        // segment; the caller drained the device, and no buffer holds the entry
-        // (it was unwrapped from its `Arc`), so no work uses it.
+        // segment; no work uses it and no buffer holds the entry (the caller's
+        // promise).
         match unsafe { backend.segments().deregister(w, deadline) } {
             Ok(()) => *count += 1,
             Err(refused) => {
@@ -41,8 +43,8 @@ fn release_entry(
         return Err((entry, e));
     }
     let SegmentEntry { segment, windows } = entry;
-    // SAFETY: every window of the segment is deregistered above, the device drained,
-    // and no buffer refers to the segment.
+    // SAFETY: every window of the segment is deregistered above, no work uses it and
+    // no buffer refers to the segment (the caller's promise).
     match unsafe { backend.segments().free(segment) } {
         Ok(()) => Ok(()),
         Err(refused) => Err((
@@ -92,15 +94,12 @@ impl SymmPool {
                 continue;
             };
             let entry = match Arc::try_unwrap(shared) {
+                Ok(entry) if !entry.segment.is_shared() => entry,
                 // A buffer of it is still being dropped on another thread (one of the
                 // pool before a shrink holds the memory through its own entry).
-                Ok(entry) if entry.segment.is_shared() => {
-                    st.segments.insert(id, Arc::new(entry));
-                    continue;
-                }
-                Ok(entry) => entry,
-                Err(shared) => {
-                    st.segments.insert(id, shared);
+                held => {
+                    st.segments
+                        .insert(id, held.map_or_else(|shared| shared, Arc::new));
                     continue;
                 }
             };
@@ -173,17 +172,13 @@ impl SymmPool {
     /// not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Ok(());
-        }
         let deadline = Deadline::after(self.group().config().timeout);
         let mut st = self.state();
         if st.closed {
             return Ok(());
         }
         let live = st.core.stats().allocated_blocks.current;
-        let ledger = &self.ledger();
-        if let Some(failure) = ledger.failure() {
+        if let Some(failure) = self.ledger().failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
         let named = if live > 0 {
@@ -201,11 +196,8 @@ impl SymmPool {
             named,
             deadline,
         ) {
-            Err(Error::CollectiveDivergence(d)) => {
-                return self.close_alone(st, live, d.to_string(), deadline);
-            }
             // A peer gone for good never agrees: close alone, as after a broken ledger.
-            Err(e @ Error::PeerLost { .. }) => {
+            Err(e @ (Error::CollectiveDivergence(_) | Error::PeerLost { .. })) => {
                 return self.close_alone(st, live, e.to_string(), deadline);
             }
             out => out?,
@@ -317,7 +309,6 @@ impl Drop for PoolInner {
             st.segments.clear();
             return;
         }
-        let mut deregistrations = st.counters.deregistrations.clone();
         for (SegmentId(id), shared) in std::mem::take(&mut st.segments) {
             // No buffer is alive (buffers keep the pool alive), so the entry is ours.
             let Some(entry) = Arc::try_unwrap(shared)
@@ -327,9 +318,12 @@ impl Drop for PoolInner {
                 tracing::error!("symmpool: segment {id} still shared at teardown; leaked");
                 continue;
             };
-            if let Err((_, e)) =
-                release_entry(self.group.backend(), entry, &mut deregistrations, deadline)
-            {
+            if let Err((_, e)) = release_entry(
+                self.group.backend(),
+                entry,
+                &mut st.counters.deregistrations,
+                deadline,
+            ) {
                 tracing::error!(
                     "symmpool: releasing segment {id} at teardown failed ({e}); leaked"
                 );

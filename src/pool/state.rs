@@ -14,7 +14,6 @@ use std::time::Duration;
 ///
 /// Immutable while buffers use it (windows are made before the first block is handed
 /// out and released after the last is freed); buffers hold it through an `Arc`.
-#[derive(Debug)]
 pub(crate) struct SegmentEntry {
     /// The memory.
     pub(crate) segment: Segment,
@@ -30,7 +29,7 @@ impl SegmentEntry {
 }
 
 /// Counters a pool keeps beside its state, updated without its lock.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct PoolCounters {
     /// Allocation calls that failed for want of memory (pool limit, device, peer).
     pub(crate) ooms: AtomicU64,
@@ -39,7 +38,7 @@ pub(crate) struct PoolCounters {
 }
 
 /// Counters of what the pool did, beside the core's statistics.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Counters {
     pub(crate) registrations: Vec<u64>,
     pub(crate) deregistrations: Vec<u64>,
@@ -141,18 +140,12 @@ impl PoolState {
     /// Turn the ranks' readiness flags into the same error on every rank. A peer's
     /// broken pool breaks this rank's too: the ranks can no longer make the same calls.
     pub(crate) fn all_ready(&mut self, notes: &[Note]) -> Result<()> {
-        let flags: Vec<Option<Readiness>> = (notes.iter())
-            .map(|n| match n {
-                Note::Ready(r) => Some(*r),
-                _ => None,
-            })
-            .collect();
-        if let Some(rank) = flags.iter().position(Option::is_none) {
+        if let Some(rank) = notes.iter().position(|n| !matches!(n, Note::Ready(_))) {
             return Err(Error::internal(format!(
                 "rank {rank} sent no readiness in its agreement"
             )));
         }
-        let find = |r: Readiness| flags.iter().position(|&f| f == Some(r));
+        let find = |r: Readiness| notes.iter().position(|&n| n == Note::Ready(r));
         if let Some(rank) = find(Readiness::PoolBroken) {
             if let Some(f) = self.broken.as_ref().and_then(Error::group_failure) {
                 return Err(f.clone());

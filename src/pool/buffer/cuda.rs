@@ -342,7 +342,7 @@ impl<'a, T> CudaViewMut<'a, T> {
         if mid > v.len {
             return Err(Error::BadView(format!("split at {mid} beyond {}", v.len)));
         }
-        let ptr = v.ptr + (mid * std::mem::size_of::<T>()) as u64;
+        let ptr = v.ptr + (mid * size_of::<T>()) as u64;
         let tail = CudaView {
             ptr,
             len: v.len - mid,
