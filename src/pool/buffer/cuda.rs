@@ -75,21 +75,6 @@ impl<'a, T: Element> TypedView<'a, T> {
             _view: PhantomData,
         })
     }
-
-    /// This view as a cudarc device slice to write, from a shared borrow: what
-    /// [`SymmBuffer::cuda_mut`] gives, for callers that keep their buffers shared.
-    ///
-    /// # Errors
-    /// As [`cuda`](Self::cuda).
-    ///
-    /// # Safety
-    /// While the view lives, no other view of these elements is used (read or
-    /// written, through a view or a pool call) unless the caller orders it, as for
-    /// two `&mut` of one slice. The uses are ordered across streams as [`CudaView`]
-    /// says.
-    pub unsafe fn cuda_mut_unchecked(&self) -> Result<CudaViewMut<'a, T>> {
-        self.cuda().map(CudaViewMut)
-    }
 }
 
 impl SymmBuffer {
@@ -101,9 +86,9 @@ impl SymmBuffer {
     /// [`Error::BadView`] if `T`'s size does not divide `len_bytes()`;
     /// [`Error::WrongStream`] for a buffer of a host pool.
     pub fn cuda_mut<T: Element>(&mut self) -> Result<CudaViewMut<'_, T>> {
-        // SAFETY: the buffer is borrowed mutably for the view's life: no other view
-        // of it exists meanwhile.
-        unsafe { self.view::<T>()?.cuda_mut_unchecked() }
+        // The buffer is borrowed mutably for the view's life: no other view of it
+        // exists meanwhile.
+        self.view::<T>()?.cuda().map(CudaViewMut)
     }
 
     /// cudarc asks for the memory on `cs` (to write, if `write`) through a view whose
