@@ -77,13 +77,10 @@ pub(super) fn join_store(
                     ))
                 })
         };
-        let preface = wire::read_until(&stream, hs_deadline, || reader.raw(PREFACE_BYTES));
+        let preface = reader.read_until(hs_deadline, |r| r.raw(PREFACE_BYTES));
         let preface = failed("preface", preface)?;
         wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
-        let verdict = failed(
-            "verdict",
-            wire::read_until(&stream, hs_deadline, || reader.frame()),
-        )?;
+        let verdict = failed("verdict", reader.read_until(hs_deadline, |r| r.frame()))?;
         let (reason, kind, store_job) = match wire::decode::<ToClient>(&verdict).map_err(proto)? {
             ToClient::Welcome => {
                 reader.max_frame_bytes = config.max_frame_bytes;

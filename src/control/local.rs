@@ -2,7 +2,7 @@
 
 use super::rendezvous::Lose;
 use super::store::CLOSED;
-use super::{ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds};
+use super::{ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds, SHRUNK};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
@@ -271,9 +271,7 @@ impl GatherRounds for LocalExchange {
 
     fn gather_round(&self, round: Round<'_>) -> Result<Vec<Vec<u8>>> {
         if self.group.shrunk.load(Ordering::Acquire) {
-            return Err(Error::Shrunk {
-                what: "an exchange",
-            });
+            return Err(SHRUNK);
         }
         let key = (round.channel, round.number);
         let (rank, payload) = (self.rounds.rank, round.payload.to_vec());

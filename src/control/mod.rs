@@ -283,6 +283,11 @@ fn intern_op(name: &str) -> &'static str {
     }
 }
 
+/// What a call on an exchange whose group has shrunk past it fails with.
+const SHRUNK: Error = Error::Shrunk {
+    what: "an exchange",
+};
+
 /// [`Exchange::shrink`]'s error for an exchange `ex` that cannot shrink.
 fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
     let reason = format!("{ex:?} cannot shrink (a StoreExchange or a LocalExchange can)");

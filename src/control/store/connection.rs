@@ -37,7 +37,7 @@ fn join(
             format!("no {what} within {:?}", shared.config.handshake_timeout),
         )
     };
-    let preface = wire::read_until(sock, until, || reader.raw(PREFACE_BYTES))
+    let preface = (reader.read_until(until, |r| r.raw(PREFACE_BYTES)))
         .map_err(failed)?
         .ok_or_else(|| slow("handshake"))?;
     if let Err(why) = wire::check_preface(&preface) {
@@ -47,7 +47,7 @@ fn join(
             refused(false, RefusalKind::Garbage, why)
         });
     }
-    let body = wire::read_until(sock, until, || reader.frame())
+    let body = (reader.read_until(until, |r| r.frame()))
         .map_err(|e| {
             let mut refused = failed(e);
             refused.tell = Some(Refusal::Other);

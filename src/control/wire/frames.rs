@@ -118,29 +118,28 @@ impl<R: Read> FrameReader<R> {
         read: &mut impl FnMut(&mut R, &mut [u8]) -> io::Result<usize>,
     ) -> FrameResult {
         loop {
-            let have = self.end - self.start;
-            if have >= 4 {
-                let len = &self.buf[self.start..self.start + 4];
-                let len = u32::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
+            let have = &self.buf[self.start..self.end];
+            // The length prefix, then the body.
+            let mut need = 4;
+            if let Some(len) = have.first_chunk() {
+                let len = u32::from_le_bytes(*len) as usize;
                 if len > self.max_frame_bytes {
                     return Err(ReadError::TooLarge {
                         len_bytes: len,
                         max_bytes: self.max_frame_bytes,
                     });
                 }
-                if have >= 4 + len {
-                    let body = self.buf[self.start + 4..self.start + 4 + len].to_vec();
-                    self.start += 4 + len;
+                need += len;
+                if have.len() >= need {
+                    let body = have[4..need].to_vec();
+                    self.start += need;
                     if self.start == self.end {
-                        self.start = 0;
-                        self.end = 0;
+                        (self.start, self.end) = (0, 0);
                     }
                     return Ok(Some(body));
                 }
-                self.room(4 + len);
-            } else {
-                self.room(4);
             }
+            self.room(need);
             if !self.fill(read)? {
                 return Ok(None);
             }
@@ -202,22 +201,24 @@ impl FrameReader<SharedStream> {
         }
         self.frame()
     }
-}
 
-/// Read until `deadline`: `None` when it passes.
-pub(crate) fn read_until<T>(
-    stream: &TcpStream,
-    deadline: Deadline,
-    mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
-) -> std::result::Result<Option<T>, ReadError> {
-    loop {
-        let left = deadline.remaining();
-        if left.is_zero() {
-            return Ok(None);
-        }
-        stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
-        if let Some(v) = f()? {
-            return Ok(Some(v));
+    /// Read with `f` (the preface, or a frame) until `deadline`: `None` when it passes.
+    pub(crate) fn read_until(
+        &mut self,
+        deadline: Deadline,
+        f: impl Fn(&mut Self) -> FrameResult,
+    ) -> FrameResult {
+        loop {
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return Ok(None);
+            }
+            self.inner
+                .set_read_timeout(Some(left))
+                .map_err(ReadError::Io)?;
+            if let Some(v) = f(self)? {
+                return Ok(Some(v));
+            }
         }
     }
 }

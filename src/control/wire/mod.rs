@@ -16,7 +16,7 @@ mod frames;
 mod tests;
 
 pub use frames::fuzz_frames;
-pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until};
+pub(crate) use frames::{FrameReader, ReadError, SharedStream};
 
 use serde::{Deserialize, Serialize};
 
