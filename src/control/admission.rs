@@ -36,14 +36,6 @@ pub(super) enum RefusalKind {
 }
 
 impl RefusalKind {
-    pub(super) fn refusal(self) -> Refusal {
-        match self {
-            RefusalKind::Busy => Refusal::Busy,
-            RefusalKind::OtherJob => Refusal::OtherJob,
-            _ => Refusal::Other,
-        }
-    }
-
     /// The kind of a refusal for the I/O error `e`: out of descriptors, or garbage.
     pub(super) fn of_io(e: &std::io::Error) -> RefusalKind {
         if out_of_descriptors(e) {
@@ -79,7 +71,11 @@ pub(super) struct Refused {
 
 /// A refusal of `kind`, told to the client if `told`.
 pub(super) fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
-    let tell = told.then(|| kind.refusal());
+    let tell = told.then_some(match kind {
+        RefusalKind::Busy => Refusal::Busy,
+        RefusalKind::OtherJob => Refusal::OtherJob,
+        _ => Refusal::Other,
+    });
     Box::new(Refused { kind, why, tell })
 }
 
@@ -97,22 +93,16 @@ impl RefusalLog {
         RefusalLog { since, kinds }
     }
 
-    pub(super) fn note(&mut self, now: Instant, kind: RefusalKind, peer: SocketAddr, why: &str) {
-        for line in self.lines_for(now, kind, peer, why) {
-            tracing::warn!("{line}");
-        }
-    }
-
     /// The lines a refusal logs: the interval's summary once it is over, then the
     /// refusal itself if it is the first of its kind in the interval.
-    fn lines_for(
+    pub(super) fn lines_for(
         &mut self,
         now: Instant,
         kind: RefusalKind,
         peer: SocketAddr,
         why: &str,
     ) -> Vec<String> {
-        let mut lines = self.summary(now, false).into_iter().collect::<Vec<_>>();
+        let mut lines = Vec::from_iter(self.summary(now, false));
         match self.kinds.get_mut(&kind) {
             Some(more) => *more += 1,
             None => {

@@ -460,23 +460,26 @@ impl StoreExchange {
         let started = Instant::now();
         let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;
-        // A server on every interface is reached on the loopback one.
-        let loopback = |a: SocketAddr| match a {
-            SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::LOCALHOST, a.port())),
-            SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::LOCALHOST, a.port())),
-        };
         let target = match server.as_ref().map(StoreServer::local_addr) {
-            Some(a) if a.ip().is_unspecified() => loopback(a).to_string(),
-            Some(a) => a.to_string(),
+            Some(mut a) => {
+                // A server on every interface is reached on the loopback one.
+                if a.ip().is_unspecified() {
+                    a.set_ip(match a {
+                        SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+                        SocketAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+                    });
+                }
+                a.to_string()
+            }
             None => format!("{}:{}", launch.master_addr, launch.master_port),
         };
         // One wait, warned about every interval: for the server, then for the ranks.
         let mut warnings =
             WaitWarnings::new("store start-up", started, config.wait_warning_interval);
-        let (stream, reader) = join_store(&config, &target, deadline, &mut warnings)?;
+        let reader = join_store(&config, &target, deadline, &mut warnings)?;
         let shared = Arc::new(ClientShared {
             server: target,
-            writer: Mutex::new(stream),
+            writer: Mutex::new(reader.inner.clone()),
             reader: Mutex::new(reader),
             inbox: Mutex::default(),
             cv: Condvar::new(),

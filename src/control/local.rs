@@ -41,9 +41,6 @@ struct Group {
     shrunk: AtomicBool,
 }
 
-/// Values the ranks share under a key, with how many ranks took them.
-type Shared = BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>;
-
 #[derive(Default)]
 struct GroupState {
     /// Per rank: its exchange is not dropped.
@@ -52,7 +49,8 @@ struct GroupState {
     lost: Option<LostPeer>,
     /// The other rendezvous of these ranks, told of a loss.
     told: Vec<Weak<dyn Lose>>,
-    shared: Shared,
+    /// Values the ranks share under a key, with how many ranks took them.
+    shared: BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>,
     /// The ranks asking to shrink now.
     votes: BTreeSet<usize>,
     /// The survivors' exchanges once they all asked, by old rank, until taken.
@@ -211,10 +209,8 @@ impl Group {
     /// Rank `rank`'s exchange is dropped: the rank is lost to the others (it left, or
     /// its thread panicked), and a shrink they are asking for fails.
     fn lose(&self, rank: usize) {
-        let (left, detail) = match std::thread::panicking() {
-            false => (true, CLOSED.to_string()),
-            true => (false, "its thread panicked".to_string()),
-        };
+        let left = !std::thread::panicking();
+        let detail = if left { CLOSED } else { "its thread panicked" }.to_string();
         let peer = LostPeer {
             rank,
             detail,

@@ -78,8 +78,8 @@ mod wire;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
@@ -294,13 +294,6 @@ fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
     Error::shrink_failed(reason, false)
 }
 
-/// What a rank opens in [`Exchange::open_channel`]'s round.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
-struct ChannelOpening {
-    ordinal: u64,
-    name: String,
-}
-
 /// One round of one of the crate's exchanges, numbered and checked by [`GatherRounds`]'
 /// [`Exchange`] implementation.
 #[derive(Debug, Clone, Copy)]
@@ -432,16 +425,14 @@ impl Rounds {
     fn open(&self, ex: &dyn Exchange, name: &str, deadline: Deadline) -> Result<ChannelId> {
         let mut opened = self.opened.lock();
         *opened += 1;
-        let (ordinal, name) = (*opened, name.to_owned());
-        let mine = ChannelOpening { ordinal, name };
+        // What a rank opens: the ordinal and the name.
+        let mine = (*opened, name.to_owned());
         let all = gather_records(ex, ChannelId::CONTROL, "open_channel", &mine, deadline)?;
         if all.iter().all(|o| *o == mine) {
-            return Ok(ChannelId(mine.ordinal));
+            return Ok(ChannelId(mine.0));
         }
-        let opened = all
-            .into_iter()
-            .enumerate()
-            .map(|(rank, o)| (rank, o.ordinal, o.name))
+        let opened = (all.into_iter().enumerate())
+            .map(|(rank, (ordinal, name))| (rank, ordinal, name))
             .collect();
         Err(Error::ChannelMismatch { opened })
     }

@@ -23,12 +23,15 @@ fn join(
     peer: SocketAddr,
 ) -> std::result::Result<Link, Box<Refused>> {
     let until = Deadline::after(shared.config.handshake_timeout);
-    let failed = |e: ReadError| {
-        let kind = match &e {
-            ReadError::Io(io) => RefusalKind::of_io(io),
-            _ => RefusalKind::Garbage,
-        };
-        refused(false, kind, format!("during the handshake: {e}"))
+    // (A client that sent a preface of this protocol is told why.)
+    let failed = |told: bool| {
+        move |e: ReadError| {
+            let kind = match &e {
+                ReadError::Io(io) => RefusalKind::of_io(io),
+                _ => RefusalKind::Garbage,
+            };
+            refused(told, kind, format!("during the handshake: {e}"))
+        }
     };
     let slow = |what: &str| {
         refused(
@@ -38,7 +41,7 @@ fn join(
         )
     };
     let preface = (reader.read_until(until, |r| r.raw(PREFACE_BYTES)))
-        .map_err(failed)?
+        .map_err(failed(false))?
         .ok_or_else(|| slow("handshake"))?;
     if let Err(why) = wire::check_preface(&preface) {
         return Err(if preface[..8] == wire::MAGIC {
@@ -48,11 +51,7 @@ fn join(
         });
     }
     let body = (reader.read_until(until, |r| r.frame()))
-        .map_err(|e| {
-            let mut refused = failed(e);
-            refused.tell = Some(Refusal::Other);
-            refused
-        })?
+        .map_err(failed(true))?
         .ok_or_else(|| slow("hello"))?;
     let garbage = |why: String| refused(true, RefusalKind::Garbage, why);
     let hello = wire::decode::<ToServer>(&body).map_err(garbage)?;
@@ -67,7 +66,8 @@ fn join(
     else {
         return Err(garbage(format!("expected a hello, got {hello:?}")));
     };
-    if !wire::constant_time_eq(&token, &shared.token) {
+    let expected = shared.config.token.as_deref().unwrap_or_default();
+    if !wire::constant_time_eq(&token, expected.as_bytes()) {
         return Err(refused(
             true,
             RefusalKind::Token,

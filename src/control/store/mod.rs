@@ -68,7 +68,6 @@ pub struct StoreServer {
 
 struct Shared {
     world: usize,
-    token: Vec<u8>,
     /// The job identity (empty: none).
     job: String,
     /// The settings (heartbeats, handshakes, frame limit, wait warnings).
@@ -229,7 +228,6 @@ impl StoreServer {
         let world = config.launch.world_size;
         let shared = Arc::new(Shared {
             world,
-            token: config.token.clone().unwrap_or_default().into_bytes(),
             job: config.job_id.clone().unwrap_or_default(),
             config: config.clone(),
             server_spin: server_spin_in_effect(
@@ -332,7 +330,9 @@ impl Shared {
         stats.connections_rejected += 1;
         stats.connections_refused_busy += u64::from(kind == RefusalKind::Busy);
         drop(stats);
-        self.refusals.lock().note(Instant::now(), kind, peer, why);
+        for line in (self.refusals.lock()).lines_for(Instant::now(), kind, peer, why) {
+            tracing::warn!("{line}");
+        }
     }
 
     /// Refuse `stream`: tell the client why (its preface and the verdict in one write),
@@ -422,8 +422,7 @@ impl Shared {
     fn deliver(&self, mut st: MutexGuard<'_, State>, me: &Link, frame: Vec<u8>) {
         let frame = Arc::new(frame);
         let mut failed = Vec::new();
-        for i in 0..st.alive.len() {
-            let other = st.alive[i];
+        for &other in &st.alive {
             if other == me.rank {
                 continue;
             }

@@ -148,7 +148,7 @@ impl<R: Read> FrameReader<R> {
 }
 
 /// A frame's body, `None` on a read timeout, or why reading failed.
-type FrameResult = Result<Option<Vec<u8>>, ReadError>;
+pub(crate) type FrameResult = Result<Option<Vec<u8>>, ReadError>;
 
 /// One socket shared by a connection's reader, writer and closer: one descriptor per
 /// connection (not a `try_clone` each), read and written through `&TcpStream`.
@@ -272,8 +272,7 @@ pub fn fuzz_frames(data: &[u8]) {
     {
         if let Ok(msg) = decode::<T>(body) {
             let frame = encode(&msg);
-            let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
-            assert_eq!(len, frame.len() - 4);
+            assert_eq!(frame[..4], (frame.len() as u32 - 4).to_le_bytes());
             assert_eq!(decode::<T>(&frame[4..]).as_ref(), Ok(&msg));
         }
     }

@@ -16,7 +16,7 @@ mod frames;
 mod tests;
 
 pub use frames::fuzz_frames;
-pub(crate) use frames::{FrameReader, ReadError, SharedStream};
+pub(crate) use frames::{FrameReader, FrameResult, ReadError, SharedStream};
 
 use serde::{Deserialize, Serialize};
 
