@@ -11,6 +11,7 @@ use super::{ChannelId, GatherRounds, LostPeer, Round, Rounds, SHRUNK, intern_op}
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
+use serde_bytes::ByteBuf;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
@@ -79,7 +80,7 @@ struct ClientShared {
 /// results without waking another thread.
 #[derive(Default)]
 struct Inbox {
-    results: HashMap<(u64, u64), Vec<Vec<u8>>>,
+    results: HashMap<(u64, u64), Vec<ByteBuf>>,
     /// The server's word on rounds that wait long: the ranks that have not
     /// contributed, by (channel, round) (see [`ToClient::Waiting`]).
     waiting: HashMap<(u64, u64), Vec<u32>>,
@@ -325,23 +326,18 @@ impl ClientShared {
                 inbox.server_lost(detail);
             }
         }
-        self.note_silence(&mut inbox, now);
-        self.cv.notify_all();
-        inbox
-    }
-
-    /// Declare the server lost once it has been silent for over the heartbeat timeout
-    /// (also after a timeout broke the group: a frozen server explains it). Called
-    /// after a read, which took whatever had arrived.
-    fn note_silence(&self, inbox: &mut Inbox, now: Instant) {
+        // Declare the server lost once it has been silent for over the heartbeat
+        // timeout (also after a timeout broke the group: a frozen server explains it),
+        // after a read, which took whatever had arrived.
         let silent = now.saturating_duration_since(inbox.last_heard.0);
         if silent > self.config.heartbeat_timeout && !inbox.verdict() && !inbox.reader_done {
             inbox.server_lost(format!(
                 "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
                 self.server
             ));
-            self.cv.notify_all();
         }
+        self.cv.notify_all();
+        inbox
     }
 
     /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
@@ -585,9 +581,8 @@ impl StoreExchange {
             let since = inbox.broken_at.map_or(started, |seen| seen.min(started));
             let window = Deadline::after_from(since, c.heartbeat_timeout + c.heartbeat_interval);
             drop(inbox);
-            let epoch = self.epoch;
             inbox = (self.shared).wait_until(window, |ib| {
-                ib.verdict() || ib.reader_done || ib.epoch != epoch
+                ib.verdict() || ib.reader_done || ib.epoch != self.epoch
             });
             let read_by = Deadline::after(DRAIN_WAIT.min(c.heartbeat_interval));
             inbox = self.shared.drain(inbox, read_by);
@@ -700,7 +695,7 @@ impl GatherRounds for StoreExchange {
         if let Some(result) = inbox.results.remove(&key) {
             drop(inbox);
             warnings.arrived(&self.who());
-            return Ok(result);
+            return Ok(result.into_iter().map(ByteBuf::into_vec).collect());
         }
         if inbox.broken.is_some() {
             return Err(self.explained(inbox, r.op, r.started, None));

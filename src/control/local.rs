@@ -95,15 +95,13 @@ impl LocalExchange {
         T: Clone + Send + 'static,
     {
         let rv = Arc::new(Rendezvous::new(self.rounds.world_size));
-        let lost = {
-            let mut st = self.group.state.lock();
-            st.told.retain(|w| w.strong_count() > 0);
-            st.told.push(Arc::downgrade(&rv) as Weak<dyn Lose>);
-            st.lost.clone()
-        };
-        if let Some(peer) = lost {
-            rv.lose(&peer);
+        let mut st = self.group.state.lock();
+        st.told.retain(|w| w.strong_count() > 0);
+        st.told.push(Arc::downgrade(&rv) as Weak<dyn Lose>);
+        if let Some(peer) = &st.lost {
+            rv.lose(peer);
         }
+        drop(st);
         rv
     }
 

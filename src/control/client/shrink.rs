@@ -116,11 +116,10 @@ impl StoreExchange {
         inbox: MutexGuard<'_, Inbox>,
         started: Instant,
     ) -> Result<Arc<StoreExchange>> {
-        let survivors: Vec<usize> = inbox.survivors.iter().map(|&r| r as usize).collect();
-        let epoch = inbox.epoch;
+        let (survivors, epoch) = (inbox.survivors.clone(), inbox.epoch);
         drop(inbox);
         let (job_rank, world, took) = (self.job_rank, survivors.len(), started.elapsed());
-        let Some(rank) = survivors.iter().position(|&r| r == job_rank) else {
+        let Some(rank) = survivors.iter().position(|&r| r as usize == job_rank) else {
             let reason = format!(
                 "the store shrank the group to job ranks {survivors:?}, without this one ({job_rank})"
             );
@@ -132,7 +131,7 @@ impl StoreExchange {
         Ok(Arc::new(StoreExchange {
             shared: self.shared.clone(),
             connection: self.connection.clone(),
-            rounds: Rounds::new(rank, survivors.len(), self.rounds.max_payload_bytes),
+            rounds: Rounds::new(rank, world, self.rounds.max_payload_bytes),
             job_rank: self.job_rank,
             epoch,
             successor: Mutex::new(None),

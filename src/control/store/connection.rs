@@ -9,6 +9,7 @@ use crate::control::wire::{
 };
 use crate::deadline::Deadline;
 use parking_lot::Mutex;
+use serde_bytes::ByteBuf;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -268,7 +269,8 @@ pub(super) fn serve(
                 }
                 posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
-                    let payloads = posted.iter_mut().filter_map(Option::take).collect();
+                    let payloads = posted.iter_mut().filter_map(Option::take);
+                    let payloads = payloads.map(ByteBuf::from).collect();
                     st.rounds.remove(&(channel, round));
                     st.rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {

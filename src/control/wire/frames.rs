@@ -62,10 +62,9 @@ impl<R: Read> FrameReader<R> {
             self.start = 0;
         }
         if self.end == self.buf.len() {
-            let grown = (self.buf.len() * 2).min(need.max(self.buf.len()));
-            if grown > self.buf.len() {
-                self.buf.resize(grown, 0);
-            }
+            // (Never less than its length: a buffer that holds `need` is not full.)
+            self.buf
+                .resize((self.buf.len() * 2).min(need.max(self.buf.len())), 0);
         }
     }
 

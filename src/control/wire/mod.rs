@@ -19,6 +19,7 @@ pub use frames::fuzz_frames;
 pub(crate) use frames::{FrameReader, FrameResult, ReadError, SharedStream};
 
 use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
@@ -230,8 +231,11 @@ pub(crate) enum ToClient {
     Result {
         channel: u64,
         round: u64,
-        #[serde(with = "byte_lists")]
-        payloads: Vec<Vec<u8>>,
+        /// As postcard byte strings (a length, then the bytes copied at once), not as
+        /// sequences of `u8` serialised one by one: the same bytes on the wire, written
+        /// and read several times faster (a round's result is encoded once and decoded
+        /// by every rank).
+        payloads: Vec<ByteBuf>,
     },
     /// The group is broken for good. Sent once with the first cause; where that was a
     /// timeout, once more with the first loss that follows ([`Cause::Lost`]), which
@@ -262,24 +266,6 @@ pub(crate) enum ToClient {
     /// heartbeat timeout) and closes its connection: the others go on without it. The
     /// last frame before the close, if it fits in the socket's buffer at once.
     Expelled { reason: String },
-}
-
-/// Byte vectors as postcard byte strings (a length, then the bytes copied at once), not
-/// as sequences of `u8` serialised one by one: the same bytes on the wire, written and
-/// read several times faster (a round's result is encoded once and decoded by every
-/// rank).
-mod byte_lists {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use serde_bytes::{ByteBuf, Bytes};
-
-    pub(super) fn serialize<S: Serializer>(lists: &[Vec<u8>], s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(lists.iter().map(|l| Bytes::new(l)))
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
-        let lists = Vec::<ByteBuf>::deserialize(d)?;
-        Ok(lists.into_iter().map(ByteBuf::into_vec).collect())
-    }
 }
 
 /// Encode `msg` as one frame (length prefix and body), ready for a single write.
