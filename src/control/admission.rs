@@ -16,7 +16,7 @@ pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Kinds of refused connections, for the rate-limited log (each in words:
 /// [`describe`](Self::describe)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum RefusalKind {
     Busy,
     Slow,

@@ -122,7 +122,6 @@ struct Inbox {
 }
 
 /// An instant, by default the moment it is made (when the connection is).
-#[derive(Clone, Copy)]
 struct Now(Instant);
 
 impl Default for Now {
@@ -721,17 +720,17 @@ impl GatherRounds for StoreExchange {
                 rank,
                 cause: Cause::Timeout { missing },
                 ..
-            }) if *rank as usize == self.rounds.rank => missing.clone(),
-            Some(_) => return Err(self.explained(inbox, r.op, r.started, None)),
+            }) if *rank as usize == self.rounds.rank => Some(missing.clone()),
+            Some(_) => None,
             None => {
                 // No answer from the server: break the group here.
                 let broken = Broken::timeout(self.rounds.rank as u32, r.op.into(), vec![]);
                 inbox.note_broken(broken);
                 self.shared.cv.notify_all();
-                vec![]
+                Some(vec![])
             }
         };
-        Err(self.explained(inbox, r.op, r.started, Some(missing)))
+        Err(self.explained(inbox, r.op, r.started, missing))
     }
 
     fn rounds(&self) -> &Rounds {

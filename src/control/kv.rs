@@ -199,8 +199,8 @@ impl<S: KvStore> KvExchange<S> {
     /// The ranks whose keys of a round (`keys`, by rank) are missing.
     fn missing(&self, keys: &[String]) -> Result<Vec<usize>> {
         let mut missing = Vec::new();
-        for (k, key) in keys.iter().enumerate() {
-            if !self.store.check(std::slice::from_ref(key))? {
+        for (k, key) in keys.chunks(1).enumerate() {
+            if !self.store.check(key)? {
                 missing.push(k);
             }
         }

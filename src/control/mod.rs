@@ -296,7 +296,6 @@ fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
 
 /// One round of one of the crate's exchanges, numbered and checked by [`GatherRounds`]'
 /// [`Exchange`] implementation.
-#[derive(Debug, Clone, Copy)]
 struct Round<'a> {
     channel: ChannelId,
     /// The round's number on `channel`, from 1.
@@ -390,7 +389,6 @@ impl<T: GatherRounds> Exchange for T {
 
 /// A rank's place in the group and the round counters every [`GatherRounds`]
 /// implementation keeps: one per channel, and the counter of opened channels.
-#[derive(Debug)]
 struct Rounds {
     /// This rank, in `0..world_size`.
     rank: usize,

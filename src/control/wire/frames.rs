@@ -151,7 +151,7 @@ pub(crate) type FrameResult = Result<Option<Vec<u8>>, ReadError>;
 
 /// One socket shared by a connection's reader, writer and closer: one descriptor per
 /// connection (not a `try_clone` each), read and written through `&TcpStream`.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct SharedStream(pub(crate) Arc<TcpStream>);
 
 impl std::ops::Deref for SharedStream {

@@ -60,7 +60,7 @@ pub(crate) fn with_preface<T: Serialize>(msg: &T) -> Vec<u8> {
 /// Check a peer's preface; `Err` says what is wrong.
 pub(crate) fn check_preface(p: &[u8]) -> Result<(), String> {
     if p.len() < PREFACE_BYTES || p[..8] != MAGIC {
-        let shown = String::from_utf8_lossy(&p[..p.len().min(8)]).into_owned();
+        let shown = String::from_utf8_lossy(&p[..p.len().min(8)]);
         return Err(format!(
             "wrong magic number {shown:?} (not a symmpool store client or server)"
         ));
