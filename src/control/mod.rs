@@ -81,6 +81,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use admission::REFUSAL_LOG_INTERVAL;
@@ -205,7 +206,7 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// [`Error::ShrinkFailed`] (the default: this exchange cannot shrink); those of
     /// [`StoreExchange::shrink`] and [`LocalExchange::shrink`].
-    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         let _ = deadline;
         Err(cannot_shrink(self))
     }
@@ -325,13 +326,10 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     }
 
     /// [`Exchange::abandon`].
-    fn abandon(&self, channel: ChannelId) {
-        let _ = channel;
-    }
+    fn abandon(&self, _channel: ChannelId) {}
 
     /// [`Exchange::shrink`].
-    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
-        let _ = deadline;
+    fn shrink(&self, _deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         Err(cannot_shrink(self))
     }
 }
@@ -382,7 +380,7 @@ impl<T: GatherRounds> Exchange for T {
         GatherRounds::abandon(self, channel);
     }
 
-    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         GatherRounds::shrink(self, deadline)
     }
 }

@@ -6,7 +6,7 @@ use crate::control::Exchange;
 use crate::control::wire::{self, Cause, ToServer};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -94,28 +94,17 @@ impl StoreExchange {
             let confirmed = |ib: &mut Inbox| !sent || over(ib) || !ib.withdraw_pending;
             inbox = self.shared.wait_until(answer_by, confirmed);
         }
-        if inbox.epoch != self.epoch {
-            let next = self.in_new_group(inbox, started)?;
-            *successor = Some(next.clone());
-            return Ok(next);
-        } else if let Some((reason, retry)) = inbox.shrink_failed.take() {
-            return Err(Error::ShrinkFailed { reason, retry });
-        } else if inbox.reader_done {
-            return Err(gone(&inbox));
+        if inbox.epoch == self.epoch {
+            if let Some((reason, retry)) = inbox.shrink_failed.take() {
+                return Err(Error::ShrinkFailed { reason, retry });
+            } else if inbox.reader_done {
+                return Err(gone(&inbox));
+            }
+            let missing = inbox.shrink_withdrawn.take().unwrap_or_default();
+            return Err(Error::timeout_since("shrink", started, &missing));
         }
-        let missing = inbox.shrink_withdrawn.take().unwrap_or_default();
-        Err(Error::timeout_since("shrink", started, &missing))
-    }
-
-    /// This rank's exchange in the group the store shrank to (`inbox` shows it).
-    ///
-    /// # Errors
-    /// [`Error::ShrinkFailed`] if the group goes on without this rank.
-    fn in_new_group(
-        &self,
-        inbox: MutexGuard<'_, Inbox>,
-        started: Instant,
-    ) -> Result<Arc<StoreExchange>> {
+        // This rank's exchange in the group the store shrank to (it fails if the group
+        // goes on without this rank).
         let (survivors, epoch) = (inbox.survivors.clone(), inbox.epoch);
         drop(inbox);
         let (job_rank, world, took) = (self.job_rank, survivors.len(), started.elapsed());
@@ -128,13 +117,15 @@ impl StoreExchange {
         tracing::info!(
             "symmpool store: job rank {job_rank} is rank {rank} of {world} after the shrink (epoch {epoch}, {took:?})"
         );
-        Ok(Arc::new(StoreExchange {
+        let next = Arc::new(StoreExchange {
             shared: self.shared.clone(),
             connection: self.connection.clone(),
             rounds: Rounds::new(rank, world, self.rounds.max_payload_bytes),
-            job_rank: self.job_rank,
+            job_rank,
             epoch,
             successor: Mutex::new(None),
-        }))
+        });
+        *successor = Some(next.clone());
+        Ok(next)
     }
 }
