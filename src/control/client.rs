@@ -39,8 +39,6 @@ pub struct StoreExchange {
     connection: Arc<Connection>,
     /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
-    /// The rank this process joined the store as.
-    job_rank: usize,
     /// The group's epoch (0 at start, one more per shrink).
     epoch: u64,
     /// The exchange of the group this one shrank into (see [`StoreExchange::shrink`]).
@@ -498,7 +496,6 @@ impl StoreExchange {
             }),
             shared,
             rounds: Rounds::new(launch.rank, launch.world_size, config.max_payload_bytes()),
-            job_rank: launch.rank,
             epoch: 0,
             successor: Mutex::new(None),
         };

@@ -107,7 +107,9 @@ impl StoreExchange {
         // goes on without this rank).
         let (survivors, epoch) = (inbox.survivors.clone(), inbox.epoch);
         drop(inbox);
-        let (job_rank, world, took) = (self.job_rank, survivors.len(), started.elapsed());
+        // The rank this process joined the store as.
+        let job_rank = self.shared.config.launch.rank;
+        let (world, took) = (survivors.len(), started.elapsed());
         let Some(rank) = survivors.iter().position(|&r| r as usize == job_rank) else {
             let reason = format!(
                 "the store shrank the group to job ranks {survivors:?}, without this one ({job_rank})"
@@ -121,7 +123,6 @@ impl StoreExchange {
             shared: self.shared.clone(),
             connection: self.connection.clone(),
             rounds: Rounds::new(rank, world, self.rounds.max_payload_bytes),
-            job_rank,
             epoch,
             successor: Mutex::new(None),
         });
