@@ -553,13 +553,13 @@ impl StoreExchange {
         Who(self.rounds.rank, "store", &self.shared.server)
     }
 
-    /// What a call `op` that began waiting at `started` reports on the broken group of
+    /// What the call of round `r` (in `r.op`, waiting since `r.started`) reports on the broken group of
     /// `inbox`: [`Error::Timeout`] naming `missing` where its own wait timed out, else
     /// the error of the group's cause ([`error_for`]); but the store's verdict on a
     /// loss wins over a timeout it explains. A timeout is often the first sign of a
     /// frozen rank: the store declares it lost within the heartbeat timeout of its
     /// last word (`T`; its monitor looks when that passes), so a rank that froze
-    /// before this wait began is named by `started` + `T` + the heartbeat interval
+    /// before this wait began is named by `r.started` + `T` + the heartbeat interval
     /// (for the word to arrive), or, if the group broke before this call, that long
     /// after this rank learnt of it. So, unless the verdict is here, this waits for it
     /// until then, and then reads what has arrived (a rank resumed after a freeze finds
@@ -568,14 +568,15 @@ impl StoreExchange {
     fn explained<'a>(
         &'a self,
         mut inbox: MutexGuard<'a, Inbox>,
-        op: &'static str,
-        started: Instant,
+        r: &Round<'_>,
         missing: Option<Vec<u32>>,
     ) -> Error {
         if !inbox.verdict() && !inbox.settled {
             let c = &self.shared.config;
-            let since = inbox.broken_at.map_or(started, |seen| seen.min(started));
-            let window = Deadline::after_from(since, c.heartbeat_timeout + c.heartbeat_interval);
+            let since = inbox
+                .broken_at
+                .map_or(r.started, |seen| seen.min(r.started));
+            let window = Deadline::after_from(since, c.detection_bound());
             drop(inbox);
             inbox = (self.shared).wait_until(window, |ib| {
                 ib.verdict() || ib.reader_done || ib.epoch != self.epoch
@@ -588,8 +589,8 @@ impl StoreExchange {
             return SHRUNK;
         }
         match missing {
-            Some(missing) if !inbox.verdict() => Error::timeout_since(op, started, &missing),
-            _ => error_for(&inbox, self.rounds.rank, op),
+            Some(missing) if !inbox.verdict() => Error::timeout_since(r.op, r.started, &missing),
+            _ => error_for(&inbox, self.rounds.rank, r.op),
         }
     }
 }
@@ -646,7 +647,7 @@ impl GatherRounds for StoreExchange {
         {
             let inbox = self.inbox()?;
             if inbox.broken.is_some() {
-                return Err(self.explained(inbox, r.op, r.started, None));
+                return Err(self.explained(inbox, &r, None));
             }
         }
         let round = r.number;
@@ -678,7 +679,6 @@ impl GatherRounds for StoreExchange {
             match notice {
                 Some(missing) if !inbox.results.contains_key(&key) && inbox.broken.is_none() => {
                     drop(inbox);
-                    let missing: Vec<usize> = missing.into_iter().map(|m| m as usize).collect();
                     warnings.warn(&self.who(), ranks(&missing), r.deadline);
                 }
                 _ => break inbox,
@@ -694,7 +694,7 @@ impl GatherRounds for StoreExchange {
             return Ok(result.into_iter().map(ByteBuf::into_vec).collect());
         }
         if inbox.broken.is_some() {
-            return Err(self.explained(inbox, r.op, r.started, None));
+            return Err(self.explained(inbox, &r, None));
         }
         if inbox.abandoned.contains(&key.0) {
             return Err(Error::timeout_since(r.op, r.started, &[]));
@@ -708,8 +708,7 @@ impl GatherRounds for StoreExchange {
             round,
             op: wire_op,
         }));
-        let config = &self.shared.config;
-        let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
+        let answer_by = Deadline::after(self.shared.config.detection_bound());
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
         let missing = match &inbox.broken {
@@ -727,7 +726,7 @@ impl GatherRounds for StoreExchange {
                 Some(vec![])
             }
         };
-        Err(self.explained(inbox, r.op, r.started, missing))
+        Err(self.explained(inbox, &r, missing))
     }
 
     fn rounds(&self) -> &Rounds {

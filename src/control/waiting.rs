@@ -107,12 +107,12 @@ impl fmt::Display for Who<'_> {
 
 /// `missing` ranks as a warning names them: `rank 2`, `ranks 1, 2` (none known: `the
 /// other ranks`).
-pub(crate) fn ranks(missing: &[usize]) -> String {
+pub(crate) fn ranks<R: fmt::Display>(missing: &[R]) -> String {
     match missing {
         [] => "the other ranks".into(),
         [one] => format!("rank {one}"),
         many => {
-            let list: Vec<String> = many.iter().map(usize::to_string).collect();
+            let list: Vec<String> = many.iter().map(R::to_string).collect();
             format!("ranks {}", list.join(", "))
         }
     }

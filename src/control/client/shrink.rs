@@ -89,8 +89,7 @@ impl StoreExchange {
             drop(inbox);
             let withdraw = wire::encode(&ToServer::Withdraw { epoch: self.epoch });
             let sent = self.shared.send(&withdraw).is_ok();
-            let config = &self.shared.config;
-            let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
+            let answer_by = Deadline::after(self.shared.config.detection_bound());
             let confirmed = |ib: &mut Inbox| !sent || over(ib) || !ib.withdraw_pending;
             inbox = self.shared.wait_until(answer_by, confirmed);
         }
