@@ -43,8 +43,8 @@ struct Group {
 
 #[derive(Default)]
 struct GroupState {
-    /// Per rank: its exchange is not dropped.
-    alive: Vec<bool>,
+    /// The ranks whose exchange is not dropped.
+    alive: BTreeSet<usize>,
     /// The first rank lost.
     lost: Option<LostPeer>,
     /// The other rendezvous of these ranks, told of a loss.
@@ -70,7 +70,7 @@ impl LocalExchange {
         let group = Arc::new(Group {
             rounds: Rendezvous::new(world_size),
             state: Mutex::new(GroupState {
-                alive: vec![true; world_size],
+                alive: (0..world_size).collect(),
                 ..GroupState::default()
             }),
             cv: Condvar::new(),
@@ -162,9 +162,8 @@ impl LocalExchange {
         let mut st = group.state.lock();
         st.failed.remove(&rank);
         st.votes.insert(rank);
-        let alive: Vec<usize> = (0..st.alive.len()).filter(|&r| st.alive[r]).collect();
-        if alive.iter().all(|r| st.votes.contains(r)) {
-            let n = st.alive.len();
+        if st.alive.is_subset(&st.votes) {
+            let (n, alive) = (self.rounds.world_size, Vec::from_iter(st.alive.clone()));
             tracing::info!("symmpool: a group of {n} threads shrank to its ranks {alive:?}");
             let next = LocalExchange::group(alive.len());
             st.made.extend(alive.iter().copied().zip(next));
@@ -193,8 +192,9 @@ impl LocalExchange {
                 return Err(Error::Timeout {
                     op: "shrink",
                     waited: started.elapsed(),
-                    missing_ranks: (0..st.alive.len())
-                        .filter(|r| st.alive[*r] && !st.votes.contains(r) && *r != rank)
+                    missing_ranks: (st.alive.difference(&st.votes))
+                        .filter(|&&r| r != rank)
+                        .copied()
                         .collect(),
                 });
             }
@@ -217,7 +217,7 @@ impl Group {
         };
         let told: Vec<Arc<dyn Lose>> = {
             let mut st = self.state.lock();
-            st.alive[rank] = false;
+            st.alive.remove(&rank);
             if self.shrunk.load(Ordering::Acquire) {
                 // The group is over: its ranks went on in the new one, where this is
                 // no loss; every wait here ends with `Shrunk` already.
