@@ -5,6 +5,7 @@
 #[cfg(doc)]
 use super::StoreConfig;
 use super::wire::Refusal;
+use rustix::io::Errno;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -89,8 +90,10 @@ pub(super) struct RefusalLog {
 
 impl RefusalLog {
     pub(super) fn new(since: Instant) -> Self {
-        let kinds = BTreeMap::new();
-        RefusalLog { since, kinds }
+        RefusalLog {
+            since,
+            kinds: BTreeMap::new(),
+        }
     }
 
     /// The lines a refusal logs: the interval's summary once it is over, then the
@@ -148,11 +151,7 @@ impl RefusalLog {
 
 /// Whether `e` says this process (or the system) is out of descriptors.
 pub(super) fn out_of_descriptors(e: &std::io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
-            || code == rustix::io::Errno::NFILE.raw_os_error()
-    )
+    matches!(Errno::from_io_error(e), Some(Errno::MFILE | Errno::NFILE))
 }
 
 /// `e` (from accepting, connecting or creating something) described as what it is

@@ -387,6 +387,7 @@ impl<T: GatherRounds> Exchange for T {
 
 /// A rank's place in the group and the round counters every [`GatherRounds`]
 /// implementation keeps: one per channel, and the counter of opened channels.
+#[derive(Default)]
 struct Rounds {
     /// This rank, in `0..world_size`.
     rank: usize,
@@ -404,8 +405,7 @@ impl Rounds {
             rank,
             world_size,
             max_payload_bytes,
-            per_channel: Mutex::default(),
-            opened: Mutex::default(),
+            ..Rounds::default()
         }
     }
 

@@ -52,9 +52,7 @@ pub(crate) fn preface() -> [u8; PREFACE_BYTES] {
 
 /// The preface and `msg`'s frame, for one write: a connection's first bytes.
 pub(crate) fn with_preface<T: Serialize>(msg: &T) -> Vec<u8> {
-    let mut out = preface().to_vec();
-    out.extend(encode(msg));
-    out
+    [&preface()[..], &encode(msg)].concat()
 }
 
 /// Check a peer's preface; `Err` says what is wrong.
@@ -142,14 +140,21 @@ pub(crate) struct Broken {
 impl Broken {
     /// `rank` was lost, as `detail` says.
     pub(crate) fn lost(rank: u32, detail: String) -> Broken {
-        let (op, cause) = (String::new(), Cause::Lost { detail });
-        Broken { rank, op, cause }
+        let cause = Cause::Lost { detail };
+        Broken {
+            rank,
+            op: String::new(),
+            cause,
+        }
     }
 
     /// `rank` gave up waiting in `op` for the ranks `missing`.
     pub(crate) fn timeout(rank: u32, op: String, missing: Vec<u32>) -> Broken {
-        let cause = Cause::Timeout { missing };
-        Broken { rank, op, cause }
+        Broken {
+            rank,
+            op,
+            cause: Cause::Timeout { missing },
+        }
     }
 }
 
