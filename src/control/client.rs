@@ -217,7 +217,7 @@ impl ClientShared {
     ///
     /// [`drain`]: Self::drain
     fn send_or_lose(&self, frame: &[u8], what: &str) -> bool {
-        let Err(e) = self.send(frame) else {
+        let Err(e) = self.writer.lock().send(frame) else {
             return true;
         };
         if !self.closing.load(Ordering::SeqCst) {
@@ -259,10 +259,6 @@ impl ClientShared {
             }
         }
         inbox
-    }
-
-    fn send(&self, frame: &[u8]) -> std::io::Result<()> {
-        self.writer.lock().send(frame)
     }
 
     /// Read one frame (polling for up to `spin` first, then waiting at most `limit`;
@@ -702,12 +698,16 @@ impl GatherRounds for StoreExchange {
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
         drop(inbox);
-        let _ = self.shared.send(&wire::encode(&ToServer::Abandon {
-            epoch: self.epoch,
-            channel: key.0,
-            round,
-            op: wire_op,
-        }));
+        let _ = self
+            .shared
+            .writer
+            .lock()
+            .send(&wire::encode(&ToServer::Abandon {
+                epoch: self.epoch,
+                channel: key.0,
+                round,
+                op: wire_op,
+            }));
         let answer_by = Deadline::after(self.shared.config.detection_bound());
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
@@ -758,7 +758,11 @@ impl Drop for Connection {
         self.shared.closing.store(true, Ordering::SeqCst);
         self.shared.cv.notify_all();
         self.shared.bg_cv.notify_all();
-        let _ = self.shared.send(&wire::encode(&ToServer::Bye));
+        let _ = self
+            .shared
+            .writer
+            .lock()
+            .send(&wire::encode(&ToServer::Bye));
         let _ = self.shared.writer.lock().shutdown(Shutdown::Write);
         if let Some(h) = self.reader.take() {
             let _ = h.join();

@@ -88,7 +88,7 @@ impl StoreExchange {
             inbox.withdraw_pending = true;
             drop(inbox);
             let withdraw = wire::encode(&ToServer::Withdraw { epoch: self.epoch });
-            let sent = self.shared.send(&withdraw).is_ok();
+            let sent = self.shared.writer.lock().send(&withdraw).is_ok();
             let answer_by = Deadline::after(self.shared.config.detection_bound());
             let confirmed = |ib: &mut Inbox| !sent || over(ib) || !ib.withdraw_pending;
             inbox = self.shared.wait_until(answer_by, confirmed);

@@ -603,9 +603,11 @@ impl Shared {
             if pending.notice <= now {
                 pending.notice =
                     Deadline::after_from(now, self.config.wait_warning_interval).instant();
-                let (waiting, missing): (Vec<_>, _) = (0..pending.posted.len() as u32)
-                    .partition(|r| pending.posted[*r as usize].is_some());
-                let waiting: Vec<usize> = waiting.iter().map(|&r| st.alive[r as usize]).collect();
+                let missing = pending.missing();
+                let waiting: Vec<usize> = (st.alive.iter().zip(&pending.posted))
+                    .filter(|(_, p)| p.is_some())
+                    .map(|(&r, _)| r)
+                    .collect();
                 tracing::debug!(
                     "symmpool store: round {round} of channel {channel} waits for ranks {missing:?}"
                 );
