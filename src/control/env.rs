@@ -58,8 +58,10 @@ pub struct Launch {
 }
 
 pub(super) fn env_err(variable: &str, detail: impl Into<String>) -> Error {
-    let (variable, detail) = (variable.to_string(), detail.into());
-    Error::LaunchEnv { variable, detail }
+    Error::LaunchEnv {
+        variable: variable.to_string(),
+        detail: detail.into(),
+    }
 }
 
 /// The variable `name` read through `get` and parsed (`None`: not set).
