@@ -268,9 +268,16 @@ impl GatherRounds for LocalExchange {
             return Err(SHRUNK);
         }
         let key = (round.channel, round.number);
-        let (rank, payload) = (self.rounds.rank, round.payload.to_vec());
         let abandoned = || self.abandoned.lock().contains(&round.channel);
-        (self.group.rounds).gather(round.op, rank, key, payload, round.deadline, abandoned)
+        let payload = round.payload.to_vec();
+        (self.group.rounds).gather(
+            round.op,
+            self.rounds.rank,
+            key,
+            payload,
+            round.deadline,
+            abandoned,
+        )
     }
 
     fn abandon(&self, channel: ChannelId) {

@@ -49,8 +49,10 @@ impl StoreExchange {
         // This rank declared lost itself, or the server gone: no group to shrink with.
         let gone = |ib: &Inbox| {
             if let Some(reason) = &ib.expelled {
-                let (rank, detail) = (self.rounds.rank, reason.clone());
-                return Error::DeclaredLost { rank, detail };
+                return Error::DeclaredLost {
+                    rank: self.rounds.rank,
+                    detail: reason.clone(),
+                };
             }
             let cause = ib.broken.as_ref().map(|b| match &b.cause {
                 Cause::Lost { detail } => detail.clone(),

@@ -339,8 +339,11 @@ impl Shared {
     /// unless the refusal is silent; then count and log it.
     fn refuse(&self, mut stream: &TcpStream, peer: SocketAddr, refused: &Refused) {
         if let Some(kind) = refused.tell.clone() {
-            let (reason, job) = (refused.why.clone(), self.job.clone());
-            let _ = stream.write_all(&wire::with_preface(&ToClient::Reject { reason, kind, job }));
+            let _ = stream.write_all(&wire::with_preface(&ToClient::Reject {
+                reason: refused.why.clone(),
+                kind,
+                job: self.job.clone(),
+            }));
         }
         self.reject(peer, refused.kind, &refused.why);
     }
