@@ -5,6 +5,7 @@
 #[cfg(doc)]
 use super::StoreConfig;
 use super::wire::Refusal;
+use rustix::io::Errno;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,7 +17,7 @@ pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Kinds of refused connections, for the rate-limited log (each in words:
 /// [`describe`](Self::describe)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum RefusalKind {
     Busy,
     Slow,
@@ -36,14 +37,6 @@ pub(super) enum RefusalKind {
 }
 
 impl RefusalKind {
-    pub(super) fn refusal(self) -> Refusal {
-        match self {
-            RefusalKind::Busy => Refusal::Busy,
-            RefusalKind::OtherJob => Refusal::OtherJob,
-            _ => Refusal::Other,
-        }
-    }
-
     /// The kind of a refusal for the I/O error `e`: out of descriptors, or garbage.
     pub(super) fn of_io(e: &std::io::Error) -> RefusalKind {
         if out_of_descriptors(e) {
@@ -79,7 +72,11 @@ pub(super) struct Refused {
 
 /// A refusal of `kind`, told to the client if `told`.
 pub(super) fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
-    let tell = told.then(|| kind.refusal());
+    let tell = told.then_some(match kind {
+        RefusalKind::Busy => Refusal::Busy,
+        RefusalKind::OtherJob => Refusal::OtherJob,
+        _ => Refusal::Other,
+    });
     Box::new(Refused { kind, why, tell })
 }
 
@@ -93,26 +90,22 @@ pub(super) struct RefusalLog {
 
 impl RefusalLog {
     pub(super) fn new(since: Instant) -> Self {
-        let kinds = BTreeMap::new();
-        RefusalLog { since, kinds }
-    }
-
-    pub(super) fn note(&mut self, now: Instant, kind: RefusalKind, peer: SocketAddr, why: &str) {
-        for line in self.lines_for(now, kind, peer, why) {
-            tracing::warn!("{line}");
+        RefusalLog {
+            since,
+            kinds: BTreeMap::new(),
         }
     }
 
     /// The lines a refusal logs: the interval's summary once it is over, then the
     /// refusal itself if it is the first of its kind in the interval.
-    fn lines_for(
+    pub(super) fn lines_for(
         &mut self,
         now: Instant,
         kind: RefusalKind,
         peer: SocketAddr,
         why: &str,
     ) -> Vec<String> {
-        let mut lines = self.summary(now, false).into_iter().collect::<Vec<_>>();
+        let mut lines = Vec::from_iter(self.summary(now, false));
         match self.kinds.get_mut(&kind) {
             Some(more) => *more += 1,
             None => {
@@ -158,11 +151,7 @@ impl RefusalLog {
 
 /// Whether `e` says this process (or the system) is out of descriptors.
 pub(super) fn out_of_descriptors(e: &std::io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
-            || code == rustix::io::Errno::NFILE.raw_os_error()
-    )
+    matches!(Errno::from_io_error(e), Some(Errno::MFILE | Errno::NFILE))
 }
 
 /// `e` (from accepting, connecting or creating something) described as what it is

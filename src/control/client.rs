@@ -7,10 +7,11 @@ use super::join::{join_store, transport};
 use super::store::{CLOSED, StoreServer};
 use super::waiting::{WaitWarnings, Who, ranks};
 use super::wire::{self, Broken, Cause, FrameReader, ReadError, SharedStream, ToClient, ToServer};
-use super::{ChannelId, GatherRounds, LostPeer, Round, Rounds, intern_op};
+use super::{ChannelId, GatherRounds, LostPeer, Round, Rounds, SHRUNK, intern_op};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
+use serde_bytes::ByteBuf;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
@@ -38,8 +39,6 @@ pub struct StoreExchange {
     connection: Arc<Connection>,
     /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
-    /// The rank this process joined the store as.
-    job_rank: usize,
     /// The group's epoch (0 at start, one more per shrink).
     epoch: u64,
     /// The exchange of the group this one shrank into (see [`StoreExchange::shrink`]).
@@ -77,8 +76,9 @@ struct ClientShared {
 /// interval) reads and dispatches one itself when nobody else is reading, and
 /// otherwise waits on the condition variable; so callers in a busy loop read their
 /// results without waking another thread.
+#[derive(Default)]
 struct Inbox {
-    results: HashMap<(u64, u64), Vec<Vec<u8>>>,
+    results: HashMap<(u64, u64), Vec<ByteBuf>>,
     /// The server's word on rounds that wait long: the ranks that have not
     /// contributed, by (channel, round) (see [`ToClient::Waiting`]).
     waiting: HashMap<(u64, u64), Vec<u32>>,
@@ -104,8 +104,8 @@ struct Inbox {
     reader_busy: bool,
     /// The connection ended (or failed); nobody reads any more.
     reader_done: bool,
-    last_heard: Instant,
-    last_read: Instant,
+    last_heard: Now,
+    last_read: Now,
     /// The socket's current read timeout (set only when it changes).
     read_timeout: Duration,
     /// The group's epoch and its job ranks, as the server last said
@@ -117,6 +117,15 @@ struct Inbox {
     /// A withdrawn ask's answer (the group's ranks that had not asked); whether it is due.
     shrink_withdrawn: Option<Vec<u32>>,
     withdraw_pending: bool,
+}
+
+/// An instant, by default the moment it is made (when the connection is).
+struct Now(Instant);
+
+impl Default for Now {
+    fn default() -> Self {
+        Now(Instant::now())
+    }
 }
 
 impl Inbox {
@@ -142,12 +151,48 @@ impl Inbox {
         self.lost.is_some() || self.expelled.is_some()
     }
 
-    /// The group's state as of a new epoch (a shrink): nothing broken.
-    fn fresh_epoch(&mut self) {
-        self.results.clear();
-        self.waiting.clear();
-        (self.broken, self.broken_at, self.lost) = (None, None, None);
-        self.settled = false;
+    /// Take in a frame the server sent; `Some`: the server dropped this rank, why.
+    fn dispatch(&mut self, msg: ToClient) -> Option<String> {
+        match msg {
+            ToClient::Result {
+                channel,
+                round,
+                payloads,
+            } => {
+                self.results.insert((channel, round), payloads);
+            }
+            ToClient::Broken(b) => self.note_broken(b),
+            ToClient::Expelled { reason } => self.expelled = Some(reason),
+            ToClient::Joined { present } => self.present = present,
+            ToClient::Waiting {
+                channel,
+                round,
+                missing,
+            } => {
+                self.waiting.insert((channel, round), missing);
+            }
+            ToClient::AllJoined => self.all_joined = true,
+            ToClient::Shrunk { epoch, survivors } => {
+                // Everything of the old group came before, on this connection: the
+                // group's state as of the new epoch, nothing broken.
+                self.results.clear();
+                self.waiting.clear();
+                (self.broken, self.broken_at, self.lost) = (None, None, None);
+                self.settled = false;
+                (self.epoch, self.survivors) = (epoch, survivors);
+                // A withdrawal the server had not read by then is not answered.
+                self.withdraw_pending = false;
+            }
+            ToClient::ShrinkFailed { reason, retry } => self.shrink_failed = Some((reason, retry)),
+            ToClient::Withdrawn { missing } => {
+                (self.shrink_withdrawn, self.withdraw_pending) = (Some(missing), false);
+            }
+            ToClient::Heartbeat | ToClient::Welcome => {}
+            ToClient::Reject { reason, .. } => {
+                return Some(format!("the store server dropped this rank: {reason}"));
+            }
+        }
+        None
     }
 }
 
@@ -164,18 +209,28 @@ impl fmt::Debug for StoreExchange {
 }
 
 impl ClientShared {
-    /// Writing to the server failed (`detail`): the server is lost, unless what it
-    /// sent before says otherwise. What has arrived is read first ([`drain`]): a rank
-    /// the store declared lost finds its word there ([`ToClient::Expelled`]), and the
-    /// reader then the connection's end.
+    /// Send `frame` (`what`: "writing to", say); `false` if that failed. Then, unless
+    /// this rank is closing, the server is lost, unless what it sent before says
+    /// otherwise. What has arrived is read first ([`drain`]): a rank the store declared
+    /// lost finds its word there ([`ToClient::Expelled`]), and the reader then the
+    /// connection's end.
     ///
     /// [`drain`]: Self::drain
-    fn write_failed(&self, detail: String) {
-        let inbox = self.inbox.lock();
-        let mut inbox = self.drain(inbox, Deadline::after(self.config.heartbeat_interval));
-        inbox.server_lost(detail);
-        drop(inbox);
-        self.cv.notify_all();
+    fn send_or_lose(&self, frame: &[u8], what: &str) -> bool {
+        let Err(e) = self.writer.lock().send(frame) else {
+            return true;
+        };
+        if !self.closing.load(Ordering::SeqCst) {
+            let inbox = self.inbox.lock();
+            let mut inbox = self.drain(inbox, Deadline::after(self.config.heartbeat_interval));
+            inbox.server_lost(format!(
+                "{what} the store server at {} failed: {e}",
+                self.server
+            ));
+            drop(inbox);
+            self.cv.notify_all();
+        }
+        false
     }
 
     /// Read and dispatch what has arrived, without waiting for more: polling while
@@ -206,10 +261,6 @@ impl ClientShared {
         inbox
     }
 
-    fn send(&self, frame: &[u8]) -> std::io::Result<()> {
-        self.writer.lock().send(frame)
-    }
-
     /// Read one frame (polling for up to `spin` first, then waiting at most `limit`;
     /// `None`: only what has arrived) and dispatch it. The caller has checked that
     /// nobody else is reading.
@@ -237,64 +288,30 @@ impl ClientShared {
         let mut inbox = self.inbox.lock();
         inbox.reader_busy = false;
         let now = Instant::now();
-        inbox.last_read = now;
+        inbox.last_read = Now(now);
+        let framed = matches!(got, Ok(Some(_)));
         // (Bytes of a large frame still arriving: the server is alive.)
-        if progressed || matches!(got, Ok(Some(_))) {
-            inbox.last_heard = now;
+        if progressed || framed {
+            inbox.last_heard = Now(now);
         }
-        let mut ended = None;
-        inbox.frames += u64::from(matches!(got, Ok(Some(_))));
-        match got {
-            Ok(Some(body)) => match wire::decode::<ToClient>(&body) {
-                Ok(ToClient::Result {
-                    channel,
-                    round,
-                    payloads,
-                }) => {
-                    inbox.results.insert((channel, round), payloads);
-                }
-                Ok(ToClient::Broken(b)) => inbox.note_broken(b),
-                Ok(ToClient::Expelled { reason }) => inbox.expelled = Some(reason),
-                Ok(ToClient::Joined { present }) => inbox.present = present,
-                Ok(ToClient::Waiting {
-                    channel,
-                    round,
-                    missing,
-                }) => {
-                    inbox.waiting.insert((channel, round), missing);
-                }
-                Ok(ToClient::AllJoined) => inbox.all_joined = true,
-                Ok(ToClient::Shrunk { epoch, survivors }) => {
-                    // Everything of the old group came before, on this connection.
-                    inbox.fresh_epoch();
-                    (inbox.epoch, inbox.survivors) = (epoch, survivors);
-                    // A withdrawal the server had not read by then is not answered.
-                    inbox.withdraw_pending = false;
-                }
-                Ok(ToClient::ShrinkFailed { reason, retry }) => {
-                    inbox.shrink_failed = Some((reason, retry))
-                }
-                Ok(ToClient::Withdrawn { missing }) => {
-                    (inbox.shrink_withdrawn, inbox.withdraw_pending) = (Some(missing), false);
-                }
-                Ok(ToClient::Heartbeat | ToClient::Welcome) => {}
-                Ok(ToClient::Reject { reason, .. }) => {
-                    ended = Some(format!("the store server dropped this rank: {reason}"));
-                }
-                Err(why) => ended = Some(format!("the store server sent garbage: {why}")),
+        inbox.frames += u64::from(framed);
+        let ended = match got {
+            Ok(Some(body)) => match wire::decode(&body) {
+                Ok(msg) => inbox.dispatch(msg),
+                Err(why) => Some(format!("the store server sent garbage: {why}")),
             },
-            Ok(None) => {}
+            Ok(None) => None,
             Err(e) => {
                 let why = match e {
                     ReadError::Eof { .. } => "closed".to_string(),
                     e => format!("failed: {e}"),
                 };
-                ended = Some(format!(
+                Some(format!(
                     "the connection to the store server at {} {why} (rank 0 exited, was killed or closed its exchange)",
                     self.server
-                ));
+                ))
             }
-        }
+        };
         if let Some(detail) = ended {
             inbox.reader_done = true;
             // (Closing, this rank ends the connection itself.)
@@ -302,23 +319,18 @@ impl ClientShared {
                 inbox.server_lost(detail);
             }
         }
-        self.note_silence(&mut inbox, now);
-        self.cv.notify_all();
-        inbox
-    }
-
-    /// Declare the server lost once it has been silent for over the heartbeat timeout
-    /// (also after a timeout broke the group: a frozen server explains it). Called
-    /// after a read, which took whatever had arrived.
-    fn note_silence(&self, inbox: &mut Inbox, now: Instant) {
-        let silent = now.saturating_duration_since(inbox.last_heard);
+        // Declare the server lost once it has been silent for over the heartbeat
+        // timeout (also after a timeout broke the group: a frozen server explains it),
+        // after a read, which took whatever had arrived.
+        let silent = now.saturating_duration_since(inbox.last_heard.0);
         if silent > self.config.heartbeat_timeout && !inbox.verdict() && !inbox.reader_done {
             inbox.server_lost(format!(
                 "no heartbeat from the store server at {} for {silent:?} (rank 0 is frozen, e.g. SIGSTOP, or unreachable)",
                 self.server
             ));
-            self.cv.notify_all();
         }
+        self.cv.notify_all();
+        inbox
     }
 
     /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
@@ -364,13 +376,7 @@ fn background_loop(shared: &ClientShared) {
         if now.saturating_duration_since(last_sent) >= interval {
             drop(inbox);
             last_sent = now;
-            if let Err(e) = shared.send(&heartbeat) {
-                if !shared.closing.load(Ordering::SeqCst) {
-                    shared.write_failed(format!(
-                        "sending a heartbeat to the store server at {} failed: {e}",
-                        shared.server
-                    ));
-                }
+            if !shared.send_or_lose(&heartbeat, "sending a heartbeat to") {
                 return;
             }
             inbox = shared.inbox.lock();
@@ -380,13 +386,13 @@ fn background_loop(shared: &ClientShared) {
         // it, a long silence may be this process's own freeze, with the server's word
         // waiting in the socket.)
         let until_heartbeat = (last_sent + interval).saturating_duration_since(now);
-        let unattended = now.saturating_duration_since(inbox.last_read) >= interval / 2;
+        let unattended = now.saturating_duration_since(inbox.last_read.0) >= interval / 2;
         if !inbox.reader_busy && unattended {
             inbox = shared.read_once(inbox, Duration::ZERO, Some(until_heartbeat));
         } else {
             // Until the socket has gone unread for half an interval (while another
             // thread reads: half an interval): a frame waits at most that long.
-            let unread = Some(inbox.last_read).filter(|_| !inbox.reader_busy);
+            let unread = Some(inbox.last_read.0).filter(|_| !inbox.reader_busy);
             let nap = (unread.unwrap_or(now) + interval / 2).saturating_duration_since(now);
             let nap = until_heartbeat.min(nap).max(Duration::from_millis(1));
             shared.bg_cv.wait_for(&mut inbox, nap);
@@ -443,49 +449,28 @@ impl StoreExchange {
         let started = Instant::now();
         let deadline = Deadline::after_from(started, config.startup_timeout);
         let launch = &config.launch;
-        // A server on every interface is reached on the loopback one.
-        let loopback = |a: SocketAddr| match a {
-            SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::LOCALHOST, a.port())),
-            SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::LOCALHOST, a.port())),
-        };
         let target = match server.as_ref().map(StoreServer::local_addr) {
-            Some(a) if a.ip().is_unspecified() => loopback(a).to_string(),
-            Some(a) => a.to_string(),
+            Some(mut a) => {
+                // A server on every interface is reached on the loopback one.
+                if a.ip().is_unspecified() {
+                    a.set_ip(match a {
+                        SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+                        SocketAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+                    });
+                }
+                a.to_string()
+            }
             None => format!("{}:{}", launch.master_addr, launch.master_port),
         };
         // One wait, warned about every interval: for the server, then for the ranks.
         let mut warnings =
             WaitWarnings::new("store start-up", started, config.wait_warning_interval);
-        let (stream, reader) = join_store(&config, &target, deadline, &mut warnings)?;
-        let now = Instant::now();
+        let reader = join_store(&config, &target, deadline, &mut warnings)?;
         let shared = Arc::new(ClientShared {
             server: target,
-            writer: Mutex::new(stream),
+            writer: Mutex::new(reader.inner.clone()),
             reader: Mutex::new(reader),
-            inbox: Mutex::new(Inbox {
-                results: HashMap::new(),
-                waiting: HashMap::new(),
-                abandoned: Vec::new(),
-                broken: None,
-                broken_at: None,
-                lost: None,
-                expelled: None,
-                server_gone: None,
-                settled: false,
-                frames: 0,
-                present: Vec::new(),
-                all_joined: false,
-                reader_busy: false,
-                reader_done: false,
-                last_heard: now,
-                last_read: now,
-                read_timeout: Duration::ZERO,
-                epoch: 0,
-                survivors: Vec::new(),
-                shrink_failed: None,
-                shrink_withdrawn: None,
-                withdraw_pending: false,
-            }),
+            inbox: Mutex::default(),
             cv: Condvar::new(),
             bg_cv: Condvar::new(),
             config: config.clone(),
@@ -507,7 +492,6 @@ impl StoreExchange {
             }),
             shared,
             rounds: Rounds::new(launch.rank, launch.world_size, config.max_payload_bytes()),
-            job_rank: launch.rank,
             epoch: 0,
             successor: Mutex::new(None),
         };
@@ -555,9 +539,7 @@ impl StoreExchange {
     fn inbox(&self) -> Result<MutexGuard<'_, Inbox>> {
         let inbox = self.shared.inbox.lock();
         if inbox.epoch != self.epoch {
-            return Err(Error::Shrunk {
-                what: "an exchange",
-            });
+            return Err(SHRUNK);
         }
         Ok(inbox)
     }
@@ -567,13 +549,13 @@ impl StoreExchange {
         Who(self.rounds.rank, "store", &self.shared.server)
     }
 
-    /// What a call `op` that began waiting at `started` reports on the broken group of
+    /// What the call of round `r` (in `r.op`, waiting since `r.started`) reports on the broken group of
     /// `inbox`: [`Error::Timeout`] naming `missing` where its own wait timed out, else
     /// the error of the group's cause ([`error_for`]); but the store's verdict on a
     /// loss wins over a timeout it explains. A timeout is often the first sign of a
     /// frozen rank: the store declares it lost within the heartbeat timeout of its
     /// last word (`T`; its monitor looks when that passes), so a rank that froze
-    /// before this wait began is named by `started` + `T` + the heartbeat interval
+    /// before this wait began is named by `r.started` + `T` + the heartbeat interval
     /// (for the word to arrive), or, if the group broke before this call, that long
     /// after this rank learnt of it. So, unless the verdict is here, this waits for it
     /// until then, and then reads what has arrived (a rank resumed after a freeze finds
@@ -582,35 +564,29 @@ impl StoreExchange {
     fn explained<'a>(
         &'a self,
         mut inbox: MutexGuard<'a, Inbox>,
-        op: &'static str,
-        started: Instant,
+        r: &Round<'_>,
         missing: Option<Vec<u32>>,
     ) -> Error {
         if !inbox.verdict() && !inbox.settled {
             let c = &self.shared.config;
-            let since = inbox.broken_at.map_or(started, |seen| seen.min(started));
-            let window = Deadline::after_from(since, c.heartbeat_timeout + c.heartbeat_interval);
+            let since = inbox
+                .broken_at
+                .map_or(r.started, |seen| seen.min(r.started));
+            let window = Deadline::after_from(since, c.detection_bound());
             drop(inbox);
-            let epoch = self.epoch;
             inbox = (self.shared).wait_until(window, |ib| {
-                ib.verdict() || ib.reader_done || ib.epoch != epoch
+                ib.verdict() || ib.reader_done || ib.epoch != self.epoch
             });
             let read_by = Deadline::after(DRAIN_WAIT.min(c.heartbeat_interval));
             inbox = self.shared.drain(inbox, read_by);
             inbox.settled = true;
         }
         if inbox.epoch != self.epoch {
-            return Error::Shrunk {
-                what: "an exchange",
-            };
+            return SHRUNK;
         }
         match missing {
-            Some(missing) if !inbox.verdict() => Error::Timeout {
-                op,
-                waited: started.elapsed(),
-                missing_ranks: missing.into_iter().map(|k| k as usize).collect(),
-            },
-            _ => error_for(&inbox, self.rounds.rank, op),
+            Some(missing) if !inbox.verdict() => Error::timeout_since(r.op, r.started, &missing),
+            _ => error_for(&inbox, self.rounds.rank, r.op),
         }
     }
 }
@@ -622,23 +598,20 @@ const DRAIN_WAIT: Duration = Duration::from_millis(100);
 /// The loss the store told of in `inbox`, if any: this rank (`me`) expelled, or
 /// another rank lost.
 fn lost(inbox: &Inbox, me: usize) -> Option<LostPeer> {
-    if let Some(reason) = &inbox.expelled {
-        let detail = reason.clone();
-        let (left, this_rank) = (false, true);
-        return Some(LostPeer {
-            rank: me,
-            detail,
-            left,
-            this_rank,
-        });
-    }
-    let b = inbox.lost.as_ref()?;
-    let Cause::Lost { detail } = &b.cause else {
-        return None;
+    let (rank, detail, this_rank) = match (&inbox.expelled, &inbox.lost) {
+        (Some(reason), _) => (me, reason, true),
+        (
+            None,
+            Some(Broken {
+                rank,
+                cause: Cause::Lost { detail },
+                ..
+            }),
+        ) => (*rank as usize, detail, false),
+        _ => return None,
     };
-    let (rank, left) = (b.rank as usize, detail.starts_with(CLOSED));
+    let left = !this_rank && detail.starts_with(CLOSED);
     let detail = detail.clone();
-    let this_rank = false;
     Some(LostPeer {
         rank,
         detail,
@@ -670,7 +643,7 @@ impl GatherRounds for StoreExchange {
         {
             let inbox = self.inbox()?;
             if inbox.broken.is_some() {
-                return Err(self.explained(inbox, r.op, r.started, None));
+                return Err(self.explained(inbox, &r, None));
             }
         }
         let round = r.number;
@@ -683,12 +656,7 @@ impl GatherRounds for StoreExchange {
             op: wire_op.clone(),
             payload: r.payload.to_vec(),
         });
-        if let Err(e) = self.shared.send(&frame) {
-            let server = &self.shared.server;
-            (self.shared).write_failed(format!(
-                "writing to the store server at {server} failed: {e}"
-            ));
-        }
+        self.shared.send_or_lose(&frame, "writing to");
         // The server says when the round has waited long, naming who has not
         // contributed (`ToClient::Waiting`): this rank warns then, not on a timer.
         let mut warnings = WaitWarnings::new(r.op, r.started, Duration::MAX);
@@ -707,7 +675,6 @@ impl GatherRounds for StoreExchange {
             match notice {
                 Some(missing) if !inbox.results.contains_key(&key) && inbox.broken.is_none() => {
                     drop(inbox);
-                    let missing: Vec<usize> = missing.into_iter().map(|m| m as usize).collect();
                     warnings.warn(&self.who(), ranks(&missing), r.deadline);
                 }
                 _ => break inbox,
@@ -715,17 +682,15 @@ impl GatherRounds for StoreExchange {
         };
         if inbox.epoch != self.epoch {
             // The group shrank (another pool of this rank asked) under this round.
-            return Err(Error::Shrunk {
-                what: "an exchange",
-            });
+            return Err(SHRUNK);
         }
         if let Some(result) = inbox.results.remove(&key) {
             drop(inbox);
             warnings.arrived(&self.who());
-            return Ok(result);
+            return Ok(result.into_iter().map(ByteBuf::into_vec).collect());
         }
         if inbox.broken.is_some() {
-            return Err(self.explained(inbox, r.op, r.started, None));
+            return Err(self.explained(inbox, &r, None));
         }
         if inbox.abandoned.contains(&key.0) {
             return Err(Error::timeout_since(r.op, r.started, &[]));
@@ -733,14 +698,17 @@ impl GatherRounds for StoreExchange {
         // Timed out: tell the server, which breaks the group for every rank and
         // names the ranks that had not contributed.
         drop(inbox);
-        let _ = self.shared.send(&wire::encode(&ToServer::Abandon {
-            epoch: self.epoch,
-            channel: key.0,
-            round,
-            op: wire_op,
-        }));
-        let config = &self.shared.config;
-        let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
+        let _ = self
+            .shared
+            .writer
+            .lock()
+            .send(&wire::encode(&ToServer::Abandon {
+                epoch: self.epoch,
+                channel: key.0,
+                round,
+                op: wire_op,
+            }));
+        let answer_by = Deadline::after(self.shared.config.detection_bound());
         let mut inbox = self.shared.wait_until(answer_by, |ib| ib.broken.is_some());
         inbox.results.remove(&key);
         let missing = match &inbox.broken {
@@ -748,17 +716,17 @@ impl GatherRounds for StoreExchange {
                 rank,
                 cause: Cause::Timeout { missing },
                 ..
-            }) if *rank as usize == self.rounds.rank => missing.clone(),
-            Some(_) => return Err(self.explained(inbox, r.op, r.started, None)),
+            }) if *rank as usize == self.rounds.rank => Some(missing.clone()),
+            Some(_) => None,
             None => {
                 // No answer from the server: break the group here.
                 let broken = Broken::timeout(self.rounds.rank as u32, r.op.into(), vec![]);
                 inbox.note_broken(broken);
                 self.shared.cv.notify_all();
-                vec![]
+                Some(vec![])
             }
         };
-        Err(self.explained(inbox, r.op, r.started, Some(missing)))
+        Err(self.explained(inbox, &r, missing))
     }
 
     fn rounds(&self) -> &Rounds {
@@ -790,7 +758,11 @@ impl Drop for Connection {
         self.shared.closing.store(true, Ordering::SeqCst);
         self.shared.cv.notify_all();
         self.shared.bg_cv.notify_all();
-        let _ = self.shared.send(&wire::encode(&ToServer::Bye));
+        let _ = self
+            .shared
+            .writer
+            .lock()
+            .send(&wire::encode(&ToServer::Bye));
         let _ = self.shared.writer.lock().shutdown(Shutdown::Write);
         if let Some(h) = self.reader.take() {
             let _ = h.join();

@@ -197,6 +197,12 @@ impl StoreConfig {
             .saturating_sub(PER_PAYLOAD_OVERHEAD_BYTES)
     }
 
+    /// The failure-detection bound (see [`control`](super)): the heartbeat timeout and
+    /// interval, within which a rank hears of a loss from the store.
+    pub(crate) fn detection_bound(&self) -> Duration {
+        self.heartbeat_timeout + self.heartbeat_interval
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
         let frame_bytes = MAX_HANDSHAKE_FRAME_BYTES..=u32::MAX as usize;
         let problem = if self.heartbeat_interval.is_zero()

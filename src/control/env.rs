@@ -58,8 +58,10 @@ pub struct Launch {
 }
 
 pub(super) fn env_err(variable: &str, detail: impl Into<String>) -> Error {
-    let (variable, detail) = (variable.to_string(), detail.into());
-    Error::LaunchEnv { variable, detail }
+    Error::LaunchEnv {
+        variable: variable.to_string(),
+        detail: detail.into(),
+    }
 }
 
 /// The variable `name` read through `get` and parsed (`None`: not set).
@@ -115,27 +117,43 @@ impl Launch {
     /// one missing or not a number, a rank not below the world size, `MASTER_ADDR`
     /// or `MASTER_PORT` missing (without `SYMMPOOL_STORE_PORT`) or invalid.
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<Launch> {
-        let (source, rank_var, launcher) = if get("RANK").is_some() {
-            (LaunchSource::Torchrun, "RANK", "torchrun's")
-        } else if get("SLURM_PROCID").is_some() {
-            (LaunchSource::Slurm, "SLURM_PROCID", "slurm's")
-        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
-            (LaunchSource::OpenMpi, "OMPI_COMM_WORLD_RANK", "Open MPI's")
-        } else {
+        // Each launcher's variables (rank, world size, local rank, local world size), in
+        // the order they are tried (the first whose rank is set).
+        let launchers = [
+            (
+                LaunchSource::Torchrun,
+                "torchrun's",
+                ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+            ),
+            (
+                LaunchSource::Slurm,
+                "slurm's",
+                [
+                    "SLURM_PROCID",
+                    "SLURM_NTASKS",
+                    "SLURM_LOCALID",
+                    "SLURM_NTASKS_PER_NODE",
+                ],
+            ),
+            (
+                LaunchSource::OpenMpi,
+                "Open MPI's",
+                [
+                    "OMPI_COMM_WORLD_RANK",
+                    "OMPI_COMM_WORLD_SIZE",
+                    "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                ],
+            ),
+        ];
+        let Some((source, launcher, [rank_var, size_var, local_var, local_size_var])) =
+            launchers.into_iter().find(|l| get(l.2[0]).is_some())
+        else {
             return Err(env_err(
                 "RANK",
                 "no launcher environment found: run under torchrun, srun or mpirun, or set \
                  RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT",
             ));
-        };
-        let (size_var, local_var, local_size_var) = match source {
-            LaunchSource::Slurm => ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-            LaunchSource::OpenMpi => (
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-            ),
-            _ => ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
         };
         let count = |name: &str| parse_var::<usize>(get, name, "a non-negative integer");
         let required = |name: &str| {

@@ -5,8 +5,8 @@ use super::admission::{describe_io, out_of_descriptors};
 use super::config::StoreConfig;
 use super::waiting::{WaitWarnings, Who};
 use super::wire::{
-    self, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, ReadError, Refusal, SharedStream,
-    ToClient, ToServer,
+    self, FrameReader, FrameResult, MAX_HANDSHAKE_FRAME_BYTES, PREFACE_BYTES, Refusal,
+    SharedStream, ToClient, ToServer,
 };
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -27,7 +27,7 @@ fn host_name() -> String {
 
 /// Connect to the store at `target` and complete the handshake, retrying while the
 /// server cannot be reached or is busy (too many handshakes in flight), until
-/// `deadline`. The connection (one descriptor) and its reader.
+/// `deadline`. The connection's reader (its `inner` the socket, one descriptor).
 ///
 /// # Errors
 /// As [`StoreExchange::connect`](super::StoreExchange::connect).
@@ -36,7 +36,7 @@ pub(super) fn join_store(
     target: &str,
     deadline: Deadline,
     warnings: &mut WaitWarnings,
-) -> Result<(SharedStream, FrameReader<SharedStream>)> {
+) -> Result<FrameReader<SharedStream>> {
     let launch = &config.launch;
     let job = config.job_id.clone().unwrap_or_default();
     let hello = wire::with_preface(&ToServer::Hello {
@@ -69,7 +69,7 @@ pub(super) fn join_store(
             .map_err(transport("store handshake", format!("writing to {target}")))?;
         let mut reader = FrameReader::new(stream.clone(), MAX_HANDSHAKE_FRAME_BYTES);
         let hs_deadline = deadline.cap(config.handshake_timeout);
-        let failed = |what: &str, got: std::result::Result<Option<Vec<u8>>, ReadError>| {
+        let failed = |what: &str, got: FrameResult| {
             got.map_err(|e| proto(format!("reading the server's {what} from {target}: {e}")))?
                 .ok_or_else(|| {
                     proto(format!(
@@ -77,17 +77,14 @@ pub(super) fn join_store(
                     ))
                 })
         };
-        let preface = wire::read_until(&stream, hs_deadline, || reader.raw(PREFACE_BYTES));
+        let preface = reader.read_until(hs_deadline, |r| r.raw(PREFACE_BYTES));
         let preface = failed("preface", preface)?;
         wire::check_preface(&preface).map_err(|why| proto(format!("{target}: {why}")))?;
-        let verdict = failed(
-            "verdict",
-            wire::read_until(&stream, hs_deadline, || reader.frame()),
-        )?;
+        let verdict = failed("verdict", reader.read_until(hs_deadline, |r| r.frame()))?;
         let (reason, kind, store_job) = match wire::decode::<ToClient>(&verdict).map_err(proto)? {
             ToClient::Welcome => {
                 reader.max_frame_bytes = config.max_frame_bytes;
-                return Ok((stream, reader));
+                return Ok(reader);
             }
             ToClient::Reject { reason, kind, job } => (reason, kind, job),
             other => return Err(proto(format!("expected a welcome, got {other:?}"))),

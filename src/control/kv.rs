@@ -199,8 +199,8 @@ impl<S: KvStore> KvExchange<S> {
     /// The ranks whose keys of a round (`keys`, by rank) are missing.
     fn missing(&self, keys: &[String]) -> Result<Vec<usize>> {
         let mut missing = Vec::new();
-        for (k, key) in keys.iter().enumerate() {
-            if !self.store.check(std::slice::from_ref(key))? {
+        for (k, key) in keys.chunks(1).enumerate() {
+            if !self.store.check(key)? {
                 missing.push(k);
             }
         }
@@ -258,9 +258,11 @@ impl<S: KvStore> GatherRounds for KvExchange<S> {
         warnings.arrived(&who);
         // A rank that timed out may have posted before it gave up: do not pair with it.
         self.check_broken()?;
-        let mine = |k: usize| (k == self.rounds.rank).then(|| r.payload.to_vec());
         let out = (keys.iter().enumerate())
-            .map(|(k, key)| mine(k).map_or_else(|| self.store.get(key), Ok))
+            .map(|(k, key)| match k == self.rounds.rank {
+                true => Ok(r.payload.to_vec()),
+                false => self.store.get(key),
+            })
             .collect::<Result<Vec<_>>>()?;
         if round > 0 {
             (self.store).delete(&self.key(r.channel, round - 1, self.rounds.rank))?;

@@ -2,7 +2,7 @@
 
 use super::rendezvous::Lose;
 use super::store::CLOSED;
-use super::{ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds};
+use super::{ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds, SHRUNK};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
@@ -41,18 +41,16 @@ struct Group {
     shrunk: AtomicBool,
 }
 
-/// Values the ranks share under a key, with how many ranks took them.
-type Shared = BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>;
-
 #[derive(Default)]
 struct GroupState {
-    /// Per rank: its exchange is not dropped.
-    alive: Vec<bool>,
+    /// The ranks whose exchange is not dropped.
+    alive: BTreeSet<usize>,
     /// The first rank lost.
     lost: Option<LostPeer>,
     /// The other rendezvous of these ranks, told of a loss.
     told: Vec<Weak<dyn Lose>>,
-    shared: Shared,
+    /// Values the ranks share under a key, with how many ranks took them.
+    shared: BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>,
     /// The ranks asking to shrink now.
     votes: BTreeSet<usize>,
     /// The survivors' exchanges once they all asked, by old rank, until taken.
@@ -72,7 +70,7 @@ impl LocalExchange {
         let group = Arc::new(Group {
             rounds: Rendezvous::new(world_size),
             state: Mutex::new(GroupState {
-                alive: vec![true; world_size],
+                alive: (0..world_size).collect(),
                 ..GroupState::default()
             }),
             cv: Condvar::new(),
@@ -97,15 +95,13 @@ impl LocalExchange {
         T: Clone + Send + 'static,
     {
         let rv = Arc::new(Rendezvous::new(self.rounds.world_size));
-        let lost = {
-            let mut st = self.group.state.lock();
-            st.told.retain(|w| w.strong_count() > 0);
-            st.told.push(Arc::downgrade(&rv) as Weak<dyn Lose>);
-            st.lost.clone()
-        };
-        if let Some(peer) = lost {
-            rv.lose(&peer);
+        let mut st = self.group.state.lock();
+        st.told.retain(|w| w.strong_count() > 0);
+        st.told.push(Arc::downgrade(&rv) as Weak<dyn Lose>);
+        if let Some(peer) = &st.lost {
+            rv.lose(peer);
         }
+        drop(st);
         rv
     }
 
@@ -166,9 +162,8 @@ impl LocalExchange {
         let mut st = group.state.lock();
         st.failed.remove(&rank);
         st.votes.insert(rank);
-        let alive: Vec<usize> = (0..st.alive.len()).filter(|&r| st.alive[r]).collect();
-        if alive.iter().all(|r| st.votes.contains(r)) {
-            let n = st.alive.len();
+        if st.alive.is_subset(&st.votes) {
+            let (n, alive) = (self.rounds.world_size, Vec::from_iter(st.alive.clone()));
             tracing::info!("symmpool: a group of {n} threads shrank to its ranks {alive:?}");
             let next = LocalExchange::group(alive.len());
             st.made.extend(alive.iter().copied().zip(next));
@@ -197,8 +192,9 @@ impl LocalExchange {
                 return Err(Error::Timeout {
                     op: "shrink",
                     waited: started.elapsed(),
-                    missing_ranks: (0..st.alive.len())
-                        .filter(|r| st.alive[*r] && !st.votes.contains(r) && *r != rank)
+                    missing_ranks: (st.alive.difference(&st.votes))
+                        .filter(|&&r| r != rank)
+                        .copied()
                         .collect(),
                 });
             }
@@ -211,10 +207,8 @@ impl Group {
     /// Rank `rank`'s exchange is dropped: the rank is lost to the others (it left, or
     /// its thread panicked), and a shrink they are asking for fails.
     fn lose(&self, rank: usize) {
-        let (left, detail) = match std::thread::panicking() {
-            false => (true, CLOSED.to_string()),
-            true => (false, "its thread panicked".to_string()),
-        };
+        let left = !std::thread::panicking();
+        let detail = if left { CLOSED } else { "its thread panicked" }.to_string();
         let peer = LostPeer {
             rank,
             detail,
@@ -223,7 +217,7 @@ impl Group {
         };
         let told: Vec<Arc<dyn Lose>> = {
             let mut st = self.state.lock();
-            st.alive[rank] = false;
+            st.alive.remove(&rank);
             if self.shrunk.load(Ordering::Acquire) {
                 // The group is over: its ranks went on in the new one, where this is
                 // no loss; every wait here ends with `Shrunk` already.
@@ -271,14 +265,19 @@ impl GatherRounds for LocalExchange {
 
     fn gather_round(&self, round: Round<'_>) -> Result<Vec<Vec<u8>>> {
         if self.group.shrunk.load(Ordering::Acquire) {
-            return Err(Error::Shrunk {
-                what: "an exchange",
-            });
+            return Err(SHRUNK);
         }
         let key = (round.channel, round.number);
-        let (rank, payload) = (self.rounds.rank, round.payload.to_vec());
         let abandoned = || self.abandoned.lock().contains(&round.channel);
-        (self.group.rounds).gather(round.op, rank, key, payload, round.deadline, abandoned)
+        let payload = round.payload.to_vec();
+        (self.group.rounds).gather(
+            round.op,
+            self.rounds.rank,
+            key,
+            payload,
+            round.deadline,
+            abandoned,
+        )
     }
 
     fn abandon(&self, channel: ChannelId) {

@@ -74,23 +74,25 @@ impl Mailbox {
     /// Hand `frame` over if the thread is waiting for it; `false`: it is not.
     pub(super) fn hand_over(&self, frame: &Arc<Vec<u8>>) -> bool {
         let mut slot = self.slot.lock();
-        if !matches!(*slot, Slot::Waiting) {
-            return false;
+        let waiting = matches!(*slot, Slot::Waiting);
+        if waiting {
+            self.fill(&mut slot, frame.clone());
         }
-        self.fill(&mut slot, frame.clone());
-        true
+        waiting
     }
 
     /// Take a delivered frame, if any (a waiting or idle slot stays as it is).
     pub(super) fn take_delivered(&self) -> Option<Arc<Vec<u8>>> {
         let mut slot = self.slot.lock();
-        if !matches!(*slot, Slot::Delivered(_)) {
-            return None;
-        }
-        self.delivered.store(false, Ordering::Relaxed);
         match std::mem::take(&mut *slot) {
-            Slot::Delivered(frame) => Some(frame),
-            Slot::Idle | Slot::Waiting => None,
+            Slot::Delivered(frame) => {
+                self.delivered.store(false, Ordering::Relaxed);
+                Some(frame)
+            }
+            other => {
+                *slot = other;
+                None
+            }
         }
     }
 }

@@ -78,9 +78,10 @@ mod wire;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use admission::REFUSAL_LOG_INTERVAL;
@@ -205,7 +206,7 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// [`Error::ShrinkFailed`] (the default: this exchange cannot shrink); those of
     /// [`StoreExchange::shrink`] and [`LocalExchange::shrink`].
-    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         let _ = deadline;
         Err(cannot_shrink(self))
     }
@@ -283,22 +284,19 @@ fn intern_op(name: &str) -> &'static str {
     }
 }
 
+/// What a call on an exchange whose group has shrunk past it fails with.
+const SHRUNK: Error = Error::Shrunk {
+    what: "an exchange",
+};
+
 /// [`Exchange::shrink`]'s error for an exchange `ex` that cannot shrink.
 fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
     let reason = format!("{ex:?} cannot shrink (a StoreExchange or a LocalExchange can)");
     Error::shrink_failed(reason, false)
 }
 
-/// What a rank opens in [`Exchange::open_channel`]'s round.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
-struct ChannelOpening {
-    ordinal: u64,
-    name: String,
-}
-
 /// One round of one of the crate's exchanges, numbered and checked by [`GatherRounds`]'
 /// [`Exchange`] implementation.
-#[derive(Debug, Clone, Copy)]
 struct Round<'a> {
     channel: ChannelId,
     /// The round's number on `channel`, from 1.
@@ -328,13 +326,10 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     }
 
     /// [`Exchange::abandon`].
-    fn abandon(&self, channel: ChannelId) {
-        let _ = channel;
-    }
+    fn abandon(&self, _channel: ChannelId) {}
 
     /// [`Exchange::shrink`].
-    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
-        let _ = deadline;
+    fn shrink(&self, _deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         Err(cannot_shrink(self))
     }
 }
@@ -385,14 +380,14 @@ impl<T: GatherRounds> Exchange for T {
         GatherRounds::abandon(self, channel);
     }
 
-    fn shrink(&self, deadline: Deadline) -> Result<std::sync::Arc<dyn Exchange>> {
+    fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         GatherRounds::shrink(self, deadline)
     }
 }
 
 /// A rank's place in the group and the round counters every [`GatherRounds`]
 /// implementation keeps: one per channel, and the counter of opened channels.
-#[derive(Debug)]
+#[derive(Default)]
 struct Rounds {
     /// This rank, in `0..world_size`.
     rank: usize,
@@ -410,8 +405,7 @@ impl Rounds {
             rank,
             world_size,
             max_payload_bytes,
-            per_channel: Mutex::default(),
-            opened: Mutex::default(),
+            ..Rounds::default()
         }
     }
 
@@ -427,16 +421,14 @@ impl Rounds {
     fn open(&self, ex: &dyn Exchange, name: &str, deadline: Deadline) -> Result<ChannelId> {
         let mut opened = self.opened.lock();
         *opened += 1;
-        let (ordinal, name) = (*opened, name.to_owned());
-        let mine = ChannelOpening { ordinal, name };
+        // What a rank opens: the ordinal and the name.
+        let mine = (*opened, name.to_owned());
         let all = gather_records(ex, ChannelId::CONTROL, "open_channel", &mine, deadline)?;
         if all.iter().all(|o| *o == mine) {
-            return Ok(ChannelId(mine.ordinal));
+            return Ok(ChannelId(mine.0));
         }
-        let opened = all
-            .into_iter()
-            .enumerate()
-            .map(|(rank, o)| (rank, o.ordinal, o.name))
+        let opened = (all.into_iter().enumerate())
+            .map(|(rank, (ordinal, name))| (rank, ordinal, name))
             .collect();
         Err(Error::ChannelMismatch { opened })
     }

@@ -42,7 +42,7 @@ struct RvState<K, T> {
     shrunk: bool,
 }
 
-impl<K, T> RvState<K, T> {
+impl<K: Ord, T> RvState<K, T> {
     /// The error of a gather `op` on a broken rendezvous (the group shrank; a loss
     /// named first), if it is.
     fn broken(&self, op: &'static str) -> Option<Error> {
@@ -53,8 +53,28 @@ impl<K, T> RvState<K, T> {
         }
         match (&self.lost, self.broken) {
             (Some(lost), _) => Some(lost.error(op)),
-            (None, Some((by, what))) => Some(Error::GroupBroken { rank: by, op: what }),
+            (None, Some((rank, op))) => Some(Error::GroupBroken { rank, op }),
             (None, None) => None,
+        }
+    }
+
+    /// The ranks that have not posted in the round `key`.
+    fn missing(&self, key: K) -> Vec<usize> {
+        self.rounds.get(&key).map_or_else(Vec::new, |r| {
+            (r.posted.iter().enumerate())
+                .filter(|(_, p)| p.is_none())
+                .map(|(i, _)| i)
+                .collect()
+        })
+    }
+
+    /// Take `rank`'s post out of the round `key` (dropping the round once empty).
+    fn withdraw(&mut self, key: K, rank: usize) {
+        if let Some(r) = self.rounds.get_mut(&key) {
+            r.posted[rank] = None;
+            if r.posted.iter().all(Option::is_none) {
+                self.rounds.remove(&key);
+            }
         }
     }
 }
@@ -138,15 +158,15 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 return Ok(out);
             }
             if let Some(e) = state.broken(op) {
-                Self::withdraw(&mut state, key, rank);
+                state.withdraw(key, rank);
                 return Err(e);
             }
             if abandoned() {
                 return Err(Error::timeout_since(op, started, &[]));
             }
             if deadline.expired() {
-                let missing = Self::missing(&state, key);
-                Self::withdraw(&mut state, key, rank);
+                let missing = state.missing(key);
+                state.withdraw(key, rank);
                 state.broken = Some((rank, op));
                 self.cv.notify_all();
                 return Err(Error::Timeout {
@@ -156,7 +176,7 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
                 });
             }
             if warnings.due() {
-                let missing = ranks(&Self::missing(&state, key));
+                let missing = ranks(&state.missing(key));
                 // Logged without the lock, which the other ranks need to post.
                 MutexGuard::unlocked(&mut state, || warnings.warn(&who, missing, deadline));
                 continue; // the round may have completed meanwhile
@@ -164,16 +184,6 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
             self.cv
                 .wait_until(&mut state, warnings.until(deadline).instant());
         }
-    }
-
-    /// The ranks that have not posted in the round `key`.
-    fn missing(state: &RvState<K, T>, key: K) -> Vec<usize> {
-        state.rounds.get(&key).map_or_else(Vec::new, |r| {
-            (r.posted.iter().enumerate())
-                .filter(|(_, p)| p.is_none())
-                .map(|(i, _)| i)
-                .collect()
-        })
     }
 
     /// Break the group as a timeout of `rank` in `op` would (unless it is broken
@@ -188,16 +198,6 @@ impl<K: Ord + Copy, T: Clone> Rendezvous<K, T> {
     pub(crate) fn wake(&self) {
         let _state = self.state.lock();
         self.cv.notify_all();
-    }
-
-    /// Take `rank`'s post out of the round `key` (dropping the round once empty).
-    fn withdraw(state: &mut RvState<K, T>, key: K, rank: usize) {
-        if let Some(r) = state.rounds.get_mut(&key) {
-            r.posted[rank] = None;
-            if r.posted.iter().all(Option::is_none) {
-                state.rounds.remove(&key);
-            }
-        }
     }
 }
 

@@ -19,7 +19,6 @@ pub const WAIT_WARNING_INTERVAL: Duration = Duration::from_secs(30);
 /// no clock read beyond the caller's), it says when the next warning is due; the
 /// waiter wakes then ([`until`](Self::until)), warns ([`warn`](Self::warn)), waits on,
 /// and once the ranks arrive says so ([`arrived`](Self::arrived)) if it warned.
-#[derive(Debug)]
 pub(crate) struct WaitWarnings {
     op: &'static str,
     started: Instant,
@@ -90,7 +89,6 @@ impl WaitWarnings {
 /// A waiting rank as a warning names it: the rank, what it waits on (`store`, or empty)
 /// and which one (an address, a key prefix): `rank 1`, or `rank 1 (store
 /// 10.0.0.1:29500)` (formatted only when a warning is logged).
-#[derive(Debug, Clone, Copy)]
 pub(crate) struct Who<'a>(
     pub(crate) usize,
     pub(crate) &'static str,
@@ -109,12 +107,12 @@ impl fmt::Display for Who<'_> {
 
 /// `missing` ranks as a warning names them: `rank 2`, `ranks 1, 2` (none known: `the
 /// other ranks`).
-pub(crate) fn ranks(missing: &[usize]) -> String {
+pub(crate) fn ranks<R: fmt::Display>(missing: &[R]) -> String {
     match missing {
         [] => "the other ranks".into(),
         [one] => format!("rank {one}"),
         many => {
-            let list: Vec<String> = many.iter().map(usize::to_string).collect();
+            let list: Vec<String> = many.iter().map(R::to_string).collect();
             format!("ranks {}", list.join(", "))
         }
     }

@@ -1,8 +1,9 @@
 //! [`StoreExchange::shrink`]: this rank's side of a shrink (the server's is in
 //! `store/shrink.rs`).
 
-use super::{Rounds, StoreExchange};
-use crate::control::wire::{self, ToServer};
+use super::{Inbox, Rounds, StoreExchange};
+use crate::control::Exchange;
+use crate::control::wire::{self, Cause, ToServer};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
@@ -39,39 +40,34 @@ impl StoreExchange {
         if let Some(next) = successor.clone() {
             drop(successor);
             // The survivors lost a rank too, or went on past such a loss: from there.
-            if super::super::Exchange::lost_peer(&*next).is_some()
-                || next.successor.lock().is_some()
-            {
+            if Exchange::lost_peer(&*next).is_some() || next.successor.lock().is_some() {
                 return next.shrink(deadline);
             }
             return Ok(next);
         }
         let started = Instant::now();
-        let server_gone = |detail: Option<String>| {
-            let detail = detail.unwrap_or_else(|| "its connection closed".into());
+        // This rank declared lost itself, or the server gone: no group to shrink with.
+        let gone = |ib: &Inbox| {
+            if let Some(reason) = &ib.expelled {
+                return Error::DeclaredLost {
+                    rank: self.rounds.rank,
+                    detail: reason.clone(),
+                };
+            }
+            let cause = ib.broken.as_ref().map(|b| match &b.cause {
+                Cause::Lost { detail } => detail.clone(),
+                Cause::Timeout { .. } => format!("the group broke in {}", b.op),
+            });
+            let detail = (ib.server_gone.clone().or(cause))
+                .unwrap_or_else(|| "its connection closed".into());
             let reason = format!(
                 "the store's host, job rank 0, is gone ({detail}): the survivors cannot agree without it"
             );
             Error::shrink_failed(reason, false)
         };
-        let lost_detail = |ib: &super::Inbox| {
-            let cause = ib.broken.as_ref().map(|b| match &b.cause {
-                wire::Cause::Lost { detail } => detail.clone(),
-                wire::Cause::Timeout { .. } => format!("the group broke in {}", b.op),
-            });
-            ib.server_gone.clone().or(cause)
-        };
-        // This rank declared lost itself: no group to shrink with.
-        let gone = |ib: &super::Inbox| match &ib.expelled {
-            Some(reason) => Error::DeclaredLost {
-                rank: self.rounds.rank,
-                detail: reason.clone(),
-            },
-            None => server_gone(lost_detail(ib)),
-        };
         drop(self.inbox()?);
         // An earlier ask's withdrawal not confirmed yet: its answer is not this ask's.
-        let pending_done = |ib: &mut super::Inbox| !ib.withdraw_pending || ib.reader_done;
+        let pending_done = |ib: &mut Inbox| !ib.withdraw_pending || ib.reader_done;
         let mut inbox = self.shared.wait_until(deadline, pending_done);
         if inbox.reader_done {
             return Err(gone(&inbox));
@@ -81,15 +77,11 @@ impl StoreExchange {
         (inbox.shrink_failed, inbox.shrink_withdrawn) = (None, None);
         drop(inbox);
         let ask = wire::encode(&ToServer::Shrink { epoch: self.epoch });
-        if let Err(e) = self.shared.send(&ask) {
-            let server = &self.shared.server;
-            (self.shared).write_failed(format!(
-                "writing to the store server at {server} failed: {e}"
-            ));
+        if !self.shared.send_or_lose(&ask, "writing to") {
             return Err(gone(&self.shared.inbox.lock()));
         }
-        let over = |ib: &super::Inbox| ib.epoch != self.epoch || ib.reader_done;
-        let answered = |ib: &mut super::Inbox| over(ib) || ib.shrink_failed.is_some();
+        let over = |ib: &Inbox| ib.epoch != self.epoch || ib.reader_done;
+        let answered = |ib: &mut Inbox| over(ib) || ib.shrink_failed.is_some();
         let mut inbox = self.shared.wait_until(deadline, answered);
         if !answered(&mut inbox) {
             // Timed out: withdraw the ask, so that the others' asks never shrink the
@@ -98,39 +90,28 @@ impl StoreExchange {
             inbox.withdraw_pending = true;
             drop(inbox);
             let withdraw = wire::encode(&ToServer::Withdraw { epoch: self.epoch });
-            let sent = self.shared.send(&withdraw).is_ok();
-            let config = &self.shared.config;
-            let answer_by = Deadline::after(config.heartbeat_timeout + config.heartbeat_interval);
-            let confirmed = |ib: &mut super::Inbox| !sent || over(ib) || !ib.withdraw_pending;
+            let sent = self.shared.writer.lock().send(&withdraw).is_ok();
+            let answer_by = Deadline::after(self.shared.config.detection_bound());
+            let confirmed = |ib: &mut Inbox| !sent || over(ib) || !ib.withdraw_pending;
             inbox = self.shared.wait_until(answer_by, confirmed);
         }
-        if inbox.epoch != self.epoch {
-            let next = self.in_new_group(inbox, started)?;
-            *successor = Some(next.clone());
-            return Ok(next);
-        } else if let Some((reason, retry)) = inbox.shrink_failed.take() {
-            return Err(Error::ShrinkFailed { reason, retry });
-        } else if inbox.reader_done {
-            return Err(gone(&inbox));
+        if inbox.epoch == self.epoch {
+            if let Some((reason, retry)) = inbox.shrink_failed.take() {
+                return Err(Error::ShrinkFailed { reason, retry });
+            } else if inbox.reader_done {
+                return Err(gone(&inbox));
+            }
+            let missing = inbox.shrink_withdrawn.take().unwrap_or_default();
+            return Err(Error::timeout_since("shrink", started, &missing));
         }
-        let missing = inbox.shrink_withdrawn.take().unwrap_or_default();
-        Err(Error::timeout_since("shrink", started, &missing))
-    }
-
-    /// This rank's exchange in the group the store shrank to (`inbox` shows it).
-    ///
-    /// # Errors
-    /// [`Error::ShrinkFailed`] if the group goes on without this rank.
-    fn in_new_group(
-        &self,
-        inbox: parking_lot::MutexGuard<'_, super::Inbox>,
-        started: Instant,
-    ) -> Result<Arc<StoreExchange>> {
-        let survivors: Vec<usize> = inbox.survivors.iter().map(|&r| r as usize).collect();
-        let epoch = inbox.epoch;
+        // This rank's exchange in the group the store shrank to (it fails if the group
+        // goes on without this rank).
+        let (survivors, epoch) = (inbox.survivors.clone(), inbox.epoch);
         drop(inbox);
-        let (job_rank, world, took) = (self.job_rank, survivors.len(), started.elapsed());
-        let Some(rank) = survivors.iter().position(|&r| r == job_rank) else {
+        // The rank this process joined the store as.
+        let job_rank = self.shared.config.launch.rank;
+        let (world, took) = (survivors.len(), started.elapsed());
+        let Some(rank) = survivors.iter().position(|&r| r as usize == job_rank) else {
             let reason = format!(
                 "the store shrank the group to job ranks {survivors:?}, without this one ({job_rank})"
             );
@@ -139,13 +120,14 @@ impl StoreExchange {
         tracing::info!(
             "symmpool store: job rank {job_rank} is rank {rank} of {world} after the shrink (epoch {epoch}, {took:?})"
         );
-        Ok(Arc::new(StoreExchange {
+        let next = Arc::new(StoreExchange {
             shared: self.shared.clone(),
             connection: self.connection.clone(),
-            rounds: Rounds::new(rank, survivors.len(), self.rounds.max_payload_bytes),
-            job_rank: self.job_rank,
+            rounds: Rounds::new(rank, world, self.rounds.max_payload_bytes),
             epoch,
             successor: Mutex::new(None),
-        }))
+        });
+        *successor = Some(next.clone());
+        Ok(next)
     }
 }

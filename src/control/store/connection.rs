@@ -9,6 +9,7 @@ use crate::control::wire::{
 };
 use crate::deadline::Deadline;
 use parking_lot::Mutex;
+use serde_bytes::ByteBuf;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -23,12 +24,15 @@ fn join(
     peer: SocketAddr,
 ) -> std::result::Result<Link, Box<Refused>> {
     let until = Deadline::after(shared.config.handshake_timeout);
-    let failed = |e: ReadError| {
-        let kind = match &e {
-            ReadError::Io(io) => RefusalKind::of_io(io),
-            _ => RefusalKind::Garbage,
-        };
-        refused(false, kind, format!("during the handshake: {e}"))
+    // (A client that sent a preface of this protocol is told why.)
+    let failed = |told: bool| {
+        move |e: ReadError| {
+            let kind = match &e {
+                ReadError::Io(io) => RefusalKind::of_io(io),
+                _ => RefusalKind::Garbage,
+            };
+            refused(told, kind, format!("during the handshake: {e}"))
+        }
     };
     let slow = |what: &str| {
         refused(
@@ -37,8 +41,8 @@ fn join(
             format!("no {what} within {:?}", shared.config.handshake_timeout),
         )
     };
-    let preface = wire::read_until(sock, until, || reader.raw(PREFACE_BYTES))
-        .map_err(failed)?
+    let preface = (reader.read_until(until, |r| r.raw(PREFACE_BYTES)))
+        .map_err(failed(false))?
         .ok_or_else(|| slow("handshake"))?;
     if let Err(why) = wire::check_preface(&preface) {
         return Err(if preface[..8] == wire::MAGIC {
@@ -47,12 +51,8 @@ fn join(
             refused(false, RefusalKind::Garbage, why)
         });
     }
-    let body = wire::read_until(sock, until, || reader.frame())
-        .map_err(|e| {
-            let mut refused = failed(e);
-            refused.tell = Some(Refusal::Other);
-            refused
-        })?
+    let body = (reader.read_until(until, |r| r.frame()))
+        .map_err(failed(true))?
         .ok_or_else(|| slow("hello"))?;
     let garbage = |why: String| refused(true, RefusalKind::Garbage, why);
     let hello = wire::decode::<ToServer>(&body).map_err(garbage)?;
@@ -67,7 +67,8 @@ fn join(
     else {
         return Err(garbage(format!("expected a hello, got {hello:?}")));
     };
-    if !wire::constant_time_eq(&token, &shared.token) {
+    let expected = shared.config.token.as_deref().unwrap_or_default();
+    if !wire::constant_time_eq(&token, expected.as_bytes()) {
         return Err(refused(
             true,
             RefusalKind::Token,
@@ -268,7 +269,8 @@ pub(super) fn serve(
                 }
                 posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
-                    let payloads = posted.iter_mut().filter_map(Option::take).collect();
+                    let payloads = posted.iter_mut().filter_map(Option::take);
+                    let payloads = payloads.map(ByteBuf::from).collect();
                     st.rounds.remove(&(channel, round));
                     st.rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {

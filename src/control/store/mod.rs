@@ -68,7 +68,6 @@ pub struct StoreServer {
 
 struct Shared {
     world: usize,
-    token: Vec<u8>,
     /// The job identity (empty: none).
     job: String,
     /// The settings (heartbeats, handshakes, frame limit, wait warnings).
@@ -229,7 +228,6 @@ impl StoreServer {
         let world = config.launch.world_size;
         let shared = Arc::new(Shared {
             world,
-            token: config.token.clone().unwrap_or_default().into_bytes(),
             job: config.job_id.clone().unwrap_or_default(),
             config: config.clone(),
             server_spin: server_spin_in_effect(
@@ -332,15 +330,20 @@ impl Shared {
         stats.connections_rejected += 1;
         stats.connections_refused_busy += u64::from(kind == RefusalKind::Busy);
         drop(stats);
-        self.refusals.lock().note(Instant::now(), kind, peer, why);
+        for line in (self.refusals.lock()).lines_for(Instant::now(), kind, peer, why) {
+            tracing::warn!("{line}");
+        }
     }
 
     /// Refuse `stream`: tell the client why (its preface and the verdict in one write),
     /// unless the refusal is silent; then count and log it.
     fn refuse(&self, mut stream: &TcpStream, peer: SocketAddr, refused: &Refused) {
         if let Some(kind) = refused.tell.clone() {
-            let (reason, job) = (refused.why.clone(), self.job.clone());
-            let _ = stream.write_all(&wire::with_preface(&ToClient::Reject { reason, kind, job }));
+            let _ = stream.write_all(&wire::with_preface(&ToClient::Reject {
+                reason: refused.why.clone(),
+                kind,
+                job: self.job.clone(),
+            }));
         }
         self.reject(peer, refused.kind, &refused.why);
     }
@@ -422,8 +425,7 @@ impl Shared {
     fn deliver(&self, mut st: MutexGuard<'_, State>, me: &Link, frame: Vec<u8>) {
         let frame = Arc::new(frame);
         let mut failed = Vec::new();
-        for i in 0..st.alive.len() {
-            let other = st.alive[i];
+        for &other in &st.alive {
             if other == me.rank {
                 continue;
             }
@@ -604,9 +606,11 @@ impl Shared {
             if pending.notice <= now {
                 pending.notice =
                     Deadline::after_from(now, self.config.wait_warning_interval).instant();
-                let (waiting, missing): (Vec<_>, _) = (0..pending.posted.len() as u32)
-                    .partition(|r| pending.posted[*r as usize].is_some());
-                let waiting: Vec<usize> = waiting.iter().map(|&r| st.alive[r as usize]).collect();
+                let missing = pending.missing();
+                let waiting: Vec<usize> = (st.alive.iter().zip(&pending.posted))
+                    .filter(|(_, p)| p.is_some())
+                    .map(|(&r, _)| r)
+                    .collect();
                 tracing::debug!(
                     "symmpool store: round {round} of channel {channel} waits for ranks {missing:?}"
                 );

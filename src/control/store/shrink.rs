@@ -45,17 +45,16 @@ impl Shared {
             st.alive,
             st.epoch
         );
-        st.alive = connected;
         st.votes.clear();
         st.rounds.clear();
         (st.broken, st.lost_told) = (None, false);
-        let survivors = st.alive.iter().map(|&r| r as u32).collect();
-        let shrunk = ToClient::Shrunk {
+        let survivors = connected.iter().map(|&r| r as u32).collect();
+        let frame = wire::encode(&ToClient::Shrunk {
             epoch: st.epoch,
             survivors,
-        };
-        let alive = st.alive.clone();
-        self.send_to(st, alive, &wire::encode(&shrunk));
+        });
+        st.alive = connected.clone();
+        self.send_to(st, connected, &frame);
     }
 
     /// Job rank `rank` gave up its ask to shrink the group of `epoch` (its deadline
@@ -81,7 +80,7 @@ impl Shared {
         if st.votes.is_empty() || st.place(rank).is_none() {
             return;
         }
-        let voters: Vec<usize> = std::mem::take(&mut st.votes).into_iter().collect();
+        let voters = std::mem::take(&mut st.votes);
         let reason = format!(
             "job rank {rank} was lost while the survivors agreed to shrink ({why}); ask again to go on without it"
         );

@@ -62,10 +62,9 @@ impl<R: Read> FrameReader<R> {
             self.start = 0;
         }
         if self.end == self.buf.len() {
-            let grown = (self.buf.len() * 2).min(need.max(self.buf.len()));
-            if grown > self.buf.len() {
-                self.buf.resize(grown, 0);
-            }
+            // (Never less than its length: a buffer that holds `need` is not full.)
+            self.buf
+                .resize((self.buf.len() * 2).min(need.max(self.buf.len())), 0);
         }
     }
 
@@ -118,29 +117,28 @@ impl<R: Read> FrameReader<R> {
         read: &mut impl FnMut(&mut R, &mut [u8]) -> io::Result<usize>,
     ) -> FrameResult {
         loop {
-            let have = self.end - self.start;
-            if have >= 4 {
-                let len = &self.buf[self.start..self.start + 4];
-                let len = u32::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
+            let have = &self.buf[self.start..self.end];
+            // The length prefix, then the body.
+            let mut need = 4;
+            if let Some(len) = have.first_chunk() {
+                let len = u32::from_le_bytes(*len) as usize;
                 if len > self.max_frame_bytes {
                     return Err(ReadError::TooLarge {
                         len_bytes: len,
                         max_bytes: self.max_frame_bytes,
                     });
                 }
-                if have >= 4 + len {
-                    let body = self.buf[self.start + 4..self.start + 4 + len].to_vec();
-                    self.start += 4 + len;
+                need += len;
+                if have.len() >= need {
+                    let body = have[4..need].to_vec();
+                    self.start += need;
                     if self.start == self.end {
-                        self.start = 0;
-                        self.end = 0;
+                        (self.start, self.end) = (0, 0);
                     }
                     return Ok(Some(body));
                 }
-                self.room(4 + len);
-            } else {
-                self.room(4);
             }
+            self.room(need);
             if !self.fill(read)? {
                 return Ok(None);
             }
@@ -149,11 +147,11 @@ impl<R: Read> FrameReader<R> {
 }
 
 /// A frame's body, `None` on a read timeout, or why reading failed.
-type FrameResult = Result<Option<Vec<u8>>, ReadError>;
+pub(crate) type FrameResult = Result<Option<Vec<u8>>, ReadError>;
 
 /// One socket shared by a connection's reader, writer and closer: one descriptor per
 /// connection (not a `try_clone` each), read and written through `&TcpStream`.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct SharedStream(pub(crate) Arc<TcpStream>);
 
 impl std::ops::Deref for SharedStream {
@@ -202,22 +200,24 @@ impl FrameReader<SharedStream> {
         }
         self.frame()
     }
-}
 
-/// Read until `deadline`: `None` when it passes.
-pub(crate) fn read_until<T>(
-    stream: &TcpStream,
-    deadline: Deadline,
-    mut f: impl FnMut() -> std::result::Result<Option<T>, ReadError>,
-) -> std::result::Result<Option<T>, ReadError> {
-    loop {
-        let left = deadline.remaining();
-        if left.is_zero() {
-            return Ok(None);
-        }
-        stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
-        if let Some(v) = f()? {
-            return Ok(Some(v));
+    /// Read with `f` (the preface, or a frame) until `deadline`: `None` when it passes.
+    pub(crate) fn read_until(
+        &mut self,
+        deadline: Deadline,
+        f: impl Fn(&mut Self) -> FrameResult,
+    ) -> FrameResult {
+        loop {
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return Ok(None);
+            }
+            self.inner
+                .set_read_timeout(Some(left))
+                .map_err(ReadError::Io)?;
+            if let Some(v) = f(self)? {
+                return Ok(Some(v));
+            }
         }
     }
 }
@@ -271,8 +271,7 @@ pub fn fuzz_frames(data: &[u8]) {
     {
         if let Ok(msg) = decode::<T>(body) {
             let frame = encode(&msg);
-            let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
-            assert_eq!(len, frame.len() - 4);
+            assert_eq!(frame[..4], (frame.len() as u32 - 4).to_le_bytes());
             assert_eq!(decode::<T>(&frame[4..]).as_ref(), Ok(&msg));
         }
     }

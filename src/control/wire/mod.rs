@@ -16,9 +16,10 @@ mod frames;
 mod tests;
 
 pub use frames::fuzz_frames;
-pub(crate) use frames::{FrameReader, ReadError, SharedStream, read_until};
+pub(crate) use frames::{FrameReader, FrameResult, ReadError, SharedStream};
 
 use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
 
 /// The first bytes of every connection, both ways.
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
@@ -51,15 +52,13 @@ pub(crate) fn preface() -> [u8; PREFACE_BYTES] {
 
 /// The preface and `msg`'s frame, for one write: a connection's first bytes.
 pub(crate) fn with_preface<T: Serialize>(msg: &T) -> Vec<u8> {
-    let mut out = preface().to_vec();
-    out.extend(encode(msg));
-    out
+    [&preface()[..], &encode(msg)].concat()
 }
 
 /// Check a peer's preface; `Err` says what is wrong.
 pub(crate) fn check_preface(p: &[u8]) -> Result<(), String> {
     if p.len() < PREFACE_BYTES || p[..8] != MAGIC {
-        let shown = String::from_utf8_lossy(&p[..p.len().min(8)]).into_owned();
+        let shown = String::from_utf8_lossy(&p[..p.len().min(8)]);
         return Err(format!(
             "wrong magic number {shown:?} (not a symmpool store client or server)"
         ));
@@ -141,14 +140,21 @@ pub(crate) struct Broken {
 impl Broken {
     /// `rank` was lost, as `detail` says.
     pub(crate) fn lost(rank: u32, detail: String) -> Broken {
-        let (op, cause) = (String::new(), Cause::Lost { detail });
-        Broken { rank, op, cause }
+        let cause = Cause::Lost { detail };
+        Broken {
+            rank,
+            op: String::new(),
+            cause,
+        }
     }
 
     /// `rank` gave up waiting in `op` for the ranks `missing`.
     pub(crate) fn timeout(rank: u32, op: String, missing: Vec<u32>) -> Broken {
-        let cause = Cause::Timeout { missing };
-        Broken { rank, op, cause }
+        Broken {
+            rank,
+            op,
+            cause: Cause::Timeout { missing },
+        }
     }
 }
 
@@ -230,8 +236,11 @@ pub(crate) enum ToClient {
     Result {
         channel: u64,
         round: u64,
-        #[serde(with = "byte_lists")]
-        payloads: Vec<Vec<u8>>,
+        /// As postcard byte strings (a length, then the bytes copied at once), not as
+        /// sequences of `u8` serialised one by one: the same bytes on the wire, written
+        /// and read several times faster (a round's result is encoded once and decoded
+        /// by every rank).
+        payloads: Vec<ByteBuf>,
     },
     /// The group is broken for good. Sent once with the first cause; where that was a
     /// timeout, once more with the first loss that follows ([`Cause::Lost`]), which
@@ -262,24 +271,6 @@ pub(crate) enum ToClient {
     /// heartbeat timeout) and closes its connection: the others go on without it. The
     /// last frame before the close, if it fits in the socket's buffer at once.
     Expelled { reason: String },
-}
-
-/// Byte vectors as postcard byte strings (a length, then the bytes copied at once), not
-/// as sequences of `u8` serialised one by one: the same bytes on the wire, written and
-/// read several times faster (a round's result is encoded once and decoded by every
-/// rank).
-mod byte_lists {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use serde_bytes::{ByteBuf, Bytes};
-
-    pub(super) fn serialize<S: Serializer>(lists: &[Vec<u8>], s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(lists.iter().map(|l| Bytes::new(l)))
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
-        let lists = Vec::<ByteBuf>::deserialize(d)?;
-        Ok(lists.into_iter().map(ByteBuf::into_vec).collect())
-    }
 }
 
 /// Encode `msg` as one frame (length prefix and body), ready for a single write.

@@ -69,7 +69,7 @@ fn a_late_rank_is_named_while_the_others_wait_and_once_more_when_it_comes() {
 fn ranks_are_named_in_words() {
     assert_eq!(ranks(&[2]), "rank 2");
     assert_eq!(ranks(&[0, 3]), "ranks 0, 3");
-    assert_eq!(ranks(&[]), "the other ranks");
+    assert_eq!(ranks::<usize>(&[]), "the other ranks");
     let at = |on, at| Who(1, on, at).to_string();
     assert_eq!(at("", ""), "rank 1");
     assert_eq!(

@@ -34,7 +34,7 @@ fn byte_strings_keep_the_wire_format() {
     let ours = encode(&ToClient::Result {
         channel: 3,
         round: 1 << 40,
-        payloads: payloads.clone(),
+        payloads: payloads.iter().cloned().map(ByteBuf::from).collect(),
     });
     let plain = encode(&PlainClient::Result {
         channel: 3,
@@ -75,7 +75,7 @@ fn frames_round_trip_across_short_reads() {
         bytes.extend(encode(&ToClient::Result {
             channel: i,
             round: i * 3,
-            payloads: vec![vec![i as u8; (i * 37) as usize]; 3],
+            payloads: vec![ByteBuf::from(vec![i as u8; (i * 37) as usize]); 3],
         }));
     }
     // A reader that returns at most 7 bytes at a time.
