@@ -1077,8 +1077,12 @@ mod hostcost {
         let stream = ok("new_stream", pool.new_stream())?;
         let nb_stream = ok("new_stream", nb_pool.new_stream())?;
         let n = w.size;
+        let nodes = match std::env::var("NCCL_HOSTID") {
+            Ok(_) => "a simulated node each (NCCL_HOSTID)",
+            Err(_) => "one node",
+        };
         let mut lines = vec![format!(
-            "HOSTCOST NCCL {}, {n} ranks, one GPU (NCCL_HOSTID), µs per all-gather call from the call to its return, median [p10, p90]",
+            "HOSTCOST NCCL {}, {n} ranks, one GPU, {nodes}, µs per all-gather call from the call to its return, median [p10, p90]",
             w.backend.nccl_version()
         )];
         lines.push(format!(
