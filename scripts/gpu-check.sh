@@ -46,13 +46,14 @@
 #
 # NCCL 2.32.6 (the machine has 2.28 only). `build` downloads the registry's wheel
 # nvidia-nccl-cu13==2.32.6 (206.6 MB) with pip, checks its sha256 and splits it into
-# four pieces of at most 50 MiB in gpu-nccl/ (git ignores it). The GPU machine takes in
-# at most 64 MiB a transfer but keeps /tmp while it stays warm, so send one piece per
-# transfer, one right after another, each with
+# pieces of at most NCCL_PIECE_MB MiB (default 50: four) in gpu-nccl/ (git ignores it).
+# The GPU machine takes in at most 64 MiB a transfer (at times less: 14 MiB pieces, two
+# or three a transfer, went where 50 MiB failed) but keeps /tmp while it stays warm, so
+# send the pieces over several transfers, one right after another, each with
 #   bash scripts/gpu-check.sh receive      # moves gpu-nccl/* there into /tmp/symmpool-nccl
 # and `run` joins the pieces, checks the sha256 and extracts libnccl.so.2 (once). The crate
-# loads it through SYMMPOOL_NCCL_LIBRARY, PyTorch through LD_PRELOAD. Without all four
-# pieces the `same` section is reported as not run (a failure).
+# loads it through SYMMPOOL_NCCL_LIBRARY, PyTorch through LD_PRELOAD. Without every
+# piece the `same` section is reported as not run (a failure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle
@@ -63,11 +64,11 @@ NCCL_PIECES=gpu-nccl NCCL_TMP=/tmp/symmpool-nccl
 # The NCCL wheel in pieces (see the top); the download is skipped when its pieces exist.
 nccl_pieces() {
   [ -f "$NCCL_PIECES/SHA256" ] && [ "$(cat "$NCCL_PIECES/SHA256")" = "$NCCL_SHA256" ] \
-    && [ "$(ls "$NCCL_PIECES"/piece.* | wc -l)" = 4 ] && return 0
+    && [ "$(cat "$NCCL_PIECES"/piece.* 2>/dev/null | sha256sum | cut -d' ' -f1)" = "$NCCL_SHA256" ] && return 0
   rm -rf "$NCCL_PIECES" && mkdir -p "$NCCL_PIECES"
   python3 -m pip download -q --no-deps --only-binary=:all: -d "$NCCL_PIECES" nvidia-nccl-cu13==2.32.6
   echo "$NCCL_SHA256  $NCCL_PIECES/$NCCL_WHEEL" | sha256sum -c -
-  split -b 50M -d "$NCCL_PIECES/$NCCL_WHEEL" "$NCCL_PIECES/piece."
+  split -b "${NCCL_PIECE_MB:-50}M" -d "$NCCL_PIECES/$NCCL_WHEEL" "$NCCL_PIECES/piece."
   rm "$NCCL_PIECES/$NCCL_WHEEL"
   echo "$NCCL_SHA256" >"$NCCL_PIECES/SHA256"
   ls -l "$NCCL_PIECES"
