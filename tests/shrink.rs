@@ -170,7 +170,8 @@ fn without_the_stores_host_a_shrink_fails_at_once() {
                 else {
                     panic!("{e:?}");
                 };
-                assert!(reason.contains("job rank 0, is gone"), "{reason}");
+                assert!(reason.contains("the store is gone"), "{reason}");
+                assert!(reason.contains("SYMMPOOL_STORE_EXTERNAL=1"), "{reason}");
                 // Shrinking again cannot help: a kind whose advice is a restart.
                 assert_eq!(e.kind(), ErrorKind::GroupLost, "{e}");
                 assert!(e.kind().needs_restart());
@@ -516,22 +517,46 @@ fn kept_in(phase: &str) -> (usize, u64) {
 
 #[test]
 fn a_rank_killed_in_a_collective_leaves_three_survivors_that_shrink_and_train_on() {
-    killed_in("collective");
+    killed_in("collective", 2, false);
 }
 
 #[test]
 fn a_rank_killed_in_a_window_registration_leaves_three_survivors_that_shrink_and_train_on() {
-    killed_in("registration");
+    killed_in("registration", 2, false);
 }
 
-/// A 4-rank job whose rank 2 is killed in `phase` at step `KILL_AT`: the survivors
-/// shrink, finish the training, and end where a fresh 3-rank job from their state does.
-fn killed_in(phase: &'static str) {
+/// With the store in a process of its own (here the test's), rank 0 is lost like any
+/// other: the survivors shrink past it, renumbered 0, 1, 2.
+#[test]
+fn with_the_store_outside_the_ranks_rank_0_killed_in_a_collective_is_survived() {
+    killed_in("collective", 0, true);
+}
+
+#[test]
+fn with_the_store_outside_the_ranks_rank_0_killed_in_a_registration_is_survived() {
+    killed_in("registration", 0, true);
+}
+
+/// A 4-rank job whose rank `victim` is killed in `phase` at step `KILL_AT`: the
+/// survivors shrink, finish the training, and end where a fresh 3-rank job from their
+/// state does. With `external_store`, the test hosts the store and no rank does.
+fn killed_in(phase: &'static str, victim: usize, external_store: bool) {
     let before = shm_entries();
-    let dir = std::env::temp_dir().join(format!("symmpool-shrink-{phase}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "symmpool-shrink-{phase}-{victim}-{}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let state = dir.join("state").display().to_string();
-    let (world, victim) = (4, 2);
+    let world = 4;
+    let store = external_store.then(|| {
+        let mut c = StoreConfig::new(Launch::explicit(0, world, "127.0.0.1", 0).unwrap());
+        c.token = Some("job-token".into());
+        c.heartbeat_interval = Duration::from_millis(common::procs::HEARTBEAT_MS);
+        c.heartbeat_timeout = Duration::from_millis(common::procs::HEARTBEAT_TIMEOUT_MS);
+        c.startup_timeout = Duration::from_secs(60);
+        StoreServer::bind("127.0.0.1:0", &c).unwrap()
+    });
     let env = |extra: Vec<(&'static str, String)>| {
         let state = state.clone();
         move |_| {
@@ -540,14 +565,17 @@ fn killed_in(phase: &'static str) {
             v
         }
     };
-    let mut job = Job::start(
-        ENTRY,
-        world,
-        env(vec![
-            ("CHILD_VICTIM", victim.to_string()),
-            ("CHILD_PHASE", phase.to_string()),
-        ]),
-    );
+    let mut first = vec![
+        ("CHILD_VICTIM", victim.to_string()),
+        ("CHILD_PHASE", phase.to_string()),
+    ];
+    let mut job = match &store {
+        Some(server) => {
+            first.push(("SYMMPOOL_STORE_EXTERNAL", "1".into()));
+            Job::start_on_port(ENTRY, world, server.local_addr().port(), env(first))
+        }
+        None => Job::start(ENTRY, world, env(first)),
+    };
     job.expect(victim, "@@stalled", Duration::from_secs(120));
     let survivors: Vec<usize> = (0..world).filter(|&r| r != victim).collect();
     for &r in &survivors {
@@ -560,11 +588,11 @@ fn killed_in(phase: &'static str) {
     let (segments, registrations) = kept_in(phase);
     for (new_rank, &r) in survivors.iter().enumerate() {
         let lost = job.expect(r, "@@lost ", Duration::from_secs(5));
-        assert!(lost.contains("rank 2"), "{lost}");
+        assert!(lost.contains(&format!("rank {victim}")), "{lost}");
         let shrunk = job.expect(r, "@@shrunk ", Duration::from_secs(5));
         assert!(
             shrunk.starts_with(&format!(
-                "rank={new_rank} world=3 lost=[2] segments={segments} registrations={registrations} live=1 "
+                "rank={new_rank} world=3 lost=[{victim}] segments={segments} registrations={registrations} live=1 "
             )),
             "{shrunk}"
         );
@@ -577,6 +605,11 @@ fn killed_in(phase: &'static str) {
     }
     assert!(finals.iter().all(|f| *f == finals[0]), "{finals:?}");
     drop(job);
+    if let Some(server) = store {
+        // Every rank joined, then left (three ended, one was killed): the job is over.
+        assert!(server.wait_until_done(Deadline::after(Duration::from_secs(10))));
+        assert_eq!(server.stats().ranks_departed, 4);
+    }
     // A fresh 3-rank job from the survivors' state ends where they did.
     let mut fresh = Job::start(ENTRY, 3, env(vec![("CHILD_FROM_STATE", "1".into())]));
     let codes = fresh.wait(&[0, 1, 2], Duration::from_secs(120));

@@ -1,7 +1,7 @@
 //! Where segments come from, how they are registered, and how device work is ordered:
 //! the provider seam, and its implementations [`HostBackend`] (ranks as threads, host
-//! memory, always available) and `NcclBackend` (`ncclMemAlloc` +
-//! `ncclCommWindowRegister`, feature `nccl`).
+//! memory, always available), `ShmBackend` (ranks as processes, shared memory, Linux)
+//! and `NcclBackend` (`ncclMemAlloc` + `ncclCommWindowRegister`, feature `nccl`).
 //!
 //! A [`Backend`] is one rank's view, assembled from four small parts, one per job:
 //!

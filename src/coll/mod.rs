@@ -1,7 +1,7 @@
-//! Collectives on pool buffers: all-gather (copy engine or symmetric kernel),
-//! reduce-scatter and all-reduce (symmetric kernel or NCCL's ordinary kernels), each
-//! on the fastest of the backend's paths for its size, as calibrated (on NCCL the
-//! calls carry the cost of non-blocking communicators; BENCHMARKS.md has the figures).
+//! Collectives on pool buffers: all-gather (copy engine, symmetric kernel, or the plain
+//! ring where the policy says), reduce-scatter and all-reduce (symmetric kernel or
+//! NCCL's ordinary kernels), each on the fastest of the backend's paths for its size,
+//! as calibrated (BENCHMARKS.md has the figures).
 //!
 //! They are the methods of [`CollectiveCalls`] on a [`Coll`] handle made from a pool
 //! (local: no round; the pool knows nothing of the handle). Each call checks its
@@ -46,10 +46,11 @@
 //!
 //! The ranks compare their records in the **ledger** of the communicators: one
 //! ordered stream of records on one exchange channel, shared by every pool over them
-//! (the mode is part of the pool's channel name, so ranks with different modes fail
-//! when they make the pool). The records of all those pools, collectives and
-//! agreements, form one sequence, so a rank that reaches the communicators through two
-//! pools in crossed order differs from its peers at the first crossed call ("pool").
+//! (the mode is part of the name of the group's ledger channel, so ranks with
+//! different modes fail when they make the group, [`Error::ChannelMismatch`]). The
+//! records of all those pools, collectives and agreements, form one sequence, so a
+//! rank that reaches the communicators through two pools in crossed order differs
+//! from its peers at the first crossed call ("pool").
 //! What happens depends on the group's [`GroupConfig::check`](crate::GroupConfig::check):
 //!
 //! * [`CheckMode::Strict`]: before the collective is launched, the ranks exchange and

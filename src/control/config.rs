@@ -16,7 +16,11 @@ use std::time::Duration;
 pub struct StoreConfig {
     /// Who this rank is and where the store is.
     pub launch: Launch,
-    /// Whether this rank hosts the server (default: rank 0 does).
+    /// Whether this rank hosts the server (default: rank 0 does, unless
+    /// `SYMMPOOL_STORE_EXTERNAL=1`: the store runs in a process of its own, at
+    /// `MASTER_ADDR`/`MASTER_PORT`, and no rank hosts it, so that any rank, rank 0
+    /// included, can be lost and the survivors shrink past it; see
+    /// [`StoreServer::wait_until_done`]).
     pub host_server: bool,
     /// Where the hosted server listens (default: every interface, on
     /// `launch.master_port`).
@@ -139,7 +143,8 @@ impl StoreConfig {
     }
 
     /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN`, the job
-    /// identity (see [`job_id`](Self::job_id)) and the optional `SYMMPOOL_*_MS`,
+    /// identity (see [`job_id`](Self::job_id)), `SYMMPOOL_STORE_EXTERNAL` (see
+    /// [`host_server`](Self::host_server)) and the optional `SYMMPOOL_*_MS`,
     /// `SYMMPOOL_*SPIN_US` and `SYMMPOOL_MAX_HANDSHAKES` settings named on the fields.
     ///
     /// # Errors
@@ -156,6 +161,8 @@ impl StoreConfig {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
         cfg.job_id = job_id_from_vars(get);
+        cfg.host_server &= parse_var::<u8>(get, "SYMMPOOL_STORE_EXTERNAL", "0 or 1")?
+            .is_none_or(|external| external == 0);
         let spin = |name: &str| -> Result<Option<Duration>> {
             match parse_var(get, name, "a whole number of microseconds")? {
                 Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(env_err(

@@ -65,7 +65,7 @@
 //! | `registrations.ROLE`, `deregistrations.ROLE` | window registrations / deregistrations on the communicators of `ROLE` (`symmetric`, `copy_engine`, `plain`) |
 //! | `windows.ROLE` | windows currently registered there |
 //! | `collectives.PATH.count`, `collectives.PATH.bytes` | only in [`Coll::memory_stats`](crate::coll::Coll::memory_stats): collectives that ran on `PATH` (`copy_engine`, `symmetric_kernel`, `plain_kernel`) through the handle, and their bytes per rank (all-gather input, reduce-scatter output) |
-//! | `agreements` | agreement rounds among the ranks (growth, reserve, trim, close) |
+//! | `agreements` | agreement rounds among the ranks (each round of a growth, reserve, trim, close, `fit_to_peak` or shrink) |
 //! | `calls` | pool calls recorded in the call history (alloc, free, reserve, trim, close) |
 //! | `growth_seconds` (real) | time spent allocating and registering segments |
 //!

@@ -1,7 +1,8 @@
 //! Growth: agree, allocate a segment on every rank, confirm, agree on the backend's
 //! registration order, register it on every communicator that registers (each
 //! registration followed by an outcome round, so that a failure on any rank undoes
-//! the growth on every rank), add it to the core. Also `reserve`, which pre-grows.
+//! the growth on every rank), add it to the core. (`reserve` and `fit_to_peak`, in
+//! fit.rs, add their segments through `add_segment`.)
 
 use super::state::{PoolState, SegmentEntry};
 use super::{MemoryAction, SymmPool};

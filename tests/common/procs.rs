@@ -75,11 +75,22 @@ impl Job {
         world: usize,
         env: impl Fn(usize) -> Vec<(&'static str, String)>,
     ) -> Job {
-        let (tx, lines) = mpsc::channel();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .unwrap();
+        Job::start_on_port(entry, world, port, env)
+    }
+
+    /// Start every rank at once, their store at `port` (a store of the test's own, or
+    /// one the children bind).
+    pub fn start_on_port(
+        entry: &'static str,
+        world: usize,
+        port: u16,
+        env: impl Fn(usize) -> Vec<(&'static str, String)>,
+    ) -> Job {
+        let (tx, lines) = mpsc::channel();
         let mut job = Job {
             entry,
             children: Vec::new(),

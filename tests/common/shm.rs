@@ -12,16 +12,16 @@ use symmpool::control::{StoreConfig, StoreExchange, StoreServer};
 /// # Errors
 /// The store's and the backend's.
 pub fn join() -> symmpool::Result<(usize, usize, symmpool::Backend)> {
-    let mut cfg = StoreConfig::from_env()?;
+    // Rank 0 hosts the store on a free port it prints, unless the store runs outside
+    // the ranks (`SYMMPOOL_STORE_EXTERNAL=1`, at `MASTER_PORT`).
+    let cfg = StoreConfig::from_env()?;
     let rank = cfg.launch.rank;
     let world = cfg.launch.world_size;
-    let ex = if rank == 0 {
+    let ex = if cfg.host_server {
         let server = StoreServer::bind("127.0.0.1:0", &cfg)?;
         println!("@@port {}", server.local_addr().port());
-        cfg.host_server = true;
         StoreExchange::connect_hosting(cfg, server)?
     } else {
-        cfg.host_server = false;
         StoreExchange::connect(cfg)?
     };
     let backend = ShmBackend::join(Arc::new(ex), ShmConfig::default())?;

@@ -13,7 +13,7 @@ use std::time::Instant;
 impl StoreExchange {
     /// [`Exchange::shrink`](super::super::Exchange::shrink): every rank of this group
     /// that is still connected to the store asks, and once all have, the group is those
-    /// ranks (rank 0 stays rank 0: it hosts the store). The new exchange shares this
+    /// ranks, numbered densely in their old order. The new exchange shares this
     /// one's connection and starts with no channel open but
     /// [`ChannelId::CONTROL`](super::super::ChannelId::CONTROL) and its rounds from 1.
     /// Every backend and pool of a rank that share this exchange may ask: asking again
@@ -25,7 +25,8 @@ impl StoreExchange {
     /// call); it waits for them until `deadline`.
     ///
     /// # Errors
-    /// [`Error::ShrinkFailed`] at once when the store's host (rank 0) is gone, and when
+    /// [`Error::ShrinkFailed`] at once when the store is gone (with its host, rank 0,
+    /// unless it runs in a process of its own: `SYMMPOOL_STORE_EXTERNAL`), and when
     /// a rank of the group is lost while the survivors ask (they may ask again);
     /// [`Error::DeclaredLost`] at once on a rank the store declared lost;
     /// [`Error::Shrunk`] on an exchange that is itself replaced already;
@@ -61,7 +62,7 @@ impl StoreExchange {
             let detail = (ib.server_gone.clone().or(cause))
                 .unwrap_or_else(|| "its connection closed".into());
             let reason = format!(
-                "the store's host, job rank 0, is gone ({detail}): the survivors cannot agree without it"
+                "the store is gone ({detail}): the survivors cannot agree without it (a store that job rank 0 hosts goes with it; with SYMMPOOL_STORE_EXTERNAL=1 the store runs in a process of its own and any rank can be lost)"
             );
             Error::shrink_failed(reason, false)
         };

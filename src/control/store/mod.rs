@@ -283,9 +283,20 @@ impl StoreServer {
 
     /// Wait until no rank is connected, or `timeout` passes; `true` if none is.
     pub(crate) fn wait_until_empty(&self, timeout: Duration) -> bool {
-        let deadline = Deadline::after(timeout);
+        self.wait_until(Deadline::after(timeout), |_| true)
+    }
+
+    /// For a store that runs in a process of its own (`SYMMPOOL_STORE_EXTERNAL`, see
+    /// [`StoreConfig::host_server`]): wait until the job is over, every rank having
+    /// joined and then left (ended, or lost), or until `deadline`; `true` if it is.
+    pub fn wait_until_done(&self, deadline: Deadline) -> bool {
+        self.wait_until(deadline, |st| st.members.iter().all(Option::is_some))
+    }
+
+    /// Wait until no rank is connected and `done` holds, or `deadline` passes.
+    fn wait_until(&self, deadline: Deadline, done: impl Fn(&State) -> bool) -> bool {
         let mut st = self.shared.state.lock();
-        while st.conns.iter().any(Option::is_some) {
+        while st.conns.iter().any(Option::is_some) || !done(&st) {
             if deadline.expired() {
                 return false;
             }

@@ -16,8 +16,10 @@
 //! whose ask timed out withdraws it ([`ToServer::Withdraw`](super::wire::ToServer)), so
 //! that the others' asks do not shrink the group on its behalf.
 //!
-//! The server lives in job rank 0's process, so the survivors can shrink past the loss
-//! of any rank but that one ([`StoreExchange::shrink`](super::super::StoreExchange::shrink)).
+//! A server in job rank 0's process (the default) goes with it, so the survivors can
+//! shrink past the loss of any rank but that one; a server in a process of its own
+//! (`SYMMPOOL_STORE_EXTERNAL`) lets them shrink past any
+//! ([`StoreExchange::shrink`](super::super::StoreExchange::shrink)).
 
 use super::{Shared, State};
 use crate::control::wire::{self, ToClient};

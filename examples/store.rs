@@ -1,0 +1,69 @@
+//! The rendezvous store in a process of its own, as a launcher's agent would host it,
+//! so that no rank hosts it and any rank, rank 0 included, can be lost while the
+//! survivors shrink and go on.
+//!
+//! ```text
+//! export SYMMPOOL_STORE_PORT=29511 SYMMPOOL_JOB_ID=$RANDOM   # ranks and store alike
+//! cargo run --release --example store -- --world-size 8 &   # on MASTER_ADDR's host
+//! SYMMPOOL_STORE_EXTERNAL=1 torchrun --nproc-per-node 8 train.py   # no rank hosts it
+//! ```
+//!
+//! It reads the settings a rank reads (`SYMMPOOL_STORE_PORT` or `MASTER_PORT`,
+//! `SYMMPOOL_TOKEN`, the job identity, the heartbeat settings; see
+//! `symmpool::control::StoreConfig::from_env`) as rank 0 of `--world-size` ranks, serves
+//! the job, and exits 0 once every rank has joined and left (ended or lost), 1 at
+//! `--timeout-s` or on a bad setting.
+
+use clap::Parser;
+use std::time::Duration;
+use symmpool::Deadline;
+use symmpool::control::{StoreConfig, StoreServer};
+
+/// The rendezvous store of one job, in a process of its own.
+#[derive(Parser)]
+struct Args {
+    /// How many ranks the job has.
+    #[arg(long)]
+    world_size: usize,
+    /// The address to listen on (default: every interface).
+    #[arg(long, default_value = "0.0.0.0")]
+    bind: String,
+    /// Exit with status 1 if the job has not ended after this many seconds.
+    #[arg(long, default_value_t = 7 * 24 * 3600)]
+    timeout_s: u64,
+}
+
+fn main() {
+    let args = Args::parse();
+    let world = args.world_size.to_string();
+    // The settings a rank reads, as rank 0 (the rank only picks the launcher's port).
+    let vars = |k: &str| match k {
+        "RANK" => Some("0".to_string()),
+        "WORLD_SIZE" => Some(world.clone()),
+        _ => std::env::var(k)
+            .ok()
+            .or((k == "MASTER_ADDR").then(|| args.bind.clone())),
+    };
+    let served = StoreConfig::from_vars(&vars).and_then(|config| {
+        let addr = (args.bind.as_str(), config.launch.master_port);
+        StoreServer::bind(addr, &config)
+    });
+    let server = served.unwrap_or_else(|e| {
+        eprintln!("store: {e:?}");
+        std::process::exit(1)
+    });
+    println!(
+        "store: listening on {} for {} ranks",
+        server.local_addr(),
+        args.world_size
+    );
+    if !server.wait_until_done(Deadline::after(Duration::from_secs(args.timeout_s))) {
+        eprintln!("store: the job had not ended after {} s", args.timeout_s);
+        std::process::exit(1);
+    }
+    let stats = server.stats();
+    println!(
+        "store: the job ended ({} ranks departed, {} rounds)",
+        stats.ranks_departed, stats.rounds_completed
+    );
+}
