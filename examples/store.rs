@@ -10,14 +10,14 @@
 //!
 //! It reads the settings a rank reads (`SYMMPOOL_STORE_PORT` or `MASTER_PORT`,
 //! `SYMMPOOL_TOKEN`, the job identity, the heartbeat settings; see
-//! `symmpool::control::StoreConfig::from_env`) as rank 0 of `--world-size` ranks, serves
-//! the job, and exits 0 once every rank has joined and left (ended or lost), 1 at
-//! `--timeout-s` or on a bad setting.
+//! `symmpool::control::StoreServer::bind_from_env`), serves the job, and exits 0 once
+//! every rank has joined and left (ended or lost), 1 at `--timeout-s` or on a bad
+//! setting. Python: `python -m symmpool.store --world-size 8`.
 
 use clap::Parser;
 use std::time::Duration;
 use symmpool::Deadline;
-use symmpool::control::{StoreConfig, StoreServer};
+use symmpool::control::StoreServer;
 
 /// The rendezvous store of one job, in a process of its own.
 #[derive(Parser)]
@@ -35,19 +35,7 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    let world = args.world_size.to_string();
-    // The settings a rank reads, as rank 0 (the rank only picks the launcher's port).
-    let vars = |k: &str| match k {
-        "RANK" => Some("0".to_string()),
-        "WORLD_SIZE" => Some(world.clone()),
-        _ => std::env::var(k)
-            .ok()
-            .or((k == "MASTER_ADDR").then(|| args.bind.clone())),
-    };
-    let served = StoreConfig::from_vars(&vars).and_then(|config| {
-        let addr = (args.bind.as_str(), config.launch.master_port);
-        StoreServer::bind(addr, &config)
-    });
+    let served = StoreServer::bind_from_env(args.world_size, &args.bind);
     let server = served.unwrap_or_else(|e| {
         eprintln!("store: {e:?}");
         std::process::exit(1)

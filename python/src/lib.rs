@@ -52,6 +52,7 @@ fn _ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::ShrinkReport>()?;
     m.add_class::<store::StoreExchange>()?;
     m.add_class::<store::TcpStoreExchange>()?;
+    m.add_class::<store::StoreServer>()?;
     m.add_function(wrap_pyfunction!(errors::last_error, m)?)?;
     m.add_function(wrap_pyfunction!(errors::clear_error, m)?)?;
     m.add_function(wrap_pyfunction!(capi::install_allocator, m)?)?;

@@ -440,6 +440,52 @@ impl TcpStoreExchange {
     }
 }
 
+/// The crate's TCP store in a process of its own (a launcher's host), so that no rank
+/// hosts it and any rank, rank 0 included, can be lost while the survivors shrink and
+/// go on; the ranks run with `SYMMPOOL_STORE_EXTERNAL=1`. `python -m symmpool.store`
+/// runs one.
+#[pyclass(frozen, module = "symmpool._ext")]
+pub struct StoreServer {
+    server: symmpool::control::StoreServer,
+}
+
+#[pymethods]
+impl StoreServer {
+    /// Listen on `ip` for a job of `world_size` ranks, with the settings its ranks read
+    /// from the environment (the port `SYMMPOOL_STORE_PORT`, else `MASTER_PORT`; the
+    /// token, job identity and heartbeats).
+    ///
+    /// Raises `ConfigurationError` for an invalid setting, `TransportError` if the
+    /// address cannot be bound.
+    #[new]
+    #[pyo3(signature = (world_size, ip = "0.0.0.0"))]
+    fn new(world_size: usize, ip: &str) -> PyResult<StoreServer> {
+        let server = symmpool::control::StoreServer::bind_from_env(world_size, ip);
+        Ok(StoreServer {
+            server: server.map_err(to_py)?,
+        })
+    }
+
+    /// The address listened on, `"host:port"`.
+    #[getter]
+    fn address(&self) -> String {
+        self.server.local_addr().to_string()
+    }
+
+    /// Wait until every rank has joined and then left (ended or lost), or `timeout_s`
+    /// seconds; `True` if the job is over.
+    fn wait_until_done(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        let deadline = symmpool::Deadline::after(seconds("timeout_s", Some(timeout_s))?);
+        Ok(py.allow_threads(|| self.server.wait_until_done(deadline)))
+    }
+
+    /// Ranks that joined and then left or were lost.
+    #[getter]
+    fn ranks_departed(&self) -> u64 {
+        self.server.stats().ranks_departed
+    }
+}
+
 /// Either exchange class, where a pool constructor takes one.
 #[derive(FromPyObject)]
 pub(crate) enum AnyExchange<'py> {

@@ -118,3 +118,46 @@ def test_the_launcher_refuses_bad_arguments():
     assert out.returncode == 2 and "at least 1" in out.stderr
     out = _run([sys.executable, "-m", "symmpool.launch", "--nproc-per-node", "2"])
     assert out.returncode == 2 and "give a script" in out.stderr
+
+
+def test_with_the_store_outside_the_ranks_rank_0_is_lost_like_any_other():
+    """``python -m symmpool.store`` serves the job; the ranks run with
+    ``SYMMPOOL_STORE_EXTERNAL=1``; rank 0 kills itself mid-step and the three others
+    shrink past it (renumbered 0, 1, 2) and go on; the store exits 0 once every rank has
+    joined and left."""
+    from symmpool.launch import free_port, rank_env
+
+    world, port, job = 4, free_port(), f"store-test-{os.getpid()}"
+    base = dict(os.environ, SYMMPOOL_STORE_PORT=str(port), SYMMPOOL_JOB_ID=job,
+                MASTER_ADDR="127.0.0.1")
+    store = subprocess.Popen([sys.executable, "-m", "symmpool.store", "--world-size", str(world),
+                              "--bind", "127.0.0.1", "--timeout-s", str(JOB_TIMEOUT_S)],
+                             env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = []
+    try:
+        assert "listening on 127.0.0.1:" in store.stdout.readline()
+        for rank in range(world):
+            env = rank_env(rank, world, master_addr="127.0.0.1", master_port=port, job_id=job,
+                           base=dict(base, SYMMPOOL_STORE_EXTERNAL="1", SHRINK_VICTIM="0"))
+            ranks.append(subprocess.Popen(
+                [sys.executable, str(HERE / "ranks" / "shrink.py"), "async"], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                stdin=subprocess.DEVNULL))
+        outs = [p.communicate(timeout=JOB_TIMEOUT_S)[0] for p in ranks]
+        codes = [p.returncode for p in ranks]
+        text = "\n".join(outs)
+        assert codes == [-signal.SIGKILL.value, 0, 0, 0], (codes, text)
+        for old in range(1, world):
+            new = old - 1
+            assert f"rank {old}: peer lost at step 2" in text, text
+            assert f"rank {old}: shrunk ok: ShrinkReport(rank {old} of {world} -> {new} of " \
+                   f"{world - 1}, lost_ranks=[0]" in text, text
+            assert f"rank {old}: 5 steps ok, world {world} -> {world - 1} (async)" in text, text
+        rest, err = store.communicate(timeout=30)
+        assert store.returncode == 0, rest + err
+        assert "the job ended (4 ranks departed)" in rest, rest + err
+    finally:
+        for p in [*ranks, store]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,6 +1,7 @@
 """A rank program for test_shm_ranks.py: a training-style loop of tagged all-gathers
 and reduce-scatters on shared-memory pools (one process per rank, the crate's store),
-checked as argv[1] says. At step LOSS_STEP the last rank kills itself (SIGKILL)
+checked as argv[1] says. At step LOSS_STEP the last rank (or SHRINK_VICTIM's: rank 0
+needs the store outside the ranks, SYMMPOOL_STORE_EXTERNAL=1) kills itself (SIGKILL)
 between the all-gather and the reduce-scatter, so the others are in a collective it
 never joins. Every survivor must get a PeerLostError naming it (a message that names
 Pool.shrink(), not the crate's Rust method), shrink (asking again on a ShrinkFailed
@@ -23,7 +24,7 @@ N = 4096  # floats per shard
 
 pool = symmpool.Pool.shm(name="shrink", timeout_s=60.0, check=mode)
 rank, world = pool.rank, pool.world_size
-victim = world - 1
+victim = int(os.environ.get("SHRINK_VICTIM", world - 1))
 print(f"rank {rank}: pid {os.getpid()}", flush=True)
 
 

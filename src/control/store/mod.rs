@@ -259,6 +259,26 @@ impl StoreServer {
         Ok(server)
     }
 
+    /// The store of a job of `world_size` ranks in a process of its own (on the
+    /// launcher's host; the ranks run with `SYMMPOOL_STORE_EXTERNAL=1`, see
+    /// [`StoreConfig::host_server`]), listening on `ip`, with the settings a rank reads
+    /// ([`StoreConfig::from_env`], as rank 0: the port `SYMMPOOL_STORE_PORT`, else
+    /// `MASTER_PORT`; the token, job identity and heartbeats). Serve it until
+    /// [`wait_until_done`](Self::wait_until_done).
+    ///
+    /// # Errors
+    /// As [`StoreConfig::from_env`] and [`bind`](Self::bind).
+    pub fn bind_from_env(world_size: usize, ip: &str) -> Result<StoreServer> {
+        let world = world_size.to_string();
+        let vars = |k: &str| match k {
+            "RANK" => Some("0".into()),
+            "WORLD_SIZE" => Some(world.clone()),
+            _ => (std::env::var(k).ok()).or_else(|| (k == "MASTER_ADDR").then(|| ip.into())),
+        };
+        let config = StoreConfig::from_vars(&vars)?;
+        Self::bind((ip, config.launch.master_port), &config)
+    }
+
     /// Start a thread of the server's, `name`, running `f`.
     fn spawn(&mut self, name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
         let started = thread::Builder::new().name(name.to_string()).spawn(f);

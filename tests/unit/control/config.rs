@@ -147,8 +147,15 @@ fn store_config_reads_the_spin_times_and_bounds_them() {
 
 #[test]
 fn with_the_store_outside_the_ranks_no_rank_hosts_it() {
-    assert!(config("0", &[]).unwrap().host_server, "rank 0 hosts by default");
-    assert!(config("0", &[("SYMMPOOL_STORE_EXTERNAL", "0")]).unwrap().host_server);
+    assert!(
+        config("0", &[]).unwrap().host_server,
+        "rank 0 hosts by default"
+    );
+    assert!(
+        config("0", &[("SYMMPOOL_STORE_EXTERNAL", "0")])
+            .unwrap()
+            .host_server
+    );
     for rank in ["0", "1"] {
         let cfg = config(rank, &[("SYMMPOOL_STORE_EXTERNAL", "1")]).unwrap();
         assert!(!cfg.host_server, "rank {rank}");
