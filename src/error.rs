@@ -19,7 +19,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// documentation says otherwise. The request errors ([`ZeroSize`](Self::ZeroSize),
 /// [`TooLarge`](Self::TooLarge), [`BadAlignment`](Self::BadAlignment)) print exactly as
 /// the core's [`AllocError`]s of the same names, which convert to them.
-#[derive(Clone, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A zero-byte allocation. Zero-size requests are always refused; they never take
@@ -714,22 +714,4 @@ pub(crate) fn in_threads<T: Send, R: Send>(
             })
             .collect()
     })
-}
-
-/// The message, with its advice, then each cause the message does not already give:
-/// what `main`'s `?` and `unwrap` print.
-impl fmt::Debug for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let message = self.to_string();
-        f.write_str(&message)?;
-        let mut cause = std::error::Error::source(self);
-        while let Some(c) = cause {
-            let text = c.to_string();
-            if !message.contains(&text) {
-                write!(f, ": {text}")?;
-            }
-            cause = c.source();
-        }
-        Ok(())
-    }
 }

@@ -822,7 +822,7 @@ fn without_the_stores_host_every_survivor_fails_its_shrink_at_once() {
         assert_eq!(answers.len(), 3, "{answers:?}");
         for a in &answers {
             assert!(a.starts_with("Err ShrinkFailed"), "{answers:?}");
-            assert!(a.contains("job rank 0, is gone"), "{answers:?}");
+            assert!(a.contains("the store is gone"), "{answers:?}");
             assert!(a.contains("retry: false"), "{answers:?}");
         }
         let ms: u64 = answers[0].rsplit("ms=").next().unwrap().parse().unwrap();

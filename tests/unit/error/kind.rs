@@ -451,29 +451,3 @@ fn a_shrink_that_cannot_be_retried_and_a_rank_declared_lost_advise_a_restart() {
         "{told}"
     );
 }
-
-/// `{:?}` (what `main`'s `?` and `unwrap` print) is the message with its advice, then
-/// each cause the message does not already give, once.
-#[test]
-fn debug_prints_the_message_and_the_causes_it_does_not_give() {
-    for (e, _) in one_of_each() {
-        let debug = format!("{e:?}");
-        assert!(debug.starts_with(&e.to_string()), "{debug}");
-        let mut cause = std::error::Error::source(&e);
-        while let Some(c) = cause {
-            assert_eq!(debug.matches(&c.to_string()).count(), 1, "{debug}");
-            cause = c.source();
-        }
-    }
-    let lost = Error::Transport {
-        op: "connecting",
-        detail: "10.0.0.1:29500".into(),
-        source: std::sync::Arc::new(std::io::Error::other("connection refused")),
-    };
-    assert_eq!(
-        format!("{lost:?}"),
-        format!("{lost}: connection refused"),
-        "the advice (MASTER_ADDR/MASTER_PORT) and the OS error both"
-    );
-    assert!(format!("{lost:?}").contains("check MASTER_ADDR/MASTER_PORT"));
-}
