@@ -22,9 +22,9 @@ use symmpool::control::StoreServer;
 /// The rendezvous store of one job, in a process of its own.
 #[derive(Parser)]
 struct Args {
-    /// How many ranks the job has.
+    /// How many ranks the job has (at least 1).
     #[arg(long)]
-    world_size: usize,
+    world_size: std::num::NonZeroUsize,
     /// The address to listen on (default: every interface).
     #[arg(long, default_value = "0.0.0.0")]
     bind: String,
@@ -34,8 +34,15 @@ struct Args {
 }
 
 fn main() {
+    // The store's refusals (another job, a wrong token) and losses, at INFO by default.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let args = Args::parse();
-    let served = StoreServer::bind_from_env(args.world_size, &args.bind);
+    let served = StoreServer::bind_from_env(args.world_size.get(), &args.bind);
     let server = served.unwrap_or_else(|e| {
         eprintln!("store: {e:?}");
         std::process::exit(1)

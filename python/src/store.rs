@@ -473,10 +473,25 @@ impl StoreServer {
     }
 
     /// Wait until every rank has joined and then left (ended or lost), or `timeout_s`
-    /// seconds; `True` if the job is over.
+    /// seconds; `True` if the job is over. Python's signals (Ctrl-C) are checked every
+    /// 0.2 s.
     fn wait_until_done(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         let deadline = symmpool::Deadline::after(seconds("timeout_s", Some(timeout_s))?);
-        Ok(py.allow_threads(|| self.server.wait_until_done(deadline)))
+        loop {
+            let slice = deadline.min(symmpool::Deadline::after(Duration::from_millis(200)));
+            if py.allow_threads(|| self.server.wait_until_done(slice)) {
+                return Ok(true);
+            } else if deadline.expired() {
+                return Ok(false);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// Rounds the ranks completed through the store.
+    #[getter]
+    fn rounds_completed(&self) -> u64 {
+        self.server.stats().rounds_completed
     }
 
     /// Ranks that joined and then left or were lost.

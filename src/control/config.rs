@@ -161,8 +161,16 @@ impl StoreConfig {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
         cfg.job_id = job_id_from_vars(get);
-        cfg.host_server &= parse_var::<u8>(get, "SYMMPOOL_STORE_EXTERNAL", "0 or 1")?
-            .is_none_or(|external| external == 0);
+        match parse_var::<u8>(get, "SYMMPOOL_STORE_EXTERNAL", "0 or 1")? {
+            None | Some(0) => {}
+            Some(1) => cfg.host_server = false,
+            Some(n) => {
+                return Err(env_err(
+                    "SYMMPOOL_STORE_EXTERNAL",
+                    format!("{n} is not 0 or 1"),
+                ));
+            }
+        }
         let spin = |name: &str| -> Result<Option<Duration>> {
             match parse_var(get, name, "a whole number of microseconds")? {
                 Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(env_err(

@@ -160,6 +160,8 @@ fn with_the_store_outside_the_ranks_no_rank_hosts_it() {
         let cfg = config(rank, &[("SYMMPOOL_STORE_EXTERNAL", "1")]).unwrap();
         assert!(!cfg.host_server, "rank {rank}");
     }
-    let e = config("0", &[("SYMMPOOL_STORE_EXTERNAL", "yes")]).unwrap_err();
-    assert_eq!(variable(e), "SYMMPOOL_STORE_EXTERNAL");
+    for bad in ["yes", "2", ""] {
+        let e = config("0", &[("SYMMPOOL_STORE_EXTERNAL", bad)]).unwrap_err();
+        assert_eq!(variable(e), "SYMMPOOL_STORE_EXTERNAL", "{bad:?}");
+    }
 }
