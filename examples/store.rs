@@ -11,13 +11,13 @@
 //! It reads the settings a rank reads (`SYMMPOOL_STORE_PORT` or `MASTER_PORT`,
 //! `SYMMPOOL_TOKEN`, the job identity, the heartbeat settings; see
 //! `symmpool::control::StoreServer::bind_from_env`), serves the job, and exits 0 once
-//! every rank has joined and left (ended or lost), 1 at `--timeout-s` or on a bad
-//! setting. Python: `python -m symmpool.store --world-size 8`.
+//! every rank has joined and left (ended or lost), 1 at `--timeout-s`, when not every
+//! rank joined within the ranks' start-up timeout, or on a bad setting. Python: `python -m symmpool.store --world-size 8`.
 
 use clap::Parser;
 use std::time::Duration;
 use symmpool::Deadline;
-use symmpool::control::StoreServer;
+use symmpool::control::{JobEnd, StoreServer};
 
 /// The rendezvous store of one job, in a process of its own.
 #[derive(Parser)]
@@ -52,9 +52,16 @@ fn main() {
         server.local_addr(),
         args.world_size
     );
-    if !server.wait_until_done(Deadline::after(Duration::from_secs(args.timeout_s))) {
-        eprintln!("store: the job had not ended after {} s", args.timeout_s);
-        std::process::exit(1);
+    match server.wait_until_done(Deadline::after(Duration::from_secs(args.timeout_s))) {
+        JobEnd::Ended => {}
+        JobEnd::NotAssembled => {
+            eprintln!("store: not every rank joined within the start-up timeout");
+            std::process::exit(1);
+        }
+        _ => {
+            eprintln!("store: the job had not ended after {} s", args.timeout_s);
+            std::process::exit(1);
+        }
     }
     let stats = server.stats();
     println!(

@@ -12,7 +12,7 @@ use symmpool::{Deadline, Error};
 
 mod common;
 use symmpool::control::{
-    ChannelId, Exchange, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
+    ChannelId, Exchange, JobEnd, Launch, LocalExchange, StoreConfig, StoreExchange, StoreServer,
 };
 
 // ---------------------------------------------------------------------------------
@@ -1237,4 +1237,39 @@ fn once_every_rank_joined_a_host_running_none_of_them_is_refused_without_a_hands
             .unwrap()
     });
     drop_group(group);
+}
+
+/// A store of its own (`SYMMPOOL_STORE_EXTERNAL`) is done once every rank joined and
+/// left; a job that never assembles ends its wait at the ranks' start-up timeout, not
+/// at the (far) deadline.
+#[test]
+fn an_external_store_is_done_when_its_ranks_left_or_never_came() {
+    let mut cfg = store_config(0, 2, 0);
+    cfg.startup_timeout = Duration::from_millis(300);
+    let lonely = StoreServer::bind("127.0.0.1:0", &cfg).unwrap();
+    let started = Instant::now();
+    let end = lonely.wait_until_done(Deadline::after(Duration::from_secs(60)));
+    assert_eq!(end, JobEnd::NotAssembled);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(lonely);
+
+    let server = StoreServer::bind("127.0.0.1:0", &store_config(0, 2, 0)).unwrap();
+    let port = server.local_addr().port();
+    let ranks: Vec<StoreExchange> = thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| s.spawn(move || StoreExchange::connect(store_config(r, 2, port))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    // Joined, not gone: not done yet.
+    let end = server.wait_until_done(Deadline::after(Duration::from_millis(100)));
+    assert_eq!(end, JobEnd::Deadline);
+    drop(ranks);
+    let end = server.wait_until_done(Deadline::after(Duration::from_secs(30)));
+    assert_eq!(end, JobEnd::Ended);
+    assert_eq!(server.stats().ranks_departed, 2);
 }

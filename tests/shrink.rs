@@ -607,7 +607,8 @@ fn killed_in(phase: &'static str, victim: usize, external_store: bool) {
     drop(job);
     if let Some(server) = store {
         // Every rank joined, then left (three ended, one was killed): the job is over.
-        assert!(server.wait_until_done(Deadline::after(Duration::from_secs(10))));
+        let end = server.wait_until_done(Deadline::after(Duration::from_secs(10)));
+        assert_eq!(end, symmpool::control::JobEnd::Ended);
         assert_eq!(server.stats().ranks_departed, 4);
     }
     // A fresh 3-rank job from the survivors' state ends where they did.

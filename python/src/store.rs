@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
-use symmpool::control::{KvConfig, KvExchange, KvStore};
+use symmpool::control::{JobEnd, KvConfig, KvExchange, KvStore};
 use symmpool::{ChannelId, Deadline, Error, Exchange, Result};
 
 /// A Python store object, called with the GIL held (acquired per call: the exchange
@@ -473,18 +473,19 @@ impl StoreServer {
     }
 
     /// Wait until every rank has joined and then left (ended or lost), or `timeout_s`
-    /// seconds; `True` if the job is over. Python's signals (Ctrl-C) are checked every
+    /// seconds, or the ranks' start-up timeout without every rank joined: `"ended"`,
+    /// `"deadline"` or `"not_assembled"`. Python's signals (Ctrl-C) are checked every
     /// 0.2 s.
-    fn wait_until_done(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+    fn wait_until_done(&self, py: Python<'_>, timeout_s: f64) -> PyResult<&'static str> {
         let deadline = symmpool::Deadline::after(seconds("timeout_s", Some(timeout_s))?);
         loop {
             let slice = deadline.min(symmpool::Deadline::after(Duration::from_millis(200)));
-            if py.allow_threads(|| self.server.wait_until_done(slice)) {
-                return Ok(true);
-            } else if deadline.expired() {
-                return Ok(false);
+            match py.allow_threads(|| self.server.wait_until_done(slice)) {
+                JobEnd::Ended => return Ok("ended"),
+                JobEnd::NotAssembled => return Ok("not_assembled"),
+                _ if deadline.expired() => return Ok("deadline"),
+                _ => py.check_signals()?,
             }
-            py.check_signals()?;
         }
     }
 

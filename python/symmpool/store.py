@@ -9,7 +9,8 @@ survivors shrink and go on.
 It reads the settings the ranks read (the port ``SYMMPOOL_STORE_PORT``, else
 ``MASTER_PORT``; ``SYMMPOOL_TOKEN``, the job identity, the heartbeats), serves the job,
 and exits 0 once every rank has joined and left (ended or lost), 1 after
-``--timeout-s`` or on a bad setting.
+``--timeout-s``, when not every rank joined within the ranks' start-up timeout
+(``SYMMPOOL_STARTUP_TIMEOUT_MS``), or on a bad setting.
 """
 
 import argparse
@@ -39,11 +40,14 @@ def main(argv=None) -> int:
         return 1
     print(f"store: listening on {server.address} for {args.world_size} ranks", flush=True)
     try:
-        done = server.wait_until_done(args.timeout_s)
+        end = server.wait_until_done(args.timeout_s)
     except KeyboardInterrupt:
         print("store: interrupted", file=sys.stderr)
         return 130
-    if not done:
+    if end == "not_assembled":
+        print("store: not every rank joined within the start-up timeout", file=sys.stderr)
+        return 1
+    if end != "ended":
         print(f"store: the job had not ended after {args.timeout_s} s", file=sys.stderr)
         return 1
     print(f"store: the job ended ({server.ranks_departed} ranks departed, "

@@ -91,7 +91,7 @@ pub use env::{Launch, LaunchSource};
 pub use kv::{KvConfig, KvExchange, KvStore};
 pub use local::LocalExchange;
 pub(crate) use rendezvous::Rendezvous;
-pub use store::{ServerStats, StoreServer};
+pub use store::{JobEnd, ServerStats, StoreServer};
 pub use waiting::WAIT_WARNING_INTERVAL;
 
 /// One independent sequence of all-gather rounds of an [`Exchange`].

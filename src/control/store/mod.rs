@@ -40,6 +40,17 @@ use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+/// How [`StoreServer::wait_until_done`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobEnd {
+    /// Every rank joined, then left: the job is over.
+    Ended,
+    /// Not every rank joined within the start-up timeout.
+    NotAssembled,
+    /// The deadline passed first.
+    Deadline,
+}
+
 /// Counters of a [`StoreServer`], for logs and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ServerStats {
@@ -62,6 +73,7 @@ pub struct ServerStats {
 /// every rank connects to it. Dropping it shuts it down and closes every connection.
 pub struct StoreServer {
     addr: SocketAddr,
+    bound_at: Instant,
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -249,6 +261,7 @@ impl StoreServer {
         });
         let mut server = StoreServer {
             addr: local,
+            bound_at: Instant::now(),
             shared: shared.clone(),
             threads: Vec::new(),
         };
@@ -308,9 +321,21 @@ impl StoreServer {
 
     /// For a store that runs in a process of its own (`SYMMPOOL_STORE_EXTERNAL`, see
     /// [`StoreConfig::host_server`]): wait until the job is over, every rank having
-    /// joined and then left (ended, or lost), or until `deadline`; `true` if it is.
-    pub fn wait_until_done(&self, deadline: Deadline) -> bool {
-        self.wait_until(deadline, |st| st.members.iter().all(Option::is_some))
+    /// joined and then left (ended, or lost), or until `deadline`, or until the
+    /// start-up timeout ([`StoreConfig::startup_timeout`], from the bind) passed
+    /// without every rank joined (the job did not assemble: its ranks gave up).
+    pub fn wait_until_done(&self, deadline: Deadline) -> JobEnd {
+        let all_joined = |st: &State| st.members.iter().all(Option::is_some);
+        let start_up = Deadline::after_from(self.bound_at, self.shared.config.startup_timeout);
+        if self.wait_until(deadline.min(start_up), all_joined) {
+            JobEnd::Ended
+        } else if !all_joined(&self.shared.state.lock()) && start_up.expired() {
+            JobEnd::NotAssembled
+        } else if self.wait_until(deadline, all_joined) {
+            JobEnd::Ended
+        } else {
+            JobEnd::Deadline
+        }
     }
 
     /// Wait until no rank is connected and `done` holds, or `deadline` passes.
