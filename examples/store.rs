@@ -3,8 +3,8 @@
 //! survivors shrink and go on.
 //!
 //! ```text
-//! export SYMMPOOL_STORE_PORT=29511 SYMMPOOL_JOB_ID=$RANDOM   # ranks and store alike
-//! cargo run --release --example store -- --world-size 8 &   # on MASTER_ADDR's host
+//! export MASTER_ADDR=$(hostname) SYMMPOOL_STORE_PORT=29511 SYMMPOOL_JOB_ID=job-$RANDOM
+//! cargo run --release --example store -- --world-size 8 &   # ranks' settings, as rank 0
 //! SYMMPOOL_STORE_EXTERNAL=1 torchrun --nproc-per-node 8 train.py   # no rank hosts it
 //! ```
 //!
@@ -12,7 +12,8 @@
 //! `SYMMPOOL_TOKEN`, the job identity, the heartbeat settings; see
 //! `symmpool::control::StoreServer::bind_from_env`), serves the job, and exits 0 once
 //! every rank has joined and left (ended or lost), 1 at `--timeout-s`, when not every
-//! rank joined within the ranks' start-up timeout, or on a bad setting. Python: `python -m symmpool.store --world-size 8`.
+//! rank joined within the ranks' start-up timeout, or on a bad setting. From Python:
+//! `python -m symmpool.store --world-size 8`.
 
 use clap::Parser;
 use std::time::Duration;
