@@ -428,12 +428,19 @@ impl SymmPool {
         let backend = &self.inner.backend;
         let deregistrations = &mut st.counters.deregistrations;
         // No block of the segment was handed out, so no work uses it.
-        if let Err((left, e)) =
+        let Err((left, e)) =
             super::release::release_entry(backend, entry, deregistrations, deadline)
-        {
-            self.record_deferred_error("undoing a failed growth".into(), e);
+        else {
+            return;
+        };
+        if left.windows.iter().any(Option::is_some) {
+            // Freeing under a live window is not allowed: leak both.
+            self.record_deferred_error("deregistering a window after a failed growth".into(), e);
             tracing::error!(rank = self.rank(), "a segment of a failed growth is leaked");
             std::mem::forget(left);
+        } else {
+            // The provider refused the free: its handle's own drop decides what is kept.
+            self.record_deferred_error("freeing a segment after a failed growth".into(), e);
         }
     }
 }
