@@ -380,9 +380,10 @@ pub enum Error {
         detail: String,
     },
     /// The call was made on something (a pool, its collectives, an exchange) that
-    /// [`SymmPool::shrink`](crate::SymmPool::shrink) replaced. Nothing was done.
+    /// [`SymmPool::shrink`](crate::SymmPool::shrink) or
+    /// [`SymmPool::grow`](crate::SymmPool::grow) replaced. Nothing was done.
     #[error(
-        "{what} belongs to the world before a shrink; use the pool that SymmPool::shrink returned, and buffers allocated from it anew (an old buffer's layout was made for the old world size; its data stays readable)"
+        "{what} belongs to the world before a shrink or a grow; use the pool that SymmPool::shrink or SymmPool::grow returned, and buffers allocated from it anew (an old buffer's layout was made for the old world size; its data stays readable)"
     )]
     Shrunk {
         /// What the call was made on.

@@ -210,6 +210,31 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
         let _ = deadline;
         Err(cannot_shrink(self))
     }
+
+    /// The exchange of this group grown by the newcomers waiting to join it: this
+    /// group's ranks keep their ranks, the newcomers follow (on a [`StoreExchange`] in
+    /// the order of their job ranks, on a [`LocalExchange`] in the order they came);
+    /// this exchange then fails every later call with [`Error::Shrunk`], and asking
+    /// again returns the same exchange. The outcome is decided once, for every rank,
+    /// when all of them have asked: `None` on every rank if no newcomer waits then and
+    /// some rank asked with `wait` false; with `wait` true on every rank, they wait
+    /// for a newcomer until `deadline`. A [`StoreExchange`] (newcomers start with
+    /// `SYMMPOOL_JOIN=1`, see [`StoreExchange::from_env`]) and a [`LocalExchange`]
+    /// (newcomers come through [`LocalExchange::newcomer`]) can; the default cannot.
+    ///
+    /// # Collective
+    /// Every rank of the group calls it, at the same point of its calls.
+    ///
+    /// # Errors
+    /// [`Error::Config`] (the default: this exchange cannot grow);
+    /// [`Error::PeerLost`] if the group lost a rank, before or while they ask (shrink
+    /// past it, then grow); [`Error::Timeout`] naming the ranks that did not ask by
+    /// `deadline` (this rank's ask is withdrawn; with every rank asking and no newcomer
+    /// by then, `None` instead); [`Error::Shrunk`] on an exchange already replaced.
+    fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<dyn Exchange>>> {
+        let _ = (wait, deadline);
+        Err(cannot_grow(self))
+    }
 }
 
 /// A rank an [`Exchange`] knows to be lost ([`Exchange::lost_peer`]).
@@ -295,6 +320,12 @@ fn cannot_shrink(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
     Error::shrink_failed(reason, false)
 }
 
+/// [`Exchange::grow`]'s error for an exchange `ex` that cannot grow.
+fn cannot_grow(ex: &(impl std::fmt::Debug + ?Sized)) -> Error {
+    let what = format!("{ex:?}");
+    Error::config("Exchange::grow", what, "a StoreExchange or a LocalExchange")
+}
+
 /// One round of one of the crate's exchanges, numbered and checked by [`GatherRounds`]'
 /// [`Exchange`] implementation.
 struct Round<'a> {
@@ -331,6 +362,11 @@ trait GatherRounds: Send + Sync + std::fmt::Debug {
     /// [`Exchange::shrink`].
     fn shrink(&self, _deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         Err(cannot_shrink(self))
+    }
+
+    /// [`Exchange::grow`].
+    fn grow(&self, _wait: bool, _deadline: Deadline) -> Result<Option<Arc<dyn Exchange>>> {
+        Err(cannot_grow(self))
     }
 }
 
@@ -382,6 +418,10 @@ impl<T: GatherRounds> Exchange for T {
 
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         GatherRounds::shrink(self, deadline)
+    }
+
+    fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<dyn Exchange>>> {
+        GatherRounds::grow(self, wait, deadline)
     }
 }
 
