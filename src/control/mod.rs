@@ -211,10 +211,10 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
         Err(cannot_shrink(self))
     }
 
-    /// The exchange of this group grown by the newcomers waiting to join it: this
-    /// group's ranks keep their ranks, the newcomers follow (on a [`StoreExchange`] in
-    /// the order of their job ranks, on a [`LocalExchange`] in the order they came);
-    /// this exchange then fails every later call with [`Error::Shrunk`], and asking
+    /// The exchange of this group grown by the newcomers waiting to join it, numbered
+    /// densely: on a [`StoreExchange`] in the order of their job ranks (a newcomer
+    /// takes the place of the job rank it was started as), on a [`LocalExchange`] this
+    /// group's ranks first, then the newcomers in the order they came; this exchange then fails every later call with [`Error::Shrunk`], and asking
     /// again returns the same exchange. The outcome is decided once, for every rank,
     /// when all of them have asked: `None` on every rank if no newcomer waits then and
     /// some rank asked with `wait` false; with `wait` true on every rank, they wait
