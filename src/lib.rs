@@ -109,7 +109,7 @@ pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::{CudaView, CudaViewMut};
 pub use pool::{
-    FitReport, MAX_HISTORY, PoolConfig, ShrinkReport, SymmBuffer, SymmPool, TypedView, alloc,
+    FitReport, GrowReport, MAX_HISTORY, PoolConfig, ShrinkReport, SymmBuffer, SymmPool, TypedView, alloc,
     alloc_aligned, current,
 };
 pub use stream::Stream;

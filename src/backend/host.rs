@@ -260,6 +260,81 @@ impl HostBackend {
         backend.with_parts(exchange, parts)
     }
 
+    /// [`Backend::grow`] on the host backend: `backend`'s exchange grown (this rank's,
+    /// or a wrapper of it) and a new set of the standard communicators among the ranks
+    /// of the grown group, as [`join`](Self::join) makes them on a newcomer.
+    pub(super) fn grow(
+        &self,
+        backend: &Backend,
+        wait: bool,
+        deadline: Deadline,
+    ) -> Result<Option<Backend>> {
+        let Some(exchange) = backend.exchange().grow(wait, deadline)? else {
+            return Ok(None);
+        };
+        let next = (self.exchange.grow(wait, deadline)?)
+            .ok_or_else(|| Error::internal("a grown exchange over a group that did not grow"))?;
+        let comms = Self::regrouped(&next, &*exchange, deadline)?;
+        let parts = Self::parts(&self.config, &next, comms, self.reserved.clone());
+        backend.with_parts(exchange, parts).map(Some)
+    }
+
+    /// A newcomer that waits to join the host world of `backend` (or the world it
+    /// shrank or grew into) when its ranks next [grow](Backend::grow) it: hand it to
+    /// the newcomer's thread, which calls [`join`](Self::join).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a backend not made by [`HostBackend`].
+    pub fn newcomer(backend: &Backend) -> Result<crate::control::LocalNewcomer> {
+        let host = backend.downcast_ref::<HostBackend>().ok_or_else(|| {
+            let kind = format!("{:?}", backend.kind());
+            Error::config("HostBackend::newcomer", kind, "a backend made by HostBackend")
+        })?;
+        Ok(host.exchange.newcomer())
+    }
+
+    /// A newcomer's rank of a host world: it waits until the world's ranks
+    /// [grow](Backend::grow) it with `newcomer` (a [`LocalExchange::newcomer`] of one of
+    /// theirs), then makes the grown world's communicators with them. `config`'s world
+    /// size is the grown world's.
+    ///
+    /// # Collective
+    /// With the ranks' `grow` (they open the channel `backend:grow`).
+    ///
+    /// # Errors
+    /// As [`LocalNewcomer::join`](crate::control::LocalNewcomer::join); those of
+    /// [`world`](Self::world) and of opening a channel.
+    pub fn join(
+        newcomer: crate::control::LocalNewcomer,
+        config: HostConfig,
+        deadline: Deadline,
+    ) -> Result<Backend> {
+        let exchange = newcomer.join(deadline)?;
+        let (rank, n) = (exchange.rank(), exchange.world_size());
+        let info = BackendInfo::new(
+            BackendKind::Host,
+            rank,
+            n,
+            config.nccl_version,
+            config.granularity_bytes,
+            CommInfo::STANDARD.to_vec(),
+        )?;
+        let comms = Self::regrouped(&exchange, &*exchange, deadline)?;
+        let parts = Self::parts(&config, &exchange, comms, Arc::default());
+        Backend::with_stream_ops(info, exchange, parts, Arc::new(HostStreams::default()))
+    }
+
+    /// The communicators of a grown group `group`, found under the channel
+    /// `backend:grow` its ranks open over `exchange`.
+    fn regrouped(
+        group: &LocalExchange,
+        exchange: &dyn Exchange,
+        deadline: Deadline,
+    ) -> Result<Arc<Vec<HostComm>>> {
+        let channel = exchange.open_channel("backend:grow", deadline)?;
+        HostComm::take(group, channel)
+    }
+
     /// The parts of the rank of `group` over `comms`, the communicators of its ranks,
     /// with `config` (its world size `group`'s) and memory counted in `reserved`.
     fn parts(

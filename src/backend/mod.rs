@@ -459,6 +459,49 @@ impl Backend {
         Err(Error::shrink_failed(reason, false))
     }
 
+    /// The backend of this rank in its group grown by newcomers ([`Exchange::grow`]):
+    /// new communicators among the ranks of the grown group (a new set on the host
+    /// backend's threads, new channels on the shared-memory backend, a new set made
+    /// from the store on NCCL, this backend's aborted), as the newcomers make theirs
+    /// ([`HostBackend::join`], [`ShmBackend::join`], [`NcclBackend::from_env`] over the
+    /// exchange they joined with). Its device, memory limit (and on the host backends
+    /// its stream operations) are this backend's; segments of this backend may be
+    /// registered on it, but none of its windows. `None` when no newcomer waits (see
+    /// [`Exchange::grow`] for `wait`).
+    ///
+    /// # Collective
+    /// Every rank of the group calls it, for its backends in the same order, waiting
+    /// until `deadline` (the [`Group`](crate::Group) of the backend grows it once for
+    /// all its pools).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a backend that cannot grow (one assembled from parts of
+    /// its own) and as [`Exchange::grow`] says; the exchange's errors on the grown
+    /// group; on NCCL those of [`NcclBackend::from_env`].
+    pub fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Backend>> {
+        if let Some(host) = self.downcast_ref::<HostBackend>() {
+            return host.grow(self, wait, deadline);
+        }
+        #[cfg(target_os = "linux")]
+        if let Some(shm) = self.downcast_ref::<ShmBackend>() {
+            let exchange = self.exchange.grow(wait, deadline)?;
+            return exchange
+                .map(|ex| shm.shrink(self, ex, deadline))
+                .transpose();
+        }
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
+            let exchange = self.exchange.grow(wait, deadline)?;
+            return exchange.map(|ex| nccl.shrink(ex, deadline)).transpose();
+        }
+        let kind = format!("{:?} assembled from parts of its own", self.info.kind);
+        Err(Error::config(
+            "Backend::grow",
+            kind,
+            "a backend made by HostBackend, ShmBackend or NcclBackend",
+        ))
+    }
+
     /// A backend with this one's identity at the rank and world size of `exchange`
     /// (this one's for a [`split`](Self::split), the shrunk one's for a
     /// [`shrink`](Self::shrink)), its stream operations, and `parts` (communicators of

@@ -9,7 +9,7 @@ use parking_lot::{Condvar, Mutex};
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -51,12 +51,47 @@ struct GroupState {
     told: Vec<Weak<dyn Lose>>,
     /// Values the ranks share under a key, with how many ranks took them.
     shared: BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>,
-    /// The ranks asking to shrink now.
-    votes: BTreeSet<usize>,
-    /// The survivors' exchanges once they all asked, by old rank, until taken.
-    made: BTreeMap<usize, LocalExchange>,
+    /// The ranks asking to shrink or grow now, and which.
+    votes: BTreeMap<usize, Ask>,
+    /// The newcomers waiting to join ([`LocalNewcomer`]), by ticket, in the order
+    /// they came.
+    newcomers: BTreeSet<u64>,
+    /// The group this one became (its waiting newcomers went on waiting there).
+    next: Option<Arc<Group>>,
+    /// The new group's exchanges once every rank asked, by old rank or newcomer's
+    /// ticket, until taken.
+    made: BTreeMap<Seat, LocalExchange>,
+    /// The ranks told that no newcomer waits (a grow without one), until they read it.
+    unchanged: BTreeSet<usize>,
     /// Why a rank's ask failed (a loss while they asked), until it reads it.
     failed: BTreeMap<usize, String>,
+}
+
+/// What a rank asks its group for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    Shrink,
+    Grow { wait: bool },
+}
+
+/// A place in the group a shrink or grow makes: an old rank's, or a newcomer's.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Seat {
+    Rank(usize),
+    Newcomer(u64),
+}
+
+/// Tickets of [`LocalNewcomer`]s, unique in the process.
+static NEXT_TICKET: AtomicU64 = AtomicU64::new(0);
+
+/// A thread waiting to join a group of [`LocalExchange`]s when its ranks
+/// [grow](LocalExchange::grow) it: made by [`LocalExchange::newcomer`], it waits in
+/// [`join`](Self::join). Dropped before it joined, it is forgotten (no loss to the
+/// group); dropped after the group grew with it but before `join` returned, it is lost
+/// to the grown group.
+pub struct LocalNewcomer {
+    group: Mutex<Arc<Group>>,
+    ticket: u64,
 }
 
 impl LocalExchange {
@@ -149,53 +184,97 @@ impl LocalExchange {
     /// ask (they may ask again); [`Error::Timeout`] naming the ranks that did not ask
     /// by `deadline` (this rank's ask is withdrawn).
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
-        let mut successor = self.successor.lock();
-        if let Some(next) = successor.clone() {
-            drop(successor);
+        if let Some(next) = self.successor.lock().clone() {
             // The survivors lost a rank too, or went on past such a loss: from there.
             if next.lost_peer().is_some() || next.successor.lock().is_some() {
                 return next.shrink(deadline);
             }
             return Ok(next);
         }
-        let (started, rank, group) = (Instant::now(), self.rounds.rank, &*self.group);
-        let mut st = group.state.lock();
-        st.failed.remove(&rank);
-        st.votes.insert(rank);
-        if st.alive.is_subset(&st.votes) {
-            let (n, alive) = (self.rounds.world_size, Vec::from_iter(st.alive.clone()));
-            tracing::info!("symmpool: a group of {n} threads shrank to its ranks {alive:?}");
-            let next = LocalExchange::group(alive.len());
-            st.made.extend(alive.iter().copied().zip(next));
-            st.votes.clear();
-            group.shrunk.store(true, Ordering::Release);
-            // Calls still waiting in the old group (another thread's collective) end
-            // with `Shrunk`, not with the loss of a rank that merely leaves the old
-            // group for the new one.
-            group.rounds.shrink();
-            for rv in st.told.iter().filter_map(Weak::upgrade) {
-                rv.shrink();
-            }
+        self.ask(Ask::Shrink, deadline)?
+            .ok_or_else(|| Error::internal("a shrink answered as a grow"))
+    }
+
+    /// [`Exchange::grow`] among threads: every rank of the group asks; the newcomers
+    /// waiting then ([`newcomer`](Self::newcomer)) get the ranks after this group's.
+    ///
+    /// # Collective
+    /// Every rank of the group calls it, waiting for the others (and with `wait` on
+    /// every rank, for a newcomer) until `deadline`.
+    ///
+    /// # Errors
+    /// As [`Exchange::grow`].
+    pub fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<LocalExchange>>> {
+        if let Some(next) = self.successor.lock().clone() {
+            return Ok(Some(next));
         }
+        self.ask(Ask::Grow { wait }, deadline)
+    }
+
+    /// A newcomer that waits to join the group this exchange is in now (or the one it
+    /// shrank or grew into) when its ranks next [`grow`](Self::grow) it: hand it to
+    /// the newcomer's thread, which calls [`LocalNewcomer::join`].
+    pub fn newcomer(&self) -> LocalNewcomer {
+        let mut group = self.group.clone();
+        loop {
+            let mut st = group.state.lock();
+            let Some(next) = st.next.clone() else {
+                let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
+                st.newcomers.insert(ticket);
+                group.settle(&mut st);
+                drop(st);
+                return LocalNewcomer {
+                    group: Mutex::new(group),
+                    ticket,
+                };
+            };
+            drop(st);
+            group = next;
+        }
+    }
+
+    /// Ask the group for `ask`, and wait for the answer: the exchange of the new group
+    /// (`None`: a grow found no newcomer).
+    fn ask(&self, ask: Ask, deadline: Deadline) -> Result<Option<Arc<LocalExchange>>> {
+        let mut successor = self.successor.lock();
+        let (started, rank, group) = (Instant::now(), self.rounds.rank, &*self.group);
+        let op = if ask == Ask::Shrink { "shrink" } else { "grow" };
+        let mut st = group.state.lock();
+        if let (Some(lost), Ask::Grow { .. }) = (&st.lost, ask) {
+            return Err(lost.error(op));
+        }
+        st.failed.remove(&rank);
+        st.votes.insert(rank, ask);
+        group.settle(&mut st);
         group.cv.notify_all();
         loop {
-            if let Some(next) = st.made.remove(&rank) {
+            if let Some(next) = st.made.remove(&Seat::Rank(rank)) {
                 let next = Arc::new(next);
                 *successor = Some(next.clone());
-                return Ok(next);
+                return Ok(Some(next));
+            }
+            if st.unchanged.remove(&rank) {
+                return Ok(None);
             }
             if let Some(reason) = st.failed.remove(&rank) {
-                return Err(Error::shrink_failed(reason, true));
+                return Err(match (&st.lost, ask) {
+                    (Some(lost), Ask::Grow { .. }) => lost.error(op),
+                    _ => Error::shrink_failed(reason, true),
+                });
             }
             if deadline.expired() {
                 st.votes.remove(&rank);
+                let missing: Vec<usize> = (st.alive.iter())
+                    .filter(|&&r| r != rank && !st.votes.contains_key(&r))
+                    .copied()
+                    .collect();
+                if missing.is_empty() && ask != Ask::Shrink {
+                    return Ok(None);
+                }
                 return Err(Error::Timeout {
-                    op: "shrink",
+                    op,
                     waited: started.elapsed(),
-                    missing_ranks: (st.alive.difference(&st.votes))
-                        .filter(|&&r| r != rank)
-                        .copied()
-                        .collect(),
+                    missing_ranks: missing,
                 });
             }
             group.cv.wait_until(&mut st, deadline.instant());
@@ -203,7 +282,115 @@ impl LocalExchange {
     }
 }
 
+impl LocalNewcomer {
+    /// Wait until the group's ranks [grow](LocalExchange::grow) it with this newcomer:
+    /// its exchange in the grown group.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] (op `"join"`) if they do not by `deadline` (the newcomer is
+    /// forgotten).
+    pub fn join(self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
+        let started = Instant::now();
+        let mut group = self.group.lock();
+        loop {
+            let mut st = group.state.lock();
+            if let Some(ex) = st.made.remove(&Seat::Newcomer(self.ticket)) {
+                return Ok(Arc::new(ex));
+            }
+            if let Some(next) = st.next.clone() {
+                drop(st);
+                *group = next;
+                continue;
+            }
+            if deadline.expired() {
+                st.newcomers.remove(&self.ticket);
+                return Err(Error::timeout_since("join", started, &[]));
+            }
+            group.cv.wait_until(&mut st, deadline.instant());
+        }
+    }
+}
+
+impl Drop for LocalNewcomer {
+    fn drop(&mut self) {
+        let mut group = self.group.lock().clone();
+        loop {
+            let mut st = group.state.lock();
+            st.newcomers.remove(&self.ticket);
+            // Made but not taken: lost to the grown group (dropped without the lock).
+            let made = st.made.remove(&Seat::Newcomer(self.ticket));
+            let Some(next) = st.next.clone() else { break };
+            drop((st, made));
+            group = next;
+        }
+    }
+}
+
+impl fmt::Debug for LocalNewcomer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalNewcomer")
+            .field("ticket", &self.ticket)
+            .finish()
+    }
+}
+
 impl Group {
+    /// Once every rank of the group asked: the new group (a shrink to the ranks that
+    /// asked; a grow by the waiting newcomers), every rank's and newcomer's exchange of
+    /// it in `made`; or, for a grow without newcomers, the ranks told so (unless every
+    /// rank asked to wait for one).
+    fn settle(&self, st: &mut GroupState) {
+        if st.votes.is_empty() || !st.alive.iter().all(|r| st.votes.contains_key(r)) {
+            return;
+        }
+        let shrink = st.votes.values().all(|a| *a == Ask::Shrink);
+        if !shrink && st.votes.values().any(|a| *a == Ask::Shrink) {
+            let reason =
+                "the ranks asked to shrink and to grow at once (every rank makes the same call)";
+            for voter in std::mem::take(&mut st.votes).into_keys() {
+                st.failed.insert(voter, reason.into());
+            }
+            self.cv.notify_all();
+            return;
+        }
+        let newcomers = if shrink {
+            BTreeSet::new()
+        } else if st.newcomers.is_empty() {
+            if st.votes.values().any(|a| *a == Ask::Grow { wait: false }) {
+                st.unchanged
+                    .extend(std::mem::take(&mut st.votes).into_keys());
+                self.cv.notify_all();
+            }
+            return;
+        } else {
+            std::mem::take(&mut st.newcomers)
+        };
+        let alive = Vec::from_iter(st.alive.clone());
+        let seats = (alive.iter().map(|&r| Seat::Rank(r)))
+            .chain(newcomers.iter().map(|&t| Seat::Newcomer(t)));
+        let next = LocalExchange::group(alive.len() + newcomers.len());
+        let grown = next.len();
+        let next_group = next[0].group.clone();
+        tracing::info!(
+            "symmpool: a group of threads went on as {grown}: its ranks {alive:?} and {} newcomers",
+            newcomers.len()
+        );
+        st.made.extend(seats.zip(next));
+        st.votes.clear();
+        // Newcomers still to come wait in the new group.
+        next_group.state.lock().newcomers = std::mem::take(&mut st.newcomers);
+        st.next = Some(next_group);
+        self.shrunk.store(true, Ordering::Release);
+        // Calls still waiting in the old group (another thread's collective) end
+        // with `Shrunk`, not with the loss of a rank that merely leaves the old
+        // group for the new one.
+        self.rounds.shrink();
+        for rv in st.told.iter().filter_map(Weak::upgrade) {
+            rv.shrink();
+        }
+        self.cv.notify_all();
+    }
+
     /// Rank `rank`'s exchange is dropped: the rank is lost to the others (it left, or
     /// its thread panicked), and a shrink they are asking for fails.
     fn lose(&self, rank: usize) {
@@ -229,7 +416,7 @@ impl Group {
                     "rank {rank} was lost while the survivors agreed to shrink ({}); ask again to go on without it",
                     peer.detail
                 );
-                for voter in std::mem::take(&mut st.votes) {
+                for voter in std::mem::take(&mut st.votes).into_keys() {
                     st.failed.insert(voter, reason.clone());
                 }
                 self.cv.notify_all();
@@ -291,6 +478,10 @@ impl GatherRounds for LocalExchange {
 
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {
         Ok(LocalExchange::shrink(self, deadline)?)
+    }
+
+    fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<dyn super::Exchange>>> {
+        Ok(LocalExchange::grow(self, wait, deadline)?.map(|e| e as _))
     }
 }
 

@@ -89,7 +89,7 @@ pub use client::StoreExchange;
 pub use config::StoreConfig;
 pub use env::{Launch, LaunchSource};
 pub use kv::{KvConfig, KvExchange, KvStore};
-pub use local::LocalExchange;
+pub use local::{LocalExchange, LocalNewcomer};
 pub(crate) use rendezvous::Rendezvous;
 pub use store::{JobEnd, ServerStats, StoreServer};
 pub use waiting::WAIT_WARNING_INTERVAL;

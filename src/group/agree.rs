@@ -20,6 +20,8 @@ pub(crate) enum Op {
     Close,
     FitToPeak,
     Shrink,
+    /// A grow: the group's ranks and newcomers.
+    Admit,
 }
 
 impl Op {
@@ -31,6 +33,7 @@ impl Op {
             Op::Close => "close",
             Op::FitToPeak => "fit_to_peak",
             Op::Shrink => "shrink",
+            Op::Admit => "grow",
         }
     }
 }

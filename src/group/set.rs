@@ -149,7 +149,7 @@ struct GroupInner {
     users: Users,
     /// See [`claim_collectives`](Group::claim_collectives).
     collectives_claimed: Arc<AtomicBool>,
-    /// The group a [`shrink`](Group::shrink) made of this one.
+    /// The group a [`shrink`](Group::shrink) or [`grow`](Group::grow) made of this one.
     shrunk: Mutex<Option<Group>>,
     backend: Backend,
     /// The group's hold on the backend's communicators.
@@ -330,6 +330,34 @@ impl Group {
             return next.shrink(deadline);
         }
         Ok(next)
+    }
+
+    /// The group of this rank grown by newcomers: the backend grown
+    /// ([`Backend::grow`]) and a group over it with these settings, every wait ending
+    /// by `deadline`; `None` when no newcomer waits. Asking again (another pool of the
+    /// group) returns the same group.
+    ///
+    /// # Collective
+    /// Every rank of the group calls it; the newcomers make their group over the
+    /// backend they joined with ([`Group::new`]).
+    ///
+    /// # Errors
+    /// As [`Backend::grow`]; the errors of opening the new group's channels;
+    /// [`Error::Timeout`] if another pool's shrink or grow of this group holds it past
+    /// `deadline`.
+    pub(crate) fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Group>> {
+        let started = std::time::Instant::now();
+        let mut next = (self.inner.shrunk.try_lock_until(deadline.instant()))
+            .ok_or_else(|| Error::timeout_since("grow", started, &[]))?;
+        if let Some(next) = next.clone() {
+            return Ok(Some(next));
+        }
+        let Some(backend) = self.inner.backend.grow(wait, deadline)? else {
+            return Ok(None);
+        };
+        let grown = Self::open(backend, self.inner.config.clone(), deadline)?;
+        *next = Some(grown.clone());
+        Ok(Some(grown))
     }
 
     /// The backend.

@@ -40,7 +40,8 @@ impl SymmPool {
     }
 
     fn apply_free(&self, st: &mut PoolState, block: BlockId, fences: &[Wait]) {
-        if st.closed {
+        // Pinned: a newcomer of a grow holds the block with no buffer to free it.
+        if st.closed || block.seq < st.pinned_below_seq {
             return;
         }
         // Where the block is and its stream, for the allocation history (only while

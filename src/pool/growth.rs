@@ -17,7 +17,7 @@ impl SymmPool {
     /// Grow by one segment: agree, allocate, confirm, register, add to the core; every
     /// wait on the peers until `deadline`. In a `growth` span that records its
     /// duration.
-    pub(super) fn grow(
+    pub(super) fn grow_segment(
         &self,
         st: &mut PoolState,
         growth: Growth,

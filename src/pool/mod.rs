@@ -16,7 +16,7 @@ mod growth;
 mod history;
 mod release;
 mod scope;
-mod shrink;
+mod regroup;
 mod state;
 mod stats;
 
@@ -29,7 +29,7 @@ pub use fit::FitReport;
 pub(crate) use history::MemoryHistory;
 pub use history::{MemoryAction, MemoryEvent};
 pub use scope::{alloc, alloc_aligned, current};
-pub use shrink::ShrinkReport;
+pub use regroup::{GrowReport, ShrinkReport};
 pub use stats::{MemoryStats, StatValue};
 
 use crate::backend::Backend;
@@ -405,7 +405,7 @@ impl SymmPool {
                 // One deadline for the whole growth (made only when it grows: a cache
                 // hit does not read the clock).
                 let deadline = Deadline::after(self.group().config().timeout);
-                self.grow(&mut st, growth, deadline)?;
+                self.grow_segment(&mut st, growth, deadline)?;
                 st.core.alloc(req)?
             }
             out => out?,

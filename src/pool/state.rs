@@ -73,6 +73,10 @@ pub(crate) struct PoolState {
     pub(crate) known_streams: Vec<crate::stream::Stream>,
     /// The allocation history, while recording (`record_memory_history`).
     pub(crate) memory_history: Option<Box<super::MemoryHistory>>,
+    /// Blocks allocated before the pool's group grew (sequence numbers below this)
+    /// stay allocated when freed: a newcomer holds them as allocated too, with no
+    /// buffer to free them ([`SymmPool::grow`](super::SymmPool::grow)).
+    pub(crate) pinned_below_seq: u64,
 }
 
 impl PoolState {
@@ -93,6 +97,7 @@ impl PoolState {
             },
             known_streams: Vec::new(),
             memory_history: None,
+            pinned_below_seq: 0,
         }
     }
 

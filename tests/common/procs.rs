@@ -106,7 +106,10 @@ impl Job {
         job
     }
 
+    /// Start a child as `rank` of `world`; its lines and its exit are this job's
+    /// child number `self.children.len()` (the rank, for the ranks a job starts with).
     pub fn spawn(&mut self, rank: usize, world: usize, extra: &[(&'static str, String)]) {
+        let slot = self.children.len();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args(["--exact", self.entry, "--nocapture", "--test-threads=1"])
             .env(CHILD, "1")
@@ -135,7 +138,7 @@ impl Job {
             let tx = self.tx.clone();
             readers.push(thread::spawn(move || {
                 for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
-                    let _ = tx.send((rank, format!("stderr: {line}")));
+                    let _ = tx.send((slot, format!("stderr: {line}")));
                 }
             }));
         }
@@ -149,7 +152,7 @@ impl Job {
                     Some(at) => line[at..].to_string(),
                     None => line,
                 };
-                let _ = tx.send((rank, kept));
+                let _ = tx.send((slot, kept));
             }
         }));
         self.children.push(child);

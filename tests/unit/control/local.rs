@@ -222,3 +222,76 @@ fn a_survivor_that_does_not_ask_times_the_shrink_out_naming_it() {
     });
     assert!(sizes.iter().all(|s| matches!(s, Ok(2))), "{sizes:?}");
 }
+
+/// Every exchange's `grow(wait)`, each on a thread of its own.
+fn grow_all(group: &[LocalExchange], wait: bool) -> Vec<Result<Option<Arc<LocalExchange>>>> {
+    thread::scope(|s| {
+        let hs: Vec<_> = (group.iter())
+            .map(|ex| s.spawn(move || ex.grow(wait, Deadline::after(Duration::from_secs(10)))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_grow_admits_the_waiting_newcomers_after_the_ranks_and_rounds_pair_across_all() {
+    let group = LocalExchange::group(2);
+    let newcomer = group[1].newcomer();
+    let (grown, joined) = thread::scope(|s| {
+        let joined = s.spawn(|| newcomer.join(Deadline::after(Duration::from_secs(10))));
+        (grow_all(&group, true), joined.join().unwrap().unwrap())
+    });
+    let mut all: Vec<_> = grown.into_iter().map(|g| g.unwrap().unwrap()).collect();
+    all.push(joined);
+    let places: Vec<_> = all.iter().map(|e| (e.rank(), e.world_size())).collect();
+    assert_eq!(places, [(0, 3), (1, 3), (2, 3)]);
+    // Asking again gives the same exchange; the old one refuses rounds.
+    let again = group[0].grow(false, Deadline::after(Duration::from_secs(1))).unwrap();
+    assert!(Arc::ptr_eq(&again.unwrap(), &all[0]));
+    let ch = ChannelId::CONTROL;
+    let old = group[0].all_gather(ch, "t", &[1], Deadline::after(Duration::from_secs(1)));
+    assert!(matches!(old, Err(Error::Shrunk { .. })), "{old:?}");
+    let out: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = (all.iter())
+            .map(|e| s.spawn(move || e.all_gather(ch, "t", &[e.rank() as u8], Deadline::after(Duration::from_secs(10)))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    assert!(out.iter().all(|o| *o == [vec![0], vec![1], vec![2]]));
+}
+
+#[test]
+fn without_a_newcomer_a_grow_is_none_and_a_dropped_newcomer_is_no_loss() {
+    let group = LocalExchange::group(2);
+    drop(group[0].newcomer());
+    for g in grow_all(&group, false) {
+        assert!(matches!(g, Ok(None)), "{g:?}");
+    }
+    assert!(group[0].lost_peer().is_none());
+    // A newcomer nobody admits gives up at its deadline.
+    let late = group[0].newcomer().join(Deadline::after(Duration::from_millis(50)));
+    assert!(matches!(late, Err(Error::Timeout { op: "join", .. })), "{late:?}");
+}
+
+#[test]
+fn a_rank_lost_while_the_others_ask_to_grow_is_a_peer_lost_and_they_can_shrink() {
+    let mut group = LocalExchange::group(3);
+    let last = group.pop().unwrap();
+    let out = thread::scope(|s| {
+        let hs: Vec<_> = (group.iter())
+            .map(|ex| s.spawn(move || ex.grow(true, Deadline::after(Duration::from_secs(10)))))
+            .collect();
+        drop(last);
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for o in out {
+        assert!(matches!(o, Err(Error::PeerLost { rank: 2, .. })), "{o:?}");
+    }
+    let shrunk: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = (group.iter())
+            .map(|ex| s.spawn(move || ex.shrink(Deadline::after(Duration::from_secs(10)))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap().world_size()).collect()
+    });
+    assert_eq!(shrunk, [2, 2]);
+}
