@@ -328,7 +328,13 @@ impl Allocator {
 
     /// Cut block `slot` (free, not in the index) at `at` bytes; the tail becomes a new
     /// free block with the given fences, linked after it. Returns the tail's slot.
-    fn split_off_tail(&mut self, slot: u32, at: u64, fences: &Fences, fenced: bool) -> u32 {
+    pub(super) fn split_off_tail(
+        &mut self,
+        slot: u32,
+        at: u64,
+        fences: &Fences,
+        fenced: bool,
+    ) -> u32 {
         let (segment, class, offset, size, next) = {
             let b = &self.blocks[slot as usize];
             (b.segment, b.class, b.offset, b.size, b.next)

@@ -59,4 +59,8 @@ pub enum AllocError {
     /// The configuration is inconsistent.
     #[error("invalid allocator configuration: {0}")]
     Config(&'static str),
+    /// A [`Layout`](super::Layout) that no allocator under the given configuration can
+    /// have: the rule it breaks (see [`Allocator::from_layout`](super::Allocator::from_layout)).
+    #[error("invalid allocator layout: {0}")]
+    BadLayout(&'static str),
 }

@@ -36,9 +36,11 @@ impl Allocator {
     /// sizes are multiples of the minimum block size; no two free blocks are adjacent
     /// (free ranges are coalesced). Globally: the free index holds exactly the free
     /// blocks, each under its own size class; every slab slot belongs to exactly one
-    /// segment; and every statistic equals a recount.
+    /// segment; every statistic equals a recount; `num_allocs` is the number of
+    /// sequence numbers handed out and `num_allocs - num_frees` that of live blocks.
     ///
-    /// Cost: O(blocks · log blocks). Meant for tests, fuzzing and debugging.
+    /// Cost: O(blocks · log blocks). Meant for tests, fuzzing and debugging, and for
+    /// [`from_layout`](Self::from_layout)'s check of a layout's statistics.
     ///
     /// # Errors
     /// The first [`InvariantViolation`] found.
@@ -183,8 +185,14 @@ impl Allocator {
                 "peak of {name} below current"
             );
         }
-        let live = s.num_allocs - s.num_frees == nalloc;
+        let live = s.num_allocs.checked_sub(s.num_frees) == Some(nalloc);
         ensure!(live, None, "allocs - frees differs from live blocks");
+        let numbered = s.num_allocs.checked_add(1) == Some(self.next_seq);
+        ensure!(
+            numbered,
+            None,
+            "allocs + 1 differs from the next sequence number"
+        );
         Ok(())
     }
 }

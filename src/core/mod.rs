@@ -25,6 +25,9 @@
 //!   out on another stream than its last users' comes with their fences to wait for
 //!   ([`Placement::waits`]). A merged free block keeps the latest fence per stream of
 //!   all its parts: conservative, never unsafe.
+//! - **Hand-over**: [`Allocator::layout`] is what placement depends on; a rank joining
+//!   a grown group starts from the survivors' with [`Allocator::from_layout`] and
+//!   decides as they do from then on.
 //!
 //! [`Allocator::check_invariants`] recounts everything and lists the invariants.
 //!
@@ -59,6 +62,7 @@ mod error;
 mod fit;
 mod free_index;
 mod invariants;
+mod layout;
 mod marks;
 mod segments;
 mod stats;
@@ -70,6 +74,7 @@ pub use config::{CoreConfig, GrowthPolicy, MAX_SEGMENT_BYTES};
 pub use error::AllocError;
 pub use fit::FitPlan;
 pub use invariants::InvariantViolation;
+pub use layout::{BlockLayout, Layout, LiveBlock, SegmentLayout};
 pub use stats::{
     BlockSnapshot, BlockState, ClassStats, CoreStats, SegmentSnapshot, Snapshot, Stat,
 };

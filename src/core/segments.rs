@@ -19,10 +19,15 @@ impl Allocator {
     /// [`AllocError::OutOfMemory`] past `max_reserved_bytes`; [`AllocError::Exhausted`]
     /// after 2³² - 1 segments.
     pub fn add_segment(&mut self, growth: Growth) -> Result<SegmentId, AllocError> {
-        let dedicated = self.config.growth == GrowthPolicy::Caching
+        self.insert_segment(growth, self.dedicates(growth))
+    }
+
+    /// Whether [`add_segment`](Self::add_segment) makes the segment of `growth`
+    /// dedicated.
+    pub(super) fn dedicates(&self, growth: Growth) -> bool {
+        self.config.growth == GrowthPolicy::Caching
             && growth.class == SizeClass::Large
-            && growth.segment_bytes > self.config.large_segment_bytes;
-        self.insert_segment(growth, dedicated)
+            && growth.segment_bytes > self.config.large_segment_bytes
     }
 
     /// Add a large segment of `size_bytes` that any large request may use (no
@@ -46,7 +51,11 @@ impl Allocator {
         SegmentId(self.next_segment)
     }
 
-    fn insert_segment(&mut self, growth: Growth, dedicated: bool) -> Result<SegmentId, AllocError> {
+    pub(super) fn insert_segment(
+        &mut self,
+        growth: Growth,
+        dedicated: bool,
+    ) -> Result<SegmentId, AllocError> {
         let size = growth.segment_bytes;
         if size == 0
             || size > super::config::MAX_SEGMENT_BYTES

@@ -175,7 +175,7 @@ impl Error {
                 | AllocError::BadAlignment { .. }
                 | AllocError::StaleBlock(_) => K::Usage,
                 AllocError::OutOfMemory { .. } => K::OutOfMemory,
-                AllocError::Config(_) => K::Configuration,
+                AllocError::Config(_) | AllocError::BadLayout(_) => K::Configuration,
                 AllocError::NeedsGrowth(_)
                 | AllocError::BadSegmentSize { .. }
                 | AllocError::UnknownSegment(_)

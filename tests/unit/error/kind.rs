@@ -400,6 +400,7 @@ fn core_errors_have_kinds() {
             K::OutOfMemory,
         ),
         (AllocError::Config("x"), K::Configuration),
+        (AllocError::BadLayout("x"), K::Configuration),
         (AllocError::NeedsGrowth(growth), K::Internal),
         (AllocError::BadSegmentSize { size_bytes: 1 }, K::Internal),
         (AllocError::UnknownSegment(SegmentId(0)), K::Internal),
