@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::{
-    Backend, Coll, Deadline, Error, ErrorKind, Group, GroupConfig, GrowReport, HostBackend,
+    Backend, Coll, CollectiveCalls, Deadline, Error, ErrorKind, Group, GroupConfig, GrowReport, HostBackend,
     HostConfig, PoolConfig, ReduceOp, Stream, SymmPool,
 };
 

@@ -40,8 +40,12 @@ impl SymmPool {
     }
 
     fn apply_free(&self, st: &mut PoolState, block: BlockId, fences: &[Wait]) {
+        if st.closed {
+            return;
+        }
         // Pinned: a newcomer of a grow holds the block with no buffer to free it.
-        if st.closed || block.seq < st.pinned_below_seq {
+        if block.seq < st.pinned_below_seq {
+            st.pinned_freed += 1;
             return;
         }
         // Where the block is and its stream, for the allocation history (only while

@@ -236,7 +236,7 @@ impl SymmPool {
         let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
-        st.pinned_below_seq = old.pinned_below_seq;
+        (st.pinned_below_seq, st.pinned_freed) = (old.pinned_below_seq, old.pinned_freed);
         let out = match take_over(&pool, &mut st, &mut old) {
             Ok(out) => out,
             Err(e) => {
@@ -347,31 +347,43 @@ impl SymmPool {
         };
         let newcomers: Vec<usize> = (0..all.len()).filter(|&r| all[r].is_none()).collect();
         let mut fresh = Vec::new();
-        let mut allocated = true;
+        let mut ready = self.readiness(st);
         if old.is_none() {
-            st.core = Allocator::from_layout(self.inner.config.core, layout, StreamId(0))?;
+            match Allocator::from_layout(self.inner.config.core, layout, StreamId(0)) {
+                Ok(core) => {
+                    st.pinned_freed = core.stats().allocated_blocks.current;
+                    st.core = core;
+                }
+                Err(e) => {
+                    let reason = format!("the survivors' layout does not fit this pool: {e}");
+                    st.broken = Some(Error::PoolBroken { reason });
+                    ready = Note::Ready(Readiness::PoolBroken);
+                }
+            }
             for (_, _, size_bytes) in st.core.segments().collect::<Vec<_>>() {
                 match self.inner.backend.segments().allocate(size_bytes) {
                     Ok(segment) => fresh.push(segment),
                     Err(e) => {
                         tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
                             "a newcomer could not allocate the group's segments");
-                        allocated = false;
+                        ready = Note::Allocated(false);
                         break;
                     }
                 }
             }
         }
-        // The layout's digest is compared: survivors with different pools diverged.
-        let bytes = postcard::to_allocvec(&st.core.layout()).unwrap_or_default();
+        // The ranks compare the layout they go on from (but for what fence completion
+        // and streams change): survivors whose pools differ diverged.
+        let mut compared = mine.as_ref().unwrap_or(layout).clone();
+        (compared.stats.active_bytes, compared.stats.num_waits) = Default::default();
+        let bytes = postcard::to_allocvec(&compared).unwrap_or_default();
         let words: Vec<u64> = (bytes.chunks(8))
             .map(|c| c.iter().fold(0, |w, &b| w << 8 | u64::from(b)))
             .collect();
         let digest = crate::group::state_digest(&words);
-        let ready = match self.readiness(st) {
-            Note::Ready(Readiness::Ready) => Note::Allocated(allocated),
-            not_ready => not_ready,
-        };
+        if ready == Note::Ready(Readiness::Ready) {
+            ready = Note::Allocated(true);
+        }
         let notes = self.agree(st, Op::Admit, "grow", digest, ready, deadline)?;
         let short: Vec<usize> = (0..notes.len()).filter(|&r| notes[r] == Note::Allocated(false)).collect();
         if !short.is_empty() {

@@ -5,7 +5,7 @@
 use super::state::{PoolState, SegmentEntry};
 use super::{MemoryAction, PoolInner, SymmPool};
 use crate::backend::Backend;
-use crate::core::SegmentId;
+use crate::core::{Allocator, SegmentId};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::group::{CallKind, LiveBuffer, MAX_LIVE_NAMED, Note, Op};
@@ -177,7 +177,7 @@ impl SymmPool {
         if st.closed {
             return Ok(());
         }
-        let live = st.core.stats().allocated_blocks.current;
+        let live = st.core.stats().allocated_blocks.current - st.pinned_freed;
         if let Some(failure) = self.ledger().failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
@@ -226,6 +226,10 @@ impl SymmPool {
     /// release fails, the segments stay listed and dropping the pool retries.
     fn finish_close(&self, st: &mut PoolState, deadline: Deadline) -> Result<()> {
         st.history.record(CallKind::Close, 0, 0);
+        // Pinned blocks with no buffer go with their segments.
+        if let (1.., Ok(empty)) = (st.pinned_freed, Allocator::new(*st.core.config())) {
+            st.core = empty;
+        }
         st.core.release_free_segments();
         st.closed = true;
         self.inner.closed.store(true, Ordering::Release);

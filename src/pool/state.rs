@@ -77,6 +77,9 @@ pub(crate) struct PoolState {
     /// stay allocated when freed: a newcomer holds them as allocated too, with no
     /// buffer to free them ([`SymmPool::grow`](super::SymmPool::grow)).
     pub(crate) pinned_below_seq: u64,
+    /// Pinned blocks with no buffer on this rank (freed since, or a newcomer's): not
+    /// live for `close`, which releases their segments.
+    pub(crate) pinned_freed: u64,
 }
 
 impl PoolState {
@@ -98,6 +101,7 @@ impl PoolState {
             known_streams: Vec::new(),
             memory_history: None,
             pinned_below_seq: 0,
+            pinned_freed: 0,
         }
     }
 

@@ -267,7 +267,7 @@ fn without_a_newcomer_a_grow_is_none_and_a_dropped_newcomer_is_no_loss() {
     for g in grow_all(&group, false) {
         assert!(matches!(g, Ok(None)), "{g:?}");
     }
-    assert!(group[0].lost_peer().is_none());
+    assert!(Exchange::lost_peer(&group[0]).is_none());
     // A newcomer nobody admits gives up at its deadline.
     let late = group[0].newcomer().join(Deadline::after(Duration::from_millis(50)));
     assert!(matches!(late, Err(Error::Timeout { op: "join", .. })), "{late:?}");
