@@ -17,6 +17,7 @@
 //! | `two-pools` | two pools on one backend, the second with communicators of its own, each driven from its own thread with its own stream and handle: 20 rounds of growth and collectives, every result checked |
 //! | `graph` | a step's all-gather and reduce-scatter captured in a CUDA graph (NCCL only) and replayed ten times with fresh inputs, every replay checked |
 //! | `fault-collective`, `fault-registration` | with `--fault SIG:RANK` of the script: after a barrier the victim stops taking part (at its next registration, for the second); the others loop collectives (or growths, so registrations); the script signals the victim's own process (`KILL` or `STOP`) once a survivor is inside the collective (or the victim inside its registration). Each survivor prints the error, its kind, the rank it names and the time from the signal to it, and passes if it is `PeerLost` naming the victim within the documented bound, then drops everything and exits |
+//! | `fault-shrink`, `fault-grow` | as `fault-collective` (`--fault KILL:R`); the survivors then shrink and all-gather at the smaller size, every element checked; with `fault-grow`, rank 0 then starts a newcomer as the lost rank (`SYMMPOOL_JOIN=1`, its `RANK`, its own `NCCL_HOSTID` where the ranks have theirs), every survivor grows its pool with it, and all of them all-gather at the full size, checked. Each prints the times from the shrink (grow) to the gathered data; the newcomer from its start |
 //! | `hostcost` | host time of one all-gather call (call to return) on the crate's blocking data communicator, on a non-blocking one (`NcclConfig::data_blocking = false`), and of raw `ncclAllGather` on the same blocking communicator, 64 KiB–4 MiB per rank, median of many calls (NCCL only) |
 //! | `paths` | the crate against raw NCCL on the same path, communicator, registered buffers and stream, interleaved in one sitting (NCCL only): all-gather (in place), reduce-scatter and all-reduce (sum), bf16 and f32, 64 KiB–256 MiB per rank (`SYMMPOOL_PATHS_MAX_BYTES`, in bytes, caps it), on every path the backend has a communicator for, the crate's call forced onto it (a cell whose call falls back is reported so, without raw); the crate's defaults for safety (`async` checks, every call tagged, `end_step` after each of its batches, untimed). Per cell 2 warm-up calls each, then 5 repetitions of a crate batch and a raw batch (which first alternates) of 256 MiB ÷ size calls within [3, 200] (fewer where a batch would pass 0.1 s at the warm-up's pace), each timed from its first call to the stream's synchronisation: bus bandwidth, the median ratio crate ÷ raw, the median host time per call of each; one checked call of each at the end. Rank 0 prints `PATHBENCH` lines and a summary against the floors (ratio ≥ 0.97, host time ≤ raw + 2 µs), which it reports and does not enforce; cells past `SYMMPOOL_PATHS_BUDGET_S` (240) are not run. It fails on a wrong result or an error |
 //! | `compare-losses` | no world: the `--json` lines of `fsdp_step` runs (rank 0's logs): within each run every mode's losses equal (relative 1e-3), and every run's equal, step by step, to the first run's within `--tolerance` (the first being the host backend's at the same sizes) |
@@ -60,6 +61,9 @@ enum Trial {
     FaultRegistration,
     /// A rank lost inside a collective; the survivors shrink and all-gather again
     FaultShrink,
+    /// As `fault-shrink`, then a newcomer replaces the lost rank and the survivors grow
+    /// back to the full size
+    FaultGrow,
     /// Host time per all-gather call: crate (blocking, non-blocking), raw NCCL
     Hostcost,
     /// The crate against raw NCCL on each path, same buffers and communicator
@@ -695,6 +699,9 @@ fn bound(w: &World, sig: &str, registration: bool) -> Duration {
 }
 
 fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
+    if std::env::var_os("SYMMPOOL_JOIN").is_some() {
+        return newcomer(kind);
+    }
     let registration = trial == Trial::FaultRegistration;
     let (sig, victim) = fault()?;
     let armed = Arc::new(AtomicBool::new(false));
@@ -810,11 +817,15 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
         )),
     };
     let version = w.backend.nccl_version();
-    if trial == Trial::FaultShrink {
+    if matches!(trial, Trial::FaultShrink | Trial::FaultGrow) {
         verdict?;
         drop(kept);
         drop((input, output, coll));
-        return survive(&w, &pool, count, &sig, victim);
+        let shrunk = survive(&w, &pool, count, &sig, victim)?;
+        return match trial {
+            Trial::FaultGrow => heal(&w, shrunk, count, victim),
+            _ => ok("close", shrunk.close()),
+        };
     }
     // Everything dropped: a broken backend's teardown is bounded too.
     // Each step's end on stderr as it happens: a teardown that hangs shows where.
@@ -855,8 +866,9 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
 }
 
 /// The survivors of `fault-shrink`: shrink the pool, all-gather at the new size, check
-/// every element, and report the time from the shrink's start to the gathered data.
-fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -> Outcome {
+/// every element, and report the time from the shrink's start to the gathered data;
+/// the shrunk pool.
+fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -> Outcome<SymmPool> {
     let started = Instant::now();
     let (pool, report) = ok("SymmPool::shrink", pool.shrink())?;
     let shrunk_in = started.elapsed();
@@ -878,7 +890,6 @@ fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -
     )?;
     let first = started.elapsed();
     drop((input, output, coll));
-    ok("close", pool.close())?;
     println!(
         "[rank {}] RESULT fault-shrink SIG{sig} of rank {victim}: ok rank={}->{} world={}->{} lost={:?} segments={} registrations={} shrink={:.3}s first_all_gather={:.3}s nccl={}",
         w.rank,
@@ -892,6 +903,126 @@ fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -
         shrunk_in.as_secs_f64(),
         first.as_secs_f64(),
         w.backend.nccl_version(),
+    );
+    Ok(pool)
+}
+
+/// All-gather `count` elements per rank on `pool`, checked: the first collective at
+/// a grown size.
+fn gather_checked(pool: &SymmPool, count: usize, what: &str) -> Outcome {
+    let coll = ok("Coll::new", Coll::new(pool))?;
+    let stream = ok("new_stream", pool.new_stream())?;
+    let n = pool.world_size();
+    let input = ok("alloc", pool.alloc(4 * count as u64, &stream))?;
+    let output = ok("alloc", pool.alloc(4 * (n * count) as u64, &stream))?;
+    ok("write", input.write(&values::<f32>(pool.rank(), count, 2)))?;
+    ok(what, coll.tagged(0).all_gather::<f32>(&input, &output, &stream))?;
+    let gathered: Vec<f32> = (0..n).flat_map(|s| values::<f32>(s, count, 2)).collect();
+    same(what, &ok("read", output.read())?, &gathered)
+}
+
+/// `fault-grow` after the shrink: rank 0 starts a newcomer as the lost rank (this
+/// program again, with `SYMMPOOL_JOIN=1`, the victim's `RANK` and its own
+/// `NCCL_HOSTID` where the ranks have theirs), every survivor grows the pool with it,
+/// all-gathers at the full size and checks every element; the time from the grow's
+/// start to the gathered data.
+fn heal(w: &World, pool: SymmPool, count: usize, victim: usize) -> Outcome {
+    let mut child = match pool.rank() {
+        0 => {
+            let io = |what: &str, e: std::io::Error| format!("{what}: {e}");
+            let exe = std::env::current_exe().map_err(|e| io("current_exe", e))?;
+            let mut cmd = std::process::Command::new(exe);
+            cmd.args(std::env::args().skip(1))
+                .env("SYMMPOOL_JOIN", "1")
+                .env("RANK", victim.to_string())
+                .env("LOCAL_RANK", victim.to_string());
+            if std::env::var_os("NCCL_HOSTID").is_some() {
+                cmd.env("NCCL_HOSTID", format!("simnode{victim}"));
+            }
+            Some(cmd.spawn().map_err(|e| io("starting the newcomer", e))?)
+        }
+        _ => None,
+    };
+    let started = Instant::now();
+    let (grown, report) = ok("SymmPool::grow", pool.grow(true))?.ok_or("no newcomer came")?;
+    let grew_in = started.elapsed();
+    gather_checked(&grown, count, "all-gather after the grow")?;
+    let first = started.elapsed();
+    ok("close", grown.close())?;
+    println!(
+        "[rank {}] RESULT fault-grow of rank {victim}: ok rank={}->{} world={}->{} newcomers={:?} segments={} registrations={} pinned={} grow={:.3}s first_all_gather={:.3}s nccl={}",
+        w.rank,
+        pool.rank(),
+        report.rank,
+        report.old_world_size,
+        report.world_size,
+        report.newcomers,
+        report.segments,
+        report.registrations,
+        report.pinned_blocks,
+        grew_in.as_secs_f64(),
+        first.as_secs_f64(),
+        w.backend.nccl_version(),
+    );
+    if let Some(c) = child.as_mut() {
+        let until = Instant::now() + Duration::from_secs(120);
+        let io = |e: std::io::Error| format!("waiting for the newcomer: {e}");
+        while c.try_wait().map_err(io)?.is_none() {
+            if Instant::now() >= until {
+                let _ = c.kill();
+                return Err("the newcomer did not exit within 120 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let status = c.wait().map_err(io)?;
+        if !status.success() {
+            return Err(format!("the newcomer failed: {status}"));
+        }
+    }
+    Ok(())
+}
+
+/// The newcomer of `fault-grow`: join the store as the lost rank, make the backend,
+/// group and pool with the survivors' grow, all-gather at the full size, checked; the
+/// time from its start to the gathered data.
+fn newcomer(kind: Kind) -> Outcome {
+    let started = Instant::now();
+    let store = ok("the store's settings", StoreConfig::from_env())?;
+    let exchange: Arc<dyn Exchange> = Arc::new(ok("joining the store", StoreExchange::connect(store))?);
+    let joined = started.elapsed();
+    let backend = match kind {
+        #[cfg(feature = "nccl")]
+        Kind::Nccl => ok(
+            "NcclBackend::from_env",
+            symmpool::backend::NcclBackend::from_env(
+                exchange.clone(),
+                symmpool::backend::NcclConfig::default(),
+            ),
+        )?,
+        #[cfg(not(feature = "nccl"))]
+        Kind::Nccl => return Err("built without the `nccl` feature".into()),
+        #[cfg(target_os = "linux")]
+        Kind::Shm => ok(
+            "ShmBackend::join",
+            symmpool::backend::ShmBackend::join(exchange.clone(), symmpool::backend::ShmConfig::default()),
+        )?,
+        #[cfg(not(target_os = "linux"))]
+        Kind::Shm => return Err("the shared-memory backend is Linux only".into()),
+    };
+    let group = ok("Group::new", Group::new(backend, group_config(CheckMode::Off)))?;
+    let (pool, report) = ok("SymmPool::join", SymmPool::join(&group, config("fault")))?;
+    gather_checked(&pool, 256 * 1024, "the newcomer's all-gather")?;
+    let first = started.elapsed();
+    ok("close", pool.close())?;
+    println!(
+        "[rank {}] RESULT fault-grow newcomer: ok rank={} world={} segments={} registrations={} admitted={:.3}s first_all_gather={:.3}s (from its start)",
+        report.rank,
+        report.rank,
+        report.world_size,
+        report.segments,
+        report.registrations,
+        joined.as_secs_f64(),
+        first.as_secs_f64(),
     );
     Ok(())
 }
@@ -1769,7 +1900,10 @@ pub fn run(cli: &Cli) -> Outcome {
         .filter(|t| {
             matches!(
                 t,
-                Trial::FaultCollective | Trial::FaultRegistration | Trial::FaultShrink
+                Trial::FaultCollective
+                    | Trial::FaultRegistration
+                    | Trial::FaultShrink
+                    | Trial::FaultGrow
             )
         })
         .count();
@@ -1806,6 +1940,7 @@ pub fn run(cli: &Cli) -> Outcome {
             Trial::FaultCollective
             | Trial::FaultRegistration
             | Trial::FaultShrink
+            | Trial::FaultGrow
             | Trial::CompareLosses => {
                 unreachable!("handled above")
             }

@@ -378,6 +378,8 @@ for d in site.getsitepackages():
   if [ "$same" = same ]; then
     # A rank killed in an all-gather; the survivor shrinks to a world of one.
     one fault-shrink-KILL-1 -n 2 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
+    # Then a newcomer replaces it: the world grows back to two (2 -> 1 -> 2).
+    one fault-grow-KILL-1 -n 2 -t 120 --fault KILL:1 -- "$bin/nccl_world" fault-grow
     # NCCL 2.32 across simulated nodes: windows come back NULL, and are never used.
     sn=()
     one nodes-2.32 -n 2 -t 100 -- "$bin/nccl_world" collectives
@@ -385,6 +387,9 @@ for d in site.getsitepackages():
     one trials-3 -n 3 -t 100 -- "$bin/nccl_world" collectives two-pools graph
     # A rank killed in a collective; the two survivors shrink and all-gather again.
     one fault-shrink-KILL-1 -n 3 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
+    # Then a newcomer replaces it: 2 -> 1 -> 2 and 3 -> 2 -> 3.
+    one fault-grow-2-KILL-1 -n 2 -t 120 --fault KILL:1 -- "$bin/nccl_world" fault-grow
+    one fault-grow-3-KILL-1 -n 3 -t 120 --fault KILL:1 -- "$bin/nccl_world" fault-grow
     # The example loses rank 3 of 4 in a reduce-scatter; the three survivors shrink their
     # pools and train on at world size 3.
     one fsdp-survive-4 -n 4 -t 150 --dies 3 -- "$bin/fsdp_step" --backend nccl --survive \
