@@ -82,7 +82,7 @@ fn local_group(world: usize) -> Vec<LocalExchange> {
 }
 
 /// Run `f` on every rank's thread; results in rank order.
-fn on_all<E: Exchange, R: Send>(group: &[E], f: impl Fn(&E) -> R + Sync) -> Vec<R> {
+fn on_all<E: Sync, R: Send>(group: &[E], f: impl Fn(&E) -> R + Sync) -> Vec<R> {
     thread::scope(|s| {
         let hs: Vec<_> = group.iter().map(|x| s.spawn(|| f(x))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -877,10 +877,10 @@ fn preface(version: u16) -> Vec<u8> {
 }
 
 /// The store's protocol version.
-const VERSION: u16 = 8;
+const VERSION: u16 = 9;
 
 /// A hello frame as postcard encodes it (all numbers and lengths below 128): token,
-/// job identity (none), rank, world size, host name, pid 1.
+/// job identity (none), rank, world size, host name, pid 1, not joining.
 fn hello(token: &[u8], rank: u8, world: u8) -> Vec<u8> {
     hello_of_job(token, b"", rank, world)
 }
@@ -892,7 +892,7 @@ fn hello_of_job(token: &[u8], job: &[u8], rank: u8, world: u8) -> Vec<u8> {
     body.extend_from_slice(job);
     body.extend_from_slice(&[rank, world, 4]);
     body.extend_from_slice(b"fake");
-    body.push(1);
+    body.extend_from_slice(&[1, 0]);
     let mut f = (body.len() as u32).to_le_bytes().to_vec();
     f.extend(body);
     f
@@ -1272,4 +1272,324 @@ fn an_external_store_is_done_when_its_ranks_left_or_never_came() {
     let end = server.wait_until_done(Deadline::after(Duration::from_secs(30)));
     assert_eq!(end, JobEnd::Ended);
     assert_eq!(server.stats().ranks_departed, 2);
+}
+
+// ---------------------------------------------------------------------------------
+// Growing the group back: a newcomer (`SYMMPOOL_JOIN=1`) takes a lost job rank's
+// place when the survivors grow the group. Ranks are threads, rank 0 hosting the store.
+
+use common::round::round;
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::sync::Arc;
+use symmpool::control::ServerStats;
+
+/// The settings of the ranks of a growing group: heartbeats every 200 ms, a rank
+/// silent for 2 s lost.
+fn growing_config(rank: usize, world: usize, port: u16) -> StoreConfig {
+    let mut c = store_config(rank, world, port);
+    c.heartbeat_timeout = Duration::from_secs(2);
+    c
+}
+
+/// A newcomer for job rank `rank` of `world`, started as a launcher starts it: the
+/// job's variables (those of [`growing_config`]), `RANK` and `SYMMPOOL_JOIN=1`, and
+/// `extra` over them; its exchange once a grow took it in.
+fn newcomer(
+    rank: usize,
+    world: usize,
+    port: u16,
+    extra: &[(&str, &str)],
+) -> symmpool::Result<StoreExchange> {
+    let (rank, world, port) = (rank.to_string(), world.to_string(), port.to_string());
+    let vars: HashMap<&str, &str> = [
+        ("RANK", rank.as_str()),
+        ("WORLD_SIZE", &world),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", &port),
+        ("SYMMPOOL_TOKEN", "contract"),
+        ("SYMMPOOL_JOIN", "1"),
+        ("SYMMPOOL_HEARTBEAT_INTERVAL_MS", "200"),
+        ("SYMMPOOL_HEARTBEAT_TIMEOUT_MS", "2000"),
+        ("SYMMPOOL_STARTUP_TIMEOUT_MS", "30000"),
+    ]
+    .into_iter()
+    .chain(extra.iter().copied())
+    .collect();
+    StoreExchange::connect(StoreConfig::from_vars(&|k| {
+        vars.get(k).map(|v| v.to_string())
+    })?)
+}
+
+/// `world` ranks of `config`, job rank `lost`'s exchange dropped, the others shrunk
+/// past it: the old exchanges (rank 0, hosting, first), the shrunk ones, the port.
+fn shrunk_past(
+    world: usize,
+    lost: usize,
+    config: fn(usize, usize, u16) -> StoreConfig,
+) -> (Vec<StoreExchange>, Vec<Arc<StoreExchange>>, u16) {
+    let mut group = store_group_with(world, config);
+    let port = group[0].server().unwrap().local_addr().port();
+    drop(group.remove(lost));
+    for out in on_all(&group, |x| round(x, 1)) {
+        assert!(
+            matches!(out, Err(Error::PeerLost { rank, .. }) if rank == lost),
+            "{out:?}"
+        );
+    }
+    let shrunk = on_all(&group, |x| x.shrink(Deadline::after(LONG)).unwrap());
+    assert!(shrunk.iter().all(|x| x.world_size() == world - 1));
+    (group, shrunk, port)
+}
+
+/// Every rank's round on the control channel (its payload its rank) gathers every
+/// rank's, in rank order.
+fn rounds_pair<E: Sync + Borrow<StoreExchange>>(group: &[E]) {
+    let all: Vec<Vec<u8>> = (0..group.len() as u8).map(|r| vec![r]).collect();
+    for out in on_all(group, |x| {
+        let x: &StoreExchange = x.borrow();
+        round(x, x.rank() as u8)
+    }) {
+        assert_eq!(out.unwrap(), all);
+    }
+}
+
+fn stats(group: &[StoreExchange]) -> ServerStats {
+    group[0].server().unwrap().stats()
+}
+
+#[test]
+fn a_lost_rank_is_replaced_by_a_newcomer_and_the_group_grows_back_to_four() {
+    let mut group = store_group_with(4, growing_config);
+    let port = group[0].server().unwrap().local_addr().port();
+    drop(group.remove(2));
+    thread::scope(|s| {
+        // Started the moment the old process is gone, as a launcher would: before
+        // the survivors shrank past it (it retries until they have).
+        let joining = s.spawn(|| newcomer(2, 4, port, &[]));
+        for out in on_all(&group, |x| round(x, 1)) {
+            assert!(
+                matches!(out, Err(Error::PeerLost { rank: 2, .. })),
+                "{out:?}"
+            );
+        }
+        let shrunk = on_all(&group, |x| x.shrink(Deadline::after(LONG)).unwrap());
+        let ranks: Vec<_> = shrunk.iter().map(|x| (x.rank(), x.world_size())).collect();
+        assert_eq!(ranks, [(0, 3), (1, 3), (2, 3)]);
+        // The newcomer waits longer than the heartbeat timeout: it is not lost.
+        thread::sleep(Duration::from_secs(3));
+        let grown = on_all(&shrunk, |x| {
+            x.grow(true, Deadline::after(LONG)).unwrap().unwrap()
+        });
+        let joined = joining.join().unwrap().unwrap();
+        // The newcomer takes job rank 2's place: ranks in the order of the job ranks.
+        let ranks: Vec<_> = grown.iter().map(|x| (x.rank(), x.world_size())).collect();
+        assert_eq!(ranks, [(0, 4), (1, 4), (3, 4)]);
+        assert_eq!((joined.rank(), joined.world_size()), (2, 4));
+        let mut all: Vec<&StoreExchange> = grown.iter().map(|x| &**x).collect();
+        all.insert(2, &joined);
+        rounds_pair(&all);
+        let opened = on_all(&all, |x| x.open_channel("grown", Deadline::after(LONG)));
+        assert!(opened.iter().all(|c| c.as_ref().unwrap().ordinal() == 1));
+        // Asked again: the same exchange; the shrunk one is replaced.
+        let again = shrunk[1]
+            .grow(false, Deadline::after(LONG))
+            .unwrap()
+            .unwrap();
+        assert!(Arc::ptr_eq(&again, &grown[1]));
+        assert!(matches!(round(&*shrunk[0], 0), Err(Error::Shrunk { .. })));
+        assert_eq!(stats(&group).newcomers_joined, 1);
+        drop(joined);
+    });
+    drop_group(group);
+}
+
+#[test]
+fn growing_without_a_newcomer_is_none_on_every_rank_and_the_group_goes_on() {
+    let group = store_group(3);
+    // One rank does not wait: no newcomer, none on every rank at once.
+    let out = on_all(&group, |x| x.grow(x.rank() != 1, Deadline::after(LONG)));
+    assert!(out.iter().all(|o| matches!(o, Ok(None))), "{out:?}");
+    rounds_pair(&group);
+    // All waiting, none comes: the first deadline ends the wait, none everywhere.
+    let started = Instant::now();
+    let out = on_all(&group, |x| {
+        let wait = Duration::from_millis(300 + 100 * x.rank() as u64);
+        x.grow(true, Deadline::after(wait))
+    });
+    assert!(out.iter().all(|o| matches!(o, Ok(None))), "{out:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    rounds_pair(&group);
+    assert_eq!(stats(&group).newcomers_joined, 0);
+    drop_group(group);
+}
+
+#[test]
+fn a_newcomer_of_another_job_or_token_is_refused_and_the_survivors_go_on() {
+    fn config(rank: usize, world: usize, port: u16) -> StoreConfig {
+        let mut c = growing_config(rank, world, port);
+        c.job_id = Some("job-x".into());
+        c
+    }
+    let (group, shrunk, port) = shrunk_past(3, 2, config);
+    match newcomer(2, 3, port, &[("SYMMPOOL_JOB_ID", "job-y")]) {
+        Err(Error::JobMismatch { job, store_job }) => {
+            assert_eq!((job.as_str(), store_job.as_str()), ("job-y", "job-x"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let wrong_token = [("SYMMPOOL_JOB_ID", "job-x"), ("SYMMPOOL_TOKEN", "wrong")];
+    match newcomer(2, 3, port, &wrong_token) {
+        Err(Error::StoreRejected { reason }) => assert!(reason.contains("token"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    let out = on_all(&shrunk, |x| x.grow(false, Deadline::after(LONG)));
+    assert!(out.iter().all(|o| matches!(o, Ok(None))), "{out:?}");
+    rounds_pair(&shrunk);
+    drop(shrunk);
+    drop_group(group);
+}
+
+#[test]
+fn a_newcomer_for_a_job_rank_still_in_the_group_is_refused() {
+    let mut group = store_group_with(3, growing_config);
+    let port = group[0].server().unwrap().local_addr().port();
+    // Held by a live rank: refused at once, naming both processes.
+    match newcomer(1, 3, port, &[]) {
+        Err(Error::RankTaken { rank: 1, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    // Lost, but the survivors have not shrunk past it: the newcomer retries until
+    // its start-up timeout, then says why.
+    drop(group.remove(2));
+    let started = Instant::now();
+    match newcomer(2, 3, port, &[("SYMMPOOL_STARTUP_TIMEOUT_MS", "500")]) {
+        Err(Error::StoreRejected { reason }) => {
+            assert!(reason.contains("still in the group"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+    for out in on_all(&group, |x| round(x, 1)) {
+        assert!(
+            matches!(out, Err(Error::PeerLost { rank: 2, .. })),
+            "{out:?}"
+        );
+    }
+    drop_group(group);
+}
+
+/// A newcomer's hello (`joining`), as [`hello`] encodes one.
+fn joining_hello(token: &[u8], rank: u8, world: u8) -> Vec<u8> {
+    let mut f = hello(token, rank, world);
+    *f.last_mut().unwrap() = 1;
+    f
+}
+
+#[test]
+fn a_newcomer_that_dies_while_waiting_is_forgotten_and_another_takes_its_place() {
+    let (group, shrunk, port) = shrunk_past(3, 2, growing_config);
+    let departed = stats(&group).ranks_departed;
+    {
+        // A newcomer admitted (the store's preface and welcome read), then gone.
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        let mut msg = preface(VERSION);
+        msg.extend(joining_hello(b"contract", 2, 3));
+        s.write_all(&msg).unwrap();
+        let mut welcome = [0u8; 12 + 5];
+        s.read_exact(&mut welcome).unwrap();
+        assert_eq!(welcome[..12], preface(VERSION)[..]);
+    }
+    // Wait (bounded) until the store has seen it go.
+    let by = Instant::now() + LONG;
+    while stats(&group).ranks_departed == departed {
+        assert!(Instant::now() < by, "the store never saw the newcomer go");
+        thread::sleep(Duration::from_millis(10));
+    }
+    // No newcomer waits, and the group is whole.
+    let out = on_all(&shrunk, |x| x.grow(false, Deadline::after(LONG)));
+    assert!(out.iter().all(|o| matches!(o, Ok(None))), "{out:?}");
+    rounds_pair(&shrunk);
+    // Another newcomer takes job rank 2.
+    thread::scope(|s| {
+        let joining = s.spawn(|| newcomer(2, 3, port, &[]));
+        let grown = on_all(&shrunk, |x| {
+            x.grow(true, Deadline::after(LONG)).unwrap().unwrap()
+        });
+        let joined = joining.join().unwrap().unwrap();
+        assert_eq!((joined.rank(), joined.world_size()), (2, 3));
+        let mut all: Vec<&StoreExchange> = grown.iter().map(|x| &**x).collect();
+        all.push(&joined);
+        rounds_pair(&all);
+        drop(joined);
+    });
+    drop(shrunk);
+    drop_group(group);
+}
+
+#[test]
+fn a_rank_lost_while_the_others_ask_to_grow_is_peer_lost_and_they_shrink_past_it() {
+    let mut group = store_group_with(4, growing_config);
+    let last = group.remove(3);
+    let out = thread::scope(|s| {
+        let hs: Vec<_> = (group.iter())
+            .map(|x| s.spawn(move || x.grow(true, Deadline::after(LONG)).map(|g| g.is_some())))
+            .collect();
+        drop(last);
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for o in out {
+        assert!(matches!(o, Err(Error::PeerLost { rank: 3, .. })), "{o:?}");
+    }
+    let shrunk = on_all(&group, |x| x.shrink(Deadline::after(LONG)).unwrap());
+    assert!(shrunk.iter().all(|x| x.world_size() == 3));
+    rounds_pair(&shrunk);
+    drop(shrunk);
+    drop_group(group);
+}
+
+#[test]
+fn an_ask_to_grow_that_a_rank_never_makes_times_out_naming_it() {
+    let group = store_group(3);
+    let out = on_all(&group[..2], |x| {
+        x.grow(false, Deadline::after(Duration::from_millis(300)))
+    });
+    for o in out {
+        match o {
+            Err(Error::Timeout {
+                op: "grow",
+                missing_ranks,
+                ..
+            }) => {
+                assert!(missing_ranks.contains(&2), "{missing_ranks:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Withdrawn: nothing is pending, and the group goes on.
+    rounds_pair(&group);
+    let out = on_all(&group, |x| x.grow(false, Deadline::after(LONG)));
+    assert!(out.iter().all(|o| matches!(o, Ok(None))), "{out:?}");
+    drop_group(group);
+}
+
+#[test]
+fn a_newcomer_that_no_grow_takes_in_times_out_and_is_forgotten() {
+    let (group, shrunk, port) = shrunk_past(3, 2, growing_config);
+    let started = Instant::now();
+    match newcomer(2, 3, port, &[("SYMMPOOL_STARTUP_TIMEOUT_MS", "500")]) {
+        Err(Error::Timeout { op, .. }) => {
+            assert!(op.starts_with("join") && op.contains("never grew"), "{op}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let out = on_all(&shrunk, |x| x.grow(false, Deadline::after(LONG)));
+    assert!(out.iter().all(|o| matches!(o, Ok(None))), "{out:?}");
+    rounds_pair(&shrunk);
+    drop(shrunk);
+    drop_group(group);
 }

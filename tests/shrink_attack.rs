@@ -850,6 +850,7 @@ enum ToServer {
         world_size: u32,
         host: String,
         pid: u32,
+        joining: bool,
     },
     Contribute {
         epoch: u64,
@@ -928,7 +929,7 @@ impl Raw {
         let mut raw = Raw(TcpStream::connect(("127.0.0.1", port)).unwrap());
         raw.0.set_read_timeout(Some(TIMEOUT)).unwrap();
         let mut preface = b"SYMMPOOL".to_vec();
-        preface.extend(8u16.to_le_bytes());
+        preface.extend(9u16.to_le_bytes());
         preface.extend([0, 0]);
         raw.0.write_all(&preface).unwrap();
         raw.send(&ToServer::Hello {
@@ -938,6 +939,7 @@ impl Raw {
             world_size,
             host: "raw".into(),
             pid: 1,
+            joining: false,
         });
         let mut theirs = [0u8; 12];
         raw.0.read_exact(&mut theirs).unwrap();

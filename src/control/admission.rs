@@ -28,9 +28,10 @@ pub(super) enum RefusalKind {
     Token,
     OtherJob,
     Misfit,
-    /// A rank already held (or held before).
+    /// A rank already held (or held before; for a newcomer, still in the group).
     RankTaken,
-    /// After every rank joined, from a host that runs none of them; or the group is broken.
+    /// After every rank joined (and before one left), from a host that runs none of
+    /// them; or the group is broken.
     Closed,
     /// Out of descriptors, threads or another resource of this process.
     Resources,

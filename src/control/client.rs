@@ -1,6 +1,6 @@
 //! [`StoreExchange`]: an [`Exchange`](super::Exchange) over the TCP store, one process per rank.
 
-mod shrink;
+mod regroup;
 
 use super::config::StoreConfig;
 use super::join::{join_store, transport};
@@ -39,9 +39,10 @@ pub struct StoreExchange {
     connection: Arc<Connection>,
     /// This rank's place in the group, its payload limit and its round counters.
     rounds: Rounds,
-    /// The group's epoch (0 at start, one more per shrink).
+    /// The group's epoch (0 at start, one more per shrink or grow).
     epoch: u64,
-    /// The exchange of the group this one shrank into (see [`StoreExchange::shrink`]).
+    /// The exchange of the group this one shrank or grew into (see
+    /// [`StoreExchange::shrink`], [`StoreExchange::grow`]).
     successor: Mutex<Option<Arc<StoreExchange>>>,
 }
 
@@ -109,11 +110,13 @@ struct Inbox {
     /// The socket's current read timeout (set only when it changes).
     read_timeout: Duration,
     /// The group's epoch and its job ranks, as the server last said
-    /// ([`ToClient::Shrunk`]); epoch 0 is the whole job.
+    /// ([`ToClient::Regrouped`]); epoch 0 is the whole job.
     epoch: u64,
-    survivors: Vec<u32>,
-    /// Why this rank's latest request to shrink failed, as the server said.
+    group: Vec<u32>,
+    /// Why this rank's latest request to shrink or grow failed, as the server said.
     shrink_failed: Option<(String, bool)>,
+    /// The answer to this rank's latest ask to grow: no newcomer ([`ToClient::NotGrown`]).
+    not_grown: bool,
     /// A withdrawn ask's answer (the group's ranks that had not asked); whether it is due.
     shrink_withdrawn: Option<Vec<u32>>,
     withdraw_pending: bool,
@@ -172,14 +175,14 @@ impl Inbox {
                 self.waiting.insert((channel, round), missing);
             }
             ToClient::AllJoined => self.all_joined = true,
-            ToClient::Shrunk { epoch, survivors } => {
+            ToClient::Regrouped { epoch, group } => {
                 // Everything of the old group came before, on this connection: the
                 // group's state as of the new epoch, nothing broken.
                 self.results.clear();
                 self.waiting.clear();
                 (self.broken, self.broken_at, self.lost) = (None, None, None);
                 self.settled = false;
-                (self.epoch, self.survivors) = (epoch, survivors);
+                (self.epoch, self.group) = (epoch, group);
                 // A withdrawal the server had not read by then is not answered.
                 self.withdraw_pending = false;
             }
@@ -187,6 +190,8 @@ impl Inbox {
             ToClient::Withdrawn { missing } => {
                 (self.shrink_withdrawn, self.withdraw_pending) = (Some(missing), false);
             }
+            // (Also the answer to a withdrawal.)
+            ToClient::NotGrown => (self.not_grown, self.withdraw_pending) = (true, false),
             ToClient::Heartbeat | ToClient::Welcome => {}
             ToClient::Reject { reason, .. } => {
                 return Some(format!("the store server dropped this rank: {reason}"));
@@ -403,7 +408,10 @@ fn background_loop(shared: &ClientShared) {
 impl StoreExchange {
     /// Connect to the store described by `config`, hosting the server first when
     /// `config.host_server` (rank 0 by default), and wait until every rank has
-    /// joined, all within `config.startup_timeout`.
+    /// joined, all within `config.startup_timeout`. A newcomer
+    /// ([`StoreConfig::join`]) waits instead, as long, until the group's ranks grow
+    /// the group ([`grow`](Self::grow)): its exchange is its place in the grown group
+    /// (its rank, world size and epoch), as the old ranks' grown exchanges are.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for inconsistent settings; [`Error::Transport`] if the
@@ -414,7 +422,12 @@ impl StoreExchange {
     /// [`Error::StoreRejected`] if the handshake fails otherwise (a store busy with
     /// other handshakes is retried until the start-up timeout); [`Error::Timeout`] (op
     /// `"store start-up"`, naming the ranks that never joined) or
-    /// [`Error::PeerLost`] if the group does not assemble.
+    /// [`Error::PeerLost`] if the group does not assemble. A newcomer: at once
+    /// [`Error::RankTaken`] if a process holds its job rank, [`Error::JobMismatch`]
+    /// or [`Error::StoreRejected`] (a wrong token) for another job's store;
+    /// [`Error::StoreRejected`] if its job rank is still in the group at the timeout
+    /// (the survivors never shrank past its loss; it retries until then);
+    /// [`Error::Timeout`] (op `"join: ..."`) if no grow takes it in.
     pub fn connect(config: StoreConfig) -> Result<StoreExchange> {
         let every_interface = (Ipv4Addr::UNSPECIFIED, config.launch.master_port).into();
         let addr = config.bind_addr.unwrap_or(every_interface);
@@ -431,7 +444,9 @@ impl StoreExchange {
         Self::start(config, Some(server))
     }
 
-    /// [`StoreConfig::from_env`] then [`connect`](Self::connect).
+    /// [`StoreConfig::from_env`] then [`connect`](Self::connect): with
+    /// `SYMMPOOL_JOIN=1`, a newcomer that replaces a lost job rank (`RANK`) and
+    /// returns once the group's ranks grew the group with it.
     ///
     /// # Errors
     /// As both.
@@ -462,9 +477,14 @@ impl StoreExchange {
             }
             None => format!("{}:{}", launch.master_addr, launch.master_port),
         };
-        // One wait, warned about every interval: for the server, then for the ranks.
-        let mut warnings =
-            WaitWarnings::new("store start-up", started, config.wait_warning_interval);
+        // One wait, warned about every interval: for the server, then for the ranks (a
+        // newcomer: for the group to grow).
+        let op = if config.join {
+            "join"
+        } else {
+            "store start-up"
+        };
+        let mut warnings = WaitWarnings::new(op, started, config.wait_warning_interval);
         let reader = join_store(&config, &target, deadline, &mut warnings)?;
         let shared = Arc::new(ClientShared {
             server: target,
@@ -496,18 +516,39 @@ impl StoreExchange {
             successor: Mutex::new(None),
         };
         // Wait for every rank to join, naming the missing ones while waiting long.
-        let joined = |ib: &mut Inbox| ib.all_joined || ib.broken.is_some();
+        let me = launch.rank as u32;
+        let joined = |ib: &mut Inbox| match config.join {
+            true => ib.group.contains(&me) || ib.reader_done,
+            false => ib.all_joined || ib.broken.is_some(),
+        };
         let inbox = loop {
             let mut inbox = (ex.shared).wait_until(warnings.until(deadline), joined);
             if joined(&mut inbox) || deadline.expired() {
                 break inbox;
             }
             if warnings.due() {
-                let missing = ex.missing(&inbox.present);
+                let missing = match config.join {
+                    true => "the group to grow".into(),
+                    false => ranks(&ex.missing(&inbox.present)),
+                };
                 drop(inbox);
-                warnings.warn(&ex.who(), ranks(&missing), deadline);
+                warnings.warn(&ex.who(), missing, deadline);
             }
         };
+        if config.join {
+            if let Some(grown) = ex.member_of(&inbox.group, inbox.epoch, "join", started) {
+                drop(inbox);
+                warnings.arrived(&ex.who());
+                return Ok(grown);
+            } else if inbox.reader_done {
+                return Err(error_for(&inbox, launch.rank, op));
+            }
+            return Err(Error::Timeout {
+                op: "join: the group's ranks never grew it",
+                waited: config.startup_timeout,
+                missing_ranks: vec![],
+            });
+        }
         if !inbox.all_joined {
             if inbox.broken.is_some() {
                 return Err(error_for(&inbox, launch.rank, "store start-up"));
@@ -750,6 +791,11 @@ impl GatherRounds for StoreExchange {
 
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn super::Exchange>> {
         Ok(StoreExchange::shrink(self, deadline)?)
+    }
+
+    fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<dyn super::Exchange>>> {
+        let grown = StoreExchange::grow(self, wait, deadline)?;
+        Ok(grown.map(|x| x as Arc<dyn super::Exchange>))
     }
 }
 

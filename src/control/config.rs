@@ -19,9 +19,18 @@ pub struct StoreConfig {
     /// Whether this rank hosts the server (default: rank 0 does, unless
     /// `SYMMPOOL_STORE_EXTERNAL=1`: the store runs in a process of its own, at
     /// `MASTER_ADDR`/`MASTER_PORT`, and no rank hosts it, so that any rank, rank 0
-    /// included, can be lost and the survivors shrink past it; see
-    /// [`StoreServer::wait_until_done`]).
+    /// included, can be lost and the survivors shrink past it, and any be replaced
+    /// ([`join`](Self::join)); see [`StoreServer::wait_until_done`]).
     pub host_server: bool,
+    /// Whether this process is a newcomer (env `SYMMPOOL_JOIN`, `0` or `1`; default
+    /// false): started for a job rank that the group has gone on without (its process
+    /// was lost and the survivors shrank past it), to join the group when its ranks
+    /// grow it ([`StoreExchange::grow`]). [`StoreExchange::connect`] then waits, until
+    /// [`startup_timeout`](Self::startup_timeout), to be taken in, and its exchange is
+    /// this rank's place in the grown group. A newcomer never hosts the server
+    /// ([`host_server`](Self::host_server) must be false: for job rank 0, set
+    /// `SYMMPOOL_STORE_EXTERNAL=1`, the store in a process of its own).
+    pub join: bool,
     /// Where the hosted server listens (default: every interface, on
     /// `launch.master_port`).
     pub bind_addr: Option<SocketAddr>,
@@ -98,6 +107,7 @@ impl fmt::Debug for StoreConfig {
         f.debug_struct("StoreConfig")
             .field("launch", &self.launch)
             .field("host_server", &self.host_server)
+            .field("join", &self.join)
             .field("bind_addr", &self.bind_addr)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("job_id", &self.job_id)
@@ -126,6 +136,7 @@ impl StoreConfig {
         StoreConfig {
             host_server: launch.rank == 0,
             launch,
+            join: false,
             bind_addr: None,
             token: None,
             job_id: None,
@@ -144,7 +155,8 @@ impl StoreConfig {
 
     /// From the process environment: [`Launch::from_env`], `SYMMPOOL_TOKEN`, the job
     /// identity (see [`job_id`](Self::job_id)), `SYMMPOOL_STORE_EXTERNAL` (see
-    /// [`host_server`](Self::host_server)) and the optional `SYMMPOOL_*_MS`,
+    /// [`host_server`](Self::host_server)), `SYMMPOOL_JOIN` (see [`join`](Self::join))
+    /// and the optional `SYMMPOOL_*_MS`,
     /// `SYMMPOOL_*SPIN_US` and `SYMMPOOL_MAX_HANDSHAKES` settings named on the fields.
     ///
     /// # Errors
@@ -161,16 +173,13 @@ impl StoreConfig {
         let mut cfg = StoreConfig::new(Launch::from_vars(get)?);
         cfg.token = get("SYMMPOOL_TOKEN").filter(|t| !t.is_empty());
         cfg.job_id = job_id_from_vars(get);
-        match parse_var::<u8>(get, "SYMMPOOL_STORE_EXTERNAL", "0 or 1")? {
-            None | Some(0) => {}
-            Some(1) => cfg.host_server = false,
-            Some(n) => {
-                return Err(env_err(
-                    "SYMMPOOL_STORE_EXTERNAL",
-                    format!("{n} is not 0 or 1"),
-                ));
-            }
-        }
+        let flag = |name: &str| match parse_var::<u8>(get, name, "0 or 1")? {
+            None | Some(0) => Ok(false),
+            Some(1) => Ok(true),
+            Some(n) => Err(env_err(name, format!("{n} is not 0 or 1"))),
+        };
+        cfg.host_server &= !flag("SYMMPOOL_STORE_EXTERNAL")?;
+        cfg.join = flag("SYMMPOOL_JOIN")?;
         let spin = |name: &str| -> Result<Option<Duration>> {
             match parse_var(get, name, "a whole number of microseconds")? {
                 Some(n) if Duration::from_micros(n) > Self::MAX_SPIN => Err(env_err(
@@ -226,6 +235,8 @@ impl StoreConfig {
             "heartbeat_timeout must exceed a non-zero heartbeat_interval".into()
         } else if !frame_bytes.contains(&self.max_frame_bytes) {
             "max_frame_bytes must be between 4 KiB and 4 GiB".into()
+        } else if self.join && self.host_server {
+            "a newcomer (join, SYMMPOOL_JOIN=1) cannot host the server (set SYMMPOOL_STORE_EXTERNAL=1)".into()
         } else if self.handshake_timeout.is_zero() {
             "handshake_timeout must not be zero".into()
         } else if self.max_handshakes == 0 {

@@ -46,6 +46,7 @@ pub(super) fn join_store(
         world_size: launch.world_size as u32,
         host: host_name(),
         pid: std::process::id(),
+        joining: config.join,
     });
     let proto = |detail: String| Error::Protocol {
         op: "store handshake",
@@ -90,11 +91,12 @@ pub(super) fn join_store(
             other => return Err(proto(format!("expected a welcome, got {other:?}"))),
         };
         return Err(match kind {
-            Refusal::Busy if !deadline.expired() => {
+            Refusal::Busy if deadline.remaining() > busy_delay => {
                 // Other handshakes hold the server's slots; they end within its
-                // handshake timeout.
+                // handshake timeout. (A newcomer is told so too while its job rank
+                // is still in the group.) Past the deadline: the reason.
                 tracing::debug!("symmpool store: {target} is busy ({reason}); retrying");
-                thread::sleep(busy_delay.min(deadline.remaining()));
+                thread::sleep(busy_delay);
                 busy_delay = (busy_delay * 2).min(Duration::from_millis(500));
                 continue;
             }

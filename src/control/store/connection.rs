@@ -1,7 +1,7 @@
 //! A connection's thread: the handshake (preface and hello, checked against the job),
 //! then that rank's frames until it leaves.
 
-use super::{CLOSED, Conn, Link, Pending, Shared};
+use super::{Ask, CLOSED, Conn, Link, Pending, Shared};
 use crate::control::admission::{HandshakeSlot, RefusalKind, Refused, describe_io, refused};
 use crate::control::wire::{
     self, Broken, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
@@ -63,6 +63,7 @@ fn join(
         world_size,
         host,
         pid,
+        joining,
     } = hello
     else {
         return Err(garbage(format!("expected a hello, got {hello:?}")));
@@ -107,7 +108,20 @@ fn join(
     };
     let rank = rank as usize;
     let mut st = shared.state.lock();
-    if let Some(holder) = &st.members[rank] {
+    // A newcomer for a job rank that no connection holds.
+    let newcomer = joining && st.conns[rank].is_none();
+    if newcomer && st.place(rank).is_some() {
+        let why = format!(
+            "job rank {rank} is still in the group: a newcomer waits until the survivors shrink past it"
+        );
+        let tell = Some(Refusal::Busy);
+        return Err(Box::new(Refused {
+            kind: RefusalKind::RankTaken,
+            why,
+            tell,
+        }));
+    }
+    if let Some(holder) = st.members[rank].as_ref().filter(|_| !newcomer) {
         let (holder, claimant) = (holder.clone(), member);
         let why = if st.conns[rank].is_some() {
             format!(
@@ -115,7 +129,7 @@ fn join(
             )
         } else {
             format!(
-                "rank {rank} was held by {holder}, which left, and a group cannot be rejoined; the claim of {claimant} is refused"
+                "rank {rank} was held by {holder}, which left, and a group cannot be rejoined (but by a newcomer, SYMMPOOL_JOIN=1); the claim of {claimant} is refused"
             )
         };
         return Err(Box::new(Refused {
@@ -128,7 +142,7 @@ fn join(
             }),
         }));
     }
-    if let Some(b) = &st.broken {
+    if let Some(b) = st.broken.as_ref().filter(|_| !newcomer) {
         let why = format!("the group is already broken ({b:?}); restart the job");
         return Err(refused(true, RefusalKind::Closed, why));
     }
@@ -143,13 +157,22 @@ fn join(
         mailbox: Arc::default(),
     };
     st.next_conn_id += 1;
-    tracing::info!("symmpool store: rank {rank} joined: {member}");
+    let how = match newcomer {
+        true => format!("waits to join the group of epoch {}", st.epoch),
+        false => "joined".into(),
+    };
+    tracing::info!("symmpool store: job rank {rank} {how}: {member}");
     st.members[rank] = Some(member);
     st.conns[rank] = Some(Conn {
         link: me.clone(),
         sock: sock.clone(),
         last_heard: Instant::now(),
     });
+    if newcomer {
+        // The group's ranks may be waiting for it.
+        shared.decide(&mut st);
+        return Ok(me);
+    }
     let present: Vec<u32> = (0..shared.world as u32)
         .filter(|r| st.members[*r as usize].is_some())
         .collect();
@@ -300,14 +323,17 @@ pub(super) fn serve(
                 }
                 let missing =
                     (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
-                let rank = st.place(rank).unwrap_or(rank) as u32;
-                shared.break_group(&mut st, Broken::timeout(rank, op, missing));
+                let Some(place) = st.place(rank) else {
+                    continue;
+                };
+                shared.break_group(&mut st, Broken::timeout(place as u32, op, missing));
             }
             ToServer::Bye => {
                 return shared.depart(&mut st, rank, Some(id), CLOSED);
             }
-            ToServer::Shrink { epoch } => shared.vote_shrink(&mut st, rank, epoch),
-            ToServer::Withdraw { epoch } => shared.withdraw_shrink(&mut st, rank, epoch),
+            ToServer::Shrink { epoch } => shared.vote(&mut st, rank, epoch, Ask::Shrink),
+            ToServer::Grow { epoch, wait } => shared.vote(&mut st, rank, epoch, Ask::Grow { wait }),
+            ToServer::Withdraw { epoch } => shared.withdraw(&mut st, rank, epoch),
             ToServer::Hello { .. } => {
                 return shared.depart(&mut st, rank, Some(id), "protocol error: a second hello");
             }

@@ -11,13 +11,15 @@
 //! # What a client that is not one of the job's ranks can cost
 //!
 //! A handshake slot ([`StoreConfig::max_handshakes`]) for at most
-//! [`StoreConfig::handshake_timeout`]. Once every rank has joined, a connection from a
-//! host that runs none of them is refused without a handshake, and from the job's hosts
-//! every handshake is refused (a rank cannot rejoin). Refusals are counted
+//! [`StoreConfig::handshake_timeout`]. Once every rank has joined, and until one
+//! departs, a connection from a host that runs none of them is refused without a
+//! handshake; after that a newcomer may come from any host (`regroup.rs`). A handshake
+//! is refused but a newcomer's (`SYMMPOOL_JOIN=1`) for a job rank that the group went
+//! on without (a rank cannot rejoin otherwise). Refusals are counted
 //! ([`ServerStats`]) and logged, rate-limited ([`REFUSAL_LOG_INTERVAL`](super::REFUSAL_LOG_INTERVAL)).
 
 mod connection;
-mod shrink;
+mod regroup;
 
 use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, Refused, describe_io, refused};
 use super::config::StoreConfig;
@@ -30,6 +32,7 @@ use crate::error::Error;
 use crate::error::Result;
 use connection::serve;
 use parking_lot::{Condvar, Mutex, MutexGuard};
+use regroup::Ask;
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
@@ -67,6 +70,8 @@ pub struct ServerStats {
     pub ranks_departed: u64,
     /// Rounds completed.
     pub rounds_completed: u64,
+    /// Newcomers (`SYMMPOOL_JOIN=1`) taken into the group when it grew.
+    pub newcomers_joined: u64,
 }
 
 /// The store server: rank 0 hosts it (see [`StoreExchange::connect`](super::StoreExchange::connect)),
@@ -105,7 +110,7 @@ struct Shared {
 struct State {
     /// By job rank (the rank a process joined as).
     conns: Vec<Option<Conn>>,
-    /// Who joined as each rank (kept after it leaves: a group cannot be rejoined).
+    /// Who joined as each rank (kept after it leaves: only a newcomer takes its place).
     members: Vec<Option<Member>>,
     /// Rounds of the current epoch; a round's payloads are in the order of `alive`.
     rounds: HashMap<(u64, u64), Pending>,
@@ -114,12 +119,14 @@ struct State {
     /// after a timeout: it explains that timeout).
     lost_told: bool,
     next_conn_id: u64,
-    /// How many times the group shrank (`shrink.rs`).
+    /// How many times the group shrank or grew (`regroup.rs`).
     epoch: u64,
     /// The job ranks of the group now, ascending: a rank of the group is its place here.
+    /// A connected job rank that is not here is a newcomer waiting to join.
     alive: Vec<usize>,
-    /// The job ranks that asked to shrink the current epoch.
+    /// The job ranks that asked to shrink or grow the current epoch, and what.
     votes: std::collections::BTreeSet<usize>,
+    asked: Ask,
     /// [`ServerStats::rounds_completed`].
     rounds_completed: u64,
 }
@@ -321,7 +328,8 @@ impl StoreServer {
 
     /// For a store that runs in a process of its own (`SYMMPOOL_STORE_EXTERNAL`, see
     /// [`StoreConfig::host_server`]): wait until the job is over, every rank having
-    /// joined and then left (ended, or lost), or until `deadline`, or until the
+    /// joined and then left (ended, or lost; a newcomer waiting to join the group, see
+    /// [`StoreConfig::join`], has not left), or until `deadline`, or until the
     /// start-up timeout ([`StoreConfig::startup_timeout`], from the bind) passed
     /// without every rank joined (the job did not assemble: its ranks gave up).
     pub fn wait_until_done(&self, deadline: Deadline) -> JobEnd {
@@ -453,12 +461,17 @@ impl Shared {
             }
         }
         st.rounds.clear();
+        if st.asked != Ask::Shrink {
+            // The notice answers the asks to grow.
+            st.votes.clear();
+        }
         st.broken.get_or_insert_with(|| broken.clone());
-        self.send_to(st, 0..self.world, &wire::encode(&ToClient::Broken(broken)));
+        let group = st.alive.clone();
+        self.send_to(st, group, &wire::encode(&ToClient::Broken(broken)));
     }
 
     /// `rank` (connection `id`, or any) left or was declared lost: close it and break
-    /// the group, naming it.
+    /// the group, naming it (a newcomer waiting to join is forgotten).
     fn depart(&self, st: &mut State, rank: usize, id: Option<u64>, why: &str) {
         let this = |c: &mut Conn| id.is_none_or(|id| c.link.id == id);
         let Some(c) = st.conns[rank].take_if(this) else {
@@ -470,9 +483,11 @@ impl Shared {
         if !self.shutdown.load(Ordering::SeqCst) {
             tracing::info!("symmpool store: rank {rank} departed: {why}");
         }
+        let Some(place) = st.place(rank) else {
+            return;
+        };
         self.lost_during_shrink(st, rank, why);
-        let place = st.place(rank).unwrap_or(rank) as u32;
-        self.break_group(st, Broken::lost(place, why.to_string()));
+        self.break_group(st, Broken::lost(place as u32, why.to_string()));
     }
 
     /// Send a completed round's `frame` to every rank (the caller, `me`'s thread,
@@ -560,10 +575,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
 fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     if let Some(hosts) = shared.rank_hosts.get()
         && !hosts.contains(&peer.ip().to_canonical())
+        && shared.stats.lock().ranks_departed == 0
     {
         let ip = peer.ip();
-        let why =
-            format!("every rank has joined, and {ip} runs none of them (a rank cannot rejoin)");
+        let why = format!(
+            "every rank has joined, none has left, and {ip} runs none of them (a rank cannot rejoin)"
+        );
         return shared.refuse_now(stream, peer, RefusalKind::Closed, why);
     }
     let in_flight = shared.handshakes.fetch_add(1, Ordering::AcqRel);

@@ -6,9 +6,10 @@
 //! the body, a [`postcard`]-encoded [`ToServer`] or [`ToClient`]. A length above the
 //! receiver's limit is refused before anything is allocated for it, and buffers only
 //! grow as bytes actually arrive. The client's first frame is [`ToServer::Hello`]
-//! (job token, job identity, rank, world size, and who the process is); the server
-//! answers [`ToClient::Welcome`] or [`ToClient::Reject`] (with the store's job identity
-//! and, where it matters, who holds the rank asked for).
+//! (job token, job identity, rank, world size, who the process is, and whether it is a
+//! newcomer that waits to join the group); the server answers [`ToClient::Welcome`] or
+//! [`ToClient::Reject`] (with the store's job identity and, where it matters, who holds
+//! the rank asked for).
 
 mod frames;
 #[cfg(test)]
@@ -25,14 +26,16 @@ use serde_bytes::ByteBuf;
 pub(crate) const MAGIC: [u8; 8] = *b"SYMMPOOL";
 /// The protocol version; a peer speaking another is refused. 2: the hello names the job
 /// and the process, a refusal says why; 3: [`ToClient::Waiting`]; 4: the survivors of a
-/// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Shrunk`]); 5: an ask to
+/// loss shrink the group ([`ToServer::Shrink`], [`ToClient::Regrouped`], then `Shrunk`); 5: an ask to
 /// shrink that timed out is withdrawn ([`ToServer::Withdraw`]), and a round's
 /// contribution and abandonment name their group's epoch; 6: the withdrawal is confirmed
 /// with the ranks that had not asked ([`ToClient::Withdrawn`]); 7: a failed shrink says
 /// whether to ask again; 8: a rank declared lost is told so before its connection
 /// closes ([`ToClient::Expelled`]), and a loss is told even where a timeout broke the
-/// group first (a second [`ToClient::Broken`], of cause [`Cause::Lost`]).
-pub(crate) const VERSION: u16 = 8;
+/// group first (a second [`ToClient::Broken`], of cause [`Cause::Lost`]); 9: a newcomer
+/// joins a group that grows ([`ToServer::Hello`]'s `joining`, [`ToServer::Grow`],
+/// [`ToClient::NotGrown`]; [`ToClient::Regrouped`] names a shrunk or grown group).
+pub(crate) const VERSION: u16 = 9;
 /// Length of the preface.
 pub(crate) const PREFACE_BYTES: usize = 12;
 /// Largest frame accepted before the handshake completes.
@@ -86,6 +89,9 @@ pub(crate) enum ToServer {
         /// The process: host name and pid.
         host: String,
         pid: u32,
+        /// A newcomer (`SYMMPOOL_JOIN=1`) for a job rank the group went on without: it
+        /// waits to join the group when its ranks grow it ([`ToServer::Grow`]).
+        joining: bool,
     },
     /// This rank's payload for a round of the group of `epoch` (one that is over is
     /// ignored: the rank was told the group shrank).
@@ -115,9 +121,14 @@ pub(crate) enum ToServer {
     Shrink { epoch: u64 },
     /// This rank's ask to shrink the group of `epoch` timed out: it no longer counts
     /// (the others' asks must not shrink the group with a rank that gave up). The
-    /// answer is [`ToClient::Withdrawn`], or nothing where that group is over (the
-    /// rank was sent [`ToClient::Shrunk`] first).
+    /// answer is [`ToClient::Withdrawn`] (or [`ToClient::NotGrown`]), or nothing where
+    /// that group is over (the rank was sent [`ToClient::Regrouped`] first). Also for an
+    /// ask to grow.
     Withdraw { epoch: u64 },
+    /// This rank asks to grow the group of `epoch` by the newcomers waiting to join it,
+    /// once every connected rank of it has asked; with `wait` false on some ask and no
+    /// newcomer then, the answer is [`ToClient::NotGrown`].
+    Grow { epoch: u64, wait: bool },
 }
 
 /// Why a group broke.
@@ -256,12 +267,13 @@ pub(crate) enum ToClient {
         round: u64,
         missing: Vec<u32>,
     },
-    /// Every connected rank asked to shrink: the group of `epoch` is `survivors` (job
-    /// ranks, ascending; a survivor's new rank is its place in the list). Rounds start
-    /// again from 1 on every channel.
-    Shrunk { epoch: u64, survivors: Vec<u32> },
-    /// This rank's request to shrink failed: a rank was lost while the survivors asked
-    /// (`retry`), or it asked for an epoch that is over.
+    /// Every connected rank asked to shrink or grow: the group of `epoch` is `group`
+    /// (job ranks, ascending; a rank's place in the list is its rank). Rounds start
+    /// again from 1 on every channel. Sent to a newcomer too: its admission.
+    Regrouped { epoch: u64, group: Vec<u32> },
+    /// This rank's request to shrink (or grow) failed: a rank was lost while the
+    /// survivors asked (`retry`), it asked for an epoch that is over, or the others
+    /// asked for the other.
     ShrinkFailed { reason: String, retry: bool },
     /// This rank's ask to shrink no longer counts ([`ToServer::Withdraw`]); `missing`
     /// are the ranks of the group (places in its list) still connected that had not
@@ -271,6 +283,9 @@ pub(crate) enum ToClient {
     /// heartbeat timeout) and closes its connection: the others go on without it. The
     /// last frame before the close, if it fits in the socket's buffer at once.
     Expelled { reason: String },
+    /// Every rank asked to grow, some without waiting (or one gave up waiting), and no
+    /// newcomer waits: the group stays as it is.
+    NotGrown,
 }
 
 /// Encode `msg` as one frame (length prefix and body), ready for a single write.

@@ -78,6 +78,7 @@ fn an_idle_rank_learns_of_a_frozen_peer_from_the_heartbeats() {
             world_size: 2,
             host: "frozen".into(),
             pid: 1,
+            joining: false,
         }));
         s.write_all(&hello).unwrap();
         let mut preface = [0u8; PREFACE_BYTES];

@@ -165,3 +165,30 @@ fn with_the_store_outside_the_ranks_no_rank_hosts_it() {
         assert_eq!(variable(e), "SYMMPOOL_STORE_EXTERNAL", "{bad:?}");
     }
 }
+
+#[test]
+fn a_newcomer_reads_symmpool_join_and_never_hosts_the_store() {
+    assert!(!config("1", &[]).unwrap().join, "not a newcomer by default");
+    assert!(!config("1", &[("SYMMPOOL_JOIN", "0")]).unwrap().join);
+    let newcomer = config("1", &[("SYMMPOOL_JOIN", "1")]).unwrap();
+    assert!(newcomer.join && !newcomer.host_server);
+    newcomer.check().unwrap();
+    for bad in ["yes", "2", "", "true"] {
+        let e = config("1", &[("SYMMPOOL_JOIN", bad)]).unwrap_err();
+        assert_eq!(variable(e), "SYMMPOOL_JOIN", "{bad:?}");
+    }
+    // Job rank 0 anew: only with the store in a process of its own.
+    let host = config("0", &[("SYMMPOOL_JOIN", "1")]).unwrap();
+    match host.check() {
+        Err(Error::InvalidConfig(m)) => {
+            assert!(m.contains("SYMMPOOL_JOIN") && m.contains("SYMMPOOL_STORE_EXTERNAL"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = crate::control::StoreServer::bind("127.0.0.1:0", &host).unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    let external = [("SYMMPOOL_JOIN", "1"), ("SYMMPOOL_STORE_EXTERNAL", "1")];
+    let zero = config("0", &external).unwrap();
+    assert!(zero.join && !zero.host_server);
+    zero.check().unwrap();
+}

@@ -135,8 +135,8 @@ fn garbage_does_not_decode_and_prefaces_are_checked() {
             .contains("magic")
     );
     let mut p = preface();
-    p[8] = 9;
-    assert!(check_preface(&p).unwrap_err().contains("version 9"));
+    p[8] = 8;
+    assert!(check_preface(&p).unwrap_err().contains("version 8"));
 }
 
 #[test]
@@ -152,6 +152,7 @@ fn the_fuzz_entry_takes_frames_garbage_and_nothing() {
         world_size: 2,
         host: "h".into(),
         pid: 7,
+        joining: true,
     }));
     data.extend(encode(&ToClient::Reject {
         reason: "r".into(),
