@@ -868,7 +868,13 @@ fn fault_trial(kind: Kind, trial: Trial, path: Option<FaultPath>) -> Outcome {
 /// The survivors of `fault-shrink`: shrink the pool, all-gather at the new size, check
 /// every element, and report the time from the shrink's start to the gathered data;
 /// the shrunk pool.
-fn survive(w: &World, pool: &SymmPool, count: usize, sig: &str, victim: usize) -> Outcome<SymmPool> {
+fn survive(
+    w: &World,
+    pool: &SymmPool,
+    count: usize,
+    sig: &str,
+    victim: usize,
+) -> Outcome<SymmPool> {
     let started = Instant::now();
     let (pool, report) = ok("SymmPool::shrink", pool.shrink())?;
     let shrunk_in = started.elapsed();
@@ -916,7 +922,10 @@ fn gather_checked(pool: &SymmPool, count: usize, what: &str) -> Outcome {
     let input = ok("alloc", pool.alloc(4 * count as u64, &stream))?;
     let output = ok("alloc", pool.alloc(4 * (n * count) as u64, &stream))?;
     ok("write", input.write(&values::<f32>(pool.rank(), count, 2)))?;
-    ok(what, coll.tagged(0).all_gather::<f32>(&input, &output, &stream))?;
+    ok(
+        what,
+        coll.tagged(0).all_gather::<f32>(&input, &output, &stream),
+    )?;
     let gathered: Vec<f32> = (0..n).flat_map(|s| values::<f32>(s, count, 2)).collect();
     same(what, &ok("read", output.read())?, &gathered)
 }
@@ -988,7 +997,8 @@ fn heal(w: &World, pool: SymmPool, count: usize, victim: usize) -> Outcome {
 fn newcomer(kind: Kind) -> Outcome {
     let started = Instant::now();
     let store = ok("the store's settings", StoreConfig::from_env())?;
-    let exchange: Arc<dyn Exchange> = Arc::new(ok("joining the store", StoreExchange::connect(store))?);
+    let exchange: Arc<dyn Exchange> =
+        Arc::new(ok("joining the store", StoreExchange::connect(store))?);
     let joined = started.elapsed();
     let backend = match kind {
         #[cfg(feature = "nccl")]
@@ -1004,12 +1014,18 @@ fn newcomer(kind: Kind) -> Outcome {
         #[cfg(target_os = "linux")]
         Kind::Shm => ok(
             "ShmBackend::join",
-            symmpool::backend::ShmBackend::join(exchange.clone(), symmpool::backend::ShmConfig::default()),
+            symmpool::backend::ShmBackend::join(
+                exchange.clone(),
+                symmpool::backend::ShmConfig::default(),
+            ),
         )?,
         #[cfg(not(target_os = "linux"))]
         Kind::Shm => return Err("the shared-memory backend is Linux only".into()),
     };
-    let group = ok("Group::new", Group::new(backend, group_config(CheckMode::Off)))?;
+    let group = ok(
+        "Group::new",
+        Group::new(backend, group_config(CheckMode::Off)),
+    )?;
     let (pool, report) = ok("SymmPool::join", SymmPool::join(&group, config("fault")))?;
     gather_checked(&pool, 256 * 1024, "the newcomer's all-gather")?;
     let first = started.elapsed();

@@ -109,8 +109,8 @@ pub use half::{bf16, f16};
 #[cfg(feature = "nccl")]
 pub use pool::{CudaView, CudaViewMut};
 pub use pool::{
-    FitReport, GrowReport, MAX_HISTORY, PoolConfig, ShrinkReport, SymmBuffer, SymmPool, TypedView, alloc,
-    alloc_aligned, current,
+    FitReport, GrowReport, MAX_HISTORY, PoolConfig, ShrinkReport, SymmBuffer, SymmPool, TypedView,
+    alloc, alloc_aligned, current,
 };
 pub use stream::Stream;
 

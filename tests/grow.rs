@@ -10,8 +10,8 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::{
-    Backend, Coll, CollectiveCalls, Deadline, Error, ErrorKind, Group, GroupConfig, GrowReport, HostBackend,
-    HostConfig, PoolConfig, ReduceOp, Stream, SymmPool,
+    Backend, Coll, CollectiveCalls, Deadline, Error, ErrorKind, Group, GroupConfig, GrowReport,
+    HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmPool,
 };
 
 /// Parameters of the toy model: divisible by 3 and by 4.
@@ -30,7 +30,9 @@ fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, at: usize) -> symmpool::
     let stream = Stream::host();
     let n = N / world;
     let g: Vec<f32> = (w.iter().enumerate())
-        .map(|(i, x)| x * 0.5 + (rank + 1) as f32 * 0.01 + at as f32 * 0.001 + (i % 7) as f32 * 1e-4)
+        .map(|(i, x)| {
+            x * 0.5 + (rank + 1) as f32 * 0.01 + at as f32 * 0.001 + (i % 7) as f32 * 1e-4
+        })
         .collect();
     let grads = pool.alloc((N * 4) as u64, &stream)?;
     grads.write(&g)?;
@@ -42,8 +44,12 @@ fn step(pool: &SymmPool, coll: &Coll, w: &mut Vec<f32>, at: usize) -> symmpool::
     let mine: Vec<f32> = (0..n)
         .map(|i| w[rank * n + i] - 0.1 * s[i] / world as f32)
         .collect();
-    params.view::<f32>()?.slice(rank * n, n)?.copy_from_host(&mine)?;
-    coll.tagged(0).all_gather_in_place::<f32>(&params, &stream)?;
+    params
+        .view::<f32>()?
+        .slice(rank * n, n)?
+        .copy_from_host(&mine)?;
+    coll.tagged(0)
+        .all_gather_in_place::<f32>(&params, &stream)?;
     *w = params.read::<f32>()?;
     coll.end_step()
 }
@@ -84,7 +90,10 @@ struct Healed {
 
 /// A survivor: trains, shrinks past the loss, grows at `HEAL_AT` (rank 0 sends the
 /// newcomer the state then), trains on at the full size.
-fn survivor(backend: Backend, to_newcomer: mpsc::Sender<(Vec<f32>, usize)>) -> symmpool::Result<Healed> {
+fn survivor(
+    backend: Backend,
+    to_newcomer: mpsc::Sender<(Vec<f32>, usize)>,
+) -> symmpool::Result<Healed> {
     let group = group(backend)?;
     let mut pool = SymmPool::new(&group, PoolConfig::default())?;
     let mut coll = Coll::new(&pool)?;
@@ -111,12 +120,19 @@ fn survivor(backend: Backend, to_newcomer: mpsc::Sender<(Vec<f32>, usize)>) -> s
     }
     // The old pool refuses; its buffer is still this rank's to read, and its block
     // stays allocated when it goes.
-    assert!(matches!(pool.alloc(4096, &Stream::host()), Err(Error::Shrunk { .. })));
+    assert!(matches!(
+        pool.alloc(4096, &Stream::host()),
+        Err(Error::Shrunk { .. })
+    ));
     assert_eq!(kept.read::<u8>()?, vec![7u8; 1 << 20]);
     drop(kept);
     let at_grow = (w.clone(), at);
     let out = train_from(grown, (w, at))?;
-    Ok(Healed { report, at_grow, out })
+    Ok(Healed {
+        report,
+        at_grow,
+        out,
+    })
 }
 
 #[test]
@@ -146,7 +162,8 @@ fn four_ranks_lose_one_shrink_to_three_grow_back_to_four_and_match_a_fresh_four(
             })
             .collect();
         let joined = s.spawn(move || {
-            let backend = HostBackend::join(newcomer, HostConfig::new(4), Deadline::after(TIMEOUT))?;
+            let backend =
+                HostBackend::join(newcomer, HostConfig::new(4), Deadline::after(TIMEOUT))?;
             let (pool, report) = SymmPool::join(&group(backend)?, PoolConfig::default())?;
             let state = rx.recv_timeout(TIMEOUT).expect("the survivors' state");
             Ok::<_, Error>((report, train_from(pool, state)?))
@@ -158,7 +175,10 @@ fn four_ranks_lose_one_shrink_to_three_grow_back_to_four_and_match_a_fresh_four(
     // segment registered once per registering communicator.
     let (joined_report, joined_out) = joined;
     for (r, h) in healed.iter().enumerate() {
-        assert_eq!((h.report.rank, h.report.world_size, h.report.old_world_size), (r, 4, 3));
+        assert_eq!(
+            (h.report.rank, h.report.world_size, h.report.old_world_size),
+            (r, 4, 3)
+        );
         assert_eq!(h.report.newcomers, [3]);
         assert_eq!(h.report.segments, joined_report.segments);
         assert_eq!(h.report.registrations, joined_report.registrations);
@@ -166,7 +186,10 @@ fn four_ranks_lose_one_shrink_to_three_grow_back_to_four_and_match_a_fresh_four(
     }
     assert_eq!((joined_report.rank, joined_report.world_size), (3, 4));
     let registering = 2; // the symmetric and copy-engine communicators
-    assert_eq!(joined_report.registrations, registering * joined_report.segments as u64);
+    assert_eq!(
+        joined_report.registrations,
+        registering * joined_report.segments as u64
+    );
     // Every rank, the newcomer included, ends with the same parameters and places
     // its last buffer at the same (segment, offset).
     for h in &healed {
@@ -175,7 +198,11 @@ fn four_ranks_lose_one_shrink_to_three_grow_back_to_four_and_match_a_fresh_four(
     // A fresh 4-rank world from the state at the grow computes the same.
     let at_grow = healed[0].at_grow.clone();
     let fresh = SymmPool::world(
-        &Group::world(HostBackend::world(HostConfig::new(4)).unwrap(), &GroupConfig::default()).unwrap(),
+        &Group::world(
+            HostBackend::world(HostConfig::new(4)).unwrap(),
+            &GroupConfig::default(),
+        )
+        .unwrap(),
         &PoolConfig::default(),
     )
     .unwrap();
@@ -256,7 +283,10 @@ fn load(path: &str) -> (Vec<f32>, usize) {
     let text = std::fs::read_to_string(path).unwrap();
     let mut words = text.split_whitespace();
     let at = words.next().unwrap().parse().unwrap();
-    (words.map(|x| f32::from_bits(x.parse().unwrap())).collect(), at)
+    (
+        words.map(|x| f32::from_bits(x.parse().unwrap())).collect(),
+        at,
+    )
 }
 
 /// A rank of the job: the victim leaves at `LOSS_AT`; the survivors shrink, and at
@@ -271,11 +301,20 @@ fn child() -> symmpool::Result<()> {
     let (mut pool, mut state) = match (var("SYMMPOOL_JOIN"), var("CHILD_FROM_STATE")) {
         (Some(_), _) => {
             let (pool, report) = SymmPool::join(&group, PoolConfig::default())?;
-            println!("@@joined rank={} world={} segments={}", report.rank, report.world_size, report.segments);
+            println!(
+                "@@joined rank={} world={} segments={}",
+                report.rank, report.world_size, report.segments
+            );
             (pool, load(&state_file))
         }
-        (None, Some(_)) => (SymmPool::new(&group, PoolConfig::default())?, load(&state_file)),
-        (None, None) => (SymmPool::new(&group, PoolConfig::default())?, (initial(), 0)),
+        (None, Some(_)) => (
+            SymmPool::new(&group, PoolConfig::default())?,
+            load(&state_file),
+        ),
+        (None, None) => (
+            SymmPool::new(&group, PoolConfig::default())?,
+            (initial(), 0),
+        ),
     };
     let victim: Option<usize> = var("CHILD_VICTIM").and_then(|v| v.parse().ok());
     let mut coll = Coll::new(&pool)?;
@@ -292,7 +331,10 @@ fn child() -> symmpool::Result<()> {
             }
             println!("@@waiting_grow");
             let (grown, report) = pool.grow(true)?.expect("a newcomer");
-            println!("@@grown rank={} world={} newcomers={:?}", report.rank, report.world_size, report.newcomers);
+            println!(
+                "@@grown rank={} world={} newcomers={:?}",
+                report.rank, report.world_size, report.newcomers
+            );
             pool = grown;
             coll = Coll::new(&pool)?;
         }
@@ -366,22 +408,34 @@ fn four_processes_lose_rank_1_and_a_newcomer_heals_the_job_back_to_four() {
         let grown = job.expect(r, "@@grown ", Duration::from_secs(60));
         assert_eq!(grown, format!("rank={rank} world=4 newcomers=[1]"));
     }
-    let first_ms: u64 = job.expect(newcomer, "@@first_collective_ms ", Duration::from_secs(60)).parse().unwrap();
+    let first_ms: u64 = job
+        .expect(newcomer, "@@first_collective_ms ", Duration::from_secs(60))
+        .parse()
+        .unwrap();
     println!("from the newcomer's start to its first collective at world size 4: {first_ms} ms");
     assert!(first_ms <= 2000, "{first_ms} ms");
     let ranks = [0, 2, 3, newcomer];
     let codes = job.wait(&ranks, Duration::from_secs(120));
     assert_eq!(codes, vec![0; 4], "{:?}", job.seen);
-    let finals: Vec<String> = ranks.iter().map(|&r| job.expect(r, "@@final ", Duration::from_secs(5))).collect();
+    let finals: Vec<String> = ranks
+        .iter()
+        .map(|&r| job.expect(r, "@@final ", Duration::from_secs(5)))
+        .collect();
     assert!(finals.iter().all(|f| *f == finals[0]), "{finals:?}");
     drop(job);
-    assert_eq!(server.wait_until_done(Deadline::after(Duration::from_secs(10))), JobEnd::Ended);
+    assert_eq!(
+        server.wait_until_done(Deadline::after(Duration::from_secs(10))),
+        JobEnd::Ended
+    );
     // A fresh 4-rank job from the state at the grow ends where the healed one did.
     let mut fresh = Job::start(ENTRY, 4, env(vec![("CHILD_FROM_STATE", "1".into())]));
     let codes = fresh.wait(&[0, 1, 2, 3], Duration::from_secs(120));
     assert_eq!(codes, vec![0; 4], "{:?}", fresh.seen);
     for r in 0..4 {
-        assert_eq!(fresh.expect(r, "@@final ", Duration::from_secs(5)), finals[0]);
+        assert_eq!(
+            fresh.expect(r, "@@final ", Duration::from_secs(5)),
+            finals[0]
+        );
     }
     drop(fresh);
     std::fs::remove_dir_all(&dir).unwrap();

@@ -288,7 +288,11 @@ impl HostBackend {
     pub fn newcomer(backend: &Backend) -> Result<crate::control::LocalNewcomer> {
         let host = backend.downcast_ref::<HostBackend>().ok_or_else(|| {
             let kind = format!("{:?}", backend.kind());
-            Error::config("HostBackend::newcomer", kind, "a backend made by HostBackend")
+            Error::config(
+                "HostBackend::newcomer",
+                kind,
+                "a backend made by HostBackend",
+            )
         })?;
         Ok(host.exchange.newcomer())
     }

@@ -14,9 +14,9 @@ mod fit;
 mod free;
 mod growth;
 mod history;
+mod regroup;
 mod release;
 mod scope;
-mod regroup;
 mod state;
 mod stats;
 
@@ -28,8 +28,8 @@ pub(crate) use events::role_name;
 pub use fit::FitReport;
 pub(crate) use history::MemoryHistory;
 pub use history::{MemoryAction, MemoryEvent};
-pub use scope::{alloc, alloc_aligned, current};
 pub use regroup::{GrowReport, ShrinkReport};
+pub use scope::{alloc, alloc_aligned, current};
 pub use stats::{MemoryStats, StatValue};
 
 use crate::backend::Backend;

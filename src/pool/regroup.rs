@@ -90,9 +90,10 @@ impl SymmPool {
         let old = self.open_state()?;
         let group = self.inner.group.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
-        let (pool, (was, registrations)) = self.replace(old, group, true, deadline, |new, st, old| {
-            new.take_over(st, old, old_rank, deadline)
-        })?;
+        let (pool, (was, registrations)) =
+            self.replace(old, group, true, deadline, |new, st, old| {
+                new.take_over(st, old, old_rank, deadline)
+            })?;
         let st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         let c = st.core.stats();
         let report = ShrinkReport {
@@ -341,7 +342,8 @@ impl SymmPool {
     ) -> Result<GrowReport> {
         let exchange = self.inner.backend.exchange();
         let mine = old.is_some().then(|| st.core.layout());
-        let all = crate::control::gather_records(exchange, self.inner.channel, "grow", &mine, deadline)?;
+        let all =
+            crate::control::gather_records(exchange, self.inner.channel, "grow", &mine, deadline)?;
         let Some(layout) = all.iter().flatten().next() else {
             return Err(Error::internal("a group grew with no rank from before it"));
         };
@@ -385,10 +387,15 @@ impl SymmPool {
             ready = Note::Allocated(true);
         }
         let notes = self.agree(st, Op::Admit, "grow", digest, ready, deadline)?;
-        let short: Vec<usize> = (0..notes.len()).filter(|&r| notes[r] == Note::Allocated(false)).collect();
+        let short: Vec<usize> = (0..notes.len())
+            .filter(|&r| notes[r] == Note::Allocated(false))
+            .collect();
         if !short.is_empty() {
             let segment_bytes = st.core.stats().reserved_bytes.current;
-            return Err(Error::PeerOutOfMemory { segment_bytes, ranks: short });
+            return Err(Error::PeerOutOfMemory {
+                segment_bytes,
+                ranks: short,
+            });
         }
         let as_ready = |n: &Note| match n {
             Note::Allocated(_) => Note::Ready(Readiness::Ready),
@@ -396,16 +403,25 @@ impl SymmPool {
         };
         st.all_ready(&notes.iter().map(as_ready).collect::<Vec<_>>())?;
         let windows = self.inner.backend.communicators().len();
-        let entry = |segment| SegmentEntry { segment, windows: (0..windows).map(|_| None).collect() };
+        let entry = |segment| SegmentEntry {
+            segment,
+            windows: (0..windows).map(|_| None).collect(),
+        };
         let mut entries: Vec<(crate::core::SegmentId, SegmentEntry)> = match old {
             Some(old) => {
-                let held: std::collections::BTreeSet<_> = st.core.segments().map(|(id, _, _)| id).collect();
+                let held: std::collections::BTreeSet<_> =
+                    st.core.segments().map(|(id, _, _)| id).collect();
                 (old.segments.iter())
                     .filter(|(id, _)| held.contains(id))
                     .map(|(id, e)| (*id, entry(e.segment.share())))
                     .collect()
             }
-            None => st.core.segments().map(|(id, _, _)| id).zip(fresh.into_iter().map(entry)).collect(),
+            None => st
+                .core
+                .segments()
+                .map(|(id, _, _)| id)
+                .zip(fresh.into_iter().map(entry))
+                .collect(),
         };
         let before: u64 = st.counters.registrations.iter().sum();
         for (id, mut next) in entries.drain(..) {

@@ -246,14 +246,25 @@ fn a_grow_admits_the_waiting_newcomers_after_the_ranks_and_rounds_pair_across_al
     let places: Vec<_> = all.iter().map(|e| (e.rank(), e.world_size())).collect();
     assert_eq!(places, [(0, 3), (1, 3), (2, 3)]);
     // Asking again gives the same exchange; the old one refuses rounds.
-    let again = group[0].grow(false, Deadline::after(Duration::from_secs(1))).unwrap();
+    let again = group[0]
+        .grow(false, Deadline::after(Duration::from_secs(1)))
+        .unwrap();
     assert!(Arc::ptr_eq(&again.unwrap(), &all[0]));
     let ch = ChannelId::CONTROL;
     let old = group[0].all_gather(ch, "t", &[1], Deadline::after(Duration::from_secs(1)));
     assert!(matches!(old, Err(Error::Shrunk { .. })), "{old:?}");
     let out: Vec<_> = thread::scope(|s| {
         let hs: Vec<_> = (all.iter())
-            .map(|e| s.spawn(move || e.all_gather(ch, "t", &[e.rank() as u8], Deadline::after(Duration::from_secs(10)))))
+            .map(|e| {
+                s.spawn(move || {
+                    e.all_gather(
+                        ch,
+                        "t",
+                        &[e.rank() as u8],
+                        Deadline::after(Duration::from_secs(10)),
+                    )
+                })
+            })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
     });
@@ -269,8 +280,13 @@ fn without_a_newcomer_a_grow_is_none_and_a_dropped_newcomer_is_no_loss() {
     }
     assert!(Exchange::lost_peer(&group[0]).is_none());
     // A newcomer nobody admits gives up at its deadline.
-    let late = group[0].newcomer().join(Deadline::after(Duration::from_millis(50)));
-    assert!(matches!(late, Err(Error::Timeout { op: "join", .. })), "{late:?}");
+    let late = group[0]
+        .newcomer()
+        .join(Deadline::after(Duration::from_millis(50)));
+    assert!(
+        matches!(late, Err(Error::Timeout { op: "join", .. })),
+        "{late:?}"
+    );
 }
 
 #[test]
@@ -282,7 +298,9 @@ fn a_rank_lost_while_the_others_ask_to_grow_is_a_peer_lost_and_they_can_shrink()
             .map(|ex| s.spawn(move || ex.grow(true, Deadline::after(Duration::from_secs(10)))))
             .collect();
         drop(last);
-        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
     });
     for o in out {
         assert!(matches!(o, Err(Error::PeerLost { rank: 2, .. })), "{o:?}");
@@ -291,7 +309,9 @@ fn a_rank_lost_while_the_others_ask_to_grow_is_a_peer_lost_and_they_can_shrink()
         let hs: Vec<_> = (group.iter())
             .map(|ex| s.spawn(move || ex.shrink(Deadline::after(Duration::from_secs(10)))))
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap().unwrap().world_size()).collect()
+        hs.into_iter()
+            .map(|h| h.join().unwrap().unwrap().world_size())
+            .collect()
     });
     assert_eq!(shrunk, [2, 2]);
 }
