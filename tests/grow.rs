@@ -237,6 +237,86 @@ fn a_grow_with_no_newcomer_is_none_on_every_rank_and_the_pools_go_on() {
     });
 }
 
+/// A rank lost while the others ask to grow: they get `PeerLost`, shrink past it, and
+/// grow with the newcomer that was waiting all along.
+#[test]
+fn a_rank_lost_while_the_others_grow_is_a_loss_they_shrink_past_then_grow() {
+    let backends = HostBackend::world(HostConfig::new(3)).unwrap();
+    let newcomer = HostBackend::newcomer(&backends[0]).unwrap();
+    let mut backends = backends.into_iter();
+    let ranks: Vec<Backend> = backends.by_ref().take(2).collect();
+    let lost = backends.next().unwrap();
+    let sizes = thread::scope(|s| {
+        let hs: Vec<_> = (ranks.into_iter())
+            .map(|b| {
+                s.spawn(move || {
+                    let pool = SymmPool::new(&group(b)?, PoolConfig::default())?;
+                    let e = pool.grow(true).map(|_| ()).unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::PeerLost, "{e}");
+                    let (shrunk, _) = pool.shrink()?;
+                    let (grown, report) = shrunk.grow(true)?.expect("the newcomer");
+                    assert_eq!(report.newcomers, [2]);
+                    step(&grown, &Coll::new(&grown)?, &mut initial(), 0)?;
+                    grown.close()?;
+                    Ok::<_, Error>(grown.world_size())
+                })
+            })
+            .collect();
+        // Rank 2 makes its pool, then its thread ends while the others ask to grow.
+        s.spawn(move || drop(SymmPool::new(&group(lost).unwrap(), PoolConfig::default())));
+        let joined = s.spawn(move || {
+            let backend =
+                HostBackend::join(newcomer, HostConfig::new(3), Deadline::after(TIMEOUT))?;
+            let (pool, _) = SymmPool::join(&group(backend)?, PoolConfig::default())?;
+            step(&pool, &Coll::new(&pool)?, &mut initial(), 0)?;
+            pool.close()?;
+            Ok::<_, Error>(pool.world_size())
+        });
+        let mut sizes: Vec<usize> = hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        sizes.push(joined.join().unwrap().unwrap());
+        sizes
+    });
+    assert_eq!(sizes, [3, 3, 3]);
+}
+
+/// A newcomer that dies after the group grew with it, before its pool joined: a loss
+/// of the grown group, which the others shrink past back to their size.
+#[test]
+fn a_newcomer_that_dies_while_joining_is_a_loss_the_others_shrink_past() {
+    let backends = HostBackend::world(HostConfig::new(2)).unwrap();
+    let newcomer = HostBackend::newcomer(&backends[0]).unwrap();
+    let sizes = thread::scope(|s| {
+        let hs: Vec<_> = (backends.into_iter())
+            .map(|b| {
+                s.spawn(move || {
+                    let pool = SymmPool::new(&group(b)?, PoolConfig::default())?;
+                    let e = pool.grow(true).map(|_| ()).unwrap_err();
+                    assert!(matches!(e, Error::PeerLost { rank: 2, .. }), "{e}");
+                    // The shrink goes on from the grown group, without the newcomer
+                    // (never a rank of this pool's world: none of its ranks is lost).
+                    let (shrunk, report) = pool.shrink()?;
+                    assert_eq!((report.world_size, report.lost_ranks.len()), (2, 0));
+                    step(&shrunk, &Coll::new(&shrunk)?, &mut initial(), 0)?;
+                    shrunk.close()?;
+                    Ok::<_, Error>(shrunk.world_size())
+                })
+            })
+            .collect();
+        // Its backend is made with theirs; then its thread ends.
+        s.spawn(move || {
+            drop(HostBackend::join(
+                newcomer,
+                HostConfig::new(3),
+                Deadline::after(TIMEOUT),
+            ))
+        });
+        hs.into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(sizes, [2, 2]);
+}
+
 // One process per rank on the shared-memory backend, the store in the test's process.
 
 mod common;

@@ -159,7 +159,7 @@ impl Builder {
     ///
     /// # Collective
     /// Every rank of `exchange`, at the same point.
-    fn communicators(
+    pub(super) fn communicators(
         &self,
         exchange: &dyn Exchange,
         device: &[u8],
@@ -192,7 +192,7 @@ impl Builder {
         exchange: &dyn Exchange,
         device: &[u8],
     ) -> Result<(Comm, DataComms, Placement)> {
-        let why = "aborted by the application: the survivors of a lost rank shrink the group";
+        let why = "aborted by the application: the group shrinks or grows into new communicators";
         let _ = old.fail(Cause::Failed(why.into()));
         let aborted = self.deadline.cap(ABORT_WAIT);
         if old

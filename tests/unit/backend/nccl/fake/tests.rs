@@ -1017,3 +1017,63 @@ fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
         assert!(matches!(refused, Err(Error::Shrunk { .. })), "{refused:?}");
     }
 }
+
+#[test]
+fn a_grow_aborts_the_old_set_and_makes_the_new_one_with_the_newcomer_as_its_set_up_does() {
+    // A survivor alone (the fake's world) grows with a newcomer on another thread: the
+    // survivor's old set is aborted and a new one made over the grown exchange, in the
+    // same rounds as the newcomer's own set-up (`from_env`'s).
+    let survivor = Arc::new(LocalExchange::group(1).remove(0));
+    let newcomer = survivor.newcomer();
+    let old: Arc<dyn Exchange> = survivor.clone();
+    let config = NcclConfig::default();
+    let s = shared_with(true, &CommInfo::STANDARD, config, Health::watching(&old)).unwrap();
+    let old_comms: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
+    old_comms.iter().for_each(|f| f.clear());
+    let builder = || Builder {
+        watch: None,
+        version: NcclVersion::new(2, 28, 9),
+        nccl: syms(true),
+        config,
+        deadline: Deadline::after(Duration::from_secs(10)),
+    };
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let (grown, joined) = std::thread::scope(|t| {
+        let joined = t.spawn(|| {
+            let ex = newcomer.join(deadline).unwrap();
+            let made = builder().communicators(ex.as_ref(), &[8; 16]).unwrap();
+            (ex.rank(), ex.world_size(), made)
+        });
+        let next = old
+            .grow(true, deadline)
+            .unwrap()
+            .expect("the newcomer waits");
+        let made = builder().survivors(&s, next.as_ref(), &[7; 16]).unwrap();
+        (
+            (next.rank(), next.world_size(), made),
+            joined.join().unwrap(),
+        )
+    });
+    assert_eq!((grown.0, grown.1), (0, 2));
+    assert_eq!((joined.0, joined.1), (1, 2));
+    for f in &old_comms {
+        assert!(
+            f.stamped().iter().any(|(n, _)| *n == "ncclCommAbort"),
+            "{:?}",
+            f.stamped()
+        );
+    }
+    let ((_, comms, placement), (_, their_comms, their_placement)) = (grown.2, joined.2);
+    assert_eq!(comms.len(), s.comms.len());
+    assert_eq!(their_comms.len(), comms.len());
+    assert!(
+        comms
+            .iter()
+            .chain(&their_comms)
+            .all(|(_, c)| !c.is_aborted())
+    );
+    assert_eq!(
+        placement, their_placement,
+        "both ranks agreed where they run"
+    );
+}
