@@ -149,10 +149,16 @@ pub(crate) fn message(e: &Error) -> String {
     in_python_words(&dedupe_advice(&e.to_string()))
 }
 
-/// The crate's method names the messages use, and the binding's for each.
-const PYTHON_NAMES: [(&str, &str); 2] = [
+/// The crate's names the messages use (its methods, the exchanges that can shrink and
+/// grow), and the binding's for each.
+const PYTHON_NAMES: [(&str, &str); 4] = [
     ("SymmPool::shrink", "Pool.shrink()"),
+    ("SymmPool::grow", "Pool.grow()"),
     ("SymmPool::close", "Pool.close()"),
+    (
+        "a StoreExchange or a LocalExchange",
+        "the crate's store (TcpStoreExchange) or a host world (Pool.host_group)",
+    ),
 ];
 
 /// `text` with the crate's method names of [`PYTHON_NAMES`] as Python calls them.
@@ -357,6 +363,11 @@ mod tests {
             shrunk.contains("Pool.shrink()") && !shrunk.contains("SymmPool"),
             "{shrunk}"
         );
+        // The crate's message names the grow beside the shrink.
+        let rust = Error::Shrunk { what: "the pool" }.to_string();
+        if rust.contains("SymmPool::grow") {
+            assert!(shrunk.contains("Pool.grow()"), "{shrunk}");
+        }
     }
 
     #[test]

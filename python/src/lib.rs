@@ -2,8 +2,9 @@
 //!
 //! - [`pool::Pool`]: one rank's pool (NCCL, adopted from a process group's
 //!   communicator, or host for tests), DLPack tensors over its buffers, in-place
-//!   collectives on them, statistics, snapshots, SVG memory maps, and the shrink after
-//!   a lost rank ([`pool::ShrinkReport`]);
+//!   collectives on them, statistics, snapshots, SVG memory maps, the shrink after
+//!   a lost rank ([`pool::ShrinkReport`]) and the grow when newcomers replace it
+//!   ([`pool::GrowReport`]; a newcomer's `Pool.shm()` joins);
 //! - [`store::StoreExchange`]: the crate's agreement over a Python store object
 //!   (`torch.distributed`'s default store); [`store::TcpStoreExchange`]: the crate's
 //!   own TCP store, from the launcher's environment (one process per rank);
@@ -50,6 +51,7 @@ fn _ext(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::Pool>()?;
     m.add_class::<pool::Buffer>()?;
     m.add_class::<pool::ShrinkReport>()?;
+    m.add_class::<pool::GrowReport>()?;
     m.add_class::<store::StoreExchange>()?;
     m.add_class::<store::TcpStoreExchange>()?;
     m.add_class::<store::StoreServer>()?;

@@ -4,7 +4,7 @@
 use crate::dtype::DType;
 use crate::errors::{seconds, to_py, usage};
 use crate::render::{render_ranks, render_svg};
-use crate::store::{AnyExchange, StoreExchange};
+use crate::store::{AnyExchange, StoreExchange, store_from_env};
 use crate::{dlpack, live};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -18,7 +18,7 @@ use symmpool::backend::shm::{ShmBackend, ShmConfig};
 use symmpool::coll::{CalibrateConfig, CollectiveReport, path_name};
 use symmpool::observe::{PoolSnapshot, StatValue};
 use symmpool::{
-    Backend, CheckMode, Coll, CollectiveCalls, Exchange, Group, GroupConfig, HostBackend,
+    Backend, CheckMode, Coll, CollectiveCalls, Error, Exchange, Group, GroupConfig, HostBackend,
     HostConfig, NcclBackend, NcclConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16,
     f16,
 };
@@ -252,9 +252,15 @@ impl Call<'_> {
 /// caught at that call. A collective without `tag=` raises `UsageError` (nothing runs)
 /// unless the pool was made with `untagged_collectives=True` (every constructor takes
 /// it; every rank alike). `end_step()` marks a step boundary.
+///
+/// After a lost rank the survivors `shrink()` and go on; newcomers started with
+/// `SYMMPOOL_JOIN=1` as the lost job ranks later join them when they `grow()`: a
+/// newcomer's `Pool.shm()` joins the group's pool (`joined` is its `GrowReport`).
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct Pool {
     pub(crate) handle: GilFree<Arc<Handle>>,
+    /// On a newcomer's pool, what its join did.
+    joined: Option<GrowReport>,
 }
 
 /// A value dropped without the GIL. Python drops its objects holding the GIL, and a
@@ -331,9 +337,7 @@ impl Pool {
         Ok(pools
             .into_iter()
             .zip(colls)
-            .map(|(p, c)| Pool {
-                handle: GilFree::new(Handle::new(p, c)),
-            })
+            .map(|(p, c)| Pool::made(p, c, None))
             .collect())
     }
 
@@ -351,6 +355,17 @@ impl Pool {
     /// windows (like an NCCL communicator without symmetric support: collectives take
     /// the plain path). `max_reserved_bytes`: this rank's shared-memory limit (16 GiB
     /// by default; pages are backed only when written).
+    ///
+    /// On a newcomer (`SYMMPOOL_JOIN=1` in the environment, the lost job rank's `RANK`,
+    /// the store outside the ranks: a launcher restarting the same script), the
+    /// exchange from the environment (or a `TcpStoreExchange` made so, `newcomer`
+    /// `True`) waits until the group's ranks grow, and this joins their pool: the
+    /// survivors' `grow()` of the pool of the same name, with their layout (segments
+    /// of the same sizes, registered with theirs; every rank's next placement is
+    /// identical). `pool.joined` is then the join's `GrowReport` (`None` on a pool
+    /// made with the group): the newcomer loads its state (from the survivors, or a
+    /// checkpoint) instead of starting afresh. A newcomer makes its pools in the
+    /// order the survivors grow theirs, with the same names and settings.
     #[staticmethod]
     #[pyo3(signature = (exchange = None, name = "symmpool", timeout_s = 60.0, symmetric = true,
         max_reserved_bytes = None, check = None, check_queue = None, untagged_collectives = false))]
@@ -368,31 +383,31 @@ impl Pool {
     ) -> PyResult<Pool> {
         let (group_config, config) =
             pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
-        let ex = match exchange {
-            Some(ex) => ex.exchange(),
+        let (ex, newcomer) = match exchange {
+            Some(ex) => (ex.exchange(), ex.newcomer()),
             None => {
-                let tcp: Arc<dyn Exchange> = Arc::new(
-                    py.allow_threads(symmpool::StoreExchange::from_env)
-                        .map_err(to_py)?,
-                );
-                tcp
+                let (tcp, newcomer) = py.allow_threads(store_from_env).map_err(to_py)?;
+                (Arc::new(tcp) as Arc<dyn Exchange>, newcomer)
             }
         };
         let mut shm = ShmConfig::default().with_symmetric(symmetric);
         if let Some(bytes) = max_reserved_bytes {
             shm = shm.with_max_reserved_bytes(bytes);
         }
-        let (pool, coll) = py
+        let (pool, coll, joined) = py
             .allow_threads(move || {
-                let backend = ShmBackend::join(ex, shm)?;
-                let pool = SymmPool::new(&Group::new(backend, group_config)?, config)?;
+                let group = Group::new(ShmBackend::join(ex, shm)?, group_config)?;
+                let (pool, joined) = if newcomer {
+                    let (pool, report) = SymmPool::join(&group, config)?;
+                    (pool, Some(report))
+                } else {
+                    (SymmPool::new(&group, config)?, None)
+                };
                 let coll = Coll::new(&pool)?;
-                Ok((pool, coll))
+                Ok((pool, coll, joined))
             })
             .map_err(to_py)?;
-        Ok(Pool {
-            handle: GilFree::new(Handle::new(pool, coll)),
-        })
+        Ok(Pool::made(pool, coll, joined.map(GrowReport::from)))
     }
 
     /// Adopt a process group's communicator (`ncclComm_t` from `_comm_ptr()`): the crate
@@ -429,6 +444,7 @@ impl Pool {
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
+        not_a_newcomer(&exchange, "Pool.nccl_adopt")?;
         let (group_config, config) =
             pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let nccl = NcclConfig::default()
@@ -450,9 +466,7 @@ impl Pool {
                 Ok((pool, coll))
             })
             .map_err(to_py)?;
-        Ok(Pool {
-            handle: GilFree::new(Handle::new(pool.0, pool.1)),
-        })
+        Ok(Pool::made(pool.0, pool.1, None))
     }
 
     /// A pool whose segments are registered as windows on the process group's
@@ -483,6 +497,7 @@ impl Pool {
                 "the communicator pointer is 0 (no communicator yet, or the current CUDA device is wrong)",
             ));
         }
+        not_a_newcomer(&exchange, "Pool.nccl_wrap")?;
         let (group_config, config) =
             pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
         let role = if cta_policy == CTA_POLICY_ZERO {
@@ -511,9 +526,7 @@ impl Pool {
                 Ok((pool, coll))
             })
             .map_err(to_py)?;
-        Ok(Pool {
-            handle: GilFree::new(Handle::new(pool.0, pool.1)),
-        })
+        Ok(Pool::made(pool.0, pool.1, None))
     }
 
     /// This rank.
@@ -938,12 +951,59 @@ impl Pool {
                 Ok((pool, coll, report))
             })
             .map_err(to_py)?;
-        Ok((
-            Pool {
-                handle: GilFree::new(Handle::new(pool, coll)),
-            },
-            ShrinkReport::from(report),
-        ))
+        Ok((Pool::made(pool, coll, None), ShrinkReport::from(report)))
+    }
+
+    /// Go on in this pool's group grown by the newcomers waiting to join it (processes
+    /// started with `SYMMPOOL_JOIN=1` as lost job ranks, whose `Pool.shm()` joins):
+    /// returns `(pool, report)`, the grown group's pool and a `GrowReport` (this rank
+    /// numbered anew by job rank: `report.rank`, `report.world_size`, the newcomers'
+    /// ranks `report.newcomers`), or `None` when no newcomer waits once every rank has
+    /// asked and some rank asked with `wait=False` (ask again later: at a step's end,
+    /// say). With `wait=True` on every rank, the ranks wait for a newcomer until the
+    /// pool's timeout. Collective: every rank of the group calls it, for each of its
+    /// pools in the same order; the newcomers make theirs in that order.
+    ///
+    /// The new pool keeps this pool's memory, blocks and settings; the newcomers get
+    /// its layout, so every rank's next placement is identical. This pool is done, as
+    /// after `shrink()`: every call on it, and every collective on a buffer allocated
+    /// from it, is a `UsageError` (the data of its buffers stays readable and
+    /// writable on this rank). Their blocks stay allocated in the new pool when they
+    /// are freed (the newcomers hold them too, with no buffer): free old buffers
+    /// before growing to have their memory back. Hand the newcomers their state (a
+    /// file, a checkpoint, a collective of the new pool) and allocate anew for the new
+    /// world size.
+    ///
+    /// Raises `PeerLostError` when the group lost a rank (before, or while the ranks
+    /// ask): `shrink()` past it, then grow; `SymmpoolTimeoutError` when a rank does
+    /// not ask, or a newcomer does not come, in time; `DivergenceError` when the
+    /// ranks' pools differ (they made different pool calls); `OutOfMemoryError` when
+    /// a newcomer cannot allocate the segments; `ConfigurationError` for a pool whose
+    /// exchange cannot grow (one over torch's store: only the crate's store,
+    /// `TcpStoreExchange`, and a host world can); `UsageError` on a pool already
+    /// replaced or closed. On error this pool keeps its memory and state.
+    #[pyo3(signature = (*, wait = false))]
+    fn grow(&self, py: Python<'_>, wait: bool) -> PyResult<Option<(Pool, GrowReport)>> {
+        let handle = self.handle.clone();
+        let grown = py
+            .allow_threads(move || {
+                let Some((pool, report)) = handle.pool.grow(wait)? else {
+                    return Ok(None);
+                };
+                let coll = Coll::new(&pool)?;
+                Ok(Some((pool, coll, report)))
+            })
+            .map_err(to_py)?;
+        Ok(grown
+            .map(|(pool, coll, report)| (Pool::made(pool, coll, None), GrowReport::from(report))))
+    }
+
+    /// On a newcomer's pool (made over an exchange that joined a grown group,
+    /// `SYMMPOOL_JOIN=1`), the `GrowReport` of its join (`old_world_size` 0, this
+    /// rank among `newcomers`); `None` on a pool made with its group.
+    #[getter]
+    fn joined(&self) -> Option<GrowReport> {
+        self.joined.clone()
     }
 
     fn __repr__(&self) -> String {
@@ -958,6 +1018,15 @@ impl Pool {
 }
 
 impl Pool {
+    /// The Python pool of `pool` with its collectives `coll` (`joined`: a newcomer's
+    /// join report).
+    fn made(pool: SymmPool, coll: Coll, joined: Option<GrowReport>) -> Pool {
+        Pool {
+            handle: GilFree::new(Handle::new(pool, coll)),
+            joined,
+        }
+    }
+
     /// Run `op` on the live buffers `input` (and `output`; `None`: in place) of this
     /// pool on the raw stream `stream`, carrying `tag`; the path taken.
     #[allow(clippy::too_many_arguments)]
@@ -1073,6 +1142,83 @@ impl ShrinkReport {
             self.took_s
         )
     }
+}
+
+/// What `Pool.grow()` (on a rank of the group) or a newcomer's join (`Pool.joined`) did
+/// on this rank (the crate's `GrowReport`).
+#[pyclass(frozen, get_all, module = "symmpool._ext")]
+#[derive(Debug, Clone)]
+pub struct GrowReport {
+    /// This rank in the grown group (the ranks numbered by job rank: a newcomer takes
+    /// the place of the job rank it replaces).
+    rank: usize,
+    /// The world size before the grow (0 on a newcomer).
+    old_world_size: usize,
+    /// The world size after.
+    world_size: usize,
+    /// The newcomers' ranks in the grown group, ascending.
+    newcomers: Vec<usize>,
+    /// Segments of the pool, each registered once on each new communicator that
+    /// registers.
+    segments: usize,
+    /// Window registrations made on the new communicators.
+    registrations: u64,
+    /// Blocks allocated before the grow (buffers of the old pool on the ranks that had
+    /// it): they stay allocated in the new pool, on every rank.
+    pinned_blocks: u64,
+    /// Bytes of those blocks.
+    pinned_bytes: u64,
+    /// Seconds from the call to the new pool, ready (the collectives' set-up after it
+    /// not included).
+    took_s: f64,
+}
+
+impl From<symmpool::GrowReport> for GrowReport {
+    fn from(r: symmpool::GrowReport) -> Self {
+        GrowReport {
+            rank: r.rank,
+            old_world_size: r.old_world_size,
+            world_size: r.world_size,
+            newcomers: r.newcomers,
+            segments: r.segments,
+            registrations: r.registrations,
+            pinned_blocks: r.pinned_blocks,
+            pinned_bytes: r.pinned_bytes,
+            took_s: r.took.as_secs_f64(),
+        }
+    }
+}
+
+#[pymethods]
+impl GrowReport {
+    fn __repr__(&self) -> String {
+        format!(
+            "GrowReport(rank={}, world_size {} -> {}, newcomers={:?}, segments={}, \
+             registrations={}, pinned_blocks={}, pinned_bytes={}, took_s={:.3})",
+            self.rank,
+            self.old_world_size,
+            self.world_size,
+            self.newcomers,
+            self.segments,
+            self.registrations,
+            self.pinned_blocks,
+            self.pinned_bytes,
+            self.took_s
+        )
+    }
+}
+
+/// Refuse a newcomer's exchange where the pool cannot join (the NCCL constructors take
+/// a process group's communicator, which the grown group's ranks do not share).
+fn not_a_newcomer(exchange: &AnyExchange<'_>, constructor: &str) -> PyResult<()> {
+    if !exchange.newcomer() {
+        return Ok(());
+    }
+    Err(to_py(Error::InvalidConfig(format!(
+        "{constructor} over a newcomer's exchange (SYMMPOOL_JOIN=1): a newcomer joins a \
+         grown group with Pool.shm(); an NCCL pool made from a process group's \
+         communicator cannot join one"
+    ))))
 }
 
 /// Draw several ranks' snapshots (JSON strings from `memory_snapshot_json`) side by

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
-use symmpool::control::{JobEnd, KvConfig, KvExchange, KvStore};
+use symmpool::control::{JobEnd, KvConfig, KvExchange, KvStore, StoreConfig};
 use symmpool::{ChannelId, Deadline, Error, Exchange, Result};
 
 /// A Python store object, called with the GIL held (acquired per call: the exchange
@@ -372,10 +372,27 @@ impl StoreExchange {
 /// `MASTER_PORT + 1` under torchrun (whose agent serves PyTorch's store on
 /// `MASTER_PORT`); `SYMMPOOL_STORE_PORT` overrides both. `SYMMPOOL_JOB_ID` (or
 /// torchrun's run id) keeps two jobs on one port apart.
+///
+/// With `SYMMPOOL_JOIN=1` (and the store outside the ranks, `SYMMPOOL_STORE_EXTERNAL=1`)
+/// the process is a newcomer that replaces the lost job rank `RANK`: `from_env()`
+/// waits until the group's ranks grow (`Pool.grow()`) and returns its place in the
+/// grown group (`newcomer` is then `True`, and the pools made over it join the
+/// group: `Pool.shm`).
 #[pyclass(frozen, module = "symmpool._ext")]
 pub struct TcpStoreExchange {
     exchange: Arc<symmpool::StoreExchange>,
     channels: Channels,
+    /// Whether it joined a grown group as a newcomer (`SYMMPOOL_JOIN=1`).
+    newcomer: bool,
+}
+
+/// The crate's store exchange from the launcher's environment, and whether this process
+/// joined as a newcomer (`SYMMPOOL_JOIN=1`: it returned once the group's ranks grew the
+/// group with it).
+pub(crate) fn store_from_env() -> Result<(symmpool::StoreExchange, bool)> {
+    let config = StoreConfig::from_env()?;
+    let newcomer = config.join;
+    Ok((symmpool::StoreExchange::connect(config)?, newcomer))
 }
 
 #[pymethods]
@@ -384,19 +401,29 @@ impl TcpStoreExchange {
     /// every rank has joined, within the start-up timeout (`SYMMPOOL_STARTUP_TIMEOUT_MS`,
     /// see the crate's `StoreConfig`). Collective: every rank of the job calls it.
     ///
+    /// With `SYMMPOOL_JOIN=1`, a newcomer: it waits (up to the same start-up timeout)
+    /// until the group's ranks grow the group with it, and takes the lost job rank's
+    /// place (`rank`).
+    ///
     /// Raises `ConfigurationError` for a missing or invalid launcher variable, or a
     /// store of another job on the port; `SymmpoolTimeoutError` naming the ranks that
-    /// never joined.
+    /// never joined (on a newcomer: no grow took it in).
     #[staticmethod]
     fn from_env(py: Python<'_>) -> PyResult<TcpStoreExchange> {
-        let exchange = Arc::new(
-            py.allow_threads(symmpool::StoreExchange::from_env)
-                .map_err(to_py)?,
-        );
+        let (exchange, newcomer) = py.allow_threads(store_from_env).map_err(to_py)?;
+        let exchange = Arc::new(exchange);
         Ok(TcpStoreExchange {
             channels: Channels::new(exchange.clone()),
             exchange,
+            newcomer,
         })
+    }
+
+    /// Whether this process joined a grown group as a newcomer (`SYMMPOOL_JOIN=1`):
+    /// the pools made over this exchange join the group's (`Pool.shm`; `pool.joined`).
+    #[getter]
+    fn newcomer(&self) -> bool {
+        self.newcomer
     }
 
     /// This rank.
@@ -433,9 +460,10 @@ impl TcpStoreExchange {
 
     fn __repr__(&self) -> String {
         format!(
-            "TcpStoreExchange(rank={}, world_size={})",
+            "TcpStoreExchange(rank={}, world_size={}, newcomer={})",
             self.exchange.rank(),
-            self.exchange.world_size()
+            self.exchange.world_size(),
+            if self.newcomer { "True" } else { "False" }
         )
     }
 }
@@ -525,5 +553,10 @@ impl AnyExchange<'_> {
             AnyExchange::Store(s) => s.channels.exchange.clone(),
             AnyExchange::Tcp(t) => t.channels.exchange.clone(),
         }
+    }
+
+    /// Whether it is a newcomer's (joined a grown group, `SYMMPOOL_JOIN=1`).
+    pub(crate) fn newcomer(&self) -> bool {
+        matches!(self, AnyExchange::Tcp(t) if t.newcomer)
     }
 }

@@ -18,6 +18,10 @@
   the crate's own store (:class:`TcpStoreExchange`) or a :class:`StoreExchange`.
 - :meth:`Pool.shrink`: after a lost rank (:class:`PeerLostError`), the survivors' pool
   and a :class:`ShrinkReport` (:class:`ShrinkFailed` when the group cannot shrink).
+- :meth:`Pool.grow`: the group grown back by newcomers, processes started with
+  ``SYMMPOOL_JOIN=1`` as the lost job ranks (whose :meth:`Pool.shm` joins the group's
+  pool, :attr:`Pool.joined` its report): the grown group's pool and a
+  :class:`GrowReport`, or ``None`` when no newcomer waits.
 - :mod:`symmpool.errors`: the exception classes (:class:`SymmpoolError` and its
   subclasses, sorted by what the caller can do), also importable from here.
 - :func:`last_error`: the message of the last failure (PyTorch reports a failed
@@ -34,6 +38,7 @@ Importing the package does not import torch.
 from . import _ext
 from ._ext import (
     Buffer,
+    GrowReport,
     Pool,
     ShrinkReport,
     StoreExchange,
@@ -68,6 +73,7 @@ __all__ = [
     "ConfigurationError",
     "DivergenceError",
     "GroupLostError",
+    "GrowReport",
     "OutOfMemoryError",
     "PeerLostError",
     "Pool",

@@ -33,8 +33,9 @@ Every error of the Rust crate reaches Python as the class of its kind (the crate
 Divergence and timeouts leave the group unusable: drop the pool and start the job (or
 the group) again. After a lost peer (:class:`PeerLostError`) the same, or the
 survivors go on without it: ``pool, report = pool.shrink()`` on every survivor (see
-:class:`ShrinkFailed`). An out-of-memory error leaves the pool as it was: free
-buffers, ``trim()``, and retry.
+:class:`ShrinkFailed`), and later grow back with newcomers (``pool.grow()``; a
+:class:`PeerLostError` from it: shrink first, then grow). An out-of-memory error
+leaves the pool as it was: free buffers, ``trim()``, and retry.
 
 Attributes, ``None`` (or empty) where the error does not say:
 
@@ -120,7 +121,9 @@ class PeerLostError(SymmpoolError):
 
     Restart the job, or go on without the lost rank: ``pool.shrink()`` on every
     survivor, for each of its pools in the same order, returns the survivors' pool
-    (see :class:`ShrinkFailed` for when it cannot)."""
+    (see :class:`ShrinkFailed` for when it cannot); a newcomer started as the lost
+    rank joins them later, when they ``pool.grow()``. From ``grow()`` itself: the
+    group lost a rank, so shrink past it first, then grow."""
 
 
 class GroupLostError(SymmpoolError):

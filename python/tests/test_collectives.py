@@ -9,7 +9,7 @@ import struct
 import pytest
 
 import symmpool
-from conftest import run_ranks
+from conftest import FakeStore, run_ranks
 from symmpool import errors
 
 WORLD = 2
@@ -314,4 +314,50 @@ def test_a_pool_made_for_untagged_collectives_runs_them(check):
 
     for got in run_ranks(WORLD, rank):
         assert got == b"".join(bytes([q + 1]) * 8 for q in range(WORLD))
+    _close(pools)
+
+
+@pytest.mark.parametrize("check", ["strict", "async"])
+def test_grow_without_a_newcomer_is_none_on_every_rank_and_the_pools_go_on(check):
+    world = 3
+    pools = symmpool.Pool.host_group(world, check=check, timeout_s=30.0)
+    assert all(p.joined is None for p in pools)  # made with the group, not joined
+
+    def rank(r):
+        pool = pools[r]
+        before = pool.alloc(8 * world)  # a live buffer across the ask: nothing changes
+        grown = pool.grow(wait=False)  # every rank asks; no newcomer waits
+        before.write(bytes(8 * r) + bytes([r + 1]) * 8 + bytes(8 * (world - 1 - r)))
+        assert before.all_gather(tag=1)  # the same pool goes on
+        got = before.read()
+        pool.end_step()
+        before.free()
+        return grown, got
+
+    for grown, got in run_ranks(world, rank):
+        assert grown is None
+        assert got == b"".join(bytes([q + 1]) * 8 for q in range(world))
+    with pytest.raises(TypeError):
+        pools[0].grow(True)  # wait is keyword-only: pool.grow(wait=True)
+    _close(pools)
+    # A closed pool cannot grow (on every rank alike: nothing is asked).
+    with pytest.raises(symmpool.UsageError):
+        pools[0].grow(wait=False)
+
+
+def test_grow_over_a_python_store_is_a_configuration_error():
+    """Only the crate's store (TcpStoreExchange) and a host world take newcomers: a
+    pool over torch's kind of store cannot grow, and says so in Python's words."""
+    store = FakeStore()
+    exchanges = [symmpool.StoreExchange(store, r, WORLD, "g", 0.05) for r in range(WORLD)]
+    pools = symmpool.Pool.host_group(WORLD, exchanges=exchanges, timeout_s=30.0)
+
+    def rank(r):
+        with pytest.raises(symmpool.ConfigurationError) as e:
+            pools[r].grow(wait=False)
+        assert "TcpStoreExchange" in str(e.value), str(e.value)
+        buf = pools[r].alloc(64)  # the pool is as it was
+        buf.free()
+
+    run_ranks(WORLD, rank)
     _close(pools)
