@@ -598,6 +598,16 @@ struct Ran {
 /// Run the example with `args`, bounded by `limit`: killed past it (with its ranks,
 /// which die with their launcher), and the test fails.
 fn run_example(program: &std::path::Path, args: &[&str], limit: Duration) -> Ran {
+    run_example_in(program, args, limit, None)
+}
+
+/// [`run_example`], with its temporary files in `tmp` (`TMPDIR`) when given.
+fn run_example_in(
+    program: &std::path::Path,
+    args: &[&str],
+    limit: Duration,
+    tmp: Option<&std::path::Path>,
+) -> Ran {
     use std::io::Read;
     struct Killed(std::process::Child);
     impl Drop for Killed {
@@ -606,9 +616,12 @@ fn run_example(program: &std::path::Path, args: &[&str], limit: Duration) -> Ran
             let _ = self.0.wait();
         }
     }
+    let mut cmd = std::process::Command::new(program);
+    if let Some(dir) = tmp {
+        cmd.env("TMPDIR", dir);
+    }
     let mut child = Killed(
-        std::process::Command::new(program)
-            .args(args)
+        cmd.args(args)
             // The example's own default log level (warn), whatever the test's is.
             .env_remove("RUST_LOG")
             .stdin(std::process::Stdio::null())
@@ -748,6 +761,178 @@ fn the_example_survives_a_lost_rank_and_trains_on_as_a_fresh_smaller_job_would()
 }
 
 #[test]
+fn the_example_heals_back_to_four_ranks_and_trains_on_as_a_fresh_four_rank_job_would() {
+    let program = example_program();
+    let dir = std::env::temp_dir().join(format!("fsdp-heal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("state");
+    let state = state.to_str().unwrap();
+    let limit = Duration::from_secs(300);
+    let common = ["--backend", "host", "--steps", "10", "--json"];
+    // Rank 3 of 4 dies in step 3; the launcher starts its replacement; the survivors
+    // grow back at the start of step 5 (the default, two steps after the loss).
+    let heal = [
+        &common[..],
+        &["--nproc", "4", "--survive", "--heal", "--save-state", state],
+    ]
+    .concat();
+    let ran = run_example_in(&program, &heal, limit, Some(&dir));
+    assert!(ran.status.success(), "{:?}: {}", ran.status, ran.stderr);
+    assert!(
+        ran.stderr.contains("rank 3 kills itself (SIGKILL)"),
+        "{}",
+        ran.stderr
+    );
+    // A loss the survivors go on past, and heal, is no failure: no ERROR line.
+    assert!(!ran.stderr.contains("ERROR"), "{}", ran.stderr);
+    let r = json_summary(&ran);
+    check(std::slice::from_ref(&r)).unwrap();
+    assert_eq!((r.backend.as_str(), r.ranks, r.ranks_at_end), ("shm", 4, 4));
+    let s = r.survival.clone().expect("a lost rank survived");
+    assert_eq!(
+        (s.lost_ranks, s.lost_in_step, s.resumed_at_step),
+        (vec![3], 3, 2)
+    );
+    assert_eq!((s.world_size_before, s.world_size_after), (4, 3));
+    // The heal: at step 5, world size 3 → 4, the newcomer in the lost rank's place.
+    let h = r.heal.clone().expect("the world grew back");
+    assert_eq!(
+        (h.at_step, h.world_size_before, h.world_size_after),
+        (5, 3, 4)
+    );
+    assert_eq!(h.newcomers, [3]);
+    assert_eq!((h.rank_before, h.rank_after), (Some(0), 0));
+    assert!(
+        0.0 < h.grow_ms && h.grow_ms < h.first_collective_ms,
+        "{h:?}"
+    );
+    assert!(h.first_collective_ms < h.first_step_ms, "{h:?}");
+    // The newcomer's times, gathered on rank 0: it waited for the survivors, then
+    // joined and made its first collective at world size 4.
+    assert!(
+        h.newcomer_waited_ms > 0.0 && h.newcomer_first_collective_ms > 0.0,
+        "{h:?}"
+    );
+    // Every pool grown with its segments, each registered anew where the pool
+    // registers, and no block pinned: the survivors dropped their buffers first.
+    let grown: Vec<(&str, bool, bool, u64)> = (h.pools.iter())
+        .map(|p| {
+            let registered = p.registrations > 0;
+            (p.pool.as_str(), p.segments > 0, registered, p.pinned_blocks)
+        })
+        .collect();
+    assert_eq!(
+        grown,
+        [
+            ("parameters", true, true, 0),
+            ("gradients", true, true, 0),
+            ("data", true, false, 0)
+        ]
+    );
+    assert_eq!(h.registrations_first_step_after, 0);
+    assert_eq!(r.registrations_after_first_step, 0);
+    // The `--json` object names every field of the heal.
+    let line = ran.stdout.lines().find(|l| l.starts_with('{')).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    for key in [
+        "at_step",
+        "world_size_before",
+        "world_size_after",
+        "newcomers",
+        "grow_ms",
+        "first_collective_ms",
+        "newcomer_first_collective_ms",
+        "newcomer_waited_ms",
+        "pools",
+        "registrations_first_step_after",
+    ] {
+        assert!(v["heal"].get(key).is_some(), "no heal.{key} in {line}");
+    }
+    for key in ["segments", "registrations", "pinned_blocks", "pinned_bytes"] {
+        assert!(v["heal"]["pools"][0].get(key).is_some(), "{line}");
+    }
+    // The losses at world size 4 (steps 0-1), 3 (2-4) and 4 again (5-9).
+    assert_eq!(r.losses.len(), 10);
+    let (before, at_three) = r.losses_around_the_loss();
+    let after = fsdp_step::heal::losses_after(&r);
+    assert_eq!((before.len(), at_three.len(), after.len()), (2, 3, 5));
+    assert!(after[4] < after[0], "{after:?}");
+    let lines = fsdp_step::survival_lines(&r).join("\n");
+    for want in [
+        "losses at world size 4: steps 0-1: ",
+        "losses at world size 3: steps 2-4: ",
+        "heal: rank 3 joined in step 5, world size 3 → 4; ",
+        "  the newcomer: admitted ",
+        "  parameters segments: 1, window registrations on the new communicators: 2, \
+         pinned blocks: 0",
+        "losses at world size 4 again: steps 5-9: ",
+    ] {
+        assert!(lines.contains(want), "{want:?} in {lines}");
+    }
+    // The file that handed the newcomer its state went with the job.
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["state"], "{left:?}");
+    // A fresh 4-rank job from the state at the heal: the healed job's losses from
+    // there, to the bit; so the grown pools, the newcomer's shards and data, and the
+    // gradient scale are those of a 4-rank job.
+    let resume = [&common[..], &["--nproc", "4", "--resume", state]].concat();
+    let fresh = run_example(&program, &resume, limit);
+    assert!(
+        fresh.status.success(),
+        "{:?}: {}",
+        fresh.status,
+        fresh.stderr
+    );
+    let f = json_summary(&fresh);
+    assert!(f.survival.is_none() && f.heal.is_none());
+    assert_eq!((f.first_step, f.ranks_at_end), (5, 4));
+    assert_eq!(f.losses, after);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_heal_demo_says_what_happened_and_no_error() {
+    let program = example_program();
+    let args = [
+        "--backend",
+        "host",
+        "--steps",
+        "8",
+        "--nproc",
+        "4",
+        "--survive",
+        "--heal",
+        "--heal-at-step",
+        "6",
+    ];
+    let ran = run_example(&program, &args, Duration::from_secs(300));
+    assert!(ran.status.success(), "{:?}: {}", ran.status, ran.stderr);
+    let all = format!("{}\n{}", ran.stdout, ran.stderr);
+    assert!(!all.contains("ERROR"), "{all}");
+    assert!(!all.contains("restart"), "{all}");
+    // As it happens: the loss, the shrink, then the heal before step 6 runs.
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    let at = |prefix: &str| {
+        (lines.iter().position(|l| l.starts_with(prefix)))
+            .unwrap_or_else(|| panic!("no {prefix:?} line in {all}"))
+    };
+    let healed = at("healed: rank 3 joined at the start of step 6, world size 3 → 4; ");
+    assert!(at("shrunk: ") < healed, "{all}");
+    assert_eq!(at("[auto] step   5 "), healed - 1, "{all}");
+    assert_eq!(at("[auto] step   6 "), healed + 1, "{all}");
+    assert!(
+        ran.stdout.contains(
+            "summary: shm backend, 4 ranks (4 at the start; rank 3 lost in step 3, replaced \
+             in step 6), "
+        ),
+        "{all}"
+    );
+}
+
+#[test]
 fn the_survive_demo_says_what_happened_in_a_few_lines_and_no_error() {
     let program = example_program();
     let args = [
@@ -838,6 +1023,48 @@ fn the_survive_options_resolve_and_refuse_what_cannot_survive() {
     assert!(refused(&|a, _| a.modes = vec![Mode::None], true).contains("communicates"));
     assert!(refused(&|a, _| a.hidden = 64, true).contains("pass --hidden 66"));
     assert!(refused(&|a, _| a.ranks = 1, true).contains("at least 2 ranks"));
+}
+
+#[test]
+fn the_heal_options_resolve_and_refuse_what_cannot_heal() {
+    use clap::Parser;
+    let resolve = |argv: &[&str]| {
+        let argv = [&["fsdp_step", "--backend", "host"][..], argv].concat();
+        fsdp_step::Cli::try_parse_from(argv).map(|c| c.resolve(0))
+    };
+    // Two steps after the loss by default; auto keeps its default thresholds (a
+    // newcomer has no calibration to share).
+    let args = resolve(&["--nproc", "4", "--survive", "--heal"]).unwrap();
+    assert_eq!(args.survive.clone().unwrap().heal_at, Some(5));
+    assert_eq!(args.calibrate, Calibrate::Never);
+    let args = resolve(&["--nproc", "4", "--survive", "--heal", "--heal-at-step", "9"]);
+    assert_eq!(args.unwrap().survive.unwrap().heal_at, Some(9));
+    let args = resolve(&["--nproc", "4", "--survive"]).unwrap();
+    assert_eq!(args.survive.unwrap().heal_at, None);
+    // Options that need --heal or --survive, or that cannot go with --heal.
+    assert!(resolve(&["--nproc", "4", "--heal"]).is_err());
+    assert!(resolve(&["--nproc", "4", "--survive", "--heal-at-step", "5"]).is_err());
+    let always = [
+        "--nproc",
+        "4",
+        "--survive",
+        "--heal",
+        "--calibrate",
+        "always",
+    ];
+    assert!(resolve(&always).is_err());
+    // The heal comes after the loss and before the end.
+    let refused = |heal_at: usize| {
+        let mut args = resolve(&["--nproc", "4", "--survive", "--heal"]).unwrap();
+        let mut s = args.survive.take().unwrap();
+        s.heal_at = Some(heal_at);
+        s.check(&args, true)
+    };
+    for at in [1, 3, 30] {
+        let err = refused(at).unwrap_err();
+        assert!(err.contains("after --kill-at-step 3 and before"), "{err}");
+    }
+    assert!(refused(4).is_ok() && refused(29).is_ok());
 }
 
 #[test]

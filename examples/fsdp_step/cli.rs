@@ -153,7 +153,18 @@ Streams: compute, all-gather, reduce-scatter (the SGD update of the shards runs 
           shrink did and the losses before and after. hidden² must split over N and N-1
           ranks (without --hidden, the default grows to the next size that does).
           `--save-state F`, then `--nproc N-1 --resume F`: a fresh job at the smaller
-          size from the same state, whose losses equal the survivors'.";
+          size from the same state, whose losses equal the survivors'.
+--heal (with --survive): the launcher of --nproc starts a replacement for the lost rank
+          (its RANK, SYMMPOOL_JOIN=1) once it died; at the start of step --heal-at-step
+          the survivors gather the whole parameters, rank 0 writes them to a file the
+          launcher names for the newcomer (SYMMPOOL_FSDP_HEAL_STATE), they drop their
+          buffers and grow the three pools (`SymmPool::grow`) while the newcomer joins
+          them (`SymmPool::join`); the four re-shard and train on at the full size. The
+          summary adds the heal: the pools' grow reports, the newcomer's time from its
+          admission to its first collective, the losses at N, N-1 and N again. With
+          --heal, `--save-state F` writes the state at the heal: `--nproc N --resume F`
+          gives the healed job's losses from there. auto keeps its default thresholds (a
+          newcomer has no calibration to share).";
 
 /// FSDP-style training of a stack of linear layers: parameters sharded over the ranks,
 /// all-gathered into symmpool buffers before use, gradients reduce-scattered.
@@ -249,9 +260,20 @@ pub struct Cli {
     #[arg(long, requires = "survive")]
     pub victim: Option<usize>,
     /// With --survive: the survivors' rank 0 writes the state they went on from (its
-    /// step and every layer's parameters) to this file, for --resume
+    /// step and every layer's parameters) to this file, for --resume; with --heal, the
+    /// state at the heal (the one the world goes on from at its full size)
     #[arg(long, value_name = "FILE", requires = "survive")]
     pub save_state: Option<std::path::PathBuf>,
+    /// With --survive: a replacement takes the lost rank's place (the launcher starts
+    /// it, `SYMMPOOL_JOIN=1`), the survivors grow their pools to take it in
+    /// (`SymmPool::grow`) at the start of step --heal-at-step, and the world trains on
+    /// at its full size; see below
+    #[arg(long, requires = "survive", conflicts_with = "calibrate")]
+    pub heal: bool,
+    /// With --heal: the step at whose start the world grows back, after
+    /// --kill-at-step and before the end of --steps [default: --kill-at-step + 2]
+    #[arg(long, requires = "heal", value_parser = at_least::<1>)]
+    pub heal_at_step: Option<usize>,
     /// Start from a state written by --save-state (its step, its parameters) at this
     /// run's world size, instead of from the first step
     #[arg(long, value_name = "FILE")]
@@ -331,8 +353,11 @@ pub struct Survive {
     pub kill_at_step: usize,
     /// The rank that kills itself (never 0, which hosts the store).
     pub victim: usize,
-    /// Where the survivors' rank 0 writes the state they go on from.
+    /// Where the survivors' rank 0 writes the state they go on from (with `heal_at`,
+    /// the state at the heal).
     pub save_state: Option<std::path::PathBuf>,
+    /// `--heal`: the step at whose start a replacement joins and the world grows back.
+    pub heal_at: Option<usize>,
 }
 
 impl Survive {
@@ -435,7 +460,13 @@ impl Cli {
                 vec![self.comm]
             },
             check: self.check,
-            calibrate: self.calibrate,
+            // A newcomer has no calibration to share: with --heal, auto keeps its
+            // default thresholds on every rank.
+            calibrate: if self.heal {
+                Calibrate::Never
+            } else {
+                self.calibrate
+            },
             json: self.json,
             backend,
             quiet: self.quiet,
@@ -445,6 +476,7 @@ impl Cli {
                 kill_at_step: self.kill_at_step,
                 victim: self.victim.unwrap_or(ranks.saturating_sub(1)),
                 save_state: self.save_state.clone(),
+                heal_at: (self.heal).then(|| self.heal_at_step.unwrap_or(self.kill_at_step + 2)),
             }),
             resume: self.resume.clone(),
         };
@@ -507,6 +539,15 @@ impl Survive {
         if self.kill_at_step >= args.steps {
             return Err(format!(
                 "--kill-at-step {} must come before the end of --steps {}",
+                self.kill_at_step, args.steps
+            ));
+        }
+        if let Some(at) = self.heal_at
+            && !(self.kill_at_step < at && at < args.steps)
+        {
+            return Err(format!(
+                "--heal-at-step {at} must come after --kill-at-step {} and before the end \
+                 of --steps {}",
                 self.kill_at_step, args.steps
             ));
         }

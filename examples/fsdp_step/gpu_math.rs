@@ -3,10 +3,11 @@
 //! device views ([`CudaView`]), never as raw addresses; the cuBLAS calls are in
 //! `examples/support/gpu_math.rs` (`cublas` here), shared with the GPU tests and benchmark.
 
-use super::cli::{Args, Mode};
+use super::cli::Args;
 use super::cublas;
 use super::ranks::{StepBarrier, on_rank_threads};
 use super::report::Summary;
+use super::run::Start;
 use super::trainer::{Math, On};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{CudaEvent, CudaStream, DeviceSlice, DriverError};
@@ -14,7 +15,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use symmpool::backend::{NcclBackend, NcclConfig};
-use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, SymmPool, bf16};
+use symmpool::{Backend, CudaView, Result, Stream, SymmBuffer, bf16};
 
 /// One rank's GPU math: the three streams of [`On`], a cuBLAS handle on each, and
 /// the events it records between them (made once, recorded again).
@@ -226,7 +227,7 @@ pub fn run(args: &Args) -> Result<Vec<Summary>> {
         // to release.
         let math = GpuMath::new(nccl, args.sm_margin)?;
         let pools = super::make_pools(&args.modes, args.check, &b)?;
-        let out = super::run::run_one_rank(&math, pools, args, &barrier);
+        let out = super::run::run_one_rank(&math, Start::New(pools), args, &barrier);
         math.sync()?;
         out
     })
@@ -296,10 +297,11 @@ pub fn process_backend(
     Ok(backend)
 }
 
-/// Train this process's rank on its GPU.
+/// Train this process's rank on its GPU, from its pools (made, or joined by a
+/// newcomer).
 pub fn run_process_rank(
     backend: &Backend,
-    pools: Vec<(Mode, SymmPool)>,
+    pools: Start,
     args: &Args,
     barrier: &dyn super::ranks::StepSync,
 ) -> Result<Vec<Summary>> {

@@ -8,12 +8,14 @@
 //! N processes of this program with those variables on 127.0.0.1 and prints rank 0's
 //! results; it gives them a random job identity (`SYMMPOOL_JOB_ID`), so two runs that
 //! happen to share a port never merge. With `--survive` one rank is lost on purpose
-//! (`survive.rs`): the launcher expects that rank's death by SIGKILL, and no other.
+//! (`survive.rs`): the launcher expects that rank's death by SIGKILL, and no other; with
+//! `--heal` it then starts a replacement, as a scheduler would (`heal.rs`): this
+//! program again as the lost rank, with `SYMMPOOL_JOIN=1`.
 
 #[cfg(feature = "nccl")]
 use super::cli::BackendChoice;
-use super::run::run_one_rank;
-use super::{Args, Summary, make_pools, ranks::StepSync, survive};
+use super::run::{Start, run_one_rank};
+use super::{Args, Summary, heal, make_pools, ranks::StepSync, survive};
 use parking_lot::Mutex;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -46,8 +48,8 @@ pub fn is_child() -> bool {
 }
 
 /// A step barrier over the control plane: a round on a channel of its own, on the
-/// survivors' exchange once a rank is lost. On the victim of `--survive`, the barrier
-/// before the fatal step arms its backend.
+/// survivors' exchange once a rank is lost, on the grown group's after a heal. On the
+/// victim of `--survive`, the barrier before the fatal step arms its backend.
 struct ExchangeBarrier {
     /// The exchange and the barrier's channel on it.
     on: Mutex<(Arc<dyn Exchange>, ChannelId)>,
@@ -76,7 +78,7 @@ impl StepSync for ExchangeBarrier {
         Ok(())
     }
 
-    fn shrunk(&self, backend: &Backend) -> Result<()> {
+    fn regrouped(&self, backend: &Backend) -> Result<()> {
         let exchange = backend.exchange_handle();
         let channel = exchange.open_channel("fsdp_step:steps", Deadline::after(self.timeout))?;
         *self.on.lock() = (exchange, channel);
@@ -84,9 +86,13 @@ impl StepSync for ExchangeBarrier {
     }
 }
 
-/// Run this process's rank; rank 0 returns the results, the others `None`.
+/// Run this process's rank; rank 0 returns the results, the others `None`. A newcomer
+/// (`--heal`) is admitted once the survivors grow, and joins their pools.
 pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
+    let started = Instant::now();
+    let newcomer = heal::is_newcomer();
     let exchange: Arc<dyn Exchange> = Arc::new(StoreExchange::from_env()?);
+    let admitted = Instant::now();
     let rank = exchange.rank();
     let timeout = symmpool::GroupConfig::default().timeout;
     let backend = match args.backend {
@@ -100,32 +106,44 @@ pub fn run_as_rank(args: &Args) -> Result<Option<Vec<Summary>>> {
     // `--survive`: the victim's backend kills the process inside a reduce-scatter of
     // the fatal step, once the barrier before that step has armed it.
     let (backend, arm) = match &args.survive {
-        Some(s) if s.victim == rank => {
+        Some(s) if s.victim == rank && !newcomer => {
             let (backend, armed) = survive::victim(backend, args.layers, s.kill_at_step);
             (backend, Some((s.kill_at_step, armed)))
         }
         _ => (backend, None),
     };
-    // Making pools is collective: every rank makes them in the same order.
-    let pools = make_pools(&args.modes, args.check, &backend)?;
+    // Making pools is collective: every rank makes them in the same order (a newcomer
+    // joins them in the order the survivors grow theirs).
+    let start = if newcomer {
+        let mode = (args.modes[0], args.check);
+        Start::Joined(Box::new(heal::join(mode, &backend, (started, admitted))?))
+    } else {
+        if args.survive.as_ref().is_some_and(|s| s.heal_at.is_some()) {
+            heal::state_file()?; // named by the launcher, or no newcomer can come
+        }
+        Start::New(make_pools(&args.modes, args.check, &backend)?)
+    };
     let channel = exchange.open_channel("fsdp_step:steps", Deadline::after(timeout))?;
     let barrier = ExchangeBarrier {
         on: Mutex::new((exchange.clone(), channel)),
         timeout,
         arm,
     };
-    let summaries = match args.backend {
+    let mut summaries = match args.backend {
         #[cfg(feature = "nccl")]
-        BackendChoice::Nccl => super::gpu_math::run_process_rank(&backend, pools, args, &barrier)?,
+        BackendChoice::Nccl => super::gpu_math::run_process_rank(&backend, start, args, &barrier)?,
         _ => run_one_rank(
             &super::host_math::HostMath::default(),
-            pools,
+            start,
             args,
             &barrier,
         )?,
     };
-    // After a loss, the survivors' exchange.
+    // After a loss, the survivors' exchange (after a heal, the grown group's).
     let exchange = barrier.exchange();
+    if args.survive.as_ref().is_some_and(|s| s.heal_at.is_some()) {
+        heal::gather(exchange.as_ref(), &mut summaries)?;
+    }
     super::report::gather_memory_map(exchange.as_ref(), args)?;
     super::trace::gather(exchange.as_ref(), args)?;
     Ok((rank == 0).then_some(summaries))
@@ -194,10 +212,21 @@ fn lost_as_planned(status: ExitStatus) -> bool {
     status.signal() == Some(libc::SIGKILL)
 }
 
+/// The file the survivors hand a newcomer its state in (`--heal`), removed with the job.
+struct HealState(std::path::PathBuf);
+
+impl Drop for HealState {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Start `n` processes of this program, one rank each, on 127.0.0.1; return rank 0's
 /// results once every rank has finished. `victim`: the rank `--survive` loses on
-/// purpose, whose death by SIGKILL is expected (and any other end of it a failure).
-pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
+/// purpose, whose death by SIGKILL is expected (and any other end of it a failure);
+/// with `heal`, a replacement is started for it then (`SYMMPOOL_JOIN=1`), and must
+/// succeed as every rank.
+pub fn spawn_ranks(n: usize, victim: Option<usize>, heal: bool) -> Result<Vec<Summary>> {
     let io = |op: &'static str| {
         move |source: std::io::Error| Error::Transport {
             op,
@@ -214,8 +243,10 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
     // A job identity of its own, so that the ranks of two runs on one port never
     // merge (the store refuses a rank of another job).
     let job_id = random_job_id();
+    let heal_state = heal.then(|| HealState(std::env::temp_dir().join(format!("{job_id}.heal"))));
     let mut children = Children(Vec::new());
-    for rank in 0..n {
+    // Rank `rank`, or (`join`) the replacement of a lost rank `rank`.
+    let start = |rank: usize, join: bool| {
         let mut cmd = Command::new(&exe);
         cmd.args(passthrough_args())
             .env("RANK", rank.to_string())
@@ -228,11 +259,17 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
             .env(CHILD_VAR, "1")
             .stdin(Stdio::null())
             .stderr(Stdio::inherit())
-            .stdout(if rank == 0 {
+            .stdout(if rank == 0 && !join {
                 Stdio::piped()
             } else {
                 Stdio::null()
             });
+        if let Some(HealState(path)) = &heal_state {
+            cmd.env(heal::STATE_VAR, path);
+        }
+        if join {
+            cmd.env("SYMMPOOL_JOIN", "1");
+        }
         let parent = std::process::id();
         // SAFETY: runs in the child between fork and exec, and calls only prctl(2),
         // getppid(2) and _exit(2), which are async-signal-safe.
@@ -248,8 +285,16 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
                 Ok(())
             });
         }
-        children.0.push(cmd.spawn().map_err(io("starting a rank"))?);
+        cmd.spawn().map_err(io("starting a rank"))
+    };
+    for rank in 0..n {
+        children.0.push(start(rank, false)?);
     }
+    // Child i is rank i; child n, the replacement of the victim.
+    let name = |i: usize| match victim {
+        Some(v) if i == n => format!("rank {v} (the replacement)"),
+        _ => format!("rank {i}"),
+    };
     // Rank 0's output: its step lines go through, its results are kept.
     let out = children.0[0].stdout.take();
     let reader = std::thread::spawn(move || {
@@ -269,6 +314,7 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
     let mut codes: Vec<Option<i32>> = vec![None; n];
     let mut first_failure: Option<Instant> = None;
     let mut planned_loss = false;
+    let mut replacement = None;
     while codes.iter().any(Option::is_none) {
         for (rank, c) in children.0.iter_mut().enumerate() {
             if codes[rank].is_none()
@@ -276,6 +322,10 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
             {
                 let planned = victim == Some(rank) && lost_as_planned(status);
                 planned_loss |= planned;
+                if planned && heal {
+                    // As a scheduler: a replacement as soon as the lost rank is gone.
+                    replacement = Some(start(rank, true));
+                }
                 let code = if planned {
                     0
                 } else {
@@ -286,6 +336,10 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
                     first_failure = Some(Instant::now());
                 }
             }
+        }
+        if let Some(child) = replacement.take() {
+            children.0.push(child?);
+            codes.push(None);
         }
         let late =
             first_failure.is_some_and(|t| t.elapsed() > GRACE) || started.elapsed() > JOB_LIMIT;
@@ -301,9 +355,9 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
         .enumerate()
         .filter(|(_, c)| **c != Some(0))
         .map(|(r, c)| match c {
-            Some(-1) => format!("rank {r} was killed by a signal"),
-            Some(code) => format!("rank {r} exited with {code}"),
-            None => format!("rank {r} was stopped"),
+            Some(-1) => format!("{} was killed by a signal", name(r)),
+            Some(code) => format!("{} exited with {code}", name(r)),
+            None => format!("{} was stopped", name(r)),
         })
         .collect();
     if let [Some(first), rest @ ..] = codes.as_slice()
@@ -328,6 +382,7 @@ pub fn spawn_ranks(n: usize, victim: Option<usize>) -> Result<Vec<Summary>> {
             })
             .or_else(|| codes.iter().position(Option::is_none))
             .unwrap_or(0);
+        let lost = victim.filter(|_| lost == n).unwrap_or(lost);
         return Err(Error::PeerLost {
             rank: lost,
             op: "fsdp_step --nproc",

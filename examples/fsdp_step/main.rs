@@ -15,6 +15,7 @@
 //! | `ranks.rs` | ranks as threads (`run_threads`, `run_host`), and a barrier a failing rank breaks |
 //! | `launch.rs` | ranks as processes: `--nproc N`, or started by a launcher |
 //! | `survive.rs` | `--survive`: a rank lost on purpose; the shrink after a lost rank (`go_on_without`), the survivors' agreement, the state they go on from |
+//! | `heal.rs` | `--heal`: the lost rank replaced; the survivors' grow (`grow_back`), the state handed to the newcomer, its join (`join`), the heal's report |
 //! | `report.rs` | the summary (`--json`), the table, the check; the pools' statistics, the memory map (`--memory-map`) |
 //! | `trace.rs` | the timeline (`--trace`): device and host spans, Chrome-trace JSON |
 //! | `cli.rs` | the command line; the GPU count the defaults follow, `--resume`'s model shape |
@@ -30,6 +31,7 @@
 //! cargo run --release --example fsdp_step -- --memory-map map.svg  # every rank's pool, drawn
 //! cargo run --release --example fsdp_step -- --trace step.json     # the timeline (Perfetto)
 //! cargo run --release --example fsdp_step -- --nproc 4 --survive   # lose a rank, shrink, go on
+//! cargo run --release --example fsdp_step -- --nproc 4 --survive --heal  # ... then replace it
 //! RUST_LOG=symmpool=debug cargo run --release --example fsdp_step   # the pool's life, traced
 //! cargo run --release --example fsdp_step -- --help
 //! ```
@@ -40,6 +42,7 @@ mod cli;
 mod cublas;
 #[cfg(feature = "nccl")]
 mod gpu_math;
+pub mod heal;
 mod host_math;
 pub mod launch;
 mod ranks;
@@ -187,7 +190,8 @@ fn main() {
         }
     } else if let Some(n) = cli.nproc {
         let victim = args.survive.as_ref().map(|s| s.victim);
-        launch::spawn_ranks(n, victim).unwrap_or_else(|err| fail(&err))
+        let heal = args.survive.as_ref().is_some_and(|s| s.heal_at.is_some());
+        launch::spawn_ranks(n, victim, heal).unwrap_or_else(|err| fail(&err))
     } else {
         ranks::run_threads(&cli, &args).unwrap_or_else(|err| fail(&err))
     };
@@ -218,7 +222,7 @@ fn main() {
 /// | 65 | `Divergence` | fix the program (the ranks made different calls) |
 /// | 78 | `Configuration` | fix the settings or the environment |
 /// | 75 | `OutOfMemory` | retry with less (a smaller model or batch) |
-/// | 69 | `Timeout`, `PeerLost`, `GroupLost` | restart the job (after `PeerLost`, `--survive` shrinks instead) |
+/// | 69 | `Timeout`, `PeerLost`, `GroupLost` | restart the job (after `PeerLost`, `--survive` shrinks instead, and `--heal` replaces the lost rank later) |
 /// | 71 | `System` | restart; look at the device or the host |
 /// | 70 | `Broken`, `Internal`, others | restart; report an internal error |
 ///

@@ -6,7 +6,7 @@
 use super::cli::{Args, BackendChoice, Cli, Mode};
 use super::host_math::HostMath;
 use super::report::{self, Summary};
-use super::run::run_one_rank;
+use super::run::{Start, run_one_rank};
 use super::{make_group, pool_config};
 use parking_lot::{Condvar, Mutex};
 use symmpool::{Backend, Deadline, Error, HostBackend, HostConfig, Result, SymmPool};
@@ -20,13 +20,14 @@ pub trait StepSync: Sync {
     /// The barrier is broken (a rank failed, or was lost).
     fn wait(&self, step: usize) -> Result<()>;
 
-    /// Go on among the survivors of a lost rank, whose shrunk `backend` the pools now
-    /// use (collective: every survivor, once its pools are shrunk).
+    /// Go on in the group the pools moved to, over `backend`: the survivors of a lost
+    /// rank after the shrink, or the grown group after a heal (collective: every rank
+    /// of that group, once its pools are shrunk, grown or joined).
     ///
     /// # Errors
     /// [`Error::ShrinkFailed`] where the ranks cannot lose one (threads); the
     /// exchange's errors.
-    fn shrunk(&self, backend: &Backend) -> Result<()> {
+    fn regrouped(&self, backend: &Backend) -> Result<()> {
         let _ = backend;
         Err(Error::ShrinkFailed {
             reason: "ranks as threads cannot lose one".into(),
@@ -185,6 +186,6 @@ pub fn run_host(args: &Args) -> Result<Vec<Summary>> {
                 Ok((mode, SymmPool::new(&group, pool_config(mode))?))
             })
             .collect::<Result<Vec<_>>>()?;
-        run_one_rank(&HostMath::default(), pools, args, &barrier)
+        run_one_rank(&HostMath::default(), Start::New(pools), args, &barrier)
     })
 }

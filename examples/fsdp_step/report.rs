@@ -3,6 +3,7 @@
 //! from ([`stats`]), and the memory map (`--memory-map`, [`write_memory_map`]).
 
 use super::cli::{Args, BackendChoice, Check, Mode};
+use super::heal::{self, Healing};
 use super::trainer::IDENTITY;
 use super::{render, trace};
 use parking_lot::Mutex;
@@ -72,12 +73,39 @@ pub struct Log {
     pub registrations: u64,
     /// Segments after the first (warm-up) step, before `fit_to_peak`.
     pub segments_first_step: u64,
-    /// Window registrations of the pools a shrink replaced, at the loss (0 without one).
-    pub registrations_before_loss: u64,
+    /// Window registrations of the pools a shrink or a grow replaced, when they were
+    /// replaced (0 without one).
+    pub registrations_replaced: u64,
     /// The lost rank survived (`--survive`).
     pub survival: Option<Survival>,
-    /// When this rank learnt of the loss, until the first step at the new size ends.
-    pub lost_at: Option<std::time::Instant>,
+    /// The world grown back (`--heal`).
+    pub heal: Option<Healing>,
+    /// When this rank learnt of the loss, or began the heal (a newcomer: was
+    /// admitted), until the first step at the new size ends.
+    pub regrouped_at: Option<std::time::Instant>,
+}
+
+impl Log {
+    /// The first step at a new world size ended: after the loss, or the heal, that
+    /// began at `t0`; the step's first collective returned at `first_collective`; the
+    /// pools have made `now` window registrations.
+    pub fn first_step_regrouped(
+        &mut self,
+        t0: std::time::Instant,
+        first_collective: Option<std::time::Instant>,
+        now: u64,
+    ) {
+        let ms = |t| super::run::ms_since(t0, t);
+        let step_ms = ms(std::time::Instant::now());
+        let collective_ms = first_collective.map_or(0.0, ms);
+        if let Some(h) = &mut self.heal {
+            (h.first_step_ms, h.first_collective_ms) = (step_ms, collective_ms);
+            h.registrations_first_step_after = now.saturating_sub(h.registrations_grow());
+        } else if let Some(s) = &mut self.survival {
+            (s.first_step_ms, s.first_collective_ms) = (step_ms, collective_ms);
+            s.registrations_first_step_after = now.saturating_sub(s.registrations_shrink());
+        }
+    }
 }
 
 /// What one pool's shrink did ([`ShrinkReport`]).
@@ -188,7 +216,8 @@ pub struct Summary {
     pub rank: usize,
     /// Ranks at the start.
     pub ranks: usize,
-    /// Ranks at the end: fewer after a lost rank survived (`--survive`).
+    /// Ranks at the end: fewer after a lost rank survived (`--survive`), unless it was
+    /// replaced (`--heal`).
     #[serde(default)]
     pub ranks_at_end: usize,
     /// The mode.
@@ -268,6 +297,9 @@ pub struct Summary {
     /// The lost rank survived (`--survive`), if one was.
     #[serde(default)]
     pub survival: Option<Survival>,
+    /// The lost rank replaced and the world grown back (`--heal`), if it was.
+    #[serde(default)]
+    pub heal: Option<Healing>,
     /// What `auto`'s calibration chose (`--calibrate`), on `auto`'s summary when it
     /// calibrated; `null` otherwise.
     #[serde(default)]
@@ -380,12 +412,19 @@ impl Summary {
         };
         let expected_later = (log.survival.as_ref()).map_or(0, |s| {
             s.registrations_shrink() + s.registrations_first_step_after
+        }) + (log.heal.as_ref()).map_or(0, |h| {
+            h.registrations_grow() + h.registrations_first_step_after
         });
+        let ranks_at_end = match (&log.heal, &log.survival) {
+            (Some(h), _) => h.world_size_after,
+            (None, Some(s)) => s.world_size_after,
+            (None, None) => args.ranks,
+        };
         Summary {
             backend: args.backend_name().into(),
             rank,
             ranks: args.ranks,
-            ranks_at_end: (log.survival.as_ref()).map_or(args.ranks, |s| s.world_size_after),
+            ranks_at_end,
             mode,
             layers: args.layers,
             hidden: args.hidden,
@@ -402,7 +441,7 @@ impl Summary {
             max_step_ms: later.max,
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
             last_loss: losses.last().copied().unwrap_or(f32::NAN),
-            registrations: log.registrations_before_loss + per_comm.values().sum::<u64>(),
+            registrations: log.registrations_replaced + per_comm.values().sum::<u64>(),
             registrations_per_communicator: per_comm,
             registrations_first_step: log.registrations_first_step,
             registrations_after_first_step: (log.registrations)
@@ -427,17 +466,18 @@ impl Summary {
             over_ring: None,
             over_none: None,
             survival: log.survival,
+            heal: log.heal,
             calibration: None,
         }
     }
 
     /// The losses before a lost rank (at the old world size) and after it (at the new
-    /// one, from the step the survivors went on from); all of them before, without a
-    /// loss.
+    /// one, from the step the survivors went on from, to the heal if the world grew
+    /// back: [`heal::losses_after`] has the rest); all of them before, without a loss.
     pub fn losses_around_the_loss(&self) -> (&[f32], &[f32]) {
-        let at = (self.survival.as_ref())
-            .map_or(self.losses.len(), |s| s.resumed_at_step - self.first_step);
-        self.losses.split_at(at.min(self.losses.len()))
+        let healed = self.losses.len() - heal::losses_after(self).len();
+        let at = (self.survival.as_ref()).map_or(healed, |s| s.resumed_at_step - self.first_step);
+        self.losses[..healed].split_at(at.min(healed))
     }
 }
 
@@ -510,6 +550,9 @@ pub fn survival_lines(r: &Summary) -> Vec<String> {
         s.world_size_after,
         losses(s.resumed_at_step, after)
     ));
+    if let Some(h) = &r.heal {
+        lines.extend(heal::lines(h, losses(h.at_step, heal::losses_after(r))));
+    }
     lines
 }
 
@@ -612,13 +655,25 @@ pub fn ranks_words(args: &Args, results: &[Summary]) -> String {
                 .map(usize::to_string)
                 .collect::<Vec<_>>()
                 .join(", ");
+            let (now, healed) = match healing(results) {
+                Some(h) => (
+                    h.world_size_after,
+                    format!(", replaced in step {}", h.at_step),
+                ),
+                None => (s.world_size_after, String::new()),
+            };
             format!(
-                "{} ranks ({} at the start; rank {lost} lost in step {})",
-                s.world_size_after, s.world_size_before, s.lost_in_step
+                "{now} ranks ({} at the start; rank {lost} lost in step {}{healed})",
+                s.world_size_before, s.lost_in_step
             )
         }
         None => format!("{} ranks", args.ranks),
     }
+}
+
+/// The heal of `results`, if the world grew back.
+fn healing(results: &[Summary]) -> Option<&Healing> {
+    results.iter().find_map(|r| r.heal.as_ref())
 }
 
 /// Print the summaries: one JSON object per line with `--json`, else the table.

@@ -3,13 +3,14 @@
 //!
 //! Before training, `auto`'s thresholds are measured on this machine when
 //! `--calibrate` asks ([`calibrate`]); after the warm-up step the pools are sized to its
-//! peak; a lost rank is survived in `survive.rs` (`go_on_without`).
+//! peak; a lost rank is survived in `survive.rs` (`go_on_without`), and replaced in
+//! `heal.rs` (`grow_back` on the survivors; a newcomer starts from [`Start::Joined`]).
 
 use super::cli::{Args, Calibrate, Mode};
 use super::ranks::StepSync;
 use super::report::{self, Calibrated, Log, Summary};
 use super::trainer::{self, Math, On, Trainer};
-use super::{make_coll, pool_config, survive, trace};
+use super::{heal, make_coll, pool_config, survive, trace};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -58,16 +59,39 @@ pub fn start_run<'m, M: Math>(
     Ok((mode, pools, trainer, log))
 }
 
-/// Train every mode of `pools` (this rank's, one per mode) for `args.steps` steps,
-/// interleaved step by step so that they see the same machine; returns a summary per
-/// mode. Every rank calls this with the same arguments. With `--survive`, a lost rank
-/// is survived once ([`survive::go_on_without`]).
-pub fn run_one_rank<M: Math>(
-    math: &M,
+/// The configuration of the pool of the data and of what no collective touches
+/// (activations, their gradients): unregistered, so that each mode's pool holds only
+/// the buffers its collectives use, and its statistics count those alone.
+pub fn data_config() -> PoolConfig {
+    PoolConfig::default().with_register(false)
+}
+
+/// How a rank starts: with pools made anew, one per mode (every rank of a job), or
+/// joined to the group the survivors grew (a newcomer, `--heal`: [`heal::join`]).
+#[derive(Debug)]
+pub enum Start {
+    /// This rank's pool per mode, made collectively with the other ranks'.
+    New(Vec<(Mode, SymmPool)>),
+    /// A newcomer's pools.
+    Joined(Box<heal::Joined>),
+}
+
+/// A rank's runs (one per mode), data pool and data, and `auto`'s calibration.
+type Begun<'m, M> = (
+    Vec<Run<'m, M>>,
+    SymmPool,
+    trainer::Data,
+    Option<(PathPolicy, Calibrated)>,
+);
+
+/// The runs of `pools` (this rank's, one per mode), each with its gradients' pool, and
+/// the data pool and data: a rank at the job's start, from `--resume`'s state if given;
+/// `auto`'s thresholds measured first when `--calibrate` says so.
+fn begin<'m, M: Math>(
+    math: &'m M,
     pools: Vec<(Mode, SymmPool)>,
     args: &Args,
-    barrier: &dyn StepSync,
-) -> Result<Vec<Summary>> {
+) -> Result<Begun<'m, M>> {
     // `--resume`: the state a run saved, cut for this run's world size.
     let resumed = args
         .resume
@@ -75,16 +99,11 @@ pub fn run_one_rank<M: Math>(
         .map(survive::State::load)
         .transpose()?;
     let first = &pools[0].1;
-    // The data, and what no collective touches (activations, their gradients), live
-    // in a pool of their own, unregistered: each mode's pool holds only the buffers
-    // its collectives use, so its statistics count those alone.
-    let data_config = PoolConfig::default().with_register(false);
-    let mut data_pool = SymmPool::new(first.group(), data_config)?;
-    let mut data = data_pool.scope(|| trainer::make_data(math, args, first.rank()))?;
+    let data_pool = SymmPool::new(first.group(), data_config())?;
+    let data = data_pool.scope(|| trainer::make_data(math, args, first.rank()))?;
     // Before training: `auto`'s thresholds measured here, when `--calibrate` says so.
     let calibrated = calibrate(math, &pools, args)?;
     let auto_policy = calibrated.as_ref().map(|(p, _)| p);
-    let start = resumed.as_ref().map_or(0, |s| s.step);
     let mut runs = Vec::new();
     for (mode, pool) in pools {
         let grads = SymmPool::new(pool.group(), pool_config(mode))?;
@@ -100,9 +119,46 @@ pub fn run_one_rank<M: Math>(
         run.1.iter().for_each(SymmPool::reset_peak);
         runs.push(run);
     }
-    let mut step = start;
+    Ok((runs, data_pool, data, calibrated))
+}
+
+/// Train every mode (this rank's pools, made or joined as `start` says) for
+/// `args.steps` steps, interleaved step by step so that they see the same machine;
+/// returns a summary per mode. Every rank calls this with the same arguments. With
+/// `--survive`, a lost rank is survived once ([`survive::go_on_without`]); with
+/// `--heal`, replaced once ([`heal::grow_back`]).
+pub fn run_one_rank<M: Math>(
+    math: &M,
+    start: Start,
+    args: &Args,
+    barrier: &dyn StepSync,
+) -> Result<Vec<Summary>> {
+    // The warm-up step, the job's first: none on a newcomer, which joins sized pools.
+    let (mut runs, mut data_pool, mut data, calibrated, warm_up) = match start {
+        Start::New(pools) => {
+            let (runs, data_pool, data, calibrated) = begin(math, pools, args)?;
+            let first = runs[0].3.first_step;
+            (runs, data_pool, data, calibrated, Some(first))
+        }
+        Start::Joined(joined) => {
+            let (runs, data_pool, data) = heal::begin(math, *joined, args)?;
+            (runs, data_pool, data, None, None)
+        }
+    };
+    let auto_policy = calibrated.as_ref().map(|(p, _)| p);
+    let mut step = runs[0].3.first_step;
     while step < args.steps {
-        match run_step(&mut runs, step, start, args, barrier) {
+        if heal::due(args, step, &runs) {
+            let run = runs.pop().expect("one mode");
+            let grown = (data_pool, data);
+            let grown = heal::grow_back(math, run, grown, args, barrier, step, auto_policy)?;
+            (runs, data_pool, data) = grown;
+            let heal = runs.iter().find_map(|r| r.3.heal.as_ref());
+            if let Some(h) = heal.filter(|h| h.rank_after == 0 && !args.quiet && !args.json) {
+                report::line(&heal::notice(h));
+            }
+        }
+        match run_step(&mut runs, step, warm_up, args, barrier) {
             Ok(()) => step += 1,
             // One lost rank is survived (`--survive`; one mode, so one run).
             Err(lost) if args.survive.is_some() && survive::is_loss(&lost) => {
@@ -172,18 +228,18 @@ pub fn mode_order(step: usize, modes: usize) -> Vec<usize> {
 }
 
 /// Step `step` of every run, the modes in [`mode_order`], each after the step barrier;
-/// `start`: the run's first step (the warm-up).
+/// `warm_up`: the run's first step, which sizes the pools (none on a newcomer).
 fn run_step<M: Math>(
     runs: &mut [Run<'_, M>],
     step: usize,
-    start: usize,
+    warm_up: Option<usize>,
     args: &Args,
     barrier: &dyn StepSync,
 ) -> Result<()> {
     for i in mode_order(step, runs.len()) {
         let (mode, pools, trainer, log) = &mut runs[i];
         let rank = pools[0].rank();
-        if step == start + 1 && args.trace.is_some() {
+        if warm_up.is_some_and(|w| step == w + 1) && args.trace.is_some() {
             // The timeline leaves out the warm-up step.
             trainer.trace = Some(trace::Recorder::new(rank, *mode));
         }
@@ -191,7 +247,7 @@ fn run_step<M: Math>(
         let out = pools[0].scope(|| trainer.step(step))?;
         log.losses.push(out.loss);
         log.step_ms.push(out.ms);
-        if step == start {
+        if Some(step) == warm_up {
             log.segments_first_step = report::stats(pools)["segment.all.current"]
                 .as_u64()
                 .unwrap_or(0);
@@ -204,15 +260,13 @@ fn run_step<M: Math>(
             }
         }
         let now = report::registrations(&report::stats(pools));
-        log.registrations = log.registrations_before_loss + now;
-        if step == start {
+        log.registrations = log.registrations_replaced + now;
+        if Some(step) == warm_up {
             log.registrations_first_step = log.registrations;
         }
-        if let (Some(s), Some(t0)) = (&mut log.survival, log.lost_at.take()) {
+        if let Some(t0) = log.regrouped_at.take() {
             // The first step at the new world size.
-            s.first_step_ms = ms_since(t0, Instant::now());
-            s.first_collective_ms = trainer.first_collective.map_or(0.0, |t| ms_since(t0, t));
-            s.registrations_first_step_after = now.saturating_sub(s.registrations_shrink());
+            log.first_step_regrouped(t0, trainer.first_collective, now);
         }
         if rank == 0 && !args.quiet && !args.json {
             // A step run again after a lost rank is marked, with the new world size.

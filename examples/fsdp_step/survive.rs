@@ -12,7 +12,8 @@
 //!
 //! The code is the same on every backend: on the shared-memory backend the shrink
 //! opens new channels among the survivors; on NCCL it aborts the old communicators and
-//! makes a new set from the store (`Backend::shrink`).
+//! makes a new set from the store (`Backend::shrink`). With `--heal` a replacement takes
+//! the lost rank's place later, and the world grows back (`heal.rs`).
 
 use super::cli::Args;
 use super::ranks::StepSync;
@@ -425,7 +426,7 @@ pub(super) fn go_on_without<'m, M: Math>(
     let (params, params_report) = shrink(&pools[0])?;
     let (grads, grads_report) = shrink(&pools[1])?;
     let (new_data_pool, data_report) = shrink(&data_pool)?;
-    barrier.shrunk(params.backend())?;
+    barrier.regrouped(params.backend())?;
     let shrink_ms = ms_since(t0, Instant::now());
     let timeout = params.group().config().timeout;
     let at = agree(params.backend().exchange(), &trainer.kept_steps(), timeout)?;
@@ -442,7 +443,10 @@ pub(super) fn go_on_without<'m, M: Math>(
         Some(&state),
         calibrated,
     )?;
-    let save = args.survive.as_ref().and_then(|s| s.save_state.as_ref());
+    // With `--heal`, the state saved is the one at the heal (`heal::grow_back`).
+    let save = (args.survive.as_ref())
+        .filter(|s| s.heal_at.is_none())
+        .and_then(|s| s.save_state.as_ref());
     if let Some(path) = save.filter(|_| rank == 0) {
         state.save(path)?;
     }
@@ -457,8 +461,8 @@ pub(super) fn go_on_without<'m, M: Math>(
         ("data", &data_report),
     ];
     log.survival = Some(report::Survival::new(&lost, lost_in, at, shrink_ms, pools));
-    log.registrations_before_loss = log.registrations;
-    log.lost_at = Some(t0);
+    log.registrations_replaced = log.registrations;
+    log.regrouped_at = Some(t0);
     let (_, pools, trainer, _) = run;
     Ok((vec![(mode, pools, trainer, log)], new_data_pool, data, at))
 }

@@ -59,6 +59,8 @@ pub enum Op {
     AllGather = 1,
     /// A layer's weight gradient reduce-scattered.
     ReduceScatter = 2,
+    /// A layer's parameters gathered for the state a newcomer is handed (`--heal`).
+    Whole = 3,
 }
 
 /// How the collectives know who they are, as the summary reports it.
@@ -397,6 +399,37 @@ impl<'m, M: Math> Trainer<'m, M> {
                     .collect())
             })
             .collect::<Result<Vec<Vec<f32>>>>()?;
+        Ok(State { step, layers })
+    }
+
+    /// The whole parameters at the start of step `step`, between steps (the shards as
+    /// the last update left them): every layer's shards all-gathered in the current
+    /// pool (tagged [`Op::Whole`]), read back to the host, then a step boundary
+    /// (`end_step`) that checks the ranks made these calls alike.
+    ///
+    /// # Collective
+    /// Every rank calls it at the same point, between the same steps.
+    ///
+    /// # Errors
+    /// [`symmpool::Error::InvalidConfig`] without collectives (`--comm none`); the
+    /// collectives', streams' and buffers' errors.
+    pub fn whole(&self, step: usize) -> Result<State> {
+        let Some(coll) = &self.communicate else {
+            return Err(symmpool::Error::InvalidConfig(
+                "the whole parameters are gathered by the collectives (not --comm none)".into(),
+            ));
+        };
+        let (m, ag) = (self.math, self.math.stream(On::AllGather));
+        let layers = (self.shards.iter().enumerate())
+            .map(|(l, shard)| {
+                let coll = coll.tagged(tag(step, l, Op::Whole));
+                let (full, _) = all_gather::<M::E>(coll, shard, ag)?;
+                m.sync()?;
+                let values = full.read::<M::E>()?;
+                Ok(values.iter().map(|x| x.to_f64() as f32).collect())
+            })
+            .collect::<Result<Vec<Vec<f32>>>>()?;
+        coll.end_step()?;
         Ok(State { step, layers })
     }
 
