@@ -319,7 +319,7 @@ for d in site.getsitepackages():
     {
       echo "-- $name: exit $code in $((SECONDS - t0)) s"
       grep '^nccl-world: \(SIG\|rank\|the world\)' "$w.out"
-      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|TEARDOWN|FAILED|HOSTCOST|PATHBENCH|calibrat|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|NULL window|^(lost|shrink|summary):|^losses at|^  (parameters|gradients|data|mode) |^ *(ring|symm|ce|auto|none) ' | sed 's/^/   /'
+      cat "$w"/rank*.log 2>/dev/null | grep -E 'RESULT|TEARDOWN|FAILED|HOSTCOST|PATHBENCH|calibrat|^ +[0-9]+ KiB|^size/rank|^floor|ranks on Nccl|registered pool|NULL window|^(lost|shrink|summary|heal|healed):|^  the newcomer|^losses at|^  (parameters|gradients|data|mode) |^ *(ring|symm|ce|auto|none) ' | sed 's/^/   /'
       if grep -q 'NCCL INFO' "$w/rank0.log" 2>/dev/null; then
         echo "   NCCL on rank 0: $(grep -c 'NCCL INFO.* via P2P' "$w/rank0.log") P2P and $(grep -c 'NCCL INFO.* via NET' "$w/rank0.log") NET channel lines; calls:" \
           "$(grep -oE '(AllGather|ReduceScatter|AllReduce) \[(Symmetric|Copy Engine|Hierarchical CE)\]|(AllGather|ReduceScatter|AllReduce): .*Algo [A-Z_]+' "$w/rank0.log" \
@@ -380,6 +380,9 @@ for d in site.getsitepackages():
     one fault-shrink-KILL-1 -n 2 -t 90 --fault KILL:1 -- "$bin/nccl_world" fault-shrink
     # Then a newcomer replaces it: the world grows back to two (2 -> 1 -> 2).
     one fault-grow-KILL-1 -n 2 -t 120 --fault KILL:1 -- "$bin/nccl_world" fault-grow
+    # The example heals: rank 3 lost, three go on, its replacement joins (4 -> 3 -> 4).
+    SYMMPOOL_FSDP_HEAL_STATE="$out/heal-same.state" one fsdp-heal-4 -n 4 -t 200 --dies 3 --replace \
+      -- "$bin/fsdp_step" --backend nccl --survive --heal --layers 2 --hidden 384 --batch 64 --steps 8 --quiet
     # NCCL 2.32 across simulated nodes: windows come back NULL, and are never used.
     sn=()
     one nodes-2.32 -n 2 -t 100 -- "$bin/nccl_world" collectives
@@ -390,6 +393,8 @@ for d in site.getsitepackages():
     # Then a newcomer replaces it: 2 -> 1 -> 2 and 3 -> 2 -> 3.
     one fault-grow-2-KILL-1 -n 2 -t 120 --fault KILL:1 -- "$bin/nccl_world" fault-grow
     one fault-grow-3-KILL-1 -n 3 -t 120 --fault KILL:1 -- "$bin/nccl_world" fault-grow
+    SYMMPOOL_FSDP_HEAL_STATE="$out/heal.state" one fsdp-heal-4 -n 4 -t 200 --dies 3 --replace \
+      -- "$bin/fsdp_step" --backend nccl --survive --heal --layers 2 --hidden 384 --batch 64 --steps 8 --quiet
     # The example loses rank 3 of 4 in a reduce-scatter; the three survivors shrink their
     # pools and train on at world size 3.
     one fsdp-survive-4 -n 4 -t 150 --dies 3 -- "$bin/fsdp_step" --backend nccl --survive \

@@ -21,6 +21,9 @@
 #                   stay stopped (STOP: killed once the others are done)
 #   --dies R        rank R is expected to end by SIGKILL on its own (a rank that kills
 #                   itself on purpose, e.g. `fsdp_step --survive`)
+#   --replace       once the victim (of --fault or --dies) is gone, start its
+#                   replacement as a scheduler would: the same command as rank R with
+#                   SYMMPOOL_JOIN=1 (DIR/rankR-replacement.log), expected to exit 0
 #
 # Every rank also gets SYMMPOOL_WORLD_DIR=DIR and SYMMPOOL_JOB_ID (a fresh one, so that
 # a stray rank of another world on the same port is refused). The script waits for the
@@ -30,8 +33,8 @@
 # 2 on bad usage.
 set -uo pipefail
 
-ranks=2 dir="" bound=300 port="" hostid=1 fault="" dies=""
-usage() { sed -n '2,30p' "$0" >&2; exit 2; }
+ranks=2 dir="" bound=300 port="" hostid=1 fault="" dies="" replace=0
+usage() { sed -n '2,34p' "$0" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -n) ranks="${2:?}"; shift 2 ;;
@@ -41,6 +44,7 @@ while [ $# -gt 0 ]; do
     --same-node) hostid=0; shift ;;
     --fault) fault="${2:?}"; shift 2 ;;
     --dies) dies="${2:?}"; shift 2 ;;
+    --replace) replace=1; shift ;;
     --) shift; break ;;
     -h|--help) usage ;;
     *) echo "nccl-world: unknown option $1" >&2; usage ;;
@@ -84,15 +88,22 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 job="nccl-world-$$-$RANDOM"
-for ((r = 0; r < ranks; r++)); do
-  extra=()
-  [ "$hostid" = 1 ] && extra=(NCCL_HOSTID="simnode$r")
+# Start rank $1, logging to $2, with more variables after them; the command follows --.
+start_rank() {
+  local r="$1" log="$2" extra=()
+  shift 2
+  while [ "$1" != -- ]; do extra+=("$1"); shift; done
+  shift
+  [ "$hostid" = 1 ] && extra+=(NCCL_HOSTID="simnode$r")
   [ -n "$fault" ] && extra+=(SYMMPOOL_WORLD_FAULT="$sig:$victim")
   # `env` execs the command: $! is the rank's own process.
   env RANK="$r" WORLD_SIZE="$ranks" LOCAL_RANK="$r" LOCAL_WORLD_SIZE="$ranks" \
     MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" SYMMPOOL_JOB_ID="$job" \
-    SYMMPOOL_WORLD_DIR="$dir" "${extra[@]}" "$@" >"$dir/rank$r.log" 2>&1 </dev/null &
+    SYMMPOOL_WORLD_DIR="$dir" "${extra[@]}" "$@" >"$log" 2>&1 </dev/null &
   pids+=($!)
+}
+for ((r = 0; r < ranks; r++)); do
+  start_rank "$r" "$dir/rank$r.log" -- "$@"
   echo "$!" >"$dir/rank$r.pid"
 done
 echo "nccl-world: $ranks ranks of '$*' on port $port, logs in $dir"
@@ -118,8 +129,15 @@ if [ -n "$fault" ]; then
     status=1
   fi
 fi
-# Wait for every rank but a stopped victim.
+# Wait for every rank but a stopped victim; with --replace, start the victim's
+# replacement once it is gone, as a scheduler would.
+replaced=0
 while ! expired; do
+  if [ "$replace" = 1 ] && [ "$replaced" = 0 ] && [ "$signalled" = 1 ] && ! alive "${pids[$victim]}"; then
+    start_rank "$victim" "$dir/rank$victim-replacement.log" SYMMPOOL_JOIN=1 -- "$@"
+    replaced=1
+    echo "nccl-world: rank $victim's replacement started (pid $!, SYMMPOOL_JOIN=1)"
+  fi
   running=0
   for r in "${!pids[@]}"; do
     [ "$signalled" = 1 ] && [ "$r" = "$victim" ] && continue
@@ -150,7 +168,7 @@ for r in "${!pids[@]}"; do
   elif [ "$code" != 0 ]; then
     status=1
   fi
-  echo "nccl-world: rank $r (pid $p): $what"
+  echo "nccl-world: rank $r$([ "$r" -ge "$ranks" ] && echo " (rank $victim's replacement)") (pid $p): $what"
   what=""
 done
 pids=()
