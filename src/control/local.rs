@@ -2,7 +2,7 @@
 
 use super::rendezvous::Lose;
 use super::store::CLOSED;
-use super::{ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds, SHRUNK};
+use super::{Ask, ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds, SHRUNK};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
@@ -51,8 +51,9 @@ struct GroupState {
     told: Vec<Weak<dyn Lose>>,
     /// Values the ranks share under a key, with how many ranks took them.
     shared: BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>,
-    /// The ranks asking to shrink or grow now, and which.
-    votes: BTreeMap<usize, Ask>,
+    /// The ranks asking to shrink or grow now, and what they ask together.
+    votes: BTreeSet<usize>,
+    asked: Ask,
     /// The newcomers waiting to join ([`LocalNewcomer`]), by ticket, in the order
     /// they came.
     newcomers: BTreeSet<u64>,
@@ -61,17 +62,9 @@ struct GroupState {
     /// The new group's exchanges once every rank asked, by old rank or newcomer's
     /// ticket, until taken.
     made: BTreeMap<Seat, LocalExchange>,
-    /// The ranks told that no newcomer waits (a grow without one), until they read it.
-    unchanged: BTreeSet<usize>,
-    /// Why a rank's ask failed (a loss while they asked), until it reads it.
-    failed: BTreeMap<usize, String>,
-}
-
-/// What a rank asks its group for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Ask {
-    Shrink,
-    Grow { wait: bool },
+    /// The answer to a rank's ask that made no group, until it reads it: why it
+    /// failed (a loss while they asked, asks of both kinds), or `None`: no newcomer.
+    answered: BTreeMap<usize, Option<String>>,
 }
 
 /// A place in the group a shrink or grow makes: an old rank's, or a newcomer's.
@@ -90,7 +83,7 @@ static NEXT_TICKET: AtomicU64 = AtomicU64::new(0);
 /// group); dropped after the group grew with it but before `join` returned, it is lost
 /// to the grown group.
 pub struct LocalNewcomer {
-    group: Mutex<Arc<Group>>,
+    group: Arc<Group>,
     ticket: u64,
 }
 
@@ -191,8 +184,7 @@ impl LocalExchange {
             }
             return Ok(next);
         }
-        self.ask(Ask::Shrink, deadline)?
-            .ok_or_else(|| Error::internal("a shrink answered as a grow"))
+        self.ask(Ask::Shrink, deadline)?.ok_or(SHRUNK)
     }
 
     /// [`Exchange::grow`] among threads: every rank of the group asks; the newcomers
@@ -222,11 +214,9 @@ impl LocalExchange {
                 let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
                 st.newcomers.insert(ticket);
                 group.settle(&mut st);
+                group.cv.notify_all();
                 drop(st);
-                return LocalNewcomer {
-                    group: Mutex::new(group),
-                    ticket,
-                };
+                return LocalNewcomer { group, ticket };
             };
             drop(st);
             group = next;
@@ -238,13 +228,24 @@ impl LocalExchange {
     fn ask(&self, ask: Ask, deadline: Deadline) -> Result<Option<Arc<LocalExchange>>> {
         let mut successor = self.successor.lock();
         let (started, rank, group) = (Instant::now(), self.rounds.rank, &*self.group);
-        let op = if ask == Ask::Shrink { "shrink" } else { "grow" };
+        let (grow, op) = (ask != Ask::Shrink, ask.verb());
         let mut st = group.state.lock();
-        if let (Some(lost), Ask::Grow { .. }) = (&st.lost, ask) {
+        if let Some(lost) = st.lost.as_ref().filter(|_| grow) {
             return Err(lost.error(op));
         }
-        st.failed.remove(&rank);
-        st.votes.insert(rank, ask);
+        st.answered.remove(&rank);
+        let mixed = !st.votes.is_empty() && grow == (st.asked == Ask::Shrink);
+        st.asked = if st.votes.is_empty() {
+            ask
+        } else {
+            st.asked.min(ask)
+        };
+        st.votes.insert(rank);
+        if mixed {
+            let why =
+                "the ranks asked to shrink and to grow at once (every rank makes the same call)";
+            st.answer(Some(why.into()));
+        }
         group.settle(&mut st);
         group.cv.notify_all();
         loop {
@@ -253,29 +254,25 @@ impl LocalExchange {
                 *successor = Some(next.clone());
                 return Ok(Some(next));
             }
-            if st.unchanged.remove(&rank) {
-                return Ok(None);
-            }
-            if let Some(reason) = st.failed.remove(&rank) {
-                return Err(match (&st.lost, ask) {
-                    (Some(lost), Ask::Grow { .. }) => lost.error(op),
-                    _ => Error::shrink_failed(reason, true),
-                });
+            if let Some(why) = st.answered.remove(&rank) {
+                return match (why, &st.lost) {
+                    (None, _) => Ok(None),
+                    (Some(_), Some(lost)) if grow => Err(lost.error(op)),
+                    (Some(reason), _) => Err(Error::shrink_failed(reason, true)),
+                };
             }
             if deadline.expired() {
-                st.votes.remove(&rank);
-                let missing: Vec<usize> = (st.alive.iter())
-                    .filter(|&&r| r != rank && !st.votes.contains_key(&r))
-                    .copied()
-                    .collect();
-                if missing.is_empty() && ask != Ask::Shrink {
-                    return Ok(None);
+                if grow && st.alive.is_subset(&st.votes) {
+                    // Every rank asked to grow and waits for a newcomer: the first
+                    // whose wait ends ends it for all of them (as on a store).
+                    st.answer(None);
+                    group.cv.notify_all();
+                    continue;
                 }
-                return Err(Error::Timeout {
-                    op,
-                    waited: started.elapsed(),
-                    missing_ranks: missing,
-                });
+                st.votes.remove(&rank);
+                let missing = (st.alive.difference(&st.votes)).filter(|&&r| r != rank);
+                let missing = Vec::from_iter(missing.map(|&r| r as u32));
+                return Err(Error::timeout_since(op, started, &missing));
             }
             group.cv.wait_until(&mut st, deadline.instant());
         }
@@ -291,7 +288,7 @@ impl LocalNewcomer {
     /// forgotten).
     pub fn join(self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
         let started = Instant::now();
-        let mut group = self.group.lock();
+        let mut group = self.group.clone();
         loop {
             let mut st = group.state.lock();
             if let Some(ex) = st.made.remove(&Seat::Newcomer(self.ticket)) {
@@ -299,7 +296,7 @@ impl LocalNewcomer {
             }
             if let Some(next) = st.next.clone() {
                 drop(st);
-                *group = next;
+                group = next;
                 continue;
             }
             if deadline.expired() {
@@ -313,7 +310,7 @@ impl LocalNewcomer {
 
 impl Drop for LocalNewcomer {
     fn drop(&mut self) {
-        let mut group = self.group.lock().clone();
+        let mut group = self.group.clone();
         loop {
             let mut st = group.state.lock();
             st.newcomers.remove(&self.ticket);
@@ -338,44 +335,28 @@ impl Group {
     /// Once every rank of the group asked: the new group (a shrink to the ranks that
     /// asked; a grow by the waiting newcomers), every rank's and newcomer's exchange of
     /// it in `made`; or, for a grow without newcomers, the ranks told so (unless every
-    /// rank asked to wait for one).
+    /// rank asked to wait for one). The caller notifies.
     fn settle(&self, st: &mut GroupState) {
-        if st.votes.is_empty() || !st.alive.iter().all(|r| st.votes.contains_key(r)) {
+        if st.votes.is_empty() || !st.alive.is_subset(&st.votes) {
             return;
         }
-        let shrink = st.votes.values().all(|a| *a == Ask::Shrink);
-        if !shrink && st.votes.values().any(|a| *a == Ask::Shrink) {
-            let reason =
-                "the ranks asked to shrink and to grow at once (every rank makes the same call)";
-            for voter in std::mem::take(&mut st.votes).into_keys() {
-                st.failed.insert(voter, reason.into());
-            }
-            self.cv.notify_all();
-            return;
-        }
-        let newcomers = if shrink {
-            BTreeSet::new()
-        } else if st.newcomers.is_empty() {
-            if st.votes.values().any(|a| *a == Ask::Grow { wait: false }) {
-                st.unchanged
-                    .extend(std::mem::take(&mut st.votes).into_keys());
-                self.cv.notify_all();
-            }
-            return;
-        } else {
-            std::mem::take(&mut st.newcomers)
+        let newcomers = match st.asked {
+            Ask::Shrink => BTreeSet::new(),
+            _ if !st.newcomers.is_empty() => std::mem::take(&mut st.newcomers),
+            Ask::Grow { wait: false } => return st.answer(None),
+            Ask::Grow { wait: true } => return,
         };
-        let alive = Vec::from_iter(st.alive.clone());
-        let seats = (alive.iter().map(|&r| Seat::Rank(r)))
-            .chain(newcomers.iter().map(|&t| Seat::Newcomer(t)));
-        let next = LocalExchange::group(alive.len() + newcomers.len());
-        let grown = next.len();
-        let next_group = next[0].group.clone();
+        let seats: Vec<Seat> = (st.alive.iter().map(|&r| Seat::Rank(r)))
+            .chain(newcomers.into_iter().map(Seat::Newcomer))
+            .collect();
         tracing::info!(
-            "symmpool: a group of threads went on as {grown}: its ranks {alive:?} and {} newcomers",
-            newcomers.len()
+            "symmpool: a group of threads went on as {} ranks: its ranks {:?} and the newcomers",
+            seats.len(),
+            st.alive
         );
-        st.made.extend(seats.zip(next));
+        let next = LocalExchange::group(seats.len());
+        let next_group = next[0].group.clone();
+        st.made.extend(seats.into_iter().zip(next));
         st.votes.clear();
         // Newcomers still to come wait in the new group.
         next_group.state.lock().newcomers = std::mem::take(&mut st.newcomers);
@@ -388,7 +369,6 @@ impl Group {
         for rv in st.told.iter().filter_map(Weak::upgrade) {
             rv.shrink();
         }
-        self.cv.notify_all();
     }
 
     /// Rank `rank`'s exchange is dropped: the rank is lost to the others (it left, or
@@ -416,9 +396,7 @@ impl Group {
                     "rank {rank} was lost while the survivors agreed to shrink ({}); ask again to go on without it",
                     peer.detail
                 );
-                for voter in std::mem::take(&mut st.votes).into_keys() {
-                    st.failed.insert(voter, reason.clone());
-                }
+                st.answer(Some(reason));
                 self.cv.notify_all();
             }
             st.told.iter().filter_map(Weak::upgrade).collect()
@@ -426,6 +404,16 @@ impl Group {
         self.rounds.lose(&peer);
         for rv in told {
             rv.lose(&peer);
+        }
+    }
+}
+
+impl GroupState {
+    /// Answer every rank asking now, with no new group: why their ask failed, or
+    /// `None`: no newcomer waits.
+    fn answer(&mut self, why: Option<String>) {
+        for voter in std::mem::take(&mut self.votes) {
+            self.answered.insert(voter, why.clone());
         }
     }
 }

@@ -45,26 +45,8 @@
 //! [`StoreExchange::grow`](super::super::StoreExchange::grow)).
 
 use super::{Shared, State};
+use crate::control::Ask;
 use crate::control::wire::{self, ToClient};
-
-/// What the ranks of the group ask for (ordered: the least of the asks of an epoch,
-/// all of one kind, is what they ask together).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub(super) enum Ask {
-    #[default]
-    Shrink,
-    /// To grow; `wait`: for a newcomer, if none waits.
-    Grow { wait: bool },
-}
-
-impl Ask {
-    fn verb(self) -> &'static str {
-        match self {
-            Ask::Shrink => "shrink",
-            Ask::Grow { .. } => "grow",
-        }
-    }
-}
 
 impl State {
     /// Whether every connected rank of the group has asked (and one has).
