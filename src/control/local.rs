@@ -187,7 +187,7 @@ impl LocalExchange {
         self.ask(Ask::Shrink, deadline)?.ok_or(SHRUNK)
     }
 
-    /// [`Exchange::grow`] among threads: every rank of the group asks; the newcomers
+    /// [`Exchange::grow`](super::Exchange::grow) among threads: every rank of the group asks; the newcomers
     /// waiting then ([`newcomer`](Self::newcomer)) get the ranks after this group's.
     ///
     /// # Collective
@@ -195,7 +195,7 @@ impl LocalExchange {
     /// every rank, for a newcomer) until `deadline`.
     ///
     /// # Errors
-    /// As [`Exchange::grow`].
+    /// As [`Exchange::grow`](super::Exchange::grow).
     pub fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<LocalExchange>>> {
         if let Some(next) = self.successor.lock().clone() {
             return Ok(Some(next));

@@ -277,12 +277,8 @@ impl SymmPool {
         // Its old rank, or why it cannot register now (a stream the pool knows
         // captures a CUDA graph): every rank learns that any rank cannot, in the one
         // round ([`Error::GraphCapture`] on every rank). No segment, no registration.
-        let ready = match segments {
-            0 => Note::Ready(Readiness::Ready),
-            _ => self.readiness(st),
-        };
         let was = Note::Was(old_rank as u64);
-        let notes = self.agree_regroup(st, Op::Shrink, segments, ready, was, deadline)?;
+        let notes = self.agree_regroup(st, Op::Shrink, segments, segments > 0, was, deadline)?;
         let registrations = self.register_held(st, deadline)?;
         let c = st.core.stats();
         let report = ShrinkReport {
@@ -320,7 +316,13 @@ impl SymmPool {
         let newcomer = old_world_size == 0;
         let mine = (!newcomer).then(|| st.core.layout());
         let exchange = self.inner.backend.exchange();
-        let all = gather_records(exchange, self.inner.channel, "grow", &mine, deadline)?;
+        let all = gather_records(
+            exchange,
+            self.inner.channel,
+            Op::Admit.name(),
+            &mine,
+            deadline,
+        )?;
         let Some(layout) = all.iter().flatten().next() else {
             return Err(Error::internal("a group grew with no rank from before it"));
         };
@@ -359,9 +361,9 @@ impl SymmPool {
         (compared.stats.active_bytes, compared.stats.num_waits) = Default::default();
         let bytes = postcard::to_allocvec(&compared).unwrap_or_default();
         let digest = state_digest(&Vec::from_iter(bytes.into_iter().map(u64::from)));
-        // A broken newcomer (a layout that does not fit) is not ready.
-        let (ready, note) = (self.readiness(st), Note::Allocated(allocated));
-        let notes = self.agree_regroup(st, Op::Admit, digest, ready, note, deadline)?;
+        // (A broken newcomer, whose layout does not fit, is not ready.)
+        let note = Note::Allocated(allocated);
+        let notes = self.agree_regroup(st, Op::Admit, digest, true, note, deadline)?;
         let ranks = Vec::from_iter((0..notes.len()).filter(|&r| notes[r] != Note::Allocated(true)));
         if !ranks.is_empty() {
             let segment_bytes = st.core.stats().reserved_bytes.current;
@@ -391,18 +393,21 @@ impl SymmPool {
     }
 
     /// The agreement of a shrink or grow `op` (of `size`), saying `note` where this
-    /// rank is `ready`, else its readiness: every rank's note, once all are ready.
+    /// rank is ready (its [`readiness`](Self::readiness) if `check`), else why not:
+    /// every rank's note, once all are ready.
     fn agree_regroup(
         &self,
         st: &mut PoolState,
         op: Op,
         size: u64,
-        ready: Note,
+        check: bool,
         note: Note,
         deadline: Deadline,
     ) -> Result<Vec<Note>> {
-        let is_ready = ready == Note::Ready(Readiness::Ready);
-        let mine = if is_ready { note } else { ready };
+        let mine = match check.then(|| self.readiness(st)) {
+            Some(ready) if ready != Note::Ready(Readiness::Ready) => ready,
+            _ => note,
+        };
         let notes = self.agree(st, op, op.name(), size, mine, deadline)?;
         let as_ready = |n: &Note| match n {
             Note::Ready(_) => *n,

@@ -158,10 +158,7 @@ fn join(
         mailbox: Arc::default(),
     };
     st.next_conn_id += 1;
-    let how = match newcomer {
-        true => format!("waits to join the group of epoch {}", st.epoch),
-        false => "joined".into(),
-    };
+    let how = if newcomer { "waits to join" } else { "joined" };
     tracing::info!("symmpool store: job rank {rank} {how}: {member}");
     st.members[rank] = Some(member);
     st.conns[rank] = Some(Conn {

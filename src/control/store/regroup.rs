@@ -113,15 +113,9 @@ impl Shared {
             self.stats.lock().newcomers_joined += (group.len() - before) as u64;
         }
         st.epoch += 1;
-        let how = if group.len() > st.alive.len() {
-            "grew"
-        } else {
-            "shrank"
-        };
+        let (was, asked, epoch) = (&st.alive, st.asked.verb(), st.epoch);
         tracing::info!(
-            "symmpool store: the group {how} from job ranks {:?} to {group:?} (epoch {})",
-            st.alive,
-            st.epoch
+            "symmpool store: job ranks {was:?} asked to {asked}: {group:?} (epoch {epoch})"
         );
         st.votes.clear();
         st.rounds.clear();
