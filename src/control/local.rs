@@ -9,7 +9,7 @@ use parking_lot::{Condvar, Mutex};
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -54,38 +54,41 @@ struct GroupState {
     /// The ranks asking to shrink or grow now, and what they ask together.
     votes: BTreeSet<usize>,
     asked: Ask,
-    /// The newcomers waiting to join ([`LocalNewcomer`]), by ticket, in the order
-    /// they came.
-    newcomers: BTreeSet<u64>,
+    /// The newcomers waiting to join ([`LocalNewcomer`]), in the order they came
+    /// (one dropped is gone).
+    newcomers: Vec<Weak<Seat>>,
     /// The group this one became (its waiting newcomers went on waiting there).
     next: Option<Arc<Group>>,
-    /// The new group's exchanges once every rank asked, by old rank or newcomer's
-    /// ticket, until taken.
-    made: BTreeMap<Seat, LocalExchange>,
+    /// The new group's exchanges once every rank asked, by old rank, until taken.
+    made: BTreeMap<usize, LocalExchange>,
     /// The answer to a rank's ask that made no group, until it reads it: why it
     /// failed (a loss while they asked, asks of both kinds), or `None`: no newcomer.
     answered: BTreeMap<usize, Option<String>>,
 }
 
-/// A place in the group a shrink or grow makes: an old rank's, or a newcomer's.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Seat {
-    Rank(usize),
-    Newcomer(u64),
+/// A newcomer's place ([`LocalNewcomer`]), with what a grow made of it.
+#[derive(Default)]
+struct Seat {
+    slot: Mutex<Slot>,
+    cv: Condvar,
 }
 
-/// Tickets of [`LocalNewcomer`]s, unique in the process.
-static NEXT_TICKET: AtomicU64 = AtomicU64::new(0);
+#[derive(Default)]
+enum Slot {
+    #[default]
+    Waiting,
+    /// Taken in by a grow: its exchange in the grown group, until it takes it.
+    Made(LocalExchange),
+    /// It gave up (its deadline passed): no grow takes it.
+    Gone,
+}
 
 /// A thread waiting to join a group of [`LocalExchange`]s when its ranks
 /// [grow](LocalExchange::grow) it: made by [`LocalExchange::newcomer`], it waits in
 /// [`join`](Self::join). Dropped before it joined, it is forgotten (no loss to the
 /// group); dropped after the group grew with it but before `join` returned, it is lost
 /// to the grown group.
-pub struct LocalNewcomer {
-    group: Arc<Group>,
-    ticket: u64,
-}
+pub struct LocalNewcomer(Arc<Seat>);
 
 impl LocalExchange {
     /// One exchange per rank for `world_size` ranks.
@@ -207,16 +210,15 @@ impl LocalExchange {
     /// shrank or grew into) when its ranks next [`grow`](Self::grow) it: hand it to
     /// the newcomer's thread, which calls [`LocalNewcomer::join`].
     pub fn newcomer(&self) -> LocalNewcomer {
+        let seat = Arc::new(Seat::default());
         let mut group = self.group.clone();
         loop {
             let mut st = group.state.lock();
             let Some(next) = st.next.clone() else {
-                let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
-                st.newcomers.insert(ticket);
+                st.newcomers.push(Arc::downgrade(&seat));
                 group.settle(&mut st);
                 group.cv.notify_all();
-                drop(st);
-                return LocalNewcomer { group, ticket };
+                return LocalNewcomer(seat);
             };
             drop(st);
             group = next;
@@ -249,7 +251,7 @@ impl LocalExchange {
         group.settle(&mut st);
         group.cv.notify_all();
         loop {
-            if let Some(next) = st.made.remove(&Seat::Rank(rank)) {
+            if let Some(next) = st.made.remove(&rank) {
                 let next = Arc::new(next);
                 *successor = Some(next.clone());
                 return Ok(Some(next));
@@ -288,46 +290,21 @@ impl LocalNewcomer {
     /// forgotten).
     pub fn join(self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
         let started = Instant::now();
-        let mut group = self.group.clone();
-        loop {
-            let mut st = group.state.lock();
-            if let Some(ex) = st.made.remove(&Seat::Newcomer(self.ticket)) {
-                return Ok(Arc::new(ex));
-            }
-            if let Some(next) = st.next.clone() {
-                drop(st);
-                group = next;
-                continue;
-            }
-            if deadline.expired() {
-                st.newcomers.remove(&self.ticket);
-                return Err(Error::timeout_since("join", started, &[]));
-            }
-            group.cv.wait_until(&mut st, deadline.instant());
-        }
-    }
-}
-
-impl Drop for LocalNewcomer {
-    fn drop(&mut self) {
-        let mut group = self.group.clone();
-        loop {
-            let mut st = group.state.lock();
-            st.newcomers.remove(&self.ticket);
-            // Made but not taken: lost to the grown group (dropped without the lock).
-            let made = st.made.remove(&Seat::Newcomer(self.ticket));
-            let Some(next) = st.next.clone() else { break };
-            drop((st, made));
-            group = next;
+        let mut slot = self.0.slot.lock();
+        let waiting = |s: &mut Slot| matches!(s, Slot::Waiting);
+        self.0
+            .cv
+            .wait_while_until(&mut slot, waiting, deadline.instant());
+        match std::mem::replace(&mut *slot, Slot::Gone) {
+            Slot::Made(ex) => Ok(Arc::new(ex)),
+            _ => Err(Error::timeout_since("join", started, &[])),
         }
     }
 }
 
 impl fmt::Debug for LocalNewcomer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LocalNewcomer")
-            .field("ticket", &self.ticket)
-            .finish()
+        f.debug_struct("LocalNewcomer").finish_non_exhaustive()
     }
 }
 
@@ -340,23 +317,33 @@ impl Group {
         if st.votes.is_empty() || !st.alive.is_subset(&st.votes) {
             return;
         }
-        let newcomers = match st.asked {
-            Ask::Shrink => BTreeSet::new(),
-            _ if !st.newcomers.is_empty() => std::mem::take(&mut st.newcomers),
+        // The newcomers still waiting (neither dropped nor gone), held until made.
+        let seats: Vec<Arc<Seat>> = st.newcomers.iter().filter_map(Weak::upgrade).collect();
+        let mut waiting: Vec<_> = (seats.iter().map(|s| s.slot.lock()))
+            .filter(|s| matches!(**s, Slot::Waiting))
+            .collect();
+        match st.asked {
+            Ask::Shrink => waiting.clear(),
+            _ if !waiting.is_empty() => st.newcomers.clear(),
             Ask::Grow { wait: false } => return st.answer(None),
             Ask::Grow { wait: true } => return,
-        };
-        let seats: Vec<Seat> = (st.alive.iter().map(|&r| Seat::Rank(r)))
-            .chain(newcomers.into_iter().map(Seat::Newcomer))
-            .collect();
+        }
         tracing::info!(
-            "symmpool: a group of threads went on as {} ranks: its ranks {:?} and the newcomers",
-            seats.len(),
-            st.alive
+            "symmpool: a group of threads went on as its ranks {:?} and {} newcomers",
+            st.alive,
+            waiting.len()
         );
-        let next = LocalExchange::group(seats.len());
+        let next = LocalExchange::group(st.alive.len() + waiting.len());
         let next_group = next[0].group.clone();
-        st.made.extend(seats.into_iter().zip(next));
+        let mut next = next.into_iter();
+        st.made = st.alive.iter().copied().zip(next.by_ref()).collect();
+        for (slot, ex) in waiting.iter_mut().zip(next) {
+            **slot = Slot::Made(ex);
+        }
+        drop(waiting);
+        for seat in &seats {
+            seat.cv.notify_all();
+        }
         st.votes.clear();
         // Newcomers still to come wait in the new group.
         next_group.state.lock().newcomers = std::mem::take(&mut st.newcomers);
