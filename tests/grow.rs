@@ -6,9 +6,13 @@
 //! others), and as processes on the shared-memory backend with the store outside the
 //! ranks (a rank that exits is lost; its replacement starts with `SYMMPOOL_JOIN=1`).
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
+use symmpool::backend::{Refused, Segment, SegmentProvider, Window};
 use symmpool::{
     Backend, Coll, CollectiveCalls, Deadline, Error, ErrorKind, Group, GroupConfig, GrowReport,
     HostBackend, HostConfig, PoolConfig, ReduceOp, Stream, SymmPool,
@@ -315,6 +319,101 @@ fn a_newcomer_that_dies_while_joining_is_a_loss_the_others_shrink_past() {
             .collect::<Vec<_>>()
     });
     assert_eq!(sizes, [2, 2]);
+}
+
+/// A newcomer's segment provider: `allowed` allocations, then a full device; `live`
+/// counts the segments it allocated and that were not freed.
+#[derive(Debug)]
+struct Short {
+    inner: Arc<dyn SegmentProvider>,
+    allowed: AtomicUsize,
+    live: Arc<AtomicUsize>,
+}
+
+impl SegmentProvider for Short {
+    fn allocate(&self, size_bytes: u64) -> symmpool::Result<Segment> {
+        let take = |n: usize| n.checked_sub(1);
+        if self.allowed.fetch_update(SeqCst, SeqCst, take).is_err() {
+            return Err(Error::DeviceOutOfMemory {
+                segment_bytes: size_bytes,
+                op: "ncclMemAlloc",
+                code: 2,
+                message: "injected".into(),
+            });
+        }
+        let segment = self.inner.allocate(size_bytes)?;
+        self.live.fetch_add(1, SeqCst);
+        Ok(segment)
+    }
+    unsafe fn register(
+        &self,
+        segment: &Segment,
+        comm: usize,
+        deadline: Deadline,
+    ) -> symmpool::Result<Option<Window>> {
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.inner.register(segment, comm, deadline) }
+    }
+    unsafe fn deregister(&self, window: Window, deadline: Deadline) -> Result<(), Refused<Window>> {
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.inner.deregister(window, deadline) }
+    }
+    unsafe fn free(&self, segment: Segment) -> Result<(), Refused<Segment>> {
+        self.live.fetch_sub(1, SeqCst);
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.inner.free(segment) }
+    }
+}
+
+/// A newcomer that cannot allocate every segment of the group's pool: the grow fails
+/// at once on every rank with `PeerOutOfMemory` naming it, and the newcomer frees the
+/// segments it did allocate (dropping one would leak device memory on NCCL).
+#[test]
+fn a_newcomer_short_of_memory_fails_the_grow_everywhere_and_frees_its_segments() {
+    let backends = HostBackend::world(HostConfig::new(2)).unwrap();
+    let newcomer = HostBackend::newcomer(&backends[0]).unwrap();
+    let live = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let (ranks, joined) = thread::scope(|s| {
+        let hs: Vec<_> = (backends.into_iter())
+            .map(|b| {
+                s.spawn(move || {
+                    let pool = SymmPool::new(&group(b)?, PoolConfig::default())?;
+                    // Two segments, a small and a large one.
+                    let stream = Stream::host();
+                    drop((pool.alloc(4096, &stream)?, pool.alloc(3 << 20, &stream)?));
+                    Ok::<_, Error>(pool.grow(true).map(|_| ()).unwrap_err())
+                })
+            })
+            .collect();
+        let live = live.clone();
+        let joined = s.spawn(move || {
+            let backend =
+                HostBackend::join(newcomer, HostConfig::new(3), Deadline::after(TIMEOUT))?;
+            let backend = backend.with_segments(|inner| {
+                let allowed = AtomicUsize::new(1);
+                Arc::new(Short {
+                    inner,
+                    allowed,
+                    live,
+                })
+            });
+            SymmPool::join(&group(backend)?, PoolConfig::default()).map(|_| ())
+        });
+        let ranks: Vec<Error> = hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        (ranks, joined.join().unwrap().unwrap_err())
+    });
+    assert!(
+        started.elapsed() < TIMEOUT / 2,
+        "no rank waited out a timeout"
+    );
+    for e in ranks.iter().chain([&joined]) {
+        assert!(
+            matches!(e, Error::PeerOutOfMemory { ranks, .. } if *ranks == [2]),
+            "{e:?}"
+        );
+    }
+    assert_eq!(live.load(SeqCst), 0, "the newcomer's segments are freed");
 }
 
 // One process per rank on the shared-memory backend, the store in the test's process.

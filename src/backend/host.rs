@@ -163,6 +163,10 @@ impl HostComm {
     }
 }
 
+/// The channel under which the ranks of a grown host world (newcomers included) find
+/// their communicators.
+const GROWN: &str = "backend:grow";
+
 /// One rank of a host world: ranks are threads of one process, segments host memory.
 /// Make a world with [`HostBackend::world`]; it returns [`Backend`]s.
 pub struct HostBackend {
@@ -202,38 +206,46 @@ impl HostBackend {
                 "at least one rank",
             ));
         }
-        let n = config.world_size;
-        let group = LocalExchange::group(n);
+        let group = LocalExchange::group(config.world_size);
         let comms = Arc::new(HostComm::standard(&group[0]));
         // Making a backend is collective: one thread per rank.
-        let ranks = group.into_iter().enumerate();
-        in_threads(ranks, "a host rank's set-up thread", |(rank, exchange)| {
-            let info = BackendInfo::new(
-                BackendKind::Host,
-                rank,
-                n,
-                config.nccl_version,
-                config.granularity_bytes,
-                CommInfo::STANDARD.to_vec(),
-            )?;
-            let exchange = Arc::new(exchange);
-            let parts = Self::parts(&config, &exchange, comms.clone(), Arc::default());
-            let streams = Arc::new(HostStreams::default());
-            Backend::with_stream_ops(info, exchange, parts, streams)
+        in_threads(group, "a host rank's set-up thread", |exchange| {
+            Self::over(&config, Arc::new(exchange), comms.clone())
         })
+    }
+
+    /// The backend of `exchange`'s rank over `comms`, the communicators of its ranks,
+    /// with `config` (its world size the exchange's).
+    fn over(
+        config: &HostConfig,
+        exchange: Arc<LocalExchange>,
+        comms: Arc<Vec<HostComm>>,
+    ) -> Result<Backend> {
+        let info = BackendInfo::new(
+            BackendKind::Host,
+            exchange.rank(),
+            exchange.world_size(),
+            config.nccl_version,
+            config.granularity_bytes,
+            CommInfo::STANDARD.to_vec(),
+        )?;
+        let parts = Self::parts(config, &exchange, comms, Arc::default());
+        Backend::with_stream_ops(info, exchange, parts, Arc::new(HostStreams::default()))
     }
 
     /// [`Backend::split`] on the host backend: a new set of the standard
     /// communicators, shared by the ranks that split under the same channel; the
     /// memory limit and stream operations stay this rank's.
     pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let channel = backend.exchange().open_channel(
-            &format!("backend:split:{name}"),
-            Deadline::after(super::SETUP_TIMEOUT),
-        )?;
-        let comms = HostComm::take(&self.exchange, channel)?;
-        let parts = Self::parts(&self.config, &self.exchange, comms, self.reserved.clone());
-        backend.with_parts(backend.exchange_handle(), parts)
+        let channel = format!("backend:split:{name}");
+        let deadline = Deadline::after(super::SETUP_TIMEOUT);
+        self.beside(
+            backend,
+            backend.exchange_handle(),
+            &self.exchange,
+            &channel,
+            deadline,
+        )
     }
 
     /// [`Backend::shrink`] on the host backend: `backend`'s exchange shrunk (this
@@ -254,10 +266,7 @@ impl HostBackend {
         {
             return Err(lost.error("shrink"));
         }
-        let channel = exchange.open_channel("backend:shrink", deadline)?;
-        let comms = HostComm::take(&next, channel)?;
-        let parts = Self::parts(&self.config, &next, comms, self.reserved.clone());
-        backend.with_parts(exchange, parts)
+        self.beside(backend, exchange, &next, "backend:shrink", deadline)
     }
 
     /// [`Backend::grow`] on the host backend: `backend`'s exchange grown (this rank's,
@@ -274,9 +283,24 @@ impl HostBackend {
         };
         let next = (self.exchange.grow(wait, deadline)?)
             .ok_or_else(|| Error::internal("a grown exchange over a group that did not grow"))?;
-        let comms = Self::regrouped(&next, &*exchange, deadline)?;
-        let parts = Self::parts(&self.config, &next, comms, self.reserved.clone());
-        backend.with_parts(exchange, parts).map(Some)
+        (self.beside(backend, exchange, &next, GROWN, deadline)).map(Some)
+    }
+
+    /// A backend beside `backend`, this rank's over `exchange` (whose group's ranks
+    /// `group` says): a new set of the standard communicators, found under `channel`,
+    /// which the ranks open over `exchange` by `deadline`; the settings, memory limit
+    /// and stream operations stay this rank's.
+    fn beside(
+        &self,
+        backend: &Backend,
+        exchange: Arc<dyn Exchange>,
+        group: &Arc<LocalExchange>,
+        channel: &str,
+        deadline: Deadline,
+    ) -> Result<Backend> {
+        let comms = HostComm::take(group, exchange.open_channel(channel, deadline)?)?;
+        let parts = Self::parts(&self.config, group, comms, self.reserved.clone());
+        backend.with_parts(exchange, parts)
     }
 
     /// A newcomer that waits to join the host world of `backend` (or the world it
@@ -314,29 +338,8 @@ impl HostBackend {
         deadline: Deadline,
     ) -> Result<Backend> {
         let exchange = newcomer.join(deadline)?;
-        let (rank, n) = (exchange.rank(), exchange.world_size());
-        let info = BackendInfo::new(
-            BackendKind::Host,
-            rank,
-            n,
-            config.nccl_version,
-            config.granularity_bytes,
-            CommInfo::STANDARD.to_vec(),
-        )?;
-        let comms = Self::regrouped(&exchange, &*exchange, deadline)?;
-        let parts = Self::parts(&config, &exchange, comms, Arc::default());
-        Backend::with_stream_ops(info, exchange, parts, Arc::new(HostStreams::default()))
-    }
-
-    /// The communicators of a grown group `group`, found under the channel
-    /// `backend:grow` its ranks open over `exchange`.
-    fn regrouped(
-        group: &LocalExchange,
-        exchange: &dyn Exchange,
-        deadline: Deadline,
-    ) -> Result<Arc<Vec<HostComm>>> {
-        let channel = exchange.open_channel("backend:grow", deadline)?;
-        HostComm::take(group, channel)
+        let comms = HostComm::take(&exchange, exchange.open_channel(GROWN, deadline)?)?;
+        Self::over(&config, exchange, comms)
     }
 
     /// The parts of the rank of `group` over `comms`, the communicators of its ranks,

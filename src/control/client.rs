@@ -515,12 +515,12 @@ impl StoreExchange {
             epoch: 0,
             successor: Mutex::new(None),
         };
-        // Wait for every rank to join, naming the missing ones while waiting long.
+        // Wait for every rank to join (a newcomer: to be taken in), naming the missing
+        // ones while waiting long. (A newcomer is told of nothing but its group, and of
+        // the store's loss, which breaks it.)
         let me = launch.rank as u32;
-        let joined = |ib: &mut Inbox| match config.join {
-            true => ib.group.contains(&me) || ib.reader_done,
-            false => ib.all_joined || ib.broken.is_some(),
-        };
+        let joined =
+            |ib: &mut Inbox| ib.all_joined || ib.broken.is_some() || ib.group.contains(&me);
         let inbox = loop {
             let mut inbox = (ex.shared).wait_until(warnings.until(deadline), joined);
             if joined(&mut inbox) || deadline.expired() {
@@ -535,35 +535,28 @@ impl StoreExchange {
                 warnings.warn(&ex.who(), missing, deadline);
             }
         };
-        if config.join {
-            if let Some(grown) = ex.member_of(&inbox.group, inbox.epoch, "join", started) {
-                drop(inbox);
-                warnings.arrived(&ex.who());
-                return Ok(grown);
-            } else if inbox.reader_done {
+        let grown = (config.join).then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started));
+        let grown = grown.flatten();
+        if !inbox.all_joined && grown.is_none() {
+            if inbox.broken.is_some() {
                 return Err(error_for(&inbox, launch.rank, op));
             }
+            let (op, missing_ranks) = match config.join {
+                true => ("join: the group's ranks never grew it", vec![]),
+                false => (op, ex.missing(&inbox.present)),
+            };
+            let waited = config.startup_timeout;
             return Err(Error::Timeout {
-                op: "join: the group's ranks never grew it",
-                waited: config.startup_timeout,
-                missing_ranks: vec![],
-            });
-        }
-        if !inbox.all_joined {
-            if inbox.broken.is_some() {
-                return Err(error_for(&inbox, launch.rank, "store start-up"));
-            }
-            return Err(Error::Timeout {
-                op: "store start-up",
-                waited: config.startup_timeout,
-                missing_ranks: ex.missing(&inbox.present),
+                op,
+                waited,
+                missing_ranks,
             });
         }
         drop(inbox);
         warnings.arrived(&ex.who());
         let (rank, world, took) = (ex.rounds.rank, ex.rounds.world_size, started.elapsed());
         tracing::debug!("symmpool store: rank {rank} of {world} joined after {took:?}");
-        Ok(ex)
+        Ok(grown.unwrap_or(ex))
     }
 
     /// The ranks of the group that are not in `present`, this one left out.
@@ -794,8 +787,7 @@ impl GatherRounds for StoreExchange {
     }
 
     fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<dyn super::Exchange>>> {
-        let grown = StoreExchange::grow(self, wait, deadline)?;
-        Ok(grown.map(|x| x as Arc<dyn super::Exchange>))
+        Ok(StoreExchange::grow(self, wait, deadline)?.map(|x| x as _))
     }
 }
 

@@ -2,14 +2,14 @@
 
 use super::rendezvous::Lose;
 use super::store::CLOSED;
-use super::{ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds, SHRUNK};
+use super::{Ask, ChannelId, GatherRounds, LostPeer, Rendezvous, Round, Rounds, SHRUNK};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -51,48 +51,44 @@ struct GroupState {
     told: Vec<Weak<dyn Lose>>,
     /// Values the ranks share under a key, with how many ranks took them.
     shared: BTreeMap<u64, (Arc<dyn Any + Send + Sync>, usize)>,
-    /// The ranks asking to shrink or grow now, and which.
-    votes: BTreeMap<usize, Ask>,
-    /// The newcomers waiting to join ([`LocalNewcomer`]), by ticket, in the order
-    /// they came.
-    newcomers: BTreeSet<u64>,
+    /// The ranks asking to shrink or grow now, and what they ask together.
+    votes: BTreeSet<usize>,
+    asked: Ask,
+    /// The newcomers waiting to join ([`LocalNewcomer`]), in the order they came
+    /// (one dropped is gone).
+    newcomers: Vec<Weak<Seat>>,
     /// The group this one became (its waiting newcomers went on waiting there).
     next: Option<Arc<Group>>,
-    /// The new group's exchanges once every rank asked, by old rank or newcomer's
-    /// ticket, until taken.
-    made: BTreeMap<Seat, LocalExchange>,
-    /// The ranks told that no newcomer waits (a grow without one), until they read it.
-    unchanged: BTreeSet<usize>,
-    /// Why a rank's ask failed (a loss while they asked), until it reads it.
-    failed: BTreeMap<usize, String>,
+    /// The new group's exchanges once every rank asked, by old rank, until taken.
+    made: BTreeMap<usize, LocalExchange>,
+    /// The answer to a rank's ask that made no group, until it reads it: why it
+    /// failed (a loss while they asked, asks of both kinds), or `None`: no newcomer.
+    answered: BTreeMap<usize, Option<String>>,
 }
 
-/// What a rank asks its group for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Ask {
-    Shrink,
-    Grow { wait: bool },
+/// A newcomer's place ([`LocalNewcomer`]), with what a grow made of it.
+#[derive(Default)]
+struct Seat {
+    slot: Mutex<Slot>,
+    cv: Condvar,
 }
 
-/// A place in the group a shrink or grow makes: an old rank's, or a newcomer's.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Seat {
-    Rank(usize),
-    Newcomer(u64),
+#[derive(Default)]
+enum Slot {
+    #[default]
+    Waiting,
+    /// Taken in by a grow: its exchange in the grown group, until it takes it.
+    Made(LocalExchange),
+    /// It gave up (its deadline passed): no grow takes it.
+    Gone,
 }
-
-/// Tickets of [`LocalNewcomer`]s, unique in the process.
-static NEXT_TICKET: AtomicU64 = AtomicU64::new(0);
 
 /// A thread waiting to join a group of [`LocalExchange`]s when its ranks
 /// [grow](LocalExchange::grow) it: made by [`LocalExchange::newcomer`], it waits in
 /// [`join`](Self::join). Dropped before it joined, it is forgotten (no loss to the
 /// group); dropped after the group grew with it but before `join` returned, it is lost
 /// to the grown group.
-pub struct LocalNewcomer {
-    group: Mutex<Arc<Group>>,
-    ticket: u64,
-}
+pub struct LocalNewcomer(Arc<Seat>);
 
 impl LocalExchange {
     /// One exchange per rank for `world_size` ranks.
@@ -191,8 +187,7 @@ impl LocalExchange {
             }
             return Ok(next);
         }
-        self.ask(Ask::Shrink, deadline)?
-            .ok_or_else(|| Error::internal("a shrink answered as a grow"))
+        self.ask(Ask::Shrink, deadline)?.ok_or(SHRUNK)
     }
 
     /// [`Exchange::grow`](super::Exchange::grow) among threads: every rank of the group asks; the newcomers
@@ -215,18 +210,15 @@ impl LocalExchange {
     /// shrank or grew into) when its ranks next [`grow`](Self::grow) it: hand it to
     /// the newcomer's thread, which calls [`LocalNewcomer::join`].
     pub fn newcomer(&self) -> LocalNewcomer {
+        let seat = Arc::new(Seat::default());
         let mut group = self.group.clone();
         loop {
             let mut st = group.state.lock();
             let Some(next) = st.next.clone() else {
-                let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
-                st.newcomers.insert(ticket);
+                st.newcomers.push(Arc::downgrade(&seat));
                 group.settle(&mut st);
-                drop(st);
-                return LocalNewcomer {
-                    group: Mutex::new(group),
-                    ticket,
-                };
+                group.cv.notify_all();
+                return LocalNewcomer(seat);
             };
             drop(st);
             group = next;
@@ -238,44 +230,51 @@ impl LocalExchange {
     fn ask(&self, ask: Ask, deadline: Deadline) -> Result<Option<Arc<LocalExchange>>> {
         let mut successor = self.successor.lock();
         let (started, rank, group) = (Instant::now(), self.rounds.rank, &*self.group);
-        let op = if ask == Ask::Shrink { "shrink" } else { "grow" };
+        let (grow, op) = (ask != Ask::Shrink, ask.verb());
         let mut st = group.state.lock();
-        if let (Some(lost), Ask::Grow { .. }) = (&st.lost, ask) {
+        if let Some(lost) = st.lost.as_ref().filter(|_| grow) {
             return Err(lost.error(op));
         }
-        st.failed.remove(&rank);
-        st.votes.insert(rank, ask);
+        st.answered.remove(&rank);
+        let mixed = !st.votes.is_empty() && grow == (st.asked == Ask::Shrink);
+        st.asked = if st.votes.is_empty() {
+            ask
+        } else {
+            st.asked.min(ask)
+        };
+        st.votes.insert(rank);
+        if mixed {
+            let why =
+                "the ranks asked to shrink and to grow at once (every rank makes the same call)";
+            st.answer(Some(why.into()));
+        }
         group.settle(&mut st);
         group.cv.notify_all();
         loop {
-            if let Some(next) = st.made.remove(&Seat::Rank(rank)) {
+            if let Some(next) = st.made.remove(&rank) {
                 let next = Arc::new(next);
                 *successor = Some(next.clone());
                 return Ok(Some(next));
             }
-            if st.unchanged.remove(&rank) {
-                return Ok(None);
-            }
-            if let Some(reason) = st.failed.remove(&rank) {
-                return Err(match (&st.lost, ask) {
-                    (Some(lost), Ask::Grow { .. }) => lost.error(op),
-                    _ => Error::shrink_failed(reason, true),
-                });
+            if let Some(why) = st.answered.remove(&rank) {
+                return match (why, &st.lost) {
+                    (None, _) => Ok(None),
+                    (Some(_), Some(lost)) if grow => Err(lost.error(op)),
+                    (Some(reason), _) => Err(Error::shrink_failed(reason, true)),
+                };
             }
             if deadline.expired() {
-                st.votes.remove(&rank);
-                let missing: Vec<usize> = (st.alive.iter())
-                    .filter(|&&r| r != rank && !st.votes.contains_key(&r))
-                    .copied()
-                    .collect();
-                if missing.is_empty() && ask != Ask::Shrink {
-                    return Ok(None);
+                if grow && st.alive.is_subset(&st.votes) {
+                    // Every rank asked to grow and waits for a newcomer: the first
+                    // whose wait ends ends it for all of them (as on a store).
+                    st.answer(None);
+                    group.cv.notify_all();
+                    continue;
                 }
-                return Err(Error::Timeout {
-                    op,
-                    waited: started.elapsed(),
-                    missing_ranks: missing,
-                });
+                st.votes.remove(&rank);
+                let missing = (st.alive.difference(&st.votes)).filter(|&&r| r != rank);
+                let missing = Vec::from_iter(missing.map(|&r| r as u32));
+                return Err(Error::timeout_since(op, started, &missing));
             }
             group.cv.wait_until(&mut st, deadline.instant());
         }
@@ -291,46 +290,21 @@ impl LocalNewcomer {
     /// forgotten).
     pub fn join(self, deadline: Deadline) -> Result<Arc<LocalExchange>> {
         let started = Instant::now();
-        let mut group = self.group.lock();
-        loop {
-            let mut st = group.state.lock();
-            if let Some(ex) = st.made.remove(&Seat::Newcomer(self.ticket)) {
-                return Ok(Arc::new(ex));
-            }
-            if let Some(next) = st.next.clone() {
-                drop(st);
-                *group = next;
-                continue;
-            }
-            if deadline.expired() {
-                st.newcomers.remove(&self.ticket);
-                return Err(Error::timeout_since("join", started, &[]));
-            }
-            group.cv.wait_until(&mut st, deadline.instant());
-        }
-    }
-}
-
-impl Drop for LocalNewcomer {
-    fn drop(&mut self) {
-        let mut group = self.group.lock().clone();
-        loop {
-            let mut st = group.state.lock();
-            st.newcomers.remove(&self.ticket);
-            // Made but not taken: lost to the grown group (dropped without the lock).
-            let made = st.made.remove(&Seat::Newcomer(self.ticket));
-            let Some(next) = st.next.clone() else { break };
-            drop((st, made));
-            group = next;
+        let mut slot = self.0.slot.lock();
+        let waiting = |s: &mut Slot| matches!(s, Slot::Waiting);
+        self.0
+            .cv
+            .wait_while_until(&mut slot, waiting, deadline.instant());
+        match std::mem::replace(&mut *slot, Slot::Gone) {
+            Slot::Made(ex) => Ok(Arc::new(ex)),
+            _ => Err(Error::timeout_since("join", started, &[])),
         }
     }
 }
 
 impl fmt::Debug for LocalNewcomer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LocalNewcomer")
-            .field("ticket", &self.ticket)
-            .finish()
+        f.debug_struct("LocalNewcomer").finish_non_exhaustive()
     }
 }
 
@@ -338,44 +312,38 @@ impl Group {
     /// Once every rank of the group asked: the new group (a shrink to the ranks that
     /// asked; a grow by the waiting newcomers), every rank's and newcomer's exchange of
     /// it in `made`; or, for a grow without newcomers, the ranks told so (unless every
-    /// rank asked to wait for one).
+    /// rank asked to wait for one). The caller notifies.
     fn settle(&self, st: &mut GroupState) {
-        if st.votes.is_empty() || !st.alive.iter().all(|r| st.votes.contains_key(r)) {
+        if st.votes.is_empty() || !st.alive.is_subset(&st.votes) {
             return;
         }
-        let shrink = st.votes.values().all(|a| *a == Ask::Shrink);
-        if !shrink && st.votes.values().any(|a| *a == Ask::Shrink) {
-            let reason =
-                "the ranks asked to shrink and to grow at once (every rank makes the same call)";
-            for voter in std::mem::take(&mut st.votes).into_keys() {
-                st.failed.insert(voter, reason.into());
-            }
-            self.cv.notify_all();
-            return;
+        // The newcomers still waiting (neither dropped nor gone), held until made.
+        let seats: Vec<Arc<Seat>> = st.newcomers.iter().filter_map(Weak::upgrade).collect();
+        let mut waiting: Vec<_> = (seats.iter().map(|s| s.slot.lock()))
+            .filter(|s| matches!(**s, Slot::Waiting))
+            .collect();
+        match st.asked {
+            Ask::Shrink => waiting.clear(),
+            _ if !waiting.is_empty() => st.newcomers.clear(),
+            Ask::Grow { wait: false } => return st.answer(None),
+            Ask::Grow { wait: true } => return,
         }
-        let newcomers = if shrink {
-            BTreeSet::new()
-        } else if st.newcomers.is_empty() {
-            if st.votes.values().any(|a| *a == Ask::Grow { wait: false }) {
-                st.unchanged
-                    .extend(std::mem::take(&mut st.votes).into_keys());
-                self.cv.notify_all();
-            }
-            return;
-        } else {
-            std::mem::take(&mut st.newcomers)
-        };
-        let alive = Vec::from_iter(st.alive.clone());
-        let seats = (alive.iter().map(|&r| Seat::Rank(r)))
-            .chain(newcomers.iter().map(|&t| Seat::Newcomer(t)));
-        let next = LocalExchange::group(alive.len() + newcomers.len());
-        let grown = next.len();
-        let next_group = next[0].group.clone();
         tracing::info!(
-            "symmpool: a group of threads went on as {grown}: its ranks {alive:?} and {} newcomers",
-            newcomers.len()
+            "symmpool: a group of threads went on as its ranks {:?} and {} newcomers",
+            st.alive,
+            waiting.len()
         );
-        st.made.extend(seats.zip(next));
+        let next = LocalExchange::group(st.alive.len() + waiting.len());
+        let next_group = next[0].group.clone();
+        let mut next = next.into_iter();
+        st.made = st.alive.iter().copied().zip(next.by_ref()).collect();
+        for (slot, ex) in waiting.iter_mut().zip(next) {
+            **slot = Slot::Made(ex);
+        }
+        drop(waiting);
+        for seat in &seats {
+            seat.cv.notify_all();
+        }
         st.votes.clear();
         // Newcomers still to come wait in the new group.
         next_group.state.lock().newcomers = std::mem::take(&mut st.newcomers);
@@ -388,7 +356,6 @@ impl Group {
         for rv in st.told.iter().filter_map(Weak::upgrade) {
             rv.shrink();
         }
-        self.cv.notify_all();
     }
 
     /// Rank `rank`'s exchange is dropped: the rank is lost to the others (it left, or
@@ -416,9 +383,7 @@ impl Group {
                     "rank {rank} was lost while the survivors agreed to shrink ({}); ask again to go on without it",
                     peer.detail
                 );
-                for voter in std::mem::take(&mut st.votes).into_keys() {
-                    st.failed.insert(voter, reason.clone());
-                }
+                st.answer(Some(reason));
                 self.cv.notify_all();
             }
             st.told.iter().filter_map(Weak::upgrade).collect()
@@ -426,6 +391,16 @@ impl Group {
         self.rounds.lose(&peer);
         for rv in told {
             rv.lose(&peer);
+        }
+    }
+}
+
+impl GroupState {
+    /// Answer every rank asking now, with no new group: why their ask failed, or
+    /// `None`: no newcomer waits.
+    fn answer(&mut self, why: Option<String>) {
+        for voter in std::mem::take(&mut self.votes) {
+            self.answered.insert(voter, why.clone());
         }
     }
 }

@@ -309,6 +309,26 @@ fn intern_op(name: &str) -> &'static str {
     }
 }
 
+/// What a rank asks its group for, on a store and among threads (ordered: the least
+/// of the asks of an epoch, all of one kind, is what the ranks ask together).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+enum Ask {
+    /// To go on without the lost ranks.
+    #[default]
+    Shrink,
+    /// To take in the newcomers; `wait`: for one, if none waits.
+    Grow { wait: bool },
+}
+
+impl Ask {
+    fn verb(self) -> &'static str {
+        match self {
+            Ask::Shrink => "shrink",
+            Ask::Grow { .. } => "grow",
+        }
+    }
+}
+
 /// What a call on an exchange whose group has shrunk past it fails with.
 const SHRUNK: Error = Error::Shrunk {
     what: "an exchange",

@@ -8,7 +8,7 @@ use crate::backend::{Backend, Claim, HostBackend, HostConfig, SETUP_TIMEOUT};
 use crate::control::ChannelId;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
@@ -300,14 +300,7 @@ impl Group {
     /// [`Error::Timeout`] if another pool's shrink of this group holds it past
     /// `deadline`.
     pub(crate) fn shrink(&self, deadline: Deadline) -> Result<Group> {
-        let started = std::time::Instant::now();
-        let until = deadline.instant();
-        let timeout = || Error::timeout_since("shrink", started, &[]);
-        let mut shrunk = self
-            .inner
-            .shrunk
-            .try_lock_until(until)
-            .ok_or_else(timeout)?;
+        let mut shrunk = self.next("shrink", deadline)?;
         let Some(next) = shrunk.clone() else {
             let backend = self.inner.backend.shrink(deadline)?;
             let next = Self::open(backend, self.inner.config.clone(), deadline)?;
@@ -319,14 +312,7 @@ impl Group {
         // `PeerLost` on them), or after another pool went on past such a loss: go on
         // from there, or the survivors could never leave the group that lost it.
         let lost = next.inner.backend.exchange().lost_peer().is_some();
-        if lost
-            || (next
-                .inner
-                .shrunk
-                .try_lock_until(until)
-                .ok_or_else(timeout)?)
-            .is_some()
-        {
+        if lost || next.next("shrink", deadline)?.is_some() {
             return next.shrink(deadline);
         }
         Ok(next)
@@ -346,18 +332,22 @@ impl Group {
     /// [`Error::Timeout`] if another pool's shrink or grow of this group holds it past
     /// `deadline`.
     pub(crate) fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Group>> {
-        let started = std::time::Instant::now();
-        let mut next = (self.inner.shrunk.try_lock_until(deadline.instant()))
-            .ok_or_else(|| Error::timeout_since("grow", started, &[]))?;
-        if let Some(next) = next.clone() {
-            return Ok(Some(next));
+        let mut next = self.next("grow", deadline)?;
+        if next.is_none() {
+            let Some(backend) = self.inner.backend.grow(wait, deadline)? else {
+                return Ok(None);
+            };
+            *next = Some(Self::open(backend, self.inner.config.clone(), deadline)?);
         }
-        let Some(backend) = self.inner.backend.grow(wait, deadline)? else {
-            return Ok(None);
-        };
-        let grown = Self::open(backend, self.inner.config.clone(), deadline)?;
-        *next = Some(grown.clone());
-        Ok(Some(grown))
+        Ok(next.clone())
+    }
+
+    /// The group a shrink or grow made of this one, if any, under its lock (held by
+    /// another pool's shrink or grow of this group, `op`, until `deadline` at most).
+    fn next(&self, op: &'static str, deadline: Deadline) -> Result<MutexGuard<'_, Option<Group>>> {
+        let started = std::time::Instant::now();
+        (self.inner.shrunk.try_lock_until(deadline.instant()))
+            .ok_or_else(|| Error::timeout_since(op, started, &[]))
     }
 
     /// The backend.

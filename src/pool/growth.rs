@@ -270,8 +270,7 @@ impl SymmPool {
             }
             (Err(e), _) => return Err(e),
         };
-        let windows = (0..backend.communicators().len()).map(|_| None).collect();
-        let mut entry = SegmentEntry { segment, windows };
+        let mut entry = SegmentEntry::new(segment, backend.communicators().len());
         if let Err(e) = self.register_segment(st, &mut entry, deadline) {
             self.undo_segment(st, entry, deadline);
             return Err(e);

@@ -5,10 +5,11 @@
 
 use super::state::{PoolState, SegmentEntry};
 use super::{History, PoolConfig, SymmPool, events};
+use crate::control::gather_records;
 use crate::core::{Allocator, StreamId};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{Group, Note, Op, Readiness};
+use crate::group::{Group, Note, Op, Readiness, state_digest};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
@@ -90,29 +91,9 @@ impl SymmPool {
         let old = self.open_state()?;
         let group = self.inner.group.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
-        let (pool, (was, registrations)) =
-            self.replace(old, group, true, deadline, |new, st, old| {
-                new.take_over(st, old, old_rank, deadline)
-            })?;
-        let st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
-        let c = st.core.stats();
-        let report = ShrinkReport {
-            old_rank,
-            rank: pool.rank(),
-            old_world_size,
-            world_size: pool.world_size(),
-            lost_ranks: (0..old_world_size).filter(|r| !was.contains(r)).collect(),
-            segments: st.segments.len(),
-            registrations,
-            live_buffers: c.num_allocs - c.num_frees,
-            live_bytes: c.allocated_bytes.current,
-            took: started.elapsed(),
-        };
-        drop(st);
-        tracing::info!(target: "symmpool::pool", pool = %self.inner.config.name, old_rank,
-            rank = report.rank, world_size = report.world_size, lost = ?report.lost_ranks,
-            seconds = report.took.as_secs_f64(), "pool shrunk");
-        Ok((pool, report))
+        self.replace(old, group, true, deadline, |new, st| {
+            new.take_over(st, old_rank, old_world_size, started, deadline)
+        })
     }
 
     /// Go on in this pool's group grown by the newcomers waiting to join it
@@ -163,10 +144,10 @@ impl SymmPool {
             return Ok(None);
         };
         let old_world_size = self.world_size();
-        let (pool, report) = self.replace(old, group, false, deadline, |new, st, old| {
-            new.admit(st, Some(old), old_world_size, started, deadline)
-        })?;
-        Ok(Some((pool, report)))
+        self.replace(old, group, false, deadline, |new, st| {
+            new.admit(st, old_world_size, started, deadline)
+        })
+        .map(Some)
     }
 
     /// A newcomer's pool in the group it joined (made over the backend it joined with,
@@ -180,18 +161,20 @@ impl SymmPool {
     /// makes its pools in the order they grow theirs, with the same names and settings.
     ///
     /// # Errors
-    /// As [`new`](Self::new) and [`grow`](Self::grow); [`Error::Core`] if the layout
-    /// received does not fit `config`.
+    /// As [`new`](Self::new) and [`grow`](Self::grow), on every rank alike (the
+    /// newcomer frees the segments it allocated); [`Error::PoolBroken`] on every rank
+    /// if the layout received does not fit `config` (the newcomer's names why).
     pub fn join(group: &Group, config: PoolConfig) -> Result<(SymmPool, GrowReport)> {
         let started = Instant::now();
         let deadline = Deadline::after(group.config().timeout);
         let pool = Self::create(group, config, group.check_mode())?;
         let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
-        let report = pool.admit(&mut st, None, 0, started, deadline);
+        let report = pool.admit(&mut st, 0, started, deadline);
+        // Failed: the pool goes, and its segments with it (released as it drops).
+        st.closed = report.is_err();
         drop(st);
-        report
-            .map(|r| (pool.clone(), r))
-            .inspect_err(|e| events::call_failed(&pool, "join", e))
+        let report = report.inspect_err(|e| events::call_failed(&pool, "join", e))?;
+        Ok((pool, report))
     }
 
     /// This pool's state for a shrink or grow: deferred frees applied, open, not
@@ -212,25 +195,27 @@ impl SymmPool {
         Ok(old)
     }
 
-    /// Replace this pool (its state `old`) by one over `group` with its core (and its
-    /// history if `keep_history`), whose part `take_over` does under the new pool's
-    /// lock; on success this pool is closed, its frees going to the new one.
+    /// Replace this pool (its state `old`) by one over `group` with its core, its
+    /// segments (shared, to register anew) and its history if `keep_history`, whose
+    /// part `take_over` does under the new pool's lock; on success this pool is
+    /// closed, its frees going to the new one.
     fn replace<R>(
         &self,
         mut old: MutexGuard<'_, PoolState>,
         group: Group,
         keep_history: bool,
         deadline: Deadline,
-        take_over: impl FnOnce(&SymmPool, &mut PoolState, &mut PoolState) -> Result<R>,
+        take_over: impl FnOnce(&SymmPool, &mut PoolState) -> Result<R>,
     ) -> Result<(SymmPool, R)> {
         let config = &self.inner.config;
         let fresh = Allocator::new(config.core)?;
         let mode = group.check_mode();
         let pool = SymmPool::over(group, config.clone(), mode, deadline, || {
             let core = std::mem::replace(&mut old.core, fresh);
+            let history = History::new(config.history_len);
             let history = match keep_history {
-                true => std::mem::replace(&mut old.history, History::new(config.history_len)),
-                false => History::new(config.history_len),
+                true => std::mem::replace(&mut old.history, history),
+                false => history,
             };
             (core, history)
         })?;
@@ -238,7 +223,11 @@ impl SymmPool {
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
         (st.pinned_below_seq, st.pinned_freed) = (old.pinned_below_seq, old.pinned_freed);
-        let out = match take_over(&pool, &mut st, &mut old) {
+        let comms = pool.inner.backend.communicators().len();
+        st.segments = (old.segments.iter())
+            .map(|(id, e)| (*id, Arc::new(SegmentEntry::new(e.segment.share(), comms))))
+            .collect();
+        let out = match take_over(&pool, &mut st) {
             Ok(out) => out,
             Err(e) => {
                 // The new windows go with the new communicators; the memory stays.
@@ -249,7 +238,6 @@ impl SymmPool {
                 if keep_history {
                     std::mem::swap(&mut old.history, &mut st.history);
                 }
-                old.memory_history = old.memory_history.take().or(st.memory_history.take());
                 return Err(e);
             }
         };
@@ -274,83 +262,72 @@ impl SymmPool {
         }
     }
 
-    /// The new pool's part of a shrink, under its lock `st`, with the old pool's state
-    /// `old`: take its streams and counters, agree with the survivors (their pools
-    /// must match), register its segments on the new communicators. The survivors' old
-    /// ranks and the registrations made.
+    /// The new pool's part of a shrink, under its lock `st` (the old pool's streams,
+    /// counters and segments taken): agree with the survivors (their pools must
+    /// match), register the segments on the new communicators.
     fn take_over(
         &self,
         st: &mut PoolState,
-        old: &mut PoolState,
         old_rank: usize,
+        old_world_size: usize,
+        started: Instant,
         deadline: Deadline,
-    ) -> Result<(Vec<usize>, u64)> {
-        let segments = old.segments.len() as u64;
+    ) -> Result<ShrinkReport> {
+        let segments = st.segments.len() as u64;
         // Its old rank, or why it cannot register now (a stream the pool knows
         // captures a CUDA graph): every rank learns that any rank cannot, in the one
         // round ([`Error::GraphCapture`] on every rank). No segment, no registration.
-        let ready = match segments {
-            0 => Note::Ready(Readiness::Ready),
-            _ => self.readiness(st),
+        let was = Note::Was(old_rank as u64);
+        let notes = self.agree_regroup(st, Op::Shrink, segments, segments > 0, was, deadline)?;
+        let registrations = self.register_held(st, deadline)?;
+        let c = st.core.stats();
+        let report = ShrinkReport {
+            old_rank,
+            rank: self.rank(),
+            old_world_size,
+            world_size: self.world_size(),
+            lost_ranks: (0..old_world_size)
+                .filter(|&r| !notes.contains(&Note::Was(r as u64)))
+                .collect(),
+            segments: st.segments.len(),
+            registrations,
+            live_buffers: c.num_allocs - c.num_frees,
+            live_bytes: c.allocated_bytes.current,
+            took: started.elapsed(),
         };
-        let mine = match ready {
-            Note::Ready(Readiness::Ready) => Note::Was(old_rank as u64),
-            not_ready => not_ready,
-        };
-        let notes = self.agree(st, Op::Shrink, "shrink", segments, mine, deadline)?;
-        let as_ready = |n: &Note| match n {
-            Note::Was(_) => Note::Ready(Readiness::Ready),
-            n => *n,
-        };
-        st.all_ready(&notes.iter().map(as_ready).collect::<Vec<_>>())?;
-        let was = (notes.iter())
-            .map(|n| match n {
-                Note::Was(r) => *r as usize,
-                _ => usize::MAX,
-            })
-            .collect();
-        let before: u64 = st.counters.registrations.iter().sum();
-        let held: std::collections::BTreeSet<_> = st.core.segments().map(|(id, _, _)| id).collect();
-        for (id, entry) in &old.segments {
-            let mut next = SegmentEntry {
-                segment: entry.segment.share(),
-                windows: (0..entry.windows.len()).map(|_| None).collect(),
-            };
-            // A segment the core no longer holds (a release that failed) is only
-            // waiting to be freed: it needs no window.
-            if held.contains(id) {
-                self.register_segment(st, &mut next, deadline)?;
-            }
-            st.segments.insert(*id, Arc::new(next));
-        }
-        let after: u64 = st.counters.registrations.iter().sum();
-        Ok((was, after - before))
+        tracing::info!(target: "symmpool::pool", pool = %self.inner.config.name, old_rank,
+            rank = report.rank, world_size = report.world_size, lost = ?report.lost_ranks,
+            seconds = report.took.as_secs_f64(), "pool shrunk");
+        Ok(report)
     }
 
-    /// The grown pool's part of a grow (`old`: this survivor's old pool's state; `None`
-    /// on a newcomer), under its lock `st`: the survivors send their layout, a newcomer
-    /// takes it and allocates its segments; the ranks agree (their layouts, readiness
-    /// and memory); every segment is registered on the new communicators, in segment
-    /// order; the blocks live now are pinned.
+    /// The grown pool's part of a grow (`old_world_size` 0 on a newcomer), under its
+    /// lock `st`: the ranks of the group send their layout (their segments are the
+    /// old pool's), a newcomer takes it and allocates its segments; the ranks agree
+    /// (their layouts, readiness and memory); every segment is registered on the new
+    /// communicators, in segment order; the blocks live now are pinned.
     fn admit(
         &self,
         st: &mut PoolState,
-        old: Option<&mut PoolState>,
         old_world_size: usize,
         started: Instant,
         deadline: Deadline,
     ) -> Result<GrowReport> {
+        let newcomer = old_world_size == 0;
+        let mine = (!newcomer).then(|| st.core.layout());
         let exchange = self.inner.backend.exchange();
-        let mine = old.is_some().then(|| st.core.layout());
-        let all =
-            crate::control::gather_records(exchange, self.inner.channel, "grow", &mine, deadline)?;
+        let all = gather_records(
+            exchange,
+            self.inner.channel,
+            Op::Admit.name(),
+            &mine,
+            deadline,
+        )?;
         let Some(layout) = all.iter().flatten().next() else {
             return Err(Error::internal("a group grew with no rank from before it"));
         };
-        let newcomers: Vec<usize> = (0..all.len()).filter(|&r| all[r].is_none()).collect();
-        let mut fresh = Vec::new();
-        let mut ready = self.readiness(st);
-        if old.is_none() {
+        let mut allocated = true;
+        if newcomer {
             match Allocator::from_layout(self.inner.config.core, layout, StreamId(0)) {
                 Ok(core) => {
                     st.pinned_freed = core.stats().allocated_blocks.current;
@@ -359,16 +336,20 @@ impl SymmPool {
                 Err(e) => {
                     let reason = format!("the survivors' layout does not fit this pool: {e}");
                     st.broken = Some(Error::PoolBroken { reason });
-                    ready = Note::Ready(Readiness::PoolBroken);
                 }
             }
-            for (_, _, size_bytes) in st.core.segments().collect::<Vec<_>>() {
+            // Held by the pool at once: on error they are released as it drops.
+            let comms = self.inner.backend.communicators().len();
+            for (id, _, size_bytes) in st.core.segments().collect::<Vec<_>>() {
                 match self.inner.backend.segments().allocate(size_bytes) {
-                    Ok(segment) => fresh.push(segment),
+                    Ok(segment) => {
+                        let entry = Arc::new(SegmentEntry::new(segment, comms));
+                        st.segments.insert(id, entry);
+                    }
                     Err(e) => {
                         tracing::warn!(target: "symmpool::pool", rank = self.rank(), error = %e,
                             "a newcomer could not allocate the group's segments");
-                        ready = Note::Allocated(false);
+                        allocated = false;
                         break;
                     }
                 }
@@ -379,66 +360,28 @@ impl SymmPool {
         let mut compared = mine.as_ref().unwrap_or(layout).clone();
         (compared.stats.active_bytes, compared.stats.num_waits) = Default::default();
         let bytes = postcard::to_allocvec(&compared).unwrap_or_default();
-        let words: Vec<u64> = (bytes.chunks(8))
-            .map(|c| c.iter().fold(0, |w, &b| w << 8 | u64::from(b)))
-            .collect();
-        let digest = crate::group::state_digest(&words);
-        if ready == Note::Ready(Readiness::Ready) {
-            ready = Note::Allocated(true);
-        }
-        let notes = self.agree(st, Op::Admit, "grow", digest, ready, deadline)?;
-        let short: Vec<usize> = (0..notes.len())
-            .filter(|&r| notes[r] == Note::Allocated(false))
-            .collect();
-        if !short.is_empty() {
+        let digest = state_digest(&Vec::from_iter(bytes.into_iter().map(u64::from)));
+        // (A broken newcomer, whose layout does not fit, is not ready.)
+        let note = Note::Allocated(allocated);
+        let notes = self.agree_regroup(st, Op::Admit, digest, true, note, deadline)?;
+        let ranks = Vec::from_iter((0..notes.len()).filter(|&r| notes[r] != Note::Allocated(true)));
+        if !ranks.is_empty() {
             let segment_bytes = st.core.stats().reserved_bytes.current;
             return Err(Error::PeerOutOfMemory {
                 segment_bytes,
-                ranks: short,
+                ranks,
             });
         }
-        let as_ready = |n: &Note| match n {
-            Note::Allocated(_) => Note::Ready(Readiness::Ready),
-            n => *n,
-        };
-        st.all_ready(&notes.iter().map(as_ready).collect::<Vec<_>>())?;
-        let windows = self.inner.backend.communicators().len();
-        let entry = |segment| SegmentEntry {
-            segment,
-            windows: (0..windows).map(|_| None).collect(),
-        };
-        let mut entries: Vec<(crate::core::SegmentId, SegmentEntry)> = match old {
-            Some(old) => {
-                let held: std::collections::BTreeSet<_> =
-                    st.core.segments().map(|(id, _, _)| id).collect();
-                (old.segments.iter())
-                    .filter(|(id, _)| held.contains(id))
-                    .map(|(id, e)| (*id, entry(e.segment.share())))
-                    .collect()
-            }
-            None => st
-                .core
-                .segments()
-                .map(|(id, _, _)| id)
-                .zip(fresh.into_iter().map(entry))
-                .collect(),
-        };
-        let before: u64 = st.counters.registrations.iter().sum();
-        for (id, mut next) in entries.drain(..) {
-            let registered = self.register_segment(st, &mut next, deadline);
-            st.segments.insert(id, Arc::new(next));
-            registered?;
-        }
-        let after: u64 = st.counters.registrations.iter().sum();
+        let registrations = self.register_held(st, deadline)?;
         st.pinned_below_seq = layout.next_seq;
         let c = st.core.stats();
         let report = GrowReport {
             rank: self.rank(),
             old_world_size,
             world_size: self.world_size(),
-            newcomers,
+            newcomers: (0..all.len()).filter(|&r| all[r].is_none()).collect(),
             segments: st.segments.len(),
-            registrations: after - before,
+            registrations,
             pinned_blocks: c.num_allocs - c.num_frees,
             pinned_bytes: c.allocated_bytes.current,
             took: started.elapsed(),
@@ -447,6 +390,48 @@ impl SymmPool {
             rank = report.rank, world_size = report.world_size, newcomers = ?report.newcomers,
             seconds = report.took.as_secs_f64(), "pool grown");
         Ok(report)
+    }
+
+    /// The agreement of a shrink or grow `op` (of `size`), saying `note` where this
+    /// rank is ready (its [`readiness`](Self::readiness) if `check`), else why not:
+    /// every rank's note, once all are ready.
+    fn agree_regroup(
+        &self,
+        st: &mut PoolState,
+        op: Op,
+        size: u64,
+        check: bool,
+        note: Note,
+        deadline: Deadline,
+    ) -> Result<Vec<Note>> {
+        let mine = match check.then(|| self.readiness(st)) {
+            Some(ready) if ready != Note::Ready(Readiness::Ready) => ready,
+            _ => note,
+        };
+        let notes = self.agree(st, op, op.name(), size, mine, deadline)?;
+        let as_ready = |n: &Note| match n {
+            Note::Ready(_) => *n,
+            _ => Note::Ready(Readiness::Ready),
+        };
+        st.all_ready(&notes.iter().map(as_ready).collect::<Vec<_>>())?;
+        Ok(notes)
+    }
+
+    /// Register the segments of `st` that its core holds on the new communicators, in
+    /// segment order (another is only waiting to be freed: it needs no window); the
+    /// registrations made.
+    fn register_held(&self, st: &mut PoolState, deadline: Deadline) -> Result<u64> {
+        let before: u64 = st.counters.registrations.iter().sum();
+        for (id, _, _) in st.core.segments().collect::<Vec<_>>() {
+            // The new pool's entries are its own (no buffer holds one yet).
+            let Some(mut entry) = st.segments.remove(&id).and_then(Arc::into_inner) else {
+                continue;
+            };
+            let registered = self.register_segment(st, &mut entry, deadline);
+            st.segments.insert(id, Arc::new(entry));
+            registered?;
+        }
+        Ok(st.counters.registrations.iter().sum::<u64>() - before)
     }
 }
 

@@ -22,6 +22,12 @@ pub(crate) struct SegmentEntry {
 }
 
 impl SegmentEntry {
+    /// `segment`, with no window on any of `comms` communicators yet.
+    pub(crate) fn new(segment: Segment, comms: usize) -> Self {
+        let windows = (0..comms).map(|_| None).collect();
+        SegmentEntry { segment, windows }
+    }
+
     /// The window on communicator `comm`, if any.
     pub(crate) fn window(&self, comm: usize) -> Option<&Window> {
         self.windows.get(comm).and_then(Option::as_ref)

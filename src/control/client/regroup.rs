@@ -4,7 +4,7 @@
 
 use super::{Inbox, Rounds, StoreExchange, error_for};
 use crate::control::wire::{self, Cause, ToServer};
-use crate::control::{Exchange, SHRUNK};
+use crate::control::{Ask, Exchange, SHRUNK};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
@@ -39,7 +39,7 @@ impl StoreExchange {
     /// exchange is returned instead.
     pub fn shrink(&self, deadline: Deadline) -> Result<Arc<StoreExchange>> {
         // (Only a grow is answered with no group.)
-        self.regroup(None, deadline)?.ok_or(SHRUNK)
+        self.regroup(Ask::Shrink, deadline)?.ok_or(SHRUNK)
     }
 
     /// [`Exchange::grow`]: every rank of this group asks, and once all have, the group
@@ -69,41 +69,38 @@ impl StoreExchange {
     /// for [`shrink`](Self::shrink)); had the group grown (or every rank asked)
     /// before the withdrawal reached the store, the outcome is returned instead.
     pub fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<StoreExchange>>> {
-        self.regroup(Some(wait), deadline)
+        self.regroup(Ask::Grow { wait }, deadline)
     }
 
-    /// Ask the store to shrink the group (`grow` `None`) or to grow it (`Some(wait)`),
-    /// and wait for the answer until `deadline`: this rank's exchange in the new group,
-    /// or `None` (a grow without a newcomer).
-    fn regroup(
-        &self,
-        grow: Option<bool>,
-        deadline: Deadline,
-    ) -> Result<Option<Arc<StoreExchange>>> {
+    /// Ask the store for `ask` and wait for the answer until `deadline`: this rank's
+    /// exchange in the new group, or `None` (a grow without a newcomer).
+    fn regroup(&self, ask: Ask, deadline: Deadline) -> Result<Option<Arc<StoreExchange>>> {
         let mut successor = self.successor.lock();
+        let (grow, op) = (ask != Ask::Shrink, ask.verb());
         if let Some(next) = successor.clone() {
             drop(successor);
             return match grow {
-                Some(_) if next.rounds.world_size > self.rounds.world_size => Ok(Some(next)),
-                Some(_) => Err(SHRUNK),
+                true if next.rounds.world_size > self.rounds.world_size => Ok(Some(next)),
+                true => Err(SHRUNK),
                 // The survivors lost a rank too, or went on past such a loss: from there.
-                None if Exchange::lost_peer(&*next).is_some()
-                    || next.successor.lock().is_some() =>
+                false
+                    if Exchange::lost_peer(&*next).is_some() || next.successor.lock().is_some() =>
                 {
                     next.shrink(deadline).map(Some)
                 }
-                None => Ok(Some(next)),
+                false => Ok(Some(next)),
             };
         }
         let started = Instant::now();
-        let op = if grow.is_some() { "grow" } else { "shrink" };
+        // A grow is answered by the group breaking too.
+        let broken = |ib: &Inbox| grow && ib.broken.is_some();
         // This rank declared lost itself, or the server gone (a grow: the group broken).
         let gone = |ib: &Inbox| match grow {
-            Some(_) => error_for(ib, self.rounds.rank, op),
-            None => self.gone(ib),
+            true => error_for(ib, self.rounds.rank, op),
+            false => self.gone(ib),
         };
         let inbox = self.inbox()?;
-        if grow.is_some() && inbox.broken.is_some() {
+        if broken(&inbox) {
             return Err(gone(&inbox));
         }
         drop(inbox);
@@ -118,17 +115,16 @@ impl StoreExchange {
         (inbox.shrink_failed, inbox.shrink_withdrawn, inbox.not_grown) = (None, None, false);
         drop(inbox);
         let epoch = self.epoch;
-        let ask = wire::encode(&match grow {
-            None => ToServer::Shrink { epoch },
-            Some(wait) => ToServer::Grow { epoch, wait },
+        let ask = wire::encode(&match ask {
+            Ask::Shrink => ToServer::Shrink { epoch },
+            Ask::Grow { wait } => ToServer::Grow { epoch, wait },
         });
         if !self.shared.send_or_lose(&ask, "writing to") {
             return Err(gone(&self.shared.inbox.lock()));
         }
-        // (A grow is answered by the group breaking too.)
         let answered = |ib: &mut Inbox| {
             (ib.epoch != epoch || ib.reader_done || ib.shrink_failed.is_some() || ib.not_grown)
-                || (grow.is_some() && ib.broken.is_some())
+                || broken(ib)
         };
         let mut inbox = self.shared.wait_until(deadline, answered);
         if !answered(&mut inbox) {
@@ -148,8 +144,8 @@ impl StoreExchange {
                 return Ok(None);
             }
             return Err(match inbox.shrink_failed.take() {
-                _ if grow.is_some() && inbox.broken.is_some() => gone(&inbox),
-                Some((reason, retry)) if grow.is_none() => Error::ShrinkFailed { reason, retry },
+                _ if broken(&inbox) => gone(&inbox),
+                Some((reason, retry)) if !grow => Error::ShrinkFailed { reason, retry },
                 Some((detail, _)) => Error::CollectiveMismatch { op, detail },
                 None if inbox.reader_done => gone(&inbox),
                 None => {

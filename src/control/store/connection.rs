@@ -1,7 +1,8 @@
 //! A connection's thread: the handshake (preface and hello, checked against the job),
 //! then that rank's frames until it leaves.
 
-use super::{Ask, CLOSED, Conn, Link, Pending, Shared};
+use super::{CLOSED, Conn, Link, Pending, Shared};
+use crate::control::Ask;
 use crate::control::admission::{HandshakeSlot, RefusalKind, Refused, describe_io, refused};
 use crate::control::wire::{
     self, Broken, FrameReader, MAX_HANDSHAKE_FRAME_BYTES, Member, PREFACE_BYTES, ReadError,
@@ -157,10 +158,7 @@ fn join(
         mailbox: Arc::default(),
     };
     st.next_conn_id += 1;
-    let how = match newcomer {
-        true => format!("waits to join the group of epoch {}", st.epoch),
-        false => "joined".into(),
-    };
+    let how = if newcomer { "waits to join" } else { "joined" };
     tracing::info!("symmpool store: job rank {rank} {how}: {member}");
     st.members[rank] = Some(member);
     st.conns[rank] = Some(Conn {

@@ -21,6 +21,7 @@
 mod connection;
 mod regroup;
 
+use super::Ask;
 use super::admission::{HandshakeSlot, RefusalKind, RefusalLog, Refused, describe_io, refused};
 use super::config::StoreConfig;
 use super::join::transport;
@@ -32,7 +33,6 @@ use crate::error::Error;
 use crate::error::Result;
 use connection::serve;
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use regroup::Ask;
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;

@@ -45,26 +45,8 @@
 //! [`StoreExchange::grow`](super::super::StoreExchange::grow)).
 
 use super::{Shared, State};
+use crate::control::Ask;
 use crate::control::wire::{self, ToClient};
-
-/// What the ranks of the group ask for (ordered: the least of the asks of an epoch,
-/// all of one kind, is what they ask together).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub(super) enum Ask {
-    #[default]
-    Shrink,
-    /// To grow; `wait`: for a newcomer, if none waits.
-    Grow { wait: bool },
-}
-
-impl Ask {
-    fn verb(self) -> &'static str {
-        match self {
-            Ask::Shrink => "shrink",
-            Ask::Grow { .. } => "grow",
-        }
-    }
-}
 
 impl State {
     /// Whether every connected rank of the group has asked (and one has).
@@ -131,15 +113,9 @@ impl Shared {
             self.stats.lock().newcomers_joined += (group.len() - before) as u64;
         }
         st.epoch += 1;
-        let how = if group.len() > st.alive.len() {
-            "grew"
-        } else {
-            "shrank"
-        };
+        let (was, asked, epoch) = (&st.alive, st.asked.verb(), st.epoch);
         tracing::info!(
-            "symmpool store: the group {how} from job ranks {:?} to {group:?} (epoch {})",
-            st.alive,
-            st.epoch
+            "symmpool store: job ranks {was:?} asked to {asked}: {group:?} (epoch {epoch})"
         );
         st.votes.clear();
         st.rounds.clear();

@@ -287,6 +287,43 @@ fn without_a_newcomer_a_grow_is_none_and_a_dropped_newcomer_is_no_loss() {
         matches!(late, Err(Error::Timeout { op: "join", .. })),
         "{late:?}"
     );
+    // It gave up: a later grow does not take it in.
+    for g in grow_all(&group, false) {
+        assert!(matches!(g, Ok(None)), "{g:?}");
+    }
+}
+
+#[test]
+fn a_newcomer_dropped_after_the_grow_took_it_in_is_lost_to_the_grown_group() {
+    let group = LocalExchange::group(2);
+    let newcomer = group[0].newcomer();
+    let grown: Vec<_> = grow_all(&group, true)
+        .into_iter()
+        .map(|g| g.unwrap().unwrap())
+        .collect();
+    assert!(Exchange::lost_peer(&*grown[0]).is_none());
+    drop(newcomer);
+    let lost = Exchange::lost_peer(&*grown[0]).map(|p| p.rank);
+    assert_eq!(lost, Some(2));
+}
+
+/// Every rank asked to grow and waits for a newcomer: the first whose deadline passes
+/// ends the wait for all of them, `None` on every rank (as on a store), never `None`
+/// on one and a timeout naming it on the others.
+#[test]
+fn the_first_rank_to_give_up_waiting_for_a_newcomer_ends_the_wait_for_all() {
+    let group = LocalExchange::group(2);
+    let started = std::time::Instant::now();
+    let (long, short) = thread::scope(|s| {
+        let long = s.spawn(|| group[1].grow(true, Deadline::after(Duration::from_secs(20))));
+        assert!(group[0].wait_for_asks(1, Deadline::after(Duration::from_secs(10))));
+        let short = group[0].grow(true, Deadline::after(Duration::from_millis(100)));
+        (long.join().unwrap(), short)
+    });
+    for g in [long, short] {
+        assert!(matches!(g, Ok(None)), "{g:?}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
 }
 
 #[test]
