@@ -263,6 +263,15 @@ impl LocalExchange {
                 });
             }
             if deadline.expired() {
+                // Every rank waits for a newcomer: the first to give up ends the wait
+                // of all of them (`None` on every rank, as on a store).
+                let waiting = Some(&Ask::Grow { wait: true });
+                if st.alive.iter().all(|r| st.votes.get(r) == waiting) {
+                    let voters = std::mem::take(&mut st.votes).into_keys();
+                    st.unchanged.extend(voters.filter(|&r| r != rank));
+                    group.cv.notify_all();
+                    return Ok(None);
+                }
                 st.votes.remove(&rank);
                 let missing: Vec<usize> = (st.alive.iter())
                     .filter(|&&r| r != rank && !st.votes.contains_key(&r))

@@ -290,7 +290,8 @@ impl Group {
     /// The group of this rank among the survivors of a loss: the backend shrunk
     /// ([`Backend::shrink`]) and a group over it with these settings, every wait ending
     /// by `deadline`. Asking again (another pool of the group) returns the same group,
-    /// or, once that one lost a rank too or shrank in turn, that one's shrink.
+    /// or, once that one lost a rank too or shrank in turn, that one's shrink (grown:
+    /// [`Error::Shrunk`]).
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss.
@@ -329,13 +330,18 @@ impl Group {
         {
             return next.shrink(deadline);
         }
+        if next.world_size() > self.world_size() {
+            return Err(Error::Shrunk {
+                what: "this pool (another pool of its group grew it: grow this one too)",
+            });
+        }
         Ok(next)
     }
 
     /// The group of this rank grown by newcomers: the backend grown
     /// ([`Backend::grow`]) and a group over it with these settings, every wait ending
     /// by `deadline`; `None` when no newcomer waits. Asking again (another pool of the
-    /// group) returns the same group.
+    /// group) returns the same group (shrunk: [`Error::Shrunk`]).
     ///
     /// # Collective
     /// Every rank of the group calls it; the newcomers make their group over the
@@ -350,7 +356,12 @@ impl Group {
         let mut next = (self.inner.shrunk.try_lock_until(deadline.instant()))
             .ok_or_else(|| Error::timeout_since("grow", started, &[]))?;
         if let Some(next) = next.clone() {
-            return Ok(Some(next));
+            if next.world_size() > self.world_size() {
+                return Ok(Some(next));
+            }
+            return Err(Error::Shrunk {
+                what: "this pool (another pool of its group shrank it: shrink this one too)",
+            });
         }
         let Some(backend) = self.inner.backend.grow(wait, deadline)? else {
             return Ok(None);

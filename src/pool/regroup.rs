@@ -95,7 +95,7 @@ impl SymmPool {
                 new.take_over(st, old, old_rank, deadline)
             })?;
         let st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
-        let c = st.core.stats();
+        let live = st.live_blocks();
         let report = ShrinkReport {
             old_rank,
             rank: pool.rank(),
@@ -104,8 +104,8 @@ impl SymmPool {
             lost_ranks: (0..old_world_size).filter(|r| !was.contains(r)).collect(),
             segments: st.segments.len(),
             registrations,
-            live_buffers: c.num_allocs - c.num_frees,
-            live_bytes: c.allocated_bytes.current,
+            live_buffers: live.len() as u64,
+            live_bytes: live.iter().map(|(_, b)| b.size_bytes).sum(),
             took: started.elapsed(),
         };
         drop(st);
@@ -144,7 +144,7 @@ impl SymmPool {
     /// [`shrink`](Self::shrink) past it, then grow; [`Error::Timeout`] if a rank does
     /// not ask, or a rank of the grown group does not come, in time;
     /// [`Error::Divergence`] if the ranks' pools differ (they made different pool
-    /// calls); [`Error::PeerOutOfMemory`] if a newcomer cannot allocate the segments;
+    /// calls, or a newcomer's pool other `core`, `register`, `require_symmetric`); [`Error::PeerOutOfMemory`] if a newcomer cannot allocate the segments;
     /// [`Error::GraphCapture`] on every rank if a stream the pool has allocated on
     /// captures a CUDA graph on one of them; [`Error::Shrunk`] / [`Error::PoolClosed`]
     /// on a pool already replaced or closed; [`Error::Config`] for a backend that
@@ -180,8 +180,9 @@ impl SymmPool {
     /// makes its pools in the order they grow theirs, with the same names and settings.
     ///
     /// # Errors
-    /// As [`new`](Self::new) and [`grow`](Self::grow); [`Error::Core`] if the layout
-    /// received does not fit `config`.
+    /// As [`new`](Self::new) and [`grow`](Self::grow) (another name:
+    /// [`Error::ChannelMismatch`]); [`Error::PoolBroken`] if the layout received does
+    /// not fit `config`.
     pub fn join(group: &Group, config: PoolConfig) -> Result<(SymmPool, GrowReport)> {
         let started = Instant::now();
         let deadline = Deadline::after(group.config().timeout);
@@ -237,7 +238,8 @@ impl SymmPool {
         let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
-        (st.pinned_below_seq, st.pinned_freed) = (old.pinned_below_seq, old.pinned_freed);
+        st.pinned_below_seq = old.pinned_below_seq;
+        st.pinned_freed = old.pinned_freed.clone();
         let out = match take_over(&pool, &mut st, &mut old) {
             Ok(out) => out,
             Err(e) => {
@@ -353,7 +355,9 @@ impl SymmPool {
         if old.is_none() {
             match Allocator::from_layout(self.inner.config.core, layout, StreamId(0)) {
                 Ok(core) => {
-                    st.pinned_freed = core.stats().allocated_blocks.current;
+                    st.pinned_freed = (core.block_marks().iter().flatten())
+                        .filter_map(|m| m.allocation_seq)
+                        .collect();
                     st.core = core;
                 }
                 Err(e) => {
@@ -378,7 +382,10 @@ impl SymmPool {
         // and streams change): survivors whose pools differ diverged.
         let mut compared = mine.as_ref().unwrap_or(layout).clone();
         (compared.stats.active_bytes, compared.stats.num_waits) = Default::default();
-        let bytes = postcard::to_allocvec(&compared).unwrap_or_default();
+        // And the settings that place and register blocks (a newcomer's may differ).
+        let config = &self.inner.config;
+        let settings = (config.core, config.register, config.require_symmetric);
+        let bytes = postcard::to_allocvec(&(&compared, settings)).unwrap_or_default();
         let words: Vec<u64> = (bytes.chunks(8))
             .map(|c| c.iter().fold(0, |w, &b| w << 8 | u64::from(b)))
             .collect();
