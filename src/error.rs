@@ -124,7 +124,7 @@ pub enum Error {
     /// A wait on other ranks ran out of time (and, over a store, no loss explains it:
     /// a rank the store declares lost by the heartbeat timeout and interval past the
     /// wait's start is reported as [`Error::PeerLost`] instead).
-    #[error("timed out after {waited:?} in {op}: ranks {missing_ranks:?} did not arrive")]
+    #[error("timed out after {waited:?} in {op}{}", missing(.missing_ranks))]
     Timeout {
         /// What was being waited for.
         op: &'static str,
@@ -539,6 +539,14 @@ pub enum Error {
 
 /// `items`, each as `f` writes it, separated by `sep` (for the error messages that
 /// list every rank's value).
+/// The ranks a [`Error::Timeout`] waited for, in words (nothing if none is known).
+fn missing(ranks: &[usize]) -> String {
+    match ranks {
+        [] => String::new(),
+        _ => format!(": ranks {ranks:?} did not arrive"),
+    }
+}
+
 fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
     items.iter().map(f).collect::<Vec<_>>().join(sep)
 }

@@ -28,8 +28,10 @@ pub(super) enum RefusalKind {
     Token,
     OtherJob,
     Misfit,
-    /// A rank already held (or held before; for a newcomer, still in the group).
+    /// A rank already held (or held before).
     RankTaken,
+    /// A newcomer for a job rank still in the group: it retries (logged at `debug`).
+    Early,
     /// After every rank joined (and before one left), from a host that runs none of
     /// them; or the group is broken.
     Closed,
@@ -57,6 +59,7 @@ impl RefusalKind {
             RefusalKind::OtherJob => "another job",
             RefusalKind::Misfit => "a world size or rank that does not fit",
             RefusalKind::RankTaken => "a rank already held",
+            RefusalKind::Early => "a newcomer before the survivors shrank",
             RefusalKind::Closed => "the group is complete or broken",
             RefusalKind::Resources => "out of descriptors or threads",
         }

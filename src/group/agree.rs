@@ -283,7 +283,10 @@ fn explain(decoded: &[AgreementRecord], during: &'static str) -> Divergence {
     let remembered = decoded.iter().map(|r| r.recent.len()).max().unwrap_or(0);
     let calls = each(&|r| {
         if same_history {
-            return format!("{} ({} B)", r.op.name(), r.size);
+            return match r.op {
+                Op::Admit => format!("grow (pool layout and settings digest {:#018x})", r.size),
+                op => format!("{} ({} B)", op.name(), r.size),
+            };
         }
         let latest =
             (r.recent.last()).map_or("no calls".into(), |c| format!("latest {}", c.describe()));

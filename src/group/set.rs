@@ -290,7 +290,8 @@ impl Group {
     /// The group of this rank among the survivors of a loss: the backend shrunk
     /// ([`Backend::shrink`]) and a group over it with these settings, every wait ending
     /// by `deadline`. Asking again (another pool of the group) returns the same group,
-    /// or, once that one lost a rank too or shrank in turn, that one's shrink.
+    /// or, once that one lost a rank too or shrank in turn, that one's shrink (grown:
+    /// [`Error::Shrunk`]).
     ///
     /// # Collective
     /// Every surviving rank calls it after the loss.
@@ -315,13 +316,18 @@ impl Group {
         if lost || next.next("shrink", deadline)?.is_some() {
             return next.shrink(deadline);
         }
+        if next.world_size() > self.world_size() {
+            return Err(Error::Shrunk {
+                what: "this pool (another pool of its group grew it: grow this one too)",
+            });
+        }
         Ok(next)
     }
 
     /// The group of this rank grown by newcomers: the backend grown
     /// ([`Backend::grow`]) and a group over it with these settings, every wait ending
     /// by `deadline`; `None` when no newcomer waits. Asking again (another pool of the
-    /// group) returns the same group.
+    /// group) returns the same group (shrunk: [`Error::Shrunk`]).
     ///
     /// # Collective
     /// Every rank of the group calls it; the newcomers make their group over the
@@ -333,7 +339,13 @@ impl Group {
     /// `deadline`.
     pub(crate) fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Group>> {
         let mut next = self.next("grow", deadline)?;
-        if next.is_none() {
+        if let Some(n) = next.as_ref() {
+            if n.world_size() <= self.world_size() {
+                return Err(Error::Shrunk {
+                    what: "this pool (another pool of its group shrank it: shrink this one too)",
+                });
+            }
+        } else {
             let Some(backend) = self.inner.backend.grow(wait, deadline)? else {
                 return Ok(None);
             };

@@ -45,7 +45,7 @@ impl SymmPool {
         }
         // Pinned: a newcomer of a grow holds the block with no buffer to free it.
         if block.seq < st.pinned_below_seq {
-            st.pinned_freed += 1;
+            st.pinned_freed.insert(block.seq);
             return;
         }
         // Where the block is and its stream, for the allocation history (only while

@@ -125,7 +125,7 @@ impl SymmPool {
     /// [`shrink`](Self::shrink) past it, then grow; [`Error::Timeout`] if a rank does
     /// not ask, or a rank of the grown group does not come, in time;
     /// [`Error::Divergence`] if the ranks' pools differ (they made different pool
-    /// calls); [`Error::PeerOutOfMemory`] if a newcomer cannot allocate the segments;
+    /// calls, or a newcomer's pool other `core`, `register`, `require_symmetric`); [`Error::PeerOutOfMemory`] if a newcomer cannot allocate the segments;
     /// [`Error::GraphCapture`] on every rank if a stream the pool has allocated on
     /// captures a CUDA graph on one of them; [`Error::Shrunk`] / [`Error::PoolClosed`]
     /// on a pool already replaced or closed; [`Error::Config`] for a backend that
@@ -162,7 +162,9 @@ impl SymmPool {
     ///
     /// # Errors
     /// As [`new`](Self::new) and [`grow`](Self::grow), on every rank alike (the
-    /// newcomer frees the segments it allocated); [`Error::PoolBroken`] on every rank
+    /// newcomer frees the segments it allocated; another name:
+    /// [`Error::ChannelMismatch`]; other settings: [`Error::Divergence`]);
+    /// [`Error::PoolBroken`] on every rank
     /// if the layout received does not fit `config` (the newcomer's names why).
     pub fn join(group: &Group, config: PoolConfig) -> Result<(SymmPool, GrowReport)> {
         let started = Instant::now();
@@ -222,7 +224,7 @@ impl SymmPool {
         let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
-        (st.pinned_below_seq, st.pinned_freed) = (old.pinned_below_seq, old.pinned_freed);
+        (st.pinned_below_seq, st.pinned_freed) = (old.pinned_below_seq, old.pinned_freed.clone());
         let comms = pool.inner.backend.communicators().len();
         st.segments = (old.segments.iter())
             .map(|(id, e)| (*id, Arc::new(SegmentEntry::new(e.segment.share(), comms))))
@@ -280,7 +282,7 @@ impl SymmPool {
         let was = Note::Was(old_rank as u64);
         let notes = self.agree_regroup(st, Op::Shrink, segments, segments > 0, was, deadline)?;
         let registrations = self.register_held(st, deadline)?;
-        let c = st.core.stats();
+        let live = st.live_blocks();
         let report = ShrinkReport {
             old_rank,
             rank: self.rank(),
@@ -291,8 +293,8 @@ impl SymmPool {
                 .collect(),
             segments: st.segments.len(),
             registrations,
-            live_buffers: c.num_allocs - c.num_frees,
-            live_bytes: c.allocated_bytes.current,
+            live_buffers: live.len() as u64,
+            live_bytes: live.iter().map(|(_, b)| b.size_bytes).sum(),
             took: started.elapsed(),
         };
         tracing::info!(target: "symmpool::pool", pool = %self.inner.config.name, old_rank,
@@ -330,7 +332,9 @@ impl SymmPool {
         if newcomer {
             match Allocator::from_layout(self.inner.config.core, layout, StreamId(0)) {
                 Ok(core) => {
-                    st.pinned_freed = core.stats().allocated_blocks.current;
+                    st.pinned_freed = (core.block_marks().iter().flatten())
+                        .filter_map(|m| m.allocation_seq)
+                        .collect();
                     st.core = core;
                 }
                 Err(e) => {
@@ -359,7 +363,10 @@ impl SymmPool {
         // and streams change): survivors whose pools differ diverged.
         let mut compared = mine.as_ref().unwrap_or(layout).clone();
         (compared.stats.active_bytes, compared.stats.num_waits) = Default::default();
-        let bytes = postcard::to_allocvec(&compared).unwrap_or_default();
+        // And the settings that place and register blocks (a newcomer's may differ).
+        let config = &self.inner.config;
+        let settings = (config.core, config.register, config.require_symmetric);
+        let bytes = postcard::to_allocvec(&(&compared, settings)).unwrap_or_default();
         let digest = state_digest(&Vec::from_iter(bytes.into_iter().map(u64::from)));
         // (A broken newcomer, whose layout does not fit, is not ready.)
         let note = Note::Allocated(allocated);

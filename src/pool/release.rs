@@ -177,7 +177,7 @@ impl SymmPool {
         if st.closed {
             return Ok(());
         }
-        let live = st.core.stats().allocated_blocks.current - st.pinned_freed;
+        let live = st.core.stats().allocated_blocks.current - st.pinned_freed.len() as u64;
         if let Some(failure) = self.ledger().failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
@@ -227,7 +227,10 @@ impl SymmPool {
     fn finish_close(&self, st: &mut PoolState, deadline: Deadline) -> Result<()> {
         st.history.record(CallKind::Close, 0, 0);
         // Pinned blocks with no buffer go with their segments.
-        if let (1.., Ok(empty)) = (st.pinned_freed, Allocator::new(*st.core.config())) {
+        if let (false, Ok(empty)) = (
+            st.pinned_freed.is_empty(),
+            Allocator::new(*st.core.config()),
+        ) {
             st.core = empty;
         }
         st.core.release_free_segments();
@@ -268,11 +271,7 @@ impl SymmPool {
 
 /// This rank's live buffers, as a refused `close` names them (the first few).
 fn live_buffers(st: &PoolState) -> Vec<LiveBuffer> {
-    let snapshot = st.core.snapshot();
-    (snapshot.segments.iter())
-        .flat_map(|s| s.blocks.iter().map(move |b| (s.id, b)))
-        .filter(|(_, b)| b.state == crate::core::BlockState::Allocated)
-        .take(MAX_LIVE_NAMED)
+    (st.live_blocks().into_iter().take(MAX_LIVE_NAMED))
         .map(|(segment, b)| LiveBuffer {
             segment: segment.0,
             offset_bytes: b.offset_bytes,

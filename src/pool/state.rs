@@ -2,7 +2,7 @@
 //! entries that own the memory and windows.
 
 use crate::backend::{Segment, Window};
-use crate::core::{Allocator, SegmentId, StreamId};
+use crate::core::{Allocator, BlockSnapshot, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
 use crate::group::{History, Note, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
@@ -83,9 +83,9 @@ pub(crate) struct PoolState {
     /// stay allocated when freed: a newcomer holds them as allocated too, with no
     /// buffer to free them ([`SymmPool::grow`](super::SymmPool::grow)).
     pub(crate) pinned_below_seq: u64,
-    /// Pinned blocks with no buffer on this rank (freed since, or a newcomer's): not
-    /// live for `close`, which releases their segments.
-    pub(crate) pinned_freed: u64,
+    /// Pinned blocks with no buffer on this rank (freed since, or a newcomer's), by
+    /// allocation number: not live for `close`, which releases their segments.
+    pub(crate) pinned_freed: BTreeSet<u64>,
 }
 
 impl PoolState {
@@ -107,8 +107,24 @@ impl PoolState {
             known_streams: Vec::new(),
             memory_history: None,
             pinned_below_seq: 0,
-            pinned_freed: 0,
+            pinned_freed: BTreeSet::new(),
         }
+    }
+
+    /// The blocks of this rank's live buffers, with their segments: the allocated
+    /// ones but the pinned ones with no buffer ([`pinned_freed`](Self::pinned_freed)).
+    pub(crate) fn live_blocks(&self) -> Vec<(SegmentId, BlockSnapshot)> {
+        let marks = self.core.block_marks().into_iter().flatten();
+        let blocks = (self.core.snapshot().segments.into_iter())
+            .flat_map(|s| s.blocks.into_iter().map(move |b| (s.id, b)));
+        // (A block has an allocation number while it is allocated.)
+        (blocks.zip(marks))
+            .filter(|(_, m)| {
+                m.allocation_seq
+                    .is_some_and(|q| !self.pinned_freed.contains(&q))
+            })
+            .map(|(b, _)| b)
+            .collect()
     }
 
     /// The state behind a lock that a panic poisoned, marked broken: the core may be

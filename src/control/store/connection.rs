@@ -117,7 +117,7 @@ fn join(
         );
         let tell = Some(Refusal::Busy);
         return Err(Box::new(Refused {
-            kind: RefusalKind::RankTaken,
+            kind: RefusalKind::Early,
             why,
             tell,
         }));

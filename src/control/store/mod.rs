@@ -394,6 +394,11 @@ impl Shared {
         stats.connections_rejected += 1;
         stats.connections_refused_busy += u64::from(kind == RefusalKind::Busy);
         drop(stats);
+        if kind == RefusalKind::Early {
+            // No failure: it retries until the survivors shrank past the loss.
+            tracing::debug!("symmpool store: a newcomer from {peer} waits: {why}");
+            return;
+        }
         for line in (self.refusals.lock()).lines_for(Instant::now(), kind, peer, why) {
             tracing::warn!("{line}");
         }
