@@ -146,6 +146,33 @@ struct World {
     barrier: ChannelId,
 }
 
+/// This rank's backend of `kind` over `exchange` (a rank's at the start, a newcomer's
+/// once the survivors grew the group).
+fn backend_over(kind: Kind, exchange: &Arc<dyn Exchange>) -> Outcome<Backend> {
+    match kind {
+        #[cfg(feature = "nccl")]
+        Kind::Nccl => ok(
+            "NcclBackend::from_env",
+            symmpool::backend::NcclBackend::from_env(
+                exchange.clone(),
+                symmpool::backend::NcclConfig::default(),
+            ),
+        ),
+        #[cfg(not(feature = "nccl"))]
+        Kind::Nccl => Err("built without the `nccl` feature".into()),
+        #[cfg(target_os = "linux")]
+        Kind::Shm => ok(
+            "ShmBackend::join",
+            symmpool::backend::ShmBackend::join(
+                exchange.clone(),
+                symmpool::backend::ShmConfig::default(),
+            ),
+        ),
+        #[cfg(not(target_os = "linux"))]
+        Kind::Shm => Err("the shared-memory backend is Linux only".into()),
+    }
+}
+
 impl World {
     /// Join the world from the launcher's variables: the store, then the backend
     /// (`wrap` replaces its segment provider, for the registration fault).
@@ -154,28 +181,7 @@ impl World {
         let heartbeat = (config.heartbeat_interval, config.heartbeat_timeout);
         let exchange: Arc<dyn Exchange> =
             Arc::new(ok("joining the store", StoreExchange::connect(config))?);
-        let backend = match kind {
-            #[cfg(feature = "nccl")]
-            Kind::Nccl => ok(
-                "NcclBackend::from_env",
-                symmpool::backend::NcclBackend::from_env(
-                    exchange.clone(),
-                    symmpool::backend::NcclConfig::default(),
-                ),
-            )?,
-            #[cfg(not(feature = "nccl"))]
-            Kind::Nccl => return Err("built without the `nccl` feature".into()),
-            #[cfg(target_os = "linux")]
-            Kind::Shm => ok(
-                "ShmBackend::join",
-                symmpool::backend::ShmBackend::join(
-                    exchange.clone(),
-                    symmpool::backend::ShmConfig::default(),
-                ),
-            )?,
-            #[cfg(not(target_os = "linux"))]
-            Kind::Shm => return Err("the shared-memory backend is Linux only".into()),
-        };
+        let backend = backend_over(kind, &exchange)?;
         let backend = match wrap {
             Some(w) => backend.with_segments(w),
             None => backend,
@@ -878,31 +884,15 @@ fn survive(
     let started = Instant::now();
     let (pool, report) = ok("SymmPool::shrink", pool.shrink())?;
     let shrunk_in = started.elapsed();
-    let coll = ok("Coll::new", Coll::new(&pool))?;
-    let stream = ok("new_stream", pool.new_stream())?;
-    let n = report.world_size;
-    let input = ok("alloc", pool.alloc(4 * count as u64, &stream))?;
-    let output = ok("alloc", pool.alloc(4 * (n * count) as u64, &stream))?;
-    ok("write", input.write(&values::<f32>(report.rank, count, 1)))?;
-    ok(
-        "all_gather after the shrink",
-        coll.tagged(0).all_gather::<f32>(&input, &output, &stream),
-    )?;
-    let gathered: Vec<f32> = (0..n).flat_map(|s| values::<f32>(s, count, 1)).collect();
-    same(
-        "all-gather after the shrink",
-        &ok("read", output.read())?,
-        &gathered,
-    )?;
+    gather_checked(&pool, count, "all-gather after the shrink")?;
     let first = started.elapsed();
-    drop((input, output, coll));
     println!(
         "[rank {}] RESULT fault-shrink SIG{sig} of rank {victim}: ok rank={}->{} world={}->{} lost={:?} segments={} registrations={} shrink={:.3}s first_all_gather={:.3}s nccl={}",
         w.rank,
         report.old_rank,
         report.rank,
         report.old_world_size,
-        n,
+        report.world_size,
         report.lost_ranks,
         report.segments,
         report.registrations,
@@ -1000,28 +990,7 @@ fn newcomer(kind: Kind) -> Outcome {
     let exchange: Arc<dyn Exchange> =
         Arc::new(ok("joining the store", StoreExchange::connect(store))?);
     let joined = started.elapsed();
-    let backend = match kind {
-        #[cfg(feature = "nccl")]
-        Kind::Nccl => ok(
-            "NcclBackend::from_env",
-            symmpool::backend::NcclBackend::from_env(
-                exchange.clone(),
-                symmpool::backend::NcclConfig::default(),
-            ),
-        )?,
-        #[cfg(not(feature = "nccl"))]
-        Kind::Nccl => return Err("built without the `nccl` feature".into()),
-        #[cfg(target_os = "linux")]
-        Kind::Shm => ok(
-            "ShmBackend::join",
-            symmpool::backend::ShmBackend::join(
-                exchange.clone(),
-                symmpool::backend::ShmConfig::default(),
-            ),
-        )?,
-        #[cfg(not(target_os = "linux"))]
-        Kind::Shm => return Err("the shared-memory backend is Linux only".into()),
-    };
+    let backend = backend_over(kind, &exchange)?;
     let group = ok(
         "Group::new",
         Group::new(backend, group_config(CheckMode::Off)),
