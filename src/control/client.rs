@@ -535,6 +535,18 @@ impl StoreExchange {
                 warnings.warn(&ex.who(), missing, deadline);
             }
         };
+        let mut inbox = inbox;
+        if config.join && !joined(&mut inbox) && !inbox.reader_done {
+            // Giving up: withdrawn, so that no grow the store decides after this takes
+            // in a newcomer that is gone; one it decided before (its group on the way,
+            // before the answer) takes it in after all.
+            inbox.withdraw_pending = true;
+            drop(inbox);
+            let withdraw = wire::encode(&ToServer::Withdraw { epoch: 0 });
+            let sent = ex.shared.writer.lock().send(&withdraw).is_ok();
+            let answered = |ib: &mut Inbox| !sent || !ib.withdraw_pending || ib.reader_done;
+            inbox = (ex.shared).wait_until(Deadline::after(config.detection_bound()), answered);
+        }
         let grown = (config.join).then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started));
         let grown = grown.flatten();
         if !inbox.all_joined && grown.is_none() {

@@ -135,6 +135,15 @@ impl Shared {
     /// waits for a newcomer, the first to give up ends the wait for all of them
     /// ([`ToClient::NotGrown`]).
     pub(super) fn withdraw(&self, st: &mut State, rank: usize, epoch: u64) {
+        if st.place(rank).is_none() {
+            // A newcomer that gives up waiting: told so, then gone (no grow after this
+            // takes it in; one before did, and told it first).
+            let frame = wire::encode(&ToClient::Withdrawn {
+                missing: Vec::new(),
+            });
+            self.send_to(st, [rank], &frame);
+            return self.depart(st, rank, None, "a newcomer gave up waiting to join");
+        }
         if epoch != st.epoch {
             // The rank was sent the new group before this: its answer.
             return;
