@@ -1387,6 +1387,9 @@ fn a_lost_rank_is_replaced_by_a_newcomer_and_the_group_grows_back_to_four() {
         let ranks: Vec<_> = grown.iter().map(|x| (x.rank(), x.world_size())).collect();
         assert_eq!(ranks, [(0, 4), (1, 4), (3, 4)]);
         assert_eq!((joined.rank(), joined.world_size()), (2, 4));
+        // Only the newcomer's exchange says so (its backends join the group's).
+        assert!(joined.is_newcomer());
+        assert!(!grown.iter().chain(&shrunk).any(|x| x.is_newcomer()));
         let mut all: Vec<&StoreExchange> = grown.iter().map(|x| &**x).collect();
         all.insert(2, &joined);
         rounds_pair(&all);

@@ -18,9 +18,8 @@ use symmpool::backend::shm::{ShmBackend, ShmConfig};
 use symmpool::coll::{CalibrateConfig, CollectiveReport, path_name};
 use symmpool::observe::{PoolSnapshot, StatValue};
 use symmpool::{
-    Backend, CheckMode, Coll, CollectiveCalls, Error, Exchange, Group, GroupConfig, HostBackend,
-    HostConfig, NcclBackend, NcclConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16,
-    f16,
+    Backend, CheckMode, Coll, CollectiveCalls, Error, Group, GroupConfig, HostBackend, HostConfig,
+    NcclBackend, NcclConfig, PoolConfig, ReduceOp, Stream, SymmBuffer, SymmPool, bf16, f16,
 };
 
 /// NCCL's `NCCL_CTA_POLICY_ZERO`.
@@ -383,13 +382,11 @@ impl Pool {
     ) -> PyResult<Pool> {
         let (group_config, config) =
             pool_config(name, timeout_s, check, check_queue, untagged_collectives)?;
-        let (ex, newcomer) = match exchange {
-            Some(ex) => (ex.exchange(), ex.newcomer()),
-            None => {
-                let (tcp, newcomer) = py.allow_threads(store_from_env).map_err(to_py)?;
-                (Arc::new(tcp) as Arc<dyn Exchange>, newcomer)
-            }
+        let ex = match exchange {
+            Some(ex) => ex.exchange(),
+            None => Arc::new(py.allow_threads(store_from_env).map_err(to_py)?),
         };
+        let newcomer = ex.is_newcomer();
         let mut shm = ShmConfig::default().with_symmetric(symmetric);
         if let Some(bytes) = max_reserved_bytes {
             shm = shm.with_max_reserved_bytes(bytes);
@@ -1211,7 +1208,7 @@ impl GrowReport {
 /// Refuse a newcomer's exchange where the pool cannot join (the NCCL constructors take
 /// a process group's communicator, which the grown group's ranks do not share).
 fn not_a_newcomer(exchange: &AnyExchange<'_>, constructor: &str) -> PyResult<()> {
-    if !exchange.newcomer() {
+    if !exchange.exchange().is_newcomer() {
         return Ok(());
     }
     Err(to_py(Error::InvalidConfig(format!(

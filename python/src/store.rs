@@ -382,17 +382,12 @@ impl StoreExchange {
 pub struct TcpStoreExchange {
     exchange: Arc<symmpool::StoreExchange>,
     channels: Channels,
-    /// Whether it joined a grown group as a newcomer (`SYMMPOOL_JOIN=1`).
-    newcomer: bool,
 }
 
-/// The crate's store exchange from the launcher's environment, and whether this process
-/// joined as a newcomer (`SYMMPOOL_JOIN=1`: it returned once the group's ranks grew the
-/// group with it).
-pub(crate) fn store_from_env() -> Result<(symmpool::StoreExchange, bool)> {
-    let config = StoreConfig::from_env()?;
-    let newcomer = config.join;
-    Ok((symmpool::StoreExchange::connect(config)?, newcomer))
+/// The crate's store exchange from the launcher's environment (with `SYMMPOOL_JOIN=1`
+/// a newcomer's: it returned once the group's ranks grew the group with it).
+pub(crate) fn store_from_env() -> Result<symmpool::StoreExchange> {
+    symmpool::StoreExchange::connect(StoreConfig::from_env()?)
 }
 
 #[pymethods]
@@ -410,12 +405,10 @@ impl TcpStoreExchange {
     /// never joined (on a newcomer: no grow took it in).
     #[staticmethod]
     fn from_env(py: Python<'_>) -> PyResult<TcpStoreExchange> {
-        let (exchange, newcomer) = py.allow_threads(store_from_env).map_err(to_py)?;
-        let exchange = Arc::new(exchange);
+        let exchange = Arc::new(py.allow_threads(store_from_env).map_err(to_py)?);
         Ok(TcpStoreExchange {
             channels: Channels::new(exchange.clone()),
             exchange,
-            newcomer,
         })
     }
 
@@ -423,7 +416,7 @@ impl TcpStoreExchange {
     /// the pools made over this exchange join the group's (`Pool.shm`; `pool.joined`).
     #[getter]
     fn newcomer(&self) -> bool {
-        self.newcomer
+        self.exchange.is_newcomer()
     }
 
     /// This rank.
@@ -463,7 +456,11 @@ impl TcpStoreExchange {
             "TcpStoreExchange(rank={}, world_size={}, newcomer={})",
             self.exchange.rank(),
             self.exchange.world_size(),
-            if self.newcomer { "True" } else { "False" }
+            if self.exchange.is_newcomer() {
+                "True"
+            } else {
+                "False"
+            }
         )
     }
 }
@@ -553,10 +550,5 @@ impl AnyExchange<'_> {
             AnyExchange::Store(s) => s.channels.exchange.clone(),
             AnyExchange::Tcp(t) => t.channels.exchange.clone(),
         }
-    }
-
-    /// Whether it is a newcomer's (joined a grown group, `SYMMPOOL_JOIN=1`).
-    pub(crate) fn newcomer(&self) -> bool {
-        matches!(self, AnyExchange::Tcp(t) if t.newcomer)
     }
 }

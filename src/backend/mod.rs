@@ -452,7 +452,7 @@ impl Backend {
         #[cfg(feature = "nccl")]
         if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
             let exchange = self.exchange.shrink(deadline)?;
-            return nccl.shrink(exchange, deadline);
+            return nccl.regroup(exchange, deadline, false);
         }
         let kind = self.info.kind;
         let reason = format!("a {kind:?} backend assembled from parts of its own cannot shrink");
@@ -461,8 +461,9 @@ impl Backend {
 
     /// The backend of this rank in its group grown by newcomers ([`Exchange::grow`]):
     /// new communicators among the ranks of the grown group (a new set on the host
-    /// backend's threads, new channels on the shared-memory backend, a new set made
-    /// from the store on NCCL, this backend's aborted), as the newcomers make theirs
+    /// backend's threads, new channels on the shared-memory backend; on NCCL the
+    /// control communicator grown by `ncclCommGrow` where NCCL has it, 2.29.2+, else a
+    /// new set made from the store, this backend's aborted), as the newcomers make theirs
     /// ([`HostBackend::join`], [`ShmBackend::join`], [`NcclBackend::from_env`] over the
     /// exchange they joined with). Its device, memory limit (and on the host backends
     /// its stream operations) are this backend's; segments of this backend may be
@@ -492,7 +493,9 @@ impl Backend {
         #[cfg(feature = "nccl")]
         if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
             let exchange = self.exchange.grow(wait, deadline)?;
-            return exchange.map(|ex| nccl.shrink(ex, deadline)).transpose();
+            return exchange
+                .map(|ex| nccl.regroup(ex, deadline, true))
+                .transpose();
         }
         let kind = format!("{:?} assembled from parts of its own", self.info.kind);
         Err(Error::config(

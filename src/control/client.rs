@@ -548,7 +548,10 @@ impl StoreExchange {
             inbox = (ex.shared).wait_until(Deadline::after(config.detection_bound()), answered);
         }
         let grown = (config.join).then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started));
-        let grown = grown.flatten();
+        let grown = grown.flatten().map(|mut ex| {
+            ex.rounds.newcomer = true;
+            ex
+        });
         if !inbox.all_joined && grown.is_none() {
             if inbox.broken.is_some() {
                 return Err(error_for(&inbox, launch.rank, op));

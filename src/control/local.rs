@@ -296,7 +296,10 @@ impl LocalNewcomer {
             .cv
             .wait_while_until(&mut slot, waiting, deadline.instant());
         match std::mem::replace(&mut *slot, Slot::Gone) {
-            Slot::Made(ex) => Ok(Arc::new(ex)),
+            Slot::Made(mut ex) => {
+                ex.rounds.newcomer = true;
+                Ok(Arc::new(ex))
+            }
             _ => Err(Error::timeout_since("join", started, &[])),
         }
     }

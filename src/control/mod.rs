@@ -235,6 +235,15 @@ pub trait Exchange: Send + Sync + std::fmt::Debug {
         let _ = (wait, deadline);
         Err(cannot_grow(self))
     }
+
+    /// Whether this is a newcomer's exchange: the one its join returned
+    /// ([`StoreExchange::connect`] with `SYMMPOOL_JOIN=1`, [`LocalNewcomer::join`]),
+    /// not those its group later shrinks or grows into. A backend made over it joins
+    /// the group's (on NCCL by `ncclCommGrow` where NCCL has it); its pools join the
+    /// group's pools ([`SymmPool::join`](crate::SymmPool::join)). `false` by default.
+    fn is_newcomer(&self) -> bool {
+        false
+    }
 }
 
 /// A rank an [`Exchange`] knows to be lost ([`Exchange::lost_peer`]).
@@ -443,6 +452,10 @@ impl<T: GatherRounds> Exchange for T {
     fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Arc<dyn Exchange>>> {
         GatherRounds::grow(self, wait, deadline)
     }
+
+    fn is_newcomer(&self) -> bool {
+        self.rounds().newcomer
+    }
 }
 
 /// A rank's place in the group and the round counters every [`GatherRounds`]
@@ -454,6 +467,8 @@ struct Rounds {
     world_size: usize,
     /// The largest payload a round takes (`usize::MAX`: no limit beyond memory).
     max_payload_bytes: usize,
+    /// [`Exchange::is_newcomer`].
+    newcomer: bool,
     per_channel: Mutex<HashMap<ChannelId, u64>>,
     opened: Mutex<u64>,
 }

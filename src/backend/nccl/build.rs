@@ -7,7 +7,7 @@ use super::comm::{ABORT_WAIT, Comm, Device, Shared, abort_together, finish_creat
 use super::config::{self, NcclConfig};
 use super::ffi::{self, RawComm, Syms};
 use super::health::{Cause, Health};
-use super::setup::Placement;
+use super::setup::{Placement, Role};
 use super::watchdog::Watchdog;
 use super::{NcclBackend, device_count, ncclComm_t, setup};
 use crate::backend::{Backend, BackendInfo, BackendKind, CommInfo, CommRole};
@@ -132,11 +132,13 @@ impl Builder {
         Some(lost.error("making communicators"))
     }
 
-    /// The set-up round over `exchange` (rank 0 sends the control communicator's
-    /// `unique_id`), for this rank's GPU `device` (its UUID, [`device_uuid`]).
+    /// The set-up round over `exchange` as `role` (`unique_id`: the control
+    /// communicator's, sent by rank 0 of a new set or a grow's root), for this rank's
+    /// GPU `device` (its UUID, [`device_uuid`]).
     fn agree(
         &self,
         exchange: &dyn Exchange,
+        role: Role,
         unique_id: Option<[u8; 128]>,
         device: &[u8],
     ) -> Result<setup::Agreed> {
@@ -147,14 +149,17 @@ impl Builder {
             node: setup::this_node(),
             device: device.to_vec(),
             unique_ids: unique_id.iter().map(|id| id.to_vec()).collect(),
+            role,
             plan: format!("{roles:?}, blocking: {}", self.config.data_blocking),
         };
         setup::agree(exchange, &hello, self.deadline)
     }
 
-    /// A new set among the ranks of `exchange`: rank 0 makes the control communicator's
-    /// `ncclUniqueId` and sends it in the set-up round, every rank then makes the
-    /// control communicator and splits the data ones off it; with where the ranks run
+    /// The communicators of the ranks of `exchange`: the control communicator, made
+    /// new (rank 0 makes its `ncclUniqueId` and sends it in the set-up round) or,
+    /// where NCCL has `ncclCommGrow` (2.29.2+), grown from `parent` (a member's
+    /// control communicator) or by a newcomer ([`Exchange::is_newcomer`]); the data
+    /// communicators split off it, ordered by rank here; with where the ranks run
     /// (this one on the GPU of UUID `device`).
     ///
     /// # Collective
@@ -163,35 +168,117 @@ impl Builder {
         &self,
         exchange: &dyn Exchange,
         device: &[u8],
+        parent: Option<&Comm>,
     ) -> Result<(Comm, DataComms, Placement)> {
         let (rank, world) = (exchange.rank(), exchange.world_size());
-        let id = (rank == 0).then(|| ffi::unique_id(self.nccl)).transpose()?;
-        let agreed = self.agree(exchange, id, device)?;
-        let [id] = agreed.unique_ids[..] else {
-            return Err(Error::Protocol {
-                op: "NCCL set-up",
-                detail: format!("rank 0 sent {} unique ids, not 1", agreed.unique_ids.len()),
-            });
+        let (control, placement) = match (&self.nccl.grow, parent) {
+            (Some(fns), Some(p)) => p.splitting("ncclCommGrow", || {
+                self.grown(fns, Some(p), exchange, device)
+            })?,
+            (Some(fns), None) if exchange.is_newcomer() => {
+                self.grown(fns, None, exchange, device)?
+            }
+            _ => {
+                let id = (rank == 0).then(|| ffi::unique_id(self.nccl)).transpose()?;
+                let agreed = self.agree(exchange, Role::New, id, device)?;
+                let id = agreed.unique_id()?;
+                (self.control_init(world, &id, rank)?, agreed.placement)
+            }
         };
-        let control = self.control_init(world, &id, rank)?;
         let comms = self.data(&control, rank, true)?;
-        Ok((control, comms, agreed.placement))
+        Ok((control, comms, placement))
     }
 
-    /// What [`NcclBackend::shrink`] does but for the device: `old`'s communicators
-    /// aborted (each on a thread of its own, a blocking one revoked first where NCCL
-    /// has `ncclCommRevoke`) and their aborts waited for (at most [`ABORT_WAIT`]: an
-    /// abort still running after that is left to its thread), then a new set among
-    /// the survivors, the ranks of the shrunk `exchange`.
+    /// The control communicator grown by `ncclCommGrow`: from `parent` on a member
+    /// (the one of parent rank 0 is the root: it makes the grow's id, sending it to
+    /// NCCL's boundary ranks, before the set-up round, where the newcomers get it), or
+    /// on a newcomer (`parent` `None`), which takes a rank after the members'.
+    fn grown(
+        &self,
+        fns: &ffi::GrowFns,
+        parent: Option<&Comm>,
+        exchange: &dyn Exchange,
+        device: &[u8],
+    ) -> Result<(Comm, Placement)> {
+        let (role, id) = match parent {
+            Some(p) => {
+                // SAFETY: the parent is live and used by this thread only (the caller
+                // holds its calls lock).
+                let (parent_rank, _, _) = unsafe { ffi::comm_rank_size_device(self.nccl, p.raw) }?;
+                // SAFETY: as above.
+                let id = (parent_rank == 0)
+                    .then(|| unsafe { ffi::grow_unique_id(self.nccl, fns, p.raw) });
+                let parent_rank = u32::try_from(parent_rank).unwrap_or(u32::MAX);
+                (Role::Member { parent_rank }, id.transpose()?)
+            }
+            None => (Role::Newcomer, None),
+        };
+        let agreed = self.agree(exchange, role, id, device)?;
+        let id = agreed.unique_id()?;
+        let ranks = agreed.grow.unwrap_or_default();
+        let mine = ranks.get(exchange.rank()).copied();
+        let (id, rank) = match parent {
+            Some(_) => ((mine == Some(0)).then_some(&id), None),
+            None => (Some(&id), mine),
+        };
+        // SAFETY: the parent, if any, is live and used by this thread only; the root
+        // sent the id before the set-up round, which every rank finished before this.
+        let starting = unsafe {
+            ffi::comm_grow(
+                self.nccl,
+                fns,
+                parent.map(|p| p.raw),
+                exchange.world_size(),
+                id,
+                rank,
+            )
+        };
+        let lost = || self.lost();
+        let grown = finish_creation(
+            self.nccl,
+            starting,
+            "ncclCommGrow",
+            false,
+            self.deadline,
+            None,
+            &lost,
+        )?;
+        Ok((grown, agreed.placement))
+    }
+
+    /// What [`NcclBackend::regroup`] does for the device:
+    /// `old`'s communicators aborted (each on a thread of its own, a blocking one
+    /// revoked first where NCCL has `ncclCommRevoke`) and their aborts waited for (at
+    /// most [`ABORT_WAIT`]: an abort still running after that is left to its thread),
+    /// and a new set among the ranks of the regrouped `exchange`: for a `grow` where
+    /// NCCL has `ncclCommGrow`, grown from `old`'s control communicator, which is
+    /// aborted only then.
     ///
     /// # Collective
-    /// Every survivor, at the same point.
+    /// Every rank of `exchange` but the newcomers, at the same point.
     pub(super) fn survivors<D: Device>(
         &self,
         old: &Shared<D>,
         exchange: &dyn Exchange,
         device: &[u8],
+        grow: bool,
     ) -> Result<(Comm, DataComms, Placement)> {
+        let parent = old
+            .control
+            .as_ref()
+            .filter(|_| grow && self.nccl.grow.is_some());
+        if parent.is_none() {
+            self.abort(old);
+        }
+        let made = self.communicators(exchange, device, parent);
+        if parent.is_some() {
+            self.abort(old);
+        }
+        made
+    }
+
+    /// `old`'s communicators aborted, the aborts waited for (at most [`ABORT_WAIT`]).
+    fn abort<D: Device>(&self, old: &Shared<D>) {
         let why = "aborted by the application: the group shrinks or grows into new communicators";
         let _ = old.fail(Cause::Failed(why.into()));
         let aborted = self.deadline.cap(ABORT_WAIT);
@@ -204,7 +291,6 @@ impl Builder {
                 old.rank
             );
         }
-        self.communicators(exchange, device)
     }
 
     /// Create the non-blocking control communicator from `unique_id`, by the set-up's
@@ -338,23 +424,29 @@ impl Builder {
 type DataComms = Vec<(CommInfo, Comm)>;
 
 impl NcclBackend {
-    /// [`Backend::shrink`] on NCCL, with the shrunk `exchange`: this backend's
-    /// communicators aborted and their aborts waited for, boundedly (they release
-    /// their windows themselves), then a new set among the survivors of `exchange`,
-    /// as [`from_env`](Self::from_env) makes one (and with its errors), on this rank's
-    /// device and configuration, every wait ending by `deadline` (a survivor lost
-    /// meanwhile ends NCCL's creation at once). Not `ncclCommShrink`, which needs the
-    /// parent communicator alive: the watchdog aborts it when a peer is lost.
-    pub(in crate::backend) fn shrink(
+    /// [`Backend::shrink`] (`grow` false) and [`Backend::grow`] on NCCL, with the
+    /// regrouped `exchange`: this backend's communicators aborted and their aborts
+    /// waited for, boundedly (they release their windows themselves), and a new set
+    /// among the ranks of `exchange`, as [`from_env`](Self::from_env) makes one (and
+    /// with its errors), on this rank's device and configuration, every wait ending
+    /// by `deadline` (a survivor lost meanwhile ends NCCL's creation at once). For a
+    /// grow where NCCL has `ncclCommGrow` (2.29.2+), the control communicator grows by
+    /// the newcomers (who make theirs with `from_env` over the exchange they joined
+    /// with), and this backend's communicators are aborted after. Not
+    /// `ncclCommShrink`, which needs the parent communicator alive: the watchdog
+    /// aborts it when a peer is lost.
+    pub(in crate::backend) fn regroup(
         &self,
         exchange: Arc<dyn Exchange>,
         deadline: Deadline,
+        grow: bool,
     ) -> Result<Backend> {
         let b = Builder::until(*self.config(), deadline, Some(exchange.clone()))?;
         self.bind()?;
         let ctx = self.shared.device.clone();
         let uuid = device_uuid(&ctx);
-        let (control, comms, placement) = b.survivors(&self.shared, exchange.as_ref(), &uuid)?;
+        let (control, comms, placement) =
+            b.survivors(&self.shared, exchange.as_ref(), &uuid, grow)?;
         b.assemble(ctx, Some(control), comms, placement, exchange, true)
     }
 
@@ -436,7 +528,8 @@ impl NcclBackend {
             )
         })?;
         let ctx = context(device)?;
-        let (control, comms, placement) = b.communicators(exchange.as_ref(), &device_uuid(&ctx))?;
+        let (control, comms, placement) =
+            b.communicators(exchange.as_ref(), &device_uuid(&ctx), None)?;
         b.assemble(ctx, Some(control), comms, placement, exchange, true)
     }
 
@@ -492,7 +585,7 @@ impl NcclBackend {
         // SAFETY: the caller guarantees a live communicator nothing else uses now.
         let found = unsafe { ffi::comm_rank_size_device(b.nccl, parent) }?;
         let rank = same_rank(found, device, exchange.as_ref())?;
-        let agreed = b.agree(exchange.as_ref(), None, &device_uuid(&ctx))?;
+        let agreed = b.agree(exchange.as_ref(), Role::New, None, &device_uuid(&ctx))?;
         let policy = ffi::NCCL_CTA_POLICY_DEFAULT;
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
@@ -605,7 +698,7 @@ impl NcclBackend {
                 "at least one communicator",
             ));
         }
-        let agreed = b.agree(exchange.as_ref(), None, &device_uuid(&ctx))?;
+        let agreed = b.agree(exchange.as_ref(), Role::New, None, &device_uuid(&ctx))?;
         b.assemble(ctx, None, adopted, agreed.placement, exchange, false)
     }
 }

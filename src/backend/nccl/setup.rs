@@ -1,7 +1,9 @@
 //! What the ranks agree on before they make their communicators: one round on a
 //! channel of its own (`"nccl:setup"`), in which every rank sends its NCCL version,
-//! node identity, GPU and the data communicators it will split, and rank 0 also the
-//! control communicator's `ncclUniqueId`. Pure logic over an [`Exchange`], tested without GPUs.
+//! node identity, GPU, the data communicators it will split and how it makes the
+//! control communicator ([`Role`]), and one rank also the control communicator's
+//! `ncclUniqueId` (rank 0 for a new set; for an `ncclCommGrow`, the grow's root).
+//! Pure logic over an [`Exchange`], tested without GPUs.
 
 use crate::control::{Exchange, gather_records};
 use crate::deadline::Deadline;
@@ -19,13 +21,26 @@ pub(crate) struct Hello {
     /// The UUID of this rank's GPU (`cuDeviceGetUuid`; empty if unknown): ranks with
     /// the same one time-share a GPU.
     pub(crate) device: Vec<u8>,
-    /// Rank 0: the control communicator's `ncclUniqueId` (128 bytes); empty on the
-    /// other ranks, and on every rank when the control communicator is split from a
-    /// runtime's.
+    /// Rank 0 of a new set, or the root of a grow: the control communicator's
+    /// `ncclUniqueId` (128 bytes); empty on the other ranks, and on every rank when
+    /// the control communicator is split from a runtime's.
     pub(crate) unique_ids: Vec<Vec<u8>>,
+    /// How this rank makes the control communicator.
+    pub(crate) role: Role,
     /// The data communicators this rank will split, and how (every rank must split the
     /// same ones: a split is collective).
     pub(crate) plan: String,
+}
+
+/// How a rank makes its control communicator.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Role {
+    /// In a new set (`ncclCommInitRankConfig`, or split from a runtime's).
+    New,
+    /// In an `ncclCommGrow` of its control communicator, where it is `parent_rank`.
+    Member { parent_rank: u32 },
+    /// In an `ncclCommGrow`, as a newcomer.
+    Newcomer,
 }
 
 /// What the round settled, the same on every rank.
@@ -33,10 +48,29 @@ pub(crate) struct Hello {
 pub(crate) struct Agreed {
     /// The NCCL version of every rank.
     pub(crate) version: NcclVersion,
-    /// Rank 0's unique ids.
+    /// The unique ids of rank 0 (a new set) or of the grow's root.
     pub(crate) unique_ids: Vec<[u8; 128]>,
+    /// For an `ncclCommGrow`: each rank's rank in the grown control communicator (a
+    /// member keeps its parent rank; the newcomers follow, in rank order).
+    pub(crate) grow: Option<Vec<usize>>,
     /// Where the ranks run.
     pub(crate) placement: Placement,
+}
+
+impl Agreed {
+    /// The one unique id sent.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when none or several were sent.
+    pub(crate) fn unique_id(&self) -> Result<[u8; 128]> {
+        match self.unique_ids[..] {
+            [id] => Ok(id),
+            _ => Err(Error::Protocol {
+                op: "NCCL set-up",
+                detail: format!("{} unique ids were sent, not 1", self.unique_ids.len()),
+            }),
+        }
+    }
 }
 
 /// Where the ranks of a backend run: how many nodes, and whether some share a GPU.
@@ -101,24 +135,69 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
             "the same NcclConfig on every rank",
         ));
     }
-    let unique_ids = first
+    let grow = grow_ranks(hellos)?;
+    // The sender: the grow's root (parent rank 0), else rank 0.
+    let root = match &grow {
+        Some(ranks) => ranks.iter().position(|&r| r == 0).unwrap_or(0),
+        None => 0,
+    };
+    let unique_ids = hellos[root]
         .unique_ids
         .iter()
         .map(|id| {
             <[u8; 128]>::try_from(id.as_slice()).map_err(|_| Error::Protocol {
                 op: "NCCL set-up",
-                detail: format!("rank 0 sent a unique id of {} bytes, not 128", id.len()),
+                detail: format!(
+                    "rank {root} sent a unique id of {} bytes, not 128",
+                    id.len()
+                ),
             })
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Agreed {
         version: NcclVersion::from_code(first.version),
         unique_ids,
+        grow,
         placement: Placement {
             nodes: count_nodes(hellos.iter().map(|h| h.node.as_str())),
             shared_devices: shared_devices(hellos.iter().map(|h| h.device.as_slice())),
         },
     })
+}
+
+/// For a grow (some rank a [`Role::Member`]), each rank's rank in the grown control
+/// communicator: members keep theirs, which must be `0..members`, newcomers follow in
+/// rank order; `None` when every rank makes a new set.
+fn grow_ranks(hellos: &[Hello]) -> Result<Option<Vec<usize>>> {
+    if hellos.iter().all(|h| h.role == Role::New) {
+        return Ok(None);
+    }
+    let members = (hellos.iter()).filter(|h| matches!(h.role, Role::Member { .. }));
+    let members = members.count();
+    let mut next = members;
+    let mut ranks = Vec::with_capacity(hellos.len());
+    for h in hellos {
+        ranks.push(match h.role {
+            Role::Member { parent_rank } => parent_rank as usize,
+            Role::Newcomer => {
+                next += 1;
+                next - 1
+            }
+            Role::New => usize::MAX,
+        });
+    }
+    let mut sorted = ranks.clone();
+    sorted.sort_unstable();
+    if members == 0 || next == members || !sorted.iter().copied().eq(0..ranks.len()) {
+        let roles: Vec<_> = hellos.iter().map(|h| h.role).collect();
+        return Err(Error::Protocol {
+            op: "NCCL set-up",
+            detail: format!(
+                "the ranks grow (ncclCommGrow) as {roles:?}, not as members 0..m and newcomers"
+            ),
+        });
+    }
+    Ok(Some(ranks))
 }
 
 /// Whether two of the GPU identities are the same (empty ones, unknown, never match).

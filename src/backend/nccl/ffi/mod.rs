@@ -20,7 +20,7 @@ mod window;
 pub(crate) use cuda::*;
 #[cfg(test)]
 pub(crate) use table::RevokeFn;
-pub(crate) use table::{NO_DRIVER, Syms, api, load};
+pub(crate) use table::{GrowFns, NO_DRIVER, Syms, api, load};
 pub(crate) use window::*;
 
 use crate::error::{Error, Result};
@@ -240,6 +240,19 @@ pub(crate) fn comm_init(s: &Syms, nranks: usize, id: &[u8; 128], rank: usize) ->
     // is aborted (they are leaked otherwise, see `Starting`); `id` is passed by value;
     // the caller made this rank's device current.
     let code = unsafe { (s.init_rank_config)(&mut *slot, nranks, id, rank, &mut *config) };
+    started(s, op, code, slot, config)
+}
+
+/// A creation call `op` that answered `code` and writes the new communicator into
+/// `slot` before it returns (an init, a grow): what is polled until it is done; a
+/// half-made communicator is aborted on failure.
+fn started(
+    s: &Syms,
+    op: &'static str,
+    code: c_int,
+    slot: Box<sys::ncclComm_t>,
+    config: Box<sys::ncclConfig_t>,
+) -> Result<Starting> {
     let comm = RawComm(*slot);
     if comm.0.is_null() {
         return Err(status(s, op, code, None).err().unwrap_or(no_comm(op, code)));
@@ -258,6 +271,56 @@ pub(crate) fn comm_init(s: &Syms, nranks: usize, id: &[u8; 128], rank: usize) ->
             Err(e)
         }
     }
+}
+
+/// `ncclCommGetUniqueId` on `comm`: the id of its next grow, made by the grow's root,
+/// which also sends it to `comm`'s ranks 0 and n - 1 over NCCL's bootstrap, where
+/// their `ncclCommGrow` reads it. One id per grow, the next only once that grow
+/// completed (`nccl.h.in`, 2.29.2+).
+///
+/// # Safety
+/// `comm` is live, and nothing else calls NCCL on it concurrently.
+pub(crate) unsafe fn grow_unique_id(s: &Syms, fns: &GrowFns, comm: RawComm) -> Result<[u8; 128]> {
+    let mut id = sys::ncclUniqueId { internal: [0; 128] };
+    // SAFETY: `comm` is live (the caller's contract); `id` is a valid out-pointer.
+    let code = unsafe { (fns.unique_id)(comm.0, &mut id) };
+    check(s, "ncclCommGetUniqueId", code, Some(&comm))?;
+    Ok(id.internal.map(|b| b as u8))
+}
+
+/// Start `ncclCommGrow` into a communicator of `nranks` on a non-blocking config of
+/// the default CTA policy: on a rank of `parent`, which keeps its rank (`id` only on
+/// the grow's root: [`grow_unique_id`]'s), or on a newcomer (`parent` `None`) at
+/// `rank` (at least `parent`'s size) with the root's `id` (`nccl.h.in`, 2.29.2+). The
+/// new communicator is written before the call returns and is what is polled.
+///
+/// # Safety
+/// `parent`, if any, is live and nothing else calls NCCL on it until the grow is
+/// done; the root sent its id before any rank of `parent` calls this (NCCL's ranks
+/// 0 and n - 1 wait for it inside the call, with no deadline).
+pub(crate) unsafe fn comm_grow(
+    s: &Syms,
+    fns: &GrowFns,
+    parent: Option<RawComm>,
+    nranks: usize,
+    id: Option<&[u8; 128]>,
+    rank: Option<usize>,
+) -> Result<Starting> {
+    let op = "ncclCommGrow";
+    let nranks = fit(op, nranks)?;
+    let rank = rank.map_or(Ok(-1), |r| fit(op, r))?;
+    let id = id.map(|id| sys::ncclUniqueId {
+        internal: id.map(|b| b as c_char),
+    });
+    let id_ptr = id.as_ref().map_or(std::ptr::null(), |id| &raw const *id);
+    let parent = parent.map_or(std::ptr::null_mut(), |p| p.0);
+    let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
+    let mut config = Box::new(config(NCCL_CTA_POLICY_DEFAULT, false));
+    // SAFETY: the caller's contract for `parent`; NCCL copies `id` before the call
+    // returns; the boxes are valid for NCCL to write into until the call completes
+    // or is aborted (leaked otherwise, see `Starting`).
+    let code = unsafe { (fns.grow)(parent, nranks, id_ptr, rank, &mut *slot, &mut *config) };
+    started(s, op, code, slot, config)
 }
 
 /// Start `ncclCommSplit(parent, 0, key, &child, config)`, the child blocking or not.

@@ -66,6 +66,21 @@ pub(crate) type ReduceScatterFn = unsafe extern "C" fn(
 /// `ncclCommRevoke(comm, revokeFlags)` (NCCL >= 2.28.7, `nccl.h.in`).
 pub(crate) type RevokeFn = unsafe extern "C" fn(sys::ncclComm_t, c_int) -> c_int;
 
+/// `ncclCommGetUniqueId(comm, uniqueId)` and `ncclCommGrow(comm, nRanks, uniqueId,
+/// rank, newcomm, config)` (NCCL >= 2.29.2, `nccl.h.in`).
+#[derive(Clone, Copy)]
+pub(crate) struct GrowFns {
+    pub(crate) unique_id: unsafe extern "C" fn(sys::ncclComm_t, *mut sys::ncclUniqueId) -> c_int,
+    pub(crate) grow: unsafe extern "C" fn(
+        sys::ncclComm_t,
+        c_int,
+        *const sys::ncclUniqueId,
+        c_int,
+        *mut sys::ncclComm_t,
+        *mut sys::ncclConfig_t,
+    ) -> c_int,
+}
+
 /// Declares [`Syms`], each field with the NCCL function it is resolved from, and
 /// [`resolve`], which resolves them all from a loaded library.
 macro_rules! syms {
@@ -80,6 +95,9 @@ macro_rules! syms {
             /// `ncclCommRevoke`, NCCL >= 2.28.7 only (`None` before: the watchdog then
             /// aborts directly).
             pub(crate) revoke: Option<RevokeFn>,
+            /// `ncclCommGetUniqueId` and `ncclCommGrow`, NCCL >= 2.29.2 only (`None`
+            /// before: a grow makes a new set).
+            pub(crate) grow: Option<GrowFns>,
         }
 
         /// Every function of [`Syms`] from `lib`, or the name of the first missing one.
@@ -92,6 +110,12 @@ macro_rules! syms {
                 // SAFETY: `ncclCommRevoke(ncclComm_t, int)` in nccl.h 2.28.7+; the
                 // library is leaked. Absent before 2.28.7, which is not an error.
                 revoke: unsafe { sym(lib, "ncclCommRevoke") }.ok(),
+                // SAFETY: `GrowFns`' fields have the C signatures of their functions in
+                // nccl.h.in 2.29.2+; the library is leaked. Absent before, not an error.
+                grow: match unsafe { (sym(lib, "ncclCommGetUniqueId"), sym(lib, "ncclCommGrow")) } {
+                    (Ok(unique_id), Ok(grow)) => Some(GrowFns { unique_id, grow }),
+                    _ => None,
+                },
             })
         }
     };

@@ -22,6 +22,7 @@ fn unique_ids_reach_every_rank_over_an_exchange() {
                         // unique over every host).
                         device: vec![(rank % 2) as u8; 16],
                         unique_ids: if rank == 0 { ids } else { Vec::new() },
+                        role: Role::New,
                         plan: "p".into(),
                     };
                     agree(
@@ -53,6 +54,7 @@ fn different_versions_fail_on_every_rank() {
         node: "n".into(),
         device: Vec::new(),
         unique_ids: vec![],
+        role: Role::New,
         plan: "p".into(),
     };
     match settle(&[h(22803), h(22809)]) {
@@ -82,6 +84,60 @@ fn different_versions_fail_on_every_rank() {
         (one.placement, one.unique_ids.len()),
         (Placement::ONE_NODE, 0)
     );
+}
+
+#[test]
+fn a_grow_takes_the_roots_id_and_numbers_the_newcomers_after_the_members() {
+    let h = |role, ids: Vec<Vec<u8>>| Hello {
+        version: 23206,
+        node: "n".into(),
+        device: Vec::new(),
+        unique_ids: ids,
+        role,
+        plan: "p".into(),
+    };
+    let member = |parent_rank| Role::Member { parent_rank };
+    // Job ranks 0..4, rank 1 a newcomer: members keep their parent ranks (here 2, 0, 1:
+    // the parent was itself grown), the newcomer comes after them; the root (parent
+    // rank 0, rank 2 here) sent the id, not rank 0.
+    let hellos = [
+        h(member(2), vec![]),
+        h(Role::Newcomer, vec![]),
+        h(member(0), vec![id(5)]),
+        h(member(1), vec![]),
+    ];
+    let a = settle(&hellos).unwrap();
+    assert_eq!(a.grow, Some(vec![2, 3, 0, 1]));
+    assert_eq!(&a.unique_id().unwrap()[..], &id(5)[..]);
+    // A rank making a new set beside a grow, a grow without newcomers or members, and
+    // members whose ranks are not 0..members are refused on every rank.
+    let refused = [
+        vec![h(member(0), vec![id(1)]), h(Role::New, vec![])],
+        vec![h(member(0), vec![id(1)]), h(member(1), vec![])],
+        vec![h(Role::Newcomer, vec![]), h(Role::Newcomer, vec![])],
+        vec![
+            h(member(0), vec![id(1)]),
+            h(member(2), vec![]),
+            h(Role::Newcomer, vec![]),
+        ],
+        vec![
+            h(member(1), vec![id(1)]),
+            h(member(1), vec![]),
+            h(Role::Newcomer, vec![]),
+        ],
+    ];
+    for hellos in refused {
+        let roles: Vec<_> = hellos.iter().map(|h| h.role).collect();
+        assert!(
+            matches!(settle(&hellos), Err(Error::Protocol { .. })),
+            "{roles:?}"
+        );
+    }
+    // No unique id (a root that sent none), or two, is refused once read.
+    let none = settle(&[h(member(0), vec![]), h(Role::Newcomer, vec![])]).unwrap();
+    assert!(matches!(none.unique_id(), Err(Error::Protocol { .. })));
+    // A new set has no grow.
+    assert_eq!(settle(&[h(Role::New, vec![id(1)])]).unwrap().grow, None);
 }
 
 #[test]

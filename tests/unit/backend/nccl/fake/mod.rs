@@ -426,7 +426,47 @@ unsafe extern "C" fn revoke(c: sys::ncclComm_t, _flags: c_int) -> c_int {
     SUCCESS
 }
 
-fn table(with_revoke: bool) -> Syms {
+/// One `ncclCommGrow` the fake saw: the calling thread, whether it had a parent, the
+/// new size, whether it passed an id, the rank it passed.
+pub(super) type GrowCall = (ThreadId, bool, c_int, bool, c_int);
+
+/// Every `ncclCommGrow` so far.
+pub(super) static GROWS: Mutex<Vec<GrowCall>> = Mutex::new(Vec::new());
+
+unsafe extern "C" fn grow_unique_id(c: sys::ncclComm_t, id: *mut sys::ncclUniqueId) -> c_int {
+    fake(c).note("ncclCommGetUniqueId");
+    // SAFETY: the caller passes a valid out-pointer.
+    unsafe { (*id).internal = [7; 128] };
+    SUCCESS
+}
+
+unsafe extern "C" fn grow(
+    parent: sys::ncclComm_t,
+    n: c_int,
+    id: *const sys::ncclUniqueId,
+    rank: c_int,
+    out: *mut sys::ncclComm_t,
+    config: *mut sys::ncclConfig_t,
+) -> c_int {
+    if !parent.is_null() {
+        fake(parent).note("ncclCommGrow");
+    }
+    let call = (
+        std::thread::current().id(),
+        !parent.is_null(),
+        n,
+        !id.is_null(),
+        rank,
+    );
+    GROWS.lock().push(call);
+    // SAFETY: the caller passes valid pointers.
+    let blocking = unsafe { (*config).blocking } != 0;
+    // SAFETY: as above.
+    unsafe { *out = FakeComm::make(blocking, true) };
+    if blocking { SUCCESS } else { ffi::IN_PROGRESS }
+}
+
+fn table(with_revoke: bool, with_grow: bool) -> Syms {
     Syms {
         get_unique_id,
         init_rank_config,
@@ -446,18 +486,28 @@ fn table(with_revoke: bool) -> Syms {
         reduce_scatter: reduce::<false>,
         all_reduce: reduce::<true>,
         revoke: with_revoke.then_some(revoke as ffi::RevokeFn),
+        grow: with_grow.then_some(ffi::GrowFns {
+            unique_id: grow_unique_id,
+            grow,
+        }),
     }
 }
 
-/// The fake function table: NCCL ≥ 2.28.7 (`with_revoke`) or older.
+/// The fake function table: NCCL 2.28.7 to 2.29.1 (`with_revoke`) or older.
 pub(crate) fn syms(with_revoke: bool) -> &'static Syms {
     static NEW: std::sync::OnceLock<Syms> = std::sync::OnceLock::new();
     static OLD: std::sync::OnceLock<Syms> = std::sync::OnceLock::new();
     if with_revoke {
-        NEW.get_or_init(|| table(true))
+        NEW.get_or_init(|| table(true, false))
     } else {
-        OLD.get_or_init(|| table(false))
+        OLD.get_or_init(|| table(false, false))
     }
+}
+
+/// The fake function table of NCCL ≥ 2.29.2: `ncclCommGrow` too.
+pub(crate) fn syms_with_grow() -> &'static Syms {
+    static GROWING: std::sync::OnceLock<Syms> = std::sync::OnceLock::new();
+    GROWING.get_or_init(|| table(true, true))
 }
 
 /// A fake stream: whether it is "capturing".

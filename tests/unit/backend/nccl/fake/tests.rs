@@ -943,8 +943,13 @@ fn an_asynchronous_error_that_beats_the_verdict_is_blamed_on_the_lost_peer() {
 #[test]
 fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
     // One rank of one (the fake's world): its exchange shrinks into a group of the
-    // same size, which is all a shrink needs here. With and without `ncclCommRevoke`.
-    for with_revoke in [true, false] {
+    // same size, which is all a shrink needs here. With and without `ncclCommRevoke`,
+    // and with `ncclCommGrow` (which a shrink does not use).
+    for (with_revoke, nccl) in [
+        (true, syms(true)),
+        (false, syms(false)),
+        (true, syms_with_grow()),
+    ] {
         let old: Arc<dyn Exchange> = Arc::new(LocalExchange::group(1).remove(0));
         let health = Health::watching(&old);
         let config = NcclConfig::default();
@@ -965,11 +970,11 @@ fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
         let b = Builder {
             watch: None,
             version: NcclVersion::new(2, 28, 9),
-            nccl: syms(with_revoke),
+            nccl,
             config,
             deadline: Deadline::after(Duration::from_secs(10)),
         };
-        let (control, comms, placement) = b.survivors(&s, next.as_ref(), &[7; 16]).unwrap();
+        let (control, comms, placement) = b.survivors(&s, next.as_ref(), &[7; 16], false).unwrap();
         // The old pool's windows go with their communicators: nothing is called.
         for (c, w) in windows {
             // SAFETY: registered on `c` above; no work uses it.
@@ -1019,61 +1024,102 @@ fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
 }
 
 #[test]
-fn a_grow_aborts_the_old_set_and_makes_the_new_one_with_the_newcomer_as_its_set_up_does() {
-    // A survivor alone (the fake's world) grows with a newcomer on another thread: the
-    // survivor's old set is aborted and a new one made over the grown exchange, in the
-    // same rounds as the newcomer's own set-up (`from_env`'s).
-    let survivor = Arc::new(LocalExchange::group(1).remove(0));
-    let newcomer = survivor.newcomer();
-    let old: Arc<dyn Exchange> = survivor.clone();
-    let config = NcclConfig::default();
-    let s = shared_with(true, &CommInfo::STANDARD, config, Health::watching(&old)).unwrap();
-    let old_comms: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
-    old_comms.iter().for_each(|f| f.clear());
-    let builder = || Builder {
-        watch: None,
-        version: NcclVersion::new(2, 28, 9),
-        nccl: syms(true),
-        config,
-        deadline: Deadline::after(Duration::from_secs(10)),
-    };
-    let deadline = Deadline::after(Duration::from_secs(10));
-    let (grown, joined) = std::thread::scope(|t| {
-        let joined = t.spawn(|| {
-            let ex = newcomer.join(deadline).unwrap();
-            let made = builder().communicators(ex.as_ref(), &[8; 16]).unwrap();
-            (ex.rank(), ex.world_size(), made)
+fn a_grow_makes_a_new_set_with_the_newcomer_or_grows_the_control_communicator_where_nccl_can() {
+    // A survivor alone (the fake's world) grows with a newcomer on another thread.
+    // Before NCCL 2.29.2 the survivor's old set is aborted and a new one made over the
+    // grown exchange, in the same rounds as the newcomer's own set-up (`from_env`'s).
+    // With `ncclCommGrow` the survivor, root of its control communicator, makes the
+    // grow's id before the set-up round and grows the control communicator with it;
+    // the newcomer grows with no parent, the id and the rank after the members'; the
+    // old set is aborted only after the grow.
+    for nccl in [syms(true), syms_with_grow()] {
+        let survivor = Arc::new(LocalExchange::group(1).remove(0));
+        let newcomer = survivor.newcomer();
+        let old: Arc<dyn Exchange> = survivor.clone();
+        let config = NcclConfig::default();
+        let s = shared_with(true, &CommInfo::STANDARD, config, Health::watching(&old)).unwrap();
+        let old_comms: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
+        old_comms.iter().for_each(|f| f.clear());
+        let builder = || Builder {
+            watch: None,
+            version: NcclVersion::new(2, 28, 9),
+            nccl,
+            config,
+            deadline: Deadline::after(Duration::from_secs(10)),
+        };
+        let deadline = Deadline::after(Duration::from_secs(10));
+        let (grown, joined) = std::thread::scope(|t| {
+            let joined = t.spawn(|| {
+                let ex = newcomer.join(deadline).unwrap();
+                assert!(ex.is_newcomer());
+                let made = builder()
+                    .communicators(ex.as_ref(), &[8; 16], None)
+                    .unwrap();
+                (
+                    ex.rank(),
+                    ex.world_size(),
+                    made,
+                    std::thread::current().id(),
+                )
+            });
+            let next = old
+                .grow(true, deadline)
+                .unwrap()
+                .expect("the newcomer waits");
+            assert!(!next.is_newcomer());
+            let made = builder()
+                .survivors(&s, next.as_ref(), &[7; 16], true)
+                .unwrap();
+            (
+                (next.rank(), next.world_size(), made),
+                joined.join().unwrap(),
+            )
         });
-        let next = old
-            .grow(true, deadline)
-            .unwrap()
-            .expect("the newcomer waits");
-        let made = builder().survivors(&s, next.as_ref(), &[7; 16]).unwrap();
-        (
-            (next.rank(), next.world_size(), made),
-            joined.join().unwrap(),
-        )
-    });
-    assert_eq!((grown.0, grown.1), (0, 2));
-    assert_eq!((joined.0, joined.1), (1, 2));
-    for f in &old_comms {
+        assert_eq!((grown.0, grown.1), (0, 2));
+        assert_eq!((joined.0, joined.1), (1, 2));
+        let control_old: Vec<_> = old_comms[s.comms.len()]
+            .stamped()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let grows: Vec<_> = GROWS
+            .lock()
+            .iter()
+            .filter(|g| [std::thread::current().id(), joined.3].contains(&g.0))
+            .map(|g| (g.1, g.2, g.3, g.4))
+            .collect();
+        if nccl.grow.is_some() {
+            assert_eq!(
+                control_old,
+                ["ncclCommGetUniqueId", "ncclCommGrow", "ncclCommAbort"]
+            );
+            // The survivor (root, keeps its rank: -1), the newcomer (rank 1 of 2).
+            assert_eq!(grows.len(), 2, "{grows:?}");
+            assert!(grows.contains(&(true, 2, true, -1)), "{grows:?}");
+            assert!(grows.contains(&(false, 2, true, 1)), "{grows:?}");
+        } else {
+            assert_eq!(control_old, ["ncclCommAbort"]);
+            assert!(grows.is_empty(), "{grows:?}");
+        }
+        for f in &old_comms {
+            assert!(
+                f.stamped().iter().any(|(n, _)| *n == "ncclCommAbort"),
+                "{:?}",
+                f.stamped()
+            );
+        }
+        let ((_, comms, placement), (_, their_comms, their_placement)) = (grown.2, joined.2);
+        assert_eq!(comms.len(), s.comms.len());
+        assert_eq!(their_comms.len(), comms.len());
         assert!(
-            f.stamped().iter().any(|(n, _)| *n == "ncclCommAbort"),
-            "{:?}",
-            f.stamped()
+            comms
+                .iter()
+                .chain(&their_comms)
+                .all(|(_, c)| !c.is_aborted())
+        );
+        assert_eq!(
+            placement, their_placement,
+            "both ranks agreed where they run"
         );
     }
-    let ((_, comms, placement), (_, their_comms, their_placement)) = (grown.2, joined.2);
-    assert_eq!(comms.len(), s.comms.len());
-    assert_eq!(their_comms.len(), comms.len());
-    assert!(
-        comms
-            .iter()
-            .chain(&their_comms)
-            .all(|(_, c)| !c.is_aborted())
-    );
-    assert_eq!(
-        placement, their_placement,
-        "both ranks agreed where they run"
-    );
 }
