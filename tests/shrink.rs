@@ -834,3 +834,63 @@ fn a_thread_lost_right_after_the_group_shrank_fails_the_shrink_cleanly() {
         assert!(matches!(a[1], Ok(2)), "{a:?}");
     }
 }
+
+/// A 3-rank host world's pools after a reserve (collective) and `common` allocations of
+/// 1 MiB on every rank, rank 2 then lost (its pool, group and buffers dropped): the
+/// survivors' pools and buffers.
+fn lost_after(common: usize) -> (Vec<SymmPool>, Vec<Vec<symmpool::SymmBuffer>>) {
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
+    let groups = Group::world(HostBackend::world(HostConfig::new(3)).unwrap(), &config).unwrap();
+    let mut pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
+    drop(groups);
+    let stream = Stream::host();
+    let mut held = on_all(&pools, |p| {
+        p.reserve(16 << 20).unwrap();
+        (0..common)
+            .map(|_| p.alloc(1 << 20, &stream).unwrap())
+            .collect::<Vec<_>>()
+    });
+    drop((held.pop(), pools.pop()));
+    (pools, held)
+}
+
+#[test]
+fn survivors_that_stopped_some_allocations_apart_catch_up_and_pin_those_blocks() {
+    // Rank 1 learned of the loss later than rank 0: it allocated twice more and freed
+    // the second of those before it shrank. Both shrink into pools at the same call:
+    // the block rank 1 still holds is allocated on both (pinned), and their next
+    // allocations land at the same places.
+    let (pools, mut held) = lost_after(1);
+    let stream = Stream::host();
+    held[1].push(pools[1].alloc(256 << 10, &stream).unwrap());
+    drop(pools[1].alloc(64 << 10, &stream).unwrap());
+    let shrunk: Vec<_> = on_all(&pools, |p| p.shrink().unwrap());
+    let reports: Vec<_> = shrunk
+        .iter()
+        .map(|(_, r)| (r.pinned_blocks, r.live_buffers))
+        .collect();
+    assert_eq!(reports, [(1, 1), (1, 2)]);
+    let next = on_all(&shrunk, |(p, _)| {
+        let b = p.alloc(512 << 10, &stream).unwrap();
+        (b.segment(), b.offset_bytes(), b.allocation_seq())
+    });
+    assert_eq!(next[0], next[1]);
+    // Rank 1's buffer of the pinned block goes without freeing it; the pools close.
+    drop(held);
+    assert!(
+        on_all(&shrunk, |(p, _)| p.close())
+            .iter()
+            .all(Result::is_ok)
+    );
+}
+
+#[test]
+fn a_survivor_that_freed_a_buffer_another_still_holds_cannot_catch_up() {
+    // Rank 1 freed a buffer after rank 0 had stopped (rank 0 still holds it): the
+    // memory cannot be the same on both, and their shrink says so on both.
+    let (pools, mut held) = lost_after(2);
+    drop(held[1].pop());
+    for out in on_all(&pools, |p| p.shrink().map(|_| ())) {
+        assert!(matches!(out, Err(Error::Divergence(_))), "{out:?}");
+    }
+}

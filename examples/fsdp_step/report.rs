@@ -121,6 +121,9 @@ pub struct ShrunkPool {
     pub live_buffers: u64,
     /// Bytes of those buffers.
     pub live_bytes: u64,
+    /// Blocks allocated by some survivors after others had stopped, pinned.
+    #[serde(default)]
+    pub pinned_blocks: u64,
     /// How long the shrink took, in ms.
     pub ms: f64,
 }
@@ -193,6 +196,7 @@ impl Survival {
                     registrations: r.registrations,
                     live_buffers: r.live_buffers,
                     live_bytes: r.live_bytes,
+                    pinned_blocks: r.pinned_blocks,
                     ms: r.took.as_secs_f64() * 1e3,
                 })
                 .collect(),
@@ -527,12 +531,13 @@ pub fn survival_lines(r: &Summary) -> Vec<String> {
     for p in &s.pools {
         lines.push(format!(
             "  {:<10} segments kept: {}, window registrations on the new communicators: {}, \
-             live buffers: {} ({:.1} KiB), shrink: {:.1} ms",
+             live buffers: {} ({:.1} KiB), pinned blocks: {}, shrink: {:.1} ms",
             p.pool,
             p.segments,
             p.registrations,
             p.live_buffers,
             p.live_bytes as f64 / 1024.0,
+            p.pinned_blocks,
             p.ms
         ));
     }

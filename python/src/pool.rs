@@ -1099,6 +1099,9 @@ pub struct ShrinkReport {
     live_buffers: u64,
     /// Bytes of those buffers' blocks.
     live_bytes: u64,
+    /// Blocks some survivors allocated after others had stopped (they learned of the
+    /// loss a few calls apart): allocated on every rank until the pool is closed.
+    pinned_blocks: u64,
     /// Seconds from the call to the new pool, ready (the collectives' set-up after it
     /// not included).
     took_s: f64,
@@ -1116,6 +1119,7 @@ impl From<symmpool::ShrinkReport> for ShrinkReport {
             registrations: r.registrations,
             live_buffers: r.live_buffers,
             live_bytes: r.live_bytes,
+            pinned_blocks: r.pinned_blocks,
             took_s: r.took.as_secs_f64(),
         }
     }
@@ -1126,7 +1130,7 @@ impl ShrinkReport {
     fn __repr__(&self) -> String {
         format!(
             "ShrinkReport(rank {} of {} -> {} of {}, lost_ranks={:?}, segments={}, \
-             registrations={}, live_buffers={}, live_bytes={}, took_s={:.3})",
+             registrations={}, live_buffers={}, live_bytes={}, pinned_blocks={}, took_s={:.3})",
             self.old_rank,
             self.old_world_size,
             self.rank,
@@ -1136,6 +1140,7 @@ impl ShrinkReport {
             self.registrations,
             self.live_buffers,
             self.live_bytes,
+            self.pinned_blocks,
             self.took_s
         )
     }

@@ -100,7 +100,7 @@ impl History {
     pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) {
         self.seq += 1;
         let seq = self.seq;
-        self.hash = mix(self.hash ^ mix(seq ^ mix((kind as u64) ^ mix(a ^ mix(b)))));
+        self.hash = step(self.hash, &CallRecord { seq, kind, a, b });
         self.head.hash.store(self.hash, Ordering::Release);
         self.head.seq.store(seq, Ordering::Release);
         if self.capacity > 0 {
@@ -129,6 +129,69 @@ impl History {
     /// The count and hash as others read them without the lock.
     pub(crate) fn head(&self) -> Arc<CallHead> {
         self.head.clone()
+    }
+}
+
+/// The running hash after `hash` with `call` recorded.
+fn step(hash: u64, call: &CallRecord) -> u64 {
+    let (kind, a, b) = (call.kind as u64, call.a, call.b);
+    mix(hash ^ mix(call.seq ^ mix(kind ^ mix(a ^ mix(b)))))
+}
+
+/// Where a survivor's pool stopped when its group lost a rank: its call count and
+/// running hash, its allocations, and its last calls.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Stop {
+    pub(crate) seq: u64,
+    pub(crate) hash: u64,
+    pub(crate) allocs: u64,
+    pub(crate) recent: Vec<CallRecord>,
+}
+
+impl Stop {
+    pub(crate) fn of(history: &History, allocs: u64) -> Stop {
+        let recent = history.recent().copied().collect();
+        Stop {
+            seq: history.seq(),
+            hash: history.hash(),
+            allocs,
+            recent,
+        }
+    }
+}
+
+/// What the survivors of a loss that stopped a few calls apart do to stand at the same
+/// call: each replays the calls it lacks of the one furthest on (`calls`, `stops[me]`
+/// onwards), and the blocks of the allocations in `pinned` (allocation numbers) that
+/// are live then stay allocated on every rank (some rank holds no buffer for them).
+/// `None` when they all stopped at the same call, or when a difference cannot be made
+/// up, on every rank alike: a call missing from the furthest one's recent calls, one
+/// that does not extend a rank's running hash (the ranks diverged), or one other than
+/// an allocation or the free of an allocation that rank did not make (its buffer is
+/// still live there). The agreement then reports what differs.
+pub(crate) fn catch_up(
+    stops: &[Stop],
+    me: usize,
+) -> Option<(Vec<CallRecord>, std::ops::Range<u64>)> {
+    let ahead = stops.iter().max_by_key(|s| s.seq)?;
+    let calls_after = |s: &Stop| -> Option<Vec<CallRecord>> {
+        let calls: Vec<CallRecord> = (ahead.recent.iter())
+            .filter(|c| c.seq > s.seq)
+            .copied()
+            .collect();
+        let hash = calls.iter().fold(s.hash, step);
+        let made_up = calls.iter().all(|c| match c.kind {
+            CallKind::Alloc => true,
+            CallKind::Free => c.a > s.allocs,
+            _ => false,
+        });
+        (calls.len() as u64 == ahead.seq - s.seq && hash == ahead.hash && made_up).then_some(calls)
+    };
+    let plans: Option<Vec<_>> = stops.iter().map(calls_after).collect();
+    let least = stops.iter().map(|s| s.allocs).min()?;
+    match plans?.swap_remove(me) {
+        _ if stops.iter().all(|s| s.seq == ahead.seq) => None,
+        calls => Some((calls, least + 1..ahead.allocs + 1)),
     }
 }
 

@@ -15,7 +15,7 @@ pub(crate) use agree::{
     AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Note, Op, Readiness, Registered, agree_records,
 };
 pub(crate) use collective::{BufferRecord, CollKind, CollectiveRecord, RecordKind};
-pub(crate) use history::{CallHead, CallKind, History, state_digest};
+pub(crate) use history::{CallHead, CallKind, History, Stop, catch_up, state_digest};
 pub use ledger::CheckMode;
 pub(crate) use ledger::{Ledger, LedgerConfig};
 pub(crate) use record::{decode, encode};

@@ -43,8 +43,8 @@ impl SymmPool {
         if st.closed {
             return;
         }
-        // Pinned: a newcomer of a grow holds the block with no buffer to free it.
-        if block.seq < st.pinned_below_seq {
+        // Pinned: another rank holds the block with no buffer to free it.
+        if st.pinned.contains(&block.seq) {
             st.pinned_freed.insert(block.seq);
             return;
         }

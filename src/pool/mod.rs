@@ -8,6 +8,7 @@
 //! call; a panic under the pool's lock breaks it ([`Error::PoolBroken`]).
 
 mod buffer;
+mod catch_up;
 mod config;
 pub(crate) mod events;
 mod fit;

@@ -37,6 +37,10 @@ pub struct ShrinkReport {
     pub live_buffers: u64,
     /// Bytes of those buffers' blocks.
     pub live_bytes: u64,
+    /// Blocks allocated by some survivors after others had stopped (they learned of
+    /// the loss a few local pool calls apart, see [`SymmPool::shrink`]): allocated on
+    /// every rank from now on, until the pool is closed.
+    pub pinned_blocks: u64,
     /// From the call to the new pool, ready.
     pub took: Duration,
 }
@@ -61,7 +65,13 @@ impl SymmPool {
     ///
     /// The survivors must have made the same pool calls (allocations, frees, growths)
     /// before the loss: their pools are compared first, and a difference is
-    /// [`Error::Divergence`] on every survivor.
+    /// [`Error::Divergence`] on every survivor. Survivors that stopped a few local calls
+    /// apart (they learned of the loss at different points) are first brought to the
+    /// same call: each replays the allocations it lacks of the one furthest on, and
+    /// their frees (within the last [`PoolConfig::history_len`] calls); the blocks
+    /// allocated after the earliest stop stay allocated on every rank until the pool is
+    /// closed ([`ShrinkReport::pinned_blocks`]). A free of a buffer still live on
+    /// another survivor cannot be made up: [`Error::Divergence`].
     ///
     /// # Collective
     /// Every surviving rank calls it, for its pools in the same order (pools over the
@@ -224,7 +234,7 @@ impl SymmPool {
         let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
-        (st.pinned_below_seq, st.pinned_freed) = (old.pinned_below_seq, old.pinned_freed.clone());
+        (st.pinned, st.pinned_freed) = (old.pinned.clone(), old.pinned_freed.clone());
         let comms = pool.inner.backend.communicators().len();
         st.segments = (old.segments.iter())
             .map(|(id, e)| (*id, Arc::new(SegmentEntry::new(e.segment.share(), comms))))
@@ -275,6 +285,7 @@ impl SymmPool {
         started: Instant,
         deadline: Deadline,
     ) -> Result<ShrinkReport> {
+        let pinned_blocks = self.catch_up(st, deadline)?;
         let segments = st.segments.len() as u64;
         // Its old rank, or why it cannot register now (a stream the pool knows
         // captures a CUDA graph): every rank learns that any rank cannot, in the one
@@ -295,6 +306,7 @@ impl SymmPool {
             registrations,
             live_buffers: live.len() as u64,
             live_bytes: live.iter().map(|(_, b)| b.size_bytes).sum(),
+            pinned_blocks,
             took: started.elapsed(),
         };
         tracing::info!(target: "symmpool::pool", pool = %self.inner.config.name, old_rank,
@@ -380,7 +392,9 @@ impl SymmPool {
             });
         }
         let registrations = self.register_held(st, deadline)?;
-        st.pinned_below_seq = layout.next_seq;
+        st.pinned = (st.core.block_marks().iter().flatten())
+            .filter_map(|m| m.allocation_seq)
+            .collect();
         let c = st.core.stats();
         let report = GrowReport {
             rank: self.rank(),

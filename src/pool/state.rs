@@ -79,10 +79,11 @@ pub(crate) struct PoolState {
     pub(crate) known_streams: Vec<crate::stream::Stream>,
     /// The allocation history, while recording (`record_memory_history`).
     pub(crate) memory_history: Option<Box<super::MemoryHistory>>,
-    /// Blocks allocated before the pool's group grew (sequence numbers below this)
-    /// stay allocated when freed: a newcomer holds them as allocated too, with no
-    /// buffer to free them ([`SymmPool::grow`](super::SymmPool::grow)).
-    pub(crate) pinned_below_seq: u64,
+    /// Blocks that stay allocated when freed, by allocation number: those live when
+    /// the pool's group grew (a newcomer holds them as allocated too, with no buffer to
+    /// free them: [`SymmPool::grow`](super::SymmPool::grow)), and those some survivors
+    /// of a loss allocated after others had stopped ([`SymmPool::shrink`](super::SymmPool::shrink)).
+    pub(crate) pinned: BTreeSet<u64>,
     /// Pinned blocks with no buffer on this rank (freed since, or a newcomer's), by
     /// allocation number: not live for `close`, which releases their segments.
     pub(crate) pinned_freed: BTreeSet<u64>,
@@ -106,7 +107,7 @@ impl PoolState {
             },
             known_streams: Vec::new(),
             memory_history: None,
-            pinned_below_seq: 0,
+            pinned: BTreeSet::new(),
             pinned_freed: BTreeSet::new(),
         }
     }
