@@ -172,7 +172,7 @@ impl Stop {
 pub(crate) fn catch_up(
     stops: &[Stop],
     me: usize,
-) -> Option<(Vec<CallRecord>, std::ops::Range<u64>)> {
+) -> Option<(Vec<CallRecord>, std::ops::RangeInclusive<u64>)> {
     let ahead = stops.iter().max_by_key(|s| s.seq)?;
     let calls_after = |s: &Stop| -> Option<Vec<CallRecord>> {
         let calls: Vec<CallRecord> = (ahead.recent.iter())
@@ -191,7 +191,7 @@ pub(crate) fn catch_up(
     let least = stops.iter().map(|s| s.allocs).min()?;
     match plans?.swap_remove(me) {
         _ if stops.iter().all(|s| s.seq == ahead.seq) => None,
-        calls => Some((calls, least + 1..ahead.allocs + 1)),
+        calls => Some((calls, least.saturating_add(1)..=ahead.allocs)),
     }
 }
 
