@@ -894,3 +894,75 @@ fn a_survivor_that_freed_a_buffer_another_still_holds_cannot_catch_up() {
         assert!(matches!(out, Err(Error::Divergence(_))), "{out:?}");
     }
 }
+
+#[test]
+fn a_shrink_that_fails_after_its_catch_up_keeps_the_pins_for_the_next_ask() {
+    // Rank 1 allocated once more than rank 0 before the loss; their first shrink
+    // catches up, then fails (a stream captures a graph). Asked again, the ranks stand
+    // at one call already: the block rank 0 replayed stays pinned on both, and once
+    // rank 1 drops its buffer their next allocations still land at the same places.
+    use common::capture::{EVERY_STREAM, capturing_groups};
+    use std::sync::atomic::Ordering::SeqCst;
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
+    let (capturing, groups) = capturing_groups(3, &config);
+    let mut pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
+    drop(groups);
+    let stream = Stream::host();
+    let mut held = on_all(&pools, |p| {
+        p.reserve(16 << 20).unwrap();
+        vec![p.alloc(1 << 20, &stream).unwrap()]
+    });
+    drop((held.pop(), pools.pop()));
+    held[1].push(pools[1].alloc(256 << 10, &stream).unwrap());
+    capturing.store(EVERY_STREAM, SeqCst);
+    for out in on_all(&pools, |p| p.shrink().map(|_| ())) {
+        assert!(matches!(out, Err(Error::GraphCapture)), "{out:?}");
+    }
+    capturing.store(0, SeqCst);
+    let shrunk: Vec<_> = on_all(&pools, |p| p.shrink().unwrap());
+    let live: Vec<_> = shrunk.iter().map(|(_, r)| r.live_buffers).collect();
+    assert_eq!(live, [1, 2]);
+    drop(held[1].pop());
+    let next = on_all(&shrunk, |(p, _)| {
+        let b = p.alloc(256 << 10, &stream).unwrap();
+        (b.segment(), b.offset_bytes(), b.allocation_seq())
+    });
+    assert_eq!(next[0], next[1]);
+}
+
+#[test]
+fn three_survivors_behind_between_and_ahead_catch_up_to_one_pool() {
+    // Of four ranks, rank 3 is lost; rank 0 stopped first, rank 1 one allocation later,
+    // rank 2 three allocations later (the last one freed again).
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
+    let groups = Group::world(HostBackend::world(HostConfig::new(4)).unwrap(), &config).unwrap();
+    let mut pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
+    drop(groups);
+    let stream = Stream::host();
+    let mut held = on_all(&pools, |p| {
+        p.reserve(16 << 20).unwrap();
+        vec![p.alloc(1 << 20, &stream).unwrap()]
+    });
+    drop((held.pop(), pools.pop()));
+    held[1].push(pools[1].alloc(256 << 10, &stream).unwrap());
+    held[2].push(pools[2].alloc(256 << 10, &stream).unwrap());
+    held[2].push(pools[2].alloc(128 << 10, &stream).unwrap());
+    drop(pools[2].alloc(64 << 10, &stream).unwrap());
+    let shrunk: Vec<_> = on_all(&pools, |p| p.shrink().unwrap());
+    let reports: Vec<_> = shrunk
+        .iter()
+        .map(|(_, r)| (r.pinned_blocks, r.live_buffers))
+        .collect();
+    assert_eq!(reports, [(2, 1), (2, 2), (2, 3)]);
+    drop(held);
+    let next = on_all(&shrunk, |(p, _)| {
+        let b = p.alloc(128 << 10, &stream).unwrap();
+        (b.segment(), b.offset_bytes(), b.allocation_seq())
+    });
+    assert!(next.iter().all(|n| *n == next[0]), "{next:?}");
+    assert!(
+        on_all(&shrunk, |(p, _)| p.close())
+            .iter()
+            .all(Result::is_ok)
+    );
+}

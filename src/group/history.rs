@@ -138,17 +138,21 @@ fn step(hash: u64, call: &CallRecord) -> u64 {
     mix(hash ^ mix(call.seq ^ mix(kind ^ mix(a ^ mix(b)))))
 }
 
-/// Where a survivor's pool stopped when its group lost a rank: its call count and
-/// running hash, its allocations, and its last calls.
+/// Where a survivor's pool stopped when its group lost a rank.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Stop {
+    /// Calls recorded ([`History::seq`]).
     pub(crate) seq: u64,
+    /// Their running hash ([`History::hash`]).
     pub(crate) hash: u64,
+    /// Allocations made (the last allocation number).
     pub(crate) allocs: u64,
+    /// The last calls ([`History::recent`]).
     pub(crate) recent: Vec<CallRecord>,
 }
 
 impl Stop {
+    /// Where a pool of `history` and `allocs` allocations stands.
     pub(crate) fn of(history: &History, allocs: u64) -> Stop {
         let recent = history.recent().copied().collect();
         Stop {
@@ -182,6 +186,8 @@ pub(crate) fn catch_up(
         let hash = calls.iter().fold(s.hash, step);
         let made_up = calls.iter().all(|c| match c.kind {
             CallKind::Alloc => true,
+            // A free of an allocation made after `s` stopped; an earlier one's buffer
+            // is still live there.
             CallKind::Free => c.a > s.allocs,
             _ => false,
         });

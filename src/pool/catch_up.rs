@@ -17,11 +17,14 @@ impl SymmPool {
     /// says (allocations on no stream of its own, and the frees of those), and the
     /// blocks allocated after the earliest stop that are live then are pinned on every
     /// rank (no buffer of them on the ranks that replayed). When they cannot be caught
-    /// up nothing changes, and the shrink's agreement reports what differs. The blocks
-    /// pinned.
+    /// up nothing changes, and the shrink's agreement reports what differs. Returns the
+    /// number of blocks pinned.
     ///
     /// # Collective
     /// Every survivor, in its shrink.
+    ///
+    /// # Errors
+    /// Those of the round ([`gather_records`]).
     pub(super) fn catch_up(&self, st: &mut PoolState, deadline: Deadline) -> Result<u64> {
         let allocs = st.core.stats().num_allocs;
         let exchange = self.inner.backend.exchange();
@@ -35,6 +38,8 @@ impl SymmPool {
             let done = match c.kind {
                 CallKind::Alloc => {
                     let request = AllocRequest::new(c.a, StreamId(0)).with_align(c.b);
+                    // An allocation that needed a growth is recorded before it grows; the
+                    // growth could not be agreed with a rank lost, so it left no block.
                     match st.core.alloc(request) {
                         Ok(p) => replayed.insert(p.block.seq, p.block).is_none(),
                         Err(e) => matches!(e, AllocError::NeedsGrowth(_)),

@@ -38,8 +38,9 @@ pub struct ShrinkReport {
     /// Bytes of those buffers' blocks.
     pub live_bytes: u64,
     /// Blocks allocated by some survivors after others had stopped (they learned of
-    /// the loss a few local pool calls apart, see [`SymmPool::shrink`]): allocated on
-    /// every rank from now on, until the pool is closed.
+    /// the loss a few local pool calls apart, see [`SymmPool::shrink`]), pinned by this
+    /// shrink: allocated on every rank from now on, until the pool is closed (0 on a
+    /// shrink asked again after a failed one, which pinned them already).
     pub pinned_blocks: u64,
     /// From the call to the new pool, ready.
     pub took: Duration,
@@ -246,7 +247,10 @@ impl SymmPool {
                 st.segments.clear();
                 st.closed = true;
                 pool.inner.closed.store(true, Ordering::Release);
+                // The core (a shrink's catch-up replays on it) and its pins go back.
                 std::mem::swap(&mut old.core, &mut st.core);
+                std::mem::swap(&mut old.pinned, &mut st.pinned);
+                std::mem::swap(&mut old.pinned_freed, &mut st.pinned_freed);
                 if keep_history {
                     std::mem::swap(&mut old.history, &mut st.history);
                 }

@@ -263,10 +263,10 @@ impl Builder {
         device: &[u8],
         grow: bool,
     ) -> Result<(Comm, DataComms, Placement)> {
-        let parent = old
-            .control
-            .as_ref()
-            .filter(|_| grow && self.nccl.grow.is_some());
+        // (A control communicator aborted already cannot grow: this rank then makes a
+        // new set, and the set-up round refuses the mix on every rank at once.)
+        let parent =
+            (old.control.as_ref()).filter(|c| grow && self.nccl.grow.is_some() && !c.is_aborted());
         if parent.is_none() {
             self.abort(old);
         }

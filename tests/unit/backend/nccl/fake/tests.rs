@@ -1123,3 +1123,48 @@ fn a_grow_makes_a_new_set_with_the_newcomer_or_grows_the_control_communicator_wh
         );
     }
 }
+
+#[test]
+fn a_grow_over_an_aborted_control_communicator_fails_on_every_rank_at_once() {
+    // The old backend broke without a lost peer (its communicators aborted): before
+    // NCCL 2.29.2 the grow makes a new set; with `ncclCommGrow` the member cannot grow
+    // its control communicator, makes a new set, and the set-up round refuses the mix
+    // on both ranks, without waiting for a timeout.
+    for nccl in [syms(true), syms_with_grow()] {
+        let survivor = Arc::new(LocalExchange::group(1).remove(0));
+        let newcomer = survivor.newcomer();
+        let old: Arc<dyn Exchange> = survivor.clone();
+        let config = NcclConfig::default();
+        let s = shared_with(true, &CommInfo::STANDARD, config, Health::watching(&old)).unwrap();
+        let _ = s.fail(Cause::Failed("a collective timed out".into()));
+        let builder = || Builder {
+            watch: None,
+            version: NcclVersion::new(2, 28, 9),
+            nccl,
+            config,
+            deadline: Deadline::after(Duration::from_secs(20)),
+        };
+        let started = Instant::now();
+        let (member, joined) = std::thread::scope(|t| {
+            let joined = t.spawn(|| {
+                let ex = newcomer
+                    .join(Deadline::after(Duration::from_secs(20)))
+                    .unwrap();
+                builder()
+                    .communicators(ex.as_ref(), &[8; 16], None)
+                    .map(|_| ())
+            });
+            let next = old.grow(true, Deadline::after(Duration::from_secs(20)));
+            let made = builder().survivors(&s, next.unwrap().unwrap().as_ref(), &[7; 16], true);
+            (made.map(|_| ()), joined.join().unwrap())
+        });
+        if nccl.grow.is_some() {
+            for out in [&member, &joined] {
+                assert!(matches!(out, Err(Error::Protocol { .. })), "{out:?}");
+            }
+            assert!(started.elapsed() < Duration::from_secs(10));
+        } else {
+            assert!(member.is_ok() && joined.is_ok(), "{member:?} {joined:?}");
+        }
+    }
+}
