@@ -835,12 +835,19 @@ fn a_thread_lost_right_after_the_group_shrank_fails_the_shrink_cleanly() {
     }
 }
 
-/// A 3-rank host world's pools after a reserve (collective) and `common` allocations of
-/// 1 MiB on every rank, rank 2 then lost (its pool, group and buffers dropped): the
-/// survivors' pools and buffers.
-fn lost_after(common: usize) -> (Vec<SymmPool>, Vec<Vec<symmpool::SymmBuffer>>) {
+/// A host world of `world` ranks in groups with a 10 s timeout.
+fn host_groups(world: usize) -> Vec<Group> {
     let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
-    let groups = Group::world(HostBackend::world(HostConfig::new(3)).unwrap(), &config).unwrap();
+    Group::world(HostBackend::world(HostConfig::new(world)).unwrap(), &config).unwrap()
+}
+
+/// The pools of `groups` after a reserve (collective) and `common` allocations of 1 MiB
+/// on every rank, the last rank then lost (its pool, group and buffers dropped): the
+/// survivors' pools and buffers.
+fn lost_after(
+    groups: Vec<Group>,
+    common: usize,
+) -> (Vec<SymmPool>, Vec<Vec<symmpool::SymmBuffer>>) {
     let mut pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
     drop(groups);
     let stream = Stream::host();
@@ -860,7 +867,7 @@ fn survivors_that_stopped_some_allocations_apart_catch_up_and_pin_those_blocks()
     // the second of those before it shrank. Both shrink into pools at the same call:
     // the block rank 1 still holds is allocated on both (pinned), and their next
     // allocations land at the same places.
-    let (pools, mut held) = lost_after(1);
+    let (pools, mut held) = lost_after(host_groups(3), 1);
     let stream = Stream::host();
     held[1].push(pools[1].alloc(256 << 10, &stream).unwrap());
     drop(pools[1].alloc(64 << 10, &stream).unwrap());
@@ -888,7 +895,7 @@ fn survivors_that_stopped_some_allocations_apart_catch_up_and_pin_those_blocks()
 fn a_survivor_that_freed_a_buffer_another_still_holds_cannot_catch_up() {
     // Rank 1 freed a buffer after rank 0 had stopped (rank 0 still holds it): the
     // memory cannot be the same on both, and their shrink says so on both.
-    let (pools, mut held) = lost_after(2);
+    let (pools, mut held) = lost_after(host_groups(3), 2);
     drop(held[1].pop());
     for out in on_all(&pools, |p| p.shrink().map(|_| ())) {
         assert!(matches!(out, Err(Error::Divergence(_))), "{out:?}");
@@ -905,14 +912,8 @@ fn a_shrink_that_fails_after_its_catch_up_keeps_the_pins_for_the_next_ask() {
     use std::sync::atomic::Ordering::SeqCst;
     let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
     let (capturing, groups) = capturing_groups(3, &config);
-    let mut pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
-    drop(groups);
+    let (pools, mut held) = lost_after(groups, 1);
     let stream = Stream::host();
-    let mut held = on_all(&pools, |p| {
-        p.reserve(16 << 20).unwrap();
-        vec![p.alloc(1 << 20, &stream).unwrap()]
-    });
-    drop((held.pop(), pools.pop()));
     held[1].push(pools[1].alloc(256 << 10, &stream).unwrap());
     capturing.store(EVERY_STREAM, SeqCst);
     for out in on_all(&pools, |p| p.shrink().map(|_| ())) {
@@ -934,16 +935,8 @@ fn a_shrink_that_fails_after_its_catch_up_keeps_the_pins_for_the_next_ask() {
 fn three_survivors_behind_between_and_ahead_catch_up_to_one_pool() {
     // Of four ranks, rank 3 is lost; rank 0 stopped first, rank 1 one allocation later,
     // rank 2 three allocations later (the last one freed again).
-    let config = GroupConfig::default().with_timeout(Duration::from_secs(10));
-    let groups = Group::world(HostBackend::world(HostConfig::new(4)).unwrap(), &config).unwrap();
-    let mut pools = SymmPool::world(&groups, &PoolConfig::default()).unwrap();
-    drop(groups);
+    let (pools, mut held) = lost_after(host_groups(4), 1);
     let stream = Stream::host();
-    let mut held = on_all(&pools, |p| {
-        p.reserve(16 << 20).unwrap();
-        vec![p.alloc(1 << 20, &stream).unwrap()]
-    });
-    drop((held.pop(), pools.pop()));
     held[1].push(pools[1].alloc(256 << 10, &stream).unwrap());
     held[2].push(pools[2].alloc(256 << 10, &stream).unwrap());
     held[2].push(pools[2].alloc(128 << 10, &stream).unwrap());

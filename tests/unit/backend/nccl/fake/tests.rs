@@ -1023,9 +1023,56 @@ fn a_shrink_aborts_the_old_set_then_makes_a_new_one_over_the_shrunk_exchange() {
     }
 }
 
+/// One side of a grow: its (rank, world size) in the grown group and its new set.
+type Grown = Result<((usize, usize), (Comm, Vec<(CommInfo, Comm)>, Placement))>;
+
+/// A survivor alone (the fake's world, its old set made with `prepare` applied) grows
+/// with a newcomer on another thread, through `nccl`'s table: the old set, the
+/// survivor's side, the newcomer's side, and the newcomer's thread.
+fn grow_with_a_newcomer(
+    nccl: &'static Syms,
+    prepare: impl FnOnce(&Shared<FakeDevice>),
+) -> (Arc<Shared<FakeDevice>>, Grown, Grown, std::thread::ThreadId) {
+    let survivor = Arc::new(LocalExchange::group(1).remove(0));
+    let newcomer = survivor.newcomer();
+    let old: Arc<dyn Exchange> = survivor.clone();
+    let config = NcclConfig::default();
+    let s = shared_with(true, &CommInfo::STANDARD, config, Health::watching(&old)).unwrap();
+    prepare(&s);
+    let builder = || Builder {
+        watch: None,
+        version: NcclVersion::new(2, 28, 9),
+        nccl,
+        config,
+        deadline: Deadline::after(Duration::from_secs(20)),
+    };
+    let deadline = Deadline::after(Duration::from_secs(20));
+    let (member, (joined, thread)) = std::thread::scope(|t| {
+        let joined = t.spawn(|| {
+            let ex = newcomer.join(deadline).unwrap();
+            assert!(ex.is_newcomer());
+            let made = builder().communicators(ex.as_ref(), &[8; 16], None);
+            (
+                made.map(|m| ((ex.rank(), ex.world_size()), m)),
+                std::thread::current().id(),
+            )
+        });
+        let next = old
+            .grow(true, deadline)
+            .unwrap()
+            .expect("the newcomer waits");
+        assert!(!next.is_newcomer());
+        let made = builder().survivors(&s, next.as_ref(), &[7; 16], true);
+        (
+            made.map(|m| ((next.rank(), next.world_size()), m)),
+            joined.join().unwrap(),
+        )
+    });
+    (s, member, joined, thread)
+}
+
 #[test]
 fn a_grow_makes_a_new_set_with_the_newcomer_or_grows_the_control_communicator_where_nccl_can() {
-    // A survivor alone (the fake's world) grows with a newcomer on another thread.
     // Before NCCL 2.29.2 the survivor's old set is aborted and a new one made over the
     // grown exchange, in the same rounds as the newcomer's own set-up (`from_env`'s).
     // With `ncclCommGrow` the survivor, root of its control communicator, makes the
@@ -1033,59 +1080,17 @@ fn a_grow_makes_a_new_set_with_the_newcomer_or_grows_the_control_communicator_wh
     // the newcomer grows with no parent, the id and the rank after the members'; the
     // old set is aborted only after the grow.
     for nccl in [syms(true), syms_with_grow()] {
-        let survivor = Arc::new(LocalExchange::group(1).remove(0));
-        let newcomer = survivor.newcomer();
-        let old: Arc<dyn Exchange> = survivor.clone();
-        let config = NcclConfig::default();
-        let s = shared_with(true, &CommInfo::STANDARD, config, Health::watching(&old)).unwrap();
+        let clear = |s: &Shared<FakeDevice>| s.all_comms().for_each(|c| comm(c.raw).clear());
+        let (s, grown, joined, thread) = grow_with_a_newcomer(nccl, clear);
+        let ((at, (_, comms, placement)), (their_at, (_, their_comms, their_placement))) =
+            (grown.unwrap(), joined.unwrap());
+        assert_eq!((at, their_at), ((0, 2), (1, 2)));
         let old_comms: Vec<&FakeComm> = s.all_comms().map(|c| comm(c.raw)).collect();
-        old_comms.iter().for_each(|f| f.clear());
-        let builder = || Builder {
-            watch: None,
-            version: NcclVersion::new(2, 28, 9),
-            nccl,
-            config,
-            deadline: Deadline::after(Duration::from_secs(10)),
-        };
-        let deadline = Deadline::after(Duration::from_secs(10));
-        let (grown, joined) = std::thread::scope(|t| {
-            let joined = t.spawn(|| {
-                let ex = newcomer.join(deadline).unwrap();
-                assert!(ex.is_newcomer());
-                let made = builder()
-                    .communicators(ex.as_ref(), &[8; 16], None)
-                    .unwrap();
-                (
-                    ex.rank(),
-                    ex.world_size(),
-                    made,
-                    std::thread::current().id(),
-                )
-            });
-            let next = old
-                .grow(true, deadline)
-                .unwrap()
-                .expect("the newcomer waits");
-            assert!(!next.is_newcomer());
-            let made = builder()
-                .survivors(&s, next.as_ref(), &[7; 16], true)
-                .unwrap();
-            (
-                (next.rank(), next.world_size(), made),
-                joined.join().unwrap(),
-            )
-        });
-        assert_eq!((grown.0, grown.1), (0, 2));
-        assert_eq!((joined.0, joined.1), (1, 2));
-        let control_old: Vec<_> = old_comms[s.comms.len()]
-            .stamped()
-            .into_iter()
+        let control_old: Vec<_> = (old_comms[s.comms.len()].stamped().into_iter())
             .map(|(n, _)| n)
             .collect();
-        let grows: Vec<_> = GROWS
-            .lock()
-            .iter()
-            .filter(|g| [std::thread::current().id(), joined.3].contains(&g.0))
+        let grows: Vec<_> = (GROWS.lock().iter())
+            .filter(|g| [std::thread::current().id(), thread].contains(&g.0))
             .map(|g| (g.1, g.2, g.3, g.4))
             .collect();
         if nccl.grow.is_some() {
@@ -1101,22 +1106,11 @@ fn a_grow_makes_a_new_set_with_the_newcomer_or_grows_the_control_communicator_wh
             assert_eq!(control_old, ["ncclCommAbort"]);
             assert!(grows.is_empty(), "{grows:?}");
         }
-        for f in &old_comms {
-            assert!(
-                f.stamped().iter().any(|(n, _)| *n == "ncclCommAbort"),
-                "{:?}",
-                f.stamped()
-            );
-        }
-        let ((_, comms, placement), (_, their_comms, their_placement)) = (grown.2, joined.2);
+        let aborted = |f: &&FakeComm| f.stamped().iter().any(|(n, _)| *n == "ncclCommAbort");
+        assert!(old_comms.iter().all(aborted));
         assert_eq!(comms.len(), s.comms.len());
         assert_eq!(their_comms.len(), comms.len());
-        assert!(
-            comms
-                .iter()
-                .chain(&their_comms)
-                .all(|(_, c)| !c.is_aborted())
-        );
+        assert!((comms.iter().chain(&their_comms)).all(|(_, c)| !c.is_aborted()));
         assert_eq!(
             placement, their_placement,
             "both ranks agreed where they run"
@@ -1131,40 +1125,16 @@ fn a_grow_over_an_aborted_control_communicator_fails_on_every_rank_at_once() {
     // its control communicator, makes a new set, and the set-up round refuses the mix
     // on both ranks, without waiting for a timeout.
     for nccl in [syms(true), syms_with_grow()] {
-        let survivor = Arc::new(LocalExchange::group(1).remove(0));
-        let newcomer = survivor.newcomer();
-        let old: Arc<dyn Exchange> = survivor.clone();
-        let config = NcclConfig::default();
-        let s = shared_with(true, &CommInfo::STANDARD, config, Health::watching(&old)).unwrap();
-        let _ = s.fail(Cause::Failed("a collective timed out".into()));
-        let builder = || Builder {
-            watch: None,
-            version: NcclVersion::new(2, 28, 9),
-            nccl,
-            config,
-            deadline: Deadline::after(Duration::from_secs(20)),
-        };
         let started = Instant::now();
-        let (member, joined) = std::thread::scope(|t| {
-            let joined = t.spawn(|| {
-                let ex = newcomer
-                    .join(Deadline::after(Duration::from_secs(20)))
-                    .unwrap();
-                builder()
-                    .communicators(ex.as_ref(), &[8; 16], None)
-                    .map(|_| ())
-            });
-            let next = old.grow(true, Deadline::after(Duration::from_secs(20)));
-            let made = builder().survivors(&s, next.unwrap().unwrap().as_ref(), &[7; 16], true);
-            (made.map(|_| ()), joined.join().unwrap())
-        });
+        let fail = |s: &Shared<FakeDevice>| drop(s.fail(Cause::Failed("a timeout".into())));
+        let (_, member, joined, _) = grow_with_a_newcomer(nccl, fail);
         if nccl.grow.is_some() {
-            for out in [&member, &joined] {
+            for out in [member.map(|_| ()), joined.map(|_| ())] {
                 assert!(matches!(out, Err(Error::Protocol { .. })), "{out:?}");
             }
             assert!(started.elapsed() < Duration::from_secs(10));
         } else {
-            assert!(member.is_ok() && joined.is_ok(), "{member:?} {joined:?}");
+            assert!(member.is_ok() && joined.is_ok());
         }
     }
 }
