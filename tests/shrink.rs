@@ -959,3 +959,31 @@ fn three_survivors_behind_between_and_ahead_catch_up_to_one_pool() {
             .all(Result::is_ok)
     );
 }
+
+#[test]
+fn a_survivor_that_met_the_loss_in_a_trim_or_reserve_catches_up_too() {
+    // Rank 1 learned of the loss in a `trim` (or a `reserve`), whose agreement it
+    // records before the round that failed: the shrink makes that call up on rank 0 as
+    // a record, no memory changed, and both go on from one pool.
+    for reserve in [false, true] {
+        let (pools, held) = lost_after(host_groups(3), 1);
+        let met = match reserve {
+            true => pools[1].reserve(4 << 20).map(|_| ()),
+            false => pools[1].trim().map(|_| ()),
+        };
+        assert_eq!(met.unwrap_err().kind(), ErrorKind::PeerLost);
+        let shrunk: Vec<_> = on_all(&pools, |p| p.shrink().unwrap());
+        let stream = Stream::host();
+        let next = on_all(&shrunk, |(p, _)| {
+            let b = p.alloc(256 << 10, &stream).unwrap();
+            (b.segment(), b.offset_bytes(), b.allocation_seq())
+        });
+        assert_eq!(next[0], next[1]);
+        drop((held, next));
+        assert!(
+            on_all(&shrunk, |(p, _)| p.close())
+                .iter()
+                .all(Result::is_ok)
+        );
+    }
+}

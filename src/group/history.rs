@@ -170,9 +170,11 @@ impl Stop {
 /// are live then stay allocated on every rank (some rank holds no buffer for them).
 /// `None` when they all stopped at the same call, or when a difference cannot be made
 /// up, on every rank alike: a call missing from the furthest one's recent calls, one
-/// that does not extend a rank's running hash (the ranks diverged), or one other than
-/// an allocation or the free of an allocation that rank did not make (its buffer is
-/// still live there). The agreement then reports what differs.
+/// that does not extend a rank's running hash (the ranks diverged), the free of an
+/// allocation that rank made (its buffer is still live there), or a `close`. (A
+/// `reserve`, `trim` or `fit_to_peak` made up is only recorded: the agreement it
+/// records before could not be reached without the ranks behind.) The agreement then
+/// reports what differs.
 pub(crate) fn catch_up(
     stops: &[Stop],
     me: usize,
@@ -189,7 +191,10 @@ pub(crate) fn catch_up(
             // A free of an allocation made after `s` stopped; an earlier one's buffer
             // is still live there.
             CallKind::Free => c.a > s.allocs,
-            _ => false,
+            // Recorded before their agreement, which `s` never joined: they failed
+            // and changed no memory.
+            CallKind::Reserve | CallKind::Trim | CallKind::FitToPeak => true,
+            CallKind::Close => false,
         });
         (calls.len() as u64 == ahead.seq - s.seq && hash == ahead.hash && made_up).then_some(calls)
     };

@@ -14,7 +14,8 @@ use std::collections::BTreeMap;
 impl SymmPool {
     /// The survivors send where their pools stopped ([`Stop`]); each replays on its
     /// core and history the calls it lacks of the one furthest on, as [`catch_up`]
-    /// says (allocations on no stream of its own, and the frees of those), and the
+    /// says (allocations on no stream of its own, the frees of those, and the failed
+    /// agreements of a `reserve`, `trim` or `fit_to_peak` as records only), and the
     /// blocks allocated after the earliest stop that are live then are pinned on every
     /// rank (no buffer of them on the ranks that replayed). When they cannot be caught
     /// up nothing changes, and the shrink's agreement reports what differs. Returns the
@@ -45,7 +46,11 @@ impl SymmPool {
                         Err(e) => matches!(e, AllocError::NeedsGrowth(_)),
                     }
                 }
-                _ => (replayed.remove(&c.a)).is_some_and(|b| st.core.free(b, &[]).is_ok()),
+                CallKind::Free => {
+                    (replayed.remove(&c.a)).is_some_and(|b| st.core.free(b, &[]).is_ok())
+                }
+                // A `reserve`, `trim` or `fit_to_peak` whose agreement failed: recorded.
+                _ => true,
             };
             if !done {
                 // Not the furthest one's call after all: the agreement names the difference.

@@ -46,6 +46,19 @@ fn survivors_a_few_allocations_apart_catch_up_and_nothing_else_does() {
     let mut short = stops[2].clone();
     short.recent.drain(..2);
     assert!(catch_up(&[stops[0].clone(), short], 1).is_none());
+    // A trim that met the loss is made up (a record only); a close is not.
+    let mut t = History::new(4);
+    let before = Stop::of(&t, 0);
+    t.record(CallKind::Trim, 0, 0);
+    assert_eq!(
+        catch_up(&[before.clone(), Stop::of(&t, 0)], 0)
+            .unwrap()
+            .0
+            .len(),
+        1
+    );
+    t.record(CallKind::Close, 0, 0);
+    assert!(catch_up(&[before, Stop::of(&t, 0)], 0).is_none());
     h.record(CallKind::Free, 2, 0);
     let freed_early = Stop::of(&h, 4);
     assert!(catch_up(&[stops[2].clone(), freed_early], 0).is_none());
