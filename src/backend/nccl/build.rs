@@ -280,7 +280,7 @@ impl Builder {
     /// `old`'s communicators aborted, the aborts waited for (at most [`ABORT_WAIT`]).
     fn abort<D: Device>(&self, old: &Shared<D>) {
         let why = "aborted by the application: the group shrinks or grows into new communicators";
-        let _ = old.fail(Cause::Failed(why.into()));
+        let _ = old.fail(Cause::Aborted(why.into()));
         let aborted = self.deadline.cap(ABORT_WAIT);
         if old
             .all_comms()

@@ -36,6 +36,9 @@ pub(crate) enum Cause {
     /// NCCL or CUDA reported an error (an asynchronous one, or a failed call after
     /// which the communicators cannot be trusted).
     Failed(String),
+    /// The application aborted the communicators (a shrink or grow replacing them,
+    /// [`NcclBackend::abort`](super::NcclBackend::abort)): no failure of the backend's.
+    Aborted(String),
     /// The exchange knows rank `rank` is lost (`detail`: its process ended, or it
     /// stopped answering heartbeats; see [`Exchange::lost_peer`]): work on the
     /// communicators may wait on it for ever.
@@ -66,7 +69,7 @@ impl Cause {
     pub(crate) fn op(&self) -> &'static str {
         match self {
             Cause::Timeout { op, .. } | Cause::Watchdog { op, .. } => op,
-            Cause::Failed(_) | Cause::PeerLost { .. } => AN_NCCL_CALL,
+            Cause::Failed(_) | Cause::Aborted(_) | Cause::PeerLost { .. } => AN_NCCL_CALL,
         }
     }
 
@@ -76,7 +79,7 @@ impl Cause {
             Cause::Watchdog { op, comm, waited } => format!(
                 "a {op} on communicator {comm} had not completed {waited:?} after it was enqueued"
             ),
-            Cause::Failed(m) => m.clone(),
+            Cause::Failed(m) | Cause::Aborted(m) => m.clone(),
             Cause::PeerLost { rank, detail } => format!("rank {rank} was lost: {detail}"),
         }
     }
@@ -173,12 +176,17 @@ impl Health {
     /// Record `cause` unless an earlier one is recorded; returns whether this call
     /// broke it (and so must abort the communicators).
     pub(crate) fn break_with(&self, cause: Cause) -> bool {
-        let (description, lost) = (cause.describe(), matches!(cause, Cause::PeerLost { .. }));
+        let description = cause.describe();
+        let lost = matches!(cause, Cause::PeerLost { .. });
+        let aborted = matches!(cause, Cause::Aborted(_));
         let broke = self.cause.set(cause).is_ok();
         // A lost peer is what its callers are told (they may shrink and go on): a
-        // warning, once per rank; anything else is the backend's own failure.
+        // warning, once per rank; the application's own abort (a shrink or grow
+        // replacing the communicators) is no failure; anything else is the backend's.
         if broke && lost {
             tracing::warn!("symmpool: NCCL backend broken: {description}");
+        } else if broke && aborted {
+            tracing::info!("symmpool: NCCL backend closed: {description}");
         } else if broke {
             tracing::error!("symmpool: NCCL backend broken: {description}");
         }

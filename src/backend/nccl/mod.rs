@@ -299,7 +299,7 @@ impl NcclBackend {
     /// once: the aborts run on threads of their own (`ncclCommAbort` can block), and
     /// dropping the backend waits for them at most 10 s.
     pub fn abort(&self, reason: &str) {
-        let _ = self.shared.fail(Cause::Failed(format!(
+        let _ = self.shared.fail(Cause::Aborted(format!(
             "aborted by the application: {reason}"
         )));
     }

@@ -162,3 +162,44 @@ fn poll_until_answers_or_gives_up_at_the_deadline() {
     });
     assert_eq!((expired, once), (None, 1), "the step runs at least once");
 }
+
+#[test]
+fn the_applications_own_abort_is_no_error_in_the_log_and_a_failure_is() {
+    // A shrink or grow aborts the communicators it replaces (`Cause::Aborted`): a job
+    // that recovers prints no ERROR for it. A failure of the backend's own does.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let logged = |cause: Cause| {
+        let lines = Lines::default();
+        let out = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(move || out.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            assert!(Health::default().break_with(cause));
+        });
+        String::from_utf8(lines.0.lock().unwrap().clone()).unwrap()
+    };
+    let aborted = logged(Cause::Aborted("the group shrinks".into()));
+    assert!(
+        aborted.contains("INFO") && !aborted.contains("ERROR"),
+        "{aborted}"
+    );
+    let failed = logged(Cause::Failed("CUDA_ERROR_ILLEGAL_ADDRESS".into()));
+    assert!(failed.contains("ERROR"), "{failed}");
+    // Either way the calls after it are refused as aborted.
+    let h = Health::default();
+    h.break_with(Cause::Aborted("the group grows".into()));
+    assert!(matches!(h.check(), Err(Error::NcclAborted { reason }) if reason.contains("grows")));
+}
