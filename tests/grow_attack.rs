@@ -437,6 +437,9 @@ impl Exchange for Stall {
             phase: self.phase.clone(),
         }))
     }
+    fn is_newcomer(&self) -> bool {
+        self.inner.is_newcomer()
+    }
     fn grow(&self, wait: bool, deadline: Deadline) -> symmpool::Result<Option<Arc<dyn Exchange>>> {
         self.at("ask:grow");
         let next = self.inner.grow(wait, deadline)?;

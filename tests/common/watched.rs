@@ -96,4 +96,7 @@ impl Exchange for Watched {
     fn shrink(&self, deadline: Deadline) -> Result<Arc<dyn Exchange>> {
         self.watch.shrink(&*self.inner, deadline)
     }
+    fn is_newcomer(&self) -> bool {
+        self.inner.is_newcomer()
+    }
 }
