@@ -46,7 +46,7 @@ pub enum Error {
     /// ([`CoreConfig::max_reserved_bytes`](crate::core::CoreConfig::max_reserved_bytes), or
     /// a host backend's per-rank limit). Nothing was allocated.
     #[error(
-        "pool limit: a segment of {segment_bytes} bytes would take reserved memory to {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} bytes (free buffers, call trim(), or raise the limit)"
+        "pool limit: a segment of {segment_bytes} bytes would reserve {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} (free buffers, trim(), or raise the limit)"
     )]
     PoolLimit {
         /// Size of the segment that was needed.
@@ -73,7 +73,7 @@ pub enum Error {
     },
     /// Other ranks could not allocate their copy of a segment; this rank released its own.
     #[error(
-        "ranks {ranks:?} could not allocate a segment of {segment_bytes} bytes; the pool did not grow on any rank (see those ranks' errors)"
+        "ranks {ranks:?} could not allocate a segment of {segment_bytes} bytes; no rank grew (see their errors)"
     )]
     PeerOutOfMemory {
         /// Size of the segment that was needed.
@@ -83,7 +83,7 @@ pub enum Error {
     },
     /// The buffer was made by another pool (or another rank's pool).
     #[error(
-        "buffer (allocation #{allocation_seq}) belongs to another pool than the call's other buffers or pool"
+        "buffer (allocation #{allocation_seq}) is of another pool than the call's"
     )]
     ForeignBuffer {
         /// The buffer's allocation number in its own pool.
@@ -98,7 +98,7 @@ pub enum Error {
     /// A host stream given to a GPU pool, a CUDA stream to a host pool, or a CUDA
     /// view asked of a host pool's buffer.
     #[error(
-        "the stream or view does not belong to the pool's backend (host vs CUDA): a host pool's buffers have no CUDA view"
+        "stream or view of another backend than the pool's (host vs CUDA; a host buffer has no CUDA view)"
     )]
     WrongStream,
     /// The pool was closed with [`SymmPool::close`](crate::SymmPool::close).
@@ -170,7 +170,7 @@ pub enum Error {
     /// untagged collectives
     /// ([`PoolConfig::with_untagged_collectives`](crate::PoolConfig::with_untagged_collectives)).
     #[error(
-        "collective {op} on pool {pool:?} has no identity: tag it, coll.tagged(tag).{op}(...) in Rust, tag= in Python (any u64, 0 included: a hash of the layer and step, say), so that a rank skipping a call fails at that call instead of moving another call's data; or make the pool, on every rank, for untagged collectives, checked by shape only (PoolConfig::with_untagged_collectives(true); Python: untagged_collectives=True)"
+        "collective {op} on pool {pool:?} has no identity: tag it (any u64, e.g. a hash of layer and step), coll.tagged(tag).{op}(...) in Rust, tag= in Python, so a rank skipping a call fails there instead of moving another call's data; or make the pool on every rank for untagged collectives, checked by shape only (PoolConfig::with_untagged_collectives(true); Python: untagged_collectives=True)"
     )]
     Untagged {
         /// The collective.
@@ -186,7 +186,7 @@ pub enum Error {
     /// CUDA graph: pre-grow before capture with [`SymmPool::reserve`](crate::SymmPool::reserve)
     /// and [`SymmPool::reserve_small`](crate::SymmPool::reserve_small).
     #[error(
-        "cannot register memory while a stream is capturing a CUDA graph; before capture, \
+        "cannot register memory while a stream captures a CUDA graph; before capture, \
          call reserve(bytes) for large requests and reserve_small(bytes) for small ones (<= 1 MiB by default)"
     )]
     GraphCapture,
@@ -234,7 +234,7 @@ pub enum Error {
     /// Ranks were about to register windows of different pools or sizes at the same
     /// position on their communicators; nothing was registered, on any rank.
     #[error(
-        "ranks disagree on the next window registration (pools of one group must grow in the same order on every rank; pools used from different threads need groups of their own: Group::split): {}",
+        "ranks disagree on the next window registration (a group's pools grow in one order on every rank; pools of different threads need groups of their own: Group::split): {}",
         joined(.order, "; ", |(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
     )]
     RegistrationOrder {
@@ -246,7 +246,7 @@ pub enum Error {
     /// different orders on different ranks. Give each thread's pool communicators of
     /// its own, in a group of its own ([`Group::split`](crate::Group::split)).
     #[error(
-        "{error} (pools {pools:?} share their group's communicators and were used from different threads: give each thread's pool a group of its own with Group::split)"
+        "{error} (pools {pools:?} share communicators but were used from different threads: give each thread's pool its own group with Group::split)"
     )]
     SharedCommunicators {
         /// The pools on the shared communicators: this one first, then those last
@@ -353,7 +353,7 @@ pub enum Error {
     /// that shrink is [`Error::ShrinkFailed`]).
     #[error(
         "rank {rank} was lost while this rank was in {op}: {detail}; the group is broken for good \
-         (look at rank {rank}'s log, the OOM killer or its host; then restart the job, or carry on \
+         (see rank {rank}'s log, the OOM killer or its host; restart the job, or go on \
          without it unless it hosted the store: SymmPool::shrink on every survivor)"
     )]
     PeerLost {
@@ -371,7 +371,7 @@ pub enum Error {
     /// an elastic launcher start the rank anew). Every later call on the group fails
     /// with this, as does [`SymmPool::shrink`](crate::SymmPool::shrink).
     #[error(
-        "this rank ({rank}) was declared lost by the store: {detail}; the other ranks no longer wait for it (they may go on without it) and it cannot rejoin the group: end this process (restart the job, or let the launcher start this rank anew)"
+        "this rank ({rank}) was declared lost by the store: {detail}; the others no longer wait for it (they may go on without it) and it cannot rejoin: end this process (restart the job, or let the launcher restart this rank)"
     )]
     DeclaredLost {
         /// This rank, in its group.

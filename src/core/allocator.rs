@@ -179,7 +179,7 @@ impl Allocator {
             } else {
                 0
             };
-            let growth = self.config.growth_with(size, align, class_allocated)?;
+            let growth = self.config.growth_with(size, class_allocated)?;
             self.check_reserve(growth.segment_bytes)?;
             return Err(AllocError::NeedsGrowth(growth));
         };

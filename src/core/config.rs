@@ -344,19 +344,11 @@ impl CoreConfig {
         align_up(size_bytes, self.min_block_bytes).ok_or(too_large)
     }
 
-    /// [`growth_with`](Self::growth_with) for a size class that has allocated nothing
-    /// (under [`GrowthPolicy::Caching`], the only case).
-    ///
-    /// # Errors
-    /// As [`growth_with`](Self::growth_with).
-    pub fn growth_for(&self, rounded_bytes: u64, align_bytes: u64) -> Result<Growth, AllocError> {
-        self.growth_with(rounded_bytes, align_bytes, 0)
-    }
-
     /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the live blocks of the request's
-    /// size class take `class_allocated_bytes` (only the registered policy looks at it;
-    /// the allocator passes
+    /// (at any alignment: offset 0 of a segment satisfies every alignment up to the
+    /// granularity, so the request alone decides the size), when the live blocks of the
+    /// request's size class take `class_allocated_bytes` (only the registered policy
+    /// looks at it; 0 for a class that has allocated nothing; the allocator passes
     /// [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes) of
     /// the request's class).
     ///
@@ -365,12 +357,8 @@ impl CoreConfig {
     pub fn growth_with(
         &self,
         rounded_bytes: u64,
-        align_bytes: u64,
         class_allocated_bytes: u64,
     ) -> Result<Growth, AllocError> {
-        // Offset 0 of a segment satisfies every alignment up to the granularity, so the
-        // request alone decides the size.
-        let _ = align_bytes;
         let class = self.class_of(rounded_bytes);
         let too_large = || AllocError::TooLarge {
             requested_bytes: rounded_bytes,

@@ -54,9 +54,8 @@ impl Allocator {
         let mut by_class = [(0u64, 0u64, 0u64); 2];
         for (&id, seg) in &self.segments {
             let sid = Some(id);
-            let granular = seg.size != 0 && seg.size.is_multiple_of(self.config.granularity_bytes);
             ensure!(
-                granular,
+                seg.size != 0 && seg.size.is_multiple_of(self.config.granularity_bytes),
                 sid,
                 "segment size not a multiple of the granularity"
             );
@@ -71,8 +70,11 @@ impl Allocator {
                     return fail(format!("link to empty slot {slot}"), sid);
                 };
                 ensure!(seen_slots.insert(slot), sid, "slot {slot} reached twice");
-                let owner = b.segment == id && b.class == seg.class;
-                ensure!(owner, sid, "slot {slot} names another segment or class");
+                ensure!(
+                    b.segment == id && b.class == seg.class,
+                    sid,
+                    "slot {slot} names another segment or class"
+                );
                 ensure!(b.prev == prev, sid, "slot {slot} has a wrong prev link");
                 let at = b.offset;
                 ensure!(
@@ -80,16 +82,22 @@ impl Allocator {
                     sid,
                     "gap or overlap at offset {offset} (block at {at})"
                 );
-                let whole = b.size != 0 && b.size.is_multiple_of(unit) && at.is_multiple_of(unit);
-                ensure!(whole, sid, "block at {at} not in whole units");
+                ensure!(
+                    b.size != 0 && b.size.is_multiple_of(unit) && at.is_multiple_of(unit),
+                    sid,
+                    "block at {at} not in whole units"
+                );
                 match &b.usage {
                     BlockUse::Free {
                         fences,
                         fenced: is_fenced,
                     } => {
                         ensure!(!prev_free, sid, "adjacent free blocks at {at}");
-                        let sorted = fences.windows(2).all(|w| w[0].stream < w[1].stream);
-                        ensure!(sorted, sid, "fences not sorted by stream");
+                        ensure!(
+                            fences.windows(2).all(|w| w[0].stream < w[1].stream),
+                            sid,
+                            "fences not sorted by stream"
+                        );
                         expected_free[seg.class.index()].insert((b.size, id, b.offset, slot));
                         free_bytes += b.size;
                         nfree += 1;
@@ -103,10 +111,16 @@ impl Allocator {
                         seq,
                         ..
                     } => {
-                        let within = (1..=b.size).contains(requested_bytes);
-                        ensure!(within, sid, "requested bytes outside (0, block size]");
-                        let numbered = (1..self.next_seq).contains(seq);
-                        ensure!(numbered, sid, "allocation sequence number out of range");
+                        ensure!(
+                            (1..=b.size).contains(requested_bytes),
+                            sid,
+                            "requested bytes outside (0, block size]"
+                        );
+                        ensure!(
+                            (1..self.next_seq).contains(seq),
+                            sid,
+                            "allocation sequence number out of range"
+                        );
                         live_bytes += b.size;
                         requested += requested_bytes;
                         nalloc += 1;
@@ -121,9 +135,8 @@ impl Allocator {
                 cur = b.next;
             }
             let (size, live, free) = (seg.size, live_bytes, free_bytes);
-            let tiled = offset == size && live + free == size;
             ensure!(
-                tiled,
+                offset == size && live + free == size,
                 sid,
                 "blocks cover {offset} of {size} bytes (live {live} + free {free})"
             );
@@ -137,9 +150,8 @@ impl Allocator {
         ensure!(n == 0, None, "{n} slab slots belong to no segment");
         for (class, expected) in expected_free.iter().enumerate() {
             let indexed = self.free[class].to_set().or_else(|what| fail(what, None))?;
-            let same = indexed == *expected;
             ensure!(
-                same,
+                indexed == *expected,
                 None,
                 "free index of class {class} differs from the free blocks"
             );
@@ -185,11 +197,13 @@ impl Allocator {
                 "peak of {name} below current"
             );
         }
-        let live = s.num_allocs.checked_sub(s.num_frees) == Some(nalloc);
-        ensure!(live, None, "allocs - frees differs from live blocks");
-        let numbered = s.num_allocs.checked_add(1) == Some(self.next_seq);
         ensure!(
-            numbered,
+            s.num_allocs.checked_sub(s.num_frees) == Some(nalloc),
+            None,
+            "allocs - frees differs from live blocks"
+        );
+        ensure!(
+            s.num_allocs.checked_add(1) == Some(self.next_seq),
             None,
             "allocs + 1 differs from the next sequence number"
         );
