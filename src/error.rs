@@ -547,7 +547,7 @@ fn missing(ranks: &[usize]) -> String {
     }
 }
 
-fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
+pub(crate) fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
     items.iter().map(f).collect::<Vec<_>>().join(sep)
 }
 
@@ -558,10 +558,9 @@ impl Error {
         value: impl Into<String>,
         expected: &'static str,
     ) -> Error {
-        let value = value.into();
         Error::Config {
             setting,
-            value,
+            value: value.into(),
             expected,
         }
     }

@@ -156,13 +156,13 @@ impl std::fmt::Display for PathPolicy {
         let ag = match self.ce_all_gather_min_bytes {
             0 => "ce".to_string(),
             u64::MAX => "symm".to_string(),
-            t => format!("symm < {b}, ce ≥ {b}", b = Bytes(t)),
+            t => format!("symm < {b}, ce ≥ {b}", b = bytes(t)),
         };
         // The path `inside` the bands, else `outside`.
         let banded = |bands: &[(u64, u64)], inside: &str, outside: String| match bands {
             [] => outside,
             [(0, u64::MAX)] => inside.to_string(),
-            bands => format!("{inside} {}, else {outside}", Bands(bands)),
+            bands => format!("{inside} {}, else {outside}", in_words(bands)),
         };
         let ag = banded(&self.plain_all_gather_bands, "plain", ag);
         let symm = |bands| banded(bands, "symm", "plain".into());
@@ -192,44 +192,24 @@ fn short_name(path: Path) -> &'static str {
 }
 
 /// A byte count in the largest binary unit that divides it (`u64::MAX`: `∞`).
-struct Bytes(u64);
-
-impl std::fmt::Display for Bytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let b = self.0;
-        if b == u64::MAX {
-            return f.write_str("∞");
-        }
-        let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
-        match units
-            .iter()
-            .find(|(s, _)| b != 0 && b.trailing_zeros() >= *s)
-        {
-            Some((s, unit)) => write!(f, "{} {unit}", b >> s),
-            None => write!(f, "{b} B"),
-        }
+fn bytes(b: u64) -> String {
+    let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+    match units.iter().find(|(s, _)| b != 0 && b.trailing_zeros() >= *s) {
+        _ if b == u64::MAX => "∞".into(),
+        Some((s, unit)) => format!("{} {unit}", b >> s),
+        None => format!("{b} B"),
     }
 }
 
-/// Inclusive bands: `≤ hi` from 0, `≥ lo` to the top, `lo–hi`, or one size.
-struct Bands<'a>(&'a [(u64, u64)]);
-
-impl std::fmt::Display for Bands<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (i, &(lo, hi)) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(", ")?;
-            }
-            match (lo, hi) {
-                (0, u64::MAX) => f.write_str("every size")?,
-                (0, hi) => write!(f, "≤ {}", Bytes(hi))?,
-                (lo, u64::MAX) => write!(f, "≥ {}", Bytes(lo))?,
-                (lo, hi) if lo == hi => write!(f, "{}", Bytes(lo))?,
-                (lo, hi) => write!(f, "{}–{}", Bytes(lo), Bytes(hi))?,
-            }
-        }
-        Ok(())
-    }
+/// Inclusive bands, each `≤ hi` from 0, `≥ lo` to the top, `lo–hi`, or one size.
+fn in_words(bands: &[(u64, u64)]) -> String {
+    crate::error::joined(bands, ", ", |&(lo, hi)| match (lo, hi) {
+        (0, u64::MAX) => "every size".into(),
+        (0, hi) => format!("≤ {}", bytes(hi)),
+        (lo, u64::MAX) => format!("≥ {}", bytes(lo)),
+        _ if lo == hi => bytes(lo),
+        _ => format!("{}–{}", bytes(lo), bytes(hi)),
+    })
 }
 
 /// Which collective.

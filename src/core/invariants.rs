@@ -15,8 +15,10 @@ pub struct InvariantViolation {
 }
 
 fn fail<T>(what: impl Into<String>, segment: Option<SegmentId>) -> Result<T, InvariantViolation> {
-    let what = what.into();
-    Err(InvariantViolation { what, segment })
+    Err(InvariantViolation {
+        what: what.into(),
+        segment,
+    })
 }
 
 /// Return the [`InvariantViolation`] `what` (formatted) about `segment` unless `ok`.
