@@ -383,7 +383,7 @@ pub enum Error {
     /// [`SymmPool::shrink`](crate::SymmPool::shrink) or
     /// [`SymmPool::grow`](crate::SymmPool::grow) replaced. Nothing was done.
     #[error(
-        "{what} belongs to the world before a shrink or a grow; use the pool that SymmPool::shrink or SymmPool::grow returned, and buffers allocated from it anew (an old buffer's layout was made for the old world size; its data stays readable)"
+        "{what} belongs to the world before a shrink or a grow; use the pool SymmPool::shrink or SymmPool::grow returned, and buffers allocated from it anew (an old buffer's layout is the old world size's; its data stays readable)"
     )]
     Shrunk {
         /// What the call was made on.
@@ -463,7 +463,7 @@ pub enum Error {
     /// Ranks opened different channels (a different ordinal or name) in the same
     /// round; reported on every rank.
     #[error(
-        "ranks opened different channels: {} (every rank makes its groups and pools in the same order, with the same names and settings: a group's ledger channel is group:ledger:MODE, with its check mode; a pool's channel is pool:NAME, with :untagged_collectives where PoolConfig::untagged_collectives is set; ranks that are threads of one process make them with Group::world and SymmPool::world; a rank never makes them from two threads at once)",
+        "ranks opened different channels: {} (every rank makes its groups and pools in one order, with the same names and settings: group:ledger:MODE has the group's check mode, pool:NAME has :untagged_collectives where PoolConfig::untagged_collectives is set; ranks that are threads of one process use Group::world and SymmPool::world; a rank never makes them from two threads at once)",
         joined(.opened, ", ", |(rank, ordinal, name)| format!("rank {rank} opened #{ordinal} {name:?}"))
     )]
     ChannelMismatch {

@@ -271,11 +271,10 @@ impl Coll {
                     op,
                     format!(
                         "the communicators of pool {name:?} already have a collectives handle on \
-                         this rank; a second one would number their collectives apart from the \
-                         first, and a rank using the two in crossed order would pair the wrong \
-                         calls: clone the handle (it is cheap), make one handle for several pools \
-                         with Coll::with_pools, or give a pool used from another thread a \
-                         group of its own (Group::split)"
+                         this rank; a second would number their collectives apart, and a rank \
+                         using the two in crossed order would pair the wrong calls: clone the \
+                         handle (it is cheap), make one for several pools with Coll::with_pools, \
+                         or give a pool used from another thread its own group (Group::split)"
                     ),
                 )
             })
