@@ -47,16 +47,11 @@ impl Default for CalibrateConfig {
 
 impl CalibrateConfig {
     setters! {
+        /// The range of sizes measured (bytes per rank): `min_bytes`, the powers of
+        /// two in between, and `max_bytes`.
+        with_range(min_bytes: u64, max_bytes: u64);
         with_reps(reps: usize);
         with_bytes_per_rep(bytes_per_rep: u64);
-    }
-
-    /// Set the range of sizes measured (bytes per rank): `min_bytes`, the powers of
-    /// two in between, and `max_bytes`.
-    pub fn with_range(mut self, min_bytes: u64, max_bytes: u64) -> Self {
-        self.min_bytes = min_bytes;
-        self.max_bytes = max_bytes;
-        self
     }
 
     /// Cheap settings for a job that calibrates at start-up over the sizes its

@@ -116,18 +116,13 @@ impl Default for PathPolicy {
 
 impl PathPolicy {
     setters! {
+        /// Prefer paths for all-gather and reduce-scatter.
+        with_choices(all_gather: Choice, reduce_scatter: Choice);
         with_ce_all_gather_min_bytes(ce_all_gather_min_bytes: u64);
         with_plain_all_gather_bands(plain_all_gather_bands: Vec<(u64, u64)>);
         with_symmetric_reduce_scatter_bands(symmetric_reduce_scatter_bands: Vec<(u64, u64)>);
         with_symmetric_all_reduce_bands(symmetric_all_reduce_bands: Vec<(u64, u64)>);
         with_all_reduce(all_reduce: Choice);
-    }
-
-    /// Prefer paths for all-gather and reduce-scatter.
-    pub fn with_choices(mut self, all_gather: Choice, reduce_scatter: Choice) -> Self {
-        self.all_gather = all_gather;
-        self.reduce_scatter = reduce_scatter;
-        self
     }
 
     /// This policy with every collective preferring `path` (calibration forces one

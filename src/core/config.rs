@@ -221,19 +221,14 @@ impl CoreConfig {
     }
 
     setters! {
+        /// The largest small request and the small segment size, in bytes.
+        with_small(small_request_max_bytes: u64, small_segment_bytes: u64);
         with_growth(growth: GrowthPolicy);
         with_granularity_bytes(granularity_bytes: u64);
         with_large_segment_bytes(large_segment_bytes: u64);
         with_dedicated_min_bytes(dedicated_min_bytes: u64);
         with_max_request_bytes(max_request_bytes: u64);
         with_max_reserved_bytes(max_reserved_bytes: u64);
-    }
-
-    /// Set the largest small request and the small segment size, in bytes.
-    pub fn with_small(mut self, request_max_bytes: u64, segment_bytes: u64) -> Self {
-        self.small_request_max_bytes = request_max_bytes;
-        self.small_segment_bytes = segment_bytes;
-        self
     }
 
     /// Check that the sizes are consistent.

@@ -90,10 +90,9 @@ impl AllocRequest {
         }
     }
 
-    /// The same request with alignment `align_bytes`.
-    pub fn with_align(mut self, align_bytes: u64) -> Self {
-        self.align_bytes = align_bytes;
-        self
+    setters! {
+        /// The same request with alignment `align_bytes`.
+        with_align(align_bytes: u64);
     }
 }
 
