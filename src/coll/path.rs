@@ -163,7 +163,15 @@ impl std::fmt::Display for PathPolicy {
         let symm = |bands| banded(bands, "symm", "plain".into());
         let prefers = |c: Choice| match c {
             Choice::Auto => String::new(),
-            Choice::Prefer(p) => format!(" (prefers {})", short_name(p)),
+            // A path's short name, as in the line: `ce`, `symm`, `plain`.
+            Choice::Prefer(p) => format!(
+                " (prefers {})",
+                match p {
+                    Path::CopyEngine => "ce",
+                    Path::SymmetricKernel => "symm",
+                    Path::PlainKernel => "plain",
+                }
+            ),
         };
         write!(
             f,
@@ -174,15 +182,6 @@ impl std::fmt::Display for PathPolicy {
             symm(&self.symmetric_all_reduce_bands),
             prefers(self.all_reduce),
         )
-    }
-}
-
-/// A path's short name in [`PathPolicy`]'s line: `ce`, `symm`, `plain`.
-fn short_name(path: Path) -> &'static str {
-    match path {
-        Path::CopyEngine => "ce",
-        Path::SymmetricKernel => "symm",
-        Path::PlainKernel => "plain",
     }
 }
 

@@ -247,14 +247,6 @@ impl Allocator {
         })
     }
 
-    /// Split threshold for a size class: the smallest remainder worth keeping.
-    fn split_min(&self, class: SizeClass) -> u64 {
-        match class {
-            SizeClass::Small => self.config.min_block_bytes,
-            SizeClass::Large => self.config.large_split_min_bytes,
-        }
-    }
-
     fn carve(
         &mut self,
         key: FreeKey,
@@ -264,18 +256,15 @@ impl Allocator {
         seq: u64,
         req: AllocRequest,
     ) -> Placement {
-        let (bsize, segment, offset, slot) = key;
+        let (mut len, segment, mut start, mut slot) = key;
         self.free[class.index()].remove(&key);
         let (fences, fenced) = match &self.blocks[slot as usize].usage {
             BlockUse::Free { fences, fenced } => (Fences::from_slice(fences), *fenced),
             BlockUse::Allocated { .. } => unreachable!("free index names an allocated block"),
         };
         if fenced {
-            self.fenced_free_bytes -= bsize;
+            self.fenced_free_bytes -= len;
         }
-        let mut slot = slot;
-        let mut start = offset;
-        let mut len = bsize;
         if pad > 0 {
             // Keep the padding in front as its own free block; `slot` keeps it.
             let new = self.split_off_tail(slot, pad, &fences, fenced);
@@ -286,7 +275,12 @@ impl Allocator {
             self.stats.num_splits += 1;
         }
         let remainder = len - size;
-        let block_len = if remainder >= self.split_min(class) && remainder > 0 {
+        // The split threshold of the class: the smallest remainder worth keeping.
+        let split_min = match class {
+            SizeClass::Small => self.config.min_block_bytes,
+            SizeClass::Large => self.config.large_split_min_bytes,
+        };
+        let block_len = if remainder >= split_min && remainder > 0 {
             let tail = self.split_off_tail(slot, size, &fences, fenced);
             self.insert_free(tail, class);
             self.stats.num_splits += 1;
@@ -459,7 +453,7 @@ impl Allocator {
             merge_fence(&mut own, *w);
         }
         let fenced = outstanding(&self.completed, &own);
-        let slot = id.slot;
+        let mut slot = id.slot;
         self.blocks[slot as usize].usage = BlockUse::Free {
             fences: own,
             fenced,
@@ -470,7 +464,6 @@ impl Allocator {
         s.allocated_blocks.sub(1);
         s.free_blocks += 1;
         s.num_frees += 1;
-        let mut slot = slot;
         if let Some(p) = self.blocks[slot as usize].prev
             && self.blocks[p as usize].is_free()
         {
