@@ -605,12 +605,10 @@ impl Error {
     /// [`Error::Timeout`] of a wait in `op` that began at `started`, naming `missing`.
     #[cold]
     pub(crate) fn timeout_since(op: &'static str, started: Instant, missing: &[u32]) -> Error {
-        let waited = started.elapsed();
-        let missing_ranks = missing.iter().map(|&r| r as usize).collect();
         Error::Timeout {
             op,
-            waited,
-            missing_ranks,
+            waited: started.elapsed(),
+            missing_ranks: missing.iter().map(|&r| r as usize).collect(),
         }
     }
 }

@@ -279,22 +279,22 @@ impl Coll {
                 )
             })
         });
-        let claim = claim.transpose()?;
-        let entries = (pools.iter())
-            .map(|pool| PoolColl {
-                pool: pool.clone(),
-                collectives: AtomicU64::new(0),
-                counters: PathCounters::default(),
-            })
-            .collect();
-        let comms = first.backend().communicators().len();
-        let inner = Arc::new(CollInner {
-            pools: entries,
+        let comms = first.backend().communicators();
+        let inner = CollInner {
+            _claim: claim.transpose()?,
+            pools: (pools.iter())
+                .map(|pool| PoolColl {
+                    pool: pool.clone(),
+                    collectives: AtomicU64::new(0),
+                    counters: PathCounters::default(),
+                })
+                .collect(),
             policy: PolicyCell::new(PathPolicy::default()),
-            comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
-            _claim: claim,
-        });
-        Ok(Coll { inner })
+            comm_seqs: comms.iter().map(|_| AtomicU64::new(0)).collect(),
+        };
+        Ok(Coll {
+            inner: Arc::new(inner),
+        })
     }
 
     /// One handle per pool, in the pools' order (for ranks that are threads of this
