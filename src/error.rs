@@ -82,9 +82,7 @@ pub enum Error {
         ranks: Vec<usize>,
     },
     /// The buffer was made by another pool (or another rank's pool).
-    #[error(
-        "buffer (allocation #{allocation_seq}) is of another pool than the call's"
-    )]
+    #[error("buffer (allocation #{allocation_seq}) is of another pool than the call's")]
     ForeignBuffer {
         /// The buffer's allocation number in its own pool.
         allocation_seq: u64,
@@ -713,7 +711,8 @@ pub(crate) fn in_threads<T: Send, R: Send>(
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
-        (handles.into_iter())
+        handles
+            .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err(Error::internal(format!("{what} panicked"))))

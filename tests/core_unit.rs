@@ -695,10 +695,7 @@ fn registered_policy_table() {
     assert_eq!(c.growth_with(MIB, 10 << 40), Ok(small(4 << 30)));
     // Large: the default chunk is half the large class's live bytes.
     assert_eq!(c.growth_with(2 * MIB, 448 * MIB), Ok(large(448 * MIB)));
-    assert_eq!(
-        c.growth_with(2 * MIB, 1200 * MIB),
-        Ok(large(600 * MIB))
-    );
+    assert_eq!(c.growth_with(2 * MIB, 1200 * MIB), Ok(large(600 * MIB)));
     // The rest of the table at 100 % growth.
     let c = c.with_growth_percent(100);
     // Large: at least the 448 MiB minimum chunk…

@@ -200,7 +200,7 @@ impl Coll {
         // carries `config`: ranks that calibrate differently fail in `SymmPool::create`
         // (`Error::ChannelMismatch`) before any collective; default paths.
         let c = config;
-        let tmp_config = (pool.config().clone()).with_name(format!(
+        let tmp_config = pool.config().clone().with_name(format!(
             "{}:calibrate:{}-{}:{}x{}",
             pool.config().name,
             c.min_bytes,
@@ -211,7 +211,8 @@ impl Coll {
         let tmp = SymmPool::create(pool.group(), tmp_config, CheckMode::Off)?;
         let tmp_coll = Coll::build(std::slice::from_ref(&tmp), None)?;
         let sizes = config.sizes();
-        let measured: Result<Vec<Measurement>> = (sizes.iter())
+        let measured: Result<Vec<Measurement>> = sizes
+            .iter()
             .map(|&bytes| tmp_coll.measure(bytes, stream, config))
             .collect();
         drop(tmp_coll);
@@ -222,7 +223,9 @@ impl Coll {
         // channel, which nothing else uses.
         let deadline = Deadline::after(pool.group().config().timeout);
         let mine = crate::group::encode(&measurements)?;
-        let all = (backend.exchange()).all_gather(tmp.channel(), "calibration", &mine, deadline)?;
+        let all = backend
+            .exchange()
+            .all_gather(tmp.channel(), "calibration", &mine, deadline)?;
         let Some(measurements) = all
             .first()
             .and_then(|b| crate::group::decode::<Vec<Measurement>>(b))

@@ -282,7 +282,8 @@ impl Coll {
         let comms = first.backend().communicators();
         let inner = CollInner {
             _claim: claim.transpose()?,
-            pools: (pools.iter())
+            pools: pools
+                .iter()
                 .map(|pool| PoolColl {
                     pool: pool.clone(),
                     collectives: AtomicU64::new(0),

@@ -188,7 +188,10 @@ impl std::fmt::Display for PathPolicy {
 /// A byte count in the largest binary unit that divides it (`u64::MAX`: `∞`).
 fn bytes(b: u64) -> String {
     let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
-    match units.iter().find(|(s, _)| b != 0 && b.trailing_zeros() >= *s) {
+    match units
+        .iter()
+        .find(|(s, _)| b != 0 && b.trailing_zeros() >= *s)
+    {
         _ if b == u64::MAX => "∞".into(),
         Some((s, unit)) => format!("{} {unit}", b >> s),
         None => format!("{b} B"),

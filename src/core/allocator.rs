@@ -602,7 +602,9 @@ impl Allocator {
 
 /// Whether a fence of `fences` is above its stream's `completed` one.
 fn outstanding(completed: &BTreeMap<StreamId, Fence>, fences: &[Wait]) -> bool {
-    (fences.iter()).any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c))
+    fences
+        .iter()
+        .any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c))
 }
 
 /// Insert `w` into a stream-sorted fence list, keeping the largest fence per stream.

@@ -141,7 +141,9 @@ impl Allocator {
     /// exist or is not entirely free (the plan is stale); nothing changes then.
     pub fn release_planned(&mut self, plan: &FitPlan) -> Result<Vec<(SegmentId, u64)>, AllocError> {
         for &(id, size) in &plan.release {
-            let ok = (self.segments.get(&id))
+            let ok = self
+                .segments
+                .get(&id)
                 .is_some_and(|seg| seg.size == size && self.entirely_free(seg));
             if !ok {
                 return Err(AllocError::UnknownSegment(id));

@@ -169,8 +169,9 @@ impl Allocator {
             ("allocated_blocks", s.allocated_blocks.current, nalloc),
             ("free_blocks", s.free_blocks, nfree),
         ];
-        let checks =
-            (checks.into_iter()).map(|(name, have, want)| (format!("stat {name}"), have, want));
+        let checks = checks
+            .into_iter()
+            .map(|(name, have, want)| (format!("stat {name}"), have, want));
         let class_checks = [SizeClass::Small, SizeClass::Large]
             .into_iter()
             .flat_map(|class| {

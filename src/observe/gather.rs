@@ -58,7 +58,8 @@ impl SymmPool {
             rank,
             world_size: self.world_size(),
             segments,
-            stats: (stats.into_iter())
+            stats: stats
+                .into_iter()
                 .map(|(k, v)| match v {
                     WireStat::Count(n) => (k, StatValue::Count(n)),
                     WireStat::Real(x) => (k, StatValue::Real(x)),

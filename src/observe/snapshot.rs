@@ -140,17 +140,25 @@ impl SymmPool {
         self.refresh_fences(&mut st);
         let snap = st.core.snapshot();
         let marks = st.core.block_marks();
-        let segments: Vec<SegmentView> = (snap.segments.into_iter().zip(marks))
+        let segments: Vec<SegmentView> = snap
+            .segments
+            .into_iter()
+            .zip(marks)
             .map(|(seg, marks)| {
                 let entry = st.segments.get(&seg.id);
-                let windows = (comms.iter().enumerate())
+                let windows = comms
+                    .iter()
+                    .enumerate()
                     .map(|(c, info)| WindowView {
                         comm: c,
                         role: role_name(info.role).to_string(),
                         registered: entry.is_some_and(|e| e.window(c).is_some()),
                     })
                     .collect();
-                let blocks = (seg.blocks.into_iter().zip(marks))
+                let blocks = seg
+                    .blocks
+                    .into_iter()
+                    .zip(marks)
                     .map(|(b, m)| BlockView {
                         offset_bytes: b.offset_bytes,
                         size_bytes: b.size_bytes,
