@@ -1,7 +1,8 @@
 //! Measure the paths on this machine and derive a [`PathPolicy`] from them.
 
 use super::Coll;
-use super::path::{CollOp, Path, PathPolicy, in_bands};
+use super::path::CollOp::{self, AllGather, AllReduce, ReduceScatter};
+use super::path::{Path, PathPolicy, in_bands};
 use crate::backend::{Backend, BackendInfo, BackendKind, CommRole};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
@@ -116,13 +117,13 @@ pub const MAX_CALIBRATE_BYTES: u64 = 16 << 30;
 /// What is timed: (collective, path), all-gathers first, then reduce-scatters, then
 /// all-reduces (the order of [`Measurement`]'s fields).
 const TIMED: [(CollOp, Path); 7] = [
-    (CollOp::AllGather, Path::SymmetricKernel),
-    (CollOp::AllGather, Path::CopyEngine),
-    (CollOp::AllGather, Path::PlainKernel),
-    (CollOp::ReduceScatter(ReduceOp::Sum), Path::SymmetricKernel),
-    (CollOp::ReduceScatter(ReduceOp::Sum), Path::PlainKernel),
-    (CollOp::AllReduce(ReduceOp::Sum), Path::SymmetricKernel),
-    (CollOp::AllReduce(ReduceOp::Sum), Path::PlainKernel),
+    (AllGather, Path::SymmetricKernel),
+    (AllGather, Path::CopyEngine),
+    (AllGather, Path::PlainKernel),
+    (ReduceScatter(ReduceOp::Sum), Path::SymmetricKernel),
+    (ReduceScatter(ReduceOp::Sum), Path::PlainKernel),
+    (AllReduce(ReduceOp::Sum), Path::SymmetricKernel),
+    (AllReduce(ReduceOp::Sum), Path::PlainKernel),
 ];
 
 /// Whether `backend` has a communicator of the role that `path` runs on.
@@ -282,14 +283,12 @@ impl Coll {
                     continue;
                 }
                 let (send, recv, count, dtype) = match coll {
-                    CollOp::AllGather => {
+                    AllGather => {
                         let own = all.sub(pool.rank() as u64 * bytes, bytes)?;
                         ((&whole, own), (&whole, all), bytes, DType::U8)
                     }
-                    CollOp::ReduceScatter(_) => {
-                        ((&whole, all), (&out, one), bytes / 2, DType::BF16)
-                    }
-                    CollOp::AllReduce(_) => (
+                    ReduceScatter(_) => ((&whole, all), (&out, one), bytes / 2, DType::BF16),
+                    AllReduce(_) => (
                         (&whole, all.sub(0, bytes)?),
                         (&out, one),
                         bytes / 2,
@@ -323,7 +322,7 @@ impl Coll {
                 })? / iters as f64;
                 // An all-reduce moves 2 (world - 1) / world of its bytes per rank.
                 let moved = match coll {
-                    CollOp::AllReduce(_) => 2.0 * (world - 1) as f64 / world as f64,
+                    AllReduce(_) => 2.0 * (world - 1) as f64 / world as f64,
                     _ => (world - 1) as f64,
                 };
                 timed[i].push(bytes as f64 * moved / (ms * 1e-3) / 1e9);

@@ -3,6 +3,7 @@
 use crate::backend::{CommInfo, CommRole};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::NcclVersion;
+use CollOp::{AllGather, AllReduce, ReduceScatter};
 use serde::Serialize;
 
 /// How NCCL will run a collective. On the host backend it is the path NCCL would take
@@ -221,17 +222,17 @@ impl CollOp {
     /// The collective's name in events: `all_gather`, `reduce_scatter`, `all_reduce`.
     pub(crate) fn name(self) -> &'static str {
         match self {
-            CollOp::AllGather => "all_gather",
-            CollOp::ReduceScatter(_) => "reduce_scatter",
-            CollOp::AllReduce(_) => "all_reduce",
+            AllGather => "all_gather",
+            ReduceScatter(_) => "reduce_scatter",
+            AllReduce(_) => "all_reduce",
         }
     }
 
     /// The reduction (`Sum` for an all-gather, which has none).
     pub(crate) fn reduction(self) -> ReduceOp {
         match self {
-            CollOp::AllGather => ReduceOp::Sum,
-            CollOp::ReduceScatter(op) | CollOp::AllReduce(op) => op,
+            AllGather => ReduceOp::Sum,
+            ReduceScatter(op) | AllReduce(op) => op,
         }
     }
 }
@@ -277,7 +278,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     // before is not available: most calls settle on the first (a cost on every
     // collective call, hence plain functions rather than closures).
     let (choice, auto) = match i.coll {
-        CollOp::AllGather => (
+        AllGather => (
             i.policy.all_gather,
             // The plain bands are empty unless calibrated: one length check.
             if in_bands(&i.policy.plain_all_gather_bands, i.bytes_per_rank) {
@@ -288,9 +289,9 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
                 [Path::SymmetricKernel, Path::CopyEngine]
             },
         ),
-        CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => {
+        ReduceScatter(_) | AllReduce(_) => {
             let (bands, choice) = match i.coll {
-                CollOp::AllReduce(_) => (&i.policy.symmetric_all_reduce_bands, i.policy.all_reduce),
+                AllReduce(_) => (&i.policy.symmetric_all_reduce_bands, i.policy.all_reduce),
                 _ => (
                     &i.policy.symmetric_reduce_scatter_bands,
                     i.policy.reduce_scatter,
@@ -345,7 +346,7 @@ fn find(i: &Inputs<'_>, role: CommRole) -> Option<usize> {
 /// The copy-engine communicator, if the copy engine can run the call.
 fn copy_engine(i: &Inputs<'_>) -> Option<usize> {
     let c = find(i, CommRole::CopyEngine)?;
-    if i.coll != CollOp::AllGather
+    if i.coll != AllGather
         || i.world_size <= 1
         || i.version < NcclVersion::COPY_ENGINE
         || i.comms[c].cta_policy & 2 == 0
@@ -361,14 +362,12 @@ fn copy_engine(i: &Inputs<'_>) -> Option<usize> {
 #[inline]
 fn symmetric(i: &Inputs<'_>) -> Option<usize> {
     let op_ok = match i.coll {
-        CollOp::AllGather => true,
-        CollOp::ReduceScatter(ReduceOp::Sum) | CollOp::AllReduce(ReduceOp::Sum) => {
-            i.dtype.symmetric_reduce()
-        }
-        CollOp::ReduceScatter(ReduceOp::Avg) | CollOp::AllReduce(ReduceOp::Avg) => {
+        AllGather => true,
+        ReduceScatter(ReduceOp::Sum) | AllReduce(ReduceOp::Sum) => i.dtype.symmetric_reduce(),
+        ReduceScatter(ReduceOp::Avg) | AllReduce(ReduceOp::Avg) => {
             i.dtype.symmetric_reduce() && i.version >= NcclVersion::SYMMETRIC_AVG
         }
-        CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => false,
+        ReduceScatter(_) | AllReduce(_) => false,
     };
     if !op_ok
         || i.version < NcclVersion::WINDOWS
