@@ -2,7 +2,8 @@
 
 use super::Coll;
 use super::path::CollOp::{self, AllGather, AllReduce, ReduceScatter};
-use super::path::{Path, PathPolicy, in_bands};
+use super::path::Path::{self, CopyEngine, PlainKernel, SymmetricKernel};
+use super::path::{PathPolicy, in_bands};
 use crate::backend::{Backend, BackendInfo, BackendKind, CommRole};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
@@ -117,21 +118,21 @@ pub const MAX_CALIBRATE_BYTES: u64 = 16 << 30;
 /// What is timed: (collective, path), all-gathers first, then reduce-scatters, then
 /// all-reduces (the order of [`Measurement`]'s fields).
 const TIMED: [(CollOp, Path); 7] = [
-    (AllGather, Path::SymmetricKernel),
-    (AllGather, Path::CopyEngine),
-    (AllGather, Path::PlainKernel),
-    (ReduceScatter(ReduceOp::Sum), Path::SymmetricKernel),
-    (ReduceScatter(ReduceOp::Sum), Path::PlainKernel),
-    (AllReduce(ReduceOp::Sum), Path::SymmetricKernel),
-    (AllReduce(ReduceOp::Sum), Path::PlainKernel),
+    (AllGather, SymmetricKernel),
+    (AllGather, CopyEngine),
+    (AllGather, PlainKernel),
+    (ReduceScatter(ReduceOp::Sum), SymmetricKernel),
+    (ReduceScatter(ReduceOp::Sum), PlainKernel),
+    (AllReduce(ReduceOp::Sum), SymmetricKernel),
+    (AllReduce(ReduceOp::Sum), PlainKernel),
 ];
 
 /// Whether `backend` has a communicator of the role that `path` runs on.
 fn has_role(backend: &Backend, path: Path) -> bool {
     let role = match path {
-        Path::SymmetricKernel => CommRole::Symmetric,
-        Path::CopyEngine => CommRole::CopyEngine,
-        Path::PlainKernel => CommRole::Plain,
+        SymmetricKernel => CommRole::Symmetric,
+        CopyEngine => CommRole::CopyEngine,
+        PlainKernel => CommRole::Plain,
     };
     backend.communicators().iter().any(|c| c.role == role)
 }

@@ -4,6 +4,7 @@ use crate::backend::{CommInfo, CommRole};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::NcclVersion;
 use CollOp::{AllGather, AllReduce, ReduceScatter};
+use Path::{CopyEngine, PlainKernel, SymmetricKernel};
 use serde::Serialize;
 
 /// How NCCL will run a collective. On the host backend it is the path NCCL would take
@@ -168,9 +169,9 @@ impl std::fmt::Display for PathPolicy {
             Choice::Prefer(p) => format!(
                 " (prefers {})",
                 match p {
-                    Path::CopyEngine => "ce",
-                    Path::SymmetricKernel => "symm",
-                    Path::PlainKernel => "plain",
+                    CopyEngine => "ce",
+                    SymmetricKernel => "symm",
+                    PlainKernel => "plain",
                 }
             ),
         };
@@ -282,11 +283,11 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             i.policy.all_gather,
             // The plain bands are empty unless calibrated: one length check.
             if in_bands(&i.policy.plain_all_gather_bands, i.bytes_per_rank) {
-                [Path::PlainKernel, Path::PlainKernel]
+                [PlainKernel, PlainKernel]
             } else if i.bytes_per_rank >= i.policy.ce_all_gather_min_bytes {
-                [Path::CopyEngine, Path::SymmetricKernel]
+                [CopyEngine, SymmetricKernel]
             } else {
-                [Path::SymmetricKernel, Path::CopyEngine]
+                [SymmetricKernel, CopyEngine]
             },
         ),
         ReduceScatter(_) | AllReduce(_) => {
@@ -301,9 +302,9 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             (
                 choice,
                 if symmetric {
-                    [Path::SymmetricKernel, Path::PlainKernel]
+                    [SymmetricKernel, PlainKernel]
                 } else {
-                    [Path::PlainKernel, Path::PlainKernel]
+                    [PlainKernel, PlainKernel]
                 },
             )
         }
@@ -318,7 +319,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             return (c, p);
         }
     }
-    (plain(i), Path::PlainKernel)
+    (plain(i), PlainKernel)
 }
 
 /// Whether `bytes` lies in one of the inclusive ranges `bands`.
@@ -331,9 +332,9 @@ pub(crate) fn in_bands(bands: &[(u64, u64)], bytes: u64) -> bool {
 #[inline]
 fn attempt(i: &Inputs<'_>, path: Path) -> Option<usize> {
     match path {
-        Path::CopyEngine => copy_engine(i),
-        Path::SymmetricKernel => symmetric(i),
-        Path::PlainKernel => Some(plain(i)),
+        CopyEngine => copy_engine(i),
+        SymmetricKernel => symmetric(i),
+        PlainKernel => Some(plain(i)),
     }
 }
 
@@ -397,15 +398,15 @@ pub(crate) fn one_nvlink_domain_needed(version: NcclVersion) -> (bool, bool) {
 
 /// Every [`Path`], in its declaration's order: a path's number (`path as usize`,
 /// its index here) numbers the handle's per-path counters and the records' path.
-pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
+pub(crate) const PATHS: [Path; 3] = [CopyEngine, SymmetricKernel, PlainKernel];
 
 /// The name of a path in statistics keys and events: `copy_engine`,
 /// `symmetric_kernel`, `plain_kernel`.
 pub fn path_name(path: Path) -> &'static str {
     match path {
-        Path::CopyEngine => "copy_engine",
-        Path::SymmetricKernel => "symmetric_kernel",
-        Path::PlainKernel => "plain_kernel",
+        CopyEngine => "copy_engine",
+        SymmetricKernel => "symmetric_kernel",
+        PlainKernel => "plain_kernel",
     }
 }
 

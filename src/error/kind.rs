@@ -72,17 +72,18 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// The kind's name, in lower snake case (`"out_of_memory"`), for logs and bindings.
     pub fn name(self) -> &'static str {
+        use ErrorKind::*;
         match self {
-            ErrorKind::Usage => "usage",
-            ErrorKind::Divergence => "divergence",
-            ErrorKind::Configuration => "configuration",
-            ErrorKind::OutOfMemory => "out_of_memory",
-            ErrorKind::Timeout => "timeout",
-            ErrorKind::PeerLost => "peer_lost",
-            ErrorKind::GroupLost => "group_lost",
-            ErrorKind::Broken => "broken",
-            ErrorKind::System => "system",
-            ErrorKind::Internal => "internal",
+            Usage => "usage",
+            Divergence => "divergence",
+            Configuration => "configuration",
+            OutOfMemory => "out_of_memory",
+            Timeout => "timeout",
+            PeerLost => "peer_lost",
+            GroupLost => "group_lost",
+            Broken => "broken",
+            System => "system",
+            Internal => "internal",
         }
     }
 
@@ -95,14 +96,10 @@ impl ErrorKind {
     /// ([`SymmPool::shrink`](crate::SymmPool::shrink)); of the others, only a restart
     /// helps.
     pub fn needs_restart(self) -> bool {
+        use ErrorKind::*;
         matches!(
             self,
-            ErrorKind::Timeout
-                | ErrorKind::PeerLost
-                | ErrorKind::GroupLost
-                | ErrorKind::Divergence
-                | ErrorKind::System
-                | ErrorKind::Internal
+            Timeout | PeerLost | GroupLost | Divergence | System | Internal
         )
     }
 }
