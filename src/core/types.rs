@@ -41,7 +41,7 @@ pub struct Fence(pub u64);
 
 /// A device-side wait the caller must enqueue before using a block handed out on
 /// `Placement::stream`: "make the allocating stream wait for `fence` on `stream`".
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Wait {
     /// The stream whose earlier work may still use the memory.
     pub stream: StreamId,
