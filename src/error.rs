@@ -535,8 +535,6 @@ pub enum Error {
     CollectiveDivergence(Box<CollectiveDivergence>),
 }
 
-/// `items`, each as `f` writes it, separated by `sep` (for the error messages that
-/// list every rank's value).
 /// The ranks a [`Error::Timeout`] waited for, in words (nothing if none is known).
 fn missing(ranks: &[usize]) -> String {
     match ranks {
@@ -545,6 +543,8 @@ fn missing(ranks: &[usize]) -> String {
     }
 }
 
+/// `items`, each as `f` writes it, separated by `sep` (for the error messages that
+/// list every rank's value, and the path policy's line).
 pub(crate) fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
     items.iter().map(f).collect::<Vec<_>>().join(sep)
 }
