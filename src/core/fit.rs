@@ -85,7 +85,7 @@ impl Allocator {
         };
         // Per class: the entirely free segments, and the bytes of the blocks live now
         // that were allocated before the window.
-        let mut release: [Vec<(SegmentId, u64)>; 2] = [Vec::new(), Vec::new()];
+        let mut release: [Released; 2] = Default::default();
         let mut old_live = [0u64; 2];
         for (&id, seg) in &self.segments {
             let c = seg.class.index();

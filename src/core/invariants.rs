@@ -50,8 +50,8 @@ impl Allocator {
         let unit = self.config.min_block_bytes;
         let mut seen_slots = BTreeSet::new();
         let mut expected_free = [BTreeSet::new(), BTreeSet::new()];
-        let (mut allocated, mut requested, mut reserved, mut fenced) = (0u64, 0u64, 0u64, 0u64);
-        let (mut nalloc, mut nfree) = (0u64, 0u64);
+        let [mut allocated, mut requested, mut reserved, mut fenced] = [0u64; 4];
+        let [mut nalloc, mut nfree] = [0u64; 2];
         // Per class: (segments, reserved, allocated).
         let mut by_class = [(0u64, 0u64, 0u64); 2];
         for (&id, seg) in &self.segments {
@@ -66,7 +66,7 @@ impl Allocator {
             let mut prev: Option<u32> = None;
             let mut offset = 0u64;
             let mut prev_free = false;
-            let (mut live_bytes, mut free_bytes) = (0u64, 0u64);
+            let [mut live_bytes, mut free_bytes] = [0u64; 2];
             while let Some(slot) = cur {
                 let Some(b) = self.blocks.get(slot as usize) else {
                     return fail(format!("link to empty slot {slot}"), sid);
