@@ -136,11 +136,11 @@ impl Allocator {
                 prev = Some(slot);
                 cur = b.next;
             }
-            let (size, live, free) = (seg.size, live_bytes, free_bytes);
             ensure!(
-                offset == size && live + free == size,
+                offset == seg.size && live_bytes + free_bytes == seg.size,
                 sid,
-                "blocks cover {offset} of {size} bytes (live {live} + free {free})"
+                "blocks cover {offset} of {} bytes (live {live_bytes} + free {free_bytes})",
+                seg.size
             );
             allocated += live_bytes;
             let c = &mut by_class[seg.class.index()];
