@@ -366,8 +366,7 @@ impl Coll {
             let collectives = entry.collectives.load(Ordering::Relaxed);
             for comm in 0..comms.len().max(1) {
                 let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
-                let comm = (comm as u64, seq);
-                let record = CollectiveRecord::step(pool, collectives, comm, head);
+                let record = CollectiveRecord::step(pool, collectives, (comm as u64, seq), head);
                 ledger.submit(mode, record, || deadline)?;
             }
         }

@@ -139,11 +139,10 @@ impl SymmPool {
         let mut st = self.state();
         self.refresh_fences(&mut st);
         let snap = st.core.snapshot();
-        let marks = st.core.block_marks();
         let segments: Vec<SegmentView> = snap
             .segments
             .into_iter()
-            .zip(marks)
+            .zip(st.core.block_marks())
             .map(|(seg, marks)| {
                 let entry = st.segments.get(&seg.id);
                 let windows = comms
@@ -183,7 +182,6 @@ impl SymmPool {
                 }
             })
             .collect();
-        let totals = (&st.counters, st.history.seq());
         let mut windows = vec![0u64; comms.len()];
         for entry in st.segments.values() {
             for (c, w) in entry.windows.iter().enumerate() {
@@ -192,7 +190,7 @@ impl SymmPool {
         }
         let stats = build_stats(
             &snap.stats,
-            totals,
+            (&st.counters, st.history.seq()),
             &segments,
             &windows,
             comms,
