@@ -195,7 +195,6 @@ impl Coll {
                 "4 <= min_bytes <= max_bytes <= MAX_CALIBRATE_BYTES, 1..=1000 reps and bytes_per_rep > 0",
             ));
         }
-        let backend = pool.backend();
         // The caller's settings (core sizes, registration) in the handle's group,
         // unchecked (the checks cost the same on every path, and
         // under `Async` they pace back-to-back calls), under a name of its own that
@@ -225,9 +224,10 @@ impl Coll {
         // channel, which nothing else uses.
         let deadline = Deadline::after(pool.group().config().timeout);
         let mine = crate::group::encode(&measurements)?;
-        let all = backend
-            .exchange()
-            .all_gather(tmp.channel(), "calibration", &mine, deadline)?;
+        let all =
+            pool.backend()
+                .exchange()
+                .all_gather(tmp.channel(), "calibration", &mine, deadline)?;
         let Some(measurements) = all
             .first()
             .and_then(|b| crate::group::decode::<Vec<Measurement>>(b))

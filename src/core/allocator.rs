@@ -199,22 +199,24 @@ impl Allocator {
     // `alloc` whatever the codegen-unit split: see `free_index.rs`.
     #[inline]
     fn find_fit(&self, class: SizeClass, size: u64, align: u64) -> Option<(FreeKey, u64)> {
-        let start = (size, SegmentId(0), 0, 0);
         let ratio = self.config.dedicated_reuse_ratio;
-        self.free[class.index()].find_first(start, |&(bsize, segment, offset, _)| {
-            // The dedicated-segment rule holds for every block of a dedicated segment,
-            // whatever the block's size; small and shared segments are never dedicated.
-            if ratio > 0 && class == SizeClass::Large {
-                let seg = &self.segments[&segment];
-                if seg.dedicated && size.saturating_mul(ratio) < seg.size {
-                    return None;
+        self.free[class.index()].find_first(
+            (size, SegmentId(0), 0, 0),
+            |&(bsize, segment, offset, _)| {
+                // The dedicated-segment rule holds for every block of a dedicated segment,
+                // whatever the block's size; small and shared segments are never dedicated.
+                if ratio > 0 && class == SizeClass::Large {
+                    let seg = &self.segments[&segment];
+                    if seg.dedicated && size.saturating_mul(ratio) < seg.size {
+                        return None;
+                    }
                 }
-            }
-            let pad = align_up(offset, align)? - offset;
-            pad.checked_add(size)
-                .is_some_and(|need| need <= bsize)
-                .then_some(pad)
-        })
+                let pad = align_up(offset, align)? - offset;
+                pad.checked_add(size)
+                    .is_some_and(|need| need <= bsize)
+                    .then_some(pad)
+            },
+        )
     }
 
     /// Check that a new segment of `segment_bytes` keeps reserved memory within

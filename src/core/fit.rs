@@ -40,8 +40,11 @@ impl Allocator {
     pub fn class_allocated_bytes(&self, class: SizeClass) -> u64 {
         // Saturating only so that `check_invariants` reports a broken reserved figure
         // instead of panicking here.
-        let reserved = self.stats.class(class).reserved_bytes.current;
-        reserved.saturating_sub(self.free[class.index()].total_bytes())
+        self.stats
+            .class(class)
+            .reserved_bytes
+            .current
+            .saturating_sub(self.free[class.index()].total_bytes())
     }
 
     /// Plan a refit of the segments to the peak observed since the last
@@ -110,8 +113,12 @@ impl Allocator {
                 continue;
             }
             plan.release.extend(release);
-            let class_peak = self.stats.class(class).reserved_bytes.peak;
-            let held = class_peak.saturating_sub(old_live[c]);
+            let held = self
+                .stats
+                .class(class)
+                .reserved_bytes
+                .peak
+                .saturating_sub(old_live[c]);
             let need = window_peak.min(held);
             if need == 0 {
                 continue;
@@ -181,8 +188,11 @@ impl Allocator {
         plan: &FitPlan,
     ) -> Result<(Released, Vec<SegmentId>), AllocError> {
         let released = self.release_planned(plan)?;
-        let add = plan.add.iter().map(|&g| self.add_planned(g));
-        let added = add.collect::<Result<Vec<_>, _>>()?;
+        let added = plan
+            .add
+            .iter()
+            .map(|&g| self.add_planned(g))
+            .collect::<Result<_, _>>()?;
         Ok((released, added))
     }
 }
