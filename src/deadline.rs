@@ -30,8 +30,9 @@ impl Deadline {
 
     /// `timeout` from `start`, saturating as [`after`](Self::after) does.
     pub fn after_from(start: Instant, timeout: Duration) -> Self {
-        let at = start.checked_add(timeout.min(FOREVER)).unwrap_or(start);
-        Deadline { at }
+        Deadline {
+            at: start.checked_add(timeout.min(FOREVER)).unwrap_or(start),
+        }
     }
 
     /// A deadline that never passes (about a century from now).
@@ -90,8 +91,10 @@ impl CallDeadline {
     /// A deadline `timeout` after the first [`get`](Self::get) ([`Duration::MAX`]:
     /// never).
     pub fn from_first_wait(timeout: Duration) -> Self {
-        let at = Cell::new(None);
-        CallDeadline { timeout, at }
+        CallDeadline {
+            timeout,
+            at: Cell::new(None),
+        }
     }
 
     /// The deadline: fixed now if no wait asked for it before.
@@ -107,8 +110,10 @@ impl CallDeadline {
 
 impl From<Deadline> for CallDeadline {
     fn from(deadline: Deadline) -> Self {
-        let (timeout, at) = (Duration::ZERO, Cell::new(Some(deadline)));
-        CallDeadline { timeout, at }
+        CallDeadline {
+            timeout: Duration::ZERO,
+            at: Cell::new(Some(deadline)),
+        }
     }
 }
 

@@ -46,7 +46,7 @@ pub enum Error {
     /// ([`CoreConfig::max_reserved_bytes`](crate::core::CoreConfig::max_reserved_bytes), or
     /// a host backend's per-rank limit). Nothing was allocated.
     #[error(
-        "pool limit: a segment of {segment_bytes} bytes would take reserved memory to {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} bytes (free buffers, call trim(), or raise the limit)"
+        "pool limit: a segment of {segment_bytes} bytes would reserve {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} (free buffers, trim(), or raise the limit)"
     )]
     PoolLimit {
         /// Size of the segment that was needed.
@@ -73,7 +73,7 @@ pub enum Error {
     },
     /// Other ranks could not allocate their copy of a segment; this rank released its own.
     #[error(
-        "ranks {ranks:?} could not allocate a segment of {segment_bytes} bytes; the pool did not grow on any rank (see those ranks' errors)"
+        "ranks {ranks:?} could not allocate a segment of {segment_bytes} bytes; no rank grew (see their errors)"
     )]
     PeerOutOfMemory {
         /// Size of the segment that was needed.
@@ -82,9 +82,7 @@ pub enum Error {
         ranks: Vec<usize>,
     },
     /// The buffer was made by another pool (or another rank's pool).
-    #[error(
-        "buffer (allocation #{allocation_seq}) belongs to another pool than the call's other buffers or pool"
-    )]
+    #[error("buffer (allocation #{allocation_seq}) is of another pool than the call's")]
     ForeignBuffer {
         /// The buffer's allocation number in its own pool.
         allocation_seq: u64,
@@ -98,7 +96,7 @@ pub enum Error {
     /// A host stream given to a GPU pool, a CUDA stream to a host pool, or a CUDA
     /// view asked of a host pool's buffer.
     #[error(
-        "the stream or view does not belong to the pool's backend (host vs CUDA): a host pool's buffers have no CUDA view"
+        "stream or view of another backend than the pool's (host vs CUDA; a host buffer has no CUDA view)"
     )]
     WrongStream,
     /// The pool was closed with [`SymmPool::close`](crate::SymmPool::close).
@@ -170,7 +168,7 @@ pub enum Error {
     /// untagged collectives
     /// ([`PoolConfig::with_untagged_collectives`](crate::PoolConfig::with_untagged_collectives)).
     #[error(
-        "collective {op} on pool {pool:?} has no identity: tag it, coll.tagged(tag).{op}(...) in Rust, tag= in Python (any u64, 0 included: a hash of the layer and step, say), so that a rank skipping a call fails at that call instead of moving another call's data; or make the pool, on every rank, for untagged collectives, checked by shape only (PoolConfig::with_untagged_collectives(true); Python: untagged_collectives=True)"
+        "collective {op} on pool {pool:?} has no identity: tag it (any u64, e.g. a hash of layer and step), coll.tagged(tag).{op}(...) in Rust, tag= in Python, so a rank skipping a call fails there instead of moving another call's data; or make the pool on every rank for untagged collectives, checked by shape only (PoolConfig::with_untagged_collectives(true); Python: untagged_collectives=True)"
     )]
     Untagged {
         /// The collective.
@@ -186,7 +184,7 @@ pub enum Error {
     /// CUDA graph: pre-grow before capture with [`SymmPool::reserve`](crate::SymmPool::reserve)
     /// and [`SymmPool::reserve_small`](crate::SymmPool::reserve_small).
     #[error(
-        "cannot register memory while a stream is capturing a CUDA graph; before capture, \
+        "cannot register memory while a stream captures a CUDA graph; before capture, \
          call reserve(bytes) for large requests and reserve_small(bytes) for small ones (<= 1 MiB by default)"
     )]
     GraphCapture,
@@ -234,7 +232,7 @@ pub enum Error {
     /// Ranks were about to register windows of different pools or sizes at the same
     /// position on their communicators; nothing was registered, on any rank.
     #[error(
-        "ranks disagree on the next window registration (pools of one group must grow in the same order on every rank; pools used from different threads need groups of their own: Group::split): {}",
+        "ranks disagree on the next window registration (a group's pools grow in one order on every rank; pools of different threads need groups of their own: Group::split): {}",
         joined(.order, "; ", |(rank, pool, bytes)| format!("rank {rank}: {pool} segment of {bytes} bytes"))
     )]
     RegistrationOrder {
@@ -246,7 +244,7 @@ pub enum Error {
     /// different orders on different ranks. Give each thread's pool communicators of
     /// its own, in a group of its own ([`Group::split`](crate::Group::split)).
     #[error(
-        "{error} (pools {pools:?} share their group's communicators and were used from different threads: give each thread's pool a group of its own with Group::split)"
+        "{error} (pools {pools:?} share communicators but were used from different threads: give each thread's pool its own group with Group::split)"
     )]
     SharedCommunicators {
         /// The pools on the shared communicators: this one first, then those last
@@ -353,7 +351,7 @@ pub enum Error {
     /// that shrink is [`Error::ShrinkFailed`]).
     #[error(
         "rank {rank} was lost while this rank was in {op}: {detail}; the group is broken for good \
-         (look at rank {rank}'s log, the OOM killer or its host; then restart the job, or carry on \
+         (see rank {rank}'s log, the OOM killer or its host; restart the job, or go on \
          without it unless it hosted the store: SymmPool::shrink on every survivor)"
     )]
     PeerLost {
@@ -371,7 +369,7 @@ pub enum Error {
     /// an elastic launcher start the rank anew). Every later call on the group fails
     /// with this, as does [`SymmPool::shrink`](crate::SymmPool::shrink).
     #[error(
-        "this rank ({rank}) was declared lost by the store: {detail}; the other ranks no longer wait for it (they may go on without it) and it cannot rejoin the group: end this process (restart the job, or let the launcher start this rank anew)"
+        "this rank ({rank}) was declared lost by the store: {detail}; the others no longer wait for it (they may go on without it) and it cannot rejoin: end this process (restart the job, or let the launcher restart this rank)"
     )]
     DeclaredLost {
         /// This rank, in its group.
@@ -383,7 +381,7 @@ pub enum Error {
     /// [`SymmPool::shrink`](crate::SymmPool::shrink) or
     /// [`SymmPool::grow`](crate::SymmPool::grow) replaced. Nothing was done.
     #[error(
-        "{what} belongs to the world before a shrink or a grow; use the pool that SymmPool::shrink or SymmPool::grow returned, and buffers allocated from it anew (an old buffer's layout was made for the old world size; its data stays readable)"
+        "{what} belongs to the world before a shrink or a grow; use the pool SymmPool::shrink or SymmPool::grow returned, and buffers allocated from it anew (an old buffer's layout is the old world size's; its data stays readable)"
     )]
     Shrunk {
         /// What the call was made on.
@@ -463,7 +461,7 @@ pub enum Error {
     /// Ranks opened different channels (a different ordinal or name) in the same
     /// round; reported on every rank.
     #[error(
-        "ranks opened different channels: {} (every rank makes its groups and pools in the same order, with the same names and settings: a group's ledger channel is group:ledger:MODE, with its check mode; a pool's channel is pool:NAME, with :untagged_collectives where PoolConfig::untagged_collectives is set; ranks that are threads of one process make them with Group::world and SymmPool::world; a rank never makes them from two threads at once)",
+        "ranks opened different channels: {} (every rank makes its groups and pools in one order, with the same names and settings: group:ledger:MODE has the group's check mode, pool:NAME has :untagged_collectives where PoolConfig::untagged_collectives is set; ranks that are threads of one process use Group::world and SymmPool::world; a rank never makes them from two threads at once)",
         joined(.opened, ", ", |(rank, ordinal, name)| format!("rank {rank} opened #{ordinal} {name:?}"))
     )]
     ChannelMismatch {
@@ -537,8 +535,6 @@ pub enum Error {
     CollectiveDivergence(Box<CollectiveDivergence>),
 }
 
-/// `items`, each as `f` writes it, separated by `sep` (for the error messages that
-/// list every rank's value).
 /// The ranks a [`Error::Timeout`] waited for, in words (nothing if none is known).
 fn missing(ranks: &[usize]) -> String {
     match ranks {
@@ -547,7 +543,9 @@ fn missing(ranks: &[usize]) -> String {
     }
 }
 
-fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
+/// `items`, each as `f` writes it, separated by `sep` (for the error messages that
+/// list every rank's value, and the path policy's line).
+pub(crate) fn joined<T>(items: &[T], sep: &str, f: impl Fn(&T) -> String) -> String {
     items.iter().map(f).collect::<Vec<_>>().join(sep)
 }
 
@@ -558,10 +556,9 @@ impl Error {
         value: impl Into<String>,
         expected: &'static str,
     ) -> Error {
-        let value = value.into();
         Error::Config {
             setting,
-            value,
+            value: value.into(),
             expected,
         }
     }
@@ -606,12 +603,10 @@ impl Error {
     /// [`Error::Timeout`] of a wait in `op` that began at `started`, naming `missing`.
     #[cold]
     pub(crate) fn timeout_since(op: &'static str, started: Instant, missing: &[u32]) -> Error {
-        let waited = started.elapsed();
-        let missing_ranks = missing.iter().map(|&r| r as usize).collect();
         Error::Timeout {
             op,
-            waited,
-            missing_ranks,
+            waited: started.elapsed(),
+            missing_ranks: missing.iter().map(|&r| r as usize).collect(),
         }
     }
 }
@@ -716,7 +711,8 @@ pub(crate) fn in_threads<T: Send, R: Send>(
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
-        (handles.into_iter())
+        handles
+            .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err(Error::internal(format!("{what} panicked"))))

@@ -61,15 +61,16 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 #![warn(unreachable_pub, clippy::multiple_unsafe_ops_per_block)]
 
-/// Builder setters, one a line: `with_x(field: Type);` writes
-/// `pub fn with_x(mut self, field: Type) -> Self`, which sets `self.field`, documented
-/// "Set [`field`](Self::field)." and then any doc attributes written before it.
+/// Builder setters, one a line: `with_x(field: Type, …);` writes
+/// `pub fn with_x(mut self, field: Type, …) -> Self`, which sets `self.field` (each
+/// field given), documented "Set [`field`](Self::field)." for each and then any doc
+/// attributes written before it.
 macro_rules! setters {
-    ($($(#[$doc:meta])* $name:ident($field:ident: $ty:ty);)*) => {$(
-        #[doc = concat!("Set [`", stringify!($field), "`](Self::", stringify!($field), ").")]
+    ($($(#[$doc:meta])* $name:ident($($field:ident: $ty:ty),+);)*) => {$(
+        $(#[doc = concat!("Set [`", stringify!($field), "`](Self::", stringify!($field), ").")])+
         $(#[$doc])*
-        pub fn $name(mut self, $field: $ty) -> Self {
-            self.$field = $field;
+        pub fn $name(mut self, $($field: $ty),+) -> Self {
+            $(self.$field = $field;)+
             self
         }
     )*};

@@ -60,8 +60,10 @@ impl Stream {
 
     /// A host stream (for the host backends).
     pub fn host() -> Self {
-        let (id, device) = (Self::fresh_id(), None);
-        Stream { id, device }
+        Stream {
+            id: Self::fresh_id(),
+            device: None,
+        }
     }
 
     /// A device stream carrying `stream`, the device backend's own stream value, which
@@ -89,9 +91,13 @@ impl Stream {
     }
 
     fn with_handle<S: Any + Send + Sync>(id: StreamId, kind: &'static str, stream: Arc<S>) -> Self {
-        let handle = Arc::new(stream);
-        let device = Some(DevicePart { kind, handle });
-        Stream { id, device }
+        Stream {
+            id,
+            device: Some(DevicePart {
+                kind,
+                handle: Arc::new(stream),
+            }),
+        }
     }
 
     /// The id of the stream named `key`, noting `wrapped` as one more of its wrappers.
@@ -108,8 +114,13 @@ impl Stream {
         }
         known.retain(|_, k| k.alive());
         let id = Self::fresh_id();
-        let wrappers = vec![wrapped];
-        known.insert(key, Known { id, wrappers });
+        known.insert(
+            key,
+            Known {
+                id,
+                wrappers: vec![wrapped],
+            },
+        );
         id
     }
 

@@ -950,10 +950,9 @@ impl Sut {
             Err(AllocError::NeedsGrowth(g)) => {
                 // The core asks for exactly the documented policy's segment.
                 let rounded = self.core.config().round_request(req.size_bytes).unwrap();
-                let align = req.align_bytes.max(UNIT);
                 let class = self.core.config().class_of(rounded);
                 let large = self.core.class_allocated_bytes(class);
-                assert_eq!(Ok(g), self.core.config().growth_with(rounded, align, large));
+                assert_eq!(Ok(g), self.core.config().growth_with(rounded, large));
                 if self.core.config().growth.is_registered() {
                     assert_eq!(g, documented_registered_growth(rounded, large));
                 } else {
@@ -1189,14 +1188,14 @@ fn model_config_is_valid_and_as_documented() {
     let c = config(false);
     c.validate().unwrap();
     for rounded in (UNIT..=MAX_REQUEST).step_by(UNIT as usize) {
-        assert_eq!(c.growth_for(rounded, UNIT), Ok(documented_growth(rounded)));
+        assert_eq!(c.growth_with(rounded, 0), Ok(documented_growth(rounded)));
     }
     let r = config(true);
     r.validate().unwrap();
     for large in [0, GRAN, MIN_CHUNK, 3 * MIN_CHUNK, MAX_CHUNK, 4 * MAX_CHUNK] {
         for rounded in (UNIT..=MAX_REQUEST).step_by(UNIT as usize) {
             assert_eq!(
-                r.growth_with(rounded, UNIT, large),
+                r.growth_with(rounded, large),
                 Ok(documented_registered_growth(rounded, large))
             );
         }

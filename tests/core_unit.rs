@@ -269,7 +269,7 @@ fn small_requests_never_pin_a_large_segment() {
 #[test]
 fn growth_policy_table() {
     let c = CoreConfig::default();
-    let g = |size| c.growth_for(c.round_request(size).unwrap(), 512).unwrap();
+    let g = |size| c.growth_with(c.round_request(size).unwrap(), 0).unwrap();
     assert_eq!(
         g(1),
         Growth {
@@ -688,45 +688,42 @@ fn registered_policy_table() {
         class: SizeClass::Small,
         segment_bytes: bytes,
     };
-    assert_eq!(c.growth_with(MIB, 512, 0), Ok(small(32 * MIB)));
-    assert_eq!(c.growth_with(4096, 512, 60 * MIB), Ok(small(32 * MIB)));
-    assert_eq!(c.growth_with(4096, 512, 100 * MIB), Ok(small(50 * MIB)));
-    assert_eq!(c.growth_with(4096, 512, 300 * MIB), Ok(small(150 * MIB)));
-    assert_eq!(c.growth_with(MIB, 512, 10 << 40), Ok(small(4 << 30)));
+    assert_eq!(c.growth_with(MIB, 0), Ok(small(32 * MIB)));
+    assert_eq!(c.growth_with(4096, 60 * MIB), Ok(small(32 * MIB)));
+    assert_eq!(c.growth_with(4096, 100 * MIB), Ok(small(50 * MIB)));
+    assert_eq!(c.growth_with(4096, 300 * MIB), Ok(small(150 * MIB)));
+    assert_eq!(c.growth_with(MIB, 10 << 40), Ok(small(4 << 30)));
     // Large: the default chunk is half the large class's live bytes.
-    assert_eq!(c.growth_with(2 * MIB, 512, 448 * MIB), Ok(large(448 * MIB)));
-    assert_eq!(
-        c.growth_with(2 * MIB, 512, 1200 * MIB),
-        Ok(large(600 * MIB))
-    );
+    assert_eq!(c.growth_with(2 * MIB, 448 * MIB), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(2 * MIB, 1200 * MIB), Ok(large(600 * MIB)));
     // The rest of the table at 100 % growth.
     let c = c.with_growth_percent(100);
     // Large: at least the 448 MiB minimum chunk…
-    assert_eq!(c.growth_with(MIB + 512, 512, 0), Ok(large(448 * MIB)));
-    assert_eq!(c.growth_with(250 * MIB, 512, 0), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(MIB + 512, 0), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(250 * MIB, 0), Ok(large(448 * MIB)));
     // …at least what the large class has allocated…
-    assert_eq!(c.growth_with(2 * MIB, 512, 448 * MIB), Ok(large(448 * MIB)));
-    assert_eq!(c.growth_with(2 * MIB, 512, 600 * MIB), Ok(large(600 * MIB)));
+    assert_eq!(c.growth_with(2 * MIB, 448 * MIB), Ok(large(448 * MIB)));
+    assert_eq!(c.growth_with(2 * MIB, 600 * MIB), Ok(large(600 * MIB)));
     assert_eq!(
-        c.growth_with(2 * MIB, 512, 601 * MIB - 512),
+        c.growth_with(2 * MIB, 601 * MIB - 512),
         Ok(large(602 * MIB))
     );
     // …capped at 4 GiB…
-    assert_eq!(c.growth_with(2 * MIB, 512, 64 << 30), Ok(large(4 << 30)));
+    assert_eq!(c.growth_with(2 * MIB, 64 << 30), Ok(large(4 << 30)));
     // …and a larger request gets a segment that fits it, rounded as a dedicated one.
-    assert_eq!(c.growth_with(500 * MIB, 512, 0), Ok(large(512 * MIB)));
-    assert_eq!(c.growth_with(5 << 30, 512, 64 << 30), Ok(large(5 << 30)));
+    assert_eq!(c.growth_with(500 * MIB, 0), Ok(large(512 * MIB)));
+    assert_eq!(c.growth_with(5 << 30, 64 << 30), Ok(large(5 << 30)));
     // Growth percent and chunk bounds.
     let h = c
         .with_growth_percent(50)
         .with_chunk_bytes(32 * MIB, 256 * MIB);
-    assert_eq!(h.growth_with(2 * MIB, 512, 200 * MIB), Ok(large(100 * MIB)));
-    assert_eq!(h.growth_with(2 * MIB, 512, 0), Ok(large(32 * MIB)));
-    assert_eq!(h.growth_with(2 * MIB, 512, 1 << 30), Ok(large(256 * MIB)));
+    assert_eq!(h.growth_with(2 * MIB, 200 * MIB), Ok(large(100 * MIB)));
+    assert_eq!(h.growth_with(2 * MIB, 0), Ok(large(32 * MIB)));
+    assert_eq!(h.growth_with(2 * MIB, 1 << 30), Ok(large(256 * MIB)));
     // The caching table is untouched, whatever the large class reserves.
     let d = CoreConfig::default();
-    assert_eq!(d.growth_with(2 * MIB, 512, 1 << 30), Ok(large(20 * MIB)));
-    assert_eq!(d.growth_with(250 * MIB, 512, 1 << 30), Ok(large(256 * MIB)));
+    assert_eq!(d.growth_with(2 * MIB, 1 << 30), Ok(large(20 * MIB)));
+    assert_eq!(d.growth_with(250 * MIB, 1 << 30), Ok(large(256 * MIB)));
 }
 
 #[test]

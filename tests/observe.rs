@@ -185,10 +185,7 @@ fn growth_registration_agreement_and_path_each_leave_their_trace() {
     };
     let growth = find(true, "growth");
     // The registered growth policy's first large segment: its minimum chunk.
-    let chunk = PoolConfig::default()
-        .core
-        .growth_with(4 << 20, 512, 0)
-        .unwrap();
+    let chunk = PoolConfig::default().core.growth_with(4 << 20, 0).unwrap();
     assert_eq!(
         growth.field("segment_bytes"),
         Some(chunk.segment_bytes.to_string().as_str())

@@ -260,8 +260,7 @@ impl Harness {
         let mut result = self.core.alloc(req);
         if let Err(AllocError::NeedsGrowth(g)) = result {
             let rounded = self.cfg.round_request(size).unwrap();
-            let eff_align = align.max(self.cfg.min_block_bytes);
-            assert_eq!(Ok(g), self.cfg.growth_for(rounded, eff_align));
+            assert_eq!(Ok(g), self.cfg.growth_with(rounded, 0));
             let id = self
                 .core
                 .add_segment(g)

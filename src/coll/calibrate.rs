@@ -1,7 +1,9 @@
 //! Measure the paths on this machine and derive a [`PathPolicy`] from them.
 
 use super::Coll;
-use super::path::{CollOp, Path, PathPolicy, in_bands};
+use super::path::CollOp::{self, AllGather, AllReduce, ReduceScatter};
+use super::path::Path::{self, CopyEngine, PlainKernel, SymmetricKernel};
+use super::path::{PathPolicy, in_bands};
 use crate::backend::{Backend, BackendInfo, BackendKind, CommRole};
 use crate::deadline::Deadline;
 use crate::dtype::{DType, ReduceOp};
@@ -47,16 +49,11 @@ impl Default for CalibrateConfig {
 
 impl CalibrateConfig {
     setters! {
+        /// The range of sizes measured (bytes per rank): `min_bytes`, the powers of
+        /// two in between, and `max_bytes`.
+        with_range(min_bytes: u64, max_bytes: u64);
         with_reps(reps: usize);
         with_bytes_per_rep(bytes_per_rep: u64);
-    }
-
-    /// Set the range of sizes measured (bytes per rank): `min_bytes`, the powers of
-    /// two in between, and `max_bytes`.
-    pub fn with_range(mut self, min_bytes: u64, max_bytes: u64) -> Self {
-        self.min_bytes = min_bytes;
-        self.max_bytes = max_bytes;
-        self
     }
 
     /// Cheap settings for a job that calibrates at start-up over the sizes its
@@ -121,21 +118,21 @@ pub const MAX_CALIBRATE_BYTES: u64 = 16 << 30;
 /// What is timed: (collective, path), all-gathers first, then reduce-scatters, then
 /// all-reduces (the order of [`Measurement`]'s fields).
 const TIMED: [(CollOp, Path); 7] = [
-    (CollOp::AllGather, Path::SymmetricKernel),
-    (CollOp::AllGather, Path::CopyEngine),
-    (CollOp::AllGather, Path::PlainKernel),
-    (CollOp::ReduceScatter(ReduceOp::Sum), Path::SymmetricKernel),
-    (CollOp::ReduceScatter(ReduceOp::Sum), Path::PlainKernel),
-    (CollOp::AllReduce(ReduceOp::Sum), Path::SymmetricKernel),
-    (CollOp::AllReduce(ReduceOp::Sum), Path::PlainKernel),
+    (AllGather, SymmetricKernel),
+    (AllGather, CopyEngine),
+    (AllGather, PlainKernel),
+    (ReduceScatter(ReduceOp::Sum), SymmetricKernel),
+    (ReduceScatter(ReduceOp::Sum), PlainKernel),
+    (AllReduce(ReduceOp::Sum), SymmetricKernel),
+    (AllReduce(ReduceOp::Sum), PlainKernel),
 ];
 
 /// Whether `backend` has a communicator of the role that `path` runs on.
 fn has_role(backend: &Backend, path: Path) -> bool {
     let role = match path {
-        Path::SymmetricKernel => CommRole::Symmetric,
-        Path::CopyEngine => CommRole::CopyEngine,
-        Path::PlainKernel => CommRole::Plain,
+        SymmetricKernel => CommRole::Symmetric,
+        CopyEngine => CommRole::CopyEngine,
+        PlainKernel => CommRole::Plain,
     };
     backend.communicators().iter().any(|c| c.role == role)
 }
@@ -198,14 +195,13 @@ impl Coll {
                 "4 <= min_bytes <= max_bytes <= MAX_CALIBRATE_BYTES, 1..=1000 reps and bytes_per_rep > 0",
             ));
         }
-        let backend = pool.backend();
         // The caller's settings (core sizes, registration) in the handle's group,
         // unchecked (the checks cost the same on every path, and
         // under `Async` they pace back-to-back calls), under a name of its own that
         // carries `config`: ranks that calibrate differently fail in `SymmPool::create`
         // (`Error::ChannelMismatch`) before any collective; default paths.
         let c = config;
-        let tmp_config = (pool.config().clone()).with_name(format!(
+        let tmp_config = pool.config().clone().with_name(format!(
             "{}:calibrate:{}-{}:{}x{}",
             pool.config().name,
             c.min_bytes,
@@ -216,7 +212,8 @@ impl Coll {
         let tmp = SymmPool::create(pool.group(), tmp_config, CheckMode::Off)?;
         let tmp_coll = Coll::build(std::slice::from_ref(&tmp), None)?;
         let sizes = config.sizes();
-        let measured: Result<Vec<Measurement>> = (sizes.iter())
+        let measured: Result<Vec<Measurement>> = sizes
+            .iter()
             .map(|&bytes| tmp_coll.measure(bytes, stream, config))
             .collect();
         drop(tmp_coll);
@@ -227,7 +224,10 @@ impl Coll {
         // channel, which nothing else uses.
         let deadline = Deadline::after(pool.group().config().timeout);
         let mine = crate::group::encode(&measurements)?;
-        let all = (backend.exchange()).all_gather(tmp.channel(), "calibration", &mine, deadline)?;
+        let all =
+            pool.backend()
+                .exchange()
+                .all_gather(tmp.channel(), "calibration", &mine, deadline)?;
         let Some(measurements) = all
             .first()
             .and_then(|b| crate::group::decode::<Vec<Measurement>>(b))
@@ -284,14 +284,12 @@ impl Coll {
                     continue;
                 }
                 let (send, recv, count, dtype) = match coll {
-                    CollOp::AllGather => {
+                    AllGather => {
                         let own = all.sub(pool.rank() as u64 * bytes, bytes)?;
                         ((&whole, own), (&whole, all), bytes, DType::U8)
                     }
-                    CollOp::ReduceScatter(_) => {
-                        ((&whole, all), (&out, one), bytes / 2, DType::BF16)
-                    }
-                    CollOp::AllReduce(_) => (
+                    ReduceScatter(_) => ((&whole, all), (&out, one), bytes / 2, DType::BF16),
+                    AllReduce(_) => (
                         (&whole, all.sub(0, bytes)?),
                         (&out, one),
                         bytes / 2,
@@ -325,7 +323,7 @@ impl Coll {
                 })? / iters as f64;
                 // An all-reduce moves 2 (world - 1) / world of its bytes per rank.
                 let moved = match coll {
-                    CollOp::AllReduce(_) => 2.0 * (world - 1) as f64 / world as f64,
+                    AllReduce(_) => 2.0 * (world - 1) as f64 / world as f64,
                     _ => (world - 1) as f64,
                 };
                 timed[i].push(bytes as f64 * moved / (ms * 1e-3) / 1e9);

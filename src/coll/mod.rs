@@ -271,31 +271,31 @@ impl Coll {
                     op,
                     format!(
                         "the communicators of pool {name:?} already have a collectives handle on \
-                         this rank; a second one would number their collectives apart from the \
-                         first, and a rank using the two in crossed order would pair the wrong \
-                         calls: clone the handle (it is cheap), make one handle for several pools \
-                         with Coll::with_pools, or give a pool used from another thread a \
-                         group of its own (Group::split)"
+                         this rank; a second would number their collectives apart, and a rank \
+                         using the two in crossed order would pair the wrong calls: clone the \
+                         handle (it is cheap), make one for several pools with Coll::with_pools, \
+                         or give a pool used from another thread its own group (Group::split)"
                     ),
                 )
             })
         });
-        let claim = claim.transpose()?;
-        let entries = (pools.iter())
-            .map(|pool| PoolColl {
-                pool: pool.clone(),
-                collectives: AtomicU64::new(0),
-                counters: PathCounters::default(),
-            })
-            .collect();
-        let comms = first.backend().communicators().len();
-        let inner = Arc::new(CollInner {
-            pools: entries,
+        let comms = first.backend().communicators();
+        let inner = CollInner {
+            _claim: claim.transpose()?,
+            pools: pools
+                .iter()
+                .map(|pool| PoolColl {
+                    pool: pool.clone(),
+                    collectives: AtomicU64::new(0),
+                    counters: PathCounters::default(),
+                })
+                .collect(),
             policy: PolicyCell::new(PathPolicy::default()),
-            comm_seqs: (0..comms).map(|_| AtomicU64::new(0)).collect(),
-            _claim: claim,
-        });
-        Ok(Coll { inner })
+            comm_seqs: comms.iter().map(|_| AtomicU64::new(0)).collect(),
+        };
+        Ok(Coll {
+            inner: Arc::new(inner),
+        })
     }
 
     /// One handle per pool, in the pools' order (for ranks that are threads of this
@@ -366,8 +366,7 @@ impl Coll {
             let collectives = entry.collectives.load(Ordering::Relaxed);
             for comm in 0..comms.len().max(1) {
                 let seq = comms.get(comm).map_or(0, |c| c.load(Ordering::Relaxed));
-                let comm = (comm as u64, seq);
-                let record = CollectiveRecord::step(pool, collectives, comm, head);
+                let record = CollectiveRecord::step(pool, collectives, (comm as u64, seq), head);
                 ledger.submit(mode, record, || deadline)?;
             }
         }

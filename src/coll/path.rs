@@ -3,6 +3,8 @@
 use crate::backend::{CommInfo, CommRole};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::NcclVersion;
+use CollOp::{AllGather, AllReduce, ReduceScatter};
+use Path::{CopyEngine, PlainKernel, SymmetricKernel};
 use serde::Serialize;
 
 /// How NCCL will run a collective. On the host backend it is the path NCCL would take
@@ -116,18 +118,13 @@ impl Default for PathPolicy {
 
 impl PathPolicy {
     setters! {
+        /// Prefer paths for all-gather and reduce-scatter.
+        with_choices(all_gather: Choice, reduce_scatter: Choice);
         with_ce_all_gather_min_bytes(ce_all_gather_min_bytes: u64);
         with_plain_all_gather_bands(plain_all_gather_bands: Vec<(u64, u64)>);
         with_symmetric_reduce_scatter_bands(symmetric_reduce_scatter_bands: Vec<(u64, u64)>);
         with_symmetric_all_reduce_bands(symmetric_all_reduce_bands: Vec<(u64, u64)>);
         with_all_reduce(all_reduce: Choice);
-    }
-
-    /// Prefer paths for all-gather and reduce-scatter.
-    pub fn with_choices(mut self, all_gather: Choice, reduce_scatter: Choice) -> Self {
-        self.all_gather = all_gather;
-        self.reduce_scatter = reduce_scatter;
-        self
     }
 
     /// This policy with every collective preferring `path` (calibration forces one
@@ -156,19 +153,27 @@ impl std::fmt::Display for PathPolicy {
         let ag = match self.ce_all_gather_min_bytes {
             0 => "ce".to_string(),
             u64::MAX => "symm".to_string(),
-            t => format!("symm < {b}, ce ≥ {b}", b = Bytes(t)),
+            t => format!("symm < {b}, ce ≥ {b}", b = bytes(t)),
         };
         // The path `inside` the bands, else `outside`.
         let banded = |bands: &[(u64, u64)], inside: &str, outside: String| match bands {
             [] => outside,
             [(0, u64::MAX)] => inside.to_string(),
-            bands => format!("{inside} {}, else {outside}", Bands(bands)),
+            bands => format!("{inside} {}, else {outside}", in_words(bands)),
         };
         let ag = banded(&self.plain_all_gather_bands, "plain", ag);
         let symm = |bands| banded(bands, "symm", "plain".into());
         let prefers = |c: Choice| match c {
             Choice::Auto => String::new(),
-            Choice::Prefer(p) => format!(" (prefers {})", short_name(p)),
+            // A path's short name, as in the line: `ce`, `symm`, `plain`.
+            Choice::Prefer(p) => format!(
+                " (prefers {})",
+                match p {
+                    CopyEngine => "ce",
+                    SymmetricKernel => "symm",
+                    PlainKernel => "plain",
+                }
+            ),
         };
         write!(
             f,
@@ -182,54 +187,28 @@ impl std::fmt::Display for PathPolicy {
     }
 }
 
-/// A path's short name in [`PathPolicy`]'s line: `ce`, `symm`, `plain`.
-fn short_name(path: Path) -> &'static str {
-    match path {
-        Path::CopyEngine => "ce",
-        Path::SymmetricKernel => "symm",
-        Path::PlainKernel => "plain",
-    }
-}
-
 /// A byte count in the largest binary unit that divides it (`u64::MAX`: `∞`).
-struct Bytes(u64);
-
-impl std::fmt::Display for Bytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let b = self.0;
-        if b == u64::MAX {
-            return f.write_str("∞");
-        }
-        let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
-        match units
-            .iter()
-            .find(|(s, _)| b != 0 && b.trailing_zeros() >= *s)
-        {
-            Some((s, unit)) => write!(f, "{} {unit}", b >> s),
-            None => write!(f, "{b} B"),
-        }
+fn bytes(b: u64) -> String {
+    let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+    match units
+        .iter()
+        .find(|(s, _)| b != 0 && b.trailing_zeros() >= *s)
+    {
+        _ if b == u64::MAX => "∞".into(),
+        Some((s, unit)) => format!("{} {unit}", b >> s),
+        None => format!("{b} B"),
     }
 }
 
-/// Inclusive bands: `≤ hi` from 0, `≥ lo` to the top, `lo–hi`, or one size.
-struct Bands<'a>(&'a [(u64, u64)]);
-
-impl std::fmt::Display for Bands<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (i, &(lo, hi)) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(", ")?;
-            }
-            match (lo, hi) {
-                (0, u64::MAX) => f.write_str("every size")?,
-                (0, hi) => write!(f, "≤ {}", Bytes(hi))?,
-                (lo, u64::MAX) => write!(f, "≥ {}", Bytes(lo))?,
-                (lo, hi) if lo == hi => write!(f, "{}", Bytes(lo))?,
-                (lo, hi) => write!(f, "{}–{}", Bytes(lo), Bytes(hi))?,
-            }
-        }
-        Ok(())
-    }
+/// Inclusive bands, each `≤ hi` from 0, `≥ lo` to the top, `lo–hi`, or one size.
+fn in_words(bands: &[(u64, u64)]) -> String {
+    crate::error::joined(bands, ", ", |&(lo, hi)| match (lo, hi) {
+        (0, u64::MAX) => "every size".into(),
+        (0, hi) => format!("≤ {}", bytes(hi)),
+        (lo, u64::MAX) => format!("≥ {}", bytes(lo)),
+        _ if lo == hi => bytes(lo),
+        _ => format!("{}–{}", bytes(lo), bytes(hi)),
+    })
 }
 
 /// Which collective.
@@ -244,17 +223,17 @@ impl CollOp {
     /// The collective's name in events: `all_gather`, `reduce_scatter`, `all_reduce`.
     pub(crate) fn name(self) -> &'static str {
         match self {
-            CollOp::AllGather => "all_gather",
-            CollOp::ReduceScatter(_) => "reduce_scatter",
-            CollOp::AllReduce(_) => "all_reduce",
+            AllGather => "all_gather",
+            ReduceScatter(_) => "reduce_scatter",
+            AllReduce(_) => "all_reduce",
         }
     }
 
     /// The reduction (`Sum` for an all-gather, which has none).
     pub(crate) fn reduction(self) -> ReduceOp {
         match self {
-            CollOp::AllGather => ReduceOp::Sum,
-            CollOp::ReduceScatter(op) | CollOp::AllReduce(op) => op,
+            AllGather => ReduceOp::Sum,
+            ReduceScatter(op) | AllReduce(op) => op,
         }
     }
 }
@@ -300,20 +279,20 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
     // before is not available: most calls settle on the first (a cost on every
     // collective call, hence plain functions rather than closures).
     let (choice, auto) = match i.coll {
-        CollOp::AllGather => (
+        AllGather => (
             i.policy.all_gather,
             // The plain bands are empty unless calibrated: one length check.
             if in_bands(&i.policy.plain_all_gather_bands, i.bytes_per_rank) {
-                [Path::PlainKernel, Path::PlainKernel]
+                [PlainKernel, PlainKernel]
             } else if i.bytes_per_rank >= i.policy.ce_all_gather_min_bytes {
-                [Path::CopyEngine, Path::SymmetricKernel]
+                [CopyEngine, SymmetricKernel]
             } else {
-                [Path::SymmetricKernel, Path::CopyEngine]
+                [SymmetricKernel, CopyEngine]
             },
         ),
-        CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => {
+        ReduceScatter(_) | AllReduce(_) => {
             let (bands, choice) = match i.coll {
-                CollOp::AllReduce(_) => (&i.policy.symmetric_all_reduce_bands, i.policy.all_reduce),
+                AllReduce(_) => (&i.policy.symmetric_all_reduce_bands, i.policy.all_reduce),
                 _ => (
                     &i.policy.symmetric_reduce_scatter_bands,
                     i.policy.reduce_scatter,
@@ -323,9 +302,9 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             (
                 choice,
                 if symmetric {
-                    [Path::SymmetricKernel, Path::PlainKernel]
+                    [SymmetricKernel, PlainKernel]
                 } else {
-                    [Path::PlainKernel, Path::PlainKernel]
+                    [PlainKernel, PlainKernel]
                 },
             )
         }
@@ -340,7 +319,7 @@ pub(crate) fn select(i: &Inputs<'_>) -> (usize, Path) {
             return (c, p);
         }
     }
-    (plain(i), Path::PlainKernel)
+    (plain(i), PlainKernel)
 }
 
 /// Whether `bytes` lies in one of the inclusive ranges `bands`.
@@ -353,9 +332,9 @@ pub(crate) fn in_bands(bands: &[(u64, u64)], bytes: u64) -> bool {
 #[inline]
 fn attempt(i: &Inputs<'_>, path: Path) -> Option<usize> {
     match path {
-        Path::CopyEngine => copy_engine(i),
-        Path::SymmetricKernel => symmetric(i),
-        Path::PlainKernel => Some(plain(i)),
+        CopyEngine => copy_engine(i),
+        SymmetricKernel => symmetric(i),
+        PlainKernel => Some(plain(i)),
     }
 }
 
@@ -368,7 +347,7 @@ fn find(i: &Inputs<'_>, role: CommRole) -> Option<usize> {
 /// The copy-engine communicator, if the copy engine can run the call.
 fn copy_engine(i: &Inputs<'_>) -> Option<usize> {
     let c = find(i, CommRole::CopyEngine)?;
-    if i.coll != CollOp::AllGather
+    if i.coll != AllGather
         || i.world_size <= 1
         || i.version < NcclVersion::COPY_ENGINE
         || i.comms[c].cta_policy & 2 == 0
@@ -384,14 +363,12 @@ fn copy_engine(i: &Inputs<'_>) -> Option<usize> {
 #[inline]
 fn symmetric(i: &Inputs<'_>) -> Option<usize> {
     let op_ok = match i.coll {
-        CollOp::AllGather => true,
-        CollOp::ReduceScatter(ReduceOp::Sum) | CollOp::AllReduce(ReduceOp::Sum) => {
-            i.dtype.symmetric_reduce()
-        }
-        CollOp::ReduceScatter(ReduceOp::Avg) | CollOp::AllReduce(ReduceOp::Avg) => {
+        AllGather => true,
+        ReduceScatter(ReduceOp::Sum) | AllReduce(ReduceOp::Sum) => i.dtype.symmetric_reduce(),
+        ReduceScatter(ReduceOp::Avg) | AllReduce(ReduceOp::Avg) => {
             i.dtype.symmetric_reduce() && i.version >= NcclVersion::SYMMETRIC_AVG
         }
-        CollOp::ReduceScatter(_) | CollOp::AllReduce(_) => false,
+        ReduceScatter(_) | AllReduce(_) => false,
     };
     if !op_ok
         || i.version < NcclVersion::WINDOWS
@@ -421,15 +398,15 @@ pub(crate) fn one_nvlink_domain_needed(version: NcclVersion) -> (bool, bool) {
 
 /// Every [`Path`], in its declaration's order: a path's number (`path as usize`,
 /// its index here) numbers the handle's per-path counters and the records' path.
-pub(crate) const PATHS: [Path; 3] = [Path::CopyEngine, Path::SymmetricKernel, Path::PlainKernel];
+pub(crate) const PATHS: [Path; 3] = [CopyEngine, SymmetricKernel, PlainKernel];
 
 /// The name of a path in statistics keys and events: `copy_engine`,
 /// `symmetric_kernel`, `plain_kernel`.
 pub fn path_name(path: Path) -> &'static str {
     match path {
-        Path::CopyEngine => "copy_engine",
-        Path::SymmetricKernel => "symmetric_kernel",
-        Path::PlainKernel => "plain_kernel",
+        CopyEngine => "copy_engine",
+        SymmetricKernel => "symmetric_kernel",
+        PlainKernel => "plain_kernel",
     }
 }
 

@@ -2,7 +2,7 @@
 
 /// `true` if `x` is a power of two (0 is not).
 pub(crate) fn is_pow2(x: u64) -> bool {
-    x != 0 && x & (x - 1) == 0
+    x.is_power_of_two()
 }
 
 /// Round `x` up to a multiple of the power of two `align`.

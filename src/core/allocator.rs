@@ -179,7 +179,7 @@ impl Allocator {
             } else {
                 0
             };
-            let growth = self.config.growth_with(size, align, class_allocated)?;
+            let growth = self.config.growth_with(size, class_allocated)?;
             self.check_reserve(growth.segment_bytes)?;
             return Err(AllocError::NeedsGrowth(growth));
         };
@@ -199,22 +199,24 @@ impl Allocator {
     // `alloc` whatever the codegen-unit split: see `free_index.rs`.
     #[inline]
     fn find_fit(&self, class: SizeClass, size: u64, align: u64) -> Option<(FreeKey, u64)> {
-        let start = (size, SegmentId(0), 0, 0);
         let ratio = self.config.dedicated_reuse_ratio;
-        self.free[class.index()].find_first(start, |&(bsize, segment, offset, _)| {
-            // The dedicated-segment rule holds for every block of a dedicated segment,
-            // whatever the block's size; small and shared segments are never dedicated.
-            if ratio > 0 && class == SizeClass::Large {
-                let seg = &self.segments[&segment];
-                if seg.dedicated && size.saturating_mul(ratio) < seg.size {
-                    return None;
+        self.free[class.index()].find_first(
+            (size, SegmentId(0), 0, 0),
+            |&(bsize, segment, offset, _)| {
+                // The dedicated-segment rule holds for every block of a dedicated segment,
+                // whatever the block's size; small and shared segments are never dedicated.
+                if ratio > 0 && class == SizeClass::Large {
+                    let seg = &self.segments[&segment];
+                    if seg.dedicated && size.saturating_mul(ratio) < seg.size {
+                        return None;
+                    }
                 }
-            }
-            let pad = align_up(offset, align)? - offset;
-            pad.checked_add(size)
-                .is_some_and(|need| need <= bsize)
-                .then_some(pad)
-        })
+                let pad = align_up(offset, align)? - offset;
+                pad.checked_add(size)
+                    .is_some_and(|need| need <= bsize)
+                    .then_some(pad)
+            },
+        )
     }
 
     /// Check that a new segment of `segment_bytes` keeps reserved memory within
@@ -247,14 +249,6 @@ impl Allocator {
         })
     }
 
-    /// Split threshold for a size class: the smallest remainder worth keeping.
-    fn split_min(&self, class: SizeClass) -> u64 {
-        match class {
-            SizeClass::Small => self.config.min_block_bytes,
-            SizeClass::Large => self.config.large_split_min_bytes,
-        }
-    }
-
     fn carve(
         &mut self,
         key: FreeKey,
@@ -264,18 +258,15 @@ impl Allocator {
         seq: u64,
         req: AllocRequest,
     ) -> Placement {
-        let (bsize, segment, offset, slot) = key;
+        let (mut len, segment, mut start, mut slot) = key;
         self.free[class.index()].remove(&key);
         let (fences, fenced) = match &self.blocks[slot as usize].usage {
             BlockUse::Free { fences, fenced } => (Fences::from_slice(fences), *fenced),
             BlockUse::Allocated { .. } => unreachable!("free index names an allocated block"),
         };
         if fenced {
-            self.fenced_free_bytes -= bsize;
+            self.fenced_free_bytes -= len;
         }
-        let mut slot = slot;
-        let mut start = offset;
-        let mut len = bsize;
         if pad > 0 {
             // Keep the padding in front as its own free block; `slot` keeps it.
             let new = self.split_off_tail(slot, pad, &fences, fenced);
@@ -286,7 +277,12 @@ impl Allocator {
             self.stats.num_splits += 1;
         }
         let remainder = len - size;
-        let block_len = if remainder >= self.split_min(class) && remainder > 0 {
+        // The split threshold of the class: the smallest remainder worth keeping.
+        let split_min = match class {
+            SizeClass::Small => self.config.min_block_bytes,
+            SizeClass::Large => self.config.large_split_min_bytes,
+        };
+        let block_len = if remainder >= split_min && remainder > 0 {
             let tail = self.split_off_tail(slot, size, &fences, fenced);
             self.insert_free(tail, class);
             self.stats.num_splits += 1;
@@ -459,7 +455,7 @@ impl Allocator {
             merge_fence(&mut own, *w);
         }
         let fenced = outstanding(&self.completed, &own);
-        let slot = id.slot;
+        let mut slot = id.slot;
         self.blocks[slot as usize].usage = BlockUse::Free {
             fences: own,
             fenced,
@@ -470,7 +466,6 @@ impl Allocator {
         s.allocated_blocks.sub(1);
         s.free_blocks += 1;
         s.num_frees += 1;
-        let mut slot = slot;
         if let Some(p) = self.blocks[slot as usize].prev
             && self.blocks[p as usize].is_free()
         {
@@ -609,7 +604,9 @@ impl Allocator {
 
 /// Whether a fence of `fences` is above its stream's `completed` one.
 fn outstanding(completed: &BTreeMap<StreamId, Fence>, fences: &[Wait]) -> bool {
-    (fences.iter()).any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c))
+    fences
+        .iter()
+        .any(|w| completed.get(&w.stream).is_none_or(|&c| w.fence > c))
 }
 
 /// Insert `w` into a stream-sorted fence list, keeping the largest fence per stream.

@@ -221,19 +221,14 @@ impl CoreConfig {
     }
 
     setters! {
+        /// The largest small request and the small segment size, in bytes.
+        with_small(small_request_max_bytes: u64, small_segment_bytes: u64);
         with_growth(growth: GrowthPolicy);
         with_granularity_bytes(granularity_bytes: u64);
         with_large_segment_bytes(large_segment_bytes: u64);
         with_dedicated_min_bytes(dedicated_min_bytes: u64);
         with_max_request_bytes(max_request_bytes: u64);
         with_max_reserved_bytes(max_reserved_bytes: u64);
-    }
-
-    /// Set the largest small request and the small segment size, in bytes.
-    pub fn with_small(mut self, request_max_bytes: u64, segment_bytes: u64) -> Self {
-        self.small_request_max_bytes = request_max_bytes;
-        self.small_segment_bytes = segment_bytes;
-        self
     }
 
     /// Check that the sizes are consistent.
@@ -344,19 +339,11 @@ impl CoreConfig {
         align_up(size_bytes, self.min_block_bytes).ok_or(too_large)
     }
 
-    /// [`growth_with`](Self::growth_with) for a size class that has allocated nothing
-    /// (under [`GrowthPolicy::Caching`], the only case).
-    ///
-    /// # Errors
-    /// As [`growth_with`](Self::growth_with).
-    pub fn growth_for(&self, rounded_bytes: u64, align_bytes: u64) -> Result<Growth, AllocError> {
-        self.growth_with(rounded_bytes, align_bytes, 0)
-    }
-
     /// The segment the growth policy asks for, for a rounded request of `rounded_bytes`
-    /// with effective alignment `align_bytes`, when the live blocks of the request's
-    /// size class take `class_allocated_bytes` (only the registered policy looks at it;
-    /// the allocator passes
+    /// (at any alignment: offset 0 of a segment satisfies every alignment up to the
+    /// granularity, so the request alone decides the size), when the live blocks of the
+    /// request's size class take `class_allocated_bytes` (only the registered policy
+    /// looks at it; 0 for a class that has allocated nothing; the allocator passes
     /// [`Allocator::class_allocated_bytes`](super::Allocator::class_allocated_bytes) of
     /// the request's class).
     ///
@@ -365,12 +352,8 @@ impl CoreConfig {
     pub fn growth_with(
         &self,
         rounded_bytes: u64,
-        align_bytes: u64,
         class_allocated_bytes: u64,
     ) -> Result<Growth, AllocError> {
-        // Offset 0 of a segment satisfies every alignment up to the granularity, so the
-        // request alone decides the size.
-        let _ = align_bytes;
         let class = self.class_of(rounded_bytes);
         let too_large = || AllocError::TooLarge {
             requested_bytes: rounded_bytes,

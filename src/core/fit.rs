@@ -40,8 +40,11 @@ impl Allocator {
     pub fn class_allocated_bytes(&self, class: SizeClass) -> u64 {
         // Saturating only so that `check_invariants` reports a broken reserved figure
         // instead of panicking here.
-        let reserved = self.stats.class(class).reserved_bytes.current;
-        reserved.saturating_sub(self.free[class.index()].total_bytes())
+        self.stats
+            .class(class)
+            .reserved_bytes
+            .current
+            .saturating_sub(self.free[class.index()].total_bytes())
     }
 
     /// Plan a refit of the segments to the peak observed since the last
@@ -85,7 +88,7 @@ impl Allocator {
         };
         // Per class: the entirely free segments, and the bytes of the blocks live now
         // that were allocated before the window.
-        let mut release: [Vec<(SegmentId, u64)>; 2] = [Vec::new(), Vec::new()];
+        let mut release: [Released; 2] = Default::default();
         let mut old_live = [0u64; 2];
         for (&id, seg) in &self.segments {
             let c = seg.class.index();
@@ -110,8 +113,12 @@ impl Allocator {
                 continue;
             }
             plan.release.extend(release);
-            let class_peak = self.stats.class(class).reserved_bytes.peak;
-            let held = class_peak.saturating_sub(old_live[c]);
+            let held = self
+                .stats
+                .class(class)
+                .reserved_bytes
+                .peak
+                .saturating_sub(old_live[c]);
             let need = window_peak.min(held);
             if need == 0 {
                 continue;
@@ -141,7 +148,9 @@ impl Allocator {
     /// exist or is not entirely free (the plan is stale); nothing changes then.
     pub fn release_planned(&mut self, plan: &FitPlan) -> Result<Vec<(SegmentId, u64)>, AllocError> {
         for &(id, size) in &plan.release {
-            let ok = (self.segments.get(&id))
+            let ok = self
+                .segments
+                .get(&id)
                 .is_some_and(|seg| seg.size == size && self.entirely_free(seg));
             if !ok {
                 return Err(AllocError::UnknownSegment(id));
@@ -179,8 +188,11 @@ impl Allocator {
         plan: &FitPlan,
     ) -> Result<(Released, Vec<SegmentId>), AllocError> {
         let released = self.release_planned(plan)?;
-        let add = plan.add.iter().map(|&g| self.add_planned(g));
-        let added = add.collect::<Result<Vec<_>, _>>()?;
+        let added = plan
+            .add
+            .iter()
+            .map(|&g| self.add_planned(g))
+            .collect::<Result<_, _>>()?;
         Ok((released, added))
     }
 }

@@ -177,11 +177,10 @@ impl FreeIndex {
 
     /// The keys of the bins the bitmap marks, as one ordered set, or what is wrong
     /// with them. A non-empty bin the bitmap misses leaves its keys out of the set,
-    /// which the caller's comparison with the free blocks catches. O(bitmap + keys).
+    /// which the caller's comparison with the free blocks catches. O(bins + keys).
     pub(super) fn to_set(&self) -> Result<BTreeSet<FreeKey>, &'static str> {
         let mut all = BTreeSet::new();
-        let first = (self.nonempty[0] & 1 != 0).then_some(0);
-        for b in std::iter::successors(first.or(self.next_bin(0)), |&b| self.next_bin(b)) {
+        for b in (0..BINS).filter(|&b| self.nonempty[b / 64] >> (b % 64) & 1 != 0) {
             match self.bins.get(b) {
                 Some(bin) if !bin.is_empty() => {
                     let keys = bin.iter().map(|(&p, &slot)| unpack(p, slot));

@@ -15,8 +15,10 @@ pub struct InvariantViolation {
 }
 
 fn fail<T>(what: impl Into<String>, segment: Option<SegmentId>) -> Result<T, InvariantViolation> {
-    let what = what.into();
-    Err(InvariantViolation { what, segment })
+    Err(InvariantViolation {
+        what: what.into(),
+        segment,
+    })
 }
 
 /// Return the [`InvariantViolation`] `what` (formatted) about `segment` unless `ok`.
@@ -48,15 +50,14 @@ impl Allocator {
         let unit = self.config.min_block_bytes;
         let mut seen_slots = BTreeSet::new();
         let mut expected_free = [BTreeSet::new(), BTreeSet::new()];
-        let (mut allocated, mut requested, mut reserved, mut fenced) = (0u64, 0u64, 0u64, 0u64);
-        let (mut nalloc, mut nfree) = (0u64, 0u64);
+        let [mut allocated, mut requested, mut reserved, mut fenced] = [0u64; 4];
+        let [mut nalloc, mut nfree] = [0u64; 2];
         // Per class: (segments, reserved, allocated).
         let mut by_class = [(0u64, 0u64, 0u64); 2];
         for (&id, seg) in &self.segments {
             let sid = Some(id);
-            let granular = seg.size != 0 && seg.size.is_multiple_of(self.config.granularity_bytes);
             ensure!(
-                granular,
+                seg.size != 0 && seg.size.is_multiple_of(self.config.granularity_bytes),
                 sid,
                 "segment size not a multiple of the granularity"
             );
@@ -65,14 +66,17 @@ impl Allocator {
             let mut prev: Option<u32> = None;
             let mut offset = 0u64;
             let mut prev_free = false;
-            let (mut live_bytes, mut free_bytes) = (0u64, 0u64);
+            let [mut live_bytes, mut free_bytes] = [0u64; 2];
             while let Some(slot) = cur {
                 let Some(b) = self.blocks.get(slot as usize) else {
                     return fail(format!("link to empty slot {slot}"), sid);
                 };
                 ensure!(seen_slots.insert(slot), sid, "slot {slot} reached twice");
-                let owner = b.segment == id && b.class == seg.class;
-                ensure!(owner, sid, "slot {slot} names another segment or class");
+                ensure!(
+                    b.segment == id && b.class == seg.class,
+                    sid,
+                    "slot {slot} names another segment or class"
+                );
                 ensure!(b.prev == prev, sid, "slot {slot} has a wrong prev link");
                 let at = b.offset;
                 ensure!(
@@ -80,16 +84,22 @@ impl Allocator {
                     sid,
                     "gap or overlap at offset {offset} (block at {at})"
                 );
-                let whole = b.size != 0 && b.size.is_multiple_of(unit) && at.is_multiple_of(unit);
-                ensure!(whole, sid, "block at {at} not in whole units");
+                ensure!(
+                    b.size != 0 && b.size.is_multiple_of(unit) && at.is_multiple_of(unit),
+                    sid,
+                    "block at {at} not in whole units"
+                );
                 match &b.usage {
                     BlockUse::Free {
                         fences,
                         fenced: is_fenced,
                     } => {
                         ensure!(!prev_free, sid, "adjacent free blocks at {at}");
-                        let sorted = fences.windows(2).all(|w| w[0].stream < w[1].stream);
-                        ensure!(sorted, sid, "fences not sorted by stream");
+                        ensure!(
+                            fences.windows(2).all(|w| w[0].stream < w[1].stream),
+                            sid,
+                            "fences not sorted by stream"
+                        );
                         expected_free[seg.class.index()].insert((b.size, id, b.offset, slot));
                         free_bytes += b.size;
                         nfree += 1;
@@ -103,10 +113,16 @@ impl Allocator {
                         seq,
                         ..
                     } => {
-                        let within = (1..=b.size).contains(requested_bytes);
-                        ensure!(within, sid, "requested bytes outside (0, block size]");
-                        let numbered = (1..self.next_seq).contains(seq);
-                        ensure!(numbered, sid, "allocation sequence number out of range");
+                        ensure!(
+                            (1..=b.size).contains(requested_bytes),
+                            sid,
+                            "requested bytes outside (0, block size]"
+                        );
+                        ensure!(
+                            (1..self.next_seq).contains(seq),
+                            sid,
+                            "allocation sequence number out of range"
+                        );
                         live_bytes += b.size;
                         requested += requested_bytes;
                         nalloc += 1;
@@ -120,12 +136,11 @@ impl Allocator {
                 prev = Some(slot);
                 cur = b.next;
             }
-            let (size, live, free) = (seg.size, live_bytes, free_bytes);
-            let tiled = offset == size && live + free == size;
             ensure!(
-                tiled,
+                offset == seg.size && live_bytes + free_bytes == seg.size,
                 sid,
-                "blocks cover {offset} of {size} bytes (live {live} + free {free})"
+                "blocks cover {offset} of {} bytes (live {live_bytes} + free {free_bytes})",
+                seg.size
             );
             allocated += live_bytes;
             let c = &mut by_class[seg.class.index()];
@@ -137,9 +152,8 @@ impl Allocator {
         ensure!(n == 0, None, "{n} slab slots belong to no segment");
         for (class, expected) in expected_free.iter().enumerate() {
             let indexed = self.free[class].to_set().or_else(|what| fail(what, None))?;
-            let same = indexed == *expected;
             ensure!(
-                same,
+                indexed == *expected,
                 None,
                 "free index of class {class} differs from the free blocks"
             );
@@ -155,8 +169,9 @@ impl Allocator {
             ("allocated_blocks", s.allocated_blocks.current, nalloc),
             ("free_blocks", s.free_blocks, nfree),
         ];
-        let checks =
-            (checks.into_iter()).map(|(name, have, want)| (format!("stat {name}"), have, want));
+        let checks = checks
+            .into_iter()
+            .map(|(name, have, want)| (format!("stat {name}"), have, want));
         let class_checks = [SizeClass::Small, SizeClass::Large]
             .into_iter()
             .flat_map(|class| {
@@ -185,11 +200,13 @@ impl Allocator {
                 "peak of {name} below current"
             );
         }
-        let live = s.num_allocs.checked_sub(s.num_frees) == Some(nalloc);
-        ensure!(live, None, "allocs - frees differs from live blocks");
-        let numbered = s.num_allocs.checked_add(1) == Some(self.next_seq);
         ensure!(
-            numbered,
+            s.num_allocs.checked_sub(s.num_frees) == Some(nalloc),
+            None,
+            "allocs - frees differs from live blocks"
+        );
+        ensure!(
+            s.num_allocs.checked_add(1) == Some(self.next_seq),
             None,
             "allocs + 1 differs from the next sequence number"
         );

@@ -94,12 +94,13 @@ impl Allocator {
     /// The allocator's [`Layout`]: what its placement decisions depend on, for a rank
     /// joining a grown group ([`from_layout`](Self::from_layout)). O(blocks).
     pub fn layout(&self) -> Layout {
-        let segments = (self.segments.iter()).map(|(&id, seg)| SegmentLayout {
+        let segments = self.segments.iter().map(|(&id, seg)| SegmentLayout {
             id,
             class: seg.class,
             size_bytes: seg.size,
             dedicated: seg.dedicated,
-            blocks: (self.blocks_of(seg))
+            blocks: self
+                .blocks_of(seg)
                 .map(|b| BlockLayout {
                     offset_bytes: b.offset,
                     size_bytes: b.size,

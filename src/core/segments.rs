@@ -106,7 +106,9 @@ impl Allocator {
     /// Remove every segment that is entirely free, in ascending id order, and return
     /// them with their sizes. The caller releases their memory.
     pub fn release_free_segments(&mut self) -> Vec<(SegmentId, u64)> {
-        let empty: Vec<SegmentId> = (self.segments.iter())
+        let empty: Vec<SegmentId> = self
+            .segments
+            .iter()
             .filter_map(|(id, seg)| self.entirely_free(seg).then_some(*id))
             .collect();
         empty

@@ -16,9 +16,7 @@ pub struct Stat {
 impl Stat {
     pub(crate) fn add(&mut self, x: u64) {
         self.current += x;
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
+        self.peak = self.peak.max(self.current);
     }
 
     pub(crate) fn sub(&mut self, x: u64) {

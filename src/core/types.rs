@@ -41,7 +41,7 @@ pub struct Fence(pub u64);
 
 /// A device-side wait the caller must enqueue before using a block handed out on
 /// `Placement::stream`: "make the allocating stream wait for `fence` on `stream`".
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Wait {
     /// The stream whose earlier work may still use the memory.
     pub stream: StreamId,
@@ -90,10 +90,9 @@ impl AllocRequest {
         }
     }
 
-    /// The same request with alignment `align_bytes`.
-    pub fn with_align(mut self, align_bytes: u64) -> Self {
-        self.align_bytes = align_bytes;
-        self
+    setters! {
+        /// The same request with alignment `align_bytes`.
+        with_align(align_bytes: u64);
     }
 }
 

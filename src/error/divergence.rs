@@ -33,10 +33,8 @@ impl fmt::Display for Divergence {
             (None, None) => f.write_str(" before the recorded history:")?,
         }
         for (rank, call) in &self.calls {
-            match call {
-                Some(c) => write!(f, " rank {rank}: {c};")?,
-                None => write!(f, " rank {rank}: (no such call);")?,
-            }
+            let call = call.as_deref().unwrap_or("(no such call)");
+            write!(f, " rank {rank}: {call};")?;
         }
         Ok(())
     }

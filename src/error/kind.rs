@@ -72,17 +72,18 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// The kind's name, in lower snake case (`"out_of_memory"`), for logs and bindings.
     pub fn name(self) -> &'static str {
+        use ErrorKind::*;
         match self {
-            ErrorKind::Usage => "usage",
-            ErrorKind::Divergence => "divergence",
-            ErrorKind::Configuration => "configuration",
-            ErrorKind::OutOfMemory => "out_of_memory",
-            ErrorKind::Timeout => "timeout",
-            ErrorKind::PeerLost => "peer_lost",
-            ErrorKind::GroupLost => "group_lost",
-            ErrorKind::Broken => "broken",
-            ErrorKind::System => "system",
-            ErrorKind::Internal => "internal",
+            Usage => "usage",
+            Divergence => "divergence",
+            Configuration => "configuration",
+            OutOfMemory => "out_of_memory",
+            Timeout => "timeout",
+            PeerLost => "peer_lost",
+            GroupLost => "group_lost",
+            Broken => "broken",
+            System => "system",
+            Internal => "internal",
         }
     }
 
@@ -95,14 +96,10 @@ impl ErrorKind {
     /// ([`SymmPool::shrink`](crate::SymmPool::shrink)); of the others, only a restart
     /// helps.
     pub fn needs_restart(self) -> bool {
+        use ErrorKind::*;
         matches!(
             self,
-            ErrorKind::Timeout
-                | ErrorKind::PeerLost
-                | ErrorKind::GroupLost
-                | ErrorKind::Divergence
-                | ErrorKind::System
-                | ErrorKind::Internal
+            Timeout | PeerLost | GroupLost | Divergence | System | Internal
         )
     }
 }
@@ -117,59 +114,55 @@ impl Error {
     /// What kind of failure this is (see [`ErrorKind`] for what a runtime should do
     /// with each). An [`Error::Deferred`] has its cause's kind.
     pub fn kind(&self) -> ErrorKind {
+        use Error::*;
         use ErrorKind as K;
         match self {
-            Error::ZeroSize
-            | Error::TooLarge { .. }
-            | Error::BadAlignment { .. }
-            | Error::ForeignBuffer { .. }
-            | Error::DoubleFree { .. }
-            | Error::WrongStream
-            | Error::PoolClosed
-            | Error::Shrunk { .. }
-            | Error::BuffersAlive { .. }
-            | Error::InvalidCollective { .. }
-            | Error::Untagged { .. }
-            | Error::BadView(_)
-            | Error::GraphCapture
-            | Error::NoActivePool
-            | Error::PayloadTooLarge { .. } => K::Usage,
+            ZeroSize
+            | TooLarge { .. }
+            | BadAlignment { .. }
+            | ForeignBuffer { .. }
+            | DoubleFree { .. }
+            | WrongStream
+            | PoolClosed
+            | Shrunk { .. }
+            | BuffersAlive { .. }
+            | InvalidCollective { .. }
+            | Untagged { .. }
+            | BadView(_)
+            | GraphCapture
+            | NoActivePool
+            | PayloadTooLarge { .. } => K::Usage,
             // Shared communicators are the likely cause; the failure's own kind says
             // what to do now (a dead peer is still a restart).
-            Error::SharedCommunicators { error, .. } => error.kind(),
-            Error::Divergence(_)
-            | Error::CollectiveMismatch { .. }
-            | Error::CollectiveDivergence(_)
-            | Error::RegistrationOrder { .. }
-            | Error::RegistrationMismatch { .. }
-            | Error::ChannelMismatch { .. } => K::Divergence,
-            Error::Config { .. }
-            | Error::InvalidConfig(_)
-            | Error::LaunchEnv { .. }
-            | Error::LibraryUnavailable { .. }
-            | Error::NcclTooOld { .. }
-            | Error::NoSymmetricSupport { .. }
-            | Error::StoreRejected { .. }
-            | Error::JobMismatch { .. }
-            | Error::RankTaken { .. }
-            | Error::Protocol { .. }
-            | Error::Transport { .. } => K::Configuration,
-            Error::PoolLimit { .. }
-            | Error::DeviceOutOfMemory { .. }
-            | Error::PeerOutOfMemory { .. } => K::OutOfMemory,
-            Error::Timeout { .. }
-            | Error::GroupBroken { .. }
-            | Error::NcclTimeout { .. }
-            | Error::NcclWatchdog { .. } => K::Timeout,
-            Error::PeerLost { .. }
-            | Error::NcclAborted { .. }
-            | Error::ShrinkFailed { retry: true, .. } => K::PeerLost,
-            Error::ShrinkFailed { retry: false, .. } | Error::DeclaredLost { .. } => K::GroupLost,
-            Error::PoolBroken { .. } | Error::RegistrationBroken { .. } => K::Broken,
-            Error::Nccl { .. } | Error::Cuda { .. } | Error::SharedMemory { .. } => K::System,
-            Error::Internal { .. } => K::Internal,
-            Error::Deferred { source, .. } => source.kind(),
-            Error::Core(e) => match e {
+            SharedCommunicators { error, .. } => error.kind(),
+            Divergence(_)
+            | CollectiveMismatch { .. }
+            | CollectiveDivergence(_)
+            | RegistrationOrder { .. }
+            | RegistrationMismatch { .. }
+            | ChannelMismatch { .. } => K::Divergence,
+            Config { .. }
+            | InvalidConfig(_)
+            | LaunchEnv { .. }
+            | LibraryUnavailable { .. }
+            | NcclTooOld { .. }
+            | NoSymmetricSupport { .. }
+            | StoreRejected { .. }
+            | JobMismatch { .. }
+            | RankTaken { .. }
+            | Protocol { .. }
+            | Transport { .. } => K::Configuration,
+            PoolLimit { .. } | DeviceOutOfMemory { .. } | PeerOutOfMemory { .. } => K::OutOfMemory,
+            Timeout { .. } | GroupBroken { .. } | NcclTimeout { .. } | NcclWatchdog { .. } => {
+                K::Timeout
+            }
+            PeerLost { .. } | NcclAborted { .. } | ShrinkFailed { retry: true, .. } => K::PeerLost,
+            ShrinkFailed { retry: false, .. } | DeclaredLost { .. } => K::GroupLost,
+            PoolBroken { .. } | RegistrationBroken { .. } => K::Broken,
+            Nccl { .. } | Cuda { .. } | SharedMemory { .. } => K::System,
+            Internal { .. } => K::Internal,
+            Deferred { source, .. } => source.kind(),
+            Core(e) => match e {
                 AllocError::ZeroSize
                 | AllocError::TooLarge { .. }
                 | AllocError::BadAlignment { .. }

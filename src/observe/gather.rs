@@ -41,9 +41,12 @@ impl SymmPool {
         let exchange = self.backend().exchange();
         let channel = self.inner.channel;
         let (_, gathered) = self.observe_with(|_, mine| {
-            let stats = mine.stats.iter().map(|(k, v)| match *v {
-                StatValue::Count(n) => (k.clone(), WireStat::Count(n)),
-                StatValue::Real(x) => (k.clone(), WireStat::Real(x)),
+            let stats = mine.stats.iter().map(|(k, v)| {
+                let v = match *v {
+                    StatValue::Count(n) => WireStat::Count(n),
+                    StatValue::Real(x) => WireStat::Real(x),
+                };
+                (k.clone(), v)
             });
             let mine: Wire = (mine.segments.clone(), stats.collect());
             // Under the pool's lock, as an agreement: no other round of this rank on
@@ -55,7 +58,8 @@ impl SymmPool {
             rank,
             world_size: self.world_size(),
             segments,
-            stats: (stats.into_iter())
+            stats: stats
+                .into_iter()
                 .map(|(k, v)| match v {
                     WireStat::Count(n) => (k, StatValue::Count(n)),
                     WireStat::Real(x) => (k, StatValue::Real(x)),

@@ -139,18 +139,25 @@ impl SymmPool {
         let mut st = self.state();
         self.refresh_fences(&mut st);
         let snap = st.core.snapshot();
-        let marks = st.core.block_marks();
-        let segments: Vec<SegmentView> = (snap.segments.into_iter().zip(marks))
+        let segments: Vec<SegmentView> = snap
+            .segments
+            .into_iter()
+            .zip(st.core.block_marks())
             .map(|(seg, marks)| {
                 let entry = st.segments.get(&seg.id);
-                let windows = (comms.iter().enumerate())
+                let windows = comms
+                    .iter()
+                    .enumerate()
                     .map(|(c, info)| WindowView {
                         comm: c,
                         role: role_name(info.role).to_string(),
                         registered: entry.is_some_and(|e| e.window(c).is_some()),
                     })
                     .collect();
-                let blocks = (seg.blocks.into_iter().zip(marks))
+                let blocks = seg
+                    .blocks
+                    .into_iter()
+                    .zip(marks)
                     .map(|(b, m)| BlockView {
                         offset_bytes: b.offset_bytes,
                         size_bytes: b.size_bytes,
@@ -175,7 +182,6 @@ impl SymmPool {
                 }
             })
             .collect();
-        let totals = (&st.counters, st.history.seq());
         let mut windows = vec![0u64; comms.len()];
         for entry in st.segments.values() {
             for (c, w) in entry.windows.iter().enumerate() {
@@ -184,7 +190,7 @@ impl SymmPool {
         }
         let stats = build_stats(
             &snap.stats,
-            totals,
+            (&st.counters, st.history.seq()),
             &segments,
             &windows,
             comms,

@@ -10,9 +10,9 @@ use std::sync::atomic::Ordering::Relaxed;
 /// each with the name of its key; the three that the map has for every class too
 /// (`active`, `inactive_split`, `inactive_split_bytes`) last.
 fn count(segments: &[SegmentView], class: Option<SizeClass>) -> [(&'static str, u64); 9] {
-    let (mut allocated_bytes, mut requested_bytes, mut reserved_bytes) = (0, 0, 0);
-    let (mut active_bytes, mut segment, mut allocation) = (0, 0, 0);
-    let (mut active, mut inactive_split, mut inactive_split_bytes) = (0, 0, 0);
+    let [mut allocated_bytes, mut requested_bytes, mut reserved_bytes] = [0; 3];
+    let [mut active_bytes, mut segment, mut allocation] = [0; 3];
+    let [mut active, mut inactive_split, mut inactive_split_bytes] = [0; 3];
     for s in segments
         .iter()
         .filter(|s| class.is_none_or(|k| s.class == k))
