@@ -69,7 +69,7 @@ impl Cause {
     pub(crate) fn op(&self) -> &'static str {
         match self {
             Cause::Timeout { op, .. } | Cause::Watchdog { op, .. } => op,
-            Cause::Failed(_) | Cause::Aborted(_) | Cause::PeerLost { .. } => AN_NCCL_CALL,
+            _ => AN_NCCL_CALL,
         }
     }
 
@@ -101,8 +101,8 @@ impl Health {
     /// Healthy, naming lost peers as `exchange` knows them.
     pub(crate) fn watching(exchange: &Arc<dyn Exchange>) -> Self {
         Health {
-            cause: OnceLock::new(),
             peers: Some(Arc::downgrade(exchange)),
+            ..Health::default()
         }
     }
 
@@ -176,19 +176,17 @@ impl Health {
     /// Record `cause` unless an earlier one is recorded; returns whether this call
     /// broke it (and so must abort the communicators).
     pub(crate) fn break_with(&self, cause: Cause) -> bool {
-        let description = cause.describe();
-        let lost = matches!(cause, Cause::PeerLost { .. });
-        let aborted = matches!(cause, Cause::Aborted(_));
         let broke = self.cause.set(cause).is_ok();
         // A lost peer is what its callers are told (they may shrink and go on): a
         // warning, once per rank; the application's own abort (a shrink or grow
         // replacing the communicators) is no failure; anything else is the backend's.
-        if broke && lost {
-            tracing::warn!("symmpool: NCCL backend broken: {description}");
-        } else if broke && aborted {
-            tracing::info!("symmpool: NCCL backend closed: {description}");
-        } else if broke {
-            tracing::error!("symmpool: NCCL backend broken: {description}");
+        if let (true, Some(c)) = (broke, self.cause.get()) {
+            let d = c.describe();
+            match c {
+                Cause::PeerLost { .. } => tracing::warn!("symmpool: NCCL backend broken: {d}"),
+                Cause::Aborted(_) => tracing::info!("symmpool: NCCL backend closed: {d}"),
+                _ => tracing::error!("symmpool: NCCL backend broken: {d}"),
+            }
         }
         broke
     }
@@ -307,9 +305,9 @@ pub(super) fn sweep<E: Completion>(
 
 /// The collectives enqueued and not yet seen complete, oldest first.
 pub(crate) struct Watch<E> {
-    pending: VecDeque<Enqueued<E>>,
+    pub(crate) pending: VecDeque<Enqueued<E>>,
     /// Completed markers, for reuse.
-    spare: Vec<E>,
+    pub(crate) spare: Vec<E>,
 }
 
 impl<E> Default for Watch<E> {
@@ -325,16 +323,6 @@ impl<E> Default for Watch<E> {
 const SPARE: usize = 64;
 
 impl<E: Completion> Watch<E> {
-    /// A marker to reuse, if any.
-    pub(crate) fn spare(&mut self) -> Option<E> {
-        self.spare.pop()
-    }
-
-    /// Track a collective.
-    pub(crate) fn push(&mut self, e: Enqueued<E>) {
-        self.pending.push_back(e);
-    }
-
     /// The collectives pending so far, taken out of the list (to be queried without
     /// holding its lock, then handed back with [`restore`](Self::restore)).
     pub(crate) fn take(&mut self) -> VecDeque<Enqueued<E>> {

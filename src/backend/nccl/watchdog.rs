@@ -112,10 +112,8 @@ impl<D: Device> Shared<D> {
             let _calls = if c.blocking {
                 None
             } else {
-                match c.try_calls() {
-                    Some(g) => Some(g),
-                    None => continue,
-                }
+                let Some(g) = c.calls.try_lock() else { continue };
+                Some(g)
             };
             // SAFETY: `while_live` holds the gate, so the communicator is not aborted
             // (an abort is handed over only after marking it under the gate); a

@@ -19,7 +19,7 @@ use super::health::{Cause, Completion, Enqueued, Health, Watch};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -127,7 +127,7 @@ pub(super) struct Comm {
     pub(super) blocking: bool,
     nccl: &'static Syms,
     /// Held across every NCCL call of the backend's callers on it (see the module).
-    calls: Mutex<()>,
+    pub(super) calls: Mutex<()>,
     state: Arc<CommState>,
     /// A registration on it returned a NULL window (logged once).
     null_window_seen: AtomicBool,
@@ -202,11 +202,6 @@ impl Comm {
         let out = f();
         self.leave();
         out
-    }
-
-    /// For the watchdog on a non-blocking communicator: the calls lock, if free.
-    pub(super) fn try_calls(&self) -> Option<MutexGuard<'_, ()>> {
-        self.calls.try_lock()
     }
 
     /// Mark it aborted, so that no NCCL call starts on it after this, and hand it over
@@ -482,9 +477,8 @@ impl<D: Device> Shared<D> {
     /// across the record (the watchdog holds it only to swap the list out and back).
     fn watch(&self, op: &'static str, comm: usize, stream: &D::Stream, at: Instant) -> Result<()> {
         let mut watch = self.watch.lock();
-        let spare = watch.spare();
-        let event = self.device.record(stream, spare)?;
-        watch.push(Enqueued {
+        let event = self.device.record(stream, watch.spare.pop())?;
+        watch.pending.push_back(Enqueued {
             op,
             comm,
             at,
@@ -542,27 +536,26 @@ impl<D: Device> Shared<D> {
         deadline: Deadline,
     ) -> std::result::Result<(), (RawWindow, Error)> {
         let op = "ncclCommWindowDeregister";
-        let comm = match self.comm(c, op) {
-            Ok(comm) => comm,
-            Err(e) => return Err((window, e)),
-        };
-        let leaked = || Error::NcclAborted {
-            reason: format!(
-                "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
-            ),
-        };
+        let RawWindow(handle) = window;
+        let back = |e| (RawWindow(handle), e);
+        let comm = self.comm(c, op).map_err(back)?;
         match comm.aborted_by(deadline.cap(ABORT_WAIT)) {
             // The window went with its communicator (ncclCommAbort releases it).
             Some(true) => return Ok(()),
-            Some(false) => return Err((window, leaked())),
+            Some(false) => {
+                return Err(back(Error::NcclAborted {
+                    reason: format!(
+                        "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
+                    ),
+                }));
+            }
             None => {}
         }
-        let handle = window.0;
-        let result = self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
+        self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
             // SAFETY: the caller's contract; `raw` is live and held by `call`.
             unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }
-        });
-        result.map_err(|e| (RawWindow(handle), e))
+        })
+        .map_err(back)
     }
 
     /// Whether segments may be freed: every abort started has returned (an abort still
