@@ -436,7 +436,7 @@ impl Drop for NcclBackend {
         // operations still in flight, as is left when a peer died.
         self.watchdog.stop();
         let _ = self.bind();
-        self.fences.lock().clear();
+        self.fences.lock().events.clear();
         // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
         // resources; with work still running (a stuck collective, a kernel that never
         // ends) the aborts wait for the device, so leave them to their thread at once.

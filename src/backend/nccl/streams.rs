@@ -88,7 +88,7 @@ pub(crate) fn same_cuda_stream(a: &CudaStream, b: &CudaStream) -> bool {
 #[derive(Default)]
 pub(super) struct FenceTable {
     next: BTreeMap<StreamId, u64>,
-    events: BTreeMap<(StreamId, u64), CudaEvent>,
+    pub(super) events: BTreeMap<(StreamId, u64), CudaEvent>,
     /// Largest fence known complete, per stream: waits on it or earlier are skipped.
     done: BTreeMap<StreamId, u64>,
     streams: BTreeMap<StreamId, Arc<CudaStream>>,
@@ -96,23 +96,12 @@ pub(super) struct FenceTable {
 }
 
 impl FenceTable {
-    /// Forget every event (at drop).
-    pub(super) fn clear(&mut self) {
-        self.events.clear();
-    }
-
     /// After fence `done` of stream `sid` was seen complete: recycle its events and
     /// every earlier one, and remember it.
     fn collect(&mut self, sid: StreamId, done: u64) {
-        let keep = self.events.split_off(&(sid, done + 1));
-        let old = std::mem::replace(&mut self.events, keep);
-        for ((s, f), e) in old {
-            if s == sid {
-                self.spare.push(e);
-            } else {
-                self.events.insert((s, f), e);
-            }
-        }
+        let mut old = self.events.split_off(&(sid, 0));
+        self.events.append(&mut old.split_off(&(sid, done + 1)));
+        self.spare.extend(old.into_values());
         let w = self.done.entry(sid).or_insert(0);
         *w = (*w).max(done);
     }
@@ -137,14 +126,12 @@ const FENCES_PER_STREAM: usize = 64;
 /// "still running".
 pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> Result<bool> {
     let answer = poll_until(deadline, || {
-        for e in events {
-            match e.try_is_complete() {
-                Ok(true) => {}
-                Ok(false) => return None,
-                Err(err) => return Some(Err(ffi::cuda("cuEventQuery")(err))),
-            }
+        let first = (events.iter().map(CudaEvent::try_is_complete)).find(|r| r != &Ok(true));
+        match first {
+            None => Some(Ok(())),
+            Some(Ok(_)) => None,
+            Some(Err(err)) => Some(Err(ffi::cuda("cuEventQuery")(err))),
         }
-        Some(Ok(()))
     });
     answer.transpose().map(|done| done.is_some())
 }

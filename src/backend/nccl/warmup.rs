@@ -101,7 +101,6 @@ impl<D: Device> Shared<D> {
         granularity: u64,
         deadline: Deadline,
     ) -> Result<Vec<WarmedPath>> {
-        let op = "warm-up";
         let started = Instant::now();
         let segment_bytes = warm_segment_bytes(self.world, granularity);
         let ptr = ffi::mem_alloc(self.nccl, segment_bytes)?;
@@ -152,14 +151,15 @@ impl<D: Device> Shared<D> {
         let ran = run();
         // The device is done with the segment only once the stream is idle: after a
         // failed call too (earlier collectives may still run).
-        match self.device.wait_idle(stream, deadline) {
-            Ok(true) => {}
-            Ok(false) => {
-                let waited = started.elapsed();
-                let e = self.fail(Cause::Timeout { op, waited });
-                return Err(ran.err().unwrap_or(e));
-            }
-            Err(e) => return Err(ran.err().unwrap_or(e)),
+        let idle = match self.device.wait_idle(stream, deadline) {
+            Ok(false) => Err(self.fail(Cause::Timeout {
+                op: "warm-up",
+                waited: started.elapsed(),
+            })),
+            idle => idle.map(drop),
+        };
+        if let Err(e) = idle {
+            return Err(ran.err().unwrap_or(e));
         }
         // Release the windows and the segment: the stream is idle, and `deregister`
         // calls nothing on an aborted communicator once its abort returned (NCCL

@@ -122,17 +122,17 @@ pub(super) fn revoke_then_abort(t: &Taken, revoke: bool) {
 /// 1777), so nobody waits for it without a deadline; a thread that never returns only
 /// leaks its communicators.
 pub(super) fn abort_off_thread(bind: Option<Binder>, comms: Vec<Taken>, threads: AbortThreads) {
+    if comms.is_empty() {
+        return;
+    }
+    exit_waits_for_aborts();
     let revoke = threads == AbortThreads::PerCommunicator;
     let batches: Vec<Vec<Taken>> = match threads {
-        AbortThreads::One if comms.is_empty() => Vec::new(),
         AbortThreads::One => vec![comms],
         AbortThreads::PerCommunicator | AbortThreads::Apart => {
             comms.into_iter().map(|c| vec![c]).collect()
         }
     };
-    if !batches.is_empty() {
-        exit_waits_for_aborts();
-    }
     for batch in batches {
         for t in &batch {
             t.state.give_up_after(ABORT_WAIT);
