@@ -30,7 +30,7 @@ pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
         ));
     }
     let ctx = CudaContext::new(device).map_err(ffi::cuda("cuDevicePrimaryCtxRetain"))?;
-    ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+    ffi::bind(&ctx)?;
     Ok(ctx)
 }
 
@@ -128,8 +128,32 @@ impl Builder {
 
     /// The lost peer of the watched exchange, if any: what ends a creation early.
     fn lost(&self) -> Option<Error> {
-        let lost = self.watch.as_ref()?.lost_peer()?;
-        Some(lost.error("making communicators"))
+        Some(
+            self.watch
+                .as_ref()?
+                .lost_peer()?
+                .error("making communicators"),
+        )
+    }
+
+    /// [`finish_creation`] of `starting` (the call `op`) by the set-up's deadline, ended
+    /// early by a lost peer of the watched exchange.
+    fn finish(
+        &self,
+        starting: Result<ffi::Starting>,
+        op: &'static str,
+        blocking: bool,
+        owner: Option<&Comm>,
+    ) -> Result<Comm> {
+        finish_creation(
+            self.nccl,
+            starting,
+            op,
+            blocking,
+            self.deadline,
+            owner,
+            &|| self.lost(),
+        )
     }
 
     /// The set-up round over `exchange` as `role` (`unique_id`: the control
@@ -233,16 +257,7 @@ impl Builder {
                 rank,
             )
         };
-        let lost = || self.lost();
-        let grown = finish_creation(
-            self.nccl,
-            starting,
-            "ncclCommGrow",
-            false,
-            self.deadline,
-            None,
-            &lost,
-        )?;
+        let grown = self.finish(starting, "ncclCommGrow", false, None)?;
         Ok((grown, agreed.placement))
     }
 
@@ -296,11 +311,8 @@ impl Builder {
     /// Create the non-blocking control communicator from `unique_id`, by the set-up's
     /// deadline.
     fn control_init(&self, world: usize, unique_id: &[u8; 128], rank: usize) -> Result<Comm> {
-        let op = "ncclCommInitRankConfig";
         let starting = ffi::comm_init(self.nccl, world, unique_id, rank);
-        finish_creation(self.nccl, starting, op, false, self.deadline, None, &|| {
-            self.lost()
-        })
+        self.finish(starting, "ncclCommInitRankConfig", false, None)
     }
 
     /// Split a communicator of `cta_policy` off `parent` (polled as non-blocking: right
@@ -319,11 +331,7 @@ impl Builder {
     ) -> Result<Comm> {
         // SAFETY: the caller's contract.
         let starting = unsafe { ffi::comm_split(self.nccl, parent, rank, cta_policy, blocking) };
-        let op = "ncclCommSplit";
-        let (nccl, deadline) = (self.nccl, self.deadline);
-        finish_creation(nccl, starting, op, blocking, deadline, owner, &|| {
-            self.lost()
-        })
+        self.finish(starting, "ncclCommSplit", blocking, owner)
     }
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
@@ -342,16 +350,12 @@ impl Builder {
             // (the plan is checked by the set-up round, a split's name by its channel).
             let made =
                 unsafe { self.split(control.raw, Some(control), rank, role.cta_policy, blocking) };
-            let comm = match made {
-                Ok(comm) => comm,
-                Err(e) => {
-                    // Every communicator made so far, the control one too, aborted
-                    // together under one deadline.
-                    let parent = abort_control.then_some(control);
-                    abort_together(comms.iter().map(|(_, c)| c).chain(parent));
-                    return Err(e);
-                }
-            };
+            // On a failure, every communicator made so far, the control one too,
+            // aborted together under one deadline.
+            let comm = made.inspect_err(|_| {
+                let parent = abort_control.then_some(control);
+                abort_together(comms.iter().map(|(_, c)| c).chain(parent));
+            })?;
             let info = CommInfo {
                 cta_policy: effective_policy(role.cta_policy),
                 ..*role
@@ -375,7 +379,7 @@ impl Builder {
         warm_up: bool,
     ) -> Result<Backend> {
         let (rank, world) = (exchange.rank(), exchange.world_size());
-        let (infos, comms): (Vec<CommInfo>, Vec<Comm>) = comms.into_iter().unzip();
+        let (infos, comms): (Vec<_>, Vec<_>) = comms.into_iter().unzip();
         let granularity = ffi::segment_granularity(ctx.ordinal());
         let info = BackendInfo::new(
             BackendKind::Nccl,
@@ -387,7 +391,6 @@ impl Builder {
         )?
         .with_nodes(placement.nodes)
         .with_shared_devices(placement.shared_devices);
-        let n = comms.len();
         let shared = Arc::new(Shared {
             rank,
             world,
@@ -401,7 +404,7 @@ impl Builder {
         });
         let watchdog = Watchdog::spawn(&shared)?;
         let warmed = if warm_up {
-            ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+            ffi::bind(&ctx)?;
             let stream = ctx.new_stream().map_err(ffi::cuda("cuStreamCreate"))?;
             shared.warm_up(&infos, &stream, granularity, self.deadline)?
         } else {
@@ -409,7 +412,7 @@ impl Builder {
         };
         let parts = Arc::new(NcclBackend {
             shared,
-            ordinals: Mutex::new(vec![0; n]),
+            ordinals: Mutex::new(vec![0; infos.len()]),
             fences: Mutex::default(),
             raw_streams: Mutex::default(),
             warmed,
@@ -627,7 +630,7 @@ impl NcclBackend {
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
         let init = "a rank's initialisation thread";
         crate::error::in_threads(ranks.enumerate(), init, |(rank, (ctx, exchange))| {
-            ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+            ffi::bind(&ctx)?;
             let control = b.control_init(world, &id, rank)?;
             let comms = b.data(&control, rank, true)?;
             let exchange = Arc::new(exchange);

@@ -305,7 +305,7 @@ impl NcclBackend {
     }
 
     fn bind(&self) -> Result<()> {
-        (self.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))
+        ffi::bind(self.context())
     }
 
     /// The device address of a region's first byte.

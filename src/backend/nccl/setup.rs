@@ -172,7 +172,9 @@ fn grow_ranks(hellos: &[Hello]) -> Result<Option<Vec<usize>>> {
     if hellos.iter().all(|h| h.role == Role::New) {
         return Ok(None);
     }
-    let members = (hellos.iter()).filter(|h| matches!(h.role, Role::Member { .. })).count();
+    let members = (hellos.iter())
+        .filter(|h| matches!(h.role, Role::Member { .. }))
+        .count();
     let mut next = members;
     let mut ranks = Vec::with_capacity(hellos.len());
     for h in hellos {

@@ -194,7 +194,7 @@ impl NcclBackend {
 
     /// Whether `cs` is capturing a CUDA graph.
     pub(crate) fn capturing_cuda(cs: &CudaStream) -> Result<bool> {
-        (cs.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))?;
+        ffi::bind(cs.context())?;
         ffi::is_capturing(cs)
     }
 

@@ -112,7 +112,9 @@ impl<D: Device> Shared<D> {
             let _calls = if c.blocking {
                 None
             } else {
-                let Some(g) = c.calls.try_lock() else { continue };
+                let Some(g) = c.calls.try_lock() else {
+                    continue;
+                };
                 Some(g)
             };
             // SAFETY: `while_live` holds the gate, so the communicator is not aborted
