@@ -70,10 +70,10 @@ fn effective_policy(requested: i32) -> i32 {
     }
 }
 
-/// The rank of a communicator found as `(rank, size, device)`, if it agrees with
+/// The rank of a communicator found as `[rank, size, device]`, if it agrees with
 /// `exchange` on rank and size and sits on `device`.
 fn same_rank(
-    (rank, world, dev): (usize, usize, usize),
+    [rank, world, dev]: [usize; 3],
     device: usize,
     exchange: &dyn Exchange,
 ) -> Result<usize> {
@@ -166,8 +166,9 @@ impl Builder {
         unique_id: Option<[u8; 128]>,
         device: &[u8],
     ) -> Result<setup::Agreed> {
-        let roles = roles_for(self.version, &self.config);
-        let roles: Vec<_> = roles.iter().map(|r| (r.role, r.cta_policy)).collect();
+        let roles: Vec<_> = (roles_for(self.version, &self.config).iter())
+            .map(|r| (r.role, r.cta_policy))
+            .collect();
         let hello = setup::Hello {
             version: version_code(self.version),
             node: setup::this_node(),
@@ -228,7 +229,7 @@ impl Builder {
             Some(p) => {
                 // SAFETY: the parent is live and used by this thread only (the caller
                 // holds its calls lock).
-                let (parent_rank, _, _) = unsafe { ffi::comm_rank_size_device(self.nccl, p.raw) }?;
+                let [parent_rank, ..] = unsafe { ffi::comm_rank_size_device(self.nccl, p.raw) }?;
                 // SAFETY: as above.
                 let id = (parent_rank == 0)
                     .then(|| unsafe { ffi::grow_unique_id(self.nccl, fns, p.raw) });
@@ -239,8 +240,7 @@ impl Builder {
         };
         let agreed = self.agree(exchange, role, id, device)?;
         let id = agreed.unique_id()?;
-        let ranks = agreed.grow.unwrap_or_default();
-        let mine = ranks.get(exchange.rank()).copied();
+        let mine = (agreed.grow).and_then(|ranks| ranks.get(exchange.rank()).copied());
         let (id, rank) = match parent {
             Some(_) => ((mine == Some(0)).then_some(&id), None),
             None => (Some(&id), mine),

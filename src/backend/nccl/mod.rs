@@ -165,11 +165,6 @@ impl SegmentMemory for NcclMemory {
     }
 }
 
-/// `handle`, given back with `error`.
-fn refused<T>(handle: T, error: Error) -> Refused<T> {
-    Refused { handle, error }
-}
-
 /// The error of `what` (a handle of another backend) reaching the NCCL backend.
 fn foreign(what: &str) -> Error {
     Error::internal(format!("{what} reached the NCCL backend"))
@@ -383,8 +378,14 @@ impl SegmentProvider for NcclBackend {
         let (comm, ordinal) = (window.comm(), window.ordinal());
         let raw = window
             .into_handle::<RawWindow>()
-            .map_err(|w| refused(w, foreign("a window of another backend")))?;
-        let back = |(w, error)| refused(Window::new(comm, ordinal, Box::new(w)), error);
+            .map_err(|handle| Refused {
+                handle,
+                error: foreign("a window of another backend"),
+            })?;
+        let back = |(w, error)| Refused {
+            handle: Window::new(comm, ordinal, Box::new(w)),
+            error,
+        };
         let deadline = self.shared.call_deadline().min(deadline);
         match self.bind() {
             // SAFETY: the window was registered on this communicator by `register` (the
@@ -406,7 +407,10 @@ impl SegmentProvider for NcclBackend {
             // it; it is consumed here, so freed once.
             unsafe { ffi::mem_free(self.shared.nccl, m.ptr) }
         });
-        freed.map_err(|error| refused(segment, error))
+        freed.map_err(|error| Refused {
+            handle: segment,
+            error,
+        })
     }
 }
 

@@ -300,8 +300,7 @@ impl StreamOps for NcclBackend {
         // end at once; work still running after `DROP_DRAIN_WAIT` waits on a lost peer
         // by means no abort ends (a copy-engine all-gather's stream memory waits on its
         // peers' flags, NCCL 2.28+) and never drains: do not wait the caller's timeout.
-        let broken = self.shared.health.is_broken();
-        let deadline = if broken {
+        let deadline = if self.shared.health.is_broken() {
             deadline.cap(super::DROP_DRAIN_WAIT)
         } else {
             deadline

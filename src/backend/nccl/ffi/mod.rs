@@ -381,14 +381,11 @@ pub(crate) unsafe fn async_state(s: &Syms, op: &'static str, comm: RawComm) -> R
     status(s, op, state, Some(&comm))
 }
 
-/// (rank, size, device) of a communicator.
+/// [rank, size, device] of a communicator.
 ///
 /// # Safety
 /// `comm` is live and nothing else calls NCCL on it concurrently.
-pub(crate) unsafe fn comm_rank_size_device(
-    s: &Syms,
-    comm: RawComm,
-) -> Result<(usize, usize, usize)> {
+pub(crate) unsafe fn comm_rank_size_device(s: &Syms, comm: RawComm) -> Result<[usize; 3]> {
     let mut found = [0usize; 3];
     let queries = [
         (s.user_rank, "ncclCommUserRank"),
@@ -401,7 +398,7 @@ pub(crate) unsafe fn comm_rank_size_device(
         check(s, op, unsafe { query(comm.0, &mut x) }, Some(&comm))?;
         *out = usize::try_from(x).unwrap_or(usize::MAX);
     }
-    Ok((found[0], found[1], found[2]))
+    Ok(found)
 }
 
 /// `ncclCommAbort`: local teardown; also ends the calls and device work still in
