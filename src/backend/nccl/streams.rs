@@ -286,8 +286,8 @@ impl StreamOps for NcclBackend {
 
     fn any_capturing(&self) -> Result<bool> {
         self.bind()?;
-        let fenced: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
-        let adopted: Vec<Stream> = self.raw_streams.lock().values().cloned().collect();
+        let fenced: Vec<_> = self.fences.lock().streams.values().cloned().collect();
+        let adopted: Vec<_> = self.raw_streams.lock().values().cloned().collect();
         let mut streams = fenced
             .iter()
             .chain(adopted.iter().filter_map(Stream::cuda_stream));
@@ -306,7 +306,7 @@ impl StreamOps for NcclBackend {
             deadline
         };
         // One event after everything enqueued so far on every stream that fenced.
-        let streams: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
+        let streams: Vec<_> = self.fences.lock().streams.values().cloned().collect();
         let events = streams
             .iter()
             .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))

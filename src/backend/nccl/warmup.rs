@@ -60,7 +60,7 @@ pub(super) fn warm_collectives(role: CommRole) -> &'static [WarmCollective] {
 /// of [`warm_collectives`] for each, and, without a plain communicator, the plain
 /// kernels' collectives on the first one (where the path policy sends them then).
 pub(super) fn warm_plan(infos: &[CommInfo]) -> Vec<(usize, WarmCollective)> {
-    let mut plan: Vec<(usize, WarmCollective)> = (infos.iter().enumerate())
+    let mut plan: Vec<_> = (infos.iter().enumerate())
         .flat_map(|(c, info)| warm_collectives(info.role).iter().map(move |&w| (c, w)))
         .collect();
     if !infos.is_empty() && !infos.iter().any(|i| i.role == CommRole::Plain) {

@@ -11,8 +11,8 @@ use super::ffi;
 use super::health::{self, Cause, Completion};
 use crate::error::Result;
 use cudarc::driver::CudaEvent;
+use std::sync::Arc;
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 impl Completion for CudaEvent {
@@ -37,8 +37,8 @@ impl Watchdog {
     /// and its error is returned. With non-blocking data communicators only the log
     /// says so (their calls are polled under their own deadlines).
     pub(super) fn spawn<D: Device>(shared: &Arc<Shared<D>>) -> Result<Self> {
-        let (stop, stopped) = mpsc::channel::<()>();
-        let weak: Weak<Shared<D>> = Arc::downgrade(shared);
+        let (stop, stopped) = mpsc::channel();
+        let weak = Arc::downgrade(shared);
         let bind = shared.device.binder();
         let interval = (shared.config.watchdog_interval).max(Duration::from_millis(1));
         let spawned = std::thread::Builder::new()

@@ -297,7 +297,7 @@ impl<D: Device> Shared<D> {
     /// Every later call on them fails at once; the aborts themselves run off this
     /// thread ([`abort_off_thread`]) and are not waited for here.
     pub(super) fn abort_all(&self, threads: AbortThreads) {
-        let taken: Vec<Taken> = self.all_comms().filter_map(Comm::take_for_abort).collect();
+        let taken: Vec<_> = self.all_comms().filter_map(Comm::take_for_abort).collect();
         self.watch.lock().clear();
         abort_off_thread(Some(self.device.binder()), taken, threads);
     }
