@@ -447,8 +447,7 @@ impl Drop for NcclBackend {
         // Work just enqueued gets `DROP_DRAIN_WAIT` to finish (an idle device answers at
         // once; a zero deadline would make the last collectives look stuck).
         let rank = self.shared.rank;
-        let busy = self.drain_timed_out.load(Ordering::Relaxed);
-        let wait = if busy {
+        let wait = if self.drain_timed_out.load(Ordering::Relaxed) {
             Duration::ZERO
         } else {
             DROP_DRAIN_WAIT

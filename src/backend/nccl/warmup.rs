@@ -105,7 +105,6 @@ impl<D: Device> Shared<D> {
         let segment_bytes = warm_segment_bytes(self.world, granularity);
         let ptr = ffi::mem_alloc(self.nccl, segment_bytes)?;
         let (mut windows, mut warmed) = (Vec::new(), Vec::new());
-        let world = self.world.max(1) as u64;
         let plan = warm_plan(infos);
         let mut run = || -> Result<()> {
             for (c, info) in infos.iter().enumerate() {
@@ -119,7 +118,7 @@ impl<D: Device> Shared<D> {
                 // f32 elements per rank; `world` × this fits the segment.
                 let count = bytes_per_rank / 4;
                 let mine = ptr + self.rank as u64 * bytes_per_rank;
-                debug_assert!(world * bytes_per_rank <= segment_bytes);
+                debug_assert!(self.world.max(1) as u64 * bytes_per_rank <= segment_bytes);
                 for &(c, collective) in &plan {
                     let sum = sys::ncclRedOp_t::ncclSum;
                     let (kind, send, recv) = match collective {
@@ -172,8 +171,7 @@ impl<D: Device> Shared<D> {
                 released = Err(e);
             }
         }
-        let released = released.and_then(|()| self.may_free());
-        match released {
+        match released.and_then(|()| self.may_free()) {
             // SAFETY: from `mem_alloc` above; no window covers it any more (every
             // registration was deregistered, or went with an abort that returned) and
             // the device is done with it.

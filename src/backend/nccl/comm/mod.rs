@@ -384,8 +384,7 @@ impl<D: Device> Shared<D> {
         // The deadline is read only when the lock is taken (rare: one thread drives a rank).
         let serial = comm.calls.try_lock();
         let Some(_serial) = serial.or_else(|| comm.calls.try_lock_until(until().instant())) else {
-            let broken = self.health.is_broken();
-            return Err(if broken {
+            return Err(if self.health.is_broken() {
                 self.error_for(op)
             } else {
                 Error::timeout_since(op, now, &[])
@@ -443,7 +442,8 @@ impl<D: Device> Shared<D> {
         bound: Bound,
     ) -> Result<()> {
         self.health.check()?;
-        let comm = self.comm(c, call.name())?;
+        let op = call.name();
+        let comm = self.comm(c, op)?;
         let raw_stream = self.device.raw_stream(stream);
         let watched = self.config.watchdog_enabled() && !self.device.capturing(stream)?;
         let now = Instant::now();
@@ -453,20 +453,17 @@ impl<D: Device> Shared<D> {
             }
             b => b,
         };
-        self.call(comm, call.name(), bound, now, |raw| {
+        self.call(comm, op, bound, now, |raw| {
             // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
             // and `call` holds its calls lock.
             unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }
         })?;
-        if watched && let Err(e) = self.watch(call.name(), c, stream, now) {
+        if watched && let Err(e) = self.watch(op, c, stream, now) {
             // The collective is enqueued but unwatched: its completion can no longer be
             // bounded, and a caller who retried would run it twice. The backend is broken
             // (its communicators aborted), so every rank's next call fails instead of
             // diverging.
-            let what = format!(
-                "{} enqueued, but its completion event failed: {e}",
-                call.name()
-            );
+            let what = format!("{op} enqueued, but its completion event failed: {e}");
             return Err(self.fail(Cause::Failed(what)));
         }
         Ok(())
