@@ -166,7 +166,8 @@ impl Builder {
         unique_id: Option<[u8; 128]>,
         device: &[u8],
     ) -> Result<setup::Agreed> {
-        let roles: Vec<_> = (roles_for(self.version, &self.config).iter())
+        let roles: Vec<_> = roles_for(self.version, &self.config)
+            .iter()
             .map(|r| (r.role, r.cta_policy))
             .collect();
         let hello = setup::Hello {
@@ -240,7 +241,9 @@ impl Builder {
         };
         let agreed = self.agree(exchange, role, id, device)?;
         let id = agreed.unique_id()?;
-        let mine = (agreed.grow).and_then(|ranks| ranks.get(exchange.rank()).copied());
+        let mine = agreed
+            .grow
+            .and_then(|ranks| ranks.get(exchange.rank()).copied());
         let (id, rank) = match parent {
             Some(_) => ((mine == Some(0)).then_some(&id), None),
             None => (Some(&id), mine),

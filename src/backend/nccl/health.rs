@@ -122,8 +122,11 @@ impl Health {
         let (rank, detail) = if let Cause::PeerLost { rank, detail } = cause {
             (*rank, detail.clone())
         } else if let Some(loss) = loss {
-            let (lost, broke) = (loss.detail, cause.describe());
-            let detail = format!("{lost}; this rank's NCCL backend then broke: {broke}");
+            let broke = cause.describe();
+            let detail = format!(
+                "{}; this rank's NCCL backend then broke: {broke}",
+                loss.detail
+            );
             (loss.rank, detail)
         } else {
             return cause.error(first);
@@ -151,10 +154,9 @@ impl Health {
     /// # Errors
     /// The cause's error ([`report`](Self::report)).
     pub(crate) fn check(&self) -> Result<()> {
-        match self.cause.get() {
-            None => Ok(()),
-            Some(c) => Err(self.report(c, c.op(), false)),
-        }
+        self.cause
+            .get()
+            .map_or(Ok(()), |c| Err(self.report(c, c.op(), false)))
     }
 
     /// Why it broke, if it did.
@@ -169,8 +171,9 @@ impl Health {
 
     /// The error of a broken backend (of a healthy one: an internal error).
     pub(crate) fn error(&self) -> Error {
-        let healthy = || Error::internal("asked for the error of a healthy NCCL backend");
-        self.check().err().unwrap_or_else(healthy)
+        self.check()
+            .err()
+            .unwrap_or_else(|| Error::internal("asked for the error of a healthy NCCL backend"))
     }
 
     /// Record `cause` unless an earlier one is recorded; returns whether this call

@@ -145,7 +145,8 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
     }
     let grow = grow_ranks(hellos)?;
     // The sender: the grow's root (parent rank 0), else rank 0.
-    let root = (grow.as_ref())
+    let root = grow
+        .as_ref()
         .and_then(|ranks| ranks.iter().position(|&r| r == 0))
         .unwrap_or(0);
     let unique_ids = hellos[root]
@@ -178,7 +179,8 @@ fn grow_ranks(hellos: &[Hello]) -> Result<Option<Vec<usize>>> {
     if hellos.iter().all(|h| h.role == Role::New) {
         return Ok(None);
     }
-    let members = (hellos.iter())
+    let members = hellos
+        .iter()
         .filter(|h| matches!(h.role, Role::Member { .. }))
         .count();
     let mut next = members;

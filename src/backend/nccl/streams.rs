@@ -126,7 +126,10 @@ const FENCES_PER_STREAM: usize = 64;
 /// "still running".
 pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> Result<bool> {
     let answer = poll_until(deadline, || {
-        let first = (events.iter().map(CudaEvent::try_is_complete)).find(|r| r != &Ok(true));
+        let first = events
+            .iter()
+            .map(CudaEvent::try_is_complete)
+            .find(|r| r != &Ok(true));
         match first {
             None => Some(Ok(())),
             Some(Ok(_)) => None,

@@ -48,7 +48,9 @@ pub(crate) fn candidates(override_name: Option<&str>) -> Vec<Candidate> {
         Candidate::Load("libnccl.so.2".into()),
         Candidate::Load("libnccl.so".into()),
     ];
-    (given.map(|n| Candidate::Load(n.into())).into_iter())
+    given
+        .map(|n| Candidate::Load(n.into()))
+        .into_iter()
         .chain(defaults)
         .collect()
 }
