@@ -269,10 +269,9 @@ impl StreamOps for NcclBackend {
             return Ok(());
         }
         // Only collected events are missing, and those are complete.
-        match t.events.get(&(on, fence.0)) {
-            Some(e) => cs.wait(e).map_err(ffi::cuda("cuStreamWaitEvent")),
-            None => Ok(()),
-        }
+        t.events
+            .get(&(on, fence.0))
+            .map_or(Ok(()), |e| Self::wait_event(cs, e))
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {

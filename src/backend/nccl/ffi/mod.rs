@@ -59,14 +59,14 @@ pub(crate) enum Status {
 }
 
 fn c_str(ptr: *const c_char) -> Option<String> {
-    if ptr.is_null() {
-        return None;
-    }
     // SAFETY: NCCL returns NUL-terminated strings that live at least until the next
     // call on the same communicator (ncclGetLastError) or forever (ncclGetErrorString);
     // the text is copied out at once.
-    let text = unsafe { CStr::from_ptr(ptr) };
-    Some(text.to_string_lossy().into_owned())
+    (!ptr.is_null()).then(|| {
+        unsafe { CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .into_owned()
+    })
 }
 
 /// The error for result `code` of `op`, with NCCL's last error message on `comm`.

@@ -230,9 +230,9 @@ fn loaded() -> Option<&'static Loaded> {
             }
             let version = NcclVersion::from_code(code);
             tracing::info!("symmpool: NCCL {version} from {candidate:?}");
-            let syms = resolve(lib);
-            let syms =
-                (syms.inspect_err(|m| tracing::warn!("symmpool: NCCL {version} lacks {m}"))).ok();
+            let syms = resolve(lib)
+                .inspect_err(|m| tracing::warn!("symmpool: NCCL {version} lacks {m}"))
+                .ok();
             Some(Loaded { version, syms })
         })
         .as_ref()
