@@ -285,8 +285,11 @@ pub(super) fn sweep<E: Completion>(
             Ok(false) => {
                 let waited = now.saturating_duration_since(e.at);
                 if waited > timeout {
-                    let (op, comm) = (e.op, e.comm);
-                    expired.get_or_insert(Cause::Watchdog { op, comm, waited });
+                    expired.get_or_insert(Cause::Watchdog {
+                        op: e.op,
+                        comm: e.comm,
+                        waited,
+                    });
                 }
                 kept.push_back(e);
             }

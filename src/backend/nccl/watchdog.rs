@@ -94,8 +94,10 @@ impl<D: Device> Shared<D> {
         if let Some(loss) = self.health.lost_peer()
             && (!loss.left || in_flight || self.all_comms().any(|c| c.inside().is_some()))
         {
-            let (rank, detail) = (loss.rank, loss.detail);
-            let _ = self.fail(Cause::PeerLost { rank, detail });
+            let _ = self.fail(Cause::PeerLost {
+                rank: loss.rank,
+                detail: loss.detail,
+            });
             return;
         }
         for c in self.all_comms().filter(|c| c.owned) {
@@ -103,8 +105,10 @@ impl<D: Device> Shared<D> {
                 && let Some(deadline) = inside.deadline
                 && deadline.instant() <= now
             {
-                let (op, waited) = (inside.op, now.saturating_duration_since(inside.since));
-                let _ = self.fail(Cause::Timeout { op, waited });
+                let _ = self.fail(Cause::Timeout {
+                    op: inside.op,
+                    waited: now.saturating_duration_since(inside.since),
+                });
                 return;
             }
             // A non-blocking communicator busy in a call is looked at next time (the

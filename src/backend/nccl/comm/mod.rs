@@ -231,10 +231,7 @@ impl Comm {
 
     /// Whether it was aborted, and if so whether its abort returned by `deadline`.
     pub(super) fn aborted_by(&self, deadline: Deadline) -> Option<bool> {
-        if !self.state.gate.lock().aborted {
-            return None;
-        }
-        Some(self.state.wait_aborted(deadline))
+        self.is_aborted().then(|| self.state.wait_aborted(deadline))
     }
 }
 
