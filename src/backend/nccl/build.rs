@@ -137,7 +137,9 @@ impl Builder {
     }
 
     /// [`finish_creation`] of `starting` (the call `op`) by the set-up's deadline, ended
-    /// early by a lost peer of the watched exchange.
+    /// early by a lost peer of the watched exchange. A split is polled through its parent
+    /// (as non-blocking: right for both kinds); `owner` is the parent when the crate made
+    /// it (aborted on a timeout).
     fn finish(
         &self,
         starting: Result<ffi::Starting>,
@@ -318,25 +320,6 @@ impl Builder {
         self.finish(starting, "ncclCommInitRankConfig", false, None)
     }
 
-    /// Split a communicator of `cta_policy` off `parent` (polled as non-blocking: right
-    /// for both kinds) by the set-up's deadline; `owner` is the parent when the crate
-    /// made it (aborted on a timeout, see [`finish_creation`]).
-    ///
-    /// # Safety
-    /// As [`ffi::comm_split`].
-    unsafe fn split(
-        &self,
-        parent: RawComm,
-        owner: Option<&Comm>,
-        rank: usize,
-        cta_policy: i32,
-        blocking: bool,
-    ) -> Result<Comm> {
-        // SAFETY: the caller's contract.
-        let starting = unsafe { ffi::comm_split(self.nccl, parent, rank, cta_policy, blocking) };
-        self.finish(starting, "ncclCommSplit", blocking, owner)
-    }
-
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
     /// unless configured otherwise), each polled through the control communicator by
     /// the set-up's deadline. A failure aborts the ones made before it and, when
@@ -352,7 +335,8 @@ impl Builder {
             // `Comm::splitting`); every rank splits the same roles in the same order
             // (the plan is checked by the set-up round, a split's name by its channel).
             let made =
-                unsafe { self.split(control.raw, Some(control), rank, role.cta_policy, blocking) };
+                unsafe { ffi::comm_split(self.nccl, control.raw, rank, role.cta_policy, blocking) };
+            let made = self.finish(made, "ncclCommSplit", blocking, Some(control));
             // On a failure, every communicator made so far, the control one too,
             // aborted together under one deadline.
             let comm = made.inspect_err(|_| {
@@ -596,7 +580,8 @@ impl NcclBackend {
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
         // set-up round). The runtime's communicator is never aborted by the crate.
-        let control = unsafe { b.split(parent, None, rank, policy, false) }?;
+        let control = unsafe { ffi::comm_split(b.nccl, parent, rank, policy, false) };
+        let control = b.finish(control, "ncclCommSplit", false, None)?;
         let comms = b.data(&control, rank, true)?;
         b.assemble(ctx, Some(control), comms, agreed.placement, exchange, true)
     }
