@@ -59,10 +59,10 @@ pub(crate) enum Status {
 }
 
 fn c_str(ptr: *const c_char) -> Option<String> {
-    // SAFETY: NCCL returns NUL-terminated strings that live at least until the next
-    // call on the same communicator (ncclGetLastError) or forever (ncclGetErrorString);
-    // the text is copied out at once.
     (!ptr.is_null()).then(|| {
+        // SAFETY: NCCL returns NUL-terminated strings that live at least until the next
+        // call on the same communicator (ncclGetLastError) or forever
+        // (ncclGetErrorString); the text is copied out at once.
         unsafe { CStr::from_ptr(ptr) }
             .to_string_lossy()
             .into_owned()
