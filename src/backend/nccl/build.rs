@@ -30,7 +30,7 @@ pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
         ));
     }
     let ctx = CudaContext::new(device).map_err(ffi::cuda("cuDevicePrimaryCtxRetain"))?;
-    ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+    ffi::bind(&ctx)?;
     Ok(ctx)
 }
 
@@ -70,10 +70,10 @@ fn effective_policy(requested: i32) -> i32 {
     }
 }
 
-/// The rank of a communicator found as `(rank, size, device)`, if it agrees with
+/// The rank of a communicator found as `[rank, size, device]`, if it agrees with
 /// `exchange` on rank and size and sits on `device`.
 fn same_rank(
-    (rank, world, dev): (usize, usize, usize),
+    [rank, world, dev]: [usize; 3],
     device: usize,
     exchange: &dyn Exchange,
 ) -> Result<usize> {
@@ -128,8 +128,34 @@ impl Builder {
 
     /// The lost peer of the watched exchange, if any: what ends a creation early.
     fn lost(&self) -> Option<Error> {
-        let lost = self.watch.as_ref()?.lost_peer()?;
-        Some(lost.error("making communicators"))
+        Some(
+            self.watch
+                .as_ref()?
+                .lost_peer()?
+                .error("making communicators"),
+        )
+    }
+
+    /// [`finish_creation`] of `starting` (the call `op`) by the set-up's deadline, ended
+    /// early by a lost peer of the watched exchange. A split is polled through its parent
+    /// (as non-blocking: right for both kinds); `owner` is the parent when the crate made
+    /// it (aborted on a timeout).
+    fn finish(
+        &self,
+        starting: Result<ffi::Starting>,
+        op: &'static str,
+        blocking: bool,
+        owner: Option<&Comm>,
+    ) -> Result<Comm> {
+        finish_creation(
+            self.nccl,
+            starting,
+            op,
+            blocking,
+            self.deadline,
+            owner,
+            &|| self.lost(),
+        )
     }
 
     /// The set-up round over `exchange` as `role` (`unique_id`: the control
@@ -142,8 +168,10 @@ impl Builder {
         unique_id: Option<[u8; 128]>,
         device: &[u8],
     ) -> Result<setup::Agreed> {
-        let roles = roles_for(self.version, &self.config);
-        let roles: Vec<_> = roles.iter().map(|r| (r.role, r.cta_policy)).collect();
+        let roles: Vec<_> = roles_for(self.version, &self.config)
+            .iter()
+            .map(|r| (r.role, r.cta_policy))
+            .collect();
         let hello = setup::Hello {
             version: version_code(self.version),
             node: setup::this_node(),
@@ -204,7 +232,7 @@ impl Builder {
             Some(p) => {
                 // SAFETY: the parent is live and used by this thread only (the caller
                 // holds its calls lock).
-                let (parent_rank, _, _) = unsafe { ffi::comm_rank_size_device(self.nccl, p.raw) }?;
+                let [parent_rank, ..] = unsafe { ffi::comm_rank_size_device(self.nccl, p.raw) }?;
                 // SAFETY: as above.
                 let id = (parent_rank == 0)
                     .then(|| unsafe { ffi::grow_unique_id(self.nccl, fns, p.raw) });
@@ -215,8 +243,9 @@ impl Builder {
         };
         let agreed = self.agree(exchange, role, id, device)?;
         let id = agreed.unique_id()?;
-        let ranks = agreed.grow.unwrap_or_default();
-        let mine = ranks.get(exchange.rank()).copied();
+        let mine = agreed
+            .grow
+            .and_then(|ranks| ranks.get(exchange.rank()).copied());
         let (id, rank) = match parent {
             Some(_) => ((mine == Some(0)).then_some(&id), None),
             None => (Some(&id), mine),
@@ -233,16 +262,7 @@ impl Builder {
                 rank,
             )
         };
-        let lost = || self.lost();
-        let grown = finish_creation(
-            self.nccl,
-            starting,
-            "ncclCommGrow",
-            false,
-            self.deadline,
-            None,
-            &lost,
-        )?;
+        let grown = self.finish(starting, "ncclCommGrow", false, None)?;
         Ok((grown, agreed.placement))
     }
 
@@ -296,34 +316,8 @@ impl Builder {
     /// Create the non-blocking control communicator from `unique_id`, by the set-up's
     /// deadline.
     fn control_init(&self, world: usize, unique_id: &[u8; 128], rank: usize) -> Result<Comm> {
-        let op = "ncclCommInitRankConfig";
         let starting = ffi::comm_init(self.nccl, world, unique_id, rank);
-        finish_creation(self.nccl, starting, op, false, self.deadline, None, &|| {
-            self.lost()
-        })
-    }
-
-    /// Split a communicator of `cta_policy` off `parent` (polled as non-blocking: right
-    /// for both kinds) by the set-up's deadline; `owner` is the parent when the crate
-    /// made it (aborted on a timeout, see [`finish_creation`]).
-    ///
-    /// # Safety
-    /// As [`ffi::comm_split`].
-    unsafe fn split(
-        &self,
-        parent: RawComm,
-        owner: Option<&Comm>,
-        rank: usize,
-        cta_policy: i32,
-        blocking: bool,
-    ) -> Result<Comm> {
-        // SAFETY: the caller's contract.
-        let starting = unsafe { ffi::comm_split(self.nccl, parent, rank, cta_policy, blocking) };
-        let op = "ncclCommSplit";
-        let (nccl, deadline) = (self.nccl, self.deadline);
-        finish_creation(nccl, starting, op, blocking, deadline, owner, &|| {
-            self.lost()
-        })
+        self.finish(starting, "ncclCommInitRankConfig", false, None)
     }
 
     /// Split `count` data communicators of `roles` off `control`, in order (blocking
@@ -341,17 +335,14 @@ impl Builder {
             // `Comm::splitting`); every rank splits the same roles in the same order
             // (the plan is checked by the set-up round, a split's name by its channel).
             let made =
-                unsafe { self.split(control.raw, Some(control), rank, role.cta_policy, blocking) };
-            let comm = match made {
-                Ok(comm) => comm,
-                Err(e) => {
-                    // Every communicator made so far, the control one too, aborted
-                    // together under one deadline.
-                    let parent = abort_control.then_some(control);
-                    abort_together(comms.iter().map(|(_, c)| c).chain(parent));
-                    return Err(e);
-                }
-            };
+                unsafe { ffi::comm_split(self.nccl, control.raw, rank, role.cta_policy, blocking) };
+            let made = self.finish(made, "ncclCommSplit", blocking, Some(control));
+            // On a failure, every communicator made so far, the control one too,
+            // aborted together under one deadline.
+            let comm = made.inspect_err(|_| {
+                let parent = abort_control.then_some(control);
+                abort_together(comms.iter().map(|(_, c)| c).chain(parent));
+            })?;
             let info = CommInfo {
                 cta_policy: effective_policy(role.cta_policy),
                 ..*role
@@ -375,7 +366,7 @@ impl Builder {
         warm_up: bool,
     ) -> Result<Backend> {
         let (rank, world) = (exchange.rank(), exchange.world_size());
-        let (infos, comms): (Vec<CommInfo>, Vec<Comm>) = comms.into_iter().unzip();
+        let (infos, comms): (Vec<_>, Vec<_>) = comms.into_iter().unzip();
         let granularity = ffi::segment_granularity(ctx.ordinal());
         let info = BackendInfo::new(
             BackendKind::Nccl,
@@ -387,7 +378,6 @@ impl Builder {
         )?
         .with_nodes(placement.nodes)
         .with_shared_devices(placement.shared_devices);
-        let n = comms.len();
         let shared = Arc::new(Shared {
             rank,
             world,
@@ -401,7 +391,7 @@ impl Builder {
         });
         let watchdog = Watchdog::spawn(&shared)?;
         let warmed = if warm_up {
-            ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+            ffi::bind(&ctx)?;
             let stream = ctx.new_stream().map_err(ffi::cuda("cuStreamCreate"))?;
             shared.warm_up(&infos, &stream, granularity, self.deadline)?
         } else {
@@ -409,7 +399,7 @@ impl Builder {
         };
         let parts = Arc::new(NcclBackend {
             shared,
-            ordinals: Mutex::new(vec![0; n]),
+            ordinals: Mutex::new(vec![0; infos.len()]),
             fences: Mutex::default(),
             raw_streams: Mutex::default(),
             warmed,
@@ -590,7 +580,8 @@ impl NcclBackend {
         // SAFETY: the caller guarantees the parent is live and used by nobody else
         // during this call; every rank makes the same split (the plan is checked by the
         // set-up round). The runtime's communicator is never aborted by the crate.
-        let control = unsafe { b.split(parent, None, rank, policy, false) }?;
+        let control = unsafe { ffi::comm_split(b.nccl, parent, rank, policy, false) };
+        let control = b.finish(control, "ncclCommSplit", false, None)?;
         let comms = b.data(&control, rank, true)?;
         b.assemble(ctx, Some(control), comms, agreed.placement, exchange, true)
     }
@@ -627,7 +618,7 @@ impl NcclBackend {
         let ranks = contexts.into_iter().zip(LocalExchange::group(world));
         let init = "a rank's initialisation thread";
         crate::error::in_threads(ranks.enumerate(), init, |(rank, (ctx, exchange))| {
-            ctx.bind_to_thread().map_err(ffi::cuda("cuCtxSetCurrent"))?;
+            ffi::bind(&ctx)?;
             let control = b.control_init(world, &id, rank)?;
             let comms = b.data(&control, rank, true)?;
             let exchange = Arc::new(exchange);

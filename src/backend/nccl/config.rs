@@ -115,8 +115,9 @@ pub(crate) fn pick_device(
 /// The launcher's local rank, from the variables read through `get`.
 pub(crate) fn local_rank(get: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
     let vars = ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"];
-    let set = vars.iter().find_map(|v| get(v));
-    set.and_then(|v| v.trim().parse().ok())
+    vars.into_iter()
+        .find_map(get)
+        .and_then(|v| v.trim().parse().ok())
 }
 
 #[cfg(test)]

@@ -69,7 +69,7 @@ impl Cause {
     pub(crate) fn op(&self) -> &'static str {
         match self {
             Cause::Timeout { op, .. } | Cause::Watchdog { op, .. } => op,
-            Cause::Failed(_) | Cause::Aborted(_) | Cause::PeerLost { .. } => AN_NCCL_CALL,
+            _ => AN_NCCL_CALL,
         }
     }
 
@@ -101,8 +101,8 @@ impl Health {
     /// Healthy, naming lost peers as `exchange` knows them.
     pub(crate) fn watching(exchange: &Arc<dyn Exchange>) -> Self {
         Health {
-            cause: OnceLock::new(),
             peers: Some(Arc::downgrade(exchange)),
+            ..Health::default()
         }
     }
 
@@ -122,8 +122,11 @@ impl Health {
         let (rank, detail) = if let Cause::PeerLost { rank, detail } = cause {
             (*rank, detail.clone())
         } else if let Some(loss) = loss {
-            let (lost, broke) = (loss.detail, cause.describe());
-            let detail = format!("{lost}; this rank's NCCL backend then broke: {broke}");
+            let broke = cause.describe();
+            let detail = format!(
+                "{}; this rank's NCCL backend then broke: {broke}",
+                loss.detail
+            );
             (loss.rank, detail)
         } else {
             return cause.error(first);
@@ -151,10 +154,9 @@ impl Health {
     /// # Errors
     /// The cause's error ([`report`](Self::report)).
     pub(crate) fn check(&self) -> Result<()> {
-        match self.cause.get() {
-            None => Ok(()),
-            Some(c) => Err(self.report(c, c.op(), false)),
-        }
+        self.cause
+            .get()
+            .map_or(Ok(()), |c| Err(self.report(c, c.op(), false)))
     }
 
     /// Why it broke, if it did.
@@ -169,26 +171,25 @@ impl Health {
 
     /// The error of a broken backend (of a healthy one: an internal error).
     pub(crate) fn error(&self) -> Error {
-        let healthy = || Error::internal("asked for the error of a healthy NCCL backend");
-        self.check().err().unwrap_or_else(healthy)
+        self.check()
+            .err()
+            .unwrap_or_else(|| Error::internal("asked for the error of a healthy NCCL backend"))
     }
 
     /// Record `cause` unless an earlier one is recorded; returns whether this call
     /// broke it (and so must abort the communicators).
     pub(crate) fn break_with(&self, cause: Cause) -> bool {
-        let description = cause.describe();
-        let lost = matches!(cause, Cause::PeerLost { .. });
-        let aborted = matches!(cause, Cause::Aborted(_));
         let broke = self.cause.set(cause).is_ok();
         // A lost peer is what its callers are told (they may shrink and go on): a
         // warning, once per rank; the application's own abort (a shrink or grow
         // replacing the communicators) is no failure; anything else is the backend's.
-        if broke && lost {
-            tracing::warn!("symmpool: NCCL backend broken: {description}");
-        } else if broke && aborted {
-            tracing::info!("symmpool: NCCL backend closed: {description}");
-        } else if broke {
-            tracing::error!("symmpool: NCCL backend broken: {description}");
+        if let (true, Some(c)) = (broke, self.cause.get()) {
+            let d = c.describe();
+            match c {
+                Cause::PeerLost { .. } => tracing::warn!("symmpool: NCCL backend broken: {d}"),
+                Cause::Aborted(_) => tracing::info!("symmpool: NCCL backend closed: {d}"),
+                _ => tracing::error!("symmpool: NCCL backend broken: {d}"),
+            }
         }
         broke
     }
@@ -284,8 +285,11 @@ pub(super) fn sweep<E: Completion>(
             Ok(false) => {
                 let waited = now.saturating_duration_since(e.at);
                 if waited > timeout {
-                    let (op, comm) = (e.op, e.comm);
-                    expired.get_or_insert(Cause::Watchdog { op, comm, waited });
+                    expired.get_or_insert(Cause::Watchdog {
+                        op: e.op,
+                        comm: e.comm,
+                        waited,
+                    });
                 }
                 kept.push_back(e);
             }
@@ -307,9 +311,9 @@ pub(super) fn sweep<E: Completion>(
 
 /// The collectives enqueued and not yet seen complete, oldest first.
 pub(crate) struct Watch<E> {
-    pending: VecDeque<Enqueued<E>>,
+    pub(crate) pending: VecDeque<Enqueued<E>>,
     /// Completed markers, for reuse.
-    spare: Vec<E>,
+    pub(crate) spare: Vec<E>,
 }
 
 impl<E> Default for Watch<E> {
@@ -325,16 +329,6 @@ impl<E> Default for Watch<E> {
 const SPARE: usize = 64;
 
 impl<E: Completion> Watch<E> {
-    /// A marker to reuse, if any.
-    pub(crate) fn spare(&mut self) -> Option<E> {
-        self.spare.pop()
-    }
-
-    /// Track a collective.
-    pub(crate) fn push(&mut self, e: Enqueued<E>) {
-        self.pending.push_back(e);
-    }
-
     /// The collectives pending so far, taken out of the list (to be queried without
     /// holding its lock, then handed back with [`restore`](Self::restore)).
     pub(crate) fn take(&mut self) -> VecDeque<Enqueued<E>> {

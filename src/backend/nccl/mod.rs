@@ -165,11 +165,6 @@ impl SegmentMemory for NcclMemory {
     }
 }
 
-/// `handle`, given back with `error`.
-fn refused<T>(handle: T, error: Error) -> Refused<T> {
-    Refused { handle, error }
-}
-
 /// The error of `what` (a handle of another backend) reaching the NCCL backend.
 fn foreign(what: &str) -> Error {
     Error::internal(format!("{what} reached the NCCL backend"))
@@ -305,7 +300,7 @@ impl NcclBackend {
     }
 
     fn bind(&self) -> Result<()> {
-        (self.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))
+        ffi::bind(self.context())
     }
 
     /// The device address of a region's first byte.
@@ -383,8 +378,14 @@ impl SegmentProvider for NcclBackend {
         let (comm, ordinal) = (window.comm(), window.ordinal());
         let raw = window
             .into_handle::<RawWindow>()
-            .map_err(|w| refused(w, foreign("a window of another backend")))?;
-        let back = |(w, error)| refused(Window::new(comm, ordinal, Box::new(w)), error);
+            .map_err(|handle| Refused {
+                handle,
+                error: foreign("a window of another backend"),
+            })?;
+        let back = |(w, error)| Refused {
+            handle: Window::new(comm, ordinal, Box::new(w)),
+            error,
+        };
         let deadline = self.shared.call_deadline().min(deadline);
         match self.bind() {
             // SAFETY: the window was registered on this communicator by `register` (the
@@ -406,7 +407,10 @@ impl SegmentProvider for NcclBackend {
             // it; it is consumed here, so freed once.
             unsafe { ffi::mem_free(self.shared.nccl, m.ptr) }
         });
-        freed.map_err(|error| refused(segment, error))
+        freed.map_err(|error| Refused {
+            handle: segment,
+            error,
+        })
     }
 }
 
@@ -436,15 +440,14 @@ impl Drop for NcclBackend {
         // operations still in flight, as is left when a peer died.
         self.watchdog.stop();
         let _ = self.bind();
-        self.fences.lock().clear();
+        self.fences.lock().events.clear();
         // With nothing in flight, wait (boundedly) for the aborts to release NCCL's
         // resources; with work still running (a stuck collective, a kernel that never
         // ends) the aborts wait for the device, so leave them to their thread at once.
         // Work just enqueued gets `DROP_DRAIN_WAIT` to finish (an idle device answers at
         // once; a zero deadline would make the last collectives look stuck).
         let rank = self.shared.rank;
-        let busy = self.drain_timed_out.load(Ordering::Relaxed);
-        let wait = if busy {
+        let wait = if self.drain_timed_out.load(Ordering::Relaxed) {
             Duration::ZERO
         } else {
             DROP_DRAIN_WAIT

@@ -65,10 +65,10 @@ impl Agreed {
     pub(crate) fn unique_id(&self) -> Result<[u8; 128]> {
         match self.unique_ids[..] {
             [id] => Ok(id),
-            _ => Err(Error::Protocol {
-                op: "NCCL set-up",
-                detail: format!("{} unique ids were sent, not 1", self.unique_ids.len()),
-            }),
+            _ => Err(malformed(format!(
+                "{} unique ids were sent, not 1",
+                self.unique_ids.len()
+            ))),
         }
     }
 }
@@ -90,6 +90,14 @@ impl Placement {
     };
 }
 
+/// What the round's errors name as the operation.
+const OP: &str = "NCCL set-up";
+
+/// The error of a malformed set-up round.
+fn malformed(detail: String) -> Error {
+    Error::Protocol { op: OP, detail }
+}
+
 /// The channel's name.
 pub(crate) const CHANNEL: &str = "nccl:setup";
 
@@ -103,7 +111,7 @@ pub(crate) const CHANNEL: &str = "nccl:setup";
 /// NCCL versions, or rank 0's payload is malformed.
 pub(crate) fn agree(exchange: &dyn Exchange, hello: &Hello, deadline: Deadline) -> Result<Agreed> {
     let channel = exchange.open_channel(CHANNEL, deadline)?;
-    let all = gather_records(exchange, channel, "NCCL set-up", hello, deadline)?;
+    let all = gather_records(exchange, channel, OP, hello, deadline)?;
     settle(&all)
 }
 
@@ -137,20 +145,19 @@ pub(crate) fn settle(hellos: &[Hello]) -> Result<Agreed> {
     }
     let grow = grow_ranks(hellos)?;
     // The sender: the grow's root (parent rank 0), else rank 0.
-    let root = match &grow {
-        Some(ranks) => ranks.iter().position(|&r| r == 0).unwrap_or(0),
-        None => 0,
-    };
+    let root = grow
+        .as_ref()
+        .and_then(|ranks| ranks.iter().position(|&r| r == 0))
+        .unwrap_or(0);
     let unique_ids = hellos[root]
         .unique_ids
         .iter()
         .map(|id| {
-            <[u8; 128]>::try_from(id.as_slice()).map_err(|_| Error::Protocol {
-                op: "NCCL set-up",
-                detail: format!(
+            <[u8; 128]>::try_from(id.as_slice()).map_err(|_| {
+                malformed(format!(
                     "rank {root} sent a unique id of {} bytes, not 128",
                     id.len()
-                ),
+                ))
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -172,8 +179,10 @@ fn grow_ranks(hellos: &[Hello]) -> Result<Option<Vec<usize>>> {
     if hellos.iter().all(|h| h.role == Role::New) {
         return Ok(None);
     }
-    let members = (hellos.iter()).filter(|h| matches!(h.role, Role::Member { .. }));
-    let members = members.count();
+    let members = hellos
+        .iter()
+        .filter(|h| matches!(h.role, Role::Member { .. }))
+        .count();
     let mut next = members;
     let mut ranks = Vec::with_capacity(hellos.len());
     for h in hellos {
@@ -190,12 +199,9 @@ fn grow_ranks(hellos: &[Hello]) -> Result<Option<Vec<usize>>> {
     sorted.sort_unstable();
     if members == 0 || next == members || !sorted.iter().copied().eq(0..ranks.len()) {
         let roles: Vec<_> = hellos.iter().map(|h| h.role).collect();
-        return Err(Error::Protocol {
-            op: "NCCL set-up",
-            detail: format!(
-                "the ranks grow (ncclCommGrow) as {roles:?}, not as members 0..m and newcomers"
-            ),
-        });
+        return Err(malformed(format!(
+            "the ranks grow (ncclCommGrow) as {roles:?}, not as members 0..m and newcomers"
+        )));
     }
     Ok(Some(ranks))
 }

@@ -88,7 +88,7 @@ pub(crate) fn same_cuda_stream(a: &CudaStream, b: &CudaStream) -> bool {
 #[derive(Default)]
 pub(super) struct FenceTable {
     next: BTreeMap<StreamId, u64>,
-    events: BTreeMap<(StreamId, u64), CudaEvent>,
+    pub(super) events: BTreeMap<(StreamId, u64), CudaEvent>,
     /// Largest fence known complete, per stream: waits on it or earlier are skipped.
     done: BTreeMap<StreamId, u64>,
     streams: BTreeMap<StreamId, Arc<CudaStream>>,
@@ -96,23 +96,12 @@ pub(super) struct FenceTable {
 }
 
 impl FenceTable {
-    /// Forget every event (at drop).
-    pub(super) fn clear(&mut self) {
-        self.events.clear();
-    }
-
     /// After fence `done` of stream `sid` was seen complete: recycle its events and
     /// every earlier one, and remember it.
     fn collect(&mut self, sid: StreamId, done: u64) {
-        let keep = self.events.split_off(&(sid, done + 1));
-        let old = std::mem::replace(&mut self.events, keep);
-        for ((s, f), e) in old {
-            if s == sid {
-                self.spare.push(e);
-            } else {
-                self.events.insert((s, f), e);
-            }
-        }
+        let mut old = self.events.split_off(&(sid, 0));
+        self.events.append(&mut old.split_off(&(sid, done + 1)));
+        self.spare.extend(old.into_values());
         let w = self.done.entry(sid).or_insert(0);
         *w = (*w).max(done);
     }
@@ -137,14 +126,15 @@ const FENCES_PER_STREAM: usize = 64;
 /// "still running".
 pub(super) fn all_complete(events: &[CudaEvent], deadline: Deadline) -> Result<bool> {
     let answer = poll_until(deadline, || {
-        for e in events {
-            match e.try_is_complete() {
-                Ok(true) => {}
-                Ok(false) => return None,
-                Err(err) => return Some(Err(ffi::cuda("cuEventQuery")(err))),
-            }
+        let first = events
+            .iter()
+            .map(CudaEvent::try_is_complete)
+            .find(|r| r != &Ok(true));
+        match first {
+            None => Some(Ok(())),
+            Some(Ok(_)) => None,
+            Some(Err(err)) => Some(Err(ffi::cuda("cuEventQuery")(err))),
         }
-        Some(Ok(()))
     });
     answer.transpose().map(|done| done.is_some())
 }
@@ -207,7 +197,7 @@ impl NcclBackend {
 
     /// Whether `cs` is capturing a CUDA graph.
     pub(crate) fn capturing_cuda(cs: &CudaStream) -> Result<bool> {
-        (cs.context().bind_to_thread()).map_err(ffi::cuda("cuCtxSetCurrent"))?;
+        ffi::bind(cs.context())?;
         ffi::is_capturing(cs)
     }
 
@@ -279,10 +269,9 @@ impl StreamOps for NcclBackend {
             return Ok(());
         }
         // Only collected events are missing, and those are complete.
-        match t.events.get(&(on, fence.0)) {
-            Some(e) => cs.wait(e).map_err(ffi::cuda("cuStreamWaitEvent")),
-            None => Ok(()),
-        }
+        t.events
+            .get(&(on, fence.0))
+            .map_or(Ok(()), |e| Self::wait_event(cs, e))
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
@@ -299,8 +288,8 @@ impl StreamOps for NcclBackend {
 
     fn any_capturing(&self) -> Result<bool> {
         self.bind()?;
-        let fenced: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
-        let adopted: Vec<Stream> = self.raw_streams.lock().values().cloned().collect();
+        let fenced: Vec<_> = self.fences.lock().streams.values().cloned().collect();
+        let adopted: Vec<_> = self.raw_streams.lock().values().cloned().collect();
         let mut streams = fenced
             .iter()
             .chain(adopted.iter().filter_map(Stream::cuda_stream));
@@ -313,14 +302,13 @@ impl StreamOps for NcclBackend {
         // end at once; work still running after `DROP_DRAIN_WAIT` waits on a lost peer
         // by means no abort ends (a copy-engine all-gather's stream memory waits on its
         // peers' flags, NCCL 2.28+) and never drains: do not wait the caller's timeout.
-        let broken = self.shared.health.is_broken();
-        let deadline = if broken {
+        let deadline = if self.shared.health.is_broken() {
             deadline.cap(super::DROP_DRAIN_WAIT)
         } else {
             deadline
         };
         // One event after everything enqueued so far on every stream that fenced.
-        let streams: Vec<Arc<CudaStream>> = self.fences.lock().streams.values().cloned().collect();
+        let streams: Vec<_> = self.fences.lock().streams.values().cloned().collect();
         let events = streams
             .iter()
             .map(|s| s.record_event(None).map_err(ffi::cuda("cuEventRecord")))

@@ -60,7 +60,7 @@ pub(super) fn warm_collectives(role: CommRole) -> &'static [WarmCollective] {
 /// of [`warm_collectives`] for each, and, without a plain communicator, the plain
 /// kernels' collectives on the first one (where the path policy sends them then).
 pub(super) fn warm_plan(infos: &[CommInfo]) -> Vec<(usize, WarmCollective)> {
-    let mut plan: Vec<(usize, WarmCollective)> = (infos.iter().enumerate())
+    let mut plan: Vec<_> = (infos.iter().enumerate())
         .flat_map(|(c, info)| warm_collectives(info.role).iter().map(move |&w| (c, w)))
         .collect();
     if !infos.is_empty() && !infos.iter().any(|i| i.role == CommRole::Plain) {
@@ -101,12 +101,10 @@ impl<D: Device> Shared<D> {
         granularity: u64,
         deadline: Deadline,
     ) -> Result<Vec<WarmedPath>> {
-        let op = "warm-up";
         let started = Instant::now();
         let segment_bytes = warm_segment_bytes(self.world, granularity);
         let ptr = ffi::mem_alloc(self.nccl, segment_bytes)?;
         let (mut windows, mut warmed) = (Vec::new(), Vec::new());
-        let world = self.world.max(1) as u64;
         let plan = warm_plan(infos);
         let mut run = || -> Result<()> {
             for (c, info) in infos.iter().enumerate() {
@@ -120,7 +118,7 @@ impl<D: Device> Shared<D> {
                 // f32 elements per rank; `world` × this fits the segment.
                 let count = bytes_per_rank / 4;
                 let mine = ptr + self.rank as u64 * bytes_per_rank;
-                debug_assert!(world * bytes_per_rank <= segment_bytes);
+                debug_assert!(self.world.max(1) as u64 * bytes_per_rank <= segment_bytes);
                 for &(c, collective) in &plan {
                     let sum = sys::ncclRedOp_t::ncclSum;
                     let (kind, send, recv) = match collective {
@@ -152,14 +150,15 @@ impl<D: Device> Shared<D> {
         let ran = run();
         // The device is done with the segment only once the stream is idle: after a
         // failed call too (earlier collectives may still run).
-        match self.device.wait_idle(stream, deadline) {
-            Ok(true) => {}
-            Ok(false) => {
-                let waited = started.elapsed();
-                let e = self.fail(Cause::Timeout { op, waited });
-                return Err(ran.err().unwrap_or(e));
-            }
-            Err(e) => return Err(ran.err().unwrap_or(e)),
+        let idle = match self.device.wait_idle(stream, deadline) {
+            Ok(false) => Err(self.fail(Cause::Timeout {
+                op: "warm-up",
+                waited: started.elapsed(),
+            })),
+            idle => idle.map(drop),
+        };
+        if let Err(e) = idle {
+            return Err(ran.err().unwrap_or(e));
         }
         // Release the windows and the segment: the stream is idle, and `deregister`
         // calls nothing on an aborted communicator once its abort returned (NCCL
@@ -172,8 +171,7 @@ impl<D: Device> Shared<D> {
                 released = Err(e);
             }
         }
-        let released = released.and_then(|()| self.may_free());
-        match released {
+        match released.and_then(|()| self.may_free()) {
             // SAFETY: from `mem_alloc` above; no window covers it any more (every
             // registration was deregistered, or went with an abort that returned) and
             // the device is done with it.

@@ -11,8 +11,8 @@ use super::ffi;
 use super::health::{self, Cause, Completion};
 use crate::error::Result;
 use cudarc::driver::CudaEvent;
+use std::sync::Arc;
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 impl Completion for CudaEvent {
@@ -37,8 +37,8 @@ impl Watchdog {
     /// and its error is returned. With non-blocking data communicators only the log
     /// says so (their calls are polled under their own deadlines).
     pub(super) fn spawn<D: Device>(shared: &Arc<Shared<D>>) -> Result<Self> {
-        let (stop, stopped) = mpsc::channel::<()>();
-        let weak: Weak<Shared<D>> = Arc::downgrade(shared);
+        let (stop, stopped) = mpsc::channel();
+        let weak = Arc::downgrade(shared);
         let bind = shared.device.binder();
         let interval = (shared.config.watchdog_interval).max(Duration::from_millis(1));
         let spawned = std::thread::Builder::new()
@@ -94,8 +94,10 @@ impl<D: Device> Shared<D> {
         if let Some(loss) = self.health.lost_peer()
             && (!loss.left || in_flight || self.all_comms().any(|c| c.inside().is_some()))
         {
-            let (rank, detail) = (loss.rank, loss.detail);
-            let _ = self.fail(Cause::PeerLost { rank, detail });
+            let _ = self.fail(Cause::PeerLost {
+                rank: loss.rank,
+                detail: loss.detail,
+            });
             return;
         }
         for c in self.all_comms().filter(|c| c.owned) {
@@ -103,8 +105,10 @@ impl<D: Device> Shared<D> {
                 && let Some(deadline) = inside.deadline
                 && deadline.instant() <= now
             {
-                let (op, waited) = (inside.op, now.saturating_duration_since(inside.since));
-                let _ = self.fail(Cause::Timeout { op, waited });
+                let _ = self.fail(Cause::Timeout {
+                    op: inside.op,
+                    waited: now.saturating_duration_since(inside.since),
+                });
                 return;
             }
             // A non-blocking communicator busy in a call is looked at next time (the
@@ -112,10 +116,10 @@ impl<D: Device> Shared<D> {
             let _calls = if c.blocking {
                 None
             } else {
-                match c.try_calls() {
-                    Some(g) => Some(g),
-                    None => continue,
-                }
+                let Some(g) = c.calls.try_lock() else {
+                    continue;
+                };
+                Some(g)
             };
             // SAFETY: `while_live` holds the gate, so the communicator is not aborted
             // (an abort is handed over only after marking it under the gate); a

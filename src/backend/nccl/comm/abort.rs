@@ -39,8 +39,8 @@ pub(in crate::backend::nccl) enum AbortThreads {
 /// the cleanup of a failed set-up, which must not wait [`ABORT_WAIT`] per
 /// communicator in turn.
 pub(in crate::backend::nccl) fn abort_together<'a>(comms: impl IntoIterator<Item = &'a Comm>) {
-    let taken: Vec<Taken> = comms.into_iter().filter_map(Comm::take_for_abort).collect();
-    let states: Vec<Arc<CommState>> = taken.iter().map(|t| t.state.clone()).collect();
+    let taken: Vec<_> = comms.into_iter().filter_map(Comm::take_for_abort).collect();
+    let states: Vec<_> = taken.iter().map(|t| t.state.clone()).collect();
     abort_off_thread(None, taken, AbortThreads::Apart);
     let deadline = Deadline::after(ABORT_WAIT);
     let pending = states.iter().filter(|s| !s.wait_aborted(deadline)).count();
@@ -122,23 +122,23 @@ pub(super) fn revoke_then_abort(t: &Taken, revoke: bool) {
 /// 1777), so nobody waits for it without a deadline; a thread that never returns only
 /// leaks its communicators.
 pub(super) fn abort_off_thread(bind: Option<Binder>, comms: Vec<Taken>, threads: AbortThreads) {
+    if comms.is_empty() {
+        return;
+    }
+    exit_waits_for_aborts();
     let revoke = threads == AbortThreads::PerCommunicator;
-    let batches: Vec<Vec<Taken>> = match threads {
-        AbortThreads::One if comms.is_empty() => Vec::new(),
+    let batches: Vec<_> = match threads {
         AbortThreads::One => vec![comms],
         AbortThreads::PerCommunicator | AbortThreads::Apart => {
             comms.into_iter().map(|c| vec![c]).collect()
         }
     };
-    if !batches.is_empty() {
-        exit_waits_for_aborts();
-    }
     for batch in batches {
         for t in &batch {
             t.state.give_up_after(ABORT_WAIT);
         }
         let running = Running::start();
-        let states: Vec<Arc<CommState>> = batch.iter().map(|t| t.state.clone()).collect();
+        let states: Vec<_> = batch.iter().map(|t| t.state.clone()).collect();
         let bind = bind.clone();
         let spawned = std::thread::Builder::new()
             .name("symmpool-abort".into())

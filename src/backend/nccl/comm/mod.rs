@@ -19,7 +19,7 @@ use super::health::{Cause, Completion, Enqueued, Health, Watch};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -127,7 +127,7 @@ pub(super) struct Comm {
     pub(super) blocking: bool,
     nccl: &'static Syms,
     /// Held across every NCCL call of the backend's callers on it (see the module).
-    calls: Mutex<()>,
+    pub(super) calls: Mutex<()>,
     state: Arc<CommState>,
     /// A registration on it returned a NULL window (logged once).
     null_window_seen: AtomicBool,
@@ -204,11 +204,6 @@ impl Comm {
         out
     }
 
-    /// For the watchdog on a non-blocking communicator: the calls lock, if free.
-    pub(super) fn try_calls(&self) -> Option<MutexGuard<'_, ()>> {
-        self.calls.try_lock()
-    }
-
     /// Mark it aborted, so that no NCCL call starts on it after this, and hand it over
     /// for `ncclCommAbort` if the crate made it and it was not marked before. Takes
     /// only the gate: a thread inside NCCL on it is not waited for here.
@@ -236,10 +231,7 @@ impl Comm {
 
     /// Whether it was aborted, and if so whether its abort returned by `deadline`.
     pub(super) fn aborted_by(&self, deadline: Deadline) -> Option<bool> {
-        if !self.state.gate.lock().aborted {
-            return None;
-        }
-        Some(self.state.wait_aborted(deadline))
+        self.is_aborted().then(|| self.state.wait_aborted(deadline))
     }
 }
 
@@ -302,7 +294,7 @@ impl<D: Device> Shared<D> {
     /// Every later call on them fails at once; the aborts themselves run off this
     /// thread ([`abort_off_thread`]) and are not waited for here.
     pub(super) fn abort_all(&self, threads: AbortThreads) {
-        let taken: Vec<Taken> = self.all_comms().filter_map(Comm::take_for_abort).collect();
+        let taken: Vec<_> = self.all_comms().filter_map(Comm::take_for_abort).collect();
         self.watch.lock().clear();
         abort_off_thread(Some(self.device.binder()), taken, threads);
     }
@@ -389,8 +381,7 @@ impl<D: Device> Shared<D> {
         // The deadline is read only when the lock is taken (rare: one thread drives a rank).
         let serial = comm.calls.try_lock();
         let Some(_serial) = serial.or_else(|| comm.calls.try_lock_until(until().instant())) else {
-            let broken = self.health.is_broken();
-            return Err(if broken {
+            return Err(if self.health.is_broken() {
                 self.error_for(op)
             } else {
                 Error::timeout_since(op, now, &[])
@@ -448,7 +439,8 @@ impl<D: Device> Shared<D> {
         bound: Bound,
     ) -> Result<()> {
         self.health.check()?;
-        let comm = self.comm(c, call.name())?;
+        let op = call.name();
+        let comm = self.comm(c, op)?;
         let raw_stream = self.device.raw_stream(stream);
         let watched = self.config.watchdog_enabled() && !self.device.capturing(stream)?;
         let now = Instant::now();
@@ -458,20 +450,17 @@ impl<D: Device> Shared<D> {
             }
             b => b,
         };
-        self.call(comm, call.name(), bound, now, |raw| {
+        self.call(comm, op, bound, now, |raw| {
             // SAFETY: the caller guarantees the buffers and the stream; `raw` is live
             // and `call` holds its calls lock.
             unsafe { ffi::collective(self.nccl, raw, call, raw_stream) }
         })?;
-        if watched && let Err(e) = self.watch(call.name(), c, stream, now) {
+        if watched && let Err(e) = self.watch(op, c, stream, now) {
             // The collective is enqueued but unwatched: its completion can no longer be
             // bounded, and a caller who retried would run it twice. The backend is broken
             // (its communicators aborted), so every rank's next call fails instead of
             // diverging.
-            let what = format!(
-                "{} enqueued, but its completion event failed: {e}",
-                call.name()
-            );
+            let what = format!("{op} enqueued, but its completion event failed: {e}");
             return Err(self.fail(Cause::Failed(what)));
         }
         Ok(())
@@ -482,9 +471,8 @@ impl<D: Device> Shared<D> {
     /// across the record (the watchdog holds it only to swap the list out and back).
     fn watch(&self, op: &'static str, comm: usize, stream: &D::Stream, at: Instant) -> Result<()> {
         let mut watch = self.watch.lock();
-        let spare = watch.spare();
-        let event = self.device.record(stream, spare)?;
-        watch.push(Enqueued {
+        let event = self.device.record(stream, watch.spare.pop())?;
+        watch.pending.push_back(Enqueued {
             op,
             comm,
             at,
@@ -542,27 +530,26 @@ impl<D: Device> Shared<D> {
         deadline: Deadline,
     ) -> std::result::Result<(), (RawWindow, Error)> {
         let op = "ncclCommWindowDeregister";
-        let comm = match self.comm(c, op) {
-            Ok(comm) => comm,
-            Err(e) => return Err((window, e)),
-        };
-        let leaked = || Error::NcclAborted {
-            reason: format!(
-                "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
-            ),
-        };
+        let RawWindow(handle) = window;
+        let back = |e| (RawWindow(handle), e);
+        let comm = self.comm(c, op).map_err(back)?;
         match comm.aborted_by(deadline.cap(ABORT_WAIT)) {
             // The window went with its communicator (ncclCommAbort releases it).
             Some(true) => return Ok(()),
-            Some(false) => return Err((window, leaked())),
+            Some(false) => {
+                return Err(back(Error::NcclAborted {
+                    reason: format!(
+                        "ncclCommAbort of communicator {c} had not returned by the deadline (at most {ABORT_WAIT:?}); the window and its segment are leaked"
+                    ),
+                }));
+            }
             None => {}
         }
-        let handle = window.0;
-        let result = self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
+        self.call(comm, op, Bound::By(deadline), Instant::now(), |raw| {
             // SAFETY: the caller's contract; `raw` is live and held by `call`.
             unsafe { ffi::window_deregister(self.nccl, raw, RawWindow(handle)) }
-        });
-        result.map_err(|e| (RawWindow(handle), e))
+        })
+        .map_err(back)
     }
 
     /// Whether segments may be freed: every abort started has returned (an abort still

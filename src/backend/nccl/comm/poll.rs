@@ -71,22 +71,19 @@ pub(in crate::backend::nccl) fn finish_creation(
     // SAFETY: the communicator (or the parent of a split) is used by this thread only
     // until the call is done.
     let (waited, loss) = match unsafe { poll(nccl, starting.poll, op, deadline, lost) } {
-        // SAFETY: the poll says the call is done: NCCL writes the slot no more.
-        Waited::Done => match unsafe { starting.finish() } {
-            Some(raw) => return Ok(Comm::new(nccl, raw, true, blocking)),
-            None => return Err(ffi::no_comm(op, 0)),
-        },
-        Waited::Failed(e) => {
-            // Dropping the `Comm` aborts it.
-            // SAFETY: the poll says the call ended (failed): the slot is final.
-            if let Some(raw) = unsafe { starting.finish() } {
-                drop(Comm::new(nccl, raw, true, blocking));
-            }
-            return Err(e);
-        }
         Waited::Timeout(waited) => (waited, None),
         // A peer lost ends it as a timeout does, reported as the loss.
         Waited::Broken(loss) => (started.elapsed(), Some(loss)),
+        ended => {
+            // SAFETY: the poll says the call is done or failed: NCCL writes the slot no
+            // more.
+            let made = unsafe { starting.finish() }.map(|raw| Comm::new(nccl, raw, true, blocking));
+            return match (ended, made) {
+                // Dropping the `Comm` aborts it.
+                (Waited::Failed(e), _) => Err(e),
+                (_, made) => made.ok_or_else(|| ffi::no_comm(op, 0)),
+            };
+        }
     };
     let (making, polled) = (starting.making, starting.poll);
     let slot = starting.abandon();

@@ -13,6 +13,11 @@ pub(crate) fn cuda(op: &'static str) -> impl FnOnce(DriverError) -> Error {
     }
 }
 
+/// Bind `ctx` to the calling thread (`cuCtxSetCurrent`).
+pub(crate) fn bind(ctx: &cudarc::driver::CudaContext) -> Result<()> {
+    ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))
+}
+
 /// Whether the CUDA driver library can be loaded (cudarc panics at first use if not).
 pub(crate) fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the candidate names; no symbol is called.

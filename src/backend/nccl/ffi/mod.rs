@@ -59,14 +59,14 @@ pub(crate) enum Status {
 }
 
 fn c_str(ptr: *const c_char) -> Option<String> {
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: NCCL returns NUL-terminated strings that live at least until the next
-    // call on the same communicator (ncclGetLastError) or forever (ncclGetErrorString);
-    // the text is copied out at once.
-    let text = unsafe { CStr::from_ptr(ptr) };
-    Some(text.to_string_lossy().into_owned())
+    (!ptr.is_null()).then(|| {
+        // SAFETY: NCCL returns NUL-terminated strings that live at least until the next
+        // call on the same communicator (ncclGetLastError) or forever
+        // (ncclGetErrorString); the text is copied out at once.
+        unsafe { CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .into_owned()
+    })
 }
 
 /// The error for result `code` of `op`, with NCCL's last error message on `comm`.
@@ -234,25 +234,26 @@ pub(crate) fn comm_init(s: &Syms, nranks: usize, id: &[u8; 128], rank: usize) ->
     let id = sys::ncclUniqueId {
         internal: id.map(|b| b as c_char),
     };
-    let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
-    let mut config = Box::new(config(NCCL_CTA_POLICY_DEFAULT, false));
     // SAFETY: both boxes are valid for NCCL to write into until the call completes or
     // is aborted (they are leaked otherwise, see `Starting`); `id` is passed by value;
     // the caller made this rank's device current.
-    let code = unsafe { (s.init_rank_config)(&mut *slot, nranks, id, rank, &mut *config) };
-    started(s, op, code, slot, config)
+    started(s, op, |slot, config| unsafe {
+        (s.init_rank_config)(slot, nranks, id, rank, config)
+    })
 }
 
-/// A creation call `op` that answered `code` and writes the new communicator into
-/// `slot` before it returns (an init, a grow): what is polled until it is done; a
-/// half-made communicator is aborted on failure.
+/// A creation call `op`, made by `call` with the boxes of the new communicator and of
+/// a non-blocking config of the default CTA policy, that writes the new communicator
+/// before it returns (an init, a grow): what is polled until it is done; a half-made
+/// communicator is aborted on failure.
 fn started(
     s: &Syms,
     op: &'static str,
-    code: c_int,
-    slot: Box<sys::ncclComm_t>,
-    config: Box<sys::ncclConfig_t>,
+    call: impl FnOnce(&mut sys::ncclComm_t, &mut sys::ncclConfig_t) -> c_int,
 ) -> Result<Starting> {
+    let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
+    let mut config = Box::new(config(NCCL_CTA_POLICY_DEFAULT, false));
+    let code = call(&mut slot, &mut config);
     let comm = RawComm(*slot);
     if comm.0.is_null() {
         return Err(status(s, op, code, None).err().unwrap_or(no_comm(op, code)));
@@ -314,13 +315,12 @@ pub(crate) unsafe fn comm_grow(
     });
     let id_ptr = id.as_ref().map_or(std::ptr::null(), |id| &raw const *id);
     let parent = parent.map_or(std::ptr::null_mut(), |p| p.0);
-    let mut slot: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
-    let mut config = Box::new(config(NCCL_CTA_POLICY_DEFAULT, false));
     // SAFETY: the caller's contract for `parent`; NCCL copies `id` before the call
     // returns; the boxes are valid for NCCL to write into until the call completes
     // or is aborted (leaked otherwise, see `Starting`).
-    let code = unsafe { (fns.grow)(parent, nranks, id_ptr, rank, &mut *slot, &mut *config) };
-    started(s, op, code, slot, config)
+    started(s, op, |slot, config| unsafe {
+        (fns.grow)(parent, nranks, id_ptr, rank, slot, config)
+    })
 }
 
 /// Start `ncclCommSplit(parent, 0, key, &child, config)`, the child blocking or not.
@@ -381,14 +381,11 @@ pub(crate) unsafe fn async_state(s: &Syms, op: &'static str, comm: RawComm) -> R
     status(s, op, state, Some(&comm))
 }
 
-/// (rank, size, device) of a communicator.
+/// [rank, size, device] of a communicator.
 ///
 /// # Safety
 /// `comm` is live and nothing else calls NCCL on it concurrently.
-pub(crate) unsafe fn comm_rank_size_device(
-    s: &Syms,
-    comm: RawComm,
-) -> Result<(usize, usize, usize)> {
+pub(crate) unsafe fn comm_rank_size_device(s: &Syms, comm: RawComm) -> Result<[usize; 3]> {
     let mut found = [0usize; 3];
     let queries = [
         (s.user_rank, "ncclCommUserRank"),
@@ -401,7 +398,7 @@ pub(crate) unsafe fn comm_rank_size_device(
         check(s, op, unsafe { query(comm.0, &mut x) }, Some(&comm))?;
         *out = usize::try_from(x).unwrap_or(usize::MAX);
     }
-    Ok((found[0], found[1], found[2]))
+    Ok(found)
 }
 
 /// `ncclCommAbort`: local teardown; also ends the calls and device work still in

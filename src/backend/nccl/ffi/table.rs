@@ -42,14 +42,17 @@ pub(crate) enum Candidate {
 
 /// Where to look for NCCL, first to last (a pure function of the override variable).
 pub(crate) fn candidates(override_name: Option<&str>) -> Vec<Candidate> {
-    let mut list = Vec::with_capacity(4);
-    if let Some(name) = override_name.map(str::trim).filter(|n| !n.is_empty()) {
-        list.push(Candidate::Load(name.to_string()));
-    }
-    list.push(Candidate::AlreadyLoaded("libnccl.so.2"));
-    list.push(Candidate::Load("libnccl.so.2".into()));
-    list.push(Candidate::Load("libnccl.so".into()));
-    list
+    let given = override_name.map(str::trim).filter(|n| !n.is_empty());
+    let defaults = [
+        Candidate::AlreadyLoaded("libnccl.so.2"),
+        Candidate::Load("libnccl.so.2".into()),
+        Candidate::Load("libnccl.so".into()),
+    ];
+    given
+        .map(|n| Candidate::Load(n.into()))
+        .into_iter()
+        .chain(defaults)
+        .collect()
 }
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
@@ -227,9 +230,9 @@ fn loaded() -> Option<&'static Loaded> {
             }
             let version = NcclVersion::from_code(code);
             tracing::info!("symmpool: NCCL {version} from {candidate:?}");
-            let syms = resolve(lib);
-            let syms =
-                (syms.inspect_err(|m| tracing::warn!("symmpool: NCCL {version} lacks {m}"))).ok();
+            let syms = resolve(lib)
+                .inspect_err(|m| tracing::warn!("symmpool: NCCL {version} lacks {m}"))
+                .ok();
             Some(Loaded { version, syms })
         })
         .as_ref()

@@ -74,7 +74,7 @@ impl Registering {
         let w = if blocking {
             *self.slot
         } else {
-            let slot: *mut sys::ncclWindow_t = Box::into_raw(self.slot);
+            let slot = Box::into_raw(self.slot);
             // SAFETY: a leaked box stays valid; read once, volatile, as NCCL's thread
             // wrote it.
             unsafe { std::ptr::read_volatile(slot) }

@@ -28,8 +28,8 @@ fn roles_follow_version_and_config() {
 #[test]
 fn same_rank_checks_the_exchange_and_the_device() {
     let ex = LocalExchange::group(2).remove(1);
-    assert_eq!(same_rank((1, 2, 3), 3, &ex).unwrap(), 1);
-    for wrong in [(0, 2, 3), (1, 4, 3), (1, 2, 0)] {
+    assert_eq!(same_rank([1, 2, 3], 3, &ex).unwrap(), 1);
+    for wrong in [[0, 2, 3], [1, 4, 3], [1, 2, 0]] {
         assert!(matches!(
             same_rank(wrong, 3, &ex),
             Err(Error::Config { .. })

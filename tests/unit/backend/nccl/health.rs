@@ -43,13 +43,13 @@ fn watchdog_expires_only_incomplete_old_collectives() {
     let timeout = Duration::from_secs(600);
     let mut w = Watch::default();
     let slow = fake(0);
-    w.push(Enqueued {
+    w.pending.push_back(Enqueued {
         op: "ncclAllGather",
         comm: 1,
         at: t0,
         done: slow.clone(),
     });
-    w.push(Enqueued {
+    w.pending.push_back(Enqueued {
         op: "ncclReduceScatter",
         comm: 2,
         at: t0,
@@ -57,7 +57,7 @@ fn watchdog_expires_only_incomplete_old_collectives() {
     });
     assert_eq!(w.sweep(t0 + Duration::from_secs(599), timeout), None);
     assert_eq!(w.len(), 1, "completed collectives are dropped");
-    assert!(w.spare().is_some(), "and their events kept for reuse");
+    assert!(w.spare.pop().is_some(), "and their events kept for reuse");
     match w.sweep(t0 + Duration::from_secs(601), timeout) {
         Some(Cause::Watchdog { op, comm, waited }) => {
             assert_eq!((op, comm), ("ncclAllGather", 1));
@@ -74,7 +74,7 @@ fn watchdog_expires_only_incomplete_old_collectives() {
 fn a_failed_device_breaks_at_once() {
     let t0 = Instant::now();
     let mut w = Watch::default();
-    w.push(Enqueued {
+    w.pending.push_back(Enqueued {
         op: "ncclAllGather",
         comm: 0,
         at: t0,

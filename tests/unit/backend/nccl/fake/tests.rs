@@ -288,12 +288,15 @@ fn a_bad_communicator_index_is_named() {
 fn a_collective_never_waits_behind_the_watchdogs_event_queries() {
     let s = shared(true, &CommInfo::STANDARD, NcclConfig::default()).unwrap();
     let held = Arc::new(Held::default());
-    s.watch.lock().push(crate::backend::nccl::health::Enqueued {
-        op: "ncclAllGather",
-        comm: 0,
-        at: Instant::now(),
-        done: FakeEvent::held(held.clone()),
-    });
+    s.watch
+        .lock()
+        .pending
+        .push_back(crate::backend::nccl::health::Enqueued {
+            op: "ncclAllGather",
+            comm: 0,
+            at: Instant::now(),
+            done: FakeEvent::held(held.clone()),
+        });
     let ticking = {
         let s = s.clone();
         std::thread::spawn(move || s.tick())
@@ -838,12 +841,15 @@ fn a_peer_that_left_breaks_the_backend_only_with_work_in_flight() {
     // A collective not complete on the device may wait for it: broken, naming it.
     let pending = FakeEvent::default();
     pending.pending.store(true, Ordering::SeqCst);
-    s.watch.lock().push(crate::backend::nccl::health::Enqueued {
-        op: "ncclAllGather",
-        comm: 0,
-        at: Instant::now(),
-        done: pending,
-    });
+    s.watch
+        .lock()
+        .pending
+        .push_back(crate::backend::nccl::health::Enqueued {
+            op: "ncclAllGather",
+            comm: 0,
+            at: Instant::now(),
+            done: pending,
+        });
     s.tick();
     match s.health.check() {
         Err(Error::PeerLost {
