@@ -67,11 +67,10 @@ impl GroupConfig {
     /// sets the mode.
     pub fn from_env() -> Self {
         let mut config = GroupConfig::default();
-        let value = match std::env::var(CHECK_ENV) {
-            Err(std::env::VarError::NotPresent) => return config,
-            Err(std::env::VarError::NotUnicode(v)) => v.to_string_lossy().into_owned(),
-            Ok(v) => v,
+        let Some(value) = std::env::var_os(CHECK_ENV) else {
+            return config;
         };
+        let value = value.to_string_lossy().into_owned();
         match value.trim().to_ascii_lowercase().as_str() {
             "" => {}
             "strict" => config.check = CheckMode::Strict,
@@ -370,6 +369,12 @@ impl Group {
     /// The settings.
     pub fn config(&self) -> &GroupConfig {
         &self.inner.config
+    }
+
+    /// The deadline of a wait on the other ranks that starts now: the settings'
+    /// timeout from now.
+    pub(crate) fn deadline(&self) -> Deadline {
+        Deadline::after(self.inner.config.timeout)
     }
 
     /// How collectives are checked: the configuration's mode, or [`CheckMode::Off`]

@@ -3,7 +3,6 @@
 
 use super::SymmPool;
 use crate::core::{Allocator, Growth, SegmentId, SizeClass};
-use crate::deadline::Deadline;
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
@@ -50,7 +49,7 @@ impl SymmPool {
         let planned_bytes = (plan.add.iter().map(|g| g.segment_bytes))
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         // The check growth and `reserve` make: no registration while a stream the pool
         // served captures a CUDA graph (refused on every rank alike).
         self.agree_ready(&mut st, Op::FitToPeak, planned_bytes, deadline)?;
@@ -115,7 +114,7 @@ impl SymmPool {
             u64::from(class == SizeClass::Small),
         );
         // Registration is refused while any stream the pool has served is capturing.
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         self.shared_use(|| {
             self.agree_ready(&mut st, Op::Reserve, size, deadline)?;
             let growth = Growth {

@@ -105,12 +105,8 @@ impl SymmPool {
                 Ok(id)
             }
             Ok(got) => {
-                let (got, want) = (got.0, id.0);
-                let what = format!("the core numbered a new segment {got} instead of {want}");
-                st.broken = Some(Error::PoolBroken {
-                    reason: what.clone(),
-                });
-                Err(Error::internal(what))
+                let what = format!("the core numbered a new segment {} instead of {}", got.0, id.0);
+                Err(st.broken_by(what))
             }
             Err(e) => {
                 self.undo_segment(st, entry, deadline);
@@ -250,23 +246,14 @@ impl SymmPool {
             size_bytes,
             Note::Allocated(local.is_ok()),
             deadline,
-        );
-        let failed: Vec<usize> = match &confirmed {
-            Ok(notes) => (0..notes.len())
-                .filter(|&r| notes[r] != Note::Allocated(true))
-                .collect(),
-            Err(_) => Vec::new(),
-        };
+        )
+        .and_then(|notes| all_allocated(&notes, size_bytes));
         let segment = match (local, confirmed) {
-            (Ok(segment), Ok(_)) if failed.is_empty() => segment,
-            (Ok(segment), confirmed) => {
+            (Ok(segment), Ok(())) => segment,
+            (Ok(segment), Err(e)) => {
                 let windows = Vec::new();
                 self.undo_segment(st, SegmentEntry { segment, windows }, deadline);
-                confirmed?;
-                return Err(Error::PeerOutOfMemory {
-                    segment_bytes: size_bytes,
-                    ranks: failed,
-                });
+                return Err(e);
             }
             (Err(e), _) => return Err(e),
         };
@@ -442,4 +429,19 @@ impl SymmPool {
             self.record_deferred_error("freeing a segment after a failed growth".into(), e);
         }
     }
+}
+
+/// Fail with [`Error::PeerOutOfMemory`] (for segments of `segment_bytes`) naming the
+/// ranks whose note in `notes` is not that they allocated, if any.
+pub(super) fn all_allocated(notes: &[Note], segment_bytes: u64) -> Result<()> {
+    let ranks: Vec<usize> = (0..notes.len())
+        .filter(|&r| notes[r] != Note::Allocated(true))
+        .collect();
+    if ranks.is_empty() {
+        return Ok(());
+    }
+    Err(Error::PeerOutOfMemory {
+        segment_bytes,
+        ranks,
+    })
 }

@@ -98,7 +98,7 @@ impl SymmPool {
 
     fn shrink_unlogged(&self) -> Result<(SymmPool, ShrinkReport)> {
         let started = Instant::now();
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let old = self.open_state()?;
         let group = self.inner.group.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
@@ -149,7 +149,7 @@ impl SymmPool {
 
     fn grow_unlogged(&self, wait: bool) -> Result<Option<(SymmPool, GrowReport)>> {
         let started = Instant::now();
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let old = self.open_state()?;
         let Some(group) = self.inner.group.grow(wait, deadline)? else {
             return Ok(None);
@@ -179,7 +179,7 @@ impl SymmPool {
     /// if the layout received does not fit `config` (the newcomer's names why).
     pub fn join(group: &Group, config: PoolConfig) -> Result<(SymmPool, GrowReport)> {
         let started = Instant::now();
-        let deadline = Deadline::after(group.config().timeout);
+        let deadline = group.deadline();
         let pool = Self::create(group, config, group.check_mode())?;
         let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         let report = pool.admit(&mut st, 0, started, deadline);
@@ -348,10 +348,8 @@ impl SymmPool {
         if newcomer {
             match Allocator::from_layout(self.inner.config.core, layout, StreamId(0)) {
                 Ok(core) => {
-                    st.pinned_freed = (core.block_marks().iter().flatten())
-                        .filter_map(|m| m.allocation_seq)
-                        .collect();
                     st.core = core;
+                    st.pinned_freed = st.allocated();
                 }
                 Err(e) => {
                     let reason = format!("the survivors' layout does not fit this pool: {e}");
@@ -387,18 +385,9 @@ impl SymmPool {
         // (A broken newcomer, whose layout does not fit, is not ready.)
         let note = Note::Allocated(allocated);
         let notes = self.agree_regroup(st, Op::Admit, digest, true, note, deadline)?;
-        let ranks = Vec::from_iter((0..notes.len()).filter(|&r| notes[r] != Note::Allocated(true)));
-        if !ranks.is_empty() {
-            let segment_bytes = st.core.stats().reserved_bytes.current;
-            return Err(Error::PeerOutOfMemory {
-                segment_bytes,
-                ranks,
-            });
-        }
+        super::growth::all_allocated(&notes, st.core.stats().reserved_bytes.current)?;
         let registrations = self.register_held(st, deadline)?;
-        st.pinned = (st.core.block_marks().iter().flatten())
-            .filter_map(|m| m.allocation_seq)
-            .collect();
+        st.pinned = st.allocated();
         let c = st.core.stats();
         let report = GrowReport {
             rank: self.rank(),

@@ -138,7 +138,7 @@ impl SymmPool {
     pub fn trim(&self) -> Result<u64> {
         let mut st = self.lock_open()?;
         st.history.record(CallKind::Trim, 0, 0);
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let ready = Note::Ready(st.readiness());
         let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
         st.all_ready(&flags)?;
@@ -172,7 +172,7 @@ impl SymmPool {
     /// not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let mut st = self.state();
         if st.closed {
             return Ok(());

@@ -128,6 +128,12 @@ impl PoolState {
             .collect()
     }
 
+    /// The allocation numbers of the core's allocated blocks.
+    pub(crate) fn allocated(&self) -> BTreeSet<u64> {
+        let marks = self.core.block_marks().into_iter().flatten();
+        marks.filter_map(|m| m.allocation_seq).collect()
+    }
+
     /// The state behind a lock that a panic poisoned, marked broken: the core may be
     /// half-mutated and place blocks differently from the peers.
     pub(crate) fn poisoned<'a>(
@@ -140,11 +146,18 @@ impl PoolState {
         st
     }
 
-    /// Fail unless the pool can serve a local call (allocation, free, collective).
+    /// An internal error (a bug) that breaks the pool: `what`, as the error returned
+    /// and as the reason later calls give.
+    pub(crate) fn broken_by(&mut self, what: String) -> Error {
+        self.broken = Some(Error::PoolBroken {
+            reason: what.clone(),
+        });
+        Error::internal(what)
+    }
+
+    /// Fail unless the pool, open, can serve a local call (allocation, free,
+    /// collective).
     pub(crate) fn check_usable(&self) -> Result<()> {
-        if self.closed {
-            return Err(Error::PoolClosed);
-        }
         // A divergence, a loss (with its kind: the survivors may shrink), or a broken
         // pool.
         if let Some(failure) = &self.broken {
