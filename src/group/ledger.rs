@@ -255,11 +255,12 @@ impl Ledger {
     ) -> Result<()> {
         match mode {
             CheckMode::Off => Ok(()),
-            CheckMode::Strict => {
-                let entry = Entry::Collective(record);
-                self.settle(Some(entry), deadline(), "strict collective check")
-                    .map(drop)
-            }
+            CheckMode::Strict => (self.settle(
+                Some(Entry::Collective(record)),
+                deadline(),
+                "strict collective check",
+            ))
+            .map(drop),
             CheckMode::Async => self.post(Entry::Collective(record), deadline),
         }
     }
@@ -616,8 +617,7 @@ impl Shared {
             Entry::Collective(r) => r.pool,
             Entry::Agreement(a) => a.pool,
         };
-        let st = self.state.lock();
-        let found_by = match st.life {
+        let found_by = match self.state.lock().life {
             Life::Callers => "strict check",
             _ => "async check",
         };

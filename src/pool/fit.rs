@@ -6,7 +6,7 @@ use crate::core::{Allocator, Growth, SegmentId, SizeClass};
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
-use crate::group::{CallKind, Op};
+use crate::group::{CallKind, Op, READY};
 use serde::Serialize;
 
 /// What [`SymmPool::fit_to_peak`] did.
@@ -52,7 +52,7 @@ impl SymmPool {
         let deadline = self.group().deadline();
         // The check growth and `reserve` make: no registration while a stream the pool
         // served captures a CUDA graph (refused on every rank alike).
-        self.agree_ready(&mut st, Op::FitToPeak, planned_bytes, deadline)?;
+        self.agree_ready(&mut st, Op::FitToPeak, planned_bytes, true, READY, deadline)?;
         let released = st.core.release_planned(&plan)?;
         self.release_segments(&mut st, deadline)?;
         let mut added = Vec::new();
@@ -116,7 +116,7 @@ impl SymmPool {
         // Registration is refused while any stream the pool has served is capturing.
         let deadline = self.group().deadline();
         self.shared_use(|| {
-            self.agree_ready(&mut st, Op::Reserve, size, deadline)?;
+            self.agree_ready(&mut st, Op::Reserve, size, true, READY, deadline)?;
             let growth = Growth {
                 class,
                 segment_bytes: size,

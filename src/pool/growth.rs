@@ -9,7 +9,7 @@ use super::{MemoryAction, SymmPool};
 use crate::core::{AllocError, Allocator, Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{self, AgreementRecord, Note, Op, Readiness, Registered};
+use crate::group::{self, AgreementRecord, Note, Op, READY, Readiness, Registered};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,7 +31,7 @@ impl SymmPool {
         let out = self.shared_use(|| {
             // The agreement is a record of the ledger: a rank that grows where its
             // peers make a collective is named there, within the round.
-            self.agree_ready(st, Op::Grow, growth.segment_bytes, deadline)?;
+            self.agree_ready(st, Op::Grow, growth.segment_bytes, true, READY, deadline)?;
             self.add_segment(st, growth, Allocator::add_segment, deadline)
         });
         span.record("seconds", started.elapsed().as_secs_f64());
@@ -142,20 +142,31 @@ impl SymmPool {
         })
     }
 
-    /// The agreement on a collective pool operation `op` of `size` bytes that may
-    /// register memory (its round named after it), with this rank's
-    /// [`readiness`](Self::readiness): the ranks' obstacles become the same error on
-    /// every rank.
+    /// The agreement on a collective pool operation `op` of `size` bytes (its round
+    /// named after it), saying `note` where this rank is ready (its
+    /// [`readiness`](Self::readiness) if `check`: an operation that may register
+    /// memory), else why not: every rank's note, once all are ready (the ranks'
+    /// obstacles become the same error on every rank).
     pub(super) fn agree_ready(
         &self,
         st: &mut PoolState,
         op: Op,
         size: u64,
+        check: bool,
+        note: Note,
         deadline: Deadline,
-    ) -> Result<()> {
-        let ready = self.readiness(st);
-        let flags = self.agree(st, op, op.name(), size, ready, deadline)?;
-        st.all_ready(&flags)
+    ) -> Result<Vec<Note>> {
+        let mine = match check.then(|| self.readiness(st)) {
+            Some(ready) if ready != READY => ready,
+            _ => note,
+        };
+        let notes = self.agree(st, op, op.name(), size, mine, deadline)?;
+        let ready = |n: &Note| match n {
+            Note::Ready(r) => *r,
+            _ => Readiness::Ready,
+        };
+        st.all_ready(&notes.iter().map(ready).collect::<Vec<_>>())?;
+        Ok(notes)
     }
 
     /// One agreement round, waiting for the peers until `deadline`: the ranks' records

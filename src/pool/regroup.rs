@@ -9,7 +9,8 @@ use crate::control::gather_records;
 use crate::core::{Allocator, StreamId};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{Group, Note, Op, Readiness, state_digest};
+use crate::group::{Group, Note, Op, state_digest};
+use std::mem::{replace, swap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
@@ -224,13 +225,11 @@ impl SymmPool {
         let fresh = Allocator::new(config.core)?;
         let mode = group.check_mode();
         let pool = SymmPool::over(group, config.clone(), mode, deadline, || {
-            let core = std::mem::replace(&mut old.core, fresh);
-            let history = History::new(config.history_len);
-            let history = match keep_history {
-                true => std::mem::replace(&mut old.history, history),
-                false => history,
-            };
-            (core, history)
+            let mut history = History::new(config.history_len);
+            if keep_history {
+                swap(&mut old.history, &mut history);
+            }
+            (replace(&mut old.core, fresh), history)
         })?;
         let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
         st.known_streams = old.known_streams.clone();
@@ -248,11 +247,11 @@ impl SymmPool {
                 st.closed = true;
                 pool.inner.closed.store(true, Ordering::Release);
                 // The core (a shrink's catch-up replays on it) and its pins go back.
-                std::mem::swap(&mut old.core, &mut st.core);
-                std::mem::swap(&mut old.pinned, &mut st.pinned);
-                std::mem::swap(&mut old.pinned_freed, &mut st.pinned_freed);
+                swap(&mut old.core, &mut st.core);
+                swap(&mut old.pinned, &mut st.pinned);
+                swap(&mut old.pinned_freed, &mut st.pinned_freed);
                 if keep_history {
-                    std::mem::swap(&mut old.history, &mut st.history);
+                    swap(&mut old.history, &mut st.history);
                 }
                 return Err(e);
             }
@@ -295,7 +294,7 @@ impl SymmPool {
         // captures a CUDA graph): every rank learns that any rank cannot, in the one
         // round ([`Error::GraphCapture`] on every rank). No segment, no registration.
         let was = Note::Was(old_rank as u64);
-        let notes = self.agree_regroup(st, Op::Shrink, segments, segments > 0, was, deadline)?;
+        let notes = self.agree_ready(st, Op::Shrink, segments, segments > 0, was, deadline)?;
         let registrations = self.register_held(st, deadline)?;
         let live = st.live_blocks();
         let report = ShrinkReport {
@@ -334,13 +333,7 @@ impl SymmPool {
         let newcomer = old_world_size == 0;
         let mine = (!newcomer).then(|| st.core.layout());
         let exchange = self.inner.backend.exchange();
-        let all = gather_records(
-            exchange,
-            self.inner.channel,
-            Op::Admit.name(),
-            &mine,
-            deadline,
-        )?;
+        let all = gather_records(exchange, self.inner.channel, "grow", &mine, deadline)?;
         let Some(layout) = all.iter().flatten().next() else {
             return Err(Error::internal("a group grew with no rank from before it"));
         };
@@ -384,7 +377,7 @@ impl SymmPool {
         let digest = state_digest(&Vec::from_iter(bytes.into_iter().map(u64::from)));
         // (A broken newcomer, whose layout does not fit, is not ready.)
         let note = Note::Allocated(allocated);
-        let notes = self.agree_regroup(st, Op::Admit, digest, true, note, deadline)?;
+        let notes = self.agree_ready(st, Op::Admit, digest, true, note, deadline)?;
         super::growth::all_allocated(&notes, st.core.stats().reserved_bytes.current)?;
         let registrations = self.register_held(st, deadline)?;
         st.pinned = st.allocated();
@@ -404,31 +397,6 @@ impl SymmPool {
             rank = report.rank, world_size = report.world_size, newcomers = ?report.newcomers,
             seconds = report.took.as_secs_f64(), "pool grown");
         Ok(report)
-    }
-
-    /// The agreement of a shrink or grow `op` (of `size`), saying `note` where this
-    /// rank is ready (its [`readiness`](Self::readiness) if `check`), else why not:
-    /// every rank's note, once all are ready.
-    fn agree_regroup(
-        &self,
-        st: &mut PoolState,
-        op: Op,
-        size: u64,
-        check: bool,
-        note: Note,
-        deadline: Deadline,
-    ) -> Result<Vec<Note>> {
-        let mine = match check.then(|| self.readiness(st)) {
-            Some(ready) if ready != Note::Ready(Readiness::Ready) => ready,
-            _ => note,
-        };
-        let notes = self.agree(st, op, op.name(), size, mine, deadline)?;
-        let as_ready = |n: &Note| match n {
-            Note::Ready(_) => *n,
-            _ => Note::Ready(Readiness::Ready),
-        };
-        st.all_ready(&notes.iter().map(as_ready).collect::<Vec<_>>())?;
-        Ok(notes)
     }
 
     /// Register the segments of `st` that its core holds on the new communicators, in

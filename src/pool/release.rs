@@ -140,8 +140,7 @@ impl SymmPool {
         st.history.record(CallKind::Trim, 0, 0);
         let deadline = self.group().deadline();
         let ready = Note::Ready(st.readiness());
-        let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
-        st.all_ready(&flags)?;
+        self.agree_ready(&mut st, Op::Trim, 0, false, ready, deadline)?;
         let released = st.core.release_free_segments();
         self.release_segments(&mut st, deadline)?;
         Ok(released.iter().map(|(_, b)| b).sum())
@@ -181,11 +180,7 @@ impl SymmPool {
         if let Some(failure) = self.ledger().failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
-        let named = if live > 0 {
-            live_buffers(&st)
-        } else {
-            Vec::new()
-        };
+        let named = live_buffers(&st);
         // The close's agreement follows every record of this rank in the ledger: a
         // divergence still in flight is found in its rounds, on every rank.
         let records = match self.agree_naming(

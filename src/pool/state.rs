@@ -4,7 +4,7 @@
 use crate::backend::{Segment, Window};
 use crate::core::{Allocator, BlockSnapshot, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
-use crate::group::{History, Note, Readiness};
+use crate::group::{History, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, MutexGuard, PoisonError};
@@ -182,15 +182,10 @@ impl PoolState {
         }
     }
 
-    /// Turn the ranks' readiness flags into the same error on every rank. A peer's
-    /// broken pool breaks this rank's too: the ranks can no longer make the same calls.
-    pub(crate) fn all_ready(&mut self, notes: &[Note]) -> Result<()> {
-        if let Some(rank) = notes.iter().position(|n| !matches!(n, Note::Ready(_))) {
-            return Err(Error::internal(format!(
-                "rank {rank} sent no readiness in its agreement"
-            )));
-        }
-        let find = |r: Readiness| notes.iter().position(|&n| n == Note::Ready(r));
+    /// Turn the ranks' readiness into the same error on every rank. A peer's broken
+    /// pool breaks this rank's too: the ranks can no longer make the same calls.
+    pub(crate) fn all_ready(&mut self, ready: &[Readiness]) -> Result<()> {
+        let find = |r: Readiness| ready.iter().position(|&n| n == r);
         if let Some(rank) = find(Readiness::PoolBroken) {
             if let Some(f) = self.broken.as_ref().and_then(Error::group_failure) {
                 return Err(f.clone());
