@@ -376,9 +376,8 @@ impl SymmPool {
             Ok(flags) => flags,
             Err(e) => {
                 // The peers' outcomes are unknown: refuse growth from now on.
-                let rank = self.rank();
                 let error = local.err().unwrap_or(e);
-                st.registration_broken = Some((rank, error.to_string()));
+                st.registration_broken = Some((self.rank(), error.to_string()));
                 return Err(error);
             }
         };
