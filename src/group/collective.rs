@@ -6,7 +6,7 @@ use super::record::{Fields, Value};
 use serde::{Deserialize, Serialize};
 
 /// What a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) enum RecordKind {
     /// One collective.
     #[default]
@@ -17,7 +17,7 @@ pub(crate) enum RecordKind {
 }
 
 /// The collective a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) enum CollKind {
     /// No collective (a step record).
     #[default]
@@ -28,7 +28,7 @@ pub(crate) enum CollKind {
 }
 
 /// One buffer of a collective: (allocation number, segment, offset, bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) struct BufferRecord {
     pub(crate) allocation: u64,
     pub(crate) segment: u32,
@@ -38,7 +38,7 @@ pub(crate) struct BufferRecord {
 
 /// One rank's record of one collective (or of a step boundary). `Copy`: posting one
 /// allocates nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) struct CollectiveRecord {
     pub(crate) kind: RecordKind,
     /// The ordinal of the pool's exchange channel (its identity among the ranks).

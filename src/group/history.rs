@@ -139,7 +139,7 @@ fn step(hash: u64, call: &CallRecord) -> u64 {
 }
 
 /// Where a survivor's pool stopped when its group lost a rank.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub(crate) struct Stop {
     /// Calls recorded ([`History::seq`]).
     pub(crate) seq: u64,
