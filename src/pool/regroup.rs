@@ -182,7 +182,7 @@ impl SymmPool {
         let started = Instant::now();
         let deadline = group.deadline();
         let pool = Self::create(group, config, group.check_mode())?;
-        let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
+        let mut st = pool.state();
         let report = pool.admit(&mut st, 0, started, deadline);
         // Failed: the pool goes, and its segments with it (released as it drops).
         st.closed = report.is_err();
@@ -194,8 +194,7 @@ impl SymmPool {
     /// This pool's state for a shrink or grow: deferred frees applied, open, not
     /// diverged.
     fn open_state(&self) -> Result<MutexGuard<'_, PoolState>> {
-        let mut old = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
-        self.apply_deferred(&mut old);
+        let old = self.state();
         if old.closed {
             return Err(self.closed_error());
         }
@@ -231,7 +230,7 @@ impl SymmPool {
             }
             (replace(&mut old.core, fresh), history)
         })?;
-        let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
+        let mut st = pool.state();
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
         (st.pinned, st.pinned_freed) = (old.pinned.clone(), old.pinned_freed.clone());

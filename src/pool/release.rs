@@ -292,7 +292,7 @@ impl Drop for PoolInner {
         // Never wait without bound in a drop: if the device does not drain in time
         // (a peer died in a collective, say), leak the memory on purpose.
         let deadline = Deadline::after(timeout);
-        let drained = self.group.backend().streams().drain(deadline);
+        let drained = self.backend.streams().drain(deadline);
         if !matches!(drained, Ok(true)) {
             let why = match drained {
                 Err(e) => e.to_string(),
@@ -317,7 +317,7 @@ impl Drop for PoolInner {
                 continue;
             };
             if let Err((_, e)) = release_entry(
-                self.group.backend(),
+                &self.backend,
                 entry,
                 &mut st.counters.deregistrations,
                 deadline,
