@@ -673,10 +673,9 @@ impl Shared {
         }
         // The handle stays for the drop to join (the thread may still hold the
         // exchange when it gets there).
-        st.life = match std::mem::replace(&mut st.life, Life::Ended(None)) {
-            Life::Thread(handle) => Life::Ended(Some(handle)),
-            _ => Life::Ended(None),
-        };
+        if let Life::Thread(handle) = std::mem::replace(&mut st.life, Life::Ended(None)) {
+            st.life = Life::Ended(Some(handle));
+        }
         self.changed.notify_all();
     }
 }

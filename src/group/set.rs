@@ -304,8 +304,7 @@ impl Group {
         let Some(next) = shrunk.clone() else {
             let backend = self.inner.backend.shrink(deadline)?;
             let next = Self::open(backend, self.inner.config.clone(), deadline)?;
-            *shrunk = Some(next.clone());
-            return Ok(next);
+            return Ok(shrunk.insert(next).clone());
         };
         drop(shrunk);
         // Asked again after the survivors lost a rank too (a pool's shrink failed with
@@ -405,7 +404,7 @@ impl Group {
 
     /// The channel of the pre-registration agreement, and the lock that makes the
     /// agreement and the registrations that follow one step on this rank.
-    pub(crate) fn registration_channel(&self) -> (ChannelId, parking_lot::MutexGuard<'_, ()>) {
+    pub(crate) fn registration_channel(&self) -> (ChannelId, MutexGuard<'_, ()>) {
         (self.inner.registrations, self.inner.registering.lock())
     }
 
