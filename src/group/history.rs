@@ -99,7 +99,12 @@ impl History {
     /// Record a call.
     pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) {
         self.seq += 1;
-        let call = CallRecord { seq: self.seq, kind, a, b };
+        let call = CallRecord {
+            seq: self.seq,
+            kind,
+            a,
+            b,
+        };
         self.hash = step(self.hash, &call);
         self.head.hash.store(self.hash, Ordering::Release);
         self.head.seq.store(self.seq, Ordering::Release);

@@ -105,7 +105,10 @@ impl SymmPool {
                 Ok(id)
             }
             Ok(got) => {
-                let what = format!("the core numbered a new segment {} instead of {}", got.0, id.0);
+                let what = format!(
+                    "the core numbered a new segment {} instead of {}",
+                    got.0, id.0
+                );
                 Err(st.broken_by(what))
             }
             Err(e) => {
@@ -250,15 +253,16 @@ impl SymmPool {
         let local = backend.segments().allocate(size_bytes);
         // Second round: nobody registers unless everybody has the memory, so one
         // rank's failure is an error on all ranks instead of a hang in registration.
-        let confirmed = self.agree(
-            st,
-            Op::Grow,
-            "growth confirmation",
-            size_bytes,
-            Note::Allocated(local.is_ok()),
-            deadline,
-        )
-        .and_then(|notes| all_allocated(&notes, size_bytes));
+        let confirmed = self
+            .agree(
+                st,
+                Op::Grow,
+                "growth confirmation",
+                size_bytes,
+                Note::Allocated(local.is_ok()),
+                deadline,
+            )
+            .and_then(|notes| all_allocated(&notes, size_bytes));
         let segment = match (local, confirmed) {
             (Ok(segment), Ok(())) => segment,
             (Ok(segment), Err(e)) => {
