@@ -266,8 +266,8 @@ impl SymmPool {
         let segment = match (local, confirmed) {
             (Ok(segment), Ok(())) => segment,
             (Ok(segment), Err(e)) => {
-                let windows = Vec::new();
-                self.undo_segment(st, SegmentEntry { segment, windows }, deadline);
+                let entry = SegmentEntry::new(segment, 0);
+                self.undo_segment(st, entry, deadline);
                 return Err(e);
             }
             (Err(e), _) => return Err(e),
@@ -425,11 +425,10 @@ impl SymmPool {
     /// waiting in the provider until `deadline` at most. What will not deregister or
     /// free is leaked (freeing under a live window is not allowed).
     pub(super) fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry, deadline: Deadline) {
-        let backend = &self.inner.backend;
-        let deregistrations = &mut st.counters.deregistrations;
         // No block of the segment was handed out, so no work uses it.
+        let counts = &mut st.counters.deregistrations;
         let Err((left, e)) =
-            super::release::release_entry(backend, entry, deregistrations, deadline)
+            super::release::release_entry(&self.inner.backend, entry, counts, deadline)
         else {
             return;
         };

@@ -46,7 +46,7 @@ use smallvec::SmallVec;
 pub(crate) use state::{Counters, PoolCounters, PoolState, SegmentEntry};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 type DeferredFree = (BlockId, SmallVec<[Wait; 3]>);
 
@@ -78,7 +78,7 @@ pub(crate) struct PoolInner {
     state: Mutex<PoolState>,
     /// The pool a shrink made of this one (`shrink.rs`): it holds the core now, so
     /// the frees of this pool's buffers go there.
-    successor: std::sync::OnceLock<SymmPool>,
+    successor: OnceLock<SymmPool>,
 }
 
 /// A symmetric-memory caching pool for one rank.
@@ -232,7 +232,7 @@ impl SymmPool {
                 channel,
                 mode,
                 call_head,
-                successor: std::sync::OnceLock::new(),
+                successor: OnceLock::new(),
                 config,
             }),
         })
