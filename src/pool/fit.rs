@@ -101,18 +101,16 @@ impl SymmPool {
         let mut st = self.lock_open()?;
         let config = *st.core.config();
         // Checked as a request is, then whole segments (at most 16 TiB: no overflow).
-        let size = (config.round_request(size_bytes)?).next_multiple_of(config.granularity_bytes);
-        let size = match class {
-            SizeClass::Small => size.max(config.small_segment_bytes),
-            SizeClass::Large => size,
-        };
+        let mut size =
+            (config.round_request(size_bytes)?).next_multiple_of(config.granularity_bytes);
+        let small = class == SizeClass::Small;
+        if small {
+            size = size.max(config.small_segment_bytes);
+        }
         // The reserve limit is the same on every rank: check it before agreeing.
         st.core.check_reserve(size)?;
-        st.history.record(
-            CallKind::Reserve,
-            size_bytes,
-            u64::from(class == SizeClass::Small),
-        );
+        st.history
+            .record(CallKind::Reserve, size_bytes, u64::from(small));
         // Registration is refused while any stream the pool has served is capturing.
         let deadline = self.group().deadline();
         self.shared_use(|| {
