@@ -70,6 +70,9 @@ pub(crate) enum Note {
     Was(u64),
 }
 
+/// What a rank ready for an operation says, where it has nothing else to say.
+pub(crate) const READY: Note = Note::Ready(Readiness::Ready);
+
 /// How a window registration went on a rank (its growth's outcome round).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Registered {

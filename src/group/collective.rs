@@ -6,9 +6,10 @@ use super::record::{Fields, Value};
 use serde::{Deserialize, Serialize};
 
 /// What a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) enum RecordKind {
     /// One collective.
+    #[default]
     Collective,
     /// A step boundary ([`end_step`](crate::coll::Coll::end_step)): the pool's call
     /// count and hash, so that pool calls without collectives cannot drift unseen.
@@ -16,9 +17,10 @@ pub(crate) enum RecordKind {
 }
 
 /// The collective a record is of.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) enum CollKind {
     /// No collective (a step record).
+    #[default]
     None,
     AllGather,
     ReduceScatter,
@@ -26,7 +28,7 @@ pub(crate) enum CollKind {
 }
 
 /// One buffer of a collective: (allocation number, segment, offset, bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) struct BufferRecord {
     pub(crate) allocation: u64,
     pub(crate) segment: u32,
@@ -36,7 +38,7 @@ pub(crate) struct BufferRecord {
 
 /// One rank's record of one collective (or of a step boundary). `Copy`: posting one
 /// allocates nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) struct CollectiveRecord {
     pub(crate) kind: RecordKind,
     /// The ordinal of the pool's exchange channel (its identity among the ranks).
@@ -94,19 +96,12 @@ impl CollectiveRecord {
         CollectiveRecord {
             kind: RecordKind::Step,
             pool,
-            tag: None,
             pool_collective: pool_collectives,
-            collective: CollKind::None,
-            dtype: None,
-            reduction: None,
-            count: 0,
             comm,
             comm_seq: comm_collectives,
-            path: None,
-            input: BufferRecord::default(),
-            output: BufferRecord::default(),
             call_seq,
             call_hash,
+            ..Default::default()
         }
     }
 }

@@ -99,15 +99,20 @@ impl History {
     /// Record a call.
     pub(crate) fn record(&mut self, kind: CallKind, a: u64, b: u64) {
         self.seq += 1;
-        let seq = self.seq;
-        self.hash = step(self.hash, &CallRecord { seq, kind, a, b });
+        let call = CallRecord {
+            seq: self.seq,
+            kind,
+            a,
+            b,
+        };
+        self.hash = step(self.hash, &call);
         self.head.hash.store(self.hash, Ordering::Release);
-        self.head.seq.store(seq, Ordering::Release);
+        self.head.seq.store(self.seq, Ordering::Release);
         if self.capacity > 0 {
             if self.recent.len() == self.capacity {
                 self.recent.pop_front();
             }
-            self.recent.push_back(CallRecord { seq, kind, a, b });
+            self.recent.push_back(call);
         }
     }
 
@@ -139,7 +144,7 @@ fn step(hash: u64, call: &CallRecord) -> u64 {
 }
 
 /// Where a survivor's pool stopped when its group lost a rank.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub(crate) struct Stop {
     /// Calls recorded ([`History::seq`]).
     pub(crate) seq: u64,

@@ -255,11 +255,12 @@ impl Ledger {
     ) -> Result<()> {
         match mode {
             CheckMode::Off => Ok(()),
-            CheckMode::Strict => {
-                let entry = Entry::Collective(record);
-                self.settle(Some(entry), deadline(), "strict collective check")
-                    .map(drop)
-            }
+            CheckMode::Strict => (self.settle(
+                Some(Entry::Collective(record)),
+                deadline(),
+                "strict collective check",
+            ))
+            .map(drop),
             CheckMode::Async => self.post(Entry::Collective(record), deadline),
         }
     }
@@ -616,8 +617,7 @@ impl Shared {
             Entry::Collective(r) => r.pool,
             Entry::Agreement(a) => a.pool,
         };
-        let st = self.state.lock();
-        let found_by = match st.life {
+        let found_by = match self.state.lock().life {
             Life::Callers => "strict check",
             _ => "async check",
         };
@@ -673,10 +673,9 @@ impl Shared {
         }
         // The handle stays for the drop to join (the thread may still hold the
         // exchange when it gets there).
-        st.life = match std::mem::replace(&mut st.life, Life::Ended(None)) {
-            Life::Thread(handle) => Life::Ended(Some(handle)),
-            _ => Life::Ended(None),
-        };
+        if let Life::Thread(handle) = std::mem::replace(&mut st.life, Life::Ended(None)) {
+            st.life = Life::Ended(Some(handle));
+        }
         self.changed.notify_all();
     }
 }

@@ -12,7 +12,8 @@ mod registration;
 mod set;
 
 pub(crate) use agree::{
-    AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Note, Op, Readiness, Registered, agree_records,
+    AgreementRecord, LiveBuffer, MAX_LIVE_NAMED, Note, Op, READY, Readiness, Registered,
+    agree_records,
 };
 pub(crate) use collective::{BufferRecord, CollKind, CollectiveRecord, RecordKind};
 pub(crate) use history::{CallHead, CallKind, History, Stop, catch_up, state_digest};

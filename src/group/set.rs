@@ -67,11 +67,10 @@ impl GroupConfig {
     /// sets the mode.
     pub fn from_env() -> Self {
         let mut config = GroupConfig::default();
-        let value = match std::env::var(CHECK_ENV) {
-            Err(std::env::VarError::NotPresent) => return config,
-            Err(std::env::VarError::NotUnicode(v)) => v.to_string_lossy().into_owned(),
-            Ok(v) => v,
+        let Some(value) = std::env::var_os(CHECK_ENV) else {
+            return config;
         };
+        let value = value.to_string_lossy().into_owned();
         match value.trim().to_ascii_lowercase().as_str() {
             "" => {}
             "strict" => config.check = CheckMode::Strict,
@@ -305,8 +304,7 @@ impl Group {
         let Some(next) = shrunk.clone() else {
             let backend = self.inner.backend.shrink(deadline)?;
             let next = Self::open(backend, self.inner.config.clone(), deadline)?;
-            *shrunk = Some(next.clone());
-            return Ok(next);
+            return Ok(shrunk.insert(next).clone());
         };
         drop(shrunk);
         // Asked again after the survivors lost a rank too (a pool's shrink failed with
@@ -372,6 +370,12 @@ impl Group {
         &self.inner.config
     }
 
+    /// The deadline of a wait on the other ranks that starts now: the settings'
+    /// timeout from now.
+    pub(crate) fn deadline(&self) -> Deadline {
+        Deadline::after(self.inner.config.timeout)
+    }
+
     /// How collectives are checked: the configuration's mode, or [`CheckMode::Off`]
     /// at world size 1.
     pub fn check_mode(&self) -> CheckMode {
@@ -400,7 +404,7 @@ impl Group {
 
     /// The channel of the pre-registration agreement, and the lock that makes the
     /// agreement and the registrations that follow one step on this rank.
-    pub(crate) fn registration_channel(&self) -> (ChannelId, parking_lot::MutexGuard<'_, ()>) {
+    pub(crate) fn registration_channel(&self) -> (ChannelId, MutexGuard<'_, ()>) {
         (self.inner.registrations, self.inner.registering.lock())
     }
 

@@ -58,8 +58,9 @@ impl SymmPool {
             }
             st.history.record(c.kind, c.a, c.b);
         }
-        let live = (st.core.block_marks().into_iter().flatten()).filter_map(|m| m.allocation_seq);
-        let live: Vec<u64> = live.filter(|q| pinned.contains(q)).collect();
+        let live: Vec<u64> = (st.allocated().into_iter())
+            .filter(|q| pinned.contains(q))
+            .collect();
         st.pinned.extend(&live);
         st.pinned_freed.extend(live.iter().filter(|&&q| q > allocs));
         tracing::info!(target: "symmpool::pool", pool = %self.inner.config.name, rank = self.rank(),

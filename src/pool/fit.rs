@@ -3,11 +3,10 @@
 
 use super::SymmPool;
 use crate::core::{Allocator, Growth, SegmentId, SizeClass};
-use crate::deadline::Deadline;
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
-use crate::group::{CallKind, Op};
+use crate::group::{CallKind, Op, READY};
 use serde::Serialize;
 
 /// What [`SymmPool::fit_to_peak`] did.
@@ -50,10 +49,10 @@ impl SymmPool {
         let planned_bytes = (plan.add.iter().map(|g| g.segment_bytes))
             .chain(plan.release.iter().map(|r| r.1))
             .fold(0u64, u64::wrapping_add);
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         // The check growth and `reserve` make: no registration while a stream the pool
         // served captures a CUDA graph (refused on every rank alike).
-        self.agree_ready(&mut st, Op::FitToPeak, planned_bytes, deadline)?;
+        self.agree_ready(&mut st, Op::FitToPeak, planned_bytes, true, READY, deadline)?;
         let released = st.core.release_planned(&plan)?;
         self.release_segments(&mut st, deadline)?;
         let mut added = Vec::new();
@@ -102,22 +101,20 @@ impl SymmPool {
         let mut st = self.lock_open()?;
         let config = *st.core.config();
         // Checked as a request is, then whole segments (at most 16 TiB: no overflow).
-        let size = (config.round_request(size_bytes)?).next_multiple_of(config.granularity_bytes);
-        let size = match class {
-            SizeClass::Small => size.max(config.small_segment_bytes),
-            SizeClass::Large => size,
-        };
+        let mut size =
+            (config.round_request(size_bytes)?).next_multiple_of(config.granularity_bytes);
+        let small = class == SizeClass::Small;
+        if small {
+            size = size.max(config.small_segment_bytes);
+        }
         // The reserve limit is the same on every rank: check it before agreeing.
         st.core.check_reserve(size)?;
-        st.history.record(
-            CallKind::Reserve,
-            size_bytes,
-            u64::from(class == SizeClass::Small),
-        );
+        st.history
+            .record(CallKind::Reserve, size_bytes, u64::from(small));
         // Registration is refused while any stream the pool has served is capturing.
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         self.shared_use(|| {
-            self.agree_ready(&mut st, Op::Reserve, size, deadline)?;
+            self.agree_ready(&mut st, Op::Reserve, size, true, READY, deadline)?;
             let growth = Growth {
                 class,
                 segment_bytes: size,

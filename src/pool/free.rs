@@ -14,8 +14,7 @@ use std::sync::atomic::Ordering;
 impl SymmPool {
     /// The error a `Drop` recorded, if any (taken: reported once).
     pub(crate) fn take_deferred_error(&self) -> Result<()> {
-        let taken = self.inner.deferred_error.lock().take();
-        taken.map_or(Ok(()), Err)
+        self.inner.deferred_error.lock().take().map_or(Ok(()), Err)
     }
 
     /// Record a failure inside a `Drop` for the next fallible call (the first one
@@ -113,8 +112,7 @@ impl SymmPool {
             Err(TryLockError::WouldBlock) => {
                 tracing::debug!(target: "symmpool::pool", rank = self.rank(),
                     allocation = buf.block.seq, "free deferred: the pool is busy");
-                let counters = &self.inner.counters;
-                counters.deferred_frees.fetch_add(1, Ordering::Relaxed);
+                (self.inner.counters.deferred_frees).fetch_add(1, Ordering::Relaxed);
                 self.inner.deferred.lock().push((buf.block, fences));
                 // A shrink that closed the pool meanwhile may have moved the queue
                 // before this free joined it: move what is left.

@@ -9,7 +9,7 @@ use super::{MemoryAction, SymmPool};
 use crate::core::{AllocError, Allocator, Growth, SegmentId, SizeClass};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{self, AgreementRecord, Note, Op, Readiness, Registered};
+use crate::group::{self, AgreementRecord, Note, Op, READY, Readiness, Registered};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,7 +31,7 @@ impl SymmPool {
         let out = self.shared_use(|| {
             // The agreement is a record of the ledger: a rank that grows where its
             // peers make a collective is named there, within the round.
-            self.agree_ready(st, Op::Grow, growth.segment_bytes, deadline)?;
+            self.agree_ready(st, Op::Grow, growth.segment_bytes, true, READY, deadline)?;
             self.add_segment(st, growth, Allocator::add_segment, deadline)
         });
         span.record("seconds", started.elapsed().as_secs_f64());
@@ -105,12 +105,11 @@ impl SymmPool {
                 Ok(id)
             }
             Ok(got) => {
-                let (got, want) = (got.0, id.0);
-                let what = format!("the core numbered a new segment {got} instead of {want}");
-                st.broken = Some(Error::PoolBroken {
-                    reason: what.clone(),
-                });
-                Err(Error::internal(what))
+                let what = format!(
+                    "the core numbered a new segment {} instead of {}",
+                    got.0, id.0
+                );
+                Err(st.broken_by(what))
             }
             Err(e) => {
                 self.undo_segment(st, entry, deadline);
@@ -146,20 +145,31 @@ impl SymmPool {
         })
     }
 
-    /// The agreement on a collective pool operation `op` of `size` bytes that may
-    /// register memory (its round named after it), with this rank's
-    /// [`readiness`](Self::readiness): the ranks' obstacles become the same error on
-    /// every rank.
+    /// The agreement on a collective pool operation `op` of `size` bytes (its round
+    /// named after it), saying `note` where this rank is ready (its
+    /// [`readiness`](Self::readiness) if `check`: an operation that may register
+    /// memory), else why not: every rank's note, once all are ready (the ranks'
+    /// obstacles become the same error on every rank).
     pub(super) fn agree_ready(
         &self,
         st: &mut PoolState,
         op: Op,
         size: u64,
+        check: bool,
+        note: Note,
         deadline: Deadline,
-    ) -> Result<()> {
-        let ready = self.readiness(st);
-        let flags = self.agree(st, op, op.name(), size, ready, deadline)?;
-        st.all_ready(&flags)
+    ) -> Result<Vec<Note>> {
+        let mine = match check.then(|| self.readiness(st)) {
+            Some(ready) if ready != READY => ready,
+            _ => note,
+        };
+        let notes = self.agree(st, op, op.name(), size, mine, deadline)?;
+        let ready = |n: &Note| match n {
+            Note::Ready(r) => *r,
+            _ => Readiness::Ready,
+        };
+        st.all_ready(&notes.iter().map(ready).collect::<Vec<_>>())?;
+        Ok(notes)
     }
 
     /// One agreement round, waiting for the peers until `deadline`: the ranks' records
@@ -243,30 +253,22 @@ impl SymmPool {
         let local = backend.segments().allocate(size_bytes);
         // Second round: nobody registers unless everybody has the memory, so one
         // rank's failure is an error on all ranks instead of a hang in registration.
-        let confirmed = self.agree(
-            st,
-            Op::Grow,
-            "growth confirmation",
-            size_bytes,
-            Note::Allocated(local.is_ok()),
-            deadline,
-        );
-        let failed: Vec<usize> = match &confirmed {
-            Ok(notes) => (0..notes.len())
-                .filter(|&r| notes[r] != Note::Allocated(true))
-                .collect(),
-            Err(_) => Vec::new(),
-        };
+        let confirmed = self
+            .agree(
+                st,
+                Op::Grow,
+                "growth confirmation",
+                size_bytes,
+                Note::Allocated(local.is_ok()),
+                deadline,
+            )
+            .and_then(|notes| all_allocated(&notes, size_bytes));
         let segment = match (local, confirmed) {
-            (Ok(segment), Ok(_)) if failed.is_empty() => segment,
-            (Ok(segment), confirmed) => {
-                let windows = Vec::new();
-                self.undo_segment(st, SegmentEntry { segment, windows }, deadline);
-                confirmed?;
-                return Err(Error::PeerOutOfMemory {
-                    segment_bytes: size_bytes,
-                    ranks: failed,
-                });
+            (Ok(segment), Ok(())) => segment,
+            (Ok(segment), Err(e)) => {
+                let entry = SegmentEntry::new(segment, 0);
+                self.undo_segment(st, entry, deadline);
+                return Err(e);
             }
             (Err(e), _) => return Err(e),
         };
@@ -378,9 +380,8 @@ impl SymmPool {
             Ok(flags) => flags,
             Err(e) => {
                 // The peers' outcomes are unknown: refuse growth from now on.
-                let rank = self.rank();
                 let error = local.err().unwrap_or(e);
-                st.registration_broken = Some((rank, error.to_string()));
+                st.registration_broken = Some((self.rank(), error.to_string()));
                 return Err(error);
             }
         };
@@ -424,11 +425,10 @@ impl SymmPool {
     /// waiting in the provider until `deadline` at most. What will not deregister or
     /// free is leaked (freeing under a live window is not allowed).
     pub(super) fn undo_segment(&self, st: &mut PoolState, entry: SegmentEntry, deadline: Deadline) {
-        let backend = &self.inner.backend;
-        let deregistrations = &mut st.counters.deregistrations;
         // No block of the segment was handed out, so no work uses it.
+        let counts = &mut st.counters.deregistrations;
         let Err((left, e)) =
-            super::release::release_entry(backend, entry, deregistrations, deadline)
+            super::release::release_entry(&self.inner.backend, entry, counts, deadline)
         else {
             return;
         };
@@ -442,4 +442,19 @@ impl SymmPool {
             self.record_deferred_error("freeing a segment after a failed growth".into(), e);
         }
     }
+}
+
+/// Fail with [`Error::PeerOutOfMemory`] (for segments of `segment_bytes`) naming the
+/// ranks whose note in `notes` is not that they allocated, if any.
+pub(super) fn all_allocated(notes: &[Note], segment_bytes: u64) -> Result<()> {
+    let ranks: Vec<usize> = (0..notes.len())
+        .filter(|&r| notes[r] != Note::Allocated(true))
+        .collect();
+    if ranks.is_empty() {
+        return Ok(());
+    }
+    Err(Error::PeerOutOfMemory {
+        segment_bytes,
+        ranks,
+    })
 }

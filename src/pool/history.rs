@@ -69,7 +69,6 @@ pub struct MemoryEvent {
 
 /// The ring buffer behind [`SymmPool::record_memory_history`], kept in the pool's
 /// state while recording.
-#[derive(Debug)]
 pub(crate) struct MemoryHistory {
     max_entries: usize,
     events: VecDeque<MemoryEvent>,

@@ -46,7 +46,7 @@ use smallvec::SmallVec;
 pub(crate) use state::{Counters, PoolCounters, PoolState, SegmentEntry};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 type DeferredFree = (BlockId, SmallVec<[Wait; 3]>);
 
@@ -78,7 +78,7 @@ pub(crate) struct PoolInner {
     state: Mutex<PoolState>,
     /// The pool a shrink made of this one (`shrink.rs`): it holds the core now, so
     /// the frees of this pool's buffers go there.
-    successor: std::sync::OnceLock<SymmPool>,
+    successor: OnceLock<SymmPool>,
 }
 
 /// A symmetric-memory caching pool for one rank.
@@ -187,7 +187,7 @@ impl SymmPool {
         config.core.small_segment_bytes = config.core.small_segment_bytes.max(granularity);
         let core = Allocator::new(config.core)?;
         let history = History::new(config.history_len);
-        let deadline = Deadline::after(group.config().timeout);
+        let deadline = group.deadline();
         Self::over(group.clone(), config, mode, deadline, || (core, history))
     }
 
@@ -232,7 +232,7 @@ impl SymmPool {
                 channel,
                 mode,
                 call_head,
-                successor: std::sync::OnceLock::new(),
+                successor: OnceLock::new(),
                 config,
             }),
         })
@@ -381,12 +381,8 @@ impl SymmPool {
         align_bytes: u64,
         stream: &Stream,
     ) -> Result<SymmBuffer> {
-        self.take_deferred_error()?;
+        let mut st = self.lock_open()?;
         self.inner.backend.check_stream(stream)?;
-        let mut st = self.state();
-        if st.closed {
-            return Err(self.closed_error());
-        }
         st.check_usable()?;
         if !st.known_streams.iter().any(|s| s.id() == stream.id()) {
             st.known_streams.push(stream.clone());
@@ -405,18 +401,14 @@ impl SymmPool {
             Err(AllocError::NeedsGrowth(growth)) => {
                 // One deadline for the whole growth (made only when it grows: a cache
                 // hit does not read the clock).
-                let deadline = Deadline::after(self.group().config().timeout);
+                let deadline = self.group().deadline();
                 self.grow_segment(&mut st, growth, deadline)?;
                 st.core.alloc(req)?
             }
             out => out?,
         };
         let Some(entry) = st.segments.get(&placement.segment).cloned() else {
-            let what = format!("segment {} has no entry", placement.segment.0);
-            st.broken = Some(Error::PoolBroken {
-                reason: what.clone(),
-            });
-            return Err(Error::internal(what));
+            return Err(st.broken_by(format!("segment {} has no entry", placement.segment.0)));
         };
         st.counters.allocated_bytes_total += placement.size_bytes;
         st.counters.requested_bytes_total += size_bytes;

@@ -9,7 +9,8 @@ use crate::control::gather_records;
 use crate::core::{Allocator, StreamId};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::group::{Group, Note, Op, Readiness, state_digest};
+use crate::group::{Group, Note, Op, state_digest};
+use std::mem::{replace, swap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
@@ -98,7 +99,7 @@ impl SymmPool {
 
     fn shrink_unlogged(&self) -> Result<(SymmPool, ShrinkReport)> {
         let started = Instant::now();
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let old = self.open_state()?;
         let group = self.inner.group.shrink(deadline)?;
         let (old_rank, old_world_size) = (self.rank(), self.world_size());
@@ -149,7 +150,7 @@ impl SymmPool {
 
     fn grow_unlogged(&self, wait: bool) -> Result<Option<(SymmPool, GrowReport)>> {
         let started = Instant::now();
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let old = self.open_state()?;
         let Some(group) = self.inner.group.grow(wait, deadline)? else {
             return Ok(None);
@@ -179,9 +180,9 @@ impl SymmPool {
     /// if the layout received does not fit `config` (the newcomer's names why).
     pub fn join(group: &Group, config: PoolConfig) -> Result<(SymmPool, GrowReport)> {
         let started = Instant::now();
-        let deadline = Deadline::after(group.config().timeout);
+        let deadline = group.deadline();
         let pool = Self::create(group, config, group.check_mode())?;
-        let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
+        let mut st = pool.state();
         let report = pool.admit(&mut st, 0, started, deadline);
         // Failed: the pool goes, and its segments with it (released as it drops).
         st.closed = report.is_err();
@@ -193,8 +194,7 @@ impl SymmPool {
     /// This pool's state for a shrink or grow: deferred frees applied, open, not
     /// diverged.
     fn open_state(&self) -> Result<MutexGuard<'_, PoolState>> {
-        let mut old = self.inner.state.lock().unwrap_or_else(PoolState::poisoned);
-        self.apply_deferred(&mut old);
+        let old = self.state();
         if old.closed {
             return Err(self.closed_error());
         }
@@ -224,15 +224,13 @@ impl SymmPool {
         let fresh = Allocator::new(config.core)?;
         let mode = group.check_mode();
         let pool = SymmPool::over(group, config.clone(), mode, deadline, || {
-            let core = std::mem::replace(&mut old.core, fresh);
-            let history = History::new(config.history_len);
-            let history = match keep_history {
-                true => std::mem::replace(&mut old.history, history),
-                false => history,
-            };
-            (core, history)
+            let mut history = History::new(config.history_len);
+            if keep_history {
+                swap(&mut old.history, &mut history);
+            }
+            (replace(&mut old.core, fresh), history)
         })?;
-        let mut st = pool.inner.state.lock().unwrap_or_else(PoolState::poisoned);
+        let mut st = pool.state();
         st.known_streams = old.known_streams.clone();
         st.fenced_streams = old.fenced_streams.clone();
         (st.pinned, st.pinned_freed) = (old.pinned.clone(), old.pinned_freed.clone());
@@ -248,11 +246,11 @@ impl SymmPool {
                 st.closed = true;
                 pool.inner.closed.store(true, Ordering::Release);
                 // The core (a shrink's catch-up replays on it) and its pins go back.
-                std::mem::swap(&mut old.core, &mut st.core);
-                std::mem::swap(&mut old.pinned, &mut st.pinned);
-                std::mem::swap(&mut old.pinned_freed, &mut st.pinned_freed);
+                swap(&mut old.core, &mut st.core);
+                swap(&mut old.pinned, &mut st.pinned);
+                swap(&mut old.pinned_freed, &mut st.pinned_freed);
                 if keep_history {
-                    std::mem::swap(&mut old.history, &mut st.history);
+                    swap(&mut old.history, &mut st.history);
                 }
                 return Err(e);
             }
@@ -295,7 +293,7 @@ impl SymmPool {
         // captures a CUDA graph): every rank learns that any rank cannot, in the one
         // round ([`Error::GraphCapture`] on every rank). No segment, no registration.
         let was = Note::Was(old_rank as u64);
-        let notes = self.agree_regroup(st, Op::Shrink, segments, segments > 0, was, deadline)?;
+        let notes = self.agree_ready(st, Op::Shrink, segments, segments > 0, was, deadline)?;
         let registrations = self.register_held(st, deadline)?;
         let live = st.live_blocks();
         let report = ShrinkReport {
@@ -334,13 +332,7 @@ impl SymmPool {
         let newcomer = old_world_size == 0;
         let mine = (!newcomer).then(|| st.core.layout());
         let exchange = self.inner.backend.exchange();
-        let all = gather_records(
-            exchange,
-            self.inner.channel,
-            Op::Admit.name(),
-            &mine,
-            deadline,
-        )?;
+        let all = gather_records(exchange, self.inner.channel, "grow", &mine, deadline)?;
         let Some(layout) = all.iter().flatten().next() else {
             return Err(Error::internal("a group grew with no rank from before it"));
         };
@@ -348,10 +340,8 @@ impl SymmPool {
         if newcomer {
             match Allocator::from_layout(self.inner.config.core, layout, StreamId(0)) {
                 Ok(core) => {
-                    st.pinned_freed = (core.block_marks().iter().flatten())
-                        .filter_map(|m| m.allocation_seq)
-                        .collect();
                     st.core = core;
+                    st.pinned_freed = st.allocated();
                 }
                 Err(e) => {
                     let reason = format!("the survivors' layout does not fit this pool: {e}");
@@ -386,19 +376,10 @@ impl SymmPool {
         let digest = state_digest(&Vec::from_iter(bytes.into_iter().map(u64::from)));
         // (A broken newcomer, whose layout does not fit, is not ready.)
         let note = Note::Allocated(allocated);
-        let notes = self.agree_regroup(st, Op::Admit, digest, true, note, deadline)?;
-        let ranks = Vec::from_iter((0..notes.len()).filter(|&r| notes[r] != Note::Allocated(true)));
-        if !ranks.is_empty() {
-            let segment_bytes = st.core.stats().reserved_bytes.current;
-            return Err(Error::PeerOutOfMemory {
-                segment_bytes,
-                ranks,
-            });
-        }
+        let notes = self.agree_ready(st, Op::Admit, digest, true, note, deadline)?;
+        super::growth::all_allocated(&notes, st.core.stats().reserved_bytes.current)?;
         let registrations = self.register_held(st, deadline)?;
-        st.pinned = (st.core.block_marks().iter().flatten())
-            .filter_map(|m| m.allocation_seq)
-            .collect();
+        st.pinned = st.allocated();
         let c = st.core.stats();
         let report = GrowReport {
             rank: self.rank(),
@@ -415,31 +396,6 @@ impl SymmPool {
             rank = report.rank, world_size = report.world_size, newcomers = ?report.newcomers,
             seconds = report.took.as_secs_f64(), "pool grown");
         Ok(report)
-    }
-
-    /// The agreement of a shrink or grow `op` (of `size`), saying `note` where this
-    /// rank is ready (its [`readiness`](Self::readiness) if `check`), else why not:
-    /// every rank's note, once all are ready.
-    fn agree_regroup(
-        &self,
-        st: &mut PoolState,
-        op: Op,
-        size: u64,
-        check: bool,
-        note: Note,
-        deadline: Deadline,
-    ) -> Result<Vec<Note>> {
-        let mine = match check.then(|| self.readiness(st)) {
-            Some(ready) if ready != Note::Ready(Readiness::Ready) => ready,
-            _ => note,
-        };
-        let notes = self.agree(st, op, op.name(), size, mine, deadline)?;
-        let as_ready = |n: &Note| match n {
-            Note::Ready(_) => *n,
-            _ => Note::Ready(Readiness::Ready),
-        };
-        st.all_ready(&notes.iter().map(as_ready).collect::<Vec<_>>())?;
-        Ok(notes)
     }
 
     /// Register the segments of `st` that its core holds on the new communicators, in

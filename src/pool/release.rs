@@ -138,10 +138,9 @@ impl SymmPool {
     pub fn trim(&self) -> Result<u64> {
         let mut st = self.lock_open()?;
         st.history.record(CallKind::Trim, 0, 0);
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let ready = Note::Ready(st.readiness());
-        let flags = self.agree(&mut st, Op::Trim, "trim", 0, ready, deadline)?;
-        st.all_ready(&flags)?;
+        self.agree_ready(&mut st, Op::Trim, 0, false, ready, deadline)?;
         let released = st.core.release_free_segments();
         self.release_segments(&mut st, deadline)?;
         Ok(released.iter().map(|(_, b)| b).sum())
@@ -172,7 +171,7 @@ impl SymmPool {
     /// not compared then).
     #[tracing::instrument(target = "symmpool::pool", level = "info", skip(self), fields(rank = self.rank(), pool = %self.inner.config.name), err(Display))]
     pub fn close(&self) -> Result<()> {
-        let deadline = Deadline::after(self.group().config().timeout);
+        let deadline = self.group().deadline();
         let mut st = self.state();
         if st.closed {
             return Ok(());
@@ -181,11 +180,7 @@ impl SymmPool {
         if let Some(failure) = self.ledger().failure() {
             return self.close_alone(st, live, failure.reason(), deadline);
         }
-        let named = if live > 0 {
-            live_buffers(&st)
-        } else {
-            Vec::new()
-        };
+        let named = live_buffers(&st);
         // The close's agreement follows every record of this rank in the ledger: a
         // divergence still in flight is found in its rounds, on every rank.
         let records = match self.agree_naming(
@@ -297,7 +292,7 @@ impl Drop for PoolInner {
         // Never wait without bound in a drop: if the device does not drain in time
         // (a peer died in a collective, say), leak the memory on purpose.
         let deadline = Deadline::after(timeout);
-        let drained = self.group.backend().streams().drain(deadline);
+        let drained = self.backend.streams().drain(deadline);
         if !matches!(drained, Ok(true)) {
             let why = match drained {
                 Err(e) => e.to_string(),
@@ -322,7 +317,7 @@ impl Drop for PoolInner {
                 continue;
             };
             if let Err((_, e)) = release_entry(
-                self.group.backend(),
+                &self.backend,
                 entry,
                 &mut st.counters.deregistrations,
                 deadline,

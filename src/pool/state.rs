@@ -4,7 +4,7 @@
 use crate::backend::{Segment, Window};
 use crate::core::{Allocator, BlockSnapshot, SegmentId, StreamId};
 use crate::error::{Divergence, Error, Result};
-use crate::group::{History, Note, Readiness};
+use crate::group::{History, Readiness};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, MutexGuard, PoisonError};
@@ -128,6 +128,12 @@ impl PoolState {
             .collect()
     }
 
+    /// The allocation numbers of the core's allocated blocks.
+    pub(crate) fn allocated(&self) -> BTreeSet<u64> {
+        let marks = self.core.block_marks().into_iter().flatten();
+        marks.filter_map(|m| m.allocation_seq).collect()
+    }
+
     /// The state behind a lock that a panic poisoned, marked broken: the core may be
     /// half-mutated and place blocks differently from the peers.
     pub(crate) fn poisoned<'a>(
@@ -140,11 +146,18 @@ impl PoolState {
         st
     }
 
-    /// Fail unless the pool can serve a local call (allocation, free, collective).
+    /// An internal error (a bug) that breaks the pool: `what`, as the error returned
+    /// and as the reason later calls give.
+    pub(crate) fn broken_by(&mut self, what: String) -> Error {
+        self.broken = Some(Error::PoolBroken {
+            reason: what.clone(),
+        });
+        Error::internal(what)
+    }
+
+    /// Fail unless the pool, open, can serve a local call (allocation, free,
+    /// collective).
     pub(crate) fn check_usable(&self) -> Result<()> {
-        if self.closed {
-            return Err(Error::PoolClosed);
-        }
         // A divergence, a loss (with its kind: the survivors may shrink), or a broken
         // pool.
         if let Some(failure) = &self.broken {
@@ -169,15 +182,10 @@ impl PoolState {
         }
     }
 
-    /// Turn the ranks' readiness flags into the same error on every rank. A peer's
-    /// broken pool breaks this rank's too: the ranks can no longer make the same calls.
-    pub(crate) fn all_ready(&mut self, notes: &[Note]) -> Result<()> {
-        if let Some(rank) = notes.iter().position(|n| !matches!(n, Note::Ready(_))) {
-            return Err(Error::internal(format!(
-                "rank {rank} sent no readiness in its agreement"
-            )));
-        }
-        let find = |r: Readiness| notes.iter().position(|&n| n == Note::Ready(r));
+    /// Turn the ranks' readiness into the same error on every rank. A peer's broken
+    /// pool breaks this rank's too: the ranks can no longer make the same calls.
+    pub(crate) fn all_ready(&mut self, ready: &[Readiness]) -> Result<()> {
+        let find = |r: Readiness| ready.iter().position(|&n| n == r);
         if let Some(rank) = find(Readiness::PoolBroken) {
             if let Some(f) = self.broken.as_ref().and_then(Error::group_failure) {
                 return Err(f.clone());

@@ -211,13 +211,9 @@ impl SymmBuffer {
                 }
                 continue;
             }
-            let event = match NcclBackend::event_for(cs) {
-                Ok(e) => e,
-                Err(e) => {
-                    self.view_failed("making an event", e);
-                    return None;
-                }
-            };
+            let event = (NcclBackend::event_for(cs))
+                .map_err(|e| self.view_failed("making an event", e))
+                .ok()?;
             // Another thread may take this slot first (the event made here goes).
             let f = slot.get_or_init(|| Foreign { key, event });
             if f.key == key {
