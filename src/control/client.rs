@@ -14,7 +14,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use serde_bytes::ByteBuf;
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
@@ -226,13 +226,9 @@ impl ClientShared {
             return true;
         };
         if !self.closing.load(Ordering::SeqCst) {
-            let inbox = self.inbox.lock();
-            let mut inbox = self.drain(inbox, Deadline::after(self.config.heartbeat_interval));
-            inbox.server_lost(format!(
-                "{what} the store server at {} failed: {e}",
-                self.server
-            ));
-            drop(inbox);
+            let read_by = Deadline::after(self.config.heartbeat_interval);
+            let why = format!("{what} the store server at {} failed: {e}", self.server);
+            self.drain(self.inbox.lock(), read_by).server_lost(why);
             self.cv.notify_all();
         }
         false
@@ -468,9 +464,9 @@ impl StoreExchange {
             Some(mut a) => {
                 // A server on every interface is reached on the loopback one.
                 if a.ip().is_unspecified() {
-                    a.set_ip(match a {
-                        SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
-                        SocketAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+                    a.set_ip(match a.is_ipv4() {
+                        true => Ipv4Addr::LOCALHOST.into(),
+                        false => Ipv6Addr::LOCALHOST.into(),
                     });
                 }
                 a.to_string()
@@ -521,7 +517,7 @@ impl StoreExchange {
         let me = launch.rank as u32;
         let joined =
             |ib: &mut Inbox| ib.all_joined || ib.broken.is_some() || ib.group.contains(&me);
-        let inbox = loop {
+        let mut inbox = loop {
             let mut inbox = (ex.shared).wait_until(warnings.until(deadline), joined);
             if joined(&mut inbox) || deadline.expired() {
                 break inbox;
@@ -535,7 +531,6 @@ impl StoreExchange {
                 warnings.warn(&ex.who(), missing, deadline);
             }
         };
-        let mut inbox = inbox;
         if config.join && !joined(&mut inbox) && !inbox.reader_done {
             // Giving up: withdrawn, so that no grow the store decides after this takes
             // in a newcomer that is gone; one it decided before (its group on the way,
@@ -547,11 +542,13 @@ impl StoreExchange {
             let answered = |ib: &mut Inbox| !sent || !ib.withdraw_pending || ib.reader_done;
             inbox = (ex.shared).wait_until(Deadline::after(config.detection_bound()), answered);
         }
-        let grown = (config.join).then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started));
-        let grown = grown.flatten().map(|mut ex| {
-            ex.rounds.newcomer = true;
-            ex
-        });
+        let grown = (config.join)
+            .then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started))
+            .flatten()
+            .map(|mut ex| {
+                ex.rounds.newcomer = true;
+                ex
+            });
         if !inbox.all_joined && grown.is_none() {
             if inbox.broken.is_some() {
                 return Err(error_for(&inbox, launch.rank, op));
@@ -659,14 +656,13 @@ fn lost(inbox: &Inbox, me: usize) -> Option<LostPeer> {
         ) => (*rank as usize, detail, false),
         _ => return None,
     };
-    let left = !this_rank && detail.starts_with(CLOSED);
-    let detail = detail.clone();
     Some(LostPeer {
         rank,
-        detail,
-        left,
+        left: !this_rank && detail.starts_with(CLOSED),
+        detail: detail.clone(),
         this_rank,
     })
+
 }
 
 /// The error a call in `op` on rank `me` reports on the broken group of `inbox`: the

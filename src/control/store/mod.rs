@@ -362,11 +362,9 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        let mut st = self.shared.state.lock();
-        for c in st.conns.iter_mut().filter_map(Option::take) {
+        for c in self.shared.state.lock().conns.iter_mut().filter_map(Option::take) {
             let _ = c.sock.shutdown(Shutdown::Both);
         }
-        drop(st);
         self.shared.cv.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -451,8 +449,7 @@ impl Shared {
         st.lost_told |= loss;
         // A rank that closes its exchange when no round is pending is the normal end of
         // a job (ranks finish one by one): not worth a warning.
-        let clean_end = st.rounds.is_empty() && left;
-        if clean_end {
+        if st.rounds.is_empty() && left {
             tracing::debug!("symmpool store: rank {} left: {broken:?}", broken.rank);
         } else {
             let (rank, op) = (broken.rank, &broken.op);
@@ -686,9 +683,9 @@ impl Shared {
                     Deadline::after_from(now, self.config.wait_warning_interval).instant();
                 let missing = pending.missing();
                 let waiting: Vec<usize> = (st.alive.iter().zip(&pending.posted))
-                    .filter(|(_, p)| p.is_some())
-                    .map(|(&r, _)| r)
+                    .filter_map(|(&r, p)| p.as_ref().and(Some(r)))
                     .collect();
+
                 tracing::debug!(
                     "symmpool store: round {round} of channel {channel} waits for ranks {missing:?}"
                 );

@@ -151,12 +151,12 @@ pub(crate) struct Broken {
 impl Broken {
     /// `rank` was lost, as `detail` says.
     pub(crate) fn lost(rank: u32, detail: String) -> Broken {
-        let cause = Cause::Lost { detail };
         Broken {
             rank,
             op: String::new(),
-            cause,
+            cause: Cause::Lost { detail },
         }
+
     }
 
     /// `rank` gave up waiting in `op` for the ranks `missing`.
