@@ -557,12 +557,12 @@ impl StoreExchange {
                 true => ("join: the group's ranks never grew it", vec![]),
                 false => (op, ex.missing(&inbox.present)),
             };
-            let waited = config.startup_timeout;
             return Err(Error::Timeout {
                 op,
-                waited,
+                waited: config.startup_timeout,
                 missing_ranks,
             });
+
         }
         drop(inbox);
         warnings.arrived(&ex.who());
