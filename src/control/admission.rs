@@ -79,8 +79,7 @@ pub(super) fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused
     let tell = told.then_some(match kind {
         // (A newcomer early is told to retry, as when the store is busy.)
         RefusalKind::Busy | RefusalKind::Early => Refusal::Busy,
-        RefusalKind::OtherJob
- => Refusal::OtherJob,
+        RefusalKind::OtherJob => Refusal::OtherJob,
         _ => Refusal::Other,
     });
     Box::new(Refused { kind, why, tell })

@@ -334,6 +334,25 @@ impl ClientShared {
         inbox
     }
 
+    /// Withdraw this rank's ask to regroup the group of `epoch` (or its join: 0), with
+    /// `inbox` locked, and wait for the server's word (on this connection, in order:
+    /// withdrawn, or `answered`) a heartbeat timeout and interval at most.
+    fn withdraw<'a>(
+        &'a self,
+        mut inbox: MutexGuard<'a, Inbox>,
+        epoch: u64,
+        answered: impl Fn(&mut Inbox) -> bool,
+    ) -> MutexGuard<'a, Inbox> {
+        inbox.withdraw_pending = true;
+        drop(inbox);
+        let withdraw = wire::encode(&ToServer::Withdraw { epoch });
+        let sent = self.writer.lock().send(&withdraw).is_ok();
+        let answer_by = Deadline::after(self.config.detection_bound());
+        self.wait_until(answer_by, |ib| {
+            !sent || !ib.withdraw_pending || answered(ib)
+        })
+    }
+
     /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
     /// else is.
     fn wait_until(
@@ -535,12 +554,7 @@ impl StoreExchange {
             // Giving up: withdrawn, so that no grow the store decides after this takes
             // in a newcomer that is gone; one it decided before (its group on the way,
             // before the answer) takes it in after all.
-            inbox.withdraw_pending = true;
-            drop(inbox);
-            let withdraw = wire::encode(&ToServer::Withdraw { epoch: 0 });
-            let sent = ex.shared.writer.lock().send(&withdraw).is_ok();
-            let answered = |ib: &mut Inbox| !sent || !ib.withdraw_pending || ib.reader_done;
-            inbox = (ex.shared).wait_until(Deadline::after(config.detection_bound()), answered);
+            inbox = ex.shared.withdraw(inbox, 0, |ib| ib.reader_done);
         }
         let grown = (config.join)
             .then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started))
@@ -562,7 +576,6 @@ impl StoreExchange {
                 waited: config.startup_timeout,
                 missing_ranks,
             });
-
         }
         drop(inbox);
         warnings.arrived(&ex.who());
@@ -662,7 +675,6 @@ fn lost(inbox: &Inbox, me: usize) -> Option<LostPeer> {
         detail: detail.clone(),
         this_rank,
     })
-
 }
 
 /// The error a call in `op` on rank `me` reports on the broken group of `inbox`: the

@@ -228,7 +228,6 @@ impl Launch {
             return Err(env_err(rank_var, why));
         }
         Ok(self)
-
     }
 }
 

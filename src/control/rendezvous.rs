@@ -51,9 +51,10 @@ impl<K: Ord, T> RvState<K, T> {
                 what: "an exchange or communicator",
             });
         }
-        (self.lost.as_ref().map(|lost| lost.error(op)))
-            .or_else(|| self.broken.map(|(rank, op)| Error::GroupBroken { rank, op }))
-
+        (self.lost.as_ref().map(|lost| lost.error(op))).or_else(|| {
+            self.broken
+                .map(|(rank, op)| Error::GroupBroken { rank, op })
+        })
     }
 
     /// The ranks that have not posted in the round `key`.

@@ -96,7 +96,9 @@ fn join(
         ));
     }
     if rank as usize >= world {
-        return misfit(format!("rank {rank} is out of range for world size {world}"));
+        return misfit(format!(
+            "rank {rank} is out of range for world size {world}"
+        ));
     }
     let member = Member {
         host,
@@ -254,7 +256,6 @@ pub(super) fn serve(
                 payload,
                 ..
             } => {
-
                 if epoch != st.epoch {
                     // A round of a group that shrank (with this rank in it, or its
                     // connection would be gone): never paired with the new group's.
@@ -284,8 +285,11 @@ pub(super) fn serve(
                 }
                 posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
-                    let payloads = posted.iter_mut().filter_map(Option::take);
-                    let payloads = payloads.map(ByteBuf::from).collect();
+                    let payloads = posted
+                        .iter_mut()
+                        .filter_map(Option::take)
+                        .map(ByteBuf::from)
+                        .collect();
                     st.rounds.remove(&(channel, round));
                     st.rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {

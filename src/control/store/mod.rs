@@ -362,7 +362,14 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        for c in self.shared.state.lock().conns.iter_mut().filter_map(Option::take) {
+        for c in self
+            .shared
+            .state
+            .lock()
+            .conns
+            .iter_mut()
+            .filter_map(Option::take)
+        {
             let _ = c.sock.shutdown(Shutdown::Both);
         }
         self.shared.cv.notify_all();
@@ -475,8 +482,7 @@ impl Shared {
     /// `rank` (connection `id`, or any) left or was declared lost: close it and break
     /// the group, naming it (a newcomer waiting to join is forgotten).
     fn depart(&self, st: &mut State, rank: usize, id: Option<u64>, why: &str) {
-        let this = |c: &mut Conn| id.is_none_or(|id| c.link.id == id);
-        let Some(c) = st.conns[rank].take_if(this) else {
+        let Some(c) = st.conns[rank].take_if(|c| id.is_none_or(|id| c.link.id == id)) else {
             return;
         };
         let _ = c.sock.shutdown(Shutdown::Both);
@@ -597,10 +603,7 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let s = shared.clone();
     let started = thread::Builder::new()
         .name("symmpool-store-conn".into())
-        .spawn(move || {
-            let slot = HandshakeSlot(&s.handshakes);
-            serve(&s, stream, peer, slot);
-        });
+        .spawn(move || serve(&s, stream, peer, HandshakeSlot(&s.handshakes)));
     if let Err(e) = started {
         shared.handshakes.fetch_sub(1, Ordering::AcqRel);
         let why = format!("could not start a thread: {}", describe_io(&e));

@@ -156,7 +156,6 @@ impl Broken {
             op: String::new(),
             cause: Cause::Lost { detail },
         }
-
     }
 
     /// `rank` gave up waiting in `op` for the ranks `missing`.
