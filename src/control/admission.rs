@@ -77,7 +77,8 @@ pub(super) struct Refused {
 /// A refusal of `kind`, told to the client if `told`.
 pub(super) fn refused(told: bool, kind: RefusalKind, why: String) -> Box<Refused> {
     let tell = told.then_some(match kind {
-        RefusalKind::Busy => Refusal::Busy,
+        // (A newcomer early is told to retry, as when the store is busy.)
+        RefusalKind::Busy | RefusalKind::Early => Refusal::Busy,
         RefusalKind::OtherJob => Refusal::OtherJob,
         _ => Refusal::Other,
     });

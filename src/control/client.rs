@@ -14,7 +14,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use serde_bytes::ByteBuf;
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
@@ -226,13 +226,9 @@ impl ClientShared {
             return true;
         };
         if !self.closing.load(Ordering::SeqCst) {
-            let inbox = self.inbox.lock();
-            let mut inbox = self.drain(inbox, Deadline::after(self.config.heartbeat_interval));
-            inbox.server_lost(format!(
-                "{what} the store server at {} failed: {e}",
-                self.server
-            ));
-            drop(inbox);
+            let read_by = Deadline::after(self.config.heartbeat_interval);
+            let why = format!("{what} the store server at {} failed: {e}", self.server);
+            self.drain(self.inbox.lock(), read_by).server_lost(why);
             self.cv.notify_all();
         }
         false
@@ -336,6 +332,25 @@ impl ClientShared {
         }
         self.cv.notify_all();
         inbox
+    }
+
+    /// Withdraw this rank's ask to regroup the group of `epoch` (or its join: 0), with
+    /// `inbox` locked, and wait for the server's word (on this connection, in order:
+    /// withdrawn, or `answered`) a heartbeat timeout and interval at most.
+    fn withdraw<'a>(
+        &'a self,
+        mut inbox: MutexGuard<'a, Inbox>,
+        epoch: u64,
+        answered: impl Fn(&mut Inbox) -> bool,
+    ) -> MutexGuard<'a, Inbox> {
+        inbox.withdraw_pending = true;
+        drop(inbox);
+        let withdraw = wire::encode(&ToServer::Withdraw { epoch });
+        let sent = self.writer.lock().send(&withdraw).is_ok();
+        let answer_by = Deadline::after(self.config.detection_bound());
+        self.wait_until(answer_by, |ib| {
+            !sent || !ib.withdraw_pending || answered(ib)
+        })
     }
 
     /// Wait until `done` holds or `deadline` passes, reading the socket when nobody
@@ -468,9 +483,9 @@ impl StoreExchange {
             Some(mut a) => {
                 // A server on every interface is reached on the loopback one.
                 if a.ip().is_unspecified() {
-                    a.set_ip(match a {
-                        SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
-                        SocketAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+                    a.set_ip(match a.is_ipv4() {
+                        true => Ipv4Addr::LOCALHOST.into(),
+                        false => Ipv6Addr::LOCALHOST.into(),
                     });
                 }
                 a.to_string()
@@ -521,7 +536,7 @@ impl StoreExchange {
         let me = launch.rank as u32;
         let joined =
             |ib: &mut Inbox| ib.all_joined || ib.broken.is_some() || ib.group.contains(&me);
-        let inbox = loop {
+        let mut inbox = loop {
             let mut inbox = (ex.shared).wait_until(warnings.until(deadline), joined);
             if joined(&mut inbox) || deadline.expired() {
                 break inbox;
@@ -535,23 +550,19 @@ impl StoreExchange {
                 warnings.warn(&ex.who(), missing, deadline);
             }
         };
-        let mut inbox = inbox;
         if config.join && !joined(&mut inbox) && !inbox.reader_done {
             // Giving up: withdrawn, so that no grow the store decides after this takes
             // in a newcomer that is gone; one it decided before (its group on the way,
             // before the answer) takes it in after all.
-            inbox.withdraw_pending = true;
-            drop(inbox);
-            let withdraw = wire::encode(&ToServer::Withdraw { epoch: 0 });
-            let sent = ex.shared.writer.lock().send(&withdraw).is_ok();
-            let answered = |ib: &mut Inbox| !sent || !ib.withdraw_pending || ib.reader_done;
-            inbox = (ex.shared).wait_until(Deadline::after(config.detection_bound()), answered);
+            inbox = ex.shared.withdraw(inbox, 0, |ib| ib.reader_done);
         }
-        let grown = (config.join).then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started));
-        let grown = grown.flatten().map(|mut ex| {
-            ex.rounds.newcomer = true;
-            ex
-        });
+        let grown = (config.join)
+            .then(|| ex.member_of(&inbox.group, inbox.epoch, "join", started))
+            .flatten()
+            .map(|mut ex| {
+                ex.rounds.newcomer = true;
+                ex
+            });
         if !inbox.all_joined && grown.is_none() {
             if inbox.broken.is_some() {
                 return Err(error_for(&inbox, launch.rank, op));
@@ -560,10 +571,9 @@ impl StoreExchange {
                 true => ("join: the group's ranks never grew it", vec![]),
                 false => (op, ex.missing(&inbox.present)),
             };
-            let waited = config.startup_timeout;
             return Err(Error::Timeout {
                 op,
-                waited,
+                waited: config.startup_timeout,
                 missing_ranks,
             });
         }
@@ -659,12 +669,10 @@ fn lost(inbox: &Inbox, me: usize) -> Option<LostPeer> {
         ) => (*rank as usize, detail, false),
         _ => return None,
     };
-    let left = !this_rank && detail.starts_with(CLOSED);
-    let detail = detail.clone();
     Some(LostPeer {
         rank,
-        detail,
-        left,
+        left: !this_rank && detail.starts_with(CLOSED),
+        detail: detail.clone(),
         this_rank,
     })
 }

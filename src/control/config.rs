@@ -232,19 +232,19 @@ impl StoreConfig {
         let problem = if self.heartbeat_interval.is_zero()
             || self.heartbeat_timeout <= self.heartbeat_interval
         {
-            "heartbeat_timeout must exceed a non-zero heartbeat_interval".into()
+            "heartbeat_timeout must exceed a non-zero heartbeat_interval"
         } else if !frame_bytes.contains(&self.max_frame_bytes) {
-            "max_frame_bytes must be between 4 KiB and 4 GiB".into()
+            "max_frame_bytes must be between 4 KiB and 4 GiB"
         } else if self.join && self.host_server {
-            "a newcomer (join, SYMMPOOL_JOIN=1) cannot host the server (set SYMMPOOL_STORE_EXTERNAL=1)".into()
+            "a newcomer (join, SYMMPOOL_JOIN=1) cannot host the server (set SYMMPOOL_STORE_EXTERNAL=1)"
         } else if self.handshake_timeout.is_zero() {
-            "handshake_timeout must not be zero".into()
+            "handshake_timeout must not be zero"
         } else if self.max_handshakes == 0 {
-            "max_handshakes must not be zero".into()
+            "max_handshakes must not be zero"
         } else if self.wait_warning_interval.is_zero() {
-            "wait_warning_interval (SYMMPOOL_WAIT_WARNING_MS) must not be zero".into()
+            "wait_warning_interval (SYMMPOOL_WAIT_WARNING_MS) must not be zero"
         } else if self.spin.max(self.server_spin.unwrap_or_default()) > Self::MAX_SPIN {
-            format!(
+            &format!(
                 "spin (SYMMPOOL_SPIN_US) and server_spin (SYMMPOOL_SERVER_SPIN_US) must be at most {} µs",
                 Self::MAX_SPIN.as_micros()
             )

@@ -89,7 +89,7 @@ impl Launch {
         master_addr: impl Into<String>,
         master_port: u16,
     ) -> Result<Launch> {
-        let l = Launch {
+        Launch {
             rank,
             world_size,
             local_rank: None,
@@ -97,9 +97,8 @@ impl Launch {
             master_addr: master_addr.into(),
             master_port,
             source: LaunchSource::Explicit,
-        };
-        l.validate("rank")?;
-        Ok(l)
+        }
+        .validate("rank")
     }
 
     /// From the process environment; see [`Launch`] for the variables.
@@ -204,8 +203,8 @@ impl Launch {
             master_addr,
             master_port,
             source,
-        };
-        l.validate(rank_var)?;
+        }
+        .validate(rank_var)?;
         if let (Some(lr), Some(lws)) = (local_rank, local_world_size)
             && lr >= lws
         {
@@ -217,7 +216,9 @@ impl Launch {
         Ok(l)
     }
 
-    fn validate(&self, rank_var: &str) -> Result<()> {
+    /// This launch, if its rank is below its world size, which is not 0 (else an
+    /// error naming `rank_var`).
+    fn validate(self, rank_var: &str) -> Result<Launch> {
         let (rank, world) = (self.rank, self.world_size);
         if world == 0 {
             return Err(env_err(rank_var, "the world size is 0"));
@@ -226,7 +227,7 @@ impl Launch {
             let why = format!("rank {rank} is not below the world size {world}");
             return Err(env_err(rank_var, why));
         }
-        Ok(())
+        Ok(self)
     }
 }
 

@@ -432,16 +432,13 @@ impl GatherRounds for LocalExchange {
         if self.group.shrunk.load(Ordering::Acquire) {
             return Err(SHRUNK);
         }
-        let key = (round.channel, round.number);
-        let abandoned = || self.abandoned.lock().contains(&round.channel);
-        let payload = round.payload.to_vec();
         (self.group.rounds).gather(
             round.op,
             self.rounds.rank,
-            key,
-            payload,
+            (round.channel, round.number),
+            round.payload.to_vec(),
             round.deadline,
-            abandoned,
+            || self.abandoned.lock().contains(&round.channel),
         )
     }
 

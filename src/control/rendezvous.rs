@@ -51,11 +51,10 @@ impl<K: Ord, T> RvState<K, T> {
                 what: "an exchange or communicator",
             });
         }
-        match (&self.lost, self.broken) {
-            (Some(lost), _) => Some(lost.error(op)),
-            (None, Some((rank, op))) => Some(Error::GroupBroken { rank, op }),
-            (None, None) => None,
-        }
+        (self.lost.as_ref().map(|lost| lost.error(op))).or_else(|| {
+            self.broken
+                .map(|(rank, op)| Error::GroupBroken { rank, op })
+        })
     }
 
     /// The ranks that have not posted in the round `key`.

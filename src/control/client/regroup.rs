@@ -131,13 +131,7 @@ impl StoreExchange {
             // Timed out: withdraw the ask, so that the others' asks never regroup with
             // this rank counted as asking, and wait for the server's word (on this
             // connection, in order): withdrawn, or the outcome.
-            inbox.withdraw_pending = true;
-            drop(inbox);
-            let withdraw = wire::encode(&ToServer::Withdraw { epoch });
-            let sent = self.shared.writer.lock().send(&withdraw).is_ok();
-            let answer_by = Deadline::after(self.shared.config.detection_bound());
-            let confirmed = |ib: &mut Inbox| !sent || answered(ib) || !ib.withdraw_pending;
-            inbox = self.shared.wait_until(answer_by, confirmed);
+            inbox = self.shared.withdraw(inbox, epoch, answered);
         }
         if inbox.epoch == epoch {
             if inbox.not_grown {

@@ -89,16 +89,16 @@ fn join(
         ));
     }
     let world = shared.world;
-    let misfit = if world_size as usize != world {
-        Some(format!(
+    let misfit = |why| Err(refused(true, RefusalKind::Misfit, why));
+    if world_size as usize != world {
+        return misfit(format!(
             "world size {world_size} differs from the store's {world} (check WORLD_SIZE on every rank)"
-        ))
-    } else {
-        (rank as usize >= world)
-            .then(|| format!("rank {rank} is out of range for world size {world}"))
-    };
-    if let Some(why) = misfit {
-        return Err(refused(true, RefusalKind::Misfit, why));
+        ));
+    }
+    if rank as usize >= world {
+        return misfit(format!(
+            "rank {rank} is out of range for world size {world}"
+        ));
     }
     let member = Member {
         host,
@@ -115,12 +115,7 @@ fn join(
         let why = format!(
             "job rank {rank} is still in the group: a newcomer waits until the survivors shrink past it"
         );
-        let tell = Some(Refusal::Busy);
-        return Err(Box::new(Refused {
-            kind: RefusalKind::Early,
-            why,
-            tell,
-        }));
+        return Err(refused(true, RefusalKind::Early, why));
     }
     if let Some(holder) = st.members[rank].as_ref().filter(|_| !newcomer) {
         let (holder, claimant) = (holder.clone(), member);
@@ -258,8 +253,8 @@ pub(super) fn serve(
                 epoch,
                 channel,
                 round,
-                op: _,
                 payload,
+                ..
             } => {
                 if epoch != st.epoch {
                     // A round of a group that shrank (with this rank in it, or its
@@ -290,8 +285,11 @@ pub(super) fn serve(
                 }
                 posted[place] = Some(payload);
                 if posted.iter().all(Option::is_some) {
-                    let payloads = posted.iter_mut().filter_map(Option::take);
-                    let payloads = payloads.map(ByteBuf::from).collect();
+                    let payloads = posted
+                        .iter_mut()
+                        .filter_map(Option::take)
+                        .map(ByteBuf::from)
+                        .collect();
                     st.rounds.remove(&(channel, round));
                     st.rounds_completed += 1;
                     let frame = wire::encode(&ToClient::Result {
@@ -316,14 +314,12 @@ pub(super) fn serve(
                 round,
                 op,
             } => {
-                if epoch != st.epoch {
-                    continue;
-                }
-                let missing =
-                    (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
-                let Some(place) = st.place(rank) else {
+                let Some(place) = st.place(rank).filter(|_| epoch == st.epoch) else {
                     continue;
                 };
+                let missing =
+                    (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
+
                 shared.break_group(&mut st, Broken::timeout(place as u32, op, missing));
             }
             ToServer::Bye => {

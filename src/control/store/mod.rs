@@ -362,11 +362,16 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        let mut st = self.shared.state.lock();
-        for c in st.conns.iter_mut().filter_map(Option::take) {
+        for c in self
+            .shared
+            .state
+            .lock()
+            .conns
+            .iter_mut()
+            .filter_map(Option::take)
+        {
             let _ = c.sock.shutdown(Shutdown::Both);
         }
-        drop(st);
         self.shared.cv.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -451,8 +456,7 @@ impl Shared {
         st.lost_told |= loss;
         // A rank that closes its exchange when no round is pending is the normal end of
         // a job (ranks finish one by one): not worth a warning.
-        let clean_end = st.rounds.is_empty() && left;
-        if clean_end {
+        if st.rounds.is_empty() && left {
             tracing::debug!("symmpool store: rank {} left: {broken:?}", broken.rank);
         } else {
             let (rank, op) = (broken.rank, &broken.op);
@@ -478,8 +482,7 @@ impl Shared {
     /// `rank` (connection `id`, or any) left or was declared lost: close it and break
     /// the group, naming it (a newcomer waiting to join is forgotten).
     fn depart(&self, st: &mut State, rank: usize, id: Option<u64>, why: &str) {
-        let this = |c: &mut Conn| id.is_none_or(|id| c.link.id == id);
-        let Some(c) = st.conns[rank].take_if(this) else {
+        let Some(c) = st.conns[rank].take_if(|c| id.is_none_or(|id| c.link.id == id)) else {
             return;
         };
         let _ = c.sock.shutdown(Shutdown::Both);
@@ -600,10 +603,7 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let s = shared.clone();
     let started = thread::Builder::new()
         .name("symmpool-store-conn".into())
-        .spawn(move || {
-            let slot = HandshakeSlot(&s.handshakes);
-            serve(&s, stream, peer, slot);
-        });
+        .spawn(move || serve(&s, stream, peer, HandshakeSlot(&s.handshakes)));
     if let Err(e) = started {
         shared.handshakes.fetch_sub(1, Ordering::AcqRel);
         let why = format!("could not start a thread: {}", describe_io(&e));
@@ -686,9 +686,9 @@ impl Shared {
                     Deadline::after_from(now, self.config.wait_warning_interval).instant();
                 let missing = pending.missing();
                 let waiting: Vec<usize> = (st.alive.iter().zip(&pending.posted))
-                    .filter(|(_, p)| p.is_some())
-                    .map(|(&r, _)| r)
+                    .filter_map(|(&r, p)| p.as_ref().and(Some(r)))
                     .collect();
+
                 tracing::debug!(
                     "symmpool store: round {round} of channel {channel} waits for ranks {missing:?}"
                 );

@@ -138,9 +138,7 @@ impl Shared {
         if st.place(rank).is_none() {
             // A newcomer that gives up waiting: told so, then gone (no grow after this
             // takes it in; one before did, and told it first).
-            let frame = wire::encode(&ToClient::Withdrawn {
-                missing: Vec::new(),
-            });
+            let frame = wire::encode(&ToClient::Withdrawn { missing: vec![] });
             self.send_to(st, [rank], &frame);
             return self.depart(st, rank, None, "a newcomer gave up waiting to join");
         }

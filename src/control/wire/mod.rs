@@ -151,11 +151,10 @@ pub(crate) struct Broken {
 impl Broken {
     /// `rank` was lost, as `detail` says.
     pub(crate) fn lost(rank: u32, detail: String) -> Broken {
-        let cause = Cause::Lost { detail };
         Broken {
             rank,
             op: String::new(),
-            cause,
+            cause: Cause::Lost { detail },
         }
     }
 
