@@ -74,14 +74,12 @@ impl Segment {
     /// [`Error::BadView`] if the range leaves the segment.
     #[inline]
     pub fn region(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'_>> {
-        match offset_bytes.checked_add(len_bytes) {
-            Some(end) if end <= self.size_bytes() => Ok(Region {
-                segment: self,
-                offset_bytes,
-                len_bytes,
-            }),
-            _ => Err(outside(offset_bytes, len_bytes, "segment", self.size_bytes)),
-        }
+        within(offset_bytes, len_bytes, "segment", self.size_bytes)?;
+        Ok(Region {
+            segment: self,
+            offset_bytes,
+            len_bytes,
+        })
     }
 }
 
@@ -179,14 +177,25 @@ impl<'a> Region<'a> {
     /// [`Error::BadView`] if they leave the region.
     #[inline]
     pub fn sub(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'a>> {
-        match offset_bytes.checked_add(len_bytes) {
-            Some(end) if end <= self.len_bytes => Ok(Region {
-                segment: self.segment,
-                offset_bytes: self.offset_bytes + offset_bytes,
-                len_bytes,
-            }),
-            _ => Err(outside(offset_bytes, len_bytes, "region", self.len_bytes)),
-        }
+        within(offset_bytes, len_bytes, "region", self.len_bytes)?;
+        Ok(Region {
+            segment: self.segment,
+            offset_bytes: self.offset_bytes + offset_bytes,
+            len_bytes,
+        })
+    }
+}
+
+/// Whether the `len_bytes` bytes at `offset_bytes` lie inside a `what` of `size_bytes`
+/// bytes (every collective call checks its regions).
+///
+/// # Errors
+/// [`Error::BadView`] if they leave it.
+#[inline]
+pub(super) fn within(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Result<()> {
+    match offset_bytes.checked_add(len_bytes) {
+        Some(end) if end <= size_bytes => Ok(()),
+        _ => Err(outside(offset_bytes, len_bytes, what, size_bytes)),
     }
 }
 
@@ -194,7 +203,7 @@ impl<'a> Region<'a> {
 /// above run on every collective call).
 #[cold]
 #[inline(never)]
-pub(super) fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
+fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
     Error::BadView(format!(
         "range {offset_bytes}+{len_bytes} outside a {what} of {size_bytes} bytes"
     ))

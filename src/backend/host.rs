@@ -393,11 +393,8 @@ impl HostBackend {
             caller: args.caller,
         };
         let _serial = comm.serial[self.rank].lock();
-        let round = self.next_round(args.comm, false);
         let deadline = args.deadline();
-        let gathered =
-            comm.collectives
-                .gather(op, self.rank, round, Some(post), deadline, || false)?;
+        let gathered = self.round(args.comm, op, Some(post), deadline)?;
         // A `None` is a peer's closing round paired with this post: the ranks are not
         // making the same calls on this communicator.
         let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
@@ -408,10 +405,31 @@ impl HostBackend {
             None => Err(super::out_of_step(op, "a peer")),
         };
         // Second round: nobody returns (and reuses its input) before all are done.
-        let round = self.next_round(args.comm, false);
-        comm.collectives
-            .gather(op, self.rank, round, None, deadline, || false)?;
+        self.round(args.comm, op, None, deadline)?;
         verdict
+    }
+
+    /// The next round of collectives on communicator `c`, in which this rank posts
+    /// `post`: every rank's post, in rank order.
+    fn round(&self, c: usize, op: &'static str, post: Option<Post>, deadline: Deadline) -> Result<Vec<Option<Post>>> {
+        let round = self.next_round(c, false);
+        (self.comm(c)?.collectives).gather(op, self.rank, round, post, deadline, || false)
+    }
+
+    /// Reduce, in rank order, the `len` bytes `at` bytes into every rank's input into
+    /// this rank's output; with `middle`, after a middle round, so that no rank
+    /// overwrites its input (in place: its output) while a peer reads it.
+    fn reduce(&self, args: &CollArgs<'_>, op: &'static str, at: u64, len: u64, middle: bool) -> Result<()> {
+        self.collective(args, op, |posts| {
+            // Pull every rank's input, in rank order.
+            let read = posts.iter().map(|p| read_side(&p.send, at, len));
+            let reduced = (read.collect::<Result<Vec<_>>>())
+                .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
+            if middle && (self.round(args.comm, op, None, args.deadline())?.iter()).any(Option::is_some) {
+                return Err(super::out_of_step(op, "a peer"));
+            }
+            write_side(&posts[self.rank].recv, 0, &reduced?)
+        })
     }
 }
 
@@ -454,10 +472,8 @@ pub(super) fn host_stream(stream: &Stream) -> Result<()> {
 /// # Errors
 /// [`Error::BadView`] if they leave the segment.
 pub(super) fn bounds(seg_len: u64, offset: u64, len: u64) -> Result<std::ops::Range<usize>> {
-    match offset.checked_add(len) {
-        Some(end) if end <= seg_len => Ok(offset as usize..end as usize),
-        _ => Err(super::handles::outside(offset, len, "segment", seg_len)),
-    }
+    super::handles::within(offset, len, "segment", seg_len)?;
+    Ok(offset as usize..(offset + len) as usize)
 }
 
 impl SegmentProvider for HostBackend {
@@ -597,14 +613,7 @@ impl Collectives for HostBackend {
 
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()> {
         let chunk = args.check_counts("reduce_scatter", self.config.world_size, true)?;
-        let me = self.rank as u64;
-        self.collective(args, "reduce_scatter", |posts| {
-            // Pull: reduce this rank's chunk of every rank's input, in rank order.
-            let read = posts.iter().map(|p| read_side(&p.send, me * chunk, chunk));
-            let inputs = read.collect::<Result<Vec<_>>>()?;
-            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
-            write_side(&posts[self.rank].recv, 0, &acc)
-        })
+        self.reduce(args, "reduce_scatter", self.rank as u64 * chunk, chunk, false)
     }
 
     fn abandon(&self, why: &'static str) {
@@ -614,22 +623,7 @@ impl Collectives for HostBackend {
     }
 
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
-        const OP: &str = "all_reduce";
-        let bytes = args.check_counts(OP, 1, true)?;
-        let comm = self.comm(args.comm)?;
-        self.collective(args, OP, |posts| {
-            // Pull every rank's input, in rank order; then a middle round, so that no
-            // rank overwrites its input (in place: its output) while a peer reads it.
-            let read = posts.iter().map(|p| read_side(&p.send, 0, bytes));
-            let reduced = (read.collect::<Result<Vec<_>>>())
-                .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
-            let round = self.next_round(args.comm, false);
-            let middle =
-                (comm.collectives).gather(OP, self.rank, round, None, args.deadline(), || false)?;
-            if middle.iter().any(Option::is_some) {
-                return Err(super::out_of_step(OP, "a peer"));
-            }
-            write_side(&posts[self.rank].recv, 0, &reduced?)
-        })
+        let bytes = args.check_counts("all_reduce", 1, true)?;
+        self.reduce(args, "all_reduce", 0, bytes, true)
     }
 }
