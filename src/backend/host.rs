@@ -411,7 +411,13 @@ impl HostBackend {
 
     /// The next round of collectives on communicator `c`, in which this rank posts
     /// `post`: every rank's post, in rank order.
-    fn round(&self, c: usize, op: &'static str, post: Option<Post>, deadline: Deadline) -> Result<Vec<Option<Post>>> {
+    fn round(
+        &self,
+        c: usize,
+        op: &'static str,
+        post: Option<Post>,
+        deadline: Deadline,
+    ) -> Result<Vec<Option<Post>>> {
         let round = self.next_round(c, false);
         (self.comm(c)?.collectives).gather(op, self.rank, round, post, deadline, || false)
     }
@@ -419,13 +425,22 @@ impl HostBackend {
     /// Reduce, in rank order, the `len` bytes `at` bytes into every rank's input into
     /// this rank's output; with `middle`, after a middle round, so that no rank
     /// overwrites its input (in place: its output) while a peer reads it.
-    fn reduce(&self, args: &CollArgs<'_>, op: &'static str, at: u64, len: u64, middle: bool) -> Result<()> {
+    fn reduce(
+        &self,
+        args: &CollArgs<'_>,
+        op: &'static str,
+        at: u64,
+        len: u64,
+        middle: bool,
+    ) -> Result<()> {
         self.collective(args, op, |posts| {
             // Pull every rank's input, in rank order.
             let read = posts.iter().map(|p| read_side(&p.send, at, len));
             let reduced = (read.collect::<Result<Vec<_>>>())
                 .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
-            if middle && (self.round(args.comm, op, None, args.deadline())?.iter()).any(Option::is_some) {
+            if middle
+                && (self.round(args.comm, op, None, args.deadline())?.iter()).any(Option::is_some)
+            {
                 return Err(super::out_of_step(op, "a peer"));
             }
             write_side(&posts[self.rank].recv, 0, &reduced?)
@@ -613,7 +628,13 @@ impl Collectives for HostBackend {
 
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()> {
         let chunk = args.check_counts("reduce_scatter", self.config.world_size, true)?;
-        self.reduce(args, "reduce_scatter", self.rank as u64 * chunk, chunk, false)
+        self.reduce(
+            args,
+            "reduce_scatter",
+            self.rank as u64 * chunk,
+            chunk,
+            false,
+        )
     }
 
     fn abandon(&self, why: &'static str) {

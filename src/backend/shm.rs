@@ -146,10 +146,9 @@ pub struct ShmBackend {
     /// The start of its communicators' channel names (`shm`, `shm:NAME` when split).
     prefix: String,
     /// Per communicator: the channel of its registrations and collectives, and the
-    /// lock that keeps one call at a time on it on this rank.
-    comms: Vec<(ChannelId, Mutex<()>)>,
-    /// Registrations made per communicator (window ordinals).
-    ordinals: Mutex<Vec<u64>>,
+    /// lock that keeps one call at a time on it on this rank, over the number of
+    /// registrations made on it (window ordinals).
+    comms: Vec<(ChannelId, Mutex<u64>)>,
     reserved: Arc<AtomicU64>,
 }
 
@@ -192,11 +191,10 @@ impl ShmBackend {
         reserved: Arc<AtomicU64>,
         deadline: Deadline,
     ) -> Result<Arc<Self>> {
-        let count = CommInfo::STANDARD.len();
-        let comms = (0..count)
+        let comms = (0..CommInfo::STANDARD.len())
             .map(|c| {
                 let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
-                Ok((ch, Mutex::new(())))
+                Ok((ch, Mutex::new(0)))
             })
             .collect::<Result<_>>()?;
         Ok(Arc::new(ShmBackend {
@@ -206,7 +204,6 @@ impl ShmBackend {
             exchange,
             prefix: prefix.into(),
             comms,
-            ordinals: Mutex::new(vec![0; count]),
             reserved,
         }))
     }
@@ -239,7 +236,7 @@ impl ShmBackend {
         backend.with_parts(exchange, parts)
     }
 
-    fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {
+    fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<u64>)> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
             op: "shared-memory collective",
             detail: format!("no communicator {c}"),
@@ -314,6 +311,53 @@ impl ShmBackend {
             }
         }
         Ok(out)
+    }
+
+    /// Reduce, in rank order, the `len` bytes `at` bytes into every rank's input (of
+    /// `whole` bytes) into this rank's output. With `middle` (an all-reduce), the reads
+    /// through the peers' windows end with a middle round, so that no rank overwrites
+    /// its input (in place: its output) while a peer reads it.
+    fn reduce(
+        &self,
+        args: &CollArgs<'_>,
+        op: &'static str,
+        at: u64,
+        len: u64,
+        whole: u64,
+        middle: bool,
+    ) -> Result<()> {
+        self.collective(args, op, || {
+            let inputs = match args.windows {
+                (Some(send_window), _) => {
+                    let at = args.send.offset_bytes() + at;
+                    let read = (0..self.world)
+                        .map(|p| peer_bytes(send_window, p, at, len))
+                        .collect::<Result<Vec<_>>>();
+                    if middle {
+                        let barrier = |s| matches!(s, Step::Read).then_some(());
+                        self.round(args.comm, op, &Step::Read, args.deadline(), barrier)?;
+                    }
+                    read?
+                }
+                // Through the control plane: every rank has read its input before it
+                // posts it, so none is overwritten early.
+                _ => {
+                    let mut mine = vec![0u8; whole as usize];
+                    read_local(&args.send.sub(0, whole)?, &mut mine)?;
+                    let (lo, hi) = (at as usize, (at + len) as usize);
+                    let all = self.gather_bytes(args.comm, op, &mine, args.deadline())?;
+                    (all.into_iter())
+                        .map(|mut v| {
+                            v.truncate(hi);
+                            v.drain(..lo);
+                            v
+                        })
+                        .collect()
+                }
+            };
+            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
+            write_local(&args.recv.sub(0, len)?, &acc)
+        })
     }
 }
 
@@ -404,18 +448,15 @@ impl SegmentProvider for ShmBackend {
         let mem = memory_of::<ShmMemory>(segment)?;
         let size_bytes = segment.size_bytes();
         let (_, serial) = self.comm(comm)?;
-        let _serial = serial.lock();
+        let mut ordinal = serial.lock();
         let mine = Step::Register {
             pid: std::process::id(),
             fd: mem.file.as_raw_fd(),
             size_bytes,
         };
         let all = self.round(comm, OP, &mine, deadline, Some)?;
-        let ordinal = {
-            let mut o = self.ordinals.lock();
-            o[comm] += 1;
-            o[comm]
-        };
+        *ordinal += 1;
+        let ordinal = *ordinal;
         let all = at_step(OP, all, |s| match s {
             Step::Register {
                 pid,
@@ -498,57 +539,20 @@ impl Collectives for ShmBackend {
     }
 
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()> {
-        const OP: &str = "reduce_scatter";
-        let chunk = args.check_counts(OP, self.world, true)?;
-        let me = self.rank as u64;
-        self.collective(args, OP, || {
-            let inputs: Vec<Vec<u8>> = match args.windows {
-                (Some(send_window), _) => {
-                    let at = args.send.offset_bytes() + me * chunk;
-                    let read = (0..self.world).map(|p| peer_bytes(send_window, p, at, chunk));
-                    read.collect::<Result<_>>()?
-                }
-                _ => {
-                    let whole = chunk * self.world as u64;
-                    let mut mine = vec![0u8; whole as usize];
-                    read_local(&args.send.sub(0, whole)?, &mut mine)?;
-                    let lo = (me * chunk) as usize;
-                    self.gather_bytes(args.comm, OP, &mine, args.deadline())?
-                        .into_iter()
-                        .map(|v| v[lo..lo + chunk as usize].to_vec())
-                        .collect()
-                }
-            };
-            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
-            write_local(&args.recv.sub(0, chunk)?, &acc)
-        })
+        let chunk = args.check_counts("reduce_scatter", self.world, true)?;
+        let whole = chunk * self.world as u64;
+        self.reduce(
+            args,
+            "reduce_scatter",
+            self.rank as u64 * chunk,
+            chunk,
+            whole,
+            false,
+        )
     }
 
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
-        const OP: &str = "all_reduce";
-        let bytes = args.check_counts(OP, 1, true)?;
-        self.collective(args, OP, || {
-            let mut mine = vec![0u8; bytes as usize];
-            read_local(&args.send.sub(0, bytes)?, &mut mine)?;
-            let inputs = match args.windows {
-                (Some(send_window), _) => {
-                    // Pull the peers' inputs through their windows, then a middle
-                    // round, so that no rank overwrites its input (in place: its
-                    // output) while a peer reads it.
-                    let at = args.send.offset_bytes();
-                    let read = (0..self.world)
-                        .map(|p| peer_bytes(send_window, p, at, bytes))
-                        .collect::<Result<Vec<_>>>();
-                    let barrier = |s| matches!(s, Step::Read).then_some(());
-                    self.round(args.comm, OP, &Step::Read, args.deadline(), barrier)?;
-                    read?
-                }
-                // Through the control plane: every rank has read its input before it
-                // posts it, so none is overwritten early.
-                _ => self.gather_bytes(args.comm, OP, &mine, args.deadline())?,
-            };
-            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
-            write_local(&args.recv.sub(0, bytes)?, &acc)
-        })
+        let bytes = args.check_counts("all_reduce", 1, true)?;
+        self.reduce(args, "all_reduce", 0, bytes, bytes, true)
     }
 }
