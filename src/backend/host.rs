@@ -233,59 +233,6 @@ impl HostBackend {
         Backend::with_stream_ops(info, exchange, parts, Arc::new(HostStreams::default()))
     }
 
-    /// [`Backend::split`] on the host backend: a new set of the standard
-    /// communicators, shared by the ranks that split under the same channel; the
-    /// memory limit and stream operations stay this rank's.
-    pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let channel = format!("backend:split:{name}");
-        let deadline = Deadline::after(super::SETUP_TIMEOUT);
-        self.beside(
-            backend,
-            backend.exchange_handle(),
-            &self.exchange,
-            &channel,
-            deadline,
-        )
-    }
-
-    /// [`Backend::shrink`] on the host backend: `backend`'s exchange shrunk (this
-    /// rank's, or a wrapper of it) and a new set of the standard communicators among
-    /// the survivors, no registrations yet; the settings, memory limit and stream
-    /// operations stay this rank's.
-    ///
-    /// # Collective
-    /// Every survivor, for its backends in the same order (the ranks open a channel
-    /// of the new group, `backend:shrink`, under which they find the communicators).
-    pub(super) fn shrink(&self, backend: &Backend, deadline: Deadline) -> Result<Backend> {
-        let exchange = backend.exchange().shrink(deadline)?;
-        let next = self.exchange.shrink(deadline)?;
-        // The new group lost a rank between the two asks, and the second went past it.
-        if let Some(lost) = exchange
-            .lost_peer()
-            .filter(|_| next.world_size() != exchange.world_size())
-        {
-            return Err(lost.error("shrink"));
-        }
-        self.beside(backend, exchange, &next, "backend:shrink", deadline)
-    }
-
-    /// [`Backend::grow`] on the host backend: `backend`'s exchange grown (this rank's,
-    /// or a wrapper of it) and a new set of the standard communicators among the ranks
-    /// of the grown group, as [`join`](Self::join) makes them on a newcomer.
-    pub(super) fn grow(
-        &self,
-        backend: &Backend,
-        wait: bool,
-        deadline: Deadline,
-    ) -> Result<Option<Backend>> {
-        let Some(exchange) = backend.exchange().grow(wait, deadline)? else {
-            return Ok(None);
-        };
-        let next = (self.exchange.grow(wait, deadline)?)
-            .ok_or_else(|| Error::internal("a grown exchange over a group that did not grow"))?;
-        (self.beside(backend, exchange, &next, GROWN, deadline)).map(Some)
-    }
-
     /// A backend beside `backend`, this rank's over `exchange` (whose group's ranks
     /// `group` says): a new set of the standard communicators, found under `channel`,
     /// which the ranks open over `exchange` by `deadline`; the settings, memory limit
@@ -445,6 +392,56 @@ impl HostBackend {
             }
             write_side(&posts[self.rank].recv, 0, &reduced?)
         })
+    }
+}
+
+impl super::Regroup for HostBackend {
+    /// [`Backend::split`] on the host backend: a new set of the standard
+    /// communicators, shared by the ranks that split under the same channel; the
+    /// memory limit and stream operations stay this rank's.
+    fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        let channel = format!("backend:split:{name}");
+        let deadline = Deadline::after(super::SETUP_TIMEOUT);
+        self.beside(
+            backend,
+            backend.exchange_handle(),
+            &self.exchange,
+            &channel,
+            deadline,
+        )
+    }
+
+    /// [`Backend::shrink`] and [`Backend::grow`] on the host backend, with `backend`'s
+    /// exchange shrunk or grown (this rank's, or a wrapper of it): a new set of the
+    /// standard communicators among the ranks of the new group, no registrations yet
+    /// (as [`join`](HostBackend::join) makes them on a newcomer); the settings, memory
+    /// limit and stream operations stay this rank's.
+    ///
+    /// # Collective
+    /// Every rank of the new group, for its backends in the same order (the ranks open
+    /// a channel of the new group, `backend:shrink` or `backend:grow`, under which they
+    /// find the communicators).
+    fn regroup(
+        &self,
+        backend: &Backend,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+        grown: Option<bool>,
+    ) -> Result<Backend> {
+        let Some(wait) = grown else {
+            let next = self.exchange.shrink(deadline)?;
+            // The new group lost a rank between the two asks, and the second went past it.
+            if let Some(lost) = exchange
+                .lost_peer()
+                .filter(|_| next.world_size() != exchange.world_size())
+            {
+                return Err(lost.error("shrink"));
+            }
+            return self.beside(backend, exchange, &next, "backend:shrink", deadline);
+        };
+        let next = (self.exchange.grow(wait, deadline)?)
+            .ok_or_else(|| Error::internal("a grown exchange over a group that did not grow"))?;
+        self.beside(backend, exchange, &next, GROWN, deadline)
     }
 }
 

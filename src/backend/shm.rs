@@ -208,34 +208,6 @@ impl ShmBackend {
         }))
     }
 
-    /// [`Backend::split`] on the shared-memory backend: the same communicators on
-    /// channels of their own (`shm:NAME:commC`), as on the host backend.
-    pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let (ex, prefix) = (self.exchange.clone(), format!("shm:{name}"));
-        let parts = Self::open(ex, &self.config, &prefix, self.reserved.clone(), setup)?;
-        backend.with_parts(backend.exchange_handle(), parts)
-    }
-
-    /// [`Backend::shrink`] on the shared-memory backend, with the shrunk `exchange`:
-    /// the same communicators on channels of the new group, no registrations yet.
-    pub(super) fn shrink(
-        &self,
-        backend: &Backend,
-        exchange: Arc<dyn Exchange>,
-        deadline: Deadline,
-    ) -> Result<Backend> {
-        let reserved = self.reserved.clone();
-        let parts = Self::open(
-            exchange.clone(),
-            &self.config,
-            &self.prefix,
-            reserved,
-            deadline,
-        )?;
-        backend.with_parts(exchange, parts)
-    }
-
     fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<u64>)> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
             op: "shared-memory collective",
@@ -358,6 +330,38 @@ impl ShmBackend {
             let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
             write_local(&args.recv.sub(0, len)?, &acc)
         })
+    }
+}
+
+impl super::Regroup for ShmBackend {
+    /// [`Backend::split`] on the shared-memory backend: the same communicators on
+    /// channels of their own (`shm:NAME:commC`), as on the host backend.
+    fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        let setup = Deadline::after(super::SETUP_TIMEOUT);
+        let (ex, prefix) = (self.exchange.clone(), format!("shm:{name}"));
+        let parts = Self::open(ex, &self.config, &prefix, self.reserved.clone(), setup)?;
+        backend.with_parts(backend.exchange_handle(), parts)
+    }
+
+    /// [`Backend::shrink`] and [`Backend::grow`] on the shared-memory backend, with the
+    /// new group's `exchange`: the same communicators on channels of the new group, no
+    /// registrations yet.
+    fn regroup(
+        &self,
+        backend: &Backend,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+        _: Option<bool>,
+    ) -> Result<Backend> {
+        let reserved = self.reserved.clone();
+        let parts = Self::open(
+            exchange.clone(),
+            &self.config,
+            &self.prefix,
+            reserved,
+            deadline,
+        )?;
+        backend.with_parts(exchange, parts)
     }
 }
 
