@@ -86,17 +86,7 @@ impl Drop for Reservation {
 #[derive(Debug)]
 pub(super) struct HostSegment<M> {
     pub(super) memory: M,
-    reservation: Reservation,
-}
-
-impl<M: fmt::Debug + Send + Sync + 'static> HostSegment<M> {
-    /// A segment of `memory`, holding `reservation`.
-    pub(super) fn segment(memory: M, reservation: Reservation) -> Segment {
-        Segment::new(Box::new(HostSegment {
-            memory,
-            reservation,
-        }))
-    }
+    pub(super) reservation: Reservation,
 }
 
 impl<M: fmt::Debug + Send + Sync + 'static> SegmentMemory for HostSegment<M> {
@@ -503,7 +493,10 @@ impl SegmentProvider for HostBackend {
             });
         };
         let memory: HostMemory = Arc::new(Mutex::new(data));
-        Ok(HostSegment::segment(memory, reservation))
+        Ok(Segment::new(Box::new(HostSegment {
+            memory,
+            reservation,
+        })))
     }
 
     unsafe fn register(

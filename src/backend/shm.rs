@@ -241,8 +241,10 @@ impl ShmBackend {
         let (_, serial) = self.comm(args.comm)?;
         let _serial = serial.lock();
         // The opening round: every rank is at this collective on this communicator.
-        let (caller, deadline) = (args.caller, args.deadline());
-        let post = Step::Post { caller };
+        let deadline = args.deadline();
+        let post = Step::Post {
+            caller: args.caller,
+        };
         let posts = self.round(args.comm, op, &post, deadline, Some)?;
         let verdict = at_step(op, posts, |s| match s {
             Step::Post { caller } => Some(caller),
@@ -439,7 +441,10 @@ impl SegmentProvider for ShmBackend {
         file.set_len(size_bytes)
             .map_err(|e| oom(format!("sizing the segment: {e}")))?;
         let map = MmapRaw::map_raw(&file).map_err(|e| oom(format!("mapping: {e}")))?;
-        Ok(HostSegment::segment(ShmMemory { file, map }, reservation))
+        Ok(Segment::new(Box::new(HostSegment {
+            memory: ShmMemory { file, map },
+            reservation,
+        })))
     }
 
     unsafe fn register(
@@ -479,7 +484,7 @@ impl SegmentProvider for ShmBackend {
         let mut peers = Vec::with_capacity(self.world);
         for (r, (pid, fd, _)) in all.iter().enumerate() {
             let path = format!("/proc/{pid}/fd/{fd}");
-            let file = std::fs::OpenOptions::new()
+            let file = File::options()
                 .read(true)
                 .write(true)
                 .open(&path)
@@ -493,8 +498,7 @@ impl SegmentProvider for ShmBackend {
             }
             peers.push(map);
         }
-        let window = Window::new(comm, ordinal, Box::new(peers));
-        Ok(Some(window))
+        Ok(Some(Window::new(comm, ordinal, Box::new(peers))))
     }
 
     // deregister and free: the defaults. Unmapping the peers' segments is local; their
