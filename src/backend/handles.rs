@@ -34,17 +34,20 @@ pub struct Segment {
 impl Segment {
     /// Wrap a provider's memory.
     pub fn new(memory: Box<dyn SegmentMemory>) -> Self {
-        let size_bytes = memory.size_bytes();
-        let memory = memory.into();
-        Segment { memory, size_bytes }
+        Segment {
+            size_bytes: memory.size_bytes(),
+            memory: memory.into(),
+        }
     }
 
     /// The same memory, for the pool that a shrink makes of this segment's pool: the
     /// two entries then hold it together, and it may be freed only once the other
     /// holder is gone ([`is_shared`](Self::is_shared)).
     pub(crate) fn share(&self) -> Segment {
-        let (memory, size_bytes) = (self.memory.clone(), self.size_bytes);
-        Segment { memory, size_bytes }
+        Segment {
+            memory: self.memory.clone(),
+            ..*self
+        }
     }
 
     /// Whether another [`Segment`] holds the same memory (the pool a shrink made and
@@ -126,8 +129,7 @@ impl Window {
     /// # Errors
     /// The window, unchanged, if the handle is of another type.
     pub fn into_handle<T: Any>(self) -> std::result::Result<Box<T>, Window> {
-        let (comm, ordinal) = (self.comm, self.ordinal);
-        (self.handle.downcast::<T>()).map_err(|handle| Window::new(comm, ordinal, handle))
+        (self.handle.downcast::<T>()).map_err(|handle| Window { handle, ..self })
     }
 }
 

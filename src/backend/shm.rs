@@ -35,6 +35,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::ptr::copy_nonoverlapping;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
@@ -117,6 +118,17 @@ enum Step {
     Done,
     /// Every rank has read its peers' inputs (an all-reduce's middle barrier).
     Read,
+}
+
+/// A pick of [`at_step`]: what a record at the step of `$step` holds (`$what`), `None`
+/// for a record at another step.
+macro_rules! pick {
+    ($step:pat => $what:expr) => {
+        |s| match s {
+            $step => Some($what),
+            _ => None,
+        }
+    };
 }
 
 /// Every rank's record of a round as `pick` reads it, or [`Error::CollectiveMismatch`]
@@ -246,15 +258,17 @@ impl ShmBackend {
             caller: args.caller,
         };
         let posts = self.round(args.comm, op, &post, deadline, Some)?;
-        let verdict = at_step(op, posts, |s| match s {
-            Step::Post { caller } => Some(caller),
-            _ => None,
-        })
-        .and_then(|callers| super::callers_differ(op, &callers))
-        .and_then(|()| body());
+        let verdict = at_step(op, posts, pick!(Step::Post { caller } => caller))
+            .and_then(|callers| super::callers_differ(op, &callers))
+            .and_then(|()| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
-        let done = |s| matches!(s, Step::Done).then_some(());
-        self.round(args.comm, op, &Step::Done, deadline, done)?;
+        self.round(
+            args.comm,
+            op,
+            &Step::Done,
+            deadline,
+            pick!(Step::Done => ()),
+        )?;
         verdict
     }
 
@@ -271,10 +285,8 @@ impl ShmBackend {
         // One round at least: an empty payload is a round too.
         let empty = mine.is_empty().then_some(mine);
         for piece in mine.chunks(DATA_PIECE_BYTES).chain(empty) {
-            let got = self.round(c, op, &Step::Data(piece.to_vec()), deadline, |s| match s {
-                Step::Data(bytes) => Some(bytes),
-                _ => None,
-            })?;
+            let mine = Step::Data(piece.to_vec());
+            let got = self.round(c, op, &mine, deadline, pick!(Step::Data(bytes) => bytes))?;
             for (r, theirs) in got.into_iter().enumerate() {
                 let (sent, want) = (theirs.len(), piece.len());
                 if sent != want {
@@ -308,8 +320,13 @@ impl ShmBackend {
                         .map(|p| peer_bytes(send_window, p, at, len))
                         .collect::<Result<Vec<_>>>();
                     if middle {
-                        let barrier = |s| matches!(s, Step::Read).then_some(());
-                        self.round(args.comm, op, &Step::Read, args.deadline(), barrier)?;
+                        self.round(
+                            args.comm,
+                            op,
+                            &Step::Read,
+                            args.deadline(),
+                            pick!(Step::Read => ()),
+                        )?;
                     }
                     read?
                 }
@@ -367,60 +384,57 @@ impl super::Regroup for ShmBackend {
     }
 }
 
-/// Copy the `out.len()` bytes at `offset` of `map` (this rank's mapping of a segment,
-/// or of a peer's) into `out`.
+/// The address of the `len` bytes at `offset` of `map` (this rank's mapping of a
+/// segment, or of a peer's).
 ///
-/// # Safety
-/// No rank writes those bytes during the copy.
-unsafe fn copy_out(map: &MmapRaw, offset: u64, out: &mut [u8]) -> Result<()> {
-    let range = bounds(map.len() as u64, offset, out.len() as u64)?;
-    let src = map.as_ptr().wrapping_add(range.start);
-    // SAFETY: `src..src + out.len()` lies inside the live mapping (checked by `bounds`;
-    // `map` is borrowed), nobody writes it meanwhile (the caller's contract), and `out`
-    // is distinct memory.
-    unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
-    Ok(())
+/// # Errors
+/// [`Error::BadView`] if they leave the mapping.
+fn addr(map: &MmapRaw, offset: u64, len: usize) -> Result<*mut u8> {
+    let range = bounds(map.len() as u64, offset, len as u64)?;
+    Ok(map.as_mut_ptr().wrapping_add(range.start))
 }
 
-/// Copy `data` into the bytes at `offset` of `map`.
-///
-/// # Safety
-/// No other rank reads or writes those bytes during the copy.
-unsafe fn copy_in(map: &MmapRaw, offset: u64, data: &[u8]) -> Result<()> {
-    let range = bounds(map.len() as u64, offset, data.len() as u64)?;
-    let dst = map.as_mut_ptr().wrapping_add(range.start);
-    // SAFETY: `dst..dst + data.len()` lies inside the live mapping (checked by
-    // `bounds`), nobody else touches it meanwhile (the caller's contract), and `data`
-    // is distinct memory.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-    Ok(())
+/// The address of the first `len` bytes of `region`, in this rank's mapping of its
+/// segment.
+fn local(region: &Region<'_>, len: usize) -> Result<*mut u8> {
+    let region = region.sub(0, len as u64)?;
+    addr(
+        &memory_of::<ShmMemory>(region.segment())?.map,
+        region.offset_bytes(),
+        len,
+    )
 }
 
 /// `len` bytes of rank `peer`'s segment in `window`, at `offset`.
 fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
     let mut out = vec![0u8; len as usize];
-    // SAFETY: rank `peer` (this one too) writes only other bytes of its segment until
-    // the collective's closing barrier (the posts agreed that every rank reads the
-    // same, disjoint chunks), or, in an all-reduce, none before the middle barrier
-    // after these reads.
-    unsafe { copy_out(peer_map(window, peer)?, offset, &mut out) }?;
+    let src = addr(peer_map(window, peer)?, offset, out.len())?;
+    // SAFETY: `src..src + len` lies inside this rank's live mapping of rank `peer`'s
+    // segment (checked by `addr`; the window that holds it is borrowed), and `out` is
+    // distinct memory. Rank `peer` (this one too) writes only other bytes of its
+    // segment until the collective's closing barrier (the posts agreed that every rank
+    // reads the same, disjoint chunks), or, in an all-reduce, none before the middle
+    // barrier after these reads.
+    unsafe { copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
     Ok(out)
 }
 
 fn read_local(region: &Region<'_>, out: &mut [u8]) -> Result<()> {
-    let region = region.sub(0, out.len() as u64)?;
-    let map = &memory_of::<ShmMemory>(region.segment())?.map;
-    // SAFETY: peers read this rank's memory only during collectives, which the pool's
-    // stream rules order with this call.
-    unsafe { copy_out(map, region.offset_bytes(), out) }
+    let src = local(region, out.len())?;
+    // SAFETY: `src..src + out.len()` lies inside this rank's live mapping of the
+    // region's segment (checked by `local`; the region borrows the segment), and `out`
+    // is distinct memory. Peers read this rank's memory only during collectives, which
+    // the pool's stream rules order with this call.
+    unsafe { copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+    Ok(())
 }
 
 fn write_local(region: &Region<'_>, data: &[u8]) -> Result<()> {
-    let region = region.sub(0, data.len() as u64)?;
-    let map = &memory_of::<ShmMemory>(region.segment())?.map;
+    let dst = local(region, data.len())?;
     // SAFETY: as in `read_local`; the bytes are this rank's own block, or the chunk of
     // a collective's output that only this rank writes.
-    unsafe { copy_in(map, region.offset_bytes(), data) }
+    unsafe { copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+    Ok(())
 }
 
 impl SegmentProvider for ShmBackend {
@@ -466,14 +480,11 @@ impl SegmentProvider for ShmBackend {
         let all = self.round(comm, OP, &mine, deadline, Some)?;
         *ordinal += 1;
         let ordinal = *ordinal;
-        let all = at_step(OP, all, |s| match s {
-            Step::Register {
-                pid,
-                fd,
-                size_bytes,
-            } => Some((pid, fd, size_bytes)),
-            _ => None,
-        })?;
+        let all = at_step(
+            OP,
+            all,
+            pick!(Step::Register { pid, fd, size_bytes } => (pid, fd, size_bytes)),
+        )?;
         let sizes: Vec<u64> = all.iter().map(|p| p.2).collect();
         if sizes.iter().any(|&s| s != size_bytes) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
@@ -529,10 +540,14 @@ impl Collectives for ShmBackend {
                     // output offset (the symmetric path).
                     let at = args.recv.offset_bytes() + me * chunk;
                     for p in 0..self.world {
-                        // SAFETY: during this collective only this rank writes this
-                        // chunk of rank `p`'s output (the posts agreed on the offsets);
-                        // `p` reads it after the closing barrier.
-                        unsafe { copy_in(peer_map(recv_window, p)?, at, &mine) }?;
+                        let dst = addr(peer_map(recv_window, p)?, at, mine.len())?;
+                        // SAFETY: `dst..dst + chunk` lies inside this rank's live
+                        // mapping of rank `p`'s output segment (checked by `addr`; the
+                        // window is borrowed), and `mine` is distinct memory. During
+                        // this collective only this rank writes this chunk of rank
+                        // `p`'s output (the posts agreed on the offsets); `p` reads it
+                        // after the closing barrier.
+                        unsafe { copy_nonoverlapping(mine.as_ptr(), dst, mine.len()) };
                     }
                 }
                 None => {
