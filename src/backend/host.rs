@@ -101,13 +101,14 @@ impl<M: fmt::Debug + Send + Sync + 'static> SegmentMemory for HostSegment<M> {
 
 /// The `M` memory of a host-backend segment, or an error naming a segment from
 /// another provider.
-pub(super) fn memory_of<M: fmt::Debug + Send + Sync + 'static>(segment: &Segment) -> Result<&M> {
+pub(super) fn memory_of<M>(segment: &Segment) -> Result<&M>
+where
+    HostSegment<M>: SegmentMemory,
+{
     segment
         .memory::<HostSegment<M>>()
         .map(|s| &s.memory)
-        .ok_or(Error::internal(
-            "a segment of another provider reached a host backend",
-        ))
+        .ok_or_else(|| Error::internal("a segment of another provider reached a host backend"))
 }
 
 /// One segment's bytes on the threads backend, shared with peers during collectives.
@@ -126,9 +127,6 @@ struct Post {
 
 /// State shared by the ranks of one host world, per communicator.
 struct HostComm {
-    /// Held by one rank's calls on this communicator for the whole of each call, so
-    /// that two threads of a rank cannot interleave their rounds.
-    serial: Vec<Mutex<()>>,
     registrations: Arc<Rendezvous<u64, u64>>,
     collectives: Arc<Rendezvous<u64, Option<Post>>>,
 }
@@ -137,13 +135,11 @@ impl HostComm {
     /// The standard communicators among the ranks of `group`, whose waits fail once a
     /// rank of the group is lost.
     fn standard(group: &LocalExchange) -> Vec<HostComm> {
-        (CommInfo::STANDARD.iter())
-            .map(|_| HostComm {
-                serial: (0..group.world_size()).map(|_| Mutex::new(())).collect(),
-                registrations: group.rendezvous(),
-                collectives: group.rendezvous(),
-            })
-            .collect()
+        (CommInfo::STANDARD.map(|_| HostComm {
+            registrations: group.rendezvous(),
+            collectives: group.rendezvous(),
+        }))
+        .into()
     }
 
     /// The standard communicators of the ranks of `group` that opened `channel`
@@ -166,8 +162,10 @@ pub struct HostBackend {
     /// The rank's exchange, whose ranks share the communicators.
     exchange: Arc<LocalExchange>,
     reserved: Arc<AtomicU64>,
-    /// Per communicator: registration ordinal and collective round of this rank.
-    counters: Mutex<Vec<(u64, u64)>>,
+    /// Per communicator: registration ordinal and collective round of this rank, held
+    /// for the whole of each call so that two threads of the rank cannot interleave
+    /// their rounds.
+    calls: Vec<Mutex<(u64, u64)>>,
 }
 
 impl fmt::Debug for HostBackend {
@@ -293,7 +291,7 @@ impl HostBackend {
                 world_size: group.world_size(),
                 ..config.clone()
             },
-            counters: Mutex::new(vec![(0, 0); comms.len()]),
+            calls: comms.iter().map(|_| Mutex::default()).collect(),
             comms,
             exchange: group.clone(),
             reserved,
@@ -307,21 +305,14 @@ impl HostBackend {
         })
     }
 
-    fn next_round(&self, comm: usize, registration: bool) -> u64 {
-        let mut c = self.counters.lock();
-        let (ordinal, round) = &mut c[comm];
-        let n = if registration { ordinal } else { round };
-        *n += 1;
-        *n
-    }
-
-    /// Run one collective: post, check agreement, move data with `body`, barrier;
-    /// every round waits until the call's deadline ([`CollArgs::deadline`]).
+    /// Run one collective: post, check agreement, move data with `body` (given the
+    /// round counter, for rounds of its own), barrier; every round waits until the
+    /// call's deadline ([`CollArgs::deadline`]).
     fn collective(
         &self,
         args: &CollArgs<'_>,
         op: &'static str,
-        body: impl FnOnce(&[Post]) -> Result<()>,
+        body: impl FnOnce(&[Post], &mut u64) -> Result<()>,
     ) -> Result<()> {
         let comm = self.comm(args.comm)?;
         let post = Post {
@@ -329,34 +320,35 @@ impl HostBackend {
             recv: side(&args.recv)?,
             caller: args.caller,
         };
-        let _serial = comm.serial[self.rank].lock();
-        let deadline = args.deadline();
-        let gathered = self.round(args.comm, op, Some(post), deadline)?;
+        let mut calls = self.calls[args.comm].lock();
+        let (n, deadline) = (&mut calls.1, args.deadline());
+        let gathered = self.round(comm, n, op, Some(post), deadline)?;
         // A `None` is a peer's closing round paired with this post: the ranks are not
         // making the same calls on this communicator.
         let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
             Some(posts) => {
                 let callers: Vec<u64> = posts.iter().map(|p| p.caller).collect();
-                super::callers_differ(op, &callers).and_then(|()| body(&posts))
+                super::callers_differ(op, &callers).and_then(|()| body(&posts, n))
             }
             None => Err(super::out_of_step(op, "a peer")),
         };
         // Second round: nobody returns (and reuses its input) before all are done.
-        self.round(args.comm, op, None, deadline)?;
+        self.round(comm, n, op, None, deadline)?;
         verdict
     }
 
-    /// The next round of collectives on communicator `c`, in which this rank posts
-    /// `post`: every rank's post, in rank order.
+    /// The next round (after round `n`, which it counts) of collectives on `comm`, in
+    /// which this rank posts `post`: every rank's post, in rank order.
     fn round(
         &self,
-        c: usize,
+        comm: &HostComm,
+        n: &mut u64,
         op: &'static str,
         post: Option<Post>,
         deadline: Deadline,
     ) -> Result<Vec<Option<Post>>> {
-        let round = self.next_round(c, false);
-        (self.comm(c)?.collectives).gather(op, self.rank, round, post, deadline, || false)
+        *n += 1;
+        (comm.collectives).gather(op, self.rank, *n, post, deadline, || false)
     }
 
     /// Reduce, in rank order, the `len` bytes `at` bytes into every rank's input into
@@ -370,13 +362,16 @@ impl HostBackend {
         len: u64,
         middle: bool,
     ) -> Result<()> {
-        self.collective(args, op, |posts| {
+        self.collective(args, op, |posts, n| {
             // Pull every rank's input, in rank order.
             let read = posts.iter().map(|p| read_side(&p.send, at, len));
             let reduced = (read.collect::<Result<Vec<_>>>())
                 .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
             if middle
-                && (self.round(args.comm, op, None, args.deadline())?.iter()).any(Option::is_some)
+                && (self
+                    .round(self.comm(args.comm)?, n, op, None, args.deadline())?
+                    .iter())
+                .any(Option::is_some)
             {
                 return Err(super::out_of_step(op, "a peer"));
             }
@@ -508,8 +503,9 @@ impl SegmentProvider for HostBackend {
         memory_of::<HostMemory>(segment)?;
         let size = segment.size_bytes();
         let c = self.comm(comm)?;
-        let _serial = c.serial[self.rank].lock();
-        let ordinal = self.next_round(comm, true);
+        let mut calls = self.calls[comm].lock();
+        calls.0 += 1;
+        let ordinal = calls.0;
         let op = "window registration";
         let sizes = (c.registrations).gather(op, self.rank, ordinal, size, deadline, || false)?;
         if sizes.iter().any(|&s| s != size) {
@@ -606,7 +602,7 @@ impl DataMover for HostBackend {
 impl Collectives for HostBackend {
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()> {
         let chunk = args.check_counts("all_gather", self.config.world_size, false)?;
-        self.collective(args, "all_gather", |posts| {
+        self.collective(args, "all_gather", |posts, _| {
             // Pull: read every rank's chunk, write it into this rank's output.
             for (r, p) in posts.iter().enumerate() {
                 let data = read_side(&p.send, 0, chunk)?;

@@ -86,9 +86,9 @@ type ShmWindow = Vec<MmapRaw>;
 
 /// This rank's mapping of rank `peer`'s segment in `window`.
 fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
-    let w = window.handle::<ShmWindow>().ok_or(Error::internal(
-        "a window of another backend reached the shared-memory backend",
-    ))?;
+    let w = window.handle::<ShmWindow>().ok_or_else(|| {
+        Error::internal("a window of another backend reached the shared-memory backend")
+    })?;
     w.get(peer).ok_or_else(|| {
         let ordinal = window.ordinal();
         Error::internal(format!("window {ordinal} has no mapping of rank {peer}"))
