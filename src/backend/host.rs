@@ -114,7 +114,9 @@ where
 /// One segment's bytes on the threads backend, shared with peers during collectives.
 type HostMemory = Arc<Mutex<Box<[u8]>>>;
 
-type Side = (HostMemory, u64, u64);
+/// A rank's side of a collective, or of a copy: the memory of a region's segment and
+/// the region's offset (the callers bound what they touch by the region's length).
+type Side = (HostMemory, u64);
 
 /// One rank's sides of a collective, as its peers read them.
 #[derive(Clone)]
@@ -430,16 +432,15 @@ impl super::Regroup for HostBackend {
     }
 }
 
-/// This rank's side of a collective, or of a copy: the memory of `region`'s segment,
-/// the region's offset and length.
+/// This rank's side of a collective, or of a copy, in `region`.
 fn side(region: &Region<'_>) -> Result<Side> {
     let data = memory_of::<HostMemory>(region.segment())?.clone();
-    Ok((data, region.offset_bytes(), region.len_bytes()))
+    Ok((data, region.offset_bytes()))
 }
 
 /// Run `f` on the `len` bytes `at` bytes into a rank's side.
 fn on_side<R>(
-    (seg, offset, _): &Side,
+    (seg, offset): &Side,
     at: u64,
     len: u64,
     f: impl FnOnce(&mut [u8]) -> R,
