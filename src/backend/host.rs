@@ -525,7 +525,7 @@ impl SegmentProvider for HostBackend {
 #[derive(Debug, Default)]
 pub(super) struct HostStreams {
     /// Latest fence per stream.
-    fences: Mutex<BTreeMap<StreamId, u64>>,
+    fences: Mutex<BTreeMap<StreamId, Fence>>,
 }
 
 impl StreamOps for HostStreams {
@@ -536,9 +536,9 @@ impl StreamOps for HostStreams {
     fn record_fence(&self, stream: &Stream) -> Result<Fence> {
         host_stream(stream)?;
         let mut f = self.fences.lock();
-        let c = f.entry(stream.id()).or_insert(0);
-        *c += 1;
-        Ok(Fence(*c))
+        let c = f.entry(stream.id()).or_insert(Fence(0));
+        c.0 += 1;
+        Ok(*c)
     }
 
     fn wait_fence(&self, stream: &Stream, _on: StreamId, _fence: Fence) -> Result<()> {
@@ -547,7 +547,7 @@ impl StreamOps for HostStreams {
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
-        Ok(self.fences.lock().get(&stream).map(|&f| Fence(f)))
+        Ok(self.fences.lock().get(&stream).copied())
     }
 
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {

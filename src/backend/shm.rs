@@ -186,8 +186,7 @@ impl ShmBackend {
         )?;
         let setup = Deadline::after(super::SETUP_TIMEOUT);
         let parts = Self::open(exchange.clone(), &config, "shm", Arc::default(), setup)?;
-        let streams = Arc::new(HostStreams::default());
-        Backend::with_stream_ops(info, exchange, parts, streams)
+        Backend::with_stream_ops(info, exchange, parts, Arc::new(HostStreams::default()))
     }
 
     /// The parts of this process's rank of the world of `exchange`: the standard
