@@ -34,17 +34,20 @@ pub struct Segment {
 impl Segment {
     /// Wrap a provider's memory.
     pub fn new(memory: Box<dyn SegmentMemory>) -> Self {
-        let size_bytes = memory.size_bytes();
-        let memory = memory.into();
-        Segment { memory, size_bytes }
+        Segment {
+            size_bytes: memory.size_bytes(),
+            memory: memory.into(),
+        }
     }
 
     /// The same memory, for the pool that a shrink makes of this segment's pool: the
     /// two entries then hold it together, and it may be freed only once the other
     /// holder is gone ([`is_shared`](Self::is_shared)).
     pub(crate) fn share(&self) -> Segment {
-        let (memory, size_bytes) = (self.memory.clone(), self.size_bytes);
-        Segment { memory, size_bytes }
+        Segment {
+            memory: self.memory.clone(),
+            ..*self
+        }
     }
 
     /// Whether another [`Segment`] holds the same memory (the pool a shrink made and
@@ -74,14 +77,12 @@ impl Segment {
     /// [`Error::BadView`] if the range leaves the segment.
     #[inline]
     pub fn region(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'_>> {
-        match offset_bytes.checked_add(len_bytes) {
-            Some(end) if end <= self.size_bytes() => Ok(Region {
-                segment: self,
-                offset_bytes,
-                len_bytes,
-            }),
-            _ => Err(outside(offset_bytes, len_bytes, "segment", self.size_bytes)),
-        }
+        within(offset_bytes, len_bytes, "segment", self.size_bytes)?;
+        Ok(Region {
+            segment: self,
+            offset_bytes,
+            len_bytes,
+        })
     }
 }
 
@@ -128,8 +129,7 @@ impl Window {
     /// # Errors
     /// The window, unchanged, if the handle is of another type.
     pub fn into_handle<T: Any>(self) -> std::result::Result<Box<T>, Window> {
-        let (comm, ordinal) = (self.comm, self.ordinal);
-        (self.handle.downcast::<T>()).map_err(|handle| Window::new(comm, ordinal, handle))
+        (self.handle.downcast::<T>()).map_err(|handle| Window { handle, ..self })
     }
 }
 
@@ -179,14 +179,25 @@ impl<'a> Region<'a> {
     /// [`Error::BadView`] if they leave the region.
     #[inline]
     pub fn sub(&self, offset_bytes: u64, len_bytes: u64) -> Result<Region<'a>> {
-        match offset_bytes.checked_add(len_bytes) {
-            Some(end) if end <= self.len_bytes => Ok(Region {
-                segment: self.segment,
-                offset_bytes: self.offset_bytes + offset_bytes,
-                len_bytes,
-            }),
-            _ => Err(outside(offset_bytes, len_bytes, "region", self.len_bytes)),
-        }
+        within(offset_bytes, len_bytes, "region", self.len_bytes)?;
+        Ok(Region {
+            segment: self.segment,
+            offset_bytes: self.offset_bytes + offset_bytes,
+            len_bytes,
+        })
+    }
+}
+
+/// Whether the `len_bytes` bytes at `offset_bytes` lie inside a `what` of `size_bytes`
+/// bytes (every collective call checks its regions).
+///
+/// # Errors
+/// [`Error::BadView`] if they leave it.
+#[inline]
+pub(super) fn within(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Result<()> {
+    match offset_bytes.checked_add(len_bytes) {
+        Some(end) if end <= size_bytes => Ok(()),
+        _ => Err(outside(offset_bytes, len_bytes, what, size_bytes)),
     }
 }
 
@@ -194,7 +205,7 @@ impl<'a> Region<'a> {
 /// above run on every collective call).
 #[cold]
 #[inline(never)]
-pub(super) fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
+fn outside(offset_bytes: u64, len_bytes: u64, what: &str, size_bytes: u64) -> Error {
     Error::BadView(format!(
         "range {offset_bytes}+{len_bytes} outside a {what} of {size_bytes} bytes"
     ))

@@ -86,17 +86,7 @@ impl Drop for Reservation {
 #[derive(Debug)]
 pub(super) struct HostSegment<M> {
     pub(super) memory: M,
-    reservation: Reservation,
-}
-
-impl<M: fmt::Debug + Send + Sync + 'static> HostSegment<M> {
-    /// A segment of `memory`, holding `reservation`.
-    pub(super) fn segment(memory: M, reservation: Reservation) -> Segment {
-        Segment::new(Box::new(HostSegment {
-            memory,
-            reservation,
-        }))
-    }
+    pub(super) reservation: Reservation,
 }
 
 impl<M: fmt::Debug + Send + Sync + 'static> SegmentMemory for HostSegment<M> {
@@ -111,19 +101,22 @@ impl<M: fmt::Debug + Send + Sync + 'static> SegmentMemory for HostSegment<M> {
 
 /// The `M` memory of a host-backend segment, or an error naming a segment from
 /// another provider.
-pub(super) fn memory_of<M: fmt::Debug + Send + Sync + 'static>(segment: &Segment) -> Result<&M> {
+pub(super) fn memory_of<M>(segment: &Segment) -> Result<&M>
+where
+    HostSegment<M>: SegmentMemory,
+{
     segment
         .memory::<HostSegment<M>>()
         .map(|s| &s.memory)
-        .ok_or(Error::internal(
-            "a segment of another provider reached a host backend",
-        ))
+        .ok_or_else(|| Error::internal("a segment of another provider reached a host backend"))
 }
 
 /// One segment's bytes on the threads backend, shared with peers during collectives.
 type HostMemory = Arc<Mutex<Box<[u8]>>>;
 
-type Side = (HostMemory, u64, u64);
+/// A rank's side of a collective, or of a copy: the memory of a region's segment and
+/// the region's offset (the callers bound what they touch by the region's length).
+type Side = (HostMemory, u64);
 
 /// One rank's sides of a collective, as its peers read them.
 #[derive(Clone)]
@@ -136,9 +129,6 @@ struct Post {
 
 /// State shared by the ranks of one host world, per communicator.
 struct HostComm {
-    /// Held by one rank's calls on this communicator for the whole of each call, so
-    /// that two threads of a rank cannot interleave their rounds.
-    serial: Vec<Mutex<()>>,
     registrations: Arc<Rendezvous<u64, u64>>,
     collectives: Arc<Rendezvous<u64, Option<Post>>>,
 }
@@ -147,13 +137,11 @@ impl HostComm {
     /// The standard communicators among the ranks of `group`, whose waits fail once a
     /// rank of the group is lost.
     fn standard(group: &LocalExchange) -> Vec<HostComm> {
-        (CommInfo::STANDARD.iter())
-            .map(|_| HostComm {
-                serial: (0..group.world_size()).map(|_| Mutex::new(())).collect(),
-                registrations: group.rendezvous(),
-                collectives: group.rendezvous(),
-            })
-            .collect()
+        (CommInfo::STANDARD.map(|_| HostComm {
+            registrations: group.rendezvous(),
+            collectives: group.rendezvous(),
+        }))
+        .into()
     }
 
     /// The standard communicators of the ranks of `group` that opened `channel`
@@ -176,8 +164,10 @@ pub struct HostBackend {
     /// The rank's exchange, whose ranks share the communicators.
     exchange: Arc<LocalExchange>,
     reserved: Arc<AtomicU64>,
-    /// Per communicator: registration ordinal and collective round of this rank.
-    counters: Mutex<Vec<(u64, u64)>>,
+    /// Per communicator: registration ordinal and collective round of this rank, held
+    /// for the whole of each call so that two threads of the rank cannot interleave
+    /// their rounds.
+    calls: Vec<Mutex<(u64, u64)>>,
 }
 
 impl fmt::Debug for HostBackend {
@@ -231,59 +221,6 @@ impl HostBackend {
         )?;
         let parts = Self::parts(config, &exchange, comms, Arc::default());
         Backend::with_stream_ops(info, exchange, parts, Arc::new(HostStreams::default()))
-    }
-
-    /// [`Backend::split`] on the host backend: a new set of the standard
-    /// communicators, shared by the ranks that split under the same channel; the
-    /// memory limit and stream operations stay this rank's.
-    pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let channel = format!("backend:split:{name}");
-        let deadline = Deadline::after(super::SETUP_TIMEOUT);
-        self.beside(
-            backend,
-            backend.exchange_handle(),
-            &self.exchange,
-            &channel,
-            deadline,
-        )
-    }
-
-    /// [`Backend::shrink`] on the host backend: `backend`'s exchange shrunk (this
-    /// rank's, or a wrapper of it) and a new set of the standard communicators among
-    /// the survivors, no registrations yet; the settings, memory limit and stream
-    /// operations stay this rank's.
-    ///
-    /// # Collective
-    /// Every survivor, for its backends in the same order (the ranks open a channel
-    /// of the new group, `backend:shrink`, under which they find the communicators).
-    pub(super) fn shrink(&self, backend: &Backend, deadline: Deadline) -> Result<Backend> {
-        let exchange = backend.exchange().shrink(deadline)?;
-        let next = self.exchange.shrink(deadline)?;
-        // The new group lost a rank between the two asks, and the second went past it.
-        if let Some(lost) = exchange
-            .lost_peer()
-            .filter(|_| next.world_size() != exchange.world_size())
-        {
-            return Err(lost.error("shrink"));
-        }
-        self.beside(backend, exchange, &next, "backend:shrink", deadline)
-    }
-
-    /// [`Backend::grow`] on the host backend: `backend`'s exchange grown (this rank's,
-    /// or a wrapper of it) and a new set of the standard communicators among the ranks
-    /// of the grown group, as [`join`](Self::join) makes them on a newcomer.
-    pub(super) fn grow(
-        &self,
-        backend: &Backend,
-        wait: bool,
-        deadline: Deadline,
-    ) -> Result<Option<Backend>> {
-        let Some(exchange) = backend.exchange().grow(wait, deadline)? else {
-            return Ok(None);
-        };
-        let next = (self.exchange.grow(wait, deadline)?)
-            .ok_or_else(|| Error::internal("a grown exchange over a group that did not grow"))?;
-        (self.beside(backend, exchange, &next, GROWN, deadline)).map(Some)
     }
 
     /// A backend beside `backend`, this rank's over `exchange` (whose group's ranks
@@ -356,7 +293,7 @@ impl HostBackend {
                 world_size: group.world_size(),
                 ..config.clone()
             },
-            counters: Mutex::new(vec![(0, 0); comms.len()]),
+            calls: comms.iter().map(|_| Mutex::default()).collect(),
             comms,
             exchange: group.clone(),
             reserved,
@@ -370,21 +307,14 @@ impl HostBackend {
         })
     }
 
-    fn next_round(&self, comm: usize, registration: bool) -> u64 {
-        let mut c = self.counters.lock();
-        let (ordinal, round) = &mut c[comm];
-        let n = if registration { ordinal } else { round };
-        *n += 1;
-        *n
-    }
-
-    /// Run one collective: post, check agreement, move data with `body`, barrier;
-    /// every round waits until the call's deadline ([`CollArgs::deadline`]).
+    /// Run one collective: post, check agreement, move data with `body` (given the
+    /// round counter, for rounds of its own), barrier; every round waits until the
+    /// call's deadline ([`CollArgs::deadline`]).
     fn collective(
         &self,
         args: &CollArgs<'_>,
         op: &'static str,
-        body: impl FnOnce(&[Post]) -> Result<()>,
+        body: impl FnOnce(&[Post], &mut u64) -> Result<()>,
     ) -> Result<()> {
         let comm = self.comm(args.comm)?;
         let post = Post {
@@ -392,39 +322,125 @@ impl HostBackend {
             recv: side(&args.recv)?,
             caller: args.caller,
         };
-        let _serial = comm.serial[self.rank].lock();
-        let round = self.next_round(args.comm, false);
-        let deadline = args.deadline();
-        let gathered =
-            comm.collectives
-                .gather(op, self.rank, round, Some(post), deadline, || false)?;
+        let mut calls = self.calls[args.comm].lock();
+        let (n, deadline) = (&mut calls.1, args.deadline());
+        let gathered = self.round(comm, n, op, Some(post), deadline)?;
         // A `None` is a peer's closing round paired with this post: the ranks are not
         // making the same calls on this communicator.
         let verdict = match gathered.into_iter().collect::<Option<Vec<Post>>>() {
             Some(posts) => {
                 let callers: Vec<u64> = posts.iter().map(|p| p.caller).collect();
-                super::callers_differ(op, &callers).and_then(|()| body(&posts))
+                super::callers_differ(op, &callers).and_then(|()| body(&posts, n))
             }
             None => Err(super::out_of_step(op, "a peer")),
         };
         // Second round: nobody returns (and reuses its input) before all are done.
-        let round = self.next_round(args.comm, false);
-        comm.collectives
-            .gather(op, self.rank, round, None, deadline, || false)?;
+        self.round(comm, n, op, None, deadline)?;
         verdict
+    }
+
+    /// The next round (after round `n`, which it counts) of collectives on `comm`, in
+    /// which this rank posts `post`: every rank's post, in rank order.
+    fn round(
+        &self,
+        comm: &HostComm,
+        n: &mut u64,
+        op: &'static str,
+        post: Option<Post>,
+        deadline: Deadline,
+    ) -> Result<Vec<Option<Post>>> {
+        *n += 1;
+        (comm.collectives).gather(op, self.rank, *n, post, deadline, || false)
+    }
+
+    /// Reduce, in rank order, the `len` bytes `at` bytes into every rank's input into
+    /// this rank's output; with `middle`, after a middle round, so that no rank
+    /// overwrites its input (in place: its output) while a peer reads it.
+    fn reduce(
+        &self,
+        args: &CollArgs<'_>,
+        op: &'static str,
+        at: u64,
+        len: u64,
+        middle: bool,
+    ) -> Result<()> {
+        self.collective(args, op, |posts, n| {
+            // Pull every rank's input, in rank order.
+            let read = posts.iter().map(|p| read_side(&p.send, at, len));
+            let reduced = (read.collect::<Result<Vec<_>>>())
+                .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
+            if middle
+                && (self
+                    .round(self.comm(args.comm)?, n, op, None, args.deadline())?
+                    .iter())
+                .any(Option::is_some)
+            {
+                return Err(super::out_of_step(op, "a peer"));
+            }
+            write_side(&posts[self.rank].recv, 0, &reduced?)
+        })
     }
 }
 
-/// This rank's side of a collective, or of a copy: the memory of `region`'s segment,
-/// the region's offset and length.
+impl super::Regroup for HostBackend {
+    /// [`Backend::split`] on the host backend: a new set of the standard
+    /// communicators, shared by the ranks that split under the same channel; the
+    /// memory limit and stream operations stay this rank's.
+    fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        let channel = format!("backend:split:{name}");
+        let deadline = Deadline::after(super::SETUP_TIMEOUT);
+        self.beside(
+            backend,
+            backend.exchange_handle(),
+            &self.exchange,
+            &channel,
+            deadline,
+        )
+    }
+
+    /// [`Backend::shrink`] and [`Backend::grow`] on the host backend, with `backend`'s
+    /// exchange shrunk or grown (this rank's, or a wrapper of it): a new set of the
+    /// standard communicators among the ranks of the new group, no registrations yet
+    /// (as [`join`](HostBackend::join) makes them on a newcomer); the settings, memory
+    /// limit and stream operations stay this rank's.
+    ///
+    /// # Collective
+    /// Every rank of the new group, for its backends in the same order (the ranks open
+    /// a channel of the new group, `backend:shrink` or `backend:grow`, under which they
+    /// find the communicators).
+    fn regroup(
+        &self,
+        backend: &Backend,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+        grown: Option<bool>,
+    ) -> Result<Backend> {
+        let Some(wait) = grown else {
+            let next = self.exchange.shrink(deadline)?;
+            // The new group lost a rank between the two asks, and the second went past it.
+            if let Some(lost) = exchange
+                .lost_peer()
+                .filter(|_| next.world_size() != exchange.world_size())
+            {
+                return Err(lost.error("shrink"));
+            }
+            return self.beside(backend, exchange, &next, "backend:shrink", deadline);
+        };
+        let next = (self.exchange.grow(wait, deadline)?)
+            .ok_or_else(|| Error::internal("a grown exchange over a group that did not grow"))?;
+        self.beside(backend, exchange, &next, GROWN, deadline)
+    }
+}
+
+/// This rank's side of a collective, or of a copy, in `region`.
 fn side(region: &Region<'_>) -> Result<Side> {
     let data = memory_of::<HostMemory>(region.segment())?.clone();
-    Ok((data, region.offset_bytes(), region.len_bytes()))
+    Ok((data, region.offset_bytes()))
 }
 
 /// Run `f` on the `len` bytes `at` bytes into a rank's side.
 fn on_side<R>(
-    (seg, offset, _): &Side,
+    (seg, offset): &Side,
     at: u64,
     len: u64,
     f: impl FnOnce(&mut [u8]) -> R,
@@ -454,10 +470,8 @@ pub(super) fn host_stream(stream: &Stream) -> Result<()> {
 /// # Errors
 /// [`Error::BadView`] if they leave the segment.
 pub(super) fn bounds(seg_len: u64, offset: u64, len: u64) -> Result<std::ops::Range<usize>> {
-    match offset.checked_add(len) {
-        Some(end) if end <= seg_len => Ok(offset as usize..end as usize),
-        _ => Err(super::handles::outside(offset, len, "segment", seg_len)),
-    }
+    super::handles::within(offset, len, "segment", seg_len)?;
+    Ok(offset as usize..(offset + len) as usize)
 }
 
 impl SegmentProvider for HostBackend {
@@ -475,7 +489,10 @@ impl SegmentProvider for HostBackend {
             });
         };
         let memory: HostMemory = Arc::new(Mutex::new(data));
-        Ok(HostSegment::segment(memory, reservation))
+        Ok(Segment::new(Box::new(HostSegment {
+            memory,
+            reservation,
+        })))
     }
 
     unsafe fn register(
@@ -487,8 +504,9 @@ impl SegmentProvider for HostBackend {
         memory_of::<HostMemory>(segment)?;
         let size = segment.size_bytes();
         let c = self.comm(comm)?;
-        let _serial = c.serial[self.rank].lock();
-        let ordinal = self.next_round(comm, true);
+        let mut calls = self.calls[comm].lock();
+        calls.0 += 1;
+        let ordinal = calls.0;
         let op = "window registration";
         let sizes = (c.registrations).gather(op, self.rank, ordinal, size, deadline, || false)?;
         if sizes.iter().any(|&s| s != size) {
@@ -507,7 +525,7 @@ impl SegmentProvider for HostBackend {
 #[derive(Debug, Default)]
 pub(super) struct HostStreams {
     /// Latest fence per stream.
-    fences: Mutex<BTreeMap<StreamId, u64>>,
+    fences: Mutex<BTreeMap<StreamId, Fence>>,
 }
 
 impl StreamOps for HostStreams {
@@ -518,9 +536,9 @@ impl StreamOps for HostStreams {
     fn record_fence(&self, stream: &Stream) -> Result<Fence> {
         host_stream(stream)?;
         let mut f = self.fences.lock();
-        let c = f.entry(stream.id()).or_insert(0);
-        *c += 1;
-        Ok(Fence(*c))
+        let c = f.entry(stream.id()).or_insert(Fence(0));
+        c.0 += 1;
+        Ok(*c)
     }
 
     fn wait_fence(&self, stream: &Stream, _on: StreamId, _fence: Fence) -> Result<()> {
@@ -529,7 +547,7 @@ impl StreamOps for HostStreams {
     }
 
     fn completed_fence(&self, stream: StreamId) -> Result<Option<Fence>> {
-        Ok(self.fences.lock().get(&stream).map(|&f| Fence(f)))
+        Ok(self.fences.lock().get(&stream).copied())
     }
 
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
@@ -585,7 +603,7 @@ impl DataMover for HostBackend {
 impl Collectives for HostBackend {
     fn all_gather(&self, args: &CollArgs<'_>) -> Result<()> {
         let chunk = args.check_counts("all_gather", self.config.world_size, false)?;
-        self.collective(args, "all_gather", |posts| {
+        self.collective(args, "all_gather", |posts, _| {
             // Pull: read every rank's chunk, write it into this rank's output.
             for (r, p) in posts.iter().enumerate() {
                 let data = read_side(&p.send, 0, chunk)?;
@@ -597,14 +615,13 @@ impl Collectives for HostBackend {
 
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()> {
         let chunk = args.check_counts("reduce_scatter", self.config.world_size, true)?;
-        let me = self.rank as u64;
-        self.collective(args, "reduce_scatter", |posts| {
-            // Pull: reduce this rank's chunk of every rank's input, in rank order.
-            let read = posts.iter().map(|p| read_side(&p.send, me * chunk, chunk));
-            let inputs = read.collect::<Result<Vec<_>>>()?;
-            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
-            write_side(&posts[self.rank].recv, 0, &acc)
-        })
+        self.reduce(
+            args,
+            "reduce_scatter",
+            self.rank as u64 * chunk,
+            chunk,
+            false,
+        )
     }
 
     fn abandon(&self, why: &'static str) {
@@ -614,22 +631,7 @@ impl Collectives for HostBackend {
     }
 
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
-        const OP: &str = "all_reduce";
-        let bytes = args.check_counts(OP, 1, true)?;
-        let comm = self.comm(args.comm)?;
-        self.collective(args, OP, |posts| {
-            // Pull every rank's input, in rank order; then a middle round, so that no
-            // rank overwrites its input (in place: its output) while a peer reads it.
-            let read = posts.iter().map(|p| read_side(&p.send, 0, bytes));
-            let reduced = (read.collect::<Result<Vec<_>>>())
-                .and_then(|inputs| dtype::reduce_ranks(args.dtype, args.op, inputs));
-            let round = self.next_round(args.comm, false);
-            let middle =
-                (comm.collectives).gather(OP, self.rank, round, None, args.deadline(), || false)?;
-            if middle.iter().any(Option::is_some) {
-                return Err(super::out_of_step(OP, "a peer"));
-            }
-            write_side(&posts[self.rank].recv, 0, &reduced?)
-        })
+        let bytes = args.check_counts("all_reduce", 1, true)?;
+        self.reduce(args, "all_reduce", 0, bytes, true)
     }
 }

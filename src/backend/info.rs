@@ -143,10 +143,8 @@ impl BackendInfo {
         self
     }
 
-    /// The same identity, with `shared` saying whether two or more ranks drive the
-    /// same GPU.
-    pub fn with_shared_devices(mut self, shared: bool) -> Self {
-        self.shared_devices = shared;
-        self
+    setters! {
+        /// The same identity, saying whether two or more ranks drive the same GPU.
+        with_shared_devices(shared_devices: bool);
     }
 }

@@ -241,6 +241,42 @@ pub(crate) fn callers_differ(op: &'static str, callers: &[u64]) -> Result<()> {
     Err(Error::SharedCommunicators { pools, error })
 }
 
+/// What a backend that cannot split or grow should be instead.
+const MADE_HERE: &str = "a backend made by HostBackend, ShmBackend or NcclBackend";
+
+/// How the crate's backends make communicators of their own beside a backend's
+/// ([`Backend::split`], [`Backend::shrink`], [`Backend::grow`]).
+pub(crate) trait Regroup {
+    /// [`Backend::split`] of `backend`, made of this value.
+    fn split(&self, backend: &Backend, name: &str) -> Result<Backend>;
+    /// The backend of this rank over `exchange`, `backend`'s exchange shrunk, or grown
+    /// (`grown`: `Some(wait)`, as [`Backend::grow`] waited): its new communicators.
+    fn regroup(
+        &self,
+        backend: &Backend,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+        grown: Option<bool>,
+    ) -> Result<Backend>;
+}
+
+#[cfg(feature = "nccl")]
+impl Regroup for NcclBackend {
+    fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        NcclBackend::split(self, backend, name)
+    }
+
+    fn regroup(
+        &self,
+        _: &Backend,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+        grown: Option<bool>,
+    ) -> Result<Backend> {
+        NcclBackend::regroup(self, exchange, deadline, grown.is_some())
+    }
+}
+
 /// How long making a backend waits for the other ranks (ranks of real jobs start
 /// minutes apart): 10 minutes. A lost peer ends the wait sooner (see
 /// [`control`](crate::control)).
@@ -405,22 +441,14 @@ impl Backend {
     /// names or at different points; the exchange's errors; on NCCL the errors of
     /// `ncclCommSplit` ([`Error::Nccl`], [`Error::NcclTimeout`]).
     pub fn split(&self, name: &str) -> Result<Backend> {
-        if let Some(host) = self.downcast_ref::<HostBackend>() {
-            return host.split(self, name);
+        match self.regrouper() {
+            Some(r) => r.split(self, name),
+            None => Err(Error::config(
+                "Backend::split",
+                format!("{:?}", self.info.kind),
+                MADE_HERE,
+            )),
         }
-        #[cfg(target_os = "linux")]
-        if let Some(shm) = self.downcast_ref::<ShmBackend>() {
-            return shm.split(self, name);
-        }
-        #[cfg(feature = "nccl")]
-        if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
-            return nccl.split(self, name);
-        }
-        Err(Error::config(
-            "Backend::split",
-            format!("{:?}", self.info.kind),
-            "a backend made by HostBackend, ShmBackend or NcclBackend",
-        ))
     }
 
     /// The backend of this rank in the group that survives a loss: the exchange shrunk
@@ -441,22 +469,13 @@ impl Backend {
     /// parts of its own) and as [`Exchange::shrink`] says; the exchange's errors on the
     /// new group; on NCCL those of [`NcclBackend::from_env`].
     pub fn shrink(&self, deadline: Deadline) -> Result<Backend> {
-        if let Some(host) = self.downcast_ref::<HostBackend>() {
-            return host.shrink(self, deadline);
-        }
-        #[cfg(target_os = "linux")]
-        if let Some(shm) = self.downcast_ref::<ShmBackend>() {
-            let exchange = self.exchange.shrink(deadline)?;
-            return shm.shrink(self, exchange, deadline);
-        }
-        #[cfg(feature = "nccl")]
-        if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
-            let exchange = self.exchange.shrink(deadline)?;
-            return nccl.regroup(exchange, deadline, false);
-        }
-        let kind = self.info.kind;
-        let reason = format!("a {kind:?} backend assembled from parts of its own cannot shrink");
-        Err(Error::shrink_failed(reason, false))
+        let Some(r) = self.regrouper() else {
+            let kind = self.info.kind;
+            let reason =
+                format!("a {kind:?} backend assembled from parts of its own cannot shrink");
+            return Err(Error::shrink_failed(reason, false));
+        };
+        r.regroup(self, self.exchange.shrink(deadline)?, deadline, None)
     }
 
     /// The backend of this rank in its group grown by newcomers ([`Exchange::grow`]):
@@ -480,29 +499,30 @@ impl Backend {
     /// its own) and as [`Exchange::grow`] says; the exchange's errors on the grown
     /// group; on NCCL those of [`NcclBackend::from_env`].
     pub fn grow(&self, wait: bool, deadline: Deadline) -> Result<Option<Backend>> {
+        let Some(r) = self.regrouper() else {
+            let kind = format!("{:?} assembled from parts of its own", self.info.kind);
+            return Err(Error::config("Backend::grow", kind, MADE_HERE));
+        };
+        let grown = self.exchange.grow(wait, deadline)?;
+        grown
+            .map(|ex| r.regroup(self, ex, deadline, Some(wait)))
+            .transpose()
+    }
+
+    /// The value this backend was made of, where it can split, shrink and grow.
+    fn regrouper(&self) -> Option<&dyn Regroup> {
         if let Some(host) = self.downcast_ref::<HostBackend>() {
-            return host.grow(self, wait, deadline);
+            return Some(host);
         }
         #[cfg(target_os = "linux")]
         if let Some(shm) = self.downcast_ref::<ShmBackend>() {
-            let exchange = self.exchange.grow(wait, deadline)?;
-            return exchange
-                .map(|ex| shm.shrink(self, ex, deadline))
-                .transpose();
+            return Some(shm);
         }
         #[cfg(feature = "nccl")]
         if let Some(nccl) = self.downcast_ref::<NcclBackend>() {
-            let exchange = self.exchange.grow(wait, deadline)?;
-            return exchange
-                .map(|ex| nccl.regroup(ex, deadline, true))
-                .transpose();
+            return Some(nccl);
         }
-        let kind = format!("{:?} assembled from parts of its own", self.info.kind);
-        Err(Error::config(
-            "Backend::grow",
-            kind,
-            "a backend made by HostBackend, ShmBackend or NcclBackend",
-        ))
+        None
     }
 
     /// A backend with this one's identity at the rank and world size of `exchange`

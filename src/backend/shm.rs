@@ -35,6 +35,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::ptr::copy_nonoverlapping;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
@@ -85,9 +86,9 @@ type ShmWindow = Vec<MmapRaw>;
 
 /// This rank's mapping of rank `peer`'s segment in `window`.
 fn peer_map(window: &Window, peer: usize) -> Result<&MmapRaw> {
-    let w = window.handle::<ShmWindow>().ok_or(Error::internal(
-        "a window of another backend reached the shared-memory backend",
-    ))?;
+    let w = window.handle::<ShmWindow>().ok_or_else(|| {
+        Error::internal("a window of another backend reached the shared-memory backend")
+    })?;
     w.get(peer).ok_or_else(|| {
         let ordinal = window.ordinal();
         Error::internal(format!("window {ordinal} has no mapping of rank {peer}"))
@@ -119,6 +120,17 @@ enum Step {
     Read,
 }
 
+/// A pick of [`at_step`]: what a record at the step of `$step` holds (`$what`), `None`
+/// for a record at another step.
+macro_rules! pick {
+    ($step:pat => $what:expr) => {
+        |s| match s {
+            $step => Some($what),
+            _ => None,
+        }
+    };
+}
+
 /// Every rank's record of a round as `pick` reads it, or [`Error::CollectiveMismatch`]
 /// naming the first rank whose record `pick` refuses (at another step of its calls).
 fn at_step<T>(
@@ -146,10 +158,9 @@ pub struct ShmBackend {
     /// The start of its communicators' channel names (`shm`, `shm:NAME` when split).
     prefix: String,
     /// Per communicator: the channel of its registrations and collectives, and the
-    /// lock that keeps one call at a time on it on this rank.
-    comms: Vec<(ChannelId, Mutex<()>)>,
-    /// Registrations made per communicator (window ordinals).
-    ordinals: Mutex<Vec<u64>>,
+    /// lock that keeps one call at a time on it on this rank, over the number of
+    /// registrations made on it (window ordinals).
+    comms: Vec<(ChannelId, Mutex<u64>)>,
     reserved: Arc<AtomicU64>,
 }
 
@@ -175,8 +186,7 @@ impl ShmBackend {
         )?;
         let setup = Deadline::after(super::SETUP_TIMEOUT);
         let parts = Self::open(exchange.clone(), &config, "shm", Arc::default(), setup)?;
-        let streams = Arc::new(HostStreams::default());
-        Backend::with_stream_ops(info, exchange, parts, streams)
+        Backend::with_stream_ops(info, exchange, parts, Arc::new(HostStreams::default()))
     }
 
     /// The parts of this process's rank of the world of `exchange`: the standard
@@ -192,11 +202,10 @@ impl ShmBackend {
         reserved: Arc<AtomicU64>,
         deadline: Deadline,
     ) -> Result<Arc<Self>> {
-        let count = CommInfo::STANDARD.len();
-        let comms = (0..count)
+        let comms = (0..CommInfo::STANDARD.len())
             .map(|c| {
                 let ch = exchange.open_channel(&format!("{prefix}:comm{c}"), deadline)?;
-                Ok((ch, Mutex::new(())))
+                Ok((ch, Mutex::new(0)))
             })
             .collect::<Result<_>>()?;
         Ok(Arc::new(ShmBackend {
@@ -206,40 +215,11 @@ impl ShmBackend {
             exchange,
             prefix: prefix.into(),
             comms,
-            ordinals: Mutex::new(vec![0; count]),
             reserved,
         }))
     }
 
-    /// [`Backend::split`] on the shared-memory backend: the same communicators on
-    /// channels of their own (`shm:NAME:commC`), as on the host backend.
-    pub(super) fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
-        let setup = Deadline::after(super::SETUP_TIMEOUT);
-        let (ex, prefix) = (self.exchange.clone(), format!("shm:{name}"));
-        let parts = Self::open(ex, &self.config, &prefix, self.reserved.clone(), setup)?;
-        backend.with_parts(backend.exchange_handle(), parts)
-    }
-
-    /// [`Backend::shrink`] on the shared-memory backend, with the shrunk `exchange`:
-    /// the same communicators on channels of the new group, no registrations yet.
-    pub(super) fn shrink(
-        &self,
-        backend: &Backend,
-        exchange: Arc<dyn Exchange>,
-        deadline: Deadline,
-    ) -> Result<Backend> {
-        let reserved = self.reserved.clone();
-        let parts = Self::open(
-            exchange.clone(),
-            &self.config,
-            &self.prefix,
-            reserved,
-            deadline,
-        )?;
-        backend.with_parts(exchange, parts)
-    }
-
-    fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<()>)> {
+    fn comm(&self, c: usize) -> Result<&(ChannelId, Mutex<u64>)> {
         self.comms.get(c).ok_or_else(|| Error::InvalidCollective {
             op: "shared-memory collective",
             detail: format!("no communicator {c}"),
@@ -272,18 +252,22 @@ impl ShmBackend {
         let (_, serial) = self.comm(args.comm)?;
         let _serial = serial.lock();
         // The opening round: every rank is at this collective on this communicator.
-        let (caller, deadline) = (args.caller, args.deadline());
-        let post = Step::Post { caller };
+        let deadline = args.deadline();
+        let post = Step::Post {
+            caller: args.caller,
+        };
         let posts = self.round(args.comm, op, &post, deadline, Some)?;
-        let verdict = at_step(op, posts, |s| match s {
-            Step::Post { caller } => Some(caller),
-            _ => None,
-        })
-        .and_then(|callers| super::callers_differ(op, &callers))
-        .and_then(|()| body());
+        let verdict = at_step(op, posts, pick!(Step::Post { caller } => caller))
+            .and_then(|callers| super::callers_differ(op, &callers))
+            .and_then(|()| body());
         // Nobody returns (and reuses its input) before every rank is done with it.
-        let done = |s| matches!(s, Step::Done).then_some(());
-        self.round(args.comm, op, &Step::Done, deadline, done)?;
+        self.round(
+            args.comm,
+            op,
+            &Step::Done,
+            deadline,
+            pick!(Step::Done => ()),
+        )?;
         verdict
     }
 
@@ -300,10 +284,8 @@ impl ShmBackend {
         // One round at least: an empty payload is a round too.
         let empty = mine.is_empty().then_some(mine);
         for piece in mine.chunks(DATA_PIECE_BYTES).chain(empty) {
-            let got = self.round(c, op, &Step::Data(piece.to_vec()), deadline, |s| match s {
-                Step::Data(bytes) => Some(bytes),
-                _ => None,
-            })?;
+            let mine = Step::Data(piece.to_vec());
+            let got = self.round(c, op, &mine, deadline, pick!(Step::Data(bytes) => bytes))?;
             for (r, theirs) in got.into_iter().enumerate() {
                 let (sent, want) = (theirs.len(), piece.len());
                 if sent != want {
@@ -315,62 +297,143 @@ impl ShmBackend {
         }
         Ok(out)
     }
+
+    /// Reduce, in rank order, the `len` bytes `at` bytes into every rank's input (of
+    /// `whole` bytes) into this rank's output. With `middle` (an all-reduce), the reads
+    /// through the peers' windows end with a middle round, so that no rank overwrites
+    /// its input (in place: its output) while a peer reads it.
+    fn reduce(
+        &self,
+        args: &CollArgs<'_>,
+        op: &'static str,
+        at: u64,
+        len: u64,
+        whole: u64,
+        middle: bool,
+    ) -> Result<()> {
+        self.collective(args, op, || {
+            let inputs = match args.windows {
+                (Some(send_window), _) => {
+                    let at = args.send.offset_bytes() + at;
+                    let read = (0..self.world)
+                        .map(|p| peer_bytes(send_window, p, at, len))
+                        .collect::<Result<Vec<_>>>();
+                    if middle {
+                        self.round(
+                            args.comm,
+                            op,
+                            &Step::Read,
+                            args.deadline(),
+                            pick!(Step::Read => ()),
+                        )?;
+                    }
+                    read?
+                }
+                // Through the control plane: every rank has read its input before it
+                // posts it, so none is overwritten early.
+                _ => {
+                    let mut mine = vec![0u8; whole as usize];
+                    read_local(&args.send.sub(0, whole)?, &mut mine)?;
+                    let (lo, hi) = (at as usize, (at + len) as usize);
+                    let all = self.gather_bytes(args.comm, op, &mine, args.deadline())?;
+                    (all.into_iter())
+                        .map(|mut v| {
+                            v.truncate(hi);
+                            v.drain(..lo);
+                            v
+                        })
+                        .collect()
+                }
+            };
+            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
+            write_local(&args.recv.sub(0, len)?, &acc)
+        })
+    }
 }
 
-/// Copy the `out.len()` bytes at `offset` of `map` (this rank's mapping of a segment,
-/// or of a peer's) into `out`.
-///
-/// # Safety
-/// No rank writes those bytes during the copy.
-unsafe fn copy_out(map: &MmapRaw, offset: u64, out: &mut [u8]) -> Result<()> {
-    let range = bounds(map.len() as u64, offset, out.len() as u64)?;
-    let src = map.as_ptr().wrapping_add(range.start);
-    // SAFETY: `src..src + out.len()` lies inside the live mapping (checked by `bounds`;
-    // `map` is borrowed), nobody writes it meanwhile (the caller's contract), and `out`
-    // is distinct memory.
-    unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
-    Ok(())
+impl super::Regroup for ShmBackend {
+    /// [`Backend::split`] on the shared-memory backend: the same communicators on
+    /// channels of their own (`shm:NAME:commC`), as on the host backend.
+    fn split(&self, backend: &Backend, name: &str) -> Result<Backend> {
+        let setup = Deadline::after(super::SETUP_TIMEOUT);
+        let (ex, prefix) = (self.exchange.clone(), format!("shm:{name}"));
+        let parts = Self::open(ex, &self.config, &prefix, self.reserved.clone(), setup)?;
+        backend.with_parts(backend.exchange_handle(), parts)
+    }
+
+    /// [`Backend::shrink`] and [`Backend::grow`] on the shared-memory backend, with the
+    /// new group's `exchange`: the same communicators on channels of the new group, no
+    /// registrations yet.
+    fn regroup(
+        &self,
+        backend: &Backend,
+        exchange: Arc<dyn Exchange>,
+        deadline: Deadline,
+        _: Option<bool>,
+    ) -> Result<Backend> {
+        let reserved = self.reserved.clone();
+        let parts = Self::open(
+            exchange.clone(),
+            &self.config,
+            &self.prefix,
+            reserved,
+            deadline,
+        )?;
+        backend.with_parts(exchange, parts)
+    }
 }
 
-/// Copy `data` into the bytes at `offset` of `map`.
+/// The address of the `len` bytes at `offset` of `map` (this rank's mapping of a
+/// segment, or of a peer's).
 ///
-/// # Safety
-/// No other rank reads or writes those bytes during the copy.
-unsafe fn copy_in(map: &MmapRaw, offset: u64, data: &[u8]) -> Result<()> {
-    let range = bounds(map.len() as u64, offset, data.len() as u64)?;
-    let dst = map.as_mut_ptr().wrapping_add(range.start);
-    // SAFETY: `dst..dst + data.len()` lies inside the live mapping (checked by
-    // `bounds`), nobody else touches it meanwhile (the caller's contract), and `data`
-    // is distinct memory.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-    Ok(())
+/// # Errors
+/// [`Error::BadView`] if they leave the mapping.
+fn addr(map: &MmapRaw, offset: u64, len: usize) -> Result<*mut u8> {
+    let range = bounds(map.len() as u64, offset, len as u64)?;
+    Ok(map.as_mut_ptr().wrapping_add(range.start))
+}
+
+/// The address of the first `len` bytes of `region`, in this rank's mapping of its
+/// segment.
+fn local(region: &Region<'_>, len: usize) -> Result<*mut u8> {
+    let region = region.sub(0, len as u64)?;
+    addr(
+        &memory_of::<ShmMemory>(region.segment())?.map,
+        region.offset_bytes(),
+        len,
+    )
 }
 
 /// `len` bytes of rank `peer`'s segment in `window`, at `offset`.
 fn peer_bytes(window: &Window, peer: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
     let mut out = vec![0u8; len as usize];
-    // SAFETY: rank `peer` (this one too) writes only other bytes of its segment until
-    // the collective's closing barrier (the posts agreed that every rank reads the
-    // same, disjoint chunks), or, in an all-reduce, none before the middle barrier
-    // after these reads.
-    unsafe { copy_out(peer_map(window, peer)?, offset, &mut out) }?;
+    let src = addr(peer_map(window, peer)?, offset, out.len())?;
+    // SAFETY: `src..src + len` lies inside this rank's live mapping of rank `peer`'s
+    // segment (checked by `addr`; the window that holds it is borrowed), and `out` is
+    // distinct memory. Rank `peer` (this one too) writes only other bytes of its
+    // segment until the collective's closing barrier (the posts agreed that every rank
+    // reads the same, disjoint chunks), or, in an all-reduce, none before the middle
+    // barrier after these reads.
+    unsafe { copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
     Ok(out)
 }
 
 fn read_local(region: &Region<'_>, out: &mut [u8]) -> Result<()> {
-    let region = region.sub(0, out.len() as u64)?;
-    let map = &memory_of::<ShmMemory>(region.segment())?.map;
-    // SAFETY: peers read this rank's memory only during collectives, which the pool's
-    // stream rules order with this call.
-    unsafe { copy_out(map, region.offset_bytes(), out) }
+    let src = local(region, out.len())?;
+    // SAFETY: `src..src + out.len()` lies inside this rank's live mapping of the
+    // region's segment (checked by `local`; the region borrows the segment), and `out`
+    // is distinct memory. Peers read this rank's memory only during collectives, which
+    // the pool's stream rules order with this call.
+    unsafe { copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+    Ok(())
 }
 
 fn write_local(region: &Region<'_>, data: &[u8]) -> Result<()> {
-    let region = region.sub(0, data.len() as u64)?;
-    let map = &memory_of::<ShmMemory>(region.segment())?.map;
+    let dst = local(region, data.len())?;
     // SAFETY: as in `read_local`; the bytes are this rank's own block, or the chunk of
     // a collective's output that only this rank writes.
-    unsafe { copy_in(map, region.offset_bytes(), data) }
+    unsafe { copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+    Ok(())
 }
 
 impl SegmentProvider for ShmBackend {
@@ -391,7 +454,10 @@ impl SegmentProvider for ShmBackend {
         file.set_len(size_bytes)
             .map_err(|e| oom(format!("sizing the segment: {e}")))?;
         let map = MmapRaw::map_raw(&file).map_err(|e| oom(format!("mapping: {e}")))?;
-        Ok(HostSegment::segment(ShmMemory { file, map }, reservation))
+        Ok(Segment::new(Box::new(HostSegment {
+            memory: ShmMemory { file, map },
+            reservation,
+        })))
     }
 
     unsafe fn register(
@@ -404,26 +470,20 @@ impl SegmentProvider for ShmBackend {
         let mem = memory_of::<ShmMemory>(segment)?;
         let size_bytes = segment.size_bytes();
         let (_, serial) = self.comm(comm)?;
-        let _serial = serial.lock();
+        let mut ordinal = serial.lock();
         let mine = Step::Register {
             pid: std::process::id(),
             fd: mem.file.as_raw_fd(),
             size_bytes,
         };
         let all = self.round(comm, OP, &mine, deadline, Some)?;
-        let ordinal = {
-            let mut o = self.ordinals.lock();
-            o[comm] += 1;
-            o[comm]
-        };
-        let all = at_step(OP, all, |s| match s {
-            Step::Register {
-                pid,
-                fd,
-                size_bytes,
-            } => Some((pid, fd, size_bytes)),
-            _ => None,
-        })?;
+        *ordinal += 1;
+        let ordinal = *ordinal;
+        let all = at_step(
+            OP,
+            all,
+            pick!(Step::Register { pid, fd, size_bytes } => (pid, fd, size_bytes)),
+        )?;
         let sizes: Vec<u64> = all.iter().map(|p| p.2).collect();
         if sizes.iter().any(|&s| s != size_bytes) {
             return Err(Error::RegistrationMismatch { ordinal, sizes });
@@ -434,7 +494,7 @@ impl SegmentProvider for ShmBackend {
         let mut peers = Vec::with_capacity(self.world);
         for (r, (pid, fd, _)) in all.iter().enumerate() {
             let path = format!("/proc/{pid}/fd/{fd}");
-            let file = std::fs::OpenOptions::new()
+            let file = File::options()
                 .read(true)
                 .write(true)
                 .open(&path)
@@ -448,8 +508,7 @@ impl SegmentProvider for ShmBackend {
             }
             peers.push(map);
         }
-        let window = Window::new(comm, ordinal, Box::new(peers));
-        Ok(Some(window))
+        Ok(Some(Window::new(comm, ordinal, Box::new(peers))))
     }
 
     // deregister and free: the defaults. Unmapping the peers' segments is local; their
@@ -480,10 +539,14 @@ impl Collectives for ShmBackend {
                     // output offset (the symmetric path).
                     let at = args.recv.offset_bytes() + me * chunk;
                     for p in 0..self.world {
-                        // SAFETY: during this collective only this rank writes this
-                        // chunk of rank `p`'s output (the posts agreed on the offsets);
-                        // `p` reads it after the closing barrier.
-                        unsafe { copy_in(peer_map(recv_window, p)?, at, &mine) }?;
+                        let dst = addr(peer_map(recv_window, p)?, at, mine.len())?;
+                        // SAFETY: `dst..dst + chunk` lies inside this rank's live
+                        // mapping of rank `p`'s output segment (checked by `addr`; the
+                        // window is borrowed), and `mine` is distinct memory. During
+                        // this collective only this rank writes this chunk of rank
+                        // `p`'s output (the posts agreed on the offsets); `p` reads it
+                        // after the closing barrier.
+                        unsafe { copy_nonoverlapping(mine.as_ptr(), dst, mine.len()) };
                     }
                 }
                 None => {
@@ -498,57 +561,20 @@ impl Collectives for ShmBackend {
     }
 
     fn reduce_scatter(&self, args: &CollArgs<'_>) -> Result<()> {
-        const OP: &str = "reduce_scatter";
-        let chunk = args.check_counts(OP, self.world, true)?;
-        let me = self.rank as u64;
-        self.collective(args, OP, || {
-            let inputs: Vec<Vec<u8>> = match args.windows {
-                (Some(send_window), _) => {
-                    let at = args.send.offset_bytes() + me * chunk;
-                    let read = (0..self.world).map(|p| peer_bytes(send_window, p, at, chunk));
-                    read.collect::<Result<_>>()?
-                }
-                _ => {
-                    let whole = chunk * self.world as u64;
-                    let mut mine = vec![0u8; whole as usize];
-                    read_local(&args.send.sub(0, whole)?, &mut mine)?;
-                    let lo = (me * chunk) as usize;
-                    self.gather_bytes(args.comm, OP, &mine, args.deadline())?
-                        .into_iter()
-                        .map(|v| v[lo..lo + chunk as usize].to_vec())
-                        .collect()
-                }
-            };
-            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
-            write_local(&args.recv.sub(0, chunk)?, &acc)
-        })
+        let chunk = args.check_counts("reduce_scatter", self.world, true)?;
+        let whole = chunk * self.world as u64;
+        self.reduce(
+            args,
+            "reduce_scatter",
+            self.rank as u64 * chunk,
+            chunk,
+            whole,
+            false,
+        )
     }
 
     fn all_reduce(&self, args: &CollArgs<'_>) -> Result<()> {
-        const OP: &str = "all_reduce";
-        let bytes = args.check_counts(OP, 1, true)?;
-        self.collective(args, OP, || {
-            let mut mine = vec![0u8; bytes as usize];
-            read_local(&args.send.sub(0, bytes)?, &mut mine)?;
-            let inputs = match args.windows {
-                (Some(send_window), _) => {
-                    // Pull the peers' inputs through their windows, then a middle
-                    // round, so that no rank overwrites its input (in place: its
-                    // output) while a peer reads it.
-                    let at = args.send.offset_bytes();
-                    let read = (0..self.world)
-                        .map(|p| peer_bytes(send_window, p, at, bytes))
-                        .collect::<Result<Vec<_>>>();
-                    let barrier = |s| matches!(s, Step::Read).then_some(());
-                    self.round(args.comm, OP, &Step::Read, args.deadline(), barrier)?;
-                    read?
-                }
-                // Through the control plane: every rank has read its input before it
-                // posts it, so none is overwritten early.
-                _ => self.gather_bytes(args.comm, OP, &mine, args.deadline())?,
-            };
-            let acc = dtype::reduce_ranks(args.dtype, args.op, inputs)?;
-            write_local(&args.recv.sub(0, bytes)?, &acc)
-        })
+        let bytes = args.check_counts("all_reduce", 1, true)?;
+        self.reduce(args, "all_reduce", 0, bytes, bytes, true)
     }
 }
