@@ -9,7 +9,7 @@
 //! grow. Every attack ends in a clear error on every rank, or a consistent success,
 //! within the documented timeouts, with nothing left in `/dev/shm`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 use symmpool::control::{Launch, StoreConfig, StoreExchange, StoreServer};
@@ -1037,17 +1037,29 @@ fn a_newcomer_whose_pool_settings_differ_fails_its_join_on_every_rank() {
 #[test]
 fn a_newcomer_that_joins_fewer_or_more_pools_than_the_survivors_grow_times_out_in_bound() {
     let timeout = Duration::from_secs(2);
-    // More: the survivors grow one pool, the newcomer joins two.
+    // More: the survivors grow one pool, the newcomer joins two. The survivors stay
+    // until the newcomer has its answer (its senders dropped, bounded by 2 T): one
+    // that gave up and left first would be a loss to the newcomer, whose wait ends at
+    // about the same time.
+    let (tells, answered): (Vec<_>, Vec<_>) = (0..2)
+        .map(|_| {
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            (tx, Mutex::new(rx))
+        })
+        .unzip();
     let started = Instant::now();
     let (survivors, newcomer) = host_heal(
         3,
         timeout,
         |_, _| vec![],
-        |_, pool, _| {
+        |rank, pool, _| {
             let (grown, _) = pool.grow(true)?.expect("the newcomer");
-            final_step(&grown)
+            let step = final_step(&grown);
+            let _ = answered[rank].lock().unwrap().recv_timeout(timeout * 2);
+            step
         },
-        |group| {
+        move |group| {
+            let _tells = tells;
             let group = group?;
             let (first, _) = SymmPool::join(&group, PoolConfig::default())?;
             let extra = SymmPool::join(&group, PoolConfig::default().with_name("extra"));
