@@ -46,7 +46,7 @@ pub enum Error {
     /// ([`CoreConfig::max_reserved_bytes`](crate::core::CoreConfig::max_reserved_bytes), or
     /// a host backend's per-rank limit). Nothing was allocated.
     #[error(
-        "pool limit: a segment of {segment_bytes} bytes would reserve {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} (free buffers, trim(), or raise the limit)"
+        "pool limit: a segment of {segment_bytes} bytes would take reserved memory to {would_reserve_bytes} bytes, above the limit of {max_reserved_bytes} bytes (free buffers, trim(), or raise the limit)"
     )]
     PoolLimit {
         /// Size of the segment that was needed.

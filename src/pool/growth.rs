@@ -159,16 +159,28 @@ impl SymmPool {
         note: Note,
         deadline: Deadline,
     ) -> Result<Vec<Note>> {
+        // A readiness round (growth, reserve, trim, fit) takes only readiness notes; a
+        // shrink's or an admission's carries its own notes, a readiness where one is not.
+        let only_ready = matches!(note, Note::Ready(_));
         let mine = match check.then(|| self.readiness(st)) {
             Some(ready) if ready != READY => ready,
             _ => note,
         };
         let notes = self.agree(st, op, op.name(), size, mine, deadline)?;
-        let ready = |n: &Note| match n {
-            Note::Ready(r) => *r,
-            _ => Readiness::Ready,
+        let ready = |(rank, n): (usize, &Note)| match n {
+            Note::Ready(r) => Ok(*r),
+            _ if only_ready => Err(Error::internal(format!(
+                "rank {rank} sent no readiness in its agreement"
+            ))),
+            _ => Ok(Readiness::Ready),
         };
-        st.all_ready(&notes.iter().map(ready).collect::<Vec<_>>())?;
+        st.all_ready(
+            &notes
+                .iter()
+                .enumerate()
+                .map(ready)
+                .collect::<Result<Vec<_>>>()?,
+        )?;
         Ok(notes)
     }
 

@@ -381,8 +381,8 @@ impl SymmPool {
         align_bytes: u64,
         stream: &Stream,
     ) -> Result<SymmBuffer> {
-        let mut st = self.lock_open()?;
         self.inner.backend.check_stream(stream)?;
+        let mut st = self.lock_open()?;
         st.check_usable()?;
         if !st.known_streams.iter().any(|s| s.id() == stream.id()) {
             st.known_streams.push(stream.clone());
