@@ -332,7 +332,13 @@ impl SymmPool {
         let newcomer = old_world_size == 0;
         let mine = (!newcomer).then(|| st.core.layout());
         let exchange = self.inner.backend.exchange();
-        let all = gather_records(exchange, self.inner.channel, "grow", &mine, deadline)?;
+        let all = gather_records(
+            exchange,
+            self.inner.channel,
+            Op::Admit.name(),
+            &mine,
+            deadline,
+        )?;
         let Some(layout) = all.iter().flatten().next() else {
             return Err(Error::internal("a group grew with no rank from before it"));
         };

@@ -319,7 +319,6 @@ pub(super) fn serve(
                 };
                 let missing =
                     (st.rounds.get(&(channel, round))).map_or_else(Vec::new, Pending::missing);
-
                 shared.break_group(&mut st, Broken::timeout(place as u32, op, missing));
             }
             ToServer::Bye => {
