@@ -1034,35 +1034,55 @@ fn a_newcomer_whose_pool_settings_differ_fails_its_join_on_every_rank() {
     }
 }
 
+/// Ranks that keep their exchanges until every one has its answer (or `bound` has
+/// passed): none is lost to a peer whose own wait ends a moment later and leaves.
+struct AllAnswered {
+    ranks: usize,
+    answered: Mutex<usize>,
+    cv: std::sync::Condvar,
+}
+
+impl AllAnswered {
+    fn new(ranks: usize) -> Self {
+        let (answered, cv) = (Mutex::new(0), std::sync::Condvar::new());
+        AllAnswered {
+            ranks,
+            answered,
+            cv,
+        }
+    }
+
+    /// This rank has its answer: wait for the others, `bound` at most.
+    fn answered(&self, bound: Duration) {
+        let mut n = self.answered.lock().unwrap();
+        *n += 1;
+        self.cv.notify_all();
+        let _ = (self.cv.wait_timeout_while(n, bound, |n| *n < self.ranks)).unwrap();
+    }
+}
+
 #[test]
 fn a_newcomer_that_joins_fewer_or_more_pools_than_the_survivors_grow_times_out_in_bound() {
     let timeout = Duration::from_secs(2);
-    // More: the survivors grow one pool, the newcomer joins two. The survivors stay
-    // until the newcomer has its answer (its senders dropped, bounded by 2 T): one
-    // that gave up and left first would be a loss to the newcomer, whose wait ends at
-    // about the same time.
-    let (tells, answered): (Vec<_>, Vec<_>) = (0..2)
-        .map(|_| {
-            let (tx, rx) = std::sync::mpsc::channel::<()>();
-            (tx, Mutex::new(rx))
-        })
-        .unzip();
+    // More: the survivors grow one pool, the newcomer joins two; every rank stays
+    // until all three have their answer.
+    let all = AllAnswered::new(3);
     let started = Instant::now();
     let (survivors, newcomer) = host_heal(
         3,
         timeout,
         |_, _| vec![],
-        |rank, pool, _| {
+        |_, pool, _| {
             let (grown, _) = pool.grow(true)?.expect("the newcomer");
             let step = final_step(&grown);
-            let _ = answered[rank].lock().unwrap().recv_timeout(timeout * 2);
+            all.answered(timeout * 2);
             step
         },
-        move |group| {
-            let _tells = tells;
+        |group| {
             let group = group?;
             let (first, _) = SymmPool::join(&group, PoolConfig::default())?;
             let extra = SymmPool::join(&group, PoolConfig::default().with_name("extra"));
+            all.answered(timeout * 2);
             drop(first);
             extra.map(drop)
         },
@@ -1080,7 +1100,10 @@ fn a_newcomer_that_joins_fewer_or_more_pools_than_the_survivors_grow_times_out_i
         "{newcomer:?}"
     );
     assert!(started.elapsed() < timeout * 3, "{:?}", started.elapsed());
-    // Fewer: the survivors grow two pools, the newcomer joins only the first.
+    // Fewer: the survivors grow two pools, the newcomer joins only the first (and,
+    // alive, stays until the survivors have their answer: a rank that left would be
+    // a loss).
+    let all = AllAnswered::new(3);
     let started = Instant::now();
     let (survivors, newcomer) = host_heal(
         3,
@@ -1089,14 +1112,14 @@ fn a_newcomer_that_joins_fewer_or_more_pools_than_the_survivors_grow_times_out_i
         |_, pool, _| {
             let second = SymmPool::new(pool.group(), PoolConfig::default().with_name("second"))?;
             let (_grown, _) = pool.grow(true)?.expect("the newcomer");
-            second.grow(true).map(drop)
+            let grown = second.grow(true).map(drop);
+            all.answered(timeout * 2);
+            grown
         },
         |group| {
             let group = group?;
             let joined = SymmPool::join(&group, PoolConfig::default()).map(drop);
-            // Alive, but never joining the second pool (a thread that ended would be
-            // a loss).
-            thread::sleep(timeout + Duration::from_millis(500));
+            all.answered(timeout * 2);
             joined
         },
     );
